@@ -1,0 +1,12 @@
+//! `ditmem-budget`: the analytic side of ditmem. Pure Rust, no tensor library.
+//!
+//! One [`spec::Spec`] (model + workload + recipe + runtime) describes a training step. This crate
+//! counts every byte of that step: the parameters per module, what each op of each block saves for
+//! backward and the workspace it allocates (the op inventory, per runtime), and a simulated timeline
+//! of forward → backward → optimizer whose maximum is the peak.
+
+pub mod error;
+pub mod spec;
+
+pub use error::SpecError;
+pub use spec::*;

@@ -1,0 +1,932 @@
+//! The spec: one description of a training step (model + workload + recipe + runtime) that the
+//! budget estimates, the planner rewrites and the engine executes.
+//!
+//! Specs are read from TOML or JSON; unknown fields are errors, and every invalid value is reported
+//! by [`Spec::validate`] with the field's dotted path and what is allowed.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::SpecError;
+
+/// Element types that a tensor of the step can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F64,
+    F32,
+    Bf16,
+    F16,
+    /// One byte per element (8-bit optimizer state, dropout masks).
+    U8,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub const fn size(self) -> u64 {
+        match self {
+            Dtype::F64 => 8,
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F64 => "f64",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+            Dtype::U8 => "u8",
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A DiT denoiser (facebookresearch/DiT `models.py`): adaLN-Zero blocks over patch tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Name shown in reports (a preset name, or free text).
+    #[serde(default = "default_model_name")]
+    pub name: String,
+    /// Number of DiT blocks (L).
+    pub depth: u32,
+    /// Hidden size (D).
+    pub hidden: u32,
+    /// Attention heads; must divide `hidden`.
+    pub heads: u32,
+    /// Patch size p (tokens = (latent_h / p) · (latent_w / p)).
+    pub patch: u32,
+    /// Latent channels the denoiser reads (4 for the SD VAE).
+    #[serde(default = "default_in_channels")]
+    pub in_channels: u32,
+    /// MLP hidden size = mlp_ratio · hidden.
+    #[serde(default = "default_mlp_ratio")]
+    pub mlp_ratio: u32,
+    /// Class count K; a learned null class is added when `class_dropout_prob > 0`.
+    #[serde(default = "default_num_classes")]
+    pub num_classes: u32,
+    /// Label dropout for classifier-free guidance (0.1 in DiT).
+    #[serde(default = "default_class_dropout")]
+    pub class_dropout_prob: f64,
+    /// Predict the variance too: 2·C output channels instead of C.
+    #[serde(default = "default_true")]
+    pub learn_sigma: bool,
+    /// Size of the sinusoidal timestep embedding fed to the timestep MLP.
+    #[serde(default = "default_freq_embed")]
+    pub freq_embed: u32,
+    /// Dropout on the attention probabilities (0 in DiT).
+    #[serde(default)]
+    pub attn_dropout: f64,
+    /// Dropout after the MLP activation (0 in DiT).
+    #[serde(default)]
+    pub mlp_dropout: f64,
+}
+
+fn default_model_name() -> String {
+    "custom".into()
+}
+fn default_in_channels() -> u32 {
+    4
+}
+fn default_mlp_ratio() -> u32 {
+    4
+}
+fn default_num_classes() -> u32 {
+    1000
+}
+fn default_class_dropout() -> f64 {
+    0.1
+}
+fn default_true() -> bool {
+    true
+}
+fn default_freq_embed() -> u32 {
+    256
+}
+
+impl ModelSpec {
+    /// A DiT preset by name: `dit-{s,b,l,xl}-{2,4,8}` (also accepts `DiT-XL/2`).
+    pub fn preset(name: &str) -> Result<ModelSpec, SpecError> {
+        let norm = name.to_ascii_lowercase().replace('/', "-");
+        let (size, patch) = norm
+            .strip_prefix("dit-")
+            .and_then(|rest| rest.rsplit_once('-'))
+            .ok_or_else(|| unknown_preset(name))?;
+        let (depth, hidden, heads) = match size {
+            "s" => (12, 384, 6),
+            "b" => (12, 768, 12),
+            "l" => (24, 1024, 16),
+            "xl" => (28, 1152, 16),
+            _ => return Err(unknown_preset(name)),
+        };
+        let patch: u32 = match patch {
+            "2" => 2,
+            "4" => 4,
+            "8" => 8,
+            _ => return Err(unknown_preset(name)),
+        };
+        Ok(ModelSpec {
+            name: format!("DiT-{}/{}", size.to_ascii_uppercase(), patch),
+            depth,
+            hidden,
+            heads,
+            patch,
+            in_channels: 4,
+            mlp_ratio: 4,
+            num_classes: 1000,
+            class_dropout_prob: 0.1,
+            learn_sigma: true,
+            freq_embed: 256,
+            attn_dropout: 0.0,
+            mlp_dropout: 0.0,
+        })
+    }
+
+    /// Every preset name, in size order.
+    pub fn preset_names() -> Vec<String> {
+        let mut v = Vec::new();
+        for s in ["s", "b", "l", "xl"] {
+            for p in [2, 4, 8] {
+                v.push(format!("dit-{s}-{p}"));
+            }
+        }
+        v
+    }
+
+    /// Output channels of the final layer.
+    pub fn out_channels(&self) -> u32 {
+        if self.learn_sigma {
+            2 * self.in_channels
+        } else {
+            self.in_channels
+        }
+    }
+
+    /// Rows of the label table: K classes plus the null class when labels are dropped.
+    pub fn label_rows(&self) -> u32 {
+        self.num_classes + u32::from(self.class_dropout_prob > 0.0)
+    }
+
+    pub fn head_dim(&self) -> u32 {
+        self.hidden / self.heads.max(1)
+    }
+
+    pub fn mlp_hidden(&self) -> u32 {
+        self.hidden * self.mlp_ratio
+    }
+}
+
+fn unknown_preset(name: &str) -> SpecError {
+    SpecError::invalid(
+        "model.preset",
+        format!(
+            "unknown preset '{name}'; allowed: {}",
+            ModelSpec::preset_names().join(", ")
+        ),
+    )
+}
+
+/// What one optimizer step trains on: image size, latent geometry and how the batch is split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Image height in pixels.
+    pub height: u32,
+    /// Image width in pixels.
+    pub width: u32,
+    /// VAE downsampling factor (8 for the SD VAE).
+    #[serde(default = "default_vae_factor")]
+    pub vae_factor: u32,
+    /// Latent channels the VAE produces; must equal `model.in_channels`.
+    #[serde(default = "default_in_channels")]
+    pub latent_channels: u32,
+    /// Images per optimizer step, over all ranks and microbatches.
+    pub batch: u32,
+    /// Images per forward/backward pass on one rank.
+    pub microbatch: u32,
+    /// Microbatches accumulated before each optimizer step.
+    #[serde(default = "default_one")]
+    pub accumulation: u32,
+    /// Data-parallel ranks.
+    #[serde(default = "default_one")]
+    pub ranks: u32,
+}
+
+fn default_vae_factor() -> u32 {
+    8
+}
+fn default_one() -> u32 {
+    1
+}
+
+/// Token geometry of one image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TokenGrid {
+    /// Latent height (H / vae_factor).
+    pub latent_h: u32,
+    /// Latent width (W / vae_factor).
+    pub latent_w: u32,
+    /// Token rows (latent_h / p).
+    pub rows: u32,
+    /// Token columns (latent_w / p).
+    pub cols: u32,
+}
+
+impl TokenGrid {
+    pub fn tokens(&self) -> u64 {
+        u64::from(self.rows) * u64::from(self.cols)
+    }
+}
+
+/// Numeric policy of the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Precision {
+    #[serde(rename = "fp64")]
+    Fp64,
+    #[serde(rename = "fp32")]
+    Fp32,
+    /// fp32 master weights, bf16 matmuls, norms/softmax/loss in fp32.
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    /// fp32 master weights, fp16 matmuls, norms/softmax/loss in fp32, dynamic loss scaling.
+    #[serde(rename = "fp16-mixed")]
+    Fp16Mixed,
+    /// Weights, activations and gradients in bf16; optimizer state in fp32.
+    #[serde(rename = "bf16-pure")]
+    Bf16Pure,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 5] = [
+        Precision::Fp64,
+        Precision::Fp32,
+        Precision::Bf16Mixed,
+        Precision::Fp16Mixed,
+        Precision::Bf16Pure,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Precision::Fp64 => "fp64",
+            Precision::Fp32 => "fp32",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Fp16Mixed => "fp16-mixed",
+            Precision::Bf16Pure => "bf16-pure",
+        }
+    }
+
+    /// Dtype the trained weights are stored in (the optimizer's view).
+    pub const fn param_dtype(self) -> Dtype {
+        match self {
+            Precision::Fp64 => Dtype::F64,
+            Precision::Fp32 | Precision::Bf16Mixed | Precision::Fp16Mixed => Dtype::F32,
+            Precision::Bf16Pure => Dtype::Bf16,
+        }
+    }
+
+    /// Dtype of matmuls, attention and the tensors they produce.
+    pub const fn compute_dtype(self) -> Dtype {
+        match self {
+            Precision::Fp64 => Dtype::F64,
+            Precision::Fp32 => Dtype::F32,
+            Precision::Bf16Mixed | Precision::Bf16Pure => Dtype::Bf16,
+            Precision::Fp16Mixed => Dtype::F16,
+        }
+    }
+
+    /// Dtype of the sensitive ops: norms, softmax, the residual stream and the loss.
+    pub const fn accum_dtype(self) -> Dtype {
+        match self {
+            Precision::Fp64 => Dtype::F64,
+            Precision::Bf16Pure => Dtype::Bf16,
+            _ => Dtype::F32,
+        }
+    }
+
+    /// Whether the weights are cast to a lower dtype for compute each step.
+    pub const fn is_mixed(self) -> bool {
+        matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
+    }
+
+    /// Dtype of AdamW's m and v (never below fp32).
+    pub const fn optimizer_dtype(self) -> Dtype {
+        match self {
+            Precision::Fp64 => Dtype::F64,
+            _ => Dtype::F32,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                SpecError::invalid(
+                    "recipe.precision",
+                    format!("'{s}' is not a precision; allowed: fp64, fp32, bf16-mixed, fp16-mixed, bf16-pure"),
+                )
+            })
+    }
+}
+
+/// Optimizer of the trained parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Optimizer {
+    /// AdamW with m and v per trained parameter (fp32, fp64 under the fp64 policy).
+    #[serde(rename = "adamw")]
+    AdamW,
+    /// Block-wise 8-bit AdamW (bitsandbytes): 1-byte m and v plus one fp32 absmax per block.
+    #[serde(rename = "adamw-8bit")]
+    AdamW8bit,
+    /// Plain SGD: no state.
+    #[serde(rename = "sgd")]
+    Sgd,
+}
+
+impl Optimizer {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Optimizer::AdamW => "adamw",
+            Optimizer::AdamW8bit => "adamw-8bit",
+            Optimizer::Sgd => "sgd",
+        }
+    }
+}
+
+impl FromStr for Optimizer {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "adamw" => Ok(Optimizer::AdamW),
+            "adamw-8bit" => Ok(Optimizer::AdamW8bit),
+            "sgd" => Ok(Optimizer::Sgd),
+            _ => Err(SpecError::invalid(
+                "recipe.optimizer",
+                format!("'{s}' is not an optimizer; allowed: adamw, adamw-8bit, sgd"),
+            )),
+        }
+    }
+}
+
+/// How attention is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AttentionMode {
+    /// Scores and probabilities (batch·heads·tokens²) are materialised and kept for backward.
+    #[serde(rename = "materialized")]
+    Materialized,
+    /// Query-chunked; keeps q, k, v, out and a log-sum-exp; backward recomputes the scores.
+    #[serde(rename = "memory-efficient")]
+    MemoryEfficient,
+}
+
+impl AttentionMode {
+    pub const fn name(self) -> &'static str {
+        match self {
+            AttentionMode::Materialized => "materialized",
+            AttentionMode::MemoryEfficient => "memory-efficient",
+        }
+    }
+}
+
+impl FromStr for AttentionMode {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "materialized" | "math" => Ok(AttentionMode::Materialized),
+            "memory-efficient" | "mem-efficient" => Ok(AttentionMode::MemoryEfficient),
+            _ => Err(SpecError::invalid(
+                "recipe.attention",
+                format!("'{s}' is not an attention mode; allowed: materialized, memory-efficient"),
+            )),
+        }
+    }
+}
+
+/// Which blocks recompute their activations in backward instead of storing them.
+///
+/// Written as a string in specs and on the command line: `none`, `all`, `attention-only`,
+/// `every-K` (blocks 0, K, 2K, …), or `blocks:0,3,7`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Recompute {
+    None,
+    All,
+    EveryK(u32),
+    Blocks(Vec<u32>),
+    /// Only the attention core (scores, softmax, P·V) is recomputed.
+    AttentionOnly,
+}
+
+impl Recompute {
+    /// Whether block `i` of `depth` is fully recomputed.
+    pub fn recomputes_block(&self, i: u32) -> bool {
+        match self {
+            Recompute::None | Recompute::AttentionOnly => false,
+            Recompute::All => true,
+            Recompute::EveryK(k) => *k > 0 && i % k == 0,
+            Recompute::Blocks(b) => b.contains(&i),
+        }
+    }
+
+    /// Number of fully recomputed blocks among `depth`.
+    pub fn recomputed_count(&self, depth: u32) -> u32 {
+        (0..depth).filter(|&i| self.recomputes_block(i)).count() as u32
+    }
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Recompute::None => f.write_str("none"),
+            Recompute::All => f.write_str("all"),
+            Recompute::AttentionOnly => f.write_str("attention-only"),
+            Recompute::EveryK(k) => write!(f, "every-{k}"),
+            Recompute::Blocks(b) => {
+                let list: Vec<String> = b.iter().map(u32::to_string).collect();
+                write!(f, "blocks:{}", list.join(","))
+            }
+        }
+    }
+}
+
+impl From<Recompute> for String {
+    fn from(r: Recompute) -> String {
+        r.to_string()
+    }
+}
+
+impl TryFrom<String> for Recompute {
+    type Error = SpecError;
+    fn try_from(s: String) -> Result<Self, SpecError> {
+        s.parse()
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let bad = |why: &str| {
+            SpecError::invalid(
+                "recipe.recompute",
+                format!("'{s}' {why}; allowed: none, all, attention-only, every-K (K ≥ 1), blocks:I,J,…"),
+            )
+        };
+        match s {
+            "none" => return Ok(Recompute::None),
+            "all" => return Ok(Recompute::All),
+            "attention-only" | "attention" => return Ok(Recompute::AttentionOnly),
+            _ => {}
+        }
+        if let Some(k) = s.strip_prefix("every-") {
+            let k: u32 = k.parse().map_err(|_| bad("has no valid K"))?;
+            if k == 0 {
+                return Err(bad("has K = 0"));
+            }
+            return Ok(Recompute::EveryK(k));
+        }
+        if let Some(list) = s.strip_prefix("blocks:") {
+            let mut blocks = Vec::new();
+            for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+                blocks.push(item.parse::<u32>().map_err(|_| bad("has a block that is not a number"))?);
+            }
+            blocks.sort_unstable();
+            blocks.dedup();
+            return Ok(Recompute::Blocks(blocks));
+        }
+        Err(bad("is not a recompute policy"))
+    }
+}
+
+/// Linears of a DiT block that LoRA can adapt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraTarget {
+    Qkv,
+    Proj,
+    Fc1,
+    Fc2,
+    Adaln,
+}
+
+impl LoraTarget {
+    pub const ALL: [LoraTarget; 5] = [
+        LoraTarget::Qkv,
+        LoraTarget::Proj,
+        LoraTarget::Fc1,
+        LoraTarget::Fc2,
+        LoraTarget::Adaln,
+    ];
+}
+
+/// Low-rank adapters: the base model is frozen, each targeted linear gains A (r×in) and B (out×r).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSpec {
+    pub rank: u32,
+    #[serde(default = "default_lora_targets")]
+    pub targets: Vec<LoraTarget>,
+}
+
+pub fn default_lora_targets() -> Vec<LoraTarget> {
+    vec![LoraTarget::Qkv, LoraTarget::Proj, LoraTarget::Fc1, LoraTarget::Fc2]
+}
+
+/// Where the latents come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Latents {
+    /// The frozen VAE encoder runs inside the step without gradient (DiT's `train.py`).
+    Encode,
+    /// Latents were encoded beforehand and are read from disk.
+    Cached,
+}
+
+impl FromStr for Latents {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "encode" => Ok(Latents::Encode),
+            "cached" => Ok(Latents::Cached),
+            _ => Err(SpecError::invalid(
+                "recipe.latents",
+                format!("'{s}' is not a latent source; allowed: encode, cached"),
+            )),
+        }
+    }
+}
+
+/// An exponential moving average of the weights, kept beside the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmaSpec {
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default = "default_ema_dtype")]
+    pub dtype: Dtype,
+    #[serde(default = "default_ema_decay")]
+    pub decay: f64,
+}
+
+fn default_ema_dtype() -> Dtype {
+    Dtype::F32
+}
+fn default_ema_decay() -> f64 {
+    0.9999
+}
+
+impl Default for EmaSpec {
+    fn default() -> Self {
+        EmaSpec {
+            enabled: true,
+            dtype: Dtype::F32,
+            decay: 0.9999,
+        }
+    }
+}
+
+/// What the network predicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Prediction {
+    /// The noise ε (DiT).
+    #[default]
+    Eps,
+    /// v = √ᾱ·ε − √(1−ᾱ)·x₀.
+    V,
+}
+
+/// How the step is computed: the levers ditmem budgets, plans and executes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    #[serde(default = "default_precision")]
+    pub precision: Precision,
+    #[serde(default = "default_optimizer")]
+    pub optimizer: Optimizer,
+    #[serde(default = "default_attention")]
+    pub attention: AttentionMode,
+    #[serde(default = "default_recompute")]
+    pub recompute: Recompute,
+    #[serde(default)]
+    pub lora: Option<LoraSpec>,
+    /// ZeRO stage over the data-parallel ranks: 0 none, 1 optimizer state, 2 + gradients, 3 + weights.
+    #[serde(default)]
+    pub zero_stage: u8,
+    #[serde(default = "default_latents")]
+    pub latents: Latents,
+    #[serde(default)]
+    pub ema: EmaSpec,
+    #[serde(default)]
+    pub prediction: Prediction,
+}
+
+fn default_precision() -> Precision {
+    Precision::Bf16Mixed
+}
+fn default_optimizer() -> Optimizer {
+    Optimizer::AdamW
+}
+fn default_attention() -> AttentionMode {
+    AttentionMode::Materialized
+}
+fn default_recompute() -> Recompute {
+    Recompute::None
+}
+fn default_latents() -> Latents {
+    Latents::Cached
+}
+
+impl Default for Recipe {
+    fn default() -> Self {
+        Recipe {
+            precision: default_precision(),
+            optimizer: default_optimizer(),
+            attention: default_attention(),
+            recompute: default_recompute(),
+            lora: None,
+            zero_stage: 0,
+            latents: default_latents(),
+            ema: EmaSpec::default(),
+            prediction: Prediction::Eps,
+        }
+    }
+}
+
+/// The executor whose memory the budget describes.
+///
+/// Each runtime has its own rules for what an op saves and allocates (see
+/// [`crate::runtime::RuntimeModel`]); adding one means adding a variant and its rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum Runtime {
+    /// The ditmem engine (candle) on the CPU.
+    #[default]
+    #[serde(rename = "ditmem-cpu")]
+    DitmemCpu,
+}
+
+impl Runtime {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Runtime::DitmemCpu => "ditmem-cpu",
+        }
+    }
+}
+
+impl FromStr for Runtime {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "ditmem-cpu" | "ditmem" | "engine" => Ok(Runtime::DitmemCpu),
+            _ => Err(SpecError::invalid(
+                "runtime",
+                format!("'{s}' is not a runtime; allowed: ditmem-cpu"),
+            )),
+        }
+    }
+}
+
+/// Model + workload + recipe + runtime: everything that decides the memory of a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    pub model: ModelSpec,
+    pub workload: Workload,
+    #[serde(default)]
+    pub recipe: Recipe,
+    #[serde(default)]
+    pub runtime: Runtime,
+}
+
+impl Spec {
+    /// The embedded default: DiT-XL/2 at 256×256, batch 32, bf16-mixed, AdamW.
+    pub fn default_xl() -> Spec {
+        Spec {
+            model: ModelSpec::preset("dit-xl-2").expect("built-in preset"),
+            workload: Workload {
+                height: 256,
+                width: 256,
+                vae_factor: 8,
+                latent_channels: 4,
+                batch: 32,
+                microbatch: 32,
+                accumulation: 1,
+                ranks: 1,
+            },
+            recipe: Recipe::default(),
+            runtime: Runtime::DitmemCpu,
+        }
+    }
+
+    /// Parse a spec from TOML text.
+    pub fn from_toml(text: &str) -> Result<Spec, SpecError> {
+        let spec: Spec = toml::from_str(text).map_err(|e| SpecError::Parse {
+            format: "TOML",
+            message: e.message().to_string().replace('\n', " "),
+            location: e
+                .span()
+                .map(|s| line_col(text, s.start))
+                .unwrap_or_default(),
+        })?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Parse a spec from JSON text.
+    pub fn from_json(text: &str) -> Result<Spec, SpecError> {
+        let spec: Spec = serde_json::from_str(text).map_err(|e| SpecError::Parse {
+            format: "JSON",
+            message: e.to_string(),
+            location: String::new(),
+        })?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Parse by file extension (`.json` is JSON, anything else TOML).
+    pub fn from_file(path: &std::path::Path) -> Result<Spec, SpecError> {
+        let text = std::fs::read_to_string(path).map_err(|e| SpecError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+            Spec::from_json(&text)
+        } else {
+            Spec::from_toml(&text)
+        }
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a spec always serialises to TOML")
+    }
+
+    /// The token grid of one image; errors when the resolution does not divide.
+    pub fn token_grid(&self) -> Result<TokenGrid, SpecError> {
+        let w = &self.workload;
+        let step = w.vae_factor * self.model.patch;
+        for (field, v) in [("workload.height", w.height), ("workload.width", w.width)] {
+            if step == 0 || v % step != 0 {
+                return Err(SpecError::invalid(
+                    field,
+                    format!(
+                        "{v} is not divisible by vae_factor × patch = {} × {} = {step}; allowed: multiples of {step}",
+                        w.vae_factor, self.model.patch
+                    ),
+                ));
+            }
+        }
+        Ok(TokenGrid {
+            latent_h: w.height / w.vae_factor,
+            latent_w: w.width / w.vae_factor,
+            rows: w.height / step,
+            cols: w.width / step,
+        })
+    }
+
+    /// Image tokens per sample.
+    pub fn tokens(&self) -> Result<u64, SpecError> {
+        Ok(self.token_grid()?.tokens())
+    }
+
+    /// Check every field; the error names the first field that is wrong and what is allowed.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let m = &self.model;
+        positive("model.depth", m.depth)?;
+        positive("model.hidden", m.hidden)?;
+        positive("model.heads", m.heads)?;
+        positive("model.patch", m.patch)?;
+        positive("model.in_channels", m.in_channels)?;
+        positive("model.mlp_ratio", m.mlp_ratio)?;
+        positive("model.num_classes", m.num_classes)?;
+        positive("model.freq_embed", m.freq_embed)?;
+        if m.hidden % m.heads != 0 {
+            return Err(SpecError::invalid(
+                "model.heads",
+                format!("{} does not divide model.hidden = {}; allowed: a divisor of the hidden size", m.heads, m.hidden),
+            ));
+        }
+        if m.freq_embed % 2 != 0 {
+            return Err(SpecError::invalid(
+                "model.freq_embed",
+                format!("{} is odd; allowed: an even number (cos and sin halves)", m.freq_embed),
+            ));
+        }
+        probability("model.class_dropout_prob", m.class_dropout_prob)?;
+        probability("model.attn_dropout", m.attn_dropout)?;
+        probability("model.mlp_dropout", m.mlp_dropout)?;
+
+        let w = &self.workload;
+        positive("workload.height", w.height)?;
+        positive("workload.width", w.width)?;
+        positive("workload.vae_factor", w.vae_factor)?;
+        positive("workload.latent_channels", w.latent_channels)?;
+        positive("workload.batch", w.batch)?;
+        positive("workload.microbatch", w.microbatch)?;
+        positive("workload.accumulation", w.accumulation)?;
+        positive("workload.ranks", w.ranks)?;
+        if w.latent_channels != m.in_channels {
+            return Err(SpecError::invalid(
+                "workload.latent_channels",
+                format!(
+                    "{} differs from model.in_channels = {}; allowed: the channels the denoiser reads",
+                    w.latent_channels, m.in_channels
+                ),
+            ));
+        }
+        let product = u64::from(w.microbatch) * u64::from(w.accumulation) * u64::from(w.ranks);
+        if product != u64::from(w.batch) {
+            return Err(SpecError::invalid(
+                "workload.batch",
+                format!(
+                    "{} ≠ microbatch × accumulation × ranks = {} × {} × {} = {product}; allowed: batch equal to that product",
+                    w.batch, w.microbatch, w.accumulation, w.ranks
+                ),
+            ));
+        }
+        self.token_grid()?;
+
+        let r = &self.recipe;
+        if let Recompute::Blocks(blocks) = &r.recompute {
+            if let Some(bad) = blocks.iter().find(|&&b| b >= m.depth) {
+                return Err(SpecError::invalid(
+                    "recipe.recompute",
+                    format!("block {bad} does not exist; allowed: block indices 0..={}", m.depth - 1),
+                ));
+            }
+        }
+        if let Some(lora) = &r.lora {
+            if lora.rank == 0 || lora.rank > m.hidden {
+                return Err(SpecError::invalid(
+                    "recipe.lora.rank",
+                    format!("{} is out of range; allowed: 1..={} (the hidden size)", lora.rank, m.hidden),
+                ));
+            }
+            if lora.targets.is_empty() {
+                return Err(SpecError::invalid(
+                    "recipe.lora.targets",
+                    "is empty; allowed: one or more of qkv, proj, fc1, fc2, adaln",
+                ));
+            }
+        }
+        if r.zero_stage > 3 {
+            return Err(SpecError::invalid(
+                "recipe.zero_stage",
+                format!("{} is not a ZeRO stage; allowed: 0, 1, 2, 3", r.zero_stage),
+            ));
+        }
+        if r.ema.enabled && !(r.ema.decay > 0.0 && r.ema.decay < 1.0) {
+            return Err(SpecError::invalid(
+                "recipe.ema.decay",
+                format!("{} is out of range; allowed: 0 < decay < 1", r.ema.decay),
+            ));
+        }
+        if matches!(r.ema.dtype, Dtype::U8) {
+            return Err(SpecError::invalid(
+                "recipe.ema.dtype",
+                "u8 cannot hold weights; allowed: f64, f32, bf16, f16",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn positive(field: &'static str, v: u32) -> Result<(), SpecError> {
+    if v == 0 {
+        Err(SpecError::invalid(field, "is 0; allowed: a positive integer"))
+    } else {
+        Ok(())
+    }
+}
+
+fn probability(field: &'static str, p: f64) -> Result<(), SpecError> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(SpecError::invalid(field, format!("{p} is out of range; allowed: 0 ≤ p < 1")))
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> String {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    format!(" (line {line}, column {col})")
+}
