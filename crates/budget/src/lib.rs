@@ -10,3 +10,11 @@ pub mod spec;
 
 pub use error::SpecError;
 pub use spec::*;
+pub mod estimate;
+pub mod graph;
+pub mod params;
+pub mod runtime;
+pub mod timeline;
+pub mod units;
+
+pub use estimate::{estimate, Budget};

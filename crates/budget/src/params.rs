@@ -1,0 +1,285 @@
+//! Parameters per module: every tensor of the DiT with its shape, whether it is trained, and
+//! its dtype under the recipe.
+//!
+//! Names follow the PyTorch reference (`facebookresearch/DiT` `models.py`), so a count here can be
+//! held against `sum(p.numel() for p in model.parameters())` there.
+
+use serde::Serialize;
+
+use crate::spec::{Dtype, LoraTarget, Precision, Spec};
+
+/// Whether the optimizer updates a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParamRole {
+    Trained,
+    /// Counted by `model.parameters()` but never updated (the sin-cos table, a LoRA base).
+    Frozen,
+}
+
+/// The module a parameter belongs to, for per-module totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Module {
+    PatchEmbed,
+    PosEmbed,
+    TimestepEmbed,
+    LabelEmbed,
+    Blocks,
+    FinalLayer,
+    Lora,
+}
+
+impl Module {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Module::PatchEmbed => "patch embed",
+            Module::PosEmbed => "pos embed (sin-cos, frozen)",
+            Module::TimestepEmbed => "timestep embedder",
+            Module::LabelEmbed => "label embedder",
+            Module::Blocks => "DiT blocks",
+            Module::FinalLayer => "final layer",
+            Module::Lora => "LoRA adapters",
+        }
+    }
+}
+
+/// One parameter tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ParamTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub role: ParamRole,
+    pub module: Module,
+    /// Block index for block parameters.
+    pub block: Option<u32>,
+}
+
+impl ParamTensor {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// The linears of a block: (name, out, in). LoRA targets are named after them.
+pub fn block_linears(spec: &Spec) -> [(LoraTarget, &'static str, u64, u64); 5] {
+    let d = u64::from(spec.model.hidden);
+    let m = u64::from(spec.model.mlp_hidden());
+    [
+        (LoraTarget::Qkv, "attn.qkv", 3 * d, d),
+        (LoraTarget::Proj, "attn.proj", d, d),
+        (LoraTarget::Fc1, "mlp.fc1", m, d),
+        (LoraTarget::Fc2, "mlp.fc2", d, m),
+        (LoraTarget::Adaln, "adaLN_modulation.1", 6 * d, d),
+    ]
+}
+
+/// Every parameter tensor of the model under the spec, in module order.
+///
+/// Token count only enters through the frozen position table, so the resolution must be valid
+/// (the spec is validated before this is called).
+pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
+    let m = &spec.model;
+    let d = u64::from(m.hidden);
+    let p2 = u64::from(m.patch) * u64::from(m.patch);
+    let c_in = u64::from(m.in_channels);
+    let c_out = u64::from(m.out_channels());
+    let tokens = spec.tokens().unwrap_or(0);
+    let lora = spec.recipe.lora.as_ref();
+    // Under LoRA the whole base model is frozen; only the adapters train.
+    let base = if lora.is_some() {
+        ParamRole::Frozen
+    } else {
+        ParamRole::Trained
+    };
+    let mut v = Vec::new();
+    let mut push = |name: String, shape: Vec<u64>, role, module, block| {
+        v.push(ParamTensor {
+            name,
+            shape,
+            role,
+            module,
+            block,
+        })
+    };
+    push("x_embedder.proj.weight".into(), vec![d, c_in * p2], base, Module::PatchEmbed, None);
+    push("x_embedder.proj.bias".into(), vec![d], base, Module::PatchEmbed, None);
+    push("pos_embed".into(), vec![1, tokens, d], ParamRole::Frozen, Module::PosEmbed, None);
+    let f = u64::from(m.freq_embed);
+    push("t_embedder.mlp.0.weight".into(), vec![d, f], base, Module::TimestepEmbed, None);
+    push("t_embedder.mlp.0.bias".into(), vec![d], base, Module::TimestepEmbed, None);
+    push("t_embedder.mlp.2.weight".into(), vec![d, d], base, Module::TimestepEmbed, None);
+    push("t_embedder.mlp.2.bias".into(), vec![d], base, Module::TimestepEmbed, None);
+    push(
+        "y_embedder.embedding_table.weight".into(),
+        vec![u64::from(m.label_rows()), d],
+        base,
+        Module::LabelEmbed,
+        None,
+    );
+    for i in 0..m.depth {
+        for (target, name, out, inp) in block_linears(spec) {
+            push(format!("blocks.{i}.{name}.weight"), vec![out, inp], base, Module::Blocks, Some(i));
+            push(format!("blocks.{i}.{name}.bias"), vec![out], base, Module::Blocks, Some(i));
+            if let Some(l) = lora.filter(|l| l.targets.contains(&target)) {
+                let r = u64::from(l.rank);
+                push(format!("blocks.{i}.{name}.lora_a"), vec![r, inp], ParamRole::Trained, Module::Lora, Some(i));
+                push(format!("blocks.{i}.{name}.lora_b"), vec![out, r], ParamRole::Trained, Module::Lora, Some(i));
+            }
+        }
+    }
+    push("final_layer.linear.weight".into(), vec![p2 * c_out, d], base, Module::FinalLayer, None);
+    push("final_layer.linear.bias".into(), vec![p2 * c_out], base, Module::FinalLayer, None);
+    push("final_layer.adaLN_modulation.1.weight".into(), vec![2 * d, d], base, Module::FinalLayer, None);
+    push("final_layer.adaLN_modulation.1.bias".into(), vec![2 * d], base, Module::FinalLayer, None);
+    v
+}
+
+/// Parameter totals.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ParamCounts {
+    /// Everything `model.parameters()` reports, the frozen position table included.
+    pub total: u64,
+    pub trained: u64,
+    pub frozen: u64,
+    /// Elements of the largest trained tensor (sizes the optimizer's per-tensor workspace).
+    pub largest_trained: u64,
+    pub per_module: Vec<ModuleCount>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModuleCount {
+    pub module: Module,
+    pub name: &'static str,
+    pub trained: u64,
+    pub frozen: u64,
+}
+
+pub fn count(table: &[ParamTensor]) -> ParamCounts {
+    let mut per: Vec<ModuleCount> = Vec::new();
+    let (mut trained, mut frozen, mut largest) = (0u64, 0u64, 0u64);
+    for t in table {
+        let n = t.numel();
+        let entry = match per.iter_mut().find(|e| e.module == t.module) {
+            Some(e) => e,
+            None => {
+                per.push(ModuleCount {
+                    module: t.module,
+                    name: t.module.name(),
+                    trained: 0,
+                    frozen: 0,
+                });
+                per.last_mut().expect("just pushed")
+            }
+        };
+        match t.role {
+            ParamRole::Trained => {
+                trained += n;
+                entry.trained += n;
+                largest = largest.max(n);
+            }
+            ParamRole::Frozen => {
+                frozen += n;
+                entry.frozen += n;
+            }
+        }
+    }
+    ParamCounts {
+        total: trained + frozen,
+        trained,
+        frozen,
+        largest_trained: largest,
+        per_module: per,
+    }
+}
+
+/// Dtype a parameter is stored in under a precision policy.
+///
+/// Trained tensors live in the policy's parameter dtype (fp32 masters under mixed precision).
+/// Frozen tensors need no master: under mixed precision they are stored in the compute dtype,
+/// as fine-tuning scripts do with a frozen base (`weight_dtype`), except the position table,
+/// which is added to the fp32 residual stream and stays in the accumulation dtype.
+pub fn stored_dtype(t: &ParamTensor, precision: Precision) -> Dtype {
+    match t.role {
+        ParamRole::Trained => precision.param_dtype(),
+        ParamRole::Frozen if t.module == Module::PosEmbed => precision.accum_dtype(),
+        ParamRole::Frozen => precision.compute_dtype(),
+    }
+}
+
+/// Bytes to store `n` numbers in `dtype` (the seed's lab: 1,744 → 13,952 B f64).
+pub const fn bytes_of(n: u64, dtype: Dtype) -> u64 {
+    n * dtype.size()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{LoraSpec, ModelSpec};
+
+    fn spec(preset: &str, res: u32) -> Spec {
+        let mut s = Spec::default_xl();
+        s.model = ModelSpec::preset(preset).unwrap();
+        s.workload.height = res;
+        s.workload.width = res;
+        s
+    }
+
+    #[test]
+    fn published_parameter_counts() {
+        for (preset, total, trained) in [
+            ("dit-s-2", 32_963_360, 32_865_056),
+            ("dit-b-2", 130_512_416, 130_315_808),
+            ("dit-l-2", 458_102_816, 457_840_672),
+            ("dit-xl-2", 675_129_632, 674_834_720),
+        ] {
+            let c = count(&param_table(&spec(preset, 256)));
+            assert_eq!(c.total, total, "{preset} total");
+            assert_eq!(c.trained, trained, "{preset} trained");
+            assert_eq!(c.frozen, total - trained, "{preset} frozen = pos table");
+        }
+        assert_eq!(count(&param_table(&spec("dit-xl-4", 256))).total, 675_074_432);
+        assert_eq!(count(&param_table(&spec("dit-xl-8", 256))).total, 675_683_072);
+    }
+
+    #[test]
+    fn block_count_matches_formula() {
+        let s = spec("dit-xl-2", 256);
+        let d = u64::from(s.model.hidden);
+        let block0: u64 = param_table(&s)
+            .iter()
+            .filter(|t| t.block == Some(0))
+            .map(ParamTensor::numel)
+            .sum();
+        assert_eq!(block0, 18 * d * d + 15 * d);
+        assert_eq!(block0, 23_905_152);
+    }
+
+    #[test]
+    fn no_learn_sigma_removes_output_half() {
+        let mut s = spec("dit-xl-2", 256);
+        s.model.learn_sigma = false;
+        assert_eq!(count(&param_table(&s)).total, 675_129_632 - 18_448);
+    }
+
+    #[test]
+    fn lora_freezes_base_and_trains_adapters() {
+        let mut s = spec("dit-s-2", 256);
+        s.recipe.lora = Some(LoraSpec {
+            rank: 8,
+            targets: vec![LoraTarget::Qkv],
+        });
+        let c = count(&param_table(&s));
+        let d = 384u64;
+        assert_eq!(c.trained, 12 * (8 * d + 3 * d * 8));
+        assert_eq!(c.frozen, 32_963_360);
+    }
+
+    #[test]
+    fn seed_lab_bytes() {
+        assert_eq!(bytes_of(1_744, Dtype::F64), 13_952);
+        assert_eq!(bytes_of(1_744, Dtype::F32), 6_976);
+        assert_eq!(bytes_of(1_744, Dtype::F16), 3_488);
+        assert_eq!(bytes_of(1_744, Dtype::Bf16), 3_488);
+    }
+}
