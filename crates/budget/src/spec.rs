@@ -738,13 +738,10 @@ impl Spec {
 
     /// Parse a spec from TOML text.
     pub fn from_toml(text: &str) -> Result<Spec, SpecError> {
-        let spec: Spec = toml::from_str(text).map_err(|e| SpecError::Parse {
-            format: "TOML",
-            message: e.message().to_string().replace('\n', " "),
-            location: e
-                .span()
-                .map(|s| line_col(text, s.start))
-                .unwrap_or_default(),
+        let de = toml::Deserializer::parse(text).map_err(|e| toml_error(text, &e, String::new()))?;
+        let spec: Spec = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            toml_error(text, e.inner(), path)
         })?;
         spec.validate()?;
         Ok(spec)
@@ -752,10 +749,14 @@ impl Spec {
 
     /// Parse a spec from JSON text.
     pub fn from_json(text: &str) -> Result<Spec, SpecError> {
-        let spec: Spec = serde_json::from_str(text).map_err(|e| SpecError::Parse {
-            format: "JSON",
-            message: e.to_string(),
-            location: String::new(),
+        let mut de = serde_json::Deserializer::from_str(text);
+        let spec: Spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let path = e.path().to_string();
+            SpecError::Parse {
+                format: "JSON",
+                message: field_prefix(&path) + &e.inner().to_string(),
+                location: String::new(),
+            }
         })?;
         spec.validate()?;
         Ok(spec)
@@ -921,6 +922,22 @@ fn probability(field: &'static str, p: f64) -> Result<(), SpecError> {
         Ok(())
     } else {
         Err(SpecError::invalid(field, format!("{p} is out of range; allowed: 0 ≤ p < 1")))
+    }
+}
+
+fn field_prefix(path: &str) -> String {
+    if path.is_empty() || path == "." {
+        String::new()
+    } else {
+        format!("field {path}: ")
+    }
+}
+
+fn toml_error(text: &str, e: &toml::de::Error, path: String) -> SpecError {
+    SpecError::Parse {
+        format: "TOML",
+        message: field_prefix(&path) + &e.message().replace('\n', " "),
+        location: e.span().map(|s| line_col(text, s.start)).unwrap_or_default(),
     }
 }
 

@@ -1,1 +1,122 @@
-fn main(){}
+//! `ditmem`: budget, plan, run and verify the memory of a DiT training step.
+//!
+//! The binary is thin: it parses flags into a [`ditmem_budget::Spec`], calls the library crates,
+//! and renders tables or JSON. Every error becomes one line on stderr and a non-zero exit
+//! (2 for bad input).
+
+mod args;
+mod output;
+mod render;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ditmem_budget::SpecError;
+
+use crate::args::SpecArgs;
+
+#[derive(Debug, Parser)]
+#[command(name = "ditmem", version, about = "Budget, plan, run and verify the memory of a DiT training step")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Count every byte of one training step and find its peak (analytic, no tensors).
+    Estimate {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Print every op of each segment with the buffer it keeps.
+        #[arg(long)]
+        inventory: bool,
+        /// Also print the whole simulated timeline.
+        #[arg(long)]
+        timeline: bool,
+    },
+    /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
+    Spec {
+        #[command(flatten)]
+        spec: SpecArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Errors the binary reports; each maps to an exit code.
+#[derive(Debug)]
+pub enum CliError {
+    /// Bad input: exit 2.
+    Spec(SpecError),
+    /// Anything else that went wrong: exit 1.
+    Other(anyhow::Error),
+}
+
+impl From<SpecError> for CliError {
+    fn from(e: SpecError) -> Self {
+        CliError::Spec(e)
+    }
+}
+
+impl From<anyhow::Error> for CliError {
+    fn from(e: anyhow::Error) -> Self {
+        CliError::Other(e)
+    }
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    let command = cli.command.unwrap_or(Command::Estimate {
+        spec: SpecArgs::default(),
+        json: false,
+        inventory: false,
+        timeline: false,
+    });
+    match command {
+        Command::Estimate {
+            spec,
+            json,
+            inventory,
+            timeline,
+        } => {
+            let spec = spec.to_spec()?;
+            let budget = ditmem_budget::estimate(&spec)?;
+            if json {
+                output::print_json(&budget)?;
+            } else {
+                print!("{}", render::estimate_report(&budget, inventory));
+                if timeline {
+                    print!("{}", output::timeline_table(&budget.timeline));
+                }
+            }
+        }
+        Command::Spec { spec, json } => {
+            let spec = spec.to_spec()?;
+            if json {
+                output::print_json(&spec)?;
+            } else {
+                print!("{}", spec.to_toml());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Spec(e)) => {
+            eprintln!("ditmem: invalid spec: {e}");
+            ExitCode::from(2)
+        }
+        Err(CliError::Other(e)) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("ditmem: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}

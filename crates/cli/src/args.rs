@@ -1,0 +1,262 @@
+//! The spec flags every command shares, and how they combine with `--config`.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use ditmem_budget::{
+    AttentionMode, LoraSpec, LoraTarget, Latents, ModelSpec, Optimizer, Precision, Recompute,
+    Runtime, Spec, SpecError,
+};
+
+/// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
+#[derive(Debug, Clone, Default, Args)]
+pub struct SpecArgs {
+    /// Spec file (TOML, or JSON by extension); flags override its fields.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model preset: dit-{s,b,l,xl}-{2,4,8}.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Image resolution: HxW, or one number for a square.
+    #[arg(long, value_name = "HxW")]
+    pub resolution: Option<String>,
+    /// Images per optimizer step (all ranks and microbatches).
+    #[arg(long)]
+    pub batch: Option<u32>,
+    /// Images per forward/backward on one rank.
+    #[arg(long)]
+    pub microbatch: Option<u32>,
+    /// Microbatches accumulated per optimizer step.
+    #[arg(long)]
+    pub accumulation: Option<u32>,
+    /// Data-parallel ranks.
+    #[arg(long)]
+    pub ranks: Option<u32>,
+    /// fp64 | fp32 | bf16-mixed | fp16-mixed | bf16-pure
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// adamw | adamw-8bit | sgd
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// materialized | memory-efficient
+    #[arg(long)]
+    pub attention: Option<String>,
+    /// none | all | attention-only | every-K | blocks:I,J,…
+    #[arg(long)]
+    pub recompute: Option<String>,
+    /// LoRA rank (freezes the base model); 0 turns LoRA off.
+    #[arg(long)]
+    pub lora_rank: Option<u32>,
+    /// LoRA targets, comma-separated: qkv,proj,fc1,fc2,adaln.
+    #[arg(long)]
+    pub lora_targets: Option<String>,
+    /// ZeRO stage 0–3 over the ranks.
+    #[arg(long)]
+    pub zero: Option<u8>,
+    /// encode (VAE runs in the step) | cached
+    #[arg(long)]
+    pub latents: Option<String>,
+    /// Keep an EMA copy of the weights: on | off.
+    #[arg(long)]
+    pub ema: Option<String>,
+    /// Which executor the budget describes: ditmem-cpu.
+    #[arg(long)]
+    pub runtime: Option<String>,
+}
+
+fn parse_resolution(text: &str) -> Result<(u32, u32), SpecError> {
+    let bad = || {
+        SpecError::invalid(
+            "workload.resolution",
+            format!("'{text}' is not a resolution; allowed: HxW (e.g. 512x768) or one number for a square"),
+        )
+    };
+    let parts: Vec<&str> = text.split(['x', 'X', '×']).collect();
+    match parts.as_slice() {
+        [n] => {
+            let n: u32 = n.trim().parse().map_err(|_| bad())?;
+            Ok((n, n))
+        }
+        [h, w] => Ok((
+            h.trim().parse().map_err(|_| bad())?,
+            w.trim().parse().map_err(|_| bad())?,
+        )),
+        _ => Err(bad()),
+    }
+}
+
+fn parse_targets(text: &str) -> Result<Vec<LoraTarget>, SpecError> {
+    let mut out = Vec::new();
+    for t in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        let target = match t {
+            "qkv" => LoraTarget::Qkv,
+            "proj" => LoraTarget::Proj,
+            "fc1" => LoraTarget::Fc1,
+            "fc2" => LoraTarget::Fc2,
+            "adaln" => LoraTarget::Adaln,
+            _ => {
+                return Err(SpecError::invalid(
+                    "recipe.lora.targets",
+                    format!("'{t}' is not a LoRA target; allowed: qkv, proj, fc1, fc2, adaln"),
+                ))
+            }
+        };
+        if !out.contains(&target) {
+            out.push(target);
+        }
+    }
+    Ok(out)
+}
+
+impl SpecArgs {
+    /// Build and validate the spec: config file (or the embedded default), then the flags.
+    pub fn to_spec(&self) -> Result<Spec, SpecError> {
+        let mut spec = match &self.config {
+            Some(path) => Spec::from_file(path)?,
+            None => Spec::default_xl(),
+        };
+        if let Some(p) = &self.preset {
+            let old = spec.model.clone();
+            spec.model = ModelSpec::preset(p)?;
+            spec.model.attn_dropout = old.attn_dropout;
+            spec.model.mlp_dropout = old.mlp_dropout;
+        }
+        if let Some(r) = &self.resolution {
+            let (h, w) = parse_resolution(r)?;
+            spec.workload.height = h;
+            spec.workload.width = w;
+        }
+        let w = &mut spec.workload;
+        if let Some(r) = self.ranks {
+            w.ranks = r;
+        }
+        if let Some(a) = self.accumulation {
+            w.accumulation = a;
+        }
+        if let Some(m) = self.microbatch {
+            w.microbatch = m;
+        }
+        if let Some(b) = self.batch {
+            w.batch = b;
+        }
+        // Derive what the user left out so that batch = microbatch × accumulation × ranks.
+        let (ranks, acc) = (w.ranks.max(1), w.accumulation.max(1));
+        match (self.batch.is_some(), self.microbatch.is_some(), self.accumulation.is_some()) {
+            (true, false, _) if w.batch % (ranks * acc) == 0 => w.microbatch = w.batch / (ranks * acc),
+            (true, true, false) if w.microbatch > 0 && w.batch % (w.microbatch * ranks) == 0 => {
+                w.accumulation = w.batch / (w.microbatch * ranks)
+            }
+            (false, true, _) | (false, _, true) => w.batch = w.microbatch * acc * ranks,
+            _ => {
+                if self.ranks.is_some() && self.batch.is_none() && self.microbatch.is_none() {
+                    w.batch = w.microbatch * acc * ranks;
+                }
+            }
+        }
+        let r = &mut spec.recipe;
+        if let Some(p) = &self.precision {
+            r.precision = p.parse::<Precision>()?;
+        }
+        if let Some(o) = &self.optimizer {
+            r.optimizer = o.parse::<Optimizer>()?;
+        }
+        if let Some(a) = &self.attention {
+            r.attention = a.parse::<AttentionMode>()?;
+        }
+        if let Some(rc) = &self.recompute {
+            r.recompute = rc.parse::<Recompute>()?;
+        }
+        if let Some(rank) = self.lora_rank {
+            if rank == 0 {
+                r.lora = None;
+            } else {
+                let targets = r
+                    .lora
+                    .as_ref()
+                    .map(|l| l.targets.clone())
+                    .unwrap_or_else(ditmem_budget::spec::default_lora_targets);
+                r.lora = Some(LoraSpec { rank, targets });
+            }
+        }
+        if let Some(t) = &self.lora_targets {
+            let targets = parse_targets(t)?;
+            match &mut r.lora {
+                Some(l) => l.targets = targets,
+                None => {
+                    return Err(SpecError::invalid(
+                        "recipe.lora.targets",
+                        "given without --lora-rank; allowed: targets together with a LoRA rank",
+                    ))
+                }
+            }
+        }
+        if let Some(z) = self.zero {
+            r.zero_stage = z;
+        }
+        if let Some(l) = &self.latents {
+            r.latents = l.parse::<Latents>()?;
+        }
+        if let Some(e) = &self.ema {
+            r.ema.enabled = match e.as_str() {
+                "on" | "true" | "yes" => true,
+                "off" | "false" | "no" => false,
+                _ => {
+                    return Err(SpecError::invalid(
+                        "recipe.ema.enabled",
+                        format!("'{e}' is not a switch; allowed: on, off"),
+                    ))
+                }
+            };
+        }
+        if let Some(rt) = &self.runtime {
+            spec.runtime = rt.parse::<Runtime>()?;
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_alone_sets_microbatch() {
+        let a = SpecArgs {
+            batch: Some(8),
+            ..SpecArgs::default()
+        };
+        let s = a.to_spec().unwrap();
+        assert_eq!((s.workload.batch, s.workload.microbatch, s.workload.accumulation), (8, 8, 1));
+    }
+
+    #[test]
+    fn batch_and_microbatch_derive_accumulation() {
+        let a = SpecArgs {
+            batch: Some(32),
+            microbatch: Some(8),
+            ..SpecArgs::default()
+        };
+        let s = a.to_spec().unwrap();
+        assert_eq!(s.workload.accumulation, 4);
+    }
+
+    #[test]
+    fn inconsistent_split_is_an_error_naming_batch() {
+        let a = SpecArgs {
+            batch: Some(32),
+            microbatch: Some(8),
+            accumulation: Some(3),
+            ..SpecArgs::default()
+        };
+        let e = a.to_spec().unwrap_err();
+        assert_eq!(e.field(), Some("workload.batch"));
+    }
+
+    #[test]
+    fn resolutions() {
+        assert_eq!(parse_resolution("512").unwrap(), (512, 512));
+        assert_eq!(parse_resolution("512x768").unwrap(), (512, 768));
+        assert!(parse_resolution("big").is_err());
+    }
+}

@@ -1,0 +1,266 @@
+//! Human output: aligned tables with binary units, and the plain words that explain a budget.
+
+use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::{Budget, Spec};
+
+/// A simple left/right aligned text table.
+pub struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(header: &[&str]) -> Table {
+        Table {
+            header: header.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn render(&self) -> String {
+        let n = self.header.len();
+        let mut width = vec![0usize; n];
+        for r in std::iter::once(&self.header).chain(&self.rows) {
+            for (i, c) in r.iter().enumerate().take(n) {
+                width[i] = width[i].max(c.chars().count());
+            }
+        }
+        let line = |r: &Vec<String>| {
+            let mut s = String::from("  ");
+            for (i, c) in r.iter().enumerate().take(n) {
+                let pad = width[i] - c.chars().count();
+                if i == 0 {
+                    s.push_str(c);
+                    s.push_str(&" ".repeat(pad));
+                } else {
+                    s.push_str(&" ".repeat(pad + 2));
+                    s.push_str(c);
+                }
+            }
+            s.trim_end().to_string()
+        };
+        let mut out = line(&self.header);
+        out.push('\n');
+        out.push_str("  ");
+        out.push_str(&"-".repeat(width.iter().sum::<usize>() + 2 * (n - 1)));
+        for r in &self.rows {
+            out.push('\n');
+            out.push_str(&line(r));
+        }
+        out.push('\n');
+        out
+    }
+}
+
+/// Thousands separators for counts.
+pub fn fmt_count(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+pub fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".into()
+    } else {
+        format!("{:.1} %", 100.0 * part as f64 / whole as f64)
+    }
+}
+
+/// One line describing the spec: model, resolution, tokens, batch split.
+pub fn spec_line(spec: &Spec) -> String {
+    let w = &spec.workload;
+    format!(
+        "{} at {}×{} ({} tokens), batch {} = microbatch {} × accumulation {} × ranks {}",
+        spec.model.name,
+        w.height,
+        w.width,
+        spec.tokens().unwrap_or(0),
+        w.batch,
+        w.microbatch,
+        w.accumulation,
+        w.ranks
+    )
+}
+
+/// One line describing the recipe.
+pub fn recipe_line(spec: &Spec) -> String {
+    let r = &spec.recipe;
+    let lora = r
+        .lora
+        .as_ref()
+        .map(|l| format!(", LoRA rank {}", l.rank))
+        .unwrap_or_default();
+    let zero = if r.zero_stage > 0 {
+        format!(", ZeRO-{}", r.zero_stage)
+    } else {
+        String::new()
+    };
+    let ema = if r.ema.enabled {
+        format!("EMA {}", r.ema.dtype)
+    } else {
+        "no EMA".into()
+    };
+    format!(
+        "{}, {}, {} attention, recompute {}, latents {:?}{lora}{zero}, {ema}; runtime {}",
+        r.precision,
+        r.optimizer.name(),
+        r.attention.name(),
+        r.recompute,
+        r.latents,
+        spec.runtime.name()
+    )
+    .replace("Cached", "cached")
+    .replace("Encode", "encode")
+}
+
+/// What to do about the dominant consumer, in words.
+pub fn advice(dominant: &str, budget: &Budget) -> String {
+    let r = &budget.spec.recipe;
+    match dominant {
+        "activations" | "weight_casts" => {
+            let mut ways = Vec::new();
+            if r.recompute != ditmem_budget::Recompute::All {
+                ways.push("recompute blocks");
+            }
+            if r.attention == ditmem_budget::AttentionMode::Materialized {
+                ways.push("use memory-efficient attention");
+            }
+            if budget.spec.workload.microbatch > 1 {
+                ways.push("lower the microbatch (accumulate to keep the batch)");
+            }
+            ways.push("or lower the resolution (tokens grow with its area)");
+            format!("activations saved for backward dominate: {}", ways.join(", "))
+        }
+        "optimizer_state" | "master_weights" | "gradients" => {
+            "model states dominate: LoRA, 8-bit AdamW or ZeRO sharding over ranks shrink them; accumulation does not".into()
+        }
+        "encoder" => "the VAE encoder dominates: cache the latents beforehand".into(),
+        "ema" => "the EMA copy dominates: keep it in bf16 or off the device".into(),
+        _ => format!("{dominant} dominates"),
+    }
+}
+
+/// The human report of `estimate`.
+pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
+    let mut o = String::new();
+    o.push_str(&format!("ditmem estimate — {}\n", spec_line(&b.spec)));
+    o.push_str(&format!("recipe: {}\n\n", recipe_line(&b.spec)));
+    o.push_str(&format!(
+        "parameters: {} total = {} trained + {} frozen\n",
+        fmt_count(b.params.total),
+        fmt_count(b.params.trained),
+        fmt_count(b.params.frozen)
+    ));
+    let mut t = Table::new(&["module", "trained", "frozen"]);
+    for m in &b.params.per_module {
+        t.row(vec![m.name.to_string(), fmt_count(m.trained), fmt_count(m.frozen)]);
+    }
+    o.push_str(&t.render());
+    o.push('\n');
+
+    let p = &b.peak;
+    let mb = if b.spec.workload.accumulation > 1 {
+        format!(", microbatch {}", p.microbatch)
+    } else {
+        String::new()
+    };
+    o.push_str(&format!(
+        "peak: {} ({} B) in {} at {}{mb}\n",
+        fmt_bytes(p.bytes),
+        fmt_count(p.bytes),
+        p.phase.name(),
+        p.label
+    ));
+    let mut t = Table::new(&["live at the peak", "bytes", "share"]);
+    for (name, v) in p.breakdown.entries() {
+        if v > 0 {
+            t.row(vec![name.replace('_', " "), fmt_bytes(v), pct(v, p.bytes)]);
+        }
+    }
+    t.row(vec!["total".into(), fmt_bytes(p.bytes), pct(p.bytes, p.bytes)]);
+    o.push_str(&t.render());
+    let (dom, dom_bytes) = p.breakdown.dominant();
+    o.push_str(&format!(
+        "dominant: {} ({}) — {}\n\n",
+        dom.replace('_', " "),
+        pct(dom_bytes, p.bytes),
+        advice(dom, b)
+    ));
+
+    let mut t = Table::new(&["phase", "highest live"]);
+    for (ph, v) in &b.phase_peaks {
+        t.row(vec![ph.name().into(), fmt_bytes(*v)]);
+    }
+    o.push_str(&t.render());
+    let seg = &b.segments.block;
+    o.push_str(&format!(
+        "per block: a stored block keeps {} (activations {}, weight casts {}) plus its output {}; \
+         a recomputed block keeps only its output\n",
+        fmt_bytes(seg.kept.total() + seg.output_bytes),
+        fmt_bytes(seg.kept.activations),
+        fmt_bytes(seg.kept.weight_casts),
+        fmt_bytes(seg.output_bytes)
+    ));
+    let ratio = p.bytes as f64 / b.weights_times_four.max(1) as f64;
+    o.push_str(&format!(
+        "\"weights × 4\" would say {}; the simulated peak is {:.2}× that, because activations, casts and \
+         workspace depend on tokens, batch and recipe, not on the weights.\n",
+        fmt_bytes(b.weights_times_four),
+        ratio
+    ));
+
+    if show_inventory {
+        for inv in &b.inventory {
+            o.push_str(&format!(
+                "\nop inventory: {} (tracked graph keeps {})\n",
+                inv.segment,
+                fmt_bytes(inv.kept_bytes)
+            ));
+            let mut t = Table::new(&["op", "elements", "dtype", "new buffer", "extra saved", "bwd scratch"]);
+            for r in &inv.rows {
+                t.row(vec![
+                    r.op.clone(),
+                    fmt_count(r.elems),
+                    r.dtype.to_string(),
+                    if r.bytes == 0 { "view".into() } else { fmt_bytes(r.bytes) },
+                    if r.extra_saved == 0 { "".into() } else { fmt_bytes(r.extra_saved) },
+                    if r.bwd_scratch == 0 { "".into() } else { fmt_bytes(r.bwd_scratch) },
+                ]);
+            }
+            o.push_str(&t.render());
+        }
+    } else {
+        o.push_str("(--inventory prints every op of each segment with what it keeps)\n");
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_get_separators() {
+        assert_eq!(fmt_count(675_129_632), "675,129,632");
+        assert_eq!(fmt_count(12), "12");
+    }
+
+    #[test]
+    fn table_aligns() {
+        let mut t = Table::new(&["a", "bb"]);
+        t.row(vec!["long name".into(), "1".into()]);
+        let s = t.render();
+        assert!(s.contains("long name   1"));
+    }
+}
