@@ -214,6 +214,36 @@ mod tests {
     }
 
     #[test]
+    fn materialized_scales_with_stored_blocks() {
+        // Live activations after the forward differ by (stored blocks) × (A-sized tensors per block
+        // − the memory-efficient log-sum-exp), whatever the recompute policy.
+        let mut s = small();
+        s.recipe.precision = Precision::Fp32;
+        let d = Dims::new(&s);
+        // fp32 materialized keeps scores, x−max, exp and P (four A-sized f32 tensors) and the row
+        // max and sum; memory-efficient keeps one f32 log-sum-exp row instead.
+        let rows = d.b * d.heads * d.s;
+        let per_block = 4 * d.a() * 4 + 2 * rows * 4 - rows * 4;
+        for (rc, stored) in [(Recompute::None, 12u64), (Recompute::EveryK(2), 6), (Recompute::All, 0)] {
+            s.recipe.recompute = rc.clone();
+            let after_fwd = |mode| {
+                let mut t = s.clone();
+                t.recipe.attention = mode;
+                let b = estimate(&t).unwrap();
+                b.timeline
+                    .events
+                    .iter()
+                    .find(|e| e.label == "loss")
+                    .unwrap()
+                    .live
+                    .activations
+            };
+            let diff = after_fwd(AttentionMode::Materialized) - after_fwd(AttentionMode::MemoryEfficient);
+            assert_eq!(diff, stored * per_block, "recompute {rc}");
+        }
+    }
+
+    #[test]
     fn weights_times_four_is_not_the_peak() {
         let b = estimate(&Spec::default_xl()).unwrap();
         assert_ne!(b.weights_times_four, b.peak_bytes);
