@@ -1,1 +1,53 @@
-//! engine
+//! `ditmem-engine`: executes a ditmem [`Spec`](ditmem_budget::Spec) as a real DiT training step in
+//! candle (CPU) and measures it.
+//!
+//! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
+//! - [`block`]: the adaLN-Zero block and final layer, composed op by op.
+//! - [`attention`]: materialized, memory-efficient (custom op) and attention-only-recompute cores.
+//! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
+//! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
+//! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
+//! - [`measure`]: the counting allocator and the memory probe.
+//! - [`run`]: warm-up + measured steps → [`Measurement`].
+//!
+//! # Block composition (what one block allocates in forward)
+//! `cd` = compute dtype, `ad` = accumulation dtype, E = b·s·D, A = b·a·s². Casts happen only when
+//! the dtypes differ. Every tensor below stays alive while the block's output is kept (candle keeps
+//! every intermediate of a graph), and is freed when the block's backward is done:
+//! 1. `silu(c)` (b,D) ad → cd; adaLN weight/bias → cd; `matmul` (b,6D) cd; `+bias` (b,6D) cd;
+//!    → ad (b,6D); six `narrow` views.
+//! 2. LN1 in ad: mean (b,s,1), xc (E), xc² (E), var (b,s,1), var+eps (b,s,1), rstd (b,s,1),
+//!    xn (E); modulate: 1+scale (b,1,D), xn·(1+scale) (E), +shift (E); → cd (E).
+//! 3. qkv weight/bias → cd; `matmul` (b·s,3D) cd; `+bias` (b·s,3D) cd; q·(1/√dh) copy (E cd);
+//!    k, v contiguous copies (E cd each).
+//! 4. materialized: scores (A cd); → ad (A); row max (b,a,s,1) ad; shifted (A ad); exp (A ad);
+//!    row sum (b,a,s,1) ad; P (A ad); → cd (A); [dropout mask (A cd), P·mask (A cd)];
+//!    o = P·v (E cd). Memory-efficient: o (E cd) + lse (b,a,s) f32 (f64 under fp64) in the op.
+//!    Attention-only recompute: o (E cd) only.
+//! 5. o transposed → (b·s, D) copy (E cd); proj weight/bias → cd; `matmul` (E cd); `+bias` (E cd);
+//!    → ad (E); ·gate (E ad); x1 = x + … (E ad).
+//! 6. LN2 + modulate as 2 (on x1); fc1 weight/bias → cd; `matmul` (4E cd); `+bias` (4E cd);
+//!    gelu (4E cd); [dropout mask (4E cd), g·mask (4E cd)]; fc2 weight/bias → cd; `matmul`
+//!    (E cd); `+bias` (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
+//!
+//! Beyond the block graph: a stored block's input is a fresh leaf copy (E ad) of the previous
+//! output; a recomputed block keeps only its input (which shares storage with the previous block's
+//! output).
+
+pub mod attention;
+pub mod block;
+pub mod diffusion;
+pub mod error;
+pub mod measure;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod run;
+pub mod trainer;
+
+pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};
+pub use error::{EngineError, Result};
+pub use measure::{CountingAlloc, MemoryProbe, Phase, PhasePeaks, TimelinePoint};
+pub use model::{param_count, param_shapes, trainable_count, Dims, ParamShape};
+pub use run::{run, Measurement, Progress, RunOptions};
+pub use trainer::{StepReport, TrainOptions, Trainer};

@@ -1,0 +1,224 @@
+//! One adaLN-Zero DiT block and the final layer, composed exactly as the budget's op inventory
+//! models them (see the crate docs for the tensor list). `cd` is the compute dtype of matmuls and
+//! attention, `ad` the accumulation dtype of the residual stream, norms, softmax and modulation.
+//!
+//! Weights arrive already in the compute dtype (the caller casts the f32 master weights, so the
+//! cast copies belong to the block's graph). Every linear runs on a 2-D view:
+//! `x.matmul(Wᵀ).broadcast_add(b)`, plus `(x·Aᵀ)·Bᵀ` when the linear carries LoRA.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::attention::{attention_materialized, attention_recompute_core, Dropout, MemEffAttention};
+use crate::error::{EngineError, Result};
+
+/// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
+pub const LN_EPS: f64 = 1e-6;
+
+/// A linear's weights in the compute dtype; `lora` = (A (r, in), B (out, r)).
+#[derive(Debug, Clone)]
+pub struct LinearW {
+    pub w: Tensor,
+    pub b: Tensor,
+    pub lora: Option<(Tensor, Tensor)>,
+}
+
+impl LinearW {
+    /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.w.t()?)?.broadcast_add(&self.b)?;
+        Ok(match &self.lora {
+            Some((a, b)) => (y + x.matmul(&a.t()?)?.matmul(&b.t()?)?)?,
+            None => y,
+        })
+    }
+}
+
+/// The weights of one block, in the compute dtype.
+#[derive(Debug, Clone)]
+pub struct BlockWeights {
+    pub adaln: LinearW,
+    pub qkv: LinearW,
+    pub proj: LinearW,
+    pub fc1: LinearW,
+    pub fc2: LinearW,
+}
+
+/// How the attention core runs inside a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnImpl {
+    Materialized,
+    MemoryEfficient,
+    /// Materialized, but P is recomputed in backward (the attention-only policy).
+    RecomputeCore,
+}
+
+/// Static configuration of the blocks of a model under a recipe.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockConfig {
+    pub hidden: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub compute: DType,
+    pub accum: DType,
+    pub attn: AttnImpl,
+    pub attn_dropout: f64,
+    pub mlp_dropout: f64,
+}
+
+/// Seeds of the random streams of one block execution (replayed on recompute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSeeds {
+    pub attn: u64,
+    pub mlp: u64,
+}
+
+/// Cast only when the dtype differs (a cast is a copy).
+pub fn cast(t: Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        Ok(t)
+    } else {
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
+/// LayerNorm over the last axis without affine, composed from differentiable ops:
+/// mean, xc = x − mean, var = mean(xc²), rstd = (var + eps)^(−1/2), xc·rstd.
+pub fn layer_norm(x: &Tensor) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let rstd = var.affine(1.0, LN_EPS)?.powf(-0.5)?;
+    Ok(xc.broadcast_mul(&rstd)?)
+}
+
+/// x·(1 + scale) + shift with scale, shift (b, D) broadcast over the tokens of x (b, s, D).
+pub fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let one_plus = scale.unsqueeze(1)?.affine(1.0, 1.0)?;
+    Ok(x.broadcast_mul(&one_plus)?.broadcast_add(&shift.unsqueeze(1)?)?)
+}
+
+/// One DiT block: x (b, s, D) and c (b, D) in `ad` → x (b, s, D) in `ad`.
+pub fn block_forward(
+    x: &Tensor,
+    c: &Tensor,
+    w: &BlockWeights,
+    cfg: &BlockConfig,
+    seeds: BlockSeeds,
+) -> Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let (a, dh) = (cfg.heads, cfg.head_dim);
+    // adaLN modulation: (b, 6D) → six (b, D) views.
+    let silu_c = c.silu()?;
+    let modv = cast(w.adaln.forward(&cast(silu_c, cd)?)?, ad)?;
+    let chunk = |i: usize| modv.narrow(1, i * h, h);
+    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
+    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+
+    // Attention branch.
+    let h1 = cast(modulate(&layer_norm(x)?, &shift_msa, &scale_msa)?, cd)?;
+    let qkv = w.qkv.forward(&h1.reshape((b * s, h))?)?;
+    let qkv = qkv.reshape((b, s, 3, a, dh))?;
+    let view = |i: usize| -> Result<Tensor> {
+        Ok(qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?)
+    };
+    let q = view(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+    let k = view(1)?.contiguous()?;
+    let v = view(2)?.contiguous()?;
+    let dropout = (cfg.attn_dropout > 0.0).then_some(Dropout {
+        p: cfg.attn_dropout,
+        seed: seeds.attn,
+    });
+    let o = match cfg.attn {
+        AttnImpl::Materialized => attention_materialized(&q, &k, &v, ad, dropout)?,
+        AttnImpl::RecomputeCore => attention_recompute_core(&q, &k, &v, ad, dropout)?,
+        AttnImpl::MemoryEfficient => {
+            if dropout.is_some() {
+                return Err(EngineError::unsupported(
+                    "attention dropout with memory-efficient attention",
+                    "use materialized attention or attn_dropout = 0",
+                ));
+            }
+            MemEffAttention::apply(&q, &k, &v)?
+        }
+    };
+    let o2 = o.transpose(1, 2)?.reshape((b * s, h))?;
+    let proj = cast(w.proj.forward(&o2)?, ad)?.reshape((b, s, h))?;
+    let x1 = (x + proj.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
+
+    // MLP branch.
+    let h2 = cast(modulate(&layer_norm(&x1)?, &shift_mlp, &scale_mlp)?, cd)?;
+    let f1 = w.fc1.forward(&h2.reshape((b * s, h))?)?;
+    let g = f1.gelu()?;
+    let g = if cfg.mlp_dropout > 0.0 {
+        let d = Dropout {
+            p: cfg.mlp_dropout,
+            seed: seeds.mlp,
+        };
+        let mask = crate::attention::dropout_mask(g.dims(), d, cd, g.device())?;
+        g.mul(&mask)?
+    } else {
+        g
+    };
+    let f2 = cast(w.fc2.forward(&g)?, ad)?.reshape((b, s, h))?;
+    Ok((x1 + f2.broadcast_mul(&gate_mlp.unsqueeze(1)?)?)?)
+}
+
+/// The final layer's weights in the compute dtype.
+#[derive(Debug, Clone)]
+pub struct FinalWeights {
+    pub adaln: LinearW,
+    pub linear: LinearW,
+}
+
+/// Final layer: x (b, s, D), c (b, D) in `ad` → (b·s, p²·C_out) in `ad`.
+pub fn final_forward(x: &Tensor, c: &Tensor, w: &FinalWeights, cd: DType, ad: DType) -> Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let modv = cast(w.adaln.forward(&cast(c.silu()?, cd)?)?, ad)?;
+    let (shift, scale) = (modv.narrow(1, 0, h)?, modv.narrow(1, h, h)?);
+    let hx = cast(modulate(&layer_norm(x)?, &shift, &scale)?, cd)?;
+    Ok(cast(w.linear.forward(&hx.reshape((b * s, h))?)?, ad)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn composed_layer_norm_matches_definition_and_has_grad() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(
+            &Tensor::from_vec((0..24).map(|i| ((i * 7) % 11) as f64 * 0.3).collect::<Vec<_>>(), (2, 3, 4), &dev).unwrap(),
+        )
+        .unwrap();
+        let y = layer_norm(x.as_tensor()).unwrap();
+        let rows: Vec<Vec<f64>> = y.reshape((6, 4)).unwrap().to_vec2().unwrap();
+        let xs: Vec<Vec<f64>> = x.as_tensor().reshape((6, 4)).unwrap().to_vec2().unwrap();
+        for (r, xr) in rows.iter().zip(&xs) {
+            let m = xr.iter().sum::<f64>() / 4.0;
+            let v = xr.iter().map(|a| (a - m).powi(2)).sum::<f64>() / 4.0;
+            for (a, b) in r.iter().zip(xr) {
+                assert!((a - (b - m) / (v + LN_EPS).sqrt()).abs() < 1e-12);
+            }
+        }
+        // Finite-difference check of d/dx sum(y·w).
+        let wv: Vec<f64> = (0..24).map(|i| (i as f64 * 0.37).sin()).collect();
+        let wt = Tensor::from_vec(wv, (2, 3, 4), &dev).unwrap();
+        let f = |t: &Tensor| layer_norm(t).unwrap().mul(&wt).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        let g = layer_norm(x.as_tensor()).unwrap().mul(&wt).unwrap().sum_all().unwrap().backward().unwrap();
+        let g: Vec<f64> = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        for i in [0, 5, 13, 23] {
+            let eps = 1e-6;
+            let mut p = base.clone();
+            p[i] += eps;
+            let mut m = base.clone();
+            m[i] -= eps;
+            let fp = f(&Tensor::from_vec(p, (2, 3, 4), &dev).unwrap());
+            let fm = f(&Tensor::from_vec(m, (2, 3, 4), &dev).unwrap());
+            let fd = (fp - fm) / (2.0 * eps);
+            assert!((fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()), "i={i}: fd {fd} vs {}", g[i]);
+        }
+    }
+}

@@ -1,0 +1,733 @@
+//! The block scheduler: one training step executed segment by segment under the spec's recipe.
+//!
+//! Forward: the embed segment (patch/timestep/label embedders) keeps its graph; then each block.
+//! A stored block runs on a fresh leaf copy of the previous output and keeps its output (which
+//! holds the block's graph); a recomputed block runs untracked (detached weights) and keeps only
+//! its input. The final layer and the loss run on a leaf copy of the last block output.
+//!
+//! Backward: `loss.backward()` on the final segment; then for each block from the last one down:
+//! recompute it if needed (same dropout seeds), backprop the surrogate `sum(out · grad_out)`, take
+//! the weight gradients and the input gradient (detached), add the weight gradients into the f32
+//! (f64 under fp64) gradient buffers, and drop the block's graph and gradient store at once. The
+//! conditioning c is an input of every block and of the final layer: its gradient is summed over
+//! them and backpropagated through the embedders with the embed segment's surrogate at the end.
+//!
+//! Gradient accumulation runs the above per microbatch with the loss scaled by 1/accumulation;
+//! the gradient buffers stay live across microbatches and are dropped after the optimizer step
+//! (unless [`TrainOptions::keep_gradients`] or [`Trainer::compute_gradients`]).
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use ditmem_budget::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
+use serde::Serialize;
+
+use crate::block::{
+    block_forward, cast, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
+    LinearW,
+};
+use crate::diffusion::{alphas_cumprod, Batch};
+use crate::error::{EngineError, Result};
+use crate::measure::{MemoryProbe, Phase, PhasePeaks, Recorder, TimelinePoint};
+use crate::model::{init_values, param_shapes, patchify, timestep_features, unpatchify, Dims, BLOCK_LINEARS};
+use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
+use crate::rng::derive_seed;
+
+/// Candle dtype of a spec dtype.
+pub fn dtype(d: Dtype) -> Result<DType> {
+    Ok(match d {
+        Dtype::F64 => DType::F64,
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+        Dtype::U8 => {
+            return Err(EngineError::unsupported("u8 weights", "only float dtypes hold weights"))
+        }
+    })
+}
+
+/// Dtype of the gradient buffers (and of the loss): f64 under fp64, f32 otherwise.
+pub fn grad_dtype(p: Precision) -> DType {
+    if p == Precision::Fp64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Options of a trainer that are not part of the spec.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainOptions {
+    /// Seed of the weight init and of the dropout masks.
+    pub seed: u64,
+    pub lr: f64,
+    pub weight_decay: f64,
+    /// Clean steps before the fp16 loss scale doubles.
+    pub loss_scale_growth_interval: u32,
+    /// Keep the gradient buffers after the optimizer step (for `gradients()`); by default they
+    /// are dropped after the update, like `zero_grad(set_to_none=True)`.
+    pub keep_gradients: bool,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            seed: 0,
+            lr: 1e-4,
+            weight_decay: 0.0,
+            loss_scale_growth_interval: 2000,
+            keep_gradients: false,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepReport {
+    /// Mean loss over the microbatches (unscaled).
+    pub loss: f64,
+    /// The optimizer step was skipped (fp16 overflow).
+    pub skipped: bool,
+    /// Live bytes at each segment boundary (empty without a probe).
+    pub timeline: Vec<TimelinePoint>,
+    /// Peak live bytes per phase (zero without a probe).
+    pub phase_peaks: PhasePeaks,
+    /// L2 norm of the (unscaled) gradient of the trained parameters.
+    pub grad_norm: f64,
+    /// Loss scale used in this step (1 unless fp16-mixed).
+    pub loss_scale: f64,
+}
+
+enum Value {
+    Trained(Var),
+    Frozen(Tensor),
+}
+
+struct Param {
+    name: String,
+    value: Value,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LinearIdx {
+    w: usize,
+    b: usize,
+    lora: Option<(usize, usize)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlockIdx {
+    lin: [LinearIdx; 5],
+}
+
+/// What the forward pass keeps of a block until its backward.
+enum Saved {
+    /// The leaf the block ran on and its output (holding the block's graph).
+    Stored { leaf: Var, out: Tensor },
+    /// The block's input only (shares storage with the previous output).
+    Recompute { input: Tensor },
+}
+
+/// A DiT under a spec's recipe, with its optimizer state; runs training steps.
+pub struct Trainer {
+    spec: Spec,
+    opts: TrainOptions,
+    dev: Device,
+    dims: Dims,
+    cfg: BlockConfig,
+    precision: Precision,
+    params: Vec<Param>,
+    by_name: HashMap<String, usize>,
+    trained: Vec<usize>,
+    embed_idx: [LinearIdx; 3],
+    table: usize,
+    pos: usize,
+    blocks: Vec<BlockIdx>,
+    final_idx: [LinearIdx; 2],
+    grads: Vec<Option<Tensor>>,
+    grad_scale: f64,
+    optimizer: Box<dyn Optimizer>,
+    ema: Option<Ema>,
+    scaler: Option<LossScaler>,
+    acp: Vec<f64>,
+    steps: u64,
+}
+
+impl Trainer {
+    /// Build the model of `spec` with weights drawn from `opts.seed` (in f64, then cast).
+    pub fn new(spec: &Spec, opts: TrainOptions) -> Result<Trainer> {
+        let dims = Dims::new(spec)?;
+        let r = &spec.recipe;
+        if r.zero_stage > 0 {
+            return Err(EngineError::unsupported(
+                format!("recipe.zero_stage = {}", r.zero_stage),
+                "the engine executes one rank without sharding; use zero_stage = 0",
+            ));
+        }
+        if r.latents == ditmem_budget::Latents::Encode {
+            return Err(EngineError::unsupported(
+                "recipe.latents = encode",
+                "the engine has no VAE encoder; use latents = cached",
+            ));
+        }
+        if r.attention == AttentionMode::MemoryEfficient && spec.model.attn_dropout > 0.0 {
+            return Err(EngineError::unsupported(
+                "attention dropout with memory-efficient attention",
+                "use materialized attention or model.attn_dropout = 0",
+            ));
+        }
+        let precision = r.precision;
+        let compute = dtype(precision.compute_dtype())?;
+        let accum = dtype(precision.accum_dtype())?;
+        let param_dt = dtype(precision.param_dtype())?;
+        let opt_dt = dtype(precision.optimizer_dtype())?;
+        let optimizer: Box<dyn Optimizer> = match r.optimizer {
+            OptKind::AdamW => Box::new(AdamW::new(opts.lr, opts.weight_decay, opt_dt)),
+            OptKind::Sgd => Box::new(Sgd {
+                lr: opts.lr,
+                weight_decay: opts.weight_decay,
+                dtype: opt_dt,
+            }),
+            OptKind::AdamW8bit => {
+                return Err(EngineError::unsupported(
+                    "recipe.optimizer = adamw-8bit",
+                    "8-bit AdamW is not implemented by the engine; use adamw or sgd",
+                ))
+            }
+        };
+        let attn = match (r.attention, &r.recompute) {
+            (AttentionMode::MemoryEfficient, _) => AttnImpl::MemoryEfficient,
+            (AttentionMode::Materialized, Recompute::AttentionOnly) => AttnImpl::RecomputeCore,
+            (AttentionMode::Materialized, _) => AttnImpl::Materialized,
+        };
+        let cfg = BlockConfig {
+            hidden: dims.hidden,
+            heads: dims.heads,
+            head_dim: dims.head_dim,
+            compute,
+            accum,
+            attn,
+            attn_dropout: spec.model.attn_dropout,
+            mlp_dropout: spec.model.mlp_dropout,
+        };
+        let dev = Device::Cpu;
+        let mut params = Vec::new();
+        let mut by_name = HashMap::new();
+        let mut trained = Vec::new();
+        for (i, p) in param_shapes(spec)?.into_iter().enumerate() {
+            let values = init_values(&p, opts.seed)?;
+            let t = Tensor::from_vec(values, p.shape.clone(), &dev)?;
+            let value = if p.trainable {
+                trained.push(i);
+                Value::Trained(Var::from_tensor(&t.to_dtype(param_dt)?)?)
+            } else if p.name == "pos_embed" {
+                Value::Frozen(t.to_dtype(accum)?)
+            } else {
+                Value::Frozen(t.to_dtype(compute)?)
+            };
+            by_name.insert(p.name.clone(), i);
+            params.push(Param { name: p.name, value });
+        }
+        let idx = |n: &str| -> Result<usize> {
+            by_name
+                .get(n)
+                .copied()
+                .ok_or_else(|| EngineError::bad_input("parameter", format!("'{n}' is missing")))
+        };
+        let lin = |prefix: &str| -> Result<LinearIdx> {
+            let lora = match (by_name.get(&format!("{prefix}.lora_a")), by_name.get(&format!("{prefix}.lora_b"))) {
+                (Some(&a), Some(&b)) => Some((a, b)),
+                _ => None,
+            };
+            Ok(LinearIdx {
+                w: idx(&format!("{prefix}.weight"))?,
+                b: idx(&format!("{prefix}.bias"))?,
+                lora,
+            })
+        };
+        let embed_idx = [lin("x_embedder.proj")?, lin("t_embedder.mlp.0")?, lin("t_embedder.mlp.2")?];
+        let mut blocks = Vec::new();
+        for i in 0..dims.depth {
+            let mut l = [embed_idx[0]; 5];
+            for (slot, (name, _)) in l.iter_mut().zip(BLOCK_LINEARS) {
+                *slot = lin(&format!("blocks.{i}.{name}"))?;
+            }
+            blocks.push(BlockIdx { lin: l });
+        }
+        let final_idx = [lin("final_layer.adaLN_modulation.1")?, lin("final_layer.linear")?];
+        let table = idx("y_embedder.embedding_table.weight")?;
+        let pos = idx("pos_embed")?;
+        let n = params.len();
+        let mut t = Trainer {
+            spec: spec.clone(),
+            opts,
+            dev,
+            dims,
+            cfg,
+            precision,
+            params,
+            by_name,
+            trained,
+            embed_idx,
+            table,
+            pos,
+            blocks,
+            final_idx,
+            grads: vec![None; n],
+            grad_scale: 1.0,
+            optimizer,
+            ema: None,
+            scaler: (precision == Precision::Fp16Mixed).then(|| LossScaler::new(1)),
+            acp: alphas_cumprod(),
+            steps: 0,
+        };
+        if let Some(s) = t.scaler.as_mut() {
+            *s = LossScaler::new(t.opts.loss_scale_growth_interval);
+        }
+        if r.ema.enabled {
+            let ema_dt = dtype(r.ema.dtype)?;
+            let vars = t.trained_vars();
+            t.ema = Some(Ema::new(&vars, r.ema.decay, ema_dt)?);
+        }
+        Ok(t)
+    }
+
+    pub fn spec(&self) -> &Spec {
+        &self.spec
+    }
+
+    pub fn dims(&self) -> &Dims {
+        &self.dims
+    }
+
+    /// Optimizer steps taken (skipped ones not counted).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The current fp16 loss scale (None unless fp16-mixed).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(|s| s.scale)
+    }
+
+    /// Set the fp16 loss scale (e.g. to inject an overflow); an error unless fp16-mixed.
+    pub fn set_loss_scale(&mut self, scale: f64) -> Result<()> {
+        match self.scaler.as_mut() {
+            Some(s) if scale.is_finite() && scale > 0.0 => {
+                s.set_scale(scale);
+                Ok(())
+            }
+            Some(_) => Err(EngineError::bad_input("loss scale", format!("{scale} is not a positive number"))),
+            None => Err(EngineError::bad_input("loss scale", "only fp16-mixed uses a loss scale")),
+        }
+    }
+
+    fn trained_vars(&self) -> Vec<&Var> {
+        self.trained
+            .iter()
+            .filter_map(|&i| match &self.params[i].value {
+                Value::Trained(v) => Some(v),
+                Value::Frozen(_) => None,
+            })
+            .collect()
+    }
+
+    /// Every parameter (name, current value detached, in its storage dtype).
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .map(|p| {
+                let t = match &p.value {
+                    Value::Trained(v) => v.as_detached_tensor(),
+                    Value::Frozen(t) => t.clone(),
+                };
+                (p.name.clone(), t)
+            })
+            .collect()
+    }
+
+    /// One parameter by name.
+    pub fn parameter(&self, name: &str) -> Option<Tensor> {
+        self.by_name.get(name).map(|&i| match &self.params[i].value {
+            Value::Trained(v) => v.as_detached_tensor(),
+            Value::Frozen(t) => t.clone(),
+        })
+    }
+
+    /// Names of the parameters the optimizer updates.
+    pub fn trained_names(&self) -> Vec<String> {
+        self.trained.iter().map(|&i| self.params[i].name.clone()).collect()
+    }
+
+    /// Copy values into parameters by name (cast to each parameter's dtype); unknown names and
+    /// shape mismatches are errors.
+    pub fn load_parameters(&mut self, values: &[(String, Tensor)]) -> Result<()> {
+        for (name, v) in values {
+            let &i = self
+                .by_name
+                .get(name)
+                .ok_or_else(|| EngineError::bad_input("parameter", format!("'{name}' is not a parameter of this model")))?;
+            match &mut self.params[i].value {
+                Value::Trained(var) => {
+                    if var.shape() != v.shape() {
+                        return Err(EngineError::bad_input(name.clone(), format!("shape {:?} ≠ {:?}", v.dims(), var.dims())));
+                    }
+                    var.set(&v.to_dtype(var.dtype())?.contiguous()?)?;
+                }
+                Value::Frozen(t) => {
+                    if t.shape() != v.shape() {
+                        return Err(EngineError::bad_input(name.clone(), format!("shape {:?} ≠ {:?}", v.dims(), t.dims())));
+                    }
+                    *t = v.to_dtype(t.dtype())?.copy()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradients of the trained parameters accumulated by the last `compute_gradients` (or
+    /// `step` with `keep_gradients`), unscaled, in f64.
+    pub fn gradients(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for &i in &self.trained {
+            if let Some(g) = &self.grads[i] {
+                let g = g.to_dtype(DType::F64)?;
+                let g = if self.grad_scale != 1.0 { (g / self.grad_scale)? } else { g };
+                out.push((self.params[i].name.clone(), g));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The EMA weights (name, value) when the recipe keeps an EMA.
+    pub fn ema_parameters(&self) -> Option<Vec<(String, Tensor)>> {
+        self.ema.as_ref().map(|e| {
+            self.trained
+                .iter()
+                .zip(e.shadow())
+                .map(|(&i, t)| (self.params[i].name.clone(), t.clone()))
+                .collect()
+        })
+    }
+
+    /// Bytes of optimizer state (m, v) and of the EMA.
+    pub fn state_bytes(&self) -> (u64, u64) {
+        (
+            self.optimizer.state_bytes(),
+            self.ema.as_ref().map_or(0, Ema::state_bytes),
+        )
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Weights for compute.
+
+    fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
+        let t = match &self.params[i].value {
+            Value::Trained(v) if track => v.as_tensor().clone(),
+            Value::Trained(v) => v.as_detached_tensor(),
+            Value::Frozen(t) => t.clone(),
+        };
+        cast(t, self.cfg.compute)
+    }
+
+    fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
+        let lora = match l.lora {
+            Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
+            None => None,
+        };
+        Ok(LinearW {
+            w: self.weight(l.w, track)?,
+            b: self.weight(l.b, track)?,
+            lora,
+        })
+    }
+
+    fn block_weights(&self, i: usize, track: bool) -> Result<BlockWeights> {
+        let l = &self.blocks[i].lin;
+        Ok(BlockWeights {
+            adaln: self.linear(l[0], track)?,
+            qkv: self.linear(l[1], track)?,
+            proj: self.linear(l[2], track)?,
+            fc1: self.linear(l[3], track)?,
+            fc2: self.linear(l[4], track)?,
+        })
+    }
+
+    fn linear_params(l: &LinearIdx) -> Vec<usize> {
+        let mut v = vec![l.w, l.b];
+        if let Some((a, b)) = l.lora {
+            v.extend([a, b]);
+        }
+        v
+    }
+
+    /// Add the gradients of `idx` found in `grads` into the buffers.
+    fn accumulate(&mut self, idx: &[usize], grads: &candle_core::backprop::GradStore) -> Result<()> {
+        let gd = grad_dtype(self.precision);
+        for &i in idx {
+            let Value::Trained(v) = &self.params[i].value else { continue };
+            let Some(g) = grads.get(v.as_tensor()) else { continue };
+            let g = cast(g.detach(), gd)?;
+            self.grads[i] = Some(match self.grads[i].take() {
+                Some(old) => (old + g)?,
+                None => g,
+            });
+        }
+        Ok(())
+    }
+
+    fn seeds(&self, micro: usize, block: usize) -> BlockSeeds {
+        let base = [self.steps, micro as u64, block as u64];
+        BlockSeeds {
+            attn: derive_seed(self.opts.seed, &[base[0], base[1], base[2], 1]),
+            mlp: derive_seed(self.opts.seed, &[base[0], base[1], base[2], 2]),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The step.
+
+    /// Forward and backward over every microbatch of `batch` (microbatch × accumulation
+    /// samples); the gradients stay in the buffers. Returns the mean loss.
+    pub fn compute_gradients(&mut self, batch: &Batch) -> Result<f64> {
+        let mut rec = Recorder::new(None);
+        self.forward_backward(batch, &mut rec)
+    }
+
+    fn forward_backward(&mut self, batch: &Batch, rec: &mut Recorder<'_>) -> Result<f64> {
+        batch.check(&self.dims)?;
+        let w = &self.spec.workload;
+        let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+        if batch.n != micro * accum {
+            return Err(EngineError::bad_input(
+                "batch",
+                format!("{} samples; this spec takes microbatch × accumulation = {micro} × {accum} = {} per step", batch.n, micro * accum),
+            ));
+        }
+        for g in self.grads.iter_mut() {
+            *g = None;
+        }
+        self.grad_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let mut loss_sum = 0.0;
+        for m in 0..accum {
+            let mb = batch.slice(m * micro, micro)?;
+            rec.enter(Phase::Forward);
+            loss_sum += self.microbatch(&mb, m, accum, rec)?;
+        }
+        Ok(loss_sum / accum as f64)
+    }
+
+    fn microbatch(&mut self, mb: &Batch, micro: usize, accum: usize, rec: &mut Recorder<'_>) -> Result<f64> {
+        let d = self.dims;
+        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let ld = grad_dtype(self.precision);
+        let b = mb.n;
+
+        // Embed segment (kept until the end of the backward).
+        let xt = mb.noisy(&self.acp, ad, &self.dev)?;
+        let xp = cast(patchify(&xt, &d)?, cd)?;
+        drop(xt);
+        let xe = self.linear(self.embed_idx[0], true)?.forward(&xp)?;
+        let pos = self.weight_and_keep(self.pos)?;
+        let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?.broadcast_add(&pos)?;
+        let tf = cast(timestep_features(&mb.timesteps, d.freq, ad, &self.dev)?, cd)?;
+        let t1 = self.linear(self.embed_idx[1], true)?.forward(&tf)?.silu()?;
+        let temb = cast(self.linear(self.embed_idx[2], true)?.forward(&t1)?, ad)?;
+        let null = d.num_classes as u32;
+        let ids: Vec<u32> = mb
+            .labels
+            .iter()
+            .zip(&mb.drop_label)
+            .map(|(&y, &drop)| if drop && d.label_rows > d.num_classes { null } else { y })
+            .collect();
+        let ids = Tensor::from_vec(ids, b, &self.dev)?;
+        let table = match &self.params[self.table].value {
+            Value::Trained(v) => v.as_tensor().clone(),
+            Value::Frozen(t) => t.clone(),
+        };
+        let yemb = cast(table.index_select(&ids, 0)?, ad)?;
+        let c = (temb + yemb)?;
+        let c_leaf = Var::from_tensor(&c.detach())?;
+        rec.mark("embed");
+
+        // Blocks.
+        let mut saved: Vec<Saved> = Vec::with_capacity(d.depth);
+        let mut cur = x0.clone();
+        for i in 0..d.depth {
+            let seeds = self.seeds(micro, i);
+            if self.spec.recipe.recompute.recomputes_block(i as u32) {
+                let input = cur.detach();
+                let w = self.block_weights(i, false)?;
+                cur = block_forward(&input, &c_leaf.as_detached_tensor(), &w, &self.cfg, seeds)?;
+                saved.push(Saved::Recompute { input });
+            } else {
+                let leaf = Var::from_tensor(&cur.detach())?;
+                let w = self.block_weights(i, true)?;
+                let out = block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
+                cur = out.clone();
+                saved.push(Saved::Stored { leaf, out });
+            }
+            rec.mark(format!("block {i}"));
+        }
+
+        // Final layer and loss.
+        let final_leaf = Var::from_tensor(&cur.detach())?;
+        drop(cur);
+        let fw = FinalWeights {
+            adaln: self.linear(self.final_idx[0], true)?,
+            linear: self.linear(self.final_idx[1], true)?,
+        };
+        let out = final_forward(final_leaf.as_tensor(), c_leaf.as_tensor(), &fw, cd, ad)?;
+        drop(fw);
+        let pred = unpatchify(&out, b, &d)?.narrow(1, 0, d.in_channels)?;
+        let pred = cast(pred, ld)?;
+        let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
+        let loss = (pred - target)?.sqr()?.mean_all()?;
+        let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        rec.mark("final");
+
+        rec.enter(Phase::Backward);
+        let factor = self.grad_scale / accum as f64;
+        let grads = loss.affine(factor, 0.0)?.backward()?;
+        drop(loss);
+        let mut final_params = Self::linear_params(&self.final_idx[0]);
+        final_params.extend(Self::linear_params(&self.final_idx[1]));
+        self.accumulate(&final_params, &grads)?;
+        let mut gx = grads
+            .get(final_leaf.as_tensor())
+            .map(Tensor::detach)
+            .ok_or_else(|| EngineError::bad_input("backward", "no gradient reached the final layer input"))?;
+        let mut gc = match grads.get(c_leaf.as_tensor()) {
+            Some(g) => cast(g.detach(), ld)?,
+            None => Tensor::zeros((b, d.hidden), ld, &self.dev)?,
+        };
+        drop(grads);
+        drop(final_leaf);
+        rec.mark("final");
+
+        for i in (0..d.depth).rev() {
+            let s = saved.pop().ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
+            let (leaf, out) = match s {
+                Saved::Stored { leaf, out } => (leaf, out),
+                Saved::Recompute { input } => {
+                    let leaf = Var::from_tensor(&input)?;
+                    drop(input);
+                    let w = self.block_weights(i, true)?;
+                    let out = block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, self.seeds(micro, i))?;
+                    (leaf, out)
+                }
+            };
+            let grads = out.mul(&gx)?.sum_all()?.backward()?;
+            drop(out);
+            let mut idx = Vec::new();
+            for l in &self.blocks[i].lin {
+                idx.extend(Self::linear_params(l));
+            }
+            self.accumulate(&idx, &grads)?;
+            gx = grads
+                .get(leaf.as_tensor())
+                .map(Tensor::detach)
+                .ok_or_else(|| EngineError::bad_input("backward", format!("no gradient reached block {i}'s input")))?;
+            if let Some(g) = grads.get(c_leaf.as_tensor()) {
+                gc = (gc + cast(g.detach(), ld)?)?;
+            }
+            drop(grads);
+            drop(leaf);
+            rec.mark(format!("block {i}"));
+        }
+
+        // Embed segment backward.
+        let gc = cast(gc, ad)?;
+        let sur = (x0.mul(&gx)?.sum_all()? + cast(c.mul(&gc)?.sum_all()?, x0.dtype())?)?;
+        let grads = sur.backward()?;
+        drop(sur);
+        let mut idx = Vec::new();
+        for l in &self.embed_idx {
+            idx.extend(Self::linear_params(l));
+        }
+        idx.push(self.table);
+        self.accumulate(&idx, &grads)?;
+        drop(grads);
+        drop((x0, c, gx, gc));
+        rec.mark("embed");
+        Ok(loss_value)
+    }
+
+    fn weight_and_keep(&self, i: usize) -> Result<Tensor> {
+        Ok(match &self.params[i].value {
+            Value::Trained(v) => v.as_tensor().clone(),
+            Value::Frozen(t) => t.clone(),
+        })
+    }
+
+    /// One optimizer step on `batch` (microbatch × accumulation samples).
+    pub fn step(&mut self, batch: &Batch, probe: Option<&dyn MemoryProbe>) -> Result<StepReport> {
+        let mut rec = Recorder::new(probe);
+        let loss = self.forward_backward(batch, &mut rec)?;
+        rec.enter(Phase::Optimizer);
+        let scale = self.grad_scale;
+        // Gradient norm (unscaled); a non-finite norm means an overflow somewhere.
+        let mut sq = 0.0f64;
+        for &i in &self.trained {
+            if let Some(g) = &self.grads[i] {
+                sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            }
+        }
+        let grad_norm = sq.sqrt() / scale;
+        let skipped = match self.scaler.as_mut() {
+            Some(s) => s.update(grad_norm.is_finite()),
+            None => false,
+        };
+        if !skipped {
+            let gd = grad_dtype(self.precision);
+            let mut gs: Vec<Tensor> = Vec::with_capacity(self.trained.len());
+            for &i in &self.trained {
+                gs.push(match (&self.grads[i], &self.params[i].value) {
+                    (Some(g), _) => g.clone(),
+                    (None, Value::Trained(v)) => Tensor::zeros(v.shape(), gd, &self.dev)?,
+                    (None, Value::Frozen(t)) => Tensor::zeros(t.shape(), gd, &self.dev)?,
+                });
+            }
+            let vars: Vec<&Var> = self
+                .trained
+                .iter()
+                .filter_map(|&i| match &self.params[i].value {
+                    Value::Trained(v) => Some(v),
+                    Value::Frozen(_) => None,
+                })
+                .collect();
+            let grefs: Vec<&Tensor> = gs.iter().collect();
+            self.optimizer.step(&vars, &grefs, 1.0 / scale)?;
+            drop(grefs);
+            drop(gs);
+            if let Some(e) = self.ema.as_mut() {
+                let vars: Vec<&Var> = self
+                    .trained
+                    .iter()
+                    .filter_map(|&i| match &self.params[i].value {
+                        Value::Trained(v) => Some(v),
+                        Value::Frozen(_) => None,
+                    })
+                    .collect();
+                e.update(&vars)?;
+            }
+            self.steps += 1;
+        }
+        if !self.opts.keep_gradients {
+            for g in self.grads.iter_mut() {
+                *g = None;
+            }
+        }
+        rec.mark("optimizer");
+        let (timeline, phase_peaks) = rec.finish();
+        Ok(StepReport {
+            loss,
+            skipped,
+            timeline,
+            phase_peaks,
+            grad_norm,
+            loss_scale: scale,
+        })
+    }
+}
+
