@@ -332,26 +332,29 @@ impl Trainer {
             .collect()
     }
 
-    /// Every parameter (name, current value detached, in its storage dtype).
-    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+    /// Every parameter (name, a copy of its current value in its storage dtype). Copies, because
+    /// the optimizer updates the weights in place.
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         self.params
             .iter()
-            .map(|p| {
-                let t = match &p.value {
-                    Value::Trained(v) => v.as_detached_tensor(),
-                    Value::Frozen(t) => t.clone(),
-                };
-                (p.name.clone(), t)
-            })
+            .map(|p| Ok((p.name.clone(), self.value_copy(&p.value)?)))
             .collect()
     }
 
-    /// One parameter by name.
-    pub fn parameter(&self, name: &str) -> Option<Tensor> {
-        self.by_name.get(name).map(|&i| match &self.params[i].value {
-            Value::Trained(v) => v.as_detached_tensor(),
-            Value::Frozen(t) => t.clone(),
+    fn value_copy(&self, v: &Value) -> Result<Tensor> {
+        Ok(match v {
+            Value::Trained(v) => v.as_detached_tensor().copy()?,
+            Value::Frozen(t) => t.copy()?,
         })
+    }
+
+    /// A copy of one parameter by name.
+    pub fn parameter(&self, name: &str) -> Result<Tensor> {
+        let &i = self
+            .by_name
+            .get(name)
+            .ok_or_else(|| EngineError::bad_input("parameter", format!("'{name}' is not a parameter of this model")))?;
+        self.value_copy(&self.params[i].value)
     }
 
     /// Names of the parameters the optimizer updates.

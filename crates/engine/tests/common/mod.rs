@@ -1,0 +1,70 @@
+//! Shared helpers of the engine tests: a tiny spec (depth 2, hidden 64, 4 heads, patch 2, 128×128
+//! images = 16×16 latents = 64 tokens, batch 4).
+#![allow(dead_code)]
+
+use ditmem_budget::{Precision, Recompute, Spec};
+use ditmem_engine::{Batch, SyntheticData, TrainOptions, Trainer};
+
+pub fn tiny(precision: Precision) -> Spec {
+    let mut s = Spec::default_xl();
+    s.model.name = "tiny".into();
+    s.model.depth = 2;
+    s.model.hidden = 64;
+    s.model.heads = 4;
+    s.model.patch = 2;
+    s.model.num_classes = 10;
+    s.workload.height = 128;
+    s.workload.width = 128;
+    s.workload.batch = 4;
+    s.workload.microbatch = 4;
+    s.workload.accumulation = 1;
+    s.recipe.precision = precision;
+    s.recipe.recompute = Recompute::None;
+    s.recipe.ema.enabled = false;
+    s.validate().unwrap();
+    s
+}
+
+pub fn batch(spec: &Spec, seed: u64) -> Batch {
+    SyntheticData::new(spec, seed).unwrap().step_batch(0)
+}
+
+pub fn trainer(spec: &Spec, keep: bool) -> Trainer {
+    Trainer::new(
+        spec,
+        TrainOptions {
+            seed: 42,
+            lr: 1e-3,
+            keep_gradients: keep,
+            ..TrainOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Gradients of one forward/backward, by name, as f64 vectors.
+pub fn grads(spec: &Spec, b: &Batch) -> (f64, Vec<(String, Vec<f64>)>) {
+    let mut t = trainer(spec, true);
+    let loss = t.compute_gradients(b).unwrap();
+    let g = t
+        .gradients()
+        .unwrap()
+        .into_iter()
+        .map(|(n, g)| (n, g.flatten_all().unwrap().to_vec1::<f64>().unwrap()))
+        .collect();
+    (loss, g)
+}
+
+/// max |a−b| / max(max |b|, tiny) over every gradient.
+pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
+    assert_eq!(a.len(), b.len(), "different gradient sets");
+    let mut worst: f64 = 0.0;
+    for ((na, ga), (nb, gb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert_eq!(ga.len(), gb.len(), "{na}");
+        let scale = gb.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
+        let d = ga.iter().zip(gb).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(d / scale);
+    }
+    worst
+}
