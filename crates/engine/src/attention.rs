@@ -86,8 +86,14 @@ pub fn attention_materialized(
 // Element access helpers for the CPU kernels.
 
 /// Accumulation scalar of the streaming kernels (f32 or f64).
-trait Acc: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::AddAssign
+trait Acc:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::AddAssign
 {
     const ZERO: Self;
     const NEG_INF: Self;
@@ -150,7 +156,9 @@ fn err(msg: impl Into<String>) -> candle_core::Error {
 fn dims4(l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
     match l.dims() {
         &[b, a, s, dh] => Ok((b, a, s, dh)),
-        d => Err(err(format!("attention expects (b, a, s, dh) tensors, got {d:?}"))),
+        d => Err(err(format!(
+            "attention expects (b, a, s, dh) tensors, got {d:?}"
+        ))),
     }
 }
 
@@ -215,7 +223,11 @@ fn mea_forward<T: Elem<A>, A: Acc>(q: &[T], k: &[T], v: &[T], g: &Geometry) -> (
                     }
                 }
                 let m_new = if bmax > m { bmax } else { m };
-                let corr = if m == A::NEG_INF { A::ZERO } else { (m - m_new).exp() };
+                let corr = if m == A::NEG_INF {
+                    A::ZERO
+                } else {
+                    (m - m_new).exp()
+                };
                 l = l * corr;
                 for a in acc.iter_mut() {
                     *a = *a * corr;
@@ -370,7 +382,10 @@ impl CustomOp3 for MemEffAttention {
                     contiguous_slice($v, l3)?,
                 );
                 let (o, lse) = mea_forward(q, k, v, &g);
-                (CpuStorage::$variant(o), Tensor::from_vec(lse, lse_dims, &dev)?)
+                (
+                    CpuStorage::$variant(o),
+                    Tensor::from_vec(lse, lse_dims, &dev)?,
+                )
             }};
         }
         let (out, lse) = match (s1, s2, s3) {
@@ -406,7 +421,12 @@ impl CustomOp3 for MemEffAttention {
             .clone()
             .ok_or_else(|| err("memory-efficient attention backward before forward"))?;
         let go = grad_res.contiguous()?;
-        let (q, k, v, o) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, res.contiguous()?);
+        let (q, k, v, o) = (
+            q.contiguous()?,
+            k.contiguous()?,
+            v.contiguous()?,
+            res.contiguous()?,
+        );
         let g = geometry(q.layout(), k.layout(), v.layout())?;
         let dev = q.device().clone();
         let (qs, ql) = q.storage_and_layout();
@@ -453,7 +473,11 @@ impl CustomOp3 for MemEffAttention {
             DType::F64 => run!(F64, F64),
             DType::BF16 => run!(BF16, F32),
             DType::F16 => run!(F16, F32),
-            other => return Err(err(format!("memory-efficient attention: unsupported dtype {other:?}"))),
+            other => {
+                return Err(err(format!(
+                    "memory-efficient attention: unsupported dtype {other:?}"
+                )))
+            }
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
@@ -514,7 +538,9 @@ impl CustomOp3 for RecomputeCore {
         let n = l.shape().elem_count();
         match (&*st, l.contiguous_offsets()) {
             (Storage::Cpu(c), Some((0, end))) if end == n => Ok((c.clone(), l.shape().clone())),
-            _ => Err(err("attention core: expected a fresh contiguous CPU output")),
+            _ => Err(err(
+                "attention core: expected a fresh contiguous CPU output",
+            )),
         }
     }
 
@@ -531,7 +557,13 @@ impl CustomOp3 for RecomputeCore {
             Var::from_tensor(&k.detach())?,
             Var::from_tensor(&v.detach())?,
         );
-        let o = attention_materialized(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), self.accum, self.dropout)?;
+        let o = attention_materialized(
+            qv.as_tensor(),
+            kv.as_tensor(),
+            vv.as_tensor(),
+            self.accum,
+            self.dropout,
+        )?;
         let grads = o.mul(&grad_res.detach())?.sum_all()?.backward()?;
         drop(o);
         let take = |t: &Var| grads.get(t.as_tensor()).map(Tensor::detach);
@@ -568,9 +600,20 @@ mod tests {
     fn mem_efficient_matches_materialized_f64() {
         // s = 100 spans two key blocks.
         let dims = [2, 3, 100, 8];
-        let (q, k, v) = (Var::from_tensor(&rand(&dims, 1)).unwrap(), Var::from_tensor(&rand(&dims, 2)).unwrap(), Var::from_tensor(&rand(&dims, 3)).unwrap());
+        let (q, k, v) = (
+            Var::from_tensor(&rand(&dims, 1)).unwrap(),
+            Var::from_tensor(&rand(&dims, 2)).unwrap(),
+            Var::from_tensor(&rand(&dims, 3)).unwrap(),
+        );
         let go = rand(&dims, 4);
-        let o1 = attention_materialized(q.as_tensor(), k.as_tensor(), v.as_tensor(), DType::F64, None).unwrap();
+        let o1 = attention_materialized(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            DType::F64,
+            None,
+        )
+        .unwrap();
         let o2 = MemEffAttention::apply(q.as_tensor(), k.as_tensor(), v.as_tensor()).unwrap();
         assert!(max_abs_diff(&o1, &o2) < 1e-12);
         let g1 = o1.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
@@ -586,16 +629,26 @@ mod tests {
     #[test]
     fn recompute_core_matches_materialized_with_dropout() {
         let dims = [1, 2, 20, 4];
-        let (q, k, v) = (Var::from_tensor(&rand(&dims, 5)).unwrap(), Var::from_tensor(&rand(&dims, 6)).unwrap(), Var::from_tensor(&rand(&dims, 7)).unwrap());
+        let (q, k, v) = (
+            Var::from_tensor(&rand(&dims, 5)).unwrap(),
+            Var::from_tensor(&rand(&dims, 6)).unwrap(),
+            Var::from_tensor(&rand(&dims, 7)).unwrap(),
+        );
         let go = rand(&dims, 8);
         let d = Some(Dropout { p: 0.3, seed: 11 });
-        let o1 = attention_materialized(q.as_tensor(), k.as_tensor(), v.as_tensor(), DType::F64, d).unwrap();
-        let o2 = attention_recompute_core(q.as_tensor(), k.as_tensor(), v.as_tensor(), DType::F64, d).unwrap();
+        let o1 = attention_materialized(q.as_tensor(), k.as_tensor(), v.as_tensor(), DType::F64, d)
+            .unwrap();
+        let o2 =
+            attention_recompute_core(q.as_tensor(), k.as_tensor(), v.as_tensor(), DType::F64, d)
+                .unwrap();
         assert_eq!(max_abs_diff(&o1, &o2), 0.0);
         let g1 = o1.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = o2.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
         for t in [&q, &k, &v] {
-            let diff = max_abs_diff(g1.get(t.as_tensor()).unwrap(), g2.get(t.as_tensor()).unwrap());
+            let diff = max_abs_diff(
+                g1.get(t.as_tensor()).unwrap(),
+                g2.get(t.as_tensor()).unwrap(),
+            );
             assert_eq!(diff, 0.0);
         }
     }
@@ -609,7 +662,10 @@ mod tests {
             let v = rand(&dims, 3).to_dtype(dt).unwrap();
             let o1 = attention_materialized(q.as_tensor(), &k, &v, DType::F32, None).unwrap();
             let o2 = MemEffAttention::apply(q.as_tensor(), &k, &v).unwrap();
-            let d = max_abs_diff(&o1.to_dtype(DType::F64).unwrap(), &o2.to_dtype(DType::F64).unwrap());
+            let d = max_abs_diff(
+                &o1.to_dtype(DType::F64).unwrap(),
+                &o2.to_dtype(DType::F64).unwrap(),
+            );
             assert!(d < 0.05, "{dt:?}: {d}");
             let g = o2.sum_all().unwrap().backward().unwrap();
             assert_eq!(g.get(q.as_tensor()).unwrap().dtype(), dt);

@@ -8,7 +8,9 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::attention::{attention_materialized, attention_recompute_core, Dropout, MemEffAttention};
+use crate::attention::{
+    attention_materialized, attention_recompute_core, Dropout, MemEffAttention,
+};
 use crate::error::{EngineError, Result};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
@@ -94,7 +96,8 @@ pub fn layer_norm(x: &Tensor) -> Result<Tensor> {
 /// x·(1 + scale) + shift with scale, shift (b, D) broadcast over the tokens of x (b, s, D).
 pub fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     let one_plus = scale.unsqueeze(1)?.affine(1.0, 1.0)?;
-    Ok(x.broadcast_mul(&one_plus)?.broadcast_add(&shift.unsqueeze(1)?)?)
+    Ok(x.broadcast_mul(&one_plus)?
+        .broadcast_add(&shift.unsqueeze(1)?)?)
 }
 
 /// One DiT block: x (b, s, D) and c (b, D) in `ad` → x (b, s, D) in `ad`.
@@ -119,9 +122,8 @@ pub fn block_forward(
     let h1 = cast(modulate(&layer_norm(x)?, &shift_msa, &scale_msa)?, cd)?;
     let qkv = w.qkv.forward(&h1.reshape((b * s, h))?)?;
     let qkv = qkv.reshape((b, s, 3, a, dh))?;
-    let view = |i: usize| -> Result<Tensor> {
-        Ok(qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?)
-    };
+    let view =
+        |i: usize| -> Result<Tensor> { Ok(qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?) };
     let q = view(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
     let k = view(1)?.contiguous()?;
     let v = view(2)?.contiguous()?;
@@ -172,12 +174,18 @@ pub struct FinalWeights {
 }
 
 /// Final layer: x (b, s, D), c (b, D) in `ad` → (b·s, p²·C_out) in `ad`.
-pub fn final_forward(x: &Tensor, c: &Tensor, w: &FinalWeights, cd: DType, ad: DType) -> Result<Tensor> {
+pub fn final_forward(
+    x: &Tensor,
+    c: &Tensor,
+    w: &FinalWeights,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
     let (b, s, h) = x.dims3()?;
     let modv = cast(w.adaln.forward(&cast(c.silu()?, cd)?)?, ad)?;
     let (shift, scale) = (modv.narrow(1, 0, h)?, modv.narrow(1, h, h)?);
     let hx = cast(modulate(&layer_norm(x)?, &shift, &scale)?, cd)?;
-    Ok(cast(w.linear.forward(&hx.reshape((b * s, h))?)?, ad)?)
+    cast(w.linear.forward(&hx.reshape((b * s, h))?)?, ad)
 }
 
 #[cfg(test)]
@@ -189,7 +197,14 @@ mod tests {
     fn composed_layer_norm_matches_definition_and_has_grad() {
         let dev = Device::Cpu;
         let x = Var::from_tensor(
-            &Tensor::from_vec((0..24).map(|i| ((i * 7) % 11) as f64 * 0.3).collect::<Vec<_>>(), (2, 3, 4), &dev).unwrap(),
+            &Tensor::from_vec(
+                (0..24)
+                    .map(|i| ((i * 7) % 11) as f64 * 0.3)
+                    .collect::<Vec<_>>(),
+                (2, 3, 4),
+                &dev,
+            )
+            .unwrap(),
         )
         .unwrap();
         let y = layer_norm(x.as_tensor()).unwrap();
@@ -205,9 +220,31 @@ mod tests {
         // Finite-difference check of d/dx sum(y·w).
         let wv: Vec<f64> = (0..24).map(|i| (i as f64 * 0.37).sin()).collect();
         let wt = Tensor::from_vec(wv, (2, 3, 4), &dev).unwrap();
-        let f = |t: &Tensor| layer_norm(t).unwrap().mul(&wt).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
-        let g = layer_norm(x.as_tensor()).unwrap().mul(&wt).unwrap().sum_all().unwrap().backward().unwrap();
-        let g: Vec<f64> = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let f = |t: &Tensor| {
+            layer_norm(t)
+                .unwrap()
+                .mul(&wt)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        let g = layer_norm(x.as_tensor())
+            .unwrap()
+            .mul(&wt)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g: Vec<f64> = g
+            .get(x.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         for i in [0, 5, 13, 23] {
             let eps = 1e-6;
@@ -218,7 +255,11 @@ mod tests {
             let fp = f(&Tensor::from_vec(p, (2, 3, 4), &dev).unwrap());
             let fm = f(&Tensor::from_vec(m, (2, 3, 4), &dev).unwrap());
             let fd = (fp - fm) / (2.0 * eps);
-            assert!((fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()), "i={i}: fd {fd} vs {}", g[i]);
+            assert!(
+                (fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()),
+                "i={i}: fd {fd} vs {}",
+                g[i]
+            );
         }
     }
 }

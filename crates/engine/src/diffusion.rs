@@ -109,11 +109,21 @@ impl Batch {
                 ),
             ));
         }
-        if let Some(t) = self.timesteps.iter().find(|&&t| t as usize >= NUM_TIMESTEPS) {
-            return Err(EngineError::bad_input("batch timesteps", format!("{t} is not in 0..{NUM_TIMESTEPS}")));
+        if let Some(t) = self
+            .timesteps
+            .iter()
+            .find(|&&t| t as usize >= NUM_TIMESTEPS)
+        {
+            return Err(EngineError::bad_input(
+                "batch timesteps",
+                format!("{t} is not in 0..{NUM_TIMESTEPS}"),
+            ));
         }
         if let Some(y) = self.labels.iter().find(|&&y| y as usize >= d.num_classes) {
-            return Err(EngineError::bad_input("batch labels", format!("{y} is not in 0..{}", d.num_classes)));
+            return Err(EngineError::bad_input(
+                "batch labels",
+                format!("{y} is not in 0..{}", d.num_classes),
+            ));
         }
         Ok(())
     }
@@ -134,7 +144,13 @@ impl Batch {
     }
 
     /// The regression target (n, C, H, W) in `dtype`.
-    pub fn target(&self, acp: &[f64], prediction: Prediction, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub fn target(
+        &self,
+        acp: &[f64],
+        prediction: Prediction,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
         let v = match prediction {
             Prediction::Eps => self.noise.clone(),
             Prediction::V => {
@@ -190,7 +206,8 @@ impl SyntheticData {
     fn sample(&self, index: u64, b: &mut Batch) {
         let mut r = SplitMix64::new(derive_seed(self.seed, &[0xDA7A, index]));
         let e = self.channels * self.height * self.width;
-        b.latents.extend((0..e).map(|_| self.latent_scale * r.normal()));
+        b.latents
+            .extend((0..e).map(|_| self.latent_scale * r.normal()));
         b.noise.extend((0..e).map(|_| r.normal()));
         b.timesteps.push(r.below(NUM_TIMESTEPS as u64) as u32);
         b.labels.push(r.below(u64::from(self.num_classes)) as u32);
@@ -234,7 +251,10 @@ pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| derr(e.to_string()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors" || e == "npy"))
+        .filter(|p| {
+            p.extension()
+                .is_some_and(|e| e == "safetensors" || e == "npy")
+        })
         .collect();
     files.sort();
     if files.is_empty() {

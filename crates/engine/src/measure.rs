@@ -50,7 +50,8 @@ impl CountingAlloc {
     }
 
     pub fn reset_peak(&self) {
-        self.peak.store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.peak
+            .store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     fn grow(&self, bytes: u64) {

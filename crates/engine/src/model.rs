@@ -33,7 +33,10 @@ pub enum Init {
     Uniform(f64),
     Zeros,
     /// The fixed 2-D sin-cos position table.
-    SinCos2d { rows: usize, cols: usize },
+    SinCos2d {
+        rows: usize,
+        cols: usize,
+    },
 }
 
 /// One parameter of the model as the spec defines it.
@@ -147,8 +150,18 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
         })
     };
     let h = d.hidden;
-    push("x_embedder.proj.weight".into(), vec![h, d.patch_in()], Init::XavierUniform, base_trainable);
-    push("x_embedder.proj.bias".into(), vec![h], Init::Zeros, base_trainable);
+    push(
+        "x_embedder.proj.weight".into(),
+        vec![h, d.patch_in()],
+        Init::XavierUniform,
+        base_trainable,
+    );
+    push(
+        "x_embedder.proj.bias".into(),
+        vec![h],
+        Init::Zeros,
+        base_trainable,
+    );
     push(
         "pos_embed".into(),
         vec![d.tokens, h],
@@ -158,31 +171,100 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
         },
         false,
     );
-    push("t_embedder.mlp.0.weight".into(), vec![h, d.freq], small, base_trainable);
-    push("t_embedder.mlp.0.bias".into(), vec![h], Init::Zeros, base_trainable);
-    push("t_embedder.mlp.2.weight".into(), vec![h, h], small, base_trainable);
-    push("t_embedder.mlp.2.bias".into(), vec![h], Init::Zeros, base_trainable);
-    push("y_embedder.embedding_table.weight".into(), vec![d.label_rows, h], small, base_trainable);
+    push(
+        "t_embedder.mlp.0.weight".into(),
+        vec![h, d.freq],
+        small,
+        base_trainable,
+    );
+    push(
+        "t_embedder.mlp.0.bias".into(),
+        vec![h],
+        Init::Zeros,
+        base_trainable,
+    );
+    push(
+        "t_embedder.mlp.2.weight".into(),
+        vec![h, h],
+        small,
+        base_trainable,
+    );
+    push(
+        "t_embedder.mlp.2.bias".into(),
+        vec![h],
+        Init::Zeros,
+        base_trainable,
+    );
+    push(
+        "y_embedder.embedding_table.weight".into(),
+        vec![d.label_rows, h],
+        small,
+        base_trainable,
+    );
     for i in 0..d.depth {
         for (name, target) in BLOCK_LINEARS {
             let (out, inp) = block_linear_shape(&d, target);
-            let w_init = if target == LoraTarget::Adaln { small } else { Init::XavierUniform };
-            push(format!("blocks.{i}.{name}.weight"), vec![out, inp], w_init, base_trainable);
-            push(format!("blocks.{i}.{name}.bias"), vec![out], Init::Zeros, base_trainable);
+            let w_init = if target == LoraTarget::Adaln {
+                small
+            } else {
+                Init::XavierUniform
+            };
+            push(
+                format!("blocks.{i}.{name}.weight"),
+                vec![out, inp],
+                w_init,
+                base_trainable,
+            );
+            push(
+                format!("blocks.{i}.{name}.bias"),
+                vec![out],
+                Init::Zeros,
+                base_trainable,
+            );
             if let Some(l) = lora {
                 if l.targets.contains(&target) {
                     let r = l.rank as usize;
                     let bound = 1.0 / (inp as f64).sqrt();
-                    push(format!("blocks.{i}.{name}.lora_a"), vec![r, inp], Init::Uniform(bound), true);
-                    push(format!("blocks.{i}.{name}.lora_b"), vec![out, r], Init::Zeros, true);
+                    push(
+                        format!("blocks.{i}.{name}.lora_a"),
+                        vec![r, inp],
+                        Init::Uniform(bound),
+                        true,
+                    );
+                    push(
+                        format!("blocks.{i}.{name}.lora_b"),
+                        vec![out, r],
+                        Init::Zeros,
+                        true,
+                    );
                 }
             }
         }
     }
-    push("final_layer.linear.weight".into(), vec![d.patch_out(), h], small, base_trainable);
-    push("final_layer.linear.bias".into(), vec![d.patch_out()], Init::Zeros, base_trainable);
-    push("final_layer.adaLN_modulation.1.weight".into(), vec![2 * h, h], small, base_trainable);
-    push("final_layer.adaLN_modulation.1.bias".into(), vec![2 * h], Init::Zeros, base_trainable);
+    push(
+        "final_layer.linear.weight".into(),
+        vec![d.patch_out(), h],
+        small,
+        base_trainable,
+    );
+    push(
+        "final_layer.linear.bias".into(),
+        vec![d.patch_out()],
+        Init::Zeros,
+        base_trainable,
+    );
+    push(
+        "final_layer.adaLN_modulation.1.weight".into(),
+        vec![2 * h, h],
+        small,
+        base_trainable,
+    );
+    push(
+        "final_layer.adaLN_modulation.1.bias".into(),
+        vec![2 * h],
+        Init::Zeros,
+        base_trainable,
+    );
     Ok(v)
 }
 
@@ -304,7 +386,19 @@ mod tests {
         assert_eq!(p.dims(), &[2 * 2 * 3, 16]);
         // token 0 of image 0, feature (c=1, py=0, px=1) = x[0,1,0,1]
         let v: Vec<f32> = p.get(0).unwrap().to_vec1().unwrap();
-        assert_eq!(v[4 + 1], x.get(0).unwrap().get(1).unwrap().get(0).unwrap().get(1).unwrap().to_scalar::<f32>().unwrap());
+        assert_eq!(
+            v[4 + 1],
+            x.get(0)
+                .unwrap()
+                .get(1)
+                .unwrap()
+                .get(0)
+                .unwrap()
+                .get(1)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        );
         // unpatchify with features reordered (py, px, c) inverts patchify.
         let q = p
             .reshape((12, 4, 2, 2))
@@ -316,7 +410,14 @@ mod tests {
             .reshape((12, 16))
             .unwrap();
         let back = unpatchify(&q, 2, &d).unwrap();
-        let diff: f32 = (back - &x).unwrap().abs().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        let diff: f32 = (back - &x)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
         assert_eq!(diff, 0.0);
     }
 }

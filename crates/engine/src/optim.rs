@@ -24,7 +24,11 @@ pub trait Optimizer {
 }
 
 fn unscale(g: Tensor, inv_scale: f64) -> Result<Tensor> {
-    Ok(if inv_scale == 1.0 { g } else { (g * inv_scale)? })
+    Ok(if inv_scale == 1.0 {
+        g
+    } else {
+        (g * inv_scale)?
+    })
 }
 
 fn bytes(t: &Tensor) -> u64 {
@@ -70,8 +74,10 @@ impl Optimizer for AdamW {
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()> {
         if self.m.is_empty() {
             for p in params {
-                self.m.push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
-                self.v.push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
+                self.m
+                    .push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
+                self.v
+                    .push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
             }
         }
         self.t += 1;
@@ -145,7 +151,11 @@ impl Ema {
             .iter()
             .map(|p| Ok(p.as_tensor().to_dtype(dtype)?.copy()?))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Ema { decay, dtype, shadow })
+        Ok(Ema {
+            decay,
+            dtype,
+            shadow,
+        })
     }
 
     pub fn update(&mut self, params: &[&Var]) -> Result<()> {
@@ -216,7 +226,8 @@ mod tests {
     #[test]
     fn adamw_first_step_moves_by_lr() {
         // With bias correction the first AdamW step is lr·sign(g) (|g| ≫ eps).
-        let p = Var::from_tensor(&Tensor::new(&[1.0f64, -2.0, 0.5], &Device::Cpu).unwrap()).unwrap();
+        let p =
+            Var::from_tensor(&Tensor::new(&[1.0f64, -2.0, 0.5], &Device::Cpu).unwrap()).unwrap();
         let g = Tensor::new(&[0.3f64, -4.0, 0.0], &Device::Cpu).unwrap();
         let mut o = AdamW::new(0.1, 0.0, DType::F64);
         o.step(&[&p], &[&g], 1.0).unwrap();

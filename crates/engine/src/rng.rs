@@ -22,9 +22,12 @@ fn mix64(mut z: u64) -> u64 {
 
 /// A seed for a sub-stream identified by `tags` (e.g. `[step, microbatch, block, kind]`).
 pub fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
-    let mut h = mix64(seed ^ 0x5EED_0F_D17_u64);
+    let mut h = mix64(seed ^ 0x0005_EED0_FD17_u64);
     for &t in tags {
-        h = mix64(h.wrapping_add(GOLDEN).wrapping_add(mix64(t.wrapping_add(GOLDEN))));
+        h = mix64(
+            h.wrapping_add(GOLDEN)
+                .wrapping_add(mix64(t.wrapping_add(GOLDEN))),
+        );
     }
     h
 }

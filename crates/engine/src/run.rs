@@ -79,7 +79,10 @@ pub fn run(
     progress: &mut dyn FnMut(&Progress) -> bool,
 ) -> Result<Measurement> {
     if opts.steps == 0 {
-        return Err(EngineError::bad_input("steps", "is 0; allowed: at least one measured step"));
+        return Err(EngineError::bad_input(
+            "steps",
+            "is 0; allowed: at least one measured step",
+        ));
     }
     let mut trainer = Trainer::new(
         spec,
@@ -113,7 +116,11 @@ pub fn run(
                 let n = data.per_step;
                 if all.n < n {
                     return Err(EngineError::Data {
-                        path: opts.latents_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                        path: opts
+                            .latents_dir
+                            .as_ref()
+                            .map(|p| p.display().to_string())
+                            .unwrap_or_default(),
                         why: format!("{} latents found; one step needs {n}", all.n),
                     });
                 }
@@ -145,7 +152,9 @@ pub fn run(
             skipped: r.skipped,
         });
         if !go_on {
-            return Err(EngineError::Interrupted { after_steps: step + 1 });
+            return Err(EngineError::Interrupted {
+                after_steps: step + 1,
+            });
         }
     }
     Ok(m)

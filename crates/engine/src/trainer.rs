@@ -23,13 +23,15 @@ use ditmem_budget::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recom
 use serde::Serialize;
 
 use crate::block::{
-    block_forward, cast, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
-    LinearW,
+    block_forward, cast, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights,
+    FinalWeights, LinearW,
 };
 use crate::diffusion::{alphas_cumprod, Batch};
 use crate::error::{EngineError, Result};
 use crate::measure::{MemoryProbe, Phase, PhasePeaks, Recorder, TimelinePoint};
-use crate::model::{init_values, param_shapes, patchify, timestep_features, unpatchify, Dims, BLOCK_LINEARS};
+use crate::model::{
+    init_values, param_shapes, patchify, timestep_features, unpatchify, Dims, BLOCK_LINEARS,
+};
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
@@ -41,7 +43,10 @@ pub fn dtype(d: Dtype) -> Result<DType> {
         Dtype::Bf16 => DType::BF16,
         Dtype::F16 => DType::F16,
         Dtype::U8 => {
-            return Err(EngineError::unsupported("u8 weights", "only float dtypes hold weights"))
+            return Err(EngineError::unsupported(
+                "u8 weights",
+                "only float dtypes hold weights",
+            ))
         }
     })
 }
@@ -226,7 +231,10 @@ impl Trainer {
                 Value::Frozen(t.to_dtype(compute)?)
             };
             by_name.insert(p.name.clone(), i);
-            params.push(Param { name: p.name, value });
+            params.push(Param {
+                name: p.name,
+                value,
+            });
         }
         let idx = |n: &str| -> Result<usize> {
             by_name
@@ -235,7 +243,10 @@ impl Trainer {
                 .ok_or_else(|| EngineError::bad_input("parameter", format!("'{n}' is missing")))
         };
         let lin = |prefix: &str| -> Result<LinearIdx> {
-            let lora = match (by_name.get(&format!("{prefix}.lora_a")), by_name.get(&format!("{prefix}.lora_b"))) {
+            let lora = match (
+                by_name.get(&format!("{prefix}.lora_a")),
+                by_name.get(&format!("{prefix}.lora_b")),
+            ) {
                 (Some(&a), Some(&b)) => Some((a, b)),
                 _ => None,
             };
@@ -245,7 +256,11 @@ impl Trainer {
                 lora,
             })
         };
-        let embed_idx = [lin("x_embedder.proj")?, lin("t_embedder.mlp.0")?, lin("t_embedder.mlp.2")?];
+        let embed_idx = [
+            lin("x_embedder.proj")?,
+            lin("t_embedder.mlp.0")?,
+            lin("t_embedder.mlp.2")?,
+        ];
         let mut blocks = Vec::new();
         for i in 0..dims.depth {
             let mut l = [embed_idx[0]; 5];
@@ -254,7 +269,10 @@ impl Trainer {
             }
             blocks.push(BlockIdx { lin: l });
         }
-        let final_idx = [lin("final_layer.adaLN_modulation.1")?, lin("final_layer.linear")?];
+        let final_idx = [
+            lin("final_layer.adaLN_modulation.1")?,
+            lin("final_layer.linear")?,
+        ];
         let table = idx("y_embedder.embedding_table.weight")?;
         let pos = idx("pos_embed")?;
         let n = params.len();
@@ -317,8 +335,14 @@ impl Trainer {
                 s.set_scale(scale);
                 Ok(())
             }
-            Some(_) => Err(EngineError::bad_input("loss scale", format!("{scale} is not a positive number"))),
-            None => Err(EngineError::bad_input("loss scale", "only fp16-mixed uses a loss scale")),
+            Some(_) => Err(EngineError::bad_input(
+                "loss scale",
+                format!("{scale} is not a positive number"),
+            )),
+            None => Err(EngineError::bad_input(
+                "loss scale",
+                "only fp16-mixed uses a loss scale",
+            )),
         }
     }
 
@@ -350,36 +374,49 @@ impl Trainer {
 
     /// A copy of one parameter by name.
     pub fn parameter(&self, name: &str) -> Result<Tensor> {
-        let &i = self
-            .by_name
-            .get(name)
-            .ok_or_else(|| EngineError::bad_input("parameter", format!("'{name}' is not a parameter of this model")))?;
+        let &i = self.by_name.get(name).ok_or_else(|| {
+            EngineError::bad_input(
+                "parameter",
+                format!("'{name}' is not a parameter of this model"),
+            )
+        })?;
         self.value_copy(&self.params[i].value)
     }
 
     /// Names of the parameters the optimizer updates.
     pub fn trained_names(&self) -> Vec<String> {
-        self.trained.iter().map(|&i| self.params[i].name.clone()).collect()
+        self.trained
+            .iter()
+            .map(|&i| self.params[i].name.clone())
+            .collect()
     }
 
     /// Copy values into parameters by name (cast to each parameter's dtype); unknown names and
     /// shape mismatches are errors.
     pub fn load_parameters(&mut self, values: &[(String, Tensor)]) -> Result<()> {
         for (name, v) in values {
-            let &i = self
-                .by_name
-                .get(name)
-                .ok_or_else(|| EngineError::bad_input("parameter", format!("'{name}' is not a parameter of this model")))?;
+            let &i = self.by_name.get(name).ok_or_else(|| {
+                EngineError::bad_input(
+                    "parameter",
+                    format!("'{name}' is not a parameter of this model"),
+                )
+            })?;
             match &mut self.params[i].value {
                 Value::Trained(var) => {
                     if var.shape() != v.shape() {
-                        return Err(EngineError::bad_input(name.clone(), format!("shape {:?} ≠ {:?}", v.dims(), var.dims())));
+                        return Err(EngineError::bad_input(
+                            name.clone(),
+                            format!("shape {:?} ≠ {:?}", v.dims(), var.dims()),
+                        ));
                     }
                     var.set(&v.to_dtype(var.dtype())?.contiguous()?)?;
                 }
                 Value::Frozen(t) => {
                     if t.shape() != v.shape() {
-                        return Err(EngineError::bad_input(name.clone(), format!("shape {:?} ≠ {:?}", v.dims(), t.dims())));
+                        return Err(EngineError::bad_input(
+                            name.clone(),
+                            format!("shape {:?} ≠ {:?}", v.dims(), t.dims()),
+                        ));
                     }
                     *t = v.to_dtype(t.dtype())?.copy()?;
                 }
@@ -395,7 +432,11 @@ impl Trainer {
         for &i in &self.trained {
             if let Some(g) = &self.grads[i] {
                 let g = g.to_dtype(DType::F64)?;
-                let g = if self.grad_scale != 1.0 { (g / self.grad_scale)? } else { g };
+                let g = if self.grad_scale != 1.0 {
+                    (g / self.grad_scale)?
+                } else {
+                    g
+                };
                 out.push((self.params[i].name.clone(), g));
             }
         }
@@ -465,11 +506,19 @@ impl Trainer {
     }
 
     /// Add the gradients of `idx` found in `grads` into the buffers.
-    fn accumulate(&mut self, idx: &[usize], grads: &candle_core::backprop::GradStore) -> Result<()> {
+    fn accumulate(
+        &mut self,
+        idx: &[usize],
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<()> {
         let gd = grad_dtype(self.precision);
         for &i in idx {
-            let Value::Trained(v) = &self.params[i].value else { continue };
-            let Some(g) = grads.get(v.as_tensor()) else { continue };
+            let Value::Trained(v) = &self.params[i].value else {
+                continue;
+            };
+            let Some(g) = grads.get(v.as_tensor()) else {
+                continue;
+            };
             let g = cast(g.detach(), gd)?;
             self.grads[i] = Some(match self.grads[i].take() {
                 Some(old) => (old + g)?,
@@ -520,7 +569,13 @@ impl Trainer {
         Ok(loss_sum / accum as f64)
     }
 
-    fn microbatch(&mut self, mb: &Batch, micro: usize, accum: usize, rec: &mut Recorder<'_>) -> Result<f64> {
+    fn microbatch(
+        &mut self,
+        mb: &Batch,
+        micro: usize,
+        accum: usize,
+        rec: &mut Recorder<'_>,
+    ) -> Result<f64> {
         let d = self.dims;
         let (cd, ad) = (self.cfg.compute, self.cfg.accum);
         let ld = grad_dtype(self.precision);
@@ -532,7 +587,9 @@ impl Trainer {
         drop(xt);
         let xe = self.linear(self.embed_idx[0], true)?.forward(&xp)?;
         let pos = self.weight_and_keep(self.pos)?;
-        let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?.broadcast_add(&pos)?;
+        let x0 = cast(xe, ad)?
+            .reshape((b, d.tokens, d.hidden))?
+            .broadcast_add(&pos)?;
         let tf = cast(timestep_features(&mb.timesteps, d.freq, ad, &self.dev)?, cd)?;
         let t1 = self.linear(self.embed_idx[1], true)?.forward(&tf)?.silu()?;
         let temb = cast(self.linear(self.embed_idx[2], true)?.forward(&t1)?, ad)?;
@@ -541,7 +598,13 @@ impl Trainer {
             .labels
             .iter()
             .zip(&mb.drop_label)
-            .map(|(&y, &drop)| if drop && d.label_rows > d.num_classes { null } else { y })
+            .map(|(&y, &drop)| {
+                if drop && d.label_rows > d.num_classes {
+                    null
+                } else {
+                    y
+                }
+            })
             .collect();
         let ids = Tensor::from_vec(ids, b, &self.dev)?;
         let table = match &self.params[self.table].value {
@@ -566,7 +629,8 @@ impl Trainer {
             } else {
                 let leaf = Var::from_tensor(&cur.detach())?;
                 let w = self.block_weights(i, true)?;
-                let out = block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
+                let out =
+                    block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
                 cur = out.clone();
                 saved.push(Saved::Stored { leaf, out });
             }
@@ -599,7 +663,9 @@ impl Trainer {
         let mut gx = grads
             .get(final_leaf.as_tensor())
             .map(Tensor::detach)
-            .ok_or_else(|| EngineError::bad_input("backward", "no gradient reached the final layer input"))?;
+            .ok_or_else(|| {
+                EngineError::bad_input("backward", "no gradient reached the final layer input")
+            })?;
         let mut gc = match grads.get(c_leaf.as_tensor()) {
             Some(g) => cast(g.detach(), ld)?,
             None => Tensor::zeros((b, d.hidden), ld, &self.dev)?,
@@ -609,14 +675,22 @@ impl Trainer {
         rec.mark("final");
 
         for i in (0..d.depth).rev() {
-            let s = saved.pop().ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
+            let s = saved
+                .pop()
+                .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
             let (leaf, out) = match s {
                 Saved::Stored { leaf, out } => (leaf, out),
                 Saved::Recompute { input } => {
                     let leaf = Var::from_tensor(&input)?;
                     drop(input);
                     let w = self.block_weights(i, true)?;
-                    let out = block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, self.seeds(micro, i))?;
+                    let out = block_forward(
+                        leaf.as_tensor(),
+                        c_leaf.as_tensor(),
+                        &w,
+                        &self.cfg,
+                        self.seeds(micro, i),
+                    )?;
                     (leaf, out)
                 }
             };
@@ -630,7 +704,12 @@ impl Trainer {
             gx = grads
                 .get(leaf.as_tensor())
                 .map(Tensor::detach)
-                .ok_or_else(|| EngineError::bad_input("backward", format!("no gradient reached block {i}'s input")))?;
+                .ok_or_else(|| {
+                    EngineError::bad_input(
+                        "backward",
+                        format!("no gradient reached block {i}'s input"),
+                    )
+                })?;
             if let Some(g) = grads.get(c_leaf.as_tensor()) {
                 gc = (gc + cast(g.detach(), ld)?)?;
             }
@@ -673,7 +752,11 @@ impl Trainer {
         let mut sq = 0.0f64;
         for &i in &self.trained {
             if let Some(g) = &self.grads[i] {
-                sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                sq += g
+                    .sqr()?
+                    .sum_all()?
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()?;
             }
         }
         let grad_norm = sq.sqrt() / scale;
@@ -733,4 +816,3 @@ impl Trainer {
         })
     }
 }
-

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
-use ditmem_engine::{run, CountingAlloc, MemoryProbe, Phase, RunOptions, Trainer, TrainOptions};
+use ditmem_engine::{run, CountingAlloc, Phase, RunOptions, TrainOptions, Trainer};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -46,19 +46,38 @@ fn recompute_and_attention_modes_lower_the_measured_peak() {
     let mut mea = base.clone();
     mea.recipe.attention = AttentionMode::MemoryEfficient;
     let (p_mea, _) = peak(&mea);
-    eprintln!("peaks: none {p_none}, all {p_all}, attention-only {p_attn}, memory-efficient {p_mea}");
+    eprintln!(
+        "peaks: none {p_none}, all {p_all}, attention-only {p_attn}, memory-efficient {p_mea}"
+    );
     assert!(p_all < p_none, "recompute all {p_all} ≥ none {p_none}");
     assert!(p_attn < p_none, "attention-only {p_attn} ≥ none {p_none}");
-    assert!(p_mea < p_none, "memory-efficient {p_mea} ≥ materialized {p_none}");
+    assert!(
+        p_mea < p_none,
+        "memory-efficient {p_mea} ≥ materialized {p_none}"
+    );
 
     // The timeline has one point per segment and phase, and forward grows while backward shrinks.
     let tl = &m_none.timeline;
-    let fwd: Vec<u64> = tl.iter().filter(|p| p.phase == Phase::Forward).map(|p| p.live_bytes).collect();
-    let bwd: Vec<u64> = tl.iter().filter(|p| p.phase == Phase::Backward).map(|p| p.live_bytes).collect();
+    let fwd: Vec<u64> = tl
+        .iter()
+        .filter(|p| p.phase == Phase::Forward)
+        .map(|p| p.live_bytes)
+        .collect();
+    let bwd: Vec<u64> = tl
+        .iter()
+        .filter(|p| p.phase == Phase::Backward)
+        .map(|p| p.live_bytes)
+        .collect();
     assert_eq!(fwd.len(), 1 + 4 + 1);
     assert_eq!(bwd.len(), 1 + 4 + 1);
-    assert!(fwd.windows(2).all(|w| w[1] > w[0]), "forward live bytes must grow: {fwd:?}");
-    assert!(bwd[1..].windows(2).all(|w| w[1] < w[0]), "backward live bytes must shrink: {bwd:?}");
+    assert!(
+        fwd.windows(2).all(|w| w[1] > w[0]),
+        "forward live bytes must grow: {fwd:?}"
+    );
+    assert!(
+        bwd[1..].windows(2).all(|w| w[1] < w[0]),
+        "backward live bytes must shrink: {bwd:?}"
+    );
     assert!(m_none.phase_peak_bytes.forward > 0 && m_none.phase_peak_bytes.optimizer > 0);
 
     // The measured peak repeats: to the byte between two runs in a row; within 4 KiB of the
@@ -73,6 +92,9 @@ fn recompute_and_attention_modes_lower_the_measured_peak() {
     let t = Trainer::new(&base, TrainOptions::default()).unwrap();
     let n = ditmem_engine::trainable_count(&base).unwrap();
     drop(t);
-    assert!(m_none.phase_peak_bytes.optimizer >= 4 * 4 * n, "optimizer peak too small");
+    assert!(
+        m_none.phase_peak_bytes.optimizer >= 4 * 4 * n,
+        "optimizer peak too small"
+    );
     let _ = A.live();
 }

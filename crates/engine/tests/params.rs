@@ -30,7 +30,11 @@ fn preset_counts_match_dit() {
 #[test]
 fn names_follow_the_pytorch_reference() {
     let s = preset("dit-s-2");
-    let names: Vec<String> = param_shapes(&s).unwrap().into_iter().map(|p| p.name).collect();
+    let names: Vec<String> = param_shapes(&s)
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
     for n in [
         "x_embedder.proj.weight",
         "pos_embed",
@@ -48,7 +52,10 @@ fn names_follow_the_pytorch_reference() {
         assert!(names.iter().any(|x| x == n), "missing {n}");
     }
     let shapes = param_shapes(&s).unwrap();
-    let xw = shapes.iter().find(|p| p.name == "x_embedder.proj.weight").unwrap();
+    let xw = shapes
+        .iter()
+        .find(|p| p.name == "x_embedder.proj.weight")
+        .unwrap();
     assert_eq!(xw.shape, vec![384, 16]);
 }
 
@@ -60,13 +67,22 @@ fn lora_adds_adapters_and_freezes_the_base() {
         targets: ditmem_budget::default_lora_targets(),
     });
     let shapes = param_shapes(&s).unwrap();
-    let a = shapes.iter().find(|p| p.name == "blocks.0.attn.qkv.lora_a").unwrap();
-    let b = shapes.iter().find(|p| p.name == "blocks.0.attn.qkv.lora_b").unwrap();
+    let a = shapes
+        .iter()
+        .find(|p| p.name == "blocks.0.attn.qkv.lora_a")
+        .unwrap();
+    let b = shapes
+        .iter()
+        .find(|p| p.name == "blocks.0.attn.qkv.lora_b")
+        .unwrap();
     assert_eq!(a.shape, vec![8, 384]);
     assert_eq!(b.shape, vec![1152, 8]);
     assert!(a.trainable && b.trainable);
     // Per block: r·(in+out) for qkv, proj, fc1, fc2.
     let per_block = 8 * ((384 + 1152) + (384 + 384) + (384 + 1536) + (1536 + 384));
     assert_eq!(trainable_count(&s).unwrap(), 12 * per_block as u64);
-    assert!(shapes.iter().filter(|p| !p.name.contains("lora")).all(|p| !p.trainable));
+    assert!(shapes
+        .iter()
+        .filter(|p| !p.name.contains("lora"))
+        .all(|p| !p.trainable));
 }

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use ditmem_budget::{AttentionMode, LoraSpec, Optimizer, Precision, Prediction, Recompute};
-use ditmem_engine::{EngineError, Trainer, TrainOptions};
+use ditmem_engine::{EngineError, TrainOptions, Trainer};
 
 #[test]
 fn every_precision_lowers_the_loss() {
@@ -21,7 +21,10 @@ fn every_precision_lowers_the_loss() {
         }
         let first = losses[0];
         let last = losses[losses.len() - 1];
-        assert!(last < 0.9 * first, "{p}: loss {first} → {last} ({losses:?})");
+        assert!(
+            last < 0.9 * first,
+            "{p}: loss {first} → {last} ({losses:?})"
+        );
     }
 }
 
@@ -79,12 +82,20 @@ fn stored_and_recomputed_blocks_give_identical_gradients() {
         none.model.mlp_dropout = dropout;
         let b = batch(&none, 9);
         let (l0, g0) = grads(&none, &b);
-        for r in [Recompute::All, Recompute::EveryK(2), Recompute::Blocks(vec![1])] {
+        for r in [
+            Recompute::All,
+            Recompute::EveryK(2),
+            Recompute::Blocks(vec![1]),
+        ] {
             let mut s = none.clone();
             s.recipe.recompute = r.clone();
             let (l, g) = grads(&s, &b);
             assert_eq!(l, l0, "{r} dropout {dropout}: loss differs");
-            assert_eq!(max_rel_diff(&g, &g0), 0.0, "{r} dropout {dropout}: gradients differ");
+            assert_eq!(
+                max_rel_diff(&g, &g0),
+                0.0,
+                "{r} dropout {dropout}: gradients differ"
+            );
         }
     }
 }
@@ -131,8 +142,22 @@ fn identical_initial_weights_across_precisions() {
     let b = trainer(&tiny(Precision::Fp32), false);
     for ((na, ta), (nb, tb)) in a.parameters().unwrap().iter().zip(b.parameters().unwrap()) {
         assert_eq!(na, &nb);
-        let x: Vec<f64> = ta.to_dtype(candle_core::DType::F32).unwrap().to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let y: Vec<f64> = tb.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let x: Vec<f64> = ta
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let y: Vec<f64> = tb
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(x, y, "{na}");
     }
 }
@@ -160,7 +185,9 @@ fn lora_trains_only_the_adapters() {
     let b = batch(&s, 1);
     let mut t = trainer(&s, true);
     let names = t.trained_names();
-    assert!(names.iter().all(|n| n.ends_with("lora_a") || n.ends_with("lora_b")));
+    assert!(names
+        .iter()
+        .all(|n| n.ends_with("lora_a") || n.ends_with("lora_b")));
     assert_eq!(names.len(), 2 * 4 * 2);
     let base_before = t.parameter("blocks.0.attn.qkv.weight").unwrap();
     let b_before = t.parameter("blocks.0.attn.qkv.lora_b").unwrap();
@@ -172,14 +199,15 @@ fn lora_trains_only_the_adapters() {
     }
     let base_after = t.parameter("blocks.0.attn.qkv.weight").unwrap();
     let diff = |a: &candle_core::Tensor, b: &candle_core::Tensor| -> f64 {
-        (a.to_dtype(candle_core::DType::F64).unwrap() - b.to_dtype(candle_core::DType::F64).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
+        (a.to_dtype(candle_core::DType::F64).unwrap()
+            - b.to_dtype(candle_core::DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
     };
     assert_eq!(diff(&base_before, &base_after), 0.0);
     assert!(diff(&b_before, &t.parameter("blocks.0.attn.qkv.lora_b").unwrap()) > 0.0);
@@ -196,9 +224,24 @@ fn ema_follows_the_weights() {
     t.step(&b, None).unwrap();
     let w1 = t.parameter("blocks.0.mlp.fc1.weight").unwrap();
     let ema = t.ema_parameters().unwrap();
-    let e = &ema.iter().find(|(n, _)| n == "blocks.0.mlp.fc1.weight").unwrap().1;
+    let e = &ema
+        .iter()
+        .find(|(n, _)| n == "blocks.0.mlp.fc1.weight")
+        .unwrap()
+        .1;
     let want = ((w0 * 0.5).unwrap() + (w1 * 0.5).unwrap()).unwrap();
-    let d: f32 = (e - want).unwrap().abs().unwrap().max_keepdim(0).unwrap().max(1).unwrap().squeeze(0).unwrap().to_scalar().unwrap();
+    let d: f32 = (e - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_keepdim(0)
+        .unwrap()
+        .max(1)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
     assert!(d < 1e-7, "{d}");
     assert!(t.state_bytes().1 > 0);
 }
@@ -223,16 +266,28 @@ fn v_prediction_and_sgd_run() {
 fn bad_input_gives_typed_errors() {
     let mut s = tiny(Precision::Fp32);
     s.recipe.optimizer = Optimizer::AdamW8bit;
-    assert!(matches!(Trainer::new(&s, TrainOptions::default()), Err(EngineError::Unsupported { .. })));
+    assert!(matches!(
+        Trainer::new(&s, TrainOptions::default()),
+        Err(EngineError::Unsupported { .. })
+    ));
     let mut s = tiny(Precision::Fp32);
     s.model.depth = 0;
-    assert!(matches!(Trainer::new(&s, TrainOptions::default()), Err(EngineError::Spec(_))));
+    assert!(matches!(
+        Trainer::new(&s, TrainOptions::default()),
+        Err(EngineError::Spec(_))
+    ));
     let s = tiny(Precision::Fp32);
     let mut t = trainer(&s, false);
     let mut b = batch(&s, 1);
     b.labels[0] = 99;
-    assert!(matches!(t.step(&b, None), Err(EngineError::BadInput { .. })));
+    assert!(matches!(
+        t.step(&b, None),
+        Err(EngineError::BadInput { .. })
+    ));
     let b = b.slice(0, 2).unwrap();
-    assert!(matches!(t.step(&b, None), Err(EngineError::BadInput { .. })));
+    assert!(matches!(
+        t.step(&b, None),
+        Err(EngineError::BadInput { .. })
+    ));
     assert!(t.set_loss_scale(2.0).is_err());
 }

@@ -63,7 +63,10 @@ pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
         assert_eq!(na, nb);
         assert_eq!(ga.len(), gb.len(), "{na}");
         let scale = gb.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
-        let d = ga.iter().zip(gb).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+        let d = ga
+            .iter()
+            .zip(gb)
+            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
         worst = worst.max(d / scale);
     }
     worst
