@@ -5,6 +5,7 @@
 //! backward and the workspace it allocates (the op inventory, per runtime), and a simulated timeline
 //! of forward → backward → optimizer whose maximum is the peak.
 
+pub mod cost;
 pub mod error;
 pub mod spec;
 
@@ -13,6 +14,7 @@ pub use spec::*;
 pub mod estimate;
 pub mod graph;
 pub mod params;
+pub mod plan;
 pub mod runtime;
 pub mod timeline;
 pub mod units;

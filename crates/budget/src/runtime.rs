@@ -178,8 +178,7 @@ impl DitmemCpu {
         let sq = g.op(&format!("{name} (x−mean)²"), &[xc], n, ad);
         let var = g.op(&format!("{name} var"), &[sq], rows, ad);
         let ve = g.op(&format!("{name} var+eps"), &[var], rows, ad);
-        let sd = g.op(&format!("{name} sqrt"), &[ve], rows, ad);
-        let rstd = g.op(&format!("{name} 1/std"), &[sd], rows, ad);
+        let rstd = g.op(&format!("{name} (var+eps)^−½"), &[ve], rows, ad);
         g.op(&format!("{name} out"), &[xc, rstd], n, ad)
     }
 

@@ -267,9 +267,23 @@ pub fn segment_costs(spec: &Spec) -> SegmentCosts {
 /// Simulate one optimizer step of the spec.
 pub fn simulate_step(spec: &Spec) -> Timeline {
     let table = param_table(spec);
-    let counts = count(&table);
     let st = static_bytes(spec, &table);
     let costs = segment_costs(spec);
+    simulate_step_with(spec, &table, &st, &costs, u32::MAX)
+}
+
+/// Simulate with precomputed parts (the planner caches them across candidates). Only the first
+/// `max_microbatches` microbatches are laid out: every microbatch after the first starts from the
+/// same state (gradient buffers live), so the second one already shows the steady case.
+pub fn simulate_step_with(
+    spec: &Spec,
+    table: &[ParamTensor],
+    st: &StaticBytes,
+    costs: &SegmentCosts,
+    max_microbatches: u32,
+) -> Timeline {
+    let counts = count(table);
+    let st = *st;
     let r = &spec.recipe;
     let w = &spec.workload;
     let p = r.precision;
@@ -324,7 +338,7 @@ pub fn simulate_step(spec: &Spec) -> Timeline {
 
     let mut live = base;
     let c_bytes = dims.b * dims.d * ad.size();
-    for mb in 0..w.accumulation {
+    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
         // The microbatch: x0 and noise (the ε target is the noise tensor itself), t and labels.
         let mut data = 2 * dims.latent * ad.size() + dims.b * (ad.size() + 4 + 2 * ad.size());
         if r.prediction == Prediction::V {

@@ -1,0 +1,269 @@
+//! The time model: predicted seconds of one optimizer step from FLOPs and bytes moved.
+//!
+//! Matmul FLOPs come from the spec (forward, backward = two matmuls per trained linear and one per
+//! frozen one, recompute adds the forward of what is rebuilt, memory-efficient attention re-forms
+//! its scores in backward). Elementwise work comes from the op inventory (every buffer an op writes
+//! is written once and read about once more). A microbatch adds a fixed overhead, sharding adds
+//! communication over a stated link bandwidth. The rates belong to a [`DeviceProfile`]; the
+//! ranking of plans depends on their ratios, the absolute seconds on the machine.
+
+use serde::{Deserialize, Serialize};
+
+use crate::graph::TensorKind;
+use crate::params::{param_table, ParamRole};
+use crate::runtime::{model_for, Dims};
+use crate::spec::{AttentionMode, Dtype, Latents, LoraTarget, Optimizer, Recompute, Spec};
+use crate::timeline::SD_VAE_ENCODER_PARAMS;
+
+/// Throughputs of the machine a plan is ranked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceProfile {
+    pub name: String,
+    /// Matmul FLOP/s by compute dtype.
+    pub matmul_f64: f64,
+    pub matmul_f32: f64,
+    pub matmul_bf16: f64,
+    pub matmul_f16: f64,
+    /// Elementwise elements/s by dtype (half types are emulated on CPUs without half units).
+    pub elementwise_f64: f64,
+    pub elementwise_f32: f64,
+    pub elementwise_half: f64,
+    /// Fixed cost of one forward+backward pass (dispatch, allocation, thread barriers).
+    pub microbatch_overhead_s: f64,
+    /// Bytes/s between ranks for gradient reduction and ZeRO gathers.
+    pub link_bytes_per_s: f64,
+}
+
+impl DeviceProfile {
+    /// The 2-core CPU this project runs on (candle 0.11, release build, 2 threads). Measured by
+    /// `cargo bench -p ditmem-engine --bench calibrate`; see that bench for the conditions.
+    pub fn cpu_default() -> DeviceProfile {
+        DeviceProfile {
+            name: "cpu-2core (candle 0.11)".into(),
+            matmul_f64: 30e9,
+            matmul_f32: 60e9,
+            matmul_bf16: 25e9,
+            matmul_f16: 25e9,
+            elementwise_f64: 0.4e9,
+            elementwise_f32: 0.8e9,
+            elementwise_half: 0.35e9,
+            microbatch_overhead_s: 0.002,
+            link_bytes_per_s: 10e9,
+        }
+    }
+
+    pub fn matmul_rate(&self, d: Dtype) -> f64 {
+        match d {
+            Dtype::F64 => self.matmul_f64,
+            Dtype::F32 => self.matmul_f32,
+            Dtype::Bf16 => self.matmul_bf16,
+            Dtype::F16 | Dtype::U8 => self.matmul_f16,
+        }
+    }
+
+    pub fn elementwise_rate(&self, d: Dtype) -> f64 {
+        match d {
+            Dtype::F64 => self.elementwise_f64,
+            Dtype::F32 | Dtype::U8 => self.elementwise_f32,
+            Dtype::Bf16 | Dtype::F16 => self.elementwise_half,
+        }
+    }
+}
+
+/// FLOPs of one block's forward on one microbatch, split into linears and the attention core.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct BlockFlops {
+    pub linears: f64,
+    pub attention: f64,
+    /// LoRA branches (always trained).
+    pub lora: f64,
+}
+
+pub fn block_flops(spec: &Spec) -> BlockFlops {
+    let d = Dims::new(spec);
+    let (b, s, h) = (d.b as f64, d.s as f64, d.d as f64);
+    let m = d.mlp as f64;
+    let rows = b * s;
+    let linears = 2.0 * rows * h * (3.0 * h + h + 2.0 * m) + 2.0 * b * h * 6.0 * h;
+    let attention = 2.0 * 2.0 * b * s * s * h;
+    let lora = match &spec.recipe.lora {
+        Some(l) => {
+            let r = f64::from(l.rank);
+            l.targets
+                .iter()
+                .map(|t| {
+                    let (i, o) = match t {
+                        LoraTarget::Qkv => (h, 3.0 * h),
+                        LoraTarget::Proj => (h, h),
+                        LoraTarget::Fc1 => (h, m),
+                        LoraTarget::Fc2 => (m, h),
+                        LoraTarget::Adaln => (h, 6.0 * h),
+                    };
+                    let n = if *t == LoraTarget::Adaln { b } else { rows };
+                    2.0 * n * r * (i + o)
+                })
+                .sum()
+        }
+        None => 0.0,
+    };
+    BlockFlops {
+        linears,
+        attention,
+        lora,
+    }
+}
+
+/// Predicted time of one step, by part.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepTime {
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub recompute_s: f64,
+    pub optimizer_s: f64,
+    pub overhead_s: f64,
+    pub communication_s: f64,
+    pub encode_s: f64,
+    pub total_s: f64,
+}
+
+/// Elementwise elements written by each segment's forward, per dtype class.
+fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
+    let rt = model_for(spec);
+    let dims = Dims::new(spec);
+    let seg_time = |seg: crate::graph::Segment| -> f64 {
+        seg.ops
+            .iter()
+            .map(|op| {
+                let t = &seg.tensors[op.output];
+                if t.kind == TensorKind::Alloc {
+                    // Written once and read about once: two passes over the elements.
+                    2.0 * t.elems as f64 / profile.elementwise_rate(t.dtype)
+                } else {
+                    0.0
+                }
+            })
+            .sum()
+    };
+    (
+        seg_time(rt.embed_segment(&dims)),
+        seg_time(rt.block_segment(&dims)),
+        seg_time(rt.final_segment(&dims)),
+    )
+}
+
+/// Predict the step time of a spec on a device.
+pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
+    let r = &spec.recipe;
+    let w = &spec.workload;
+    let d = Dims::new(spec);
+    let cd = r.precision.compute_dtype();
+    let mm = profile.matmul_rate(cd);
+    let f = block_flops(spec);
+    let frozen_base = r.lora.is_some();
+    let (ew_embed, ew_block, ew_final) = elementwise_forward_s(spec, profile);
+    let depth = f64::from(spec.model.depth);
+
+    // Per microbatch.
+    let block_fwd = (f.linears + f.attention + f.lora) / mm + ew_block;
+    // Backward: input and weight gradients (2×) for trained linears, input only for a frozen
+    // base; attention backward is two matmuls per forward matmul; elementwise about 2×.
+    let lin_bwd = if frozen_base { 1.0 } else { 2.0 };
+    let mut block_bwd = (lin_bwd * f.linears + 2.0 * f.attention + 2.0 * f.lora) / mm + 2.0 * ew_block;
+    if r.attention == AttentionMode::MemoryEfficient {
+        // Scores are formed again chunk by chunk in backward.
+        block_bwd += 0.5 * f.attention / mm;
+    }
+    let recomputed = f64::from(r.recompute.recomputed_count(spec.model.depth));
+    let mut recompute = recomputed * block_fwd;
+    if r.recompute == Recompute::AttentionOnly {
+        recompute += depth * (f.attention / mm);
+    }
+    let rows = d.b as f64 * d.s as f64;
+    let outer_flops = 2.0 * rows * d.d as f64 * (d.c_in * d.patch2 + d.patch2 * d.c_out) as f64;
+    let outer_fwd = outer_flops / mm + ew_embed + ew_final;
+    let fwd = depth * block_fwd + outer_fwd;
+    let bwd = depth * block_bwd + lin_bwd * outer_flops / mm + 2.0 * (ew_embed + ew_final);
+    let acc = f64::from(w.accumulation);
+
+    let table = param_table(spec);
+    let trained: f64 = table
+        .iter()
+        .filter(|t| t.role == ParamRole::Trained)
+        .map(|t| t.numel() as f64)
+        .sum();
+    let od = r.precision.optimizer_dtype();
+    let per_elem_ops = match r.optimizer {
+        Optimizer::AdamW | Optimizer::AdamW8bit => 12.0,
+        Optimizer::Sgd => 2.0,
+    } + if r.ema.enabled { 3.0 } else { 0.0 };
+    let optimizer = trained * per_elem_ops / profile.elementwise_rate(od)
+        + acc.max(1.0) * trained / profile.elementwise_rate(od);
+    let ranks = f64::from(w.ranks);
+    let comm = if w.ranks > 1 {
+        let frac = (ranks - 1.0) / ranks;
+        let gbytes = trained * r.precision.param_dtype().size() as f64;
+        let wbytes = trained * cd.size() as f64;
+        let volume = match r.zero_stage {
+            0 => 2.0 * gbytes,
+            1 | 2 => gbytes + wbytes,
+            _ => gbytes + 3.0 * wbytes,
+        };
+        volume * frac / profile.link_bytes_per_s
+    } else {
+        0.0
+    };
+    let encode = if r.latents == Latents::Encode {
+        // 136 GMAC per 256² image for the SD VAE encoder, scaling with the pixel count.
+        let pixels = f64::from(w.height) * f64::from(w.width);
+        let flops = 2.0 * 136e9 * pixels / (256.0 * 256.0) * d.b as f64;
+        let _ = SD_VAE_ENCODER_PARAMS;
+        acc * flops / profile.matmul_rate(crate::timeline::vae_dtype(r.precision))
+    } else {
+        0.0
+    };
+    let overhead = acc * profile.microbatch_overhead_s;
+    let t = StepTime {
+        forward_s: acc * fwd,
+        backward_s: acc * bwd,
+        recompute_s: acc * recompute,
+        optimizer_s: optimizer,
+        overhead_s: overhead,
+        communication_s: comm,
+        encode_s: encode,
+        total_s: 0.0,
+    };
+    StepTime {
+        total_s: t.forward_s + t.backward_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.communication_s + t.encode_s,
+        ..t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recompute_costs_time() {
+        let p = DeviceProfile::cpu_default();
+        let mut s = Spec::default_xl();
+        let base = step_time(&s, &p).total_s;
+        s.recipe.recompute = Recompute::All;
+        let all = step_time(&s, &p).total_s;
+        assert!(all > base * 1.2, "full recompute adds about a forward: {all} vs {base}");
+    }
+
+    #[test]
+    fn gmac_matches_the_paper() {
+        // DiT-XL/2 at 256²: 118.6 GMAC forward (the paper's "Gflops"), at batch 1.
+        let mut s = Spec::default_xl();
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        let f = block_flops(&s);
+        let d = 1152.0f64;
+        let t = 256.0f64;
+        let outer = t * d * 4.0 * (4.0 + 8.0) + 256.0 * d + d * d + 2.0 * d * d;
+        let gmac = (28.0 * (f.linears + f.attention) / 2.0 + outer) / 1e9;
+        assert!((gmac - 118.62).abs() < 0.01, "{gmac}");
+    }
+}
