@@ -576,6 +576,13 @@ impl Trainer {
         accum: usize,
         rec: &mut Recorder<'_>,
     ) -> Result<f64> {
+        let tag = |what: String| {
+            if accum > 1 {
+                format!("microbatch {micro}: {what}")
+            } else {
+                what
+            }
+        };
         let d = self.dims;
         let (cd, ad) = (self.cfg.compute, self.cfg.accum);
         let ld = grad_dtype(self.precision);
@@ -614,7 +621,7 @@ impl Trainer {
         let yemb = cast(table.index_select(&ids, 0)?, ad)?;
         let c = (temb + yemb)?;
         let c_leaf = Var::from_tensor(&c.detach())?;
-        rec.mark("embed");
+        rec.mark(tag("embed".into()));
 
         // Blocks.
         let mut saved: Vec<Saved> = Vec::with_capacity(d.depth);
@@ -634,7 +641,7 @@ impl Trainer {
                 cur = out.clone();
                 saved.push(Saved::Stored { leaf, out });
             }
-            rec.mark(format!("block {i}"));
+            rec.mark(tag(format!("block {i}")));
         }
 
         // Final layer and loss.
@@ -651,7 +658,7 @@ impl Trainer {
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
         let loss = (pred - target)?.sqr()?.mean_all()?;
         let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        rec.mark("final");
+        rec.mark(tag("final".into()));
 
         rec.enter(Phase::Backward);
         let factor = self.grad_scale / accum as f64;
@@ -672,7 +679,7 @@ impl Trainer {
         };
         drop(grads);
         drop(final_leaf);
-        rec.mark("final");
+        rec.mark(tag("final".into()));
 
         for i in (0..d.depth).rev() {
             let s = saved
@@ -715,7 +722,7 @@ impl Trainer {
             }
             drop(grads);
             drop(leaf);
-            rec.mark(format!("block {i}"));
+            rec.mark(tag(format!("block {i}")));
         }
 
         // Embed segment backward.
@@ -731,7 +738,7 @@ impl Trainer {
         self.accumulate(&idx, &grads)?;
         drop(grads);
         drop((x0, c, gx, gc));
-        rec.mark("embed");
+        rec.mark(tag("embed".into()));
         Ok(loss_value)
     }
 

@@ -291,3 +291,70 @@ fn bad_input_gives_typed_errors() {
     ));
     assert!(t.set_loss_scale(2.0).is_err());
 }
+
+#[test]
+fn latent_directory_and_interrupted_run() {
+    let s = tiny(Precision::Fp32);
+    let dir = std::env::temp_dir().join(format!("ditmem-latents-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = ditmem_engine::SyntheticData::new(&s, 1).unwrap();
+    let lat = candle_core::Tensor::ones(
+        (5, 4, 16, 16),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([("latents".to_string(), lat)]),
+        dir.join("a.safetensors"),
+    )
+    .unwrap();
+    let b = ditmem_engine::load_latent_dir(&dir, &data).unwrap();
+    assert_eq!(b.n, 5);
+    assert!(b.latents.iter().all(|&x| x == 1.0));
+    let opts = ditmem_engine::RunOptions {
+        warmup: 0,
+        steps: 3,
+        latents_dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let mut calls = 0;
+    let r = ditmem_engine::run(&s, &opts, None, &mut |_| {
+        calls += 1;
+        calls < 2
+    });
+    assert!(matches!(
+        r,
+        Err(EngineError::Interrupted { after_steps: 2 })
+    ));
+    let m = ditmem_engine::run(&s, &opts, None, &mut |_| true).unwrap();
+    assert_eq!(m.losses.len(), 3);
+    std::fs::write(dir.join("b.npy"), b"not a npy file").unwrap();
+    assert!(matches!(
+        ditmem_engine::load_latent_dir(&dir, &data),
+        Err(EngineError::Data { .. })
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+    let mut acc = s.clone();
+    acc.workload.microbatch = 2;
+    acc.workload.accumulation = 2;
+    let b = batch(&acc, 1);
+    let mut t = trainer(&acc, false);
+    let r = t.step(&b, Some(&NoProbe)).unwrap();
+    assert!(r
+        .timeline
+        .iter()
+        .any(|p| p.label == "microbatch 1: block 0"));
+}
+
+/// A probe without an allocator: live bytes are always 1.
+struct NoProbe;
+impl ditmem_engine::MemoryProbe for NoProbe {
+    fn live(&self) -> u64 {
+        1
+    }
+    fn peak(&self) -> u64 {
+        1
+    }
+    fn reset_peak(&self) {}
+}
