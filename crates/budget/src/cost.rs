@@ -169,7 +169,8 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
     // Backward: input and weight gradients (2×) for trained linears, input only for a frozen
     // base; attention backward is two matmuls per forward matmul; elementwise about 2×.
     let lin_bwd = if frozen_base { 1.0 } else { 2.0 };
-    let mut block_bwd = (lin_bwd * f.linears + 2.0 * f.attention + 2.0 * f.lora) / mm + 2.0 * ew_block;
+    let mut block_bwd =
+        (lin_bwd * f.linears + 2.0 * f.attention + 2.0 * f.lora) / mm + 2.0 * ew_block;
     if r.attention == AttentionMode::MemoryEfficient {
         // Scores are formed again chunk by chunk in backward.
         block_bwd += 0.5 * f.attention / mm;
@@ -234,7 +235,13 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
         total_s: 0.0,
     };
     StepTime {
-        total_s: t.forward_s + t.backward_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.communication_s + t.encode_s,
+        total_s: t.forward_s
+            + t.backward_s
+            + t.recompute_s
+            + t.optimizer_s
+            + t.overhead_s
+            + t.communication_s
+            + t.encode_s,
         ..t
     }
 }
@@ -250,7 +257,10 @@ mod tests {
         let base = step_time(&s, &p).total_s;
         s.recipe.recompute = Recompute::All;
         let all = step_time(&s, &p).total_s;
-        assert!(all > base * 1.2, "full recompute adds about a forward: {all} vs {base}");
+        assert!(
+            all > base * 1.2,
+            "full recompute adds about a forward: {all} vs {base}"
+        );
     }
 
     #[test]

@@ -3,12 +3,15 @@
 
 use serde::Serialize;
 
+use crate::error::SpecError;
 use crate::graph::{Segment, TensorKind};
 use crate::params::{count, param_table, ParamCounts};
 use crate::runtime::{model_for, Dims};
-use crate::error::SpecError;
 use crate::spec::{Dtype, Spec};
-use crate::timeline::{segment_costs, simulate_step, static_bytes, Breakdown, Phase, SegmentCosts, StaticBytes, Timeline};
+use crate::timeline::{
+    segment_costs, simulate_step, static_bytes, Breakdown, Phase, SegmentCosts, StaticBytes,
+    Timeline,
+};
 
 /// The peak of the step and what is live there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -56,7 +59,11 @@ fn inventory(seg: &Segment, kept_bytes: u64) -> Inventory {
                 op: op.name.clone(),
                 elems: t.elems,
                 dtype: t.dtype,
-                bytes: if t.kind == TensorKind::Alloc { t.bytes() } else { 0 },
+                bytes: if t.kind == TensorKind::Alloc {
+                    t.bytes()
+                } else {
+                    0
+                },
                 extra_saved: op.extra_saved,
                 fwd_scratch: op.fwd_scratch,
                 bwd_scratch: op.bwd_scratch,
@@ -167,7 +174,10 @@ mod tests {
         let none = estimate(&s).unwrap().peak_bytes;
         s.recipe.recompute = Recompute::All;
         let all = estimate(&s).unwrap().peak_bytes;
-        assert!(all < none, "recompute-all {all} must peak below none {none}");
+        assert!(
+            all < none,
+            "recompute-all {all} must peak below none {none}"
+        );
     }
 
     #[test]
@@ -224,7 +234,11 @@ mod tests {
         // max and sum; memory-efficient keeps one f32 log-sum-exp row instead.
         let rows = d.b * d.heads * d.s;
         let per_block = 4 * d.a() * 4 + 2 * rows * 4 - rows * 4;
-        for (rc, stored) in [(Recompute::None, 12u64), (Recompute::EveryK(2), 6), (Recompute::All, 0)] {
+        for (rc, stored) in [
+            (Recompute::None, 12u64),
+            (Recompute::EveryK(2), 6),
+            (Recompute::All, 0),
+        ] {
             s.recipe.recompute = rc.clone();
             let after_fwd = |mode| {
                 let mut t = s.clone();
@@ -238,7 +252,8 @@ mod tests {
                     .live
                     .activations
             };
-            let diff = after_fwd(AttentionMode::Materialized) - after_fwd(AttentionMode::MemoryEfficient);
+            let diff =
+                after_fwd(AttentionMode::Materialized) - after_fwd(AttentionMode::MemoryEfficient);
             assert_eq!(diff, stored * per_block, "recompute {rc}");
         }
     }

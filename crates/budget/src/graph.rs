@@ -118,7 +118,14 @@ impl Segment {
         })
     }
 
-    fn add_op(&mut self, name: &str, inputs: &[Tid], elems: u64, dtype: Dtype, kind: TensorKind) -> Tid {
+    fn add_op(
+        &mut self,
+        name: &str,
+        inputs: &[Tid],
+        elems: u64,
+        dtype: Dtype,
+        kind: TensorKind,
+    ) -> Tid {
         let requires_grad = inputs.iter().any(|&i| self.tensors[i].requires_grad);
         let role = if inputs.len() == 1
             && matches!(self.tensors[inputs[0]].kind, TensorKind::Param { .. })
@@ -243,7 +250,11 @@ pub struct SegmentCost {
 
 /// Simulate a segment. `keep_all` is the runtime's retention rule: true when every op output
 /// stays alive with the graph (candle), false when only tensors an op's backward reads do.
-pub fn simulate(seg: &Segment, keep_all: bool, saved: &dyn Fn(&Segment, Tid) -> bool) -> SegmentCost {
+pub fn simulate(
+    seg: &Segment,
+    keep_all: bool,
+    saved: &dyn Fn(&Segment, Tid) -> bool,
+) -> SegmentCost {
     let last = seg.last_use();
     let n = seg.tensors.len();
     let out = seg.output;
@@ -263,17 +274,26 @@ pub fn simulate(seg: &Segment, keep_all: bool, saved: &dyn Fn(&Segment, Tid) -> 
         ..SegmentCost::default()
     };
 
+    // Each storage is released after its last reader (through its views), or right after it
+    // is made when nothing reads it; the segment output is never released here.
+    let mut storage_last = vec![None::<usize>; n];
+    for (t, lt) in last.iter().enumerate() {
+        let s = seg.storage_of(t);
+        storage_last[s] = storage_last[s].max(*lt);
+    }
+    let mut frees_at: Vec<Vec<Tid>> = vec![Vec::new(); seg.ops.len()];
+    for (k, op) in seg.ops.iter().enumerate() {
+        let s = op.output;
+        if seg.tensors[s].kind == TensorKind::Alloc && s != out_storage {
+            frees_at[storage_last[s].unwrap_or(k).max(k)].push(s);
+        }
+    }
+
     // Tracked and untracked forward.
     for tracked in [true, false] {
         let mut live: u64 = 0;
         let mut peak: u64 = 0;
         let mut alive = vec![false; n];
-        // Last use of each storage, through its views.
-        let mut storage_last = vec![None::<usize>; n];
-        for t in 0..n {
-            let s = seg.storage_of(t);
-            storage_last[s] = storage_last[s].max(last[t]);
-        }
         for (k, op) in seg.ops.iter().enumerate() {
             let t = &seg.tensors[op.output];
             if t.kind == TensorKind::Alloc {
@@ -284,25 +304,21 @@ pub fn simulate(seg: &Segment, keep_all: bool, saved: &dyn Fn(&Segment, Tid) -> 
                 live += op.extra_saved;
             }
             peak = peak.max(live + op.fwd_scratch);
-            // Free storages whose last reader was this op.
-            for s in 0..n {
-                if alive[s] && s != out_storage && storage_last[s].is_none_or(|l| l <= k) {
-                    let keep = tracked && retained[s];
-                    if !keep {
-                        live -= seg.tensors[s].bytes();
-                        alive[s] = false;
-                    }
+            for &s in &frees_at[k] {
+                if !(tracked && retained[s]) {
+                    live -= seg.tensors[s].bytes();
+                    alive[s] = false;
                 }
             }
         }
         if tracked {
             cost.fwd_peak = peak;
             let mut kept = SegmentBytes::default();
-            for s in 0..n {
+            for (s, def) in seg.tensors.iter().enumerate() {
                 if alive[s] && s != out_storage {
-                    match seg.tensors[s].role {
-                        TensorRole::Activation => kept.activations += seg.tensors[s].bytes(),
-                        TensorRole::WeightCast => kept.weight_casts += seg.tensors[s].bytes(),
+                    match def.role {
+                        TensorRole::Activation => kept.activations += def.bytes(),
+                        TensorRole::WeightCast => kept.weight_casts += def.bytes(),
                     }
                 }
             }
@@ -345,7 +361,9 @@ pub fn simulate(seg: &Segment, keep_all: bool, saved: &dyn Fn(&Segment, Tid) -> 
         }
         match def.kind {
             TensorKind::Param { trained: true } => cost.param_grad_bytes += def.bytes(),
-            TensorKind::Input { requires_grad: true } => cost.input_grad_bytes += def.bytes(),
+            TensorKind::Input {
+                requires_grad: true,
+            } => cost.input_grad_bytes += def.bytes(),
             _ => {}
         }
     }

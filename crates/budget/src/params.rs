@@ -102,14 +102,56 @@ pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
             block,
         })
     };
-    push("x_embedder.proj.weight".into(), vec![d, c_in * p2], base, Module::PatchEmbed, None);
-    push("x_embedder.proj.bias".into(), vec![d], base, Module::PatchEmbed, None);
-    push("pos_embed".into(), vec![1, tokens, d], ParamRole::Frozen, Module::PosEmbed, None);
+    push(
+        "x_embedder.proj.weight".into(),
+        vec![d, c_in * p2],
+        base,
+        Module::PatchEmbed,
+        None,
+    );
+    push(
+        "x_embedder.proj.bias".into(),
+        vec![d],
+        base,
+        Module::PatchEmbed,
+        None,
+    );
+    push(
+        "pos_embed".into(),
+        vec![1, tokens, d],
+        ParamRole::Frozen,
+        Module::PosEmbed,
+        None,
+    );
     let f = u64::from(m.freq_embed);
-    push("t_embedder.mlp.0.weight".into(), vec![d, f], base, Module::TimestepEmbed, None);
-    push("t_embedder.mlp.0.bias".into(), vec![d], base, Module::TimestepEmbed, None);
-    push("t_embedder.mlp.2.weight".into(), vec![d, d], base, Module::TimestepEmbed, None);
-    push("t_embedder.mlp.2.bias".into(), vec![d], base, Module::TimestepEmbed, None);
+    push(
+        "t_embedder.mlp.0.weight".into(),
+        vec![d, f],
+        base,
+        Module::TimestepEmbed,
+        None,
+    );
+    push(
+        "t_embedder.mlp.0.bias".into(),
+        vec![d],
+        base,
+        Module::TimestepEmbed,
+        None,
+    );
+    push(
+        "t_embedder.mlp.2.weight".into(),
+        vec![d, d],
+        base,
+        Module::TimestepEmbed,
+        None,
+    );
+    push(
+        "t_embedder.mlp.2.bias".into(),
+        vec![d],
+        base,
+        Module::TimestepEmbed,
+        None,
+    );
     push(
         "y_embedder.embedding_table.weight".into(),
         vec![u64::from(m.label_rows()), d],
@@ -119,19 +161,67 @@ pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
     );
     for i in 0..m.depth {
         for (target, name, out, inp) in block_linears(spec) {
-            push(format!("blocks.{i}.{name}.weight"), vec![out, inp], base, Module::Blocks, Some(i));
-            push(format!("blocks.{i}.{name}.bias"), vec![out], base, Module::Blocks, Some(i));
+            push(
+                format!("blocks.{i}.{name}.weight"),
+                vec![out, inp],
+                base,
+                Module::Blocks,
+                Some(i),
+            );
+            push(
+                format!("blocks.{i}.{name}.bias"),
+                vec![out],
+                base,
+                Module::Blocks,
+                Some(i),
+            );
             if let Some(l) = lora.filter(|l| l.targets.contains(&target)) {
                 let r = u64::from(l.rank);
-                push(format!("blocks.{i}.{name}.lora_a"), vec![r, inp], ParamRole::Trained, Module::Lora, Some(i));
-                push(format!("blocks.{i}.{name}.lora_b"), vec![out, r], ParamRole::Trained, Module::Lora, Some(i));
+                push(
+                    format!("blocks.{i}.{name}.lora_a"),
+                    vec![r, inp],
+                    ParamRole::Trained,
+                    Module::Lora,
+                    Some(i),
+                );
+                push(
+                    format!("blocks.{i}.{name}.lora_b"),
+                    vec![out, r],
+                    ParamRole::Trained,
+                    Module::Lora,
+                    Some(i),
+                );
             }
         }
     }
-    push("final_layer.linear.weight".into(), vec![p2 * c_out, d], base, Module::FinalLayer, None);
-    push("final_layer.linear.bias".into(), vec![p2 * c_out], base, Module::FinalLayer, None);
-    push("final_layer.adaLN_modulation.1.weight".into(), vec![2 * d, d], base, Module::FinalLayer, None);
-    push("final_layer.adaLN_modulation.1.bias".into(), vec![2 * d], base, Module::FinalLayer, None);
+    push(
+        "final_layer.linear.weight".into(),
+        vec![p2 * c_out, d],
+        base,
+        Module::FinalLayer,
+        None,
+    );
+    push(
+        "final_layer.linear.bias".into(),
+        vec![p2 * c_out],
+        base,
+        Module::FinalLayer,
+        None,
+    );
+    push(
+        "final_layer.adaLN_modulation.1.weight".into(),
+        vec![2 * d, d],
+        base,
+        Module::FinalLayer,
+        None,
+    );
+    push(
+        "final_layer.adaLN_modulation.1.bias".into(),
+        vec![2 * d],
+        base,
+        Module::FinalLayer,
+        None,
+    );
     v
 }
 
@@ -238,8 +328,14 @@ mod tests {
             assert_eq!(c.trained, trained, "{preset} trained");
             assert_eq!(c.frozen, total - trained, "{preset} frozen = pos table");
         }
-        assert_eq!(count(&param_table(&spec("dit-xl-4", 256))).total, 675_074_432);
-        assert_eq!(count(&param_table(&spec("dit-xl-8", 256))).total, 675_683_072);
+        assert_eq!(
+            count(&param_table(&spec("dit-xl-4", 256))).total,
+            675_074_432
+        );
+        assert_eq!(
+            count(&param_table(&spec("dit-xl-8", 256))).total,
+            675_683_072
+        );
     }
 
     #[test]

@@ -19,8 +19,10 @@ use serde::Serialize;
 
 use crate::cost::{step_time, DeviceProfile, StepTime};
 use crate::params::{param_table, ParamTensor};
-use crate::spec::{AttentionMode, LoraSpec, Latents, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{segment_costs, simulate_step_with, static_bytes, Breakdown, SegmentCosts, StaticBytes};
+use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
+use crate::timeline::{
+    segment_costs, simulate_step_with, static_bytes, Breakdown, SegmentCosts, StaticBytes,
+};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -98,7 +100,14 @@ impl Evaluator {
         let r = &spec.recipe;
         let tkey = format!(
             "{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{}",
-            r.lora, r.precision, r.optimizer, r.ema, r.zero_stage, r.latents, spec.workload.ranks, spec.workload.height * 65536 + spec.workload.width
+            r.lora,
+            r.precision,
+            r.optimizer,
+            r.ema,
+            r.zero_stage,
+            r.latents,
+            spec.workload.ranks,
+            spec.workload.height * 65536 + spec.workload.width
         );
         let (table, st) = self
             .tables
@@ -117,7 +126,10 @@ impl Evaluator {
             r.recompute == Recompute::AttentionOnly,
             spec.workload.microbatch
         );
-        let costs = *self.segments.entry(skey).or_insert_with(|| segment_costs(spec));
+        let costs = *self
+            .segments
+            .entry(skey)
+            .or_insert_with(|| segment_costs(spec));
         let tl = simulate_step_with(spec, &table, &st, &costs, 2);
         let e = tl.peak();
         (e.total(), e.live)
@@ -155,13 +167,21 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     }
     if b.recompute != r.recompute {
         let what = match &r.recompute {
-            Recompute::Blocks(v) => format!("recompute the first {} of {} blocks", v.len(), s.model.depth),
+            Recompute::Blocks(v) => format!(
+                "recompute the first {} of {} blocks",
+                v.len(),
+                s.model.depth
+            ),
             other => format!("recompute {other}"),
         };
         out.push(what);
     }
     if b.attention != r.attention {
-        out.push(format!("attention {} → {}", b.attention.name(), r.attention.name()));
+        out.push(format!(
+            "attention {} → {}",
+            b.attention.name(),
+            r.attention.name()
+        ));
     }
     if base.workload.microbatch != s.workload.microbatch {
         out.push(format!(
@@ -178,21 +198,35 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
         }
     }
     if b.optimizer != r.optimizer {
-        out.push(format!("optimizer {} → {}", b.optimizer.name(), r.optimizer.name()));
+        out.push(format!(
+            "optimizer {} → {}",
+            b.optimizer.name(),
+            r.optimizer.name()
+        ));
     }
     if b.zero_stage != r.zero_stage {
-        out.push(format!("ZeRO stage {} over {} ranks", r.zero_stage, s.workload.ranks));
+        out.push(format!(
+            "ZeRO stage {} over {} ranks",
+            r.zero_stage, s.workload.ranks
+        ));
     }
     out
 }
 
 /// Search the recipes for the fastest one whose peak fits `limits`.
-pub fn plan(base: &Spec, limits: &Limits, profile: &DeviceProfile) -> Result<Plan, crate::error::SpecError> {
+pub fn plan(
+    base: &Spec,
+    limits: &Limits,
+    profile: &DeviceProfile,
+) -> Result<Plan, crate::error::SpecError> {
     base.validate()?;
     if !(0.0..0.9).contains(&limits.headroom) {
         return Err(crate::error::SpecError::invalid(
             "plan.headroom",
-            format!("{} is out of range; allowed: 0 ≤ headroom < 0.9", limits.headroom),
+            format!(
+                "{} is out of range; allowed: 0 ≤ headroom < 0.9",
+                limits.headroom
+            ),
         ));
     }
     let usable = limits.usable();
@@ -200,7 +234,9 @@ pub fn plan(base: &Spec, limits: &Limits, profile: &DeviceProfile) -> Result<Pla
     let depth = base.model.depth;
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
-    let micros: Vec<u32> = (1..=w.microbatch).filter(|m| per_rank % m == 0).collect();
+    let micros: Vec<u32> = (1..=w.microbatch)
+        .filter(|m| per_rank.is_multiple_of(*m))
+        .collect();
     let loras: Vec<Option<LoraSpec>> = if limits.allow.lora && base.recipe.lora.is_none() {
         let mut v = vec![None];
         for r in [4u32, 8, 16, 32, 64, 128] {
@@ -215,11 +251,12 @@ pub fn plan(base: &Spec, limits: &Limits, profile: &DeviceProfile) -> Result<Pla
     } else {
         vec![base.recipe.lora.clone()]
     };
-    let optimizers: Vec<Optimizer> = if limits.allow.eight_bit && base.recipe.optimizer == Optimizer::AdamW {
-        vec![Optimizer::AdamW, Optimizer::AdamW8bit]
-    } else {
-        vec![base.recipe.optimizer]
-    };
+    let optimizers: Vec<Optimizer> =
+        if limits.allow.eight_bit && base.recipe.optimizer == Optimizer::AdamW {
+            vec![Optimizer::AdamW, Optimizer::AdamW8bit]
+        } else {
+            vec![base.recipe.optimizer]
+        };
     let zeros: Vec<u8> = if limits.allow.sharding && w.ranks > 1 {
         (base.recipe.zero_stage..=3).collect()
     } else {
@@ -231,7 +268,9 @@ pub fn plan(base: &Spec, limits: &Limits, profile: &DeviceProfile) -> Result<Pla
         vec![Latents::Cached]
     };
     let attentions: Vec<AttentionMode> = match base.recipe.attention {
-        AttentionMode::Materialized => vec![AttentionMode::Materialized, AttentionMode::MemoryEfficient],
+        AttentionMode::Materialized => {
+            vec![AttentionMode::Materialized, AttentionMode::MemoryEfficient]
+        }
         AttentionMode::MemoryEfficient => vec![AttentionMode::MemoryEfficient],
     };
 
@@ -346,7 +385,11 @@ pub fn plan(base: &Spec, limits: &Limits, profile: &DeviceProfile) -> Result<Pla
         None => {
             let floor = all
                 .iter()
-                .min_by(|a, b| a.peak_bytes.cmp(&b.peak_bytes).then(a.time.total_s.total_cmp(&b.time.total_s)))
+                .min_by(|a, b| {
+                    a.peak_bytes
+                        .cmp(&b.peak_bytes)
+                        .then(a.time.total_s.total_cmp(&b.time.total_s))
+                })
                 .expect("the base is always evaluated");
             let (dom, dom_bytes) = floor.breakdown.dominant();
             let reason = format!(
@@ -488,7 +531,10 @@ mod tests {
                 break;
             }
             assert!(p.predicted_peak_bytes <= p.usable_bytes);
-            assert!(p.predicted_step_time_s >= last_time - 1e-12, "budget × {frac}: faster than a bigger budget");
+            assert!(
+                p.predicted_step_time_s >= last_time - 1e-12,
+                "budget × {frac}: faster than a bigger budget"
+            );
             last_time = p.predicted_step_time_s;
         }
     }

@@ -103,7 +103,12 @@ pub trait RuntimeModel {
         true
     }
     /// Transient bytes of one optimizer update of a tensor with `elems` elements (beyond m and v).
-    fn optimizer_scratch(&self, elems: u64, precision: Precision, optimizer: crate::spec::Optimizer) -> u64;
+    fn optimizer_scratch(
+        &self,
+        elems: u64,
+        precision: Precision,
+        optimizer: crate::spec::Optimizer,
+    ) -> u64;
     /// Transient bytes of the EMA update of a tensor with `elems` elements.
     fn ema_scratch(&self, elems: u64, dtype: Dtype) -> u64;
     /// Bytes an allocation of `bytes` really takes (allocator rounding).
@@ -190,19 +195,43 @@ impl DitmemCpu {
         let one_plus = g.op(&format!("{name} 1+scale"), &[scale], bd, ad);
         let mul = g.op(&format!("{name} ·(1+scale)"), &[xn, one_plus], n, ad);
         let add = g.op(&format!("{name} +shift"), &[mul, shift], n, ad);
-        g.cast(&format!("{name}→{}", dims.precision.compute_dtype()), add, dims.precision.compute_dtype())
+        g.cast(
+            &format!("{name}→{}", dims.precision.compute_dtype()),
+            add,
+            dims.precision.compute_dtype(),
+        )
     }
 
     /// The adaLN modulation `Linear(SiLU(c))` chunked into `k` views of b·D.
-    fn ada_ln(g: &mut Segment, dims: &Dims, name: &str, c: Tid, k: u64, target: Option<LoraTarget>, trained: bool) -> Vec<Tid> {
+    fn ada_ln(
+        g: &mut Segment,
+        dims: &Dims,
+        name: &str,
+        c: Tid,
+        k: u64,
+        target: Option<LoraTarget>,
+        trained: bool,
+    ) -> Vec<Tid> {
         let ad = dims.precision.accum_dtype();
         let cd = dims.precision.compute_dtype();
         let bd = dims.b * dims.d;
         let silu = g.op(&format!("{name} silu(c)"), &[c], bd, ad);
         let sc = g.cast(&format!("{name} silu(c)→{cd}"), silu, cd);
-        let m = Self::linear(g, dims, name, sc, dims.b, k * dims.d, dims.d, target, trained);
+        let m = Self::linear(
+            g,
+            dims,
+            name,
+            sc,
+            dims.b,
+            k * dims.d,
+            dims.d,
+            target,
+            trained,
+        );
         let m = g.cast(&format!("{name} →{ad}"), m, ad);
-        (0..k).map(|i| g.view(&format!("{name} chunk {i}"), m, bd)).collect()
+        (0..k)
+            .map(|i| g.view(&format!("{name} chunk {i}"), m, bd))
+            .collect()
     }
 
     /// Attention over q, k, v of shape (b, a, s, dh) in the compute dtype.
@@ -216,14 +245,22 @@ impl DitmemCpu {
             // One custom op: keeps its output (and, memory-efficient, a f32 log-sum-exp per row);
             // q, k, v are already alive. Forward scratch: one query chunk of scores.
             let o = g.op("attn core", &[q, k, v], e, cd);
-            let acc = if dims.precision == Precision::Fp64 { Dtype::F64 } else { Dtype::F32 };
+            let acc = if dims.precision == Precision::Fp64 {
+                Dtype::F64
+            } else {
+                Dtype::F32
+            };
             let (lse, scratch_fwd, scratch_bwd) = if dims.attention_only {
                 // Recomputes the materialized attention for the whole block in backward.
                 let bwd = Self::materialized_bytes(dims);
                 (0, a * ad.size() + 2 * bas * ad.size(), bwd)
             } else {
                 let chunk = dims.b * dims.heads * ATTN_CHUNK.min(dims.s) * dims.s;
-                (bas * acc.size(), 2 * chunk * acc.size(), 3 * chunk * acc.size())
+                (
+                    bas * acc.size(),
+                    2 * chunk * acc.size(),
+                    3 * chunk * acc.size(),
+                )
             };
             g.annotate(o, lse, scratch_fwd, scratch_bwd);
             return o;
@@ -287,7 +324,17 @@ impl RuntimeModel for DitmemCpu {
         let xt = g.op("x_t", &[a, b], n, ad);
         let patches = g.op("patchify", &[xt], n, ad);
         let pc = g.cast(&format!("patches→{cd}"), patches, cd);
-        let emb = Self::linear(&mut g, dims, "x_embedder.proj", pc, dims.rows(), dims.d, dims.c_in * dims.patch2, None, trained);
+        let emb = Self::linear(
+            &mut g,
+            dims,
+            "x_embedder.proj",
+            pc,
+            dims.rows(),
+            dims.d,
+            dims.c_in * dims.patch2,
+            None,
+            trained,
+        );
         let emb = g.cast(&format!("x_embedder→{ad}"), emb, ad);
         let pos = g.param("pos_embed", dims.s * dims.d, ad, false);
         let x = g.op("+pos_embed", &[emb, pos], dims.e(), ad);
@@ -299,9 +346,29 @@ impl RuntimeModel for DitmemCpu {
         let sin = g.op("sin", &[args], dims.b * half, ad);
         let f = g.op("cat[cos,sin]", &[cos, sin], dims.b * dims.freq, ad);
         let fc = g.cast(&format!("t_freq→{cd}"), f, cd);
-        let h = Self::linear(&mut g, dims, "t_embedder.mlp.0", fc, dims.b, dims.d, dims.freq, None, trained);
+        let h = Self::linear(
+            &mut g,
+            dims,
+            "t_embedder.mlp.0",
+            fc,
+            dims.b,
+            dims.d,
+            dims.freq,
+            None,
+            trained,
+        );
         let h = g.op("t silu", &[h], bd, cd);
-        let te = Self::linear(&mut g, dims, "t_embedder.mlp.2", h, dims.b, dims.d, dims.d, None, trained);
+        let te = Self::linear(
+            &mut g,
+            dims,
+            "t_embedder.mlp.2",
+            h,
+            dims.b,
+            dims.d,
+            dims.d,
+            None,
+            trained,
+        );
         let te = g.cast(&format!("t_emb→{ad}"), te, ad);
         let table = g.param(
             "y_embedder.embedding_table.weight",
@@ -325,13 +392,32 @@ impl RuntimeModel for DitmemCpu {
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
         let x = g.input("x", e, ad, true);
         let c = g.input("c", dims.b * d, ad, true);
-        let m = Self::ada_ln(&mut g, dims, "adaLN_modulation.1", c, 6, Some(LoraTarget::Adaln), trained);
-        let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) = (m[0], m[1], m[2], m[3], m[4], m[5]);
+        let m = Self::ada_ln(
+            &mut g,
+            dims,
+            "adaLN_modulation.1",
+            c,
+            6,
+            Some(LoraTarget::Adaln),
+            trained,
+        );
+        let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
+            (m[0], m[1], m[2], m[3], m[4], m[5]);
 
         // Attention branch.
         let n1 = Self::layer_norm(&mut g, "norm1", x, rows, d);
         let h = Self::modulate(&mut g, dims, "modulate1", n1, shift_msa, scale_msa);
-        let qkv = Self::linear(&mut g, dims, "attn.qkv", h, rows, 3 * d, d, Some(LoraTarget::Qkv), trained);
+        let qkv = Self::linear(
+            &mut g,
+            dims,
+            "attn.qkv",
+            h,
+            rows,
+            3 * d,
+            d,
+            Some(LoraTarget::Qkv),
+            trained,
+        );
         let qv = g.view("q view", qkv, e);
         let kv = g.view("k view", qkv, e);
         let vv = g.view("v view", qkv, e);
@@ -341,7 +427,17 @@ impl RuntimeModel for DitmemCpu {
         let o = Self::attention(&mut g, dims, q, k, v);
         let ot = g.view("oᵀ", o, e);
         let o2 = g.op("o reshape", &[ot], e, cd);
-        let p = Self::linear(&mut g, dims, "attn.proj", o2, rows, d, d, Some(LoraTarget::Proj), trained);
+        let p = Self::linear(
+            &mut g,
+            dims,
+            "attn.proj",
+            o2,
+            rows,
+            d,
+            d,
+            Some(LoraTarget::Proj),
+            trained,
+        );
         let p = g.cast(&format!("proj→{ad}"), p, ad);
         let gp = g.op("gate_msa·proj", &[p, gate_msa], e, ad);
         let x1 = g.op("x + attn", &[x, gp], e, ad);
@@ -349,13 +445,33 @@ impl RuntimeModel for DitmemCpu {
         // MLP branch.
         let n2 = Self::layer_norm(&mut g, "norm2", x1, rows, d);
         let h2 = Self::modulate(&mut g, dims, "modulate2", n2, shift_mlp, scale_mlp);
-        let f1 = Self::linear(&mut g, dims, "mlp.fc1", h2, rows, dims.mlp, d, Some(LoraTarget::Fc1), trained);
+        let f1 = Self::linear(
+            &mut g,
+            dims,
+            "mlp.fc1",
+            h2,
+            rows,
+            dims.mlp,
+            d,
+            Some(LoraTarget::Fc1),
+            trained,
+        );
         let mut act = g.op("gelu(tanh)", &[f1], rows * dims.mlp, cd);
         if dims.mlp_dropout {
             let mask = g.op("mlp dropout mask", &[], rows * dims.mlp, cd);
             act = g.op("mlp dropout", &[act, mask], rows * dims.mlp, cd);
         }
-        let f2 = Self::linear(&mut g, dims, "mlp.fc2", act, rows, d, dims.mlp, Some(LoraTarget::Fc2), trained);
+        let f2 = Self::linear(
+            &mut g,
+            dims,
+            "mlp.fc2",
+            act,
+            rows,
+            d,
+            dims.mlp,
+            Some(LoraTarget::Fc2),
+            trained,
+        );
         let f2 = g.cast(&format!("fc2→{ad}"), f2, ad);
         let gm = g.op("gate_mlp·fc2", &[f2, gate_mlp], e, ad);
         g.op("x + mlp", &[x1, gm], e, ad);
@@ -369,11 +485,29 @@ impl RuntimeModel for DitmemCpu {
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
         let x = g.input("x", e, ad, true);
         let c = g.input("c", dims.b * d, ad, true);
-        let m = Self::ada_ln(&mut g, dims, "final_layer.adaLN_modulation.1", c, 2, None, trained);
+        let m = Self::ada_ln(
+            &mut g,
+            dims,
+            "final_layer.adaLN_modulation.1",
+            c,
+            2,
+            None,
+            trained,
+        );
         let n = Self::layer_norm(&mut g, "final norm", x, rows, d);
         let h = Self::modulate(&mut g, dims, "final modulate", n, m[0], m[1]);
         let out = rows * dims.patch2 * dims.c_out;
-        let y = Self::linear(&mut g, dims, "final_layer.linear", h, rows, dims.patch2 * dims.c_out, d, None, trained);
+        let y = Self::linear(
+            &mut g,
+            dims,
+            "final_layer.linear",
+            h,
+            rows,
+            dims.patch2 * dims.c_out,
+            d,
+            None,
+            trained,
+        );
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
         let img = g.op("unpatchify", &[y], out, ad);
         let lat = dims.latent;
@@ -389,7 +523,12 @@ impl RuntimeModel for DitmemCpu {
         true
     }
 
-    fn optimizer_scratch(&self, elems: u64, precision: Precision, optimizer: crate::spec::Optimizer) -> u64 {
+    fn optimizer_scratch(
+        &self,
+        elems: u64,
+        precision: Precision,
+        optimizer: crate::spec::Optimizer,
+    ) -> u64 {
         let sd = precision.optimizer_dtype().size();
         match optimizer {
             // m' = β1·m + (1−β1)·g and v' = β2·v + (1−β2)·g² as new tensors, then the update
@@ -415,5 +554,8 @@ pub fn model_for(spec: &Spec) -> &'static dyn RuntimeModel {
 
 /// Element count of the largest linear of a block (used by sharded weight gathers).
 pub fn block_param_elems(spec: &Spec) -> u64 {
-    block_linears(spec).iter().map(|(_, _, o, i)| o * i + o).sum()
+    block_linears(spec)
+        .iter()
+        .map(|(_, _, o, i)| o * i + o)
+        .sum()
 }

@@ -442,7 +442,7 @@ impl Recompute {
         match self {
             Recompute::None | Recompute::AttentionOnly => false,
             Recompute::All => true,
-            Recompute::EveryK(k) => *k > 0 && i % k == 0,
+            Recompute::EveryK(k) => *k > 0 && i.is_multiple_of(*k),
             Recompute::Blocks(b) => b.contains(&i),
         }
     }
@@ -506,7 +506,10 @@ impl FromStr for Recompute {
         if let Some(list) = s.strip_prefix("blocks:") {
             let mut blocks = Vec::new();
             for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-                blocks.push(item.parse::<u32>().map_err(|_| bad("has a block that is not a number"))?);
+                blocks.push(
+                    item.parse::<u32>()
+                        .map_err(|_| bad("has a block that is not a number"))?,
+                );
             }
             blocks.sort_unstable();
             blocks.dedup();
@@ -547,7 +550,12 @@ pub struct LoraSpec {
 }
 
 pub fn default_lora_targets() -> Vec<LoraTarget> {
-    vec![LoraTarget::Qkv, LoraTarget::Proj, LoraTarget::Fc1, LoraTarget::Fc2]
+    vec![
+        LoraTarget::Qkv,
+        LoraTarget::Proj,
+        LoraTarget::Fc1,
+        LoraTarget::Fc2,
+    ]
 }
 
 /// Where the latents come from.
@@ -738,7 +746,8 @@ impl Spec {
 
     /// Parse a spec from TOML text.
     pub fn from_toml(text: &str) -> Result<Spec, SpecError> {
-        let de = toml::Deserializer::parse(text).map_err(|e| toml_error(text, &e, String::new()))?;
+        let de =
+            toml::Deserializer::parse(text).map_err(|e| toml_error(text, &e, String::new()))?;
         let spec: Spec = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
             toml_error(text, e.inner(), path)
@@ -768,7 +777,10 @@ impl Spec {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+        {
             Spec::from_json(&text)
         } else {
             Spec::from_toml(&text)
@@ -818,16 +830,22 @@ impl Spec {
         positive("model.mlp_ratio", m.mlp_ratio)?;
         positive("model.num_classes", m.num_classes)?;
         positive("model.freq_embed", m.freq_embed)?;
-        if m.hidden % m.heads != 0 {
+        if !m.hidden.is_multiple_of(m.heads) {
             return Err(SpecError::invalid(
                 "model.heads",
-                format!("{} does not divide model.hidden = {}; allowed: a divisor of the hidden size", m.heads, m.hidden),
+                format!(
+                    "{} does not divide model.hidden = {}; allowed: a divisor of the hidden size",
+                    m.heads, m.hidden
+                ),
             ));
         }
-        if m.freq_embed % 2 != 0 {
+        if !m.freq_embed.is_multiple_of(2) {
             return Err(SpecError::invalid(
                 "model.freq_embed",
-                format!("{} is odd; allowed: an even number (cos and sin halves)", m.freq_embed),
+                format!(
+                    "{} is odd; allowed: an even number (cos and sin halves)",
+                    m.freq_embed
+                ),
             ));
         }
         probability("model.class_dropout_prob", m.class_dropout_prob)?;
@@ -869,7 +887,10 @@ impl Spec {
             if let Some(bad) = blocks.iter().find(|&&b| b >= m.depth) {
                 return Err(SpecError::invalid(
                     "recipe.recompute",
-                    format!("block {bad} does not exist; allowed: block indices 0..={}", m.depth - 1),
+                    format!(
+                        "block {bad} does not exist; allowed: block indices 0..={}",
+                        m.depth - 1
+                    ),
                 ));
             }
         }
@@ -877,7 +898,10 @@ impl Spec {
             if lora.rank == 0 || lora.rank > m.hidden {
                 return Err(SpecError::invalid(
                     "recipe.lora.rank",
-                    format!("{} is out of range; allowed: 1..={} (the hidden size)", lora.rank, m.hidden),
+                    format!(
+                        "{} is out of range; allowed: 1..={} (the hidden size)",
+                        lora.rank, m.hidden
+                    ),
                 ));
             }
             if lora.targets.is_empty() {
@@ -911,7 +935,10 @@ impl Spec {
 
 fn positive(field: &'static str, v: u32) -> Result<(), SpecError> {
     if v == 0 {
-        Err(SpecError::invalid(field, "is 0; allowed: a positive integer"))
+        Err(SpecError::invalid(
+            field,
+            "is 0; allowed: a positive integer",
+        ))
     } else {
         Ok(())
     }
@@ -921,7 +948,10 @@ fn probability(field: &'static str, p: f64) -> Result<(), SpecError> {
     if (0.0..1.0).contains(&p) {
         Ok(())
     } else {
-        Err(SpecError::invalid(field, format!("{p} is out of range; allowed: 0 ≤ p < 1")))
+        Err(SpecError::invalid(
+            field,
+            format!("{p} is out of range; allowed: 0 ≤ p < 1"),
+        ))
     }
 }
 
@@ -937,7 +967,10 @@ fn toml_error(text: &str, e: &toml::de::Error, path: String) -> SpecError {
     SpecError::Parse {
         format: "TOML",
         message: field_prefix(&path) + &e.message().replace('\n', " "),
-        location: e.span().map(|s| line_col(text, s.start)).unwrap_or_default(),
+        location: e
+            .span()
+            .map(|s| line_col(text, s.start))
+            .unwrap_or_default(),
     }
 }
 

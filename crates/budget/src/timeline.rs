@@ -218,9 +218,9 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
                     s.ema += shard(n * r.ema.dtype.size(), ranks, z >= 3);
                     s.ema_scratch = s.ema_scratch.max(rt.ema_scratch(n, r.ema.dtype));
                 }
-                s.optimizer_scratch = s
-                    .optimizer_scratch
-                    .max(rt.optimizer_scratch(n, p, r.optimizer));
+                s.optimizer_scratch =
+                    s.optimizer_scratch
+                        .max(rt.optimizer_scratch(n, p, r.optimizer));
             }
         }
     }
@@ -352,7 +352,14 @@ pub fn simulate_step_with(
             let mut at = live;
             at.data += images;
             at.encoder += acts;
-            push(Phase::Encode, "vae encode (inside)".into(), None, mb, true, at);
+            push(
+                Phase::Encode,
+                "vae encode (inside)".into(),
+                None,
+                mb,
+                true,
+                at,
+            );
         }
 
         // Forward.
@@ -373,22 +380,55 @@ pub fn simulate_step_with(
             inside
         };
         let inside = fwd(&mut live, &costs.embed, true);
-        push(Phase::Forward, "embed (inside)".into(), None, mb, true, inside);
+        push(
+            Phase::Forward,
+            "embed (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
         push(Phase::Forward, "embed".into(), None, mb, false, live);
         for i in 0..depth {
             let tracked = !r.recompute.recomputes_block(i);
             let inside = fwd(&mut live, &costs.block, tracked);
-            push(Phase::Forward, format!("block {i} (inside)"), Some(i), mb, true, inside);
-            push(Phase::Forward, format!("block {i}"), Some(i), mb, false, live);
+            push(
+                Phase::Forward,
+                format!("block {i} (inside)"),
+                Some(i),
+                mb,
+                true,
+                inside,
+            );
+            push(
+                Phase::Forward,
+                format!("block {i}"),
+                Some(i),
+                mb,
+                false,
+                live,
+            );
         }
         let inside = fwd(&mut live, &costs.final_layer, true);
-        push(Phase::Forward, "final + loss (inside)".into(), None, mb, true, inside);
+        push(
+            Phase::Forward,
+            "final + loss (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
         push(Phase::Forward, "loss".into(), None, mb, false, live);
 
         // Backward. `bwd` frees the segment's graph and output, lands its parameter gradients in
         // the buffers, and leaves the input gradient live.
         let grads_exist = mb > 0;
-        let bwd = |live: &mut Breakdown, cost: &SegmentCost, grad_out: u64, seg_grad: u64, tracked: bool| -> Breakdown {
+        let bwd = |live: &mut Breakdown,
+                   cost: &SegmentCost,
+                   grad_out: u64,
+                   seg_grad: u64,
+                   tracked: bool|
+         -> Breakdown {
             let mut inside = *live;
             inside.workspace += gather;
             if !tracked {
@@ -421,21 +461,56 @@ pub fn simulate_step_with(
             .sum::<u64>();
         let embed_grads = outer_grads - final_grads;
         let inside = bwd(&mut live, &costs.final_layer, ad.size(), final_grads, true);
-        push(Phase::Backward, "final + loss (inside)".into(), None, mb, true, inside);
+        push(
+            Phase::Backward,
+            "final + loss (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
         live.workspace += x_grad + c_bytes;
-        push(Phase::Backward, "final + loss".into(), None, mb, false, live);
+        push(
+            Phase::Backward,
+            "final + loss".into(),
+            None,
+            mb,
+            false,
+            live,
+        );
         for i in (0..depth).rev() {
             let tracked = !r.recompute.recomputes_block(i);
             // The upstream gradient is already counted in workspace: it is the grad_out.
             live.workspace -= x_grad;
             let inside = bwd(&mut live, &costs.block, x_grad, block_grads, tracked);
-            push(Phase::Backward, format!("block {i} (inside)"), Some(i), mb, true, inside);
+            push(
+                Phase::Backward,
+                format!("block {i} (inside)"),
+                Some(i),
+                mb,
+                true,
+                inside,
+            );
             live.workspace += x_grad;
-            push(Phase::Backward, format!("block {i}"), Some(i), mb, false, live);
+            push(
+                Phase::Backward,
+                format!("block {i}"),
+                Some(i),
+                mb,
+                false,
+                live,
+            );
         }
         live.workspace -= x_grad;
         let inside = bwd(&mut live, &costs.embed, x_grad, embed_grads, true);
-        push(Phase::Backward, "embed (inside)".into(), None, mb, true, inside);
+        push(
+            Phase::Backward,
+            "embed (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
         live.workspace -= c_bytes;
         live.data = 0;
         push(Phase::Backward, "embed".into(), None, mb, false, live);
@@ -445,11 +520,25 @@ pub fn simulate_step_with(
     if counts.trained > 0 {
         let mut inside = live;
         inside.workspace += st.optimizer_scratch;
-        push(Phase::Optimizer, format!("{} (inside)", r.optimizer.name()), None, 0, true, inside);
+        push(
+            Phase::Optimizer,
+            format!("{} (inside)", r.optimizer.name()),
+            None,
+            0,
+            true,
+            inside,
+        );
         if r.ema.enabled {
             let mut inside = live;
             inside.workspace += st.ema_scratch;
-            push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, inside);
+            push(
+                Phase::Optimizer,
+                "ema (inside)".into(),
+                None,
+                0,
+                true,
+                inside,
+            );
         }
     }
     live.gradients = 0;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ditmem_budget::{
-    AttentionMode, LoraSpec, LoraTarget, Latents, ModelSpec, Optimizer, Precision, Recompute,
+    AttentionMode, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, Precision, Recompute,
     Runtime, Spec, SpecError,
 };
 
@@ -141,8 +141,14 @@ impl SpecArgs {
         }
         // Derive what the user left out so that batch = microbatch × accumulation × ranks.
         let (ranks, acc) = (w.ranks.max(1), w.accumulation.max(1));
-        match (self.batch.is_some(), self.microbatch.is_some(), self.accumulation.is_some()) {
-            (true, false, _) if w.batch % (ranks * acc) == 0 => w.microbatch = w.batch / (ranks * acc),
+        match (
+            self.batch.is_some(),
+            self.microbatch.is_some(),
+            self.accumulation.is_some(),
+        ) {
+            (true, false, _) if w.batch % (ranks * acc) == 0 => {
+                w.microbatch = w.batch / (ranks * acc)
+            }
             (true, true, false) if w.microbatch > 0 && w.batch % (w.microbatch * ranks) == 0 => {
                 w.accumulation = w.batch / (w.microbatch * ranks)
             }
@@ -227,7 +233,14 @@ mod tests {
             ..SpecArgs::default()
         };
         let s = a.to_spec().unwrap();
-        assert_eq!((s.workload.batch, s.workload.microbatch, s.workload.accumulation), (8, 8, 1));
+        assert_eq!(
+            (
+                s.workload.batch,
+                s.workload.microbatch,
+                s.workload.accumulation
+            ),
+            (8, 8, 1)
+        );
     }
 
     #[test]

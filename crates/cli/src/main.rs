@@ -5,8 +5,15 @@
 //! (2 for bad input).
 
 mod args;
+mod conditions;
 mod output;
 mod render;
+mod run_cmd;
+mod stats;
+
+/// Counts every heap byte of the process, so `run` measures exact live bytes and peaks.
+#[global_allocator]
+static ALLOC: ditmem_engine::CountingAlloc = ditmem_engine::CountingAlloc::new();
 
 use std::process::ExitCode;
 
@@ -16,7 +23,11 @@ use ditmem_budget::SpecError;
 use crate::args::SpecArgs;
 
 #[derive(Debug, Parser)]
-#[command(name = "ditmem", version, about = "Budget, plan, run and verify the memory of a DiT training step")]
+#[command(
+    name = "ditmem",
+    version,
+    about = "Budget, plan, run and verify the memory of a DiT training step"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -38,6 +49,8 @@ enum Command {
         #[arg(long)]
         timeline: bool,
     },
+    /// Execute the recipe on a real DiT training step (candle, CPU) and measure peak and time.
+    Run(run_cmd::RunArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -52,6 +65,10 @@ enum Command {
 pub enum CliError {
     /// Bad input: exit 2.
     Spec(SpecError),
+    /// The step would not fit (a guard refused it): exit 3.
+    Refused(String),
+    /// Ctrl-C stopped a run after this many steps: exit 130.
+    Interrupted(u32),
     /// Anything else that went wrong: exit 1.
     Other(anyhow::Error),
 }
@@ -93,6 +110,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 }
             }
         }
+        Command::Run(args) => run_cmd::run(args, &ALLOC)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;
             if json {
@@ -112,6 +130,14 @@ fn main() -> ExitCode {
         Err(CliError::Spec(e)) => {
             eprintln!("ditmem: invalid spec: {e}");
             ExitCode::from(2)
+        }
+        Err(CliError::Refused(msg)) => {
+            eprintln!("ditmem: refused: {msg}");
+            ExitCode::from(3)
+        }
+        Err(CliError::Interrupted(steps)) => {
+            eprintln!("ditmem: interrupted after {steps} steps; no output written");
+            ExitCode::from(130)
         }
         Err(CliError::Other(e)) => {
             let msg = format!("{e:#}").replace('\n', " ");

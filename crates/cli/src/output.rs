@@ -22,11 +22,18 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
 /// reader never sees a half-written file and an interrupted write leaves the old file intact.
 #[allow(dead_code)]
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .with_context(|| format!("'{}' is not a file path", path.display()))?;
-    let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let result = (|| -> anyhow::Result<()> {
         let mut f = std::fs::File::create(&tmp)
             .with_context(|| format!("cannot create '{}'", tmp.display()))?;
@@ -44,7 +51,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 }
 
 pub fn timeline_table(t: &Timeline) -> String {
-    let mut table = Table::new(&["#", "phase", "event", "mb", "live", "activations", "gradients", "workspace"]);
+    let mut table = Table::new(&[
+        "#",
+        "phase",
+        "event",
+        "mb",
+        "live",
+        "activations",
+        "gradients",
+        "workspace",
+    ]);
     for (i, e) in t.events.iter().enumerate() {
         let mark = if i == t.peak_index { " ← peak" } else { "" };
         table.row(vec![

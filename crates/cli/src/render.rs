@@ -61,7 +61,7 @@ pub fn fmt_count(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);
@@ -164,7 +164,11 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
     ));
     let mut t = Table::new(&["module", "trained", "frozen"]);
     for m in &b.params.per_module {
-        t.row(vec![m.name.to_string(), fmt_count(m.trained), fmt_count(m.frozen)]);
+        t.row(vec![
+            m.name.to_string(),
+            fmt_count(m.trained),
+            fmt_count(m.frozen),
+        ]);
     }
     o.push_str(&t.render());
     o.push('\n');
@@ -188,7 +192,11 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
             t.row(vec![name.replace('_', " "), fmt_bytes(v), pct(v, p.bytes)]);
         }
     }
-    t.row(vec!["total".into(), fmt_bytes(p.bytes), pct(p.bytes, p.bytes)]);
+    t.row(vec![
+        "total".into(),
+        fmt_bytes(p.bytes),
+        pct(p.bytes, p.bytes),
+    ]);
     o.push_str(&t.render());
     let (dom, dom_bytes) = p.breakdown.dominant();
     o.push_str(&format!(
@@ -227,15 +235,34 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
                 inv.segment,
                 fmt_bytes(inv.kept_bytes)
             ));
-            let mut t = Table::new(&["op", "elements", "dtype", "new buffer", "extra saved", "bwd scratch"]);
+            let mut t = Table::new(&[
+                "op",
+                "elements",
+                "dtype",
+                "new buffer",
+                "extra saved",
+                "bwd scratch",
+            ]);
             for r in &inv.rows {
                 t.row(vec![
                     r.op.clone(),
                     fmt_count(r.elems),
                     r.dtype.to_string(),
-                    if r.bytes == 0 { "view".into() } else { fmt_bytes(r.bytes) },
-                    if r.extra_saved == 0 { "".into() } else { fmt_bytes(r.extra_saved) },
-                    if r.bwd_scratch == 0 { "".into() } else { fmt_bytes(r.bwd_scratch) },
+                    if r.bytes == 0 {
+                        "view".into()
+                    } else {
+                        fmt_bytes(r.bytes)
+                    },
+                    if r.extra_saved == 0 {
+                        "".into()
+                    } else {
+                        fmt_bytes(r.extra_saved)
+                    },
+                    if r.bwd_scratch == 0 {
+                        "".into()
+                    } else {
+                        fmt_bytes(r.bwd_scratch)
+                    },
                 ]);
             }
             o.push_str(&t.render());

@@ -66,14 +66,30 @@ fn tokens_follow_resolution_and_patch() {
         ("256", "dit-xl-4", 64),
         ("256x512", "dit-s-2", 512),
     ] {
-        let v = json(&["estimate", "--preset", preset, "--resolution", res, "--batch", "1"]);
+        let v = json(&[
+            "estimate",
+            "--preset",
+            preset,
+            "--resolution",
+            res,
+            "--batch",
+            "1",
+        ]);
         assert_eq!(v["tokens"], tokens, "{preset} at {res}");
     }
 }
 
 #[test]
 fn spec_round_trips_through_a_file() {
-    let (code, toml_text, _) = ditmem(&["spec", "--preset", "dit-s-4", "--batch", "8", "--microbatch", "2"]);
+    let (code, toml_text, _) = ditmem(&[
+        "spec",
+        "--preset",
+        "dit-s-4",
+        "--batch",
+        "8",
+        "--microbatch",
+        "2",
+    ]);
     assert_eq!(code, 0);
     let p = temp_file("round.toml", &toml_text);
     let v = json(&["estimate", "--config", p.to_str().unwrap()]);
@@ -90,14 +106,54 @@ fn bad_input_names_the_field_and_exits_2() {
     let ok_model = "depth = 2\nhidden = 64\nheads = 4\npatch = 2";
     let ok_work = "height = 128\nwidth = 128\nbatch = 2\nmicrobatch = 2";
     let files = [
-        ("zero.toml", spec("depth = 0\nhidden = 64\nheads = 4\npatch = 2", ok_work, ""), "model.depth"),
-        ("neg.toml", spec("depth = -3\nhidden = 64\nheads = 4\npatch = 2", ok_work, ""), "model.depth"),
-        ("heads.toml", spec("depth = 2\nhidden = 64\nheads = 5\npatch = 2", ok_work, ""), "model.heads"),
-        ("res.toml", spec(ok_model, "height = 120\nwidth = 128\nbatch = 2\nmicrobatch = 2", ""), "workload.height"),
-        ("split.toml", spec(ok_model, "height = 128\nwidth = 128\nbatch = 6\nmicrobatch = 2\naccumulation = 2", ""), "workload.batch"),
-        ("field.toml", spec(ok_model, ok_work, "precison = \"fp32\""), "precison"),
-        ("lora.toml", spec(ok_model, ok_work, "[recipe.lora]\nrank = 65"), "recipe.lora.rank"),
-        ("blocks.toml", spec(ok_model, ok_work, "recompute = \"blocks:0,2\""), "recipe.recompute"),
+        (
+            "zero.toml",
+            spec("depth = 0\nhidden = 64\nheads = 4\npatch = 2", ok_work, ""),
+            "model.depth",
+        ),
+        (
+            "neg.toml",
+            spec("depth = -3\nhidden = 64\nheads = 4\npatch = 2", ok_work, ""),
+            "model.depth",
+        ),
+        (
+            "heads.toml",
+            spec("depth = 2\nhidden = 64\nheads = 5\npatch = 2", ok_work, ""),
+            "model.heads",
+        ),
+        (
+            "res.toml",
+            spec(
+                ok_model,
+                "height = 120\nwidth = 128\nbatch = 2\nmicrobatch = 2",
+                "",
+            ),
+            "workload.height",
+        ),
+        (
+            "split.toml",
+            spec(
+                ok_model,
+                "height = 128\nwidth = 128\nbatch = 6\nmicrobatch = 2\naccumulation = 2",
+                "",
+            ),
+            "workload.batch",
+        ),
+        (
+            "field.toml",
+            spec(ok_model, ok_work, "precison = \"fp32\""),
+            "precison",
+        ),
+        (
+            "lora.toml",
+            spec(ok_model, ok_work, "[recipe.lora]\nrank = 65"),
+            "recipe.lora.rank",
+        ),
+        (
+            "blocks.toml",
+            spec(ok_model, ok_work, "recompute = \"blocks:0,2\""),
+            "recipe.recompute",
+        ),
         ("malformed.toml", "[model\ndepth = 2".to_string(), "TOML"),
         ("bad.json", "{\"model\": {\"depth\": 2}".to_string(), "JSON"),
     ];
@@ -106,18 +162,28 @@ fn bad_input_names_the_field_and_exits_2() {
         let (code, out, err) = ditmem(&["estimate", "--config", p.to_str().unwrap()]);
         assert_eq!(code, 2, "{name}: exit code (stderr {err})");
         assert!(out.is_empty(), "{name}: nothing on stdout");
-        assert_eq!(err.trim_end().lines().count(), 1, "{name}: one line, got {err}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{name}: one line, got {err}"
+        );
         assert!(err.contains(field), "{name}: '{err}' should name {field}");
         assert!(!err.contains("panicked"), "{name}: no panic");
     }
     let flags: [(&[&str], &str); 7] = [
         (&["--preset", "dit-xxl-2"], "model.preset"),
         (&["--resolution", "300"], "workload.height"),
-        (&["--batch", "32", "--microbatch", "8", "--accumulation", "3"], "workload.batch"),
+        (
+            &["--batch", "32", "--microbatch", "8", "--accumulation", "3"],
+            "workload.batch",
+        ),
         (&["--recompute", "blocks:1,28"], "recipe.recompute"),
         (&["--lora-rank", "2000"], "recipe.lora.rank"),
         (&["--precision", "fp8"], "recipe.precision"),
-        (&["--config", "/nonexistent/spec.toml"], "/nonexistent/spec.toml"),
+        (
+            &["--config", "/nonexistent/spec.toml"],
+            "/nonexistent/spec.toml",
+        ),
     ];
     for (args, field) in flags {
         let mut a = vec!["estimate"];

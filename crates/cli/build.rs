@@ -1,0 +1,44 @@
+//! Records build facts that a run's conditions report: the candle version pinned in Cargo.lock
+//! and the git revision of the source.
+
+use std::process::Command;
+
+fn main() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let lock = std::fs::read_to_string(root.join("Cargo.lock")).unwrap_or_default();
+    let mut candle = "unknown".to_string();
+    let mut lines = lock.lines();
+    while let Some(l) = lines.next() {
+        if l.trim() == "name = \"candle-core\"" {
+            if let Some(v) = lines
+                .next()
+                .and_then(|v| v.trim().strip_prefix("version = "))
+            {
+                candle = v.trim_matches('"').to_string();
+            }
+            break;
+        }
+    }
+    println!("cargo:rustc-env=DITMEM_CANDLE_VERSION={candle}");
+    let rev = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(&root)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let dirty = Command::new("git")
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .current_dir(&root)
+        .output()
+        .ok()
+        .is_some_and(|o| !o.stdout.is_empty());
+    println!(
+        "cargo:rustc-env=DITMEM_GIT_REV={rev}{}",
+        if dirty { "+dirty" } else { "" }
+    );
+    println!("cargo:rerun-if-changed=../../Cargo.lock");
+    println!("cargo:rerun-if-changed=../../.git/HEAD");
+    println!("cargo:rerun-if-changed=../../.git/index");
+}

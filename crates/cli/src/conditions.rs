@@ -1,0 +1,104 @@
+//! The conditions of a measurement: without them a figure cannot be compared.
+
+use ditmem_budget::Spec;
+use serde::Serialize;
+
+/// Where and how a run happened.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Conditions {
+    pub device: String,
+    pub cpu_model: String,
+    /// Logical cores the process may use.
+    pub cores: usize,
+    /// Threads candle's CPU kernels use.
+    pub threads: usize,
+    pub build_profile: &'static str,
+    pub candle_version: &'static str,
+    pub ditmem_version: &'static str,
+    pub git_revision: &'static str,
+    pub model: String,
+    pub tokens: u64,
+    pub batch: u32,
+    pub microbatch: u32,
+    pub accumulation: u32,
+    pub ranks: u32,
+    pub precision: String,
+    pub optimizer: String,
+    pub attention: String,
+    pub recompute: String,
+    pub lora_rank: Option<u32>,
+    pub ema: bool,
+    pub warmup_steps: u32,
+    pub measured_steps: u32,
+    pub memory_counter: &'static str,
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+impl Conditions {
+    pub fn capture(spec: &Spec, warmup: u32, steps: u32) -> Conditions {
+        let w = &spec.workload;
+        let r = &spec.recipe;
+        Conditions {
+            device: "cpu".into(),
+            cpu_model: cpu_model(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            threads: candle_core::utils::get_num_threads(),
+            build_profile: if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            },
+            candle_version: env!("DITMEM_CANDLE_VERSION"),
+            ditmem_version: env!("CARGO_PKG_VERSION"),
+            git_revision: env!("DITMEM_GIT_REV"),
+            model: spec.model.name.clone(),
+            tokens: spec.tokens().unwrap_or(0),
+            batch: w.batch,
+            microbatch: w.microbatch,
+            accumulation: w.accumulation,
+            ranks: w.ranks,
+            precision: r.precision.to_string(),
+            optimizer: r.optimizer.name().into(),
+            attention: r.attention.name().into(),
+            recompute: r.recompute.to_string(),
+            lora_rank: r.lora.as_ref().map(|l| l.rank),
+            ema: r.ema.enabled,
+            warmup_steps: warmup,
+            measured_steps: steps,
+            memory_counter: "counting global allocator (exact live heap bytes)",
+        }
+    }
+
+    /// One line for tables.
+    pub fn line(&self) -> String {
+        format!(
+            "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}",
+            self.cpu_model,
+            self.cores,
+            self.threads,
+            self.build_profile,
+            self.candle_version,
+            self.ditmem_version,
+            self.git_revision
+        )
+    }
+}
+
+/// Available memory of the machine (MemAvailable), when it can be read.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
