@@ -7,6 +7,8 @@
 mod args;
 mod conditions;
 mod output;
+#[allow(dead_code)] // used by compare, verify and plan as they land
+mod plot;
 mod render;
 mod run_cmd;
 mod stats;

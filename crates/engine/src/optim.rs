@@ -88,7 +88,7 @@ impl Optimizer for AdamW {
             let g = unscale(g.to_dtype(self.dtype)?, inv_scale)?;
             let m = ((&self.m[i] * self.beta1)? + (&g * (1.0 - self.beta1))?)?;
             let v = ((&self.v[i] * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
-            let pw = p.as_tensor().to_dtype(self.dtype)?;
+            let pw = p.as_tensor().detach().to_dtype(self.dtype)?;
             let decayed = if self.weight_decay != 0.0 {
                 (&pw * (1.0 - self.lr * self.weight_decay))?
             } else {
@@ -120,7 +120,7 @@ pub struct Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()> {
         for (p, g) in params.iter().zip(grads) {
-            let pw = p.as_tensor().to_dtype(self.dtype)?;
+            let pw = p.as_tensor().detach().to_dtype(self.dtype)?;
             let mut g = unscale(g.to_dtype(self.dtype)?, inv_scale)?;
             if self.weight_decay != 0.0 {
                 g = (g + (&pw * self.weight_decay)?)?;
@@ -149,7 +149,7 @@ impl Ema {
     pub fn new(params: &[&Var], decay: f64, dtype: DType) -> Result<Self> {
         let shadow = params
             .iter()
-            .map(|p| Ok(p.as_tensor().to_dtype(dtype)?.copy()?))
+            .map(|p| Ok(p.as_tensor().detach().to_dtype(dtype)?.copy()?.detach()))
             .collect::<Result<Vec<_>>>()?;
         Ok(Ema {
             decay,
@@ -160,7 +160,7 @@ impl Ema {
 
     pub fn update(&mut self, params: &[&Var]) -> Result<()> {
         for (s, p) in self.shadow.iter_mut().zip(params) {
-            let pw = p.as_tensor().to_dtype(self.dtype)?;
+            let pw = p.as_tensor().detach().to_dtype(self.dtype)?;
             *s = ((&*s * self.decay)? + (pw * (1.0 - self.decay))?)?;
         }
         Ok(())
