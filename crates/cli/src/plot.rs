@@ -208,15 +208,17 @@ pub fn bar_chart(
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(130)
-            .build_cartesian_2d(0.0..xmax, 0.0..n as f64)
+            .build_cartesian_2d(0.0..xmax, -0.5..n as f64 - 0.5)
             .map_err(err)?;
         let labels: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
         c.configure_mesh()
             .x_desc(x_desc)
             .y_labels(n)
             .y_label_formatter(&|y| {
-                let i = (n as f64 - y - 0.5).round();
-                if i >= 0.0 && (i as usize) < labels.len() {
+                // Row i is centred on y = n − 1 − i; ticks between rows stay blank.
+                let r = y.round();
+                let i = n as f64 - 1.0 - r;
+                if (y - r).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
                     labels[i as usize].clone()
                 } else {
                     String::new()
@@ -230,7 +232,7 @@ pub fn bar_chart(
             let col = color(j);
             let bars = rows.iter().enumerate().filter_map(|(i, r)| {
                 r.1.get(j).map(|&v| {
-                    let top = n as f64 - i as f64 - 0.1 - j as f64 * h;
+                    let top = n as f64 - 1.0 - i as f64 + 0.4 - j as f64 * h;
                     Rectangle::new([(0.0, top - h), (v, top)], col.filled())
                 })
             });
