@@ -127,8 +127,38 @@ pub struct StepTime {
     pub total_s: f64,
 }
 
-/// Elementwise elements written by each segment's forward, per dtype class.
-fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
+/// The parts of a step's time that cost a table or graph build to compute. The planner computes
+/// them once per combination of the levers they depend on and reuses them across candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimeInputs {
+    /// Trained parameter count (depends on the model and LoRA).
+    pub trained_params: f64,
+    /// Parameters a mixed policy casts to the compute dtype every forward: the trained ones
+    /// (frozen weights are stored in the compute dtype already).
+    pub cast_params: f64,
+    /// Elementwise seconds of the embedder, one block and the final layer's forward, for one
+    /// microbatch (depends on precision, attention, microbatch, LoRA and attention-only).
+    pub elementwise_s: (f64, f64, f64),
+}
+
+impl TimeInputs {
+    pub fn of(spec: &Spec, profile: &DeviceProfile) -> TimeInputs {
+        let table = param_table(spec);
+        let trained = table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .map(|t| t.numel() as f64)
+            .sum();
+        TimeInputs {
+            trained_params: trained,
+            cast_params: trained,
+            elementwise_s: elementwise_forward_s(spec, profile),
+        }
+    }
+}
+
+/// Elementwise seconds of each segment's forward (embedder, one block, final layer).
+pub fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
     let rt = model_for(spec);
     let dims = Dims::new(spec);
     let seg_time = |seg: crate::graph::Segment| -> f64 {
@@ -154,6 +184,13 @@ fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64
 
 /// Predict the step time of a spec on a device.
 pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
+    step_time_with(spec, profile, &TimeInputs::of(spec, profile))
+}
+
+/// [`step_time`] with its expensive inputs precomputed (they must come from
+/// [`TimeInputs::of`] on a spec that agrees with `spec` in model, LoRA, precision, attention,
+/// microbatch and whether recompute is attention-only).
+pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs) -> StepTime {
     let r = &spec.recipe;
     let w = &spec.workload;
     let d = Dims::new(spec);
@@ -161,7 +198,7 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
     let mm = profile.matmul_rate(cd);
     let f = block_flops(spec);
     let frozen_base = r.lora.is_some();
-    let (ew_embed, ew_block, ew_final) = elementwise_forward_s(spec, profile);
+    let (ew_embed, ew_block, ew_final) = inputs.elementwise_s;
     let depth = f64::from(spec.model.depth);
 
     // Per microbatch.
@@ -178,6 +215,7 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
     let recomputed = f64::from(r.recompute.recomputed_count(spec.model.depth));
     let mut recompute = recomputed * block_fwd;
     if r.recompute == Recompute::AttentionOnly {
+        // The attention core's matmuls again; its elementwise share is not separated here.
         recompute += depth * (f.attention / mm);
     }
     let rows = d.b as f64 * d.s as f64;
@@ -187,28 +225,41 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
     let bwd = depth * block_bwd + lin_bwd * outer_flops / mm + 2.0 * (ew_embed + ew_final);
     let acc = f64::from(w.accumulation);
 
-    let table = param_table(spec);
-    let trained: f64 = table
-        .iter()
-        .filter(|t| t.role == ParamRole::Trained)
-        .map(|t| t.numel() as f64)
-        .sum();
+    let trained = inputs.trained_params;
     let od = r.precision.optimizer_dtype();
     let per_elem_ops = match r.optimizer {
-        Optimizer::AdamW | Optimizer::AdamW8bit => 12.0,
+        Optimizer::AdamW => 12.0,
+        // Dequantise m and v, update, requantise with a block absmax.
+        Optimizer::AdamW8bit => 16.0,
         Optimizer::Sgd => 2.0,
     } + if r.ema.enabled { 3.0 } else { 0.0 };
+    // The update, plus one gradient-accumulation add per microbatch.
     let optimizer = trained * per_elem_ops / profile.elementwise_rate(od)
-        + acc.max(1.0) * trained / profile.elementwise_rate(od);
+        + acc * trained / profile.elementwise_rate(od);
+    // Mixed precision casts the weights to the compute dtype on every forward (and again for a
+    // recomputed block's forward).
+    let casts = if r.precision.is_mixed() {
+        let recast = recomputed / depth.max(1.0);
+        acc * (1.0 + recast) * inputs.cast_params / profile.elementwise_rate(cd)
+    } else {
+        0.0
+    };
     let ranks = f64::from(w.ranks);
     let comm = if w.ranks > 1 {
+        // Ring collectives move (ranks − 1)/ranks of the buffer per rank; nothing is assumed to
+        // overlap with compute.
         let frac = (ranks - 1.0) / ranks;
         let gbytes = trained * r.precision.param_dtype().size() as f64;
         let wbytes = trained * cd.size() as f64;
         let volume = match r.zero_stage {
+            // DDP: one all-reduce of the gradients per step (no sync inside the accumulation).
             0 => 2.0 * gbytes,
-            1 | 2 => gbytes + wbytes,
-            _ => gbytes + 3.0 * wbytes,
+            // Reduce-scatter of the gradients, all-gather of the updated weights, once per step.
+            1 => gbytes + wbytes,
+            // Gradients are partitioned: reduce-scattered after every microbatch.
+            2 => acc * gbytes + wbytes,
+            // Weights are gathered for each forward, each recompute and each backward.
+            _ => acc * (gbytes + (2.0 + recomputed / depth.max(1.0)) * wbytes),
         };
         volume * frac / profile.link_bytes_per_s
     } else {
@@ -225,7 +276,7 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
     };
     let overhead = acc * profile.microbatch_overhead_s;
     let t = StepTime {
-        forward_s: acc * fwd,
+        forward_s: acc * fwd + casts,
         backward_s: acc * bwd,
         recompute_s: acc * recompute,
         optimizer_s: optimizer,

@@ -1,24 +1,45 @@
 //! The planner: the fastest recipe that fits a memory budget, and why.
 //!
+//! # Search space
 //! Candidates start from the base spec and only move levers in the direction that saves memory:
-//! lower precision, recompute of the first `k` blocks, memory-efficient attention, a smaller
+//! lower precision (bf16-pure only when allowed: its bf16 weights lose small updates), recompute
+//! of the first `k` blocks or of the attention core only, memory-efficient attention, a smaller
 //! microbatch with more accumulation (the effective batch is kept), cached latents and — only when
-//! allowed, because they change what is trained or need more devices — LoRA, 8-bit AdamW and ZeRO
-//! sharding over the base's ranks. Each candidate's peak is the budget's timeline (never a factor);
-//! its time is the [`crate::cost`] model. Plans are ranked by predicted step time.
+//! allowed, because they change what is trained or need more devices — LoRA (rank
+//! [`PLAN_LORA_RANK`], or the base's), 8-bit AdamW and ZeRO sharding over the base's ranks. Each
+//! candidate's peak is the budget's timeline (never a factor); its time is the [`crate::cost`]
+//! model on a [`DeviceProfile`]. Plans are ranked by predicted step time; at equal time the one
+//! with fewer changes wins, then the smaller peak.
 //!
-//! Block recompute is exact without enumerating subsets: blocks are identical, so only the number
-//! recomputed matters, and recomputing the first `k` is optimal — the last block is rebuilt on top
-//! of all stored graphs at the start of backward, so recomputing it saves nothing at the peak
-//! unless every block is recomputed. The peak falls monotonically with `k`, so the smallest `k`
-//! that fits is found by bisection.
+//! # Block recompute is exact without enumerating subsets
+//! Blocks are identical, so only *how many* are recomputed matters, with one exception: the last
+//! block. Its backward comes first, when what every block below it keeps is still live (a graph
+//! for a stored block, only its output for a recomputed one), and a recomputed block is rebuilt at
+//! that moment — so its own graph is there either way, plus a second copy of its output. The
+//! backward peak is therefore `prefix(depth − 1) + graph + transients`; every earlier moment sees
+//! a smaller prefix, and recomputing the first `k` gives the smallest prefix at every position.
+//! So for `k < depth` the first `k` blocks are an optimal `k`-subset (a test checks all `2^depth`
+//! subsets of a small model), the peak is non-increasing in `k` and the time increasing: the
+//! smallest `k` that fits is found by bisection — `O(log depth)` timelines instead of
+//! `2^depth`. `all` (`k = depth`) lowers the end of forward but can raise the backward peak by
+//! one output, so it is evaluated beside, not assumed to be the leanest.
+//!
+//! # Search order and pruning
+//! The other levers form combinations (precision × attention × microbatch × latents × LoRA ×
+//! optimizer × ZeRO). Each is visited in order of its fastest time (no recompute). Before any
+//! timeline is simulated, a combination is skipped when an evaluated point is at least as fast as
+//! its fastest time and at most its persistent bytes (a lower bound of its peak); after its
+//! leanest point (`recompute = all`) is simulated, it is skipped when a point is at least as fast
+//! and at most that lean. Both skips are exact: every point of a skipped combination is dominated
+//! in (time, peak), so neither the best plan, the floor nor the Pareto front changes.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use serde::Serialize;
 
-use crate::cost::{step_time, DeviceProfile, StepTime};
-use crate::params::{param_table, ParamTensor};
+use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
+use crate::params::{param_table, ParamRole, ParamTensor};
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
 use crate::timeline::{
     segment_costs, simulate_step_with, static_bytes, Breakdown, SegmentCosts, StaticBytes,
@@ -28,9 +49,25 @@ use crate::units::fmt_bytes;
 /// Levers the user must allow explicitly.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Allow {
+    /// LoRA: the base model is frozen, only adapters train (changes what is trained).
     pub lora: bool,
+    /// 8-bit AdamW (block-wise quantised m and v; changes the optimizer's numerics).
     pub eight_bit: bool,
+    /// ZeRO stages 1–3 over the base's ranks (needs several devices and their link).
     pub sharding: bool,
+    /// bf16-pure: weights stored in bf16 (updates below bf16's resolution are lost).
+    pub bf16_pure: bool,
+}
+
+impl Allow {
+    pub fn all() -> Allow {
+        Allow {
+            lora: true,
+            eight_bit: true,
+            sharding: true,
+            bf16_pure: true,
+        }
+    }
 }
 
 /// Limits of a plan.
@@ -39,7 +76,7 @@ pub struct Limits {
     /// Memory available to one rank, in bytes.
     pub budget_bytes: u64,
     /// Share of the budget kept free for fragmentation and what the model does not see
-    /// (default 5 %).
+    /// (default [`DEFAULT_HEADROOM`]).
     pub headroom: f64,
     pub allow: Allow,
 }
@@ -47,6 +84,11 @@ pub struct Limits {
 /// Default headroom: the engine's peaks are exact, but a real allocator fragments and a runtime
 /// holds buffers the budget does not model; 5 % keeps a plan from sitting on the edge.
 pub const DEFAULT_HEADROOM: f64 = 0.05;
+
+/// LoRA rank the planner tries when LoRA is allowed and the base has none. Rank changes the
+/// quality of what is learnt, which the planner cannot judge, and barely moves the peak; to plan
+/// with another rank, give it in the base spec (`--lora-rank`).
+pub const PLAN_LORA_RANK: u32 = 16;
 
 impl Limits {
     pub fn usable(&self) -> u64 {
@@ -73,70 +115,177 @@ pub struct Plan {
     pub plan: Spec,
     pub predicted_peak_bytes: u64,
     pub predicted_step_time_s: f64,
+    /// Live bytes by category at the plan's peak.
     pub breakdown: Breakdown,
+    /// The plan's predicted time by part.
+    pub time: StepTime,
     pub changes: Vec<String>,
+    /// The largest consumer at the plan's peak (the floor's, when infeasible) and its bytes.
+    pub dominant: String,
+    pub dominant_bytes: u64,
     /// Why, in words.
     pub reason: String,
+    /// True when the base fits the usable budget as it is.
+    pub base_fits: bool,
     pub base_peak_bytes: u64,
     pub base_step_time_s: f64,
+    pub budget_bytes: u64,
+    pub headroom: f64,
     pub usable_bytes: u64,
-    /// Memory vs time Pareto front over every evaluated candidate, fastest first.
+    /// Whether `ditmem run` can execute the plan (it runs neither 8-bit AdamW, ZeRO nor the VAE).
+    pub engine_runnable: bool,
+    pub allow: Allow,
+    /// Memory vs time Pareto front over every evaluated point, fastest first.
     pub pareto: Vec<Candidate>,
+    /// Combinations of levers (all but recompute) in the allowed space.
+    pub combinations: usize,
+    /// Combinations skipped as dominated before or after their first timeline.
+    pub pruned: usize,
+    /// Timelines simulated.
     pub evaluated: usize,
     pub profile: DeviceProfile,
 }
 
-/// Caches the parts of the budget that many candidates share.
-#[derive(Default)]
-struct Evaluator {
-    tables: HashMap<String, (Vec<ParamTensor>, StaticBytes)>,
-    segments: HashMap<String, SegmentCosts>,
+/// Whether the engine can execute a spec.
+pub fn engine_runnable(spec: &Spec) -> bool {
+    let r = &spec.recipe;
+    r.optimizer != Optimizer::AdamW8bit && r.zero_stage == 0 && r.latents == Latents::Cached
+}
+
+/// A (time, peak) point of the search; specs and words are made only for the points shown.
+#[derive(Debug, Clone)]
+struct Point {
+    /// Index into the combinations, or `None` for the base exactly as given.
+    combo: Option<usize>,
+    recompute: Recompute,
+    peak: u64,
+    breakdown: Breakdown,
+    time: StepTime,
+    n_changes: usize,
+}
+
+/// One setting of every lever but recompute.
+struct Combo {
+    spec: Spec,
+    table: Rc<(Vec<ParamTensor>, StaticBytes)>,
+    costs: Rc<(SegmentCosts, TimeInputs)>,
+    n_changes: usize,
+}
+
+type TableKey = (Option<u32>, Precision, Optimizer, u8, Latents);
+type SegKey = (Option<u32>, Precision, AttentionMode, u32, bool);
+
+/// Caches the parts of the budget and the time model that many candidates share.
+struct Evaluator<'a> {
+    profile: &'a DeviceProfile,
+    tables: HashMap<TableKey, Rc<(Vec<ParamTensor>, StaticBytes)>>,
+    segments: HashMap<SegKey, Rc<(SegmentCosts, TimeInputs)>>,
     evaluated: usize,
 }
 
-impl Evaluator {
-    fn peak(&mut self, spec: &Spec) -> (u64, Breakdown) {
-        self.evaluated += 1;
+impl<'a> Evaluator<'a> {
+    fn table(&mut self, spec: &Spec) -> Rc<(Vec<ParamTensor>, StaticBytes)> {
         let r = &spec.recipe;
-        let tkey = format!(
-            "{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{}",
-            r.lora,
+        let key = (
+            r.lora.as_ref().map(|l| l.rank),
             r.precision,
             r.optimizer,
-            r.ema,
             r.zero_stage,
             r.latents,
-            spec.workload.ranks,
-            spec.workload.height * 65536 + spec.workload.width
         );
-        let (table, st) = self
-            .tables
-            .entry(tkey)
+        self.tables
+            .entry(key)
             .or_insert_with(|| {
                 let t = param_table(spec);
                 let st = static_bytes(spec, &t);
-                (t, st)
+                Rc::new((t, st))
             })
-            .clone();
-        let skey = format!(
-            "{:?}|{:?}|{:?}|{}|{}",
-            r.lora,
+            .clone()
+    }
+
+    fn segments(&mut self, spec: &Spec, trained: f64) -> Rc<(SegmentCosts, TimeInputs)> {
+        let r = &spec.recipe;
+        let key = (
+            r.lora.as_ref().map(|l| l.rank),
             r.precision,
             r.attention,
+            spec.workload.microbatch,
             r.recompute == Recompute::AttentionOnly,
-            spec.workload.microbatch
         );
-        let costs = *self
-            .segments
-            .entry(skey)
-            .or_insert_with(|| segment_costs(spec));
-        let tl = simulate_step_with(spec, &table, &st, &costs, 2);
+        let profile = self.profile;
+        self.segments
+            .entry(key)
+            .or_insert_with(|| {
+                let inputs = TimeInputs {
+                    trained_params: trained,
+                    cast_params: trained,
+                    elementwise_s: elementwise_forward_s(spec, profile),
+                };
+                Rc::new((segment_costs(spec), inputs))
+            })
+            .clone()
+    }
+
+    fn combo(&mut self, spec: Spec, n_changes: usize) -> Combo {
+        let table = self.table(&spec);
+        let trained = trained_params(&table.0);
+        let costs = self.segments(&spec, trained);
+        Combo {
+            spec,
+            table,
+            costs,
+            n_changes,
+        }
+    }
+
+    /// Peak, breakdown and time of `c` with the recompute policy `rc`.
+    fn point(&mut self, c: &Combo, ci: Option<usize>, rc: Recompute) -> Point {
+        self.evaluated += 1;
+        let mut spec = c.spec.clone();
+        spec.recipe.recompute = rc.clone();
+        let attn_only = rc == Recompute::AttentionOnly;
+        let (costs, inputs) = if attn_only {
+            let trained = c.costs.1.trained_params;
+            let seg = self.segments(&spec, trained);
+            (seg.0, seg.1)
+        } else {
+            (c.costs.0, c.costs.1)
+        };
+        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, 2);
         let e = tl.peak();
-        (e.total(), e.live)
+        let time = step_time_with(&spec, self.profile, &inputs);
+        Point {
+            combo: ci,
+            n_changes: c.n_changes + usize::from(rc != Recompute::None),
+            recompute: rc,
+            peak: e.total(),
+            breakdown: e.live,
+            time,
+        }
+    }
+
+    fn time(&self, c: &Combo, rc: Recompute) -> StepTime {
+        let mut spec = c.spec.clone();
+        spec.recipe.recompute = rc;
+        step_time_with(&spec, self.profile, &c.costs.1)
     }
 }
 
-fn recompute_first(k: u32, depth: u32) -> Recompute {
+fn trained_params(table: &[ParamTensor]) -> f64 {
+    table
+        .iter()
+        .filter(|t| t.role == ParamRole::Trained)
+        .map(|t| t.numel() as f64)
+        .sum()
+}
+
+/// Persistent bytes of a combination: a lower bound of its peak under any recompute policy.
+fn persistent(st: &StaticBytes) -> u64 {
+    st.weights + st.master_weights + st.optimizer_state + st.ema + st.encoder_weights
+}
+
+/// `recompute` for the first `k` of `depth` blocks.
+pub fn recompute_first(k: u32, depth: u32) -> Recompute {
     if k == 0 {
         Recompute::None
     } else if k >= depth {
@@ -148,15 +297,19 @@ fn recompute_first(k: u32, depth: u32) -> Recompute {
 
 /// Precisions at or below the base's footprint, in order of preference at equal time
 /// (bf16 before fp16: no loss scaling needed).
-fn precisions_from(base: Precision) -> Vec<Precision> {
+fn precisions_from(base: Precision, allow_pure: bool) -> Vec<Precision> {
     use Precision::*;
-    match base {
+    let mut v = match base {
         Fp64 => vec![Fp64, Fp32, Bf16Mixed, Fp16Mixed, Bf16Pure],
         Fp32 => vec![Fp32, Bf16Mixed, Fp16Mixed, Bf16Pure],
         Bf16Mixed => vec![Bf16Mixed, Fp16Mixed, Bf16Pure],
         Fp16Mixed => vec![Fp16Mixed, Bf16Mixed, Bf16Pure],
         Bf16Pure => vec![Bf16Pure],
+    };
+    if !allow_pure && base != Bf16Pure {
+        v.retain(|p| *p != Bf16Pure);
     }
+    v
 }
 
 fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
@@ -172,6 +325,9 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
                 v.len(),
                 s.model.depth
             ),
+            Recompute::All => format!("recompute all {} blocks", s.model.depth),
+            Recompute::None => "recompute nothing".into(),
+            Recompute::AttentionOnly => "recompute the attention core only".into(),
             other => format!("recompute {other}"),
         };
         out.push(what);
@@ -213,6 +369,21 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     out
 }
 
+/// Whether some point is at least as fast as `time` and at most `peak` (so everything slower
+/// and larger is dominated).
+fn dominated(front: &[(f64, u64)], time: f64, peak: u64) -> bool {
+    front.iter().any(|&(t, p)| t <= time && p <= peak)
+}
+
+/// Keep `front` as the non-dominated (time, peak) pairs seen so far.
+fn push_front(front: &mut Vec<(f64, u64)>, time: f64, peak: u64) {
+    if dominated(front, time, peak) {
+        return;
+    }
+    front.retain(|&(t, p)| !(time <= t && peak <= p));
+    front.push((time, peak));
+}
+
 /// Search the recipes for the fastest one whose peak fits `limits`.
 pub fn plan(
     base: &Spec,
@@ -220,7 +391,7 @@ pub fn plan(
     profile: &DeviceProfile,
 ) -> Result<Plan, crate::error::SpecError> {
     base.validate()?;
-    if !(0.0..0.9).contains(&limits.headroom) {
+    if !(0.0..0.9).contains(&limits.headroom) || limits.headroom.is_nan() {
         return Err(crate::error::SpecError::invalid(
             "plan.headroom",
             format!(
@@ -229,25 +400,34 @@ pub fn plan(
             ),
         ));
     }
+    if limits.budget_bytes == 0 {
+        return Err(crate::error::SpecError::invalid(
+            "plan.budget",
+            "is 0 bytes; allowed: a positive size such as 24GiB",
+        ));
+    }
     let usable = limits.usable();
-    let mut ev = Evaluator::default();
+    let mut ev = Evaluator {
+        profile,
+        tables: HashMap::new(),
+        segments: HashMap::new(),
+        evaluated: 0,
+    };
     let depth = base.model.depth;
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
     let micros: Vec<u32> = (1..=w.microbatch)
+        .rev()
         .filter(|m| per_rank.is_multiple_of(*m))
         .collect();
     let loras: Vec<Option<LoraSpec>> = if limits.allow.lora && base.recipe.lora.is_none() {
-        let mut v = vec![None];
-        for r in [4u32, 8, 16, 32, 64, 128] {
-            if r <= base.model.hidden {
-                v.push(Some(LoraSpec {
-                    rank: r,
-                    targets: crate::spec::default_lora_targets(),
-                }));
-            }
-        }
-        v
+        vec![
+            None,
+            Some(LoraSpec {
+                rank: PLAN_LORA_RANK.min(base.model.hidden),
+                targets: crate::spec::default_lora_targets(),
+            }),
+        ]
     } else {
         vec![base.recipe.lora.clone()]
     };
@@ -274,23 +454,16 @@ pub fn plan(
         AttentionMode::MemoryEfficient => vec![AttentionMode::MemoryEfficient],
     };
 
-    let mut all: Vec<Candidate> = Vec::new();
-    let consider = |ev: &mut Evaluator, s: Spec, all: &mut Vec<Candidate>| -> u64 {
-        let (peak, breakdown) = ev.peak(&s);
-        let time = step_time(&s, profile);
-        all.push(Candidate {
-            changes: describe_changes(base, &s),
-            spec: s,
-            peak_bytes: peak,
-            breakdown,
-            time,
-        });
-        peak
-    };
     // The base itself, exactly as given.
-    let base_peak = consider(&mut ev, base.clone(), &mut all);
+    let base_combo = ev.combo(base.clone(), 0);
+    let mut base_point = ev.point(&base_combo, None, base.recipe.recompute.clone());
+    base_point.n_changes = 0;
+    let mut points: Vec<Point> = vec![base_point.clone()];
+    let mut front: Vec<(f64, u64)> = vec![(base_point.time.total_s, base_point.peak)];
 
-    for &precision in &precisions_from(base.recipe.precision) {
+    // Every combination of the levers but recompute, with its fastest time.
+    let mut combos: Vec<(Combo, f64)> = Vec::new();
+    for &precision in &precisions_from(base.recipe.precision, limits.allow.bf16_pure) {
         for &attention in &attentions {
             for &micro in &micros {
                 for &lat in &latents {
@@ -304,35 +477,18 @@ pub fn plan(
                                 s.recipe.lora = lora.clone();
                                 s.recipe.optimizer = opt;
                                 s.recipe.zero_stage = z;
+                                s.recipe.recompute = Recompute::None;
                                 s.workload.microbatch = micro;
                                 s.workload.accumulation = per_rank / micro;
-                                // Block recompute: bisection on k (peak falls with k).
-                                let with_k = |k: u32| {
-                                    let mut t = s.clone();
-                                    t.recipe.recompute = recompute_first(k, depth);
-                                    t
-                                };
-                                let peak_k0 = consider(&mut ev, with_k(0), &mut all);
-                                if peak_k0 > usable {
-                                    let peak_all = consider(&mut ev, with_k(depth), &mut all);
-                                    if peak_all <= usable {
-                                        let (mut lo, mut hi) = (0u32, depth);
-                                        while hi - lo > 1 {
-                                            let mid = (lo + hi) / 2;
-                                            if ev.peak(&with_k(mid)).0 <= usable {
-                                                hi = mid;
-                                            } else {
-                                                lo = mid;
-                                            }
-                                        }
-                                        if hi < depth {
-                                            consider(&mut ev, with_k(hi), &mut all);
-                                        }
-                                    }
-                                    let mut t = s.clone();
-                                    t.recipe.recompute = Recompute::AttentionOnly;
-                                    consider(&mut ev, t, &mut all);
+                                let mut n = describe_changes(base, &s).len();
+                                // Recompute "none" is not a change of its own here; the point
+                                // counts its policy.
+                                if base.recipe.recompute != Recompute::None {
+                                    n -= 1;
                                 }
+                                let c = ev.combo(s, n);
+                                let t0 = ev.time(&c, Recompute::None).total_s;
+                                combos.push((c, t0));
                             }
                         }
                     }
@@ -340,149 +496,283 @@ pub fn plan(
             }
         }
     }
+    // Fastest first; at equal time fewer changes (stable: enumeration order breaks the rest).
+    combos.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.n_changes.cmp(&b.0.n_changes)));
 
-    let mut feasible: Vec<&Candidate> = all.iter().filter(|c| c.peak_bytes <= usable).collect();
-    // Fastest first; at equal time fewer changes, then the smaller peak.
-    let order = |a: &&Candidate, b: &&Candidate| {
-        a.time
-            .total_s
-            .total_cmp(&b.time.total_s)
-            .then(a.changes.len().cmp(&b.changes.len()))
-            .then(a.peak_bytes.cmp(&b.peak_bytes))
-    };
-    feasible.sort_by(order);
-    let pareto = pareto_front(&all);
-    let base_time = all[0].time.total_s;
-    let evaluated = ev.evaluated;
-    match feasible.first() {
-        Some(best) => {
-            // The base unchanged when it fits and nothing that fits is faster. A candidate that is
-            // faster *and* fits (it dominates the base) wins even then: returning the slower base
-            // would make a smaller budget yield a faster plan.
-            let base_c = &all[0];
-            let chosen = if base_c.peak_bytes <= usable && best.time.total_s >= base_time {
-                base_c
-            } else {
-                best
-            };
-            let reason = explain(base, base_c, chosen, usable);
-            Ok(Plan {
-                feasible: true,
-                plan: chosen.spec.clone(),
-                predicted_peak_bytes: chosen.peak_bytes,
-                predicted_step_time_s: chosen.time.total_s,
-                breakdown: chosen.breakdown,
-                changes: chosen.changes.clone(),
-                reason,
-                base_peak_bytes: base_peak,
-                base_step_time_s: base_time,
-                usable_bytes: usable,
-                pareto,
-                evaluated,
-                profile: profile.clone(),
-            })
+    let mut pruned = 0usize;
+    for (ci, (c, t0)) in combos.iter().enumerate() {
+        if dominated(&front, *t0, persistent(&c.table.1)) {
+            pruned += 1;
+            continue;
         }
-        None => {
-            let floor = all
-                .iter()
-                .min_by(|a, b| {
-                    a.peak_bytes
-                        .cmp(&b.peak_bytes)
-                        .then(a.time.total_s.total_cmp(&b.time.total_s))
-                })
-                .expect("the base is always evaluated");
-            let (dom, dom_bytes) = floor.breakdown.dominant();
-            let reason = format!(
-                "no recipe in the allowed space fits {} usable ({} budget less headroom): the smallest peak is {} ({}), \
-                 where {} dominate with {}{}",
-                fmt_bytes(usable),
-                fmt_bytes(limits.budget_bytes),
-                fmt_bytes(floor.peak_bytes),
-                if floor.changes.is_empty() { "the base".to_string() } else { floor.changes.join(", ") },
-                dom.replace('_', " "),
-                fmt_bytes(dom_bytes),
-                if limits.allow.lora && limits.allow.eight_bit && limits.allow.sharding {
-                    String::new()
+        let add = |p: Point, points: &mut Vec<Point>, front: &mut Vec<(f64, u64)>| {
+            push_front(front, p.time.total_s, p.peak);
+            let peak = p.peak;
+            points.push(p);
+            peak
+        };
+        // The leanest policies: every block recomputed; all but the last (rebuilding the last
+        // block in backward costs a second copy of its output beside the kept one, so `all` can
+        // be leaner at the end of forward yet heavier in backward); the attention cores only
+        // (leaner on very shallow models).
+        let all_p = ev.point(c, Some(ci), Recompute::All);
+        let all_peak = all_p.peak;
+        let below = (depth > 1).then(|| ev.point(c, Some(ci), recompute_first(depth - 1, depth)));
+        let below_peak = below.as_ref().map_or(u64::MAX, |p| p.peak);
+        let attn = ev.point(c, Some(ci), Recompute::AttentionOnly);
+        let floor = all_peak.min(below_peak).min(attn.peak);
+        let skip = dominated(&front, *t0, floor);
+        add(all_p, &mut points, &mut front);
+        if let Some(p) = below {
+            add(p, &mut points, &mut front);
+        }
+        add(attn, &mut points, &mut front);
+        if skip {
+            pruned += 1;
+            continue;
+        }
+        let p0 = ev.point(c, Some(ci), Recompute::None);
+        let peak0 = add(p0, &mut points, &mut front);
+        if peak0 > usable && below_peak <= usable {
+            // Smallest k in 1..depth−1 with peak(k) ≤ usable; peak falls with k on that range.
+            let (mut lo, mut hi) = (0u32, depth - 1);
+            while hi - lo > 1 {
+                let mid = (lo + hi) / 2;
+                let p = ev.point(c, Some(ci), recompute_first(mid, depth));
+                let fits = p.peak <= usable;
+                add(p, &mut points, &mut front);
+                if fits {
+                    hi = mid;
                 } else {
-                    "; --allow lora,8bit,sharding widens the search".into()
+                    lo = mid;
                 }
-            );
-            Ok(Plan {
-                feasible: false,
-                plan: floor.spec.clone(),
-                predicted_peak_bytes: floor.peak_bytes,
-                predicted_step_time_s: floor.time.total_s,
-                breakdown: floor.breakdown,
-                changes: floor.changes.clone(),
-                reason,
-                base_peak_bytes: base_peak,
-                base_step_time_s: base_time,
-                usable_bytes: usable,
-                pareto,
-                evaluated,
-                profile: profile.clone(),
-            })
+            }
+        } else if peak0 > below_peak && depth > 3 {
+            // Mid-way point so that the front shows what partial recompute trades.
+            let p = ev.point(c, Some(ci), recompute_first(depth / 2, depth));
+            add(p, &mut points, &mut front);
         }
     }
-}
 
-/// Candidates not dominated in (peak, time), fastest first.
-fn pareto_front(all: &[Candidate]) -> Vec<Candidate> {
-    let mut sorted: Vec<&Candidate> = all.iter().collect();
+    let spec_of = |p: &Point| -> Spec {
+        let mut s = match p.combo {
+            Some(i) => combos[i].0.spec.clone(),
+            None => return base.clone(),
+        };
+        s.recipe.recompute = p.recompute.clone();
+        s
+    };
+    let candidate = |p: &Point| -> Candidate {
+        let spec = spec_of(p);
+        Candidate {
+            changes: describe_changes(base, &spec),
+            spec,
+            peak_bytes: p.peak,
+            breakdown: p.breakdown,
+            time: p.time,
+        }
+    };
+
+    // Pareto front over every point, fastest first.
+    let mut sorted: Vec<&Point> = points.iter().collect();
     sorted.sort_by(|a, b| {
         a.time
             .total_s
             .total_cmp(&b.time.total_s)
-            .then(a.peak_bytes.cmp(&b.peak_bytes))
-            .then(a.changes.len().cmp(&b.changes.len()))
+            .then(a.peak.cmp(&b.peak))
+            .then(a.n_changes.cmp(&b.n_changes))
     });
-    let mut front: Vec<Candidate> = Vec::new();
+    let mut pareto: Vec<Candidate> = Vec::new();
     let mut best_peak = u64::MAX;
-    for c in sorted {
-        if c.peak_bytes < best_peak {
-            best_peak = c.peak_bytes;
-            front.push(c.clone());
+    for p in &sorted {
+        if p.peak < best_peak {
+            best_peak = p.peak;
+            pareto.push(candidate(p));
         }
     }
-    front
+
+    // Fastest that fits; at equal time fewer changes (the base has none), then the smaller peak.
+    // A candidate that is faster *and* fits wins even when the base fits: returning the slower
+    // base would let a smaller budget yield a faster plan.
+    let best = points.iter().filter(|p| p.peak <= usable).min_by(|a, b| {
+        a.time
+            .total_s
+            .total_cmp(&b.time.total_s)
+            .then(a.n_changes.cmp(&b.n_changes))
+            .then(a.peak.cmp(&b.peak))
+    });
+    let base_fits = base_point.peak <= usable;
+    let base_c = candidate(&base_point);
+    let (feasible, chosen) = match best {
+        Some(p) => (true, p),
+        None => {
+            let floor = points
+                .iter()
+                .min_by(|a, b| {
+                    a.peak
+                        .cmp(&b.peak)
+                        .then(a.time.total_s.total_cmp(&b.time.total_s))
+                })
+                .expect("the base is always evaluated");
+            (false, floor)
+        }
+    };
+    let mut chosen_c = candidate(chosen);
+    if chosen_c.spec == *base {
+        // A combination that equals the base is the base: no changes.
+        chosen_c.changes.clear();
+    }
+    let (dom, dom_bytes) = chosen.breakdown.dominant();
+    let reason = if feasible {
+        explain(base, &base_c, &chosen_c, usable, profile)
+    } else {
+        let missing: Vec<&str> = [
+            (!limits.allow.lora, "lora"),
+            (!limits.allow.eight_bit, "8bit"),
+            (!limits.allow.sharding && w.ranks > 1, "sharding"),
+            (!limits.allow.bf16_pure, "bf16-pure"),
+        ]
+        .into_iter()
+        .filter_map(|(m, n)| m.then_some(n))
+        .collect();
+        format!(
+            "no recipe in the allowed space fits {} usable ({} budget less {:.0} % headroom): the smallest \
+             peak is {} ({}), where {} dominate with {} ({:.0} %){}{}",
+            fmt_bytes(usable),
+            fmt_bytes(limits.budget_bytes),
+            100.0 * limits.headroom,
+            fmt_bytes(chosen.peak),
+            if chosen_c.changes.is_empty() {
+                "the base".to_string()
+            } else {
+                chosen_c.changes.join(", ")
+            },
+            dom.replace('_', " "),
+            fmt_bytes(dom_bytes),
+            100.0 * dom_bytes as f64 / chosen.peak.max(1) as f64,
+            if missing.is_empty() {
+                String::new()
+            } else {
+                format!("; --allow {} widens the search", missing.join(","))
+            },
+            if w.ranks == 1 {
+                "; sharding (ZeRO) needs --ranks N > 1"
+            } else {
+                ""
+            }
+        )
+    };
+    Ok(Plan {
+        feasible,
+        engine_runnable: engine_runnable(&chosen_c.spec),
+        plan: chosen_c.spec.clone(),
+        predicted_peak_bytes: chosen.peak,
+        predicted_step_time_s: chosen.time.total_s,
+        breakdown: chosen.breakdown,
+        time: chosen.time,
+        changes: chosen_c.changes.clone(),
+        dominant: dom.to_string(),
+        dominant_bytes: dom_bytes,
+        reason,
+        base_fits,
+        base_peak_bytes: base_point.peak,
+        base_step_time_s: base_point.time.total_s,
+        budget_bytes: limits.budget_bytes,
+        headroom: limits.headroom,
+        usable_bytes: usable,
+        allow: limits.allow,
+        pareto,
+        combinations: combos.len(),
+        pruned,
+        evaluated: ev.evaluated,
+        profile: profile.clone(),
+    })
 }
 
-fn explain(base: &Spec, base_c: &Candidate, chosen: &Candidate, usable: u64) -> String {
+fn explain(
+    base: &Spec,
+    base_c: &Candidate,
+    chosen: &Candidate,
+    usable: u64,
+    profile: &DeviceProfile,
+) -> String {
     let (dom, dom_bytes) = base_c.breakdown.dominant();
     let share = 100.0 * dom_bytes as f64 / base_c.peak_bytes.max(1) as f64;
     let w = &base.workload;
     if chosen.changes.is_empty() {
         return format!(
-            "the base spec already fits: its peak {} is within {} usable; nothing to change",
+            "the base spec already fits: its peak {} is within {} usable, and no recipe that fits is \
+             predicted faster on {}; nothing to change",
             fmt_bytes(base_c.peak_bytes),
-            fmt_bytes(usable)
+            fmt_bytes(usable),
+            profile.name
         );
     }
-    let mut s = format!(
-        "{} are {:.0} % of the base peak ({} of {}) at {}×{}, over {} usable: {}",
-        dom.replace('_', " "),
-        share,
-        fmt_bytes(dom_bytes),
-        fmt_bytes(base_c.peak_bytes),
-        w.height,
-        w.width,
-        fmt_bytes(usable),
-        chosen.changes.join("; ")
-    );
-    s.push_str(&format!(
-        " → peak {}, predicted step {:.3} s (base {:.3} s)",
-        fmt_bytes(chosen.peak_bytes),
-        chosen.time.total_s,
-        base_c.time.total_s
-    ));
-    let r = &chosen.spec.recipe;
-    if r.precision == Precision::Bf16Mixed && base.recipe.precision != Precision::Fp16Mixed {
-        s.push_str("; fp16 was not needed");
+    let speed = |c: &Candidate| {
+        format!(
+            "predicted step {} (base {}, {:+.1} %) on {}",
+            fmt_secs(c.time.total_s),
+            fmt_secs(base_c.time.total_s),
+            100.0 * (c.time.total_s / base_c.time.total_s.max(f64::MIN_POSITIVE) - 1.0),
+            profile.name
+        )
+    };
+    let mut s = if base_c.peak_bytes <= usable {
+        format!(
+            "the base fits ({} of {} usable), but {} is predicted faster and fits too → peak {}, {}",
+            fmt_bytes(base_c.peak_bytes),
+            fmt_bytes(usable),
+            chosen.changes.join("; "),
+            fmt_bytes(chosen.peak_bytes),
+            speed(chosen)
+        )
+    } else {
+        format!(
+            "{} are {:.0} % of the base peak ({} of {}) at {}×{}, over {} usable: {} → peak {}, {}",
+            dom.replace('_', " "),
+            share,
+            fmt_bytes(dom_bytes),
+            fmt_bytes(base_c.peak_bytes),
+            w.height,
+            w.width,
+            fmt_bytes(usable),
+            chosen.changes.join("; "),
+            fmt_bytes(chosen.peak_bytes),
+            speed(chosen)
+        )
+    };
+    let (b, r) = (&base.recipe, &chosen.spec.recipe);
+    let mut not_needed = Vec::new();
+    if r.precision != Precision::Fp16Mixed && b.precision != Precision::Fp16Mixed {
+        not_needed.push("fp16");
     }
-    if chosen.spec.workload.microbatch == base.workload.microbatch && w.microbatch > 1 {
+    if r.lora.is_none() && b.lora.is_none() {
+        not_needed.push("LoRA");
+    }
+    if r.optimizer == b.optimizer && b.optimizer == Optimizer::AdamW {
+        not_needed.push("8-bit AdamW");
+    }
+    if r.zero_stage == b.zero_stage && w.ranks > 1 {
+        not_needed.push("sharding");
+    }
+    if !not_needed.is_empty() {
+        s.push_str(&format!("; {} was not needed", not_needed.join(", ")));
+    }
+    if chosen.spec.workload.microbatch == w.microbatch && w.microbatch > 1 {
         s.push_str("; the microbatch is kept");
     }
     s
+}
+
+/// Seconds with a unit that suits them.
+pub fn fmt_secs(s: f64) -> String {
+    if s >= 100.0 {
+        format!("{s:.0} s")
+    } else if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
 }
 
 #[cfg(test)]
@@ -504,6 +794,13 @@ mod tests {
             budget_bytes: bytes,
             headroom: DEFAULT_HEADROOM,
             allow: Allow::default(),
+        }
+    }
+
+    impl Limits {
+        fn with_allow(mut self, allow: Allow) -> Limits {
+            self.allow = allow;
+            self
         }
     }
 
@@ -559,6 +856,131 @@ mod tests {
         assert!(p.reason.contains("smallest peak"));
         // The floor is no larger than the base.
         assert!(p.predicted_peak_bytes <= p.base_peak_bytes);
+    }
+
+    /// Every combination × every first-k count × attention-only, without pruning or bisection.
+    fn brute_force(base: &Spec, allow: Allow, prof: &DeviceProfile) -> Vec<(Spec, u64, f64)> {
+        let w = &base.workload;
+        let per_rank = w.batch / w.ranks;
+        let mut out = Vec::new();
+        for precision in precisions_from(base.recipe.precision, allow.bf16_pure) {
+            for attention in [AttentionMode::Materialized, AttentionMode::MemoryEfficient] {
+                for micro in (1..=w.microbatch).filter(|m| per_rank.is_multiple_of(*m)) {
+                    for lora in [None, Some(PLAN_LORA_RANK)] {
+                        if lora.is_some() && !allow.lora {
+                            continue;
+                        }
+                        for opt in [Optimizer::AdamW, Optimizer::AdamW8bit] {
+                            if opt == Optimizer::AdamW8bit && !allow.eight_bit {
+                                continue;
+                            }
+                            for z in 0..=3u8 {
+                                if z > 0 && !(allow.sharding && w.ranks > 1) {
+                                    continue;
+                                }
+                                let mut rcs: Vec<Recompute> = (0..=base.model.depth)
+                                    .map(|k| recompute_first(k, base.model.depth))
+                                    .collect();
+                                rcs.push(Recompute::AttentionOnly);
+                                for rc in rcs {
+                                    let mut s = base.clone();
+                                    s.recipe.precision = precision;
+                                    s.recipe.attention = attention;
+                                    s.recipe.lora = lora.map(|rank| LoraSpec {
+                                        rank,
+                                        targets: crate::spec::default_lora_targets(),
+                                    });
+                                    s.recipe.optimizer = opt;
+                                    s.recipe.zero_stage = z;
+                                    s.recipe.recompute = rc;
+                                    s.workload.microbatch = micro;
+                                    s.workload.accumulation = per_rank / micro;
+                                    let peak = crate::timeline::simulate_step(&s).peak().total();
+                                    let t = crate::cost::step_time(&s, prof).total_s;
+                                    out.push((s, peak, t));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn pruned_search_matches_brute_force() {
+        let mut s = small();
+        s.model.depth = 5;
+        s.model.hidden = 128;
+        s.model.heads = 4;
+        s.workload.ranks = 2;
+        s.workload.batch = 8;
+        s.workload.microbatch = 4;
+        s.validate().unwrap();
+        let prof = DeviceProfile::cpu_default();
+        for allow in [Allow::default(), Allow::all()] {
+            let all = brute_force(&s, allow, &prof);
+            let floor = all.iter().map(|c| c.1).min().unwrap();
+            let top = all.iter().map(|c| c.1).max().unwrap();
+            for i in 0..=12u64 {
+                let budget = ((floor as f64 + (top - floor) as f64 * i as f64 / 10.0)
+                    / (1.0 - DEFAULT_HEADROOM)) as u64;
+                let p = plan(&s, &limits(budget).with_allow(allow), &prof).unwrap();
+                let best = all
+                    .iter()
+                    .filter(|c| c.1 <= p.usable_bytes)
+                    .map(|c| c.2)
+                    .min_by(f64::total_cmp);
+                match best {
+                    Some(t) => {
+                        assert!(p.feasible, "budget {budget}: brute force finds a plan");
+                        assert!(
+                            (p.predicted_step_time_s - t).abs() <= 1e-9 * t,
+                            "budget {budget}: planner {} vs brute force {t}",
+                            p.predicted_step_time_s
+                        );
+                        assert!(p.predicted_peak_bytes <= p.usable_bytes);
+                    }
+                    None => {
+                        assert!(!p.feasible);
+                        assert_eq!(p.predicted_peak_bytes, floor);
+                    }
+                }
+                // The front is over the evaluated points: fastest first, each leaner than the
+                // one before, and its leanest point is the floor.
+                assert!(p
+                    .pareto
+                    .windows(2)
+                    .all(|w| w[0].time.total_s <= w[1].time.total_s
+                        && w[0].peak_bytes > w[1].peak_bytes));
+                assert_eq!(p.pareto.last().unwrap().peak_bytes, floor);
+            }
+        }
+    }
+
+    #[test]
+    fn first_k_is_the_best_k_subset() {
+        // Every subset of a depth-6 model: for each count k, recomputing the first k blocks
+        // (k < depth) or all of them reaches the smallest peak among the k-subsets.
+        let mut s = small();
+        s.model.depth = 6;
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        let depth = s.model.depth;
+        let mut best = vec![u64::MAX; depth as usize + 1];
+        for mask in 0u32..(1 << depth) {
+            let blocks: Vec<u32> = (0..depth).filter(|i| mask & (1 << i) != 0).collect();
+            s.recipe.recompute = Recompute::Blocks(blocks.clone());
+            let peak = crate::timeline::simulate_step(&s).peak().total();
+            let k = blocks.len();
+            best[k] = best[k].min(peak);
+        }
+        for k in 0..=depth {
+            s.recipe.recompute = recompute_first(k, depth);
+            let peak = crate::timeline::simulate_step(&s).peak().total();
+            assert_eq!(peak, best[k as usize], "k = {k}");
+        }
     }
 
     #[test]
