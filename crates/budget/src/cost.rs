@@ -36,21 +36,90 @@ pub struct DeviceProfile {
 }
 
 impl DeviceProfile {
-    /// The 2-core CPU this project runs on (candle 0.11, release build, 2 threads). Measured by
-    /// `cargo bench -p ditmem-engine --bench calibrate`; see that bench for the conditions.
+    /// The 2-core CPU this project runs on, measured by
+    /// `cargo bench -p ditmem-engine --bench calibrate` (see that bench for the method).
+    ///
+    /// Conditions: AMD EPYC, 2 vCPUs (candle's default threading), candle 0.11 CPU, release
+    /// build, median of 5 runs after a warm-up, while other builds shared the machine (load ≈ 2;
+    /// a run under load ≈ 6.5 gave 25–30 % lower matmul rates — the ranking of plans depends on
+    /// the ratios, which held). Matmul: geometric mean over a block's qkv and fc1 shapes at
+    /// D = 384 and 1152 and the batched attention scores. Elementwise: geometric mean of add,
+    /// mul, exp, gelu, a row sum and a cast, as 2·elements/s (the model charges two passes per
+    /// element an op writes); `elementwise_half` is the mean of bf16 (0.72) and f16 (0.29).
+    /// Microbatch overhead: a tiny step in 8 passes vs 1, per extra pass. The link rate is not
+    /// measured (one machine): 10 GB/s stands for a PCIe-class link.
     pub fn cpu_default() -> DeviceProfile {
         DeviceProfile {
-            name: "cpu-2core (candle 0.11)".into(),
-            matmul_f64: 30e9,
-            matmul_f32: 60e9,
-            matmul_bf16: 25e9,
-            matmul_f16: 25e9,
-            elementwise_f64: 0.4e9,
-            elementwise_f32: 0.8e9,
-            elementwise_half: 0.35e9,
-            microbatch_overhead_s: 0.002,
+            name: "cpu-2core (candle 0.11, measured)".into(),
+            matmul_f64: 44.4e9,
+            matmul_f32: 84.3e9,
+            matmul_bf16: 86.1e9,
+            matmul_f16: 68.0e9,
+            elementwise_f64: 0.58e9,
+            elementwise_f32: 2.36e9,
+            elementwise_half: 0.51e9,
+            microbatch_overhead_s: 0.0029,
             link_bytes_per_s: 10e9,
         }
+    }
+
+    /// Read a profile from TOML (or JSON by extension); every field is required and checked.
+    pub fn from_file(path: &std::path::Path) -> Result<DeviceProfile, crate::error::SpecError> {
+        use crate::error::SpecError;
+        let text = std::fs::read_to_string(path).map_err(|e| SpecError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let is_json = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        let p: DeviceProfile = if is_json {
+            serde_json::from_str(&text).map_err(|e| SpecError::Parse {
+                format: "JSON",
+                message: format!("device profile: {e}"),
+                location: String::new(),
+            })?
+        } else {
+            toml::from_str(&text).map_err(|e| SpecError::Parse {
+                format: "TOML",
+                message: format!("device profile: {}", e.message().replace('\n', " ")),
+                location: String::new(),
+            })?
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Every rate must be a positive finite number, the overhead finite and not negative.
+    pub fn validate(&self) -> Result<(), crate::error::SpecError> {
+        let rates = [
+            ("matmul_f64", self.matmul_f64),
+            ("matmul_f32", self.matmul_f32),
+            ("matmul_bf16", self.matmul_bf16),
+            ("matmul_f16", self.matmul_f16),
+            ("elementwise_f64", self.elementwise_f64),
+            ("elementwise_f32", self.elementwise_f32),
+            ("elementwise_half", self.elementwise_half),
+            ("link_bytes_per_s", self.link_bytes_per_s),
+        ];
+        for (name, v) in rates {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(crate::error::SpecError::invalid(
+                    format!("profile.{name}"),
+                    format!("{v} is not a rate; allowed: a positive number per second"),
+                ));
+            }
+        }
+        if !(self.microbatch_overhead_s.is_finite() && self.microbatch_overhead_s >= 0.0) {
+            return Err(crate::error::SpecError::invalid(
+                "profile.microbatch_overhead_s",
+                format!(
+                    "{} is out of range; allowed: seconds ≥ 0",
+                    self.microbatch_overhead_s
+                ),
+            ));
+        }
+        Ok(())
     }
 
     pub fn matmul_rate(&self, d: Dtype) -> f64 {

@@ -7,6 +7,7 @@
 
 pub mod cost;
 pub mod error;
+pub mod export;
 pub mod spec;
 
 pub use error::SpecError;

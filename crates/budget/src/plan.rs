@@ -756,7 +756,8 @@ fn explain(
         not_needed.push("sharding");
     }
     if !not_needed.is_empty() {
-        s.push_str(&format!("; {} was not needed", not_needed.join(", ")));
+        let verb = if not_needed.len() == 1 { "was" } else { "were" };
+        s.push_str(&format!("; {} {verb} not needed", not_needed.join(", ")));
     }
     if chosen.spec.workload.microbatch == w.microbatch && w.microbatch > 1 {
         s.push_str("; the microbatch is kept");

@@ -7,6 +7,7 @@
 mod args;
 mod conditions;
 mod output;
+mod plan_cmd;
 #[allow(dead_code)] // used by compare, verify and plan as they land
 mod plot;
 mod render;
@@ -51,6 +52,9 @@ enum Command {
         #[arg(long)]
         timeline: bool,
     },
+    /// The fastest recipe that fits a memory budget, and why (Pareto front, export, exit 3 when
+    /// nothing fits).
+    Plan(plan_cmd::PlanArgs),
     /// Execute the recipe on a real DiT training step (candle, CPU) and measure peak and time.
     Run(run_cmd::RunArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
@@ -113,6 +117,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             }
         }
         Command::Run(args) => run_cmd::run(args, &ALLOC)?,
+        Command::Plan(args) => plan_cmd::run(args)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;
             if json {

@@ -1,0 +1,431 @@
+//! `ditmem plan`: the fastest recipe that fits a memory budget, and why.
+//!
+//! Prints the base and the plan side by side, the plan's peak by category, the reason in words,
+//! and the memory-vs-time Pareto front; `--out` writes the plan as a spec that `ditmem run
+//! --config` executes exactly, `--plot` the front as SVG, `--emit` the plan for accelerate,
+//! DeepSpeed or the diffusers scripts. An infeasible budget prints the floor and exits 3.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use ditmem_budget::cost::DeviceProfile;
+use ditmem_budget::export::{export, Export, Target};
+use ditmem_budget::plan::{fmt_secs, plan, Allow, Limits, Plan, DEFAULT_HEADROOM};
+use ditmem_budget::units::{fmt_bytes, parse_bytes};
+use ditmem_budget::{Spec, SpecError};
+use serde::Serialize;
+
+use crate::args::SpecArgs;
+use crate::output::{print_json, write_atomic};
+use crate::plot::{line_chart, LineChart, Marker, Note, Series};
+use crate::render::{pct, recipe_line, spec_line, Table};
+use crate::CliError;
+
+#[derive(Debug, Clone, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes.
+    #[arg(long, value_name = "SIZE")]
+    pub budget: String,
+    /// Share of the budget kept free for fragmentation and what the budget does not model.
+    #[arg(long, default_value_t = DEFAULT_HEADROOM, value_name = "FRACTION")]
+    pub headroom: f64,
+    /// Levers that change what is trained or need more devices, comma-separated:
+    /// lora, 8bit, sharding, bf16-pure (or all).
+    #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
+    pub allow: Vec<String>,
+    /// Export the plan for a training stack: accelerate | deepspeed | diffusers.
+    #[arg(long, value_name = "TARGET")]
+    pub emit: Option<String>,
+    /// Write the export to this file (atomically) instead of printing it.
+    #[arg(long, value_name = "FILE", requires = "emit")]
+    pub emit_out: Option<PathBuf>,
+    /// Write the plan as a spec (TOML) for `ditmem run --config` (atomically).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Draw the Pareto front (peak vs predicted step time) as SVG.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Device profile for the time model (TOML or JSON with every DeviceProfile field);
+    /// default: the measured 2-core CPU profile.
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Print to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.
+fn say(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("writing to stdout"))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
+    let mut a = Allow::default();
+    for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        match item.to_ascii_lowercase().as_str() {
+            "lora" => a.lora = true,
+            "8bit" | "8-bit" | "adamw-8bit" => a.eight_bit = true,
+            "sharding" | "zero" => a.sharding = true,
+            "bf16-pure" => a.bf16_pure = true,
+            "all" => a = Allow::all(),
+            "none" => {}
+            _ => {
+                return Err(SpecError::invalid(
+                    "--allow",
+                    format!(
+                        "'{item}' is not a lever; allowed: lora, 8bit, sharding, bf16-pure, all"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(a)
+}
+
+fn parse_budget(text: &str) -> Result<u64, SpecError> {
+    match parse_bytes(text) {
+        Some(b) if b > 0 => Ok(b),
+        _ => Err(SpecError::invalid(
+            "--budget",
+            format!("'{text}' is not a memory size; allowed: a positive size such as 24GiB, 40G, 81920MiB or a byte count"),
+        )),
+    }
+}
+
+/// What `--json` prints: the plan and the search conditions.
+#[derive(Debug, Serialize)]
+struct PlanReport<'a> {
+    #[serde(flatten)]
+    plan: &'a Plan,
+    base: &'a Spec,
+    search_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    export: Option<&'a Export>,
+}
+
+fn allow_line(a: &Allow, ranks: u32) -> String {
+    let mut on = Vec::new();
+    let mut off = Vec::new();
+    for (flag, name) in [
+        (a.lora, "lora"),
+        (a.eight_bit, "8bit"),
+        (a.sharding, "sharding"),
+        (a.bf16_pure, "bf16-pure"),
+    ] {
+        if flag {
+            on.push(name);
+        } else {
+            off.push(name);
+        }
+    }
+    let mut s = if on.is_empty() {
+        "allowed: the standard levers only".to_string()
+    } else {
+        format!("allowed: standard levers + {}", on.join(", "))
+    };
+    if !off.is_empty() {
+        s.push_str(&format!(" (not: {}; --allow to add)", off.join(", ")));
+    }
+    if a.sharding && ranks == 1 {
+        s.push_str("; sharding needs --ranks > 1");
+    }
+    s
+}
+
+fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("plan for {}\n", spec_line(base)));
+    out.push_str(&format!(
+        "budget {} per rank, headroom {:.0} % → {} usable; {}\n",
+        fmt_bytes(p.budget_bytes),
+        100.0 * p.headroom,
+        fmt_bytes(p.usable_bytes),
+        allow_line(&p.allow, base.workload.ranks)
+    ));
+    out.push_str(&format!(
+        "times: predicted by the time model on profile '{}' (FLOPs and bytes over measured rates; not a measurement)\n\n",
+        p.profile.name
+    ));
+    let mut t = Table::new(&["", "peak", "fits", "step (predicted)", "recipe"]);
+    t.row(vec![
+        "base".into(),
+        fmt_bytes(p.base_peak_bytes),
+        if p.base_fits { "yes" } else { "no" }.into(),
+        fmt_secs(p.base_step_time_s),
+        recipe_line(base),
+    ]);
+    t.row(vec![
+        if p.feasible { "plan" } else { "floor" }.into(),
+        fmt_bytes(p.predicted_peak_bytes),
+        if p.feasible { "yes" } else { "no" }.into(),
+        fmt_secs(p.predicted_step_time_s),
+        recipe_line(&p.plan),
+    ]);
+    out.push_str(&t.render());
+    if p.plan.workload != base.workload {
+        out.push_str(&format!("  split: {}\n", spec_line(&p.plan)));
+    }
+    out.push_str(&format!(
+        "\nchanges: {}\n",
+        if p.changes.is_empty() {
+            "none".to_string()
+        } else {
+            p.changes.join("; ")
+        }
+    ));
+    out.push_str(&format!("why: {}\n", p.reason));
+    if p.feasible && !p.engine_runnable {
+        out.push_str(
+            "note: `ditmem run` cannot execute this plan (it runs neither 8-bit AdamW, ZeRO nor the VAE encoder)\n",
+        );
+    }
+
+    out.push_str(&format!(
+        "\n{} at its peak\n",
+        if p.feasible { "plan" } else { "floor" }
+    ));
+    let mut b = Table::new(&["category", "bytes", "share"]);
+    for (name, v) in p.breakdown.entries() {
+        if v > 0 {
+            b.row(vec![
+                name.replace('_', " "),
+                fmt_bytes(v),
+                pct(v, p.predicted_peak_bytes),
+            ]);
+        }
+    }
+    out.push_str(&b.render());
+
+    out.push_str(&format!(
+        "\nPareto front: peak vs predicted step time ({} points, fastest first; ✓ fits)\n",
+        p.pareto.len()
+    ));
+    let mut f = Table::new(&["", "peak", "step", "vs base", "changes from the base"]);
+    for c in thin(&p.pareto, 16) {
+        let mark = if c.spec == p.plan { "→" } else { "" };
+        let fits = if c.peak_bytes <= p.usable_bytes {
+            "✓"
+        } else {
+            ""
+        };
+        f.row(vec![
+            format!("{mark}{fits}"),
+            fmt_bytes(c.peak_bytes),
+            fmt_secs(c.time.total_s),
+            format!(
+                "{:+.0} %",
+                100.0 * (c.time.total_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0)
+            ),
+            if c.changes.is_empty() {
+                "(base)".into()
+            } else {
+                c.changes.join("; ")
+            },
+        ]);
+    }
+    out.push_str(&f.render());
+    out.push_str(&format!(
+        "searched {} combinations ({} pruned as dominated), {} timelines, in {:.1} ms\n",
+        p.combinations, p.pruned, p.evaluated, search_ms
+    ));
+    out
+}
+
+/// At most `n` points of the front, evenly spread, always keeping both ends.
+fn thin(
+    front: &[ditmem_budget::plan::Candidate],
+    n: usize,
+) -> Vec<&ditmem_budget::plan::Candidate> {
+    if front.len() <= n || n < 2 {
+        return front.iter().collect();
+    }
+    let mut idx: Vec<usize> = (0..n)
+        .map(|i| (i * (front.len() - 1) + (n - 1) / 2) / (n - 1))
+        .collect();
+    idx.dedup();
+    idx.into_iter().map(|i| &front[i]).collect()
+}
+
+fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let points: Vec<(f64, f64)> = p
+        .pareto
+        .iter()
+        .map(|c| (gib(c.peak_bytes), c.time.total_s))
+        .collect();
+    let chart = LineChart {
+        title: format!(
+            "{}: peak vs predicted step time ({})",
+            p.plan.model.name, p.profile.name
+        ),
+        x_desc: "predicted peak (GiB)".into(),
+        y_desc: "predicted step time (s)".into(),
+        series: vec![Series {
+            name: "Pareto front".into(),
+            points,
+            markers: true,
+        }],
+        markers: vec![
+            Marker {
+                x: gib(p.usable_bytes),
+                label: "usable".into(),
+            },
+            Marker {
+                x: gib(p.budget_bytes),
+                label: "budget".into(),
+            },
+        ],
+        notes: vec![
+            Note {
+                x: gib(p.base_peak_bytes),
+                y: p.base_step_time_s,
+                label: "base".into(),
+            },
+            Note {
+                x: gib(p.predicted_peak_bytes),
+                y: p.predicted_step_time_s,
+                label: if p.feasible { "plan" } else { "floor" }.into(),
+            },
+        ],
+        log_y: false,
+    };
+    line_chart(&chart, (900, 560))
+}
+
+pub fn run(args: PlanArgs) -> Result<(), CliError> {
+    // Every flag is checked before any work or any file is written.
+    let budget = parse_budget(&args.budget)?;
+    if !(0.0..0.9).contains(&args.headroom) {
+        return Err(SpecError::invalid(
+            "--headroom",
+            format!(
+                "{} is out of range; allowed: 0 ≤ headroom < 0.9",
+                args.headroom
+            ),
+        )
+        .into());
+    }
+    let allow = parse_allow(&args.allow)?;
+    let target = args.emit.as_deref().map(str::parse::<Target>).transpose()?;
+    let profile = match &args.profile {
+        Some(path) => DeviceProfile::from_file(path)?,
+        None => DeviceProfile::cpu_default(),
+    };
+    let base = args.spec.to_spec()?;
+    let limits = Limits {
+        budget_bytes: budget,
+        headroom: args.headroom,
+        allow,
+    };
+    let t0 = Instant::now();
+    let p = plan(&base, &limits, &profile)?;
+    let search_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let exported = if p.feasible {
+        target.map(|t| export(&p.plan, t))
+    } else {
+        None
+    };
+
+    if args.json {
+        print_json(&PlanReport {
+            plan: &p,
+            base: &base,
+            search_ms,
+            export: exported.as_ref(),
+        })?;
+    } else {
+        say(&report(&p, &base, search_ms))?;
+    }
+    if let Some(path) = &args.plot {
+        write_atomic(path, pareto_svg(&p)?.as_bytes())?;
+        if !args.json {
+            say(&format!("wrote the Pareto front to {}\n", path.display()))?;
+        }
+    }
+    if !p.feasible {
+        return Err(CliError::Refused(format!(
+            "the budget is infeasible: {}",
+            p.reason
+        )));
+    }
+    if let Some(path) = &args.out {
+        let text = format!(
+            "# ditmem plan: {} budget, {:.0} % headroom; predicted peak {}, step {} on '{}'\n# run it: ditmem run --config {}\n{}",
+            fmt_bytes(p.budget_bytes),
+            100.0 * p.headroom,
+            fmt_bytes(p.predicted_peak_bytes),
+            fmt_secs(p.predicted_step_time_s),
+            p.profile.name,
+            path.display(),
+            p.plan.to_toml()
+        );
+        write_atomic(path, text.as_bytes())?;
+        if !args.json {
+            say(&format!("wrote the plan to {}\n", path.display()))?;
+        }
+    }
+    if let Some(e) = &exported {
+        match &args.emit_out {
+            Some(path) => {
+                write_atomic(path, e.text.as_bytes())?;
+                if !args.json {
+                    say(&format!(
+                        "wrote the {} export to {}\n",
+                        e.target,
+                        path.display()
+                    ))?;
+                }
+            }
+            None if !args.json => {
+                say(&format!(
+                    "\n--- {} ({}) ---\n{}",
+                    e.target, e.file_name, e.text
+                ))?;
+            }
+            None => {}
+        }
+        if !args.json && !e.notes.is_empty() {
+            let mut text = format!("\nwhat {} cannot express exactly:\n", e.target);
+            for n in &e.notes {
+                text.push_str(&format!("  - {n}\n"));
+            }
+            say(&text)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_or_name_the_flag() {
+        assert_eq!(parse_budget("24GiB").unwrap(), 24 << 30);
+        for bad in ["", "0", "lots", "-3G", "24 parsecs"] {
+            let e = parse_budget(bad).unwrap_err();
+            assert_eq!(e.field(), Some("--budget"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn allow_lists() {
+        let a = parse_allow(&["lora".into(), "8bit".into()]).unwrap();
+        assert!(a.lora && a.eight_bit && !a.sharding && !a.bf16_pure);
+        assert_eq!(parse_allow(&["all".into()]).unwrap(), Allow::all());
+        assert_eq!(
+            parse_allow(&["fp8".into()]).unwrap_err().field(),
+            Some("--allow")
+        );
+    }
+}

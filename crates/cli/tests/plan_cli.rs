@@ -1,0 +1,261 @@
+//! `ditmem plan` as a user runs it: bad input, infeasible budgets, the base that fits, monotone
+//! plans, exports, and — on the engine — every plan's measured peak within its budget.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn ditmem(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn dir(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ditmem-plan-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A spec small enough to run in seconds on 2 cores: depth 3, hidden 128, 4 heads, patch 2,
+/// 128×128 images (16×16 latents, 64 tokens), batch 8, fp32, materialized attention.
+const SMALL: &str = r#"
+[model]
+name = "small"
+depth = 3
+hidden = 128
+heads = 4
+patch = 2
+num_classes = 10
+
+[workload]
+height = 128
+width = 128
+batch = 8
+microbatch = 8
+
+[recipe]
+precision = "fp32"
+attention = "materialized"
+recompute = "none"
+"#;
+
+fn small_config(d: &Path) -> String {
+    let p = d.join("small.toml");
+    std::fs::write(&p, SMALL).unwrap();
+    p.display().to_string()
+}
+
+fn plan_json(config: &str, budget: &str, extra: &[&str]) -> (i32, serde_json::Value) {
+    let mut a = vec!["plan", "--config", config, "--budget", budget, "--json"];
+    a.extend_from_slice(extra);
+    let (code, out, err) = ditmem(&a);
+    assert!(code == 0 || code == 3, "exit {code}; stderr: {err}");
+    (
+        code,
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("JSON: {e}\n{out}")),
+    )
+}
+
+fn u(v: &serde_json::Value) -> u64 {
+    v.as_u64().expect("an unsigned integer")
+}
+
+#[test]
+fn bad_budget_exits_2_naming_the_flag() {
+    for bad in ["lots", "0", "-4GiB", "24 parsecs"] {
+        let (code, _, err) = ditmem(&["plan", "--budget", bad]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("--budget"), "{bad}: {err}");
+    }
+    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--headroom", "1.5"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--headroom"), "{err}");
+    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--allow", "fp8"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--allow"), "{err}");
+    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--emit", "megatron"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("accelerate, deepspeed, diffusers"), "{err}");
+}
+
+#[test]
+fn infeasible_budget_exits_3_with_the_floor() {
+    let d = dir("infeasible");
+    let cfg = small_config(&d);
+    let out = d.join("never.toml");
+    let (code, v) = plan_json(&cfg, "64KiB", &["--out", out.to_str().unwrap()]);
+    assert_eq!(code, 3);
+    assert_eq!(v["feasible"], false);
+    let floor = u(&v["predicted_peak_bytes"]);
+    assert!(floor > 64 << 10);
+    assert!(floor <= u(&v["base_peak_bytes"]));
+    assert!(v["reason"].as_str().unwrap().contains("smallest peak"));
+    assert!(v["dominant"].is_string());
+    assert!(!out.exists(), "an infeasible plan writes no spec");
+    // The human form says it too, on stderr with the floor.
+    let (code, _, err) = ditmem(&["plan", "--config", &cfg, "--budget", "64KiB"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("smallest peak"), "{err}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn json_has_the_documented_fields_and_the_plan_runs_as_written() {
+    let d = dir("fields");
+    let cfg = small_config(&d);
+    let out = d.join("plan.toml");
+    let (code, v) = plan_json(&cfg, "1GiB", &["--out", out.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert_eq!(v["feasible"], true);
+    assert!(v["plan"]["recipe"]["precision"].is_string());
+    assert!(u(&v["predicted_peak_bytes"]) <= u(&v["usable_bytes"]));
+    assert!(v["predicted_step_time_s"].as_f64().unwrap() > 0.0);
+    assert!(!v["pareto"].as_array().unwrap().is_empty());
+    // The file is a spec that `ditmem spec --config` reads back to the same plan.
+    let (code, back, err) = ditmem(&["spec", "--config", out.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let back: serde_json::Value = serde_json::from_str(&back).unwrap();
+    assert_eq!(back, v["plan"]);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_budget_that_fits_the_base_returns_it_unchanged() {
+    let d = dir("fits");
+    let cfg = small_config(&d);
+    // The fastest recipe of the space under an ample budget...
+    let best = d.join("best.toml");
+    let (_, v) = plan_json(&cfg, "8GiB", &["--out", best.to_str().unwrap()]);
+    let peak = u(&v["predicted_peak_bytes"]);
+    // ...given back as the base, under any budget it fits, comes back unchanged.
+    for budget in [peak * 2, (peak as f64 / 0.95).ceil() as u64 + 16] {
+        let (code, w) = plan_json(best.to_str().unwrap(), &budget.to_string(), &[]);
+        assert_eq!(code, 0);
+        assert_eq!(w["base_fits"], true);
+        assert_eq!(w["plan"], v["plan"], "budget {budget}");
+        assert!(w["changes"].as_array().unwrap().is_empty());
+        assert!(w["reason"].as_str().unwrap().contains("already fits"));
+    }
+    // A base that fits but is not the fastest is replaced only by a strictly faster plan that
+    // fits (else a smaller budget could yield a faster plan).
+    let (_, w) = plan_json(&cfg, "8GiB", &[]);
+    if !w["changes"].as_array().unwrap().is_empty() {
+        assert!(
+            w["predicted_step_time_s"].as_f64().unwrap() < w["base_step_time_s"].as_f64().unwrap()
+        );
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_smaller_budget_never_yields_a_faster_plan() {
+    let d = dir("monotone");
+    let cfg = small_config(&d);
+    let (_, v) = plan_json(&cfg, "64KiB", &["--allow", "all"]);
+    let floor = u(&v["predicted_peak_bytes"]) as f64;
+    let base = u(&v["base_peak_bytes"]) as f64;
+    let mut last = 0.0f64;
+    for i in (0..=12).rev() {
+        let budget = ((floor + (base * 1.2 - floor) * i as f64 / 12.0) / 0.95) as u64 + 1;
+        let (code, p) = plan_json(&cfg, &budget.to_string(), &["--allow", "all"]);
+        assert_eq!(code, 0, "budget {budget} is above the floor");
+        let t = p["predicted_step_time_s"].as_f64().unwrap();
+        assert!(t >= last * (1.0 - 1e-12), "budget {budget}: {t} < {last}");
+        assert!(u(&p["predicted_peak_bytes"]) <= u(&p["usable_bytes"]));
+        last = t;
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn exports_and_the_pareto_plot_are_written() {
+    let d = dir("export");
+    let cfg = small_config(&d);
+    let svg = d.join("pareto.svg");
+    let yaml = d.join("accelerate.yaml");
+    let (code, out, err) = ditmem(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--budget",
+        "1GiB",
+        "--plot",
+        svg.to_str().unwrap(),
+        "--emit",
+        "accelerate",
+        "--emit-out",
+        yaml.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Pareto front"));
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    let y = std::fs::read_to_string(&yaml).unwrap();
+    assert!(y.contains("mixed_precision: no"), "{y}");
+    assert!(y.contains("gradient_accumulation_steps"), "{y}");
+    for target in ["deepspeed", "diffusers"] {
+        let (code, out, err) = ditmem(&[
+            "plan", "--config", &cfg, "--budget", "1GiB", "--emit", target,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("gradient_accumulation"), "{target}: {out}");
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The plans of several budgets, each run on the engine (counting allocator in the binary):
+/// the measured peak of the step (process peak − the baseline before the trainer existed) must be
+/// within the budget. Plans come from the default space (no 8-bit AdamW, ZeRO or VAE), which the
+/// engine executes.
+#[test]
+fn plans_run_on_the_engine_within_their_budget() {
+    let d = dir("engine");
+    let cfg = small_config(&d);
+    let (_, v) = plan_json(&cfg, "64KiB", &[]);
+    let floor = u(&v["predicted_peak_bytes"]);
+    let base = u(&v["base_peak_bytes"]);
+    let mut failures = Vec::new();
+    for frac in [1.3, 0.75, 0.55, 0.35, 0.0] {
+        // Budgets between the floor (÷ headroom, so it is feasible) and above the base.
+        let budget = ((floor as f64 + (base as f64 - floor as f64) * frac) / 0.95) as u64 + 1;
+        let out = d.join(format!("plan-{frac}.toml"));
+        let (code, p) = plan_json(&cfg, &budget.to_string(), &["--out", out.to_str().unwrap()]);
+        assert_eq!(code, 0);
+        assert_eq!(p["engine_runnable"], true);
+        let (code, run, err) = ditmem(&[
+            "run",
+            "--config",
+            out.to_str().unwrap(),
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "run of {}: {err}", out.display());
+        let r: serde_json::Value = serde_json::from_str(&run).unwrap();
+        assert_eq!(r["spec"], p["plan"], "the run executes the plan exactly");
+        let measured = u(&r["peak_bytes"]) - u(&r["baseline_bytes"]);
+        let predicted = u(&p["predicted_peak_bytes"]);
+        eprintln!(
+            "budget {budget} B: plan {:?} → predicted {predicted} B, measured {measured} B ({:+.2} % vs predicted, {:.1} % of the budget)",
+            p["changes"],
+            100.0 * (measured as f64 / predicted as f64 - 1.0),
+            100.0 * measured as f64 / budget as f64
+        );
+        if measured > budget {
+            failures.push(format!(
+                "budget {budget} B: measured {measured} B exceeds it by {} B ({:.2} %)",
+                measured - budget,
+                100.0 * (measured as f64 / budget as f64 - 1.0)
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    std::fs::remove_dir_all(&d).ok();
+}
