@@ -15,6 +15,18 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[i]
 }
 
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
 fn main() {
     let runs: usize = std::env::var("PLAN_RUNS")
         .ok()
@@ -23,7 +35,8 @@ fn main() {
         .unwrap_or(50);
     let profile = DeviceProfile::cpu_default();
     println!(
-        "conditions: {} build, {} hardware threads available (the search is single-threaded), {} timed runs per case after 1 warm-up, profile {}",
+        "conditions: {}, {} build, {} hardware threads available (the search is single-threaded), {} timed runs per case after 1 warm-up, profile {}",
+        cpu_model(),
         if cfg!(debug_assertions) { "debug" } else { "release" },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         runs,
@@ -31,7 +44,7 @@ fn main() {
     );
     println!(
         "{:<44} {:>10} {:>9} {:>9} {:>9} {:>9}",
-        "case", "evaluated", "p50 ms", "p95 ms", "p99 ms", "max ms"
+        "case (plan() incl. alternatives)", "timelines", "p50 ms", "p95 ms", "p99 ms", "max ms"
     );
     let none = Allow::default();
     let all = Allow::all();

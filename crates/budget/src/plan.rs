@@ -135,6 +135,10 @@ pub struct Plan {
     /// Whether `ditmem run` can execute the plan (it runs neither 8-bit AdamW, ZeRO nor the VAE).
     pub engine_runnable: bool,
     pub allow: Allow,
+    /// For each allowed lever that changes what is trained (LoRA, 8-bit AdamW, bf16-pure) or
+    /// needs devices (sharding) and that the plan uses: the fastest plan without it, so that a
+    /// lever chosen for speed rather than need is visible.
+    pub alternatives: Vec<Alternative>,
     /// Memory vs time Pareto front over every evaluated point, fastest first.
     pub pareto: Vec<Candidate>,
     /// Combinations of levers (all but recompute) in the allowed space.
@@ -144,6 +148,17 @@ pub struct Plan {
     /// Timelines simulated.
     pub evaluated: usize,
     pub profile: DeviceProfile,
+}
+
+/// The best plan when one allowed lever is taken away again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Alternative {
+    /// The lever taken away (`lora`, `8bit`, `sharding`, `bf16-pure`).
+    pub without: String,
+    pub feasible: bool,
+    pub predicted_peak_bytes: u64,
+    pub predicted_step_time_s: f64,
+    pub changes: Vec<String>,
 }
 
 /// Whether the engine can execute a spec.
@@ -386,6 +401,68 @@ fn push_front(front: &mut Vec<(f64, u64)>, time: f64, peak: u64) {
 
 /// Search the recipes for the fastest one whose peak fits `limits`.
 pub fn plan(
+    base: &Spec,
+    limits: &Limits,
+    profile: &DeviceProfile,
+) -> Result<Plan, crate::error::SpecError> {
+    let mut p = search(base, limits, profile)?;
+    if !p.feasible {
+        return Ok(p);
+    }
+    let (b, r) = (&base.recipe, &p.plan.recipe);
+    let used = [
+        ("lora", limits.allow.lora && r.lora != b.lora),
+        (
+            "8bit",
+            limits.allow.eight_bit
+                && r.optimizer != b.optimizer
+                && r.optimizer == Optimizer::AdamW8bit,
+        ),
+        (
+            "sharding",
+            limits.allow.sharding && r.zero_stage != b.zero_stage,
+        ),
+        (
+            "bf16-pure",
+            limits.allow.bf16_pure
+                && r.precision == Precision::Bf16Pure
+                && b.precision != Precision::Bf16Pure,
+        ),
+    ];
+    for (name, on) in used {
+        if !on {
+            continue;
+        }
+        let mut l = limits.clone();
+        match name {
+            "lora" => l.allow.lora = false,
+            "8bit" => l.allow.eight_bit = false,
+            "sharding" => l.allow.sharding = false,
+            _ => l.allow.bf16_pure = false,
+        }
+        let alt = search(base, &l, profile)?;
+        if alt.feasible {
+            p.reason.push_str(&format!(
+                "; {name} is used for speed, not needed to fit: without it the fastest plan is \
+                 predicted {} ({:+.1} %) at {}",
+                fmt_secs(alt.predicted_step_time_s),
+                100.0 * (alt.predicted_step_time_s / p.predicted_step_time_s - 1.0),
+                fmt_bytes(alt.predicted_peak_bytes)
+            ));
+        }
+        p.alternatives.push(Alternative {
+            without: name.into(),
+            feasible: alt.feasible,
+            predicted_peak_bytes: alt.predicted_peak_bytes,
+            predicted_step_time_s: alt.predicted_step_time_s,
+            changes: alt.changes,
+        });
+    }
+    Ok(p)
+}
+
+/// The search itself (without the alternatives).
+fn search(
     base: &Spec,
     limits: &Limits,
     profile: &DeviceProfile,
@@ -681,6 +758,7 @@ pub fn plan(
         headroom: limits.headroom,
         usable_bytes: usable,
         allow: limits.allow,
+        alternatives: Vec::new(),
         pareto,
         combinations: combos.len(),
         pruned,
