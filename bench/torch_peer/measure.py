@@ -39,16 +39,26 @@ def resident_tensors(model, optimizer, ema_params):
 
 
 def cpu_step_peak(step_fn) -> tuple:
-    """Run `step_fn` once under the memory profiler; returns (peak above start, net change)."""
+    """Run `step_fn` once under the memory profiler; returns (peak above start, net change,
+    peak above start per phase). Phases are the `ditmem::*` record_function ranges."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda x: x[0])
+    kin = prof.profiler.kineto_results.events()
+    events = sorted((e.start_ns(), e.nbytes()) for e in kin if e.name() == "[memory]")
+    ranges = [
+        (e.name().split("::", 1)[1], e.start_ns(), e.end_ns())
+        for e in kin
+        if e.name().startswith("ditmem::")
+    ]
     live = peak = 0
-    for _, n in events:
+    phases = {}
+    for ts, n in events:
         live += n
         peak = max(peak, live)
-    return peak, live
+        for name, a, b in ranges:
+            if a <= ts <= b:
+                phases[name] = max(phases.get(name, 0), live)
+    return peak, live, phases
 
 
 def cuda_step_peak(step_fn, device) -> dict:

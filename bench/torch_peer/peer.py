@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import measure  # noqa: E402
@@ -74,6 +75,18 @@ class Trainer:
         return x0.to(self.device), y.to(self.device), t.to(self.device)
 
     def microbatch(self):
+        with record_function("ditmem::forward"):
+            loss = self.forward_loss()
+        with record_function("ditmem::backward"):
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        return loss.detach().item()
+
+    def forward_loss(self):
+        """Data, noising, forward and loss; only the loss leaves this function (as in DiT's
+        `training_losses`), so the model output is released once autograd no longer needs it."""
         ps = self.ps
         x0, y, t = self.batch()
         noise = torch.randn_like(x0)
@@ -86,17 +99,17 @@ class Trainer:
         else:
             out = self.model(xt, t, y)
         pred = out[:, : ps.model["in_channels"]]
-        loss = F.mse_loss(pred.to(self.param_dtype), target) / ps.accumulation
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        return loss.detach().item()
+        return F.mse_loss(pred.to(self.param_dtype), target) / ps.accumulation
 
     def step(self):
         total = 0.0
         for _ in range(self.ps.accumulation):
             total += self.microbatch()
+        self.losses.append(total)
+        with record_function("ditmem::optimizer"):
+            self.optimizer_step()
+
+    def optimizer_step(self):
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -109,7 +122,6 @@ class Trainer:
                 torch._foreach_mul_(self.ema, d)
                 torch._foreach_add_(self.ema, src, alpha=1 - d)
         self.opt.zero_grad(set_to_none=True)
-        self.losses.append(total)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -189,8 +201,9 @@ def run(args) -> dict:
         "losses": tr.losses,
     }
     if device.type == "cpu":
-        above, net = measure.cpu_step_peak(tr.step)
+        above, net, phases = measure.cpu_step_peak(tr.step)
         result["peak_bytes"] = resident + above
+        result["phase_peaks"] = {k: resident + v for k, v in phases.items()}
         result["step_peak_above_resident"] = above
         result["step_net_bytes"] = net
         result["method"] = "torch.profiler profile_memory: max running sum of [memory] events over one step"
