@@ -111,10 +111,20 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let ev = timeline.peak().clone();
     let rt = model_for(spec);
     let dims = Dims::new(spec);
+    let kept = segments.kept();
     let inv = vec![
-        inventory(&rt.embed_segment(&dims), segments.embed.kept.total()),
-        inventory(&rt.block_segment(&dims), segments.block.kept.total()),
-        inventory(&rt.final_segment(&dims), segments.final_layer.kept.total()),
+        inventory(
+            &rt.embed_segment(&dims),
+            kept[0].activations + kept[0].weight_casts,
+        ),
+        inventory(
+            &rt.block_segment(&dims),
+            kept[1].activations + kept[1].weight_casts,
+        ),
+        inventory(
+            &rt.final_segment(&dims),
+            kept[2].activations + kept[2].weight_casts,
+        ),
     ];
     let peak = Peak {
         bytes: ev.total(),
@@ -211,9 +221,9 @@ mod tests {
             let mut s = small();
             s.recipe.precision = p;
             s.recipe.attention = AttentionMode::Materialized;
-            let mat = segment_costs(&s).block.kept.activations;
+            let mat = segment_costs(&s).kept()[1].activations;
             s.recipe.attention = AttentionMode::MemoryEfficient;
-            let eff = segment_costs(&s).block.kept.activations;
+            let eff = segment_costs(&s).kept()[1].activations;
             let d = Dims::new(&s);
             let a_elems = d.a();
             let lse = d.b * d.heads * d.s * 4;
@@ -247,7 +257,7 @@ mod tests {
                 b.timeline
                     .events
                     .iter()
-                    .find(|e| e.label == "loss")
+                    .find(|e| e.label == "final" && e.phase == Phase::Forward)
                     .unwrap()
                     .live
                     .activations

@@ -5,6 +5,8 @@
 //! backward and the workspace it allocates (the op inventory, per runtime), and a simulated timeline
 //! of forward → backward → optimizer whose maximum is the peak.
 
+pub mod candle;
+pub mod candle_step;
 pub mod cost;
 pub mod error;
 pub mod export;
@@ -17,6 +19,7 @@ pub mod graph;
 pub mod params;
 pub mod plan;
 pub mod runtime;
+pub mod runtime_pytorch;
 pub mod timeline;
 pub mod units;
 

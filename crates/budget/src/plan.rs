@@ -11,18 +11,17 @@
 //! model on a [`DeviceProfile`]. Plans are ranked by predicted step time; at equal time the one
 //! with fewer changes wins, then the smaller peak.
 //!
-//! # Block recompute is exact without enumerating subsets
-//! Blocks are identical, so only *how many* are recomputed matters, with one exception: the last
-//! block. Its backward comes first, when what every block below it keeps is still live (a graph
-//! for a stored block, only its output for a recomputed one), and a recomputed block is rebuilt at
-//! that moment — so its own graph is there either way, plus a second copy of its output. The
-//! backward peak is therefore `prefix(depth − 1) + graph + transients`; every earlier moment sees
-//! a smaller prefix, and recomputing the first `k` gives the smallest prefix at every position.
-//! So for `k < depth` the first `k` blocks are an optimal `k`-subset (a test checks all `2^depth`
-//! subsets of a small model), the peak is non-increasing in `k` and the time increasing: the
-//! smallest `k` that fits is found by bisection — `O(log depth)` timelines instead of
-//! `2^depth`. `all` (`k = depth`) lowers the end of forward but can raise the backward peak by
-//! one output, so it is evaluated beside, not assumed to be the leanest.
+//! # Block recompute without enumerating subsets
+//! Blocks are identical, so what matters is how many are recomputed and where they sit relative
+//! to each other and to the top of the stack: in the engine a recomputed block keeps only its
+//! input (the previous block's output, kept anyway when that block is stored), and a block
+//! recomputed late is rebuilt on top of every graph below it. For each count `k` the planner
+//! compares two placements ([`recompute_candidates`]: the first `k`, and the first `k − 1` plus
+//! one after a gap), which a test holds against all `2^depth` subsets of a small model. The peak
+//! falls with `k` and the time rises, so the smallest `k` that fits is found by bisection —
+//! `O(log depth)` timelines instead of `2^depth`. `all` (`k = depth`) lowers the end of forward
+//! but can raise the backward peak by one output, so it is evaluated beside, not assumed to be
+//! the leanest.
 //!
 //! # Search order and pruning
 //! The other levers form combinations (precision × attention × microbatch × latents × LoRA ×
@@ -279,6 +278,18 @@ impl<'a> Evaluator<'a> {
         }
     }
 
+    /// The leanest of [`recompute_candidates`] for `k` recomputed blocks.
+    fn point_k(&mut self, c: &Combo, ci: Option<usize>, k: u32, depth: u32) -> Point {
+        let mut best: Option<Point> = None;
+        for rc in recompute_candidates(k, depth) {
+            let p = self.point(c, ci, rc);
+            if best.as_ref().is_none_or(|b| p.peak < b.peak) {
+                best = Some(p);
+            }
+        }
+        best.expect("at least one placement")
+    }
+
     fn time(&self, c: &Combo, rc: Recompute) -> StepTime {
         let mut spec = c.spec.clone();
         spec.recipe.recompute = rc;
@@ -308,6 +319,21 @@ pub fn recompute_first(k: u32, depth: u32) -> Recompute {
     } else {
         Recompute::Blocks((0..k).collect())
     }
+}
+
+/// The placements of `k` recomputed blocks the planner compares: the first `k`, and the first
+/// `k − 1` plus the one after a gap. In the engine a recomputed block keeps only its input, which
+/// is the previous block's output: kept anyway when that block is stored, an extra buffer when it
+/// is recomputed too; and a block recomputed late is rebuilt on top of every graph below it. The
+/// two placements cover both effects (a test holds them against all `2^depth` subsets).
+pub fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
+    let mut v = vec![recompute_first(k, depth)];
+    if k >= 1 && k + 1 < depth {
+        let mut blocks: Vec<u32> = (0..k - 1).collect();
+        blocks.push(k);
+        v.push(Recompute::Blocks(blocks));
+    }
+    v
 }
 
 /// Precisions at or below the base's footprint, in order of preference at equal time
@@ -594,7 +620,7 @@ fn search(
         // (leaner on very shallow models).
         let all_p = ev.point(c, Some(ci), Recompute::All);
         let all_peak = all_p.peak;
-        let below = (depth > 1).then(|| ev.point(c, Some(ci), recompute_first(depth - 1, depth)));
+        let below = (depth > 1).then(|| ev.point_k(c, Some(ci), depth - 1, depth));
         let below_peak = below.as_ref().map_or(u64::MAX, |p| p.peak);
         let attn = ev.point(c, Some(ci), Recompute::AttentionOnly);
         let floor = all_peak.min(below_peak).min(attn.peak);
@@ -615,7 +641,7 @@ fn search(
             let (mut lo, mut hi) = (0u32, depth - 1);
             while hi - lo > 1 {
                 let mid = (lo + hi) / 2;
-                let p = ev.point(c, Some(ci), recompute_first(mid, depth));
+                let p = ev.point_k(c, Some(ci), mid, depth);
                 let fits = p.peak <= usable;
                 add(p, &mut points, &mut front);
                 if fits {
@@ -626,7 +652,7 @@ fn search(
             }
         } else if peak0 > below_peak && depth > 3 {
             // Mid-way point so that the front shows what partial recompute trades.
-            let p = ev.point(c, Some(ci), recompute_first(depth / 2, depth));
+            let p = ev.point_k(c, Some(ci), depth / 2, depth);
             add(p, &mut points, &mut front);
         }
     }
@@ -1039,9 +1065,9 @@ mod tests {
     }
 
     #[test]
-    fn first_k_is_the_best_k_subset() {
-        // Every subset of a depth-6 model: for each count k, recomputing the first k blocks
-        // (k < depth) or all of them reaches the smallest peak among the k-subsets.
+    fn candidate_placements_are_the_best_k_subsets() {
+        // Every subset of a depth-6 model: for each count k, the best of the candidate
+        // placements reaches the smallest peak among the k-subsets.
         let mut s = small();
         s.model.depth = 6;
         s.workload.batch = 2;
@@ -1056,8 +1082,14 @@ mod tests {
             best[k] = best[k].min(peak);
         }
         for k in 0..=depth {
-            s.recipe.recompute = recompute_first(k, depth);
-            let peak = crate::timeline::simulate_step(&s).peak().total();
+            let peak = recompute_candidates(k, depth)
+                .into_iter()
+                .map(|rc| {
+                    s.recipe.recompute = rc;
+                    crate::timeline::simulate_step(&s).peak().total()
+                })
+                .min()
+                .unwrap();
             assert_eq!(peak, best[k as usize], "k = {k}");
         }
     }

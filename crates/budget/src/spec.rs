@@ -683,32 +683,90 @@ impl Default for Recipe {
 ///
 /// Each runtime has its own rules for what an op saves and allocates (see
 /// [`crate::runtime::RuntimeModel`]); adding one means adding a variant and its rules.
+/// Written as a string: `ditmem-cpu`, or `pytorch[:cpu|:cuda][:sdpa-auto|flash|efficient|cudnn|math]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(try_from = "String", into = "String")]
 pub enum Runtime {
     /// The ditmem engine (candle) on the CPU.
     #[default]
-    #[serde(rename = "ditmem-cpu")]
     DitmemCpu,
+    /// PyTorch eager autograd (see [`crate::runtime_pytorch`]).
+    Pytorch {
+        device: crate::runtime_pytorch::TorchDevice,
+        sdpa: crate::runtime_pytorch::SdpaBackend,
+    },
 }
 
 impl Runtime {
     pub const fn name(self) -> &'static str {
         match self {
             Runtime::DitmemCpu => "ditmem-cpu",
+            Runtime::Pytorch { .. } => "pytorch",
         }
+    }
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Runtime::DitmemCpu => f.write_str("ditmem-cpu"),
+            Runtime::Pytorch { device, sdpa } => {
+                write!(f, "pytorch:{}", device.name())?;
+                if *sdpa != crate::runtime_pytorch::SdpaBackend::Auto {
+                    write!(f, ":sdpa-{}", sdpa.name())?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl From<Runtime> for String {
+    fn from(r: Runtime) -> String {
+        r.to_string()
+    }
+}
+
+impl TryFrom<String> for Runtime {
+    type Error = SpecError;
+    fn try_from(s: String) -> Result<Self, SpecError> {
+        s.parse()
     }
 }
 
 impl FromStr for Runtime {
     type Err = SpecError;
     fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s {
-            "ditmem-cpu" | "ditmem" | "engine" => Ok(Runtime::DitmemCpu),
-            _ => Err(SpecError::invalid(
+        use crate::runtime_pytorch::{SdpaBackend, TorchDevice};
+        let bad = |why: String| {
+            SpecError::invalid(
                 "runtime",
-                format!("'{s}' is not a runtime; allowed: ditmem-cpu"),
-            )),
+                format!("'{s}' {why}; allowed: ditmem-cpu, pytorch[:cpu|:cuda][:sdpa-auto|sdpa-flash|sdpa-efficient|sdpa-cudnn|sdpa-math]"),
+            )
+        };
+        match s {
+            "ditmem-cpu" | "ditmem" | "engine" => return Ok(Runtime::DitmemCpu),
+            _ => {}
         }
+        let mut parts = s.split(':');
+        if parts.next() != Some("pytorch") {
+            return Err(bad("is not a runtime".into()));
+        }
+        let (mut device, mut sdpa) = (TorchDevice::Cpu, SdpaBackend::Auto);
+        for opt in parts {
+            match opt {
+                "cpu" => device = TorchDevice::Cpu,
+                "cuda" => device = TorchDevice::Cuda,
+                _ => {
+                    let name = opt.strip_prefix("sdpa-").unwrap_or("");
+                    sdpa = SdpaBackend::ALL
+                        .into_iter()
+                        .find(|b| b.name() == name)
+                        .ok_or_else(|| bad(format!("has an unknown option '{opt}'")))?;
+                }
+            }
+        }
+        Ok(Runtime::Pytorch { device, sdpa })
     }
 }
 

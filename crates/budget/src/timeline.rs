@@ -150,8 +150,9 @@ pub struct StaticBytes {
     pub optimizer_state: u64,
     pub ema: u64,
     pub encoder_weights: u64,
-    /// Largest transient of the optimizer step (one tensor's update).
+    /// Largest transient of one tensor's optimizer update (generic runtimes).
     pub optimizer_scratch: u64,
+    /// Largest transient of one tensor's EMA update (generic runtimes).
     pub ema_scratch: u64,
 }
 
@@ -212,7 +213,7 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
                 } else {
                     s.weights += shard(bytes, ranks, z >= 3);
                 }
-                s.gradients += shard(n * p.param_dtype().size(), ranks, z >= 2);
+                s.gradients += shard(n * rt.grad_dtype(p).size(), ranks, z >= 2);
                 s.optimizer_state += shard(optimizer_state_bytes(n, r.optimizer, p), ranks, z >= 1);
                 if r.ema.enabled {
                     s.ema += shard(n * r.ema.dtype.size(), ranks, z >= 3);
@@ -244,23 +245,72 @@ pub fn vae_dtype(p: Precision) -> Dtype {
     }
 }
 
-/// Costs of the three segment kinds under the spec.
+/// Costs of the three segments of a runtime described by generic segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct SegmentCosts {
+pub struct GenericCosts {
     pub embed: SegmentCost,
     pub block: SegmentCost,
     pub final_layer: SegmentCost,
 }
 
+/// What the step replay needs about each segment, computed once per spec (the planner caches it
+/// across candidates that share the segment shapes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SegmentCosts {
+    /// The ditmem engine, replayed node for node.
+    Engine(crate::candle_step::Sims),
+    /// A runtime whose segments are replayed by the generic block-wise timeline.
+    Generic(GenericCosts),
+}
+
+/// What one segment keeps while its graph lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Kept {
+    pub activations: u64,
+    pub weight_casts: u64,
+    /// The segment's output (the next segment's input).
+    pub output: u64,
+}
+
+impl Kept {
+    pub fn total(&self) -> u64 {
+        self.activations + self.weight_casts + self.output
+    }
+}
+
+impl SegmentCosts {
+    /// What the embed segment, a stored block and the final layer keep.
+    pub fn kept(&self) -> [Kept; 3] {
+        match self {
+            SegmentCosts::Engine(s) => [&s.embed, &s.block, &s.final_layer].map(|x| Kept {
+                activations: x.activations + x.leaf,
+                weight_casts: x.weight_casts,
+                output: x.output,
+            }),
+            SegmentCosts::Generic(g) => [&g.embed, &g.block, &g.final_layer].map(|x| Kept {
+                activations: x.kept.activations,
+                weight_casts: x.kept.weight_casts,
+                output: x.output_bytes,
+            }),
+        }
+    }
+}
+
 pub fn segment_costs(spec: &Spec) -> SegmentCosts {
-    let rt = model_for(spec);
-    let dims = Dims::new(spec);
-    let keep = rt.keeps_all_outputs();
-    let saved = |seg: &crate::graph::Segment, t| rt.saves(seg, t);
-    SegmentCosts {
-        embed: simulate(&rt.embed_segment(&dims), keep, &saved),
-        block: simulate(&rt.block_segment(&dims), keep, &saved),
-        final_layer: simulate(&rt.final_segment(&dims), keep, &saved),
+    match spec.runtime {
+        crate::spec::Runtime::DitmemCpu => SegmentCosts::Engine(crate::candle_step::sims(spec)),
+        _ => {
+            let rt = model_for(spec);
+            let dims = Dims::new(spec);
+            let keep = rt.keeps_all_outputs();
+            let saved = |seg: &crate::graph::Segment, t| rt.saves(seg, t);
+            SegmentCosts::Generic(GenericCosts {
+                embed: simulate(&rt.embed_segment(&dims), keep, &saved),
+                block: simulate(&rt.block_segment(&dims), keep, &saved),
+                final_layer: simulate(&rt.final_segment(&dims), keep, &saved),
+            })
+        }
     }
 }
 
@@ -272,9 +322,9 @@ pub fn simulate_step(spec: &Spec) -> Timeline {
     simulate_step_with(spec, &table, &st, &costs, u32::MAX)
 }
 
-/// Simulate with precomputed parts (the planner caches them across candidates). Only the first
-/// `max_microbatches` microbatches are laid out: every microbatch after the first starts from the
-/// same state (gradient buffers live), so the second one already shows the steady case.
+/// Simulate with precomputed parts. Only the first `max_microbatches` microbatches are laid out:
+/// every microbatch after the first starts from the same state (gradient buffers live), so the
+/// second one already shows the steady case.
 pub fn simulate_step_with(
     spec: &Spec,
     table: &[ParamTensor],
@@ -282,8 +332,68 @@ pub fn simulate_step_with(
     costs: &SegmentCosts,
     max_microbatches: u32,
 ) -> Timeline {
+    let mut events = match costs {
+        SegmentCosts::Engine(sims) => {
+            crate::candle_step::replay(spec, table, st, sims, max_microbatches)
+        }
+        // PyTorch replays its own step (graphs released op by op, foreach optimizer, autocast cache).
+        SegmentCosts::Generic(_)
+            if matches!(spec.runtime, crate::spec::Runtime::Pytorch { .. }) =>
+        {
+            crate::runtime_pytorch::replay(spec, table, st, max_microbatches)
+        }
+        SegmentCosts::Generic(g) => generic_replay(spec, table, st, g, max_microbatches),
+    };
+    if spec.recipe.latents == Latents::Encode {
+        // The frozen VAE encoder runs first, without gradient, on the images of a microbatch;
+        // its weights stay resident for the whole step.
+        let w = &spec.workload;
+        let pixels = u64::from(w.height) * u64::from(w.width);
+        let b = u64::from(w.microbatch);
+        for e in events.iter_mut() {
+            e.live.encoder += st.encoder_weights;
+        }
+        if let Some(first) = events.first().cloned() {
+            let mut at = first.live;
+            at.data += b * 3 * pixels * 4;
+            at.encoder +=
+                b * VAE_ENCODE_ELEMS_PER_PIXEL * pixels * vae_dtype(spec.recipe.precision).size();
+            events.insert(
+                1,
+                Event {
+                    phase: Phase::Encode,
+                    label: "vae encode (inside)".into(),
+                    block: None,
+                    microbatch: 0,
+                    inside: true,
+                    live: at,
+                },
+            );
+        }
+    }
+    let peak_index = events
+        .iter()
+        .enumerate()
+        .max_by_key(|(i, e)| (e.total(), std::cmp::Reverse(*i)))
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+    Timeline { events, peak_index }
+}
+
+/// The block-wise timeline for runtimes described by generic segments: forward segment by
+/// segment (a stored block keeps its graph, a recomputed one its output), backward in reverse
+/// (a recomputed block is rebuilt first, each graph freed after its backward, parameter
+/// gradients landing in buffers that stay live across microbatches), then the optimizer step.
+fn generic_replay(
+    spec: &Spec,
+    table: &[ParamTensor],
+    st: &StaticBytes,
+    costs: &GenericCosts,
+    max_microbatches: u32,
+) -> Vec<Event> {
     let counts = count(table);
     let st = *st;
+    let rt = model_for(spec);
     let r = &spec.recipe;
     let w = &spec.workload;
     let p = r.precision;
@@ -544,14 +654,5 @@ pub fn simulate_step_with(
     live.gradients = 0;
     push(Phase::Optimizer, "step end".into(), None, 0, false, live);
 
-    let peak_index = ev
-        .iter()
-        .enumerate()
-        .max_by_key(|(i, e)| (e.total(), std::cmp::Reverse(*i)))
-        .map(|(i, _)| i)
-        .unwrap_or(0);
-    Timeline {
-        events: ev,
-        peak_index,
-    }
+    ev
 }

@@ -211,14 +211,14 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
         t.row(vec![ph.name().into(), fmt_bytes(*v)]);
     }
     o.push_str(&t.render());
-    let seg = &b.segments.block;
+    let seg = b.segments.kept()[1];
     o.push_str(&format!(
-        "per block: a stored block keeps {} (activations {}, weight casts {}) plus its output {}; \
-         a recomputed block keeps only its output\n",
-        fmt_bytes(seg.kept.total() + seg.output_bytes),
-        fmt_bytes(seg.kept.activations),
-        fmt_bytes(seg.kept.weight_casts),
-        fmt_bytes(seg.output_bytes)
+        "per block: a stored block keeps {} (activations {}, weight casts {}, output {}); \
+         a recomputed block keeps only its input\n",
+        fmt_bytes(seg.total()),
+        fmt_bytes(seg.activations),
+        fmt_bytes(seg.weight_casts),
+        fmt_bytes(seg.output)
     ));
     let ratio = p.bytes as f64 / b.weights_times_four.max(1) as f64;
     o.push_str(&format!(

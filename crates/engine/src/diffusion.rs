@@ -222,11 +222,12 @@ impl SyntheticData {
             channels: self.channels,
             height: self.height,
             width: self.width,
-            latents: Vec::new(),
-            noise: Vec::new(),
-            timesteps: Vec::new(),
-            labels: Vec::new(),
-            drop_label: Vec::new(),
+            // Exact capacities: the batch is part of the measured step, byte for byte.
+            latents: Vec::with_capacity(n * self.channels * self.height * self.width),
+            noise: Vec::with_capacity(n * self.channels * self.height * self.width),
+            timesteps: Vec::with_capacity(n),
+            labels: Vec::with_capacity(n),
+            drop_label: Vec::with_capacity(n),
         };
         for i in 0..n as u64 {
             self.sample(first + i, &mut b);

@@ -651,9 +651,13 @@ impl Trainer {
             adaln: self.linear(self.final_idx[0], true)?,
             linear: self.linear(self.final_idx[1], true)?,
         };
-        let out = final_forward(final_leaf.as_tensor(), c_leaf.as_tensor(), &fw, cd, ad)?;
+        // `out` is dropped as soon as the prediction is built, so that the final layer's graph
+        // is owned by the loss alone and freed with it.
+        let pred = {
+            let out = final_forward(final_leaf.as_tensor(), c_leaf.as_tensor(), &fw, cd, ad)?;
+            unpatchify(&out, b, &d)?.narrow(1, 0, d.in_channels)?
+        };
         drop(fw);
-        let pred = unpatchify(&out, b, &d)?.narrow(1, 0, d.in_channels)?;
         let pred = cast(pred, ld)?;
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
         let loss = (pred - target)?.sqr()?.mean_all()?;

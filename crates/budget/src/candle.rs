@@ -1,0 +1,1172 @@
+//! The ditmem engine's memory, op by op, as candle 0.11 executes it.
+//!
+//! The engine (crate `ditmem-engine`) composes every block from candle primitives. Candle keeps
+//! every node of a tracked graph alive until the graph's root is dropped, makes a node for each
+//! view (`narrow`, `t`, `reshape`, `broadcast_as`), and its `backward` (candle-core
+//! `src/backprop.rs`) visits the nodes in reverse depth-first post-order, allocating for each
+//! input gradient a `zeros_like` plus an `add` (or `sub`) per contribution, and op-specific
+//! temporaries (a `narrow` pads with zeros and concatenates to its input's full size, `gelu`
+//! evaluates its derivative through about a dozen temporaries, …). A gradient reaching a tensor
+//! that does not track gradients still enters the gradient store and stays there until the store
+//! is dropped.
+//!
+//! This module rebuilds the engine's graphs node for node ([`Graph`]), and replays candle's
+//! backward on them ([`backward`]) with each rule's allocations in the order the code makes them,
+//! so that the budget's timeline for the `ditmem-cpu` runtime can be held against the counting
+//! allocator to the byte. The rules cite the candle source they follow.
+
+use crate::spec::{AttentionMode, Dtype, LoraTarget, Precision};
+
+/// Index of a node.
+pub type Nid = usize;
+
+/// Candle operation kinds that differ in what backward allocates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Kind {
+    /// A tensor made outside the graph (data, a detached tensor, a frozen weight).
+    Const,
+    /// A `Var`: a leaf that tracks gradients (trained weights, block-input leaf copies).
+    Var,
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Matmul,
+    /// `broadcast_as` (a view); backward sums the gradient back.
+    Broadcast,
+    /// `sum_keepdim` / `sum_all`.
+    Sum,
+    /// `max_keepdim`.
+    Max,
+    /// `to_dtype` to another dtype.
+    ToDtype,
+    /// `contiguous()` of a strided tensor.
+    Copy,
+    Affine,
+    Exp,
+    Sqr,
+    Powf,
+    Silu,
+    Gelu,
+    /// `narrow` (a view); `pad_before` / `pad_after` are the zero-pad elements its backward makes.
+    Narrow {
+        pad_before: u64,
+        pad_after: u64,
+    },
+    /// `reshape`: a view of a contiguous tensor, a copy of a strided one.
+    Reshape,
+    Transpose,
+    /// `index_select` of embedding rows.
+    IndexSelect,
+    /// A custom attention op: backward returns dq, dk, dv plus `scratch` bytes of workspace.
+    Attention {
+        bwd_scratch: u64,
+    },
+}
+
+/// One tensor of a graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub kind: Kind,
+    pub inputs: Vec<Nid>,
+    pub elems: u64,
+    pub dtype: Dtype,
+    /// Owns a buffer (false for views and for tensors owned outside the graph).
+    pub alloc: bool,
+    /// Has a backprop op or is a variable (candle's `track_op`).
+    pub tracks: bool,
+    /// Bytes held beside the output while the node lives (the log-sum-exp of an attention op).
+    pub extra: u64,
+    /// Transient bytes of the node's forward (attention workspace).
+    pub fwd_scratch: u64,
+    /// A low-precision weight copy rather than an activation.
+    pub weight_cast: bool,
+}
+
+impl Node {
+    pub fn bytes(&self) -> u64 {
+        self.elems * self.dtype.size()
+    }
+}
+
+/// A graph of candle nodes in creation order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+}
+
+impl Graph {
+    fn push(
+        &mut self,
+        name: &str,
+        kind: Kind,
+        inputs: &[Nid],
+        elems: u64,
+        dtype: Dtype,
+        alloc: bool,
+    ) -> Nid {
+        let tracks = match kind {
+            Kind::Var => true,
+            Kind::Const => false,
+            _ => inputs.iter().any(|&i| self.nodes[i].tracks),
+        };
+        let weight_cast = kind == Kind::ToDtype
+            && inputs
+                .first()
+                .is_some_and(|&i| self.nodes[i].kind == Kind::Var && self.nodes[i].weight_cast);
+        self.nodes.push(Node {
+            name: name.into(),
+            kind,
+            inputs: inputs.to_vec(),
+            elems,
+            dtype,
+            alloc,
+            tracks,
+            extra: 0,
+            fwd_scratch: 0,
+            weight_cast,
+        });
+        self.nodes.len() - 1
+    }
+
+    /// A tensor made outside the graph; `owned` when the graph's lifetime decides its memory.
+    pub fn constant(&mut self, name: &str, elems: u64, dtype: Dtype, owned: bool) -> Nid {
+        self.push(name, Kind::Const, &[], elems, dtype, owned)
+    }
+
+    /// A variable. `owned` for leaf copies the segment makes; false for model weights.
+    pub fn var(&mut self, name: &str, elems: u64, dtype: Dtype, owned: bool) -> Nid {
+        let id = self.push(name, Kind::Var, &[], elems, dtype, owned);
+        // Weights (not owned) are what a cast of them copies.
+        self.nodes[id].weight_cast = !owned;
+        id
+    }
+
+    /// A weight as the engine hands it to a block: the variable itself, or its cast copy.
+    pub fn weight(
+        &mut self,
+        name: &str,
+        elems: u64,
+        stored: Dtype,
+        trained: bool,
+        cd: Dtype,
+    ) -> Nid {
+        let w = if trained {
+            self.var(name, elems, stored, false)
+        } else {
+            self.constant(name, elems, stored, false)
+        };
+        self.cast(&format!("{name}→{cd}"), w, cd)
+    }
+
+    pub fn op(&mut self, name: &str, kind: Kind, inputs: &[Nid], elems: u64, dtype: Dtype) -> Nid {
+        self.push(name, kind, inputs, elems, dtype, true)
+    }
+
+    pub fn view(&mut self, name: &str, kind: Kind, of: Nid, elems: u64) -> Nid {
+        let dtype = self.nodes[of].dtype;
+        self.push(name, kind, &[of], elems, dtype, false)
+    }
+
+    pub fn cast(&mut self, name: &str, x: Nid, to: Dtype) -> Nid {
+        if self.nodes[x].dtype == to {
+            x
+        } else {
+            let e = self.nodes[x].elems;
+            self.op(name, Kind::ToDtype, &[x], e, to)
+        }
+    }
+
+    fn elems(&self, x: Nid) -> u64 {
+        self.nodes[x].elems
+    }
+
+    fn dtype(&self, x: Nid) -> Dtype {
+        self.nodes[x].dtype
+    }
+
+    /// A binary op where `small` is broadcast to `big`'s shape (`broadcast_mul` & co.).
+    pub fn broadcast_binary(
+        &mut self,
+        name: &str,
+        kind: Kind,
+        big: Nid,
+        small: Nid,
+        small_first: bool,
+    ) -> Nid {
+        let e = self.elems(big);
+        let bv = self.view(&format!("{name} broadcast"), Kind::Broadcast, small, e);
+        let dt = self.dtype(big);
+        let inputs = if small_first { [bv, big] } else { [big, bv] };
+        self.op(name, kind, &inputs, e, dt)
+    }
+
+    /// `mean_keepdim`: a sum and a scale (candle-core `Tensor::mean_keepdim`).
+    pub fn mean(&mut self, name: &str, x: Nid, out: u64) -> Nid {
+        let dt = self.dtype(x);
+        let s = self.op(&format!("{name} sum"), Kind::Sum, &[x], out, dt);
+        self.op(&format!("{name} /n"), Kind::Affine, &[s], out, dt)
+    }
+
+    /// The node's storage owner (follows views).
+    pub fn storage(&self, mut x: Nid) -> Nid {
+        while !self.nodes[x].alloc
+            && !self.nodes[x].inputs.is_empty()
+            && is_view(self.nodes[x].kind)
+        {
+            x = self.nodes[x].inputs[0];
+        }
+        x
+    }
+}
+
+fn is_view(k: Kind) -> bool {
+    matches!(
+        k,
+        Kind::Broadcast | Kind::Narrow { .. } | Kind::Reshape | Kind::Transpose
+    )
+}
+
+/// The graph as a generic [`crate::graph::Segment`] (for the op inventory and the time model).
+pub fn to_segment(g: &Graph, name: &str) -> crate::graph::Segment {
+    use crate::graph::{OpDef, Segment, TensorDef, TensorKind, TensorRole};
+    let mut seg = Segment::new(name);
+    for (i, n) in g.nodes.iter().enumerate() {
+        let kind = match n.kind {
+            Kind::Var => TensorKind::Param { trained: true },
+            Kind::Const if n.alloc => TensorKind::Alloc,
+            Kind::Const => TensorKind::Input {
+                requires_grad: false,
+            },
+            _ if n.alloc => TensorKind::Alloc,
+            _ => TensorKind::View,
+        };
+        seg.tensors.push(TensorDef {
+            name: n.name.clone(),
+            elems: n.elems,
+            dtype: n.dtype,
+            kind,
+            role: if n.weight_cast {
+                TensorRole::WeightCast
+            } else {
+                TensorRole::Activation
+            },
+            requires_grad: n.tracks,
+        });
+        if !matches!(n.kind, Kind::Var | Kind::Const) || n.alloc {
+            seg.ops.push(OpDef {
+                name: n.name.clone(),
+                inputs: n.inputs.clone(),
+                output: i,
+                extra_saved: n.extra,
+                fwd_scratch: n.fwd_scratch,
+                bwd_scratch: match n.kind {
+                    Kind::Attention { bwd_scratch } => bwd_scratch,
+                    _ => 0,
+                },
+            });
+        }
+        seg.output = i;
+    }
+    seg
+}
+
+/// Bytes of the buffers a graph owns (what stays alive while its root lives).
+pub fn owned_bytes(g: &Graph) -> (u64, u64) {
+    let mut act = 0;
+    let mut casts = 0;
+    for n in &g.nodes {
+        if n.alloc {
+            if n.weight_cast {
+                casts += n.bytes();
+            } else {
+                act += n.bytes();
+            }
+        }
+        act += n.extra;
+    }
+    (act, casts)
+}
+
+/// Highest bytes while the graph is built, above what existed before (everything is kept).
+pub fn forward_peak(g: &Graph) -> u64 {
+    let mut live = 0u64;
+    let mut peak = 0u64;
+    for n in &g.nodes {
+        if n.alloc {
+            live += n.bytes();
+        }
+        live += n.extra;
+        peak = peak.max(live + n.fwd_scratch);
+    }
+    peak
+}
+
+/// Highest bytes of a no-grad forward (each buffer freed after its last reader), above what
+/// existed before, with the outputs in `keep` never freed.
+pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
+    let n = g.nodes.len();
+    let mut last = vec![0usize; n];
+    for (k, node) in g.nodes.iter().enumerate() {
+        last[k] = last[k].max(k);
+        for &i in &node.inputs {
+            let s = g.storage(i);
+            last[s] = last[s].max(k);
+        }
+    }
+    let mut frees: Vec<Vec<Nid>> = vec![Vec::new(); n];
+    for (k, node) in g.nodes.iter().enumerate() {
+        if node.alloc && !keep.contains(&k) {
+            frees[last[k]].push(k);
+        }
+    }
+    let (mut live, mut peak) = (0u64, 0u64);
+    for (k, node) in g.nodes.iter().enumerate() {
+        if node.alloc {
+            live += node.bytes();
+        }
+        peak = peak.max(live + node.fwd_scratch);
+        for &f in &frees[k] {
+            live -= g.nodes[f].bytes();
+        }
+    }
+    peak
+}
+
+/// What a replay of candle's backward gives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backward {
+    /// Highest bytes held by the gradient store and backward temporaries at any moment.
+    pub peak: u64,
+    /// Bytes left in the gradient store when `backward` returns.
+    pub store: u64,
+    /// Of `store`: gradients of owned variables (block-input leaves).
+    pub leaf_grads: u64,
+    /// Of `store`: gradients of model weights.
+    pub weight_grads: u64,
+}
+
+/// A tensor handle during the replay: a forward node (alive anyway, tracked or not) or a
+/// temporary made by the backward formulas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Val {
+    Fwd(Nid),
+    /// A wrapper object of the heap and whether it tracks (has a backprop op).
+    Tmp(usize, bool),
+}
+
+/// Reference-counted model of candle tensors made during backward. A tensor is a wrapper (the
+/// `Tensor_`: its op holds its inputs when it tracks) around a storage (the bytes). Detaching
+/// makes a new wrapper on the same storage; views too.
+struct Heap {
+    bytes: Vec<u64>,
+    refs: Vec<u32>,
+    holds: Vec<Vec<usize>>,
+    live: u64,
+    peak: u64,
+}
+
+impl Heap {
+    fn obj(&mut self, bytes: u64, holds: Vec<usize>) -> usize {
+        for &h in &holds {
+            self.refs[h] += 1;
+        }
+        self.bytes.push(bytes);
+        self.refs.push(1);
+        self.holds.push(holds);
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+        self.bytes.len() - 1
+    }
+
+    fn dec(&mut self, id: usize) {
+        let mut stack = vec![id];
+        while let Some(i) = stack.pop() {
+            self.refs[i] -= 1;
+            if self.refs[i] == 0 {
+                self.live -= self.bytes[i];
+                stack.extend(std::mem::take(&mut self.holds[i]));
+            }
+        }
+    }
+
+    /// A fresh tensor of `bytes` computed from `inputs`; it tracks when any input tracks, and
+    /// then its op holds the temporaries among its inputs.
+    fn make(&mut self, g: &Graph, bytes: u64, inputs: &[Val]) -> Val {
+        let tracks = inputs.iter().any(|v| match v {
+            Val::Fwd(n) => g.nodes[*n].tracks,
+            Val::Tmp(_, t) => *t,
+        });
+        let storage = self.obj(bytes, vec![]);
+        let mut holds = vec![storage];
+        if tracks {
+            holds.extend(inputs.iter().filter_map(|v| match v {
+                Val::Tmp(w, _) => Some(*w),
+                Val::Fwd(_) => None,
+            }));
+        }
+        let w = self.obj(0, holds);
+        self.dec(storage);
+        Val::Tmp(w, tracks)
+    }
+
+    /// A view (or detached copy when `detach`) of `x`: a new wrapper on the same storage.
+    fn view(&mut self, g: &Graph, x: Val, detach: bool) -> Val {
+        match x {
+            Val::Fwd(n) => Val::Fwd(n),
+            Val::Tmp(w, t) => {
+                let storage = self.holds[w][0];
+                let mut holds = vec![storage];
+                let tracks = t && !detach;
+                if tracks {
+                    holds.push(w);
+                }
+                let _ = g;
+                Val::Tmp(self.obj(0, holds), tracks)
+            }
+        }
+    }
+
+    fn drop_val(&mut self, v: Val) {
+        if let Val::Tmp(w, _) = v {
+            self.dec(w);
+        }
+    }
+}
+
+/// Replays `root.backward()` (candle-core 0.11 `src/backprop.rs`): nodes in reverse DFS
+/// post-order from the root (lhs before rhs); each removes its gradient from the store, detaches
+/// it, and adds its inputs' contributions through `or_insert` (zeros) and `add`. Results computed
+/// from tracked forward tensors track too, so a stored gradient sum holds the temporaries it was
+/// made from until the store drops it: the heap below counts those references.
+pub fn backward(g: &Graph, root: Nid) -> Backward {
+    let n = g.nodes.len();
+    let mut seen: Vec<Option<bool>> = vec![None; n];
+    let mut order: Vec<Nid> = Vec::new();
+    fn walk(g: &Graph, x: Nid, seen: &mut Vec<Option<bool>>, order: &mut Vec<Nid>) -> bool {
+        if let Some(t) = seen[x] {
+            return t;
+        }
+        let node = &g.nodes[x];
+        let mut track = node.kind == Kind::Var;
+        if node.kind != Kind::Var && node.kind != Kind::Const && node.tracks {
+            for &i in &node.inputs {
+                track |= walk(g, i, seen, order);
+            }
+        }
+        seen[x] = Some(track);
+        if track {
+            order.push(x);
+        }
+        track
+    }
+    walk(g, root, &mut seen, &mut order);
+    order.reverse();
+
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    let mut h = Heap {
+        bytes: Vec::new(),
+        refs: Vec::new(),
+        holds: Vec::new(),
+        live: 0,
+        peak: 0,
+    };
+    let mut store: Vec<Option<Val>> = vec![None; n];
+    // `grads.insert(self, self.ones_like()?.contiguous()?)`
+    store[root] = Some(h.make(g, bytes(root), &[]));
+
+    // `let s = grads.or_insert(t)?; *s = s.add(&partial)?` (or `sub`).
+    fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
+        let b = g.nodes[t].bytes();
+        let old = match store[t] {
+            Some(v) => v,
+            None => h.make(g, b, &[]),
+        };
+        let new = h.make(g, b, &[old, partial]);
+        h.drop_val(old);
+        store[t] = Some(new);
+    }
+
+    for &x in &order {
+        let node = &g.nodes[x];
+        if node.kind == Kind::Var {
+            continue;
+        }
+        let Some(orig) = store[x].take() else {
+            continue;
+        };
+        let grad = h.view(g, orig, true);
+        let ins = node.inputs.clone();
+        let nb = bytes(x);
+        let me = Val::Fwd(x);
+        let mut locals: Vec<Val> = Vec::new();
+        match node.kind {
+            Kind::Add | Kind::Sub => {
+                for &i in &ins {
+                    acc(&mut h, g, &mut store, i, grad);
+                }
+            }
+            Kind::Mul => {
+                let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
+                acc(&mut h, g, &mut store, ins[0], lg);
+                let rg = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
+                acc(&mut h, g, &mut store, ins[1], rg);
+                locals.extend([lg, rg]);
+            }
+            Kind::Div => {
+                let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
+                acc(&mut h, g, &mut store, ins[0], lg);
+                let t1 = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
+                let t2 = h.make(g, nb, &[Val::Fwd(ins[1])]);
+                let rg = h.make(g, nb, &[t1, t2]);
+                h.drop_val(t1);
+                h.drop_val(t2);
+                acc(&mut h, g, &mut store, ins[1], rg);
+                locals.extend([lg, rg]);
+            }
+            Kind::Matmul => {
+                let (l, r) = (ins[0], ins[1]);
+                let lg = h.make(g, bytes(l), &[grad, Val::Fwd(r)]);
+                acc(&mut h, g, &mut store, l, lg);
+                let rg = h.make(g, bytes(r), &[Val::Fwd(l), grad]);
+                acc(&mut h, g, &mut store, r, rg);
+                locals.extend([lg, rg]);
+            }
+            Kind::Broadcast => {
+                let a = ins[0];
+                let s = h.make(g, bytes(a), &[grad]);
+                let bv = h.view(g, s, false);
+                acc(&mut h, g, &mut store, a, bv);
+                locals.extend([s, bv]);
+            }
+            Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
+                let v = h.view(g, grad, false);
+                acc(&mut h, g, &mut store, ins[0], v);
+                locals.push(v);
+            }
+            Kind::ToDtype => {
+                let a = ins[0];
+                let old = match store[a] {
+                    Some(v) => v,
+                    None => h.make(g, bytes(a), &[]),
+                };
+                let conv = h.make(g, bytes(a), &[grad]);
+                let new = h.make(g, bytes(a), &[old, conv]);
+                h.drop_val(old);
+                store[a] = Some(new);
+                locals.push(conv);
+            }
+            Kind::Affine => {
+                let ag = h.make(g, bytes(ins[0]), &[grad]);
+                acc(&mut h, g, &mut store, ins[0], ag);
+                locals.push(ag);
+            }
+            Kind::Exp => {
+                let old = match store[ins[0]] {
+                    Some(v) => v,
+                    None => h.make(g, bytes(ins[0]), &[]),
+                };
+                let p = h.make(g, nb, &[grad, me]);
+                let new = h.make(g, nb, &[old, p]);
+                h.drop_val(old);
+                h.drop_val(p);
+                store[ins[0]] = Some(new);
+            }
+            Kind::Sqr => {
+                let a = bytes(ins[0]);
+                let t1 = h.make(g, a, &[Val::Fwd(ins[0]), grad]);
+                let ag = h.make(g, a, &[t1]);
+                h.drop_val(t1);
+                acc(&mut h, g, &mut store, ins[0], ag);
+                locals.push(ag);
+            }
+            Kind::Powf => {
+                let a = bytes(ins[0]);
+                let t1 = h.make(g, a, &[Val::Fwd(ins[0])]);
+                let t2 = h.make(g, a, &[grad, t1]);
+                let ag = h.make(g, a, &[t2]);
+                h.drop_val(t1);
+                h.drop_val(t2);
+                acc(&mut h, g, &mut store, ins[0], ag);
+                locals.push(ag);
+            }
+            Kind::Silu => {
+                let a = bytes(ins[0]);
+                let arg = Val::Fwd(ins[0]);
+                let old = match store[ins[0]] {
+                    Some(v) => v,
+                    None => h.make(g, a, &[]),
+                };
+                let t1 = h.make(g, a, &[arg]);
+                let t2 = h.make(g, a, &[t1]);
+                let t3 = h.make(g, a, &[t2]);
+                h.drop_val(t2);
+                let sig = h.make(g, a, &[t3]);
+                h.drop_val(t1);
+                h.drop_val(t3);
+                let u1 = h.make(g, a, &[me]);
+                let u2 = h.make(g, a, &[sig, u1]);
+                h.drop_val(u1);
+                let u3 = h.make(g, a, &[u2, me]);
+                h.drop_val(u2);
+                let p = h.make(g, a, &[grad, u3]);
+                h.drop_val(u3);
+                let new = h.make(g, a, &[old, p]);
+                h.drop_val(old);
+                h.drop_val(p);
+                store[ins[0]] = Some(new);
+                locals.push(sig);
+            }
+            Kind::Gelu => {
+                let a = bytes(ins[0]);
+                let arg = Val::Fwd(ins[0]);
+                let old = match store[ins[0]] {
+                    Some(v) => v,
+                    None => h.make(g, a, &[]),
+                };
+                let cube = h.make(g, a, &[arg]);
+                let t1 = h.make(g, a, &[cube]);
+                let t2 = h.make(g, a, &[arg]);
+                let t3 = h.make(g, a, &[t1, t2]);
+                h.drop_val(t1);
+                h.drop_val(t2);
+                let tanh = h.make(g, a, &[t3]);
+                h.drop_val(t3);
+                let u1 = h.make(g, a, &[tanh]);
+                let u2 = h.make(g, a, &[cube]);
+                h.drop_val(cube);
+                let u3 = h.make(g, a, &[arg]);
+                let u4 = h.make(g, a, &[u2, u3]);
+                h.drop_val(u2);
+                h.drop_val(u3);
+                let u5 = h.make(g, a, &[tanh]);
+                let u6 = h.make(g, a, &[u5]);
+                h.drop_val(u5);
+                let u7 = h.make(g, a, &[u4, u6]);
+                h.drop_val(u4);
+                h.drop_val(u6);
+                let u8 = h.make(g, a, &[u1, u7]);
+                h.drop_val(u1);
+                h.drop_val(u7);
+                let gg = h.make(g, a, &[u8]);
+                h.drop_val(u8);
+                let p = h.make(g, a, &[grad, gg]);
+                h.drop_val(gg);
+                let new = h.make(g, a, &[old, p]);
+                h.drop_val(old);
+                h.drop_val(p);
+                store[ins[0]] = Some(new);
+                locals.push(tanh);
+            }
+            Kind::Narrow {
+                pad_before,
+                pad_after,
+            } => {
+                let a = ins[0];
+                let es = g.nodes[x].dtype.size();
+                if pad_before + pad_after > 0 {
+                    let mut parts = vec![grad];
+                    let mut pads = Vec::new();
+                    for p in [pad_before, pad_after] {
+                        if p > 0 {
+                            let z = h.make(g, p * es, &[]);
+                            pads.push(z);
+                            parts.push(z);
+                        }
+                    }
+                    let cat = h.make(g, bytes(a), &parts);
+                    for z in pads {
+                        h.drop_val(z);
+                    }
+                    acc(&mut h, g, &mut store, a, cat);
+                    locals.push(cat);
+                } else {
+                    let v = h.view(g, grad, false);
+                    acc(&mut h, g, &mut store, a, v);
+                    locals.push(v);
+                }
+            }
+            Kind::IndexSelect => {
+                let a = ins[0];
+                let old = match store[a] {
+                    Some(v) => v,
+                    None => h.make(g, bytes(a), &[]),
+                };
+                let new = h.make(g, bytes(a), &[old, grad]);
+                h.drop_val(old);
+                store[a] = Some(new);
+            }
+            Kind::Attention { bwd_scratch } => {
+                let q = bytes(ins[0]);
+                let s = h.make(g, bwd_scratch, &[]);
+                h.drop_val(s);
+                // dq, dk, dv come back detached (fresh tensors).
+                for &i in &ins {
+                    let d = h.make(g, q, &[]);
+                    locals.push(d);
+                    acc(&mut h, g, &mut store, i, d);
+                }
+            }
+            Kind::Var | Kind::Const => {}
+        }
+        for v in locals {
+            h.drop_val(v);
+        }
+        h.drop_val(grad);
+        h.drop_val(orig);
+    }
+
+    let mut out = Backward {
+        peak: h.peak,
+        store: h.live,
+        ..Backward::default()
+    };
+    for (t, v) in store.iter().enumerate() {
+        if v.is_some() && g.nodes[t].kind == Kind::Var {
+            if g.nodes[t].alloc {
+                out.leaf_grads += bytes(t);
+            } else {
+                out.weight_grads += bytes(t);
+            }
+        }
+    }
+    out
+}
+
+/// Shapes and dtypes one block of the engine works with.
+#[derive(Debug, Clone)]
+pub struct BlockShape {
+    pub b: u64,
+    pub s: u64,
+    pub d: u64,
+    pub heads: u64,
+    pub mlp: u64,
+    pub precision: Precision,
+    pub attention: AttentionMode,
+    pub attention_only: bool,
+    pub lora: Option<(u64, Vec<LoraTarget>)>,
+    pub attn_dropout: bool,
+    pub mlp_dropout: bool,
+}
+
+impl BlockShape {
+    fn cd(&self) -> Dtype {
+        self.precision.compute_dtype()
+    }
+    fn ad(&self) -> Dtype {
+        self.precision.accum_dtype()
+    }
+    fn e(&self) -> u64 {
+        self.b * self.s * self.d
+    }
+    fn lora_for(&self, t: LoraTarget) -> Option<u64> {
+        self.lora
+            .as_ref()
+            .filter(|(_, ts)| ts.contains(&t))
+            .map(|(r, _)| *r)
+    }
+    /// Dtype weights are stored in (trained masters, or a frozen LoRA base in the compute dtype).
+    fn weight_dtype(&self) -> Dtype {
+        if self.lora.is_some() {
+            self.cd()
+        } else {
+            self.precision.param_dtype()
+        }
+    }
+}
+
+/// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA.
+pub fn linear(
+    g: &mut Graph,
+    sh: &BlockShape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+    target: Option<LoraTarget>,
+) -> Nid {
+    let cd = sh.cd();
+    let trained = sh.lora.is_none();
+    let w = g.weight(
+        &format!("{name}.weight"),
+        out * inp,
+        sh.weight_dtype(),
+        trained,
+        cd,
+    );
+    let bias = g.weight(&format!("{name}.bias"), out, sh.weight_dtype(), trained, cd);
+    let wt = g.view(&format!("{name}.weightᵀ"), Kind::Transpose, w, out * inp);
+    let mm = g.op(
+        &format!("{name} matmul"),
+        Kind::Matmul,
+        &[x, wt],
+        rows * out,
+        cd,
+    );
+    let y = g.broadcast_binary(&format!("{name} +bias"), Kind::Add, mm, bias, false);
+    match target.and_then(|t| sh.lora_for(t)) {
+        Some(r) => {
+            let pd = sh.precision.param_dtype();
+            let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
+            let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+            let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
+            let xa = g.op(
+                &format!("{name} x·Aᵀ"),
+                Kind::Matmul,
+                &[x, at],
+                rows * r,
+                cd,
+            );
+            let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
+            let xab = g.op(
+                &format!("{name} ·Bᵀ"),
+                Kind::Matmul,
+                &[xa, bt],
+                rows * out,
+                cd,
+            );
+            g.op(
+                &format!("{name} +lora"),
+                Kind::Add,
+                &[y, xab],
+                rows * out,
+                cd,
+            )
+        }
+        None => y,
+    }
+}
+
+/// `layer_norm` of the engine: mean, x − mean, (x − mean)², var, +eps, ^−½, product.
+pub fn layer_norm(g: &mut Graph, name: &str, x: Nid, rows: u64) -> Nid {
+    let ad = g.dtype(x);
+    let mean = g.mean(&format!("{name} mean"), x, rows);
+    let xc = g.broadcast_binary(&format!("{name} x−mean"), Kind::Sub, x, mean, false);
+    let e = g.elems(x);
+    let sq = g.op(&format!("{name} (x−mean)²"), Kind::Sqr, &[xc], e, ad);
+    let var = g.mean(&format!("{name} var"), sq, rows);
+    let ve = g.op(&format!("{name} var+eps"), Kind::Affine, &[var], rows, ad);
+    let rstd = g.op(&format!("{name} ^−½"), Kind::Powf, &[ve], rows, ad);
+    g.broadcast_binary(&format!("{name} out"), Kind::Mul, xc, rstd, false)
+}
+
+/// `modulate`: x·(1 + scale) + shift, scale and shift (b, D) broadcast over tokens.
+pub fn modulate(g: &mut Graph, name: &str, x: Nid, shift: Nid, scale: Nid, bd: u64) -> Nid {
+    let ad = g.dtype(x);
+    let su = g.view(&format!("{name} scale.unsqueeze"), Kind::Reshape, scale, bd);
+    let one = g.op(&format!("{name} 1+scale"), Kind::Affine, &[su], bd, ad);
+    let m = g.broadcast_binary(&format!("{name} ·(1+scale)"), Kind::Mul, x, one, false);
+    let sh = g.view(&format!("{name} shift.unsqueeze"), Kind::Reshape, shift, bd);
+    g.broadcast_binary(&format!("{name} +shift"), Kind::Add, m, sh, false)
+}
+
+/// adaLN: `linear(silu(c)→cd)→ad` chunked into `k` narrow views of (b, D).
+pub fn ada_ln(
+    g: &mut Graph,
+    sh: &BlockShape,
+    name: &str,
+    c: Nid,
+    k: u64,
+    target: Option<LoraTarget>,
+) -> Vec<Nid> {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let bd = sh.b * sh.d;
+    let silu = g.op(&format!("{name} silu(c)"), Kind::Silu, &[c], bd, ad);
+    let sc = g.cast(&format!("{name} silu→{cd}"), silu, cd);
+    let m = linear(g, sh, name, sc, sh.b, k * sh.d, sh.d, target);
+    let m = g.cast(&format!("{name} →{ad}"), m, ad);
+    (0..k)
+        .map(|i| {
+            g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            )
+        })
+        .collect()
+}
+
+/// Bytes of the materialized attention core for one block (its rebuild in backward).
+fn materialized_core(sh: &BlockShape) -> Graph {
+    let mut g = Graph::default();
+    let cd = sh.cd();
+    let e = sh.e();
+    let q = g.var("q", e, cd, true);
+    let k = g.var("k", e, cd, true);
+    let v = g.var("v", e, cd, true);
+    let plain = BlockShape {
+        attention: AttentionMode::Materialized,
+        attention_only: false,
+        ..sh.clone()
+    };
+    attention(&mut g, &plain, q, k, v);
+    g
+}
+
+/// Query rows per chunk of the engine's memory-efficient attention kernel (one at a time).
+pub const ATTN_ROWS: u64 = 1;
+/// Keys per block of the engine's memory-efficient attention kernel.
+pub const ATTN_KEY_BLOCK: u64 = 64;
+
+/// The attention core on q, k, v of shape (b, a, s, dh).
+pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let e = sh.e();
+    let a_el = sh.b * sh.heads * sh.s * sh.s;
+    let rows = sh.b * sh.heads * sh.s;
+    if sh.attention_only && sh.attention == AttentionMode::Materialized {
+        // Forward runs the materialized core untracked, then copies o into the op's output.
+        let core = materialized_core(sh);
+        let fwd = untracked_peak(&core, &[]);
+        let o = g.op(
+            "attn core (recomputed in backward)",
+            Kind::Attention { bwd_scratch: 0 },
+            &[q, k, v],
+            e,
+            cd,
+        );
+        g.nodes[o].fwd_scratch = fwd;
+        // Backward rebuilds the core as a tracked graph and backprops through it.
+        let (act, _) = owned_bytes(&core);
+        let last = core.nodes.len() - 1;
+        let bwd = backward(&core, last);
+        g.nodes[o].inputs = vec![q, k, v];
+        if let Kind::Attention { bwd_scratch } = &mut g.nodes[o].kind {
+            *bwd_scratch = act + bwd.peak;
+        }
+        return o;
+    }
+    if sh.attention == AttentionMode::MemoryEfficient {
+        let acc = if sh.precision == Precision::Fp64 {
+            Dtype::F64
+        } else {
+            Dtype::F32
+        };
+        let dh = sh.d / sh.heads;
+        // Per (batch, head): f32 copies of k and v; backward adds dk, dv accumulators.
+        let per_head = sh.s * dh * acc.size();
+        let o = g.op(
+            "attn core (memory-efficient)",
+            Kind::Attention {
+                bwd_scratch: 4 * per_head,
+            },
+            &[q, k, v],
+            e,
+            cd,
+        );
+        g.nodes[o].extra = rows * acc.size();
+        g.nodes[o].fwd_scratch = 2 * per_head;
+        return o;
+    }
+    let kt = g.view("kᵀ", Kind::Transpose, k, e);
+    let scores = g.op("scores q·kᵀ", Kind::Matmul, &[q, kt], a_el, cd);
+    let s32 = g.cast(&format!("scores→{ad}"), scores, ad);
+    // The row max is detached: a constant the subtraction keeps alive.
+    let max = g.constant("softmax row max (detached)", rows, ad, true);
+    let sub = g.broadcast_binary("softmax x−max", Kind::Sub, s32, max, false);
+    let exp = g.op("softmax exp", Kind::Exp, &[sub], a_el, ad);
+    let sum = g.op("softmax row sum", Kind::Sum, &[exp], rows, ad);
+    let p = g.broadcast_binary("softmax P", Kind::Div, exp, sum, false);
+    let mut pc = g.cast(&format!("P→{cd}"), p, cd);
+    if sh.attn_dropout {
+        let mask = g.constant("attn dropout mask", a_el, cd, true);
+        pc = g.op("P·mask", Kind::Mul, &[pc, mask], a_el, cd);
+    }
+    g.op("P·v", Kind::Matmul, &[pc, v], e, cd)
+}
+
+/// One DiT block as `block_forward` builds it, on a leaf copy of its input.
+/// Returns the graph and (input leaf, c, output).
+pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (e, d) = (sh.e(), sh.d);
+    let rows = sh.b * sh.s;
+    let bd = sh.b * d;
+    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let c = g.var("c (shared leaf)", bd, ad, false);
+    let m = ada_ln(
+        &mut g,
+        sh,
+        "adaLN_modulation.1",
+        c,
+        6,
+        Some(LoraTarget::Adaln),
+    );
+
+    let n1 = layer_norm(&mut g, "norm1", x, rows);
+    let h = modulate(&mut g, "modulate1", n1, m[0], m[1], bd);
+    let h = g.cast(&format!("modulate1→{cd}"), h, cd);
+    let h2d = g.view("h.reshape(b·s, D)", Kind::Reshape, h, e);
+    let qkv = linear(
+        &mut g,
+        sh,
+        "attn.qkv",
+        h2d,
+        rows,
+        3 * d,
+        d,
+        Some(LoraTarget::Qkv),
+    );
+    let q5 = g.view("qkv.reshape(b,s,3,a,dh)", Kind::Reshape, qkv, 3 * e);
+    let mut views = Vec::new();
+    for (i, nm) in ["q", "k", "v"].iter().enumerate() {
+        let i = i as u64;
+        let nv = g.view(
+            &format!("{nm} narrow"),
+            Kind::Narrow {
+                pad_before: i * e,
+                pad_after: (2 - i) * e,
+            },
+            q5,
+            e,
+        );
+        let sq = g.view(&format!("{nm} squeeze"), Kind::Reshape, nv, e);
+        views.push(g.view(&format!("{nm} transpose"), Kind::Transpose, sq, e));
+    }
+    let q = g.op("q·(1/√dh)", Kind::Affine, &[views[0]], e, cd);
+    let k = g.op("k contiguous", Kind::Copy, &[views[1]], e, cd);
+    let v = g.op("v contiguous", Kind::Copy, &[views[2]], e, cd);
+    let o = attention(&mut g, sh, q, k, v);
+    let ot = g.view("oᵀ", Kind::Transpose, o, e);
+    let o2 = g.op("o reshape (copy)", Kind::Reshape, &[ot], e, cd);
+    let p = linear(
+        &mut g,
+        sh,
+        "attn.proj",
+        o2,
+        rows,
+        d,
+        d,
+        Some(LoraTarget::Proj),
+    );
+    let p = g.cast(&format!("proj→{ad}"), p, ad);
+    let p = g.view("proj.reshape(b,s,D)", Kind::Reshape, p, e);
+    let gu = g.view("gate_msa.unsqueeze", Kind::Reshape, m[2], bd);
+    let gp = g.broadcast_binary("proj·gate_msa", Kind::Mul, p, gu, false);
+    let x1 = g.op("x + attn", Kind::Add, &[x, gp], e, ad);
+
+    let n2 = layer_norm(&mut g, "norm2", x1, rows);
+    let h2 = modulate(&mut g, "modulate2", n2, m[3], m[4], bd);
+    let h2 = g.cast(&format!("modulate2→{cd}"), h2, cd);
+    let h2 = g.view("h2.reshape(b·s, D)", Kind::Reshape, h2, e);
+    let f1 = linear(
+        &mut g,
+        sh,
+        "mlp.fc1",
+        h2,
+        rows,
+        sh.mlp,
+        d,
+        Some(LoraTarget::Fc1),
+    );
+    let mut act = g.op("gelu(tanh)", Kind::Gelu, &[f1], rows * sh.mlp, cd);
+    if sh.mlp_dropout {
+        let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);
+        act = g.op("gelu·mask", Kind::Mul, &[act, mask], rows * sh.mlp, cd);
+    }
+    let f2 = linear(
+        &mut g,
+        sh,
+        "mlp.fc2",
+        act,
+        rows,
+        d,
+        sh.mlp,
+        Some(LoraTarget::Fc2),
+    );
+    let f2 = g.cast(&format!("fc2→{ad}"), f2, ad);
+    let f2 = g.view("fc2.reshape(b,s,D)", Kind::Reshape, f2, e);
+    let gu = g.view("gate_mlp.unsqueeze", Kind::Reshape, m[5], bd);
+    let gm = g.broadcast_binary("fc2·gate_mlp", Kind::Mul, f2, gu, false);
+    let out = g.op("x + mlp", Kind::Add, &[x1, gm], e, ad);
+    (g, x, c, out)
+}
+
+/// The engine's surrogate root `sum(out · grad_out)` appended to a graph: returns the root.
+pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
+    let (e, dt) = (g.elems(out), g.dtype(out));
+    let go = g.constant("grad_out", e, dt, false);
+    let m = g.op("out·grad_out", Kind::Mul, &[out, go], e, dt);
+    g.op("sum", Kind::Sum, &[m], 1, dt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(p: Precision) -> BlockShape {
+        BlockShape {
+            b: 2,
+            s: 16,
+            d: 32,
+            heads: 4,
+            mlp: 128,
+            precision: p,
+            attention: AttentionMode::Materialized,
+            attention_only: false,
+            lora: None,
+            attn_dropout: false,
+            mlp_dropout: false,
+        }
+    }
+
+    #[test]
+    fn add_of_two_leaves_keeps_their_grads() {
+        let mut g = Graph::default();
+        let a = g.var("a", 10, Dtype::F32, true);
+        let b = g.var("b", 10, Dtype::F32, true);
+        let s = g.op("a+b", Kind::Add, &[a, b], 10, Dtype::F32);
+        let r = g.op("sum", Kind::Sum, &[s], 1, Dtype::F32);
+        let bw = backward(&g, r);
+        assert_eq!(bw.leaf_grads, 80);
+        // ones(4) + zeros(40) + sum(40) at the worst moment of the sum's backward, then the
+        // add's own gradient (40) with two zero+sum pairs.
+        assert_eq!(bw.store, 80);
+        assert!(bw.peak >= 40 + 80);
+    }
+
+    #[test]
+    fn untracked_inputs_leave_gradients_in_the_store() {
+        let mut g = Graph::default();
+        let a = g.var("a", 10, Dtype::F32, true);
+        let k = g.constant("k", 10, Dtype::F32, false);
+        let m = g.op("a·k", Kind::Mul, &[a, k], 10, Dtype::F32);
+        let r = g.op("sum", Kind::Sum, &[m], 1, Dtype::F32);
+        let bw = backward(&g, r);
+        // k's gradient enters the store and stays, and since it is computed from the tracked `a`
+        // it holds its history: zeros, the product grad·a and the (detached) upstream gradient.
+        // With a's own gradient that is five 40-byte tensors.
+        assert_eq!(bw.store, 200);
+        assert_eq!(bw.leaf_grads, 40);
+    }
+
+    #[test]
+    fn block_keeps_more_in_materialized_mode() {
+        let mut sh = shape(Precision::Fp32);
+        let (g, ..) = block(&sh);
+        let mat = owned_bytes(&g).0;
+        sh.attention = AttentionMode::MemoryEfficient;
+        let (g2, ..) = block(&sh);
+        let eff = owned_bytes(&g2).0;
+        assert!(mat > eff);
+        let a = 2 * 4 * 16 * 16 * 4;
+        // scores, exp(x−max) input, exp, P (f32): four A-sized tensors.
+        assert!(mat - eff >= 4 * a);
+    }
+
+    #[test]
+    fn mixed_precision_keeps_weight_casts() {
+        let (g, ..) = block(&shape(Precision::Bf16Mixed));
+        let (_, casts) = owned_bytes(&g);
+        let d = 32u64;
+        let weights = 3 * d * d + 3 * d + d * d + d + 2 * 4 * d * d + 4 * d + d + 6 * d * d + 6 * d;
+        assert_eq!(casts, 2 * weights);
+    }
+}

@@ -1,0 +1,274 @@
+//! Rules of the `pytorch` runtime: what one DiT block saves for backward (dit-facts §4, checked
+//! against PyTorch 2.15 with saved-tensor hooks, `bench/torch_peer/saved.py`), checkpointing,
+//! the foreach optimizer and the CUDA allocator's rounding.
+
+use ditmem_budget::runtime::Dims;
+use ditmem_budget::runtime_pytorch::{
+    costs, optimizer_scratch, PyTorch, SdpaBackend, TorchDevice, SAVED,
+};
+use ditmem_budget::timeline::simulate_step;
+use ditmem_budget::{
+    estimate, AttentionMode, ModelSpec, Optimizer, Precision, Recompute, Runtime, Spec,
+};
+
+fn spec(precision: Precision, attention: AttentionMode, device: TorchDevice) -> Spec {
+    let mut s = Spec::default_xl();
+    s.model = ModelSpec::preset("dit-s-2").unwrap();
+    s.model.depth = 4;
+    s.workload.height = 128;
+    s.workload.width = 128;
+    s.workload.batch = 4;
+    s.workload.microbatch = 4;
+    s.recipe.precision = precision;
+    s.recipe.attention = attention;
+    s.runtime = Runtime::Pytorch {
+        device,
+        sdpa: SdpaBackend::Auto,
+    };
+    s
+}
+
+/// (E elements, A elements, S rows, log-sum-exp bytes) of the spec.
+fn sizes(s: &Spec) -> (u64, u64, u64, u64) {
+    let d = Dims::new(s);
+    (d.e(), d.a(), d.rows(), d.b * d.heads * d.s * 4)
+}
+
+/// Bytes one stored block keeps: its saved activations plus its input x (saved by norm1),
+/// weight copies excluded.
+fn block_saved(s: &Spec) -> u64 {
+    let c = costs(s);
+    let d = Dims::new(s);
+    c.block.kept.activations + d.e() * s.recipe.precision.accum_dtype().size()
+}
+
+/// Saved bytes of the conditioning path, O(b·D): SiLU(c) (its autocast copy under autocast:
+/// the fp32 SiLU output itself is not saved), 1+scale ×2, the gate chunks' storage (the adaLN
+/// output, 6·b·D).
+fn cond_saved(s: &Spec) -> u64 {
+    let d = Dims::new(s);
+    let low = s.recipe.precision.compute_dtype().size();
+    let f = s.recipe.precision.accum_dtype().size();
+    let silu = if s.recipe.precision.is_mixed() {
+        d.b * d.d * low
+    } else {
+        d.b * d.d * f
+    };
+    silu + 2 * d.b * d.d * low + 6 * d.b * d.d * low
+}
+
+#[test]
+fn fp32_flash_block_is_80e_plus_lse_plus_16s() {
+    let s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    let (e, _, rows, lse) = sizes(&s);
+    assert_eq!(block_saved(&s), 80 * e + lse + 16 * rows + cond_saved(&s));
+}
+
+#[test]
+fn amp_flash_block_is_48e_plus_lse_plus_16s() {
+    for dev in [TorchDevice::Cpu, TorchDevice::Cuda] {
+        let s = spec(Precision::Bf16Mixed, AttentionMode::MemoryEfficient, dev);
+        let (e, _, rows, lse) = sizes(&s);
+        assert_eq!(
+            block_saved(&s),
+            48 * e + lse + 16 * rows + cond_saved(&s),
+            "{dev:?}"
+        );
+    }
+}
+
+#[test]
+fn amp_math_block_is_48e_6a_on_cuda_and_2a_on_cpu() {
+    // timm's explicit path: the bmm operands are reshape copies (q·scale, kᵀ, v), so the fused
+    // qkv output is not kept; CUDA autocast runs softmax in fp32 (P 4A) and P@v saves a bf16
+    // copy (2A); the CPU autocast list has no softmax, so P stays bf16 (2A).
+    let s = spec(
+        Precision::Bf16Mixed,
+        AttentionMode::Materialized,
+        TorchDevice::Cuda,
+    );
+    let (e, a, rows, _) = sizes(&s);
+    assert_eq!(block_saved(&s), 48 * e + 6 * a + 16 * rows + cond_saved(&s));
+    let s = spec(
+        Precision::Bf16Mixed,
+        AttentionMode::Materialized,
+        TorchDevice::Cpu,
+    );
+    assert_eq!(block_saved(&s), 48 * e + 2 * a + 16 * rows + cond_saved(&s));
+}
+
+#[test]
+fn fp32_math_block_is_80e_plus_4a() {
+    let s = spec(
+        Precision::Fp32,
+        AttentionMode::Materialized,
+        TorchDevice::Cpu,
+    );
+    let (e, a, rows, _) = sizes(&s);
+    assert_eq!(block_saved(&s), 80 * e + 4 * a + 16 * rows + cond_saved(&s));
+}
+
+#[test]
+fn autocast_weight_copies_are_two_bytes_per_block_weight() {
+    let s = spec(
+        Precision::Bf16Mixed,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    let d = u64::from(s.model.hidden);
+    let c = costs(&s);
+    // Saved bf16 weights: adaLN 6D², qkv 3D², proj D², fc1 4D², fc2 4D²; the biases only sit in
+    // the autocast cache.
+    assert_eq!(c.block.kept.weight_casts, 2 * 18 * d * d);
+    assert_eq!(c.block.cache_only, 2 * 15 * d);
+    assert_eq!(c.block.ckpt_cache, 2 * (18 * d * d + 15 * d));
+    let s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    assert_eq!(costs(&s).block.kept.weight_casts, 0);
+}
+
+#[test]
+fn checkpointed_blocks_keep_only_their_input() {
+    let mut s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    s.recipe.recompute = Recompute::All;
+    let tl = simulate_step(&s);
+    let (e, _, _, _) = sizes(&s);
+    let emb = tl.events.iter().find(|ev| ev.label == "embed").unwrap();
+    let last = tl.events.iter().find(|ev| ev.label == "block 3").unwrap();
+    assert_eq!(
+        last.live.activations - emb.live.activations,
+        4 * e * 4,
+        "four block outputs (x) in fp32"
+    );
+}
+
+#[test]
+fn foreach_adamw_scratch_is_one_state_copy_of_all_parameters() {
+    assert_eq!(
+        optimizer_scratch(1000, Precision::Fp32, Optimizer::AdamW),
+        4000
+    );
+    assert_eq!(
+        optimizer_scratch(1000, Precision::Bf16Mixed, Optimizer::AdamW),
+        4000
+    );
+    assert_eq!(optimizer_scratch(1000, Precision::Fp32, Optimizer::Sgd), 0);
+    let s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    let b = estimate(&s).unwrap();
+    let opt = b
+        .timeline
+        .events
+        .iter()
+        .find(|e| e.label == "adamw (inside)")
+        .unwrap();
+    assert_eq!(opt.live.workspace, b.params.trained * 4);
+    assert_eq!(opt.live.gradients, b.static_bytes.gradients);
+}
+
+#[test]
+fn gradients_of_all_segments_add_up_to_the_parameter_gradients() {
+    for p in [Precision::Fp32, Precision::Bf16Mixed] {
+        let s = spec(p, AttentionMode::MemoryEfficient, TorchDevice::Cpu);
+        let c = costs(&s);
+        let depth = u64::from(s.model.depth);
+        let b = estimate(&s).unwrap();
+        assert_eq!(
+            c.embed.param_grads + depth * c.block.param_grads + c.final_layer.param_grads,
+            b.static_bytes.gradients
+        );
+    }
+}
+
+#[test]
+fn step_returns_to_resident_bytes() {
+    for p in [Precision::Fp32, Precision::Bf16Mixed] {
+        for rc in [Recompute::None, Recompute::All, Recompute::EveryK(2)] {
+            let mut s = spec(p, AttentionMode::Materialized, TorchDevice::Cpu);
+            s.recipe.recompute = rc;
+            let tl = simulate_step(&s);
+            let first = tl.events.first().unwrap().total();
+            let last = tl.events.last().unwrap().total();
+            assert_eq!(first, last);
+            let emb = tl.events.iter().rfind(|e| e.label == "embed").unwrap();
+            assert_eq!(emb.live.activations, 0);
+            assert_eq!(emb.live.weight_casts, 0);
+            assert_eq!(emb.live.workspace, 0);
+        }
+    }
+}
+
+#[test]
+fn runtime_strings_round_trip() {
+    for text in [
+        "pytorch:cpu",
+        "pytorch:cuda",
+        "pytorch:cuda:sdpa-math",
+        "ditmem-cpu",
+    ] {
+        let r: Runtime = text.parse().unwrap();
+        assert_eq!(r.to_string(), text);
+    }
+    assert_eq!(
+        "pytorch".parse::<Runtime>().unwrap(),
+        Runtime::Pytorch {
+            device: TorchDevice::Cpu,
+            sdpa: SdpaBackend::Auto
+        }
+    );
+    let err = "pytorch:tpu".parse::<Runtime>().unwrap_err().to_string();
+    assert!(err.contains("runtime"), "{err}");
+    assert!("torch".parse::<Runtime>().is_err());
+    let mut s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cuda,
+    );
+    s.runtime = "pytorch:cuda:sdpa-efficient".parse().unwrap();
+    let json = serde_json::to_string(&s).unwrap();
+    assert!(json.contains("\"runtime\":\"pytorch:cuda:sdpa-efficient\""));
+    assert_eq!(Spec::from_json(&json).unwrap(), s);
+}
+
+#[test]
+fn cuda_allocator_rounding() {
+    assert_eq!(PyTorch::cuda_block(1), 512);
+    assert_eq!(PyTorch::cuda_block(513), 1024);
+    assert_eq!(PyTorch::cuda_segment(1000), 2 << 20);
+    assert_eq!(PyTorch::cuda_segment(5 << 20), 20 << 20);
+    assert_eq!(PyTorch::cuda_segment((11 << 20) + 1), 12 << 20);
+}
+
+#[test]
+fn saved_marker_names_what_backward_reads() {
+    let s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
+    let g = rt.block(&Dims::new(&s));
+    let saved: Vec<&str> = g
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with(SAVED))
+        .map(|t| t.name.as_str())
+        .collect();
+    assert!(saved.iter().any(|n| n.starts_with("sdpa out")));
+    assert!(saved.iter().any(|n| n.starts_with("mlp.fc1")));
+    assert!(!saved.iter().any(|n| n.starts_with("x + attn")) || saved.len() > 5);
+}
