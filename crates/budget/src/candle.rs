@@ -88,7 +88,25 @@ impl Node {
     pub fn bytes(&self) -> u64 {
         self.elems * self.dtype.size()
     }
+
+    /// Heap bytes the node takes while alive: its buffer and candle's bookkeeping (a fresh
+    /// tensor is a `Tensor_` and a storage; a view only a `Tensor_`). Nodes owned outside the
+    /// graph (weights, the shared conditioning leaf, inputs) take nothing here.
+    pub fn footprint(&self) -> u64 {
+        match self.kind {
+            Kind::Var | Kind::Const if !self.alloc => 0,
+            _ if self.alloc => self.bytes() + TENSOR_META + STORAGE_META,
+            _ => TENSOR_META,
+        }
+    }
 }
+
+/// Heap bytes of a candle `Tensor_` (its `Arc`, layout vectors for a rank-3 shape): measured with
+/// the counting allocator as 192 + 8·rank bytes per tensor (`crates/engine/tests/tensor_meta.rs`).
+pub const TENSOR_META: u64 = 216;
+/// Heap bytes of a candle storage beside its buffer (`Arc<RwLock<Storage>>`): 56 bytes, measured
+/// the same way.
+pub const STORAGE_META: u64 = 56;
 
 /// A graph of candle nodes in creation order.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -277,12 +295,10 @@ pub fn owned_bytes(g: &Graph) -> (u64, u64) {
     let mut act = 0;
     let mut casts = 0;
     for n in &g.nodes {
-        if n.alloc {
-            if n.weight_cast {
-                casts += n.bytes();
-            } else {
-                act += n.bytes();
-            }
+        if n.weight_cast && n.alloc {
+            casts += n.footprint();
+        } else {
+            act += n.footprint();
         }
         act += n.extra;
     }
@@ -294,10 +310,7 @@ pub fn forward_peak(g: &Graph) -> u64 {
     let mut live = 0u64;
     let mut peak = 0u64;
     for n in &g.nodes {
-        if n.alloc {
-            live += n.bytes();
-        }
-        live += n.extra;
+        live += n.footprint() + n.extra;
         peak = peak.max(live + n.fwd_scratch);
     }
     peak
@@ -317,18 +330,16 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
     }
     let mut frees: Vec<Vec<Nid>> = vec![Vec::new(); n];
     for (k, node) in g.nodes.iter().enumerate() {
-        if node.alloc && !keep.contains(&k) {
+        if node.footprint() > 0 && !keep.contains(&k) {
             frees[last[k]].push(k);
         }
     }
     let (mut live, mut peak) = (0u64, 0u64);
     for (k, node) in g.nodes.iter().enumerate() {
-        if node.alloc {
-            live += node.bytes();
-        }
+        live += node.footprint();
         peak = peak.max(live + node.fwd_scratch);
         for &f in &frees[k] {
-            live -= g.nodes[f].bytes();
+            live -= g.nodes[f].footprint();
         }
     }
     peak
@@ -398,7 +409,7 @@ impl Heap {
             Val::Fwd(n) => g.nodes[*n].tracks,
             Val::Tmp(_, t) => *t,
         });
-        let storage = self.obj(bytes, vec![]);
+        let storage = self.obj(bytes + STORAGE_META, vec![]);
         let mut holds = vec![storage];
         if tracks {
             holds.extend(inputs.iter().filter_map(|v| match v {
@@ -406,7 +417,7 @@ impl Heap {
                 Val::Fwd(_) => None,
             }));
         }
-        let w = self.obj(0, holds);
+        let w = self.obj(TENSOR_META, holds);
         self.dec(storage);
         Val::Tmp(w, tracks)
     }
@@ -423,7 +434,7 @@ impl Heap {
                     holds.push(w);
                 }
                 let _ = g;
-                Val::Tmp(self.obj(0, holds), tracks)
+                Val::Tmp(self.obj(TENSOR_META, holds), tracks)
             }
         }
     }
@@ -725,9 +736,9 @@ pub fn backward(g: &Graph, root: Nid) -> Backward {
     for (t, v) in store.iter().enumerate() {
         if v.is_some() && g.nodes[t].kind == Kind::Var {
             if g.nodes[t].alloc {
-                out.leaf_grads += bytes(t);
+                out.leaf_grads += bytes(t) + TENSOR_META + STORAGE_META;
             } else {
-                out.weight_grads += bytes(t);
+                out.weight_grads += bytes(t) + TENSOR_META + STORAGE_META;
             }
         }
     }

@@ -203,12 +203,11 @@ impl BlockShape {
 
 fn seg(g: &Graph, leaf: Option<Nid>, output: Option<Nid>, root: Nid, root_nodes: usize) -> SegSim {
     let (act, casts) = owned_bytes(g);
-    let leaf_b = leaf.map_or(0, |l| g.nodes[l].bytes());
-    let out_b = output.map_or(0, |o| g.nodes[o].bytes());
+    let leaf_b = leaf.map_or(0, |l| g.nodes[l].footprint());
+    let out_b = output.map_or(0, |o| g.nodes[o].footprint());
     let root_b: u64 = g.nodes[g.nodes.len() - root_nodes..]
         .iter()
-        .filter(|n| n.alloc)
-        .map(|n| n.bytes())
+        .map(|n| n.footprint())
         .sum();
     let bw = backward(g, root);
     SegSim {
@@ -248,7 +247,7 @@ pub fn sims(spec: &Spec) -> Sims {
     let (fg, fleaf, froot) = final_graph(&dims);
     // The root (loss·scale) exists only for the backward call.
     let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1);
-    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].bytes();
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
 
     // Embed: its surrogate is x0·gx + c·gc summed.
     let (mut eg, x0, c) = embed_graph(&dims);
@@ -275,7 +274,7 @@ pub fn sims(spec: &Spec) -> Sims {
         embed,
         block,
         final_layer,
-        c_leaf: bd * ad.size(),
+        c_leaf: bd * ad.size() + candle::TENSOR_META + candle::STORAGE_META,
         embed_scratch: scratch,
     }
 }
@@ -315,7 +314,8 @@ pub fn replay(
     let gd = grad_dtype(p).size();
     let sh = shape(&Dims::new(spec));
     let depth = spec.model.depth;
-    let e = sh.e_elems() * ad.size();
+    // One residual-stream tensor with candle's bookkeeping.
+    let e = sh.e_elems() * ad.size() + candle::TENSOR_META + candle::STORAGE_META;
     let lat_per_sample = u64::from(spec.model.in_channels)
         * (spec.tokens().unwrap_or(0))
         * u64::from(spec.model.patch)
@@ -379,7 +379,7 @@ pub fn replay(
             what
         }
     };
-    let bd = sh.b * sh.d * ad.size();
+    let bd = sh.b * sh.d * ad.size() + candle::TENSOR_META + candle::STORAGE_META;
     let recomputed = |i: u32| r.recompute.recomputes_block(i);
 
     for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
