@@ -80,6 +80,14 @@ def grid():
     out.append(spec(128, 4, "fp32", "materialized", "every-2", depth=6))
     out.append(spec(128, 4, "fp32", "memory-efficient", "none", ema=False, optimizer="sgd"))
     out.append(spec(128, 2, "bf16-mixed", "memory-efficient", "every-2", depth=6))
+    # Activation-dominated: larger batches, so the peak sits in backward rather than the optimizer.
+    out.append(spec(128, 16, "fp32", "memory-efficient", "none"))
+    out.append(spec(128, 16, "fp32", "materialized", "none"))
+    out.append(spec(256, 8, "fp32", "memory-efficient", "all"))
+    out.append(spec(256, 8, "fp32", "materialized", "every-2"))
+    out.append(spec(128, 16, "bf16-mixed", "memory-efficient", "none"))
+    out.append(spec(128, 16, "bf16-mixed", "materialized", "none"))
+    out.append(spec(128, 16, "bf16-mixed", "memory-efficient", "all"))
     return out
 
 
