@@ -102,8 +102,8 @@ impl Node {
 }
 
 /// Heap bytes of a candle `Tensor_` (its `Arc`, layout vectors for a rank-3 shape): measured with
-/// the counting allocator as 192 + 8·rank bytes per tensor (`crates/engine/tests/tensor_meta.rs`).
-pub const TENSOR_META: u64 = 216;
+/// the counting allocator as 184 + 8·rank bytes per tensor (`crates/engine/tests/tensor_meta.rs`).
+pub const TENSOR_META: u64 = 208;
 /// Heap bytes of a candle storage beside its buffer (`Arc<RwLock<Storage>>`): 56 bytes, measured
 /// the same way.
 pub const STORAGE_META: u64 = 56;
@@ -376,6 +376,9 @@ struct Heap {
     holds: Vec<Vec<usize>>,
     live: u64,
     peak: u64,
+    /// Bookkeeping bytes of a `Tensor_` and of a storage.
+    tmeta: u64,
+    smeta: u64,
 }
 
 impl Heap {
@@ -409,7 +412,7 @@ impl Heap {
             Val::Fwd(n) => g.nodes[*n].tracks,
             Val::Tmp(_, t) => *t,
         });
-        let storage = self.obj(bytes + STORAGE_META, vec![]);
+        let storage = self.obj(bytes + self.smeta, vec![]);
         let mut holds = vec![storage];
         if tracks {
             holds.extend(inputs.iter().filter_map(|v| match v {
@@ -417,7 +420,7 @@ impl Heap {
                 Val::Fwd(_) => None,
             }));
         }
-        let w = self.obj(TENSOR_META, holds);
+        let w = self.obj(self.tmeta, holds);
         self.dec(storage);
         Val::Tmp(w, tracks)
     }
@@ -434,7 +437,7 @@ impl Heap {
                     holds.push(w);
                 }
                 let _ = g;
-                Val::Tmp(self.obj(TENSOR_META, holds), tracks)
+                Val::Tmp(self.obj(self.tmeta, holds), tracks)
             }
         }
     }
@@ -452,6 +455,16 @@ impl Heap {
 /// from tracked forward tensors track too, so a stored gradient sum holds the temporaries it was
 /// made from until the store drops it: the heap below counts those references.
 pub fn backward(g: &Graph, root: Nid) -> Backward {
+    backward_with(g, root, true)
+}
+
+/// [`backward`], optionally without candle's per-tensor bookkeeping (data bytes only).
+pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
+    let (tmeta, smeta) = if meta {
+        (TENSOR_META, STORAGE_META)
+    } else {
+        (0, 0)
+    };
     let n = g.nodes.len();
     let mut seen: Vec<Option<bool>> = vec![None; n];
     let mut order: Vec<Nid> = Vec::new();
@@ -482,6 +495,8 @@ pub fn backward(g: &Graph, root: Nid) -> Backward {
         holds: Vec::new(),
         live: 0,
         peak: 0,
+        tmeta,
+        smeta,
     };
     let mut store: Vec<Option<Val>> = vec![None; n];
     // `grads.insert(self, self.ones_like()?.contiguous()?)`
@@ -736,9 +751,9 @@ pub fn backward(g: &Graph, root: Nid) -> Backward {
     for (t, v) in store.iter().enumerate() {
         if v.is_some() && g.nodes[t].kind == Kind::Var {
             if g.nodes[t].alloc {
-                out.leaf_grads += bytes(t) + TENSOR_META + STORAGE_META;
+                out.leaf_grads += bytes(t) + tmeta + smeta;
             } else {
-                out.weight_grads += bytes(t) + TENSOR_META + STORAGE_META;
+                out.weight_grads += bytes(t) + tmeta + smeta;
             }
         }
     }
@@ -1135,7 +1150,7 @@ mod tests {
         let b = g.var("b", 10, Dtype::F32, true);
         let s = g.op("a+b", Kind::Add, &[a, b], 10, Dtype::F32);
         let r = g.op("sum", Kind::Sum, &[s], 1, Dtype::F32);
-        let bw = backward(&g, r);
+        let bw = backward_with(&g, r, false);
         assert_eq!(bw.leaf_grads, 80);
         // ones(4) + zeros(40) + sum(40) at the worst moment of the sum's backward, then the
         // add's own gradient (40) with two zero+sum pairs.
@@ -1150,7 +1165,7 @@ mod tests {
         let k = g.constant("k", 10, Dtype::F32, false);
         let m = g.op("a·k", Kind::Mul, &[a, k], 10, Dtype::F32);
         let r = g.op("sum", Kind::Sum, &[m], 1, Dtype::F32);
-        let bw = backward(&g, r);
+        let bw = backward_with(&g, r, false);
         // k's gradient enters the store and stays, and since it is computed from the tracked `a`
         // it holds its history: zeros, the product grad·a and the (detached) upstream gradient.
         // With a's own gradient that is five 40-byte tensors.
@@ -1178,6 +1193,7 @@ mod tests {
         let (_, casts) = owned_bytes(&g);
         let d = 32u64;
         let weights = 3 * d * d + 3 * d + d * d + d + 2 * 4 * d * d + 4 * d + d + 6 * d * d + 6 * d;
-        assert_eq!(casts, 2 * weights);
+        // Ten bf16 copies (weight and bias of five linears), each a fresh tensor.
+        assert_eq!(casts, 2 * weights + 10 * (TENSOR_META + STORAGE_META));
     }
 }

@@ -235,15 +235,19 @@ mod tests {
 
     #[test]
     fn materialized_scales_with_stored_blocks() {
-        // Live activations after the forward differ by (stored blocks) × (A-sized tensors per block
-        // − the memory-efficient log-sum-exp), whatever the recompute policy.
+        // Live activations after the forward differ by (stored blocks) × (what a stored block
+        // keeps in materialized mode beyond memory-efficient), whatever the recompute policy;
+        // that difference holds at least the four A-sized f32 tensors (scores, x − max, exp, P).
         let mut s = small();
         s.recipe.precision = Precision::Fp32;
         let d = Dims::new(&s);
-        // fp32 materialized keeps scores, x−max, exp and P (four A-sized f32 tensors) and the row
-        // max and sum; memory-efficient keeps one f32 log-sum-exp row instead.
-        let rows = d.b * d.heads * d.s;
-        let per_block = 4 * d.a() * 4 + 2 * rows * 4 - rows * 4;
+        let kept = |mode| {
+            let mut t = s.clone();
+            t.recipe.attention = mode;
+            segment_costs(&t).kept()[1].activations
+        };
+        let per_block = kept(AttentionMode::Materialized) - kept(AttentionMode::MemoryEfficient);
+        assert!(per_block >= 4 * d.a() * 4, "{per_block} < 4·A·4");
         for (rc, stored) in [
             (Recompute::None, 12u64),
             (Recompute::EveryK(2), 6),
