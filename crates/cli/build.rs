@@ -4,7 +4,8 @@
 use std::process::Command;
 
 fn main() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
+    let root = std::path::Path::new(&manifest).join("../..");
     let lock = std::fs::read_to_string(root.join("Cargo.lock")).unwrap_or_default();
     let mut candle = "unknown".to_string();
     let mut lines = lock.lines();

@@ -803,6 +803,7 @@ impl BlockShape {
 }
 
 /// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA.
+#[allow(clippy::too_many_arguments)]
 pub fn linear(
     g: &mut Graph,
     sh: &BlockShape,

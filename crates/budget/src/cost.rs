@@ -245,9 +245,9 @@ pub fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64,
             .sum()
     };
     (
-        seg_time(rt.embed_segment(&Dims::new(spec))),
-        seg_time(rt.block_segment(&Dims::new(spec))),
-        seg_time(rt.final_segment(&Dims::new(spec))),
+        seg_time(rt.embed_segment(&dims)),
+        seg_time(rt.block_segment(&dims)),
+        seg_time(rt.final_segment(&dims)),
     )
 }
 

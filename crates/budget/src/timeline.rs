@@ -393,7 +393,6 @@ fn generic_replay(
 ) -> Vec<Event> {
     let counts = count(table);
     let st = *st;
-    let rt = model_for(spec);
     let r = &spec.recipe;
     let w = &spec.workload;
     let p = r.precision;

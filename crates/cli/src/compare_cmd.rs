@@ -1,0 +1,372 @@
+//! `ditmem compare` (one spec: the budget's prediction beside the engine's measurement, and the
+//! timeline SVG) and `ditmem agree` (the agreement grid).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::{Budget, Runtime};
+use ditmem_engine::agree::{self, Agreement, GridSummary};
+use ditmem_engine::{EngineError, Measurement, MemoryProbe};
+use serde::Serialize;
+
+use crate::args::SpecArgs;
+use crate::conditions::Conditions;
+use crate::plot::{bar_chart, line_chart, LineChart, Marker, Note, Series};
+use crate::render::{fmt_count, recipe_line, spec_line, Table};
+use crate::CliError;
+
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Measured steps after the warm-up step.
+    #[arg(long, default_value_t = 1)]
+    pub steps: u32,
+    /// Write the timeline SVG (predicted and measured live bytes, categories at the peak).
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Run even when the budget says the step does not fit in available memory.
+    #[arg(long)]
+    pub force: bool,
+    /// For `--runtime pytorch`: the peer's Python (default bench/torch_peer/.venv/bin/python).
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AgreeArgs {
+    /// Run only every N-th spec of the grid (1 = all).
+    #[arg(long, default_value_t = 1)]
+    pub every: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct CompareReport {
+    #[serde(flatten)]
+    agreement: Agreement,
+    breakdown_at_peak: ditmem_budget::timeline::Breakdown,
+    conditions: Conditions,
+}
+
+fn engine_err(e: EngineError) -> CliError {
+    match e {
+        EngineError::Spec(e) => CliError::Spec(e),
+        EngineError::BadInput { what, why } => {
+            CliError::Spec(ditmem_budget::SpecError::invalid(what, why))
+        }
+        EngineError::Interrupted { after_steps } => CliError::Interrupted(after_steps),
+        e => CliError::Other(anyhow::Error::new(e)),
+    }
+}
+
+pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+    let spec = args.spec.to_spec()?;
+    if let Runtime::Pytorch { .. } = spec.runtime {
+        return compare_pytorch(&spec, &args);
+    }
+    crate::run_cmd::guard(&spec, args.force)?;
+    let (a, budget, m) = agree::measure_and_compare(&spec.model.name, &spec, args.steps, probe)
+        .map_err(engine_err)?;
+    let report = CompareReport {
+        breakdown_at_peak: budget.breakdown,
+        conditions: Conditions::capture(&spec, 1, args.steps),
+        agreement: a,
+    };
+    if let Some(path) = &args.plot {
+        let svg = timeline_svg(&budget, &m, &report.agreement)?;
+        crate::output::write_atomic(path, svg.as_bytes())?;
+    }
+    if args.json {
+        crate::output::print_json(&report)?;
+    } else {
+        print!("{}", render_compare(&budget, &report));
+    }
+    Ok(())
+}
+
+fn render_compare(b: &Budget, r: &CompareReport) -> String {
+    let a = &r.agreement;
+    let mut o = String::new();
+    o.push_str(&format!("ditmem compare — {}\n", spec_line(&b.spec)));
+    o.push_str(&format!("recipe: {}\n", recipe_line(&b.spec)));
+    o.push_str(&format!("conditions: {}\n\n", r.conditions.line()));
+    let mut t = Table::new(&[
+        "step memory above its start",
+        "predicted",
+        "measured",
+        "error",
+    ]);
+    let err = |p: u64, q: u64| {
+        if q == 0 {
+            "-".to_string()
+        } else {
+            format!("{:+.3} %", 100.0 * (p as f64 / q as f64 - 1.0))
+        }
+    };
+    t.row(vec![
+        "peak".into(),
+        fmt_bytes(a.predicted_peak_bytes),
+        fmt_bytes(a.measured_peak_bytes),
+        err(a.predicted_peak_bytes, a.measured_peak_bytes),
+    ]);
+    for (ph, p, q) in &a.phase_peaks {
+        t.row(vec![
+            format!("  {ph}"),
+            fmt_bytes(*p),
+            fmt_bytes(*q),
+            err(*p, *q),
+        ]);
+    }
+    o.push_str(&t.render());
+    o.push_str(&format!(
+        "exact: predicted {} B, measured {} B; predicted peak at {}\n",
+        fmt_count(a.predicted_peak_bytes),
+        fmt_count(a.measured_peak_bytes),
+        a.predicted_peak_label
+    ));
+    o.push_str(&format!(
+        "boundaries compared: {} (largest gap {:.3} % of the peak)\n",
+        a.boundaries.len(),
+        100.0 * a.boundary_max_rel_error
+    ));
+    o.push_str(&format!(
+        "before the step: predicted {} (model states and batch), measured {}; the {} between them is \
+         candle's per-thread matmul packing buffers and the trainer's bookkeeping\n\n",
+        fmt_bytes(a.predicted_resident_bytes),
+        fmt_bytes(a.measured_resident_bytes),
+        fmt_bytes(a.runtime_overhead_bytes.unsigned_abs())
+    ));
+    let mut t = Table::new(&["predicted at the peak", "bytes", "share"]);
+    for (name, v) in r.breakdown_at_peak.entries() {
+        if v > 0 {
+            t.row(vec![
+                name.replace('_', " "),
+                fmt_bytes(v),
+                crate::render::pct(v, b.peak_bytes),
+            ]);
+        }
+    }
+    o.push_str(&t.render());
+    o
+}
+
+/// Both curves over the step, phases marked, the peak annotated, and the categories at the peak.
+fn timeline_svg(b: &Budget, m: &Measurement, a: &Agreement) -> anyhow::Result<String> {
+    let mib = |x: u64| x as f64 / (1u64 << 20) as f64;
+    let start = b.timeline.events.first().map_or(0, |e| e.total());
+    let pred: Vec<(f64, f64)> = b
+        .timeline
+        .events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i as f64, mib(e.total())))
+        .collect();
+    // Measured boundaries sit on the predicted boundary events of the same order.
+    let idx: Vec<usize> = b
+        .timeline
+        .events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| {
+            !e.inside
+                && e.phase != ditmem_budget::timeline::Phase::Start
+                && e.phase != ditmem_budget::timeline::Phase::Encode
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let mut meas: Vec<(f64, f64)> = vec![(0.0, mib(start))];
+    if idx.len() == m.timeline.len() {
+        for (i, p) in idx.iter().zip(&m.timeline) {
+            meas.push((
+                *i as f64,
+                mib(start + p.live_bytes.saturating_sub(m.resident_bytes)),
+            ));
+        }
+    }
+    let mut markers = Vec::new();
+    let mut last = None;
+    for (i, e) in b.timeline.events.iter().enumerate() {
+        if last != Some(e.phase) {
+            markers.push(Marker {
+                x: i as f64,
+                label: e.phase.name().into(),
+            });
+            last = Some(e.phase);
+        }
+    }
+    let chart = LineChart {
+        title: format!(
+            "{} — live bytes over one step (predicted vs measured, {:+.2} % at the peak)",
+            b.spec.model.name,
+            100.0 * a.rel_error
+        ),
+        x_desc: "event".into(),
+        y_desc: "MiB".into(),
+        series: vec![
+            Series {
+                name: "predicted (budget)".into(),
+                points: pred,
+                markers: false,
+            },
+            Series {
+                name: "measured (engine, boundaries)".into(),
+                points: meas,
+                markers: true,
+            },
+        ],
+        markers,
+        notes: vec![Note {
+            x: b.timeline.peak_index as f64,
+            y: mib(b.peak_bytes),
+            label: format!("peak {} ({})", fmt_bytes(b.peak_bytes), b.peak.label),
+        }],
+        log_y: false,
+    };
+    let left = line_chart(&chart, (900, 480))?;
+    let rows: Vec<(String, Vec<f64>)> = b
+        .breakdown
+        .entries()
+        .iter()
+        .filter(|(_, v)| *v > 0)
+        .map(|(n, v)| (n.replace('_', " "), vec![mib(*v)]))
+        .collect();
+    let right = bar_chart("at the peak (predicted)", "MiB", &rows, &[], (420, 480))?;
+    Ok(side_by_side(&left, 900, &right, 420, 480))
+}
+
+/// Two SVG documents next to each other in one.
+pub fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String {
+    let strip = |s: &str| s.trim_start_matches(|c| c != '<').to_string();
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\">\n\
+         <svg x=\"0\" y=\"0\" width=\"{lw}\" height=\"{h}\">{l}</svg>\n\
+         <svg x=\"{lw}\" y=\"0\" width=\"{rw}\" height=\"{h}\">{r}</svg>\n</svg>\n",
+        w = lw + rw,
+        l = strip(left),
+        r = strip(right),
+    )
+}
+
+fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(), CliError> {
+    let budget = ditmem_budget::estimate(spec)?;
+    let python = args
+        .python
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("bench/torch_peer/.venv/bin/python"));
+    if !python.exists() {
+        return Err(CliError::Refused(format!(
+            "the PyTorch peer is not installed ('{}' is missing): run bench/torch_peer/setup.sh first",
+            python.display()
+        )));
+    }
+    let dir = std::env::temp_dir().join(format!("ditmem-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).context("creating a temporary folder")?;
+    let spec_path = dir.join("spec.json");
+    crate::output::write_atomic(
+        &spec_path,
+        serde_json::to_string(spec)
+            .context("spec to JSON")?
+            .as_bytes(),
+    )?;
+    let out = std::process::Command::new(&python)
+        .arg("bench/torch_peer/peer.py")
+        .arg("--spec")
+        .arg(&spec_path)
+        .args(["--warmup", "1", "--steps", &args.steps.max(1).to_string()])
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .output()
+        .context("running the PyTorch peer")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if !out.status.success() {
+        let msg = String::from_utf8_lossy(&out.stderr)
+            .trim()
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string();
+        return Err(CliError::Other(anyhow::anyhow!(
+            "the PyTorch peer failed: {msg}"
+        )));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("the peer's JSON")?;
+    let measured = v["peak_bytes"]
+        .as_u64()
+        .context("peer JSON has no peak_bytes")?;
+    let rel = budget.peak_bytes as f64 / measured.max(1) as f64 - 1.0;
+    let report = serde_json::json!({
+        "runtime": "pytorch",
+        "predicted_peak_bytes": budget.peak_bytes,
+        "measured_peak_bytes": measured,
+        "rel_error": rel,
+        "peer": v,
+    });
+    if args.json {
+        crate::output::print_json(&report)?;
+    } else {
+        println!("ditmem compare --runtime pytorch — {}", spec_line(spec));
+        println!("recipe: {}", recipe_line(spec));
+        let mut t = Table::new(&["", "predicted", "measured (PyTorch)", "error"]);
+        t.row(vec![
+            "peak".into(),
+            fmt_bytes(budget.peak_bytes),
+            fmt_bytes(measured),
+            format!("{:+.3} %", 100.0 * rel),
+        ]);
+        print!("{}", t.render());
+        println!("peer conditions: {}", v["conditions"]);
+    }
+    Ok(())
+}
+
+pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+    if args.every == 0 {
+        return Err(CliError::Spec(ditmem_budget::SpecError::invalid(
+            "--every",
+            "is 0; allowed: 1 or more",
+        )));
+    }
+    let grid: Vec<_> = agree::grid().into_iter().step_by(args.every).collect();
+    let bar = if args.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(grid.len() as u64)
+    };
+    let mut results = Vec::new();
+    for (name, spec) in &grid {
+        bar.set_message(name.clone());
+        let (a, _, _) = agree::measure_and_compare(name, spec, 1, probe).map_err(engine_err)?;
+        results.push(a);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let summary: GridSummary = agree::summarize(&results);
+    if args.json {
+        crate::output::print_json(&serde_json::json!({ "summary": summary, "specs": results }))?;
+    } else {
+        let mut t = Table::new(&["spec", "predicted", "measured", "error"]);
+        for a in &results {
+            t.row(vec![
+                a.name.clone(),
+                fmt_count(a.predicted_peak_bytes),
+                fmt_count(a.measured_peak_bytes),
+                format!("{:+.3} %", 100.0 * a.rel_error),
+            ]);
+        }
+        print!("{}", t.render());
+        println!(
+            "{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %",
+            summary.specs,
+            100.0 * summary.max_abs_rel_error,
+            summary.worst,
+            100.0 * summary.median_abs_rel_error
+        );
+        println!("(step memory above the live bytes before the step, after one warm-up step; counting allocator)");
+    }
+    Ok(())
+}

@@ -1,0 +1,290 @@
+//! Budget against measurement: run a spec on the engine with the counting allocator and hold the
+//! budget's timeline against what was measured, boundary by boundary.
+//!
+//! The compared quantity is the step's own memory: the peak above the live bytes just before the
+//! step (after warm-up, so optimizer state exists). What lives before the step is compared
+//! separately (`resident`): the engine's process also holds candle's per-thread matmul packing
+//! buffers and the trainer's bookkeeping, which the budget does not count as model state and
+//! reports as the runtime overhead.
+
+use ditmem_budget::timeline::Phase as BudgetPhase;
+use ditmem_budget::{Budget, Spec};
+use serde::Serialize;
+
+use crate::measure::{MemoryProbe, Phase};
+use crate::run::{run, Measurement, RunOptions};
+use crate::Result;
+
+/// One boundary of the step: predicted and measured live bytes above the step's start.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BoundaryPoint {
+    pub phase: String,
+    pub label: String,
+    pub predicted_bytes: u64,
+    pub measured_bytes: u64,
+}
+
+/// The comparison of one spec.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Agreement {
+    pub name: String,
+    /// Predicted peak above the step's start.
+    pub predicted_peak_bytes: u64,
+    /// Measured peak above the live bytes before the step.
+    pub measured_peak_bytes: u64,
+    /// predicted / measured − 1.
+    pub rel_error: f64,
+    /// Per phase (forward, backward, optimizer): (predicted, measured) above the step's start.
+    pub phase_peaks: Vec<(String, u64, u64)>,
+    /// Live bytes before the step: the budget's model states and batch, and the measurement
+    /// (above the process's own heap before the trainer existed).
+    pub predicted_resident_bytes: u64,
+    pub measured_resident_bytes: u64,
+    /// measured − predicted resident: candle's matmul packing buffers and bookkeeping.
+    pub runtime_overhead_bytes: i64,
+    /// Boundaries of the last measured step, when their labels line up.
+    pub boundaries: Vec<BoundaryPoint>,
+    /// Largest |predicted − measured| over the boundaries, relative to the measured peak.
+    pub boundary_max_rel_error: f64,
+    pub predicted_peak_label: String,
+    pub step_time_s: Vec<f64>,
+}
+
+fn budget_phase(p: Phase) -> BudgetPhase {
+    match p {
+        Phase::Forward => BudgetPhase::Forward,
+        Phase::Backward => BudgetPhase::Backward,
+        Phase::Optimizer => BudgetPhase::Optimizer,
+    }
+}
+
+/// Compare a finished measurement with the budget of the same spec.
+pub fn compare(name: &str, budget: &Budget, m: &Measurement, baseline: u64) -> Agreement {
+    let tl = &budget.timeline;
+    let start = tl.events.first().map_or(0, |e| e.total());
+    let pred_peak = budget.peak_bytes.saturating_sub(start);
+    let meas_peak = m.peak_bytes.saturating_sub(m.resident_bytes);
+    let rel = |p: u64, q: u64| {
+        if q == 0 {
+            0.0
+        } else {
+            p as f64 / q as f64 - 1.0
+        }
+    };
+    let phase_peaks = [Phase::Forward, Phase::Backward, Phase::Optimizer]
+        .into_iter()
+        .map(|ph| {
+            let bp = budget_phase(ph);
+            let pred = tl
+                .events
+                .iter()
+                .filter(|e| e.phase == bp)
+                .map(|e| e.total())
+                .max()
+                .unwrap_or(start)
+                .saturating_sub(start);
+            let meas = m.phase_peak_bytes.get(ph).saturating_sub(m.resident_bytes);
+            (ph.name().to_string(), pred, meas)
+        })
+        .collect();
+    let predicted_boundaries: Vec<_> = tl
+        .events
+        .iter()
+        .filter(|e| !e.inside && e.phase != BudgetPhase::Start && e.phase != BudgetPhase::Encode)
+        .collect();
+    let mut boundaries = Vec::new();
+    if predicted_boundaries.len() == m.timeline.len() {
+        for (p, q) in predicted_boundaries.iter().zip(&m.timeline) {
+            boundaries.push(BoundaryPoint {
+                phase: q.phase.name().to_string(),
+                label: q.label.clone(),
+                predicted_bytes: p.total().saturating_sub(start),
+                measured_bytes: q.live_bytes.saturating_sub(m.resident_bytes),
+            });
+        }
+    }
+    let boundary_max_rel_error = boundaries
+        .iter()
+        .map(|b| {
+            (b.predicted_bytes as f64 - b.measured_bytes as f64).abs() / meas_peak.max(1) as f64
+        })
+        .fold(0.0, f64::max);
+    let measured_resident = m.resident_bytes.saturating_sub(baseline);
+    Agreement {
+        name: name.to_string(),
+        predicted_peak_bytes: pred_peak,
+        measured_peak_bytes: meas_peak,
+        rel_error: rel(pred_peak, meas_peak),
+        phase_peaks,
+        predicted_resident_bytes: start,
+        measured_resident_bytes: measured_resident,
+        runtime_overhead_bytes: measured_resident as i64 - start as i64,
+        boundaries,
+        boundary_max_rel_error,
+        predicted_peak_label: budget.peak.label.clone(),
+        step_time_s: m.step_times_s.clone(),
+    }
+}
+
+/// Run `spec` (one warm-up and `steps` measured steps) and compare it with its budget.
+pub fn measure_and_compare(
+    name: &str,
+    spec: &Spec,
+    steps: u32,
+    probe: &dyn MemoryProbe,
+) -> Result<(Agreement, Budget, Measurement)> {
+    let budget = ditmem_budget::estimate(spec)?;
+    let baseline = probe.live();
+    let opts = RunOptions {
+        warmup: 1,
+        steps: steps.max(1),
+        ..RunOptions::default()
+    };
+    let m = run(spec, &opts, Some(probe), &mut |_| true)?;
+    let a = compare(name, &budget, &m, baseline);
+    Ok((a, budget, m))
+}
+
+/// A small spec the grid varies: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens),
+/// batch 4, fp32, AdamW with EMA.
+pub fn grid_base() -> Spec {
+    let mut s = Spec::default_xl();
+    s.model.name = "grid-d2-h64".into();
+    s.model.depth = 2;
+    s.model.hidden = 64;
+    s.model.heads = 4;
+    s.model.num_classes = 10;
+    s.workload.height = 128;
+    s.workload.width = 128;
+    s.workload.batch = 4;
+    s.workload.microbatch = 4;
+    s.workload.accumulation = 1;
+    s.recipe.precision = ditmem_budget::Precision::Fp32;
+    s
+}
+
+/// The agreement grid: precision × recompute × attention on the base, then batch splits,
+/// resolution and patch, depth, LoRA, optimizer and EMA variations. Every spec runs in about a
+/// second in release on 2 cores.
+pub fn grid() -> Vec<(String, Spec)> {
+    use ditmem_budget::{AttentionMode as A, LoraSpec, Optimizer, Precision as P, Recompute as R};
+    let mut out = Vec::new();
+    let base = grid_base();
+    for p in [P::Fp64, P::Fp32, P::Bf16Mixed, P::Fp16Mixed] {
+        for rc in [R::None, R::EveryK(2), R::All, R::AttentionOnly] {
+            for a in [A::Materialized, A::MemoryEfficient] {
+                if rc == R::AttentionOnly && a == A::MemoryEfficient {
+                    continue;
+                }
+                let mut s = base.clone();
+                s.model.depth = 3;
+                s.recipe.precision = p;
+                s.recipe.recompute = rc.clone();
+                s.recipe.attention = a;
+                out.push((format!("d3 {p} recompute {rc} {}", a.name()), s));
+            }
+        }
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((name.to_string(), s));
+    };
+    add("bf16-pure", &|s| s.recipe.precision = P::Bf16Pure);
+    add("batch 8 = 4 × accumulation 2", &|s| {
+        s.workload.batch = 8;
+        s.workload.accumulation = 2;
+    });
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("batch 1", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+    });
+    add("256×256 patch 4 (64 tokens)", &|s| {
+        s.workload.height = 256;
+        s.workload.width = 256;
+        s.model.patch = 4;
+    });
+    add("256×256 patch 2 (256 tokens), batch 2", &|s| {
+        s.workload.height = 256;
+        s.workload.width = 256;
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+    });
+    add("128×256 patch 2 (128 tokens), memory-efficient", &|s| {
+        s.workload.width = 256;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("hidden 128, 8 heads, depth 4, every-2", &|s| {
+        s.model.hidden = 128;
+        s.model.heads = 8;
+        s.model.depth = 4;
+        s.recipe.recompute = R::EveryK(2);
+    });
+    add("LoRA rank 8 on qkv,proj,fc1,fc2", &|s| {
+        s.recipe.lora = Some(LoraSpec {
+            rank: 8,
+            targets: ditmem_budget::spec::default_lora_targets(),
+        })
+    });
+    add("LoRA rank 4 on all, bf16-mixed, recompute all", &|s| {
+        s.recipe.lora = Some(LoraSpec {
+            rank: 4,
+            targets: ditmem_budget::LoraTarget::ALL.to_vec(),
+        });
+        s.recipe.precision = P::Bf16Mixed;
+        s.recipe.recompute = R::All;
+    });
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("EMA in bf16", &|s| {
+        s.recipe.ema.dtype = ditmem_budget::Dtype::Bf16
+    });
+    add("learn_sigma off, v-prediction", &|s| {
+        s.model.learn_sigma = false;
+        s.recipe.prediction = ditmem_budget::Prediction::V;
+    });
+    add("blocks:1 of depth 4", &|s| {
+        s.model.depth = 4;
+        s.recipe.recompute = R::Blocks(vec![1]);
+    });
+    out
+}
+
+/// Summary over a grid: max and median |pred/meas − 1| and the worst spec.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GridSummary {
+    pub specs: usize,
+    pub max_abs_rel_error: f64,
+    pub median_abs_rel_error: f64,
+    pub worst: String,
+}
+
+pub fn summarize(results: &[Agreement]) -> GridSummary {
+    let mut errs: Vec<(f64, &str)> = results
+        .iter()
+        .map(|a| (a.rel_error.abs(), a.name.as_str()))
+        .collect();
+    errs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let median = if errs.is_empty() {
+        0.0
+    } else if errs.len() % 2 == 1 {
+        errs[errs.len() / 2].0
+    } else {
+        (errs[errs.len() / 2 - 1].0 + errs[errs.len() / 2].0) / 2.0
+    };
+    let (max, worst) = errs.last().map_or((0.0, ""), |&(e, n)| (e, n));
+    GridSummary {
+        specs: results.len(),
+        max_abs_rel_error: max,
+        median_abs_rel_error: median,
+        worst: worst.to_string(),
+    }
+}
