@@ -82,6 +82,9 @@ pub struct Node {
     pub fwd_scratch: u64,
     /// A low-precision weight copy rather than an activation.
     pub weight_cast: bool,
+    /// Bound to a local variable of the engine's function that builds it: alive until that
+    /// function returns even when nothing else reads it.
+    pub bound: bool,
 }
 
 impl Node {
@@ -144,6 +147,7 @@ impl Graph {
             extra: 0,
             fwd_scratch: 0,
             weight_cast,
+            bound: false,
         });
         self.nodes.len() - 1
     }
@@ -228,6 +232,19 @@ impl Graph {
     }
 
     /// The node's storage owner (follows views).
+    /// Mark a node as held by a local variable of the engine's code; returns it.
+    pub fn bind(&mut self, x: Nid) -> Nid {
+        self.nodes[x].bound = true;
+        x
+    }
+
+    /// Nodes held by local variables.
+    pub fn bound(&self) -> Vec<Nid> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].bound)
+            .collect()
+    }
+
     pub fn storage(&self, mut x: Nid) -> Nid {
         while !self.nodes[x].alloc
             && !self.nodes[x].inputs.is_empty()
@@ -305,6 +322,45 @@ pub fn owned_bytes(g: &Graph) -> (u64, u64) {
     (act, casts)
 }
 
+/// Nodes alive while `roots` are held: a tracked node's op holds its inputs; an untracked view
+/// holds only the storage it shares; any other untracked node holds nothing.
+pub fn retained(g: &Graph, roots: &[Nid]) -> Vec<bool> {
+    let mut keep = vec![false; g.nodes.len()];
+    let mut stack = roots.to_vec();
+    while let Some(x) = stack.pop() {
+        if keep[x] {
+            continue;
+        }
+        keep[x] = true;
+        let node = &g.nodes[x];
+        if node.tracks && !matches!(node.kind, Kind::Var | Kind::Const) {
+            stack.extend(node.inputs.iter().copied());
+        } else if is_view(node.kind) {
+            stack.extend(node.inputs.first().copied());
+        }
+    }
+    keep
+}
+
+/// Bytes (activations, weight casts) of the nodes alive while `roots` are held.
+pub fn kept_bytes(g: &Graph, roots: &[Nid]) -> (u64, u64) {
+    let keep = retained(g, roots);
+    let mut act = 0;
+    let mut casts = 0;
+    for (n, k) in g.nodes.iter().zip(keep) {
+        if !k {
+            continue;
+        }
+        if n.weight_cast && n.alloc {
+            casts += n.footprint();
+        } else {
+            act += n.footprint();
+        }
+        act += n.extra;
+    }
+    (act, casts)
+}
+
 /// Highest bytes while the graph is built, above what existed before (everything is kept).
 pub fn forward_peak(g: &Graph) -> u64 {
     let mut live = 0u64;
@@ -326,6 +382,11 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
         for &i in &node.inputs {
             let s = g.storage(i);
             last[s] = last[s].max(k);
+        }
+        if node.bound {
+            let s = g.storage(k);
+            last[k] = n - 1;
+            last[s] = n - 1;
         }
     }
     let mut frees: Vec<Vec<Nid>> = vec![Vec::new(); n];
@@ -904,6 +965,7 @@ pub fn ada_ln(
     let sc = g.cast(&format!("{name} silu→{cd}"), silu, cd);
     let m = linear(g, sh, name, sc, sh.b, k * sh.d, sh.d, target);
     let m = g.cast(&format!("{name} →{ad}"), m, ad);
+    g.bind(m);
     (0..k)
         .map(|i| {
             g.view(
@@ -948,9 +1010,14 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
     let a_el = sh.b * sh.heads * sh.s * sh.s;
     let rows = sh.b * sh.heads * sh.s;
     if sh.attention_only && sh.attention == AttentionMode::Materialized {
-        // Forward runs the materialized core untracked, then copies o into the op's output.
-        let core = materialized_core(sh);
-        let fwd = untracked_peak(&core, &[]);
+        // Forward runs the materialized core without tracking on q, k, v themselves, then
+        // copies its result into the op's output.
+        let mut core = materialized_core(sh);
+        for i in 0..3 {
+            core.nodes[i].alloc = false;
+        }
+        let last = core.nodes.len() - 1;
+        let fwd = untracked_peak(&core, &[last]);
         let o = g.op(
             "attn core (recomputed in backward)",
             Kind::Attention { bwd_scratch: 0 },
@@ -959,11 +1026,13 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
             cd,
         );
         g.nodes[o].fwd_scratch = fwd;
-        // Backward rebuilds the core as a tracked graph and backprops through it.
+        // Backward rebuilds the core on leaf copies of q, k, v, roots it at sum(o · grad_o)
+        // and backprops through it; the gradients come back detached.
+        let mut core = materialized_core(sh);
+        let out = core.nodes.len() - 1;
+        let root = surrogate(&mut core, out);
         let (act, _) = owned_bytes(&core);
-        let last = core.nodes.len() - 1;
-        let bwd = backward(&core, last);
-        g.nodes[o].inputs = vec![q, k, v];
+        let bwd = backward(&core, root);
         if let Kind::Attention { bwd_scratch } = &mut g.nodes[o].kind {
             *bwd_scratch = act + bwd.peak;
         }
@@ -1030,6 +1099,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     let n1 = layer_norm(&mut g, "norm1", x, rows);
     let h = modulate(&mut g, "modulate1", n1, m[0], m[1], bd);
     let h = g.cast(&format!("modulate1→{cd}"), h, cd);
+    g.bind(h);
     let h2d = g.view("h.reshape(b·s, D)", Kind::Reshape, h, e);
     let qkv = linear(
         &mut g,
@@ -1060,9 +1130,14 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     let q = g.op("q·(1/√dh)", Kind::Affine, &[views[0]], e, cd);
     let k = g.op("k contiguous", Kind::Copy, &[views[1]], e, cd);
     let v = g.op("v contiguous", Kind::Copy, &[views[2]], e, cd);
+    for t in [q5, q, k, v] {
+        g.bind(t);
+    }
     let o = attention(&mut g, sh, q, k, v);
+    g.bind(o);
     let ot = g.view("oᵀ", Kind::Transpose, o, e);
     let o2 = g.op("o reshape (copy)", Kind::Reshape, &[ot], e, cd);
+    g.bind(o2);
     let p = linear(
         &mut g,
         sh,
@@ -1075,13 +1150,16 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     );
     let p = g.cast(&format!("proj→{ad}"), p, ad);
     let p = g.view("proj.reshape(b,s,D)", Kind::Reshape, p, e);
+    g.bind(p);
     let gu = g.view("gate_msa.unsqueeze", Kind::Reshape, m[2], bd);
     let gp = g.broadcast_binary("proj·gate_msa", Kind::Mul, p, gu, false);
     let x1 = g.op("x + attn", Kind::Add, &[x, gp], e, ad);
+    g.bind(x1);
 
     let n2 = layer_norm(&mut g, "norm2", x1, rows);
     let h2 = modulate(&mut g, "modulate2", n2, m[3], m[4], bd);
     let h2 = g.cast(&format!("modulate2→{cd}"), h2, cd);
+    g.bind(h2);
     let h2 = g.view("h2.reshape(b·s, D)", Kind::Reshape, h2, e);
     let f1 = linear(
         &mut g,
@@ -1093,10 +1171,13 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         d,
         Some(LoraTarget::Fc1),
     );
+    g.bind(f1);
     let mut act = g.op("gelu(tanh)", Kind::Gelu, &[f1], rows * sh.mlp, cd);
+    g.bind(act);
     if sh.mlp_dropout {
         let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);
         act = g.op("gelu·mask", Kind::Mul, &[act, mask], rows * sh.mlp, cd);
+        g.bind(act);
     }
     let f2 = linear(
         &mut g,
@@ -1110,6 +1191,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     );
     let f2 = g.cast(&format!("fc2→{ad}"), f2, ad);
     let f2 = g.view("fc2.reshape(b,s,D)", Kind::Reshape, f2, e);
+    g.bind(f2);
     let gu = g.view("gate_mlp.unsqueeze", Kind::Reshape, m[5], bd);
     let gm = g.broadcast_binary("fc2·gate_mlp", Kind::Mul, f2, gu, false);
     let out = g.op("x + mlp", Kind::Add, &[x1, gm], e, ad);

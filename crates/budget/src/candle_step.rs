@@ -12,7 +12,7 @@
 use serde::Serialize;
 
 use crate::candle::{
-    self, backward, forward_peak, owned_bytes, untracked_peak, BlockShape, Graph, Kind, Nid,
+    self, backward, forward_peak, kept_bytes, untracked_peak, BlockShape, Graph, Kind, Nid,
 };
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::Dims;
@@ -91,7 +91,11 @@ pub fn embed_graph(dims: &Dims) -> (Graph, Nid, Nid) {
     let bd = sh.b * sh.d;
     let mut g = Graph::default();
     // Patchified latents in the compute dtype (made without tracking, kept by the matmul).
+    // Locals of `Trainer::microbatch` stay alive to its end (they matter when nothing tracks,
+    // as under LoRA with a frozen embedder): the patches, timestep features, t1, t_emb, y_emb,
+    // c and x0 are bound.
     let xp = g.constant("patches", n, cd, true);
+    g.bind(xp);
     let xe = candle::linear(
         &mut g,
         &sh,
@@ -109,10 +113,13 @@ pub fn embed_graph(dims: &Dims) -> (Graph, Nid, Nid) {
     let f = dims.freq;
     let tf = g.constant("timestep features", sh.b * f, ad, true);
     let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
     let h = candle::linear(&mut g, &sh, "t_embedder.mlp.0", tf, sh.b, sh.d, f, None);
     let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+    g.bind(h);
     let te = candle::linear(&mut g, &sh, "t_embedder.mlp.2", h, sh.b, sh.d, sh.d, None);
     let te = g.cast(&format!("t_emb→{ad}"), te, ad);
+    g.bind(te);
     let rows_k = dims.label_rows;
     let table_dt = if sh.lora.is_some() {
         cd
@@ -134,9 +141,15 @@ pub fn embed_graph(dims: &Dims) -> (Graph, Nid, Nid) {
             false,
         )
     };
-    let y = g.op("label rows", Kind::IndexSelect, &[table], bd, table_dt);
+    // The label ids (u32, one per sample; 4 bytes each like an f32).
+    let ids = g.constant("label ids", sh.b, Dtype::F32, true);
+    g.bind(ids);
+    let y = g.op("label rows", Kind::IndexSelect, &[table, ids], bd, table_dt);
     let y = g.cast(&format!("y_emb→{ad}"), y, ad);
+    g.bind(y);
     let c = g.op("c = t_emb + y_emb", Kind::Add, &[te, y], bd, ad);
+    g.bind(c);
+    g.bind(x0);
     (g, x0, c)
 }
 
@@ -201,8 +214,17 @@ impl BlockShape {
     }
 }
 
-fn seg(g: &Graph, leaf: Option<Nid>, output: Option<Nid>, root: Nid, root_nodes: usize) -> SegSim {
-    let (act, casts) = owned_bytes(g);
+fn seg(
+    g: &Graph,
+    leaf: Option<Nid>,
+    output: Option<Nid>,
+    root: Nid,
+    root_nodes: usize,
+    held: &[Nid],
+) -> SegSim {
+    let mut roots = vec![root];
+    roots.extend_from_slice(held);
+    let (act, casts) = kept_bytes(g, &roots);
     let leaf_b = leaf.map_or(0, |l| g.nodes[l].footprint());
     let out_b = output.map_or(0, |o| g.nodes[o].footprint());
     let root_b: u64 = g.nodes[g.nodes.len() - root_nodes..]
@@ -236,7 +258,7 @@ pub fn sims(spec: &Spec) -> Sims {
     let (mut bg, leaf, _c, out) = candle::block(&sh);
     let fwd = forward_peak(&bg);
     let root = candle::surrogate(&mut bg, out);
-    let mut block = seg(&bg, Some(leaf), Some(out), root, 2);
+    let mut block = seg(&bg, Some(leaf), Some(out), root, 2, &[leaf, out]);
     block.fwd_peak = fwd;
     // No-grad forward on the input itself (no leaf copy); the output survives.
     let (mut ug, uleaf, _, uout) = candle::block(&sh);
@@ -246,7 +268,7 @@ pub fn sims(spec: &Spec) -> Sims {
     // Final layer + loss.
     let (fg, fleaf, froot) = final_graph(&dims);
     // The root (loss·scale) exists only for the backward call.
-    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1);
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
     final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
 
     // Embed: its surrogate is x0·gx + c·gc summed.
@@ -261,7 +283,8 @@ pub fn sims(spec: &Spec) -> Sims {
     let m2 = eg.op("c·gc", Kind::Mul, &[c, gc], bd, ad);
     let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
     let r = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
-    let mut embed = seg(&eg, None, Some(x0), r, 5);
+    let held = eg.bound();
+    let mut embed = seg(&eg, None, Some(x0), r, 5, &held);
     embed.fwd_peak = fwd;
 
     let n_lat = sh.b * sh.s * u64::from(m.patch) * u64::from(m.patch) * u64::from(m.in_channels);
