@@ -111,9 +111,15 @@ fn parse_targets(text: &str) -> Result<Vec<LoraTarget>, SpecError> {
 impl SpecArgs {
     /// Build and validate the spec: config file (or the embedded default), then the flags.
     pub fn to_spec(&self) -> Result<Spec, SpecError> {
+        self.to_spec_or(Spec::default_xl)
+    }
+
+    /// As [`SpecArgs::to_spec`], with `default` instead of the embedded default when no config
+    /// file is given (e.g. `verify`'s small model).
+    pub fn to_spec_or(&self, default: impl FnOnce() -> Spec) -> Result<Spec, SpecError> {
         let mut spec = match &self.config {
             Some(path) => Spec::from_file(path)?,
-            None => Spec::default_xl(),
+            None => default(),
         };
         if let Some(p) = &self.preset {
             let old = spec.model.clone();

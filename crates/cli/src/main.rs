@@ -13,6 +13,7 @@ mod plot;
 mod render;
 mod run_cmd;
 mod stats;
+mod verify_cmd;
 
 /// Counts every heap byte of the process, so `run` measures exact live bytes and peaks.
 #[global_allocator]
@@ -57,6 +58,10 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Execute the recipe on a real DiT training step (candle, CPU) and measure peak and time.
     Run(run_cmd::RunArgs),
+    /// Hold precision / recompute / attention variants against a float64 reference: loss and
+    /// gradients on a fixed batch, tolerances by dtype, bitwise recompute twins, drift over K
+    /// steps (exit 4 when a variant fails).
+    Verify(verify_cmd::VerifyArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -117,6 +122,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             }
         }
         Command::Run(args) => run_cmd::run(args, &ALLOC)?,
+        Command::Verify(args) => verify_cmd::run(args)?,
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;

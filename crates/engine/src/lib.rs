@@ -9,6 +9,7 @@
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
 //! - [`measure`]: the counting allocator and the memory probe.
 //! - [`run`]: warm-up + measured steps → [`Measurement`].
+//! - [`verify`]: variants against a float64 reference: tolerances by dtype, twins, drift.
 //!
 //! # Block composition (what one block allocates in forward)
 //! `cd` = compute dtype, `ad` = accumulation dtype, E = b·s·D, A = b·a·s². Casts happen only when
@@ -44,6 +45,7 @@ pub mod optim;
 pub mod rng;
 pub mod run;
 pub mod trainer;
+pub mod verify;
 
 pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};
 pub use error::{EngineError, Result};
@@ -51,3 +53,4 @@ pub use measure::{CountingAlloc, MemoryProbe, Phase, PhasePeaks, TimelinePoint};
 pub use model::{param_count, param_shapes, trainable_count, Dims, ParamShape};
 pub use run::{run, Measurement, Progress, RunOptions};
 pub use trainer::{StepReport, TrainOptions, Trainer};
+pub use verify::{Reference, Report as VerifyReport, Variant, Verdict, VerifyError, VerifyOptions};

@@ -1,0 +1,523 @@
+//! `ditmem verify`: hold every precision / recompute / attention variant of a spec against a
+//! float64 reference — one step on a fixed batch (loss, gradients per tensor), tolerances by
+//! dtype, bitwise recompute twins, and the drift of K optimizer steps.
+//!
+//! Exit codes: 0 when no variant fails, 4 when one does, 2 for bad input (flags, a reference file
+//! that cannot be read or was computed for another spec or other seeds).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use ditmem_budget::{Spec, SpecError};
+use ditmem_engine::verify::{
+    self, compute_reference, parse_variants, Event, Reference, Report, Variant, VerifyError,
+    VerifyOptions,
+};
+use ditmem_engine::EngineError;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::args::SpecArgs;
+use crate::conditions::Conditions;
+use crate::plot::{line_chart, LineChart, Series};
+use crate::render::{fmt_count, recipe_line, spec_line, Table};
+use crate::CliError;
+
+/// Exit code when at least one variant fails.
+pub const EXIT_FAILED: u8 = 4;
+
+#[derive(Debug, Clone, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Variants, comma-separated `precision/recompute/attention` (`*` or a missing part = every
+    /// default value; block lists as `blocks:0+2`), e.g.
+    /// `bf16-mixed/all/materialized,fp32/none/memory-efficient`. Default: every precision ×
+    /// {none, all, attention-only} × {materialized, memory-efficient}, narrowed by --precision,
+    /// --recompute and --attention when given.
+    #[arg(long, value_name = "LIST")]
+    pub variants: Option<String>,
+    /// Optimizer steps of the drift run (0: one-step comparison only) [default: 50, or the
+    /// stored reference's]
+    #[arg(long)]
+    pub steps: Option<u32>,
+    /// Seed of the initial weights [default: 0, or the stored reference's]
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Seed of the synthetic data [default: 1, or the stored reference's]
+    #[arg(long)]
+    pub data_seed: Option<u64>,
+    /// Learning rate of the drift run [default: 1e-3, or the stored reference's]
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Variants computed at once [default: the available cores]
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Compare against this stored reference (.safetensors) instead of computing it.
+    #[arg(long, value_name = "FILE")]
+    pub reference: Option<PathBuf>,
+    /// Store the reference (gradients, loss, drift trajectory, spec and seeds) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub save_reference: Option<PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG of the parameter drift over steps (log y) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Also print the gradient error of every tensor for each variant.
+    #[arg(long)]
+    pub tensors: bool,
+}
+
+/// The small model verify runs by default: seconds per variant on two cores.
+/// DiT block structure at depth 2, hidden 64, 4 heads, patch 2, 128×128 images (16×16 latents,
+/// 64 tokens), batch 4, 10 classes, no EMA.
+pub fn default_spec() -> Spec {
+    let mut s = Spec::default_xl();
+    s.model.name = "DiT-verify (2×64)".into();
+    s.model.depth = 2;
+    s.model.hidden = 64;
+    s.model.heads = 4;
+    s.model.patch = 2;
+    s.model.num_classes = 10;
+    s.workload.height = 128;
+    s.workload.width = 128;
+    s.workload.batch = 4;
+    s.workload.microbatch = 4;
+    s.workload.accumulation = 1;
+    s.workload.ranks = 1;
+    s.recipe.ema.enabled = false;
+    s
+}
+
+/// What `--json` prints.
+#[derive(Debug, Serialize)]
+struct VerifyJson<'a> {
+    /// `computed` or the path of the stored reference.
+    reference_source: String,
+    conditions: Conditions,
+    elapsed_s: f64,
+    #[serde(flatten)]
+    report: &'a Report,
+}
+
+fn invalid(field: &str, e: impl std::fmt::Display) -> CliError {
+    CliError::Spec(SpecError::invalid(field, e.to_string()))
+}
+
+fn map_err(e: VerifyError, field: &str) -> CliError {
+    match e {
+        VerifyError::Engine(EngineError::Spec(s)) => CliError::Spec(s),
+        VerifyError::Engine(EngineError::BadInput { what, why }) => {
+            CliError::Spec(SpecError::invalid(what, why))
+        }
+        VerifyError::Engine(e @ EngineError::Unsupported { .. }) => invalid("spec", e),
+        VerifyError::Engine(e) => CliError::Other(anyhow::Error::new(e)),
+        e @ VerifyError::Variant { .. } => invalid("--variants", e),
+        e @ (VerifyError::Reference { .. } | VerifyError::Mismatch { .. }) => {
+            invalid("--reference", e)
+        }
+        e @ VerifyError::BadInput { .. } => invalid(field, e),
+    }
+}
+
+/// The variants to verify: `--variants`, or the default set narrowed by the spec flags.
+fn variants(args: &VerifyArgs) -> Result<Vec<Variant>, CliError> {
+    let text = match &args.variants {
+        Some(v) => v.clone(),
+        None => {
+            let s = &args.spec;
+            format!(
+                "{}/{}/{}",
+                s.precision.as_deref().unwrap_or("*"),
+                s.recompute
+                    .as_deref()
+                    .map(|r| r.replace(',', "+"))
+                    .unwrap_or_else(|| "*".into()),
+                s.attention.as_deref().unwrap_or("*")
+            )
+        }
+    };
+    parse_variants(&text).map_err(|e| map_err(e, "--variants"))
+}
+
+fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(len);
+    b.set_style(
+        ProgressStyle::with_template(&format!("{prefix} [{{bar:30}}] {{pos}}/{{len}} {{msg}}"))
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    b
+}
+
+pub fn run(args: VerifyArgs) -> Result<(), CliError> {
+    let started = Instant::now();
+    let base = args.spec.to_spec_or(default_spec)?;
+    let variants = variants(&args)?;
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if jobs == 0 {
+        return Err(invalid("--jobs", "is 0; allowed: at least 1"));
+    }
+    if jobs > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // Parallelism across variants instead of inside the gemms: candle's threaded gemm on
+        // 64-wide matrices costs more in synchronisation than it saves (4× slower measured with
+        // two variants at once on two cores). Set before any thread exists; candle reads it at
+        // each matmul.
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    let stored = match &args.reference {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| {
+                invalid(
+                    "--reference",
+                    format!("cannot read '{}': {e}", path.display()),
+                )
+            })?;
+            Some(
+                Reference::from_safetensors(&bytes)
+                    .map_err(|e| invalid("--reference", format!("'{}': {e}", path.display())))?,
+            )
+        }
+        None => None,
+    };
+    let defaults = stored
+        .as_ref()
+        .map(|r| r.options.clone())
+        .unwrap_or_default();
+    let opts = VerifyOptions {
+        seed: args.seed.unwrap_or(defaults.seed),
+        data_seed: args.data_seed.unwrap_or(defaults.data_seed),
+        lr: args.lr.unwrap_or(defaults.lr),
+        weight_decay: defaults.weight_decay,
+        steps: args.steps.unwrap_or(defaults.steps),
+    };
+    if !(opts.lr.is_finite() && opts.lr > 0.0) {
+        return Err(invalid(
+            "--lr",
+            format!("{} is not a positive number", opts.lr),
+        ));
+    }
+    if args.plot.is_some() && opts.steps == 0 {
+        return Err(invalid(
+            "--plot",
+            "needs a drift run; allowed: --steps ≥ 1 with --plot",
+        ));
+    }
+    let show = !args.json;
+    let (reference, source) = match stored {
+        Some(r) => {
+            r.check_matches(&base, &opts)
+                .map_err(|e| map_err(e, "--reference"))?;
+            let path = args
+                .reference
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            (r, path)
+        }
+        None => {
+            let b = bar(u64::from(opts.steps), show, "fp64 reference");
+            let r = compute_reference(&base, &opts, &mut |s| b.set_position(u64::from(s)))
+                .map_err(|e| map_err(e, "spec"))?;
+            b.finish_and_clear();
+            (r, "computed".to_string())
+        }
+    };
+    if let Some(path) = &args.save_reference {
+        let bytes = reference
+            .to_safetensors()
+            .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
+        crate::output::write_atomic(path, &bytes)?;
+    }
+    let n = variants.len() as u64;
+    let b = bar(n * (u64::from(opts.steps) + 1), show, "variants");
+    let mut done = 0;
+    let report = verify::verify(
+        &base,
+        &variants,
+        &opts,
+        &reference,
+        jobs,
+        &mut |e| match e {
+            Event::Start { name, .. } => b.set_message(name.to_string()),
+            Event::Step { .. } => b.inc(1),
+            Event::Done { .. } => {
+                done += 1;
+                b.inc(1);
+                b.set_message(format!("{done}/{n} variants done"));
+            }
+        },
+    )
+    .map_err(|e| map_err(e, "verify"))?;
+    b.finish_and_clear();
+    let conditions = Conditions::capture(&reference.spec, 0, opts.steps);
+    let elapsed = started.elapsed().as_secs_f64();
+    if let Some(path) = &args.plot {
+        let svg = drift_chart(&report)?;
+        crate::output::write_atomic(path, svg.as_bytes())?;
+    }
+    if args.json {
+        crate::output::print_json(&VerifyJson {
+            reference_source: source,
+            conditions,
+            elapsed_s: elapsed,
+            report: &report,
+        })?;
+    } else {
+        print!(
+            "{}",
+            render(
+                &report,
+                &base,
+                &source,
+                &conditions,
+                elapsed,
+                jobs,
+                args.tensors
+            )
+        );
+    }
+    if !report.ok() {
+        std::io::stdout().flush().context("writing to stdout")?;
+        eprintln!(
+            "ditmem: verification failed: {} of {} variants fail",
+            report.failed,
+            report.variants.len()
+        );
+        std::process::exit(i32::from(EXIT_FAILED));
+    }
+    Ok(())
+}
+
+/// Scientific notation with 2 digits; "0" for exact zeros, "-" for absent values.
+fn sci(x: Option<f64>) -> String {
+    match x {
+        None => "-".into(),
+        Some(0.0) => "0".into(),
+        Some(v) if v.is_nan() => "NaN".into(),
+        Some(v) if v.is_infinite() => "inf".into(),
+        Some(v) => format!("{v:.2e}"),
+    }
+}
+
+fn render(
+    r: &Report,
+    base: &Spec,
+    source: &str,
+    conditions: &Conditions,
+    elapsed: f64,
+    jobs: usize,
+    tensors: bool,
+) -> String {
+    let mut o = String::new();
+    let params = ditmem_engine::trainable_count(base).unwrap_or(0);
+    o.push_str(&format!("ditmem verify — {}\n", spec_line(base)));
+    o.push_str(&format!(
+        "base recipe: {} ({} trained parameters)\n",
+        recipe_line(base),
+        fmt_count(params)
+    ));
+    let opt = &r.options;
+    o.push_str(&format!(
+        "reference: {} ({source}), loss {:.6}; seed {}, data seed {}, {} drift steps of {} at lr {}\n",
+        r.reference_variant,
+        r.reference_loss,
+        opt.seed,
+        opt.data_seed,
+        opt.steps,
+        base.recipe.optimizer.name(),
+        opt.lr
+    ));
+    o.push_str(&format!(
+        "conditions: {}; {} variants on {} worker threads in {:.1} s\n\n",
+        conditions.line(),
+        r.variants.len(),
+        jobs,
+        elapsed
+    ));
+
+    let g = &r.growth;
+    o.push_str(&format!(
+        "tolerances: u(compute dtype) · √K · √P, K = {} (longest reduction), P = {} (gradient chain; {} for the loss)\n",
+        g.reduction, g.gradient_chain, g.forward_chain
+    ));
+    let mut t = Table::new(&["policy", "dtype", "u", "√K·√P", "gradient tol", "loss tol"]);
+    for tol in &r.tolerances {
+        t.row(vec![
+            tol.precision.to_string(),
+            tol.dtype.to_string(),
+            format!("2^{}", tol.unit_roundoff.log2().round() as i32),
+            format!("{:.1}", tol.growth),
+            sci(Some(tol.grad)),
+            sci(Some(tol.loss)),
+        ]);
+    }
+    o.push_str(&t.render());
+    o.push_str(&format!(
+        "verdict: pass ≤ tol < warn ≤ {}×tol < fail; recompute twins bitwise; attention twins ≤ {}×tol; \
+         drift warns above {} × K × (drift after step 1)\n\n",
+        r.warn_factor, r.twin_order_factor, r.drift_growth_factor
+    ));
+
+    let mut t = Table::new(&[
+        "variant",
+        "verdict",
+        "loss err",
+        "grad err max",
+        "median",
+        "worst tensor",
+        "cosine",
+        "non-finite",
+        "tol",
+        "drift@1",
+        &format!("drift@{}", opt.steps),
+        "loss drift",
+        "twin",
+    ]);
+    for v in &r.variants {
+        let twin = v
+            .twins
+            .iter()
+            .map(|c| {
+                if c.kind == "bitwise" {
+                    if c.ok { "= bitwise" } else { "≠ bitwise" }.to_string()
+                } else {
+                    format!(
+                        "{}{}",
+                        if c.ok { "≈ " } else { "≉ " },
+                        sci(Some(c.max_diff))
+                    )
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        t.row(vec![
+            v.name.clone(),
+            v.verdict.name().to_uppercase(),
+            sci(v.loss_rel_err),
+            sci(v.grad_rel_err_max),
+            sci(v.grad_rel_err_median),
+            v.worst_tensor.clone().unwrap_or_else(|| "-".into()),
+            v.cosine.map_or("-".into(), |c| format!("{:.6}", c)),
+            v.nonfinite_share.map_or("-".into(), |s| {
+                if s == 0.0 {
+                    "0".into()
+                } else {
+                    format!("{:.2} %", 100.0 * s)
+                }
+            }),
+            sci(Some(v.tolerance_grad)),
+            sci(v.drift_one_step),
+            sci(v.drift_final),
+            sci(v.loss_drift_final),
+            if twin.is_empty() { "-".into() } else { twin },
+        ]);
+    }
+    o.push_str(&t.render());
+    o.push_str(
+        "  errors are relative: loss |ℓ−ℓ₀|/|ℓ₀|; gradients ‖g−g₀‖/‖g₀‖ per tensor; drift ‖θ−θ₀‖/‖θ₀‖ after \
+         1 and K steps; loss drift after K steps\n",
+    );
+    let flagged: Vec<_> = r
+        .variants
+        .iter()
+        .filter(|v| !v.reasons.is_empty())
+        .collect();
+    if !flagged.is_empty() {
+        o.push_str("\nwhy:\n");
+        for v in flagged {
+            for why in &v.reasons {
+                o.push_str(&format!("  {} [{}]: {why}\n", v.name, v.verdict));
+            }
+        }
+    }
+    if tensors {
+        for v in &r.variants {
+            o.push_str(&format!("\n{} — gradient error per tensor\n", v.name));
+            let mut t = Table::new(&["tensor", "‖g−g₀‖/‖g₀‖"]);
+            for e in &v.per_tensor {
+                t.row(vec![e.name.clone(), sci(Some(e.rel_err))]);
+            }
+            o.push_str(&t.render());
+        }
+    }
+    o.push_str(&format!(
+        "\n{} variants: {} pass, {} warn, {} fail{}\n",
+        r.variants.len(),
+        r.passed,
+        r.warned,
+        r.failed,
+        if r.skipped > 0 {
+            format!(", {} skipped", r.skipped)
+        } else {
+            String::new()
+        }
+    ));
+    o
+}
+
+/// Parameter drift over steps, one line per distinct trajectory (recompute twins that matched
+/// bitwise share their twin's line), log y. Exact zeros (bitwise twins of the reference) cannot
+/// be drawn on a log axis and are listed in the title instead.
+fn drift_chart(r: &Report) -> Result<String, CliError> {
+    let mut series: Vec<Series> = Vec::new();
+    let mut names: Vec<(String, Vec<String>)> = Vec::new();
+    let mut zero: Vec<String> = Vec::new();
+    for v in &r.variants {
+        let Some(d) = &v.drift else { continue };
+        if let Some(twin) = v.twins.iter().find(|c| c.kind == "bitwise" && c.ok) {
+            if let Some(entry) = names.iter_mut().find(|(n, _)| *n == twin.twin) {
+                entry.1.push(v.recompute.clone());
+                continue;
+            }
+        }
+        if d.param_rel.iter().all(|&x| x == 0.0) {
+            zero.push(v.name.clone());
+            continue;
+        }
+        names.push((v.name.clone(), vec![v.recompute.clone()]));
+        series.push(Series {
+            name: v.name.clone(),
+            points: d
+                .param_rel
+                .iter()
+                .enumerate()
+                .map(|(i, &y)| (i as f64, y))
+                .collect(),
+            markers: false,
+        });
+    }
+    for (s, (_, recomputes)) in series.iter_mut().zip(&names) {
+        if recomputes.len() > 1 {
+            let (p, rest) = s.name.split_once('/').unwrap_or((&s.name, ""));
+            let attn = rest.rsplit_once('/').map_or(rest, |(_, a)| a);
+            s.name = format!("{p}/{{{}}}/{attn}", recomputes.join(","));
+        }
+    }
+    let mut title = format!(
+        "parameter drift vs the fp64 reference ({} steps, lr {})",
+        r.options.steps, r.options.lr
+    );
+    if !zero.is_empty() {
+        title.push_str(&format!("; identical to it: {}", zero.len()));
+    }
+    let chart = LineChart {
+        title,
+        x_desc: "optimizer step".into(),
+        y_desc: "‖θ − θ_ref‖ / ‖θ_ref‖".into(),
+        series,
+        log_y: true,
+        ..LineChart::default()
+    };
+    Ok(line_chart(&chart, (1000, 640))?)
+}

@@ -1,0 +1,1579 @@
+//! Verify: correct first, then save. Every precision / recompute / attention variant of a spec is
+//! held against a float64 reference computed from the same initial weights and the same data.
+//!
+//! 1. **One step on a fixed batch** ([`SyntheticData::step_batch`]`(0)`: fixed seeds for latents,
+//!    noise, timesteps and label dropout). Loss relative error; per trained tensor the gradient
+//!    relative error ‖g − g_ref‖ / ‖g_ref‖ (max, median, worst tensor); the cosine similarity of
+//!    the whole gradient; the share of non-finite gradient values.
+//! 2. **Tolerances by dtype** ([`tolerance`]), derived from the unit roundoff and a growth factor
+//!    for the length of the reductions and the depth of the op chain, never tuned.
+//! 3. **Twins**: variants that differ only by recompute (same precision and attention) must match
+//!    bitwise, because recomputing a block replays exactly the same ops on the same inputs.
+//!    Variants that differ only by the attention mode change the order of the softmax and P·V sums
+//!    and must agree within [`TWIN_ORDER_FACTOR`] × the tolerance (both are within one tolerance of
+//!    the exact value, so at most twice that apart).
+//! 4. **Drift over K steps** of the spec's optimizer (AdamW, lr [`DEFAULT_LR`]) on the batches
+//!    `step_batch(0..K)`: per step the loss divergence |ℓ − ℓ_ref| / |ℓ_ref| and the parameter
+//!    divergence ‖θ − θ_ref‖ / ‖θ_ref‖. A variant whose divergence grows faster than its first step
+//!    predicts is flagged ([`DRIFT_GROWTH_FACTOR`]).
+//! 5. **Verdicts** pass / warn / fail per variant ([`Verdict`]).
+//!
+//! The reference (gradients, loss, trajectory) is computed once per run and can be stored and
+//! reloaded ([`Reference::to_safetensors`], [`Reference::from_safetensors`]) with its spec and
+//! seeds as metadata, so a later run against a different spec is refused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use candle_core::DType;
+use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::diffusion::SyntheticData;
+use crate::error::EngineError;
+use crate::model::Dims;
+use crate::trainer::{TrainOptions, Trainer};
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+
+/// What can go wrong in a verification.
+#[derive(Debug, Error)]
+pub enum VerifyError {
+    /// The engine refused the spec or failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A `--variants` entry could not be read.
+    #[error("variant '{text}': {why}")]
+    Variant { text: String, why: String },
+    /// A stored reference could not be read.
+    #[error("reference file: {why}")]
+    Reference { why: String },
+    /// A stored reference was computed for another spec or other settings.
+    #[error(
+        "the reference does not match this run: {what} is {stored} in the reference but {current} here"
+    )]
+    Mismatch {
+        what: String,
+        stored: String,
+        current: String,
+    },
+    /// A setting is out of range.
+    #[error("{what}: {why}")]
+    BadInput { what: String, why: String },
+}
+
+/// Result of the verify calls.
+pub type Result<T> = std::result::Result<T, VerifyError>;
+
+fn bad(what: impl Into<String>, why: impl Into<String>) -> VerifyError {
+    VerifyError::BadInput {
+        what: what.into(),
+        why: why.into(),
+    }
+}
+
+fn reference_error(why: impl Into<String>) -> VerifyError {
+    VerifyError::Reference { why: why.into() }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variants.
+
+/// One way of computing the step: precision policy × recompute policy × attention mode.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub precision: Precision,
+    pub recompute: Recompute,
+    pub attention: AttentionMode,
+    /// A planted bug applied to the one-step gradients (tests of the verifier only).
+    #[doc(hidden)]
+    pub fault: Option<Fault>,
+}
+
+/// Recompute policies of the default variant set.
+pub const DEFAULT_RECOMPUTE: [Recompute; 3] =
+    [Recompute::None, Recompute::All, Recompute::AttentionOnly];
+
+/// Attention modes of the default variant set.
+pub const DEFAULT_ATTENTION: [AttentionMode; 2] =
+    [AttentionMode::Materialized, AttentionMode::MemoryEfficient];
+
+impl Variant {
+    pub fn new(precision: Precision, recompute: Recompute, attention: AttentionMode) -> Variant {
+        Variant {
+            precision,
+            recompute,
+            attention,
+            fault: None,
+        }
+    }
+
+    /// The reference: fp64, every block stored, materialized attention.
+    pub fn reference() -> Variant {
+        Variant::new(
+            Precision::Fp64,
+            Recompute::None,
+            AttentionMode::Materialized,
+        )
+    }
+
+    /// `precision/recompute/attention` (block lists written with `+`: `blocks:0+2`), with the
+    /// planted fault appended when there is one.
+    pub fn name(&self) -> String {
+        let r = self.recompute.to_string().replace(',', "+");
+        let mut n = format!("{}/{}/{}", self.precision, r, self.attention.name());
+        if let Some(f) = &self.fault {
+            n.push_str(&format!("+{f}"));
+        }
+        n
+    }
+
+    /// `base` with this variant's precision, recompute and attention.
+    pub fn apply(&self, base: &Spec) -> Spec {
+        let mut s = base.clone();
+        s.recipe.precision = self.precision;
+        s.recipe.recompute = self.recompute.clone();
+        s.recipe.attention = self.attention;
+        s
+    }
+
+    /// Variants with the same key differ only by recompute and must be bitwise identical: a
+    /// recomputed block replays exactly the ops of storing it, and attention-only recompute
+    /// rebuilds the same materialized attention graph in its backward.
+    fn twin_key(&self) -> (Precision, AttentionMode) {
+        (self.precision, self.attention)
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// The default variant set: every precision × {none, all, attention-only} × both attention modes.
+pub fn default_variants() -> Vec<Variant> {
+    let mut v = Vec::new();
+    for p in Precision::ALL {
+        for r in DEFAULT_RECOMPUTE.iter() {
+            for a in DEFAULT_ATTENTION {
+                v.push(Variant::new(p, r.clone(), a));
+            }
+        }
+    }
+    v
+}
+
+/// Parse `precision/recompute/attention` items separated by commas. `*` (or a missing trailing
+/// part) stands for every value of the default set; block lists are written `blocks:0+2`.
+/// Example: `bf16-mixed/all/materialized,fp32/none/memory-efficient,fp16-mixed/*/*`.
+pub fn parse_variants(text: &str) -> Result<Vec<Variant>> {
+    let mut out: Vec<Variant> = Vec::new();
+    let items: Vec<&str> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if items.is_empty() {
+        return Err(VerifyError::Variant {
+            text: text.into(),
+            why: "no variant given; allowed: precision/recompute/attention, e.g. bf16-mixed/all/materialized".into(),
+        });
+    }
+    for item in items {
+        let verr = |why: String| VerifyError::Variant {
+            text: item.into(),
+            why,
+        };
+        let parts: Vec<&str> = item.split('/').map(str::trim).collect();
+        if parts.len() > 3 {
+            return Err(verr(
+                "has more than three parts; allowed: precision/recompute/attention".into(),
+            ));
+        }
+        let part = |i: usize| parts.get(i).copied().unwrap_or("*");
+        let precisions: Vec<Precision> = match part(0) {
+            "*" | "" => Precision::ALL.to_vec(),
+            p => vec![p.parse::<Precision>().map_err(|e| verr(e.to_string()))?],
+        };
+        let recomputes: Vec<Recompute> = match part(1) {
+            "*" | "" => DEFAULT_RECOMPUTE.to_vec(),
+            r => vec![r
+                .replace('+', ",")
+                .parse::<Recompute>()
+                .map_err(|e| verr(e.to_string()))?],
+        };
+        let attentions: Vec<AttentionMode> = match part(2) {
+            "*" | "" => DEFAULT_ATTENTION.to_vec(),
+            a => vec![a
+                .parse::<AttentionMode>()
+                .map_err(|e| verr(e.to_string()))?],
+        };
+        for &p in &precisions {
+            for r in &recomputes {
+                for &a in &attentions {
+                    let v = Variant::new(p, r.clone(), a);
+                    if !out.contains(&v) {
+                        out.push(v);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A planted bug, applied to a variant's one-step gradients, so tests can show that the verifier
+/// catches real mistakes. Not part of the CLI.
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// Drop one gradient contribution: the named tensor's gradient becomes zero.
+    ZeroGradient(String),
+    /// Scale the named tensor's gradient by num/den (e.g. a forgotten loss-scale division).
+    ScaleGradient(String, i64, i64),
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fault::ZeroGradient(n) => write!(f, "fault:zero-grad({n})"),
+            Fault::ScaleGradient(n, a, b) => write!(f, "fault:scale-grad({n},{a}/{b})"),
+        }
+    }
+}
+
+impl Fault {
+    fn apply(&self, grads: &mut [Named]) -> Result<()> {
+        let (name, factor) = match self {
+            Fault::ZeroGradient(n) => (n, 0.0),
+            Fault::ScaleGradient(n, a, b) => (n, *a as f64 / *b as f64),
+        };
+        let g = grads
+            .iter_mut()
+            .find(|g| &g.name == name)
+            .ok_or_else(|| bad("fault", format!("'{name}' is not a trained tensor")))?;
+        for x in &mut g.values {
+            *x *= factor;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances.
+
+/// Unit roundoff u = 2^−t of a float dtype with t significand bits (the implicit bit counted):
+/// f64 2⁻⁵³, f32 2⁻²⁴, bf16 2⁻⁸, f16 2⁻¹¹. `u8` is not a float: 1.
+pub fn unit_roundoff(d: Dtype) -> f64 {
+    match d {
+        Dtype::F64 => 2f64.powi(-53),
+        Dtype::F32 => 2f64.powi(-24),
+        Dtype::Bf16 => 2f64.powi(-8),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::U8 => 1.0,
+    }
+}
+
+/// The error-growth factors of a spec's step, from its shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Growth {
+    /// K: the longest reduction of the step — max of the linear fan-ins (D, 4·D, the timestep
+    /// features F, the patch C·p²), the attention sums over the s tokens, and the sums over
+    /// microbatch × tokens that form the weight and bias gradients.
+    pub reduction: u64,
+    /// Rounding stages chained from the first weights to the loss on the longest path: the patch
+    /// embedding, 6 per block (qkv, q·kᵀ, softmax, P·v, proj, fc1→fc2 as one MLP stage plus the
+    /// norm), and the final layer: 6·L + 2.
+    pub forward_chain: u64,
+    /// The backward retraces the forward chain to reach the first parameters: 2 × forward.
+    pub gradient_chain: u64,
+}
+
+impl Growth {
+    pub fn of(spec: &Spec) -> Result<Growth> {
+        let d = Dims::new(spec)?;
+        let micro = spec.workload.microbatch as usize;
+        let reduction = [
+            d.hidden,
+            d.mlp_hidden,
+            d.freq,
+            d.patch_in(),
+            d.tokens,
+            micro * d.tokens,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1) as u64;
+        let forward_chain = 6 * d.depth as u64 + 2;
+        Ok(Growth {
+            reduction,
+            forward_chain,
+            gradient_chain: 2 * forward_chain,
+        })
+    }
+}
+
+/// The tolerance of one precision policy under a spec's growth factors.
+///
+/// Error model: a sum of K terms accumulated in a dtype with unit roundoff u carries a relative
+/// error of about √K·u when the rounding errors have random signs (Higham & Mary, probabilistic
+/// rounding-error analysis; the deterministic worst case is K·u), and independent errors of P
+/// chained stages add in quadrature:
+///
+/// ```text
+///     tol = u_c · √K · √P
+/// ```
+///
+/// with u_c the unit roundoff of the policy's **compute dtype** (mixed policies too: the
+/// weights, activations and activation gradients are rounded to it, and candle's sums outside the
+/// gemm — the bias gradients over microbatch × tokens, the broadcast reductions — accumulate in
+/// the element dtype), K = [`Growth::reduction`], and P = [`Growth::gradient_chain`] for
+/// gradients, [`Growth::forward_chain`] for the loss. No constant is fitted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tolerance {
+    /// The policy the tolerance is for.
+    pub precision: Precision,
+    /// The dtype whose unit roundoff the tolerance uses (the policy's compute dtype).
+    pub dtype: Dtype,
+    /// u_c
+    pub unit_roundoff: f64,
+    /// √K · √P for gradients.
+    pub growth: f64,
+    /// Relative gradient error allowed per tensor (pass at or below it).
+    pub grad: f64,
+    /// Relative loss error allowed.
+    pub loss: f64,
+    /// The derivation in one line.
+    pub reason: String,
+}
+
+/// Pass ≤ 1 × tolerance < warn ≤ WARN_FACTOR × tolerance < fail. The tolerance is the scale of
+/// random-sign rounding errors; a sum that cancels more than random signs can land above it, but
+/// an error twice the rounding scale is no longer rounding.
+pub const WARN_FACTOR: f64 = 2.0;
+
+/// Variants that differ only by the attention mode must agree within this multiple of their
+/// tolerance: each is within one tolerance of the exact value, so at most twice that apart
+/// (triangle inequality).
+pub const TWIN_ORDER_FACTOR: f64 = 2.0;
+
+/// Drift rule: warn when the final parameter divergence exceeds
+/// `DRIFT_GROWTH_FACTOR × K × (divergence after the first step)`. Each step injects about the
+/// error of one step; K steps whose errors all add up in the same direction give K times that
+/// (random directions give √K). The factor allows one decade of amplification by the training
+/// dynamics themselves (a stated allowance, not derived: on the default spec the fp64
+/// memory-efficient twin, a perturbation at the f64 roundoff, grows 7× beyond linear over 50
+/// steps); beyond it, the error per step grows — a step goes wrong that the first one did not
+/// show.
+pub const DRIFT_GROWTH_FACTOR: f64 = 10.0;
+
+/// The tolerance of `precision` for a spec with growth `g`.
+pub fn tolerance(precision: Precision, g: &Growth) -> Tolerance {
+    tolerance_for(precision, precision.compute_dtype(), g)
+}
+
+/// The tolerance of `precision` computed with `dtype`'s unit roundoff (to ask, e.g., whether
+/// bf16-mixed would pass the fp32 tolerance).
+pub fn tolerance_for(precision: Precision, dtype: Dtype, g: &Growth) -> Tolerance {
+    let u = unit_roundoff(dtype);
+    let k = (g.reduction as f64).sqrt();
+    let growth = k * (g.gradient_chain as f64).sqrt();
+    Tolerance {
+        precision,
+        dtype,
+        unit_roundoff: u,
+        growth,
+        grad: u * growth,
+        loss: u * k * (g.forward_chain as f64).sqrt(),
+        reason: format!(
+            "u({dtype}) · √K · √P = {u:.3e} · √{} · √{} (gradients; √{} for the loss)",
+            g.reduction, g.gradient_chain, g.forward_chain
+        ),
+    }
+}
+
+/// The verdict of a variant (ordered: worse is greater).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    Warn,
+    Fail,
+    /// The engine does not execute this combination (e.g. attention dropout with
+    /// memory-efficient attention); not counted as a failure.
+    Skip,
+}
+
+impl Verdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "fail",
+            Verdict::Skip => "skip",
+        }
+    }
+
+    /// Judge an error against a tolerance (NaN fails).
+    pub fn of(err: f64, tol: f64) -> Verdict {
+        if err <= tol {
+            Verdict::Pass
+        } else if err <= WARN_FACTOR * tol {
+            Verdict::Warn
+        } else {
+            Verdict::Fail
+        }
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settings, reference.
+
+/// Learning rate of the drift run: large enough that 50 AdamW steps move every weight by
+/// ~50·lr (≈ 5 % of a 64-wide Xavier weight), so the trajectories actually separate.
+pub const DEFAULT_LR: f64 = 1e-3;
+
+/// Settings of a verification that are not part of the spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerifyOptions {
+    /// Seed of the initial weights (and dropout masks).
+    pub seed: u64,
+    /// Seed of the synthetic data (latents, noise, timesteps, labels, label dropout).
+    pub data_seed: u64,
+    /// Learning rate of the drift run.
+    pub lr: f64,
+    pub weight_decay: f64,
+    /// Optimizer steps of the drift run (0: one-step comparison only).
+    pub steps: u32,
+}
+
+impl Default for VerifyOptions {
+    fn default() -> Self {
+        VerifyOptions {
+            seed: 0,
+            data_seed: 1,
+            lr: DEFAULT_LR,
+            weight_decay: 0.0,
+            steps: 50,
+        }
+    }
+}
+
+impl VerifyOptions {
+    fn train(&self) -> TrainOptions {
+        TrainOptions {
+            seed: self.seed,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            loss_scale_growth_interval: 2000,
+            keep_gradients: false,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(bad("lr", format!("{} is not a positive number", self.lr)));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(bad(
+                "weight decay",
+                format!("{} is not a number ≥ 0", self.weight_decay),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A tensor by name, in f64.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Named {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f64>,
+}
+
+/// The fp64 reference: one-step loss and gradients, and the drift trajectory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    /// The reference spec: the base spec under fp64 / no recompute / materialized attention.
+    pub spec: Spec,
+    pub options: VerifyOptions,
+    /// Version of ditmem that computed it.
+    pub version: String,
+    pub loss: f64,
+    pub gradients: Vec<Named>,
+    /// Trained tensors in the order they are concatenated in `params`.
+    pub names: Vec<String>,
+    /// Loss of each drift step (before its update), `steps` values.
+    pub losses: Vec<f64>,
+    /// Concatenated trained parameters after 0..=steps updates.
+    pub params: Vec<Vec<f64>>,
+}
+
+/// The reference spec of a base spec.
+pub fn reference_spec(base: &Spec) -> Spec {
+    Variant::reference().apply(base)
+}
+
+fn to_f64(t: &candle_core::Tensor) -> Result<Vec<f64>> {
+    let v = t
+        .to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f64>())
+        .map_err(EngineError::from)?;
+    Ok(v)
+}
+
+/// The trained parameters of a trainer, concatenated in `trained_names` order, in f64.
+fn flat_params(t: &Trainer, names: &[String]) -> Result<Vec<f64>> {
+    let mut out = Vec::new();
+    for n in names {
+        out.extend(to_f64(&t.parameter(n)?)?);
+    }
+    Ok(out)
+}
+
+fn named_gradients(t: &Trainer) -> Result<Vec<Named>> {
+    t.gradients()?
+        .into_iter()
+        .map(|(name, g)| {
+            Ok(Named {
+                name,
+                shape: g.dims().to_vec(),
+                values: to_f64(&g)?,
+            })
+        })
+        .collect()
+}
+
+/// One forward/backward on `step_batch(0)`. Under fp16-mixed a non-finite gradient halves the
+/// loss scale and retries, as the dynamic loss scaler would (the overflowing step is skipped in
+/// training); returns the loss, the gradients, the scale used and the non-finite share of the
+/// first attempt.
+fn one_step(spec: &Spec, opts: &VerifyOptions) -> Result<(f64, Vec<Named>, f64, f64)> {
+    let mut t = Trainer::new(spec, opts.train())?;
+    let batch = SyntheticData::new(spec, opts.data_seed)?.step_batch(0);
+    let mut first_nonfinite = None;
+    for _ in 0..40 {
+        let loss = t.compute_gradients(&batch)?;
+        let grads = named_gradients(&t)?;
+        let total: usize = grads.iter().map(|g| g.values.len()).sum();
+        let bad_count = grads
+            .iter()
+            .flat_map(|g| &g.values)
+            .filter(|x| !x.is_finite())
+            .count();
+        let share = bad_count as f64 / total.max(1) as f64;
+        first_nonfinite.get_or_insert(share);
+        let scale = t.loss_scale().unwrap_or(1.0);
+        if bad_count == 0 || t.loss_scale().is_none() || scale <= 1.0 {
+            return Ok((loss, grads, scale, first_nonfinite.unwrap_or(share)));
+        }
+        t.set_loss_scale(scale / 2.0)?;
+    }
+    Err(bad(
+        "fp16 loss scale",
+        "gradients stay non-finite down to a scale of 1",
+    ))
+}
+
+/// Compute the reference for `base` (its recipe's precision, recompute and attention are replaced
+/// by fp64 / none / materialized). `progress(step)` is called after each drift step.
+pub fn compute_reference(
+    base: &Spec,
+    opts: &VerifyOptions,
+    progress: &mut dyn FnMut(u32),
+) -> Result<Reference> {
+    opts.check()?;
+    let spec = reference_spec(base);
+    let (loss, gradients, _, _) = one_step(&spec, opts)?;
+    let (losses, params, names, _) = trajectory(&spec, opts, progress)?;
+    Ok(Reference {
+        spec,
+        options: opts.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        loss,
+        gradients,
+        names,
+        losses,
+        params,
+    })
+}
+
+/// K optimizer steps from the initial weights; losses, parameters after 0..=K steps, the trained
+/// names and the number of skipped (fp16 overflow) steps.
+#[allow(clippy::type_complexity)]
+fn trajectory(
+    spec: &Spec,
+    opts: &VerifyOptions,
+    progress: &mut dyn FnMut(u32),
+) -> Result<(Vec<f64>, Vec<Vec<f64>>, Vec<String>, u32)> {
+    let mut t = Trainer::new(spec, opts.train())?;
+    let names = t.trained_names();
+    let data = SyntheticData::new(spec, opts.data_seed)?;
+    let mut params = vec![flat_params(&t, &names)?];
+    let mut losses = Vec::with_capacity(opts.steps as usize);
+    let mut skipped = 0;
+    for i in 0..opts.steps {
+        let r = t.step(&data.step_batch(u64::from(i)), None)?;
+        skipped += u32::from(r.skipped);
+        losses.push(r.loss);
+        params.push(flat_params(&t, &names)?);
+        progress(i + 1);
+    }
+    Ok((losses, params, names, skipped))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Storing the reference.
+
+const FORMAT: &str = "ditmem-verify-reference/1";
+
+fn f64_bytes(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl Reference {
+    /// The reference as a safetensors file: `loss` (1), `grad/<name>` per trained tensor,
+    /// `drift/losses` (K), `drift/params` (K+1, N), all f64; metadata: format, spec (JSON),
+    /// options (JSON), trained names (JSON), version.
+    pub fn to_safetensors(&self) -> Result<Vec<u8>> {
+        let n = self.params.first().map_or(0, Vec::len);
+        let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+            ("loss".into(), vec![1], f64_bytes(&[self.loss])),
+            (
+                "drift/losses".into(),
+                vec![self.losses.len()],
+                f64_bytes(&self.losses),
+            ),
+            (
+                "drift/params".into(),
+                vec![self.params.len(), n],
+                self.params.iter().flat_map(|p| f64_bytes(p)).collect(),
+            ),
+        ];
+        for g in &self.gradients {
+            buffers.push((
+                format!("grad/{}", g.name),
+                g.shape.clone(),
+                f64_bytes(&g.values),
+            ));
+        }
+        let mut views = Vec::new();
+        for (name, shape, bytes) in &buffers {
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F64, shape.clone(), bytes)
+                    .map_err(|e| reference_error(format!("cannot store '{name}': {e}")))?;
+            views.push((name.clone(), v));
+        }
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), FORMAT.to_string());
+        meta.insert("spec".to_string(), json(&self.spec)?);
+        meta.insert("options".to_string(), json(&self.options)?);
+        meta.insert("names".to_string(), json(&self.names)?);
+        meta.insert("version".to_string(), self.version.clone());
+        safetensors::serialize(views, Some(meta))
+            .map_err(|e| reference_error(format!("cannot serialise: {e}")))
+    }
+
+    /// Read a reference written by [`Reference::to_safetensors`].
+    pub fn from_safetensors(bytes: &[u8]) -> Result<Reference> {
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| reference_error(format!("not a safetensors file ({e})")))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
+            .map_err(|e| reference_error(format!("unreadable header ({e})")))?;
+        let meta = header
+            .metadata()
+            .clone()
+            .ok_or_else(|| reference_error("no metadata; not a ditmem verify reference"))?;
+        let field = |k: &str| {
+            meta.get(k)
+                .ok_or_else(|| reference_error(format!("metadata has no '{k}'")))
+        };
+        if field("format")? != FORMAT {
+            return Err(reference_error(format!(
+                "format '{}' is not {FORMAT}",
+                field("format")?
+            )));
+        }
+        let spec: Spec = serde_json::from_str(field("spec")?)
+            .map_err(|e| reference_error(format!("metadata 'spec': {e}")))?;
+        spec.validate()
+            .map_err(|e| reference_error(format!("metadata 'spec': {e}")))?;
+        let options: VerifyOptions = serde_json::from_str(field("options")?)
+            .map_err(|e| reference_error(format!("metadata 'options': {e}")))?;
+        let names: Vec<String> = serde_json::from_str(field("names")?)
+            .map_err(|e| reference_error(format!("metadata 'names': {e}")))?;
+        let version = field("version")?.clone();
+        let read = |name: &str| -> Result<(Vec<usize>, Vec<f64>)> {
+            let t = st
+                .tensor(name)
+                .map_err(|_| reference_error(format!("tensor '{name}' is missing")))?;
+            if t.dtype() != safetensors::Dtype::F64 {
+                return Err(reference_error(format!("tensor '{name}' is not f64")));
+            }
+            let v = t
+                .data()
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect();
+            Ok((t.shape().to_vec(), v))
+        };
+        let (_, loss) = read("loss")?;
+        let loss = *loss
+            .first()
+            .ok_or_else(|| reference_error("tensor 'loss' is empty"))?;
+        let (_, losses) = read("drift/losses")?;
+        let (pshape, flat) = read("drift/params")?;
+        if pshape.len() != 2 || pshape[0] != losses.len() + 1 {
+            return Err(reference_error(format!(
+                "drift/params has shape {pshape:?}; expected ({}, N)",
+                losses.len() + 1
+            )));
+        }
+        if losses.len() != options.steps as usize {
+            return Err(reference_error(format!(
+                "{} drift losses for {} steps",
+                losses.len(),
+                options.steps
+            )));
+        }
+        let params: Vec<Vec<f64>> = if pshape[1] == 0 {
+            vec![Vec::new(); pshape[0]]
+        } else {
+            flat.chunks_exact(pshape[1]).map(<[f64]>::to_vec).collect()
+        };
+        let mut gradients = Vec::new();
+        let mut grad_names: Vec<&str> = st
+            .names()
+            .into_iter()
+            .filter_map(|n| n.strip_prefix("grad/"))
+            .collect();
+        // Keep the trained order of the names list.
+        grad_names.sort_by_key(|n| names.iter().position(|m| m == n).unwrap_or(usize::MAX));
+        for n in grad_names {
+            let (shape, values) = read(&format!("grad/{n}"))?;
+            gradients.push(Named {
+                name: n.to_string(),
+                shape,
+                values,
+            });
+        }
+        Ok(Reference {
+            spec,
+            options,
+            version,
+            loss,
+            gradients,
+            names,
+            losses,
+            params,
+        })
+    }
+
+    /// Refuse a reference computed for another spec or other settings than `base` and `opts`.
+    pub fn check_matches(&self, base: &Spec, opts: &VerifyOptions) -> Result<()> {
+        let want = serde_json::to_value(reference_spec(base))
+            .map_err(|e| reference_error(e.to_string()))?;
+        let have = serde_json::to_value(&self.spec).map_err(|e| reference_error(e.to_string()))?;
+        if let Some((path, stored, current)) = first_difference("", &have, &want) {
+            return Err(VerifyError::Mismatch {
+                what: format!("spec field {path}"),
+                stored,
+                current,
+            });
+        }
+        let o = &self.options;
+        let checks: [(&str, String, String); 5] = [
+            ("seed", o.seed.to_string(), opts.seed.to_string()),
+            (
+                "data seed",
+                o.data_seed.to_string(),
+                opts.data_seed.to_string(),
+            ),
+            ("lr", o.lr.to_string(), opts.lr.to_string()),
+            (
+                "weight decay",
+                o.weight_decay.to_string(),
+                opts.weight_decay.to_string(),
+            ),
+            ("steps", o.steps.to_string(), opts.steps.to_string()),
+        ];
+        for (what, stored, current) in checks {
+            if stored != current {
+                return Err(VerifyError::Mismatch {
+                    what: what.into(),
+                    stored,
+                    current,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The first leaf where two JSON values differ: (dotted path, a, b).
+fn first_difference(
+    path: &str,
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+) -> Option<(String, String, String)> {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                let (va, vb) = (
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                );
+                if let Some(d) = first_difference(&p, va, vb) {
+                    return Some(d);
+                }
+            }
+            None
+        }
+        _ if a == b => None,
+        _ => Some((path.to_string(), a.to_string(), b.to_string())),
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string(v).map_err(|e| reference_error(e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparisons.
+
+fn norm(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+fn diff_norm(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// ‖a − b‖ / ‖b‖; 0 when both are zero, ∞ when only `b` is; NaN propagates as ∞.
+pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    let (d, n) = (diff_norm(a, b), norm(b));
+    let r = if n > 0.0 {
+        d / n
+    } else if d == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    if r.is_nan() {
+        f64::INFINITY
+    } else {
+        r
+    }
+}
+
+fn scalar_rel(a: f64, b: f64) -> f64 {
+    let r = if b != 0.0 {
+        (a - b).abs() / b.abs()
+    } else if a == b {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    if r.is_nan() {
+        f64::INFINITY
+    } else {
+        r
+    }
+}
+
+/// Gradient error of one tensor.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorError {
+    pub name: String,
+    pub rel_err: f64,
+}
+
+/// The one-step comparison of a variant with the reference.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OneStep {
+    pub loss: f64,
+    pub loss_rel_err: f64,
+    pub grad_rel_err_max: f64,
+    pub grad_rel_err_median: f64,
+    pub worst_tensor: String,
+    /// Cosine similarity of the whole (concatenated) gradient with the reference's.
+    pub cosine: f64,
+    /// Share of non-finite gradient values (first attempt under fp16-mixed).
+    pub nonfinite_share: f64,
+    /// Loss scale the gradients were computed at (1 unless fp16-mixed).
+    pub loss_scale: f64,
+    pub per_tensor: Vec<TensorError>,
+}
+
+/// Compare gradients and loss with the reference.
+pub fn compare_one_step(
+    loss: f64,
+    grads: &[Named],
+    reference: &Reference,
+    nonfinite_share: f64,
+    loss_scale: f64,
+) -> Result<OneStep> {
+    let by_name: BTreeMap<&str, &Named> = grads.iter().map(|g| (g.name.as_str(), g)).collect();
+    let mut per_tensor = Vec::new();
+    let (mut dot, mut na, mut nb) = (0.0, 0.0, 0.0);
+    for r in &reference.gradients {
+        let g = by_name.get(r.name.as_str()).ok_or_else(|| {
+            bad(
+                "gradients",
+                format!("the variant has no gradient for '{}'", r.name),
+            )
+        })?;
+        if g.values.len() != r.values.len() {
+            return Err(bad(
+                "gradients",
+                format!(
+                    "'{}' has {} values; the reference has {}",
+                    r.name,
+                    g.values.len(),
+                    r.values.len()
+                ),
+            ));
+        }
+        per_tensor.push(TensorError {
+            name: r.name.clone(),
+            rel_err: rel_err(&g.values, &r.values),
+        });
+        for (x, y) in g.values.iter().zip(&r.values) {
+            dot += x * y;
+            na += x * x;
+            nb += y * y;
+        }
+    }
+    if per_tensor.len() != grads.len() {
+        return Err(bad(
+            "gradients",
+            format!(
+                "the variant trains {} tensors; the reference {}",
+                grads.len(),
+                per_tensor.len()
+            ),
+        ));
+    }
+    let mut sorted: Vec<f64> = per_tensor.iter().map(|t| t.rel_err).collect();
+    sorted.sort_by(f64::total_cmp);
+    let median = match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]),
+    };
+    let worst = per_tensor
+        .iter()
+        .max_by(|a, b| a.rel_err.total_cmp(&b.rel_err))
+        .map(|t| (t.name.clone(), t.rel_err))
+        .filter(|t| t.1 != 0.0)
+        .unwrap_or_else(|| ("-".into(), 0.0));
+    let cosine = if na > 0.0 && nb > 0.0 {
+        dot / (na.sqrt() * nb.sqrt())
+    } else {
+        f64::NAN
+    };
+    Ok(OneStep {
+        loss,
+        loss_rel_err: scalar_rel(loss, reference.loss),
+        grad_rel_err_max: worst.1,
+        grad_rel_err_median: median,
+        worst_tensor: worst.0,
+        cosine,
+        nonfinite_share,
+        loss_scale,
+        per_tensor,
+    })
+}
+
+/// The one-step comparison of `variant` of `base` with the reference (fault applied), without
+/// the drift run.
+pub fn check_one_step(
+    base: &Spec,
+    variant: &Variant,
+    opts: &VerifyOptions,
+    reference: &Reference,
+) -> Result<OneStep> {
+    let (loss, mut grads, scale, nonfinite) = one_step(&variant.apply(base), opts)?;
+    if let Some(f) = &variant.fault {
+        f.apply(&mut grads)?;
+    }
+    compare_one_step(loss, &grads, reference, nonfinite, scale)
+}
+
+/// Divergence of a variant's trajectory from the reference's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Drift {
+    /// |ℓ_t − ℓ_ref,t| / |ℓ_ref,t| for t = 1..=K.
+    pub loss_rel: Vec<f64>,
+    /// ‖θ_t − θ_ref,t‖ / ‖θ_ref,t‖ for t = 0..=K.
+    pub param_rel: Vec<f64>,
+    /// param_rel after the last step.
+    pub final_rel: f64,
+    /// param_rel after the first step.
+    pub one_step_rel: f64,
+    /// DRIFT_GROWTH_FACTOR × K × one_step_rel.
+    pub predicted_max: f64,
+    /// The final divergence exceeds the prediction.
+    pub grows_too_fast: bool,
+    /// Steps the fp16 loss scaler skipped.
+    pub skipped_steps: u32,
+}
+
+/// Compare a trajectory with the reference's.
+pub fn compare_drift(
+    losses: &[f64],
+    params: &[Vec<f64>],
+    skipped_steps: u32,
+    reference: &Reference,
+) -> Result<Drift> {
+    if params.len() != reference.params.len() || losses.len() != reference.losses.len() {
+        return Err(bad(
+            "drift",
+            format!(
+                "{} steps; the reference has {}",
+                losses.len(),
+                reference.losses.len()
+            ),
+        ));
+    }
+    let loss_rel: Vec<f64> = losses
+        .iter()
+        .zip(&reference.losses)
+        .map(|(&a, &b)| scalar_rel(a, b))
+        .collect();
+    let mut param_rel = Vec::with_capacity(params.len());
+    for (p, r) in params.iter().zip(&reference.params) {
+        if p.len() != r.len() {
+            return Err(bad(
+                "drift",
+                format!("{} trained values; the reference has {}", p.len(), r.len()),
+            ));
+        }
+        param_rel.push(rel_err(p, r));
+    }
+    let k = losses.len();
+    let final_rel = param_rel.last().copied().unwrap_or(0.0);
+    let one_step_rel = param_rel.get(1).copied().unwrap_or(final_rel);
+    let predicted_max = DRIFT_GROWTH_FACTOR * k as f64 * one_step_rel;
+    Ok(Drift {
+        // NaN counts as too fast.
+        grows_too_fast: k > 1
+            && !matches!(
+                final_rel.partial_cmp(&predicted_max),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            ),
+        loss_rel,
+        param_rel,
+        final_rel,
+        one_step_rel,
+        predicted_max,
+        skipped_steps,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The verification.
+
+/// The twin a variant was checked against.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TwinCheck {
+    pub twin: String,
+    /// `bitwise` (recompute twin) or `order` (attention-mode twin, bounded).
+    pub kind: &'static str,
+    /// Max per-tensor relative gradient difference (and for bitwise twins also the loss and the
+    /// drift trajectory must be identical).
+    pub max_diff: f64,
+    pub bound: f64,
+    pub ok: bool,
+}
+
+/// Everything verify says about one variant.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VariantReport {
+    pub name: String,
+    pub precision: Precision,
+    pub recompute: String,
+    pub attention: AttentionMode,
+    pub verdict: Verdict,
+    /// Why the verdict is not pass.
+    pub reasons: Vec<String>,
+    pub loss: Option<f64>,
+    pub loss_rel_err: Option<f64>,
+    pub grad_rel_err_max: Option<f64>,
+    pub grad_rel_err_median: Option<f64>,
+    pub worst_tensor: Option<String>,
+    pub cosine: Option<f64>,
+    pub nonfinite_share: Option<f64>,
+    pub loss_scale: Option<f64>,
+    pub tolerance_grad: f64,
+    pub tolerance_loss: f64,
+    pub twins: Vec<TwinCheck>,
+    pub drift_final: Option<f64>,
+    pub drift_one_step: Option<f64>,
+    pub drift_predicted_max: Option<f64>,
+    pub loss_drift_final: Option<f64>,
+    pub skipped_steps: Option<u32>,
+    pub drift: Option<Drift>,
+    pub per_tensor: Vec<TensorError>,
+}
+
+/// The result of a verification.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub reference_spec: Spec,
+    pub reference_variant: String,
+    pub reference_loss: f64,
+    pub options: VerifyOptions,
+    pub growth: Growth,
+    pub tolerances: Vec<Tolerance>,
+    pub warn_factor: f64,
+    pub twin_order_factor: f64,
+    pub drift_growth_factor: f64,
+    pub variants: Vec<VariantReport>,
+    pub passed: usize,
+    pub warned: usize,
+    pub failed: usize,
+    pub skipped: usize,
+}
+
+impl Report {
+    /// No variant failed.
+    pub fn ok(&self) -> bool {
+        self.failed == 0
+    }
+}
+
+/// What verify reports while it works (from the calling thread).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event<'a> {
+    /// Variant `index` (0-based) of `total` starts.
+    Start {
+        index: usize,
+        total: usize,
+        name: &'a str,
+    },
+    /// Variant `index` finished its drift step `step` of `steps`.
+    Step { index: usize, step: u32, steps: u32 },
+    /// Variant `index` is done.
+    Done { index: usize },
+}
+
+/// The raw results of one variant, kept for the twin checks.
+struct Run {
+    one: OneStep,
+    grads: Vec<Named>,
+    losses: Vec<f64>,
+    last_params: Vec<f64>,
+    drift: Option<Drift>,
+}
+
+fn run_variant(
+    base: &Spec,
+    v: &Variant,
+    opts: &VerifyOptions,
+    reference: &Reference,
+    step_done: &mut dyn FnMut(u32),
+) -> Result<Run> {
+    let spec = v.apply(base);
+    let (loss, mut grads, scale, nonfinite) = one_step(&spec, opts)?;
+    if let Some(f) = &v.fault {
+        f.apply(&mut grads)?;
+    }
+    let one = compare_one_step(loss, &grads, reference, nonfinite, scale)?;
+    let (losses, mut params, _, skipped) = trajectory(&spec, opts, step_done)?;
+    let drift = if opts.steps > 0 {
+        Some(compare_drift(&losses, &params, skipped, reference)?)
+    } else {
+        None
+    };
+    Ok(Run {
+        one,
+        grads,
+        losses,
+        last_params: params.pop().unwrap_or_default(),
+        drift,
+    })
+}
+
+/// Messages from the workers to the calling thread.
+enum Msg {
+    Start(usize),
+    Step(usize, u32),
+    Done(usize, Box<Result<Run>>),
+}
+
+/// Run every variant on `jobs` worker threads (each variant is independent and deterministic:
+/// its own trainer, weights, data and optimizer), reporting progress on the calling thread.
+fn run_all(
+    base: &Spec,
+    variants: &[Variant],
+    opts: &VerifyOptions,
+    reference: &Reference,
+    jobs: usize,
+    progress: &mut dyn FnMut(Event<'_>),
+) -> Vec<Result<Run>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    let n = variants.len();
+    let next = AtomicUsize::new(0);
+    let names: Vec<String> = variants.iter().map(Variant::name).collect();
+    let mut results: Vec<Option<Result<Run>>> = (0..n).map(|_| None).collect();
+    let steps = opts.steps;
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::channel::<Msg>();
+        for _ in 0..jobs.clamp(1, n.max(1)) {
+            let tx = tx.clone();
+            let next = &next;
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let _ = tx.send(Msg::Start(i));
+                let r = run_variant(base, &variants[i], opts, reference, &mut |s| {
+                    let _ = tx.send(Msg::Step(i, s));
+                });
+                let _ = tx.send(Msg::Done(i, Box::new(r)));
+            });
+        }
+        drop(tx);
+        for msg in rx {
+            match msg {
+                Msg::Start(i) => progress(Event::Start {
+                    index: i,
+                    total: n,
+                    name: &names[i],
+                }),
+                Msg::Step(i, s) => progress(Event::Step {
+                    index: i,
+                    step: s,
+                    steps,
+                }),
+                Msg::Done(i, r) => {
+                    progress(Event::Done { index: i });
+                    results[i] = Some(*r);
+                }
+            }
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(bad("verify", "a worker thread stopped early"))))
+        .collect()
+}
+
+fn max_grad_diff(a: &[Named], b: &[Named]) -> f64 {
+    let by: HashMap<&str, &Named> = b.iter().map(|g| (g.name.as_str(), g)).collect();
+    a.iter()
+        .map(|g| match by.get(g.name.as_str()) {
+            Some(h) if h.values.len() == g.values.len() => rel_err(&g.values, &h.values),
+            _ => f64::INFINITY,
+        })
+        .fold(0.0, f64::max)
+}
+
+fn bitwise_equal(a: &Run, b: &Run) -> bool {
+    let same = |x: &[f64], y: &[f64]| {
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+    };
+    a.one.loss.to_bits() == b.one.loss.to_bits()
+        && a.grads.len() == b.grads.len()
+        && a.grads
+            .iter()
+            .zip(&b.grads)
+            .all(|(g, h)| g.name == h.name && same(&g.values, &h.values))
+        && same(&a.losses, &b.losses)
+        && same(&a.last_params, &b.last_params)
+}
+
+/// Verify `variants` of `base` against `reference` (which must match; see
+/// [`Reference::check_matches`]).
+pub fn verify(
+    base: &Spec,
+    variants: &[Variant],
+    opts: &VerifyOptions,
+    reference: &Reference,
+    jobs: usize,
+    progress: &mut dyn FnMut(Event<'_>),
+) -> Result<Report> {
+    opts.check()?;
+    reference.check_matches(base, opts)?;
+    let growth = Growth::of(base)?;
+    let results = run_all(base, variants, opts, reference, jobs, progress);
+    let mut runs: Vec<Option<Run>> = Vec::with_capacity(variants.len());
+    let mut reports: Vec<VariantReport> = Vec::with_capacity(variants.len());
+    for (v, result) in variants.iter().zip(results) {
+        let tol = tolerance(v.precision, &growth);
+        let mut rep = VariantReport {
+            name: v.name(),
+            precision: v.precision,
+            recompute: v.recompute.to_string(),
+            attention: v.attention,
+            verdict: Verdict::Pass,
+            reasons: Vec::new(),
+            loss: None,
+            loss_rel_err: None,
+            grad_rel_err_max: None,
+            grad_rel_err_median: None,
+            worst_tensor: None,
+            cosine: None,
+            nonfinite_share: None,
+            loss_scale: None,
+            tolerance_grad: tol.grad,
+            tolerance_loss: tol.loss,
+            twins: Vec::new(),
+            drift_final: None,
+            drift_one_step: None,
+            drift_predicted_max: None,
+            loss_drift_final: None,
+            skipped_steps: None,
+            drift: None,
+            per_tensor: Vec::new(),
+        };
+        match result {
+            Ok(run) => {
+                judge(&mut rep, &run, &tol);
+                runs.push(Some(run));
+            }
+            Err(VerifyError::Engine(EngineError::Unsupported { feature, why })) => {
+                rep.verdict = Verdict::Skip;
+                rep.reasons
+                    .push(format!("{feature} is not supported by the engine: {why}"));
+                runs.push(None);
+            }
+            Err(e) => return Err(e),
+        }
+        reports.push(rep);
+    }
+    check_twins(variants, &runs, &mut reports, &growth);
+    let count = |x: Verdict| reports.iter().filter(|r| r.verdict == x).count();
+    Ok(Report {
+        reference_spec: reference.spec.clone(),
+        reference_variant: Variant::reference().name(),
+        reference_loss: reference.loss,
+        options: opts.clone(),
+        growth,
+        tolerances: Precision::ALL
+            .iter()
+            .map(|&p| tolerance(p, &growth))
+            .collect(),
+        warn_factor: WARN_FACTOR,
+        twin_order_factor: TWIN_ORDER_FACTOR,
+        drift_growth_factor: DRIFT_GROWTH_FACTOR,
+        passed: count(Verdict::Pass),
+        warned: count(Verdict::Warn),
+        failed: count(Verdict::Fail),
+        skipped: count(Verdict::Skip),
+        variants: reports,
+    })
+}
+
+fn raise(rep: &mut VariantReport, v: Verdict, why: String) {
+    if v > Verdict::Pass {
+        rep.verdict = rep.verdict.max(v);
+        rep.reasons.push(why);
+    }
+}
+
+/// The one-step verdict of a variant under a tolerance: the worse of the loss and the gradient
+/// verdicts; any non-finite gradient value fails.
+pub fn judge_one_step(one: &OneStep, tol: &Tolerance) -> Verdict {
+    let nonfinite = if one.nonfinite_share > 0.0 && one.loss_scale <= 1.0 {
+        Verdict::Fail
+    } else {
+        Verdict::Pass
+    };
+    Verdict::of(one.grad_rel_err_max, tol.grad)
+        .max(Verdict::of(one.loss_rel_err, tol.loss))
+        .max(nonfinite)
+}
+
+fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
+    let one = &run.one;
+    rep.loss = Some(one.loss);
+    rep.loss_rel_err = Some(one.loss_rel_err);
+    rep.grad_rel_err_max = Some(one.grad_rel_err_max);
+    rep.grad_rel_err_median = Some(one.grad_rel_err_median);
+    rep.worst_tensor = Some(one.worst_tensor.clone());
+    rep.cosine = Some(one.cosine);
+    rep.nonfinite_share = Some(one.nonfinite_share);
+    rep.loss_scale = Some(one.loss_scale);
+    rep.per_tensor = one.per_tensor.clone();
+    raise(
+        rep,
+        Verdict::of(one.grad_rel_err_max, tol.grad),
+        format!(
+            "gradient error {:.2e} ({}) vs tolerance {:.2e}",
+            one.grad_rel_err_max, one.worst_tensor, tol.grad
+        ),
+    );
+    raise(
+        rep,
+        Verdict::of(one.loss_rel_err, tol.loss),
+        format!(
+            "loss error {:.2e} vs tolerance {:.2e}",
+            one.loss_rel_err, tol.loss
+        ),
+    );
+    if one.nonfinite_share > 0.0 {
+        // Under fp16-mixed the scaler skips the step and halves the scale: a warning when a
+        // lower scale gave finite gradients, a failure otherwise.
+        let v = if one.loss_scale > 1.0 && one.grad_rel_err_max.is_finite() {
+            Verdict::Warn
+        } else {
+            Verdict::Fail
+        };
+        raise(
+            rep,
+            v,
+            format!(
+                "{:.2e} of the gradient values are not finite at the first loss scale{}",
+                one.nonfinite_share,
+                if v == Verdict::Warn {
+                    format!("; finite at scale {}", one.loss_scale)
+                } else {
+                    String::new()
+                }
+            ),
+        );
+    }
+    if let Some(d) = &run.drift {
+        rep.drift_final = Some(d.final_rel);
+        rep.drift_one_step = Some(d.one_step_rel);
+        rep.drift_predicted_max = Some(d.predicted_max);
+        rep.loss_drift_final = d.loss_rel.last().copied();
+        rep.skipped_steps = Some(d.skipped_steps);
+        let nonfinite = !d.final_rel.is_finite() || d.loss_rel.iter().any(|x| !x.is_finite());
+        if nonfinite {
+            raise(
+                rep,
+                Verdict::Fail,
+                "the drift run diverged (non-finite loss or weights)".into(),
+            );
+        } else if d.grows_too_fast {
+            raise(
+                rep,
+                Verdict::Warn,
+                format!(
+                    "drift grows faster than its first step predicts: {:.2e} after {} steps > {} × {} × {:.2e}",
+                    d.final_rel,
+                    d.loss_rel.len(),
+                    DRIFT_GROWTH_FACTOR,
+                    d.loss_rel.len(),
+                    d.one_step_rel
+                ),
+            );
+        }
+        if d.skipped_steps > 0 {
+            raise(
+                rep,
+                Verdict::Warn,
+                format!(
+                    "{} of {} drift steps skipped by the fp16 loss scaler",
+                    d.skipped_steps,
+                    d.loss_rel.len()
+                ),
+            );
+        }
+        rep.drift = Some(d.clone());
+    }
+}
+
+fn check_twins(
+    variants: &[Variant],
+    runs: &[Option<Run>],
+    reports: &mut [VariantReport],
+    growth: &Growth,
+) {
+    for i in 0..variants.len() {
+        let (v, Some(run)) = (&variants[i], &runs[i]) else {
+            continue;
+        };
+        // Recompute twin: the first earlier variant with the same precision and attention.
+        let twin = (0..i).find(|&j| {
+            variants[j].twin_key() == v.twin_key() && runs[j].is_some() && {
+                // A faulted variant is only a twin of an unfaulted one (it is the one under test).
+                variants[j].fault.is_none()
+            }
+        });
+        if let Some(j) = twin {
+            if let Some(other) = &runs[j] {
+                let ok = bitwise_equal(run, other);
+                let check = TwinCheck {
+                    twin: variants[j].name(),
+                    kind: "bitwise",
+                    max_diff: max_grad_diff(&run.grads, &other.grads),
+                    bound: 0.0,
+                    ok,
+                };
+                if !ok {
+                    raise(
+                        &mut reports[i],
+                        Verdict::Fail,
+                        format!(
+                            "not bitwise identical to its recompute twin {} (gradient difference {:.2e})",
+                            check.twin, check.max_diff
+                        ),
+                    );
+                }
+                reports[i].twins.push(check);
+            }
+        }
+        // Attention-order twin: same precision and recompute, the other attention mode.
+        if v.attention == AttentionMode::MemoryEfficient {
+            let twin = (0..variants.len()).find(|&j| {
+                variants[j].precision == v.precision
+                    && variants[j].recompute == v.recompute
+                    && variants[j].attention == AttentionMode::Materialized
+                    && variants[j].fault.is_none()
+                    && runs[j].is_some()
+            });
+            if let (Some(j), Some(other)) = (twin, twin.and_then(|j| runs[j].as_ref())) {
+                let tol = tolerance(v.precision, growth);
+                let bound = TWIN_ORDER_FACTOR * tol.grad;
+                let max_diff = max_grad_diff(&run.grads, &other.grads);
+                let ok = max_diff <= bound;
+                let check = TwinCheck {
+                    twin: variants[j].name(),
+                    kind: "order",
+                    max_diff,
+                    bound,
+                    ok,
+                };
+                if !ok {
+                    raise(
+                        &mut reports[i],
+                        Verdict::of(max_diff, bound).max(Verdict::Warn),
+                        format!(
+                            "differs from its attention twin {} by {:.2e} > {} × tolerance = {:.2e}",
+                            check.twin, max_diff, TWIN_ORDER_FACTOR, bound
+                        ),
+                    );
+                }
+                reports[i].twins.push(check);
+            }
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! `verify`: planted bugs fail, recompute twins are bitwise identical, the tolerances separate
+//! dtypes, the drift rule flags super-linear growth, and the reference survives a round trip
+//! through safetensors while a mismatched spec is refused.
+
+use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
+use ditmem_engine::verify::{
+    check_one_step, compare_drift, compute_reference, judge_one_step, parse_variants, tolerance,
+    tolerance_for, unit_roundoff, verify, Fault, Growth, Reference, Variant, Verdict, VerifyError,
+    VerifyOptions,
+};
+
+/// The verify default: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens), batch 4.
+fn tiny() -> Spec {
+    let mut s = Spec::default_xl();
+    s.model.name = "tiny".into();
+    s.model.depth = 2;
+    s.model.hidden = 64;
+    s.model.heads = 4;
+    s.model.patch = 2;
+    s.model.num_classes = 10;
+    s.workload.height = 128;
+    s.workload.width = 128;
+    s.workload.batch = 4;
+    s.workload.microbatch = 4;
+    s.workload.accumulation = 1;
+    s.recipe.recompute = Recompute::None;
+    s.recipe.ema.enabled = false;
+    s.validate().unwrap();
+    s
+}
+
+fn opts(steps: u32) -> VerifyOptions {
+    VerifyOptions {
+        steps,
+        ..VerifyOptions::default()
+    }
+}
+
+fn reference(spec: &Spec, o: &VerifyOptions) -> Reference {
+    compute_reference(spec, o, &mut |_| {}).unwrap()
+}
+
+fn v(p: Precision, r: Recompute, a: AttentionMode) -> Variant {
+    Variant::new(p, r, a)
+}
+
+#[test]
+fn a_dropped_gradient_fails_verification() {
+    let base = tiny();
+    let o = opts(2);
+    let r = reference(&base, &o);
+    let victim = "blocks.0.mlp.fc1.weight".to_string();
+    let mut variants = Vec::new();
+    for p in [Precision::Fp32, Precision::Bf16Mixed] {
+        let clean = v(p, Recompute::None, AttentionMode::Materialized);
+        let mut bad = clean.clone();
+        bad.fault = Some(Fault::ZeroGradient(victim.clone()));
+        variants.push(clean);
+        variants.push(bad);
+    }
+    let rep = verify(&base, &variants, &o, &r, 2, &mut |_| {}).unwrap();
+    for pair in rep.variants.chunks(2) {
+        let (clean, bad) = (&pair[0], &pair[1]);
+        assert_eq!(
+            clean.verdict,
+            Verdict::Pass,
+            "{}: {:?}",
+            clean.name,
+            clean.reasons
+        );
+        assert_eq!(
+            bad.verdict,
+            Verdict::Fail,
+            "{}: {:?}",
+            bad.name,
+            bad.reasons
+        );
+        assert_eq!(bad.worst_tensor.as_deref(), Some(victim.as_str()));
+        assert!((bad.grad_rel_err_max.unwrap() - 1.0).abs() < 1e-12);
+    }
+    assert_eq!(rep.failed, 2);
+    assert!(!rep.ok());
+}
+
+#[test]
+fn a_forgotten_loss_scale_division_fails() {
+    // fp16-mixed computes gradients at a loss scale of 2^16; forgetting to divide one tensor's
+    // gradient by 2 (a half-applied unscale) must not pass under the fp16 tolerance.
+    let base = tiny();
+    let o = opts(0);
+    let r = reference(&base, &o);
+    let mut bad = v(
+        Precision::Fp16Mixed,
+        Recompute::None,
+        AttentionMode::Materialized,
+    );
+    bad.fault = Some(Fault::ScaleGradient(
+        "final_layer.linear.weight".into(),
+        2,
+        1,
+    ));
+    let one = check_one_step(&base, &bad, &o, &r).unwrap();
+    let g = Growth::of(&base).unwrap();
+    assert_eq!(
+        judge_one_step(&one, &tolerance(Precision::Fp16Mixed, &g)),
+        Verdict::Fail
+    );
+}
+
+#[test]
+fn recompute_twins_are_bitwise_identical() {
+    let base = tiny();
+    let o = opts(3);
+    let r = reference(&base, &o);
+    let variants = parse_variants(
+        "fp32/*/materialized,bf16-mixed/none/memory-efficient,bf16-mixed/all/memory-efficient",
+    )
+    .unwrap();
+    assert_eq!(variants.len(), 5);
+    let rep = verify(&base, &variants, &o, &r, 2, &mut |_| {}).unwrap();
+    let bitwise: Vec<_> = rep
+        .variants
+        .iter()
+        .flat_map(|v| v.twins.iter().filter(|t| t.kind == "bitwise"))
+        .collect();
+    // fp32: all and attention-only against none; bf16-mixed memory-efficient: all against none.
+    assert_eq!(bitwise.len(), 3);
+    for t in bitwise {
+        assert!(t.ok, "{} is not bitwise identical", t.twin);
+        assert_eq!(t.max_diff, 0.0);
+    }
+    // Same numbers, bit for bit, in the report too.
+    let a = &rep.variants[0];
+    for b in &rep.variants[1..3] {
+        assert_eq!(a.loss.unwrap().to_bits(), b.loss.unwrap().to_bits());
+        assert_eq!(a.drift_final, b.drift_final);
+        assert_eq!(a.per_tensor, b.per_tensor);
+    }
+    assert!(rep.ok());
+}
+
+#[test]
+fn a_recompute_twin_that_differs_fails() {
+    // A planted fault on the recomputed twin only: its one-step errors may even stay within the
+    // fp32 tolerance (a tiny scaling), but it is no longer bitwise identical to storing.
+    let base = tiny();
+    let o = opts(0);
+    let r = reference(&base, &o);
+    let none = v(
+        Precision::Fp32,
+        Recompute::None,
+        AttentionMode::Materialized,
+    );
+    let mut all = v(Precision::Fp32, Recompute::All, AttentionMode::Materialized);
+    all.fault = Some(Fault::ScaleGradient(
+        "blocks.1.attn.proj.bias".into(),
+        1 << 30,
+        (1 << 30) - 1,
+    ));
+    let rep = verify(&base, &[none, all], &o, &r, 1, &mut |_| {}).unwrap();
+    let twin = &rep.variants[1].twins[0];
+    assert_eq!(twin.kind, "bitwise");
+    assert!(!twin.ok);
+    assert_eq!(rep.variants[1].verdict, Verdict::Fail);
+    assert!(
+        rep.variants[1].grad_rel_err_max.unwrap() < rep.variants[1].tolerance_grad,
+        "the fault should hide under the tolerance so only the twin check catches it"
+    );
+}
+
+#[test]
+fn bf16_mixed_passes_its_tolerance_and_fails_the_fp32_one() {
+    let base = tiny();
+    let o = opts(0);
+    let r = reference(&base, &o);
+    let g = Growth::of(&base).unwrap();
+    let bf16 = v(
+        Precision::Bf16Mixed,
+        Recompute::None,
+        AttentionMode::Materialized,
+    );
+    let one = check_one_step(&base, &bf16, &o, &r).unwrap();
+    let own = tolerance(Precision::Bf16Mixed, &g);
+    let fp32 = tolerance_for(Precision::Bf16Mixed, Dtype::F32, &g);
+    assert_eq!(own.dtype, Dtype::Bf16);
+    assert_eq!(judge_one_step(&one, &own), Verdict::Pass, "{one:?}");
+    assert_eq!(judge_one_step(&one, &fp32), Verdict::Fail, "{one:?}");
+    // And fp32 itself passes the fp32 tolerance: the tolerance is not simply too tight.
+    let f = check_one_step(
+        &base,
+        &v(
+            Precision::Fp32,
+            Recompute::None,
+            AttentionMode::Materialized,
+        ),
+        &o,
+        &r,
+    )
+    .unwrap();
+    assert_eq!(judge_one_step(&f, &fp32), Verdict::Pass, "{f:?}");
+    assert!(one.cosine > 0.999 && one.cosine < 1.0);
+    assert_eq!(one.nonfinite_share, 0.0);
+}
+
+#[test]
+fn tolerances_follow_the_unit_roundoff() {
+    let g = Growth::of(&tiny()).unwrap();
+    // K = max(D, 4D, F, C·p², s, b·s) = max(64, 256, 256, 16, 64, 256); P = 2·(6·2 + 2).
+    assert_eq!(
+        (g.reduction, g.gradient_chain, g.forward_chain),
+        (256, 28, 14)
+    );
+    assert_eq!(unit_roundoff(Dtype::F32), 2f64.powi(-24));
+    assert_eq!(unit_roundoff(Dtype::Bf16), 2f64.powi(-8));
+    assert_eq!(unit_roundoff(Dtype::F16), 2f64.powi(-11));
+    let t32 = tolerance(Precision::Fp32, &g);
+    let tbf = tolerance(Precision::Bf16Mixed, &g);
+    let tf16 = tolerance(Precision::Fp16Mixed, &g);
+    assert!((t32.grad - 2f64.powi(-24) * 16.0 * 28f64.sqrt()).abs() < 1e-18);
+    assert!((tbf.grad / t32.grad - 65536.0).abs() < 1e-9);
+    assert!((tf16.grad / t32.grad - 8192.0).abs() < 1e-9);
+    // Mixed policies use the compute dtype's roundoff; bf16-pure the same compute dtype.
+    assert_eq!(tolerance(Precision::Bf16Pure, &g).grad, tbf.grad);
+}
+
+#[test]
+fn the_drift_rule_flags_super_linear_growth() {
+    // A synthetic reference and two synthetic variants: errors growing linearly (each step adds
+    // the first step's error) and growing quadratically.
+    let n = 4;
+    let k = 20;
+    let base: Vec<f64> = (0..n).map(|i| 1.0 + i as f64).collect();
+    let reference = Reference {
+        spec: tiny(),
+        options: opts(k),
+        version: "test".into(),
+        loss: 1.0,
+        gradients: Vec::new(),
+        names: vec!["w".into()],
+        losses: vec![1.0; k as usize],
+        params: vec![base.clone(); k as usize + 1],
+    };
+    let traj = |f: &dyn Fn(usize) -> f64| -> Vec<Vec<f64>> {
+        (0..=k as usize)
+            .map(|t| base.iter().map(|x| x * (1.0 + f(t))).collect())
+            .collect()
+    };
+    let e = 1e-6;
+    let linear = traj(&|t| e * t as f64);
+    let d = compare_drift(&vec![1.0; k as usize], &linear, 0, &reference).unwrap();
+    assert!(!d.grows_too_fast, "{d:?}");
+    assert!((d.final_rel - e * k as f64).abs() < 1e-12);
+    let quadratic = traj(&|t| e * (t * t * t) as f64);
+    let d = compare_drift(&vec![1.0; k as usize], &quadratic, 0, &reference).unwrap();
+    assert!(d.grows_too_fast, "{d:?}");
+    // Bitwise-identical trajectories have zero drift and are not flagged.
+    let same = traj(&|_| 0.0);
+    let d = compare_drift(&vec![1.0; k as usize], &same, 0, &reference).unwrap();
+    assert_eq!((d.final_rel, d.grows_too_fast), (0.0, false));
+}
+
+#[test]
+fn reference_round_trips_and_refuses_another_spec() {
+    let base = tiny();
+    let o = opts(2);
+    let r = reference(&base, &o);
+    assert_eq!(r.losses.len(), 2);
+    assert_eq!(r.params.len(), 3);
+    assert!(!r.gradients.is_empty());
+    let bytes = r.to_safetensors().unwrap();
+    let back = Reference::from_safetensors(&bytes).unwrap();
+    assert_eq!(back, r);
+    back.check_matches(&base, &o).unwrap();
+    // Any spec whose base differs is refused, naming the field.
+    let mut deeper = base.clone();
+    deeper.model.depth = 3;
+    match back.check_matches(&deeper, &o) {
+        Err(VerifyError::Mismatch {
+            what,
+            stored,
+            current,
+        }) => {
+            assert_eq!(what, "spec field model.depth");
+            assert_eq!((stored.as_str(), current.as_str()), ("2", "3"));
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+    // The variant fields are not part of the match: the reference is fp64/none/materialized.
+    let mut bf = base.clone();
+    bf.recipe.precision = Precision::Bf16Pure;
+    back.check_matches(&bf, &o).unwrap();
+    // Other seeds or step counts are refused too.
+    let other_seed = VerifyOptions {
+        seed: 7,
+        ..o.clone()
+    };
+    assert!(matches!(
+        back.check_matches(&base, &other_seed),
+        Err(VerifyError::Mismatch { ref what, .. }) if what == "seed"
+    ));
+    // Garbage is an error, not a panic.
+    assert!(matches!(
+        Reference::from_safetensors(b"not a file"),
+        Err(VerifyError::Reference { .. })
+    ));
+    let mut cut = bytes.clone();
+    cut.truncate(bytes.len() / 2);
+    assert!(Reference::from_safetensors(&cut).is_err());
+}
+
+#[test]
+fn variant_syntax() {
+    let all = parse_variants("*").unwrap();
+    assert_eq!(all.len(), 30);
+    assert_eq!(all, ditmem_engine::verify::default_variants());
+    let some = parse_variants("bf16-mixed/all/materialized, fp32/none/memory-efficient").unwrap();
+    assert_eq!(
+        some.iter().map(Variant::name).collect::<Vec<_>>(),
+        ["bf16-mixed/all/materialized", "fp32/none/memory-efficient"]
+    );
+    let blocks = parse_variants("fp16-mixed/blocks:0+1/mem-efficient").unwrap();
+    assert_eq!(blocks[0].recompute, Recompute::Blocks(vec![0, 1]));
+    assert_eq!(blocks[0].name(), "fp16-mixed/blocks:0+1/memory-efficient");
+    assert_eq!(parse_variants("fp32").unwrap().len(), 6);
+    for bad in [
+        "fp33/none/materialized",
+        "fp32/sometimes",
+        "fp32/none/flash",
+        "a/b/c/d",
+        "",
+    ] {
+        assert!(
+            matches!(parse_variants(bad), Err(VerifyError::Variant { .. })),
+            "{bad}"
+        );
+    }
+}
