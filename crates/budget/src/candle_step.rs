@@ -225,12 +225,12 @@ fn seg(
     let mut roots = vec![root];
     roots.extend_from_slice(held);
     let (act, casts) = kept_bytes(g, &roots);
-    let leaf_b = leaf.map_or(0, |l| g.nodes[l].footprint());
-    let out_b = output.map_or(0, |o| g.nodes[o].footprint());
-    let root_b: u64 = g.nodes[g.nodes.len() - root_nodes..]
-        .iter()
-        .map(|n| n.footprint())
-        .sum();
+    let keep = candle::retained(g, &roots);
+    let kept = |x: Nid| if keep[x] { g.nodes[x].footprint() } else { 0 };
+    let leaf_b = leaf.map_or(0, kept);
+    let out_b = output.map_or(0, kept);
+    // The surrogate root's own nodes exist only during backward.
+    let root_b: u64 = (g.nodes.len() - root_nodes..g.nodes.len()).map(kept).sum();
     let bw = backward(g, root);
     SegSim {
         activations: act - leaf_b - out_b - root_b,
