@@ -5,10 +5,10 @@
 //! (2 for bad input).
 
 mod args;
+mod compare_cmd;
 mod conditions;
 mod output;
 mod plan_cmd;
-#[allow(dead_code)] // used by compare, verify and plan as they land
 mod plot;
 mod render;
 mod run_cmd;
@@ -58,6 +58,10 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Execute the recipe on a real DiT training step (candle, CPU) and measure peak and time.
     Run(run_cmd::RunArgs),
+    /// Run the engine on a spec and hold the budget's prediction against the measurement.
+    Compare(compare_cmd::CompareArgs),
+    /// Run the agreement grid (40+ small specs) and report max and median |pred/meas − 1|.
+    Agree(compare_cmd::AgreeArgs),
     /// Hold precision / recompute / attention variants against a float64 reference: loss and
     /// gradients on a fixed batch, tolerances by dtype, bitwise recompute twins, drift over K
     /// steps (exit 4 when a variant fails).
@@ -122,6 +126,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             }
         }
         Command::Run(args) => run_cmd::run(args, &ALLOC)?,
+        Command::Compare(args) => compare_cmd::compare(args, &ALLOC)?,
+        Command::Agree(args) => compare_cmd::agree_grid(args, &ALLOC)?,
         Command::Verify(args) => verify_cmd::run(args)?,
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Spec { spec, json } => {

@@ -35,6 +35,7 @@
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
 //! output).
 
+pub mod agree;
 pub mod attention;
 pub mod block;
 pub mod diffusion;
