@@ -1,0 +1,164 @@
+//! `ditmem verify` as a user runs it: JSON fields, a stored reference reloaded, a mismatched or
+//! corrupted reference, the drift plot, and bad input.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn ditmem(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ditmem-verify-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+const FEW: &str = "fp32/none/materialized,fp32/all/materialized,bf16-mixed/none/memory-efficient";
+
+#[test]
+fn json_has_the_documented_fields_and_a_reference_reloads() {
+    let refp = temp("ref.safetensors");
+    let svg = temp("drift.svg");
+    let (code, out, err) = ditmem(&[
+        "verify",
+        "--variants",
+        FEW,
+        "--steps",
+        "3",
+        "--json",
+        "--save-reference",
+        refp.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    let vars = v["variants"].as_array().unwrap();
+    assert_eq!(vars.len(), 3);
+    for x in vars {
+        for f in [
+            "name",
+            "verdict",
+            "loss_rel_err",
+            "grad_rel_err_max",
+            "drift_final",
+        ] {
+            assert!(!x[f].is_null(), "{f} missing in {x}");
+        }
+        assert_eq!(x["verdict"], "pass");
+    }
+    assert_eq!(vars[1]["twins"][0]["kind"], "bitwise");
+    assert_eq!(vars[1]["twins"][0]["ok"], true);
+    assert_eq!(v["reference_variant"], "fp64/none/materialized");
+    assert_eq!(v["reference_source"], "computed");
+    assert_eq!(v["conditions"]["device"], "cpu");
+    assert_eq!(v["options"]["steps"], 3);
+    assert!(v["tolerances"].as_array().unwrap().len() == 5);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("<svg") && text.contains("fp32"));
+
+    // Reloaded: the same numbers, the reference not recomputed, steps taken from the file.
+    let (code, out2, err) = ditmem(&[
+        "verify",
+        "--variants",
+        FEW,
+        "--json",
+        "--reference",
+        refp.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr: {err}");
+    let w: serde_json::Value = serde_json::from_str(&out2).unwrap();
+    assert_eq!(w["reference_source"], refp.to_str().unwrap());
+    for (a, b) in vars.iter().zip(w["variants"].as_array().unwrap()) {
+        assert_eq!(a["grad_rel_err_max"], b["grad_rel_err_max"]);
+        assert_eq!(a["drift_final"], b["drift_final"]);
+    }
+
+    // Another spec is refused with one line and exit 2.
+    let (code, _, err) = ditmem(&[
+        "verify",
+        "--variants",
+        FEW,
+        "--resolution",
+        "64",
+        "--reference",
+        refp.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "stderr: {err}");
+    assert!(
+        err.contains("does not match") && err.contains("workload.height"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// Multiply the stored reference loss by 1.5 in place (safetensors: u64 header length, JSON
+/// header, then the data; offsets relative to the data).
+fn corrupt_loss(path: &PathBuf) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let off = header["loss"]["data_offsets"][0].as_u64().unwrap() as usize + 8 + n;
+    let loss = f64::from_le_bytes(bytes[off..off + 8].try_into().unwrap());
+    bytes[off..off + 8].copy_from_slice(&(loss * 1.5).to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_failing_variant_exits_4() {
+    let refp = temp("bad-ref.safetensors");
+    let (code, _, err) = ditmem(&[
+        "verify",
+        "--variants",
+        "fp32/none/materialized",
+        "--steps",
+        "0",
+        "--json",
+        "--save-reference",
+        refp.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "stderr: {err}");
+    corrupt_loss(&refp);
+    let (code, out, err) = ditmem(&[
+        "verify",
+        "--variants",
+        "fp32/none/materialized",
+        "--reference",
+        refp.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 4, "stdout: {out} stderr: {err}");
+    assert!(out.contains("FAIL") && out.contains("loss error"), "{out}");
+    assert!(err.contains("verification failed"), "{err}");
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_2() {
+    for args in [
+        vec!["verify", "--variants", "fp33/none/materialized"],
+        vec!["verify", "--variants", "fp32/none/flash"],
+        vec!["verify", "--reference", "/nonexistent/ref.safetensors"],
+        vec!["verify", "--lr=-1"],
+        vec!["verify", "--jobs", "0"],
+        vec!["verify", "--steps", "0", "--plot", "/tmp/x.svg"],
+    ] {
+        let (code, _, err) = ditmem(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("ditmem: "), "{err}");
+    }
+    // A file that is not a reference.
+    let junk = temp("junk.safetensors");
+    std::fs::write(&junk, b"not safetensors").unwrap();
+    let (code, _, err) = ditmem(&["verify", "--reference", junk.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("reference"), "{err}");
+}
