@@ -62,6 +62,9 @@ pub struct Sims {
     /// Transient bytes of the embed forward beyond its graph (host f64 latents, the noisy
     /// latents and their patchified copy).
     pub embed_scratch: u64,
+    /// What the embed's locals still hold after its backward, until `microbatch` returns
+    /// (activations, weight casts).
+    pub embed_tail: (u64, u64),
 }
 
 pub fn shape(d: &Dims) -> BlockShape {
@@ -284,6 +287,12 @@ pub fn sims(spec: &Spec) -> Sims {
     let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
     let r = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
     let held = eg.bound();
+    let tail: Vec<Nid> = held
+        .iter()
+        .copied()
+        .filter(|&n| n != x0 && n != c)
+        .collect();
+    let embed_tail = kept_bytes(&eg, &tail);
     let mut embed = seg(&eg, None, Some(x0), r, 5, &held);
     embed.fwd_peak = fwd;
 
@@ -299,6 +308,7 @@ pub fn sims(spec: &Spec) -> Sims {
         final_layer,
         c_leaf: bd * ad.size() + candle::TENSOR_META + candle::STORAGE_META,
         embed_scratch: scratch,
+        embed_tail,
     }
 }
 
@@ -635,10 +645,14 @@ pub fn replay(
                 inside,
             );
         }
+        // x0, c, gx and gc are dropped; the other locals of `microbatch` (patches, timestep
+        // features, t_emb, y_emb and what they still hold) and the microbatch slice live until
+        // the function returns, just after this mark.
         live.workspace -= es.bwd_store + gx_bytes + bd;
         live.activations -= es.activations + es.output + sims.c_leaf;
         live.weight_casts -= es.weight_casts;
-        live.data -= batch_bytes(u64::from(w.microbatch));
+        live.activations += sims.embed_tail.0;
+        live.weight_casts += sims.embed_tail.1;
         push(
             Phase::Backward,
             tag(mb, "embed".into()),
@@ -647,6 +661,9 @@ pub fn replay(
             false,
             live,
         );
+        live.activations -= sims.embed_tail.0;
+        live.weight_casts -= sims.embed_tail.1;
+        live.data -= batch_bytes(u64::from(w.microbatch));
     }
 
     // Optimizer: gradient norm, the update, the EMA.

@@ -1,0 +1,41 @@
+//! One truth for memory: the budget's step timeline against the engine's counting allocator on
+//! a representative half of the agreement grid (every second spec: all precisions, recompute
+//! policies, both attention modes, accumulation, resolutions, LoRA, optimizers).
+
+use ditmem_engine::agree::{grid, measure_and_compare, summarize};
+use ditmem_engine::CountingAlloc;
+
+#[global_allocator]
+static A: CountingAlloc = CountingAlloc::new();
+
+#[test]
+fn budget_predicts_the_measured_step_peak_within_two_percent() {
+    let mut results = Vec::new();
+    for (name, spec) in grid().into_iter().step_by(2) {
+        let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
+        assert!(
+            a.rel_error.abs() <= 0.02,
+            "{name}: predicted {} vs measured {} ({:+.3} %)",
+            a.predicted_peak_bytes,
+            a.measured_peak_bytes,
+            100.0 * a.rel_error
+        );
+        // The boundaries between segments line up too (within 2 % of the peak).
+        assert!(!a.boundaries.is_empty(), "{name}: boundaries line up");
+        assert!(
+            a.boundary_max_rel_error <= 0.02,
+            "{name}: boundary gap {:.3} %",
+            100.0 * a.boundary_max_rel_error
+        );
+        results.push(a);
+    }
+    let s = summarize(&results);
+    assert!(s.specs >= 20);
+    eprintln!(
+        "{} specs: max {:.3} % ({}), median {:.3} %",
+        s.specs,
+        100.0 * s.max_abs_rel_error,
+        s.worst,
+        100.0 * s.median_abs_rel_error
+    );
+}
