@@ -28,6 +28,31 @@ pub fn grad_dtype(p: Precision) -> Dtype {
     }
 }
 
+/// Threads candle's CPU kernels use: `RAYON_NUM_THREADS` when set, else every logical core.
+pub fn threads() -> u64 {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get() as u64)
+        })
+        .unwrap_or(1)
+}
+
+/// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls:
+/// 1 MiB for the calling thread and about 2 MiB per pool worker, measured with the counting
+/// allocator on this project's 2-core machines (1,049,600 B with 1 thread, 3,165,832 B with 2,
+/// 5,277,064 B with 4). They are sized from the CPU's caches, so other machines differ a little;
+/// `ditmem compare` reports the measured value beside this one.
+pub fn gemm_workspace_bytes(threads: u64) -> u64 {
+    const MAIN: u64 = 1_049_600;
+    const PER_WORKER: u64 = 2_113_000;
+    MAIN + threads.saturating_sub(1) * PER_WORKER
+}
+
 /// The results of simulating one segment's graph.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SegSim {
@@ -170,9 +195,7 @@ pub fn final_graph(dims: &Dims) -> (Graph, Nid, Nid) {
     let x = g.var("final leaf", e, ad, true);
     let c = g.var("c (shared leaf)", bd, ad, false);
     let md = candle::ada_ln(&mut g, &sh, "final_layer.adaLN_modulation.1", c, 2, None);
-    let n = candle::layer_norm(&mut g, "final norm", x, rows);
-    let h = candle::modulate(&mut g, "final modulate", n, md[0], md[1], bd);
-    let h = g.cast(&format!("final modulate→{cd}"), h, cd);
+    let h = candle::ln_modulate(&mut g, "final norm+modulate", x, md[0], md[1], rows, cd);
     let h = g.view("reshape(b·s, D)", Kind::Reshape, h, e);
     let out_el = rows * p2 * dims.c_out;
     let y = candle::linear(
@@ -385,6 +408,7 @@ pub fn replay(
         optimizer_state: st.optimizer_state,
         ema: st.ema,
         data: batch_bytes(per_step),
+        runtime: gemm_workspace_bytes(threads()),
         ..Breakdown::default()
     };
     let mut ev: Vec<Event> = Vec::new();

@@ -38,6 +38,8 @@ pub struct Breakdown {
     pub encoder: u64,
     /// The microbatch: latents, noise, timesteps, labels (and images when encoding).
     pub data: u64,
+    /// What the executor itself holds: candle's per-thread matmul packing buffers (ditmem-cpu).
+    pub runtime: u64,
 }
 
 impl Breakdown {
@@ -46,7 +48,7 @@ impl Breakdown {
     }
 
     /// (name, bytes) pairs in display order.
-    pub fn entries(&self) -> [(&'static str, u64); 10] {
+    pub fn entries(&self) -> [(&'static str, u64); 11] {
         [
             ("weights", self.weights),
             ("master_weights", self.master_weights),
@@ -58,6 +60,7 @@ impl Breakdown {
             ("workspace", self.workspace),
             ("encoder", self.encoder),
             ("data", self.data),
+            ("runtime", self.runtime),
         ]
     }
 

@@ -136,8 +136,8 @@ fn render_compare(b: &Budget, r: &CompareReport) -> String {
         100.0 * a.boundary_max_rel_error
     ));
     o.push_str(&format!(
-        "before the step: predicted {} (model states and batch), measured {}; the {} between them is \
-         candle's per-thread matmul packing buffers and the trainer's bookkeeping\n\n",
+        "before the step: predicted {} (model states, batch, candle's matmul packing buffers), measured {}; \
+         the {} between them is the trainer's own bookkeeping (names, maps) and allocator slack\n\n",
         fmt_bytes(a.predicted_resident_bytes),
         fmt_bytes(a.measured_resident_bytes),
         fmt_bytes(a.runtime_overhead_bytes.unsigned_abs())

@@ -3,9 +3,9 @@
 //!
 //! The compared quantity is the step's own memory: the peak above the live bytes just before the
 //! step (after warm-up, so optimizer state exists). What lives before the step is compared
-//! separately (`resident`): the engine's process also holds candle's per-thread matmul packing
-//! buffers and the trainer's bookkeeping, which the budget does not count as model state and
-//! reports as the runtime overhead.
+//! separately (`resident`): model states, the batch and candle's per-thread matmul packing
+//! buffers are predicted; the trainer's own bookkeeping (parameter names, maps) is not, and shows
+//! as the small remaining overhead.
 
 use ditmem_budget::timeline::Phase as BudgetPhase;
 use ditmem_budget::{Budget, Spec};
@@ -40,7 +40,7 @@ pub struct Agreement {
     /// (above the process's own heap before the trainer existed).
     pub predicted_resident_bytes: u64,
     pub measured_resident_bytes: u64,
-    /// measured − predicted resident: candle's matmul packing buffers and bookkeeping.
+    /// measured − predicted resident: the trainer's bookkeeping.
     pub runtime_overhead_bytes: i64,
     /// Boundaries of the last measured step, when their labels line up.
     pub boundaries: Vec<BoundaryPoint>,
