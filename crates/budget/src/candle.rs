@@ -62,6 +62,15 @@ pub enum Kind {
     Attention {
         bwd_scratch: u64,
     },
+    /// A fused op of the engine (`ditmem_engine::ops`): its output is a fresh buffer, what it
+    /// saves beyond its inputs is the node's `extra`, and its backward allocates `bwd_scratch`
+    /// bytes of workspace alive while it makes one fresh, untracked gradient per input that
+    /// tracks (in that input's size), then frees the workspace; candle then folds each gradient
+    /// into the store with `or_insert` + `add`. Nothing computed in the backward tracks, so no
+    /// temporaries chain into the store.
+    Custom {
+        bwd_scratch: u64,
+    },
 }
 
 /// One tensor of a graph.
@@ -136,6 +145,18 @@ impl Graph {
             && inputs
                 .first()
                 .is_some_and(|&i| self.nodes[i].kind == Kind::Var && self.nodes[i].weight_cast);
+        let fwd_scratch = if kind == Kind::Matmul {
+            bf16_matmul_scratch(
+                dtype,
+                inputs
+                    .iter()
+                    .map(|&i| self.nodes[self.storage(i)].elems)
+                    .sum(),
+                elems,
+            )
+        } else {
+            0
+        };
         self.nodes.push(Node {
             name: name.into(),
             kind,
@@ -145,7 +166,7 @@ impl Graph {
             alloc,
             tracks,
             extra: 0,
-            fwd_scratch: 0,
+            fwd_scratch,
             weight_cast,
             bound: false,
         });
@@ -256,6 +277,18 @@ impl Graph {
     }
 }
 
+/// Transient bytes of a bf16 matmul on CPU: candle 0.11 has no bf16 gemm kernel, so it widens
+/// both operands' whole storages to f32, multiplies in f32 and narrows the result back
+/// (`CpuStorage::matmul`): three f32 buffers alive beside the bf16 output. `inputs` counts the
+/// elements of both operands' storages.
+pub fn bf16_matmul_scratch(dtype: Dtype, inputs: u64, out: u64) -> u64 {
+    if dtype == Dtype::Bf16 {
+        4 * (inputs + out)
+    } else {
+        0
+    }
+}
+
 fn is_view(k: Kind) -> bool {
     matches!(
         k,
@@ -297,7 +330,7 @@ pub fn to_segment(g: &Graph, name: &str) -> crate::graph::Segment {
                 extra_saved: n.extra,
                 fwd_scratch: n.fwd_scratch,
                 bwd_scratch: match n.kind {
-                    Kind::Attention { bwd_scratch } => bwd_scratch,
+                    Kind::Attention { bwd_scratch } | Kind::Custom { bwd_scratch } => bwd_scratch,
                     _ => 0,
                 },
             });
@@ -614,9 +647,21 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
             }
             Kind::Matmul => {
                 let (l, r) = (ins[0], ins[1]);
+                let el = |i: Nid| g.nodes[g.storage(i)].elems;
+                // grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
+                let w = h.obj(
+                    bf16_matmul_scratch(node.dtype, node.elems + el(r), g.nodes[l].elems),
+                    vec![],
+                );
                 let lg = h.make(g, bytes(l), &[grad, Val::Fwd(r)]);
+                h.dec(w);
                 acc(&mut h, g, &mut store, l, lg);
+                let w = h.obj(
+                    bf16_matmul_scratch(node.dtype, el(l) + node.elems, g.nodes[r].elems),
+                    vec![],
+                );
                 let rg = h.make(g, bytes(r), &[Val::Fwd(l), grad]);
+                h.dec(w);
                 acc(&mut h, g, &mut store, r, rg);
                 locals.extend([lg, rg]);
             }
@@ -795,6 +840,20 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                     acc(&mut h, g, &mut store, i, d);
                 }
             }
+            Kind::Custom { bwd_scratch } => {
+                // `c.bwd(..)` returns all gradients before candle adds any of them.
+                let scratch = h.make(g, bwd_scratch, &[]);
+                let grads: Vec<(Nid, Val)> = ins
+                    .iter()
+                    .filter(|&&i| g.nodes[i].tracks)
+                    .map(|&i| (i, h.make(g, bytes(i), &[])))
+                    .collect();
+                h.drop_val(scratch);
+                for &(i, d) in &grads {
+                    acc(&mut h, g, &mut store, i, d);
+                    locals.push(d);
+                }
+            }
             Kind::Var | Kind::Const => {}
         }
         for v in locals {
@@ -950,6 +1009,37 @@ pub fn modulate(g: &mut Graph, name: &str, x: Nid, shift: Nid, scale: Nid, bd: u
     g.broadcast_binary(&format!("{name} +shift"), Kind::Add, m, sh, false)
 }
 
+/// `ops::ln_modulate` of the engine: LayerNorm fused with the adaLN modulation, written in the
+/// compute dtype. One fresh output; the op keeps (mean, rstd) per row in the accumulation type
+/// (f64 under fp64, else f32) beside it. Its inputs are x and the shift/scale chunks themselves.
+pub fn ln_modulate(
+    g: &mut Graph,
+    name: &str,
+    x: Nid,
+    shift: Nid,
+    scale: Nid,
+    rows: u64,
+    out: Dtype,
+) -> Nid {
+    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
+    let e = g.elems(x);
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: 0 },
+        &[x, shift, scale],
+        e,
+        out,
+    );
+    g.nodes[y].extra = 2 * rows * acc;
+    y
+}
+
+/// `ops::gelu_tanh` of the engine: one fresh output, saves nothing beyond its input.
+pub fn gelu(g: &mut Graph, name: &str, x: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
+}
+
 /// adaLN: `linear(silu(c)→cd)→ad` chunked into `k` narrow views of (b, D).
 pub fn ada_ln(
     g: &mut Graph,
@@ -1096,9 +1186,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         Some(LoraTarget::Adaln),
     );
 
-    let n1 = layer_norm(&mut g, "norm1", x, rows);
-    let h = modulate(&mut g, "modulate1", n1, m[0], m[1], bd);
-    let h = g.cast(&format!("modulate1→{cd}"), h, cd);
+    let h = ln_modulate(&mut g, "norm1+modulate1", x, m[0], m[1], rows, cd);
     g.bind(h);
     let h2d = g.view("h.reshape(b·s, D)", Kind::Reshape, h, e);
     let qkv = linear(
@@ -1156,9 +1244,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     let x1 = g.op("x + attn", Kind::Add, &[x, gp], e, ad);
     g.bind(x1);
 
-    let n2 = layer_norm(&mut g, "norm2", x1, rows);
-    let h2 = modulate(&mut g, "modulate2", n2, m[3], m[4], bd);
-    let h2 = g.cast(&format!("modulate2→{cd}"), h2, cd);
+    let h2 = ln_modulate(&mut g, "norm2+modulate2", x1, m[3], m[4], rows, cd);
     g.bind(h2);
     let h2 = g.view("h2.reshape(b·s, D)", Kind::Reshape, h2, e);
     let f1 = linear(
@@ -1172,7 +1258,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         Some(LoraTarget::Fc1),
     );
     g.bind(f1);
-    let mut act = g.op("gelu(tanh)", Kind::Gelu, &[f1], rows * sh.mlp, cd);
+    let mut act = gelu(&mut g, "gelu(tanh) (fused)", f1);
     g.bind(act);
     if sh.mlp_dropout {
         let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);

@@ -85,8 +85,8 @@ pub fn attention_materialized(
 // ---------------------------------------------------------------------------------------------
 // Element access helpers for the CPU kernels.
 
-/// Accumulation scalar of the streaming kernels (f32 or f64).
-trait Acc:
+/// Accumulation scalar of the CPU kernels (f32 or f64).
+pub(crate) trait Acc:
     Copy
     + PartialOrd
     + std::ops::Add<Output = Self>
@@ -99,6 +99,9 @@ trait Acc:
     const NEG_INF: Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn from_f64(v: f64) -> Self;
 }
 
 impl Acc for f32 {
@@ -109,6 +112,15 @@ impl Acc for f32 {
     }
     fn ln(self) -> Self {
         f32::ln(self)
+    }
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
     }
 }
 
@@ -121,10 +133,19 @@ impl Acc for f64 {
     fn ln(self) -> Self {
         f64::ln(self)
     }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
 }
 
 /// Conversion between a storage element and an accumulation scalar.
-trait Elem<A>: Copy {
+pub(crate) trait Elem<A>: Copy {
     fn to_acc(self) -> A;
     fn from_acc(a: A) -> Self;
 }
@@ -147,8 +168,14 @@ elem!(f32, f32, |x| x, |a| a);
 elem!(f64, f64, |x| x, |a| a);
 elem!(half::bf16, f32, half::bf16::to_f32, half::bf16::from_f32);
 elem!(half::f16, f32, half::f16::to_f32, half::f16::from_f32);
+// Mixed pairs (an f64 accumulation of a narrower storage and back), so kernels with an input and
+// an output dtype can be instantiated for every pair.
+elem!(f32, f64, f64::from, |a: f64| a as f32);
+elem!(f64, f32, |x: f64| x as f32, f64::from);
+elem!(half::bf16, f64, half::bf16::to_f64, half::bf16::from_f64);
+elem!(half::f16, f64, half::f16::to_f64, half::f16::from_f64);
 
-fn err(msg: impl Into<String>) -> candle_core::Error {
+pub(crate) fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(msg.into())
 }
 
@@ -375,13 +402,13 @@ impl CustomOp3 for MemEffAttention {
         let lse_dims = &dims[..3];
         let dev = candle_core::Device::Cpu;
         macro_rules! run {
-            ($q:expr, $k:expr, $v:expr, $variant:ident) => {{
+            ($q:expr, $k:expr, $v:expr, $variant:ident, $acc:ty) => {{
                 let (q, k, v) = (
                     contiguous_slice($q, l1)?,
                     contiguous_slice($k, l2)?,
                     contiguous_slice($v, l3)?,
                 );
-                let (o, lse) = mea_forward(q, k, v, &g);
+                let (o, lse) = mea_forward::<_, $acc>(q, k, v, &g);
                 (
                     CpuStorage::$variant(o),
                     Tensor::from_vec(lse, lse_dims, &dev)?,
@@ -389,10 +416,10 @@ impl CustomOp3 for MemEffAttention {
             }};
         }
         let (out, lse) = match (s1, s2, s3) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => run!(q, k, v, F32),
-            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => run!(q, k, v, F64),
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => run!(q, k, v, BF16),
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => run!(q, k, v, F16),
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => run!(q, k, v, F32, f32),
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => run!(q, k, v, F64, f64),
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => run!(q, k, v, BF16, f32),
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => run!(q, k, v, F16, f32),
             _ => {
                 return Err(err(format!(
                     "memory-efficient attention supports f64/f32/bf16/f16 with one dtype for q, k, v; got {:?}, {:?}, {:?}",
@@ -438,7 +465,7 @@ impl CustomOp3 for MemEffAttention {
         // Borrow the CPU storages without copying where possible.
         let views = (&*qs, &*ks, &*vs, &*os, &*gs, &*ls);
         macro_rules! run {
-            ($variant:ident, $acc:ident) => {{
+            ($variant:ident, $acc:ident, $accty:ty) => {{
                 let (
                     Storage::Cpu(CpuStorage::$variant(qv)),
                     Storage::Cpu(CpuStorage::$variant(kv)),
@@ -452,7 +479,7 @@ impl CustomOp3 for MemEffAttention {
                         "memory-efficient attention backward: CPU tensors of one dtype expected",
                     ));
                 };
-                let (dq, dk, dv) = mea_backward(
+                let (dq, dk, dv) = mea_backward::<_, $accty>(
                     contiguous_slice(qv, ql)?,
                     contiguous_slice(kv, kl)?,
                     contiguous_slice(vv, vl)?,
@@ -469,10 +496,10 @@ impl CustomOp3 for MemEffAttention {
             }};
         }
         let (dq, dk, dv) = match q.dtype() {
-            DType::F32 => run!(F32, F32),
-            DType::F64 => run!(F64, F64),
-            DType::BF16 => run!(BF16, F32),
-            DType::F16 => run!(F16, F32),
+            DType::F32 => run!(F32, F32, f32),
+            DType::F64 => run!(F64, F64, f64),
+            DType::BF16 => run!(BF16, F32, f32),
+            DType::F16 => run!(F16, F32, f32),
             other => {
                 return Err(err(format!(
                     "memory-efficient attention: unsupported dtype {other:?}"

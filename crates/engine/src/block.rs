@@ -12,6 +12,7 @@ use crate::attention::{
     attention_materialized, attention_recompute_core, Dropout, MemEffAttention,
 };
 use crate::error::{EngineError, Result};
+use crate::ops::{gelu_tanh, ln_modulate};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
@@ -119,7 +120,7 @@ pub fn block_forward(
     let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
 
     // Attention branch.
-    let h1 = cast(modulate(&layer_norm(x)?, &shift_msa, &scale_msa)?, cd)?;
+    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
     let qkv = w.qkv.forward(&h1.reshape((b * s, h))?)?;
     let qkv = qkv.reshape((b, s, 3, a, dh))?;
     let view =
@@ -149,9 +150,9 @@ pub fn block_forward(
     let x1 = (x + proj.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
 
     // MLP branch.
-    let h2 = cast(modulate(&layer_norm(&x1)?, &shift_mlp, &scale_mlp)?, cd)?;
+    let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
     let f1 = w.fc1.forward(&h2.reshape((b * s, h))?)?;
-    let g = f1.gelu()?;
+    let g = gelu_tanh(&f1)?;
     let g = if cfg.mlp_dropout > 0.0 {
         let d = Dropout {
             p: cfg.mlp_dropout,
@@ -184,7 +185,7 @@ pub fn final_forward(
     let (b, s, h) = x.dims3()?;
     let modv = cast(w.adaln.forward(&cast(c.silu()?, cd)?)?, ad)?;
     let (shift, scale) = (modv.narrow(1, 0, h)?, modv.narrow(1, h, h)?);
-    let hx = cast(modulate(&layer_norm(x)?, &shift, &scale)?, cd)?;
+    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
     cast(w.linear.forward(&hx.reshape((b * s, h))?)?, ad)
 }
 

@@ -2,7 +2,8 @@
 //! candle (CPU) and measures it.
 //!
 //! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
-//! - [`block`]: the adaLN-Zero block and final layer, composed op by op.
+//! - [`block`]: the adaLN-Zero block and final layer.
+//! - [`ops`]: fused ops with their own backward (GELU-tanh, LayerNorm + modulate).
 //! - [`attention`]: materialized, memory-efficient (custom op) and attention-only-recompute cores.
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
@@ -17,8 +18,8 @@
 //! every intermediate of a graph), and is freed when the block's backward is done:
 //! 1. `silu(c)` (b,D) ad → cd; adaLN weight/bias → cd; `matmul` (b,6D) cd; `+bias` (b,6D) cd;
 //!    → ad (b,6D); six `narrow` views.
-//! 2. LN1 in ad: mean (b,s,1), xc (E), xc² (E), var (b,s,1), var+eps (b,s,1), rstd (b,s,1),
-//!    xn (E); modulate: 1+scale (b,1,D), xn·(1+scale) (E), +shift (E); → cd (E).
+//! 2. LN1 + modulate fused ([`ops::ln_modulate`]): one (E cd) output; the op keeps (mean, rstd)
+//!    per row (2·b·s, f32; f64 under fp64). Its inputs are x and the shift/scale chunks.
 //! 3. qkv weight/bias → cd; `matmul` (b·s,3D) cd; `+bias` (b·s,3D) cd; q·(1/√dh) copy (E cd);
 //!    k, v contiguous copies (E cd each).
 //! 4. materialized: scores (A cd); → ad (A); row max (b,a,s,1) ad; shifted (A ad); exp (A ad);
@@ -28,8 +29,9 @@
 //! 5. o transposed → (b·s, D) copy (E cd); proj weight/bias → cd; `matmul` (E cd); `+bias` (E cd);
 //!    → ad (E); ·gate (E ad); x1 = x + … (E ad).
 //! 6. LN2 + modulate as 2 (on x1); fc1 weight/bias → cd; `matmul` (4E cd); `+bias` (4E cd);
-//!    gelu (4E cd); [dropout mask (4E cd), g·mask (4E cd)]; fc2 weight/bias → cd; `matmul`
-//!    (E cd); `+bias` (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
+//!    gelu ([`ops::gelu_tanh`], 4E cd, saves only its input); [dropout mask (4E cd), g·mask
+//!    (4E cd)]; fc2 weight/bias → cd; `matmul` (E cd); `+bias` (E cd); → ad (E); ·gate (E ad);
+//!    x2 = x1 + … (E ad).
 //!
 //! Beyond the block graph: a stored block's input is a fresh leaf copy (E ad) of the previous
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
@@ -42,6 +44,7 @@ pub mod diffusion;
 pub mod error;
 pub mod measure;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod rng;
 pub mod run;

@@ -1,0 +1,182 @@
+//! Gradients of the fused ops against the composed candle reference in f64 (and finite
+//! differences for GELU), plus the low-precision paths against f64.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ditmem_engine::block::{layer_norm, modulate, LN_EPS};
+use ditmem_engine::ops::{gelu_tanh, ln_modulate};
+use ditmem_engine::rng::SplitMix64;
+
+fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
+    let mut r = SplitMix64::new(seed);
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn gelu_matches_candle_and_finite_differences() {
+    let x = Var::from_tensor(&rand(&[3, 7, 11], 1, 2.0)).unwrap();
+    let w = rand(&[3, 7, 11], 2, 1.0);
+    let y1 = x.as_tensor().gelu().unwrap();
+    let y2 = gelu_tanh(x.as_tensor()).unwrap();
+    assert!(max_abs(&y1, &y2) < 1e-14);
+    let g1 = y1.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = y2.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let (g1, g2) = (g1.get(&x).unwrap(), g2.get(&x).unwrap());
+    // Candle's own gelu backward uses rounded constants (0.0356774, 0.797885, …), so it agrees
+    // only to ~1e-6; the finite differences below are the exact reference.
+    assert!(max_abs(g1, g2) < 1e-5, "{}", max_abs(g1, g2));
+    // Central differences on a few elements.
+    let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+    let gv: Vec<f64> = g2.flatten_all().unwrap().to_vec1().unwrap();
+    let wv: Vec<f64> = w.flatten_all().unwrap().to_vec1().unwrap();
+    for i in [0usize, 17, 100, 230] {
+        let h = 1e-6;
+        let f = |v: f64| {
+            let t = Tensor::new(&[v], &Device::Cpu).unwrap();
+            gelu_tanh(&t).unwrap().to_vec1::<f64>().unwrap()[0] * wv[i]
+        };
+        let fd = (f(base[i] + h) - f(base[i] - h)) / (2.0 * h);
+        assert!((fd - gv[i]).abs() < 1e-9, "i={i}: {fd} vs {}", gv[i]);
+    }
+}
+
+#[test]
+fn gelu_low_precision_close_to_f64() {
+    let x64 = rand(&[4, 5000], 3, 2.0);
+    let g64 = rand(&[4, 5000], 4, 1.0);
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+        let x = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
+        let y = gelu_tanh(x.as_tensor()).unwrap();
+        assert_eq!(y.dtype(), dt);
+        let r = x.as_tensor().to_dtype(DType::F64).unwrap().gelu().unwrap();
+        assert!(max_abs(&y, &r) < tol * 4.0, "{dt:?} fwd");
+        let grads = y
+            .mul(&g64.to_dtype(dt).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gx = grads.get(&x).unwrap();
+        assert_eq!(gx.dtype(), dt);
+        let xr = Var::from_tensor(&x.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
+        let gr = xr
+            .as_tensor()
+            .gelu()
+            .unwrap()
+            .mul(&g64.to_dtype(dt).unwrap().to_dtype(DType::F64).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let d = max_abs(gx, gr.get(&xr).unwrap());
+        assert!(d < tol * 8.0, "{dt:?} grad {d}");
+    }
+}
+
+/// The adaLN chunks are narrow views of a (b, 6D) tensor: test on such views.
+fn ln_case(b: usize, s: usize, d: usize) {
+    let x = Var::from_tensor(&rand(&[b, s, d], 5, 1.5).affine(1.0, 0.3).unwrap()).unwrap();
+    let m = Var::from_tensor(&rand(&[b, 6 * d], 6, 0.5)).unwrap();
+    let shift = m.as_tensor().narrow(1, 3 * d, d).unwrap();
+    let scale = m.as_tensor().narrow(1, 4 * d, d).unwrap();
+    let w = rand(&[b, s, d], 7, 1.0);
+    let y1 = modulate(&layer_norm(x.as_tensor()).unwrap(), &shift, &scale).unwrap();
+    let y2 = ln_modulate(x.as_tensor(), &shift, &scale, LN_EPS, DType::F64).unwrap();
+    assert!(max_abs(&y1, &y2) < 1e-12);
+    let g1 = y1.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = y2.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    for v in [&x, &m] {
+        let d = max_abs(g1.get(v).unwrap(), g2.get(v).unwrap());
+        assert!(d < 1e-11, "grad differs by {d}");
+    }
+}
+
+#[test]
+fn ln_modulate_matches_composed_f64() {
+    ln_case(2, 9, 16);
+    ln_case(1, 5, 130);
+    ln_case(3, 1, 8);
+}
+
+#[test]
+fn ln_modulate_writes_the_compute_dtype() {
+    let (b, s, d) = (2, 33, 96);
+    let x64 = rand(&[b, s, d], 8, 1.0);
+    let m64 = rand(&[b, 6 * d], 9, 0.5);
+    let go = rand(&[b, s, d], 10, 1.0);
+    let reference = {
+        let x = Var::from_tensor(&x64).unwrap();
+        let m = Var::from_tensor(&m64).unwrap();
+        let y = modulate(
+            &layer_norm(x.as_tensor()).unwrap(),
+            &m.as_tensor().narrow(1, 0, d).unwrap(),
+            &m.as_tensor().narrow(1, d, d).unwrap(),
+        )
+        .unwrap();
+        let g = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        (y, g.get(&x).unwrap().clone(), g.get(&m).unwrap().clone())
+    };
+    for (out, tol) in [(DType::F32, 1e-4), (DType::BF16, 5e-2), (DType::F16, 1e-2)] {
+        let x = Var::from_tensor(&x64.to_dtype(DType::F32).unwrap()).unwrap();
+        let m = Var::from_tensor(&m64.to_dtype(DType::F32).unwrap()).unwrap();
+        let y = ln_modulate(
+            x.as_tensor(),
+            &m.as_tensor().narrow(1, 0, d).unwrap(),
+            &m.as_tensor().narrow(1, d, d).unwrap(),
+            LN_EPS,
+            out,
+        )
+        .unwrap();
+        assert_eq!(y.dtype(), out);
+        assert!(max_abs(&y, &reference.0) < tol, "{out:?} fwd");
+        let g = y
+            .mul(&go.to_dtype(out).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gx = g.get(&x).unwrap();
+        assert_eq!(gx.dtype(), DType::F32);
+        // dshift/dscale sum over s tokens: scale the tolerance by s.
+        assert!(max_abs(gx, &reference.1) < tol * 4.0, "{out:?} dx");
+        assert!(
+            max_abs(g.get(&m).unwrap(), &reference.2) < tol * s as f64,
+            "{out:?} dm"
+        );
+    }
+}
+
+#[test]
+fn ln_modulate_rejects_bad_shapes() {
+    let x = rand(&[2, 3, 4], 1, 1.0);
+    let bad = rand(&[3, 4], 2, 1.0);
+    let ok = rand(&[2, 4], 3, 1.0);
+    assert!(ln_modulate(&x, &bad, &ok, LN_EPS, DType::F64).is_err());
+    let x2 = rand(&[6, 4], 1, 1.0);
+    assert!(ln_modulate(&x2, &ok, &ok, LN_EPS, DType::F64).is_err());
+    let xi = x.to_dtype(DType::U32).unwrap();
+    let oki = ok.to_dtype(DType::U32).unwrap();
+    assert!(ln_modulate(&xi, &oki, &oki, LN_EPS, DType::BF16).is_err());
+    // Mixed dtypes between x and the modulation are refused.
+    let okb = ok.to_dtype(DType::BF16).unwrap();
+    assert!(ln_modulate(&x, &okb, &okb, LN_EPS, DType::F64).is_err());
+}
