@@ -94,6 +94,9 @@ pub struct Node {
     /// Bound to a local variable of the engine's function that builds it: alive until that
     /// function returns even when nothing else reads it.
     pub bound: bool,
+    /// Held by a local of a nested function until the node with this index exists (that
+    /// function's result), even when nothing reads it after its last use.
+    pub held_until: Option<Nid>,
 }
 
 impl Node {
@@ -169,6 +172,7 @@ impl Graph {
             fwd_scratch,
             weight_cast,
             bound: false,
+            held_until: None,
         });
         self.nodes.len() - 1
     }
@@ -257,6 +261,13 @@ impl Graph {
     pub fn bind(&mut self, x: Nid) -> Nid {
         self.nodes[x].bound = true;
         x
+    }
+
+    /// Mark nodes as held by a nested function's locals until `end` (its result) is made.
+    pub fn hold_until(&mut self, xs: &[Nid], end: Nid) {
+        for &x in xs {
+            self.nodes[x].held_until = Some(end);
+        }
     }
 
     /// Nodes held by local variables.
@@ -420,6 +431,10 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
             let s = g.storage(k);
             last[k] = n - 1;
             last[s] = n - 1;
+        } else if let Some(end) = node.held_until {
+            let s = g.storage(k);
+            last[k] = last[k].max(end);
+            last[s] = last[s].max(end);
         }
     }
     let mut frees: Vec<Vec<Nid>> = vec![Vec::new(); n];
@@ -944,6 +959,13 @@ pub fn linear(
         cd,
     );
     let bias = g.weight(&format!("{name}.bias"), out, sh.weight_dtype(), trained, cd);
+    // The engine hands a block its weights as a struct of casts that lives through the whole
+    // block function: without tracking they are not freed after their matmul.
+    for t in [w, bias] {
+        if g.nodes[t].kind == Kind::ToDtype {
+            g.bind(t);
+        }
+    }
     let wt = g.view(&format!("{name}.weightᵀ"), Kind::Transpose, w, out * inp);
     let mm = g.op(
         &format!("{name} matmul"),
@@ -958,6 +980,11 @@ pub fn linear(
             let pd = sh.precision.param_dtype();
             let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
             let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+            for t in [a, bm] {
+                if g.nodes[t].kind == Kind::ToDtype {
+                    g.bind(t);
+                }
+            }
             let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
             let xa = g.op(
                 &format!("{name} x·Aᵀ"),
@@ -1164,7 +1191,11 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
         let mask = g.constant("attn dropout mask", a_el, cd, true);
         pc = g.op("P·mask", Kind::Mul, &[pc, mask], a_el, cd);
     }
-    g.op("P·v", Kind::Matmul, &[pc, v], e, cd)
+    let o = g.op("P·v", Kind::Matmul, &[pc, v], e, cd);
+    // `attention_materialized` binds scores, max, exp, the row sum and P to locals: without
+    // tracking they all live until it returns.
+    g.hold_until(&[s32, max, exp, sum, pc], o);
+    o
 }
 
 /// One DiT block as `block_forward` builds it, on a leaf copy of its input.
