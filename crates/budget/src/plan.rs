@@ -361,10 +361,16 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     }
     if b.recompute != r.recompute {
         let what = match &r.recompute {
-            Recompute::Blocks(v) => format!(
+            Recompute::Blocks(v) if v.iter().copied().eq(0..v.len() as u32) => format!(
                 "recompute the first {} of {} blocks",
                 v.len(),
                 s.model.depth
+            ),
+            Recompute::Blocks(v) => format!(
+                "recompute {} of {} blocks ({})",
+                v.len(),
+                s.model.depth,
+                r.recompute
             ),
             Recompute::All => format!("recompute all {} blocks", s.model.depth),
             Recompute::None => "recompute nothing".into(),
