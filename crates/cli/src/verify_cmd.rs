@@ -77,21 +77,7 @@ pub struct VerifyArgs {
 /// DiT block structure at depth 2, hidden 64, 4 heads, patch 2, 128×128 images (16×16 latents,
 /// 64 tokens), batch 4, 10 classes, no EMA.
 pub fn default_spec() -> Spec {
-    let mut s = Spec::default_xl();
-    s.model.name = "DiT-verify (2×64)".into();
-    s.model.depth = 2;
-    s.model.hidden = 64;
-    s.model.heads = 4;
-    s.model.patch = 2;
-    s.model.num_classes = 10;
-    s.workload.height = 128;
-    s.workload.width = 128;
-    s.workload.batch = 4;
-    s.workload.microbatch = 4;
-    s.workload.accumulation = 1;
-    s.workload.ranks = 1;
-    s.recipe.ema.enabled = false;
-    s
+    Spec::small()
 }
 
 /// What `--json` prints.

@@ -145,21 +145,11 @@ pub fn measure_and_compare(
     Ok((a, budget, m))
 }
 
-/// A small spec the grid varies: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens),
-/// batch 4, fp32, AdamW with EMA.
+/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script.
 pub fn grid_base() -> Spec {
-    let mut s = Spec::default_xl();
+    let mut s = Spec::small();
     s.model.name = "grid-d2-h64".into();
-    s.model.depth = 2;
-    s.model.hidden = 64;
-    s.model.heads = 4;
-    s.model.num_classes = 10;
-    s.workload.height = 128;
-    s.workload.width = 128;
-    s.workload.batch = 4;
-    s.workload.microbatch = 4;
-    s.workload.accumulation = 1;
-    s.recipe.precision = ditmem_budget::Precision::Fp32;
+    s.recipe.ema.enabled = true;
     s
 }
 

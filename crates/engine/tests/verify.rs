@@ -11,22 +11,7 @@ use ditmem_engine::verify::{
 
 /// The verify default: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens), batch 4.
 fn tiny() -> Spec {
-    let mut s = Spec::default_xl();
-    s.model.name = "tiny".into();
-    s.model.depth = 2;
-    s.model.hidden = 64;
-    s.model.heads = 4;
-    s.model.patch = 2;
-    s.model.num_classes = 10;
-    s.workload.height = 128;
-    s.workload.width = 128;
-    s.workload.batch = 4;
-    s.workload.microbatch = 4;
-    s.workload.accumulation = 1;
-    s.recipe.recompute = Recompute::None;
-    s.recipe.ema.enabled = false;
-    s.validate().unwrap();
-    s
+    Spec::small()
 }
 
 fn opts(steps: u32) -> VerifyOptions {

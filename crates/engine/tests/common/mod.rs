@@ -6,22 +6,9 @@ use ditmem_budget::{Precision, Recompute, Spec};
 use ditmem_engine::{Batch, SyntheticData, TrainOptions, Trainer};
 
 pub fn tiny(precision: Precision) -> Spec {
-    let mut s = Spec::default_xl();
-    s.model.name = "tiny".into();
-    s.model.depth = 2;
-    s.model.hidden = 64;
-    s.model.heads = 4;
-    s.model.patch = 2;
-    s.model.num_classes = 10;
-    s.workload.height = 128;
-    s.workload.width = 128;
-    s.workload.batch = 4;
-    s.workload.microbatch = 4;
-    s.workload.accumulation = 1;
+    let mut s = Spec::small();
     s.recipe.precision = precision;
     s.recipe.recompute = Recompute::None;
-    s.recipe.ema.enabled = false;
-    s.validate().unwrap();
     s
 }
 
