@@ -1,19 +1,9 @@
 //! The `ditmem estimate` command as a user runs it: JSON fields, defaults, and bad input.
 
 use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn ditmem(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .args(args)
-        .output()
-        .expect("the binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::ditmem;
 
 fn json(args: &[&str]) -> serde_json::Value {
     let mut a = args.to_vec();

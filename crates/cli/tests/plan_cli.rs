@@ -2,19 +2,9 @@
 //! plans, exports, and — on the engine — every plan's measured peak within its budget.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn ditmem(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .args(args)
-        .output()
-        .expect("the binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::ditmem;
 
 fn dir(test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ditmem-plan-{}-{test}", std::process::id()));
