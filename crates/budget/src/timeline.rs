@@ -432,7 +432,7 @@ fn generic_replay(
         master_weights: st.master_weights,
         optimizer_state: st.optimizer_state,
         ema: st.ema,
-        encoder: st.encoder_weights,
+        // The encoder's weights are added to every event by `simulate_step_with`.
         ..Breakdown::default()
     };
     let mut ev = Vec::new();
@@ -657,4 +657,23 @@ fn generic_replay(
     push(Phase::Optimizer, "step end".into(), None, 0, false, live);
 
     ev
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoder_weights_are_counted_once() {
+        for runtime in ["ditmem-cpu", "pytorch"] {
+            let mut s = Spec::small();
+            s.runtime = runtime.parse().unwrap();
+            let cached = simulate_step(&s).events[0].live.encoder;
+            s.recipe.latents = Latents::Encode;
+            let st = static_bytes(&s, &param_table(&s));
+            let encode = simulate_step(&s).events[0].live.encoder;
+            assert_eq!(cached, 0, "{runtime}");
+            assert_eq!(encode, st.encoder_weights, "{runtime}");
+        }
+    }
 }
