@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::args::SpecArgs;
 use crate::conditions::Conditions;
-use crate::plot::{bar_chart, line_chart, LineChart, Marker, Note, Series};
+use crate::plot::{line_chart, stacked_bar, LineChart, Marker, Note, Series};
 use crate::render::{fmt_count, recipe_line, spec_line, Table};
 use crate::CliError;
 
@@ -79,7 +79,7 @@ pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliErro
         agreement: a,
     };
     if let Some(path) = &args.plot {
-        let svg = timeline_svg(&budget, &m, &report.agreement)?;
+        let svg = timeline_svg(&budget, Some((&m, &report.agreement)))?;
         crate::output::write_atomic(path, svg.as_bytes())?;
     }
     if args.json {
@@ -156,8 +156,12 @@ fn render_compare(b: &Budget, r: &CompareReport) -> String {
     o
 }
 
-/// Both curves over the step, phases marked, the peak annotated, and the categories at the peak.
-fn timeline_svg(b: &Budget, m: &Measurement, a: &Agreement) -> anyhow::Result<String> {
+/// Both curves over the step (the measured one when there is a measurement), phases marked, the
+/// peak annotated, and the categories at the peak as a stacked bar.
+pub fn timeline_svg(
+    b: &Budget,
+    measured: Option<(&Measurement, &Agreement)>,
+) -> anyhow::Result<String> {
     let mib = |x: u64| x as f64 / (1u64 << 20) as f64;
     let start = b.timeline.events.first().map_or(0, |e| e.total());
     let pred: Vec<(f64, f64)> = b
@@ -181,18 +185,20 @@ fn timeline_svg(b: &Budget, m: &Measurement, a: &Agreement) -> anyhow::Result<St
         .map(|(i, _)| i)
         .collect();
     let mut meas: Vec<(f64, f64)> = vec![(0.0, mib(start))];
-    if idx.len() == m.timeline.len() {
-        for (i, p) in idx.iter().zip(&m.timeline) {
-            meas.push((
-                *i as f64,
-                mib(start + p.live_bytes.saturating_sub(m.resident_bytes)),
-            ));
+    if let Some((m, _)) = measured {
+        if idx.len() == m.timeline.len() {
+            for (i, p) in idx.iter().zip(&m.timeline) {
+                meas.push((
+                    *i as f64,
+                    mib(start + p.live_bytes.saturating_sub(m.resident_bytes)),
+                ));
+            }
         }
     }
     let mut markers = Vec::new();
     let mut last = None;
     for (i, e) in b.timeline.events.iter().enumerate() {
-        if last != Some(e.phase) {
+        if last != Some(e.phase) && e.phase != ditmem_budget::timeline::Phase::Start {
             markers.push(Marker {
                 x: i as f64,
                 label: e.phase.name().into(),
@@ -200,26 +206,34 @@ fn timeline_svg(b: &Budget, m: &Measurement, a: &Agreement) -> anyhow::Result<St
             last = Some(e.phase);
         }
     }
-    let chart = LineChart {
-        title: format!(
-            "{} — live bytes over one step (predicted vs measured, {:+.2} % at the peak)",
+    let title = match measured {
+        Some((_, a)) => format!(
+            "{} — live bytes over one step (predicted vs measured, {:+.3} % at the peak)",
             b.spec.model.name,
             100.0 * a.rel_error
         ),
+        None => format!(
+            "{} — live bytes over one step (predicted, {})",
+            b.spec.model.name, b.runtime
+        ),
+    };
+    let mut series = vec![Series {
+        name: "predicted (budget)".into(),
+        points: pred,
+        markers: false,
+    }];
+    if measured.is_some() {
+        series.push(Series {
+            name: "measured (engine, boundaries)".into(),
+            points: meas,
+            markers: true,
+        });
+    }
+    let chart = LineChart {
+        title,
         x_desc: "event".into(),
         y_desc: "MiB".into(),
-        series: vec![
-            Series {
-                name: "predicted (budget)".into(),
-                points: pred,
-                markers: false,
-            },
-            Series {
-                name: "measured (engine, boundaries)".into(),
-                points: meas,
-                markers: true,
-            },
-        ],
+        series,
         markers,
         notes: vec![Note {
             x: b.timeline.peak_index as f64,
@@ -229,15 +243,15 @@ fn timeline_svg(b: &Budget, m: &Measurement, a: &Agreement) -> anyhow::Result<St
         log_y: false,
     };
     let left = line_chart(&chart, (900, 480))?;
-    let rows: Vec<(String, Vec<f64>)> = b
+    let segments: Vec<(String, f64)> = b
         .breakdown
         .entries()
         .iter()
         .filter(|(_, v)| *v > 0)
-        .map(|(n, v)| (n.replace('_', " "), vec![mib(*v)]))
+        .map(|(n, v)| (n.replace('_', " "), mib(*v)))
         .collect();
-    let right = bar_chart("at the peak (predicted)", "MiB", &rows, &[], (420, 480))?;
-    Ok(side_by_side(&left, 900, &right, 420, 480))
+    let right = stacked_bar("at the peak (MiB)", "MiB", &segments, (520, 480))?;
+    Ok(side_by_side(&left, 900, &right, 520, 480))
 }
 
 /// Two SVG documents next to each other in one.

@@ -52,6 +52,9 @@ enum Command {
         /// Also print the whole simulated timeline.
         #[arg(long)]
         timeline: bool,
+        /// Write the timeline as an SVG (live bytes over the step, categories at the peak).
+        #[arg(long, value_name = "FILE")]
+        plot: Option<std::path::PathBuf>,
     },
     /// The fastest recipe that fits a memory budget, and why (Pareto front, export, exit 3 when
     /// nothing fits).
@@ -106,6 +109,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         json: false,
         inventory: false,
         timeline: false,
+        plot: None,
     });
     match command {
         Command::Estimate {
@@ -113,9 +117,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
             json,
             inventory,
             timeline,
+            plot,
         } => {
             let spec = spec.to_spec()?;
             let budget = ditmem_budget::estimate(&spec)?;
+            if let Some(path) = &plot {
+                let svg = compare_cmd::timeline_svg(&budget, None)?;
+                output::write_atomic(path, svg.as_bytes())?;
+            }
             if json {
                 output::print_json(&budget)?;
             } else {

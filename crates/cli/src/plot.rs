@@ -41,7 +41,7 @@ pub struct LineChart {
     pub log_y: bool,
 }
 
-const PALETTE: [RGBColor; 8] = [
+const PALETTE: [RGBColor; 11] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
@@ -50,6 +50,9 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+    RGBColor(0, 0, 0),
 ];
 
 pub fn color(i: usize) -> RGBColor {
@@ -182,75 +185,57 @@ pub fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
     Ok(out)
 }
 
-/// Render labelled horizontal bars (e.g. bytes by category at the peak) to an SVG string.
-/// Each row may carry several bars (e.g. predicted and measured), drawn side by side.
-pub fn bar_chart(
+/// One vertical bar split into stacked segments (e.g. bytes by category at the peak), with a
+/// legend naming each segment and its value.
+pub fn stacked_bar(
     title: &str,
-    x_desc: &str,
-    rows: &[(String, Vec<f64>)],
-    legend: &[&str],
+    y_desc: &str,
+    segments: &[(String, f64)],
     size: (u32, u32),
 ) -> Result<String> {
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
-        let n = rows.len().max(1);
-        let k = rows.iter().map(|r| r.1.len()).max().unwrap_or(1).max(1);
-        let xmax = rows
+        let total: f64 = segments
             .iter()
-            .flat_map(|r| r.1.iter().copied())
-            .fold(0.0f64, f64::max)
-            .max(1e-9)
-            * 1.1;
+            .map(|(_, v)| v.max(0.0))
+            .sum::<f64>()
+            .max(1e-9);
         let mut c = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 18))
             .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(130)
-            .build_cartesian_2d(0.0..xmax, -0.5..n as f64 - 0.5)
+            .x_label_area_size(10)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..1.0, 0.0..total * 1.05)
             .map_err(err)?;
-        let labels: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
         c.configure_mesh()
-            .x_desc(x_desc)
-            .y_labels(n)
-            .y_label_formatter(&|y| {
-                // Row i is centred on y = n − 1 − i; ticks between rows stay blank.
-                let r = y.round();
-                let i = n as f64 - 1.0 - r;
-                if (y - r).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
-                    labels[i as usize].clone()
-                } else {
-                    String::new()
-                }
-            })
+            .y_desc(y_desc)
+            .disable_x_mesh()
+            .disable_x_axis()
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(err)?;
-        let h = 0.8 / k as f64;
-        for j in 0..k {
-            let col = color(j);
-            let bars = rows.iter().enumerate().filter_map(|(i, r)| {
-                r.1.get(j).map(|&v| {
-                    let top = n as f64 - 1.0 - i as f64 + 0.4 - j as f64 * h;
-                    Rectangle::new([(0.0, top - h), (v, top)], col.filled())
-                })
-            });
-            let s = c.draw_series(bars).map_err(err)?;
-            if let Some(name) = legend.get(j) {
-                s.label(name.to_string()).legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], col.filled())
-                });
-            }
+        let mut bottom = 0.0;
+        for (i, (name, v)) in segments.iter().enumerate() {
+            let v = v.max(0.0);
+            let col = color(i);
+            let share = 100.0 * v / total;
+            c.draw_series(std::iter::once(Rectangle::new(
+                [(0.04, bottom), (0.3, bottom + v)],
+                col.filled(),
+            )))
+            .map_err(err)?
+            .label(format!("{name}: {v:.1} ({share:.1} %)"))
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], col.filled()));
+            bottom += v;
         }
-        if !legend.is_empty() {
-            c.configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK.mix(0.3))
-                .position(SeriesLabelPosition::LowerRight)
-                .draw()
-                .map_err(err)?;
-        }
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(err)?;
         root.present().map_err(err)?;
     }
     Ok(out)
@@ -304,19 +289,13 @@ mod tests {
     }
 
     #[test]
-    fn bars_render() {
-        let rows = vec![
-            ("activations".to_string(), vec![10.0, 12.0]),
-            ("weights".to_string(), vec![3.0, 3.0]),
+    fn stacked_bar_names_every_segment() {
+        let segs = vec![
+            ("activations".to_string(), 30.0),
+            ("optimizer state".to_string(), 10.0),
         ];
-        let svg = bar_chart(
-            "at the peak",
-            "MiB",
-            &rows,
-            &["predicted", "measured"],
-            (500, 300),
-        )
-        .unwrap();
-        assert!(svg.contains("activations") && svg.contains("measured"));
+        let svg = stacked_bar("at the peak", "MiB", &segs, (400, 400)).unwrap();
+        assert!(svg.contains("activations: 30.0 (75.0 %)"));
+        assert!(svg.contains("optimizer state: 10.0 (25.0 %)"));
     }
 }
