@@ -937,6 +937,60 @@ impl BlockShape {
     }
 }
 
+/// Rows per chunk of the engine's widened (bf16/f16) linear (`ops::LINEAR_ROWS`).
+pub const LINEAR_ROWS: u64 = 128;
+
+/// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
+/// nothing saved beyond its inputs. On f32/f64 it calls gemm in place (no workspace of its own);
+/// on bf16/f16 it widens to f32: forward W, b and a chunk of x and y; backward a chunk of g, and
+/// for dx Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk,
+/// for db an f32 db. The gradients it returns are those of the inputs that track. Its f32
+/// buffers are laid out so that `gemm` packs nothing (its per-call packing buffers are not in
+/// this model).
+pub fn fused_linear(
+    g: &mut Graph,
+    name: &str,
+    ins: [Nid; 3],
+    rows: u64,
+    inp: u64,
+    out: u64,
+) -> Nid {
+    let cd = g.dtype(ins[0]);
+    let widen = matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let r = LINEAR_ROWS.min(rows);
+    let (tx, tw, tb) = (
+        g.nodes[ins[0]].tracks,
+        g.nodes[ins[1]].tracks,
+        g.nodes[ins[2]].tracks,
+    );
+    let (fwd, bwd) = if widen {
+        let mut b = r * out;
+        if tx {
+            b += out * inp + r * out + r * inp;
+        }
+        if tw {
+            b += out * inp + r * inp;
+        }
+        if tb {
+            b += out;
+        }
+        (out * inp + out + r * (inp + out), b)
+    } else {
+        (0, 0)
+    };
+    let y = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: 4 * bwd,
+        },
+        &ins,
+        rows * out,
+        cd,
+    );
+    g.nodes[y].fwd_scratch = 4 * fwd;
+    y
+}
+
 /// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA.
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
@@ -966,15 +1020,7 @@ pub fn linear(
             g.bind(t);
         }
     }
-    let wt = g.view(&format!("{name}.weightᵀ"), Kind::Transpose, w, out * inp);
-    let mm = g.op(
-        &format!("{name} matmul"),
-        Kind::Matmul,
-        &[x, wt],
-        rows * out,
-        cd,
-    );
-    let y = g.broadcast_binary(&format!("{name} +bias"), Kind::Add, mm, bias, false);
+    let y = fused_linear(g, &format!("{name} x·Wᵀ+b"), [x, w, bias], rows, inp, out);
     match target.and_then(|t| sh.lora_for(t)) {
         Some(r) => {
             let pd = sh.precision.param_dtype();
@@ -1198,6 +1244,78 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
     o
 }
 
+/// Threads of candle's and the engine's CPU kernels (rayon's pool): `RAYON_NUM_THREADS` when
+/// set, else every logical core.
+pub fn cpu_threads() -> u64 {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get() as u64)
+        })
+        .unwrap_or(1)
+}
+
+/// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
+pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
+
+/// `ops::qkv_attention` of the engine: attention read in place from the (b·s, 3D) qkv
+/// projection, written as (b·s, D). One fresh output. What it keeps (the node's `extra`): P
+/// (b·a·s², compute dtype) when materialized, the log-sum-exp (b·a·s, accumulation type) when
+/// memory-efficient, nothing under attention-only recompute. Forward and backward work on one
+/// scratch of accumulation-type buffers per thread (at most one thread per head), allocated up
+/// front; the backward returns one fresh (b·s, 3D) gradient.
+pub fn fused_attention(g: &mut Graph, sh: &BlockShape, qkv: Nid) -> Nid {
+    let cd = sh.cd();
+    let acc = if sh.precision == Precision::Fp64 {
+        8
+    } else {
+        4
+    };
+    let (s, dh) = (sh.s, sh.d / sh.heads);
+    let nh = sh.b * sh.heads;
+    let kb = FUSED_ATTN_KEY_BLOCK.min(s);
+    let nt = cpu_threads().clamp(1, nh.max(1));
+    // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
+    let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
+        (
+            "attention (fused, streaming; keeps lse)",
+            nh * s * acc,
+            4 * s * dh + s * kb + 2 * s,
+            7 * s * dh + 2 * s * kb + s,
+        )
+    } else if sh.attention_only {
+        (
+            "attention (fused; P recomputed in backward)",
+            0,
+            4 * s * dh + s * s,
+            7 * s * dh + 2 * s * s,
+        )
+    } else {
+        (
+            "attention (fused; keeps P)",
+            nh * s * s * cd.size(),
+            4 * s * dh + s * s,
+            7 * s * dh + 2 * s * s,
+        )
+    };
+    let o = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: nt * bwd * acc,
+        },
+        &[qkv],
+        sh.e(),
+        cd,
+    );
+    g.nodes[o].extra = extra;
+    g.nodes[o].fwd_scratch = nt * fwd * acc;
+    o
+}
+
 /// One DiT block as `block_forward` builds it, on a leaf copy of its input.
 /// Returns the graph and (input leaf, c, output).
 pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
@@ -1230,32 +1348,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         d,
         Some(LoraTarget::Qkv),
     );
-    let q5 = g.view("qkv.reshape(b,s,3,a,dh)", Kind::Reshape, qkv, 3 * e);
-    let mut views = Vec::new();
-    for (i, nm) in ["q", "k", "v"].iter().enumerate() {
-        let i = i as u64;
-        let nv = g.view(
-            &format!("{nm} narrow"),
-            Kind::Narrow {
-                pad_before: i * e,
-                pad_after: (2 - i) * e,
-            },
-            q5,
-            e,
-        );
-        let sq = g.view(&format!("{nm} squeeze"), Kind::Reshape, nv, e);
-        views.push(g.view(&format!("{nm} transpose"), Kind::Transpose, sq, e));
-    }
-    let q = g.op("q·(1/√dh)", Kind::Affine, &[views[0]], e, cd);
-    let k = g.op("k contiguous", Kind::Copy, &[views[1]], e, cd);
-    let v = g.op("v contiguous", Kind::Copy, &[views[2]], e, cd);
-    for t in [q5, q, k, v] {
-        g.bind(t);
-    }
-    let o = attention(&mut g, sh, q, k, v);
-    g.bind(o);
-    let ot = g.view("oᵀ", Kind::Transpose, o, e);
-    let o2 = g.op("o reshape (copy)", Kind::Reshape, &[ot], e, cd);
+    let o2 = fused_attention(&mut g, sh, qkv);
     g.bind(o2);
     let p = linear(
         &mut g,
@@ -1383,8 +1476,9 @@ mod tests {
         let eff = owned_bytes(&g2).0;
         assert!(mat > eff);
         let a = 2 * 4 * 16 * 16 * 4;
-        // scores, exp(x−max) input, exp, P (f32): four A-sized tensors.
-        assert!(mat - eff >= 4 * a);
+        // The fused attention keeps P (f32) where the streaming one keeps the log-sum-exp.
+        let lse = 2 * 4 * 16 * 4;
+        assert_eq!(mat - eff, a - lse);
     }
 
     #[test]

@@ -94,6 +94,7 @@ pub(crate) trait Acc:
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
     + std::ops::AddAssign
+    + std::ops::MulAssign
 {
     const ZERO: Self;
     const NEG_INF: Self;
@@ -255,9 +256,9 @@ fn mea_forward<T: Elem<A>, A: Acc>(q: &[T], k: &[T], v: &[T], g: &Geometry) -> (
                 } else {
                     (m - m_new).exp()
                 };
-                l = l * corr;
+                l *= corr;
                 for a in acc.iter_mut() {
-                    *a = *a * corr;
+                    *a *= corr;
                 }
                 for j in j0..j1 {
                     let p = (sblk[j - j0] - m_new).exp();

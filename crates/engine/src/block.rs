@@ -8,11 +8,9 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::attention::{
-    attention_materialized, attention_recompute_core, Dropout, MemEffAttention,
-};
+use crate::attention::Dropout;
 use crate::error::{EngineError, Result};
-use crate::ops::{gelu_tanh, ln_modulate};
+use crate::ops::{gelu_tanh, ln_modulate, qkv_attention, AttnKeep};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
@@ -28,7 +26,8 @@ pub struct LinearW {
 impl LinearW {
     /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.w.t()?)?.broadcast_add(&self.b)?;
+        // One fused node (see `ops::LinearOp`): the product and the biased sum are one buffer.
+        let y = crate::ops::linear(x, &self.w, &self.b)?;
         Ok(match &self.lora {
             Some((a, b)) => (y + x.matmul(&a.t()?)?.matmul(&b.t()?)?)?,
             None => y,
@@ -122,19 +121,15 @@ pub fn block_forward(
     // Attention branch.
     let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
     let qkv = w.qkv.forward(&h1.reshape((b * s, h))?)?;
-    let qkv = qkv.reshape((b, s, 3, a, dh))?;
-    let view =
-        |i: usize| -> Result<Tensor> { Ok(qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?) };
-    let q = view(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-    let k = view(1)?.contiguous()?;
-    let v = view(2)?.contiguous()?;
     let dropout = (cfg.attn_dropout > 0.0).then_some(Dropout {
         p: cfg.attn_dropout,
         seed: seeds.attn,
     });
-    let o = match cfg.attn {
-        AttnImpl::Materialized => attention_materialized(&q, &k, &v, ad, dropout)?,
-        AttnImpl::RecomputeCore => attention_recompute_core(&q, &k, &v, ad, dropout)?,
+    // The fused attention reads q, k, v in place from the (b·s, 3D) projection and writes the
+    // (b·s, D) layout the output projection takes: no splits, transposes or copies.
+    let keep = match cfg.attn {
+        AttnImpl::Materialized => AttnKeep::Probabilities,
+        AttnImpl::RecomputeCore => AttnKeep::Nothing,
         AttnImpl::MemoryEfficient => {
             if dropout.is_some() {
                 return Err(EngineError::unsupported(
@@ -142,10 +137,11 @@ pub fn block_forward(
                     "use materialized attention or attn_dropout = 0",
                 ));
             }
-            MemEffAttention::apply(&q, &k, &v)?
+            AttnKeep::LogSumExp
         }
     };
-    let o2 = o.transpose(1, 2)?.reshape((b * s, h))?;
+    let o2 = qkv_attention(&qkv, b, a, keep, dropout)?;
+    debug_assert_eq!(a * dh, h);
     let proj = cast(w.proj.forward(&o2)?, ad)?.reshape((b, s, h))?;
     let x1 = (x + proj.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
 

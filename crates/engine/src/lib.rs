@@ -3,8 +3,9 @@
 //!
 //! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
 //! - [`block`]: the adaLN-Zero block and final layer.
-//! - [`ops`]: fused ops with their own backward (GELU-tanh, LayerNorm + modulate).
-//! - [`attention`]: materialized, memory-efficient (custom op) and attention-only-recompute cores.
+//! - [`ops`]: fused ops with their own backward (linear, GELU-tanh, LayerNorm + modulate,
+//!   attention from the qkv projection).
+//! - [`attention`]: the composed attention cores (kept as references for the fused one in [`ops`]).
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
@@ -14,24 +15,22 @@
 //!
 //! # Block composition (what one block allocates in forward)
 //! `cd` = compute dtype, `ad` = accumulation dtype, E = b·s·D, A = b·a·s². Casts happen only when
-//! the dtypes differ. Every tensor below stays alive while the block's output is kept (candle keeps
-//! every intermediate of a graph), and is freed when the block's backward is done:
-//! 1. `silu(c)` (b,D) ad → cd; adaLN weight/bias → cd; `matmul` (b,6D) cd; `+bias` (b,6D) cd;
-//!    → ad (b,6D); six `narrow` views.
+//! the dtypes differ. The heavy ops are fused custom ops ([`ops`]) that keep only what their
+//! backward needs; every tensor below stays alive while the block's output is kept, and is freed
+//! when the block's backward is done:
+//! 1. `silu(c)` (b,D) ad → cd; adaLN weight/bias → cd; fused linear (b,6D) cd; → ad (b,6D); six
+//!    `narrow` views.
 //! 2. LN1 + modulate fused ([`ops::ln_modulate`]): one (E cd) output; the op keeps (mean, rstd)
 //!    per row (2·b·s, f32; f64 under fp64). Its inputs are x and the shift/scale chunks.
-//! 3. qkv weight/bias → cd; `matmul` (b·s,3D) cd; `+bias` (b·s,3D) cd; q·(1/√dh) copy (E cd);
-//!    k, v contiguous copies (E cd each).
-//! 4. materialized: scores (A cd); → ad (A); row max (b,a,s,1) ad; shifted (A ad); exp (A ad);
-//!    row sum (b,a,s,1) ad; P (A ad); → cd (A); [dropout mask (A cd), P·mask (A cd)];
-//!    o = P·v (E cd). Memory-efficient: o (E cd) + lse (b,a,s) f32 (f64 under fp64) in the op.
-//!    Attention-only recompute: o (E cd) only.
-//! 5. o transposed → (b·s, D) copy (E cd); proj weight/bias → cd; `matmul` (E cd); `+bias` (E cd);
-//!    → ad (E); ·gate (E ad); x1 = x + … (E ad).
-//! 6. LN2 + modulate as 2 (on x1); fc1 weight/bias → cd; `matmul` (4E cd); `+bias` (4E cd);
-//!    gelu ([`ops::gelu_tanh`], 4E cd, saves only its input); [dropout mask (4E cd), g·mask
-//!    (4E cd)]; fc2 weight/bias → cd; `matmul` (E cd); `+bias` (E cd); → ad (E); ·gate (E ad);
-//!    x2 = x1 + … (E ad).
+//! 3. qkv weight/bias → cd; fused linear ([`ops::linear`]) (b·s,3D) cd.
+//! 4. attention read in place from qkv ([`ops::qkv_attention`]), output (b·s, D) cd. It keeps P
+//!    (A cd) when materialized, the log-sum-exp (b·a·s, f32; f64 under fp64) when
+//!    memory-efficient, nothing under attention-only recompute; dropout masks are regenerated
+//!    from their seed.
+//! 5. proj weight/bias → cd; fused linear (E cd); → ad (E); ·gate (E ad); x1 = x + … (E ad).
+//! 6. LN2 + modulate as 2 (on x1); fc1 weight/bias → cd; fused linear (4E cd); gelu
+//!    ([`ops::gelu_tanh`], 4E cd, saves only its input); [dropout mask (4E cd), g·mask (4E cd)];
+//!    fc2 weight/bias → cd; fused linear (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
 //!
 //! Beyond the block graph: a stored block's input is a fresh leaf copy (E ad) of the previous
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's

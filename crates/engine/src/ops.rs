@@ -10,13 +10,20 @@
 //! - [`ln_modulate`]: `LN(x)·(1 + scale) + shift` with the result written directly in the compute
 //!   dtype. Saves x (its argument) and the per-row mean and rstd in the accumulation type
 //!   (f32, f64 for f64 inputs), 2·rows values held by the op; backward returns dx, dshift, dscale.
+//! - [`linear`]: `x·Wᵀ + b` as one node (candle keeps the product and the sum), gemm in place on
+//!   f32/f64, widened by row chunks on bf16/f16.
+//! - [`qkv_attention`]: attention read in place from the qkv projection (no splits or copies),
+//!   keeping P (materialized), nothing (attention-only recompute) or the log-sum-exp
+//!   (memory-efficient, streaming over key blocks); the softmax is fused and accumulates in f32.
 //!
 //! Every kernel is a free function over slices (`*_cpu`) called from `cpu_fwd` / `bwd`, so a CUDA
 //! kernel can be added beside it (`cuda_fwd`) without touching the graph side.
 //!
 //! Allocation rules the budget mirrors (`ditmem_budget::candle::Kind::Custom`): the forward
-//! allocates exactly its output (plus the op's saved statistics); the backward allocates exactly
-//! one fresh gradient per input, in the input's dtype and shape, and nothing else of size.
+//! allocates its output, what the op saves, and a workspace freed before it returns; the backward
+//! allocates one fresh gradient per input that tracks, in the input's dtype and shape, beside a
+//! workspace freed before it returns. The workspace sizes are public functions here
+//! ([`AttnGeom::fwd_scratch`], [`linear_bwd_scratch`], …) and are restated in the budget.
 
 use std::sync::Mutex;
 
@@ -223,7 +230,7 @@ pub fn ln_modulate(
     )
 }
 
-/// Geometry of [`ln_modulate_fwd_cpu`] / [`ln_modulate_bwd_cpu`]: x is (b, s, d) contiguous, row
+/// Geometry of the LayerNorm kernels: x is (b, s, d) contiguous, row
 /// `i` of shift/scale starts at `offset + i·row_stride` of its storage.
 #[derive(Debug, Clone, Copy)]
 pub struct LnGeom {
@@ -543,5 +550,1060 @@ impl CustomOp3 for LnModulate {
         // gradient store until the store is dropped.
         let keep = |t: &Tensor, d: Tensor| t.track_op().then_some(d);
         Ok((keep(x, dx), keep(shift, dsh), keep(scale, dsc)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention straight from the fused qkv projection.
+
+/// What the fused attention keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKeep {
+    /// The probabilities P (b, a, s, s) in the compute dtype: the materialized mode. Its softmax
+    /// is fused, so nothing else of size s² is kept (no scores, no exp, no casts).
+    Probabilities,
+    /// Nothing: backward recomputes P head by head (the attention-only recompute policy).
+    Nothing,
+    /// The log-sum-exp per query row (b, a, s) in the accumulation type; forward and backward
+    /// stream over key blocks and never hold more than s × [`ATTN_KEY_BLOCK`] scores per head
+    /// (the memory-efficient mode).
+    LogSumExp,
+}
+
+/// Keys per block of the streaming kernels.
+pub const ATTN_KEY_BLOCK: usize = 128;
+
+/// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
+/// read in place (no narrow, no transposes, no contiguous copies), the output already has the
+/// layout the output projection wants, and the gradient comes back as one (b·s, 3D) tensor, so
+/// candle never pads a narrow's gradient. Heads run in parallel, each on a private scratch of
+/// accumulation-type buffers; every product is a `gemm` call.
+#[derive(Debug)]
+pub struct QkvAttention {
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+    dropout: Option<crate::attention::Dropout>,
+    /// Whether the input tracks: an untracked forward saves nothing.
+    track: bool,
+    saved: Mutex<Option<CpuStorage>>,
+}
+
+/// Fused attention from the qkv projection (see [`QkvAttention`]).
+pub fn qkv_attention(
+    qkv: &Tensor,
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+    dropout: Option<crate::attention::Dropout>,
+) -> CResult<Tensor> {
+    if dropout.is_some() && keep == AttnKeep::LogSumExp {
+        return Err(err(
+            "attention dropout needs materialized attention (the streaming kernel has no mask)",
+        ));
+    }
+    qkv.apply_op1(QkvAttention {
+        batch,
+        heads,
+        keep,
+        dropout: dropout.filter(|d| d.p > 0.0),
+        track: qkv.track_op(),
+        saved: Mutex::new(None),
+    })
+}
+
+/// Shapes of one fused attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnGeom {
+    pub b: usize,
+    pub a: usize,
+    pub s: usize,
+    pub dh: usize,
+}
+
+impl AttnGeom {
+    fn d(&self) -> usize {
+        self.a * self.dh
+    }
+    fn heads(&self) -> usize {
+        self.b * self.a
+    }
+    fn kb(&self) -> usize {
+        ATTN_KEY_BLOCK.min(self.s)
+    }
+    /// Scratch elements (accumulation type) per head of the forward.
+    pub fn fwd_scratch(&self, keep: AttnKeep) -> usize {
+        let (s, dh) = (self.s, self.dh);
+        match keep {
+            // q, k, v, the head's output, S.
+            AttnKeep::Probabilities | AttnKeep::Nothing => 4 * s * dh + s * s,
+            // q, k, v, the accumulator, one block of scores, row max and sum.
+            AttnKeep::LogSumExp => 4 * s * dh + s * self.kb() + 2 * s,
+        }
+    }
+    /// Scratch elements (accumulation type) per head of the backward.
+    pub fn bwd_scratch(&self, keep: AttnKeep) -> usize {
+        let (s, dh) = (self.s, self.dh);
+        match keep {
+            // q, k, v, dO, dq, dk, dv, P, dP.
+            AttnKeep::Probabilities | AttnKeep::Nothing => 7 * s * dh + 2 * s * s,
+            // q, k, v, dO, dq, dk, dv, a block of P and of dP, the row deltas.
+            AttnKeep::LogSumExp => 7 * s * dh + 2 * s * self.kb() + s,
+        }
+    }
+}
+
+/// Threads the head loop uses: rayon's pool size, at most one per head. The scratch of all of
+/// them is allocated up front, so the transient bytes are deterministic.
+pub fn attn_threads(heads: usize) -> usize {
+    rayon::current_num_threads().clamp(1, heads.max(1))
+}
+
+fn attn_geom(l: &Layout, batch: usize, heads: usize) -> CResult<AttnGeom> {
+    let (rows, d3) = match l.dims() {
+        &[r, c] => (r, c),
+        dims => {
+            return Err(err(format!(
+                "attention expects qkv (b·s, 3D), got {dims:?}"
+            )))
+        }
+    };
+    if batch == 0 || heads == 0 || rows % batch != 0 || d3 % (3 * heads) != 0 {
+        return Err(err(format!(
+            "attention: qkv ({rows}, {d3}) does not split into batch {batch} × 3 × {heads} heads"
+        )));
+    }
+    Ok(AttnGeom {
+        b: batch,
+        a: heads,
+        s: rows / batch,
+        dh: d3 / (3 * heads),
+    })
+}
+
+/// A raw pointer the head loop writes disjoint elements through (each head owns its own
+/// columns of the output rows and its own block of P).
+#[derive(Clone, Copy)]
+struct SharedMut<T>(*mut T);
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// Element `i` (a method, so closures capture the wrapper and not the bare pointer).
+    ///
+    /// # Safety
+    /// `i` must lie inside the buffer, and no other thread may touch element `i` meanwhile.
+    #[inline]
+    unsafe fn at(&self, i: usize) -> *mut T {
+        self.0.add(i)
+    }
+}
+
+/// `dst (m×n) = lhs (m×k) · rhs (k×n)` (+ dst when `acc`), with explicit (row, column) strides,
+/// single-threaded (the callers parallelise over heads).
+fn mm<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [A],
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+) {
+    mm_par(m, n, k, dst, lhs, rhs, acc, gemm::Parallelism::None)
+}
+
+/// [`mm`] with an explicit parallelism.
+#[allow(clippy::too_many_arguments)]
+fn mm_par<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [A],
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    mm_strided(m, n, k, (dst, n, 1), lhs, rhs, acc, par)
+}
+
+/// The general product: every operand as (slice, row stride, column stride).
+///
+/// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is
+/// column-major with a row count that fills its SIMD lanes, and the rhs is column-major with at
+/// most 128 microkernel rows of destination (`gemm-common` `gemm_basic_generic`). The widened
+/// linear lays out its own f32 scratch that way, so its products allocate nothing.
+#[allow(clippy::too_many_arguments)]
+fn mm_strided<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [A], usize, usize),
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    let (dst, dst_rs, dst_cs) = dst;
+    debug_assert!(dst.len() >= m * n);
+    // Safety: the slices outlive the call, and the strides stay inside them (callers pass
+    // row-major buffers or their transposes with the matching extents).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_cs as isize,
+            dst_rs as isize,
+            acc,
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            <A as Acc>::from_f64(1.0),
+            <A as Acc>::from_f64(1.0),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// Keep factor of the dropout mask at flat index `i` of (b, a, s, s): 0 or 1/(1−p), drawn like
+/// `attention::dropout_mask` (f32 factor) so all modes see the same mask.
+#[inline]
+fn mask_at<A: Acc>(d: crate::attention::Dropout, i: usize) -> A {
+    let mut r = crate::rng::SplitMix64::skip(d.seed, i as u64);
+    if r.uniform() < d.p {
+        A::ZERO
+    } else {
+        <A as Acc>::from_f64(f64::from((1.0 / (1.0 - d.p)) as f32))
+    }
+}
+
+/// Gathers head `hd` of batch `bi` from qkv rows into (s×dh) buffers; `which` 0/1/2 = q/k/v.
+fn gather<T: Elem<A>, A: Acc>(
+    qkv: &[T],
+    g: &AttnGeom,
+    bi: usize,
+    hd: usize,
+    which: usize,
+    scale: A,
+    dst: &mut [A],
+) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    for i in 0..s {
+        let src = &qkv[(bi * s + i) * 3 * d + which * d + hd * dh..][..dh];
+        for (o, v) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
+            *o = v.to_acc() * scale;
+        }
+    }
+}
+
+/// Row softmax of an (s×n) block in place.
+fn softmax_rows<A: Acc>(x: &mut [A], n: usize) {
+    for row in x.chunks_mut(n) {
+        let mut m = A::NEG_INF;
+        for v in row.iter() {
+            if *v > m {
+                m = *v;
+            }
+        }
+        let mut z = A::ZERO;
+        for v in row.iter_mut() {
+            *v = (*v - m).exp();
+            z += *v;
+        }
+        let inv = <A as Acc>::from_f64(1.0) / z;
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+/// Forward of all heads: returns o (b·s, D) and what the mode keeps.
+fn attn_fwd_cpu<T, A>(
+    qkv: &[T],
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<crate::attention::Dropout>,
+    save: bool,
+) -> (Vec<T>, Option<CpuStorage>)
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let nh = g.heads();
+    let mut out: Vec<T> = vec![T::from_acc(A::ZERO); g.b * s * d];
+    let mut p_keep: Vec<T> = if save && keep == AttnKeep::Probabilities {
+        vec![T::from_acc(A::ZERO); nh * s * s]
+    } else {
+        Vec::new()
+    };
+    let mut lse: Vec<A> = if save && keep == AttnKeep::LogSumExp {
+        vec![A::ZERO; nh * s]
+    } else {
+        Vec::new()
+    };
+    let nt = attn_threads(nh);
+    let per = g.fwd_scratch(keep);
+    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
+    let scale = <A as Acc>::from_f64(1.0 / (dh as f64).sqrt());
+    let (po, pp, pl) = (
+        SharedMut(out.as_mut_ptr()),
+        SharedMut(p_keep.as_mut_ptr()),
+        SharedMut(lse.as_mut_ptr()),
+    );
+    let (save_p, save_l) = (!p_keep.is_empty(), !lse.is_empty());
+    let kb = g.kb();
+    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
+        let (q, rest) = sc.split_at_mut(s * dh);
+        let (k, rest) = rest.split_at_mut(s * dh);
+        let (v, rest) = rest.split_at_mut(s * dh);
+        let (o, rest) = rest.split_at_mut(s * dh);
+        let mut head = t;
+        while head < nh {
+            let (bi, hd) = (head / g.a, head % g.a);
+            gather(qkv, g, bi, hd, 0, scale, q);
+            gather(qkv, g, bi, hd, 1, <A as Acc>::from_f64(1.0), k);
+            gather(qkv, g, bi, hd, 2, <A as Acc>::from_f64(1.0), v);
+            match keep {
+                AttnKeep::Probabilities | AttnKeep::Nothing => {
+                    let p = &mut rest[..s * s];
+                    mm(s, s, dh, p, (q, dh, 1), (k, 1, dh), false);
+                    softmax_rows(p, s);
+                    if save_p {
+                        for (i, v) in p.iter().enumerate() {
+                            // Safety: head `head` owns P[head·s²..(head+1)·s²].
+                            unsafe { *pp.at(head * s * s + i) = T::from_acc(*v) };
+                        }
+                    }
+                    if let Some(dr) = dropout {
+                        for (i, v) in p.iter_mut().enumerate() {
+                            *v *= mask_at::<A>(dr, head * s * s + i);
+                        }
+                    }
+                    mm(s, dh, s, o, (p, s, 1), (v, dh, 1), false);
+                }
+                AttnKeep::LogSumExp => {
+                    let (sb, ml) = rest.split_at_mut(s * kb);
+                    let (m, l) = ml.split_at_mut(s);
+                    m.iter_mut().for_each(|x| *x = A::NEG_INF);
+                    l.iter_mut().for_each(|x| *x = A::ZERO);
+                    o.iter_mut().for_each(|x| *x = A::ZERO);
+                    let mut j0 = 0;
+                    while j0 < s {
+                        let n = kb.min(s - j0);
+                        let blk = &mut sb[..s * n];
+                        mm(s, n, dh, blk, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
+                        for i in 0..s {
+                            let row = &mut blk[i * n..(i + 1) * n];
+                            let mut bmax = m[i];
+                            for x in row.iter() {
+                                if *x > bmax {
+                                    bmax = *x;
+                                }
+                            }
+                            let corr = if m[i] == A::NEG_INF {
+                                A::ZERO
+                            } else {
+                                (m[i] - bmax).exp()
+                            };
+                            let mut z = A::ZERO;
+                            for x in row.iter_mut() {
+                                *x = (*x - bmax).exp();
+                                z += *x;
+                            }
+                            l[i] = l[i] * corr + z;
+                            for x in o[i * dh..(i + 1) * dh].iter_mut() {
+                                *x *= corr;
+                            }
+                            m[i] = bmax;
+                        }
+                        mm(s, dh, n, o, (blk, n, 1), (&v[j0 * dh..], dh, 1), true);
+                        j0 += n;
+                    }
+                    for i in 0..s {
+                        let inv = <A as Acc>::from_f64(1.0) / l[i];
+                        for x in o[i * dh..(i + 1) * dh].iter_mut() {
+                            *x *= inv;
+                        }
+                        if save_l {
+                            // Safety: head `head` owns lse[head·s..(head+1)·s].
+                            unsafe { *pl.at(head * s + i) = m[i] + l[i].ln() };
+                        }
+                    }
+                }
+            }
+            for i in 0..s {
+                for j in 0..dh {
+                    // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                    unsafe { *po.at((bi * s + i) * d + hd * dh + j) = T::from_acc(o[i * dh + j]) };
+                }
+            }
+            head += nt;
+        }
+    });
+    drop(scratch);
+    let saved = if save_p {
+        Some(T::to_cpu_storage_owned(p_keep))
+    } else if save_l {
+        Some(A::to_cpu_storage_owned(lse))
+    } else {
+        None
+    };
+    (out, saved)
+}
+
+/// Backward of all heads: returns dqkv (b·s, 3D).
+#[allow(clippy::too_many_arguments)]
+fn attn_bwd_cpu<T, A>(
+    qkv: &[T],
+    o_all: &[T],
+    go_all: &[T],
+    saved: Option<&CpuStorage>,
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<crate::attention::Dropout>,
+) -> CResult<Vec<T>>
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let nh = g.heads();
+    let p_saved: Option<&[T]> = match (keep, saved) {
+        (AttnKeep::Probabilities, Some(st)) => Some(st.as_slice::<T>()?),
+        (AttnKeep::Probabilities, None) => {
+            return Err(err("attention backward: probabilities were not kept"))
+        }
+        _ => None,
+    };
+    let lse: Option<&[A]> = match (keep, saved) {
+        (AttnKeep::LogSumExp, Some(st)) => Some(st.as_slice::<A>()?),
+        (AttnKeep::LogSumExp, None) => {
+            return Err(err("attention backward: the log-sum-exp was not kept"))
+        }
+        _ => None,
+    };
+    let mut dqkv: Vec<T> = vec![T::from_acc(A::ZERO); g.b * s * 3 * d];
+    let nt = attn_threads(nh);
+    let per = g.bwd_scratch(keep);
+    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
+    let scale = <A as Acc>::from_f64(1.0 / (dh as f64).sqrt());
+    let pd = SharedMut(dqkv.as_mut_ptr());
+    let kb = g.kb();
+    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
+        let (q, rest) = sc.split_at_mut(s * dh);
+        let (k, rest) = rest.split_at_mut(s * dh);
+        let (v, rest) = rest.split_at_mut(s * dh);
+        let (go, rest) = rest.split_at_mut(s * dh);
+        let (dq, rest) = rest.split_at_mut(s * dh);
+        let (dk, rest) = rest.split_at_mut(s * dh);
+        let (dv, rest) = rest.split_at_mut(s * dh);
+        let mut head = t;
+        while head < nh {
+            let (bi, hd) = (head / g.a, head % g.a);
+            gather(qkv, g, bi, hd, 0, scale, q);
+            gather(qkv, g, bi, hd, 1, <A as Acc>::from_f64(1.0), k);
+            gather(qkv, g, bi, hd, 2, <A as Acc>::from_f64(1.0), v);
+            for i in 0..s {
+                let src = &go_all[(bi * s + i) * d + hd * dh..][..dh];
+                for (x, y) in go[i * dh..(i + 1) * dh].iter_mut().zip(src) {
+                    *x = y.to_acc();
+                }
+            }
+            match keep {
+                AttnKeep::Probabilities | AttnKeep::Nothing => {
+                    let (p, dp) = rest.split_at_mut(s * s);
+                    let dp = &mut dp[..s * s];
+                    match p_saved {
+                        Some(ps) => {
+                            for (x, y) in p.iter_mut().zip(&ps[head * s * s..][..s * s]) {
+                                *x = y.to_acc();
+                            }
+                        }
+                        None => {
+                            mm(s, s, dh, p, (q, dh, 1), (k, 1, dh), false);
+                            softmax_rows(p, s);
+                        }
+                    }
+                    // dP̃ = dO·vᵀ, then through the mask.
+                    mm(s, s, dh, dp, (go, dh, 1), (v, 1, dh), false);
+                    if let Some(dr) = dropout {
+                        // dv = (P∘M)ᵀ·dO needs P∘M: scale P in place, undo after.
+                        for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
+                            let mk = mask_at::<A>(dr, head * s * s + i);
+                            *x *= mk;
+                            *y *= mk;
+                        }
+                        mm(s, dh, s, dv, (p, 1, s), (go, dh, 1), false);
+                        // Rebuild P (the mask zeroed some entries): recompute or reload.
+                        match p_saved {
+                            Some(ps) => {
+                                for (x, y) in p.iter_mut().zip(&ps[head * s * s..][..s * s]) {
+                                    *x = y.to_acc();
+                                }
+                            }
+                            None => {
+                                mm(s, s, dh, p, (q, dh, 1), (k, 1, dh), false);
+                                softmax_rows(p, s);
+                            }
+                        }
+                    } else {
+                        mm(s, dh, s, dv, (p, 1, s), (go, dh, 1), false);
+                    }
+                    // dS = P∘(dP − Σ_j dP·P), in dp.
+                    for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
+                        let mut delta = A::ZERO;
+                        for (a, b) in pr.iter().zip(dr.iter()) {
+                            delta += *a * *b;
+                        }
+                        for (a, b) in pr.iter().zip(dr.iter_mut()) {
+                            *b = *a * (*b - delta);
+                        }
+                    }
+                    mm(s, dh, s, dq, (dp, s, 1), (k, dh, 1), false);
+                    mm(s, dh, s, dk, (dp, 1, s), (q, dh, 1), false);
+                }
+                AttnKeep::LogSumExp => {
+                    let lse = &lse.unwrap_or(&[])[head * s..][..s];
+                    let (pb, rest) = rest.split_at_mut(s * kb);
+                    let (dpb, delta) = rest.split_at_mut(s * kb);
+                    // Δ_i = dO_i · o_i.
+                    for i in 0..s {
+                        let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
+                        let mut acc = A::ZERO;
+                        for (x, y) in go[i * dh..(i + 1) * dh].iter().zip(orow) {
+                            acc += *x * y.to_acc();
+                        }
+                        delta[i] = acc;
+                    }
+                    dq.iter_mut().for_each(|x| *x = A::ZERO);
+                    let mut j0 = 0;
+                    while j0 < s {
+                        let n = kb.min(s - j0);
+                        let p = &mut pb[..s * n];
+                        let dp = &mut dpb[..s * n];
+                        mm(s, n, dh, p, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
+                        for i in 0..s {
+                            for x in p[i * n..(i + 1) * n].iter_mut() {
+                                *x = (*x - lse[i]).exp();
+                            }
+                        }
+                        mm(n, dh, s, &mut dv[j0 * dh..], (p, 1, n), (go, dh, 1), false);
+                        mm(s, n, dh, dp, (go, dh, 1), (&v[j0 * dh..], 1, dh), false);
+                        for i in 0..s {
+                            for (a, b) in p[i * n..(i + 1) * n]
+                                .iter()
+                                .zip(dp[i * n..(i + 1) * n].iter_mut())
+                            {
+                                *b = *a * (*b - delta[i]);
+                            }
+                        }
+                        mm(s, dh, n, dq, (dp, n, 1), (&k[j0 * dh..], dh, 1), true);
+                        mm(n, dh, s, &mut dk[j0 * dh..], (dp, 1, n), (q, dh, 1), false);
+                        j0 += n;
+                    }
+                }
+            }
+            for i in 0..s {
+                let row = (bi * s + i) * 3 * d + hd * dh;
+                for j in 0..dh {
+                    // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+                    unsafe {
+                        *pd.at(row + j) = T::from_acc(dq[i * dh + j] * scale);
+                        *pd.at(row + d + j) = T::from_acc(dk[i * dh + j]);
+                        *pd.at(row + 2 * d + j) = T::from_acc(dv[i * dh + j]);
+                    }
+                }
+            }
+            head += nt;
+        }
+    });
+    drop(scratch);
+    Ok(dqkv)
+}
+
+impl CustomOp1 for QkvAttention {
+    fn name(&self) -> &'static str {
+        "qkv-attention"
+    }
+
+    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let g = attn_geom(l, self.batch, self.heads)?;
+        let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
+            let qkv = cpu_slice::<T>(st, l, "attention qkv")?;
+            let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
+            (T::to_cpu_storage_owned(o), saved)
+        });
+        *self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))? = saved;
+        Ok((out, Shape::from((g.b * g.s, g.d()))))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let guard = self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))?;
+        let grad = grad.contiguous()?;
+        let d = with_cpu(arg, |sq, lq| {
+            with_cpu(res, |so, lo| {
+                with_cpu(&grad, |sg, lg| {
+                    let g = attn_geom(lq, self.batch, self.heads)?;
+                    Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
+                        let dqkv = attn_bwd_cpu::<T, A>(
+                            cpu_slice::<T>(sq, lq, "attention qkv")?,
+                            cpu_slice::<T>(so, lo, "attention output")?,
+                            cpu_slice::<T>(sg, lg, "attention gradient")?,
+                            guard.as_ref(),
+                            &g,
+                            self.keep,
+                            self.dropout,
+                        )?;
+                        Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu)?
+                    }))
+                })
+            })
+        })?;
+        Ok(Some(d))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear.
+
+/// Rows per chunk when a low-precision linear widens its operands to f32.
+pub const LINEAR_ROWS: usize = 128;
+
+/// `y = x·Wᵀ + b` on a 2-D x as one node: candle's composition keeps both the product and the
+/// biased sum alive (two (rows, out) tensors per linear) and, in bf16, widens the whole of both
+/// operands to f32 for every product. This op keeps nothing beyond its inputs, calls `gemm`
+/// directly on f32/f64 data (W read transposed in place), and for bf16/f16 widens W once and x
+/// by chunks of [`LINEAR_ROWS`] rows, accumulating in f32. Backward returns dx, dW, db for the
+/// inputs that track (a frozen LoRA base gets only dx).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LinearOp;
+
+/// Fused linear (see [`LinearOp`]): x (rows, in), w (out, in), b (out) → (rows, out).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    x.apply_op3(w, b, LinearOp)
+}
+
+/// Which gradients a linear's backward computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearGrads {
+    pub x: bool,
+    pub w: bool,
+    pub b: bool,
+}
+
+/// Scratch elements (f32) of a widened (bf16/f16) linear's forward: W, b, and a chunk of x and y.
+pub fn linear_fwd_scratch(rows: usize, inp: usize, out: usize) -> usize {
+    out * inp + out + LINEAR_ROWS.min(rows) * (inp + out)
+}
+
+/// Scratch elements (f32) of a widened linear's backward: per chunk g; for dx Wᵀ, a
+/// column-major copy of the g chunk and a dx chunk; for dW the f32 dW and an x chunk; for db an
+/// f32 db.
+pub fn linear_bwd_scratch(rows: usize, inp: usize, out: usize, g: LinearGrads) -> usize {
+    let r = LINEAR_ROWS.min(rows);
+    let mut n = r * out;
+    if g.x {
+        n += out * inp + r * out + r * inp;
+    }
+    if g.w {
+        n += out * inp + r * inp;
+    }
+    if g.b {
+        n += out;
+    }
+    n
+}
+
+fn gemm_threads() -> gemm::Parallelism {
+    match rayon::current_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+fn linear_dims(lx: &Layout, lw: &Layout, lb: &Layout) -> CResult<(usize, usize, usize)> {
+    match (lx.dims(), lw.dims(), lb.dims()) {
+        (&[rows, inp], &[out, inp2], &[out2]) if inp == inp2 && out == out2 => Ok((rows, inp, out)),
+        (x, w, b) => Err(err(format!(
+            "linear expects x (rows, in), w (out, in), b (out); got {x:?}, {w:?}, {b:?}"
+        ))),
+    }
+}
+
+/// f32/f64 forward: y rows start as b, then y += x·Wᵀ.
+fn linear_fwd_direct<A: Acc + 'static>(
+    x: &[A],
+    w: &[A],
+    b: &[A],
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> Vec<A> {
+    let mut y: Vec<A> = Vec::with_capacity(rows * out);
+    for _ in 0..rows {
+        y.extend_from_slice(b);
+    }
+    mm_par(
+        rows,
+        out,
+        inp,
+        &mut y,
+        (x, inp, 1),
+        (w, 1, inp),
+        true,
+        gemm_threads(),
+    );
+    y
+}
+
+/// bf16/f16 forward, widened to f32 by chunks. The chunk buffers are column-major (see
+/// [`mm_strided`]): x32[k·n + i] holds row i, column k of the chunk, y32[j·n + i] likewise.
+fn linear_fwd_widen<T: Elem<f32>>(
+    x: &[T],
+    w: &[T],
+    b: &[T],
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> Vec<T> {
+    let mut y: Vec<T> = vec![T::from_acc(0.0); rows * out];
+    let r = LINEAR_ROWS.min(rows);
+    // W as the rhs (k = in, n = out) with unit row stride: its natural row-major layout.
+    let w32: Vec<f32> = w.iter().map(|v| v.to_acc()).collect();
+    let b32: Vec<f32> = b.iter().map(|v| v.to_acc()).collect();
+    let mut x32: Vec<f32> = vec![0.0; r * inp];
+    let mut y32: Vec<f32> = vec![0.0; r * out];
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        for i in 0..n {
+            for (kk, v) in x[(r0 + i) * inp..(r0 + i + 1) * inp].iter().enumerate() {
+                x32[kk * n + i] = v.to_acc();
+            }
+        }
+        for (j, bj) in b32.iter().enumerate() {
+            y32[j * n..(j + 1) * n].iter_mut().for_each(|v| *v = *bj);
+        }
+        mm_strided(
+            n,
+            out,
+            inp,
+            (&mut y32, 1, n),
+            (&x32, 1, n),
+            (&w32, 1, inp),
+            true,
+            gemm_threads(),
+        );
+        for i in 0..n {
+            for (j, d) in y[(r0 + i) * out..(r0 + i + 1) * out].iter_mut().enumerate() {
+                *d = T::from_acc(y32[j * n + i]);
+            }
+        }
+        r0 += n;
+    }
+    y
+}
+
+/// f32/f64 backward: dx = g·W, dW = gᵀ·x, db = Σ_rows g.
+#[allow(clippy::type_complexity)]
+fn linear_bwd_direct<A: Acc + 'static>(
+    x: &[A],
+    w: &[A],
+    g: &[A],
+    (rows, inp, out): (usize, usize, usize),
+    want: LinearGrads,
+) -> (Option<Vec<A>>, Option<Vec<A>>, Option<Vec<A>>) {
+    let par = gemm_threads();
+    let dx = want.x.then(|| {
+        let mut dx = vec![A::ZERO; rows * inp];
+        mm_par(
+            rows,
+            inp,
+            out,
+            &mut dx,
+            (g, out, 1),
+            (w, inp, 1),
+            false,
+            par,
+        );
+        dx
+    });
+    let dw = want.w.then(|| {
+        let mut dw = vec![A::ZERO; out * inp];
+        mm_par(
+            out,
+            inp,
+            rows,
+            &mut dw,
+            (g, 1, out),
+            (x, inp, 1),
+            false,
+            par,
+        );
+        dw
+    });
+    let db = want.b.then(|| {
+        let mut db = vec![A::ZERO; out];
+        for row in g.chunks(out) {
+            for (d, v) in db.iter_mut().zip(row) {
+                *d += *v;
+            }
+        }
+        db
+    });
+    (dx, dw, db)
+}
+
+/// bf16/f16 backward, widened to f32 by chunks; dW and db accumulate in f32. Every f32 buffer is
+/// laid out so that gemm packs nothing (see [`mm_strided`]): g twice (row- and column-major), W
+/// transposed, x, dx and dW column-major.
+#[allow(clippy::type_complexity)]
+fn linear_bwd_widen<T: Elem<f32>>(
+    x: &[T],
+    w: &[T],
+    g: &[T],
+    (rows, inp, out): (usize, usize, usize),
+    want: LinearGrads,
+) -> (Option<Vec<T>>, Option<Vec<T>>, Option<Vec<T>>) {
+    let par = gemm_threads();
+    let zero = T::from_acc(0.0);
+    // Outputs first, then the scratch (the budget counts both alive together).
+    let mut dx: Option<Vec<T>> = want.x.then(|| vec![zero; rows * inp]);
+    let mut dw: Option<Vec<T>> = want.w.then(|| vec![zero; out * inp]);
+    let mut db: Option<Vec<T>> = want.b.then(|| vec![zero; out]);
+    let r = LINEAR_ROWS.min(rows);
+    // g chunk row-major (the lhs of dW = gᵀ·x, unit row stride after the transpose) …
+    let mut g32: Vec<f32> = vec![0.0; r * out];
+    // … and, for dx, column-major, with Wᵀ (wt32[j·out + o] = W[o][j]) as a unit-row-stride rhs.
+    let mut gc32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * out]);
+    let wt32: Option<Vec<f32>> = want.x.then(|| {
+        let mut t = vec![0.0f32; out * inp];
+        for (o, row) in w.chunks(inp).enumerate() {
+            for (j, v) in row.iter().enumerate() {
+                t[j * out + o] = v.to_acc();
+            }
+        }
+        t
+    });
+    let mut dx32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * inp]);
+    // dW column-major: dw32[j·out + o].
+    let mut dw32: Option<Vec<f32>> = want.w.then(|| vec![0.0; out * inp]);
+    let mut x32: Option<Vec<f32>> = want.w.then(|| vec![0.0; r * inp]);
+    let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        for (d, s) in g32.iter_mut().zip(&g[r0 * out..(r0 + n) * out]) {
+            *d = s.to_acc();
+        }
+        if let (Some(dx), Some(dx32), Some(gc32), Some(wt32)) =
+            (dx.as_mut(), dx32.as_mut(), gc32.as_mut(), wt32.as_ref())
+        {
+            for i in 0..n {
+                for o in 0..out {
+                    gc32[o * n + i] = g32[i * out + o];
+                }
+            }
+            mm_strided(
+                n,
+                inp,
+                out,
+                (dx32, 1, n),
+                (gc32, 1, n),
+                (wt32, 1, out),
+                false,
+                par,
+            );
+            for i in 0..n {
+                for (j, d) in dx[(r0 + i) * inp..(r0 + i + 1) * inp]
+                    .iter_mut()
+                    .enumerate()
+                {
+                    *d = T::from_acc(dx32[j * n + i]);
+                }
+            }
+        }
+        if let (Some(dw32), Some(x32)) = (dw32.as_mut(), x32.as_mut()) {
+            for i in 0..n {
+                for (j, v) in x[(r0 + i) * inp..(r0 + i + 1) * inp].iter().enumerate() {
+                    x32[j * n + i] = v.to_acc();
+                }
+            }
+            // dW (out × in) += gᵀ (out × n) · x (n × in).
+            mm_strided(
+                out,
+                inp,
+                n,
+                (dw32, 1, out),
+                (&g32, 1, out),
+                (x32, 1, n),
+                true,
+                par,
+            );
+        }
+        if let Some(db32) = db32.as_mut() {
+            for row in g32[..n * out].chunks(out) {
+                for (d, v) in db32.iter_mut().zip(row) {
+                    *d += *v;
+                }
+            }
+        }
+        r0 += n;
+    }
+    if let (Some(dw), Some(dw32)) = (dw.as_mut(), dw32.as_ref()) {
+        for (o, row) in dw.chunks_mut(inp).enumerate() {
+            for (j, d) in row.iter_mut().enumerate() {
+                *d = T::from_acc(dw32[j * out + o]);
+            }
+        }
+    }
+    if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
+        for (d, s) in db.iter_mut().zip(db32) {
+            *d = T::from_acc(*s);
+        }
+    }
+    (dx, dw, db)
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (rows, inp, out) = linear_dims(lx, lw, lb)?;
+        if sw.dtype() != sx.dtype() || sb.dtype() != sx.dtype() {
+            return Err(err("linear: x, w and b must share one dtype"));
+        }
+        let w = "linear";
+        let y = match sx.dtype() {
+            DType::F32 => CpuStorage::F32(linear_fwd_direct(
+                cpu_slice(sx, lx, w)?,
+                cpu_slice(sw, lw, w)?,
+                cpu_slice(sb, lb, w)?,
+                rows,
+                inp,
+                out,
+            )),
+            DType::F64 => CpuStorage::F64(linear_fwd_direct(
+                cpu_slice(sx, lx, w)?,
+                cpu_slice(sw, lw, w)?,
+                cpu_slice(sb, lb, w)?,
+                rows,
+                inp,
+                out,
+            )),
+            DType::BF16 => CpuStorage::BF16(linear_fwd_widen(
+                cpu_slice::<half::bf16>(sx, lx, w)?,
+                cpu_slice(sw, lw, w)?,
+                cpu_slice(sb, lb, w)?,
+                rows,
+                inp,
+                out,
+            )),
+            DType::F16 => CpuStorage::F16(linear_fwd_widen(
+                cpu_slice::<half::f16>(sx, lx, w)?,
+                cpu_slice(sw, lw, w)?,
+                cpu_slice(sb, lb, w)?,
+                rows,
+                inp,
+                out,
+            )),
+            other => return Err(err(format!("linear: unsupported dtype {other:?}"))),
+        };
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = LinearGrads {
+            x: x.track_op(),
+            w: w.track_op(),
+            b: b.track_op(),
+        };
+        let grad = grad.contiguous()?;
+        let dev = Device::Cpu;
+        with_cpu(x, |sx, lx| {
+            with_cpu(w, |sw, lw| {
+                with_cpu(&grad, |sg, lg| {
+                    let dims = linear_dims(lx, lw, b.layout())?;
+                    let (rows, inp, out) = dims;
+                    let n = "linear backward";
+                    macro_rules! wrap {
+                        ($r:expr) => {{
+                            let (dx, dw, db) = $r;
+                            Ok((
+                                dx.map(|v| Tensor::from_vec(v, (rows, inp), &dev))
+                                    .transpose()?,
+                                dw.map(|v| Tensor::from_vec(v, (out, inp), &dev))
+                                    .transpose()?,
+                                db.map(|v| Tensor::from_vec(v, out, &dev)).transpose()?,
+                            ))
+                        }};
+                    }
+                    match sx.dtype() {
+                        DType::F32 => wrap!(linear_bwd_direct::<f32>(
+                            cpu_slice(sx, lx, n)?,
+                            cpu_slice(sw, lw, n)?,
+                            cpu_slice(sg, lg, n)?,
+                            dims,
+                            want
+                        )),
+                        DType::F64 => wrap!(linear_bwd_direct::<f64>(
+                            cpu_slice(sx, lx, n)?,
+                            cpu_slice(sw, lw, n)?,
+                            cpu_slice(sg, lg, n)?,
+                            dims,
+                            want
+                        )),
+                        DType::BF16 => wrap!(linear_bwd_widen::<half::bf16>(
+                            cpu_slice(sx, lx, n)?,
+                            cpu_slice(sw, lw, n)?,
+                            cpu_slice(sg, lg, n)?,
+                            dims,
+                            want
+                        )),
+                        DType::F16 => wrap!(linear_bwd_widen::<half::f16>(
+                            cpu_slice(sx, lx, n)?,
+                            cpu_slice(sw, lw, n)?,
+                            cpu_slice(sg, lg, n)?,
+                            dims,
+                            want
+                        )),
+                        other => Err(err(format!("linear backward: unsupported dtype {other:?}"))),
+                    }
+                })
+            })
+        })
     }
 }

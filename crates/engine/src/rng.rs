@@ -52,6 +52,14 @@ impl SplitMix64 {
         mix64(self.state)
     }
 
+    /// The stream of `seed` advanced by `n` draws: SplitMix64's state is a counter, so a kernel can
+    /// draw element `n` of a mask without drawing the ones before it.
+    pub fn skip(seed: u64, n: u64) -> Self {
+        SplitMix64 {
+            state: seed.wrapping_add(n.wrapping_mul(GOLDEN)),
+        }
+    }
+
     /// Uniform in [0, 1) with 53 random bits.
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

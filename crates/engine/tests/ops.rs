@@ -180,3 +180,216 @@ fn ln_modulate_rejects_bad_shapes() {
     let okb = ok.to_dtype(DType::BF16).unwrap();
     assert!(ln_modulate(&x, &okb, &okb, LN_EPS, DType::F64).is_err());
 }
+
+use ditmem_engine::attention::{attention_materialized, Dropout};
+use ditmem_engine::ops::{qkv_attention, AttnKeep};
+
+/// The composed reference: split qkv (b·s, 3D) into heads, scale q, materialized attention in
+/// candle ops, back to (b·s, D).
+fn attention_reference(qkv: &Tensor, b: usize, a: usize, dropout: Option<Dropout>) -> Tensor {
+    let (rows, d3) = qkv.dims2().unwrap();
+    let (s, dh) = (rows / b, d3 / (3 * a));
+    let q5 = qkv.reshape((b, s, 3, a, dh)).unwrap();
+    let view = |i: usize| {
+        q5.narrow(2, i, 1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let q = view(0).affine(1.0 / (dh as f64).sqrt(), 0.0).unwrap();
+    let o = attention_materialized(&q, &view(1), &view(2), DType::F64, dropout).unwrap();
+    o.transpose(1, 2).unwrap().reshape((rows, a * dh)).unwrap()
+}
+
+fn attention_case(
+    b: usize,
+    s: usize,
+    a: usize,
+    dh: usize,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) {
+    let qkv = Var::from_tensor(&rand(&[b * s, 3 * a * dh], 11, 1.0)).unwrap();
+    let go = rand(&[b * s, a * dh], 12, 1.0);
+    let r = attention_reference(qkv.as_tensor(), b, a, dropout);
+    let o = qkv_attention(qkv.as_tensor(), b, a, keep, dropout).unwrap();
+    let d = max_abs(&r, &o);
+    assert!(d < 1e-12, "{keep:?} forward differs by {d}");
+    let g1 = r.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+    let d = max_abs(g1.get(&qkv).unwrap(), g2.get(&qkv).unwrap());
+    assert!(d < 1e-11, "{keep:?} gradient differs by {d}");
+}
+
+#[test]
+fn qkv_attention_matches_composed_f64() {
+    for keep in [
+        AttnKeep::Probabilities,
+        AttnKeep::Nothing,
+        AttnKeep::LogSumExp,
+    ] {
+        // s = 150 spans two key blocks of the streaming kernel.
+        attention_case(2, 150, 3, 8, keep, None);
+        attention_case(1, 7, 2, 4, keep, None);
+    }
+    let dr = Some(Dropout { p: 0.3, seed: 5 });
+    attention_case(2, 20, 2, 4, AttnKeep::Probabilities, dr);
+    attention_case(2, 20, 2, 4, AttnKeep::Nothing, dr);
+}
+
+#[test]
+fn qkv_attention_recompute_is_bitwise_the_stored_mode() {
+    let (b, s, a, dh) = (2, 40, 2, 8);
+    let qkv = Var::from_tensor(
+        &rand(&[b * s, 3 * a * dh], 13, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap(),
+    )
+    .unwrap();
+    let go = rand(&[b * s, a * dh], 14, 1.0)
+        .to_dtype(DType::F32)
+        .unwrap();
+    let dr = Some(Dropout { p: 0.1, seed: 9 });
+    let run = |keep| {
+        let o = qkv_attention(qkv.as_tensor(), b, a, keep, dr).unwrap();
+        let g = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        (o, g.get(&qkv).unwrap().clone())
+    };
+    let (o1, g1) = run(AttnKeep::Probabilities);
+    let (o2, g2) = run(AttnKeep::Nothing);
+    assert_eq!(max_abs(&o1, &o2), 0.0);
+    assert_eq!(max_abs(&g1, &g2), 0.0);
+}
+
+#[test]
+fn qkv_attention_low_precision_close_to_f64() {
+    let (b, s, a, dh) = (2, 130, 2, 16);
+    let x64 = rand(&[b * s, 3 * a * dh], 15, 1.0);
+    let go = rand(&[b * s, a * dh], 16, 1.0);
+    let r = {
+        let v = Var::from_tensor(&x64).unwrap();
+        let o = attention_reference(v.as_tensor(), b, a, None);
+        let g = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        (o, g.get(&v).unwrap().clone())
+    };
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let tol = if dt == DType::F32 { 1e-4 } else { 0.1 };
+        for keep in [
+            AttnKeep::Probabilities,
+            AttnKeep::Nothing,
+            AttnKeep::LogSumExp,
+        ] {
+            let v = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
+            let o = qkv_attention(v.as_tensor(), b, a, keep, None).unwrap();
+            assert_eq!(o.dtype(), dt);
+            assert!(
+                max_abs(&o, &r.0) < tol,
+                "{dt:?} {keep:?} fwd {}",
+                max_abs(&o, &r.0)
+            );
+            let g = o
+                .mul(&go.to_dtype(dt).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let gd = g.get(&v).unwrap();
+            assert_eq!(gd.dtype(), dt);
+            assert!(
+                max_abs(gd, &r.1) < tol * 2.0,
+                "{dt:?} {keep:?} grad {}",
+                max_abs(gd, &r.1)
+            );
+        }
+    }
+}
+
+#[test]
+fn qkv_attention_rejects_bad_input() {
+    let x = rand(&[10, 12], 1, 1.0);
+    assert!(qkv_attention(&x, 3, 2, AttnKeep::Nothing, None).is_err());
+    assert!(qkv_attention(&x, 2, 5, AttnKeep::Nothing, None).is_err());
+    assert!(qkv_attention(&x, 0, 2, AttnKeep::Nothing, None).is_err());
+    let d = Some(Dropout { p: 0.1, seed: 1 });
+    assert!(qkv_attention(&x, 2, 2, AttnKeep::LogSumExp, d).is_err());
+    let x3 = rand(&[2, 5, 12], 1, 1.0);
+    assert!(qkv_attention(&x3, 2, 2, AttnKeep::Nothing, None).is_err());
+}
+
+use ditmem_engine::ops::linear;
+
+#[test]
+fn linear_matches_composed() {
+    // 300 rows span three chunks of the widened path.
+    let (rows, inp, out) = (300, 24, 40);
+    let x64 = rand(&[rows, inp], 21, 1.0);
+    let w64 = rand(&[out, inp], 22, 0.3);
+    let b64 = rand(&[out], 23, 0.3);
+    let go = rand(&[rows, out], 24, 1.0);
+    let reference = |dt: DType| {
+        let x = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
+        let w = Var::from_tensor(&w64.to_dtype(dt).unwrap()).unwrap();
+        let b = Var::from_tensor(&b64.to_dtype(dt).unwrap()).unwrap();
+        let y = x
+            .as_tensor()
+            .matmul(&w.as_tensor().t().unwrap())
+            .unwrap()
+            .broadcast_add(b.as_tensor())
+            .unwrap();
+        let g = y
+            .mul(&go.to_dtype(dt).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gs = [&x, &w, &b].map(|v| g.get(v).unwrap().clone());
+        (y, gs)
+    };
+    let fused = |dt: DType| {
+        let x = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
+        let w = Var::from_tensor(&w64.to_dtype(dt).unwrap()).unwrap();
+        let b = Var::from_tensor(&b64.to_dtype(dt).unwrap()).unwrap();
+        let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
+        let g = y
+            .mul(&go.to_dtype(dt).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gs = [&x, &w, &b].map(|v| g.get(v).unwrap().clone());
+        (y, gs)
+    };
+    let (ry, rg) = reference(DType::F64);
+    for (dt, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-4),
+        (DType::BF16, 0.1),
+        (DType::F16, 0.02),
+    ] {
+        let (y, g) = fused(dt);
+        assert_eq!(y.dtype(), dt);
+        assert!(max_abs(&y, &ry) < tol, "{dt:?} y {}", max_abs(&y, &ry));
+        // dW and db sum over 300 rows.
+        for (i, (a, b)) in g.iter().zip(&rg).enumerate() {
+            let t = if i == 0 { tol } else { tol * 30.0 };
+            assert_eq!(a.dtype(), dt);
+            assert!(max_abs(a, b) < t, "{dt:?} grad {i}: {}", max_abs(a, b));
+        }
+    }
+    // A frozen weight (a LoRA base) gets no gradient and the input still does.
+    let x = Var::from_tensor(&x64).unwrap();
+    let y = linear(x.as_tensor(), &w64, &b64).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(&x).is_some());
+    assert!(g.get(&w64).is_none());
+    // Bad shapes are errors.
+    assert!(linear(&x64, &rand(&[out, inp + 1], 1, 1.0), &b64).is_err());
+    assert!(linear(&x64, &w64, &rand(&[out + 1], 1, 1.0)).is_err());
+}
