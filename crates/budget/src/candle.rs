@@ -611,16 +611,29 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     // `grads.insert(self, self.ones_like()?.contiguous()?)`
     store[root] = Some(h.make(g, bytes(root), &[]));
 
-    // `let s = grads.or_insert(t)?; *s = s.add(&partial)?` (or `sub`).
-    fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
-        let b = g.nodes[t].bytes();
-        let old = match store[t] {
+    // `grads.or_insert(t)?`: the stored gradient, or fresh zeros.
+    fn or_insert(h: &mut Heap, g: &Graph, store: &[Option<Val>], t: Nid) -> Val {
+        match store[t] {
             Some(v) => v,
-            None => h.make(g, b, &[]),
-        };
-        let new = h.make(g, b, &[old, partial]);
+            None => h.make(g, g.nodes[t].bytes(), &[]),
+        }
+    }
+    // `*s = s.add(&partial)?` (or `sub`): the new sum replaces (and may hold) the old one.
+    fn add_into(
+        h: &mut Heap,
+        g: &Graph,
+        store: &mut [Option<Val>],
+        t: Nid,
+        old: Val,
+        partial: Val,
+    ) {
+        let new = h.make(g, g.nodes[t].bytes(), &[old, partial]);
         h.drop_val(old);
         store[t] = Some(new);
+    }
+    fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
+        let old = or_insert(h, g, store, t);
+        add_into(h, g, store, t, old, partial);
     }
 
     for &x in &order {
@@ -694,14 +707,9 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
             }
             Kind::ToDtype => {
                 let a = ins[0];
-                let old = match store[a] {
-                    Some(v) => v,
-                    None => h.make(g, bytes(a), &[]),
-                };
+                let old = or_insert(&mut h, g, &store, a);
                 let conv = h.make(g, bytes(a), &[grad]);
-                let new = h.make(g, bytes(a), &[old, conv]);
-                h.drop_val(old);
-                store[a] = Some(new);
+                add_into(&mut h, g, &mut store, a, old, conv);
                 locals.push(conv);
             }
             Kind::Affine => {
@@ -710,15 +718,10 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                 locals.push(ag);
             }
             Kind::Exp => {
-                let old = match store[ins[0]] {
-                    Some(v) => v,
-                    None => h.make(g, bytes(ins[0]), &[]),
-                };
+                let old = or_insert(&mut h, g, &store, ins[0]);
                 let p = h.make(g, nb, &[grad, me]);
-                let new = h.make(g, nb, &[old, p]);
-                h.drop_val(old);
+                add_into(&mut h, g, &mut store, ins[0], old, p);
                 h.drop_val(p);
-                store[ins[0]] = Some(new);
             }
             Kind::Sqr => {
                 let a = bytes(ins[0]);
@@ -741,10 +744,7 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
             Kind::Silu => {
                 let a = bytes(ins[0]);
                 let arg = Val::Fwd(ins[0]);
-                let old = match store[ins[0]] {
-                    Some(v) => v,
-                    None => h.make(g, a, &[]),
-                };
+                let old = or_insert(&mut h, g, &store, ins[0]);
                 let t1 = h.make(g, a, &[arg]);
                 let t2 = h.make(g, a, &[t1]);
                 let t3 = h.make(g, a, &[t2]);
@@ -759,19 +759,14 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                 h.drop_val(u2);
                 let p = h.make(g, a, &[grad, u3]);
                 h.drop_val(u3);
-                let new = h.make(g, a, &[old, p]);
-                h.drop_val(old);
+                add_into(&mut h, g, &mut store, ins[0], old, p);
                 h.drop_val(p);
-                store[ins[0]] = Some(new);
                 locals.push(sig);
             }
             Kind::Gelu => {
                 let a = bytes(ins[0]);
                 let arg = Val::Fwd(ins[0]);
-                let old = match store[ins[0]] {
-                    Some(v) => v,
-                    None => h.make(g, a, &[]),
-                };
+                let old = or_insert(&mut h, g, &store, ins[0]);
                 let cube = h.make(g, a, &[arg]);
                 let t1 = h.make(g, a, &[cube]);
                 let t2 = h.make(g, a, &[arg]);
@@ -800,10 +795,8 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                 h.drop_val(u8);
                 let p = h.make(g, a, &[grad, gg]);
                 h.drop_val(gg);
-                let new = h.make(g, a, &[old, p]);
-                h.drop_val(old);
+                add_into(&mut h, g, &mut store, ins[0], old, p);
                 h.drop_val(p);
-                store[ins[0]] = Some(new);
                 locals.push(tanh);
             }
             Kind::Narrow {
@@ -836,13 +829,8 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
             }
             Kind::IndexSelect => {
                 let a = ins[0];
-                let old = match store[a] {
-                    Some(v) => v,
-                    None => h.make(g, bytes(a), &[]),
-                };
-                let new = h.make(g, bytes(a), &[old, grad]);
-                h.drop_val(old);
-                store[a] = Some(new);
+                let old = or_insert(&mut h, g, &store, a);
+                add_into(&mut h, g, &mut store, a, old, grad);
             }
             Kind::Attention { bwd_scratch } => {
                 let q = bytes(ins[0]);
