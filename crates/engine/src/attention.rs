@@ -100,7 +100,6 @@ pub(crate) trait Acc:
     const NEG_INF: Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
-    fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
     fn from_f64(v: f64) -> Self;
 }
@@ -113,9 +112,6 @@ impl Acc for f32 {
     }
     fn ln(self) -> Self {
         f32::ln(self)
-    }
-    fn tanh(self) -> Self {
-        f32::tanh(self)
     }
     fn sqrt(self) -> Self {
         f32::sqrt(self)
@@ -133,9 +129,6 @@ impl Acc for f64 {
     }
     fn ln(self) -> Self {
         f64::ln(self)
-    }
-    fn tanh(self) -> Self {
-        f64::tanh(self)
     }
     fn sqrt(self) -> Self {
         f64::sqrt(self)

@@ -1276,9 +1276,44 @@ fn linear_fwd_direct<A: Acc + 'static>(
     y
 }
 
+/// dst[k·n + i] = src[i·src_rs + k] for i < n, k < c: a column-major f32 copy of an (n × c) block,
+/// one column per parallel task.
+fn to_colmajor<T: Elem<f32> + Sync>(src: &[T], src_rs: usize, n: usize, c: usize, dst: &mut [f32]) {
+    dst[..n * c]
+        .par_chunks_mut(n)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / n.max(1)).max(1))
+        .for_each(|(k, col)| {
+            for (i, d) in col.iter_mut().enumerate() {
+                *d = src[i * src_rs + k].to_acc();
+            }
+        });
+}
+
+/// dst[i·c + k] = src[k·n + i]: back from column-major, one row per parallel task.
+fn from_colmajor<T: Elem<f32> + Send>(src: &[f32], n: usize, c: usize, dst: &mut [T]) {
+    dst[..n * c]
+        .par_chunks_mut(c)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / c.max(1)).max(1))
+        .for_each(|(i, row)| {
+            for (k, d) in row.iter_mut().enumerate() {
+                *d = T::from_acc(src[k * n + i]);
+            }
+        });
+}
+
+/// Elementwise widening copy, in parallel.
+fn widen_into<T: Elem<f32> + Sync>(src: &[T], dst: &mut [f32]) {
+    dst.par_iter_mut()
+        .zip(src.par_iter())
+        .with_min_len(PAR_CHUNK)
+        .for_each(|(d, s)| *d = s.to_acc());
+}
+
 /// bf16/f16 forward, widened to f32 by chunks. The chunk buffers are column-major (see
 /// [`mm_strided`]): x32[k·n + i] holds row i, column k of the chunk, y32[j·n + i] likewise.
-fn linear_fwd_widen<T: Elem<f32>>(
+fn linear_fwd_widen<T: Elem<f32> + Send + Sync>(
     x: &[T],
     w: &[T],
     b: &[T],
@@ -1289,18 +1324,15 @@ fn linear_fwd_widen<T: Elem<f32>>(
     let mut y: Vec<T> = vec![T::from_acc(0.0); rows * out];
     let r = LINEAR_ROWS.min(rows);
     // W as the rhs (k = in, n = out) with unit row stride: its natural row-major layout.
-    let w32: Vec<f32> = w.iter().map(|v| v.to_acc()).collect();
+    let mut w32: Vec<f32> = vec![0.0; out * inp];
+    widen_into(w, &mut w32);
     let b32: Vec<f32> = b.iter().map(|v| v.to_acc()).collect();
     let mut x32: Vec<f32> = vec![0.0; r * inp];
     let mut y32: Vec<f32> = vec![0.0; r * out];
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
-        for i in 0..n {
-            for (kk, v) in x[(r0 + i) * inp..(r0 + i + 1) * inp].iter().enumerate() {
-                x32[kk * n + i] = v.to_acc();
-            }
-        }
+        to_colmajor(&x[r0 * inp..], inp, n, inp, &mut x32);
         for (j, bj) in b32.iter().enumerate() {
             y32[j * n..(j + 1) * n].iter_mut().for_each(|v| *v = *bj);
         }
@@ -1314,11 +1346,7 @@ fn linear_fwd_widen<T: Elem<f32>>(
             true,
             gemm_threads(),
         );
-        for i in 0..n {
-            for (j, d) in y[(r0 + i) * out..(r0 + i + 1) * out].iter_mut().enumerate() {
-                *d = T::from_acc(y32[j * n + i]);
-            }
-        }
+        from_colmajor(&y32, n, out, &mut y[r0 * out..]);
         r0 += n;
     }
     y
@@ -1378,7 +1406,7 @@ fn linear_bwd_direct<A: Acc + 'static>(
 /// laid out so that gemm packs nothing (see [`mm_strided`]): g twice (row- and column-major), W
 /// transposed, x, dx and dW column-major.
 #[allow(clippy::type_complexity)]
-fn linear_bwd_widen<T: Elem<f32>>(
+fn linear_bwd_widen<T: Elem<f32> + Send + Sync>(
     x: &[T],
     w: &[T],
     g: &[T],
@@ -1398,11 +1426,7 @@ fn linear_bwd_widen<T: Elem<f32>>(
     let mut gc32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * out]);
     let wt32: Option<Vec<f32>> = want.x.then(|| {
         let mut t = vec![0.0f32; out * inp];
-        for (o, row) in w.chunks(inp).enumerate() {
-            for (j, v) in row.iter().enumerate() {
-                t[j * out + o] = v.to_acc();
-            }
-        }
+        to_colmajor(w, inp, out, inp, &mut t);
         t
     });
     let mut dx32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * inp]);
@@ -1413,17 +1437,11 @@ fn linear_bwd_widen<T: Elem<f32>>(
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
-        for (d, s) in g32.iter_mut().zip(&g[r0 * out..(r0 + n) * out]) {
-            *d = s.to_acc();
-        }
+        widen_into(&g[r0 * out..(r0 + n) * out], &mut g32[..n * out]);
         if let (Some(dx), Some(dx32), Some(gc32), Some(wt32)) =
             (dx.as_mut(), dx32.as_mut(), gc32.as_mut(), wt32.as_ref())
         {
-            for i in 0..n {
-                for o in 0..out {
-                    gc32[o * n + i] = g32[i * out + o];
-                }
-            }
+            to_colmajor(&g32, out, n, out, gc32);
             mm_strided(
                 n,
                 inp,
@@ -1434,21 +1452,10 @@ fn linear_bwd_widen<T: Elem<f32>>(
                 false,
                 par,
             );
-            for i in 0..n {
-                for (j, d) in dx[(r0 + i) * inp..(r0 + i + 1) * inp]
-                    .iter_mut()
-                    .enumerate()
-                {
-                    *d = T::from_acc(dx32[j * n + i]);
-                }
-            }
+            from_colmajor(dx32, n, inp, &mut dx[r0 * inp..]);
         }
         if let (Some(dw32), Some(x32)) = (dw32.as_mut(), x32.as_mut()) {
-            for i in 0..n {
-                for (j, v) in x[(r0 + i) * inp..(r0 + i + 1) * inp].iter().enumerate() {
-                    x32[j * n + i] = v.to_acc();
-                }
-            }
+            to_colmajor(&x[r0 * inp..], inp, n, inp, x32);
             // dW (out × in) += gᵀ (out × n) · x (n × in).
             mm_strided(
                 out,
@@ -1471,11 +1478,7 @@ fn linear_bwd_widen<T: Elem<f32>>(
         r0 += n;
     }
     if let (Some(dw), Some(dw32)) = (dw.as_mut(), dw32.as_ref()) {
-        for (o, row) in dw.chunks_mut(inp).enumerate() {
-            for (j, d) in row.iter_mut().enumerate() {
-                *d = T::from_acc(dw32[j * out + o]);
-            }
-        }
+        from_colmajor(dw32, out, inp, dw);
     }
     if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
         for (d, s) in db.iter_mut().zip(db32) {
