@@ -1101,6 +1101,13 @@ pub fn gelu(g: &mut Graph, name: &str, x: Nid) -> Nid {
     g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
 }
 
+/// `ops::gated_residual` of the engine: `x + y·gate` as one fresh node in x's dtype, reading y
+/// in the compute dtype; saves nothing beyond its inputs.
+pub fn gated_residual(g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, y, gate], e, dt)
+}
+
 /// adaLN: `linear(silu(c)→cd)→ad` chunked into `k` narrow views of (b, D).
 pub fn ada_ln(
     g: &mut Graph,
@@ -1348,12 +1355,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         d,
         Some(LoraTarget::Proj),
     );
-    let p = g.cast(&format!("proj→{ad}"), p, ad);
-    let p = g.view("proj.reshape(b,s,D)", Kind::Reshape, p, e);
-    g.bind(p);
-    let gu = g.view("gate_msa.unsqueeze", Kind::Reshape, m[2], bd);
-    let gp = g.broadcast_binary("proj·gate_msa", Kind::Mul, p, gu, false);
-    let x1 = g.op("x + attn", Kind::Add, &[x, gp], e, ad);
+    let x1 = gated_residual(&mut g, "x + proj·gate_msa (fused)", x, p, m[2]);
     g.bind(x1);
 
     let h2 = ln_modulate(&mut g, "norm2+modulate2", x1, m[3], m[4], rows, cd);
@@ -1387,12 +1389,7 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         sh.mlp,
         Some(LoraTarget::Fc2),
     );
-    let f2 = g.cast(&format!("fc2→{ad}"), f2, ad);
-    let f2 = g.view("fc2.reshape(b,s,D)", Kind::Reshape, f2, e);
-    g.bind(f2);
-    let gu = g.view("gate_mlp.unsqueeze", Kind::Reshape, m[5], bd);
-    let gm = g.broadcast_binary("fc2·gate_mlp", Kind::Mul, f2, gu, false);
-    let out = g.op("x + mlp", Kind::Add, &[x1, gm], e, ad);
+    let out = gated_residual(&mut g, "x1 + fc2·gate_mlp (fused)", x1, f2, m[5]);
     (g, x, c, out)
 }
 

@@ -989,8 +989,10 @@ mod tests {
                                 if z > 0 && !(allow.sharding && w.ranks > 1) {
                                     continue;
                                 }
+                                // The planner's placements (first k, and first k − 1 plus one
+                                // after a gap): the pruning must be exact over that space.
                                 let mut rcs: Vec<Recompute> = (0..=base.model.depth)
-                                    .map(|k| recompute_first(k, base.model.depth))
+                                    .flat_map(|k| recompute_candidates(k, base.model.depth))
                                     .collect();
                                 rcs.push(Recompute::AttentionOnly);
                                 for rc in rcs {

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor, D};
 
 use crate::attention::Dropout;
 use crate::error::{EngineError, Result};
-use crate::ops::{gelu_tanh, ln_modulate, qkv_attention, AttnKeep};
+use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
@@ -142,8 +142,8 @@ pub fn block_forward(
     };
     let o2 = qkv_attention(&qkv, b, a, keep, dropout)?;
     debug_assert_eq!(a * dh, h);
-    let proj = cast(w.proj.forward(&o2)?, ad)?.reshape((b, s, h))?;
-    let x1 = (x + proj.broadcast_mul(&gate_msa.unsqueeze(1)?)?)?;
+    // x + proj·gate as one node (see `ops::GatedResidual`): no kept product, no f32 copy of proj.
+    let x1 = gated_residual(x, &w.proj.forward(&o2)?, &gate_msa)?;
 
     // MLP branch.
     let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
@@ -159,8 +159,7 @@ pub fn block_forward(
     } else {
         g
     };
-    let f2 = cast(w.fc2.forward(&g)?, ad)?.reshape((b, s, h))?;
-    Ok((x1 + f2.broadcast_mul(&gate_mlp.unsqueeze(1)?)?)?)
+    Ok(gated_residual(&x1, &w.fc2.forward(&g)?, &gate_mlp)?)
 }
 
 /// The final layer's weights in the compute dtype.

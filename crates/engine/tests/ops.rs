@@ -393,3 +393,48 @@ fn linear_matches_composed() {
     assert!(linear(&x64, &rand(&[out, inp + 1], 1, 1.0), &b64).is_err());
     assert!(linear(&x64, &w64, &rand(&[out + 1], 1, 1.0)).is_err());
 }
+
+use ditmem_engine::ops::gated_residual;
+
+#[test]
+fn gated_residual_matches_composed() {
+    let (b, s, d) = (2, 9, 12);
+    let go = rand(&[b, s, d], 33, 1.0);
+    let run = |fused: bool, yd: DType| {
+        let x = Var::from_tensor(&rand(&[b, s, d], 30, 1.0)).unwrap();
+        let y = Var::from_tensor(&rand(&[b * s, d], 31, 1.0).to_dtype(yd).unwrap()).unwrap();
+        let m = Var::from_tensor(&rand(&[b, 6 * d], 32, 1.0)).unwrap();
+        let gate = m.as_tensor().narrow(1, 2 * d, d).unwrap();
+        let out = if fused {
+            gated_residual(x.as_tensor(), y.as_tensor(), &gate).unwrap()
+        } else {
+            let y3 = y
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .reshape((b, s, d))
+                .unwrap();
+            (x.as_tensor() + y3.broadcast_mul(&gate.unsqueeze(1).unwrap()).unwrap()).unwrap()
+        };
+        let g = out.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        let gs = [&x, &y, &m].map(|v| g.get(v).unwrap().clone());
+        (out, gs)
+    };
+    let (r, rg) = run(false, DType::F64);
+    let (o, og) = run(true, DType::F64);
+    assert!(max_abs(&r, &o) < 1e-14);
+    for (a, b) in og.iter().zip(&rg) {
+        assert!(max_abs(a, b) < 1e-13);
+    }
+    // y in bf16 (the compute dtype of a mixed recipe): its gradient comes back in bf16.
+    let (o, og) = run(true, DType::BF16);
+    assert!(max_abs(&r, &o) < 0.05);
+    assert_eq!(og[1].dtype(), DType::BF16);
+    assert!(max_abs(&og[1], &rg[1]) < 0.05);
+    assert!(gated_residual(
+        &rand(&[b, s, d], 1, 1.0),
+        &rand(&[b * s, d + 1], 1, 1.0),
+        &rand(&[b, d], 1, 1.0)
+    )
+    .is_err());
+}
