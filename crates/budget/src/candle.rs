@@ -1,6 +1,9 @@
 //! The ditmem engine's memory, op by op, as candle 0.11 executes it.
 //!
-//! The engine (crate `ditmem-engine`) composes every block from candle primitives. Candle keeps
+//! The engine (crate `ditmem-engine`) builds every block from candle ops and, for the heavy parts
+//! (linears, LayerNorm + modulate, GELU, attention, the gated residuals), its own fused custom ops
+//! (`ditmem_engine::ops`, [`Kind::Custom`] here) that keep only what their backward needs and
+//! return fresh untracked gradients. Candle keeps
 //! every node of a tracked graph alive until the graph's root is dropped, makes a node for each
 //! view (`narrow`, `t`, `reshape`, `broadcast_as`), and its `backward` (candle-core
 //! `src/backprop.rs`) visits the nodes in reverse depth-first post-order, allocating for each
