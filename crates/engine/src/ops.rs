@@ -809,6 +809,15 @@ fn gather<T: Elem<A>, A: Acc>(
     }
 }
 
+/// Rounds values through the storage type: the recomputed P of the attention-only policy then
+/// equals the P the materialized mode stores in the compute dtype, so both modes' gradients are
+/// bitwise the same (the recompute twin test of `ditmem verify`).
+fn round_through<T: Elem<A>, A: Acc>(x: &mut [A]) {
+    for v in x.iter_mut() {
+        *v = T::from_acc(*v).to_acc();
+    }
+}
+
 /// Row softmax of an (s×n) block in place.
 fn softmax_rows<A: Acc>(x: &mut [A], n: usize) {
     for row in x.chunks_mut(n) {
@@ -1036,6 +1045,7 @@ where
                         None => {
                             mm(s, s, dh, p, (q, dh, 1), (k, 1, dh), false);
                             softmax_rows(p, s);
+                            round_through::<T, A>(p);
                         }
                     }
                     // dP̃ = dO·vᵀ, then through the mask.
@@ -1058,6 +1068,7 @@ where
                             None => {
                                 mm(s, s, dh, p, (q, dh, 1), (k, 1, dh), false);
                                 softmax_rows(p, s);
+                                round_through::<T, A>(p);
                             }
                         }
                     } else {
