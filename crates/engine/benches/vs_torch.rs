@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use ditmem_budget::{AttentionMode, ModelSpec, Precision, Recompute, Spec};
 use ditmem_engine::{run, CountingAlloc, RunOptions};
 
@@ -34,22 +34,23 @@ fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Median f32 matmul rate (FLOP/s) through candle at the spec's fc1 shape and its attention
-/// scores shape: the yardstick for the model FLOP rate.
-fn matmul_rate(rows: usize, d: usize, mlp: usize) -> candle_core::Result<f64> {
+/// f32 matmul rate (FLOP/s) through candle at the spec's fc1 shape: (median, best) of 25 runs.
+/// The best is the yardstick for the model FLOP rate (it is the least disturbed by other load on
+/// the machine).
+fn matmul_rate(rows: usize, d: usize, mlp: usize) -> candle_core::Result<(f64, f64)> {
     let dev = Device::Cpu;
     let a = Tensor::randn(0f32, 1.0, (rows, d), &dev)?;
     let b = Tensor::randn(0f32, 1.0, (d, mlp), &dev)?;
     let _ = a.matmul(&b)?;
     let mut t = Vec::new();
-    for _ in 0..7 {
+    for _ in 0..25 {
         let t0 = Instant::now();
         let _ = a.matmul(&b)?;
         t.push(t0.elapsed().as_secs_f64());
     }
     t.sort_by(f64::total_cmp);
-    let _ = DType::F32;
-    Ok(2.0 * (rows * d * mlp) as f64 / t[t.len() / 2])
+    let f = 2.0 * (rows * d * mlp) as f64;
+    Ok((f / t[t.len() / 2], f / t[0]))
 }
 
 /// Model FLOPs of one optimizer step: forward + backward (2× forward) of every block and the
@@ -147,7 +148,8 @@ fn main() {
     base.workload.microbatch = batch;
     base.workload.accumulation = 1;
     let d = ditmem_budget::runtime::Dims::new(&base);
-    let rate = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize).unwrap_or(f64::NAN);
+    let (rate_med, rate) = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize)
+        .unwrap_or((f64::NAN, f64::NAN));
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -163,13 +165,20 @@ fn main() {
         d.s,
     );
     println!(
-        "f32 matmul rate (candle/gemm, {}×{} · {}×{}, median of 7): {:.1} GFLOP/s",
+        "f32 matmul rate (candle/gemm, {}×{} · {}×{}, 25 runs): best {:.1} GFLOP/s, median {:.1}",
         d.b * d.s,
         d.d,
         d.d,
         d.mlp,
-        rate / 1e9
+        rate / 1e9,
+        rate_med / 1e9
     );
+    let load = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    println!("load average before: {}", load());
     println!(
         "\n{:<40} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>9} {:>6}",
         "configuration",
@@ -245,7 +254,8 @@ fn main() {
             }
         }
     }
+    println!("load average after: {}", load());
     println!(
-        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the f32 matmul rate."
+        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best f32 matmul rate."
     );
 }
