@@ -28,20 +28,6 @@ pub fn grad_dtype(p: Precision) -> Dtype {
     }
 }
 
-/// Threads candle's CPU kernels use: `RAYON_NUM_THREADS` when set, else every logical core.
-pub fn threads() -> u64 {
-    std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|&n| n > 0)
-        .or_else(|| {
-            std::thread::available_parallelism()
-                .ok()
-                .map(|n| n.get() as u64)
-        })
-        .unwrap_or(1)
-}
-
 /// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls:
 /// 1 MiB for the calling thread and about 2 MiB per pool worker, measured with the counting
 /// allocator on this project's 2-core machines (1,049,600 B with 1 thread, 3,165,832 B with 2,
@@ -408,7 +394,7 @@ pub fn replay(
         optimizer_state: st.optimizer_state,
         ema: st.ema,
         data: batch_bytes(per_step),
-        runtime: gemm_workspace_bytes(threads()),
+        runtime: gemm_workspace_bytes(candle::cpu_threads()),
         ..Breakdown::default()
     };
     let mut ev: Vec<Event> = Vec::new();
