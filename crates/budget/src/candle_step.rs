@@ -17,7 +17,7 @@ use crate::candle::{
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::Dims;
 use crate::spec::{Dtype, Optimizer, Precision, Spec};
-use crate::timeline::{Breakdown, Event, Phase, StaticBytes};
+use crate::timeline::{Breakdown, Event, Events, Phase, StaticBytes};
 
 /// Gradient buffers of the engine: fp32, fp64 under the fp64 policy (also under bf16-pure).
 pub fn grad_dtype(p: Precision) -> Dtype {
@@ -397,23 +397,8 @@ pub fn replay(
         runtime: gemm_workspace_bytes(candle::cpu_threads()),
         ..Breakdown::default()
     };
-    let mut ev: Vec<Event> = Vec::new();
-    let mut push = |phase: Phase,
-                    label: String,
-                    block: Option<u32>,
-                    mb: u32,
-                    inside: bool,
-                    live: Breakdown| {
-        ev.push(Event {
-            phase,
-            label,
-            block,
-            microbatch: mb,
-            inside,
-            live,
-        });
-    };
-    push(Phase::Start, "step start".into(), None, 0, false, base);
+    let mut ev = Events::default();
+    ev.push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
     let tag = |mb: u32, what: String| {
         if w.accumulation > 1 {
@@ -434,7 +419,7 @@ pub fn replay(
         let mut inside = live;
         inside.data += sims.embed_scratch;
         inside.activations += es.fwd_peak;
-        push(
+        ev.push(
             Phase::Forward,
             tag(mb, "embed (inside)".into()),
             None,
@@ -444,7 +429,7 @@ pub fn replay(
         );
         live.activations += es.activations + es.output + sims.c_leaf;
         live.weight_casts += es.weight_casts;
-        push(
+        ev.push(
             Phase::Forward,
             tag(mb, "embed".into()),
             None,
@@ -470,7 +455,7 @@ pub fn replay(
                     live.activations -= e;
                 }
             }
-            push(
+            ev.push(
                 Phase::Forward,
                 tag(mb, format!("block {i} (inside)")),
                 Some(i),
@@ -478,7 +463,7 @@ pub fn replay(
                 true,
                 inside,
             );
-            push(
+            ev.push(
                 Phase::Forward,
                 tag(mb, format!("block {i}")),
                 Some(i),
@@ -497,7 +482,7 @@ pub fn replay(
         if depth > 0 && recomputed(depth - 1) {
             live.activations -= e;
         }
-        push(
+        ev.push(
             Phase::Forward,
             tag(mb, "final (inside)".into()),
             None,
@@ -505,7 +490,7 @@ pub fn replay(
             true,
             inside,
         );
-        push(
+        ev.push(
             Phase::Forward,
             tag(mb, "final".into()),
             None,
@@ -517,7 +502,7 @@ pub fn replay(
         // Backward of the loss.
         let mut inside = live;
         inside.workspace += fs.root + fs.bwd_peak;
-        push(
+        ev.push(
             Phase::Backward,
             tag(mb, "final (inside)".into()),
             None,
@@ -542,7 +527,7 @@ pub fn replay(
         let mut inside = live;
         inside.workspace += t;
         if !first {
-            push(
+            ev.push(
                 Phase::Backward,
                 tag(mb, "final grads (inside)".into()),
                 None,
@@ -554,7 +539,7 @@ pub fn replay(
         // drop(grads): what remains is gx (the leaf's grad) and gc.
         live.workspace -= fs.bwd_store;
         live.workspace += fs.bwd_leaf_grads + bd;
-        push(
+        ev.push(
             Phase::Backward,
             tag(mb, "final".into()),
             None,
@@ -576,7 +561,7 @@ pub fn replay(
                 }
                 inside = live;
                 inside.activations += bs.fwd_peak - bs.leaf;
-                push(
+                ev.push(
                     Phase::Backward,
                     tag(mb, format!("block {i} recompute (inside)")),
                     Some(i),
@@ -589,7 +574,7 @@ pub fn replay(
                 inside = live;
             }
             inside.workspace += bs.root + bs.bwd_peak;
-            push(
+            ev.push(
                 Phase::Backward,
                 tag(mb, format!("block {i} (inside)")),
                 Some(i),
@@ -605,7 +590,7 @@ pub fn replay(
             if t > 0 {
                 let mut inside = live;
                 inside.workspace += t;
-                push(
+                ev.push(
                     Phase::Backward,
                     tag(mb, format!("block {i} grads (inside)")),
                     Some(i),
@@ -620,7 +605,7 @@ pub fn replay(
             live.workspace += bs.bwd_leaf_grads;
             gx_bytes = bs.bwd_leaf_grads;
             live.activations -= bs.leaf;
-            push(
+            ev.push(
                 Phase::Backward,
                 tag(mb, format!("block {i}")),
                 Some(i),
@@ -633,7 +618,7 @@ pub fn replay(
         // Embed backward.
         let mut inside = live;
         inside.workspace += es.root + es.bwd_peak;
-        push(
+        ev.push(
             Phase::Backward,
             tag(mb, "embed (inside)".into()),
             None,
@@ -646,7 +631,7 @@ pub fn replay(
         if t > 0 {
             let mut inside = live;
             inside.workspace += t;
-            push(
+            ev.push(
                 Phase::Backward,
                 tag(mb, "embed grads (inside)".into()),
                 None,
@@ -663,7 +648,7 @@ pub fn replay(
         live.weight_casts -= es.weight_casts;
         live.activations += sims.embed_tail.0;
         live.weight_casts += sims.embed_tail.1;
-        push(
+        ev.push(
             Phase::Backward,
             tag(mb, "embed".into()),
             None,
@@ -686,7 +671,7 @@ pub fn replay(
     if largest > 0 {
         let mut inside = live;
         inside.workspace += largest * gd;
-        push(
+        ev.push(
             Phase::Optimizer,
             "gradient norm (inside)".into(),
             None,
@@ -697,7 +682,7 @@ pub fn replay(
         let scaled = p == Precision::Fp16Mixed;
         let mut inside = live;
         inside.workspace += optimizer_peak(largest, p, r.optimizer, scaled);
-        push(
+        ev.push(
             Phase::Optimizer,
             format!("{} (inside)", r.optimizer.name()),
             None,
@@ -710,7 +695,7 @@ pub fn replay(
             let pd = p.param_dtype().size();
             let mut inside = live;
             inside.workspace += 3 * largest * ed + if pd != ed { largest * ed } else { 0 };
-            push(
+            ev.push(
                 Phase::Optimizer,
                 "ema (inside)".into(),
                 None,
@@ -721,6 +706,6 @@ pub fn replay(
         }
     }
     live.gradients = 0;
-    push(Phase::Optimizer, "optimizer".into(), None, 0, false, live);
-    ev
+    ev.push(Phase::Optimizer, "optimizer".into(), None, 0, false, live);
+    ev.0
 }

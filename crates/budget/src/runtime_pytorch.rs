@@ -47,7 +47,7 @@ use crate::graph::{Segment, TensorKind, TensorRole, Tid};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::{Dims, RuntimeModel};
 use crate::spec::{AttentionMode, Dtype, Optimizer, Precision, Prediction, Spec};
-use crate::timeline::{Breakdown, Event, Phase, StaticBytes};
+use crate::timeline::{Breakdown, Event, Events, Phase, StaticBytes};
 
 /// Where the PyTorch step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -912,18 +912,8 @@ pub fn replay(
         ema: st.ema,
         ..Breakdown::default()
     };
-    let mut ev = Vec::new();
-    let mut push = |phase, label: String, block, mb, inside, live: Breakdown| {
-        ev.push(Event {
-            phase,
-            label,
-            block,
-            microbatch: mb,
-            inside,
-            live,
-        })
-    };
-    push(Phase::Start, "step start".into(), None, 0, false, base);
+    let mut ev = Events::default();
+    ev.push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
     let depth = spec.model.depth;
     let w = &spec.workload;
@@ -940,7 +930,7 @@ pub fn replay(
         // Forward.
         let mut cache = 0;
         let e = c.embed;
-        push(
+        ev.push(
             Phase::Forward,
             "embed (inside)".into(),
             None,
@@ -952,12 +942,12 @@ pub fn replay(
         live.weight_casts += e.kept.weight_casts;
         cache += e.cache_only;
         live.weight_casts += e.cache_only;
-        push(Phase::Forward, "embed".into(), None, mb, false, live);
+        ev.push(Phase::Forward, "embed".into(), None, mb, false, live);
         let b = c.block;
         for i in 0..depth {
             let ck = r.recompute.recomputes_block(i);
             let peak = if ck { b.ckpt_peak } else { b.fwd_peak };
-            push(
+            ev.push(
                 Phase::Forward,
                 format!("block {i} (inside)"),
                 Some(i),
@@ -974,7 +964,7 @@ pub fn replay(
                 live.weight_casts += b.kept.weight_casts + b.cache_only;
                 cache += b.cache_only;
             }
-            push(
+            ev.push(
                 Phase::Forward,
                 format!("block {i}"),
                 Some(i),
@@ -984,7 +974,7 @@ pub fn replay(
             );
         }
         let fl = c.final_layer;
-        push(
+        ev.push(
             Phase::Forward,
             "final + loss (inside)".into(),
             None,
@@ -995,7 +985,7 @@ pub fn replay(
         live.activations += fl.kept.activations + fl.output;
         live.weight_casts += fl.kept.weight_casts + fl.cache_only;
         cache += fl.cache_only;
-        push(Phase::Forward, "loss".into(), None, mb, false, live);
+        ev.push(Phase::Forward, "loss".into(), None, mb, false, live);
         // Autocast exits: copies only the cache held are freed; x0 and ᾱ go with the forward.
         live.weight_casts -= cache;
         live.data = kept_data;
@@ -1015,7 +1005,7 @@ pub fn replay(
             with(at, peak)
         };
         let inside = back(&mut live, &fl, 0);
-        push(
+        ev.push(
             Phase::Backward,
             "final + loss (inside)".into(),
             None,
@@ -1029,7 +1019,7 @@ pub fn replay(
         if first {
             live.gradients += fl.param_grads;
         }
-        push(
+        ev.push(
             Phase::Backward,
             "final + loss".into(),
             None,
@@ -1041,7 +1031,7 @@ pub fn replay(
             let ck = r.recompute.recomputes_block(i);
             if ck {
                 // Recompute under the same autocast state, with the incoming gradient alive.
-                push(
+                ev.push(
                     Phase::Backward,
                     format!("block {i} recompute (inside)"),
                     Some(i),
@@ -1053,7 +1043,7 @@ pub fn replay(
                 live.weight_casts += b.kept.weight_casts;
             }
             let inside = back(&mut live, &b, x_grad);
-            push(
+            ev.push(
                 Phase::Backward,
                 format!("block {i} (inside)"),
                 Some(i),
@@ -1068,7 +1058,7 @@ pub fn replay(
             if first {
                 live.gradients += b.param_grads;
             }
-            push(
+            ev.push(
                 Phase::Backward,
                 format!("block {i}"),
                 Some(i),
@@ -1078,7 +1068,7 @@ pub fn replay(
             );
         }
         let inside = back(&mut live, &e, x_grad);
-        push(
+        ev.push(
             Phase::Backward,
             "embed (inside)".into(),
             None,
@@ -1093,13 +1083,13 @@ pub fn replay(
             live.gradients += e.param_grads;
         }
         live.data = 0;
-        push(Phase::Backward, "embed".into(), None, mb, false, live);
+        ev.push(Phase::Backward, "embed".into(), None, mb, false, live);
     }
     // Optimizer step, EMA, zero_grad.
     if trained_elems > 0 {
         let mut at = live;
         at.workspace += optimizer_scratch(trained_elems, p, r.optimizer);
-        push(
+        ev.push(
             Phase::Optimizer,
             format!("{} (inside)", r.optimizer.name()),
             None,
@@ -1111,10 +1101,10 @@ pub fn replay(
             // `p.detach().to(ema dtype)` for every parameter before the foreach update.
             let mut at = live;
             at.workspace += trained_elems * r.ema.dtype.size();
-            push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, at);
+            ev.push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, at);
         }
     }
     live.gradients = 0;
-    push(Phase::Optimizer, "step end".into(), None, 0, false, live);
-    ev
+    ev.push(Phase::Optimizer, "step end".into(), None, 0, false, live);
+    ev.0
 }

@@ -117,6 +117,31 @@ impl Event {
     }
 }
 
+/// The events of a replay, in the order they happen.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Events(pub Vec<Event>);
+
+impl Events {
+    pub fn push(
+        &mut self,
+        phase: Phase,
+        label: String,
+        block: Option<u32>,
+        microbatch: u32,
+        inside: bool,
+        live: Breakdown,
+    ) {
+        self.0.push(Event {
+            phase,
+            label,
+            block,
+            microbatch,
+            inside,
+            live,
+        });
+    }
+}
+
 /// The simulated step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Timeline {
@@ -435,18 +460,8 @@ fn generic_replay(
         // The encoder's weights are added to every event by `simulate_step_with`.
         ..Breakdown::default()
     };
-    let mut ev = Vec::new();
-    let mut push = |phase, label: String, block, mb, inside, live: Breakdown| {
-        ev.push(Event {
-            phase,
-            label,
-            block,
-            microbatch: mb,
-            inside,
-            live,
-        })
-    };
-    push(Phase::Start, "step start".into(), None, 0, false, base);
+    let mut ev = Events::default();
+    ev.push(Phase::Start, "step start".into(), None, 0, false, base);
 
     let mut live = base;
     let c_bytes = dims.b * dims.d * ad.size();
@@ -464,7 +479,7 @@ fn generic_replay(
             let mut at = live;
             at.data += images;
             at.encoder += acts;
-            push(
+            ev.push(
                 Phase::Encode,
                 "vae encode (inside)".into(),
                 None,
@@ -492,7 +507,7 @@ fn generic_replay(
             inside
         };
         let inside = fwd(&mut live, &costs.embed, true);
-        push(
+        ev.push(
             Phase::Forward,
             "embed (inside)".into(),
             None,
@@ -500,11 +515,11 @@ fn generic_replay(
             true,
             inside,
         );
-        push(Phase::Forward, "embed".into(), None, mb, false, live);
+        ev.push(Phase::Forward, "embed".into(), None, mb, false, live);
         for i in 0..depth {
             let tracked = !r.recompute.recomputes_block(i);
             let inside = fwd(&mut live, &costs.block, tracked);
-            push(
+            ev.push(
                 Phase::Forward,
                 format!("block {i} (inside)"),
                 Some(i),
@@ -512,7 +527,7 @@ fn generic_replay(
                 true,
                 inside,
             );
-            push(
+            ev.push(
                 Phase::Forward,
                 format!("block {i}"),
                 Some(i),
@@ -522,7 +537,7 @@ fn generic_replay(
             );
         }
         let inside = fwd(&mut live, &costs.final_layer, true);
-        push(
+        ev.push(
             Phase::Forward,
             "final + loss (inside)".into(),
             None,
@@ -530,7 +545,7 @@ fn generic_replay(
             true,
             inside,
         );
-        push(Phase::Forward, "loss".into(), None, mb, false, live);
+        ev.push(Phase::Forward, "loss".into(), None, mb, false, live);
 
         // Backward. `bwd` frees the segment's graph and output, lands its parameter gradients in
         // the buffers, and leaves the input gradient live.
@@ -573,7 +588,7 @@ fn generic_replay(
             .sum::<u64>();
         let embed_grads = outer_grads - final_grads;
         let inside = bwd(&mut live, &costs.final_layer, ad.size(), final_grads, true);
-        push(
+        ev.push(
             Phase::Backward,
             "final + loss (inside)".into(),
             None,
@@ -582,7 +597,7 @@ fn generic_replay(
             inside,
         );
         live.workspace += x_grad + c_bytes;
-        push(
+        ev.push(
             Phase::Backward,
             "final + loss".into(),
             None,
@@ -595,7 +610,7 @@ fn generic_replay(
             // The upstream gradient is already counted in workspace: it is the grad_out.
             live.workspace -= x_grad;
             let inside = bwd(&mut live, &costs.block, x_grad, block_grads, tracked);
-            push(
+            ev.push(
                 Phase::Backward,
                 format!("block {i} (inside)"),
                 Some(i),
@@ -604,7 +619,7 @@ fn generic_replay(
                 inside,
             );
             live.workspace += x_grad;
-            push(
+            ev.push(
                 Phase::Backward,
                 format!("block {i}"),
                 Some(i),
@@ -615,7 +630,7 @@ fn generic_replay(
         }
         live.workspace -= x_grad;
         let inside = bwd(&mut live, &costs.embed, x_grad, embed_grads, true);
-        push(
+        ev.push(
             Phase::Backward,
             "embed (inside)".into(),
             None,
@@ -625,14 +640,14 @@ fn generic_replay(
         );
         live.workspace -= c_bytes;
         live.data = 0;
-        push(Phase::Backward, "embed".into(), None, mb, false, live);
+        ev.push(Phase::Backward, "embed".into(), None, mb, false, live);
     }
 
     // Optimizer step and EMA.
     if counts.trained > 0 {
         let mut inside = live;
         inside.workspace += st.optimizer_scratch;
-        push(
+        ev.push(
             Phase::Optimizer,
             format!("{} (inside)", r.optimizer.name()),
             None,
@@ -643,7 +658,7 @@ fn generic_replay(
         if r.ema.enabled {
             let mut inside = live;
             inside.workspace += st.ema_scratch;
-            push(
+            ev.push(
                 Phase::Optimizer,
                 "ema (inside)".into(),
                 None,
@@ -654,9 +669,9 @@ fn generic_replay(
         }
     }
     live.gradients = 0;
-    push(Phase::Optimizer, "step end".into(), None, 0, false, live);
+    ev.push(Phase::Optimizer, "step end".into(), None, 0, false, live);
 
-    ev
+    ev.0
 }
 
 #[cfg(test)]
