@@ -156,7 +156,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError::Spec(e)) => {
-            eprintln!("ditmem: invalid spec: {e}");
+            eprintln!("ditmem: invalid input: {e}");
             ExitCode::from(2)
         }
         Err(CliError::Refused(msg)) => {
