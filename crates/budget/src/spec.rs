@@ -958,7 +958,40 @@ impl Spec {
                 ),
             ));
         }
-        self.token_grid()?;
+        let block_params =
+            (10 + 2 * u128::from(m.mlp_ratio)) * u128::from(m.hidden) * u128::from(m.hidden);
+        if u128::from(m.depth) * block_params > MAX_TENSOR_ELEMS {
+            return Err(SpecError::invalid(
+                "model.hidden",
+                format!(
+                    "depth {} × hidden {} gives about {} parameters; allowed: at most {MAX_TENSOR_ELEMS}",
+                    m.depth,
+                    m.hidden,
+                    u128::from(m.depth) * block_params
+                ),
+            ));
+        }
+        let tokens = self.token_grid()?.tokens();
+        // Byte counts are u64: keep the largest tensor of the step (the attention probabilities,
+        // microbatch · heads · tokens²) far from overflow.
+        let attn = u128::from(w.microbatch)
+            * u128::from(m.heads)
+            * u128::from(tokens)
+            * u128::from(tokens);
+        let act = u128::from(w.microbatch)
+            * u128::from(tokens)
+            * u128::from(m.hidden)
+            * u128::from(m.mlp_ratio);
+        if attn.max(act) > MAX_TENSOR_ELEMS {
+            return Err(SpecError::invalid(
+                "workload.height",
+                format!(
+                    "{}×{} gives {tokens} tokens per image, a b·heads·tokens² tensor of {attn} elements; \
+                     allowed: at most {MAX_TENSOR_ELEMS} elements per tensor (lower the resolution or the microbatch)",
+                    w.height, w.width
+                ),
+            ));
+        }
 
         let r = &self.recipe;
         if let Recompute::Blocks(blocks) = &r.recompute {
@@ -1011,6 +1044,9 @@ impl Spec {
     }
 }
 
+/// The largest tensor a spec may ask for (2⁵⁰ elements, 8 PiB in f64): byte counts stay u64.
+pub const MAX_TENSOR_ELEMS: u128 = 1 << 50;
+
 fn positive(field: &'static str, v: u32) -> Result<(), SpecError> {
     if v == 0 {
         Err(SpecError::invalid(
@@ -1057,4 +1093,33 @@ fn line_col(text: &str, offset: usize) -> String {
     let line = before.matches('\n').count() + 1;
     let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
     format!(" (line {line}, column {col})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_that_would_overflow_byte_counts_are_refused() {
+        let mut s = Spec::default_xl();
+        s.workload.height = 1 << 20;
+        s.workload.width = 1 << 20;
+        assert_eq!(s.validate().unwrap_err().field(), Some("workload.height"));
+        let mut s = Spec::default_xl();
+        s.model.hidden = 1 << 24;
+        s.model.heads = 1;
+        assert_eq!(s.validate().unwrap_err().field(), Some("model.hidden"));
+        assert!(Spec::default_xl().validate().is_ok());
+        assert!(Spec::small().validate().is_ok());
+    }
+
+    #[test]
+    fn recompute_strings_round_trip() {
+        for text in ["none", "all", "attention-only", "every-3", "blocks:0,2,5"] {
+            let r: Recompute = text.parse().unwrap();
+            assert_eq!(r.to_string(), text);
+        }
+        assert!("every-0".parse::<Recompute>().is_err());
+        assert!("blocks:a".parse::<Recompute>().is_err());
+    }
 }
