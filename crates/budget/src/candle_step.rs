@@ -330,11 +330,10 @@ fn optimizer_peak(elems: u64, p: Precision, opt: Optimizer, scaled: bool) -> u64
     let unscale = if scaled { elems * sd } else { 0 };
     let g_cast = if gd != sd { elems * sd } else { 0 };
     match opt {
-        // m' (3 temporaries at once while it forms), v' (b1, g², ·(1−β2)), then denominators:
-        // at most m', v' and three more state-sized tensors (see the module docs).
-        Optimizer::AdamW | Optimizer::AdamW8bit => {
-            g_cast + unscale + cast_in + 5 * elems * sd + if pd != sd { elems * pd } else { 0 }
-        }
+        // The engine's AdamW updates m, v and the weight in place, one pass each
+        // (`optim.rs`, candle in-place ops): only a gradient cast, when the gradient dtype
+        // differs from the state's, allocates.
+        Optimizer::AdamW | Optimizer::AdamW8bit => g_cast,
         Optimizer::Sgd => {
             g_cast + unscale + cast_in + 2 * elems * sd + if pd != sd { elems * pd } else { 0 }
         }
@@ -511,22 +510,26 @@ pub fn replay(
             inside,
         );
         // Store left: leaf grad (gx), c grad, weight grads, other leftovers.
-        let land = |live: &mut Breakdown, grads: u64, largest: u64| -> u64 {
-            // Returns the transient of summing into existing buffers.
+        // Weights stored in another dtype than the gradient buffers (bf16-pure): the first
+        // microbatch's gradients are cast into new buffers while the store still holds the
+        // originals, instead of being moved.
+        let cast_on_landing = p.param_dtype() != grad_dtype(p);
+        // Lands a segment's gradients in the buffers; returns the extra transient of the moment
+        // worth an event (summing into existing buffers, or the first casts), if any.
+        let land = |live: &mut Breakdown, grads: u64, largest: u64| -> Option<u64> {
             if first {
                 live.gradients += grads;
-                0
+                cast_on_landing.then_some(0)
             } else {
-                largest
+                Some(largest)
             }
         };
         live.workspace += fs.bwd_store;
         live.activations -= fs.activations + fs.leaf;
         live.weight_casts -= fs.weight_casts;
-        let t = land(&mut live, final_grads, final_largest);
-        let mut inside = live;
-        inside.workspace += t;
-        if !first {
+        if let Some(t) = land(&mut live, final_grads, final_largest) {
+            let mut inside = live;
+            inside.workspace += t;
             ev.push(
                 Phase::Backward,
                 tag(mb, "final grads (inside)".into()),
@@ -586,8 +589,7 @@ pub fn replay(
             live.workspace += bs.bwd_store;
             live.activations -= bs.activations + bs.output;
             live.weight_casts -= bs.weight_casts;
-            let t = land(&mut live, block_grads, block_largest);
-            if t > 0 {
+            if let Some(t) = land(&mut live, block_grads, block_largest) {
                 let mut inside = live;
                 inside.workspace += t;
                 ev.push(
@@ -627,8 +629,7 @@ pub fn replay(
             inside,
         );
         live.workspace += es.bwd_store;
-        let t = land(&mut live, embed_grads, embed_largest);
-        if t > 0 {
+        if let Some(t) = land(&mut live, embed_grads, embed_largest) {
             let mut inside = live;
             inside.workspace += t;
             ev.push(
@@ -693,8 +694,9 @@ pub fn replay(
         if r.ema.enabled {
             let ed = r.ema.dtype.size();
             let pd = p.param_dtype().size();
-            let mut inside = live;
-            inside.workspace += 3 * largest * ed + if pd != ed { largest * ed } else { 0 };
+            // In place, one pass (`optim.rs`): nothing allocated.
+            let _ = (ed, pd);
+            let inside = live;
             ev.push(
                 Phase::Optimizer,
                 "ema (inside)".into(),
