@@ -691,21 +691,7 @@ pub fn replay(
             true,
             inside,
         );
-        if r.ema.enabled {
-            let ed = r.ema.dtype.size();
-            let pd = p.param_dtype().size();
-            // In place, one pass (`optim.rs`): nothing allocated.
-            let _ = (ed, pd);
-            let inside = live;
-            ev.push(
-                Phase::Optimizer,
-                "ema (inside)".into(),
-                None,
-                0,
-                true,
-                inside,
-            );
-        }
+        // The EMA update runs in place (`optim.rs`): no moment of its own.
     }
     live.gradients = 0;
     ev.push(Phase::Optimizer, "optimizer".into(), None, 0, false, live);
