@@ -928,16 +928,74 @@ impl BlockShape {
     }
 }
 
-/// Rows per chunk of the engine's widened (bf16/f16) linear (`ops::LINEAR_ROWS`).
+/// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
 
+/// Rows / columns of the engine's AVX512-BF16 micro-kernel tile (`gemm_bf16::{MR, NR}`): packed
+/// operands are padded to whole tiles.
+pub const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
+
+/// Bytes of a packed bf16 A operand (m × k): whole tiles of rows × ⌈k/2⌉ pairs of u16.
+fn packed_a_bytes(m: u64, k: u64) -> u64 {
+    4 * m.div_ceil(BF16_KERNEL_TILE.0) * BF16_KERNEL_TILE.0 * k.div_ceil(2)
+}
+
+/// Bytes of a packed bf16 B operand (k × n): whole tiles of columns × ⌈k/2⌉ pairs of u16.
+fn packed_b_bytes(k: u64, n: u64) -> u64 {
+    4 * n.div_ceil(BF16_KERNEL_TILE.1) * BF16_KERNEL_TILE.1 * k.div_ceil(2)
+}
+
+/// Workspace bytes (forward, backward) of the engine's fused linear (`ops::linear_*_scratch`)
+/// in compute dtype `cd` for the inputs that track (`(x, w, b)`), on the AVX512-BF16 kernel when
+/// `native` (see [`bf16_dot_native`]), else widened: nothing on f32/f64. Kernel: forward packed
+/// Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a packed g chunk
+/// and an f32 dx chunk, for dW an f32 dW, a packed gᵀ chunk and a packed x chunk, for db an f32
+/// db. Widened (all f32): forward W, b and a chunk of x and y; backward a chunk of g, and for dx
+/// Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk, for db an
+/// f32 db.
+pub fn fused_linear_scratch(
+    cd: Dtype,
+    (rows, inp, out): (u64, u64, u64),
+    (tx, tw, tb): (bool, bool, bool),
+    native: bool,
+) -> (u64, u64) {
+    let r = LINEAR_ROWS.min(rows);
+    match cd {
+        Dtype::Bf16 if native => {
+            let fwd = packed_b_bytes(inp, out) + packed_a_bytes(r, inp) + 4 * (r * out + out);
+            let mut bwd = 0;
+            if tx {
+                bwd += packed_b_bytes(out, inp) + packed_a_bytes(r, out) + 4 * r * inp;
+            }
+            if tw {
+                bwd += 4 * out * inp + packed_a_bytes(out, r) + packed_b_bytes(r, inp);
+            }
+            if tb {
+                bwd += 4 * out;
+            }
+            (fwd, bwd)
+        }
+        Dtype::Bf16 | Dtype::F16 => {
+            let mut b = r * out;
+            if tx {
+                b += out * inp + r * out + r * inp;
+            }
+            if tw {
+                b += out * inp + r * inp;
+            }
+            if tb {
+                b += out;
+            }
+            (4 * (out * inp + out + r * (inp + out)), 4 * b)
+        }
+        _ => (0, 0),
+    }
+}
+
 /// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
-/// nothing saved beyond its inputs. On f32/f64 it calls gemm in place (no workspace of its own);
-/// on bf16/f16 it widens to f32: forward W, b and a chunk of x and y; backward a chunk of g, and
-/// for dx Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk,
-/// for db an f32 db. The gradients it returns are those of the inputs that track. Its f32
-/// buffers are laid out so that `gemm` packs nothing (its per-call packing buffers are not in
-/// this model).
+/// nothing saved beyond its inputs; its workspace is [`fused_linear_scratch`]. The gradients it
+/// returns are those of the inputs that track. Its widened f32 buffers are laid out so that
+/// `gemm` packs nothing (its per-call packing buffers are not in this model).
 pub fn fused_linear(
     g: &mut Graph,
     name: &str,
@@ -947,38 +1005,20 @@ pub fn fused_linear(
     out: u64,
 ) -> Nid {
     let cd = g.dtype(ins[0]);
-    let widen = matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let r = LINEAR_ROWS.min(rows);
-    let (tx, tw, tb) = (
+    let tracks = (
         g.nodes[ins[0]].tracks,
         g.nodes[ins[1]].tracks,
         g.nodes[ins[2]].tracks,
     );
-    let (fwd, bwd) = if widen {
-        let mut b = r * out;
-        if tx {
-            b += out * inp + r * out + r * inp;
-        }
-        if tw {
-            b += out * inp + r * inp;
-        }
-        if tb {
-            b += out;
-        }
-        (out * inp + out + r * (inp + out), b)
-    } else {
-        (0, 0)
-    };
+    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native());
     let y = g.op(
         name,
-        Kind::Custom {
-            bwd_scratch: 4 * bwd,
-        },
+        Kind::Custom { bwd_scratch: bwd },
         &ins,
         rows * out,
         cd,
     );
-    g.nodes[y].fwd_scratch = 4 * fwd;
+    g.nodes[y].fwd_scratch = fwd;
     y
 }
 
@@ -1244,6 +1284,29 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
 
 /// Threads of candle's and the engine's CPU kernels (rayon's pool): `RAYON_NUM_THREADS` when
 /// set, else every logical core.
+/// Whether the engine multiplies bf16 with its AVX512-BF16 kernel (`ditmem_engine::gemm_bf16`)
+/// on this machine, rather than widening to f32: the CPU has AVX512F and AVX512-BF16, and
+/// `DITMEM_BF16_GEMM` is not `widen` (which forces the widening path, for comparisons). Decided
+/// once per process; the engine asks this same function, so the budget's workspace model
+/// follows the path the engine takes.
+pub fn bf16_dot_native() -> bool {
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NATIVE.get_or_init(|| {
+        if std::env::var("DITMEM_BF16_GEMM").is_ok_and(|v| v == "widen") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 pub fn cpu_threads() -> u64 {
     std::env::var("RAYON_NUM_THREADS")
         .ok()

@@ -5,6 +5,8 @@
 //! - [`block`]: the adaLN-Zero block and final layer.
 //! - [`ops`]: fused ops with their own backward (linear, GELU-tanh, LayerNorm + modulate,
 //!   attention from the qkv projection).
+//! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`), used by the
+//!   fused linear in bf16 when the CPU has it.
 //! - [`attention`]: the composed attention cores (kept as references for the fused one in [`ops`]).
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
@@ -41,6 +43,7 @@ pub mod attention;
 pub mod block;
 pub mod diffusion;
 pub mod error;
+pub mod gemm_bf16;
 pub mod measure;
 pub mod model;
 pub mod ops;

@@ -303,7 +303,7 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
 /// The MAE/DiT 2-D sin-cos table, (rows·cols, dim) row-major: for the token at (r, c) the features
 /// are [sin(c·ω), cos(c·ω), sin(r·ω), cos(r·ω)] with ω_k = 10000^(−k/(dim/4)).
 pub fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>> {
-    if dim % 4 != 0 {
+    if !dim.is_multiple_of(4) {
         return Err(EngineError::unsupported(
             format!("model.hidden = {dim}"),
             "the 2-D sin-cos position table needs a hidden size divisible by 4",

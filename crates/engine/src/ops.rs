@@ -11,7 +11,8 @@
 //!   dtype. Saves x (its argument) and the per-row mean and rstd in the accumulation type
 //!   (f32, f64 for f64 inputs), 2·rows values held by the op; backward returns dx, dshift, dscale.
 //! - [`linear`]: `x·Wᵀ + b` as one node (candle keeps the product and the sum), gemm in place on
-//!   f32/f64, widened by row chunks on bf16/f16.
+//!   f32/f64; on bf16 the AVX512-BF16 kernel of [`crate::gemm_bf16`] where the CPU has it,
+//!   otherwise (and on f16) widened to f32 by row chunks.
 //! - [`qkv_attention`]: attention read in place from the qkv projection (no splits or copies),
 //!   keeping P (materialized), nothing (attention-only recompute) or the log-sum-exp
 //!   (memory-efficient, streaming over key blocks); the softmax is fused and accumulates in f32.
@@ -34,6 +35,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::attention::{err, Acc, Elem};
+use crate::gemm_bf16;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -1197,15 +1199,16 @@ impl CustomOp1 for QkvAttention {
 // ---------------------------------------------------------------------------------------------
 // Linear.
 
-/// Rows per chunk when a low-precision linear widens its operands to f32.
+/// Rows per chunk of a low-precision linear (its f32 accumulators and packed operands).
 pub const LINEAR_ROWS: usize = 128;
 
 /// `y = x·Wᵀ + b` on a 2-D x as one node: candle's composition keeps both the product and the
 /// biased sum alive (two (rows, out) tensors per linear) and, in bf16, widens the whole of both
 /// operands to f32 for every product. This op keeps nothing beyond its inputs, calls `gemm`
-/// directly on f32/f64 data (W read transposed in place), and for bf16/f16 widens W once and x
-/// by chunks of [`LINEAR_ROWS`] rows, accumulating in f32. Backward returns dx, dW, db for the
-/// inputs that track (a frozen LoRA base gets only dx).
+/// directly on f32/f64 data (W read transposed in place); on bf16 with AVX512-BF16 it packs W
+/// once and x by chunks of [`LINEAR_ROWS`] rows for [`crate::gemm_bf16`], otherwise (and on
+/// f16) it widens W once and x by chunks to f32; both accumulate in f32. Backward returns dx,
+/// dW, db for the inputs that track (a frozen LoRA base gets only dx).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LinearOp;
 
@@ -1222,27 +1225,68 @@ pub struct LinearGrads {
     pub b: bool,
 }
 
-/// Scratch elements (f32) of a widened (bf16/f16) linear's forward: W, b, and a chunk of x and y.
-pub fn linear_fwd_scratch(rows: usize, inp: usize, out: usize) -> usize {
-    out * inp + out + LINEAR_ROWS.min(rows) * (inp + out)
+/// Workspace bytes of a linear's forward: nothing on f32/f64; on bf16 with the AVX512-BF16
+/// kernel (`native`) packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; when widening
+/// (bf16/f16) W, b and a chunk of x and y in f32.
+pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, native: bool) -> u64 {
+    let r = LINEAR_ROWS.min(rows);
+    let n = match dtype {
+        DType::BF16 if native => {
+            2 * gemm_bf16::packed_b_len(inp, out)
+                + 4 * gemm_bf16::packed_a_len(r, inp)
+                + 4 * (r * out + out)
+        }
+        DType::BF16 | DType::F16 => 4 * (out * inp + out + r * (inp + out)),
+        _ => 0,
+    };
+    n as u64
 }
 
-/// Scratch elements (f32) of a widened linear's backward: per chunk g; for dx Wᵀ, a
-/// column-major copy of the g chunk and a dx chunk; for dW the f32 dW and an x chunk; for db an
-/// f32 db.
-pub fn linear_bwd_scratch(rows: usize, inp: usize, out: usize, g: LinearGrads) -> usize {
+/// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
+/// packed g chunk and an f32 dx chunk; for dW an f32 dW, a packed gᵀ chunk and a packed x chunk;
+/// for db an f32 db. Widening: per chunk g; for dx Wᵀ, a column-major copy of the g chunk and a
+/// dx chunk; for dW the f32 dW and an x chunk; for db an f32 db (all f32). Nothing on f32/f64.
+pub fn linear_bwd_scratch(
+    dtype: DType,
+    (rows, inp, out): (usize, usize, usize),
+    g: LinearGrads,
+    native: bool,
+) -> u64 {
     let r = LINEAR_ROWS.min(rows);
-    let mut n = r * out;
-    if g.x {
-        n += out * inp + r * out + r * inp;
-    }
-    if g.w {
-        n += out * inp + r * inp;
-    }
-    if g.b {
-        n += out;
-    }
-    n
+    let n = match dtype {
+        DType::BF16 if native => {
+            let mut n = 0;
+            if g.x {
+                n += 2 * gemm_bf16::packed_b_len(out, inp)
+                    + 4 * gemm_bf16::packed_a_len(r, out)
+                    + 4 * r * inp;
+            }
+            if g.w {
+                n += 4 * out * inp
+                    + 4 * gemm_bf16::packed_a_len(out, r)
+                    + 2 * gemm_bf16::packed_b_len(r, inp);
+            }
+            if g.b {
+                n += 4 * out;
+            }
+            n
+        }
+        DType::BF16 | DType::F16 => {
+            let mut n = r * out;
+            if g.x {
+                n += out * inp + r * out + r * inp;
+            }
+            if g.w {
+                n += out * inp + r * inp;
+            }
+            if g.b {
+                n += out;
+            }
+            4 * n
+        }
+        _ => 0,
+    };
+    n as u64
 }
 
 fn gemm_threads() -> gemm::Parallelism {
@@ -1361,6 +1405,168 @@ fn linear_fwd_widen<T: Elem<f32> + Send + Sync>(
         r0 += n;
     }
     y
+}
+
+/// Narrows f32 rows into bf16, in parallel.
+fn narrow_into(src: &[f32], dst: &mut [half::bf16]) {
+    dst.par_iter_mut()
+        .zip(src.par_iter())
+        .with_min_len(PAR_CHUNK)
+        .for_each(|(d, s)| *d = half::bf16::from_f32(*s));
+}
+
+/// bf16 forward on the AVX512-BF16 kernel: Wᵀ packed once, x packed and y accumulated in f32 by
+/// chunks of [`LINEAR_ROWS`] rows (each chunk starts as b).
+fn linear_fwd_bf16(
+    x: &[half::bf16],
+    w: &[half::bf16],
+    b: &[half::bf16],
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> Vec<half::bf16> {
+    use gemm_bf16::{pack_a, pack_b, packed_a_len, packed_b_len, View};
+    let mut y = vec![half::bf16::ZERO; rows * out];
+    let r = LINEAR_ROWS.min(rows);
+    // B = Wᵀ (in × out): B(k, j) = W[j][k].
+    let mut pb = vec![0u16; packed_b_len(inp, out)];
+    pack_b(
+        inp,
+        out,
+        View {
+            data: w,
+            rs: 1,
+            cs: inp,
+        },
+        &mut pb,
+    );
+    let mut pa = vec![0u32; packed_a_len(r, inp)];
+    let mut c = vec![0f32; r * out];
+    let b32: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        let xv = View {
+            data: &x[r0 * inp..(r0 + n) * inp],
+            rs: inp,
+            cs: 1,
+        };
+        pack_a(n, inp, xv, &mut pa);
+        c[..n * out]
+            .par_chunks_mut(out)
+            .for_each(|row| row.copy_from_slice(&b32));
+        gemm_bf16::gemm_packed(n, out, inp, &pa, &pb, &mut c, out);
+        narrow_into(&c[..n * out], &mut y[r0 * out..(r0 + n) * out]);
+        r0 += n;
+    }
+    y
+}
+
+/// bf16 backward on the AVX512-BF16 kernel, by chunks of [`LINEAR_ROWS`] rows: dx = g·W into an
+/// f32 chunk, dW += gᵀ·x and db += Σ g in f32 over all chunks, narrowed at the end. All outputs,
+/// then all workspace, are allocated before the first product (the budget counts them alive
+/// together).
+#[allow(clippy::type_complexity)]
+fn linear_bwd_bf16(
+    x: &[half::bf16],
+    w: &[half::bf16],
+    g: &[half::bf16],
+    (rows, inp, out): (usize, usize, usize),
+    want: LinearGrads,
+) -> (
+    Option<Vec<half::bf16>>,
+    Option<Vec<half::bf16>>,
+    Option<Vec<half::bf16>>,
+) {
+    use gemm_bf16::{gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, View};
+    let zero = half::bf16::ZERO;
+    let mut dx: Option<Vec<half::bf16>> = want.x.then(|| vec![zero; rows * inp]);
+    let mut dw: Option<Vec<half::bf16>> = want.w.then(|| vec![zero; out * inp]);
+    let mut db: Option<Vec<half::bf16>> = want.b.then(|| vec![zero; out]);
+    let r = LINEAR_ROWS.min(rows);
+    // dx: B = W (out × in) as stored; A = the g chunk; an f32 dx chunk.
+    let mut gx = want.x.then(|| {
+        let mut pw = vec![0u16; packed_b_len(out, inp)];
+        pack_b(
+            out,
+            inp,
+            View {
+                data: w,
+                rs: inp,
+                cs: 1,
+            },
+            &mut pw,
+        );
+        (pw, vec![0u32; packed_a_len(r, out)], vec![0f32; r * inp])
+    });
+    // dW: f32 dW (out × in); A = gᵀ chunk (out × n), B = x chunk (n × in).
+    let mut gw = want.w.then(|| {
+        (
+            vec![0f32; out * inp],
+            vec![0u32; packed_a_len(out, r)],
+            vec![0u16; packed_b_len(r, inp)],
+        )
+    });
+    let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        let gc = &g[r0 * out..(r0 + n) * out];
+        if let (Some(dx), Some((pw, pa, c))) = (dx.as_mut(), gx.as_mut()) {
+            pack_a(
+                n,
+                out,
+                View {
+                    data: gc,
+                    rs: out,
+                    cs: 1,
+                },
+                pa,
+            );
+            c[..n * inp].iter_mut().for_each(|v| *v = 0.0);
+            gemm_packed(n, inp, out, pa, pw, c, inp);
+            narrow_into(&c[..n * inp], &mut dx[r0 * inp..(r0 + n) * inp]);
+        }
+        if let Some((dw32, pa, pb)) = gw.as_mut() {
+            pack_a(
+                out,
+                n,
+                View {
+                    data: gc,
+                    rs: 1,
+                    cs: out,
+                },
+                pa,
+            );
+            let xc = &x[r0 * inp..(r0 + n) * inp];
+            pack_b(
+                n,
+                inp,
+                View {
+                    data: xc,
+                    rs: inp,
+                    cs: 1,
+                },
+                pb,
+            );
+            gemm_packed(out, inp, n, pa, pb, dw32, inp);
+        }
+        if let Some(db32) = db32.as_mut() {
+            for row in gc.chunks(out) {
+                for (d, v) in db32.iter_mut().zip(row) {
+                    *d += v.to_f32();
+                }
+            }
+        }
+        r0 += n;
+    }
+    if let (Some(dw), Some((dw32, _, _))) = (dw.as_mut(), gw.as_ref()) {
+        narrow_into(dw32, dw);
+    }
+    if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
+        narrow_into(db32, db);
+    }
+    (dx, dw, db)
 }
 
 /// f32/f64 backward: dx = g·W, dW = gᵀ·x, db = Σ_rows g.
@@ -1535,6 +1741,14 @@ impl CustomOp3 for LinearOp {
                 inp,
                 out,
             )),
+            DType::BF16 if gemm_bf16::available() => CpuStorage::BF16(linear_fwd_bf16(
+                cpu_slice(sx, lx, w)?,
+                cpu_slice(sw, lw, w)?,
+                cpu_slice(sb, lb, w)?,
+                rows,
+                inp,
+                out,
+            )),
             DType::BF16 => CpuStorage::BF16(linear_fwd_widen(
                 cpu_slice::<half::bf16>(sx, lx, w)?,
                 cpu_slice(sw, lw, w)?,
@@ -1598,6 +1812,13 @@ impl CustomOp3 for LinearOp {
                             want
                         )),
                         DType::F64 => wrap!(linear_bwd_direct::<f64>(
+                            cpu_slice(sx, lx, n)?,
+                            cpu_slice(sw, lw, n)?,
+                            cpu_slice(sg, lg, n)?,
+                            dims,
+                            want
+                        )),
+                        DType::BF16 if gemm_bf16::available() => wrap!(linear_bwd_bf16(
                             cpu_slice(sx, lx, n)?,
                             cpu_slice(sw, lw, n)?,
                             cpu_slice(sg, lg, n)?,
@@ -1809,5 +2030,48 @@ impl CustomOp3 for GatedResidual {
                 })
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The linear's workspace as the engine states it is the budget's restatement, for every
+    /// dtype, path and set of tracked inputs, on whole and ragged shapes.
+    #[test]
+    fn linear_scratch_is_the_budgets() {
+        use ditmem_budget::candle::fused_linear_scratch;
+        use ditmem_budget::Dtype;
+        for (dt, bd) in [
+            (DType::F32, Dtype::F32),
+            (DType::F64, Dtype::F64),
+            (DType::BF16, Dtype::Bf16),
+            (DType::F16, Dtype::F16),
+        ] {
+            for dims in [(512, 384, 1152), (300, 37, 130), (7, 1, 1)] {
+                for native in [false, true] {
+                    for bits in 0..8u8 {
+                        let g = LinearGrads {
+                            x: bits & 1 != 0,
+                            w: bits & 2 != 0,
+                            b: bits & 4 != 0,
+                        };
+                        let (rows, inp, out) = dims;
+                        let budget = fused_linear_scratch(
+                            bd,
+                            (rows as u64, inp as u64, out as u64),
+                            (g.x, g.w, g.b),
+                            native,
+                        );
+                        let engine = (
+                            linear_fwd_scratch(dt, rows, inp, out, native),
+                            linear_bwd_scratch(dt, dims, g, native),
+                        );
+                        assert_eq!(engine, budget, "{dt:?} {dims:?} native {native} {bits}");
+                    }
+                }
+            }
+        }
     }
 }

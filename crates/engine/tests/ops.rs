@@ -391,6 +391,61 @@ fn linear_matches_composed() {
     assert!(linear(&x64, &w64, &rand(&[out + 1], 1, 1.0)).is_err());
 }
 
+/// In bf16 every output of the linear is one rounding of an f32 sum of exact bf16 products: the
+/// kernel (or the widening path) must land within half a bf16 ulp plus f32 summation error of the
+/// f64 result on the same bf16 inputs. Ragged on purpose: 300 rows (three chunks, the last
+/// partial), 37 inputs (an odd k), 130 outputs (a partial column tile).
+#[test]
+fn linear_bf16_is_one_rounding_of_the_exact_product() {
+    let (rows, inp, out) = (300, 37, 130);
+    let r = |d: &[usize], seed, sc| rand(d, seed, sc).to_dtype(DType::BF16).unwrap();
+    let (x, w, b, go) = (
+        r(&[rows, inp], 31, 1.0),
+        r(&[out, inp], 32, 0.3),
+        r(&[out], 33, 0.3),
+        r(&[rows, out], 34, 1.0),
+    );
+    let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    let (x64, w64, b64, g64) = (f64s(&x), f64s(&w), f64s(&b), f64s(&go));
+    let want_y = x64
+        .matmul(&w64.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b64)
+        .unwrap();
+    let want = [
+        g64.matmul(&w64).unwrap(),
+        g64.t().unwrap().matmul(&x64).unwrap(),
+        g64.sum(0).unwrap(),
+    ];
+    let (xv, wv, bv) = (
+        Var::from_tensor(&x).unwrap(),
+        Var::from_tensor(&w).unwrap(),
+        Var::from_tensor(&b).unwrap(),
+    );
+    let y = linear(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
+    let grads = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+    let got = [&xv, &wv, &bv].map(|v| grads.get(v).unwrap().clone());
+    let check = |name: &str, got: &Tensor, want: &Tensor, terms: usize| {
+        let g = got
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let w = want.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(g.len(), w.len(), "{name}");
+        for (i, (a, e)) in g.iter().zip(&w).enumerate() {
+            let tol = e.abs() * (2f64.powi(-8) + 1e-6 * terms as f64) + 1e-6 * terms as f64;
+            assert!((a - e).abs() <= tol, "{name}[{i}] = {a}, exact {e}");
+        }
+    };
+    check("y", &y, &want_y, inp);
+    check("dx", &got[0], &want[0], out);
+    check("dW", &got[1], &want[1], rows);
+    check("db", &got[2], &want[2], rows);
+}
+
 use ditmem_engine::ops::gated_residual;
 
 #[test]

@@ -1,0 +1,118 @@
+//! bf16 and f32 matrix products side by side in one run: candle's f32 matmul (the `gemm` crate),
+//! candle's bf16 matmul (widened to f32 in candle 0.11), and the engine's AVX512-BF16 kernel
+//! (`gemm_bf16`, packing included), at the linear shapes of a DiT-S/2 and a DiT-XL/2 block.
+//! Prints GFLOP/s (median and best of the runs) and the bf16-kernel / f32 ratio. Nothing is
+//! asserted.
+//!
+//! `cargo bench -p ditmem-engine --bench matmul`. Environment: `MM_RUNS` (15), threads from
+//! `RAYON_NUM_THREADS` (all cores).
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use ditmem_engine::gemm_bf16::{self, View};
+use half::bf16;
+
+fn stats(mut t: Vec<f64>, flop: f64) -> (f64, f64) {
+    t.sort_by(f64::total_cmp);
+    (flop / t[t.len() / 2] / 1e9, flop / t[0] / 1e9)
+}
+
+fn time(runs: usize, mut f: impl FnMut()) -> Vec<f64> {
+    f();
+    (0..runs)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+fn main() -> candle_core::Result<()> {
+    let runs: usize = std::env::var("MM_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    let dev = Device::Cpu;
+    println!(
+        "conditions: {} rayon threads, {} build, {runs} runs per cell; AVX512-BF16 kernel {}",
+        rayon::current_num_threads(),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        if gemm_bf16::available() {
+            "on"
+        } else {
+            "off (cells skipped)"
+        }
+    );
+    println!(
+        "{:<34} {:>16} {:>16} {:>16} {:>8}",
+        "shape (m×k · k×n)", "f32 GFLOP/s", "bf16 widen", "bf16 kernel", "kernel/f32"
+    );
+    for &(name, m, k, n) in &[
+        ("S/2 b2 qkv", 512, 384, 1152),
+        ("S/2 b2 fc1", 512, 384, 1536),
+        ("S/2 b2 fc2", 512, 1536, 384),
+        ("XL/2 b2 fc1", 512, 1152, 4608),
+        ("XL/2 b2 fc2", 512, 4608, 1152),
+    ] {
+        let flop = 2.0 * (m * k * n) as f64;
+        let a = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (k, n), &dev)?;
+        let f32c = stats(time(runs, || drop(a.matmul(&b))), flop);
+        let (a16, b16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+        let widen = stats(time(runs, || drop(a16.matmul(&b16))), flop);
+        let kern = if gemm_bf16::available() {
+            let av = a16.flatten_all()?.to_vec1::<bf16>()?;
+            let bv = b16.flatten_all()?.to_vec1::<bf16>()?;
+            let mut pa = vec![0u32; gemm_bf16::packed_a_len(m, k)];
+            let mut pb = vec![0u16; gemm_bf16::packed_b_len(k, n)];
+            let mut c = vec![0f32; m * n];
+            Some(stats(
+                time(runs, || {
+                    gemm_bf16::pack_a(
+                        m,
+                        k,
+                        View {
+                            data: &av,
+                            rs: k,
+                            cs: 1,
+                        },
+                        &mut pa,
+                    );
+                    gemm_bf16::pack_b(
+                        k,
+                        n,
+                        View {
+                            data: &bv,
+                            rs: n,
+                            cs: 1,
+                        },
+                        &mut pb,
+                    );
+                    c.iter_mut().for_each(|v| *v = 0.0);
+                    gemm_bf16::gemm_packed(m, n, k, &pa, &pb, &mut c, n);
+                }),
+                flop,
+            ))
+        } else {
+            None
+        };
+        let cell = |s: (f64, f64)| format!("{:.1} ({:.1})", s.0, s.1);
+        println!(
+            "{:<34} {:>16} {:>16} {:>16} {:>8}",
+            format!("{name} {m}×{k} · {k}×{n}"),
+            cell(f32c),
+            cell(widen),
+            kern.map(cell).unwrap_or_else(|| "-".into()),
+            kern.map(|k| format!("{:.2}", k.0 / f32c.0))
+                .unwrap_or_else(|| "-".into())
+        );
+    }
+    println!("cells: median (best) GFLOP/s of 2·m·k·n FLOPs per call; the kernel's time includes packing both operands and zeroing C.");
+    Ok(())
+}

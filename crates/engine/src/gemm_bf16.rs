@@ -1,0 +1,389 @@
+//! bf16 matrix products with f32 accumulation on x86-64 CPUs that have AVX512-BF16.
+//!
+//! Candle 0.11 (and the `gemm` crate under it) has no bf16 kernel: a bf16 product is widened to
+//! f32 and runs at the f32 rate, plus the cost of the widening copies. `vdpbf16ps` multiplies
+//! pairs of bf16 values and adds both products to an f32 lane, twice the f32 FMA rate on the
+//! same execution units, which is what PyTorch (oneDNN) uses on such CPUs. This module is a small
+//! Goto-style GEMM around that instruction:
+//!
+//! - A (m × k) is packed into micro-panels of [`MR`] rows: for each pair of k, the [`MR`] rows'
+//!   two values side by side as one `u32` (the form `vdpbf16ps` broadcasts);
+//! - B (k × n) is packed into panels of [`NR`] columns: for each pair of k, the [`NR`] columns'
+//!   two values side by side (4 vectors of 16 pairs);
+//! - the micro-kernel keeps an [`MR`] × [`NR`] f32 tile in 24 registers and adds A·B over a block
+//!   of [`KC_PAIRS`] pairs to C; blocks of k walk the packed panels so a B micro-panel stays in L1.
+//!
+//! Products of bf16 values are exact in f32, so the result differs from a widened f32 product
+//! only in the order of the f32 sums (and in denormal inputs, which `vdpbf16ps` flushes to zero).
+//!
+//! Whether the kernel is used is decided once per process by
+//! [`ditmem_budget::candle::bf16_dot_native`] (the budget asks the same question, so its
+//! workspace model follows the path the engine takes). Packing buffers are allocated by the
+//! caller; sizes: [`packed_a_len`], [`packed_b_len`].
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// Rows of the micro-kernel tile.
+pub const MR: usize = 6;
+/// Columns of the micro-kernel tile (4 × 16 f32 lanes).
+pub const NR: usize = 64;
+/// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).
+pub const KC_PAIRS: usize = 64;
+
+/// Whether this process multiplies bf16 with the AVX512-BF16 kernel.
+pub fn available() -> bool {
+    ditmem_budget::candle::bf16_dot_native()
+}
+
+/// A read-only strided matrix view: element (i, j) at `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub data: &'a [bf16],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl View<'_> {
+    #[inline]
+    fn bits(&self, i: usize, j: usize) -> u32 {
+        u32::from(self.data[i * self.rs + j * self.cs].to_bits())
+    }
+}
+
+/// `u32`s of a packed A (m × k): whole micro-panels of [`MR`] rows × ⌈k/2⌉ pairs.
+pub fn packed_a_len(m: usize, k: usize) -> usize {
+    m.div_ceil(MR) * MR * k.div_ceil(2)
+}
+
+/// `u16`s of a packed B (k × n): whole panels of [`NR`] columns × ⌈k/2⌉ pairs × 2.
+pub fn packed_b_len(k: usize, n: usize) -> usize {
+    n.div_ceil(NR) * NR * k.div_ceil(2) * 2
+}
+
+/// Packs A (m × k) into `dst` (at least [`packed_a_len`]): micro-panel p, pair q, row r at
+/// `(p·kp + q)·MR + r`, the pair's even-k value in the low half. Padding is zero.
+pub fn pack_a(m: usize, k: usize, a: View<'_>, dst: &mut [u32]) {
+    let kp = k.div_ceil(2);
+    let dst = &mut dst[..packed_a_len(m, k)];
+    dst.par_chunks_mut(kp * MR)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for r in 0..MR {
+                let i = p * MR + r;
+                if i >= m {
+                    for q in 0..kp {
+                        panel[q * MR + r] = 0;
+                    }
+                    continue;
+                }
+                for q in 0..kp {
+                    let lo = a.bits(i, 2 * q);
+                    let hi = if 2 * q + 1 < k {
+                        a.bits(i, 2 * q + 1)
+                    } else {
+                        0
+                    };
+                    panel[q * MR + r] = lo | (hi << 16);
+                }
+            }
+        });
+}
+
+/// Packs B (k × n) into `dst` (at least [`packed_b_len`]): panel p, pair q, column c, half e at
+/// `((p·kp + q)·NR + c)·2 + e`. Padding is zero.
+pub fn pack_b(k: usize, n: usize, b: View<'_>, dst: &mut [u16]) {
+    let kp = k.div_ceil(2);
+    let dst = &mut dst[..packed_b_len(k, n)];
+    dst.par_chunks_mut(kp * NR * 2)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for q in 0..kp {
+                let row = &mut panel[q * NR * 2..(q + 1) * NR * 2];
+                for c in 0..NR {
+                    let j = p * NR + c;
+                    let (lo, hi) = if j < n {
+                        let lo = b.bits(2 * q, j) as u16;
+                        let hi = if 2 * q + 1 < k {
+                            b.bits(2 * q + 1, j) as u16
+                        } else {
+                            0
+                        };
+                        (lo, hi)
+                    } else {
+                        (0, 0)
+                    };
+                    row[2 * c] = lo;
+                    row[2 * c + 1] = hi;
+                }
+            }
+        });
+}
+
+/// A raw f32 destination shared by the tasks of one product (each writes its own tiles).
+#[derive(Clone, Copy)]
+struct Dst(*mut f32);
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    /// The element `off` past the start (a method, so closures capture the wrapper, which is
+    /// `Sync`, and not its bare pointer field).
+    ///
+    /// # Safety
+    /// `off` must lie inside the destination.
+    #[inline]
+    unsafe fn at(self, off: usize) -> *mut f32 {
+        self.0.add(off)
+    }
+}
+
+/// `C (m × n, row stride ldc) += A · B` from packed operands with `k` (unpadded) columns of A.
+/// The work is split into one contiguous range of B panels (or of A micro-panels when there are
+/// fewer panels than threads) per rayon thread; nothing is allocated.
+///
+/// # Panics
+/// When the kernel is not [`available`] or a buffer is shorter than its shape needs (both are
+/// bugs of the caller, not input errors).
+pub fn gemm_packed(
+    m: usize,
+    n: usize,
+    k: usize,
+    pa: &[u32],
+    pb: &[u16],
+    c: &mut [f32],
+    ldc: usize,
+) {
+    assert!(available(), "gemm_bf16 called without AVX512-BF16");
+    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
+    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let kp = k.div_ceil(2);
+    let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
+    let threads = rayon::current_num_threads().max(1);
+    let dst = Dst(c.as_mut_ptr());
+    let split_n = np >= threads || np >= mp;
+    let parts = if split_n { np } else { mp }.min(threads);
+    let total = if split_n { np } else { mp };
+    (0..parts).into_par_iter().for_each(|t| {
+        let (lo, hi) = (total * t / parts, total * (t + 1) / parts);
+        let (p_range, m_range) = if split_n {
+            (lo..hi, 0..mp)
+        } else {
+            (0..np, lo..hi)
+        };
+        let mut q0 = 0;
+        while q0 < kp {
+            let kq = KC_PAIRS.min(kp - q0);
+            for p in p_range.clone() {
+                let b = &pb[(p * kp + q0) * NR * 2..];
+                let cols = NR.min(n - p * NR);
+                for mi in m_range.clone() {
+                    let a = &pa[(mi * kp + q0) * MR..];
+                    let rows = MR.min(m - mi * MR);
+                    // Safety: the tile (mi, p) belongs to this task alone, and lies inside c
+                    // (checked above); a and b hold kq pairs from these offsets.
+                    unsafe {
+                        let ct = dst.at(mi * MR * ldc + p * NR);
+                        tile(kq, a.as_ptr(), b.as_ptr(), ct, ldc, rows, cols);
+                    }
+                }
+            }
+            q0 += kq;
+        }
+    });
+}
+
+/// One tile: the kernel on C directly when the tile is whole, else on a padded copy.
+///
+/// # Safety
+/// `c` must be valid for `rows` rows of `cols` columns at stride `ldc`; `a`/`b` for `kq` pairs.
+#[inline]
+unsafe fn tile(
+    kq: usize,
+    a: *const u32,
+    b: *const u16,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+) {
+    if rows == MR && cols == NR {
+        kernel(kq, a, b, c, ldc);
+        return;
+    }
+    let mut t = [0f32; MR * NR];
+    for r in 0..rows {
+        std::ptr::copy_nonoverlapping(c.add(r * ldc), t.as_mut_ptr().add(r * NR), cols);
+    }
+    kernel(kq, a, b, t.as_mut_ptr(), NR);
+    for r in 0..rows {
+        std::ptr::copy_nonoverlapping(t.as_ptr().add(r * NR), c.add(r * ldc), cols);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn kernel(kq: usize, a: *const u32, b: *const u16, c: *mut f32, ldc: usize) {
+    kernel_avx512bf16(kq, a, b, c, ldc)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(_: usize, _: *const u32, _: *const u16, _: *mut f32, _: usize) {
+    unreachable!("available() is false off x86-64")
+}
+
+/// C[MR × NR] += Σ_q A-pairs(q) · B-pairs(q).
+///
+/// # Safety
+/// The CPU must have AVX512F and AVX512-BF16; `a` holds `kq·MR` u32, `b` `kq·NR·2` u16, `c` MR
+/// rows of NR floats at stride `ldc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel_avx512bf16(kq: usize, a: *const u32, b: *const u16, c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+    for q in 0..kq {
+        let bq = b.add(q * NR * 2);
+        let bv: [__m512bh; 4] = [
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bq as *const __m512i)),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                bq.add(32) as *const __m512i
+            )),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                bq.add(64) as *const __m512i
+            )),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                bq.add(96) as *const __m512i
+            )),
+        ];
+        let aq = a.add(q * MR);
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*aq.add(r) as i32));
+            for (v, lane) in row.iter_mut().enumerate() {
+                *lane = _mm512_dpbf16_ps(*lane, av, bv[v]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (v, lane) in row.iter().enumerate() {
+            let p = c.add(r * ldc + v * 16);
+            _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), *lane));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mat(rows: usize, cols: usize, seed: u64) -> Vec<bf16> {
+        let mut r = crate::rng::SplitMix64::new(seed);
+        (0..rows * cols)
+            .map(|_| bf16::from_f64(r.uniform() * 2.0 - 1.0))
+            .collect()
+    }
+
+    /// C += A·B against an f64 sum of the same bf16 values, for whole and ragged shapes and
+    /// transposed views, on top of a non-zero C.
+    #[test]
+    fn matches_f64_on_ragged_and_strided_shapes() {
+        if !available() {
+            eprintln!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        for &(m, n, k, ta, tb) in &[
+            (6, 64, 128, false, false),
+            (13, 70, 37, false, true),
+            (1, 1, 1, true, false),
+            (30, 200, 300, true, true),
+            (7, 129, 2, false, false),
+            (64, 32, 515, false, false),
+        ] {
+            let a = mat(m, k, 1);
+            let b = mat(k, n, 2);
+            let av = if ta {
+                // The same logical A stored transposed (k × m).
+                let mut t = vec![bf16::ZERO; m * k];
+                for i in 0..m {
+                    for j in 0..k {
+                        t[j * m + i] = a[i * k + j];
+                    }
+                }
+                t
+            } else {
+                a.clone()
+            };
+            let bv = if tb {
+                let mut t = vec![bf16::ZERO; k * n];
+                for i in 0..k {
+                    for j in 0..n {
+                        t[j * k + i] = b[i * n + j];
+                    }
+                }
+                t
+            } else {
+                b.clone()
+            };
+            let a_view = if ta {
+                View {
+                    data: &av,
+                    rs: 1,
+                    cs: m,
+                }
+            } else {
+                View {
+                    data: &av,
+                    rs: k,
+                    cs: 1,
+                }
+            };
+            let b_view = if tb {
+                View {
+                    data: &bv,
+                    rs: 1,
+                    cs: k,
+                }
+            } else {
+                View {
+                    data: &bv,
+                    rs: n,
+                    cs: 1,
+                }
+            };
+            let mut pa = vec![7u32; packed_a_len(m, k)];
+            let mut pb = vec![7u16; packed_b_len(k, n)];
+            pack_a(m, k, a_view, &mut pa);
+            pack_b(k, n, b_view, &mut pb);
+            let ldc = n + 3;
+            let mut c = vec![0.5f32; m * ldc];
+            gemm_packed(m, n, k, &pa, &pb, &mut c, ldc);
+            for i in 0..m {
+                for j in 0..ldc {
+                    let got = c[i * ldc + j] as f64;
+                    if j >= n {
+                        assert_eq!(got, 0.5, "({m},{n},{k}) wrote outside C at ({i},{j})");
+                        continue;
+                    }
+                    let want: f64 = 0.5
+                        + (0..k)
+                            .map(|l| a[i * k + l].to_f64() * b[l * n + j].to_f64())
+                            .sum::<f64>();
+                    let tol = 1e-6 * (k as f64).sqrt() * 4.0 + 1e-6;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "({m},{n},{k},{ta},{tb}) C[{i},{j}] = {got}, f64 {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_sizes_round_up_to_whole_tiles() {
+        assert_eq!(packed_a_len(1, 1), MR);
+        assert_eq!(packed_a_len(7, 5), 2 * MR * 3);
+        assert_eq!(packed_b_len(3, 65), 2 * NR * 2 * 2);
+    }
+}
