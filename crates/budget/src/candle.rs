@@ -947,10 +947,11 @@ fn packed_b_bytes(k: u64, n: u64) -> u64 {
 
 /// Workspace bytes (forward, backward) of the engine's fused linear (`ops::linear_*_scratch`)
 /// in compute dtype `cd` for the inputs that track (`(x, w, b)`), on the AVX512-BF16 kernel when
-/// `native` (see [`bf16_dot_native`]), else widened: nothing on f32/f64. Kernel: forward packed
-/// Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a packed g chunk
-/// and an f32 dx chunk, for dW an f32 dW, a packed gᵀ chunk and a packed x chunk, for db an f32
-/// db. Widened (all f32): forward W, b and a chunk of x and y; backward a chunk of g, and for dx
+/// `native` (see [`bf16_dot_native`]), else widened: nothing on f32/f64. `master`: W and b are
+/// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
+/// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
+/// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
+/// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32): forward W, b and a chunk of x and y; backward a chunk of g, and for dx
 /// Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk, for db an
 /// f32 db.
 pub fn fused_linear_scratch(
@@ -958,6 +959,7 @@ pub fn fused_linear_scratch(
     (rows, inp, out): (u64, u64, u64),
     (tx, tw, tb): (bool, bool, bool),
     native: bool,
+    master: bool,
 ) -> (u64, u64) {
     let r = LINEAR_ROWS.min(rows);
     match cd {
@@ -967,11 +969,12 @@ pub fn fused_linear_scratch(
             if tx {
                 bwd += packed_b_bytes(out, inp) + packed_a_bytes(r, out) + 4 * r * inp;
             }
+            let acc = if master { 0 } else { 4 };
             if tw {
-                bwd += 4 * out * inp + packed_a_bytes(out, r) + packed_b_bytes(r, inp);
+                bwd += acc * out * inp + packed_a_bytes(out, r) + packed_b_bytes(r, inp);
             }
             if tb {
-                bwd += 4 * out;
+                bwd += acc * out;
             }
             (fwd, bwd)
         }
@@ -1010,7 +1013,8 @@ pub fn fused_linear(
         g.nodes[ins[1]].tracks,
         g.nodes[ins[2]].tracks,
     );
-    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native());
+    let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native(), master);
     let y = g.op(
         name,
         Kind::Custom { bwd_scratch: bwd },
@@ -1036,21 +1040,11 @@ pub fn linear(
 ) -> Nid {
     let cd = sh.cd();
     let trained = sh.lora.is_none();
-    let w = g.weight(
-        &format!("{name}.weight"),
-        out * inp,
-        sh.weight_dtype(),
-        trained,
-        cd,
-    );
-    let bias = g.weight(&format!("{name}.bias"), out, sh.weight_dtype(), trained, cd);
-    // The engine hands a block its weights as a struct of casts that lives through the whole
-    // block function: without tracking they are not freed after their matmul.
-    for t in [w, bias] {
-        if g.nodes[t].kind == Kind::ToDtype {
-            g.bind(t);
-        }
-    }
+    // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
+    // packs or widens them), so a linear's weight and bias are never cast copies.
+    let wd = sh.weight_dtype();
+    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
+    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
     let y = fused_linear(g, &format!("{name} x·Wᵀ+b"), [x, w, bias], rows, inp, out);
     match target.and_then(|t| sh.lora_for(t)) {
         Some(r) => {
@@ -1533,12 +1527,13 @@ mod tests {
     }
 
     #[test]
-    fn mixed_precision_keeps_weight_casts() {
+    fn mixed_precision_makes_no_weight_casts() {
+        // The fused linears read the f32 master weights directly: no bf16 copies in the graph.
         let (g, ..) = block(&shape(Precision::Bf16Mixed));
         let (_, casts) = owned_bytes(&g);
-        let d = 32u64;
-        let weights = 3 * d * d + 3 * d + d * d + d + 2 * 4 * d * d + 4 * d + d + 6 * d * d + 6 * d;
-        // Ten bf16 copies (weight and bias of five linears), each a fresh tensor.
-        assert_eq!(casts, 2 * weights + 10 * (TENSOR_META + STORAGE_META));
+        assert_eq!(casts, 0);
+        let (g32, ..) = block(&shape(Precision::Fp32));
+        let (_, casts32) = owned_bytes(&g32);
+        assert_eq!(casts32, 0);
     }
 }

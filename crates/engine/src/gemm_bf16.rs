@@ -36,18 +36,38 @@ pub fn available() -> bool {
     ditmem_budget::candle::bf16_dot_native()
 }
 
+/// An element packing reads as bf16: bf16 itself, or f32 rounded to nearest even (so an f32
+/// master weight is packed exactly as its bf16 cast would be, without the cast copy).
+pub trait ToBf16: Copy + Sync {
+    fn bf16_bits(self) -> u16;
+}
+
+impl ToBf16 for bf16 {
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+impl ToBf16 for f32 {
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+}
+
 /// A read-only strided matrix view: element (i, j) at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
-pub struct View<'a> {
-    pub data: &'a [bf16],
+pub struct View<'a, T = bf16> {
+    pub data: &'a [T],
     pub rs: usize,
     pub cs: usize,
 }
 
-impl View<'_> {
+impl<T: ToBf16> View<'_, T> {
     #[inline]
     fn bits(&self, i: usize, j: usize) -> u32 {
-        u32::from(self.data[i * self.rs + j * self.cs].to_bits())
+        u32::from(self.data[i * self.rs + j * self.cs].bf16_bits())
     }
 }
 
@@ -63,7 +83,7 @@ pub fn packed_b_len(k: usize, n: usize) -> usize {
 
 /// Packs A (m × k) into `dst` (at least [`packed_a_len`]): micro-panel p, pair q, row r at
 /// `(p·kp + q)·MR + r`, the pair's even-k value in the low half. Padding is zero.
-pub fn pack_a(m: usize, k: usize, a: View<'_>, dst: &mut [u32]) {
+pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_a_len(m, k)];
     dst.par_chunks_mut(kp * MR)
@@ -92,7 +112,7 @@ pub fn pack_a(m: usize, k: usize, a: View<'_>, dst: &mut [u32]) {
 
 /// Packs B (k × n) into `dst` (at least [`packed_b_len`]): panel p, pair q, column c, half e at
 /// `((p·kp + q)·NR + c)·2 + e`. Padding is zero.
-pub fn pack_b(k: usize, n: usize, b: View<'_>, dst: &mut [u16]) {
+pub fn pack_b<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_b_len(k, n)];
     dst.par_chunks_mut(kp * NR * 2)

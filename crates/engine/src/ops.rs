@@ -1243,14 +1243,16 @@ pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, nat
 }
 
 /// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
-/// packed g chunk and an f32 dx chunk; for dW an f32 dW, a packed gᵀ chunk and a packed x chunk;
-/// for db an f32 db. Widening: per chunk g; for dx Wᵀ, a column-major copy of the g chunk and a
+/// packed g chunk and an f32 dx chunk; for dW an f32 dW (unless the weight is an f32 master,
+/// `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed x chunk; for db an
+/// f32 db (likewise). Widening: per chunk g; for dx Wᵀ, a column-major copy of the g chunk and a
 /// dx chunk; for dW the f32 dW and an x chunk; for db an f32 db (all f32). Nothing on f32/f64.
 pub fn linear_bwd_scratch(
     dtype: DType,
     (rows, inp, out): (usize, usize, usize),
     g: LinearGrads,
     native: bool,
+    master: bool,
 ) -> u64 {
     let r = LINEAR_ROWS.min(rows);
     let n = match dtype {
@@ -1261,13 +1263,14 @@ pub fn linear_bwd_scratch(
                     + 4 * gemm_bf16::packed_a_len(r, out)
                     + 4 * r * inp;
             }
+            let acc = if master { 0 } else { 4 };
             if g.w {
-                n += 4 * out * inp
+                n += acc * out * inp
                     + 4 * gemm_bf16::packed_a_len(out, r)
                     + 2 * gemm_bf16::packed_b_len(r, inp);
             }
             if g.b {
-                n += 4 * out;
+                n += acc * out;
             }
             n
         }
@@ -1358,6 +1361,21 @@ fn from_colmajor<T: Elem<f32> + Send>(src: &[f32], n: usize, c: usize, dst: &mut
         });
 }
 
+/// The value of `v` read in the compute dtype `T`: an f32 master weight rounded to `T` (what a
+/// cast copy would hold), a `T` value unchanged.
+#[inline]
+fn read_as<T: Elem<f32>, W: Elem<f32>>(v: W) -> f32 {
+    T::from_acc(v.to_acc()).to_acc()
+}
+
+/// A weight (or bias) in f32 as the compute dtype `T` sees it (see [`read_as`]), in parallel.
+fn widen_weight_into<T: Elem<f32>, W: Elem<f32> + Sync>(src: &[W], dst: &mut [f32]) {
+    dst.par_iter_mut()
+        .zip(src.par_iter())
+        .with_min_len(PAR_CHUNK)
+        .for_each(|(d, s)| *d = read_as::<T, W>(*s));
+}
+
 /// Elementwise widening copy, in parallel.
 fn widen_into<T: Elem<f32> + Sync>(src: &[T], dst: &mut [f32]) {
     dst.par_iter_mut()
@@ -1368,10 +1386,10 @@ fn widen_into<T: Elem<f32> + Sync>(src: &[T], dst: &mut [f32]) {
 
 /// bf16/f16 forward, widened to f32 by chunks. The chunk buffers are column-major (see
 /// [`mm_strided`]): x32[k·n + i] holds row i, column k of the chunk, y32[j·n + i] likewise.
-fn linear_fwd_widen<T: Elem<f32> + Send + Sync>(
+fn linear_fwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Sync>(
     x: &[T],
-    w: &[T],
-    b: &[T],
+    w: &[W],
+    b: &[W],
     rows: usize,
     inp: usize,
     out: usize,
@@ -1380,8 +1398,8 @@ fn linear_fwd_widen<T: Elem<f32> + Send + Sync>(
     let r = LINEAR_ROWS.min(rows);
     // W as the rhs (k = in, n = out) with unit row stride: its natural row-major layout.
     let mut w32: Vec<f32> = vec![0.0; out * inp];
-    widen_into(w, &mut w32);
-    let b32: Vec<f32> = b.iter().map(|v| v.to_acc()).collect();
+    widen_weight_into::<T, W>(w, &mut w32);
+    let b32: Vec<f32> = b.iter().map(|v| read_as::<T, W>(*v)).collect();
     let mut x32: Vec<f32> = vec![0.0; r * inp];
     let mut y32: Vec<f32> = vec![0.0; r * out];
     let mut r0 = 0;
@@ -1417,10 +1435,10 @@ fn narrow_into(src: &[f32], dst: &mut [half::bf16]) {
 
 /// bf16 forward on the AVX512-BF16 kernel: Wᵀ packed once, x packed and y accumulated in f32 by
 /// chunks of [`LINEAR_ROWS`] rows (each chunk starts as b).
-fn linear_fwd_bf16(
+fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
     x: &[half::bf16],
-    w: &[half::bf16],
-    b: &[half::bf16],
+    w: &[W],
+    b: &[W],
     rows: usize,
     inp: usize,
     out: usize,
@@ -1442,7 +1460,7 @@ fn linear_fwd_bf16(
     );
     let mut pa = vec![0u32; packed_a_len(r, inp)];
     let mut c = vec![0f32; r * out];
-    let b32: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+    let b32: Vec<f32> = b.iter().map(|v| read_as::<half::bf16, W>(*v)).collect();
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
@@ -1462,27 +1480,41 @@ fn linear_fwd_bf16(
     y
 }
 
+/// A weight's gradient in the weight's dtype from its f32 accumulator: the accumulator itself
+/// for an f32 (master) weight, a parallel narrowing copy for a bf16 one.
+trait GradFromF32: Sized {
+    fn grad_from_f32(v: Vec<f32>) -> Vec<Self>;
+}
+
+impl GradFromF32 for f32 {
+    fn grad_from_f32(v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+}
+
+impl GradFromF32 for half::bf16 {
+    fn grad_from_f32(v: Vec<f32>) -> Vec<half::bf16> {
+        let mut d = vec![half::bf16::ZERO; v.len()];
+        narrow_into(&v, &mut d);
+        d
+    }
+}
+
 /// bf16 backward on the AVX512-BF16 kernel, by chunks of [`LINEAR_ROWS`] rows: dx = g·W into an
-/// f32 chunk, dW += gᵀ·x and db += Σ g in f32 over all chunks, narrowed at the end. All outputs,
-/// then all workspace, are allocated before the first product (the budget counts them alive
-/// together).
+/// f32 chunk, dW += gᵀ·x and db += Σ g in f32 over all chunks. The dx output, then all workspace,
+/// are allocated before the first product. dW and db are returned in the weight's dtype: for an
+/// f32 master weight the accumulators themselves (no copy, no rounding), for a bf16 weight a
+/// narrowed copy made while the workspace is still alive (the budget counts it so).
 #[allow(clippy::type_complexity)]
-fn linear_bwd_bf16(
+fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     x: &[half::bf16],
-    w: &[half::bf16],
+    w: &[W],
     g: &[half::bf16],
     (rows, inp, out): (usize, usize, usize),
     want: LinearGrads,
-) -> (
-    Option<Vec<half::bf16>>,
-    Option<Vec<half::bf16>>,
-    Option<Vec<half::bf16>>,
-) {
+) -> (Option<Vec<half::bf16>>, Option<Vec<W>>, Option<Vec<W>>) {
     use gemm_bf16::{gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, View};
-    let zero = half::bf16::ZERO;
-    let mut dx: Option<Vec<half::bf16>> = want.x.then(|| vec![zero; rows * inp]);
-    let mut dw: Option<Vec<half::bf16>> = want.w.then(|| vec![zero; out * inp]);
-    let mut db: Option<Vec<half::bf16>> = want.b.then(|| vec![zero; out]);
+    let mut dx: Option<Vec<half::bf16>> = want.x.then(|| vec![half::bf16::ZERO; rows * inp]);
     let r = LINEAR_ROWS.min(rows);
     // dx: B = W (out × in) as stored; A = the g chunk; an f32 dx chunk.
     let mut gx = want.x.then(|| {
@@ -1560,13 +1592,12 @@ fn linear_bwd_bf16(
         }
         r0 += n;
     }
-    if let (Some(dw), Some((dw32, _, _))) = (dw.as_mut(), gw.as_ref()) {
-        narrow_into(dw32, dw);
-    }
-    if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
-        narrow_into(db32, db);
-    }
-    (dx, dw, db)
+    // Every buffer stays alive until the gradients are out (the budget's model of the op).
+    let dw = gw.map(|(dw32, pa, pb)| (W::grad_from_f32(dw32), pa, pb));
+    let db = db32.map(W::grad_from_f32);
+    let out = (dx, dw.map(|(d, _, _)| d), db);
+    drop(gx);
+    out
 }
 
 /// f32/f64 backward: dx = g·W, dW = gᵀ·x, db = Σ_rows g.
@@ -1623,19 +1654,18 @@ fn linear_bwd_direct<A: Acc + 'static>(
 /// laid out so that gemm packs nothing (see [`mm_strided`]): g twice (row- and column-major), W
 /// transposed, x, dx and dW column-major.
 #[allow(clippy::type_complexity)]
-fn linear_bwd_widen<T: Elem<f32> + Send + Sync>(
+fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send + Sync>(
     x: &[T],
-    w: &[T],
+    w: &[W],
     g: &[T],
     (rows, inp, out): (usize, usize, usize),
     want: LinearGrads,
-) -> (Option<Vec<T>>, Option<Vec<T>>, Option<Vec<T>>) {
+) -> (Option<Vec<T>>, Option<Vec<W>>, Option<Vec<W>>) {
     let par = gemm_threads();
-    let zero = T::from_acc(0.0);
     // Outputs first, then the scratch (the budget counts both alive together).
-    let mut dx: Option<Vec<T>> = want.x.then(|| vec![zero; rows * inp]);
-    let mut dw: Option<Vec<T>> = want.w.then(|| vec![zero; out * inp]);
-    let mut db: Option<Vec<T>> = want.b.then(|| vec![zero; out]);
+    let mut dx: Option<Vec<T>> = want.x.then(|| vec![T::from_acc(0.0); rows * inp]);
+    let mut dw: Option<Vec<W>> = want.w.then(|| vec![W::from_acc(0.0); out * inp]);
+    let mut db: Option<Vec<W>> = want.b.then(|| vec![W::from_acc(0.0); out]);
     let r = LINEAR_ROWS.min(rows);
     // g chunk row-major (the lhs of dW = gᵀ·x, unit row stride after the transpose) …
     let mut g32: Vec<f32> = vec![0.0; r * out];
@@ -1643,7 +1673,14 @@ fn linear_bwd_widen<T: Elem<f32> + Send + Sync>(
     let mut gc32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * out]);
     let wt32: Option<Vec<f32>> = want.x.then(|| {
         let mut t = vec![0.0f32; out * inp];
-        to_colmajor(w, inp, out, inp, &mut t);
+        t.par_chunks_mut(out)
+            .enumerate()
+            .with_min_len((PAR_CHUNK / out.max(1)).max(1))
+            .for_each(|(j, col)| {
+                for (o, d) in col.iter_mut().enumerate() {
+                    *d = read_as::<T, W>(w[o * inp + j]);
+                }
+            });
         t
     });
     let mut dx32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * inp]);
@@ -1699,10 +1736,23 @@ fn linear_bwd_widen<T: Elem<f32> + Send + Sync>(
     }
     if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
         for (d, s) in db.iter_mut().zip(db32) {
-            *d = T::from_acc(*s);
+            *d = W::from_acc(*s);
         }
     }
     (dx, dw, db)
+}
+
+/// The dtype pairs a linear takes: x in the compute dtype, W and b in it too or, for a bf16/f16
+/// compute dtype, in f32 (the master weights, rounded as they are read).
+fn linear_dtypes(x: DType, w: DType, b: DType) -> CResult<()> {
+    let ok = w == b && (w == x || (w == DType::F32 && matches!(x, DType::BF16 | DType::F16)));
+    if ok {
+        Ok(())
+    } else {
+        Err(err(format!(
+            "linear: w and b must share x's dtype, or be f32 with a bf16/f16 x; got x {x:?}, w {w:?}, b {b:?}"
+        )))
+    }
 }
 
 impl CustomOp3 for LinearOp {
@@ -1720,52 +1770,48 @@ impl CustomOp3 for LinearOp {
         lb: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         let (rows, inp, out) = linear_dims(lx, lw, lb)?;
-        if sw.dtype() != sx.dtype() || sb.dtype() != sx.dtype() {
-            return Err(err("linear: x, w and b must share one dtype"));
+        linear_dtypes(sx.dtype(), sw.dtype(), sb.dtype())?;
+        let n = "linear";
+        let native = gemm_bf16::available();
+        macro_rules! call {
+            ($f:expr) => {
+                $f(
+                    cpu_slice(sx, lx, n)?,
+                    cpu_slice(sw, lw, n)?,
+                    cpu_slice(sb, lb, n)?,
+                    rows,
+                    inp,
+                    out,
+                )
+            };
         }
-        let w = "linear";
-        let y = match sx.dtype() {
-            DType::F32 => CpuStorage::F32(linear_fwd_direct(
-                cpu_slice(sx, lx, w)?,
-                cpu_slice(sw, lw, w)?,
-                cpu_slice(sb, lb, w)?,
+        use half::{bf16, f16};
+        let y = match (sx.dtype(), sw.dtype()) {
+            (DType::F32, _) => CpuStorage::F32(linear_fwd_direct(
+                cpu_slice(sx, lx, n)?,
+                cpu_slice(sw, lw, n)?,
+                cpu_slice(sb, lb, n)?,
                 rows,
                 inp,
                 out,
             )),
-            DType::F64 => CpuStorage::F64(linear_fwd_direct(
-                cpu_slice(sx, lx, w)?,
-                cpu_slice(sw, lw, w)?,
-                cpu_slice(sb, lb, w)?,
+            (DType::F64, _) => CpuStorage::F64(linear_fwd_direct(
+                cpu_slice(sx, lx, n)?,
+                cpu_slice(sw, lw, n)?,
+                cpu_slice(sb, lb, n)?,
                 rows,
                 inp,
                 out,
             )),
-            DType::BF16 if gemm_bf16::available() => CpuStorage::BF16(linear_fwd_bf16(
-                cpu_slice(sx, lx, w)?,
-                cpu_slice(sw, lw, w)?,
-                cpu_slice(sb, lb, w)?,
-                rows,
-                inp,
-                out,
-            )),
-            DType::BF16 => CpuStorage::BF16(linear_fwd_widen(
-                cpu_slice::<half::bf16>(sx, lx, w)?,
-                cpu_slice(sw, lw, w)?,
-                cpu_slice(sb, lb, w)?,
-                rows,
-                inp,
-                out,
-            )),
-            DType::F16 => CpuStorage::F16(linear_fwd_widen(
-                cpu_slice::<half::f16>(sx, lx, w)?,
-                cpu_slice(sw, lw, w)?,
-                cpu_slice(sb, lb, w)?,
-                rows,
-                inp,
-                out,
-            )),
-            other => return Err(err(format!("linear: unsupported dtype {other:?}"))),
+            (DType::BF16, DType::BF16) if native => {
+                CpuStorage::BF16(call!(linear_fwd_bf16::<bf16>))
+            }
+            (DType::BF16, _) if native => CpuStorage::BF16(call!(linear_fwd_bf16::<f32>)),
+            (DType::BF16, DType::BF16) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, bf16>)),
+            (DType::BF16, _) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, f32>)),
+            (DType::F16, DType::F16) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f16>)),
+            (DType::F16, _) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f32>)),
+            (other, _) => return Err(err(format!("linear: unsupported dtype {other:?}"))),
         };
         Ok((y, Shape::from((rows, out))))
     }
@@ -1785,15 +1831,23 @@ impl CustomOp3 for LinearOp {
         };
         let grad = grad.contiguous()?;
         let dev = Device::Cpu;
+        let native = gemm_bf16::available();
         with_cpu(x, |sx, lx| {
             with_cpu(w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {
                     let dims = linear_dims(lx, lw, b.layout())?;
+                    linear_dtypes(sx.dtype(), sw.dtype(), b.dtype())?;
                     let (rows, inp, out) = dims;
                     let n = "linear backward";
-                    macro_rules! wrap {
-                        ($r:expr) => {{
-                            let (dx, dw, db) = $r;
+                    macro_rules! run {
+                        ($f:expr) => {{
+                            let (dx, dw, db) = $f(
+                                cpu_slice(sx, lx, n)?,
+                                cpu_slice(sw, lw, n)?,
+                                cpu_slice(sg, lg, n)?,
+                                dims,
+                                want,
+                            );
                             Ok((
                                 dx.map(|v| Tensor::from_vec(v, (rows, inp), &dev))
                                     .transpose()?,
@@ -1803,43 +1857,21 @@ impl CustomOp3 for LinearOp {
                             ))
                         }};
                     }
-                    match sx.dtype() {
-                        DType::F32 => wrap!(linear_bwd_direct::<f32>(
-                            cpu_slice(sx, lx, n)?,
-                            cpu_slice(sw, lw, n)?,
-                            cpu_slice(sg, lg, n)?,
-                            dims,
-                            want
-                        )),
-                        DType::F64 => wrap!(linear_bwd_direct::<f64>(
-                            cpu_slice(sx, lx, n)?,
-                            cpu_slice(sw, lw, n)?,
-                            cpu_slice(sg, lg, n)?,
-                            dims,
-                            want
-                        )),
-                        DType::BF16 if gemm_bf16::available() => wrap!(linear_bwd_bf16(
-                            cpu_slice(sx, lx, n)?,
-                            cpu_slice(sw, lw, n)?,
-                            cpu_slice(sg, lg, n)?,
-                            dims,
-                            want
-                        )),
-                        DType::BF16 => wrap!(linear_bwd_widen::<half::bf16>(
-                            cpu_slice(sx, lx, n)?,
-                            cpu_slice(sw, lw, n)?,
-                            cpu_slice(sg, lg, n)?,
-                            dims,
-                            want
-                        )),
-                        DType::F16 => wrap!(linear_bwd_widen::<half::f16>(
-                            cpu_slice(sx, lx, n)?,
-                            cpu_slice(sw, lw, n)?,
-                            cpu_slice(sg, lg, n)?,
-                            dims,
-                            want
-                        )),
-                        other => Err(err(format!("linear backward: unsupported dtype {other:?}"))),
+                    use half::{bf16, f16};
+                    match (sx.dtype(), sw.dtype()) {
+                        (DType::F32, _) => run!(linear_bwd_direct::<f32>),
+                        (DType::F64, _) => run!(linear_bwd_direct::<f64>),
+                        (DType::BF16, DType::BF16) if native => {
+                            run!(linear_bwd_bf16::<bf16>)
+                        }
+                        (DType::BF16, _) if native => run!(linear_bwd_bf16::<f32>),
+                        (DType::BF16, DType::BF16) => run!(linear_bwd_widen::<bf16, bf16>),
+                        (DType::BF16, _) => run!(linear_bwd_widen::<bf16, f32>),
+                        (DType::F16, DType::F16) => run!(linear_bwd_widen::<f16, f16>),
+                        (DType::F16, _) => run!(linear_bwd_widen::<f16, f32>),
+                        (other, _) => {
+                            Err(err(format!("linear backward: unsupported dtype {other:?}")))
+                        }
                     }
                 })
             })
@@ -2050,7 +2082,8 @@ mod tests {
             (DType::F16, Dtype::F16),
         ] {
             for dims in [(512, 384, 1152), (300, 37, 130), (7, 1, 1)] {
-                for native in [false, true] {
+                for (native, master) in [(false, false), (true, false), (false, true), (true, true)]
+                {
                     for bits in 0..8u8 {
                         let g = LinearGrads {
                             x: bits & 1 != 0,
@@ -2063,12 +2096,16 @@ mod tests {
                             (rows as u64, inp as u64, out as u64),
                             (g.x, g.w, g.b),
                             native,
+                            master,
                         );
                         let engine = (
                             linear_fwd_scratch(dt, rows, inp, out, native),
-                            linear_bwd_scratch(dt, dims, g, native),
+                            linear_bwd_scratch(dt, dims, g, native, master),
                         );
-                        assert_eq!(engine, budget, "{dt:?} {dims:?} native {native} {bits}");
+                        assert_eq!(
+                            engine, budget,
+                            "{dt:?} {dims:?} native {native} master {master} {bits}"
+                        );
                     }
                 }
             }

@@ -465,13 +465,29 @@ impl Trainer {
     // -----------------------------------------------------------------------------------------
     // Weights for compute.
 
-    fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
-        let t = match &self.params[i].value {
+    fn raw_weight(&self, i: usize, track: bool) -> Tensor {
+        match &self.params[i].value {
             Value::Trained(v) if track => v.as_tensor().clone(),
             Value::Trained(v) => v.as_detached_tensor(),
             Value::Frozen(t) => t.clone(),
-        };
-        cast(t, self.cfg.compute)
+        }
+    }
+
+    /// A parameter in the compute dtype (a cast copy when the dtypes differ).
+    fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
+        cast(self.raw_weight(i, track), self.cfg.compute)
+    }
+
+    /// A fused linear's weight or bias: f32 master weights go in as they are under a bf16/f16
+    /// compute dtype (the op rounds them as it reads them and returns their gradients in f32),
+    /// so mixed precision makes no cast copies of them; anything else is cast as by [`weight`].
+    fn linear_weight(&self, i: usize, track: bool) -> Result<Tensor> {
+        let t = self.raw_weight(i, track);
+        if t.dtype() == DType::F32 && matches!(self.cfg.compute, DType::BF16 | DType::F16) {
+            Ok(t)
+        } else {
+            cast(t, self.cfg.compute)
+        }
     }
 
     fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
@@ -480,8 +496,8 @@ impl Trainer {
             None => None,
         };
         Ok(LinearW {
-            w: self.weight(l.w, track)?,
-            b: self.weight(l.b, track)?,
+            w: self.linear_weight(l.w, track)?,
+            b: self.linear_weight(l.b, track)?,
             lora,
         })
     }

@@ -446,6 +446,55 @@ fn linear_bf16_is_one_rounding_of_the_exact_product() {
     check("db", &got[2], &want[2], rows);
 }
 
+/// Mixed precision hands the linear its f32 master weights: the output and dx must be bitwise
+/// those of the same op on bf16/f16 cast copies, and dW, db (returned in f32) that op's
+/// gradients before their rounding to the compute dtype.
+#[test]
+fn linear_reads_master_weights_like_their_casts() {
+    let (rows, inp, out) = (300, 37, 130);
+    let x64 = rand(&[rows, inp], 41, 1.0);
+    let w32 = rand(&[out, inp], 42, 0.3).to_dtype(DType::F32).unwrap();
+    let b32 = rand(&[out], 43, 0.3).to_dtype(DType::F32).unwrap();
+    let go64 = rand(&[rows, out], 44, 1.0);
+    for dt in [DType::BF16, DType::F16] {
+        let x = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
+        let go = go64.to_dtype(dt).unwrap();
+        let run = |w: &Tensor, b: &Tensor| {
+            let (wv, bv) = (Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap());
+            let y = linear(x.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
+            let g = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+            let grads = [
+                g.get(x.as_tensor()).unwrap().clone(),
+                g.get(wv.as_tensor()).unwrap().clone(),
+                g.get(bv.as_tensor()).unwrap().clone(),
+            ];
+            (y, grads)
+        };
+        let (ym, gm) = run(&w32, &b32);
+        let (yc, gc) = run(&w32.to_dtype(dt).unwrap(), &b32.to_dtype(dt).unwrap());
+        assert_eq!(ym.dtype(), dt);
+        assert_eq!(max_abs(&ym, &yc), 0.0, "{dt:?} y");
+        assert_eq!(max_abs(&gm[0], &gc[0]), 0.0, "{dt:?} dx");
+        for (i, name) in [(1, "dW"), (2, "db")] {
+            assert_eq!(gm[i].dtype(), DType::F32, "{dt:?} {name} dtype");
+            // Rounding the f32 gradient to the compute dtype gives the cast copy's gradient.
+            let rounded = gm[i].to_dtype(dt).unwrap();
+            assert_eq!(max_abs(&rounded, &gc[i]), 0.0, "{dt:?} {name}");
+        }
+    }
+    // Anything else is refused, naming the dtypes.
+    let x = x64.to_dtype(DType::F32).unwrap();
+    let w16 = w32.to_dtype(DType::BF16).unwrap();
+    let e = linear(&x, &w16, &b32.to_dtype(DType::BF16).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("BF16"), "{e}");
+    assert!(linear(
+        &x64.to_dtype(DType::BF16).unwrap(),
+        &w32,
+        &w16.narrow(1, 0, 1).unwrap().squeeze(1).unwrap()
+    )
+    .is_err());
+}
+
 use ditmem_engine::ops::gated_residual;
 
 #[test]
