@@ -82,59 +82,120 @@ pub fn packed_b_len(k: usize, n: usize) -> usize {
 }
 
 /// Packs A (m × k) into `dst` (at least [`packed_a_len`]): micro-panel p, pair q, row r at
-/// `(p·kp + q)·MR + r`, the pair's even-k value in the low half. Padding is zero.
+/// `(p·kp + q)·MR + r`, the pair's even-k value in the low half. Padding is zero. Row-major and
+/// column-major views read whole rows (or columns) as slices; other strides go element-wise.
 pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_a_len(m, k)];
     dst.par_chunks_mut(kp * MR)
         .enumerate()
         .for_each(|(p, panel)| {
-            for r in 0..MR {
-                let i = p * MR + r;
-                if i >= m {
-                    for q in 0..kp {
-                        panel[q * MR + r] = 0;
+            let i0 = p * MR;
+            let rows = MR.min(m - i0);
+            if rows < MR {
+                panel.iter_mut().for_each(|v| *v = 0);
+            }
+            if a.cs == 1 {
+                // Row-major: each row's pairs are adjacent.
+                for r in 0..rows {
+                    let row = &a.data[(i0 + r) * a.rs..][..k];
+                    let (pairs, tail) = row.split_at(k & !1);
+                    for (q, pr) in pairs.chunks_exact(2).enumerate() {
+                        panel[q * MR + r] =
+                            u32::from(pr[0].bf16_bits()) | u32::from(pr[1].bf16_bits()) << 16;
                     }
-                    continue;
+                    if let Some(t) = tail.first() {
+                        panel[(kp - 1) * MR + r] = u32::from(t.bf16_bits());
+                    }
                 }
+            } else if a.rs == 1 {
+                // Column-major (a transposed row-major matrix): k rows of m values.
                 for q in 0..kp {
-                    let lo = a.bits(i, 2 * q);
-                    let hi = if 2 * q + 1 < k {
-                        a.bits(i, 2 * q + 1)
+                    let lo = &a.data[2 * q * a.cs + i0..][..rows];
+                    let out = &mut panel[q * MR..q * MR + rows];
+                    if 2 * q + 1 < k {
+                        let hi = &a.data[(2 * q + 1) * a.cs + i0..][..rows];
+                        for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
+                            *o = u32::from(l.bf16_bits()) | u32::from(h.bf16_bits()) << 16;
+                        }
                     } else {
-                        0
-                    };
-                    panel[q * MR + r] = lo | (hi << 16);
+                        for (o, l) in out.iter_mut().zip(lo) {
+                            *o = u32::from(l.bf16_bits());
+                        }
+                    }
+                }
+            } else {
+                for r in 0..rows {
+                    for q in 0..kp {
+                        let lo = a.bits(i0 + r, 2 * q);
+                        let hi = if 2 * q + 1 < k {
+                            a.bits(i0 + r, 2 * q + 1)
+                        } else {
+                            0
+                        };
+                        panel[q * MR + r] = lo | (hi << 16);
+                    }
                 }
             }
         });
 }
 
 /// Packs B (k × n) into `dst` (at least [`packed_b_len`]): panel p, pair q, column c, half e at
-/// `((p·kp + q)·NR + c)·2 + e`. Padding is zero.
+/// `((p·kp + q)·NR + c)·2 + e`. Padding is zero. Row-major and column-major views read slices;
+/// other strides go element-wise.
 pub fn pack_b<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_b_len(k, n)];
     dst.par_chunks_mut(kp * NR * 2)
         .enumerate()
         .for_each(|(p, panel)| {
-            for q in 0..kp {
-                let row = &mut panel[q * NR * 2..(q + 1) * NR * 2];
-                for c in 0..NR {
-                    let j = p * NR + c;
-                    let (lo, hi) = if j < n {
-                        let lo = b.bits(2 * q, j) as u16;
-                        let hi = if 2 * q + 1 < k {
-                            b.bits(2 * q + 1, j) as u16
+            let j0 = p * NR;
+            let cols = NR.min(n - j0);
+            if cols < NR || k % 2 == 1 {
+                panel.iter_mut().for_each(|v| *v = 0);
+            }
+            if b.cs == 1 {
+                // Row-major: two k rows of the panel's columns, interleaved.
+                for q in 0..kp {
+                    let out = &mut panel[q * NR * 2..][..cols * 2];
+                    let lo = &b.data[2 * q * b.rs + j0..][..cols];
+                    if 2 * q + 1 < k {
+                        let hi = &b.data[(2 * q + 1) * b.rs + j0..][..cols];
+                        for ((o, l), h) in out.chunks_exact_mut(2).zip(lo).zip(hi) {
+                            o[0] = l.bf16_bits();
+                            o[1] = h.bf16_bits();
+                        }
+                    } else {
+                        for (o, l) in out.chunks_exact_mut(2).zip(lo) {
+                            o[0] = l.bf16_bits();
+                        }
+                    }
+                }
+            } else if b.rs == 1 {
+                // Column-major (Wᵀ of a row-major W): each column's pairs are adjacent.
+                for c in 0..cols {
+                    let col = &b.data[(j0 + c) * b.cs..][..k];
+                    let (pairs, tail) = col.split_at(k & !1);
+                    for (q, pr) in pairs.chunks_exact(2).enumerate() {
+                        let o = (q * NR + c) * 2;
+                        panel[o] = pr[0].bf16_bits();
+                        panel[o + 1] = pr[1].bf16_bits();
+                    }
+                    if let Some(t) = tail.first() {
+                        panel[((kp - 1) * NR + c) * 2] = t.bf16_bits();
+                    }
+                }
+            } else {
+                for q in 0..kp {
+                    for c in 0..cols {
+                        let o = (q * NR + c) * 2;
+                        panel[o] = b.bits(2 * q, j0 + c) as u16;
+                        panel[o + 1] = if 2 * q + 1 < k {
+                            b.bits(2 * q + 1, j0 + c) as u16
                         } else {
                             0
                         };
-                        (lo, hi)
-                    } else {
-                        (0, 0)
-                    };
-                    row[2 * c] = lo;
-                    row[2 * c + 1] = hi;
+                    }
                 }
             }
         });
@@ -398,6 +459,70 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Views with no unit stride take the element-wise packing path.
+    #[test]
+    fn packs_views_without_a_unit_stride() {
+        if !available() {
+            return;
+        }
+        let (m, n, k) = (9, 70, 15);
+        let (a, b) = (mat(m, k, 3), mat(k, n, 4));
+        // Every other element of a twice-as-wide buffer.
+        let spread = |v: &[bf16]| -> Vec<bf16> {
+            v.iter().flat_map(|&x| [x, bf16::from_f32(99.0)]).collect()
+        };
+        let (sa, sb) = (spread(&a), spread(&b));
+        let mut pa = vec![0u32; packed_a_len(m, k)];
+        let mut pb = vec![0u16; packed_b_len(k, n)];
+        pack_a(
+            m,
+            k,
+            View {
+                data: &sa,
+                rs: 2 * k,
+                cs: 2,
+            },
+            &mut pa,
+        );
+        pack_b(
+            k,
+            n,
+            View {
+                data: &sb,
+                rs: 2 * n,
+                cs: 2,
+            },
+            &mut pb,
+        );
+        let mut c = vec![0f32; m * n];
+        gemm_packed(m, n, k, &pa, &pb, &mut c, n);
+        let (mut pa1, mut pb1) = (pa.clone(), pb.clone());
+        pack_a(
+            m,
+            k,
+            View {
+                data: &a,
+                rs: k,
+                cs: 1,
+            },
+            &mut pa1,
+        );
+        pack_b(
+            k,
+            n,
+            View {
+                data: &b,
+                rs: n,
+                cs: 1,
+            },
+            &mut pb1,
+        );
+        assert_eq!(pa, pa1);
+        assert_eq!(pb, pb1);
+        let want: f64 = (0..k).map(|l| a[l].to_f64() * b[l * n].to_f64()).sum();
+        assert!((c[0] as f64 - want).abs() < 1e-5);
     }
 
     #[test]
