@@ -2,7 +2,9 @@
 //! run on the same spec and threads: fp32 and bf16-mixed × no recompute and recompute-all × both
 //! attention modes. Prints, per configuration, the step peak (total, and above the resident model
 //! state) and the step time p50 of both, as ratios engine/PyTorch, and the achieved GFLOP/s of
-//! model FLOPs against this machine's f32 matmul rate measured in the same run. Nothing is
+//! model FLOPs against this machine's matmul rate in the step's dtype (f32 through candle/gemm;
+//! bf16 through the engine's AVX512-BF16 kernel, packing included, where the CPU has it)
+//! measured in the same run. Nothing is
 //! asserted: timings are printed with their conditions.
 //!
 //! `cargo bench -p ditmem-engine --bench vs_torch`. Environment: `VS_PRESET` (dit-s-2),
@@ -51,6 +53,61 @@ fn matmul_rate(rows: usize, d: usize, mlp: usize) -> candle_core::Result<(f64, f
     t.sort_by(f64::total_cmp);
     let f = 2.0 * (rows * d * mlp) as f64;
     Ok((f / t[t.len() / 2], f / t[0]))
+}
+
+/// bf16 matmul rate (FLOP/s) of the engine's kernel (`gemm_bf16`, both operands packed per call
+/// as the fused linear does) at the same shape: (median, best) of 25 runs; `None` without
+/// AVX512-BF16.
+fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
+    use ditmem_engine::gemm_bf16::{self as k, View};
+    if !k::available() {
+        return None;
+    }
+    let mut r = ditmem_engine::rng::SplitMix64::new(7);
+    let mut m = |n: usize| -> Vec<half::bf16> {
+        (0..n)
+            .map(|_| half::bf16::from_f64(r.uniform() - 0.5))
+            .collect()
+    };
+    let (a, b) = (m(rows * d), m(d * mlp));
+    let mut pa = vec![0u32; k::packed_a_len(rows, d)];
+    let mut pb = vec![0u16; k::packed_b_len(d, mlp)];
+    let mut c = vec![0f32; rows * mlp];
+    let mut once = || {
+        k::pack_a(
+            rows,
+            d,
+            View {
+                data: &a,
+                rs: d,
+                cs: 1,
+            },
+            &mut pa,
+        );
+        k::pack_b(
+            d,
+            mlp,
+            View {
+                data: &b,
+                rs: mlp,
+                cs: 1,
+            },
+            &mut pb,
+        );
+        c.iter_mut().for_each(|v| *v = 0.0);
+        k::gemm_packed(rows, mlp, d, &pa, &pb, &mut c, mlp);
+    };
+    once();
+    let mut t: Vec<f64> = (0..25)
+        .map(|_| {
+            let t0 = Instant::now();
+            once();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    let f = 2.0 * (rows * d * mlp) as f64;
+    Some((f / t[t.len() / 2], f / t[0]))
 }
 
 /// Model FLOPs of one optimizer step: forward + backward (2× forward) of every block and the
@@ -173,6 +230,15 @@ fn main() {
         rate / 1e9,
         rate_med / 1e9
     );
+    let rate16 = bf16_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize);
+    match rate16 {
+        Some((med, best)) => println!(
+            "bf16 matmul rate (engine AVX512-BF16 kernel, packing included, same shape, 25 runs): best {:.1} GFLOP/s, median {:.1}",
+            best / 1e9,
+            med / 1e9
+        ),
+        None => println!("bf16 matmul rate: no AVX512-BF16 kernel on this CPU (bf16 products widen to f32)"),
+    }
     let load = || {
         std::fs::read_to_string("/proc/loadavg")
             .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -245,7 +311,11 @@ fn main() {
                     mib(above),
                     p50,
                     gf / 1e9,
-                    100.0 * gf / rate
+                    100.0 * gf
+                        / match (p, rate16) {
+                            (Precision::Bf16Mixed, Some((_, best))) => best,
+                            _ => rate,
+                        }
                 );
                 if let Err(e) = peer {
                     line.push_str(&format!("  (peer: {e})"));
@@ -256,6 +326,6 @@ fn main() {
     }
     println!("load average after: {}", load());
     println!(
-        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best f32 matmul rate."
+        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel)."
     );
 }

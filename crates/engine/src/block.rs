@@ -2,9 +2,10 @@
 //! models them (see the crate docs for the tensor list). `cd` is the compute dtype of matmuls and
 //! attention, `ad` the accumulation dtype of the residual stream, norms, softmax and modulation.
 //!
-//! Weights arrive already in the compute dtype (the caller casts the f32 master weights, so the
-//! cast copies belong to the block's graph). Every linear runs on a 2-D view:
-//! `x.matmul(Wᵀ).broadcast_add(b)`, plus `(x·Aᵀ)·Bᵀ` when the linear carries LoRA.
+//! A linear's weight and bias arrive in the compute dtype, or as the f32 master weights under a
+//! bf16/f16 compute dtype (the fused linear rounds them as it reads them, so mixed precision
+//! makes no cast copies); LoRA adapters arrive as cast copies. Every linear runs on a 2-D view
+//! as one fused node ([`crate::ops::linear`]), plus `(x·Aᵀ)·Bᵀ` when it carries LoRA.
 
 use candle_core::{DType, Tensor, D};
 
@@ -15,7 +16,7 @@ use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
 
-/// A linear's weights in the compute dtype; `lora` = (A (r, in), B (out, r)).
+/// A linear's weights (see the module docs for their dtypes); `lora` = (A (r, in), B (out, r)).
 #[derive(Debug, Clone)]
 pub struct LinearW {
     pub w: Tensor,
@@ -35,7 +36,7 @@ impl LinearW {
     }
 }
 
-/// The weights of one block, in the compute dtype.
+/// The weights of one block (dtypes: see the module docs).
 #[derive(Debug, Clone)]
 pub struct BlockWeights {
     pub adaln: LinearW,
@@ -162,7 +163,7 @@ pub fn block_forward(
     Ok(gated_residual(&x1, &w.fc2.forward(&g)?, &gate_mlp)?)
 }
 
-/// The final layer's weights in the compute dtype.
+/// The final layer's weights (dtypes: see the module docs).
 #[derive(Debug, Clone)]
 pub struct FinalWeights {
     pub adaln: LinearW,

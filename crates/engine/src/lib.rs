@@ -20,19 +20,21 @@
 //! the dtypes differ. The heavy ops are fused custom ops ([`ops`]) that keep only what their
 //! backward needs; every tensor below stays alive while the block's output is kept, and is freed
 //! when the block's backward is done:
-//! 1. `silu(c)` (b,D) ad → cd; adaLN weight/bias → cd; fused linear (b,6D) cd; → ad (b,6D); six
+//! Linear weights are never cast: the fused linear reads the f32 master weights under a bf16/f16
+//! compute dtype (rounding them as it packs or widens them) and returns their gradients in f32.
+//! 1. `silu(c)` (b,D) ad → cd; fused linear (b,6D) cd; → ad (b,6D); six
 //!    `narrow` views.
 //! 2. LN1 + modulate fused ([`ops::ln_modulate`]): one (E cd) output; the op keeps (mean, rstd)
 //!    per row (2·b·s, f32; f64 under fp64). Its inputs are x and the shift/scale chunks.
-//! 3. qkv weight/bias → cd; fused linear ([`ops::linear`]) (b·s,3D) cd.
+//! 3. fused linear ([`ops::linear`]) (b·s,3D) cd.
 //! 4. attention read in place from qkv ([`ops::qkv_attention`]), output (b·s, D) cd. It keeps P
 //!    (A cd) when materialized, the log-sum-exp (b·a·s, f32; f64 under fp64) when
 //!    memory-efficient, nothing under attention-only recompute; dropout masks are regenerated
 //!    from their seed.
-//! 5. proj weight/bias → cd; fused linear (E cd); → ad (E); ·gate (E ad); x1 = x + … (E ad).
-//! 6. LN2 + modulate as 2 (on x1); fc1 weight/bias → cd; fused linear (4E cd); gelu
+//! 5. fused linear (E cd); → ad (E); ·gate (E ad); x1 = x + … (E ad).
+//! 6. LN2 + modulate as 2 (on x1); fused linear (4E cd); gelu
 //!    ([`ops::gelu_tanh`], 4E cd, saves only its input); [dropout mask (4E cd), g·mask (4E cd)];
-//!    fc2 weight/bias → cd; fused linear (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
+//!    fused linear (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
 //!
 //! Beyond the block graph: a stored block's input is a fresh leaf copy (E ad) of the previous
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
