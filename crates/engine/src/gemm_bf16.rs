@@ -366,6 +366,17 @@ mod tests {
             .collect()
     }
 
+    /// The (cols × rows) row-major transpose of a (rows × cols) row-major matrix.
+    fn transpose(v: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+        let mut t = vec![bf16::ZERO; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                t[j * rows + i] = v[i * cols + j];
+            }
+        }
+        t
+    }
+
     /// C += A·B against an f64 sum of the same bf16 values, for whole and ragged shapes and
     /// transposed views, on top of a non-zero C.
     #[test]
@@ -384,29 +395,9 @@ mod tests {
         ] {
             let a = mat(m, k, 1);
             let b = mat(k, n, 2);
-            let av = if ta {
-                // The same logical A stored transposed (k × m).
-                let mut t = vec![bf16::ZERO; m * k];
-                for i in 0..m {
-                    for j in 0..k {
-                        t[j * m + i] = a[i * k + j];
-                    }
-                }
-                t
-            } else {
-                a.clone()
-            };
-            let bv = if tb {
-                let mut t = vec![bf16::ZERO; k * n];
-                for i in 0..k {
-                    for j in 0..n {
-                        t[j * k + i] = b[i * n + j];
-                    }
-                }
-                t
-            } else {
-                b.clone()
-            };
+            // The same logical matrices, stored transposed when asked.
+            let av = if ta { transpose(&a, m, k) } else { a.clone() };
+            let bv = if tb { transpose(&b, k, n) } else { b.clone() };
             let a_view = if ta {
                 View {
                     data: &av,

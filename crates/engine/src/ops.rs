@@ -1787,22 +1787,8 @@ impl CustomOp3 for LinearOp {
         }
         use half::{bf16, f16};
         let y = match (sx.dtype(), sw.dtype()) {
-            (DType::F32, _) => CpuStorage::F32(linear_fwd_direct(
-                cpu_slice(sx, lx, n)?,
-                cpu_slice(sw, lw, n)?,
-                cpu_slice(sb, lb, n)?,
-                rows,
-                inp,
-                out,
-            )),
-            (DType::F64, _) => CpuStorage::F64(linear_fwd_direct(
-                cpu_slice(sx, lx, n)?,
-                cpu_slice(sw, lw, n)?,
-                cpu_slice(sb, lb, n)?,
-                rows,
-                inp,
-                out,
-            )),
+            (DType::F32, _) => CpuStorage::F32(call!(linear_fwd_direct::<f32>)),
+            (DType::F64, _) => CpuStorage::F64(call!(linear_fwd_direct::<f64>)),
             (DType::BF16, DType::BF16) if native => {
                 CpuStorage::BF16(call!(linear_fwd_bf16::<bf16>))
             }
