@@ -31,6 +31,9 @@ pub struct Conditions {
     pub warmup_steps: u32,
     pub measured_steps: u32,
     pub memory_counter: &'static str,
+    /// How bf16 matrix products run: the engine's AVX512-BF16 kernel, or widened to f32 (CPUs
+    /// without it, or `DITMEM_BF16_GEMM=widen`). The budget's workspace follows the same path.
+    pub bf16_products: &'static str,
 }
 
 fn cpu_model() -> String {
@@ -77,20 +80,26 @@ impl Conditions {
             warmup_steps: warmup,
             measured_steps: steps,
             memory_counter: "counting global allocator (exact live heap bytes)",
+            bf16_products: if ditmem_budget::candle::bf16_dot_native() {
+                "AVX512-BF16 kernel"
+            } else {
+                "widened to f32"
+            },
         }
     }
 
     /// One line for tables.
     pub fn line(&self) -> String {
         format!(
-            "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}",
+            "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}",
             self.cpu_model,
             self.cores,
             self.threads,
             self.build_profile,
             self.candle_version,
             self.ditmem_version,
-            self.git_revision
+            self.git_revision,
+            self.bf16_products
         )
     }
 }

@@ -51,6 +51,12 @@ fn json_has_the_documented_fields_and_a_reference_reloads() {
     assert_eq!(v["reference_variant"], "fp64/none/materialized");
     assert_eq!(v["reference_source"], "computed");
     assert_eq!(v["conditions"]["device"], "cpu");
+    // Which bf16 product path ran is part of the conditions (it changes speed and workspace).
+    let path = v["conditions"]["bf16_products"].as_str().unwrap_or("");
+    assert!(
+        ["AVX512-BF16 kernel", "widened to f32"].contains(&path),
+        "bf16_products = {path:?}"
+    );
     assert_eq!(v["options"]["steps"], 3);
     assert!(v["tolerances"].as_array().unwrap().len() == 5);
     let text = std::fs::read_to_string(&svg).unwrap();
