@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use ditmem_budget::candle::cpu_model;
 use ditmem_budget::cost::DeviceProfile;
 use ditmem_budget::plan::{plan, Allow, Limits, DEFAULT_HEADROOM};
 use ditmem_budget::Spec;
@@ -13,18 +14,6 @@ use ditmem_budget::Spec;
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * q).round() as usize;
     sorted[i]
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 fn main() {

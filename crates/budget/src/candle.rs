@@ -1278,6 +1278,20 @@ pub fn attention(g: &mut Graph, sh: &BlockShape, q: Nid, k: Nid, v: Nid) -> Nid 
 
 /// Threads of candle's and the engine's CPU kernels (rayon's pool): `RAYON_NUM_THREADS` when
 /// set, else every logical core.
+/// The CPU's model name (`/proc/cpuinfo`), or the architecture where that cannot be read: the
+/// machine line of every report and benchmark.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
 /// Whether the engine multiplies bf16 with its AVX512-BF16 kernel (`ditmem_engine::gemm_bf16`)
 /// on this machine, rather than widening to f32: the CPU has AVX512F and AVX512-BF16, and
 /// `DITMEM_BF16_GEMM` is not `widen` (which forces the widening path, for comparisons). Decided

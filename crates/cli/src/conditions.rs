@@ -36,25 +36,13 @@ pub struct Conditions {
     pub bf16_products: &'static str,
 }
 
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 impl Conditions {
     pub fn capture(spec: &Spec, warmup: u32, steps: u32) -> Conditions {
         let w = &spec.workload;
         let r = &spec.recipe;
         Conditions {
             device: "cpu".into(),
-            cpu_model: cpu_model(),
+            cpu_model: ditmem_budget::candle::cpu_model(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             threads: candle_core::utils::get_num_threads(),
             build_profile: if cfg!(debug_assertions) {

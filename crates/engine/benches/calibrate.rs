@@ -9,6 +9,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use ditmem_budget::candle::cpu_model;
 use ditmem_budget::Spec;
 use ditmem_engine::{run, RunOptions};
 
@@ -31,18 +32,6 @@ fn median<F: FnMut() -> candle_core::Result<()>>(n: usize, mut f: F) -> candle_c
     }
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 const DTYPES: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16];

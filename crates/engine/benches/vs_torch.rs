@@ -207,14 +207,7 @@ fn main() {
     let d = ditmem_budget::runtime::Dims::new(&base);
     let (rate_med, rate) = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize)
         .unwrap_or((f64::NAN, f64::NAN));
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
+    let cpu = ditmem_budget::candle::cpu_model();
     println!(
         "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50); AdamW + EMA",
         if cfg!(debug_assertions) { "debug" } else { "release" },

@@ -128,22 +128,32 @@ impl Batch {
         Ok(())
     }
 
-    /// x_t (n, C, H, W) in `dtype`.
-    pub fn noisy(&self, acp: &[f64], dtype: DType, dev: &Device) -> Result<Tensor> {
+    /// Per sample i with ᾱ = `acp[t_i]`: `√ᾱ·x + sign·√(1−ᾱ)·y` over the sample's elements.
+    fn mix(&self, acp: &[f64], x: &[f64], y: &[f64], sign: f64) -> Vec<f64> {
         let e = self.sample_len;
         let mut v = Vec::with_capacity(self.n * e);
         for i in 0..self.n {
             let a = acp[self.timesteps[i] as usize];
-            let (sa, sb) = (a.sqrt(), (1.0 - a).sqrt());
+            let (sa, sb) = (a.sqrt(), sign * (1.0 - a).sqrt());
             for j in i * e..(i + 1) * e {
-                v.push(sa * self.latents[j] + sb * self.noise[j]);
+                v.push(sa * x[j] + sb * y[j]);
             }
         }
+        v
+    }
+
+    /// (n, C, H, W) in `dtype`.
+    fn tensor(&self, v: Vec<f64>, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_vec(v, (self.n, self.channels, self.height, self.width), dev)?;
         Ok(t.to_dtype(dtype)?)
     }
 
-    /// The regression target (n, C, H, W) in `dtype`.
+    /// x_t = √ᾱ·x₀ + √(1−ᾱ)·ε, (n, C, H, W) in `dtype`.
+    pub fn noisy(&self, acp: &[f64], dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.tensor(self.mix(acp, &self.latents, &self.noise, 1.0), dtype, dev)
+    }
+
+    /// The regression target (n, C, H, W) in `dtype`: ε, or v = √ᾱ·ε − √(1−ᾱ)·x₀.
     pub fn target(
         &self,
         acp: &[f64],
@@ -153,21 +163,9 @@ impl Batch {
     ) -> Result<Tensor> {
         let v = match prediction {
             Prediction::Eps => self.noise.clone(),
-            Prediction::V => {
-                let e = self.sample_len;
-                let mut v = Vec::with_capacity(self.n * e);
-                for i in 0..self.n {
-                    let a = acp[self.timesteps[i] as usize];
-                    let (sa, sb) = (a.sqrt(), (1.0 - a).sqrt());
-                    for j in i * e..(i + 1) * e {
-                        v.push(sa * self.noise[j] - sb * self.latents[j]);
-                    }
-                }
-                v
-            }
+            Prediction::V => self.mix(acp, &self.noise, &self.latents, -1.0),
         };
-        let t = Tensor::from_vec(v, (self.n, self.channels, self.height, self.width), dev)?;
-        Ok(t.to_dtype(dtype)?)
+        self.tensor(v, dtype, dev)
     }
 }
 

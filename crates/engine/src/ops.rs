@@ -792,21 +792,27 @@ fn mask_at<A: Acc>(d: crate::attention::Dropout, i: usize) -> A {
     }
 }
 
-/// Gathers head `hd` of batch `bi` from qkv rows into (s×dh) buffers; `which` 0/1/2 = q/k/v.
-fn gather<T: Elem<A>, A: Acc>(
+/// Gathers head `hd` of batch `bi` from the qkv rows into three (s×dh) buffers, q scaled by
+/// `q_scale` (k and v as they are).
+#[allow(clippy::too_many_arguments)]
+fn gather_qkv<T: Elem<A>, A: Acc>(
     qkv: &[T],
     g: &AttnGeom,
     bi: usize,
     hd: usize,
-    which: usize,
-    scale: A,
-    dst: &mut [A],
+    q_scale: A,
+    q: &mut [A],
+    k: &mut [A],
+    v: &mut [A],
 ) {
     let (s, dh, d) = (g.s, g.dh, g.d());
-    for i in 0..s {
-        let src = &qkv[(bi * s + i) * 3 * d + which * d + hd * dh..][..dh];
-        for (o, v) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
-            *o = v.to_acc() * scale;
+    let one = <A as Acc>::from_f64(1.0);
+    for (which, (dst, scale)) in [(q, q_scale), (k, one), (v, one)].into_iter().enumerate() {
+        for i in 0..s {
+            let src = &qkv[(bi * s + i) * 3 * d + which * d + hd * dh..][..dh];
+            for (o, x) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
+                *o = x.to_acc() * scale;
+            }
         }
     }
 }
@@ -885,9 +891,7 @@ where
         let mut head = t;
         while head < nh {
             let (bi, hd) = (head / g.a, head % g.a);
-            gather(qkv, g, bi, hd, 0, scale, q);
-            gather(qkv, g, bi, hd, 1, <A as Acc>::from_f64(1.0), k);
-            gather(qkv, g, bi, hd, 2, <A as Acc>::from_f64(1.0), v);
+            gather_qkv(qkv, g, bi, hd, scale, q, k, v);
             match keep {
                 AttnKeep::Probabilities | AttnKeep::Nothing => {
                     let p = &mut rest[..s * s];
@@ -1025,9 +1029,7 @@ where
         let mut head = t;
         while head < nh {
             let (bi, hd) = (head / g.a, head % g.a);
-            gather(qkv, g, bi, hd, 0, scale, q);
-            gather(qkv, g, bi, hd, 1, <A as Acc>::from_f64(1.0), k);
-            gather(qkv, g, bi, hd, 2, <A as Acc>::from_f64(1.0), v);
+            gather_qkv(qkv, g, bi, hd, scale, q, k, v);
             for i in 0..s {
                 let src = &go_all[(bi * s + i) * d + hd * dh..][..dh];
                 for (x, y) in go[i * dh..(i + 1) * dh].iter_mut().zip(src) {
@@ -1425,6 +1427,25 @@ fn linear_fwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Sync>(
     y
 }
 
+/// `acc[c] += Σ_r rows[r·cols + c]` (a bias gradient), in parallel over ranges of columns; each
+/// column is summed in row order, so the result is the serial loop's, bit for bit.
+fn add_column_sums<T: Elem<A> + Sync, A: Acc + Send>(rows: &[T], cols: usize, acc: &mut [A]) {
+    const COLS: usize = 256;
+    if cols == 0 {
+        return;
+    }
+    acc[..cols]
+        .par_chunks_mut(COLS)
+        .enumerate()
+        .for_each(|(ci, a)| {
+            for row in rows.chunks(cols) {
+                for (d, v) in a.iter_mut().zip(&row[ci * COLS..]) {
+                    *d += v.to_acc();
+                }
+            }
+        });
+}
+
 /// Narrows f32 rows into bf16, in parallel.
 fn narrow_into(src: &[f32], dst: &mut [half::bf16]) {
     dst.par_iter_mut()
@@ -1555,7 +1576,7 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
                 },
                 pa,
             );
-            c[..n * inp].iter_mut().for_each(|v| *v = 0.0);
+            c[..n * inp].fill(0.0);
             gemm_packed(n, inp, out, pa, pw, c, inp);
             narrow_into(&c[..n * inp], &mut dx[r0 * inp..(r0 + n) * inp]);
         }
@@ -1584,11 +1605,7 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
             gemm_packed(out, inp, n, pa, pb, dw32, inp);
         }
         if let Some(db32) = db32.as_mut() {
-            for row in gc.chunks(out) {
-                for (d, v) in db32.iter_mut().zip(row) {
-                    *d += v.to_f32();
-                }
-            }
+            add_column_sums(gc, out, db32);
         }
         r0 += n;
     }
@@ -1602,7 +1619,7 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
 
 /// f32/f64 backward: dx = g·W, dW = gᵀ·x, db = Σ_rows g.
 #[allow(clippy::type_complexity)]
-fn linear_bwd_direct<A: Acc + 'static>(
+fn linear_bwd_direct<A: Acc + Elem<A> + Send + Sync + 'static>(
     x: &[A],
     w: &[A],
     g: &[A],
@@ -1640,11 +1657,7 @@ fn linear_bwd_direct<A: Acc + 'static>(
     });
     let db = want.b.then(|| {
         let mut db = vec![A::ZERO; out];
-        for row in g.chunks(out) {
-            for (d, v) in db.iter_mut().zip(row) {
-                *d += *v;
-            }
-        }
+        add_column_sums(g, out, &mut db);
         db
     });
     (dx, dw, db)
@@ -1723,11 +1736,7 @@ fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send + Sync>(
             );
         }
         if let Some(db32) = db32.as_mut() {
-            for row in g32[..n * out].chunks(out) {
-                for (d, v) in db32.iter_mut().zip(row) {
-                    *d += *v;
-                }
-            }
+            add_column_sums(&g32[..n * out], out, db32);
         }
         r0 += n;
     }

@@ -814,14 +814,6 @@ impl Trainer {
             drop(grefs);
             drop(gs);
             if let Some(e) = self.ema.as_mut() {
-                let vars: Vec<&Var> = self
-                    .trained
-                    .iter()
-                    .filter_map(|&i| match &self.params[i].value {
-                        Value::Trained(v) => Some(v),
-                        Value::Frozen(_) => None,
-                    })
-                    .collect();
                 e.update(&vars)?;
             }
             self.steps += 1;
