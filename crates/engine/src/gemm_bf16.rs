@@ -43,16 +43,17 @@ pub trait ToBf16: Copy + Sync {
 }
 
 impl ToBf16 for bf16 {
-    #[inline]
+    #[inline(always)]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
     }
 }
 
 impl ToBf16 for f32 {
-    #[inline]
+    /// Round to nearest even, branch-free (bitwise `bf16::from_f32`; see [`crate::vecmath`]).
+    #[inline(always)]
     fn bf16_bits(self) -> u16 {
-        bf16::from_f32(self).to_bits()
+        crate::vecmath::bf16_bits(self)
     }
 }
 
@@ -65,7 +66,7 @@ pub struct View<'a, T = bf16> {
 }
 
 impl<T: ToBf16> View<'_, T> {
-    #[inline]
+    #[inline(always)]
     fn bits(&self, i: usize, j: usize) -> u32 {
         u32::from(self.data[i * self.rs + j * self.cs].bf16_bits())
     }
@@ -87,57 +88,85 @@ pub fn packed_b_len(k: usize, n: usize) -> usize {
 pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_a_len(m, k)];
+    let wide = crate::vecmath::avx512();
     dst.par_chunks_mut(kp * MR)
         .enumerate()
         .for_each(|(p, panel)| {
-            let i0 = p * MR;
-            let rows = MR.min(m - i0);
-            if rows < MR {
-                panel.iter_mut().for_each(|v| *v = 0);
-            }
-            if a.cs == 1 {
-                // Row-major: each row's pairs are adjacent.
-                for r in 0..rows {
-                    let row = &a.data[(i0 + r) * a.rs..][..k];
-                    let (pairs, tail) = row.split_at(k & !1);
-                    for (q, pr) in pairs.chunks_exact(2).enumerate() {
-                        panel[q * MR + r] =
-                            u32::from(pr[0].bf16_bits()) | u32::from(pr[1].bf16_bits()) << 16;
-                    }
-                    if let Some(t) = tail.first() {
-                        panel[(kp - 1) * MR + r] = u32::from(t.bf16_bits());
-                    }
-                }
-            } else if a.rs == 1 {
-                // Column-major (a transposed row-major matrix): k rows of m values.
-                for q in 0..kp {
-                    let lo = &a.data[2 * q * a.cs + i0..][..rows];
-                    let out = &mut panel[q * MR..q * MR + rows];
-                    if 2 * q + 1 < k {
-                        let hi = &a.data[(2 * q + 1) * a.cs + i0..][..rows];
-                        for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
-                            *o = u32::from(l.bf16_bits()) | u32::from(h.bf16_bits()) << 16;
-                        }
-                    } else {
-                        for (o, l) in out.iter_mut().zip(lo) {
-                            *o = u32::from(l.bf16_bits());
-                        }
-                    }
+            if wide {
+                // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    pack_a_panel_avx512(m, k, a, p, panel)
                 }
             } else {
-                for r in 0..rows {
-                    for q in 0..kp {
-                        let lo = a.bits(i0 + r, 2 * q);
-                        let hi = if 2 * q + 1 < k {
-                            a.bits(i0 + r, 2 * q + 1)
-                        } else {
-                            0
-                        };
-                        panel[q * MR + r] = lo | (hi << 16);
-                    }
-                }
+                pack_a_panel(m, k, a, p, panel)
             }
         });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn pack_a_panel_avx512<T: ToBf16>(
+    m: usize,
+    k: usize,
+    a: View<'_, T>,
+    p: usize,
+    panel: &mut [u32],
+) {
+    pack_a_panel(m, k, a, p, panel)
+}
+
+/// Micro-panel `p` of a packed A (see [`pack_a`]); one body, compiled per ISA.
+#[inline(always)]
+fn pack_a_panel<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: &mut [u32]) {
+    let kp = k.div_ceil(2);
+    let i0 = p * MR;
+    let rows = MR.min(m - i0);
+    if rows < MR {
+        panel.iter_mut().for_each(|v| *v = 0);
+    }
+    if a.cs == 1 {
+        // Row-major: each row's pairs are adjacent.
+        for r in 0..rows {
+            let row = &a.data[(i0 + r) * a.rs..][..k];
+            let (pairs, tail) = row.split_at(k & !1);
+            for (q, pr) in pairs.chunks_exact(2).enumerate() {
+                panel[q * MR + r] =
+                    u32::from(pr[0].bf16_bits()) | u32::from(pr[1].bf16_bits()) << 16;
+            }
+            if let Some(t) = tail.first() {
+                panel[(kp - 1) * MR + r] = u32::from(t.bf16_bits());
+            }
+        }
+    } else if a.rs == 1 {
+        // Column-major (a transposed row-major matrix): k rows of m values.
+        for q in 0..kp {
+            let lo = &a.data[2 * q * a.cs + i0..][..rows];
+            let out = &mut panel[q * MR..q * MR + rows];
+            if 2 * q + 1 < k {
+                let hi = &a.data[(2 * q + 1) * a.cs + i0..][..rows];
+                for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
+                    *o = u32::from(l.bf16_bits()) | u32::from(h.bf16_bits()) << 16;
+                }
+            } else {
+                for (o, l) in out.iter_mut().zip(lo) {
+                    *o = u32::from(l.bf16_bits());
+                }
+            }
+        }
+    } else {
+        for r in 0..rows {
+            for q in 0..kp {
+                let lo = a.bits(i0 + r, 2 * q);
+                let hi = if 2 * q + 1 < k {
+                    a.bits(i0 + r, 2 * q + 1)
+                } else {
+                    0
+                };
+                panel[q * MR + r] = lo | (hi << 16);
+            }
+        }
+    }
 }
 
 /// Packs B (k × n) into `dst` (at least [`packed_b_len`]): panel p, pair q, column c, half e at
@@ -146,59 +175,87 @@ pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
 pub fn pack_b<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
     let dst = &mut dst[..packed_b_len(k, n)];
+    let wide = crate::vecmath::avx512();
     dst.par_chunks_mut(kp * NR * 2)
         .enumerate()
         .for_each(|(p, panel)| {
-            let j0 = p * NR;
-            let cols = NR.min(n - j0);
-            if cols < NR || k % 2 == 1 {
-                panel.iter_mut().for_each(|v| *v = 0);
-            }
-            if b.cs == 1 {
-                // Row-major: two k rows of the panel's columns, interleaved.
-                for q in 0..kp {
-                    let out = &mut panel[q * NR * 2..][..cols * 2];
-                    let lo = &b.data[2 * q * b.rs + j0..][..cols];
-                    if 2 * q + 1 < k {
-                        let hi = &b.data[(2 * q + 1) * b.rs + j0..][..cols];
-                        for ((o, l), h) in out.chunks_exact_mut(2).zip(lo).zip(hi) {
-                            o[0] = l.bf16_bits();
-                            o[1] = h.bf16_bits();
-                        }
-                    } else {
-                        for (o, l) in out.chunks_exact_mut(2).zip(lo) {
-                            o[0] = l.bf16_bits();
-                        }
-                    }
-                }
-            } else if b.rs == 1 {
-                // Column-major (Wᵀ of a row-major W): each column's pairs are adjacent.
-                for c in 0..cols {
-                    let col = &b.data[(j0 + c) * b.cs..][..k];
-                    let (pairs, tail) = col.split_at(k & !1);
-                    for (q, pr) in pairs.chunks_exact(2).enumerate() {
-                        let o = (q * NR + c) * 2;
-                        panel[o] = pr[0].bf16_bits();
-                        panel[o + 1] = pr[1].bf16_bits();
-                    }
-                    if let Some(t) = tail.first() {
-                        panel[((kp - 1) * NR + c) * 2] = t.bf16_bits();
-                    }
+            if wide {
+                // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    pack_b_panel_avx512(k, n, b, p, panel)
                 }
             } else {
-                for q in 0..kp {
-                    for c in 0..cols {
-                        let o = (q * NR + c) * 2;
-                        panel[o] = b.bits(2 * q, j0 + c) as u16;
-                        panel[o + 1] = if 2 * q + 1 < k {
-                            b.bits(2 * q + 1, j0 + c) as u16
-                        } else {
-                            0
-                        };
-                    }
-                }
+                pack_b_panel(k, n, b, p, panel)
             }
         });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn pack_b_panel_avx512<T: ToBf16>(
+    k: usize,
+    n: usize,
+    b: View<'_, T>,
+    p: usize,
+    panel: &mut [u16],
+) {
+    pack_b_panel(k, n, b, p, panel)
+}
+
+/// Panel `p` of a packed B (see [`pack_b`]); one body, compiled per ISA.
+#[inline(always)]
+fn pack_b_panel<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: &mut [u16]) {
+    let kp = k.div_ceil(2);
+    let j0 = p * NR;
+    let cols = NR.min(n - j0);
+    if cols < NR || k % 2 == 1 {
+        panel.iter_mut().for_each(|v| *v = 0);
+    }
+    if b.cs == 1 {
+        // Row-major: two k rows of the panel's columns, interleaved.
+        for q in 0..kp {
+            let out = &mut panel[q * NR * 2..][..cols * 2];
+            let lo = &b.data[2 * q * b.rs + j0..][..cols];
+            if 2 * q + 1 < k {
+                let hi = &b.data[(2 * q + 1) * b.rs + j0..][..cols];
+                for ((o, l), h) in out.chunks_exact_mut(2).zip(lo).zip(hi) {
+                    o[0] = l.bf16_bits();
+                    o[1] = h.bf16_bits();
+                }
+            } else {
+                for (o, l) in out.chunks_exact_mut(2).zip(lo) {
+                    o[0] = l.bf16_bits();
+                }
+            }
+        }
+    } else if b.rs == 1 {
+        // Column-major (Wᵀ of a row-major W): each column's pairs are adjacent.
+        for c in 0..cols {
+            let col = &b.data[(j0 + c) * b.cs..][..k];
+            let (pairs, tail) = col.split_at(k & !1);
+            for (q, pr) in pairs.chunks_exact(2).enumerate() {
+                let o = (q * NR + c) * 2;
+                panel[o] = pr[0].bf16_bits();
+                panel[o + 1] = pr[1].bf16_bits();
+            }
+            if let Some(t) = tail.first() {
+                panel[((kp - 1) * NR + c) * 2] = t.bf16_bits();
+            }
+        }
+    } else {
+        for q in 0..kp {
+            for c in 0..cols {
+                let o = (q * NR + c) * 2;
+                panel[o] = b.bits(2 * q, j0 + c) as u16;
+                panel[o + 1] = if 2 * q + 1 < k {
+                    b.bits(2 * q + 1, j0 + c) as u16
+                } else {
+                    0
+                };
+            }
+        }
+    }
 }
 
 /// A raw f32 destination shared by the tasks of one product (each writes its own tiles).

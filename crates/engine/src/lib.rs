@@ -53,6 +53,7 @@ pub mod optim;
 pub mod rng;
 pub mod run;
 pub mod trainer;
+pub mod vecmath;
 pub mod verify;
 
 pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};

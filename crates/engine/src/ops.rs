@@ -36,6 +36,7 @@ use rayon::prelude::*;
 
 use crate::attention::{err, Acc, Elem};
 use crate::gemm_bf16;
+use crate::vecmath;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -109,25 +110,88 @@ fn gelu_deriv<A: Acc>(x: A) -> A {
     sig + two * x * sig * (one - sig) * k * (one + three_c * x * x)
 }
 
-/// Forward kernel: one fresh output of x's length.
-pub(crate) fn gelu_fwd_cpu<T: Elem<A> + Send + Sync, A: Acc>(x: &[T]) -> Vec<T> {
+/// gelu on the f32 path, with the vectorised [`vecmath::exp`] (same formula as [`gelu_val`]).
+#[inline(always)]
+fn gelu_f32(x: f32) -> f32 {
+    const K2: f32 = (-2.0 * SQRT_2_OVER_PI) as f32;
+    const C: f32 = GELU_C as f32;
+    x / (1.0 + vecmath::exp(K2 * x * (1.0 + C * x * x)))
+}
+
+/// g · gelu'(x) on the f32 path (same formula as [`gelu_deriv`]).
+#[inline(always)]
+fn gelu_grad_f32(x: f32, g: f32) -> f32 {
+    const K: f32 = SQRT_2_OVER_PI as f32;
+    const K2: f32 = (-2.0 * SQRT_2_OVER_PI) as f32;
+    const C: f32 = GELU_C as f32;
+    const C3: f32 = (3.0 * GELU_C) as f32;
+    let sig = 1.0 / (1.0 + vecmath::exp(K2 * x * (1.0 + C * x * x)));
+    g * (sig + 2.0 * x * sig * (1.0 - sig) * K * (1.0 + C3 * x * x))
+}
+
+/// Forward kernel on f64 (the reference path): one fresh output of x's length.
+fn gelu_fwd_f64(x: &[f64]) -> Vec<f64> {
     let mut out = Vec::with_capacity(x.len());
     x.par_iter()
         .with_min_len(PAR_CHUNK)
-        .map(|v| T::from_acc(gelu_val(v.to_acc())))
+        .map(|&v| gelu_val(v))
         .collect_into_vec(&mut out);
     out
 }
 
-/// Backward kernel: dx = g · gelu'(x), one fresh buffer.
-pub(crate) fn gelu_bwd_cpu<T: Elem<A> + Send + Sync, A: Acc>(x: &[T], g: &[T]) -> Vec<T> {
+/// Backward kernel on f64: dx = g · gelu'(x), one fresh buffer.
+fn gelu_bwd_f64(x: &[f64], g: &[f64]) -> Vec<f64> {
     let mut out = Vec::with_capacity(x.len());
     x.par_iter()
         .zip(g.par_iter())
         .with_min_len(PAR_CHUNK)
-        .map(|(v, gv)| T::from_acc(gv.to_acc() * gelu_deriv(v.to_acc())))
+        .map(|(&v, &gv)| gv * gelu_deriv(v))
         .collect_into_vec(&mut out);
     out
+}
+
+/// Forward kernel: one fresh output of x's length (vectorised f32 path, f64 reference path).
+fn gelu_fwd_storage(s: &CpuStorage, l: &Layout) -> CResult<CpuStorage> {
+    let n = "gelu";
+    Ok(match s.dtype() {
+        DType::F64 => CpuStorage::F64(gelu_fwd_f64(cpu_slice(s, l, n)?)),
+        DType::F32 => CpuStorage::F32(vecmath::map1(cpu_slice::<f32>(s, l, n)?, gelu_f32)),
+        DType::BF16 => CpuStorage::BF16(vecmath::map1(cpu_slice::<half::bf16>(s, l, n)?, gelu_f32)),
+        DType::F16 => CpuStorage::F16(vecmath::map1(cpu_slice::<half::f16>(s, l, n)?, gelu_f32)),
+        other => return Err(err(format!("gelu: unsupported dtype {other:?}"))),
+    })
+}
+
+/// Backward kernel: dx = g · gelu'(x), one fresh tensor of x's dtype and shape.
+fn gelu_bwd_tensor(xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -> CResult<Tensor> {
+    let n = "gelu backward";
+    let short = || err("gelu backward: gradient shape differs");
+    let (shape, dev) = (xl.shape(), &Device::Cpu);
+    match xs.dtype() {
+        DType::F64 => {
+            let (x, g) = (cpu_slice::<f64>(xs, xl, n)?, cpu_slice::<f64>(gs, gl, n)?);
+            if x.len() != g.len() {
+                return Err(short());
+            }
+            Tensor::from_vec(gelu_bwd_f64(x, g), shape, dev)
+        }
+        DType::F32 => {
+            let x = cpu_slice::<f32>(xs, xl, n)?;
+            let dx = vecmath::map2(x, cpu_slice(gs, gl, n)?, gelu_grad_f32).ok_or_else(short)?;
+            Tensor::from_vec(dx, shape, dev)
+        }
+        DType::BF16 => {
+            let x = cpu_slice::<half::bf16>(xs, xl, n)?;
+            let dx = vecmath::map2(x, cpu_slice(gs, gl, n)?, gelu_grad_f32).ok_or_else(short)?;
+            Tensor::from_vec(dx, shape, dev)
+        }
+        DType::F16 => {
+            let x = cpu_slice::<half::f16>(xs, xl, n)?;
+            let dx = vecmath::map2(x, cpu_slice(gs, gl, n)?, gelu_grad_f32).ok_or_else(short)?;
+            Tensor::from_vec(dx, shape, dev)
+        }
+        other => Err(err(format!("gelu backward: unsupported dtype {other:?}"))),
+    }
 }
 
 /// The GELU-tanh custom op (see the module docs).
@@ -173,26 +237,13 @@ impl CustomOp1 for GeluTanh {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let out = dispatch_float!(s.dtype(), "gelu", |T, A| {
-            let x = cpu_slice::<T>(s, l, "gelu")?;
-            T::to_cpu_storage_owned(gelu_fwd_cpu::<T, A>(x))
-        });
-        Ok((out, l.shape().clone()))
+        Ok((gelu_fwd_storage(s, l)?, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
         let dx = with_cpu(arg, |xs, xl| {
-            with_cpu(&grad, |gs, gl| {
-                Ok(dispatch_float!(xs.dtype(), "gelu backward", |T, A| {
-                    let x = cpu_slice::<T>(xs, xl, "gelu backward")?;
-                    let g = cpu_slice::<T>(gs, gl, "gelu backward")?;
-                    if x.len() != g.len() {
-                        return Err(err("gelu backward: gradient shape differs"));
-                    }
-                    Tensor::from_vec(gelu_bwd_cpu::<T, A>(x, g), xl.shape(), &Device::Cpu)?
-                }))
-            })
+            with_cpu(&grad, |gs, gl| gelu_bwd_tensor(xs, xl, gs, gl))
         })?;
         Ok(Some(dx))
     }
@@ -1448,10 +1499,7 @@ fn add_column_sums<T: Elem<A> + Sync, A: Acc + Send>(rows: &[T], cols: usize, ac
 
 /// Narrows f32 rows into bf16, in parallel.
 fn narrow_into(src: &[f32], dst: &mut [half::bf16]) {
-    dst.par_iter_mut()
-        .zip(src.par_iter())
-        .with_min_len(PAR_CHUNK)
-        .for_each(|(d, s)| *d = half::bf16::from_f32(*s));
+    vecmath::narrow_into(src, dst);
 }
 
 /// bf16 forward on the AVX512-BF16 kernel: Wᵀ packed once, x packed and y accumulated in f32 by
