@@ -69,8 +69,9 @@ pub enum Kind {
     /// saves beyond its inputs is the node's `extra`, and its backward allocates `bwd_scratch`
     /// bytes of workspace alive while it makes one fresh, untracked gradient per input that
     /// tracks (in that input's size), then frees the workspace; candle then folds each gradient
-    /// into the store with `or_insert` + `add`. Nothing computed in the backward tracks, so no
-    /// temporaries chain into the store.
+    /// into the store with `or_insert` + `add`, except the gradients of sunk weights
+    /// ([`Node::sunk`]), which the op moves to the trainer's sink. Nothing computed in the
+    /// backward tracks, so no temporaries chain into the store.
     Custom {
         bwd_scratch: u64,
     },
@@ -100,6 +101,11 @@ pub struct Node {
     /// Held by a local of a nested function until the node with this index exists (that
     /// function's result), even when nothing reads it after its last use.
     pub held_until: Option<Nid>,
+    /// A trained weight that goes into a fused linear untracked, its gradient handed by the op's
+    /// backward to a sink the trainer empties (`ditmem_engine::ops::GradSink`), never to
+    /// candle's store: no `zeros_like` + `add` for it. Such a node is a `Var` that does not
+    /// track.
+    pub sunk: bool,
 }
 
 impl Node {
@@ -112,6 +118,8 @@ impl Node {
     /// graph (weights, the shared conditioning leaf, inputs) take nothing here.
     pub fn footprint(&self) -> u64 {
         match self.kind {
+            // A sunk weight enters its linear as a detached handle on the weight's storage.
+            Kind::Var if self.sunk => TENSOR_META,
             Kind::Var | Kind::Const if !self.alloc => 0,
             _ if self.alloc => self.bytes() + TENSOR_META + STORAGE_META,
             _ => TENSOR_META,
@@ -176,6 +184,7 @@ impl Graph {
             weight_cast,
             bound: false,
             held_until: None,
+            sunk: false,
         });
         self.nodes.len() - 1
     }
@@ -334,7 +343,7 @@ pub fn to_segment(g: &Graph, name: &str) -> crate::graph::Segment {
             } else {
                 TensorRole::Activation
             },
-            requires_grad: n.tracks,
+            requires_grad: n.tracks || n.sunk,
         });
         if !matches!(n.kind, Kind::Var | Kind::Const) || n.alloc {
             seg.ops.push(OpDef {
@@ -462,11 +471,12 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
 pub struct Backward {
     /// Highest bytes held by the gradient store and backward temporaries at any moment.
     pub peak: u64,
-    /// Bytes left in the gradient store when `backward` returns.
+    /// Bytes left in the gradient store, and in the linears' gradient sinks, when `backward`
+    /// returns.
     pub store: u64,
     /// Of `store`: gradients of owned variables (block-input leaves).
     pub leaf_grads: u64,
-    /// Of `store`: gradients of model weights.
+    /// Of `store`: gradients of model weights (in the store or in a sink).
     pub weight_grads: u64,
 }
 
@@ -611,6 +621,7 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
         smeta,
     };
     let mut store: Vec<Option<Val>> = vec![None; n];
+    let mut sunk_grads = 0u64;
     // `grads.insert(self, self.ones_like()?.contiguous()?)`
     store[root] = Some(h.make(g, bytes(root), &[]));
 
@@ -851,11 +862,16 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                 let scratch = h.make(g, bwd_scratch, &[]);
                 let grads: Vec<(Nid, Val)> = ins
                     .iter()
-                    .filter(|&&i| g.nodes[i].tracks)
+                    .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
                     .map(|&i| (i, h.make(g, bytes(i), &[])))
                     .collect();
                 h.drop_val(scratch);
                 for &(i, d) in &grads {
+                    if g.nodes[i].sunk {
+                        // Moved into the sink: alive after the backward, outside the store.
+                        sunk_grads += bytes(i) + tmeta + smeta;
+                        continue;
+                    }
                     acc(&mut h, g, &mut store, i, d);
                     locals.push(d);
                 }
@@ -872,6 +888,7 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     let mut out = Backward {
         peak: h.peak,
         store: h.live,
+        weight_grads: sunk_grads,
         ..Backward::default()
     };
     for (t, v) in store.iter().enumerate() {
@@ -1008,11 +1025,8 @@ pub fn fused_linear(
     out: u64,
 ) -> Nid {
     let cd = g.dtype(ins[0]);
-    let tracks = (
-        g.nodes[ins[0]].tracks,
-        g.nodes[ins[1]].tracks,
-        g.nodes[ins[2]].tracks,
-    );
+    let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
+    let tracks = (wants(ins[0]), wants(ins[1]), wants(ins[2]));
     let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
     let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native(), master);
     let y = g.op(
@@ -1045,6 +1059,13 @@ pub fn linear(
     let wd = sh.weight_dtype();
     let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
     let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
+    // `LinearW::forward`: trained weights go to a gradient sink when the input tracks.
+    if trained && g.nodes[x].tracks {
+        for t in [w, bias] {
+            g.nodes[t].tracks = false;
+            g.nodes[t].sunk = true;
+        }
+    }
     let y = fused_linear(g, &format!("{name} x·Wᵀ+b"), [x, w, bias], rows, inp, out);
     match target.and_then(|t| sh.lora_for(t)) {
         Some(r) => {
@@ -1538,6 +1559,35 @@ mod tests {
         // The fused attention keeps P (f32) where the streaming one keeps the log-sum-exp.
         let lse = 2 * 4 * 16 * 4;
         assert_eq!(mat - eff, a - lse);
+    }
+
+    #[test]
+    fn block_weight_gradients_go_to_sinks_not_the_store() {
+        for p in [Precision::Fp32, Precision::Bf16Mixed] {
+            let sh = shape(p);
+            let (mut g, _leaf, c, out) = block(&sh);
+            let weights: Vec<Nid> = (0..g.nodes.len())
+                .filter(|&i| {
+                    let n = &g.nodes[i];
+                    n.kind == Kind::Var
+                        && (n.name.ends_with(".weight") || n.name.ends_with(".bias"))
+                })
+                .collect();
+            // Every trained linear weight and bias of a block (5 linears) is sunk.
+            assert_eq!(weights.len(), 10);
+            assert!(weights
+                .iter()
+                .all(|&i| g.nodes[i].sunk && !g.nodes[i].tracks));
+            let root = surrogate(&mut g, out);
+            let bw = backward_with(&g, root, false);
+            let expected: u64 = weights.iter().map(|&i| g.nodes[i].bytes()).sum();
+            // The shared conditioning leaf c is a variable the graph does not own: its gradient
+            // is the only other one counted with the weights'.
+            assert_eq!(bw.weight_grads, expected + g.nodes[c].bytes(), "{p:?}");
+            // The store (plus sinks) at the end holds the weight grads and the leaves' grads
+            // (x and c, the leaf copies) and nothing chained to them.
+            assert!(bw.store >= expected + bw.leaf_grads);
+        }
     }
 
     #[test]

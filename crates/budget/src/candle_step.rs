@@ -365,12 +365,18 @@ pub fn replay(
     let batch_bytes = |n: u64| n * (2 * lat_per_sample * 8 + 4 + 4 + 1);
     let per_step = u64::from(w.microbatch) * u64::from(w.accumulation);
 
-    let grads_of = |f: &dyn Fn(&ParamTensor) -> bool| -> u64 {
+    // A landed gradient is a tensor of its own: its buffer (`gradients`) and candle's
+    // bookkeeping for it (`runtime`), returned as (buffer bytes, bookkeeping bytes).
+    let grads_of = |f: &dyn Fn(&ParamTensor) -> bool| -> (u64, u64) {
         table
             .iter()
             .filter(|t| t.role == ParamRole::Trained && f(t))
-            .map(|t| t.numel() * gd)
-            .sum()
+            .fold((0, 0), |(b, m), t| {
+                (
+                    b + t.numel() * gd,
+                    m + candle::TENSOR_META + candle::STORAGE_META,
+                )
+            })
     };
     let largest_of = |f: &dyn Fn(&ParamTensor) -> bool| -> u64 {
         table
@@ -516,9 +522,10 @@ pub fn replay(
         let cast_on_landing = p.param_dtype() != grad_dtype(p);
         // Lands a segment's gradients in the buffers; returns the extra transient of the moment
         // worth an event (summing into existing buffers, or the first casts), if any.
-        let land = |live: &mut Breakdown, grads: u64, largest: u64| -> Option<u64> {
+        let land = |live: &mut Breakdown, (grads, meta): (u64, u64), largest: u64| -> Option<u64> {
             if first {
                 live.gradients += grads;
+                live.runtime += meta;
                 cast_on_landing.then_some(0)
             } else {
                 Some(largest)
@@ -694,6 +701,7 @@ pub fn replay(
         // The EMA update runs in place (`optim.rs`): no moment of its own.
     }
     live.gradients = 0;
+    live.runtime = base.runtime;
     ev.push(Phase::Optimizer, "optimizer".into(), None, 0, false, live);
     ev.0
 }

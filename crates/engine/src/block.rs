@@ -7,28 +7,49 @@
 //! makes no cast copies); LoRA adapters arrive as cast copies. Every linear runs on a 2-D view
 //! as one fused node ([`crate::ops::linear`]), plus `(x·Aᵀ)·Bᵀ` when it carries LoRA.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor, D};
 
 use crate::attention::Dropout;
 use crate::error::{EngineError, Result};
-use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep};
+use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep, GradSink};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
 
 /// A linear's weights (see the module docs for their dtypes); `lora` = (A (r, in), B (out, r)).
+/// With a `sink`, a linear whose input tracks gradients hands dW and db to it instead of to
+/// candle's gradient store (see [`crate::ops::LinearOp`]).
 #[derive(Debug, Clone)]
 pub struct LinearW {
     pub w: Tensor,
     pub b: Tensor,
     pub lora: Option<(Tensor, Tensor)>,
+    pub sink: Option<Arc<GradSink>>,
 }
 
 impl LinearW {
+    /// A linear without a gradient sink.
+    pub fn new(w: Tensor, b: Tensor, lora: Option<(Tensor, Tensor)>) -> LinearW {
+        LinearW {
+            w,
+            b,
+            lora,
+            sink: None,
+        }
+    }
+
     /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused node (see `ops::LinearOp`): the product and the biased sum are one buffer.
-        let y = crate::ops::linear(x, &self.w, &self.b)?;
+        let y = match &self.sink {
+            // Only a tracked input makes candle call the op's backward.
+            Some(sink) if x.track_op() => {
+                crate::ops::linear_sunk(x, &self.w.detach(), &self.b.detach(), sink)?
+            }
+            _ => crate::ops::linear(x, &self.w, &self.b)?,
+        };
         Ok(match &self.lora {
             Some((a, b)) => (y + x.matmul(&a.t()?)?.matmul(&b.t()?)?)?,
             None => y,

@@ -36,6 +36,10 @@
 //!    ([`ops::gelu_tanh`], 4E cd, saves only its input); [dropout mask (4E cd), g·mask (4E cd)];
 //!    fused linear (E cd); → ad (E); ·gate (E ad); x2 = x1 + … (E ad).
 //!
+//! Trained linear weights enter the block untracked and their gradients leave through a sink
+//! ([`ops::GradSink`]) that the trainer empties after the block's backward, instead of through
+//! candle's gradient store (which would add each to a fresh `zeros_like`).
+//!
 //! Beyond the block graph: a stored block's input is a fresh leaf copy (E ad) of the previous
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
 //! output).

@@ -26,7 +26,7 @@
 //! workspace freed before it returns. The workspace sizes are public functions here
 //! ([`AttnGeom::fwd_scratch`], [`linear_bwd_scratch`], …) and are restated in the budget.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape,
@@ -1262,12 +1262,77 @@ pub const LINEAR_ROWS: usize = 128;
 /// once and x by chunks of [`LINEAR_ROWS`] rows for [`crate::gemm_bf16`], otherwise (and on
 /// f16) it widens W once and x by chunks to f32; both accumulate in f32. Backward returns dx,
 /// dW, db for the inputs that track (a frozen LoRA base gets only dx).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LinearOp;
+///
+/// With a [`GradSink`], W and b go in untracked and the backward hands their gradients to the
+/// sink instead of returning them to candle: candle would fold each into its store as
+/// `zeros_like(W) + dW`, a memset and an add over every weight of the model per step (and a
+/// moment with three weight-sized buffers alive), only for the trainer to take the sum out.
+#[derive(Debug, Clone, Default)]
+pub struct LinearOp {
+    sink: Option<Arc<GradSink>>,
+}
 
 /// Fused linear (see [`LinearOp`]): x (rows, in), w (out, in), b (out) → (rows, out).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    x.apply_op3(w, b, LinearOp)
+    x.apply_op3(w, b, LinearOp::default())
+}
+
+/// The fused linear with its weight gradients handed to `sink` (see [`LinearOp`]). `w` and `b`
+/// should not track (pass detached tensors); which of dW, db the backward computes is the sink's
+/// [`GradSink::new`] choice. The backward runs only if x tracks (candle calls a node's backward
+/// only when one of its inputs tracks), so use it where the input does.
+pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> CResult<Tensor> {
+    x.apply_op3(
+        w,
+        b,
+        LinearOp {
+            sink: Some(Arc::clone(sink)),
+        },
+    )
+}
+
+/// Where a fused linear leaves the gradients of its weight and bias (see [`LinearOp`]): each
+/// backward adds its dW, db here (moved in when the slot is empty, summed otherwise); the owner
+/// takes them out after the backward.
+#[derive(Debug, Default)]
+pub struct GradSink {
+    want_w: bool,
+    want_b: bool,
+    w: Mutex<Option<Tensor>>,
+    b: Mutex<Option<Tensor>>,
+}
+
+impl GradSink {
+    /// A sink for the gradients of the weight (`want_w`) and/or the bias (`want_b`).
+    pub fn new(want_w: bool, want_b: bool) -> GradSink {
+        GradSink {
+            want_w,
+            want_b,
+            ..GradSink::default()
+        }
+    }
+
+    /// The weight gradient left by the backward passes since the last take, if any.
+    pub fn take_w(&self) -> Option<Tensor> {
+        self.w.lock().ok().and_then(|mut g| g.take())
+    }
+
+    /// The bias gradient left since the last take, if any.
+    pub fn take_b(&self) -> Option<Tensor> {
+        self.b.lock().ok().and_then(|mut g| g.take())
+    }
+
+    fn put(slot: &Mutex<Option<Tensor>>, g: Option<Tensor>) -> CResult<()> {
+        let Some(g) = g else { return Ok(()) };
+        let mut s = slot
+            .lock()
+            .map_err(|_| err("linear: gradient sink poisoned"))?;
+        *s = Some(match s.take() {
+            Some(old) => (old + g)?,
+            None => g,
+        });
+        Ok(())
+    }
 }
 
 /// Which gradients a linear's backward computes.
@@ -1869,8 +1934,8 @@ impl CustomOp3 for LinearOp {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let want = LinearGrads {
             x: x.track_op(),
-            w: w.track_op(),
-            b: b.track_op(),
+            w: w.track_op() || self.sink.as_ref().is_some_and(|s| s.want_w),
+            b: b.track_op() || self.sink.as_ref().is_some_and(|s| s.want_b),
         };
         let grad = grad.contiguous()?;
         let dev = Device::Cpu;
@@ -1891,13 +1956,21 @@ impl CustomOp3 for LinearOp {
                                 dims,
                                 want,
                             );
-                            Ok((
-                                dx.map(|v| Tensor::from_vec(v, (rows, inp), &dev))
-                                    .transpose()?,
-                                dw.map(|v| Tensor::from_vec(v, (out, inp), &dev))
-                                    .transpose()?,
-                                db.map(|v| Tensor::from_vec(v, out, &dev)).transpose()?,
-                            ))
+                            let dx = dx
+                                .map(|v| Tensor::from_vec(v, (rows, inp), &dev))
+                                .transpose()?;
+                            let dw = dw
+                                .map(|v| Tensor::from_vec(v, (out, inp), &dev))
+                                .transpose()?;
+                            let db = db.map(|v| Tensor::from_vec(v, out, &dev)).transpose()?;
+                            match &self.sink {
+                                Some(sink) => {
+                                    GradSink::put(&sink.w, dw)?;
+                                    GradSink::put(&sink.b, db)?;
+                                    Ok((dx, None, None))
+                                }
+                                None => Ok((dx, dw, db)),
+                            }
                         }};
                     }
                     use half::{bf16, f16};

@@ -17,6 +17,7 @@
 //! (unless [`TrainOptions::keep_gradients`] or [`Trainer::compute_gradients`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use ditmem_budget::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
@@ -32,6 +33,7 @@ use crate::measure::{MemoryProbe, Phase, PhasePeaks, Recorder, TimelinePoint};
 use crate::model::{
     init_values, param_shapes, patchify, timestep_features, unpatchify, Dims, BLOCK_LINEARS,
 };
+use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
@@ -149,6 +151,9 @@ pub struct Trainer {
     pos: usize,
     blocks: Vec<BlockIdx>,
     final_idx: [LinearIdx; 2],
+    /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
+    /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
+    sinks: Vec<Option<(Arc<GradSink>, bool)>>,
     grads: Vec<Option<Tensor>>,
     grad_scale: f64,
     optimizer: Box<dyn Optimizer>,
@@ -276,6 +281,24 @@ impl Trainer {
         let table = idx("y_embedder.embedding_table.weight")?;
         let pos = idx("pos_embed")?;
         let n = params.len();
+        let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
+        let is_trained = |i: usize| matches!(params[i].value, Value::Trained(_));
+        for l in embed_idx
+            .iter()
+            .chain(blocks.iter().flat_map(|b| b.lin.iter()))
+            .chain(final_idx.iter())
+        {
+            let (tw, tb) = (is_trained(l.w), is_trained(l.b));
+            if tw || tb {
+                let sink = Arc::new(GradSink::new(tw, tb));
+                if tw {
+                    sinks[l.w] = Some((Arc::clone(&sink), true));
+                }
+                if tb {
+                    sinks[l.b] = Some((sink, false));
+                }
+            }
+        }
         let mut t = Trainer {
             spec: spec.clone(),
             opts,
@@ -291,6 +314,7 @@ impl Trainer {
             pos,
             blocks,
             final_idx,
+            sinks,
             grads: vec![None; n],
             grad_scale: 1.0,
             optimizer,
@@ -495,10 +519,19 @@ impl Trainer {
             Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
             None => None,
         };
+        let sink = if track {
+            self.sinks[l.w]
+                .as_ref()
+                .or(self.sinks[l.b].as_ref())
+                .map(|(s, _)| Arc::clone(s))
+        } else {
+            None
+        };
         Ok(LinearW {
             w: self.linear_weight(l.w, track)?,
             b: self.linear_weight(l.b, track)?,
             lora,
+            sink,
         })
     }
 
@@ -532,10 +565,15 @@ impl Trainer {
             let Value::Trained(v) = &self.params[i].value else {
                 continue;
             };
-            let Some(g) = grads.get(v.as_tensor()) else {
+            let sunk = match &self.sinks[i] {
+                Some((s, true)) => s.take_w(),
+                Some((s, false)) => s.take_b(),
+                None => None,
+            };
+            let Some(g) = sunk.or_else(|| grads.get(v.as_tensor()).map(Tensor::detach)) else {
                 continue;
             };
-            let g = cast(g.detach(), gd)?;
+            let g = cast(g, gd)?;
             self.grads[i] = Some(match self.grads[i].take() {
                 Some(old) => (old + g)?,
                 None => g,

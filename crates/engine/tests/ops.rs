@@ -539,3 +539,84 @@ fn gated_residual_matches_composed() {
     )
     .is_err());
 }
+
+#[test]
+fn linear_with_a_gradient_sink_hands_over_the_same_gradients() {
+    use ditmem_engine::ops::{linear, linear_sunk, GradSink};
+    use std::sync::Arc;
+    let (rows, inp, out) = (130, 24, 40);
+    let x64 = rand(&[rows, inp], 31, 1.0);
+    let w64 = rand(&[out, inp], 32, 0.3);
+    let b64 = rand(&[out], 33, 0.3);
+    let go = rand(&[rows, out], 34, 1.0);
+    for (xd, wd) in [
+        (DType::F64, DType::F64),
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F32),
+    ] {
+        let x = Var::from_tensor(&x64.to_dtype(xd).unwrap()).unwrap();
+        let w = Var::from_tensor(&w64.to_dtype(wd).unwrap()).unwrap();
+        let b = Var::from_tensor(&b64.to_dtype(wd).unwrap()).unwrap();
+        let seed = |y: &Tensor| {
+            y.to_dtype(DType::F64)
+                .unwrap()
+                .mul(&go)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        // Through candle's store.
+        let g = seed(&linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap());
+        let (dx, dw, db) = (
+            g.get(x.as_tensor()).unwrap().clone(),
+            g.get(w.as_tensor()).unwrap().clone(),
+            g.get(b.as_tensor()).unwrap().clone(),
+        );
+        // Through the sink: W and b untracked, so candle's store has nothing for them.
+        let sink = Arc::new(GradSink::new(true, true));
+        let y = linear_sunk(
+            x.as_tensor(),
+            &w.as_detached_tensor(),
+            &b.as_detached_tensor(),
+            &sink,
+        )
+        .unwrap();
+        let g = seed(&y);
+        assert!(g.get(w.as_tensor()).is_none() && g.get(b.as_tensor()).is_none());
+        assert_eq!(
+            max_abs(g.get(x.as_tensor()).unwrap(), &dx),
+            0.0,
+            "{xd:?} dx"
+        );
+        let sw = sink.take_w().unwrap();
+        let sb = sink.take_b().unwrap();
+        assert_eq!(sw.dtype(), dw.dtype());
+        assert_eq!(max_abs(&sw, &dw), 0.0, "{xd:?} dW");
+        assert_eq!(max_abs(&sb, &db), 0.0, "{xd:?} db");
+        assert!(sink.take_w().is_none() && sink.take_b().is_none());
+        // Two backward passes before a take: the sink holds their sum.
+        seed(&y);
+        seed(&y);
+        let two = (&dw * 2.0).unwrap();
+        assert!(
+            max_abs(&sink.take_w().unwrap(), &two)
+                <= 1e-5 * (1.0 + max_abs(&two, &two.zeros_like().unwrap()))
+        );
+        // A sink that wants only the bias computes no dW.
+        let sink_b = Arc::new(GradSink::new(false, true));
+        seed(
+            &linear_sunk(
+                x.as_tensor(),
+                &w.as_detached_tensor(),
+                &b.as_detached_tensor(),
+                &sink_b,
+            )
+            .unwrap(),
+        );
+        assert!(sink_b.take_w().is_none());
+        assert_eq!(max_abs(&sink_b.take_b().unwrap(), &db), 0.0);
+    }
+}
