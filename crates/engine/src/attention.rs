@@ -102,6 +102,34 @@ pub(crate) trait Acc:
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     fn from_f64(v: f64) -> Self;
+    /// Softmax of each row of `n` values, in place.
+    fn softmax_rows(x: &mut [Self], n: usize);
+    /// Row i of `x` (rows of `n`) becomes e^(x − sub[i]), in place.
+    fn exp_rows(x: &mut [Self], n: usize, sub: &[Self]);
+    /// The row's maximum (−∞ when empty).
+    fn max_of(row: &[Self]) -> Self;
+    /// row[j] = e^(row[j] − m) in place; returns their sum.
+    fn exp_sub_sum(row: &mut [Self], m: Self) -> Self;
+}
+
+/// The scalar row kernels (the f64 reference path).
+fn scalar_max<A: Acc>(row: &[A]) -> A {
+    let mut m = A::NEG_INF;
+    for v in row.iter() {
+        if *v > m {
+            m = *v;
+        }
+    }
+    m
+}
+
+fn scalar_exp_sub_sum<A: Acc>(row: &mut [A], m: A) -> A {
+    let mut z = A::ZERO;
+    for v in row.iter_mut() {
+        *v = (*v - m).exp();
+        z += *v;
+    }
+    z
 }
 
 impl Acc for f32 {
@@ -119,6 +147,18 @@ impl Acc for f32 {
     fn from_f64(v: f64) -> Self {
         v as f32
     }
+    fn softmax_rows(x: &mut [f32], n: usize) {
+        crate::vecmath::softmax_rows(x, n)
+    }
+    fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
+        crate::vecmath::exp_rows(x, n, sub)
+    }
+    fn max_of(row: &[f32]) -> f32 {
+        crate::vecmath::max_of(row)
+    }
+    fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
+        crate::vecmath::exp_sub_sum_of(row, m)
+    }
 }
 
 impl Acc for f64 {
@@ -135,6 +175,28 @@ impl Acc for f64 {
     }
     fn from_f64(v: f64) -> Self {
         v
+    }
+    fn softmax_rows(x: &mut [f64], n: usize) {
+        for row in x.chunks_mut(n.max(1)) {
+            let m = scalar_max(row);
+            let inv = 1.0 / scalar_exp_sub_sum(row, m);
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
+    }
+    fn exp_rows(x: &mut [f64], n: usize, sub: &[f64]) {
+        for (row, &m) in x.chunks_mut(n.max(1)).zip(sub) {
+            for v in row.iter_mut() {
+                *v = (*v - m).exp();
+            }
+        }
+    }
+    fn max_of(row: &[f64]) -> f64 {
+        scalar_max(row)
+    }
+    fn exp_sub_sum(row: &mut [f64], m: f64) -> f64 {
+        scalar_exp_sub_sum(row, m)
     }
 }
 

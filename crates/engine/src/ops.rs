@@ -879,23 +879,7 @@ fn round_through<T: Elem<A>, A: Acc>(x: &mut [A]) {
 
 /// Row softmax of an (s×n) block in place.
 fn softmax_rows<A: Acc>(x: &mut [A], n: usize) {
-    for row in x.chunks_mut(n) {
-        let mut m = A::NEG_INF;
-        for v in row.iter() {
-            if *v > m {
-                m = *v;
-            }
-        }
-        let mut z = A::ZERO;
-        for v in row.iter_mut() {
-            *v = (*v - m).exp();
-            z += *v;
-        }
-        let inv = <A as Acc>::from_f64(1.0) / z;
-        for v in row.iter_mut() {
-            *v *= inv;
-        }
-    }
+    A::softmax_rows(x, n)
 }
 
 /// Forward of all heads: returns o (b·s, D) and what the mode keeps.
@@ -974,22 +958,14 @@ where
                         mm(s, n, dh, blk, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
                         for i in 0..s {
                             let row = &mut blk[i * n..(i + 1) * n];
-                            let mut bmax = m[i];
-                            for x in row.iter() {
-                                if *x > bmax {
-                                    bmax = *x;
-                                }
-                            }
+                            let rmax = A::max_of(row);
+                            let bmax = if rmax > m[i] { rmax } else { m[i] };
                             let corr = if m[i] == A::NEG_INF {
                                 A::ZERO
                             } else {
                                 (m[i] - bmax).exp()
                             };
-                            let mut z = A::ZERO;
-                            for x in row.iter_mut() {
-                                *x = (*x - bmax).exp();
-                                z += *x;
-                            }
+                            let z = A::exp_sub_sum(row, bmax);
                             l[i] = l[i] * corr + z;
                             for x in o[i * dh..(i + 1) * dh].iter_mut() {
                                 *x *= corr;
@@ -1162,11 +1138,7 @@ where
                         let p = &mut pb[..s * n];
                         let dp = &mut dpb[..s * n];
                         mm(s, n, dh, p, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
-                        for i in 0..s {
-                            for x in p[i * n..(i + 1) * n].iter_mut() {
-                                *x = (*x - lse[i]).exp();
-                            }
-                        }
+                        A::exp_rows(p, n, lse);
                         mm(n, dh, s, &mut dv[j0 * dh..], (p, 1, n), (go, dh, 1), false);
                         mm(s, n, dh, dp, (go, dh, 1), (&v[j0 * dh..], 1, dh), false);
                         for i in 0..s {

@@ -294,6 +294,146 @@ fn dispatch_narrow<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     }
 }
 
+/// Lanes of the row reductions: partial maxima and sums are kept per lane, so the loops
+/// vectorise without reassociating anything LLVM must keep in order.
+const RED: usize = 16;
+
+/// max over a row (NEG_INFINITY for an empty row).
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; RED];
+    let mut chunks = row.chunks_exact(RED);
+    for c in &mut chunks {
+        for (a, &b) in m.iter_mut().zip(c) {
+            *a = if b > *a { b } else { *a };
+        }
+    }
+    let mut best = f32::NEG_INFINITY;
+    for &v in m.iter().chain(chunks.remainder()) {
+        if v > best {
+            best = v;
+        }
+    }
+    best
+}
+
+/// row[j] = e^(row[j] − m); returns Σ row (accumulated per lane, then across lanes).
+#[inline(always)]
+fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; RED];
+    let mut chunks = row.chunks_exact_mut(RED);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+            *v = exp(*v - m);
+            *a += *v;
+        }
+    }
+    let mut z = 0.0;
+    for v in chunks.into_remainder() {
+        *v = exp(*v - m);
+        z += *v;
+    }
+    acc.iter().sum::<f32>() + z
+}
+
+#[inline(always)]
+fn softmax_body(x: &mut [f32], n: usize) {
+    for row in x.chunks_mut(n) {
+        let m = row_max(row);
+        let inv = 1.0 / exp_sub_sum(row, m);
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+#[inline(always)]
+fn exp_rows_body(x: &mut [f32], n: usize, sub: &[f32]) {
+    for (row, &m) in x.chunks_mut(n).zip(sub) {
+        for v in row.iter_mut() {
+            *v = exp(*v - m);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn softmax_avx512(x: &mut [f32], n: usize) {
+    softmax_body(x, n)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(x: &mut [f32], n: usize) {
+    softmax_body(x, n)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn exp_rows_avx512(x: &mut [f32], n: usize, sub: &[f32]) {
+    exp_rows_body(x, n, sub)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn row_max_avx512(row: &[f32]) -> f32 {
+    row_max(row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn exp_sub_sum_avx512(row: &mut [f32], m: f32) -> f32 {
+    exp_sub_sum(row, m)
+}
+
+/// Softmax of each row of `n` values of `x`, in place, on the calling thread.
+pub fn softmax_rows(x: &mut [f32], n: usize) {
+    if n == 0 {
+        return;
+    }
+    match isa() {
+        // SAFETY: the CPU has the features (checked once in `isa`).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { softmax_avx512(x, n) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { softmax_avx2(x, n) },
+        _ => softmax_body(x, n),
+    }
+}
+
+/// Row i of `x` (rows of `n`) becomes e^(x − sub[i]), in place, on the calling thread.
+pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
+    if n == 0 {
+        return;
+    }
+    match isa() {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { exp_rows_avx512(x, n, sub) },
+        _ => exp_rows_body(x, n, sub),
+    }
+}
+
+/// The row's maximum (NEG_INFINITY when empty).
+pub fn max_of(row: &[f32]) -> f32 {
+    match isa() {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { row_max_avx512(row) },
+        _ => row_max(row),
+    }
+}
+
+/// row[j] = e^(row[j] − m) in place; returns their sum.
+pub fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
+    match isa() {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { exp_sub_sum_avx512(row, m) },
+        _ => exp_sub_sum(row, m),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,5 +527,43 @@ mod tests {
             }
         }
         assert!(map2(&[1f32, 2.0], &[1f32], |a, _| a).is_none());
+    }
+
+    #[test]
+    fn softmax_rows_match_the_f64_definition() {
+        for n in [1usize, 5, 16, 37, 256] {
+            let rows = 3;
+            let x: Vec<f32> = (0..rows * n)
+                .map(|i| ((i * 7919) % 113) as f32 * 0.21 - 11.0)
+                .collect();
+            let mut y = x.clone();
+            softmax_rows(&mut y, n);
+            for (r, (xr, yr)) in x.chunks(n).zip(y.chunks(n)).enumerate() {
+                let m = xr
+                    .iter()
+                    .fold(f64::NEG_INFINITY, |a, &b| a.max(f64::from(b)));
+                let z: f64 = xr.iter().map(|&v| (f64::from(v) - m).exp()).sum();
+                for (&a, &b) in xr.iter().zip(yr) {
+                    let want = (f64::from(a) - m).exp() / z;
+                    assert!(
+                        (f64::from(b) - want).abs() <= 1e-6 * want + 1e-12,
+                        "row {r} n {n}"
+                    );
+                }
+            }
+            let mut e = x.clone();
+            let subs: Vec<f32> = x.chunks(n).map(max_of).collect();
+            exp_rows(&mut e, n, &subs);
+            let mut e2: Vec<f32> = x.clone();
+            let sums: Vec<f32> = e2
+                .chunks_mut(n)
+                .zip(&subs)
+                .map(|(r, &m)| exp_sub_sum_of(r, m))
+                .collect();
+            assert_eq!(e, e2);
+            for (row, z) in e.chunks(n).zip(sums) {
+                assert!((row.iter().sum::<f32>() - z).abs() <= 1e-5 * z);
+            }
+        }
     }
 }
