@@ -1352,6 +1352,18 @@ pub fn cpu_threads() -> u64 {
 /// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
 pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
 
+/// Bytes of one thread's scratch (forward, backward) of the engine's bf16 attention on the
+/// AVX512-BF16 kernel (`attn_bf16::native_scratch_bytes`): f32 buffers (forward the head's
+/// output and S; backward dq, dk, dv, P and dP) and the packed operands of every product of a
+/// head (A up to s × max(s, d_h); B d_h × s or s × d_h).
+pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
+    let packed = packed_a_bytes(s, s.max(dh)) + packed_b_bytes(dh, s).max(packed_b_bytes(s, dh));
+    (
+        4 * (s * dh + s * s) + packed,
+        4 * (3 * s * dh + 2 * s * s) + packed,
+    )
+}
+
 /// `ops::qkv_attention` of the engine: attention read in place from the (b·s, 3D) qkv
 /// projection, written as (b·s, D). One fresh output. What it keeps (the node's `extra`): P
 /// (b·a·s², compute dtype) when materialized, the log-sum-exp (b·a·s, accumulation type) when
@@ -1370,6 +1382,10 @@ pub fn fused_attention(g: &mut Graph, sh: &BlockShape, qkv: Nid) -> Nid {
     let kb = FUSED_ATTN_KEY_BLOCK.min(s);
     let nt = cpu_threads().clamp(1, nh.max(1));
     // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
+    // bf16 with P kept or recomputed runs on the AVX512-BF16 kernel where the CPU has it
+    // (`attn_bf16::applies`): its own scratch, in bytes.
+    let native =
+        cd == Dtype::Bf16 && sh.attention != AttentionMode::MemoryEfficient && bf16_dot_native();
     let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
         (
             "attention (fused, streaming; keeps lse)",
@@ -1392,17 +1408,22 @@ pub fn fused_attention(g: &mut Graph, sh: &BlockShape, qkv: Nid) -> Nid {
             7 * s * dh + 2 * s * s,
         )
     };
+    let (fwd_bytes, bwd_bytes) = if native {
+        native_attention_scratch(s, dh)
+    } else {
+        (fwd * acc, bwd * acc)
+    };
     let o = g.op(
         name,
         Kind::Custom {
-            bwd_scratch: nt * bwd * acc,
+            bwd_scratch: nt * bwd_bytes,
         },
         &[qkv],
         sh.e(),
         cd,
     );
     g.nodes[o].extra = extra;
-    g.nodes[o].fwd_scratch = nt * fwd * acc;
+    g.nodes[o].fwd_scratch = nt * fwd_bytes;
     o
 }
 

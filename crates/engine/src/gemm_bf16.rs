@@ -104,6 +104,42 @@ pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
         });
 }
 
+/// [`pack_a`] on the calling thread.
+pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
+    let kp = k.div_ceil(2);
+    let dst = &mut dst[..packed_a_len(m, k)];
+    let wide = crate::vecmath::avx512();
+    for (p, panel) in dst.chunks_mut(kp * MR).enumerate() {
+        if wide {
+            // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                pack_a_panel_avx512(m, k, a, p, panel)
+            }
+        } else {
+            pack_a_panel(m, k, a, p, panel)
+        }
+    }
+}
+
+/// [`pack_b`] on the calling thread.
+pub fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
+    let kp = k.div_ceil(2);
+    let dst = &mut dst[..packed_b_len(k, n)];
+    let wide = crate::vecmath::avx512();
+    for (p, panel) in dst.chunks_mut(kp * NR * 2).enumerate() {
+        if wide {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                pack_b_panel_avx512(k, n, b, p, panel)
+            }
+        } else {
+            pack_b_panel(k, n, b, p, panel)
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn pack_a_panel_avx512<T: ToBf16>(
@@ -298,7 +334,6 @@ pub fn gemm_packed(
     if m == 0 || n == 0 || k == 0 {
         return;
     }
-    let kp = k.div_ceil(2);
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     let threads = rayon::current_num_threads().max(1);
     let dst = Dst(c.as_mut_ptr());
@@ -312,26 +347,67 @@ pub fn gemm_packed(
         } else {
             (0..np, lo..hi)
         };
-        let mut q0 = 0;
-        while q0 < kp {
-            let kq = KC_PAIRS.min(kp - q0);
-            for p in p_range.clone() {
-                let b = &pb[(p * kp + q0) * NR * 2..];
-                let cols = NR.min(n - p * NR);
-                for mi in m_range.clone() {
-                    let a = &pa[(mi * kp + q0) * MR..];
-                    let rows = MR.min(m - mi * MR);
-                    // Safety: the tile (mi, p) belongs to this task alone, and lies inside c
-                    // (checked above); a and b hold kq pairs from these offsets.
-                    unsafe {
-                        let ct = dst.at(mi * MR * ldc + p * NR);
-                        tile(kq, a.as_ptr(), b.as_ptr(), ct, ldc, rows, cols);
-                    }
-                }
-            }
-            q0 += kq;
-        }
+        // Safety: the tiles of (m_range × p_range) belong to this task alone and lie inside c
+        // (checked above).
+        unsafe { tiles(m, n, k, pa, pb, dst, ldc, p_range, m_range) };
     });
+}
+
+/// [`gemm_packed`] on the calling thread (for callers that already parallelise, such as the
+/// attention's loop over heads).
+pub fn gemm_packed_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    pa: &[u32],
+    pb: &[u16],
+    c: &mut [f32],
+    ldc: usize,
+) {
+    assert!(available(), "gemm_bf16 called without AVX512-BF16");
+    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
+    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
+    // Safety: the whole of C is this call's (checked above).
+    unsafe { tiles(m, n, k, pa, pb, Dst(c.as_mut_ptr()), ldc, 0..np, 0..mp) };
+}
+
+/// C += A·B over the tiles (micro-panels `m_range` × panels `p_range`), k block by k block.
+///
+/// # Safety
+/// The tiles must lie inside C (`(m − 1)·ldc + n` elements from `dst`) and no other thread may
+/// touch them during the call; `pa`, `pb` must hold packed A (m × k) and B (k × n).
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles(
+    m: usize,
+    n: usize,
+    k: usize,
+    pa: &[u32],
+    pb: &[u16],
+    dst: Dst,
+    ldc: usize,
+    p_range: std::ops::Range<usize>,
+    m_range: std::ops::Range<usize>,
+) {
+    let kp = k.div_ceil(2);
+    let mut q0 = 0;
+    while q0 < kp {
+        let kq = KC_PAIRS.min(kp - q0);
+        for p in p_range.clone() {
+            let b = &pb[(p * kp + q0) * NR * 2..];
+            let cols = NR.min(n - p * NR);
+            for mi in m_range.clone() {
+                let a = &pa[(mi * kp + q0) * MR..];
+                let rows = MR.min(m - mi * MR);
+                let ct = dst.at(mi * MR * ldc + p * NR);
+                tile(kq, a.as_ptr(), b.as_ptr(), ct, ldc, rows, cols);
+            }
+        }
+        q0 += kq;
+    }
 }
 
 /// One tile: the kernel on C directly when the tile is whole, else on a padded copy.

@@ -7,6 +7,8 @@
 //!   attention from the qkv projection).
 //! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`), used by the
 //!   fused linear in bf16 when the CPU has it.
+//! - [`attn_bf16`]: the fused attention on the AVX512-BF16 kernel (bf16, P kept or recomputed).
+//! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
 //! - [`attention`]: the composed attention cores (kept as references for the fused one in [`ops`]).
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
@@ -46,6 +48,7 @@
 
 pub mod agree;
 pub mod attention;
+pub mod attn_bf16;
 pub mod block;
 pub mod diffusion;
 pub mod error;

@@ -679,10 +679,10 @@ pub struct AttnGeom {
 }
 
 impl AttnGeom {
-    fn d(&self) -> usize {
+    pub(crate) fn d(&self) -> usize {
         self.a * self.dh
     }
-    fn heads(&self) -> usize {
+    pub(crate) fn heads(&self) -> usize {
         self.b * self.a
     }
     fn kb(&self) -> usize {
@@ -741,7 +741,7 @@ fn attn_geom(l: &Layout, batch: usize, heads: usize) -> CResult<AttnGeom> {
 /// A raw pointer the head loop writes disjoint elements through (each head owns its own
 /// columns of the output rows and its own block of P).
 #[derive(Clone, Copy)]
-struct SharedMut<T>(*mut T);
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
 unsafe impl<T> Send for SharedMut<T> {}
 unsafe impl<T> Sync for SharedMut<T> {}
 
@@ -751,7 +751,7 @@ impl<T> SharedMut<T> {
     /// # Safety
     /// `i` must lie inside the buffer, and no other thread may touch element `i` meanwhile.
     #[inline]
-    unsafe fn at(&self, i: usize) -> *mut T {
+    pub(crate) unsafe fn at(&self, i: usize) -> *mut T {
         self.0.add(i)
     }
 }
@@ -834,7 +834,7 @@ fn mm_strided<A: 'static + Acc>(
 /// Keep factor of the dropout mask at flat index `i` of (b, a, s, s): 0 or 1/(1−p), drawn like
 /// `attention::dropout_mask` (f32 factor) so all modes see the same mask.
 #[inline]
-fn mask_at<A: Acc>(d: crate::attention::Dropout, i: usize) -> A {
+pub(crate) fn mask_at<A: Acc>(d: crate::attention::Dropout, i: usize) -> A {
     let mut r = crate::rng::SplitMix64::skip(d.seed, i as u64);
     if r.uniform() < d.p {
         A::ZERO
@@ -1180,6 +1180,16 @@ impl CustomOp1 for QkvAttention {
 
     fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let g = attn_geom(l, self.batch, self.heads)?;
+        if st.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
+            let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
+            let (o, saved) =
+                crate::attn_bf16::forward(qkv, &g, self.keep, self.dropout, self.track);
+            *self
+                .saved
+                .lock()
+                .map_err(|_| err("attention lock poisoned"))? = saved;
+            return Ok((CpuStorage::BF16(o), Shape::from((g.b * g.s, g.d()))));
+        }
         let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
             let qkv = cpu_slice::<T>(st, l, "attention qkv")?;
             let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
@@ -1202,6 +1212,17 @@ impl CustomOp1 for QkvAttention {
             with_cpu(res, |so, lo| {
                 with_cpu(&grad, |sg, lg| {
                     let g = attn_geom(lq, self.batch, self.heads)?;
+                    if sq.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
+                        let dqkv = crate::attn_bf16::backward(
+                            cpu_slice::<half::bf16>(sq, lq, "attention qkv")?,
+                            cpu_slice::<half::bf16>(sg, lg, "attention gradient")?,
+                            guard.as_ref(),
+                            &g,
+                            self.keep,
+                            self.dropout,
+                        )?;
+                        return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
+                    }
                     Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
                         let dqkv = attn_bwd_cpu::<T, A>(
                             cpu_slice::<T>(sq, lq, "attention qkv")?,

@@ -1,0 +1,334 @@
+//! The fused attention of [`crate::ops::qkv_attention`] on the AVX512-BF16 kernel, for bf16
+//! activations in the materialized and attention-only-recompute modes.
+//!
+//! The generic kernels widen each head's q, k, v to f32 copies and multiply through the f32
+//! `gemm` crate. Here the products read q, k, v and dO straight from the bf16 tensors into
+//! packed operands ([`crate::gemm_bf16`]), and P, dS (f32) are rounded to bf16 as they are packed,
+//! as PyTorch's bf16 attention rounds them; every product accumulates in f32. The softmax, the
+//! scale and dS = P∘(dP − Σ dP·P) stay in f32. Scores are scaled after the product
+//! (S = (q·kᵀ)·d_h^−½), so the scale is applied once in f32 rather than to bf16 q.
+//!
+//! Per thread (at most one per head, all allocated up front like the generic kernels): an f32
+//! scratch ([`AttnGeom::native_f32`]) and the packed operands ([`packed_lens`]); the budget
+//! restates [`native_scratch_bytes`] (`ditmem_budget::candle::fused_attention`).
+
+use candle_core::CpuStorage;
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::attention::{err, Dropout};
+use crate::gemm_bf16::{
+    gemm_packed_serial, pack_a_serial, pack_b_serial, packed_a_len, packed_b_len, View,
+};
+use crate::ops::{attn_threads, mask_at, AttnGeom, AttnKeep, SharedMut};
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Whether the native path runs for this call: bf16 storage, the kernel available, and a mode
+/// that keeps or recomputes P (the streaming mode stays on the generic kernel).
+pub fn applies(keep: AttnKeep) -> bool {
+    keep != AttnKeep::LogSumExp && crate::gemm_bf16::available()
+}
+
+/// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
+/// a head: A is at most s × max(s, d_h), B either d_h × s or s × d_h.
+pub fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
+    (
+        packed_a_len(s, s.max(dh)),
+        packed_b_len(dh, s).max(packed_b_len(s, dh)),
+    )
+}
+
+/// Bytes of one thread's scratch: the f32 buffers and the packed operands, forward or backward.
+pub fn native_scratch_bytes(s: usize, dh: usize, backward: bool) -> u64 {
+    let (pa, pb) = packed_lens(s, dh);
+    let f = if backward {
+        AttnGeom::native_f32_bwd(s, dh)
+    } else {
+        AttnGeom::native_f32_fwd(s, dh)
+    };
+    (f * 4 + pa * 4 + pb * 2) as u64
+}
+
+impl AttnGeom {
+    /// f32 elements of one thread's forward scratch on the native path: the head's output and S.
+    pub fn native_f32_fwd(s: usize, dh: usize) -> usize {
+        s * dh + s * s
+    }
+    /// f32 elements of one thread's backward scratch: dq, dk, dv, P and dP.
+    pub fn native_f32_bwd(s: usize, dh: usize) -> usize {
+        3 * s * dh + 2 * s * s
+    }
+}
+
+/// The operands of head (bi, hd) as views on the bf16 tensors.
+struct Head<'a> {
+    q: View<'a, bf16>,
+    k: View<'a, bf16>,
+    v: View<'a, bf16>,
+    kt: View<'a, bf16>,
+    vt: View<'a, bf16>,
+}
+
+fn head<'a>(qkv: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> Head<'a> {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let base = bi * s * 3 * d + hd * dh;
+    let row = |off: usize| View {
+        data: &qkv[base + off..],
+        rs: 3 * d,
+        cs: 1,
+    };
+    let col = |off: usize| View {
+        data: &qkv[base + off..],
+        rs: 1,
+        cs: 3 * d,
+    };
+    Head {
+        q: row(0),
+        k: row(d),
+        v: row(2 * d),
+        kt: col(d),
+        vt: col(2 * d),
+    }
+}
+
+/// c = a·b on the kernel, on the calling thread (c is overwritten).
+#[allow(clippy::too_many_arguments)]
+fn product<TA: crate::gemm_bf16::ToBf16, TB: crate::gemm_bf16::ToBf16>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View<'_, TA>,
+    b: View<'_, TB>,
+    c: &mut [f32],
+    pa: &mut [u32],
+    pb: &mut [u16],
+) {
+    pack_a_serial(m, k, a, pa);
+    pack_b_serial(k, n, b, pb);
+    c[..m * n].fill(0.0);
+    gemm_packed_serial(m, n, k, pa, pb, c, n);
+}
+
+/// P of one head (softmax of the scaled scores) into `p`, on the calling thread.
+fn probabilities(
+    h: &Head<'_>,
+    s: usize,
+    dh: usize,
+    scale: f32,
+    p: &mut [f32],
+    pa: &mut [u32],
+    pb: &mut [u16],
+) {
+    product(s, s, dh, h.q, h.kt, p, pa, pb);
+    for x in p[..s * s].iter_mut() {
+        *x *= scale;
+    }
+    crate::vecmath::softmax_rows(&mut p[..s * s], s);
+}
+
+/// Forward of all heads: the output (b·s, D) and, when `save`, P (b·a·s², bf16).
+pub fn forward(
+    qkv: &[bf16],
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+    save: bool,
+) -> (Vec<bf16>, Option<CpuStorage>) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let nh = g.heads();
+    let mut out = vec![bf16::ZERO; g.b * s * d];
+    let save_p = save && keep == AttnKeep::Probabilities;
+    let mut p_keep = if save_p {
+        vec![bf16::ZERO; nh * s * s]
+    } else {
+        Vec::new()
+    };
+    let nt = attn_threads(nh);
+    let per = AttnGeom::native_f32_fwd(s, dh);
+    let (pa_len, pb_len) = packed_lens(s, dh);
+    let mut scratch = vec![0f32; nt * per];
+    let mut pas = vec![0u32; nt * pa_len];
+    let mut pbs = vec![0u16; nt * pb_len];
+    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let (po, pp) = (SharedMut(out.as_mut_ptr()), SharedMut(p_keep.as_mut_ptr()));
+    scratch
+        .par_chunks_mut(per)
+        .zip(pas.par_chunks_mut(pa_len))
+        .zip(pbs.par_chunks_mut(pb_len))
+        .enumerate()
+        .for_each(|(t, ((sc, pa), pb))| {
+            let (o, p) = sc.split_at_mut(s * dh);
+            let mut hi = t;
+            while hi < nh {
+                let (bi, hd) = (hi / g.a, hi % g.a);
+                let h = head(qkv, g, bi, hd);
+                probabilities(&h, s, dh, scale, p, pa, pb);
+                if save_p {
+                    for (i, v) in p.iter().enumerate() {
+                        // Safety: head `hi` owns P[hi·s²..(hi+1)·s²].
+                        unsafe { *pp.at(hi * s * s + i) = bf16::from_f32(*v) };
+                    }
+                }
+                if let Some(dr) = dropout {
+                    for (i, v) in p.iter_mut().enumerate() {
+                        *v *= mask_at::<f32>(dr, hi * s * s + i);
+                    }
+                }
+                let pv = View {
+                    data: &*p,
+                    rs: s,
+                    cs: 1,
+                };
+                product(s, dh, s, pv, h.v, o, pa, pb);
+                for i in 0..s {
+                    for j in 0..dh {
+                        // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                        unsafe {
+                            *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j])
+                        };
+                    }
+                }
+                hi += nt;
+            }
+        });
+    drop((scratch, pas, pbs));
+    let saved = save_p.then_some(CpuStorage::BF16(p_keep));
+    (out, saved)
+}
+
+/// Backward of all heads: dqkv (b·s, 3D).
+pub fn backward(
+    qkv: &[bf16],
+    go_all: &[bf16],
+    saved: Option<&CpuStorage>,
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) -> CResult<Vec<bf16>> {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let nh = g.heads();
+    let p_saved: Option<&[bf16]> = match (keep, saved) {
+        (AttnKeep::Probabilities, Some(st)) => Some(st.as_slice::<bf16>()?),
+        (AttnKeep::Probabilities, None) => {
+            return Err(err("attention backward: probabilities were not kept"))
+        }
+        _ => None,
+    };
+    let mut dqkv = vec![bf16::ZERO; g.b * s * 3 * d];
+    let nt = attn_threads(nh);
+    let per = AttnGeom::native_f32_bwd(s, dh);
+    let (pa_len, pb_len) = packed_lens(s, dh);
+    let mut scratch = vec![0f32; nt * per];
+    let mut pas = vec![0u32; nt * pa_len];
+    let mut pbs = vec![0u16; nt * pb_len];
+    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let pd = SharedMut(dqkv.as_mut_ptr());
+    scratch
+        .par_chunks_mut(per)
+        .zip(pas.par_chunks_mut(pa_len))
+        .zip(pbs.par_chunks_mut(pb_len))
+        .enumerate()
+        .for_each(|(t, ((sc, pa), pb))| {
+            let (dq, rest) = sc.split_at_mut(s * dh);
+            let (dk, rest) = rest.split_at_mut(s * dh);
+            let (dv, rest) = rest.split_at_mut(s * dh);
+            let (p, dp) = rest.split_at_mut(s * s);
+            let mut hi = t;
+            while hi < nh {
+                let (bi, hd) = (hi / g.a, hi % g.a);
+                let h = head(qkv, g, bi, hd);
+                let go = View {
+                    data: &go_all[bi * s * d + hd * dh..],
+                    rs: d,
+                    cs: 1,
+                };
+                let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
+                    Some(ps) => {
+                        for (x, y) in p.iter_mut().zip(&ps[hi * s * s..][..s * s]) {
+                            *x = y.to_f32();
+                        }
+                    }
+                    None => {
+                        // Recomputed and rounded as the stored mode keeps it (bitwise twins).
+                        probabilities(&h, s, dh, scale, p, pa, pb);
+                        for x in p.iter_mut() {
+                            *x = bf16::from_f32(*x).to_f32();
+                        }
+                    }
+                };
+                load_p(p, pa, pb);
+                // dP̃ = dO·vᵀ.
+                product(s, s, dh, go, h.vt, dp, pa, pb);
+                if let Some(dr) = dropout {
+                    // dv = (P∘M)ᵀ·dO: scale P in place, rebuild it after.
+                    for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
+                        let mk = mask_at::<f32>(dr, hi * s * s + i);
+                        *x *= mk;
+                        *y *= mk;
+                    }
+                    let pt = View {
+                        data: &*p,
+                        rs: 1,
+                        cs: s,
+                    };
+                    product(s, dh, s, pt, go, dv, pa, pb);
+                    load_p(p, pa, pb);
+                } else {
+                    let pt = View {
+                        data: &*p,
+                        rs: 1,
+                        cs: s,
+                    };
+                    product(s, dh, s, pt, go, dv, pa, pb);
+                }
+                // dS = P∘(dP − Σ_j dP·P), in dp.
+                for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
+                    let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                    for (a, b) in pr.iter().zip(dr.iter_mut()) {
+                        *b = *a * (*b - delta);
+                    }
+                }
+                let ds = View {
+                    data: &*dp,
+                    rs: s,
+                    cs: 1,
+                };
+                product(s, dh, s, ds, h.k, dq, pa, pb);
+                let dst = View {
+                    data: &*dp,
+                    rs: 1,
+                    cs: s,
+                };
+                product(s, dh, s, dst, h.q, dk, pa, pb);
+                for i in 0..s {
+                    let row = (bi * s + i) * 3 * d + hd * dh;
+                    for j in 0..dh {
+                        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+                        unsafe {
+                            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
+                            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
+                            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
+                        }
+                    }
+                }
+                hi += nt;
+            }
+        });
+    drop((scratch, pas, pbs));
+    Ok(dqkv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_is_the_budgets() {
+        for (s, dh) in [(256, 64), (16, 16), (130, 16), (7, 72), (1, 8), (4096, 72)] {
+            let (f, b) = ditmem_budget::candle::native_attention_scratch(s as u64, dh as u64);
+            assert_eq!(f, native_scratch_bytes(s, dh, false), "s {s} dh {dh}");
+            assert_eq!(b, native_scratch_bytes(s, dh, true), "s {s} dh {dh}");
+        }
+    }
+}
