@@ -2,16 +2,17 @@
 //! of fp16-mixed.
 //!
 //! - [`AdamW`]: β = (0.9, 0.999), eps 1e-8, bias correction, decoupled weight decay, updated in
-//!   place by three one-pass kernels (m, v, then the weight; no state-sized temporaries)
-//!   (p ← p − lr·wd·p, then p ← p − lr·m̂/(√v̂ + eps)); m and v in f32 (f64 under fp64), created
-//!   at the first step. Weights stored in a lower dtype (bf16-pure) are updated in the optimizer
+//!   place in one pass over weight, gradient and moments (no state-sized temporaries)
+//!   (p ← p − lr·wd·p, then p ← p − lr·m̂/(√v̂ + eps)); m and v in f32 (f64 under fp64), plain
+//!   buffers of the optimizer created at the first step. Weights stored in a lower dtype (bf16-pure) are updated in the optimizer
 //!   dtype and cast back.
 //! - [`Sgd`]: p ← p − lr·(g + wd·p); no state.
 //! - [`Ema`]: shadow ← decay·shadow + (1 − decay)·p after each optimizer step, in its own dtype.
 //! - [`LossScaler`]: initial scale 2^16; on a non-finite gradient the step is skipped and the
 //!   scale halved; after `growth_interval` clean steps it doubles.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
+use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
+use rayon::prelude::*;
 
 use crate::error::Result;
 
@@ -32,6 +33,22 @@ fn unscale(g: Tensor, inv_scale: f64) -> Result<Tensor> {
     })
 }
 
+/// Elements per parallel work item of the update kernels; shorter tensors (biases, norms) run
+/// on the calling thread. The updates are memory-bound, so they spread over the cores like the
+/// rest of the step instead of running on one.
+const PAR_ITEM: usize = 1 << 15;
+
+/// `f` over matching chunks of `a` (written) and `b`, in parallel when long enough.
+fn zip2<A: Send, B: Sync>(a: &mut [A], b: &[B], f: impl Fn(&mut [A], &[B]) + Sync) {
+    if a.len() < 2 * PAR_ITEM {
+        f(a, b)
+    } else {
+        a.par_chunks_mut(PAR_ITEM)
+            .zip(b.par_chunks(PAR_ITEM))
+            .for_each(|(x, y)| f(x, y));
+    }
+}
+
 fn bytes(t: &Tensor) -> u64 {
     t.elem_count() as u64 * t.dtype().size_in_bytes() as u64
 }
@@ -44,28 +61,97 @@ fn range(l: &Layout, what: &str) -> candle_core::Result<std::ops::Range<usize>> 
     }
 }
 
-/// `m ← β·m + (1 − β)·(s·g)` (or `(s·g)²` for the second moment), in place in one pass: no
-/// temporaries, where the composed candle expression made five state-sized ones.
-struct Moment {
-    beta: f64,
-    scale: f64,
-    square: bool,
+/// AdamW's moments of one tensor, owned by the optimizer (no candle tensors: the fused update
+/// below writes them in the same pass as the weight).
+#[derive(Debug)]
+enum Moments {
+    F32 { m: Vec<f32>, v: Vec<f32> },
+    F64 { m: Vec<f64>, v: Vec<f64> },
 }
 
-impl Moment {
-    fn apply<T: num_like::Float>(&self, d: &mut [T], g: &[T]) {
-        let (b, a, s) = (T::of(self.beta), T::of(1.0 - self.beta), T::of(self.scale));
-        for (d, &g) in d.iter_mut().zip(g) {
-            let g = g * s;
-            let x = if self.square { g * g } else { g };
-            *d = *d * b + x * a;
+impl Moments {
+    fn zeros(n: usize, dtype: DType) -> Result<Moments> {
+        Ok(match dtype {
+            DType::F32 => Moments::F32 {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
+            DType::F64 => Moments::F64 {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
+            other => {
+                return Err(crate::error::EngineError::unsupported(
+                    format!("AdamW state in {other:?}"),
+                    "the optimizer state is f32 (or f64 under fp64)",
+                ))
+            }
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Moments::F32 { m, v } => 4 * (m.len() + v.len()) as u64,
+            Moments::F64 { m, v } => 8 * (m.len() + v.len()) as u64,
         }
     }
 }
 
-impl InplaceOp2 for Moment {
+/// One AdamW update of a weight in one pass over p, g, m and v:
+/// `m ← β₁m + (1 − β₁)(s·g)`, `v ← β₂v + (1 − β₂)(s·g)²`,
+/// `p ← p·(1 − lr·wd) − lr·(m/bc1)/(√(v/bc2) + eps)`, in the state's dtype (weights stored in
+/// bf16/f16 are widened and rounded back per element). Three separate in-place passes read the
+/// state twice; this one reads and writes each value once, spread over the cores.
+struct AdamUpdate<'a> {
+    beta1: f64,
+    beta2: f64,
+    scale: f64,
+    lr: f64,
+    decay: f64,
+    bc1: f64,
+    bc2: f64,
+    eps: f64,
+    state: std::sync::Mutex<&'a mut Moments>,
+}
+
+impl AdamUpdate<'_> {
+    /// The pass over matching chunks; `get`/`put` convert the stored weight.
+    fn pass<T: num_like::Float + Send + Sync, P: Copy + Send + Sync>(
+        &self,
+        p: &mut [P],
+        g: &[T],
+        m: &mut [T],
+        v: &mut [T],
+        get: impl Fn(P) -> T + Sync,
+        put: impl Fn(T) -> P + Sync,
+    ) {
+        let (b1, a1) = (T::of(self.beta1), T::of(1.0 - self.beta1));
+        let (b2, a2) = (T::of(self.beta2), T::of(1.0 - self.beta2));
+        let (s, lr, decay) = (T::of(self.scale), T::of(self.lr), T::of(self.decay));
+        let (bc1, bc2, eps) = (T::of(self.bc1), T::of(self.bc2), T::of(self.eps));
+        let chunk = |p: &mut [P], g: &[T], m: &mut [T], v: &mut [T]| {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = g * s;
+                *m = *m * b1 + g * a1;
+                *v = *v * b2 + g * g * a2;
+                let upd = (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                *p = put(get(*p) * decay - upd * lr);
+            }
+        };
+        if p.len() < 2 * PAR_ITEM {
+            chunk(p, g, m, v);
+        } else {
+            p.par_chunks_mut(PAR_ITEM)
+                .zip(g.par_chunks(PAR_ITEM))
+                .zip(m.par_chunks_mut(PAR_ITEM).zip(v.par_chunks_mut(PAR_ITEM)))
+                .for_each(|((p, g), (m, v))| chunk(p, g, m, v));
+        }
+    }
+}
+
+impl InplaceOp2 for AdamUpdate<'_> {
     fn name(&self) -> &'static str {
-        "adamw-moment"
+        "adamw-update"
     }
 
     fn cpu_fwd(
@@ -76,75 +162,41 @@ impl InplaceOp2 for Moment {
         l2: &Layout,
     ) -> candle_core::Result<()> {
         let (r1, r2) = (range(l1, self.name())?, range(l2, self.name())?);
-        match (s1, s2) {
-            (CpuStorage::F32(d), CpuStorage::F32(g)) => self.apply(&mut d[r1], &g[r2]),
-            (CpuStorage::F64(d), CpuStorage::F64(g)) => self.apply(&mut d[r1], &g[r2]),
-            _ => bail!("adamw-moment: state and gradient must both be f32 or f64"),
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("adamw-update: state lock poisoned".into()))?;
+        let n = r1.len();
+        if r2.len() != n {
+            bail!("adamw-update: gradient length differs from the weight's");
         }
-        Ok(())
-    }
-}
-
-/// `p ← p·(1 − lr·wd) − lr·(m/bc1)/(√(v/bc2) + eps)` in place, in the state's dtype (weights
-/// stored in bf16 are widened and rounded back per element).
-struct AdamStep {
-    lr: f64,
-    decay: f64,
-    bc1: f64,
-    bc2: f64,
-    eps: f64,
-}
-
-impl AdamStep {
-    fn update<T: num_like::Float>(&self, p: T, m: T, v: T) -> T {
-        let mh = m / T::of(self.bc1);
-        let vh = v / T::of(self.bc2);
-        let upd = mh / (vh.sqrt() + T::of(self.eps));
-        p * T::of(self.decay) - upd * T::of(self.lr)
-    }
-}
-
-impl InplaceOp3 for AdamStep {
-    fn name(&self) -> &'static str {
-        "adamw-step"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let (r1, r2, r3) = (
-            range(l1, self.name())?,
-            range(l2, self.name())?,
-            range(l3, self.name())?,
-        );
-        match (s1, s2, s3) {
-            (CpuStorage::F32(p), CpuStorage::F32(m), CpuStorage::F32(v)) => {
-                for ((p, &m), &v) in p[r1].iter_mut().zip(&m[r2]).zip(&v[r3]) {
-                    *p = self.update(*p, m, v);
-                }
+        match (s1, s2, &mut **st) {
+            (CpuStorage::F32(p), CpuStorage::F32(g), Moments::F32 { m, v }) if m.len() == n => {
+                self.pass(&mut p[r1], &g[r2], m, v, |x| x, |y| y)
             }
-            (CpuStorage::F64(p), CpuStorage::F64(m), CpuStorage::F64(v)) => {
-                for ((p, &m), &v) in p[r1].iter_mut().zip(&m[r2]).zip(&v[r3]) {
-                    *p = self.update(*p, m, v);
-                }
+            (CpuStorage::F64(p), CpuStorage::F64(g), Moments::F64 { m, v }) if m.len() == n => {
+                self.pass(&mut p[r1], &g[r2], m, v, |x| x, |y| y)
             }
-            (CpuStorage::BF16(p), CpuStorage::F32(m), CpuStorage::F32(v)) => {
-                for ((p, &m), &v) in p[r1].iter_mut().zip(&m[r2]).zip(&v[r3]) {
-                    *p = half::bf16::from_f32(self.update(p.to_f32(), m, v));
-                }
+            (CpuStorage::BF16(p), CpuStorage::F32(g), Moments::F32 { m, v }) if m.len() == n => {
+                self.pass(
+                    &mut p[r1],
+                    &g[r2],
+                    m,
+                    v,
+                    |x| x.to_f32(),
+                    half::bf16::from_f32,
+                )
             }
-            (CpuStorage::F16(p), CpuStorage::F32(m), CpuStorage::F32(v)) => {
-                for ((p, &m), &v) in p[r1].iter_mut().zip(&m[r2]).zip(&v[r3]) {
-                    *p = half::f16::from_f32(self.update(p.to_f32(), m, v));
-                }
-            }
-            _ => bail!("adamw-step: unsupported weight / state dtypes"),
+            (CpuStorage::F16(p), CpuStorage::F32(g), Moments::F32 { m, v }) if m.len() == n => self
+                .pass(
+                    &mut p[r1],
+                    &g[r2],
+                    m,
+                    v,
+                    |x| x.to_f32(),
+                    half::f16::from_f32,
+                ),
+            _ => bail!("adamw-update: unsupported weight / gradient / state dtypes or sizes"),
         }
         Ok(())
     }
@@ -198,10 +250,12 @@ impl Elem for half::f16 {
     }
 }
 
-fn ema_mix<S: Elem, P: Elem>(s: &mut [S], p: &[P], d: f64) {
-    for (s, p) in s.iter_mut().zip(p) {
-        *s = S::put(s.get() * d + p.get() * (1.0 - d));
-    }
+fn ema_mix<S: Elem + Send, P: Elem + Sync>(s: &mut [S], p: &[P], d: f64) {
+    zip2(s, p, |s, p| {
+        for (s, p) in s.iter_mut().zip(p) {
+            *s = S::put(s.get() * d + p.get() * (1.0 - d));
+        }
+    });
 }
 
 impl InplaceOp2 for EmaStep {
@@ -234,9 +288,11 @@ impl InplaceOp2 for EmaStep {
             CpuStorage::F32(s) => match s2 {
                 CpuStorage::F32(p) => {
                     let (d, a) = (d as f32, (1.0 - d) as f32);
-                    for (s, &p) in s[r1].iter_mut().zip(&p[r2]) {
-                        *s = *s * d + p * a;
-                    }
+                    zip2(&mut s[r1], &p[r2], |s, p| {
+                        for (s, &p) in s.iter_mut().zip(p) {
+                            *s = *s * d + p * a;
+                        }
+                    });
                 }
                 _ => by_weight!(s),
             },
@@ -291,8 +347,7 @@ pub struct AdamW {
     pub weight_decay: f64,
     pub dtype: DType,
     t: u64,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    moments: Vec<Moments>,
 }
 
 impl AdamW {
@@ -305,8 +360,7 @@ impl AdamW {
             weight_decay,
             dtype,
             t: 0,
-            m: Vec::new(),
-            v: Vec::new(),
+            moments: Vec::new(),
         }
     }
 
@@ -318,48 +372,47 @@ impl AdamW {
 
 impl Optimizer for AdamW {
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()> {
-        if self.m.is_empty() {
+        if self.moments.is_empty() {
             for p in params {
-                self.m
-                    .push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
-                self.v
-                    .push(Tensor::zeros(p.shape(), self.dtype, p.device())?);
+                self.moments
+                    .push(Moments::zeros(p.as_tensor().elem_count(), self.dtype)?);
             }
+        }
+        if self.moments.len() != params.len() || grads.len() != params.len() {
+            return Err(crate::error::EngineError::bad_input(
+                "optimizer",
+                format!(
+                    "{} parameters and {} gradients for {} moment pairs",
+                    params.len(),
+                    grads.len(),
+                    self.moments.len()
+                ),
+            ));
         }
         self.t += 1;
         let t = self.t as i32;
         let bc1 = 1.0 - self.beta1.powi(t);
         let bc2 = 1.0 - self.beta2.powi(t);
-        // One pass per tensor, in place: m, v, then the weight (no state-sized temporaries).
-        let step = AdamStep {
-            lr: self.lr,
-            decay: 1.0 - self.lr * self.weight_decay,
-            bc1,
-            bc2,
-            eps: self.eps,
-        };
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        for ((p, g), st) in params.iter().zip(grads).zip(self.moments.iter_mut()) {
             let g = g.to_dtype(self.dtype)?;
-            for (state, beta, square) in [
-                (&self.m[i], self.beta1, false),
-                (&self.v[i], self.beta2, true),
-            ] {
-                state.inplace_op2(
-                    &g,
-                    &Moment {
-                        beta,
-                        scale: inv_scale,
-                        square,
-                    },
-                )?;
-            }
-            p.as_tensor().inplace_op3(&self.m[i], &self.v[i], &step)?;
+            let update = AdamUpdate {
+                beta1: self.beta1,
+                beta2: self.beta2,
+                scale: inv_scale,
+                lr: self.lr,
+                decay: 1.0 - self.lr * self.weight_decay,
+                bc1,
+                bc2,
+                eps: self.eps,
+                state: std::sync::Mutex::new(st),
+            };
+            p.as_tensor().inplace_op2(&g, &update)?;
         }
         Ok(())
     }
 
     fn state_bytes(&self) -> u64 {
-        self.m.iter().chain(&self.v).map(bytes).sum()
+        self.moments.iter().map(Moments::bytes).sum()
     }
 }
 
