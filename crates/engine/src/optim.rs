@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::error::Result;
 
 /// Update rule shared by the optimizers.
-pub trait Optimizer {
+pub trait Optimizer: Send {
     /// Apply one update; `grads[i]` belongs to `params[i]` and is multiplied by `inv_scale`
     /// (1/loss scale) as it is read.
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()>;

@@ -596,8 +596,10 @@ impl Trainer {
     /// Forward and backward over every microbatch of `batch` (microbatch × accumulation
     /// samples); the gradients stay in the buffers. Returns the mean loss.
     pub fn compute_gradients(&mut self, batch: &Batch) -> Result<f64> {
-        let mut rec = Recorder::new(None);
-        self.forward_backward(batch, &mut rec)
+        on_pool(|| {
+            let mut rec = Recorder::new(None);
+            self.forward_backward(batch, &mut rec)
+        })
     }
 
     fn forward_backward(&mut self, batch: &Batch, rec: &mut Recorder<'_>) -> Result<f64> {
@@ -809,6 +811,15 @@ impl Trainer {
 
     /// One optimizer step on `batch` (microbatch × accumulation samples).
     pub fn step(&mut self, batch: &Batch, probe: Option<&dyn MemoryProbe>) -> Result<StepReport> {
+        // The step runs on a worker of rayon's pool (see `on_pool`).
+        on_pool(|| self.step_on_pool(batch, probe))
+    }
+
+    fn step_on_pool(
+        &mut self,
+        batch: &Batch,
+        probe: Option<&dyn MemoryProbe>,
+    ) -> Result<StepReport> {
         let mut rec = Recorder::new(probe);
         let loss = self.forward_backward(batch, &mut rec)?;
         rec.enter(Phase::Optimizer);
@@ -871,5 +882,20 @@ impl Trainer {
             grad_norm,
             loss_scale: scale,
         })
+    }
+}
+
+/// Runs `f` on a worker thread of rayon's global pool (directly when already on one).
+///
+/// Every kernel of the step splits its work with rayon. Called from a thread outside the pool,
+/// each of those few thousand parallel regions per step hands its jobs to the pool and puts the
+/// caller to sleep until they finish (two context switches per region, and the caller's core
+/// idles). From a worker, the caller takes part in its own region and only the other workers
+/// are woken.
+fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
     }
 }
