@@ -34,6 +34,9 @@ pub struct Conditions {
     /// How bf16 matrix products run: the engine's AVX512-BF16 kernel, or widened to f32 (CPUs
     /// without it, or `DITMEM_BF16_GEMM=widen`). The budget's workspace follows the same path.
     pub bf16_products: &'static str,
+    /// Spin rounds of candle's barrier-pool workers before they park
+    /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`; the binary sets 1000 unless it is set).
+    pub candle_barrier_spin: u32,
 }
 
 impl Conditions {
@@ -73,13 +76,15 @@ impl Conditions {
             } else {
                 "widened to f32"
             },
+            candle_barrier_spin: ditmem_engine::threads::barrier_spin(),
         }
     }
 
     /// One line for tables.
     pub fn line(&self) -> String {
         format!(
-            "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}",
+            "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}, \
+             candle barrier spin {}",
             self.cpu_model,
             self.cores,
             self.threads,
@@ -87,7 +92,8 @@ impl Conditions {
             self.candle_version,
             self.ditmem_version,
             self.git_revision,
-            self.bf16_products
+            self.bf16_products,
+            self.candle_barrier_spin
         )
     }
 }

@@ -152,6 +152,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 fn main() -> ExitCode {
+    // Before any thread exists (see `ditmem_engine::threads`).
+    ditmem_engine::threads::configure_before_threads();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

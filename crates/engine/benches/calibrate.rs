@@ -37,6 +37,7 @@ fn median<F: FnMut() -> candle_core::Result<()>>(n: usize, mut f: F) -> candle_c
 const DTYPES: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16];
 
 fn main() -> candle_core::Result<()> {
+    ditmem_engine::threads::configure_before_threads();
     let n = reps();
     let dev = Device::Cpu;
     println!(

@@ -30,6 +30,7 @@ fn time(runs: usize, mut f: impl FnMut()) -> Vec<f64> {
 }
 
 fn main() -> candle_core::Result<()> {
+    ditmem_engine::threads::configure_before_threads();
     let runs: usize = std::env::var("MM_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -178,6 +178,7 @@ fn mib(b: u64) -> f64 {
 }
 
 fn main() {
+    ditmem_engine::threads::configure_before_threads();
     let preset: String = env("VS_PRESET", "dit-s-2".to_string());
     let res: u32 = env("VS_RES", 256);
     let batch: u32 = env("VS_BATCH", 2);

@@ -13,6 +13,7 @@
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
+//! - [`threads`]: thread-pool settings a binary applies before it starts any thread.
 //! - [`measure`]: the counting allocator and the memory probe.
 //! - [`run`]: warm-up + measured steps → [`Measurement`].
 //! - [`verify`]: variants against a float64 reference: tolerances by dtype, twins, drift.
@@ -59,6 +60,7 @@ pub mod ops;
 pub mod optim;
 pub mod rng;
 pub mod run;
+pub mod threads;
 pub mod trainer;
 pub mod vecmath;
 pub mod verify;
