@@ -65,6 +65,10 @@ pub enum Kind {
     Attention {
         bwd_scratch: u64,
     },
+    /// The engine's gradient seed (`ops::backward_from`): a one-element node on input 0 whose
+    /// backward hands input 1 (the known gradient of input 0, alive outside the graph) to it as
+    /// is; candle folds it into the store with `or_insert` + `add`.
+    Seed,
     /// A fused op of the engine (`ditmem_engine::ops`): its output is a fresh buffer, what it
     /// saves beyond its inputs is the node's `extra`, and its backward allocates `bwd_scratch`
     /// bytes of workspace alive while it makes one fresh, untracked gradient per input that
@@ -713,6 +717,9 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
                 let bv = h.view(g, s, false);
                 acc(&mut h, g, &mut store, a, bv);
                 locals.extend([s, bv]);
+            }
+            Kind::Seed => {
+                acc(&mut h, g, &mut store, ins[0], Val::Fwd(ins[1]));
             }
             Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
                 let v = h.view(g, grad, false);
@@ -1510,6 +1517,13 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
 }
 
 /// The engine's surrogate root `sum(out · grad_out)` appended to a graph: returns the root.
+/// The root the engine backpropagates a block from (`ops::backward_from(out, grad_out)`).
+pub fn seed(g: &mut Graph, out: Nid) -> Nid {
+    let (e, dt) = (g.elems(out), g.dtype(out));
+    let go = g.constant("grad_out", e, dt, false);
+    g.op("grad seed", Kind::Seed, &[out, go], 1, dt)
+}
+
 pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
     let (e, dt) = (g.elems(out), g.dtype(out));
     let go = g.constant("grad_out", e, dt, false);

@@ -269,8 +269,8 @@ pub fn sims(spec: &Spec) -> Sims {
     // Block: tracked on a leaf copy, plus the surrogate root.
     let (mut bg, leaf, _c, out) = candle::block(&sh);
     let fwd = forward_peak(&bg);
-    let root = candle::surrogate(&mut bg, out);
-    let mut block = seg(&bg, Some(leaf), Some(out), root, 2, &[leaf, out]);
+    let root = candle::seed(&mut bg, out);
+    let mut block = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
     block.fwd_peak = fwd;
     // No-grad forward on the input itself (no leaf copy); the output survives.
     let (mut ug, uleaf, _, uout) = candle::block(&sh);

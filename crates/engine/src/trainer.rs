@@ -761,7 +761,7 @@ impl Trainer {
                     (leaf, out)
                 }
             };
-            let grads = out.mul(&gx)?.sum_all()?.backward()?;
+            let grads = crate::ops::backward_from(&out, &gx)?;
             drop(out);
             let mut idx = Vec::new();
             for l in &self.blocks[i].lin {

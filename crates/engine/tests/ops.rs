@@ -620,3 +620,28 @@ fn linear_with_a_gradient_sink_hands_over_the_same_gradients() {
         assert_eq!(max_abs(&sink_b.take_b().unwrap(), &db), 0.0);
     }
 }
+
+#[test]
+fn backward_from_a_known_gradient_matches_the_composed_root() {
+    use ditmem_engine::ops::backward_from;
+    let x = Var::from_tensor(&rand(&[3, 5, 8], 41, 1.0)).unwrap();
+    let w = rand(&[8, 8], 42, 0.5);
+    let go = rand(&[3, 5, 8], 43, 1.0);
+    let out = |x: &Tensor| gelu_tanh(&x.broadcast_matmul(&w).unwrap()).unwrap();
+    let composed = out(x.as_tensor())
+        .mul(&go)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let seeded = backward_from(&out(x.as_tensor()), &go).unwrap();
+    let (a, b) = (
+        composed.get(x.as_tensor()).unwrap(),
+        seeded.get(x.as_tensor()).unwrap(),
+    );
+    assert_eq!(max_abs(a, b), 0.0);
+    // A gradient of another shape or dtype is refused.
+    assert!(backward_from(&out(x.as_tensor()), &go.narrow(0, 0, 2).unwrap()).is_err());
+    assert!(backward_from(&out(x.as_tensor()), &go.to_dtype(DType::F32).unwrap()).is_err());
+}
