@@ -1453,9 +1453,10 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
         Some(LoraTarget::Adaln),
     );
 
+    // Written as (b·s, D) rows: no reshape before the linears.
     let h = ln_modulate(&mut g, "norm1+modulate1", x, m[0], m[1], rows, cd);
     g.bind(h);
-    let h2d = g.view("h.reshape(b·s, D)", Kind::Reshape, h, e);
+    let h2d = h;
     let qkv = linear(
         &mut g,
         sh,
@@ -1483,7 +1484,6 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
 
     let h2 = ln_modulate(&mut g, "norm2+modulate2", x1, m[3], m[4], rows, cd);
     g.bind(h2);
-    let h2 = g.view("h2.reshape(b·s, D)", Kind::Reshape, h2, e);
     let f1 = linear(
         &mut g,
         sh,

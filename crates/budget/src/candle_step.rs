@@ -182,7 +182,6 @@ pub fn final_graph(dims: &Dims) -> (Graph, Nid, Nid) {
     let c = g.var("c (shared leaf)", bd, ad, false);
     let md = candle::ada_ln(&mut g, &sh, "final_layer.adaLN_modulation.1", c, 2, None);
     let h = candle::ln_modulate(&mut g, "final norm+modulate", x, md[0], md[1], rows, cd);
-    let h = g.view("reshape(b·s, D)", Kind::Reshape, h, e);
     let out_el = rows * p2 * dims.c_out;
     let y = candle::linear(
         &mut g,

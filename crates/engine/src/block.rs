@@ -130,7 +130,7 @@ pub fn block_forward(
     cfg: &BlockConfig,
     seeds: BlockSeeds,
 ) -> Result<Tensor> {
-    let (b, s, h) = x.dims3()?;
+    let (b, _, h) = x.dims3()?;
     let (cd, ad) = (cfg.compute, cfg.accum);
     let (a, dh) = (cfg.heads, cfg.head_dim);
     // adaLN modulation: (b, 6D) → six (b, D) views.
@@ -142,7 +142,7 @@ pub fn block_forward(
 
     // Attention branch.
     let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
-    let qkv = w.qkv.forward(&h1.reshape((b * s, h))?)?;
+    let qkv = w.qkv.forward(&h1)?;
     let dropout = (cfg.attn_dropout > 0.0).then_some(Dropout {
         p: cfg.attn_dropout,
         seed: seeds.attn,
@@ -169,7 +169,7 @@ pub fn block_forward(
 
     // MLP branch.
     let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
-    let f1 = w.fc1.forward(&h2.reshape((b * s, h))?)?;
+    let f1 = w.fc1.forward(&h2)?;
     let g = gelu_tanh(&f1)?;
     let g = if cfg.mlp_dropout > 0.0 {
         let d = Dropout {
@@ -199,11 +199,11 @@ pub fn final_forward(
     cd: DType,
     ad: DType,
 ) -> Result<Tensor> {
-    let (b, s, h) = x.dims3()?;
+    let (_, _, h) = x.dims3()?;
     let modv = cast(w.adaln.forward(&cast(c.silu()?, cd)?)?, ad)?;
     let (shift, scale) = (modv.narrow(1, 0, h)?, modv.narrow(1, h, h)?);
     let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    cast(w.linear.forward(&hx.reshape((b * s, h))?)?, ad)
+    cast(w.linear.forward(&hx)?, ad)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! - [`gelu_tanh`]: GELU with the tanh approximation. Saves its input only (which the graph holds
 //!   anyway as the op's argument); the derivative is analytic with the exact constants.
 //! - [`ln_modulate`]: `LN(x)·(1 + scale) + shift` with the result written directly in the compute
-//!   dtype. Saves x (its argument) and the per-row mean and rstd in the accumulation type
+//!   dtype, as the (b·s, D) rows the next linear takes. Saves x (its argument) and the per-row mean and rstd in the accumulation type
 //!   (f32, f64 for f64 inputs), 2·rows values held by the op; backward returns dx, dshift, dscale.
 //! - [`linear`]: `x·Wᵀ + b` as one node (candle keeps the product and the sum), gemm in place on
 //!   f32/f64; on bf16 the AVX512-BF16 kernel of [`crate::gemm_bf16`] where the CPU has it,
@@ -313,7 +313,7 @@ enum Stats {
 }
 
 /// `LN(x)·(1 + scale) + shift` (no affine of its own, eps inside the square root) over x (b, s, D)
-/// with shift, scale (b, D); the output is written in `out` dtype.
+/// with shift, scale (b, D); the output is written in `out` dtype as rows (b·s, D).
 #[derive(Debug)]
 pub struct LnModulate {
     out: DType,
@@ -611,7 +611,9 @@ impl CustomOp3 for LnModulate {
             .stats
             .lock()
             .map_err(|_| err("ln stats lock poisoned"))? = Some(stats);
-        Ok((out, lx.shape().clone()))
+        // Rows (b·s, D), the layout the following linear takes: no reshape node (whose backward
+        // would add a zeros + add of the output's size).
+        Ok((out, Shape::from((g.b * g.s, g.d))))
     }
 
     fn bwd(
