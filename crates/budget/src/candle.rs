@@ -1359,6 +1359,23 @@ pub fn cpu_threads() -> u64 {
 /// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
 pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
 
+/// Bytes of one thread's scratch (forward, backward) of the engine's streaming bf16 attention on
+/// the AVX512-BF16 kernel with key blocks of `kb` (`attn_bf16::streaming_scratch_bytes`).
+/// Forward: f32 output accumulator, a block of scores, row max and sum; packed q, a packed block
+/// of P, a packed B (a block of kᵀ or v). Backward: f32 dq, dk, dv, blocks of P and dP, the row
+/// deltas; packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ), a packed B (a block of kᵀ,
+/// vᵀ or k, or all of dO or q).
+pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
+    let a_qd = packed_a_bytes(s, dh);
+    let a_blk = packed_a_bytes(s, kb).max(packed_a_bytes(kb, s));
+    let b_fwd = packed_b_bytes(dh, kb).max(packed_b_bytes(kb, dh));
+    let b_bwd = b_fwd.max(packed_b_bytes(s, dh));
+    (
+        4 * (s * dh + s * kb + 2 * s) + a_qd + packed_a_bytes(s, kb) + b_fwd,
+        4 * (3 * s * dh + 2 * s * kb + s) + 2 * a_qd + a_blk + b_bwd,
+    )
+}
+
 /// Bytes of one thread's scratch (forward, backward) of the engine's bf16 attention on the
 /// AVX512-BF16 kernel (`attn_bf16::native_scratch_bytes`): f32 buffers (forward the head's
 /// output and S; backward dq, dk, dv, P and dP) and the packed operands of every product of a
@@ -1389,10 +1406,9 @@ pub fn fused_attention(g: &mut Graph, sh: &BlockShape, qkv: Nid) -> Nid {
     let kb = FUSED_ATTN_KEY_BLOCK.min(s);
     let nt = cpu_threads().clamp(1, nh.max(1));
     // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
-    // bf16 with P kept or recomputed runs on the AVX512-BF16 kernel where the CPU has it
-    // (`attn_bf16::applies`): its own scratch, in bytes.
-    let native =
-        cd == Dtype::Bf16 && sh.attention != AttentionMode::MemoryEfficient && bf16_dot_native();
+    // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`attn_bf16::applies`), in every
+    // mode: its own scratch, in bytes.
+    let native = cd == Dtype::Bf16 && bf16_dot_native();
     let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
         (
             "attention (fused, streaming; keeps lse)",
@@ -1415,7 +1431,9 @@ pub fn fused_attention(g: &mut Graph, sh: &BlockShape, qkv: Nid) -> Nid {
             7 * s * dh + 2 * s * s,
         )
     };
-    let (fwd_bytes, bwd_bytes) = if native {
+    let (fwd_bytes, bwd_bytes) = if native && sh.attention == AttentionMode::MemoryEfficient {
+        streaming_attention_scratch(s, dh, kb)
+    } else if native {
         native_attention_scratch(s, dh)
     } else {
         (fwd * acc, bwd * acc)

@@ -1,5 +1,7 @@
 //! The fused attention of [`crate::ops::qkv_attention`] on the AVX512-BF16 kernel, for bf16
-//! activations in the materialized and attention-only-recompute modes.
+//! activations: the materialized and attention-only-recompute modes ([`forward`], [`backward`])
+//! and the memory-efficient mode, streaming over key blocks ([`forward_streaming`],
+//! [`backward_streaming`]).
 //!
 //! The generic kernels widen each head's q, k, v to f32 copies and multiply through the f32
 //! `gemm` crate. Here the products read q, k, v and dO straight from the bf16 tensors into
@@ -24,10 +26,9 @@ use crate::ops::{attn_threads, mask_at, AttnGeom, AttnKeep, SharedMut};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Whether the native path runs for this call: bf16 storage, the kernel available, and a mode
-/// that keeps or recomputes P (the streaming mode stays on the generic kernel).
-pub fn applies(keep: AttnKeep) -> bool {
-    keep != AttnKeep::LogSumExp && crate::gemm_bf16::available()
+/// Whether the native path runs for bf16 storage: where the kernel is available (every mode).
+pub fn applies(_keep: AttnKeep) -> bool {
+    crate::gemm_bf16::available()
 }
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
@@ -48,6 +49,21 @@ pub fn native_scratch_bytes(s: usize, dh: usize, backward: bool) -> u64 {
         AttnGeom::native_f32_fwd(s, dh)
     };
     (f * 4 + pa * 4 + pb * 2) as u64
+}
+
+/// Bytes of one thread's scratch of the streaming mode with key blocks of `kb` (forward,
+/// backward). Forward: the f32 output accumulator, a block of scores, row max and sum; packed q,
+/// a packed block of P and a packed B (a block of kᵀ or v). Backward: f32 dq, dk, dv, a block of
+/// P and of dP, the row deltas; packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ) and a
+/// packed B (a block of kᵀ, vᵀ or k, or all of dO or q).
+pub fn streaming_scratch_bytes(s: usize, dh: usize, kb: usize) -> (u64, u64) {
+    let a_qd = packed_a_len(s, dh);
+    let a_blk = packed_a_len(s, kb).max(packed_a_len(kb, s));
+    let b_fwd = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
+    let b_bwd = b_fwd.max(packed_b_len(s, dh));
+    let fwd = 4 * (s * dh + s * kb + 2 * s) + 4 * (a_qd + packed_a_len(s, kb)) + 2 * b_fwd;
+    let bwd = 4 * (3 * s * dh + 2 * s * kb + s) + 4 * (2 * a_qd + a_blk) + 2 * b_bwd;
+    (fwd as u64, bwd as u64)
 }
 
 impl AttnGeom {
@@ -319,6 +335,280 @@ pub fn backward(
     Ok(dqkv)
 }
 
+/// Forward of all heads, streaming over blocks of `g.kb()` keys with an online softmax: the
+/// output (b·s, D) and, when `save`, the log-sum-exp per query row (b·a·s, f32).
+pub fn forward_streaming(
+    qkv: &[bf16],
+    g: &AttnGeom,
+    save: bool,
+) -> (Vec<bf16>, Option<CpuStorage>) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let (nh, kb) = (g.heads(), g.kb());
+    let mut out = vec![bf16::ZERO; g.b * s * d];
+    let mut lse = if save { vec![0f32; nh * s] } else { Vec::new() };
+    let nt = attn_threads(nh);
+    let per = s * dh + s * kb + 2 * s;
+    let (aq_len, ap_len) = (packed_a_len(s, dh), packed_a_len(s, kb));
+    let b_len = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
+    let mut scratch = vec![0f32; nt * per];
+    let mut pas = vec![0u32; nt * (aq_len + ap_len)];
+    let mut pbs = vec![0u16; nt * b_len];
+    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let (po, pl) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
+    scratch
+        .par_chunks_mut(per)
+        .zip(pas.par_chunks_mut(aq_len + ap_len))
+        .zip(pbs.par_chunks_mut(b_len))
+        .enumerate()
+        .for_each(|(t, ((sc, pa), pb))| {
+            let (o, rest) = sc.split_at_mut(s * dh);
+            let (sb, ml) = rest.split_at_mut(s * kb);
+            let (m, l) = ml.split_at_mut(s);
+            let (aq, ap) = pa.split_at_mut(aq_len);
+            let mut hi = t;
+            while hi < nh {
+                let (bi, hd) = (hi / g.a, hi % g.a);
+                let h = head(qkv, g, bi, hd);
+                pack_a_serial(s, dh, h.q, aq);
+                m.fill(f32::NEG_INFINITY);
+                l.fill(0.0);
+                o.fill(0.0);
+                let mut j0 = 0;
+                while j0 < s {
+                    let n = kb.min(s - j0);
+                    let blk = &mut sb[..s * n];
+                    // S = (q·k_blkᵀ)·scale.
+                    let kt = View {
+                        data: &h.kt.data[j0 * h.kt.cs..],
+                        ..h.kt
+                    };
+                    pack_b_serial(dh, n, kt, pb);
+                    blk.fill(0.0);
+                    gemm_packed_serial(s, n, dh, aq, pb, blk, n);
+                    for x in blk.iter_mut() {
+                        *x *= scale;
+                    }
+                    for i in 0..s {
+                        let row = &mut blk[i * n..(i + 1) * n];
+                        let bmax = crate::vecmath::max_of(row).max(m[i]);
+                        let corr = if m[i] == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (m[i] - bmax).exp()
+                        };
+                        let z = crate::vecmath::exp_sub_sum_of(row, bmax);
+                        l[i] = l[i] * corr + z;
+                        for x in o[i * dh..(i + 1) * dh].iter_mut() {
+                            *x *= corr;
+                        }
+                        m[i] = bmax;
+                    }
+                    // o += P_blk·v_blk.
+                    pack_a_serial(
+                        s,
+                        n,
+                        View {
+                            data: &*blk,
+                            rs: n,
+                            cs: 1,
+                        },
+                        ap,
+                    );
+                    let vb = View {
+                        data: &h.v.data[j0 * h.v.rs..],
+                        ..h.v
+                    };
+                    pack_b_serial(n, dh, vb, pb);
+                    gemm_packed_serial(s, dh, n, ap, pb, o, dh);
+                    j0 += n;
+                }
+                for i in 0..s {
+                    let inv = 1.0 / l[i];
+                    for j in 0..dh {
+                        // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                        unsafe {
+                            *po.at((bi * s + i) * d + hd * dh + j) =
+                                bf16::from_f32(o[i * dh + j] * inv)
+                        };
+                    }
+                    if save {
+                        // Safety: head `hi` owns lse[hi·s..(hi+1)·s].
+                        unsafe { *pl.at(hi * s + i) = m[i] + l[i].ln() };
+                    }
+                }
+                hi += nt;
+            }
+        });
+    drop((scratch, pas, pbs));
+    let saved = save.then_some(CpuStorage::F32(lse));
+    (out, saved)
+}
+
+/// Backward of the streaming mode: dqkv (b·s, 3D), P recomputed block by block from the kept
+/// log-sum-exp.
+pub fn backward_streaming(
+    qkv: &[bf16],
+    o_all: &[bf16],
+    go_all: &[bf16],
+    saved: Option<&CpuStorage>,
+    g: &AttnGeom,
+) -> CResult<Vec<bf16>> {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    let (nh, kb) = (g.heads(), g.kb());
+    let lse_all: &[f32] = match saved {
+        Some(st) => st.as_slice::<f32>()?,
+        None => return Err(err("attention backward: the log-sum-exp was not kept")),
+    };
+    let mut dqkv = vec![bf16::ZERO; g.b * s * 3 * d];
+    let nt = attn_threads(nh);
+    let per = 3 * s * dh + 2 * s * kb + s;
+    let a_qd = packed_a_len(s, dh);
+    let a_blk = packed_a_len(s, kb).max(packed_a_len(kb, s));
+    let b_len = packed_b_len(dh, kb)
+        .max(packed_b_len(kb, dh))
+        .max(packed_b_len(s, dh));
+    let mut scratch = vec![0f32; nt * per];
+    let mut pas = vec![0u32; nt * (2 * a_qd + a_blk)];
+    let mut pbs = vec![0u16; nt * b_len];
+    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let pd = SharedMut(dqkv.as_mut_ptr());
+    scratch
+        .par_chunks_mut(per)
+        .zip(pas.par_chunks_mut(2 * a_qd + a_blk))
+        .zip(pbs.par_chunks_mut(b_len))
+        .enumerate()
+        .for_each(|(t, ((sc, pa), pb))| {
+            let (dq, rest) = sc.split_at_mut(s * dh);
+            let (dk, rest) = rest.split_at_mut(s * dh);
+            let (dv, rest) = rest.split_at_mut(s * dh);
+            let (pblk, rest) = rest.split_at_mut(s * kb);
+            let (dpblk, delta) = rest.split_at_mut(s * kb);
+            let (aq, rest) = pa.split_at_mut(a_qd);
+            let (ado, ab) = rest.split_at_mut(a_qd);
+            let mut hi = t;
+            while hi < nh {
+                let (bi, hd) = (hi / g.a, hi % g.a);
+                let h = head(qkv, g, bi, hd);
+                let go = View {
+                    data: &go_all[bi * s * d + hd * dh..],
+                    rs: d,
+                    cs: 1,
+                };
+                let lse = &lse_all[hi * s..][..s];
+                // Δ_i = dO_i · o_i.
+                for (i, dl) in delta.iter_mut().enumerate() {
+                    let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
+                    let grow = &go_all[(bi * s + i) * d + hd * dh..][..dh];
+                    *dl = grow
+                        .iter()
+                        .zip(orow)
+                        .map(|(a, b)| a.to_f32() * b.to_f32())
+                        .sum();
+                }
+                pack_a_serial(s, dh, h.q, aq);
+                pack_a_serial(s, dh, go, ado);
+                dq.fill(0.0);
+                let mut j0 = 0;
+                while j0 < s {
+                    let n = kb.min(s - j0);
+                    let p = &mut pblk[..s * n];
+                    let dp = &mut dpblk[..s * n];
+                    // P = exp(S·scale − lse).
+                    let kt = View {
+                        data: &h.kt.data[j0 * h.kt.cs..],
+                        ..h.kt
+                    };
+                    pack_b_serial(dh, n, kt, pb);
+                    p.fill(0.0);
+                    gemm_packed_serial(s, n, dh, aq, pb, p, n);
+                    for x in p.iter_mut() {
+                        *x *= scale;
+                    }
+                    crate::vecmath::exp_rows(p, n, lse);
+                    // dv_blk = P_blkᵀ·dO.
+                    pack_a_serial(
+                        n,
+                        s,
+                        View {
+                            data: &*p,
+                            rs: 1,
+                            cs: n,
+                        },
+                        ab,
+                    );
+                    pack_b_serial(s, dh, go, pb);
+                    let dvb = &mut dv[j0 * dh..(j0 + n) * dh];
+                    dvb.fill(0.0);
+                    gemm_packed_serial(n, dh, s, ab, pb, dvb, dh);
+                    // dP_blk = dO·v_blkᵀ.
+                    let vt = View {
+                        data: &h.vt.data[j0 * h.vt.cs..],
+                        ..h.vt
+                    };
+                    pack_b_serial(dh, n, vt, pb);
+                    dp.fill(0.0);
+                    gemm_packed_serial(s, n, dh, ado, pb, dp, n);
+                    // dS = P∘(dP − Δ).
+                    for i in 0..s {
+                        for (a, b) in p[i * n..(i + 1) * n]
+                            .iter()
+                            .zip(dp[i * n..(i + 1) * n].iter_mut())
+                        {
+                            *b = *a * (*b - delta[i]);
+                        }
+                    }
+                    // dq += dS·k_blk.
+                    pack_a_serial(
+                        s,
+                        n,
+                        View {
+                            data: &*dp,
+                            rs: n,
+                            cs: 1,
+                        },
+                        ab,
+                    );
+                    let kblk = View {
+                        data: &h.k.data[j0 * h.k.rs..],
+                        ..h.k
+                    };
+                    pack_b_serial(n, dh, kblk, pb);
+                    gemm_packed_serial(s, dh, n, ab, pb, dq, dh);
+                    // dk_blk = dSᵀ·q.
+                    pack_a_serial(
+                        n,
+                        s,
+                        View {
+                            data: &*dp,
+                            rs: 1,
+                            cs: n,
+                        },
+                        ab,
+                    );
+                    pack_b_serial(s, dh, h.q, pb);
+                    let dkb = &mut dk[j0 * dh..(j0 + n) * dh];
+                    dkb.fill(0.0);
+                    gemm_packed_serial(n, dh, s, ab, pb, dkb, dh);
+                    j0 += n;
+                }
+                for i in 0..s {
+                    let row = (bi * s + i) * 3 * d + hd * dh;
+                    for j in 0..dh {
+                        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+                        unsafe {
+                            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
+                            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
+                            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
+                        }
+                    }
+                }
+                hi += nt;
+            }
+        });
+    drop((scratch, pas, pbs));
+    Ok(dqkv)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +619,10 @@ mod tests {
             let (f, b) = ditmem_budget::candle::native_attention_scratch(s as u64, dh as u64);
             assert_eq!(f, native_scratch_bytes(s, dh, false), "s {s} dh {dh}");
             assert_eq!(b, native_scratch_bytes(s, dh, true), "s {s} dh {dh}");
+            let kb = 128.min(s);
+            let (f, b) =
+                ditmem_budget::candle::streaming_attention_scratch(s as u64, dh as u64, kb as u64);
+            assert_eq!((f, b), streaming_scratch_bytes(s, dh, kb), "s {s} dh {dh}");
         }
     }
 }

@@ -740,7 +740,7 @@ impl AttnGeom {
     pub(crate) fn heads(&self) -> usize {
         self.b * self.a
     }
-    fn kb(&self) -> usize {
+    pub(crate) fn kb(&self) -> usize {
         ATTN_KEY_BLOCK.min(self.s)
     }
     /// Scratch elements (accumulation type) per head of the forward.
@@ -1237,8 +1237,11 @@ impl CustomOp1 for QkvAttention {
         let g = attn_geom(l, self.batch, self.heads)?;
         if st.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
             let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
-            let (o, saved) =
-                crate::attn_bf16::forward(qkv, &g, self.keep, self.dropout, self.track);
+            let (o, saved) = if self.keep == AttnKeep::LogSumExp {
+                crate::attn_bf16::forward_streaming(qkv, &g, self.track)
+            } else {
+                crate::attn_bf16::forward(qkv, &g, self.keep, self.dropout, self.track)
+            };
             *self
                 .saved
                 .lock()
@@ -1267,6 +1270,19 @@ impl CustomOp1 for QkvAttention {
             with_cpu(res, |so, lo| {
                 with_cpu(&grad, |sg, lg| {
                     let g = attn_geom(lq, self.batch, self.heads)?;
+                    if sq.dtype() == DType::BF16
+                        && crate::attn_bf16::applies(self.keep)
+                        && self.keep == AttnKeep::LogSumExp
+                    {
+                        let dqkv = crate::attn_bf16::backward_streaming(
+                            cpu_slice::<half::bf16>(sq, lq, "attention qkv")?,
+                            cpu_slice::<half::bf16>(so, lo, "attention output")?,
+                            cpu_slice::<half::bf16>(sg, lg, "attention gradient")?,
+                            guard.as_ref(),
+                            &g,
+                        )?;
+                        return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
+                    }
                     if sq.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
                         let dqkv = crate::attn_bf16::backward(
                             cpu_slice::<half::bf16>(sq, lq, "attention qkv")?,
