@@ -320,6 +320,9 @@ pub fn sims(spec: &Spec) -> Sims {
     }
 }
 
+/// Elements per partial sum of the engine's gradient norm (`ops::SQUARES_CHUNK`).
+pub const SQUARES_CHUNK: u64 = 1 << 16;
+
 /// Bytes of one trained tensor's optimizer update temporaries in the engine (`optim.rs`).
 fn optimizer_peak(elems: u64, p: Precision, opt: Optimizer, scaled: bool) -> u64 {
     let sd = p.optimizer_dtype().size();
@@ -676,8 +679,9 @@ pub fn replay(
         .collect();
     let largest = trained.iter().copied().max().unwrap_or(0);
     if largest > 0 {
+        // `ops::sum_squares`: one f64 partial sum per chunk of the largest gradient.
         let mut inside = live;
-        inside.workspace += largest * gd;
+        inside.workspace += largest.div_ceil(SQUARES_CHUNK) * 8;
         ev.push(
             Phase::Optimizer,
             "gradient norm (inside)".into(),

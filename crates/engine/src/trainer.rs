@@ -828,11 +828,7 @@ impl Trainer {
         let mut sq = 0.0f64;
         for &i in &self.trained {
             if let Some(g) = &self.grads[i] {
-                sq += g
-                    .sqr()?
-                    .sum_all()?
-                    .to_dtype(DType::F64)?
-                    .to_scalar::<f64>()?;
+                sq += crate::ops::sum_squares(g)?;
             }
         }
         let grad_norm = sq.sqrt() / scale;

@@ -650,3 +650,36 @@ fn backward_from_a_known_gradient_matches_the_composed_root() {
     assert!(backward_from(&out(x.as_tensor()), &go.narrow(0, 0, 2).unwrap()).is_err());
     assert!(backward_from(&out(x.as_tensor()), &go.to_dtype(DType::F32).unwrap()).is_err());
 }
+
+#[test]
+fn sum_squares_matches_f64_for_every_dtype() {
+    use ditmem_engine::ops::{sum_squares, SQUARES_CHUNK};
+    let n = 2 * SQUARES_CHUNK + 77;
+    let x64 = rand(&[n], 51, 1.0);
+    for dt in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+        let x = x64.to_dtype(dt).unwrap();
+        let want: f64 = x
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v * v)
+            .sum();
+        let got = sum_squares(&x).unwrap();
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "{dt:?}: {got} vs {want}"
+        );
+    }
+    // Strided views are read as their values.
+    let m = rand(&[40, 30], 52, 1.0);
+    let t = m.t().unwrap();
+    let want = sum_squares(&m).unwrap();
+    assert!((sum_squares(&t).unwrap() - want).abs() <= 1e-12 * want);
+    // The budget's restatement of the chunk.
+    assert_eq!(
+        SQUARES_CHUNK as u64,
+        ditmem_budget::candle_step::SQUARES_CHUNK
+    );
+}
