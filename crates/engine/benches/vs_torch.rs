@@ -8,7 +8,9 @@
 //! asserted: timings are printed with their conditions.
 //!
 //! `cargo bench -p ditmem-engine --bench vs_torch`. Environment: `VS_PRESET` (dit-s-2),
-//! `VS_RES` (256), `VS_BATCH` (2), `VS_WARMUP` (1), `VS_STEPS` (3), `VS_THREADS` (all cores;
+//! `VS_RES` (256), `VS_BATCH` (2), `VS_WARMUP` (1), `VS_STEPS` (5), `VS_ROUNDS` (1: engine then
+//! peer once per configuration; more alternate them and report the median of the rounds' p50
+//! and the range of the per-round ratios), `VS_THREADS` (all cores;
 //! exported as `RAYON_NUM_THREADS` for the engine and `--threads` for the peer), `VS_PYTHON`
 //! (bench/torch_peer/.venv/bin/python), `VS_ONLY` (a substring of the configuration names).
 //! The peer runs with `OMP_WAIT_POLICY=PASSIVE`. Without the peer's virtualenv the PyTorch
@@ -183,7 +185,8 @@ fn main() {
     let res: u32 = env("VS_RES", 256);
     let batch: u32 = env("VS_BATCH", 2);
     let warmup: u32 = env("VS_WARMUP", 1);
-    let steps: u32 = env("VS_STEPS", 3);
+    let steps: u32 = env("VS_STEPS", 5);
+    let rounds: u32 = env("VS_ROUNDS", 1).max(1);
     let threads: usize = env(
         "VS_THREADS",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -210,7 +213,7 @@ fn main() {
         .unwrap_or((f64::NAN, f64::NAN));
     let cpu = ditmem_budget::candle::cpu_model();
     println!(
-        "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50); AdamW + EMA",
+        "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per configuration (median of the rounds' p50); AdamW + EMA",
         if cfg!(debug_assertions) { "debug" } else { "release" },
         base.model.name,
         d.s,
@@ -266,28 +269,54 @@ fn main() {
                 s.recipe.precision = p;
                 s.recipe.recompute = rc.clone();
                 s.recipe.attention = a;
-                let m = match run(
-                    &s,
-                    &RunOptions {
-                        warmup,
-                        steps,
-                        ..RunOptions::default()
-                    },
-                    Some(&A),
-                    &mut |_| true,
-                ) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        println!("{name:<40} engine failed: {e}");
-                        continue;
+                // Engine and peer alternate `rounds` times on this configuration, so a burst of
+                // load from elsewhere on a shared machine lands on both rather than on one.
+                let mut e_p50s = Vec::new();
+                let mut t_p50s = Vec::new();
+                let mut last = None;
+                let mut peer_last = None;
+                for _ in 0..rounds {
+                    let m = match run(
+                        &s,
+                        &RunOptions {
+                            warmup,
+                            steps,
+                            ..RunOptions::default()
+                        },
+                        Some(&A),
+                        &mut |_| true,
+                    ) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            println!("{name:<40} engine failed: {e}");
+                            break;
+                        }
+                    };
+                    let mut t = m.step_times_s.clone();
+                    t.sort_by(f64::total_cmp);
+                    e_p50s.push(t.get(t.len() / 2).copied().unwrap_or(f64::NAN));
+                    let peer = run_peer(&s, warmup, steps, threads);
+                    if let Ok(pe) = &peer {
+                        t_p50s.push(pe.p50);
                     }
+                    last = Some(m);
+                    peer_last = Some(peer);
+                }
+                let (Some(m), Some(peer)) = (last, peer_last) else {
+                    continue;
                 };
-                let mut t = m.step_times_s.clone();
-                t.sort_by(f64::total_cmp);
-                let p50 = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+                let median = |v: &mut Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+                };
+                let ratios: Vec<f64> = e_p50s.iter().zip(&t_p50s).map(|(e, t)| e / t).collect();
+                let p50 = median(&mut e_p50s);
                 let above = m.peak_bytes.saturating_sub(m.resident_bytes);
                 let gf = flops / p50;
-                let peer = run_peer(&s, warmup, steps, threads);
+                let peer = peer.map(|mut pe| {
+                    pe.p50 = median(&mut t_p50s);
+                    pe
+                });
                 let (tp, tr, ta, tar, tt, ttr) = match &peer {
                     Ok(pe) => (
                         format!("{:.1}", mib(pe.peak)),
@@ -311,6 +340,11 @@ fn main() {
                             _ => rate,
                         }
                 );
+                if ratios.len() > 1 {
+                    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+                    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    line.push_str(&format!("  rounds {lo:.2}–{hi:.2}"));
+                }
                 if let Err(e) = peer {
                     line.push_str(&format!("  (peer: {e})"));
                 }
