@@ -153,13 +153,10 @@ pub fn forward(
 ) -> (Vec<bf16>, Option<CpuStorage>) {
     let (s, dh, d) = (g.s, g.dh, g.d());
     let nh = g.heads();
-    let mut out = vec![bf16::ZERO; g.b * s * d];
+    // Written whole through raw pointers below, then given its length: no zeroing.
+    let mut out: Vec<bf16> = Vec::with_capacity(g.b * s * d);
     let save_p = save && keep == AttnKeep::Probabilities;
-    let mut p_keep = if save_p {
-        vec![bf16::ZERO; nh * s * s]
-    } else {
-        Vec::new()
-    };
+    let mut p_keep: Vec<bf16> = Vec::with_capacity(if save_p { nh * s * s } else { 0 });
     let nt = attn_threads(nh);
     let per = AttnGeom::native_f32_fwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
@@ -209,6 +206,11 @@ pub fn forward(
             }
         });
     drop((scratch, pas, pbs));
+    // SAFETY: every head wrote its columns of every row of `out`, and its P when kept.
+    unsafe {
+        out.set_len(g.b * s * d);
+        p_keep.set_len(p_keep.capacity());
+    }
     let saved = save_p.then_some(CpuStorage::BF16(p_keep));
     (out, saved)
 }
@@ -231,7 +233,8 @@ pub fn backward(
         }
         _ => None,
     };
-    let mut dqkv = vec![bf16::ZERO; g.b * s * 3 * d];
+    // Written whole through raw pointers below, then given its length: no zeroing.
+    let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
     let nt = attn_threads(nh);
     let per = AttnGeom::native_f32_bwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
@@ -332,6 +335,8 @@ pub fn backward(
             }
         });
     drop((scratch, pas, pbs));
+    // SAFETY: every head wrote its q, k and v columns of every row.
+    unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
 }
 
@@ -344,7 +349,8 @@ pub fn forward_streaming(
 ) -> (Vec<bf16>, Option<CpuStorage>) {
     let (s, dh, d) = (g.s, g.dh, g.d());
     let (nh, kb) = (g.heads(), g.kb());
-    let mut out = vec![bf16::ZERO; g.b * s * d];
+    // Written whole through raw pointers below, then given its length: no zeroing.
+    let mut out: Vec<bf16> = Vec::with_capacity(g.b * s * d);
     let mut lse = if save { vec![0f32; nh * s] } else { Vec::new() };
     let nt = attn_threads(nh);
     let per = s * dh + s * kb + 2 * s;
@@ -440,6 +446,8 @@ pub fn forward_streaming(
             }
         });
     drop((scratch, pas, pbs));
+    // SAFETY: every head wrote its columns of every row of `out`.
+    unsafe { out.set_len(g.b * s * d) };
     let saved = save.then_some(CpuStorage::F32(lse));
     (out, saved)
 }
@@ -459,7 +467,8 @@ pub fn backward_streaming(
         Some(st) => st.as_slice::<f32>()?,
         None => return Err(err("attention backward: the log-sum-exp was not kept")),
     };
-    let mut dqkv = vec![bf16::ZERO; g.b * s * 3 * d];
+    // Written whole through raw pointers below, then given its length: no zeroing.
+    let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
     let nt = attn_threads(nh);
     let per = 3 * s * dh + 2 * s * kb + s;
     let a_qd = packed_a_len(s, dh);
@@ -606,6 +615,8 @@ pub fn backward_streaming(
             }
         });
     drop((scratch, pas, pbs));
+    // SAFETY: every head wrote its q, k and v columns of every row.
+    unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
 }
 

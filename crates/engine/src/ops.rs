@@ -1672,7 +1672,8 @@ fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
     out: usize,
 ) -> Vec<half::bf16> {
     use gemm_bf16::{pack_a, pack_b, packed_a_len, packed_b_len, View};
-    let mut y = vec![half::bf16::ZERO; rows * out];
+    // Every row is narrowed in below: no zeroing.
+    let mut y: Vec<half::bf16> = Vec::with_capacity(rows * out);
     let r = LINEAR_ROWS.min(rows);
     // B = Wᵀ (in × out): B(k, j) = W[j][k].
     let mut pb = vec![0u16; packed_b_len(inp, out)];
@@ -1702,9 +1703,14 @@ fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
             .par_chunks_mut(out)
             .for_each(|row| row.copy_from_slice(&b32));
         gemm_bf16::gemm_packed(n, out, inp, &pa, &pb, &mut c, out);
-        narrow_into(&c[..n * out], &mut y[r0 * out..(r0 + n) * out]);
+        vecmath::narrow_into_uninit(
+            &c[..n * out],
+            &mut y.spare_capacity_mut()[r0 * out..(r0 + n) * out],
+        );
         r0 += n;
     }
+    // SAFETY: the chunks above cover rows 0..rows, every element written.
+    unsafe { y.set_len(rows * out) };
     y
 }
 
@@ -1742,7 +1748,8 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     want: LinearGrads,
 ) -> (Option<Vec<half::bf16>>, Option<Vec<W>>, Option<Vec<W>>) {
     use gemm_bf16::{gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, View};
-    let mut dx: Option<Vec<half::bf16>> = want.x.then(|| vec![half::bf16::ZERO; rows * inp]);
+    // Filled chunk by chunk below: no zeroing.
+    let mut dx: Option<Vec<half::bf16>> = want.x.then(|| Vec::with_capacity(rows * inp));
     let r = LINEAR_ROWS.min(rows);
     // dx: B = W (out × in) as stored; A = the g chunk; an f32 dx chunk.
     let mut gx = want.x.then(|| {
@@ -1785,7 +1792,10 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
             );
             c[..n * inp].fill(0.0);
             gemm_packed(n, inp, out, pa, pw, c, inp);
-            narrow_into(&c[..n * inp], &mut dx[r0 * inp..(r0 + n) * inp]);
+            vecmath::narrow_into_uninit(
+                &c[..n * inp],
+                &mut dx.spare_capacity_mut()[r0 * inp..(r0 + n) * inp],
+            );
         }
         if let Some((dw32, pa, pb)) = gw.as_mut() {
             pack_a(
@@ -1815,6 +1825,10 @@ fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
             add_column_sums(gc, out, db32);
         }
         r0 += n;
+    }
+    if let Some(dx) = dx.as_mut() {
+        // SAFETY: the chunks above cover rows 0..rows, every element written.
+        unsafe { dx.set_len(rows * inp) };
     }
     // Every buffer stays alive until the gradients are out (the budget's model of the op).
     let dw = gw.map(|(dw32, pa, pb)| (W::grad_from_f32(dw32), pa, pb));

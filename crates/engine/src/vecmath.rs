@@ -264,11 +264,17 @@ pub fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(x: &[T], y: &[T], f: F) -> 
 
 /// Rounds `src` into `dst` (same length) element by element, in parallel.
 pub fn narrow_into<T: Lanes>(src: &[f32], dst: &mut [T]) {
-    assert_eq!(src.len(), dst.len(), "narrow_into: lengths differ");
     // SAFETY: a `[T]` is a valid `[MaybeUninit<T>]` of the same length; every element is
     // overwritten with an initialised value.
     let dst: &mut [MaybeUninit<T>] =
         unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), dst.len()) };
+    narrow_into_uninit(src, dst)
+}
+
+/// [`narrow_into`] into not yet initialised elements (a vector's spare capacity), so a buffer
+/// the narrowing fills whole needs no zeroing first.
+pub fn narrow_into_uninit<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+    assert_eq!(src.len(), dst.len(), "narrow_into: lengths differ");
     dst.par_chunks_mut(PAR_ITEM)
         .zip(src.par_chunks(PAR_ITEM))
         .for_each(|(o, s)| dispatch_narrow(s, o));
