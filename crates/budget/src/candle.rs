@@ -1534,14 +1534,16 @@ pub fn block(sh: &BlockShape) -> (Graph, Nid, Nid, Nid) {
     (g, x, c, out)
 }
 
-/// The engine's surrogate root `sum(out · grad_out)` appended to a graph: returns the root.
-/// The root the engine backpropagates a block from (`ops::backward_from(out, grad_out)`).
+/// The root the engine backpropagates a block from (`ops::backward_from(out, grad_out)`),
+/// appended to a graph: returns the root.
 pub fn seed(g: &mut Graph, out: Nid) -> Nid {
     let (e, dt) = (g.elems(out), g.dtype(out));
     let go = g.constant("grad_out", e, dt, false);
     g.op("grad seed", Kind::Seed, &[out, go], 1, dt)
 }
 
+/// The composed root `sum(out · grad_out)` appended to a graph (the composed attention core
+/// still backpropagates from it): returns the root.
 pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
     let (e, dt) = (g.elems(out), g.dtype(out));
     let go = g.constant("grad_out", e, dt, false);

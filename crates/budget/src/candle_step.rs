@@ -4,9 +4,10 @@
 //! The replay follows the engine's code path: the microbatch slice of the batch, the embed
 //! segment (kept to the end of backward), each block on a leaf copy of its input (stored) or on
 //! its input without tracking (recomputed), the final layer on a leaf copy, then backward through
-//! the final layer's loss and each block's surrogate `sum(out · grad_out)`, the gradient buffers
-//! (moved out of the gradient store on the first microbatch, summed on later ones), and the
-//! optimizer step: the gradient norm, AdamW's temporaries, the EMA update. Every event is a point
+//! the final layer's loss and each block from its output gradient (the seed of
+//! `ops::backward_from`), the gradient buffers (moved out of the gradient store, or out of the
+//! linears' gradient sinks, on the first microbatch, summed on later ones), and the optimizer
+//! step: the gradient norm, AdamW's temporaries, the EMA update. Every event is a point
 //! the engine's recorder marks (`inside: false`) or the worst moment between two marks.
 
 use serde::Serialize;
@@ -54,7 +55,7 @@ pub struct SegSim {
     pub fwd_peak: u64,
     /// Highest bytes of a no-grad forward on the input (blocks only; output included).
     pub untracked_peak: u64,
-    /// The surrogate root's own buffers during backward.
+    /// The backward root's own buffers during backward.
     pub root: u64,
     /// Candle backward replay.
     pub bwd_peak: u64,
@@ -240,7 +241,7 @@ fn seg(
     let kept = |x: Nid| if keep[x] { g.nodes[x].footprint() } else { 0 };
     let leaf_b = leaf.map_or(0, kept);
     let out_b = output.map_or(0, kept);
-    // The surrogate root's own nodes exist only during backward.
+    // The backward root's own nodes exist only during backward.
     let root_b: u64 = (g.nodes.len() - root_nodes..g.nodes.len()).map(kept).sum();
     let bw = backward(g, root);
     SegSim {
@@ -265,7 +266,7 @@ pub fn sims(spec: &Spec) -> Sims {
     let ad = sh.precision.accum_dtype();
     let cd = sh.precision.compute_dtype();
 
-    // Block: tracked on a leaf copy, plus the surrogate root.
+    // Block: tracked on a leaf copy, plus the seed it is backpropagated from.
     let (mut bg, leaf, _c, out) = candle::block(&sh);
     let fwd = forward_peak(&bg);
     let root = candle::seed(&mut bg, out);
@@ -332,8 +333,8 @@ fn optimizer_peak(elems: u64, p: Precision, opt: Optimizer, scaled: bool) -> u64
     let unscale = if scaled { elems * sd } else { 0 };
     let g_cast = if gd != sd { elems * sd } else { 0 };
     match opt {
-        // The engine's AdamW updates m, v and the weight in place, one pass each
-        // (`optim.rs`, candle in-place ops): only a gradient cast, when the gradient dtype
+        // The engine's AdamW updates m, v and the weight in place in one pass (`optim.rs`,
+        // a candle in-place op): only a gradient cast, when the gradient dtype
         // differs from the state's, allocates.
         Optimizer::AdamW | Optimizer::AdamW8bit => g_cast,
         Optimizer::Sgd => {

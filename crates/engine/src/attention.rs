@@ -104,11 +104,11 @@ pub(crate) trait Acc:
     fn from_f64(v: f64) -> Self;
     /// Softmax of each row of `n` values, in place.
     fn softmax_rows(x: &mut [Self], n: usize);
-    /// Row i of `x` (rows of `n`) becomes e^(x − sub[i]), in place.
+    /// Row i of `x` (rows of `n`) becomes `e^(x − sub[i])`, in place.
     fn exp_rows(x: &mut [Self], n: usize, sub: &[Self]);
     /// The row's maximum (−∞ when empty).
     fn max_of(row: &[Self]) -> Self;
-    /// row[j] = e^(row[j] − m) in place; returns their sum.
+    /// `row[j] = e^(row[j] − m)` in place; returns their sum.
     fn exp_sub_sum(row: &mut [Self], m: Self) -> Self;
 }
 

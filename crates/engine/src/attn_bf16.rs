@@ -11,7 +11,7 @@
 //! (S = (q·kᵀ)·d_h^−½), so the scale is applied once in f32 rather than to bf16 q.
 //!
 //! Per thread (at most one per head, all allocated up front like the generic kernels): an f32
-//! scratch ([`AttnGeom::native_f32`]) and the packed operands ([`packed_lens`]); the budget
+//! scratch (`AttnGeom::native_f32_fwd`, `AttnGeom::native_f32_bwd`) and the packed operands ([`packed_lens`]); the budget
 //! restates [`native_scratch_bytes`] (`ditmem_budget::candle::fused_attention`).
 
 use candle_core::CpuStorage;

@@ -15,7 +15,7 @@
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
 //! - [`threads`]: thread-pool settings a binary applies before it starts any thread.
 //! - [`measure`]: the counting allocator and the memory probe.
-//! - [`run`]: warm-up + measured steps → [`Measurement`].
+//! - [`run`](mod@run): warm-up + measured steps → [`Measurement`].
 //! - [`verify`]: variants against a float64 reference: tolerances by dtype, twins, drift.
 //!
 //! # Block composition (what one block allocates in forward)

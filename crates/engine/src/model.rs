@@ -25,7 +25,7 @@ use crate::rng::{seed_from_str, SplitMix64};
 /// How a parameter is initialised.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
-    /// Uniform(±√(6/(fan_in+fan_out))) with fan_out = shape[0], fan_in = the rest.
+    /// Uniform(±√(6/(fan_in+fan_out))) with fan_out = `shape[0]`, fan_in = the rest.
     XavierUniform,
     /// Normal(0, std).
     Normal(f64),

@@ -17,6 +17,11 @@
 //!   keeping P (materialized), nothing (attention-only recompute) or the log-sum-exp
 //!   (memory-efficient, streaming over key blocks); the softmax is fused and accumulates in f32.
 //!
+//! - [`linear_sunk`] / [`GradSink`]: the linear with W and b untracked, dW and db handed to the
+//!   trainer instead of candle's store (no `zeros_like` + `add` per weight).
+//! - [`backward_from`]: backpropagation from a segment's output with its known gradient (no
+//!   composed `sum(out · grad)` root); [`sum_squares`]: the gradient norm without a squared copy.
+//!
 //! Every kernel is a free function over slices (`*_cpu`) called from `cpu_fwd` / `bwd`, so a CUDA
 //! kernel can be added beside it (`cuda_fwd`) without touching the graph side.
 //!

@@ -6,8 +6,9 @@
 //! its input. The final layer and the loss run on a leaf copy of the last block output.
 //!
 //! Backward: `loss.backward()` on the final segment; then for each block from the last one down:
-//! recompute it if needed (same dropout seeds), backprop the surrogate `sum(out · grad_out)`, take
-//! the weight gradients and the input gradient (detached), add the weight gradients into the f32
+//! recompute it if needed (same dropout seeds), backprop from its output with the known output
+//! gradient ([`crate::ops::backward_from`]), take the weight gradients (from the linears'
+//! gradient sinks) and the input gradient (detached), add the weight gradients into the f32
 //! (f64 under fp64) gradient buffers, and drop the block's graph and gradient store at once. The
 //! conditioning c is an input of every block and of the final layer: its gradient is summed over
 //! them and backpropagated through the embedders with the embed segment's surrogate at the end.
@@ -15,6 +16,9 @@
 //! Gradient accumulation runs the above per microbatch with the loss scaled by 1/accumulation;
 //! the gradient buffers stay live across microbatches and are dropped after the optimizer step
 //! (unless [`TrainOptions::keep_gradients`] or [`Trainer::compute_gradients`]).
+//!
+//! A step runs on a worker of rayon's pool, so the kernels' parallel regions include the thread
+//! that opens them (see `on_pool`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

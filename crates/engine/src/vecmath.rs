@@ -140,7 +140,7 @@ pub fn avx512() -> bool {
     isa() == Isa::Avx512
 }
 
-/// One contiguous run: out[i] = f(x[i]) (and f(x[i], y[i]) for two inputs), by blocks.
+/// One contiguous run: `out[i] = f(x[i])` (and `f(x[i], y[i])` for two inputs), by blocks.
 #[inline(always)]
 fn run1<T: Lanes, F: Fn(f32) -> f32>(x: &[T], out: &mut [MaybeUninit<T>], f: &F) {
     let mut buf = [0f32; LANE_BLOCK];
@@ -246,7 +246,7 @@ pub fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
     out
 }
 
-/// A fresh buffer with f(x[i], y[i]) for every i, computed in f32, in parallel.
+/// A fresh buffer with `f(x[i], y[i])` for every i, computed in f32, in parallel.
 /// `x` and `y` must have the same length (checked).
 pub fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(x: &[T], y: &[T], f: F) -> Option<Vec<T>> {
     if x.len() != y.len() {
@@ -323,7 +323,7 @@ fn row_max(row: &[f32]) -> f32 {
     best
 }
 
-/// row[j] = e^(row[j] − m); returns Σ row (accumulated per lane, then across lanes).
+/// `row[j] = e^(row[j] − m)`; returns Σ row (accumulated per lane, then across lanes).
 #[inline(always)]
 fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
     let mut acc = [0f32; RED];
@@ -407,7 +407,7 @@ pub fn softmax_rows(x: &mut [f32], n: usize) {
     }
 }
 
-/// Row i of `x` (rows of `n`) becomes e^(x − sub[i]), in place, on the calling thread.
+/// Row i of `x` (rows of `n`) becomes `e^(x − sub[i])`, in place, on the calling thread.
 pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
     if n == 0 {
         return;
@@ -430,7 +430,7 @@ pub fn max_of(row: &[f32]) -> f32 {
     }
 }
 
-/// row[j] = e^(row[j] − m) in place; returns their sum.
+/// `row[j] = e^(row[j] − m)` in place; returns their sum.
 pub fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
     match isa() {
         // SAFETY: as above.
