@@ -29,15 +29,24 @@ pub fn grad_dtype(p: Precision) -> Dtype {
     }
 }
 
-/// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls:
-/// 1 MiB for the calling thread and about 2 MiB per pool worker, measured with the counting
-/// allocator on this project's 2-core machines (1,049,600 B with 1 thread, 3,165,832 B with 2,
-/// 5,277,064 B with 4). They are sized from the CPU's caches, so other machines differ a little;
-/// `ditmem compare` reports the measured value beside this one.
+/// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls: about
+/// 1 MiB per thread of the pool (the step runs on a pool worker, so every thread that calls or
+/// helps a matmul is one), measured with the counting allocator on this project's 2-core machines
+/// (1,048,574 B per thread with 1, 2 and 4 threads). They are sized from the CPU's caches, so
+/// other machines differ a little; `ditmem compare` reports the measured value beside this one.
+/// None when the step makes no `gemm` product (see [`step_uses_gemm`]).
 pub fn gemm_workspace_bytes(threads: u64) -> u64 {
-    const MAIN: u64 = 1_049_600;
-    const PER_WORKER: u64 = 2_113_000;
-    MAIN + threads.saturating_sub(1) * PER_WORKER
+    const PER_THREAD: u64 = 1_048_576;
+    threads.max(1) * PER_THREAD
+}
+
+/// Whether a step of `spec` multiplies through candle's `gemm` crate: f32/f64 products, bf16 or
+/// f16 products widened to f32 (no AVX512-BF16 kernel, or f16), and LoRA adapters (composed
+/// candle matmuls). bf16 linears and attention on the engine's kernel make none.
+pub fn step_uses_gemm(spec: &Spec) -> bool {
+    let bf16_native =
+        spec.recipe.precision.compute_dtype() == Dtype::Bf16 && candle::bf16_dot_native();
+    !bf16_native || spec.recipe.lora.is_some()
 }
 
 /// The results of simulating one segment's graph.
@@ -402,7 +411,11 @@ pub fn replay(
         optimizer_state: st.optimizer_state,
         ema: st.ema,
         data: batch_bytes(per_step),
-        runtime: gemm_workspace_bytes(candle::cpu_threads()),
+        runtime: if step_uses_gemm(spec) {
+            gemm_workspace_bytes(candle::cpu_threads())
+        } else {
+            0
+        },
         ..Breakdown::default()
     };
     let mut ev = Events::default();
