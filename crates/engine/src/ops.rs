@@ -875,6 +875,51 @@ fn mm_par<A: 'static + Acc>(
     mm_strided(m, n, k, (dst, n, 1), lhs, rhs, acc, par)
 }
 
+/// A fresh row-major `m × n` product `lhs · rhs` (f32/f64, through `gemm`), written straight into
+/// new memory: `gemm` overwrites the destination without reading it, so it is not zeroed first.
+fn mm_fresh<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    par: gemm::Parallelism,
+) -> Vec<A> {
+    if k == 0 || m == 0 || n == 0 {
+        return vec![A::ZERO; m * n];
+    }
+    let mut out: Vec<A> = Vec::with_capacity(m * n);
+    let dst = out.spare_capacity_mut();
+    // Safety: `dst` holds m·n elements (row stride n); the operands' strides stay inside their
+    // slices (callers pass row-major buffers or their transposes); with `read_dst` false `gemm`
+    // writes every element of the m × n destination and reads none.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr().cast::<A>(),
+            1,
+            n as isize,
+            false,
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            <A as Acc>::from_f64(1.0),
+            <A as Acc>::from_f64(1.0),
+            false,
+            false,
+            false,
+            par,
+        );
+        out.set_len(m * n);
+    }
+    out
+}
+
 /// The general product: every operand as (slice, row stride, column stride).
 ///
 /// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is
@@ -1853,34 +1898,12 @@ fn linear_bwd_direct<A: Acc + Elem<A> + Send + Sync + 'static>(
     want: LinearGrads,
 ) -> (Option<Vec<A>>, Option<Vec<A>>, Option<Vec<A>>) {
     let par = gemm_threads();
-    let dx = want.x.then(|| {
-        let mut dx = vec![A::ZERO; rows * inp];
-        mm_par(
-            rows,
-            inp,
-            out,
-            &mut dx,
-            (g, out, 1),
-            (w, inp, 1),
-            false,
-            par,
-        );
-        dx
-    });
-    let dw = want.w.then(|| {
-        let mut dw = vec![A::ZERO; out * inp];
-        mm_par(
-            out,
-            inp,
-            rows,
-            &mut dw,
-            (g, 1, out),
-            (x, inp, 1),
-            false,
-            par,
-        );
-        dw
-    });
+    let dx = want
+        .x
+        .then(|| mm_fresh(rows, inp, out, (g, out, 1), (w, inp, 1), par));
+    let dw = want
+        .w
+        .then(|| mm_fresh(out, inp, rows, (g, 1, out), (x, inp, 1), par));
     let db = want.b.then(|| {
         let mut db = vec![A::ZERO; out];
         add_column_sums(g, out, &mut db);
