@@ -27,7 +27,7 @@ use crate::ops::{attn_threads, mask_at, AttnGeom, AttnKeep, SharedMut};
 type CResult<T> = candle_core::Result<T>;
 
 /// Whether the native path runs for bf16 storage: where the kernel is available (every mode).
-pub fn applies(_keep: AttnKeep) -> bool {
+pub fn applies() -> bool {
     crate::gemm_bf16::available()
 }
 
@@ -74,6 +74,59 @@ impl AttnGeom {
     /// f32 elements of one thread's backward scratch: dq, dk, dv, P and dP.
     pub fn native_f32_bwd(s: usize, dh: usize) -> usize {
         3 * s * dh + 2 * s * s
+    }
+}
+
+/// Runs `f(head, f32 scratch, packed A, packed B)` for every head, in parallel: at most one
+/// thread per head, each with its own scratch of `per` f32, `pa` u32 and `pb` u16, all allocated
+/// up front (so the transient bytes are deterministic) and freed when every head is done.
+fn for_each_head(
+    nh: usize,
+    per: usize,
+    pa: usize,
+    pb: usize,
+    f: impl Fn(usize, &mut [f32], &mut [u32], &mut [u16]) + Sync,
+) {
+    let nt = attn_threads(nh);
+    let mut scratch = vec![0f32; nt * per];
+    let mut pas = vec![0u32; nt * pa];
+    let mut pbs = vec![0u16; nt * pb];
+    scratch
+        .par_chunks_mut(per)
+        .zip(pas.par_chunks_mut(pa))
+        .zip(pbs.par_chunks_mut(pb))
+        .enumerate()
+        .for_each(|(t, ((sc, pa), pb))| {
+            for hi in (t..nh).step_by(nt) {
+                f(hi, sc, pa, pb);
+            }
+        });
+}
+
+/// Writes one head's dq·scale, dk·scale and dv (s × d_h each, f32) into its q, k and v columns
+/// of dqkv (b·s, 3D).
+///
+/// # Safety
+/// `pd` must point to dqkv's b·s·3D elements, and no other thread may write head (bi, hd)'s
+/// columns meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_dqkv(
+    pd: &SharedMut<bf16>,
+    g: &AttnGeom,
+    (bi, hd): (usize, usize),
+    dq: &[f32],
+    dk: &[f32],
+    dv: &[f32],
+    scale: f32,
+) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    for i in 0..s {
+        let row = (bi * s + i) * 3 * d + hd * dh;
+        for j in 0..dh {
+            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
+            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
+            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
+        }
     }
 }
 
@@ -157,55 +210,39 @@ pub fn forward(
     let mut out: Vec<bf16> = Vec::with_capacity(g.b * s * d);
     let save_p = save && keep == AttnKeep::Probabilities;
     let mut p_keep: Vec<bf16> = Vec::with_capacity(if save_p { nh * s * s } else { 0 });
-    let nt = attn_threads(nh);
     let per = AttnGeom::native_f32_fwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
-    let mut scratch = vec![0f32; nt * per];
-    let mut pas = vec![0u32; nt * pa_len];
-    let mut pbs = vec![0u16; nt * pb_len];
     let scale = (1.0 / (dh as f64).sqrt()) as f32;
     let (po, pp) = (SharedMut(out.as_mut_ptr()), SharedMut(p_keep.as_mut_ptr()));
-    scratch
-        .par_chunks_mut(per)
-        .zip(pas.par_chunks_mut(pa_len))
-        .zip(pbs.par_chunks_mut(pb_len))
-        .enumerate()
-        .for_each(|(t, ((sc, pa), pb))| {
-            let (o, p) = sc.split_at_mut(s * dh);
-            let mut hi = t;
-            while hi < nh {
-                let (bi, hd) = (hi / g.a, hi % g.a);
-                let h = head(qkv, g, bi, hd);
-                probabilities(&h, s, dh, scale, p, pa, pb);
-                if save_p {
-                    for (i, v) in p.iter().enumerate() {
-                        // Safety: head `hi` owns P[hi·s²..(hi+1)·s²].
-                        unsafe { *pp.at(hi * s * s + i) = bf16::from_f32(*v) };
-                    }
-                }
-                if let Some(dr) = dropout {
-                    for (i, v) in p.iter_mut().enumerate() {
-                        *v *= mask_at::<f32>(dr, hi * s * s + i);
-                    }
-                }
-                let pv = View {
-                    data: &*p,
-                    rs: s,
-                    cs: 1,
-                };
-                product(s, dh, s, pv, h.v, o, pa, pb);
-                for i in 0..s {
-                    for j in 0..dh {
-                        // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
-                        unsafe {
-                            *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j])
-                        };
-                    }
-                }
-                hi += nt;
+    for_each_head(nh, per, pa_len, pb_len, |hi, sc, pa, pb| {
+        let (o, p) = sc.split_at_mut(s * dh);
+        let (bi, hd) = (hi / g.a, hi % g.a);
+        let h = head(qkv, g, bi, hd);
+        probabilities(&h, s, dh, scale, p, pa, pb);
+        if save_p {
+            for (i, v) in p.iter().enumerate() {
+                // Safety: head `hi` owns P[hi·s²..(hi+1)·s²].
+                unsafe { *pp.at(hi * s * s + i) = bf16::from_f32(*v) };
             }
-        });
-    drop((scratch, pas, pbs));
+        }
+        if let Some(dr) = dropout {
+            for (i, v) in p.iter_mut().enumerate() {
+                *v *= mask_at::<f32>(dr, hi * s * s + i);
+            }
+        }
+        let pv = View {
+            data: &*p,
+            rs: s,
+            cs: 1,
+        };
+        product(s, dh, s, pv, h.v, o, pa, pb);
+        for i in 0..s {
+            for j in 0..dh {
+                // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                unsafe { *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j]) };
+            }
+        }
+    });
     // SAFETY: every head wrote its columns of every row of `out`, and its P when kept.
     unsafe {
         out.set_len(g.b * s * d);
@@ -235,106 +272,83 @@ pub fn backward(
     };
     // Written whole through raw pointers below, then given its length: no zeroing.
     let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
-    let nt = attn_threads(nh);
     let per = AttnGeom::native_f32_bwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
-    let mut scratch = vec![0f32; nt * per];
-    let mut pas = vec![0u32; nt * pa_len];
-    let mut pbs = vec![0u16; nt * pb_len];
     let scale = (1.0 / (dh as f64).sqrt()) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
-    scratch
-        .par_chunks_mut(per)
-        .zip(pas.par_chunks_mut(pa_len))
-        .zip(pbs.par_chunks_mut(pb_len))
-        .enumerate()
-        .for_each(|(t, ((sc, pa), pb))| {
-            let (dq, rest) = sc.split_at_mut(s * dh);
-            let (dk, rest) = rest.split_at_mut(s * dh);
-            let (dv, rest) = rest.split_at_mut(s * dh);
-            let (p, dp) = rest.split_at_mut(s * s);
-            let mut hi = t;
-            while hi < nh {
-                let (bi, hd) = (hi / g.a, hi % g.a);
-                let h = head(qkv, g, bi, hd);
-                let go = View {
-                    data: &go_all[bi * s * d + hd * dh..],
-                    rs: d,
-                    cs: 1,
-                };
-                let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
-                    Some(ps) => {
-                        for (x, y) in p.iter_mut().zip(&ps[hi * s * s..][..s * s]) {
-                            *x = y.to_f32();
-                        }
-                    }
-                    None => {
-                        // Recomputed and rounded as the stored mode keeps it (bitwise twins).
-                        probabilities(&h, s, dh, scale, p, pa, pb);
-                        for x in p.iter_mut() {
-                            *x = bf16::from_f32(*x).to_f32();
-                        }
-                    }
-                };
-                load_p(p, pa, pb);
-                // dP̃ = dO·vᵀ.
-                product(s, s, dh, go, h.vt, dp, pa, pb);
-                if let Some(dr) = dropout {
-                    // dv = (P∘M)ᵀ·dO: scale P in place, rebuild it after.
-                    for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
-                        let mk = mask_at::<f32>(dr, hi * s * s + i);
-                        *x *= mk;
-                        *y *= mk;
-                    }
-                    let pt = View {
-                        data: &*p,
-                        rs: 1,
-                        cs: s,
-                    };
-                    product(s, dh, s, pt, go, dv, pa, pb);
-                    load_p(p, pa, pb);
-                } else {
-                    let pt = View {
-                        data: &*p,
-                        rs: 1,
-                        cs: s,
-                    };
-                    product(s, dh, s, pt, go, dv, pa, pb);
+    for_each_head(nh, per, pa_len, pb_len, |hi, sc, pa, pb| {
+        let (dq, rest) = sc.split_at_mut(s * dh);
+        let (dk, rest) = rest.split_at_mut(s * dh);
+        let (dv, rest) = rest.split_at_mut(s * dh);
+        let (p, dp) = rest.split_at_mut(s * s);
+        let (bi, hd) = (hi / g.a, hi % g.a);
+        let h = head(qkv, g, bi, hd);
+        let go = View {
+            data: &go_all[bi * s * d + hd * dh..],
+            rs: d,
+            cs: 1,
+        };
+        let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
+            Some(ps) => {
+                for (x, y) in p.iter_mut().zip(&ps[hi * s * s..][..s * s]) {
+                    *x = y.to_f32();
                 }
-                // dS = P∘(dP − Σ_j dP·P), in dp.
-                for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
-                    let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-                    for (a, b) in pr.iter().zip(dr.iter_mut()) {
-                        *b = *a * (*b - delta);
-                    }
-                }
-                let ds = View {
-                    data: &*dp,
-                    rs: s,
-                    cs: 1,
-                };
-                product(s, dh, s, ds, h.k, dq, pa, pb);
-                let dst = View {
-                    data: &*dp,
-                    rs: 1,
-                    cs: s,
-                };
-                product(s, dh, s, dst, h.q, dk, pa, pb);
-                for i in 0..s {
-                    let row = (bi * s + i) * 3 * d + hd * dh;
-                    for j in 0..dh {
-                        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
-                        unsafe {
-                            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
-                            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
-                            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
-                        }
-                    }
-                }
-                hi += nt;
             }
-        });
-    drop((scratch, pas, pbs));
+            None => {
+                // Recomputed and rounded as the stored mode keeps it (bitwise twins).
+                probabilities(&h, s, dh, scale, p, pa, pb);
+                for x in p.iter_mut() {
+                    *x = bf16::from_f32(*x).to_f32();
+                }
+            }
+        };
+        load_p(p, pa, pb);
+        // dP̃ = dO·vᵀ.
+        product(s, s, dh, go, h.vt, dp, pa, pb);
+        if let Some(dr) = dropout {
+            // dv = (P∘M)ᵀ·dO: scale P in place, rebuild it after.
+            for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
+                let mk = mask_at::<f32>(dr, hi * s * s + i);
+                *x *= mk;
+                *y *= mk;
+            }
+            let pt = View {
+                data: &*p,
+                rs: 1,
+                cs: s,
+            };
+            product(s, dh, s, pt, go, dv, pa, pb);
+            load_p(p, pa, pb);
+        } else {
+            let pt = View {
+                data: &*p,
+                rs: 1,
+                cs: s,
+            };
+            product(s, dh, s, pt, go, dv, pa, pb);
+        }
+        // dS = P∘(dP − Σ_j dP·P), in dp.
+        for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
+            let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+            for (a, b) in pr.iter().zip(dr.iter_mut()) {
+                *b = *a * (*b - delta);
+            }
+        }
+        let ds = View {
+            data: &*dp,
+            rs: s,
+            cs: 1,
+        };
+        product(s, dh, s, ds, h.k, dq, pa, pb);
+        let dst = View {
+            data: &*dp,
+            rs: 1,
+            cs: s,
+        };
+        product(s, dh, s, dst, h.q, dk, pa, pb);
+        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+        unsafe { write_dqkv(&pd, g, (bi, hd), dq, dk, dv, scale) };
+    });
     // SAFETY: every head wrote its q, k and v columns of every row.
     unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
@@ -352,100 +366,85 @@ pub fn forward_streaming(
     // Written whole through raw pointers below, then given its length: no zeroing.
     let mut out: Vec<bf16> = Vec::with_capacity(g.b * s * d);
     let mut lse = if save { vec![0f32; nh * s] } else { Vec::new() };
-    let nt = attn_threads(nh);
     let per = s * dh + s * kb + 2 * s;
     let (aq_len, ap_len) = (packed_a_len(s, dh), packed_a_len(s, kb));
     let b_len = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
-    let mut scratch = vec![0f32; nt * per];
-    let mut pas = vec![0u32; nt * (aq_len + ap_len)];
-    let mut pbs = vec![0u16; nt * b_len];
     let scale = (1.0 / (dh as f64).sqrt()) as f32;
     let (po, pl) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
-    scratch
-        .par_chunks_mut(per)
-        .zip(pas.par_chunks_mut(aq_len + ap_len))
-        .zip(pbs.par_chunks_mut(b_len))
-        .enumerate()
-        .for_each(|(t, ((sc, pa), pb))| {
-            let (o, rest) = sc.split_at_mut(s * dh);
-            let (sb, ml) = rest.split_at_mut(s * kb);
-            let (m, l) = ml.split_at_mut(s);
-            let (aq, ap) = pa.split_at_mut(aq_len);
-            let mut hi = t;
-            while hi < nh {
-                let (bi, hd) = (hi / g.a, hi % g.a);
-                let h = head(qkv, g, bi, hd);
-                pack_a_serial(s, dh, h.q, aq);
-                m.fill(f32::NEG_INFINITY);
-                l.fill(0.0);
-                o.fill(0.0);
-                let mut j0 = 0;
-                while j0 < s {
-                    let n = kb.min(s - j0);
-                    let blk = &mut sb[..s * n];
-                    // S = (q·k_blkᵀ)·scale.
-                    let kt = View {
-                        data: &h.kt.data[j0 * h.kt.cs..],
-                        ..h.kt
-                    };
-                    pack_b_serial(dh, n, kt, pb);
-                    blk.fill(0.0);
-                    gemm_packed_serial(s, n, dh, aq, pb, blk, n);
-                    for x in blk.iter_mut() {
-                        *x *= scale;
-                    }
-                    for i in 0..s {
-                        let row = &mut blk[i * n..(i + 1) * n];
-                        let bmax = crate::vecmath::max_of(row).max(m[i]);
-                        let corr = if m[i] == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            (m[i] - bmax).exp()
-                        };
-                        let z = crate::vecmath::exp_sub_sum_of(row, bmax);
-                        l[i] = l[i] * corr + z;
-                        for x in o[i * dh..(i + 1) * dh].iter_mut() {
-                            *x *= corr;
-                        }
-                        m[i] = bmax;
-                    }
-                    // o += P_blk·v_blk.
-                    pack_a_serial(
-                        s,
-                        n,
-                        View {
-                            data: &*blk,
-                            rs: n,
-                            cs: 1,
-                        },
-                        ap,
-                    );
-                    let vb = View {
-                        data: &h.v.data[j0 * h.v.rs..],
-                        ..h.v
-                    };
-                    pack_b_serial(n, dh, vb, pb);
-                    gemm_packed_serial(s, dh, n, ap, pb, o, dh);
-                    j0 += n;
-                }
-                for i in 0..s {
-                    let inv = 1.0 / l[i];
-                    for j in 0..dh {
-                        // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
-                        unsafe {
-                            *po.at((bi * s + i) * d + hd * dh + j) =
-                                bf16::from_f32(o[i * dh + j] * inv)
-                        };
-                    }
-                    if save {
-                        // Safety: head `hi` owns lse[hi·s..(hi+1)·s].
-                        unsafe { *pl.at(hi * s + i) = m[i] + l[i].ln() };
-                    }
-                }
-                hi += nt;
+    for_each_head(nh, per, aq_len + ap_len, b_len, |hi, sc, pa, pb| {
+        let (o, rest) = sc.split_at_mut(s * dh);
+        let (sb, ml) = rest.split_at_mut(s * kb);
+        let (m, l) = ml.split_at_mut(s);
+        let (aq, ap) = pa.split_at_mut(aq_len);
+        let (bi, hd) = (hi / g.a, hi % g.a);
+        let h = head(qkv, g, bi, hd);
+        pack_a_serial(s, dh, h.q, aq);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        o.fill(0.0);
+        let mut j0 = 0;
+        while j0 < s {
+            let n = kb.min(s - j0);
+            let blk = &mut sb[..s * n];
+            // S = (q·k_blkᵀ)·scale.
+            let kt = View {
+                data: &h.kt.data[j0 * h.kt.cs..],
+                ..h.kt
+            };
+            pack_b_serial(dh, n, kt, pb);
+            blk.fill(0.0);
+            gemm_packed_serial(s, n, dh, aq, pb, blk, n);
+            for x in blk.iter_mut() {
+                *x *= scale;
             }
-        });
-    drop((scratch, pas, pbs));
+            for i in 0..s {
+                let row = &mut blk[i * n..(i + 1) * n];
+                let bmax = crate::vecmath::max_of(row).max(m[i]);
+                let corr = if m[i] == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m[i] - bmax).exp()
+                };
+                let z = crate::vecmath::exp_sub_sum_of(row, bmax);
+                l[i] = l[i] * corr + z;
+                for x in o[i * dh..(i + 1) * dh].iter_mut() {
+                    *x *= corr;
+                }
+                m[i] = bmax;
+            }
+            // o += P_blk·v_blk.
+            pack_a_serial(
+                s,
+                n,
+                View {
+                    data: &*blk,
+                    rs: n,
+                    cs: 1,
+                },
+                ap,
+            );
+            let vb = View {
+                data: &h.v.data[j0 * h.v.rs..],
+                ..h.v
+            };
+            pack_b_serial(n, dh, vb, pb);
+            gemm_packed_serial(s, dh, n, ap, pb, o, dh);
+            j0 += n;
+        }
+        for i in 0..s {
+            let inv = 1.0 / l[i];
+            for j in 0..dh {
+                // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                unsafe {
+                    *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j] * inv)
+                };
+            }
+            if save {
+                // Safety: head `hi` owns lse[hi·s..(hi+1)·s].
+                unsafe { *pl.at(hi * s + i) = m[i] + l[i].ln() };
+            }
+        }
+    });
     // SAFETY: every head wrote its columns of every row of `out`.
     unsafe { out.set_len(g.b * s * d) };
     let saved = save.then_some(CpuStorage::F32(lse));
@@ -469,152 +468,129 @@ pub fn backward_streaming(
     };
     // Written whole through raw pointers below, then given its length: no zeroing.
     let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
-    let nt = attn_threads(nh);
     let per = 3 * s * dh + 2 * s * kb + s;
     let a_qd = packed_a_len(s, dh);
     let a_blk = packed_a_len(s, kb).max(packed_a_len(kb, s));
     let b_len = packed_b_len(dh, kb)
         .max(packed_b_len(kb, dh))
         .max(packed_b_len(s, dh));
-    let mut scratch = vec![0f32; nt * per];
-    let mut pas = vec![0u32; nt * (2 * a_qd + a_blk)];
-    let mut pbs = vec![0u16; nt * b_len];
     let scale = (1.0 / (dh as f64).sqrt()) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
-    scratch
-        .par_chunks_mut(per)
-        .zip(pas.par_chunks_mut(2 * a_qd + a_blk))
-        .zip(pbs.par_chunks_mut(b_len))
-        .enumerate()
-        .for_each(|(t, ((sc, pa), pb))| {
-            let (dq, rest) = sc.split_at_mut(s * dh);
-            let (dk, rest) = rest.split_at_mut(s * dh);
-            let (dv, rest) = rest.split_at_mut(s * dh);
-            let (pblk, rest) = rest.split_at_mut(s * kb);
-            let (dpblk, delta) = rest.split_at_mut(s * kb);
-            let (aq, rest) = pa.split_at_mut(a_qd);
-            let (ado, ab) = rest.split_at_mut(a_qd);
-            let mut hi = t;
-            while hi < nh {
-                let (bi, hd) = (hi / g.a, hi % g.a);
-                let h = head(qkv, g, bi, hd);
-                let go = View {
-                    data: &go_all[bi * s * d + hd * dh..],
-                    rs: d,
-                    cs: 1,
-                };
-                let lse = &lse_all[hi * s..][..s];
-                // Δ_i = dO_i · o_i.
-                for (i, dl) in delta.iter_mut().enumerate() {
-                    let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
-                    let grow = &go_all[(bi * s + i) * d + hd * dh..][..dh];
-                    *dl = grow
-                        .iter()
-                        .zip(orow)
-                        .map(|(a, b)| a.to_f32() * b.to_f32())
-                        .sum();
-                }
-                pack_a_serial(s, dh, h.q, aq);
-                pack_a_serial(s, dh, go, ado);
-                dq.fill(0.0);
-                let mut j0 = 0;
-                while j0 < s {
-                    let n = kb.min(s - j0);
-                    let p = &mut pblk[..s * n];
-                    let dp = &mut dpblk[..s * n];
-                    // P = exp(S·scale − lse).
-                    let kt = View {
-                        data: &h.kt.data[j0 * h.kt.cs..],
-                        ..h.kt
-                    };
-                    pack_b_serial(dh, n, kt, pb);
-                    p.fill(0.0);
-                    gemm_packed_serial(s, n, dh, aq, pb, p, n);
-                    for x in p.iter_mut() {
-                        *x *= scale;
-                    }
-                    crate::vecmath::exp_rows(p, n, lse);
-                    // dv_blk = P_blkᵀ·dO.
-                    pack_a_serial(
-                        n,
-                        s,
-                        View {
-                            data: &*p,
-                            rs: 1,
-                            cs: n,
-                        },
-                        ab,
-                    );
-                    pack_b_serial(s, dh, go, pb);
-                    let dvb = &mut dv[j0 * dh..(j0 + n) * dh];
-                    dvb.fill(0.0);
-                    gemm_packed_serial(n, dh, s, ab, pb, dvb, dh);
-                    // dP_blk = dO·v_blkᵀ.
-                    let vt = View {
-                        data: &h.vt.data[j0 * h.vt.cs..],
-                        ..h.vt
-                    };
-                    pack_b_serial(dh, n, vt, pb);
-                    dp.fill(0.0);
-                    gemm_packed_serial(s, n, dh, ado, pb, dp, n);
-                    // dS = P∘(dP − Δ).
-                    for i in 0..s {
-                        for (a, b) in p[i * n..(i + 1) * n]
-                            .iter()
-                            .zip(dp[i * n..(i + 1) * n].iter_mut())
-                        {
-                            *b = *a * (*b - delta[i]);
-                        }
-                    }
-                    // dq += dS·k_blk.
-                    pack_a_serial(
-                        s,
-                        n,
-                        View {
-                            data: &*dp,
-                            rs: n,
-                            cs: 1,
-                        },
-                        ab,
-                    );
-                    let kblk = View {
-                        data: &h.k.data[j0 * h.k.rs..],
-                        ..h.k
-                    };
-                    pack_b_serial(n, dh, kblk, pb);
-                    gemm_packed_serial(s, dh, n, ab, pb, dq, dh);
-                    // dk_blk = dSᵀ·q.
-                    pack_a_serial(
-                        n,
-                        s,
-                        View {
-                            data: &*dp,
-                            rs: 1,
-                            cs: n,
-                        },
-                        ab,
-                    );
-                    pack_b_serial(s, dh, h.q, pb);
-                    let dkb = &mut dk[j0 * dh..(j0 + n) * dh];
-                    dkb.fill(0.0);
-                    gemm_packed_serial(n, dh, s, ab, pb, dkb, dh);
-                    j0 += n;
-                }
-                for i in 0..s {
-                    let row = (bi * s + i) * 3 * d + hd * dh;
-                    for j in 0..dh {
-                        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
-                        unsafe {
-                            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
-                            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
-                            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
-                        }
-                    }
-                }
-                hi += nt;
+    for_each_head(nh, per, 2 * a_qd + a_blk, b_len, |hi, sc, pa, pb| {
+        let (dq, rest) = sc.split_at_mut(s * dh);
+        let (dk, rest) = rest.split_at_mut(s * dh);
+        let (dv, rest) = rest.split_at_mut(s * dh);
+        let (pblk, rest) = rest.split_at_mut(s * kb);
+        let (dpblk, delta) = rest.split_at_mut(s * kb);
+        let (aq, rest) = pa.split_at_mut(a_qd);
+        let (ado, ab) = rest.split_at_mut(a_qd);
+        let (bi, hd) = (hi / g.a, hi % g.a);
+        let h = head(qkv, g, bi, hd);
+        let go = View {
+            data: &go_all[bi * s * d + hd * dh..],
+            rs: d,
+            cs: 1,
+        };
+        let lse = &lse_all[hi * s..][..s];
+        // Δ_i = dO_i · o_i.
+        for (i, dl) in delta.iter_mut().enumerate() {
+            let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
+            let grow = &go_all[(bi * s + i) * d + hd * dh..][..dh];
+            *dl = grow
+                .iter()
+                .zip(orow)
+                .map(|(a, b)| a.to_f32() * b.to_f32())
+                .sum();
+        }
+        pack_a_serial(s, dh, h.q, aq);
+        pack_a_serial(s, dh, go, ado);
+        dq.fill(0.0);
+        let mut j0 = 0;
+        while j0 < s {
+            let n = kb.min(s - j0);
+            let p = &mut pblk[..s * n];
+            let dp = &mut dpblk[..s * n];
+            // P = exp(S·scale − lse).
+            let kt = View {
+                data: &h.kt.data[j0 * h.kt.cs..],
+                ..h.kt
+            };
+            pack_b_serial(dh, n, kt, pb);
+            p.fill(0.0);
+            gemm_packed_serial(s, n, dh, aq, pb, p, n);
+            for x in p.iter_mut() {
+                *x *= scale;
             }
-        });
-    drop((scratch, pas, pbs));
+            crate::vecmath::exp_rows(p, n, lse);
+            // dv_blk = P_blkᵀ·dO.
+            pack_a_serial(
+                n,
+                s,
+                View {
+                    data: &*p,
+                    rs: 1,
+                    cs: n,
+                },
+                ab,
+            );
+            pack_b_serial(s, dh, go, pb);
+            let dvb = &mut dv[j0 * dh..(j0 + n) * dh];
+            dvb.fill(0.0);
+            gemm_packed_serial(n, dh, s, ab, pb, dvb, dh);
+            // dP_blk = dO·v_blkᵀ.
+            let vt = View {
+                data: &h.vt.data[j0 * h.vt.cs..],
+                ..h.vt
+            };
+            pack_b_serial(dh, n, vt, pb);
+            dp.fill(0.0);
+            gemm_packed_serial(s, n, dh, ado, pb, dp, n);
+            // dS = P∘(dP − Δ).
+            for i in 0..s {
+                for (a, b) in p[i * n..(i + 1) * n]
+                    .iter()
+                    .zip(dp[i * n..(i + 1) * n].iter_mut())
+                {
+                    *b = *a * (*b - delta[i]);
+                }
+            }
+            // dq += dS·k_blk.
+            pack_a_serial(
+                s,
+                n,
+                View {
+                    data: &*dp,
+                    rs: n,
+                    cs: 1,
+                },
+                ab,
+            );
+            let kblk = View {
+                data: &h.k.data[j0 * h.k.rs..],
+                ..h.k
+            };
+            pack_b_serial(n, dh, kblk, pb);
+            gemm_packed_serial(s, dh, n, ab, pb, dq, dh);
+            // dk_blk = dSᵀ·q.
+            pack_a_serial(
+                n,
+                s,
+                View {
+                    data: &*dp,
+                    rs: 1,
+                    cs: n,
+                },
+                ab,
+            );
+            pack_b_serial(s, dh, h.q, pb);
+            let dkb = &mut dk[j0 * dh..(j0 + n) * dh];
+            dkb.fill(0.0);
+            gemm_packed_serial(n, dh, s, ab, pb, dkb, dh);
+            j0 += n;
+        }
+        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+        unsafe { write_dqkv(&pd, g, (bi, hd), dq, dk, dv, scale) };
+    });
     // SAFETY: every head wrote its q, k and v columns of every row.
     unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)

@@ -87,57 +87,53 @@ pub fn packed_b_len(k: usize, n: usize) -> usize {
 /// column-major views read whole rows (or columns) as slices; other strides go element-wise.
 pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
-    let dst = &mut dst[..packed_a_len(m, k)];
-    let wide = crate::vecmath::avx512();
-    dst.par_chunks_mut(kp * MR)
+    dst[..packed_a_len(m, k)]
+        .par_chunks_mut(kp * MR)
         .enumerate()
-        .for_each(|(p, panel)| {
-            if wide {
-                // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    pack_a_panel_avx512(m, k, a, p, panel)
-                }
-            } else {
-                pack_a_panel(m, k, a, p, panel)
-            }
-        });
+        .for_each(|(p, panel)| pack_a_one(m, k, a, p, panel));
 }
 
 /// [`pack_a`] on the calling thread.
 pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
-    let dst = &mut dst[..packed_a_len(m, k)];
-    let wide = crate::vecmath::avx512();
-    for (p, panel) in dst.chunks_mut(kp * MR).enumerate() {
-        if wide {
-            // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                pack_a_panel_avx512(m, k, a, p, panel)
-            }
-        } else {
-            pack_a_panel(m, k, a, p, panel)
-        }
+    for (p, panel) in dst[..packed_a_len(m, k)].chunks_mut(kp * MR).enumerate() {
+        pack_a_one(m, k, a, p, panel);
     }
 }
 
 /// [`pack_b`] on the calling thread.
 pub fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
-    let dst = &mut dst[..packed_b_len(k, n)];
-    let wide = crate::vecmath::avx512();
-    for (p, panel) in dst.chunks_mut(kp * NR * 2).enumerate() {
-        if wide {
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                pack_b_panel_avx512(k, n, b, p, panel)
-            }
-        } else {
-            pack_b_panel(k, n, b, p, panel)
-        }
+    for (p, panel) in dst[..packed_b_len(k, n)]
+        .chunks_mut(kp * NR * 2)
+        .enumerate()
+    {
+        pack_b_one(k, n, b, p, panel);
     }
+}
+
+/// Micro-panel `p` of a packed A, in the build for this CPU.
+#[inline]
+fn pack_a_one<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vecmath::avx512() {
+        // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+        unsafe { pack_a_panel_avx512(m, k, a, p, panel) };
+        return;
+    }
+    pack_a_panel(m, k, a, p, panel)
+}
+
+/// Panel `p` of a packed B, in the build for this CPU.
+#[inline]
+fn pack_b_one<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vecmath::avx512() {
+        // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+        unsafe { pack_b_panel_avx512(k, n, b, p, panel) };
+        return;
+    }
+    pack_b_panel(k, n, b, p, panel)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -210,21 +206,10 @@ fn pack_a_panel<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: 
 /// other strides go element-wise.
 pub fn pack_b<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
-    let dst = &mut dst[..packed_b_len(k, n)];
-    let wide = crate::vecmath::avx512();
-    dst.par_chunks_mut(kp * NR * 2)
+    dst[..packed_b_len(k, n)]
+        .par_chunks_mut(kp * NR * 2)
         .enumerate()
-        .for_each(|(p, panel)| {
-            if wide {
-                // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    pack_b_panel_avx512(k, n, b, p, panel)
-                }
-            } else {
-                pack_b_panel(k, n, b, p, panel)
-            }
-        });
+        .for_each(|(p, panel)| pack_b_one(k, n, b, p, panel));
 }
 
 #[cfg(target_arch = "x86_64")]

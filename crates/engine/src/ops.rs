@@ -889,29 +889,15 @@ fn mm_fresh<A: 'static + Acc>(
         return vec![A::ZERO; m * n];
     }
     let mut out: Vec<A> = Vec::with_capacity(m * n);
-    let dst = out.spare_capacity_mut();
-    // Safety: `dst` holds m·n elements (row stride n); the operands' strides stay inside their
-    // slices (callers pass row-major buffers or their transposes); with `read_dst` false `gemm`
-    // writes every element of the m × n destination and reads none.
+    // Safety: the spare capacity holds m·n elements (row stride n); the operands' strides stay
+    // inside their slices (callers pass row-major buffers or their transposes); with `acc`
+    // false `gemm` writes every element of the m × n destination and reads none.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr().cast::<A>(),
-            1,
-            n as isize,
-            false,
-            lhs.0.as_ptr(),
-            lhs.2 as isize,
-            lhs.1 as isize,
-            rhs.0.as_ptr(),
-            rhs.2 as isize,
-            rhs.1 as isize,
-            <A as Acc>::from_f64(1.0),
-            <A as Acc>::from_f64(1.0),
-            false,
-            false,
+        gemm_raw(
+            (m, n, k),
+            (out.spare_capacity_mut().as_mut_ptr().cast::<A>(), n, 1),
+            lhs,
+            rhs,
             false,
             par,
         );
@@ -942,28 +928,52 @@ fn mm_strided<A: 'static + Acc>(
     // Safety: the slices outlive the call, and the strides stay inside them (callers pass
     // row-major buffers or their transposes with the matching extents).
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            dst_cs as isize,
-            dst_rs as isize,
+        gemm_raw(
+            (m, n, k),
+            (dst.as_mut_ptr(), dst_rs, dst_cs),
+            lhs,
+            rhs,
             acc,
-            lhs.0.as_ptr(),
-            lhs.2 as isize,
-            lhs.1 as isize,
-            rhs.0.as_ptr(),
-            rhs.2 as isize,
-            rhs.1 as isize,
-            <A as Acc>::from_f64(1.0),
-            <A as Acc>::from_f64(1.0),
-            false,
-            false,
-            false,
             par,
         )
     }
+}
+
+/// `dst = lhs·rhs` (`+ dst` when `acc`) through `gemm`, the destination as (pointer, row
+/// stride, column stride), the operands as (slice, row stride, column stride).
+///
+/// # Safety
+/// The destination must be valid for writes (and reads when `acc`) at every (i, j) of the
+/// m × n product under its strides; the operands' strides must stay inside their slices.
+unsafe fn gemm_raw<A: 'static + Acc>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs, dst_cs): (*mut A, usize, usize),
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dst_cs as isize,
+        dst_rs as isize,
+        acc,
+        lhs.0.as_ptr(),
+        lhs.2 as isize,
+        lhs.1 as isize,
+        rhs.0.as_ptr(),
+        rhs.2 as isize,
+        rhs.1 as isize,
+        <A as Acc>::from_f64(1.0),
+        <A as Acc>::from_f64(1.0),
+        false,
+        false,
+        false,
+        par,
+    )
 }
 
 /// Keep factor of the dropout mask at flat index `i` of (b, a, s, s): 0 or 1/(1−p), drawn like
@@ -1315,7 +1325,7 @@ impl CustomOp1 for QkvAttention {
 
     fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let g = attn_geom(l, self.batch, self.heads)?;
-        if st.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
+        if st.dtype() == DType::BF16 && crate::attn_bf16::applies() {
             let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
             let (o, saved) = if self.keep == AttnKeep::LogSumExp {
                 crate::attn_bf16::forward_streaming(qkv, &g, self.track)
@@ -1350,28 +1360,25 @@ impl CustomOp1 for QkvAttention {
             with_cpu(res, |so, lo| {
                 with_cpu(&grad, |sg, lg| {
                     let g = attn_geom(lq, self.batch, self.heads)?;
-                    if sq.dtype() == DType::BF16
-                        && crate::attn_bf16::applies(self.keep)
-                        && self.keep == AttnKeep::LogSumExp
-                    {
-                        let dqkv = crate::attn_bf16::backward_streaming(
-                            cpu_slice::<half::bf16>(sq, lq, "attention qkv")?,
-                            cpu_slice::<half::bf16>(so, lo, "attention output")?,
-                            cpu_slice::<half::bf16>(sg, lg, "attention gradient")?,
-                            guard.as_ref(),
-                            &g,
-                        )?;
-                        return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
-                    }
-                    if sq.dtype() == DType::BF16 && crate::attn_bf16::applies(self.keep) {
-                        let dqkv = crate::attn_bf16::backward(
-                            cpu_slice::<half::bf16>(sq, lq, "attention qkv")?,
-                            cpu_slice::<half::bf16>(sg, lg, "attention gradient")?,
-                            guard.as_ref(),
-                            &g,
-                            self.keep,
-                            self.dropout,
-                        )?;
+                    if sq.dtype() == DType::BF16 && crate::attn_bf16::applies() {
+                        let n = "attention";
+                        let (qkv, go) = (
+                            cpu_slice::<half::bf16>(sq, lq, n)?,
+                            cpu_slice::<half::bf16>(sg, lg, n)?,
+                        );
+                        let dqkv = if self.keep == AttnKeep::LogSumExp {
+                            let o = cpu_slice::<half::bf16>(so, lo, n)?;
+                            crate::attn_bf16::backward_streaming(qkv, o, go, guard.as_ref(), &g)?
+                        } else {
+                            crate::attn_bf16::backward(
+                                qkv,
+                                go,
+                                guard.as_ref(),
+                                &g,
+                                self.keep,
+                                self.dropout,
+                            )?
+                        };
                         return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
                     }
                     Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
@@ -1706,11 +1713,6 @@ fn add_column_sums<T: Elem<A> + Sync, A: Acc + Send>(rows: &[T], cols: usize, ac
         });
 }
 
-/// Narrows f32 rows into bf16, in parallel.
-fn narrow_into(src: &[f32], dst: &mut [half::bf16]) {
-    vecmath::narrow_into(src, dst);
-}
-
 /// bf16 forward on the AVX512-BF16 kernel: Wᵀ packed once, x packed and y accumulated in f32 by
 /// chunks of [`LINEAR_ROWS`] rows (each chunk starts as b).
 fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
@@ -1779,7 +1781,7 @@ impl GradFromF32 for f32 {
 impl GradFromF32 for half::bf16 {
     fn grad_from_f32(v: Vec<f32>) -> Vec<half::bf16> {
         let mut d = vec![half::bf16::ZERO; v.len()];
-        narrow_into(&v, &mut d);
+        vecmath::narrow_into(&v, &mut d);
         d
     }
 }

@@ -4,8 +4,10 @@
 //! (candle's own elementwise ops, such as the `add`s of its backward). After each op a barrier
 //! worker spins before it parks, 25,000 rounds by default (candle 0.11), while the next kernel
 //! already runs on rayon's threads: with as many rayon threads as cores, that spinning takes a
-//! core from them. The engine shortens it to [`BARRIER_SPIN`] rounds (measured on DiT-S/2,
-//! bf16-mixed, 2 threads: p50 0.45 s → 0.41 s; 0, 200 and 5,000 rounds were no better).
+//! core from them. The engine shortens it to [`BARRIER_SPIN`] rounds (measured side by side,
+//! alternating runs of `ditmem run` on DiT-S/2 at 256², batch 2, bf16-mixed, no recompute,
+//! materialized attention, AMD EPYC with 2 threads, release: step p50 0.45–0.47 s with the
+//! default, 0.41–0.43 s with 1,000; 0, 200 and 5,000 rounds were no better).
 
 /// Spin rounds of candle's barrier-pool workers before they park.
 pub const BARRIER_SPIN: u32 = 1000;

@@ -13,6 +13,12 @@ fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
     Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
+/// Gradients of `sum(y · go)`: backpropagates `go` through y's graph the composed way (the
+/// reference the engine's `ops::backward_from` is held to).
+fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
+    y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
+}
+
 fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
     let a = a.to_dtype(DType::F64).unwrap();
     let b = b.to_dtype(DType::F64).unwrap();
@@ -35,8 +41,8 @@ fn gelu_matches_candle_and_finite_differences() {
     let y1 = x.as_tensor().gelu().unwrap();
     let y2 = gelu_tanh(x.as_tensor()).unwrap();
     assert!(max_abs(&y1, &y2) < 1e-14);
-    let g1 = y1.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-    let g2 = y2.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g1 = grads_through(&y1, &w);
+    let g2 = grads_through(&y2, &w);
     let (g1, g2) = (g1.get(&x).unwrap(), g2.get(&x).unwrap());
     // Candle's own gelu backward uses rounded constants (0.0356774, 0.797885, …), so it agrees
     // only to ~1e-6; the finite differences below are the exact reference.
@@ -66,26 +72,14 @@ fn gelu_low_precision_close_to_f64() {
         assert_eq!(y.dtype(), dt);
         let r = x.as_tensor().to_dtype(DType::F64).unwrap().gelu().unwrap();
         assert!(max_abs(&y, &r) < tol * 4.0, "{dt:?} fwd");
-        let grads = y
-            .mul(&g64.to_dtype(dt).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let grads = grads_through(&y, &g64.to_dtype(dt).unwrap());
         let gx = grads.get(&x).unwrap();
         assert_eq!(gx.dtype(), dt);
         let xr = Var::from_tensor(&x.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
-        let gr = xr
-            .as_tensor()
-            .gelu()
-            .unwrap()
-            .mul(&g64.to_dtype(dt).unwrap().to_dtype(DType::F64).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let gr = grads_through(
+            &xr.as_tensor().gelu().unwrap(),
+            &g64.to_dtype(dt).unwrap().to_dtype(DType::F64).unwrap(),
+        );
         let d = max_abs(gx, gr.get(&xr).unwrap());
         assert!(d < tol * 8.0, "{dt:?} grad {d}");
     }
@@ -104,8 +98,8 @@ fn ln_case(b: usize, s: usize, d: usize) {
     assert_eq!(y2.dims(), &[b * s, d]);
     let y2 = y2.reshape((b, s, d)).unwrap();
     assert!(max_abs(&y1, &y2) < 1e-12);
-    let g1 = y1.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-    let g2 = y2.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g1 = grads_through(&y1, &w);
+    let g2 = grads_through(&y2, &w);
     for v in [&x, &m] {
         let d = max_abs(g1.get(v).unwrap(), g2.get(v).unwrap());
         assert!(d < 1e-11, "grad differs by {d}");
@@ -134,7 +128,7 @@ fn ln_modulate_writes_the_compute_dtype() {
             &m.as_tensor().narrow(1, d, d).unwrap(),
         )
         .unwrap();
-        let g = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_through(&y, &go);
         (y, g.get(&x).unwrap().clone(), g.get(&m).unwrap().clone())
     };
     for (out, tol) in [(DType::F32, 1e-4), (DType::BF16, 5e-2), (DType::F16, 1e-2)] {
@@ -152,13 +146,7 @@ fn ln_modulate_writes_the_compute_dtype() {
         .unwrap();
         assert_eq!(y.dtype(), out);
         assert!(max_abs(&y, &reference.0) < tol, "{out:?} fwd");
-        let g = y
-            .mul(&go.to_dtype(out).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = grads_through(&y, &go.to_dtype(out).unwrap());
         let gx = g.get(&x).unwrap();
         assert_eq!(gx.dtype(), DType::F32);
         // dshift/dscale sum over s tokens: scale the tolerance by s.
@@ -224,8 +212,8 @@ fn attention_case(
     let o = qkv_attention(qkv.as_tensor(), b, a, keep, dropout).unwrap();
     let d = max_abs(&r, &o);
     assert!(d < 1e-12, "{keep:?} forward differs by {d}");
-    let g1 = r.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
-    let g2 = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+    let g1 = grads_through(&r, &go);
+    let g2 = grads_through(&o, &go);
     let d = max_abs(g1.get(&qkv).unwrap(), g2.get(&qkv).unwrap());
     assert!(d < 1e-11, "{keep:?} gradient differs by {d}");
 }
@@ -257,7 +245,7 @@ fn qkv_attention_recompute_is_bitwise_the_stored_mode() {
         let dr = Some(Dropout { p: 0.1, seed: 9 });
         let run = |keep| {
             let o = qkv_attention(qkv.as_tensor(), b, a, keep, dr).unwrap();
-            let g = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = grads_through(&o, &go);
             (o, g.get(&qkv).unwrap().clone())
         };
         let (o1, g1) = run(AttnKeep::Probabilities);
@@ -275,7 +263,7 @@ fn qkv_attention_low_precision_close_to_f64() {
     let r = {
         let v = Var::from_tensor(&x64).unwrap();
         let o = attention_reference(v.as_tensor(), b, a, None);
-        let g = o.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_through(&o, &go);
         (o, g.get(&v).unwrap().clone())
     };
     for dt in [DType::F32, DType::BF16, DType::F16] {
@@ -293,13 +281,7 @@ fn qkv_attention_low_precision_close_to_f64() {
                 "{dt:?} {keep:?} fwd {}",
                 max_abs(&o, &r.0)
             );
-            let g = o
-                .mul(&go.to_dtype(dt).unwrap())
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
+            let g = grads_through(&o, &go.to_dtype(dt).unwrap());
             let gd = g.get(&v).unwrap();
             assert_eq!(gd.dtype(), dt);
             assert!(
@@ -343,13 +325,7 @@ fn linear_matches_composed() {
             .unwrap()
             .broadcast_add(b.as_tensor())
             .unwrap();
-        let g = y
-            .mul(&go.to_dtype(dt).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = grads_through(&y, &go.to_dtype(dt).unwrap());
         let gs = [&x, &w, &b].map(|v| g.get(v).unwrap().clone());
         (y, gs)
     };
@@ -358,13 +334,7 @@ fn linear_matches_composed() {
         let w = Var::from_tensor(&w64.to_dtype(dt).unwrap()).unwrap();
         let b = Var::from_tensor(&b64.to_dtype(dt).unwrap()).unwrap();
         let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
-        let g = y
-            .mul(&go.to_dtype(dt).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = grads_through(&y, &go.to_dtype(dt).unwrap());
         let gs = [&x, &w, &b].map(|v| g.get(v).unwrap().clone());
         (y, gs)
     };
@@ -428,7 +398,7 @@ fn linear_bf16_is_one_rounding_of_the_exact_product() {
         Var::from_tensor(&b).unwrap(),
     );
     let y = linear(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
-    let grads = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = grads_through(&y, &go);
     let got = [&xv, &wv, &bv].map(|v| grads.get(v).unwrap().clone());
     let check = |name: &str, got: &Tensor, want: &Tensor, terms: usize| {
         let g = got
@@ -467,7 +437,7 @@ fn linear_reads_master_weights_like_their_casts() {
         let run = |w: &Tensor, b: &Tensor| {
             let (wv, bv) = (Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap());
             let y = linear(x.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
-            let g = y.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = grads_through(&y, &go);
             let grads = [
                 g.get(x.as_tensor()).unwrap().clone(),
                 g.get(wv.as_tensor()).unwrap().clone(),
@@ -522,7 +492,7 @@ fn gated_residual_matches_composed() {
                 .unwrap();
             (x.as_tensor() + y3.broadcast_mul(&gate.unsqueeze(1).unwrap()).unwrap()).unwrap()
         };
-        let g = out.mul(&go).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_through(&out, &go);
         let gs = [&x, &y, &m].map(|v| g.get(v).unwrap().clone());
         (out, gs)
     };
@@ -563,16 +533,7 @@ fn linear_with_a_gradient_sink_hands_over_the_same_gradients() {
         let x = Var::from_tensor(&x64.to_dtype(xd).unwrap()).unwrap();
         let w = Var::from_tensor(&w64.to_dtype(wd).unwrap()).unwrap();
         let b = Var::from_tensor(&b64.to_dtype(wd).unwrap()).unwrap();
-        let seed = |y: &Tensor| {
-            y.to_dtype(DType::F64)
-                .unwrap()
-                .mul(&go)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap()
-        };
+        let seed = |y: &Tensor| grads_through(&y.to_dtype(DType::F64).unwrap(), &go);
         // Through candle's store.
         let g = seed(&linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap());
         let (dx, dw, db) = (
@@ -633,13 +594,7 @@ fn backward_from_a_known_gradient_matches_the_composed_root() {
     let w = rand(&[8, 8], 42, 0.5);
     let go = rand(&[3, 5, 8], 43, 1.0);
     let out = |x: &Tensor| gelu_tanh(&x.broadcast_matmul(&w).unwrap()).unwrap();
-    let composed = out(x.as_tensor())
-        .mul(&go)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let composed = grads_through(&out(x.as_tensor()), &go);
     let seeded = backward_from(&out(x.as_tensor()), &go).unwrap();
     let (a, b) = (
         composed.get(x.as_tensor()).unwrap(),
