@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_engine::gemm_bf16::{self, View};
+use ditmem_engine::kernels::gemm_bf16::{self, View};
 use half::bf16;
 
 fn stats(mut t: Vec<f64>, flop: f64) -> (f64, f64) {

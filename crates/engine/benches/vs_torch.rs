@@ -61,7 +61,7 @@ fn matmul_rate(rows: usize, d: usize, mlp: usize) -> candle_core::Result<(f64, f
 /// as the fused linear does) at the same shape: (median, best) of 25 runs; `None` without
 /// AVX512-BF16.
 fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
-    use ditmem_engine::gemm_bf16::{self as k, View};
+    use ditmem_engine::kernels::gemm_bf16::{self as k, View};
     if !k::available() {
         return None;
     }

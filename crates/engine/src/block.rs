@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor, D};
 
-use crate::attention::Dropout;
 use crate::error::{EngineError, Result};
+use crate::ops::Dropout;
 use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep, GradSink};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
@@ -176,7 +176,7 @@ pub fn block_forward(
             p: cfg.mlp_dropout,
             seed: seeds.mlp,
         };
-        let mask = crate::attention::dropout_mask(g.dims(), d, cd, g.device())?;
+        let mask = crate::ops::dropout_mask(g.dims(), d, cd, g.device())?;
         g.mul(&mask)?
     } else {
         g

@@ -3,13 +3,16 @@
 //!
 //! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
 //! - [`block`]: the adaLN-Zero block and final layer.
-//! - [`ops`]: fused ops with their own backward (linear, GELU-tanh, LayerNorm + modulate,
-//!   attention from the qkv projection).
-//! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`), used by the
-//!   fused linear in bf16 when the CPU has it.
-//! - [`attn_bf16`]: the fused attention on the AVX512-BF16 kernel (bf16, P kept or recomputed).
-//! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
-//! - [`attention`]: the composed attention cores (kept as references for the fused one in [`ops`]).
+//! - [`ops`]: fused ops with their own backward, one module per op family: [`ops::linear`](mod@ops::linear)
+//!   (+ its gradient sink), [`ops::gelu`], [`ops::ln_modulate`](mod@ops::ln_modulate),
+//!   [`ops::gated_residual`](mod@ops::gated_residual), [`ops::attention`] (the fused qkv
+//!   attention, its AVX512-BF16 kernels in [`ops::attention::bf16`] and the composed reference in
+//!   [`ops::attention::reference`]), [`ops::backward_from`](mod@ops::backward_from) and
+//!   [`ops::sum_squares`](mod@ops::sum_squares).
+//! - [`kernels`]: the slice kernels under the ops: [`kernels::gemm_bf16`] (bf16 products with
+//!   f32 accumulation on AVX512-BF16, `vdpbf16ps`), [`kernels::vecmath`] (vectorised f32
+//!   elementwise maps and row kernels: GELU, softmax, bf16 rounding), the `gemm` crate wrappers
+//!   and the one raw-pointer helper the parallel kernels share.
 //! - [`diffusion`]: DDPM schedule, targets, deterministic synthetic data, latent directories.
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
@@ -48,12 +51,10 @@
 //! output).
 
 pub mod agree;
-pub mod attention;
-pub mod attn_bf16;
 pub mod block;
 pub mod diffusion;
 pub mod error;
-pub mod gemm_bf16;
+pub mod kernels;
 pub mod measure;
 pub mod model;
 pub mod ops;
@@ -62,7 +63,6 @@ pub mod rng;
 pub mod run;
 pub mod threads;
 pub mod trainer;
-pub mod vecmath;
 pub mod verify;
 
 pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};

@@ -70,9 +70,13 @@ impl Default for CountingAlloc {
     }
 }
 
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated around it.
+// SAFETY: every method forwards its arguments to `System`, a sound `GlobalAlloc`, unchanged and
+// returns its result unchanged, so the trait's contract (layouts, pointers, zeroing, realloc's
+// copy) is `System`'s; the counters around the calls are atomics that never allocate.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract (a non-zero-size layout),
+        // which is passed on to `System` as is.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             self.grow(layout.size() as u64);
@@ -81,6 +85,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`: the caller's layout satisfies `alloc_zeroed`'s contract.
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             self.grow(layout.size() as u64);
@@ -89,11 +94,15 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by this allocator with `layout` (the caller's contract), and
+        // every allocation of this allocator is `System`'s, so `System` may free it.
         unsafe { System.dealloc(ptr, layout) };
         self.shrink(layout.size() as u64);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` is a block of this allocator (hence of `System`) allocated with `layout`,
+        // and `new_size` is valid for it (the caller's contract), passed on unchanged.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             let old = layout.size() as u64;

@@ -174,12 +174,27 @@ fn ln_modulate_rejects_bad_shapes() {
     assert!(ln_modulate(&x, &okb, &okb, LN_EPS, DType::F64).is_err());
 }
 
-use ditmem_engine::attention::{attention_materialized, Dropout};
-use ditmem_engine::ops::{qkv_attention, AttnKeep};
+use ditmem_engine::ops::{attention_materialized, Dropout};
+use ditmem_engine::ops::{qkv_attention, AttnKeep, ATTN_KEY_BLOCK};
 
 /// The composed reference: split qkv (b·s, 3D) into heads, scale q, materialized attention in
 /// candle ops, back to (b·s, D).
 fn attention_reference(qkv: &Tensor, b: usize, a: usize, dropout: Option<Dropout>) -> Tensor {
+    attention_reference_with(qkv, b, a, DType::F64, dropout)
+}
+
+/// [`attention_reference`] in qkv's dtype with the softmax in `accum`, without dropout.
+fn attention_reference_in(qkv: &Tensor, b: usize, a: usize, accum: DType) -> Tensor {
+    attention_reference_with(qkv, b, a, accum, None)
+}
+
+fn attention_reference_with(
+    qkv: &Tensor,
+    b: usize,
+    a: usize,
+    accum: DType,
+    dropout: Option<Dropout>,
+) -> Tensor {
     let (rows, d3) = qkv.dims2().unwrap();
     let (s, dh) = (rows / b, d3 / (3 * a));
     let q5 = qkv.reshape((b, s, 3, a, dh)).unwrap();
@@ -194,7 +209,7 @@ fn attention_reference(qkv: &Tensor, b: usize, a: usize, dropout: Option<Dropout
             .unwrap()
     };
     let q = view(0).affine(1.0 / (dh as f64).sqrt(), 0.0).unwrap();
-    let o = attention_materialized(&q, &view(1), &view(2), DType::F64, dropout).unwrap();
+    let o = attention_materialized(&q, &view(1), &view(2), accum, dropout).unwrap();
     o.transpose(1, 2).unwrap().reshape((rows, a * dh)).unwrap()
 }
 
@@ -290,6 +305,40 @@ fn qkv_attention_low_precision_close_to_f64() {
                 max_abs(gd, &r.1)
             );
         }
+    }
+}
+
+/// The streaming (log-sum-exp) mode against the composed reference in f64, over a sequence
+/// that spans two key blocks of [`ATTN_KEY_BLOCK`] (formerly the test of the separate
+/// memory-efficient op on q, k, v, with the same tolerance on outputs and gradients).
+#[test]
+fn qkv_attention_streaming_matches_materialized_f64() {
+    let (b, s, a, dh) = (2, ATTN_KEY_BLOCK + 72, 3, 8);
+    let qkv = Var::from_tensor(&rand(&[b * s, 3 * a * dh], 1, 1.0)).unwrap();
+    let go = rand(&[b * s, a * dh], 4, 1.0);
+    let o1 = attention_reference(qkv.as_tensor(), b, a, None);
+    let o2 = qkv_attention(qkv.as_tensor(), b, a, AttnKeep::LogSumExp, None).unwrap();
+    assert!(max_abs(&o1, &o2) < 1e-12);
+    let g1 = grads_through(&o1, &go);
+    let g2 = grads_through(&o2, &go);
+    let d = max_abs(g1.get(&qkv).unwrap(), g2.get(&qkv).unwrap());
+    assert!(d < 1e-12, "grad differs by {d}");
+}
+
+/// The streaming mode in f32, bf16 and f16 against the composed attention on the same inputs
+/// (accumulating in f32); its gradient comes back in the input's dtype.
+#[test]
+fn qkv_attention_streaming_half_dtypes_close_to_materialized() {
+    let (b, s, a, dh) = (1, 70, 2, 8);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let qkv = rand(&[b * s, 3 * a * dh], 1, 1.0).to_dtype(dt).unwrap();
+        let v = Var::from_tensor(&qkv).unwrap();
+        let r = attention_reference_in(&qkv, b, a, DType::F32);
+        let o = qkv_attention(v.as_tensor(), b, a, AttnKeep::LogSumExp, None).unwrap();
+        let d = max_abs(&r, &o);
+        assert!(d < 0.05, "{dt:?}: {d}");
+        let g = o.sum_all().unwrap().backward().unwrap();
+        assert_eq!(g.get(&v).unwrap().dtype(), dt);
     }
 }
 

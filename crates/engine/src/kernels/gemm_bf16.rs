@@ -24,6 +24,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::shared_ptr::SharedMut;
+
 /// Rows of the micro-kernel tile.
 pub const MR: usize = 6;
 /// Columns of the micro-kernel tile (4 × 16 f32 lanes).
@@ -50,10 +52,10 @@ impl ToBf16 for bf16 {
 }
 
 impl ToBf16 for f32 {
-    /// Round to nearest even, branch-free (bitwise `bf16::from_f32`; see [`crate::vecmath`]).
+    /// Round to nearest even, branch-free (bitwise `bf16::from_f32`; see [`super::vecmath`]).
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
-        crate::vecmath::bf16_bits(self)
+        super::vecmath::bf16_bits(self)
     }
 }
 
@@ -116,8 +118,10 @@ pub fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u
 #[inline]
 fn pack_a_one<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::vecmath::avx512() {
-        // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+    if super::vecmath::avx512() {
+        // SAFETY: `vecmath::avx512` is true only where the CPU has every feature this build
+        // enables (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other
+        // precondition.
         unsafe { pack_a_panel_avx512(m, k, a, p, panel) };
         return;
     }
@@ -128,8 +132,10 @@ fn pack_a_one<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: &m
 #[inline]
 fn pack_b_one<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::vecmath::avx512() {
-        // SAFETY: the CPU has AVX-512 (checked once by `vecmath::avx512`).
+    if super::vecmath::avx512() {
+        // SAFETY: `vecmath::avx512` is true only where the CPU has every feature this build
+        // enables (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other
+        // precondition.
         unsafe { pack_b_panel_avx512(k, n, b, p, panel) };
         return;
     }
@@ -279,24 +285,6 @@ fn pack_b_panel<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: 
     }
 }
 
-/// A raw f32 destination shared by the tasks of one product (each writes its own tiles).
-#[derive(Clone, Copy)]
-struct Dst(*mut f32);
-unsafe impl Send for Dst {}
-unsafe impl Sync for Dst {}
-
-impl Dst {
-    /// The element `off` past the start (a method, so closures capture the wrapper, which is
-    /// `Sync`, and not its bare pointer field).
-    ///
-    /// # Safety
-    /// `off` must lie inside the destination.
-    #[inline]
-    unsafe fn at(self, off: usize) -> *mut f32 {
-        self.0.add(off)
-    }
-}
-
 /// `C (m × n, row stride ldc) += A · B` from packed operands with `k` (unpadded) columns of A.
 /// The work is split into one contiguous range of B panels (or of A micro-panels when there are
 /// fewer panels than threads) per rayon thread; nothing is allocated.
@@ -321,7 +309,7 @@ pub fn gemm_packed(
     }
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     let threads = rayon::current_num_threads().max(1);
-    let dst = Dst(c.as_mut_ptr());
+    let dst = SharedMut(c.as_mut_ptr());
     let split_n = np >= threads || np >= mp;
     let parts = if split_n { np } else { mp }.min(threads);
     let total = if split_n { np } else { mp };
@@ -332,8 +320,10 @@ pub fn gemm_packed(
         } else {
             (0..np, lo..hi)
         };
-        // Safety: the tiles of (m_range × p_range) belong to this task alone and lie inside c
-        // (checked above).
+        // SAFETY: the ranges of the tasks partition the micro-panels (or the panels), so the tiles
+        // of (m_range × p_range) belong to this task alone; they lie inside c, whose length was
+        // checked above against (m − 1)·ldc + n, as were the packed lengths; the CPU has
+        // AVX512-BF16 (`available`, asserted above).
         unsafe { tiles(m, n, k, pa, pb, dst, ldc, p_range, m_range) };
     });
 }
@@ -356,15 +346,29 @@ pub fn gemm_packed_serial(
         return;
     }
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    // Safety: the whole of C is this call's (checked above).
-    unsafe { tiles(m, n, k, pa, pb, Dst(c.as_mut_ptr()), ldc, 0..np, 0..mp) };
+    // SAFETY: C is borrowed exclusively for the call and its length, like the packed lengths,
+    // was checked above against the shape; the CPU has AVX512-BF16 (`available`, asserted).
+    unsafe {
+        tiles(
+            m,
+            n,
+            k,
+            pa,
+            pb,
+            SharedMut(c.as_mut_ptr()),
+            ldc,
+            0..np,
+            0..mp,
+        )
+    };
 }
 
 /// C += A·B over the tiles (micro-panels `m_range` × panels `p_range`), k block by k block.
 ///
 /// # Safety
 /// The tiles must lie inside C (`(m − 1)·ldc + n` elements from `dst`) and no other thread may
-/// touch them during the call; `pa`, `pb` must hold packed A (m × k) and B (k × n).
+/// touch them during the call; `pa`, `pb` must hold packed A (m × k) and B (k × n), and the CPU
+/// must have AVX512-BF16 ([`available`]).
 #[allow(clippy::too_many_arguments)]
 unsafe fn tiles(
     m: usize,
@@ -372,7 +376,7 @@ unsafe fn tiles(
     k: usize,
     pa: &[u32],
     pb: &[u16],
-    dst: Dst,
+    dst: SharedMut<f32>,
     ldc: usize,
     p_range: std::ops::Range<usize>,
     m_range: std::ops::Range<usize>,
@@ -382,13 +386,21 @@ unsafe fn tiles(
     while q0 < kp {
         let kq = KC_PAIRS.min(kp - q0);
         for p in p_range.clone() {
+            // Panel p's pairs q0.. : kq·NR·2 u16 from here lie inside the packed B of
+            // ⌈n/NR⌉·NR·kp·2 u16 (the slice's bounds check covers the start).
             let b = &pb[(p * kp + q0) * NR * 2..];
             let cols = NR.min(n - p * NR);
             for mi in m_range.clone() {
+                // Micro-panel mi's pairs q0.. : kq·MR u32 inside the packed A likewise.
                 let a = &pa[(mi * kp + q0) * MR..];
                 let rows = MR.min(m - mi * MR);
-                let ct = dst.at(mi * MR * ldc + p * NR);
-                tile(kq, a.as_ptr(), b.as_ptr(), ct, ldc, rows, cols);
+                // SAFETY: tile (mi, p) starts at row mi·MR, column p·NR of C, inside C by the
+                // caller's contract, and this call alone touches it; `a` and `b` hold the kq
+                // pairs `tile` reads (see above), and the caller checked the CPU's features.
+                unsafe {
+                    let ct = dst.at(mi * MR * ldc + p * NR);
+                    tile(kq, a.as_ptr(), b.as_ptr(), ct, ldc, rows, cols);
+                }
             }
         }
         q0 += kq;
@@ -398,7 +410,8 @@ unsafe fn tiles(
 /// One tile: the kernel on C directly when the tile is whole, else on a padded copy.
 ///
 /// # Safety
-/// `c` must be valid for `rows` rows of `cols` columns at stride `ldc`; `a`/`b` for `kq` pairs.
+/// `c` must be valid for `rows` ≤ [`MR`] rows of `cols` ≤ [`NR`] columns at stride `ldc`, with
+/// no other thread touching them; `a`/`b` for `kq` pairs; the CPU must have AVX512-BF16.
 #[inline]
 unsafe fn tile(
     kq: usize,
@@ -410,24 +423,39 @@ unsafe fn tile(
     cols: usize,
 ) {
     if rows == MR && cols == NR {
-        kernel(kq, a, b, c, ldc);
+        // SAFETY: a whole tile: `c` is valid for MR rows of NR floats at stride `ldc`, which is
+        // what the kernel writes; `a`, `b` and the CPU as the caller guarantees.
+        unsafe { kernel(kq, a, b, c, ldc) };
         return;
     }
     let mut t = [0f32; MR * NR];
     for r in 0..rows {
-        std::ptr::copy_nonoverlapping(c.add(r * ldc), t.as_mut_ptr().add(r * NR), cols);
+        // SAFETY: row r < rows of C holds `cols` floats at `c + r·ldc` (the caller's contract)
+        // and row r of `t` holds NR ≥ cols; a stack array never overlaps C.
+        unsafe { std::ptr::copy_nonoverlapping(c.add(r * ldc), t.as_mut_ptr().add(r * NR), cols) };
     }
-    kernel(kq, a, b, t.as_mut_ptr(), NR);
+    // SAFETY: `t` is a whole MR × NR tile at stride NR; `a`, `b` and the CPU as guaranteed.
+    unsafe { kernel(kq, a, b, t.as_mut_ptr(), NR) };
     for r in 0..rows {
-        std::ptr::copy_nonoverlapping(t.as_ptr().add(r * NR), c.add(r * ldc), cols);
+        // SAFETY: the copy above in reverse, with the same bounds.
+        unsafe { std::ptr::copy_nonoverlapping(t.as_ptr().add(r * NR), c.add(r * ldc), cols) };
     }
 }
 
+/// The micro-kernel of this target.
+///
+/// # Safety
+/// As for [`kernel_avx512bf16`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn kernel(kq: usize, a: *const u32, b: *const u16, c: *mut f32, ldc: usize) {
-    kernel_avx512bf16(kq, a, b, c, ldc)
+    // SAFETY: the caller upholds the kernel's contract, the CPU's features included.
+    unsafe { kernel_avx512bf16(kq, a, b, c, ldc) }
 }
 
+/// Never called: [`available`] is false off x86-64.
+///
+/// # Safety
+/// None needed (it panics).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel(_: usize, _: *const u32, _: *const u16, _: *mut f32, _: usize) {
     unreachable!("available() is false off x86-64")
@@ -437,29 +465,42 @@ unsafe fn kernel(_: usize, _: *const u32, _: *const u16, _: *mut f32, _: usize) 
 ///
 /// # Safety
 /// The CPU must have AVX512F and AVX512-BF16; `a` holds `kq·MR` u32, `b` `kq·NR·2` u16, `c` MR
-/// rows of NR floats at stride `ldc`.
+/// rows of NR floats at stride `ldc`, which no other thread touches during the call.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn kernel_avx512bf16(kq: usize, a: *const u32, b: *const u16, c: *mut f32, ldc: usize) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 4]; MR];
     for q in 0..kq {
-        let bq = b.add(q * NR * 2);
-        let bv: [__m512bh; 4] = [
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bq as *const __m512i)),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                bq.add(32) as *const __m512i
-            )),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                bq.add(64) as *const __m512i
-            )),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                bq.add(96) as *const __m512i
-            )),
-        ];
-        let aq = a.add(q * MR);
+        // SAFETY: pair q < kq of the panel is NR·2 = 128 u16 from `b + q·NR·2`, inside the
+        // kq·NR·2 the caller guarantees; the four unaligned loads read 32 u16 each at 0, 32, 64
+        // and 96 (`loadu` needs no alignment; the CPU has AVX512F by the caller's contract).
+        // `__m512i` and `__m512bh` are both 512 bits with no invalid patterns, so the transmutes
+        // only rename the lanes.
+        let bv: [__m512bh; 4] = unsafe {
+            let bq = b.add(q * NR * 2);
+            [
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bq as *const __m512i)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    bq.add(32) as *const __m512i
+                )),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    bq.add(64) as *const __m512i
+                )),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    bq.add(96) as *const __m512i
+                )),
+            ]
+        };
+        // SAFETY: pair q's MR u32 of A start at `a + q·MR`, inside the kq·MR the caller
+        // guarantees.
+        let aq = unsafe { a.add(q * MR) };
         for (r, row) in acc.iter_mut().enumerate() {
-            let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*aq.add(r) as i32));
+            // SAFETY: r < MR, so `aq + r` is one of pair q's MR values (see above); the
+            // transmute renames the 512 bits of a broadcast u32 pair as 32 bf16 (any bits valid).
+            let av = unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*aq.add(r) as i32))
+            };
             for (v, lane) in row.iter_mut().enumerate() {
                 *lane = _mm512_dpbf16_ps(*lane, av, bv[v]);
             }
@@ -467,8 +508,13 @@ unsafe fn kernel_avx512bf16(kq: usize, a: *const u32, b: *const u16, c: *mut f32
     }
     for (r, row) in acc.iter().enumerate() {
         for (v, lane) in row.iter().enumerate() {
-            let p = c.add(r * ldc + v * 16);
-            _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), *lane));
+            // SAFETY: row r < MR, floats v·16..v·16 + 16 < NR of the tile: inside the MR rows of
+            // NR floats at stride `ldc` the caller guarantees, touched by no other thread;
+            // `loadu`/`storeu` need no alignment.
+            unsafe {
+                let p = c.add(r * ldc + v * 16);
+                _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), *lane));
+            }
         }
     }
 }

@@ -125,7 +125,14 @@ fn isa() -> Isa {
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f") {
+            // Every feature the AVX-512 builds enable (`#[target_feature]` below), so that
+            // calling them is sound wherever this says so.
+            if std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+            {
                 return Isa::Avx512;
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -136,7 +143,8 @@ fn isa() -> Isa {
     })
 }
 
-/// Whether this CPU runs the AVX-512 builds of the kernels (decided once per process).
+/// Whether this CPU runs the AVX-512 builds of the kernels (decided once per process): it has
+/// AVX512F, AVX512BW, AVX512VL, AVX2 and FMA, the features those builds are compiled with.
 pub fn avx512() -> bool {
     isa() == Isa::Avx512
 }
@@ -210,9 +218,12 @@ unsafe fn run2_avx2<T: Lanes, F: Fn(f32, f32) -> f32>(
 
 fn dispatch1<T: Lanes, F: Fn(f32) -> f32>(x: &[T], out: &mut [MaybeUninit<T>], f: &F) {
     match isa() {
-        // SAFETY: the CPU has the features (checked once in `isa`).
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { run1_avx512(x, out, f) },
+        // SAFETY: `isa` returned Avx2 only after detecting avx2 and fma, the features this
+        // build enables; the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { run1_avx2(x, out, f) },
         _ => run1(x, out, f),
@@ -226,9 +237,12 @@ fn dispatch2<T: Lanes, F: Fn(f32, f32) -> f32>(
     f: &F,
 ) {
     match isa() {
-        // SAFETY: the CPU has the features (checked once in `isa`).
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { run2_avx512(x, y, out, f) },
+        // SAFETY: `isa` returned Avx2 only after detecting avx2 and fma, the features this
+        // build enables; the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { run2_avx2(x, y, out, f) },
         _ => run2(x, y, out, f),
@@ -242,7 +256,8 @@ pub fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
         .par_chunks_mut(PAR_ITEM)
         .zip(x.par_chunks(PAR_ITEM))
         .for_each(|(o, xs)| dispatch1(xs, o, &f));
-    // SAFETY: every element of 0..len was written above (the chunks cover it exactly).
+    // SAFETY: the capacity is x.len(), and the chunks of `spare_capacity_mut()[..x.len()]` cover
+    // it exactly, each element written by `dispatch1` (every map writes its whole output).
     unsafe { out.set_len(x.len()) };
     out
 }
@@ -258,15 +273,17 @@ pub fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(x: &[T], y: &[T], f: F) -> 
         .par_chunks_mut(PAR_ITEM)
         .zip(x.par_chunks(PAR_ITEM).zip(y.par_chunks(PAR_ITEM)))
         .for_each(|(o, (xs, ys))| dispatch2(xs, ys, o, &f));
-    // SAFETY: every element of 0..len was written above.
+    // SAFETY: the capacity is x.len(), and the chunks of `spare_capacity_mut()[..x.len()]` cover
+    // it exactly, each element written by `dispatch2`.
     unsafe { out.set_len(x.len()) };
     Some(out)
 }
 
 /// Rounds `src` into `dst` (same length) element by element, in parallel.
 pub fn narrow_into<T: Lanes>(src: &[f32], dst: &mut [T]) {
-    // SAFETY: a `[T]` is a valid `[MaybeUninit<T>]` of the same length; every element is
-    // overwritten with an initialised value.
+    // SAFETY: `MaybeUninit<T>` has T's size and alignment, so the exclusive borrow of `dst` is
+    // a valid `[MaybeUninit<T>]` of the same length for the same lifetime; the narrowing writes
+    // only initialised values (T is `Copy`, so nothing is dropped), which keeps `dst` valid.
     let dst: &mut [MaybeUninit<T>] =
         unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), dst.len()) };
     narrow_into_uninit(src, dst)
@@ -294,7 +311,8 @@ unsafe fn run_narrow_avx512<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
 
 fn dispatch_narrow<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     match isa() {
-        // SAFETY: the CPU has the features (checked once in `isa`).
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { run_narrow_avx512(src, dst) },
         _ => run_narrow(src, dst),
@@ -399,9 +417,12 @@ pub fn softmax_rows(x: &mut [f32], n: usize) {
         return;
     }
     match isa() {
-        // SAFETY: the CPU has the features (checked once in `isa`).
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { softmax_avx512(x, n) },
+        // SAFETY: `isa` returned Avx2 only after detecting avx2 and fma, the features this
+        // build enables; the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { softmax_avx2(x, n) },
         _ => softmax_body(x, n),
@@ -414,7 +435,8 @@ pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
         return;
     }
     match isa() {
-        // SAFETY: as above.
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { exp_rows_avx512(x, n, sub) },
         _ => exp_rows_body(x, n, sub),
@@ -424,7 +446,8 @@ pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
 /// The row's maximum (NEG_INFINITY when empty).
 pub fn max_of(row: &[f32]) -> f32 {
     match isa() {
-        // SAFETY: as above.
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { row_max_avx512(row) },
         _ => row_max(row),
@@ -434,7 +457,8 @@ pub fn max_of(row: &[f32]) -> f32 {
 /// `row[j] = e^(row[j] − m)` in place; returns their sum.
 pub fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
     match isa() {
-        // SAFETY: as above.
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { exp_sub_sum_avx512(row, m) },
         _ => exp_sub_sum(row, m),

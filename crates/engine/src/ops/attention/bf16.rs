@@ -1,11 +1,11 @@
-//! The fused attention of [`crate::ops::qkv_attention`] on the AVX512-BF16 kernel, for bf16
+//! The fused attention of [`super::qkv_attention`] on the AVX512-BF16 kernel, for bf16
 //! activations: the materialized and attention-only-recompute modes ([`forward`], [`backward`])
 //! and the memory-efficient mode, streaming over key blocks ([`forward_streaming`],
 //! [`backward_streaming`]).
 //!
 //! The generic kernels widen each head's q, k, v to f32 copies and multiply through the f32
 //! `gemm` crate. Here the products read q, k, v and dO straight from the bf16 tensors into
-//! packed operands ([`crate::gemm_bf16`]), and P, dS (f32) are rounded to bf16 as they are packed,
+//! packed operands ([`crate::kernels::gemm_bf16`]), and P, dS (f32) are rounded to bf16 as they are packed,
 //! as PyTorch's bf16 attention rounds them; every product accumulates in f32. The softmax, the
 //! scale and dS = P∘(dP − Σ dP·P) stay in f32. Scores are scaled after the product
 //! (S = (q·kᵀ)·d_h^−½), so the scale is applied once in f32 rather than to bf16 q.
@@ -18,17 +18,19 @@ use candle_core::CpuStorage;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::attention::{err, Dropout};
-use crate::gemm_bf16::{
-    gemm_packed_serial, pack_a_serial, pack_b_serial, packed_a_len, packed_b_len, View,
+use super::dropout::{mask_at, Dropout};
+use super::geom::{attn_threads, AttnGeom, AttnKeep};
+use crate::kernels::gemm_bf16::{
+    self, gemm_packed_serial, pack_a_serial, pack_b_serial, packed_a_len, packed_b_len, ToBf16,
+    View,
 };
-use crate::ops::{attn_threads, mask_at, AttnGeom, AttnKeep, SharedMut};
-
-type CResult<T> = candle_core::Result<T>;
+use crate::kernels::shared_ptr::SharedMut;
+use crate::kernels::vecmath;
+use crate::ops::storage::{err, CResult};
 
 /// Whether the native path runs for bf16 storage: where the kernel is available (every mode).
 pub fn applies() -> bool {
-    crate::gemm_bf16::available()
+    gemm_bf16::available()
 }
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
@@ -123,9 +125,15 @@ unsafe fn write_dqkv(
     for i in 0..s {
         let row = (bi * s + i) * 3 * d + hd * dh;
         for j in 0..dh {
-            *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
-            *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
-            *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
+            // SAFETY: bi < b, i < s, hd < a and j < dh, so row + 2d + j < b·s·3D: inside the
+            // buffer `pd` points to; these are head (bi, hd)'s own columns, which the caller
+            // guarantees no other thread writes. bf16 is `Copy`: writing over uninitialised
+            // memory drops nothing.
+            unsafe {
+                *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
+                *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
+                *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
+            }
         }
     }
 }
@@ -163,7 +171,7 @@ fn head<'a>(qkv: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> Head<'a> {
 
 /// c = a·b on the kernel, on the calling thread (c is overwritten).
 #[allow(clippy::too_many_arguments)]
-fn product<TA: crate::gemm_bf16::ToBf16, TB: crate::gemm_bf16::ToBf16>(
+fn product<TA: ToBf16, TB: ToBf16>(
     m: usize,
     n: usize,
     k: usize,
@@ -193,7 +201,7 @@ fn probabilities(
     for x in p[..s * s].iter_mut() {
         *x *= scale;
     }
-    crate::vecmath::softmax_rows(&mut p[..s * s], s);
+    vecmath::softmax_rows(&mut p[..s * s], s);
 }
 
 /// Forward of all heads: the output (b·s, D) and, when `save`, P (b·a·s², bf16).
@@ -221,7 +229,9 @@ pub fn forward(
         probabilities(&h, s, dh, scale, p, pa, pb);
         if save_p {
             for (i, v) in p.iter().enumerate() {
-                // Safety: head `hi` owns P[hi·s²..(hi+1)·s²].
+                // SAFETY: i < s², hi < b·a, and `p_keep` has capacity b·a·s² when P is saved, so
+                // the element is inside it; `for_each_head` hands head `hi` to one task only, and
+                // only that task writes P[hi·s²..(hi+1)·s²].
                 unsafe { *pp.at(hi * s * s + i) = bf16::from_f32(*v) };
             }
         }
@@ -238,12 +248,15 @@ pub fn forward(
         product(s, dh, s, pv, h.v, o, pa, pb);
         for i in 0..s {
             for j in 0..dh {
-                // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                // SAFETY: the index is below b·s·D, the capacity of `out`; head (bi, hd) is one
+                // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
                 unsafe { *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j]) };
             }
         }
     });
-    // SAFETY: every head wrote its columns of every row of `out`, and its P when kept.
+    // SAFETY: the heads' columns cover every row of `out` (b·s·D elements, its capacity), and
+    // P's blocks cover all of `p_keep` when it is kept (its capacity is 0 otherwise); bf16 has
+    // no invalid bit patterns and every element was written.
     unsafe {
         out.set_len(g.b * s * d);
         p_keep.set_len(p_keep.capacity());
@@ -346,10 +359,12 @@ pub fn backward(
             cs: s,
         };
         product(s, dh, s, dst, h.q, dk, pa, pb);
-        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+        // SAFETY: `pd` points to dqkv's b·s·3D elements (its capacity) and head (bi, hd) is this
+        // task's alone, so no other thread writes its q, k, v columns.
         unsafe { write_dqkv(&pd, g, (bi, hd), dq, dk, dv, scale) };
     });
-    // SAFETY: every head wrote its q, k and v columns of every row.
+    // SAFETY: the heads' q, k and v columns cover every element of the b·s·3D rows (the
+    // capacity), each written once above.
     unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
 }
@@ -399,13 +414,13 @@ pub fn forward_streaming(
             }
             for i in 0..s {
                 let row = &mut blk[i * n..(i + 1) * n];
-                let bmax = crate::vecmath::max_of(row).max(m[i]);
+                let bmax = vecmath::max_of(row).max(m[i]);
                 let corr = if m[i] == f32::NEG_INFINITY {
                     0.0
                 } else {
                     (m[i] - bmax).exp()
                 };
-                let z = crate::vecmath::exp_sub_sum_of(row, bmax);
+                let z = vecmath::exp_sub_sum_of(row, bmax);
                 l[i] = l[i] * corr + z;
                 for x in o[i * dh..(i + 1) * dh].iter_mut() {
                     *x *= corr;
@@ -434,18 +449,21 @@ pub fn forward_streaming(
         for i in 0..s {
             let inv = 1.0 / l[i];
             for j in 0..dh {
-                // Safety: head (bi, hd) owns columns hd·dh.. of the rows of batch bi.
+                // SAFETY: the index is below b·s·D, the capacity of `out`; head (bi, hd) is one
+                // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
                 unsafe {
                     *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j] * inv)
                 };
             }
             if save {
-                // Safety: head `hi` owns lse[hi·s..(hi+1)·s].
+                // SAFETY: `lse` holds b·a·s elements when saved and hi·s + i < b·a·s; only head
+                // `hi`'s task writes lse[hi·s..(hi+1)·s].
                 unsafe { *pl.at(hi * s + i) = m[i] + l[i].ln() };
             }
         }
     });
-    // SAFETY: every head wrote its columns of every row of `out`.
+    // SAFETY: the heads' columns cover every element of `out` (b·s·D, its capacity), each
+    // written once above.
     unsafe { out.set_len(g.b * s * d) };
     let saved = save.then_some(CpuStorage::F32(lse));
     (out, saved)
@@ -521,7 +539,7 @@ pub fn backward_streaming(
             for x in p.iter_mut() {
                 *x *= scale;
             }
-            crate::vecmath::exp_rows(p, n, lse);
+            vecmath::exp_rows(p, n, lse);
             // dv_blk = P_blkᵀ·dO.
             pack_a_serial(
                 n,
@@ -588,10 +606,12 @@ pub fn backward_streaming(
             gemm_packed_serial(n, dh, s, ab, pb, dkb, dh);
             j0 += n;
         }
-        // Safety: head (bi, hd) owns its q, k, v columns of the rows of batch bi.
+        // SAFETY: `pd` points to dqkv's b·s·3D elements (its capacity) and head (bi, hd) is this
+        // task's alone, so no other thread writes its q, k, v columns.
         unsafe { write_dqkv(&pd, g, (bi, hd), dq, dk, dv, scale) };
     });
-    // SAFETY: every head wrote its q, k and v columns of every row.
+    // SAFETY: the heads' q, k and v columns cover every element of the b·s·3D rows (the
+    // capacity), each written once above.
     unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
 }

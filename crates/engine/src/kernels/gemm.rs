@@ -1,0 +1,152 @@
+//! The f32/f64 products of the fused ops, through the `gemm` crate: [`mm`] (single-threaded,
+//! for the attention's loop over heads), [`mm_par`], [`mm_strided`] (any strides; the widened
+//! linear lays its f32 scratch out so that `gemm` packs nothing) and [`mm_fresh`] (a product
+//! written straight into new, unzeroed memory). bf16 products have their own kernel,
+//! [`super::gemm_bf16`].
+
+use super::scalar::Acc;
+
+/// `gemm`'s parallelism for a product that runs alone: rayon's pool, or none on one thread.
+pub(crate) fn gemm_threads() -> gemm::Parallelism {
+    match rayon::current_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// `dst (m×n) = lhs (m×k) · rhs (k×n)` (+ dst when `acc`), with explicit (row, column) strides,
+/// single-threaded (the callers parallelise over heads).
+pub(crate) fn mm<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [A],
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+) {
+    mm_par(m, n, k, dst, lhs, rhs, acc, gemm::Parallelism::None)
+}
+
+/// [`mm`] with an explicit parallelism.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mm_par<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [A],
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    mm_strided(m, n, k, (dst, n, 1), lhs, rhs, acc, par)
+}
+
+/// A fresh row-major `m × n` product `lhs · rhs` (f32/f64, through `gemm`), written straight into
+/// new memory: `gemm` overwrites the destination without reading it, so it is not zeroed first.
+pub(crate) fn mm_fresh<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    par: gemm::Parallelism,
+) -> Vec<A> {
+    if k == 0 || m == 0 || n == 0 {
+        return vec![A::ZERO; m * n];
+    }
+    let mut out: Vec<A> = Vec::with_capacity(m * n);
+    // SAFETY: the spare capacity holds m·n elements, exactly the m × n destination at row
+    // stride n; the operands' strides stay inside their slices (callers pass row-major buffers
+    // or their transposes); with `acc` false `gemm` writes every element of the destination and
+    // reads none, so after the call all m·n elements are initialised and `set_len` is sound.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            (out.spare_capacity_mut().as_mut_ptr().cast::<A>(), n, 1),
+            lhs,
+            rhs,
+            false,
+            par,
+        );
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// The general product: every operand as (slice, row stride, column stride).
+///
+/// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is
+/// column-major with a row count that fills its SIMD lanes, and the rhs is column-major with at
+/// most 128 microkernel rows of destination (`gemm-common` `gemm_basic_generic`). The widened
+/// linear lays out its own f32 scratch that way, so its products allocate nothing.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mm_strided<A: 'static + Acc>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [A], usize, usize),
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    let (dst, dst_rs, dst_cs) = dst;
+    debug_assert!(dst.len() >= m * n);
+    // SAFETY: `dst` is an exclusive borrow valid for the call, and the strides keep every
+    // (i, j) of the m × n product inside it and the operands inside theirs (callers pass
+    // row-major buffers or their transposes with the matching extents).
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            (dst.as_mut_ptr(), dst_rs, dst_cs),
+            lhs,
+            rhs,
+            acc,
+            par,
+        )
+    }
+}
+
+/// `dst = lhs·rhs` (`+ dst` when `acc`) through `gemm`, the destination as (pointer, row
+/// stride, column stride), the operands as (slice, row stride, column stride).
+///
+/// # Safety
+/// The destination must be valid for writes (and reads when `acc`) at every (i, j) of the
+/// m × n product under its strides; the operands' strides must stay inside their slices.
+unsafe fn gemm_raw<A: 'static + Acc>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs, dst_cs): (*mut A, usize, usize),
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    acc: bool,
+    par: gemm::Parallelism,
+) {
+    // SAFETY: the caller guarantees the destination is valid under its strides for the whole
+    // m × n product (reads too when `acc`) and that the operands' strides stay inside their
+    // slices, which are borrowed for the call: what `gemm::gemm` requires of its pointers.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs as isize,
+            dst_rs as isize,
+            acc,
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            <A as Acc>::from_f64(1.0),
+            <A as Acc>::from_f64(1.0),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}

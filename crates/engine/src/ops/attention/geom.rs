@@ -1,0 +1,94 @@
+//! The shapes and modes of the fused attention, shared by its op ([`super`]) and its kernels
+//! ([`super::generic`], [`super::bf16`]): what the op keeps ([`AttnKeep`]), the geometry of one
+//! call ([`AttnGeom`]) with its per-head scratch sizes (restated by the budget,
+//! `ditmem_budget::candle::fused_attention`), and the head loop's thread count.
+
+use candle_core::Layout;
+
+use crate::ops::storage::{err, CResult};
+
+/// What the fused attention keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKeep {
+    /// The probabilities P (b, a, s, s) in the compute dtype: the materialized mode. Its softmax
+    /// is fused, so nothing else of size s² is kept (no scores, no exp, no casts).
+    Probabilities,
+    /// Nothing: backward recomputes P head by head (the attention-only recompute policy).
+    Nothing,
+    /// The log-sum-exp per query row (b, a, s) in the accumulation type; forward and backward
+    /// stream over key blocks and never hold more than s × [`ATTN_KEY_BLOCK`] scores per head
+    /// (the memory-efficient mode).
+    LogSumExp,
+}
+
+/// Keys per block of the streaming kernels.
+pub const ATTN_KEY_BLOCK: usize = 128;
+
+/// Shapes of one fused attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnGeom {
+    pub b: usize,
+    pub a: usize,
+    pub s: usize,
+    pub dh: usize,
+}
+
+impl AttnGeom {
+    pub(crate) fn d(&self) -> usize {
+        self.a * self.dh
+    }
+    pub(crate) fn heads(&self) -> usize {
+        self.b * self.a
+    }
+    pub(crate) fn kb(&self) -> usize {
+        ATTN_KEY_BLOCK.min(self.s)
+    }
+    /// Scratch elements (accumulation type) per head of the forward.
+    pub fn fwd_scratch(&self, keep: AttnKeep) -> usize {
+        let (s, dh) = (self.s, self.dh);
+        match keep {
+            // q, k, v, the head's output, S.
+            AttnKeep::Probabilities | AttnKeep::Nothing => 4 * s * dh + s * s,
+            // q, k, v, the accumulator, one block of scores, row max and sum.
+            AttnKeep::LogSumExp => 4 * s * dh + s * self.kb() + 2 * s,
+        }
+    }
+    /// Scratch elements (accumulation type) per head of the backward.
+    pub fn bwd_scratch(&self, keep: AttnKeep) -> usize {
+        let (s, dh) = (self.s, self.dh);
+        match keep {
+            // q, k, v, dO, dq, dk, dv, P, dP.
+            AttnKeep::Probabilities | AttnKeep::Nothing => 7 * s * dh + 2 * s * s,
+            // q, k, v, dO, dq, dk, dv, a block of P and of dP, the row deltas.
+            AttnKeep::LogSumExp => 7 * s * dh + 2 * s * self.kb() + s,
+        }
+    }
+}
+
+/// Threads the head loop uses: rayon's pool size, at most one per head. The scratch of all of
+/// them is allocated up front, so the transient bytes are deterministic.
+pub fn attn_threads(heads: usize) -> usize {
+    rayon::current_num_threads().clamp(1, heads.max(1))
+}
+
+pub(super) fn attn_geom(l: &Layout, batch: usize, heads: usize) -> CResult<AttnGeom> {
+    let (rows, d3) = match l.dims() {
+        &[r, c] => (r, c),
+        dims => {
+            return Err(err(format!(
+                "attention expects qkv (b·s, 3D), got {dims:?}"
+            )))
+        }
+    };
+    if batch == 0 || heads == 0 || rows % batch != 0 || d3 % (3 * heads) != 0 {
+        return Err(err(format!(
+            "attention: qkv ({rows}, {d3}) does not split into batch {batch} × 3 × {heads} heads"
+        )));
+    }
+    Ok(AttnGeom {
+        b: batch,
+        a: heads,
+        s: rows / batch,
+        dh: d3 / (3 * heads),
+    })
+}

@@ -1,0 +1,144 @@
+//! [`qkv_attention`]: attention read in place from the (b·s, 3D) output of the qkv projection
+//! (no splits or copies), as one custom op ([`QkvAttention`]) keeping P (materialized), nothing
+//! (attention-only recompute) or the log-sum-exp (memory-efficient, streaming over key blocks);
+//! the softmax is fused and accumulates in f32 (f64 for f64). Budget twin:
+//! `ditmem_budget::candle::fused_attention`.
+//!
+//! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
+//! - [`generic`]: the kernels for every dtype through the `gemm` crate.
+//! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
+//! - [`dropout`]: the dropout mask, composed and per element.
+//! - [`reference`]: the composed attention ([`attention_materialized`]), the tests' reference.
+
+pub mod bf16;
+pub mod dropout;
+mod generic;
+pub mod geom;
+pub mod reference;
+
+use std::sync::Mutex;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType,
+};
+
+use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+pub use dropout::{dropout_mask, Dropout};
+use generic::{attn_bwd_cpu, attn_fwd_cpu};
+use geom::attn_geom;
+pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK};
+pub use reference::attention_materialized;
+
+/// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
+/// read in place (no narrow, no transposes, no contiguous copies), the output already has the
+/// layout the output projection wants, and the gradient comes back as one (b·s, 3D) tensor, so
+/// candle never pads a narrow's gradient. Heads run in parallel, each on a private scratch of
+/// accumulation-type buffers; every product is a `gemm` call.
+#[derive(Debug)]
+pub struct QkvAttention {
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+    /// Whether the input tracks: an untracked forward saves nothing.
+    track: bool,
+    saved: Mutex<Option<CpuStorage>>,
+}
+
+/// Fused attention from the qkv projection (see [`QkvAttention`]).
+pub fn qkv_attention(
+    qkv: &Tensor,
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) -> CResult<Tensor> {
+    if dropout.is_some() && keep == AttnKeep::LogSumExp {
+        return Err(err(
+            "attention dropout needs materialized attention (the streaming kernel has no mask)",
+        ));
+    }
+    qkv.apply_op1(QkvAttention {
+        batch,
+        heads,
+        keep,
+        dropout: dropout.filter(|d| d.p > 0.0),
+        track: qkv.track_op(),
+        saved: Mutex::new(None),
+    })
+}
+
+impl CustomOp1 for QkvAttention {
+    fn name(&self) -> &'static str {
+        "qkv-attention"
+    }
+
+    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let g = attn_geom(l, self.batch, self.heads)?;
+        if st.dtype() == DType::BF16 && bf16::applies() {
+            let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
+            let (o, saved) = if self.keep == AttnKeep::LogSumExp {
+                bf16::forward_streaming(qkv, &g, self.track)
+            } else {
+                bf16::forward(qkv, &g, self.keep, self.dropout, self.track)
+            };
+            *self
+                .saved
+                .lock()
+                .map_err(|_| err("attention lock poisoned"))? = saved;
+            return Ok((CpuStorage::BF16(o), Shape::from((g.b * g.s, g.d()))));
+        }
+        let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
+            let qkv = cpu_slice::<T>(st, l, "attention qkv")?;
+            let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
+            (T::to_cpu_storage_owned(o), saved)
+        });
+        *self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))? = saved;
+        Ok((out, Shape::from((g.b * g.s, g.d()))))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let guard = self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))?;
+        let grad = grad.contiguous()?;
+        let d = with_cpu(arg, |sq, lq| {
+            with_cpu(res, |so, lo| {
+                with_cpu(&grad, |sg, lg| {
+                    let g = attn_geom(lq, self.batch, self.heads)?;
+                    if sq.dtype() == DType::BF16 && bf16::applies() {
+                        let n = "attention";
+                        let (qkv, go) = (
+                            cpu_slice::<half::bf16>(sq, lq, n)?,
+                            cpu_slice::<half::bf16>(sg, lg, n)?,
+                        );
+                        let dqkv = if self.keep == AttnKeep::LogSumExp {
+                            let o = cpu_slice::<half::bf16>(so, lo, n)?;
+                            bf16::backward_streaming(qkv, o, go, guard.as_ref(), &g)?
+                        } else {
+                            bf16::backward(qkv, go, guard.as_ref(), &g, self.keep, self.dropout)?
+                        };
+                        return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
+                    }
+                    Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
+                        let dqkv = attn_bwd_cpu::<T, A>(
+                            cpu_slice::<T>(sq, lq, "attention qkv")?,
+                            cpu_slice::<T>(so, lo, "attention output")?,
+                            cpu_slice::<T>(sg, lg, "attention gradient")?,
+                            guard.as_ref(),
+                            &g,
+                            self.keep,
+                            self.dropout,
+                        )?;
+                        Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu)?
+                    }))
+                })
+            })
+        })?;
+        Ok(Some(d))
+    }
+}

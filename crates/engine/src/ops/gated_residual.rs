@@ -1,0 +1,194 @@
+//! [`gated_residual`]: the adaLN-Zero residual `x + y·gate` as one node, keeping nothing beyond
+//! its inputs and reading y in the compute dtype. Budget twin: the `gated_residual` rule of
+//! `ditmem_budget::candle`.
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+};
+use rayon::prelude::*;
+
+use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use crate::kernels::scalar::{Acc, Elem};
+
+/// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
+/// candle it keeps the (b·s, D) product (the sum's input) and, under mixed precision, y's cast to
+/// the accumulation dtype; fused it keeps nothing beyond its inputs and reads y in the compute
+/// dtype. Backward: dx = g (a fresh copy), dy = g·gate in y's dtype, dgate = Σ_s g·y.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GatedResidual;
+
+/// Fused gated residual: x (b, s, D) in the accumulation dtype, y (b·s, D) or (b, s, D) in any
+/// float dtype, gate (b, D) with unit column stride in x's dtype → (b, s, D) in x's dtype.
+pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> CResult<Tensor> {
+    x.apply_op3(y, gate, GatedResidual)
+}
+
+/// (b, s, d, gate offset, gate row stride).
+fn gated_geom(
+    lx: &Layout,
+    ly: &Layout,
+    lg: &Layout,
+) -> CResult<(usize, usize, usize, usize, usize)> {
+    let (b, s, d) = match lx.dims() {
+        &[b, s, d] => (b, s, d),
+        dims => {
+            return Err(err(format!(
+                "gated residual expects x (b, s, D), got {dims:?}"
+            )))
+        }
+    };
+    if ly.shape().elem_count() != b * s * d || ly.dims().last() != Some(&d) {
+        return Err(err(format!(
+            "gated residual: y {:?} does not match x {:?}",
+            ly.dims(),
+            lx.dims()
+        )));
+    }
+    let (off, rs) = rows_view(lg, b, d, "gated residual gate")?;
+    Ok((b, s, d, off, rs))
+}
+
+/// Forward kernel of [`GatedResidual`].
+fn gated_fwd_cpu<T, O, A>(
+    x: &[T],
+    y: &[O],
+    gate: &[T],
+    geom: (usize, usize, usize, usize, usize),
+) -> Vec<T>
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc,
+{
+    let (b, s, d, off, rs) = geom;
+    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); b * s * d];
+    o.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, orow)| {
+            let gr = &gate[off + (r / s) * rs..][..d];
+            let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
+            for j in 0..d {
+                orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
+            }
+        });
+    o
+}
+
+/// dy = g·gate (in y's type), one fresh buffer.
+fn gated_dy_cpu<T, O, A>(g: &[T], gate: &[T], geom: (usize, usize, usize, usize, usize)) -> Vec<O>
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc,
+{
+    let (b, s, d, off, rs) = geom;
+    let mut v: Vec<O> = vec![O::from_acc(A::ZERO); b * s * d];
+    v.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, row)| {
+            let gr = &gate[off + (r / s) * rs..][..d];
+            for j in 0..d {
+                row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
+            }
+        });
+    v
+}
+
+/// dgate = Σ_s g·y per batch entry (b, D), one fresh buffer.
+fn gated_dgate_cpu<T, O, A>(g: &[T], y: &[O], geom: (usize, usize, usize, usize, usize)) -> Vec<T>
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc,
+{
+    let (b, s, d, _, _) = geom;
+    let mut v: Vec<T> = vec![T::from_acc(A::ZERO); b * d];
+    v.par_chunks_mut(d).enumerate().for_each(|(bi, row)| {
+        for (j, o) in row.iter_mut().enumerate() {
+            let mut a = A::ZERO;
+            for si in 0..s {
+                let r = (bi * s + si) * d + j;
+                a += g[r].to_acc() * y[r].to_acc();
+            }
+            *o = T::from_acc(a);
+        }
+    });
+    v
+}
+
+impl CustomOp3 for GatedResidual {
+    fn name(&self) -> &'static str {
+        "gated-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sy: &CpuStorage,
+        ly: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (b, s, d, off, rs) = gated_geom(lx, ly, lg)?;
+        if sg.dtype() != sx.dtype() {
+            return Err(err("gated residual: gate and x must share one dtype"));
+        }
+        let out = dispatch_ln!(sx.dtype(), sy.dtype(), |T, O, A| {
+            let x = cpu_slice::<T>(sx, lx, "gated residual x")?;
+            let y = cpu_slice::<O>(sy, ly, "gated residual y")?;
+            let gate = sg.as_slice::<T>()?;
+            let o = gated_fwd_cpu::<T, O, A>(x, y, gate, (b, s, d, off, rs));
+            T::to_cpu_storage_owned(o)
+        });
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        gate: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (wx, wy, wg) = (x.track_op(), y.track_op(), gate.track_op());
+        let dev = Device::Cpu;
+        with_cpu(y, |sy, ly| {
+            with_cpu(gate, |sgt, lgt| {
+                with_cpu(&grad, |sg, lg| {
+                    let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
+                    Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
+                        let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
+                        let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
+                        let gate = sgt.as_slice::<T>()?;
+                        let dx = if wx {
+                            let mut v: Vec<T> = Vec::with_capacity(g.len());
+                            v.extend_from_slice(g);
+                            Some(Tensor::from_vec(v, x.shape(), &dev)?)
+                        } else {
+                            None
+                        };
+                        let geom = (b, s, d, off, rs);
+                        let dy = if wy {
+                            let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
+                            Some(Tensor::from_vec(v, ly.shape(), &dev)?)
+                        } else {
+                            None
+                        };
+                        let dg = if wg {
+                            let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
+                            Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
+                        } else {
+                            None
+                        };
+                        (dx, dy, dg)
+                    }))
+                })
+            })
+        })
+    }
+}

@@ -1,0 +1,318 @@
+//! [`linear`]: `x·Wᵀ + b` as one fused node ([`LinearOp`]), with its workspace sizes
+//! ([`linear_fwd_scratch`], [`linear_bwd_scratch`]) and, through [`linear_sunk`], its weight
+//! gradients handed to a [`GradSink`]. Three kernel paths: [`direct`] (f32/f64 through `gemm`),
+//! [`bf16`] (the AVX512-BF16 kernel) and [`widen`] (bf16/f16 widened to f32 by chunks). Budget
+//! twin: `ditmem_budget::candle::fused_linear` and `fused_linear_scratch`, which the test below
+//! holds equal to these sizes.
+
+mod bf16;
+mod common;
+mod direct;
+mod sink;
+mod widen;
+
+use std::sync::Arc;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor,
+};
+
+use crate::kernels::gemm_bf16;
+use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
+
+use bf16::{linear_bwd_bf16, linear_fwd_bf16};
+pub use common::{LinearGrads, LINEAR_ROWS};
+use direct::{linear_bwd_direct, linear_fwd_direct};
+pub use sink::GradSink;
+use widen::{linear_bwd_widen, linear_fwd_widen};
+
+/// `y = x·Wᵀ + b` on a 2-D x as one node: candle's composition keeps both the product and the
+/// biased sum alive (two (rows, out) tensors per linear) and, in bf16, widens the whole of both
+/// operands to f32 for every product. This op keeps nothing beyond its inputs, calls `gemm`
+/// directly on f32/f64 data (W read transposed in place); on bf16 with AVX512-BF16 it packs W
+/// once and x by chunks of [`LINEAR_ROWS`] rows for [`crate::kernels::gemm_bf16`], otherwise (and on
+/// f16) it widens W once and x by chunks to f32; both accumulate in f32. Backward returns dx,
+/// dW, db for the inputs that track (a frozen LoRA base gets only dx).
+///
+/// With a [`GradSink`], W and b go in untracked and the backward hands their gradients to the
+/// sink instead of returning them to candle: candle would fold each into its store as
+/// `zeros_like(W) + dW`, a memset and an add over every weight of the model per step (and a
+/// moment with three weight-sized buffers alive), only for the trainer to take the sum out.
+#[derive(Debug, Clone, Default)]
+pub struct LinearOp {
+    sink: Option<Arc<GradSink>>,
+}
+
+/// Fused linear (see [`LinearOp`]): x (rows, in), w (out, in), b (out) → (rows, out).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    x.apply_op3(w, b, LinearOp::default())
+}
+
+/// The fused linear with its weight gradients handed to `sink` (see [`LinearOp`]). `w` and `b`
+/// should not track (pass detached tensors); which of dW, db the backward computes is the sink's
+/// [`GradSink::new`] choice. The backward runs only if x tracks (candle calls a node's backward
+/// only when one of its inputs tracks), so use it where the input does.
+pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> CResult<Tensor> {
+    x.apply_op3(
+        w,
+        b,
+        LinearOp {
+            sink: Some(Arc::clone(sink)),
+        },
+    )
+}
+
+/// Workspace bytes of a linear's forward: nothing on f32/f64; on bf16 with the AVX512-BF16
+/// kernel (`native`) packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; when widening
+/// (bf16/f16) W, b and a chunk of x and y in f32.
+pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, native: bool) -> u64 {
+    let r = LINEAR_ROWS.min(rows);
+    let n = match dtype {
+        DType::BF16 if native => {
+            2 * gemm_bf16::packed_b_len(inp, out)
+                + 4 * gemm_bf16::packed_a_len(r, inp)
+                + 4 * (r * out + out)
+        }
+        DType::BF16 | DType::F16 => 4 * (out * inp + out + r * (inp + out)),
+        _ => 0,
+    };
+    n as u64
+}
+
+/// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
+/// packed g chunk and an f32 dx chunk; for dW an f32 dW (unless the weight is an f32 master,
+/// `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed x chunk; for db an
+/// f32 db (likewise). Widening: per chunk g; for dx Wᵀ, a column-major copy of the g chunk and a
+/// dx chunk; for dW the f32 dW and an x chunk; for db an f32 db (all f32). Nothing on f32/f64.
+pub fn linear_bwd_scratch(
+    dtype: DType,
+    (rows, inp, out): (usize, usize, usize),
+    g: LinearGrads,
+    native: bool,
+    master: bool,
+) -> u64 {
+    let r = LINEAR_ROWS.min(rows);
+    let n = match dtype {
+        DType::BF16 if native => {
+            let mut n = 0;
+            if g.x {
+                n += 2 * gemm_bf16::packed_b_len(out, inp)
+                    + 4 * gemm_bf16::packed_a_len(r, out)
+                    + 4 * r * inp;
+            }
+            let acc = if master { 0 } else { 4 };
+            if g.w {
+                n += acc * out * inp
+                    + 4 * gemm_bf16::packed_a_len(out, r)
+                    + 2 * gemm_bf16::packed_b_len(r, inp);
+            }
+            if g.b {
+                n += acc * out;
+            }
+            n
+        }
+        DType::BF16 | DType::F16 => {
+            let mut n = r * out;
+            if g.x {
+                n += out * inp + r * out + r * inp;
+            }
+            if g.w {
+                n += out * inp + r * inp;
+            }
+            if g.b {
+                n += out;
+            }
+            4 * n
+        }
+        _ => 0,
+    };
+    n as u64
+}
+
+fn linear_dims(lx: &Layout, lw: &Layout, lb: &Layout) -> CResult<(usize, usize, usize)> {
+    match (lx.dims(), lw.dims(), lb.dims()) {
+        (&[rows, inp], &[out, inp2], &[out2]) if inp == inp2 && out == out2 => Ok((rows, inp, out)),
+        (x, w, b) => Err(err(format!(
+            "linear expects x (rows, in), w (out, in), b (out); got {x:?}, {w:?}, {b:?}"
+        ))),
+    }
+}
+
+/// The dtype pairs a linear takes: x in the compute dtype, W and b in it too or, for a bf16/f16
+/// compute dtype, in f32 (the master weights, rounded as they are read).
+fn linear_dtypes(x: DType, w: DType, b: DType) -> CResult<()> {
+    let ok = w == b && (w == x || (w == DType::F32 && matches!(x, DType::BF16 | DType::F16)));
+    if ok {
+        Ok(())
+    } else {
+        Err(err(format!(
+            "linear: w and b must share x's dtype, or be f32 with a bf16/f16 x; got x {x:?}, w {w:?}, b {b:?}"
+        )))
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (rows, inp, out) = linear_dims(lx, lw, lb)?;
+        linear_dtypes(sx.dtype(), sw.dtype(), sb.dtype())?;
+        let n = "linear";
+        let native = gemm_bf16::available();
+        macro_rules! call {
+            ($f:expr) => {
+                $f(
+                    cpu_slice(sx, lx, n)?,
+                    cpu_slice(sw, lw, n)?,
+                    cpu_slice(sb, lb, n)?,
+                    rows,
+                    inp,
+                    out,
+                )
+            };
+        }
+        use half::{bf16, f16};
+        let y = match (sx.dtype(), sw.dtype()) {
+            (DType::F32, _) => CpuStorage::F32(call!(linear_fwd_direct::<f32>)),
+            (DType::F64, _) => CpuStorage::F64(call!(linear_fwd_direct::<f64>)),
+            (DType::BF16, DType::BF16) if native => {
+                CpuStorage::BF16(call!(linear_fwd_bf16::<bf16>))
+            }
+            (DType::BF16, _) if native => CpuStorage::BF16(call!(linear_fwd_bf16::<f32>)),
+            (DType::BF16, DType::BF16) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, bf16>)),
+            (DType::BF16, _) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, f32>)),
+            (DType::F16, DType::F16) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f16>)),
+            (DType::F16, _) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f32>)),
+            (other, _) => return Err(err(format!("linear: unsupported dtype {other:?}"))),
+        };
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = LinearGrads {
+            x: x.track_op(),
+            w: w.track_op() || self.sink.as_ref().is_some_and(|s| s.want_w),
+            b: b.track_op() || self.sink.as_ref().is_some_and(|s| s.want_b),
+        };
+        let grad = grad.contiguous()?;
+        let dev = Device::Cpu;
+        let native = gemm_bf16::available();
+        with_cpu(x, |sx, lx| {
+            with_cpu(w, |sw, lw| {
+                with_cpu(&grad, |sg, lg| {
+                    let dims = linear_dims(lx, lw, b.layout())?;
+                    linear_dtypes(sx.dtype(), sw.dtype(), b.dtype())?;
+                    let (rows, inp, out) = dims;
+                    let n = "linear backward";
+                    macro_rules! run {
+                        ($f:expr) => {{
+                            let (dx, dw, db) = $f(
+                                cpu_slice(sx, lx, n)?,
+                                cpu_slice(sw, lw, n)?,
+                                cpu_slice(sg, lg, n)?,
+                                dims,
+                                want,
+                            );
+                            let dx = dx
+                                .map(|v| Tensor::from_vec(v, (rows, inp), &dev))
+                                .transpose()?;
+                            let dw = dw
+                                .map(|v| Tensor::from_vec(v, (out, inp), &dev))
+                                .transpose()?;
+                            let db = db.map(|v| Tensor::from_vec(v, out, &dev)).transpose()?;
+                            match &self.sink {
+                                Some(sink) => {
+                                    GradSink::put(&sink.w, dw)?;
+                                    GradSink::put(&sink.b, db)?;
+                                    Ok((dx, None, None))
+                                }
+                                None => Ok((dx, dw, db)),
+                            }
+                        }};
+                    }
+                    use half::{bf16, f16};
+                    match (sx.dtype(), sw.dtype()) {
+                        (DType::F32, _) => run!(linear_bwd_direct::<f32>),
+                        (DType::F64, _) => run!(linear_bwd_direct::<f64>),
+                        (DType::BF16, DType::BF16) if native => {
+                            run!(linear_bwd_bf16::<bf16>)
+                        }
+                        (DType::BF16, _) if native => run!(linear_bwd_bf16::<f32>),
+                        (DType::BF16, DType::BF16) => run!(linear_bwd_widen::<bf16, bf16>),
+                        (DType::BF16, _) => run!(linear_bwd_widen::<bf16, f32>),
+                        (DType::F16, DType::F16) => run!(linear_bwd_widen::<f16, f16>),
+                        (DType::F16, _) => run!(linear_bwd_widen::<f16, f32>),
+                        (other, _) => {
+                            Err(err(format!("linear backward: unsupported dtype {other:?}")))
+                        }
+                    }
+                })
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The linear's workspace as the engine states it is the budget's restatement, for every
+    /// dtype, path and set of tracked inputs, on whole and ragged shapes.
+    #[test]
+    fn linear_scratch_is_the_budgets() {
+        use ditmem_budget::candle::fused_linear_scratch;
+        use ditmem_budget::Dtype;
+        for (dt, bd) in [
+            (DType::F32, Dtype::F32),
+            (DType::F64, Dtype::F64),
+            (DType::BF16, Dtype::Bf16),
+            (DType::F16, Dtype::F16),
+        ] {
+            for dims in [(512, 384, 1152), (300, 37, 130), (7, 1, 1)] {
+                for (native, master) in [(false, false), (true, false), (false, true), (true, true)]
+                {
+                    for bits in 0..8u8 {
+                        let g = LinearGrads {
+                            x: bits & 1 != 0,
+                            w: bits & 2 != 0,
+                            b: bits & 4 != 0,
+                        };
+                        let (rows, inp, out) = dims;
+                        let budget = fused_linear_scratch(
+                            bd,
+                            (rows as u64, inp as u64, out as u64),
+                            (g.x, g.w, g.b),
+                            native,
+                            master,
+                        );
+                        let engine = (
+                            linear_fwd_scratch(dt, rows, inp, out, native),
+                            linear_bwd_scratch(dt, dims, g, native, master),
+                        );
+                        assert_eq!(
+                            engine, budget,
+                            "{dt:?} {dims:?} native {native} master {master} {bits}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! [`ln_modulate`]: LayerNorm fused with the adaLN modulation, `LN(x)·(1 + scale) + shift`,
+//! written directly in the compute dtype as the (b·s, D) rows the next linear takes. It saves x
+//! (its argument) and the per-row mean and rstd in the accumulation type (f32, f64 for f64
+//! inputs), 2·rows values held by the op; backward returns dx, dshift, dscale. Budget twin: the
+//! `ln_modulate` rule of `ditmem_budget::candle`.
+
+use std::sync::Mutex;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+};
+use rayon::prelude::*;
+
+use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use crate::kernels::scalar::{Acc, Elem};
+
+/// Per-row statistics the LayerNorm keeps for backward: (mean, rstd) interleaved, 2·rows values.
+#[derive(Debug)]
+enum Stats {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// `LN(x)·(1 + scale) + shift` (no affine of its own, eps inside the square root) over x (b, s, D)
+/// with shift, scale (b, D); the output is written in `out` dtype as rows (b·s, D).
+#[derive(Debug)]
+pub struct LnModulate {
+    out: DType,
+    eps: f64,
+    stats: Mutex<Option<Stats>>,
+}
+
+/// Fused LayerNorm + modulate, differentiable in x, shift and scale (see the module docs).
+pub fn ln_modulate(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    out: DType,
+) -> CResult<Tensor> {
+    x.apply_op3(
+        shift,
+        scale,
+        LnModulate {
+            out,
+            eps,
+            stats: Mutex::new(None),
+        },
+    )
+}
+
+/// Geometry of the LayerNorm kernels: x is (b, s, d) contiguous, row
+/// `i` of shift/scale starts at `offset + i·row_stride` of its storage.
+#[derive(Debug, Clone, Copy)]
+pub struct LnGeom {
+    pub b: usize,
+    pub s: usize,
+    pub d: usize,
+    /// (offset, row stride) of shift and scale.
+    pub shift: (usize, usize),
+    pub scale: (usize, usize),
+}
+
+fn ln_geom(lx: &Layout, lsh: &Layout, lsc: &Layout) -> CResult<LnGeom> {
+    let (b, s, d) = match lx.dims() {
+        &[b, s, d] => (b, s, d),
+        dims => {
+            return Err(err(format!(
+                "ln_modulate expects x of shape (b, s, D), got {dims:?}"
+            )))
+        }
+    };
+    Ok(LnGeom {
+        b,
+        s,
+        d,
+        shift: rows_view(lsh, b, d, "ln_modulate shift")?,
+        scale: rows_view(lsc, b, d, "ln_modulate scale")?,
+    })
+}
+
+/// Forward kernel: returns y (b·s·D in `O`) and the interleaved (mean, rstd) per row.
+pub(crate) fn ln_modulate_fwd_cpu<T, O, A>(
+    x: &[T],
+    shift: &[T],
+    scale: &[T],
+    g: &LnGeom,
+    eps: f64,
+) -> (Vec<O>, Vec<A>)
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let (s, d) = (g.s, g.d);
+    let rows = g.b * s;
+    let mut y: Vec<O> = vec![O::from_acc(A::ZERO); rows * d];
+    let mut st: Vec<A> = vec![A::ZERO; 2 * rows];
+    let inv_d = A::from_f64(1.0 / d as f64);
+    let eps = A::from_f64(eps);
+    let one = A::from_f64(1.0);
+    y.par_chunks_mut(d)
+        .zip(st.par_chunks_mut(2))
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, (yr, sr))| {
+            let bi = r / s;
+            let xr = &x[r * d..(r + 1) * d];
+            let sh = &shift[g.shift.0 + bi * g.shift.1..][..d];
+            let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
+            let mut sum = A::ZERO;
+            for v in xr {
+                sum += v.to_acc();
+            }
+            let mean = sum * inv_d;
+            let mut var = A::ZERO;
+            for v in xr {
+                let c = v.to_acc() - mean;
+                var += c * c;
+            }
+            let rstd = one / (var * inv_d + eps).sqrt();
+            for j in 0..d {
+                let xh = (xr[j].to_acc() - mean) * rstd;
+                yr[j] = O::from_acc(xh * (one + sc[j].to_acc()) + sh[j].to_acc());
+            }
+            sr[0] = mean;
+            sr[1] = rstd;
+        });
+    (y, st)
+}
+
+/// Backward kernel: dx (b·s·d), dshift (b·d), dscale (b·d), all fresh, in x's type.
+/// With ĝ = g·(1 + scale) and x̂ = (x − mean)·rstd: dshift = Σ_s g, dscale = Σ_s g·x̂,
+/// dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)).
+pub(crate) fn ln_modulate_bwd_cpu<T, O, A>(
+    x: &[T],
+    shift_scale: (&[T], &[T]),
+    gy: &[O],
+    st: &[A],
+    g: &LnGeom,
+) -> (Vec<T>, Vec<T>, Vec<T>)
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let (_, scale) = shift_scale;
+    let (s, d) = (g.s, g.d);
+    let rows = g.b * s;
+    let inv_d = A::from_f64(1.0 / d as f64);
+    let one = A::from_f64(1.0);
+    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
+    dx.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, dxr)| {
+            let bi = r / s;
+            let xr = &x[r * d..(r + 1) * d];
+            let gr = &gy[r * d..(r + 1) * d];
+            let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
+            let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
+            let (mut a, mut bsum) = (A::ZERO, A::ZERO);
+            for j in 0..d {
+                let gh = gr[j].to_acc() * (one + sc[j].to_acc());
+                a += gh;
+                bsum += gh * ((xr[j].to_acc() - mean) * rstd);
+            }
+            let (a, bsum) = (a * inv_d, bsum * inv_d);
+            for j in 0..d {
+                let gh = gr[j].to_acc() * (one + sc[j].to_acc());
+                let xh = (xr[j].to_acc() - mean) * rstd;
+                dxr[j] = T::from_acc(rstd * (gh - a - xh * bsum));
+            }
+        });
+    // dshift, dscale: column sums over the s rows of each batch entry, in column blocks so both
+    // a small batch and a wide model parallelise.
+    const COLS: usize = 64;
+    let mut dsh: Vec<T> = vec![T::from_acc(A::ZERO); g.b * d];
+    let mut dsc: Vec<T> = vec![T::from_acc(A::ZERO); g.b * d];
+    let blocks_per_row = d.div_ceil(COLS);
+    dsh.par_chunks_mut(d)
+        .zip(dsc.par_chunks_mut(d))
+        .enumerate()
+        .for_each(|(bi, (shr, scr))| {
+            shr.par_chunks_mut(COLS)
+                .zip(scr.par_chunks_mut(COLS))
+                .enumerate()
+                .with_min_len((blocks_per_row / 8).max(1))
+                .for_each(|(cb, (shc, scc))| {
+                    let j0 = cb * COLS;
+                    let w = shc.len();
+                    let mut acc_sh = [A::ZERO; COLS];
+                    let mut acc_sc = [A::ZERO; COLS];
+                    for si in 0..s {
+                        let r = bi * s + si;
+                        let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
+                        let xr = &x[r * d + j0..r * d + j0 + w];
+                        let gr = &gy[r * d + j0..r * d + j0 + w];
+                        for j in 0..w {
+                            let gv = gr[j].to_acc();
+                            acc_sh[j] += gv;
+                            acc_sc[j] += gv * ((xr[j].to_acc() - mean) * rstd);
+                        }
+                    }
+                    for j in 0..w {
+                        shc[j] = T::from_acc(acc_sh[j]);
+                        scc[j] = T::from_acc(acc_sc[j]);
+                    }
+                });
+        });
+    (dx, dsh, dsc)
+}
+
+/// f32 statistics as `Stats`, or f64 ones.
+trait IntoStats: Sized {
+    fn into_stats(v: Vec<Self>) -> Stats;
+    fn from_stats(s: &Stats) -> Option<&[Self]>;
+}
+impl IntoStats for f32 {
+    fn into_stats(v: Vec<Self>) -> Stats {
+        Stats::F32(v)
+    }
+    fn from_stats(s: &Stats) -> Option<&[Self]> {
+        match s {
+            Stats::F32(v) => Some(v),
+            Stats::F64(_) => None,
+        }
+    }
+}
+impl IntoStats for f64 {
+    fn into_stats(v: Vec<Self>) -> Stats {
+        Stats::F64(v)
+    }
+    fn from_stats(s: &Stats) -> Option<&[Self]> {
+        match s {
+            Stats::F64(v) => Some(v),
+            Stats::F32(_) => None,
+        }
+    }
+}
+
+impl CustomOp3 for LnModulate {
+    fn name(&self) -> &'static str {
+        "layer-norm-modulate"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        ssh: &CpuStorage,
+        lsh: &Layout,
+        ssc: &CpuStorage,
+        lsc: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let g = ln_geom(lx, lsh, lsc)?;
+        if ssh.dtype() != sx.dtype() || ssc.dtype() != sx.dtype() {
+            return Err(err("ln_modulate: x, shift and scale must share one dtype"));
+        }
+        let (out, stats) = dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+            let x = cpu_slice::<T>(sx, lx, "ln_modulate x")?;
+            let sh = ssh.as_slice::<T>()?;
+            let sc = ssc.as_slice::<T>()?;
+            let (y, st) = ln_modulate_fwd_cpu::<T, O, A>(x, sh, sc, &g, self.eps);
+            (O::to_cpu_storage_owned(y), A::into_stats(st))
+        });
+        *self
+            .stats
+            .lock()
+            .map_err(|_| err("ln stats lock poisoned"))? = Some(stats);
+        // Rows (b·s, D), the layout the following linear takes: no reshape node (whose backward
+        // would add a zeros + add of the output's size).
+        Ok((out, Shape::from((g.b * g.s, g.d))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        shift: &Tensor,
+        scale: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let guard = self
+            .stats
+            .lock()
+            .map_err(|_| err("ln stats lock poisoned"))?;
+        let stats = guard
+            .as_ref()
+            .ok_or_else(|| err("ln_modulate backward before forward"))?;
+        let grad = grad.contiguous()?;
+        let (dx, dsh, dsc) = with_cpu(x, |sx, lx| {
+            with_cpu(shift, |ssh, lsh| {
+                with_cpu(scale, |ssc, lsc| {
+                    with_cpu(&grad, |sg, lg| {
+                        let g = ln_geom(lx, lsh, lsc)?;
+                        Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+                            let st = A::from_stats(stats)
+                                .ok_or_else(|| err("ln_modulate: statistics of another dtype"))?;
+                            let (dx, dsh, dsc) = ln_modulate_bwd_cpu::<T, O, A>(
+                                cpu_slice::<T>(sx, lx, "ln_modulate x")?,
+                                (ssh.as_slice::<T>()?, ssc.as_slice::<T>()?),
+                                cpu_slice::<O>(sg, lg, "ln_modulate grad")?,
+                                st,
+                                &g,
+                            );
+                            let dev = Device::Cpu;
+                            (
+                                Tensor::from_vec(dx, lx.shape(), &dev)?,
+                                Tensor::from_vec(dsh, lsh.shape(), &dev)?,
+                                Tensor::from_vec(dsc, lsc.shape(), &dev)?,
+                            )
+                        }))
+                    })
+                })
+            })
+        })?;
+        // Only inputs that track get a gradient: candle would otherwise keep the others' in its
+        // gradient store until the store is dropped.
+        let keep = |t: &Tensor, d: Tensor| t.track_op().then_some(d);
+        Ok((keep(x, dx), keep(shift, dsh), keep(scale, dsc)))
+    }
+}

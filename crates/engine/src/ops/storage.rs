@@ -1,0 +1,137 @@
+//! What every fused op's candle side shares: the CPU storage helpers (a contiguous slice of a
+//! storage, the storage of a tensor, a strided row view), the candle error of a kernel, and the
+//! dtype dispatch macros that instantiate a kernel for each storage / accumulation pair.
+
+use candle_core::{CpuStorage, Layout, Storage, Tensor, WithDType};
+
+pub(crate) type CResult<T> = candle_core::Result<T>;
+
+/// Elements per parallel work item of the elementwise kernels (big enough to amortise rayon's
+/// scheduling, small enough to balance two to a few dozen threads).
+pub(crate) const PAR_CHUNK: usize = 1 << 14;
+
+/// A candle error with a message (the fused ops' input errors).
+pub(crate) fn err(msg: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(msg.into())
+}
+
+/// The contiguous slice of a CPU storage under `l`.
+pub(crate) fn cpu_slice<'a, T: WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> CResult<&'a [T]> {
+    let v = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => Err(err(format!("{what}: expected a contiguous tensor"))),
+    }
+}
+
+/// Runs `f` on the CPU storage and layout of `t`.
+pub(crate) fn with_cpu<R>(
+    t: &Tensor,
+    f: impl FnOnce(&CpuStorage, &Layout) -> CResult<R>,
+) -> CResult<R> {
+    let (st, l) = t.storage_and_layout();
+    match &*st {
+        Storage::Cpu(c) => f(c, l),
+        _ => Err(err("fused ops: only CPU tensors have a kernel so far")),
+    }
+}
+
+/// A (rows, d) matrix view with unit column stride: (start offset, row stride). The adaLN chunks
+/// are `narrow` views of a (b, 6D) tensor, so rows are 6D apart.
+pub(crate) fn rows_view(l: &Layout, rows: usize, d: usize, what: &str) -> CResult<(usize, usize)> {
+    match (l.dims(), l.stride()) {
+        (&[r, c], &[rs, 1]) if r == rows && c == d => Ok((l.start_offset(), rs)),
+        (&[r, c], &[_, 1]) if r == rows && c == d && r == 1 => Ok((l.start_offset(), d)),
+        (dims, stride) => Err(err(format!(
+            "{what}: expected a ({rows}, {d}) matrix with unit column stride, got dims {dims:?} stride {stride:?}"
+        ))),
+    }
+}
+
+/// Dispatches on one float dtype: storage `$t` and accumulation `$a` (f64 for f64, else f32).
+macro_rules! dispatch_float {
+    ($dt:expr, $what:expr, |$t:ident, $a:ident| $body:expr) => {
+        match $dt {
+            DType::F32 => {
+                type $t = f32;
+                type $a = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                type $a = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                type $a = f32;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                type $a = f32;
+                $body
+            }
+            other => return Err(err(format!("{}: unsupported dtype {other:?}", $what))),
+        }
+    };
+}
+pub(crate) use dispatch_float;
+
+/// Dispatches on (x dtype, output dtype); statistics accumulate in f64 for f64 x, else in f32.
+macro_rules! dispatch_ln {
+    ($xdt:expr, $odt:expr, |$t:ident, $o:ident, $a:ident| $body:expr) => {{
+        macro_rules! inner {
+            ($tt:ty, $aa:ty) => {
+                match $odt {
+                    DType::F32 => {
+                        type $t = $tt;
+                        type $a = $aa;
+                        type $o = f32;
+                        $body
+                    }
+                    DType::F64 => {
+                        type $t = $tt;
+                        type $a = $aa;
+                        type $o = f64;
+                        $body
+                    }
+                    DType::BF16 => {
+                        type $t = $tt;
+                        type $a = $aa;
+                        type $o = half::bf16;
+                        $body
+                    }
+                    DType::F16 => {
+                        type $t = $tt;
+                        type $a = $aa;
+                        type $o = half::f16;
+                        $body
+                    }
+                    other => {
+                        return Err(err(format!(
+                            "ln_modulate: unsupported output dtype {other:?}"
+                        )))
+                    }
+                }
+            };
+        }
+        match $xdt {
+            DType::F32 => inner!(f32, f32),
+            DType::F64 => inner!(f64, f64),
+            DType::BF16 => inner!(half::bf16, f32),
+            DType::F16 => inner!(half::f16, f32),
+            other => {
+                return Err(err(format!(
+                    "ln_modulate: x must be a float tensor, got {other:?}"
+                )))
+            }
+        }
+    }};
+}
+
+pub(crate) use dispatch_ln;
