@@ -19,7 +19,7 @@ pub struct SpecArgs {
     #[arg(long)]
     pub preset: Option<String>,
     /// Image resolution: HxW, or one number for a square.
-    #[arg(long, value_name = "HxW")]
+    #[arg(long, value_name = "HxW", allow_hyphen_values = true)]
     pub resolution: Option<String>,
     /// Images per optimizer step (all ranks and microbatches).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]

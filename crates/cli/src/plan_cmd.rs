@@ -28,7 +28,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub budget: String,
     /// Share of the budget kept free for fragmentation and what the budget does not model.
     #[arg(long, default_value_t = DEFAULT_HEADROOM, value_name = "FRACTION",
@@ -437,7 +437,16 @@ mod tests {
     #[test]
     fn budgets_parse_or_name_the_flag() {
         assert_eq!(parse_budget("24GiB").unwrap(), 24 << 30);
-        for bad in ["", "0", "lots", "-3G", "24 parsecs"] {
+        for bad in [
+            "",
+            "0",
+            "lots",
+            "-3G",
+            "24 parsecs",
+            "18446744073709551616",
+            "16EiB",
+            "1e30TiB",
+        ] {
             let e = parse_budget(bad).unwrap_err();
             assert_eq!(e.field(), Some("--budget"), "{bad}");
         }

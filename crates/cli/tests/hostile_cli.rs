@@ -471,7 +471,7 @@ fn exit_codes_and_one_line_messages() {
     assert!(err.contains("--latents-dir"), "{err}");
     assert!(took < Duration::from_secs(10));
 
-    let parser: [(&[&str], &str, &str); 9] = [
+    let parser: [(&[&str], &str, &str); 11] = [
         (&["run", "--batch", ""], "--batch", "positive integer"),
         (&["run", "--batch", "x"], "--batch", "positive integer"),
         (&["run", "--batch", "-1"], "--batch", "positive integer"),
@@ -485,6 +485,8 @@ fn exit_codes_and_one_line_messages() {
         (&["estimate", "--frobnicate"], "--frobnicate", "allowed"),
         (&["estimate", "--zero", "7"], "--zero", "ZeRO stage"),
         (&["plan"], "--budget", "required"),
+        (&["estimate", "--resolution", "-1"], "resolution", "allowed"),
+        (&["plan", "--budget", "-3G"], "--budget", "allowed"),
     ];
     for (args, flag, allowed) in parser {
         let err = rejects(args, 2, &[flag, allowed]);
