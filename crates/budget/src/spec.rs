@@ -511,6 +511,9 @@ impl FromStr for Recompute {
                         .map_err(|_| bad("has a block that is not a number"))?,
                 );
             }
+            if blocks.is_empty() {
+                return Err(bad("names no block"));
+            }
             blocks.sort_unstable();
             blocks.dedup();
             return Ok(Recompute::Blocks(blocks));
@@ -741,7 +744,7 @@ impl FromStr for Runtime {
         let bad = |why: String| {
             SpecError::invalid(
                 "runtime",
-                format!("'{s}' {why}; allowed: ditmem-cpu, pytorch[:cpu|:cuda][:sdpa-auto|sdpa-flash|sdpa-efficient|sdpa-cudnn|sdpa-math]"),
+                format!("'{s}' {why}; allowed: ditmem-cpu, pytorch[:cpu|:cuda][:sdpa-auto|sdpa-flash|sdpa-efficient|sdpa-cudnn|sdpa-math] (the sdpa- prefix may be left out)"),
             )
         };
         match s {
@@ -758,7 +761,8 @@ impl FromStr for Runtime {
                 "cpu" => device = TorchDevice::Cpu,
                 "cuda" => device = TorchDevice::Cuda,
                 _ => {
-                    let name = opt.strip_prefix("sdpa-").unwrap_or("");
+                    // `sdpa-efficient` or, as the README writes it, `efficient`.
+                    let name = opt.strip_prefix("sdpa-").unwrap_or(opt);
                     sdpa = SdpaBackend::ALL
                         .into_iter()
                         .find(|b| b.name() == name)
@@ -1028,6 +1032,16 @@ impl Spec {
                 format!("{} is not a ZeRO stage; allowed: 0, 1, 2, 3", r.zero_stage),
             ));
         }
+        if r.zero_stage > 0 && w.ranks == 1 {
+            return Err(SpecError::invalid(
+                "recipe.zero_stage",
+                format!(
+                    "{} with one rank: ZeRO shards across ranks, with one it only adds overhead; \
+                     allowed: 0 with one rank, 1–3 with workload.ranks > 1",
+                    r.zero_stage
+                ),
+            ));
+        }
         if r.ema.enabled && !(r.ema.decay > 0.0 && r.ema.decay < 1.0) {
             return Err(SpecError::invalid(
                 "recipe.ema.decay",
@@ -1121,5 +1135,32 @@ mod tests {
         }
         assert!("every-0".parse::<Recompute>().is_err());
         assert!("blocks:a".parse::<Recompute>().is_err());
+        assert!("blocks:".parse::<Recompute>().is_err());
+        assert!("blocks:,".parse::<Recompute>().is_err());
+    }
+
+    #[test]
+    fn runtime_backends_with_or_without_the_sdpa_prefix() {
+        for (text, long) in [
+            ("pytorch:cuda:efficient", "pytorch:cuda:sdpa-efficient"),
+            ("pytorch:cuda:math", "pytorch:cuda:sdpa-math"),
+            ("pytorch:cuda:flash", "pytorch:cuda:sdpa-flash"),
+        ] {
+            assert_eq!(
+                text.parse::<Runtime>().unwrap(),
+                long.parse::<Runtime>().unwrap()
+            );
+        }
+        assert!("pytorch:cuda:fast".parse::<Runtime>().is_err());
+    }
+
+    #[test]
+    fn zero_needs_more_than_one_rank() {
+        let mut s = Spec::default_xl();
+        s.recipe.zero_stage = 2;
+        assert_eq!(s.validate().unwrap_err().field(), Some("recipe.zero_stage"));
+        s.workload.ranks = 4;
+        s.workload.microbatch = 8;
+        assert!(s.validate().is_ok());
     }
 }

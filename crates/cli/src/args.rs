@@ -11,26 +11,27 @@ use ditmem_budget::{
 /// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
 #[derive(Debug, Clone, Default, Args)]
 pub struct SpecArgs {
-    /// Spec file (TOML, or JSON by extension); flags override its fields.
+    /// Spec file (TOML, or JSON by extension; a regular file of at most 1 MiB); flags override
+    /// its fields.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Model preset: dit-{s,b,l,xl}-{2,4,8}.
     #[arg(long)]
     pub preset: Option<String>,
     /// Image resolution: HxW, or one number for a square.
-    #[arg(long, value_name = "HxW")]
+    #[arg(long, value_name = "HxW", allow_hyphen_values = true)]
     pub resolution: Option<String>,
     /// Images per optimizer step (all ranks and microbatches).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub batch: Option<u32>,
     /// Images per forward/backward on one rank.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub microbatch: Option<u32>,
     /// Microbatches accumulated per optimizer step.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub accumulation: Option<u32>,
     /// Data-parallel ranks.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub ranks: Option<u32>,
     /// fp64 | fp32 | bf16-mixed | fp16-mixed | bf16-pure
     #[arg(long)]
@@ -45,13 +46,13 @@ pub struct SpecArgs {
     #[arg(long)]
     pub recompute: Option<String>,
     /// LoRA rank (freezes the base model); 0 turns LoRA off.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::count_u32, allow_hyphen_values = true)]
     pub lora_rank: Option<u32>,
     /// LoRA targets, comma-separated: qkv,proj,fc1,fc2,adaln.
     #[arg(long)]
     pub lora_targets: Option<String>,
     /// ZeRO stage 0–3 over the ranks.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::zero_stage, allow_hyphen_values = true)]
     pub zero: Option<u8>,
     /// encode (VAE runs in the step) | cached
     #[arg(long)]
@@ -118,7 +119,7 @@ impl SpecArgs {
     /// file is given (e.g. `verify`'s small model).
     pub fn to_spec_or(&self, default: impl FnOnce() -> Spec) -> Result<Spec, SpecError> {
         let mut spec = match &self.config {
-            Some(path) => Spec::from_file(path)?,
+            Some(path) => crate::input::load_spec(path)?,
             None => default(),
         };
         if let Some(p) = &self.preset {

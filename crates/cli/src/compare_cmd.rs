@@ -8,7 +8,7 @@ use clap::Args;
 use ditmem_budget::units::fmt_bytes;
 use ditmem_budget::{Budget, Runtime};
 use ditmem_engine::agree::{self, Agreement, GridSummary};
-use ditmem_engine::{EngineError, Measurement, MemoryProbe};
+use ditmem_engine::{Measurement, MemoryProbe};
 use serde::Serialize;
 
 use crate::args::SpecArgs;
@@ -22,12 +22,13 @@ pub struct CompareArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Measured steps after the warm-up step.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub steps: u32,
     /// Write the timeline SVG (predicted and measured live bytes, categories at the peak).
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
-    /// Run even when the budget says the step does not fit in available memory.
+    /// Run even when the budget's peak exceeds MemAvailable (never past the address-space or
+    /// cgroup limit).
     #[arg(long)]
     pub force: bool,
     /// For `--runtime pytorch`: the peer's Python (default bench/torch_peer/.venv/bin/python).
@@ -40,7 +41,7 @@ pub struct CompareArgs {
 #[derive(Debug, Clone, Args)]
 pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
     #[arg(long)]
     pub json: bool,
@@ -54,25 +55,15 @@ struct CompareReport {
     conditions: Conditions,
 }
 
-fn engine_err(e: EngineError) -> CliError {
-    match e {
-        EngineError::Spec(e) => CliError::Spec(e),
-        EngineError::BadInput { what, why } => {
-            CliError::Spec(ditmem_budget::SpecError::invalid(what, why))
-        }
-        EngineError::Interrupted { after_steps } => CliError::Interrupted(after_steps),
-        e => CliError::Other(anyhow::Error::new(e)),
-    }
-}
-
 pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+    crate::output::check_outputs(&[("--plot", args.plot.as_deref())])?;
     let spec = args.spec.to_spec()?;
     if let Runtime::Pytorch { .. } = spec.runtime {
         return compare_pytorch(&spec, &args);
     }
-    crate::run_cmd::guard(&spec, args.force)?;
+    crate::guard::check_spec(&spec, args.force)?;
     let (a, budget, m) = agree::measure_and_compare(&spec.model.name, &spec, args.steps, probe)
-        .map_err(engine_err)?;
+        .map_err(crate::run_cmd::engine_err)?;
     let report = CompareReport {
         breakdown_at_peak: budget.breakdown,
         conditions: Conditions::capture(&spec, 1, args.steps),
@@ -80,7 +71,7 @@ pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliErro
     };
     if let Some(path) = &args.plot {
         let svg = timeline_svg(&budget, Some((&m, &report.agreement)))?;
-        crate::output::write_atomic(path, svg.as_bytes())?;
+        crate::output::write_output("--plot", path, svg.as_bytes())?;
     }
     if args.json {
         crate::output::print_json(&report)?;
@@ -268,17 +259,19 @@ pub fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String
 }
 
 fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(), CliError> {
-    let budget = ditmem_budget::estimate(spec)?;
     let python = args
         .python
         .clone()
         .unwrap_or_else(|| PathBuf::from("bench/torch_peer/.venv/bin/python"));
     if !python.exists() {
-        return Err(CliError::Refused(format!(
-            "the PyTorch peer is not installed ('{}' is missing): run bench/torch_peer/setup.sh first",
-            python.display()
+        return Err(CliError::Missing(format!(
+            "the PyTorch peer is not installed ({} is missing): run bench/torch_peer/setup.sh \
+             first, or name its Python with --python",
+            crate::flags::show(&python.display().to_string())
         )));
     }
+    let budget = ditmem_budget::estimate(spec)?;
+    crate::guard::check("the PyTorch step", budget.peak_bytes, args.force)?;
     let dir = std::env::temp_dir().join(format!("ditmem-compare-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("creating a temporary folder")?;
     let spec_path = dir.join("spec.json");
@@ -346,6 +339,11 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         )));
     }
     let grid: Vec<_> = agree::grid().into_iter().step_by(args.every).collect();
+    let mut largest = 0;
+    for (_, spec) in &grid {
+        largest = largest.max(ditmem_budget::estimate(spec)?.peak_bytes);
+    }
+    crate::guard::check("the largest spec of the grid", largest, false)?;
     let bar = if args.json {
         indicatif::ProgressBar::hidden()
     } else {
@@ -354,7 +352,8 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
     let mut results = Vec::new();
     for (name, spec) in &grid {
         bar.set_message(name.clone());
-        let (a, _, _) = agree::measure_and_compare(name, spec, 1, probe).map_err(engine_err)?;
+        let (a, _, _) =
+            agree::measure_and_compare(name, spec, 1, probe).map_err(crate::run_cmd::engine_err)?;
         results.push(a);
         bar.inc(1);
     }

@@ -1,12 +1,16 @@
 //! `ditmem`: budget, plan, run and verify the memory of a DiT training step.
 //!
 //! The binary is thin: it parses flags into a [`ditmem_budget::Spec`], calls the library crates,
-//! and renders tables or JSON. Every error becomes one line on stderr and a non-zero exit
-//! (2 for bad input).
+//! and renders tables or JSON. Every error becomes one line on stderr and the exit code of the
+//! README's table: 0 ok, 1 internal error, 2 bad input (flags, files, output paths), 3 does not
+//! fit / refused for memory, 4 verify failed, 5 a needed external tool missing, 130 interrupted.
 
 mod args;
 mod compare_cmd;
 mod conditions;
+mod flags;
+mod guard;
+mod input;
 mod output;
 mod plan_cmd;
 mod plot;
@@ -21,6 +25,7 @@ static ALLOC: ditmem_engine::CountingAlloc = ditmem_engine::CountingAlloc::new()
 
 use std::process::ExitCode;
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use ditmem_budget::SpecError;
 
@@ -85,6 +90,8 @@ pub enum CliError {
     Spec(SpecError),
     /// The step would not fit (a guard refused it): exit 3.
     Refused(String),
+    /// A needed external tool is missing (the PyTorch peer's Python): exit 5.
+    Missing(String),
     /// Ctrl-C stopped a run after this many steps: exit 130.
     Interrupted(u32),
     /// Anything else that went wrong: exit 1.
@@ -119,11 +126,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
             timeline,
             plot,
         } => {
+            output::check_outputs(&[("--plot", plot.as_deref())])?;
             let spec = spec.to_spec()?;
             let budget = ditmem_budget::estimate(&spec)?;
             if let Some(path) = &plot {
                 let svg = compare_cmd::timeline_svg(&budget, None)?;
-                output::write_atomic(path, svg.as_bytes())?;
+                output::write_output("--plot", path, svg.as_bytes())?;
             }
             if json {
                 output::print_json(&budget)?;
@@ -151,28 +159,48 @@ fn run(cli: Cli) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The subcommand named on the command line, for "see `ditmem CMD --help`".
+fn command_name() -> String {
+    const NAMES: [&str; 7] = [
+        "estimate", "plan", "run", "compare", "agree", "verify", "spec",
+    ];
+    std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .filter(|a| NAMES.contains(&a.as_str()))
+        .unwrap_or_default()
+}
+
 fn main() -> ExitCode {
     // Before any thread exists (see `ditmem_engine::threads`).
     ditmem_engine::threads::configure_before_threads();
-    let cli = Cli::parse();
-    match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(CliError::Spec(e)) => {
-            eprintln!("ditmem: invalid input: {e}");
-            ExitCode::from(2)
-        }
-        Err(CliError::Refused(msg)) => {
-            eprintln!("ditmem: refused: {msg}");
-            ExitCode::from(3)
-        }
-        Err(CliError::Interrupted(steps)) => {
-            eprintln!("ditmem: interrupted after {steps} steps; no output written");
-            ExitCode::from(130)
-        }
-        Err(CliError::Other(e)) => {
-            let msg = format!("{e:#}").replace('\n', " ");
-            eprintln!("ditmem: {msg}");
-            ExitCode::from(1)
-        }
-    }
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => match e.kind() {
+            ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            _ => {
+                eprintln!(
+                    "ditmem: invalid input: {}",
+                    flags::tidy(&flags::clap_line(&e, &command_name()))
+                );
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let (code, line) = match run(cli) {
+        Ok(()) => return ExitCode::SUCCESS,
+        Err(CliError::Spec(e)) => (2, format!("invalid input: {e}")),
+        Err(CliError::Refused(msg)) => (3, format!("refused: {msg}")),
+        Err(CliError::Missing(msg)) => (5, format!("missing: {msg}")),
+        Err(CliError::Interrupted(steps)) => (
+            130,
+            format!("interrupted after {steps} steps; no output written"),
+        ),
+        Err(CliError::Other(e)) => (1, format!("{e:#}")),
+    };
+    eprintln!("ditmem: {}", flags::tidy(&line));
+    ExitCode::from(code)
 }

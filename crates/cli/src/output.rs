@@ -1,5 +1,5 @@
-//! Writing results: JSON to stdout, files written atomically (temp file, then rename), and the
-//! timeline as a table.
+//! Writing results: JSON to stdout, files checked before any work and written atomically (temp
+//! file, then rename; only over regular files or new paths), and the timeline as a table.
 
 use std::io::Write;
 use std::path::Path;
@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::Context;
 use ditmem_budget::timeline::Timeline;
 use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::SpecError;
 use serde::Serialize;
 
 use crate::render::Table;
@@ -18,24 +19,148 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Write `bytes` to `path` through a temporary file in the same folder and a rename, so that a
-/// reader never sees a half-written file and an interrupted write leaves the old file intact.
-#[allow(dead_code)]
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let dir = path
-        .parent()
+/// What a path that exists but is not a regular file is, for messages.
+pub fn file_kind(ft: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_symlink() {
+        "a symbolic link"
+    } else if ft.is_dir() {
+        "a directory"
+    } else if ft.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
+fn folder_of(path: &Path) -> &Path {
+    path.parent()
         .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .with_context(|| format!("'{}' is not a file path", path.display()))?;
-    let tmp = dir.join(format!(
+        .unwrap_or(Path::new("."))
+}
+
+fn temp_path(dir: &Path, name: &std::ffi::OsStr) -> std::path::PathBuf {
+    dir.join(format!(
         ".{}.{}.tmp",
         name.to_string_lossy(),
         std::process::id()
-    ));
+    ))
+}
+
+/// Check that `flag`'s output `path` can be written, before any work: its folder exists and is
+/// writable, and the path is new or a regular file.
+///
+/// A target that exists and is anything else is refused: a device node, FIFO, socket or
+/// directory would be replaced by the rename (as root, `/dev/full` would become a regular file).
+/// A symbolic link is refused too, even one to a regular file: the rename would replace the link
+/// itself, and writing through it instead would put the output where the link points, which the
+/// user did not name; the message says to name the link's target.
+pub fn check_output(flag: &str, path: &Path) -> Result<(), SpecError> {
+    let shown = || crate::flags::show(&path.display().to_string());
+    let bad = |why: String| SpecError::invalid(flag, format!("{} {why}", shown()));
+    let name = path.file_name().ok_or_else(|| {
+        bad("is not a file path; allowed: a file name in an existing folder".into())
+    })?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(bad(
+                "is a symbolic link; allowed: a regular file or a new path (name the link's \
+                 target instead)"
+                    .into(),
+            ))
+        }
+        Ok(m) if !m.file_type().is_file() => {
+            return Err(bad(format!(
+                "is {}; allowed: a regular file or a new path",
+                file_kind(m.file_type())
+            )))
+        }
+        Ok(_) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) => {}
+        Err(e) => {
+            return Err(bad(format!(
+                "cannot be inspected ({e}); allowed: a writable path"
+            )))
+        }
+    }
+    let dir = folder_of(path);
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(m) => {
+            return Err(bad(format!(
+                "is in {} that is {}; allowed: a path in an existing folder",
+                crate::flags::show(&dir.display().to_string()),
+                file_kind(m.file_type())
+            )))
+        }
+        Err(_) => {
+            return Err(bad(format!(
+                "is in a folder that does not exist ({}); allowed: a path in an existing folder",
+                crate::flags::show(&dir.display().to_string())
+            )))
+        }
+    }
+    // Writable: the output goes through a temporary file in that folder, so try one.
+    let probe = temp_path(dir, name);
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(bad(format!(
+            "cannot be written in its folder ({e}); allowed: a path in a writable folder"
+        ))),
+    }
+}
+
+/// Check every output path of a command at once (see [`check_output`]).
+pub fn check_outputs(outputs: &[(&str, Option<&Path>)]) -> Result<(), SpecError> {
+    for (flag, path) in outputs {
+        if let Some(p) = path {
+            check_output(flag, p)?;
+        }
+    }
+    Ok(())
+}
+
+/// Write `flag`'s output to `path`: checked again (see [`check_output`]), then written to a new
+/// temporary file in the same folder and renamed over the path, so that a reader never sees a
+/// half-written file and an interrupted write leaves the old file intact.
+pub fn write_output(flag: &str, path: &Path, bytes: &[u8]) -> Result<(), crate::CliError> {
+    check_output(flag, path)?;
+    write_atomic(path, bytes)?;
+    Ok(())
+}
+
+/// The temporary file and the rename, without the checks (for paths this program made).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let dir = folder_of(path);
+    let name = path
+        .file_name()
+        .with_context(|| format!("'{}' is not a file path", path.display()))?;
+    let tmp = temp_path(dir, name);
     let result = (|| -> anyhow::Result<()> {
-        let mut f = std::fs::File::create(&tmp)
+        // create_new: never follow a link planted at the temporary name.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
             .with_context(|| format!("cannot create '{}'", tmp.display()))?;
         f.write_all(bytes)
             .with_context(|| format!("cannot write '{}'", tmp.display()))?;

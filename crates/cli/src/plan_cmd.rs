@@ -17,7 +17,8 @@ use ditmem_budget::{Spec, SpecError};
 use serde::Serialize;
 
 use crate::args::SpecArgs;
-use crate::output::{print_json, write_atomic};
+use crate::flags::{fmt_float, show};
+use crate::output::{print_json, write_output};
 use crate::plot::{line_chart, LineChart, Marker, Note, Series};
 use crate::render::{pct, recipe_line, spec_line, Table};
 use crate::CliError;
@@ -27,10 +28,11 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub budget: String,
     /// Share of the budget kept free for fragmentation and what the budget does not model.
-    #[arg(long, default_value_t = DEFAULT_HEADROOM, value_name = "FRACTION")]
+    #[arg(long, default_value_t = DEFAULT_HEADROOM, value_name = "FRACTION",
+          value_parser = crate::flags::headroom, allow_hyphen_values = true)]
     pub headroom: f64,
     /// Levers that change what is trained or need more devices, comma-separated:
     /// lora, 8bit, sharding, bf16-pure (or all).
@@ -48,8 +50,8 @@ pub struct PlanArgs {
     /// Draw the Pareto front (peak vs predicted step time) as SVG.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
-    /// Device profile for the time model (TOML or JSON with every DeviceProfile field);
-    /// default: the measured 2-core CPU profile.
+    /// Device profile for the time model (TOML or JSON with every DeviceProfile field, a regular
+    /// file of at most 1 MiB; rates 1e3–1e18 per second); default: the measured 2-core CPU profile.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
     /// Print JSON instead of tables.
@@ -83,7 +85,8 @@ fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
                 return Err(SpecError::invalid(
                     "--allow",
                     format!(
-                        "'{item}' is not a lever; allowed: lora, 8bit, sharding, bf16-pure, all"
+                        "{} is not a lever; allowed: lora, 8bit, sharding, bf16-pure, all",
+                        show(item)
                     ),
                 ))
             }
@@ -93,11 +96,19 @@ fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
 }
 
 fn parse_budget(text: &str) -> Result<u64, SpecError> {
+    const ALLOWED: &str =
+        "allowed: a positive size below 16 EiB such as 24GiB, 40G, 81920MiB or a byte count";
     match parse_bytes(text) {
+        // parse_bytes saturates at u64::MAX (2⁶⁴ − 1 itself is no f64): a size of 16 EiB or
+        // more is refused, not capped.
+        Some(u64::MAX) => Err(SpecError::invalid(
+            "--budget",
+            format!("{} is 16 EiB or more; {ALLOWED}", show(text)),
+        )),
         Some(b) if b > 0 => Ok(b),
         _ => Err(SpecError::invalid(
             "--budget",
-            format!("'{text}' is not a memory size; allowed: a positive size such as 24GiB, 40G, 81920MiB or a byte count"),
+            format!("{} is not a memory size; {ALLOWED}", show(text)),
         )),
     }
 }
@@ -143,6 +154,7 @@ fn allow_line(a: &Allow, ranks: u32) -> String {
 }
 
 fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
+    let shown = thin(&p.pareto, 16);
     let mut out = String::new();
     out.push_str(&format!("plan for {}\n", spec_line(base)));
     out.push_str(&format!(
@@ -207,11 +219,19 @@ fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
     out.push_str(&b.render());
 
     out.push_str(&format!(
-        "\nPareto front: peak vs predicted step time ({} points, fastest first; ✓ fits)\n",
-        p.pareto.len()
+        "\nPareto front: peak vs predicted step time ({}, fastest first; ✓ fits)\n",
+        if shown.len() == p.pareto.len() {
+            format!("{} points", p.pareto.len())
+        } else {
+            format!(
+                "{} points, {} of them shown (spread evenly; --json lists all)",
+                p.pareto.len(),
+                shown.len()
+            )
+        }
     ));
     let mut f = Table::new(&["", "peak", "step", "vs base", "changes from the base"]);
-    for c in thin(&p.pareto, 16) {
+    for c in shown {
         let mark = if c.spec == p.plan { "→" } else { "" };
         let fits = if c.peak_bytes <= p.usable_bytes {
             "✓"
@@ -303,14 +323,19 @@ fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
 }
 
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
-    // Every flag is checked before any work or any file is written.
+    // Every flag and output path is checked before any work or any file is written.
+    crate::output::check_outputs(&[
+        ("--out", args.out.as_deref()),
+        ("--emit-out", args.emit_out.as_deref()),
+        ("--plot", args.plot.as_deref()),
+    ])?;
     let budget = parse_budget(&args.budget)?;
     if !(0.0..0.9).contains(&args.headroom) {
         return Err(SpecError::invalid(
             "--headroom",
             format!(
                 "{} is out of range; allowed: 0 ≤ headroom < 0.9",
-                args.headroom
+                fmt_float(args.headroom)
             ),
         )
         .into());
@@ -318,7 +343,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     let allow = parse_allow(&args.allow)?;
     let target = args.emit.as_deref().map(str::parse::<Target>).transpose()?;
     let profile = match &args.profile {
-        Some(path) => DeviceProfile::from_file(path)?,
+        Some(path) => crate::input::load_profile(path)?,
         None => DeviceProfile::cpu_default(),
     };
     let base = args.spec.to_spec()?;
@@ -347,7 +372,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         say(&report(&p, &base, search_ms))?;
     }
     if let Some(path) = &args.plot {
-        write_atomic(path, pareto_svg(&p)?.as_bytes())?;
+        write_output("--plot", path, pareto_svg(&p)?.as_bytes())?;
         if !args.json {
             say(&format!("wrote the Pareto front to {}\n", path.display()))?;
         }
@@ -369,7 +394,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             path.display(),
             p.plan.to_toml()
         );
-        write_atomic(path, text.as_bytes())?;
+        write_output("--out", path, text.as_bytes())?;
         if !args.json {
             say(&format!("wrote the plan to {}\n", path.display()))?;
         }
@@ -377,7 +402,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     if let Some(e) = &exported {
         match &args.emit_out {
             Some(path) => {
-                write_atomic(path, e.text.as_bytes())?;
+                write_output("--emit-out", path, e.text.as_bytes())?;
                 if !args.json {
                     say(&format!(
                         "wrote the {} export to {}\n",
@@ -412,7 +437,16 @@ mod tests {
     #[test]
     fn budgets_parse_or_name_the_flag() {
         assert_eq!(parse_budget("24GiB").unwrap(), 24 << 30);
-        for bad in ["", "0", "lots", "-3G", "24 parsecs"] {
+        for bad in [
+            "",
+            "0",
+            "lots",
+            "-3G",
+            "24 parsecs",
+            "18446744073709551616",
+            "16EiB",
+            "1e30TiB",
+        ] {
             let e = parse_budget(bad).unwrap_err();
             assert_eq!(e.field(), Some("--budget"), "{bad}");
         }

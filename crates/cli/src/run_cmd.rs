@@ -6,13 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use ditmem_budget::units::fmt_bytes;
-use ditmem_budget::Spec;
+use ditmem_budget::{Runtime, Spec, SpecError};
 use ditmem_engine::{EngineError, Measurement, MemoryProbe, RunOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::args::SpecArgs;
-use crate::conditions::{available_memory, Conditions};
+use crate::conditions::Conditions;
+use crate::flags::show;
 use crate::render::{fmt_count, recipe_line, spec_line, Table};
 use crate::stats::{summarize, Summary};
 use crate::CliError;
@@ -22,24 +23,25 @@ pub struct RunArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Warm-up steps (not measured; the optimizer state exists after the first).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::flags::count_u32, allow_hyphen_values = true)]
     pub warmup: u32,
     /// Measured steps.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub steps: u32,
     /// Seed of the weights and dropout masks.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::flags::seed_u64, allow_hyphen_values = true)]
     pub seed: u64,
     /// Seed of the synthetic data.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::flags::seed_u64, allow_hyphen_values = true)]
     pub data_seed: u64,
     /// AdamW / SGD learning rate.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = crate::flags::learning_rate, allow_hyphen_values = true)]
     pub lr: f64,
     /// Read latents (.safetensors or .npy) from this directory instead of synthesising them.
     #[arg(long, value_name = "DIR")]
     pub latents_dir: Option<PathBuf>,
-    /// Run even when the budget says the step does not fit in available memory.
+    /// Run even when the budget's peak exceeds MemAvailable (never past the address-space or
+    /// cgroup limit).
     #[arg(long)]
     pub force: bool,
     /// Print JSON instead of a table.
@@ -119,40 +121,81 @@ pub fn measure(
     bar.finish_and_clear();
     match result {
         Ok(m) => Ok((m, baseline)),
-        Err(EngineError::Spec(e)) => Err(CliError::Spec(e)),
-        Err(EngineError::BadInput { what, why }) => {
-            Err(CliError::Spec(ditmem_budget::SpecError::invalid(what, why)))
-        }
-        Err(EngineError::Interrupted { after_steps }) => Err(CliError::Interrupted(after_steps)),
-        Err(e) => Err(CliError::Other(anyhow::Error::new(e))),
+        Err(e) => Err(engine_err(e)),
     }
 }
 
-/// Refuse a spec whose budget does not fit the machine's available memory (unless forced).
-pub fn guard(spec: &Spec, force: bool) -> Result<u64, CliError> {
-    let budget = ditmem_budget::estimate(spec)?;
-    if let Some(avail) = available_memory() {
-        if budget.peak_bytes > avail && !force {
-            return Err(CliError::Refused(format!(
-                "the budget predicts a peak of {} but only {} is available; lower the microbatch, \
-                 recompute blocks (--recompute all), or pass --force to run anyway",
-                fmt_bytes(budget.peak_bytes),
-                fmt_bytes(avail)
-            )));
-        }
+/// An engine error as the CLI reports it: the spec, an unsupported recipe and unreadable latents
+/// are bad input (exit 2), Ctrl-C is 130, the rest internal (1).
+pub fn engine_err(e: EngineError) -> CliError {
+    match e {
+        EngineError::Spec(e) => CliError::Spec(e),
+        EngineError::BadInput { what, why } => CliError::Spec(SpecError::invalid(what, why)),
+        EngineError::Unsupported { feature, why } => CliError::Spec(SpecError::invalid(
+            feature,
+            format!("is not supported by the engine; {why}"),
+        )),
+        EngineError::Data { path, why } => CliError::Spec(SpecError::invalid(
+            "--latents-dir",
+            format!("cannot read latents from {}: {why}", show(&path)),
+        )),
+        EngineError::Interrupted { after_steps } => CliError::Interrupted(after_steps),
+        e => CliError::Other(anyhow::Error::new(e)),
     }
-    Ok(budget.peak_bytes)
+}
+
+/// `run` and `compare` execute the candle engine: a spec for another runtime (PyTorch) would
+/// hold the engine's measurement against a prediction for something else.
+pub fn require_engine_runtime(spec: &Spec, command: &str) -> Result<(), CliError> {
+    if spec.runtime == Runtime::DitmemCpu {
+        return Ok(());
+    }
+    Err(CliError::Spec(SpecError::invalid(
+        "runtime",
+        format!(
+            "'{}' is not executed by `ditmem {command}`; allowed: ditmem-cpu (the engine here); \
+             to hold the PyTorch runtime against real PyTorch use `ditmem compare --runtime pytorch`",
+            spec.runtime
+        ),
+    )))
+}
+
+/// `--latents-dir` must be an existing folder: checked before the model is built.
+pub fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> {
+    let Some(dir) = dir else { return Ok(()) };
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => Err(CliError::Spec(SpecError::invalid(
+            "--latents-dir",
+            format!(
+                "{} is {}; allowed: a folder of .safetensors or .npy latents",
+                show(&dir.display().to_string()),
+                crate::output::file_kind(m.file_type())
+            ),
+        ))),
+        Err(e) => Err(CliError::Spec(SpecError::invalid(
+            "--latents-dir",
+            format!(
+                "{} cannot be read ({e}); allowed: a folder of .safetensors or .npy latents",
+                show(&dir.display().to_string())
+            ),
+        ))),
+    }
 }
 
 pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+    // Every input and output is checked before the model is built or anything is measured.
+    crate::output::check_outputs(&[("--out", args.out.as_deref())])?;
     let spec = args.spec.to_spec()?;
     if args.steps == 0 {
-        return Err(CliError::Spec(ditmem_budget::SpecError::invalid(
+        return Err(CliError::Spec(SpecError::invalid(
             "--steps",
             "is 0; allowed: at least one measured step",
         )));
     }
-    let predicted = guard(&spec, args.force)?;
+    require_engine_runtime(&spec, "run")?;
+    check_latents_dir(args.latents_dir.as_deref())?;
+    let predicted = crate::guard::check_spec(&spec, args.force)?;
     let opts = RunOptions {
         warmup: args.warmup,
         steps: args.steps,
@@ -185,7 +228,7 @@ pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     };
     if let Some(path) = &args.out {
         let text = serde_json::to_string_pretty(&report).context("serialising the report")?;
-        crate::output::write_atomic(path, text.as_bytes())?;
+        crate::output::write_output("--out", path, text.as_bytes())?;
     }
     if args.json {
         crate::output::print_json(&report)?;

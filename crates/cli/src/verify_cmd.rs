@@ -42,19 +42,19 @@ pub struct VerifyArgs {
     pub variants: Option<String>,
     /// Optimizer steps of the drift run (0: one-step comparison only) [default: 50, or the
     /// stored reference's]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::count_u32, allow_hyphen_values = true)]
     pub steps: Option<u32>,
     /// Seed of the initial weights [default: 0, or the stored reference's]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::seed_u64, allow_hyphen_values = true)]
     pub seed: Option<u64>,
     /// Seed of the synthetic data [default: 1, or the stored reference's]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::seed_u64, allow_hyphen_values = true)]
     pub data_seed: Option<u64>,
     /// Learning rate of the drift run [default: 1e-3, or the stored reference's]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::learning_rate, allow_hyphen_values = true)]
     pub lr: Option<f64>,
     /// Variants computed at once [default: the available cores]
-    #[arg(long)]
+    #[arg(long, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub jobs: Option<usize>,
     /// Compare against this stored reference (.safetensors) instead of computing it.
     #[arg(long, value_name = "FILE")]
@@ -131,6 +131,20 @@ fn variants(args: &VerifyArgs) -> Result<Vec<Variant>, CliError> {
     parse_variants(&text).map_err(|e| map_err(e, "--variants"))
 }
 
+/// The resource guard of `verify`: the largest variant (fp64, the base's other settings) once per
+/// variant run at once, plus the fp64 reference when it is computed here.
+fn guard(base: &Spec, variants: &[Variant], jobs: usize, stored: bool) -> Result<(), CliError> {
+    let mut fp64 = base.clone();
+    fp64.recipe.precision = ditmem_budget::Precision::Fp64;
+    let one = ditmem_budget::estimate(&fp64)?.peak_bytes;
+    let at_once = jobs.min(variants.len()).max(1) as u64 + u64::from(!stored);
+    crate::guard::check(
+        &format!("{at_once} fp64 steps at once"),
+        one.saturating_mul(at_once),
+        false,
+    )
+}
+
 fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
@@ -146,6 +160,10 @@ fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
 
 pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     let started = Instant::now();
+    crate::output::check_outputs(&[
+        ("--save-reference", args.save_reference.as_deref()),
+        ("--plot", args.plot.as_deref()),
+    ])?;
     let base = args.spec.to_spec_or(default_spec)?;
     let variants = variants(&args)?;
     let jobs = args
@@ -163,12 +181,8 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     }
     let stored = match &args.reference {
         Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| {
-                invalid(
-                    "--reference",
-                    format!("cannot read '{}': {e}", path.display()),
-                )
-            })?;
+            // A regular file only (a FIFO would block); its size follows the model's.
+            let bytes = crate::input::read_capped("--reference", path, u64::MAX)?;
             Some(
                 Reference::from_safetensors(&bytes)
                     .map_err(|e| invalid("--reference", format!("'{}': {e}", path.display())))?,
@@ -190,7 +204,10 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     if !(opts.lr.is_finite() && opts.lr > 0.0) {
         return Err(invalid(
             "--lr",
-            format!("{} is not a positive number", opts.lr),
+            format!(
+                "{} is not a positive number; allowed: a finite number > 0",
+                crate::flags::fmt_float(opts.lr)
+            ),
         ));
     }
     if args.plot.is_some() && opts.steps == 0 {
@@ -199,6 +216,7 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
             "needs a drift run; allowed: --steps ≥ 1 with --plot",
         ));
     }
+    guard(&base, &variants, jobs, stored.is_some())?;
     let show = !args.json;
     let (reference, source) = match stored {
         Some(r) => {
@@ -223,7 +241,7 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         let bytes = reference
             .to_safetensors()
             .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
-        crate::output::write_atomic(path, &bytes)?;
+        crate::output::write_output("--save-reference", path, &bytes)?;
     }
     let n = variants.len() as u64;
     let b = bar(n * (u64::from(opts.steps) + 1), show, "variants");
@@ -250,7 +268,7 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(path) = &args.plot {
         let svg = drift_chart(&report)?;
-        crate::output::write_atomic(path, svg.as_bytes())?;
+        crate::output::write_output("--plot", path, svg.as_bytes())?;
     }
     if args.json {
         crate::output::print_json(&VerifyJson {

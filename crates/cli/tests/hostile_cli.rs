@@ -1,0 +1,586 @@
+//! Issue 19, hostile input: no file destroyed, no memory blow-up, one line and the documented
+//! exit code (README, "Exit codes"). Each test reproduces one finding of the issue.
+//!
+//! Nothing here touches a real /dev file: FIFOs and symbolic links are made in temp folders, and
+//! every run of the binary has a deadline (a FIFO opened by mistake would block forever).
+
+mod common;
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::temp_dir;
+
+/// Run `ditmem` with `args` (through `wrapper`, a shell line with `"$@"`, when given), killed
+/// after `secs`: (exit code, stdout, stderr, elapsed). A kill fails the test.
+fn run_within(args: &[&str], secs: u64, wrapper: Option<&str>) -> (i32, String, String, Duration) {
+    let bin = env!("CARGO_BIN_EXE_ditmem");
+    let mut cmd = match wrapper {
+        Some(line) => {
+            let mut c = Command::new("bash");
+            c.arg("-c").arg(line).arg("ditmem").arg(bin).args(args);
+            c
+        }
+        None => {
+            let mut c = Command::new(bin);
+            c.args(args);
+            c
+        }
+    };
+    let dir = temp_dir("hostile", "capture");
+    let id = format!(
+        "{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let (out_p, err_p) = (dir.join(format!("{id}.out")), dir.join(format!("{id}.err")));
+    let t0 = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_p).unwrap())
+        .stderr(std::fs::File::create(&err_p).unwrap())
+        .spawn()
+        .expect("the binary starts");
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ditmem {args:?} still ran after {secs} s (blocked?)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = t0.elapsed();
+    let out = std::fs::read_to_string(&out_p).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_p).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_p);
+    let _ = std::fs::remove_file(&err_p);
+    (status.code().unwrap_or(-1), out, err, elapsed)
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let (c, o, e, _) = run_within(args, 120, None);
+    (c, o, e)
+}
+
+/// Exit `code`, nothing on stdout, one line on stderr that contains every word of `needles`.
+fn rejects(args: &[&str], code: i32, needles: &[&str]) -> String {
+    let (c, out, err) = run(args);
+    assert_eq!(c, code, "{args:?}: exit code; stderr: {err}");
+    assert!(out.is_empty(), "{args:?}: nothing on stdout, got {out}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: one line: {err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{args:?}: '{}' should contain {n}",
+            err.trim_end()
+        );
+    }
+    assert!(
+        !err.contains("panicked") && !err.contains("Usage"),
+        "{args:?}: {err}"
+    );
+    err
+}
+
+fn mkfifo(p: &Path) {
+    let ok = Command::new("mkfifo").arg(p).status().expect("mkfifo runs");
+    assert!(ok.success());
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Finding 1: an output never replaces a FIFO or a symbolic link (nor the link's target); a
+/// regular file or a new path is written.
+#[test]
+fn outputs_never_replace_fifos_or_symlinks() {
+    let dir = temp_dir("hostile", "outputs");
+    let fifo = dir.join("pipe.svg");
+    mkfifo(&fifo);
+    let target = dir.join("target.txt");
+    std::fs::write(&target, "keep me").unwrap();
+    let link = dir.join("link.svg");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let small = [
+        "--preset",
+        "dit-s-2",
+        "--resolution",
+        "128",
+        "--batch",
+        "2",
+        "--precision",
+        "fp32",
+    ];
+    let commands: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["estimate"], "--plot"),
+        (vec!["plan", "--budget", "24GiB"], "--out"),
+        (vec!["plan", "--budget", "24GiB"], "--plot"),
+        (
+            vec!["plan", "--budget", "24GiB", "--emit", "accelerate"],
+            "--emit-out",
+        ),
+        (vec!["run"], "--out"),
+        (vec!["compare"], "--plot"),
+        (vec!["verify", "--steps", "0"], "--save-reference"),
+        (vec!["verify"], "--plot"),
+    ];
+    for (cmd, flag) in &commands {
+        for (path, kind) in [(&fifo, "FIFO"), (&link, "symbolic link")] {
+            let mut args = cmd.clone();
+            if cmd[0] != "verify" {
+                args.extend_from_slice(&small);
+            }
+            args.extend_from_slice(&[flag, s(path)]);
+            let (c, out, err, _) = run_within(&args, 60, None);
+            assert_eq!(c, 2, "{args:?}: {err}");
+            assert!(out.is_empty(), "{args:?}: no work before the refusal");
+            assert!(err.contains(flag) && err.contains(kind), "{args:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+            let ft = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+            assert!(ft.is_fifo(), "{args:?}: the FIFO is still a FIFO");
+            let lt = std::fs::symlink_metadata(&link).unwrap().file_type();
+            assert!(lt.is_symlink(), "{args:?}: the link is still a link");
+            assert_eq!(std::fs::read_link(&link).unwrap(), target);
+            assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+        }
+    }
+    // A directory is not replaced either.
+    rejects(
+        &["estimate", "--plot", s(&dir)],
+        2,
+        &["--plot", "directory"],
+    );
+    // A new path and an existing regular file are written (and no temporary file is left).
+    let fresh = dir.join("fresh.svg");
+    let (c, _, err) = run(&["estimate", "--plot", s(&fresh)]);
+    assert_eq!(c, 0, "{err}");
+    assert!(std::fs::read_to_string(&fresh).unwrap().contains("<svg"));
+    let (c, _, err) = run(&["estimate", "--plot", s(&target)]);
+    assert_eq!(c, 0, "{err}");
+    assert!(std::fs::read_to_string(&target).unwrap().contains("<svg"));
+    let leftovers = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .count();
+    assert_eq!(leftovers, 0);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Finding 5: every output path is checked before any work: no plan printed, no step run.
+#[test]
+fn bad_output_paths_fail_before_any_work() {
+    let dir = temp_dir("hostile", "early");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("out.svg");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["plan", "--budget", "24GiB", "--out", "/nonexistent/p.toml"],
+        vec!["plan", "--budget", "24GiB", "--plot", "/nonexistent/p.svg"],
+        vec![
+            "plan",
+            "--budget",
+            "24GiB",
+            "--emit",
+            "deepspeed",
+            "--emit-out",
+            "/nonexistent/ds.json",
+        ],
+        vec!["estimate", "--plot", s(&under_file)],
+        // The default XL step would take minutes (or be refused for memory, exit 3) if the path
+        // were checked after the work.
+        vec!["run", "--out", "/nonexistent/r.json"],
+        vec!["compare", "--plot", "/nonexistent/c.svg"],
+        vec!["verify", "--save-reference", "/nonexistent/ref.safetensors"],
+        vec!["verify", "--plot", "/nonexistent/drift.svg"],
+    ];
+    for args in cases {
+        let flag = args
+            .iter()
+            .find(|a| ["--out", "--plot", "--emit-out", "--save-reference"].contains(a))
+            .unwrap()
+            .to_string();
+        let (c, out, err, took) = run_within(&args, 60, None);
+        assert_eq!(c, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: printed before failing: {out}");
+        assert!(
+            err.contains(&flag) && err.contains("folder"),
+            "{args:?}: {err}"
+        );
+        assert!(took < Duration::from_secs(20), "{args:?}: took {took:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Finding 3: `--config` (and `--profile`) only from regular files of at most 1 MiB, checked
+/// before opening (a FIFO would block), and JSON in a `.txt` file gets a hint.
+#[test]
+fn config_files_are_capped_and_regular() {
+    let dir = temp_dir("hostile", "config");
+    let fifo = dir.join("spec.toml");
+    mkfifo(&fifo);
+    let (c, _, err, took) = run_within(&["estimate", "--config", s(&fifo)], 20, None);
+    assert_eq!(c, 2, "{err}");
+    assert!(err.contains("--config") && err.contains("FIFO"), "{err}");
+    assert!(took < Duration::from_secs(10));
+    rejects(
+        &["estimate", "--config", "/dev/zero"],
+        2,
+        &["--config", "character device"],
+    );
+    rejects(
+        &["estimate", "--config", s(&dir)],
+        2,
+        &["--config", "directory"],
+    );
+    rejects(
+        &["plan", "--budget", "24GiB", "--profile", s(&fifo)],
+        2,
+        &["--profile", "FIFO"],
+    );
+    // A comment-only file just over the cap is refused by its size, not parsed.
+    let big = dir.join("big.toml");
+    let mut text = "# padding\n".repeat((1 << 20) / 10 + 1);
+    text.push_str("[model]\n");
+    std::fs::write(&big, &text).unwrap();
+    rejects(
+        &["estimate", "--config", s(&big)],
+        2,
+        &["--config", "1048576"],
+    );
+    // A valid spec with some comments reads fine.
+    let (c, spec_text, _) = run(&["spec", "--preset", "dit-s-2", "--batch", "4"]);
+    assert_eq!(c, 0);
+    let ok = dir.join("ok.toml");
+    std::fs::write(&ok, format!("# a comment\n{spec_text}")).unwrap();
+    let (c, _, err) = run(&["estimate", "--config", s(&ok)]);
+    assert_eq!(c, 0, "{err}");
+    // JSON in a .txt file: parsed as TOML, and the error says what to do.
+    let (c, json_text, _) = run(&["spec", "--preset", "dit-s-2", "--json"]);
+    assert_eq!(c, 0);
+    let txt = dir.join("spec.txt");
+    std::fs::write(&txt, &json_text).unwrap();
+    rejects(
+        &["estimate", "--config", s(&txt)],
+        2,
+        &["looks like JSON; name the file .json"],
+    );
+    let json = dir.join("spec.json");
+    std::fs::write(&json, &json_text).unwrap();
+    assert_eq!(run(&["estimate", "--config", s(&json)]).0, 0);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Finding 4: under an address-space limit, a step predicted above it is refused at once
+/// (exit 3, naming the limit and both numbers), never started and aborted (exit 134); `--force`
+/// does not lift a hard limit.
+#[test]
+fn the_resource_guard_sees_the_address_space_limit() {
+    // 2,000,000 KiB ≈ 1.91 GiB; DiT-B/2 at 256², batch 8, fp32 is predicted at ≈ 3.7 GiB.
+    const KIB: u64 = 2_000_000;
+    let wrapper = format!("ulimit -v {KIB} && exec \"$@\"");
+    let spec = [
+        "--preset",
+        "dit-b-2",
+        "--resolution",
+        "256",
+        "--batch",
+        "8",
+        "--precision",
+        "fp32",
+        "--steps",
+        "1",
+    ];
+    let named = mem_available().is_some_and(|m| m > KIB * 1024);
+    for (cmd, extra) in [
+        ("run", &[][..]),
+        ("run", &["--force"][..]),
+        ("compare", &[][..]),
+    ] {
+        let mut args = vec![cmd];
+        args.extend_from_slice(&spec);
+        args.extend_from_slice(extra);
+        let (c, out, err, took) = run_within(&args, 60, Some(&wrapper));
+        assert_ne!(c, 134, "{args:?}: aborted: {err}");
+        assert_eq!(c, 3, "{args:?}: {err}");
+        assert!(out.is_empty());
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(
+            err.contains("GiB") && err.contains(" B)"),
+            "both numbers: {err}"
+        );
+        if named {
+            assert!(err.contains("address-space limit"), "{err}");
+        }
+        assert!(
+            took < Duration::from_secs(20),
+            "refused at once, took {took:?}"
+        );
+    }
+    // verify runs fp64 variants side by side: the guard counts them.
+    let (c, _, err, _) = run_within(
+        &[
+            "verify",
+            "--preset",
+            "dit-b-2",
+            "--resolution",
+            "256",
+            "--batch",
+            "8",
+        ],
+        60,
+        Some(&wrapper),
+    );
+    assert_eq!(c, 3, "{err}");
+    // A small step still runs under the same limit.
+    let (c, _, err, _) = run_within(
+        &[
+            "run",
+            "--preset",
+            "dit-s-2",
+            "--resolution",
+            "128",
+            "--batch",
+            "2",
+            "--precision",
+            "fp32",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+        120,
+        Some(&wrapper),
+    );
+    assert_eq!(c, 0, "{err}");
+}
+
+/// Finding 6: nonsense values are refused, naming the flag and what is allowed.
+#[test]
+fn nonsense_values_are_refused() {
+    for lr in ["NaN", "inf", "-inf", "-1", "0", "1e400"] {
+        rejects(
+            &["run", "--lr", lr],
+            2,
+            &["--lr", "allowed: a finite number > 0"],
+        );
+        rejects(&["verify", "--lr", lr], 2, &["--lr", "allowed"]);
+    }
+    for h in ["NaN", "-1e308", "0.95", "inf"] {
+        let err = rejects(
+            &["plan", "--budget", "24GiB", "--headroom", h],
+            2,
+            &["--headroom", "allowed"],
+        );
+        assert!(!err.contains("00000000"), "no 309 digits: {err}");
+    }
+    rejects(
+        &["estimate", "--recompute", "blocks:"],
+        2,
+        &["recipe.recompute", "names no block"],
+    );
+    for z in ["1", "2", "3"] {
+        rejects(
+            &["estimate", "--zero", z, "--ranks", "1"],
+            2,
+            &["recipe.zero_stage", "allowed: 0 with one rank"],
+        );
+    }
+    let (c, _, err) = run(&["estimate", "--zero", "2", "--ranks", "4", "--batch", "32"]);
+    assert_eq!(c, 0, "ZeRO with several ranks is fine: {err}");
+    for b in [
+        "18446744073709551616",
+        "16EiB",
+        "99999999999999999999999TiB",
+    ] {
+        rejects(&["plan", "--budget", b], 2, &["--budget", "allowed"]);
+    }
+}
+
+/// Finding 7: `run` executes only the engine's runtime; PyTorch goes through `compare`.
+#[test]
+fn run_refuses_a_runtime_the_engine_does_not_execute() {
+    for rt in ["pytorch", "pytorch:cuda:sdpa-math"] {
+        rejects(
+            &[
+                "run",
+                "--runtime",
+                rt,
+                "--preset",
+                "dit-s-2",
+                "--batch",
+                "2",
+            ],
+            2,
+            &["runtime", "compare --runtime pytorch"],
+        );
+    }
+    // compare --runtime pytorch is still the way, and a missing peer is exit 5.
+    rejects(
+        &[
+            "compare",
+            "--runtime",
+            "pytorch",
+            "--preset",
+            "dit-s-2",
+            "--resolution",
+            "128",
+            "--batch",
+            "2",
+            "--python",
+            "/nonexistent/python",
+        ],
+        5,
+        &["PyTorch peer", "setup.sh"],
+    );
+}
+
+/// Finding 8: exit codes by the README's table, one line naming the flag for every rejection of
+/// the argument parser, values echoed short and escaped.
+#[test]
+fn exit_codes_and_one_line_messages() {
+    let small = ["--preset", "dit-s-2", "--resolution", "128", "--batch", "2"];
+    // An unsupported recipe (ZeRO needs ranks; the engine runs one) and a missing latents folder
+    // are bad input, before the model is built.
+    let mut a = vec!["run", "--zero", "3", "--ranks", "2"];
+    a.extend_from_slice(&small);
+    rejects(&a, 2, &["zero_stage"]);
+    let mut a = vec!["run", "--latents-dir", "/nonexistent/latents"];
+    a.extend_from_slice(&small);
+    let (c, _, err, took) = run_within(&a, 60, None);
+    assert_eq!(c, 2, "{err}");
+    assert!(err.contains("--latents-dir"), "{err}");
+    assert!(took < Duration::from_secs(10));
+
+    let parser: [(&[&str], &str, &str); 11] = [
+        (&["run", "--batch", ""], "--batch", "positive integer"),
+        (&["run", "--batch", "x"], "--batch", "positive integer"),
+        (&["run", "--batch", "-1"], "--batch", "positive integer"),
+        (
+            &["run", "--batch", "99999999999"],
+            "--batch",
+            "positive integer",
+        ),
+        (&["run", "--batch", "1", "--batch", "2"], "--batch", "once"),
+        (&["run", "--steps", "0"], "--steps", "positive integer"),
+        (&["estimate", "--frobnicate"], "--frobnicate", "allowed"),
+        (&["estimate", "--zero", "7"], "--zero", "ZeRO stage"),
+        (&["plan"], "--budget", "required"),
+        (&["estimate", "--resolution", "-1"], "resolution", "allowed"),
+        (&["plan", "--budget", "-3G"], "--budget", "allowed"),
+    ];
+    for (args, flag, allowed) in parser {
+        let err = rejects(args, 2, &[flag, allowed]);
+        assert!(!err.contains("unexpected argument"), "{err}");
+    }
+    for args in [&["--help"][..], &["--version"], &["run", "--help"]] {
+        let (c, out, _) = run(args);
+        assert_eq!(c, 0, "{args:?}");
+        assert!(!out.is_empty());
+    }
+    let (c, help, _) = run(&["estimate", "--help"]);
+    assert_eq!(c, 0);
+    assert!(help.contains("1 MiB"), "--help states the config cap");
+
+    // The README's runtime spellings.
+    for rt in [
+        "pytorch:cuda:efficient",
+        "pytorch:cuda:math",
+        "pytorch:cuda:flash",
+    ] {
+        let (c, _, err) = run(&["estimate", "--runtime", rt, "--json"]);
+        assert_eq!(c, 0, "{rt}: {err}");
+    }
+
+    // Long and escape-laden values are shortened and escaped.
+    let long = "a".repeat(5000);
+    for v in [long.as_str(), "dit\u{1b}[2J\u{7}-xl"] {
+        let err = rejects(&["estimate", "--preset", v], 2, &["model.preset"]);
+        assert!(err.len() < 600, "shortened: {} chars", err.len());
+        assert!(
+            !err.trim_end().chars().any(char::is_control),
+            "escaped: {err:?}"
+        );
+    }
+    let err = rejects(&["estimate", "--batch", &long], 2, &["--batch"]);
+    assert!(err.len() < 300, "{err}");
+}
+
+/// Finding 8: the plan's point count matches the rows listed.
+#[test]
+fn plan_counts_the_points_it_lists() {
+    let (c, out, err) = run(&[
+        "plan",
+        "--budget",
+        "24GiB",
+        "--resolution",
+        "512",
+        "--allow",
+        "lora,8bit",
+    ]);
+    assert_eq!(c, 0, "{err}");
+    let head = out
+        .lines()
+        .find(|l| l.starts_with("Pareto front"))
+        .expect("a front");
+    let inside = &head[head.find('(').unwrap() + 1..];
+    let total: usize = inside.split(' ').next().unwrap().parse().unwrap();
+    let shown = match inside.find(" of them shown") {
+        Some(i) => inside[..i].rsplit(' ').next().unwrap().parse().unwrap(),
+        None => total,
+    };
+    let rows = out
+        .lines()
+        .skip_while(|l| !l.starts_with("Pareto front"))
+        .skip(3)
+        .take_while(|l| !l.starts_with("searched"))
+        .count();
+    assert_eq!(rows, shown, "{head}");
+    assert!(shown <= total);
+}
+
+/// Finding 8: a device profile with a rate too small to give numbers is refused.
+#[test]
+fn tiny_profile_rates_are_refused() {
+    let dir = temp_dir("hostile", "profile");
+    let profile = |matmul: &str| {
+        format!(
+            "name = \"t\"\nmatmul_f64 = 1e9\nmatmul_f32 = {matmul}\nmatmul_bf16 = 1e9\n\
+             matmul_f16 = 1e9\nelementwise_f64 = 1e9\nelementwise_f32 = 1e9\n\
+             elementwise_half = 1e9\nmicrobatch_overhead_s = 0.001\nlink_bytes_per_s = 1e10\n"
+        )
+    };
+    let p = dir.join("tiny.toml");
+    std::fs::write(&p, profile("1e-300")).unwrap();
+    let err = rejects(
+        &["plan", "--budget", "24GiB", "--profile", s(&p)],
+        2,
+        &["--profile matmul_f32", "allowed"],
+    );
+    assert!(!err.contains("inf s") && !err.contains("NaN"), "{err}");
+    let ok: PathBuf = dir.join("ok.toml");
+    std::fs::write(&ok, profile("1e11")).unwrap();
+    let (c, out, err) = run(&["plan", "--budget", "24GiB", "--profile", s(&ok)]);
+    assert_eq!(c, 0, "{err}");
+    assert!(!out.contains("inf s") && !out.contains("NaN"), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}
