@@ -38,11 +38,11 @@ use std::rc::Rc;
 use serde::Serialize;
 
 use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
+use crate::events::{Breakdown, StaticBytes};
 use crate::params::{param_table, ParamRole, ParamTensor};
+use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{
-    segment_costs, simulate_step_with, static_bytes, Breakdown, SegmentCosts, StaticBytes,
-};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.

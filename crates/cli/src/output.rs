@@ -5,8 +5,8 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::Context;
-use ditmem_budget::timeline::Timeline;
-use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::fmt_bytes;
+use ditmem_budget::Timeline;
 use serde::Serialize;
 
 use crate::render::Table;

@@ -25,7 +25,7 @@
 //! Every kernel is a free function over slices (`*_cpu`) called from `cpu_fwd` / `bwd`, so a CUDA
 //! kernel can be added beside it (`cuda_fwd`) without touching the graph side.
 //!
-//! Allocation rules the budget mirrors (`ditmem_budget::candle::Kind::Custom`): the forward
+//! Allocation rules the budget mirrors (`ditmem_budget::ditmem_cpu::graph::Kind::Custom`): the forward
 //! allocates its output, what the op saves, and a workspace freed before it returns; the backward
 //! allocates one fresh gradient per input that tracks, in the input's dtype and shape, beside a
 //! workspace freed before it returns. The workspace sizes are public functions here
@@ -2327,7 +2327,7 @@ mod tests {
     /// dtype, path and set of tracked inputs, on whole and ragged shapes.
     #[test]
     fn linear_scratch_is_the_budgets() {
-        use ditmem_budget::candle::fused_linear_scratch;
+        use ditmem_budget::ditmem_cpu::fused_linear_scratch;
         use ditmem_budget::Dtype;
         for (dt, bd) in [
             (DType::F32, Dtype::F32),
