@@ -127,8 +127,43 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     } else {
         (0, 0)
     };
-    let n = g.nodes.len();
-    let mut seen: Vec<Option<bool>> = vec![None; n];
+    let order = post_order(g, root);
+    let mut h = Heap {
+        bytes: Vec::new(),
+        refs: Vec::new(),
+        holds: Vec::new(),
+        live: 0,
+        peak: 0,
+        tmeta,
+        smeta,
+    };
+    let mut store: Vec<Option<Val>> = vec![None; g.nodes.len()];
+    let mut sunk_grads = 0u64;
+    // `grads.insert(self, self.ones_like()?.contiguous()?)`
+    store[root] = Some(h.make(g, g.nodes[root].bytes(), &[]));
+
+    for &x in &order {
+        if g.nodes[x].kind == Kind::Var {
+            continue;
+        }
+        let Some(orig) = store[x].take() else {
+            continue;
+        };
+        let grad = h.view(g, orig, true);
+        let locals = node_backward(&mut h, g, &mut store, x, grad, &mut sunk_grads);
+        for v in locals {
+            h.drop_val(v);
+        }
+        h.drop_val(grad);
+        h.drop_val(orig);
+    }
+    finish(g, &h, &store, sunk_grads)
+}
+
+/// The nodes `backward` visits: reverse depth-first post-order from the root (lhs before rhs),
+/// only those on a path to a variable.
+fn post_order(g: &Graph, root: Nid) -> Vec<Nid> {
+    let mut seen: Vec<Option<bool>> = vec![None; g.nodes.len()];
     let mut order: Vec<Nid> = Vec::new();
     fn walk(g: &Graph, x: Nid, seen: &mut Vec<Option<bool>>, order: &mut Vec<Nid>) -> bool {
         if let Some(t) = seen[x] {
@@ -149,285 +184,311 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     }
     walk(g, root, &mut seen, &mut order);
     order.reverse();
+    order
+}
 
+/// `grads.or_insert(t)?`: the stored gradient, or fresh zeros.
+fn or_insert(h: &mut Heap, g: &Graph, store: &[Option<Val>], t: Nid) -> Val {
+    match store[t] {
+        Some(v) => v,
+        None => h.make(g, g.nodes[t].bytes(), &[]),
+    }
+}
+
+/// `*s = s.add(&partial)?` (or `sub`): the new sum replaces (and may hold) the old one.
+fn add_into(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, old: Val, partial: Val) {
+    let new = h.make(g, g.nodes[t].bytes(), &[old, partial]);
+    h.drop_val(old);
+    store[t] = Some(new);
+}
+
+/// `or_insert` then `add`: one contribution to `t`'s gradient.
+fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
+    let old = or_insert(h, g, store, t);
+    add_into(h, g, store, t, old, partial);
+}
+
+/// One node's backward rule on its (detached) gradient: the contributions to its inputs'
+/// gradients in the order candle makes them. Returns the temporaries the rule still holds
+/// (dropped when the node is done).
+fn node_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    grad: Val,
+    sunk_grads: &mut u64,
+) -> Vec<Val> {
+    let node = &g.nodes[x];
     let bytes = |x: Nid| g.nodes[x].bytes();
-    let mut h = Heap {
-        bytes: Vec::new(),
-        refs: Vec::new(),
-        holds: Vec::new(),
-        live: 0,
-        peak: 0,
-        tmeta,
-        smeta,
-    };
-    let mut store: Vec<Option<Val>> = vec![None; n];
-    let mut sunk_grads = 0u64;
-    // `grads.insert(self, self.ones_like()?.contiguous()?)`
-    store[root] = Some(h.make(g, bytes(root), &[]));
-
-    // `grads.or_insert(t)?`: the stored gradient, or fresh zeros.
-    fn or_insert(h: &mut Heap, g: &Graph, store: &[Option<Val>], t: Nid) -> Val {
-        match store[t] {
-            Some(v) => v,
-            None => h.make(g, g.nodes[t].bytes(), &[]),
+    let ins = node.inputs.clone();
+    let nb = bytes(x);
+    let me = Val::Fwd(x);
+    let mut locals: Vec<Val> = Vec::new();
+    match node.kind {
+        Kind::Add | Kind::Sub => {
+            for &i in &ins {
+                acc(h, g, store, i, grad);
+            }
         }
-    }
-    // `*s = s.add(&partial)?` (or `sub`): the new sum replaces (and may hold) the old one.
-    fn add_into(
-        h: &mut Heap,
-        g: &Graph,
-        store: &mut [Option<Val>],
-        t: Nid,
-        old: Val,
-        partial: Val,
-    ) {
-        let new = h.make(g, g.nodes[t].bytes(), &[old, partial]);
-        h.drop_val(old);
-        store[t] = Some(new);
-    }
-    fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
-        let old = or_insert(h, g, store, t);
-        add_into(h, g, store, t, old, partial);
-    }
-
-    for &x in &order {
-        let node = &g.nodes[x];
-        if node.kind == Kind::Var {
-            continue;
+        Kind::Mul => {
+            let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
+            acc(h, g, store, ins[0], lg);
+            let rg = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
+            acc(h, g, store, ins[1], rg);
+            locals.extend([lg, rg]);
         }
-        let Some(orig) = store[x].take() else {
-            continue;
-        };
-        let grad = h.view(g, orig, true);
-        let ins = node.inputs.clone();
-        let nb = bytes(x);
-        let me = Val::Fwd(x);
-        let mut locals: Vec<Val> = Vec::new();
-        match node.kind {
-            Kind::Add | Kind::Sub => {
-                for &i in &ins {
-                    acc(&mut h, g, &mut store, i, grad);
+        Kind::Div => {
+            let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
+            acc(h, g, store, ins[0], lg);
+            let t1 = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
+            let t2 = h.make(g, nb, &[Val::Fwd(ins[1])]);
+            let rg = h.make(g, nb, &[t1, t2]);
+            h.drop_val(t1);
+            h.drop_val(t2);
+            acc(h, g, store, ins[1], rg);
+            locals.extend([lg, rg]);
+        }
+        Kind::Matmul => matmul_backward(h, g, store, x, grad, &mut locals),
+        Kind::Broadcast => {
+            let a = ins[0];
+            let s = h.make(g, bytes(a), &[grad]);
+            let bv = h.view(g, s, false);
+            acc(h, g, store, a, bv);
+            locals.extend([s, bv]);
+        }
+        Kind::Seed => {
+            acc(h, g, store, ins[0], Val::Fwd(ins[1]));
+        }
+        Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
+            let v = h.view(g, grad, false);
+            acc(h, g, store, ins[0], v);
+            locals.push(v);
+        }
+        Kind::ToDtype => {
+            let a = ins[0];
+            let old = or_insert(h, g, store, a);
+            let conv = h.make(g, bytes(a), &[grad]);
+            add_into(h, g, store, a, old, conv);
+            locals.push(conv);
+        }
+        Kind::Affine => {
+            let ag = h.make(g, bytes(ins[0]), &[grad]);
+            acc(h, g, store, ins[0], ag);
+            locals.push(ag);
+        }
+        Kind::Exp => {
+            let old = or_insert(h, g, store, ins[0]);
+            let p = h.make(g, nb, &[grad, me]);
+            add_into(h, g, store, ins[0], old, p);
+            h.drop_val(p);
+        }
+        Kind::Sqr => {
+            let a = bytes(ins[0]);
+            let t1 = h.make(g, a, &[Val::Fwd(ins[0]), grad]);
+            let ag = h.make(g, a, &[t1]);
+            h.drop_val(t1);
+            acc(h, g, store, ins[0], ag);
+            locals.push(ag);
+        }
+        Kind::Powf => {
+            let a = bytes(ins[0]);
+            let t1 = h.make(g, a, &[Val::Fwd(ins[0])]);
+            let t2 = h.make(g, a, &[grad, t1]);
+            let ag = h.make(g, a, &[t2]);
+            h.drop_val(t1);
+            h.drop_val(t2);
+            acc(h, g, store, ins[0], ag);
+            locals.push(ag);
+        }
+        Kind::Silu => silu_backward(h, g, store, x, grad, &mut locals),
+        Kind::Gelu => gelu_backward(h, g, store, x, grad, &mut locals),
+        Kind::Narrow {
+            pad_before,
+            pad_after,
+        } => {
+            let a = ins[0];
+            let es = g.nodes[x].dtype.size();
+            if pad_before + pad_after > 0 {
+                let mut parts = vec![grad];
+                let mut pads = Vec::new();
+                for p in [pad_before, pad_after] {
+                    if p > 0 {
+                        let z = h.make(g, p * es, &[]);
+                        pads.push(z);
+                        parts.push(z);
+                    }
                 }
-            }
-            Kind::Mul => {
-                let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
-                acc(&mut h, g, &mut store, ins[0], lg);
-                let rg = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
-                acc(&mut h, g, &mut store, ins[1], rg);
-                locals.extend([lg, rg]);
-            }
-            Kind::Div => {
-                let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
-                acc(&mut h, g, &mut store, ins[0], lg);
-                let t1 = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
-                let t2 = h.make(g, nb, &[Val::Fwd(ins[1])]);
-                let rg = h.make(g, nb, &[t1, t2]);
-                h.drop_val(t1);
-                h.drop_val(t2);
-                acc(&mut h, g, &mut store, ins[1], rg);
-                locals.extend([lg, rg]);
-            }
-            Kind::Matmul => {
-                let (l, r) = (ins[0], ins[1]);
-                let el = |i: Nid| g.nodes[g.storage(i)].elems;
-                // grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
-                let w = h.obj(
-                    bf16_matmul_scratch(node.dtype, node.elems + el(r), g.nodes[l].elems),
-                    vec![],
-                );
-                let lg = h.make(g, bytes(l), &[grad, Val::Fwd(r)]);
-                h.dec(w);
-                acc(&mut h, g, &mut store, l, lg);
-                let w = h.obj(
-                    bf16_matmul_scratch(node.dtype, el(l) + node.elems, g.nodes[r].elems),
-                    vec![],
-                );
-                let rg = h.make(g, bytes(r), &[Val::Fwd(l), grad]);
-                h.dec(w);
-                acc(&mut h, g, &mut store, r, rg);
-                locals.extend([lg, rg]);
-            }
-            Kind::Broadcast => {
-                let a = ins[0];
-                let s = h.make(g, bytes(a), &[grad]);
-                let bv = h.view(g, s, false);
-                acc(&mut h, g, &mut store, a, bv);
-                locals.extend([s, bv]);
-            }
-            Kind::Seed => {
-                acc(&mut h, g, &mut store, ins[0], Val::Fwd(ins[1]));
-            }
-            Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
+                let cat = h.make(g, bytes(a), &parts);
+                for z in pads {
+                    h.drop_val(z);
+                }
+                acc(h, g, store, a, cat);
+                locals.push(cat);
+            } else {
                 let v = h.view(g, grad, false);
-                acc(&mut h, g, &mut store, ins[0], v);
+                acc(h, g, store, a, v);
                 locals.push(v);
             }
-            Kind::ToDtype => {
-                let a = ins[0];
-                let old = or_insert(&mut h, g, &store, a);
-                let conv = h.make(g, bytes(a), &[grad]);
-                add_into(&mut h, g, &mut store, a, old, conv);
-                locals.push(conv);
-            }
-            Kind::Affine => {
-                let ag = h.make(g, bytes(ins[0]), &[grad]);
-                acc(&mut h, g, &mut store, ins[0], ag);
-                locals.push(ag);
-            }
-            Kind::Exp => {
-                let old = or_insert(&mut h, g, &store, ins[0]);
-                let p = h.make(g, nb, &[grad, me]);
-                add_into(&mut h, g, &mut store, ins[0], old, p);
-                h.drop_val(p);
-            }
-            Kind::Sqr => {
-                let a = bytes(ins[0]);
-                let t1 = h.make(g, a, &[Val::Fwd(ins[0]), grad]);
-                let ag = h.make(g, a, &[t1]);
-                h.drop_val(t1);
-                acc(&mut h, g, &mut store, ins[0], ag);
-                locals.push(ag);
-            }
-            Kind::Powf => {
-                let a = bytes(ins[0]);
-                let t1 = h.make(g, a, &[Val::Fwd(ins[0])]);
-                let t2 = h.make(g, a, &[grad, t1]);
-                let ag = h.make(g, a, &[t2]);
-                h.drop_val(t1);
-                h.drop_val(t2);
-                acc(&mut h, g, &mut store, ins[0], ag);
-                locals.push(ag);
-            }
-            Kind::Silu => {
-                let a = bytes(ins[0]);
-                let arg = Val::Fwd(ins[0]);
-                let old = or_insert(&mut h, g, &store, ins[0]);
-                let t1 = h.make(g, a, &[arg]);
-                let t2 = h.make(g, a, &[t1]);
-                let t3 = h.make(g, a, &[t2]);
-                h.drop_val(t2);
-                let sig = h.make(g, a, &[t3]);
-                h.drop_val(t1);
-                h.drop_val(t3);
-                let u1 = h.make(g, a, &[me]);
-                let u2 = h.make(g, a, &[sig, u1]);
-                h.drop_val(u1);
-                let u3 = h.make(g, a, &[u2, me]);
-                h.drop_val(u2);
-                let p = h.make(g, a, &[grad, u3]);
-                h.drop_val(u3);
-                add_into(&mut h, g, &mut store, ins[0], old, p);
-                h.drop_val(p);
-                locals.push(sig);
-            }
-            Kind::Gelu => {
-                let a = bytes(ins[0]);
-                let arg = Val::Fwd(ins[0]);
-                let old = or_insert(&mut h, g, &store, ins[0]);
-                let cube = h.make(g, a, &[arg]);
-                let t1 = h.make(g, a, &[cube]);
-                let t2 = h.make(g, a, &[arg]);
-                let t3 = h.make(g, a, &[t1, t2]);
-                h.drop_val(t1);
-                h.drop_val(t2);
-                let tanh = h.make(g, a, &[t3]);
-                h.drop_val(t3);
-                let u1 = h.make(g, a, &[tanh]);
-                let u2 = h.make(g, a, &[cube]);
-                h.drop_val(cube);
-                let u3 = h.make(g, a, &[arg]);
-                let u4 = h.make(g, a, &[u2, u3]);
-                h.drop_val(u2);
-                h.drop_val(u3);
-                let u5 = h.make(g, a, &[tanh]);
-                let u6 = h.make(g, a, &[u5]);
-                h.drop_val(u5);
-                let u7 = h.make(g, a, &[u4, u6]);
-                h.drop_val(u4);
-                h.drop_val(u6);
-                let u8 = h.make(g, a, &[u1, u7]);
-                h.drop_val(u1);
-                h.drop_val(u7);
-                let gg = h.make(g, a, &[u8]);
-                h.drop_val(u8);
-                let p = h.make(g, a, &[grad, gg]);
-                h.drop_val(gg);
-                add_into(&mut h, g, &mut store, ins[0], old, p);
-                h.drop_val(p);
-                locals.push(tanh);
-            }
-            Kind::Narrow {
-                pad_before,
-                pad_after,
-            } => {
-                let a = ins[0];
-                let es = g.nodes[x].dtype.size();
-                if pad_before + pad_after > 0 {
-                    let mut parts = vec![grad];
-                    let mut pads = Vec::new();
-                    for p in [pad_before, pad_after] {
-                        if p > 0 {
-                            let z = h.make(g, p * es, &[]);
-                            pads.push(z);
-                            parts.push(z);
-                        }
-                    }
-                    let cat = h.make(g, bytes(a), &parts);
-                    for z in pads {
-                        h.drop_val(z);
-                    }
-                    acc(&mut h, g, &mut store, a, cat);
-                    locals.push(cat);
-                } else {
-                    let v = h.view(g, grad, false);
-                    acc(&mut h, g, &mut store, a, v);
-                    locals.push(v);
-                }
-            }
-            Kind::IndexSelect => {
-                let a = ins[0];
-                let old = or_insert(&mut h, g, &store, a);
-                add_into(&mut h, g, &mut store, a, old, grad);
-            }
-            Kind::Attention { bwd_scratch } => {
-                let q = bytes(ins[0]);
-                let s = h.make(g, bwd_scratch, &[]);
-                h.drop_val(s);
-                // dq, dk, dv come back detached (fresh tensors).
-                for &i in &ins {
-                    let d = h.make(g, q, &[]);
-                    locals.push(d);
-                    acc(&mut h, g, &mut store, i, d);
-                }
-            }
-            Kind::Custom { bwd_scratch } => {
-                // `c.bwd(..)` returns all gradients before candle adds any of them.
-                let scratch = h.make(g, bwd_scratch, &[]);
-                let grads: Vec<(Nid, Val)> = ins
-                    .iter()
-                    .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
-                    .map(|&i| (i, h.make(g, bytes(i), &[])))
-                    .collect();
-                h.drop_val(scratch);
-                for &(i, d) in &grads {
-                    if g.nodes[i].sunk {
-                        // Moved into the sink: alive after the backward, outside the store.
-                        sunk_grads += bytes(i) + tmeta + smeta;
-                        continue;
-                    }
-                    acc(&mut h, g, &mut store, i, d);
-                    locals.push(d);
-                }
-            }
-            Kind::Var | Kind::Const => {}
         }
-        for v in locals {
-            h.drop_val(v);
+        Kind::IndexSelect => {
+            let a = ins[0];
+            let old = or_insert(h, g, store, a);
+            add_into(h, g, store, a, old, grad);
         }
-        h.drop_val(grad);
-        h.drop_val(orig);
+        Kind::Attention { bwd_scratch } => {
+            let q = bytes(ins[0]);
+            let s = h.make(g, bwd_scratch, &[]);
+            h.drop_val(s);
+            // dq, dk, dv come back detached (fresh tensors).
+            for &i in &ins {
+                let d = h.make(g, q, &[]);
+                locals.push(d);
+                acc(h, g, store, i, d);
+            }
+        }
+        Kind::Custom { bwd_scratch } => {
+            // `c.bwd(..)` returns all gradients before candle adds any of them.
+            let scratch = h.make(g, bwd_scratch, &[]);
+            let grads: Vec<(Nid, Val)> = ins
+                .iter()
+                .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
+                .map(|&i| (i, h.make(g, bytes(i), &[])))
+                .collect();
+            h.drop_val(scratch);
+            for &(i, d) in &grads {
+                if g.nodes[i].sunk {
+                    // Moved into the sink: alive after the backward, outside the store.
+                    *sunk_grads += bytes(i) + h.tmeta + h.smeta;
+                    continue;
+                }
+                acc(h, g, store, i, d);
+                locals.push(d);
+            }
+        }
+        Kind::Var | Kind::Const => {}
     }
+    locals
+}
 
+/// `matmul`: grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
+fn matmul_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    grad: Val,
+    locals: &mut Vec<Val>,
+) {
+    let node = &g.nodes[x];
+    let ins = &node.inputs;
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    let (l, r) = (ins[0], ins[1]);
+    let el = |i: Nid| g.nodes[g.storage(i)].elems;
+    // grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
+    let w = h.obj(
+        bf16_matmul_scratch(node.dtype, node.elems + el(r), g.nodes[l].elems),
+        vec![],
+    );
+    let lg = h.make(g, bytes(l), &[grad, Val::Fwd(r)]);
+    h.dec(w);
+    acc(h, g, store, l, lg);
+    let w = h.obj(
+        bf16_matmul_scratch(node.dtype, el(l) + node.elems, g.nodes[r].elems),
+        vec![],
+    );
+    let rg = h.make(g, bytes(r), &[Val::Fwd(l), grad]);
+    h.dec(w);
+    acc(h, g, store, r, rg);
+    locals.extend([lg, rg]);
+}
+
+/// `silu`: the derivative through sigmoid temporaries, then one product with the gradient.
+fn silu_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    grad: Val,
+    locals: &mut Vec<Val>,
+) {
+    let ins = &g.nodes[x].inputs;
+    let me = Val::Fwd(x);
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    let a = bytes(ins[0]);
+    let arg = Val::Fwd(ins[0]);
+    let old = or_insert(h, g, store, ins[0]);
+    let t1 = h.make(g, a, &[arg]);
+    let t2 = h.make(g, a, &[t1]);
+    let t3 = h.make(g, a, &[t2]);
+    h.drop_val(t2);
+    let sig = h.make(g, a, &[t3]);
+    h.drop_val(t1);
+    h.drop_val(t3);
+    let u1 = h.make(g, a, &[me]);
+    let u2 = h.make(g, a, &[sig, u1]);
+    h.drop_val(u1);
+    let u3 = h.make(g, a, &[u2, me]);
+    h.drop_val(u2);
+    let p = h.make(g, a, &[grad, u3]);
+    h.drop_val(u3);
+    add_into(h, g, store, ins[0], old, p);
+    h.drop_val(p);
+    locals.push(sig);
+}
+
+/// `gelu` (tanh): the derivative through about a dozen temporaries, then one product with the
+/// gradient.
+fn gelu_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    grad: Val,
+    locals: &mut Vec<Val>,
+) {
+    let ins = &g.nodes[x].inputs;
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    let a = bytes(ins[0]);
+    let arg = Val::Fwd(ins[0]);
+    let old = or_insert(h, g, store, ins[0]);
+    let cube = h.make(g, a, &[arg]);
+    let t1 = h.make(g, a, &[cube]);
+    let t2 = h.make(g, a, &[arg]);
+    let t3 = h.make(g, a, &[t1, t2]);
+    h.drop_val(t1);
+    h.drop_val(t2);
+    let tanh = h.make(g, a, &[t3]);
+    h.drop_val(t3);
+    let u1 = h.make(g, a, &[tanh]);
+    let u2 = h.make(g, a, &[cube]);
+    h.drop_val(cube);
+    let u3 = h.make(g, a, &[arg]);
+    let u4 = h.make(g, a, &[u2, u3]);
+    h.drop_val(u2);
+    h.drop_val(u3);
+    let u5 = h.make(g, a, &[tanh]);
+    let u6 = h.make(g, a, &[u5]);
+    h.drop_val(u5);
+    let u7 = h.make(g, a, &[u4, u6]);
+    h.drop_val(u4);
+    h.drop_val(u6);
+    let u8 = h.make(g, a, &[u1, u7]);
+    h.drop_val(u1);
+    h.drop_val(u7);
+    let gg = h.make(g, a, &[u8]);
+    h.drop_val(u8);
+    let p = h.make(g, a, &[grad, gg]);
+    h.drop_val(gg);
+    add_into(h, g, store, ins[0], old, p);
+    h.drop_val(p);
+    locals.push(tanh);
+}
+
+/// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
+/// gradients.
+fn finish(g: &Graph, h: &Heap, store: &[Option<Val>], sunk_grads: u64) -> Backward {
+    let meta = h.tmeta + h.smeta;
     let mut out = Backward {
         peak: h.peak,
         store: h.live,
@@ -437,9 +498,9 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     for (t, v) in store.iter().enumerate() {
         if v.is_some() && g.nodes[t].kind == Kind::Var {
             if g.nodes[t].alloc {
-                out.leaf_grads += bytes(t) + tmeta + smeta;
+                out.leaf_grads += g.nodes[t].bytes() + meta;
             } else {
-                out.weight_grads += bytes(t) + tmeta + smeta;
+                out.weight_grads += g.nodes[t].bytes() + meta;
             }
         }
     }
