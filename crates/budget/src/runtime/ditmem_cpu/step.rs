@@ -74,54 +74,14 @@ pub fn replay(
     sims: &Sims,
     max_microbatches: u32,
 ) -> Vec<Event> {
-    let r = &spec.recipe;
     let w = &spec.workload;
-    let p = r.precision;
-    let ad = p.accum_dtype();
-    let gd = grad_dtype(p).size();
-    let sh = Shape::new(spec);
-    let depth = spec.model.depth;
-    // One residual-stream tensor with candle's bookkeeping.
-    let e = sh.e() * ad.size() + TENSOR_META + STORAGE_META;
-    let lat_per_sample = u64::from(spec.model.in_channels)
-        * (spec.tokens().unwrap_or(0))
-        * u64::from(spec.model.patch)
-        * u64::from(spec.model.patch);
-    // A Batch: latents and noise in f64, timesteps and labels u32, label-drop flags.
-    let batch_bytes = |n: u64| n * (2 * lat_per_sample * 8 + 4 + 4 + 1);
     let per_step = u64::from(w.microbatch) * u64::from(w.accumulation);
-
-    // A landed gradient is a tensor of its own: its buffer (`gradients`) and candle's
-    // bookkeeping for it (`runtime`), returned as (buffer bytes, bookkeeping bytes).
-    let grads_of = |f: &dyn Fn(&ParamTensor) -> bool| -> (u64, u64) {
-        table
-            .iter()
-            .filter(|t| t.role == ParamRole::Trained && f(t))
-            .fold((0, 0), |(b, m), t| {
-                (b + t.numel() * gd, m + TENSOR_META + STORAGE_META)
-            })
-    };
-    let largest_of = |f: &dyn Fn(&ParamTensor) -> bool| -> u64 {
-        table
-            .iter()
-            .filter(|t| t.role == ParamRole::Trained && f(t))
-            .map(|t| t.numel() * gd)
-            .max()
-            .unwrap_or(0)
-    };
-    let block_grads = grads_of(&|t| t.block == Some(0));
-    let block_largest = largest_of(&|t| t.block == Some(0));
-    let final_grads = grads_of(&|t| t.name.starts_with("final_layer"));
-    let final_largest = largest_of(&|t| t.name.starts_with("final_layer"));
-    let embed_grads = grads_of(&|t| t.block.is_none() && !t.name.starts_with("final_layer"));
-    let embed_largest = largest_of(&|t| t.block.is_none() && !t.name.starts_with("final_layer"));
-
     let base = Breakdown {
         weights: st.weights,
         master_weights: st.master_weights,
         optimizer_state: st.optimizer_state,
         ema: st.ema,
-        data: batch_bytes(per_step),
+        data: batch_bytes(spec, per_step),
         runtime: if step_uses_gemm(spec) {
             gemm_workspace_bytes(cpu_threads())
         } else {
@@ -129,31 +89,160 @@ pub fn replay(
         },
         ..Breakdown::default()
     };
-    let mut ev = Events::default();
-    ev.push(Phase::Start, "step start".into(), None, 0, false, base);
+    let mut rp = Replay::new(spec, table, sims);
+    rp.ev
+        .push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
-    let tag = |mb: u32, what: String| {
-        if w.accumulation > 1 {
+    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
+        live.data += batch_bytes(spec, u64::from(w.microbatch));
+        rp.forward(&mut live, mb);
+        rp.backward(&mut live, mb);
+        live.data -= batch_bytes(spec, u64::from(w.microbatch));
+    }
+    rp.optimizer(&mut live, table, base.runtime);
+    rp.ev.0
+}
+
+/// Bytes of a `Batch` of `n` samples: latents and noise in f64, timesteps and labels u32,
+/// label-drop flags.
+fn batch_bytes(spec: &Spec, n: u64) -> u64 {
+    let lat_per_sample = u64::from(spec.model.in_channels)
+        * (spec.tokens().unwrap_or(0))
+        * u64::from(spec.model.patch)
+        * u64::from(spec.model.patch);
+    n * (2 * lat_per_sample * 8 + 4 + 4 + 1)
+}
+
+/// The gradients one segment lands in the buffers.
+#[derive(Debug, Clone, Copy)]
+struct Landing {
+    /// A landed gradient is a tensor of its own: its buffer (`gradients`) and candle's
+    /// bookkeeping for it (`runtime`), as (buffer bytes, bookkeeping bytes).
+    grads: (u64, u64),
+    /// The largest of them (the transient of summing it into an existing buffer).
+    largest: u64,
+}
+
+impl Landing {
+    fn of(table: &[ParamTensor], gd: u64, f: &dyn Fn(&ParamTensor) -> bool) -> Landing {
+        let trained = || {
+            table
+                .iter()
+                .filter(|t| t.role == ParamRole::Trained && f(t))
+        };
+        Landing {
+            grads: trained().fold((0, 0), |(b, m), t| {
+                (b + t.numel() * gd, m + TENSOR_META + STORAGE_META)
+            }),
+            largest: trained().map(|t| t.numel() * gd).max().unwrap_or(0),
+        }
+    }
+}
+
+/// The state of one replay: the spec's segments, what each segment lands, and the events so far.
+struct Replay<'a> {
+    spec: &'a Spec,
+    sims: &'a Sims,
+    ev: Events,
+    /// One residual-stream tensor with candle's bookkeeping.
+    e: u64,
+    /// The conditioning vector's gradient (b·D) with candle's bookkeeping.
+    bd: u64,
+    /// Weights stored in another dtype than the gradient buffers (bf16-pure): the first
+    /// microbatch's gradients are cast into new buffers while the store still holds the
+    /// originals, instead of being moved.
+    cast_on_landing: bool,
+    block: Landing,
+    final_layer: Landing,
+    embed: Landing,
+}
+
+impl<'a> Replay<'a> {
+    fn new(spec: &'a Spec, table: &[ParamTensor], sims: &'a Sims) -> Replay<'a> {
+        let p = spec.recipe.precision;
+        let ad = p.accum_dtype();
+        let gd = grad_dtype(p).size();
+        let sh = Shape::new(spec);
+        Replay {
+            spec,
+            sims,
+            ev: Events::default(),
+            e: sh.e() * ad.size() + TENSOR_META + STORAGE_META,
+            bd: sh.b * sh.d * ad.size() + TENSOR_META + STORAGE_META,
+            cast_on_landing: p.param_dtype() != grad_dtype(p),
+            block: Landing::of(table, gd, &|t| t.block == Some(0)),
+            final_layer: Landing::of(table, gd, &|t| t.name.starts_with("final_layer")),
+            embed: Landing::of(table, gd, &|t| {
+                t.block.is_none() && !t.name.starts_with("final_layer")
+            }),
+        }
+    }
+
+    fn recomputed(&self, i: u32) -> bool {
+        self.spec.recipe.recompute.recomputes_block(i)
+    }
+
+    /// An event of microbatch `mb`, its label prefixed by the microbatch under accumulation.
+    fn mark(
+        &mut self,
+        phase: Phase,
+        what: String,
+        block: Option<u32>,
+        mb: u32,
+        inside: bool,
+        live: Breakdown,
+    ) {
+        let label = if self.spec.workload.accumulation > 1 {
             format!("microbatch {mb}: {what}")
         } else {
             what
-        }
-    };
-    let bd = sh.b * sh.d * ad.size() + TENSOR_META + STORAGE_META;
-    let recomputed = |i: u32| r.recompute.recomputes_block(i);
+        };
+        self.ev.push(phase, label, block, mb, inside, live);
+    }
 
-    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
-        let first = mb == 0;
-        live.data += batch_bytes(u64::from(w.microbatch));
+    /// Lands a segment's gradients in the buffers; returns the extra transient of the moment
+    /// worth an event (summing into existing buffers, or the first casts), if any.
+    fn land(&self, live: &mut Breakdown, first: bool, l: Landing) -> Option<u64> {
+        if first {
+            live.gradients += l.grads.0;
+            live.runtime += l.grads.1;
+            self.cast_on_landing.then_some(0)
+        } else {
+            Some(l.largest)
+        }
+    }
+
+    /// The landing of a segment's gradients as an event of its own, when it is worth one.
+    fn land_event(
+        &mut self,
+        live: &mut Breakdown,
+        mb: u32,
+        l: Landing,
+        what: String,
+        block: Option<u32>,
+    ) {
+        if let Some(t) = self.land(live, mb == 0, l) {
+            let mut inside = *live;
+            inside.workspace += t;
+            self.mark(Phase::Backward, what, block, mb, true, inside);
+        }
+    }
+
+    /// Forward of microbatch `mb`: the embed segment, each block (stored on a leaf copy, or
+    /// recomputed without tracking), the final layer and the loss.
+    fn forward(&mut self, live: &mut Breakdown, mb: u32) {
+        let sims = self.sims;
+        let depth = self.spec.model.depth;
+        let e = self.e;
 
         // Embed.
         let es = &sims.embed;
-        let mut inside = live;
+        let mut inside = *live;
         inside.data += sims.embed_scratch;
         inside.activations += es.fwd_peak;
-        ev.push(
+        self.mark(
             Phase::Forward,
-            tag(mb, "embed (inside)".into()),
+            "embed (inside)".into(),
             None,
             mb,
             true,
@@ -161,275 +250,198 @@ pub fn replay(
         );
         live.activations += es.activations + es.output + sims.c_leaf;
         live.weight_casts += es.weight_casts;
-        ev.push(
-            Phase::Forward,
-            tag(mb, "embed".into()),
-            None,
-            mb,
-            false,
-            live,
-        );
+        self.mark(Phase::Forward, "embed".into(), None, mb, false, *live);
 
         // Blocks.
         let bs = &sims.block;
         let block_kept = bs.activations + bs.leaf + bs.output;
         for i in 0..depth {
-            let mut inside = live;
-            if recomputed(i) {
+            let mut inside = *live;
+            if self.recomputed(i) {
                 inside.activations += bs.untracked_peak;
                 live.activations += bs.output;
             } else {
                 inside.activations += bs.fwd_peak;
                 live.activations += block_kept;
                 live.weight_casts += bs.weight_casts;
-                if i > 0 && recomputed(i - 1) {
+                if i > 0 && self.recomputed(i - 1) {
                     // The recomputed block's output was only this block's input: copied, freed.
                     live.activations -= e;
                 }
             }
-            ev.push(
+            let what = format!("block {i} (inside)");
+            self.mark(Phase::Forward, what, Some(i), mb, true, inside);
+            self.mark(
                 Phase::Forward,
-                tag(mb, format!("block {i} (inside)")),
-                Some(i),
-                mb,
-                true,
-                inside,
-            );
-            ev.push(
-                Phase::Forward,
-                tag(mb, format!("block {i}")),
+                format!("block {i}"),
                 Some(i),
                 mb,
                 false,
-                live,
+                *live,
             );
         }
 
         // Final layer + loss.
         let fs = &sims.final_layer;
-        let mut inside = live;
+        let mut inside = *live;
         inside.activations += fs.fwd_peak;
         live.activations += fs.activations + fs.leaf;
         live.weight_casts += fs.weight_casts;
-        if depth > 0 && recomputed(depth - 1) {
+        if depth > 0 && self.recomputed(depth - 1) {
             live.activations -= e;
         }
-        ev.push(
+        self.mark(
             Phase::Forward,
-            tag(mb, "final (inside)".into()),
+            "final (inside)".into(),
             None,
             mb,
             true,
             inside,
         );
-        ev.push(
-            Phase::Forward,
-            tag(mb, "final".into()),
-            None,
-            mb,
-            false,
-            live,
-        );
+        self.mark(Phase::Forward, "final".into(), None, mb, false, *live);
+    }
+
+    /// Backward of microbatch `mb`: the loss, each block from its output gradient (rebuilt
+    /// first when recomputed), the embed segment; each lands its gradients in the buffers.
+    fn backward(&mut self, live: &mut Breakdown, mb: u32) {
+        let sims = self.sims;
+        let fs = &sims.final_layer;
 
         // Backward of the loss.
-        let mut inside = live;
+        let mut inside = *live;
         inside.workspace += fs.root + fs.bwd_peak;
-        ev.push(
+        self.mark(
             Phase::Backward,
-            tag(mb, "final (inside)".into()),
+            "final (inside)".into(),
             None,
             mb,
             true,
             inside,
         );
         // Store left: leaf grad (gx), c grad, weight grads, other leftovers.
-        // Weights stored in another dtype than the gradient buffers (bf16-pure): the first
-        // microbatch's gradients are cast into new buffers while the store still holds the
-        // originals, instead of being moved.
-        let cast_on_landing = p.param_dtype() != grad_dtype(p);
-        // Lands a segment's gradients in the buffers; returns the extra transient of the moment
-        // worth an event (summing into existing buffers, or the first casts), if any.
-        let land = |live: &mut Breakdown, (grads, meta): (u64, u64), largest: u64| -> Option<u64> {
-            if first {
-                live.gradients += grads;
-                live.runtime += meta;
-                cast_on_landing.then_some(0)
-            } else {
-                Some(largest)
-            }
-        };
         live.workspace += fs.bwd_store;
         live.activations -= fs.activations + fs.leaf;
         live.weight_casts -= fs.weight_casts;
-        if let Some(t) = land(&mut live, final_grads, final_largest) {
-            let mut inside = live;
-            inside.workspace += t;
-            ev.push(
-                Phase::Backward,
-                tag(mb, "final grads (inside)".into()),
-                None,
-                mb,
-                true,
-                inside,
-            );
-        }
+        let what = "final grads (inside)".into();
+        self.land_event(live, mb, self.final_layer, what, None);
         // drop(grads): what remains is gx (the leaf's grad) and gc.
         live.workspace -= fs.bwd_store;
-        live.workspace += fs.bwd_leaf_grads + bd;
-        ev.push(
-            Phase::Backward,
-            tag(mb, "final".into()),
-            None,
-            mb,
-            false,
-            live,
-        );
-        let mut gx_bytes = fs.bwd_leaf_grads;
+        live.workspace += fs.bwd_leaf_grads + self.bd;
+        self.mark(Phase::Backward, "final".into(), None, mb, false, *live);
 
-        for i in (0..depth).rev() {
-            let mut inside = live;
-            if recomputed(i) {
-                // Leaf copy of the saved input; the input is freed unless the previous block's
-                // stored output (or x0) still holds it.
-                live.activations += bs.leaf;
-                let input_held = i == 0 || !recomputed(i - 1);
-                if !input_held {
-                    live.activations -= e;
-                }
-                inside = live;
-                inside.activations += bs.fwd_peak - bs.leaf;
-                ev.push(
-                    Phase::Backward,
-                    tag(mb, format!("block {i} recompute (inside)")),
-                    Some(i),
-                    mb,
-                    true,
-                    inside,
-                );
-                live.activations += bs.activations + bs.output;
-                live.weight_casts += bs.weight_casts;
-                inside = live;
-            }
-            inside.workspace += bs.root + bs.bwd_peak;
-            ev.push(
-                Phase::Backward,
-                tag(mb, format!("block {i} (inside)")),
-                Some(i),
-                mb,
-                true,
-                inside,
-            );
-            // After backward: the store; drop(out) frees the graph and the output.
-            live.workspace += bs.bwd_store;
-            live.activations -= bs.activations + bs.output;
-            live.weight_casts -= bs.weight_casts;
-            if let Some(t) = land(&mut live, block_grads, block_largest) {
-                let mut inside = live;
-                inside.workspace += t;
-                ev.push(
-                    Phase::Backward,
-                    tag(mb, format!("block {i} grads (inside)")),
-                    Some(i),
-                    mb,
-                    true,
-                    inside,
-                );
-            }
-            // gx replaced by the leaf's grad; drop(grads); drop(leaf).
-            live.workspace -= bs.bwd_store;
-            live.workspace -= gx_bytes;
-            live.workspace += bs.bwd_leaf_grads;
-            gx_bytes = bs.bwd_leaf_grads;
-            live.activations -= bs.leaf;
-            ev.push(
-                Phase::Backward,
-                tag(mb, format!("block {i}")),
-                Some(i),
-                mb,
-                false,
-                live,
-            );
-        }
+        let gx_bytes = self.backward_blocks(live, mb, fs.bwd_leaf_grads);
 
         // Embed backward.
-        let mut inside = live;
+        let es = &sims.embed;
+        let mut inside = *live;
         inside.workspace += es.root + es.bwd_peak;
-        ev.push(
+        self.mark(
             Phase::Backward,
-            tag(mb, "embed (inside)".into()),
+            "embed (inside)".into(),
             None,
             mb,
             true,
             inside,
         );
         live.workspace += es.bwd_store;
-        if let Some(t) = land(&mut live, embed_grads, embed_largest) {
-            let mut inside = live;
-            inside.workspace += t;
-            ev.push(
-                Phase::Backward,
-                tag(mb, "embed grads (inside)".into()),
-                None,
-                mb,
-                true,
-                inside,
-            );
-        }
+        let what = "embed grads (inside)".into();
+        self.land_event(live, mb, self.embed, what, None);
         // x0, c, gx and gc are dropped; the other locals of `microbatch` (patches, timestep
         // features, t_emb, y_emb and what they still hold) and the microbatch slice live until
         // the function returns, just after this mark.
-        live.workspace -= es.bwd_store + gx_bytes + bd;
+        live.workspace -= es.bwd_store + gx_bytes + self.bd;
         live.activations -= es.activations + es.output + sims.c_leaf;
         live.weight_casts -= es.weight_casts;
         live.activations += sims.embed_tail.0;
         live.weight_casts += sims.embed_tail.1;
-        ev.push(
-            Phase::Backward,
-            tag(mb, "embed".into()),
-            None,
-            mb,
-            false,
-            live,
-        );
+        self.mark(Phase::Backward, "embed".into(), None, mb, false, *live);
         live.activations -= sims.embed_tail.0;
         live.weight_casts -= sims.embed_tail.1;
-        live.data -= batch_bytes(u64::from(w.microbatch));
     }
 
-    // Optimizer: gradient norm, the update, the EMA.
-    let trained: Vec<u64> = table
-        .iter()
-        .filter(|t| t.role == ParamRole::Trained)
-        .map(ParamTensor::numel)
-        .collect();
-    let largest = trained.iter().copied().max().unwrap_or(0);
-    if largest > 0 {
-        // `ops::sum_squares`: one f64 partial sum per chunk of the largest gradient.
-        let mut inside = live;
-        inside.workspace += largest.div_ceil(SQUARES_CHUNK) * 8;
-        ev.push(
-            Phase::Optimizer,
-            "gradient norm (inside)".into(),
-            None,
-            0,
-            true,
-            inside,
-        );
-        let scaled = p == Precision::Fp16Mixed;
-        let mut inside = live;
-        inside.workspace += optimizer_peak(largest, p, r.optimizer, scaled);
-        ev.push(
-            Phase::Optimizer,
-            format!("{} (inside)", r.optimizer.name()),
-            None,
-            0,
-            true,
-            inside,
-        );
-        // The EMA update runs in place (`optim.rs`): no moment of its own.
+    /// Backward through the blocks, last first, from the final layer's input gradient of
+    /// `gx_bytes`; returns the bytes of the gradient left for the embed segment.
+    fn backward_blocks(&mut self, live: &mut Breakdown, mb: u32, mut gx_bytes: u64) -> u64 {
+        let bs = &self.sims.block;
+        let e = self.e;
+        for i in (0..self.spec.model.depth).rev() {
+            let mut inside = *live;
+            if self.recomputed(i) {
+                // Leaf copy of the saved input; the input is freed unless the previous block's
+                // stored output (or x0) still holds it.
+                live.activations += bs.leaf;
+                let input_held = i == 0 || !self.recomputed(i - 1);
+                if !input_held {
+                    live.activations -= e;
+                }
+                inside = *live;
+                inside.activations += bs.fwd_peak - bs.leaf;
+                let what = format!("block {i} recompute (inside)");
+                self.mark(Phase::Backward, what, Some(i), mb, true, inside);
+                live.activations += bs.activations + bs.output;
+                live.weight_casts += bs.weight_casts;
+                inside = *live;
+            }
+            inside.workspace += bs.root + bs.bwd_peak;
+            let what = format!("block {i} (inside)");
+            self.mark(Phase::Backward, what, Some(i), mb, true, inside);
+            // After backward: the store; drop(out) frees the graph and the output.
+            live.workspace += bs.bwd_store;
+            live.activations -= bs.activations + bs.output;
+            live.weight_casts -= bs.weight_casts;
+            let what = format!("block {i} grads (inside)");
+            self.land_event(live, mb, self.block, what, Some(i));
+            // gx replaced by the leaf's grad; drop(grads); drop(leaf).
+            live.workspace -= bs.bwd_store;
+            live.workspace -= gx_bytes;
+            live.workspace += bs.bwd_leaf_grads;
+            gx_bytes = bs.bwd_leaf_grads;
+            live.activations -= bs.leaf;
+            let what = format!("block {i}");
+            self.mark(Phase::Backward, what, Some(i), mb, false, *live);
+        }
+        gx_bytes
     }
-    live.gradients = 0;
-    live.runtime = base.runtime;
-    ev.push(Phase::Optimizer, "optimizer".into(), None, 0, false, live);
-    ev.0
+
+    /// Optimizer: gradient norm, the update, the EMA (in place, no moment of its own); the
+    /// gradient buffers are dropped after it.
+    fn optimizer(&mut self, live: &mut Breakdown, table: &[ParamTensor], runtime: u64) {
+        let r = &self.spec.recipe;
+        let p = r.precision;
+        let trained: Vec<u64> = table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .map(ParamTensor::numel)
+            .collect();
+        let largest = trained.iter().copied().max().unwrap_or(0);
+        if largest > 0 {
+            // `ops::sum_squares`: one f64 partial sum per chunk of the largest gradient.
+            let mut inside = *live;
+            inside.workspace += largest.div_ceil(SQUARES_CHUNK) * 8;
+            self.ev.push(
+                Phase::Optimizer,
+                "gradient norm (inside)".into(),
+                None,
+                0,
+                true,
+                inside,
+            );
+            let scaled = p == Precision::Fp16Mixed;
+            let mut inside = *live;
+            inside.workspace += optimizer_peak(largest, p, r.optimizer, scaled);
+            self.ev.push(
+                Phase::Optimizer,
+                format!("{} (inside)", r.optimizer.name()),
+                None,
+                0,
+                true,
+                inside,
+            );
+            // The EMA update runs in place (`optim.rs`): no moment of its own.
+        }
+        live.gradients = 0;
+        live.runtime = runtime;
+        self.ev
+            .push(Phase::Optimizer, "optimizer".into(), None, 0, false, *live);
+    }
 }
