@@ -306,31 +306,7 @@ fn node_backward(
         Kind::Narrow {
             pad_before,
             pad_after,
-        } => {
-            let a = ins[0];
-            let es = g.nodes[x].dtype.size();
-            if pad_before + pad_after > 0 {
-                let mut parts = vec![grad];
-                let mut pads = Vec::new();
-                for p in [pad_before, pad_after] {
-                    if p > 0 {
-                        let z = h.make(g, p * es, &[]);
-                        pads.push(z);
-                        parts.push(z);
-                    }
-                }
-                let cat = h.make(g, bytes(a), &parts);
-                for z in pads {
-                    h.drop_val(z);
-                }
-                acc(h, g, store, a, cat);
-                locals.push(cat);
-            } else {
-                let v = h.view(g, grad, false);
-                acc(h, g, store, a, v);
-                locals.push(v);
-            }
-        }
+        } => narrow_backward(h, g, store, x, grad, (pad_before, pad_after), &mut locals),
         Kind::IndexSelect => {
             let a = ins[0];
             let old = or_insert(h, g, store, a);
@@ -348,23 +324,7 @@ fn node_backward(
             }
         }
         Kind::Custom { bwd_scratch } => {
-            // `c.bwd(..)` returns all gradients before candle adds any of them.
-            let scratch = h.make(g, bwd_scratch, &[]);
-            let grads: Vec<(Nid, Val)> = ins
-                .iter()
-                .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
-                .map(|&i| (i, h.make(g, bytes(i), &[])))
-                .collect();
-            h.drop_val(scratch);
-            for &(i, d) in &grads {
-                if g.nodes[i].sunk {
-                    // Moved into the sink: alive after the backward, outside the store.
-                    *sunk_grads += bytes(i) + h.tmeta + h.smeta;
-                    continue;
-                }
-                acc(h, g, store, i, d);
-                locals.push(d);
-            }
+            custom_backward(h, g, store, x, bwd_scratch, sunk_grads, &mut locals)
         }
         Kind::Var | Kind::Const => {}
     }
@@ -483,6 +443,76 @@ fn gelu_backward(
     add_into(h, g, store, ins[0], old, p);
     h.drop_val(p);
     locals.push(tanh);
+}
+
+/// `narrow`: the gradient zero-padded and concatenated to the input's full size (a view when
+/// nothing is cut away).
+fn narrow_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    grad: Val,
+    (pad_before, pad_after): (u64, u64),
+    locals: &mut Vec<Val>,
+) {
+    let ins = &g.nodes[x].inputs;
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    let a = ins[0];
+    let es = g.nodes[x].dtype.size();
+    if pad_before + pad_after > 0 {
+        let mut parts = vec![grad];
+        let mut pads = Vec::new();
+        for p in [pad_before, pad_after] {
+            if p > 0 {
+                let z = h.make(g, p * es, &[]);
+                pads.push(z);
+                parts.push(z);
+            }
+        }
+        let cat = h.make(g, bytes(a), &parts);
+        for z in pads {
+            h.drop_val(z);
+        }
+        acc(h, g, store, a, cat);
+        locals.push(cat);
+    } else {
+        let v = h.view(g, grad, false);
+        acc(h, g, store, a, v);
+        locals.push(v);
+    }
+}
+
+/// A fused op of the engine: workspace while it makes one fresh gradient per input that
+/// tracks, then each folded into the store, or moved to the trainer's sink for sunk weights.
+fn custom_backward(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    x: Nid,
+    bwd_scratch: u64,
+    sunk_grads: &mut u64,
+    locals: &mut Vec<Val>,
+) {
+    let ins = &g.nodes[x].inputs;
+    let bytes = |x: Nid| g.nodes[x].bytes();
+    // `c.bwd(..)` returns all gradients before candle adds any of them.
+    let scratch = h.make(g, bwd_scratch, &[]);
+    let grads: Vec<(Nid, Val)> = ins
+        .iter()
+        .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
+        .map(|&i| (i, h.make(g, bytes(i), &[])))
+        .collect();
+    h.drop_val(scratch);
+    for &(i, d) in &grads {
+        if g.nodes[i].sunk {
+            // Moved into the sink: alive after the backward, outside the store.
+            *sunk_grads += bytes(i) + h.tmeta + h.smeta;
+            continue;
+        }
+        acc(h, g, store, i, d);
+        locals.push(d);
+    }
 }
 
 /// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
