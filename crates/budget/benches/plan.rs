@@ -6,10 +6,10 @@
 
 use std::time::Instant;
 
-use ditmem_budget::candle::cpu_model;
-use ditmem_budget::cost::DeviceProfile;
-use ditmem_budget::plan::{plan, Allow, Limits, DEFAULT_HEADROOM};
+use ditmem_budget::host::cpu_model;
+use ditmem_budget::DeviceProfile;
 use ditmem_budget::Spec;
+use ditmem_budget::{plan, Allow, Limits, DEFAULT_HEADROOM};
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * q).round() as usize;

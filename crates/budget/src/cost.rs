@@ -9,11 +9,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::graph::TensorKind;
 use crate::params::{param_table, ParamRole};
-use crate::runtime::{model_for, Dims};
+use crate::runtime::{model_for, Shape};
+use crate::segment::{Segment, TensorKind};
 use crate::spec::{AttentionMode, Dtype, Latents, LoraTarget, Optimizer, Recompute, Spec};
-use crate::timeline::SD_VAE_ENCODER_PARAMS;
+use crate::timeline::{vae_dtype, SD_VAE_ENCODER_PARAMS};
 
 /// Throughputs of the machine a plan is ranked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -150,7 +150,7 @@ pub struct BlockFlops {
 }
 
 pub fn block_flops(spec: &Spec) -> BlockFlops {
-    let d = Dims::new(spec);
+    let d = Shape::new(spec);
     let (b, s, h) = (d.b as f64, d.s as f64, d.d as f64);
     let m = d.mlp as f64;
     let rows = b * s;
@@ -229,8 +229,8 @@ impl TimeInputs {
 /// Elementwise seconds of each segment's forward (embedder, one block, final layer).
 pub fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
     let rt = model_for(spec);
-    let dims = Dims::new(spec);
-    let seg_time = |seg: crate::graph::Segment| -> f64 {
+    let dims = Shape::new(spec);
+    let seg_time = |seg: Segment| -> f64 {
         seg.ops
             .iter()
             .map(|op| {
@@ -262,7 +262,7 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
 pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs) -> StepTime {
     let r = &spec.recipe;
     let w = &spec.workload;
-    let d = Dims::new(spec);
+    let d = Shape::new(spec);
     let cd = r.precision.compute_dtype();
     let mm = profile.matmul_rate(cd);
     let f = block_flops(spec);
@@ -339,7 +339,7 @@ pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs)
         let pixels = f64::from(w.height) * f64::from(w.width);
         let flops = 2.0 * 136e9 * pixels / (256.0 * 256.0) * d.b as f64;
         let _ = SD_VAE_ENCODER_PARAMS;
-        acc * flops / profile.matmul_rate(crate::timeline::vae_dtype(r.precision))
+        acc * flops / profile.matmul_rate(vae_dtype(r.precision))
     } else {
         0.0
     };

@@ -4,14 +4,12 @@
 use serde::Serialize;
 
 use crate::error::SpecError;
-use crate::graph::{Segment, TensorKind};
+use crate::events::{Breakdown, Phase, StaticBytes};
 use crate::params::{count, param_table, ParamCounts};
-use crate::runtime::{model_for, Dims};
+use crate::runtime::{model_for, SegmentCosts, Shape};
+use crate::segment::{Segment, TensorKind};
 use crate::spec::{Dtype, Spec};
-use crate::timeline::{
-    segment_costs, simulate_step, static_bytes, Breakdown, Phase, SegmentCosts, StaticBytes,
-    Timeline,
-};
+use crate::timeline::{segment_costs, simulate_step, static_bytes, Timeline};
 
 /// The peak of the step and what is live there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -110,7 +108,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let timeline = simulate_step(spec);
     let ev = timeline.peak().clone();
     let rt = model_for(spec);
-    let dims = Dims::new(spec);
+    let dims = Shape::new(spec);
     let kept = segments.kept();
     let inv = vec![
         inventory(
@@ -224,7 +222,7 @@ mod tests {
             let mat = segment_costs(&s).kept()[1].activations;
             s.recipe.attention = AttentionMode::MemoryEfficient;
             let eff = segment_costs(&s).kept()[1].activations;
-            let d = Dims::new(&s);
+            let d = Shape::new(&s);
             let a_elems = d.a();
             let lse = d.b * d.heads * d.s * 4;
             let diff = mat + lse - eff;
@@ -241,7 +239,7 @@ mod tests {
         // kernel's log-sum-exp (A/s).
         let mut s = small();
         s.recipe.precision = Precision::Fp32;
-        let d = Dims::new(&s);
+        let d = Shape::new(&s);
         let kept = |mode| {
             let mut t = s.clone();
             t.recipe.attention = mode;

@@ -1,26 +1,70 @@
 //! `ditmem-budget`: the analytic side of ditmem. Pure Rust, no tensor library.
 //!
-//! One [`spec::Spec`] (model + workload + recipe + runtime) describes a training step. This crate
+//! One [`Spec`] (model + workload + recipe + runtime) describes a training step. This crate
 //! counts every byte of that step: the parameters per module, what each op of each block saves for
 //! backward and the workspace it allocates (the op inventory, per runtime), and a simulated timeline
 //! of forward → backward → optimizer whose maximum is the peak.
+//!
+//! The public API is what this file exports: the spec types, [`estimate`] / [`Budget`], [`plan()`],
+//! [`export()`], units, the error, the timeline and its events, the parameter table, the time
+//! model's device profile, the `ditmem-cpu` rules the engine holds its kernels against
+//! ([`ditmem_cpu`]) and the PyTorch device rules ([`pytorch`]), and the host readings ([`host`]). Every module is crate-private; the twins of
+//! the engine's files live in `runtime/ditmem_cpu/`.
 
-pub mod candle;
-pub mod candle_step;
-pub mod cost;
-pub mod error;
-pub mod export;
-pub mod spec;
+mod cost;
+mod error;
+mod estimate;
+mod events;
+mod export;
+pub mod host;
+mod params;
+mod plan;
+mod runtime;
+mod segment;
+mod spec;
+mod timeline;
+mod units;
 
+pub use cost::{block_flops, step_time, BlockFlops, DeviceProfile, StepTime};
 pub use error::SpecError;
-pub use spec::*;
-pub mod estimate;
-pub mod graph;
-pub mod params;
-pub mod plan;
-pub mod runtime;
-pub mod runtime_pytorch;
-pub mod timeline;
-pub mod units;
+pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
+pub use events::{Breakdown, Event, Phase, StaticBytes};
+pub use export::{export, Export, Target};
+pub use params::{
+    bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
+};
+pub use plan::{
+    engine_runnable, fmt_secs, plan, Allow, Alternative, Candidate, Limits, Plan, DEFAULT_HEADROOM,
+    PLAN_LORA_RANK,
+};
+pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
+pub use segment::{SegmentBytes, SegmentCost};
+pub use spec::{
+    default_lora_targets, AttentionMode, Dtype, EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec,
+    Optimizer, Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid,
+    TorchDevice, Workload, MAX_TENSOR_ELEMS,
+};
+pub use timeline::{simulate_step, Timeline};
+pub use units::{fmt_bytes, parse_bytes};
 
-pub use estimate::{estimate, Budget};
+/// The `ditmem-cpu` rules that the engine's tests and benches hold their measurements against:
+/// candle's bookkeeping per tensor, the engine's fused ops and the workspace of its kernels, and
+/// the graphs they make (twins of the engine's files, see `runtime/ditmem_cpu/`).
+pub mod ditmem_cpu {
+    pub use crate::runtime::ditmem_cpu::attention;
+    pub use crate::runtime::ditmem_cpu::backward;
+    pub use crate::runtime::ditmem_cpu::block;
+    pub use crate::runtime::ditmem_cpu::graph;
+    pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
+    pub use crate::runtime::ditmem_cpu::ops;
+    pub use crate::runtime::ditmem_cpu::ops::{
+        fused_linear_scratch, native_attention_scratch, streaming_attention_scratch, SQUARES_CHUNK,
+    };
+}
+
+/// The `pytorch` runtime as a device and SDPA kernel, with the CUDA caching allocator's rounding
+/// ([`pytorch::PyTorch::cuda_block`], [`pytorch::PyTorch::cuda_segment`]) and the context bytes
+/// the allocator does not count.
+pub mod pytorch {
+    pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
+}

@@ -3,6 +3,9 @@
 //!
 //! Names follow the PyTorch reference (`facebookresearch/DiT` `models.py`), so a count here can be
 //! held against `sum(p.numel() for p in model.parameters())` there.
+//!
+//! Twin: the engine's `model.rs` (`param_shapes`), which builds the same tensors under the same
+//! names.
 
 use serde::Serialize;
 

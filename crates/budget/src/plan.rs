@@ -38,11 +38,11 @@ use std::rc::Rc;
 use serde::Serialize;
 
 use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
+use crate::events::{Breakdown, StaticBytes};
 use crate::params::{param_table, ParamRole, ParamTensor};
+use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{
-    segment_costs, simulate_step_with, static_bytes, Breakdown, SegmentCosts, StaticBytes,
-};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -500,6 +500,126 @@ fn search(
     profile: &DeviceProfile,
 ) -> Result<Plan, crate::error::SpecError> {
     base.validate()?;
+    check_limits(limits)?;
+    let usable = limits.usable();
+    let mut ev = Evaluator {
+        profile,
+        tables: HashMap::new(),
+        segments: HashMap::new(),
+        evaluated: 0,
+    };
+    let depth = base.model.depth;
+    let w = &base.workload;
+
+    // The base itself, exactly as given.
+    let base_combo = ev.combo(base.clone(), 0);
+    let mut base_point = ev.point(&base_combo, None, base.recipe.recompute.clone());
+    base_point.n_changes = 0;
+    let mut points: Vec<Point> = vec![base_point.clone()];
+    let mut front: Vec<(f64, u64)> = vec![(base_point.time.total_s, base_point.peak)];
+
+    let combos = combinations(&mut ev, base, limits);
+    let mut pruned = 0usize;
+    for (ci, (c, t0)) in combos.iter().enumerate() {
+        let search = RecomputeSearch {
+            combo: c,
+            index: ci,
+            fastest: *t0,
+            depth,
+            usable,
+        };
+        if !search.run(&mut ev, &mut points, &mut front) {
+            pruned += 1;
+        }
+    }
+
+    let spec_of = |p: &Point| -> Spec {
+        let mut s = match p.combo {
+            Some(i) => combos[i].0.spec.clone(),
+            None => return base.clone(),
+        };
+        s.recipe.recompute = p.recompute.clone();
+        s
+    };
+    let candidate = |p: &Point| -> Candidate {
+        let spec = spec_of(p);
+        Candidate {
+            changes: describe_changes(base, &spec),
+            spec,
+            peak_bytes: p.peak,
+            breakdown: p.breakdown,
+            time: p.time,
+        }
+    };
+    let pareto = pareto_front(&points, &candidate);
+
+    // Fastest that fits; at equal time fewer changes (the base has none), then the smaller peak.
+    // A candidate that is faster *and* fits wins even when the base fits: returning the slower
+    // base would let a smaller budget yield a faster plan.
+    let best = points.iter().filter(|p| p.peak <= usable).min_by(|a, b| {
+        a.time
+            .total_s
+            .total_cmp(&b.time.total_s)
+            .then(a.n_changes.cmp(&b.n_changes))
+            .then(a.peak.cmp(&b.peak))
+    });
+    let base_fits = base_point.peak <= usable;
+    let base_c = candidate(&base_point);
+    let (feasible, chosen) = match best {
+        Some(p) => (true, p),
+        None => {
+            let floor = points
+                .iter()
+                .min_by(|a, b| {
+                    a.peak
+                        .cmp(&b.peak)
+                        .then(a.time.total_s.total_cmp(&b.time.total_s))
+                })
+                .expect("the base is always evaluated");
+            (false, floor)
+        }
+    };
+    let mut chosen_c = candidate(chosen);
+    if chosen_c.spec == *base {
+        // A combination that equals the base is the base: no changes.
+        chosen_c.changes.clear();
+    }
+    let (dom, dom_bytes) = chosen.breakdown.dominant();
+    let reason = if feasible {
+        explain(base, &base_c, &chosen_c, usable, profile)
+    } else {
+        infeasible_reason(limits, w.ranks, usable, chosen, &chosen_c)
+    };
+    Ok(Plan {
+        feasible,
+        engine_runnable: engine_runnable(&chosen_c.spec),
+        plan: chosen_c.spec.clone(),
+        predicted_peak_bytes: chosen.peak,
+        predicted_step_time_s: chosen.time.total_s,
+        breakdown: chosen.breakdown,
+        time: chosen.time,
+        changes: chosen_c.changes.clone(),
+        dominant: dom.to_string(),
+        dominant_bytes: dom_bytes,
+        reason,
+        base_fits,
+        base_peak_bytes: base_point.peak,
+        base_step_time_s: base_point.time.total_s,
+        budget_bytes: limits.budget_bytes,
+        headroom: limits.headroom,
+        usable_bytes: usable,
+        allow: limits.allow,
+        alternatives: Vec::new(),
+        pareto,
+        combinations: combos.len(),
+        pruned,
+        evaluated: ev.evaluated,
+        profile: profile.clone(),
+    })
+}
+
+/// The headroom and the budget of `limits` make sense.
+fn check_limits(limits: &Limits) -> Result<(), crate::error::SpecError> {
     if !(0.0..0.9).contains(&limits.headroom) || limits.headroom.is_nan() {
         return Err(crate::error::SpecError::invalid(
             "plan.headroom",
@@ -515,14 +635,12 @@ fn search(
             "is 0 bytes; allowed: a positive size such as 24GiB",
         ));
     }
-    let usable = limits.usable();
-    let mut ev = Evaluator {
-        profile,
-        tables: HashMap::new(),
-        segments: HashMap::new(),
-        evaluated: 0,
-    };
-    let depth = base.model.depth;
+    Ok(())
+}
+
+/// Every combination of the levers but recompute, with its fastest time (no recompute), fastest
+/// first; at equal time fewer changes (stable: enumeration order breaks the rest).
+fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Combo, f64)> {
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
     let micros: Vec<u32> = (1..=w.microbatch)
@@ -563,13 +681,6 @@ fn search(
         AttentionMode::MemoryEfficient => vec![AttentionMode::MemoryEfficient],
     };
 
-    // The base itself, exactly as given.
-    let base_combo = ev.combo(base.clone(), 0);
-    let mut base_point = ev.point(&base_combo, None, base.recipe.recompute.clone());
-    base_point.n_changes = 0;
-    let mut points: Vec<Point> = vec![base_point.clone()];
-    let mut front: Vec<(f64, u64)> = vec![(base_point.time.total_s, base_point.peak)];
-
     // Every combination of the levers but recompute, with its fastest time.
     let mut combos: Vec<(Combo, f64)> = Vec::new();
     for &precision in &precisions_from(base.recipe.precision, limits.allow.bf16_pure) {
@@ -608,11 +719,32 @@ fn search(
     // Fastest first; at equal time fewer changes (stable: enumeration order breaks the rest).
     combos.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.n_changes.cmp(&b.0.n_changes)));
 
-    let mut pruned = 0usize;
-    for (ci, (c, t0)) in combos.iter().enumerate() {
-        if dominated(&front, *t0, persistent(&c.table.1)) {
-            pruned += 1;
-            continue;
+    combos
+}
+
+/// The recompute policies explored for one combination (see the module doc).
+struct RecomputeSearch<'c> {
+    combo: &'c Combo,
+    index: usize,
+    /// The combination's fastest time (no recompute).
+    fastest: f64,
+    depth: u32,
+    usable: u64,
+}
+
+impl RecomputeSearch<'_> {
+    /// Evaluate the combination's recompute points into `points` and `front`; false when it is
+    /// pruned (every point of it dominated).
+    fn run(
+        &self,
+        ev: &mut Evaluator<'_>,
+        points: &mut Vec<Point>,
+        front: &mut Vec<(f64, u64)>,
+    ) -> bool {
+        let (c, ci, t0) = (self.combo, self.index, self.fastest);
+        let (depth, usable) = (self.depth, self.usable);
+        if dominated(front, t0, persistent(&c.table.1)) {
+            return false;
         }
         let add = |p: Point, points: &mut Vec<Point>, front: &mut Vec<(f64, u64)>| {
             push_front(front, p.time.total_s, p.peak);
@@ -630,18 +762,17 @@ fn search(
         let below_peak = below.as_ref().map_or(u64::MAX, |p| p.peak);
         let attn = ev.point(c, Some(ci), Recompute::AttentionOnly);
         let floor = all_peak.min(below_peak).min(attn.peak);
-        let skip = dominated(&front, *t0, floor);
-        add(all_p, &mut points, &mut front);
+        let skip = dominated(front, t0, floor);
+        add(all_p, points, front);
         if let Some(p) = below {
-            add(p, &mut points, &mut front);
+            add(p, points, front);
         }
-        add(attn, &mut points, &mut front);
+        add(attn, points, front);
         if skip {
-            pruned += 1;
-            continue;
+            return false;
         }
         let p0 = ev.point(c, Some(ci), Recompute::None);
-        let peak0 = add(p0, &mut points, &mut front);
+        let peak0 = add(p0, points, front);
         if peak0 > usable && below_peak <= usable {
             // Smallest k in 1..depth−1 with peak(k) ≤ usable; peak falls with k on that range.
             let (mut lo, mut hi) = (0u32, depth - 1);
@@ -649,7 +780,7 @@ fn search(
                 let mid = (lo + hi) / 2;
                 let p = ev.point_k(c, Some(ci), mid, depth);
                 let fits = p.peak <= usable;
-                add(p, &mut points, &mut front);
+                add(p, points, front);
                 if fits {
                     hi = mid;
                 } else {
@@ -659,30 +790,14 @@ fn search(
         } else if peak0 > below_peak && depth > 3 {
             // Mid-way point so that the front shows what partial recompute trades.
             let p = ev.point_k(c, Some(ci), depth / 2, depth);
-            add(p, &mut points, &mut front);
+            add(p, points, front);
         }
+        true
     }
+}
 
-    let spec_of = |p: &Point| -> Spec {
-        let mut s = match p.combo {
-            Some(i) => combos[i].0.spec.clone(),
-            None => return base.clone(),
-        };
-        s.recipe.recompute = p.recompute.clone();
-        s
-    };
-    let candidate = |p: &Point| -> Candidate {
-        let spec = spec_of(p);
-        Candidate {
-            changes: describe_changes(base, &spec),
-            spec,
-            peak_bytes: p.peak,
-            breakdown: p.breakdown,
-            time: p.time,
-        }
-    };
-
-    // Pareto front over every point, fastest first.
+/// The Pareto front over every point, fastest first.
+fn pareto_front(points: &[Point], candidate: &dyn Fn(&Point) -> Candidate) -> Vec<Candidate> {
     let mut sorted: Vec<&Point> = points.iter().collect();
     sorted.sort_by(|a, b| {
         a.time
@@ -699,52 +814,28 @@ fn search(
             pareto.push(candidate(p));
         }
     }
+    pareto
+}
 
-    // Fastest that fits; at equal time fewer changes (the base has none), then the smaller peak.
-    // A candidate that is faster *and* fits wins even when the base fits: returning the slower
-    // base would let a smaller budget yield a faster plan.
-    let best = points.iter().filter(|p| p.peak <= usable).min_by(|a, b| {
-        a.time
-            .total_s
-            .total_cmp(&b.time.total_s)
-            .then(a.n_changes.cmp(&b.n_changes))
-            .then(a.peak.cmp(&b.peak))
-    });
-    let base_fits = base_point.peak <= usable;
-    let base_c = candidate(&base_point);
-    let (feasible, chosen) = match best {
-        Some(p) => (true, p),
-        None => {
-            let floor = points
-                .iter()
-                .min_by(|a, b| {
-                    a.peak
-                        .cmp(&b.peak)
-                        .then(a.time.total_s.total_cmp(&b.time.total_s))
-                })
-                .expect("the base is always evaluated");
-            (false, floor)
-        }
-    };
-    let mut chosen_c = candidate(chosen);
-    if chosen_c.spec == *base {
-        // A combination that equals the base is the base: no changes.
-        chosen_c.changes.clear();
-    }
+/// Why no recipe fits: the smallest peak, what dominates it, and what would widen the search.
+fn infeasible_reason(
+    limits: &Limits,
+    ranks: u32,
+    usable: u64,
+    chosen: &Point,
+    chosen_c: &Candidate,
+) -> String {
     let (dom, dom_bytes) = chosen.breakdown.dominant();
-    let reason = if feasible {
-        explain(base, &base_c, &chosen_c, usable, profile)
-    } else {
-        let missing: Vec<&str> = [
-            (!limits.allow.lora, "lora"),
-            (!limits.allow.eight_bit, "8bit"),
-            (!limits.allow.sharding && w.ranks > 1, "sharding"),
-            (!limits.allow.bf16_pure, "bf16-pure"),
-        ]
-        .into_iter()
-        .filter_map(|(m, n)| m.then_some(n))
-        .collect();
-        format!(
+    let missing: Vec<&str> = [
+        (!limits.allow.lora, "lora"),
+        (!limits.allow.eight_bit, "8bit"),
+        (!limits.allow.sharding && ranks > 1, "sharding"),
+        (!limits.allow.bf16_pure, "bf16-pure"),
+    ]
+    .into_iter()
+    .filter_map(|(m, n)| m.then_some(n))
+    .collect();
+    format!(
             "no recipe in the allowed space fits {} usable ({} budget less {:.0} % headroom): the smallest \
              peak is {} ({}), where {} dominate with {} ({:.0} %){}{}",
             fmt_bytes(usable),
@@ -764,39 +855,12 @@ fn search(
             } else {
                 format!("; --allow {} widens the search", missing.join(","))
             },
-            if w.ranks == 1 {
+            if ranks == 1 {
                 "; sharding (ZeRO) needs --ranks N > 1"
             } else {
                 ""
             }
         )
-    };
-    Ok(Plan {
-        feasible,
-        engine_runnable: engine_runnable(&chosen_c.spec),
-        plan: chosen_c.spec.clone(),
-        predicted_peak_bytes: chosen.peak,
-        predicted_step_time_s: chosen.time.total_s,
-        breakdown: chosen.breakdown,
-        time: chosen.time,
-        changes: chosen_c.changes.clone(),
-        dominant: dom.to_string(),
-        dominant_bytes: dom_bytes,
-        reason,
-        base_fits,
-        base_peak_bytes: base_point.peak,
-        base_step_time_s: base_point.time.total_s,
-        budget_bytes: limits.budget_bytes,
-        headroom: limits.headroom,
-        usable_bytes: usable,
-        allow: limits.allow,
-        alternatives: Vec::new(),
-        pareto,
-        combinations: combos.len(),
-        pruned,
-        evaluated: ev.evaluated,
-        profile: profile.clone(),
-    })
 }
 
 fn explain(

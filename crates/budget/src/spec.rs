@@ -682,6 +682,56 @@ impl Default for Recipe {
     }
 }
 
+/// Where the PyTorch step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TorchDevice {
+    Cpu,
+    Cuda,
+}
+
+impl TorchDevice {
+    pub const fn name(self) -> &'static str {
+        match self {
+            TorchDevice::Cpu => "cpu",
+            TorchDevice::Cuda => "cuda",
+        }
+    }
+}
+
+/// Which `scaled_dot_product_attention` kernel runs when the spec's attention is
+/// `memory-efficient` (the `materialized` mode is the explicit `softmax(q·kᵀ)·v` of timm's
+/// non-fused path, whatever this says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SdpaBackend {
+    /// PyTorch's own choice: CPU flash on the CPU; on CUDA flash for fp16/bf16, memory-efficient
+    /// for fp32/fp64.
+    Auto,
+    Flash,
+    Efficient,
+    Cudnn,
+    Math,
+}
+
+impl SdpaBackend {
+    pub const ALL: [SdpaBackend; 5] = [
+        SdpaBackend::Auto,
+        SdpaBackend::Flash,
+        SdpaBackend::Efficient,
+        SdpaBackend::Cudnn,
+        SdpaBackend::Math,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            SdpaBackend::Auto => "auto",
+            SdpaBackend::Flash => "flash",
+            SdpaBackend::Efficient => "efficient",
+            SdpaBackend::Cudnn => "cudnn",
+            SdpaBackend::Math => "math",
+        }
+    }
+}
+
 /// The executor whose memory the budget describes.
 ///
 /// Each runtime has its own rules for what an op saves and allocates (see
@@ -693,10 +743,10 @@ pub enum Runtime {
     /// The ditmem engine (candle) on the CPU.
     #[default]
     DitmemCpu,
-    /// PyTorch eager autograd (see [`crate::runtime_pytorch`]).
+    /// PyTorch eager autograd (see `runtime::pytorch`).
     Pytorch {
-        device: crate::runtime_pytorch::TorchDevice,
-        sdpa: crate::runtime_pytorch::SdpaBackend,
+        device: TorchDevice,
+        sdpa: SdpaBackend,
     },
 }
 
@@ -715,7 +765,7 @@ impl fmt::Display for Runtime {
             Runtime::DitmemCpu => f.write_str("ditmem-cpu"),
             Runtime::Pytorch { device, sdpa } => {
                 write!(f, "pytorch:{}", device.name())?;
-                if *sdpa != crate::runtime_pytorch::SdpaBackend::Auto {
+                if *sdpa != SdpaBackend::Auto {
                     write!(f, ":sdpa-{}", sdpa.name())?;
                 }
                 Ok(())
@@ -740,7 +790,6 @@ impl TryFrom<String> for Runtime {
 impl FromStr for Runtime {
     type Err = SpecError;
     fn from_str(s: &str) -> Result<Self, SpecError> {
-        use crate::runtime_pytorch::{SdpaBackend, TorchDevice};
         let bad = |why: String| {
             SpecError::invalid(
                 "runtime",

@@ -187,7 +187,7 @@ impl SpecArgs {
                     .lora
                     .as_ref()
                     .map(|l| l.targets.clone())
-                    .unwrap_or_else(ditmem_budget::spec::default_lora_targets);
+                    .unwrap_or_else(ditmem_budget::default_lora_targets);
                 r.lora = Some(LoraSpec { rank, targets });
             }
         }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::fmt_bytes;
 use ditmem_budget::{Budget, Runtime};
 use ditmem_engine::agree::{self, Agreement, GridSummary};
 use ditmem_engine::{Measurement, MemoryProbe};
@@ -51,7 +51,7 @@ pub struct AgreeArgs {
 struct CompareReport {
     #[serde(flatten)]
     agreement: Agreement,
-    breakdown_at_peak: ditmem_budget::timeline::Breakdown,
+    breakdown_at_peak: ditmem_budget::Breakdown,
     conditions: Conditions,
 }
 
@@ -170,8 +170,8 @@ pub fn timeline_svg(
         .enumerate()
         .filter(|(_, e)| {
             !e.inside
-                && e.phase != ditmem_budget::timeline::Phase::Start
-                && e.phase != ditmem_budget::timeline::Phase::Encode
+                && e.phase != ditmem_budget::Phase::Start
+                && e.phase != ditmem_budget::Phase::Encode
         })
         .map(|(i, _)| i)
         .collect();
@@ -189,7 +189,7 @@ pub fn timeline_svg(
     let mut markers = Vec::new();
     let mut last = None;
     for (i, e) in b.timeline.events.iter().enumerate() {
-        if last != Some(e.phase) && e.phase != ditmem_budget::timeline::Phase::Start {
+        if last != Some(e.phase) && e.phase != ditmem_budget::Phase::Start {
             markers.push(Marker {
                 x: i as f64,
                 label: e.phase.name().into(),

@@ -45,7 +45,7 @@ impl Conditions {
         let r = &spec.recipe;
         Conditions {
             device: "cpu".into(),
-            cpu_model: ditmem_budget::candle::cpu_model(),
+            cpu_model: ditmem_budget::host::cpu_model(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             threads: candle_core::utils::get_num_threads(),
             build_profile: if cfg!(debug_assertions) {
@@ -71,7 +71,7 @@ impl Conditions {
             warmup_steps: warmup,
             measured_steps: steps,
             memory_counter: "counting global allocator (exact live heap bytes)",
-            bf16_products: if ditmem_budget::candle::bf16_dot_native() {
+            bf16_products: if ditmem_budget::host::bf16_dot_native() {
                 "AVX512-BF16 kernel"
             } else {
                 "widened to f32"

@@ -2,7 +2,7 @@
 //! the budget's predicted peak against the smallest of the machine's available memory, the
 //! process's address-space limit and its cgroup's memory limit, before anything is allocated.
 
-use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::fmt_bytes;
 
 use crate::CliError;
 

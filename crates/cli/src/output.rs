@@ -5,9 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::Context;
-use ditmem_budget::timeline::Timeline;
-use ditmem_budget::units::fmt_bytes;
-use ditmem_budget::SpecError;
+use ditmem_budget::{fmt_bytes, SpecError, Timeline};
 use serde::Serialize;
 
 use crate::render::Table;

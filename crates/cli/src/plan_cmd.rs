@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use ditmem_budget::cost::DeviceProfile;
-use ditmem_budget::export::{export, Export, Target};
-use ditmem_budget::plan::{fmt_secs, plan, Allow, Limits, Plan, DEFAULT_HEADROOM};
-use ditmem_budget::units::{fmt_bytes, parse_bytes};
+use ditmem_budget::DeviceProfile;
+use ditmem_budget::{export, Export, Target};
+use ditmem_budget::{fmt_bytes, parse_bytes};
+use ditmem_budget::{fmt_secs, plan, Allow, Limits, Plan, DEFAULT_HEADROOM};
 use ditmem_budget::{Spec, SpecError};
 use serde::Serialize;
 
@@ -262,10 +262,7 @@ fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
 }
 
 /// At most `n` points of the front, evenly spread, always keeping both ends.
-fn thin(
-    front: &[ditmem_budget::plan::Candidate],
-    n: usize,
-) -> Vec<&ditmem_budget::plan::Candidate> {
+fn thin(front: &[ditmem_budget::Candidate], n: usize) -> Vec<&ditmem_budget::Candidate> {
     if front.len() <= n || n < 2 {
         return front.iter().collect();
     }

@@ -1,6 +1,6 @@
 //! Human output: aligned tables with binary units, and the plain words that explain a budget.
 
-use ditmem_budget::units::fmt_bytes;
+use ditmem_budget::fmt_bytes;
 use ditmem_budget::{Budget, Spec};
 
 /// A simple left/right aligned text table.

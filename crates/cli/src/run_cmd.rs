@@ -5,8 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::Args;
-use ditmem_budget::units::fmt_bytes;
-use ditmem_budget::{Runtime, Spec, SpecError};
+use ditmem_budget::{fmt_bytes, Runtime, Spec, SpecError};
 use ditmem_engine::{EngineError, Measurement, MemoryProbe, RunOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;

@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::candle::cpu_model;
+use ditmem_budget::host::cpu_model;
 use ditmem_budget::Spec;
 use ditmem_engine::{run, RunOptions};
 

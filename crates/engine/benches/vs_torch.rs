@@ -115,8 +115,8 @@ fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
 /// Model FLOPs of one optimizer step: forward + backward (2× forward) of every block and the
 /// embed/final linears, recompute not counted (the usual model-FLOPs convention).
 fn model_flops(spec: &Spec) -> f64 {
-    let f = ditmem_budget::cost::block_flops(spec);
-    let d = ditmem_budget::runtime::Dims::new(spec);
+    let f = ditmem_budget::block_flops(spec);
+    let d = ditmem_budget::Shape::new(spec);
     let rows = (d.b * d.s) as f64;
     let outer = 2.0 * rows * d.d as f64 * (d.c_in * d.patch2 + d.patch2 * d.c_out) as f64;
     let per_mb = 3.0 * (spec.model.depth as f64 * (f.linears + f.attention + f.lora) + outer);
@@ -208,10 +208,10 @@ fn main() {
     base.workload.batch = batch;
     base.workload.microbatch = batch;
     base.workload.accumulation = 1;
-    let d = ditmem_budget::runtime::Dims::new(&base);
+    let d = ditmem_budget::Shape::new(&base);
     let (rate_med, rate) = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize)
         .unwrap_or((f64::NAN, f64::NAN));
-    let cpu = ditmem_budget::candle::cpu_model();
+    let cpu = ditmem_budget::host::cpu_model();
     println!(
         "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per configuration (median of the rounds' p50); AdamW + EMA",
         if cfg!(debug_assertions) { "debug" } else { "release" },

@@ -7,7 +7,7 @@
 //! buffers are predicted; the trainer's own bookkeeping (parameter names, maps) is not, and shows
 //! as the small remaining overhead.
 
-use ditmem_budget::timeline::Phase as BudgetPhase;
+use ditmem_budget::Phase as BudgetPhase;
 use ditmem_budget::{Budget, Spec};
 use serde::Serialize;
 
@@ -219,7 +219,7 @@ pub fn grid() -> Vec<(String, Spec)> {
     add("LoRA rank 8 on qkv,proj,fc1,fc2", &|s| {
         s.recipe.lora = Some(LoraSpec {
             rank: 8,
-            targets: ditmem_budget::spec::default_lora_targets(),
+            targets: ditmem_budget::default_lora_targets(),
         })
     });
     add("LoRA rank 4 on all, bf16-mixed, recompute all", &|s| {

@@ -684,6 +684,6 @@ fn sum_squares_matches_f64_for_every_dtype() {
     // The budget's restatement of the chunk.
     assert_eq!(
         SQUARES_CHUNK as u64,
-        ditmem_budget::candle_step::SQUARES_CHUNK
+        ditmem_budget::ditmem_cpu::SQUARES_CHUNK
     );
 }

@@ -3,7 +3,7 @@
 //! shape), a view only `TENSOR_META` (for a rank-3 view).
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::candle::{STORAGE_META, TENSOR_META};
+use ditmem_budget::ditmem_cpu::{STORAGE_META, TENSOR_META};
 use ditmem_engine::CountingAlloc;
 
 #[global_allocator]

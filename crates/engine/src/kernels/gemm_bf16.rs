@@ -17,7 +17,7 @@
 //! only in the order of the f32 sums (and in denormal inputs, which `vdpbf16ps` flushes to zero).
 //!
 //! Whether the kernel is used is decided once per process by
-//! [`ditmem_budget::candle::bf16_dot_native`] (the budget asks the same question, so its
+//! [`ditmem_budget::host::bf16_dot_native`] (the budget asks the same question, so its
 //! workspace model follows the path the engine takes). Packing buffers are allocated by the
 //! caller; sizes: [`packed_a_len`], [`packed_b_len`].
 
@@ -35,7 +35,7 @@ pub const KC_PAIRS: usize = 64;
 
 /// Whether this process multiplies bf16 with the AVX512-BF16 kernel.
 pub fn available() -> bool {
-    ditmem_budget::candle::bf16_dot_native()
+    ditmem_budget::host::bf16_dot_native()
 }
 
 /// An element packing reads as bf16: bf16 itself, or f32 rounded to nearest even (so an f32

@@ -3,7 +3,7 @@
 //!
 //! - [`gemm`]: the f32/f64 products through the `gemm` crate.
 //! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`); the budget
-//!   asks the same question of the CPU (`ditmem_budget::candle::bf16_dot_native`) and restates
+//!   asks the same question of the CPU (`ditmem_budget::host::bf16_dot_native`) and restates
 //!   its packing sizes.
 //! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
 //! - [`scalar`]: the accumulation scalar and storage element traits the kernels are generic over.

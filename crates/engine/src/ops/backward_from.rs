@@ -1,6 +1,6 @@
 //! [`backward_from`]: backpropagation from a segment's output with its known gradient, seeded
 //! by a one-element custom op instead of the composed root `sum(out · grad)` (whose forward and
-//! backward each made output-sized temporaries). Budget twin: `ditmem_budget::candle::seed`
+//! backward each made output-sized temporaries). Budget twin: `ditmem_budget::ditmem_cpu::ops::seed`
 //! (`Kind::Seed`: only `out`'s zeros + add).
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};

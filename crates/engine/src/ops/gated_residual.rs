@@ -1,6 +1,6 @@
 //! [`gated_residual`]: the adaLN-Zero residual `x + y·gate` as one node, keeping nothing beyond
 //! its inputs and reading y in the compute dtype. Budget twin: the `gated_residual` rule of
-//! `ditmem_budget::candle`.
+//! `ditmem_budget::ditmem_cpu::ops`.
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,

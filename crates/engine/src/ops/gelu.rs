@@ -2,7 +2,7 @@
 //! (which the graph holds anyway as the op's argument); the derivative is analytic with the
 //! exact constants. f32/bf16/f16 run through the vectorised maps of
 //! [`crate::kernels::vecmath`], f64 (the reference path) through scalar loops. Budget twin: the
-//! `gelu` rule of `ditmem_budget::candle` (output fresh, backward one fresh dx).
+//! `gelu` rule of `ditmem_budget::ditmem_cpu::ops` (output fresh, backward one fresh dx).
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor,

@@ -2,7 +2,7 @@
 //! written directly in the compute dtype as the (b·s, D) rows the next linear takes. It saves x
 //! (its argument) and the per-row mean and rstd in the accumulation type (f32, f64 for f64
 //! inputs), 2·rows values held by the op; backward returns dx, dshift, dscale. Budget twin: the
-//! `ln_modulate` rule of `ditmem_budget::candle`.
+//! `ln_modulate` rule of `ditmem_budget::ditmem_cpu::ops`.
 
 use std::sync::Mutex;
 

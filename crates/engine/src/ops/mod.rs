@@ -22,7 +22,7 @@
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
 //! `cpu_fwd` / `bwd`.
 //!
-//! Allocation rules the budget mirrors (`ditmem_budget::candle::Kind::Custom`, the twin of each
+//! Allocation rules the budget mirrors (`ditmem_budget::ditmem_cpu::graph::Kind::Custom`, the twin of each
 //! op named in its module): the forward allocates its output, what the op saves, and a workspace
 //! freed before it returns; the backward allocates one fresh gradient per input that tracks, in
 //! the input's dtype and shape, beside a workspace freed before it returns. The workspace sizes

@@ -1,6 +1,6 @@
 //! [`sum_squares`]: Σ x² of a tensor in f64 (the gradient norm of the trainer's clipping)
 //! without a squared copy: one f64 per chunk is all it allocates (the budget's step model in
-//! `ditmem_budget::candle_step` counts those partial sums).
+//! the budget's ditmem-cpu step replay (`runtime/ditmem_cpu/step.rs`) counts those partial sums).
 
 use candle_core::{backend::BackendStorage, DType, Tensor};
 use rayon::prelude::*;

@@ -12,7 +12,7 @@
 //!
 //! Per thread (at most one per head, all allocated up front like the generic kernels): an f32
 //! scratch (`AttnGeom::native_f32_fwd`, `AttnGeom::native_f32_bwd`) and the packed operands ([`packed_lens`]); the budget
-//! restates [`native_scratch_bytes`] (`ditmem_budget::candle::fused_attention`).
+//! restates [`native_scratch_bytes`] (`ditmem_budget::ditmem_cpu::ops::fused_attention`).
 
 use candle_core::CpuStorage;
 use half::bf16;
@@ -623,12 +623,13 @@ mod tests {
     #[test]
     fn scratch_is_the_budgets() {
         for (s, dh) in [(256, 64), (16, 16), (130, 16), (7, 72), (1, 8), (4096, 72)] {
-            let (f, b) = ditmem_budget::candle::native_attention_scratch(s as u64, dh as u64);
+            let (f, b) = ditmem_budget::ditmem_cpu::native_attention_scratch(s as u64, dh as u64);
             assert_eq!(f, native_scratch_bytes(s, dh, false), "s {s} dh {dh}");
             assert_eq!(b, native_scratch_bytes(s, dh, true), "s {s} dh {dh}");
             let kb = 128.min(s);
-            let (f, b) =
-                ditmem_budget::candle::streaming_attention_scratch(s as u64, dh as u64, kb as u64);
+            let (f, b) = ditmem_budget::ditmem_cpu::streaming_attention_scratch(
+                s as u64, dh as u64, kb as u64,
+            );
             assert_eq!((f, b), streaming_scratch_bytes(s, dh, kb), "s {s} dh {dh}");
         }
     }

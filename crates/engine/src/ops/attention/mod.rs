@@ -2,7 +2,7 @@
 //! (no splits or copies), as one custom op ([`QkvAttention`]) keeping P (materialized), nothing
 //! (attention-only recompute) or the log-sum-exp (memory-efficient, streaming over key blocks);
 //! the softmax is fused and accumulates in f32 (f64 for f64). Budget twin:
-//! `ditmem_budget::candle::fused_attention`.
+//! `ditmem_budget::ditmem_cpu::ops::fused_attention`.
 //!
 //! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
 //! - [`generic`]: the kernels for every dtype through the `gemm` crate.

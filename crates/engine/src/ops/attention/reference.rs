@@ -1,7 +1,7 @@
 //! The composed attention core, [`attention_materialized`]: candle ops over q, k, v of shape
 //! (b, a, s, dh) (q already multiplied by 1/√dh), differentiable by candle's autograd. The
 //! engine's blocks run the fused [`super::qkv_attention`]; this composition is the reference
-//! the fused op is tested against. Budget twin: `ditmem_budget::candle::attention` (the composed
+//! the fused op is tested against. Budget twin: `ditmem_budget::ditmem_cpu::attention` (the composed
 //! core).
 
 use candle_core::{DType, Tensor, D};

@@ -2,7 +2,7 @@
 //! ([`linear_fwd_scratch`], [`linear_bwd_scratch`]) and, through [`linear_sunk`], its weight
 //! gradients handed to a [`GradSink`]. Three kernel paths: [`direct`] (f32/f64 through `gemm`),
 //! [`bf16`] (the AVX512-BF16 kernel) and [`widen`] (bf16/f16 widened to f32 by chunks). Budget
-//! twin: `ditmem_budget::candle::fused_linear` and `fused_linear_scratch`, which the test below
+//! twin: `ditmem_budget::ditmem_cpu::ops::fused_linear` and `fused_linear_scratch`, which the test below
 //! holds equal to these sizes.
 
 mod bf16;
@@ -277,7 +277,7 @@ mod tests {
     /// dtype, path and set of tracked inputs, on whole and ragged shapes.
     #[test]
     fn linear_scratch_is_the_budgets() {
-        use ditmem_budget::candle::fused_linear_scratch;
+        use ditmem_budget::ditmem_cpu::fused_linear_scratch;
         use ditmem_budget::Dtype;
         for (dt, bd) in [
             (DType::F32, Dtype::F32),

@@ -1,6 +1,6 @@
 //! [`GradSink`]: where a fused linear built by [`super::linear_sunk`] leaves the gradients of
 //! its weight and bias, instead of candle's gradient store. Budget twin: the weights' `Sink`
-//! gradients of `ditmem_budget::candle` (never folded into the store).
+//! gradients of `ditmem_budget::ditmem_cpu::ops` (never folded into the store).
 
 use std::sync::Mutex;
 

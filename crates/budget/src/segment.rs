@@ -4,6 +4,10 @@
 //! segment input, or a parameter. From the graph the simulator derives, without any fixed
 //! multiplier, what a segment keeps for backward (per the runtime's retention rule), what a
 //! no-grad recompute peaks at, and what a segment's backward holds at its worst moment.
+//!
+//! Below every runtime: a runtime describes its segments in this form (the `ditmem-cpu` graphs
+//! through `runtime::ditmem_cpu::graph::to_segment`), for the op inventory of the estimate and
+//! the time model. No engine file is its twin.
 
 use serde::Serialize;
 

@@ -2,14 +2,16 @@
 //! against PyTorch 2.15 with saved-tensor hooks, `bench/torch_peer/saved.py`), checkpointing,
 //! the foreach optimizer and the CUDA allocator's rounding.
 
-use ditmem_budget::runtime::Dims;
-use ditmem_budget::runtime_pytorch::{
-    costs, optimizer_scratch, PyTorch, SdpaBackend, TorchDevice, SAVED,
+use crate::estimate::estimate;
+use crate::runtime::pytorch::device::PyTorch;
+use crate::runtime::pytorch::rules::SAVED;
+use crate::runtime::pytorch::step::{costs, optimizer_scratch};
+use crate::runtime::shape::Shape;
+use crate::spec::{
+    AttentionMode, ModelSpec, Optimizer, Precision, Recompute, Runtime, SdpaBackend, Spec,
+    TorchDevice,
 };
-use ditmem_budget::timeline::simulate_step;
-use ditmem_budget::{
-    estimate, AttentionMode, ModelSpec, Optimizer, Precision, Recompute, Runtime, Spec,
-};
+use crate::timeline::simulate_step;
 
 fn spec(precision: Precision, attention: AttentionMode, device: TorchDevice) -> Spec {
     let mut s = Spec::default_xl();
@@ -30,7 +32,7 @@ fn spec(precision: Precision, attention: AttentionMode, device: TorchDevice) -> 
 
 /// (E elements, A elements, S rows, log-sum-exp bytes) of the spec.
 fn sizes(s: &Spec) -> (u64, u64, u64, u64) {
-    let d = Dims::new(s);
+    let d = Shape::new(s);
     (d.e(), d.a(), d.rows(), d.b * d.heads * d.s * 4)
 }
 
@@ -38,7 +40,7 @@ fn sizes(s: &Spec) -> (u64, u64, u64, u64) {
 /// weight copies excluded.
 fn block_saved(s: &Spec) -> u64 {
     let c = costs(s);
-    let d = Dims::new(s);
+    let d = Shape::new(s);
     c.block.kept.activations + d.e() * s.recipe.precision.accum_dtype().size()
 }
 
@@ -46,7 +48,7 @@ fn block_saved(s: &Spec) -> u64 {
 /// the fp32 SiLU output itself is not saved), 1+scale ×2, the gate chunks' storage (the adaLN
 /// output, 6·b·D).
 fn cond_saved(s: &Spec) -> u64 {
-    let d = Dims::new(s);
+    let d = Shape::new(s);
     let low = s.recipe.precision.compute_dtype().size();
     let f = s.recipe.precision.accum_dtype().size();
     let silu = if s.recipe.precision.is_mixed() {
@@ -261,7 +263,7 @@ fn saved_marker_names_what_backward_reads() {
         TorchDevice::Cpu,
     );
     let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
-    let g = rt.block(&Dims::new(&s));
+    let g = rt.block(&Shape::new(&s));
     let saved: Vec<&str> = g
         .tensors
         .iter()

@@ -1,0 +1,297 @@
+//! One DiT block of the engine as candle nodes (twin: the engine's `block.rs`): `LinearW`
+//! (the fused linear plus the LoRA branch), the composed LayerNorm and modulation, adaLN, and
+//! `block_forward` itself.
+
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::ops::{
+    fused_attention, fused_linear, gated_residual, gelu, ln_modulate,
+};
+use crate::runtime::shape::Shape;
+use crate::spec::LoraTarget;
+
+/// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA.
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+    target: Option<LoraTarget>,
+) -> Nid {
+    let cd = sh.cd();
+    let trained = sh.lora.is_none();
+    // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
+    // packs or widens them), so a linear's weight and bias are never cast copies.
+    let wd = sh.weight_dtype();
+    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
+    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
+    // `LinearW::forward`: trained weights go to a gradient sink when the input tracks.
+    if trained && g.nodes[x].tracks {
+        for t in [w, bias] {
+            g.nodes[t].tracks = false;
+            g.nodes[t].sunk = true;
+        }
+    }
+    let y = fused_linear(g, &format!("{name} x·Wᵀ+b"), [x, w, bias], rows, inp, out);
+    match target.and_then(|t| sh.lora_for(t)) {
+        Some(r) => {
+            let pd = sh.precision.param_dtype();
+            let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
+            let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+            for t in [a, bm] {
+                if g.nodes[t].kind == Kind::ToDtype {
+                    g.bind(t);
+                }
+            }
+            let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
+            let xa = g.op(
+                &format!("{name} x·Aᵀ"),
+                Kind::Matmul,
+                &[x, at],
+                rows * r,
+                cd,
+            );
+            let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
+            let xab = g.op(
+                &format!("{name} ·Bᵀ"),
+                Kind::Matmul,
+                &[xa, bt],
+                rows * out,
+                cd,
+            );
+            g.op(
+                &format!("{name} +lora"),
+                Kind::Add,
+                &[y, xab],
+                rows * out,
+                cd,
+            )
+        }
+        None => y,
+    }
+}
+
+/// `layer_norm` of the engine: mean, x − mean, (x − mean)², var, +eps, ^−½, product.
+pub fn layer_norm(g: &mut Graph, name: &str, x: Nid, rows: u64) -> Nid {
+    let ad = g.dtype(x);
+    let mean = g.mean(&format!("{name} mean"), x, rows);
+    let xc = g.broadcast_binary(&format!("{name} x−mean"), Kind::Sub, x, mean, false);
+    let e = g.elems(x);
+    let sq = g.op(&format!("{name} (x−mean)²"), Kind::Sqr, &[xc], e, ad);
+    let var = g.mean(&format!("{name} var"), sq, rows);
+    let ve = g.op(&format!("{name} var+eps"), Kind::Affine, &[var], rows, ad);
+    let rstd = g.op(&format!("{name} ^−½"), Kind::Powf, &[ve], rows, ad);
+    g.broadcast_binary(&format!("{name} out"), Kind::Mul, xc, rstd, false)
+}
+
+/// `modulate`: x·(1 + scale) + shift, scale and shift (b, D) broadcast over tokens.
+pub fn modulate(g: &mut Graph, name: &str, x: Nid, shift: Nid, scale: Nid, bd: u64) -> Nid {
+    let ad = g.dtype(x);
+    let su = g.view(&format!("{name} scale.unsqueeze"), Kind::Reshape, scale, bd);
+    let one = g.op(&format!("{name} 1+scale"), Kind::Affine, &[su], bd, ad);
+    let m = g.broadcast_binary(&format!("{name} ·(1+scale)"), Kind::Mul, x, one, false);
+    let sh = g.view(&format!("{name} shift.unsqueeze"), Kind::Reshape, shift, bd);
+    g.broadcast_binary(&format!("{name} +shift"), Kind::Add, m, sh, false)
+}
+
+/// adaLN: `linear(silu(c)→cd)→ad` chunked into `k` narrow views of (b, D).
+pub fn ada_ln(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    c: Nid,
+    k: u64,
+    target: Option<LoraTarget>,
+) -> Vec<Nid> {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let bd = sh.b * sh.d;
+    let silu = g.op(&format!("{name} silu(c)"), Kind::Silu, &[c], bd, ad);
+    let sc = g.cast(&format!("{name} silu→{cd}"), silu, cd);
+    let m = linear(g, sh, name, sc, sh.b, k * sh.d, sh.d, target);
+    let m = g.cast(&format!("{name} →{ad}"), m, ad);
+    g.bind(m);
+    (0..k)
+        .map(|i| {
+            g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            )
+        })
+        .collect()
+}
+
+/// One DiT block as `block_forward` builds it, on a leaf copy of its input.
+/// Returns the graph and (input leaf, c, output).
+pub fn block(sh: &Shape) -> (Graph, Nid, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (e, d) = (sh.e(), sh.d);
+    let rows = sh.b * sh.s;
+    let bd = sh.b * d;
+    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let c = g.var("c (shared leaf)", bd, ad, false);
+    let m = ada_ln(
+        &mut g,
+        sh,
+        "adaLN_modulation.1",
+        c,
+        6,
+        Some(LoraTarget::Adaln),
+    );
+
+    // Written as (b·s, D) rows: no reshape before the linears.
+    let h = ln_modulate(&mut g, "norm1+modulate1", x, m[0], m[1], rows, cd);
+    g.bind(h);
+    let h2d = h;
+    let qkv = linear(
+        &mut g,
+        sh,
+        "attn.qkv",
+        h2d,
+        rows,
+        3 * d,
+        d,
+        Some(LoraTarget::Qkv),
+    );
+    let o2 = fused_attention(&mut g, sh, qkv);
+    g.bind(o2);
+    let p = linear(
+        &mut g,
+        sh,
+        "attn.proj",
+        o2,
+        rows,
+        d,
+        d,
+        Some(LoraTarget::Proj),
+    );
+    let x1 = gated_residual(&mut g, "x + proj·gate_msa (fused)", x, p, m[2]);
+    g.bind(x1);
+
+    let h2 = ln_modulate(&mut g, "norm2+modulate2", x1, m[3], m[4], rows, cd);
+    g.bind(h2);
+    let f1 = linear(
+        &mut g,
+        sh,
+        "mlp.fc1",
+        h2,
+        rows,
+        sh.mlp,
+        d,
+        Some(LoraTarget::Fc1),
+    );
+    g.bind(f1);
+    let mut act = gelu(&mut g, "gelu(tanh) (fused)", f1);
+    g.bind(act);
+    if sh.mlp_dropout {
+        let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);
+        act = g.op("gelu·mask", Kind::Mul, &[act, mask], rows * sh.mlp, cd);
+        g.bind(act);
+    }
+    let f2 = linear(
+        &mut g,
+        sh,
+        "mlp.fc2",
+        act,
+        rows,
+        d,
+        sh.mlp,
+        Some(LoraTarget::Fc2),
+    );
+    let out = gated_residual(&mut g, "x1 + fc2·gate_mlp (fused)", x1, f2, m[5]);
+    (g, x, c, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::ditmem_cpu::backward::backward_with;
+    use crate::runtime::ditmem_cpu::graph::owned_bytes;
+    use crate::runtime::ditmem_cpu::ops::surrogate;
+    use crate::spec::{AttentionMode, Precision};
+
+    fn shape(p: Precision) -> Shape {
+        Shape {
+            b: 2,
+            s: 16,
+            d: 32,
+            heads: 4,
+            mlp: 128,
+            freq: 256,
+            label_rows: 1001,
+            c_in: 4,
+            c_out: 8,
+            patch2: 4,
+            latent: 2 * 16 * 4 * 4,
+            precision: p,
+            attention: AttentionMode::Materialized,
+            attention_only: false,
+            lora: None,
+            attn_dropout: false,
+            mlp_dropout: false,
+        }
+    }
+
+    #[test]
+    fn block_keeps_more_in_materialized_mode() {
+        let mut sh = shape(Precision::Fp32);
+        let (g, ..) = block(&sh);
+        let mat = owned_bytes(&g).0;
+        sh.attention = AttentionMode::MemoryEfficient;
+        let (g2, ..) = block(&sh);
+        let eff = owned_bytes(&g2).0;
+        assert!(mat > eff);
+        let a = 2 * 4 * 16 * 16 * 4;
+        // The fused attention keeps P (f32) where the streaming one keeps the log-sum-exp.
+        let lse = 2 * 4 * 16 * 4;
+        assert_eq!(mat - eff, a - lse);
+    }
+
+    #[test]
+    fn block_weight_gradients_go_to_sinks_not_the_store() {
+        for p in [Precision::Fp32, Precision::Bf16Mixed] {
+            let sh = shape(p);
+            let (mut g, _leaf, c, out) = block(&sh);
+            let weights: Vec<Nid> = (0..g.nodes.len())
+                .filter(|&i| {
+                    let n = &g.nodes[i];
+                    n.kind == Kind::Var
+                        && (n.name.ends_with(".weight") || n.name.ends_with(".bias"))
+                })
+                .collect();
+            // Every trained linear weight and bias of a block (5 linears) is sunk.
+            assert_eq!(weights.len(), 10);
+            assert!(weights
+                .iter()
+                .all(|&i| g.nodes[i].sunk && !g.nodes[i].tracks));
+            let root = surrogate(&mut g, out);
+            let bw = backward_with(&g, root, false);
+            let expected: u64 = weights.iter().map(|&i| g.nodes[i].bytes()).sum();
+            // The shared conditioning leaf c is a variable the graph does not own: its gradient
+            // is the only other one counted with the weights'.
+            assert_eq!(bw.weight_grads, expected + g.nodes[c].bytes(), "{p:?}");
+            // The store (plus sinks) at the end holds the weight grads and the leaves' grads
+            // (x and c, the leaf copies) and nothing chained to them.
+            assert!(bw.store >= expected + bw.leaf_grads);
+        }
+    }
+
+    #[test]
+    fn mixed_precision_makes_no_weight_casts() {
+        // The fused linears read the f32 master weights directly: no bf16 copies in the graph.
+        let (g, ..) = block(&shape(Precision::Bf16Mixed));
+        let (_, casts) = owned_bytes(&g);
+        assert_eq!(casts, 0);
+        let (g32, ..) = block(&shape(Precision::Fp32));
+        let (_, casts32) = owned_bytes(&g32);
+        assert_eq!(casts32, 0);
+    }
+}

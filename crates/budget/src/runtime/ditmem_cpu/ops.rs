@@ -1,0 +1,258 @@
+//! The rules of the engine's fused ops (twin: the engine's `ops.rs`, and the workspace of its
+//! bf16 kernels in `kernels/gemm_bf16.rs` / `ops/attention/bf16.rs`): each op as one node of a [`Graph`] with what
+//! it saves and the workspace its forward and backward allocate. The engine's tests and benches
+//! hold their measured workspaces against these functions.
+
+use crate::host::{bf16_dot_native, cpu_threads};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::shape::Shape;
+use crate::spec::{AttentionMode, Dtype, Precision};
+
+/// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
+pub const LINEAR_ROWS: u64 = 128;
+
+/// Rows / columns of the engine's AVX512-BF16 micro-kernel tile (`kernels::gemm_bf16::{MR, NR}`): packed
+/// operands are padded to whole tiles.
+pub const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
+
+/// Bytes of a packed bf16 A operand (m × k): whole tiles of rows × ⌈k/2⌉ pairs of u16.
+fn packed_a_bytes(m: u64, k: u64) -> u64 {
+    4 * m.div_ceil(BF16_KERNEL_TILE.0) * BF16_KERNEL_TILE.0 * k.div_ceil(2)
+}
+
+/// Bytes of a packed bf16 B operand (k × n): whole tiles of columns × ⌈k/2⌉ pairs of u16.
+fn packed_b_bytes(k: u64, n: u64) -> u64 {
+    4 * n.div_ceil(BF16_KERNEL_TILE.1) * BF16_KERNEL_TILE.1 * k.div_ceil(2)
+}
+
+/// Workspace bytes (forward, backward) of the engine's fused linear (`ops::linear_*_scratch`)
+/// in compute dtype `cd` for the inputs that track (`(x, w, b)`), on the AVX512-BF16 kernel when
+/// `native` (see [`bf16_dot_native`]), else widened: nothing on f32/f64. `master`: W and b are
+/// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
+/// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
+/// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
+/// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32): forward W, b and a chunk of x and y; backward a chunk of g, and for dx
+/// Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk, for db an
+/// f32 db.
+pub fn fused_linear_scratch(
+    cd: Dtype,
+    (rows, inp, out): (u64, u64, u64),
+    (tx, tw, tb): (bool, bool, bool),
+    native: bool,
+    master: bool,
+) -> (u64, u64) {
+    let r = LINEAR_ROWS.min(rows);
+    match cd {
+        Dtype::Bf16 if native => {
+            let fwd = packed_b_bytes(inp, out) + packed_a_bytes(r, inp) + 4 * (r * out + out);
+            let mut bwd = 0;
+            if tx {
+                bwd += packed_b_bytes(out, inp) + packed_a_bytes(r, out) + 4 * r * inp;
+            }
+            let acc = if master { 0 } else { 4 };
+            if tw {
+                bwd += acc * out * inp + packed_a_bytes(out, r) + packed_b_bytes(r, inp);
+            }
+            if tb {
+                bwd += acc * out;
+            }
+            (fwd, bwd)
+        }
+        Dtype::Bf16 | Dtype::F16 => {
+            let mut b = r * out;
+            if tx {
+                b += out * inp + r * out + r * inp;
+            }
+            if tw {
+                b += out * inp + r * inp;
+            }
+            if tb {
+                b += out;
+            }
+            (4 * (out * inp + out + r * (inp + out)), 4 * b)
+        }
+        _ => (0, 0),
+    }
+}
+
+/// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
+/// nothing saved beyond its inputs; its workspace is [`fused_linear_scratch`]. The gradients it
+/// returns are those of the inputs that track. Its widened f32 buffers are laid out so that
+/// `gemm` packs nothing (its per-call packing buffers are not in this model).
+pub fn fused_linear(
+    g: &mut Graph,
+    name: &str,
+    ins: [Nid; 3],
+    rows: u64,
+    inp: u64,
+    out: u64,
+) -> Nid {
+    let cd = g.dtype(ins[0]);
+    let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
+    let tracks = (wants(ins[0]), wants(ins[1]), wants(ins[2]));
+    let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native(), master);
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &ins,
+        rows * out,
+        cd,
+    );
+    g.nodes[y].fwd_scratch = fwd;
+    y
+}
+
+/// `ops::ln_modulate` of the engine: LayerNorm fused with the adaLN modulation, written in the
+/// compute dtype. One fresh output; the op keeps (mean, rstd) per row in the accumulation type
+/// (f64 under fp64, else f32) beside it. Its inputs are x and the shift/scale chunks themselves.
+pub fn ln_modulate(
+    g: &mut Graph,
+    name: &str,
+    x: Nid,
+    shift: Nid,
+    scale: Nid,
+    rows: u64,
+    out: Dtype,
+) -> Nid {
+    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
+    let e = g.elems(x);
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: 0 },
+        &[x, shift, scale],
+        e,
+        out,
+    );
+    g.nodes[y].extra = 2 * rows * acc;
+    y
+}
+
+/// `ops::gelu_tanh` of the engine: one fresh output, saves nothing beyond its input.
+pub fn gelu(g: &mut Graph, name: &str, x: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
+}
+
+/// `ops::gated_residual` of the engine: `x + y·gate` as one fresh node in x's dtype, reading y
+/// in the compute dtype; saves nothing beyond its inputs.
+pub fn gated_residual(g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, y, gate], e, dt)
+}
+
+/// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
+pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
+
+/// Bytes of one thread's scratch (forward, backward) of the engine's streaming bf16 attention on
+/// the AVX512-BF16 kernel with key blocks of `kb` (`ops::attention::bf16::streaming_scratch_bytes`).
+/// Forward: f32 output accumulator, a block of scores, row max and sum; packed q, a packed block
+/// of P, a packed B (a block of kᵀ or v). Backward: f32 dq, dk, dv, blocks of P and dP, the row
+/// deltas; packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ), a packed B (a block of kᵀ,
+/// vᵀ or k, or all of dO or q).
+pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
+    let a_qd = packed_a_bytes(s, dh);
+    let a_blk = packed_a_bytes(s, kb).max(packed_a_bytes(kb, s));
+    let b_fwd = packed_b_bytes(dh, kb).max(packed_b_bytes(kb, dh));
+    let b_bwd = b_fwd.max(packed_b_bytes(s, dh));
+    (
+        4 * (s * dh + s * kb + 2 * s) + a_qd + packed_a_bytes(s, kb) + b_fwd,
+        4 * (3 * s * dh + 2 * s * kb + s) + 2 * a_qd + a_blk + b_bwd,
+    )
+}
+
+/// Bytes of one thread's scratch (forward, backward) of the engine's bf16 attention on the
+/// AVX512-BF16 kernel (`ops::attention::bf16::native_scratch_bytes`): f32 buffers (forward the head's
+/// output and S; backward dq, dk, dv, P and dP) and the packed operands of every product of a
+/// head (A up to s × max(s, d_h); B d_h × s or s × d_h).
+pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
+    let packed = packed_a_bytes(s, s.max(dh)) + packed_b_bytes(dh, s).max(packed_b_bytes(s, dh));
+    (
+        4 * (s * dh + s * s) + packed,
+        4 * (3 * s * dh + 2 * s * s) + packed,
+    )
+}
+
+/// `ops::qkv_attention` of the engine: attention read in place from the (b·s, 3D) qkv
+/// projection, written as (b·s, D). One fresh output. What it keeps (the node's `extra`): P
+/// (b·a·s², compute dtype) when materialized, the log-sum-exp (b·a·s, accumulation type) when
+/// memory-efficient, nothing under attention-only recompute. Forward and backward work on one
+/// scratch of accumulation-type buffers per thread (at most one thread per head), allocated up
+/// front; the backward returns one fresh (b·s, 3D) gradient.
+pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
+    let cd = sh.cd();
+    let acc = if sh.precision == Precision::Fp64 {
+        8
+    } else {
+        4
+    };
+    let (s, dh) = (sh.s, sh.d / sh.heads);
+    let nh = sh.b * sh.heads;
+    let kb = FUSED_ATTN_KEY_BLOCK.min(s);
+    let nt = cpu_threads().clamp(1, nh.max(1));
+    // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
+    // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`ops::attention::bf16::applies`), in every
+    // mode: its own scratch, in bytes.
+    let native = cd == Dtype::Bf16 && bf16_dot_native();
+    let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
+        (
+            "attention (fused, streaming; keeps lse)",
+            nh * s * acc,
+            4 * s * dh + s * kb + 2 * s,
+            7 * s * dh + 2 * s * kb + s,
+        )
+    } else if sh.attention_only {
+        (
+            "attention (fused; P recomputed in backward)",
+            0,
+            4 * s * dh + s * s,
+            7 * s * dh + 2 * s * s,
+        )
+    } else {
+        (
+            "attention (fused; keeps P)",
+            nh * s * s * cd.size(),
+            4 * s * dh + s * s,
+            7 * s * dh + 2 * s * s,
+        )
+    };
+    let (fwd_bytes, bwd_bytes) = if native && sh.attention == AttentionMode::MemoryEfficient {
+        streaming_attention_scratch(s, dh, kb)
+    } else if native {
+        native_attention_scratch(s, dh)
+    } else {
+        (fwd * acc, bwd * acc)
+    };
+    let o = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: nt * bwd_bytes,
+        },
+        &[qkv],
+        sh.e(),
+        cd,
+    );
+    g.nodes[o].extra = extra;
+    g.nodes[o].fwd_scratch = nt * fwd_bytes;
+    o
+}
+
+/// The root the engine backpropagates a block from (`ops::backward_from(out, grad_out)`),
+/// appended to a graph: returns the root.
+pub fn seed(g: &mut Graph, out: Nid) -> Nid {
+    let (e, dt) = (g.elems(out), g.dtype(out));
+    let go = g.constant("grad_out", e, dt, false);
+    g.op("grad seed", Kind::Seed, &[out, go], 1, dt)
+}
+
+/// The composed root `sum(out · grad_out)` appended to a graph (the composed attention core
+/// still backpropagates from it): returns the root.
+pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
+    let (e, dt) = (g.elems(out), g.dtype(out));
+    let go = g.constant("grad_out", e, dt, false);
+    let m = g.op("out·grad_out", Kind::Mul, &[out, go], e, dt);
+    g.op("sum", Kind::Sum, &[m], 1, dt)
+}
+
+/// Elements per partial sum of the engine's gradient norm (`ops::SQUARES_CHUNK`).
+pub const SQUARES_CHUNK: u64 = 1 << 16;

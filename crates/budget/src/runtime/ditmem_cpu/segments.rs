@@ -1,0 +1,231 @@
+//! The three segments of the engine's step as candle graphs — the input side and the final
+//! layer + loss as `Trainer::microbatch` builds them (twin: the engine's `trainer.rs`), a block as
+//! `block_forward` builds it ([`super::block`]) — and their simulation into [`Sims`]: what each
+//! keeps, its forward peaks and its backward replayed through candle's rules.
+
+use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::ditmem_cpu::backward::backward;
+use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{ln_modulate, seed};
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Spec};
+
+/// The embed segment: patch embedding + pos table, timestep MLP, label rows, c = t + y.
+/// Returns (graph, x0, c).
+pub fn embed_graph(sh: &Shape) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.precision.compute_dtype(), sh.precision.accum_dtype());
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let n = rows * p2 * sh.c_in;
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    // Patchified latents in the compute dtype (made without tracking, kept by the matmul).
+    // Locals of `Trainer::microbatch` stay alive to its end (they matter when nothing tracks,
+    // as under LoRA with a frozen embedder): the patches, timestep features, t1, t_emb, y_emb,
+    // c and x0 are bound.
+    let xp = g.constant("patches", n, cd, true);
+    g.bind(xp);
+    let xe = linear(
+        &mut g,
+        sh,
+        "x_embedder.proj",
+        xp,
+        rows,
+        sh.d,
+        sh.c_in * p2,
+        None,
+    );
+    let xe = g.cast(&format!("x_embedder→{ad}"), xe, ad);
+    let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+    let pos = g.constant("pos_embed", sh.s * sh.d, ad, false);
+    let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+    let f = sh.freq;
+    let tf = g.constant("timestep features", sh.b * f, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
+    let h = linear(&mut g, sh, "t_embedder.mlp.0", tf, sh.b, sh.d, f, None);
+    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+    g.bind(h);
+    let te = linear(&mut g, sh, "t_embedder.mlp.2", h, sh.b, sh.d, sh.d, None);
+    let te = g.cast(&format!("t_emb→{ad}"), te, ad);
+    g.bind(te);
+    let rows_k = sh.label_rows;
+    let table_dt = if sh.lora.is_some() {
+        cd
+    } else {
+        sh.precision.param_dtype()
+    };
+    let table = if sh.lora.is_some() {
+        g.constant(
+            "y_embedder.embedding_table.weight",
+            rows_k * sh.d,
+            table_dt,
+            false,
+        )
+    } else {
+        g.var(
+            "y_embedder.embedding_table.weight",
+            rows_k * sh.d,
+            table_dt,
+            false,
+        )
+    };
+    // The label ids (u32, one per sample; 4 bytes each like an f32).
+    let ids = g.constant("label ids", sh.b, Dtype::F32, true);
+    g.bind(ids);
+    let y = g.op("label rows", Kind::IndexSelect, &[table, ids], bd, table_dt);
+    let y = g.cast(&format!("y_emb→{ad}"), y, ad);
+    g.bind(y);
+    let c = g.op("c = t_emb + y_emb", Kind::Add, &[te, y], bd, ad);
+    g.bind(c);
+    g.bind(x0);
+    (g, x0, c)
+}
+
+/// The final layer and the loss on a leaf copy of the last block's output.
+/// Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.precision.compute_dtype(), sh.precision.accum_dtype());
+    let ld = grad_dtype(sh.precision);
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let e = sh.e();
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", e, ad, true);
+    let c = g.var("c (shared leaf)", bd, ad, false);
+    let md = ada_ln(&mut g, sh, "final_layer.adaLN_modulation.1", c, 2, None);
+    let h = ln_modulate(&mut g, "final norm+modulate", x, md[0], md[1], rows, cd);
+    let out_el = rows * p2 * sh.c_out;
+    let y = linear(
+        &mut g,
+        sh,
+        "final_layer.linear",
+        h,
+        rows,
+        p2 * sh.c_out,
+        sh.d,
+        None,
+    );
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+    let lat = rows * p2 * sh.c_in;
+    let pred = g.view(
+        "ε channels",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: out_el - lat,
+        },
+        img,
+        lat,
+    );
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", lat, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+fn seg(
+    g: &Graph,
+    leaf: Option<Nid>,
+    output: Option<Nid>,
+    root: Nid,
+    root_nodes: usize,
+    held: &[Nid],
+) -> SegSim {
+    let mut roots = vec![root];
+    roots.extend_from_slice(held);
+    let (act, casts) = kept_bytes(g, &roots);
+    let keep = retained(g, &roots);
+    let kept = |x: Nid| if keep[x] { g.nodes[x].footprint() } else { 0 };
+    let leaf_b = leaf.map_or(0, kept);
+    let out_b = output.map_or(0, kept);
+    // The backward root's own nodes exist only during backward.
+    let root_b: u64 = (g.nodes.len() - root_nodes..g.nodes.len()).map(kept).sum();
+    let bw = backward(g, root);
+    SegSim {
+        activations: act - leaf_b - out_b - root_b,
+        weight_casts: casts,
+        leaf: leaf_b,
+        output: out_b,
+        fwd_peak: 0,
+        untracked_peak: 0,
+        root: root_b,
+        bwd_peak: bw.peak,
+        bwd_store: bw.store,
+        bwd_leaf_grads: bw.leaf_grads,
+    }
+}
+
+/// Simulate the engine's three segments for a spec.
+pub fn sims(spec: &Spec) -> Sims {
+    let sh = Shape::new(spec);
+    let m = &spec.model;
+    let ad = sh.precision.accum_dtype();
+    let cd = sh.precision.compute_dtype();
+
+    // Block: tracked on a leaf copy, plus the seed it is backpropagated from.
+    let (mut bg, leaf, _c, out) = block::block(&sh);
+    let fwd = forward_peak(&bg);
+    let root = seed(&mut bg, out);
+    let mut block = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
+    block.fwd_peak = fwd;
+    // No-grad forward on the input itself (no leaf copy); the output survives.
+    let (mut ug, uleaf, _, uout) = block::block(&sh);
+    ug.nodes[uleaf].alloc = false;
+    block.untracked_peak = untracked_peak(&ug, &[uout]);
+
+    // Final layer + loss.
+    let (fg, fleaf, froot) = final_graph(&sh);
+    // The root (loss·scale) exists only for the backward call.
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
+
+    // Embed: its surrogate is x0·gx + c·gc summed.
+    let (mut eg, x0, c) = embed_graph(&sh);
+    let fwd = forward_peak(&eg);
+    let e = eg.nodes[x0].elems;
+    let bd = sh.b * sh.d;
+    let gx = eg.constant("grad x0", e, ad, false);
+    let gc = eg.constant("grad c", bd, ad, false);
+    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], e, ad);
+    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
+    let m2 = eg.op("c·gc", Kind::Mul, &[c, gc], bd, ad);
+    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
+    let r = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
+    let held = eg.bound();
+    let tail: Vec<Nid> = held
+        .iter()
+        .copied()
+        .filter(|&n| n != x0 && n != c)
+        .collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg(&eg, None, Some(x0), r, 5, &held);
+    embed.fwd_peak = fwd;
+
+    let n_lat = sh.b * sh.s * u64::from(m.patch) * u64::from(m.patch) * u64::from(m.in_channels);
+    // noisy(): host f64 tensor then its cast; patchify's contiguous copy; the cast to cd.
+    let _ = cd;
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    // timestep features: f64 then the accumulation dtype.
+    scratch = scratch.max(sh.b * u64::from(m.freq_embed) * 8);
+    Sims {
+        embed,
+        block,
+        final_layer,
+        c_leaf: bd * ad.size() + TENSOR_META + STORAGE_META,
+        embed_scratch: scratch,
+        embed_tail,
+    }
+}

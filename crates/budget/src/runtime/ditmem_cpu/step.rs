@@ -1,0 +1,447 @@
+//! The `ditmem-cpu` step timeline: a replay of `ditmem-engine`'s `Trainer::step` over the candle
+//! graphs of [`super::segments`] (twin: the engine's `trainer.rs`).
+//!
+//! The replay follows the engine's code path: the microbatch slice of the batch, the embed
+//! segment (kept to the end of backward), each block on a leaf copy of its input (stored) or on
+//! its input without tracking (recomputed), the final layer on a leaf copy, then backward through
+//! the final layer's loss and each block from its output gradient (the seed of
+//! `ops::backward_from`), the gradient buffers (moved out of the gradient store, or out of the
+//! linears' gradient sinks, on the first microbatch, summed on later ones), and the optimizer
+//! step: the gradient norm, AdamW's temporaries, the EMA update. Every event is a point
+//! the engine's recorder marks (`inside: false`) or the worst moment between two marks.
+
+use crate::events::{Breakdown, Event, Events, Phase, StaticBytes};
+use crate::host::{bf16_dot_native, cpu_threads};
+use crate::params::{ParamRole, ParamTensor};
+use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
+use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Optimizer, Precision, Spec};
+
+/// Gradient buffers of the engine: fp32, fp64 under the fp64 policy (also under bf16-pure).
+pub fn grad_dtype(p: Precision) -> Dtype {
+    if p == Precision::Fp64 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    }
+}
+
+/// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls: about
+/// 1 MiB per thread of the pool (the step runs on a pool worker, so every thread that calls or
+/// helps a matmul is one), measured with the counting allocator on this project's 2-core machines
+/// (1,048,574 B per thread with 1, 2 and 4 threads). They are sized from the CPU's caches, so
+/// other machines differ a little; `ditmem compare` reports the measured value beside this one.
+/// None when the step makes no `gemm` product (see [`step_uses_gemm`]).
+pub fn gemm_workspace_bytes(threads: u64) -> u64 {
+    const PER_THREAD: u64 = 1_048_576;
+    threads.max(1) * PER_THREAD
+}
+
+/// Whether a step of `spec` multiplies through candle's `gemm` crate: f32/f64 products, bf16 or
+/// f16 products widened to f32 (no AVX512-BF16 kernel, or f16), and LoRA adapters (composed
+/// candle matmuls). bf16 linears and attention on the engine's kernel make none.
+pub fn step_uses_gemm(spec: &Spec) -> bool {
+    let bf16_native = spec.recipe.precision.compute_dtype() == Dtype::Bf16 && bf16_dot_native();
+    !bf16_native || spec.recipe.lora.is_some()
+}
+
+/// Bytes of one trained tensor's optimizer update temporaries in the engine (`optim.rs`).
+fn optimizer_peak(elems: u64, p: Precision, opt: Optimizer, scaled: bool) -> u64 {
+    let sd = p.optimizer_dtype().size();
+    let pd = p.param_dtype().size();
+    let gd = grad_dtype(p).size();
+    let cast_in = if pd != sd { elems * sd } else { 0 };
+    let unscale = if scaled { elems * sd } else { 0 };
+    let g_cast = if gd != sd { elems * sd } else { 0 };
+    match opt {
+        // The engine's AdamW updates m, v and the weight in place in one pass (`optim.rs`,
+        // a candle in-place op): only a gradient cast, when the gradient dtype
+        // differs from the state's, allocates.
+        Optimizer::AdamW | Optimizer::AdamW8bit => g_cast,
+        Optimizer::Sgd => {
+            g_cast + unscale + cast_in + 2 * elems * sd + if pd != sd { elems * pd } else { 0 }
+        }
+    }
+}
+
+/// Replay one optimizer step of the engine.
+pub fn replay(
+    spec: &Spec,
+    table: &[ParamTensor],
+    st: &StaticBytes,
+    sims: &Sims,
+    max_microbatches: u32,
+) -> Vec<Event> {
+    let w = &spec.workload;
+    let per_step = u64::from(w.microbatch) * u64::from(w.accumulation);
+    let base = Breakdown {
+        weights: st.weights,
+        master_weights: st.master_weights,
+        optimizer_state: st.optimizer_state,
+        ema: st.ema,
+        data: batch_bytes(spec, per_step),
+        runtime: if step_uses_gemm(spec) {
+            gemm_workspace_bytes(cpu_threads())
+        } else {
+            0
+        },
+        ..Breakdown::default()
+    };
+    let mut rp = Replay::new(spec, table, sims);
+    rp.ev
+        .push(Phase::Start, "step start".into(), None, 0, false, base);
+    let mut live = base;
+    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
+        live.data += batch_bytes(spec, u64::from(w.microbatch));
+        rp.forward(&mut live, mb);
+        rp.backward(&mut live, mb);
+        live.data -= batch_bytes(spec, u64::from(w.microbatch));
+    }
+    rp.optimizer(&mut live, table, base.runtime);
+    rp.ev.0
+}
+
+/// Bytes of a `Batch` of `n` samples: latents and noise in f64, timesteps and labels u32,
+/// label-drop flags.
+fn batch_bytes(spec: &Spec, n: u64) -> u64 {
+    let lat_per_sample = u64::from(spec.model.in_channels)
+        * (spec.tokens().unwrap_or(0))
+        * u64::from(spec.model.patch)
+        * u64::from(spec.model.patch);
+    n * (2 * lat_per_sample * 8 + 4 + 4 + 1)
+}
+
+/// The gradients one segment lands in the buffers.
+#[derive(Debug, Clone, Copy)]
+struct Landing {
+    /// A landed gradient is a tensor of its own: its buffer (`gradients`) and candle's
+    /// bookkeeping for it (`runtime`), as (buffer bytes, bookkeeping bytes).
+    grads: (u64, u64),
+    /// The largest of them (the transient of summing it into an existing buffer).
+    largest: u64,
+}
+
+impl Landing {
+    fn of(table: &[ParamTensor], gd: u64, f: &dyn Fn(&ParamTensor) -> bool) -> Landing {
+        let trained = || {
+            table
+                .iter()
+                .filter(|t| t.role == ParamRole::Trained && f(t))
+        };
+        Landing {
+            grads: trained().fold((0, 0), |(b, m), t| {
+                (b + t.numel() * gd, m + TENSOR_META + STORAGE_META)
+            }),
+            largest: trained().map(|t| t.numel() * gd).max().unwrap_or(0),
+        }
+    }
+}
+
+/// The state of one replay: the spec's segments, what each segment lands, and the events so far.
+struct Replay<'a> {
+    spec: &'a Spec,
+    sims: &'a Sims,
+    ev: Events,
+    /// One residual-stream tensor with candle's bookkeeping.
+    e: u64,
+    /// The conditioning vector's gradient (b·D) with candle's bookkeeping.
+    bd: u64,
+    /// Weights stored in another dtype than the gradient buffers (bf16-pure): the first
+    /// microbatch's gradients are cast into new buffers while the store still holds the
+    /// originals, instead of being moved.
+    cast_on_landing: bool,
+    block: Landing,
+    final_layer: Landing,
+    embed: Landing,
+}
+
+impl<'a> Replay<'a> {
+    fn new(spec: &'a Spec, table: &[ParamTensor], sims: &'a Sims) -> Replay<'a> {
+        let p = spec.recipe.precision;
+        let ad = p.accum_dtype();
+        let gd = grad_dtype(p).size();
+        let sh = Shape::new(spec);
+        Replay {
+            spec,
+            sims,
+            ev: Events::default(),
+            e: sh.e() * ad.size() + TENSOR_META + STORAGE_META,
+            bd: sh.b * sh.d * ad.size() + TENSOR_META + STORAGE_META,
+            cast_on_landing: p.param_dtype() != grad_dtype(p),
+            block: Landing::of(table, gd, &|t| t.block == Some(0)),
+            final_layer: Landing::of(table, gd, &|t| t.name.starts_with("final_layer")),
+            embed: Landing::of(table, gd, &|t| {
+                t.block.is_none() && !t.name.starts_with("final_layer")
+            }),
+        }
+    }
+
+    fn recomputed(&self, i: u32) -> bool {
+        self.spec.recipe.recompute.recomputes_block(i)
+    }
+
+    /// An event of microbatch `mb`, its label prefixed by the microbatch under accumulation.
+    fn mark(
+        &mut self,
+        phase: Phase,
+        what: String,
+        block: Option<u32>,
+        mb: u32,
+        inside: bool,
+        live: Breakdown,
+    ) {
+        let label = if self.spec.workload.accumulation > 1 {
+            format!("microbatch {mb}: {what}")
+        } else {
+            what
+        };
+        self.ev.push(phase, label, block, mb, inside, live);
+    }
+
+    /// Lands a segment's gradients in the buffers; returns the extra transient of the moment
+    /// worth an event (summing into existing buffers, or the first casts), if any.
+    fn land(&self, live: &mut Breakdown, first: bool, l: Landing) -> Option<u64> {
+        if first {
+            live.gradients += l.grads.0;
+            live.runtime += l.grads.1;
+            self.cast_on_landing.then_some(0)
+        } else {
+            Some(l.largest)
+        }
+    }
+
+    /// The landing of a segment's gradients as an event of its own, when it is worth one.
+    fn land_event(
+        &mut self,
+        live: &mut Breakdown,
+        mb: u32,
+        l: Landing,
+        what: String,
+        block: Option<u32>,
+    ) {
+        if let Some(t) = self.land(live, mb == 0, l) {
+            let mut inside = *live;
+            inside.workspace += t;
+            self.mark(Phase::Backward, what, block, mb, true, inside);
+        }
+    }
+
+    /// Forward of microbatch `mb`: the embed segment, each block (stored on a leaf copy, or
+    /// recomputed without tracking), the final layer and the loss.
+    fn forward(&mut self, live: &mut Breakdown, mb: u32) {
+        let sims = self.sims;
+        let depth = self.spec.model.depth;
+        let e = self.e;
+
+        // Embed.
+        let es = &sims.embed;
+        let mut inside = *live;
+        inside.data += sims.embed_scratch;
+        inside.activations += es.fwd_peak;
+        self.mark(
+            Phase::Forward,
+            "embed (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
+        live.activations += es.activations + es.output + sims.c_leaf;
+        live.weight_casts += es.weight_casts;
+        self.mark(Phase::Forward, "embed".into(), None, mb, false, *live);
+
+        // Blocks.
+        let bs = &sims.block;
+        let block_kept = bs.activations + bs.leaf + bs.output;
+        for i in 0..depth {
+            let mut inside = *live;
+            if self.recomputed(i) {
+                inside.activations += bs.untracked_peak;
+                live.activations += bs.output;
+            } else {
+                inside.activations += bs.fwd_peak;
+                live.activations += block_kept;
+                live.weight_casts += bs.weight_casts;
+                if i > 0 && self.recomputed(i - 1) {
+                    // The recomputed block's output was only this block's input: copied, freed.
+                    live.activations -= e;
+                }
+            }
+            let what = format!("block {i} (inside)");
+            self.mark(Phase::Forward, what, Some(i), mb, true, inside);
+            self.mark(
+                Phase::Forward,
+                format!("block {i}"),
+                Some(i),
+                mb,
+                false,
+                *live,
+            );
+        }
+
+        // Final layer + loss.
+        let fs = &sims.final_layer;
+        let mut inside = *live;
+        inside.activations += fs.fwd_peak;
+        live.activations += fs.activations + fs.leaf;
+        live.weight_casts += fs.weight_casts;
+        if depth > 0 && self.recomputed(depth - 1) {
+            live.activations -= e;
+        }
+        self.mark(
+            Phase::Forward,
+            "final (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
+        self.mark(Phase::Forward, "final".into(), None, mb, false, *live);
+    }
+
+    /// Backward of microbatch `mb`: the loss, each block from its output gradient (rebuilt
+    /// first when recomputed), the embed segment; each lands its gradients in the buffers.
+    fn backward(&mut self, live: &mut Breakdown, mb: u32) {
+        let sims = self.sims;
+        let fs = &sims.final_layer;
+
+        // Backward of the loss.
+        let mut inside = *live;
+        inside.workspace += fs.root + fs.bwd_peak;
+        self.mark(
+            Phase::Backward,
+            "final (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
+        // Store left: leaf grad (gx), c grad, weight grads, other leftovers.
+        live.workspace += fs.bwd_store;
+        live.activations -= fs.activations + fs.leaf;
+        live.weight_casts -= fs.weight_casts;
+        let what = "final grads (inside)".into();
+        self.land_event(live, mb, self.final_layer, what, None);
+        // drop(grads): what remains is gx (the leaf's grad) and gc.
+        live.workspace -= fs.bwd_store;
+        live.workspace += fs.bwd_leaf_grads + self.bd;
+        self.mark(Phase::Backward, "final".into(), None, mb, false, *live);
+
+        let gx_bytes = self.backward_blocks(live, mb, fs.bwd_leaf_grads);
+
+        // Embed backward.
+        let es = &sims.embed;
+        let mut inside = *live;
+        inside.workspace += es.root + es.bwd_peak;
+        self.mark(
+            Phase::Backward,
+            "embed (inside)".into(),
+            None,
+            mb,
+            true,
+            inside,
+        );
+        live.workspace += es.bwd_store;
+        let what = "embed grads (inside)".into();
+        self.land_event(live, mb, self.embed, what, None);
+        // x0, c, gx and gc are dropped; the other locals of `microbatch` (patches, timestep
+        // features, t_emb, y_emb and what they still hold) and the microbatch slice live until
+        // the function returns, just after this mark.
+        live.workspace -= es.bwd_store + gx_bytes + self.bd;
+        live.activations -= es.activations + es.output + sims.c_leaf;
+        live.weight_casts -= es.weight_casts;
+        live.activations += sims.embed_tail.0;
+        live.weight_casts += sims.embed_tail.1;
+        self.mark(Phase::Backward, "embed".into(), None, mb, false, *live);
+        live.activations -= sims.embed_tail.0;
+        live.weight_casts -= sims.embed_tail.1;
+    }
+
+    /// Backward through the blocks, last first, from the final layer's input gradient of
+    /// `gx_bytes`; returns the bytes of the gradient left for the embed segment.
+    fn backward_blocks(&mut self, live: &mut Breakdown, mb: u32, mut gx_bytes: u64) -> u64 {
+        let bs = &self.sims.block;
+        let e = self.e;
+        for i in (0..self.spec.model.depth).rev() {
+            let mut inside = *live;
+            if self.recomputed(i) {
+                // Leaf copy of the saved input; the input is freed unless the previous block's
+                // stored output (or x0) still holds it.
+                live.activations += bs.leaf;
+                let input_held = i == 0 || !self.recomputed(i - 1);
+                if !input_held {
+                    live.activations -= e;
+                }
+                inside = *live;
+                inside.activations += bs.fwd_peak - bs.leaf;
+                let what = format!("block {i} recompute (inside)");
+                self.mark(Phase::Backward, what, Some(i), mb, true, inside);
+                live.activations += bs.activations + bs.output;
+                live.weight_casts += bs.weight_casts;
+                inside = *live;
+            }
+            inside.workspace += bs.root + bs.bwd_peak;
+            let what = format!("block {i} (inside)");
+            self.mark(Phase::Backward, what, Some(i), mb, true, inside);
+            // After backward: the store; drop(out) frees the graph and the output.
+            live.workspace += bs.bwd_store;
+            live.activations -= bs.activations + bs.output;
+            live.weight_casts -= bs.weight_casts;
+            let what = format!("block {i} grads (inside)");
+            self.land_event(live, mb, self.block, what, Some(i));
+            // gx replaced by the leaf's grad; drop(grads); drop(leaf).
+            live.workspace -= bs.bwd_store;
+            live.workspace -= gx_bytes;
+            live.workspace += bs.bwd_leaf_grads;
+            gx_bytes = bs.bwd_leaf_grads;
+            live.activations -= bs.leaf;
+            let what = format!("block {i}");
+            self.mark(Phase::Backward, what, Some(i), mb, false, *live);
+        }
+        gx_bytes
+    }
+
+    /// Optimizer: gradient norm, the update, the EMA (in place, no moment of its own); the
+    /// gradient buffers are dropped after it.
+    fn optimizer(&mut self, live: &mut Breakdown, table: &[ParamTensor], runtime: u64) {
+        let r = &self.spec.recipe;
+        let p = r.precision;
+        let trained: Vec<u64> = table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .map(ParamTensor::numel)
+            .collect();
+        let largest = trained.iter().copied().max().unwrap_or(0);
+        if largest > 0 {
+            // `ops::sum_squares`: one f64 partial sum per chunk of the largest gradient.
+            let mut inside = *live;
+            inside.workspace += largest.div_ceil(SQUARES_CHUNK) * 8;
+            self.ev.push(
+                Phase::Optimizer,
+                "gradient norm (inside)".into(),
+                None,
+                0,
+                true,
+                inside,
+            );
+            let scaled = p == Precision::Fp16Mixed;
+            let mut inside = *live;
+            inside.workspace += optimizer_peak(largest, p, r.optimizer, scaled);
+            self.ev.push(
+                Phase::Optimizer,
+                format!("{} (inside)", r.optimizer.name()),
+                None,
+                0,
+                true,
+                inside,
+            );
+            // The EMA update runs in place (`optim.rs`): no moment of its own.
+        }
+        live.gradients = 0;
+        live.runtime = runtime;
+        self.ev
+            .push(Phase::Optimizer, "optimizer".into(), None, 0, false, *live);
+    }
+}

@@ -1,0 +1,262 @@
+//! PyTorch's memory over one segment: the release rule of autograd's saved tensors [AG] as one
+//! simulator (tracked, checkpointed and backward passes), and the CUDA caching allocator's
+//! rounding [CUDA] (the rule sources are listed in the folder's `mod.rs`).
+
+use serde::Serialize;
+
+use crate::runtime::pytorch::device::PyTorch;
+use crate::runtime::pytorch::rules::{CACHED, SAVED};
+use crate::segment::{Segment, TensorKind, TensorRole, Tid};
+
+const MIB: u64 = 1 << 20;
+
+impl PyTorch {
+    /// Bytes the caching allocator hands out for a request [CUDA]: 512 B granularity.
+    pub fn cuda_block(bytes: u64) -> u64 {
+        bytes.div_ceil(512) * 512
+    }
+
+    /// Size of the segment `cudaMalloc`ed for a request that no cached block can serve [CUDA].
+    pub fn cuda_segment(bytes: u64) -> u64 {
+        let b = Self::cuda_block(bytes);
+        if b <= MIB {
+            2 * MIB
+        } else if b < 10 * MIB {
+            20 * MIB
+        } else {
+            b.div_ceil(2 * MIB) * 2 * MIB
+        }
+    }
+}
+
+/// Bytes by kind inside one segment's simulation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Live {
+    /// Saved activations (and the segment's output while it is alive).
+    pub activations: u64,
+    /// Autocast weight copies.
+    pub weight_casts: u64,
+    /// In-flight gradients and op scratch.
+    pub workspace: u64,
+    /// New parameter gradients (the `.grad` buffers this segment creates).
+    pub gradients: u64,
+}
+
+impl Live {
+    pub fn total(&self) -> u64 {
+        self.activations + self.weight_casts + self.workspace + self.gradients
+    }
+}
+
+/// What one segment costs under PyTorch's rules.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SegCost {
+    /// The output storage (the next segment's input).
+    pub output: u64,
+    /// Saved by the tracked graph after the forward (output and inputs excluded).
+    pub kept: Live,
+    /// Autocast copies that only the cache holds: alive until the forward's autocast exits.
+    pub cache_only: u64,
+    /// Highest bytes above the start of a tracked forward (output included).
+    pub fwd_peak: Live,
+    /// Highest bytes above the start of a checkpointed forward (nothing saved; weight copies
+    /// held by the autocast cache), output included.
+    pub ckpt_peak: Live,
+    /// Weight copies a checkpointed forward leaves in the autocast cache.
+    pub ckpt_cache: u64,
+    /// Worst moment of the backward, segment-local: what is left of the graph, the incoming
+    /// gradient, in-flight gradients, scratch and the new parameter gradients.
+    pub bwd_peak: Live,
+    /// Gradients of the segment's inputs at the end of its backward.
+    pub input_grads: u64,
+    /// Parameter gradients the segment creates.
+    pub param_grads: u64,
+}
+
+/// Simulate one segment: forward (tracked and checkpointed) and backward with PyTorch's
+/// release rule — a saved storage is freed once the earliest op reading it has run its backward,
+/// gradients are freed once consumed [AG]. `extra_grads` are tensors other than the output that
+/// receive a gradient from outside (the conditioning vector c of the embed segment).
+pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
+    let n = seg.tensors.len();
+    let storage = |mut t: Tid| -> Tid {
+        while seg.tensors[t].kind == TensorKind::View {
+            match seg.ops.iter().find(|o| o.output == t) {
+                Some(op) => t = op.inputs[0],
+                None => break,
+            }
+        }
+        t
+    };
+    let out_st = storage(seg.output);
+    let is_alloc = |t: Tid| seg.tensors[t].kind == TensorKind::Alloc;
+    let is_cast = |t: Tid| seg.tensors[t].role == TensorRole::WeightCast;
+    let bytes = |t: Tid| seg.tensors[t].bytes();
+    let mut saved = vec![false; n];
+    let mut cached = vec![false; n];
+    let mut last_read = vec![None::<usize>; n];
+    let mut first_read = vec![None::<usize>; n];
+    for (k, op) in seg.ops.iter().enumerate() {
+        let t = op.output;
+        if seg.tensors[t].name.ends_with(SAVED) {
+            saved[storage(t)] = true;
+        }
+        if seg.tensors[t].name.ends_with(CACHED) {
+            cached[storage(t)] = true;
+        }
+        for &i in &op.inputs {
+            let s = storage(i);
+            last_read[s] = Some(last_read[s].map_or(k, |l| l.max(k)));
+            first_read[s] = Some(first_read[s].map_or(k, |f| f.min(k)));
+        }
+    }
+    let mut cost = SegCost {
+        output: if is_alloc(out_st) { bytes(out_st) } else { 0 },
+        ..SegCost::default()
+    };
+    let add = |l: &mut Live, t: Tid, sign: bool| {
+        let slot = if is_cast(t) {
+            &mut l.weight_casts
+        } else {
+            &mut l.activations
+        };
+        if sign {
+            *slot += bytes(t);
+        } else {
+            *slot -= bytes(t);
+        }
+    };
+    let max_live = |peak: &mut Live, cur: Live, scratch: u64| {
+        let mut c = cur;
+        c.workspace += scratch;
+        if c.total() > peak.total() {
+            *peak = c;
+        }
+    };
+
+    // Forward, tracked (saved storages stay) and checkpointed (only the cache holds anything).
+    for tracked in [true, false] {
+        let mut live = Live::default();
+        let mut peak = Live::default();
+        let mut alive = vec![false; n];
+        for (k, op) in seg.ops.iter().enumerate() {
+            let t = op.output;
+            if is_alloc(t) {
+                add(&mut live, t, true);
+                alive[t] = true;
+            }
+            if tracked {
+                live.activations += op.extra_saved;
+            }
+            max_live(&mut peak, live, op.fwd_scratch);
+            for s in 0..n {
+                if alive[s] && s != out_st && last_read[s].unwrap_or(k) <= k {
+                    let keep = (tracked && saved[s]) || (is_cast(s) && (saved[s] || cached[s]));
+                    if !keep {
+                        add(&mut live, s, false);
+                        alive[s] = false;
+                    }
+                }
+            }
+        }
+        if tracked {
+            cost.fwd_peak = peak;
+            for s in 0..n {
+                if alive[s] && s != out_st {
+                    if cached[s] && !saved[s] {
+                        cost.cache_only += bytes(s);
+                    } else {
+                        add(&mut cost.kept, s, true);
+                    }
+                }
+            }
+            cost.kept.activations += seg.ops.iter().map(|o| o.extra_saved).sum::<u64>();
+        } else {
+            cost.ckpt_peak = peak;
+            cost.ckpt_cache = (0..n).filter(|&s| alive[s] && s != out_st).map(bytes).sum();
+        }
+    }
+
+    // Backward over the kept graph.
+    let mut live = cost.kept;
+    live.workspace += grad_in;
+    let mut peak = live;
+    let mut held = vec![false; n];
+    for s in 0..n {
+        held[s] = is_alloc(s) && s != out_st && saved[s];
+    }
+    let mut grad = vec![false; n];
+    grad[seg.output] = true;
+    for &t in extra_grads {
+        grad[t] = true;
+    }
+    let mut grad_out_pending = true;
+    for (k, op) in seg.ops.iter().enumerate().rev() {
+        let o = op.output;
+        let flows = grad[o] && seg.tensors[o].requires_grad;
+        if flows {
+            let is_view = seg.tensors[o].kind == TensorKind::View;
+            let mut transient = 0;
+            for &i in &op.inputs {
+                let ti = &seg.tensors[i];
+                if !ti.requires_grad {
+                    continue;
+                }
+                match ti.kind {
+                    TensorKind::Param { trained: true } => {
+                        cost.param_grads += ti.bytes();
+                        live.gradients += ti.bytes();
+                    }
+                    TensorKind::Param { .. } => {}
+                    _ if grad[i] => {
+                        // Accumulated into the existing buffer; a view's slice is copied in.
+                        if !is_view {
+                            transient += ti.bytes();
+                        }
+                    }
+                    _ => {
+                        grad[i] = true;
+                        live.workspace += ti.bytes();
+                    }
+                }
+            }
+            max_live(&mut peak, live, transient + op.bwd_scratch);
+            // The output's gradient is consumed.
+            grad[o] = false;
+            if o == seg.output && grad_out_pending {
+                live.workspace -= grad_in;
+                grad_out_pending = false;
+            } else if extra_grads.contains(&o) {
+                // An outside gradient: accounted by the caller.
+            } else if !matches!(seg.tensors[o].kind, TensorKind::Input { .. }) {
+                live.workspace -= seg.tensors[o].bytes();
+            }
+        }
+        // Saved storages whose earliest reader has run its backward are released.
+        for s in 0..n {
+            if held[s] && first_read[s].is_none_or(|f| f >= k) {
+                held[s] = false;
+                add(&mut live, s, false);
+            }
+        }
+        // Per-op extras (LayerNorm mean/rstd, the attention log-sum-exp) go with the op's node.
+        live.activations = live.activations.saturating_sub(op.extra_saved);
+    }
+    cost.bwd_peak = peak;
+    cost.input_grads = seg
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(t, d)| {
+            grad[*t]
+                && matches!(
+                    d.kind,
+                    TensorKind::Input {
+                        requires_grad: true
+                    }
+                )
+        })
+        .map(|(_, d)| d.bytes())
+        .sum();
+    cost
+}

@@ -1,0 +1,109 @@
+//! The shape of one microbatch: what every runtime's segment builders read from a spec.
+//!
+//! One struct for the whole step (input side, blocks, final layer); the ditmem-cpu rules and the
+//! PyTorch rules both build their graphs from it. Its twin in the engine is `model::Dims`.
+
+use crate::spec::{AttentionMode, Dtype, LoraTarget, Precision, Recompute, Spec};
+
+/// Dimensions and dtypes of one microbatch, shared by every segment builder.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// Microbatch b.
+    pub b: u64,
+    /// Tokens per image s.
+    pub s: u64,
+    /// Hidden size D.
+    pub d: u64,
+    /// Heads a.
+    pub heads: u64,
+    /// MLP hidden size.
+    pub mlp: u64,
+    pub freq: u64,
+    /// Rows of the label table (classes + null class).
+    pub label_rows: u64,
+    pub c_in: u64,
+    pub c_out: u64,
+    pub patch2: u64,
+    /// Latent elements per microbatch (b·C·h·w).
+    pub latent: u64,
+    pub precision: Precision,
+    pub attention: AttentionMode,
+    pub attention_only: bool,
+    pub lora: Option<(u64, Vec<LoraTarget>)>,
+    pub attn_dropout: bool,
+    pub mlp_dropout: bool,
+}
+
+impl Shape {
+    pub fn new(spec: &Spec) -> Shape {
+        let m = &spec.model;
+        let s = spec.tokens().unwrap_or(0);
+        let b = u64::from(spec.workload.microbatch);
+        let p2 = u64::from(m.patch) * u64::from(m.patch);
+        Shape {
+            b,
+            s,
+            d: u64::from(m.hidden),
+            heads: u64::from(m.heads),
+            mlp: u64::from(m.mlp_hidden()),
+            freq: u64::from(m.freq_embed),
+            label_rows: u64::from(m.label_rows()),
+            c_in: u64::from(m.in_channels),
+            c_out: u64::from(m.out_channels()),
+            patch2: p2,
+            latent: b * s * p2 * u64::from(m.in_channels),
+            precision: spec.recipe.precision,
+            attention: spec.recipe.attention,
+            attention_only: spec.recipe.recompute == Recompute::AttentionOnly,
+            lora: spec
+                .recipe
+                .lora
+                .as_ref()
+                .map(|l| (u64::from(l.rank), l.targets.clone())),
+            attn_dropout: m.attn_dropout > 0.0,
+            mlp_dropout: m.mlp_dropout > 0.0,
+        }
+    }
+
+    /// Token-sized elements b·s·D.
+    pub fn e(&self) -> u64 {
+        self.b * self.s * self.d
+    }
+
+    /// Attention-probability elements b·a·s².
+    pub fn a(&self) -> u64 {
+        self.b * self.heads * self.s * self.s
+    }
+
+    /// Rows b·s.
+    pub fn rows(&self) -> u64 {
+        self.b * self.s
+    }
+
+    /// The compute dtype of the precision policy.
+    pub fn cd(&self) -> Dtype {
+        self.precision.compute_dtype()
+    }
+
+    /// The accumulation dtype of the precision policy (the residual stream).
+    pub fn ad(&self) -> Dtype {
+        self.precision.accum_dtype()
+    }
+
+    /// The LoRA rank of a target, when LoRA adapts it.
+    pub fn lora_for(&self, t: LoraTarget) -> Option<u64> {
+        self.lora
+            .as_ref()
+            .filter(|(_, ts)| ts.contains(&t))
+            .map(|(r, _)| *r)
+    }
+
+    /// Dtype weights are stored in (trained masters, or a frozen LoRA base in the compute dtype).
+    pub fn weight_dtype(&self) -> Dtype {
+        if self.lora.is_some() {
+            self.cd()
+        } else {
+            self.precision.param_dtype()
+        }
+    }
+}
