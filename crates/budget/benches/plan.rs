@@ -6,10 +6,24 @@
 
 use std::time::Instant;
 
-use ditmem_budget::host::cpu_model;
 use ditmem_budget::DeviceProfile;
 use ditmem_budget::Spec;
 use ditmem_budget::{plan, Allow, Limits, DEFAULT_HEADROOM};
+
+/// The CPU's model name for the conditions line. The budget never reads the host, and it cannot
+/// depend on the engine (whose `host::cpu_model` the other benches use), so its bench reads
+/// `/proc/cpuinfo` itself.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * q).round() as usize;

@@ -280,4 +280,96 @@ mod tests {
         assert_ne!(b.weights_times_four, b.peak_bytes);
         assert!(b.peak_bytes > b.weights_times_four);
     }
+
+    /// The estimate is a function of the spec: the CPU enters through `spec.cpu`, never from the
+    /// host. With the figures of the two CPUs the suite runs on — an AMD EPYC (Zen 4: AVX512-BF16,
+    /// 1 MiB of L2 per core) and an Intel Xeon (Sapphire Rapids: AVX512-BF16, 2 MiB of L2 per
+    /// core), 2 threads each — a step that multiplies through `gemm` differs by exactly the two
+    /// threads' extra slabs (measured on the engine: 2 MiB more with the Xeon's sysfs cache sizes),
+    /// and a bf16 step on the kernel, which makes no `gemm` product, not at all.
+    #[test]
+    fn the_budget_follows_the_spec_cpu_not_the_host() {
+        use crate::spec::{Bf16Products, CpuSpec};
+        let epyc = CpuSpec {
+            threads: 2,
+            bf16_products: Bf16Products::Kernel,
+            gemm_l2_bytes: 1 << 20,
+        };
+        let xeon = CpuSpec {
+            gemm_l2_bytes: 2 << 20,
+            ..epyc
+        };
+        let on = |mut s: Spec, cpu: CpuSpec| {
+            s.cpu = Some(cpu);
+            estimate(&s).unwrap()
+        };
+        let mut fp32 = small();
+        fp32.recipe.precision = Precision::Fp32;
+        let (a, b) = (on(fp32.clone(), epyc), on(fp32.clone(), xeon));
+        // `runtime` also holds candle's bookkeeping of landed gradients, the same on both.
+        assert_eq!(b.breakdown.runtime - a.breakdown.runtime, 2 << 20);
+        assert!(a.breakdown.runtime >= 2 << 20);
+        assert_eq!(b.peak_bytes - a.peak_bytes, 2 << 20);
+        assert_eq!(
+            estimate(&fp32).unwrap().peak_bytes,
+            a.peak_bytes,
+            "no cpu: the reference"
+        );
+
+        let mut bf16 = small();
+        bf16.recipe.precision = Precision::Bf16Mixed;
+        let (a, b) = (on(bf16.clone(), epyc), on(bf16.clone(), xeon));
+        assert_eq!(a.breakdown.runtime, b.breakdown.runtime);
+        assert!(a.breakdown.runtime < 1 << 20, "no slab");
+        assert_eq!(a.peak_bytes, b.peak_bytes);
+        // Widened, the same step multiplies through gemm: slabs, and the widening buffers.
+        let widened = on(
+            bf16.clone(),
+            CpuSpec {
+                bf16_products: Bf16Products::Widen,
+                ..xeon
+            },
+        );
+        assert_eq!(widened.breakdown.runtime - b.breakdown.runtime, 4 << 20);
+        assert!(widened.peak_bytes > b.peak_bytes + (4 << 20));
+
+        // Four threads: twice the slabs (and the attention keeps a scratch per thread).
+        let two = on(fp32.clone(), epyc);
+        let four = on(fp32, CpuSpec { threads: 4, ..epyc });
+        assert_eq!(four.breakdown.runtime - two.breakdown.runtime, 2 << 20);
+        assert!(four.peak_bytes >= two.peak_bytes + (2 << 20));
+    }
+
+    #[test]
+    fn a_cpu_section_is_validated_and_belongs_to_the_engine_runtime() {
+        use crate::spec::{Bf16Products, CpuSpec};
+        let field = |s: &Spec| s.validate().unwrap_err().field().map(str::to_string);
+        let mut s = small();
+        s.cpu = Some(CpuSpec {
+            threads: 0,
+            ..CpuSpec::REFERENCE
+        });
+        assert_eq!(field(&s).as_deref(), Some("cpu.threads"));
+        s.cpu = Some(CpuSpec {
+            gemm_l2_bytes: 0,
+            ..CpuSpec::REFERENCE
+        });
+        assert_eq!(field(&s).as_deref(), Some("cpu.gemm_l2_bytes"));
+        s.cpu = Some(CpuSpec {
+            bf16_products: Bf16Products::Widen,
+            ..CpuSpec::REFERENCE
+        });
+        s.validate().unwrap();
+        s.runtime = "pytorch:cuda".parse().unwrap();
+        assert_eq!(field(&s).as_deref(), Some("cpu"));
+        // Written and read back: the section survives TOML.
+        let mut t = small();
+        t.cpu = Some(CpuSpec {
+            threads: 3,
+            ..CpuSpec::REFERENCE
+        });
+        let back: Spec = toml::from_str(&t.to_toml()).unwrap();
+        assert_eq!(back.cpu, t.cpu);
+        assert!("fast".parse::<Bf16Products>().is_err());
+    }
 }

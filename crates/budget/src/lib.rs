@@ -8,15 +8,15 @@
 //! The public API is what this file exports: the spec types, [`estimate`] / [`Budget`], [`plan()`],
 //! [`export()`], units, the error, the timeline and its events, the parameter table, the time
 //! model's device profile, the `ditmem-cpu` rules the engine holds its kernels against
-//! ([`ditmem_cpu`]) and the PyTorch device rules ([`pytorch`]), and the host readings ([`host`]). Every module is crate-private; the twins of
-//! the engine's files live in `runtime/ditmem_cpu/`.
+//! ([`ditmem_cpu`]) and the PyTorch device rules ([`pytorch`]). Every module is crate-private; the twins of the engine's files live in
+//! `runtime/ditmem_cpu/`. Nothing here reads the host: where the engine's allocations depend on the
+//! CPU, the value is part of the spec ([`CpuSpec`]).
 
 mod cost;
 mod error;
 mod estimate;
 mod events;
 mod export;
-pub mod host;
 mod params;
 mod plan;
 mod runtime;
@@ -40,9 +40,9 @@ pub use plan::{
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
-    default_lora_targets, AttentionMode, Dtype, EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec,
-    Optimizer, Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid,
-    TorchDevice, Workload, MAX_TENSOR_ELEMS,
+    default_lora_targets, AttentionMode, Bf16Products, CpuSpec, Dtype, EmaSpec, Latents, LoraSpec,
+    LoraTarget, ModelSpec, Optimizer, Precision, Prediction, Recipe, Recompute, Runtime,
+    SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, MAX_TENSOR_ELEMS,
 };
 pub use timeline::{simulate_step, Timeline};
 pub use units::{fmt_bytes, parse_bytes};
@@ -60,6 +60,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::ops::{
         fused_linear_scratch, native_attention_scratch, streaming_attention_scratch, SQUARES_CHUNK,
     };
+    pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
 }
 
 /// The `pytorch` runtime as a device and SDPA kernel, with the CUDA caching allocator's rounding

@@ -823,6 +823,105 @@ impl FromStr for Runtime {
     }
 }
 
+/// How the `ditmem-cpu` engine multiplies bf16 matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Bf16Products {
+    /// On the engine's AVX512-BF16 kernel (`vdpbf16ps`, f32 accumulation): needs a CPU with
+    /// AVX512F and AVX512-BF16; makes no `gemm` product, so `gemm` keeps no packing slab.
+    Kernel,
+    /// Widened to f32 and multiplied by the `gemm` crate under candle (any CPU).
+    Widen,
+}
+
+impl Bf16Products {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Bf16Products::Kernel => "kernel",
+            Bf16Products::Widen => "widen",
+        }
+    }
+}
+
+impl FromStr for Bf16Products {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "kernel" => Ok(Bf16Products::Kernel),
+            "widen" => Ok(Bf16Products::Widen),
+            _ => Err(SpecError::invalid(
+                "cpu.bf16_products",
+                format!("'{s}' is not a bf16 product path; allowed: kernel, widen"),
+            )),
+        }
+    }
+}
+
+/// The CPU that the `ditmem-cpu` runtime executes on: what the engine's allocations depend on
+/// beyond the model and the recipe. The budget never reads the host: these values are part of
+/// the spec, filled from the machine by the CLI (and by the engine's `host::resolve`) where the
+/// spec leaves them out, and printed with every estimate, so one spec estimates the same on
+/// every machine and the engine refuses a `cpu` section that does not describe its process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuSpec {
+    /// Threads of the pool the step runs on (rayon's: `RAYON_NUM_THREADS`, else every logical
+    /// core). Each thread that runs a `gemm` product keeps one packing slab, and the fused
+    /// attention keeps one scratch per thread (at most one per head).
+    pub threads: u32,
+    /// How bf16 products run: the AVX512-BF16 kernel, or widened to f32 through `gemm`.
+    pub bf16_products: Bf16Products,
+    /// Bytes of the packing slab that the `gemm` crate allocates once per thread that runs a
+    /// product (`gemm_common::gemm::L2_SLAB`): the L2 cache per core as `gemm-common` reads it
+    /// (`cache.rs`: sysfs on Linux, cpuid elsewhere). 1 MiB on the AMD EPYC (Zen 4) this project
+    /// measures on, 2 MiB on an Intel Xeon (Sapphire Rapids).
+    pub gemm_l2_bytes: u64,
+}
+
+impl CpuSpec {
+    /// The machine the project's figures were measured on, used by the library when a spec has
+    /// no `cpu` section: AMD EPYC (Zen 4) with 2 threads, AVX512-BF16, 1 MiB of L2 per core.
+    pub const REFERENCE: CpuSpec = CpuSpec {
+        threads: 2,
+        bf16_products: Bf16Products::Kernel,
+        gemm_l2_bytes: 1 << 20,
+    };
+
+    /// Most threads a spec may name.
+    pub const MAX_THREADS: u32 = 4096;
+    /// Smallest and largest `gemm` slab a spec may name (`gemm` cannot run with no L2).
+    pub const GEMM_L2_RANGE: (u64, u64) = (1 << 10, 1 << 30);
+
+    /// Whether bf16 products run on the AVX512-BF16 kernel.
+    pub const fn bf16_kernel(&self) -> bool {
+        matches!(self.bf16_products, Bf16Products::Kernel)
+    }
+
+    fn validate(&self) -> Result<(), SpecError> {
+        if self.threads == 0 || self.threads > Self::MAX_THREADS {
+            return Err(SpecError::invalid(
+                "cpu.threads",
+                format!(
+                    "{} is out of range; allowed: 1 to {}",
+                    self.threads,
+                    Self::MAX_THREADS
+                ),
+            ));
+        }
+        let (lo, hi) = Self::GEMM_L2_RANGE;
+        if !(lo..=hi).contains(&self.gemm_l2_bytes) {
+            return Err(SpecError::invalid(
+                "cpu.gemm_l2_bytes",
+                format!(
+                    "{} is out of range; allowed: {lo} to {hi} bytes (the L2 cache per core)",
+                    self.gemm_l2_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Model + workload + recipe + runtime: everything that decides the memory of a step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -833,6 +932,10 @@ pub struct Spec {
     pub recipe: Recipe,
     #[serde(default)]
     pub runtime: Runtime,
+    /// The CPU of the `ditmem-cpu` runtime ([`CpuSpec`]); absent: [`CpuSpec::REFERENCE`] in the
+    /// library, this machine's values in the CLI. Only with the `ditmem-cpu` runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuSpec>,
 }
 
 impl Spec {
@@ -852,7 +955,14 @@ impl Spec {
             },
             recipe: Recipe::default(),
             runtime: Runtime::DitmemCpu,
+            cpu: None,
         }
+    }
+
+    /// The CPU the `ditmem-cpu` runtime is budgeted for: the spec's `cpu` section, else
+    /// [`CpuSpec::REFERENCE`].
+    pub fn cpu(&self) -> CpuSpec {
+        self.cpu.unwrap_or(CpuSpec::REFERENCE)
     }
 
     /// A small DiT that runs a training step in about a second on two cores: depth 2, hidden 64,
@@ -1102,6 +1212,18 @@ impl Spec {
                 "recipe.ema.dtype",
                 "u8 cannot hold weights; allowed: f64, f32, bf16, f16",
             ));
+        }
+        if let Some(cpu) = &self.cpu {
+            if self.runtime != Runtime::DitmemCpu {
+                return Err(SpecError::invalid(
+                    "cpu",
+                    format!(
+                        "describes the ditmem-cpu engine's CPU, but the runtime is {}; allowed: a cpu section only with runtime = \"ditmem-cpu\"",
+                        self.runtime
+                    ),
+                ));
+            }
+            cpu.validate()?;
         }
         Ok(())
     }

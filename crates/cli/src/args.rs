@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ditmem_budget::{
-    AttentionMode, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, Precision, Recompute,
-    Runtime, Spec, SpecError,
+    AttentionMode, Bf16Products, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, Precision,
+    Recompute, Runtime, Spec, SpecError,
 };
 
 /// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
@@ -60,9 +60,21 @@ pub struct SpecArgs {
     /// Keep an EMA copy of the weights: on | off.
     #[arg(long)]
     pub ema: Option<String>,
-    /// Which executor the budget describes: ditmem-cpu.
+    /// Which executor the budget describes: ditmem-cpu | pytorch[:cpu|:cuda][:sdpa-auto|flash|efficient|cudnn|math].
     #[arg(long)]
     pub runtime: Option<String>,
+    /// ditmem-cpu: threads of the engine's pool (spec `cpu.threads`; default: this machine's,
+    /// RAYON_NUM_THREADS or every logical core).
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
+    pub cpu_threads: Option<u32>,
+    /// ditmem-cpu: kernel | widen — bf16 products on the AVX512-BF16 kernel or widened to f32
+    /// (spec `cpu.bf16_products`; default: kernel where this CPU has AVX512-BF16).
+    #[arg(long)]
+    pub bf16_products: Option<String>,
+    /// ditmem-cpu: bytes of the packing slab `gemm` keeps per thread, the L2 cache per core, e.g.
+    /// 2MiB (spec `cpu.gemm_l2_bytes`; default: this CPU's, as `gemm` reads it).
+    #[arg(long, value_name = "BYTES")]
+    pub gemm_l2: Option<String>,
 }
 
 fn parse_resolution(text: &str) -> Result<(u32, u32), SpecError> {
@@ -224,8 +236,53 @@ impl SpecArgs {
         if let Some(rt) = &self.runtime {
             spec.runtime = rt.parse::<Runtime>()?;
         }
+        self.fill_cpu(&mut spec)?;
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// The `cpu` section of a `ditmem-cpu` spec: the flags over the spec's own section, and this
+    /// machine's values (as the engine reads them) for whatever neither sets. The budget never
+    /// reads the host; this is where the host enters a spec, visibly.
+    fn fill_cpu(&self, spec: &mut Spec) -> Result<(), SpecError> {
+        let flags =
+            self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();
+        if spec.runtime != Runtime::DitmemCpu {
+            if flags {
+                return Err(SpecError::invalid(
+                    "cpu",
+                    format!(
+                        "--cpu-threads, --bf16-products and --gemm-l2 describe the ditmem-cpu engine's CPU, but the runtime is {}; allowed: these flags only with --runtime ditmem-cpu",
+                        spec.runtime
+                    ),
+                ));
+            }
+            if self.runtime.is_some() {
+                // `--runtime` moved the spec off the engine: its CPU no longer applies.
+                spec.cpu = None;
+            }
+            return Ok(());
+        }
+        let mut cpu = spec.cpu.unwrap_or_else(ditmem_engine::host::detect);
+        if let Some(t) = self.cpu_threads {
+            cpu.threads = t;
+        }
+        if let Some(p) = &self.bf16_products {
+            cpu.bf16_products = p.parse::<Bf16Products>()?;
+        }
+        if let Some(text) = &self.gemm_l2 {
+            cpu.gemm_l2_bytes = ditmem_budget::parse_bytes(text).ok_or_else(|| {
+                SpecError::invalid(
+                    "cpu.gemm_l2_bytes",
+                    format!(
+                        "{} is not a size; allowed: bytes with an optional unit, e.g. 1MiB, 2MiB, 1048576",
+                        crate::flags::show(text)
+                    ),
+                )
+            })?;
+        }
+        spec.cpu = Some(cpu);
+        Ok(())
     }
 }
 

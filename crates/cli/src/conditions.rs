@@ -32,8 +32,12 @@ pub struct Conditions {
     pub measured_steps: u32,
     pub memory_counter: &'static str,
     /// How bf16 matrix products run: the engine's AVX512-BF16 kernel, or widened to f32 (CPUs
-    /// without it, or `DITMEM_BF16_GEMM=widen`). The budget's workspace follows the same path.
+    /// without it, or `DITMEM_BF16_GEMM=widen`): the spec's `cpu.bf16_products`, which the
+    /// budget reads too.
     pub bf16_products: &'static str,
+    /// Bytes of the packing slab `gemm` keeps per thread on this CPU (its L2 per core): the
+    /// spec's `cpu.gemm_l2_bytes`.
+    pub gemm_l2_bytes: u64,
     /// Spin rounds of candle's barrier-pool workers before they park
     /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`; the binary sets 1000 unless it is set).
     pub candle_barrier_spin: u32,
@@ -41,11 +45,12 @@ pub struct Conditions {
 
 impl Conditions {
     pub fn capture(spec: &Spec, warmup: u32, steps: u32) -> Conditions {
+        let cpu = ditmem_engine::host::resolve(spec).cpu();
         let w = &spec.workload;
         let r = &spec.recipe;
         Conditions {
             device: "cpu".into(),
-            cpu_model: ditmem_budget::host::cpu_model(),
+            cpu_model: ditmem_engine::host::cpu_model(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             threads: candle_core::utils::get_num_threads(),
             build_profile: if cfg!(debug_assertions) {
@@ -71,11 +76,12 @@ impl Conditions {
             warmup_steps: warmup,
             measured_steps: steps,
             memory_counter: "counting global allocator (exact live heap bytes)",
-            bf16_products: if ditmem_budget::host::bf16_dot_native() {
+            bf16_products: if cpu.bf16_kernel() {
                 "AVX512-BF16 kernel"
             } else {
                 "widened to f32"
             },
+            gemm_l2_bytes: cpu.gemm_l2_bytes,
             candle_barrier_spin: ditmem_engine::threads::barrier_spin(),
         }
     }
@@ -84,7 +90,7 @@ impl Conditions {
     pub fn line(&self) -> String {
         format!(
             "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}, \
-             candle barrier spin {}",
+             gemm slab {} per thread, candle barrier spin {}",
             self.cpu_model,
             self.cores,
             self.threads,
@@ -93,6 +99,7 @@ impl Conditions {
             self.ditmem_version,
             self.git_revision,
             self.bf16_products,
+            ditmem_budget::fmt_bytes(self.gemm_l2_bytes),
             self.candle_barrier_spin
         )
     }

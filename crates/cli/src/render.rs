@@ -111,14 +111,28 @@ pub fn recipe_line(spec: &Spec) -> String {
     } else {
         "no EMA".into()
     };
+    // The ditmem-cpu budget depends on the CPU it describes: say which (the spec's `cpu`).
+    let cpu = match (spec.runtime, spec.cpu()) {
+        (ditmem_budget::Runtime::DitmemCpu, c) => format!(
+            " ({} threads, bf16 products {}, gemm slab {} per thread)",
+            c.threads,
+            if c.bf16_kernel() {
+                "on the AVX512-BF16 kernel"
+            } else {
+                "widened to f32"
+            },
+            fmt_bytes(c.gemm_l2_bytes)
+        ),
+        _ => String::new(),
+    };
     format!(
-        "{}, {}, {} attention, recompute {}, latents {:?}{lora}{zero}, {ema}; runtime {}",
+        "{}, {}, {} attention, recompute {}, latents {:?}{lora}{zero}, {ema}; runtime {}{cpu}",
         r.precision,
         r.optimizer.name(),
         r.attention.name(),
         r.recompute,
         r.latents,
-        spec.runtime.name()
+        spec.runtime
     )
     .replace("Cached", "cached")
     .replace("Encode", "encode")

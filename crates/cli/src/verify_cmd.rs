@@ -164,8 +164,6 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         ("--save-reference", args.save_reference.as_deref()),
         ("--plot", args.plot.as_deref()),
     ])?;
-    let base = args.spec.to_spec_or(default_spec)?;
-    let variants = variants(&args)?;
     let jobs = args
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -175,10 +173,17 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     if jobs > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // Parallelism across variants instead of inside the gemms: candle's threaded gemm on
         // 64-wide matrices costs more in synchronisation than it saves (4× slower measured with
-        // two variants at once on two cores). Set before any thread exists; candle reads it at
-        // each matmul.
+        // two variants at once on two cores). Set before any thread exists (reading the spec's
+        // CPU starts rayon's pool); candle reads it at each matmul.
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
+    let mut base = args.spec.to_spec_or(default_spec)?;
+    if let Some(cpu) = &mut base.cpu {
+        // verify holds numerics, not memory: its variants run on the pool set up above, whatever
+        // thread count a spec file names (the bf16 path it names still applies).
+        cpu.threads = ditmem_engine::host::threads();
+    }
+    let variants = variants(&args)?;
     let stored = match &args.reference {
         Some(path) => {
             // A regular file only (a FIFO would block); its size follows the model's.

@@ -9,8 +9,8 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::host::cpu_model;
 use ditmem_budget::Spec;
+use ditmem_engine::host::cpu_model;
 use ditmem_engine::{run, RunOptions};
 
 fn reps() -> usize {

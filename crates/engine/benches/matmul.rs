@@ -44,7 +44,7 @@ fn main() -> candle_core::Result<()> {
         } else {
             "release"
         },
-        if gemm_bf16::available() {
+        if gemm_bf16::supported() {
             "on"
         } else {
             "off (cells skipped)"
@@ -72,7 +72,7 @@ fn main() -> candle_core::Result<()> {
         let f32c = stats(time(runs, || drop(a.matmul(&b))), flop);
         let (a16, b16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
         let widen = stats(time(runs, || drop(a16.matmul(&b16))), flop);
-        let kern = if gemm_bf16::available() {
+        let kern = if gemm_bf16::supported() {
             let av = a16.flatten_all()?.to_vec1::<bf16>()?;
             let bv = b16.flatten_all()?.to_vec1::<bf16>()?;
             let mut pa = vec![0u32; gemm_bf16::packed_a_len(m, k)];

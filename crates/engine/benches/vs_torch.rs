@@ -62,7 +62,7 @@ fn matmul_rate(rows: usize, d: usize, mlp: usize) -> candle_core::Result<(f64, f
 /// AVX512-BF16.
 fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
     use ditmem_engine::kernels::gemm_bf16::{self as k, View};
-    if !k::available() {
+    if !k::supported() {
         return None;
     }
     let mut r = ditmem_engine::rng::SplitMix64::new(7);
@@ -211,7 +211,7 @@ fn main() {
     let d = ditmem_budget::Shape::new(&base);
     let (rate_med, rate) = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize)
         .unwrap_or((f64::NAN, f64::NAN));
-    let cpu = ditmem_budget::host::cpu_model();
+    let cpu = ditmem_engine::host::cpu_model();
     println!(
         "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per configuration (median of the rounds' p50); AdamW + EMA",
         if cfg!(debug_assertions) { "debug" } else { "release" },

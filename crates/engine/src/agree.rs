@@ -133,6 +133,8 @@ pub fn measure_and_compare(
     steps: u32,
     probe: &dyn MemoryProbe,
 ) -> Result<(Agreement, Budget, Measurement)> {
+    // The budget of the CPU this runs on (the spec's own `cpu` section, else this process's).
+    let spec = &crate::host::resolve(spec);
     let budget = ditmem_budget::estimate(spec)?;
     let baseline = probe.live();
     let opts = RunOptions {
@@ -145,12 +147,13 @@ pub fn measure_and_compare(
     Ok((a, budget, m))
 }
 
-/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script.
+/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script, on
+/// this process's CPU ([`crate::host::resolve`]).
 pub fn grid_base() -> Spec {
     let mut s = Spec::small();
     s.model.name = "grid-d2-h64".into();
     s.recipe.ema.enabled = true;
-    s
+    crate::host::resolve(&s)
 }
 
 /// The agreement grid: precision × recompute × attention on the base, then batch splits,

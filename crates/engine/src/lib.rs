@@ -17,6 +17,8 @@
 //! - [`trainer`]: the block scheduler (store / recompute, accumulation, loss scaling) and steps.
 //! - [`optim`]: AdamW, SGD, EMA, dynamic loss scaling.
 //! - [`threads`]: thread-pool settings a binary applies before it starts any thread.
+//! - [`host`]: the spec's `cpu` section read from this process (threads, bf16 path, `gemm`'s
+//!   slab), the check that a spec describes the process, and the CPU's name.
 //! - [`measure`]: the counting allocator and the memory probe.
 //! - [`run`](mod@run): warm-up + measured steps → [`Measurement`].
 //! - [`verify`]: variants against a float64 reference: tolerances by dtype, twins, drift.
@@ -54,6 +56,7 @@ pub mod agree;
 pub mod block;
 pub mod diffusion;
 pub mod error;
+pub mod host;
 pub mod kernels;
 pub mod measure;
 pub mod model;

@@ -171,6 +171,17 @@ impl Trainer {
     /// Build the model of `spec` with weights drawn from `opts.seed` (in f64, then cast).
     pub fn new(spec: &Spec, opts: TrainOptions) -> Result<Trainer> {
         let dims = Dims::new(spec)?;
+        // The spec's CPU must be this process's (the budget of the spec assumes it); a spec
+        // without one runs as detected. Its bf16 path is the one the ops take from here on.
+        let cpu = spec.cpu.unwrap_or_else(crate::host::detect);
+        crate::host::check(&cpu)?;
+        crate::host::set_bf16_products(cpu.bf16_products);
+        // gemm's per-thread slabs now, not on whichever thread first multiplies in a later step.
+        let mut on_this_cpu = spec.clone();
+        on_this_cpu.cpu = Some(cpu);
+        if ditmem_budget::ditmem_cpu::step_uses_gemm(&on_this_cpu) {
+            crate::kernels::gemm::allocate_slabs();
+        }
         let r = &spec.recipe;
         if r.zero_stage > 0 {
             return Err(EngineError::unsupported(

@@ -3,7 +3,7 @@
 //! One struct for the whole step (input side, blocks, final layer); the ditmem-cpu rules and the
 //! PyTorch rules both build their graphs from it. Its twin in the engine is `model::Dims`.
 
-use crate::spec::{AttentionMode, Dtype, LoraTarget, Precision, Recompute, Spec};
+use crate::spec::{AttentionMode, CpuSpec, Dtype, LoraTarget, Precision, Recompute, Spec};
 
 /// Dimensions and dtypes of one microbatch, shared by every segment builder.
 #[derive(Debug, Clone)]
@@ -32,6 +32,8 @@ pub struct Shape {
     pub lora: Option<(u64, Vec<LoraTarget>)>,
     pub attn_dropout: bool,
     pub mlp_dropout: bool,
+    /// The CPU of the ditmem-cpu runtime (threads, bf16 product path, gemm's slab).
+    pub cpu: CpuSpec,
 }
 
 impl Shape {
@@ -62,6 +64,7 @@ impl Shape {
                 .map(|l| (u64::from(l.rank), l.targets.clone())),
             attn_dropout: m.attn_dropout > 0.0,
             mlp_dropout: m.mlp_dropout > 0.0,
+            cpu: spec.cpu(),
         }
     }
 

@@ -6,6 +6,18 @@
 
 use super::scalar::Acc;
 
+/// Allocate now, on every thread of the pool, the packing slab `gemm` keeps per thread
+/// (`gemm_common::gemm::L2_SLAB`, the L2 size per core), which `gemm` would otherwise allocate
+/// on a thread's first product. Which threads take part in the products of a step depends on
+/// scheduling: under outside load a thread may first multiply in a measured step rather than in
+/// the warm-up, and the step would then measure 1 MiB more than the budget's steady state (seen
+/// as a rare +1 MiB in the agreement grid). The budget counts one slab per thread
+/// (`ditmem_budget::ditmem_cpu::gemm_workspace_bytes`); the trainer calls this when the step
+/// multiplies through `gemm` (`step_uses_gemm`).
+pub fn allocate_slabs() {
+    rayon::broadcast(|_| gemm_common::gemm::L2_SLAB.with(|_| {}));
+}
+
 /// `gemm`'s parallelism for a product that runs alone: rayon's pool, or none on one thread.
 pub(crate) fn gemm_threads() -> gemm::Parallelism {
     match rayon::current_num_threads() {

@@ -16,9 +16,9 @@
 //! Products of bf16 values are exact in f32, so the result differs from a widened f32 product
 //! only in the order of the f32 sums (and in denormal inputs, which `vdpbf16ps` flushes to zero).
 //!
-//! Whether the kernel is used is decided once per process by
-//! [`ditmem_budget::host::bf16_dot_native`] (the budget asks the same question, so its
-//! workspace model follows the path the engine takes). Packing buffers are allocated by the
+//! Whether the kernel is used is the spec's `cpu.bf16_products` ([`in_use`], set by the trainer
+//! through [`crate::host`]; the budget reads the same field, so its workspace model follows the
+//! path the engine takes); whether it can run, the CPU's features ([`supported`]). Packing buffers are allocated by the
 //! caller; sizes: [`packed_a_len`], [`packed_b_len`].
 
 use half::bf16;
@@ -33,9 +33,15 @@ pub const NR: usize = 64;
 /// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).
 pub const KC_PAIRS: usize = 64;
 
-/// Whether this process multiplies bf16 with the AVX512-BF16 kernel.
-pub fn available() -> bool {
-    ditmem_budget::host::bf16_dot_native()
+/// Whether this CPU can run the kernel (AVX512F and AVX512-BF16).
+pub fn supported() -> bool {
+    crate::host::bf16_kernel_supported()
+}
+
+/// Whether bf16 products run on this kernel now (the path of the spec in force, see
+/// [`crate::host::bf16_products`]); never where the CPU lacks it.
+pub fn in_use() -> bool {
+    crate::host::bf16_products() == ditmem_budget::Bf16Products::Kernel
 }
 
 /// An element packing reads as bf16: bf16 itself, or f32 rounded to nearest even (so an f32
@@ -301,7 +307,7 @@ pub fn gemm_packed(
     c: &mut [f32],
     ldc: usize,
 ) {
-    assert!(available(), "gemm_bf16 called without AVX512-BF16");
+    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
     assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
     assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
     if m == 0 || n == 0 || k == 0 {
@@ -339,7 +345,7 @@ pub fn gemm_packed_serial(
     c: &mut [f32],
     ldc: usize,
 ) {
-    assert!(available(), "gemm_bf16 called without AVX512-BF16");
+    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
     assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
     assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
     if m == 0 || n == 0 || k == 0 {
@@ -458,7 +464,7 @@ unsafe fn kernel(kq: usize, a: *const u32, b: *const u16, c: *mut f32, ldc: usiz
 /// None needed (it panics).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel(_: usize, _: *const u32, _: *const u16, _: *mut f32, _: usize) {
-    unreachable!("available() is false off x86-64")
+    unreachable!("supported() is false off x86-64")
 }
 
 /// C[MR × NR] += Σ_q A-pairs(q) · B-pairs(q).
@@ -545,7 +551,7 @@ mod tests {
     /// transposed views, on top of a non-zero C.
     #[test]
     fn matches_f64_on_ragged_and_strided_shapes() {
-        if !available() {
+        if !supported() {
             eprintln!("skipped: no AVX512-BF16 on this CPU");
             return;
         }
@@ -619,7 +625,7 @@ mod tests {
     /// Views with no unit stride take the element-wise packing path.
     #[test]
     fn packs_views_without_a_unit_stride() {
-        if !available() {
+        if !supported() {
             return;
         }
         let (m, n, k) = (9, 70, 15);

@@ -2,14 +2,14 @@
 //! import):
 //!
 //! - [`gemm`]: the f32/f64 products through the `gemm` crate.
-//! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`); the budget
-//!   asks the same question of the CPU (`ditmem_budget::host::bf16_dot_native`) and restates
-//!   its packing sizes.
+//! - [`gemm_bf16`]: bf16 products with f32 accumulation on AVX512-BF16 (`vdpbf16ps`); used where the
+//!   spec's `cpu.bf16_products` says so (see [`crate::host`]); the budget restates its packing
+//!   sizes.
 //! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
 //! - [`scalar`]: the accumulation scalar and storage element traits the kernels are generic over.
 //! - [`shared_ptr`]: the raw pointer parallel tasks write disjoint elements through.
 
-pub(crate) mod gemm;
+pub mod gemm;
 pub mod gemm_bf16;
 pub(crate) mod scalar;
 pub(crate) mod shared_ptr;

@@ -35,7 +35,13 @@ pub fn linear(
             g.nodes[t].sunk = true;
         }
     }
-    let y = fused_linear(g, &format!("{name} x·Wᵀ+b"), [x, w, bias], rows, inp, out);
+    let y = fused_linear(
+        g,
+        &format!("{name} x·Wᵀ+b"),
+        [x, w, bias],
+        (rows, inp, out),
+        sh.cpu.bf16_kernel(),
+    );
     match target.and_then(|t| sh.lora_for(t)) {
         Some(r) => {
             let pd = sh.precision.param_dtype();
@@ -237,6 +243,7 @@ mod tests {
             lora: None,
             attn_dropout: false,
             mlp_dropout: false,
+            cpu: crate::spec::CpuSpec::REFERENCE,
         }
     }
 

@@ -3,7 +3,6 @@
 //! it saves and the workspace its forward and backward allocate. The engine's tests and benches
 //! hold their measured workspaces against these functions.
 
-use crate::host::{bf16_dot_native, cpu_threads};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, Dtype, Precision};
@@ -27,7 +26,7 @@ fn packed_b_bytes(k: u64, n: u64) -> u64 {
 
 /// Workspace bytes (forward, backward) of the engine's fused linear (`ops::linear_*_scratch`)
 /// in compute dtype `cd` for the inputs that track (`(x, w, b)`), on the AVX512-BF16 kernel when
-/// `native` (see [`bf16_dot_native`]), else widened: nothing on f32/f64. `master`: W and b are
+/// `native` (the spec's `cpu.bf16_products`, [`crate::CpuSpec`]), else widened: nothing on f32/f64. `master`: W and b are
 /// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
 /// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
 /// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
@@ -78,20 +77,20 @@ pub fn fused_linear_scratch(
 /// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
 /// nothing saved beyond its inputs; its workspace is [`fused_linear_scratch`]. The gradients it
 /// returns are those of the inputs that track. Its widened f32 buffers are laid out so that
-/// `gemm` packs nothing (its per-call packing buffers are not in this model).
+/// `gemm` packs nothing (its per-call packing buffers are not in this model). `bf16_kernel`: bf16
+/// products run on the AVX512-BF16 kernel (the spec's `cpu.bf16_products`).
 pub fn fused_linear(
     g: &mut Graph,
     name: &str,
     ins: [Nid; 3],
-    rows: u64,
-    inp: u64,
-    out: u64,
+    (rows, inp, out): (u64, u64, u64),
+    bf16_kernel: bool,
 ) -> Nid {
     let cd = g.dtype(ins[0]);
     let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
     let tracks = (wants(ins[0]), wants(ins[1]), wants(ins[2]));
     let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_dot_native(), master);
+    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_kernel, master);
     let y = g.op(
         name,
         Kind::Custom { bwd_scratch: bwd },
@@ -189,11 +188,11 @@ pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
     let (s, dh) = (sh.s, sh.d / sh.heads);
     let nh = sh.b * sh.heads;
     let kb = FUSED_ATTN_KEY_BLOCK.min(s);
-    let nt = cpu_threads().clamp(1, nh.max(1));
+    let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
     // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
     // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`ops::attention::bf16::applies`), in every
     // mode: its own scratch, in bytes.
-    let native = cd == Dtype::Bf16 && bf16_dot_native();
+    let native = cd == Dtype::Bf16 && sh.cpu.bf16_kernel();
     let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
         (
             "attention (fused, streaming; keeps lse)",

@@ -11,13 +11,12 @@
 //! the engine's recorder marks (`inside: false`) or the worst moment between two marks.
 
 use crate::events::{Breakdown, Event, Events, Phase, StaticBytes};
-use crate::host::{bf16_dot_native, cpu_threads};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
 use crate::runtime::shape::Shape;
-use crate::spec::{Dtype, Optimizer, Precision, Spec};
+use crate::spec::{CpuSpec, Dtype, Optimizer, Precision, Spec};
 
 /// Gradient buffers of the engine: fp32, fp64 under the fp64 policy (also under bf16-pure).
 pub fn grad_dtype(p: Precision) -> Dtype {
@@ -28,22 +27,23 @@ pub fn grad_dtype(p: Precision) -> Dtype {
     }
 }
 
-/// Packing buffers the `gemm` crate under candle keeps per thread after the first matmuls: about
-/// 1 MiB per thread of the pool (the step runs on a pool worker, so every thread that calls or
-/// helps a matmul is one), measured with the counting allocator on this project's 2-core machines
-/// (1,048,574 B per thread with 1, 2 and 4 threads). They are sized from the CPU's caches, so
-/// other machines differ a little; `ditmem compare` reports the measured value beside this one.
-/// None when the step makes no `gemm` product (see [`step_uses_gemm`]).
-pub fn gemm_workspace_bytes(threads: u64) -> u64 {
-    const PER_THREAD: u64 = 1_048_576;
-    threads.max(1) * PER_THREAD
+/// Packing buffers the `gemm` crate under candle keeps after the first matmuls: one slab of the
+/// L2 size per core per thread of the pool (`gemm_common::gemm::L2_SLAB`, a thread-local of
+/// `CACHE_INFO[1].cache_bytes`; the step runs on a pool worker, so every thread that calls or
+/// helps a matmul is one). Measured with the counting allocator: 1 MiB per thread with 1, 2 and
+/// 4 threads on an AMD EPYC (1 MiB L2), and 2 MiB more for 2 threads with the sysfs cache sizes
+/// of an Intel Xeon (2 MiB L2). Both numbers come from the spec's `cpu` section. None when the
+/// step makes no `gemm` product (see [`step_uses_gemm`]).
+pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
+    u64::from(cpu.threads.max(1)) * cpu.gemm_l2_bytes
 }
 
 /// Whether a step of `spec` multiplies through candle's `gemm` crate: f32/f64 products, bf16 or
 /// f16 products widened to f32 (no AVX512-BF16 kernel, or f16), and LoRA adapters (composed
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
-    let bf16_native = spec.recipe.precision.compute_dtype() == Dtype::Bf16 && bf16_dot_native();
+    let bf16_native =
+        spec.recipe.precision.compute_dtype() == Dtype::Bf16 && spec.cpu().bf16_kernel();
     !bf16_native || spec.recipe.lora.is_some()
 }
 
@@ -83,7 +83,7 @@ pub fn replay(
         ema: st.ema,
         data: batch_bytes(spec, per_step),
         runtime: if step_uses_gemm(spec) {
-            gemm_workspace_bytes(cpu_threads())
+            gemm_workspace_bytes(&spec.cpu())
         } else {
             0
         },

@@ -28,9 +28,9 @@ use crate::kernels::shared_ptr::SharedMut;
 use crate::kernels::vecmath;
 use crate::ops::storage::{err, CResult};
 
-/// Whether the native path runs for bf16 storage: where the kernel is available (every mode).
+/// Whether the native path runs for bf16 storage: where the spec's path is the kernel (every mode).
 pub fn applies() -> bool {
-    gemm_bf16::available()
+    gemm_bf16::in_use()
 }
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of

@@ -168,7 +168,7 @@ impl CustomOp3 for LinearOp {
         let (rows, inp, out) = linear_dims(lx, lw, lb)?;
         linear_dtypes(sx.dtype(), sw.dtype(), sb.dtype())?;
         let n = "linear";
-        let native = gemm_bf16::available();
+        let native = gemm_bf16::in_use();
         macro_rules! call {
             ($f:expr) => {
                 $f(
@@ -213,7 +213,7 @@ impl CustomOp3 for LinearOp {
         };
         let grad = grad.contiguous()?;
         let dev = Device::Cpu;
-        let native = gemm_bf16::available();
+        let native = gemm_bf16::in_use();
         with_cpu(x, |sx, lx| {
             with_cpu(w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {

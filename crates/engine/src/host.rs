@@ -1,0 +1,196 @@
+//! The CPU a step runs on, as the engine sees it: the values of the spec's `cpu` section
+//! ([`CpuSpec`]) read from this process the way its kernels read them.
+//!
+//! The budget never reads the host: its estimate is a function of the spec. Where the engine's
+//! allocations depend on the CPU (the threads of its pool, the bf16 product path, the packing slab
+//! the `gemm` crate keeps per thread), the value is part of the spec. The CLI fills what a spec
+//! leaves out with [`detect`]; [`Trainer::new`](crate::Trainer::new) refuses, with [`check`], a
+//! `cpu` section that does not describe its process and sets the bf16 path from it. So the budget
+//! and the engine agree on any CPU, and a spec estimates the same on every machine.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use ditmem_budget::{Bf16Products, CpuSpec, Spec};
+
+use crate::error::{EngineError, Result};
+
+/// Environment variable that makes [`detect`] choose the widening path (`widen`) on a CPU that
+/// has the AVX512-BF16 kernel, for comparisons of the two paths.
+pub const BF16_PRODUCTS_VAR: &str = "DITMEM_BF16_GEMM";
+
+/// Whether this CPU can run the engine's AVX512-BF16 kernel: AVX512F and AVX512-BF16.
+pub fn bf16_kernel_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Threads of the pool the step runs on: rayon's global pool (`RAYON_NUM_THREADS`, else every
+/// logical core), which is also the parallelism candle hands `gemm`.
+pub fn threads() -> u32 {
+    u32::try_from(rayon::current_num_threads().max(1)).unwrap_or(u32::MAX)
+}
+
+/// Bytes of the packing slab that `gemm` allocates once per thread that runs a product: the L2
+/// cache per core as `gemm-common` reads it (`cache::CACHE_INFO[1]`, which sizes
+/// `gemm::L2_SLAB`). Read from that very value, so it is what `gemm` allocates.
+pub fn gemm_l2_bytes() -> u64 {
+    gemm_common::cache::CACHE_INFO[1].cache_bytes as u64
+}
+
+/// This process's CPU: its pool's threads, the bf16 product path (the kernel where the CPU has
+/// it, unless `DITMEM_BF16_GEMM=widen`) and `gemm`'s per-thread slab.
+pub fn detect() -> CpuSpec {
+    let widen = std::env::var(BF16_PRODUCTS_VAR).is_ok_and(|v| v == "widen");
+    CpuSpec {
+        threads: threads(),
+        bf16_products: if bf16_kernel_supported() && !widen {
+            Bf16Products::Kernel
+        } else {
+            Bf16Products::Widen
+        },
+        gemm_l2_bytes: gemm_l2_bytes(),
+    }
+}
+
+/// The spec with its `cpu` section filled from this process where it has none (only for the
+/// `ditmem-cpu` runtime, the one the section describes).
+pub fn resolve(spec: &Spec) -> Spec {
+    let mut s = spec.clone();
+    if s.cpu.is_none() && s.runtime == ditmem_budget::Runtime::DitmemCpu {
+        s.cpu = Some(detect());
+    }
+    s
+}
+
+/// Refuse a `cpu` section that this process cannot execute as written: another thread count
+/// than its pool, another `gemm` slab than this CPU's, or the bf16 kernel on a CPU without it.
+pub fn check(cpu: &CpuSpec) -> Result<()> {
+    let (threads, l2) = (threads(), gemm_l2_bytes());
+    if cpu.threads != threads {
+        return Err(EngineError::bad_input(
+            "cpu.threads",
+            format!(
+                "{} but this process's pool has {threads}; allowed: {threads} (or run with RAYON_NUM_THREADS={})",
+                cpu.threads, cpu.threads
+            ),
+        ));
+    }
+    if cpu.gemm_l2_bytes != l2 {
+        return Err(EngineError::bad_input(
+            "cpu.gemm_l2_bytes",
+            format!(
+                "{} but gemm on this CPU packs into {l2} bytes per thread; allowed: {l2}",
+                cpu.gemm_l2_bytes
+            ),
+        ));
+    }
+    if cpu.bf16_kernel() && !bf16_kernel_supported() {
+        return Err(EngineError::bad_input(
+            "cpu.bf16_products",
+            "kernel, but this CPU lacks AVX512-BF16; allowed: widen",
+        ));
+    }
+    Ok(())
+}
+
+/// The bf16 path in force: 0 not set yet (the [`detect`]ed one), 1 the kernel, 2 widened.
+static BF16_PRODUCTS: AtomicU8 = AtomicU8::new(0);
+
+/// How this process multiplies bf16 now: as the last trainer's spec said ([`set_bf16_products`]),
+/// else as [`detect`] finds (read once: the ops ask per call, and reading the environment
+/// allocates, which the counting allocator would see inside a step).
+pub fn bf16_products() -> Bf16Products {
+    static DETECTED: OnceLock<Bf16Products> = OnceLock::new();
+    match BF16_PRODUCTS.load(Ordering::Relaxed) {
+        1 => Bf16Products::Kernel,
+        2 => Bf16Products::Widen,
+        _ => *DETECTED.get_or_init(|| detect().bf16_products),
+    }
+}
+
+/// Make bf16 products take `p` from now on (a trainer sets its spec's path; [`check`] first, so
+/// the kernel is only chosen where the CPU has it).
+pub fn set_bf16_products(p: Bf16Products) {
+    let v = match p {
+        Bf16Products::Kernel => 1,
+        Bf16Products::Widen => 2,
+    };
+    BF16_PRODUCTS.store(v, Ordering::Relaxed);
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), or the architecture where that cannot be read: the
+/// machine line of every report and benchmark.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detect_reads_what_the_kernels_use() {
+        let cpu = detect();
+        assert_eq!(cpu.threads as usize, rayon::current_num_threads());
+        assert_eq!(
+            cpu.gemm_l2_bytes,
+            gemm_common::cache::CACHE_INFO[1].cache_bytes as u64
+        );
+        assert!(cpu.gemm_l2_bytes > 0);
+        if cpu.bf16_kernel() {
+            assert!(bf16_kernel_supported());
+        }
+        check(&cpu).unwrap();
+    }
+
+    #[test]
+    fn check_names_the_field_that_does_not_describe_this_process() {
+        let here = detect();
+        let field = |c: CpuSpec| match check(&c) {
+            Err(EngineError::BadInput { what, .. }) => what,
+            other => panic!("{other:?}"),
+        };
+        let mut c = here;
+        c.threads += 1;
+        assert_eq!(field(c), "cpu.threads");
+        let mut c = here;
+        c.gemm_l2_bytes *= 2;
+        assert_eq!(field(c), "cpu.gemm_l2_bytes");
+        if !bf16_kernel_supported() {
+            let mut c = here;
+            c.bf16_products = Bf16Products::Kernel;
+            assert_eq!(field(c), "cpu.bf16_products");
+        }
+        let mut c = here;
+        c.bf16_products = Bf16Products::Widen;
+        check(&c).unwrap();
+    }
+
+    #[test]
+    fn resolve_fills_only_a_missing_section_of_the_engine_runtime() {
+        let s = Spec::small();
+        assert_eq!(resolve(&s).cpu, Some(detect()));
+        let mut given = s.clone();
+        given.cpu = Some(CpuSpec::REFERENCE);
+        assert_eq!(resolve(&given).cpu, Some(CpuSpec::REFERENCE));
+        let mut torch = s;
+        torch.runtime = "pytorch:cuda".parse().unwrap();
+        assert_eq!(resolve(&torch).cpu, None);
+    }
+}
