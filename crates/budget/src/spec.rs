@@ -735,7 +735,7 @@ impl SdpaBackend {
 /// The executor whose memory the budget describes.
 ///
 /// Each runtime has its own rules for what an op saves and allocates (see
-/// [`crate::runtime::RuntimeModel`]); adding one means adding a variant and its rules.
+/// the budget's `RuntimeModel` trait, `runtime/model.rs`); adding one means adding a variant and its rules.
 /// Written as a string: `ditmem-cpu`, or `pytorch[:cpu|:cuda][:sdpa-auto|flash|efficient|cudnn|math]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(try_from = "String", into = "String")]

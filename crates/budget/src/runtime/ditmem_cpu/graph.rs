@@ -1,7 +1,7 @@
 //! Candle's node graph: one [`Node`] per tensor of a tracked graph, in creation order, with what
 //! candle keeps of it ([`Node::footprint`]), and the forward analyses over a graph — what it owns,
 //! what stays alive while roots are held, the peak of a tracked and of a no-grad forward — plus
-//! the graph as a generic [`Segment`] for the op inventory and the time model.
+//! the graph as a generic `Segment` for the op inventory and the time model.
 
 use crate::segment::{OpDef, Segment, TensorDef, TensorKind, TensorRole};
 use crate::spec::Dtype;
@@ -309,7 +309,7 @@ pub fn is_view(k: Kind) -> bool {
     )
 }
 
-/// The graph as a generic [`Segment`] (for the op inventory and the time model).
+/// The graph as a generic `Segment` (for the op inventory and the time model).
 pub fn to_segment(g: &Graph, name: &str) -> Segment {
     let mut seg = Segment::new(name);
     for (i, n) in g.nodes.iter().enumerate() {

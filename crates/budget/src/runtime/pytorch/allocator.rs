@@ -11,12 +11,12 @@ use crate::segment::{Segment, TensorKind, TensorRole, Tid};
 const MIB: u64 = 1 << 20;
 
 impl PyTorch {
-    /// Bytes the caching allocator hands out for a request [CUDA]: 512 B granularity.
+    /// Bytes the caching allocator hands out for a request (\[CUDA\]): 512 B granularity.
     pub fn cuda_block(bytes: u64) -> u64 {
         bytes.div_ceil(512) * 512
     }
 
-    /// Size of the segment `cudaMalloc`ed for a request that no cached block can serve [CUDA].
+    /// Size of the segment `cudaMalloc`ed for a request that no cached block can serve (\[CUDA\]).
     pub fn cuda_segment(bytes: u64) -> u64 {
         let b = Self::cuda_block(bytes);
         if b <= MIB {

@@ -64,7 +64,7 @@ impl PyTorch {
         }
     }
 
-    /// The SDPA kernel that really runs for this precision [SDPA]: the CPU has one fused kernel
+    /// The SDPA kernel that really runs for this precision (\[SDPA\]): the CPU has one fused kernel
     /// (flash); CUDA flash needs fp16/bf16, so `auto` picks memory-efficient for fp32.
     pub fn effective_sdpa(&self, precision: Precision) -> SdpaBackend {
         let half = matches!(precision.compute_dtype(), Dtype::Bf16 | Dtype::F16);
