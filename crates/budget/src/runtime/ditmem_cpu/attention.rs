@@ -1,4 +1,4 @@
-//! The composed attention core as candle ops (twin: the engine's `attention.rs`,
+//! The composed attention core as candle ops (twin: the engine's `ops/attention/reference.rs`,
 //! `attention_materialized`): the explicit `softmax(q·kᵀ)·v`, and its rebuild in backward under
 //! attention-only recompute.
 

@@ -1,4 +1,4 @@
-//! The rules of the engine's fused ops (twin: the engine's `ops.rs`, and the workspace of its
+//! The rules of the engine's fused ops (twin: the engine's `ops/`, and the workspace of its
 //! bf16 kernels in `kernels/gemm_bf16.rs` / `ops/attention/bf16.rs`): each op as one node of a [`Graph`] with what
 //! it saves and the workspace its forward and backward allocate. The engine's tests and benches
 //! hold their measured workspaces against these functions.
