@@ -5,7 +5,7 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use ditmem_budget::cost::DeviceProfile;
+use ditmem_budget::DeviceProfile;
 use ditmem_budget::{Spec, SpecError};
 
 use crate::flags::{fmt_float, show};
