@@ -44,7 +44,7 @@ pub use spec::{
     Optimizer, Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid,
     TorchDevice, Workload, MAX_TENSOR_ELEMS,
 };
-pub use timeline::{simulate_step, Timeline};
+pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};
 
 /// The `ditmem-cpu` rules that the engine's tests and benches hold their measurements against:

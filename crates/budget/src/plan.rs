@@ -42,7 +42,7 @@ use crate::events::{Breakdown, StaticBytes};
 use crate::params::{param_table, ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{segment_costs, simulate_step_with, static_bytes};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -265,7 +265,7 @@ impl<'a> Evaluator<'a> {
         } else {
             (c.costs.0, c.costs.1)
         };
-        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, 2);
+        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
         let e = tl.peak();
         let time = step_time_with(&spec, self.profile, &inputs);
         Point {

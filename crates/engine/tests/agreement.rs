@@ -39,3 +39,26 @@ fn budget_predicts_the_measured_step_peak_within_two_percent() {
         100.0 * s.median_abs_rel_error
     );
 }
+
+#[test]
+fn every_measured_microbatch_is_held_against_the_budget() {
+    // The budget lays out two microbatches and says the others repeat the second; the engine
+    // measures all of them. Each measured boundary, microbatch 4 included, meets a prediction.
+    let mut spec = ditmem_budget::Spec::small();
+    spec.workload.microbatch = 1;
+    spec.workload.accumulation = 5;
+    spec.workload.batch = 5;
+    let (a, budget, m) = measure_and_compare("accumulation 5", &spec, 1, &A).expect("runs");
+    assert_eq!(budget.timeline.laid_out, 2);
+    assert_eq!(budget.timeline.repeated.map(|r| r.last), Some(4));
+    assert_eq!(a.boundaries.len(), m.timeline.len());
+    assert!(a
+        .boundaries
+        .iter()
+        .any(|b| b.label.starts_with("microbatch 4: ")));
+    assert!(
+        a.boundary_max_rel_error <= 0.02,
+        "boundary gap {:.3} %",
+        100.0 * a.boundary_max_rel_error
+    );
+}
