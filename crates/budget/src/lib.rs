@@ -42,7 +42,9 @@ pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
     default_lora_targets, AttentionMode, Dtype, EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec,
     Optimizer, Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid,
-    TorchDevice, Workload, MAX_TENSOR_ELEMS,
+    TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FREQ_EMBED,
+    MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE,
+    MAX_TENSOR_ELEMS, MAX_TOKENS, MAX_VAE_FACTOR,
 };
 pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};
