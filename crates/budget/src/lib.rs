@@ -34,8 +34,8 @@ pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
 };
 pub use plan::{
-    engine_runnable, fmt_secs, plan, Allow, Alternative, Candidate, Limits, Plan, DEFAULT_HEADROOM,
-    PLAN_LORA_RANK,
+    engine_runnable, fmt_secs, microbatch_candidates, plan, Allow, Alternative, Candidate, Limits,
+    Plan, DEFAULT_HEADROOM, PLAN_LORA_RANK, PLAN_MAX_MICROBATCHES,
 };
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
