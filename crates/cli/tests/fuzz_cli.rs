@@ -16,6 +16,8 @@ fn flag_value() -> impl Strategy<Value = String> {
         Just("2".to_string()),
         Just("4".to_string()),
         Just("1024".to_string()),
+        Just("65536".to_string()),
+        Just("1048576".to_string()),
         Just("1048577".to_string()),
         Just("4294967295".to_string()),
         Just("4294967296".to_string()),

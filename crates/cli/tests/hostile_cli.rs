@@ -707,3 +707,35 @@ fn plan_at_the_depth_cap_evaluates_few_timelines() {
         "{evaluated} timelines for {combos}"
     );
 }
+
+/// Found by the argument fuzzer: ranks × accumulation past u32 wrapped to 0 and divided the
+/// batch by it (a panic); now the sizes are refused by validation, one line, exit 2.
+#[test]
+fn products_past_u32_are_refused_not_divided_by() {
+    rejects(
+        &[
+            "estimate",
+            "--batch",
+            "5",
+            "--ranks",
+            "65536",
+            "--accumulation",
+            "65536",
+        ],
+        2,
+        &["workload.", "allowed"],
+    );
+    rejects(
+        &[
+            "estimate",
+            "--microbatch",
+            "65536",
+            "--ranks",
+            "1048576",
+            "--accumulation",
+            "1048576",
+        ],
+        2,
+        &["workload.batch", "allowed"],
+    );
+}
