@@ -149,3 +149,16 @@ pub struct StaticBytes {
     /// Largest transient of one tensor's EMA update (0 for both runtimes).
     pub ema_scratch: u64,
 }
+
+/// Microbatches a step replay lays out: the first (gradient buffers created) and the second
+/// (buffers live, gradients summed in). Every later microbatch starts from the state the second
+/// one started from and ends in the state it ended in, so it repeats the second one event for
+/// event; the budget's own cost does not grow with the accumulation count.
+pub const LAID_OUT_MICROBATCHES: u32 = 2;
+
+/// How many of `accumulation` microbatches a replay asked for `max` lays out: never fewer than
+/// [`LAID_OUT_MICROBATCHES`] (the ones the others repeat), never more than the step has. Every
+/// runtime's replay loops over this count.
+pub fn laid_out_microbatches(accumulation: u32, max: u32) -> u32 {
+    accumulation.min(max.max(LAID_OUT_MICROBATCHES))
+}

@@ -34,17 +34,19 @@ pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
 };
 pub use plan::{
-    engine_runnable, fmt_secs, plan, Allow, Alternative, Candidate, Limits, Plan, DEFAULT_HEADROOM,
-    PLAN_LORA_RANK,
+    engine_runnable, fmt_secs, microbatch_candidates, plan, Allow, Alternative, Candidate, Limits,
+    Plan, DEFAULT_HEADROOM, PLAN_LORA_RANK, PLAN_MAX_MICROBATCHES,
 };
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
     default_lora_targets, AttentionMode, Bf16Products, CpuSpec, Dtype, EmaSpec, Latents, LoraSpec,
     LoraTarget, ModelSpec, Optimizer, Precision, Prediction, Recipe, Recompute, Runtime,
-    SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, MAX_TENSOR_ELEMS,
+    SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS,
+    MAX_DEPTH, MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES,
+    MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TOKENS, MAX_VAE_FACTOR,
 };
-pub use timeline::{simulate_step, Timeline};
+pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};
 
 /// The `ditmem-cpu` rules that the engine's tests and benches hold their measurements against:

@@ -42,7 +42,7 @@ use crate::events::{Breakdown, StaticBytes};
 use crate::params::{param_table, ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{segment_costs, simulate_step_with, static_bytes};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -265,7 +265,7 @@ impl<'a> Evaluator<'a> {
         } else {
             (c.costs.0, c.costs.1)
         };
-        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, 2);
+        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
         let e = tl.peak();
         let time = step_time_with(&spec, self.profile, &inputs);
         Point {
@@ -643,10 +643,7 @@ fn check_limits(limits: &Limits) -> Result<(), crate::error::SpecError> {
 fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Combo, f64)> {
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
-    let micros: Vec<u32> = (1..=w.microbatch)
-        .rev()
-        .filter(|m| per_rank.is_multiple_of(*m))
-        .collect();
+    let micros = microbatch_candidates(per_rank, w.microbatch);
     let loras: Vec<Option<LoraSpec>> = if limits.allow.lora && base.recipe.lora.is_none() {
         vec![
             None,
@@ -720,6 +717,43 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
     combos.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.n_changes.cmp(&b.0.n_changes)));
 
     combos
+}
+
+/// Most microbatch sizes the planner tries per search (see [`microbatch_candidates`]).
+pub const PLAN_MAX_MICROBATCHES: usize = 8;
+
+/// The microbatch sizes the planner tries, largest first: the divisors of `per_rank` up to
+/// `micro` (the effective batch is kept). When there are more than [`PLAN_MAX_MICROBATCHES`]
+/// (a per-rank batch such as 55,440 has 120 divisors), an even spread over them by rank, which
+/// keeps the base's microbatch and 1; the planner's time then stays bounded (every combination
+/// costs timelines linear in the depth).
+pub fn microbatch_candidates(per_rank: u32, micro: u32) -> Vec<u32> {
+    let mut small: Vec<u32> = Vec::new();
+    let mut large: Vec<u32> = Vec::new();
+    let mut d = 1u32;
+    while u64::from(d) * u64::from(d) <= u64::from(per_rank) {
+        if per_rank.is_multiple_of(d) {
+            small.push(d);
+            if d != per_rank / d {
+                large.push(per_rank / d);
+            }
+        }
+        d += 1;
+    }
+    let mut all: Vec<u32> = small
+        .into_iter()
+        .chain(large.into_iter().rev())
+        .filter(|&x| x <= micro)
+        .collect();
+    all.reverse();
+    let n = all.len();
+    if n <= PLAN_MAX_MICROBATCHES {
+        return all;
+    }
+    let k = PLAN_MAX_MICROBATCHES;
+    let mut out: Vec<u32> = (0..k).map(|j| all[(j * (n - 1)).div_ceil(k - 1)]).collect();
+    out.dedup();
+    out
 }
 
 /// The recompute policies explored for one combination (see the module doc).
@@ -1176,5 +1210,22 @@ mod tests {
         let first = crate::estimate::estimate(&s).unwrap().peak_bytes;
         assert!(last >= none - none / 100, "last {last} vs none {none}");
         assert!(first < last);
+    }
+
+    #[test]
+    fn microbatch_candidates_are_bounded_and_keep_both_ends() {
+        assert_eq!(microbatch_candidates(8, 8), vec![8, 4, 2, 1]);
+        assert_eq!(microbatch_candidates(8, 4), vec![4, 2, 1]);
+        assert_eq!(microbatch_candidates(7, 7), vec![7, 1]);
+        for (per_rank, micro) in [(55_440, 55_440), (110_880, 1_000), (u32::MAX, 65_535)] {
+            let c = microbatch_candidates(per_rank, micro);
+            assert!(c.len() <= PLAN_MAX_MICROBATCHES, "{c:?}");
+            assert_eq!(c.last(), Some(&1));
+            assert!(c.windows(2).all(|w| w[0] > w[1]), "{c:?}");
+            assert!(c.iter().all(|m| per_rank.is_multiple_of(*m) && *m <= micro));
+            if per_rank.is_multiple_of(micro) {
+                assert_eq!(c[0], micro);
+            }
+        }
     }
 }

@@ -443,7 +443,9 @@ impl Recompute {
             Recompute::None | Recompute::AttentionOnly => false,
             Recompute::All => true,
             Recompute::EveryK(k) => *k > 0 && i.is_multiple_of(*k),
-            Recompute::Blocks(b) => b.contains(&i),
+            // Sorted (parsing sorts, validation checks): O(log k) per block, so that a replay
+            // stays linear in the depth.
+            Recompute::Blocks(b) => b.binary_search(&i).is_ok(),
         }
     }
 
@@ -1061,16 +1063,20 @@ impl Spec {
     }
 
     /// Check every field; the error names the first field that is wrong and what is allowed.
+    ///
+    /// Besides what makes a spec meaningful, the sizes are capped ([`LIMITS`]) generously above
+    /// any real model, so that `estimate` and `plan` of any spec that passes stay within a
+    /// bounded time and memory (the README states them).
     pub fn validate(&self) -> Result<(), SpecError> {
         let m = &self.model;
-        positive("model.depth", m.depth)?;
-        positive("model.hidden", m.hidden)?;
-        positive("model.heads", m.heads)?;
-        positive("model.patch", m.patch)?;
-        positive("model.in_channels", m.in_channels)?;
-        positive("model.mlp_ratio", m.mlp_ratio)?;
-        positive("model.num_classes", m.num_classes)?;
-        positive("model.freq_embed", m.freq_embed)?;
+        in_range("model.depth", m.depth, MAX_DEPTH)?;
+        in_range("model.hidden", m.hidden, MAX_HIDDEN)?;
+        in_range("model.heads", m.heads, MAX_HIDDEN)?;
+        in_range("model.patch", m.patch, MAX_PATCH)?;
+        in_range("model.in_channels", m.in_channels, MAX_CHANNELS)?;
+        in_range("model.mlp_ratio", m.mlp_ratio, MAX_MLP_RATIO)?;
+        in_range("model.num_classes", m.num_classes, MAX_NUM_CLASSES)?;
+        in_range("model.freq_embed", m.freq_embed, MAX_FREQ_EMBED)?;
         if !m.hidden.is_multiple_of(m.heads) {
             return Err(SpecError::invalid(
                 "model.heads",
@@ -1094,14 +1100,14 @@ impl Spec {
         probability("model.mlp_dropout", m.mlp_dropout)?;
 
         let w = &self.workload;
-        positive("workload.height", w.height)?;
-        positive("workload.width", w.width)?;
-        positive("workload.vae_factor", w.vae_factor)?;
-        positive("workload.latent_channels", w.latent_channels)?;
+        in_range("workload.height", w.height, MAX_SIDE)?;
+        in_range("workload.width", w.width, MAX_SIDE)?;
+        in_range("workload.vae_factor", w.vae_factor, MAX_VAE_FACTOR)?;
+        in_range("workload.latent_channels", w.latent_channels, MAX_CHANNELS)?;
         positive("workload.batch", w.batch)?;
-        positive("workload.microbatch", w.microbatch)?;
-        positive("workload.accumulation", w.accumulation)?;
-        positive("workload.ranks", w.ranks)?;
+        in_range("workload.microbatch", w.microbatch, MAX_MICROBATCH)?;
+        in_range("workload.accumulation", w.accumulation, MAX_ACCUMULATION)?;
+        in_range("workload.ranks", w.ranks, MAX_RANKS)?;
         if w.latent_channels != m.in_channels {
             return Err(SpecError::invalid(
                 "workload.latent_channels",
@@ -1134,7 +1140,34 @@ impl Spec {
                 ),
             ));
         }
-        let tokens = self.token_grid()?.tokens();
+        let grid = self.token_grid()?;
+        let tokens = grid.tokens();
+        if tokens > MAX_TOKENS {
+            return Err(SpecError::invalid(
+                "workload.height",
+                format!(
+                    "{}×{} gives {tokens} tokens per image (patch {}, vae_factor {}); allowed: \
+                     1..={MAX_TOKENS} tokens per image",
+                    w.height, w.width, m.patch, w.vae_factor
+                ),
+            ));
+        }
+        // The latents of the step's batch on one rank (f64 latents and noise in the engine).
+        let per_rank = u128::from(w.microbatch) * u128::from(w.accumulation);
+        let latents = per_rank
+            * u128::from(w.latent_channels)
+            * u128::from(grid.latent_h)
+            * u128::from(grid.latent_w);
+        if latents > MAX_TENSOR_ELEMS {
+            return Err(SpecError::invalid(
+                "workload.batch",
+                format!(
+                    "{per_rank} images per rank of {}×{}×{} latents are {latents} elements; \
+                     allowed: at most {MAX_TENSOR_ELEMS} (lower the batch or the resolution)",
+                    w.latent_channels, grid.latent_h, grid.latent_w
+                ),
+            ));
+        }
         // Byte counts are u64: keep the largest tensor of the step (the attention probabilities,
         // microbatch · heads · tokens²) far from overflow.
         let attn = u128::from(w.microbatch)
@@ -1158,6 +1191,14 @@ impl Spec {
 
         let r = &self.recipe;
         if let Recompute::Blocks(blocks) = &r.recompute {
+            // Parsed lists are sorted and deduplicated; the replays look blocks up by bisection.
+            if blocks.is_empty() || !blocks.windows(2).all(|p| p[0] < p[1]) {
+                return Err(SpecError::invalid(
+                    "recipe.recompute",
+                    "lists no block, or blocks out of order or twice; allowed: blocks:I,J,… \
+                     (increasing, each once)",
+                ));
+            }
             if let Some(bad) = blocks.iter().find(|&&b| b >= m.depth) {
                 return Err(SpecError::invalid(
                     "recipe.recompute",
@@ -1231,6 +1272,64 @@ impl Spec {
 
 /// The largest tensor a spec may ask for (2⁵⁰ elements, 8 PiB in f64): byte counts stay u64.
 pub const MAX_TENSOR_ELEMS: u128 = 1 << 50;
+
+/// Largest `model.depth` (DiT-XL has 28 blocks; the largest published DiTs fewer than 100).
+pub const MAX_DEPTH: u32 = 1024;
+/// Largest `model.hidden` and `model.heads` (real DiTs: hidden ≤ 8192).
+pub const MAX_HIDDEN: u32 = 65_536;
+/// Largest `model.patch`.
+pub const MAX_PATCH: u32 = 256;
+/// Largest `model.in_channels` and `workload.latent_channels` (VAEs: 4 to 64).
+pub const MAX_CHANNELS: u32 = 1024;
+/// Largest `model.mlp_ratio` (DiT: 4).
+pub const MAX_MLP_RATIO: u32 = 64;
+/// Largest `model.num_classes` (ImageNet: 1000).
+pub const MAX_NUM_CLASSES: u32 = 1 << 24;
+/// Largest `model.freq_embed` (DiT: 256).
+pub const MAX_FREQ_EMBED: u32 = 65_536;
+/// Largest `workload.height` and `workload.width` in pixels.
+pub const MAX_SIDE: u32 = 65_536;
+/// Largest `workload.vae_factor` (SD VAE: 8).
+pub const MAX_VAE_FACTOR: u32 = 64;
+/// Most image tokens per sample (real DiTs: ≤ 65,536 per frame).
+pub const MAX_TOKENS: u64 = 1 << 20;
+/// Largest `workload.microbatch` (images per forward on one rank).
+pub const MAX_MICROBATCH: u32 = 65_536;
+/// Largest `workload.accumulation`.
+pub const MAX_ACCUMULATION: u32 = 1 << 20;
+/// Largest `workload.ranks` (GPU clusters: ≤ 100k devices).
+pub const MAX_RANKS: u32 = 1 << 20;
+
+/// The caps of [`Spec::validate`] as (field, largest allowed value), for help texts and tests.
+pub const LIMITS: [(&str, u64); 16] = [
+    ("model.depth", MAX_DEPTH as u64),
+    ("model.hidden", MAX_HIDDEN as u64),
+    ("model.heads", MAX_HIDDEN as u64),
+    ("model.patch", MAX_PATCH as u64),
+    ("model.in_channels", MAX_CHANNELS as u64),
+    ("model.mlp_ratio", MAX_MLP_RATIO as u64),
+    ("model.num_classes", MAX_NUM_CLASSES as u64),
+    ("model.freq_embed", MAX_FREQ_EMBED as u64),
+    ("workload.height", MAX_SIDE as u64),
+    ("workload.width", MAX_SIDE as u64),
+    ("workload.vae_factor", MAX_VAE_FACTOR as u64),
+    ("workload.latent_channels", MAX_CHANNELS as u64),
+    ("workload.microbatch", MAX_MICROBATCH as u64),
+    ("workload.accumulation", MAX_ACCUMULATION as u64),
+    ("workload.ranks", MAX_RANKS as u64),
+    ("tokens per image", MAX_TOKENS),
+];
+
+fn in_range(field: &'static str, v: u32, max: u32) -> Result<(), SpecError> {
+    if v == 0 || v > max {
+        Err(SpecError::invalid(
+            field,
+            format!("{v} is out of range; allowed: 1..={max}"),
+        ))
+    } else {
+        Ok(())
+    }
+}
 
 fn positive(field: &'static str, v: u32) -> Result<(), SpecError> {
     if v == 0 {
@@ -1333,5 +1432,57 @@ mod tests {
         s.workload.ranks = 4;
         s.workload.microbatch = 8;
         assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn sizes_above_the_caps_are_refused_with_field_and_range() {
+        type Set = fn(&mut Spec, u32);
+        let cases: [(&str, u32, Set); 6] = [
+            ("model.depth", MAX_DEPTH, |s, v| s.model.depth = v),
+            ("model.mlp_ratio", MAX_MLP_RATIO, |s, v| {
+                s.model.mlp_ratio = v
+            }),
+            ("model.freq_embed", MAX_FREQ_EMBED, |s, v| {
+                s.model.freq_embed = v
+            }),
+            ("model.num_classes", MAX_NUM_CLASSES, |s, v| {
+                s.model.num_classes = v
+            }),
+            ("workload.ranks", MAX_RANKS, |s, v| {
+                s.workload.ranks = v;
+                s.workload.batch = s.workload.microbatch.saturating_mul(v);
+            }),
+            ("workload.accumulation", MAX_ACCUMULATION, |s, v| {
+                s.workload.microbatch = 1;
+                s.workload.accumulation = v;
+                s.workload.batch = v;
+            }),
+        ];
+        for (field, max, set) in cases {
+            let mut s = Spec::small();
+            set(&mut s, max);
+            assert!(s.validate().is_ok(), "{field} = {max} is allowed");
+            for bad in [max + 1, u32::MAX] {
+                let mut s = Spec::small();
+                set(&mut s, bad);
+                let e = s.validate().unwrap_err();
+                assert_eq!(e.field(), Some(field), "{field} = {bad}: {e}");
+                assert!(e.to_string().contains(&format!("1..={max}")), "{e}");
+            }
+        }
+        // 16,777,216 blocks (issue 19) and tokens past the cap.
+        let mut s = Spec::default_xl();
+        s.model.depth = 16_777_216;
+        assert_eq!(s.validate().unwrap_err().field(), Some("model.depth"));
+        let mut s = Spec::small();
+        s.workload.height = 16400;
+        s.workload.width = 16400;
+        s.workload.microbatch = 1;
+        s.workload.batch = 1;
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("tokens per image"), "{e}");
+        let mut s = Spec::small();
+        s.recipe.recompute = Recompute::Blocks(vec![1, 0]);
+        assert_eq!(s.validate().unwrap_err().field(), Some("recipe.recompute"));
     }
 }

@@ -13,10 +13,40 @@
 
 use serde::Serialize;
 
-use crate::events::{Event, Phase, StaticBytes};
+pub use crate::events::LAID_OUT_MICROBATCHES;
+use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
 use crate::params::{param_table, stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
 use crate::spec::{Dtype, Latents, Optimizer, Precision, Spec};
+
+/// Microbatches of the step that the timeline does not lay out: `first..=last` (0-based, as in
+/// the event labels) repeat microbatch `as_microbatch` event for event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Repeat {
+    pub first: u32,
+    pub last: u32,
+    pub as_microbatch: u32,
+}
+
+impl Repeat {
+    /// "microbatches 2..=99 repeat microbatch 1 (not laid out)".
+    pub fn describe(&self) -> String {
+        let which = if self.first == self.last {
+            format!("microbatch {}", self.first)
+        } else {
+            format!("microbatches {}..={}", self.first, self.last)
+        };
+        let verb = if self.first == self.last {
+            "repeats"
+        } else {
+            "repeat"
+        };
+        format!(
+            "{which} {verb} microbatch {} event for event (not laid out)",
+            self.as_microbatch
+        )
+    }
+}
 
 /// The simulated step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -24,11 +54,51 @@ pub struct Timeline {
     pub events: Vec<Event>,
     /// Index of the peak event.
     pub peak_index: usize,
+    /// Microbatches the step accumulates (`workload.accumulation`).
+    pub microbatches: u32,
+    /// Microbatches laid out in `events` (the first `laid_out` of them).
+    pub laid_out: u32,
+    /// The microbatches that are not laid out and the one they repeat; `None` when all are.
+    pub repeated: Option<Repeat>,
 }
 
 impl Timeline {
     pub fn peak(&self) -> &Event {
         &self.events[self.peak_index]
+    }
+
+    /// The events of the whole step, every microbatch laid out: the events of microbatch
+    /// `as_microbatch` repeated, renumbered and relabelled, for each microbatch that is not laid
+    /// out. For lining the timeline up with a measurement of every microbatch (`compare`,
+    /// `agree`); its length grows with the accumulation count, as the measured step does.
+    pub fn expanded_events(&self) -> Vec<Event> {
+        let Some(r) = self.repeated else {
+            return self.events.clone();
+        };
+        let prefix = format!("microbatch {}: ", r.as_microbatch);
+        let unit: Vec<&Event> = self
+            .events
+            .iter()
+            .filter(|e| e.microbatch == r.as_microbatch && e.phase != Phase::Optimizer)
+            .collect();
+        let split = self
+            .events
+            .iter()
+            .rposition(|e| e.microbatch == r.as_microbatch && e.phase != Phase::Optimizer)
+            .map_or(self.events.len(), |i| i + 1);
+        let mut out: Vec<Event> = self.events[..split].to_vec();
+        for mb in r.first..=r.last {
+            out.extend(unit.iter().map(|e| {
+                let mut e = (*e).clone();
+                e.microbatch = mb;
+                if let Some(what) = e.label.strip_prefix(&prefix) {
+                    e.label = format!("microbatch {mb}: {what}");
+                }
+                e
+            }));
+        }
+        out.extend_from_slice(&self.events[split..]);
+        out
     }
 
     /// Highest live total per phase.
@@ -143,12 +213,13 @@ pub fn simulate_step(spec: &Spec) -> Timeline {
     let table = param_table(spec);
     let st = static_bytes(spec, &table);
     let costs = segment_costs(spec);
-    simulate_step_with(spec, &table, &st, &costs, u32::MAX)
+    simulate_step_with(spec, &table, &st, &costs, LAID_OUT_MICROBATCHES)
 }
 
-/// Simulate with precomputed parts. Only the first `max_microbatches` microbatches are laid out:
-/// every microbatch after the first starts from the same state (gradient buffers live), so the
-/// second one already shows the steady case.
+/// Simulate with precomputed parts. Only the first `max_microbatches` microbatches are laid out
+/// (at least [`LAID_OUT_MICROBATCHES`]): every microbatch after the first starts from the same state (gradient
+/// buffers live), so the second one already shows the steady case, and the peak and the phase
+/// peaks of [`LAID_OUT_MICROBATCHES`] are those of the full layout (`u32::MAX`, for tests).
 pub fn simulate_step_with(
     spec: &Spec,
     table: &[ParamTensor],
@@ -191,7 +262,20 @@ pub fn simulate_step_with(
         .max_by_key(|(i, e)| (e.total(), std::cmp::Reverse(*i)))
         .map(|(i, _)| i)
         .unwrap_or(0);
-    Timeline { events, peak_index }
+    let microbatches = spec.workload.accumulation;
+    let laid_out = laid_out_microbatches(microbatches, max_microbatches);
+    let repeated = (laid_out < microbatches).then(|| Repeat {
+        first: laid_out,
+        last: microbatches - 1,
+        as_microbatch: laid_out - 1,
+    });
+    Timeline {
+        events,
+        peak_index,
+        microbatches,
+        laid_out,
+        repeated,
+    }
 }
 
 #[cfg(test)]
@@ -209,6 +293,108 @@ mod tests {
             let encode = simulate_step(&s).events[0].live.encoder;
             assert_eq!(cached, 0, "{runtime}");
             assert_eq!(encode, st.encoder_weights, "{runtime}");
+        }
+    }
+
+    /// The recipes the accumulation tests run over: plain, recompute (all, and some blocks),
+    /// attention-only, LoRA, fp16-mixed loss scaling, bf16-pure, the VAE in the step.
+    fn recipes() -> Vec<Spec> {
+        use crate::spec::{LoraSpec, Recompute};
+        let mut out = Vec::new();
+        for runtime in ["ditmem-cpu", "pytorch", "pytorch:cuda"] {
+            let mut base = Spec::small();
+            base.model.depth = 3;
+            base.runtime = runtime.parse().unwrap();
+            base.recipe.ema.enabled = true;
+            out.push(base.clone());
+            for rc in ["all", "blocks:1", "attention-only"] {
+                let mut s = base.clone();
+                s.recipe.recompute = rc.parse::<Recompute>().unwrap();
+                out.push(s);
+            }
+            let mut s = base.clone();
+            s.recipe.lora = Some(LoraSpec {
+                rank: 4,
+                targets: crate::spec::default_lora_targets(),
+            });
+            out.push(s);
+            for p in [
+                Precision::Fp16Mixed,
+                Precision::Bf16Pure,
+                Precision::Bf16Mixed,
+            ] {
+                let mut s = base.clone();
+                s.recipe.precision = p;
+                out.push(s);
+            }
+            let mut s = base.clone();
+            s.recipe.latents = Latents::Encode;
+            out.push(s);
+        }
+        out
+    }
+
+    fn full_layout(s: &Spec) -> Timeline {
+        let table = param_table(s);
+        let st = static_bytes(s, &table);
+        simulate_step_with(s, &table, &st, &segment_costs(s), u32::MAX)
+    }
+
+    #[test]
+    fn two_microbatches_stand_for_any_accumulation() {
+        for base in recipes() {
+            for acc in 1..=6u32 {
+                let mut s = base.clone();
+                s.workload.accumulation = acc;
+                s.workload.batch = s.workload.microbatch * acc;
+                s.validate().unwrap();
+                let what = format!("{} {} accumulation {acc}", s.runtime, recipe_name(&s));
+                let short = simulate_step(&s);
+                let full = full_layout(&s);
+                assert_eq!(full.laid_out, acc, "{what}");
+                assert!(full.repeated.is_none(), "{what}");
+                assert_eq!(short.microbatches, acc, "{what}");
+                assert_eq!(short.laid_out, acc.min(LAID_OUT_MICROBATCHES), "{what}");
+                assert_eq!(short.repeated.is_some(), acc > 2, "{what}");
+                // The peak, what is live there, where it is, and the phase peaks.
+                assert_eq!(short.peak(), full.peak(), "{what}");
+                assert_eq!(short.phase_peaks(), full.phase_peaks(), "{what}");
+                // Every microbatch that is not laid out repeats microbatch 1 event for event.
+                assert_eq!(short.expanded_events(), full.events, "{what}");
+                let maxmb = short.events.iter().map(|e| e.microbatch).max().unwrap();
+                assert!(maxmb < LAID_OUT_MICROBATCHES, "{what}");
+            }
+        }
+    }
+
+    fn recipe_name(s: &Spec) -> String {
+        format!(
+            "{} recompute {} lora {} latents {:?}",
+            s.recipe.precision,
+            s.recipe.recompute,
+            s.recipe.lora.is_some(),
+            s.recipe.latents
+        )
+    }
+
+    #[test]
+    fn the_replay_does_not_grow_with_the_accumulation_count() {
+        for runtime in ["ditmem-cpu", "pytorch"] {
+            let mut s = Spec::small();
+            s.runtime = runtime.parse().unwrap();
+            s.workload.microbatch = 1;
+            s.workload.batch = 2;
+            s.workload.accumulation = 2;
+            let two = simulate_step(&s).events.len();
+            s.workload.accumulation = 4_000_000;
+            s.workload.batch = 4_000_000;
+            let tl = simulate_step(&s);
+            assert_eq!(tl.events.len(), two, "{runtime}");
+            let r = tl.repeated.unwrap();
+            assert_eq!((r.first, r.last, r.as_microbatch), (2, 3_999_999, 1));
+            assert!(r
+                .describe()
+                .contains("microbatches 2..=3999999 repeat microbatch 1"));
         }
     }
 }

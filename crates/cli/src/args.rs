@@ -18,19 +18,21 @@ pub struct SpecArgs {
     /// Model preset: dit-{s,b,l,xl}-{2,4,8}.
     #[arg(long)]
     pub preset: Option<String>,
-    /// Image resolution: HxW, or one number for a square.
+    /// Image resolution: HxW, or one number for a square; sides 1–65536 px, at most 1,048,576
+    /// tokens per image.
     #[arg(long, value_name = "HxW", allow_hyphen_values = true)]
     pub resolution: Option<String>,
-    /// Images per optimizer step (all ranks and microbatches).
+    /// Images per optimizer step (all ranks and microbatches) = microbatch × accumulation × ranks.
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub batch: Option<u32>,
-    /// Images per forward/backward on one rank.
+    /// Images per forward/backward on one rank: 1–65536.
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub microbatch: Option<u32>,
-    /// Microbatches accumulated per optimizer step.
+    /// Microbatches accumulated per optimizer step: 1–1048576 (the budget lays out two; the
+    /// rest repeat the second).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub accumulation: Option<u32>,
-    /// Data-parallel ranks.
+    /// Data-parallel ranks: 1–1048576.
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub ranks: Option<u32>,
     /// fp64 | fp32 | bf16-mixed | fp16-mixed | bf16-pure
@@ -159,22 +161,26 @@ impl SpecArgs {
             w.batch = b;
         }
         // Derive what the user left out so that batch = microbatch × accumulation × ranks.
-        let (ranks, acc) = (w.ranks.max(1), w.accumulation.max(1));
+        // In u64: a product past u32 is left for validation to refuse (it names the field),
+        // never a division by a wrapped zero.
+        let (ranks, acc) = (u64::from(w.ranks.max(1)), u64::from(w.accumulation.max(1)));
+        let (batch, micro) = (u64::from(w.batch), u64::from(w.microbatch));
+        let narrow = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
         match (
             self.batch.is_some(),
             self.microbatch.is_some(),
             self.accumulation.is_some(),
         ) {
-            (true, false, _) if w.batch % (ranks * acc) == 0 => {
-                w.microbatch = w.batch / (ranks * acc)
+            (true, false, _) if batch % (ranks * acc) == 0 => {
+                w.microbatch = narrow(batch / (ranks * acc))
             }
-            (true, true, false) if w.microbatch > 0 && w.batch % (w.microbatch * ranks) == 0 => {
-                w.accumulation = w.batch / (w.microbatch * ranks)
+            (true, true, false) if micro > 0 && batch % (micro * ranks) == 0 => {
+                w.accumulation = narrow(batch / (micro * ranks))
             }
-            (false, true, _) | (false, _, true) => w.batch = w.microbatch * acc * ranks,
+            (false, true, _) | (false, _, true) => w.batch = narrow(micro * acc * ranks),
             _ => {
                 if self.ranks.is_some() && self.batch.is_none() && self.microbatch.is_none() {
-                    w.batch = w.microbatch * acc * ranks;
+                    w.batch = narrow(micro * acc * ranks);
                 }
             }
         }

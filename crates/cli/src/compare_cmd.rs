@@ -154,18 +154,24 @@ pub fn timeline_svg(
     measured: Option<(&Measurement, &Agreement)>,
 ) -> anyhow::Result<String> {
     let mib = |x: u64| x as f64 / (1u64 << 20) as f64;
-    let start = b.timeline.events.first().map_or(0, |e| e.total());
-    let pred: Vec<(f64, f64)> = b
-        .timeline
-        .events
+    // With a measurement, the whole step (the measured one has every microbatch); without, the
+    // microbatches the budget lays out.
+    let events = match measured {
+        Some(_) => b.timeline.expanded_events(),
+        None => b.timeline.events.clone(),
+    };
+    let peak_index = events
+        .iter()
+        .position(|e| e.total() == b.peak_bytes)
+        .unwrap_or(b.timeline.peak_index);
+    let start = events.first().map_or(0, |e| e.total());
+    let pred: Vec<(f64, f64)> = events
         .iter()
         .enumerate()
         .map(|(i, e)| (i as f64, mib(e.total())))
         .collect();
     // Measured boundaries sit on the predicted boundary events of the same order.
-    let idx: Vec<usize> = b
-        .timeline
-        .events
+    let idx: Vec<usize> = events
         .iter()
         .enumerate()
         .filter(|(_, e)| {
@@ -188,7 +194,7 @@ pub fn timeline_svg(
     }
     let mut markers = Vec::new();
     let mut last = None;
-    for (i, e) in b.timeline.events.iter().enumerate() {
+    for (i, e) in events.iter().enumerate() {
         if last != Some(e.phase) && e.phase != ditmem_budget::Phase::Start {
             markers.push(Marker {
                 x: i as f64,
@@ -227,7 +233,7 @@ pub fn timeline_svg(
         series,
         markers,
         notes: vec![Note {
-            x: b.timeline.peak_index as f64,
+            x: peak_index as f64,
             y: mib(b.peak_bytes),
             label: format!("peak {} ({})", fmt_bytes(b.peak_bytes), b.peak.label),
         }],

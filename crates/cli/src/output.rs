@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::Context;
-use ditmem_budget::{fmt_bytes, SpecError, Timeline};
+use ditmem_budget::{fmt_bytes, Phase, SpecError, Timeline};
 use serde::Serialize;
 
 use crate::render::Table;
@@ -184,6 +184,10 @@ pub fn timeline_table(t: &Timeline) -> String {
         "gradients",
         "workspace",
     ]);
+    let last_laid_out = t.events.iter().rposition(|e| {
+        t.repeated
+            .is_some_and(|r| e.microbatch == r.as_microbatch && e.phase != Phase::Optimizer)
+    });
     for (i, e) in t.events.iter().enumerate() {
         let mark = if i == t.peak_index { " ← peak" } else { "" };
         table.row(vec![
@@ -196,6 +200,19 @@ pub fn timeline_table(t: &Timeline) -> String {
             fmt_bytes(e.live.gradients),
             fmt_bytes(e.live.workspace),
         ]);
+        if let (Some(r), Some(true)) = (t.repeated, last_laid_out.map(|j| j == i)) {
+            // The microbatches that are not laid out, in one row where they would be.
+            table.row(vec![
+                "…".into(),
+                e.phase.name().into(),
+                r.describe(),
+                format!("{}..={}", r.first, r.last),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ]);
+        }
     }
     format!("\ntimeline\n{}", table.render())
 }

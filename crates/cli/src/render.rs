@@ -225,6 +225,14 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
         t.row(vec![ph.name().into(), fmt_bytes(*v)]);
     }
     o.push_str(&t.render());
+    if let Some(r) = &b.timeline.repeated {
+        o.push_str(&format!(
+            "timeline: microbatches 0..={} of {} laid out; {} (same peak and phase peaks)\n",
+            b.timeline.laid_out - 1,
+            b.timeline.microbatches,
+            r.describe()
+        ));
+    }
     let seg = b.segments.kept()[1];
     o.push_str(&format!(
         "per block: a stored block keeps {} (activations {}, weight casts {}, output {}); \

@@ -584,3 +584,158 @@ fn tiny_profile_rates_are_refused() {
     assert!(!out.contains("inf s") && !out.contains("NaN"), "{out}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Finding 2: inputs that exhausted memory are refused, or budgeted at a cost that does not grow
+/// with them. Under a 1 GiB address space, 100,000 and 1,048,576 accumulated microbatches are
+/// estimated and planned (the timeline lays out two and says the others repeat the second);
+/// 4,294,967,295 and a depth of 16,777,216 are refused with the field and its range.
+#[test]
+fn sizes_that_exhausted_memory_are_refused_or_budgeted_in_bounded_memory() {
+    let limited = "ulimit -v 1048576 && exec \"$@\"";
+    for acc in ["100000", "1048576"] {
+        let args = [
+            "estimate",
+            "--batch",
+            acc,
+            "--microbatch",
+            "1",
+            "--accumulation",
+            acc,
+            "--json",
+        ];
+        let (c, out, err, _) = run_within(&args, 60, Some(limited));
+        assert_eq!(c, 0, "accumulation {acc}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let tl = &v["timeline"];
+        assert_eq!(tl["laid_out"], 2);
+        assert_eq!(tl["microbatches"].as_u64(), acc.parse::<u64>().ok());
+        assert_eq!(tl["repeated"]["as_microbatch"], 1);
+        assert!(tl["events"].as_array().unwrap().len() < 1000);
+        let (c, _, err, _) = run_within(
+            &[
+                "plan",
+                "--budget",
+                "80GiB",
+                "--batch",
+                acc,
+                "--microbatch",
+                "1",
+                "--accumulation",
+                acc,
+            ],
+            60,
+            Some(limited),
+        );
+        assert!(c == 0 || c == 3, "plan accumulation {acc}: exit {c}: {err}");
+    }
+    // The table says which microbatches repeat.
+    let (c, out, _) = run(&[
+        "estimate",
+        "--batch",
+        "100000",
+        "--microbatch",
+        "1",
+        "--accumulation",
+        "100000",
+    ]);
+    assert_eq!(c, 0);
+    assert!(
+        out.contains("microbatches 2..=99999 repeat microbatch 1"),
+        "{out}"
+    );
+
+    rejects(
+        &[
+            "estimate",
+            "--batch",
+            "4294967295",
+            "--microbatch",
+            "1",
+            "--accumulation",
+            "4294967295",
+        ],
+        2,
+        &["workload.accumulation", "1..=1048576"],
+    );
+    let dir = temp_dir("hostile", "depth");
+    let cfg = dir.join("deep.toml");
+    let mut text = ditmem_budget::Spec::default_xl().to_toml();
+    text = text.replace("depth = 28", "depth = 16777216");
+    assert!(text.contains("depth = 16777216"));
+    std::fs::write(&cfg, text).unwrap();
+    for cmd in ["estimate", "plan", "spec"] {
+        let mut args = vec![cmd, "--config", s(&cfg)];
+        if cmd == "plan" {
+            args.extend(["--budget", "24GiB"]);
+        }
+        rejects(&args, 2, &["model.depth", "1..=1024"]);
+    }
+}
+
+/// Finding 2: plan time no longer grows with the square of the depth: at the depth cap it
+/// evaluates a number of timelines that does not depend on the depth beyond its logarithm.
+#[test]
+fn plan_at_the_depth_cap_evaluates_few_timelines() {
+    let dir = temp_dir("hostile", "deep-plan");
+    let cfg = dir.join("deep.toml");
+    let text = ditmem_budget::Spec::default_xl()
+        .to_toml()
+        .replace("depth = 28", "depth = 1024");
+    std::fs::write(&cfg, text).unwrap();
+    let (c, out, err, _) = run_within(
+        &[
+            "plan",
+            "--config",
+            s(&cfg),
+            "--budget",
+            "200GiB",
+            "--allow",
+            "lora,8bit,bf16-pure",
+            "--json",
+        ],
+        120,
+        None,
+    );
+    assert!(c == 0 || c == 3, "exit {c}: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let evaluated = v["evaluated"].as_u64().unwrap();
+    let combos = v["combinations"].as_u64().unwrap();
+    // At most: all, two placements below, attention-only, none, and two placements per
+    // bisection step (log2 1024 = 10) for every combination, plus the base.
+    assert!(
+        evaluated <= 1 + combos * (5 + 2 * 10),
+        "{evaluated} timelines for {combos}"
+    );
+}
+
+/// Found by the argument fuzzer: ranks × accumulation past u32 wrapped to 0 and divided the
+/// batch by it (a panic); now the sizes are refused by validation, one line, exit 2.
+#[test]
+fn products_past_u32_are_refused_not_divided_by() {
+    rejects(
+        &[
+            "estimate",
+            "--batch",
+            "5",
+            "--ranks",
+            "65536",
+            "--accumulation",
+            "65536",
+        ],
+        2,
+        &["workload.", "allowed"],
+    );
+    rejects(
+        &[
+            "estimate",
+            "--microbatch",
+            "65536",
+            "--ranks",
+            "1048576",
+            "--accumulation",
+            "1048576",
+        ],
+        2,
+        &["workload.batch", "allowed"],
+    );
+}

@@ -87,8 +87,11 @@ pub fn compare(name: &str, budget: &Budget, m: &Measurement, baseline: u64) -> A
             (ph.name().to_string(), pred, meas)
         })
         .collect();
-    let predicted_boundaries: Vec<_> = tl
-        .events
+    // The engine measures every microbatch; the budget lays out two and says the others repeat
+    // the second, so its boundaries are expanded to the whole step (as long as the measured one)
+    // and every measured microbatch is held against a prediction.
+    let all_events = tl.expanded_events();
+    let predicted_boundaries: Vec<_> = all_events
         .iter()
         .filter(|e| !e.inside && e.phase != BudgetPhase::Start && e.phase != BudgetPhase::Encode)
         .collect();

@@ -56,8 +56,10 @@ pub trait RuntimeModel {
             final_layer: simulate(&self.final_segment(&shape), keep, &saved),
         })
     }
-    /// The events of one optimizer step. Only the first `max_microbatches` microbatches are laid
-    /// out (every microbatch after the first starts from the same state).
+    /// The events of one optimizer step. Only the first
+    /// [`crate::events::laid_out_microbatches`]`(accumulation, max_microbatches)` microbatches
+    /// are laid out (every microbatch after the first starts from the same state; the timeline
+    /// records which ones repeat).
     fn replay(
         &self,
         spec: &Spec,

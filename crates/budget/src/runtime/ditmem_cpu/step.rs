@@ -10,7 +10,7 @@
 //! step: the gradient norm, AdamW's temporaries, the EMA update. Every event is a point
 //! the engine's recorder marks (`inside: false`) or the worst moment between two marks.
 
-use crate::events::{Breakdown, Event, Events, Phase, StaticBytes};
+use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
@@ -93,7 +93,7 @@ pub fn replay(
     rp.ev
         .push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
-    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
+    for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
         live.data += batch_bytes(spec, u64::from(w.microbatch));
         rp.forward(&mut live, mb);
         rp.backward(&mut live, mb);

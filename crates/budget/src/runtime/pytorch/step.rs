@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::events::{Breakdown, Event, Events, Phase, StaticBytes};
+use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{simulate, Live, SegCost};
 use crate::runtime::pytorch::device::for_spec;
@@ -101,7 +101,7 @@ pub fn replay(
     let mut live = base;
     let depth = spec.model.depth;
     let w = &spec.workload;
-    for mb in 0..w.accumulation.min(max_microbatches.max(1)) {
+    for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
         let first = mb == 0;
         // x0, noise (the ε target), ᾱ_t, t and y (int64).
         let target = if r.prediction == Prediction::V {
