@@ -482,6 +482,27 @@ impl Trainer {
         Ok(out)
     }
 
+    /// The gradient of one trained tensor from the last `compute_gradients` (or `step` with
+    /// `keep_gradients`), unscaled, in f64; `None` when no gradient reached it. One tensor at a
+    /// time, for callers that must not hold a second copy of every gradient.
+    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
+        let &i = self.by_name.get(name).ok_or_else(|| {
+            EngineError::bad_input(
+                "parameter",
+                format!("'{name}' is not a parameter of this model"),
+            )
+        })?;
+        let Some(g) = &self.grads[i] else {
+            return Ok(None);
+        };
+        let g = g.to_dtype(DType::F64)?;
+        Ok(Some(if self.grad_scale != 1.0 {
+            (g / self.grad_scale)?
+        } else {
+            g
+        }))
+    }
+
     /// The EMA weights (name, value) when the recipe keeps an EMA.
     pub fn ema_parameters(&self) -> Option<Vec<(String, Tensor)>> {
         self.ema.as_ref().map(|e| {
