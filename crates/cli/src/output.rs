@@ -39,7 +39,7 @@ pub fn file_kind(ft: std::fs::FileType) -> &'static str {
     }
 }
 
-fn folder_of(path: &Path) -> &Path {
+pub(crate) fn folder_of(path: &Path) -> &Path {
     path.parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."))

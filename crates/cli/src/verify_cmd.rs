@@ -13,8 +13,8 @@ use anyhow::Context;
 use clap::Args;
 use ditmem_budget::{Spec, SpecError};
 use ditmem_engine::verify::{
-    self, compute_reference, parse_variants, Event, Reference, Report, Variant, VerifyError,
-    VerifyOptions,
+    self, compute_reference_in, parse_variants, plan_memory, Event, MemoryPlan, Reference, Report,
+    Variant, VerifyError, VerifyOptions,
 };
 use ditmem_engine::EngineError;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -53,13 +53,17 @@ pub struct VerifyArgs {
     /// Learning rate of the drift run [default: 1e-3, or the stored reference's]
     #[arg(long, value_parser = crate::flags::learning_rate, allow_hyphen_values = true)]
     pub lr: Option<f64>,
-    /// Variants computed at once [default: the available cores]
+    /// Variants computed at once [default: the available cores, fewer when their predicted
+    /// memory does not fit]
     #[arg(long, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub jobs: Option<usize>,
     /// Compare against this stored reference (.safetensors) instead of computing it.
     #[arg(long, value_name = "FILE")]
     pub reference: Option<PathBuf>,
-    /// Store the reference (gradients, loss, drift trajectory, spec and seeds) to this file.
+    /// Store the reference to this file (safetensors, f64: the one-step gradients and the
+    /// weights — and EMA weights — after each of the K drift steps, the losses, spec and seeds):
+    /// 8 B × trained parameters × (K + 2), (2K + 3) with an EMA. It is written as the reference
+    /// runs and read one tensor at a time, never held in memory.
     #[arg(long, value_name = "FILE")]
     pub save_reference: Option<PathBuf>,
     /// Print JSON instead of tables.
@@ -71,6 +75,10 @@ pub struct VerifyArgs {
     /// Also print the gradient error of every tensor for each variant.
     #[arg(long)]
     pub tensors: bool,
+    /// Run even when the predicted peak exceeds MemAvailable (never past the address-space or
+    /// cgroup limit).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// The small model verify runs by default: seconds per variant on two cores.
@@ -85,6 +93,8 @@ pub fn default_spec() -> Spec {
 struct VerifyJson<'a> {
     /// `computed` or the path of the stored reference.
     reference_source: String,
+    /// The predicted peak of this run and its parts (bytes), and the reference file's size.
+    memory: &'a MemoryPlan,
     conditions: Conditions,
     elapsed_s: f64,
     #[serde(flatten)]
@@ -131,18 +141,37 @@ fn variants(args: &VerifyArgs) -> Result<Vec<Variant>, CliError> {
     parse_variants(&text).map_err(|e| map_err(e, "--variants"))
 }
 
-/// The resource guard of `verify`: the largest variant (fp64, the base's other settings) once per
-/// variant run at once, plus the fp64 reference when it is computed here.
-fn guard(base: &Spec, variants: &[Variant], jobs: usize, stored: bool) -> Result<(), CliError> {
-    let mut fp64 = base.clone();
-    fp64.recipe.precision = ditmem_budget::Precision::Fp64;
-    let one = ditmem_budget::estimate(&fp64)?.peak_bytes;
-    let at_once = jobs.min(variants.len()).max(1) as u64 + u64::from(!stored);
-    crate::guard::check(
-        &format!("{at_once} fp64 steps at once"),
-        one.saturating_mul(at_once),
-        false,
-    )
+/// The resource guard of `verify`: the engine's prediction of its own peak ([`plan_memory`]: the
+/// budget's estimate of the steps it runs at once plus what verification keeps). Runs `jobs`
+/// variants at once when that fits, fewer otherwise, and refuses (exit 3) when even one does not.
+fn guard(
+    base: &Spec,
+    variants: &[Variant],
+    opts: &VerifyOptions,
+    jobs: usize,
+    stored: bool,
+    force: bool,
+) -> Result<MemoryPlan, CliError> {
+    let mut jobs = jobs.clamp(1, variants.len().max(1));
+    loop {
+        let plan =
+            plan_memory(base, variants, opts, jobs, !stored).map_err(|e| map_err(e, "spec"))?;
+        let what = format!(
+            "verify ({} variant{} at once{})",
+            plan.jobs,
+            if plan.jobs == 1 { "" } else { "s" },
+            if stored {
+                ""
+            } else {
+                " after the fp64 reference"
+            }
+        );
+        match crate::guard::check(&what, plan.peak, force) {
+            Ok(()) => return Ok(plan),
+            Err(e) if jobs == 1 => return Err(e),
+            Err(_) => jobs -= 1,
+        }
+    }
 }
 
 fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
@@ -186,10 +215,27 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     let variants = variants(&args)?;
     let stored = match &args.reference {
         Some(path) => {
-            // A regular file only (a FIFO would block); its size follows the model's.
-            let bytes = crate::input::read_capped("--reference", path, u64::MAX)?;
+            // A regular file only (a FIFO would block); read one tensor at a time.
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        "--reference",
+                        format!(
+                            "'{}' is not a regular file",
+                            crate::flags::show(&path.display().to_string())
+                        ),
+                    ))
+                }
+                Err(e) => {
+                    return Err(invalid(
+                        "--reference",
+                        format!("'{}': {e}", crate::flags::show(&path.display().to_string())),
+                    ))
+                }
+            }
             Some(
-                Reference::from_safetensors(&bytes)
+                Reference::open(path)
                     .map_err(|e| invalid("--reference", format!("'{}': {e}", path.display())))?,
             )
         }
@@ -221,7 +267,8 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
             "needs a drift run; allowed: --steps ≥ 1 with --plot",
         ));
     }
-    guard(&base, &variants, jobs, stored.is_some())?;
+    let plan = guard(&base, &variants, &opts, jobs, stored.is_some(), args.force)?;
+    let jobs = plan.jobs;
     let show = !args.json;
     let (reference, source) = match stored {
         Some(r) => {
@@ -235,18 +282,29 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
             (r, path)
         }
         None => {
+            // Written where it will be kept (a rename at the end), or in the temporary folder.
+            let dir = match &args.save_reference {
+                Some(p) => crate::output::folder_of(p).to_path_buf(),
+                None => std::env::temp_dir(),
+            };
             let b = bar(u64::from(opts.steps), show, "fp64 reference");
-            let r = compute_reference(&base, &opts, &mut |s| b.set_position(u64::from(s)))
+            let r = compute_reference_in(&dir, &base, &opts, &mut |s| b.set_position(u64::from(s)))
                 .map_err(|e| map_err(e, "spec"))?;
             b.finish_and_clear();
             (r, "computed".to_string())
         }
     };
+    let mut reference = reference;
     if let Some(path) = &args.save_reference {
-        let bytes = reference
-            .to_safetensors()
-            .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
-        crate::output::write_output("--save-reference", path, &bytes)?;
+        if args.reference.is_some() {
+            std::fs::copy(reference.path(), path)
+                .with_context(|| format!("cannot copy the reference to '{}'", path.display()))?;
+        } else {
+            crate::output::check_outputs(&[("--save-reference", Some(path.as_path()))])?;
+            reference
+                .persist(path)
+                .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
+        }
     }
     let n = variants.len() as u64;
     let b = bar(n * (u64::from(opts.steps) + 1), show, "variants");
@@ -278,6 +336,7 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     if args.json {
         crate::output::print_json(&VerifyJson {
             reference_source: source,
+            memory: &plan,
             conditions,
             elapsed_s: elapsed,
             report: &report,
@@ -291,7 +350,7 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
                 &source,
                 &conditions,
                 elapsed,
-                jobs,
+                &plan,
                 args.tensors
             )
         );
@@ -325,9 +384,10 @@ fn render(
     source: &str,
     conditions: &Conditions,
     elapsed: f64,
-    jobs: usize,
+    plan: &MemoryPlan,
     tensors: bool,
 ) -> String {
+    let jobs = plan.jobs;
     let mut o = String::new();
     let params = ditmem_engine::trainable_count(base).unwrap_or(0);
     o.push_str(&format!("ditmem verify — {}\n", spec_line(base)));
@@ -354,13 +414,24 @@ fn render(
         jobs,
         elapsed
     ));
+    o.push_str(&format!(
+        "memory: predicted peak {} = max(fp64 reference step {}, {} variant step(s) {}) + {} kept per variant + {} report; reference file {} on disk\n\n",
+        ditmem_budget::fmt_bytes(plan.peak),
+        ditmem_budget::fmt_bytes(plan.reference_step),
+        plan.jobs,
+        ditmem_budget::fmt_bytes(plan.variant_steps),
+        ditmem_budget::fmt_bytes(plan.keep_per_job),
+        ditmem_budget::fmt_bytes(plan.report),
+        ditmem_budget::fmt_bytes(plan.reference_file),
+    ));
 
     let g = &r.growth;
     o.push_str(&format!(
-        "tolerances: u(compute dtype) · √K · √P, K = {} (longest reduction), P = {} (gradient chain; {} for the loss)\n",
-        g.reduction, g.gradient_chain, g.forward_chain
+        "tolerances: κ · u(compute dtype) · √P, P = {} (gradient chain; {} for the loss), κ = 2 × the largest error / (u·√P) \
+         measured on correct runs (5 seeds × batch 2, 4, 8 of the default spec)\n",
+        g.gradient_chain, g.forward_chain
     ));
-    let mut t = Table::new(&["policy", "dtype", "u", "√K·√P", "gradient tol", "loss tol"]);
+    let mut t = Table::new(&["policy", "dtype", "u", "κ·√P", "gradient tol", "loss tol"]);
     for tol in &r.tolerances {
         t.row(vec![
             tol.precision.to_string(),
@@ -373,9 +444,9 @@ fn render(
     }
     o.push_str(&t.render());
     o.push_str(&format!(
-        "verdict: pass ≤ tol < warn ≤ {}×tol < fail; recompute twins bitwise; attention twins ≤ {}×tol; \
-         drift warns above {} × K × (drift after step 1)\n\n",
-        r.warn_factor, r.twin_order_factor, r.drift_growth_factor
+        "verdict: pass ≤ tol < warn ≤ {}×tol < fail (margin = error / tol); recompute twins bitwise; \
+         drift warns above {} × K × (drift after step 1); an EMA fails beyond its weights' drift\n\n",
+        r.warn_factor, r.drift_growth_factor
     ));
 
     let mut t = Table::new(&[
@@ -388,6 +459,7 @@ fn render(
         "cosine",
         "non-finite",
         "tol",
+        "margin",
         "drift@1",
         &format!("drift@{}", opt.steps),
         "loss drift",
@@ -397,17 +469,7 @@ fn render(
         let twin = v
             .twins
             .iter()
-            .map(|c| {
-                if c.kind == "bitwise" {
-                    if c.ok { "= bitwise" } else { "≠ bitwise" }.to_string()
-                } else {
-                    format!(
-                        "{}{}",
-                        if c.ok { "≈ " } else { "≉ " },
-                        sci(Some(c.max_diff))
-                    )
-                }
-            })
+            .map(|c| if c.ok { "= bitwise" } else { "≠ bitwise" }.to_string())
             .collect::<Vec<_>>()
             .join(", ");
         t.row(vec![
@@ -426,6 +488,7 @@ fn render(
                 }
             }),
             sci(Some(v.tolerance_grad)),
+            v.grad_margin.map_or("-".into(), |m| format!("{m:.3}")),
             sci(v.drift_one_step),
             sci(v.drift_final),
             sci(v.loss_drift_final),

@@ -158,3 +158,46 @@ fn bad_input_is_one_line_and_exit_2() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("reference"), "{err}");
 }
+
+#[test]
+fn memory_is_predicted_and_refused_before_work() {
+    // A spec far beyond this machine: refused with exit 3 naming the predicted figure, at once.
+    let (code, _, err) = ditmem(&[
+        "verify",
+        "--preset",
+        "dit-xl-2",
+        "--resolution",
+        "1024",
+        "--batch",
+        "64",
+    ]);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("predicts a peak of") && err.contains("verify"),
+        "{err}"
+    );
+    // A reference into a missing folder is bad input before any work.
+    let (code, _, err) = ditmem(&[
+        "verify",
+        "--save-reference",
+        "/nonexistent-ditmem-dir/ref.safetensors",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--save-reference"), "{err}");
+    // The JSON names the predicted peak and its parts, and each variant's margin.
+    let (code, out, err) = ditmem(&[
+        "verify",
+        "--variants",
+        "fp32/none/materialized",
+        "--steps",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let peak = v["memory"]["peak"].as_u64().unwrap();
+    assert!(peak > v["memory"]["variant_steps"].as_u64().unwrap());
+    assert!(v["memory"]["reference_file"].as_u64().unwrap() > 0);
+    let m = v["variants"][0]["grad_margin"].as_f64().unwrap();
+    assert!(m > 0.0 && m <= 1.0, "margin {m}");
+}

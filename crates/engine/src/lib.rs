@@ -60,6 +60,7 @@ pub mod host;
 pub mod kernels;
 pub mod measure;
 pub mod model;
+pub mod mutation;
 pub mod ops;
 pub mod optim;
 pub mod rng;

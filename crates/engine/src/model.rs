@@ -331,7 +331,14 @@ pub fn timestep_features(t: &[u32], freq: usize, dtype: DType, dev: &Device) -> 
     let mut v = Vec::with_capacity(t.len() * freq);
     for &ti in t {
         let args: Vec<f64> = (0..half)
-            .map(|k| f64::from(ti) * (-(10000f64.ln()) * k as f64 / half as f64).exp())
+            .map(|k| {
+                let a = f64::from(ti) * (-(10000f64.ln()) * k as f64 / half as f64).exp();
+                if crate::mutation::active(crate::mutation::Mutation::TimestepEmbeddingBf16) {
+                    ::half::bf16::from_f64(a).to_f64()
+                } else {
+                    a
+                }
+            })
             .collect();
         v.extend(args.iter().map(|a| a.cos()));
         v.extend(args.iter().map(|a| a.sin()));

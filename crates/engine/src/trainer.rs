@@ -334,7 +334,9 @@ impl Trainer {
             grad_scale: 1.0,
             optimizer,
             ema: None,
-            scaler: (precision == Precision::Fp16Mixed).then(|| LossScaler::new(1)),
+            scaler: (precision == Precision::Fp16Mixed
+                && !crate::mutation::active(crate::mutation::Mutation::Fp16NoLossScaling))
+            .then(|| LossScaler::new(1)),
             acp: alphas_cumprod(),
             steps: 0,
         };
@@ -342,7 +344,11 @@ impl Trainer {
             *s = LossScaler::new(t.opts.loss_scale_growth_interval);
         }
         if r.ema.enabled {
-            let ema_dt = dtype(r.ema.dtype)?;
+            let ema_dt = if crate::mutation::active(crate::mutation::Mutation::EmaBf16) {
+                DType::BF16
+            } else {
+                dtype(r.ema.dtype)?
+            };
             let vars = t.trained_vars();
             t.ema = Some(Ema::new(&vars, r.ema.decay, ema_dt)?);
         }
@@ -482,6 +488,27 @@ impl Trainer {
         Ok(out)
     }
 
+    /// The gradient of one trained tensor from the last `compute_gradients` (or `step` with
+    /// `keep_gradients`), unscaled, in f64; `None` when no gradient reached it. One tensor at a
+    /// time, for callers that must not hold a second copy of every gradient.
+    pub fn gradient(&self, name: &str) -> Result<Option<Tensor>> {
+        let &i = self.by_name.get(name).ok_or_else(|| {
+            EngineError::bad_input(
+                "parameter",
+                format!("'{name}' is not a parameter of this model"),
+            )
+        })?;
+        let Some(g) = &self.grads[i] else {
+            return Ok(None);
+        };
+        let g = g.to_dtype(DType::F64)?;
+        Ok(Some(if self.grad_scale != 1.0 {
+            (g / self.grad_scale)?
+        } else {
+            g
+        }))
+    }
+
     /// The EMA weights (name, value) when the recipe keeps an EMA.
     pub fn ema_parameters(&self) -> Option<Vec<(String, Tensor)>> {
         self.ema.as_ref().map(|e| {
@@ -590,6 +617,9 @@ impl Trainer {
             };
             let g = cast(g, gd)?;
             self.grads[i] = Some(match self.grads[i].take() {
+                Some(old) if crate::mutation::active(crate::mutation::Mutation::AccumulateBf16) => {
+                    cast((cast(old, DType::BF16)? + cast(g, DType::BF16)?)?, gd)?
+                }
                 Some(old) => (old + g)?,
                 None => g,
             });

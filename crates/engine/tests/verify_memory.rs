@@ -1,0 +1,51 @@
+//! The predicted peak of `verify` ([`plan_memory`]) against the counting allocator. One test
+//! function only: the allocator is global, so nothing else may run in this binary at once.
+
+use ditmem_budget::Spec;
+use ditmem_engine::verify::{
+    compute_reference, parse_variants, plan_memory, verify, VerifyOptions,
+};
+use ditmem_engine::CountingAlloc;
+
+#[global_allocator]
+static A: CountingAlloc = CountingAlloc::new();
+
+#[test]
+fn the_predicted_peak_holds_the_measured_one() {
+    let base = Spec::small();
+    let o = VerifyOptions {
+        steps: 3,
+        ..VerifyOptions::default()
+    };
+    let variants = parse_variants(
+        "fp32/none/materialized,bf16-mixed/all/memory-efficient,fp16-mixed/none/materialized",
+    )
+    .unwrap();
+    for jobs in [1usize, 2] {
+        let plan = plan_memory(&base, &variants, &o, jobs, true).unwrap();
+        let before = A.live();
+        A.reset_peak();
+        let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
+        let rep = verify(&base, &variants, &o, &r, jobs, &mut |_| {}).unwrap();
+        drop(r);
+        let measured = A.peak() - before;
+        eprintln!(
+            "jobs {jobs}: measured {measured} B, predicted {} B ({:+.1} %)",
+            plan.peak,
+            100.0 * (plan.peak as f64 / measured as f64 - 1.0)
+        );
+        assert!(rep.ok());
+        // Never below the measurement, and within 25 % above it.
+        assert!(
+            plan.peak >= measured,
+            "predicted {} < measured {measured}",
+            plan.peak
+        );
+        assert!(
+            (plan.peak as f64) <= 1.25 * measured as f64,
+            "predicted {} > 1.25 × measured {measured}",
+            plan.peak
+        );
+        drop(rep);
+    }
+}
