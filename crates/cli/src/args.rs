@@ -62,7 +62,7 @@ pub struct SpecArgs {
     /// Keep an EMA copy of the weights: on | off.
     #[arg(long)]
     pub ema: Option<String>,
-    /// Which executor the budget describes: ditmem-cpu | pytorch[:cpu|:cuda][:sdpa-auto|flash|efficient|cudnn|math].
+    /// Which executor the budget describes: ditmem-cpu, or pytorch, pytorch:cpu, pytorch:cuda with an optional :sdpa-auto, flash, efficient, cudnn or math.
     #[arg(long)]
     pub runtime: Option<String>,
     /// ditmem-cpu: threads of the engine's pool (spec `cpu.threads`; default: this machine's,

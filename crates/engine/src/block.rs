@@ -5,7 +5,7 @@
 //! A linear's weight and bias arrive in the compute dtype, or as the f32 master weights under a
 //! bf16/f16 compute dtype (the fused linear rounds them as it reads them, so mixed precision
 //! makes no cast copies); LoRA adapters arrive as cast copies. Every linear runs on a 2-D view
-//! as one fused node ([`crate::ops::linear`]), plus `(x·Aᵀ)·Bᵀ` when it carries LoRA.
+//! as one fused node ([`crate::ops::linear()`]), plus `(x·Aᵀ)·Bᵀ` when it carries LoRA.
 
 use std::sync::Arc;
 

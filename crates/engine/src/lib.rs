@@ -32,9 +32,9 @@
 //! compute dtype (rounding them as it packs or widens them) and returns their gradients in f32.
 //! 1. `silu(c)` (b,D) ad → cd; fused linear (b,6D) cd; → ad (b,6D); six
 //!    `narrow` views.
-//! 2. LN1 + modulate fused ([`ops::ln_modulate`]): one (E cd) output; the op keeps (mean, rstd)
+//! 2. LN1 + modulate fused ([`ops::ln_modulate()`]): one (E cd) output; the op keeps (mean, rstd)
 //!    per row (2·b·s, f32; f64 under fp64). Its inputs are x and the shift/scale chunks.
-//! 3. fused linear ([`ops::linear`]) (b·s,3D) cd.
+//! 3. fused linear ([`ops::linear()`]) (b·s,3D) cd.
 //! 4. attention read in place from qkv ([`ops::qkv_attention`]), output (b·s, D) cd. It keeps P
 //!    (A cd) when materialized, the log-sum-exp (b·a·s, f32; f64 under fp64) when
 //!    memory-efficient, nothing under attention-only recompute; dropout masks are regenerated

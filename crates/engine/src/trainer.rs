@@ -7,7 +7,7 @@
 //!
 //! Backward: `loss.backward()` on the final segment; then for each block from the last one down:
 //! recompute it if needed (same dropout seeds), backprop from its output with the known output
-//! gradient ([`crate::ops::backward_from`]), take the weight gradients (from the linears'
+//! gradient ([`crate::ops::backward_from()`]), take the weight gradients (from the linears'
 //! gradient sinks) and the input gradient (detached), add the weight gradients into the f32
 //! (f64 under fp64) gradient buffers, and drop the block's graph and gradient store at once. The
 //! conditioning c is an input of every block and of the final layer: its gradient is summed over

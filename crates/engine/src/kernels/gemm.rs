@@ -1,6 +1,6 @@
-//! The f32/f64 products of the fused ops, through the `gemm` crate: [`mm`] (single-threaded,
-//! for the attention's loop over heads), [`mm_par`], [`mm_strided`] (any strides; the widened
-//! linear lays its f32 scratch out so that `gemm` packs nothing) and [`mm_fresh`] (a product
+//! The f32/f64 products of the fused ops, through the `gemm` crate: `mm` (single-threaded,
+//! for the attention's loop over heads), `mm_par`, `mm_strided` (any strides; the widened
+//! linear lays its f32 scratch out so that `gemm` packs nothing) and `mm_fresh` (a product
 //! written straight into new, unzeroed memory). bf16 products have their own kernel,
 //! [`super::gemm_bf16`].
 

@@ -296,7 +296,7 @@ fn pack_b_panel<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: 
 /// fewer panels than threads) per rayon thread; nothing is allocated.
 ///
 /// # Panics
-/// When the kernel is not [`available`] or a buffer is shorter than its shape needs (both are
+/// When the CPU lacks the kernel ([`supported`]) or a buffer is shorter than its shape needs (both are
 /// bugs of the caller, not input errors).
 pub fn gemm_packed(
     m: usize,

@@ -6,8 +6,8 @@
 //!   spec's `cpu.bf16_products` says so (see [`crate::host`]); the budget restates its packing
 //!   sizes.
 //! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
-//! - [`scalar`]: the accumulation scalar and storage element traits the kernels are generic over.
-//! - [`shared_ptr`]: the raw pointer parallel tasks write disjoint elements through.
+//! - `scalar`: the accumulation scalar and storage element traits the kernels are generic over.
+//! - `shared_ptr`: the raw pointer parallel tasks write disjoint elements through.
 
 pub mod gemm;
 pub mod gemm_bf16;

@@ -17,7 +17,7 @@
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
-//! - [`storage`]: the CPU storage helpers and dtype dispatch the ops share.
+//! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
 //!
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
 //! `cpu_fwd` / `bwd`.

@@ -1,6 +1,6 @@
 //! Dropout of the attention probabilities (and of the MLP's activations): the [`Dropout`]
 //! setting, the composed mask tensor ([`dropout_mask`]) and the same mask read element by
-//! element by the fused kernels ([`mask_at`]), both drawn from one seeded stream.
+//! element by the fused kernels (`mask_at`), both drawn from one seeded stream.
 
 use candle_core::{DType, Tensor};
 

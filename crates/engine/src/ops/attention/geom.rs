@@ -1,5 +1,5 @@
 //! The shapes and modes of the fused attention, shared by its op ([`super`]) and its kernels
-//! ([`super::generic`], [`super::bf16`]): what the op keeps ([`AttnKeep`]), the geometry of one
+//! (`super::generic`, [`super::bf16`]): what the op keeps ([`AttnKeep`]), the geometry of one
 //! call ([`AttnGeom`]) with its per-head scratch sizes (restated by the budget,
 //! `ditmem_budget::ditmem_cpu::ops::fused_attention`), and the head loop's thread count.
 

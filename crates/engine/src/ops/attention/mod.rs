@@ -5,10 +5,10 @@
 //! `ditmem_budget::ditmem_cpu::ops::fused_attention`.
 //!
 //! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
-//! - [`generic`]: the kernels for every dtype through the `gemm` crate.
+//! - `generic`: the kernels for every dtype through the `gemm` crate.
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
 //! - [`dropout`]: the dropout mask, composed and per element.
-//! - [`reference`]: the composed attention ([`attention_materialized`]), the tests' reference.
+//! - [`reference`](mod@reference): the composed attention ([`attention_materialized`]), the tests' reference.
 
 pub mod bf16;
 pub mod dropout;

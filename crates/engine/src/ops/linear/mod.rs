@@ -1,7 +1,7 @@
 //! [`linear`]: `x·Wᵀ + b` as one fused node ([`LinearOp`]), with its workspace sizes
 //! ([`linear_fwd_scratch`], [`linear_bwd_scratch`]) and, through [`linear_sunk`], its weight
-//! gradients handed to a [`GradSink`]. Three kernel paths: [`direct`] (f32/f64 through `gemm`),
-//! [`bf16`] (the AVX512-BF16 kernel) and [`widen`] (bf16/f16 widened to f32 by chunks). Budget
+//! gradients handed to a [`GradSink`]. Three kernel paths: `direct` (f32/f64 through `gemm`),
+//! `bf16` (the AVX512-BF16 kernel) and `widen` (bf16/f16 widened to f32 by chunks). Budget
 //! twin: `ditmem_budget::ditmem_cpu::ops::fused_linear` and `fused_linear_scratch`, which the test below
 //! holds equal to these sizes.
 

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 
 use crate::ops::storage::{err, CResult};
 
-/// Where a fused linear leaves the gradients of its weight and bias (see [`LinearOp`]): each
+/// Where a fused linear leaves the gradients of its weight and bias (see [`LinearOp`](super::LinearOp)): each
 /// backward adds its dW, db here (moved in when the slot is empty, summed otherwise); the owner
 /// takes them out after the backward.
 #[derive(Debug, Default)]
