@@ -358,12 +358,12 @@ pub fn state_bytes(c: &FamilyCounts) -> Vec<StateBytes> {
     vec![
         StateBytes {
             recipe: "bf16-weights",
-            what: "parameters + buffers in bf16 (2 B each)",
+            what: "parameters + buffers in bf16 (2 B)",
             bytes: 2 * (c.parameters + c.buffers),
         },
         StateBytes {
             recipe: "fp32-weights",
-            what: "parameters + buffers in fp32 (4 B each)",
+            what: "parameters + buffers in fp32 (4 B)",
             bytes: 4 * (c.parameters + c.buffers),
         },
         StateBytes {
