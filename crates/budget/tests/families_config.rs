@@ -131,3 +131,36 @@ fn largest_accepted_config_stays_countable() {
     let m = from_config_json(text).unwrap();
     assert!(m.dims.counts().parameters > 1 << 36);
 }
+
+#[test]
+fn legacy_transformer2d_configs_with_no_op_keys_are_read() {
+    // The shape of the Hub's facebook/DiT-XL-2-256 transformer/config.json, written by diffusers
+    // 0.12 as a Transformer2DModel: the keys DiTTransformer2DModel drops at their no-op values.
+    let dit = r#"{"_class_name": "Transformer2DModel", "_diffusers_version": "0.12.0.dev0",
+        "activation_fn": "gelu-approximate", "attention_bias": true, "attention_head_dim": 72,
+        "cross_attention_dim": null, "dropout": 0.0, "in_channels": 4,
+        "norm_elementwise_affine": false, "norm_num_groups": 32, "norm_type": "ada_norm_zero",
+        "num_attention_heads": 16, "num_embeds_ada_norm": 1000, "num_layers": 28,
+        "num_vector_embeds": null, "only_cross_attention": false, "out_channels": 8,
+        "patch_size": 2, "sample_size": 32, "upcast_attention": false,
+        "use_linear_projection": false}"#;
+    let m = from_config_json(dit).unwrap();
+    assert_eq!(m.dims, family_preset("dit-xl-2-256").unwrap().dims);
+    assert_eq!(m.dims.counts().parameters, 749_826_464);
+    // The same for PixArt-α 1024-MS (diffusers 0.22): use_additional_conditions absent → on.
+    let pixart = r#"{"_class_name": "Transformer2DModel", "_diffusers_version": "0.22.0.dev0",
+        "activation_fn": "gelu-approximate", "attention_bias": true, "attention_head_dim": 72,
+        "attention_type": "default", "caption_channels": 4096, "cross_attention_dim": 1152,
+        "double_self_attention": false, "dropout": 0.0, "in_channels": 4,
+        "norm_elementwise_affine": false, "norm_eps": 1e-06, "norm_num_groups": 32,
+        "norm_type": "ada_norm_single", "num_attention_heads": 16, "num_embeds_ada_norm": 1000,
+        "num_layers": 28, "num_vector_embeds": null, "only_cross_attention": false,
+        "out_channels": 8, "patch_size": 2, "sample_size": 128, "upcast_attention": false,
+        "use_linear_projection": false}"#;
+    let m = from_config_json(pixart).unwrap();
+    assert_eq!(m.family, Family::Pixart);
+    assert_eq!(m.dims.counts().parameters, 611_349_152);
+    // A legacy key at a value that would change the model is refused.
+    let bad = pixart.replace("\"num_vector_embeds\": null", "\"num_vector_embeds\": 1024");
+    assert_eq!(field(&bad).0, "num_vector_embeds");
+}
