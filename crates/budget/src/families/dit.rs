@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::{Group, Table, TensorKind};
 use crate::error::SpecError;
-use crate::params::{param_table, Module, ParamRole};
+use crate::params::{param_table, Module};
 use crate::spec::{ModelSpec, Spec};
 
 /// The original DiT: a `ModelSpec` at a square image side in pixels (VAE factor 8).
@@ -111,7 +111,7 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, Sp
             )
         })?;
     let attention_bias = cfg.bool("attention_bias", true)?;
-    common_keys(cfg, false)?;
+    common_keys(cfg)?;
     if legacy {
         legacy_keys(cfg, false)?;
     }
@@ -132,7 +132,7 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, Sp
 }
 
 /// Keys shared by the BasicTransformerBlock families (DiT, PixArt).
-pub(crate) fn common_keys(cfg: &mut Cfg, _pixart: bool) -> Result<(), SpecError> {
+pub(crate) fn common_keys(cfg: &mut Cfg) -> Result<(), SpecError> {
     cfg.choice(
         "activation_fn",
         Some("gelu-approximate"),
@@ -268,7 +268,7 @@ pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
         let fixed = p.module == Module::PosEmbed;
         t.push(p.name, p.shape, group, p.block);
         if let Some(last) = t.0.last_mut() {
-            last.fixed = fixed || (p.role == ParamRole::Frozen && p.module == Module::PosEmbed);
+            last.fixed = fixed;
         }
     }
 }

@@ -69,7 +69,7 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, Sp
     cfg.choice("attention_type", Some("default"), &[Some("default")], "")?;
     // Scales the sin-cos table's positions, not its shape.
     cfg.number("interpolation_scale", None, 1e-6, 1e6, true)?;
-    common_keys(cfg, true)?;
+    common_keys(cfg)?;
     if legacy {
         legacy_keys(cfg, true)?;
     }
