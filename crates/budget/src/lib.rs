@@ -71,3 +71,13 @@ pub mod ditmem_cpu {
 pub mod pytorch {
     pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
 }
+
+/// The model families (DiT, diffusers' DiT, PixArt, SD3, Flux, Sana, Wan): their exact parameter
+/// tables, read from a diffusers `config.json` or a preset. Activations for them come later.
+mod families;
+pub use families::{
+    count as count_family, from_config_json, preset as family_preset, preset_config,
+    preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,
+    FamilyModel, FamilyTensor, Group, GroupCount, StateBytes, TensorKind, MAX_CONFIG_JSON_BYTES,
+};
+pub use families::{DitDiffusersDims, DitDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};

@@ -12,6 +12,7 @@ mod flags;
 mod guard;
 mod input;
 mod output;
+mod params_cmd;
 mod plan_cmd;
 mod plot;
 mod render;
@@ -74,6 +75,9 @@ enum Command {
     /// gradients on a fixed batch, tolerances by dtype, bitwise recompute twins, drift over K
     /// steps (exit 4 when a variant fails).
     Verify(verify_cmd::VerifyArgs),
+    /// The parameter table of a diffusers model (config.json or preset): family, dimensions,
+    /// parameters per module group, model state per recipe; `--weights` checks a checkpoint.
+    Params(params_cmd::ParamsArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -147,6 +151,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Agree(args) => compare_cmd::agree_grid(args, &ALLOC)?,
         Command::Verify(args) => verify_cmd::run(args)?,
         Command::Plan(args) => plan_cmd::run(args)?,
+        Command::Params(args) => params_cmd::run(args)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;
             if json {
@@ -161,8 +166,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".
 fn command_name() -> String {
-    const NAMES: [&str; 7] = [
-        "estimate", "plan", "run", "compare", "agree", "verify", "spec",
+    const NAMES: [&str; 8] = [
+        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params",
     ];
     std::env::args()
         .skip(1)

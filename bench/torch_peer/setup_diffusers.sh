@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs a pinned diffusers beside torch into bench/torch_peer/.venv (creating it with
+# setup.sh first when it is missing). The transformer classes need neither transformers nor
+# accelerate: count_params.py builds them on the meta device with plain torch.
+# Never needed by `cargo test --release --workspace`.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ ! -x "$here/.venv/bin/python" ] || ! "$here/.venv/bin/python" -c 'import torch' 2>/dev/null; then
+    "$here/setup.sh"
+fi
+# The version the parameter tables in crates/budget/tests/data/ were produced with.
+"$here/.venv/bin/python" -m pip install "diffusers==${DIFFUSERS_VERSION:-0.42.1}"
+"$here/.venv/bin/python" -c 'import diffusers, torch; print("diffusers", diffusers.__version__, "torch", torch.__version__)'

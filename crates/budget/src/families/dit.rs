@@ -1,0 +1,274 @@
+//! DiT, twice: the original facebookresearch/DiT (`models.py`, counted by `params.rs`) and
+//! diffusers' `DiTTransformer2DModel` (`models/transformers/dit_transformer_2d.py`), whose
+//! `BasicTransformerBlock` with `norm_type="ada_norm_zero"` holds an `AdaLayerNormZero` with its
+//! own `CombinedTimestepLabelEmbeddings` in every block — 749,826,464 parameters for XL/2 against
+//! the original's 675,129,632.
+
+use serde::Serialize;
+
+use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::{Group, Table, TensorKind};
+use crate::error::SpecError;
+use crate::params::{param_table, Module};
+use crate::spec::{ModelSpec, Spec};
+
+/// The original DiT: a `ModelSpec` at a square image side in pixels (VAE factor 8).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DitDims {
+    pub model: ModelSpec,
+    pub image_size: u32,
+}
+
+/// `DiTTransformer2DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DitDiffusersDims {
+    pub num_layers: u64,
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    /// Latent side; the fixed sin-cos table has (sample_size / patch_size)² rows.
+    pub sample_size: u64,
+    pub patch_size: u64,
+    /// Classes of the label table (one more row for the null class: dropout 0.1 is hard-coded).
+    pub num_embeds_ada_norm: u64,
+    pub attention_bias: bool,
+}
+
+impl DitDiffusersDims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}
+
+/// Keys of a legacy `Transformer2DModel` config that the remapped class does not take: accepted at
+/// the value that changes nothing (diffusers drops them when it remaps), refused otherwise.
+pub(crate) fn legacy_keys(cfg: &mut Cfg, cross_attention: bool) -> Result<(), SpecError> {
+    let why = " (diffusers drops it when it remaps Transformer2DModel)";
+    cfg.choice("num_vector_embeds", None, &[None], why)?;
+    if cfg.bool("only_cross_attention", false)? {
+        return Err(SpecError::invalid(
+            "only_cross_attention",
+            "true is not modelled; allowed: false",
+        ));
+    }
+    if cfg.bool("double_self_attention", false)? {
+        return Err(SpecError::invalid(
+            "double_self_attention",
+            "true is not modelled; allowed: false",
+        ));
+    }
+    // Used only by Transformer2DModel's continuous (non-patch) input path.
+    cfg.bool("use_linear_projection", false)?;
+    if !cross_attention {
+        cfg.choice(
+            "cross_attention_dim",
+            None,
+            &[None],
+            " for DiT (no cross-attention)",
+        )?;
+        cfg.choice(
+            "caption_channels",
+            None,
+            &[None],
+            " for DiT (no caption projection)",
+        )?;
+        cfg.choice("attention_type", None, &[Some("default")], "")?;
+        cfg.ignore_numbers(&["interpolation_scale"])?;
+        if cfg.opt_bool("use_additional_conditions", None)? == Some(true) {
+            return Err(SpecError::invalid(
+                "use_additional_conditions",
+                "true is not modelled for DiT (PixArt's size embedders); allowed: false, null",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Read a `DiTTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
+pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, SpecError> {
+    cfg.choice(
+        "norm_type",
+        Some("ada_norm_zero"),
+        &[Some("ada_norm_zero")],
+        "",
+    )?;
+    let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
+    let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
+    let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", None, 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let num_layers = cfg.int("num_layers", 28, 1, MAX_LAYERS)?;
+    let sample_size = cfg.int("sample_size", 32, 1, MAX_SIDE)?;
+    let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
+    let num_embeds = cfg
+        .opt_int("num_embeds_ada_norm", Some(1000), 1, MAX_ROWS)?
+        .ok_or_else(|| {
+            SpecError::invalid(
+                "num_embeds_ada_norm",
+                "null is not allowed with ada_norm_zero; allowed: an integer from 1 to 1048576",
+            )
+        })?;
+    let attention_bias = cfg.bool("attention_bias", true)?;
+    common_keys(cfg)?;
+    if legacy {
+        legacy_keys(cfg, false)?;
+    }
+    let d = DitDiffusersDims {
+        num_layers,
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        in_channels,
+        out_channels,
+        sample_size,
+        patch_size,
+        num_embeds_ada_norm: num_embeds,
+        attention_bias,
+    };
+    check_inner(d.inner())?;
+    check_patch(sample_size, patch_size)?;
+    Ok(super::Dims::DitDiffusers(d))
+}
+
+/// Keys shared by the BasicTransformerBlock families (DiT, PixArt).
+pub(crate) fn common_keys(cfg: &mut Cfg) -> Result<(), SpecError> {
+    cfg.choice(
+        "activation_fn",
+        Some("gelu-approximate"),
+        &[Some("gelu-approximate"), Some("gelu")],
+        " (a GEGLU doubles the first FFN projection)",
+    )?;
+    if cfg.bool("norm_elementwise_affine", false)? {
+        return Err(SpecError::invalid(
+            "norm_elementwise_affine",
+            "true is not modelled (the published checkpoints have no affine LayerNorms); allowed: false",
+        ));
+    }
+    cfg.zero_dropout("dropout")?;
+    // Numbers that change no shape: the norms' epsilon and GroupNorm groups of the unused
+    // continuous-input path; upcasting changes the attention's dtype, not the parameters.
+    cfg.ignore_numbers(&["norm_eps", "norm_num_groups"])?;
+    cfg.bool("upcast_attention", false)?;
+    Ok(())
+}
+
+pub(crate) fn check_inner(inner: u64) -> Result<(), SpecError> {
+    if inner > super::config::MAX_HIDDEN {
+        return Err(SpecError::invalid(
+            "num_attention_heads",
+            format!(
+                "num_attention_heads × attention_head_dim = {inner}; allowed: at most {}",
+                super::config::MAX_HIDDEN
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_patch(sample_size: u64, patch: u64) -> Result<(), SpecError> {
+    if !sample_size.is_multiple_of(patch) {
+        return Err(SpecError::invalid(
+            "sample_size",
+            format!("{sample_size} is not a multiple of patch_size {patch}; allowed: a multiple of {patch}"),
+        ));
+    }
+    Ok(())
+}
+
+/// diffusers `DiTTransformer2DModel.__init__`: `pos_embed` (PatchEmbed: conv + a non-persistent
+/// sin-cos buffer), `transformer_blocks` (BasicTransformerBlock, ada_norm_zero), `proj_out_1`,
+/// `proj_out_2`.
+pub(crate) fn diffusers_table(d: &DitDiffusersDims, t: &mut Table) {
+    let dim = d.inner();
+    let p = d.patch_size;
+    t.push(
+        "pos_embed.proj.weight".into(),
+        vec![dim, d.in_channels, p, p],
+        Group::PatchEmbed,
+        None,
+    );
+    t.push(
+        "pos_embed.proj.bias".into(),
+        vec![dim],
+        Group::PatchEmbed,
+        None,
+    );
+    let bias = d.attention_bias;
+    for i in 0..d.num_layers as u32 {
+        let b = format!("transformer_blocks.{i}");
+        let blk = Some(i);
+        let g = Group::Blocks;
+        // AdaLayerNormZero(dim, num_embeds): CombinedTimestepLabelEmbeddings (timestep MLP on the
+        // 256-d sinusoid; LabelEmbedding with a null row, class_dropout_prob=0.1) + Linear(dim, 6dim).
+        t.linear(
+            &format!("{b}.norm1.emb.timestep_embedder.linear_1"),
+            dim,
+            256,
+            true,
+            g,
+            blk,
+        );
+        t.linear(
+            &format!("{b}.norm1.emb.timestep_embedder.linear_2"),
+            dim,
+            dim,
+            true,
+            g,
+            blk,
+        );
+        t.push(
+            format!("{b}.norm1.emb.class_embedder.embedding_table.weight"),
+            vec![d.num_embeds_ada_norm + 1, dim],
+            g,
+            blk,
+        );
+        t.linear(&format!("{b}.norm1.linear"), 6 * dim, dim, true, g, blk);
+        for proj in ["to_q", "to_k", "to_v"] {
+            t.linear(&format!("{b}.attn1.{proj}"), dim, dim, bias, g, blk);
+        }
+        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
+        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+    }
+    t.linear("proj_out_1", 2 * dim, dim, true, Group::FinalLayer, None);
+    t.linear(
+        "proj_out_2",
+        p * p * d.out_channels,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    let side = d.sample_size / p;
+    t.buffer(
+        "pos_embed.pos_embed",
+        vec![1, side * side, dim],
+        TensorKind::BufferNonPersistent,
+        Group::PosEmbed,
+    );
+}
+
+/// The original DiT, from `params.rs` (the engine's twin): its `pos_embed` is an `nn.Parameter`
+/// with `requires_grad=False`, counted by `model.parameters()`.
+pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
+    let mut spec = Spec::default_xl();
+    spec.model = d.model.clone();
+    spec.workload.height = d.image_size;
+    spec.workload.width = d.image_size;
+    spec.recipe.lora = None;
+    for p in param_table(&spec) {
+        let group = match p.module {
+            Module::PatchEmbed => Group::PatchEmbed,
+            Module::PosEmbed => Group::PosEmbed,
+            Module::TimestepEmbed => Group::TimeEmbed,
+            Module::LabelEmbed => Group::ClassEmbed,
+            Module::Blocks | Module::Lora => Group::Blocks,
+            Module::FinalLayer => Group::FinalLayer,
+        };
+        let fixed = p.module == Module::PosEmbed;
+        t.push(p.name, p.shape, group, p.block);
+        if let Some(last) = t.0.last_mut() {
+            last.fixed = fixed;
+        }
+    }
+}

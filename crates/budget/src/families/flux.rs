@@ -1,0 +1,191 @@
+//! FLUX.1: diffusers `FluxTransformer2DModel` (`models/transformers/transformer_flux.py`):
+//! `num_layers` double-stream blocks (AdaLayerNormZero for image and context, joint attention with
+//! per-head q/k RMSNorm, two GELU-tanh FFNs) and `num_single_layers` single-stream blocks (one
+//! `Linear(D, 3D)` modulation, q/k/v without an output projection, `proj_mlp` D → 4D and the fused
+//! `proj_out` 5D → D). RoPE over `axes_dims_rope` is computed per step: no buffer, no parameter.
+//! `x_embedder` reads the 2×2-packed latent (64 features).
+
+use serde::Serialize;
+
+use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
+use super::dit::check_inner;
+use super::{Group, Table};
+use crate::error::SpecError;
+
+/// `FluxTransformer2DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FluxDims {
+    pub num_layers: u64,
+    pub num_single_layers: u64,
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    /// Features per packed token (16 latent channels × 2 × 2 = 64).
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub patch_size: u64,
+    /// T5-XXL width fed to `context_embedder` (4096).
+    pub joint_attention_dim: u64,
+    /// CLIP-L pooled width (768).
+    pub pooled_projection_dim: u64,
+    /// FLUX.1-dev's guidance embedder (schnell has none).
+    pub guidance_embeds: bool,
+    /// RoPE axes (sum = attention_head_dim).
+    pub axes_dims_rope: Vec<u64>,
+}
+
+impl FluxDims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}
+
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+    let patch_size = cfg.int("patch_size", 1, 1, MAX_PATCH)?;
+    let in_channels = cfg.int("in_channels", 64, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", None, 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let num_layers = cfg.int("num_layers", 19, 0, MAX_LAYERS)?;
+    let num_single_layers = cfg.int("num_single_layers", 38, 0, MAX_LAYERS)?;
+    let head_dim = cfg.int("attention_head_dim", 128, 1, MAX_DIM)?;
+    let heads = cfg.int("num_attention_heads", 24, 1, MAX_DIM)?;
+    let joint = cfg.int("joint_attention_dim", 4096, 1, MAX_DIM)?;
+    let pooled = cfg.int("pooled_projection_dim", 768, 1, MAX_DIM)?;
+    let guidance_embeds = cfg.bool("guidance_embeds", false)?;
+    let axes = cfg.int_list("axes_dims_rope", &[16, 56, 56], 3, 0, MAX_DIM)?;
+    let d = FluxDims {
+        num_layers,
+        num_single_layers,
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        in_channels,
+        out_channels,
+        patch_size,
+        joint_attention_dim: joint,
+        pooled_projection_dim: pooled,
+        guidance_embeds,
+        axes_dims_rope: axes,
+    };
+    check_inner(d.inner())?;
+    let sum: u64 = d.axes_dims_rope.iter().sum();
+    if d.axes_dims_rope.len() != 3 || sum != head_dim || d.axes_dims_rope.iter().any(|a| a % 2 != 0)
+    {
+        return Err(mismatch(
+            "axes_dims_rope",
+            format!(
+                "{:?} must be three even sizes adding up to attention_head_dim {head_dim} (RoPE rotates \
+                 every channel of a head)",
+                d.axes_dims_rope
+            ),
+        ));
+    }
+    Ok(super::Dims::Flux(d))
+}
+
+pub(crate) fn table(d: &FluxDims, t: &mut Table) {
+    let dim = d.inner();
+    let hd = d.attention_head_dim;
+    // CombinedTimestep(Guidance)TextProjEmbeddings.
+    t.timestep_embedding(
+        "time_text_embed.timestep_embedder",
+        256,
+        dim,
+        Group::TimeEmbed,
+    );
+    if d.guidance_embeds {
+        t.timestep_embedding(
+            "time_text_embed.guidance_embedder",
+            256,
+            dim,
+            Group::TimeEmbed,
+        );
+    }
+    t.linear(
+        "time_text_embed.text_embedder.linear_1",
+        dim,
+        d.pooled_projection_dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "time_text_embed.text_embedder.linear_2",
+        dim,
+        dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "context_embedder",
+        dim,
+        d.joint_attention_dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "x_embedder",
+        dim,
+        d.in_channels,
+        true,
+        Group::PatchEmbed,
+        None,
+    );
+    for i in 0..d.num_layers as u32 {
+        let b = format!("transformer_blocks.{i}");
+        let (g, blk) = (Group::Blocks, Some(i));
+        t.linear(&format!("{b}.norm1.linear"), 6 * dim, dim, true, g, blk);
+        t.linear(
+            &format!("{b}.norm1_context.linear"),
+            6 * dim,
+            dim,
+            true,
+            g,
+            blk,
+        );
+        t.norm(&format!("{b}.attn.norm_q"), hd, false, g, blk);
+        t.norm(&format!("{b}.attn.norm_k"), hd, false, g, blk);
+        for proj in ["to_q", "to_k", "to_v", "to_out.0"] {
+            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        }
+        t.norm(&format!("{b}.attn.norm_added_q"), hd, false, g, blk);
+        t.norm(&format!("{b}.attn.norm_added_k"), hd, false, g, blk);
+        for proj in ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"] {
+            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        }
+        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+        t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
+    }
+    for i in 0..d.num_single_layers as u32 {
+        let b = format!("single_transformer_blocks.{i}");
+        let (g, blk) = (Group::SingleBlocks, Some(i));
+        // mlp_ratio 4.0 is fixed in FluxSingleTransformerBlock.
+        let mlp = 4 * dim;
+        t.linear(&format!("{b}.norm.linear"), 3 * dim, dim, true, g, blk);
+        t.linear(&format!("{b}.proj_mlp"), mlp, dim, true, g, blk);
+        t.linear(&format!("{b}.proj_out"), dim, dim + mlp, true, g, blk);
+        t.norm(&format!("{b}.attn.norm_q"), hd, false, g, blk);
+        t.norm(&format!("{b}.attn.norm_k"), hd, false, g, blk);
+        for proj in ["to_q", "to_k", "to_v"] {
+            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        }
+    }
+    t.linear(
+        "norm_out.linear",
+        2 * dim,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    let p = d.patch_size;
+    t.linear(
+        "proj_out",
+        p * p * d.out_channels,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+}

@@ -1,0 +1,461 @@
+//! The model families people fine-tune, each with its exact parameter table, read from a diffusers
+//! `config.json` or a preset.
+//!
+//! A model is a [`Family`] plus its dimensions ([`Dims`]). Each family gives every tensor its
+//! diffusers class holds — the name `model.named_parameters()` / `named_buffers()` reports (the name
+//! PEFT's LoRA targets match), its shape, its module group and whether it is a parameter or a buffer
+//! (a fixed position or RoPE table) — so that [`FamilyCounts::parameters`] equals diffusers'
+//! `sum(p.numel() for p in model.parameters())` for the config. The peer
+//! (`bench/torch_peer/count_params.py`) builds every preset's class on the meta device and its
+//! output is pinned in `crates/budget/tests/families_params.rs`.
+//!
+//! Activations of these families (their op inventories) are the next step: this module only counts
+//! what the model holds.
+
+use serde::Serialize;
+
+use crate::error::SpecError;
+use crate::spec::ModelSpec;
+
+mod config;
+mod dit;
+mod flux;
+mod pixart;
+mod presets;
+mod sana;
+mod sd3;
+mod wan;
+
+pub use config::{from_config_json, MAX_CONFIG_JSON_BYTES};
+pub use dit::{DitDiffusersDims, DitDims};
+pub use flux::FluxDims;
+pub use pixart::PixartDims;
+pub use presets::{preset, preset_config, preset_names, preset_source};
+pub use sana::SanaDims;
+pub use sd3::Sd3Dims;
+pub use wan::WanDims;
+
+/// The model families ditmem knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// The original facebookresearch/DiT `models.py` (what `params.rs` and the engine count).
+    Dit,
+    /// diffusers' `DiTTransformer2DModel`: a timestep + label embedder inside every block.
+    DitDiffusers,
+    /// `PixArtTransformer2DModel` (PixArt-α and -Σ).
+    Pixart,
+    /// `SD3Transformer2DModel` (SD3, SD3.5; MMDiT and MMDiT-X).
+    Sd3,
+    /// `FluxTransformer2DModel` (FLUX.1 dev / schnell).
+    Flux,
+    /// `SanaTransformer2DModel`.
+    Sana,
+    /// `WanTransformer3DModel` (Wan 2.1 text-to-video).
+    Wan,
+}
+
+impl Family {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Family::Dit => "dit",
+            Family::DitDiffusers => "dit-diffusers",
+            Family::Pixart => "pixart",
+            Family::Sd3 => "sd3",
+            Family::Flux => "flux",
+            Family::Sana => "sana",
+            Family::Wan => "wan",
+        }
+    }
+
+    /// The diffusers class (or, for the original DiT, the reference module).
+    pub const fn class_name(self) -> &'static str {
+        match self {
+            Family::Dit => "DiT (facebookresearch/DiT models.py)",
+            Family::DitDiffusers => "DiTTransformer2DModel",
+            Family::Pixart => "PixArtTransformer2DModel",
+            Family::Sd3 => "SD3Transformer2DModel",
+            Family::Flux => "FluxTransformer2DModel",
+            Family::Sana => "SanaTransformer2DModel",
+            Family::Wan => "WanTransformer3DModel",
+        }
+    }
+
+    pub const ALL: [Family; 7] = [
+        Family::Dit,
+        Family::DitDiffusers,
+        Family::Pixart,
+        Family::Sd3,
+        Family::Flux,
+        Family::Sana,
+        Family::Wan,
+    ];
+}
+
+/// The dimensions of one model, by family.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "family", rename_all = "kebab-case")]
+pub enum Dims {
+    Dit(DitDims),
+    DitDiffusers(DitDiffusersDims),
+    Pixart(PixartDims),
+    Sd3(Sd3Dims),
+    Flux(FluxDims),
+    Sana(SanaDims),
+    Wan(WanDims),
+}
+
+impl Dims {
+    pub const fn family(&self) -> Family {
+        match self {
+            Dims::Dit(_) => Family::Dit,
+            Dims::DitDiffusers(_) => Family::DitDiffusers,
+            Dims::Pixart(_) => Family::Pixart,
+            Dims::Sd3(_) => Family::Sd3,
+            Dims::Flux(_) => Family::Flux,
+            Dims::Sana(_) => Family::Sana,
+            Dims::Wan(_) => Family::Wan,
+        }
+    }
+
+    /// Hidden size of the transformer stream.
+    pub fn hidden(&self) -> u64 {
+        match self {
+            Dims::Dit(d) => u64::from(d.model.hidden),
+            Dims::DitDiffusers(d) => d.inner(),
+            Dims::Pixart(d) => d.inner(),
+            Dims::Sd3(d) => d.inner(),
+            Dims::Flux(d) => d.inner(),
+            Dims::Sana(d) => d.inner(),
+            Dims::Wan(d) => d.inner(),
+        }
+    }
+
+    /// Every tensor the model holds, in module order.
+    pub fn table(&self) -> Vec<FamilyTensor> {
+        let mut t = Table::default();
+        match self {
+            Dims::Dit(d) => dit::original_table(d, &mut t),
+            Dims::DitDiffusers(d) => dit::diffusers_table(d, &mut t),
+            Dims::Pixart(d) => pixart::table(d, &mut t),
+            Dims::Sd3(d) => sd3::table(d, &mut t),
+            Dims::Flux(d) => flux::table(d, &mut t),
+            Dims::Sana(d) => sana::table(d, &mut t),
+            Dims::Wan(d) => wan::table(d, &mut t),
+        }
+        t.0
+    }
+
+    /// Parameter and buffer totals, per module group.
+    pub fn counts(&self) -> FamilyCounts {
+        count(&self.table())
+    }
+}
+
+/// A model of a family: its dimensions and where they came from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FamilyModel {
+    /// The preset name, or "config.json".
+    pub name: String,
+    pub family: Family,
+    pub class_name: &'static str,
+    pub dims: Dims,
+}
+
+impl FamilyModel {
+    pub fn new(name: impl Into<String>, dims: Dims) -> FamilyModel {
+        let family = dims.family();
+        FamilyModel {
+            name: name.into(),
+            family,
+            class_name: family.class_name(),
+            dims,
+        }
+    }
+
+    /// The original DiT of a `ModelSpec` at a square image side (pixels, VAE factor 8).
+    pub fn original_dit(model: ModelSpec, image_size: u32) -> Result<FamilyModel, SpecError> {
+        let p = model.patch.max(1);
+        if image_size == 0 || !image_size.is_multiple_of(8 * p) {
+            return Err(SpecError::invalid(
+                "image_size",
+                format!("{image_size} is not a multiple of 8 × patch {p}"),
+            ));
+        }
+        let name = model.name.clone();
+        Ok(FamilyModel::new(
+            name,
+            Dims::Dit(DitDims { model, image_size }),
+        ))
+    }
+}
+
+/// Whether a tensor is a parameter or a buffer, as diffusers registers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TensorKind {
+    /// `nn.Parameter`: counted by `model.parameters()`.
+    Param,
+    /// A buffer in the state dict (SD3's cropped position table).
+    Buffer,
+    /// A non-persistent buffer (`persistent=False`): recomputed at init, not in the checkpoint.
+    BufferNonPersistent,
+}
+
+impl TensorKind {
+    /// The peer's spelling (`count_params.py`).
+    pub const fn peer_name(self) -> &'static str {
+        match self {
+            TensorKind::Param => "param",
+            TensorKind::Buffer => "buffer",
+            TensorKind::BufferNonPersistent => "buffer-np",
+        }
+    }
+
+    /// In a checkpoint's safetensors (the state dict).
+    pub const fn in_state_dict(self) -> bool {
+        !matches!(self, TensorKind::BufferNonPersistent)
+    }
+}
+
+/// The module group of a tensor, for per-group totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Group {
+    PatchEmbed,
+    PosEmbed,
+    TimeEmbed,
+    ClassEmbed,
+    TextEmbed,
+    Blocks,
+    SingleBlocks,
+    FinalLayer,
+    Rope,
+}
+
+impl Group {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Group::PatchEmbed => "patch embed",
+            Group::PosEmbed => "position table (fixed sin-cos)",
+            Group::TimeEmbed => "timestep / guidance embed",
+            Group::ClassEmbed => "label embed",
+            Group::TextEmbed => "text / caption embed",
+            Group::Blocks => "transformer blocks",
+            Group::SingleBlocks => "single-stream blocks",
+            Group::FinalLayer => "final layer",
+            Group::Rope => "RoPE tables (fixed)",
+        }
+    }
+}
+
+/// One tensor of a family's model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FamilyTensor {
+    /// The diffusers / PEFT module name (`transformer_blocks.0.attn.to_q.weight`).
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub kind: TensorKind,
+    pub group: Group,
+    /// Block index within its ModuleList, for block tensors.
+    pub block: Option<u32>,
+    /// A parameter that is never trained (`requires_grad=False`: the original DiT's sin-cos table).
+    pub fixed: bool,
+}
+
+impl FamilyTensor {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// Totals of one module group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GroupCount {
+    pub group: Group,
+    pub name: &'static str,
+    pub parameters: u64,
+    pub buffers: u64,
+}
+
+/// Totals of a family's table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FamilyCounts {
+    /// `sum(p.numel() for p in model.parameters())`.
+    pub parameters: u64,
+    /// Parameters with `requires_grad=True` (all but the original DiT's fixed table).
+    pub trainable: u64,
+    /// `sum(b.numel() for b in model.buffers())`: fixed position / RoPE tables.
+    pub buffers: u64,
+    /// The buffers a checkpoint stores (persistent).
+    pub persistent_buffers: u64,
+    pub tensors: usize,
+    pub per_group: Vec<GroupCount>,
+}
+
+/// Totals of a table, groups in first-seen order.
+pub fn count(table: &[FamilyTensor]) -> FamilyCounts {
+    let mut c = FamilyCounts {
+        parameters: 0,
+        trainable: 0,
+        buffers: 0,
+        persistent_buffers: 0,
+        tensors: table.len(),
+        per_group: Vec::new(),
+    };
+    for t in table {
+        let n = t.numel();
+        let i = match c.per_group.iter().position(|g| g.group == t.group) {
+            Some(i) => i,
+            None => {
+                c.per_group.push(GroupCount {
+                    group: t.group,
+                    name: t.group.name(),
+                    parameters: 0,
+                    buffers: 0,
+                });
+                c.per_group.len() - 1
+            }
+        };
+        match t.kind {
+            TensorKind::Param => {
+                c.parameters += n;
+                c.per_group[i].parameters += n;
+                if !t.fixed {
+                    c.trainable += n;
+                }
+            }
+            TensorKind::Buffer | TensorKind::BufferNonPersistent => {
+                c.buffers += n;
+                c.per_group[i].buffers += n;
+                if t.kind.in_state_dict() {
+                    c.persistent_buffers += n;
+                }
+            }
+        }
+    }
+    c
+}
+
+/// Bytes of the model state under one common recipe.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StateBytes {
+    pub recipe: &'static str,
+    /// What is counted, in words.
+    pub what: &'static str,
+    pub bytes: u64,
+}
+
+/// The model state of the common recipes (weights, gradients and optimizer state; no activations).
+///
+/// - bf16 weights: every parameter and buffer in bf16 (2 B), as a frozen base or for inference.
+/// - fp32 weights: 4 B each.
+/// - full fine-tune with AdamW under mixed precision: fp32 master weights, fp32 gradients and
+///   AdamW's m and v (4 + 4 + 4 + 4 = 16 B per trainable parameter); fixed parameters and buffers
+///   4 B (fp32, no gradient, no state).
+pub fn state_bytes(c: &FamilyCounts) -> Vec<StateBytes> {
+    let fixed = c.parameters - c.trainable;
+    vec![
+        StateBytes {
+            recipe: "bf16-weights",
+            what: "parameters + buffers in bf16 (2 B)",
+            bytes: 2 * (c.parameters + c.buffers),
+        },
+        StateBytes {
+            recipe: "fp32-weights",
+            what: "parameters + buffers in fp32 (4 B)",
+            bytes: 4 * (c.parameters + c.buffers),
+        },
+        StateBytes {
+            recipe: "adamw-full-fine-tune",
+            what:
+                "fp32 master + fp32 grads + AdamW m, v (16 B per trained parameter); buffers fp32",
+            bytes: 16 * c.trainable + 4 * (fixed + c.buffers),
+        },
+    ]
+}
+
+/// The table being built: helpers that name tensors as diffusers does.
+#[derive(Default)]
+pub(crate) struct Table(pub(crate) Vec<FamilyTensor>);
+
+impl Table {
+    pub(crate) fn push(&mut self, name: String, shape: Vec<u64>, group: Group, block: Option<u32>) {
+        self.0.push(FamilyTensor {
+            name,
+            shape,
+            kind: TensorKind::Param,
+            group,
+            block,
+            fixed: false,
+        });
+    }
+
+    pub(crate) fn buffer(&mut self, name: &str, shape: Vec<u64>, kind: TensorKind, group: Group) {
+        self.0.push(FamilyTensor {
+            name: name.into(),
+            shape,
+            kind,
+            group,
+            block: None,
+            fixed: false,
+        });
+    }
+
+    /// `nn.Linear(inp, out, bias)` at `prefix` (`prefix.weight` (out, inp), `prefix.bias` (out)).
+    pub(crate) fn linear(
+        &mut self,
+        prefix: &str,
+        out: u64,
+        inp: u64,
+        bias: bool,
+        group: Group,
+        block: Option<u32>,
+    ) {
+        self.push(format!("{prefix}.weight"), vec![out, inp], group, block);
+        if bias {
+            self.push(format!("{prefix}.bias"), vec![out], group, block);
+        }
+    }
+
+    /// A norm with a weight of `dim` (RMSNorm) and optionally a bias (LayerNorm).
+    pub(crate) fn norm(
+        &mut self,
+        prefix: &str,
+        dim: u64,
+        bias: bool,
+        group: Group,
+        block: Option<u32>,
+    ) {
+        self.push(format!("{prefix}.weight"), vec![dim], group, block);
+        if bias {
+            self.push(format!("{prefix}.bias"), vec![dim], group, block);
+        }
+    }
+
+    /// diffusers `TimestepEmbedding(in, dim)`: `linear_1` (in → dim), `linear_2` (dim → dim).
+    pub(crate) fn timestep_embedding(&mut self, prefix: &str, inp: u64, dim: u64, group: Group) {
+        self.linear(&format!("{prefix}.linear_1"), dim, inp, true, group, None);
+        self.linear(&format!("{prefix}.linear_2"), dim, dim, true, group, None);
+    }
+
+    /// diffusers `FeedForward(dim, inner)` with a GELU: `net.0.proj` (dim → inner), `net.2`.
+    pub(crate) fn feed_forward(
+        &mut self,
+        prefix: &str,
+        dim: u64,
+        inner: u64,
+        group: Group,
+        block: Option<u32>,
+    ) {
+        self.linear(
+            &format!("{prefix}.net.0.proj"),
+            inner,
+            dim,
+            true,
+            group,
+            block,
+        );
+        self.linear(&format!("{prefix}.net.2"), dim, inner, true, group, block);
+    }
+}

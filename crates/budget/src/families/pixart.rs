@@ -1,0 +1,226 @@
+//! PixArt-α / Σ: diffusers `PixArtTransformer2DModel` (`models/transformers/pixart_transformer_2d.py`):
+//! adaLN-single (one shared timestep MLP and `Linear(D, 6D)` in `adaln_single`, a 6×D
+//! `scale_shift_table` per block), self-attention, cross-attention to the projected T5 caption,
+//! a GELU-tanh MLP, and a non-persistent sin-cos position table.
+
+use serde::Serialize;
+
+use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
+use super::{Group, Table, TensorKind};
+use crate::error::SpecError;
+
+/// `PixArtTransformer2DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PixartDims {
+    pub num_layers: u64,
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub sample_size: u64,
+    pub patch_size: u64,
+    /// Width of the keys/values of cross-attention (the projected caption: the hidden size).
+    pub cross_attention_dim: u64,
+    /// Text-encoder width the caption projection reads (T5-XXL: 4096); None: no projection.
+    pub caption_channels: Option<u64>,
+    /// The resolution and aspect-ratio embedders of PixArt-α's multi-scale models (null in the
+    /// config: on when sample_size is 128).
+    pub use_additional_conditions: bool,
+    pub attention_bias: bool,
+}
+
+impl PixartDims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}
+
+/// Read a `PixArtTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
+pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, SpecError> {
+    cfg.choice(
+        "norm_type",
+        Some("ada_norm_single"),
+        &[Some("ada_norm_single")],
+        "",
+    )?;
+    let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
+    let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
+    let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", Some(8), 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let num_layers = cfg.int("num_layers", 28, 1, MAX_LAYERS)?;
+    let sample_size = cfg.int("sample_size", 128, 1, MAX_SIDE)?;
+    let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
+    let cross = cfg.opt_int("cross_attention_dim", Some(1152), 1, MAX_DIM)?;
+    let caption_channels = cfg.opt_int("caption_channels", None, 1, MAX_DIM)?;
+    cfg.opt_int("num_embeds_ada_norm", Some(1000), 1, MAX_ROWS)?
+        .ok_or_else(|| {
+            SpecError::invalid(
+                "num_embeds_ada_norm",
+                "null is not allowed with ada_norm_single; allowed: an integer from 1 to 1048576",
+            )
+        })?;
+    let attention_bias = cfg.bool("attention_bias", true)?;
+    let extra = cfg.opt_bool("use_additional_conditions", None)?;
+    // pixart_transformer_2d.py: `if use_additional_conditions is None: = sample_size == 128`.
+    let use_additional_conditions = extra.unwrap_or(sample_size == 128);
+    cfg.choice("attention_type", Some("default"), &[Some("default")], "")?;
+    // Scales the sin-cos table's positions, not its shape.
+    cfg.number("interpolation_scale", None, 1e-6, 1e6, true)?;
+    common_keys(cfg)?;
+    if legacy {
+        legacy_keys(cfg, true)?;
+    }
+    let d = PixartDims {
+        num_layers,
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        in_channels,
+        out_channels,
+        sample_size,
+        patch_size,
+        cross_attention_dim: cross.ok_or_else(|| {
+            SpecError::invalid(
+                "cross_attention_dim",
+                "null (PixArt without cross-attention) is not modelled; allowed: the hidden size",
+            )
+        })?,
+        caption_channels,
+        use_additional_conditions,
+        attention_bias,
+    };
+    check_inner(d.inner())?;
+    check_patch(sample_size, patch_size)?;
+    if caption_channels.is_some() && d.cross_attention_dim != d.inner() {
+        return Err(SpecError::invalid(
+            "cross_attention_dim",
+            format!(
+                "{} differs from the hidden size num_attention_heads × attention_head_dim = {} that the \
+                 caption projection gives; allowed: {}",
+                d.cross_attention_dim,
+                d.inner(),
+                d.inner()
+            ),
+        ));
+    }
+    if use_additional_conditions && d.inner() < 3 {
+        return Err(SpecError::invalid(
+            "use_additional_conditions",
+            "needs a hidden size of at least 3 (the size embedders are hidden / 3 wide)",
+        ));
+    }
+    Ok(super::Dims::Pixart(d))
+}
+
+/// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
+pub(crate) fn table(d: &PixartDims, t: &mut Table) {
+    let dim = d.inner();
+    let p = d.patch_size;
+    t.push(
+        "scale_shift_table".into(),
+        vec![2, dim],
+        Group::FinalLayer,
+        None,
+    );
+    t.push(
+        "pos_embed.proj.weight".into(),
+        vec![dim, d.in_channels, p, p],
+        Group::PatchEmbed,
+        None,
+    );
+    t.push(
+        "pos_embed.proj.bias".into(),
+        vec![dim],
+        Group::PatchEmbed,
+        None,
+    );
+    let bias = d.attention_bias;
+    for i in 0..d.num_layers as u32 {
+        let b = format!("transformer_blocks.{i}");
+        let (g, blk) = (Group::Blocks, Some(i));
+        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+        for proj in ["to_q", "to_k", "to_v"] {
+            t.linear(&format!("{b}.attn1.{proj}"), dim, dim, bias, g, blk);
+        }
+        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
+        t.linear(&format!("{b}.attn2.to_q"), dim, dim, bias, g, blk);
+        for proj in ["to_k", "to_v"] {
+            t.linear(
+                &format!("{b}.attn2.{proj}"),
+                dim,
+                d.cross_attention_dim,
+                bias,
+                g,
+                blk,
+            );
+        }
+        t.linear(&format!("{b}.attn2.to_out.0"), dim, dim, true, g, blk);
+        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+    }
+    t.linear(
+        "proj_out",
+        p * p * d.out_channels,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
+    t.timestep_embedding(
+        "adaln_single.emb.timestep_embedder",
+        256,
+        dim,
+        Group::TimeEmbed,
+    );
+    if d.use_additional_conditions {
+        let size = dim / 3;
+        t.timestep_embedding(
+            "adaln_single.emb.resolution_embedder",
+            256,
+            size,
+            Group::TimeEmbed,
+        );
+        t.timestep_embedding(
+            "adaln_single.emb.aspect_ratio_embedder",
+            256,
+            size,
+            Group::TimeEmbed,
+        );
+    }
+    t.linear(
+        "adaln_single.linear",
+        6 * dim,
+        dim,
+        true,
+        Group::TimeEmbed,
+        None,
+    );
+    if let Some(c) = d.caption_channels {
+        // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
+        t.linear(
+            "caption_projection.linear_1",
+            dim,
+            c,
+            true,
+            Group::TextEmbed,
+            None,
+        );
+        t.linear(
+            "caption_projection.linear_2",
+            dim,
+            dim,
+            true,
+            Group::TextEmbed,
+            None,
+        );
+    }
+    let side = d.sample_size / p;
+    t.buffer(
+        "pos_embed.pos_embed",
+        vec![1, side * side, dim],
+        TensorKind::BufferNonPersistent,
+        Group::PosEmbed,
+    );
+}

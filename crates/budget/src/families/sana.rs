@@ -1,0 +1,273 @@
+//! Sana: diffusers `SanaTransformer2DModel` (`models/transformers/sana_transformer.py`): linear
+//! self-attention (q/k/v without bias when `attention_bias` is false), cross-attention to the
+//! projected Gemma-2 caption (its own head count and size), Mix-FFN `GLUMBConv` (1×1 conv D → 2H,
+//! depthwise 3×3 on 2H, GLU, 1×1 conv H → D without bias; H = int(mlp_ratio · D)), adaLN-single as
+//! in PixArt, an RMSNorm on the caption, and no position table unless `interpolation_scale` is set.
+
+use serde::Serialize;
+
+use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
+use super::dit::{check_inner, check_patch};
+use super::{Group, Table, TensorKind};
+use crate::error::SpecError;
+
+/// `SanaTransformer2DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SanaDims {
+    pub num_layers: u64,
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    pub num_cross_attention_heads: u64,
+    pub cross_attention_head_dim: u64,
+    pub cross_attention_dim: u64,
+    /// Gemma-2-2B width (2304).
+    pub caption_channels: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub sample_size: u64,
+    pub patch_size: u64,
+    pub mlp_ratio: f64,
+    pub attention_bias: bool,
+    /// `rms_norm_across_heads` q/k norms (Sana 1.5); None in Sana 1.0.
+    pub qk_norm: bool,
+    /// A sin-cos position table (non-persistent) only when `interpolation_scale` is set.
+    pub pos_embed: bool,
+}
+
+impl SanaDims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// GLUMBConv hidden channels: `int(expand_ratio * in_channels)`.
+    pub fn mlp_hidden(&self) -> u64 {
+        // mlp_ratio ≤ 16 and inner ≤ 65,536: exact in f64 as in Python's float product.
+        (self.mlp_ratio * self.inner() as f64).floor() as u64
+    }
+}
+
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+    let in_channels = cfg.int("in_channels", 32, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", Some(32), 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let heads = cfg.int("num_attention_heads", 70, 1, MAX_DIM)?;
+    let head_dim = cfg.int("attention_head_dim", 32, 1, MAX_DIM)?;
+    let num_layers = cfg.int("num_layers", 20, 1, MAX_LAYERS)?;
+    let cross_heads = cfg.opt_int("num_cross_attention_heads", Some(20), 1, MAX_DIM)?;
+    let cross_hd = cfg.opt_int("cross_attention_head_dim", Some(112), 1, MAX_DIM)?;
+    let cross_dim = cfg.opt_int("cross_attention_dim", Some(2240), 1, MAX_DIM)?;
+    let caption_channels = cfg.int("caption_channels", 2304, 1, MAX_DIM)?;
+    let mlp_ratio = cfg
+        .number("mlp_ratio", Some(2.5), 0.0, 16.0, false)?
+        .unwrap_or(2.5);
+    cfg.zero_dropout("dropout")?;
+    let attention_bias = cfg.bool("attention_bias", false)?;
+    let sample_size = cfg.int("sample_size", 32, 1, MAX_SIDE)?;
+    let patch_size = cfg.int("patch_size", 1, 1, MAX_PATCH)?;
+    if cfg.bool("norm_elementwise_affine", false)? {
+        return Err(SpecError::invalid(
+            "norm_elementwise_affine",
+            "true is not modelled (the published checkpoints have no affine LayerNorms); allowed: false",
+        ));
+    }
+    let interpolation = cfg.number("interpolation_scale", None, 1e-6, 1e6, true)?;
+    if cfg.bool("guidance_embeds", false)? {
+        return Err(SpecError::invalid(
+            "guidance_embeds",
+            "true (Sana-Sprint) is not modelled; allowed: false",
+        ));
+    }
+    let qk_norm = cfg.choice(
+        "qk_norm",
+        None,
+        &[None, Some("rms_norm_across_heads")],
+        " (Sana uses null or rms_norm_across_heads)",
+    )?;
+    // Scalars of the forward pass, no shape.
+    cfg.ignore_numbers(&["norm_eps", "guidance_embeds_scale", "timestep_scale"])?;
+    let none = |key: &str| {
+        SpecError::invalid(
+            key,
+            "null (Sana without cross-attention) is not modelled; allowed: a positive integer",
+        )
+    };
+    let d = SanaDims {
+        num_layers,
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        num_cross_attention_heads: cross_heads.ok_or_else(|| none("num_cross_attention_heads"))?,
+        cross_attention_head_dim: cross_hd.ok_or_else(|| none("cross_attention_head_dim"))?,
+        cross_attention_dim: cross_dim.ok_or_else(|| none("cross_attention_dim"))?,
+        caption_channels,
+        in_channels,
+        out_channels,
+        sample_size,
+        patch_size,
+        mlp_ratio,
+        attention_bias,
+        qk_norm: qk_norm.is_some(),
+        pos_embed: interpolation.is_some(),
+    };
+    check_inner(d.inner())?;
+    check_inner(d.num_cross_attention_heads * d.cross_attention_head_dim)?;
+    check_patch(sample_size, patch_size)?;
+    if d.cross_attention_dim != d.inner() {
+        return Err(SpecError::invalid(
+            "cross_attention_dim",
+            format!(
+                "{} differs from the hidden size num_attention_heads × attention_head_dim = {} that the \
+                 caption projection gives; allowed: {}",
+                d.cross_attention_dim,
+                d.inner(),
+                d.inner()
+            ),
+        ));
+    }
+    if d.mlp_hidden() == 0 {
+        return Err(SpecError::invalid(
+            "mlp_ratio",
+            format!(
+                "{mlp_ratio} gives no FFN channels; allowed: a ratio with mlp_ratio × hidden ≥ 1"
+            ),
+        ));
+    }
+    Ok(super::Dims::Sana(d))
+}
+
+pub(crate) fn table(d: &SanaDims, t: &mut Table) {
+    let dim = d.inner();
+    let p = d.patch_size;
+    let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
+    let h = d.mlp_hidden();
+    t.push(
+        "scale_shift_table".into(),
+        vec![2, dim],
+        Group::FinalLayer,
+        None,
+    );
+    t.push(
+        "patch_embed.proj.weight".into(),
+        vec![dim, d.in_channels, p, p],
+        Group::PatchEmbed,
+        None,
+    );
+    t.push(
+        "patch_embed.proj.bias".into(),
+        vec![dim],
+        Group::PatchEmbed,
+        None,
+    );
+    // AdaLayerNormSingle(dim) without the size embedders.
+    t.timestep_embedding(
+        "time_embed.emb.timestep_embedder",
+        256,
+        dim,
+        Group::TimeEmbed,
+    );
+    t.linear(
+        "time_embed.linear",
+        6 * dim,
+        dim,
+        true,
+        Group::TimeEmbed,
+        None,
+    );
+    t.linear(
+        "caption_projection.linear_1",
+        dim,
+        d.caption_channels,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "caption_projection.linear_2",
+        dim,
+        dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.norm("caption_norm", dim, false, Group::TextEmbed, None);
+    for i in 0..d.num_layers as u32 {
+        let b = format!("transformer_blocks.{i}");
+        let (g, blk) = (Group::Blocks, Some(i));
+        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+        if d.qk_norm {
+            // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
+            t.norm(&format!("{b}.attn1.norm_q"), dim, false, g, blk);
+            t.norm(&format!("{b}.attn1.norm_k"), dim, false, g, blk);
+        }
+        for proj in ["to_q", "to_k", "to_v"] {
+            t.linear(
+                &format!("{b}.attn1.{proj}"),
+                dim,
+                dim,
+                d.attention_bias,
+                g,
+                blk,
+            );
+        }
+        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
+        if d.qk_norm {
+            t.norm(&format!("{b}.attn2.norm_q"), cross, false, g, blk);
+            t.norm(&format!("{b}.attn2.norm_k"), cross, false, g, blk);
+        }
+        t.linear(&format!("{b}.attn2.to_q"), cross, dim, true, g, blk);
+        t.linear(
+            &format!("{b}.attn2.to_k"),
+            cross,
+            d.cross_attention_dim,
+            true,
+            g,
+            blk,
+        );
+        t.linear(
+            &format!("{b}.attn2.to_v"),
+            cross,
+            d.cross_attention_dim,
+            true,
+            g,
+            blk,
+        );
+        t.linear(&format!("{b}.attn2.to_out.0"), dim, cross, true, g, blk);
+        t.push(
+            format!("{b}.ff.conv_inverted.weight"),
+            vec![2 * h, dim, 1, 1],
+            g,
+            blk,
+        );
+        t.push(format!("{b}.ff.conv_inverted.bias"), vec![2 * h], g, blk);
+        t.push(
+            format!("{b}.ff.conv_depth.weight"),
+            vec![2 * h, 1, 3, 3],
+            g,
+            blk,
+        );
+        t.push(format!("{b}.ff.conv_depth.bias"), vec![2 * h], g, blk);
+        t.push(
+            format!("{b}.ff.conv_point.weight"),
+            vec![dim, h, 1, 1],
+            g,
+            blk,
+        );
+    }
+    t.linear(
+        "proj_out",
+        p * p * d.out_channels,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    if d.pos_embed {
+        let side = d.sample_size / p;
+        t.buffer(
+            "patch_embed.pos_embed",
+            vec![1, side * side, dim],
+            TensorKind::BufferNonPersistent,
+            Group::PosEmbed,
+        );
+    }
+}

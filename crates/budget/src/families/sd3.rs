@@ -1,0 +1,246 @@
+//! SD3 / SD3.5: diffusers `SD3Transformer2DModel` (`models/transformers/transformer_sd3.py`,
+//! `JointTransformerBlock` in `models/attention.py`): MMDiT joint blocks with an image and a
+//! context stream, the last block `context_pre_only` (AdaLayerNormContinuous for the context, no
+//! `to_add_out`, no `ff_context`), a pooled-text projection, optional per-head q/k RMSNorm,
+//! SD3.5-medium's dual-attention layers (MMDiT-X: `SD35AdaLayerNormZeroX` with 9·D modulation and a
+//! second self-attention `attn2`), and a persistent sin-cos table of pos_embed_max_size² rows
+//! cropped at run time.
+
+use serde::Serialize;
+
+use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
+use super::dit::{check_inner, check_patch};
+use super::{Group, Table, TensorKind};
+use crate::error::SpecError;
+
+/// `SD3Transformer2DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Sd3Dims {
+    pub num_layers: u64,
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub sample_size: u64,
+    pub patch_size: u64,
+    /// Width of the T5/CLIP token embeddings fed to `context_embedder` (4096).
+    pub joint_attention_dim: u64,
+    /// Width of the context stream (must equal the hidden size).
+    pub caption_projection_dim: u64,
+    /// Width of the pooled CLIP-L ⊕ CLIP-G embedding (2048).
+    pub pooled_projection_dim: u64,
+    /// Side of the fixed position table (None: sample_size / patch_size, non-persistent).
+    pub pos_embed_max_size: Option<u64>,
+    /// Blocks with the second self-attention (sorted, unique).
+    pub dual_attention_layers: Vec<u64>,
+    /// Per-head q/k RMSNorm (`"rms_norm"`).
+    pub qk_norm: bool,
+}
+
+impl Sd3Dims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}
+
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+    let sample_size = cfg.int("sample_size", 128, 1, MAX_SIDE)?;
+    let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
+    let in_channels = cfg.int("in_channels", 16, 1, MAX_DIM)?;
+    let num_layers = cfg.int("num_layers", 18, 1, MAX_LAYERS)?;
+    let head_dim = cfg.int("attention_head_dim", 64, 1, MAX_DIM)?;
+    let heads = cfg.int("num_attention_heads", 18, 1, MAX_DIM)?;
+    let joint = cfg.int("joint_attention_dim", 4096, 1, MAX_DIM)?;
+    let caption = cfg.int("caption_projection_dim", 1152, 1, MAX_DIM)?;
+    let pooled = cfg.int("pooled_projection_dim", 2048, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", Some(16), 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let pos_max = cfg.opt_int("pos_embed_max_size", Some(96), 1, MAX_SIDE)?;
+    let mut dual = cfg.int_list(
+        "dual_attention_layers",
+        &[],
+        MAX_LAYERS as usize,
+        0,
+        MAX_LAYERS - 1,
+    )?;
+    dual.sort_unstable();
+    dual.dedup();
+    let qk_norm = cfg.choice(
+        "qk_norm",
+        None,
+        &[None, Some("rms_norm")],
+        " (SD3 and SD3.5 use null or rms_norm)",
+    )?;
+    let d = Sd3Dims {
+        num_layers,
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        in_channels,
+        out_channels,
+        sample_size,
+        patch_size,
+        joint_attention_dim: joint,
+        caption_projection_dim: caption,
+        pooled_projection_dim: pooled,
+        pos_embed_max_size: pos_max,
+        dual_attention_layers: dual,
+        qk_norm: qk_norm.is_some(),
+    };
+    check_inner(d.inner())?;
+    if pos_max.is_none() {
+        check_patch(sample_size, patch_size)?;
+    }
+    if caption != d.inner() {
+        return Err(SpecError::invalid(
+            "caption_projection_dim",
+            format!(
+                "{caption} differs from the hidden size num_attention_heads × attention_head_dim = {} \
+                 that the joint blocks' context stream has; allowed: {}",
+                d.inner(),
+                d.inner()
+            ),
+        ));
+    }
+    if let Some(&i) = d.dual_attention_layers.iter().find(|&&i| i >= num_layers) {
+        return Err(SpecError::invalid(
+            "dual_attention_layers",
+            format!(
+                "names block {i}; allowed: block indices from 0 to {}",
+                num_layers - 1
+            ),
+        ));
+    }
+    Ok(super::Dims::Sd3(d))
+}
+
+/// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,
+/// `proj_out`, then the position buffer.
+pub(crate) fn table(d: &Sd3Dims, t: &mut Table) {
+    let dim = d.inner();
+    let p = d.patch_size;
+    let hd = d.attention_head_dim;
+    t.push(
+        "pos_embed.proj.weight".into(),
+        vec![dim, d.in_channels, p, p],
+        Group::PatchEmbed,
+        None,
+    );
+    t.push(
+        "pos_embed.proj.bias".into(),
+        vec![dim],
+        Group::PatchEmbed,
+        None,
+    );
+    // CombinedTimestepTextProjEmbeddings: TimestepEmbedding(256, dim) + PixArtAlphaTextProjection.
+    t.timestep_embedding(
+        "time_text_embed.timestep_embedder",
+        256,
+        dim,
+        Group::TimeEmbed,
+    );
+    t.linear(
+        "time_text_embed.text_embedder.linear_1",
+        dim,
+        d.pooled_projection_dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "time_text_embed.text_embedder.linear_2",
+        dim,
+        dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "context_embedder",
+        d.caption_projection_dim,
+        d.joint_attention_dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    for i in 0..d.num_layers {
+        let b = format!("transformer_blocks.{i}");
+        let (g, blk) = (Group::Blocks, Some(i as u32));
+        let last = i + 1 == d.num_layers;
+        let dual = d.dual_attention_layers.binary_search(&i).is_ok();
+        // AdaLayerNormZero: Linear(dim, 6dim); SD35AdaLayerNormZeroX: Linear(dim, 9dim).
+        t.linear(
+            &format!("{b}.norm1.linear"),
+            if dual { 9 } else { 6 } * dim,
+            dim,
+            true,
+            g,
+            blk,
+        );
+        // context_pre_only: AdaLayerNormContinuous(dim, dim) = Linear(dim, 2dim).
+        t.linear(
+            &format!("{b}.norm1_context.linear"),
+            if last { 2 } else { 6 } * dim,
+            dim,
+            true,
+            g,
+            blk,
+        );
+        for proj in ["to_q", "to_k", "to_v"] {
+            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        }
+        for proj in ["add_k_proj", "add_v_proj", "add_q_proj"] {
+            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        }
+        t.linear(&format!("{b}.attn.to_out.0"), dim, dim, true, g, blk);
+        if !last {
+            t.linear(&format!("{b}.attn.to_add_out"), dim, dim, true, g, blk);
+        }
+        if d.qk_norm {
+            for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
+                t.norm(&format!("{b}.attn.{n}"), hd, false, g, blk);
+            }
+        }
+        if dual {
+            for proj in ["to_q", "to_k", "to_v"] {
+                t.linear(&format!("{b}.attn2.{proj}"), dim, dim, true, g, blk);
+            }
+            t.linear(&format!("{b}.attn2.to_out.0"), dim, dim, true, g, blk);
+            if d.qk_norm {
+                for n in ["norm_q", "norm_k"] {
+                    t.norm(&format!("{b}.attn2.{n}"), hd, false, g, blk);
+                }
+            }
+        }
+        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+        if !last {
+            t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
+        }
+    }
+    t.linear(
+        "norm_out.linear",
+        2 * dim,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    t.linear(
+        "proj_out",
+        p * p * d.out_channels,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    let (side, kind) = match d.pos_embed_max_size {
+        Some(m) => (m, TensorKind::Buffer),
+        None => (d.sample_size / p, TensorKind::BufferNonPersistent),
+    };
+    t.buffer(
+        "pos_embed.pos_embed",
+        vec![1, side * side, dim],
+        kind,
+        Group::PosEmbed,
+    );
+}

@@ -1,0 +1,206 @@
+//! Wan 2.1 text-to-video: diffusers `WanTransformer3DModel` (`models/transformers/transformer_wan.py`):
+//! a Conv3d patch embedding over (frames, height, width), a time embedding with a shared
+//! `time_proj` to 6·D and a per-block 1×6×D `scale_shift_table`, a GELU-tanh text projection of
+//! umT5 (4096), blocks with self-attention and cross-attention (q/k RMSNorm across heads, biases
+//! everywhere, an affine LayerNorm before cross-attention when `cross_attn_norm`), and two
+//! non-persistent 3-D RoPE tables of `rope_max_seq_len` × head-dim. Image conditioning (I2V:
+//! `image_dim`, `added_kv_proj_dim`) is not modelled.
+
+use serde::Serialize;
+
+use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
+use super::dit::check_inner;
+use super::{Group, Table, TensorKind};
+use crate::error::SpecError;
+
+/// `WanTransformer3DModel`'s config (defaults: the class's `__init__`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WanDims {
+    /// (frames, height, width) of a patch: (1, 2, 2).
+    pub patch_size: [u64; 3],
+    pub num_attention_heads: u64,
+    pub attention_head_dim: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    /// umT5-XXL width (4096).
+    pub text_dim: u64,
+    /// Sinusoid width of the timestep (256).
+    pub freq_dim: u64,
+    pub ffn_dim: u64,
+    pub num_layers: u64,
+    pub cross_attn_norm: bool,
+    pub rope_max_seq_len: u64,
+}
+
+impl WanDims {
+    pub fn inner(&self) -> u64 {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}
+
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+    let patch = cfg.int_list("patch_size", &[1, 2, 2], 3, 1, MAX_PATCH)?;
+    let [pt, ph, pw] = patch[..] else {
+        return Err(SpecError::invalid(
+            "patch_size",
+            format!(
+                "{patch:?} has {} entries; allowed: [frames, height, width]",
+                patch.len()
+            ),
+        ));
+    };
+    let heads = cfg.int("num_attention_heads", 40, 1, MAX_DIM)?;
+    let head_dim = cfg.int("attention_head_dim", 128, 2, MAX_DIM)?;
+    let in_channels = cfg.int("in_channels", 16, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", Some(16), 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    let text_dim = cfg.int("text_dim", 4096, 1, MAX_DIM)?;
+    let freq_dim = cfg.int("freq_dim", 256, 1, MAX_DIM)?;
+    let ffn_dim = cfg.int("ffn_dim", 13824, 1, MAX_FFN)?;
+    let num_layers = cfg.int("num_layers", 40, 1, MAX_LAYERS)?;
+    let cross_attn_norm = cfg.bool("cross_attn_norm", true)?;
+    // WanAttention always builds its q/k RMSNorm across heads; the block takes qk_norm and
+    // ignores it. Only the value diffusers writes is accepted.
+    cfg.choice(
+        "qk_norm",
+        Some("rms_norm_across_heads"),
+        &[Some("rms_norm_across_heads")],
+        "",
+    )?;
+    cfg.ignore_numbers(&["eps"])?;
+    let i2v = " (image-to-video conditioning)";
+    if cfg.opt_int("image_dim", None, 0, MAX_DIM)?.is_some() {
+        return Err(SpecError::invalid(
+            "image_dim",
+            format!("a value is not modelled{i2v}; allowed: null"),
+        ));
+    }
+    if cfg
+        .opt_int("added_kv_proj_dim", None, 0, MAX_DIM)?
+        .is_some()
+    {
+        return Err(SpecError::invalid(
+            "added_kv_proj_dim",
+            format!("a value is not modelled{i2v}; allowed: null"),
+        ));
+    }
+    if cfg
+        .opt_int("pos_embed_seq_len", None, 0, MAX_ROWS)?
+        .is_some()
+    {
+        return Err(SpecError::invalid(
+            "pos_embed_seq_len",
+            format!("a value is not modelled{i2v}; allowed: null"),
+        ));
+    }
+    let rope = cfg.int("rope_max_seq_len", 1024, 1, MAX_ROWS)?;
+    let d = WanDims {
+        patch_size: [pt, ph, pw],
+        num_attention_heads: heads,
+        attention_head_dim: head_dim,
+        in_channels,
+        out_channels,
+        text_dim,
+        freq_dim,
+        ffn_dim,
+        num_layers,
+        cross_attn_norm,
+        rope_max_seq_len: rope,
+    };
+    check_inner(d.inner())?;
+    if head_dim % 2 != 0 {
+        return Err(SpecError::invalid(
+            "attention_head_dim",
+            format!("{head_dim} is odd; allowed: an even size (3-D RoPE rotates channel pairs)"),
+        ));
+    }
+    Ok(super::Dims::Wan(d))
+}
+
+pub(crate) fn table(d: &WanDims, t: &mut Table) {
+    let dim = d.inner();
+    let [pt, ph, pw] = d.patch_size;
+    t.push(
+        "scale_shift_table".into(),
+        vec![1, 2, dim],
+        Group::FinalLayer,
+        None,
+    );
+    t.push(
+        "patch_embedding.weight".into(),
+        vec![dim, d.in_channels, pt, ph, pw],
+        Group::PatchEmbed,
+        None,
+    );
+    t.push(
+        "patch_embedding.bias".into(),
+        vec![dim],
+        Group::PatchEmbed,
+        None,
+    );
+    // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
+    // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
+    t.timestep_embedding(
+        "condition_embedder.time_embedder",
+        d.freq_dim,
+        dim,
+        Group::TimeEmbed,
+    );
+    t.linear(
+        "condition_embedder.time_proj",
+        6 * dim,
+        dim,
+        true,
+        Group::TimeEmbed,
+        None,
+    );
+    t.linear(
+        "condition_embedder.text_embedder.linear_1",
+        dim,
+        d.text_dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    t.linear(
+        "condition_embedder.text_embedder.linear_2",
+        dim,
+        dim,
+        true,
+        Group::TextEmbed,
+        None,
+    );
+    for i in 0..d.num_layers as u32 {
+        let b = format!("blocks.{i}");
+        let (g, blk) = (Group::Blocks, Some(i));
+        t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
+        for attn in ["attn1", "attn2"] {
+            for proj in ["to_q", "to_k", "to_v", "to_out.0"] {
+                t.linear(&format!("{b}.{attn}.{proj}"), dim, dim, true, g, blk);
+            }
+            t.norm(&format!("{b}.{attn}.norm_q"), dim, false, g, blk);
+            t.norm(&format!("{b}.{attn}.norm_k"), dim, false, g, blk);
+        }
+        if d.cross_attn_norm {
+            t.norm(&format!("{b}.norm2"), dim, true, g, blk);
+        }
+        t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
+    }
+    t.linear(
+        "proj_out",
+        d.out_channels * pt * ph * pw,
+        dim,
+        true,
+        Group::FinalLayer,
+        None,
+    );
+    for name in ["rope.freqs_cos", "rope.freqs_sin"] {
+        t.buffer(
+            name,
+            vec![d.rope_max_seq_len, d.attention_head_dim],
+            TensorKind::BufferNonPersistent,
+            Group::Rope,
+        );
+    }
+}
