@@ -4,43 +4,26 @@
 
 mod common;
 
-use std::process::Command;
-
-use common::ditmem;
+use common::{ditmem, ditmem_env};
 
 fn json(out: &str) -> serde_json::Value {
     serde_json::from_str(out).unwrap_or_else(|e| panic!("JSON: {e}\n{out}"))
 }
 
-/// `ditmem` with an environment variable set for the child only.
-fn ditmem_env(var: &str, value: &str, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .env(var, value)
-        .args(args)
-        .output()
-        .expect("the binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn the_host_fills_only_what_the_spec_leaves_out() {
     // The pool's threads are the host value: RAYON_NUM_THREADS decides them.
-    let (code, out, err) = ditmem_env("RAYON_NUM_THREADS", "3", &["spec", "--json"]);
+    let (code, out, err) = ditmem_env(&[("RAYON_NUM_THREADS", "3")], &["spec", "--json"]);
     assert_eq!(code, 0, "{err}");
     let cpu = &json(&out)["cpu"];
     assert_eq!(cpu["threads"], 3);
     assert!(cpu["gemm_l2_bytes"].as_u64().unwrap() > 0);
     // DITMEM_BF16_GEMM=widen makes the filled-in path widen.
-    let (_, out, _) = ditmem_env("DITMEM_BF16_GEMM", "widen", &["spec", "--json"]);
+    let (_, out, _) = ditmem_env(&[("DITMEM_BF16_GEMM", "widen")], &["spec", "--json"]);
     assert_eq!(json(&out)["cpu"]["bf16_products"], "widen");
     // Flags win over the host.
     let (_, out, _) = ditmem_env(
-        "RAYON_NUM_THREADS",
-        "3",
+        &[("RAYON_NUM_THREADS", "3")],
         &[
             "spec",
             "--json",
@@ -62,8 +45,7 @@ fn the_host_fills_only_what_the_spec_leaves_out() {
     let (_, toml, _) = ditmem(&["spec", "--gemm-l2", "2MiB", "--cpu-threads", "2"]);
     std::fs::write(&p, toml).unwrap();
     let (code, out, err) = ditmem_env(
-        "RAYON_NUM_THREADS",
-        "1",
+        &[("RAYON_NUM_THREADS", "1")],
         &["spec", "--json", "--config", p.to_str().unwrap()],
     );
     assert_eq!(code, 0, "{err}");

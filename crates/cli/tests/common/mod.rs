@@ -6,7 +6,13 @@ use std::process::Command;
 
 /// Run `ditmem` with `args`: (exit code, stdout, stderr).
 pub fn ditmem(args: &[&str]) -> (i32, String, String) {
+    ditmem_env(&[], args)
+}
+
+/// Run `ditmem` with `args` and environment variables set for the child only.
+pub fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .envs(env.iter().copied())
         .args(args)
         .output()
         .expect("the binary runs");
