@@ -17,6 +17,7 @@ mod error;
 mod estimate;
 mod events;
 mod export;
+pub mod gpu;
 mod params;
 mod plan;
 mod runtime;
