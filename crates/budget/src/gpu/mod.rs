@@ -1,6 +1,6 @@
 //! The GPUs people train on: capacity as CUDA reports it, compute capability, dtype support,
 //! dense FLOP/s per dtype, memory bandwidth and the CUDA context beside the allocator — every
-//! number with its source ([`catalog`]). Nothing here reads the host.
+//! number with its source (the `catalog` module). Nothing here reads the host.
 
 mod catalog;
 
