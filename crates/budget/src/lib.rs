@@ -8,7 +8,7 @@
 //! The public API is what this file exports: the spec types, [`estimate`] / [`Budget`], [`plan()`],
 //! [`export()`], units, the error, the timeline and its events, the parameter table, the time
 //! model's device profile, the `ditmem-cpu` rules the engine holds its kernels against
-//! ([`ditmem_cpu`]) and the PyTorch device rules ([`pytorch`]). Every module is crate-private; the twins of the engine's files live in
+//! ([`ditmem_cpu`]) and the PyTorch device rules ([`pytorch`]). Every module but [`gpu`] (the GPU catalog) is crate-private; the twins of the engine's files live in
 //! `runtime/ditmem_cpu/`. Nothing here reads the host: where the engine's allocations depend on the
 //! CPU, the value is part of the spec ([`CpuSpec`]).
 
@@ -17,6 +17,7 @@ mod error;
 mod estimate;
 mod events;
 mod export;
+pub mod gpu;
 mod params;
 mod plan;
 mod runtime;
@@ -66,9 +67,15 @@ pub mod ditmem_cpu {
 }
 
 /// The `pytorch` runtime as a device and SDPA kernel, with the CUDA caching allocator's rounding
-/// ([`pytorch::PyTorch::cuda_block`], [`pytorch::PyTorch::cuda_segment`]) and the context bytes
-/// the allocator does not count.
+/// ([`pytorch::PyTorch::cuda_block`], [`pytorch::PyTorch::cuda_segment`]), the context bytes
+/// the allocator does not count, and the caching allocator simulated over an allocation sequence
+/// ([`pytorch::simulate_allocator`], [`pytorch::simulate_on_gpu`]).
 pub mod pytorch {
+    pub use crate::runtime::pytorch::caching_allocator::{
+        allocation_size, round_size, simulate_allocator, simulate_on_gpu, AllocConf,
+        AllocConfError, AllocEvent, AllocatorReport, CachingAllocator, CudaMemory, Oom,
+        SequenceError, CUBLAS_WORKSPACE_ID_BASE,
+    };
     pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
 }
 

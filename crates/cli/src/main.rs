@@ -9,6 +9,7 @@ mod args;
 mod compare_cmd;
 mod conditions;
 mod flags;
+mod gpus_cmd;
 mod guard;
 mod input;
 mod output;
@@ -78,6 +79,9 @@ enum Command {
     /// The parameter table of a diffusers model (config.json or preset): family, dimensions,
     /// parameters per module group, model state per recipe; `--weights` checks a checkpoint.
     Params(params_cmd::ParamsArgs),
+    /// The GPU catalog: capacity CUDA reports, compute capability, dtype support, dense FLOP/s,
+    /// bandwidth, CUDA context and cuBLAS workspace, with sources (`ditmem gpus NAME` for one).
+    Gpus(gpus_cmd::GpusArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -152,6 +156,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Verify(args) => verify_cmd::run(args)?,
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Params(args) => params_cmd::run(args)?,
+        Command::Gpus(args) => gpus_cmd::run(args)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;
             if json {
@@ -166,8 +171,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".
 fn command_name() -> String {
-    const NAMES: [&str; 8] = [
-        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params",
+    const NAMES: [&str; 9] = [
+        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus",
     ];
     std::env::args()
         .skip(1)

@@ -48,6 +48,7 @@
 //! The model of the runtime's memory is checked by the unit tests in `tests.rs`.
 
 pub(crate) mod allocator;
+pub(crate) mod caching_allocator;
 pub(crate) mod device;
 pub(crate) mod rules;
 pub(crate) mod step;

@@ -1,0 +1,873 @@
+//! PyTorch's CUDA caching allocator, simulated over a sequence of allocations and frees.
+//!
+//! Follows `c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`, read at pytorch/pytorch
+//! 001074d2) and the `PYTORCH_CUDA_ALLOC_CONF` parser of `c10/core/AllocatorConfig.cpp` (read at
+//! 065861fb); each rule below names the function it follows. The 512 B and segment-size helpers
+//! of [`PyTorch::cuda_block`](crate::runtime::pytorch::device::PyTorch) are the same constants;
+//! this module adds pools, blocks, splitting, merging, the oversize rules, the retry path and
+//! expandable segments.
+//!
+//! What is left out, and why it does not change the counters for one process on one device:
+//! CUDA graph private pools, cross-stream `record_stream` events (a block is free when its free
+//! event arrives), memory fractions and the garbage collector (which runs only with
+//! `set_per_process_memory_fraction`). Addresses are modelled as (segment creation order, offset),
+//! which orders blocks as `BlockComparatorSize` does for a device that hands out increasing
+//! addresses. With expandable segments, the best-fit search does not use the "expandable size" of
+//! a free block that ends the mapped range, and on a failed map only the free pages at the end of
+//! a segment are unmapped (holes in the middle are not): both can only report more reserved
+//! bytes than PyTorch, never fewer.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+const MIB: u64 = 1 << 20;
+/// `kMinBlockSize`: all sizes are rounded to at least 512 bytes.
+pub const MIN_BLOCK_SIZE: u64 = 512;
+/// `kSmallSize`: the largest "small" allocation is 1 MiB.
+pub const SMALL_SIZE: u64 = MIB;
+/// `kSmallBuffer`: "small" allocations are packed in 2 MiB blocks.
+pub const SMALL_BUFFER: u64 = 2 * MIB;
+/// `kMinLargeAlloc`: allocations between 1 and 10 MiB may use `kLargeBuffer`.
+pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
+/// `kRoundLarge`: large allocations are rounded up to 2 MiB.
+pub const ROUND_LARGE: u64 = 2 * MIB;
+/// `kLargeBuffer`: "large" allocations may be packed in 20 MiB blocks.
+pub const LARGE_BUFFER: u64 = 20 * MIB;
+/// `kRoundUpPowerOfTwoIntervals` (AllocatorConfig.cpp): 16 intervals from 1 MiB to 64 GiB.
+const ROUNDUP_INTERVALS: usize = 16;
+
+/// The allocator settings that change device memory (`PYTORCH_CUDA_ALLOC_CONF`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AllocConf {
+    /// `max_split_size_mb` in bytes; `u64::MAX` (the default) is unlimited.
+    pub max_split_size: u64,
+    /// `max_non_split_rounding_mb` in bytes (default `kLargeBuffer`, 20 MiB).
+    pub max_non_split_rounding: u64,
+    /// `roundup_power2_divisions` per power-of-two interval (1 MiB … 64 GiB); 0 = off.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// `expandable_segments:True`.
+    pub expandable_segments: bool,
+    /// `garbage_collection_threshold` (parsed; it acts only with a per-process memory fraction,
+    /// which the simulation does not set).
+    pub garbage_collection_threshold: Option<f64>,
+}
+
+impl Default for AllocConf {
+    /// `AllocatorConfig::AllocatorConfig` / `parseArgs` with no environment.
+    fn default() -> Self {
+        AllocConf {
+            max_split_size: u64::MAX,
+            max_non_split_rounding: LARGE_BUFFER,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            expandable_segments: false,
+            garbage_collection_threshold: None,
+        }
+    }
+}
+
+/// A `PYTORCH_CUDA_ALLOC_CONF` string that PyTorch would refuse (or that the simulation cannot
+/// follow); the message names the key.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum AllocConfError {
+    #[error("PYTORCH_CUDA_ALLOC_CONF: unknown key '{key}': allowed are {allowed}")]
+    UnknownKey { key: String, allowed: &'static str },
+    #[error("PYTORCH_CUDA_ALLOC_CONF: {key}: {message}")]
+    Value { key: String, message: String },
+    #[error("PYTORCH_CUDA_ALLOC_CONF: {message}")]
+    Syntax { message: String },
+}
+
+const KEYS: &str = "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, \
+expandable_segments, garbage_collection_threshold, backend, release_lock_on_cudamalloc, \
+pinned_use_cuda_host_register, pinned_num_register_threads, pinned_use_background_threads";
+
+fn value_err(key: &str, message: impl Into<String>) -> AllocConfError {
+    AllocConfError::Value {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+/// `AllocatorConfig::lexArgs`: `,` `:` `[` `]` are tokens, spaces are dropped.
+fn lex(env: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut buf = String::new();
+    for c in env.chars() {
+        if matches!(c, ',' | ':' | '[' | ']') {
+            if !buf.is_empty() {
+                out.push(std::mem::take(&mut buf));
+            }
+            out.push(c.to_string());
+        } else if c != ' ' {
+            buf.push(c);
+        }
+    }
+    if !buf.is_empty() {
+        out.push(buf);
+    }
+    out
+}
+
+impl AllocConf {
+    /// Parse `PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` does.
+    pub fn parse(env: &str) -> Result<AllocConf, AllocConfError> {
+        let mut conf = AllocConf::default();
+        let t = lex(env);
+        let tok = |i: usize| t.get(i).map(String::as_str);
+        let mut i = 0;
+        while i < t.len() {
+            let key = t[i].clone();
+            // `consumeToken(config, ++i, ':')`, then the value.
+            if tok(i + 1) != Some(":") {
+                return Err(AllocConfError::Syntax {
+                    message: format!("expected ':' after '{key}'"),
+                });
+            }
+            i += 2;
+            let value = tok(i).ok_or_else(|| value_err(&key, "expected a value"))?;
+            let number = |v: &str| -> Result<u64, AllocConfError> {
+                v.parse::<u64>()
+                    .map_err(|_| value_err(&key, format!("'{v}' is not a whole number")))
+            };
+            let boolean = |v: &str| -> Result<bool, AllocConfError> {
+                match v {
+                    "True" => Ok(true),
+                    "False" => Ok(false),
+                    _ => Err(value_err(
+                        &key,
+                        format!("expected True or False, got '{v}'"),
+                    )),
+                }
+            };
+            match key.as_str() {
+                // `parseMaxSplitSize` / `parseMaxNonSplitRoundingSize`: ≥ kLargeBuffer / 1 MiB.
+                "max_split_size_mb" | "max_non_split_rounding_mb" => {
+                    let mb = number(value)?;
+                    if mb < LARGE_BUFFER / MIB {
+                        return Err(value_err(&key, format!("{mb} is too small, must be >= 20")));
+                    }
+                    let bytes = mb.saturating_mul(MIB);
+                    if key == "max_split_size_mb" {
+                        conf.max_split_size = bytes;
+                    } else {
+                        conf.max_non_split_rounding = bytes;
+                    }
+                }
+                // `parseGarbageCollectionThreshold`: in (0, 1).
+                "garbage_collection_threshold" => {
+                    let v: f64 = value
+                        .parse()
+                        .map_err(|_| value_err(&key, format!("'{value}' is not a number")))?;
+                    if !(v > 0.0 && v < 1.0) {
+                        return Err(value_err(&key, "must be in (0.0, 1.0)"));
+                    }
+                    conf.garbage_collection_threshold = Some(v);
+                }
+                "expandable_segments" => conf.expandable_segments = boolean(value)?,
+                "roundup_power2_divisions" => {
+                    i = parse_roundup(&t, i, &mut conf.roundup_power2_divisions)?;
+                }
+                "backend" => {
+                    match value {
+                        "native" => {}
+                        "cudaMallocAsync" => return Err(value_err(
+                            &key,
+                            "cudaMallocAsync is not simulated (only the native caching allocator)",
+                        )),
+                        v => {
+                            return Err(value_err(
+                                &key,
+                                format!("'{v}': options are native and cudaMallocAsync"),
+                            ))
+                        }
+                    }
+                }
+                // Host-side or locking options: no effect on device memory.
+                "release_lock_on_cudamalloc"
+                | "pinned_use_cuda_host_register"
+                | "pinned_use_background_threads" => {
+                    boolean(value)?;
+                }
+                "pinned_num_register_threads" => {
+                    let n = number(value)?;
+                    if !n.is_power_of_two() {
+                        return Err(value_err(&key, "has to be a power of 2"));
+                    }
+                }
+                _ => {
+                    return Err(AllocConfError::UnknownKey {
+                        key: key.chars().take(60).collect(),
+                        allowed: KEYS,
+                    })
+                }
+            }
+            // `if (i + 1 < config.size()) consumeToken(config, ++i, ',')`.
+            if i + 1 < t.len() {
+                if tok(i + 1) != Some(",") {
+                    return Err(AllocConfError::Syntax {
+                        message: format!("expected ',' after the value of '{key}'"),
+                    });
+                }
+                i += 1;
+            }
+            i += 1;
+        }
+        Ok(conf)
+    }
+
+    /// `AllocatorConfig::roundup_power2_divisions(size)`: the interval of `floor(log2(size))`,
+    /// counted from 1 MiB and clamped to the 16 intervals.
+    pub fn divisions_for(&self, size: u64) -> u64 {
+        let log = 63 - size.max(1).leading_zeros() as i64;
+        let index = (log - 20).clamp(0, ROUNDUP_INTERVALS as i64 - 1) as usize;
+        self.roundup_power2_divisions[index]
+    }
+}
+
+/// `parseRoundUpPower2Divisions`: one power of two for every interval, or
+/// `[MB:div,…,>:div]` with power-of-two MB keys; the first key also fills the intervals below
+/// it and `>` fills from the last key's interval on (that interval included, as the source's
+/// `std::fill(begin + last_index, end)` does).
+fn parse_roundup(
+    t: &[String],
+    mut i: usize,
+    out: &mut [u64; ROUNDUP_INTERVALS],
+) -> Result<usize, AllocConfError> {
+    let key = "roundup_power2_divisions";
+    let num = |v: &str| -> Result<u64, AllocConfError> {
+        v.parse::<u64>()
+            .map_err(|_| value_err(key, format!("'{v}' is not a whole number")))
+    };
+    if t[i] != "[" {
+        let v = num(&t[i])?;
+        if !v.is_power_of_two() {
+            return Err(value_err(key, "the divisions have to be a power of 2"));
+        }
+        *out = [v; ROUNDUP_INTERVALS];
+        return Ok(i);
+    }
+    let mut first = true;
+    let mut last_index = 0;
+    loop {
+        i += 1;
+        match t.get(i).map(String::as_str) {
+            None => return Err(value_err(key, "missing ']'")),
+            Some("]") => return Ok(i),
+            Some(_) => {}
+        }
+        let interval = t[i].clone();
+        if t.get(i + 1).map(String::as_str) != Some(":") {
+            return Err(value_err(key, format!("expected ':' after '{interval}'")));
+        }
+        i += 2;
+        let div = num(t.get(i).ok_or_else(|| value_err(key, "expected a value"))?)?;
+        if !(div == 0 || div.is_power_of_two()) {
+            return Err(value_err(
+                key,
+                "the divisions have to be a power of 2 or 0 to disable the roundup",
+            ));
+        }
+        if interval == ">" {
+            out[last_index..].fill(div);
+        } else {
+            let mb = num(&interval)?;
+            if !mb.is_power_of_two() {
+                return Err(value_err(key, "the intervals have to be powers of 2 (MB)"));
+            }
+            let index = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+            if first {
+                out[..index].fill(div);
+                first = false;
+            }
+            out[index] = div;
+            last_index = index;
+        }
+        if t.get(i + 1).map(String::as_str) != Some("]") {
+            if t.get(i + 1).map(String::as_str) != Some(",") {
+                return Err(value_err(key, "expected ',' or ']'"));
+            }
+            i += 1;
+        }
+    }
+}
+
+/// `roundup_power2_next_division`: the next of `divisions` equal steps between two powers of 2.
+fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << (63 - size.leading_zeros());
+    let step = floor >> (63 - divisions.leading_zeros());
+    if step == 0 {
+        return floor << 1;
+    }
+    let round_floor = size & !(step - 1);
+    if round_floor == size {
+        size
+    } else {
+        round_floor + step
+    }
+}
+
+/// `round_size`: < 512 → 512; with `roundup_power2_divisions` > 1 and size > 512 × divisions,
+/// the next power-of-2 division; otherwise a multiple of 512.
+pub fn round_size(size: u64, conf: &AllocConf) -> u64 {
+    if size < MIN_BLOCK_SIZE {
+        return MIN_BLOCK_SIZE;
+    }
+    let div = conf.divisions_for(size);
+    if div > 1 && size > MIN_BLOCK_SIZE * div {
+        roundup_power2_next_division(size, div)
+    } else {
+        size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+    }
+}
+
+/// `get_allocation_size`: ≤ 1 MiB → 2 MiB; < 10 MiB → 20 MiB; else rounded up to 2 MiB.
+pub fn allocation_size(size: u64) -> u64 {
+    if size <= SMALL_SIZE {
+        SMALL_BUFFER
+    } else if size < MIN_LARGE_ALLOC {
+        LARGE_BUFFER
+    } else {
+        size.div_ceil(ROUND_LARGE) * ROUND_LARGE
+    }
+}
+
+/// One event of an allocation sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AllocEvent {
+    /// `malloc(bytes)` on a stream, named by `id` for its free.
+    Alloc { id: u64, bytes: u64, stream: u32 },
+    /// The tensor `id` is freed (its block returns to the cache).
+    Free { id: u64 },
+}
+
+/// A sequence that cannot be replayed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SequenceError {
+    #[error("allocation sequence, event {event}: id {id} is already allocated")]
+    DuplicateId { event: usize, id: u64 },
+    #[error("allocation sequence, event {event}: id {id} is not allocated")]
+    UnknownFree { event: usize, id: u64 },
+}
+
+/// Where an allocation fails (PyTorch raises `torch.OutOfMemoryError` there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Oom {
+    /// Index of the failing event in the sequence.
+    pub event: usize,
+    pub id: u64,
+    /// The request, its rounded size and the segment (or mapping) it needed.
+    pub requested: u64,
+    pub rounded: u64,
+    pub alloc_size: u64,
+    /// Allocated and reserved bytes when it failed (after the cache was released).
+    pub allocated: u64,
+    pub reserved: u64,
+    pub capacity: u64,
+}
+
+/// What the allocator's counters show over a sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AllocatorReport {
+    /// `max_memory_allocated`: rounded (block) bytes.
+    pub max_allocated: u64,
+    /// `max_memory_reserved`: segment (or mapped) bytes.
+    pub max_reserved: u64,
+    /// Peak of the requested bytes (`requested_bytes` peak).
+    pub max_requested: u64,
+    /// Reserved − allocated at the (first) allocated peak: the cached bytes the step's peak
+    /// cannot use.
+    pub fragmentation_at_peak: u64,
+    /// Reserved bytes when allocated peaked.
+    pub reserved_at_max_allocated: u64,
+    pub final_allocated: u64,
+    pub final_reserved: u64,
+    /// `cudaMalloc` calls (or page mappings with expandable segments).
+    pub device_allocs: u64,
+    /// `cudaFree` calls (or unmappings) made to satisfy a request.
+    pub device_frees: u64,
+    /// `num_alloc_retries`: allocations that released cache and retried.
+    pub alloc_retries: u64,
+    pub oom: Option<Oom>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Blk {
+    size: u64,
+    /// The id of the tensor holding it, `None` when cached (free).
+    owner: Option<u64>,
+    requested: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Seg {
+    small: bool,
+    stream: u32,
+    expandable: bool,
+    /// Contiguous blocks from the segment's start (the mapped range for an expandable one).
+    blocks: Vec<Blk>,
+}
+
+impl Seg {
+    fn size(&self) -> u64 {
+        self.blocks.iter().map(|b| b.size).sum()
+    }
+}
+
+/// The simulated `DeviceCachingAllocator` of one device.
+#[derive(Debug, Clone)]
+pub struct CachingAllocator {
+    conf: AllocConf,
+    /// Bytes the allocator may reserve (device memory less the context); `u64::MAX` = unlimited.
+    capacity: u64,
+    segs: Vec<Option<Seg>>,
+    where_: HashMap<u64, usize>,
+    allocated: u64,
+    reserved: u64,
+    requested: u64,
+    report: AllocatorReport,
+}
+
+impl CachingAllocator {
+    pub fn new(conf: AllocConf, capacity: Option<u64>) -> CachingAllocator {
+        CachingAllocator {
+            conf,
+            capacity: capacity.unwrap_or(u64::MAX),
+            segs: Vec::new(),
+            where_: HashMap::new(),
+            allocated: 0,
+            reserved: 0,
+            requested: 0,
+            report: AllocatorReport::default(),
+        }
+    }
+
+    pub fn allocated(&self) -> u64 {
+        self.allocated
+    }
+
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    fn note_peaks(&mut self) {
+        let r = &mut self.report;
+        r.max_reserved = r.max_reserved.max(self.reserved);
+        if self.allocated > r.max_allocated {
+            r.max_allocated = self.allocated;
+            r.reserved_at_max_allocated = self.reserved;
+            r.fragmentation_at_peak = self.reserved - self.allocated;
+        }
+        r.max_requested = r.max_requested.max(self.requested);
+    }
+
+    fn fits(&self, extra: u64) -> bool {
+        self.reserved
+            .checked_add(extra)
+            .is_some_and(|t| t <= self.capacity)
+    }
+
+    /// `get_free_block`: the smallest cached block of the pool and stream that holds `size`
+    /// (ties by address), then the oversize rules: a request below `max_split_size` never takes
+    /// a block at or above it; a request at or above it takes a block only below
+    /// `size + max_non_split_rounding`.
+    fn get_free_block(&self, size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
+        let mut best: Option<(u64, usize, usize)> = None;
+        for (s, seg) in self.segs.iter().enumerate() {
+            let Some(seg) = seg else { continue };
+            if seg.small != small || seg.stream != stream {
+                continue;
+            }
+            for (k, b) in seg.blocks.iter().enumerate() {
+                if b.owner.is_none() && b.size >= size && best.is_none_or(|x| b.size < x.0) {
+                    best = Some((b.size, s, k));
+                }
+            }
+        }
+        let (bsize, s, k) = best?;
+        let m = self.conf.max_split_size;
+        if size < m && bsize >= m {
+            return None;
+        }
+        if size >= m && bsize >= size.saturating_add(self.conf.max_non_split_rounding) {
+            return None;
+        }
+        Some((s, k))
+    }
+
+    /// `alloc_block` without expandable segments: `cudaMalloc(alloc_size)` if it fits.
+    fn alloc_block(&mut self, alloc_size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
+        if !self.fits(alloc_size) {
+            return None;
+        }
+        self.reserved += alloc_size;
+        self.report.device_allocs += 1;
+        self.segs.push(Some(Seg {
+            small,
+            stream,
+            expandable: false,
+            blocks: vec![Blk {
+                size: alloc_size,
+                owner: None,
+                requested: 0,
+            }],
+        }));
+        Some((self.segs.len() - 1, 0))
+    }
+
+    /// `try_allocate_expandable_block` / `map_block`: the pool's segment for this stream grows
+    /// at its end in pages of 2 MiB (small pool) or 20 MiB (large pool), the free block that
+    /// ends it (if any) merging with the new pages.
+    fn alloc_expandable(&mut self, size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
+        let page = if small { SMALL_BUFFER } else { LARGE_BUFFER };
+        let found = self.segs.iter().position(|s| {
+            s.as_ref()
+                .is_some_and(|s| s.expandable && s.small == small && s.stream == stream)
+        });
+        let s = match found {
+            Some(s) => s,
+            None => {
+                self.segs.push(Some(Seg {
+                    small,
+                    stream,
+                    expandable: true,
+                    blocks: Vec::new(),
+                }));
+                self.segs.len() - 1
+            }
+        };
+        let seg = self.segs[s].as_ref()?;
+        let tail_free = seg
+            .blocks
+            .last()
+            .filter(|b| b.owner.is_none())
+            .map_or(0, |b| b.size);
+        let extra = (size - tail_free).div_ceil(page) * page;
+        if !self.fits(extra) {
+            if seg.blocks.is_empty() {
+                self.segs[s] = None;
+            }
+            return None;
+        }
+        self.reserved += extra;
+        self.report.device_allocs += 1;
+        let seg = self.segs[s].as_mut()?;
+        match seg.blocks.last_mut() {
+            Some(b) if b.owner.is_none() => b.size += extra,
+            _ => seg.blocks.push(Blk {
+                size: extra,
+                owner: None,
+                requested: 0,
+            }),
+        }
+        Some((s, seg.blocks.len() - 1))
+    }
+
+    /// `release_block` of a whole cached segment.
+    fn release_segment(&mut self, s: usize) {
+        if let Some(seg) = self.segs[s].take() {
+            self.reserved -= seg.size();
+            self.report.device_frees += 1;
+        }
+    }
+
+    /// Whole (unsplit) cached segments of a pool and stream, as (size, index).
+    fn whole_free(&self, small: bool, stream: Option<u32>) -> Vec<(u64, usize)> {
+        let mut v: Vec<(u64, usize)> = self
+            .segs
+            .iter()
+            .enumerate()
+            .filter_map(|(s, seg)| {
+                let seg = seg.as_ref()?;
+                (!seg.expandable
+                    && seg.small == small
+                    && stream.is_none_or(|st| st == seg.stream)
+                    && seg.blocks.len() == 1
+                    && seg.blocks[0].owner.is_none())
+                .then(|| (seg.blocks[0].size, s))
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// `release_available_cached_blocks`: only with a `max_split_size`; frees the smallest
+    /// cached block of at least max(size, max_split_size), else oversize blocks from the largest
+    /// down until that much is freed (those freed stay freed even when it falls short).
+    fn release_available(&mut self, size: u64, small: bool, stream: u32) -> bool {
+        let m = self.conf.max_split_size;
+        if m == u64::MAX {
+            return false;
+        }
+        let key = size.max(m);
+        let cached = self.whole_free(small, Some(stream));
+        if let Some(&(_, s)) = cached.iter().find(|(b, _)| *b >= key) {
+            self.release_segment(s);
+            return true;
+        }
+        let mut total = 0;
+        for &(b, s) in cached.iter().rev() {
+            if total >= key || b < m {
+                break;
+            }
+            total += b;
+            self.release_segment(s);
+        }
+        total >= key
+    }
+
+    /// `release_cached_blocks` → `release_blocks` on both pools: every cached block that is a
+    /// whole segment is `cudaFree`d; with expandable segments the free pages that end a segment
+    /// are unmapped (`unmap_block`).
+    fn release_cached(&mut self) {
+        for small in [false, true] {
+            for (_, s) in self.whole_free(small, None) {
+                self.release_segment(s);
+            }
+        }
+        for s in 0..self.segs.len() {
+            let Some(seg) = self.segs[s].as_mut() else {
+                continue;
+            };
+            if !seg.expandable {
+                continue;
+            }
+            let page = if seg.small {
+                SMALL_BUFFER
+            } else {
+                LARGE_BUFFER
+            };
+            let end = seg.size();
+            let Some(last) = seg.blocks.last_mut().filter(|b| b.owner.is_none()) else {
+                continue;
+            };
+            let start = end - last.size;
+            let unmap = end - start.div_ceil(page) * page;
+            if unmap > 0 {
+                last.size -= unmap;
+                if last.size == 0 {
+                    seg.blocks.pop();
+                }
+                self.reserved -= unmap;
+                self.report.device_frees += 1;
+            }
+            if seg.blocks.is_empty() {
+                self.segs[s] = None;
+            }
+        }
+    }
+
+    /// `should_split`: small pool or expandable segments: a remainder ≥ 512 B; large pool: only
+    /// a request below `max_split_size` with a remainder above 1 MiB (`remaining > kSmallSize`).
+    fn should_split(&self, block: u64, size: u64, small: bool) -> bool {
+        let remaining = block - size;
+        if small || self.conf.expandable_segments {
+            remaining >= MIN_BLOCK_SIZE
+        } else {
+            size < self.conf.max_split_size && remaining > SMALL_SIZE
+        }
+    }
+
+    /// `malloc`: round, pick the pool, search the cache, else allocate a segment, else release
+    /// oversize cached blocks and retry, else release every unsplit cached block and retry, else
+    /// out of memory. On success the block is split per `should_split` (`alloc_found_block`).
+    pub fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
+        let size = round_size(bytes, &self.conf);
+        let small = size <= SMALL_SIZE;
+        let alloc_size = allocation_size(size);
+        let expandable = self.conf.expandable_segments;
+        let mut found = self.get_free_block(size, small, stream);
+        if found.is_none() {
+            let alloc = |a: &mut Self| {
+                if expandable {
+                    a.alloc_expandable(size, small, stream)
+                } else {
+                    a.alloc_block(alloc_size, small, stream)
+                }
+            };
+            found = alloc(self);
+            if found.is_none() && self.release_available(size, small, stream) {
+                self.report.alloc_retries += 1;
+                found = alloc(self);
+            }
+            if found.is_none() {
+                self.release_cached();
+                self.report.alloc_retries += 1;
+                found = alloc(self);
+            }
+        }
+        let Some((s, k)) = found else {
+            return Err(Oom {
+                event: 0,
+                id,
+                requested: bytes,
+                rounded: size,
+                alloc_size: if expandable { size } else { alloc_size },
+                allocated: self.allocated,
+                reserved: self.reserved,
+                capacity: self.capacity,
+            });
+        };
+        let block = self.segs[s].as_ref().map_or(0, |g| g.blocks[k].size);
+        let split = self.should_split(block, size, small);
+        let seg = self.segs[s].as_mut().expect("found segment");
+        let taken = if split {
+            seg.blocks[k].size = size;
+            seg.blocks.insert(
+                k + 1,
+                Blk {
+                    size: block - size,
+                    owner: None,
+                    requested: 0,
+                },
+            );
+            size
+        } else {
+            block
+        };
+        seg.blocks[k].owner = Some(id);
+        seg.blocks[k].requested = bytes;
+        self.where_.insert(id, s);
+        self.allocated += taken;
+        self.requested += bytes;
+        self.note_peaks();
+        Ok(())
+    }
+
+    /// `free` → `free_block`: the block returns to its pool and merges with free neighbours
+    /// (`try_merge_blocks` on prev and next). Returns false for an id that is not allocated.
+    pub fn free(&mut self, id: u64) -> bool {
+        let Some(s) = self.where_.remove(&id) else {
+            return false;
+        };
+        let Some(seg) = self.segs[s].as_mut() else {
+            return false;
+        };
+        let Some(k) = seg.blocks.iter().position(|b| b.owner == Some(id)) else {
+            return false;
+        };
+        self.allocated -= seg.blocks[k].size;
+        self.requested -= seg.blocks[k].requested;
+        seg.blocks[k].owner = None;
+        seg.blocks[k].requested = 0;
+        let mut k = k;
+        if k + 1 < seg.blocks.len() && seg.blocks[k + 1].owner.is_none() {
+            seg.blocks[k].size += seg.blocks.remove(k + 1).size;
+        }
+        if k > 0 && seg.blocks[k - 1].owner.is_none() {
+            let b = seg.blocks.remove(k);
+            k -= 1;
+            seg.blocks[k].size += b.size;
+        }
+        true
+    }
+
+    /// `emptyCache` (`torch.cuda.empty_cache()`).
+    pub fn empty_cache(&mut self) {
+        self.release_cached();
+    }
+
+    /// The counters so far (final values filled in).
+    pub fn report(&self) -> AllocatorReport {
+        AllocatorReport {
+            final_allocated: self.allocated,
+            final_reserved: self.reserved,
+            ..self.report
+        }
+    }
+}
+
+/// Replay a sequence on a fresh allocator; stops at the first allocation that fails against
+/// `capacity` (bytes the allocator may reserve), which the report's `oom` names.
+pub fn simulate_allocator(
+    events: &[AllocEvent],
+    conf: &AllocConf,
+    capacity: Option<u64>,
+) -> Result<AllocatorReport, SequenceError> {
+    let mut a = CachingAllocator::new(conf.clone(), capacity);
+    for (event, e) in events.iter().enumerate() {
+        match *e {
+            AllocEvent::Alloc { id, bytes, stream } => {
+                if a.where_.contains_key(&id) {
+                    return Err(SequenceError::DuplicateId { event, id });
+                }
+                if let Err(oom) = a.malloc(id, bytes, stream) {
+                    let mut r = a.report();
+                    r.oom = Some(Oom { event, ..oom });
+                    return Ok(r);
+                }
+            }
+            AllocEvent::Free { id } => {
+                if !a.free(id) {
+                    return Err(SequenceError::UnknownFree { event, id });
+                }
+            }
+        }
+    }
+    Ok(a.report())
+}
+
+/// One training process on one catalog GPU: the allocator over a sequence with the cuBLAS
+/// workspaces allocated first, and the CUDA context beside it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CudaMemory {
+    pub gpu: &'static str,
+    pub allocator: AllocatorReport,
+    /// cuBLAS workspace bytes per stream (through the allocator, so inside allocated/reserved).
+    pub cublas_workspace_per_stream: u64,
+    pub streams: u32,
+    /// CUDA context bytes (the catalog's figure, with its source there).
+    pub context_bytes: u64,
+    /// What `nvidia-smi` would show at the peak: context + max reserved.
+    pub device_bytes: u64,
+    /// `total_memory` of the card.
+    pub capacity_bytes: u64,
+    /// No allocation failed against capacity − context.
+    pub fits: bool,
+}
+
+/// Ids the cuBLAS workspaces take in [`simulate_on_gpu`] (above any id a sequence should use).
+pub const CUBLAS_WORKSPACE_ID_BASE: u64 = u64::MAX - 1024;
+
+/// Replay `events` on `gpu`: one cuBLAS workspace per stream in `streams` is allocated first
+/// (`getNewWorkspace` → the caching allocator, `CublasHandlePool.cpp`; PyTorch allocates it at
+/// the first matmul of a (handle, stream) and keeps it), the allocator may reserve the capacity
+/// less the context, and the device total adds the context to the reserved peak.
+pub fn simulate_on_gpu(
+    events: &[AllocEvent],
+    gpu: &crate::gpu::Gpu,
+    conf: &AllocConf,
+    streams: &[u32],
+) -> Result<CudaMemory, SequenceError> {
+    let ws = gpu.cublas_workspace_bytes();
+    let mut all: Vec<AllocEvent> = streams
+        .iter()
+        .enumerate()
+        .map(|(k, &stream)| AllocEvent::Alloc {
+            id: CUBLAS_WORKSPACE_ID_BASE + k as u64,
+            bytes: ws,
+            stream,
+        })
+        .collect();
+    all.extend_from_slice(events);
+    let allocator = simulate_allocator(&all, conf, Some(gpu.allocator_bytes()))?;
+    Ok(CudaMemory {
+        gpu: gpu.name,
+        allocator,
+        cublas_workspace_per_stream: ws,
+        streams: streams.len() as u32,
+        context_bytes: gpu.context_bytes,
+        device_bytes: gpu.context_bytes + allocator.max_reserved,
+        capacity_bytes: gpu.capacity_bytes,
+        fits: allocator.oom.is_none(),
+    })
+}
+
+#[cfg(test)]
+#[path = "caching_allocator_tests.rs"]
+mod tests;
