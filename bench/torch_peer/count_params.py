@@ -24,6 +24,7 @@ entries also carry the config. With --configs DIR it also writes each preset's c
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import re
@@ -36,233 +37,153 @@ import torch  # noqa: E402
 import diffusers  # noqa: E402
 
 # The published checkpoints' transformer/config.json values (see presets.rs for each source).
-PRESETS = {
-    "dit-xl-2-256": {
-        # facebook/DiT-XL-2-256: scripts/convert_dit_to_diffusers.py (image_size 256).
-        "_class_name": "Transformer2DModel",
-        "sample_size": 32,
-        "num_layers": 28,
-        "attention_head_dim": 72,
-        "in_channels": 4,
-        "out_channels": 8,
-        "patch_size": 2,
-        "attention_bias": True,
-        "num_attention_heads": 16,
-        "activation_fn": "gelu-approximate",
-        "num_embeds_ada_norm": 1000,
-        "norm_type": "ada_norm_zero",
-        "norm_elementwise_affine": False,
-    },
-    "dit-xl-2-512": {
-        # facebook/DiT-XL-2-512: the same script with --image_size 512.
-        "_class_name": "Transformer2DModel",
-        "sample_size": 64,
-        "num_layers": 28,
-        "attention_head_dim": 72,
-        "in_channels": 4,
-        "out_channels": 8,
-        "patch_size": 2,
-        "attention_bias": True,
-        "num_attention_heads": 16,
-        "activation_fn": "gelu-approximate",
-        "num_embeds_ada_norm": 1000,
-        "norm_type": "ada_norm_zero",
-        "norm_elementwise_affine": False,
-    },
-    "pixart-alpha-1024": {
-        # PixArt-alpha/PixArt-XL-2-1024-MS: scripts/convert_pixart_alpha_to_diffusers.py.
-        "_class_name": "Transformer2DModel",
-        "sample_size": 128,
-        "num_layers": 28,
-        "attention_head_dim": 72,
-        "in_channels": 4,
-        "out_channels": 8,
-        "patch_size": 2,
-        "attention_bias": True,
-        "num_attention_heads": 16,
-        "cross_attention_dim": 1152,
-        "activation_fn": "gelu-approximate",
-        "num_embeds_ada_norm": 1000,
-        "norm_type": "ada_norm_single",
-        "norm_elementwise_affine": False,
-        "norm_eps": 1e-6,
-        "caption_channels": 4096,
-    },
-    "pixart-sigma-1024": {
-        # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: scripts/convert_pixart_sigma_to_diffusers.py
-        # (image_size 1024 -> interpolation_scale 2, no --micro_condition).
-        "_class_name": "Transformer2DModel",
-        "sample_size": 128,
-        "num_layers": 28,
-        "attention_head_dim": 72,
-        "in_channels": 4,
-        "out_channels": 8,
-        "patch_size": 2,
-        "attention_bias": True,
-        "num_attention_heads": 16,
-        "cross_attention_dim": 1152,
-        "activation_fn": "gelu-approximate",
-        "num_embeds_ada_norm": 1000,
-        "norm_type": "ada_norm_single",
-        "norm_elementwise_affine": False,
-        "norm_eps": 1e-6,
-        "caption_channels": 4096,
-        "interpolation_scale": 2,
-        "use_additional_conditions": False,
-    },
-    "sd3-medium": {
-        # stabilityai/stable-diffusion-3-medium-diffusers: scripts/convert_sd3_to_diffusers.py.
-        "_class_name": "SD3Transformer2DModel",
-        "sample_size": 128,
-        "patch_size": 2,
-        "in_channels": 16,
-        "num_layers": 24,
-        "attention_head_dim": 64,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 4096,
-        "caption_projection_dim": 1536,
-        "pooled_projection_dim": 2048,
-        "out_channels": 16,
-        "pos_embed_max_size": 192,
-    },
-    "sd3.5-medium": {
-        # stabilityai/stable-diffusion-3.5-medium: convert_sd3_to_diffusers.py (MMDiT-X: attn2 in
-        # joint blocks 0-12, ln_q present, pos_embed 384x384 patches).
-        "_class_name": "SD3Transformer2DModel",
-        "sample_size": 128,
-        "patch_size": 2,
-        "in_channels": 16,
-        "num_layers": 24,
-        "attention_head_dim": 64,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 4096,
-        "caption_projection_dim": 1536,
-        "pooled_projection_dim": 2048,
-        "out_channels": 16,
-        "pos_embed_max_size": 384,
-        "qk_norm": "rms_norm",
-        "dual_attention_layers": list(range(13)),
-    },
-    "sd3.5-large": {
-        # stabilityai/stable-diffusion-3.5-large: convert_sd3_to_diffusers.py (38 joint blocks).
-        "_class_name": "SD3Transformer2DModel",
-        "sample_size": 128,
-        "patch_size": 2,
-        "in_channels": 16,
-        "num_layers": 38,
-        "attention_head_dim": 64,
-        "num_attention_heads": 38,
-        "joint_attention_dim": 4096,
-        "caption_projection_dim": 2432,
-        "pooled_projection_dim": 2048,
-        "out_channels": 16,
-        "pos_embed_max_size": 192,
-        "qk_norm": "rms_norm",
-        "dual_attention_layers": [],
-    },
-    "flux.1-dev": {
-        # black-forest-labs/FLUX.1-dev: scripts/convert_flux_to_diffusers.py (guidance_in present).
-        "_class_name": "FluxTransformer2DModel",
-        "patch_size": 1,
-        "in_channels": 64,
-        "num_layers": 19,
-        "num_single_layers": 38,
-        "attention_head_dim": 128,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 4096,
-        "pooled_projection_dim": 768,
-        "guidance_embeds": True,
-        "axes_dims_rope": [16, 56, 56],
-    },
-    "flux.1-schnell": {
-        "_class_name": "FluxTransformer2DModel",
-        "patch_size": 1,
-        "in_channels": 64,
-        "num_layers": 19,
-        "num_single_layers": 38,
-        "attention_head_dim": 128,
-        "num_attention_heads": 24,
-        "joint_attention_dim": 4096,
-        "pooled_projection_dim": 768,
-        "guidance_embeds": False,
-        "axes_dims_rope": [16, 56, 56],
-    },
-    "sana-600m": {
-        # Efficient-Large-Model/Sana_600M_1024px_diffusers: convert_sana_to_diffusers.py
-        # (SanaMS_600M_P1_D28, image_size 1024).
-        "_class_name": "SanaTransformer2DModel",
-        "in_channels": 32,
-        "out_channels": 32,
-        "num_attention_heads": 36,
-        "attention_head_dim": 32,
-        "num_layers": 28,
-        "num_cross_attention_heads": 16,
-        "cross_attention_head_dim": 72,
-        "cross_attention_dim": 1152,
-        "caption_channels": 2304,
-        "mlp_ratio": 2.5,
-        "attention_bias": False,
-        "sample_size": 32,
-        "patch_size": 1,
-        "norm_elementwise_affine": False,
-        "norm_eps": 1e-6,
-        "interpolation_scale": None,
-    },
-    "sana-1600m": {
-        # Efficient-Large-Model/Sana_1600M_1024px_diffusers: SanaMS_1600M_P1_D20, image_size 1024.
-        "_class_name": "SanaTransformer2DModel",
-        "in_channels": 32,
-        "out_channels": 32,
-        "num_attention_heads": 70,
-        "attention_head_dim": 32,
-        "num_layers": 20,
-        "num_cross_attention_heads": 20,
-        "cross_attention_head_dim": 112,
-        "cross_attention_dim": 2240,
-        "caption_channels": 2304,
-        "mlp_ratio": 2.5,
-        "attention_bias": False,
-        "sample_size": 32,
-        "patch_size": 1,
-        "norm_elementwise_affine": False,
-        "norm_eps": 1e-6,
-        "interpolation_scale": None,
-    },
-    "wan2.1-1.3b": {
-        # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: scripts/convert_wan_to_diffusers.py "Wan-T2V-1.3B".
-        "_class_name": "WanTransformer3DModel",
-        "added_kv_proj_dim": None,
-        "attention_head_dim": 128,
-        "cross_attn_norm": True,
-        "eps": 1e-06,
-        "ffn_dim": 8960,
-        "freq_dim": 256,
-        "in_channels": 16,
-        "num_attention_heads": 12,
-        "num_layers": 30,
-        "out_channels": 16,
-        "patch_size": [1, 2, 2],
-        "qk_norm": "rms_norm_across_heads",
-        "text_dim": 4096,
-    },
-    "wan2.1-14b": {
-        # Wan-AI/Wan2.1-T2V-14B-Diffusers: convert_wan_to_diffusers.py "Wan-T2V-14B".
-        "_class_name": "WanTransformer3DModel",
-        "added_kv_proj_dim": None,
-        "attention_head_dim": 128,
-        "cross_attn_norm": True,
-        "eps": 1e-06,
-        "ffn_dim": 13824,
-        "freq_dim": 256,
-        "in_channels": 16,
-        "num_attention_heads": 40,
-        "num_layers": 40,
-        "out_channels": 16,
-        "patch_size": [1, 2, 2],
-        "qk_norm": "rms_norm_across_heads",
-        "text_dim": 4096,
-    },
+PRESETS = {}
+
+
+def like(name, **changes):
+    """PRESETS[name] with some values changed: a sibling checkpoint of the same conversion
+    script."""
+    return {**copy.deepcopy(PRESETS[name]), **changes}
+
+
+PRESETS["dit-xl-2-256"] = {
+    # facebook/DiT-XL-2-256: scripts/convert_dit_to_diffusers.py (image_size 256).
+    "_class_name": "Transformer2DModel",
+    "sample_size": 32,
+    "num_layers": 28,
+    "attention_head_dim": 72,
+    "in_channels": 4,
+    "out_channels": 8,
+    "patch_size": 2,
+    "attention_bias": True,
+    "num_attention_heads": 16,
+    "activation_fn": "gelu-approximate",
+    "num_embeds_ada_norm": 1000,
+    "norm_type": "ada_norm_zero",
+    "norm_elementwise_affine": False,
 }
+# facebook/DiT-XL-2-512: the same script with --image_size 512.
+PRESETS["dit-xl-2-512"] = like("dit-xl-2-256", sample_size=64)
+PRESETS["pixart-alpha-1024"] = {
+    # PixArt-alpha/PixArt-XL-2-1024-MS: scripts/convert_pixart_alpha_to_diffusers.py.
+    "_class_name": "Transformer2DModel",
+    "sample_size": 128,
+    "num_layers": 28,
+    "attention_head_dim": 72,
+    "in_channels": 4,
+    "out_channels": 8,
+    "patch_size": 2,
+    "attention_bias": True,
+    "num_attention_heads": 16,
+    "cross_attention_dim": 1152,
+    "activation_fn": "gelu-approximate",
+    "num_embeds_ada_norm": 1000,
+    "norm_type": "ada_norm_single",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "caption_channels": 4096,
+}
+# PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: scripts/convert_pixart_sigma_to_diffusers.py
+# (image_size 1024 -> interpolation_scale 2, no --micro_condition).
+PRESETS["pixart-sigma-1024"] = like(
+    "pixart-alpha-1024", interpolation_scale=2, use_additional_conditions=False
+)
+PRESETS["sd3-medium"] = {
+    # stabilityai/stable-diffusion-3-medium-diffusers: scripts/convert_sd3_to_diffusers.py.
+    "_class_name": "SD3Transformer2DModel",
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "out_channels": 16,
+    "pos_embed_max_size": 192,
+}
+# stabilityai/stable-diffusion-3.5-medium: convert_sd3_to_diffusers.py (MMDiT-X: attn2 in
+# joint blocks 0-12, ln_q present, pos_embed 384x384 patches).
+PRESETS["sd3.5-medium"] = like(
+    "sd3-medium",
+    pos_embed_max_size=384,
+    qk_norm="rms_norm",
+    dual_attention_layers=list(range(13)),
+)
+# stabilityai/stable-diffusion-3.5-large: convert_sd3_to_diffusers.py (38 joint blocks).
+PRESETS["sd3.5-large"] = like(
+    "sd3-medium",
+    num_layers=38,
+    num_attention_heads=38,
+    caption_projection_dim=2432,
+    qk_norm="rms_norm",
+    dual_attention_layers=[],
+)
+PRESETS["flux.1-dev"] = {
+    # black-forest-labs/FLUX.1-dev: scripts/convert_flux_to_diffusers.py (guidance_in present).
+    "_class_name": "FluxTransformer2DModel",
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+PRESETS["flux.1-schnell"] = like("flux.1-dev", guidance_embeds=False)
+PRESETS["sana-600m"] = {
+    # Efficient-Large-Model/Sana_600M_1024px_diffusers: convert_sana_to_diffusers.py
+    # (SanaMS_600M_P1_D28, image_size 1024).
+    "_class_name": "SanaTransformer2DModel",
+    "in_channels": 32,
+    "out_channels": 32,
+    "num_attention_heads": 36,
+    "attention_head_dim": 32,
+    "num_layers": 28,
+    "num_cross_attention_heads": 16,
+    "cross_attention_head_dim": 72,
+    "cross_attention_dim": 1152,
+    "caption_channels": 2304,
+    "mlp_ratio": 2.5,
+    "attention_bias": False,
+    "sample_size": 32,
+    "patch_size": 1,
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "interpolation_scale": None,
+}
+# Efficient-Large-Model/Sana_1600M_1024px_diffusers: SanaMS_1600M_P1_D20, image_size 1024.
+PRESETS["sana-1600m"] = like(
+    "sana-600m",
+    num_attention_heads=70,
+    num_layers=20,
+    num_cross_attention_heads=20,
+    cross_attention_head_dim=112,
+    cross_attention_dim=2240,
+)
+PRESETS["wan2.1-1.3b"] = {
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: scripts/convert_wan_to_diffusers.py "Wan-T2V-1.3B".
+    "_class_name": "WanTransformer3DModel",
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 8960,
+    "freq_dim": 256,
+    "in_channels": 16,
+    "num_attention_heads": 12,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "text_dim": 4096,
+}
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: convert_wan_to_diffusers.py "Wan-T2V-14B".
+PRESETS["wan2.1-14b"] = like("wan2.1-1.3b", ffn_dim=13824, num_attention_heads=40, num_layers=40)
 
 # Small configs off the published ones: every option the reader takes that no preset exercises.
 VARIANTS = {

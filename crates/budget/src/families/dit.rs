@@ -7,6 +7,7 @@
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::modules::Attn;
 use super::{Group, Table, TensorKind};
 use crate::error::SpecError;
 use crate::params::{param_table, Module};
@@ -182,70 +183,26 @@ pub(crate) fn check_patch(sample_size: u64, patch: u64) -> Result<(), SpecError>
 pub(crate) fn diffusers_table(d: &DitDiffusersDims, t: &mut Table) {
     let dim = d.inner();
     let p = d.patch_size;
-    t.push(
-        "pos_embed.proj.weight".into(),
-        vec![dim, d.in_channels, p, p],
-        Group::PatchEmbed,
-        None,
-    );
-    t.push(
-        "pos_embed.proj.bias".into(),
-        vec![dim],
-        Group::PatchEmbed,
-        None,
-    );
-    let bias = d.attention_bias;
+    t.patch_embed("pos_embed", d.in_channels, dim, p);
     for i in 0..d.num_layers as u32 {
         let b = format!("transformer_blocks.{i}");
-        let blk = Some(i);
-        let g = Group::Blocks;
-        // AdaLayerNormZero(dim, num_embeds): CombinedTimestepLabelEmbeddings (timestep MLP on the
-        // 256-d sinusoid; LabelEmbedding with a null row, class_dropout_prob=0.1) + Linear(dim, 6dim).
-        t.linear(
-            &format!("{b}.norm1.emb.timestep_embedder.linear_1"),
+        let (g, blk) = (Group::Blocks, Some(i));
+        // AdaLayerNormZero(dim, num_embeds): its own CombinedTimestepLabelEmbeddings in every block.
+        t.ada_layer_norm_zero(
+            &format!("{b}.norm1"),
             dim,
-            256,
-            true,
+            Some(d.num_embeds_ada_norm),
             g,
             blk,
         );
-        t.linear(
-            &format!("{b}.norm1.emb.timestep_embedder.linear_2"),
-            dim,
-            dim,
-            true,
-            g,
-            blk,
-        );
-        t.push(
-            format!("{b}.norm1.emb.class_embedder.embedding_table.weight"),
-            vec![d.num_embeds_ada_norm + 1, dim],
-            g,
-            blk,
-        );
-        t.linear(&format!("{b}.norm1.linear"), 6 * dim, dim, true, g, blk);
-        for proj in ["to_q", "to_k", "to_v"] {
-            t.linear(&format!("{b}.attn1.{proj}"), dim, dim, bias, g, blk);
-        }
-        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
+        let attn = Attn::self_attn(dim, d.attention_bias);
+        t.attention(&format!("{b}.attn1"), attn, g, blk);
         t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
     }
-    t.linear("proj_out_1", 2 * dim, dim, true, Group::FinalLayer, None);
-    t.linear(
-        "proj_out_2",
-        p * p * d.out_channels,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.top_linear("proj_out_1", 2 * dim, dim, Group::FinalLayer);
+    t.top_linear("proj_out_2", p * p * d.out_channels, dim, Group::FinalLayer);
     let side = d.sample_size / p;
-    t.buffer(
-        "pos_embed.pos_embed",
-        vec![1, side * side, dim],
-        TensorKind::BufferNonPersistent,
-        Group::PosEmbed,
-    );
+    t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
 }
 
 /// The original DiT, from `params.rs` (the engine's twin): its `pos_embed` is an `nn.Parameter`

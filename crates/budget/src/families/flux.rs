@@ -86,74 +86,21 @@ pub(crate) fn table(d: &FluxDims, t: &mut Table) {
     let dim = d.inner();
     let hd = d.attention_head_dim;
     // CombinedTimestep(Guidance)TextProjEmbeddings.
-    t.timestep_embedding(
-        "time_text_embed.timestep_embedder",
-        256,
-        dim,
-        Group::TimeEmbed,
-    );
-    if d.guidance_embeds {
-        t.timestep_embedding(
-            "time_text_embed.guidance_embedder",
-            256,
-            dim,
-            Group::TimeEmbed,
-        );
-    }
-    t.linear(
-        "time_text_embed.text_embedder.linear_1",
-        dim,
-        d.pooled_projection_dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
-    t.linear(
-        "time_text_embed.text_embedder.linear_2",
-        dim,
-        dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
-    t.linear(
+    let pooled = d.pooled_projection_dim;
+    t.combined_timestep_text_proj_embeddings("time_text_embed", dim, pooled, d.guidance_embeds);
+    t.top_linear(
         "context_embedder",
         dim,
         d.joint_attention_dim,
-        true,
         Group::TextEmbed,
-        None,
     );
-    t.linear(
-        "x_embedder",
-        dim,
-        d.in_channels,
-        true,
-        Group::PatchEmbed,
-        None,
-    );
+    t.top_linear("x_embedder", dim, d.in_channels, Group::PatchEmbed);
     for i in 0..d.num_layers as u32 {
         let b = format!("transformer_blocks.{i}");
         let (g, blk) = (Group::Blocks, Some(i));
-        t.linear(&format!("{b}.norm1.linear"), 6 * dim, dim, true, g, blk);
-        t.linear(
-            &format!("{b}.norm1_context.linear"),
-            6 * dim,
-            dim,
-            true,
-            g,
-            blk,
-        );
-        t.norm(&format!("{b}.attn.norm_q"), hd, false, g, blk);
-        t.norm(&format!("{b}.attn.norm_k"), hd, false, g, blk);
-        for proj in ["to_q", "to_k", "to_v", "to_out.0"] {
-            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
-        }
-        t.norm(&format!("{b}.attn.norm_added_q"), hd, false, g, blk);
-        t.norm(&format!("{b}.attn.norm_added_k"), hd, false, g, blk);
-        for proj in ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"] {
-            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
-        }
+        t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
+        t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
+        t.flux_attention(&format!("{b}.attn"), dim, hd, true, g, blk);
         t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
         t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
     }
@@ -162,30 +109,12 @@ pub(crate) fn table(d: &FluxDims, t: &mut Table) {
         let (g, blk) = (Group::SingleBlocks, Some(i));
         // mlp_ratio 4.0 is fixed in FluxSingleTransformerBlock.
         let mlp = 4 * dim;
-        t.linear(&format!("{b}.norm.linear"), 3 * dim, dim, true, g, blk);
+        t.ada_layer_norm_zero_single(&format!("{b}.norm"), dim, g, blk);
         t.linear(&format!("{b}.proj_mlp"), mlp, dim, true, g, blk);
         t.linear(&format!("{b}.proj_out"), dim, dim + mlp, true, g, blk);
-        t.norm(&format!("{b}.attn.norm_q"), hd, false, g, blk);
-        t.norm(&format!("{b}.attn.norm_k"), hd, false, g, blk);
-        for proj in ["to_q", "to_k", "to_v"] {
-            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
-        }
+        t.flux_attention(&format!("{b}.attn"), dim, hd, false, g, blk);
     }
-    t.linear(
-        "norm_out.linear",
-        2 * dim,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
     let p = d.patch_size;
-    t.linear(
-        "proj_out",
-        p * p * d.out_channels,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
 }

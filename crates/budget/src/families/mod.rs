@@ -20,6 +20,7 @@ use crate::spec::ModelSpec;
 mod config;
 mod dit;
 mod flux;
+mod modules;
 mod pixart;
 mod presets;
 mod sana;
@@ -433,29 +434,25 @@ impl Table {
         }
     }
 
-    /// diffusers `TimestepEmbedding(in, dim)`: `linear_1` (in → dim), `linear_2` (dim → dim).
-    pub(crate) fn timestep_embedding(&mut self, prefix: &str, inp: u64, dim: u64, group: Group) {
-        self.linear(&format!("{prefix}.linear_1"), dim, inp, true, group, None);
-        self.linear(&format!("{prefix}.linear_2"), dim, dim, true, group, None);
+    /// `nn.Linear(inp, out)` with a bias, outside the blocks.
+    pub(crate) fn top_linear(&mut self, prefix: &str, out: u64, inp: u64, group: Group) {
+        self.linear(prefix, out, inp, true, group, None);
     }
 
-    /// diffusers `FeedForward(dim, inner)` with a GELU: `net.0.proj` (dim → inner), `net.2`.
-    pub(crate) fn feed_forward(
+    /// `nn.Conv2d` / `nn.Conv3d(inp, out, kernel, groups)` at `prefix`: `prefix.weight` of `shape`
+    /// (out, inp / groups, *kernel), `prefix.bias` (out).
+    pub(crate) fn conv(
         &mut self,
         prefix: &str,
-        dim: u64,
-        inner: u64,
+        shape: Vec<u64>,
+        bias: bool,
         group: Group,
         block: Option<u32>,
     ) {
-        self.linear(
-            &format!("{prefix}.net.0.proj"),
-            inner,
-            dim,
-            true,
-            group,
-            block,
-        );
-        self.linear(&format!("{prefix}.net.2"), dim, inner, true, group, block);
+        let out = shape[0];
+        self.push(format!("{prefix}.weight"), shape, group, block);
+        if bias {
+            self.push(format!("{prefix}.bias"), vec![out], group, block);
+        }
     }
 }

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
+use super::modules::Attn;
 use super::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
@@ -124,103 +125,27 @@ pub(crate) fn table(d: &PixartDims, t: &mut Table) {
         Group::FinalLayer,
         None,
     );
-    t.push(
-        "pos_embed.proj.weight".into(),
-        vec![dim, d.in_channels, p, p],
-        Group::PatchEmbed,
-        None,
-    );
-    t.push(
-        "pos_embed.proj.bias".into(),
-        vec![dim],
-        Group::PatchEmbed,
-        None,
-    );
-    let bias = d.attention_bias;
+    t.patch_embed("pos_embed", d.in_channels, dim, p);
     for i in 0..d.num_layers as u32 {
         let b = format!("transformer_blocks.{i}");
         let (g, blk) = (Group::Blocks, Some(i));
         t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        for proj in ["to_q", "to_k", "to_v"] {
-            t.linear(&format!("{b}.attn1.{proj}"), dim, dim, bias, g, blk);
-        }
-        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
-        t.linear(&format!("{b}.attn2.to_q"), dim, dim, bias, g, blk);
-        for proj in ["to_k", "to_v"] {
-            t.linear(
-                &format!("{b}.attn2.{proj}"),
-                dim,
-                d.cross_attention_dim,
-                bias,
-                g,
-                blk,
-            );
-        }
-        t.linear(&format!("{b}.attn2.to_out.0"), dim, dim, true, g, blk);
+        let attn1 = Attn::self_attn(dim, d.attention_bias);
+        t.attention(&format!("{b}.attn1"), attn1, g, blk);
+        let attn2 = Attn {
+            kv_dim: d.cross_attention_dim,
+            ..attn1
+        };
+        t.attention(&format!("{b}.attn2"), attn2, g, blk);
         t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
     }
-    t.linear(
-        "proj_out",
-        p * p * d.out_channels,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
     // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
-    t.timestep_embedding(
-        "adaln_single.emb.timestep_embedder",
-        256,
-        dim,
-        Group::TimeEmbed,
-    );
-    if d.use_additional_conditions {
-        let size = dim / 3;
-        t.timestep_embedding(
-            "adaln_single.emb.resolution_embedder",
-            256,
-            size,
-            Group::TimeEmbed,
-        );
-        t.timestep_embedding(
-            "adaln_single.emb.aspect_ratio_embedder",
-            256,
-            size,
-            Group::TimeEmbed,
-        );
-    }
-    t.linear(
-        "adaln_single.linear",
-        6 * dim,
-        dim,
-        true,
-        Group::TimeEmbed,
-        None,
-    );
+    t.ada_layer_norm_single("adaln_single", dim, d.use_additional_conditions);
     if let Some(c) = d.caption_channels {
         // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
-        t.linear(
-            "caption_projection.linear_1",
-            dim,
-            c,
-            true,
-            Group::TextEmbed,
-            None,
-        );
-        t.linear(
-            "caption_projection.linear_2",
-            dim,
-            dim,
-            true,
-            Group::TextEmbed,
-            None,
-        );
+        t.pixart_alpha_text_projection("caption_projection", c, dim);
     }
     let side = d.sample_size / p;
-    t.buffer(
-        "pos_embed.pos_embed",
-        vec![1, side * side, dim],
-        TensorKind::BufferNonPersistent,
-        Group::PosEmbed,
-    );
+    t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
 }

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::dit::{check_inner, check_patch};
+use super::modules::Attn;
 use super::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
@@ -139,135 +140,40 @@ pub(crate) fn table(d: &SanaDims, t: &mut Table) {
     let dim = d.inner();
     let p = d.patch_size;
     let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
-    let h = d.mlp_hidden();
     t.push(
         "scale_shift_table".into(),
         vec![2, dim],
         Group::FinalLayer,
         None,
     );
-    t.push(
-        "patch_embed.proj.weight".into(),
-        vec![dim, d.in_channels, p, p],
-        Group::PatchEmbed,
-        None,
-    );
-    t.push(
-        "patch_embed.proj.bias".into(),
-        vec![dim],
-        Group::PatchEmbed,
-        None,
-    );
+    t.patch_embed("patch_embed", d.in_channels, dim, p);
     // AdaLayerNormSingle(dim) without the size embedders.
-    t.timestep_embedding(
-        "time_embed.emb.timestep_embedder",
-        256,
-        dim,
-        Group::TimeEmbed,
-    );
-    t.linear(
-        "time_embed.linear",
-        6 * dim,
-        dim,
-        true,
-        Group::TimeEmbed,
-        None,
-    );
-    t.linear(
-        "caption_projection.linear_1",
-        dim,
-        d.caption_channels,
-        true,
-        Group::TextEmbed,
-        None,
-    );
-    t.linear(
-        "caption_projection.linear_2",
-        dim,
-        dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
+    t.ada_layer_norm_single("time_embed", dim, false);
+    t.pixart_alpha_text_projection("caption_projection", d.caption_channels, dim);
     t.norm("caption_norm", dim, false, Group::TextEmbed, None);
     for i in 0..d.num_layers as u32 {
         let b = format!("transformer_blocks.{i}");
         let (g, blk) = (Group::Blocks, Some(i));
         t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        if d.qk_norm {
-            // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
-            t.norm(&format!("{b}.attn1.norm_q"), dim, false, g, blk);
-            t.norm(&format!("{b}.attn1.norm_k"), dim, false, g, blk);
-        }
-        for proj in ["to_q", "to_k", "to_v"] {
-            t.linear(
-                &format!("{b}.attn1.{proj}"),
-                dim,
-                dim,
-                d.attention_bias,
-                g,
-                blk,
-            );
-        }
-        t.linear(&format!("{b}.attn1.to_out.0"), dim, dim, true, g, blk);
-        if d.qk_norm {
-            t.norm(&format!("{b}.attn2.norm_q"), cross, false, g, blk);
-            t.norm(&format!("{b}.attn2.norm_k"), cross, false, g, blk);
-        }
-        t.linear(&format!("{b}.attn2.to_q"), cross, dim, true, g, blk);
-        t.linear(
-            &format!("{b}.attn2.to_k"),
-            cross,
-            d.cross_attention_dim,
-            true,
-            g,
-            blk,
-        );
-        t.linear(
-            &format!("{b}.attn2.to_v"),
-            cross,
-            d.cross_attention_dim,
-            true,
-            g,
-            blk,
-        );
-        t.linear(&format!("{b}.attn2.to_out.0"), dim, cross, true, g, blk);
-        t.push(
-            format!("{b}.ff.conv_inverted.weight"),
-            vec![2 * h, dim, 1, 1],
-            g,
-            blk,
-        );
-        t.push(format!("{b}.ff.conv_inverted.bias"), vec![2 * h], g, blk);
-        t.push(
-            format!("{b}.ff.conv_depth.weight"),
-            vec![2 * h, 1, 3, 3],
-            g,
-            blk,
-        );
-        t.push(format!("{b}.ff.conv_depth.bias"), vec![2 * h], g, blk);
-        t.push(
-            format!("{b}.ff.conv_point.weight"),
-            vec![dim, h, 1, 1],
-            g,
-            blk,
-        );
+        // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
+        let attn1 = Attn {
+            qk_norm: d.qk_norm.then_some(dim),
+            ..Attn::self_attn(dim, d.attention_bias)
+        };
+        t.attention(&format!("{b}.attn1"), attn1, g, blk);
+        let attn2 = Attn {
+            query_dim: dim,
+            kv_dim: d.cross_attention_dim,
+            inner: cross,
+            bias: true,
+            qk_norm: d.qk_norm.then_some(cross),
+        };
+        t.attention(&format!("{b}.attn2"), attn2, g, blk);
+        t.glumb_conv(&format!("{b}.ff"), dim, d.mlp_hidden(), g, blk);
     }
-    t.linear(
-        "proj_out",
-        p * p * d.out_channels,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
     if d.pos_embed {
         let side = d.sample_size / p;
-        t.buffer(
-            "patch_embed.pos_embed",
-            vec![1, side * side, dim],
-            TensorKind::BufferNonPersistent,
-            Group::PosEmbed,
-        );
+        t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
     }
 }

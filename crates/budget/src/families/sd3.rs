@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::dit::{check_inner, check_patch};
+use super::modules::Attn;
 use super::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
@@ -120,96 +121,59 @@ pub(crate) fn table(d: &Sd3Dims, t: &mut Table) {
     let dim = d.inner();
     let p = d.patch_size;
     let hd = d.attention_head_dim;
-    t.push(
-        "pos_embed.proj.weight".into(),
-        vec![dim, d.in_channels, p, p],
-        Group::PatchEmbed,
-        None,
-    );
-    t.push(
-        "pos_embed.proj.bias".into(),
-        vec![dim],
-        Group::PatchEmbed,
-        None,
-    );
+    t.patch_embed("pos_embed", d.in_channels, dim, p);
     // CombinedTimestepTextProjEmbeddings: TimestepEmbedding(256, dim) + PixArtAlphaTextProjection.
-    t.timestep_embedding(
-        "time_text_embed.timestep_embedder",
-        256,
-        dim,
-        Group::TimeEmbed,
-    );
-    t.linear(
-        "time_text_embed.text_embedder.linear_1",
+    t.combined_timestep_text_proj_embeddings(
+        "time_text_embed",
         dim,
         d.pooled_projection_dim,
-        true,
-        Group::TextEmbed,
-        None,
+        false,
     );
-    t.linear(
-        "time_text_embed.text_embedder.linear_2",
-        dim,
-        dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
-    t.linear(
-        "context_embedder",
-        d.caption_projection_dim,
-        d.joint_attention_dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
+    let (c, joint) = (d.caption_projection_dim, d.joint_attention_dim);
+    t.top_linear("context_embedder", c, joint, Group::TextEmbed);
     for i in 0..d.num_layers {
         let b = format!("transformer_blocks.{i}");
         let (g, blk) = (Group::Blocks, Some(i as u32));
         let last = i + 1 == d.num_layers;
         let dual = d.dual_attention_layers.binary_search(&i).is_ok();
         // AdaLayerNormZero: Linear(dim, 6dim); SD35AdaLayerNormZeroX: Linear(dim, 9dim).
-        t.linear(
-            &format!("{b}.norm1.linear"),
-            if dual { 9 } else { 6 } * dim,
-            dim,
-            true,
-            g,
-            blk,
-        );
+        if dual {
+            t.sd35_ada_layer_norm_zero_x(&format!("{b}.norm1"), dim, g, blk);
+        } else {
+            t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
+        }
         // context_pre_only: AdaLayerNormContinuous(dim, dim) = Linear(dim, 2dim).
-        t.linear(
-            &format!("{b}.norm1_context.linear"),
-            if last { 2 } else { 6 } * dim,
-            dim,
-            true,
-            g,
-            blk,
-        );
-        for proj in ["to_q", "to_k", "to_v"] {
-            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        if last {
+            t.ada_layer_norm_continuous(&format!("{b}.norm1_context"), dim, g, blk);
+        } else {
+            t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
         }
-        for proj in ["add_k_proj", "add_v_proj", "add_q_proj"] {
-            t.linear(&format!("{b}.attn.{proj}"), dim, dim, true, g, blk);
+        // Attention(added_kv_proj_dim=dim, context_pre_only=last). The table lists the q/k
+        // RMSNorms after the projections (diffusers registers norm_q and norm_k first).
+        let attn = format!("{b}.attn");
+        for proj in [
+            "to_q",
+            "to_k",
+            "to_v",
+            "add_k_proj",
+            "add_v_proj",
+            "add_q_proj",
+        ] {
+            t.linear(&format!("{attn}.{proj}"), dim, dim, true, g, blk);
         }
-        t.linear(&format!("{b}.attn.to_out.0"), dim, dim, true, g, blk);
+        t.linear(&format!("{attn}.to_out.0"), dim, dim, true, g, blk);
         if !last {
-            t.linear(&format!("{b}.attn.to_add_out"), dim, dim, true, g, blk);
+            t.linear(&format!("{attn}.to_add_out"), dim, dim, true, g, blk);
         }
         if d.qk_norm {
-            for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
-                t.norm(&format!("{b}.attn.{n}"), hd, false, g, blk);
-            }
+            let norms = ["norm_q", "norm_k", "norm_added_q", "norm_added_k"];
+            t.rms_norms(&attn, &norms, hd, g, blk);
         }
         if dual {
-            for proj in ["to_q", "to_k", "to_v"] {
-                t.linear(&format!("{b}.attn2.{proj}"), dim, dim, true, g, blk);
-            }
-            t.linear(&format!("{b}.attn2.to_out.0"), dim, dim, true, g, blk);
+            let attn2 = format!("{b}.attn2");
+            t.attention(&attn2, Attn::self_attn(dim, true), g, blk);
             if d.qk_norm {
-                for n in ["norm_q", "norm_k"] {
-                    t.norm(&format!("{b}.attn2.{n}"), hd, false, g, blk);
-                }
+                t.rms_norms(&attn2, &["norm_q", "norm_k"], hd, g, blk);
             }
         }
         t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
@@ -217,30 +181,11 @@ pub(crate) fn table(d: &Sd3Dims, t: &mut Table) {
             t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
         }
     }
-    t.linear(
-        "norm_out.linear",
-        2 * dim,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
-    t.linear(
-        "proj_out",
-        p * p * d.out_channels,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
+    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
     let (side, kind) = match d.pos_embed_max_size {
         Some(m) => (m, TensorKind::Buffer),
         None => (d.sample_size / p, TensorKind::BufferNonPersistent),
     };
-    t.buffer(
-        "pos_embed.pos_embed",
-        vec![1, side * side, dim],
-        kind,
-        Group::PosEmbed,
-    );
+    t.patch_embed_pos_embed("pos_embed", side, dim, kind);
 }

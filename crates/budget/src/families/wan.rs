@@ -127,74 +127,29 @@ pub(crate) fn table(d: &WanDims, t: &mut Table) {
         Group::FinalLayer,
         None,
     );
-    t.push(
-        "patch_embedding.weight".into(),
-        vec![dim, d.in_channels, pt, ph, pw],
-        Group::PatchEmbed,
-        None,
-    );
-    t.push(
-        "patch_embedding.bias".into(),
-        vec![dim],
-        Group::PatchEmbed,
-        None,
-    );
+    let patch = vec![dim, d.in_channels, pt, ph, pw];
+    t.conv("patch_embedding", patch, true, Group::PatchEmbed, None);
     // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
     // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
-    t.timestep_embedding(
-        "condition_embedder.time_embedder",
-        d.freq_dim,
-        dim,
-        Group::TimeEmbed,
-    );
-    t.linear(
-        "condition_embedder.time_proj",
-        6 * dim,
-        dim,
-        true,
-        Group::TimeEmbed,
-        None,
-    );
-    t.linear(
-        "condition_embedder.text_embedder.linear_1",
-        dim,
-        d.text_dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
-    t.linear(
-        "condition_embedder.text_embedder.linear_2",
-        dim,
-        dim,
-        true,
-        Group::TextEmbed,
-        None,
-    );
+    let ce = "condition_embedder";
+    let g = Group::TimeEmbed;
+    t.timestep_embedding(&format!("{ce}.time_embedder"), d.freq_dim, dim, g, None);
+    t.top_linear(&format!("{ce}.time_proj"), 6 * dim, dim, g);
+    t.pixart_alpha_text_projection(&format!("{ce}.text_embedder"), d.text_dim, dim);
     for i in 0..d.num_layers as u32 {
         let b = format!("blocks.{i}");
         let (g, blk) = (Group::Blocks, Some(i));
         t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
         for attn in ["attn1", "attn2"] {
-            for proj in ["to_q", "to_k", "to_v", "to_out.0"] {
-                t.linear(&format!("{b}.{attn}.{proj}"), dim, dim, true, g, blk);
-            }
-            t.norm(&format!("{b}.{attn}.norm_q"), dim, false, g, blk);
-            t.norm(&format!("{b}.{attn}.norm_k"), dim, false, g, blk);
+            t.wan_attention(&format!("{b}.{attn}"), dim, g, blk);
         }
         if d.cross_attn_norm {
             t.norm(&format!("{b}.norm2"), dim, true, g, blk);
         }
         t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
     }
-    t.linear(
-        "proj_out",
-        d.out_channels * pt * ph * pw,
-        dim,
-        true,
-        Group::FinalLayer,
-        None,
-    );
+    let out = d.out_channels * pt * ph * pw;
+    t.top_linear("proj_out", out, dim, Group::FinalLayer);
     for name in ["rope.freqs_cos", "rope.freqs_sin"] {
         t.buffer(
             name,
