@@ -7,11 +7,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{dit, flux, pixart, sana, sd3, wan, FamilyModel};
 use crate::error::SpecError;
-
-/// Largest config.json read: 1 MiB (the published ones are under 2 KB).
-pub const MAX_CONFIG_JSON_BYTES: usize = 1 << 20;
 
 /// Largest count of blocks in one stack (the published models have at most 60).
 pub const MAX_LAYERS: u64 = 512;
@@ -28,88 +24,8 @@ pub const MAX_FFN: u64 = 1 << 20;
 /// Largest row count of a table (label classes, RoPE positions).
 pub const MAX_ROWS: u64 = 1 << 20;
 
-/// The classes `_class_name` may name.
-pub const CLASSES: &str =
-    "DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel, \
-FluxTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel, Transformer2DModel \
-(norm_type ada_norm_zero or ada_norm_single)";
-
-/// Read a diffusers transformer `config.json`.
-pub fn from_config_json(text: &str) -> Result<FamilyModel, SpecError> {
-    if text.len() > MAX_CONFIG_JSON_BYTES {
-        return Err(SpecError::invalid(
-            "config.json",
-            format!(
-                "is {} bytes; allowed: at most {MAX_CONFIG_JSON_BYTES}",
-                text.len()
-            ),
-        ));
-    }
-    let value: Value = serde_json::from_str(text).map_err(|e| SpecError::Parse {
-        format: "JSON",
-        message: e.to_string(),
-        location: String::new(),
-    })?;
-    let Value::Object(map) = value else {
-        return Err(SpecError::invalid(
-            "config.json",
-            "is not a JSON object; allowed: a diffusers config.json ({\"_class_name\": …})",
-        ));
-    };
-    let mut cfg = Cfg::new(map);
-    let class = match cfg.map.get("_class_name") {
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => {
-            return Err(SpecError::invalid(
-                "_class_name",
-                format!("is not a string; allowed: {CLASSES}"),
-            ))
-        }
-        None => {
-            return Err(SpecError::invalid(
-                "_class_name",
-                format!("is missing; allowed: {CLASSES}"),
-            ))
-        }
-    };
-    let dims = match class.as_str() {
-        "DiTTransformer2DModel" => dit::from_config(&mut cfg, false)?,
-        "PixArtTransformer2DModel" => pixart::from_config(&mut cfg, false)?,
-        // diffusers' _CLASS_REMAPPING_DICT (models/model_loading_utils.py): a legacy
-        // Transformer2DModel config loads as DiT or PixArt by its norm_type.
-        "Transformer2DModel" => match cfg.map.get("norm_type") {
-            Some(Value::String(s)) if s == "ada_norm_zero" => dit::from_config(&mut cfg, true)?,
-            Some(Value::String(s)) if s == "ada_norm_single" => {
-                pixart::from_config(&mut cfg, true)?
-            }
-            other => {
-                return Err(SpecError::invalid(
-                    "norm_type",
-                    format!(
-                        "{} with _class_name Transformer2DModel is not modelled (diffusers remaps only \
-                         these two); allowed: \"ada_norm_zero\" (DiT), \"ada_norm_single\" (PixArt)",
-                        shown(other)
-                    ),
-                ))
-            }
-        },
-        "SD3Transformer2DModel" => sd3::from_config(&mut cfg)?,
-        "FluxTransformer2DModel" => flux::from_config(&mut cfg)?,
-        "SanaTransformer2DModel" => sana::from_config(&mut cfg)?,
-        "WanTransformer3DModel" => wan::from_config(&mut cfg)?,
-        other => {
-            return Err(SpecError::invalid(
-                "_class_name",
-                format!("'{}' is not modelled; allowed: {CLASSES}", cut(other)),
-            ))
-        }
-    };
-    cfg.finish(&class)?;
-    Ok(FamilyModel::new("config.json", dims))
-}
-
 /// A value for a message: short, with strings quoted.
-fn shown(v: Option<&Value>) -> String {
+pub(crate) fn shown(v: Option<&Value>) -> String {
     match v {
         None => "missing".into(),
         Some(v) => cut(&v.to_string()),
@@ -127,12 +43,12 @@ pub(crate) fn cut(s: &str) -> String {
 
 /// The keys of one config, consumed as the family reads them.
 pub(crate) struct Cfg {
-    map: Map<String, Value>,
+    pub(crate) map: Map<String, Value>,
     used: Vec<String>,
 }
 
 impl Cfg {
-    fn new(map: Map<String, Value>) -> Cfg {
+    pub(crate) fn new(map: Map<String, Value>) -> Cfg {
         Cfg {
             map,
             used: Vec::new(),
@@ -336,7 +252,7 @@ impl Cfg {
     }
 
     /// After the family has read its keys: every key left is unknown.
-    fn finish(&self, class: &str) -> Result<(), SpecError> {
+    pub(crate) fn finish(&self, class: &str) -> Result<(), SpecError> {
         for key in self.map.keys() {
             // `_diffusers_version`, `_name_or_path`, `_commit_hash`, `_use_default_values`, …:
             // bookkeeping of diffusers' ConfigMixin, never a shape.

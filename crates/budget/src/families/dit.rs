@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::modules::Attn;
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 use crate::params::{param_table, Module};
 use crate::spec::{ModelSpec, Spec};
@@ -87,7 +87,7 @@ pub(crate) fn legacy_keys(cfg: &mut Cfg, cross_attention: bool) -> Result<(), Sp
 }
 
 /// Read a `DiTTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
-pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<DitDiffusersDims, SpecError> {
     cfg.choice(
         "norm_type",
         Some("ada_norm_zero"),
@@ -129,7 +129,7 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, Sp
     };
     check_inner(d.inner())?;
     check_patch(sample_size, patch_size)?;
-    Ok(super::Dims::DitDiffusers(d))
+    Ok(d)
 }
 
 /// Keys shared by the BasicTransformerBlock families (DiT, PixArt).

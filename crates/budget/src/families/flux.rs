@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
 use super::dit::check_inner;
-use super::{Group, Table};
+use super::table::{Group, Table};
 use crate::error::SpecError;
 
 /// `FluxTransformer2DModel`'s config (defaults: the class's `__init__`).
@@ -39,7 +39,7 @@ impl FluxDims {
     }
 }
 
-pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<FluxDims, SpecError> {
     let patch_size = cfg.int("patch_size", 1, 1, MAX_PATCH)?;
     let in_channels = cfg.int("in_channels", 64, 1, MAX_DIM)?;
     let out_channels = cfg
@@ -79,7 +79,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
             ),
         ));
     }
-    Ok(super::Dims::Flux(d))
+    Ok(d)
 }
 
 pub(crate) fn table(d: &FluxDims, t: &mut Table) {

@@ -1,7 +1,7 @@
 //! The diffusers building blocks the families share, one [`Table`] method per module class, each
 //! pushing that module's tensors under a prefix in the order its `__init__` registers them.
 
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 
 /// The projections of a diffusers attention module: what they read and write.
 #[derive(Debug, Clone, Copy)]

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
 use super::modules::Attn;
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
 /// `PixArtTransformer2DModel`'s config (defaults: the class's `__init__`).
@@ -38,7 +38,7 @@ impl PixartDims {
 }
 
 /// Read a `PixArtTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
-pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, SpecError> {
     cfg.choice(
         "norm_type",
         Some("ada_norm_single"),
@@ -112,7 +112,7 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<super::Dims, Sp
             "needs a hidden size of at least 3 (the size embedders are hidden / 3 wide)",
         ));
     }
-    Ok(super::Dims::Pixart(d))
+    Ok(d)
 }
 
 /// diffusers `PixArtTransformer2DModel.__init__`, in registration order.

@@ -5,7 +5,8 @@
 //! configs, and the test `families_params.rs` holds both against each other and against the
 //! diffusers class's own count.
 
-use super::{from_config_json, FamilyModel};
+use super::model::FamilyModel;
+use super::read::from_config_json;
 use crate::error::SpecError;
 use crate::spec::ModelSpec;
 

@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::dit::{check_inner, check_patch};
 use super::modules::Attn;
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
 /// `SanaTransformer2DModel`'s config (defaults: the class's `__init__`).
@@ -47,7 +47,7 @@ impl SanaDims {
     }
 }
 
-pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
     let in_channels = cfg.int("in_channels", 32, 1, MAX_DIM)?;
     let out_channels = cfg
         .opt_int("out_channels", Some(32), 1, MAX_DIM)?
@@ -133,7 +133,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
             ),
         ));
     }
-    Ok(super::Dims::Sana(d))
+    Ok(d)
 }
 
 pub(crate) fn table(d: &SanaDims, t: &mut Table) {

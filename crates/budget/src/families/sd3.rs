@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::dit::{check_inner, check_patch};
 use super::modules::Attn;
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
 /// `SD3Transformer2DModel`'s config (defaults: the class's `__init__`).
@@ -44,7 +44,7 @@ impl Sd3Dims {
     }
 }
 
-pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
     let sample_size = cfg.int("sample_size", 128, 1, MAX_SIDE)?;
     let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
     let in_channels = cfg.int("in_channels", 16, 1, MAX_DIM)?;
@@ -112,7 +112,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
             ),
         ));
     }
-    Ok(super::Dims::Sd3(d))
+    Ok(d)
 }
 
 /// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,

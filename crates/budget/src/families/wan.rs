@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
 use super::dit::check_inner;
-use super::{Group, Table, TensorKind};
+use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
 /// `WanTransformer3DModel`'s config (defaults: the class's `__init__`).
@@ -38,7 +38,7 @@ impl WanDims {
     }
 }
 
-pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
+pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
     let patch = cfg.int_list("patch_size", &[1, 2, 2], 3, 1, MAX_PATCH)?;
     let [pt, ph, pw] = patch[..] else {
         return Err(SpecError::invalid(
@@ -115,7 +115,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<super::Dims, SpecError> {
             format!("{head_dim} is odd; allowed: an even size (3-D RoPE rotates channel pairs)"),
         ));
     }
-    Ok(super::Dims::Wan(d))
+    Ok(d)
 }
 
 pub(crate) fn table(d: &WanDims, t: &mut Table) {
