@@ -941,6 +941,10 @@ pub struct OneStep {
     pub nonfinite_share: f64,
     /// Loss scale the gradients were computed at (1 unless fp16-mixed).
     pub loss_scale: f64,
+    /// |‖g‖ − ‖g_ref‖| / ‖g_ref‖ with ‖g‖ the norm the trainer reports (the one a clipping rule
+    /// would use), unscaled by the trainer itself: at most ‖g − g_ref‖ / ‖g_ref‖, itself at most
+    /// the largest per-tensor error, so it is held to the gradient tolerance.
+    pub grad_norm_rel_err: f64,
     pub per_tensor: Vec<TensorError>,
 }
 
@@ -958,6 +962,7 @@ fn summarize(
     (dot, na, nb): (f64, f64, f64),
     nonfinite_share: f64,
     loss_scale: f64,
+    grad_norm: f64,
 ) -> OneStep {
     let mut sorted: Vec<f64> = per_tensor.iter().map(|t| t.rel_err).collect();
     sorted.sort_by(f64::total_cmp);
@@ -986,6 +991,7 @@ fn summarize(
         cosine,
         nonfinite_share,
         loss_scale,
+        grad_norm_rel_err: scalar_rel(grad_norm, nb.sqrt()),
         per_tensor,
     }
 }
@@ -1053,6 +1059,7 @@ fn one_step(
         t.set_loss_scale(scale / 2.0)?;
     };
     let scale = t.loss_scale().unwrap_or(1.0);
+    let grad_norm = t.gradient_norm()?;
     h.write_u64(loss.to_bits());
     let mut per_tensor = Vec::with_capacity(names.len());
     let (mut dot, mut na, mut nb) = (0.0, 0.0, 0.0);
@@ -1094,6 +1101,7 @@ fn one_step(
         (dot, na, nb),
         first_share.unwrap_or(0.0),
         scale,
+        grad_norm,
     ))
 }
 
@@ -1327,6 +1335,8 @@ pub struct VariantReport {
     pub loss_rel_err: Option<f64>,
     pub grad_rel_err_max: Option<f64>,
     pub grad_rel_err_median: Option<f64>,
+    /// Error of the gradient norm the trainer reports (see [`OneStep::grad_norm_rel_err`]).
+    pub grad_norm_rel_err: Option<f64>,
     pub worst_tensor: Option<String>,
     pub cosine: Option<f64>,
     pub nonfinite_share: Option<f64>,
@@ -1602,6 +1612,7 @@ pub fn verify(
             loss_rel_err: None,
             grad_rel_err_max: None,
             grad_rel_err_median: None,
+            grad_norm_rel_err: None,
             worst_tensor: None,
             cosine: None,
             nonfinite_share: None,
@@ -1673,6 +1684,7 @@ pub fn judge_one_step(one: &OneStep, tol: &Tolerance) -> Verdict {
         Verdict::Pass
     };
     Verdict::of(one.grad_rel_err_max, tol.grad)
+        .max(Verdict::of(one.grad_norm_rel_err, tol.grad))
         .max(Verdict::of(one.loss_rel_err, tol.loss))
         .max(nonfinite)
 }
@@ -1683,6 +1695,7 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
     rep.loss_rel_err = Some(one.loss_rel_err);
     rep.grad_rel_err_max = Some(one.grad_rel_err_max);
     rep.grad_rel_err_median = Some(one.grad_rel_err_median);
+    rep.grad_norm_rel_err = Some(one.grad_norm_rel_err);
     rep.worst_tensor = Some(one.worst_tensor.clone());
     rep.cosine = Some(one.cosine);
     rep.nonfinite_share = Some(one.nonfinite_share);
@@ -1696,6 +1709,14 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
         format!(
             "gradient error {:.2e} ({}) vs tolerance {:.2e}",
             one.grad_rel_err_max, one.worst_tensor, tol.grad
+        ),
+    );
+    raise(
+        rep,
+        Verdict::of(one.grad_norm_rel_err, tol.grad),
+        format!(
+            "reported gradient norm error {:.2e} vs tolerance {:.2e}",
+            one.grad_norm_rel_err, tol.grad
         ),
     );
     raise(
