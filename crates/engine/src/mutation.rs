@@ -14,15 +14,74 @@ pub enum Mutation {
     Fp16NoLossScaling,
     /// Microbatch gradients accumulated in bf16.
     AccumulateBf16,
+    /// LayerNorm statistics of bf16 activations (sum, variance, mean, rstd) computed in bf16.
+    LayerNormStatsBf16,
+    /// The attention softmax without the max subtraction (e^x overflows f32 above x ≈ 88.7).
+    SoftmaxNoMax,
+    /// The attention scale d_h^−½ applied twice (scores scaled by 1/d_h).
+    AttentionScaleTwice,
+    /// The gradient norm (what clipping would use) taken before unscaling the fp16 loss scale.
+    GradNormBeforeUnscale,
+    /// AdamW's moments m and v rounded to bf16 after every update (in place).
+    AdamMomentsBf16,
+    /// A recomputed block replays other dropout masks than its forward drew.
+    RecomputeDropoutMask,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 4] = [
+    pub const ALL: [Mutation; 10] = [
         Mutation::EmaBf16,
         Mutation::TimestepEmbeddingBf16,
         Mutation::Fp16NoLossScaling,
         Mutation::AccumulateBf16,
+        Mutation::LayerNormStatsBf16,
+        Mutation::SoftmaxNoMax,
+        Mutation::AttentionScaleTwice,
+        Mutation::GradNormBeforeUnscale,
+        Mutation::AdamMomentsBf16,
+        Mutation::RecomputeDropoutMask,
     ];
+}
+
+#[cfg(feature = "mutations")]
+static LOGIT_GAIN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Multiply every attention score by `gain` (reference and variants alike: a correct model whose
+/// attention logits have grown, as they do in training) — not a bug, the condition under which
+/// [`Mutation::SoftmaxNoMax`] shows. 1 restores the model.
+#[cfg(feature = "mutations")]
+pub fn set_logit_gain(gain: f64) {
+    let bits = if gain == 1.0 { 0 } else { gain.to_bits() };
+    LOGIT_GAIN.store(bits, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The attention-score gain set by `set_logit_gain` (always 1 without the feature).
+#[inline(always)]
+pub fn logit_gain() -> f64 {
+    #[cfg(feature = "mutations")]
+    {
+        match LOGIT_GAIN.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => 1.0,
+            b => f64::from_bits(b),
+        }
+    }
+    #[cfg(not(feature = "mutations"))]
+    {
+        1.0
+    }
+}
+
+/// The attention score scale of a head of width `dh`: d_h^−½ (twice under
+/// [`Mutation::AttentionScaleTwice`]), times [`logit_gain`].
+#[inline]
+pub(crate) fn attention_scale(dh: usize) -> f64 {
+    let s = 1.0 / (dh as f64).sqrt();
+    let s = if active(Mutation::AttentionScaleTwice) {
+        s * s
+    } else {
+        s
+    };
+    s * logit_gain()
 }
 
 #[cfg(feature = "mutations")]

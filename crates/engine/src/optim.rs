@@ -129,11 +129,16 @@ impl AdamUpdate<'_> {
         let (b2, a2) = (T::of(self.beta2), T::of(1.0 - self.beta2));
         let (s, lr, decay) = (T::of(self.scale), T::of(self.lr), T::of(self.decay));
         let (bc1, bc2, eps) = (T::of(self.bc1), T::of(self.bc2), T::of(self.eps));
+        let moments_bf16 = crate::mutation::active(crate::mutation::Mutation::AdamMomentsBf16);
         let chunk = |p: &mut [P], g: &[T], m: &mut [T], v: &mut [T]| {
             for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 let g = g * s;
                 *m = *m * b1 + g * a1;
                 *v = *v * b2 + g * g * a2;
+                if moments_bf16 {
+                    *m = m.bf16();
+                    *v = v.bf16();
+                }
                 let upd = (*m / bc1) / ((*v / bc2).sqrt() + eps);
                 *p = put(get(*p) * decay - upd * lr);
             }
@@ -316,6 +321,8 @@ mod num_like {
     {
         fn of(x: f64) -> Self;
         fn sqrt(self) -> Self;
+        /// Rounded to the nearest bf16 (the mutation `AdamMomentsBf16`).
+        fn bf16(self) -> Self;
     }
 
     impl Float for f32 {
@@ -325,6 +332,9 @@ mod num_like {
         fn sqrt(self) -> Self {
             f32::sqrt(self)
         }
+        fn bf16(self) -> Self {
+            half::bf16::from_f32(self).to_f32()
+        }
     }
 
     impl Float for f64 {
@@ -333,6 +343,9 @@ mod num_like {
         }
         fn sqrt(self) -> Self {
             f64::sqrt(self)
+        }
+        fn bf16(self) -> Self {
+            half::bf16::from_f64(self).to_f64()
         }
     }
 }

@@ -509,6 +509,25 @@ impl Trainer {
         }))
     }
 
+    /// L2 norm of the gradient of the trained parameters, unscaled (what `step` reports and
+    /// what a clipping rule would use); non-finite after an overflow. Needs the gradients of the
+    /// last `compute_gradients` (or `step` with `keep_gradients`).
+    pub fn gradient_norm(&self) -> Result<f64> {
+        let mut sq = 0.0f64;
+        for &i in &self.trained {
+            if let Some(g) = &self.grads[i] {
+                sq += crate::ops::sum_squares(g)?;
+            }
+        }
+        Ok(
+            if crate::mutation::active(crate::mutation::Mutation::GradNormBeforeUnscale) {
+                sq.sqrt()
+            } else {
+                sq.sqrt() / self.grad_scale
+            },
+        )
+    }
+
     /// The EMA weights (name, value) when the recipe keeps an EMA.
     pub fn ema_parameters(&self) -> Option<Vec<(String, Tensor)>> {
         self.ema.as_ref().map(|e| {
@@ -796,13 +815,16 @@ impl Trainer {
                     let leaf = Var::from_tensor(&input)?;
                     drop(input);
                     let w = self.block_weights(i, true)?;
-                    let out = block_forward(
-                        leaf.as_tensor(),
-                        c_leaf.as_tensor(),
-                        &w,
-                        &self.cfg,
-                        self.seeds(micro, i),
-                    )?;
+                    let seeds =
+                        if crate::mutation::active(crate::mutation::Mutation::RecomputeDropoutMask)
+                        {
+                            // The planted bug: the replay draws from the next block's seeds.
+                            self.seeds(micro, i + 1)
+                        } else {
+                            self.seeds(micro, i)
+                        };
+                    let out =
+                        block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
                     (leaf, out)
                 }
             };
@@ -869,14 +891,7 @@ impl Trainer {
         let loss = self.forward_backward(batch, &mut rec)?;
         rec.enter(Phase::Optimizer);
         let scale = self.grad_scale;
-        // Gradient norm (unscaled); a non-finite norm means an overflow somewhere.
-        let mut sq = 0.0f64;
-        for &i in &self.trained {
-            if let Some(g) = &self.grads[i] {
-                sq += crate::ops::sum_squares(g)?;
-            }
-        }
-        let grad_norm = sq.sqrt() / scale;
+        let grad_norm = self.gradient_norm()?;
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(grad_norm.is_finite()),
             None => false,

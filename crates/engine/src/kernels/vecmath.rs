@@ -416,6 +416,13 @@ pub fn softmax_rows(x: &mut [f32], n: usize) {
     if n == 0 {
         return;
     }
+    if crate::mutation::active(crate::mutation::Mutation::SoftmaxNoMax) {
+        for row in x.chunks_mut(n) {
+            let inv = 1.0 / exp_sub_sum_of(row, 0.0);
+            row.iter_mut().for_each(|v| *v *= inv);
+        }
+        return;
+    }
     match isa() {
         // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
         // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.

@@ -91,9 +91,22 @@ where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc + Send + Sync,
+    half::bf16: Elem<A>,
 {
     let (s, d) = (g.s, g.d);
     let rows = g.b * s;
+    // The planted bug: when bf16 is involved (bf16 input, or a bf16 output under bf16-mixed)
+    // the statistics are accumulated and kept in bf16.
+    let bf16_name = std::any::type_name::<half::bf16>();
+    let stats_bf16 = crate::mutation::active(crate::mutation::Mutation::LayerNormStatsBf16)
+        && (std::any::type_name::<T>() == bf16_name || std::any::type_name::<O>() == bf16_name);
+    let r16 = |v: A| -> A {
+        if stats_bf16 {
+            <half::bf16 as Elem<A>>::from_acc(v).to_acc()
+        } else {
+            v
+        }
+    };
     let mut y: Vec<O> = vec![O::from_acc(A::ZERO); rows * d];
     let mut st: Vec<A> = vec![A::ZERO; 2 * rows];
     let inv_d = A::from_f64(1.0 / d as f64);
@@ -110,15 +123,23 @@ where
             let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
             let mut sum = A::ZERO;
             for v in xr {
-                sum += v.to_acc();
+                sum = r16(sum + v.to_acc());
             }
-            let mean = sum * inv_d;
+            let mean = r16(sum * inv_d);
             let mut var = A::ZERO;
-            for v in xr {
-                let c = v.to_acc() - mean;
-                var += c * c;
+            if stats_bf16 {
+                // As a bf16 kernel would: one pass, var = E[x²] − mean², in bf16.
+                for v in xr {
+                    var = r16(var + r16(v.to_acc() * v.to_acc()));
+                }
+                var = r16(var - r16(r16(mean * mean) * A::from_f64(d as f64)));
+            } else {
+                for v in xr {
+                    let c = v.to_acc() - mean;
+                    var += c * c;
+                }
             }
-            let rstd = one / (var * inv_d + eps).sqrt();
+            let rstd = r16(one / (var * inv_d + eps).sqrt());
             for j in 0..d {
                 let xh = (xr[j].to_acc() - mean) * rstd;
                 yr[j] = O::from_acc(xh * (one + sc[j].to_acc()) + sh[j].to_acc());

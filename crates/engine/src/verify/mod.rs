@@ -941,6 +941,14 @@ pub struct OneStep {
     pub nonfinite_share: f64,
     /// Loss scale the gradients were computed at (1 unless fp16-mixed).
     pub loss_scale: f64,
+    /// |‖g‖ − ‖g_ref‖| / ‖g_ref‖ with ‖g‖ the norm the trainer reports (the one a clipping rule
+    /// would use), unscaled by the trainer itself: at most ‖g − g_ref‖ / ‖g_ref‖, itself at most
+    /// the largest per-tensor error, so it is held to the gradient tolerance plus
+    /// [`OneStep::grad_norm_rounding`].
+    pub grad_norm_rel_err: f64,
+    /// N · 2^−53 (N: gradient values): the f64 summation error of the two norms themselves,
+    /// summed in different orders (it matters only to fp64 variants, whose tolerance is ~1e-15).
+    pub grad_norm_rounding: f64,
     pub per_tensor: Vec<TensorError>,
 }
 
@@ -958,6 +966,7 @@ fn summarize(
     (dot, na, nb): (f64, f64, f64),
     nonfinite_share: f64,
     loss_scale: f64,
+    (grad_norm, values): (f64, usize),
 ) -> OneStep {
     let mut sorted: Vec<f64> = per_tensor.iter().map(|t| t.rel_err).collect();
     sorted.sort_by(f64::total_cmp);
@@ -986,6 +995,8 @@ fn summarize(
         cosine,
         nonfinite_share,
         loss_scale,
+        grad_norm_rel_err: scalar_rel(grad_norm, nb.sqrt()),
+        grad_norm_rounding: values as f64 * f64::EPSILON / 2.0,
         per_tensor,
     }
 }
@@ -1053,10 +1064,12 @@ fn one_step(
         t.set_loss_scale(scale / 2.0)?;
     };
     let scale = t.loss_scale().unwrap_or(1.0);
+    let grad_norm = t.gradient_norm()?;
     h.write_u64(loss.to_bits());
     let mut per_tensor = Vec::with_capacity(names.len());
     let (mut dot, mut na, mut nb) = (0.0, 0.0, 0.0);
     let mut r = Vec::new();
+    let mut values = 0usize;
     for (name, shape) in &reference.tensors {
         let mut g = match t.gradient(name)? {
             Some(g) => to_f64(&g)?,
@@ -1077,6 +1090,7 @@ fn one_step(
             ));
         }
         hash_values(h, &g);
+        values += g.len();
         per_tensor.push(TensorError {
             name: name.clone(),
             rel_err: rel_err(&g, &r),
@@ -1094,6 +1108,7 @@ fn one_step(
         (dot, na, nb),
         first_share.unwrap_or(0.0),
         scale,
+        (grad_norm, values),
     ))
 }
 
@@ -1327,6 +1342,8 @@ pub struct VariantReport {
     pub loss_rel_err: Option<f64>,
     pub grad_rel_err_max: Option<f64>,
     pub grad_rel_err_median: Option<f64>,
+    /// Error of the gradient norm the trainer reports (see [`OneStep::grad_norm_rel_err`]).
+    pub grad_norm_rel_err: Option<f64>,
     pub worst_tensor: Option<String>,
     pub cosine: Option<f64>,
     pub nonfinite_share: Option<f64>,
@@ -1602,6 +1619,7 @@ pub fn verify(
             loss_rel_err: None,
             grad_rel_err_max: None,
             grad_rel_err_median: None,
+            grad_norm_rel_err: None,
             worst_tensor: None,
             cosine: None,
             nonfinite_share: None,
@@ -1673,6 +1691,10 @@ pub fn judge_one_step(one: &OneStep, tol: &Tolerance) -> Verdict {
         Verdict::Pass
     };
     Verdict::of(one.grad_rel_err_max, tol.grad)
+        .max(Verdict::of(
+            one.grad_norm_rel_err,
+            tol.grad + one.grad_norm_rounding,
+        ))
         .max(Verdict::of(one.loss_rel_err, tol.loss))
         .max(nonfinite)
 }
@@ -1683,6 +1705,7 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
     rep.loss_rel_err = Some(one.loss_rel_err);
     rep.grad_rel_err_max = Some(one.grad_rel_err_max);
     rep.grad_rel_err_median = Some(one.grad_rel_err_median);
+    rep.grad_norm_rel_err = Some(one.grad_norm_rel_err);
     rep.worst_tensor = Some(one.worst_tensor.clone());
     rep.cosine = Some(one.cosine);
     rep.nonfinite_share = Some(one.nonfinite_share);
@@ -1696,6 +1719,15 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
         format!(
             "gradient error {:.2e} ({}) vs tolerance {:.2e}",
             one.grad_rel_err_max, one.worst_tensor, tol.grad
+        ),
+    );
+    raise(
+        rep,
+        Verdict::of(one.grad_norm_rel_err, tol.grad + one.grad_norm_rounding),
+        format!(
+            "reported gradient norm error {:.2e} vs tolerance {:.2e}",
+            one.grad_norm_rel_err,
+            tol.grad + one.grad_norm_rounding
         ),
     );
     raise(

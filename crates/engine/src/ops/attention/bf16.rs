@@ -220,7 +220,7 @@ pub fn forward(
     let mut p_keep: Vec<bf16> = Vec::with_capacity(if save_p { nh * s * s } else { 0 });
     let per = AttnGeom::native_f32_fwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
-    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let scale = crate::mutation::attention_scale(dh) as f32;
     let (po, pp) = (SharedMut(out.as_mut_ptr()), SharedMut(p_keep.as_mut_ptr()));
     for_each_head(nh, per, pa_len, pb_len, |hi, sc, pa, pb| {
         let (o, p) = sc.split_at_mut(s * dh);
@@ -287,7 +287,7 @@ pub fn backward(
     let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
     let per = AttnGeom::native_f32_bwd(s, dh);
     let (pa_len, pb_len) = packed_lens(s, dh);
-    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let scale = crate::mutation::attention_scale(dh) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
     for_each_head(nh, per, pa_len, pb_len, |hi, sc, pa, pb| {
         let (dq, rest) = sc.split_at_mut(s * dh);
@@ -384,7 +384,7 @@ pub fn forward_streaming(
     let per = s * dh + s * kb + 2 * s;
     let (aq_len, ap_len) = (packed_a_len(s, dh), packed_a_len(s, kb));
     let b_len = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
-    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let scale = crate::mutation::attention_scale(dh) as f32;
     let (po, pl) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     for_each_head(nh, per, aq_len + ap_len, b_len, |hi, sc, pa, pb| {
         let (o, rest) = sc.split_at_mut(s * dh);
@@ -414,7 +414,11 @@ pub fn forward_streaming(
             }
             for i in 0..s {
                 let row = &mut blk[i * n..(i + 1) * n];
-                let bmax = vecmath::max_of(row).max(m[i]);
+                let bmax = if crate::mutation::active(crate::mutation::Mutation::SoftmaxNoMax) {
+                    0.0
+                } else {
+                    vecmath::max_of(row).max(m[i])
+                };
                 let corr = if m[i] == f32::NEG_INFINITY {
                     0.0
                 } else {
@@ -492,7 +496,7 @@ pub fn backward_streaming(
     let b_len = packed_b_len(dh, kb)
         .max(packed_b_len(kb, dh))
         .max(packed_b_len(s, dh));
-    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let scale = crate::mutation::attention_scale(dh) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
     for_each_head(nh, per, 2 * a_qd + a_blk, b_len, |hi, sc, pa, pb| {
         let (dq, rest) = sc.split_at_mut(s * dh);

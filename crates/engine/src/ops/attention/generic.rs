@@ -80,7 +80,7 @@ where
     let nt = attn_threads(nh);
     let per = g.fwd_scratch(keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
-    let scale = <A as Acc>::from_f64(1.0 / (dh as f64).sqrt());
+    let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let (po, pp, pl) = (
         SharedMut(out.as_mut_ptr()),
         SharedMut(p_keep.as_mut_ptr()),
@@ -130,7 +130,13 @@ where
                         mm(s, n, dh, blk, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
                         for i in 0..s {
                             let row = &mut blk[i * n..(i + 1) * n];
-                            let rmax = A::max_of(row);
+                            let rmax =
+                                if crate::mutation::active(crate::mutation::Mutation::SoftmaxNoMax)
+                                {
+                                    A::ZERO
+                                } else {
+                                    A::max_of(row)
+                                };
                             let bmax = if rmax > m[i] { rmax } else { m[i] };
                             let corr = if m[i] == A::NEG_INF {
                                 A::ZERO
@@ -216,7 +222,7 @@ where
     let nt = attn_threads(nh);
     let per = g.bwd_scratch(keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
-    let scale = <A as Acc>::from_f64(1.0 / (dh as f64).sqrt());
+    let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let pd = SharedMut(dqkv.as_mut_ptr());
     let kb = g.kb();
     scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
