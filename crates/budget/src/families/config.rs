@@ -1,5 +1,5 @@
-//! Reading a diffusers `config.json`: `_class_name` picks the family, every key that changes a
-//! shape is read and range-checked, keys that do not change memory are accepted (the ones whose
+//! The key rules of a diffusers `config.json` ([`Cfg`], used by each family's reader; the family
+//! is picked in `read.rs`): every key that changes a shape is read and range-checked, keys that do not change memory are accepted (the ones whose
 //! value changes nothing ditmem counts, at any value; the ones whose value would change the model
 //! in a way ditmem does not model, only at their no-op value), and anything else is refused
 //! naming the key and what is allowed. Hostile input cannot panic or exhaust memory: the text is
