@@ -890,19 +890,7 @@ fn diff_norm(a: &[f64], b: &[f64]) -> f64 {
 
 /// ‖a − b‖ / ‖b‖; 0 when both are zero, ∞ when only `b` is; NaN propagates as ∞.
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let (d, n) = (diff_norm(a, b), norm(b));
-    let r = if n > 0.0 {
-        d / n
-    } else if d == 0.0 {
-        0.0
-    } else {
-        f64::INFINITY
-    };
-    if r.is_nan() {
-        f64::INFINITY
-    } else {
-        r
-    }
+    ratio(diff_norm(a, b), norm(b))
 }
 
 fn scalar_rel(a: f64, b: f64) -> f64 {
@@ -1259,6 +1247,8 @@ fn state_norms(
     Ok((param, ema))
 }
 
+/// d / n for a difference norm d and a reference norm n: 0 when both are zero, ∞ when only n
+/// is; NaN propagates as ∞.
 fn ratio(d: f64, n: f64) -> f64 {
     let r = if n > 0.0 {
         d / n
