@@ -1508,7 +1508,8 @@ pub struct MemoryPlan {
     pub jobs: usize,
     /// The budget's peak of the fp64 reference step (0 when the reference is read from a file).
     pub reference_step: u64,
-    /// The budget's peaks of the `jobs` largest variant steps, summed.
+    /// The budget's peaks of the `jobs` largest variant steps, summed, with `gemm`'s per-thread
+    /// slabs (which running variants share) counted once.
     pub variant_steps: u64,
     /// What verification itself keeps per running variant: the comparison buffers
     /// ([`COMPARE_BUFFERS`] f64 copies of the largest trained tensor) and the read buffer.
@@ -1530,7 +1531,8 @@ pub const COMPARE_BUFFERS: u64 = 4;
 /// Predict the peak of `verify` on `variants` of `base` with `jobs` variants at once: the
 /// budget's estimate of each step it runs, plus what verification keeps (see [`MemoryPlan`]).
 /// The reference runs alone before the variants; `computes_reference` is false when it is read
-/// from a file.
+/// from a file. The steps run in this process, so they are budgeted on its CPU (the spec's `cpu`
+/// section, else this process's: its threads and `gemm`'s per-thread slab).
 pub fn plan_memory(
     base: &Spec,
     variants: &[Variant],
@@ -1538,6 +1540,7 @@ pub fn plan_memory(
     jobs: usize,
     computes_reference: bool,
 ) -> Result<MemoryPlan> {
+    let base = &crate::host::resolve(base);
     let estimate = |s: &Spec| -> Result<u64> {
         ditmem_budget::estimate(s)
             .map(|e| e.peak_bytes)
@@ -1554,13 +1557,28 @@ pub fn plan_memory(
     } else {
         0
     };
-    let mut steps: Vec<u64> = variants
+    // gemm's packing slabs belong to the pool's threads, not to a step: variants that run at once
+    // share them, so the sum counts them once (each step's estimate holds them).
+    let slabs = |s: &Spec| {
+        if ditmem_budget::ditmem_cpu::step_uses_gemm(s) {
+            ditmem_budget::ditmem_cpu::gemm_workspace_bytes(&s.cpu())
+        } else {
+            0
+        }
+    };
+    let mut steps: Vec<(u64, u64)> = variants
         .iter()
-        .map(|v| estimate(&v.apply(base)))
+        .map(|v| {
+            let s = v.apply(base);
+            let slab = slabs(&s);
+            estimate(&s).map(|e| (e.saturating_sub(slab), slab))
+        })
         .collect::<Result<_>>()?;
     steps.sort_unstable_by(|a, b| b.cmp(a));
     let jobs = jobs.clamp(1, variants.len().max(1));
-    let variant_steps: u64 = steps.iter().take(jobs).sum();
+    let running = &steps[..jobs.min(steps.len())];
+    let variant_steps: u64 =
+        running.iter().map(|s| s.0).sum::<u64>() + running.iter().map(|s| s.1).max().unwrap_or(0);
     let tensors = shapes.len() as u64;
     let report = variants.len() as u64 * (tensors * 96 + (u64::from(opts.steps) + 1) * 48 + 4096);
     let reference_phase = if computes_reference {
