@@ -50,10 +50,10 @@ pub fn table(gpus: &[&Gpu]) -> String {
         let (ma, mi) = g.compute_capability;
         rows.push([
             g.name.to_string(),
-            fmt_bytes(g.capacity_bytes),
+            fmt_bytes(g.capacity_bytes()),
             basis(g).to_string(),
             format!("{ma}.{mi}"),
-            if g.dtypes.bf16 { "yes" } else { "no" }.to_string(),
+            if g.dtypes().bf16 { "yes" } else { "no" }.to_string(),
             tflops(Some(g.flops.fp32)),
             tflops(g.flops.tf32),
             tflops(g.flops.bf16),
@@ -102,12 +102,12 @@ fn detail(g: &Gpu) -> String {
         CapacityBasis::Reported { mib, source } => {
             format!(
                 "{} ({mib} MiB as total_memory; {source})",
-                fmt_bytes(g.capacity_bytes)
+                fmt_bytes(g.capacity_bytes())
             )
         }
         CapacityBasis::Marketing { gb } => format!(
             "{} (marketing {gb} GB read as {gb} GiB: an upper bound of total_memory)",
-            fmt_bytes(g.capacity_bytes)
+            fmt_bytes(g.capacity_bytes())
         ),
     };
     format!(
@@ -121,9 +121,9 @@ fn detail(g: &Gpu) -> String {
         aliases = g.aliases.join(", "),
         ma = g.compute_capability.0,
         mi = g.compute_capability.1,
-        bf16 = g.dtypes.bf16,
-        tf32 = g.dtypes.tf32,
-        fp8 = g.dtypes.fp8,
+        bf16 = g.dtypes().bf16,
+        tf32 = g.dtypes().tf32,
+        fp8 = g.dtypes().fp8,
         f32 = tflops(Some(g.flops.fp32)),
         t32 = tflops(g.flops.tf32),
         b16 = tflops(g.flops.bf16),
@@ -138,13 +138,33 @@ fn detail(g: &Gpu) -> String {
     )
 }
 
+/// A card in `--json`: the catalog entry with its derived capacity and dtypes spelled out.
+#[derive(serde::Serialize)]
+struct GpuJson<'a> {
+    #[serde(flatten)]
+    gpu: &'a Gpu,
+    capacity_bytes: u64,
+    dtypes: gpu::DtypeSupport,
+}
+
+impl<'a> GpuJson<'a> {
+    fn of(g: &'a Gpu) -> GpuJson<'a> {
+        GpuJson {
+            gpu: g,
+            capacity_bytes: g.capacity_bytes(),
+            dtypes: g.dtypes(),
+        }
+    }
+}
+
 pub fn run(args: GpusArgs) -> Result<(), crate::CliError> {
     let gpus: Vec<&Gpu> = match &args.name {
         Some(n) => vec![gpu::lookup(n).map_err(|e| SpecError::invalid("gpu", e.to_string()))?],
         None => gpu::all().iter().collect(),
     };
     if args.json {
-        output::print_json(&gpus)?;
+        let rows: Vec<GpuJson> = gpus.iter().map(|g| GpuJson::of(g)).collect();
+        output::print_json(&rows)?;
     } else if args.name.is_some() {
         print!("{}", detail(gpus[0]));
     } else {

@@ -9,10 +9,11 @@ use serde_json::{Map, Value};
 
 use crate::error::SpecError;
 
-/// Largest count of blocks in one stack (the published models have at most 60).
-pub const MAX_LAYERS: u64 = 512;
-/// Largest hidden size, head count × head size (SD3.5-large: 2432; Wan 14B: 5120).
-pub const MAX_HIDDEN: u64 = 65_536;
+/// Largest count of blocks in one stack (the published models have at most 60): half the spec's
+/// depth cap, so the two stacks of a Flux model stay within it together.
+pub const MAX_LAYERS: u64 = crate::spec::MAX_DEPTH as u64 / 2;
+/// Largest hidden size, head count × head size (SD3.5-large: 2432; Wan 14B: 5120): the spec's.
+pub const MAX_HIDDEN: u64 = crate::spec::MAX_HIDDEN as u64;
 /// Largest head count, head size, channel count or embedding width.
 pub const MAX_DIM: u64 = 65_536;
 /// Largest patch size along one axis.

@@ -109,12 +109,10 @@ pub struct Gpu {
     pub aliases: &'static [&'static str],
     /// The product as NVIDIA names it.
     pub product: &'static str,
-    /// `total_memory` as CUDA reports it, bytes.
-    pub capacity_bytes: u64,
+    /// Where the capacity comes from, with its figure ([`Gpu::capacity_bytes`]).
     pub capacity_basis: CapacityBasis,
     /// Compute capability (major, minor) \[CC\].
     pub compute_capability: (u32, u32),
-    pub dtypes: DtypeSupport,
     pub flops: Flops,
     /// Peak memory bandwidth, bytes/s.
     pub bandwidth: f64,
@@ -130,6 +128,20 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// `total_memory` as CUDA reports it, bytes: the reported MiB, or the marketing GB read as
+    /// GiB (an upper bound).
+    pub const fn capacity_bytes(&self) -> u64 {
+        match self.capacity_basis {
+            CapacityBasis::Reported { mib, .. } => mib * MIB,
+            CapacityBasis::Marketing { gb } => gb * GIB,
+        }
+    }
+
+    /// The dtypes its tensor cores run, from the compute capability.
+    pub const fn dtypes(&self) -> DtypeSupport {
+        DtypeSupport::for_cc(self.compute_capability.0, self.compute_capability.1)
+    }
+
     /// The default cuBLAS workspace per stream on this card.
     pub fn cublas_workspace_bytes(&self) -> u64 {
         cublas_workspace_bytes(self.compute_capability)
@@ -137,7 +149,7 @@ impl Gpu {
 
     /// What a training process can give the caching allocator: the capacity less the context.
     pub fn allocator_bytes(&self) -> u64 {
-        self.capacity_bytes.saturating_sub(self.context_bytes)
+        self.capacity_bytes().saturating_sub(self.context_bytes)
     }
 
     /// Dense FLOP/s for a compute dtype name (`fp32`, `tf32`, `bf16`, `fp16`, `fp8`).
@@ -170,22 +182,16 @@ const CTX_3090: u64 = 256 * MIB;
 const CTX_3090_SRC: &str =
     "community measurement: 256 MiB on an RTX 3090, torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413)";
 
-const fn reported(mib: u64) -> u64 {
-    mib * MIB
-}
-
 static CATALOG: [Gpu; 15] = [
     Gpu {
         name: "h200",
         aliases: &["h200-sxm", "h200-141gb"],
         product: "NVIDIA H200 SXM 141GB",
-        capacity_bytes: reported(143_156),
         capacity_basis: CapacityBasis::Reported {
             mib: 143_156,
             source: "_CudaDeviceProperties(name='NVIDIA H200', total_memory=143156MB) in a public vLLM run log",
         },
         compute_capability: (9, 0),
-        dtypes: DtypeSupport::for_cc(9, 0),
         // [H200]: FP32 67 TF; TF32 989, BF16/FP16 1,979, FP8 3,958 TF with sparsity → halved.
         flops: Flops {
             fp32: 67.0 * T,
@@ -204,13 +210,11 @@ static CATALOG: [Gpu; 15] = [
         name: "h100-sxm",
         aliases: &["h100", "h100-80gb", "h100-sxm5", "h100-80gb-sxm"],
         product: "NVIDIA H100 80GB HBM3 (SXM5)",
-        capacity_bytes: reported(81_090),
         capacity_basis: CapacityBasis::Reported {
             mib: 81_090,
             source: "_CudaDeviceProperties(name='NVIDIA H100 80GB HBM3', total_memory=81090MB) in a public training write-up (81,082–81,090 MB across drivers)",
         },
         compute_capability: (9, 0),
-        dtypes: DtypeSupport::for_cc(9, 0),
         // [H100] SXM: FP32 67; TF32 989, BF16/FP16 1,979, FP8 3,958 with sparsity → halved.
         flops: Flops {
             fp32: 67.0 * T,
@@ -229,10 +233,8 @@ static CATALOG: [Gpu; 15] = [
         name: "h100-pcie",
         aliases: &["h100-80gb-pcie"],
         product: "NVIDIA H100 PCIe 80GB",
-        capacity_bytes: 80 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 80 },
         compute_capability: (9, 0),
-        dtypes: DtypeSupport::for_cc(9, 0),
         // [H100] PCIe: FP32 51; TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity → halved.
         flops: Flops {
             fp32: 51.0 * T,
@@ -251,10 +253,8 @@ static CATALOG: [Gpu; 15] = [
         name: "a100-80gb",
         aliases: &["a100-80gb-sxm", "a100-sxm4-80gb", "a100-80"],
         product: "NVIDIA A100-SXM4-80GB",
-        capacity_bytes: 80 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 80 },
         compute_capability: (8, 0),
-        dtypes: DtypeSupport::for_cc(8, 0),
         // [A100]: FP32 19.5; TF32 156, BF16/FP16 312 dense (sheet gives dense and sparse).
         flops: Flops {
             fp32: 19.5 * T,
@@ -273,10 +273,8 @@ static CATALOG: [Gpu; 15] = [
         name: "a100-40gb",
         aliases: &["a100", "a100-40gb-sxm", "a100-sxm4-40gb", "a100-40"],
         product: "NVIDIA A100-SXM4-40GB",
-        capacity_bytes: 40 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 40 },
         compute_capability: (8, 0),
-        dtypes: DtypeSupport::for_cc(8, 0),
         flops: Flops {
             fp32: 19.5 * T,
             tf32: Some(156.0 * T),
@@ -294,13 +292,11 @@ static CATALOG: [Gpu; 15] = [
         name: "l40s",
         aliases: &["l40s-48gb"],
         product: "NVIDIA L40S",
-        capacity_bytes: reported(45_589),
         capacity_basis: CapacityBasis::Reported {
             mib: 45_589,
             source: "_CudaDeviceProperties(name='NVIDIA L40S', total_memory=45589MB) in a public notebook",
         },
         compute_capability: (8, 9),
-        dtypes: DtypeSupport::for_cc(8, 9),
         // [L40S]: FP32 91.6; TF32 183, BF16/FP16 362.05, FP8 733 dense (366/733/1,466 sparse).
         flops: Flops {
             fp32: 91.6 * T,
@@ -319,13 +315,11 @@ static CATALOG: [Gpu; 15] = [
         name: "a10g",
         aliases: &["a10", "a10g-24gb"],
         product: "NVIDIA A10G (AWS G5)",
-        capacity_bytes: reported(22_587),
         capacity_basis: CapacityBasis::Reported {
             mib: 22_587,
             source: "_CudaDeviceProperties(name='NVIDIA A10G', total_memory=22587MB) in a public issue",
         },
         compute_capability: (8, 6),
-        dtypes: DtypeSupport::for_cc(8, 6),
         // [A10]: FP32 31.2; TF32 62.5, BF16/FP16 125 dense (125/250/250 sparse).
         flops: Flops {
             fp32: 31.2 * T,
@@ -344,10 +338,8 @@ static CATALOG: [Gpu; 15] = [
         name: "l4",
         aliases: &["l4-24gb"],
         product: "NVIDIA L4",
-        capacity_bytes: 24 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 24 },
         compute_capability: (8, 9),
-        dtypes: DtypeSupport::for_cc(8, 9),
         // [L4]: FP32 30.3; TF32 120, BF16/FP16 242, FP8 485 with sparsity → halved.
         flops: Flops {
             fp32: 30.3 * T,
@@ -366,13 +358,11 @@ static CATALOG: [Gpu; 15] = [
         name: "rtx-4090",
         aliases: &["4090", "rtx4090", "geforce-rtx-4090"],
         product: "NVIDIA GeForce RTX 4090",
-        capacity_bytes: reported(24_563),
         capacity_basis: CapacityBasis::Reported {
             mib: 24_563,
             source: "_CudaDeviceProperties(name='NVIDIA GeForce RTX 4090', total_memory=24563MB) in a public report",
         },
         compute_capability: (8, 9),
-        dtypes: DtypeSupport::for_cc(8, 9),
         // [ADA]: FP32 82.6; TF32 82.6, FP16/BF16 with FP32 accumulate 165.2 dense.
         flops: Flops {
             fp32: 82.6 * T,
@@ -391,13 +381,11 @@ static CATALOG: [Gpu; 15] = [
         name: "rtx-3090",
         aliases: &["3090", "rtx3090", "geforce-rtx-3090"],
         product: "NVIDIA GeForce RTX 3090",
-        capacity_bytes: reported(24_268),
         capacity_basis: CapacityBasis::Reported {
             mib: 24_268,
             source: "_CudaDeviceProperties(name='GeForce RTX 3090', total_memory=24268MB) in several public READMEs (24,259 MB in another)",
         },
         compute_capability: (8, 6),
-        dtypes: DtypeSupport::for_cc(8, 6),
         // [GA102]: FP32 35.6; TF32 35.6, FP16/BF16 with FP32 accumulate 71 dense.
         flops: Flops {
             fp32: 35.6 * T,
@@ -416,10 +404,8 @@ static CATALOG: [Gpu; 15] = [
         name: "rtx-5090",
         aliases: &["5090", "rtx5090", "geforce-rtx-5090"],
         product: "NVIDIA GeForce RTX 5090",
-        capacity_bytes: 32 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 32 },
         compute_capability: (12, 0),
-        dtypes: DtypeSupport::for_cc(12, 0),
         // [RTXBW]: FP32 104.8; TF32 104.8, FP16/BF16 with FP32 accumulate 209.5 dense.
         flops: Flops {
             fp32: 104.8 * T,
@@ -438,10 +424,8 @@ static CATALOG: [Gpu; 15] = [
         name: "rtx-a6000",
         aliases: &["a6000"],
         product: "NVIDIA RTX A6000",
-        capacity_bytes: 48 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 48 },
         compute_capability: (8, 6),
-        dtypes: DtypeSupport::for_cc(8, 6),
         // [GA102]: FP32 38.7; TF32 77.4, FP16/BF16 154.8 dense (full-rate FP32 accumulate).
         flops: Flops {
             fp32: 38.7 * T,
@@ -460,13 +444,11 @@ static CATALOG: [Gpu; 15] = [
         name: "t4",
         aliases: &["tesla-t4", "t4-16gb"],
         product: "Tesla T4",
-        capacity_bytes: reported(15_102),
         capacity_basis: CapacityBasis::Reported {
             mib: 15_102,
             source: "_CudaDeviceProperties(name='Tesla T4', total_memory=15102MB) in public reports (15,079–15,109 MB across drivers)",
         },
         compute_capability: (7, 5),
-        dtypes: DtypeSupport::for_cc(7, 5),
         // [T4]: FP32 8.1; mixed precision FP16/FP32 65. No BF16 and no TF32 on sm75.
         flops: Flops {
             fp32: 8.1 * T,
@@ -485,10 +467,8 @@ static CATALOG: [Gpu; 15] = [
         name: "v100-16gb",
         aliases: &["v100", "v100-sxm2-16gb", "tesla-v100"],
         product: "Tesla V100-SXM2-16GB",
-        capacity_bytes: 16 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 16 },
         compute_capability: (7, 0),
-        dtypes: DtypeSupport::for_cc(7, 0),
         // [V100] SXM2: FP32 15.7; tensor (FP16) 125. No BF16 and no TF32 on sm70.
         flops: Flops {
             fp32: 15.7 * T,
@@ -507,10 +487,8 @@ static CATALOG: [Gpu; 15] = [
         name: "v100-32gb",
         aliases: &["v100-sxm2-32gb", "v100-32"],
         product: "Tesla V100-SXM2-32GB",
-        capacity_bytes: 32 * GIB,
         capacity_basis: CapacityBasis::Marketing { gb: 32 },
         compute_capability: (7, 0),
-        dtypes: DtypeSupport::for_cc(7, 0),
         flops: Flops {
             fp32: 15.7 * T,
             tf32: None,
@@ -612,15 +590,15 @@ mod tests {
     fn bf16_only_from_sm80() {
         for g in all() {
             let sm = g.compute_capability.0 * 10 + g.compute_capability.1;
-            assert_eq!(g.dtypes.bf16, sm >= 80, "{}", g.name);
-            assert_eq!(g.flops.bf16.is_some(), g.dtypes.bf16, "{}", g.name);
-            assert_eq!(g.flops.tf32.is_some(), g.dtypes.tf32, "{}", g.name);
+            assert_eq!(g.dtypes().bf16, sm >= 80, "{}", g.name);
+            assert_eq!(g.flops.bf16.is_some(), g.dtypes().bf16, "{}", g.name);
+            assert_eq!(g.flops.tf32.is_some(), g.dtypes().tf32, "{}", g.name);
             // A figure is never given for a path the card lacks.
-            assert!(g.flops.fp8.is_none() || g.dtypes.fp8, "{}", g.name);
+            assert!(g.flops.fp8.is_none() || g.dtypes().fp8, "{}", g.name);
         }
-        assert!(!lookup("t4").unwrap().dtypes.bf16);
-        assert!(!lookup("v100").unwrap().dtypes.bf16);
-        assert!(lookup("a10g").unwrap().dtypes.bf16);
+        assert!(!lookup("t4").unwrap().dtypes().bf16);
+        assert!(!lookup("v100").unwrap().dtypes().bf16);
+        assert!(lookup("a10g").unwrap().dtypes().bf16);
     }
 
     #[test]
@@ -635,14 +613,10 @@ mod tests {
                 assert!(f >= g.flops.fp32, "{}", g.name);
             }
             assert!((1e11..1e13).contains(&g.bandwidth), "{}", g.name);
-            match g.capacity_basis {
-                CapacityBasis::Reported { mib, .. } => assert_eq!(g.capacity_bytes, mib * MIB),
-                CapacityBasis::Marketing { gb } => assert_eq!(g.capacity_bytes, gb * GIB),
-            }
-            assert!(g.allocator_bytes() < g.capacity_bytes);
+            assert!(g.allocator_bytes() < g.capacity_bytes());
         }
         // CUDA reports less than the board's memory: 81,090 MiB of the H100's 80 GiB.
-        assert!(lookup("h100").unwrap().capacity_bytes < 80 * GIB);
+        assert!(lookup("h100").unwrap().capacity_bytes() < 80 * GIB);
     }
 
     #[test]

@@ -863,7 +863,7 @@ pub fn simulate_on_gpu(
         streams: streams.len() as u32,
         context_bytes: gpu.context_bytes,
         device_bytes: gpu.context_bytes + allocator.max_reserved,
-        capacity_bytes: gpu.capacity_bytes,
+        capacity_bytes: gpu.capacity_bytes(),
         fits: allocator.oom.is_none(),
     })
 }
