@@ -96,7 +96,7 @@ def label(s):
     return (
         f"L{m['depth']} D{m['hidden']} {w['height']}px b{w['microbatch']} {r['precision']:10s} "
         f"{'sdpa' if r['attention'] == 'memory-efficient' else 'math':4s} ckpt={r['recompute']:7s} "
-        f"{r['optimizer']}{'+ema' if r['ema']['enabled'] else ''}"
+        f"{r['optimizer']}{'+ema' if r['ema']['enabled'] else ''} {r.get('optimizer_impl', 'default')}"
     )
 
 
@@ -113,10 +113,23 @@ def main():
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--engine", action="store_true", help="also run `ditmem run` (fp32 specs)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--impl",
+        choices=["default", "for-loop", "foreach", "both"],
+        default="both",
+        help="AdamW implementation: the device default (for-loop on the CPU), one, or both in turn",
+    )
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, s in enumerate(grid()):
+        impls = {"both": ["for-loop", "foreach"], "default": [None]}.get(args.impl, [args.impl])
+        specs = []
+        for imp in impls:
+            for s in grid():
+                if imp:
+                    s["recipe"]["optimizer_impl"] = imp
+                specs.append(s)
+        for i, s in enumerate(specs):
             path = os.path.join(tmp, f"spec{i}.json")
             with open(path, "w") as f:
                 json.dump(s, f)

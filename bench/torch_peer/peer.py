@@ -49,11 +49,16 @@ class Trainer:
         self.model = DiT(m, ps.latent_h, ps.latent_w, ps.fused_attention, ps.checkpoint_blocks)
         self.model.to(device=device, dtype=self.param_dtype).train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # The spec's implementation, else PyTorch's own default (foreach=None, fused=None: the
+        # for-loop on the CPU, foreach on CUDA; `torch/optim/optimizer.py` _default_to_fused_or_foreach).
+        impl = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
+        kw = impl.get(ps.optimizer_impl, {})
         if ps.optimizer == "adamw":
-            # DiT train.py: AdamW(lr=1e-4, weight_decay=0); foreach is the default multi-tensor path.
-            self.opt = torch.optim.AdamW(self.trainable, lr=1e-4, weight_decay=0.0, foreach=True)
+            # DiT train.py: AdamW(lr=1e-4, weight_decay=0).
+            self.opt = torch.optim.AdamW(self.trainable, lr=1e-4, weight_decay=0.0, **kw)
         else:
-            self.opt = torch.optim.SGD(self.trainable, lr=1e-4, foreach=True)
+            self.opt = torch.optim.SGD(self.trainable, lr=1e-4, **kw)
+        self.optimizer_impl = ps.optimizer_impl or ("foreach" if device.type == "cuda" else "for-loop")
         self.ema = []
         if ps.ema:
             dt = DTYPES[ps.ema_dtype]
@@ -226,7 +231,7 @@ def run(args) -> dict:
         "attention": "sdpa" if ps.fused_attention else "math (explicit softmax)",
         "sdpa_backend": ps.sdpa_backend,
         "checkpoint_blocks": ps.checkpoint_blocks,
-        "optimizer": ps.optimizer + " (foreach)",
+        "optimizer": f"{ps.optimizer} ({tr.optimizer_impl})",
         "ema": ps.ema,
         "microbatch": ps.microbatch,
         "accumulation": ps.accumulation,

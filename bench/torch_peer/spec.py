@@ -25,6 +25,9 @@ class PeerSpec:
     prediction: str = "eps"
     device: str = "cpu"
     sdpa_backend: str = "auto"
+    # torch.optim implementation: "for-loop", "foreach", "fused"; None = PyTorch's default for the
+    # device (for-loop on the CPU, foreach on CUDA).
+    optimizer_impl: str | None = None
     raw: dict = field(default_factory=dict)
 
 
@@ -85,6 +88,9 @@ def from_dict(raw: dict) -> PeerSpec:
     optimizer = r.get("optimizer", "adamw")
     if optimizer not in ("adamw", "sgd"):
         raise SpecUnsupported(f"optimizer '{optimizer}' (the peer runs adamw, sgd)")
+    optimizer_impl = r.get("optimizer_impl")
+    if optimizer_impl not in (None, "for-loop", "foreach", "fused"):
+        raise SpecUnsupported(f"optimizer_impl '{optimizer_impl}' (for-loop, foreach, fused)")
     policy = r.get("recompute", "none")
     if policy == "attention-only":
         raise SpecUnsupported("recompute 'attention-only' is not implemented by the peer")
@@ -109,5 +115,6 @@ def from_dict(raw: dict) -> PeerSpec:
         prediction=r.get("prediction", "eps"),
         device=device,
         sdpa_backend=backend,
+        optimizer_impl=optimizer_impl,
         raw=raw,
     )

@@ -9,7 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::params::{param_table, ParamRole};
+use crate::denoiser::param_table;
+use crate::params::ParamRole;
 use crate::runtime::{model_for, Shape};
 use crate::segment::{Segment, TensorKind};
 use crate::spec::{AttentionMode, Dtype, Latents, LoraTarget, Optimizer, Recompute, Spec};

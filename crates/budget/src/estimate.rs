@@ -5,7 +5,8 @@ use serde::Serialize;
 
 use crate::error::SpecError;
 use crate::events::{Breakdown, Phase, StaticBytes};
-use crate::params::{count, param_table, ParamCounts};
+use crate::denoiser::param_table;
+use crate::params::{count, ParamCounts};
 use crate::runtime::{model_for, SegmentCosts, Shape};
 use crate::segment::{Segment, TensorKind};
 use crate::spec::{Dtype, Spec};
@@ -100,7 +101,7 @@ pub struct Budget {
 
 /// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
 pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
-    spec.validate()?;
+    crate::denoiser::check(spec)?;
     let table = param_table(spec);
     let params = count(&table);
     let st = static_bytes(spec, &table);

@@ -13,6 +13,7 @@
 //! CPU, the value is part of the spec ([`CpuSpec`]).
 
 mod cost;
+pub mod denoiser;
 mod error;
 mod estimate;
 mod events;
@@ -42,7 +43,7 @@ pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
     default_lora_targets, AttentionMode, Bf16Products, CpuSpec, Dtype, EmaSpec, Latents, LoraSpec,
-    LoraTarget, ModelSpec, Optimizer, Precision, Prediction, Recipe, Recompute, Runtime,
+    LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision, Prediction, Recipe, Recompute, Runtime,
     SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS,
     MAX_DEPTH, MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES,
     MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TOKENS, MAX_VAE_FACTOR,
@@ -80,11 +81,13 @@ pub mod pytorch {
 }
 
 /// The model families (DiT, diffusers' DiT, PixArt, SD3, Flux, Sana, Wan): their exact parameter
-/// tables, read from a diffusers `config.json` or a preset. Activations for them come later.
+/// tables, read from a diffusers `config.json` or a preset; a spec holds one in `model.diffusers`
+/// ([`denoiser`]).
 mod families;
 pub use families::{
     count as count_family, from_config_json, preset as family_preset, preset_config,
     preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,
-    FamilyModel, FamilyTensor, Group, GroupCount, StateBytes, TensorKind, MAX_CONFIG_JSON_BYTES,
+    FamilyModel, FamilyTensor, Geometry, Group, GroupCount, StateBytes, TensorKind, TextEncoder,
+    MAX_CONFIG_JSON_BYTES,
 };
 pub use families::{DitDiffusersDims, DitDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};

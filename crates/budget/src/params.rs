@@ -31,6 +31,12 @@ pub enum Module {
     Blocks,
     FinalLayer,
     Lora,
+    /// A diffusers model's caption / text projections.
+    TextEmbed,
+    /// A diffusers model's transformer blocks (Flux: its double-stream blocks).
+    TransformerBlocks,
+    /// Flux's single-stream blocks.
+    SingleBlocks,
 }
 
 impl Module {
@@ -43,6 +49,9 @@ impl Module {
             Module::Blocks => "DiT blocks",
             Module::FinalLayer => "final layer",
             Module::Lora => "LoRA adapters",
+            Module::TextEmbed => "text / caption embed",
+            Module::TransformerBlocks => "transformer blocks",
+            Module::SingleBlocks => "single-stream blocks",
         }
     }
 }
@@ -56,6 +65,10 @@ pub struct ParamTensor {
     pub module: Module,
     /// Block index for block parameters.
     pub block: Option<u32>,
+    /// A buffer (`register_buffer`: a fixed position or RoPE table), not a parameter: not in
+    /// `model.parameters()`, counted in [`ParamCounts::buffers`].
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub buffer: bool,
 }
 
 impl ParamTensor {
@@ -103,6 +116,7 @@ pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
             role,
             module,
             block,
+            buffer: false,
         })
     };
     push(
@@ -237,7 +251,15 @@ pub struct ParamCounts {
     pub frozen: u64,
     /// Elements of the largest trained tensor (sizes the optimizer's per-tensor workspace).
     pub largest_trained: u64,
+    /// Elements of buffers (fixed position / RoPE tables registered with `register_buffer`):
+    /// held by the model, not counted in `total`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub buffers: u64,
     pub per_module: Vec<ModuleCount>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -246,11 +268,13 @@ pub struct ModuleCount {
     pub name: &'static str,
     pub trained: u64,
     pub frozen: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub buffers: u64,
 }
 
 pub fn count(table: &[ParamTensor]) -> ParamCounts {
     let mut per: Vec<ModuleCount> = Vec::new();
-    let (mut trained, mut frozen, mut largest) = (0u64, 0u64, 0u64);
+    let (mut trained, mut frozen, mut largest, mut buffers) = (0u64, 0u64, 0u64, 0u64);
     for t in table {
         let n = t.numel();
         let entry = match per.iter_mut().find(|e| e.module == t.module) {
@@ -261,10 +285,16 @@ pub fn count(table: &[ParamTensor]) -> ParamCounts {
                     name: t.module.name(),
                     trained: 0,
                     frozen: 0,
+                    buffers: 0,
                 });
                 per.last_mut().expect("just pushed")
             }
         };
+        if t.buffer {
+            buffers += n;
+            entry.buffers += n;
+            continue;
+        }
         match t.role {
             ParamRole::Trained => {
                 trained += n;
@@ -282,6 +312,7 @@ pub fn count(table: &[ParamTensor]) -> ParamCounts {
         trained,
         frozen,
         largest_trained: largest,
+        buffers,
         per_module: per,
     }
 }
@@ -292,7 +323,16 @@ pub fn count(table: &[ParamTensor]) -> ParamCounts {
 /// Frozen tensors need no master: under mixed precision they are stored in the compute dtype,
 /// as fine-tuning scripts do with a frozen base (`weight_dtype`), except the position table,
 /// which is added to the fp32 residual stream and stays in the accumulation dtype.
-pub fn stored_dtype(t: &ParamTensor, precision: Precision) -> Dtype {
+/// A buffer follows the model: kept in the parameter dtype, cast with the frozen base under
+/// LoRA (the scripts' `transformer.to(dtype=weight_dtype)` casts buffers too).
+pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype {
+    if t.buffer {
+        return if lora {
+            precision.compute_dtype()
+        } else {
+            precision.param_dtype()
+        };
+    }
     match t.role {
         ParamRole::Trained => precision.param_dtype(),
         ParamRole::Frozen if t.module == Module::PosEmbed => precision.accum_dtype(),
@@ -367,6 +407,7 @@ mod tests {
         s.recipe.lora = Some(LoraSpec {
             rank: 8,
             targets: vec![LoraTarget::Qkv],
+            modules: Vec::new(),
         });
         let c = count(&param_table(&s));
         let d = 384u64;

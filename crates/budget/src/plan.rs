@@ -39,7 +39,8 @@ use serde::Serialize;
 
 use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
 use crate::events::{Breakdown, StaticBytes};
-use crate::params::{param_table, ParamRole, ParamTensor};
+use crate::denoiser::param_table;
+use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
 use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
@@ -650,6 +651,7 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
             Some(LoraSpec {
                 rank: PLAN_LORA_RANK.min(base.model.hidden),
                 targets: crate::spec::default_lora_targets(),
+                modules: Vec::new(),
             }),
         ]
     } else {
@@ -1100,6 +1102,7 @@ mod tests {
                                     s.recipe.lora = lora.map(|rank| LoraSpec {
                                         rank,
                                         targets: crate::spec::default_lora_targets(),
+                                        modules: Vec::new(),
                                     });
                                     s.recipe.optimizer = opt;
                                     s.recipe.zero_stage = z;

@@ -85,6 +85,23 @@ pub struct Segment {
     pub tensors: Vec<TensorDef>,
     pub ops: Vec<OpDef>,
     pub output: Tid,
+    /// Further outputs of a segment that hands on more than one stream (SD3's and Flux's image
+    /// and text streams): with `output`, what the next segment reads.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub side_outputs: Vec<Tid>,
+    /// The inputs that are the previous segment's outputs (the residual streams), as opposed to
+    /// inputs every block reads (the conditioning vector, a text context, RoPE tables).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stream_in: Vec<Tid>,
+}
+
+impl Segment {
+    /// Every output: `output` and the side outputs.
+    pub fn outputs(&self) -> Vec<Tid> {
+        let mut v = vec![self.output];
+        v.extend(self.side_outputs.iter().copied().filter(|&t| t != self.output));
+        v
+    }
 }
 
 impl Segment {

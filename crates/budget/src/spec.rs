@@ -58,13 +58,24 @@ pub struct ModelSpec {
     /// Name shown in reports (a preset name, or free text).
     #[serde(default = "default_model_name")]
     pub name: String,
+    /// A diffusers model instead of the original DiT: its transformer `config.json` object (with
+    /// `_class_name`), read by `families` (PixArt, SD3, Flux, Sana, Wan, diffusers' DiT). The
+    /// fields below are then derived from it (`denoiser::resolve`) and written for reading only:
+    /// depth = every transformer block of every stack, hidden = heads × head size, patch = latent
+    /// pixels per token side (2 for Flux's 2×2 packing), in_channels = the VAE's latent channels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diffusers: Option<serde_json::Map<String, serde_json::Value>>,
     /// Number of DiT blocks (L).
+    #[serde(default)]
     pub depth: u32,
     /// Hidden size (D).
+    #[serde(default)]
     pub hidden: u32,
     /// Attention heads; must divide `hidden`.
+    #[serde(default)]
     pub heads: u32,
     /// Patch size p (tokens = (latent_h / p) · (latent_w / p)).
+    #[serde(default)]
     pub patch: u32,
     /// Latent channels the denoiser reads (4 for the SD VAE).
     #[serde(default = "default_in_channels")]
@@ -137,6 +148,7 @@ impl ModelSpec {
         };
         Ok(ModelSpec {
             name: format!("DiT-{}/{}", size.to_ascii_uppercase(), patch),
+            diffusers: None,
             depth,
             hidden,
             heads,
@@ -220,6 +232,21 @@ pub struct Workload {
     /// Data-parallel ranks.
     #[serde(default = "default_one")]
     pub ranks: u32,
+    /// Video frames per sample in pixel space (1 for images). A video family compresses them
+    /// in time (Wan: (frames − 1) / 4 + 1 latent frames).
+    #[serde(default = "default_one", skip_serializing_if = "is_one")]
+    pub frames: u32,
+    /// The VAE's temporal compression (Wan: 4); 1 for image VAEs.
+    #[serde(default = "default_one", skip_serializing_if = "is_one")]
+    pub vae_temporal_factor: u32,
+    /// Text tokens per text encoder of the model's family, in the family's order (e.g. Flux:
+    /// CLIP, T5; SD3: CLIP, T5); absent: the family's default. Only for text-conditioned families.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_tokens: Option<Vec<u32>>,
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
 }
 
 fn default_vae_factor() -> u32 {
@@ -550,8 +577,14 @@ impl LoraTarget {
 #[serde(deny_unknown_fields)]
 pub struct LoraSpec {
     pub rank: u32,
+    /// The original DiT's linears to adapt.
     #[serde(default = "default_lora_targets")]
     pub targets: Vec<LoraTarget>,
+    /// A diffusers model's linears to adapt, as PEFT's `target_modules` names them (a module
+    /// matches a name when its full name equals it or ends with `.name`); empty: the family's
+    /// default (diffusers' LoRA scripts: `to_q, to_k, to_v, to_out.0`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules: Vec<String>,
 }
 
 pub fn default_lora_targets() -> Vec<LoraTarget> {
@@ -650,6 +683,72 @@ pub struct Recipe {
     pub ema: EmaSpec,
     #[serde(default)]
     pub prediction: Prediction,
+    /// Which implementation of `torch.optim.AdamW` the `pytorch` runtime runs; absent: the
+    /// device's default (for-loop on the CPU, foreach on CUDA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_impl: Option<OptimizerImpl>,
+}
+
+/// The implementations of `torch.optim.AdamW` / `SGD` (`torch/optim/adam.py`): each keeps
+/// different scratch during `step()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerImpl {
+    /// `_single_tensor_adam`: one parameter at a time (`foreach=False`); PyTorch's default for
+    /// tensors not on CUDA (`torch/optim/optimizer.py` `_default_to_fused_or_foreach`).
+    ForLoop,
+    /// `_multi_tensor_adam` (`foreach=True`): `_foreach_*` ops over every parameter at once;
+    /// the default on CUDA.
+    Foreach,
+    /// `_fused_adam` (`fused=True`): one kernel per tensor group, no temporaries; never the
+    /// default.
+    Fused,
+}
+
+impl OptimizerImpl {
+    pub const ALL: [OptimizerImpl; 3] = [
+        OptimizerImpl::ForLoop,
+        OptimizerImpl::Foreach,
+        OptimizerImpl::Fused,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            OptimizerImpl::ForLoop => "for-loop",
+            OptimizerImpl::Foreach => "foreach",
+            OptimizerImpl::Fused => "fused",
+        }
+    }
+
+    /// PyTorch's default on a device: `foreach` for CUDA tensors, the for-loop elsewhere
+    /// (`_default_to_fused_or_foreach`: `fused` is never chosen by default).
+    pub const fn default_for(device: TorchDevice) -> OptimizerImpl {
+        match device {
+            TorchDevice::Cuda => OptimizerImpl::Foreach,
+            TorchDevice::Cpu => OptimizerImpl::ForLoop,
+        }
+    }
+}
+
+impl fmt::Display for OptimizerImpl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for OptimizerImpl {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        OptimizerImpl::ALL
+            .into_iter()
+            .find(|i| i.name() == s)
+            .ok_or_else(|| {
+                SpecError::invalid(
+                    "recipe.optimizer_impl",
+                    format!("'{s}' is not an optimizer implementation; allowed: for-loop, foreach, fused"),
+                )
+            })
+    }
 }
 
 fn default_precision() -> Precision {
@@ -680,6 +779,7 @@ impl Default for Recipe {
             latents: default_latents(),
             ema: EmaSpec::default(),
             prediction: Prediction::Eps,
+            optimizer_impl: None,
         }
     }
 }
@@ -954,6 +1054,9 @@ impl Spec {
                 microbatch: 32,
                 accumulation: 1,
                 ranks: 1,
+                frames: 1,
+                vae_temporal_factor: 1,
+                text_tokens: None,
             },
             recipe: Recipe::default(),
             runtime: Runtime::DitmemCpu,
@@ -1057,9 +1160,28 @@ impl Spec {
         })
     }
 
-    /// Image tokens per sample.
+    /// Latent frames per sample: (frames − 1) / vae_temporal_factor + 1 (a causal video VAE
+    /// keeps the first frame and compresses the rest; 1 for images).
+    pub fn latent_frames(&self) -> Result<u64, SpecError> {
+        let w = &self.workload;
+        let t = w.vae_temporal_factor.max(1);
+        if w.frames == 0 || !(w.frames - 1).is_multiple_of(t) {
+            return Err(SpecError::invalid(
+                "workload.frames",
+                format!(
+                    "{} is not 1 + a multiple of the VAE's temporal factor {t}; allowed: 1, {}, {}, …",
+                    w.frames,
+                    1 + t,
+                    1 + 2 * t
+                ),
+            ));
+        }
+        Ok(u64::from((w.frames - 1) / t + 1))
+    }
+
+    /// Image (or video) tokens per sample: the token grid of a frame × latent frames.
     pub fn tokens(&self) -> Result<u64, SpecError> {
-        Ok(self.token_grid()?.tokens())
+        Ok(self.token_grid()?.tokens() * self.latent_frames()?)
     }
 
     /// Check every field; the error names the first field that is wrong and what is allowed.
@@ -1068,6 +1190,18 @@ impl Spec {
     /// any real model, so that `estimate` and `plan` of any spec that passes stay within a
     /// bounded time and memory (the README states them).
     pub fn validate(&self) -> Result<(), SpecError> {
+        let m = &self.model;
+        // A diffusers model's own fields are checked by its family reader, and the fields below
+        // are derived from it (`denoiser::resolve`), so only what the spec itself says is checked.
+        let dit = m.diffusers.is_none();
+        if dit {
+            self.validate_dit_model()?;
+        }
+        self.validate_workload(dit)?;
+        self.validate_recipe()
+    }
+
+    fn validate_dit_model(&self) -> Result<(), SpecError> {
         let m = &self.model;
         in_range("model.depth", m.depth, MAX_DEPTH)?;
         in_range("model.hidden", m.hidden, MAX_HIDDEN)?;
@@ -1098,35 +1232,6 @@ impl Spec {
         probability("model.class_dropout_prob", m.class_dropout_prob)?;
         probability("model.attn_dropout", m.attn_dropout)?;
         probability("model.mlp_dropout", m.mlp_dropout)?;
-
-        let w = &self.workload;
-        in_range("workload.height", w.height, MAX_SIDE)?;
-        in_range("workload.width", w.width, MAX_SIDE)?;
-        in_range("workload.vae_factor", w.vae_factor, MAX_VAE_FACTOR)?;
-        in_range("workload.latent_channels", w.latent_channels, MAX_CHANNELS)?;
-        positive("workload.batch", w.batch)?;
-        in_range("workload.microbatch", w.microbatch, MAX_MICROBATCH)?;
-        in_range("workload.accumulation", w.accumulation, MAX_ACCUMULATION)?;
-        in_range("workload.ranks", w.ranks, MAX_RANKS)?;
-        if w.latent_channels != m.in_channels {
-            return Err(SpecError::invalid(
-                "workload.latent_channels",
-                format!(
-                    "{} differs from model.in_channels = {}; allowed: the channels the denoiser reads",
-                    w.latent_channels, m.in_channels
-                ),
-            ));
-        }
-        let product = u64::from(w.microbatch) * u64::from(w.accumulation) * u64::from(w.ranks);
-        if product != u64::from(w.batch) {
-            return Err(SpecError::invalid(
-                "workload.batch",
-                format!(
-                    "{} ≠ microbatch × accumulation × ranks = {} × {} × {} = {product}; allowed: batch equal to that product",
-                    w.batch, w.microbatch, w.accumulation, w.ranks
-                ),
-            ));
-        }
         let block_params =
             (10 + 2 * u128::from(m.mlp_ratio)) * u128::from(m.hidden) * u128::from(m.hidden);
         if u128::from(m.depth) * block_params > MAX_TENSOR_ELEMS {
@@ -1140,8 +1245,78 @@ impl Spec {
                 ),
             ));
         }
+        let w = &self.workload;
+        if w.frames != 1 {
+            return Err(SpecError::invalid(
+                "workload.frames",
+                format!(
+                    "{} for the original DiT (an image model); allowed: 1, or a video model in model.diffusers",
+                    w.frames
+                ),
+            ));
+        }
+        if w.text_tokens.is_some() {
+            return Err(SpecError::invalid(
+                "workload.text_tokens",
+                "is given for the original DiT (class-conditional, no text encoder); allowed: only with a \
+                 text-conditioned model in model.diffusers",
+            ));
+        }
+        if w.latent_channels != m.in_channels {
+            return Err(SpecError::invalid(
+                "workload.latent_channels",
+                format!(
+                    "{} differs from model.in_channels = {}; allowed: the channels the denoiser reads",
+                    w.latent_channels, m.in_channels
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_workload(&self, dit: bool) -> Result<(), SpecError> {
+        let m = &self.model;
+        let w = &self.workload;
+        in_range("workload.height", w.height, MAX_SIDE)?;
+        in_range("workload.width", w.width, MAX_SIDE)?;
+        in_range("workload.vae_factor", w.vae_factor, MAX_VAE_FACTOR)?;
+        in_range("workload.latent_channels", w.latent_channels, MAX_CHANNELS)?;
+        positive("workload.batch", w.batch)?;
+        in_range("workload.microbatch", w.microbatch, MAX_MICROBATCH)?;
+        in_range("workload.accumulation", w.accumulation, MAX_ACCUMULATION)?;
+        in_range("workload.ranks", w.ranks, MAX_RANKS)?;
+        in_range("workload.frames", w.frames, MAX_FRAMES)?;
+        in_range("workload.vae_temporal_factor", w.vae_temporal_factor, MAX_VAE_FACTOR)?;
+        if let Some(tt) = &w.text_tokens {
+            if tt.is_empty() || tt.len() > MAX_TEXT_ENCODERS {
+                return Err(SpecError::invalid(
+                    "workload.text_tokens",
+                    format!(
+                        "lists {} encoders; allowed: 1..={MAX_TEXT_ENCODERS} token counts, one per text encoder",
+                        tt.len()
+                    ),
+                ));
+            }
+            for &t in tt {
+                in_range("workload.text_tokens", t, MAX_TEXT_TOKENS)?;
+            }
+        }
+        if !dit && m.depth == 0 {
+            // Not resolved yet: the geometry below needs the family's patch and blocks.
+            return Ok(());
+        }
+        let product = u64::from(w.microbatch) * u64::from(w.accumulation) * u64::from(w.ranks);
+        if product != u64::from(w.batch) {
+            return Err(SpecError::invalid(
+                "workload.batch",
+                format!(
+                    "{} ≠ microbatch × accumulation × ranks = {} × {} × {} = {product}; allowed: batch equal to that product",
+                    w.batch, w.microbatch, w.accumulation, w.ranks
+                ),
+            ));
+        }
         let grid = self.token_grid()?;
-        let tokens = grid.tokens();
+        let tokens = self.tokens()?;
         if tokens > MAX_TOKENS {
             return Err(SpecError::invalid(
                 "workload.height",
@@ -1189,7 +1364,15 @@ impl Spec {
             ));
         }
 
+        Ok(())
+    }
+
+    fn validate_recipe(&self) -> Result<(), SpecError> {
+        let m = &self.model;
+        let w = &self.workload;
         let r = &self.recipe;
+        // A diffusers model not yet resolved has no depth or hidden size to check against.
+        let sized = m.diffusers.is_none() || m.depth > 0;
         if let Recompute::Blocks(blocks) = &r.recompute {
             // Parsed lists are sorted and deduplicated; the replays look blocks up by bisection.
             if blocks.is_empty() || !blocks.windows(2).all(|p| p[0] < p[1]) {
@@ -1199,7 +1382,7 @@ impl Spec {
                      (increasing, each once)",
                 ));
             }
-            if let Some(bad) = blocks.iter().find(|&&b| b >= m.depth) {
+            if let Some(bad) = blocks.iter().find(|&&b| sized && b >= m.depth) {
                 return Err(SpecError::invalid(
                     "recipe.recompute",
                     format!(
@@ -1210,7 +1393,7 @@ impl Spec {
             }
         }
         if let Some(lora) = &r.lora {
-            if lora.rank == 0 || lora.rank > m.hidden {
+            if lora.rank == 0 || (sized && lora.rank > m.hidden) {
                 return Err(SpecError::invalid(
                     "recipe.lora.rank",
                     format!(
@@ -1297,6 +1480,12 @@ pub const MAX_TOKENS: u64 = 1 << 20;
 pub const MAX_MICROBATCH: u32 = 65_536;
 /// Largest `workload.accumulation`.
 pub const MAX_ACCUMULATION: u32 = 1 << 20;
+/// Most video frames per sample (Wan 2.1: 81).
+pub const MAX_FRAMES: u32 = 4096;
+/// Most text encoders of one model (SD3: 3, counted as CLIP and T5 sequences).
+pub const MAX_TEXT_ENCODERS: usize = 4;
+/// Most text tokens per encoder (T5 in Flux: 512).
+pub const MAX_TEXT_TOKENS: u32 = 65_536;
 /// Largest `workload.ranks` (GPU clusters: ≤ 100k devices).
 pub const MAX_RANKS: u32 = 1 << 20;
 

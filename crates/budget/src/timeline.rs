@@ -15,7 +15,8 @@ use serde::Serialize;
 
 pub use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
-use crate::params::{param_table, stored_dtype, ParamRole, ParamTensor};
+use crate::denoiser::param_table;
+use crate::params::{stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
 use crate::spec::{Dtype, Latents, Optimizer, Precision, Spec};
 
@@ -157,7 +158,7 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
     let mut s = StaticBytes::default();
     for t in table {
         let n = t.numel();
-        let dt = stored_dtype(t, p);
+        let dt = stored_dtype(t, p, r.lora.is_some());
         match t.role {
             ParamRole::Frozen => s.weights += n * dt.size(),
             ParamRole::Trained => {
@@ -316,6 +317,7 @@ mod tests {
             s.recipe.lora = Some(LoraSpec {
                 rank: 4,
                 targets: crate::spec::default_lora_targets(),
+                modules: Vec::new(),
             });
             out.push(s);
             for p in [

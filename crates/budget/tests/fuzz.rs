@@ -367,6 +367,7 @@ fn spec_near_caps_without_cpu() -> impl Strategy<Value = Spec> {
                     s.recipe.lora = Some(ditmem_budget::LoraSpec {
                         rank: 4.min(s.model.hidden),
                         targets: ditmem_budget::default_lora_targets(),
+                        modules: Vec::new(),
                     });
                 }
                 if encode {

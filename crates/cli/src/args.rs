@@ -206,7 +206,11 @@ impl SpecArgs {
                     .as_ref()
                     .map(|l| l.targets.clone())
                     .unwrap_or_else(ditmem_budget::default_lora_targets);
-                r.lora = Some(LoraSpec { rank, targets });
+                r.lora = Some(LoraSpec {
+                    rank,
+                    targets,
+                    modules: Vec::new(),
+                });
             }
         }
         if let Some(t) = &self.lora_targets {

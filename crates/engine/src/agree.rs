@@ -226,12 +226,14 @@ pub fn grid() -> Vec<(String, Spec)> {
         s.recipe.lora = Some(LoraSpec {
             rank: 8,
             targets: ditmem_budget::default_lora_targets(),
+            modules: Vec::new(),
         })
     });
     add("LoRA rank 4 on all, bf16-mixed, recompute all", &|s| {
         s.recipe.lora = Some(LoraSpec {
             rank: 4,
             targets: ditmem_budget::LoraTarget::ALL.to_vec(),
+            modules: Vec::new(),
         });
         s.recipe.precision = P::Bf16Mixed;
         s.recipe.recompute = R::All;

@@ -65,6 +65,7 @@ fn lora_adds_adapters_and_freezes_the_base() {
     s.recipe.lora = Some(LoraSpec {
         rank: 8,
         targets: ditmem_budget::default_lora_targets(),
+        modules: Vec::new(),
     });
     let shapes = param_shapes(&s).unwrap();
     let a = shapes

@@ -181,6 +181,7 @@ fn lora_trains_only_the_adapters() {
     s.recipe.lora = Some(LoraSpec {
         rank: 4,
         targets: ditmem_budget::default_lora_targets(),
+        modules: Vec::new(),
     });
     let b = batch(&s, 1);
     let mut t = trainer(&s, true);

@@ -219,7 +219,9 @@ pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
             Module::PosEmbed => Group::PosEmbed,
             Module::TimestepEmbed => Group::TimeEmbed,
             Module::LabelEmbed => Group::ClassEmbed,
-            Module::Blocks | Module::Lora => Group::Blocks,
+            Module::Blocks | Module::Lora | Module::TransformerBlocks => Group::Blocks,
+            Module::SingleBlocks => Group::SingleBlocks,
+            Module::TextEmbed => Group::TextEmbed,
             Module::FinalLayer => Group::FinalLayer,
         };
         let fixed = p.module == Module::PosEmbed;

@@ -27,10 +27,10 @@ mod wan;
 
 pub use dit::{DitDiffusersDims, DitDims};
 pub use flux::FluxDims;
-pub use model::{Dims, Family, FamilyModel};
+pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
 pub use pixart::PixartDims;
 pub use presets::{preset, preset_config, preset_names, preset_source};
-pub use read::{from_config_json, MAX_CONFIG_JSON_BYTES};
+pub use read::{from_config_json, from_config_map, MAX_CONFIG_JSON_BYTES};
 pub use sana::SanaDims;
 pub use sd3::Sd3Dims;
 pub use table::{

@@ -169,3 +169,166 @@ impl FamilyModel {
         ))
     }
 }
+
+/// A text encoder whose output the model reads, as the family's training scripts feed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TextEncoder {
+    pub name: &'static str,
+    /// Tokens the scripts encode by default (`max_sequence_length` and the like).
+    pub default_tokens: u64,
+    /// Width of each token embedding the transformer reads.
+    pub width: u64,
+    /// Whether its tokens enter the transformer's sequence (false: only a pooled vector, as
+    /// Flux's CLIP-L).
+    pub sequence: bool,
+}
+
+/// What a spec needs of a model beyond its parameter table: the token geometry, the VAE it
+/// reads latents from, and its text encoders.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Geometry {
+    /// Transformer blocks over every stack (Flux: double + single).
+    pub blocks: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    /// Latent pixels per token side (the patch size; 2 for Flux's 2×2 packing of patch 1).
+    pub patch: u64,
+    /// Latent channels of the VAE the model reads (before Flux's packing).
+    pub latent_channels: u64,
+    /// The VAE's spatial downsampling.
+    pub vae_factor: u64,
+    /// The VAE's temporal compression (Wan: 4; images: 1).
+    pub vae_temporal_factor: u64,
+    /// Width of the MLP / feed-forward hidden layer.
+    pub mlp: u64,
+    /// Text encoders in the family's order (empty: class-conditional).
+    pub text: Vec<TextEncoder>,
+}
+
+impl FamilyModel {
+    /// The geometry of the model: VAEs per family from the published pipelines — SD VAE f8c4
+    /// (DiT, PixArt), SD3/Flux VAE f8c16 (Flux packs 2×2 latent pixels into one 64-wide token),
+    /// DC-AE f32c32 (Sana), Wan-VAE f8 × t4, c16. Text encoders as the diffusers training scripts
+    /// encode them: PixArt T5-XXL 120 tokens (α; Σ: 300), SD3 CLIP-L ⊕ CLIP-G 77 + T5-XXL 77
+    /// (`train_dreambooth_sd3.py` `--max_sequence_length 77`), Flux CLIP-L pooled + T5-XXL 512
+    /// (dev; schnell 256), Sana Gemma-2-2B 300, Wan umT5-XXL 512.
+    pub fn geometry(&self) -> Geometry {
+        let t5 = |tokens, width| TextEncoder {
+            name: "T5-XXL",
+            default_tokens: tokens,
+            width,
+            sequence: true,
+        };
+        match &self.dims {
+            Dims::Dit(d) => {
+                let m = &d.model;
+                Geometry {
+                    blocks: u64::from(m.depth),
+                    hidden: u64::from(m.hidden),
+                    heads: u64::from(m.heads),
+                    patch: u64::from(m.patch),
+                    latent_channels: u64::from(m.in_channels),
+                    vae_factor: 8,
+                    vae_temporal_factor: 1,
+                    mlp: u64::from(m.mlp_hidden()),
+                    text: Vec::new(),
+                }
+            }
+            Dims::DitDiffusers(d) => Geometry {
+                blocks: d.num_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: d.patch_size,
+                latent_channels: d.in_channels,
+                vae_factor: 8,
+                vae_temporal_factor: 1,
+                mlp: 4 * d.inner(),
+                text: Vec::new(),
+            },
+            Dims::Pixart(d) => Geometry {
+                blocks: d.num_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: d.patch_size,
+                latent_channels: d.in_channels,
+                vae_factor: 8,
+                vae_temporal_factor: 1,
+                mlp: 4 * d.inner(),
+                text: vec![t5(
+                    if self.name.contains("sigma") { 300 } else { 120 },
+                    d.caption_channels.unwrap_or(d.cross_attention_dim),
+                )],
+            },
+            Dims::Sd3(d) => Geometry {
+                blocks: d.num_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: d.patch_size,
+                latent_channels: d.in_channels,
+                vae_factor: 8,
+                vae_temporal_factor: 1,
+                mlp: 4 * d.inner(),
+                text: vec![
+                    TextEncoder {
+                        name: "CLIP-L ⊕ CLIP-G",
+                        default_tokens: 77,
+                        width: d.joint_attention_dim,
+                        sequence: true,
+                    },
+                    t5(77, d.joint_attention_dim),
+                ],
+            },
+            Dims::Flux(d) => Geometry {
+                blocks: d.num_layers + d.num_single_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: 2 * d.patch_size,
+                latent_channels: d.in_channels / 4,
+                vae_factor: 8,
+                vae_temporal_factor: 1,
+                mlp: 4 * d.inner(),
+                text: vec![
+                    TextEncoder {
+                        name: "CLIP-L (pooled)",
+                        default_tokens: 77,
+                        width: d.pooled_projection_dim,
+                        sequence: false,
+                    },
+                    t5(if d.guidance_embeds { 512 } else { 256 }, d.joint_attention_dim),
+                ],
+            },
+            Dims::Sana(d) => Geometry {
+                blocks: d.num_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: d.patch_size,
+                latent_channels: d.in_channels,
+                vae_factor: 32,
+                vae_temporal_factor: 1,
+                mlp: d.mlp_hidden(),
+                text: vec![TextEncoder {
+                    name: "Gemma-2-2B",
+                    default_tokens: 300,
+                    width: d.caption_channels,
+                    sequence: true,
+                }],
+            },
+            Dims::Wan(d) => Geometry {
+                blocks: d.num_layers,
+                hidden: d.inner(),
+                heads: d.num_attention_heads,
+                patch: d.patch_size[1],
+                latent_channels: d.in_channels,
+                vae_factor: 8,
+                vae_temporal_factor: 4,
+                mlp: d.ffn_dim,
+                text: vec![TextEncoder {
+                    name: "umT5-XXL",
+                    default_tokens: 512,
+                    width: d.text_dim,
+                    sequence: true,
+                }],
+            },
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! a legacy `Transformer2DModel` by its `norm_type`), whose reader takes the keys ([`super::config`]
 //! holds the key rules and limits).
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use super::config::{cut, shown, Cfg};
 use super::model::{Dims, FamilyModel};
@@ -40,6 +40,12 @@ pub fn from_config_json(text: &str) -> Result<FamilyModel, SpecError> {
             "is not a JSON object; allowed: a diffusers config.json ({\"_class_name\": …})",
         ));
     };
+    from_config_map(map)
+}
+
+/// Read a diffusers transformer config already parsed into a JSON object (a spec's
+/// `model.diffusers`).
+pub fn from_config_map(map: Map<String, Value>) -> Result<FamilyModel, SpecError> {
     let mut cfg = Cfg::new(map);
     let class = match cfg.map.get("_class_name") {
         Some(Value::String(s)) => s.clone(),

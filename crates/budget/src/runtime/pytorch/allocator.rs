@@ -71,6 +71,9 @@ pub struct SegCost {
     pub input_grads: u64,
     /// Parameter gradients the segment creates.
     pub param_grads: u64,
+    /// Whether the tracked forward saves a stream input (the first norm saves the residual):
+    /// otherwise the previous segment's output is freed once this segment has read it.
+    pub input_saved: bool,
 }
 
 /// Simulate one segment: forward (tracked and checkpointed) and backward with PyTorch's
@@ -88,7 +91,11 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
         }
         t
     };
-    let out_st = storage(seg.output);
+    let outs = seg.outputs();
+    let mut out_sts: Vec<Tid> = outs.iter().map(|&o| storage(o)).collect();
+    out_sts.sort_unstable();
+    out_sts.dedup();
+    let is_out = |s: Tid| out_sts.contains(&s);
     let is_alloc = |t: Tid| seg.tensors[t].kind == TensorKind::Alloc;
     let is_cast = |t: Tid| seg.tensors[t].role == TensorRole::WeightCast;
     let bytes = |t: Tid| seg.tensors[t].bytes();
@@ -111,7 +118,16 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
         }
     }
     let mut cost = SegCost {
-        output: if is_alloc(out_st) { bytes(out_st) } else { 0 },
+        output: out_sts
+            .iter()
+            .filter(|&&s| is_alloc(s))
+            .map(|&s| bytes(s))
+            .sum(),
+        // An input is marked where an op saves it (it is no op's output).
+        input_saved: seg
+            .stream_in
+            .iter()
+            .any(|&t| saved[storage(t)] || seg.tensors[t].name.ends_with(SAVED)),
         ..SegCost::default()
     };
     let add = |l: &mut Live, t: Tid, sign: bool| {
@@ -150,7 +166,7 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
             }
             max_live(&mut peak, live, op.fwd_scratch);
             for s in 0..n {
-                if alive[s] && s != out_st && last_read[s].unwrap_or(k) <= k {
+                if alive[s] && !is_out(s) && last_read[s].unwrap_or(k) <= k {
                     let keep = (tracked && saved[s]) || (is_cast(s) && (saved[s] || cached[s]));
                     if !keep {
                         add(&mut live, s, false);
@@ -162,7 +178,7 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
         if tracked {
             cost.fwd_peak = peak;
             for s in 0..n {
-                if alive[s] && s != out_st {
+                if alive[s] && !is_out(s) {
                     if cached[s] && !saved[s] {
                         cost.cache_only += bytes(s);
                     } else {
@@ -173,7 +189,7 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
             cost.kept.activations += seg.ops.iter().map(|o| o.extra_saved).sum::<u64>();
         } else {
             cost.ckpt_peak = peak;
-            cost.ckpt_cache = (0..n).filter(|&s| alive[s] && s != out_st).map(bytes).sum();
+            cost.ckpt_cache = (0..n).filter(|&s| alive[s] && !is_out(s)).map(bytes).sum();
         }
     }
 
@@ -183,14 +199,17 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
     let mut peak = live;
     let mut held = vec![false; n];
     for s in 0..n {
-        held[s] = is_alloc(s) && s != out_st && saved[s];
+        held[s] = is_alloc(s) && !is_out(s) && saved[s];
     }
     let mut grad = vec![false; n];
-    grad[seg.output] = true;
+    for &o in &outs {
+        grad[o] = true;
+    }
     for &t in extra_grads {
         grad[t] = true;
     }
     let mut grad_out_pending = true;
+    let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
     for (k, op) in seg.ops.iter().enumerate().rev() {
         let o = op.output;
         let flows = grad[o] && seg.tensors[o].requires_grad;
@@ -224,8 +243,12 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
             // The output's gradient is consumed.
             grad[o] = false;
             if o == seg.output && grad_out_pending {
-                live.workspace -= grad_in;
+                // `grad_in` holds the gradients of every output; each side output's share
+                // goes with its own node.
+                live.workspace -= grad_in - side_grads;
                 grad_out_pending = false;
+            } else if seg.side_outputs.contains(&o) {
+                live.workspace -= seg.tensors[o].bytes();
             } else if extra_grads.contains(&o) {
                 // An outside gradient: accounted by the caller.
             } else if !matches!(seg.tensors[o].kind, TensorKind::Input { .. }) {

@@ -51,6 +51,8 @@ pub(crate) mod allocator;
 pub(crate) mod caching_allocator;
 pub(crate) mod device;
 pub(crate) mod rules;
+pub(crate) mod stages;
+pub(crate) mod families;
 pub(crate) mod step;
 #[cfg(test)]
 mod tests;

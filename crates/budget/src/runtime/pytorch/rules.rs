@@ -304,6 +304,7 @@ impl PyTorch {
         let f = dims.precision.accum_dtype();
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
         let x = bl.g.input("x", e, f, true);
+        bl.g.stream_in = vec![x];
         let c = bl.g.input("c", dims.b * d, f, true);
         let m = bl.ada_ln("adaLN_modulation.1", c, 6);
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
@@ -343,6 +344,7 @@ impl PyTorch {
         let f = dims.precision.accum_dtype();
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
         let x = bl.g.input("x", e, f, true);
+        bl.g.stream_in = vec![x];
         let c = bl.g.input("c", dims.b * d, f, true);
         let m = bl.ada_ln("final_layer.adaLN_modulation.1", c, 2);
         let n = bl.layer_norm("final norm", x, rows);

@@ -2,52 +2,65 @@
 //! one optimizer step replayed as the peer (`bench/torch_peer/peer.py`) runs it [CK][OPT] (the
 //! rule sources are listed in the folder's `mod.rs`).
 
-use serde::Serialize;
 
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
-use crate::runtime::pytorch::allocator::{simulate, Live, SegCost};
+use crate::runtime::pytorch::allocator::{Live, SegCost};
 use crate::runtime::pytorch::device::for_spec;
-use crate::runtime::shape::Shape;
-use crate::spec::{Optimizer, Precision, Prediction, Spec};
+use crate::runtime::pytorch::stages::{stages, StageCost};
+use crate::spec::{Optimizer, OptimizerImpl, Precision, Spec, TorchDevice};
 
-/// The three segments of a spec under PyTorch's rules.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Costs {
-    pub embed: SegCost,
-    pub block: SegCost,
-    pub final_layer: SegCost,
+/// The implementation of `torch.optim.AdamW` a spec runs: its own, else the device's default.
+pub fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
+    spec.recipe
+        .optimizer_impl
+        .unwrap_or(OptimizerImpl::default_for(for_spec(spec).device))
 }
 
-pub fn costs(spec: &Spec) -> Costs {
-    let rt = for_spec(spec);
-    let dims = Shape::new(spec);
-    let f = dims.precision.accum_dtype();
-    let x_grad = dims.e() * f.size();
-    let embed = rt.embed(&dims);
-    let c = embed
-        .ops
-        .iter()
-        .map(|o| o.output)
-        .find(|&t| embed.tensors[t].name.starts_with("c = "))
-        .map(|t| vec![t])
-        .unwrap_or_default();
-    let loss_grad = dims.precision.param_dtype().size();
-    Costs {
-        embed: simulate(&embed, x_grad, &c),
-        block: simulate(&rt.block(&dims), x_grad, &[]),
-        final_layer: simulate(&rt.final_layer(&dims), loss_grad, &[]),
+/// Bytes of AdamW's `state["step"]` tensors on the step's device [OPT]: a 0-dim fp32 tensor per
+/// parameter, hosted on the CPU unless `capturable` or `fused` (`adam.py` `_init_group`: "special
+/// device hosting for step"), so none on a GPU with for-loop or foreach.
+pub fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
+    let on_device = for_spec(spec).device == TorchDevice::Cpu
+        || optimizer_impl(spec) == OptimizerImpl::Fused;
+    if spec.recipe.optimizer == Optimizer::Sgd || !on_device {
+        0
+    } else {
+        4 * trained_tensors
     }
 }
 
-/// Transient bytes of the optimizer step over all trained tensors at once [OPT].
-pub fn optimizer_scratch(trained_elems: u64, precision: Precision, optimizer: Optimizer) -> u64 {
-    match optimizer {
-        // `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`: a new state-sized list.
-        Optimizer::AdamW | Optimizer::AdamW8bit => {
-            trained_elems * precision.optimizer_dtype().size()
-        }
-        Optimizer::Sgd => 0,
+/// Transient bytes of the optimizer step [OPT], by implementation:
+/// - foreach (`_multi_tensor_adam`): `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` is a
+///   new state-sized list over every parameter at once; the rest is in place;
+/// - for-loop (`_single_tensor_adam`): `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+///   .add_(eps)` holds the square root and the quotient of one parameter at once: twice the
+///   largest tensor;
+/// - fused (`_fused_adamw_`): none;
+/// - SGD without momentum updates in place.
+///
+/// 8-bit AdamW keeps the foreach figure of its state until its own rules land.
+pub fn optimizer_scratch(
+    trained_elems: u64,
+    largest: u64,
+    precision: Precision,
+    optimizer: Optimizer,
+    imp: OptimizerImpl,
+) -> u64 {
+    let sd = precision.optimizer_dtype().size();
+    match (optimizer, imp) {
+        (Optimizer::Sgd, _) => 0,
+        (Optimizer::AdamW8bit, _) | (Optimizer::AdamW, OptimizerImpl::Foreach) => trained_elems * sd,
+        (Optimizer::AdamW, OptimizerImpl::ForLoop) => 2 * largest * sd,
+        (Optimizer::AdamW, OptimizerImpl::Fused) => 0,
+    }
+}
+
+/// The label of a stage's instance: `"block 3"` for blocks, the stage's name otherwise.
+fn label(sc: &StageCost, idx: Option<u32>) -> String {
+    match idx {
+        Some(i) => format!("{} {i}", sc.label),
+        None => sc.label.to_string(),
     }
 }
 
@@ -60,122 +73,91 @@ fn with(live: Breakdown, seg: Live) -> Breakdown {
     b
 }
 
-/// Replay one optimizer step as the peer (`bench/torch_peer/peer.py`) runs it: per microbatch
-/// the data, the forward under autocast (weight copies cached until it exits), the fp32 loss,
-/// `loss.backward()` (each segment's graph released op by op, checkpointed blocks recomputed
-/// first [CK]), then `optimizer.step()` [OPT], the EMA update and `zero_grad(set_to_none=True)`.
+/// Replay one optimizer step as the peer (`bench/torch_peer/peer.py`, `family_peer.py`) runs it:
+/// per microbatch the data, the forward under autocast (weight copies cached until it exits)
+/// stage by stage, the fp32 loss, `loss.backward()` (each stage's graph released op by op,
+/// checkpointed blocks recomputed first [CK]), then `optimizer.step()` [OPT], the EMA update and
+/// `zero_grad(set_to_none=True)`.
 pub fn replay(
     spec: &Spec,
     table: &[ParamTensor],
     st: &StaticBytes,
     max_microbatches: u32,
 ) -> Vec<Event> {
-    let c = costs(spec);
-    let dims = Shape::new(spec);
+    let rt = for_spec(spec);
+    let stages = stages(rt, spec);
+    let costs = stages.costs();
     let r = &spec.recipe;
     let p = r.precision;
-    let pd = p.param_dtype().size();
-    let f = p.accum_dtype().size();
-    let x_grad = dims.e() * f;
-    let c_bytes = dims.b * dims.d * f;
     let trained: Vec<&ParamTensor> = table
         .iter()
         .filter(|t| t.role == ParamRole::Trained)
         .collect();
     let trained_elems: u64 = trained.iter().map(|t| t.numel()).sum();
-    // AdamW keeps a 4-byte `step` tensor per parameter beside m and v (`state['step']`).
-    let steps = if r.optimizer == Optimizer::Sgd {
-        0
-    } else {
-        4 * trained.len() as u64
-    };
+    let largest = trained.iter().map(|t| t.numel()).max().unwrap_or(0);
+    let imp = optimizer_impl(spec);
     let base = Breakdown {
         weights: st.weights,
         master_weights: st.master_weights,
-        optimizer_state: st.optimizer_state + steps,
+        optimizer_state: st.optimizer_state + step_tensors(spec, trained.len() as u64),
         ema: st.ema,
         ..Breakdown::default()
     };
     let mut ev = Events::default();
     ev.push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
-    let depth = spec.model.depth;
     let w = &spec.workload;
     for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
         let first = mb == 0;
-        // x0, noise (the ε target), ᾱ_t, t and y (int64).
-        let target = if r.prediction == Prediction::V {
-            dims.latent * pd
-        } else {
-            0
-        };
-        let kept_data = dims.latent * pd + 8 * dims.b + target;
-        live.data = kept_data + dims.latent * pd + dims.b * (pd + 8);
+        live.data = stages.data.kept + stages.data.forward_only;
         // Forward.
         let mut cache = 0;
-        let e = c.embed;
-        ev.push(
-            Phase::Forward,
-            "embed (inside)".into(),
-            None,
-            mb,
-            true,
-            with(live, e.fwd_peak),
-        );
-        live.activations += e.kept.activations + e.output;
-        live.weight_casts += e.kept.weight_casts;
-        cache += e.cache_only;
-        live.weight_casts += e.cache_only;
-        ev.push(Phase::Forward, "embed".into(), None, mb, false, live);
-        let b = c.block;
-        for i in 0..depth {
-            let ck = r.recompute.recomputes_block(i);
-            let peak = if ck { b.ckpt_peak } else { b.fwd_peak };
-            ev.push(
-                Phase::Forward,
-                format!("block {i} (inside)"),
-                Some(i),
-                mb,
-                true,
-                with(live, peak),
-            );
-            live.activations += b.output;
-            if ck {
-                cache += b.ckpt_cache;
-                live.weight_casts += b.ckpt_cache;
-            } else {
-                live.activations += b.kept.activations;
-                live.weight_casts += b.kept.weight_casts + b.cache_only;
-                cache += b.cache_only;
+        let mut block = 0u32;
+        // Output bytes of the instance before the current one (the stream it reads).
+        let mut prev_out = 0;
+        for (k, sc) in costs.iter().enumerate() {
+            let c = &sc.cost;
+            let last = k + 1 == costs.len();
+            for _ in 0..sc.count {
+                let idx = sc.blocks.then_some(block);
+                let ck = sc.blocks && r.recompute.recomputes_block(block);
+                let name = label(sc, idx);
+                ev.push(
+                    Phase::Forward,
+                    format!("{name} (inside)"),
+                    idx,
+                    mb,
+                    true,
+                    with(live, if ck { c.ckpt_peak } else { c.fwd_peak }),
+                );
+                live.activations += c.output;
+                if ck {
+                    cache += c.ckpt_cache;
+                    live.weight_casts += c.ckpt_cache;
+                } else {
+                    live.activations += c.kept.activations;
+                    live.weight_casts += c.kept.weight_casts + c.cache_only;
+                    cache += c.cache_only;
+                    if k > 0 && !c.input_saved {
+                        // Nothing saved the stream it read (a concatenation read it): freed.
+                        live.activations -= prev_out;
+                    }
+                }
+                prev_out = c.output;
+                let done = if last { "loss".to_string() } else { name };
+                ev.push(Phase::Forward, done, idx, mb, false, live);
+                if sc.blocks {
+                    block += 1;
+                }
             }
-            ev.push(
-                Phase::Forward,
-                format!("block {i}"),
-                Some(i),
-                mb,
-                false,
-                live,
-            );
         }
-        let fl = c.final_layer;
-        ev.push(
-            Phase::Forward,
-            "final + loss (inside)".into(),
-            None,
-            mb,
-            true,
-            with(live, fl.fwd_peak),
-        );
-        live.activations += fl.kept.activations + fl.output;
-        live.weight_casts += fl.kept.weight_casts + fl.cache_only;
-        cache += fl.cache_only;
-        ev.push(Phase::Forward, "loss".into(), None, mb, false, live);
-        // Autocast exits: copies only the cache held are freed; x0 and ᾱ go with the forward.
+        // Autocast exits: copies only the cache held are freed; the forward's data goes.
         live.weight_casts -= cache;
-        live.data = kept_data;
+        live.data = stages.data.kept;
 
-        // Backward: the final layer, then blocks in reverse, then the embedder.
-        let back = |live: &mut Breakdown, s: &SegCost, grad_in: u64| -> Breakdown {
+        // Backward: the stages in reverse. Each one's inside peak is its segment's backward
+        // peak above what is live less its own graph, the incoming gradient counted once.
+        let back = |live: &Breakdown, s: &SegCost, grad_in: u64| -> Breakdown {
             let mut at = *live;
             at.activations -= s.kept.activations;
             at.weight_casts -= s.kept.weight_casts;
@@ -188,91 +170,86 @@ pub fn replay(
             }
             with(at, peak)
         };
-        let inside = back(&mut live, &fl, 0);
-        ev.push(
-            Phase::Backward,
-            "final + loss (inside)".into(),
-            None,
-            mb,
-            true,
-            inside,
-        );
-        live.activations -= fl.kept.activations + fl.output + b.output;
-        live.weight_casts -= fl.kept.weight_casts;
-        live.workspace += x_grad + c_bytes;
-        if first {
-            live.gradients += fl.param_grads;
-        }
-        ev.push(
-            Phase::Backward,
-            "final + loss".into(),
-            None,
-            mb,
-            false,
-            live,
-        );
-        for i in (0..depth).rev() {
-            let ck = r.recompute.recomputes_block(i);
-            if ck {
-                // Recompute under the same autocast state, with the incoming gradient alive.
+        // Broadcast gradients made so far (by name), in `workspace` until the input side's
+        // backward consumes them.
+        let mut bcast: Vec<(String, u64)> = Vec::new();
+        let mut grad_out = 0; // the gradient of the stream the current stage produced
+        for (k, sc) in costs.iter().enumerate().rev() {
+            let c = &sc.cost;
+            let last = k + 1 == costs.len();
+            for j in (0..sc.count).rev() {
+                let idx = sc.blocks.then(|| {
+                    block -= 1;
+                    block
+                });
+                let ck = sc.blocks && r.recompute.recomputes_block(block);
+                let name = label(sc, idx);
+                if ck {
+                    // Recompute under the same autocast state, with the incoming gradient alive.
+                    ev.push(
+                        Phase::Backward,
+                        format!("{name} recompute (inside)"),
+                        idx,
+                        mb,
+                        true,
+                        with(live, c.fwd_peak),
+                    );
+                    live.activations += c.kept.activations;
+                    live.weight_casts += c.kept.weight_casts;
+                }
+                let inside = back(&live, c, if last { 0 } else { grad_out });
                 ev.push(
                     Phase::Backward,
-                    format!("block {i} recompute (inside)"),
-                    Some(i),
+                    format!("{name} (inside)"),
+                    idx,
                     mb,
                     true,
-                    with(live, b.fwd_peak),
+                    inside,
                 );
-                live.activations += b.kept.activations;
-                live.weight_casts += b.kept.weight_casts;
+                live.activations -= c.kept.activations;
+                live.weight_casts -= c.kept.weight_casts;
+                if last {
+                    // The loss scalar goes with its node.
+                    live.activations -= c.output;
+                }
+                if k > 0 && (ck || c.input_saved) {
+                    // The stream this instance read (the previous instance's output), saved by
+                    // its first op, goes with that node.
+                    live.activations -= if j > 0 {
+                        c.output
+                    } else {
+                        costs[k - 1].cost.output
+                    };
+                }
+                // The gradient of this stage's output is consumed; its inputs' are made.
+                if !last {
+                    live.workspace -= grad_out;
+                }
+                if k > 0 {
+                    live.workspace += sc.stream_in_grad;
+                    grad_out = sc.stream_in_grad;
+                }
+                for (n, bytes) in &sc.bcast {
+                    if !bcast.iter().any(|(m, _)| m == n) {
+                        bcast.push((n.clone(), *bytes));
+                        live.workspace += bytes;
+                    }
+                }
+                if first {
+                    live.gradients += c.param_grads;
+                }
+                if k == 0 {
+                    live.workspace -= bcast.iter().map(|(_, b)| b).sum::<u64>();
+                    live.data = 0;
+                }
+                ev.push(Phase::Backward, name, idx, mb, false, live);
             }
-            let inside = back(&mut live, &b, x_grad);
-            ev.push(
-                Phase::Backward,
-                format!("block {i} (inside)"),
-                Some(i),
-                mb,
-                true,
-                inside,
-            );
-            live.activations -= b.kept.activations;
-            live.weight_casts -= b.kept.weight_casts;
-            // The block's input (the previous segment's output) is released with norm1's node.
-            live.activations -= if i == 0 { e.output } else { b.output };
-            if first {
-                live.gradients += b.param_grads;
-            }
-            ev.push(
-                Phase::Backward,
-                format!("block {i}"),
-                Some(i),
-                mb,
-                false,
-                live,
-            );
         }
-        let inside = back(&mut live, &e, x_grad);
-        ev.push(
-            Phase::Backward,
-            "embed (inside)".into(),
-            None,
-            mb,
-            true,
-            inside,
-        );
-        live.activations -= e.kept.activations;
-        live.weight_casts -= e.kept.weight_casts;
-        live.workspace -= x_grad + c_bytes;
-        if first {
-            live.gradients += e.param_grads;
-        }
-        live.data = 0;
-        ev.push(Phase::Backward, "embed".into(), None, mb, false, live);
     }
     // Optimizer step, EMA, zero_grad.
     if trained_elems > 0 {
         let mut at = live;
-        at.workspace += optimizer_scratch(trained_elems, p, r.optimizer);
+        at.workspace += optimizer_scratch(trained_elems, largest, p, r.optimizer, imp);
         ev.push(
             Phase::Optimizer,
             format!("{} (inside)", r.optimizer.name()),

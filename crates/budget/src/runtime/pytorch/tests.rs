@@ -5,13 +5,34 @@
 use crate::estimate::estimate;
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::rules::SAVED;
-use crate::runtime::pytorch::step::{costs, optimizer_scratch};
+use crate::runtime::pytorch::stages::stages;
+use crate::runtime::pytorch::allocator::SegCost;
+use crate::runtime::pytorch::device::for_spec;
+use crate::runtime::pytorch::step::optimizer_scratch;
 use crate::runtime::shape::Shape;
 use crate::spec::{
     AttentionMode, ModelSpec, Optimizer, Precision, Recompute, Runtime, SdpaBackend, Spec,
     TorchDevice,
 };
 use crate::timeline::simulate_step;
+
+/// The three segments of an original-DiT spec under PyTorch's rules (the stages' costs, by name).
+#[derive(Debug, Clone, Copy, Default)]
+struct Costs {
+    embed: SegCost,
+    block: SegCost,
+    final_layer: SegCost,
+}
+
+fn costs(spec: &Spec) -> Costs {
+    let c = stages(for_spec(spec), spec).costs();
+    let at = |i: usize| c.get(i).map(|s| s.cost).unwrap_or_default();
+    Costs {
+        embed: at(0),
+        block: at(1),
+        final_layer: at(c.len().saturating_sub(1)),
+    }
+}
 
 fn spec(precision: Precision, attention: AttentionMode, device: TorchDevice) -> Spec {
     let mut s = Spec::default_xl();
@@ -156,30 +177,59 @@ fn checkpointed_blocks_keep_only_their_input() {
 }
 
 #[test]
-fn foreach_adamw_scratch_is_one_state_copy_of_all_parameters() {
-    assert_eq!(
-        optimizer_scratch(1000, Precision::Fp32, Optimizer::AdamW),
-        4000
-    );
-    assert_eq!(
-        optimizer_scratch(1000, Precision::Bf16Mixed, Optimizer::AdamW),
-        4000
-    );
-    assert_eq!(optimizer_scratch(1000, Precision::Fp32, Optimizer::Sgd), 0);
-    let s = spec(
+fn adamw_scratch_follows_the_implementation() {
+    use crate::spec::OptimizerImpl::{Foreach, ForLoop, Fused};
+    let sc = |p, o, i| optimizer_scratch(1000, 300, p, o, i);
+    // foreach: `_foreach_sqrt(exp_avg_sqs)`, one fp32 state copy of every parameter at once.
+    assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, Foreach), 4000);
+    assert_eq!(sc(Precision::Bf16Mixed, Optimizer::AdamW, Foreach), 4000);
+    // for-loop: the square root and the quotient of the largest parameter.
+    assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, ForLoop), 2 * 300 * 4);
+    assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, Fused), 0);
+    assert_eq!(sc(Precision::Fp32, Optimizer::Sgd, Foreach), 0);
+    let mut s = spec(
         Precision::Fp32,
         AttentionMode::MemoryEfficient,
         TorchDevice::Cpu,
     );
-    let b = estimate(&s).unwrap();
-    let opt = b
-        .timeline
-        .events
+    let opt_ws = |s: &Spec| {
+        let b = estimate(s).unwrap();
+        let e = b
+            .timeline
+            .events
+            .iter()
+            .find(|e| e.label == "adamw (inside)")
+            .unwrap()
+            .clone();
+        assert_eq!(e.live.gradients, b.static_bytes.gradients);
+        (e.live.workspace, b)
+    };
+    // The CPU default is the for-loop (`_default_to_fused_or_foreach`: foreach only on CUDA).
+    let (ws, b) = opt_ws(&s);
+    assert_eq!(ws, 2 * b.params.largest_trained * 4);
+    s.recipe.optimizer_impl = Some(Foreach);
+    let (ws, b) = opt_ws(&s);
+    assert_eq!(ws, b.params.trained * 4);
+    // On CUDA foreach is the default, and the `step` tensors stay on the CPU.
+    let cuda = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cuda,
+    );
+    let (ws, b) = opt_ws(&cuda);
+    assert_eq!(ws, b.params.trained * 4);
+    let start = b.timeline.events[0].live.optimizer_state;
+    assert_eq!(start, b.static_bytes.optimizer_state);
+    s.recipe.optimizer_impl = None;
+    let cpu = estimate(&s).unwrap();
+    let tensors = crate::denoiser::param_table(&s)
         .iter()
-        .find(|e| e.label == "adamw (inside)")
-        .unwrap();
-    assert_eq!(opt.live.workspace, b.params.trained * 4);
-    assert_eq!(opt.live.gradients, b.static_bytes.gradients);
+        .filter(|t| t.role == crate::params::ParamRole::Trained)
+        .count() as u64;
+    assert_eq!(
+        cpu.timeline.events[0].live.optimizer_state,
+        cpu.static_bytes.optimizer_state + 4 * tensors
+    );
 }
 
 #[test]

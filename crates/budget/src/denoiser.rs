@@ -1,0 +1,279 @@
+//! The denoiser of a spec: the original DiT that `model`'s own fields describe, or a diffusers
+//! model of a family read from `model.diffusers` (its transformer `config.json` object).
+//!
+//! Above both `params` (the original DiT's table) and `families` (the diffusers classes' tables):
+//! the spec itself stays below them and holds the config as it was given. [`resolve`] derives
+//! the spec's model fields and VAE geometry from the family, [`check`] holds the workload and
+//! the recipe against it, and [`param_table`] lists every tensor the step holds for either kind.
+
+use crate::error::SpecError;
+use crate::families::{self, FamilyModel, FamilyTensor, Geometry, Group, TensorKind};
+use crate::params::{self, Module, ParamRole, ParamTensor};
+use crate::spec::{Runtime, Spec};
+
+/// The diffusers model of a spec (None: the original DiT).
+pub fn family(spec: &Spec) -> Result<Option<FamilyModel>, SpecError> {
+    let Some(map) = &spec.model.diffusers else {
+        return Ok(None);
+    };
+    let mut m = families::from_config_map(map.clone()).map_err(|e| match e {
+        SpecError::Invalid { field, message } => SpecError::Invalid {
+            field: format!("model.diffusers.{field}"),
+            message,
+        },
+        other => other,
+    })?;
+    m.name = spec.model.name.clone();
+    Ok(Some(m))
+}
+
+/// A spec of the given diffusers model (a preset or a read config.json): the config goes into
+/// `model.diffusers` and the derived fields are filled.
+pub fn with_family(
+    mut spec: Spec,
+    name: &str,
+    config: serde_json::Map<String, serde_json::Value>,
+) -> Result<Spec, SpecError> {
+    spec.model.name = name.to_string();
+    spec.model.diffusers = Some(config);
+    resolve(&mut spec)?;
+    Ok(spec)
+}
+
+/// Derive the model fields the generic code reads (depth, hidden, heads, patch, channels) and
+/// the VAE geometry from the family: the VAE is the one the model was trained with, so a
+/// spec's `workload.vae_factor`, `latent_channels` and `vae_temporal_factor` follow the model.
+/// A no-op for the original DiT.
+pub fn resolve(spec: &mut Spec) -> Result<(), SpecError> {
+    let Some(fm) = family(spec)? else {
+        return Ok(());
+    };
+    let g = fm.geometry();
+    let narrow = |field: &str, v: u64| {
+        u32::try_from(v).map_err(|_| SpecError::invalid(field, format!("{v} is too large")))
+    };
+    let m = &mut spec.model;
+    m.depth = narrow("model.diffusers.num_layers", g.blocks)?;
+    m.hidden = narrow("model.diffusers.attention_head_dim", g.hidden)?;
+    m.heads = narrow("model.diffusers.num_attention_heads", g.heads)?;
+    m.patch = narrow("model.diffusers.patch_size", g.patch)?;
+    m.in_channels = narrow("model.diffusers.in_channels", g.latent_channels)?;
+    m.mlp_ratio = narrow(
+        "model.diffusers",
+        g.mlp.div_ceil(g.hidden.max(1)).max(1),
+    )?;
+    // Not class-conditional (or, for diffusers' DiT, its label table is in the family's table).
+    m.num_classes = 1;
+    m.class_dropout_prob = 0.0;
+    m.learn_sigma = false;
+    let w = &mut spec.workload;
+    w.vae_factor = narrow("workload.vae_factor", g.vae_factor)?;
+    w.latent_channels = m.in_channels;
+    w.vae_temporal_factor = narrow("workload.vae_temporal_factor", g.vae_temporal_factor)?;
+    Ok(())
+}
+
+/// The text tokens per encoder of a spec's model: the spec's, or the family's defaults.
+pub fn text_tokens(spec: &Spec, g: &Geometry) -> Vec<u64> {
+    match &spec.workload.text_tokens {
+        Some(t) => t.iter().map(|&n| u64::from(n)).collect(),
+        None => g.text.iter().map(|e| e.default_tokens).collect(),
+    }
+}
+
+/// Check a resolved spec against its family: the text encoders, frames, LoRA modules.
+pub fn check(spec: &Spec) -> Result<(), SpecError> {
+    spec.validate()?;
+    let Some(fm) = family(spec)? else {
+        return Ok(());
+    };
+    if spec.runtime == Runtime::DitmemCpu {
+        return Err(SpecError::invalid(
+            "runtime",
+            format!(
+                "ditmem-cpu runs only the original DiT so far, not {} ({}); allowed: pytorch, \
+                 pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
+                fm.class_name,
+                fm.family.name()
+            ),
+        ));
+    }
+    let g = fm.geometry();
+    let m = &spec.model;
+    if u64::from(m.depth) != g.blocks || u64::from(m.hidden) != g.hidden {
+        return Err(SpecError::invalid(
+            "model.depth",
+            format!(
+                "depth {} / hidden {} do not follow from model.diffusers ({} blocks, hidden {}); \
+                 allowed: leave them out (they are derived from the config)",
+                m.depth, m.hidden, g.blocks, g.hidden
+            ),
+        ));
+    }
+    let w = &spec.workload;
+    if let Some(tt) = &w.text_tokens {
+        if tt.len() != g.text.len() {
+            let names: Vec<&str> = g.text.iter().map(|e| e.name).collect();
+            return Err(SpecError::invalid(
+                "workload.text_tokens",
+                if g.text.is_empty() {
+                    format!("is given, but {} has no text encoder; allowed: none", fm.class_name)
+                } else {
+                    format!(
+                        "lists {} counts; allowed: {} (one per text encoder: {})",
+                        tt.len(),
+                        g.text.len(),
+                        names.join(", ")
+                    )
+                },
+            ));
+        }
+    }
+    if w.frames != 1 && g.vae_temporal_factor == 1 {
+        return Err(SpecError::invalid(
+            "workload.frames",
+            format!(
+                "{} for {} (an image model); allowed: 1",
+                w.frames, fm.class_name
+            ),
+        ));
+    }
+    if let families::Dims::Wan(d) = &fm.dims {
+        if d.patch_size[0] != 1 {
+            return Err(SpecError::invalid(
+                "model.diffusers.patch_size",
+                format!(
+                    "{:?} patches {} latent frames together; allowed: a temporal patch of 1 (Wan 2.1)",
+                    d.patch_size, d.patch_size[0]
+                ),
+            ));
+        }
+    }
+    if spec.recipe.lora.is_some() {
+        let modules = lora_modules(spec);
+        let table = fm.dims.table();
+        for name in &modules {
+            if !table
+                .iter()
+                .any(|t| is_linear_weight(t) && matches_module(module_of(&t.name), name))
+            {
+                return Err(SpecError::invalid(
+                    "recipe.lora.modules",
+                    format!(
+                        "'{}' names no Linear of {}; allowed: module names such as to_q, to_k, \
+                         to_v, to_out.0 (PEFT matches a full name or its last components)",
+                        name, fm.class_name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// diffusers' LoRA scripts' default targets (`train_dreambooth_lora_flux.py`,
+/// `train_dreambooth_lora_sd3.py`, `train_dreambooth_lora_sana.py`: `--lora_layers` unset →
+/// `["to_k", "to_q", "to_v", "to_out.0"]`).
+pub const DEFAULT_LORA_MODULES: [&str; 4] = ["to_k", "to_q", "to_v", "to_out.0"];
+
+/// The LoRA modules of a family spec: the spec's, or the scripts' default.
+pub fn lora_modules(spec: &Spec) -> Vec<String> {
+    match &spec.recipe.lora {
+        Some(l) if !l.modules.is_empty() => l.modules.clone(),
+        Some(_) => DEFAULT_LORA_MODULES.iter().map(|s| s.to_string()).collect(),
+        None => Vec::new(),
+    }
+}
+
+/// PEFT's `check_target_module_exists` for a list of names: the module's full name equals the
+/// key or ends with `.key`.
+pub fn matches_module(module: &str, key: &str) -> bool {
+    module == key
+        || (module.len() > key.len()
+            && module.ends_with(key)
+            && module.as_bytes()[module.len() - key.len() - 1] == b'.')
+}
+
+fn module_of(tensor: &str) -> &str {
+    tensor.rsplit_once('.').map_or(tensor, |(m, _)| m)
+}
+
+/// A 2-D `.weight` of a module: the tables hold Linear weights as (out, in) and nothing else
+/// 2-D under a `.weight` name except embedding tables, which no LoRA default names.
+fn is_linear_weight(t: &FamilyTensor) -> bool {
+    t.kind == TensorKind::Param && t.shape.len() == 2 && t.name.ends_with(".weight")
+}
+
+fn module_for(g: Group) -> Module {
+    match g {
+        Group::PatchEmbed => Module::PatchEmbed,
+        Group::PosEmbed | Group::Rope => Module::PosEmbed,
+        Group::TimeEmbed => Module::TimestepEmbed,
+        Group::ClassEmbed => Module::LabelEmbed,
+        Group::TextEmbed => Module::TextEmbed,
+        Group::Blocks => Module::TransformerBlocks,
+        Group::SingleBlocks => Module::SingleBlocks,
+        Group::FinalLayer => Module::FinalLayer,
+    }
+}
+
+/// Every tensor the model holds under the spec: the original DiT's table, or the family's
+/// table with the recipe's roles (LoRA freezes the base and adds A (r × in) and B (out × r) to
+/// every matched Linear, as PEFT's `lora_A` / `lora_B`), buffers marked as such.
+pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
+    let fm = match family(spec) {
+        Ok(Some(fm)) => fm,
+        // The original DiT, or a config `check` refuses (estimate checks before it counts).
+        _ => return params::param_table(spec),
+    };
+    let lora = spec.recipe.lora.as_ref();
+    let modules = lora_modules(spec);
+    let base = if lora.is_some() {
+        ParamRole::Frozen
+    } else {
+        ParamRole::Trained
+    };
+    let mut v = Vec::new();
+    for t in fm.dims.table() {
+        let module = module_for(t.group);
+        let buffer = t.kind != TensorKind::Param;
+        let role = if buffer || t.fixed {
+            ParamRole::Frozen
+        } else {
+            base
+        };
+        let adapted = lora.filter(|_| {
+            is_linear_weight(&t)
+                && modules
+                    .iter()
+                    .any(|k| matches_module(module_of(&t.name), k))
+        });
+        let (out, inp) = (t.shape[0], *t.shape.last().unwrap_or(&0));
+        let prefix = module_of(&t.name).to_string();
+        v.push(ParamTensor {
+            name: t.name,
+            shape: t.shape,
+            role,
+            module,
+            block: t.block,
+            buffer,
+        });
+        if let Some(l) = adapted {
+            let r = u64::from(l.rank);
+            for (name, shape) in [
+                (format!("{prefix}.lora_A.default.weight"), vec![r, inp]),
+                (format!("{prefix}.lora_B.default.weight"), vec![out, r]),
+            ] {
+                v.push(ParamTensor {
+                    name,
+                    shape,
+                    role: ParamRole::Trained,
+                    module: Module::Lora,
+                    block: v.last().and_then(|p: &ParamTensor| p.block),
+                    buffer: false,
+                });
+            }
+        }
+    }
+    v
+}
