@@ -50,6 +50,7 @@
 pub(crate) mod allocator;
 pub(crate) mod caching_allocator;
 pub(crate) mod device;
+pub(crate) mod ops;
 pub(crate) mod rules;
 pub(crate) mod stages;
 pub(crate) mod families;

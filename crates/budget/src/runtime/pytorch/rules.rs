@@ -5,236 +5,32 @@
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::shape::Shape;
 use crate::segment::{Segment, Tid};
-use crate::spec::{AttentionMode, Dtype, SdpaBackend, TorchDevice};
+use crate::spec::Dtype;
 
-/// Marker appended to the name of a tensor that some op saves for backward.
-pub const SAVED: &str = " [saved]";
-/// Marker of an autocast weight copy that only the autocast cache holds (until the forward ends).
-pub const CACHED: &str = " [autocast cache]";
-
-/// Dtype of an elementwise result under type promotion (the wider float wins).
-fn promote(a: Dtype, b: Dtype) -> Dtype {
-    if a.size() >= b.size() {
-        a
-    } else {
-        b
-    }
-}
-
-/// Mark `t` as saved for backward by some op.
-fn save(g: &mut Segment, t: Tid) {
-    let name = &mut g.tensors[t].name;
-    if !name.ends_with(SAVED) {
-        name.push_str(SAVED);
-    }
-}
-
-/// One forward graph under construction, with the precision rules of the spec.
-struct Builder<'a> {
-    rt: &'a PyTorch,
-    dims: &'a Shape,
-    g: Segment,
-}
-
-impl Builder<'_> {
-    /// Whether autocast is on (mixed precision with fp32 master weights) [AC].
-    fn autocast(&self) -> bool {
-        self.dims.precision.is_mixed()
-    }
-
-    /// Dtype the parameters are stored in.
-    fn param_dtype(&self) -> Dtype {
-        self.dims.precision.param_dtype()
-    }
-
-    /// Dtype of matmul / conv / SDPA outputs.
-    fn low(&self) -> Dtype {
-        self.dims.precision.compute_dtype()
-    }
-
-    /// The tensor an autocast-listed op reads: itself, or a new cast copy [AC].
-    fn cast_low(&mut self, name: &str, x: Tid) -> Tid {
-        let low = self.low();
-        self.g.cast(&format!("{name} →{low}"), x, low)
-    }
-
-    /// A trained parameter and, under autocast, its cached low-precision copy [AC]. The copy is
-    /// marked saved: the autocast cache holds it for the rest of the forward, and the op that
-    /// reads it keeps it for backward.
-    fn weight(&mut self, name: &str, elems: u64) -> Tid {
-        let pd = self.param_dtype();
-        let p = self.g.param(name, elems, pd, true);
-        let c = self.cast_low(name, p);
-        save(&mut self.g, c);
-        c
-    }
-
-    /// A parameter whose autocast copy only the cache holds (a bias: `addmm` does not save it).
-    fn cached_weight(&mut self, name: &str, elems: u64) -> Tid {
-        let pd = self.param_dtype();
-        let p = self.g.param(name, elems, pd, true);
-        let c = self.cast_low(name, p);
-        if c != p {
-            self.g.tensors[c].name.push_str(CACHED);
-        }
-        c
-    }
-
-    /// `F.linear(x, W, b)`: `addmm` on the 2-D view of x saves the (cast) input and the (cast)
-    /// weight [AG][AC]; the output is in the compute dtype and is not saved by this op.
-    fn linear(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64) -> Tid {
-        let w = self.weight(&format!("{name}.weight"), out * inp);
-        let b = self.cached_weight(&format!("{name}.bias"), out);
-        let xin = self.cast_low(&format!("{name} input"), x);
-        save(&mut self.g, xin);
-        let low = self.low();
-        self.g.op(name, &[xin, w, b], rows * out, low)
-    }
-
-    /// `LayerNorm(D, elementwise_affine=False)`: saves its input and fp32 mean + rstd per row
-    /// [AG] (the input's dtype on the CPU kernel, fp32 accumulation on CUDA); the output keeps
-    /// the input's dtype (fp32 under autocast: the residual stream is fp32 and CUDA lists
-    /// `layer_norm` as fp32) [AC].
-    fn layer_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
-        save(&mut self.g, x);
-        let dt = self.g.dtype(x);
-        let stat = match (self.rt.device, dt) {
-            (TorchDevice::Cpu, d) => d.size(),
-            (TorchDevice::Cuda, Dtype::F64) => 8,
-            (TorchDevice::Cuda, _) => 4,
-        };
-        let n = self.g.elems(x);
-        let y = self.g.op(name, &[x], n, dt);
-        self.g.annotate(y, 2 * rows * stat, 0, 0);
-        y
-    }
-
-    /// `x·(1 + scale[:, None]) + shift[:, None]`: `1 + scale` is a new (b, 1, D) tensor; the mul
-    /// saves both operands (both need a gradient); the add saves nothing [AG].
-    fn modulate(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid) -> Tid {
-        let bd = self.dims.b * self.dims.d;
-        let sdt = self.g.dtype(scale);
-        let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
-        save(&mut self.g, one_plus);
-        save(&mut self.g, xn);
-        let dt = promote(self.g.dtype(xn), sdt);
-        let n = self.g.elems(xn);
-        let mul = self
-            .g
-            .op(&format!("{name} ·(1+scale)"), &[xn, one_plus], n, dt);
-        let dt2 = promote(dt, self.g.dtype(shift));
-        self.g.op(&format!("{name} +shift"), &[mul, shift], n, dt2)
-    }
-
-    /// `Linear(SiLU(c))` chunked into `k` views of (b, D): SiLU saves c [AG].
-    fn ada_ln(&mut self, name: &str, c: Tid, k: u64) -> Vec<Tid> {
-        let (b, d) = (self.dims.b, self.dims.d);
-        save(&mut self.g, c);
-        let cdt = self.g.dtype(c);
-        let silu = self.g.op(&format!("{name} silu(c)"), &[c], b * d, cdt);
-        let m = self.linear(name, silu, b, k * d, d);
-        (0..k)
-            .map(|i| self.g.view(&format!("{name} chunk {i}"), m, b * d))
-            .collect()
-    }
-
-    /// Attention core of one block from the fused qkv output; returns proj's input.
-    fn attention(&mut self, qkv: Tid) -> Tid {
-        let d = self.dims;
-        let (e, a) = (d.e(), d.a());
-        let low = self.low();
-        let rows = d.b * d.heads * d.s;
-        let q = self.g.view("q (view of qkv)", qkv, e);
-        let k = self.g.view("k (view of qkv)", qkv, e);
-        let v = self.g.view("v (view of qkv)", qkv, e);
-        if d.attention == AttentionMode::MemoryEfficient {
-            match self.rt.effective_sdpa(d.precision) {
-                SdpaBackend::Math => return self.sdpa_math(q, k, v),
-                backend => {
-                    // [SDPA] q, k, v views (so the whole qkv storage) + output + fp32 lse.
-                    for t in [q, k, v] {
-                        save(&mut self.g, t);
-                    }
-                    let lse_rows = if backend == SdpaBackend::Efficient {
-                        d.b * d.heads * d.s.div_ceil(32) * 32
-                    } else {
-                        rows
-                    };
-                    let o = self.g.op("sdpa out", &[q, k, v], e, low);
-                    save(&mut self.g, o);
-                    // CPU flash keeps per-thread blocks of scores; CUDA kernels tile in SRAM.
-                    self.g.annotate(o, lse_rows * 4, 0, 0);
-                    // Output layout (b, s, a, d): transpose(1, 2).reshape is a view.
-                    return self.g.view("attn out (b, s, D) view", o, e);
-                }
-            }
-        }
-        // timm's explicit path: q·scale, (q @ kᵀ), softmax, (P @ v) [MM][AG][AC].
-        let qs = self.g.op("q·scale", &[q], e, low);
-        let qc = self.g.op("q·scale reshaped for bmm", &[qs], e, low);
-        let kc = self.g.op("kᵀ reshaped for bmm", &[k], e, low);
-        save(&mut self.g, qc);
-        save(&mut self.g, kc);
-        let scores = self.g.op("scores q·kᵀ", &[qc, kc], a, low);
-        let p_dt = if self.autocast() && self.rt.device == TorchDevice::Cuda {
-            // softmax is on CUDA autocast's fp32 list [AC].
-            Dtype::F32
-        } else {
-            low
-        };
-        let p = self.g.op("softmax P", &[scores], a, p_dt);
-        save(&mut self.g, p);
-        let pc = self.cast_low("P", p);
-        save(&mut self.g, pc);
-        let vc = self.g.op("v reshaped for bmm", &[v], e, low);
-        save(&mut self.g, vc);
-        let o = self.g.op("P·v", &[pc, vc], e, low);
-        // (b, a, s, d) → transpose(1, 2).reshape(b, s, D) copies [MM].
-        self.g.op("attn out (b, s, D) copy", &[o], e, low)
-    }
-
-    /// The SDPA math backend: composite ops; fp16/bf16 inputs are upcast to fp32 on CUDA since
-    /// PyTorch 2.5 [SDPA]; q and k are both scaled by √scale [SDPA][MM].
-    fn sdpa_math(&mut self, q: Tid, k: Tid, v: Tid) -> Tid {
-        let d = self.dims;
-        let (e, a) = (d.e(), d.a());
-        let low = self.low();
-        let upcast = self.rt.device == TorchDevice::Cuda && matches!(low, Dtype::Bf16 | Dtype::F16);
-        let wd = if upcast { Dtype::F32 } else { low };
-        let (q, k, v) = if upcast {
-            (
-                self.g.cast("q →f32", q, wd),
-                self.g.cast("k →f32", k, wd),
-                self.g.cast("v →f32", v, wd),
-            )
-        } else {
-            (q, k, v)
-        };
-        let qs = self.g.op("q·√scale", &[q], e, wd);
-        let ks = self.g.op("k·√scale", &[k], e, wd);
-        let qc = self.g.op("q reshaped for bmm", &[qs], e, wd);
-        let kc = self.g.op("kᵀ reshaped for bmm", &[ks], e, wd);
-        save(&mut self.g, qc);
-        save(&mut self.g, kc);
-        let scores = self.g.op("scores", &[qc, kc], a, wd);
-        let p = self.g.op("softmax P", &[scores], a, wd);
-        save(&mut self.g, p);
-        let vc = self.g.op("v reshaped for bmm", &[v], e, wd);
-        save(&mut self.g, vc);
-        let o = self.g.op("P·v", &[p, vc], e, wd);
-        let o = self.g.cast(&format!("sdpa out →{low}"), o, low);
-        self.g.op("attn out (b, s, D) copy", &[o], e, low)
-    }
-}
+pub use crate::runtime::pytorch::ops::{CACHED, SAVED};
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
 
 impl PyTorch {
-    fn builder<'a>(&'a self, dims: &'a Shape, name: &str) -> Builder<'a> {
-        Builder {
-            rt: self,
-            dims,
-            g: Segment::new(name),
-        }
+    fn builder<'a>(&'a self, dims: &Shape, name: &str) -> Builder<'a> {
+        Builder::new(self, dims.precision, dims.attention, name)
     }
+}
+
+/// Attention core of one DiT block from the fused qkv output (q, k, v are views of it);
+/// returns proj's input.
+fn attention(bl: &mut Builder, dims: &Shape, qkv: Tid) -> Tid {
+    let e = dims.e();
+    let q = bl.g.view("q (view of qkv)", qkv, e);
+    let k = bl.g.view("k (view of qkv)", qkv, e);
+    let v = bl.g.view("v (view of qkv)", qkv, e);
+    let at = Attn {
+        b: dims.b,
+        heads: dims.heads,
+        sq: dims.s,
+        skv: dims.s,
+        dh: dims.d / dims.heads.max(1),
+    };
+    bl.attention(q, k, v, at)
 }
 
 impl PyTorch {
@@ -306,14 +102,14 @@ impl PyTorch {
         let x = bl.g.input("x", e, f, true);
         bl.g.stream_in = vec![x];
         let c = bl.g.input("c", dims.b * d, f, true);
-        let m = bl.ada_ln("adaLN_modulation.1", c, 6);
+        let m = bl.ada_ln("adaLN_modulation.1", c, 6, dims.b, d);
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
             (m[0], m[1], m[2], m[3], m[4], m[5]);
 
         let n1 = bl.layer_norm("norm1", x, rows);
-        let h = bl.modulate("modulate1", n1, shift_msa, scale_msa);
+        let h = bl.modulate("modulate1", n1, shift_msa, scale_msa, dims.b * d);
         let qkv = bl.linear("attn.qkv", h, rows, 3 * d, d);
-        let o = bl.attention(qkv);
+        let o = attention(&mut bl, dims, qkv);
         let p = bl.linear("attn.proj", o, rows, d, d);
         // gate·proj saves both operands; the residual add saves nothing [AG].
         save(&mut bl.g, p);
@@ -323,7 +119,7 @@ impl PyTorch {
         let x1 = bl.g.op("x + attn", &[x, gp], e, promote(f, gdt));
 
         let n2 = bl.layer_norm("norm2", x1, rows);
-        let h2 = bl.modulate("modulate2", n2, shift_mlp, scale_mlp);
+        let h2 = bl.modulate("modulate2", n2, shift_mlp, scale_mlp, dims.b * d);
         let f1 = bl.linear("mlp.fc1", h2, rows, dims.mlp, d);
         // GELU(tanh) saves its input [AG]; its output is fc2's saved input.
         save(&mut bl.g, f1);
@@ -346,9 +142,9 @@ impl PyTorch {
         let x = bl.g.input("x", e, f, true);
         bl.g.stream_in = vec![x];
         let c = bl.g.input("c", dims.b * d, f, true);
-        let m = bl.ada_ln("final_layer.adaLN_modulation.1", c, 2);
+        let m = bl.ada_ln("final_layer.adaLN_modulation.1", c, 2, dims.b, d);
         let n = bl.layer_norm("final norm", x, rows);
-        let h = bl.modulate("final modulate", n, m[0], m[1]);
+        let h = bl.modulate("final modulate", n, m[0], m[1], dims.b * d);
         let out = rows * dims.patch2 * dims.c_out;
         let y = bl.linear("final_layer.linear", h, rows, dims.patch2 * dims.c_out, d);
         // unpatchify: reshape + einsum permutation are views, the last reshape copies.
