@@ -36,6 +36,9 @@ pub fn with_family(
 ) -> Result<Spec, SpecError> {
     spec.model.name = name.to_string();
     spec.model.diffusers = Some(config);
+    // diffusers' attention processors call `scaled_dot_product_attention` (a flag may still ask
+    // for the explicit softmax).
+    spec.recipe.attention = crate::spec::AttentionMode::MemoryEfficient;
     resolve(&mut spec)?;
     Ok(spec)
 }

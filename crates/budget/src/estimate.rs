@@ -102,6 +102,19 @@ pub struct Budget {
 /// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
 pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     crate::denoiser::check(spec)?;
+    if let Some(fm) = crate::denoiser::family(spec)? {
+        if !crate::runtime::pytorch::families::supported(fm.family) {
+            return Err(SpecError::invalid(
+                "runtime",
+                format!(
+                    "the pytorch runtime has no op inventory for {} ({}) yet; allowed: ditmem params \
+                     for its parameters, or a family the runtime models",
+                    fm.class_name,
+                    fm.family.name()
+                ),
+            ));
+        }
+    }
     let table = param_table(spec);
     let params = count(&table);
     let st = static_bytes(spec, &table);

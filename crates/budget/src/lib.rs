@@ -46,7 +46,8 @@ pub use spec::{
     LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision, Prediction, Recipe, Recompute, Runtime,
     SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS,
     MAX_DEPTH, MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES,
-    MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TOKENS, MAX_VAE_FACTOR,
+    MAX_FRAMES, MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS,
+    MAX_VAE_FACTOR,
 };
 pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};

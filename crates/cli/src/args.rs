@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ditmem_budget::{
-    AttentionMode, Bf16Products, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, Precision,
-    Recompute, Runtime, Spec, SpecError,
+    denoiser, AttentionMode, Bf16Products, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer,
+    OptimizerImpl, Precision, Recompute, Runtime, Spec, SpecError,
 };
 
 /// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
@@ -15,9 +15,28 @@ pub struct SpecArgs {
     /// its fields.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Model preset: dit-{s,b,l,xl}-{2,4,8}.
+    /// Model preset: dit-{s,b,l,xl}-{2,4,8} (the original DiT), or a diffusers checkpoint:
+    /// flux.1-dev, flux.1-schnell, sd3-medium, sd3.5-medium, sd3.5-large, pixart-alpha-1024,
+    /// pixart-sigma-1024, sana-600m, sana-1600m, wan2.1-1.3b, wan2.1-14b, dit-xl-2-256,
+    /// dit-xl-2-512 (`ditmem params --preset NAME` shows one).
     #[arg(long)]
     pub preset: Option<String>,
+    /// A diffusers transformer `config.json`, or the folder holding one (a checkpoint's
+    /// `transformer/`): PixArt, SD3/SD3.5, Flux, Sana, Wan 2.1 or diffusers' DiT.
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Text tokens per text encoder of the model, comma-separated in the family's order (Flux:
+    /// CLIP,T5 e.g. 77,512; SD3: CLIP,T5 e.g. 77,256; PixArt: T5; Sana: Gemma; Wan: umT5);
+    /// default: what the family's training scripts encode.
+    #[arg(long, value_name = "N[,M]")]
+    pub text_tokens: Option<String>,
+    /// Video frames per sample (Wan: 1 + 4k, e.g. 81); 1 for images.
+    #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
+    pub frames: Option<u32>,
+    /// for-loop | foreach | fused — torch.optim.AdamW's implementation (pytorch runtime;
+    /// default: the device's, for-loop on the CPU and foreach on CUDA).
+    #[arg(long)]
+    pub optimizer_impl: Option<String>,
     /// Image resolution: HxW, or one number for a square; sides 1–65536 px, at most 1,048,576
     /// tokens per image.
     #[arg(long, value_name = "HxW", allow_hyphen_values = true)]
@@ -50,7 +69,8 @@ pub struct SpecArgs {
     /// LoRA rank (freezes the base model); 0 turns LoRA off.
     #[arg(long, value_parser = crate::flags::count_u32, allow_hyphen_values = true)]
     pub lora_rank: Option<u32>,
-    /// LoRA targets, comma-separated: qkv,proj,fc1,fc2,adaln.
+    /// LoRA targets, comma-separated: qkv,proj,fc1,fc2,adaln for the original DiT; module names
+    /// as PEFT's target_modules for a diffusers model (default to_k,to_q,to_v,to_out.0).
     #[arg(long)]
     pub lora_targets: Option<String>,
     /// ZeRO stage 0–3 over the ranks.
@@ -100,6 +120,51 @@ fn parse_resolution(text: &str) -> Result<(u32, u32), SpecError> {
     }
 }
 
+/// Comma-separated counts (`77,512`), each 1–65,536.
+fn parse_counts(field: &str, text: &str) -> Result<Vec<u32>, SpecError> {
+    text.split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| (1..=ditmem_budget::MAX_TEXT_TOKENS).contains(&n))
+                .ok_or_else(|| {
+                    SpecError::invalid(
+                        field,
+                        format!(
+                            "'{}' is not a token count; allowed: comma-separated counts 1–{}, one per text encoder (e.g. 77,512)",
+                            crate::flags::show(t),
+                            ditmem_budget::MAX_TEXT_TOKENS
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// PEFT `target_modules` names: comma-separated module names (`to_q,to_k,to_v,to_out.0`).
+fn parse_modules(text: &str) -> Result<Vec<String>, SpecError> {
+    let names: Vec<String> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect();
+    let bad = names.iter().find(|n| {
+        n.len() > 200 || !n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+    });
+    if names.is_empty() || bad.is_some() {
+        return Err(SpecError::invalid(
+            "recipe.lora.modules",
+            format!(
+                "'{}' is not a list of module names; allowed: comma-separated names such as to_q,to_k,to_v,to_out.0",
+                crate::flags::show(text)
+            ),
+        ));
+    }
+    Ok(names)
+}
+
 fn parse_targets(text: &str) -> Result<Vec<LoraTarget>, SpecError> {
     let mut out = Vec::new();
     for t in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
@@ -137,10 +202,37 @@ impl SpecArgs {
             None => default(),
         };
         if let Some(p) = &self.preset {
-            let old = spec.model.clone();
-            spec.model = ModelSpec::preset(p)?;
-            spec.model.attn_dropout = old.attn_dropout;
-            spec.model.mlp_dropout = old.mlp_dropout;
+            let lower = p.to_ascii_lowercase();
+            if let Some(text) = ditmem_budget::preset_config(&lower) {
+                let map = serde_json::from_str(text).map_err(|e| {
+                    SpecError::invalid("--preset", format!("built-in config of {lower}: {e}"))
+                })?;
+                spec = denoiser::with_family(spec, &lower, map)?;
+            } else {
+                let old = spec.model.clone();
+                spec.model = ModelSpec::preset(p)?;
+                spec.model.attn_dropout = old.attn_dropout;
+                spec.model.mlp_dropout = old.mlp_dropout;
+                // The original DiT reads the SD VAE's latents.
+                let w = &mut spec.workload;
+                w.latent_channels = spec.model.in_channels;
+                w.vae_factor = 8;
+                w.vae_temporal_factor = 1;
+                w.text_tokens = None;
+            }
+        }
+        if let Some(path) = &self.model {
+            let (m, map) = crate::input::load_model(path)?;
+            spec = denoiser::with_family(spec, &m.name, map)?;
+        }
+        if let Some(t) = &self.text_tokens {
+            spec.workload.text_tokens = Some(parse_counts("workload.text_tokens", t)?);
+        }
+        if let Some(f) = self.frames {
+            spec.workload.frames = f;
+        }
+        if let Some(i) = &self.optimizer_impl {
+            spec.recipe.optimizer_impl = Some(i.parse::<OptimizerImpl>()?);
         }
         if let Some(r) = &self.resolution {
             let (h, w) = parse_resolution(r)?;
@@ -214,9 +306,10 @@ impl SpecArgs {
             }
         }
         if let Some(t) = &self.lora_targets {
-            let targets = parse_targets(t)?;
+            let family = spec.model.diffusers.is_some();
             match &mut r.lora {
-                Some(l) => l.targets = targets,
+                Some(l) if family => l.modules = parse_modules(t)?,
+                Some(l) => l.targets = parse_targets(t)?,
                 None => {
                     return Err(SpecError::invalid(
                         "recipe.lora.targets",
@@ -247,7 +340,8 @@ impl SpecArgs {
             spec.runtime = rt.parse::<Runtime>()?;
         }
         self.fill_cpu(&mut spec)?;
-        spec.validate()?;
+        denoiser::resolve(&mut spec)?;
+        denoiser::check(&spec)?;
         Ok(spec)
     }
 

@@ -6,7 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use ditmem_budget::DeviceProfile;
-use ditmem_budget::{Spec, SpecError};
+use ditmem_budget::{from_config_json, FamilyModel, Spec, SpecError, MAX_CONFIG_JSON_BYTES};
 
 use crate::flags::{fmt_float, show};
 use crate::output::file_kind;
@@ -113,6 +113,52 @@ pub fn load_spec(path: &Path) -> Result<Spec, SpecError> {
         },
         e => e,
     })
+}
+
+/// `--model`: a diffusers `config.json`, or a folder holding one (a checkpoint's `transformer/`):
+/// the model read from it and the config object itself (what a spec's `model.diffusers` holds).
+pub fn load_model(
+    path: &Path,
+) -> Result<(FamilyModel, serde_json::Map<String, serde_json::Value>), SpecError> {
+    let file = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    let bytes = read_capped("--model", &file, MAX_CONFIG_JSON_BYTES as u64)?;
+    let shown = show(&file.display().to_string());
+    let text = String::from_utf8(bytes).map_err(|e| {
+        SpecError::invalid(
+            "--model",
+            format!(
+                "{shown} is not UTF-8 text (byte {}); allowed: a diffusers config.json",
+                e.utf8_error().valid_up_to()
+            ),
+        )
+    })?;
+    let keyed = |e: SpecError| match e {
+        SpecError::Invalid { field, message } => {
+            SpecError::invalid(format!("--model {shown} key '{field}'"), message)
+        }
+        SpecError::Parse { message, .. } => SpecError::invalid(
+            "--model",
+            format!("{shown} is not valid JSON ({message}); allowed: a diffusers config.json"),
+        ),
+        e => e,
+    };
+    let mut model = from_config_json(&text).map_err(keyed)?;
+    let serde_json::Value::Object(map) = serde_json::from_str(&text).map_err(|e| {
+        keyed(SpecError::Parse {
+            format: "JSON",
+            message: e.to_string(),
+            location: String::new(),
+        })
+    })?
+    else {
+        return Err(SpecError::invalid("--model", format!("{shown} is not a JSON object")));
+    };
+    model.name = file.display().to_string();
+    Ok((model, map))
 }
 
 /// Slowest and fastest rates a device profile may give (per second): below 1e3 a DiT step takes

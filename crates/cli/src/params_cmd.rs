@@ -10,13 +10,14 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use ditmem_budget::{
-    family_preset, fmt_bytes, from_config_json, preset_source, state_bytes, FamilyCounts,
-    FamilyModel, FamilyTensor, SpecError, MAX_CONFIG_JSON_BYTES,
+    family_preset, fmt_bytes, preset_source, state_bytes, FamilyCounts,
+    FamilyModel, FamilyTensor, SpecError,
 };
 use serde::Serialize;
 
 use crate::flags::show;
 use crate::input::read_capped;
+
 use crate::render::{fmt_count, Table};
 use crate::CliError;
 
@@ -73,7 +74,7 @@ struct Params<'a> {
 
 pub fn run(args: ParamsArgs) -> Result<(), CliError> {
     let model = match (&args.model, &args.preset) {
-        (Some(path), _) => load_model(path)?,
+        (Some(path), _) => crate::input::load_model(path)?.0,
         (None, Some(name)) => family_preset(name)?,
         (None, None) => {
             return Err(SpecError::invalid(
@@ -111,38 +112,6 @@ pub fn run(args: ParamsArgs) -> Result<(), CliError> {
         print!("{}", render(&report, &counts));
     }
     Ok(())
-}
-
-/// `--model`: a config.json, or a folder holding one.
-fn load_model(path: &Path) -> Result<FamilyModel, SpecError> {
-    let file = if path.is_dir() {
-        path.join("config.json")
-    } else {
-        path.to_path_buf()
-    };
-    let bytes = read_capped("--model", &file, MAX_CONFIG_JSON_BYTES as u64)?;
-    let shown = show(&file.display().to_string());
-    let text = String::from_utf8(bytes).map_err(|e| {
-        SpecError::invalid(
-            "--model",
-            format!(
-                "{shown} is not UTF-8 text (byte {}); allowed: a diffusers config.json",
-                e.utf8_error().valid_up_to()
-            ),
-        )
-    })?;
-    let mut model = from_config_json(&text).map_err(|e| match e {
-        SpecError::Invalid { field, message } => {
-            SpecError::invalid(format!("--model {shown} key '{field}'"), message)
-        }
-        SpecError::Parse { message, .. } => SpecError::invalid(
-            "--model",
-            format!("{shown} is not valid JSON ({message}); allowed: a diffusers config.json"),
-        ),
-        e => e,
-    })?;
-    model.name = file.display().to_string();
-    Ok(model)
 }
 
 fn render(r: &Report, c: &FamilyCounts) -> String {

@@ -41,7 +41,7 @@ pub struct Data {
 }
 
 /// The stages of a spec's step.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Stages {
     pub stages: Vec<Stage>,
     pub data: Data,
@@ -70,6 +70,8 @@ impl Stages {
     pub fn costs(&self) -> Vec<StageCost> {
         self.stages
             .iter()
+            // A stack of no blocks (Flux with num_layers 0) hands its input on untouched.
+            .filter(|st| st.count > 0)
             .map(|st| {
                 let seg = &st.seg;
                 let bcast = seg

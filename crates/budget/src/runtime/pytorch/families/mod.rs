@@ -1,14 +1,51 @@
 //! The diffusers families as PyTorch runs them: each family's stages, op by op, with what each op
-//! saves for backward (the rule sources [AG], [MM], [AC], [SDPA] are listed in the folder's
-//! `mod.rs` one level up).
+//! saves for backward (the rule sources [AG], [MM], [AC], [SDPA] are listed in `pytorch/mod.rs`),
+//! for the step of `bench/torch_peer/family_peer.py` (the diffusers training scripts' step with
+//! cached text embeddings and latents). Ground truth of every rule: the saved-tensor dumps in
+//! `bench/torch_peer/results/families_saved.txt` (`family_saved.py`).
+//!
+//! One file per family ([`dit`] is diffusers' `DiTTransformer2DModel`), [`common`] the pieces
+//! they share (the family context, timestep embedders, the loss).
 
-use crate::families::FamilyModel;
+mod common;
+mod dit;
+mod flux;
+mod pixart;
+mod sana;
+mod sd3;
+mod wan;
+
+pub use common::Fam;
+
+use crate::families::{Dims, Family, FamilyModel};
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::stages::Stages;
 use crate::spec::Spec;
 
+/// Whether the `pytorch` runtime has the op inventory of a family.
+pub const fn supported(family: Family) -> bool {
+    match family {
+        Family::Dit => true,
+        Family::DitDiffusers => dit::READY,
+        Family::Pixart => pixart::READY,
+        Family::Sd3 => sd3::READY,
+        Family::Flux => flux::READY,
+        Family::Sana => sana::READY,
+        Family::Wan => wan::READY,
+    }
+}
+
 /// The stages of a family spec's step.
 pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
-    let _ = (rt, spec, fm);
-    todo!("family stages")
+    let f = Fam::new(rt, spec, fm);
+    match &fm.dims {
+        // The original DiT has its own rules (`rules.rs`); `stages.rs` never sends it here.
+        Dims::Dit(_) => Stages::default(),
+        Dims::DitDiffusers(d) => dit::stages(&f, d),
+        Dims::Pixart(d) => pixart::stages(&f, d),
+        Dims::Sd3(d) => sd3::stages(&f, d),
+        Dims::Flux(d) => flux::stages(&f, d),
+        Dims::Sana(d) => sana::stages(&f, d),
+        Dims::Wan(d) => wan::stages(&f, d),
+    }
 }
