@@ -7,6 +7,7 @@ use crate::error::SpecError;
 use crate::events::{Breakdown, Phase, StaticBytes};
 use crate::denoiser::param_table;
 use crate::params::{count, ParamCounts};
+use crate::runtime::pytorch::cuda::{cuda_report, CudaReport};
 use crate::runtime::{model_for, SegmentCosts, Shape};
 use crate::segment::{Segment, TensorKind};
 use crate::spec::{Dtype, Spec};
@@ -97,6 +98,13 @@ pub struct Budget {
     pub weights_times_four: u64,
     pub timeline: Timeline,
     pub inventory: Vec<Inventory>,
+    /// On `pytorch:cuda`: the caching allocator over the step's allocations — max allocated and
+    /// reserved, fragmentation, what `nvidia-smi` shows and whether it fits the spec's GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaReport>,
+    /// Whether the step fits the spec's GPU (its device bytes within capacity); absent without a GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fits: Option<bool>,
 }
 
 /// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
@@ -147,7 +155,17 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
         breakdown: ev.live,
         dominant: ev.live.dominant().0,
     };
+    let cuda = match spec.runtime {
+        crate::spec::Runtime::Pytorch {
+            device: crate::spec::TorchDevice::Cuda,
+            ..
+        } => Some(cuda_report(spec, &table)?),
+        _ => None,
+    };
+    let fits = cuda.as_ref().and_then(|c| c.fits);
     Ok(Budget {
+        cuda,
+        fits,
         spec: spec.clone(),
         runtime: rt.name(),
         tokens: spec.tokens()?,

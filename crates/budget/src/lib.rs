@@ -42,7 +42,7 @@ pub use plan::{
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
-    default_lora_targets, AttentionMode, Bf16Products, CpuSpec, Dtype, EmaSpec, Latents, LoraSpec,
+    default_lora_targets, AttentionMode, Bf16Products, CpuSpec, CudaSpec, Dtype, EmaSpec, Latents, LoraSpec,
     LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision, Prediction, Recipe, Recompute, Runtime,
     SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS,
     MAX_DEPTH, MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES,
@@ -78,6 +78,7 @@ pub mod pytorch {
         AllocConfError, AllocEvent, AllocatorReport, CachingAllocator, CudaMemory, Oom,
         SequenceError, CUBLAS_WORKSPACE_ID_BASE,
     };
+    pub use crate::runtime::pytorch::cuda::CudaReport;
     pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
 }
 

@@ -1038,6 +1038,24 @@ pub struct Spec {
     /// library, this machine's values in the CLI. Only with the `ditmem-cpu` runtime.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<CpuSpec>,
+    /// The CUDA device of a `pytorch:cuda` spec ([`CudaSpec`]): the catalog GPU it runs on and
+    /// the caching allocator's settings. Only with a `pytorch:cuda` runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaSpec>,
+}
+
+/// Where a `pytorch:cuda` step runs: a GPU of the catalog (`ditmem gpus`) and the caching
+/// allocator's `PYTORCH_CUDA_ALLOC_CONF`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CudaSpec {
+    /// A catalog name (`h100-80gb`, `rtx-4090`, …); absent: no capacity to fit against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+    /// `PYTORCH_CUDA_ALLOC_CONF` syntax, e.g. `expandable_segments:True` or
+    /// `max_split_size_mb:128,roundup_power2_divisions:4`; empty: PyTorch's defaults.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub alloc_conf: String,
 }
 
 impl Spec {
@@ -1061,6 +1079,7 @@ impl Spec {
             recipe: Recipe::default(),
             runtime: Runtime::DitmemCpu,
             cpu: None,
+            cuda: None,
         }
     }
 
@@ -1435,6 +1454,23 @@ impl Spec {
             return Err(SpecError::invalid(
                 "recipe.ema.dtype",
                 "u8 cannot hold weights; allowed: f64, f32, bf16, f16",
+            ));
+        }
+        if self.cuda.is_some()
+            && !matches!(
+                self.runtime,
+                Runtime::Pytorch {
+                    device: TorchDevice::Cuda,
+                    ..
+                }
+            )
+        {
+            return Err(SpecError::invalid(
+                "cuda",
+                format!(
+                    "describes a CUDA device, but the runtime is {}; allowed: a cuda section only with runtime = \"pytorch:cuda\"",
+                    self.runtime
+                ),
             ));
         }
         if let Some(cpu) = &self.cpu {

@@ -85,6 +85,14 @@ pub struct SpecArgs {
     /// Which executor the budget describes: ditmem-cpu, or pytorch, pytorch:cpu, pytorch:cuda with an optional :sdpa-auto, flash, efficient, cudnn or math.
     #[arg(long)]
     pub runtime: Option<String>,
+    /// pytorch:cuda: the GPU the step runs on (`ditmem gpus` lists them: h100-80gb, rtx-4090, …);
+    /// sets the runtime to pytorch:cuda, the plan's default budget and whether it fits.
+    #[arg(long, value_name = "NAME")]
+    pub gpu: Option<String>,
+    /// pytorch:cuda: the caching allocator's PYTORCH_CUDA_ALLOC_CONF, e.g.
+    /// expandable_segments:True or max_split_size_mb:128.
+    #[arg(long, value_name = "CONF")]
+    pub alloc_conf: Option<String>,
     /// ditmem-cpu: threads of the engine's pool (spec `cpu.threads`; default: this machine's,
     /// RAYON_NUM_THREADS or every logical core).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
@@ -339,10 +347,52 @@ impl SpecArgs {
         if let Some(rt) = &self.runtime {
             spec.runtime = rt.parse::<Runtime>()?;
         }
+        self.fill_cuda(&mut spec)?;
         self.fill_cpu(&mut spec)?;
         denoiser::resolve(&mut spec)?;
         denoiser::check(&spec)?;
         Ok(spec)
+    }
+
+    /// The `cuda` section: `--gpu` (which moves a spec onto `pytorch:cuda` unless `--runtime`
+    /// names another device) and `--alloc-conf`.
+    fn fill_cuda(&self, spec: &mut Spec) -> Result<(), SpecError> {
+        if self.gpu.is_none() && self.alloc_conf.is_none() {
+            return Ok(());
+        }
+        let cuda = matches!(
+            spec.runtime,
+            Runtime::Pytorch {
+                device: ditmem_budget::TorchDevice::Cuda,
+                ..
+            }
+        );
+        if !cuda {
+            if self.runtime.is_some() {
+                return Err(SpecError::invalid(
+                    "cuda",
+                    format!(
+                        "--gpu and --alloc-conf describe a CUDA device, but --runtime is {}; allowed: with pytorch:cuda",
+                        spec.runtime
+                    ),
+                ));
+            }
+            spec.runtime = "pytorch:cuda".parse::<Runtime>()?;
+            spec.cpu = None;
+        }
+        let mut c = spec.cuda.clone().unwrap_or_default();
+        if let Some(g) = &self.gpu {
+            let gpu = ditmem_budget::gpu::lookup(g)
+                .map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
+            c.gpu = Some(gpu.name.to_string());
+        }
+        if let Some(a) = &self.alloc_conf {
+            ditmem_budget::pytorch::AllocConf::parse(a)
+                .map_err(|e| SpecError::invalid("cuda.alloc_conf", e.to_string()))?;
+            c.alloc_conf = a.clone();
+        }
+        spec.cuda = Some(c);
+        Ok(())
     }
 
     /// The `cpu` section of a `ditmem-cpu` spec: the flags over the spec's own section, and this

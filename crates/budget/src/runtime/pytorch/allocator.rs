@@ -81,7 +81,46 @@ pub struct SegCost {
 /// gradients are freed once consumed [AG]. `extra_grads` are tensors other than the output that
 /// receive a gradient from outside (the conditioning vector c of the embed segment).
 pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
+    simulate_traced(seg, grad_in, extra_grads).0
+}
+
+/// One allocation event of a segment's simulation, by a segment-local id (see [`SegTrace`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ev {
+    Alloc(u64, u64),
+    Free(u64),
+}
+
+/// The allocations and frees of one segment, tensor by tensor, in the order [`simulate`] walks
+/// them: what the CUDA caching allocator is replayed over (`trace.rs`). Local ids for a segment
+/// of n tensors: t (< n) a tensor's storage, n + t its gradient, 2n + k the bytes op k keeps
+/// beside its output, 3n + k op k's forward scratch, 4n + k its backward scratch, 5n + k the
+/// gradient op k's backward makes to add into an existing one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SegTrace {
+    /// Tensors in the segment.
+    pub n: u64,
+    pub fwd: Vec<Ev>,
+    pub ckpt: Vec<Ev>,
+    pub bwd: Vec<Ev>,
+    /// Storages a tracked forward leaves that only the autocast cache holds.
+    pub cache_only: Vec<u64>,
+    /// Storages a checkpointed forward leaves (autocast-cached weight copies).
+    pub ckpt_left: Vec<u64>,
+    /// Gradients of trained parameters the backward makes.
+    pub param_grads: Vec<u64>,
+    /// Output storages (allocated by the forward, freed by the next segment's backward).
+    pub outputs: Vec<u64>,
+}
+
+/// [`simulate`] with the allocation events it walks.
+pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (SegCost, SegTrace) {
     let n = seg.tensors.len();
+    let nn = n as u64;
+    let mut trace = SegTrace {
+        n: nn,
+        ..SegTrace::default()
+    };
     let storage = |mut t: Tid| -> Tid {
         while seg.tensors[t].kind == TensorKind::View {
             match seg.ops.iter().find(|o| o.output == t) {
@@ -96,6 +135,7 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
     out_sts.sort_unstable();
     out_sts.dedup();
     let is_out = |s: Tid| out_sts.contains(&s);
+    trace.outputs = out_sts.iter().map(|&s| s as u64).collect();
     let is_alloc = |t: Tid| seg.tensors[t].kind == TensorKind::Alloc;
     let is_cast = |t: Tid| seg.tensors[t].role == TensorRole::WeightCast;
     let bytes = |t: Tid| seg.tensors[t].bytes();
@@ -155,25 +195,49 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
         let mut live = Live::default();
         let mut peak = Live::default();
         let mut alive = vec![false; n];
+        let mut evs = Vec::new();
         for (k, op) in seg.ops.iter().enumerate() {
             let t = op.output;
+            let kk = k as u64;
             if is_alloc(t) {
                 add(&mut live, t, true);
                 alive[t] = true;
+                evs.push(Ev::Alloc(t as u64, bytes(t)));
             }
             if tracked {
                 live.activations += op.extra_saved;
+                if op.extra_saved > 0 {
+                    evs.push(Ev::Alloc(2 * nn + kk, op.extra_saved));
+                }
             }
             max_live(&mut peak, live, op.fwd_scratch);
+            if op.fwd_scratch > 0 {
+                evs.push(Ev::Alloc(3 * nn + kk, op.fwd_scratch));
+                evs.push(Ev::Free(3 * nn + kk));
+            }
             for s in 0..n {
                 if alive[s] && !is_out(s) && last_read[s].unwrap_or(k) <= k {
                     let keep = (tracked && saved[s]) || (is_cast(s) && (saved[s] || cached[s]));
                     if !keep {
                         add(&mut live, s, false);
                         alive[s] = false;
+                        evs.push(Ev::Free(s as u64));
                     }
                 }
             }
+        }
+        if tracked {
+            trace.fwd = evs;
+            trace.cache_only = (0..n)
+                .filter(|&s| alive[s] && !is_out(s) && cached[s] && !saved[s])
+                .map(|s| s as u64)
+                .collect();
+        } else {
+            trace.ckpt = evs;
+            trace.ckpt_left = (0..n)
+                .filter(|&s| alive[s] && !is_out(s))
+                .map(|s| s as u64)
+                .collect();
         }
         if tracked {
             cost.fwd_peak = peak;
@@ -210,8 +274,10 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
     }
     let mut grad_out_pending = true;
     let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
+    let mut evs = Vec::new();
     for (k, op) in seg.ops.iter().enumerate().rev() {
         let o = op.output;
+        let kk = k as u64;
         let flows = grad[o] && seg.tensors[o].requires_grad;
         if flows {
             let is_view = seg.tensors[o].kind == TensorKind::View;
@@ -225,6 +291,8 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
                     TensorKind::Param { trained: true } => {
                         cost.param_grads += ti.bytes();
                         live.gradients += ti.bytes();
+                        evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
+                        trace.param_grads.push(nn + i as u64);
                     }
                     TensorKind::Param { .. } => {}
                     _ if grad[i] => {
@@ -236,10 +304,17 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
                     _ => {
                         grad[i] = true;
                         live.workspace += ti.bytes();
+                        evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
                     }
                 }
             }
             max_live(&mut peak, live, transient + op.bwd_scratch);
+            for (id, b) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
+                if b > 0 {
+                    evs.push(Ev::Alloc(id, b));
+                    evs.push(Ev::Free(id));
+                }
+            }
             // The output's gradient is consumed.
             grad[o] = false;
             if o == seg.output && grad_out_pending {
@@ -247,12 +322,15 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
                 // goes with its own node.
                 live.workspace -= grad_in - side_grads;
                 grad_out_pending = false;
+                evs.push(Ev::Free(nn + o as u64));
             } else if seg.side_outputs.contains(&o) {
                 live.workspace -= seg.tensors[o].bytes();
+                evs.push(Ev::Free(nn + o as u64));
             } else if extra_grads.contains(&o) {
                 // An outside gradient: accounted by the caller.
             } else if !matches!(seg.tensors[o].kind, TensorKind::Input { .. }) {
                 live.workspace -= seg.tensors[o].bytes();
+                evs.push(Ev::Free(nn + o as u64));
             }
         }
         // Saved storages whose earliest reader has run its backward are released.
@@ -260,11 +338,16 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
             if held[s] && first_read[s].is_none_or(|f| f >= k) {
                 held[s] = false;
                 add(&mut live, s, false);
+                evs.push(Ev::Free(s as u64));
             }
         }
         // Per-op extras (LayerNorm mean/rstd, the attention log-sum-exp) go with the op's node.
         live.activations = live.activations.saturating_sub(op.extra_saved);
+        if op.extra_saved > 0 {
+            evs.push(Ev::Free(2 * nn + kk));
+        }
     }
+    trace.bwd = evs;
     cost.bwd_peak = peak;
     cost.input_grads = seg
         .tensors
@@ -281,5 +364,5 @@ pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
         })
         .map(|(_, d)| d.bytes())
         .sum();
-    cost
+    (cost, trace)
 }

@@ -1,0 +1,109 @@
+//! What a `pytorch:cuda` step shows on the device: the step's allocation sequence (`trace.rs`)
+//! replayed on the simulated caching allocator (`caching_allocator.rs`) with the cuBLAS
+//! workspace of the step's stream, and the CUDA context beside it — max allocated, max reserved,
+//! the fragmentation at the peak, what `nvidia-smi` would show and, on a catalog GPU, whether it
+//! fits.
+
+use serde::Serialize;
+
+use crate::error::SpecError;
+use crate::gpu;
+use crate::params::ParamTensor;
+use crate::runtime::pytorch::caching_allocator::{
+    simulate_allocator, simulate_on_gpu, AllocConf, AllocEvent, Oom, CUBLAS_WORKSPACE_ID_BASE,
+};
+use crate::runtime::pytorch::device::CUDA_CONTEXT_BYTES;
+use crate::runtime::pytorch::trace::allocation_sequence;
+use crate::spec::Spec;
+
+/// The device memory of a CUDA step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CudaReport {
+    /// The catalog GPU, when the spec names one.
+    pub gpu: Option<&'static str>,
+    /// `PYTORCH_CUDA_ALLOC_CONF` as given (empty: defaults).
+    pub alloc_conf: String,
+    /// `torch.cuda.max_memory_allocated()` over a warm-up and a measured step (blocks, rounded).
+    pub max_allocated_bytes: u64,
+    /// `torch.cuda.max_memory_reserved()`: the allocator's segments.
+    pub max_reserved_bytes: u64,
+    /// Reserved − allocated when allocated peaks: cached bytes the peak could not use.
+    pub fragmentation_at_peak_bytes: u64,
+    /// The cuBLAS workspace of the step's stream (through the allocator, inside the above).
+    pub cublas_workspace_bytes: u64,
+    /// The CUDA context beside the allocator (the GPU's catalog figure, or a generic 500 MiB).
+    pub context_bytes: u64,
+    /// What `nvidia-smi` would show at the peak: context + max reserved.
+    pub device_bytes: u64,
+    /// `total_memory` of the GPU.
+    pub capacity_bytes: Option<u64>,
+    /// No allocation failed against the GPU's capacity less the context.
+    pub fits: Option<bool>,
+    /// Where the allocator ran out, when it did.
+    pub oom: Option<Oom>,
+    /// Allocations that had to release cached segments and retry (`num_alloc_retries`).
+    pub alloc_retries: u64,
+    /// `cudaMalloc` calls over the two steps.
+    pub device_allocs: u64,
+    /// Allocation events replayed.
+    pub events: usize,
+}
+
+/// The CUDA memory of a spec on the `pytorch:cuda` runtime.
+pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, SpecError> {
+    let cs = spec.cuda.clone().unwrap_or_default();
+    let conf = AllocConf::parse(&cs.alloc_conf)
+        .map_err(|e| SpecError::invalid("cuda.alloc_conf", e.to_string()))?;
+    let events = allocation_sequence(spec, table);
+    let seq_err = |e: crate::runtime::pytorch::caching_allocator::SequenceError| {
+        SpecError::invalid("runtime", format!("internal allocation sequence: {e}"))
+    };
+    match &cs.gpu {
+        Some(name) => {
+            let g = gpu::lookup(name).map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
+            let m = simulate_on_gpu(&events, g, &conf, &[0]).map_err(seq_err)?;
+            Ok(CudaReport {
+                gpu: Some(g.name),
+                alloc_conf: cs.alloc_conf,
+                max_allocated_bytes: m.allocator.max_allocated,
+                max_reserved_bytes: m.allocator.max_reserved,
+                fragmentation_at_peak_bytes: m.allocator.fragmentation_at_peak,
+                cublas_workspace_bytes: m.cublas_workspace_per_stream,
+                context_bytes: m.context_bytes,
+                device_bytes: m.device_bytes,
+                capacity_bytes: Some(m.capacity_bytes),
+                fits: Some(m.fits),
+                oom: m.allocator.oom,
+                alloc_retries: m.allocator.alloc_retries,
+                device_allocs: m.allocator.device_allocs,
+                events: events.len(),
+            })
+        }
+        None => {
+            let ws = gpu::CUBLAS_WORKSPACE_DEFAULT;
+            let mut all = vec![AllocEvent::Alloc {
+                id: CUBLAS_WORKSPACE_ID_BASE,
+                bytes: ws,
+                stream: 0,
+            }];
+            all.extend_from_slice(&events);
+            let r = simulate_allocator(&all, &conf, None).map_err(seq_err)?;
+            Ok(CudaReport {
+                gpu: None,
+                alloc_conf: cs.alloc_conf,
+                max_allocated_bytes: r.max_allocated,
+                max_reserved_bytes: r.max_reserved,
+                fragmentation_at_peak_bytes: r.fragmentation_at_peak,
+                cublas_workspace_bytes: ws,
+                context_bytes: CUDA_CONTEXT_BYTES,
+                device_bytes: CUDA_CONTEXT_BYTES + r.max_reserved,
+                capacity_bytes: None,
+                fits: None,
+                oom: None,
+                alloc_retries: r.alloc_retries,
+                device_allocs: r.device_allocs,
+                events: events.len(),
+            })
+        }
+    }
+}

@@ -1,0 +1,361 @@
+//! The allocation sequence of a `pytorch:cuda` step, tensor by tensor: what the CUDA caching
+//! allocator (`caching_allocator.rs`) is replayed over to find reserved memory, fragmentation and
+//! what `nvidia-smi` shows. It follows the step replay (`step.rs`) instance by instance, with each
+//! segment's own allocations and frees (`allocator::simulate_traced`), and lays out what the
+//! replay only counts:
+//!
+//! - the model's tensors as `model.to("cuda")` allocates them, one block per parameter and
+//!   buffer, then the EMA copies;
+//! - a warm-up step first: AdamW creates `exp_avg` and `exp_avg_sq` lazily at its first
+//!   `step()` (`adam.py` `_init_group`), after that step's activations went back to the cache —
+//!   so the measured second step starts from the cache the first one left, as a training loop
+//!   does (the allocator never returns segments to the driver unless asked);
+//! - gradients: made by the first microbatch's backward, added into by the others, freed by
+//!   `zero_grad(set_to_none=True)`; the optimizer's scratch by implementation [OPT].
+//!
+//! Ids are global: every instance of a segment gets its own range.
+
+use crate::params::{stored_dtype, ParamRole, ParamTensor};
+use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
+use crate::runtime::pytorch::caching_allocator::AllocEvent;
+use crate::runtime::pytorch::device::for_spec;
+use crate::runtime::pytorch::stages::stages;
+use crate::runtime::pytorch::step::optimizer_impl;
+use crate::segment::TensorKind;
+use crate::spec::{Optimizer, OptimizerImpl, Spec};
+use crate::timeline::optimizer_state_bytes;
+
+/// The sequence being written, with a fresh id range per segment instance.
+struct Seq {
+    events: Vec<AllocEvent>,
+    next: u64,
+}
+
+impl Seq {
+    fn alloc(&mut self, bytes: u64) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.events.push(AllocEvent::Alloc {
+            id,
+            bytes,
+            stream: 0,
+        });
+        id
+    }
+
+    fn free(&mut self, id: u64) {
+        self.events.push(AllocEvent::Free { id });
+    }
+
+    /// A fresh range for one instance of a segment with `n` tensors (six ids per tensor).
+    fn range(&mut self, n: u64) -> u64 {
+        let base = self.next;
+        self.next += 6 * n.max(1);
+        base
+    }
+}
+
+/// One instance's local ids mapped to global ones; some locals are aliased to ids made
+/// elsewhere (the incoming gradient of its outputs, made by the consumer's backward).
+struct Instance {
+    base: u64,
+    alias: Vec<(u64, u64)>,
+}
+
+impl Instance {
+    fn id(&self, local: u64) -> u64 {
+        self.alias
+            .iter()
+            .find(|(l, _)| *l == local)
+            .map_or(self.base + local, |&(_, g)| g)
+    }
+
+    fn replay(&self, seq: &mut Seq, evs: &[Ev], skip_alloc: &[u64]) {
+        for e in evs {
+            match *e {
+                Ev::Alloc(l, b) if !skip_alloc.contains(&l) => seq.events.push(AllocEvent::Alloc {
+                    id: self.id(l),
+                    bytes: b,
+                    stream: 0,
+                }),
+                Ev::Alloc(..) => {}
+                Ev::Free(l) => seq.free(self.id(l)),
+            }
+        }
+    }
+}
+
+/// Stages with their traces and what links them.
+struct Traced {
+    trace: SegTrace,
+    count: u32,
+    blocks: bool,
+    input_saved: bool,
+    /// Local ids of the stream inputs' gradients (n + t) and of broadcast inputs' (by name).
+    stream_grads: Vec<u64>,
+    bcast_grads: Vec<(String, u64)>,
+    /// Local ids of the gradients of the outputs, in the order of `Segment::outputs`.
+    out_grads: Vec<u64>,
+    /// Local ids of the broadcast outputs the input side keeps (its extra gradients).
+    extra_grad_ids: Vec<u64>,
+}
+
+/// The allocation sequence of a warm-up step and a measured step of a spec on the `pytorch`
+/// runtime (one rank; a sharded spec is laid out unsharded).
+pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
+    let rt = for_spec(spec);
+    let st = stages(rt, spec);
+    let traced: Vec<Traced> = st
+        .stages
+        .iter()
+        .filter(|s| s.count > 0)
+        .map(|s| {
+            let seg = &s.seg;
+            let grad_in: u64 = seg.outputs().iter().map(|&o| seg.tensors[o].bytes()).sum();
+            let (cost, trace) = simulate_traced(seg, grad_in, &s.extra_grads);
+            let n = seg.tensors.len() as u64;
+            let bcast_grads = seg
+                .tensors
+                .iter()
+                .enumerate()
+                .filter(|(t, d)| {
+                    matches!(
+                        d.kind,
+                        TensorKind::Input {
+                            requires_grad: true
+                        }
+                    ) && !seg.stream_in.contains(t)
+                })
+                .map(|(t, d)| (d.name.clone(), n + t as u64))
+                .collect();
+            Traced {
+                count: s.count,
+                blocks: s.blocks,
+                input_saved: cost.input_saved,
+                stream_grads: seg.stream_in.iter().map(|&t| n + t as u64).collect(),
+                bcast_grads,
+                out_grads: seg.outputs().iter().map(|&o| n + o as u64).collect(),
+                extra_grad_ids: s.extra_grads.iter().map(|&t| t as u64).collect(),
+                trace,
+            }
+        })
+        .collect();
+    let mut seq = Seq {
+        events: Vec::new(),
+        next: 1,
+    };
+    let r = &spec.recipe;
+    let p = r.precision;
+    let lora = r.lora.is_some();
+    // The model on the device, then the EMA copies.
+    let trained: Vec<&ParamTensor> = table
+        .iter()
+        .filter(|t| t.role == ParamRole::Trained)
+        .collect();
+    for t in table {
+        seq.alloc(t.numel() * stored_dtype(t, p, lora).size());
+    }
+    if r.ema.enabled {
+        for t in &trained {
+            seq.alloc(t.numel() * r.ema.dtype.size());
+        }
+    }
+    let mut state: Vec<u64> = Vec::new();
+    for warm in [true, false] {
+        step(spec, &traced, &st.data, &trained, &mut seq, &mut state, warm);
+    }
+    without_empty(seq.events)
+}
+
+/// Drop zero-byte allocations and their frees (PyTorch's allocator returns no block for them).
+fn without_empty(events: Vec<AllocEvent>) -> Vec<AllocEvent> {
+    let empty: std::collections::HashSet<u64> = events
+        .iter()
+        .filter_map(|e| match *e {
+            AllocEvent::Alloc { id, bytes: 0, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    let mut allocated = std::collections::HashSet::new();
+    events
+        .into_iter()
+        .filter(|e| match *e {
+            AllocEvent::Alloc { id, bytes, .. } => bytes > 0 && allocated.insert(id),
+            AllocEvent::Free { id } => !empty.contains(&id) && allocated.remove(&id),
+        })
+        .collect()
+}
+
+/// One optimizer step: every microbatch's forward and backward, the optimizer, EMA, zero_grad.
+fn step(
+    spec: &Spec,
+    traced: &[Traced],
+    data: &crate::runtime::pytorch::stages::Data,
+    trained: &[&ParamTensor],
+    seq: &mut Seq,
+    state: &mut Vec<u64>,
+    warm: bool,
+) {
+    let r = &spec.recipe;
+    let mut param_grads: Vec<u64> = Vec::new();
+    let microbatches = spec.workload.accumulation.clamp(1, 2);
+    for mb in 0..microbatches {
+        let kept = seq.alloc(data.kept);
+        let fwd_data = seq.alloc(data.forward_only);
+        // Forward: one instance per block, ids kept for its backward.
+        let mut inst: Vec<(usize, u32, Instance, bool)> = Vec::new();
+        let mut cache: Vec<u64> = Vec::new();
+        let mut block = 0u32;
+        let mut prev_outs: Vec<u64> = Vec::new();
+        for (k, tr) in traced.iter().enumerate() {
+            for j in 0..tr.count {
+                let ck = tr.blocks && r.recompute.recomputes_block(block);
+                let i = Instance {
+                    base: seq.range(tr.trace.n),
+                    alias: Vec::new(),
+                };
+                i.replay(seq, if ck { &tr.trace.ckpt } else { &tr.trace.fwd }, &[]);
+                let left = if ck {
+                    &tr.trace.ckpt_left
+                } else {
+                    &tr.trace.cache_only
+                };
+                cache.extend(left.iter().map(|&l| i.id(l)));
+                if k > 0 && !ck && !tr.input_saved {
+                    for id in prev_outs.drain(..) {
+                        seq.free(id);
+                    }
+                }
+                prev_outs = tr.trace.outputs.iter().map(|&l| i.id(l)).collect();
+                inst.push((k, j, i, ck));
+                if tr.blocks {
+                    block += 1;
+                }
+            }
+        }
+        // Autocast exits; the forward's data goes.
+        for id in cache {
+            seq.free(id);
+        }
+        seq.free(fwd_data);
+        // Backward in reverse. The loss's gradient first.
+        let mut incoming: Vec<u64> = vec![seq.alloc(4)];
+        let mut bcast: Vec<(String, u64)> = Vec::new();
+        let mut outs_of: Vec<Vec<u64>> = inst
+            .iter()
+            .map(|(k, _, i, _)| traced[*k].trace.outputs.iter().map(|&l| i.id(l)).collect())
+            .collect();
+        while let Some((k, _j, fwd, ck)) = inst.pop() {
+            let tr = &traced[k];
+            let mut i = if ck {
+                // Recompute: a tracked forward of its own, under the same autocast state.
+                let re = Instance {
+                    base: seq.range(tr.trace.n),
+                    alias: Vec::new(),
+                };
+                // The recomputed outputs are dropped (the first forward's are the ones kept).
+                re.replay(seq, &tr.trace.fwd, &[]);
+                for &l in &tr.trace.outputs {
+                    seq.free(re.id(l));
+                }
+                re
+            } else {
+                fwd
+            };
+            i.alias = tr
+                .out_grads
+                .iter()
+                .copied()
+                .zip(incoming.iter().copied())
+                .collect();
+            // Broadcast inputs' gradients: the first consumer's is the accumulator.
+            let mut fresh: Vec<u64> = Vec::new();
+            for (name, l) in &tr.bcast_grads {
+                if !bcast.iter().any(|(n, _)| n == name) {
+                    bcast.push((name.clone(), i.id(*l)));
+                } else {
+                    fresh.push(i.id(*l));
+                }
+            }
+            // The input side's broadcast outputs receive gradients from outside: never its own.
+            let skip: Vec<u64> = tr.extra_grad_ids.iter().map(|&t| tr.trace.n + t).collect();
+            i.replay(seq, &tr.trace.bwd, &skip);
+            for id in fresh {
+                seq.free(id);
+            }
+            // Gradients of the parameters: kept from the first microbatch, added in after.
+            for &l in &tr.trace.param_grads {
+                if mb == 0 {
+                    param_grads.push(i.id(l));
+                } else {
+                    seq.free(i.id(l));
+                }
+            }
+            let idx = outs_of.len() - 1;
+            outs_of.pop();
+            // The stream this instance read goes with its node (if it was saved).
+            if idx > 0 && (ck || tr.input_saved) {
+                for id in outs_of[idx - 1].clone() {
+                    seq.free(id);
+                }
+            }
+            if k == traced.len() - 1 {
+                // The loss scalar.
+                for &l in &tr.trace.outputs {
+                    seq.free(i.id(l));
+                }
+            }
+            incoming = tr.stream_grads.iter().map(|&l| i.id(l)).collect();
+            if k == 0 {
+                for (_, id) in bcast.drain(..) {
+                    seq.free(id);
+                }
+                for id in incoming.drain(..) {
+                    seq.free(id);
+                }
+            }
+        }
+        seq.free(kept);
+    }
+    // optimizer.step(): state created at the first step; the implementation's scratch.
+    let sgd = r.optimizer == Optimizer::Sgd;
+    if warm && !sgd {
+        for t in trained {
+            let b = optimizer_state_bytes(t.numel(), r.optimizer, r.precision) / 2;
+            state.push(seq.alloc(b));
+            state.push(seq.alloc(b));
+        }
+    }
+    if !sgd {
+        let sd = r.precision.optimizer_dtype().size();
+        match (r.optimizer, optimizer_impl(spec)) {
+            (Optimizer::AdamW, OptimizerImpl::ForLoop) => {
+                for t in trained {
+                    let a = seq.alloc(t.numel() * sd);
+                    let b = seq.alloc(t.numel() * sd);
+                    seq.free(a);
+                    seq.free(b);
+                }
+            }
+            (Optimizer::AdamW, OptimizerImpl::Fused) => {}
+            _ => {
+                let ids: Vec<u64> = trained.iter().map(|t| seq.alloc(t.numel() * sd)).collect();
+                for id in ids {
+                    seq.free(id);
+                }
+            }
+        }
+    }
+    if r.ema.enabled && r.ema.dtype != r.precision.param_dtype() {
+        let ids: Vec<u64> = trained
+            .iter()
+            .map(|t| seq.alloc(t.numel() * r.ema.dtype.size()))
+            .collect();
+        for id in ids {
+            seq.free(id);
+        }
+    }
+    for id in param_grads {
+        seq.free(id);
+    }
+}
