@@ -217,6 +217,38 @@ def estimate(ditmem, path):
         return None, f"unreadable estimate: {e}"
 
 
+# One spec per family for results/families_saved.txt (family_saved.py runs it fp32 and bf16).
+SAVED_SPECS = ["dit-fp32-none-loop", "pixart-fp32-none-loop", "sd3-fp32-none-loop",
+               "flux-fp32-none-loop", "sana-fp32-none-loop", "wan-fp32-none-loop-f5"]
+
+
+def write_saved(paths, out, threads):
+    import family_peer as fp
+
+    v = fp.versions()
+    text = [
+        "# What autograd saves per segment of one training step of each diffusers family class",
+        f"# family_saved.py (saved_tensors_hooks, storages deduplicated by data_ptr), fp32 and bf16 autocast on the CPU;",
+        f"# torch {v['torch']}, diffusers {v['diffusers']}, peft {v['peft']}, {threads} threads. Regenerate:",
+        "#   bench/torch_peer/.venv/bin/python bench/torch_peer/family_grid.py --saved",
+        "# Columns: storage bytes, dtype, shape, producer (grad_fn of the saved tensor), the backward node(s)",
+        "# and field that save it, the innermost module running when it was saved. [param]: a parameter",
+        "# saved as-is (resident, not in the totals). '(earlier)': a storage first saved by an earlier segment.",
+        "",
+    ]
+    for name in SAVED_SPECS:
+        res = subprocess.run([sys.executable, os.path.join(HERE, "family_saved.py"), "--spec", paths[name],
+                              "--threads", str(threads)], capture_output=True, text=True, cwd=ROOT)
+        if res.returncode != 0:
+            raise RuntimeError(f"family_saved.py {name}: {res.stderr.strip().splitlines()[-1:]}")
+        text.append(f"## {name} ({os.path.relpath(paths[name], ROOT)})")
+        text.append(res.stdout.rstrip())
+        text.append("")
+        print(f"saved: {name}", file=sys.stderr)
+    with open(out, "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ditmem", default=os.path.join(ROOT, "target", "release", "ditmem"))
@@ -224,12 +256,17 @@ def main():
     ap.add_argument("--only", help="comma-separated spec names")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write-specs-only", action="store_true")
+    ap.add_argument("--saved", action="store_true", help="only write results/families_saved.txt (family_saved.py on one spec per family)")
     ap.add_argument("--no-peer", action="store_true", help="read the measured rows from --out, only estimate")
     args = ap.parse_args()
     specs = grid()
     paths = write_specs(specs)
     print(f"{len(specs)} specs in {os.path.relpath(SPEC_DIR, ROOT)}", file=sys.stderr)
     if args.write_specs_only:
+        return 0
+    if args.saved:
+        sys.path.insert(0, HERE)
+        write_saved(paths, os.path.join(HERE, "results", "families_saved.txt"), args.threads)
         return 0
     names = args.only.split(",") if args.only else [n for n, _ in specs]
     have_ditmem = bool(args.ditmem) and os.path.exists(args.ditmem)

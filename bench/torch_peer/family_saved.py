@@ -12,7 +12,10 @@ backward, so the key is unique) and counted with its storage's bytes, attributed
 running when it was first saved: a top-level submodule of the model (`pos_embed`,
 `time_text_embed`, `context_embedder`, `norm_out`, `proj_out`, ...), one element of a top-level
 ModuleList (`transformer_blocks.0`, `single_transformer_blocks.1`, ...), `model body` (the
-model's own forward between submodules) or `step` (outside the model: noising, loss). For each
+model's own forward between submodules) or `step` (outside the model: noising, loss). A storage
+that later segments save again (the projected text context read by every block's cross-attention,
+RoPE cos/sin, the timestep embedding) counts in the first; the later ones list it as "(earlier)"
+and give its bytes in "(+ N B first saved by an earlier segment)". For each
 tensor: the op that produced it (its grad_fn, `param`, `leaf`), the backward node(s) that save it
 (found by walking the graph from the loss and reading each node's `_saved_*` fields), the
 innermost module running when it was saved, shape, dtype and bytes. Parameters saved as they are
@@ -110,7 +113,11 @@ def record(fs, seed=0):
     def pack(t):
         st = t.untyped_storage()
         key = st.data_ptr()
-        if key not in saved:
+        if key in saved:
+            seg = segment_now()
+            if seg not in saved[key]["also"] and seg != saved[key]["segment"]:
+                saved[key]["also"].append(seg)
+        else:
             if t.grad_fn is not None:
                 prod = t.grad_fn.name()
             elif key in params:
@@ -128,6 +135,7 @@ def record(fs, seed=0):
                 "dtype": str(t.dtype).replace("torch.", ""),
                 "bytes": st.nbytes(),
                 "param": key in params,
+                "also": [],
             }
         return t
 
@@ -163,8 +171,11 @@ def report(fs, saved, order, all_tensors):
         f"image tokens {s}  text tokens {fs.text_tokens}  hidden {d}  E = b·s·D = {e}"
     )
     per_seg = OrderedDict((seg, []) for seg in order)
+    reused = OrderedDict((seg, []) for seg in order)
     for row in saved.values():
         per_seg[row["segment"]].append(row)
+        for seg in row["also"]:
+            reused.setdefault(seg, []).append(row)
     shown_kinds = set()
     grand = 0
     for seg, rows in per_seg.items():
@@ -173,15 +184,18 @@ def report(fs, saved, order, all_tensors):
         grand += tot
         prm = sum(r["bytes"] for r in rows if r["param"])
         k = kind(seg)
+        again = sum(r["bytes"] for r in reused.get(seg, []) if not r["param"])
         lines.append(
             f"- {seg:32s} saved {tot:>10d} B  ({tot / e:7.3f} E-bytes, {len(act)} tensors)"
             + (f"  + params saved as-is {prm} B" if prm else "")
+            + (f"  (+ {again} B first saved by an earlier segment)" if again else "")
         )
         if k in shown_kinds and not all_tensors:
             continue
         shown_kinds.add(k)
-        for r in sorted(rows, key=lambda r: -r["bytes"]):
+        for r in sorted(rows, key=lambda r: -r["bytes"]) + [dict(r, shared=True) for r in reused.get(seg, [])]:
             lines.append(
+                ("  (earlier) " if r.get("shared") else "    ") +
                 f"    {r['bytes']:>9d}  {r['dtype']:8s} {str(list(r['shape'])):22s} {r['producer']:28s} "
                 f"saved by {', '.join(r['saved_by'])[:70]:70s} in {r['module']}" + ("  [param]" if r["param"] else "")
             )
