@@ -455,7 +455,10 @@ def run(args) -> dict:
         tr.step()
         times.append(time.perf_counter() - t0)
     tr.opt.zero_grad(set_to_none=True)
-    resident = measure.tensor_bytes(measure.resident_tensors(tr.model, tr.opt, tr.ema))
+    # Resident: parameters, buffers, optimizer state, EMA, and the DDPM families' alphas_cumprod
+    # (the scheduler's (1000,) fp32 table, alive across steps).
+    extra = [tr.inputs.acp] if hasattr(tr.inputs, "acp") else []
+    resident = measure.tensor_bytes(measure.resident_tensors(tr.model, tr.opt, tr.ema) + extra)
     above, net, phases = measure.cpu_step_peak(tr.step)
     v = versions()
     return {
