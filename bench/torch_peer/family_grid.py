@@ -117,22 +117,31 @@ def make(name, family, cfg, res, batch, precision, recompute, impl, text_tokens=
          "microbatch": batch, "accumulation": 1, "ranks": 1, "frames": frames}
     if text_tokens is not None:
         w["text_tokens"] = text_tokens
-    m = {"name": name, "diffusers": cfg}
+    if family == "wan":
+        w["vae_temporal_factor"] = 4
+    # depth (every block of every stack) and hidden (heads × head size): what ditmem derives from
+    # the config; written so that a reader which checks them finds them.
+    depth = cfg["num_layers"] + cfg.get("num_single_layers", 0)
+    m = {"name": name, "depth": depth, "hidden": cfg["num_attention_heads"] * cfg["attention_head_dim"],
+         "diffusers": cfg}
+    recipe = {
+        "precision": precision,
+        "optimizer": optimizer,
+        "optimizer_impl": impl,
+        "attention": "memory-efficient",
+        "recompute": recompute,
+        # PEFT target_modules names (ditmem's LoraSpec.modules)
+        "lora": {"rank": lora, "modules": LORA_TARGETS[family]} if lora else None,
+        "zero_stage": 0,
+        "latents": "cached",
+        "ema": {"enabled": ema, "dtype": "f32", "decay": 0.9999},
+    }
+    if family in ("dit", "pixart"):
+        recipe["prediction"] = "eps"  # flow families: the class decides (ditmem has eps | v)
     return name, {
         "model": m,
         "workload": w,
-        "recipe": {
-            "precision": precision,
-            "optimizer": optimizer,
-            "optimizer_impl": impl,
-            "attention": "memory-efficient",
-            "recompute": recompute,
-            "lora": {"rank": lora, "targets": LORA_TARGETS[family]} if lora else None,
-            "zero_stage": 0,
-            "latents": "cached",
-            "ema": {"enabled": ema, "dtype": "f32", "decay": 0.9999},
-            "prediction": "eps" if family in ("dit", "pixart") else "flow",
-        },
+        "recipe": recipe,
         "runtime": "pytorch:cpu",
     }
 
@@ -210,7 +219,10 @@ def estimate(ditmem, path):
                          capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
         lines = (res.stderr.strip() or res.stdout.strip() or "rejected").splitlines()
-        return None, lines[0][:200]
+        msg = lines[0]
+        if "panicked" in msg and len(lines) > 1:  # a Rust panic: its message is the next line
+            msg = f"{msg} {lines[1]}"
+        return None, msg[:240]
     try:
         return json.loads(res.stdout)["peak_bytes"], None
     except (json.JSONDecodeError, KeyError) as e:

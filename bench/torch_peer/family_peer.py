@@ -51,6 +51,8 @@ DEFAULT_VAE_FACTOR = {"dit": 8, "pixart": 8, "sd3": 8, "flux": 8, "sana": 32, "w
 FLUX_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)  # the scripts' defaults
 SGD_LR = 1e-4
+DEFAULT_LORA_MODULES = ("to_q", "to_k", "to_v", "to_out.0")  # the diffusers LoRA scripts' default
+DIT_LORA_TARGETS = {"qkv", "proj", "fc1", "fc2", "adaln"}  # ditmem's LoraTarget (original DiT)
 
 
 def class_name(cfg: dict) -> str:
@@ -119,7 +121,13 @@ class FamilySpec:
         lora = r.get("lora")
         self.lora = None
         if lora:
-            self.lora = {"rank": int(lora["rank"]), "targets": list(lora.get("targets") or ["to_k", "to_q", "to_v", "to_out.0"])}
+            # ditmem's LoraSpec: `modules` = PEFT target_modules names (empty: the scripts'
+            # to_q, to_k, to_v, to_out.0); `targets` holds the original DiT's linears (qkv, proj,
+            # fc1, fc2, adaln) and is ignored here unless it holds module names.
+            mods = list(lora.get("modules") or [])
+            if not mods:
+                mods = [t for t in (lora.get("targets") or []) if t not in DIT_LORA_TARGETS]
+            self.lora = {"rank": int(lora["rank"]), "targets": mods or list(DEFAULT_LORA_MODULES)}
             self.lora["alpha"] = int(lora.get("alpha", self.lora["rank"]))
         ema = r.get("ema") or {}  # ditmem's EmaSpec default: enabled, f32, 0.9999
         self.ema = bool(ema.get("enabled", True))
@@ -147,9 +155,12 @@ class FamilySpec:
             raise SpecUnsupported(f"workload.latent_channels {lc} ≠ the config's latent channels {ch}")
         self.latent_channels = ch
         if fam == "wan":
-            if (self.frames - 1) % 4:
+            tf = int(self.raw["workload"].get("vae_temporal_factor", 4))  # Wan's VAE: 4
+            if tf != 4:
+                raise SpecUnsupported(f"wan: workload.vae_temporal_factor {tf} (Wan 2.1's VAE compresses time by 4)")
+            if (self.frames - 1) % tf:
                 raise SpecUnsupported("wan: frames must be 4k + 1")
-            self.latent_frames = (self.frames - 1) // 4 + 1
+            self.latent_frames = (self.frames - 1) // tf + 1
             self.latent = (self.microbatch, ch, self.latent_frames, h, w)
         else:
             if self.frames != 1:
