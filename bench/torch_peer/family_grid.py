@@ -338,6 +338,9 @@ def main():
         rows = [merged[n] for n, _ in specs if n in merged]
     errs = [abs(r["ratio"] - 1) for r in rows if "ratio" in r]
     summary = {"specs": len(rows), "estimated": len(errs)}
+    if have_ditmem:
+        v = subprocess.run([args.ditmem, "--version"], capture_output=True, text=True)
+        summary["ditmem"] = {"path": args.ditmem, "version": (v.stdout.strip() or v.stderr.strip())[:120]}
     if errs:
         summary["max_abs_err"] = max(errs)
         summary["median_abs_err"] = statistics.median(errs)

@@ -200,6 +200,22 @@ def report(fs, saved, order, all_tensors):
                 f"saved by {', '.join(r['saved_by'])[:70]:70s} in {r['module']}" + ("  [param]" if r["param"] else "")
             )
     lines.append(f"- total saved (activations, excluding parameters saved as-is): {grand} B = {grand / e:.3f} E-bytes")
+    # Sides: the segments before the first block (input side) and after the last (output side).
+    segs = list(per_seg)
+    blocks = [i for i, seg in enumerate(segs) if "." in seg]
+    if blocks:
+        def total(names):
+            return sum(r["bytes"] for n in names for r in per_seg[n] if not r["param"])
+
+        inp, out = segs[: blocks[0]], segs[blocks[-1] + 1 :]
+        mid = [n for n in segs[blocks[0] : blocks[-1] + 1] if "." not in n]
+        by_kind = OrderedDict()
+        for i in blocks:
+            by_kind.setdefault(kind(segs[i]), []).append(total([segs[i]]))
+        kinds = "; ".join(f"{k} ×{len(v)}: {' / '.join(str(x) for x in v)} B" for k, v in by_kind.items())
+        lines.append(f"- sides: input {total(inp)} B ({', '.join(inp)}); blocks {kinds}"
+                     + (f"; between blocks {total(mid)} B ({', '.join(mid)})" if mid else "")
+                     + f"; output {total(out)} B ({', '.join(out)})")
     return lines
 
 
