@@ -231,7 +231,8 @@ def estimate(ditmem, path):
 
 # One spec per family for results/families_saved.txt (family_saved.py runs it fp32 and bf16).
 SAVED_SPECS = ["dit-fp32-none-loop", "pixart-fp32-none-loop", "sd3-fp32-none-loop",
-               "flux-fp32-none-loop", "sana-fp32-none-loop", "wan-fp32-none-loop-f5"]
+               "flux-fp32-none-loop", "sana-fp32-none-loop", "wan-fp32-none-loop-f5",
+               "flux-bf16-lora4-none-loop"]  # and one LoRA spec: peft's layers
 
 
 def write_saved(paths, out, threads):
