@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs a pinned diffusers beside torch into bench/torch_peer/.venv (creating it with
 # setup.sh first when it is missing). The transformer classes need neither transformers nor
-# accelerate: count_params.py builds them on the meta device with plain torch.
+# accelerate: count_params.py builds them on the meta device with plain torch. peft (pinned) is
+# for the LoRA specs of family_peer.py.
 # Never needed by `cargo test --release --workspace`.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -10,4 +11,7 @@ if [ ! -x "$here/.venv/bin/python" ] || ! "$here/.venv/bin/python" -c 'import to
 fi
 # The version the parameter tables in crates/budget/tests/data/ were produced with.
 "$here/.venv/bin/python" -m pip install "diffusers==${DIFFUSERS_VERSION:-0.42.1}"
-"$here/.venv/bin/python" -c 'import diffusers, torch; print("diffusers", diffusers.__version__, "torch", torch.__version__)'
+# LoRA of family_peer.py (transformer.add_adapter needs peft; it brings transformers and
+# accelerate as its own dependencies, which the peer does not use).
+"$here/.venv/bin/python" -m pip install "peft==${PEFT_VERSION:-0.21.2}"
+"$here/.venv/bin/python" -c 'import diffusers, peft, torch; print("diffusers", diffusers.__version__, "peft", peft.__version__, "torch", torch.__version__)'
