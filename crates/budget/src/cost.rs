@@ -36,6 +36,13 @@ pub struct DeviceProfile {
     pub link_bytes_per_s: f64,
 }
 
+/// Share of a GPU's dense matmul peak the GPU profile assumes (see [`DeviceProfile::for_gpu`]).
+pub const GPU_MATMUL_EFFICIENCY: f64 = 0.6;
+/// Share of a GPU's memory bandwidth elementwise ops are assumed to reach.
+pub const GPU_BANDWIDTH_EFFICIENCY: f64 = 0.8;
+/// Kernel-launch cost of one forward+backward pass on a GPU (≈ 2,000 launches × 5 µs).
+pub const GPU_PASS_OVERHEAD_S: f64 = 0.01;
+
 impl DeviceProfile {
     /// The 2-core CPU this project runs on, measured by
     /// `cargo bench -p ditmem-engine --bench calibrate` (see that bench for the method).
@@ -61,6 +68,41 @@ impl DeviceProfile {
             elementwise_half: 0.51e9,
             microbatch_overhead_s: 0.0029,
             link_bytes_per_s: 10e9,
+        }
+    }
+
+    /// A catalog GPU as a roofline: the catalog's dense FLOP/s and bandwidth (datasheets, with
+    /// their sources in `ditmem gpus NAME`) times efficiency factors that are **assumptions of
+    /// this model, not measurements of this project** (no GPU was lent to it):
+    /// - matmuls at [`GPU_MATMUL_EFFICIENCY`] of the dense peak (large cuBLAS GEMMs in published
+    ///   benchmarks reach 60–80 % of it; attention and small shapes less). fp32 matmuls run at the
+    ///   fp32 (not TF32) rate: PyTorch leaves `allow_tf32` off for matmuls by default
+    ///   (`torch.backends.cuda.matmul.allow_tf32 = False` since 1.12). The catalog has no fp64
+    ///   rate: fp64 is taken at 1/64 of fp32 (the GeForce / L-series ratio; A100 and H100 run it
+    ///   at half of fp32 — fp64 training on a GPU is not what this profile is for);
+    /// - elementwise ops bandwidth-bound at [`GPU_BANDWIDTH_EFFICIENCY`] of the peak, one read
+    ///   and one write of the element (the model charges two passes per element an op writes);
+    /// - [`GPU_PASS_OVERHEAD_S`] per forward+backward pass for kernel launches;
+    /// - the link between ranks at PCIe 4.0 ×16 (≈ 25 GB/s); NVLink is issue 17's.
+    pub fn for_gpu(g: &crate::gpu::Gpu) -> DeviceProfile {
+        let m = GPU_MATMUL_EFFICIENCY;
+        let bw = g.bandwidth * GPU_BANDWIDTH_EFFICIENCY;
+        let fp32 = g.flops.fp32;
+        DeviceProfile {
+            name: format!(
+                "{} (roofline: datasheet peaks × {m} matmul, × {GPU_BANDWIDTH_EFFICIENCY} bandwidth; assumed, not measured)",
+                g.name
+            ),
+            matmul_f64: fp32 / 64.0 * m,
+            matmul_f32: fp32 * m,
+            // Without bf16 units (T4, V100) PyTorch computes bf16 through fp32.
+            matmul_bf16: g.flops.bf16.unwrap_or(fp32) * m,
+            matmul_f16: g.flops.fp16.unwrap_or(fp32) * m,
+            elementwise_f64: bw / 8.0,
+            elementwise_f32: bw / 4.0,
+            elementwise_half: bw / 2.0,
+            microbatch_overhead_s: GPU_PASS_OVERHEAD_S,
+            link_bytes_per_s: 25e9,
         }
     }
 

@@ -61,10 +61,7 @@ pub fn resolve(spec: &mut Spec) -> Result<(), SpecError> {
     m.heads = narrow("model.diffusers.num_attention_heads", g.heads)?;
     m.patch = narrow("model.diffusers.patch_size", g.patch)?;
     m.in_channels = narrow("model.diffusers.in_channels", g.latent_channels)?;
-    m.mlp_ratio = narrow(
-        "model.diffusers",
-        g.mlp.div_ceil(g.hidden.max(1)).max(1),
-    )?;
+    m.mlp_ratio = narrow("model.diffusers", g.mlp.div_ceil(g.hidden.max(1)).max(1))?;
     // Not class-conditional (or, for diffusers' DiT, its label table is in the family's table).
     m.num_classes = 1;
     m.class_dropout_prob = 0.0;
@@ -120,7 +117,10 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             return Err(SpecError::invalid(
                 "workload.text_tokens",
                 if g.text.is_empty() {
-                    format!("is given, but {} has no text encoder; allowed: none", fm.class_name)
+                    format!(
+                        "is given, but {} has no text encoder; allowed: none",
+                        fm.class_name
+                    )
                 } else {
                     format!(
                         "lists {} counts; allowed: {} (one per text encoder: {})",

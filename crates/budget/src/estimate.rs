@@ -3,9 +3,9 @@
 
 use serde::Serialize;
 
+use crate::denoiser::param_table;
 use crate::error::SpecError;
 use crate::events::{Breakdown, Phase, StaticBytes};
-use crate::denoiser::param_table;
 use crate::params::{count, ParamCounts};
 use crate::runtime::pytorch::cuda::{cuda_report, CudaReport};
 use crate::runtime::{model_for, SegmentCosts, Shape};

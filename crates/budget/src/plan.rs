@@ -38,12 +38,14 @@ use std::rc::Rc;
 use serde::Serialize;
 
 use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
-use crate::events::{Breakdown, StaticBytes};
 use crate::denoiser::param_table;
+use crate::events::{Breakdown, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
+use crate::timeline::{
+    segment_costs, simulate_step, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES,
+};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -273,7 +275,7 @@ impl<'a> Evaluator<'a> {
             combo: ci,
             n_changes: c.n_changes + usize::from(rc != Recompute::None),
             recompute: rc,
-            peak: e.total(),
+            peak: device_peak(&spec, &c.table.0).unwrap_or(e.total()),
             breakdown: e.live,
             time,
         }
@@ -296,6 +298,30 @@ impl<'a> Evaluator<'a> {
         spec.recipe.recompute = rc;
         step_time_with(&spec, self.profile, &c.costs.1)
     }
+}
+
+/// On `pytorch:cuda` what has to fit is what the device shows: the caching allocator's reserved
+/// segments (fragmentation included) plus the CUDA context, not the allocated peak.
+fn device_peak(spec: &Spec, table: &[ParamTensor]) -> Option<u64> {
+    let cuda = matches!(
+        spec.runtime,
+        crate::spec::Runtime::Pytorch {
+            device: crate::spec::TorchDevice::Cuda,
+            ..
+        }
+    );
+    if !cuda {
+        return None;
+    }
+    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()?;
+    Some(match r.oom {
+        // The allocator stopped at the capacity: the step needs at least its allocated peak
+        // (the timeline's) and the context.
+        Some(_) => r
+            .device_bytes
+            .max(simulate_step(spec).peak().total() + r.context_bytes),
+        None => r.device_bytes,
+    })
 }
 
 fn trained_params(table: &[ParamTensor]) -> f64 {

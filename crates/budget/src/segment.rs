@@ -99,7 +99,12 @@ impl Segment {
     /// Every output: `output` and the side outputs.
     pub fn outputs(&self) -> Vec<Tid> {
         let mut v = vec![self.output];
-        v.extend(self.side_outputs.iter().copied().filter(|&t| t != self.output));
+        v.extend(
+            self.side_outputs
+                .iter()
+                .copied()
+                .filter(|&t| t != self.output),
+        );
         v
     }
 }

@@ -1305,7 +1305,11 @@ impl Spec {
         in_range("workload.accumulation", w.accumulation, MAX_ACCUMULATION)?;
         in_range("workload.ranks", w.ranks, MAX_RANKS)?;
         in_range("workload.frames", w.frames, MAX_FRAMES)?;
-        in_range("workload.vae_temporal_factor", w.vae_temporal_factor, MAX_VAE_FACTOR)?;
+        in_range(
+            "workload.vae_temporal_factor",
+            w.vae_temporal_factor,
+            MAX_VAE_FACTOR,
+        )?;
         if let Some(tt) = &w.text_tokens {
             if tt.is_empty() || tt.len() > MAX_TEXT_ENCODERS {
                 return Err(SpecError::invalid(

@@ -13,9 +13,9 @@
 
 use serde::Serialize;
 
+use crate::denoiser::param_table;
 pub use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
-use crate::denoiser::param_table;
 use crate::params::{stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
 use crate::spec::{Dtype, Latents, Optimizer, Precision, Spec};

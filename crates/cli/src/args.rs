@@ -159,7 +159,10 @@ fn parse_modules(text: &str) -> Result<Vec<String>, SpecError> {
         .map(str::to_string)
         .collect();
     let bad = names.iter().find(|n| {
-        n.len() > 200 || !n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+        n.len() > 200
+            || !n
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
     });
     if names.is_empty() || bad.is_some() {
         return Err(SpecError::invalid(

@@ -155,7 +155,10 @@ pub fn load_model(
         })
     })?
     else {
-        return Err(SpecError::invalid("--model", format!("{shown} is not a JSON object")));
+        return Err(SpecError::invalid(
+            "--model",
+            format!("{shown} is not a JSON object"),
+        ));
     };
     model.name = file.display().to_string();
     Ok((model, map))

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use ditmem_budget::{
-    family_preset, fmt_bytes, preset_source, state_bytes, FamilyCounts,
-    FamilyModel, FamilyTensor, SpecError,
+    family_preset, fmt_bytes, preset_source, state_bytes, FamilyCounts, FamilyModel, FamilyTensor,
+    SpecError,
 };
 use serde::Serialize;
 

@@ -27,9 +27,10 @@ use crate::CliError;
 pub struct PlanArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
-    /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes.
+    /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes (default with --gpu:
+    /// the card's capacity as CUDA reports it; the plan then fits what nvidia-smi would show).
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
-    pub budget: String,
+    pub budget: Option<String>,
     /// Share of the budget kept free for fragmentation and what the budget does not model.
     #[arg(long, default_value_t = DEFAULT_HEADROOM, value_name = "FRACTION",
           value_parser = crate::flags::headroom, allow_hyphen_values = true)]
@@ -165,7 +166,7 @@ fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
         allow_line(&p.allow, base.workload.ranks)
     ));
     out.push_str(&format!(
-        "times: predicted by the time model on profile '{}' (FLOPs and bytes over measured rates; not a measurement)\n\n",
+        "times: predicted by the time model on profile '{}' (FLOPs and bytes over the profile's rates; not a measurement)\n\n",
         p.profile.name
     ));
     let mut t = Table::new(&["", "peak", "fits", "step (predicted)", "recipe"]);
@@ -326,7 +327,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         ("--emit-out", args.emit_out.as_deref()),
         ("--plot", args.plot.as_deref()),
     ])?;
-    let budget = parse_budget(&args.budget)?;
+    let budget_flag = args.budget.as_deref().map(parse_budget).transpose()?;
     if !(0.0..0.9).contains(&args.headroom) {
         return Err(SpecError::invalid(
             "--headroom",
@@ -339,11 +340,37 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     }
     let allow = parse_allow(&args.allow)?;
     let target = args.emit.as_deref().map(str::parse::<Target>).transpose()?;
-    let profile = match &args.profile {
-        Some(path) => crate::input::load_profile(path)?,
-        None => DeviceProfile::cpu_default(),
-    };
     let base = args.spec.to_spec()?;
+    let gpu = base.cuda.as_ref().and_then(|c| c.gpu.as_deref());
+    let on_cuda = matches!(
+        base.runtime,
+        ditmem_budget::Runtime::Pytorch {
+            device: ditmem_budget::TorchDevice::Cuda,
+            ..
+        }
+    );
+    // Times on the device the spec runs on: a CUDA spec on its GPU (an A100 80 GB when it names
+    // none), the ditmem engine on this CPU's measured profile.
+    let profile = match (&args.profile, on_cuda) {
+        (Some(path), _) => crate::input::load_profile(path)?,
+        (None, true) => DeviceProfile::for_gpu(
+            ditmem_budget::gpu::lookup(gpu.unwrap_or("a100-80gb"))
+                .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?,
+        ),
+        (None, false) => DeviceProfile::cpu_default(),
+    };
+    let budget =
+        match (budget_flag, gpu) {
+            (Some(b), _) => b,
+            (None, Some(name)) => ditmem_budget::gpu::lookup(name)
+                .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?
+                .capacity_bytes(),
+            (None, None) => return Err(SpecError::invalid(
+                "--budget",
+                "missing; allowed: a size such as 24GiB, or --gpu NAME for that card's capacity",
+            )
+            .into()),
+        };
     let limits = Limits {
         budget_bytes: budget,
         headroom: args.headroom,

@@ -166,6 +166,43 @@ pub fn advice(dominant: &str, budget: &Budget) -> String {
 }
 
 /// The human report of `estimate`.
+/// What the device shows on `pytorch:cuda`: the caching allocator over the step's allocations.
+fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport) -> String {
+    let mut o = format!(
+        "cuda (caching allocator over a warm-up and a measured step{}): max allocated {}, max reserved {} \
+         (fragmentation at the allocated peak {}), cuBLAS workspace {}, context {} → nvidia-smi ≈ {}\n",
+        if c.alloc_conf.is_empty() {
+            String::new()
+        } else {
+            format!(", PYTORCH_CUDA_ALLOC_CONF={}", c.alloc_conf)
+        },
+        fmt_bytes(c.max_allocated_bytes),
+        fmt_bytes(c.max_reserved_bytes),
+        fmt_bytes(c.fragmentation_at_peak_bytes),
+        fmt_bytes(c.cublas_workspace_bytes),
+        fmt_bytes(c.context_bytes),
+        fmt_bytes(c.device_bytes),
+    );
+    if let (Some(gpu), Some(cap), Some(fits)) = (c.gpu, c.capacity_bytes, c.fits) {
+        match &c.oom {
+            None => o.push_str(&format!(
+                "fits {gpu} ({} as CUDA reports it): yes, {} free at the peak\n",
+                fmt_bytes(cap),
+                fmt_bytes(cap.saturating_sub(c.device_bytes))
+            )),
+            Some(oom) => o.push_str(&format!(
+                "fits {gpu} ({}): no — torch.OutOfMemoryError on a {} request with {} allocated and {} reserved{}\n",
+                fmt_bytes(cap),
+                fmt_bytes(oom.requested),
+                fmt_bytes(oom.allocated),
+                fmt_bytes(oom.reserved),
+                if fits { "" } else { "; plan --gpu finds what fits" }
+            )),
+        }
+    }
+    o
+}
+
 pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
     let mut o = String::new();
     o.push_str(&format!("ditmem estimate — {}\n", spec_line(&b.spec)));
@@ -232,6 +269,9 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
             b.timeline.microbatches,
             r.describe()
         ));
+    }
+    if let Some(c) = &b.cuda {
+        o.push_str(&cuda_lines(c));
     }
     let seg = b.segments.kept()[1];
     o.push_str(&format!(

@@ -255,7 +255,11 @@ impl FamilyModel {
                 vae_temporal_factor: 1,
                 mlp: 4 * d.inner(),
                 text: vec![t5(
-                    if self.name.contains("sigma") { 300 } else { 120 },
+                    if self.name.contains("sigma") {
+                        300
+                    } else {
+                        120
+                    },
                     d.caption_channels.unwrap_or(d.cross_attention_dim),
                 )],
             },
@@ -294,7 +298,10 @@ impl FamilyModel {
                         width: d.pooled_projection_dim,
                         sequence: false,
                     },
-                    t5(if d.guidance_embeds { 512 } else { 256 }, d.joint_attention_dim),
+                    t5(
+                        if d.guidance_embeds { 512 } else { 256 },
+                        d.joint_attention_dim,
+                    ),
                 ],
             },
             Dims::Sana(d) => Geometry {

@@ -25,6 +25,9 @@ pub struct CudaReport {
     pub alloc_conf: String,
     /// `torch.cuda.max_memory_allocated()` over a warm-up and a measured step (blocks, rounded).
     pub max_allocated_bytes: u64,
+    /// Peak of the bytes requested (before the allocator's 512 B rounding), cuBLAS workspace
+    /// included: what the step timeline's peak counts, tensor by tensor.
+    pub max_requested_bytes: u64,
     /// `torch.cuda.max_memory_reserved()`: the allocator's segments.
     pub max_reserved_bytes: u64,
     /// Reserved − allocated when allocated peaks: cached bytes the peak could not use.
@@ -66,6 +69,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
                 gpu: Some(g.name),
                 alloc_conf: cs.alloc_conf,
                 max_allocated_bytes: m.allocator.max_allocated,
+                max_requested_bytes: m.allocator.max_requested,
                 max_reserved_bytes: m.allocator.max_reserved,
                 fragmentation_at_peak_bytes: m.allocator.fragmentation_at_peak,
                 cublas_workspace_bytes: m.cublas_workspace_per_stream,
@@ -92,6 +96,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
                 gpu: None,
                 alloc_conf: cs.alloc_conf,
                 max_allocated_bytes: r.max_allocated,
+                max_requested_bytes: r.max_requested,
                 max_reserved_bytes: r.max_reserved,
                 fragmentation_at_peak_bytes: r.fragmentation_at_peak,
                 cublas_workspace_bytes: ws,

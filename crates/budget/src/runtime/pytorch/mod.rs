@@ -51,14 +51,14 @@ pub(crate) mod allocator;
 pub(crate) mod caching_allocator;
 pub(crate) mod cuda;
 pub(crate) mod device;
+pub(crate) mod families;
 pub(crate) mod ops;
 pub(crate) mod rules;
 pub(crate) mod stages;
-pub(crate) mod families;
 pub(crate) mod step;
-pub(crate) mod trace;
 #[cfg(test)]
 mod tests;
+pub(crate) mod trace;
 
 use crate::events::{Event, StaticBytes};
 use crate::params::ParamTensor;

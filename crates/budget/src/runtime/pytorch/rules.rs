@@ -7,8 +7,8 @@ use crate::runtime::shape::Shape;
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
-pub use crate::runtime::pytorch::ops::{CACHED, SAVED};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+pub use crate::runtime::pytorch::ops::{CACHED, SAVED};
 
 impl PyTorch {
     fn builder<'a>(&'a self, dims: &Shape, name: &str) -> Builder<'a> {

@@ -2,7 +2,6 @@
 //! one optimizer step replayed as the peer (`bench/torch_peer/peer.py`) runs it [CK][OPT] (the
 //! rule sources are listed in the folder's `mod.rs`).
 
-
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{Live, SegCost};
@@ -21,8 +20,8 @@ pub fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
 /// parameter, hosted on the CPU unless `capturable` or `fused` (`adam.py` `_init_group`: "special
 /// device hosting for step"), so none on a GPU with for-loop or foreach.
 pub fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
-    let on_device = for_spec(spec).device == TorchDevice::Cpu
-        || optimizer_impl(spec) == OptimizerImpl::Fused;
+    let on_device =
+        for_spec(spec).device == TorchDevice::Cpu || optimizer_impl(spec) == OptimizerImpl::Fused;
     if spec.recipe.optimizer == Optimizer::Sgd || !on_device {
         0
     } else {
@@ -50,7 +49,9 @@ pub fn optimizer_scratch(
     let sd = precision.optimizer_dtype().size();
     match (optimizer, imp) {
         (Optimizer::Sgd, _) => 0,
-        (Optimizer::AdamW8bit, _) | (Optimizer::AdamW, OptimizerImpl::Foreach) => trained_elems * sd,
+        (Optimizer::AdamW8bit, _) | (Optimizer::AdamW, OptimizerImpl::Foreach) => {
+            trained_elems * sd
+        }
         (Optimizer::AdamW, OptimizerImpl::ForLoop) => 2 * largest * sd,
         (Optimizer::AdamW, OptimizerImpl::Fused) => 0,
     }

@@ -3,11 +3,11 @@
 //! the foreach optimizer and the CUDA allocator's rounding.
 
 use crate::estimate::estimate;
+use crate::runtime::pytorch::allocator::SegCost;
+use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::rules::SAVED;
 use crate::runtime::pytorch::stages::stages;
-use crate::runtime::pytorch::allocator::SegCost;
-use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::step::optimizer_scratch;
 use crate::runtime::shape::Shape;
 use crate::spec::{
@@ -178,7 +178,7 @@ fn checkpointed_blocks_keep_only_their_input() {
 
 #[test]
 fn adamw_scratch_follows_the_implementation() {
-    use crate::spec::OptimizerImpl::{Foreach, ForLoop, Fused};
+    use crate::spec::OptimizerImpl::{ForLoop, Foreach, Fused};
     let sc = |p, o, i| optimizer_scratch(1000, 300, p, o, i);
     // foreach: `_foreach_sqrt(exp_avg_sqs)`, one fp32 state copy of every parameter at once.
     assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, Foreach), 4000);

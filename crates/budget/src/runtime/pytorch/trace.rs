@@ -20,7 +20,7 @@ use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
 use crate::runtime::pytorch::caching_allocator::AllocEvent;
 use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::stages::stages;
-use crate::runtime::pytorch::step::optimizer_impl;
+use crate::runtime::pytorch::step::{optimizer_impl, step_tensors};
 use crate::segment::TensorKind;
 use crate::spec::{Optimizer, OptimizerImpl, Spec};
 use crate::timeline::optimizer_state_bytes;
@@ -162,7 +162,9 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
     }
     let mut state: Vec<u64> = Vec::new();
     for warm in [true, false] {
-        step(spec, &traced, &st.data, &trained, &mut seq, &mut state, warm);
+        step(
+            spec, &traced, &st.data, &trained, &mut seq, &mut state, warm,
+        );
     }
     without_empty(seq.events)
 }
@@ -255,7 +257,9 @@ fn step(
                 };
                 // The recomputed outputs are dropped (the first forward's are the ones kept).
                 re.replay(seq, &tr.trace.fwd, &[]);
-                for &l in &tr.trace.outputs {
+                // The checkpoint's autocast region ends with the recompute: copies only its
+                // cache held go.
+                for &l in tr.trace.outputs.iter().chain(&tr.trace.cache_only) {
                     seq.free(re.id(l));
                 }
                 re
@@ -320,8 +324,13 @@ fn step(
     // optimizer.step(): state created at the first step; the implementation's scratch.
     let sgd = r.optimizer == Optimizer::Sgd;
     if warm && !sgd {
+        // `_init_group`: step (on the device only when fused or capturable), exp_avg, exp_avg_sq.
+        let step_bytes = step_tensors(spec, 1);
         for t in trained {
             let b = optimizer_state_bytes(t.numel(), r.optimizer, r.precision) / 2;
+            if step_bytes > 0 {
+                state.push(seq.alloc(step_bytes));
+            }
             state.push(seq.alloc(b));
             state.push(seq.alloc(b));
         }
@@ -357,5 +366,108 @@ fn step(
     }
     for id in param_grads {
         seq.free(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::estimate::estimate;
+    use crate::runtime::pytorch::caching_allocator::{simulate_allocator, AllocConf};
+    use crate::spec::{AttentionMode, ModelSpec, Precision, Recompute};
+
+    /// The sequence is the step timeline tensor by tensor: its peak of requested bytes is the
+    /// timeline's peak, over precisions, recompute policies, attention modes, accumulation,
+    /// optimizer implementations and EMA.
+    #[test]
+    fn the_sequence_peaks_where_the_timeline_does() {
+        let mut base = Spec::default_xl();
+        base.model = ModelSpec::preset("dit-s-2").unwrap();
+        base.workload.batch = 8;
+        base.workload.microbatch = 8;
+        base.runtime = "pytorch:cuda".parse().unwrap();
+        let mut specs = Vec::new();
+        for p in [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed] {
+            for rc in [Recompute::None, Recompute::All, Recompute::EveryK(3)] {
+                for at in [AttentionMode::Materialized, AttentionMode::MemoryEfficient] {
+                    let mut s = base.clone();
+                    s.recipe.precision = p;
+                    s.recipe.recompute = rc.clone();
+                    s.recipe.attention = at;
+                    specs.push(s);
+                }
+            }
+        }
+        let mut s = base.clone();
+        s.workload.microbatch = 4;
+        s.workload.accumulation = 2;
+        specs.push(s);
+        for imp in OptimizerImpl::ALL {
+            let mut s = base.clone();
+            s.recipe.optimizer_impl = Some(imp);
+            s.recipe.ema.enabled = false;
+            specs.push(s);
+        }
+        for s in specs {
+            let b = estimate(&s).unwrap();
+            let table = crate::denoiser::param_table(&s);
+            let seq = allocation_sequence(&s, &table);
+            let r = simulate_allocator(&seq, &AllocConf::default(), None).unwrap();
+            assert_eq!(
+                r.max_requested,
+                b.peak_bytes,
+                "{:?} {} {:?} acc {} {:?}: sequence {} vs timeline {} ({})",
+                s.recipe.precision,
+                s.recipe.recompute,
+                s.recipe.attention,
+                s.workload.accumulation,
+                s.recipe.optimizer_impl,
+                r.max_requested,
+                b.peak_bytes,
+                b.peak.label
+            );
+            assert_eq!(
+                left(&seq),
+                state_bytes(&s, &table),
+                "only the model state stays"
+            );
+            assert!(r.max_reserved >= r.max_allocated && r.max_allocated >= r.max_requested);
+        }
+    }
+
+    /// Requested bytes never freed.
+    fn left(seq: &[AllocEvent]) -> u64 {
+        let mut alive = std::collections::HashMap::new();
+        for e in seq {
+            match *e {
+                AllocEvent::Alloc { id, bytes, .. } => {
+                    alive.insert(id, bytes);
+                }
+                AllocEvent::Free { id } => {
+                    alive.remove(&id);
+                }
+            }
+        }
+        alive.values().sum()
+    }
+
+    /// Bytes the model state holds between steps: weights, EMA, optimizer state.
+    fn state_bytes(s: &Spec, table: &[ParamTensor]) -> u64 {
+        let lora = s.recipe.lora.is_some();
+        let trained = table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .count() as u64;
+        let mut total = step_tensors(s, trained);
+        for t in table {
+            total += t.numel() * stored_dtype(t, s.recipe.precision, lora).size();
+            if t.role == ParamRole::Trained {
+                if s.recipe.ema.enabled {
+                    total += t.numel() * s.recipe.ema.dtype.size();
+                }
+                total += optimizer_state_bytes(t.numel(), s.recipe.optimizer, s.recipe.precision);
+            }
+        }
+        total
     }
 }
