@@ -132,20 +132,30 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let rt = model_for(spec);
     let dims = Shape::new(spec);
     let kept = segments.kept();
-    let inv = vec![
-        inventory(
-            &rt.embed_segment(&dims),
-            kept[0].activations + kept[0].weight_casts,
-        ),
-        inventory(
-            &rt.block_segment(&dims),
-            kept[1].activations + kept[1].weight_casts,
-        ),
-        inventory(
-            &rt.final_segment(&dims),
-            kept[2].activations + kept[2].weight_casts,
-        ),
-    ];
+    let family_inv = crate::runtime::pytorch::stages::family_segments(spec).map(|segs| {
+        segs.iter()
+            .map(|seg| {
+                let k = crate::runtime::pytorch::allocator::simulate(seg, 0, &[]).kept;
+                inventory(seg, k.activations + k.weight_casts)
+            })
+            .collect::<Vec<_>>()
+    });
+    let inv = family_inv.unwrap_or_else(|| {
+        vec![
+            inventory(
+                &rt.embed_segment(&dims),
+                kept[0].activations + kept[0].weight_casts,
+            ),
+            inventory(
+                &rt.block_segment(&dims),
+                kept[1].activations + kept[1].weight_casts,
+            ),
+            inventory(
+                &rt.final_segment(&dims),
+                kept[2].activations + kept[2].weight_casts,
+            ),
+        ]
+    });
     let peak = Peak {
         bytes: ev.total(),
         phase: ev.phase,

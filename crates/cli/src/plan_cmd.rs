@@ -359,18 +359,19 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         ),
         (None, false) => DeviceProfile::cpu_default(),
     };
-    let budget =
-        match (budget_flag, gpu) {
-            (Some(b), _) => b,
-            (None, Some(name)) => ditmem_budget::gpu::lookup(name)
-                .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?
-                .capacity_bytes(),
-            (None, None) => return Err(SpecError::invalid(
+    let budget = match (budget_flag, gpu) {
+        (Some(b), _) => b,
+        (None, Some(name)) => ditmem_budget::gpu::lookup(name)
+            .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?
+            .capacity_bytes(),
+        (None, None) => {
+            return Err(SpecError::invalid(
                 "--budget",
-                "missing; allowed: a size such as 24GiB, or --gpu NAME for that card's capacity",
+                "required: a size such as 24GiB, or --gpu NAME for that card's capacity",
             )
-            .into()),
-        };
+            .into())
+        }
+    };
     let limits = Limits {
         budget_bytes: budget,
         headroom: args.headroom,

@@ -62,10 +62,10 @@ pub(crate) mod trace;
 
 use crate::events::{Event, StaticBytes};
 use crate::params::ParamTensor;
-use crate::runtime::costs::SegmentCosts;
+use crate::runtime::costs::{GenericCosts, SegmentCosts};
 use crate::runtime::model::RuntimeModel;
 use crate::runtime::shape::Shape;
-use crate::segment::{Segment, Tid};
+use crate::segment::{simulate, Segment, Tid};
 use crate::spec::Spec;
 use device::PyTorch;
 use rules::SAVED;
@@ -93,6 +93,31 @@ impl RuntimeModel for PyTorch {
 
     fn saves(&self, seg: &Segment, t: Tid) -> bool {
         seg.tensors[t].name.ends_with(SAVED)
+    }
+
+    /// A family's input side, its first stack of blocks and its output side; the original
+    /// DiT's three segments otherwise.
+    fn segment_costs(&self, spec: &Spec) -> SegmentCosts {
+        let Some(segs) = stages::family_segments(spec) else {
+            let shape = Shape::new(spec);
+            let saved = |seg: &Segment, t| self.saves(seg, t);
+            return SegmentCosts::Generic(GenericCosts {
+                embed: simulate(&self.embed(&shape), false, &saved),
+                block: simulate(&self.block(&shape), false, &saved),
+                final_layer: simulate(&self.final_layer(&shape), false, &saved),
+            });
+        };
+        let saved = |seg: &Segment, t| self.saves(seg, t);
+        let sim = |i: usize| {
+            segs.get(i)
+                .map(|s| simulate(s, false, &saved))
+                .unwrap_or_default()
+        };
+        SegmentCosts::Generic(GenericCosts {
+            embed: sim(0),
+            block: sim(1),
+            final_layer: sim(segs.len().saturating_sub(1)),
+        })
     }
 
     /// PyTorch replays its own step (graphs released op by op, foreach optimizer, autocast

@@ -159,3 +159,18 @@ pub fn stages(rt: &PyTorch, spec: &Spec) -> Stages {
         _ => dit(rt, spec),
     }
 }
+
+/// A family spec's stage segments, input side first (None for the original DiT, whose three
+/// segments the runtime's builders give): the op inventory and the generic costs of the
+/// estimate read them.
+pub fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
+    let fm = crate::denoiser::family(spec).ok().flatten()?;
+    let st = families::stages(crate::runtime::pytorch::device::for_spec(spec), spec, &fm);
+    Some(
+        st.stages
+            .into_iter()
+            .filter(|s| s.count > 0)
+            .map(|s| s.seg)
+            .collect(),
+    )
+}
