@@ -42,10 +42,10 @@ pub use plan::{
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
-    default_lora_targets, AttentionMode, Bf16Products, CpuSpec, CudaSpec, Dtype, EmaSpec, Latents,
-    LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision, Prediction, Recipe,
-    Recompute, Runtime, SdpaBackend, Spec, TokenGrid, TorchDevice, Workload, LIMITS,
-    MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES, MAX_FREQ_EMBED, MAX_HIDDEN,
+    default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
+    EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision,
+    Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid, TorchDevice, Workload,
+    LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES, MAX_FREQ_EMBED, MAX_HIDDEN,
     MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE,
     MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS, MAX_VAE_FACTOR,
 };

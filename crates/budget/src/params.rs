@@ -9,7 +9,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{Dtype, LoraTarget, Precision, Spec};
+use crate::spec::{BaseQuant, Dtype, LoraTarget, Precision, Spec};
 
 /// Whether the optimizer updates a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -338,6 +338,29 @@ pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype 
         ParamRole::Frozen if t.module == Module::PosEmbed => precision.accum_dtype(),
         ParamRole::Frozen => precision.compute_dtype(),
     }
+}
+
+/// Whether a tensor is a Linear weight inside the transformer blocks: what a quantized LoRA
+/// base stores quantized (bitsandbytes replaces the blocks' `nn.Linear` modules; embedders,
+/// norms and biases stay in the compute dtype).
+pub fn quantizable(t: &ParamTensor) -> bool {
+    matches!(
+        t.module,
+        Module::Blocks | Module::TransformerBlocks | Module::SingleBlocks
+    ) && t.shape.len() == 2
+        && t.name.ends_with(".weight")
+        && !t.buffer
+}
+
+/// Bytes a tensor is stored in under the recipe: its dtype, or its quantized storage when it is
+/// a frozen base's block Linear and the base is quantized.
+pub fn stored_bytes(t: &ParamTensor, precision: Precision, lora: bool, quant: BaseQuant) -> u64 {
+    if t.role == ParamRole::Frozen && quantizable(t) {
+        if let Some(b) = quant.weight_bytes(t.shape[0], t.shape[1]) {
+            return b;
+        }
+    }
+    t.numel() * stored_dtype(t, precision, lora).size()
 }
 
 /// Bytes to store `n` numbers in `dtype` (the seed's lab: 1,744 → 13,952 B f64).

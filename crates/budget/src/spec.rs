@@ -683,10 +683,83 @@ pub struct Recipe {
     pub ema: EmaSpec,
     #[serde(default)]
     pub prediction: Prediction,
+    /// How the frozen base's Linear weights are stored under LoRA (QLoRA: `nf4`).
+    #[serde(default, skip_serializing_if = "BaseQuant::is_none")]
+    pub base_quant: BaseQuant,
     /// Which implementation of `torch.optim.AdamW` the `pytorch` runtime runs; absent: the
     /// device's default (for-loop on the CPU, foreach on CUDA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_impl: Option<OptimizerImpl>,
+}
+
+/// Storage of a frozen LoRA base's Linear weights inside the transformer blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseQuant {
+    /// In the compute dtype (`weight_dtype` of the scripts).
+    #[default]
+    None,
+    /// bitsandbytes `Linear8bitLt` (LLM.int8): int8 weight + one fp32 scale per output row.
+    Int8,
+    /// bitsandbytes `Linear4bit`, NF4 with double quantization (QLoRA): 4 bits per weight +
+    /// an 8-bit absmax per 64 weights + an fp32 absmax per 256 of those.
+    Nf4,
+    /// fp8 (e4m3) storage, upcast to the compute dtype per layer (diffusers layerwise casting).
+    Fp8,
+}
+
+impl BaseQuant {
+    pub const ALL: [BaseQuant; 4] = [
+        BaseQuant::None,
+        BaseQuant::Int8,
+        BaseQuant::Nf4,
+        BaseQuant::Fp8,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            BaseQuant::None => "none",
+            BaseQuant::Int8 => "int8",
+            BaseQuant::Nf4 => "nf4",
+            BaseQuant::Fp8 => "fp8",
+        }
+    }
+
+    pub fn is_none(&self) -> bool {
+        *self == BaseQuant::None
+    }
+
+    /// Bytes of an (out × inp) weight stored this way (None: not quantized). Sources:
+    /// bitsandbytes `Int8Params` (`CB` int8, `SCB` fp32 of shape (out,)); `Params4bit` with
+    /// `blocksize=64`, `compress_statistics=True` (uint8 packs two weights; absmax quantized to
+    /// 8 bits in blocks of 256 with an fp32 absmax each); fp8: one byte per weight.
+    pub fn weight_bytes(self, out: u64, inp: u64) -> Option<u64> {
+        let n = out * inp;
+        match self {
+            BaseQuant::None => None,
+            BaseQuant::Int8 => Some(n + 4 * out),
+            BaseQuant::Nf4 => {
+                let blocks = n.div_ceil(64);
+                Some(n.div_ceil(2) + blocks + 4 * blocks.div_ceil(256))
+            }
+            BaseQuant::Fp8 => Some(n),
+        }
+    }
+}
+
+impl FromStr for BaseQuant {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        BaseQuant::ALL
+            .into_iter()
+            .find(|q| q.name() == s)
+            .ok_or_else(|| {
+                SpecError::invalid(
+                    "recipe.base_quant",
+                    format!("'{s}' is not a base storage; allowed: none, int8, nf4, fp8"),
+                )
+            })
+    }
 }
 
 /// The implementations of `torch.optim.AdamW` / `SGD` (`torch/optim/adam.py`): each keeps
@@ -779,6 +852,7 @@ impl Default for Recipe {
             latents: default_latents(),
             ema: EmaSpec::default(),
             prediction: Prediction::Eps,
+            base_quant: BaseQuant::None,
             optimizer_impl: None,
         }
     }
@@ -1324,8 +1398,9 @@ impl Spec {
                 in_range("workload.text_tokens", t, MAX_TEXT_TOKENS)?;
             }
         }
-        if !dit && m.depth == 0 {
-            // Not resolved yet: the geometry below needs the family's patch and blocks.
+        if !dit && [m.depth, m.hidden, m.heads, m.patch, m.in_channels].contains(&0) {
+            // Not resolved yet (`denoiser::resolve` derives these): the geometry below needs
+            // the family's patch, blocks and widths.
             return Ok(());
         }
         let product = u64::from(w.microbatch) * u64::from(w.accumulation) * u64::from(w.ranks);
@@ -1395,7 +1470,7 @@ impl Spec {
         let w = &self.workload;
         let r = &self.recipe;
         // A diffusers model not yet resolved has no depth or hidden size to check against.
-        let sized = m.diffusers.is_none() || m.depth > 0;
+        let sized = m.diffusers.is_none() || (m.depth > 0 && m.hidden > 0);
         if let Recompute::Blocks(blocks) = &r.recompute {
             // Parsed lists are sorted and deduplicated; the replays look blocks up by bisection.
             if blocks.is_empty() || !blocks.windows(2).all(|p| p[0] < p[1]) {
@@ -1431,6 +1506,15 @@ impl Spec {
                     "is empty; allowed: one or more of qkv, proj, fc1, fc2, adaln",
                 ));
             }
+        }
+        if !r.base_quant.is_none() && r.lora.is_none() {
+            return Err(SpecError::invalid(
+                "recipe.base_quant",
+                format!(
+                    "{} without LoRA: only a frozen base can be stored quantized; allowed: none, or a LoRA rank",
+                    r.base_quant.name()
+                ),
+            ));
         }
         if r.zero_stage > 3 {
             return Err(SpecError::invalid(

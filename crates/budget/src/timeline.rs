@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::denoiser::param_table;
 pub use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
-use crate::params::{stored_dtype, ParamRole, ParamTensor};
+use crate::params::{stored_bytes, stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
 use crate::spec::{Dtype, Latents, Optimizer, Precision, Spec};
 
@@ -160,7 +160,7 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
         let n = t.numel();
         let dt = stored_dtype(t, p, r.lora.is_some());
         match t.role {
-            ParamRole::Frozen => s.weights += n * dt.size(),
+            ParamRole::Frozen => s.weights += stored_bytes(t, p, r.lora.is_some(), r.base_quant),
             ParamRole::Trained => {
                 let bytes = n * dt.size();
                 if p.is_mixed() {

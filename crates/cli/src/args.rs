@@ -33,6 +33,10 @@ pub struct SpecArgs {
     /// Video frames per sample (Wan: 1 + 4k, e.g. 81); 1 for images.
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub frames: Option<u32>,
+    /// none | int8 | nf4 | fp8 — how a frozen LoRA base's block Linears are stored (nf4: QLoRA
+    /// with bitsandbytes; fp8: layerwise casting); needs --lora-rank.
+    #[arg(long)]
+    pub base_quant: Option<String>,
     /// for-loop | foreach | fused — torch.optim.AdamW's implementation (pytorch runtime;
     /// default: the device's, for-loop on the CPU and foreach on CUDA).
     #[arg(long)]
@@ -241,6 +245,9 @@ impl SpecArgs {
         }
         if let Some(f) = self.frames {
             spec.workload.frames = f;
+        }
+        if let Some(q) = &self.base_quant {
+            spec.recipe.base_quant = q.parse::<ditmem_budget::BaseQuant>()?;
         }
         if let Some(i) = &self.optimizer_impl {
             spec.recipe.optimizer_impl = Some(i.parse::<OptimizerImpl>()?);

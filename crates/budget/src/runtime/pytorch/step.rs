@@ -57,6 +57,23 @@ pub fn optimizer_scratch(
     }
 }
 
+/// The transient weight a quantized base's Linear dequantizes to, once in its forward and once
+/// in its backward (bitsandbytes `MatMul4Bit`: `F.dequantize_4bit(B).to(A.dtype)`; `MatMul8bitLt`
+/// backward: `CB * SCB / 127`; fp8 layerwise casting: the upcast copy): the largest block
+/// Linear in the compute dtype, 0 without a quantized base.
+pub fn dequant_bytes(spec: &Spec, table: &[ParamTensor]) -> u64 {
+    let r = &spec.recipe;
+    if r.base_quant.is_none() || r.lora.is_none() {
+        return 0;
+    }
+    table
+        .iter()
+        .filter(|t| t.role == ParamRole::Frozen && crate::params::quantizable(t))
+        .map(|t| t.numel() * r.precision.compute_dtype().size())
+        .max()
+        .unwrap_or(0)
+}
+
 /// The label of a stage's instance: `"block 3"` for blocks, the stage's name otherwise.
 fn label(sc: &StageCost, idx: Option<u32>) -> String {
     match idx {
@@ -97,6 +114,7 @@ pub fn replay(
     let trained_elems: u64 = trained.iter().map(|t| t.numel()).sum();
     let largest = trained.iter().map(|t| t.numel()).max().unwrap_or(0);
     let imp = optimizer_impl(spec);
+    let dq = dequant_bytes(spec, table);
     let base = Breakdown {
         weights: st.weights,
         master_weights: st.master_weights,
@@ -123,13 +141,17 @@ pub fn replay(
                 let idx = sc.blocks.then_some(block);
                 let ck = sc.blocks && r.recompute.recomputes_block(block);
                 let name = label(sc, idx);
+                let mut inside = with(live, if ck { c.ckpt_peak } else { c.fwd_peak });
+                if sc.blocks {
+                    inside.workspace += dq;
+                }
                 ev.push(
                     Phase::Forward,
                     format!("{name} (inside)"),
                     idx,
                     mb,
                     true,
-                    with(live, if ck { c.ckpt_peak } else { c.fwd_peak }),
+                    inside,
                 );
                 live.activations += c.output;
                 if ck {
@@ -187,18 +209,23 @@ pub fn replay(
                 let name = label(sc, idx);
                 if ck {
                     // Recompute under the same autocast state, with the incoming gradient alive.
+                    let mut at = with(live, c.fwd_peak);
+                    at.workspace += dq;
                     ev.push(
                         Phase::Backward,
                         format!("{name} recompute (inside)"),
                         idx,
                         mb,
                         true,
-                        with(live, c.fwd_peak),
+                        at,
                     );
                     live.activations += c.kept.activations;
                     live.weight_casts += c.kept.weight_casts;
                 }
-                let inside = back(&live, c, if last { 0 } else { grad_out });
+                let mut inside = back(&live, c, if last { 0 } else { grad_out });
+                if sc.blocks {
+                    inside.workspace += dq;
+                }
                 ev.push(
                     Phase::Backward,
                     format!("{name} (inside)"),

@@ -15,7 +15,7 @@
 //!
 //! Ids are global: every instance of a segment gets its own range.
 
-use crate::params::{stored_dtype, ParamRole, ParamTensor};
+use crate::params::{stored_bytes, ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
 use crate::runtime::pytorch::caching_allocator::AllocEvent;
 use crate::runtime::pytorch::device::for_spec;
@@ -153,7 +153,7 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         .filter(|t| t.role == ParamRole::Trained)
         .collect();
     for t in table {
-        seq.alloc(t.numel() * stored_dtype(t, p, lora).size());
+        seq.alloc(stored_bytes(t, p, lora, r.base_quant));
     }
     if r.ema.enabled {
         for t in &trained {
@@ -163,7 +163,7 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
     let mut state: Vec<u64> = Vec::new();
     for warm in [true, false] {
         step(
-            spec, &traced, &st.data, &trained, &mut seq, &mut state, warm,
+            spec, &traced, &st.data, &trained, table, &mut seq, &mut state, warm,
         );
     }
     without_empty(seq.events)
@@ -188,17 +188,28 @@ fn without_empty(events: Vec<AllocEvent>) -> Vec<AllocEvent> {
         .collect()
 }
 
+/// A quantized base's dequantized weight, made and dropped inside a block's forward or backward.
+fn dequant(seq: &mut Seq, bytes: u64) {
+    if bytes > 0 {
+        let id = seq.alloc(bytes);
+        seq.free(id);
+    }
+}
+
 /// One optimizer step: every microbatch's forward and backward, the optimizer, EMA, zero_grad.
+#[allow(clippy::too_many_arguments)]
 fn step(
     spec: &Spec,
     traced: &[Traced],
     data: &crate::runtime::pytorch::stages::Data,
     trained: &[&ParamTensor],
+    table: &[ParamTensor],
     seq: &mut Seq,
     state: &mut Vec<u64>,
     warm: bool,
 ) {
     let r = &spec.recipe;
+    let dq = crate::runtime::pytorch::step::dequant_bytes(spec, table);
     let mut param_grads: Vec<u64> = Vec::new();
     let microbatches = spec.workload.accumulation.clamp(1, 2);
     for mb in 0..microbatches {
@@ -212,6 +223,9 @@ fn step(
         for (k, tr) in traced.iter().enumerate() {
             for j in 0..tr.count {
                 let ck = tr.blocks && r.recompute.recomputes_block(block);
+                if tr.blocks {
+                    dequant(seq, dq);
+                }
                 let i = Instance {
                     base: seq.range(tr.trace.n),
                     alias: Vec::new(),
@@ -249,6 +263,9 @@ fn step(
             .collect();
         while let Some((k, _j, fwd, ck)) = inst.pop() {
             let tr = &traced[k];
+            if tr.blocks {
+                dequant(seq, dq);
+            }
             let mut i = if ck {
                 // Recompute: a tracked forward of its own, under the same autocast state.
                 let re = Instance {
@@ -460,7 +477,7 @@ mod tests {
             .count() as u64;
         let mut total = step_tensors(s, trained);
         for t in table {
-            total += t.numel() * stored_dtype(t, s.recipe.precision, lora).size();
+            total += stored_bytes(t, s.recipe.precision, lora, s.recipe.base_quant);
             if t.role == ParamRole::Trained {
                 if s.recipe.ema.enabled {
                     total += t.numel() * s.recipe.ema.dtype.size();
