@@ -496,7 +496,16 @@ impl<'a> Builder<'a> {
         self.save_if(sin, rx);
         let b = self.g.op(&format!("{name} x_rotated·sin"), &[rf, sin], n, Dtype::F32);
         let s = self.g.op(&format!("{name} sum"), &[a, b], n, Dtype::F32);
-        self.g.cast(&format!("{name} .to(x.dtype)"), s, xd)
+        let out = self.g.cast(&format!("{name} .to(x.dtype)"), s, xd);
+        // `x_rotated` is a local of the function: alive until it returns.
+        self.hold(&format!("{name} return"), &[rot]);
+        out
+    }
+
+    /// Python locals that keep tensors alive until their function returns: a zero-byte op that
+    /// reads them there (no gradient reaches it). A segment's output must be set after it.
+    pub fn hold(&mut self, name: &str, ts: &[Tid]) {
+        self.g.op(&format!("{name} (locals released)"), ts, 0, Dtype::F32);
     }
 }
 

@@ -66,12 +66,13 @@ pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64
         .collect()
 }
 
-/// `residual + gate.unsqueeze(1) · y` (the mul saves each operand for the other [AG]).
-pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Tid) -> Tid {
+/// `residual + gate.unsqueeze(1) · y` (the mul saves each operand for the other [AG]); returns
+/// the sum and the product (which a block's Python local may hold until it returns).
+pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Tid) -> (Tid, Tid) {
     let n = bl.g.elems(y);
     let gy = bl.mul_g(&format!("{name} gate·y"), gate, y, n);
     let dt = promote(bl.g.dtype(res), bl.g.dtype(gy));
-    bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt)
+    (bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt), gy)
 }
 
 /// `x[:, a:b].contiguous()` of a (b, N, D) tensor: a copy unless b = 1 (one sample's rows are
@@ -151,18 +152,23 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let oi = split_part(&mut bl, "attn out", o, b * s * d, b);
     let ao = bl.linear_g("attn.to_out.0", oi, b * s, d, d, true);
     let co = bl.linear_g("attn.to_add_out", oc, b * t, d, d, true);
-    // Image stream.
-    let x1 = gated_add(&mut bl, "attn", x, m[2], ao);
+    // The processor's locals `encoder_query`, `encoder_key`, `encoder_value` hold the text
+    // projections (after their norms) until it returns.
+    bl.hold("FluxAttnProcessor", &[eq, ek, ev]);
+    // Image stream; the gated products stay bound to `attn_output`, `ff_output` and
+    // `context_attn_output` until the block returns.
+    let (x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
     let n2 = bl.layer_norm_g("norm2", x1, b * s);
     let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * d);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, d);
-    let x2 = gated_add(&mut bl, "ff", x1, m[5], ff);
+    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     // Text stream.
-    let c1 = gated_add(&mut bl, "context attn", c, mc[2], co);
+    let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
     let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
     let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * d);
     let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
-    let c2 = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+    let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+    bl.hold("FluxTransformerBlock", &[ga, gm, gc]);
     bl.g.output = x2;
     bl.g.side_outputs = vec![c2];
     bl.g
@@ -202,7 +208,9 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let od = promote(bl.g.dtype(o), bl.g.dtype(am));
     let cat = bl.g.op("cat [attn, mlp]", &[o, am], rows * 5 * d, od);
     let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
-    let out = gated_add(&mut bl, "proj_out", hs, m[2], po);
+    let (out, _) = gated_add(&mut bl, "proj_out", hs, m[2], po);
+    // `mlp_hidden_states` (the GELU output) stays bound until the block returns.
+    bl.hold("FluxSingleTransformerBlock", &[am]);
     bl.g.output = out;
     bl.g
 }

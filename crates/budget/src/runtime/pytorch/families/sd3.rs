@@ -137,7 +137,12 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let oc = out_part(&mut bl, "context attn out", o, b * t * dim, b);
         Some(bl.linear_g("attn.to_add_out", oc, b * t, dim, dim, true))
     };
-    let mut x1 = gated_add(&mut bl, "attn", x, m[2], ao);
+    // The processor's locals hold the context projections (after their norms) until it
+    // returns.
+    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev]);
+    // The gated products stay bound to the block's locals until it returns.
+    let (mut x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
+    let mut held = vec![ga];
     if dual {
         // attn2 on norm(x)·(1 + scale_msa2) + shift_msa2: self-attention (b, heads, s, dh) views,
         // its output a (b, s, D) view into to_out.0.
@@ -161,21 +166,27 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let o2 = to_query_dtype(&mut bl, o2, qd);
         let o2 = bl.cast_low("attn2 out (to_out input)", o2);
         let a2 = bl.linear_g("attn2.to_out.0", o2, b * s, dim, dim, true);
-        x1 = gated_add(&mut bl, "attn2", x1, m[8], a2);
+        let (x, g2) = gated_add(&mut bl, "attn2", x1, m[8], a2);
+        x1 = x;
+        held.push(g2);
     }
     let n2 = bl.layer_norm_g("norm2", x1, b * s);
     let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * dim);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
-    let x2 = gated_add(&mut bl, "ff", x1, m[5], ff);
-    bl.g.side_outputs = Vec::new();
+    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
+    held.push(gm);
+    let mut side = Vec::new();
     if let Some(co) = co {
-        let c1 = gated_add(&mut bl, "context attn", c, mc[2], co);
+        let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
+        held.push(gc);
         let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
         let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * dim);
         let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
-        let c2 = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
-        bl.g.side_outputs = vec![c2];
+        let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+        side.push(c2);
     }
+    bl.hold("JointTransformerBlock", &held);
+    bl.g.side_outputs = side;
     bl.g.output = x2;
     bl.g
 }
