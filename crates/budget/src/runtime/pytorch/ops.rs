@@ -439,6 +439,10 @@ impl<'a> Builder<'a> {
         inp: u64,
         bias: bool,
     ) -> Tid {
+        if let (true, Some(r)) = (self.frozen(), self.lora_rank(name)) {
+            let y = self.linear_opt_base(name, x, rows, out, inp, bias);
+            return self.lora_branch_peft(name, x, y, rows, out, inp, r);
+        }
         if self.rg(x) || self.frozen() {
             return self.linear_opt(name, x, rows, out, inp, bias);
         }
@@ -456,6 +460,69 @@ impl<'a> Builder<'a> {
             Some(r) => self.lora_branch(name, x, y, rows, out, inp, r),
             None => y,
         }
+    }
+
+    /// A frozen base linear (PEFT's `base_layer`): no saved input; its weight is a parameter.
+    fn linear_opt_base(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let w = self.weight(&format!("{name}.weight"), out * inp);
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        ins[0] = self.cast_low(&format!("{name} input"), x);
+        let low = self.low();
+        self.g.op(name, &ins, rows * out, low)
+    }
+
+    /// PEFT `lora.Linear.forward` (peft 0.21 `tuners/lora/layer.py`): after the base,
+    /// `x = self._cast_input_dtype(x, lora_A.weight.dtype)` (a copy into the adapters' fp32 when x
+    /// is in a lower dtype, bound to `x` until the forward returns), `lora_A` (autocast casts that
+    /// copy again: each adapted module saves its own low-precision input [AC]), `lora_B` (saves
+    /// A's output), `· scaling`, `result + …` [AG].
+    #[allow(clippy::too_many_arguments)]
+    fn lora_branch_peft(
+        &mut self,
+        name: &str,
+        x: Tid,
+        base: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        r: u64,
+    ) -> Tid {
+        let pd = self.param_dtype();
+        let low = self.low();
+        let rx = self.rg(x);
+        let x32 = self.g.cast(&format!("{name} x.to(lora dtype)"), x, pd);
+        let a = self.g.param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
+        let a = self.cast_low(&format!("{name}.lora_A"), a);
+        if self.g.dtype(a) != pd {
+            let n = &mut self.g.tensors[a].name;
+            n.push_str(if rx { SAVED } else { CACHED });
+        }
+        let xa = self.cast_low(&format!("{name}.lora_A input"), x32);
+        save(&mut self.g, xa);
+        let ha = self.g.op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        save(&mut self.g, ha);
+        let bw = self.g.param(&format!("{name}.lora_B.weight"), out * r, pd, true);
+        let bw = self.cast_low(&format!("{name}.lora_B"), bw);
+        save(&mut self.g, bw);
+        let hb = self.g.op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self.g.op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let bdt = self.g.dtype(base);
+        let y = self.g.op(&format!("{name} + lora"), &[base, sc], rows * out, promote(bdt, low));
+        if x32 != x {
+            self.hold(&format!("{name} lora forward"), &[x32]);
+        }
+        y
     }
 
     /// `torch.nn.RMSNorm(dh)` over `x` of `rows` rows of `dh` (the composite `rms_norm`, CPU and
