@@ -159,12 +159,15 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     // `context_attn_output` until the block returns.
     let (x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
     let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    // `norm_hidden_states` (norm1's output) is rebound only here.
+    bl.hold("norm_hidden_states rebound", &[h]);
     let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * d);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, d);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     // Text stream.
     let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
     let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+    bl.hold("norm_encoder_hidden_states rebound", &[hc]);
     let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * d);
     let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
     let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
@@ -209,8 +212,9 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let cat = bl.g.op("cat [attn, mlp]", &[o, am], rows * 5 * d, od);
     let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
     let (out, _) = gated_add(&mut bl, "proj_out", hs, m[2], po);
-    // `mlp_hidden_states` (the GELU output) stays bound until the block returns.
-    bl.hold("FluxSingleTransformerBlock", &[am]);
+    // `mlp_hidden_states` (the GELU output) and `norm_hidden_states` stay bound until the
+    // block returns.
+    bl.hold("FluxSingleTransformerBlock", &[am, h]);
     bl.g.output = out;
     bl.g
 }

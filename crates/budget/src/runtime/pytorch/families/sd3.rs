@@ -142,11 +142,14 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     bl.hold("JointAttnProcessor2_0", &[eq, ek, ev]);
     // The gated products stay bound to the block's locals until it returns.
     let (mut x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
+    let mut dual_in = None;
     let mut held = vec![ga];
     if dual {
         // attn2 on norm(x)·(1 + scale_msa2) + shift_msa2: self-attention (b, heads, s, dh) views,
         // its output a (b, s, D) view into to_out.0.
         let h2 = bl.modulate_g("norm1 (attn2)", n1, m[6], m[7], b * dim);
+        // `norm_hidden_states2` stays bound until the block returns.
+        dual_in = Some(h2);
         let q = bl.linear_g("attn2.to_q", h2, b * s, dim, dim, true);
         let k = bl.linear_g("attn2.to_k", h2, b * s, dim, dim, true);
         let v = bl.linear_g("attn2.to_v", h2, b * s, dim, dim, true);
@@ -171,6 +174,8 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         held.push(g2);
     }
     let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    // `norm_hidden_states` (norm1's output) is rebound only here.
+    bl.hold("norm_hidden_states rebound", &[h]);
     let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * dim);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
@@ -180,11 +185,16 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
         held.push(gc);
         let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+        bl.hold("norm_encoder_hidden_states rebound", &[hc]);
         let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * dim);
         let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
         let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
         side.push(c2);
+    } else {
+        // context_pre_only: `norm_encoder_hidden_states` stays bound until the block returns.
+        held.push(hc);
     }
+    held.extend(dual_in);
     bl.hold("JointTransformerBlock", &held);
     bl.g.side_outputs = side;
     bl.g.output = x2;
