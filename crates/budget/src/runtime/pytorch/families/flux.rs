@@ -474,3 +474,86 @@ pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
     };
     Stages { stages, data }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::denoiser;
+    use crate::families::Dims;
+    use crate::runtime::pytorch::allocator::simulate;
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::spec::Spec;
+
+    /// A tiny family spec as `bench/torch_peer/specs/families/` writes them (b = 4, 128² pixels,
+    /// f8 VAE), with `model.diffusers` = `config`, resolved as the CLI resolves it.
+    pub(crate) fn tiny(config: &str, text: &str, precision: &str, lora: &str) -> Spec {
+        let json = format!(
+            r#"{{"model": {{"name": "tiny", "depth": 1, "hidden": 64, "heads": 4, "patch": 2,
+                 "diffusers": {config}}},
+               "workload": {{"height": 128, "width": 128, "vae_factor": 8, "batch": 4,
+                 "microbatch": 4, "accumulation": 1, "ranks": 1, "text_tokens": {text}}},
+               "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+                 "attention": "memory-efficient", "recompute": "none", "lora": {lora},
+                 "zero_stage": 0, "latents": "cached"}},
+               "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).expect("tiny spec");
+        denoiser::resolve(&mut s).expect("resolves");
+        s
+    }
+
+    const FLUX: &str = r#"{"_class_name": "FluxTransformer2DModel", "patch_size": 1,
+        "in_channels": 64, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 4, "joint_attention_dim": 96, "pooled_projection_dim": 48,
+        "guidance_embeds": true, "axes_dims_rope": [4, 6, 6]}"#;
+
+    fn flux_stages(precision: &str, lora: &str) -> Stages {
+        let s = tiny(FLUX, "[77, 128]", precision, lora);
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Flux(d) = &fm.dims else { panic!("not flux") };
+        stages(&Fam::new(for_spec(&s), &s, &fm), d)
+    }
+
+    fn kept(st: &Stage) -> u64 {
+        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+    }
+
+    /// `families_saved.txt` (flux-fp32-none-loop, fp32): transformer_blocks.0 saves 5008384 B,
+    /// of which its inputs (image 65536, text 131072), temb (1024) and the RoPE tables (2 ×
+    /// 12288) are tensors of the stages before; single_transformer_blocks.* save 4176896 B each.
+    #[test]
+    fn fp32_blocks_keep_what_the_dump_lists() {
+        let st = flux_stages("fp32", "null");
+        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
+        assert_eq!(
+            labels,
+            [("embed", 1), ("double block", 1), ("single block", 2), ("final + loss", 1)]
+        );
+        assert_eq!(kept(&st.stages[1]), 5008384 - 65536 - 131072 - 1024 - 2 * 12288);
+        assert_eq!(kept(&st.stages[2]), 4176896);
+        // The packed latents, T5 embeddings and pooled vector are saved by trained embedders.
+        assert_eq!(st.data.kept, (4 * 64 * 64 + 4 * 128 * 96 + 4 * 48) * 4);
+    }
+
+    /// bf16 autocast (families_saved.txt, flux-fp32-none-loop bf16-mixed): single blocks save
+    /// 2622976 B (their bf16 weight copies included).
+    #[test]
+    fn bf16_single_block_keeps_what_the_dump_lists() {
+        let st = flux_stages("bf16-mixed", "null");
+        assert_eq!(kept(&st.stages[2]), 2622976);
+    }
+
+    /// LoRA r4 on to_q/k/v/to_out.0 (family_saved.py on flux-bf16-lora4-none-loop): a single
+    /// block saves 1636352 B — three lora_A inputs, no saved input of the frozen proj_mlp /
+    /// proj_out; the first double block's streams need no gradient (frozen embedders), so it is
+    /// a stage of its own only if the next one differs, and the data is not kept.
+    #[test]
+    fn lora_freezing_drops_the_bases_saved_inputs() {
+        let st = flux_stages("bf16-mixed", r#"{"rank": 4}"#);
+        assert_eq!(kept(&st.stages[2]), 1636352);
+        assert!(kept(&st.stages[2]) < kept(&flux_stages("bf16-mixed", "null").stages[2]));
+        let first = &st.stages[1].seg;
+        assert!(!first.tensors[first.stream_in[0]].requires_grad);
+        assert_eq!(st.data.kept, 0);
+    }
+}

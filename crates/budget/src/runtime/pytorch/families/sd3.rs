@@ -376,3 +376,58 @@ pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
     };
     Stages { stages, data }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::denoiser;
+    use crate::families::Dims;
+    use crate::runtime::pytorch::allocator::simulate;
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::families::flux::tests::tiny;
+
+    const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
+        "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 64,
+        "pooled_projection_dim": 80, "out_channels": 16, "pos_embed_max_size": 24"#;
+
+    fn sd3_stages(extra: &str, precision: &str) -> Stages {
+        let s = tiny(&format!("{SD3}{extra}}}"), "[77, 77]", precision, "null");
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Sd3(d) = &fm.dims else { panic!("not sd3") };
+        stages(&Fam::new(for_spec(&s), &s, &fm), d)
+    }
+
+    fn kept(st: &Stage) -> u64 {
+        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+    }
+
+    /// `families_saved.txt` (sd3-fp32-none-loop, fp32): transformer_blocks.0 saves 4735232 B,
+    /// its inputs (image 65536, text 157696) and temb (1024) counted there; the last block
+    /// (context_pre_only: no to_add_out, no ff_context) 2514368 B with its two inputs.
+    #[test]
+    fn fp32_joint_blocks_keep_what_the_dump_lists() {
+        let st = sd3_stages("", "fp32");
+        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
+        assert_eq!(
+            labels,
+            [("embed", 1), ("joint block", 1), ("joint block", 1), ("final + loss", 1)]
+        );
+        assert_eq!(kept(&st.stages[1]), 4735232 - 65536 - 157696 - 1024);
+        assert_eq!(kept(&st.stages[2]), 2514368 - 65536 - 157696);
+        assert!(st.stages[2].seg.side_outputs.is_empty());
+    }
+
+    /// SD3.5-medium's dual attention and q/k RMSNorm (family_saved.py on
+    /// sd3-bf16-none-foreach-35m, fp32): transformer_blocks.0 saves 6327808 B; under bf16
+    /// autocast 4442304 B (the fp32 norms' copies, SDPA's bf16 casts of q and k, to_out's cast
+    /// inputs after `.to(query.dtype)`).
+    #[test]
+    fn dual_attention_block_keeps_what_the_dump_lists() {
+        let extra = r#", "qk_norm": "rms_norm", "dual_attention_layers": [0]"#;
+        let st = sd3_stages(extra, "fp32");
+        assert_eq!(kept(&st.stages[1]), 6327808 - 65536 - 157696 - 1024);
+        let st = sd3_stages(extra, "bf16-mixed");
+        assert_eq!(kept(&st.stages[1]), 4442304 - 32768 - 78848 - 512);
+    }
+}
