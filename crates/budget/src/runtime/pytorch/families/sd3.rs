@@ -128,15 +128,20 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         dh: z.dh,
     };
     let o = bl.attention(qc, kc, vc, at);
+    // The fused kernels allocate their output like the query (`empty_like`): the concatenated
+    // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
+    let od = bl.g.dtype(o);
+    let o = bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
     let o = to_query_dtype(&mut bl, o, qd);
-    let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
-    let ao = bl.linear_g("attn.to_out.0", oi, b * s, dim, dim, true);
+    // to_add_out runs before to_out.0.
     let co = if last {
         None
     } else {
         let oc = out_part(&mut bl, "context attn out", o, b * t * dim, b);
         Some(bl.linear_g("attn.to_add_out", oc, b * t, dim, dim, true))
     };
+    let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
+    let ao = bl.linear_g("attn.to_out.0", oi, b * s, dim, dim, true);
     // The processor's locals hold the context projections (after their norms) until it
     // returns.
     bl.hold("JointAttnProcessor2_0", &[eq, ek, ev]);
