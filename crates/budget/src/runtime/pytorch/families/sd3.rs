@@ -112,14 +112,14 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let dt = promote(bl.g.dtype(a), bl.g.dtype(e));
         let o = bl.g.op(name, &[a, e], ne, dt);
         // SDPA is on autocast's low-precision list: fp32 (RMSNorm) inputs are cast [AC].
-        bl.cast_low(&format!("{name} (sdpa input)"), o)
+        (o, bl.cast_low(&format!("{name} (sdpa input)"), o))
     };
     // The processor's `query` (before autocast's cast): its dtype is the output's after
     // `hidden_states.to(query.dtype)`.
     let qd = promote(bl.g.dtype(q), bl.g.dtype(eq));
-    let qc = cat(&mut bl, "cat q", q, eq);
-    let kc = cat(&mut bl, "cat k", k, ek);
-    let vc = cat(&mut bl, "cat v", v, ev);
+    let (q0, qc) = cat(&mut bl, "cat q", q, eq);
+    let (k0, kc) = cat(&mut bl, "cat k", k, ek);
+    let (v0, vc) = cat(&mut bl, "cat v", v, ev);
     let at = Attn {
         b,
         heads: z.heads,
@@ -143,8 +143,9 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
     let ao = bl.linear_g("attn.to_out.0", oi, b * s, dim, dim, true);
     // The processor's locals hold the context projections (after their norms) until it
-    // returns.
-    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev]);
+    // returns, and `query`, `key`, `value` the concatenations (fp32 under autocast after the
+    // norms; SDPA saves its own casts).
+    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev, q0, k0, v0]);
     // The gated products stay bound to the block's locals until it returns.
     let (mut x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
     let mut dual_in = None;
@@ -161,6 +162,7 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let q = qk(&mut bl, d, "attn2.norm_q", q, b * s, z);
         let k = qk(&mut bl, d, "attn2.norm_k", k, b * s, z);
         let qd = bl.g.dtype(q);
+        let (q0, k0) = (q, k);
         let q = bl.cast_low("attn2 q (sdpa input)", q);
         let k = bl.cast_low("attn2 k (sdpa input)", k);
         let at = Attn {
@@ -174,6 +176,8 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let o2 = to_query_dtype(&mut bl, o2, qd);
         let o2 = bl.cast_low("attn2 out (to_out input)", o2);
         let a2 = bl.linear_g("attn2.to_out.0", o2, b * s, dim, dim, true);
+        // `query` and `key` (the norms' outputs) are bound until the processor returns.
+        bl.hold("JointAttnProcessor2_0 (attn2)", &[q0, k0]);
         let (x, g2) = gated_add(&mut bl, "attn2", x1, m[8], a2);
         x1 = x;
         held.push(g2);
