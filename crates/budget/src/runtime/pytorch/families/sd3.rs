@@ -200,8 +200,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
         side.push(c2);
     } else {
-        // context_pre_only: `norm_encoder_hidden_states` stays bound until the block returns.
+        // context_pre_only: `norm_encoder_hidden_states` and `context_attn_output` (a slice of
+        // the attention output, which no to_add_out consumes) stay bound until the block
+        // returns.
         held.push(hc);
+        held.push(o);
     }
     held.extend(dual_in);
     bl.hold("JointTransformerBlock", &held);
