@@ -502,7 +502,9 @@ impl<'a> Builder<'a> {
         let low = self.low();
         let rx = self.rg(x);
         let x32 = self.g.cast(&format!("{name} x.to(lora dtype)"), x, pd);
-        let a = self.g.param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
+        let a = self
+            .g
+            .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
         let a = self.cast_low(&format!("{name}.lora_A"), a);
         if self.g.dtype(a) != pd {
             let n = &mut self.g.tensors[a].name;
@@ -510,15 +512,28 @@ impl<'a> Builder<'a> {
         }
         let xa = self.cast_low(&format!("{name}.lora_A input"), x32);
         save(&mut self.g, xa);
-        let ha = self.g.op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        let ha = self
+            .g
+            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
         save(&mut self.g, ha);
-        let bw = self.g.param(&format!("{name}.lora_B.weight"), out * r, pd, true);
+        let bw = self
+            .g
+            .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self.g.op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
-        let sc = self.g.op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let hb = self
+            .g
+            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self
+            .g
+            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
         let bdt = self.g.dtype(base);
-        let y = self.g.op(&format!("{name} + lora"), &[base, sc], rows * out, promote(bdt, low));
+        let y = self.g.op(
+            &format!("{name} + lora"),
+            &[base, sc],
+            rows * out,
+            promote(bdt, low),
+        );
         if x32 != x {
             self.hold(&format!("{name} lora forward"), &[x32]);
         }
@@ -540,7 +555,9 @@ impl<'a> Builder<'a> {
         let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
         let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
         self.save_if(rs, rx);
-        let y = self.g.op(&format!("{name} x·rsqrt"), &[xf, rs], n, Dtype::F32);
+        let y = self
+            .g
+            .op(&format!("{name} x·rsqrt"), &[xf, rs], n, Dtype::F32);
         let w = self.plain_param(&format!("{name}.weight"), dh);
         let y = self.mul_g(&format!("{name} ·weight"), y, w, n);
         self.g.cast(&format!("{name} type_as(x)"), y, xd)
@@ -558,10 +575,16 @@ impl<'a> Builder<'a> {
         let rot = self.g.op(&format!("{name} x_rotated"), &[x, neg], n, xd);
         let xf = self.g.cast(&format!("{name} x.float()"), x, Dtype::F32);
         self.save_if(cos, rx);
-        let a = self.g.op(&format!("{name} x·cos"), &[xf, cos], n, Dtype::F32);
-        let rf = self.g.cast(&format!("{name} x_rotated.float()"), rot, Dtype::F32);
+        let a = self
+            .g
+            .op(&format!("{name} x·cos"), &[xf, cos], n, Dtype::F32);
+        let rf = self
+            .g
+            .cast(&format!("{name} x_rotated.float()"), rot, Dtype::F32);
         self.save_if(sin, rx);
-        let b = self.g.op(&format!("{name} x_rotated·sin"), &[rf, sin], n, Dtype::F32);
+        let b = self
+            .g
+            .op(&format!("{name} x_rotated·sin"), &[rf, sin], n, Dtype::F32);
         let s = self.g.op(&format!("{name} sum"), &[a, b], n, Dtype::F32);
         let out = self.g.cast(&format!("{name} .to(x.dtype)"), s, xd);
         // `x_rotated` is a local of the function: alive until it returns.
@@ -572,7 +595,8 @@ impl<'a> Builder<'a> {
     /// Python locals that keep tensors alive until their function returns: a zero-byte op that
     /// reads them there (no gradient reaches it). A segment's output must be set after it.
     pub fn hold(&mut self, name: &str, ts: &[Tid]) {
-        self.g.op(&format!("{name} (locals released)"), ts, 0, Dtype::F32);
+        self.g
+            .op(&format!("{name} (locals released)"), ts, 0, Dtype::F32);
     }
 }
 

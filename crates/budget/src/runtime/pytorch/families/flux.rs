@@ -72,7 +72,10 @@ pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Ti
     let n = bl.g.elems(y);
     let gy = bl.mul_g(&format!("{name} gate·y"), gate, y, n);
     let dt = promote(bl.g.dtype(res), bl.g.dtype(gy));
-    (bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt), gy)
+    (
+        bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt),
+        gy,
+    )
 }
 
 /// `x[:, a:b].contiguous()` of a (b, N, D) tensor: a copy unless b = 1 (one sample's rows are
@@ -510,7 +513,9 @@ pub(crate) mod tests {
     fn flux_stages(precision: &str, lora: &str) -> Stages {
         let s = tiny(FLUX, "[77, 128]", precision, lora);
         let fm = denoiser::family(&s).unwrap().unwrap();
-        let Dims::Flux(d) = &fm.dims else { panic!("not flux") };
+        let Dims::Flux(d) = &fm.dims else {
+            panic!("not flux")
+        };
         stages(&Fam::new(for_spec(&s), &s, &fm), d)
     }
 
@@ -527,9 +532,17 @@ pub(crate) mod tests {
         let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
         assert_eq!(
             labels,
-            [("embed", 1), ("double block", 1), ("single block", 2), ("final + loss", 1)]
+            [
+                ("embed", 1),
+                ("double block", 1),
+                ("single block", 2),
+                ("final + loss", 1)
+            ]
         );
-        assert_eq!(kept(&st.stages[1]), 5008384 - 65536 - 131072 - 1024 - 2 * 12288);
+        assert_eq!(
+            kept(&st.stages[1]),
+            5008384 - 65536 - 131072 - 1024 - 2 * 12288
+        );
         assert_eq!(kept(&st.stages[2]), 4176896);
         // The packed latents, T5 embeddings and pooled vector are saved by trained embedders.
         assert_eq!(st.data.kept, (4 * 64 * 64 + 4 * 128 * 96 + 4 * 48) * 4);

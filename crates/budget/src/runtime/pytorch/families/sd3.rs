@@ -131,7 +131,8 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     // The fused kernels allocate their output like the query (`empty_like`): the concatenated
     // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
     let od = bl.g.dtype(o);
-    let o = bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
+    let o =
+        bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
     let o = to_query_dtype(&mut bl, o, qd);
     // to_add_out runs before to_out.0.
     let co = if last {
@@ -406,7 +407,9 @@ mod tests {
     fn sd3_stages(extra: &str, precision: &str) -> Stages {
         let s = tiny(&format!("{SD3}{extra}}}"), "[77, 77]", precision, "null");
         let fm = denoiser::family(&s).unwrap().unwrap();
-        let Dims::Sd3(d) = &fm.dims else { panic!("not sd3") };
+        let Dims::Sd3(d) = &fm.dims else {
+            panic!("not sd3")
+        };
         stages(&Fam::new(for_spec(&s), &s, &fm), d)
     }
 
@@ -423,7 +426,12 @@ mod tests {
         let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
         assert_eq!(
             labels,
-            [("embed", 1), ("joint block", 1), ("joint block", 1), ("final + loss", 1)]
+            [
+                ("embed", 1),
+                ("joint block", 1),
+                ("joint block", 1),
+                ("final + loss", 1)
+            ]
         );
         assert_eq!(kept(&st.stages[1]), 4735232 - 65536 - 157696 - 1024);
         assert_eq!(kept(&st.stages[2]), 2514368 - 65536 - 157696);
