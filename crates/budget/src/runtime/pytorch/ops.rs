@@ -385,3 +385,259 @@ impl<'a> Builder<'a> {
         self.g.op("attn out (b, s, D) copy", &[o], eq, low)
     }
 }
+
+// ---- Flux / SD3 (famjoint): grad-aware savers, torch.nn.RMSNorm, diffusers' real RoPE ----
+
+impl<'a> Builder<'a> {
+    /// Whether a gradient flows to `t` (autograd records a node only when some input needs one).
+    pub fn rg(&self, t: Tid) -> bool {
+        self.g.tensors[t].requires_grad
+    }
+
+    /// Mark `t` saved when `cond` (autograd saves a variable only for the inputs that need a
+    /// gradient from it [AG]).
+    pub fn save_if(&mut self, t: Tid, cond: bool) {
+        if cond {
+            save(&mut self.g, t);
+        }
+    }
+
+    /// `a * b` (elementwise, broadcast to `elems`): `MulBackward0` saves `self` when `other`
+    /// needs a gradient and `other` when `self` does [AG].
+    pub fn mul_g(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
+        let (ra, rb) = (self.rg(a), self.rg(b));
+        self.save_if(a, rb);
+        self.save_if(b, ra);
+        let dt = promote(self.g.dtype(a), self.g.dtype(b));
+        self.g.op(name, &[a, b], elems, dt)
+    }
+
+    /// `LayerNorm(elementwise_affine=False)` as [`Builder::layer_norm`], recorded only when its
+    /// input needs a gradient [AG].
+    pub fn layer_norm_g(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+        if self.rg(x) {
+            return self.layer_norm(name, x, rows);
+        }
+        let dt = self.g.dtype(x);
+        let n = self.g.elems(x);
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// `x·(1 + scale[:, None]) + shift[:, None]` as [`Builder::modulate`], each operand saved
+    /// only for the other's gradient [AG] (under LoRA the modulation needs none).
+    pub fn modulate_g(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
+        let sdt = self.g.dtype(scale);
+        let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
+        let n = self.g.elems(xn);
+        let mul = self.mul_g(&format!("{name} ·(1+scale)"), xn, one_plus, n);
+        let dt2 = promote(self.g.dtype(mul), self.g.dtype(shift));
+        self.g.op(&format!("{name} +shift"), &[mul, shift], n, dt2)
+    }
+
+    /// An activation that saves its input (`silu`, `gelu`) [AG], in the input's dtype.
+    pub fn act_g(&mut self, name: &str, x: Tid) -> Tid {
+        let rx = self.rg(x);
+        self.save_if(x, rx);
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// `F.linear` as [`Builder::linear_opt`], except that the (cast) weight is saved only when
+    /// the input needs a gradient (`AddmmBackward0` saves `mat2` for `mat1`'s gradient [AG]):
+    /// otherwise only the autocast cache holds its copy [AC].
+    pub fn linear_g(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        if let (true, Some(r)) = (self.frozen(), self.lora_rank(name)) {
+            let y = self.linear_opt_base(name, x, rows, out, inp, bias);
+            return self.lora_branch_peft(name, x, y, rows, out, inp, r);
+        }
+        if self.rg(x) || self.frozen() {
+            return self.linear_opt(name, x, rows, out, inp, bias);
+        }
+        let w = self.cached_weight(&format!("{name}.weight"), out * inp);
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        let xin = self.cast_low(&format!("{name} input"), x);
+        ins[0] = xin;
+        save(&mut self.g, xin);
+        let low = self.low();
+        let y = self.g.op(name, &ins, rows * out, low);
+        match self.lora_rank(name) {
+            Some(r) => self.lora_branch(name, x, y, rows, out, inp, r),
+            None => y,
+        }
+    }
+
+    /// A frozen base linear (PEFT's `base_layer`): no saved input; its weight is a parameter.
+    fn linear_opt_base(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let w = self.weight(&format!("{name}.weight"), out * inp);
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        ins[0] = self.cast_low(&format!("{name} input"), x);
+        let low = self.low();
+        self.g.op(name, &ins, rows * out, low)
+    }
+
+    /// PEFT `lora.Linear.forward` (peft 0.21 `tuners/lora/layer.py`): after the base,
+    /// `x = self._cast_input_dtype(x, lora_A.weight.dtype)` (a copy into the adapters' fp32 when x
+    /// is in a lower dtype, bound to `x` until the forward returns), `lora_A` (autocast casts that
+    /// copy again: each adapted module saves its own low-precision input [AC]), `lora_B` (saves
+    /// A's output), `· scaling`, `result + …` [AG].
+    #[allow(clippy::too_many_arguments)]
+    fn lora_branch_peft(
+        &mut self,
+        name: &str,
+        x: Tid,
+        base: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        r: u64,
+    ) -> Tid {
+        let pd = self.param_dtype();
+        let low = self.low();
+        let rx = self.rg(x);
+        let x32 = self.g.cast(&format!("{name} x.to(lora dtype)"), x, pd);
+        let a = self
+            .g
+            .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
+        let a = self.cast_low(&format!("{name}.lora_A"), a);
+        if self.g.dtype(a) != pd {
+            let n = &mut self.g.tensors[a].name;
+            n.push_str(if rx { SAVED } else { CACHED });
+        }
+        let xa = self.cast_low(&format!("{name}.lora_A input"), x32);
+        save(&mut self.g, xa);
+        let ha = self
+            .g
+            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        save(&mut self.g, ha);
+        let bw = self
+            .g
+            .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
+        let bw = self.cast_low(&format!("{name}.lora_B"), bw);
+        save(&mut self.g, bw);
+        let hb = self
+            .g
+            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self
+            .g
+            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let bdt = self.g.dtype(base);
+        let y = self.g.op(
+            &format!("{name} + lora"),
+            &[base, sc],
+            rows * out,
+            promote(bdt, low),
+        );
+        if x32 != x {
+            self.hold(&format!("{name} lora forward"), &[x32]);
+        }
+        y
+    }
+
+    /// `torch.nn.RMSNorm(dh)` over `x` of `rows` rows of `dh` (the composite `rms_norm`, CPU and
+    /// CUDA): `x.float()` (a copy below fp32), `pow(2).mean(-1)` + eps, `rsqrt` (fp32 per row,
+    /// saved by the mul and by its own backward), `x·rsqrt` (fp32, saved by the weight's mul when
+    /// the weight is trained), `·weight`, `.type_as(x)` [AG]. Returns the output in x's dtype.
+    pub fn rms_norm_torch(&mut self, name: &str, x: Tid, rows: u64, dh: u64) -> Tid {
+        let n = rows * dh;
+        let xd = self.g.dtype(x);
+        let rx = self.rg(x);
+        let xf = self.g.cast(&format!("{name} x.float()"), x, Dtype::F32);
+        self.save_if(xf, rx);
+        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        let ms = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
+        let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
+        let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
+        self.save_if(rs, rx);
+        let y = self
+            .g
+            .op(&format!("{name} x·rsqrt"), &[xf, rs], n, Dtype::F32);
+        let w = self.plain_param(&format!("{name}.weight"), dh);
+        let y = self.mul_g(&format!("{name} ·weight"), y, w, n);
+        self.g.cast(&format!("{name} type_as(x)"), y, xd)
+    }
+
+    /// diffusers `apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1)` on x of
+    /// `n` elements: `-x_imag` (n/2), `stack` (n), `x.float()·cos`, `x_rotated.float()·sin` and
+    /// their sum in fp32 (with the casts below fp32), `.to(x.dtype)`; the muls save only the
+    /// fp32 tables (they need no gradient) [AG].
+    pub fn rope_real(&mut self, name: &str, x: Tid, cos: Tid, sin: Tid) -> Tid {
+        let n = self.g.elems(x);
+        let xd = self.g.dtype(x);
+        let rx = self.rg(x);
+        let neg = self.g.op(&format!("{name} -x_imag"), &[x], n / 2, xd);
+        let rot = self.g.op(&format!("{name} x_rotated"), &[x, neg], n, xd);
+        let xf = self.g.cast(&format!("{name} x.float()"), x, Dtype::F32);
+        self.save_if(cos, rx);
+        let a = self
+            .g
+            .op(&format!("{name} x·cos"), &[xf, cos], n, Dtype::F32);
+        let rf = self
+            .g
+            .cast(&format!("{name} x_rotated.float()"), rot, Dtype::F32);
+        self.save_if(sin, rx);
+        let b = self
+            .g
+            .op(&format!("{name} x_rotated·sin"), &[rf, sin], n, Dtype::F32);
+        let s = self.g.op(&format!("{name} sum"), &[a, b], n, Dtype::F32);
+        let out = self.g.cast(&format!("{name} .to(x.dtype)"), s, xd);
+        // `x_rotated` is a local of the function: alive until it returns.
+        self.hold(&format!("{name} return"), &[rot]);
+        out
+    }
+
+    /// Python locals that keep tensors alive until their function returns: a zero-byte op that
+    /// reads them there (no gradient reaches it). A segment's output must be set after it.
+    pub fn hold(&mut self, name: &str, ts: &[Tid]) {
+        self.g
+            .op(&format!("{name} (locals released)"), ts, 0, Dtype::F32);
+    }
+}
+
+impl<'a> Builder<'a> {
+    /// diffusers `RMSNorm(dh, elementwise_affine=True)` (`models/normalization.py`, SD3's q/k
+    /// norms) over `x` of `rows` rows of `dh`: `x.to(float32).pow(2).mean(-1)` + eps, `rsqrt`;
+    /// `x · rsqrt` multiplies the **original** x (saved in its own dtype, beside the fp32 copy that
+    /// `pow` saves) into fp32; a half-precision weight casts it back first; `· weight` keeps the
+    /// product's dtype (fp32 under autocast: no cast back) [AG].
+    pub fn rms_norm_diffusers(&mut self, name: &str, x: Tid, rows: u64, dh: u64) -> Tid {
+        let n = rows * dh;
+        let rx = self.rg(x);
+        let xf = self.g.cast(&format!("{name} x.to(float32)"), x, Dtype::F32);
+        self.save_if(xf, rx);
+        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        let ms = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
+        let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
+        let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
+        let y = self.mul_g(&format!("{name} x·rsqrt"), x, rs, n);
+        let w = self.plain_param(&format!("{name}.weight"), dh);
+        let wd = self.g.dtype(w);
+        let y = if matches!(wd, Dtype::Bf16 | Dtype::F16) {
+            self.g.cast(&format!("{name} .to(weight dtype)"), y, wd)
+        } else {
+            y
+        };
+        self.mul_g(&format!("{name} ·weight"), y, w, n)
+    }
+}

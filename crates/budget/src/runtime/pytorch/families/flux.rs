@@ -1,12 +1,572 @@
-//! Not modelled yet: `READY` is false, so an estimate of this family on the `pytorch` runtime
-//! is refused (exit 2) before it gets here.
+//! Flux: diffusers `FluxTransformer2DModel` (`models/transformers/transformer_flux.py`) in the
+//! step of `family_peer.py` (`train_dreambooth_lora_flux.py`): the 2×2-packed latent tokens
+//! through `x_embedder`, `time_text_embed` (`CombinedTimestep[Guidance]TextProjEmbeddings`),
+//! `context_embedder`, the RoPE tables of `FluxPosEmbed`, the double-stream
+//! `FluxTransformerBlock`s (joint attention over text + image, `torch.nn.RMSNorm` on q/k), the
+//! single-stream `FluxSingleTransformerBlock`s (one sequence, attention and MLP fused into
+//! `proj_out`), `norm_out` (`AdaLayerNormContinuous`), `proj_out`, the unpacking and the
+//! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
 use super::common::Fam;
 use crate::families::FluxDims;
-use crate::runtime::pytorch::stages::Stages;
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::segment::{Segment, Tid};
+use crate::spec::Dtype;
 
-pub const READY: bool = false;
+pub const READY: bool = true;
 
-pub fn stages(_f: &Fam, _d: &FluxDims) -> Stages {
-    Stages::default()
+/// The sizes one Flux step reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sz {
+    pub b: u64,
+    /// Image tokens (packed latent pixels).
+    pub s: u64,
+    /// Text tokens in the sequence (T5).
+    pub t: u64,
+    pub d: u64,
+    pub heads: u64,
+    pub dh: u64,
+}
+
+impl Sz {
+    fn n(&self) -> u64 {
+        self.s + self.t
+    }
+}
+
+/// Text tokens that enter the sequence (Flux: T5's; CLIP-L gives only the pooled vector).
+pub(crate) fn sequence_tokens(f: &Fam) -> u64 {
+    f.geometry
+        .text
+        .iter()
+        .zip(&f.text)
+        .filter(|(e, _)| e.sequence)
+        .map(|(_, &n)| n)
+        .sum()
+}
+
+/// `Linear → GELU(tanh) → Linear` (diffusers `FeedForward(dim, dim_out=dim,
+/// activation_fn="gelu-approximate")`; its dropouts have p = 0 and return their input on the
+/// CPU): each linear saves its input, GELU saves its input [AG].
+pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u64) -> Tid {
+    let h = bl.linear_g(&format!("{name}.net.0.proj"), x, rows, 4 * d, d, true);
+    let a = bl.act_g(&format!("{name}.net.0 gelu(tanh)"), h);
+    bl.linear_g(&format!("{name}.net.2"), a, rows, d, 4 * d, true)
+}
+
+/// `linear(silu(emb))` chunked into `k` views of (b, D) (diffusers `AdaLayerNormZero`,
+/// `AdaLayerNormZeroSingle`, `AdaLayerNormContinuous`): SiLU saves emb, the linear its output
+/// [AG]; the chunks are views of one (b, k·D) tensor, so a saved gate keeps all of it.
+pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
+    let s = bl.act_g(&format!("{name} silu(emb)"), emb);
+    let m = bl.linear_g(name, s, b, k * d, d, true);
+    (0..k)
+        .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, b * d))
+        .collect()
+}
+
+/// `residual + gate.unsqueeze(1) · y` (the mul saves each operand for the other [AG]); returns
+/// the sum and the product (which a block's Python local may hold until it returns).
+pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Tid) -> (Tid, Tid) {
+    let n = bl.g.elems(y);
+    let gy = bl.mul_g(&format!("{name} gate·y"), gate, y, n);
+    let dt = promote(bl.g.dtype(res), bl.g.dtype(gy));
+    (
+        bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt),
+        gy,
+    )
+}
+
+/// `x[:, a:b].contiguous()` of a (b, N, D) tensor: a copy unless b = 1 (one sample's rows are
+/// contiguous).
+pub(crate) fn split_part(bl: &mut Builder, name: &str, o: Tid, elems: u64, b: u64) -> Tid {
+    let v = bl.g.view(&format!("{name} (split view)"), o, elems);
+    if b > 1 {
+        let dt = bl.g.dtype(v);
+        bl.g.op(&format!("{name} .contiguous()"), &[v], elems, dt)
+    } else {
+        v
+    }
+}
+
+/// The stream inputs of a block stage: image (b, s, D) and text (b, t, D).
+fn stream_inputs(bl: &mut Builder, z: &Sz, sd: Dtype, rg: (bool, bool)) -> (Tid, Tid) {
+    let x = bl.g.input("hidden_states", z.b * z.s * z.d, sd, rg.0);
+    let c =
+        bl.g.input("encoder_hidden_states", z.b * z.t * z.d, sd, rg.1);
+    bl.g.stream_in = vec![x, c];
+    (x, c)
+}
+
+/// The broadcast inputs of every block: temb and the RoPE tables (fp32, no gradient).
+fn broadcast_inputs(bl: &mut Builder, z: &Sz, trained: bool) -> (Tid, Tid, Tid) {
+    let low = bl.low();
+    let temb = bl.g.input("temb", z.b * z.d, low, trained);
+    let cos = bl.g.input("rope cos", z.n() * z.dh, Dtype::F32, false);
+    let sin = bl.g.input("rope sin", z.n() * z.dh, Dtype::F32, false);
+    (temb, cos, sin)
+}
+
+/// `FluxTransformerBlock.forward` with `FluxAttnProcessor`.
+fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
+    let mut bl = f.builder("flux double block");
+    let sd = bl.low();
+    let (b, s, t, d) = (z.b, z.s, z.t, z.d);
+    let (x, c) = stream_inputs(&mut bl, z, sd, rg);
+    let (temb, cos, sin) = broadcast_inputs(&mut bl, z, trained);
+    // norm1 / norm1_context: AdaLayerNormZero (shift, scale, gate msa; shift, scale, gate mlp).
+    let m = ada(&mut bl, "norm1.linear", temb, 6, b, d);
+    let mc = ada(&mut bl, "norm1_context.linear", temb, 6, b, d);
+    let n1 = bl.layer_norm_g("norm1.norm", x, b * s);
+    let h = bl.modulate_g("norm1", n1, m[0], m[1], b * d);
+    let n1c = bl.layer_norm_g("norm1_context.norm", c, b * t);
+    let hc = bl.modulate_g("norm1_context", n1c, mc[0], mc[1], b * d);
+    // Projections (one saved input for q, k, v), per-head RMSNorm on q and k.
+    let q = bl.linear_g("attn.to_q", h, b * s, d, d, true);
+    let k = bl.linear_g("attn.to_k", h, b * s, d, d, true);
+    let v = bl.linear_g("attn.to_v", h, b * s, d, d, true);
+    let eq = bl.linear_g("attn.add_q_proj", hc, b * t, d, d, true);
+    let ek = bl.linear_g("attn.add_k_proj", hc, b * t, d, d, true);
+    let ev = bl.linear_g("attn.add_v_proj", hc, b * t, d, d, true);
+    let q = bl.rms_norm_torch("attn.norm_q", q, b * s * z.heads, z.dh);
+    let k = bl.rms_norm_torch("attn.norm_k", k, b * s * z.heads, z.dh);
+    let eq = bl.rms_norm_torch("attn.norm_added_q", eq, b * t * z.heads, z.dh);
+    let ek = bl.rms_norm_torch("attn.norm_added_k", ek, b * t * z.heads, z.dh);
+    // torch.cat([text, image], dim=1) (saves nothing), RoPE on q and k, SDPA.
+    let ne = b * z.n() * d;
+    let qd = bl.g.dtype(q);
+    let qc = bl.g.op("cat q", &[eq, q], ne, qd);
+    let kc = bl.g.op("cat k", &[ek, k], ne, qd);
+    let vd = bl.g.dtype(v);
+    let vc = bl.g.op("cat v", &[ev, v], ne, vd);
+    let qr = bl.rope_real("rope q", qc, cos, sin);
+    let kr = bl.rope_real("rope k", kc, cos, sin);
+    let at = Attn {
+        b,
+        heads: z.heads,
+        sq: z.n(),
+        skv: z.n(),
+        dh: z.dh,
+    };
+    let o = bl.attention(qr, kr, vc, at);
+    // split_with_sizes, then `.contiguous()` before to_out / to_add_out.
+    let oc = split_part(&mut bl, "context attn out", o, b * t * d, b);
+    let oi = split_part(&mut bl, "attn out", o, b * s * d, b);
+    let ao = bl.linear_g("attn.to_out.0", oi, b * s, d, d, true);
+    let co = bl.linear_g("attn.to_add_out", oc, b * t, d, d, true);
+    // The processor's locals `encoder_query`, `encoder_key`, `encoder_value` hold the text
+    // projections (after their norms) until it returns.
+    bl.hold("FluxAttnProcessor", &[eq, ek, ev]);
+    // Image stream; the gated products stay bound to `attn_output`, `ff_output` and
+    // `context_attn_output` until the block returns.
+    let (x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
+    let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    // `norm_hidden_states` (norm1's output) is rebound only here.
+    bl.hold("norm_hidden_states rebound", &[h]);
+    let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * d);
+    let ff = feed_forward(&mut bl, "ff", h2, b * s, d);
+    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
+    // Text stream.
+    let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
+    let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+    bl.hold("norm_encoder_hidden_states rebound", &[hc]);
+    let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * d);
+    let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
+    let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+    bl.hold("FluxTransformerBlock", &[ga, gm, gc]);
+    bl.g.output = x2;
+    bl.g.side_outputs = vec![c2];
+    bl.g
+}
+
+/// `FluxSingleTransformerBlock.forward`: `cat([text, image])`, AdaLayerNormZeroSingle, the MLP
+/// branch and the pre-only attention side by side, `cat` into `proj_out`, gated residual; the
+/// two streams it returns are slices (views) of one (b, t + s, D) tensor.
+fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
+    let mut bl = f.builder("flux single block");
+    let sd = bl.low();
+    let (b, d) = (z.b, z.d);
+    let rows = b * z.n();
+    let (x, c) = stream_inputs(&mut bl, z, sd, rg);
+    let (temb, cos, sin) = broadcast_inputs(&mut bl, z, trained);
+    let hs = bl.g.op("cat [text, image]", &[c, x], rows * d, sd);
+    let m = ada(&mut bl, "norm.linear", temb, 3, b, d);
+    let n = bl.layer_norm_g("norm.norm", hs, rows);
+    let h = bl.modulate_g("norm", n, m[0], m[1], b * d);
+    let pm = bl.linear_g("proj_mlp", h, rows, 4 * d, d, true);
+    let am = bl.act_g("act_mlp gelu(tanh)", pm);
+    let q = bl.linear_g("attn.to_q", h, rows, d, d, true);
+    let k = bl.linear_g("attn.to_k", h, rows, d, d, true);
+    let v = bl.linear_g("attn.to_v", h, rows, d, d, true);
+    let q = bl.rms_norm_torch("attn.norm_q", q, rows * z.heads, z.dh);
+    let k = bl.rms_norm_torch("attn.norm_k", k, rows * z.heads, z.dh);
+    let qr = bl.rope_real("rope q", q, cos, sin);
+    let kr = bl.rope_real("rope k", k, cos, sin);
+    let at = Attn {
+        b,
+        heads: z.heads,
+        sq: z.n(),
+        skv: z.n(),
+        dh: z.dh,
+    };
+    let o = bl.attention(qr, kr, v, at);
+    let od = promote(bl.g.dtype(o), bl.g.dtype(am));
+    let cat = bl.g.op("cat [attn, mlp]", &[o, am], rows * 5 * d, od);
+    let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
+    let (out, _) = gated_add(&mut bl, "proj_out", hs, m[2], po);
+    // `mlp_hidden_states` (the GELU output) and `norm_hidden_states` stay bound until the
+    // block returns.
+    bl.hold("FluxSingleTransformerBlock", &[am, h]);
+    bl.g.output = out;
+    bl.g
+}
+
+/// Input side: x_embedder on the packed latents, time_text_embed, context_embedder, the RoPE
+/// tables (`FluxPosEmbed`: per axis fp64 frequencies, cos / sin repeated and cast to fp32, then
+/// concatenated); outputs the two streams; temb (saved by every block's SiLU) and the tables
+/// (saved by every RoPE mul) stay until its backward.
+fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
+    let mut bl = f.builder("flux embed");
+    let low = bl.low();
+    let (b, dim) = (z.b, z.d);
+    let trained = f.lora.is_none();
+    let packed =
+        bl.g.input("packed latents", b * z.s * d.in_channels, low, false);
+    let x = bl.linear_g("x_embedder", packed, b * z.s, dim, d.in_channels, true);
+    // timestep.to(x.dtype) · 1000, guidance likewise.
+    let ts = bl.g.input("timesteps / 1000", b, Dtype::F32, false);
+    let tlow = bl.g.cast("timestep →x dtype", ts, low);
+    let t1000 = bl.g.op("timestep ·1000", &[tlow], b, low);
+    let te = timestep_embedder(&mut bl, "time_text_embed.timestep_embedder", t1000, b, dim);
+    let mut temb = te;
+    if d.guidance_embeds {
+        let g = bl.g.input("guidance", b, Dtype::F32, false);
+        let glow = bl.g.cast("guidance →x dtype", g, low);
+        let g1000 = bl.g.op("guidance ·1000", &[glow], b, low);
+        let ge = timestep_embedder(&mut bl, "time_text_embed.guidance_embedder", g1000, b, dim);
+        let dt = promote(bl.g.dtype(te), bl.g.dtype(ge));
+        temb =
+            bl.g.op("timesteps_emb + guidance_emb", &[te, ge], b * dim, dt);
+    }
+    // PixArtAlphaTextProjection(pooled, D, act_fn="silu").
+    let pooled =
+        bl.g.input("pooled", b * d.pooled_projection_dim, low, false);
+    let p1 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_1",
+        pooled,
+        b,
+        dim,
+        d.pooled_projection_dim,
+        true,
+    );
+    let pa = bl.act_g("time_text_embed.text_embedder.act_1", p1);
+    let p2 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_2",
+        pa,
+        b,
+        dim,
+        dim,
+        true,
+    );
+    let dt = promote(bl.g.dtype(temb), bl.g.dtype(p2));
+    let temb = bl.g.op("temb", &[temb, p2], b * dim, dt);
+    save(&mut bl.g, temb);
+    let enc = bl.g.input(
+        "encoder_hidden_states",
+        b * z.t * d.joint_attention_dim,
+        low,
+        false,
+    );
+    let ctx = bl.linear_g(
+        "context_embedder",
+        enc,
+        b * z.t,
+        dim,
+        d.joint_attention_dim,
+        true,
+    );
+    // FluxPosEmbed over cat(txt_ids, img_ids).
+    let n = z.n();
+    let ids = bl.g.input("txt_ids, img_ids", n * 3, low, false);
+    let idc = bl.g.op("ids cat", &[ids], n * 3, low);
+    let pos = bl.g.cast("ids.float()", idc, Dtype::F32);
+    let mut parts = [Vec::new(), Vec::new()];
+    for &a in &d.axes_dims_rope {
+        let fr = bl.g.op("axis freqs (fp64)", &[pos], n * a / 2, Dtype::F64);
+        for (p, part) in ["cos", "sin"].iter().zip(parts.iter_mut()) {
+            let c64 =
+                bl.g.op(&format!("axis {p} (fp64)"), &[fr], n * a / 2, Dtype::F64);
+            let rep =
+                bl.g.op(&format!("axis {p} repeat"), &[c64], n * a, Dtype::F64);
+            part.push(bl.g.op(&format!("axis {p} .float()"), &[rep], n * a, Dtype::F32));
+        }
+    }
+    let cos = bl.g.op("rope cos", &parts[0], n * z.dh, Dtype::F32);
+    let sin = bl.g.op("rope sin", &parts[1], n * z.dh, Dtype::F32);
+    save(&mut bl.g, cos);
+    save(&mut bl.g, sin);
+    bl.g.output = x;
+    bl.g.side_outputs = vec![ctx];
+    let extra = if trained { vec![temb] } else { Vec::new() };
+    (bl.g, extra)
+}
+
+/// diffusers `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` (fp32 sin/cos,
+/// concatenated and flipped), cast to the pooled embedding's dtype, then `TimestepEmbedding`
+/// (linear_1 → SiLU → linear_2).
+pub(crate) fn timestep_embedder(bl: &mut Builder, name: &str, t: Tid, b: u64, dim: u64) -> Tid {
+    let low = bl.low();
+    let half = 128;
+    let ex = bl.g.op("exponent", &[], half, Dtype::F32);
+    let tf = bl.g.cast("timesteps.float()", t, Dtype::F32);
+    let args = bl.g.op("t·freqs", &[tf, ex], b * half, Dtype::F32);
+    let sc = bl.g.op("scale·args", &[args], b * half, Dtype::F32);
+    let s = bl.g.op("sin", &[sc], b * half, Dtype::F32);
+    let c = bl.g.op("cos", &[sc], b * half, Dtype::F32);
+    let cat = bl.g.op("cat[sin, cos]", &[s, c], b * 2 * half, Dtype::F32);
+    let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
+    let proj = bl.g.cast("t_proj →dtype", flip, low);
+    let h = bl.linear_g(&format!("{name}.linear_1"), proj, b, dim, 2 * half, true);
+    let a = bl.act_g(&format!("{name}.act"), h);
+    bl.linear_g(&format!("{name}.linear_2"), a, b, dim, dim, true)
+}
+
+/// Output side: `norm_out` (AdaLayerNormContinuous: scale, shift), `proj_out`, the script's
+/// `_unpack_latents` (a copy), `target = noise − x0`, and the loss outside autocast:
+/// `mean(((pred.float() − target.float())²).reshape(b, −1), 1).mean()` (PowBackward saves the
+/// difference) `/ accumulation`.
+fn final_layer(f: &Fam, d: &FluxDims, z: &Sz, rg: bool, joint: bool, trained: bool) -> Segment {
+    let mut bl = f.builder("flux final");
+    let sd = bl.low();
+    let (b, dim) = (z.b, z.d);
+    let xv = if joint {
+        let xa = bl.g.input("hidden_states", b * z.n() * dim, sd, rg);
+        bl.g.stream_in = vec![xa];
+        bl.g.view("hidden_states[:, text:]", xa, b * z.s * dim)
+    } else {
+        stream_inputs(&mut bl, z, sd, (rg, rg)).0
+    };
+    let temb = bl.g.input("temb", b * dim, sd, trained);
+    let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
+    let n = bl.layer_norm_g("norm_out.norm", xv, b * z.s);
+    let h = bl.modulate_g("norm_out", n, m[1], m[0], b * dim);
+    let p = d.patch_size;
+    let width = p * p * d.out_channels;
+    let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);
+    let lat = b * z.s * width;
+    let yd = bl.g.dtype(y);
+    let pred = bl.g.op("_unpack_latents", &[y], lat, yd);
+    let wd = bl.low();
+    let x0 = bl.g.input("x0", lat, wd, false);
+    let noise = bl.g.input("noise", lat, wd, false);
+    let target = bl.g.op("target = noise − x0", &[noise, x0], lat, wd);
+    loss(&mut bl, pred, target, b);
+    bl.g
+}
+
+/// The flow-matching loss of the scripts (fp32, outside autocast): the `.float()` copies below
+/// fp32, the difference (saved by PowBackward), its square, the per-sample and batch means and
+/// the division by the accumulation steps. Makes the loss scalar the segment's output.
+pub(crate) fn loss(bl: &mut Builder, pred: Tid, target: Tid, b: u64) -> Tid {
+    let lat = bl.g.elems(pred);
+    let tf = bl.g.cast("target.float()", target, Dtype::F32);
+    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
+    let diff = bl.g.op("pred − target", &[pf, tf], lat, Dtype::F32);
+    save(&mut bl.g, diff);
+    let sq = bl.g.op("(·)²", &[diff], lat, Dtype::F32);
+    let m1 = bl.g.op("mean(1)", &[sq], b, Dtype::F32);
+    let m = bl.g.op("mean", &[m1], 1, Dtype::F32);
+    let l = bl.g.op("loss / accumulation", &[m], 1, Dtype::F32);
+    bl.g.output = l;
+    l
+}
+
+/// Build a stack of `count` blocks whose first may differ from the rest in which streams need a
+/// gradient (under LoRA the embedders are frozen: the first block's inputs need none, its
+/// outputs do): stages of the first block and of the others, as long as they differ.
+pub(crate) fn stack<F>(
+    count: u64,
+    label: &'static str,
+    mut rg: (bool, bool),
+    build: F,
+) -> (Vec<Stage>, (bool, bool))
+where
+    F: Fn((bool, bool)) -> Segment,
+{
+    let mut out = Vec::new();
+    let mut left = count;
+    while left > 0 {
+        let seg = build(rg);
+        let outs = seg.outputs();
+        let o = seg.tensors[outs[0]].requires_grad;
+        let next = (o, outs.get(1).map_or(o, |&t| seg.tensors[t].requires_grad));
+        let n = if next == rg { left } else { 1 };
+        out.push(Stage {
+            seg,
+            count: n as u32,
+            blocks: true,
+            label,
+            extra_grads: Vec::new(),
+        });
+        left -= n;
+        rg = next;
+    }
+    (out, rg)
+}
+
+pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
+    let z = Sz {
+        b: f.b,
+        s: f.s,
+        t: sequence_tokens(f),
+        d: d.inner(),
+        heads: d.num_attention_heads,
+        dh: d.attention_head_dim,
+    };
+    let trained = f.lora.is_none();
+    let (emb, extra) = embed(f, d, &z);
+    let outs = emb.outputs();
+    let rg = (
+        emb.tensors[outs[0]].requires_grad,
+        emb.tensors[*outs.last().unwrap_or(&outs[0])].requires_grad,
+    );
+    let mut stages = vec![Stage {
+        seg: emb,
+        count: 1,
+        blocks: false,
+        label: "embed",
+        extra_grads: extra,
+    }];
+    let (st, rg) = stack(d.num_layers, "double block", rg, |r| {
+        double_block(f, &z, r, trained)
+    });
+    stages.extend(st);
+    let (st, rg) = stack(d.num_single_layers, "single block", rg, |r| {
+        single_block(f, &z, r, trained)
+    });
+    stages.extend(st);
+    let joint = d.num_single_layers > 0;
+    stages.push(Stage {
+        seg: final_layer(f, d, &z, rg.0 || rg.1, joint, trained),
+        count: 1,
+        blocks: false,
+        label: "final + loss",
+        extra_grads: Vec::new(),
+    });
+    // Data outside the model (family_peer.py): x0 and noise (wd) until the forward returns,
+    // noisy, the timesteps, sigmas and the position ids with it; the packed latents, the T5
+    // embeddings and the pooled CLIP vector are saved by the embedders' linears when those are
+    // trained (until the input side's backward), else dropped after the model call.
+    let wd = Builder::new(f.rt, f.spec.recipe.precision, f.spec.recipe.attention, "")
+        .low()
+        .size();
+    let lat = z.b * z.s * d.in_channels;
+    let saved_in = (lat + z.b * z.t * d.joint_attention_dim + z.b * d.pooled_projection_dim) * wd;
+    let loose = 3 * lat * wd + z.b * (8 + 4 + wd) + z.n() * 3 * wd;
+    let data = if trained {
+        Data {
+            kept: saved_in,
+            forward_only: loose,
+        }
+    } else {
+        Data {
+            kept: 0,
+            forward_only: loose + saved_in,
+        }
+    };
+    Stages { stages, data }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::denoiser;
+    use crate::families::Dims;
+    use crate::runtime::pytorch::allocator::simulate;
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::spec::Spec;
+
+    /// A tiny family spec as `bench/torch_peer/specs/families/` writes them (b = 4, 128² pixels,
+    /// f8 VAE), with `model.diffusers` = `config`, resolved as the CLI resolves it.
+    pub(crate) fn tiny(config: &str, text: &str, precision: &str, lora: &str) -> Spec {
+        let json = format!(
+            r#"{{"model": {{"name": "tiny", "depth": 1, "hidden": 64, "heads": 4, "patch": 2,
+                 "diffusers": {config}}},
+               "workload": {{"height": 128, "width": 128, "vae_factor": 8, "batch": 4,
+                 "microbatch": 4, "accumulation": 1, "ranks": 1, "text_tokens": {text}}},
+               "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+                 "attention": "memory-efficient", "recompute": "none", "lora": {lora},
+                 "zero_stage": 0, "latents": "cached"}},
+               "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).expect("tiny spec");
+        denoiser::resolve(&mut s).expect("resolves");
+        s
+    }
+
+    const FLUX: &str = r#"{"_class_name": "FluxTransformer2DModel", "patch_size": 1,
+        "in_channels": 64, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 4, "joint_attention_dim": 96, "pooled_projection_dim": 48,
+        "guidance_embeds": true, "axes_dims_rope": [4, 6, 6]}"#;
+
+    fn flux_stages(precision: &str, lora: &str) -> Stages {
+        let s = tiny(FLUX, "[77, 128]", precision, lora);
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Flux(d) = &fm.dims else {
+            panic!("not flux")
+        };
+        stages(&Fam::new(for_spec(&s), &s, &fm), d)
+    }
+
+    fn kept(st: &Stage) -> u64 {
+        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+    }
+
+    /// `families_saved.txt` (flux-fp32-none-loop, fp32): transformer_blocks.0 saves 5008384 B,
+    /// of which its inputs (image 65536, text 131072), temb (1024) and the RoPE tables (2 ×
+    /// 12288) are tensors of the stages before; single_transformer_blocks.* save 4176896 B each.
+    #[test]
+    fn fp32_blocks_keep_what_the_dump_lists() {
+        let st = flux_stages("fp32", "null");
+        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
+        assert_eq!(
+            labels,
+            [
+                ("embed", 1),
+                ("double block", 1),
+                ("single block", 2),
+                ("final + loss", 1)
+            ]
+        );
+        assert_eq!(
+            kept(&st.stages[1]),
+            5008384 - 65536 - 131072 - 1024 - 2 * 12288
+        );
+        assert_eq!(kept(&st.stages[2]), 4176896);
+        // The packed latents, T5 embeddings and pooled vector are saved by trained embedders.
+        assert_eq!(st.data.kept, (4 * 64 * 64 + 4 * 128 * 96 + 4 * 48) * 4);
+    }
+
+    /// bf16 autocast (families_saved.txt, flux-fp32-none-loop bf16-mixed): single blocks save
+    /// 2622976 B (their bf16 weight copies included).
+    #[test]
+    fn bf16_single_block_keeps_what_the_dump_lists() {
+        let st = flux_stages("bf16-mixed", "null");
+        assert_eq!(kept(&st.stages[2]), 2622976);
+    }
+
+    /// LoRA r4 on to_q/k/v/to_out.0 (family_saved.py on flux-bf16-lora4-none-loop): a single
+    /// block saves 1636352 B — three lora_A inputs, no saved input of the frozen proj_mlp /
+    /// proj_out; the first double block's streams need no gradient (frozen embedders), so it is
+    /// a stage of its own only if the next one differs, and the data is not kept.
+    #[test]
+    fn lora_freezing_drops_the_bases_saved_inputs() {
+        let st = flux_stages("bf16-mixed", r#"{"rank": 4}"#);
+        assert_eq!(kept(&st.stages[2]), 1636352);
+        assert!(kept(&st.stages[2]) < kept(&flux_stages("bf16-mixed", "null").stages[2]));
+        let first = &st.stages[1].seg;
+        assert!(!first.tensors[first.stream_in[0]].requires_grad);
+        assert_eq!(st.data.kept, 0);
+    }
 }

@@ -1,12 +1,453 @@
-//! Not modelled yet: `READY` is false, so an estimate of this family on the `pytorch` runtime
-//! is refused (exit 2) before it gets here.
+//! SD3 / SD3.5: diffusers `SD3Transformer2DModel` (`models/transformers/transformer_sd3.py`) in
+//! the step of `family_peer.py` (`train_dreambooth_lora_sd3.py`): `pos_embed` (PatchEmbed conv,
+//! the sin-cos table cropped from `pos_embed_max_size`), `time_text_embed`
+//! (`CombinedTimestepTextProjEmbeddings`), `context_embedder`, the MMDiT `JointTransformerBlock`s
+//! (`JointAttnProcessor2_0`: the image and context projections concatenated along the sequence,
+//! optional diffusers `RMSNorm` on q/k, SD3.5-medium's second self-attention `attn2`), the last
+//! block `context_pre_only`, `norm_out`, `proj_out`, unpatchify and the flow-matching loss.
+//! Ground truth: `families_saved.txt` (`sd3-fp32-none-loop`, fp32 and bf16).
 
 use super::common::Fam;
+use super::flux::{
+    ada, feed_forward, gated_add, loss, sequence_tokens, split_part, stack, timestep_embedder,
+};
 use crate::families::Sd3Dims;
-use crate::runtime::pytorch::stages::Stages;
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::segment::{Segment, Tid};
+use crate::spec::Dtype;
 
-pub const READY: bool = false;
+pub const READY: bool = true;
 
-pub fn stages(_f: &Fam, _d: &Sd3Dims) -> Stages {
-    Stages::default()
+#[derive(Debug, Clone, Copy)]
+struct Sz {
+    b: u64,
+    s: u64,
+    t: u64,
+    d: u64,
+    heads: u64,
+    dh: u64,
+}
+
+/// q or k of one projection, with the optional per-head RMSNorm.
+fn qk(bl: &mut Builder, d: &Sd3Dims, norm: &str, x: Tid, rows: u64, z: &Sz) -> Tid {
+    if d.qk_norm {
+        bl.rms_norm_diffusers(norm, x, rows * z.heads, z.dh)
+    } else {
+        x
+    }
+}
+
+/// `hidden_states.to(query.dtype)` after SDPA: a copy when q/k RMSNorm made the query fp32 under
+/// autocast.
+fn to_query_dtype(bl: &mut Builder, o: Tid, qd: Dtype) -> Tid {
+    bl.g.cast("attn out .to(query.dtype)", o, qd)
+}
+
+/// One part of the attention output (`hidden_states[:, :s]` or `[:, s:]`) as its linear reads
+/// it: below autocast's dtype (fp32 after `.to(query.dtype)`) the autocast cast is a contiguous
+/// copy [AC]; otherwise F.linear on the non-contiguous slice goes through matmul, which folds it
+/// with a copy that mm saves (none for b = 1).
+fn out_part(bl: &mut Builder, name: &str, o: Tid, elems: u64, b: u64) -> Tid {
+    if bl.g.dtype(o) != bl.low() {
+        let v = bl.g.view(&format!("{name} (split view)"), o, elems);
+        bl.cast_low(name, v)
+    } else {
+        split_part(bl, name, o, elems, b)
+    }
+}
+
+/// `JointTransformerBlock.forward` (`models/attention.py`) of block `i`.
+fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: bool) -> Segment {
+    let mut bl = f.builder("sd3 joint block");
+    let sd = bl.low();
+    let (b, s, t, dim) = (z.b, z.s, z.t, z.d);
+    let last = i + 1 == d.num_layers;
+    let dual = d.dual_attention_layers.binary_search(&i).is_ok();
+    let x = bl.g.input("hidden_states", b * s * dim, sd, rg.0);
+    let c = bl.g.input("encoder_hidden_states", b * t * dim, sd, rg.1);
+    bl.g.stream_in = vec![x, c];
+    let temb = bl.g.input("temb", b * dim, sd, trained);
+    // norm1: AdaLayerNormZero (6 chunks) or SD35AdaLayerNormZeroX (9: a second shift / scale /
+    // gate for attn2 on the same normalized x).
+    let m = ada(
+        &mut bl,
+        "norm1.linear",
+        temb,
+        if dual { 9 } else { 6 },
+        b,
+        dim,
+    );
+    let n1 = bl.layer_norm_g("norm1.norm", x, b * s);
+    let h = bl.modulate_g("norm1", n1, m[0], m[1], b * dim);
+    // norm1_context: AdaLayerNormZero, or AdaLayerNormContinuous (scale, shift) when last.
+    let mc = ada(
+        &mut bl,
+        "norm1_context.linear",
+        temb,
+        if last { 2 } else { 6 },
+        b,
+        dim,
+    );
+    let n1c = bl.layer_norm_g("norm1_context.norm", c, b * t);
+    let hc = if last {
+        bl.modulate_g("norm1_context", n1c, mc[1], mc[0], b * dim)
+    } else {
+        bl.modulate_g("norm1_context", n1c, mc[0], mc[1], b * dim)
+    };
+    // JointAttnProcessor2_0: q/k/v views (b, heads, s, dh), cat([image, context], dim=2).
+    let q = bl.linear_g("attn.to_q", h, b * s, dim, dim, true);
+    let k = bl.linear_g("attn.to_k", h, b * s, dim, dim, true);
+    let v = bl.linear_g("attn.to_v", h, b * s, dim, dim, true);
+    let q = qk(&mut bl, d, "attn.norm_q", q, b * s, z);
+    let k = qk(&mut bl, d, "attn.norm_k", k, b * s, z);
+    let eq = bl.linear_g("attn.add_q_proj", hc, b * t, dim, dim, true);
+    let ek = bl.linear_g("attn.add_k_proj", hc, b * t, dim, dim, true);
+    let ev = bl.linear_g("attn.add_v_proj", hc, b * t, dim, dim, true);
+    let eq = qk(&mut bl, d, "attn.norm_added_q", eq, b * t, z);
+    let ek = qk(&mut bl, d, "attn.norm_added_k", ek, b * t, z);
+    let n = s + t;
+    let ne = b * n * dim;
+    let cat = |bl: &mut Builder, name: &str, a: Tid, e: Tid| {
+        let dt = promote(bl.g.dtype(a), bl.g.dtype(e));
+        let o = bl.g.op(name, &[a, e], ne, dt);
+        // SDPA is on autocast's low-precision list: fp32 (RMSNorm) inputs are cast [AC].
+        (o, bl.cast_low(&format!("{name} (sdpa input)"), o))
+    };
+    // The processor's `query` (before autocast's cast): its dtype is the output's after
+    // `hidden_states.to(query.dtype)`.
+    let qd = promote(bl.g.dtype(q), bl.g.dtype(eq));
+    let (q0, qc) = cat(&mut bl, "cat q", q, eq);
+    let (k0, kc) = cat(&mut bl, "cat k", k, ek);
+    let (v0, vc) = cat(&mut bl, "cat v", v, ev);
+    let at = Attn {
+        b,
+        heads: z.heads,
+        sq: n,
+        skv: n,
+        dh: z.dh,
+    };
+    let o = bl.attention(qc, kc, vc, at);
+    // The fused kernels allocate their output like the query (`empty_like`): the concatenated
+    // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
+    let od = bl.g.dtype(o);
+    let o =
+        bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
+    let o = to_query_dtype(&mut bl, o, qd);
+    // to_add_out runs before to_out.0.
+    let co = if last {
+        None
+    } else {
+        let oc = out_part(&mut bl, "context attn out", o, b * t * dim, b);
+        Some(bl.linear_g("attn.to_add_out", oc, b * t, dim, dim, true))
+    };
+    let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
+    let ao = bl.linear_g("attn.to_out.0", oi, b * s, dim, dim, true);
+    // The processor's locals hold the context projections (after their norms) until it
+    // returns, and `query`, `key`, `value` the concatenations (fp32 under autocast after the
+    // norms; SDPA saves its own casts).
+    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev, q0, k0, v0]);
+    // The gated products stay bound to the block's locals until it returns.
+    let (mut x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
+    let mut dual_in = None;
+    let mut held = vec![ga];
+    if dual {
+        // attn2 on norm(x)·(1 + scale_msa2) + shift_msa2: self-attention (b, heads, s, dh) views,
+        // its output a (b, s, D) view into to_out.0.
+        let h2 = bl.modulate_g("norm1 (attn2)", n1, m[6], m[7], b * dim);
+        // `norm_hidden_states2` stays bound until the block returns.
+        dual_in = Some(h2);
+        let q = bl.linear_g("attn2.to_q", h2, b * s, dim, dim, true);
+        let k = bl.linear_g("attn2.to_k", h2, b * s, dim, dim, true);
+        let v = bl.linear_g("attn2.to_v", h2, b * s, dim, dim, true);
+        let q = qk(&mut bl, d, "attn2.norm_q", q, b * s, z);
+        let k = qk(&mut bl, d, "attn2.norm_k", k, b * s, z);
+        let qd = bl.g.dtype(q);
+        let (q0, k0) = (q, k);
+        let q = bl.cast_low("attn2 q (sdpa input)", q);
+        let k = bl.cast_low("attn2 k (sdpa input)", k);
+        let at = Attn {
+            b,
+            heads: z.heads,
+            sq: s,
+            skv: s,
+            dh: z.dh,
+        };
+        let o2 = bl.attention(q, k, v, at);
+        let o2 = to_query_dtype(&mut bl, o2, qd);
+        let o2 = bl.cast_low("attn2 out (to_out input)", o2);
+        let a2 = bl.linear_g("attn2.to_out.0", o2, b * s, dim, dim, true);
+        // `query` and `key` (the norms' outputs) are bound until the processor returns.
+        bl.hold("JointAttnProcessor2_0 (attn2)", &[q0, k0]);
+        let (x, g2) = gated_add(&mut bl, "attn2", x1, m[8], a2);
+        x1 = x;
+        held.push(g2);
+    }
+    let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    // `norm_hidden_states` (norm1's output) is rebound only here.
+    bl.hold("norm_hidden_states rebound", &[h]);
+    let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * dim);
+    let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
+    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
+    held.push(gm);
+    let mut side = Vec::new();
+    if let Some(co) = co {
+        let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
+        held.push(gc);
+        let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+        bl.hold("norm_encoder_hidden_states rebound", &[hc]);
+        let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * dim);
+        let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
+        let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+        side.push(c2);
+    } else {
+        // context_pre_only: `norm_encoder_hidden_states` and `context_attn_output` (a slice of
+        // the attention output, which no to_add_out consumes) stay bound until the block
+        // returns.
+        held.push(hc);
+        held.push(o);
+    }
+    held.extend(dual_in);
+    bl.hold("JointTransformerBlock", &held);
+    bl.g.side_outputs = side;
+    bl.g.output = x2;
+    bl.g
+}
+
+/// Input side: PatchEmbed (conv saves its input and weight; flatten + transpose a view; the
+/// cropped table a copy; `(latent + pos).to(latent.dtype)` laid out as the transposed conv output,
+/// so the model's `.contiguous()` copies), time_text_embed, context_embedder.
+fn embed(f: &Fam, d: &Sd3Dims, z: &Sz) -> (Segment, Vec<Tid>) {
+    let mut bl = f.builder("sd3 embed");
+    let low = bl.low();
+    let (b, dim, s) = (z.b, z.d, z.s);
+    let trained = f.lora.is_none();
+    let p = d.patch_size;
+    let lat = b * s * p * p * d.in_channels;
+    let noisy = bl.g.input("noisy latents", lat, low, false);
+    let w = bl.weight("pos_embed.proj.weight", dim * d.in_channels * p * p);
+    let bias = bl.cached_weight("pos_embed.proj.bias", dim);
+    let xin = bl.cast_low("pos_embed.proj input", noisy);
+    save(&mut bl.g, xin);
+    let conv =
+        bl.g.op("pos_embed.proj conv", &[xin, w, bias], b * s * dim, low);
+    let pe =
+        bl.g.param("pos_embed.pos_embed", s * dim, Dtype::F32, false);
+    let crop = bl.g.op("cropped pos_embed", &[pe], s * dim, Dtype::F32);
+    let sum = bl.g.op(
+        "latent + pos_embed",
+        &[conv, crop],
+        b * s * dim,
+        promote(low, Dtype::F32),
+    );
+    let sum = bl.g.cast("(latent + pos).to(latent dtype)", sum, low);
+    let x =
+        bl.g.op("hidden_states.contiguous()", &[sum], b * s * dim, low);
+    let ts = bl.g.input("timesteps", b, Dtype::F32, false);
+    let te = timestep_embedder(&mut bl, "time_text_embed.timestep_embedder", ts, b, dim);
+    let pooled =
+        bl.g.input("pooled", b * d.pooled_projection_dim, low, false);
+    let p1 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_1",
+        pooled,
+        b,
+        dim,
+        d.pooled_projection_dim,
+        true,
+    );
+    let pa = bl.act_g("time_text_embed.text_embedder.act_1", p1);
+    let p2 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_2",
+        pa,
+        b,
+        dim,
+        dim,
+        true,
+    );
+    let dt = promote(bl.g.dtype(te), bl.g.dtype(p2));
+    let temb = bl.g.op("temb", &[te, p2], b * dim, dt);
+    save(&mut bl.g, temb);
+    let enc = bl.g.input(
+        "encoder_hidden_states",
+        b * z.t * d.joint_attention_dim,
+        low,
+        false,
+    );
+    let ctx = bl.linear_g(
+        "context_embedder",
+        enc,
+        b * z.t,
+        dim,
+        d.joint_attention_dim,
+        true,
+    );
+    bl.g.output = x;
+    bl.g.side_outputs = vec![ctx];
+    let extra = if trained { vec![temb] } else { Vec::new() };
+    (bl.g, extra)
+}
+
+/// Output side: norm_out (AdaLayerNormContinuous), proj_out, unpatchify (reshape, einsum
+/// permutation views, the last reshape a copy), `target = noise − x0` and the loss.
+fn final_layer(f: &Fam, d: &Sd3Dims, z: &Sz, rg: bool, trained: bool) -> Segment {
+    let mut bl = f.builder("sd3 final");
+    let sd = bl.low();
+    let (b, dim) = (z.b, z.d);
+    let x = bl.g.input("hidden_states", b * z.s * dim, sd, rg);
+    bl.g.stream_in = vec![x];
+    let temb = bl.g.input("temb", b * dim, sd, trained);
+    let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
+    let n = bl.layer_norm_g("norm_out.norm", x, b * z.s);
+    let h = bl.modulate_g("norm_out", n, m[1], m[0], b * dim);
+    let p = d.patch_size;
+    let width = p * p * d.out_channels;
+    let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);
+    let lat = b * z.s * width;
+    let yd = bl.g.dtype(y);
+    let pred = bl.g.op("unpatchify", &[y], lat, yd);
+    let wd = bl.low();
+    let x0 = bl.g.input("x0", lat, wd, false);
+    let noise = bl.g.input("noise", lat, wd, false);
+    let target = bl.g.op("target = noise − x0", &[noise, x0], lat, wd);
+    loss(&mut bl, pred, target, b);
+    bl.g
+}
+
+pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
+    let z = Sz {
+        b: f.b,
+        s: f.s,
+        t: sequence_tokens(f),
+        d: d.inner(),
+        heads: d.num_attention_heads,
+        dh: d.attention_head_dim,
+    };
+    let trained = f.lora.is_none();
+    let (emb, extra) = embed(f, d, &z);
+    let outs = emb.outputs();
+    let mut rg = (
+        emb.tensors[outs[0]].requires_grad,
+        emb.tensors[*outs.last().unwrap_or(&outs[0])].requires_grad,
+    );
+    let mut stages = vec![Stage {
+        seg: emb,
+        count: 1,
+        blocks: false,
+        label: "embed",
+        extra_grads: extra,
+    }];
+    // Blocks differ by index (dual attention, the last one context_pre_only): runs of equal
+    // blocks become one stage each.
+    let kind = |i: u64| {
+        (
+            d.dual_attention_layers.binary_search(&i).is_ok(),
+            i + 1 == d.num_layers,
+        )
+    };
+    let mut i = 0;
+    while i < d.num_layers {
+        let mut j = i + 1;
+        while j < d.num_layers && kind(j) == kind(i) {
+            j += 1;
+        }
+        let first = i;
+        let (st, r) = stack(j - i, "joint block", rg, |r| {
+            joint_block(f, d, &z, first, r, trained)
+        });
+        stages.extend(st);
+        rg = r;
+        i = j;
+    }
+    stages.push(Stage {
+        seg: final_layer(f, d, &z, rg.0, trained),
+        count: 1,
+        blocks: false,
+        label: "final + loss",
+        extra_grads: Vec::new(),
+    });
+    // Data outside the model (family_peer.py): x0 and noise (wd) until the forward returns, the
+    // timesteps and sigmas with them; the noisy latents (saved by the conv), the CLIP ⊕ T5
+    // embeddings and the pooled vector are saved by the embedders when those are trained (until
+    // the input side's backward), else dropped after the model call.
+    let wd = Builder::new(f.rt, f.spec.recipe.precision, f.spec.recipe.attention, "")
+        .low()
+        .size();
+    let p = d.patch_size;
+    let lat = z.b * z.s * p * p * d.in_channels;
+    let saved_in = (lat + z.b * z.t * d.joint_attention_dim + z.b * d.pooled_projection_dim) * wd;
+    let loose = 2 * lat * wd + z.b * (8 + wd);
+    let data = if trained {
+        Data {
+            kept: saved_in,
+            forward_only: loose,
+        }
+    } else {
+        Data {
+            kept: 0,
+            forward_only: loose + saved_in,
+        }
+    };
+    Stages { stages, data }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::denoiser;
+    use crate::families::Dims;
+    use crate::runtime::pytorch::allocator::simulate;
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::families::flux::tests::tiny;
+
+    const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
+        "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 64,
+        "pooled_projection_dim": 80, "out_channels": 16, "pos_embed_max_size": 24"#;
+
+    fn sd3_stages(extra: &str, precision: &str) -> Stages {
+        let s = tiny(&format!("{SD3}{extra}}}"), "[77, 77]", precision, "null");
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Sd3(d) = &fm.dims else {
+            panic!("not sd3")
+        };
+        stages(&Fam::new(for_spec(&s), &s, &fm), d)
+    }
+
+    fn kept(st: &Stage) -> u64 {
+        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+    }
+
+    /// `families_saved.txt` (sd3-fp32-none-loop, fp32): transformer_blocks.0 saves 4735232 B,
+    /// its inputs (image 65536, text 157696) and temb (1024) counted there; the last block
+    /// (context_pre_only: no to_add_out, no ff_context) 2514368 B with its two inputs.
+    #[test]
+    fn fp32_joint_blocks_keep_what_the_dump_lists() {
+        let st = sd3_stages("", "fp32");
+        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
+        assert_eq!(
+            labels,
+            [
+                ("embed", 1),
+                ("joint block", 1),
+                ("joint block", 1),
+                ("final + loss", 1)
+            ]
+        );
+        assert_eq!(kept(&st.stages[1]), 4735232 - 65536 - 157696 - 1024);
+        assert_eq!(kept(&st.stages[2]), 2514368 - 65536 - 157696);
+        assert!(st.stages[2].seg.side_outputs.is_empty());
+    }
+
+    /// SD3.5-medium's dual attention and q/k RMSNorm (family_saved.py on
+    /// sd3-bf16-none-foreach-35m, fp32): transformer_blocks.0 saves 6327808 B; under bf16
+    /// autocast 4442304 B (the fp32 norms' copies, SDPA's bf16 casts of q and k, to_out's cast
+    /// inputs after `.to(query.dtype)`).
+    #[test]
+    fn dual_attention_block_keeps_what_the_dump_lists() {
+        let extra = r#", "qk_norm": "rms_norm", "dual_attention_layers": [0]"#;
+        let st = sd3_stages(extra, "fp32");
+        assert_eq!(kept(&st.stages[1]), 6327808 - 65536 - 157696 - 1024);
+        let st = sd3_stages(extra, "bf16-mixed");
+        assert_eq!(kept(&st.stages[1]), 4442304 - 32768 - 78848 - 512);
+    }
 }
