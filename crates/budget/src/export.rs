@@ -483,7 +483,21 @@ fn command(
 ) -> Command {
     let r = &spec.recipe;
     let w = &spec.workload;
-    let launcher = launcher(spec, o, mp, config_file);
+    // ZeRO-Offload with the scripts' torch AdamW needs "zero_force_ds_cpu_optimizer": false
+    // (deepspeed 0.19.8 runtime/engine.py _configure_basic_optimizer), which no launch flag sets:
+    // such a plan launches through the config files.
+    let offload_ds =
+        r.zero_stage > 0 && o.sharder == Sharder::Deepspeed && o.offload != Offload::None;
+    if offload_ds && !config_file {
+        notes.push(format!(
+            "ZeRO-Offload launches through {} and {} (--emit accelerate, --emit deepspeed): the \
+             script's torch AdamW needs \"zero_force_ds_cpu_optimizer\": false, which no launch \
+             flag sets",
+            Target::Accelerate.file_name(),
+            Target::Deepspeed.file_name()
+        ));
+    }
+    let launcher = launcher(spec, o, mp, config_file || offload_ds);
     let script = match script_for(o.family, r.lora.is_some()) {
         Ok(s) => s,
         Err(e) => {
@@ -1272,6 +1286,32 @@ mod tests {
             "{}",
             e.text
         );
+    }
+
+    #[test]
+    fn zero_offload_launches_through_the_config_files() {
+        let e = export(
+            &zero(2),
+            Target::Diffusers,
+            &opts(Family::Flux, Sharder::Deepspeed, Offload::Optimizer),
+        )
+        .unwrap();
+        let l = e.command.unwrap().launcher;
+        assert!(l.contains(&"--config_file".to_string()), "{l:?}");
+        assert!(!l.contains(&"--use_deepspeed".to_string()));
+        let v: serde_json::Value = serde_json::from_str(
+            &export(
+                &zero(2),
+                Target::Deepspeed,
+                &opts(Family::Flux, Sharder::Deepspeed, Offload::Optimizer),
+            )
+            .unwrap()
+            .text,
+        )
+        .unwrap();
+        assert_eq!(v["zero_force_ds_cpu_optimizer"], false);
+        assert_eq!(v["zero_optimization"]["offload_optimizer"]["device"], "cpu");
+        assert!(v["zero_optimization"].get("offload_param").is_none());
     }
 
     #[test]
