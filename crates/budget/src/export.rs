@@ -1314,6 +1314,73 @@ mod tests {
         assert!(v["zero_optimization"].get("offload_param").is_none());
     }
 
+    /// The words a POSIX shell makes of `text` (single quotes, backslash-newline, blanks).
+    fn shell_words(text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut word: Option<String> = None;
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' if chars.peek() == Some(&'\n') => {
+                    chars.next();
+                }
+                '\\' => word
+                    .get_or_insert_with(String::new)
+                    .push(chars.next().unwrap()),
+                '\'' => {
+                    let w = word.get_or_insert_with(String::new);
+                    for q in chars.by_ref() {
+                        if q == '\'' {
+                            break;
+                        }
+                        w.push(q);
+                    }
+                }
+                ' ' | '\n' => out.extend(word.take()),
+                c => word.get_or_insert_with(String::new).push(c),
+            }
+        }
+        out.extend(word);
+        out
+    }
+
+    #[test]
+    fn the_rendered_command_is_its_argv() {
+        let mut s = zero(3);
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 4,
+            targets: crate::spec::default_lora_targets(),
+        });
+        for f in [Family::Flux, Family::Sd3, Family::Sana, Family::Dit] {
+            let e = export(
+                &s,
+                Target::Diffusers,
+                &opts(f, Sharder::Deepspeed, Offload::None),
+            )
+            .unwrap();
+            let c = e.command.unwrap();
+            let body: String = e
+                .text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let mut want = c.launcher.clone();
+            want.push(c.script.clone());
+            want.extend(c.script_args.iter().cloned());
+            assert_eq!(shell_words(&body), want, "{body}");
+        }
+        let mut odd = Command {
+            launcher: vec!["accelerate".into(), "launch".into()],
+            script: "t.py".into(),
+            script_source: None,
+            script_args: vec!["--instance_prompt".into(), "it's a \"sks\" $dog".into()],
+        };
+        assert_eq!(shell_words(&odd.render())[4], "it's a \"sks\" $dog");
+        odd.script_args.clear();
+        assert_eq!(shell_words(&odd.render()), ["accelerate", "launch", "t.py"]);
+    }
+
     #[test]
     fn impossible_combinations_are_typed_errors() {
         let none = |sh, off| export(&zero(0), Target::Accelerate, &opts(Family::Dit, sh, off));
