@@ -1,11 +1,13 @@
 //! Export a plan to the configuration of a training stack: an `accelerate` config file, a
-//! DeepSpeed JSON config, or the command-line flags of the diffusers/accelerate example train
-//! scripts (`train_text_to_image.py` and friends).
+//! DeepSpeed JSON config (for accelerate, or on its own), or the `accelerate launch` command of
+//! the diffusers example script that trains the model's family.
 //!
 //! Every lever of the spec is mapped where the target has an equivalent; where it has none (a
-//! partial block-recompute count, attention-only recompute, bf16-pure, cached latents, …) the
-//! export says so in [`Export::notes`] — and, inside the text, as comments where the format has
-//! them — instead of pretending.
+//! partial block-recompute count, attention-only recompute, bf16-pure, …) the export says so in
+//! [`Export::notes`], and what the named train script cannot do (EMA, an xformers flag, SGD, …)
+//! in [`Export::cannot`], instead of pretending. Each rule names the file it comes from in
+//! accelerate 1.15.0, DeepSpeed 0.19.8 or diffusers v0.40.0; `bench/ecosystem/check.py` loads
+//! every export with those libraries.
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,35 +15,55 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::error::SpecError;
+use crate::families::Family;
 use crate::spec::{AttentionMode, Latents, Optimizer, Precision, Recompute, Spec};
+
+mod scripts;
+mod yaml;
+
+pub use scripts::{block_classes, script_for, NoScript, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
+use yaml::Yaml;
 
 /// Which stack to export for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Target {
-    /// `accelerate launch --config_file <yaml>`.
+    /// `accelerate launch --config_file accelerate_config.yaml` (DeepSpeed plans name
+    /// `ds_config.json`, the [`Target::Deepspeed`] export, beside it).
     Accelerate,
-    /// A DeepSpeed config (`--deepspeed_config ds.json`, or `deepspeed_config_file` in accelerate).
+    /// A DeepSpeed config for accelerate: `"auto"` where accelerate fills values, no optimizer.
     Deepspeed,
-    /// Flags of the diffusers example train scripts, run through `accelerate launch`.
+    /// A DeepSpeed config on its own (`deepspeed` launcher, the script calls
+    /// `deepspeed.initialize`): fixed values, valid at the plan's world size only.
+    DeepspeedStandalone,
+    /// The `accelerate launch` command of the diffusers script that trains the family.
     Diffusers,
 }
 
 impl Target {
+    pub const ALL: [Target; 4] = [
+        Target::Accelerate,
+        Target::Deepspeed,
+        Target::DeepspeedStandalone,
+        Target::Diffusers,
+    ];
+
     pub const fn name(self) -> &'static str {
         match self {
             Target::Accelerate => "accelerate",
             Target::Deepspeed => "deepspeed",
+            Target::DeepspeedStandalone => "deepspeed-standalone",
             Target::Diffusers => "diffusers",
         }
     }
 
-    /// A conventional file name for the export.
+    /// The file name of the export (the accelerate config names `ds_config.json`).
     pub const fn file_name(self) -> &'static str {
         match self {
             Target::Accelerate => "accelerate_config.yaml",
             Target::Deepspeed => "ds_config.json",
-            Target::Diffusers => "train_flags.sh",
+            Target::DeepspeedStandalone => "ds_config_standalone.json",
+            Target::Diffusers => "train.sh",
         }
     }
 }
@@ -58,12 +80,154 @@ impl FromStr for Target {
         match s.trim().to_ascii_lowercase().as_str() {
             "accelerate" => Ok(Target::Accelerate),
             "deepspeed" | "ds" => Ok(Target::Deepspeed),
+            "deepspeed-standalone" | "ds-standalone" => Ok(Target::DeepspeedStandalone),
             "diffusers" => Ok(Target::Diffusers),
             _ => Err(SpecError::invalid(
                 "plan.emit",
-                format!("'{s}' is not an export target; allowed: accelerate, deepspeed, diffusers"),
+                format!(
+                    "'{}' is not an export target; allowed: accelerate, deepspeed, \
+                     deepspeed-standalone, diffusers",
+                    s.chars().take(60).collect::<String>()
+                ),
             )),
         }
+    }
+}
+
+/// How a sharded plan (ZeRO stage ≥ 1) is launched.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharder {
+    /// DeepSpeed ZeRO at the plan's stage.
+    #[default]
+    Deepspeed,
+    /// FSDP2 (`fully_shard`): stage 3 ↔ `reshard_after_forward` true, stage 2 ↔ false; no
+    /// stage-1 equivalent.
+    Fsdp,
+}
+
+impl FromStr for Sharder {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "deepspeed" | "zero" => Ok(Sharder::Deepspeed),
+            "fsdp" | "fsdp2" => Ok(Sharder::Fsdp),
+            _ => Err(SpecError::invalid(
+                "plan.emit-sharder",
+                format!(
+                    "'{}' is not a sharder; allowed: deepspeed, fsdp",
+                    s.chars().take(60).collect::<String>()
+                ),
+            )),
+        }
+    }
+}
+
+/// What a sharded plan moves to CPU memory. Not in the budget yet: a plan's peak does not count
+/// what offload saves (nor its PCIe traffic in the step time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Offload {
+    #[default]
+    None,
+    /// Optimizer state (ZeRO-Offload): DeepSpeed `offload_optimizer`.
+    Optimizer,
+    /// Optimizer state and parameters: DeepSpeed `offload_param` (stage 3 only), FSDP
+    /// `offload_params`.
+    OptimizerAndParams,
+}
+
+impl FromStr for Offload {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            "optimizer+params" | "params" | "all" => Ok(Offload::OptimizerAndParams),
+            _ => Err(SpecError::invalid(
+                "plan.emit-offload",
+                format!(
+                    "'{}' is not an offload; allowed: none, optimizer, optimizer+params",
+                    s.chars().take(60).collect::<String>()
+                ),
+            )),
+        }
+    }
+}
+
+/// What the export needs beyond the spec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ExportOptions {
+    /// The model's family: which diffusers script trains it and which block class FSDP wraps.
+    /// The spec does not carry it yet; [`Family::Dit`] (what the budget models) by default.
+    pub family: Family,
+    pub sharder: Sharder,
+    pub offload: Offload,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            family: Family::Dit,
+            sharder: Sharder::Deepspeed,
+            offload: Offload::None,
+        }
+    }
+}
+
+/// A command line: `launcher… script script_args…`, each element one argument (unquoted).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Command {
+    /// `accelerate launch` and its arguments.
+    pub launcher: Vec<String>,
+    /// The train script (a diffusers example's file name, or a placeholder for your own).
+    pub script: String,
+    /// Where the script lives in diffusers, with the tag it was read from; `None` for a
+    /// placeholder.
+    pub script_source: Option<String>,
+    pub script_args: Vec<String>,
+}
+
+impl Command {
+    /// The command as one shell line, continued over lines, arguments quoted where needed.
+    pub fn render(&self) -> String {
+        // `accelerate launch` on the first line, then one flag (and its value) per line.
+        let head = self.launcher.len().min(2);
+        let mut lines = vec![self.launcher[..head].join(" ")];
+        pairs(&self.launcher[head..], &mut lines);
+        lines.push(format!("  {}", sh_quote(&self.script)));
+        pairs(&self.script_args, &mut lines);
+        lines.join(" \\\n") + "\n"
+    }
+}
+
+/// `--flag value` pairs (or lone switches), one per line, quoted for the shell.
+fn pairs(args: &[String], lines: &mut Vec<String>) {
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        match args.get(i + 1) {
+            Some(v) if !v.starts_with("--") => {
+                lines.push(format!("  {} {}", sh_quote(a), sh_quote(v)));
+                i += 2;
+            }
+            _ => {
+                lines.push(format!("  {}", sh_quote(a)));
+                i += 1;
+            }
+        }
+    }
+}
+
+/// `s` as one shell word.
+fn sh_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./,:=+@".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 
@@ -75,9 +239,15 @@ pub struct Export {
     pub text: String,
     /// Levers of the plan with no (or only an approximate) equivalent in the target.
     pub notes: Vec<String>,
+    /// What the train script named by the command cannot do that the plan counts (EMA, …).
+    pub cannot: Vec<String>,
+    /// The launch command (`None` for the standalone DeepSpeed config).
+    pub command: Option<Command>,
+    pub options: ExportOptions,
 }
 
-/// The `mixed_precision` value of accelerate / diffusers and what it cannot express.
+/// The `--mixed_precision` value of accelerate and the diffusers scripts (accelerate 1.15
+/// `utils/dataclasses.py` `PrecisionType`: no, fp8, fp16, bf16) and what it cannot express.
 fn mixed_precision(p: Precision, notes: &mut Vec<String>) -> &'static str {
     match p {
         Precision::Bf16Mixed => "bf16",
@@ -85,16 +255,17 @@ fn mixed_precision(p: Precision, notes: &mut Vec<String>) -> &'static str {
         Precision::Fp32 => "no",
         Precision::Fp64 => {
             notes.push(
-                "precision fp64 has no mixed_precision value: use \"no\" and cast the model with \
-                 model.double()"
+                "precision fp64 has no mixed_precision value: \"no\" (fp32), and cast the model \
+                 with model.double() in your script"
                     .into(),
             );
             "no"
         }
         Precision::Bf16Pure => {
             notes.push(
-                "precision bf16-pure (weights stored in bf16) has no mixed_precision value: use \
-                 \"no\" and cast the model with model.to(torch.bfloat16), keeping AdamW state in fp32"
+                "precision bf16-pure (weights stored in bf16) has no mixed_precision value: \"no\", \
+                 and cast the model with model.to(torch.bfloat16) in your script, keeping AdamW \
+                 state in fp32"
                     .into(),
             );
             "no"
@@ -130,137 +301,532 @@ fn checkpointing(spec: &Spec, notes: &mut Vec<String>) -> bool {
     }
 }
 
-fn common_notes(spec: &Spec, notes: &mut Vec<String>) {
-    let r = &spec.recipe;
-    if r.attention == AttentionMode::MemoryEfficient {
-        notes.push(
-            "attention memory-efficient: PyTorch ≥ 2 SDPA (diffusers' default attention processor) \
-             or --enable_xformers_memory_efficient_attention; no config key"
-                .into(),
-        );
-    }
-    if r.latents == Latents::Cached {
-        notes.push(
-            "latents cached: encode the dataset with the VAE beforehand and feed latents; the \
-             example scripts encode in the step and have no flag for it"
-                .into(),
-        );
-    }
-    if let Some(l) = &r.lora {
-        let targets: Vec<String> = l
-            .targets
-            .iter()
-            .map(|t| format!("{t:?}").to_ascii_lowercase())
-            .collect();
-        notes.push(format!(
-            "LoRA rank {} on {}: peft LoraConfig(r={}, target_modules=…) with the base frozen \
-             (train_text_to_image_lora.py: --rank {})",
-            l.rank,
-            targets.join(", "),
-            l.rank,
-            l.rank
+/// The combinations of sharder, offload and ZeRO stage that exist.
+fn check_options(spec: &Spec, o: &ExportOptions) -> Result<(), SpecError> {
+    let z = spec.recipe.zero_stage;
+    if o.offload != Offload::None && z == 0 {
+        return Err(SpecError::invalid(
+            "plan.emit-offload",
+            "offload needs a sharded plan (ZeRO stage 1-3); allowed: none without sharding",
         ));
     }
+    match o.sharder {
+        Sharder::Deepspeed => {
+            // deepspeed 0.19.8 runtime/zero/config.py: offload_param is "valid only with stage 3".
+            if o.offload == Offload::OptimizerAndParams && z < 3 {
+                return Err(SpecError::invalid(
+                    "plan.emit-offload",
+                    format!(
+                        "DeepSpeed offloads parameters only at ZeRO stage 3 (the plan has stage \
+                         {z}); allowed: none, optimizer"
+                    ),
+                ));
+            }
+        }
+        Sharder::Fsdp => {
+            if z == 1 {
+                return Err(SpecError::invalid(
+                    "plan.emit-sharder",
+                    "FSDP has no ZeRO-1 equivalent (it always shards gradients); allowed: \
+                     deepspeed for a stage-1 plan",
+                ));
+            }
+            // accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload:
+            // FSDP offloads parameters, gradients and optimizer state together.
+            if o.offload == Offload::Optimizer {
+                return Err(SpecError::invalid(
+                    "plan.emit-offload",
+                    "FSDP offloads parameters, gradients and optimizer state together; allowed: \
+                     none, optimizer+params",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
-/// Export the spec for a target.
-pub fn export(spec: &Spec, target: Target) -> Export {
+/// Export the plan `spec` for `target`.
+pub fn export(spec: &Spec, target: Target, options: &ExportOptions) -> Result<Export, SpecError> {
+    check_options(spec, options)?;
     let mut notes = Vec::new();
-    let text = match target {
-        Target::Accelerate => accelerate(spec, &mut notes),
-        Target::Deepspeed => deepspeed(spec, &mut notes),
-        Target::Diffusers => diffusers(spec, &mut notes),
+    let mut cannot = Vec::new();
+    let mp = mixed_precision(spec.recipe.precision, &mut notes);
+    let ckpt = checkpointing(spec, &mut notes);
+    let o = options;
+    let sharded = spec.recipe.zero_stage > 0;
+    if o.offload != Offload::None {
+        notes.push(format!(
+            "offload ({}) is not in the budget yet: the plan's peak still counts what offload moves \
+             to CPU memory, and the step time leaves out the PCIe traffic",
+            match o.offload {
+                Offload::Optimizer => "optimizer state",
+                _ => "optimizer state and parameters",
+            }
+        ));
+    }
+    let (text, command) = match target {
+        Target::Accelerate => {
+            let cmd = command(spec, o, mp, ckpt, true, &mut notes, &mut cannot);
+            (accelerate_yaml(spec, o, mp, &cmd, &mut notes), Some(cmd))
+        }
+        Target::Deepspeed => {
+            if !sharded || o.sharder != Sharder::Deepspeed {
+                notes.push(
+                    "the plan is not launched with DeepSpeed (no ZeRO stage, or FSDP): this \
+                     config is what a DeepSpeed launch of it would read"
+                        .into(),
+                );
+            }
+            let cmd = command(spec, o, mp, ckpt, true, &mut notes, &mut cannot);
+            (deepspeed_json(spec, o, false, ckpt, &mut notes), Some(cmd))
+        }
+        Target::DeepspeedStandalone => (deepspeed_json(spec, o, true, ckpt, &mut notes), None),
+        Target::Diffusers => {
+            let cmd = command(spec, o, mp, ckpt, false, &mut notes, &mut cannot);
+            (diffusers_sh(spec, &cmd, &notes, &cannot), Some(cmd))
+        }
     };
-    Export {
+    Ok(Export {
         target,
         file_name: target.file_name(),
         text,
         notes,
+        cannot,
+        command,
+        options: *o,
+    })
+}
+
+fn s(x: impl ToString) -> String {
+    x.to_string()
+}
+
+/// `accelerate launch` and its arguments (accelerate 1.15 `commands/launch.py`
+/// `launch_command_parser`). With `config_file` the distribution comes from
+/// `accelerate_config.yaml`; without, from flags: `--use_deepspeed --zero_stage N` for a ZeRO
+/// plan, `--use_fsdp --fsdp_version 2` for FSDP, `--multi_gpu` only for plain DDP (it would start
+/// unsharded data parallelism, every rank holding the whole model state).
+fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bool) -> Vec<String> {
+    let w = &spec.workload;
+    let z = spec.recipe.zero_stage;
+    let mut a = vec![s("accelerate"), s("launch")];
+    if config_file {
+        a.extend([s("--config_file"), s(Target::Accelerate.file_name())]);
+    } else if z > 0 && o.sharder == Sharder::Deepspeed {
+        let (opt, par) = offload_devices(o.offload);
+        a.extend([
+            s("--use_deepspeed"),
+            s("--zero_stage"),
+            s(z),
+            s("--gradient_accumulation_steps"),
+            s(w.accumulation),
+            s("--offload_optimizer_device"),
+            s(opt),
+            s("--offload_param_device"),
+            s(par),
+        ]);
+        if z == 3 {
+            a.extend([s("--zero3_init_flag"), s("false")]);
+        }
+        a.extend([s("--num_processes"), s(w.ranks)]);
+    } else if z > 0 {
+        a.extend([
+            s("--use_fsdp"),
+            s("--fsdp_version"),
+            s("2"),
+            s("--fsdp_reshard_after_forward"),
+            s(z == 3),
+            s("--fsdp_offload_params"),
+            s(o.offload == Offload::OptimizerAndParams),
+            s("--fsdp_auto_wrap_policy"),
+            s("TRANSFORMER_BASED_WRAP"),
+            s("--fsdp_transformer_layer_cls_to_wrap"),
+            s(block_classes(o.family)),
+            s("--fsdp_state_dict_type"),
+            s("SHARDED_STATE_DICT"),
+            s("--num_processes"),
+            s(w.ranks),
+        ]);
+    } else if w.ranks > 1 {
+        a.extend([s("--multi_gpu"), s("--num_processes"), s(w.ranks)]);
+    } else {
+        a.extend([s("--num_processes"), s("1")]);
+    }
+    if !config_file {
+        a.extend([s("--num_machines"), s("1"), s("--dynamo_backend"), s("no")]);
+    }
+    // Passed on the command line, never from the YAML of a DeepSpeed plan: accelerate refuses a
+    // mixed_precision read from the config file next to a deepspeed_config_file (1.15
+    // commands/launch.py launch_command, utils/dataclasses.py _deepspeed_config_checks).
+    a.extend([s("--mixed_precision"), s(mp)]);
+    a
+}
+
+fn offload_devices(o: Offload) -> (&'static str, &'static str) {
+    match o {
+        Offload::None => ("none", "none"),
+        Offload::Optimizer => ("cpu", "none"),
+        Offload::OptimizerAndParams => ("cpu", "cpu"),
     }
 }
 
-fn accelerate(spec: &Spec, notes: &mut Vec<String>) -> String {
+/// The launch command: the family's diffusers script with only the flags it has, or a
+/// placeholder script where diffusers has none.
+fn command(
+    spec: &Spec,
+    o: &ExportOptions,
+    mp: &str,
+    ckpt: bool,
+    config_file: bool,
+    notes: &mut Vec<String>,
+    cannot: &mut Vec<String>,
+) -> Command {
     let r = &spec.recipe;
     let w = &spec.workload;
-    let mp = mixed_precision(r.precision, notes);
-    let ckpt = checkpointing(spec, notes);
-    common_notes(spec, notes);
-    let distributed = if r.zero_stage > 0 {
+    // ZeRO-Offload with the scripts' torch AdamW needs "zero_force_ds_cpu_optimizer": false
+    // (deepspeed 0.19.8 runtime/engine.py _configure_basic_optimizer), which no launch flag sets:
+    // such a plan launches through the config files.
+    let offload_ds =
+        r.zero_stage > 0 && o.sharder == Sharder::Deepspeed && o.offload != Offload::None;
+    if offload_ds && !config_file {
+        notes.push(format!(
+            "ZeRO-Offload launches through {} and {} (--emit accelerate, --emit deepspeed): the \
+             script's torch AdamW needs \"zero_force_ds_cpu_optimizer\": false, which no launch \
+             flag sets",
+            Target::Accelerate.file_name(),
+            Target::Deepspeed.file_name()
+        ));
+    }
+    let launcher = launcher(spec, o, mp, config_file || offload_ds);
+    let script = match script_for(o.family, r.lora.is_some()) {
+        Ok(s) => s,
+        Err(e) => {
+            notes.push(format!("{} (diffusers {DIFFUSERS_TAG})", e.reason));
+            notes.push(format!(
+                "your script: microbatch {} per process, gradient accumulation {} \
+                 (Accelerator(gradient_accumulation_steps={})), mixed precision {mp}{}{}",
+                w.microbatch,
+                w.accumulation,
+                w.accumulation,
+                if ckpt {
+                    ", gradient checkpointing on"
+                } else {
+                    ""
+                },
+                if r.optimizer == Optimizer::AdamW8bit {
+                    ", bitsandbytes.optim.AdamW8bit"
+                } else {
+                    ""
+                }
+            ));
+            if let Some(l) = &r.lora {
+                notes.push(format!(
+                    "LoRA rank {} on {} with the base frozen: peft LoraConfig(r={}, \
+                     target_modules=…)",
+                    l.rank,
+                    l.targets
+                        .iter()
+                        .map(|t| format!("{t:?}").to_ascii_lowercase())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    l.rank
+                ));
+            }
+            if r.latents == Latents::Cached {
+                notes.push(
+                    "latents cached: encode the dataset with the VAE beforehand and feed latents \
+                     (no VAE in the step)"
+                        .into(),
+                );
+            }
+            if r.attention == AttentionMode::MemoryEfficient {
+                notes.push(
+                    "attention memory-efficient: PyTorch SDPA (diffusers' default attention \
+                     processor) or xformers; no config key"
+                        .into(),
+                );
+            }
+            if r.ema.enabled {
+                notes.push(
+                    "EMA: keep an EMA copy in your script (diffusers.training_utils.EMAModel)"
+                        .into(),
+                );
+            }
+            return Command {
+                launcher,
+                script: "your_train_script.py".into(),
+                script_source: None,
+                script_args: Vec::new(),
+            };
+        }
+    };
+    let mut args: Vec<String> = Vec::new();
+    for (flag, value) in script.required {
+        args.extend([s(flag), s(value)]);
+    }
+    notes.push(format!(
+        "{} and its data are placeholders: {} (diffusers {DIFFUSERS_TAG}) trains on \
+         --instance_data_dir images with --instance_prompt; edit them",
+        script
+            .required
+            .iter()
+            .map(|(f, _)| *f)
+            .collect::<Vec<_>>()
+            .join(", "),
+        script.path
+    ));
+    let file = script.file_name();
+    let mut flag = |name: &str, value: Option<String>, missing: &str, cannot: &mut Vec<String>| {
+        if script.has(name) {
+            args.push(s(name));
+            if let Some(v) = value {
+                args.push(v);
+            }
+        } else {
+            cannot.push(format!("{missing} ({file} has no {name})"));
+        }
+    };
+    flag(
+        "--mixed_precision",
+        Some(s(mp)),
+        "set the precision",
+        cannot,
+    );
+    flag(
+        "--resolution",
+        Some(s(w.height.max(w.width))),
+        "set the resolution",
+        cannot,
+    );
+    flag(
+        "--train_batch_size",
+        Some(s(w.microbatch)),
+        "set the microbatch",
+        cannot,
+    );
+    flag(
+        "--gradient_accumulation_steps",
+        Some(s(w.accumulation)),
+        "accumulate gradients",
+        cannot,
+    );
+    if ckpt {
+        flag(
+            "--gradient_checkpointing",
+            None,
+            "recompute activations",
+            cannot,
+        );
+    }
+    match r.optimizer {
+        Optimizer::AdamW => {}
+        Optimizer::AdamW8bit => flag("--use_8bit_adam", None, "use 8-bit AdamW", cannot),
+        Optimizer::Sgd => cannot.push(format!(
+            "train with SGD ({} builds AdamW or Prodigy: --optimizer)",
+            file
+        )),
+    }
+    if let Some(l) = &r.lora {
+        flag("--rank", Some(s(l.rank)), "set the LoRA rank", cannot);
+        notes.push(format!(
+            "LoRA targets: the plan's ({}) are DiT module names; {} adapts its own default \
+             modules (--lora_layers to choose)",
+            l.targets
+                .iter()
+                .map(|t| format!("{t:?}").to_ascii_lowercase())
+                .collect::<Vec<_>>()
+                .join(", "),
+            script.file_name()
+        ));
+    }
+    if r.latents == Latents::Cached {
+        flag("--cache_latents", None, "cache the latents", cannot);
+    }
+    if r.ema.enabled {
+        flag(
+            "--use_ema",
+            None,
+            "keep an EMA copy of the weights: the plan counts one, the run will not hold it \
+             (peak below the plan's)",
+            cannot,
+        );
+    }
+    if r.attention == AttentionMode::MemoryEfficient {
+        flag(
+            "--enable_xformers_memory_efficient_attention",
+            None,
+            "select xformers attention; diffusers' default processor calls PyTorch SDPA, which \
+             picks a memory-efficient kernel on CUDA by itself",
+            cannot,
+        );
+    }
+    if matches!(r.precision, Precision::Fp64 | Precision::Bf16Pure) {
+        cannot.push(format!(
+            "train in {} ({} trains with --mixed_precision no, fp16 or bf16 only)",
+            r.precision,
+            script.file_name()
+        ));
+    }
+    if w.height != w.width {
+        notes.push(format!(
+            "{} trains square crops (--resolution {}); the plan is {}×{}",
+            script.file_name(),
+            w.height.max(w.width),
+            w.height,
+            w.width
+        ));
+    }
+    notes.push(format!(
+        "{} also holds the text encoders and the VAE (and, when it trains them, their \
+         state), which the DiT budget does not count",
+        script.file_name()
+    ));
+    Command {
+        launcher,
+        script: script.file_name().into(),
+        script_source: Some(format!(
+            "huggingface/diffusers {DIFFUSERS_TAG} ({DIFFUSERS_COMMIT}) {}",
+            script.path
+        )),
+        script_args: args,
+    }
+}
+
+fn header(spec: &Spec) -> String {
+    let w = &spec.workload;
+    format!(
+        "{} at {}×{}: batch {} = microbatch {} × accumulation {} × {} processes",
+        spec.model.name, w.height, w.width, w.batch, w.microbatch, w.accumulation, w.ranks
+    )
+}
+
+/// The accelerate config (keys of accelerate 1.15 `commands/config/config_args.py`
+/// `ClusterConfig`, strings quoted: see [`yaml`]).
+fn accelerate_yaml(
+    spec: &Spec,
+    o: &ExportOptions,
+    mp: &str,
+    cmd: &Command,
+    notes: &mut Vec<String>,
+) -> String {
+    let r = &spec.recipe;
+    let w = &spec.workload;
+    let z = r.zero_stage;
+    let deepspeed = z > 0 && o.sharder == Sharder::Deepspeed;
+    let fsdp = z > 0 && o.sharder == Sharder::Fsdp;
+    let distributed = if deepspeed {
         "DEEPSPEED"
+    } else if fsdp {
+        "FSDP"
     } else if w.ranks > 1 {
         "MULTI_GPU"
     } else {
-        "'NO'"
+        "NO"
     };
-    let mut y = String::new();
-    y.push_str(&format!(
-        "# accelerate config for {} at {}×{}: batch {} = microbatch {} × accumulation {} × {} processes\n",
-        spec.model.name, w.height, w.width, w.batch, w.microbatch, w.accumulation, w.ranks
-    ));
-    y.push_str("compute_environment: LOCAL_MACHINE\n");
-    if r.zero_stage > 0 {
-        y.push_str("deepspeed_config:\n");
-        y.push_str(&format!(
-            "  gradient_accumulation_steps: {}\n",
-            w.accumulation
-        ));
-        y.push_str("  offload_optimizer_device: none\n  offload_param_device: none\n");
-        y.push_str(&format!("  zero3_init_flag: {}\n", r.zero_stage == 3));
-        y.push_str(&format!("  zero_stage: {}\n", r.zero_stage));
-    } else {
-        // Outside deepspeed_config the file has no accumulation key; accelerate reads it from
-        // this environment variable (or Accelerator(gradient_accumulation_steps=N)).
-        y.push_str(&format!(
-            "# gradient_accumulation_steps: {} — no key outside deepspeed_config: set \
-             ACCELERATE_GRADIENT_ACCUMULATION_STEPS={} or Accelerator(gradient_accumulation_steps={})\n",
-            w.accumulation, w.accumulation, w.accumulation
+    let mut m: Vec<(&'static str, Yaml)> = vec![
+        ("compute_environment", Yaml::str("LOCAL_MACHINE")),
+        ("debug", Yaml::Bool(false)),
+    ];
+    if deepspeed {
+        // With a deepspeed_config_file, accelerate refuses the keys it reads from the file
+        // (gradient_accumulation_steps, gradient_clipping, zero_stage, offload_*, mixed_precision:
+        // utils/dataclasses.py DeepSpeedPlugin._deepspeed_config_checks); zero3_init_flag is not
+        // among them. deepspeed.zero.Init is off: diffusers' from_pretrained builds the model on
+        // each rank's CPU before accelerate partitions it, and the flag needs transformers.
+        m.push((
+            "deepspeed_config",
+            Yaml::Map(vec![
+                (
+                    "deepspeed_config_file",
+                    Yaml::str(Target::Deepspeed.file_name()),
+                ),
+                ("zero3_init_flag", Yaml::Bool(false)),
+            ]),
         ));
         notes.push(format!(
-            "gradient_accumulation_steps {} has no accelerate config key without DeepSpeed: set \
-             ACCELERATE_GRADIENT_ACCUMULATION_STEPS={} or pass it to Accelerator()",
+            "accelerate_config.yaml names {}: keep both in the launch directory; ZeRO stage, \
+             offload and accumulation are in the JSON, the precision on the launch line \
+             (--mixed_precision {mp}, which fills the JSON's \"auto\")",
+            Target::Deepspeed.file_name()
+        ));
+    }
+    m.push(("distributed_type", Yaml::str(distributed)));
+    m.push(("downcast_bf16", Yaml::str("no")));
+    m.push(("enable_cpu_affinity", Yaml::Bool(false)));
+    if fsdp {
+        // FSDP2 keys as `accelerate config` writes them (1.15 commands/config/cluster.py).
+        m.push((
+            "fsdp_config",
+            Yaml::Map(vec![
+                ("fsdp_auto_wrap_policy", Yaml::str("TRANSFORMER_BASED_WRAP")),
+                ("fsdp_cpu_ram_efficient_loading", Yaml::Bool(false)),
+                (
+                    "fsdp_offload_params",
+                    Yaml::Bool(o.offload == Offload::OptimizerAndParams),
+                ),
+                ("fsdp_reshard_after_forward", Yaml::Bool(z == 3)),
+                ("fsdp_state_dict_type", Yaml::str("SHARDED_STATE_DICT")),
+                (
+                    "fsdp_transformer_layer_cls_to_wrap",
+                    Yaml::str(block_classes(o.family)),
+                ),
+                ("fsdp_version", Yaml::Int(2)),
+            ]),
+        ));
+    }
+    m.push(("gpu_ids", Yaml::str("all")));
+    m.push(("machine_rank", Yaml::Int(0)));
+    m.push(("main_training_function", Yaml::str("main")));
+    if !deepspeed {
+        m.push(("mixed_precision", Yaml::str(mp)));
+    }
+    m.push(("num_machines", Yaml::Int(1)));
+    m.push(("num_processes", Yaml::Int(i64::from(w.ranks))));
+    m.push(("rdzv_backend", Yaml::str("static")));
+    m.push(("same_network", Yaml::Bool(true)));
+    m.push(("use_cpu", Yaml::Bool(false)));
+
+    let mut y = format!("# accelerate config for {}\n", header(spec));
+    if !deepspeed {
+        // Outside DeepSpeed the file has no accumulation key; accelerate reads it from this
+        // environment variable (or Accelerator(gradient_accumulation_steps=N), which the
+        // diffusers scripts pass from --gradient_accumulation_steps).
+        y.push_str(&format!(
+            "# gradient_accumulation_steps {}: no key outside DeepSpeed; the script's \
+             --gradient_accumulation_steps (or ACCELERATE_GRADIENT_ACCUMULATION_STEPS={})\n",
             w.accumulation, w.accumulation
         ));
     }
-    y.push_str(&format!("distributed_type: {distributed}\n"));
-    y.push_str("downcast_bf16: 'no'\n");
-    y.push_str("machine_rank: 0\nmain_training_function: main\n");
-    y.push_str(&format!("mixed_precision: {mp}\n"));
-    y.push_str("num_machines: 1\n");
-    y.push_str(&format!("num_processes: {}\n", w.ranks));
-    y.push_str("rdzv_backend: static\nsame_network: true\nuse_cpu: false\n");
     y.push_str(&format!(
-        "# per-process train batch (microbatch): {}\n",
+        "# per-process train batch (microbatch): {}\n# launch:\n",
         w.microbatch
     ));
-    if ckpt {
-        y.push_str("# gradient checkpointing: model.enable_gradient_checkpointing() in the script (no config key)\n");
-        notes.push(
-            "gradient checkpointing has no accelerate config key: call \
-             model.enable_gradient_checkpointing() (diffusers --gradient_checkpointing)"
-                .into(),
-        );
+    for line in cmd.render().lines() {
+        y.push_str(&format!("#   {line}\n"));
     }
-    if r.optimizer == Optimizer::AdamW8bit {
-        y.push_str("# optimizer: bitsandbytes.optim.AdamW8bit in the script (no config key)\n");
-        notes.push("8-bit AdamW has no accelerate config key: use bitsandbytes.optim.AdamW8bit (diffusers --use_8bit_adam)".into());
-    }
+    y.push_str(&yaml::emit(&m));
     y
 }
 
-fn deepspeed(spec: &Spec, notes: &mut Vec<String>) -> String {
+/// The DeepSpeed config. For accelerate (`standalone` false): `"auto"` for every value accelerate
+/// fills (batch sizes and accumulation from the dataloader and Accelerator, clipping, fp16/bf16
+/// from --mixed_precision: accelerate 1.15 `accelerator.py` `_prepare_deepspeed`,
+/// `utils/dataclasses.py` `DeepSpeedPlugin.set_mixed_precision`), so it works at any world size,
+/// and no `optimizer` block: the diffusers scripts build their own optimizer, and accelerate
+/// refuses both. Standalone: fixed values, valid at the plan's world size only (deepspeed 0.19.8
+/// `runtime/config.py` `_configure_train_batch_size` checks batch = micro × accumulation × world).
+fn deepspeed_json(
+    spec: &Spec,
+    o: &ExportOptions,
+    standalone: bool,
+    ckpt: bool,
+    notes: &mut Vec<String>,
+) -> String {
+    use serde_json::{json, Value};
     let r = &spec.recipe;
     let w = &spec.workload;
-    let ckpt = checkpointing(spec, notes);
-    common_notes(spec, notes);
     let (bf16, fp16) = match r.precision {
-        Precision::Bf16Mixed => {
-            notes.push(
-                "DeepSpeed bf16 keeps bf16 weights plus fp32 master copies in the optimizer, not \
-                 fp32 weights cast per step as the plan's bf16-mixed: memory differs somewhat"
-                    .into(),
-            );
-            (true, false)
-        }
+        Precision::Bf16Mixed => (true, false),
         Precision::Fp16Mixed => (false, true),
         Precision::Bf16Pure => {
             notes.push(
@@ -270,149 +836,158 @@ fn deepspeed(spec: &Spec, notes: &mut Vec<String>) -> String {
             );
             (true, false)
         }
-        Precision::Fp32 => (false, false),
-        Precision::Fp64 => {
-            notes.push(
-                "fp64 has no DeepSpeed precision setting: cast the model with model.double()"
-                    .into(),
-            );
-            (false, false)
-        }
+        Precision::Fp32 | Precision::Fp64 => (false, false),
     };
-    let optimizer = match r.optimizer {
-        Optimizer::AdamW => serde_json::json!({
-            "type": "AdamW",
-            "params": { "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0 }
-        }),
-        Optimizer::AdamW8bit => {
-            notes.push(
+    if r.precision == Precision::Bf16Mixed {
+        notes.push(
+            "DeepSpeed bf16 keeps bf16 weights plus fp32 master copies in the optimizer, not fp32 \
+             weights cast per step as the plan's bf16-mixed: memory differs somewhat"
+                .into(),
+        );
+    }
+    let auto = || Value::from("auto");
+    let mut zero = json!({
+        "stage": r.zero_stage,
+        "overlap_comm": true,
+        "contiguous_gradients": true
+    });
+    let (opt_dev, par_dev) = offload_devices(o.offload);
+    if opt_dev != "none" {
+        zero["offload_optimizer"] = json!({ "device": opt_dev, "pin_memory": true });
+    }
+    if par_dev != "none" {
+        zero["offload_param"] = json!({ "device": par_dev, "pin_memory": true });
+    }
+    let mut v = if standalone {
+        json!({
+            "train_batch_size": w.batch,
+            "train_micro_batch_size_per_gpu": w.microbatch,
+            "gradient_accumulation_steps": w.accumulation,
+            "gradient_clipping": 1.0,
+            "bf16": { "enabled": bf16 },
+            "fp16": {
+                "enabled": fp16,
+                "loss_scale": 0,
+                "initial_scale_power": 16,
+                "loss_scale_window": 1000,
+                "hysteresis": 2,
+                "min_loss_scale": 1
+            },
+            "zero_optimization": zero,
+            "steps_per_print": 100,
+            "wall_clock_breakdown": false
+        })
+    } else {
+        json!({
+            "train_batch_size": auto(),
+            "train_micro_batch_size_per_gpu": auto(),
+            "gradient_accumulation_steps": auto(),
+            "gradient_clipping": auto(),
+            "bf16": { "enabled": auto() },
+            "fp16": {
+                "enabled": auto(),
+                "loss_scale": 0,
+                "initial_scale_power": 16,
+                "loss_scale_window": 1000,
+                "hysteresis": 2,
+                "min_loss_scale": 1
+            },
+            "zero_optimization": zero,
+            "steps_per_print": 100,
+            "wall_clock_breakdown": false
+        })
+    };
+    if standalone {
+        notes.push(format!(
+            "{} holds fixed values for {} processes (train_batch_size {} = {} × {} × {}): \
+             DeepSpeed refuses it at any other world size; launch your own script with \
+             `deepspeed --num_gpus {} your_train_script.py --deepspeed --deepspeed_config {}`",
+            Target::DeepspeedStandalone.file_name(),
+            w.ranks,
+            w.batch,
+            w.microbatch,
+            w.accumulation,
+            w.ranks,
+            w.ranks,
+            Target::DeepspeedStandalone.file_name()
+        ));
+        match r.optimizer {
+            Optimizer::AdamW => {
+                v["optimizer"] = json!({
+                    "type": "AdamW",
+                    "params": { "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0 }
+                });
+            }
+            Optimizer::Sgd => v["optimizer"] = json!({ "type": "SGD", "params": { "lr": 1e-4 } }),
+            Optimizer::AdamW8bit => notes.push(
                 "8-bit AdamW is not a DeepSpeed optimizer: build bitsandbytes.optim.AdamW8bit in \
                  the script and pass it to deepspeed.initialize (no \"optimizer\" block is written)"
                     .into(),
-            );
-            serde_json::Value::Null
+            ),
         }
-        Optimizer::Sgd => serde_json::json!({ "type": "SGD", "params": { "lr": 1e-4 } }),
-    };
-    let k = r.recompute.recomputed_count(spec.model.depth);
-    let mut v = serde_json::json!({
-        "train_batch_size": w.batch,
-        "train_micro_batch_size_per_gpu": w.microbatch,
-        "gradient_accumulation_steps": w.accumulation,
-        "bf16": { "enabled": bf16 },
-        "fp16": {
-            "enabled": fp16,
-            "loss_scale": 0,
-            "initial_scale_power": 16,
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
-            "min_loss_scale": 1
-        },
-        "zero_optimization": {
-            "stage": r.zero_stage,
-            "overlap_comm": true,
-            "contiguous_gradients": true
-        },
-        "activation_checkpointing": {
-            "partition_activations": false,
-            "cpu_checkpointing": false,
-            "contiguous_memory_optimization": false,
-            "number_checkpoints": if ckpt { serde_json::json!(k.max(1)) } else { serde_json::Value::Null },
-            "synchronize_checkpoint_boundary": false,
-            "profile": false
-        },
-        "steps_per_print": 100,
-        "wall_clock_breakdown": false
-    });
-    if !optimizer.is_null() {
-        v["optimizer"] = optimizer;
+        if ckpt {
+            let k = r.recompute.recomputed_count(spec.model.depth);
+            v["activation_checkpointing"] = json!({
+                "partition_activations": false,
+                "cpu_checkpointing": false,
+                "contiguous_memory_optimization": false,
+                "number_checkpoints": k.max(1),
+                "synchronize_checkpoint_boundary": false,
+                "profile": false
+            });
+            notes.push(format!(
+                "activation_checkpointing configures deepspeed.checkpointing; the model must call \
+                 deepspeed.checkpointing.checkpoint on the {k} recomputed blocks itself"
+            ));
+        }
+    } else {
+        notes.push(
+            "ds_config.json has no \"optimizer\" block: the diffusers scripts build their own \
+             optimizer, and accelerate refuses an optimizer in both (accelerate 1.15 \
+             accelerator.py _prepare_deepspeed)"
+                .into(),
+        );
+        if ckpt {
+            notes.push(
+                "gradient checkpointing is the script's --gradient_checkpointing \
+                 (torch.utils.checkpoint), not DeepSpeed's activation_checkpointing"
+                    .into(),
+            );
+        }
     }
-    if ckpt {
-        notes.push(format!(
-            "activation_checkpointing configures deepspeed.checkpointing; the model must call \
-             deepspeed.checkpointing.checkpoint on the {} recomputed blocks itself",
-            k
-        ));
-    } else if let Some(obj) = v.as_object_mut() {
-        obj.remove("activation_checkpointing");
+    if opt_dev != "none" && !standalone {
+        // deepspeed 0.19.8 runtime/engine.py: ZeRO-Offload with a client optimizer that is not
+        // DeepSpeedCPUAdam is refused unless this is false; the scripts pass torch's AdamW.
+        v["zero_force_ds_cpu_optimizer"] = json!(false);
+        notes.push(
+            "ZeRO-Offload with the script's torch AdamW: zero_force_ds_cpu_optimizer is false \
+             (DeepSpeed would refuse it otherwise); the optimizer step then runs torch's AdamW on \
+             CPU, slower than DeepSpeedCPUAdam"
+                .into(),
+        );
     }
-    serde_json::to_string_pretty(&v).expect("a JSON value always serialises") + "\n"
+    serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
 }
 
-fn diffusers(spec: &Spec, notes: &mut Vec<String>) -> String {
-    let r = &spec.recipe;
-    let w = &spec.workload;
-    let mp = mixed_precision(r.precision, notes);
-    let ckpt = checkpointing(spec, notes);
-    let mut launch = vec!["accelerate launch".to_string()];
-    if w.ranks > 1 {
-        launch.push("--multi_gpu".into());
-        launch.push(format!("--num_processes {}", w.ranks));
+fn diffusers_sh(spec: &Spec, cmd: &Command, notes: &[String], cannot: &[String]) -> String {
+    let mut t = format!("#!/usr/bin/env bash\n# {}\n", header(spec));
+    match &cmd.script_source {
+        Some(src) => t.push_str(&format!("# script: {src}\n")),
+        None => t.push_str("# script: none in diffusers for this family (see the notes)\n"),
     }
-    launch.push(format!("--mixed_precision {mp}"));
-    let script = if r.lora.is_some() {
-        "train_text_to_image_lora.py"
-    } else {
-        "train_text_to_image.py"
-    };
-    let mut flags = vec![
-        format!("--mixed_precision {mp}"),
-        format!("--resolution {}", w.height.max(w.width)),
-        format!("--train_batch_size {}", w.microbatch),
-        format!("--gradient_accumulation_steps {}", w.accumulation),
-    ];
-    if w.height != w.width {
-        notes.push(format!(
-            "the scripts train square crops (--resolution {}); the plan is {}×{}",
-            w.height.max(w.width),
-            w.height,
-            w.width
-        ));
+    for n in notes {
+        t.push_str(&format!("# note: {n}\n"));
     }
-    if ckpt {
-        flags.push("--gradient_checkpointing".into());
+    for c in cannot {
+        t.push_str(&format!("# the script cannot: {c}\n"));
     }
-    if r.optimizer == Optimizer::AdamW8bit {
-        flags.push("--use_8bit_adam".into());
-    }
-    if r.ema.enabled {
-        flags.push("--use_ema".into());
-    }
-    if let Some(l) = &r.lora {
-        flags.push(format!("--rank {}", l.rank));
-    }
-    if r.attention == AttentionMode::MemoryEfficient {
-        flags.push("--enable_xformers_memory_efficient_attention".into());
-    }
-    if r.zero_stage > 0 {
-        notes.push(format!(
-            "ZeRO stage {} has no script flag: launch with an accelerate config that has \
-             distributed_type DEEPSPEED and zero_stage {} (--emit accelerate)",
-            r.zero_stage, r.zero_stage
-        ));
-    }
-    if r.optimizer == Optimizer::Sgd {
-        notes.push("SGD has no flag: the scripts build AdamW".into());
-    }
-    common_notes(spec, notes);
-    let mut text = format!(
-        "# {} at {}×{}: batch {} = microbatch {} × accumulation {} × {} processes\n",
-        spec.model.name, w.height, w.width, w.batch, w.microbatch, w.accumulation, w.ranks
-    );
-    for n in notes.iter() {
-        text.push_str(&format!("# note: {n}\n"));
-    }
-    text.push_str(&format!(
-        "{} {} \\\n  {}\n",
-        launch.join(" "),
-        script,
-        flags.join(" \\\n  ")
-    ));
-    text
+    t.push_str(&cmd.render());
+    t
 }
 
 #[cfg(test)]
 mod tests {
+    use super::yaml::tests::read_back;
     use super::*;
 
     fn xl() -> Spec {
@@ -422,62 +997,472 @@ mod tests {
         s
     }
 
-    #[test]
-    fn accelerate_has_precision_and_accumulation() {
-        let e = export(&xl(), Target::Accelerate);
-        assert!(e.text.contains("mixed_precision: bf16"));
-        assert!(e.text.contains("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4"));
-        let mut z = xl();
-        z.workload.ranks = 4;
-        z.workload.accumulation = 1;
-        z.recipe.zero_stage = 2;
-        let e = export(&z, Target::Accelerate);
-        assert!(e.text.contains("distributed_type: DEEPSPEED"));
-        assert!(e.text.contains("  zero_stage: 2"));
-        assert!(e.text.contains("  gradient_accumulation_steps: 1"));
-        assert!(e.text.contains("num_processes: 4"));
+    /// DiT-XL/2 over 8 ranks at ZeRO stage `z`.
+    fn zero(z: u8) -> Spec {
+        let mut s = xl();
+        s.workload.ranks = 8;
+        s.workload.accumulation = 1;
+        s.workload.microbatch = 4;
+        s.workload.batch = 32;
+        s.recipe.zero_stage = z;
+        s.validate().unwrap();
+        s
+    }
+
+    fn opts(family: Family, sharder: Sharder, offload: Offload) -> ExportOptions {
+        ExportOptions {
+            family,
+            sharder,
+            offload,
+        }
+    }
+
+    fn get<'a>(m: &'a [(String, Yaml)], k: &str) -> Option<&'a Yaml> {
+        m.iter().find(|(key, _)| key == k).map(|(_, v)| v)
     }
 
     #[test]
-    fn deepspeed_is_json_with_the_plan() {
+    fn accelerate_yaml_reads_back_with_the_intended_types() {
         let mut s = xl();
-        s.recipe.recompute = Recompute::Blocks((0..16).collect());
-        s.recipe.precision = Precision::Fp16Mixed;
-        let e = export(&s, Target::Deepspeed);
+        s.recipe.precision = Precision::Fp32;
+        let e = export(&s, Target::Accelerate, &ExportOptions::default()).unwrap();
+        let m = read_back(&e.text);
+        // The bug: `mixed_precision: no` read as False by PyYAML.
+        assert_eq!(
+            get(&m, "mixed_precision"),
+            Some(&Yaml::str("no")),
+            "{}",
+            e.text
+        );
+        assert_eq!(get(&m, "distributed_type"), Some(&Yaml::str("NO")));
+        assert_eq!(get(&m, "downcast_bf16"), Some(&Yaml::str("no")));
+        assert_eq!(get(&m, "num_processes"), Some(&Yaml::Int(1)));
+        assert_eq!(get(&m, "use_cpu"), Some(&Yaml::Bool(false)));
+        // Every value is a quoted string, an integer or a boolean: nothing left to YAML 1.1.
+        for line in e.text.lines().filter(|l| !l.starts_with('#')) {
+            let v = line.split_once(": ").map(|(_, v)| v.trim());
+            if let Some(v) = v {
+                assert!(
+                    v.starts_with('\'') || v.parse::<i64>().is_ok() || v == "true" || v == "false",
+                    "{line}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_deepspeed_yaml_names_the_json_and_repeats_none_of_its_keys() {
+        for z in 1..=3 {
+            let e = export(&zero(z), Target::Accelerate, &ExportOptions::default()).unwrap();
+            let m = read_back(&e.text);
+            assert_eq!(get(&m, "distributed_type"), Some(&Yaml::str("DEEPSPEED")));
+            // accelerate 1.15 refuses these next to a deepspeed_config_file.
+            assert_eq!(get(&m, "mixed_precision"), None, "{}", e.text);
+            let Some(Yaml::Map(ds)) = get(&m, "deepspeed_config") else {
+                panic!("no deepspeed_config in {}", e.text)
+            };
+            let keys: Vec<&str> = ds.iter().map(|(k, _)| *k).collect();
+            assert_eq!(keys, ["deepspeed_config_file", "zero3_init_flag"]);
+            assert_eq!(ds[0].1, Yaml::str("ds_config.json"));
+            let cmd = e.command.unwrap();
+            assert!(cmd.launcher.contains(&"--config_file".to_string()));
+            assert!(!cmd.launcher.contains(&"--multi_gpu".to_string()));
+            // The precision is on the launch line (it fills the JSON's "auto").
+            let i = cmd
+                .launcher
+                .iter()
+                .position(|a| a == "--mixed_precision")
+                .unwrap();
+            assert_eq!(cmd.launcher[i + 1], "bf16");
+        }
+    }
+
+    #[test]
+    fn the_deepspeed_json_is_auto_without_optimizer_at_the_plan_stage() {
+        for z in 1..=3 {
+            let e = export(&zero(z), Target::Deepspeed, &ExportOptions::default()).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&e.text).unwrap();
+            for k in [
+                "train_batch_size",
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "gradient_clipping",
+            ] {
+                assert_eq!(v[k], "auto", "{k}");
+            }
+            assert_eq!(v["bf16"]["enabled"], "auto");
+            assert_eq!(v["fp16"]["enabled"], "auto");
+            assert!(v.get("optimizer").is_none(), "{}", e.text);
+            assert!(v.get("zero_force_ds_cpu_optimizer").is_none());
+            assert_eq!(v["zero_optimization"]["stage"], z);
+        }
+        let e = export(
+            &zero(3),
+            Target::Deepspeed,
+            &opts(Family::Dit, Sharder::Deepspeed, Offload::OptimizerAndParams),
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_str(&e.text).unwrap();
-        assert_eq!(v["train_batch_size"], 32);
-        assert_eq!(v["train_micro_batch_size_per_gpu"], 8);
-        assert_eq!(v["gradient_accumulation_steps"], 4);
+        assert_eq!(v["zero_optimization"]["offload_optimizer"]["device"], "cpu");
+        assert_eq!(v["zero_optimization"]["offload_param"]["device"], "cpu");
+        assert_eq!(v["zero_force_ds_cpu_optimizer"], false);
+        assert!(v.get("optimizer").is_none());
+    }
+
+    #[test]
+    fn the_standalone_json_is_fixed_for_the_plan_world_size() {
+        let mut s = zero(2);
+        s.recipe.precision = Precision::Fp16Mixed;
+        s.recipe.recompute = Recompute::Blocks((0..16).collect());
+        let e = export(&s, Target::DeepspeedStandalone, &ExportOptions::default()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&e.text).unwrap();
+        let (b, m, a) = (
+            v["train_batch_size"].as_u64().unwrap(),
+            v["train_micro_batch_size_per_gpu"].as_u64().unwrap(),
+            v["gradient_accumulation_steps"].as_u64().unwrap(),
+        );
+        assert_eq!(b, m * a * 8);
         assert_eq!(v["fp16"]["enabled"], true);
         assert_eq!(v["bf16"]["enabled"], false);
-        assert_eq!(v["zero_optimization"]["stage"], 0);
+        assert_eq!(v["optimizer"]["type"], "AdamW");
         assert_eq!(v["activation_checkpointing"]["number_checkpoints"], 16);
-        assert!(e.notes.iter().any(|n| n.contains("16 of 28 blocks")));
+        assert!(e.notes.iter().any(|n| n.contains("8 processes")));
+        assert!(e.command.is_none());
     }
 
     #[test]
-    fn diffusers_flags() {
+    fn a_zero3_launch_line_starts_deepspeed_stage_3() {
+        let e = export(&zero(3), Target::Diffusers, &ExportOptions::default()).unwrap();
+        let l = e.command.unwrap().launcher;
+        assert_eq!(&l[..2], ["accelerate", "launch"]);
+        assert!(!l.contains(&"--multi_gpu".to_string()), "{l:?}");
+        let at = |f: &str| l.iter().position(|a| a == f).map(|i| l[i + 1].as_str());
+        assert!(l.contains(&"--use_deepspeed".to_string()));
+        assert_eq!(at("--zero_stage"), Some("3"));
+        assert_eq!(at("--num_processes"), Some("8"));
+        assert_eq!(at("--offload_optimizer_device"), Some("none"));
+        assert!(
+            e.text
+                .contains("  --use_deepspeed \\\n  --zero_stage 3 \\\n"),
+            "{}",
+            e.text
+        );
+        // FSDP instead: reshard after forward for stage 3, not for stage 2.
+        for (z, reshard) in [(3, "true"), (2, "false")] {
+            let e = export(
+                &zero(z),
+                Target::Diffusers,
+                &opts(Family::Flux, Sharder::Fsdp, Offload::None),
+            )
+            .unwrap();
+            let l = e.command.unwrap().launcher;
+            let at = |f: &str| l.iter().position(|a| a == f).map(|i| l[i + 1].as_str());
+            assert!(l.contains(&"--use_fsdp".to_string()));
+            assert!(!l.contains(&"--use_deepspeed".to_string()));
+            assert_eq!(at("--fsdp_version"), Some("2"));
+            assert_eq!(at("--fsdp_reshard_after_forward"), Some(reshard));
+            assert_eq!(
+                at("--fsdp_transformer_layer_cls_to_wrap"),
+                Some("FluxTransformerBlock,FluxSingleTransformerBlock")
+            );
+        }
+        // Plain DDP keeps --multi_gpu; one rank has none.
+        let mut d = zero(0);
+        d.recipe.zero_stage = 0;
+        let l = export(&d, Target::Diffusers, &ExportOptions::default())
+            .unwrap()
+            .command
+            .unwrap()
+            .launcher;
+        assert!(l.contains(&"--multi_gpu".to_string()));
+        let l = export(&xl(), Target::Diffusers, &ExportOptions::default())
+            .unwrap()
+            .command
+            .unwrap()
+            .launcher;
+        assert!(!l.contains(&"--multi_gpu".to_string()));
+    }
+
+    /// Specs that pull every lever the diffusers mapping knows.
+    fn varied() -> Vec<Spec> {
+        let mut out = Vec::new();
+        for p in Precision::ALL {
+            for lora in [None, Some(16)] {
+                let mut s = xl();
+                s.recipe.precision = p;
+                s.recipe.lora = lora.map(|rank| crate::spec::LoraSpec {
+                    rank,
+                    targets: crate::spec::default_lora_targets(),
+                });
+                s.recipe.recompute = Recompute::All;
+                s.recipe.attention = AttentionMode::MemoryEfficient;
+                s.recipe.latents = Latents::Cached;
+                s.recipe.optimizer = if lora.is_some() {
+                    Optimizer::AdamW8bit
+                } else {
+                    Optimizer::Sgd
+                };
+                out.push(s);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn no_flag_outside_the_script_list_is_emitted() {
+        let mut with_script = 0;
+        for f in Family::ALL {
+            for s in varied() {
+                for t in [Target::Diffusers, Target::Accelerate] {
+                    let e = export(&s, t, &opts(f, Sharder::Deepspeed, Offload::None)).unwrap();
+                    let cmd = e.command.unwrap();
+                    match script_for(f, s.recipe.lora.is_some()) {
+                        Ok(script) => {
+                            with_script += 1;
+                            assert_eq!(cmd.script, script.file_name());
+                            for a in cmd.script_args.iter().filter(|a| a.starts_with("--")) {
+                                assert!(script.has(a), "{a} is not a flag of {}", script.path);
+                            }
+                            // EMA is on in the default spec and no script keeps one.
+                            assert!(
+                                e.cannot.iter().any(|c| c.contains("--use_ema")),
+                                "{:?}",
+                                e.cannot
+                            );
+                            assert!(e.cannot.iter().any(|c| c.contains("xformers")));
+                            assert!(!cmd.script_args.contains(&"--use_ema".to_string()));
+                        }
+                        Err(_) => {
+                            assert!(cmd.script_args.is_empty());
+                            assert_eq!(cmd.script, "your_train_script.py");
+                            assert!(e.notes.iter().any(|n| n.contains("no fine-tune script")
+                                || n.contains("no full fine-tune")));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(with_script > 0);
+    }
+
+    #[test]
+    fn flux_lora_command_names_its_script_and_flags() {
         let mut s = xl();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 8,
+            targets: crate::spec::default_lora_targets(),
+        });
         s.recipe.recompute = Recompute::All;
         s.recipe.optimizer = Optimizer::AdamW8bit;
-        let e = export(&s, Target::Diffusers);
-        for f in [
-            "--mixed_precision bf16",
-            "--gradient_checkpointing",
-            "--gradient_accumulation_steps 4",
-            "--train_batch_size 8",
-            "--use_8bit_adam",
-            "--use_ema",
+        let e = export(
+            &s,
+            Target::Diffusers,
+            &opts(Family::Flux, Sharder::Deepspeed, Offload::None),
+        )
+        .unwrap();
+        let c = e.command.unwrap();
+        assert_eq!(c.script, "train_dreambooth_lora_flux.py");
+        for pair in [
+            ["--mixed_precision", "bf16"],
+            ["--train_batch_size", "8"],
+            ["--gradient_accumulation_steps", "4"],
+            ["--rank", "8"],
         ] {
-            assert!(e.text.contains(f), "missing {f} in {}", e.text);
+            assert!(
+                c.script_args.windows(2).any(|w| w == pair),
+                "{pair:?} in {:?}",
+                c.script_args
+            );
         }
-        // Nothing partial to confess for `all`.
-        assert!(!e.notes.iter().any(|n| n.contains("blocks (")));
+        assert!(c
+            .script_args
+            .contains(&"--gradient_checkpointing".to_string()));
+        assert!(c.script_args.contains(&"--use_8bit_adam".to_string()));
+        assert!(c.script_source.unwrap().contains(DIFFUSERS_COMMIT));
+        // The rendered text is the argv, quoted for the shell.
+        assert!(
+            e.text
+                .contains("--instance_prompt 'a photo of sks subject'"),
+            "{}",
+            e.text
+        );
     }
 
     #[test]
-    fn unknown_target_names_the_flag() {
-        let e = "megatron".parse::<Target>().unwrap_err();
-        assert_eq!(e.field(), Some("plan.emit"));
+    fn zero_offload_launches_through_the_config_files() {
+        let e = export(
+            &zero(2),
+            Target::Diffusers,
+            &opts(Family::Flux, Sharder::Deepspeed, Offload::Optimizer),
+        )
+        .unwrap();
+        let l = e.command.unwrap().launcher;
+        assert!(l.contains(&"--config_file".to_string()), "{l:?}");
+        assert!(!l.contains(&"--use_deepspeed".to_string()));
+        let v: serde_json::Value = serde_json::from_str(
+            &export(
+                &zero(2),
+                Target::Deepspeed,
+                &opts(Family::Flux, Sharder::Deepspeed, Offload::Optimizer),
+            )
+            .unwrap()
+            .text,
+        )
+        .unwrap();
+        assert_eq!(v["zero_force_ds_cpu_optimizer"], false);
+        assert_eq!(v["zero_optimization"]["offload_optimizer"]["device"], "cpu");
+        assert!(v["zero_optimization"].get("offload_param").is_none());
+    }
+
+    /// The words a POSIX shell makes of `text` (single quotes, backslash-newline, blanks).
+    fn shell_words(text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut word: Option<String> = None;
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' if chars.peek() == Some(&'\n') => {
+                    chars.next();
+                }
+                '\\' => word
+                    .get_or_insert_with(String::new)
+                    .push(chars.next().unwrap()),
+                '\'' => {
+                    let w = word.get_or_insert_with(String::new);
+                    for q in chars.by_ref() {
+                        if q == '\'' {
+                            break;
+                        }
+                        w.push(q);
+                    }
+                }
+                ' ' | '\n' => out.extend(word.take()),
+                c => word.get_or_insert_with(String::new).push(c),
+            }
+        }
+        out.extend(word);
+        out
+    }
+
+    #[test]
+    fn the_rendered_command_is_its_argv() {
+        let mut s = zero(3);
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 4,
+            targets: crate::spec::default_lora_targets(),
+        });
+        for f in [Family::Flux, Family::Sd3, Family::Sana, Family::Dit] {
+            let e = export(
+                &s,
+                Target::Diffusers,
+                &opts(f, Sharder::Deepspeed, Offload::None),
+            )
+            .unwrap();
+            let c = e.command.unwrap();
+            let body: String = e
+                .text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let mut want = c.launcher.clone();
+            want.push(c.script.clone());
+            want.extend(c.script_args.iter().cloned());
+            assert_eq!(shell_words(&body), want, "{body}");
+        }
+        let mut odd = Command {
+            launcher: vec!["accelerate".into(), "launch".into()],
+            script: "t.py".into(),
+            script_source: None,
+            script_args: vec!["--instance_prompt".into(), "it's a \"sks\" $dog".into()],
+        };
+        assert_eq!(shell_words(&odd.render())[4], "it's a \"sks\" $dog");
+        odd.script_args.clear();
+        assert_eq!(shell_words(&odd.render()), ["accelerate", "launch", "t.py"]);
+    }
+
+    #[test]
+    fn impossible_combinations_are_typed_errors() {
+        let none = |sh, off| export(&zero(0), Target::Accelerate, &opts(Family::Dit, sh, off));
+        let mut plain = zero(0);
+        plain.recipe.zero_stage = 0;
+        let e = export(
+            &plain,
+            Target::Accelerate,
+            &opts(Family::Dit, Sharder::Deepspeed, Offload::Optimizer),
+        )
+        .unwrap_err();
+        assert_eq!(e.field(), Some("plan.emit-offload"));
+        let _ = none;
+        let e = export(
+            &zero(2),
+            Target::Deepspeed,
+            &opts(Family::Dit, Sharder::Deepspeed, Offload::OptimizerAndParams),
+        )
+        .unwrap_err();
+        assert_eq!(e.field(), Some("plan.emit-offload"));
+        let e = export(
+            &zero(1),
+            Target::Accelerate,
+            &opts(Family::Dit, Sharder::Fsdp, Offload::None),
+        )
+        .unwrap_err();
+        assert_eq!(e.field(), Some("plan.emit-sharder"));
+        let e = export(
+            &zero(3),
+            Target::Accelerate,
+            &opts(Family::Dit, Sharder::Fsdp, Offload::Optimizer),
+        )
+        .unwrap_err();
+        assert_eq!(e.field(), Some("plan.emit-offload"));
+        assert!(export(
+            &zero(3),
+            Target::Accelerate,
+            &opts(Family::Dit, Sharder::Fsdp, Offload::OptimizerAndParams)
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn fsdp_yaml_reads_back() {
+        let e = export(
+            &zero(3),
+            Target::Accelerate,
+            &opts(Family::Sd3, Sharder::Fsdp, Offload::OptimizerAndParams),
+        )
+        .unwrap();
+        let m = read_back(&e.text);
+        assert_eq!(get(&m, "distributed_type"), Some(&Yaml::str("FSDP")));
+        assert_eq!(get(&m, "mixed_precision"), Some(&Yaml::str("bf16")));
+        let Some(Yaml::Map(f)) = get(&m, "fsdp_config") else {
+            panic!("{}", e.text)
+        };
+        let at = |k: &str| f.iter().find(|(key, _)| *key == k).map(|(_, v)| v.clone());
+        assert_eq!(at("fsdp_version"), Some(Yaml::Int(2)));
+        assert_eq!(at("fsdp_reshard_after_forward"), Some(Yaml::Bool(true)));
+        assert_eq!(at("fsdp_offload_params"), Some(Yaml::Bool(true)));
+        assert_eq!(
+            at("fsdp_transformer_layer_cls_to_wrap"),
+            Some(Yaml::str("JointTransformerBlock"))
+        );
+    }
+
+    #[test]
+    fn unknown_names_name_the_flag() {
+        assert_eq!(
+            "megatron".parse::<Target>().unwrap_err().field(),
+            Some("plan.emit")
+        );
+        assert_eq!(
+            "ddp".parse::<Sharder>().unwrap_err().field(),
+            Some("plan.emit-sharder")
+        );
+        assert_eq!(
+            "gpu".parse::<Offload>().unwrap_err().field(),
+            Some("plan.emit-offload")
+        );
+        for t in Target::ALL {
+            assert_eq!(t.name().parse::<Target>().unwrap(), t);
+        }
     }
 }

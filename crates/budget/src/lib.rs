@@ -31,7 +31,10 @@ pub use cost::{block_flops, step_time, BlockFlops, DeviceProfile, StepTime};
 pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase, StaticBytes};
-pub use export::{export, Export, Target};
+pub use export::{
+    block_classes, export, script_for, Command, Export, ExportOptions, NoScript, Offload, Script,
+    Sharder, Target, DIFFUSERS_COMMIT, DIFFUSERS_TAG,
+};
 pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
 };

@@ -6,7 +6,11 @@
 //! of the first `k` blocks or of the attention core only, memory-efficient attention, a smaller
 //! microbatch with more accumulation (the effective batch is kept), cached latents and — only when
 //! allowed, because they change what is trained or need more devices — LoRA (rank
-//! [`PLAN_LORA_RANK`], or the base's), 8-bit AdamW and ZeRO sharding over the base's ranks. Each
+//! [`PLAN_LORA_RANK`], or the base's), 8-bit AdamW and ZeRO sharding over the base's ranks. A
+//! precision other than the base's is tried only when [`Allow::precision`] is set (the CLI sets
+//! it unless the user asked for a precision). LoRA and 8-bit AdamW are used only when needed to
+//! fit, never for speed: the search runs without them first, then with 8-bit AdamW, then with
+//! LoRA, then with both, and stops at the first that fits ([`plan`]). Each
 //! candidate's peak is the budget's timeline (never a factor); its time is the [`crate::cost`]
 //! model on a [`DeviceProfile`]. Plans are ranked by predicted step time; at equal time the one
 //! with fewer changes wins, then the smaller peak.
@@ -59,6 +63,10 @@ pub struct Allow {
     pub sharding: bool,
     /// bf16-pure: weights stored in bf16 (updates below bf16's resolution are lost).
     pub bf16_pure: bool,
+    /// A precision other than the base's (fp32 → bf16-mixed, bf16-mixed ↔ fp16-mixed, …): off,
+    /// a requested precision is kept (fp16 on a GPU without bf16, fp32 for a reference run).
+    /// bf16-pure additionally needs [`Allow::bf16_pure`], which allows it on its own too.
+    pub precision: bool,
 }
 
 impl Allow {
@@ -68,6 +76,7 @@ impl Allow {
             eight_bit: true,
             sharding: true,
             bf16_pure: true,
+            precision: true,
         }
     }
 }
@@ -138,8 +147,9 @@ pub struct Plan {
     pub engine_runnable: bool,
     pub allow: Allow,
     /// For each allowed lever that changes what is trained (LoRA, 8-bit AdamW, bf16-pure) or
-    /// needs devices (sharding) and that the plan uses: the fastest plan without it, so that a
-    /// lever chosen for speed rather than need is visible.
+    /// needs devices (sharding) and that the plan uses: the plan without it (for LoRA and 8-bit
+    /// AdamW always infeasible, with its floor: they are used only when needed), so that a lever
+    /// chosen for speed rather than need is visible.
     pub alternatives: Vec<Alternative>,
     /// Memory vs time Pareto front over every evaluated point, fastest first.
     pub pareto: Vec<Candidate>,
@@ -364,9 +374,17 @@ pub fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
 }
 
 /// Precisions at or below the base's footprint, in order of preference at equal time
-/// (bf16 before fp16: no loss scaling needed).
-fn precisions_from(base: Precision, allow_pure: bool) -> Vec<Precision> {
+/// (bf16 before fp16: no loss scaling needed). Without `allow_change`, the base's alone (and
+/// bf16-pure when `allow_pure`).
+fn precisions_from(base: Precision, allow_pure: bool, allow_change: bool) -> Vec<Precision> {
     use Precision::*;
+    if !allow_change {
+        return if allow_pure && base != Bf16Pure {
+            vec![base, Bf16Pure]
+        } else {
+            vec![base]
+        };
+    }
     let mut v = match base {
         Fp64 => vec![Fp64, Fp32, Bf16Mixed, Fp16Mixed, Bf16Pure],
         Fp32 => vec![Fp32, Bf16Mixed, Fp16Mixed, Bf16Pure],
@@ -458,32 +476,110 @@ fn push_front(front: &mut Vec<(f64, u64)>, time: f64, peak: u64) {
     front.push((time, peak));
 }
 
-/// Search the recipes for the fastest one whose peak fits `limits`.
+/// The allowed spaces the planner searches in turn: LoRA and 8-bit AdamW change what is trained
+/// or how, so they are used only when no recipe without them fits — first neither, then 8-bit
+/// AdamW (the optimizer's numerics), then LoRA (what is trained), then both. Each space keeps
+/// every other allowed lever.
+pub fn search_stages(allow: Allow) -> Vec<Allow> {
+    let mut out: Vec<Allow> = Vec::new();
+    for (lora, eight_bit) in [(false, false), (false, true), (true, false), (true, true)] {
+        let a = Allow {
+            lora: lora && allow.lora,
+            eight_bit: eight_bit && allow.eight_bit,
+            ..allow
+        };
+        if !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// Search the recipes for the fastest one whose peak fits `limits`, using LoRA and 8-bit AdamW
+/// only when needed to fit ([`search_stages`]).
 pub fn plan(
     base: &Spec,
     limits: &Limits,
     profile: &DeviceProfile,
 ) -> Result<Plan, crate::error::SpecError> {
-    let mut p = search(base, limits, profile)?;
+    let stages = search_stages(limits.allow);
+    let mut tried: Vec<Plan> = Vec::new();
+    for a in &stages {
+        let l = Limits {
+            allow: *a,
+            ..limits.clone()
+        };
+        let p = search(base, &l, profile)?;
+        let done = p.feasible;
+        tried.push(p);
+        if done {
+            break;
+        }
+    }
+    let (combinations, pruned, evaluated) = tried.iter().fold((0, 0, 0), |acc, t| {
+        (
+            acc.0 + t.combinations,
+            acc.1 + t.pruned,
+            acc.2 + t.evaluated,
+        )
+    });
+    let mut p = tried.pop().expect("at least one stage");
+    p.allow = limits.allow;
+    p.combinations = combinations;
+    p.pruned = pruned;
+    p.evaluated = evaluated;
     if !p.feasible {
+        // Only the last stage (every allowed lever) ran out: its floor is the answer.
         return Ok(p);
     }
     let (b, r) = (&base.recipe, &p.plan.recipe);
+    // LoRA and 8-bit AdamW: needed, since every stage without them had no fitting recipe.
+    if let Some(prev) = tried.last() {
+        let mut used = Vec::new();
+        if r.lora != b.lora {
+            used.push("LoRA");
+        }
+        if r.optimizer != b.optimizer && r.optimizer == Optimizer::AdamW8bit {
+            used.push("8-bit AdamW");
+        }
+        if !used.is_empty() {
+            p.reason.push_str(&format!(
+                "; {} {} used because nothing fits without: the smallest peak without is {} ({} \
+                 usable)",
+                used.join(" and "),
+                if used.len() == 1 { "is" } else { "are" },
+                fmt_bytes(prev.predicted_peak_bytes),
+                fmt_bytes(prev.usable_bytes)
+            ));
+        }
+        for (name, on) in [
+            ("lora", r.lora != b.lora),
+            (
+                "8bit",
+                r.optimizer != b.optimizer && r.optimizer == Optimizer::AdamW8bit,
+            ),
+        ] {
+            if on {
+                p.alternatives.push(Alternative {
+                    without: name.into(),
+                    feasible: false,
+                    predicted_peak_bytes: prev.predicted_peak_bytes,
+                    predicted_step_time_s: prev.predicted_step_time_s,
+                    changes: prev.changes.clone(),
+                });
+            }
+        }
+    }
+    // Sharding and bf16-pure may be chosen for speed: say so, with the plan without them.
+    let stage_allow = stages[tried.len()];
     let used = [
-        ("lora", limits.allow.lora && r.lora != b.lora),
-        (
-            "8bit",
-            limits.allow.eight_bit
-                && r.optimizer != b.optimizer
-                && r.optimizer == Optimizer::AdamW8bit,
-        ),
         (
             "sharding",
-            limits.allow.sharding && r.zero_stage != b.zero_stage,
+            stage_allow.sharding && r.zero_stage != b.zero_stage,
         ),
         (
             "bf16-pure",
-            limits.allow.bf16_pure
+            stage_allow.bf16_pure
                 && r.precision == Precision::Bf16Pure
                 && b.precision != Precision::Bf16Pure,
         ),
@@ -492,10 +588,11 @@ pub fn plan(
         if !on {
             continue;
         }
-        let mut l = limits.clone();
+        let mut l = Limits {
+            allow: stage_allow,
+            ..limits.clone()
+        };
         match name {
-            "lora" => l.allow.lora = false,
-            "8bit" => l.allow.eight_bit = false,
             "sharding" => l.allow.sharding = false,
             _ => l.allow.bf16_pure = false,
         }
@@ -708,7 +805,11 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
 
     // Every combination of the levers but recompute, with its fastest time.
     let mut combos: Vec<(Combo, f64)> = Vec::new();
-    for &precision in &precisions_from(base.recipe.precision, limits.allow.bf16_pure) {
+    for &precision in &precisions_from(
+        base.recipe.precision,
+        limits.allow.bf16_pure,
+        limits.allow.precision,
+    ) {
         for &attention in &attentions {
             for &micro in &micros {
                 for &lat in &latents {
@@ -893,6 +994,7 @@ fn infeasible_reason(
         (!limits.allow.eight_bit, "8bit"),
         (!limits.allow.sharding && ranks > 1, "sharding"),
         (!limits.allow.bf16_pure, "bf16-pure"),
+        (!limits.allow.precision, "precision"),
     ]
     .into_iter()
     .filter_map(|(m, n)| m.then_some(n))
@@ -1100,7 +1202,7 @@ mod tests {
         let w = &base.workload;
         let per_rank = w.batch / w.ranks;
         let mut out = Vec::new();
-        for precision in precisions_from(base.recipe.precision, allow.bf16_pure) {
+        for precision in precisions_from(base.recipe.precision, allow.bf16_pure, allow.precision) {
             for attention in [AttentionMode::Materialized, AttentionMode::MemoryEfficient] {
                 for micro in (1..=w.microbatch).filter(|m| per_rank.is_multiple_of(*m)) {
                     for lora in [None, Some(PLAN_LORA_RANK)] {
@@ -1160,14 +1262,24 @@ mod tests {
         s.validate().unwrap();
         let prof = DeviceProfile::cpu_default();
         for allow in [Allow::default(), Allow::all()] {
-            let all = brute_force(&s, allow, &prof);
+            // The planner's stages: LoRA and 8-bit AdamW only when nothing fits without them.
+            let stages: Vec<_> = search_stages(allow)
+                .into_iter()
+                .map(|a| brute_force(&s, a, &prof))
+                .collect();
+            let all = stages.last().unwrap();
             let floor = all.iter().map(|c| c.1).min().unwrap();
             let top = all.iter().map(|c| c.1).max().unwrap();
             for i in 0..=12u64 {
                 let budget = ((floor as f64 + (top - floor) as f64 * i as f64 / 10.0)
                     / (1.0 - DEFAULT_HEADROOM)) as u64;
                 let p = plan(&s, &limits(budget).with_allow(allow), &prof).unwrap();
-                let best = all
+                // The stage that answers: the first with a recipe that fits, or the last.
+                let answering = stages
+                    .iter()
+                    .find(|st| st.iter().any(|c| c.1 <= p.usable_bytes))
+                    .unwrap_or(all);
+                let best = answering
                     .iter()
                     .filter(|c| c.1 <= p.usable_bytes)
                     .map(|c| c.2)
@@ -1188,13 +1300,14 @@ mod tests {
                     }
                 }
                 // The front is over the evaluated points: fastest first, each leaner than the
-                // one before, and its leanest point is the floor.
+                // one before, and its leanest point is the floor of the stage that answered.
+                let stage_floor = answering.iter().map(|c| c.1).min().unwrap();
                 assert!(p
                     .pareto
                     .windows(2)
                     .all(|w| w[0].time.total_s <= w[1].time.total_s
                         && w[0].peak_bytes > w[1].peak_bytes));
-                assert_eq!(p.pareto.last().unwrap().peak_bytes, floor);
+                assert_eq!(p.pareto.last().unwrap().peak_bytes, stage_floor);
             }
         }
     }
@@ -1256,5 +1369,105 @@ mod tests {
                 assert_eq!(c[0], micro);
             }
         }
+    }
+
+    #[test]
+    fn a_requested_precision_is_kept_unless_allowed() {
+        // fp16-mixed given: the planner may not switch to bf16 (no bf16 on T4 / V100), even under
+        // a budget that only a change of other levers meets.
+        let mut s = small();
+        s.recipe.precision = Precision::Fp16Mixed;
+        let prof = DeviceProfile::cpu_default();
+        let base_peak = plan(&s, &limits(1 << 40), &prof).unwrap().base_peak_bytes;
+        for frac in [2.0, 1.0, 0.7, 0.5, 0.3] {
+            let p = plan(&s, &limits((base_peak as f64 * frac) as u64), &prof).unwrap();
+            assert_eq!(
+                p.plan.recipe.precision,
+                Precision::Fp16Mixed,
+                "budget × {frac}"
+            );
+            assert!(p
+                .pareto
+                .iter()
+                .all(|c| c.spec.recipe.precision == Precision::Fp16Mixed));
+        }
+        // fp32 under a budget only bf16 meets: infeasible without `precision`, feasible with it.
+        let mut f = small();
+        f.recipe.precision = Precision::Fp32;
+        let strict = plan(&f, &limits(1 << 20), &prof).unwrap();
+        assert!(!strict.feasible);
+        assert!(strict.reason.contains("precision"), "{}", strict.reason);
+        let all_fp32 = Allow {
+            precision: false,
+            bf16_pure: false,
+            ..Allow::all()
+        };
+        let budgets: Vec<u64> = (1..=40).map(|i| base_peak / 40 * i).collect();
+        let mut changed = false;
+        for b in budgets {
+            let kept = plan(&f, &limits(b).with_allow(all_fp32), &prof).unwrap();
+            if kept.feasible {
+                assert_eq!(kept.plan.recipe.precision, Precision::Fp32);
+            }
+            let free = plan(
+                &f,
+                &limits(b).with_allow(Allow {
+                    precision: true,
+                    ..Allow::default()
+                }),
+                &prof,
+            )
+            .unwrap();
+            changed |= free.feasible && free.plan.recipe.precision != Precision::Fp32;
+        }
+        assert!(
+            changed,
+            "with `precision` allowed some budget moves fp32 to a 16-bit precision"
+        );
+    }
+
+    #[test]
+    fn lora_and_8bit_are_used_only_to_fit() {
+        let s = small();
+        let prof = DeviceProfile::cpu_default();
+        let everything = Allow::all();
+        let base_peak = plan(&s, &limits(1 << 40), &prof).unwrap().base_peak_bytes;
+        let mut saw_needed = false;
+        for i in 1..=30u64 {
+            let budget = base_peak / 30 * i;
+            let p = plan(&s, &limits(budget).with_allow(everything), &prof).unwrap();
+            if !p.feasible {
+                continue;
+            }
+            let uses =
+                p.plan.recipe.lora.is_some() || p.plan.recipe.optimizer == Optimizer::AdamW8bit;
+            let without = plan(
+                &s,
+                &limits(budget).with_allow(Allow {
+                    lora: false,
+                    eight_bit: false,
+                    ..everything
+                }),
+                &prof,
+            )
+            .unwrap();
+            // Used exactly when nothing fits without them.
+            assert_eq!(uses, !without.feasible, "budget {budget}: {}", p.reason);
+            assert!(!p.reason.contains("lora is used for speed"), "{}", p.reason);
+            assert!(!p.reason.contains("8bit is used for speed"), "{}", p.reason);
+            if uses {
+                saw_needed = true;
+                assert!(
+                    p.reason.contains("used because nothing fits without"),
+                    "{}",
+                    p.reason
+                );
+                assert!(p
+                    .alternatives
+                    .iter()
+                    .all(|a| !a.feasible || (a.without != "lora" && a.without != "8bit")));
+            }
+        }
+        assert!(saw_needed, "some budget needs LoRA or 8-bit AdamW");
     }
 }

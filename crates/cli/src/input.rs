@@ -164,6 +164,24 @@ pub fn load_model(
     Ok((model, map))
 }
 
+/// The `--config` file as a tree of values (to see which fields it gives, e.g.
+/// `recipe.precision`); the same reading rules as [`load_spec`].
+pub fn spec_value(path: &Path) -> Result<serde_json::Value, SpecError> {
+    let text = text_of("--config", path)?;
+    let parsed: Result<serde_json::Value, String> = if is_json(path) {
+        serde_json::from_str(&text).map_err(|e| e.to_string())
+    } else {
+        toml::from_str::<toml::Value>(&text)
+            .map_err(|e| e.message().to_string())
+            .and_then(|v| serde_json::to_value(v).map_err(|e| e.to_string()))
+    };
+    parsed.map_err(|message| SpecError::Parse {
+        format: if is_json(path) { "JSON" } else { "TOML" },
+        message,
+        location: String::new(),
+    })
+}
+
 /// Slowest and fastest rates a device profile may give (per second): below 1e3 a DiT step takes
 /// longer than the age of the universe and its figures stop being numbers ("inf s", "NaN %").
 pub const PROFILE_RATES: (f64, f64) = (1e3, 1e18);

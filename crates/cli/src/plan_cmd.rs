@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ditmem_budget::DeviceProfile;
-use ditmem_budget::{export, Export, Target};
+use ditmem_budget::{export, Export, ExportOptions, Family, Offload, Sharder, Target};
 use ditmem_budget::{fmt_bytes, parse_bytes};
 use ditmem_budget::{fmt_secs, plan, Allow, Limits, Plan, DEFAULT_HEADROOM};
 use ditmem_budget::{Spec, SpecError};
@@ -36,12 +36,29 @@ pub struct PlanArgs {
           value_parser = crate::flags::headroom, allow_hyphen_values = true)]
     pub headroom: f64,
     /// Levers that change what is trained or need more devices, comma-separated:
-    /// lora, 8bit, sharding, bf16-pure (or all).
+    /// lora, 8bit, sharding, bf16-pure, precision (or all). LoRA and 8bit are used only when no
+    /// recipe without them fits. precision lets the planner change a precision you asked for
+    /// (--precision, or recipe.precision in --config); without either, the default bf16-mixed may
+    /// change without it.
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     pub allow: Vec<String>,
-    /// Export the plan for a training stack: accelerate | deepspeed | diffusers.
+    /// Export the plan for a training stack: accelerate (accelerate_config.yaml) | deepspeed
+    /// (ds_config.json for accelerate) | deepspeed-standalone (fixed values, plan's world size) |
+    /// diffusers (the accelerate launch command of the family's diffusers script).
     #[arg(long, value_name = "TARGET")]
     pub emit: Option<String>,
+    /// The model family the export targets: dit, dit-diffusers, pixart, sd3, flux, sana, wan
+    /// (picks the diffusers script and the block FSDP wraps; default dit).
+    #[arg(long, value_name = "FAMILY", requires = "emit")]
+    pub emit_family: Option<String>,
+    /// How the export launches a sharded plan: deepspeed (ZeRO at the plan's stage, default) |
+    /// fsdp (FSDP2: stage 3 reshards after forward, stage 2 does not; no stage 1).
+    #[arg(long, value_name = "SHARDER", requires = "emit")]
+    pub emit_sharder: Option<String>,
+    /// What the export offloads to CPU for a sharded plan: none (default) | optimizer |
+    /// optimizer+params. Not in the budget yet: the plan's peak does not count the saving.
+    #[arg(long, value_name = "OFFLOAD", requires = "emit")]
+    pub emit_offload: Option<String>,
     /// Write the export to this file (atomically) instead of printing it.
     #[arg(long, value_name = "FILE", requires = "emit")]
     pub emit_out: Option<PathBuf>,
@@ -80,20 +97,52 @@ fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
             "8bit" | "8-bit" | "adamw-8bit" => a.eight_bit = true,
             "sharding" | "zero" => a.sharding = true,
             "bf16-pure" => a.bf16_pure = true,
+            "precision" => a.precision = true,
             "all" => a = Allow::all(),
             "none" => {}
             _ => {
                 return Err(SpecError::invalid(
                     "--allow",
                     format!(
-                        "{} is not a lever; allowed: lora, 8bit, sharding, bf16-pure, all",
-                        show(item)
-                    ),
+                    "{} is not a lever; allowed: lora, 8bit, sharding, bf16-pure, precision, all",
+                    show(item)
+                ),
                 ))
             }
         }
     }
     Ok(a)
+}
+
+/// `--emit-family`: a family name as `ditmem params` prints it.
+fn parse_family(text: &str) -> Result<Family, SpecError> {
+    let t = text.trim().to_ascii_lowercase();
+    Family::ALL
+        .into_iter()
+        .find(|f| f.name() == t)
+        .ok_or_else(|| {
+            SpecError::invalid(
+                "--emit-family",
+                format!(
+                    "{} is not a family; allowed: {}",
+                    show(text),
+                    Family::ALL.map(|f| f.name()).join(", ")
+                ),
+            )
+        })
+}
+
+/// Whether the user asked for a precision: `--precision`, or `recipe.precision` in the
+/// `--config` file.
+fn precision_requested(spec: &crate::args::SpecArgs) -> Result<bool, SpecError> {
+    if spec.precision.is_some() {
+        return Ok(true);
+    }
+    let Some(path) = &spec.config else {
+        return Ok(false);
+    };
+    let v = crate::input::spec_value(path)?;
+    Ok(v.get("recipe").and_then(|r| r.get("precision")).is_some())
 }
 
 fn parse_budget(text: &str) -> Result<u64, SpecError> {
@@ -133,6 +182,7 @@ fn allow_line(a: &Allow, ranks: u32) -> String {
         (a.eight_bit, "8bit"),
         (a.sharding, "sharding"),
         (a.bf16_pure, "bf16-pure"),
+        (a.precision, "precision"),
     ] {
         if flag {
             on.push(name);
@@ -338,9 +388,39 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         )
         .into());
     }
-    let allow = parse_allow(&args.allow)?;
+    let mut allow = parse_allow(&args.allow)?;
+    // A precision the user asked for is kept unless `--allow precision`; with none asked, the
+    // default may change.
+    if !precision_requested(&args.spec)? {
+        allow.precision = true;
+    }
     let target = args.emit.as_deref().map(str::parse::<Target>).transpose()?;
+    let options = ExportOptions {
+        family: match &args.emit_family {
+            Some(f) => parse_family(f)?,
+            None => Family::Dit,
+        },
+        sharder: args
+            .emit_sharder
+            .as_deref()
+            .map(str::parse::<Sharder>)
+            .transpose()?
+            .unwrap_or_default(),
+        offload: args
+            .emit_offload
+            .as_deref()
+            .map(str::parse::<Offload>)
+            .transpose()?
+            .unwrap_or_default(),
+    };
     let base = args.spec.to_spec()?;
+    let mut options = options;
+    if args.emit_family.is_none() {
+        // The script that trains the spec's model.
+        if let Some(fm) = ditmem_budget::denoiser::family(&base)? {
+            options.family = fm.family;
+        }
+    }
     let gpu = base.cuda.as_ref().and_then(|c| c.gpu.as_deref());
     let on_cuda = matches!(
         base.runtime,
@@ -380,11 +460,22 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     let t0 = Instant::now();
     let p = plan(&base, &limits, &profile)?;
     let search_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut p = p;
     let exported = if p.feasible {
-        target.map(|t| export(&p.plan, t))
+        target.map(|t| export(&p.plan, t, &options)).transpose()?
     } else {
         None
     };
+    if let Some(e) = &exported {
+        if !e.cannot.is_empty() {
+            // What the named train script cannot do is part of why the plan may not run as
+            // predicted.
+            p.reason.push_str(&format!(
+                "; the exported script cannot: {}",
+                e.cannot.join("; ")
+            ));
+        }
+    }
 
     if args.json {
         print_json(&PlanReport {
@@ -480,11 +571,20 @@ mod tests {
     #[test]
     fn allow_lists() {
         let a = parse_allow(&["lora".into(), "8bit".into()]).unwrap();
-        assert!(a.lora && a.eight_bit && !a.sharding && !a.bf16_pure);
+        assert!(a.lora && a.eight_bit && !a.sharding && !a.bf16_pure && !a.precision);
+        assert!(parse_allow(&["precision".into()]).unwrap().precision);
         assert_eq!(parse_allow(&["all".into()]).unwrap(), Allow::all());
         assert_eq!(
             parse_allow(&["fp8".into()]).unwrap_err().field(),
             Some("--allow")
         );
+    }
+
+    #[test]
+    fn families_parse_or_name_the_flag() {
+        assert_eq!(parse_family("Flux").unwrap(), Family::Flux);
+        assert_eq!(parse_family("dit-diffusers").unwrap(), Family::DitDiffusers);
+        let e = parse_family("unet").unwrap_err();
+        assert_eq!(e.field(), Some("--emit-family"));
     }
 }

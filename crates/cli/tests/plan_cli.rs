@@ -71,7 +71,10 @@ fn bad_budget_exits_2_naming_the_flag() {
     assert!(err.contains("--allow"), "{err}");
     let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--emit", "megatron"]);
     assert_eq!(code, 2);
-    assert!(err.contains("accelerate, deepspeed, diffusers"), "{err}");
+    assert!(
+        err.contains("accelerate, deepspeed, deepspeed-standalone, diffusers"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -143,22 +146,45 @@ fn a_budget_that_fits_the_base_returns_it_unchanged() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// Within the levers that keep what is trained (LoRA and 8-bit AdamW are used only when nothing
+/// fits without them, and LoRA is faster, so across that line a smaller budget can be faster).
 #[test]
 fn a_smaller_budget_never_yields_a_faster_plan() {
     let d = dir("monotone");
     let cfg = small_config(&d);
-    let (_, v) = plan_json(&cfg, "64KiB", &["--allow", "all"]);
+    let keep = ["--allow", "sharding,bf16-pure,precision"];
+    let (_, v) = plan_json(&cfg, "64KiB", &keep);
     let floor = u(&v["predicted_peak_bytes"]) as f64;
     let base = u(&v["base_peak_bytes"]) as f64;
     let mut last = 0.0f64;
     for i in (0..=12).rev() {
         let budget = ((floor + (base * 1.2 - floor) * i as f64 / 12.0) / 0.95) as u64 + 1;
-        let (code, p) = plan_json(&cfg, &budget.to_string(), &["--allow", "all"]);
+        let (code, p) = plan_json(&cfg, &budget.to_string(), &keep);
         assert_eq!(code, 0, "budget {budget} is above the floor");
         let t = p["predicted_step_time_s"].as_f64().unwrap();
         assert!(t >= last * (1.0 - 1e-12), "budget {budget}: {t} < {last}");
         assert!(u(&p["predicted_peak_bytes"]) <= u(&p["usable_bytes"]));
         last = t;
+        // With every lever allowed, the same budget gives the same plan: LoRA and 8-bit AdamW
+        // are not used where the plan without them fits.
+        let (code, all) = plan_json(&cfg, &budget.to_string(), &["--allow", "all"]);
+        assert_eq!(code, 0);
+        assert_eq!(all["plan"], p["plan"], "budget {budget}");
+    }
+    // Below that floor, only LoRA or 8-bit AdamW fits.
+    let below = (floor * 0.97 / 0.95) as u64;
+    let (code, p) = plan_json(&cfg, &below.to_string(), &["--allow", "all"]);
+    if code == 0 {
+        let r = &p["plan"]["recipe"];
+        assert!(
+            !r["lora"].is_null() || r["optimizer"] == "adamw-8bit",
+            "{}",
+            p["reason"]
+        );
+        assert!(p["reason"]
+            .as_str()
+            .unwrap()
+            .contains("used because nothing fits without"));
     }
     std::fs::remove_dir_all(&d).ok();
 }
@@ -186,9 +212,10 @@ fn exports_and_the_pareto_plot_are_written() {
     assert!(out.contains("Pareto front"));
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
     let y = std::fs::read_to_string(&yaml).unwrap();
-    assert!(y.contains("mixed_precision: no"), "{y}");
+    // Quoted: PyYAML reads a plain `no` as False, which accelerate launch crashes on.
+    assert!(y.contains("mixed_precision: 'no'"), "{y}");
     assert!(y.contains("gradient_accumulation_steps"), "{y}");
-    for target in ["deepspeed", "diffusers"] {
+    for target in ["deepspeed", "deepspeed-standalone", "diffusers"] {
         let (code, out, err) = ditmem(&[
             "plan", "--config", &cfg, "--budget", "1GiB", "--emit", target,
         ]);
@@ -248,4 +275,67 @@ fn plans_run_on_the_engine_within_their_budget() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// `--precision fp16-mixed` is what a T4 or V100 can run: the planner keeps it (it used to
+/// switch to bf16-mixed), unless `--allow precision`.
+#[test]
+fn a_requested_precision_is_kept_unless_allowed() {
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--precision",
+            "fp16-mixed",
+            "--budget",
+            "24GiB",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = ditmem(&args);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let kept = plan(&[]);
+    assert_eq!(kept["plan"]["recipe"]["precision"], "fp16-mixed");
+    assert_eq!(kept["allow"]["precision"], false);
+    let free = plan(&["--allow", "precision"]);
+    assert_eq!(free["allow"]["precision"], true);
+    assert_eq!(free["plan"]["recipe"]["precision"], "bf16-mixed");
+    // Without --precision, the default may change.
+    let (code, out, _) = ditmem(&["plan", "--budget", "24GiB", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["allow"]["precision"], true);
+}
+
+/// A ZeRO-3 plan's launch line starts DeepSpeed stage 3 (it used to say --multi_gpu, plain DDP).
+#[test]
+fn a_zero3_plan_launches_deepspeed_stage_3() {
+    let (code, out, err) = ditmem(&[
+        "plan",
+        "--ranks",
+        "8",
+        "--batch",
+        "256",
+        "--budget",
+        "8GiB",
+        "--allow",
+        "sharding",
+        "--emit",
+        "diffusers",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["plan"]["recipe"]["zero_stage"], 3, "{}", v["reason"]);
+    let launcher: Vec<&str> = v["export"]["command"]["launcher"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(launcher.contains(&"--use_deepspeed"), "{launcher:?}");
+    assert!(!launcher.contains(&"--multi_gpu"), "{launcher:?}");
+    let i = launcher.iter().position(|a| *a == "--zero_stage").unwrap();
+    assert_eq!(launcher[i + 1], "3");
 }

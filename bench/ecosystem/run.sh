@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Generates the exports of a set of plans with the release `ditmem` binary and holds them against
+# accelerate, DeepSpeed and the diffusers scripts' parsers (check.py). Needs bench/ecosystem/.venv
+# (setup.sh) and `cargo build --release -p ditmem`. Prints the table; writes results/ (the table
+# and its JSON). Never needed by `cargo test --release --workspace`.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+ditmem="${DITMEM:-$root/target/release/ditmem}"
+py="$here/.venv/bin/python"
+[ -x "$ditmem" ] || { echo "build ditmem first: cargo build --release -p ditmem" >&2; exit 5; }
+[ -x "$py" ] || { echo "run $here/setup.sh first" >&2; exit 5; }
+plans="$here/work/plans"
+rm -rf "$plans" && mkdir -p "$plans" "$here/results"
+
+# name | ditmem plan arguments (the family, sharder and offload are export options)
+while IFS='|' read -r name args; do
+    [ -z "$name" ] && continue
+    mkdir -p "$plans/$name"
+    for t in accelerate deepspeed deepspeed-standalone diffusers; do
+        # shellcheck disable=SC2086
+        "$ditmem" plan $args --emit "$t" --json > "$plans/$name/$t.json"
+    done
+done <<'PLANS'
+fp32-1-dit|--precision fp32 --budget 80GiB
+bf16-1-flux|--precision bf16-mixed --budget 24GiB --emit-family flux
+fp16-1-sd3|--precision fp16-mixed --budget 16GiB --emit-family sd3
+lora-1-sana|--lora-rank 16 --budget 24GiB --emit-family sana
+lora-needed-1-flux|--budget 9GiB --allow lora,8bit --emit-family flux
+ddp-8-sd3|--ranks 8 --batch 256 --budget 40GiB --emit-family sd3
+zero1-2-flux-lora|--ranks 2 --batch 64 --zero 1 --lora-rank 32 --budget 40GiB --emit-family flux
+zero2-8-sd3|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family sd3
+zero3-8-dit|--ranks 8 --batch 256 --budget 8GiB --allow sharding
+zero3-8-flux|--ranks 8 --batch 256 --budget 8GiB --allow sharding --emit-family flux
+zero2-offload-8-flux|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family flux --emit-offload optimizer
+zero3-offload-8-sd3|--ranks 8 --batch 256 --zero 3 --budget 40GiB --emit-family sd3 --emit-offload optimizer+params
+fsdp2-8-flux|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family flux --emit-sharder fsdp
+fsdp3-offload-8-sd3|--ranks 8 --batch 256 --zero 3 --budget 40GiB --emit-family sd3 --emit-sharder fsdp --emit-offload optimizer+params
+PLANS
+
+"$py" "$here/check.py" "$plans" --mutants --json "$here/results/check.json" | tee "$here/results/check.md"
