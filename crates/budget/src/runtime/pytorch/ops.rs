@@ -69,7 +69,12 @@ pub struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    pub fn new(rt: &'a PyTorch, precision: Precision, attention: AttentionMode, name: &str) -> Self {
+    pub fn new(
+        rt: &'a PyTorch,
+        precision: Precision,
+        attention: AttentionMode,
+        name: &str,
+    ) -> Self {
         Builder {
             rt,
             precision,
@@ -218,18 +223,28 @@ impl<'a> Builder<'a> {
         save(&mut self.g, a);
         let xa = self.cast_low(&format!("{name}.lora_A input"), x);
         save(&mut self.g, xa);
-        let ha = self.g.op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        let ha = self
+            .g
+            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
         save(&mut self.g, ha);
         let bw = self
             .g
             .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self.g.op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
-        let sc = self.g.op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let hb = self
+            .g
+            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self
+            .g
+            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
         let bdt = self.g.dtype(base);
-        self.g
-            .op(&format!("{name} + lora"), &[base, sc], rows * out, promote(bdt, low))
+        self.g.op(
+            &format!("{name} + lora"),
+            &[base, sc],
+            rows * out,
+            promote(bdt, low),
+        )
     }
 
     /// `LayerNorm(D, elementwise_affine=False)`: saves its input and fp32 mean + rstd per row
@@ -368,5 +383,180 @@ impl<'a> Builder<'a> {
         let o = self.g.op("P·v", &[p, vc], eq, wd);
         let o = self.g.cast(&format!("sdpa out →{low}"), o, low);
         self.g.op("attn out (b, s, D) copy", &[o], eq, low)
+    }
+}
+
+// ---- pixart, dit-diffusers (famcross): ops that save only what a gradient needs, the masked
+// attention of a cross-attention, PEFT's input cast ----
+
+/// Mark `t` saved when `needed`: autograd saves a variable only for the inputs that need a
+/// gradient (`derivatives.yaml`: `self: grad * other` needs `other` only when `self` requires
+/// grad) [AG].
+pub fn save_if(g: &mut Segment, t: Tid, needed: bool) {
+    if needed {
+        save(g, t);
+    }
+}
+
+impl Builder<'_> {
+    /// Whether a gradient flows to `t` (some trained parameter or grad input upstream).
+    pub fn rg(&self, t: Tid) -> bool {
+        self.g.tensors[t].requires_grad
+    }
+
+    /// `a * b` elementwise (broadcast) into `n` elements of the promoted dtype: `MulBackward0`
+    /// saves `b` when `a` needs a gradient and `a` when `b` does [AG].
+    pub fn mul(&mut self, name: &str, a: Tid, b: Tid, n: u64) -> Tid {
+        let (ra, rb) = (self.rg(a), self.rg(b));
+        save_if(&mut self.g, b, ra);
+        save_if(&mut self.g, a, rb);
+        let dt = promote(self.g.dtype(a), self.g.dtype(b));
+        self.g.op(name, &[a, b], n, dt)
+    }
+
+    /// An elementwise op that saves nothing (`add`, `sub`, a scalar multiple or division) into `n`
+    /// elements of the promoted dtype of its inputs [AG].
+    pub fn ew(&mut self, name: &str, ins: &[Tid], n: u64) -> Tid {
+        let dt = ins
+            .iter()
+            .map(|&t| self.g.dtype(t))
+            .reduce(promote)
+            .unwrap_or(Dtype::F32);
+        self.g.op(name, ins, n, dt)
+    }
+
+    /// An activation that saves its input (`gelu`, `silu`) when it needs a gradient [AG]; the
+    /// output keeps the input's dtype (neither is on an autocast list) [AC].
+    pub fn act(&mut self, name: &str, x: Tid) -> Tid {
+        let r = self.rg(x);
+        save_if(&mut self.g, x, r);
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// [`Builder::layer_norm`] when its input needs a gradient; otherwise autograd records
+    /// nothing (no saved input, no mean/rstd kept) [AG].
+    pub fn layer_norm_rg(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+        if self.rg(x) {
+            return self.layer_norm(name, x, rows);
+        }
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// `x·(1 + scale) + shift` with [`Builder::mul`]'s saving rule (a frozen scale saves only
+    /// `1 + scale`, an input without gradient only the norm's output) [AG].
+    pub fn modulate_rg(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
+        let sdt = self.g.dtype(scale);
+        let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
+        let n = self.g.elems(xn);
+        let mul = self.mul(&format!("{name} ·(1+scale)"), xn, one_plus, n);
+        self.ew(&format!("{name} +shift"), &[mul, shift], n)
+    }
+
+    /// `F.linear(x, W[, b])` as [`Builder::linear_opt`], but `addmm` saves the (cast) weight only
+    /// when x needs a gradient (`mat1: grad.mm(mat2.t())`); otherwise the weight's autocast copy
+    /// is held by the cache alone [AG][AC]. Under LoRA on the module, PEFT's
+    /// `_cast_input_dtype(x, lora_A.weight.dtype)` first makes an fp32 copy of a low-precision x
+    /// (the adapters are fp32 after `cast_training_params`), which autocast casts back for
+    /// `lora_A` (`peft/tuners/lora/layer.py` `Linear.forward`).
+    pub fn linear_rg(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let x_rg = self.rg(x);
+        let w = if x_rg {
+            self.weight(&format!("{name}.weight"), out * inp)
+        } else {
+            self.cached_weight(&format!("{name}.weight"), out * inp)
+        };
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        let xin = self.cast_low(&format!("{name} input"), x);
+        ins[0] = xin;
+        if !self.frozen() {
+            save(&mut self.g, xin);
+        }
+        let low = self.low();
+        let y = self.g.op(name, &ins, rows * out, low);
+        let Some(r) = self.lora_rank(name) else {
+            return y;
+        };
+        let pd = self.param_dtype();
+        let xa = if self.autocast() {
+            self.g.cast(&format!("{name} lora input →{pd}"), x, pd)
+        } else {
+            x
+        };
+        let a = self
+            .g
+            .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
+        let a = self.cast_low(&format!("{name}.lora_A"), a);
+        save_if(&mut self.g, a, x_rg);
+        let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
+        save(&mut self.g, xa);
+        let ha = self
+            .g
+            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        save(&mut self.g, ha);
+        let bw = self
+            .g
+            .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
+        let bw = self.cast_low(&format!("{name}.lora_B"), bw);
+        save(&mut self.g, bw);
+        let hb = self
+            .g
+            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self
+            .g
+            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let bdt = self.g.dtype(y);
+        self.g.op(
+            &format!("{name} + lora"),
+            &[y, sc],
+            rows * out,
+            promote(bdt, low),
+        )
+    }
+
+    /// `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` (diffusers `AttnProcessor2_0`):
+    /// [`Builder::attention`] with the mask read by the kernel; the fused kernels save it
+    /// (`attn_mask` / `attn_bias`) [SDPA]; CUDA flash takes no mask, so the dispatcher runs the
+    /// memory-efficient kernel; the math backend adds it into the scores in place.
+    pub fn attention_masked(&mut self, q: Tid, k: Tid, v: Tid, mask: Option<Tid>, at: Attn) -> Tid {
+        let Some(m) = mask else {
+            return self.attention(q, k, v, at);
+        };
+        let start = self.g.ops.len();
+        let fused = self.attention == AttentionMode::MemoryEfficient;
+        let o = if fused {
+            match self.rt.effective_sdpa(self.precision) {
+                SdpaBackend::Math => self.sdpa_math(q, k, v, at),
+                SdpaBackend::Flash if self.rt.device == TorchDevice::Cuda => {
+                    self.sdpa_fused(q, k, v, at, SdpaBackend::Efficient)
+                }
+                backend => self.sdpa_fused(q, k, v, at, backend),
+            }
+        } else {
+            self.explicit_attention(q, k, v, at)
+        };
+        let reader = self.g.ops[start..]
+            .iter()
+            .position(|op| op.name == "sdpa out" || op.name.starts_with("scores"))
+            .map(|i| i + start);
+        if let Some(i) = reader {
+            self.g.ops[i].inputs.push(m);
+            if self.g.ops[i].name == "sdpa out" {
+                save(&mut self.g, m);
+            }
+        }
+        o
     }
 }
