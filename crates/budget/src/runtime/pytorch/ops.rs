@@ -69,12 +69,7 @@ pub struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    pub fn new(
-        rt: &'a PyTorch,
-        precision: Precision,
-        attention: AttentionMode,
-        name: &str,
-    ) -> Self {
+    pub fn new(rt: &'a PyTorch, precision: Precision, attention: AttentionMode, name: &str) -> Self {
         Builder {
             rt,
             precision,
@@ -223,28 +218,18 @@ impl<'a> Builder<'a> {
         save(&mut self.g, a);
         let xa = self.cast_low(&format!("{name}.lora_A input"), x);
         save(&mut self.g, xa);
-        let ha = self
-            .g
-            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        let ha = self.g.op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
         save(&mut self.g, ha);
         let bw = self
             .g
             .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self
-            .g
-            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
-        let sc = self
-            .g
-            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let hb = self.g.op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let sc = self.g.op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
         let bdt = self.g.dtype(base);
-        self.g.op(
-            &format!("{name} + lora"),
-            &[base, sc],
-            rows * out,
-            promote(bdt, low),
-        )
+        self.g
+            .op(&format!("{name} + lora"), &[base, sc], rows * out, promote(bdt, low))
     }
 
     /// `LayerNorm(D, elementwise_affine=False)`: saves its input and fp32 mean + rstd per row
