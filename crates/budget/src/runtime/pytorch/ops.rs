@@ -484,7 +484,11 @@ impl Builder<'_> {
             .g
             .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
         let a = self.cast_low(&format!("{name}.lora_A"), a);
-        save_if(&mut self.g, a, x_rg);
+        if x_rg {
+            save(&mut self.g, a);
+        } else if self.g.tensors[a].kind == crate::segment::TensorKind::Alloc {
+            self.g.tensors[a].name.push_str(CACHED);
+        }
         let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
         save(&mut self.g, xa);
         let ha = self

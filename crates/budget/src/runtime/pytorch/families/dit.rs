@@ -14,7 +14,7 @@
 //! reads the weight copies block 0 put in the autocast cache.
 
 use super::common::Fam;
-use super::pixart::{eps_loss, sinusoid};
+use super::pixart::{ddpm_data, eps_loss, sinusoid};
 use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::ops::{save_if, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -299,9 +299,10 @@ pub fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
         extra_grads: Vec::new(),
     });
     let wd = f.spec.recipe.precision.compute_dtype().size();
-    // `family_peer.py`: the noise (target) until the backward ends, the noisy latent while the
-    // conv saves it; x0, ᾱ_t, t and y (int64) for the forward.
-    let (mut kept, mut fwd) = (g.lat * wd, g.lat * wd + b * (wd + 16));
+    // `family_peer.py`: the DDPM data ([`ddpm_data`]), y (int64) for the forward, the noisy
+    // latent while the conv saves it.
+    let (mut kept, mut fwd) = ddpm_data(f, g.lat);
+    fwd += 8 * b;
     if f.lora.is_some() {
         fwd += g.lat * wd;
     } else {

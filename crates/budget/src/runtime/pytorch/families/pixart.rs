@@ -15,7 +15,7 @@ use super::common::Fam;
 use crate::families::PixartDims;
 use crate::runtime::pytorch::ops::{save, save_if, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
-use crate::segment::{Segment, Tid};
+use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
 
 pub const READY: bool = true;
@@ -181,13 +181,15 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
         }
     };
     // The broadcast outputs stay alive with the graph (the blocks read them, their gradients
-    // come back before this side's backward).
-    let bcast: Vec<Tid> = [timestep, emb, caption]
-        .into_iter()
-        .filter(|&t| bl.rg(t))
-        .collect();
-    for &t in &bcast {
-        save(&mut bl.g, t);
+    // come back before this side's backward); without a gradient (a frozen input side under
+    // LoRA) the model's locals still hold them through the forward, marked saved here too (they
+    // stay until this side's backward: b·(7D + T·D) low-precision bytes too long).
+    let outs = [timestep, emb, caption];
+    let bcast: Vec<Tid> = outs.into_iter().filter(|&t| bl.rg(t)).collect();
+    for t in outs {
+        if bl.g.tensors[t].kind == TensorKind::Alloc {
+            save(&mut bl.g, t);
+        }
     }
     let h = Handoff {
         x: info(&bl.g, x),
@@ -369,10 +371,9 @@ fn block_stage(seg: Segment, count: u32) -> Stage {
     }
 }
 
-/// The step's tensors outside the model (`family_peer.py` `Inputs.forward`, DDPM branch): the
-/// noise (the target) until the backward ends; the noisy latent and the caption while a saved
-/// reference holds them (the conv's input; the caption projection's or `to_k`'s input); x0, t,
-/// ᾱ_t, the int64 mask, its bias and α's size conditions for the forward.
+/// The step's tensors outside the model (`family_peer.py` `Inputs.forward`, DDPM branch): see
+/// [`ddpm_data`]; the caption while a saved reference holds it (the caption projection's or
+/// `to_k`'s input), the int64 mask, its bias and α's size conditions for the forward.
 fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
     let wd = f.spec.recipe.precision.compute_dtype().size();
     let frozen = f.lora.is_some();
@@ -389,9 +390,9 @@ fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
         Some(_) => !frozen || lora_on("caption_projection.linear_1"),
         None => !frozen || lora_on("attn2.to_k") || lora_on("attn2.to_v"),
     };
+    let (kept, fwd) = ddpm_data(f, g.lat);
     let noisy = g.lat * wd;
-    let mut kept = g.lat * wd;
-    let mut fwd = g.lat * wd + g.b * (8 + wd) + g.b * g.t * (8 + wd);
+    let (mut kept, mut fwd) = (kept, fwd + g.b * g.t * (8 + wd));
     if frozen {
         fwd += noisy;
     } else {
@@ -408,5 +409,23 @@ fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
     Data {
         kept,
         forward_only: fwd,
+    }
+}
+
+/// The DDPM step's data shared with diffusers' DiT (`family_peer.py` `Inputs.forward`, `loss_of`),
+/// as (kept, forward-only) bytes without the noisy latent: the scheduler's `alphas_cumprod`
+/// (1000 fp32, resident in the peer, held here for the whole step); the noise (the target),
+/// until the backward ends when the loss saves it as is (fp32), else freed with `del pred,
+/// target` after the loss (its `.float()` copy is the saved one); x0, ᾱ_t and the int64 t for
+/// the forward.
+pub(super) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
+    let wd = f.spec.recipe.precision.compute_dtype();
+    let noise = lat * wd.size();
+    let acp = 1000 * 4;
+    let fwd = lat * wd.size() + f.b * (8 + wd.size());
+    if wd == Dtype::F32 {
+        (acp + noise, fwd)
+    } else {
+        (acp, fwd + noise)
     }
 }
