@@ -14,7 +14,7 @@
 //! reads the weight copies block 0 put in the autocast cache.
 
 use super::common::Fam;
-use super::pixart::{ddpm_data, eps_loss, sinusoid};
+use super::pixart::{ddpm_data, eps_loss, hold, sinusoid};
 use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::ops::{save_if, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -217,6 +217,8 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
     let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
     let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
     let n3 = bl.layer_norm_rg("norm3", x1, rows);
+    // `norm_hidden_states = self.norm3(...)` reassigns the self-attention input's local.
+    hold(&mut bl, &[hn]);
     let hn = bl.modulate_rg("norm3 modulate", n3, shift_mlp, scale_mlp, b * dim);
     let inner = 4 * dim;
     let p = "transformer_blocks.i.ff";
@@ -225,6 +227,8 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
     let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
     let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
     bl.ew("ff + hidden_states", &[gf, x1], e);
+    // Until `return`: `attn_output` (gated) and `norm_hidden_states` (the FF's input).
+    hold(&mut bl, &[go, hn]);
     bl.g
 }
 
@@ -252,6 +256,8 @@ fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segm
     let n = bl.layer_norm_rg("norm_out", xs, rows);
     let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
     let y = bl.linear_rg("proj_out_2", hn, rows, g.patch2 * d.out_channels, dim, true);
+    // `conditioning`, `shift, scale` stay in the model's locals until it returns.
+    hold(&mut bl, &[cond, m2]);
     eps_loss(&mut bl, y, g.out, g.lat);
     bl.g
 }

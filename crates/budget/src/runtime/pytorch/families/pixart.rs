@@ -81,6 +81,17 @@ fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
     (g.tensors[t].dtype, g.tensors[t].requires_grad)
 }
 
+/// A Python local that holds `t` until here (reassigned or the function returns): a zero-sized
+/// view that reads it, so its storage lives to this point of the forward; nothing flows back
+/// through it. Restores the segment's output (the view is not the output).
+pub(super) fn hold(bl: &mut Builder, ts: &[Tid]) {
+    let out = bl.g.output;
+    for &t in ts {
+        bl.g.view("python local (held until reassigned / return)", t, 0);
+    }
+    bl.g.output = out;
+}
+
 /// `get_timestep_embedding` (diffusers `Timesteps`, no grad): the (n, 256) fp32 sinusoid (its
 /// arange/exp/sin/cos temporaries are a few n·256 floats, freed at once), then
 /// `.to(hidden_dtype)`.
@@ -248,6 +259,8 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
     let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
     let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
+    // `norm_hidden_states = hidden_states` (the msa input's local is reassigned).
+    hold(&mut bl, &[hn]);
     // Cross-attention to the caption with the padded prompt's bias (no norm for PixArt):
     // `prepare_attention_mask` repeats the (b, 1, T) bias per head.
     let p = "transformer_blocks.i.attn2";
@@ -265,6 +278,10 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     let o = bl.attention_masked(q, k, v, Some(mask), at);
     let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
     let o = bl.ew("attn2 / rescale_output_factor", &[o], e);
+    // `attn_output = self.attn2(...)`: the gated self-attention output's local is reassigned;
+    // the cross-attention output stays in it until the block returns.
+    hold(&mut bl, &[go]);
+    let o2 = o;
     let x2 = bl.ew("attn2 + hidden_states", &[o, x1], e);
     // Feed-forward on norm2(x)·(1 + scale) + shift: GELU(tanh) saves its input [AG].
     let n2 = bl.layer_norm_rg("norm2", x2, rows);
@@ -276,6 +293,8 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
     let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
     bl.ew("ff + hidden_states", &[gf, x2], e);
+    // Until `return`: `attn_output` (attn2's) and `norm_hidden_states` (the FF's input).
+    hold(&mut bl, &[o2, hn]);
     bl.g
 }
 
@@ -301,6 +320,8 @@ fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) 
     let n = bl.layer_norm_rg("norm_out", xs, rows);
     let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
     let y = bl.linear_rg("proj_out", hn, rows, g.patch2 * d.out_channels, dim, true);
+    // `shift, scale` stay in the model's locals until it returns.
+    hold(&mut bl, &[t2]);
     eps_loss(&mut bl, y, g.out, g.lat);
     bl.g
 }
@@ -314,13 +335,15 @@ pub(super) fn eps_loss(bl: &mut Builder, y: Tid, out: u64, lat: u64) {
     let wd = bl.low();
     let img = bl.ew("unpatchify reshape", &[y], out);
     let pred = bl.g.view("ε channels", img, lat);
-    let pred = bl.g.cast("pred.float()", pred, Dtype::F32);
+    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
     let noise = bl.g.input("noise", lat, wd, false);
     let target = bl.g.cast("target.float()", noise, Dtype::F32);
-    save(&mut bl.g, pred);
+    save(&mut bl.g, pf);
     save(&mut bl.g, target);
-    let loss = bl.g.op("mse_loss", &[pred, target], 1, Dtype::F32);
+    let loss = bl.g.op("mse_loss", &[pf, target], 1, Dtype::F32);
     bl.g.annotate(loss, 0, lat * 4, 0);
+    // The script's `pred` lives until `del pred, target` after the loss.
+    hold(bl, &[pred]);
 }
 
 /// The stages of a PixArt step.
@@ -427,5 +450,103 @@ pub(super) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
         (acp + noise, fwd)
     } else {
         (acp, fwd + noise)
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use crate::runtime::pytorch::device::PyTorch;
+    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::spec::{LoraSpec, Precision, SdpaBackend, Spec, TorchDevice};
+
+    /// The family peer's tiny spec (`bench/torch_peer/specs/families/<family>-fp32-none-loop.json`):
+    /// b = 4, 128² pixels (16² latent, 8² tokens of 2² patches), 4 heads of 16 (D = 64), 2 blocks,
+    /// 120 caption tokens (PixArt), on the CPU.
+    pub fn tiny(config: &str, precision: Precision, lora: Option<u32>) -> Spec {
+        let mut s = Spec::default_xl();
+        s.workload.height = 128;
+        s.workload.width = 128;
+        s.workload.batch = 4;
+        s.workload.microbatch = 4;
+        s.workload.accumulation = 1;
+        s.recipe.precision = precision;
+        s.recipe.ema.enabled = false;
+        s.recipe.lora = lora.map(|rank| LoraSpec {
+            rank,
+            targets: Vec::new(),
+            modules: Vec::new(),
+        });
+        s.runtime = crate::spec::Runtime::Pytorch {
+            device: TorchDevice::Cpu,
+            sdpa: SdpaBackend::Auto,
+        };
+        let cfg: serde_json::Value = serde_json::from_str(config).expect("config");
+        let map = cfg.as_object().expect("object").clone();
+        crate::denoiser::with_family(s, "tiny", map).expect("tiny spec")
+    }
+
+    pub const PIXART: &str = r#"{"_class_name": "PixArtTransformer2DModel", "sample_size": 16,
+        "num_layers": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 8,
+        "patch_size": 2, "attention_bias": true, "num_attention_heads": 4,
+        "cross_attention_dim": 64, "activation_fn": "gelu-approximate",
+        "num_embeds_ada_norm": 1000, "norm_type": "ada_norm_single",
+        "norm_elementwise_affine": false, "norm_eps": 1e-06, "caption_channels": 96}"#;
+
+    pub fn costs(spec: &Spec) -> Vec<StageCost> {
+        let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
+        stages(rt, spec).costs()
+    }
+
+    /// Kept bytes (activations and weight copies) of each stage.
+    pub fn kept(c: &[StageCost]) -> Vec<u64> {
+        c.iter()
+            .map(|s| s.cost.kept.activations + s.cost.kept.weight_casts)
+            .collect()
+    }
+
+    // `families_saved.txt` counts, per block, its stream input (saved by norm1) and, in block 0,
+    // the projected caption (saved first by attn2's to_k); here the input is the previous
+    // stage's output and the caption the input side's.
+    const E: u64 = 4 * 64 * 64;
+    const CAPTION: u64 = 4 * 120 * 64;
+
+    #[test]
+    fn fp32_blocks_keep_what_autograd_saves() {
+        let c = costs(&tiny(PIXART, Precision::Fp32, None));
+        // embed, 2 identical blocks in one stage, final.
+        assert_eq!(c.len(), 3);
+        assert_eq!(c[1].count, 2);
+        // transformer_blocks.0: 1904128 B saved, less its fp32 input and the caption.
+        assert_eq!(kept(&c)[1], 1_904_128 - 4 * E - 4 * CAPTION);
+        // Input side: pos_embed 16384 (its input is data here), adaln_single 8192,
+        // caption_projection 430080 (its input, 184320, is data) + the caption itself, and the
+        // (b, 6D) timestep held for the blocks.
+        assert_eq!(kept(&c)[0], 8192 + 430_080 - 184_320 + 4 * CAPTION + 4 * 4 * 6 * 64);
+    }
+
+    #[test]
+    fn bf16_block_zero_reads_the_bf16_patch_embedding() {
+        let c = costs(&tiny(PIXART, Precision::Bf16Mixed, None));
+        assert_eq!(c.len(), 4, "block 0 and block 1 are different stages");
+        let k = kept(&c);
+        // transformer_blocks.0: 1223424 B, less its bf16 input and the bf16 caption.
+        assert_eq!(k[1], 1_223_424 - 2 * E - 2 * CAPTION);
+        // transformer_blocks.1: 1228544 B (the caption counted earlier), less its fp32 input.
+        assert_eq!(k[2], 1_228_544 - 4 * E);
+    }
+
+    #[test]
+    fn lora_freezes_the_base_inputs() {
+        let full = kept(&costs(&tiny(PIXART, Precision::Fp32, None)));
+        let c = costs(&tiny(PIXART, Precision::Fp32, Some(8)));
+        let k = kept(&c);
+        // `family_saved.py` on pixart-fp32 with LoRA r = 8 on to_q/k/v/to_out.0: block 0 saves
+        // 1325568 B (nothing upstream needs a gradient: no norm1 input, no modulation), block 1
+        // 1271296 B (+ the caption, first saved by block 0's attn2.to_k.lora_A).
+        assert_eq!(k[1], 1_325_568 - 4 * CAPTION);
+        assert_eq!(k[2], 1_271_296 - 4 * E);
+        assert!(k[1] < full[1]);
+        // A frozen input side saves nothing for backward but the broadcast tensors it holds.
+        assert_eq!(k[0], 4 * CAPTION + 4 * 4 * 7 * 64);
     }
 }
