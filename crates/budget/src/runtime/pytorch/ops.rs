@@ -471,6 +471,8 @@ impl Builder<'_> {
         }
         let low = self.low();
         let y = self.g.op(name, &ins, rows * out, low);
+        let w_trained = self.rg(w);
+        self.gemm_scratch(y, rows, inp, out, x_rg, w_trained);
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -494,6 +496,7 @@ impl Builder<'_> {
         let ha = self
             .g
             .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        self.gemm_scratch(ha, rows, inp, r, x_rg, true);
         save(&mut self.g, ha);
         let bw = self
             .g
@@ -503,6 +506,7 @@ impl Builder<'_> {
         let hb = self
             .g
             .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        self.gemm_scratch(hb, rows, r, out, true, true);
         let sc = self
             .g
             .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
@@ -513,6 +517,34 @@ impl Builder<'_> {
             rows * out,
             promote(bdt, low),
         )
+    }
+
+    /// The scratchpad of a bf16/fp16 matmul on the CPU (`addmm`/`mm` → oneDNN's matmul, which
+    /// allocates it through PyTorch's CPU allocator for the call), on the op producing `y` of an
+    /// (m × k) · (k × n) product: forward, and backward as the larger of `grad·W` (m × n · n × k)
+    /// and `gradᵀ·x` (n × m · m × k, its transposed left operand copied first). Measured with
+    /// `torch.profiler` memory events inside `aten::addmm`/`aten::mm` (torch 2.15, oneDNN 3.13,
+    /// AVX-512, 2 threads: the family peer's CPU): 1664 B, an fp32 C block of m rows (below 16:
+    /// 8; below 64: a multiple of 32; at most 512, 256 when n > 64) by n columns (128 when
+    /// n > 64), a packed B panel of k (a multiple of 32, at most 1024) by 64 fp32; a transposed
+    /// left operand adds its bf16 copy and 128 B. Exact over the forward shapes of the peer's
+    /// tiny specs (n ≤ 64, or m = 256); the transposed backward shapes are off by up to ±50 %
+    /// where k or m exceed 256 (oneDNN's blocking heuristics); fp32 matmuls go to MKL without a
+    /// scratch that the profiler sees, and CUDA's cuBLAS workspace is not modelled here.
+    pub fn gemm_scratch(&mut self, y: Tid, m: u64, k: u64, n: u64, grad_x: bool, grad_w: bool) {
+        let half = matches!(self.low(), Dtype::Bf16 | Dtype::F16);
+        if self.rt.device != TorchDevice::Cpu || !half {
+            return;
+        }
+        let fwd = cpu_gemm_scratch(m, k, n, false);
+        let mut bwd = 0;
+        if grad_x {
+            bwd = bwd.max(cpu_gemm_scratch(m, n, k, false));
+        }
+        if grad_w {
+            bwd = bwd.max(cpu_gemm_scratch(n, m, k, true));
+        }
+        self.g.annotate(y, 0, fwd, bwd);
     }
 
     /// `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` (diffusers `AttnProcessor2_0`):
@@ -548,4 +580,27 @@ impl Builder<'_> {
         }
         o
     }
+}
+
+/// Bytes of oneDNN's bf16 matmul scratchpad for (m × k) · (k × n) on the peer's CPU: see
+/// [`Builder::gemm_scratch`].
+pub fn cpu_gemm_scratch(m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
+    if m == 0 || k == 0 || n == 0 {
+        return 0;
+    }
+    let mc = if n <= 64 { m.min(512) } else { m.min(256) };
+    let mp = if m < 16 {
+        8
+    } else if m < 64 {
+        mc.div_ceil(32) * 32
+    } else {
+        mc
+    };
+    let nc = if n <= 64 { n } else { 128 };
+    let kp = (k.div_ceil(32) * 32).min(1024);
+    let mut s = 1664 + mp * nc * 4 + kp * 64 * 4;
+    if a_transposed {
+        s += m * k * 2 + 128;
+    }
+    s
 }

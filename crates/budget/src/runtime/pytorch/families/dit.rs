@@ -114,6 +114,8 @@ fn emb_linear(
     crate::runtime::pytorch::ops::save(&mut bl.g, xin);
     let low = bl.low();
     let y = bl.g.op(name, &[xin, w, bias], rows * out, low);
+    let x_rg = bl.rg(x);
+    bl.gemm_scratch(y, rows, inp, out, x_rg, true);
     if how == Emb::Accumulated {
         // AccumulateGrad: the new gradient lives while it is added into `.grad` [AG].
         let pd = bl.param_dtype().size();
@@ -330,5 +332,65 @@ fn block_stage(seg: Segment, count: u32) -> Stage {
         blocks: true,
         label: "block",
         extra_grads: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::pixart::tests::{costs, kept, tiny};
+    use crate::spec::Precision;
+
+    const DIT: &str = r#"{"_class_name": "DiTTransformer2DModel", "sample_size": 16,
+        "num_layers": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 8,
+        "patch_size": 2, "attention_bias": true, "num_attention_heads": 4,
+        "activation_fn": "gelu-approximate", "num_embeds_ada_norm": 1000,
+        "norm_type": "ada_norm_zero", "norm_elementwise_affine": false}"#;
+    /// b·s·D of the tiny spec.
+    const E: u64 = 4 * 64 * 64;
+
+    #[test]
+    fn fp32_blocks_and_output_side_keep_what_autograd_saves() {
+        let c = costs(&tiny(DIT, Precision::Fp32, None));
+        // embed, block 0 (its embedder shared with the output side), block 1, final.
+        assert_eq!(c.len(), 4);
+        let k = kept(&c);
+        // `families_saved.txt`: 1335328 B per block, with its fp32 input (saved by norm1).
+        assert_eq!(k[1], 1_335_328 - 4 * E);
+        assert_eq!(k[2], 1_335_328 - 4 * E);
+        // Output side: model body 73760, proj_out_1 1024, norm_out 67584 (its input is the
+        // stream), proj_out_2 65536, and the loss's input (32768; the noise is data).
+        assert_eq!(k[3], 73_760 + 1024 + 67_584 - 4 * E + 65_536 + 32_768);
+    }
+
+    #[test]
+    fn the_output_side_creates_block_zero_embedder_grads_once() {
+        let c = costs(&tiny(DIT, Precision::Fp32, None));
+        // Block 0 reads the embedder the output side already differentiated: its own `.grad`s
+        // are those of attn1, ff, norm1.linear only; block 1 makes all of its own.
+        let emb = (256 * 64 + 64 + 64 * 64 + 64 + 1001 * 64) * 4;
+        assert_eq!(c[1].cost.param_grads + emb, c[2].cost.param_grads);
+        assert!(c[3].cost.param_grads >= emb);
+    }
+
+    #[test]
+    fn bf16_stream_stays_bf16() {
+        let c = costs(&tiny(DIT, Precision::Bf16Mixed, None));
+        let k = kept(&c);
+        // 825888 B per block with the bf16 input; the output side 157728 B (model body 37408
+        // without the timestep weight copy block 0 cached, proj_out_1, norm_out, proj_out_2,
+        // the two fp32 copies of the loss) less its bf16 input.
+        assert_eq!(k[1], 825_888 - 2 * E);
+        assert_eq!(k[2], 825_888 - 2 * E);
+        assert_eq!(k[3], 37_408 + 16_896 + 33_792 + 36_864 + 32_768 - 2 * E);
+    }
+
+    #[test]
+    fn lora_saves_no_frozen_input() {
+        let c = costs(&tiny(DIT, Precision::Bf16Mixed, Some(4)));
+        let k = kept(&c);
+        // `family_saved.py` on dit-bf16-lora4: block 0 445440 B (no grad reaches its input),
+        // block 1 481280 B with its bf16 input.
+        assert_eq!(k[1], 445_440);
+        assert_eq!(k[2], 481_280 - 2 * E);
     }
 }
