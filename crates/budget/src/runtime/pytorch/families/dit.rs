@@ -16,7 +16,7 @@
 use super::common::Fam;
 use super::pixart::{ddpm_data, eps_loss, hold, sinusoid};
 use crate::families::DitDiffusersDims;
-use crate::runtime::pytorch::ops::{save_if, Attn, Builder};
+use crate::runtime::pytorch::ops::{save, save_if, Attn, Builder, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -62,7 +62,7 @@ enum Emb {
 
 /// A parameter of block 0's embedder as `how` reads it.
 fn emb_param(bl: &mut Builder, name: &str, elems: u64, how: Emb) -> Tid {
-    if how == Emb::Accumulated && !bl.lora.is_some() {
+    if how == Emb::Accumulated && bl.lora.is_none() {
         let pd = bl.param_dtype();
         let p = bl.g.param(name, elems, pd, false);
         bl.g.tensors[p].requires_grad = true;
@@ -93,25 +93,19 @@ fn emb_linear(
         let x_rg = bl.rg(x);
         let wc = bl.cast_low(&format!("{name}.weight"), w);
         if wc != w {
-            let mark = if x_rg {
-                crate::runtime::pytorch::ops::SAVED
-            } else {
-                crate::runtime::pytorch::ops::CACHED
-            };
+            let mark = if x_rg { SAVED } else { CACHED };
             bl.g.tensors[wc].name.push_str(mark);
         }
         let bc = bl.cast_low(&format!("{name}.bias"), bias);
         if bc != bias {
-            bl.g.tensors[bc]
-                .name
-                .push_str(crate::runtime::pytorch::ops::CACHED);
+            bl.g.tensors[bc].name.push_str(CACHED);
         }
         (wc, bc)
     } else {
         (w, bias)
     };
     let xin = bl.cast_low(&format!("{name} input"), x);
-    crate::runtime::pytorch::ops::save(&mut bl.g, xin);
+    save(&mut bl.g, xin);
     let low = bl.low();
     let y = bl.g.op(name, &[xin, w, bias], rows * out, low);
     let x_rg = bl.rg(x);

@@ -521,7 +521,10 @@ pub(super) mod tests {
         // Input side: pos_embed 16384 (its input is data here), adaln_single 8192,
         // caption_projection 430080 (its input, 184320, is data) + the caption itself, and the
         // (b, 6D) timestep held for the blocks.
-        assert_eq!(kept(&c)[0], 8192 + 430_080 - 184_320 + 4 * CAPTION + 4 * 4 * 6 * 64);
+        assert_eq!(
+            kept(&c)[0],
+            8192 + 430_080 - 184_320 + 4 * CAPTION + 4 * 4 * 6 * 64
+        );
     }
 
     #[test]
