@@ -641,3 +641,232 @@ impl<'a> Builder<'a> {
         self.mul_g(&format!("{name} ·weight"), y, w, n)
     }
 }
+
+// ---- pixart, dit-diffusers (famcross): ops that save only what a gradient needs, the masked
+// attention of a cross-attention, PEFT's input cast ----
+
+/// Mark `t` saved when `needed`: autograd saves a variable only for the inputs that need a
+/// gradient (`derivatives.yaml`: `self: grad * other` needs `other` only when `self` requires
+/// grad) [AG].
+pub fn save_if(g: &mut Segment, t: Tid, needed: bool) {
+    if needed {
+        save(g, t);
+    }
+}
+
+impl Builder<'_> {
+    /// `a * b` elementwise (broadcast) into `n` elements of the promoted dtype: `MulBackward0`
+    /// saves `b` when `a` needs a gradient and `a` when `b` does [AG].
+    pub fn mul(&mut self, name: &str, a: Tid, b: Tid, n: u64) -> Tid {
+        let (ra, rb) = (self.rg(a), self.rg(b));
+        save_if(&mut self.g, b, ra);
+        save_if(&mut self.g, a, rb);
+        let dt = promote(self.g.dtype(a), self.g.dtype(b));
+        self.g.op(name, &[a, b], n, dt)
+    }
+
+    /// An elementwise op that saves nothing (`add`, `sub`, a scalar multiple or division) into `n`
+    /// elements of the promoted dtype of its inputs [AG].
+    pub fn ew(&mut self, name: &str, ins: &[Tid], n: u64) -> Tid {
+        let dt = ins
+            .iter()
+            .map(|&t| self.g.dtype(t))
+            .reduce(promote)
+            .unwrap_or(Dtype::F32);
+        self.g.op(name, ins, n, dt)
+    }
+
+    /// An activation that saves its input (`gelu`, `silu`) when it needs a gradient [AG]; the
+    /// output keeps the input's dtype (neither is on an autocast list) [AC].
+    pub fn act(&mut self, name: &str, x: Tid) -> Tid {
+        let r = self.rg(x);
+        save_if(&mut self.g, x, r);
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// [`Builder::layer_norm`] when its input needs a gradient; otherwise autograd records
+    /// nothing (no saved input, no mean/rstd kept) [AG].
+    pub fn layer_norm_rg(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+        if self.rg(x) {
+            return self.layer_norm(name, x, rows);
+        }
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// `x·(1 + scale) + shift` with [`Builder::mul`]'s saving rule (a frozen scale saves only
+    /// `1 + scale`, an input without gradient only the norm's output) [AG].
+    pub fn modulate_rg(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
+        let sdt = self.g.dtype(scale);
+        let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
+        let n = self.g.elems(xn);
+        let mul = self.mul(&format!("{name} ·(1+scale)"), xn, one_plus, n);
+        self.ew(&format!("{name} +shift"), &[mul, shift], n)
+    }
+
+    /// `F.linear(x, W[, b])` as [`Builder::linear_opt`], but `addmm` saves the (cast) weight only
+    /// when x needs a gradient (`mat1: grad.mm(mat2.t())`); otherwise the weight's autocast copy
+    /// is held by the cache alone [AG][AC]. Under LoRA on the module, PEFT's
+    /// `_cast_input_dtype(x, lora_A.weight.dtype)` first makes an fp32 copy of a low-precision x
+    /// (the adapters are fp32 after `cast_training_params`), which autocast casts back for
+    /// `lora_A` (`peft/tuners/lora/layer.py` `Linear.forward`).
+    pub fn linear_rg(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let x_rg = self.rg(x);
+        let w = if x_rg {
+            self.weight(&format!("{name}.weight"), out * inp)
+        } else {
+            self.cached_weight(&format!("{name}.weight"), out * inp)
+        };
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        let xin = self.cast_low(&format!("{name} input"), x);
+        ins[0] = xin;
+        if !self.frozen() {
+            save(&mut self.g, xin);
+        }
+        let low = self.low();
+        let y = self.g.op(name, &ins, rows * out, low);
+        let w_trained = self.rg(w);
+        self.gemm_scratch(y, rows, inp, out, x_rg, w_trained);
+        let Some(r) = self.lora_rank(name) else {
+            return y;
+        };
+        let pd = self.param_dtype();
+        let xa = if self.autocast() {
+            self.g.cast(&format!("{name} lora input →{pd}"), x, pd)
+        } else {
+            x
+        };
+        let a = self
+            .g
+            .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
+        let a = self.cast_low(&format!("{name}.lora_A"), a);
+        if x_rg {
+            save(&mut self.g, a);
+        } else if self.g.tensors[a].kind == crate::segment::TensorKind::Alloc {
+            self.g.tensors[a].name.push_str(CACHED);
+        }
+        let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
+        save(&mut self.g, xa);
+        let ha = self
+            .g
+            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        self.gemm_scratch(ha, rows, inp, r, x_rg, true);
+        save(&mut self.g, ha);
+        let bw = self
+            .g
+            .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
+        let bw = self.cast_low(&format!("{name}.lora_B"), bw);
+        save(&mut self.g, bw);
+        let hb = self
+            .g
+            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        self.gemm_scratch(hb, rows, r, out, true, true);
+        let sc = self
+            .g
+            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
+        let bdt = self.g.dtype(y);
+        self.g.op(
+            &format!("{name} + lora"),
+            &[y, sc],
+            rows * out,
+            promote(bdt, low),
+        )
+    }
+
+    /// The scratchpad of a bf16/fp16 matmul on the CPU (`addmm`/`mm` → oneDNN's matmul, which
+    /// allocates it through PyTorch's CPU allocator for the call), on the op producing `y` of an
+    /// (m × k) · (k × n) product: forward, and backward as the larger of `grad·W` (m × n · n × k)
+    /// and `gradᵀ·x` (n × m · m × k, its transposed left operand copied first). Measured with
+    /// `torch.profiler` memory events inside `aten::addmm`/`aten::mm` (torch 2.15, oneDNN 3.13,
+    /// AVX-512, 2 threads: the family peer's CPU): 1664 B, an fp32 C block of m rows (below 16:
+    /// 8; below 64: a multiple of 32; at most 512, 256 when n > 64) by n columns (128 when
+    /// n > 64), a packed B panel of k (a multiple of 32, at most 1024) by 64 fp32; a transposed
+    /// left operand adds its bf16 copy and 128 B. Exact over the forward shapes of the peer's
+    /// tiny specs (n ≤ 64, or m = 256); the transposed backward shapes are off by up to ±50 %
+    /// where k or m exceed 256 (oneDNN's blocking heuristics); fp32 matmuls go to MKL without a
+    /// scratch that the profiler sees, and CUDA's cuBLAS workspace is not modelled here.
+    pub fn gemm_scratch(&mut self, y: Tid, m: u64, k: u64, n: u64, grad_x: bool, grad_w: bool) {
+        let half = matches!(self.low(), Dtype::Bf16 | Dtype::F16);
+        if self.rt.device != TorchDevice::Cpu || !half {
+            return;
+        }
+        let fwd = cpu_gemm_scratch(m, k, n, false);
+        let mut bwd = 0;
+        if grad_x {
+            bwd = bwd.max(cpu_gemm_scratch(m, n, k, false));
+        }
+        if grad_w {
+            bwd = bwd.max(cpu_gemm_scratch(n, m, k, true));
+        }
+        self.g.annotate(y, 0, fwd, bwd);
+    }
+
+    /// `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)` (diffusers `AttnProcessor2_0`):
+    /// [`Builder::attention`] with the mask read by the kernel; the fused kernels save it
+    /// (`attn_mask` / `attn_bias`) [SDPA]; CUDA flash takes no mask, so the dispatcher runs the
+    /// memory-efficient kernel; the math backend adds it into the scores in place.
+    pub fn attention_masked(&mut self, q: Tid, k: Tid, v: Tid, mask: Option<Tid>, at: Attn) -> Tid {
+        let Some(m) = mask else {
+            return self.attention(q, k, v, at);
+        };
+        let start = self.g.ops.len();
+        let fused = self.attention == AttentionMode::MemoryEfficient;
+        let o = if fused {
+            match self.rt.effective_sdpa(self.precision) {
+                SdpaBackend::Math => self.sdpa_math(q, k, v, at),
+                SdpaBackend::Flash if self.rt.device == TorchDevice::Cuda => {
+                    self.sdpa_fused(q, k, v, at, SdpaBackend::Efficient)
+                }
+                backend => self.sdpa_fused(q, k, v, at, backend),
+            }
+        } else {
+            self.explicit_attention(q, k, v, at)
+        };
+        let reader = self.g.ops[start..]
+            .iter()
+            .position(|op| op.name == "sdpa out" || op.name.starts_with("scores"))
+            .map(|i| i + start);
+        if let Some(i) = reader {
+            self.g.ops[i].inputs.push(m);
+            if self.g.ops[i].name == "sdpa out" {
+                save(&mut self.g, m);
+            }
+        }
+        o
+    }
+}
+
+/// Bytes of oneDNN's bf16 matmul scratchpad for (m × k) · (k × n) on the peer's CPU: see
+/// [`Builder::gemm_scratch`].
+pub fn cpu_gemm_scratch(m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
+    if m == 0 || k == 0 || n == 0 {
+        return 0;
+    }
+    let mc = if n <= 64 { m.min(512) } else { m.min(256) };
+    let mp = if m < 16 {
+        8
+    } else if m < 64 {
+        mc.div_ceil(32) * 32
+    } else {
+        mc
+    };
+    let nc = if n <= 64 { n } else { 128 };
+    let kp = (k.div_ceil(32) * 32).min(1024);
+    let mut s = 1664 + mp * nc * 4 + kp * 64 * 4;
+    if a_transposed {
+        s += m * k * 2 + 128;
+    }
+    s
+}

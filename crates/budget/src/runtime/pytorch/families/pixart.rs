@@ -1,12 +1,555 @@
-//! Not modelled yet: `READY` is false, so an estimate of this family on the `pytorch` runtime
-//! is refused (exit 2) before it gets here.
+//! PixArt-α / Σ: diffusers `PixArtTransformer2DModel` (`models/transformers/pixart_transformer_2d.py`)
+//! in the step of `bench/torch_peer/family_peer.py` (DDPM ε, cached T5 embeddings with a padded
+//! prompt's mask), op by op with what each op saves (rule sources in `pytorch/mod.rs`; ground
+//! truth: `bench/torch_peer/results/families_saved.txt`, section pixart).
+//!
+//! Stages: the input side (`pos_embed` PatchEmbed, `adaln_single`, `caption_projection`; its
+//! broadcast outputs are the (b, 6D) `timestep`, the (b, D) `embedded_timestep` and the projected
+//! caption), the `BasicTransformerBlock`s (`norm_type="ada_norm_single"`) — block 0 on its own
+//! when it reads a stream of another dtype than the later blocks (PatchEmbed returns
+//! `(latent + pos_embed).to(latent.dtype)`: bf16 under autocast, while a block's residual sums
+//! are fp32) — and the output side (`norm_out`, the final `scale_shift_table`, `proj_out`,
+//! unpatchify, the fp32 MSE loss).
 
 use super::common::Fam;
 use crate::families::PixartDims;
-use crate::runtime::pytorch::stages::Stages;
+use crate::runtime::pytorch::ops::{save, save_if, Attn, Builder};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::segment::{Segment, TensorKind, Tid};
+use crate::spec::Dtype;
 
-pub const READY: bool = false;
+pub const READY: bool = true;
 
-pub fn stages(_f: &Fam, _d: &PixartDims) -> Stages {
-    Stages::default()
+/// Width of diffusers' `Timesteps(256)` sinusoid (`time_proj`, `additional_condition_proj`).
+const FREQ: u64 = 256;
+
+/// The shapes one PixArt step runs at.
+#[derive(Debug, Clone, Copy)]
+struct Geo {
+    b: u64,
+    /// Image tokens.
+    s: u64,
+    /// Hidden size heads × head_dim.
+    d: u64,
+    heads: u64,
+    /// Caption tokens.
+    t: u64,
+    /// Width of the blocks' keys/values (the projected caption).
+    kv: u64,
+    /// Latent elements of x0 / noise / the ε prediction.
+    lat: u64,
+    /// Output elements (b, out_channels, h, w).
+    out: u64,
+    patch2: u64,
+}
+
+impl Geo {
+    fn new(f: &Fam, d: &PixartDims) -> Geo {
+        let (b, s) = (f.b, f.s);
+        let lat = b * d.in_channels * f.latent_h * f.latent_w;
+        Geo {
+            b,
+            s,
+            d: d.inner(),
+            heads: d.num_attention_heads,
+            t: f.text.first().copied().unwrap_or(0),
+            kv: d.cross_attention_dim,
+            lat,
+            out: b * d.out_channels * f.latent_h * f.latent_w,
+            patch2: d.patch_size * d.patch_size,
+        }
+    }
+    fn e(&self) -> u64 {
+        self.b * self.s * self.d
+    }
+    fn rows(&self) -> u64 {
+        self.b * self.s
+    }
+}
+
+/// What the input side hands on: the stream's dtype and whether a gradient flows to it, and the
+/// broadcast tensors' (bytes, dtype, requires grad).
+#[derive(Debug, Clone, Copy)]
+struct Handoff {
+    x: (Dtype, bool),
+    timestep: (Dtype, bool),
+    emb: (Dtype, bool),
+    caption: (Dtype, bool),
+}
+
+fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
+    (g.tensors[t].dtype, g.tensors[t].requires_grad)
+}
+
+/// A Python local that holds `t` until here (reassigned or the function returns): a zero-sized
+/// view that reads it, so its storage lives to this point of the forward; nothing flows back
+/// through it. Restores the segment's output (the view is not the output).
+pub(super) fn hold(bl: &mut Builder, ts: &[Tid]) {
+    let out = bl.g.output;
+    for &t in ts {
+        bl.g.view("python local (held until reassigned / return)", t, 0);
+    }
+    bl.g.output = out;
+}
+
+/// `get_timestep_embedding` (diffusers `Timesteps`, no grad): the (n, 256) fp32 sinusoid (its
+/// arange/exp/sin/cos temporaries are a few n·256 floats, freed at once), then
+/// `.to(hidden_dtype)`.
+pub(super) fn sinusoid(bl: &mut Builder, name: &str, src: Tid, n: u64, to: Dtype) -> Tid {
+    let e = bl.g.op(name, &[src], n * FREQ, Dtype::F32);
+    bl.g.cast(&format!("{name} →{to}"), e, to)
+}
+
+/// diffusers `TimestepEmbedding`: `linear_1` → SiLU → `linear_2`.
+pub(super) fn timestep_embedding(
+    bl: &mut Builder,
+    prefix: &str,
+    x: Tid,
+    rows: u64,
+    dim: u64,
+) -> Tid {
+    let h = bl.linear_rg(&format!("{prefix}.linear_1"), x, rows, dim, FREQ, true);
+    let h = bl.act(&format!("{prefix}.act silu"), h);
+    bl.linear_rg(&format!("{prefix}.linear_2"), h, rows, dim, dim, true)
+}
+
+/// The input side: PatchEmbed (conv, `+ pos_embed`, `.to(latent.dtype)`), `adaln_single`
+/// (`PixArtAlphaCombinedTimestepSizeEmbeddings`, SiLU, `Linear(D, 6D)`), the caption projection
+/// (`PixArtAlphaTextProjection`: Linear, GELU-tanh, Linear).
+fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
+    let mut bl = f.builder("embed");
+    let wd = bl.low();
+    let (b, dim) = (g.b, g.d);
+    // The noisy latent (the script's `noisy`, in the weight dtype), counted as data.
+    let noisy = bl.g.input("noisy latent", g.lat, wd, false);
+    // PatchEmbed.proj: conv2d saves its (cast) input and weight when recorded [AG][AC].
+    let w = bl.weight("pos_embed.proj.weight", dim * d.in_channels * g.patch2);
+    let bias = bl.cached_weight("pos_embed.proj.bias", dim);
+    let xin = bl.cast_low("pos_embed.proj input", noisy);
+    let low = bl.low();
+    let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], g.e(), low);
+    let rec = bl.rg(conv);
+    save_if(&mut bl.g, xin, rec);
+    // The sin-cos table: the buffer at the config's grid (cast with the model under LoRA), else
+    // `get_2d_sincos_pos_embed(...).float()` made anew each forward.
+    let side = d.sample_size / d.patch_size.max(1);
+    let grid = (
+        f.latent_h / d.patch_size.max(1),
+        f.latent_w / d.patch_size.max(1),
+    );
+    let pos = if grid == (side, side) {
+        let pdt = if f.lora.is_some() { low } else { Dtype::F32 };
+        bl.g.param("pos_embed.pos_embed", g.s * dim, pdt, false)
+    } else {
+        bl.g.op("get_2d_sincos_pos_embed", &[], g.s * dim, Dtype::F32)
+    };
+    let sum = bl.ew("latent + pos_embed", &[conv, pos], g.e());
+    let x = bl.g.cast("(latent + pos_embed).to(latent.dtype)", sum, low);
+    // adaln_single: t (int64) → sinusoid → TimestepEmbedding; α's size embedders.
+    let hd = bl.g.dtype(x);
+    let t = bl.g.input("t", b, Dtype::F64, false);
+    let tp = sinusoid(&mut bl, "adaln_single.emb.time_proj", t, b, hd);
+    let temb = timestep_embedding(&mut bl, "adaln_single.emb.timestep_embedder", tp, b, dim);
+    let emb = if d.use_additional_conditions {
+        let size = dim / 3;
+        let res = bl.g.input("resolution", 2 * b, wd, false);
+        let rp = sinusoid(&mut bl, "resolution proj", res, 2 * b, hd);
+        let re = timestep_embedding(
+            &mut bl,
+            "adaln_single.emb.resolution_embedder",
+            rp,
+            2 * b,
+            size,
+        );
+        let ar = bl.g.input("aspect_ratio", b, wd, false);
+        let ap = sinusoid(&mut bl, "aspect ratio proj", ar, b, hd);
+        let ae = timestep_embedding(
+            &mut bl,
+            "adaln_single.emb.aspect_ratio_embedder",
+            ap,
+            b,
+            size,
+        );
+        let cat = bl.ew("cat[resolution, aspect]", &[re, ae], b * 3 * size);
+        bl.ew("timesteps_emb + sizes", &[temb, cat], b * dim)
+    } else {
+        temb
+    };
+    let s = bl.act("adaln_single.silu", emb);
+    let timestep = bl.linear_rg("adaln_single.linear", s, b, 6 * dim, dim, true);
+    // Caption projection (T5 width → D), or the caption itself.
+    let caption = match d.caption_channels {
+        Some(cc) => {
+            let enc =
+                bl.g.input("encoder_hidden_states", g.b * g.t * cc, wd, false);
+            let rows = g.b * g.t;
+            let h = bl.linear_rg("caption_projection.linear_1", enc, rows, dim, cc, true);
+            let h = bl.act("caption_projection.act_1 gelu(tanh)", h);
+            bl.linear_rg("caption_projection.linear_2", h, rows, dim, dim, true)
+        }
+        None => {
+            bl.g.input("encoder_hidden_states", g.b * g.t * g.kv, wd, false)
+        }
+    };
+    // The broadcast outputs stay alive with the graph (the blocks read them, their gradients
+    // come back before this side's backward); without a gradient (a frozen input side under
+    // LoRA) the model's locals still hold them through the forward, marked saved here too (they
+    // stay until this side's backward: b·(7D + T·D) low-precision bytes too long).
+    let outs = [timestep, emb, caption];
+    let bcast: Vec<Tid> = outs.into_iter().filter(|&t| bl.rg(t)).collect();
+    for t in outs {
+        if bl.g.tensors[t].kind == TensorKind::Alloc {
+            save(&mut bl.g, t);
+        }
+    }
+    let h = Handoff {
+        x: info(&bl.g, x),
+        timestep: info(&bl.g, timestep),
+        emb: info(&bl.g, emb),
+        caption: info(&bl.g, caption),
+    };
+    bl.g.output = x;
+    (bl.g, bcast, h)
+}
+
+/// One `BasicTransformerBlock` with `norm_type="ada_norm_single"` (diffusers `attention.py`
+/// `BasicTransformerBlock.forward`), reading a stream of `x` = (dtype, requires grad).
+fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Segment {
+    let mut bl = f.builder("block");
+    let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
+    let wd = bl.low();
+    let ab = d.attention_bias;
+    let xs = bl.g.input("hidden_states", e, x.0, x.1);
+    if x.1 {
+        bl.g.stream_in = vec![xs];
+    }
+    let ts =
+        bl.g.input("timestep", b * 6 * dim, h.timestep.0, h.timestep.1);
+    let cap =
+        bl.g.input("caption", b * g.t * g.kv, h.caption.0, h.caption.1);
+    let bias =
+        bl.g.input("encoder_attention_mask bias", b * g.t, wd, false);
+    // `scale_shift_table[None] + timestep.reshape(b, 6, -1)`, chunked: the add saves nothing [AG].
+    let table = bl.plain_param("transformer_blocks.i.scale_shift_table", 6 * dim);
+    let t6 = bl.ew("scale_shift_table + timestep", &[table, ts], b * 6 * dim);
+    let m: Vec<Tid> = (0..6)
+        .map(|i| bl.g.view(&format!("modulation chunk {i}"), t6, b * dim))
+        .collect();
+    let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
+        (m[0], m[1], m[2], m[3], m[4], m[5]);
+    let heads = g.heads;
+    let dh = dim / heads.max(1);
+    // Self-attention on norm1(x)·(1 + scale) + shift.
+    let n1 = bl.layer_norm_rg("norm1", xs, rows);
+    let hn = bl.modulate_rg("modulate msa", n1, shift_msa, scale_msa, b * dim);
+    let p = "transformer_blocks.i.attn1";
+    let q = bl.linear_rg(&format!("{p}.to_q"), hn, rows, dim, dim, ab);
+    let k = bl.linear_rg(&format!("{p}.to_k"), hn, rows, dim, dim, ab);
+    let v = bl.linear_rg(&format!("{p}.to_v"), hn, rows, dim, dim, ab);
+    let at = Attn {
+        b,
+        heads,
+        sq: g.s,
+        skv: g.s,
+        dh,
+    };
+    let o = bl.attention_masked(q, k, v, None, at);
+    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
+    // `hidden_states / attn.rescale_output_factor` (1.0) allocates [AG: no save for a scalar].
+    let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
+    let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
+    let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
+    // `norm_hidden_states = hidden_states` (the msa input's local is reassigned).
+    hold(&mut bl, &[hn]);
+    // Cross-attention to the caption with the padded prompt's bias (no norm for PixArt):
+    // `prepare_attention_mask` repeats the (b, 1, T) bias per head.
+    let p = "transformer_blocks.i.attn2";
+    let q = bl.linear_rg(&format!("{p}.to_q"), x1, rows, dim, dim, ab);
+    let ct = b * g.t;
+    let k = bl.linear_rg(&format!("{p}.to_k"), cap, ct, dim, g.kv, ab);
+    let v = bl.linear_rg(&format!("{p}.to_v"), cap, ct, dim, g.kv, ab);
+    let mask = bl.g.op(
+        "attn2 mask repeat_interleave(heads)",
+        &[bias],
+        heads * b * g.t,
+        wd,
+    );
+    let at = Attn { skv: g.t, ..at };
+    let o = bl.attention_masked(q, k, v, Some(mask), at);
+    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
+    let o = bl.ew("attn2 / rescale_output_factor", &[o], e);
+    // `attn_output = self.attn2(...)`: the gated self-attention output's local is reassigned;
+    // the cross-attention output stays in it until the block returns.
+    hold(&mut bl, &[go]);
+    let o2 = o;
+    let x2 = bl.ew("attn2 + hidden_states", &[o, x1], e);
+    // Feed-forward on norm2(x)·(1 + scale) + shift: GELU(tanh) saves its input [AG].
+    let n2 = bl.layer_norm_rg("norm2", x2, rows);
+    let hn = bl.modulate_rg("modulate mlp", n2, shift_mlp, scale_mlp, b * dim);
+    let inner = 4 * dim;
+    let p = "transformer_blocks.i.ff";
+    let f1 = bl.linear_rg(&format!("{p}.net.0.proj"), hn, rows, inner, dim, true);
+    let a = bl.act("ff gelu(tanh)", f1);
+    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
+    let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
+    bl.ew("ff + hidden_states", &[gf, x2], e);
+    // Until `return`: `attn_output` (attn2's) and `norm_hidden_states` (the FF's input).
+    hold(&mut bl, &[o2, hn]);
+    bl.g
+}
+
+/// The output side: `scale_shift_table[None] + embedded_timestep[:, None]` chunked in two,
+/// `norm_out`, the modulation, `proj_out`, unpatchify (the last reshape copies), the ε channels
+/// (a view when sigma is learned) and `F.mse_loss(pred.float(), noise.float())` outside autocast.
+fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Segment {
+    let mut bl = f.builder("final");
+    let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
+    let xs = bl.g.input("hidden_states", e, x.0, x.1);
+    if x.1 {
+        bl.g.stream_in = vec![xs];
+    }
+    let emb = bl.g.input("embedded_timestep", b * dim, h.emb.0, h.emb.1);
+    let table = bl.plain_param("scale_shift_table", 2 * dim);
+    let t2 = bl.ew(
+        "scale_shift_table + embedded_timestep",
+        &[table, emb],
+        b * 2 * dim,
+    );
+    let shift = bl.g.view("shift", t2, b * dim);
+    let scale = bl.g.view("scale", t2, b * dim);
+    let n = bl.layer_norm_rg("norm_out", xs, rows);
+    let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
+    let y = bl.linear_rg("proj_out", hn, rows, g.patch2 * d.out_channels, dim, true);
+    // `shift, scale` stay in the model's locals until it returns.
+    hold(&mut bl, &[t2]);
+    eps_loss(&mut bl, y, g.out, g.lat);
+    bl.g
+}
+
+/// Unpatchify (`reshape`, `einsum("nhwpqc->nchpwq")` a permuted view, the last `reshape` a copy
+/// of `out` elements), the ε channels (`out[:, :C]`, a view, when sigma is learned) and
+/// `F.mse_loss(pred.float(), noise.float())` outside autocast (`family_peer.py`): `.float()` copies
+/// a low-precision tensor; MseLossBackward0 saves input and target; the forward makes one
+/// elementwise buffer before the mean [AG].
+pub(super) fn eps_loss(bl: &mut Builder, y: Tid, out: u64, lat: u64) {
+    let wd = bl.low();
+    let img = bl.ew("unpatchify reshape", &[y], out);
+    let pred = bl.g.view("ε channels", img, lat);
+    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
+    let noise = bl.g.input("noise", lat, wd, false);
+    let target = bl.g.cast("target.float()", noise, Dtype::F32);
+    save(&mut bl.g, pf);
+    save(&mut bl.g, target);
+    let loss = bl.g.op("mse_loss", &[pf, target], 1, Dtype::F32);
+    bl.g.annotate(loss, 0, lat * 4, 0);
+    // The script's `pred` lives until `del pred, target` after the loss.
+    hold(bl, &[pred]);
+}
+
+/// The stages of a PixArt step.
+pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
+    let g = Geo::new(f, d);
+    let (emb, bcast, h) = embed(f, d, &g);
+    let out = |s: &Segment| info(s, s.output);
+    let first = block(f, d, &g, &h, h.x);
+    let mut stages = vec![Stage {
+        seg: emb,
+        count: 1,
+        blocks: false,
+        label: "embed",
+        extra_grads: bcast,
+    }];
+    let n = d.num_layers as u32;
+    let mut last = out(&first);
+    let rest = block(f, d, &g, &h, last);
+    if rest == first {
+        stages.push(block_stage(first, n));
+    } else {
+        stages.push(block_stage(first, 1));
+        if n > 1 {
+            last = out(&rest);
+            stages.push(block_stage(rest, n - 1));
+        }
+    }
+    stages.push(Stage {
+        seg: final_layer(f, d, &g, &h, last),
+        count: 1,
+        blocks: false,
+        label: "final + loss",
+        extra_grads: Vec::new(),
+    });
+    Stages {
+        stages,
+        data: data(f, d, &g),
+    }
+}
+
+fn block_stage(seg: Segment, count: u32) -> Stage {
+    Stage {
+        seg,
+        count,
+        blocks: true,
+        label: "block",
+        extra_grads: Vec::new(),
+    }
+}
+
+/// The step's tensors outside the model (`family_peer.py` `Inputs.forward`, DDPM branch): see
+/// [`ddpm_data`]; the caption while a saved reference holds it (the caption projection's or
+/// `to_k`'s input), the int64 mask, its bias and α's size conditions for the forward.
+fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
+    let wd = f.spec.recipe.precision.compute_dtype().size();
+    let frozen = f.lora.is_some();
+    let lora_on = |m: &str| {
+        f.lora.as_ref().is_some_and(|l| {
+            l.modules
+                .iter()
+                .any(|k| crate::denoiser::matches_module(m, k))
+        })
+    };
+    let enc_w = d.caption_channels.unwrap_or(g.kv);
+    let enc = g.b * g.t * enc_w * wd;
+    let enc_saved = match d.caption_channels {
+        Some(_) => !frozen || lora_on("caption_projection.linear_1"),
+        None => !frozen || lora_on("attn2.to_k") || lora_on("attn2.to_v"),
+    };
+    let (kept, fwd) = ddpm_data(f, g.lat);
+    let noisy = g.lat * wd;
+    let (mut kept, mut fwd) = (kept, fwd + g.b * g.t * (8 + wd));
+    if frozen {
+        fwd += noisy;
+    } else {
+        kept += noisy;
+    }
+    if enc_saved {
+        kept += enc;
+    } else {
+        fwd += enc;
+    }
+    if d.use_additional_conditions {
+        fwd += 3 * g.b * wd;
+    }
+    Data {
+        kept,
+        forward_only: fwd,
+    }
+}
+
+/// The DDPM step's data shared with diffusers' DiT (`family_peer.py` `Inputs.forward`, `loss_of`),
+/// as (kept, forward-only) bytes without the noisy latent: the scheduler's `alphas_cumprod`
+/// (1000 fp32, resident in the peer, held here for the whole step); the noise (the target),
+/// until the backward ends when the loss saves it as is (fp32), else freed with `del pred,
+/// target` after the loss (its `.float()` copy is the saved one); x0, ᾱ_t and the int64 t for
+/// the forward.
+pub(super) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
+    let wd = f.spec.recipe.precision.compute_dtype();
+    let noise = lat * wd.size();
+    let acp = 1000 * 4;
+    let fwd = lat * wd.size() + f.b * (8 + wd.size());
+    if wd == Dtype::F32 {
+        (acp + noise, fwd)
+    } else {
+        (acp, fwd + noise)
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use crate::runtime::pytorch::device::PyTorch;
+    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::spec::{LoraSpec, Precision, SdpaBackend, Spec, TorchDevice};
+
+    /// The family peer's tiny spec (`bench/torch_peer/specs/families/<family>-fp32-none-loop.json`):
+    /// b = 4, 128² pixels (16² latent, 8² tokens of 2² patches), 4 heads of 16 (D = 64), 2 blocks,
+    /// 120 caption tokens (PixArt), on the CPU.
+    pub fn tiny(config: &str, precision: Precision, lora: Option<u32>) -> Spec {
+        let mut s = Spec::default_xl();
+        s.workload.height = 128;
+        s.workload.width = 128;
+        s.workload.batch = 4;
+        s.workload.microbatch = 4;
+        s.workload.accumulation = 1;
+        s.recipe.precision = precision;
+        s.recipe.ema.enabled = false;
+        s.recipe.lora = lora.map(|rank| LoraSpec {
+            rank,
+            targets: Vec::new(),
+            modules: Vec::new(),
+        });
+        s.runtime = crate::spec::Runtime::Pytorch {
+            device: TorchDevice::Cpu,
+            sdpa: SdpaBackend::Auto,
+        };
+        let cfg: serde_json::Value = serde_json::from_str(config).expect("config");
+        let map = cfg.as_object().expect("object").clone();
+        crate::denoiser::with_family(s, "tiny", map).expect("tiny spec")
+    }
+
+    pub const PIXART: &str = r#"{"_class_name": "PixArtTransformer2DModel", "sample_size": 16,
+        "num_layers": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 8,
+        "patch_size": 2, "attention_bias": true, "num_attention_heads": 4,
+        "cross_attention_dim": 64, "activation_fn": "gelu-approximate",
+        "num_embeds_ada_norm": 1000, "norm_type": "ada_norm_single",
+        "norm_elementwise_affine": false, "norm_eps": 1e-06, "caption_channels": 96}"#;
+
+    pub fn costs(spec: &Spec) -> Vec<StageCost> {
+        let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
+        stages(rt, spec).costs()
+    }
+
+    /// Kept bytes (activations and weight copies) of each stage.
+    pub fn kept(c: &[StageCost]) -> Vec<u64> {
+        c.iter()
+            .map(|s| s.cost.kept.activations + s.cost.kept.weight_casts)
+            .collect()
+    }
+
+    // `families_saved.txt` counts, per block, its stream input (saved by norm1) and, in block 0,
+    // the projected caption (saved first by attn2's to_k); here the input is the previous
+    // stage's output and the caption the input side's.
+    const E: u64 = 4 * 64 * 64;
+    const CAPTION: u64 = 4 * 120 * 64;
+
+    #[test]
+    fn fp32_blocks_keep_what_autograd_saves() {
+        let c = costs(&tiny(PIXART, Precision::Fp32, None));
+        // embed, 2 identical blocks in one stage, final.
+        assert_eq!(c.len(), 3);
+        assert_eq!(c[1].count, 2);
+        // transformer_blocks.0: 1904128 B saved, less its fp32 input and the caption.
+        assert_eq!(kept(&c)[1], 1_904_128 - 4 * E - 4 * CAPTION);
+        // Input side: pos_embed 16384 (its input is data here), adaln_single 8192,
+        // caption_projection 430080 (its input, 184320, is data) + the caption itself, and the
+        // (b, 6D) timestep held for the blocks.
+        assert_eq!(
+            kept(&c)[0],
+            8192 + 430_080 - 184_320 + 4 * CAPTION + 4 * 4 * 6 * 64
+        );
+    }
+
+    #[test]
+    fn bf16_block_zero_reads_the_bf16_patch_embedding() {
+        let c = costs(&tiny(PIXART, Precision::Bf16Mixed, None));
+        assert_eq!(c.len(), 4, "block 0 and block 1 are different stages");
+        let k = kept(&c);
+        // transformer_blocks.0: 1223424 B, less its bf16 input and the bf16 caption.
+        assert_eq!(k[1], 1_223_424 - 2 * E - 2 * CAPTION);
+        // transformer_blocks.1: 1228544 B (the caption counted earlier), less its fp32 input.
+        assert_eq!(k[2], 1_228_544 - 4 * E);
+    }
+
+    #[test]
+    fn lora_freezes_the_base_inputs() {
+        let full = kept(&costs(&tiny(PIXART, Precision::Fp32, None)));
+        let c = costs(&tiny(PIXART, Precision::Fp32, Some(8)));
+        let k = kept(&c);
+        // `family_saved.py` on pixart-fp32 with LoRA r = 8 on to_q/k/v/to_out.0: block 0 saves
+        // 1325568 B (nothing upstream needs a gradient: no norm1 input, no modulation), block 1
+        // 1271296 B (+ the caption, first saved by block 0's attn2.to_k.lora_A).
+        assert_eq!(k[1], 1_325_568 - 4 * CAPTION);
+        assert_eq!(k[2], 1_271_296 - 4 * E);
+        assert!(k[1] < full[1]);
+        // A frozen input side saves nothing for backward but the broadcast tensors it holds.
+        assert_eq!(k[0], 4 * CAPTION + 4 * 4 * 7 * 64);
+    }
 }
