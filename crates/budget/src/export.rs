@@ -1193,6 +1193,7 @@ mod tests {
                 s.recipe.lora = lora.map(|rank| crate::spec::LoraSpec {
                     rank,
                     targets: crate::spec::default_lora_targets(),
+                    modules: Vec::new(),
                 });
                 s.recipe.recompute = Recompute::All;
                 s.recipe.attention = AttentionMode::MemoryEfficient;
@@ -1251,6 +1252,7 @@ mod tests {
         s.recipe.lora = Some(crate::spec::LoraSpec {
             rank: 8,
             targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
         });
         s.recipe.recompute = Recompute::All;
         s.recipe.optimizer = Optimizer::AdamW8bit;
@@ -1350,6 +1352,7 @@ mod tests {
         s.recipe.lora = Some(crate::spec::LoraSpec {
             rank: 4,
             targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
         });
         for f in [Family::Flux, Family::Sd3, Family::Sana, Family::Dit] {
             let e = export(
