@@ -370,3 +370,194 @@ impl<'a> Builder<'a> {
         self.g.op("attn out (b, s, D) copy", &[o], eq, low)
     }
 }
+
+// ---- sana / wan (famsana): ops whose saves depend on which operands need a gradient ----
+
+impl Builder<'_> {
+    /// Whether a gradient flows to `t` (autograd records a node only then).
+    pub fn rg(&self, t: Tid) -> bool {
+        self.g.tensors[t].requires_grad
+    }
+
+    /// Mark `t` saved when `cond` holds.
+    pub fn save_if(&mut self, t: Tid, cond: bool) {
+        if cond {
+            save(&mut self.g, t);
+        }
+    }
+
+    /// `a * b` (broadcasting): `MulBackward0` saves `other` when `self` needs a gradient and
+    /// `self` when `other` does [AG]; the result takes the promoted dtype.
+    pub fn mul_rg(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
+        let (ra, rb) = (self.rg(a), self.rg(b));
+        self.save_if(b, ra);
+        self.save_if(a, rb);
+        let dt = promote(self.g.dtype(a), self.g.dtype(b));
+        self.g.op(name, &[a, b], elems, dt)
+    }
+
+    /// `a + b` (or `−`): saves nothing [AG]; the promoted dtype.
+    pub fn add_rg(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
+        let dt = promote(self.g.dtype(a), self.g.dtype(b));
+        self.g.op(name, &[a, b], elems, dt)
+    }
+
+    /// A unary op whose backward reads its input (SiLU, GELU) [AG]: the input saved when it
+    /// needs a gradient; the output in the input's dtype.
+    pub fn unary_saving_input(&mut self, name: &str, x: Tid) -> Tid {
+        let r = self.rg(x);
+        self.save_if(x, r);
+        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+        self.g.op(name, &[x], n, dt)
+    }
+
+    /// `LayerNorm(D, elementwise_affine=False)` as [`Builder::layer_norm`], recorded only when
+    /// its input needs a gradient. A non-contiguous input (a transposed patch embedding) is
+    /// made contiguous inside the CPU kernel's forward and again in its backward
+    /// (`X.expect_contiguous()` in `layer_norm_cpu` / `layer_norm_backward_cpu`).
+    pub fn layer_norm_rg(&mut self, name: &str, x: Tid, rows: u64, contiguous: bool) -> Tid {
+        let y = if self.rg(x) {
+            self.layer_norm(name, x, rows)
+        } else {
+            let (n, dt) = (self.g.elems(x), self.g.dtype(x));
+            self.g.op(name, &[x], n, dt)
+        };
+        if !contiguous {
+            let b = self.g.tensors[x].bytes();
+            self.g.annotate(y, 0, b, b);
+        }
+        y
+    }
+
+    /// diffusers `RMSNorm(dim, eps, elementwise_affine)` (`normalization.py`, the non-NPU path):
+    /// `x.to(float32).pow(2).mean(-1, keepdim=True)`, `x * rsqrt(var + eps)` (fp32 by
+    /// promotion), `.to(weight.dtype)` when the weight is fp16/bf16, `* weight`. `PowBackward0`
+    /// saves the fp32 copy, `RsqrtBackward0` its result, the first `MulBackward0` x and the rsqrt,
+    /// the second the normalized tensor (the weight is a parameter) [AG].
+    pub fn rms_norm(&mut self, name: &str, x: Tid, rows: u64, affine: bool) -> Tid {
+        let n = self.g.elems(x);
+        let dim = n / rows.max(1);
+        let xf = self.g.cast(&format!("{name} x→f32"), x, Dtype::F32);
+        let r = self.rg(x);
+        self.save_if(xf, r);
+        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        let var = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
+        let ve = self.g.op(&format!("{name} +eps"), &[var], rows, Dtype::F32);
+        let rs = self.g.op(&format!("{name} rsqrt"), &[ve], rows, Dtype::F32);
+        self.save_if(rs, r);
+        let mut h = self.mul_rg(&format!("{name} x·rsqrt"), x, rs, n);
+        if affine {
+            let w = self.plain_param(&format!("{name}.weight"), dim);
+            let wdt = self.g.dtype(w);
+            if matches!(wdt, Dtype::Bf16 | Dtype::F16) {
+                h = self.g.cast(&format!("{name} →{wdt}"), h, wdt);
+            }
+            h = self.mul_rg(&format!("{name} ·weight"), h, w, n);
+        }
+        h
+    }
+
+    /// `F.linear` on an input that needs no gradient (cached data, timestep frequencies): the
+    /// (cast) input is saved for the weight's gradient, the autocast copy of the weight only sits
+    /// in the autocast cache (`AddmmBackward0` saves `mat2` only for `mat1`'s gradient) [AG][AC].
+    /// With a gradient-carrying input, or LoRA on the module: [`Builder::linear_opt`].
+    pub fn linear_rg(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        if self.rg(x) || self.lora_rank(name).is_some() || self.frozen() {
+            return self.linear_opt(name, x, rows, out, inp, bias);
+        }
+        let w = self.cached_weight(&format!("{name}.weight"), out * inp);
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        let xin = self.cast_low(&format!("{name} input"), x);
+        ins[0] = xin;
+        save(&mut self.g, xin);
+        let low = self.low();
+        self.g.op(name, &ins, rows * out, low)
+    }
+
+    /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::linear` falls back to
+    /// `matmul`, whose fold `reshape`s the (autocast-cast) input into a contiguous copy that `mm`
+    /// saves; the bias is added in place [MM][AC].
+    pub fn linear_strided(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let xc = self.cast_low(&format!("{name} input"), x);
+        let dt = self.g.dtype(xc);
+        let xr = self.g.op(&format!("{name} input reshaped for mm"), &[xc], rows * inp, dt);
+        self.linear_opt(name, xr, rows, out, inp, bias)
+    }
+
+    /// `conv2d` / `conv3d` under autocast: `ConvolutionBackward0` saves input and weight together
+    /// (one formula for both) whenever the node exists; the bias copy only sits in the cache
+    /// [AG][AC].
+    pub fn conv_rg(
+        &mut self,
+        name: &str,
+        x: Tid,
+        out_elems: u64,
+        w_elems: u64,
+        bias: Option<u64>,
+    ) -> Tid {
+        let w = self.weight(&format!("{name}.weight"), w_elems);
+        let mut ins = vec![0, w];
+        if let Some(be) = bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), be));
+        }
+        let xin = self.cast_low(&format!("{name} input"), x);
+        ins[0] = xin;
+        let node = self.rg(xin) || !self.frozen();
+        self.save_if(xin, node);
+        let low = self.low();
+        self.g.op(name, &ins, out_elems, low)
+    }
+
+    /// `torch.nn.RMSNorm(dim, eps, elementwise_affine=True)` (`F.rms_norm`, the composite of
+    /// `layer_norm.cpp`): the input upcast to fp32 (saved by `pow` and the first `mul`),
+    /// `rsqrt(pow(2).mean(-1).add_(eps))` (saved), `x·rsqrt` (saved by the weight's `mul` when
+    /// the weight is trained), `·weight`, then `type_as(input)` [AG] — as the saved-tensor dump
+    /// of Wan's `norm_q` / `norm_k` shows (the fp32 `MulBackward0` result saved by `mul`).
+    pub fn torch_rms_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+        let n = self.g.elems(x);
+        let dim = n / rows.max(1);
+        let dt = self.g.dtype(x);
+        let xf = self.g.cast(&format!("{name} x→f32"), x, Dtype::F32);
+        let r = self.rg(x);
+        self.save_if(xf, r);
+        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        let var = self.g.op(&format!("{name} mean (+eps in place)"), &[sq], rows, Dtype::F32);
+        let rs = self.g.op(&format!("{name} rsqrt"), &[var], rows, Dtype::F32);
+        self.save_if(rs, r);
+        let h = self.mul_rg(&format!("{name} x·rsqrt"), xf, rs, n);
+        let w = self.plain_param(&format!("{name}.weight"), dim);
+        let y = self.mul_rg(&format!("{name} ·weight"), h, w, n);
+        self.g.cast(&format!("{name} type_as(input)"), y, dt)
+    }
+
+    /// Fused SDPA with an additive mask (`attn_mask`, saved by the node beside q, k, v) [SDPA].
+    pub fn attention_masked(&mut self, q: Tid, k: Tid, v: Tid, at: Attn, mask: Option<Tid>) -> Tid {
+        let o = self.attention(q, k, v, at);
+        let fused = self.attention == AttentionMode::MemoryEfficient
+            && self.rt.effective_sdpa(self.precision) != SdpaBackend::Math;
+        if let Some(m) = mask {
+            let r = self.rg(o) && fused;
+            self.save_if(m, r);
+        }
+        o
+    }
+}
