@@ -367,8 +367,16 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
                 || crate::denoiser::matches_module("attn2.to_v", k)
         })
     });
-    let cap_saved = cap_dt == low && (!frozen || lora_kv);
-    let (emb_seg, [ts, emb, cap]) = embed(f, &m, cap_saved);
+    // A checkpointed block keeps its inputs until its recompute (non-reentrant
+    // `torch.utils.checkpoint` holds the call's arguments) [CK]: the caption, the 6·D timestep
+    // and the mask bias then live until block 0's backward.
+    let n = d.num_layers as u32;
+    let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
+    let cap_saved = ck || (cap_dt == low && (!frozen || lora_kv));
+    let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, cap_saved);
+    if ck {
+        save(&mut emb_seg, ts);
+    }
     let extra: Vec<Tid> = [ts, emb, cap]
         .into_iter()
         .filter(|&t| emb_seg.tensors[t].requires_grad)
@@ -391,8 +399,11 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // the script's): x0, noise, the target (made right after the model), u and the timesteps
     // (fp32), σ, the int64 mask and its additive bias, the 6·D timestep, and whatever of the
     // embedded timestep, caption and Gemma states no op saves.
-    let mut forward_only =
-        3 * m.lat * wd + 2 * 4 * b + b * wd + b * m.t * 8 + b * m.t * wd + tt(ts).bytes();
+    let mask_bias = b * m.t * wd;
+    let mut forward_only = 3 * m.lat * wd + 2 * 4 * b + b * wd + b * m.t * 8;
+    if !ck {
+        forward_only += mask_bias + tt(ts).bytes();
+    }
     if !cap_saved {
         forward_only += tt(cap).bytes();
     }
@@ -401,7 +412,10 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     }
     // The Gemma states are saved by caption_projection.linear_1 when its weight is trained.
     let enc_bytes = b * m.t * m.cc * wd;
-    let kept = if frozen { 0 } else { enc_bytes };
+    let mut kept = if frozen { 0 } else { enc_bytes };
+    if ck {
+        kept += mask_bias;
+    }
     if frozen {
         forward_only += enc_bytes;
     }
@@ -428,7 +442,6 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     io.x_dt = odt;
     io.x_rg = org;
     io.x_contig = true;
-    let n = d.num_layers as u32;
     if n > 1 {
         let rest = block(f, &m, d, io);
         st.push(Stage {
