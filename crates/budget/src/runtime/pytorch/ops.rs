@@ -485,9 +485,11 @@ impl Builder<'_> {
         self.g.op(name, &ins, rows * out, low)
     }
 
-    /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::linear` falls back to
-    /// `matmul`, whose fold `reshape`s the (autocast-cast) input into a contiguous copy that `mm`
-    /// saves; the bias is added in place [MM][AC].
+    /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::matmul` folds the input
+    /// into a contiguous copy that `mm` saves when the weight needs a gradient (`should_fold`),
+    /// otherwise it runs `bmm` on the strided input against the expanded weight and saves
+    /// nothing new [MM][AC]; the bias is added in place. LoRA on the module: see
+    /// [`Builder::linear_peft`] (lora_A, trained, folds its own copy).
     pub fn linear_strided(
         &mut self,
         name: &str,
@@ -497,10 +499,90 @@ impl Builder<'_> {
         inp: u64,
         bias: bool,
     ) -> Tid {
-        let xc = self.cast_low(&format!("{name} input"), x);
-        let dt = self.g.dtype(xc);
-        let xr = self.g.op(&format!("{name} input reshaped for mm"), &[xc], rows * inp, dt);
-        self.linear_opt(name, xr, rows, out, inp, bias)
+        if !self.frozen() {
+            let xc = self.cast_low(&format!("{name} input"), x);
+            let dt = self.g.dtype(xc);
+            let xr = self.g.op(&format!("{name} input reshaped for mm"), &[xc], rows * inp, dt);
+            return self.linear_opt(name, xr, rows, out, inp, bias);
+        }
+        let y = self.frozen_base(name, x, rows, out, inp, bias);
+        let Some(r) = self.lora_rank(name) else {
+            return y;
+        };
+        let pd = self.param_dtype();
+        let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
+        let xc = self.cast_low(&format!("{name}.lora_A input"), xa0);
+        let low = self.low();
+        let xr = self
+            .g
+            .op(&format!("{name}.lora_A input reshaped for mm"), &[xc], rows * inp, low);
+        self.lora_with_held_input(name, xa0, x, xr, y, rows, out, inp, r)
+    }
+
+    /// A frozen LoRA base (`base_layer(x)`): the weight in the compute dtype, nothing saved.
+    fn frozen_base(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64, bias: bool) -> Tid {
+        let w = self.weight(&format!("{name}.weight"), out * inp);
+        let mut ins = vec![0, w];
+        if bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), out));
+        }
+        ins[0] = self.cast_low(&format!("{name} input"), x);
+        let low = self.low();
+        self.g.op(name, &ins, rows * out, low)
+    }
+
+    /// The LoRA branch on `xl` (what lora_A reads), while PEFT's `x = x.to(lora_A.weight.dtype)`
+    /// copy `xa0` stays referenced until the layer's forward returns: its bytes ride as forward
+    /// scratch on the branch's ops after the simulator's last read of it.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_with_held_input(
+        &mut self,
+        name: &str,
+        xa0: Tid,
+        x: Tid,
+        xl: Tid,
+        base: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        r: u64,
+    ) -> Tid {
+        let n0 = self.g.ops.len();
+        let y = self.lora_branch(name, xl, base, rows, out, inp, r);
+        if xa0 != x {
+            let held = self.g.tensors[xa0].bytes();
+            let outs: Vec<Tid> = self.g.ops[n0..].iter().map(|o| o.output).collect();
+            for t in outs {
+                self.g.annotate(t, 0, held, 0);
+            }
+        }
+        y
+    }
+
+    /// `F.linear` as PEFT's `lora.Linear.forward` runs it when the module is adapted:
+    /// `result = base_layer(x)`, then `x = x.to(lora_A.weight.dtype)` (the fp32 adapters after
+    /// `cast_training_params`: a copy of a low-precision input), `lora_B(lora_A(x)) · scaling`
+    /// under autocast, so lora_A saves its **own** autocast copy of x, never x itself [AC].
+    /// Without LoRA on the module (or without autocast, where every cast is a no-op):
+    /// [`Builder::linear_opt`].
+    pub fn linear_peft(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
+        let r = match self.lora_rank(name) {
+            Some(r) if self.autocast() => r,
+            _ => return self.linear_opt(name, x, rows, out, inp, bias),
+        };
+        let y = self.frozen_base(name, x, rows, out, inp, bias);
+        let pd = self.param_dtype();
+        let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
+        let xl = self.cast_low(&format!("{name}.lora_A input"), xa0);
+        self.lora_with_held_input(name, xa0, x, xl, y, rows, out, inp, r)
     }
 
     /// `conv2d` / `conv3d` under autocast: `ConvolutionBackward0` saves input and weight together

@@ -258,9 +258,9 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let h = bl.g.cast("norm1 →hidden dtype", h, io.x_dt);
     let hdt = bl.g.dtype(h);
     let ab = d.attention_bias;
-    let mut q = bl.linear_opt("attn1.to_q", h, rows, dd, dd, ab);
-    let mut k = bl.linear_opt("attn1.to_k", h, rows, dd, dd, ab);
-    let v = bl.linear_opt("attn1.to_v", h, rows, dd, dd, ab);
+    let mut q = bl.linear_peft("attn1.to_q", h, rows, dd, dd, ab);
+    let mut k = bl.linear_peft("attn1.to_k", h, rows, dd, dd, ab);
+    let v = bl.linear_peft("attn1.to_v", h, rows, dd, dd, ab);
     if d.qk_norm {
         q = bl.rms_norm("attn1.norm_q", q, rows, true);
         k = bl.rms_norm("attn1.norm_k", k, rows, true);
@@ -277,13 +277,13 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
         .g
         .op("mask repeat_interleave(heads)", &[mask], b * m.hc * m.t, m.wd);
     let mut q2 = if io.x_contig {
-        bl.linear_opt("attn2.to_q", x1, rows, m.dc, dd, true)
+        bl.linear_peft("attn2.to_q", x1, rows, m.dc, dd, true)
     } else {
         bl.linear_strided("attn2.to_q", x1, rows, m.dc, dd, true)
     };
     let trows = b * m.t;
-    let mut k2 = bl.linear_opt("attn2.to_k", cap, trows, m.dc, dd, true);
-    let v2 = bl.linear_opt("attn2.to_v", cap, trows, m.dc, dd, true);
+    let mut k2 = bl.linear_peft("attn2.to_k", cap, trows, m.dc, dd, true);
+    let v2 = bl.linear_peft("attn2.to_v", cap, trows, m.dc, dd, true);
     if d.qk_norm {
         q2 = bl.rms_norm("attn2.norm_q", q2, rows, true);
         k2 = bl.rms_norm("attn2.norm_k", k2, trows, true);
@@ -299,7 +299,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
         dh: m.dhc,
     };
     let o2 = bl.attention_masked(qv, kv, vv, at, Some(mr));
-    let a2 = bl.linear_opt("attn2.to_out.0", o2, rows, dd, m.dc, true);
+    let a2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, m.dc, true);
     let a2dt = bl.g.dtype(a2);
     let a2 = bl.g.op("attn2 / rescale_output_factor", &[a2], e, a2dt);
     let x2 = bl.add_rg("attn2 + x", a2, x1, e);
@@ -372,7 +372,9 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // and the mask bias then live until block 0's backward.
     let n = d.num_layers as u32;
     let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
-    let cap_saved = ck || (cap_dt == low && (!frozen || lora_kv));
+    // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`).
+    let mixed = f.spec.recipe.precision.is_mixed();
+    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && !mixed)));
     let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, cap_saved);
     if ck {
         save(&mut emb_seg, ts);
