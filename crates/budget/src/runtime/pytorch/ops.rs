@@ -441,6 +441,8 @@ impl Builder<'_> {
         let r = self.rg(x);
         self.save_if(xf, r);
         let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        // PowBackward0: grad·(2·x.pow(1)) makes x.pow(1) and its double before the product.
+        self.g.annotate(sq, 0, 0, 2 * n * 4);
         let var = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
         let ve = self.g.op(&format!("{name} +eps"), &[var], rows, Dtype::F32);
         let rs = self.g.op(&format!("{name} rsqrt"), &[ve], rows, Dtype::F32);
@@ -622,6 +624,8 @@ impl Builder<'_> {
         let r = self.rg(x);
         self.save_if(xf, r);
         let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
+        // PowBackward0: grad·(2·x.pow(1)) makes x.pow(1) and its double before the product.
+        self.g.annotate(sq, 0, 0, 2 * n * 4);
         let var = self.g.op(&format!("{name} mean (+eps in place)"), &[sq], rows, Dtype::F32);
         let rs = self.g.op(&format!("{name} rsqrt"), &[var], rows, Dtype::F32);
         self.save_if(rs, r);
