@@ -504,7 +504,12 @@ impl Builder<'_> {
         if !self.frozen() {
             let xc = self.cast_low(&format!("{name} input"), x);
             let dt = self.g.dtype(xc);
-            let xr = self.g.op(&format!("{name} input reshaped for mm"), &[xc], rows * inp, dt);
+            let xr = self.g.op(
+                &format!("{name} input reshaped for mm"),
+                &[xc],
+                rows * inp,
+                dt,
+            );
             return self.linear_opt(name, xr, rows, out, inp, bias);
         }
         let y = self.frozen_base(name, x, rows, out, inp, bias);
@@ -515,14 +520,25 @@ impl Builder<'_> {
         let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
         let xc = self.cast_low(&format!("{name}.lora_A input"), xa0);
         let low = self.low();
-        let xr = self
-            .g
-            .op(&format!("{name}.lora_A input reshaped for mm"), &[xc], rows * inp, low);
+        let xr = self.g.op(
+            &format!("{name}.lora_A input reshaped for mm"),
+            &[xc],
+            rows * inp,
+            low,
+        );
         self.lora_with_held_input(name, xa0, x, xr, y, rows, out, inp, r)
     }
 
     /// A frozen LoRA base (`base_layer(x)`): the weight in the compute dtype, nothing saved.
-    fn frozen_base(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64, bias: bool) -> Tid {
+    fn frozen_base(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+    ) -> Tid {
         let w = self.weight(&format!("{name}.weight"), out * inp);
         let mut ins = vec![0, w];
         if bias {
@@ -551,6 +567,21 @@ impl Builder<'_> {
     ) -> Tid {
         let n0 = self.g.ops.len();
         let y = self.lora_branch(name, xl, base, rows, out, inp, r);
+        if !self.rg(xl) {
+            // lora_A's `mm` saves its weight only for its input's gradient [AG]: with an input
+            // that needs none, the weight's autocast copy only sits in the cache.
+            let prefix = format!("{name}.lora_A →");
+            let cast = self.g.ops[n0..]
+                .iter()
+                .map(|o| o.output)
+                .find(|&t| self.g.tensors[t].name.starts_with(&prefix));
+            if let Some(t) = cast {
+                let nm = &mut self.g.tensors[t].name;
+                if let Some(stem) = nm.strip_suffix(SAVED) {
+                    *nm = format!("{stem}{CACHED}");
+                }
+            }
+        }
         if xa0 != x {
             let held = self.g.tensors[xa0].bytes();
             let outs: Vec<Tid> = self.g.ops[n0..].iter().map(|o| o.output).collect();
@@ -626,8 +657,15 @@ impl Builder<'_> {
         let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
         // PowBackward0: grad·(2·x.pow(1)) makes x.pow(1) and its double before the product.
         self.g.annotate(sq, 0, 0, 2 * n * 4);
-        let var = self.g.op(&format!("{name} mean (+eps in place)"), &[sq], rows, Dtype::F32);
-        let rs = self.g.op(&format!("{name} rsqrt"), &[var], rows, Dtype::F32);
+        let var = self.g.op(
+            &format!("{name} mean (+eps in place)"),
+            &[sq],
+            rows,
+            Dtype::F32,
+        );
+        let rs = self
+            .g
+            .op(&format!("{name} rsqrt"), &[var], rows, Dtype::F32);
         self.save_if(rs, r);
         let h = self.mul_rg(&format!("{name} x·rsqrt"), xf, rs, n);
         let w = self.plain_param(&format!("{name}.weight"), dim);

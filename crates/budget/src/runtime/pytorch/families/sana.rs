@@ -112,7 +112,8 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     let qf = bl.g.cast("attn1 q.float()", rq, Dtype::F32);
     let kf = bl.g.cast("attn1 k.float()", rk, Dtype::F32);
     let vf = bl.g.cast("attn1 v.float()", v, Dtype::F32);
-    let vp = bl.g.op("attn1 F.pad(v, 1 row of ones)", &[vf], padded, Dtype::F32);
+    let vp =
+        bl.g.op("attn1 F.pad(v, 1 row of ones)", &[vf], padded, Dtype::F32);
     let vc = bl.cast_low("attn1 padded v", vp);
     let kc = bl.cast_low("attn1 k", kf);
     let kdt = bl.g.dtype(kc);
@@ -120,7 +121,12 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     let (rv, rk2) = (bl.rg(vc), bl.rg(kr));
     bl.save_if(vc, rk2);
     bl.save_if(kr, rv);
-    let sc = bl.g.op("attn1 v·kᵀ", &[vc, kr], m.b * m.heads * (m.dh + 1) * m.dh, low);
+    let sc = bl.g.op(
+        "attn1 v·kᵀ",
+        &[vc, kr],
+        m.b * m.heads * (m.dh + 1) * m.dh,
+        low,
+    );
     let qc = bl.cast_low("attn1 q", qf);
     let qdt = bl.g.dtype(qc);
     let qr = bl.g.op("attn1 q reshaped for bmm", &[qc], e, qdt);
@@ -128,7 +134,8 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     bl.save_if(sc, rq2);
     bl.save_if(qr, rs);
     let hs = bl.g.op("attn1 (v·kᵀ)·q", &[sc, qr], padded, low);
-    let den = bl.g.op("attn1 last row + 1e-15", &[hs], m.b * m.heads * m.s, low);
+    let den =
+        bl.g.op("attn1 last row + 1e-15", &[hs], m.b * m.heads * m.s, low);
     // DivBackward0: self's gradient reads other; other's reads self and other [AG].
     let (rh, rd) = (bl.rg(hs), bl.rg(den));
     bl.save_if(hs, rd);
@@ -197,7 +204,11 @@ fn embed(f: &Fam, m: &Dm, cap_saved_by_blocks: bool) -> (Segment, [Tid; 3]) {
     let xt = noising(&mut bl, m.lat, b, wd);
     let pw = d * m.c_in * m.p * m.p;
     let conv = bl.conv_rg("patch_embed.proj", xt, b * d * m.s, pw, Some(d));
-    let x = bl.g.view("patch embedding (b, s, D) transposed view", conv, b * d * m.s);
+    let x = bl.g.view(
+        "patch embedding (b, s, D) transposed view",
+        conv,
+        b * d * m.s,
+    );
 
     // Timesteps(256, flip_sin_to_cos) in fp32, no grad; `.to(hidden_dtype)` (the patch
     // embedding's dtype).
@@ -208,7 +219,8 @@ fn embed(f: &Fam, m: &Dm, cap_saved_by_blocks: bool) -> (Segment, [Tid; 3]) {
     let args = bl.g.op("t·freqs", &[t, fr], b * half, Dtype::F32);
     let sin = bl.g.op("sin", &[args], b * half, Dtype::F32);
     let cos = bl.g.op("cos", &[args], b * half, Dtype::F32);
-    let cat = bl.g.op("cat[sin, cos]", &[sin, cos], b * 2 * half, Dtype::F32);
+    let cat =
+        bl.g.op("cat[sin, cos]", &[sin, cos], b * 2 * half, Dtype::F32);
     let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
     let tf = bl.g.cast("t_freq →hidden dtype", flip, bl.g.dtype(conv));
     let te = "time_embed.emb.timestep_embedder";
@@ -219,7 +231,8 @@ fn embed(f: &Fam, m: &Dm, cap_saved_by_blocks: bool) -> (Segment, [Tid; 3]) {
     let ts = bl.linear_rg("time_embed.linear", s2, b, 6 * d, d, true);
 
     // Caption: the cached Gemma states (wd, no grad).
-    let enc = bl.g.input("encoder_hidden_states", b * m.t * m.cc, wd, false);
+    let enc =
+        bl.g.input("encoder_hidden_states", b * m.t * m.cc, wd, false);
     let rows = b * m.t;
     let c1 = bl.linear_rg("caption_projection.linear_1", enc, rows, d, m.cc, true);
     let g = bl.unary_saving_input("caption_projection.act_1 gelu(tanh)", c1);
@@ -239,7 +252,8 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let (e, rows) = (b * s * dd, b * s);
     let x = bl.g.input("x", e, io.x_dt, io.x_rg);
     bl.g.stream_in = vec![x];
-    let ts = bl.g.input("timestep (b, 6D)", b * 6 * dd, io.ts_dt, io.ts_rg);
+    let ts =
+        bl.g.input("timestep (b, 6D)", b * 6 * dd, io.ts_dt, io.ts_rg);
     let cap = bl.g.input("caption", b * m.t * dd, io.cap_dt, io.cap_rg);
     let mask = bl.g.input("caption mask bias", b * m.t, m.wd, false);
 
@@ -273,9 +287,12 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
 
     // 3. Cross-attention (SDPA with the repeated mask bias); the residual stream stays in the
     // input's layout, so block 0's to_q reads a strided tensor.
-    let mr = bl
-        .g
-        .op("mask repeat_interleave(heads)", &[mask], b * m.hc * m.t, m.wd);
+    let mr = bl.g.op(
+        "mask repeat_interleave(heads)",
+        &[mask],
+        b * m.hc * m.t,
+        m.wd,
+    );
     let mut q2 = if io.x_contig {
         bl.linear_peft("attn2.to_q", x1, rows, m.dc, dd, true)
     } else {
@@ -308,9 +325,21 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let n2 = bl.layer_norm_rg("norm2", x2, rows, true);
     let h2 = modulate(&mut bl, "norm2", n2, shift_mlp, scale_mlp, b * dd);
     let (hid, px) = (m.hid, b * s);
-    let c1 = bl.conv_rg("ff.conv_inverted", h2, 2 * hid * px, 2 * hid * dd, Some(2 * hid));
+    let c1 = bl.conv_rg(
+        "ff.conv_inverted",
+        h2,
+        2 * hid * px,
+        2 * hid * dd,
+        Some(2 * hid),
+    );
     let a1 = bl.unary_saving_input("ff silu", c1);
-    let c2 = bl.conv_rg("ff.conv_depth", a1, 2 * hid * px, 2 * hid * 9, Some(2 * hid));
+    let c2 = bl.conv_rg(
+        "ff.conv_depth",
+        a1,
+        2 * hid * px,
+        2 * hid * 9,
+        Some(2 * hid),
+    );
     let hv = bl.g.view("ff chunk hidden", c2, hid * px);
     let gv = bl.g.view("ff chunk gate", c2, hid * px);
     let sg = bl.unary_saving_input("ff silu(gate)", gv);
@@ -329,11 +358,17 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let (e, rows) = (b * m.s * dd, b * m.s);
     let x = bl.g.input("x", e, io.x_dt, io.x_rg);
     bl.g.stream_in = vec![x];
-    let emb = bl.g.input("embedded_timestep", b * dd, io.emb_dt, io.emb_rg);
+    let emb =
+        bl.g.input("embedded_timestep", b * dd, io.emb_dt, io.emb_rg);
     let target = bl.g.input("target", m.lat, m.wd, false);
     let n = bl.layer_norm_rg("norm_out.norm", x, rows, true);
     let sst = bl.plain_param("scale_shift_table", 2 * dd);
-    let t2 = bl.add_rg("scale_shift_table + embedded_timestep", sst, emb, b * 2 * dd);
+    let t2 = bl.add_rg(
+        "scale_shift_table + embedded_timestep",
+        sst,
+        emb,
+        b * 2 * dd,
+    );
     let shift = bl.g.view("norm_out shift", t2, b * dd);
     let scale = bl.g.view("norm_out scale", t2, b * dd);
     let h = modulate(&mut bl, "norm_out", n, shift, scale, b * dd);
@@ -464,5 +499,86 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     Stages {
         stages: st,
         data: Data { kept, forward_only },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::spec::Spec;
+
+    /// `bench/torch_peer/specs/families/sana-fp32-none-loop.json` (b 4, 8×8 latent of 32
+    /// channels, D 64 in 4 heads, cross 2×32, Gemma 96 wide, 300 tokens), with `precision`,
+    /// `recompute` and LoRA set.
+    pub(crate) fn spec(precision: &str, recompute: &str, lora: &str) -> Spec {
+        let json = format!(
+            r#"{{"model": {{"name": "sana-tiny", "depth": 2, "hidden": 64, "patch": 1,
+              "diffusers": {{"_class_name": "SanaTransformer2DModel", "in_channels": 32,
+                "out_channels": 32, "num_attention_heads": 4, "attention_head_dim": 16,
+                "num_layers": 2, "num_cross_attention_heads": 2, "cross_attention_head_dim": 32,
+                "cross_attention_dim": 64, "caption_channels": 96, "mlp_ratio": 2.5,
+                "attention_bias": false, "sample_size": 8, "patch_size": 1,
+                "norm_elementwise_affine": false, "norm_eps": 1e-06, "interpolation_scale": null}}}},
+             "workload": {{"height": 256, "width": 256, "vae_factor": 32, "latent_channels": 32,
+               "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 1,
+               "text_tokens": [300]}},
+             "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+               "optimizer_impl": "for-loop", "attention": "memory-efficient",
+               "recompute": "{recompute}", "lora": {lora}, "zero_stage": 0, "latents": "cached",
+               "ema": {{"enabled": false, "dtype": "f32", "decay": 0.9999}}}},
+             "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).unwrap();
+        crate::denoiser::resolve(&mut s).unwrap();
+        s
+    }
+
+    pub(crate) fn costs(s: &Spec) -> Vec<StageCost> {
+        stages(for_spec(s), s).costs()
+    }
+
+    fn kept(c: &StageCost) -> u64 {
+        c.cost.kept.total()
+    }
+
+    /// The dump's per-block totals (`families_saved.txt`, `--all-tensors`), less what our
+    /// stages hold elsewhere: the stream input a block's norm saves (the previous stage's
+    /// output) and, in fp32, the caption its to_k/to_v save (kept by the input side).
+    #[test]
+    fn blocks_keep_the_dump_bytes() {
+        let (b, s, d, t) = (4u64, 64u64, 64u64, 300u64);
+        let e = b * s * d;
+        let f32s = costs(&spec("fp32", "none", "null"));
+        assert_eq!(kept(&f32s[1]), 3_465_600 - b * t * d * 4 - e * 4);
+        assert_eq!(kept(&f32s[2]), 3_158_400 - e * 4);
+        let bf16 = costs(&spec("bf16-mixed", "none", "null"));
+        // Block 0 reads the bf16 patch embedding; its caption copies are its own.
+        assert_eq!(kept(&bf16[1]), 2_090_816 - e * 2);
+        assert_eq!(kept(&bf16[2]), 2_222_912 - e * 4);
+    }
+
+    /// The input side of the dump: patch_embed + time_embed + caption_projection + caption_norm
+    /// (the Gemma states are the step's data, not the segment's; the fp32 caption, first saved by
+    /// block 0's to_k in the dump, is held by the input side here).
+    #[test]
+    fn input_side_keeps_the_dump_bytes() {
+        let f32s = costs(&spec("fp32", "none", "null"));
+        let enc = 4 * 300 * 96 * 4;
+        let caption = 4 * 300 * 64 * 4;
+        let dump = 32_768 + 8_192 + 1_075_200 + 619_200;
+        assert_eq!(kept(&f32s[0]), dump - enc + caption);
+    }
+
+    /// LoRA (to_q, to_k, to_v) freezes the base: the input side saves nothing, block 0 (whose
+    /// input carries no gradient) saves the dump's tensors and no base linear input.
+    #[test]
+    fn lora_freezes_the_base() {
+        let l = r#"{"rank": 4, "modules": ["to_k", "to_q", "to_v"]}"#;
+        let c = costs(&spec("bf16-mixed", "none", l));
+        assert_eq!(kept(&c[0]), 0);
+        assert_eq!(kept(&c[1]), 1_785_792);
+        assert!(!c[1].cost.input_saved);
+        assert!(c[2].cost.input_saved);
     }
 }

@@ -84,7 +84,12 @@ fn rope(bl: &mut Builder, name: &str, x: Tid, cos: Tid, sin: Tid) -> Tid {
     let c = bl.mul_rg(&format!("{name} x1·sin"), x1, sin, h);
     let e = bl.mul_rg(&format!("{name} x2·cos"), x2, cos, h);
     let odd = bl.add_rg(&format!("{name} x1·sin + x2·cos"), c, e, h);
-    bl.g.op(&format!("{name} out (even, odd written)"), &[even, odd], n, dt)
+    bl.g.op(
+        &format!("{name} out (even, odd written)"),
+        &[even, odd],
+        n,
+        dt,
+    )
 }
 
 /// `FP32LayerNorm` on `x.float()`: the fp32 copy is what `native_layer_norm` saves; the output
@@ -124,14 +129,22 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     let mut bl = f.builder("embed");
     let (b, dd, wd) = (m.b, m.d, m.wd);
     let xt = noising(&mut bl, m.lat, b, wd);
-    let cb = bl
-        .g
-        .param("rope.freqs_cos", d.rope_max_seq_len * m.dh, Dtype::F32, false);
-    let sb = bl
-        .g
-        .param("rope.freqs_sin", d.rope_max_seq_len * m.dh, Dtype::F32, false);
-    let cos = bl.g.op("rope cos (s, dh) cat", &[cb], m.s * m.dh, Dtype::F32);
-    let sin = bl.g.op("rope sin (s, dh) cat", &[sb], m.s * m.dh, Dtype::F32);
+    let cb = bl.g.param(
+        "rope.freqs_cos",
+        d.rope_max_seq_len * m.dh,
+        Dtype::F32,
+        false,
+    );
+    let sb = bl.g.param(
+        "rope.freqs_sin",
+        d.rope_max_seq_len * m.dh,
+        Dtype::F32,
+        false,
+    );
+    let cos =
+        bl.g.op("rope cos (s, dh) cat", &[cb], m.s * m.dh, Dtype::F32);
+    let sin =
+        bl.g.op("rope sin (s, dh) cat", &[sb], m.s * m.dh, Dtype::F32);
     save(&mut bl.g, cos);
     save(&mut bl.g, sin);
     let e = b * m.s * dd;
@@ -157,7 +170,14 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     };
     let tf = bl.g.cast("t_freq →time_embedder dtype", flip, pdt);
     let ce = "condition_embedder";
-    let h = bl.linear_rg(&format!("{ce}.time_embedder.linear_1"), tf, b, dd, m.freq, true);
+    let h = bl.linear_rg(
+        &format!("{ce}.time_embedder.linear_1"),
+        tf,
+        b,
+        dd,
+        m.freq,
+        true,
+    );
     let h = bl.unary_saving_input(&format!("{ce}.time_embedder.act silu"), h);
     let temb = bl.linear_rg(&format!("{ce}.time_embedder.linear_2"), h, b, dd, dd, true);
     // `.type_as(encoder_hidden_states)` (wd).
@@ -165,7 +185,8 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     let a = bl.unary_saving_input(&format!("{ce}.act_fn silu"), temb);
     let tp = bl.linear_rg(&format!("{ce}.time_proj"), a, b, 6 * dd, dd, true);
 
-    let enc = bl.g.input("encoder_hidden_states", b * m.t * m.text_dim, wd, false);
+    let enc =
+        bl.g.input("encoder_hidden_states", b * m.t * m.text_dim, wd, false);
     let rows = b * m.t;
     let te = format!("{ce}.text_embedder");
     let c1 = bl.linear_rg(&format!("{te}.linear_1"), enc, rows, dd, m.text_dim, true);
@@ -185,7 +206,8 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let (e, rows, trows) = (b * s * dd, b * s, b * m.t);
     let x = bl.g.input("x", e, io.x_dt, io.x_rg);
     bl.g.stream_in = vec![x];
-    let tp = bl.g.input("timestep_proj (b, 6, D)", b * 6 * dd, io.tp_dt, io.tp_rg);
+    let tp =
+        bl.g.input("timestep_proj (b, 6, D)", b * 6 * dd, io.tp_dt, io.tp_rg);
     let ctx = bl.g.input("text context", trows * dd, io.ctx_dt, io.ctx_rg);
     let cos = bl.g.input("rope cos", s * m.dh, Dtype::F32, false);
     let sin = bl.g.input("rope sin", s * m.dh, Dtype::F32, false);
@@ -394,5 +416,74 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     Stages {
         stages: st,
         data: Data { kept, forward_only },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::spec::Spec;
+
+    /// `bench/torch_peer/specs/families/wan-fp32-none-loop-f5.json` (b 4, 5 frames → 2 latent
+    /// frames of 8×8×16, patch 1×2×2: 32 tokens, D 64 in 2 heads, FFN 128, umT5 96 wide, 512
+    /// tokens), with `precision`, `recompute` and LoRA set.
+    fn spec(precision: &str, recompute: &str, lora: &str) -> Spec {
+        let json = format!(
+            r#"{{"model": {{"name": "wan-tiny", "depth": 2, "hidden": 64, "patch": 2,
+              "diffusers": {{"_class_name": "WanTransformer3DModel", "added_kv_proj_dim": null,
+                "attention_head_dim": 32, "cross_attn_norm": true, "eps": 1e-06, "ffn_dim": 128,
+                "freq_dim": 256, "in_channels": 16, "num_attention_heads": 2, "num_layers": 2,
+                "out_channels": 16, "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads",
+                "text_dim": 96}}}},
+             "workload": {{"height": 64, "width": 64, "vae_factor": 8, "latent_channels": 16,
+               "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 5,
+               "vae_temporal_factor": 4, "text_tokens": [512]}},
+             "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+               "optimizer_impl": "for-loop", "attention": "memory-efficient",
+               "recompute": "{recompute}", "lora": {lora}, "zero_stage": 0, "latents": "cached",
+               "ema": {{"enabled": false, "dtype": "f32", "decay": 0.9999}}}},
+             "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).unwrap();
+        crate::denoiser::resolve(&mut s).unwrap();
+        s
+    }
+
+    fn costs(s: &Spec) -> Vec<StageCost> {
+        stages(for_spec(s), s).costs()
+    }
+
+    fn kept(c: &StageCost) -> u64 {
+        c.cost.kept.total()
+    }
+
+    /// The dump's per-block totals (`families_saved.txt`) less what the input side holds here:
+    /// the text context (first saved by block 0's to_k/to_v) and the RoPE cos/sin tables, and
+    /// in fp32 the stream input norm1 saves (the patch embedding's `.contiguous()` copy). Every
+    /// block then keeps the same bytes.
+    #[test]
+    fn blocks_keep_the_dump_bytes() {
+        let (b, s, d, t) = (4u64, 32u64, 64u64, 512u64);
+        let rope = 2 * s * 32 * 4;
+        let f32s = costs(&spec("fp32", "none", "null"));
+        let want = 3_504_640 - b * t * d * 4 - rope - b * s * d * 4;
+        assert_eq!(kept(&f32s[1]), want);
+        assert_eq!(kept(&f32s[2]), 2_972_160 - b * s * d * 4);
+        let bf16 = costs(&spec("bf16-mixed", "none", "null"));
+        // Under autocast norm1 saves its own fp32 copy of the stream.
+        assert_eq!(kept(&bf16[1]), 2_587_136 - b * t * d * 2 - rope);
+        assert_eq!(kept(&bf16[2]), 2_316_800);
+    }
+
+    /// LoRA on attention: the input side saves nothing but the RoPE tables; the text context is
+    /// not held for the frozen to_k/to_v (lora_A saves its own copies).
+    #[test]
+    fn lora_freezes_the_base() {
+        let l = r#"{"rank": 4, "modules": ["to_q", "to_k", "to_v", "to_out.0"]}"#;
+        let c = costs(&spec("bf16-mixed", "none", l));
+        assert_eq!(kept(&c[0]), 2 * 32 * 32 * 4);
+        let full = costs(&spec("bf16-mixed", "none", "null"));
+        assert!(kept(&c[1]) < kept(&full[1]));
     }
 }
