@@ -193,22 +193,32 @@ pub(super) fn flow_loss(
     }
 }
 
-/// The input side: noising (no grad), `PatchEmbed` (conv, flatten + transpose: a view),
+/// The input side: noising (no grad), `PatchEmbed` (conv, flatten + transpose: a view; plus
+/// the sin-cos table when `interpolation_scale` is set),
 /// `AdaLayerNormSingle` (timestep MLP, SiLU, Linear D → 6D), `PixArtAlphaTextProjection`
 /// (Linear, GELU-tanh, Linear) and `caption_norm` (RMSNorm, affine).
 /// Returns the segment, its broadcast outputs (timestep 6D, embedded timestep, caption) and
 /// whether the caption is saved by the blocks (their k/v linears read it without a cast).
-fn embed(f: &Fam, m: &Dm, cap_saved_by_blocks: bool) -> (Segment, [Tid; 3]) {
+fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Tid; 3]) {
     let mut bl = f.builder("embed");
     let (b, d, wd) = (m.b, m.d, m.wd);
     let xt = noising(&mut bl, m.lat, b, wd);
     let pw = d * m.c_in * m.p * m.p;
     let conv = bl.conv_rg("patch_embed.proj", xt, b * d * m.s, pw, Some(d));
-    let x = bl.g.view(
+    let mut x = bl.g.view(
         "patch embedding (b, s, D) transposed view",
         conv,
         b * d * m.s,
     );
+    if pos {
+        // `(latent + pos_embed).to(latent.dtype)` (`PatchEmbed.forward`): an fp32 sum with the
+        // sin-cos buffer in the latent's (transposed) layout, cast back.
+        let pe =
+            bl.g.param("patch_embed.pos_embed", m.s * d, Dtype::F32, false);
+        let sum = bl.add_rg("patch embedding + pos_embed", x, pe, b * d * m.s);
+        let cdt = bl.g.dtype(conv);
+        x = bl.g.cast("(latent + pos_embed).to(latent dtype)", sum, cdt);
+    }
 
     // Timesteps(256, flip_sin_to_cos) in fp32, no grad; `.to(hidden_dtype)` (the patch
     // embedding's dtype).
@@ -410,7 +420,7 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`).
     let mixed = f.spec.recipe.precision.is_mixed();
     let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && !mixed)));
-    let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, cap_saved);
+    let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, d.pos_embed, cap_saved);
     if ck {
         save(&mut emb_seg, ts);
     }
