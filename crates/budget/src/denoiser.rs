@@ -39,6 +39,9 @@ pub fn with_family(
     // diffusers' attention processors call `scaled_dot_product_attention` (a flag may still ask
     // for the explicit softmax).
     spec.recipe.attention = crate::spec::AttentionMode::MemoryEfficient;
+    // None of diffusers' SD3 / Flux / Sana training scripts keeps an EMA (no `--use_ema`; a flag
+    // may still ask for one).
+    spec.recipe.ema.enabled = false;
     resolve(&mut spec)?;
     Ok(spec)
 }

@@ -169,7 +169,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
         crate::spec::Runtime::Pytorch {
             device: crate::spec::TorchDevice::Cuda,
             ..
-        } => Some(cuda_report(spec, &table)?),
+        } => cuda_report(spec, &table)?,
         _ => None,
     };
     let fits = cuda.as_ref().and_then(|c| c.fits);

@@ -47,9 +47,7 @@ use crate::events::{Breakdown, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
 use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
-use crate::timeline::{
-    segment_costs, simulate_step, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES,
-};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
 use crate::units::fmt_bytes;
 
 /// Levers the user must allow explicitly.
@@ -208,6 +206,9 @@ struct Evaluator<'a> {
     tables: HashMap<TableKey, Rc<(Vec<ParamTensor>, StaticBytes)>>,
     segments: HashMap<SegKey, Rc<(SegmentCosts, TimeInputs)>>,
     evaluated: usize,
+    /// The usable budget: a CUDA candidate whose allocated peak and context already exceed it is
+    /// not replayed on the allocator (it cannot fit; its device bytes are at least that).
+    usable: u64,
 }
 
 impl<'a> Evaluator<'a> {
@@ -285,7 +286,7 @@ impl<'a> Evaluator<'a> {
             combo: ci,
             n_changes: c.n_changes + usize::from(rc != Recompute::None),
             recompute: rc,
-            peak: device_peak(&spec, &c.table.0).unwrap_or(e.total()),
+            peak: device_peak(&spec, &c.table.0, e.total(), self.usable).unwrap_or(e.total()),
             breakdown: e.live,
             time,
         }
@@ -312,7 +313,7 @@ impl<'a> Evaluator<'a> {
 
 /// On `pytorch:cuda` what has to fit is what the device shows: the caching allocator's reserved
 /// segments (fragmentation included) plus the CUDA context, not the allocated peak.
-fn device_peak(spec: &Spec, table: &[ParamTensor]) -> Option<u64> {
+fn device_peak(spec: &Spec, table: &[ParamTensor], allocated: u64, usable: u64) -> Option<u64> {
     let cuda = matches!(
         spec.runtime,
         crate::spec::Runtime::Pytorch {
@@ -323,13 +324,24 @@ fn device_peak(spec: &Spec, table: &[ParamTensor]) -> Option<u64> {
     if !cuda {
         return None;
     }
-    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()?;
+    let context = spec
+        .cuda
+        .as_ref()
+        .and_then(|c| c.gpu.as_deref())
+        .and_then(|g| crate::gpu::lookup(g).ok())
+        .map_or(crate::runtime::pytorch::device::CUDA_CONTEXT_BYTES, |g| {
+            g.context_bytes
+        });
+    if allocated + context > usable {
+        // Cannot fit (reserved ≥ allocated): the allocator's replay is kept for candidates
+        // that may.
+        return Some(allocated + context);
+    }
+    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
     Some(match r.oom {
         // The allocator stopped at the capacity: the step needs at least its allocated peak
-        // (the timeline's) and the context.
-        Some(_) => r
-            .device_bytes
-            .max(simulate_step(spec).peak().total() + r.context_bytes),
+        // and the context.
+        Some(_) => r.device_bytes.max(allocated + r.context_bytes),
         None => r.device_bytes,
     })
 }
@@ -631,6 +643,7 @@ fn search(
         tables: HashMap::new(),
         segments: HashMap::new(),
         evaluated: 0,
+        usable,
     };
     let depth = base.model.depth;
     let w = &base.workload;

@@ -16,6 +16,10 @@ use crate::runtime::pytorch::device::CUDA_CONTEXT_BYTES;
 use crate::runtime::pytorch::trace::allocation_sequence;
 use crate::spec::Spec;
 
+/// Most allocation events replayed on the allocator (two steps of a 57-block Flux at 1024²
+/// make about 40,000): bounds an estimate's time on specs near the spec's caps (depth 1,024).
+pub const MAX_REPLAYED_EVENTS: usize = 300_000;
+
 /// The device memory of a CUDA step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CudaReport {
@@ -53,11 +57,15 @@ pub struct CudaReport {
 }
 
 /// The CUDA memory of a spec on the `pytorch:cuda` runtime.
-pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, SpecError> {
+/// None when the step makes more than [`MAX_REPLAYED_EVENTS`] allocations (not replayed).
+pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaReport>, SpecError> {
     let cs = spec.cuda.clone().unwrap_or_default();
     let conf = AllocConf::parse(&cs.alloc_conf)
         .map_err(|e| SpecError::invalid("cuda.alloc_conf", e.to_string()))?;
     let events = allocation_sequence(spec, table);
+    if events.len() > MAX_REPLAYED_EVENTS {
+        return Ok(None);
+    }
     let seq_err = |e: crate::runtime::pytorch::caching_allocator::SequenceError| {
         SpecError::invalid("runtime", format!("internal allocation sequence: {e}"))
     };
@@ -65,7 +73,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
         Some(name) => {
             let g = gpu::lookup(name).map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
             let m = simulate_on_gpu(&events, g, &conf, &[0]).map_err(seq_err)?;
-            Ok(CudaReport {
+            Ok(Some(CudaReport {
                 gpu: Some(g.name),
                 alloc_conf: cs.alloc_conf,
                 max_allocated_bytes: m.allocator.max_allocated,
@@ -81,7 +89,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
                 alloc_retries: m.allocator.alloc_retries,
                 device_allocs: m.allocator.device_allocs,
                 events: events.len(),
-            })
+            }))
         }
         None => {
             let ws = gpu::CUBLAS_WORKSPACE_DEFAULT;
@@ -92,7 +100,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
             }];
             all.extend_from_slice(&events);
             let r = simulate_allocator(&all, &conf, None).map_err(seq_err)?;
-            Ok(CudaReport {
+            Ok(Some(CudaReport {
                 gpu: None,
                 alloc_conf: cs.alloc_conf,
                 max_allocated_bytes: r.max_allocated,
@@ -108,7 +116,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<CudaReport, Spe
                 alloc_retries: r.alloc_retries,
                 device_allocs: r.device_allocs,
                 events: events.len(),
-            })
+            }))
         }
     }
 }
