@@ -725,8 +725,11 @@ pub fn compute_reference_in(
     }
     let ema = spec.recipe.ema.enabled;
     let batch = data.step_batch(0);
+    // The probe first, while the trainer holds only its weights (its forward stays below the
+    // step's peak), then checked against the step's loss.
+    let (score_bound, probe_loss) = probe::score_bound(&spec, &t, opts.seed, &batch)?;
     let loss = t.compute_gradients(&batch)?;
-    let score_bound = probe::score_bound(&spec, &t, opts.seed, &batch, loss)?;
+    probe::check_loss(probe_loss, loss)?;
     drop(batch);
     let meta = reference_meta(&spec, opts, &names, score_bound)?;
     let mut w = store::Writer::create(&path, meta, store::keys(&tensors, opts.steps, ema))?;

@@ -7,7 +7,8 @@
 //! The replay composes the engine's own pieces ([`block_forward`], [`final_forward`], the
 //! embedders) as the trainer does and checks itself: its loss must equal the reference step's
 //! loss to 1e-9 relative, so a probe that no longer follows the model is an error, not a quiet
-//! misestimate.
+//! misestimate. It runs before the reference step, while the trainer holds only its weights:
+//! one block's activations and weight copies at a time, below the step's own peak.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
@@ -42,14 +43,14 @@ fn linear(t: &Trainer, name: &str) -> Result<LinearW> {
 }
 
 /// S of the first step of `spec` (the reference spec: f64, nothing recomputed) with the weights
-/// of `t` (fresh, not yet stepped) on `batch`, checked against the step's `loss`.
+/// of `t` (fresh, not yet stepped) on `batch`, and the loss of the replay (to be checked with
+/// [`check_loss`] against the step's).
 pub(super) fn score_bound(
     spec: &Spec,
     t: &Trainer,
     seed: u64,
     batch: &Batch,
-    loss: f64,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
     let f = DType::F64;
@@ -82,29 +83,33 @@ pub(super) fn score_bound(
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
         let b = mb.n;
-        let xt = mb.noisy(&acp, f, &dev)?;
-        let xe = embed.forward(&patchify(&xt, &d)?)?;
-        let mut x = xe
-            .reshape((b, s, h))
-            .and_then(|x| x.broadcast_add(&pos))
-            .map_err(e)?;
-        let tf = timestep_features(&mb.timesteps, d.freq, f, &dev)?;
-        let temb = t2.forward(&t0.forward(&tf)?.silu().map_err(e)?)?;
-        let ids: Vec<u32> = mb
-            .labels
-            .iter()
-            .zip(&mb.drop_label)
-            .map(|(&y, &drop)| {
-                if drop && d.label_rows > d.num_classes {
-                    d.num_classes as u32
-                } else {
-                    y
-                }
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, b, &dev).map_err(e)?;
-        let c = (temb + table.index_select(&ids, 0).map_err(e)?).map_err(e)?;
+        let (mut x, c) = on_pool(|| -> Result<(Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe
+                .reshape((b, s, h))
+                .and_then(|x| x.broadcast_add(&pos))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, d.freq, f, &dev)?;
+            let temb = t2.forward(&t0.forward(&tf)?.silu().map_err(e)?)?;
+            let ids: Vec<u32> = mb
+                .labels
+                .iter()
+                .zip(&mb.drop_label)
+                .map(|(&y, &drop)| {
+                    if drop && d.label_rows > d.num_classes {
+                        d.num_classes as u32
+                    } else {
+                        y
+                    }
+                })
+                .collect();
+            let ids = Tensor::from_vec(ids, b, &dev).map_err(e)?;
+            let c = (temb + table.index_select(&ids, 0).map_err(e)?).map_err(e)?;
+            Ok((x, c))
+        })?;
         for i in 0..d.depth {
+            // One block's weight copies at a time, made here (the trainer stays on this thread).
             let p = |n: &str| linear(t, &format!("blocks.{i}.{n}"));
             let bw = BlockWeights {
                 adaln: p("adaLN_modulation.1")?,
@@ -113,52 +118,76 @@ pub(super) fn score_bound(
                 fc1: p("mlp.fc1")?,
                 fc2: p("mlp.fc2")?,
             };
-            // q and k as the block computes them: LN(x)·(1 + scale) + shift, then the qkv linear.
-            let modv = bw.adaln.forward(&c.silu().map_err(e)?)?;
-            let (shift, sc) = (
-                modv.narrow(1, 0, h).map_err(e)?,
-                modv.narrow(1, h, h).map_err(e)?,
-            );
-            let h1 = ln_modulate(&x, &shift, &sc, LN_EPS, f).map_err(e)?;
-            let qkv: Vec<f64> = bw
-                .qkv
-                .forward(&h1)?
-                .flatten_all()
-                .and_then(|v| v.to_vec1())
-                .map_err(e)?;
-            for bi in 0..b {
-                for hd in 0..d.heads {
-                    let largest = |which: usize| {
-                        (0..s)
-                            .map(|r| {
-                                let at = (bi * s + r) * 3 * h + which * h + hd * dh;
-                                qkv[at..at + dh].iter().map(|v| v * v).sum::<f64>()
-                            })
-                            .fold(0.0f64, f64::max)
-                            .sqrt()
-                    };
-                    bound = bound.max(scale.abs() * largest(0) * largest(1));
-                }
-            }
             let seeds = BlockSeeds {
                 attn: derive_seed(seed, &[0, m as u64, i as u64, 1]),
                 mlp: derive_seed(seed, &[0, m as u64, i as u64, 2]),
             };
-            x = block_forward(&x, &c, &bw, &cfg, seeds)?;
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                // q and k as the block computes them: LN(x)·(1 + scale) + shift, then qkv.
+                let modv = bw.adaln.forward(&c.silu().map_err(e)?)?;
+                let (shift, sc) = (
+                    modv.narrow(1, 0, h).map_err(e)?,
+                    modv.narrow(1, h, h).map_err(e)?,
+                );
+                let h1 = ln_modulate(&x, &shift, &sc, LN_EPS, f).map_err(e)?;
+                let qkv: Vec<f64> = bw
+                    .qkv
+                    .forward(&h1)?
+                    .flatten_all()
+                    .and_then(|v| v.to_vec1())
+                    .map_err(e)?;
+                let mut sb = 0.0f64;
+                for bi in 0..b {
+                    for hd in 0..d.heads {
+                        let largest = |which: usize| {
+                            (0..s)
+                                .map(|r| {
+                                    let at = (bi * s + r) * 3 * h + which * h + hd * dh;
+                                    qkv[at..at + dh].iter().map(|v| v * v).sum::<f64>()
+                                })
+                                .fold(0.0f64, f64::max)
+                                .sqrt()
+                        };
+                        sb = sb.max(scale.abs() * largest(0) * largest(1));
+                    }
+                }
+                Ok((block_forward(&x, &c, &bw, &cfg, seeds)?, sb))
+            })?;
+            bound = bound.max(sb);
+            x = next;
         }
-        let out = final_forward(&x, &c, &fw, f, f)?;
-        let pred = unpatchify(&out, b, &d)?
-            .narrow(1, 0, d.in_channels)
-            .map_err(e)?;
-        let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
-        loss_sum += (pred - target)
-            .and_then(|r| r.sqr())
-            .and_then(|r| r.mean_all())
-            .and_then(|r| r.to_scalar::<f64>())
-            .map_err(e)?;
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = final_forward(&x, &c, &fw, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
     }
-    let probe_loss = loss_sum / accum as f64;
-    if !((probe_loss - loss).abs() <= LOSS_AGREEMENT * loss.abs()) {
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// Run `f` on the rayon pool the trainer's steps run on, as they do: gemm keeps per-thread
+/// packing slabs for a thread's lifetime, and the calling thread must not grow a set of its own.
+fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
+/// The replay must reproduce the step's loss: a probe that no longer follows the model is an
+/// error, not a quiet misestimate of S.
+pub(super) fn check_loss(probe_loss: f64, loss: f64) -> Result<()> {
+    // NaN disagrees.
+    let agrees = (probe_loss - loss).abs() <= LOSS_AGREEMENT * loss.abs();
+    if !agrees {
         return Err(bad(
             "attention-score probe",
             format!(
@@ -167,5 +196,5 @@ pub(super) fn score_bound(
             ),
         ));
     }
-    Ok(bound)
+    Ok(())
 }
