@@ -1,16 +1,19 @@
 //! The measurement behind verify's κ factors (ignored: minutes; run it to re-derive them):
 //!
 //! ```text
-//! CAL_CASES=base,gain,width CAL_SEEDS=5 CAL_STEPS=3 cargo test --release -p ditmem-engine \
-//!     --test verify_calibrate -- --ignored --nocapture
+//! CAL_CASES=base,gain,width,mutspec CAL_SEEDS=5 CAL_STEPS=3 cargo test --release \
+//!     -p ditmem-engine --test verify_calibrate -- --ignored --nocapture
+//! CAL_CASES=base CAL_SEEDS=5 CAL_STEPS=50 cargo test ... (the drift over the default K)
 //! ```
 //!
 //! For each case (spec × attention-score gain) and seed pair (weights i, data 10 + i) it runs
 //! every precision × {materialized, memory-efficient} (recompute twins are bitwise identical to
 //! these) against its fp64 reference, and prints one `CAL` line per variant: the errors and
 //! their normalised forms err / (u·√P), err / (u·S), the drift as a share of the reference's
-//! travel over (u·√P). The largest normalised value per policy over correct runs, × 2
-//! (`SPREAD_MARGIN`), is κ. It asserts only that every correct variant passes verify.
+//! travel over (u·√P), and each margin under the current κ. κ is fitted from these lines as the
+//! doc of `verify::Tolerance` says (per policy: 2 × the largest normalised value over correct
+//! runs, the reduction and score terms as excesses over the chain term). It asserts only that
+//! every correct variant passes verify.
 
 use ditmem_budget::Spec;
 use ditmem_engine::mutation;

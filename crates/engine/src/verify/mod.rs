@@ -376,8 +376,8 @@ impl Growth {
 /// data seeds 10–14, every policy × both attention modes (recompute twins are bitwise equal),
 /// K = 3 drift steps, on the default spec (`Spec::small`: depth 2, hidden 64, 64 tokens, P = 28,
 /// P_f = 14) at batch 2, 4, 8; at widths 128, 256, 384; with scores ×4, 8, 16, 32; and the
-/// mutation suite's spec (two microbatches, EMA) at ×1, ×32 and width 384 — 630 variant runs per
-/// policy; release, AMD EPYC, 2 threads. Fit, per policy: c_P = the largest err / (u·√P) at
+/// mutation suite's spec (two microbatches, EMA) at ×1, ×32 and width 384; and K = 50 at batch
+/// 2, 4, 8 — 160 variant runs per policy; release, AMD EPYC, 2 threads. Fit, per policy: c_P = the largest err / (u·√P) at
 /// the smallest n (bf16/fp16: over every unscaled case); c_n = the largest excess
 /// √(err²/u² − c_P²·P) / √n over the unscaled cases; c_s = the largest remaining excess / S over
 /// all cases; c_ℓ the largest loss err / (u·√P_f); c_d the largest drift share / grad tolerance
