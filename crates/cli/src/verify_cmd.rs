@@ -3,10 +3,12 @@
 //! dtype, bitwise recompute twins, and the drift of K optimizer steps.
 //!
 //! Exit codes: 0 when no variant fails, 4 when one does, 2 for bad input (flags, a reference file
-//! that cannot be read or was computed for another spec or other seeds).
+//! that cannot be read or was computed for another spec or other seeds), 3 when the predicted
+//! memory or the reference file's size does not fit (checked before any work).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -174,6 +176,42 @@ fn guard(
     }
 }
 
+/// Test hook, not a user setting: when set, `DITMEM_TEST_FREE_DISK=<bytes>` stands for the free
+/// space of the file system verify writes its reference to, so the CLI tests can exercise the
+/// refusal without filling a disk.
+pub const FREE_DISK_ENV: &str = "DITMEM_TEST_FREE_DISK";
+
+/// Bytes an unprivileged process may still write on the file system of `dir` (statvfs:
+/// f_bavail × f_frsize); `None` when it cannot be read.
+fn free_disk(dir: &Path) -> Option<u64> {
+    if let Some(v) = std::env::var_os(FREE_DISK_ENV) {
+        return v.to_str()?.trim().parse().ok();
+    }
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain old data; an all-zero value is valid and the call overwrites it.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path that outlives the call; `st` is ours to write.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Refuse (exit 3) a reference file of `need` bytes that the file system of `dir` cannot hold,
+/// before any work: the file is never written in part.
+fn check_disk(dir: &Path, need: u64) -> Result<(), CliError> {
+    match free_disk(dir) {
+        Some(free) if need > free => Err(CliError::Refused(format!(
+            "the reference file needs {} ({need} B) but the file system of '{}' has {} ({free} B) \
+             free; free space there, save it elsewhere (--save-reference) or lower --steps",
+            ditmem_budget::fmt_bytes(need),
+            dir.display(),
+            ditmem_budget::fmt_bytes(free),
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
@@ -269,6 +307,20 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     }
     let plan = guard(&base, &variants, &opts, jobs, stored.is_some(), args.force)?;
     let jobs = plan.jobs;
+    // The reference file is written where it will be kept (a rename at the end) or in the
+    // temporary folder, and copied when a stored one is saved again: its file system must hold it.
+    let ref_dir = match &args.save_reference {
+        Some(p) => crate::output::folder_of(p).to_path_buf(),
+        None => std::env::temp_dir(),
+    };
+    match (&stored, &args.save_reference) {
+        (Some(r), Some(_)) => check_disk(&ref_dir, r.file_bytes())?,
+        (Some(_), None) => {}
+        (None, _) => check_disk(
+            &ref_dir,
+            verify::reference_file_size(&base, &opts).map_err(|e| map_err(e, "spec"))?,
+        )?,
+    }
     let show = !args.json;
     let (reference, source) = match stored {
         Some(r) => {
@@ -282,14 +334,11 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
             (r, path)
         }
         None => {
-            // Written where it will be kept (a rename at the end), or in the temporary folder.
-            let dir = match &args.save_reference {
-                Some(p) => crate::output::folder_of(p).to_path_buf(),
-                None => std::env::temp_dir(),
-            };
             let b = bar(u64::from(opts.steps), show, "fp64 reference");
-            let r = compute_reference_in(&dir, &base, &opts, &mut |s| b.set_position(u64::from(s)))
-                .map_err(|e| map_err(e, "spec"))?;
+            let r = compute_reference_in(&ref_dir, &base, &opts, &mut |s| {
+                b.set_position(u64::from(s))
+            })
+            .map_err(|e| map_err(e, "spec"))?;
             b.finish_and_clear();
             (r, "computed".to_string())
         }
@@ -297,8 +346,14 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     let mut reference = reference;
     if let Some(path) = &args.save_reference {
         if args.reference.is_some() {
-            std::fs::copy(reference.path(), path)
-                .with_context(|| format!("cannot copy the reference to '{}'", path.display()))?;
+            if let Err(e) = std::fs::copy(reference.path(), path) {
+                // Never leave a half file behind.
+                let _ = std::fs::remove_file(path);
+                return Err(CliError::Other(anyhow::Error::new(e).context(format!(
+                    "cannot copy the reference to '{}'",
+                    path.display()
+                ))));
+            }
         } else {
             crate::output::check_outputs(&[("--save-reference", Some(path.as_path()))])?;
             reference
@@ -427,11 +482,21 @@ fn render(
 
     let g = &r.growth;
     o.push_str(&format!(
-        "tolerances: κ · u(compute dtype) · √P, P = {} (gradient chain; {} for the loss), κ = 2 × the largest error / (u·√P) \
-         measured on correct runs (5 seeds × batch 2, 4, 8 of the default spec)\n",
-        g.gradient_chain, g.forward_chain
+        "tolerances: u(compute dtype) · √(κ_P²·P + κ_n²·n + κ_s²·S²) with P = {} chained roundings ({} for the loss), \
+         n = {} the longest reduction, S = {:.1} the attention-score bound of the reference's first step; \
+         each κ = 2 × the largest measured on correct runs (5 seeds; batch 2–8, width 64–384, scores ×1–32); \
+         drift: κ_d × the gradient tolerance, as a share of the distance the reference trained\n",
+        g.gradient_chain, g.forward_chain, g.reduction, g.score_bound
     ));
-    let mut t = Table::new(&["policy", "dtype", "u", "κ·√P", "gradient tol", "loss tol"]);
+    let mut t = Table::new(&[
+        "policy",
+        "dtype",
+        "u",
+        "growth",
+        "gradient tol",
+        "loss tol",
+        "drift tol",
+    ]);
     for tol in &r.tolerances {
         t.row(vec![
             tol.precision.to_string(),
@@ -440,12 +505,13 @@ fn render(
             format!("{:.1}", tol.growth),
             sci(Some(tol.grad)),
             sci(Some(tol.loss)),
+            sci(Some(tol.drift)),
         ]);
     }
     o.push_str(&t.render());
     o.push_str(&format!(
-        "verdict: pass ≤ tol < warn ≤ {}×tol < fail (margin = error / tol); recompute twins bitwise; \
-         drift warns above {} × K × (drift after step 1); an EMA fails beyond its weights' drift\n\n",
+        "verdict: pass ≤ tol < warn ≤ {}×tol < fail (margin = error / tol), for gradients, loss and drift; \
+         recompute twins bitwise; drift also warns above {} × K × (drift after step 1); an EMA fails beyond its weights' drift\n\n",
         r.warn_factor, r.drift_growth_factor
     ));
 
@@ -460,6 +526,7 @@ fn render(
         "non-finite",
         "tol",
         "margin",
+        "drift margin",
         "drift@1",
         &format!("drift@{}", opt.steps),
         "loss drift",
@@ -489,6 +556,7 @@ fn render(
             }),
             sci(Some(v.tolerance_grad)),
             v.grad_margin.map_or("-".into(), |m| format!("{m:.3}")),
+            v.drift_margin.map_or("-".into(), |m| format!("{m:.3}")),
             sci(v.drift_one_step),
             sci(v.drift_final),
             sci(v.loss_drift_final),
@@ -498,7 +566,8 @@ fn render(
     o.push_str(&t.render());
     o.push_str(
         "  errors are relative: loss |ℓ−ℓ₀|/|ℓ₀|; gradients ‖g−g₀‖/‖g₀‖ per tensor; drift ‖θ−θ₀‖/‖θ₀‖ after \
-         1 and K steps; loss drift after K steps\n",
+         1 and K steps; drift margin: ‖θ_K−θ₀,K‖/‖θ₀,K−θ₀,0‖ (the share of the distance trained) / drift tol; \
+         loss drift after K steps\n",
     );
     let flagged: Vec<_> = r
         .variants

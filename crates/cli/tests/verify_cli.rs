@@ -201,3 +201,70 @@ fn memory_is_predicted_and_refused_before_work() {
     let m = v["variants"][0]["grad_margin"].as_f64().unwrap();
     assert!(m > 0.0 && m <= 1.0, "margin {m}");
 }
+
+#[test]
+fn a_reference_the_disk_cannot_hold_is_refused_before_work() {
+    // DITMEM_TEST_FREE_DISK (a test hook) stands for the file system's free space: one byte short
+    // of the predicted file is refused with exit 3 naming both figures, and nothing is written.
+    let dir = common::temp_dir("verify-cli", "disk");
+    let refp = dir.join("ref.safetensors");
+    let args = [
+        "verify",
+        "--variants",
+        "fp32/none/materialized",
+        "--steps",
+        "2",
+        "--json",
+        "--save-reference",
+        refp.to_str().unwrap(),
+    ];
+    let (code, out, err) = common::ditmem_env(&[("DITMEM_TEST_FREE_DISK", "1000")], &args);
+    assert_eq!(code, 3, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("reference file needs") && err.contains("(1000 B) free"),
+        "{err}"
+    );
+    let need: u64 = err
+        .split("needs ")
+        .nth(1)
+        .and_then(|t| t.split(" B)").next())
+        .and_then(|t| t.rsplit('(').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no byte figure in {err}"));
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "nothing may be written"
+    );
+    // The prediction is the file: with exactly that much free it runs, and writes that size or
+    // a few bytes less (the one figure not known before the run is written at its longest).
+    let (code, _, err) = common::ditmem_env(&[("DITMEM_TEST_FREE_DISK", &need.to_string())], &args);
+    assert_eq!(code, 0, "{err}");
+    let len = std::fs::metadata(&refp).unwrap().len();
+    assert!(
+        len <= need && need - len < 32,
+        "file {len} B, predicted {need} B"
+    );
+    let (code, _, err) =
+        common::ditmem_env(&[("DITMEM_TEST_FREE_DISK", &(need - 1).to_string())], &args);
+    assert_eq!(code, 3, "{err}");
+    // Saving a stored reference again (a copy) needs its size too.
+    let again = dir.join("again.safetensors");
+    let (code, _, err) = common::ditmem_env(
+        &[("DITMEM_TEST_FREE_DISK", "1000")],
+        &[
+            "verify",
+            "--variants",
+            "fp32/none/materialized",
+            "--reference",
+            refp.to_str().unwrap(),
+            "--save-reference",
+            again.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(!again.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,9 +4,9 @@
 
 use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
 use ditmem_engine::verify::{
-    check_one_step, compute_reference, compute_reference_in, judge_one_step, parse_variants,
-    reference_file_bytes, tolerance, tolerance_for, unit_roundoff, verify, Drift, Fault, Growth,
-    Reference, Variant, Verdict, VerifyError, VerifyOptions,
+    check_one_step, compute_reference, compute_reference_in, judge_one_step, kappa, parse_variants,
+    reference_file_bytes, reference_file_size, tolerance, tolerance_for, unit_roundoff, verify,
+    Drift, Fault, Growth, Reference, Variant, Verdict, VerifyError, VerifyOptions,
 };
 
 /// The verify default: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens), batch 4.
@@ -210,10 +210,25 @@ fn tolerances_follow_the_unit_roundoff() {
     let t32 = tolerance(Precision::Fp32, &g);
     let tbf = tolerance(Precision::Bf16Mixed, &g);
     let tf16 = tolerance(Precision::Fp16Mixed, &g);
-    // κ · u · √P with P = 28.
-    assert!((t32.grad - 4.3 * 2f64.powi(-24) * 28f64.sqrt()).abs() < 1e-18);
-    assert!((tbf.grad - 0.84 * 2f64.powi(-8) * 28f64.sqrt()).abs() < 1e-15);
-    assert!((tf16.grad - 0.86 * 2f64.powi(-11) * 28f64.sqrt()).abs() < 1e-15);
+    // u · √(κ_P²·P + κ_n²·n + κ_s²·S²) with P = 28, n = 256 and S = 0 (the spec alone); only
+    // fp32 and fp64 accumulate in their compute dtype, so only they carry the n term.
+    let k32 = kappa(Precision::Fp32);
+    assert!(k32.reduction > 0.0 && kappa(Precision::Bf16Mixed).reduction == 0.0);
+    let want32 = 2f64.powi(-24) * (k32.chain.powi(2) * 28.0 + k32.reduction.powi(2) * 256.0).sqrt();
+    assert!((t32.grad - want32).abs() < 1e-18);
+    let kbf = kappa(Precision::Bf16Mixed);
+    assert!((tbf.grad - kbf.chain * 2f64.powi(-8) * 28f64.sqrt()).abs() < 1e-15);
+    let k16 = kappa(Precision::Fp16Mixed);
+    assert!((tf16.grad - k16.chain * 2f64.powi(-11) * 28f64.sqrt()).abs() < 1e-15);
+    // The drift tolerance is κ_d gradient tolerances.
+    assert!((t32.drift - k32.drift * t32.grad).abs() < 1e-18);
+    // The attention-score bound S widens the tolerance in quadrature: at S = 0 nothing, at a
+    // large S the score term dominates (u · κ_s · S).
+    let s = 1e4;
+    let wide = tolerance(Precision::Fp32, &g.with_score(s));
+    assert!(wide.grad > t32.grad);
+    let score_term = 2f64.powi(-24) * k32.score * s;
+    assert!(wide.grad > score_term && wide.grad < 1.01 * score_term);
     // The old bound was 3.31e-1 for bf16 on this spec; correct bf16 runs measure < 1e-2.
     assert!(tbf.grad < 2e-2 && tbf.grad > 1e-2, "{}", tbf.grad);
     // Mixed policies use the compute dtype's roundoff; bf16-pure the same compute dtype.
@@ -228,23 +243,25 @@ fn the_drift_rule_flags_super_linear_growth() {
     let e = 1e-6;
     let losses = vec![1.0; k];
     let linear: Vec<f64> = (0..=k).map(|t| e * t as f64).collect();
-    let d = Drift::from_norms(&losses, &losses, linear, Vec::new(), 0);
+    let d = Drift::from_norms(&losses, &losses, linear, Vec::new(), 0.5, 0);
     assert!(!d.grows_too_fast, "{d:?}");
+    // Held to the drift tolerance as a share of the distance the reference trained.
+    assert!((d.vs_travel - 2.0 * e * k as f64).abs() < 1e-12, "{d:?}");
     assert!((d.final_rel - e * k as f64).abs() < 1e-12);
     let cubic: Vec<f64> = (0..=k).map(|t| e * (t * t * t) as f64).collect();
-    let d = Drift::from_norms(&losses, &losses, cubic, Vec::new(), 0);
+    let d = Drift::from_norms(&losses, &losses, cubic, Vec::new(), 1.0, 0);
     assert!(d.grows_too_fast, "{d:?}");
     // Bitwise-identical trajectories have zero drift and are not flagged.
-    let d = Drift::from_norms(&losses, &losses, vec![0.0; k + 1], Vec::new(), 0);
+    let d = Drift::from_norms(&losses, &losses, vec![0.0; k + 1], Vec::new(), 1.0, 0);
     assert_eq!((d.final_rel, d.grows_too_fast), (0.0, false));
     // An EMA may not drift further than the weights it averages (plus its f32 rounding).
     let w: Vec<f64> = (0..=k).map(|t| e * t as f64).collect();
     let ok: Vec<f64> = w.iter().map(|x| 0.5 * x).collect();
-    let d = Drift::from_norms(&losses, &losses, w.clone(), ok, 0);
+    let d = Drift::from_norms(&losses, &losses, w.clone(), ok, 1.0, 0);
     assert_eq!(d.ema_exceeds_at, None);
     let mut far = vec![0.0; k + 1];
     far[3] = 1e-3;
-    let d = Drift::from_norms(&losses, &losses, w, far, 0);
+    let d = Drift::from_norms(&losses, &losses, w, far, 1.0, 0);
     assert_eq!(d.ema_exceeds_at, Some(3));
 }
 
@@ -262,6 +279,15 @@ fn reference_is_stored_opened_and_refuses_another_spec() {
     let data = 8 * (n * 4 + 3);
     assert_eq!(reference_file_bytes(&base, &o).unwrap(), data);
     assert!(r.file_bytes() > data && r.file_bytes() < data + 64 * 1024);
+    // The size predicted before the run, header included, is the file's (the attention-score
+    // bound, not known before, counted at its longest JSON form).
+    let predicted = reference_file_size(&base, &o).unwrap();
+    assert!(
+        predicted >= r.file_bytes() && predicted - r.file_bytes() < 32,
+        "predicted {predicted} B, written {} B",
+        r.file_bytes()
+    );
+    assert!(r.score_bound > 0.0 && r.score_bound.is_finite());
     let temp = r.path().to_path_buf();
     let kept = dir.join("ref.safetensors");
     r.persist(&kept).unwrap();
@@ -270,6 +296,7 @@ fn reference_is_stored_opened_and_refuses_another_spec() {
     assert_eq!(back.loss.to_bits(), r.loss.to_bits());
     assert_eq!(back.losses, r.losses);
     assert_eq!(back.tensors, r.tensors);
+    assert_eq!(back.score_bound.to_bits(), r.score_bound.to_bits());
     let g = &r.tensors[0].0;
     assert_eq!(back.gradient(g).unwrap(), r.gradient(g).unwrap());
     drop(r);

@@ -5,23 +5,31 @@
 //!    noise, timesteps and label dropout). Loss relative error; per trained tensor the gradient
 //!    relative error ‖g − g_ref‖ / ‖g_ref‖ (max, median, worst tensor); the cosine similarity of
 //!    the whole gradient; the share of non-finite gradient values.
-//! 2. **Tolerances by dtype** ([`tolerance`]): the unit roundoff of the compute dtype times √P and
-//!    a factor per precision policy set from the measured error spread of correct runs (see
-//!    [`Tolerance`]), tight enough that realistic precision bugs fail (`tests/verify_mutations.rs`).
+//! 2. **Tolerances by dtype** ([`tolerance`]): the unit roundoff of the compute dtype times what
+//!    the rounding error scales with — the chained rounding stages P, the longest reduction n
+//!    (where sums accumulate in the compute dtype), the attention-score bound S of the reference
+//!    ([`Growth`]) — each weighted by a factor per precision policy set from the measured error
+//!    spread of correct runs (see [`Tolerance`]), tight enough that realistic precision bugs fail
+//!    (`tests/verify_mutations.rs`).
 //! 3. **Twins**: variants that differ only by recompute (same precision and attention) must match
 //!    bitwise, because recomputing a block replays exactly the same ops on the same inputs.
 //!    Variants that differ only by the attention mode are each held to the reference (so they are
 //!    within two tolerances of each other).
 //! 4. **Drift over K steps** of the spec's optimizer (AdamW, lr [`DEFAULT_LR`]) on the batches
 //!    `step_batch(0..K)`: per step the loss divergence |ℓ − ℓ_ref| / |ℓ_ref| and the parameter
-//!    divergence ‖θ − θ_ref‖ / ‖θ_ref‖. A variant whose divergence grows faster than its first step
-//!    predicts is flagged ([`DRIFT_GROWTH_FACTOR`]).
+//!    divergence ‖θ − θ_ref‖ / ‖θ_ref‖. After the last step that divergence, as a share of the
+//!    distance the reference trained ([`Drift::vs_travel`]), is held to the drift tolerance
+//!    ([`Tolerance::drift`]: κ_d × the gradient tolerance, measured like it) — a bug in the
+//!    update itself (AdamW moments in bf16) leaves the gradients alone and shows only here. A
+//!    variant whose divergence grows faster than its first step predicts is also flagged
+//!    ([`DRIFT_GROWTH_FACTOR`]).
 //! 5. **Verdicts** pass / warn / fail per variant ([`Verdict`]).
 //!
 //! The reference (gradients, loss, trajectory) is computed once per run into a safetensors file
 //! ([`compute_reference`], [`Reference::open`]) with its spec and seeds as metadata, so a later run
 //! against a different spec is refused; variants are compared with it one tensor at a time.
 
+mod probe;
 mod store;
 
 use std::collections::hash_map::DefaultHasher;
@@ -300,6 +308,10 @@ pub struct Growth {
     pub forward_chain: u64,
     /// The backward retraces the forward chain to reach the first parameters: 2 × forward.
     pub gradient_chain: u64,
+    /// S: the attention-score bound of the reference's first step, d_h^−½ · maxᵢ ‖qᵢ‖ · maxⱼ
+    /// ‖kⱼ‖ over blocks, samples and heads (measured by replaying its forward; 0 when unknown:
+    /// [`Growth::of`] sees the spec only, [`Growth::with_score`] adds the reference's).
+    pub score_bound: f64,
 }
 
 impl Growth {
@@ -322,34 +334,56 @@ impl Growth {
             reduction,
             forward_chain,
             gradient_chain: 2 * forward_chain,
+            score_bound: 0.0,
         })
+    }
+
+    /// These factors with the attention-score bound S of a reference ([`Reference::score_bound`]).
+    pub fn with_score(self, score_bound: f64) -> Growth {
+        Growth {
+            score_bound,
+            ..self
+        }
     }
 }
 
 /// The tolerance of one precision policy under a spec's growth factors, from the measured error
 /// spread of correct runs.
 ///
-/// Model: independent rounding errors of P chained stages add in quadrature, so a correct
-/// variant's relative error is about u_c · √P, with u_c the unit roundoff of the policy's
-/// **compute dtype** and P = [`Growth::gradient_chain`] (gradients) or
-/// [`Growth::forward_chain`] (the loss). The reduction length K does not enter: the gemms
-/// accumulate in f32 whatever the element dtype, and the measured errors do not grow with it
-/// (batch 2 → 8, b·s 128 → 512, same errors within the seed spread).
+/// Model: independent rounding errors add in quadrature, each scaled by what its bound scales
+/// with, and u_c is the unit roundoff of the policy's **compute dtype**:
 ///
 /// ```text
-///     tol = κ_p · u_c · √P,    κ_p = SPREAD_MARGIN × max over correct runs of err / (u_c · √P)
+///     grad  = u_c · √(κ_P²·P + κ_n²·n + κ_s²·S²)
+///     loss  = u_c · κ_ℓ · √P_f
+///     drift = κ_d · grad          (as a share of the distance trained, see Drift::vs_travel)
 /// ```
 ///
-/// κ_p ([`kappa`]) was measured on the default spec (`Spec::small`: depth 2, hidden 64, 64
-/// tokens; P = 28, 14 for the loss) with every recompute × attention variant of the policy,
-/// weight seeds 0–4 × data seeds 10–14 × batch 2, 4, 8 (15 runs, 90 variant runs per policy;
-/// release, AMD EPYC, 2 threads), and [`SPREAD_MARGIN`] = 2 over the largest error seen. The
-/// largest measured err / (u_c · √P) per policy, gradients (loss): fp64 0.97 (0: the loss is
-/// exact), fp32 2.11 (0.48), bf16-mixed 0.41 (0.0064), fp16-mixed 0.42 (0.0044), bf16-pure 0.44
-/// (0.0063). A correct run therefore sits at a margin (error / tolerance) of at most ~0.5 on
-/// that spec; a bug that doubles a policy's error lands in the warning band, one that triples
-/// it fails. The old worst-case-flavoured bound u_c·√K·√P (3.31e-1 for bf16 on the default
-/// spec, 40× the measured 7.6e-3) could not fail on a quiet bug.
+/// - **P** ([`Growth::gradient_chain`]; P_f = [`Growth::forward_chain`] for the loss): rounding
+///   stages chained from the first weights to the loss and back, each adding u_c.
+/// - **n** ([`Growth::reduction`]): the longest reduction, the row width of a sum (fan-in,
+///   tokens, microbatch × tokens). A sum of n terms accumulated in a dtype errs by ≈ u·√n of its
+///   terms' scale; only fp32 and fp64 accumulate in their compute dtype. The bf16/fp16 policies
+///   accumulate gemms, LayerNorm statistics and softmax sums in f32, where u_f32·√n ≪ u_c: their
+///   κ_n is 0, and their measured error is flat from width 64 to 384 (max err / (u·√P) 0.41 →
+///   0.30), while fp32's grows (1.69 → 2.01, and 1.55 → 2.11 from b·s = 128 to 512).
+/// - **S** ([`Growth::score_bound`]): the attention-score bound d_h^−½ · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖ of
+///   the reference's first step. Rounding q and k moves a score by ≈ u_c·S, and e^(s − m) by a
+///   relative u_c·S: the softmax's error grows with its logits (4.7 at the default spec's
+///   initial weights, 150–180 with scores ×32, where the fp32 error is 7.5× the O(1) one).
+///
+/// Calibration (`tests/verify_calibrate.rs`, which prints every figure): weight seeds 0–4 ×
+/// data seeds 10–14, every policy × both attention modes (recompute twins are bitwise equal),
+/// K = 3 drift steps, on the default spec (`Spec::small`: depth 2, hidden 64, 64 tokens, P = 28,
+/// P_f = 14) at batch 2, 4, 8; at widths 128, 256, 384; with scores ×4, 8, 16, 32; and the
+/// mutation suite's spec (two microbatches, EMA) at ×1, ×32 and width 384; and K = 50 at batch
+/// 2, 4, 8 — 160 variant runs per policy; release, AMD EPYC, 2 threads. Fit, per policy: c_P = the largest err / (u·√P) at
+/// the smallest n (bf16/fp16: over every unscaled case); c_n = the largest excess
+/// √(err²/u² − c_P²·P) / √n over the unscaled cases; c_s = the largest remaining excess / S over
+/// all cases; c_ℓ the largest loss err / (u·√P_f); c_d the largest drift share / grad tolerance
+/// (also over K = 50 on the default spec). Each κ = [`SPREAD_MARGIN`] × c, so a correct run sits
+/// at a margin (error / tolerance) of at most 0.5 at every calibration point; a bug that doubles
+/// a policy's error lands in the warning band, one that triples it fails.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
     /// The policy the tolerance is for.
@@ -358,12 +392,15 @@ pub struct Tolerance {
     pub dtype: Dtype,
     /// u_c
     pub unit_roundoff: f64,
-    /// κ · √P for gradients.
+    /// √(κ_P²·P + κ_n²·n + κ_s²·S²) for gradients.
     pub growth: f64,
     /// Relative gradient error allowed per tensor (pass at or below it).
     pub grad: f64,
     /// Relative loss error allowed.
     pub loss: f64,
+    /// Weight divergence after the K drift steps allowed, as a share of the distance the
+    /// reference trained: ‖θ_K − θ_ref,K‖ / ‖θ_ref,K − θ_ref,0‖ ([`Drift::vs_travel`]).
+    pub drift: f64,
     /// The derivation in one line.
     pub reason: String,
 }
@@ -371,16 +408,37 @@ pub struct Tolerance {
 /// Safety factor of the calibrated κ over the largest error measured on correct runs.
 pub const SPREAD_MARGIN: f64 = 2.0;
 
-/// κ_p of a policy for gradients and for the loss (see [`Tolerance`]): SPREAD_MARGIN × the
-/// largest measured err / (u_c · √P), rounded up to two digits. The loss of fp64 variants
-/// measured exactly 0; its κ is fp32's.
-pub fn kappa(precision: Precision) -> (f64, f64) {
+/// The κ factors of one precision policy (see [`Tolerance`] for the model and the fit).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Kappa {
+    /// κ_P: per √(chained rounding stage).
+    pub chain: f64,
+    /// κ_n: per √(terms of the longest reduction); 0 where sums accumulate in f32 below u_c.
+    pub reduction: f64,
+    /// κ_s: per unit of the attention-score bound S.
+    pub score: f64,
+    /// κ_ℓ: the loss, per √(forward stage).
+    pub loss: f64,
+    /// κ_d: the drift share, per gradient tolerance.
+    pub drift: f64,
+}
+
+/// κ of a policy: [`SPREAD_MARGIN`] × the measured c (see [`Tolerance`]), rounded up to two
+/// digits. The loss of fp64 variants measured exactly 0; its κ_ℓ is fp32's.
+pub fn kappa(precision: Precision) -> Kappa {
+    let k = |chain, reduction, score, loss, drift| Kappa {
+        chain,
+        reduction,
+        score,
+        loss,
+        drift,
+    };
     match precision {
-        Precision::Fp64 => (2.0, 1.0),
-        Precision::Fp32 => (4.3, 1.0),
-        Precision::Bf16Mixed => (0.84, 0.013),
-        Precision::Fp16Mixed => (0.86, 0.009),
-        Precision::Bf16Pure => (0.9, 0.013),
+        Precision::Fp64 => k(1.8, 0.24, 0.84, 1.2, 220.0),
+        Precision::Fp32 => k(3.4, 0.59, 0.89, 1.2, 68.0),
+        Precision::Bf16Mixed => k(0.83, 0.0, 0.17, 0.024, 14.0),
+        Precision::Fp16Mixed => k(0.85, 0.0, 0.16, 0.031, 35.0),
+        Precision::Bf16Pure => k(0.88, 0.0, 0.27, 0.028, 14.0),
     }
 }
 
@@ -389,13 +447,13 @@ pub fn kappa(precision: Precision) -> (f64, f64) {
 /// an error twice the rounding scale is no longer rounding.
 pub const WARN_FACTOR: f64 = 2.0;
 
-/// Drift rule: warn when the final parameter divergence exceeds
-/// `DRIFT_GROWTH_FACTOR × K × (divergence after the first step)`. Each step injects about the
-/// error of one step; K steps whose errors all add up in the same direction give K times that
-/// (random directions give √K). The factor allows one decade of amplification by the training
-/// dynamics themselves (a stated allowance, not derived: on the default spec the fp64
-/// memory-efficient twin, a perturbation at the f64 roundoff, grows 7× beyond linear over 50
-/// steps); beyond it, the error per step grows — a step goes wrong that the first one did not
+/// Drift growth rule (a warning, beside the drift tolerance): warn when the final parameter
+/// divergence exceeds `DRIFT_GROWTH_FACTOR × K × (divergence after the first step)`. Each step
+/// injects about the error of one step; K steps whose errors all add up in the same direction
+/// give K times that (random directions give √K). The factor allows one decade of amplification
+/// by the training dynamics themselves (a stated allowance, not derived: on the default spec the
+/// fp64 memory-efficient twin, a perturbation at the f64 roundoff, grows 7× beyond linear over
+/// 50 steps); beyond it, the error per step grows — a step goes wrong that the first one did not
 /// show.
 pub const DRIFT_GROWTH_FACTOR: f64 = 10.0;
 
@@ -408,18 +466,22 @@ pub fn tolerance(precision: Precision, g: &Growth) -> Tolerance {
 /// bf16-mixed would pass the fp32 tolerance).
 pub fn tolerance_for(precision: Precision, dtype: Dtype, g: &Growth) -> Tolerance {
     let u = unit_roundoff(dtype);
-    let (kg, kl) = kappa(precision);
-    let growth = kg * (g.gradient_chain as f64).sqrt();
+    let k = kappa(precision);
+    let (p, n, sc) = (g.gradient_chain as f64, g.reduction as f64, g.score_bound);
+    let growth = (k.chain.powi(2) * p + k.reduction.powi(2) * n + (k.score * sc).powi(2)).sqrt();
+    let grad = u * growth;
     Tolerance {
         precision,
         dtype,
         unit_roundoff: u,
         growth,
-        grad: u * growth,
-        loss: u * kl * (g.forward_chain as f64).sqrt(),
+        grad,
+        loss: u * k.loss * (g.forward_chain as f64).sqrt(),
+        drift: k.drift * grad,
         reason: format!(
-            "κ · u({dtype}) · √P = {kg} · {u:.3e} · √{} (gradients; {kl} · u · √{} for the loss)",
-            g.gradient_chain, g.forward_chain
+            "u({dtype}) · √(κ_P²·P + κ_n²·n + κ_s²·S²) = {u:.3e} · √({}²·{} + {}²·{} + ({}·{sc:.1})²) \
+             (gradients; {} · u · √{} for the loss; {} × that for the drift)",
+            k.chain, g.gradient_chain, k.reduction, g.reduction, k.score, k.loss, g.forward_chain, k.drift
         ),
     }
 }
@@ -539,6 +601,8 @@ pub struct Reference {
     pub tensors: Vec<(String, Vec<usize>)>,
     /// Whether the trajectory holds EMA weights.
     pub ema: bool,
+    /// S, the attention-score bound of the first step (see [`Growth::score_bound`]).
+    pub score_bound: f64,
     path: PathBuf,
     layout: store::Layout,
     /// Deleted when dropped (a reference computed for one run and not saved).
@@ -575,7 +639,42 @@ pub fn reference_file_bytes(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
     Ok(store::data_bytes(n, opts.steps, base.recipe.ema.enabled))
 }
 
-const FORMAT: &str = "ditmem-verify-reference/2";
+const FORMAT: &str = "ditmem-verify-reference/3";
+
+/// The metadata of a reference file.
+fn reference_meta(
+    spec: &Spec,
+    opts: &VerifyOptions,
+    names: &[String],
+    score_bound: f64,
+) -> Result<HashMap<String, String>> {
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("spec".to_string(), json(spec)?);
+    meta.insert("options".to_string(), json(opts)?);
+    meta.insert("names".to_string(), json(&names)?);
+    meta.insert("ema".to_string(), spec.recipe.ema.enabled.to_string());
+    meta.insert("score_bound".to_string(), json(&score_bound)?);
+    meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    Ok(meta)
+}
+
+/// The size in bytes of the file [`compute_reference`] writes for `base` and `opts`, header
+/// included, predicted before it runs: the data ([`reference_file_bytes`]) and the header of the
+/// same tensors and metadata, with the one figure not known before the run (S) at its longest
+/// JSON form — an upper bound by at most a few bytes.
+pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
+    let spec = reference_spec(base);
+    let tensors: Vec<(String, Vec<usize>)> = crate::model::param_shapes(&spec)?
+        .into_iter()
+        .filter(|p| p.trainable)
+        .map(|p| (p.name, p.shape))
+        .collect();
+    let names: Vec<String> = tensors.iter().map(|t| t.0.clone()).collect();
+    let meta = reference_meta(&spec, opts, &names, -f64::MAX)?;
+    let ema = spec.recipe.ema.enabled;
+    store::file_len(&meta, &store::keys(&tensors, opts.steps, ema))
+}
 
 static TEMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -625,16 +724,16 @@ pub fn compute_reference_in(
         tensors.push((n.clone(), t.parameter(n)?.dims().to_vec()));
     }
     let ema = spec.recipe.ema.enabled;
-    let mut meta = HashMap::new();
-    meta.insert("format".to_string(), FORMAT.to_string());
-    meta.insert("spec".to_string(), json(&spec)?);
-    meta.insert("options".to_string(), json(opts)?);
-    meta.insert("names".to_string(), json(&names)?);
-    meta.insert("ema".to_string(), ema.to_string());
-    meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    let batch = data.step_batch(0);
+    // The probe first, while the trainer holds only its weights (its forward stays below the
+    // step's peak), then checked against the step's loss.
+    let (score_bound, probe_loss) = probe::score_bound(&spec, &t, opts.seed, &batch)?;
+    let loss = t.compute_gradients(&batch)?;
+    probe::check_loss(probe_loss, loss)?;
+    drop(batch);
+    let meta = reference_meta(&spec, opts, &names, score_bound)?;
     let mut w = store::Writer::create(&path, meta, store::keys(&tensors, opts.steps, ema))?;
     cleanup.0 = Some(path.clone());
-    let loss = t.compute_gradients(&data.step_batch(0))?;
     for (n, shape) in &tensors {
         let g = match t.gradient(n)? {
             Some(g) => to_f64(&g)?,
@@ -678,6 +777,7 @@ pub fn compute_reference_in(
         losses,
         tensors,
         ema,
+        score_bound,
         path,
         layout,
         temporary: true,
@@ -736,6 +836,10 @@ impl Reference {
         let names: Vec<String> = serde_json::from_str(field("names")?)
             .map_err(|e| reference_error(format!("metadata 'names': {e}")))?;
         let ema = field("ema")? == "true";
+        let score_bound: f64 = serde_json::from_str(field("score_bound")?)
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+            .ok_or_else(|| reference_error("metadata 'score_bound' is not a number ≥ 0"))?;
         let version = field("version")?.clone();
         let mut tensors = Vec::with_capacity(names.len());
         for n in &names {
@@ -775,6 +879,7 @@ impl Reference {
             losses: Vec::new(),
             tensors,
             ema,
+            score_bound,
             path: path.to_path_buf(),
             layout,
             temporary: false,
@@ -1130,6 +1235,11 @@ pub struct Drift {
     pub ema_rel: Vec<f64>,
     /// param_rel after the last step.
     pub final_rel: f64,
+    /// ‖θ_ref,K − θ_ref,0‖ / ‖θ_ref,K‖: how far the reference moved in K steps.
+    pub travel_rel: f64,
+    /// final_rel / travel_rel = ‖θ_K − θ_ref,K‖ / ‖θ_ref,K − θ_ref,0‖: the divergence as a share
+    /// of the distance trained, held to the drift tolerance ([`Tolerance::drift`]).
+    pub vs_travel: f64,
     /// param_rel after the first step.
     pub one_step_rel: f64,
     /// DRIFT_GROWTH_FACTOR × K × one_step_rel.
@@ -1157,12 +1267,14 @@ pub fn ema_bound(param_rel: &[f64], t: usize) -> f64 {
 
 impl Drift {
     /// The drift of a trajectory from the per-step norms (`param_rel`, `ema_rel`: K + 1 values
-    /// each, or `ema_rel` empty) and the losses.
+    /// each, or `ema_rel` empty), the reference's travel ‖θ_ref,K − θ_ref,0‖ / ‖θ_ref,K‖ and the
+    /// losses.
     pub fn from_norms(
         losses: &[f64],
         reference_losses: &[f64],
         param_rel: Vec<f64>,
         ema_rel: Vec<f64>,
+        travel_rel: f64,
         skipped_steps: u32,
     ) -> Drift {
         let loss_rel: Vec<f64> = losses
@@ -1190,6 +1302,8 @@ impl Drift {
             param_rel,
             ema_rel,
             final_rel,
+            travel_rel,
+            vs_travel: ratio(final_rel, travel_rel),
             one_step_rel,
             predicted_max,
             ema_exceeds_at,
@@ -1200,17 +1314,21 @@ impl Drift {
 
 /// ‖a − r‖² and ‖r‖² of the weights (or the EMA weights) of `t` after `step` steps against the
 /// reference's, tensor by tensor.
+///
+/// With `travel`, also ‖θ_ref,step − θ_ref,0‖ / ‖θ_ref,step‖, how far the reference moved (its
+/// initial weights read into the variant's buffer once it has been compared: no extra copy).
 fn state_norms(
     t: &Trainer,
     step: u32,
     reference: &Reference,
     rd: &mut store::Reader<'_>,
     h: &mut DefaultHasher,
-) -> Result<(f64, Option<f64>)> {
+    travel: bool,
+) -> Result<(f64, Option<f64>, f64)> {
     let mut r = Vec::new();
-    let (mut d2, mut n2) = (0.0, 0.0);
+    let (mut d2, mut n2, mut t2) = (0.0, 0.0, 0.0);
     for (name, _) in &reference.tensors {
-        let p = to_f64(&t.parameter(name)?)?;
+        let mut p = to_f64(&t.parameter(name)?)?;
         rd.read_into(&format!("param/{step}/{name}"), &mut r)?;
         if p.len() != r.len() {
             return Err(bad(
@@ -1225,8 +1343,17 @@ fn state_norms(
             .map(|(x, y)| (x - y) * (x - y))
             .sum::<f64>();
         n2 += r.iter().map(|y| y * y).sum::<f64>();
+        if travel {
+            rd.read_into(&format!("param/0/{name}"), &mut p)?;
+            t2 += p
+                .iter()
+                .zip(&r)
+                .map(|(x, y)| (x - y) * (x - y))
+                .sum::<f64>();
+        }
     }
     let param = ratio(d2.sqrt(), n2.sqrt());
+    let moved = ratio(t2.sqrt(), n2.sqrt());
     let ema = match (t.ema_parameters(), reference.ema) {
         (Some(e), true) => {
             let (mut d2, mut n2) = (0.0, 0.0);
@@ -1244,7 +1371,7 @@ fn state_norms(
         }
         _ => None,
     };
-    Ok((param, ema))
+    Ok((param, ema, moved))
 }
 
 /// d / n for a difference norm d and a reference norm n: 0 when both are zero, ∞ when only n
@@ -1280,17 +1407,22 @@ fn drift(
     let mut ema_rel = Vec::new();
     let mut losses = Vec::with_capacity(opts.steps as usize);
     let mut skipped = 0;
-    let (p, e) = state_norms(&t, 0, reference, rd, h)?;
+    let (p, e, _) = state_norms(&t, 0, reference, rd, h, false)?;
     param_rel.push(p);
     ema_rel.extend(e);
+    let mut travel = 0.0;
     for i in 0..opts.steps {
         let r = t.step(&data.step_batch(u64::from(i)), None)?;
         skipped += u32::from(r.skipped);
         losses.push(r.loss);
         h.write_u64(r.loss.to_bits());
-        let (p, e) = state_norms(&t, i + 1, reference, rd, h)?;
+        let last = i + 1 == opts.steps;
+        let (p, e, moved) = state_norms(&t, i + 1, reference, rd, h, last)?;
         param_rel.push(p);
         ema_rel.extend(e);
+        if last {
+            travel = moved;
+        }
         progress(i + 1);
     }
     Ok(Drift::from_norms(
@@ -1298,6 +1430,7 @@ fn drift(
         &reference.losses,
         param_rel,
         ema_rel,
+        travel,
         skipped,
     ))
 }
@@ -1344,6 +1477,11 @@ pub struct VariantReport {
     pub grad_margin: Option<f64>,
     /// loss_rel_err / tolerance_loss.
     pub loss_margin: Option<f64>,
+    /// The drift tolerance ([`Tolerance::drift`]).
+    pub tolerance_drift: f64,
+    /// Drift as a share of the reference's travel / tolerance_drift (None without a drift run,
+    /// or when the fp16 loss scaler skipped a step: the trajectories then differ by a step).
+    pub drift_margin: Option<f64>,
     pub twins: Vec<TwinCheck>,
     pub drift_final: Option<f64>,
     pub drift_one_step: Option<f64>,
@@ -1610,7 +1748,7 @@ pub fn verify(
 ) -> Result<Report> {
     opts.check()?;
     reference.check_matches(base, opts)?;
-    let growth = Growth::of(base)?;
+    let growth = Growth::of(base)?.with_score(reference.score_bound);
     let results = run_all(base, variants, opts, reference, jobs, progress);
     let mut runs: Vec<Option<Run>> = Vec::with_capacity(variants.len());
     let mut reports: Vec<VariantReport> = Vec::with_capacity(variants.len());
@@ -1636,6 +1774,8 @@ pub fn verify(
             tolerance_loss: tol.loss,
             grad_margin: None,
             loss_margin: None,
+            tolerance_drift: tol.drift,
+            drift_margin: None,
             twins: Vec::new(),
             drift_final: None,
             drift_one_step: None,
@@ -1793,7 +1933,20 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
                 Verdict::Fail,
                 "the drift run diverged (non-finite loss or weights)".into(),
             );
-        } else if d.grows_too_fast {
+        } else if d.skipped_steps == 0 {
+            rep.drift_margin = Some(d.vs_travel / tol.drift);
+            raise(
+                rep,
+                Verdict::of(d.vs_travel, tol.drift),
+                format!(
+                    "weight drift {:.2e} of the distance trained in {} steps vs tolerance {:.2e}",
+                    d.vs_travel,
+                    d.loss_rel.len(),
+                    tol.drift
+                ),
+            );
+        }
+        if !nonfinite && d.grows_too_fast {
             raise(
                 rep,
                 Verdict::Warn,

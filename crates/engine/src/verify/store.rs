@@ -57,6 +57,39 @@ pub fn data_bytes(trained: u64, steps: u32, ema: bool) -> u64 {
 pub const WRITE_BUFFER: u64 = 1 << 20;
 
 /// Streams a reference into a file, tensor by tensor, in the order of [`keys`].
+/// The safetensors header of `meta` and tensors `order` (padded to 8 bytes) and the length of
+/// the data it describes.
+fn header(meta: &HashMap<String, String>, order: &[(String, Vec<usize>)]) -> Result<(String, u64)> {
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::to_value(meta).map_err(|e| reference_error(e.to_string()))?,
+    );
+    let mut at = 0u64;
+    for (k, shape) in order {
+        let len = 8 * shape.iter().product::<usize>() as u64;
+        header.insert(
+            k.clone(),
+            serde_json::json!({"dtype": "F64", "shape": shape, "data_offsets": [at, at + len]}),
+        );
+        at += len;
+    }
+    let mut text = serde_json::to_string(&header).map_err(|e| reference_error(e.to_string()))?;
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    Ok((text, at))
+}
+
+/// The length of the file [`Writer`] writes for `meta` and `order`: 8 + header + data.
+pub(crate) fn file_len(
+    meta: &HashMap<String, String>,
+    order: &[(String, Vec<usize>)],
+) -> Result<u64> {
+    let (text, data) = header(meta, order)?;
+    Ok(8 + text.len() as u64 + data)
+}
+
 pub(crate) struct Writer {
     out: BufWriter<File>,
     order: Vec<(String, Vec<usize>)>,
@@ -70,25 +103,7 @@ impl Writer {
         meta: HashMap<String, String>,
         order: Vec<(String, Vec<usize>)>,
     ) -> Result<Writer> {
-        let mut header = serde_json::Map::new();
-        header.insert(
-            "__metadata__".into(),
-            serde_json::to_value(&meta).map_err(|e| reference_error(e.to_string()))?,
-        );
-        let mut at = 0u64;
-        for (k, shape) in &order {
-            let len = 8 * shape.iter().product::<usize>() as u64;
-            header.insert(
-                k.clone(),
-                serde_json::json!({"dtype": "F64", "shape": shape, "data_offsets": [at, at + len]}),
-            );
-            at += len;
-        }
-        let mut text =
-            serde_json::to_string(&header).map_err(|e| reference_error(e.to_string()))?;
-        while text.len() % 8 != 0 {
-            text.push(' ');
-        }
+        let (text, _) = header(&meta, &order)?;
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)

@@ -1,0 +1,200 @@
+//! The attention-score probe: the reference's first forward replayed in f64 from its own
+//! weights, block by block, to measure what the rounding error of the attention scales with —
+//! the score bound S = max over blocks, samples, heads of d_h^−½ · maxᵢ ‖qᵢ‖ · maxⱼ ‖kⱼ‖
+//! (Cauchy–Schwarz: every |sᵢⱼ| ≤ S, and rounding q and k to a dtype with unit roundoff u moves
+//! a score by up to ≈ u·S, which moves e^(sᵢⱼ − mᵢ) by a relative u·S).
+//!
+//! The replay composes the engine's own pieces ([`block_forward`], [`final_forward`], the
+//! embedders) as the trainer does and checks itself: its loss must equal the reference step's
+//! loss to 1e-9 relative, so a probe that no longer follows the model is an error, not a quiet
+//! misestimate. It runs before the reference step, while the trainer holds only its weights:
+//! one block's activations and weight copies at a time, below the step's own peak.
+
+use candle_core::{DType, Device, Tensor};
+use ditmem_budget::Spec;
+
+use super::{bad, Result};
+use crate::block::{
+    block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
+    LinearW, LN_EPS,
+};
+use crate::diffusion::{alphas_cumprod, Batch};
+use crate::error::EngineError;
+use crate::model::{patchify, timestep_features, unpatchify, Dims};
+use crate::ops::ln_modulate;
+use crate::rng::derive_seed;
+use crate::trainer::Trainer;
+
+/// Relative difference allowed between the probe's loss and the reference step's (both f64,
+/// summed in other orders: ~1e-15 expected).
+const LOSS_AGREEMENT: f64 = 1e-9;
+
+fn e(x: candle_core::Error) -> super::VerifyError {
+    super::VerifyError::Engine(EngineError::from(x))
+}
+
+fn linear(t: &Trainer, name: &str) -> Result<LinearW> {
+    Ok(LinearW::new(
+        t.parameter(&format!("{name}.weight"))?,
+        t.parameter(&format!("{name}.bias"))?,
+        // LoRA's B is zero at initialisation: the adapters add nothing to the first forward.
+        None,
+    ))
+}
+
+/// S of the first step of `spec` (the reference spec: f64, nothing recomputed) with the weights
+/// of `t` (fresh, not yet stepped) on `batch`, and the loss of the replay (to be checked with
+/// [`check_loss`] against the step's).
+pub(super) fn score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    seed: u64,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: spec.model.attn_dropout,
+        mlp_dropout: spec.model.mlp_dropout,
+    };
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let embed = linear(t, "x_embedder.proj")?;
+    let t0 = linear(t, "t_embedder.mlp.0")?;
+    let t2 = linear(t, "t_embedder.mlp.2")?;
+    let pos = t.parameter("pos_embed")?;
+    let table = t.parameter("y_embedder.embedding_table.weight")?;
+    let fw = FinalWeights {
+        adaln: linear(t, "final_layer.adaLN_modulation.1")?,
+        linear: linear(t, "final_layer.linear")?,
+    };
+    let (h, dh, s) = (d.hidden, d.head_dim, d.tokens);
+    let mut bound = 0.0f64;
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut x, c) = on_pool(|| -> Result<(Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe
+                .reshape((b, s, h))
+                .and_then(|x| x.broadcast_add(&pos))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, d.freq, f, &dev)?;
+            let temb = t2.forward(&t0.forward(&tf)?.silu().map_err(e)?)?;
+            let ids: Vec<u32> = mb
+                .labels
+                .iter()
+                .zip(&mb.drop_label)
+                .map(|(&y, &drop)| {
+                    if drop && d.label_rows > d.num_classes {
+                        d.num_classes as u32
+                    } else {
+                        y
+                    }
+                })
+                .collect();
+            let ids = Tensor::from_vec(ids, b, &dev).map_err(e)?;
+            let c = (temb + table.index_select(&ids, 0).map_err(e)?).map_err(e)?;
+            Ok((x, c))
+        })?;
+        for i in 0..d.depth {
+            // One block's weight copies at a time, made here (the trainer stays on this thread).
+            let p = |n: &str| linear(t, &format!("blocks.{i}.{n}"));
+            let bw = BlockWeights {
+                adaln: p("adaLN_modulation.1")?,
+                qkv: p("attn.qkv")?,
+                proj: p("attn.proj")?,
+                fc1: p("mlp.fc1")?,
+                fc2: p("mlp.fc2")?,
+            };
+            let seeds = BlockSeeds {
+                attn: derive_seed(seed, &[0, m as u64, i as u64, 1]),
+                mlp: derive_seed(seed, &[0, m as u64, i as u64, 2]),
+            };
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                // q and k as the block computes them: LN(x)·(1 + scale) + shift, then qkv.
+                let modv = bw.adaln.forward(&c.silu().map_err(e)?)?;
+                let (shift, sc) = (
+                    modv.narrow(1, 0, h).map_err(e)?,
+                    modv.narrow(1, h, h).map_err(e)?,
+                );
+                let h1 = ln_modulate(&x, &shift, &sc, LN_EPS, f).map_err(e)?;
+                let qkv: Vec<f64> = bw
+                    .qkv
+                    .forward(&h1)?
+                    .flatten_all()
+                    .and_then(|v| v.to_vec1())
+                    .map_err(e)?;
+                let mut sb = 0.0f64;
+                for bi in 0..b {
+                    for hd in 0..d.heads {
+                        let largest = |which: usize| {
+                            (0..s)
+                                .map(|r| {
+                                    let at = (bi * s + r) * 3 * h + which * h + hd * dh;
+                                    qkv[at..at + dh].iter().map(|v| v * v).sum::<f64>()
+                                })
+                                .fold(0.0f64, f64::max)
+                                .sqrt()
+                        };
+                        sb = sb.max(scale.abs() * largest(0) * largest(1));
+                    }
+                }
+                Ok((block_forward(&x, &c, &bw, &cfg, seeds)?, sb))
+            })?;
+            bound = bound.max(sb);
+            x = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = final_forward(&x, &c, &fw, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// Run `f` on the rayon pool the trainer's steps run on, as they do: gemm keeps per-thread
+/// packing slabs for a thread's lifetime, and the calling thread must not grow a set of its own.
+fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
+/// The replay must reproduce the step's loss: a probe that no longer follows the model is an
+/// error, not a quiet misestimate of S.
+pub(super) fn check_loss(probe_loss: f64, loss: f64) -> Result<()> {
+    // NaN disagrees.
+    let agrees = (probe_loss - loss).abs() <= LOSS_AGREEMENT * loss.abs();
+    if !agrees {
+        return Err(bad(
+            "attention-score probe",
+            format!(
+                "its replay of the reference forward gives loss {probe_loss:e}, the step {loss:e}: \
+                 the probe no longer follows the model"
+            ),
+        ));
+    }
+    Ok(())
+}
