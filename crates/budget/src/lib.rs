@@ -27,7 +27,10 @@ mod spec;
 mod timeline;
 mod units;
 
-pub use cost::{block_flops, step_time, BlockFlops, DeviceProfile, StepTime};
+pub use cost::{
+    block_flops, step_time, BlockFlops, DeviceProfile, StepTime, GPU_BANDWIDTH_EFFICIENCY,
+    GPU_MATMUL_EFFICIENCY, GPU_PASS_OVERHEAD_S,
+};
 pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase, StaticBytes};

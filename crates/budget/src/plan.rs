@@ -508,7 +508,7 @@ pub fn search_stages(allow: Allow) -> Vec<Allow> {
 }
 
 /// Search the recipes for the fastest one whose peak fits `limits`, using LoRA and 8-bit AdamW
-/// only when needed to fit ([`search_stages`]).
+/// only when needed to fit (`search_stages`).
 pub fn plan(
     base: &Spec,
     limits: &Limits,
