@@ -402,46 +402,6 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// `a * b` (elementwise, broadcast to `elems`): `MulBackward0` saves `self` when `other`
-    /// needs a gradient and `other` when `self` does [AG].
-    pub fn mul_g(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
-        let (ra, rb) = (self.rg(a), self.rg(b));
-        self.save_if(a, rb);
-        self.save_if(b, ra);
-        let dt = promote(self.g.dtype(a), self.g.dtype(b));
-        self.g.op(name, &[a, b], elems, dt)
-    }
-
-    /// `LayerNorm(elementwise_affine=False)` as [`Builder::layer_norm`], recorded only when its
-    /// input needs a gradient [AG].
-    pub fn layer_norm_g(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
-        if self.rg(x) {
-            return self.layer_norm(name, x, rows);
-        }
-        let dt = self.g.dtype(x);
-        let n = self.g.elems(x);
-        self.g.op(name, &[x], n, dt)
-    }
-
-    /// `x·(1 + scale[:, None]) + shift[:, None]` as [`Builder::modulate`], each operand saved
-    /// only for the other's gradient [AG] (under LoRA the modulation needs none).
-    pub fn modulate_g(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
-        let sdt = self.g.dtype(scale);
-        let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
-        let n = self.g.elems(xn);
-        let mul = self.mul_g(&format!("{name} ·(1+scale)"), xn, one_plus, n);
-        let dt2 = promote(self.g.dtype(mul), self.g.dtype(shift));
-        self.g.op(&format!("{name} +shift"), &[mul, shift], n, dt2)
-    }
-
-    /// An activation that saves its input (`silu`, `gelu`) [AG], in the input's dtype.
-    pub fn act_g(&mut self, name: &str, x: Tid) -> Tid {
-        let rx = self.rg(x);
-        self.save_if(x, rx);
-        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
-        self.g.op(name, &[x], n, dt)
-    }
-
     /// `F.linear` as [`Builder::linear_opt`], except that the (cast) weight is saved only when
     /// the input needs a gradient (`AddmmBackward0` saves `mat2` for `mat1`'s gradient [AG]):
     /// otherwise only the autocast cache holds its copy [AC].
@@ -574,7 +534,7 @@ impl<'a> Builder<'a> {
             .g
             .op(&format!("{name} x·rsqrt"), &[xf, rs], n, Dtype::F32);
         let w = self.plain_param(&format!("{name}.weight"), dh);
-        let y = self.mul_g(&format!("{name} ·weight"), y, w, n);
+        let y = self.mul(&format!("{name} ·weight"), y, w, n);
         self.g.cast(&format!("{name} type_as(x)"), y, xd)
     }
 
@@ -630,7 +590,7 @@ impl<'a> Builder<'a> {
         let ms = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
         let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
         let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
-        let y = self.mul_g(&format!("{name} x·rsqrt"), x, rs, n);
+        let y = self.mul(&format!("{name} x·rsqrt"), x, rs, n);
         let w = self.plain_param(&format!("{name}.weight"), dh);
         let wd = self.g.dtype(w);
         let y = if matches!(wd, Dtype::Bf16 | Dtype::F16) {
@@ -638,29 +598,20 @@ impl<'a> Builder<'a> {
         } else {
             y
         };
-        self.mul_g(&format!("{name} ·weight"), y, w, n)
+        self.mul(&format!("{name} ·weight"), y, w, n)
     }
 }
 
 // ---- pixart, dit-diffusers (famcross): ops that save only what a gradient needs, the masked
 // attention of a cross-attention, PEFT's input cast ----
 
-/// Mark `t` saved when `needed`: autograd saves a variable only for the inputs that need a
-/// gradient (`derivatives.yaml`: `self: grad * other` needs `other` only when `self` requires
-/// grad) [AG].
-pub fn save_if(g: &mut Segment, t: Tid, needed: bool) {
-    if needed {
-        save(g, t);
-    }
-}
-
 impl Builder<'_> {
     /// `a * b` elementwise (broadcast) into `n` elements of the promoted dtype: `MulBackward0`
     /// saves `b` when `a` needs a gradient and `a` when `b` does [AG].
     pub fn mul(&mut self, name: &str, a: Tid, b: Tid, n: u64) -> Tid {
         let (ra, rb) = (self.rg(a), self.rg(b));
-        save_if(&mut self.g, b, ra);
-        save_if(&mut self.g, a, rb);
+        self.save_if(b, ra);
+        self.save_if(a, rb);
         let dt = promote(self.g.dtype(a), self.g.dtype(b));
         self.g.op(name, &[a, b], n, dt)
     }
@@ -680,7 +631,7 @@ impl Builder<'_> {
     /// output keeps the input's dtype (neither is on an autocast list) [AC].
     pub fn act(&mut self, name: &str, x: Tid) -> Tid {
         let r = self.rg(x);
-        save_if(&mut self.g, x, r);
+        self.save_if(x, r);
         let (n, dt) = (self.g.elems(x), self.g.dtype(x));
         self.g.op(name, &[x], n, dt)
     }
@@ -874,31 +825,6 @@ pub fn cpu_gemm_scratch(m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
 // ---- sana / wan (famsana): ops whose saves depend on which operands need a gradient ----
 
 impl Builder<'_> {
-    /// `a * b` (broadcasting): `MulBackward0` saves `other` when `self` needs a gradient and
-    /// `self` when `other` does [AG]; the result takes the promoted dtype.
-    pub fn mul_rg(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
-        let (ra, rb) = (self.rg(a), self.rg(b));
-        self.save_if(b, ra);
-        self.save_if(a, rb);
-        let dt = promote(self.g.dtype(a), self.g.dtype(b));
-        self.g.op(name, &[a, b], elems, dt)
-    }
-
-    /// `a + b` (or `−`): saves nothing [AG]; the promoted dtype.
-    pub fn add_rg(&mut self, name: &str, a: Tid, b: Tid, elems: u64) -> Tid {
-        let dt = promote(self.g.dtype(a), self.g.dtype(b));
-        self.g.op(name, &[a, b], elems, dt)
-    }
-
-    /// A unary op whose backward reads its input (SiLU, GELU) [AG]: the input saved when it
-    /// needs a gradient; the output in the input's dtype.
-    pub fn unary_saving_input(&mut self, name: &str, x: Tid) -> Tid {
-        let r = self.rg(x);
-        self.save_if(x, r);
-        let (n, dt) = (self.g.elems(x), self.g.dtype(x));
-        self.g.op(name, &[x], n, dt)
-    }
-
     /// `LayerNorm(D, elementwise_affine=False)` as [`Builder::layer_norm`], recorded only when
     /// its input needs a gradient. A non-contiguous input (a transposed patch embedding) is
     /// made contiguous inside the CPU kernel's forward and again in its backward
@@ -935,14 +861,14 @@ impl Builder<'_> {
         let ve = self.g.op(&format!("{name} +eps"), &[var], rows, Dtype::F32);
         let rs = self.g.op(&format!("{name} rsqrt"), &[ve], rows, Dtype::F32);
         self.save_if(rs, r);
-        let mut h = self.mul_rg(&format!("{name} x·rsqrt"), x, rs, n);
+        let mut h = self.mul(&format!("{name} x·rsqrt"), x, rs, n);
         if affine {
             let w = self.plain_param(&format!("{name}.weight"), dim);
             let wdt = self.g.dtype(w);
             if matches!(wdt, Dtype::Bf16 | Dtype::F16) {
                 h = self.g.cast(&format!("{name} →{wdt}"), h, wdt);
             }
-            h = self.mul_rg(&format!("{name} ·weight"), h, w, n);
+            h = self.mul(&format!("{name} ·weight"), h, w, n);
         }
         h
     }
@@ -1155,9 +1081,9 @@ impl Builder<'_> {
             .g
             .op(&format!("{name} rsqrt"), &[var], rows, Dtype::F32);
         self.save_if(rs, r);
-        let h = self.mul_rg(&format!("{name} x·rsqrt"), xf, rs, n);
+        let h = self.mul(&format!("{name} x·rsqrt"), xf, rs, n);
         let w = self.plain_param(&format!("{name}.weight"), dim);
-        let y = self.mul_rg(&format!("{name} ·weight"), h, w, n);
+        let y = self.mul(&format!("{name} ·weight"), h, w, n);
         self.g.cast(&format!("{name} type_as(input)"), y, dt)
     }
 

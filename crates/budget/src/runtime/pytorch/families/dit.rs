@@ -16,7 +16,7 @@
 use super::common::Fam;
 use super::pixart::{ddpm_data, eps_loss, hold, sinusoid};
 use crate::families::DitDiffusersDims;
-use crate::runtime::pytorch::ops::{save, save_if, Attn, Builder, CACHED, SAVED};
+use crate::runtime::pytorch::ops::{save, Attn, Builder, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -134,7 +134,7 @@ fn label_emb(bl: &mut Builder, g: &Geo, prefix: &str, hd: Dtype, how: Emb) -> Ti
     let table = emb_param(bl, &name, g.labels * g.d, how);
     let labels = bl.g.op("token_drop labels", &[y], b, Dtype::F64);
     let trained = bl.rg(table);
-    save_if(&mut bl.g, labels, trained);
+    bl.save_if(labels, trained);
     let tdt = bl.g.dtype(table);
     let ye = bl.g.op("class_embedder", &[table, labels], b * g.d, tdt);
     if how == Emb::Accumulated && bl.lora.is_none() {
@@ -156,7 +156,7 @@ fn embed(f: &Fam, d: &DitDiffusersDims, g: &Geo) -> Segment {
     let low = bl.low();
     let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], g.e(), low);
     let rec = bl.rg(conv);
-    save_if(&mut bl.g, xin, rec);
+    bl.save_if(xin, rec);
     let side = d.sample_size / d.patch_size.max(1);
     let grid = (
         f.latent_h / d.patch_size.max(1),

@@ -51,7 +51,7 @@ pub(crate) fn sequence_tokens(f: &Fam) -> u64 {
 /// CPU): each linear saves its input, GELU saves its input [AG].
 pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u64) -> Tid {
     let h = bl.linear_g(&format!("{name}.net.0.proj"), x, rows, 4 * d, d, true);
-    let a = bl.act_g(&format!("{name}.net.0 gelu(tanh)"), h);
+    let a = bl.act(&format!("{name}.net.0 gelu(tanh)"), h);
     bl.linear_g(&format!("{name}.net.2"), a, rows, d, 4 * d, true)
 }
 
@@ -59,7 +59,7 @@ pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u
 /// `AdaLayerNormZeroSingle`, `AdaLayerNormContinuous`): SiLU saves emb, the linear its output
 /// [AG]; the chunks are views of one (b, k·D) tensor, so a saved gate keeps all of it.
 pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
-    let s = bl.act_g(&format!("{name} silu(emb)"), emb);
+    let s = bl.act(&format!("{name} silu(emb)"), emb);
     let m = bl.linear_g(name, s, b, k * d, d, true);
     (0..k)
         .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, b * d))
@@ -70,7 +70,7 @@ pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64
 /// the sum and the product (which a block's Python local may hold until it returns).
 pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Tid) -> (Tid, Tid) {
     let n = bl.g.elems(y);
-    let gy = bl.mul_g(&format!("{name} gate·y"), gate, y, n);
+    let gy = bl.mul(&format!("{name} gate·y"), gate, y, n);
     let dt = promote(bl.g.dtype(res), bl.g.dtype(gy));
     (
         bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt),
@@ -118,10 +118,10 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     // norm1 / norm1_context: AdaLayerNormZero (shift, scale, gate msa; shift, scale, gate mlp).
     let m = ada(&mut bl, "norm1.linear", temb, 6, b, d);
     let mc = ada(&mut bl, "norm1_context.linear", temb, 6, b, d);
-    let n1 = bl.layer_norm_g("norm1.norm", x, b * s);
-    let h = bl.modulate_g("norm1", n1, m[0], m[1], b * d);
-    let n1c = bl.layer_norm_g("norm1_context.norm", c, b * t);
-    let hc = bl.modulate_g("norm1_context", n1c, mc[0], mc[1], b * d);
+    let n1 = bl.layer_norm_rg("norm1.norm", x, b * s);
+    let h = bl.modulate_rg("norm1", n1, m[0], m[1], b * d);
+    let n1c = bl.layer_norm_rg("norm1_context.norm", c, b * t);
+    let hc = bl.modulate_rg("norm1_context", n1c, mc[0], mc[1], b * d);
     // Projections (one saved input for q, k, v), per-head RMSNorm on q and k.
     let q = bl.linear_g("attn.to_q", h, b * s, d, d, true);
     let k = bl.linear_g("attn.to_k", h, b * s, d, d, true);
@@ -161,17 +161,17 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     // Image stream; the gated products stay bound to `attn_output`, `ff_output` and
     // `context_attn_output` until the block returns.
     let (x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
-    let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    let n2 = bl.layer_norm_rg("norm2", x1, b * s);
     // `norm_hidden_states` (norm1's output) is rebound only here.
     bl.hold("norm_hidden_states rebound", &[h]);
-    let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * d);
+    let h2 = bl.modulate_rg("norm2", n2, m[3], m[4], b * d);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, d);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     // Text stream.
     let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
-    let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+    let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
     bl.hold("norm_encoder_hidden_states rebound", &[hc]);
-    let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * d);
+    let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * d);
     let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
     let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
     bl.hold("FluxTransformerBlock", &[ga, gm, gc]);
@@ -192,10 +192,10 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let (temb, cos, sin) = broadcast_inputs(&mut bl, z, trained);
     let hs = bl.g.op("cat [text, image]", &[c, x], rows * d, sd);
     let m = ada(&mut bl, "norm.linear", temb, 3, b, d);
-    let n = bl.layer_norm_g("norm.norm", hs, rows);
-    let h = bl.modulate_g("norm", n, m[0], m[1], b * d);
+    let n = bl.layer_norm_rg("norm.norm", hs, rows);
+    let h = bl.modulate_rg("norm", n, m[0], m[1], b * d);
     let pm = bl.linear_g("proj_mlp", h, rows, 4 * d, d, true);
-    let am = bl.act_g("act_mlp gelu(tanh)", pm);
+    let am = bl.act("act_mlp gelu(tanh)", pm);
     let q = bl.linear_g("attn.to_q", h, rows, d, d, true);
     let k = bl.linear_g("attn.to_k", h, rows, d, d, true);
     let v = bl.linear_g("attn.to_v", h, rows, d, d, true);
@@ -260,7 +260,7 @@ fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
         d.pooled_projection_dim,
         true,
     );
-    let pa = bl.act_g("time_text_embed.text_embedder.act_1", p1);
+    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
     let p2 = bl.linear_g(
         "time_text_embed.text_embedder.linear_2",
         pa,
@@ -328,7 +328,7 @@ pub(crate) fn timestep_embedder(bl: &mut Builder, name: &str, t: Tid, b: u64, di
     let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
     let proj = bl.g.cast("t_proj →dtype", flip, low);
     let h = bl.linear_g(&format!("{name}.linear_1"), proj, b, dim, 2 * half, true);
-    let a = bl.act_g(&format!("{name}.act"), h);
+    let a = bl.act(&format!("{name}.act"), h);
     bl.linear_g(&format!("{name}.linear_2"), a, b, dim, dim, true)
 }
 
@@ -349,8 +349,8 @@ fn final_layer(f: &Fam, d: &FluxDims, z: &Sz, rg: bool, joint: bool, trained: bo
     };
     let temb = bl.g.input("temb", b * dim, sd, trained);
     let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
-    let n = bl.layer_norm_g("norm_out.norm", xv, b * z.s);
-    let h = bl.modulate_g("norm_out", n, m[1], m[0], b * dim);
+    let n = bl.layer_norm_rg("norm_out.norm", xv, b * z.s);
+    let h = bl.modulate_rg("norm_out", n, m[1], m[0], b * dim);
     let p = d.patch_size;
     let width = p * p * d.out_channels;
     let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);

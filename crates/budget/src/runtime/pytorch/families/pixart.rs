@@ -13,7 +13,7 @@
 
 use super::common::Fam;
 use crate::families::PixartDims;
-use crate::runtime::pytorch::ops::{save, save_if, Attn, Builder};
+use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
@@ -129,7 +129,7 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
     let low = bl.low();
     let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], g.e(), low);
     let rec = bl.rg(conv);
-    save_if(&mut bl.g, xin, rec);
+    bl.save_if(xin, rec);
     // The sin-cos table: the buffer at the config's grid (cast with the model under LoRA), else
     // `get_2d_sincos_pos_embed(...).float()` made anew each forward.
     let side = d.sample_size / d.patch_size.max(1);

@@ -85,8 +85,8 @@ fn modulate(bl: &mut Builder, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u
     let sdt = bl.g.dtype(scale);
     let one = bl.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
     let n = bl.g.elems(xn);
-    let m = bl.mul_rg(&format!("{name} ·(1+scale)"), xn, one, n);
-    bl.add_rg(&format!("{name} +shift"), m, shift, n)
+    let m = bl.mul(&format!("{name} ·(1+scale)"), xn, one, n);
+    bl.ew(&format!("{name} +shift"), &[m, shift], n)
 }
 
 /// `F.relu`: `ReluBackward0` saves its result [AG].
@@ -215,7 +215,7 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
         // sin-cos buffer in the latent's (transposed) layout, cast back.
         let pe =
             bl.g.param("patch_embed.pos_embed", m.s * d, Dtype::F32, false);
-        let sum = bl.add_rg("patch embedding + pos_embed", x, pe, b * d * m.s);
+        let sum = bl.ew("patch embedding + pos_embed", &[x, pe], b * d * m.s);
         let cdt = bl.g.dtype(conv);
         x = bl.g.cast("(latent + pos_embed).to(latent dtype)", sum, cdt);
     }
@@ -235,9 +235,9 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
     let tf = bl.g.cast("t_freq →hidden dtype", flip, bl.g.dtype(conv));
     let te = "time_embed.emb.timestep_embedder";
     let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, b, d, 2 * half, true);
-    let h = bl.unary_saving_input(&format!("{te}.act silu"), h);
+    let h = bl.act(&format!("{te}.act silu"), h);
     let emb = bl.linear_if_grad(&format!("{te}.linear_2"), h, b, d, d, true);
-    let s2 = bl.unary_saving_input("time_embed.silu", emb);
+    let s2 = bl.act("time_embed.silu", emb);
     let ts = bl.linear_if_grad("time_embed.linear", s2, b, 6 * d, d, true);
 
     // Caption: the cached Gemma states (wd, no grad).
@@ -245,7 +245,7 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
         bl.g.input("encoder_hidden_states", b * m.t * m.cc, wd, false);
     let rows = b * m.t;
     let c1 = bl.linear_if_grad("caption_projection.linear_1", enc, rows, d, m.cc, true);
-    let g = bl.unary_saving_input("caption_projection.act_1 gelu(tanh)", c1);
+    let g = bl.act("caption_projection.act_1 gelu(tanh)", c1);
     let c2 = bl.linear_if_grad("caption_projection.linear_2", g, rows, d, d, true);
     let cap = bl.rms_norm("caption_norm", c2, rows, true);
     if cap_saved_by_blocks {
@@ -269,7 +269,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
 
     // 1. Modulation: the (b, 6, D) sum in the promoted dtype, chunked into views.
     let sst = bl.plain_param("scale_shift_table", 6 * dd);
-    let m6 = bl.add_rg("scale_shift_table + timestep", sst, ts, b * 6 * dd);
+    let m6 = bl.ew("scale_shift_table + timestep", &[sst, ts], b * 6 * dd);
     let ch: Vec<Tid> = (0..6)
         .map(|i| bl.g.view(&format!("modulation chunk {i}"), m6, b * dd))
         .collect();
@@ -292,8 +292,8 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let o = linear_attention(&mut bl, m, q, k, v);
     let o = bl.g.cast("attn1 →original dtype", o, hdt);
     let ao = bl.linear_strided("attn1.to_out.0", o, rows, dd, dd, true);
-    let gp = bl.mul_rg("gate_msa·attn", gate_msa, ao, e);
-    let x1 = bl.add_rg("x + gated attn", x, gp, e);
+    let gp = bl.mul("gate_msa·attn", gate_msa, ao, e);
+    let x1 = bl.ew("x + gated attn", &[x, gp], e);
 
     // 3. Cross-attention (SDPA with the repeated mask bias); the residual stream stays in the
     // input's layout, so block 0's to_q reads a strided tensor.
@@ -329,7 +329,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let a2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, m.dc, true);
     let a2dt = bl.g.dtype(a2);
     let a2 = bl.g.op("attn2 / rescale_output_factor", &[a2], e, a2dt);
-    let x2 = bl.add_rg("attn2 + x", a2, x1, e);
+    let x2 = bl.ew("attn2 + x", &[a2, x1], e);
 
     // 4. Mix-FFN (GLUMBConv) on the (b, D, h, w) view of the modulated norm.
     let n2 = bl.layer_norm_strided("norm2", x2, rows, true);
@@ -342,7 +342,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
         2 * hid * dd,
         Some(2 * hid),
     );
-    let a1 = bl.unary_saving_input("ff silu", c1);
+    let a1 = bl.act("ff silu", c1);
     let c2 = bl.conv_rg(
         "ff.conv_depth",
         a1,
@@ -352,11 +352,11 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     );
     let hv = bl.g.view("ff chunk hidden", c2, hid * px);
     let gv = bl.g.view("ff chunk gate", c2, hid * px);
-    let sg = bl.unary_saving_input("ff silu(gate)", gv);
-    let mm = bl.mul_rg("ff hidden·silu(gate)", hv, sg, hid * px);
+    let sg = bl.act("ff silu(gate)", gv);
+    let mm = bl.mul("ff hidden·silu(gate)", hv, sg, hid * px);
     let fo = bl.conv_rg("ff.conv_point", mm, e, dd * hid, None);
-    let gm = bl.mul_rg("gate_mlp·ff", gate_mlp, fo, e);
-    bl.add_rg("x + gated ff", x2, gm, e);
+    let gm = bl.mul("gate_mlp·ff", gate_mlp, fo, e);
+    bl.ew("x + gated ff", &[x2, gm], e);
     bl.g
 }
 
@@ -373,10 +373,9 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let target = bl.g.input("target", m.lat, m.wd, false);
     let n = bl.layer_norm_strided("norm_out.norm", x, rows, true);
     let sst = bl.plain_param("scale_shift_table", 2 * dd);
-    let t2 = bl.add_rg(
+    let t2 = bl.ew(
         "scale_shift_table + embedded_timestep",
-        sst,
-        emb,
+        &[sst, emb],
         b * 2 * dd,
     );
     let shift = bl.g.view("norm_out shift", t2, b * dd);

@@ -78,8 +78,8 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         b,
         dim,
     );
-    let n1 = bl.layer_norm_g("norm1.norm", x, b * s);
-    let h = bl.modulate_g("norm1", n1, m[0], m[1], b * dim);
+    let n1 = bl.layer_norm_rg("norm1.norm", x, b * s);
+    let h = bl.modulate_rg("norm1", n1, m[0], m[1], b * dim);
     // norm1_context: AdaLayerNormZero, or AdaLayerNormContinuous (scale, shift) when last.
     let mc = ada(
         &mut bl,
@@ -89,11 +89,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         b,
         dim,
     );
-    let n1c = bl.layer_norm_g("norm1_context.norm", c, b * t);
+    let n1c = bl.layer_norm_rg("norm1_context.norm", c, b * t);
     let hc = if last {
-        bl.modulate_g("norm1_context", n1c, mc[1], mc[0], b * dim)
+        bl.modulate_rg("norm1_context", n1c, mc[1], mc[0], b * dim)
     } else {
-        bl.modulate_g("norm1_context", n1c, mc[0], mc[1], b * dim)
+        bl.modulate_rg("norm1_context", n1c, mc[0], mc[1], b * dim)
     };
     // JointAttnProcessor2_0: q/k/v views (b, heads, s, dh), cat([image, context], dim=2).
     let q = bl.linear_g("attn.to_q", h, b * s, dim, dim, true);
@@ -154,7 +154,7 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     if dual {
         // attn2 on norm(x)·(1 + scale_msa2) + shift_msa2: self-attention (b, heads, s, dh) views,
         // its output a (b, s, D) view into to_out.0.
-        let h2 = bl.modulate_g("norm1 (attn2)", n1, m[6], m[7], b * dim);
+        let h2 = bl.modulate_rg("norm1 (attn2)", n1, m[6], m[7], b * dim);
         // `norm_hidden_states2` stays bound until the block returns.
         dual_in = Some(h2);
         let q = bl.linear_g("attn2.to_q", h2, b * s, dim, dim, true);
@@ -183,10 +183,10 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         x1 = x;
         held.push(g2);
     }
-    let n2 = bl.layer_norm_g("norm2", x1, b * s);
+    let n2 = bl.layer_norm_rg("norm2", x1, b * s);
     // `norm_hidden_states` (norm1's output) is rebound only here.
     bl.hold("norm_hidden_states rebound", &[h]);
-    let h2 = bl.modulate_g("norm2", n2, m[3], m[4], b * dim);
+    let h2 = bl.modulate_rg("norm2", n2, m[3], m[4], b * dim);
     let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     held.push(gm);
@@ -194,9 +194,9 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     if let Some(co) = co {
         let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
         held.push(gc);
-        let n2c = bl.layer_norm_g("norm2_context", c1, b * t);
+        let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
         bl.hold("norm_encoder_hidden_states rebound", &[hc]);
-        let h2c = bl.modulate_g("norm2_context", n2c, mc[3], mc[4], b * dim);
+        let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * dim);
         let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
         let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
         side.push(c2);
@@ -255,7 +255,7 @@ fn embed(f: &Fam, d: &Sd3Dims, z: &Sz) -> (Segment, Vec<Tid>) {
         d.pooled_projection_dim,
         true,
     );
-    let pa = bl.act_g("time_text_embed.text_embedder.act_1", p1);
+    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
     let p2 = bl.linear_g(
         "time_text_embed.text_embedder.linear_2",
         pa,
@@ -297,8 +297,8 @@ fn final_layer(f: &Fam, d: &Sd3Dims, z: &Sz, rg: bool, trained: bool) -> Segment
     bl.g.stream_in = vec![x];
     let temb = bl.g.input("temb", b * dim, sd, trained);
     let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
-    let n = bl.layer_norm_g("norm_out.norm", x, b * z.s);
-    let h = bl.modulate_g("norm_out", n, m[1], m[0], b * dim);
+    let n = bl.layer_norm_rg("norm_out.norm", x, b * z.s);
+    let h = bl.modulate_rg("norm_out", n, m[1], m[0], b * dim);
     let p = d.patch_size;
     let width = p * p * d.out_channels;
     let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);

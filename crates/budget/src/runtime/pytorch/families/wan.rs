@@ -78,12 +78,12 @@ fn rope(bl: &mut Builder, name: &str, x: Tid, cos: Tid, sin: Tid) -> Tid {
     let h = n / 2;
     let x1 = bl.g.view(&format!("{name} x1"), x, h);
     let x2 = bl.g.view(&format!("{name} x2"), x, h);
-    let a = bl.mul_rg(&format!("{name} x1·cos"), x1, cos, h);
-    let b = bl.mul_rg(&format!("{name} x2·sin"), x2, sin, h);
-    let even = bl.add_rg(&format!("{name} x1·cos − x2·sin"), a, b, h);
-    let c = bl.mul_rg(&format!("{name} x1·sin"), x1, sin, h);
-    let e = bl.mul_rg(&format!("{name} x2·cos"), x2, cos, h);
-    let odd = bl.add_rg(&format!("{name} x1·sin + x2·cos"), c, e, h);
+    let a = bl.mul(&format!("{name} x1·cos"), x1, cos, h);
+    let b = bl.mul(&format!("{name} x2·sin"), x2, sin, h);
+    let even = bl.ew(&format!("{name} x1·cos − x2·sin"), &[a, b], h);
+    let c = bl.mul(&format!("{name} x1·sin"), x1, sin, h);
+    let e = bl.mul(&format!("{name} x2·cos"), x2, cos, h);
+    let odd = bl.ew(&format!("{name} x1·sin + x2·cos"), &[c, e], h);
     bl.g.op(
         &format!("{name} out (even, odd written)"),
         &[even, odd],
@@ -115,8 +115,8 @@ fn modulate(bl: &mut Builder, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u
     let sdt = bl.g.dtype(scale);
     let one = bl.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
     let n = bl.g.elems(xn);
-    let m = bl.mul_rg(&format!("{name} ·(1+scale)"), xn, one, n);
-    bl.add_rg(&format!("{name} +shift"), m, shift, n)
+    let m = bl.mul(&format!("{name} ·(1+scale)"), xn, one, n);
+    bl.ew(&format!("{name} +shift"), &[m, shift], n)
 }
 
 /// The input side: noising, the RoPE tables (`WanRotaryPosEmbed.forward`: slices of the fp32
@@ -178,11 +178,11 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
         m.freq,
         true,
     );
-    let h = bl.unary_saving_input(&format!("{ce}.time_embedder.act silu"), h);
+    let h = bl.act(&format!("{ce}.time_embedder.act silu"), h);
     let temb = bl.linear_if_grad(&format!("{ce}.time_embedder.linear_2"), h, b, dd, dd, true);
     // `.type_as(encoder_hidden_states)` (wd).
     let temb = bl.g.cast("temb type_as(text)", temb, wd);
-    let a = bl.unary_saving_input(&format!("{ce}.act_fn silu"), temb);
+    let a = bl.act(&format!("{ce}.act_fn silu"), temb);
     let tp = bl.linear_if_grad(&format!("{ce}.time_proj"), a, b, 6 * dd, dd, true);
 
     let enc =
@@ -190,7 +190,7 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     let rows = b * m.t;
     let te = format!("{ce}.text_embedder");
     let c1 = bl.linear_if_grad(&format!("{te}.linear_1"), enc, rows, dd, m.text_dim, true);
-    let g = bl.unary_saving_input(&format!("{te}.act_1 gelu(tanh)"), c1);
+    let g = bl.act(&format!("{te}.act_1 gelu(tanh)"), c1);
     let ctx = bl.linear_if_grad(&format!("{te}.linear_2"), g, rows, dd, dd, true);
     if ctx_saved {
         save(&mut bl.g, ctx);
@@ -215,7 +215,7 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     // `scale_shift_table + temb.float()` (fp32), chunked into (b, 1, D) views.
     let sst = bl.plain_param("scale_shift_table", 6 * dd);
     let tpf = bl.g.cast("timestep_proj.float()", tp, Dtype::F32);
-    let m6 = bl.add_rg("scale_shift_table + temb", sst, tpf, b * 6 * dd);
+    let m6 = bl.ew("scale_shift_table + temb", &[sst, tpf], b * 6 * dd);
     let ch: Vec<Tid> = (0..6)
         .map(|i| bl.g.view(&format!("modulation chunk {i}"), m6, b * dd))
         .collect();
@@ -244,8 +244,8 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let ao = bl.linear_peft("attn1.to_out.0", o, rows, dd, dd, true);
     // `(hidden_states.float() + attn_output · gate_msa).type_as(hidden_states)`.
     let xf = bl.g.cast("x.float() (residual 1)", x, Dtype::F32);
-    let g1 = bl.mul_rg("attn · gate_msa", ao, gate_msa, e);
-    let s1 = bl.add_rg("x + gated attn", xf, g1, e);
+    let g1 = bl.mul("attn · gate_msa", ao, gate_msa, e);
+    let s1 = bl.ew("x + gated attn", &[xf, g1], e);
     let x1 = bl.g.cast("residual 1 type_as(hidden_states)", s1, io.x_dt);
 
     // Cross-attention to the text context (norm2: affine FP32LayerNorm, or Identity).
@@ -275,7 +275,7 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     };
     let o2 = bl.attention(q2, k2, v2, at2);
     let ao2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, dd, true);
-    let x2 = bl.add_rg("x + cross attn", x1, ao2, e);
+    let x2 = bl.ew("x + cross attn", &[x1, ao2], e);
 
     // Feed-forward (GELU-tanh MLP) on the modulated norm3.
     let n3 = fp32_layer_norm(&mut bl, "norm3", x2, rows, false);
@@ -283,13 +283,13 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let x2dt = bl.g.dtype(x2);
     let h3 = bl.g.cast("norm3 type_as(hidden_states)", h3, x2dt);
     let f1 = bl.linear_peft("ffn.net.0.proj", h3, rows, m.ffn, dd, true);
-    let ga = bl.unary_saving_input("ffn gelu(tanh)", f1);
+    let ga = bl.act("ffn gelu(tanh)", f1);
     let f2 = bl.linear_peft("ffn.net.2", ga, rows, dd, m.ffn, true);
     // `(hidden_states.float() + ff_output.float() · c_gate_msa).type_as(hidden_states)`.
     let x2f = bl.g.cast("x.float() (residual 3)", x2, Dtype::F32);
     let f2f = bl.g.cast("ff_output.float()", f2, Dtype::F32);
-    let g3 = bl.mul_rg("ff · c_gate_msa", f2f, c_gate, e);
-    let s3 = bl.add_rg("x + gated ff", x2f, g3, e);
+    let g3 = bl.mul("ff · c_gate_msa", f2f, c_gate, e);
+    let s3 = bl.ew("x + gated ff", &[x2f, g3], e);
     let out = bl.g.cast("residual 3 type_as(hidden_states)", s3, x2dt);
     bl.g.output = out;
     bl.g
@@ -307,7 +307,7 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let temb = bl.g.input("temb", b * dd, io.temb_dt, io.temb_rg);
     let target = bl.g.input("target", m.lat, m.wd, false);
     let sst = bl.plain_param("scale_shift_table", 2 * dd);
-    let t2 = bl.add_rg("scale_shift_table + temb", sst, temb, b * 2 * dd);
+    let t2 = bl.ew("scale_shift_table + temb", &[sst, temb], b * 2 * dd);
     let shift = bl.g.view("norm_out shift", t2, b * dd);
     let scale = bl.g.view("norm_out scale", t2, b * dd);
     let n = fp32_layer_norm(&mut bl, "norm_out", x, rows, false);
