@@ -60,8 +60,22 @@ pub struct StageCost {
     pub stream_in_grad: u64,
 }
 
+/// The broadcast inputs of a segment that receive a gradient: inputs needing one that are not
+/// its streams.
+pub fn broadcast_inputs(seg: &Segment) -> impl Iterator<Item = Tid> + '_ {
+    seg.tensors.iter().enumerate().filter_map(|(t, d)| {
+        let needs = matches!(
+            d.kind,
+            TensorKind::Input {
+                requires_grad: true
+            }
+        );
+        (needs && !seg.stream_in.contains(&t)).then_some(t)
+    })
+}
+
 /// Gradient bytes entering a segment's backward: every output's.
-fn grad_in(seg: &Segment) -> u64 {
+pub fn grad_in(seg: &Segment) -> u64 {
     seg.outputs().iter().map(|&o| seg.tensors[o].bytes()).sum()
 }
 
@@ -74,19 +88,8 @@ impl Stages {
             .filter(|st| st.count > 0)
             .map(|st| {
                 let seg = &st.seg;
-                let bcast = seg
-                    .tensors
-                    .iter()
-                    .enumerate()
-                    .filter(|(t, d)| {
-                        matches!(
-                            d.kind,
-                            TensorKind::Input {
-                                requires_grad: true
-                            }
-                        ) && !seg.stream_in.contains(t)
-                    })
-                    .map(|(_, d)| (d.name.clone(), d.bytes()))
+                let bcast = broadcast_inputs(seg)
+                    .map(|t| (seg.tensors[t].name.clone(), seg.tensors[t].bytes()))
                     .collect();
                 StageCost {
                     cost: simulate(seg, grad_in(seg), &st.extra_grads),

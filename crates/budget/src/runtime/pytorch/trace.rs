@@ -19,9 +19,8 @@ use crate::params::{stored_bytes, ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
 use crate::runtime::pytorch::caching_allocator::AllocEvent;
 use crate::runtime::pytorch::device::for_spec;
-use crate::runtime::pytorch::stages::stages;
+use crate::runtime::pytorch::stages::{broadcast_inputs, grad_in, stages};
 use crate::runtime::pytorch::step::{optimizer_impl, step_tensors};
-use crate::segment::TensorKind;
 use crate::spec::{Optimizer, OptimizerImpl, Spec};
 use crate::timeline::optimizer_state_bytes;
 
@@ -111,22 +110,10 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         .filter(|s| s.count > 0)
         .map(|s| {
             let seg = &s.seg;
-            let grad_in: u64 = seg.outputs().iter().map(|&o| seg.tensors[o].bytes()).sum();
-            let (cost, trace) = simulate_traced(seg, grad_in, &s.extra_grads);
+            let (cost, trace) = simulate_traced(seg, grad_in(seg), &s.extra_grads);
             let n = seg.tensors.len() as u64;
-            let bcast_grads = seg
-                .tensors
-                .iter()
-                .enumerate()
-                .filter(|(t, d)| {
-                    matches!(
-                        d.kind,
-                        TensorKind::Input {
-                            requires_grad: true
-                        }
-                    ) && !seg.stream_in.contains(t)
-                })
-                .map(|(t, d)| (d.name.clone(), n + t as u64))
+            let bcast_grads = broadcast_inputs(seg)
+                .map(|t| (seg.tensors[t].name.clone(), n + t as u64))
                 .collect();
             Traced {
                 count: s.count,
