@@ -84,7 +84,7 @@ pub mod pytorch {
         AllocConfError, AllocEvent, AllocatorReport, CachingAllocator, CudaMemory, Oom,
         SequenceError, CUBLAS_WORKSPACE_ID_BASE,
     };
-    pub use crate::runtime::pytorch::cuda::CudaReport;
+    pub use crate::runtime::pytorch::cuda::{CudaReport, MAX_REPLAYED_EVENTS};
     pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
 }
 

@@ -272,6 +272,18 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
     }
     if let Some(c) = &b.cuda {
         o.push_str(&cuda_lines(c));
+    } else if matches!(
+        b.spec.runtime,
+        ditmem_budget::Runtime::Pytorch {
+            device: ditmem_budget::TorchDevice::Cuda,
+            ..
+        }
+    ) {
+        o.push_str(&format!(
+            "cuda: the step makes more than {} allocations; the caching allocator is not replayed \
+             (reserved memory and fit unknown)\n",
+            ditmem_budget::pytorch::MAX_REPLAYED_EVENTS
+        ));
     }
     let seg = b.segments.kept()[1];
     o.push_str(&format!(
