@@ -132,7 +132,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let rt = model_for(spec);
     let dims = Shape::new(spec);
     let kept = segments.kept();
-    let family_inv = crate::runtime::pytorch::stages::family_segments(spec).map(|segs| {
+    let family_inv = crate::runtime::pytorch::families::family_segments(spec).map(|segs| {
         segs.iter()
             .map(|seg| {
                 let k = crate::runtime::pytorch::allocator::simulate(seg, 0, &[]).kept;

@@ -29,8 +29,12 @@
 //! ([`compute_reference`], [`Reference::open`]) with its spec and seeds as metadata, so a later run
 //! against a different spec is refused; variants are compared with it one tensor at a time.
 
+mod error;
 mod probe;
 mod store;
+
+use error::{bad, reference_error};
+pub use error::{Result, VerifyError};
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -41,7 +45,6 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use crate::diffusion::SyntheticData;
 use crate::error::EngineError;
@@ -50,46 +53,6 @@ use crate::trainer::{TrainOptions, Trainer};
 
 // ---------------------------------------------------------------------------------------------
 // Errors.
-
-/// What can go wrong in a verification.
-#[derive(Debug, Error)]
-pub enum VerifyError {
-    /// The engine refused the spec or failed.
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    /// A `--variants` entry could not be read.
-    #[error("variant '{text}': {why}")]
-    Variant { text: String, why: String },
-    /// A stored reference could not be read.
-    #[error("reference file: {why}")]
-    Reference { why: String },
-    /// A stored reference was computed for another spec or other settings.
-    #[error(
-        "the reference does not match this run: {what} is {stored} in the reference but {current} here"
-    )]
-    Mismatch {
-        what: String,
-        stored: String,
-        current: String,
-    },
-    /// A setting is out of range.
-    #[error("{what}: {why}")]
-    BadInput { what: String, why: String },
-}
-
-/// Result of the verify calls.
-pub type Result<T> = std::result::Result<T, VerifyError>;
-
-fn bad(what: impl Into<String>, why: impl Into<String>) -> VerifyError {
-    VerifyError::BadInput {
-        what: what.into(),
-        why: why.into(),
-    }
-}
-
-fn reference_error(why: impl Into<String>) -> VerifyError {
-    VerifyError::Reference { why: why.into() }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Variants.

@@ -13,7 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
-use super::{bad, Result};
+use super::error::{bad, Result, VerifyError};
 use crate::block::{
     block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
     LinearW, LN_EPS,
@@ -29,8 +29,8 @@ use crate::trainer::Trainer;
 /// summed in other orders: ~1e-15 expected).
 const LOSS_AGREEMENT: f64 = 1e-9;
 
-fn e(x: candle_core::Error) -> super::VerifyError {
-    super::VerifyError::Engine(EngineError::from(x))
+fn e(x: candle_core::Error) -> VerifyError {
+    VerifyError::Engine(EngineError::from(x))
 }
 
 fn linear(t: &Trainer, name: &str) -> Result<LinearW> {

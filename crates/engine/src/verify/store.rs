@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::{reference_error, Result};
+use super::error::{reference_error, Result};
 
 /// Where each tensor lies in the data section.
 #[derive(Debug, Clone, PartialEq)]

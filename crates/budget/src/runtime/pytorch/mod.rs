@@ -98,7 +98,7 @@ impl RuntimeModel for PyTorch {
     /// A family's input side, its first stack of blocks and its output side; the original
     /// DiT's three segments otherwise.
     fn segment_costs(&self, spec: &Spec) -> SegmentCosts {
-        let Some(segs) = stages::family_segments(spec) else {
+        let Some(segs) = families::family_segments(spec) else {
             let shape = Shape::new(spec);
             let saved = |seg: &Segment, t| self.saves(seg, t);
             return SegmentCosts::Generic(GenericCosts {

@@ -10,7 +10,6 @@
 
 use crate::runtime::pytorch::allocator::{simulate, SegCost};
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::families;
 use crate::runtime::shape::Shape;
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Spec;
@@ -106,7 +105,7 @@ impl Stages {
 
 /// The stages of the original DiT: embed (its conditioning vector c broadcast to every block
 /// and the final layer), `depth` blocks, the final layer with the loss.
-fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
+pub fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
     let dims = Shape::new(spec);
     let embed = rt.embed(&dims);
     let c = embed
@@ -153,27 +152,4 @@ fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
             forward_only: dims.latent * pd + dims.b * (pd + 8),
         },
     }
-}
-
-/// The stages of a spec's step: the original DiT, or its diffusers family.
-pub fn stages(rt: &PyTorch, spec: &Spec) -> Stages {
-    match crate::denoiser::family(spec) {
-        Ok(Some(fm)) => families::stages(rt, spec, &fm),
-        _ => dit(rt, spec),
-    }
-}
-
-/// A family spec's stage segments, input side first (None for the original DiT, whose three
-/// segments the runtime's builders give): the op inventory and the generic costs of the
-/// estimate read them.
-pub fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
-    let fm = crate::denoiser::family(spec).ok().flatten()?;
-    let st = families::stages(crate::runtime::pytorch::device::for_spec(spec), spec, &fm);
-    Some(
-        st.stages
-            .into_iter()
-            .filter(|s| s.count > 0)
-            .map(|s| s.seg)
-            .collect(),
-    )
 }

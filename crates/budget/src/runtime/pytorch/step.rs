@@ -6,7 +6,8 @@ use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, Stat
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{Live, SegCost};
 use crate::runtime::pytorch::device::for_spec;
-use crate::runtime::pytorch::stages::{stages, StageCost};
+use crate::runtime::pytorch::families::of_spec as stages;
+use crate::runtime::pytorch::stages::StageCost;
 use crate::spec::{Optimizer, OptimizerImpl, Precision, Spec, TorchDevice};
 
 /// The implementation of `torch.optim.AdamW` a spec runs: its own, else the device's default.

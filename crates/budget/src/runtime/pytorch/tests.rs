@@ -6,8 +6,8 @@ use crate::estimate::estimate;
 use crate::runtime::pytorch::allocator::SegCost;
 use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::device::PyTorch;
+use crate::runtime::pytorch::families::of_spec as stages;
 use crate::runtime::pytorch::rules::SAVED;
-use crate::runtime::pytorch::stages::stages;
 use crate::runtime::pytorch::step::optimizer_scratch;
 use crate::runtime::shape::Shape;
 use crate::spec::{

@@ -20,6 +20,7 @@ pub use common::Fam;
 use crate::families::{Dims, Family, FamilyModel};
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::stages::Stages;
+use crate::segment::Segment;
 use crate::spec::Spec;
 
 /// Whether the `pytorch` runtime has the op inventory of a family.
@@ -48,4 +49,27 @@ pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
         Dims::Sana(d) => sana::stages(&f, d),
         Dims::Wan(d) => wan::stages(&f, d),
     }
+}
+
+/// The stages of a spec's step: the original DiT, or its diffusers family.
+pub fn of_spec(rt: &PyTorch, spec: &Spec) -> Stages {
+    match crate::denoiser::family(spec) {
+        Ok(Some(fm)) => stages(rt, spec, &fm),
+        _ => crate::runtime::pytorch::stages::dit(rt, spec),
+    }
+}
+
+/// A family spec's stage segments, input side first (None for the original DiT, whose three
+/// segments the runtime's builders give): the op inventory and the generic costs of the
+/// estimate read them.
+pub fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
+    let fm = crate::denoiser::family(spec).ok().flatten()?;
+    let st = stages(crate::runtime::pytorch::device::for_spec(spec), spec, &fm);
+    Some(
+        st.stages
+            .into_iter()
+            .filter(|s| s.count > 0)
+            .map(|s| s.seg)
+            .collect(),
+    )
 }

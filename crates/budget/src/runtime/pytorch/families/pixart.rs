@@ -456,7 +456,8 @@ pub(super) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
 #[cfg(test)]
 pub(super) mod tests {
     use crate::runtime::pytorch::device::PyTorch;
-    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::runtime::pytorch::families::of_spec as stages;
+    use crate::runtime::pytorch::stages::StageCost;
     use crate::spec::{LoraSpec, Precision, SdpaBackend, Spec, TorchDevice};
 
     /// The family peer's tiny spec (`bench/torch_peer/specs/families/<family>-fp32-none-loop.json`):

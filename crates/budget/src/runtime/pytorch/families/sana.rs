@@ -514,7 +514,8 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
 #[cfg(test)]
 mod tests {
     use crate::runtime::pytorch::device::for_spec;
-    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::runtime::pytorch::families::of_spec as stages;
+    use crate::runtime::pytorch::stages::StageCost;
     use crate::spec::Spec;
 
     /// `bench/torch_peer/specs/families/sana-fp32-none-loop.json` (b 4, 8×8 latent of 32

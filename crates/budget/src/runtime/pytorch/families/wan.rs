@@ -422,7 +422,8 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
 #[cfg(test)]
 mod tests {
     use crate::runtime::pytorch::device::for_spec;
-    use crate::runtime::pytorch::stages::{stages, StageCost};
+    use crate::runtime::pytorch::families::of_spec as stages;
+    use crate::runtime::pytorch::stages::StageCost;
     use crate::spec::Spec;
 
     /// `bench/torch_peer/specs/families/wan-fp32-none-loop-f5.json` (b 4, 5 frames → 2 latent
