@@ -515,29 +515,6 @@ impl<'a> Builder<'a> {
         y
     }
 
-    /// `torch.nn.RMSNorm(dh)` over `x` of `rows` rows of `dh` (the composite `rms_norm`, CPU and
-    /// CUDA): `x.float()` (a copy below fp32), `pow(2).mean(-1)` + eps, `rsqrt` (fp32 per row,
-    /// saved by the mul and by its own backward), `x·rsqrt` (fp32, saved by the weight's mul when
-    /// the weight is trained), `·weight`, `.type_as(x)` [AG]. Returns the output in x's dtype.
-    pub fn rms_norm_torch(&mut self, name: &str, x: Tid, rows: u64, dh: u64) -> Tid {
-        let n = rows * dh;
-        let xd = self.g.dtype(x);
-        let rx = self.rg(x);
-        let xf = self.g.cast(&format!("{name} x.float()"), x, Dtype::F32);
-        self.save_if(xf, rx);
-        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
-        let ms = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
-        let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
-        let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
-        self.save_if(rs, rx);
-        let y = self
-            .g
-            .op(&format!("{name} x·rsqrt"), &[xf, rs], n, Dtype::F32);
-        let w = self.plain_param(&format!("{name}.weight"), dh);
-        let y = self.mul(&format!("{name} ·weight"), y, w, n);
-        self.g.cast(&format!("{name} type_as(x)"), y, xd)
-    }
-
     /// diffusers `apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1)` on x of
     /// `n` elements: `-x_imag` (n/2), `stack` (n), `x.float()·cos`, `x_rotated.float()·sin` and
     /// their sum in fp32 (with the casts below fp32), `.to(x.dtype)`; the muls save only the

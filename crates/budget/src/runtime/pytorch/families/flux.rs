@@ -129,10 +129,10 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let eq = bl.linear_g("attn.add_q_proj", hc, b * t, d, d, true);
     let ek = bl.linear_g("attn.add_k_proj", hc, b * t, d, d, true);
     let ev = bl.linear_g("attn.add_v_proj", hc, b * t, d, d, true);
-    let q = bl.rms_norm_torch("attn.norm_q", q, b * s * z.heads, z.dh);
-    let k = bl.rms_norm_torch("attn.norm_k", k, b * s * z.heads, z.dh);
-    let eq = bl.rms_norm_torch("attn.norm_added_q", eq, b * t * z.heads, z.dh);
-    let ek = bl.rms_norm_torch("attn.norm_added_k", ek, b * t * z.heads, z.dh);
+    let q = bl.torch_rms_norm("attn.norm_q", q, b * s * z.heads);
+    let k = bl.torch_rms_norm("attn.norm_k", k, b * s * z.heads);
+    let eq = bl.torch_rms_norm("attn.norm_added_q", eq, b * t * z.heads);
+    let ek = bl.torch_rms_norm("attn.norm_added_k", ek, b * t * z.heads);
     // torch.cat([text, image], dim=1) (saves nothing), RoPE on q and k, SDPA.
     let ne = b * z.n() * d;
     let qd = bl.g.dtype(q);
@@ -199,8 +199,8 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let q = bl.linear_g("attn.to_q", h, rows, d, d, true);
     let k = bl.linear_g("attn.to_k", h, rows, d, d, true);
     let v = bl.linear_g("attn.to_v", h, rows, d, d, true);
-    let q = bl.rms_norm_torch("attn.norm_q", q, rows * z.heads, z.dh);
-    let k = bl.rms_norm_torch("attn.norm_k", k, rows * z.heads, z.dh);
+    let q = bl.torch_rms_norm("attn.norm_q", q, rows * z.heads);
+    let k = bl.torch_rms_norm("attn.norm_k", k, rows * z.heads);
     let qr = bl.rope_real("rope q", q, cos, sin);
     let kr = bl.rope_real("rope k", k, cos, sin);
     let at = Attn {
