@@ -552,33 +552,6 @@ impl<'a> Builder<'a> {
     }
 }
 
-impl<'a> Builder<'a> {
-    /// diffusers `RMSNorm(dh, elementwise_affine=True)` (`models/normalization.py`, SD3's q/k
-    /// norms) over `x` of `rows` rows of `dh`: `x.to(float32).pow(2).mean(-1)` + eps, `rsqrt`;
-    /// `x · rsqrt` multiplies the **original** x (saved in its own dtype, beside the fp32 copy that
-    /// `pow` saves) into fp32; a half-precision weight casts it back first; `· weight` keeps the
-    /// product's dtype (fp32 under autocast: no cast back) [AG].
-    pub fn rms_norm_diffusers(&mut self, name: &str, x: Tid, rows: u64, dh: u64) -> Tid {
-        let n = rows * dh;
-        let rx = self.rg(x);
-        let xf = self.g.cast(&format!("{name} x.to(float32)"), x, Dtype::F32);
-        self.save_if(xf, rx);
-        let sq = self.g.op(&format!("{name} pow(2)"), &[xf], n, Dtype::F32);
-        let ms = self.g.op(&format!("{name} mean"), &[sq], rows, Dtype::F32);
-        let me = self.g.op(&format!("{name} +eps"), &[ms], rows, Dtype::F32);
-        let rs = self.g.op(&format!("{name} rsqrt"), &[me], rows, Dtype::F32);
-        let y = self.mul(&format!("{name} x·rsqrt"), x, rs, n);
-        let w = self.plain_param(&format!("{name}.weight"), dh);
-        let wd = self.g.dtype(w);
-        let y = if matches!(wd, Dtype::Bf16 | Dtype::F16) {
-            self.g.cast(&format!("{name} .to(weight dtype)"), y, wd)
-        } else {
-            y
-        };
-        self.mul(&format!("{name} ·weight"), y, w, n)
-    }
-}
-
 // ---- pixart, dit-diffusers (famcross): ops that save only what a gradient needs, the masked
 // attention of a cross-attention, PEFT's input cast ----
 

@@ -32,7 +32,7 @@ struct Sz {
 /// q or k of one projection, with the optional per-head RMSNorm.
 fn qk(bl: &mut Builder, d: &Sd3Dims, norm: &str, x: Tid, rows: u64, z: &Sz) -> Tid {
     if d.qk_norm {
-        bl.rms_norm_diffusers(norm, x, rows * z.heads, z.dh)
+        bl.rms_norm(norm, x, rows * z.heads, true)
     } else {
         x
     }
