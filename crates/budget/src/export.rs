@@ -1386,7 +1386,6 @@ mod tests {
 
     #[test]
     fn impossible_combinations_are_typed_errors() {
-        let none = |sh, off| export(&zero(0), Target::Accelerate, &opts(Family::Dit, sh, off));
         let mut plain = zero(0);
         plain.recipe.zero_stage = 0;
         let e = export(
@@ -1396,7 +1395,6 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.field(), Some("plan.emit-offload"));
-        let _ = none;
         let e = export(
             &zero(2),
             Target::Deepspeed,

@@ -167,8 +167,7 @@ fn document() -> impl Strategy<Value = Vec<(String, String, String)>> {
 
 fn to_toml(lines: &[(String, String, String)]) -> String {
     let mut out = String::new();
-    for (s, k, v) in lines.iter().filter(|l| l.0.is_empty()) {
-        let _ = s;
+    for (_, k, v) in lines.iter().filter(|l| l.0.is_empty()) {
         out.push_str(&format!("{k} = {v}\n"));
     }
     let mut sections: Vec<&str> = lines
