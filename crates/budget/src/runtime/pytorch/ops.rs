@@ -183,8 +183,7 @@ impl<'a> Builder<'a> {
         if !self.frozen() {
             save(&mut self.g, xin);
         }
-        let low = self.low();
-        let y = self.g.op(name, &ins, rows * out, low);
+        let y = self.product(name, &ins, rows, inp, out);
         match self.lora_rank(name) {
             Some(r) => self.lora_branch(name, x, y, rows, out, inp, r),
             None => y,
@@ -223,18 +222,14 @@ impl<'a> Builder<'a> {
         save(&mut self.g, a);
         let xa = self.cast_low(&format!("{name}.lora_A input"), x);
         save(&mut self.g, xa);
-        let ha = self
-            .g
-            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        let ha = self.product(&format!("{name}.lora_A"), &[xa, a], rows, inp, r);
         save(&mut self.g, ha);
         let bw = self
             .g
             .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self
-            .g
-            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let hb = self.product(&format!("{name}.lora_B"), &[ha, bw], rows, r, out);
         let sc = self
             .g
             .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
@@ -429,8 +424,7 @@ impl<'a> Builder<'a> {
         let xin = self.cast_low(&format!("{name} input"), x);
         ins[0] = xin;
         save(&mut self.g, xin);
-        let low = self.low();
-        let y = self.g.op(name, &ins, rows * out, low);
+        let y = self.product(name, &ins, rows, inp, out);
         match self.lora_rank(name) {
             Some(r) => self.lora_branch(name, x, y, rows, out, inp, r),
             None => y,
@@ -453,8 +447,7 @@ impl<'a> Builder<'a> {
             ins.push(self.cached_weight(&format!("{name}.bias"), out));
         }
         ins[0] = self.cast_low(&format!("{name} input"), x);
-        let low = self.low();
-        self.g.op(name, &ins, rows * out, low)
+        self.product(name, &ins, rows, inp, out)
     }
 
     /// PEFT `lora.Linear.forward` (peft 0.21 `tuners/lora/layer.py`): after the base,
@@ -487,18 +480,14 @@ impl<'a> Builder<'a> {
         }
         let xa = self.cast_low(&format!("{name}.lora_A input"), x32);
         save(&mut self.g, xa);
-        let ha = self
-            .g
-            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
+        let ha = self.product(&format!("{name}.lora_A"), &[xa, a], rows, inp, r);
         save(&mut self.g, ha);
         let bw = self
             .g
             .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self
-            .g
-            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
+        let hb = self.product(&format!("{name}.lora_B"), &[ha, bw], rows, r, out);
         let sc = self
             .g
             .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
@@ -637,9 +626,7 @@ impl Builder<'_> {
             save(&mut self.g, xin);
         }
         let low = self.low();
-        let y = self.g.op(name, &ins, rows * out, low);
-        let w_trained = self.rg(w);
-        self.gemm_scratch(y, rows, inp, out, x_rg, w_trained);
+        let y = self.product(name, &ins, rows, inp, out);
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -660,20 +647,14 @@ impl Builder<'_> {
         }
         let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
         save(&mut self.g, xa);
-        let ha = self
-            .g
-            .op(&format!("{name}.lora_A"), &[xa, a], rows * r, low);
-        self.gemm_scratch(ha, rows, inp, r, x_rg, true);
+        let ha = self.product(&format!("{name}.lora_A"), &[xa, a], rows, inp, r);
         save(&mut self.g, ha);
         let bw = self
             .g
             .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
         let bw = self.cast_low(&format!("{name}.lora_B"), bw);
         save(&mut self.g, bw);
-        let hb = self
-            .g
-            .op(&format!("{name}.lora_B"), &[ha, bw], rows * out, low);
-        self.gemm_scratch(hb, rows, r, out, true, true);
+        let hb = self.product(&format!("{name}.lora_B"), &[ha, bw], rows, r, out);
         let sc = self
             .g
             .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
@@ -684,6 +665,18 @@ impl Builder<'_> {
             rows * out,
             promote(bdt, low),
         )
+    }
+
+    /// A matmul `(m × k) · (k × n)` (`addmm`/`mm` of a linear: `ins` = input, weight[, bias])
+    /// into `m × n` elements of the compute dtype, with the CPU's low-precision matmul scratch
+    /// ([`Builder::gemm_scratch`]) for the gradients its backward computes: the input's when
+    /// it needs one, the weight's when the weight does.
+    pub fn product(&mut self, name: &str, ins: &[Tid], m: u64, k: u64, n: u64) -> Tid {
+        let low = self.low();
+        let y = self.g.op(name, ins, m * n, low);
+        let (grad_x, grad_w) = (self.rg(ins[0]), self.rg(ins[1]));
+        self.gemm_scratch(y, m, k, n, grad_x, grad_w);
+        y
     }
 
     /// The scratchpad of a bf16/fp16 matmul on the CPU (`addmm`/`mm` → oneDNN's matmul, which
@@ -847,8 +840,7 @@ impl Builder<'_> {
         let xin = self.cast_low(&format!("{name} input"), x);
         ins[0] = xin;
         save(&mut self.g, xin);
-        let low = self.low();
-        self.g.op(name, &ins, rows * out, low)
+        self.product(name, &ins, rows, inp, out)
     }
 
     /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::matmul` folds the input
@@ -909,8 +901,7 @@ impl Builder<'_> {
             ins.push(self.cached_weight(&format!("{name}.bias"), out));
         }
         ins[0] = self.cast_low(&format!("{name} input"), x);
-        let low = self.low();
-        self.g.op(name, &ins, rows * out, low)
+        self.product(name, &ins, rows, inp, out)
     }
 
     /// The LoRA branch on `xl` (what lora_A reads), while PEFT's `x = x.to(lora_A.weight.dtype)`
