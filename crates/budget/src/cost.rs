@@ -13,8 +13,7 @@ use crate::denoiser::param_table;
 use crate::params::ParamRole;
 use crate::runtime::{model_for, Shape};
 use crate::segment::{Segment, TensorKind};
-use crate::spec::{AttentionMode, Dtype, Latents, LoraTarget, Optimizer, Recompute, Spec};
-use crate::timeline::{vae_dtype, SD_VAE_ENCODER_PARAMS};
+use crate::spec::{AttentionMode, Dtype, LoraTarget, Optimizer, Recompute, Spec};
 
 /// Throughputs of the machine a plan is ranked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -377,15 +376,11 @@ pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs)
     } else {
         0.0
     };
-    let encode = if r.latents == Latents::Encode {
-        // 136 GMAC per 256² image for the SD VAE encoder, scaling with the pixel count.
-        let pixels = f64::from(w.height) * f64::from(w.width);
-        let flops = 2.0 * 136e9 * pixels / (256.0 * 256.0) * d.b as f64;
-        let _ = SD_VAE_ENCODER_PARAMS;
-        acc * flops / profile.matmul_rate(vae_dtype(r.precision))
-    } else {
-        0.0
-    };
+    // The frozen encoders of each microbatch, each in its own dtype.
+    let encode: f64 = crate::encoders::encoder_runs(spec)
+        .iter()
+        .map(|e| acc * e.flops / profile.matmul_rate(e.dtype))
+        .sum();
     let overhead = acc * profile.microbatch_overhead_s;
     let t = StepTime {
         forward_s: acc * fwd + casts,

@@ -87,7 +87,19 @@ pub fn text_tokens(spec: &Spec, g: &Geometry) -> Vec<u64> {
 /// Check a resolved spec against its family: the text encoders, frames, LoRA modules.
 pub fn check(spec: &Spec) -> Result<(), SpecError> {
     spec.validate()?;
+    let class_conditional = |class: &str| {
+        SpecError::invalid(
+            "recipe.text_encoders",
+            format!(
+                "'{}', but {class} is class-conditional: it has no text encoder; allowed: cached",
+                spec.recipe.text_encoders.name()
+            ),
+        )
+    };
     let Some(fm) = family(spec)? else {
+        if !spec.recipe.text_encoders.is_cached() {
+            return Err(class_conditional("the original DiT"));
+        }
         return Ok(());
     };
     if spec.runtime == Runtime::DitmemCpu {
@@ -102,6 +114,9 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         ));
     }
     let g = fm.geometry();
+    if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
+        return Err(class_conditional(fm.class_name));
+    }
     let m = &spec.model;
     if u64::from(m.depth) != g.blocks || u64::from(m.hidden) != g.hidden {
         return Err(SpecError::invalid(

@@ -98,6 +98,9 @@ pub struct Budget {
     pub weights_times_four: u64,
     pub timeline: Timeline,
     pub inventory: Vec<Inventory>,
+    /// The frozen encoders that run inside the step (VAE when latents are encoded, text
+    /// encoders when online or offloaded), in the order a microbatch runs them.
+    pub encoders: Vec<crate::encoders::EncoderRun>,
     /// On `pytorch:cuda`: the caching allocator over the step's allocations — max allocated and
     /// reserved, fragmentation, what `nvidia-smi` shows and whether it fits the spec's GPU.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -174,6 +177,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     };
     let fits = cuda.as_ref().and_then(|c| c.fits);
     Ok(Budget {
+        encoders: crate::encoders::encoder_runs(spec),
         cuda,
         fits,
         spec: spec.clone(),

@@ -14,6 +14,7 @@
 
 mod cost;
 pub mod denoiser;
+pub(crate) mod encoders;
 mod error;
 mod estimate;
 mod events;
@@ -50,10 +51,10 @@ pub use segment::{SegmentBytes, SegmentCost};
 pub use spec::{
     default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
     EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision,
-    Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TokenGrid, TorchDevice, Workload,
-    LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES, MAX_FREQ_EMBED, MAX_HIDDEN,
-    MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE,
-    MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS, MAX_VAE_FACTOR,
+    Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TextEncoders, TokenGrid,
+    TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES,
+    MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH,
+    MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS, MAX_VAE_FACTOR,
 };
 pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};
@@ -92,6 +93,9 @@ pub mod pytorch {
 /// tables, read from a diffusers `config.json` or a preset; a spec holds one in `model.diffusers`
 /// ([`denoiser`]).
 mod families;
+pub use encoders::EncoderRun;
+/// The frozen text encoders and VAE encoders of each family: parameter counts and forward rules.
+pub use families::frozen;
 pub use families::{
     count as count_family, from_config_json, preset as family_preset, preset_config,
     preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,

@@ -620,6 +620,53 @@ impl FromStr for Latents {
     }
 }
 
+/// Where a family's frozen text encoders are during the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextEncoders {
+    /// The caption embeddings were computed beforehand (or once, the encoders then freed, as
+    /// diffusers' DreamBooth scripts do for a fixed instance prompt): not in the step.
+    #[default]
+    Cached,
+    /// On the device for the whole step in `weight_dtype`, encoding each microbatch's captions
+    /// without gradient (the scripts' `text_encoder.to(accelerator.device, dtype=weight_dtype)`).
+    Online,
+    /// Kept on the host and moved to the device only to encode (the scripts' `--offload`):
+    /// their weights are on the device during the encode alone.
+    Offloaded,
+}
+
+impl TextEncoders {
+    pub fn is_cached(&self) -> bool {
+        *self == TextEncoders::Cached
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            TextEncoders::Cached => "cached",
+            TextEncoders::Online => "online",
+            TextEncoders::Offloaded => "offloaded",
+        }
+    }
+}
+
+impl FromStr for TextEncoders {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "cached" => Ok(TextEncoders::Cached),
+            "online" => Ok(TextEncoders::Online),
+            "offloaded" => Ok(TextEncoders::Offloaded),
+            _ => Err(SpecError::invalid(
+                "recipe.text_encoders",
+                format!(
+                    "'{s}' is not a text-encoder placement; allowed: cached, online, offloaded"
+                ),
+            )),
+        }
+    }
+}
+
 /// An exponential moving average of the weights, kept beside the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -679,6 +726,9 @@ pub struct Recipe {
     pub zero_stage: u8,
     #[serde(default = "default_latents")]
     pub latents: Latents,
+    /// Where the frozen text encoders are during the step (a family's T5, CLIP, Gemma, umT5).
+    #[serde(default, skip_serializing_if = "TextEncoders::is_cached")]
+    pub text_encoders: TextEncoders,
     #[serde(default)]
     pub ema: EmaSpec,
     #[serde(default)]
@@ -850,6 +900,7 @@ impl Default for Recipe {
             lora: None,
             zero_stage: 0,
             latents: default_latents(),
+            text_encoders: TextEncoders::Cached,
             ema: EmaSpec::default(),
             prediction: Prediction::Eps,
             base_quant: BaseQuant::None,

@@ -18,7 +18,7 @@ pub use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
 use crate::params::{stored_bytes, stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
-use crate::spec::{Dtype, Latents, Optimizer, Precision, Spec};
+use crate::spec::{Dtype, Optimizer, Precision, Spec};
 
 /// Microbatches of the step that the timeline does not lay out: `first..=last` (0-based, as in
 /// the event labels) repeat microbatch `as_microbatch` event for event.
@@ -115,14 +115,8 @@ impl Timeline {
     }
 }
 
-/// Parameters of the SD VAE encoder (+ quant_conv), from the diffusers Encoder definition.
-pub const SD_VAE_ENCODER_PARAMS: u64 = 34_163_592 + 72;
-/// Parameters of the 16-channel VAE encoder (SD3 / Flux layout).
-pub const VAE16_ENCODER_PARAMS: u64 = 34_274_208;
-/// No-grad activation peak of the SD VAE encoder per image, in elements per pixel: about four
-/// live 128-channel tensors at full resolution (an estimate from the encoder's ResnetBlock2D
-/// forward, not a measurement; see `dit-facts.md` §2).
-pub const VAE_ENCODE_ELEMS_PER_PIXEL: u64 = 512;
+/// Parameters of the 16-channel VAE encoder (SD3 / Flux layout): see [`crate::families::frozen`].
+pub use crate::families::frozen::VAE16_ENCODER_PARAMS;
 
 /// Bitsandbytes block size for 8-bit optimizer state quantisation (one fp32 absmax per block).
 pub const ADAM8BIT_BLOCK: u64 = 256;
@@ -184,14 +178,7 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
             }
         }
     }
-    if r.latents == Latents::Encode {
-        let vae = if spec.model.in_channels == 16 {
-            VAE16_ENCODER_PARAMS
-        } else {
-            SD_VAE_ENCODER_PARAMS
-        };
-        s.encoder_weights = vae * vae_dtype(p).size();
-    }
+    s.encoder_weights = crate::encoders::resident_bytes(&crate::encoders::encoder_runs(spec));
     s
 }
 
@@ -230,31 +217,50 @@ pub fn simulate_step_with(
 ) -> Timeline {
     // Each runtime replays its own step; the timeline adds the encoder and finds the peak.
     let mut events = model_for(spec).replay(spec, table, st, costs, max_microbatches);
-    if spec.recipe.latents == Latents::Encode {
-        // The frozen VAE encoder runs first, without gradient, on the images of a microbatch;
-        // its weights stay resident for the whole step.
-        let w = &spec.workload;
-        let pixels = u64::from(w.height) * u64::from(w.width);
-        let b = u64::from(w.microbatch);
+    let runs = crate::encoders::encoder_runs(spec);
+    if !runs.is_empty() {
+        // The resident encoders' weights are there for the whole step; each microbatch first
+        // runs every encoder without gradient, one after another, from the state its forward
+        // starts in.
+        let resident = crate::encoders::resident_bytes(&runs);
         for e in events.iter_mut() {
-            e.live.encoder += st.encoder_weights;
+            e.live.encoder += resident;
         }
-        if let Some(first) = events.first().cloned() {
-            let mut at = first.live;
-            at.data += b * 3 * pixels * 4;
-            at.encoder +=
-                b * VAE_ENCODE_ELEMS_PER_PIXEL * pixels * vae_dtype(spec.recipe.precision).size();
-            events.insert(
-                1,
-                Event {
-                    phase: Phase::Encode,
-                    label: "vae encode (inside)".into(),
-                    block: None,
-                    microbatch: 0,
-                    inside: true,
-                    live: at,
-                },
-            );
+        let mut at = 0;
+        while let Some(k) = events[at..]
+            .iter()
+            .position(|e| e.phase == Phase::Forward)
+            .map(|k| k + at)
+        {
+            let mb = events[k].microbatch;
+            let before = events[k.saturating_sub(1)].live;
+            let encodes: Vec<Event> = runs
+                .iter()
+                .map(|r| {
+                    let mut live = before;
+                    live.encoder += r.forward_bytes + if r.resident { 0 } else { r.weight_bytes };
+                    live.data += r.input_bytes;
+                    Event {
+                        phase: Phase::Encode,
+                        label: format!("{} forward (inside)", r.name),
+                        block: None,
+                        microbatch: mb,
+                        inside: true,
+                        live,
+                    }
+                })
+                .collect();
+            let n = encodes.len();
+            events.splice(k..k, encodes);
+            // The next microbatch's forward.
+            at = match events[k + n..]
+                .iter()
+                .position(|e| e.microbatch != mb)
+                .map(|j| j + k + n)
+            {
+                Some(j) => j,
+                None => break,
+            };
         }
     }
     let peak_index = events
@@ -282,6 +288,7 @@ pub fn simulate_step_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::Latents;
 
     #[test]
     fn encoder_weights_are_counted_once() {

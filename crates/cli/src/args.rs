@@ -83,6 +83,9 @@ pub struct SpecArgs {
     /// encode (VAE runs in the step) | cached
     #[arg(long)]
     pub latents: Option<String>,
+    /// cached | online | offloaded — a family's frozen text encoders (T5, CLIP, Gemma, umT5): caption embeddings computed beforehand; encoders on the device all step in weight_dtype; or moved to the device only to encode (the scripts' --offload)
+    #[arg(long, value_name = "WHERE")]
+    pub text_encoders: Option<String>,
     /// Keep an EMA copy of the weights: on | off.
     #[arg(long)]
     pub ema: Option<String>,
@@ -341,6 +344,9 @@ impl SpecArgs {
         }
         if let Some(l) = &self.latents {
             r.latents = l.parse::<Latents>()?;
+        }
+        if let Some(t) = &self.text_encoders {
+            r.text_encoders = t.parse::<ditmem_budget::TextEncoders>()?;
         }
         if let Some(e) = &self.ema {
             r.ema.enabled = match e.as_str() {

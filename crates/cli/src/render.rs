@@ -125,8 +125,13 @@ pub fn recipe_line(spec: &Spec) -> String {
         ),
         _ => String::new(),
     };
+    let text = if r.text_encoders.is_cached() {
+        String::new()
+    } else {
+        format!(", text encoders {}", r.text_encoders.name())
+    };
     format!(
-        "{}, {}, {} attention, recompute {}, latents {:?}{lora}{zero}, {ema}; runtime {}{cpu}",
+        "{}, {}, {} attention, recompute {}, latents {:?}{text}{lora}{zero}, {ema}; runtime {}{cpu}",
         r.precision,
         r.optimizer.name(),
         r.attention.name(),
@@ -159,7 +164,11 @@ pub fn advice(dominant: &str, budget: &Budget) -> String {
         "optimizer_state" | "master_weights" | "gradients" => {
             "model states dominate: LoRA, 8-bit AdamW or ZeRO sharding over ranks shrink them; accumulation does not".into()
         }
-        "encoder" => "the VAE encoder dominates: cache the latents beforehand".into(),
+        "encoder" => {
+            "the frozen encoders dominate: cache the latents and the caption embeddings \
+             beforehand (--latents cached, --text-encoders cached), or offload the text encoders"
+                .into()
+        }
         "ema" => "the EMA copy dominates: keep it in bf16 or off the device".into(),
         _ => format!("{dominant} dominates"),
     }
@@ -223,6 +232,38 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
     }
     o.push_str(&t.render());
     o.push('\n');
+    if !b.encoders.is_empty() {
+        o.push_str(
+            "frozen encoders in the step (no gradient, run at the start of each microbatch):\n",
+        );
+        let mut t = Table::new(&[
+            "encoder",
+            "class",
+            "parameters",
+            "dtype",
+            "weights",
+            "on the device",
+            "forward",
+        ]);
+        for e in &b.encoders {
+            t.row(vec![
+                e.name.clone(),
+                e.class.to_string(),
+                fmt_count(e.params),
+                e.dtype.to_string(),
+                fmt_bytes(e.weight_bytes),
+                if e.resident {
+                    "all step"
+                } else {
+                    "while encoding"
+                }
+                .to_string(),
+                format!("+{}", fmt_bytes(e.forward_bytes)),
+            ]);
+        }
+        o.push_str(&t.render());
+        o.push('\n');
+    }
 
     let p = &b.peak;
     let mb = if b.spec.workload.accumulation > 1 {

@@ -226,3 +226,66 @@ fn a_plan_on_a_gpu_fits_its_device_bytes() {
     assert_eq!(b["fits"], Value::Bool(true));
     assert_eq!(b["cuda"]["device_bytes"].as_u64(), Some(peak));
 }
+
+/// `--text-encoders`: online puts Flux's CLIP-L and T5-XXL on the device for the whole step in
+/// bf16 (their weights in `encoders` and in every event), an unknown placement exits 2 naming
+/// the field, and a class-conditional DiT has none to put there.
+#[test]
+fn text_encoders_online_offloaded_or_cached() {
+    let args = |te: &str| {
+        vec![
+            "estimate".to_string(),
+            "--preset".into(),
+            "flux.1-dev".into(),
+            "--resolution".into(),
+            "512".into(),
+            "--batch".into(),
+            "1".into(),
+            "--lora-rank".into(),
+            "16".into(),
+            "--runtime".into(),
+            "pytorch:cuda".into(),
+            "--text-encoders".into(),
+            te.into(),
+            "--json".into(),
+        ]
+    };
+    let run = |te: &str| {
+        let a = args(te);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        json(&a)
+    };
+    let online = run("online");
+    let enc = online["encoders"].as_array().expect("encoders");
+    let names: Vec<&str> = enc.iter().map(|e| e["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["CLIP-L", "T5-XXL encoder"]);
+    let weights: u64 = enc
+        .iter()
+        .map(|e| e["weight_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(weights, 2 * (123_060_480 + 4_762_310_656));
+    assert_eq!(
+        online["static_bytes"]["encoder_weights"].as_u64(),
+        Some(weights)
+    );
+    let cached = run("cached");
+    assert!(cached["encoders"].as_array().unwrap().is_empty());
+    let offloaded = run("offloaded");
+    let (pc, po, pn) = (
+        cached["peak_bytes"].as_u64().unwrap(),
+        offloaded["peak_bytes"].as_u64().unwrap(),
+        online["peak_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        pc < po && po < pn,
+        "cached {pc}, offloaded {po}, online {pn}"
+    );
+    let a = args("gpu");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, _, err) = ditmem(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("recipe.text_encoders"), "{err}");
+    let (code, _, err) = ditmem(&["estimate", "--text-encoders", "online"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("class-conditional"), "{err}");
+}

@@ -15,6 +15,7 @@
 mod config;
 mod dit;
 mod flux;
+pub mod frozen;
 mod model;
 mod modules;
 mod pixart;

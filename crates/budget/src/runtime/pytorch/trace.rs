@@ -148,10 +148,15 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
             seq.alloc(t.numel() * r.ema.dtype.size());
         }
     }
+    // The frozen encoders the step runs; the resident ones moved to the device once.
+    let encoders = crate::encoders::encoder_runs(spec);
+    for e in encoders.iter().filter(|e| e.resident) {
+        seq.alloc(e.weight_bytes);
+    }
     let mut state: Vec<u64> = Vec::new();
     for warm in [true, false] {
         step(
-            spec, &traced, &st.data, &trained, table, &mut seq, &mut state, warm,
+            spec, &traced, &st.data, &trained, table, &encoders, &mut seq, &mut state, warm,
         );
     }
     without_empty(seq.events)
@@ -192,6 +197,7 @@ fn step(
     data: &crate::runtime::pytorch::stages::Data,
     trained: &[&ParamTensor],
     table: &[ParamTensor],
+    encoders: &[crate::encoders::EncoderRun],
     seq: &mut Seq,
     state: &mut Vec<u64>,
     warm: bool,
@@ -201,6 +207,12 @@ fn step(
     let mut param_grads: Vec<u64> = Vec::new();
     let microbatches = spec.workload.accumulation.clamp(1, 2);
     for mb in 0..microbatches {
+        // Each encoder's no-grad forward (an offloaded one's weights with it), one after
+        // another; what they return is the data below.
+        for e in encoders {
+            let id = seq.alloc(e.while_encoding());
+            seq.free(id);
+        }
         let kept = seq.alloc(data.kept);
         let fwd_data = seq.alloc(data.forward_only);
         // Forward: one instance per block, ids kept for its backward.

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The no-grad forward peak of each frozen text encoder, above its weights, on the CPU: tiny
+configs of the transformers classes the training scripts load (T5EncoderModel, UMT5EncoderModel,
+CLIPTextModel(WithProjection), Gemma2Model), at the default attention implementation of the
+installed transformers, in fp32 and bf16 (the scripts' `weight_dtype`). The rule in
+`crates/budget/src/families/frozen.rs` is held against these numbers
+(`crates/budget/tests/frozen_encoders.rs` pins them).
+
+    bench/torch_peer/.venv/bin/python bench/torch_peer/frozen_peak.py [--json]
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    Gemma2Config,
+    Gemma2Model,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import measure  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def t5(cls, cfgc, d, ff, heads, dkv, layers):
+    return cls(cfgc(vocab_size=1000, d_model=d, d_kv=dkv, d_ff=ff, num_layers=layers,
+                    num_heads=heads, feed_forward_proj="gated-gelu"))
+
+
+def clip(cls, d, inter, heads, layers):
+    return cls(CLIPTextConfig(vocab_size=1000, hidden_size=d, intermediate_size=inter,
+                              num_hidden_layers=layers, num_attention_heads=heads,
+                              max_position_embeddings=77, projection_dim=d))
+
+
+def gemma(d, inter, heads, kv, hd, layers):
+    return Gemma2Model(Gemma2Config(vocab_size=1000, hidden_size=d, intermediate_size=inter,
+                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=kv, head_dim=hd))
+
+
+CASES = [
+    ("t5", lambda: t5(T5EncoderModel, T5Config, 64, 160, 4, 16, 2)),
+    ("umt5", lambda: t5(UMT5EncoderModel, UMT5Config, 64, 160, 4, 16, 2)),
+    ("clip", lambda: clip(CLIPTextModel, 64, 256, 4, 2)),
+    ("clip-proj", lambda: clip(CLIPTextModelWithProjection, 64, 256, 4, 2)),
+    ("gemma2", lambda: gemma(64, 256, 4, 2, 16, 2)),
+    # Layers as wide as the real encoders' (T5-XXL's heads of 64, CLIP-L, half of Gemma-2-2B),
+    # two of them: the per-layer terms dominate here as they do at full size.
+    ("t5-wide", lambda: t5(T5EncoderModel, T5Config, 1024, 2560, 16, 64, 2)),
+    ("clip-wide", lambda: clip(CLIPTextModel, 768, 3072, 12, 2)),
+    ("gemma2-wide", lambda: gemma(1152, 4608, 8, 4, 128, 2)),
+]
+SHAPES = {"t5-wide": ((1, 256), (2, 120)), "clip-wide": ((1, 77), (4, 77)),
+          "gemma2-wide": ((1, 300), (2, 120))}
+
+
+def main():
+    rows = []
+    for name, make in CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch, tokens in SHAPES.get(name, ((1, 77), (2, 64), (3, 40))):
+                m = make().to(dtype).eval()
+                ids = torch.randint(0, 1000, (batch, tokens))
+                with torch.no_grad():
+                    m(ids)  # warm-up
+                    torch.manual_seed(0)
+
+                    def step():
+                        out = m(ids)
+                        return out
+
+                    peak, _, _ = measure.cpu_step_peak(step)
+                rows.append({"arch": name, "dtype": str(dtype).split(".")[1], "batch": batch,
+                             "tokens": tokens, "peak_above_weights": peak,
+                             "attn": getattr(m.config, "_attn_implementation", None)})
+                print(json.dumps(rows[-1]), flush=True)
+    if "--json" in sys.argv:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
