@@ -247,6 +247,10 @@ pub struct TimeInputs {
     /// Parameters a mixed policy casts to the compute dtype every forward: the trained ones
     /// (frozen weights are stored in the compute dtype already).
     pub cast_params: f64,
+    /// Frozen block weights stored quantized (`recipe.base_quant`), dequantized to the compute
+    /// dtype by bitsandbytes at every use: forward, a recomputed forward, backward (the input's
+    /// gradient reads W).
+    pub dequant_params: f64,
     /// Elementwise seconds of the embedder, one block and the final layer's forward, for one
     /// microbatch (depends on precision, attention, microbatch, LoRA and attention-only).
     pub elementwise_s: (f64, f64, f64),
@@ -263,9 +267,22 @@ impl TimeInputs {
         TimeInputs {
             trained_params: trained,
             cast_params: trained,
+            dequant_params: dequant_params(spec, &table),
             elementwise_s: elementwise_forward_s(spec, profile),
         }
     }
+}
+
+/// Parameters a quantized base dequantizes at each use (0 without `recipe.base_quant`).
+pub fn dequant_params(spec: &Spec, table: &[crate::params::ParamTensor]) -> f64 {
+    if spec.recipe.base_quant.is_none() {
+        return 0.0;
+    }
+    table
+        .iter()
+        .filter(|t| t.role == ParamRole::Frozen && crate::params::quantizable(t))
+        .map(|t| t.numel() as f64)
+        .sum()
 }
 
 /// Elementwise seconds of each segment's forward (embedder, one block, final layer).
@@ -349,12 +366,12 @@ pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs)
         + acc * trained / profile.elementwise_rate(od);
     // Mixed precision casts the weights to the compute dtype on every forward (and again for a
     // recomputed block's forward).
+    let recast = recomputed / depth.max(1.0);
     let casts = if r.precision.is_mixed() {
-        let recast = recomputed / depth.max(1.0);
         acc * (1.0 + recast) * inputs.cast_params / profile.elementwise_rate(cd)
     } else {
         0.0
-    };
+    } + acc * (2.0 + recast) * inputs.dequant_params / profile.elementwise_rate(cd);
     let ranks = f64::from(w.ranks);
     let comm = if w.ranks > 1 {
         // Ring collectives move (ranks − 1)/ranks of the buffer per rank; nothing is assumed to

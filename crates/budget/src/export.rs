@@ -539,6 +539,12 @@ fn command(
                         .into(),
                 );
             }
+            if let Some(n) = base_quant_note(r.base_quant) {
+                notes.push(n);
+            }
+            if let Some(n) = text_encoders_note(r.text_encoders) {
+                notes.push(n);
+            }
             if r.attention == AttentionMode::MemoryEfficient {
                 notes.push(
                     "attention memory-efficient: PyTorch SDPA (diffusers' default attention \
@@ -576,6 +582,14 @@ fn command(
         script.path
     ));
     let file = script.file_name();
+    if let Some(n) = base_quant_note(r.base_quant) {
+        cannot.push(format!(
+            "store the frozen base quantized ({file} has no flag for it): {n}"
+        ));
+    }
+    if let Some(n) = text_encoders_note(r.text_encoders) {
+        notes.push(n);
+    }
     let mut flag = |name: &str, value: Option<String>, missing: &str, cannot: &mut Vec<String>| {
         if script.has(name) {
             args.push(s(name));
@@ -676,11 +690,21 @@ fn command(
             w.width
         ));
     }
-    notes.push(format!(
-        "{} also holds the text encoders and the VAE (and, when it trains them, their \
-         state), which the DiT budget does not count",
-        script.file_name()
-    ));
+    if r.text_encoders.is_cached() || r.latents == Latents::Cached {
+        notes.push(format!(
+            "{} also loads the text encoders and the VAE to encode (the encoders freed after a \
+             fixed prompt is encoded once; the VAE kept unless --cache_latents); the plan counts \
+             them only as its spec places them (--text-encoders {}, --latents {}), so plan with \
+             --text-encoders online or offloaded and --latents encode when your run keeps them",
+            script.file_name(),
+            r.text_encoders.name(),
+            if r.latents == Latents::Cached {
+                "cached"
+            } else {
+                "encode"
+            }
+        ));
+    }
     Command {
         launcher,
         script: script.file_name().into(),
@@ -983,6 +1007,45 @@ fn diffusers_sh(spec: &Spec, cmd: &Command, notes: &[String], cannot: &[String])
     }
     t.push_str(&cmd.render());
     t
+}
+
+/// How a quantized LoRA base is loaded (diffusers' bitsandbytes quantization, peft's QLoRA
+/// preparation); None when the base is not quantized.
+fn base_quant_note(q: crate::spec::BaseQuant) -> Option<String> {
+    use crate::spec::BaseQuant;
+    let how = match q {
+        BaseQuant::None => return None,
+        BaseQuant::Nf4 => {
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\", \
+             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=weight_dtype)"
+        }
+        BaseQuant::Int8 => "BitsAndBytesConfig(load_in_8bit=True)",
+        BaseQuant::Fp8 => "transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)",
+    };
+    Some(format!(
+        "base {}: load the transformer with {how} (diffusers' quantization), then \
+         peft.prepare_model_for_kbit_training before adding the LoRA adapters",
+        q.name()
+    ))
+}
+
+/// Where the plan's text encoders are, as the diffusers scripts place them.
+fn text_encoders_note(t: crate::spec::TextEncoders) -> Option<String> {
+    use crate::spec::TextEncoders;
+    match t {
+        TextEncoders::Cached => None,
+        TextEncoders::Online => Some(
+            "text encoders online: per-image captions (--caption_column) keep them on the device \
+             in weight_dtype and encode every batch; a fixed --instance_prompt is encoded once \
+             and the encoders freed (cached)"
+                .into(),
+        ),
+        TextEncoders::Offloaded => Some(
+            "text encoders offloaded: the scripts' --offload keeps them (and the VAE) on the CPU \
+             between encodes"
+                .into(),
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -46,7 +46,9 @@ use crate::denoiser::param_table;
 use crate::events::{Breakdown, StaticBytes};
 use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::SegmentCosts;
-use crate::spec::{AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Spec};
+use crate::spec::{
+    AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
+};
 use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
 use crate::units::fmt_bytes;
 
@@ -65,6 +67,9 @@ pub struct Allow {
     /// a requested precision is kept (fp16 on a GPU without bf16, fp32 for a reference run).
     /// bf16-pure additionally needs [`Allow::bf16_pure`], which allows it on its own too.
     pub precision: bool,
+    /// A LoRA base stored quantized (NF4 as QLoRA, bitsandbytes; the `pytorch` runtime):
+    /// changes the frozen weights' numerics, so it comes after every other lever.
+    pub quant: bool,
 }
 
 impl Allow {
@@ -75,6 +80,7 @@ impl Allow {
             sharding: true,
             bf16_pure: true,
             precision: true,
+            quant: true,
         }
     }
 }
@@ -197,8 +203,8 @@ struct Combo {
     n_changes: usize,
 }
 
-type TableKey = (Option<u32>, Precision, Optimizer, u8, Latents);
-type SegKey = (Option<u32>, Precision, AttentionMode, u32, bool);
+type TableKey = (Option<u32>, Precision, Optimizer, u8, Latents, BaseQuant);
+type SegKey = (Option<u32>, Precision, AttentionMode, u32, bool, BaseQuant);
 
 /// Caches the parts of the budget and the time model that many candidates share.
 struct Evaluator<'a> {
@@ -220,6 +226,7 @@ impl<'a> Evaluator<'a> {
             r.optimizer,
             r.zero_stage,
             r.latents,
+            r.base_quant,
         );
         self.tables
             .entry(key)
@@ -231,7 +238,12 @@ impl<'a> Evaluator<'a> {
             .clone()
     }
 
-    fn segments(&mut self, spec: &Spec, trained: f64) -> Rc<(SegmentCosts, TimeInputs)> {
+    fn segments(
+        &mut self,
+        spec: &Spec,
+        trained: f64,
+        dequant: f64,
+    ) -> Rc<(SegmentCosts, TimeInputs)> {
         let r = &spec.recipe;
         let key = (
             r.lora.as_ref().map(|l| l.rank),
@@ -239,6 +251,7 @@ impl<'a> Evaluator<'a> {
             r.attention,
             spec.workload.microbatch,
             r.recompute == Recompute::AttentionOnly,
+            r.base_quant,
         );
         let profile = self.profile;
         self.segments
@@ -247,6 +260,7 @@ impl<'a> Evaluator<'a> {
                 let inputs = TimeInputs {
                     trained_params: trained,
                     cast_params: trained,
+                    dequant_params: dequant,
                     elementwise_s: elementwise_forward_s(spec, profile),
                 };
                 Rc::new((segment_costs(spec), inputs))
@@ -257,7 +271,8 @@ impl<'a> Evaluator<'a> {
     fn combo(&mut self, spec: Spec, n_changes: usize) -> Combo {
         let table = self.table(&spec);
         let trained = trained_params(&table.0);
-        let costs = self.segments(&spec, trained);
+        let dequant = crate::cost::dequant_params(&spec, &table.0);
+        let costs = self.segments(&spec, trained, dequant);
         Combo {
             spec,
             table,
@@ -273,8 +288,8 @@ impl<'a> Evaluator<'a> {
         spec.recipe.recompute = rc.clone();
         let attn_only = rc == Recompute::AttentionOnly;
         let (costs, inputs) = if attn_only {
-            let trained = c.costs.1.trained_params;
-            let seg = self.segments(&spec, trained);
+            let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
+            let seg = self.segments(&spec, trained, dequant);
             (seg.0, seg.1)
         } else {
             (c.costs.0, c.costs.1)
@@ -457,6 +472,12 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
             out.push(format!("LoRA rank {} (base frozen)", l.rank));
         }
     }
+    if b.base_quant != r.base_quant {
+        out.push(format!(
+            "base stored {} (bitsandbytes; the adapters train in the compute dtype)",
+            r.base_quant.name()
+        ));
+    }
     if b.optimizer != r.optimizer {
         out.push(format!(
             "optimizer {} → {}",
@@ -490,14 +511,21 @@ fn push_front(front: &mut Vec<(f64, u64)>, time: f64, peak: u64) {
 
 /// The allowed spaces the planner searches in turn: LoRA and 8-bit AdamW change what is trained
 /// or how, so they are used only when no recipe without them fits — first neither, then 8-bit
-/// AdamW (the optimizer's numerics), then LoRA (what is trained), then both. Each space keeps
-/// every other allowed lever.
+/// AdamW (the optimizer's numerics), then LoRA (what is trained), then both, then a quantized
+/// base under them (the frozen weights' numerics). Each space keeps every other allowed lever.
 pub fn search_stages(allow: Allow) -> Vec<Allow> {
     let mut out: Vec<Allow> = Vec::new();
-    for (lora, eight_bit) in [(false, false), (false, true), (true, false), (true, true)] {
+    for (lora, eight_bit, quant) in [
+        (false, false, false),
+        (false, true, false),
+        (true, false, false),
+        (true, true, false),
+        (true, true, true),
+    ] {
         let a = Allow {
             lora: lora && allow.lora,
             eight_bit: eight_bit && allow.eight_bit,
+            quant: quant && allow.quant,
             ..allow
         };
         if !out.contains(&a) {
@@ -551,6 +579,9 @@ pub fn plan(
         if r.lora != b.lora {
             used.push("LoRA");
         }
+        if r.base_quant != b.base_quant {
+            used.push("a quantized base");
+        }
         if r.optimizer != b.optimizer && r.optimizer == Optimizer::AdamW8bit {
             used.push("8-bit AdamW");
         }
@@ -566,6 +597,7 @@ pub fn plan(
         }
         for (name, on) in [
             ("lora", r.lora != b.lora),
+            ("quant", r.base_quant != b.base_quant),
             (
                 "8bit",
                 r.optimizer != b.optimizer && r.optimizer == Optimizer::AdamW8bit,
@@ -793,6 +825,15 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
     } else {
         vec![base.recipe.lora.clone()]
     };
+    // A quantized base (QLoRA's NF4) under LoRA, on the runtime that models it.
+    let quants: Vec<BaseQuant> = if limits.allow.quant
+        && base.recipe.base_quant == BaseQuant::None
+        && matches!(base.runtime, Runtime::Pytorch { .. })
+    {
+        vec![BaseQuant::None, BaseQuant::Nf4]
+    } else {
+        vec![base.recipe.base_quant]
+    };
     let optimizers: Vec<Optimizer> =
         if limits.allow.eight_bit && base.recipe.optimizer == Optimizer::AdamW {
             vec![Optimizer::AdamW, Optimizer::AdamW8bit]
@@ -826,10 +867,15 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
         for &attention in &attentions {
             for &micro in &micros {
                 for &lat in &latents {
-                    for lora in &loras {
+                    for (lora, &quant) in loras
+                        .iter()
+                        .flat_map(|l| quants.iter().map(move |q| (l, q)))
+                        .filter(|(l, q)| l.is_some() || **q == BaseQuant::None)
+                    {
                         for &opt in &optimizers {
                             for &z in &zeros {
                                 let mut s = base.clone();
+                                s.recipe.base_quant = quant;
                                 s.recipe.precision = precision;
                                 s.recipe.attention = attention;
                                 s.recipe.latents = lat;
@@ -1008,6 +1054,7 @@ fn infeasible_reason(
         (!limits.allow.sharding && ranks > 1, "sharding"),
         (!limits.allow.bf16_pure, "bf16-pure"),
         (!limits.allow.precision, "precision"),
+        (!limits.allow.quant, "quant"),
     ]
     .into_iter()
     .filter_map(|(m, n)| m.then_some(n))

@@ -441,6 +441,7 @@ fn estimate_and_plan_of_any_valid_spec_are_bounded() {
                 sharding: allow[2],
                 bf16_pure: allow[3],
                 precision: true,
+                quant: allow[0],
             },
         };
         let t0 = Instant::now();

@@ -36,8 +36,9 @@ pub struct PlanArgs {
           value_parser = crate::flags::headroom, allow_hyphen_values = true)]
     pub headroom: f64,
     /// Levers that change what is trained or need more devices, comma-separated:
-    /// lora, 8bit, sharding, bf16-pure, precision (or all). LoRA and 8bit are used only when no
-    /// recipe without them fits. precision lets the planner change a precision you asked for
+    /// lora, 8bit, sharding, bf16-pure, precision, quant (or all). LoRA and 8bit are used only
+    /// when no recipe without them fits; quant (a LoRA base stored NF4, QLoRA; the pytorch
+    /// runtime) only when nothing fits without it either. precision lets the planner change a precision you asked for
     /// (--precision, or recipe.precision in --config); without either, the default bf16-mixed may
     /// change without it.
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
@@ -98,13 +99,14 @@ fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
             "sharding" | "zero" => a.sharding = true,
             "bf16-pure" => a.bf16_pure = true,
             "precision" => a.precision = true,
+            "quant" | "nf4" | "qlora" => a.quant = true,
             "all" => a = Allow::all(),
             "none" => {}
             _ => {
                 return Err(SpecError::invalid(
                     "--allow",
                     format!(
-                    "{} is not a lever; allowed: lora, 8bit, sharding, bf16-pure, precision, all",
+                    "{} is not a lever; allowed: lora, 8bit, sharding, bf16-pure, precision, quant, all",
                     show(item)
                 ),
                 ))
@@ -183,6 +185,7 @@ fn allow_line(a: &Allow, ranks: u32) -> String {
         (a.sharding, "sharding"),
         (a.bf16_pure, "bf16-pure"),
         (a.precision, "precision"),
+        (a.quant, "quant"),
     ] {
         if flag {
             on.push(name);

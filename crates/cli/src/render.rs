@@ -99,7 +99,13 @@ pub fn recipe_line(spec: &Spec) -> String {
     let lora = r
         .lora
         .as_ref()
-        .map(|l| format!(", LoRA rank {}", l.rank))
+        .map(|l| {
+            if r.base_quant.is_none() {
+                format!(", LoRA rank {}", l.rank)
+            } else {
+                format!(", LoRA rank {} on a {} base", l.rank, r.base_quant.name())
+            }
+        })
         .unwrap_or_default();
     let zero = if r.zero_stage > 0 {
         format!(", ZeRO-{}", r.zero_stage)

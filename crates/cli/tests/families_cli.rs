@@ -289,3 +289,40 @@ fn text_encoders_online_offloaded_or_cached() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("class-conditional"), "{err}");
 }
+
+/// Flux.1-dev LoRA at 1024² does not fit a 24 GB card with a bf16 base (22.2 GiB of weights):
+/// the planner says so and names `quant` as the lever left; with `--allow quant` it stores the
+/// base NF4 (QLoRA), says why, and the diffusers export says the script cannot do it.
+#[test]
+fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
+    let base = [
+        "plan",
+        "--preset",
+        "flux.1-dev",
+        "--resolution",
+        "1024",
+        "--batch",
+        "1",
+        "--gpu",
+        "rtx-4090",
+    ];
+    let (code, _, err) = ditmem(&[&base[..], &["--allow", "lora,8bit", "--json"]].concat());
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("quant"), "{err}");
+    let p = json(&[&base[..], &["--allow", "lora,8bit,quant", "--json"]].concat());
+    assert_eq!(p["feasible"], true);
+    assert_eq!(p["plan"]["recipe"]["base_quant"], "nf4");
+    assert!(p["plan"]["recipe"]["lora"].is_object());
+    let reason = p["reason"].as_str().unwrap();
+    assert!(reason.contains("quantized base"), "{reason}");
+    assert!(p["predicted_peak_bytes"].as_u64().unwrap() <= p["usable_bytes"].as_u64().unwrap());
+    let (code, out, err) = ditmem(
+        &[
+            &base[..],
+            &["--allow", "lora,8bit,quant", "--emit", "diffusers"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("store the frozen base quantized"), "{out}");
+}
