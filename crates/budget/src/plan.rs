@@ -326,6 +326,18 @@ impl<'a> Evaluator<'a> {
     }
 }
 
+/// `p` with its device bytes replayed on the allocator: on CUDA a candidate that cannot fit is
+/// not replayed during the search (its peak there is a lower bound, allocated + context); the
+/// points a plan reports (the base, an infeasible floor) are.
+fn replayed(p: &Point, spec: &Spec) -> Point {
+    let mut out = p.clone();
+    let table = param_table(spec);
+    if let Some(device) = device_peak(spec, &table, p.breakdown.total(), u64::MAX) {
+        out.peak = out.peak.max(device);
+    }
+    out
+}
+
 /// On `pytorch:cuda` what has to fit is what the device shows: the caching allocator's reserved
 /// segments (fragmentation included) plus the CUDA context, not the allocated peak.
 fn device_peak(spec: &Spec, table: &[ParamTensor], allocated: u64, usable: u64) -> Option<u64> {
@@ -734,6 +746,12 @@ fn search(
     });
     let base_fits = base_point.peak <= usable;
     let base_c = candidate(&base_point);
+    let base_point = if base_fits {
+        base_point
+    } else {
+        replayed(&base_point, base)
+    };
+    let floor_point;
     let (feasible, chosen) = match best {
         Some(p) => (true, p),
         None => {
@@ -745,7 +763,10 @@ fn search(
                         .then(a.time.total_s.total_cmp(&b.time.total_s))
                 })
                 .expect("the base is always evaluated");
-            (false, floor)
+            // The floor the plan reports is replayed, so that a budget at the floor
+            // (÷ headroom) fits it.
+            floor_point = replayed(floor, &candidate(floor).spec);
+            (false, &floor_point)
         }
     };
     let mut chosen_c = candidate(chosen);

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 use ditmem_budget::{
     denoiser, AttentionMode, Bf16Products, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer,
-    OptimizerImpl, Precision, Recompute, Runtime, Spec, SpecError,
+    OptimizerImpl, Precision, Recompute, Runtime, SdpaBackend, Spec, SpecError, TorchDevice,
 };
 
 /// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
@@ -215,8 +215,50 @@ impl SpecArgs {
     /// As [`SpecArgs::to_spec`], with `default` instead of the embedded default when no config
     /// file is given (e.g. `verify`'s small model).
     pub fn to_spec_or(&self, default: impl FnOnce() -> Spec) -> Result<Spec, SpecError> {
+        self.build(default, None)
+    }
+
+    /// `estimate` and `plan`: the step on a CUDA GPU (`pytorch:cuda`) unless `--runtime`, the
+    /// config file's `runtime` or an engine flag (`--cpu-threads`, `--bf16-products`,
+    /// `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
+    pub fn to_gpu_spec(&self) -> Result<Spec, SpecError> {
+        let engine_flags =
+            self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();
+        if engine_flags {
+            return self.to_spec();
+        }
+        let cuda = Runtime::Pytorch {
+            device: TorchDevice::Cuda,
+            sdpa: SdpaBackend::Auto,
+        };
+        self.build(
+            || {
+                let mut s = Spec::default_xl();
+                s.runtime = cuda;
+                s
+            },
+            Some(cuda),
+        )
+    }
+
+    /// The spec: the config file (its runtime, or `runtime` when the file names none) or
+    /// `default`, then the flags.
+    fn build(
+        &self,
+        default: impl FnOnce() -> Spec,
+        runtime: Option<Runtime>,
+    ) -> Result<Spec, SpecError> {
         let mut spec = match &self.config {
-            Some(path) => crate::input::load_spec(path)?,
+            Some(path) => {
+                let mut s = crate::input::load_spec(path)?;
+                if let Some(rt) = runtime {
+                    if !crate::input::config_names_runtime(path)? {
+                        s.runtime = rt;
+                        s.cpu = None;
+                    }
+                }
+                s
+            }
             None => default(),
         };
         if let Some(p) = &self.preset {

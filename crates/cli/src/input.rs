@@ -115,6 +115,21 @@ pub fn load_spec(path: &Path) -> Result<Spec, SpecError> {
     })
 }
 
+/// Whether a spec file sets `runtime` at its top level (read again after [`load_spec`] accepted
+/// it; a file without one takes the command's default runtime).
+pub fn config_names_runtime(path: &Path) -> Result<bool, SpecError> {
+    let text = text_of("--config", path)?;
+    Ok(if is_json(path) {
+        serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&text)
+            .map(|m| m.contains_key("runtime"))
+            .unwrap_or(true)
+    } else {
+        text.parse::<toml::Table>()
+            .map(|t| t.contains_key("runtime"))
+            .unwrap_or(true)
+    })
+}
+
 /// `--model`: a diffusers `config.json`, or a folder holding one (a checkpoint's `transformer/`):
 /// the model read from it and the config object itself (what a spec's `model.diffusers` holds).
 pub fn load_model(

@@ -135,7 +135,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             plot,
         } => {
             output::check_outputs(&[("--plot", plot.as_deref())])?;
-            let spec = spec.to_spec()?;
+            let spec = spec.to_gpu_spec()?;
             let budget = ditmem_budget::estimate(&spec)?;
             if let Some(path) = &plot {
                 let svg = compare_cmd::timeline_svg(&budget, None)?;

@@ -416,7 +416,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             .transpose()?
             .unwrap_or_default(),
     };
-    let base = args.spec.to_spec()?;
+    let base = args.spec.to_gpu_spec()?;
     let mut options = options;
     if args.emit_family.is_none() {
         // The script that trains the spec's model.

@@ -182,7 +182,7 @@ pub fn advice(dominant: &str, budget: &Budget) -> String {
 
 /// The human report of `estimate`.
 /// What the device shows on `pytorch:cuda`: the caching allocator over the step's allocations.
-fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport) -> String {
+fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
     let mut o = format!(
         "cuda (caching allocator over a warm-up and a measured step{}): max allocated {}, max reserved {} \
          (fragmentation at the allocated peak {}), cuBLAS workspace {}, context {} → nvidia-smi ≈ {}\n",
@@ -214,6 +214,41 @@ fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport) -> String {
                 if fits { "" } else { "; plan --gpu finds what fits" }
             )),
         }
+    } else {
+        // No card named: which of the catalog's would hold it (its reserved memory and
+        // cuBLAS workspace within the card's capacity less its own context).
+        let need = c.max_reserved_bytes + c.cublas_workspace_bytes;
+        let (mut yes, mut no): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+        let bf16 = spec.recipe.precision.compute_dtype() == ditmem_budget::Dtype::Bf16;
+        for g in ditmem_budget::gpu::all() {
+            if bf16 && !g.dtypes().bf16 {
+                continue;
+            }
+            if need <= g.allocator_bytes() {
+                yes.push(g.name);
+            } else {
+                no.push(g.name);
+            }
+        }
+        o.push_str(&format!(
+            "fits (reserved + workspace within each card's capacity less its context; --gpu NAME \
+             replays on that card): {}; not: {}{}\n",
+            if yes.is_empty() {
+                "none of the catalog".to_string()
+            } else {
+                yes.join(", ")
+            },
+            if no.is_empty() {
+                "none".to_string()
+            } else {
+                no.join(", ")
+            },
+            if bf16 {
+                " (cards without bf16 left out)"
+            } else {
+                ""
+            }
+        ));
     }
     o
 }
@@ -318,7 +353,7 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
         ));
     }
     if let Some(c) = &b.cuda {
-        o.push_str(&cuda_lines(c));
+        o.push_str(&cuda_lines(c, &b.spec));
     } else if matches!(
         b.spec.runtime,
         ditmem_budget::Runtime::Pytorch {

@@ -233,7 +233,8 @@ fn exports_and_the_pareto_plot_are_written() {
 fn plans_run_on_the_engine_within_their_budget() {
     let d = dir("engine");
     let cfg = small_config(&d);
-    let (_, v) = plan_json(&cfg, "64KiB", &[]);
+    let engine = ["--runtime", "ditmem-cpu"];
+    let (_, v) = plan_json(&cfg, "64KiB", &engine);
     let floor = u(&v["predicted_peak_bytes"]);
     let base = u(&v["base_peak_bytes"]);
     let mut failures = Vec::new();
@@ -241,7 +242,11 @@ fn plans_run_on_the_engine_within_their_budget() {
         // Budgets between the floor (÷ headroom, so it is feasible) and above the base.
         let budget = ((floor as f64 + (base as f64 - floor as f64) * frac) / 0.95) as u64 + 1;
         let out = d.join(format!("plan-{frac}.toml"));
-        let (code, p) = plan_json(&cfg, &budget.to_string(), &["--out", out.to_str().unwrap()]);
+        let (code, p) = plan_json(
+            &cfg,
+            &budget.to_string(),
+            &[&engine[..], &["--out", out.to_str().unwrap()]].concat(),
+        );
         assert_eq!(code, 0);
         assert_eq!(p["engine_runnable"], true);
         let (code, run, err) = ditmem(&[
@@ -282,8 +287,11 @@ fn plans_run_on_the_engine_within_their_budget() {
 #[test]
 fn a_requested_precision_is_kept_unless_allowed() {
     let plan = |extra: &[&str]| {
+        // On the engine's CPU, where bf16 is the faster half precision.
         let mut args = vec![
             "plan",
+            "--runtime",
+            "ditmem-cpu",
             "--precision",
             "fp16-mixed",
             "--budget",
@@ -313,6 +321,8 @@ fn a_requested_precision_is_kept_unless_allowed() {
 fn a_zero3_plan_launches_deepspeed_stage_3() {
     let (code, out, err) = ditmem(&[
         "plan",
+        "--runtime",
+        "ditmem-cpu",
         "--ranks",
         "8",
         "--batch",
