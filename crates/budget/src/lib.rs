@@ -108,6 +108,6 @@ pub mod memory_snapshot {
         compare, predicted_timeline, read_snapshot, replay, Action, AllocatorSettings, BlockInfo,
         BlockSizeCount, BlockState, OomEvent, Origin, OriginBytes, Parting, Predicted, Replay,
         SegmentInfo, Snapshot, SnapshotComparison, SnapshotError, TimelinePoint, TraceEvent,
-        MAX_BLOCKS, MAX_DECODED_BYTES, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
+        MAX_BLOCKS, MAX_NODES, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
     };
 }

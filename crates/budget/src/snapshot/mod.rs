@@ -2,7 +2,8 @@
 //! trace into allocated and reserved timelines, and hold it against the `pytorch:cuda`
 //! prediction of a spec.
 //!
-//! - `pickle.rs`: the pickle, decoded into a bounded tree of Python values;
+//! - `pickle.rs`: the pickle, decoded into a tree of Python values whose shared parts stay shared
+//!   (bounded by the file: one node per opcode at most);
 //! - `read.rs`: the snapshot's keys (`segments`, `device_traces`, `allocator_settings`) into
 //!   [`Snapshot`];
 //! - `replay.rs`: the trace of one device into timelines, peaks and what is alive at the peak;
@@ -30,8 +31,7 @@ pub use replay::{replay, BlockSizeCount, OomEvent, OriginBytes, Replay, Timeline
 /// Largest snapshot file read (bytes): a `max_entries=100_000` recording with Python and C++
 /// stacks is some hundreds of MiB.
 pub const MAX_SNAPSHOT_FILE_BYTES: u64 = 1 << 30;
-/// Most bytes the decoded values may take (values and string bytes, memo references expanded).
-pub const MAX_DECODED_BYTES: u64 = 6 << 30;
+pub use pickle::MAX_NODES;
 /// Most trace events over all devices.
 pub const MAX_TRACE_EVENTS: usize = 5_000_000;
 /// Most segments, and most blocks over all segments.

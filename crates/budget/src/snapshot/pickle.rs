@@ -1,16 +1,26 @@
-//! A pickle, decoded with `serde-pickle` into a small tree of Python values whose size is
-//! bounded: every value and every string byte counts against a budget, so a file whose memo
-//! references expand (the same list referenced from many places, nested) is refused instead of
-//! exhausting memory. The snapshot reader (`read.rs`) walks this tree.
+//! A pickle of builtin Python values (protocols 0–5), decoded into a tree whose shared parts stay
+//! shared.
+//!
+//! Why not `serde-pickle`: it resolves a memo reference by cloning the referenced value and
+//! counts how often each may be used, so a value referenced from inside another shared value
+//! runs out of uses and the file is refused as "recursive" — and a PyTorch snapshot is made of
+//! exactly such values: `ivalue_symbolize` (`torch/csrc/cuda/memory_snapshot.cpp`) gives every
+//! trace entry of one traceback the same `frames` list, whose frame dicts are shared too. Here
+//! the memo holds node indices, so a shared list is one node however often it is referenced;
+//! memory grows with the file (each opcode makes at most one node), bounded by [`MAX_NODES`].
+//! Opcodes that build objects of classes (GLOBAL, REDUCE, BUILD, NEWOBJ, …) are refused: a
+//! snapshot holds only dicts, lists, tuples, strings, ints, floats, bools and None.
 
-use std::cell::Cell;
-use std::fmt;
-
-use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use std::rc::Rc;
 
 use crate::snapshot::SnapshotError;
 
-/// A Python value of a memory snapshot: only builtin types occur there.
+/// Most values a pickle may hold (≈ 48 B each).
+pub const MAX_NODES: usize = 60_000_000;
+/// Deepest nesting of containers read (a snapshot nests five deep).
+const MAX_DEPTH: usize = 64;
+
+/// A Python value of a memory snapshot.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Py {
     None,
@@ -21,8 +31,8 @@ pub(crate) enum Py {
     /// A `bytes` object, by length (snapshots hold none; kept so that one is a type error).
     Bytes(usize),
     /// A list, tuple, set or frozenset.
-    List(Vec<Py>),
-    Dict(Vec<(Py, Py)>),
+    List(Vec<Rc<Py>>),
+    Dict(Vec<(Rc<Py>, Rc<Py>)>),
 }
 
 impl Py {
@@ -45,159 +55,454 @@ impl Py {
         match self {
             Py::Dict(kv) => kv
                 .iter()
-                .find(|(k, _)| matches!(k, Py::Str(s) if s == key))
-                .map(|(_, v)| v),
+                .find(|(k, _)| matches!(&**k, Py::Str(s) if s == key))
+                .map(|(_, v)| &**v),
             _ => None,
         }
     }
 }
 
-/// Bytes of tree one value costs besides its string bytes (the enum and a slot in its parent).
-const NODE_COST: u64 = 48;
-
-/// Decode `bytes` as one pickle into a [`Py`] tree of at most `budget` bytes.
-pub(crate) fn decode(bytes: &[u8], budget: u64) -> Result<Py, SnapshotError> {
-    let left = Cell::new(budget);
-    let mut de = serde_pickle::Deserializer::new(bytes, serde_pickle::DeOptions::new());
-    let seed = Seed { left: &left };
-    let value = seed.deserialize(&mut de);
-    if left.get() == 0 {
-        return Err(SnapshotError::TooLarge {
-            what: "decoded values".into(),
-            limit: format!("{} MiB", budget >> 20),
-        });
-    }
-    let value = value.map_err(|e| SnapshotError::NotPickle {
-        message: pickle_message(&e),
-    })?;
-    de.end().map_err(|e| SnapshotError::NotPickle {
-        message: pickle_message(&e),
-    })?;
-    Ok(value)
+/// A value while the pickle is read: containers refer to other nodes by index.
+#[derive(Debug, Clone)]
+enum Node {
+    Leaf(Py),
+    List(Vec<u32>),
+    Dict(Vec<(u32, u32)>),
 }
 
-/// `serde-pickle`'s message, on one line and bounded in length.
-fn pickle_message(e: &serde_pickle::Error) -> String {
-    let s = e.to_string().replace('\n', " ");
-    let s: String = s.chars().take(200).collect();
-    let eof = match e {
-        serde_pickle::Error::Io(io) => io.kind() == std::io::ErrorKind::UnexpectedEof,
-        _ => s.contains("EOF"),
-    };
-    if eof {
-        format!("truncated: the pickle ends before its STOP opcode ({s})")
-    } else {
-        s
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Item {
+    Mark,
+    Node(u32),
+}
+
+struct Vm<'a> {
+    b: &'a [u8],
+    pos: usize,
+    nodes: Vec<Node>,
+    stack: Vec<Item>,
+    memo: std::collections::HashMap<u64, u32>,
+}
+
+fn bad(message: impl Into<String>) -> SnapshotError {
+    SnapshotError::NotPickle {
+        message: message.into(),
     }
 }
 
-struct Seed<'a> {
-    left: &'a Cell<u64>,
-}
-
-impl Seed<'_> {
-    fn take<E: serde::de::Error>(&self, cost: u64) -> Result<(), E> {
-        let left = self.left.get();
-        if cost > left {
-            self.left.set(0);
-            return Err(E::custom("over the decoding budget"));
+impl<'a> Vm<'a> {
+    fn take(&mut self, n: u64) -> Result<&'a [u8], SnapshotError> {
+        let end = (self.pos as u64).checked_add(n).filter(|&e| e <= self.b.len() as u64);
+        match end {
+            Some(end) => {
+                let s = &self.b[self.pos..end as usize];
+                self.pos = end as usize;
+                Ok(s)
+            }
+            None => Err(bad(format!(
+                "truncated: the pickle ends inside an opcode's argument at byte {}",
+                self.pos
+            ))),
         }
-        self.left.set(left - cost);
+    }
+
+    fn uint(&mut self, n: u64) -> Result<u64, SnapshotError> {
+        let s = self.take(n)?;
+        Ok(s.iter().rev().fold(0u64, |a, &x| (a << 8) | x as u64))
+    }
+
+    fn line(&mut self) -> Result<&'a str, SnapshotError> {
+        let rest = &self.b[self.pos..];
+        let n = rest
+            .iter()
+            .position(|&c| c == b'\n')
+            .ok_or_else(|| bad("truncated: a text argument has no end of line"))?;
+        let s = std::str::from_utf8(&rest[..n]).map_err(|_| bad("a text argument is not UTF-8"))?;
+        self.pos += n + 1;
+        Ok(s)
+    }
+
+    fn node(&mut self, n: Node) -> Result<u32, SnapshotError> {
+        if self.nodes.len() >= MAX_NODES {
+            return Err(SnapshotError::TooLarge {
+                what: "values in the pickle".into(),
+                limit: format!("{MAX_NODES}"),
+            });
+        }
+        self.nodes.push(n);
+        Ok((self.nodes.len() - 1) as u32)
+    }
+
+    fn push_leaf(&mut self, p: Py) -> Result<(), SnapshotError> {
+        let id = self.node(Node::Leaf(p))?;
+        self.stack.push(Item::Node(id));
         Ok(())
     }
+
+    fn pop(&mut self) -> Result<u32, SnapshotError> {
+        match self.stack.pop() {
+            Some(Item::Node(id)) => Ok(id),
+            Some(Item::Mark) => Err(bad("a MARK where a value was expected")),
+            None => Err(bad("the stack is empty where a value was expected")),
+        }
+    }
+
+    fn top(&self) -> Result<u32, SnapshotError> {
+        match self.stack.last() {
+            Some(Item::Node(id)) => Ok(*id),
+            _ => Err(bad("no value on the stack to memoize or add to")),
+        }
+    }
+
+    /// The values above the topmost MARK (which is removed).
+    fn pop_mark(&mut self) -> Result<Vec<u32>, SnapshotError> {
+        let m = self
+            .stack
+            .iter()
+            .rposition(|i| *i == Item::Mark)
+            .ok_or_else(|| bad("no MARK on the stack"))?;
+        let items = self.stack.split_off(m + 1);
+        self.stack.pop();
+        Ok(items
+            .into_iter()
+            .map(|i| match i {
+                Item::Node(id) => id,
+                Item::Mark => 0,
+            })
+            .collect())
+    }
+
+    fn append(&mut self, to: u32, items: &[u32]) -> Result<(), SnapshotError> {
+        match &mut self.nodes[to as usize] {
+            Node::List(v) => {
+                v.extend_from_slice(items);
+                Ok(())
+            }
+            _ => Err(bad("APPEND(S) or ADDITEMS to a value that is not a list or set")),
+        }
+    }
+
+    fn set_items(&mut self, to: u32, items: &[u32]) -> Result<(), SnapshotError> {
+        if items.len() % 2 != 0 {
+            return Err(bad("SETITEMS with an odd number of values"));
+        }
+        match &mut self.nodes[to as usize] {
+            Node::Dict(v) => {
+                for kv in items.chunks(2) {
+                    v.push((kv[0], kv[1]));
+                }
+                Ok(())
+            }
+            _ => Err(bad("SETITEM(S) to a value that is not a dict")),
+        }
+    }
+
+    fn memo_put(&mut self, key: u64) -> Result<(), SnapshotError> {
+        let top = self.top()?;
+        if self.memo.len() >= MAX_NODES {
+            return Err(bad("too many memo entries"));
+        }
+        self.memo.insert(key, top);
+        Ok(())
+    }
+
+    fn memo_get(&mut self, key: u64) -> Result<(), SnapshotError> {
+        let id = *self
+            .memo
+            .get(&key)
+            .ok_or_else(|| bad(format!("memo entry {key} is used before it is set")))?;
+        self.stack.push(Item::Node(id));
+        Ok(())
+    }
+
+    fn long(bytes: &[u8]) -> Result<i128, SnapshotError> {
+        if bytes.is_empty() {
+            return Ok(0);
+        }
+        if bytes.len() > 16 {
+            return Err(bad(format!(
+                "an integer of {} bytes (at most 16 are read)",
+                bytes.len()
+            )));
+        }
+        let neg = bytes[bytes.len() - 1] & 0x80 != 0;
+        let mut v: u128 = if neg { u128::MAX } else { 0 };
+        for &x in bytes.iter().rev() {
+            v = (v << 8) | x as u128;
+        }
+        Ok(v as i128)
+    }
+
+    fn string(&mut self, n: u64) -> Result<(), SnapshotError> {
+        let s = self.take(n)?;
+        let s = std::str::from_utf8(s).map_err(|_| bad("a string is not UTF-8"))?;
+        self.push_leaf(Py::Str(s.to_string()))
+    }
+
+    /// Run to STOP; the root node.
+    fn run(&mut self) -> Result<u32, SnapshotError> {
+        loop {
+            let at = self.pos;
+            let op = *self
+                .b
+                .get(self.pos)
+                .ok_or_else(|| bad("truncated: the pickle ends before its STOP opcode"))?;
+            self.pos += 1;
+            match op {
+                0x80 => {
+                    let v = self.uint(1)?;
+                    if v > 5 {
+                        return Err(bad(format!("pickle protocol {v} (0 … 5 are read)")));
+                    }
+                }
+                0x95 => {
+                    self.uint(8)?;
+                }
+                b'.' => return self.pop(),
+                b'(' => self.stack.push(Item::Mark),
+                b'0' => {
+                    self.stack.pop().ok_or_else(|| bad("POP on an empty stack"))?;
+                }
+                b'1' => {
+                    self.pop_mark()?;
+                }
+                b'2' => {
+                    let t = self.top()?;
+                    self.stack.push(Item::Node(t));
+                }
+                b'N' => self.push_leaf(Py::None)?,
+                0x88 => self.push_leaf(Py::Bool(true))?,
+                0x89 => self.push_leaf(Py::Bool(false))?,
+                b'K' => {
+                    let v = self.uint(1)?;
+                    self.push_leaf(Py::Int(v as i128))?
+                }
+                b'M' => {
+                    let v = self.uint(2)?;
+                    self.push_leaf(Py::Int(v as i128))?
+                }
+                b'J' => {
+                    let v = self.uint(4)? as u32 as i32;
+                    self.push_leaf(Py::Int(v as i128))?
+                }
+                0x8a => {
+                    let n = self.uint(1)?;
+                    let v = Self::long(self.take(n)?)?;
+                    self.push_leaf(Py::Int(v))?
+                }
+                0x8b => {
+                    let n = self.uint(4)?;
+                    let v = Self::long(self.take(n)?)?;
+                    self.push_leaf(Py::Int(v))?
+                }
+                b'I' | b'L' => {
+                    let l = self.line()?.trim_end_matches('L');
+                    let p = match l {
+                        "00" => Py::Bool(false),
+                        "01" => Py::Bool(true),
+                        _ => Py::Int(l.parse().map_err(|_| {
+                            bad(format!("'{}' is not an integer", l.chars().take(40).collect::<String>()))
+                        })?),
+                    };
+                    self.push_leaf(p)?
+                }
+                b'G' => {
+                    let s = self.take(8)?;
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(s);
+                    self.push_leaf(Py::Float(f64::from_be_bytes(a)))?
+                }
+                b'F' => {
+                    let l = self.line()?;
+                    let v = l.parse().map_err(|_| bad("a FLOAT that is not a number"))?;
+                    self.push_leaf(Py::Float(v))?
+                }
+                0x8c => {
+                    let n = self.uint(1)?;
+                    self.string(n)?
+                }
+                b'X' => {
+                    let n = self.uint(4)?;
+                    self.string(n)?
+                }
+                0x8d => {
+                    let n = self.uint(8)?;
+                    self.string(n)?
+                }
+                // Python 2 str: bytes read as text when they are UTF-8.
+                b'U' => {
+                    let n = self.uint(1)?;
+                    self.string(n)?
+                }
+                b'T' => {
+                    let n = self.uint(4)?;
+                    self.string(n)?
+                }
+                b'C' | b'B' | 0x8e | 0x96 => {
+                    let n = match op {
+                        b'C' => self.uint(1)?,
+                        b'B' => self.uint(4)?,
+                        _ => self.uint(8)?,
+                    };
+                    self.take(n)?;
+                    self.push_leaf(Py::Bytes(n as usize))?
+                }
+                b']' | 0x8f => {
+                    let id = self.node(Node::List(Vec::new()))?;
+                    self.stack.push(Item::Node(id));
+                }
+                b')' => {
+                    let id = self.node(Node::List(Vec::new()))?;
+                    self.stack.push(Item::Node(id));
+                }
+                b'}' => {
+                    let id = self.node(Node::Dict(Vec::new()))?;
+                    self.stack.push(Item::Node(id));
+                }
+                b'l' | b't' | 0x91 => {
+                    let items = self.pop_mark()?;
+                    let id = self.node(Node::List(items))?;
+                    self.stack.push(Item::Node(id));
+                }
+                b'd' => {
+                    let items = self.pop_mark()?;
+                    let id = self.node(Node::Dict(Vec::new()))?;
+                    self.set_items(id, &items)?;
+                    self.stack.push(Item::Node(id));
+                }
+                0x85..=0x87 => {
+                    let n = (op - 0x84) as usize;
+                    let mut items = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        items.push(self.pop()?);
+                    }
+                    items.reverse();
+                    let id = self.node(Node::List(items))?;
+                    self.stack.push(Item::Node(id));
+                }
+                b'a' => {
+                    let v = self.pop()?;
+                    let to = self.top()?;
+                    self.append(to, &[v])?
+                }
+                b'e' | 0x90 => {
+                    let items = self.pop_mark()?;
+                    let to = self.top()?;
+                    self.append(to, &items)?
+                }
+                b's' => {
+                    let v = self.pop()?;
+                    let k = self.pop()?;
+                    let to = self.top()?;
+                    self.set_items(to, &[k, v])?
+                }
+                b'u' => {
+                    let items = self.pop_mark()?;
+                    let to = self.top()?;
+                    self.set_items(to, &items)?
+                }
+                0x94 => {
+                    let k = self.memo.len() as u64;
+                    self.memo_put(k)?
+                }
+                b'q' => {
+                    let k = self.uint(1)?;
+                    self.memo_put(k)?
+                }
+                b'r' => {
+                    let k = self.uint(4)?;
+                    self.memo_put(k)?
+                }
+                b'p' => {
+                    let k = self.line()?.parse().map_err(|_| bad("a PUT index that is not a number"))?;
+                    self.memo_put(k)?
+                }
+                b'h' => {
+                    let k = self.uint(1)?;
+                    self.memo_get(k)?
+                }
+                b'j' => {
+                    let k = self.uint(4)?;
+                    self.memo_get(k)?
+                }
+                b'g' => {
+                    let k = self.line()?.parse().map_err(|_| bad("a GET index that is not a number"))?;
+                    self.memo_get(k)?
+                }
+                b'c' | 0x93 | b'R' | b'b' | 0x81 | 0x92 | b'i' | b'o' | b'P' | b'Q' | 0x82..=0x84
+                | 0x97 | 0x98 => {
+                    return Err(bad(format!(
+                        "opcode 0x{op:02x} at byte {at} builds a Python object of a class; a \
+                         memory snapshot holds only builtin types"
+                    )))
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "unknown opcode 0x{op:02x} at byte {at}"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// The tree under `id`, shared nodes converted once.
+    fn convert(
+        &self,
+        id: u32,
+        done: &mut Vec<Option<Rc<Py>>>,
+        depth: usize,
+    ) -> Result<Rc<Py>, SnapshotError> {
+        if let Some(p) = &done[id as usize] {
+            return Ok(p.clone());
+        }
+        if depth > MAX_DEPTH {
+            return Err(bad(format!(
+                "values nested more than {MAX_DEPTH} deep (or a container that holds itself)"
+            )));
+        }
+        let p = match &self.nodes[id as usize] {
+            Node::Leaf(p) => Rc::new(p.clone()),
+            Node::List(v) => {
+                let mut out = Vec::with_capacity(v.len());
+                for &c in v {
+                    out.push(self.convert(c, done, depth + 1)?);
+                }
+                Rc::new(Py::List(out))
+            }
+            Node::Dict(v) => {
+                let mut out = Vec::with_capacity(v.len());
+                for &(k, x) in v {
+                    out.push((
+                        self.convert(k, done, depth + 1)?,
+                        self.convert(x, done, depth + 1)?,
+                    ));
+                }
+                Rc::new(Py::Dict(out))
+            }
+        };
+        done[id as usize] = Some(p.clone());
+        Ok(p)
+    }
 }
 
-impl<'de> DeserializeSeed<'de> for Seed<'_> {
-    type Value = Py;
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Py, D::Error> {
-        d.deserialize_any(self)
+/// Decode `bytes` as one pickle.
+pub(crate) fn decode(bytes: &[u8]) -> Result<Rc<Py>, SnapshotError> {
+    let mut vm = Vm {
+        b: bytes,
+        pos: 0,
+        nodes: Vec::new(),
+        stack: Vec::new(),
+        memo: std::collections::HashMap::new(),
+    };
+    let root = vm.run()?;
+    if vm.pos != bytes.len() {
+        return Err(bad(format!(
+            "{} bytes follow the STOP opcode",
+            bytes.len() - vm.pos
+        )));
     }
-}
-
-impl<'de> Visitor<'de> for Seed<'_> {
-    type Value = Py;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a Python value")
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::None)
-    }
-
-    fn visit_none<E: serde::de::Error>(self) -> Result<Py, E> {
-        self.visit_unit()
-    }
-
-    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Py, D::Error> {
-        d.deserialize_any(self)
-    }
-
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Bool(v))
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Int(v.into()))
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Int(v.into()))
-    }
-
-    fn visit_i128<E: serde::de::Error>(self, v: i128) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Int(v))
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Float(v))
-    }
-
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Py, E> {
-        self.take(NODE_COST + v.len() as u64)?;
-        Ok(Py::Str(v.to_string()))
-    }
-
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Py, E> {
-        self.take(NODE_COST + v.len() as u64)?;
-        Ok(Py::Str(v))
-    }
-
-    fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Bytes(v.len()))
-    }
-
-    fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Py, E> {
-        self.take(NODE_COST)?;
-        Ok(Py::Bytes(v.len()))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Py, A::Error> {
-        self.take(NODE_COST)?;
-        let mut out = Vec::new();
-        while let Some(v) = seq.next_element_seed(Seed { left: self.left })? {
-            out.push(v);
-        }
-        Ok(Py::List(out))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Py, A::Error> {
-        self.take(NODE_COST)?;
-        let mut out = Vec::new();
-        while let Some(k) = map.next_key_seed(Seed { left: self.left })? {
-            let v = map.next_value_seed(Seed { left: self.left })?;
-            out.push((k, v));
-        }
-        Ok(Py::Dict(out))
-    }
+    let mut done = vec![None; vm.nodes.len()];
+    vm.convert(root, &mut done, 0)
 }
 
 #[cfg(test)]
@@ -214,53 +519,60 @@ mod tests {
     fn decodes_builtin_types_with_large_ints() {
         let mut d = BTreeMap::new();
         d.insert(H::String("a".into()), V::I64(1 << 40));
+        d.insert(H::String("m".into()), V::I64(-(1 << 40)));
         d.insert(H::String("t".into()), V::Tuple(vec![V::I64(0), V::I64(-3)]));
         d.insert(H::String("f".into()), V::F64(0.5));
         d.insert(H::String("n".into()), V::None);
-        let p = decode(&pickle(&V::Dict(d)), 1 << 20).unwrap();
+        d.insert(H::String("b".into()), V::Bool(true));
+        let p = decode(&pickle(&V::Dict(d))).unwrap();
         assert_eq!(p.get("a"), Some(&Py::Int(1 << 40)));
-        assert_eq!(p.get("t"), Some(&Py::List(vec![Py::Int(0), Py::Int(-3)])));
+        assert_eq!(p.get("m"), Some(&Py::Int(-(1 << 40))));
+        assert_eq!(
+            p.get("t"),
+            Some(&Py::List(vec![Rc::new(Py::Int(0)), Rc::new(Py::Int(-3))]))
+        );
         assert_eq!(p.get("f"), Some(&Py::Float(0.5)));
         assert_eq!(p.get("n"), Some(&Py::None));
+        assert_eq!(p.get("b"), Some(&Py::Bool(true)));
     }
 
     #[test]
     fn refuses_truncated_and_non_pickles() {
         let bytes = pickle(&V::List(vec![V::I64(1), V::String("x".into())]));
-        let e = decode(&bytes[..bytes.len() - 3], 1 << 20).unwrap_err();
-        assert!(e.to_string().contains("truncated"), "{e}");
-        let e = decode(b"segments,device_traces\n1,2\n", 1 << 20).unwrap_err();
+        for cut in 1..bytes.len() {
+            let e = decode(&bytes[..cut]).unwrap_err();
+            assert!(e.to_string().contains("truncated") || e.to_string().contains("stack"), "{cut}: {e}");
+        }
+        let e = decode(b"segments,device_traces\n1,2\n").unwrap_err();
         assert!(matches!(e, SnapshotError::NotPickle { .. }), "{e}");
+        // A class instance (GLOBAL + REDUCE) is refused.
+        let e = decode(b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.").unwrap_err();
+        assert!(e.to_string().contains("builtin types"), "{e}");
     }
 
-    /// One memoized list of 50,000 ints referenced 2,000 times (4 bytes each) would decode to
-    /// 100 million values: the budget stops it.
+    /// A list memoized once and referenced 2,000 times, holding a shared dict: one node each,
+    /// and every reference sees the same values (serde-pickle refuses this shape).
     #[test]
-    fn a_memo_bomb_stops_at_the_budget() {
-        // Protocol 2: PROTO 2; [1]*50_000 memoized as 0 and popped; [m0]*2_000; STOP.
-        let mut b = vec![0x80, 2, b']', b'q', 0, b'('];
-        for _ in 0..50_000 {
-            b.extend_from_slice(&[b'K', 1]);
-        }
-        b.extend_from_slice(&[b'e', b'0', b']', b'(']);
+    fn shared_values_stay_shared() {
+        // PROTO 2; [ {"k": 1} ] memoized as 0 and popped; [m0] * 2_000; STOP.
+        let mut b = vec![0x80, 2, b']', b'q', 0, b'(', b'}', b'q', 1, 0x8c, 1, b'k', b'K', 1, b's', b'e', b'0', b']', b'('];
         for _ in 0..2_000 {
             b.extend_from_slice(&[b'h', 0]);
         }
         b.extend_from_slice(&[b'e', b'.']);
-        let e = decode(&b, 64 << 20).unwrap_err();
-        assert!(
-            matches!(e, SnapshotError::TooLarge { .. }),
-            "expected the budget to stop it: {e}"
-        );
-        // Within a budget large enough, the same bytes decode.
-        let short = {
-            let mut b = vec![
-                0x80, 2, b']', b'q', 0, b'(', b'K', 1, b'e', b'0', b']', b'(',
-            ];
-            b.extend_from_slice(&[b'h', 0, b'h', 0, b'e', b'.']);
-            b
-        };
-        let v = decode(&short, 1 << 20).unwrap();
-        assert_eq!(v, Py::List(vec![Py::List(vec![Py::Int(1)]); 2]));
+        let v = decode(&b).unwrap();
+        let Py::List(outer) = &*v else { panic!("{v:?}") };
+        assert_eq!(outer.len(), 2_000);
+        assert!(Rc::ptr_eq(&outer[0], &outer[1999]));
+        let Py::List(inner) = &*outer[1999] else { panic!() };
+        assert_eq!(inner[0].get("k"), Some(&Py::Int(1)));
+    }
+
+    /// A list that holds itself is refused, not followed forever.
+    #[test]
+    fn a_cycle_is_refused() {
+        let b = [0x80, 2, b']', b'q', 0, b'h', 0, b'a', b'.'];
+        let e = decode(&b).unwrap_err();
+        assert!(e.to_string().contains("nested"), "{e}");
     }
 }

@@ -1,10 +1,12 @@
 //! The keys of a snapshot dict into [`Snapshot`], with one message per wrong key that names its
 //! path (`device_traces[0][17].size: expected an int, got str`).
 
+use std::rc::Rc;
+
 use crate::snapshot::pickle::{decode, Py};
 use crate::snapshot::{
     Action, AllocatorSettings, BlockInfo, BlockState, Origin, SegmentInfo, Snapshot, SnapshotError,
-    TraceEvent, MAX_BLOCKS, MAX_DECODED_BYTES, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
+    TraceEvent, MAX_BLOCKS, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
 };
 
 /// Read the bytes of a `_dump_snapshot` file.
@@ -21,7 +23,7 @@ pub fn read_snapshot(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
             message: "the file is empty".into(),
         });
     }
-    let root = decode(bytes, MAX_DECODED_BYTES)?;
+    let root = decode(bytes)?;
     from_tree(&root)
 }
 
@@ -112,7 +114,7 @@ pub(crate) fn from_tree(root: &Py) -> Result<Snapshot, SnapshotError> {
     let traces = list(req(root, "device_traces", "")?, "device_traces")?;
     let total: usize = traces
         .iter()
-        .map(|t| match t {
+        .map(|t| match &**t {
             Py::List(v) => v.len(),
             _ => 0,
         })
@@ -196,7 +198,7 @@ fn frames(v: Option<&Py>, p: &str) -> Result<(Origin, Option<String>), SnapshotE
     let mut named = Vec::with_capacity(fs.len());
     for (i, f) in fs.iter().enumerate() {
         let q = format!("{p}[{i}]");
-        if !matches!(f, Py::Dict(_)) {
+        if !matches!(&**f, Py::Dict(_)) {
             return Err(SnapshotError::schema(
                 q,
                 format!("expected a frame dict, got {}", f.type_name()),
@@ -252,12 +254,12 @@ fn settings(s: &Py) -> Result<AllocatorSettings, SnapshotError> {
         let mut v: Vec<(u64, u64)> = kv
             .iter()
             .filter_map(|(k, d)| {
-                let k = match k {
+                let k = match &**k {
                     Py::Str(k) => k.parse().ok()?,
                     Py::Int(k) => u64::try_from(*k).ok()?,
                     _ => return None,
                 };
-                let d = match d {
+                let d = match &**d {
                     Py::Int(d) => u64::try_from(*d).ok()?,
                     _ => return None,
                 };
@@ -300,7 +302,7 @@ fn req<'a>(d: &'a Py, key: &str, p: &str) -> Result<&'a Py, SnapshotError> {
         .ok_or_else(|| SnapshotError::schema(at, format!("missing key '{key}'")))
 }
 
-fn list<'a>(v: &'a Py, p: &str) -> Result<&'a [Py], SnapshotError> {
+fn list<'a>(v: &'a Py, p: &str) -> Result<&'a [Rc<Py>], SnapshotError> {
     match v {
         Py::List(l) => Ok(l),
         other => Err(SnapshotError::schema(
