@@ -50,7 +50,8 @@ pub fn run(
         .map_err(|e| SpecError::invalid("--snapshot", format!("{shown}: {e}")))?;
     drop(bytes);
     if let Some(d) = device {
-        let known = snap.device_traces.len() > d as usize || snap.segments.iter().any(|g| g.device == d);
+        let known =
+            snap.device_traces.len() > d as usize || snap.segments.iter().any(|g| g.device == d);
         if !known {
             return Err(SpecError::invalid(
                 "--device",
@@ -105,7 +106,10 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
     let m = &c.measured;
     let p = &c.predicted;
     let mut o = String::new();
-    o.push_str(&format!("ditmem compare --snapshot {shown} — {}\n", spec_line(&b.spec)));
+    o.push_str(&format!(
+        "ditmem compare --snapshot {shown} — {}\n",
+        spec_line(&b.spec)
+    ));
     o.push_str(&format!("recipe: {}\n", recipe_line(&b.spec)));
     let conf = snap
         .allocator_settings
@@ -163,7 +167,11 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
             Some(&(a, r)) => format!("{} / {}", fmt_bytes(a), fmt_bytes(r)),
             None => "-".into(),
         },
-        format!("{} / {}", fmt_bytes(m.final_allocated), fmt_bytes(m.final_reserved)),
+        format!(
+            "{} / {}",
+            fmt_bytes(m.final_allocated),
+            fmt_bytes(m.final_reserved)
+        ),
         "".into(),
     ]);
     o.push_str(&t.render());
@@ -234,7 +242,11 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
     if !m.at_peak_by_size.is_empty() {
         let mut t = Table::new(&["traced blocks at the peak, by size", "count", "bytes"]);
         for s in &m.at_peak_by_size {
-            t.row(vec![fmt_bytes(s.size), fmt_count(s.count), fmt_bytes(s.size * s.count)]);
+            t.row(vec![
+                fmt_bytes(s.size),
+                fmt_count(s.count),
+                fmt_bytes(s.size * s.count),
+            ]);
         }
         o.push('\n');
         o.push_str(&t.render());
@@ -389,5 +401,7 @@ fn snapshot_svg(
         &segments,
         (560, 560),
     )?;
-    Ok(crate::compare_cmd::side_by_side(&left, 1000, &right, 560, 560))
+    Ok(crate::compare_cmd::side_by_side(
+        &left, 1000, &right, 560, 560,
+    ))
 }

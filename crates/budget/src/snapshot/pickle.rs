@@ -92,7 +92,9 @@ fn bad(message: impl Into<String>) -> SnapshotError {
 
 impl<'a> Vm<'a> {
     fn take(&mut self, n: u64) -> Result<&'a [u8], SnapshotError> {
-        let end = (self.pos as u64).checked_add(n).filter(|&e| e <= self.b.len() as u64);
+        let end = (self.pos as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len() as u64);
         match end {
             Some(end) => {
                 let s = &self.b[self.pos..end as usize];
@@ -178,7 +180,9 @@ impl<'a> Vm<'a> {
                 v.extend_from_slice(items);
                 Ok(())
             }
-            _ => Err(bad("APPEND(S) or ADDITEMS to a value that is not a list or set")),
+            _ => Err(bad(
+                "APPEND(S) or ADDITEMS to a value that is not a list or set",
+            )),
         }
     }
 
@@ -261,7 +265,9 @@ impl<'a> Vm<'a> {
                 b'.' => return self.pop(),
                 b'(' => self.stack.push(Item::Mark),
                 b'0' => {
-                    self.stack.pop().ok_or_else(|| bad("POP on an empty stack"))?;
+                    self.stack
+                        .pop()
+                        .ok_or_else(|| bad("POP on an empty stack"))?;
                 }
                 b'1' => {
                     self.pop_mark()?;
@@ -301,7 +307,10 @@ impl<'a> Vm<'a> {
                         "00" => Py::Bool(false),
                         "01" => Py::Bool(true),
                         _ => Py::Int(l.parse().map_err(|_| {
-                            bad(format!("'{}' is not an integer", l.chars().take(40).collect::<String>()))
+                            bad(format!(
+                                "'{}' is not an integer",
+                                l.chars().take(40).collect::<String>()
+                            ))
                         })?),
                     };
                     self.push_leaf(p)?
@@ -414,7 +423,10 @@ impl<'a> Vm<'a> {
                     self.memo_put(k)?
                 }
                 b'p' => {
-                    let k = self.line()?.parse().map_err(|_| bad("a PUT index that is not a number"))?;
+                    let k = self
+                        .line()?
+                        .parse()
+                        .map_err(|_| bad("a PUT index that is not a number"))?;
                     self.memo_put(k)?
                 }
                 b'h' => {
@@ -426,21 +438,31 @@ impl<'a> Vm<'a> {
                     self.memo_get(k)?
                 }
                 b'g' => {
-                    let k = self.line()?.parse().map_err(|_| bad("a GET index that is not a number"))?;
+                    let k = self
+                        .line()?
+                        .parse()
+                        .map_err(|_| bad("a GET index that is not a number"))?;
                     self.memo_get(k)?
                 }
-                b'c' | 0x93 | b'R' | b'b' | 0x81 | 0x92 | b'i' | b'o' | b'P' | b'Q' | 0x82..=0x84
-                | 0x97 | 0x98 => {
+                b'c'
+                | 0x93
+                | b'R'
+                | b'b'
+                | 0x81
+                | 0x92
+                | b'i'
+                | b'o'
+                | b'P'
+                | b'Q'
+                | 0x82..=0x84
+                | 0x97
+                | 0x98 => {
                     return Err(bad(format!(
                         "opcode 0x{op:02x} at byte {at} builds a Python object of a class; a \
                          memory snapshot holds only builtin types"
                     )))
                 }
-                _ => {
-                    return Err(bad(format!(
-                        "unknown opcode 0x{op:02x} at byte {at}"
-                    )))
-                }
+                _ => return Err(bad(format!("unknown opcode 0x{op:02x} at byte {at}"))),
             }
         }
     }
@@ -541,12 +563,16 @@ mod tests {
         let bytes = pickle(&V::List(vec![V::I64(1), V::String("x".into())]));
         for cut in 1..bytes.len() {
             let e = decode(&bytes[..cut]).unwrap_err();
-            assert!(e.to_string().contains("truncated") || e.to_string().contains("stack"), "{cut}: {e}");
+            assert!(
+                e.to_string().contains("truncated") || e.to_string().contains("stack"),
+                "{cut}: {e}"
+            );
         }
         let e = decode(b"segments,device_traces\n1,2\n").unwrap_err();
         assert!(matches!(e, SnapshotError::NotPickle { .. }), "{e}");
         // A class instance (GLOBAL + REDUCE) is refused.
-        let e = decode(b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.").unwrap_err();
+        let e = decode(b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.")
+            .unwrap_err();
         assert!(e.to_string().contains("builtin types"), "{e}");
     }
 
@@ -555,16 +581,23 @@ mod tests {
     #[test]
     fn shared_values_stay_shared() {
         // PROTO 2; [ {"k": 1} ] memoized as 0 and popped; [m0] * 2_000; STOP.
-        let mut b = vec![0x80, 2, b']', b'q', 0, b'(', b'}', b'q', 1, 0x8c, 1, b'k', b'K', 1, b's', b'e', b'0', b']', b'('];
+        let mut b = vec![
+            0x80, 2, b']', b'q', 0, b'(', b'}', b'q', 1, 0x8c, 1, b'k', b'K', 1, b's', b'e', b'0',
+            b']', b'(',
+        ];
         for _ in 0..2_000 {
             b.extend_from_slice(&[b'h', 0]);
         }
         b.extend_from_slice(&[b'e', b'.']);
         let v = decode(&b).unwrap();
-        let Py::List(outer) = &*v else { panic!("{v:?}") };
+        let Py::List(outer) = &*v else {
+            panic!("{v:?}")
+        };
         assert_eq!(outer.len(), 2_000);
         assert!(Rc::ptr_eq(&outer[0], &outer[1999]));
-        let Py::List(inner) = &*outer[1999] else { panic!() };
+        let Py::List(inner) = &*outer[1999] else {
+            panic!()
+        };
         assert_eq!(inner[0].get("k"), Some(&Py::Int(1)));
     }
 
