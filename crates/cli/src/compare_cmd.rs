@@ -41,8 +41,8 @@ pub struct CompareArgs {
     /// reserved timelines beside the pytorch:cuda prediction of the spec (peaks, what is alive at
     /// the peak, where they part; `--plot` draws both). Nothing is run. The spec moves to
     /// pytorch:cuda unless --runtime says otherwise; give --gpu and --alloc-conf as in the run.
-    /// Refused (exit 2): files over 1 GiB, or over 60,000,000 values, 5,000,000 trace events
-    /// or 5,000,000 segments and blocks.
+    /// Refused (exit 2): files over 1 GiB, or over 25,000,000 values (about 3 GiB of memory while
+    /// read), 3,000,000 trace events or 3,000,000 segments and blocks.
     #[arg(long, value_name = "FILE")]
     pub snapshot: Option<PathBuf>,
     /// With --snapshot: the device whose trace is read (default: the one with most events).

@@ -33,9 +33,9 @@ pub use replay::{replay, BlockSizeCount, OomEvent, OriginBytes, Replay, Timeline
 pub const MAX_SNAPSHOT_FILE_BYTES: u64 = 1 << 30;
 pub use pickle::MAX_NODES;
 /// Most trace events over all devices.
-pub const MAX_TRACE_EVENTS: usize = 5_000_000;
+pub const MAX_TRACE_EVENTS: usize = 3_000_000;
 /// Most segments, and most blocks over all segments.
-pub const MAX_BLOCKS: usize = 5_000_000;
+pub const MAX_BLOCKS: usize = 3_000_000;
 
 /// A snapshot that cannot be read; each renders as one line.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

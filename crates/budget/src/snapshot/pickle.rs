@@ -15,8 +15,9 @@ use std::rc::Rc;
 
 use crate::snapshot::SnapshotError;
 
-/// Most values a pickle may hold (≈ 48 B each).
-pub const MAX_NODES: usize = 60_000_000;
+/// Most values a pickle may hold: about 110 B each while read (node, stack, memo, tree), so at
+/// most about 3 GiB of memory.
+pub const MAX_NODES: usize = 25_000_000;
 /// Deepest nesting of containers read (a snapshot nests five deep).
 const MAX_DEPTH: usize = 64;
 
