@@ -23,6 +23,8 @@ struct SnapshotReport<'a> {
     /// The budget's categories at its (requested-bytes) peak.
     predicted_breakdown_at_peak: ditmem_budget::Breakdown,
     predicted_peak_label: &'a str,
+    /// The timelines the SVG draws (allocation event since the trace began, bytes).
+    timelines: Curves,
 }
 
 /// The spec a snapshot is held against: the flags' spec, on `pytorch:cuda` unless `--runtime`
@@ -85,6 +87,7 @@ pub fn run(
         comparison: &cmp,
         predicted_breakdown_at_peak: budget.breakdown,
         predicted_peak_label: &budget.peak.label,
+        timelines: curves(&snap, &cmp),
     };
     if json {
         crate::output::print_json(&report)?;
@@ -267,7 +270,7 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
 }
 
 /// At most about 2 × `buckets` points: the lowest and the highest point of each bucket, in order.
-fn envelope(points: &[(f64, f64)], buckets: usize) -> Vec<(f64, f64)> {
+fn envelope(points: &[(u64, u64)], buckets: usize) -> Vec<(u64, u64)> {
     if points.len() <= 2 * buckets {
         return points.to_vec();
     }
@@ -277,12 +280,12 @@ fn envelope(points: &[(f64, f64)], buckets: usize) -> Vec<(f64, f64)> {
         let lo = chunk
             .iter()
             .copied()
-            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .min_by_key(|p| p.1)
             .unwrap_or(chunk[0]);
         let hi = chunk
             .iter()
             .copied()
-            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .max_by_key(|p| p.1)
             .unwrap_or(chunk[0]);
         if lo.0 <= hi.0 {
             out.push(lo);
@@ -293,6 +296,66 @@ fn envelope(points: &[(f64, f64)], buckets: usize) -> Vec<(f64, f64)> {
         }
     }
     out
+}
+
+/// The four timelines over the allocation events since the trace began (x, bytes), the
+/// snapshot's reserved curve also at its segment events; each thinned to its envelope of at most
+/// about 2,400 points.
+#[derive(Debug, Clone, Serialize)]
+struct Curves {
+    snapshot_allocated: Vec<(u64, u64)>,
+    snapshot_reserved: Vec<(u64, u64)>,
+    predicted_allocated: Vec<(u64, u64)>,
+    predicted_reserved: Vec<(u64, u64)>,
+}
+
+fn curves(snap: &ms::Snapshot, c: &SnapshotComparison) -> Curves {
+    let m = &c.measured;
+    let p = &c.predicted;
+    let trace = snap
+        .device_traces
+        .get(m.device as usize)
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    // The measured points at its allocation events, indexed as the comparison indexes them.
+    let mut ma = vec![(0, m.allocated_before)];
+    let mut mr = vec![(0, m.reserved_before)];
+    let mut prev = m.allocated_before;
+    let mut k = 0u64;
+    for pt in &m.points {
+        let counts = match trace[pt.event].action {
+            ms::Action::Alloc | ms::Action::FreeRequested => true,
+            ms::Action::FreeCompleted | ms::Action::Free => pt.allocated != prev,
+            _ => false,
+        };
+        prev = pt.allocated;
+        // Reserved moves on segment events between allocation events: follow it there too.
+        mr.push((k, pt.reserved));
+        if counts {
+            k += 1;
+            ma.push((k, pt.allocated));
+            mr.push((k, pt.reserved));
+        }
+    }
+    let start = p.setup_events.min(p.points.len());
+    let (a0, r0) = if start == 0 {
+        (0, 0)
+    } else {
+        p.points[start - 1]
+    };
+    let mut pa = vec![(0, a0)];
+    let mut pr = vec![(0, r0)];
+    for (i, &(a, r)) in p.points[start..].iter().enumerate() {
+        pa.push((i as u64 + 1, a));
+        pr.push((i as u64 + 1, r));
+    }
+    let thin = |v: &[(u64, u64)]| envelope(v, 1200);
+    Curves {
+        snapshot_allocated: thin(&ma),
+        snapshot_reserved: thin(&mr),
+        predicted_allocated: thin(&pa),
+        predicted_reserved: thin(&pr),
+    }
 }
 
 /// Measured and predicted allocated and reserved bytes over the step's allocation events, the
@@ -311,61 +374,36 @@ fn snapshot_svg(
         ("MiB", (1u64 << 20) as f64)
     };
     let y = |b: u64| b as f64 / div;
-    let trace = snap
-        .device_traces
-        .get(m.device as usize)
-        .map(Vec::as_slice)
-        .unwrap_or(&[]);
-    // The measured points at its allocation events, indexed as the comparison indexes them.
-    let mut ma = vec![(0.0, y(m.allocated_before))];
-    let mut mr = vec![(0.0, y(m.reserved_before))];
-    let mut prev = m.allocated_before;
-    let mut k = 0usize;
-    for pt in &m.points {
-        let counts = match trace[pt.event].action {
-            ms::Action::Alloc | ms::Action::FreeRequested => true,
-            ms::Action::FreeCompleted | ms::Action::Free => pt.allocated != prev,
-            _ => false,
-        };
-        prev = pt.allocated;
-        // Reserved moves on segment events between allocation events: follow it there too.
-        mr.push((k as f64, y(pt.reserved)));
-        if counts {
-            k += 1;
-            ma.push((k as f64, y(pt.allocated)));
-            mr.push((k as f64, y(pt.reserved)));
-        }
-    }
-    let start = p.setup_events.min(p.points.len());
-    let at_start = |i: usize| if i == 0 { (0, 0) } else { p.points[i - 1] };
-    let (a0, r0) = at_start(start);
-    let mut pa = vec![(0.0, y(a0))];
-    let mut pr = vec![(0.0, y(r0))];
-    for (i, &(a, r)) in p.points[start..].iter().enumerate() {
-        pa.push(((i + 1) as f64, y(a)));
-        pr.push(((i + 1) as f64, y(r)));
-    }
-    let b = 1200;
+    let cv = curves(snap, c);
+    let scale = |v: &[(u64, u64)]| -> Vec<(f64, f64)> {
+        v.iter().map(|&(x, b)| (x as f64, y(b))).collect()
+    };
+    let (ma, mr, pa, pr) = (
+        scale(&cv.snapshot_allocated),
+        scale(&cv.snapshot_reserved),
+        scale(&cv.predicted_allocated),
+        scale(&cv.predicted_reserved),
+    );
     let fmt = |v: u64| fmt_bytes(v);
     let series = vec![
         Series {
             name: format!("snapshot allocated (max {})", fmt(m.max_allocated)),
-            points: envelope(&ma, b),
+            points: ma,
             markers: false,
         },
         Series {
             name: format!("snapshot reserved (max {})", fmt(m.max_reserved)),
-            points: envelope(&mr, b),
+            points: mr,
             markers: false,
         },
         Series {
             name: format!("predicted allocated (max {})", fmt(p.max_allocated)),
-            points: envelope(&pa, b),
+            points: pa,
             markers: false,
         },
         Series {
             name: format!("predicted reserved (max {})", fmt(p.max_reserved)),
-            points: envelope(&pr, b),
+            points: pr,
             markers: false,
         },
     ];

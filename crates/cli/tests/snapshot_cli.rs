@@ -52,6 +52,18 @@ fn compare_snapshot_json_reports_the_files_peaks_and_the_prediction() {
             .map(|x| x["bytes"].as_u64().unwrap())
             .sum();
         assert_eq!(sum, 152_887_296, "{name}");
+        // The thinned timelines keep each curve's highest point.
+        let top = |k: &str| {
+            v["timelines"][k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p[1].as_u64().unwrap())
+                .max()
+                .unwrap()
+        };
+        assert_eq!(top("snapshot_allocated"), 152_887_296, "{name}");
+        assert_eq!(top("snapshot_reserved"), 163_577_856, "{name}");
         // The prediction is the estimate's CUDA figures for the same spec.
         let e = json(&["estimate", "--config", &spec, "--json"]);
         let p = &v["predicted"];
@@ -60,6 +72,11 @@ fn compare_snapshot_json_reports_the_files_peaks_and_the_prediction() {
             "{name}"
         );
         assert_eq!(p["max_reserved"], e["cuda"]["max_reserved_bytes"], "{name}");
+        assert_eq!(
+            p["max_allocated"].as_u64().unwrap(),
+            top("predicted_allocated"),
+            "{name}"
+        );
         let rel = v["allocated_rel_error"].as_f64().unwrap();
         let want = p["max_allocated"].as_f64().unwrap() / 152_887_296.0 - 1.0;
         assert!((rel - want).abs() < 1e-12, "{name}: {rel} vs {want}");

@@ -188,7 +188,7 @@ impl<'a> Vm<'a> {
     }
 
     fn set_items(&mut self, to: u32, items: &[u32]) -> Result<(), SnapshotError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(bad("SETITEMS with an odd number of values"));
         }
         match &mut self.nodes[to as usize] {
@@ -589,7 +589,7 @@ mod tests {
         for _ in 0..2_000 {
             b.extend_from_slice(&[b'h', 0]);
         }
-        b.extend_from_slice(&[b'e', b'.']);
+        b.extend_from_slice(b"e.");
         let v = decode(&b).unwrap();
         let Py::List(outer) = &*v else {
             panic!("{v:?}")

@@ -85,7 +85,9 @@ pub struct Replay {
     /// Frees of blocks the trace never saw allocated.
     pub frees_without_alloc: usize,
     pub ooms: Vec<OomEvent>,
-    /// After each trace event.
+    /// After each trace event (not in JSON: `compare --snapshot --json` gives the thinned
+    /// timelines).
+    #[serde(skip)]
     pub points: Vec<TimelinePoint>,
 }
 
