@@ -348,6 +348,17 @@ impl<'a> Vm<'a> {
                     let n = self.uint(4)?;
                     self.string(n)?
                 }
+                // Protocol 0 str: raw-unicode-escape on one line.
+                b'V' => {
+                    let rest = &self.b[self.pos..];
+                    let n = rest
+                        .iter()
+                        .position(|&c| c == b'\n')
+                        .ok_or_else(|| bad("truncated: a text argument has no end of line"))?;
+                    let text = raw_unicode_escape(&rest[..n])?;
+                    self.pos += n + 1;
+                    self.push_leaf(Py::Str(text))?
+                }
                 b'C' | b'B' | 0x8e | 0x96 => {
                     let n = match op {
                         b'C' => self.uint(1)?,
@@ -506,6 +517,32 @@ impl<'a> Vm<'a> {
         done[id as usize] = Some(p.clone());
         Ok(p)
     }
+}
+
+/// Python's `raw-unicode-escape`: `\uXXXX` and `\UXXXXXXXX` escapes, other bytes Latin-1.
+fn raw_unicode_escape(b: &[u8]) -> Result<String, SnapshotError> {
+    let mut out = String::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let n = match (b[i], b.get(i + 1)) {
+            (b'\\', Some(b'u')) => 4,
+            (b'\\', Some(b'U')) => 8,
+            _ => 0,
+        };
+        if n > 0 && i + 2 + n <= b.len() {
+            let hex = std::str::from_utf8(&b[i + 2..i + 2 + n]).ok();
+            let c = hex
+                .and_then(|h| u32::from_str_radix(h, 16).ok())
+                .and_then(char::from_u32)
+                .ok_or_else(|| bad("a bad \\u escape in a protocol-0 string"))?;
+            out.push(c);
+            i += 2 + n;
+        } else {
+            out.push(b[i] as char);
+            i += 1;
+        }
+    }
+    Ok(out)
 }
 
 /// Decode `bytes` as one pickle.

@@ -447,3 +447,35 @@ fn only_cuda_specs_are_predicted() {
     s.runtime = "pytorch:cpu".parse().unwrap();
     assert!(predicted_timeline(&s).is_err());
 }
+
+/// The same hand-built snapshot pickled by Python with protocols 0 to 5
+/// (`tests/data/snapshot_protocols/make.py`): one reading, shared frames and a non-ASCII file
+/// name included.
+#[test]
+fn every_pickle_protocol_reads_the_same() {
+    let files: [&[u8]; 6] = [
+        include_bytes!("../../tests/data/snapshot_protocols/p0.pickle"),
+        include_bytes!("../../tests/data/snapshot_protocols/p1.pickle"),
+        include_bytes!("../../tests/data/snapshot_protocols/p2.pickle"),
+        include_bytes!("../../tests/data/snapshot_protocols/p3.pickle"),
+        include_bytes!("../../tests/data/snapshot_protocols/p4.pickle"),
+        include_bytes!("../../tests/data/snapshot_protocols/p5.pickle"),
+    ];
+    let first = read_snapshot(files[0]).unwrap();
+    for (p, f) in files.iter().enumerate() {
+        let s = read_snapshot(f).unwrap_or_else(|e| panic!("protocol {p}: {e}"));
+        assert_eq!(s, first, "protocol {p}");
+    }
+    let t = &first.device_traces[0];
+    assert_eq!(t.len(), 5);
+    assert_eq!(t[1].addr, 0x7F12_3456_0000);
+    assert_eq!(t[1].origin, Origin::Forward);
+    assert_eq!(t[1].frame.as_deref(), Some("forward (train_ä.py:7)"));
+    let st = first.allocator_settings.as_ref().unwrap();
+    assert_eq!(st.max_split_size, Some(u64::MAX));
+    let r = replay(&first, None);
+    // 1,000 → 1,024 and 5,000 → 5,120; one 2 MiB small segment.
+    assert_eq!((r.max_allocated, r.max_reserved), (1024 + 5120, 2 * MIB));
+    assert_eq!((r.allocated_before, r.reserved_before), (0, 0));
+    assert_eq!(r.final_allocated, 1024);
+}
