@@ -1,7 +1,9 @@
 //! One device's trace replayed into the allocator's counters, event by event.
 //!
-//! - allocated (`memory_allocated`): `alloc` adds the request rounded as the allocator rounds it
-//!   (`round_size`, with the snapshot's `roundup_power2_divisions`); `free_requested` takes it
+//! - allocated (`memory_allocated`): `alloc` adds its block — the request rounded as the
+//!   allocator rounds it (`round_size`, with the snapshot's `roundup_power2_divisions`), or the
+//!   whole free block it was cut from when the rest is too small to split (a large-pool rest of
+//!   1 MiB or less), found from the segments and blocks around its address; `free_requested` takes it
 //!   away (`DeviceCachingAllocator::free` lowers `allocated_bytes` before it records the event);
 //!   a `free_completed` (or PyTorch 2.0's `free`) with no `free_requested` before it does so too.
 //! - reserved (`memory_reserved`): `segment_alloc` / `segment_map` add their size,
@@ -10,11 +12,13 @@
 //!   fell out of the ring buffer) is the state in `segments` less what the trace adds up to:
 //!   the counters at the end of the trace equal the state the snapshot lists.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
-use crate::runtime::pytorch::caching_allocator::{round_size, AllocConf};
+use crate::runtime::pytorch::caching_allocator::{
+    round_size, AllocConf, MIN_BLOCK_SIZE, SMALL_SIZE,
+};
 use crate::snapshot::{Action, BlockState, Origin, Snapshot, TraceEvent};
 
 /// The counters after one trace event.
@@ -101,8 +105,135 @@ pub(crate) fn conf_of(s: &Snapshot) -> AllocConf {
             }
         }
         conf.expandable_segments = st.expandable_segments.unwrap_or(false);
+        if let Some(m) = st.max_split_size {
+            conf.max_split_size = m;
+        }
     }
     conf
+}
+
+/// Where blocks sit, as far as the snapshot tells: the reserved address ranges (segments the
+/// state lists and the trace never allocates, and those the trace allocates or maps) and the
+/// blocks alive (those the state lists and the trace never touches, and the traced ones), so that
+/// an alloc's block is sized as `alloc_found_block` sizes it: the request rounded, or the whole
+/// free block when the rest is too small to split (`should_split`). Where the snapshot does not
+/// tell (a segment freed before its end, unknown blocks), the block is the rounded request.
+struct Layout {
+    /// Start → end of reserved ranges.
+    ranges: BTreeMap<u64, u64>,
+    /// Start → end of blocks alive.
+    blocks: BTreeMap<u64, u64>,
+}
+
+impl Layout {
+    fn new(s: &Snapshot, device: u32, trace: &[TraceEvent]) -> Layout {
+        let mut touched = HashSet::new();
+        let mut seg_events = HashSet::new();
+        for e in trace {
+            match e.action {
+                Action::SegmentAlloc
+                | Action::SegmentMap
+                | Action::SegmentFree
+                | Action::SegmentUnmap => {
+                    seg_events.insert(e.addr);
+                }
+                Action::Alloc | Action::FreeRequested | Action::FreeCompleted | Action::Free => {
+                    touched.insert(e.addr);
+                }
+                _ => {}
+            }
+        }
+        let mut l = Layout {
+            ranges: BTreeMap::new(),
+            blocks: BTreeMap::new(),
+        };
+        for g in s.segments.iter().filter(|g| g.device == device) {
+            if !seg_events.contains(&g.address) {
+                l.ranges
+                    .insert(g.address, g.address.saturating_add(g.total_size));
+            }
+            for b in &g.blocks {
+                if b.state != BlockState::Inactive && !touched.contains(&b.address) {
+                    l.blocks.insert(b.address, b.address.saturating_add(b.size));
+                }
+            }
+        }
+        l
+    }
+
+    /// The bytes the block of an alloc at `addr` of `rounded` bytes takes.
+    fn block_size(&self, addr: u64, rounded: u64, conf: &AllocConf) -> u64 {
+        let Some((_, &end)) = self.ranges.range(..=addr).next_back() else {
+            return rounded;
+        };
+        if end <= addr {
+            return rounded;
+        }
+        let next = self
+            .blocks
+            .range(addr + 1..)
+            .next()
+            .map_or(end, |(&b, _)| b.min(end));
+        let free = next - addr;
+        if free < rounded {
+            return rounded;
+        }
+        let rest = free - rounded;
+        let split = if rounded <= SMALL_SIZE || conf.expandable_segments {
+            rest >= MIN_BLOCK_SIZE
+        } else {
+            rounded < conf.max_split_size && rest > SMALL_SIZE
+        };
+        if split {
+            rounded
+        } else {
+            free
+        }
+    }
+
+    fn segment(&mut self, e: &TraceEvent) {
+        let (a, end) = (e.addr, e.addr.saturating_add(e.size));
+        match e.action {
+            Action::SegmentAlloc => {
+                self.ranges.insert(a, end);
+            }
+            Action::SegmentMap => {
+                // Pages mapped at the end of an expandable segment extend it.
+                let prev = self
+                    .ranges
+                    .range(..=a)
+                    .next_back()
+                    .filter(|(_, &x)| x == a)
+                    .map(|(&s, _)| s);
+                match prev {
+                    Some(s) => {
+                        self.ranges.insert(s, end);
+                    }
+                    None => {
+                        self.ranges.insert(a, end);
+                    }
+                }
+            }
+            Action::SegmentFree | Action::SegmentUnmap => {
+                let hit = self
+                    .ranges
+                    .range(..=a)
+                    .next_back()
+                    .filter(|(_, &x)| x > a)
+                    .map(|(&s, &x)| (s, x));
+                if let Some((s, x)) = hit {
+                    self.ranges.remove(&s);
+                    if s < a {
+                        self.ranges.insert(s, a);
+                    }
+                    if end < x {
+                        self.ranges.insert(end, x);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The device a replay should look at: the one with the most trace events (then the lowest).
@@ -149,6 +280,7 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
     // Pass 1: net changes, with blocks that were there before the trace counted as they go.
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut pending: HashMap<u64, Live> = HashMap::new();
+    let mut layout = Layout::new(s, device, trace);
     let mut alloc = 0i128;
     let mut reserved = 0i128;
     let mut requested = 0i128;
@@ -162,6 +294,7 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
         let (da, dr) = step(
             e,
             &conf,
+            &mut layout,
             &mut live,
             &mut pending,
             &mut requested,
@@ -214,9 +347,18 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
     let mut pending: HashMap<u64, Live> = HashMap::new();
     let mut req = 0i128;
     let mut nf = 0;
+    let mut layout = Layout::new(s, device, trace);
     let end = max_a_at.map_or(0, |k| k + 1);
     for e in &trace[..end] {
-        step(e, &conf, &mut live, &mut pending, &mut req, &mut nf);
+        step(
+            e,
+            &conf,
+            &mut layout,
+            &mut live,
+            &mut pending,
+            &mut req,
+            &mut nf,
+        );
     }
     let mut by: HashMap<Origin, (u64, u64)> = HashMap::new();
     let mut sizes: HashMap<u64, u64> = HashMap::new();
@@ -277,9 +419,11 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
 }
 
 /// One event's change of (allocated, reserved), tracking which blocks are alive.
+#[allow(clippy::too_many_arguments)]
 fn step(
     e: &TraceEvent,
     conf: &AllocConf,
+    layout: &mut Layout,
     live: &mut HashMap<u64, Live>,
     pending: &mut HashMap<u64, Live>,
     requested: &mut i128,
@@ -287,7 +431,8 @@ fn step(
 ) -> (i128, i128) {
     match e.action {
         Action::Alloc => {
-            let rounded = round_size(e.size, conf);
+            let rounded = layout.block_size(e.addr, round_size(e.size, conf), conf);
+            layout.blocks.insert(e.addr, e.addr.saturating_add(rounded));
             let old = live.insert(
                 e.addr,
                 Live {
@@ -305,7 +450,10 @@ fn step(
             });
             (rounded as i128 - back, 0)
         }
-        Action::FreeRequested => match live.remove(&e.addr) {
+        Action::FreeRequested => match {
+            layout.blocks.remove(&e.addr);
+            live.remove(&e.addr)
+        } {
             Some(l) => {
                 *requested -= l.requested as i128;
                 let r = l.rounded as i128;
@@ -327,6 +475,7 @@ fn step(
             }
         },
         Action::FreeCompleted | Action::Free => {
+            layout.blocks.remove(&e.addr);
             if pending.remove(&e.addr).is_some() {
                 return (0, 0);
             }
@@ -341,8 +490,14 @@ fn step(
                 }
             }
         }
-        Action::SegmentAlloc | Action::SegmentMap => (0, e.size as i128),
-        Action::SegmentFree | Action::SegmentUnmap => (0, -(e.size as i128)),
+        Action::SegmentAlloc | Action::SegmentMap => {
+            layout.segment(e);
+            (0, e.size as i128)
+        }
+        Action::SegmentFree | Action::SegmentUnmap => {
+            layout.segment(e);
+            (0, -(e.size as i128))
+        }
         Action::Snapshot | Action::Oom | Action::Annotate => (0, 0),
     }
 }

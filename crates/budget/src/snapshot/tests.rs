@@ -479,3 +479,45 @@ fn every_pickle_protocol_reads_the_same() {
     assert_eq!((r.allocated_before, r.reserved_before), (0, 0));
     assert_eq!(r.final_allocated, 1024);
 }
+
+/// A large-pool block whose rest is 1 MiB or less is not split (`should_split`): allocated
+/// counts the whole free block, as `max_memory_allocated` does; a rest above 1 MiB is split off.
+#[test]
+fn an_unsplit_block_counts_whole() {
+    let a = 0x7f00_0000_0000u64;
+    let b = a + 64 * MIB;
+    let trace = vec![
+        ev("segment_alloc", a, 12 * MIB, FWD),
+        // 11,744,051 B → 11,744,256 rounded; rest 838,656 B ≤ 1 MiB: not split.
+        ev("alloc", a, 11_744_051, FWD),
+        ev("segment_alloc", b, 12 * MIB, FWD),
+        // 10.5 MiB: rest 1.5 MiB > 1 MiB: split.
+        ev("alloc", b, 10 * MIB + MIB / 2, FWD),
+        ev("free_requested", a, 11_744_051, FWD),
+        ev("free_completed", a, 11_744_051, FWD),
+    ];
+    let segs = vec![
+        segment(
+            a,
+            12 * MIB,
+            false,
+            false,
+            vec![block(a, 12 * MIB, "inactive")],
+        ),
+        segment(
+            b,
+            12 * MIB,
+            false,
+            false,
+            vec![
+                block(b, 10 * MIB + MIB / 2, "active_allocated"),
+                block(b + 10 * MIB + MIB / 2, 3 * MIB / 2, "inactive"),
+            ],
+        ),
+    ];
+    let r = replay(&read_snapshot(&snapshot(segs, trace)).unwrap(), None);
+    assert_eq!(r.points[1].allocated, 12 * MIB);
+    assert_eq!(r.max_allocated, 12 * MIB + 10 * MIB + MIB / 2);
+    assert_eq!(r.points.last().unwrap().allocated, 10 * MIB + MIB / 2);
+    assert_eq!(r.allocated_before, 0);
+}
