@@ -418,6 +418,12 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
     }
 }
 
+/// A block leaves the layout and the live set.
+fn take(layout: &mut Layout, live: &mut HashMap<u64, Live>, addr: u64) -> Option<Live> {
+    layout.blocks.remove(&addr);
+    live.remove(&addr)
+}
+
 /// One event's change of (allocated, reserved), tracking which blocks are alive.
 #[allow(clippy::too_many_arguments)]
 fn step(
@@ -450,10 +456,7 @@ fn step(
             });
             (rounded as i128 - back, 0)
         }
-        Action::FreeRequested => match {
-            layout.blocks.remove(&e.addr);
-            live.remove(&e.addr)
-        } {
+        Action::FreeRequested => match take(layout, live, e.addr) {
             Some(l) => {
                 *requested -= l.requested as i128;
                 let r = l.rounded as i128;
