@@ -130,7 +130,8 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
         m.final_expandable_segments
     ));
     o.push_str(&format!(
-        "prediction: pytorch:cuda{}{}, model load + warm-up step + measured step, {} allocation events\n\n",
+        "prediction: pytorch:cuda{}{}, model load (and the cuBLAS workspace) + warm-up step + \
+         measured step, {} allocation events\n\n",
         p.gpu.map(|g| format!(" on {g}")).unwrap_or_default(),
         if p.alloc_conf.is_empty() {
             String::new()
@@ -153,7 +154,7 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
         err_pct(p.max_reserved, m.max_reserved),
     ]);
     t.row(vec![
-        "allocated at the start".into(),
+        "allocated before the first step".into(),
         fmt_bytes(p.allocated_at_step_start),
         fmt_bytes(m.allocated_before),
         err_pct(p.allocated_at_step_start, m.allocated_before),
