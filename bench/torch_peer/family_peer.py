@@ -32,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cuda_snapshot  # noqa: E402
 import measure  # noqa: E402
 from peer import DTYPES, linear_schedule, percentiles  # noqa: E402
 from spec import SpecUnsupported, parse_runtime  # noqa: E402
@@ -451,13 +452,17 @@ def versions() -> dict:
 
 def run(args) -> dict:
     fs = load_spec(args.spec)
-    if fs.device != "cpu":
-        raise SpecUnsupported("the family peer runs on the CPU only (runtime pytorch:cpu)")
+    device = torch.device(fs.device)
+    cuda_snapshot.check(args.snapshot, device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecUnsupported("device cuda requested but torch.cuda.is_available() is False")
+    if device.type == "cuda" and not args.snapshot:
+        raise SpecUnsupported("the family peer measures CUDA only with --snapshot (runtime pytorch:cpu otherwise)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
     tr = FamilyTrainer(fs, device, args.seed)
     counts = param_counts(tr.model)
+    cuda_snapshot.start(args.snapshot, args.snapshot_max_entries)
     for _ in range(args.warmup):
         tr.step()
     times = []
@@ -465,6 +470,22 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         tr.step()
         times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        # The measured step under the allocator's counters, then the snapshot.
+        c = measure.cuda_step_peak(tr.step, device)
+        cuda_snapshot.dump(args.snapshot, device)
+        return {
+            "peak_bytes": c["max_allocated"],
+            "peak_reserved_bytes": c["max_reserved"],
+            "cuda": c,
+            "snapshot": args.snapshot,
+            "method": "torch.cuda.max_memory_allocated / max_memory_reserved after reset_peak_memory_stats",
+            "params": counts,
+            "step_time_s": percentiles(times),
+            "losses": tr.losses,
+            "conditions": {**versions(), "device": "cuda", "device_name": torch.cuda.get_device_name(device),
+                           "warmup": args.warmup, "steps": args.steps, "seed": args.seed},
+        }
     tr.opt.zero_grad(set_to_none=True)
     # Resident: parameters, buffers, optimizer state, EMA, and the DDPM families' alphas_cumprod
     # (the scheduler's (1000,) fp32 table, alive across steps).
@@ -521,6 +542,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: PyTorch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--snapshot", metavar="FILE", help="CUDA only (runtime pytorch:cuda): record the allocator's "
+                    "history from the first warm-up step on and write torch.cuda.memory._dump_snapshot(FILE) "
+                    "after the measured step (use --warmup 1 --steps 0; read it with `ditmem compare --snapshot FILE`)")
+    ap.add_argument("--snapshot-max-entries", type=int, default=cuda_snapshot.DEFAULT_MAX_ENTRIES,
+                    help="ring buffer of the recorded trace (max_entries)")
     args = ap.parse_args(argv)
     if args.warmup < 1:
         print("family_peer: --warmup must be ≥ 1 (optimizer state is created by the first step)", file=sys.stderr)

@@ -25,6 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cuda_snapshot  # noqa: E402
 import measure  # noqa: E402
 from dit import DiT, param_counts  # noqa: E402
 from spec import SpecUnsupported, load  # noqa: E402
@@ -178,6 +179,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(ps.device)
+    cuda_snapshot.check(args.snapshot, device)
     ctx = set_sdpa_backend(ps.sdpa_backend)
     if ctx is not None:
         ctx.__enter__()
@@ -187,6 +189,7 @@ def run(args) -> dict:
     tr = Trainer(ps, device, args.seed)
     counts = param_counts(tr.model)
 
+    cuda_snapshot.start(args.snapshot, args.snapshot_max_entries)
     for _ in range(args.warmup):
         tr.step()
     tr.sync()
@@ -214,6 +217,9 @@ def run(args) -> dict:
         result["method"] = "torch.profiler profile_memory: max running sum of [memory] events over one step"
     else:
         c = measure.cuda_step_peak(tr.step, device)
+        cuda_snapshot.dump(args.snapshot, device)
+        if args.snapshot:
+            result["snapshot"] = args.snapshot
         result["peak_bytes"] = c["max_allocated"]
         result["peak_reserved_bytes"] = c["max_reserved"]
         result["cuda"] = c
@@ -261,6 +267,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="override the spec runtime's device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--params-only", action="store_true", help="build the model, print its parameter counts")
+    ap.add_argument("--snapshot", metavar="FILE", help="CUDA only: record the allocator's history from the first "
+                    "warm-up step on and write torch.cuda.memory._dump_snapshot(FILE) after the measured step "
+                    "(use --warmup 1 --steps 0; read it with `ditmem compare --snapshot FILE`)")
+    ap.add_argument("--snapshot-max-entries", type=int, default=cuda_snapshot.DEFAULT_MAX_ENTRIES,
+                    help="ring buffer of the recorded trace (max_entries)")
     args = ap.parse_args(argv)
     if args.warmup < 1:
         print("peer: --warmup must be ≥ 1 (optimizer state is created by the first step)", file=sys.stderr)

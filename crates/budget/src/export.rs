@@ -191,9 +191,23 @@ pub struct Command {
 impl Command {
     /// The command as one shell line, continued over lines, arguments quoted where needed.
     pub fn render(&self) -> String {
-        // `accelerate launch` on the first line, then one flag (and its value) per line.
-        let head = self.launcher.len().min(2);
-        let mut lines = vec![self.launcher[..head].join(" ")];
+        // `accelerate launch` on the first line (after any `NAME=value` environment settings),
+        // then one flag (and its value) per line.
+        let env = self
+            .launcher
+            .iter()
+            .take_while(|a| !a.starts_with('-') && a.contains('='))
+            .count();
+        let head = self.launcher.len().min(env + 2);
+        let shown: Vec<String> = self.launcher[..head]
+            .iter()
+            .enumerate()
+            .map(|(i, a)| match a.split_once('=') {
+                Some((name, value)) if i < env => format!("{name}={}", sh_quote(value)),
+                _ => a.clone(),
+            })
+            .collect();
+        let mut lines = vec![shown.join(" ")];
         pairs(&self.launcher[head..], &mut lines);
         lines.push(format!("  {}", sh_quote(&self.script)));
         pairs(&self.script_args, &mut lines);
@@ -410,6 +424,13 @@ fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bool) -> Vec<
     let w = &spec.workload;
     let z = spec.recipe.zero_stage;
     let mut a = vec![s("accelerate"), s("launch")];
+    // The allocator settings of a CUDA plan (the planner adds `expandable_segments:True` where
+    // fragmentation breaks the fit): an environment setting of the launch.
+    if let (crate::spec::Runtime::Pytorch { .. }, Some(c)) = (&spec.runtime, &spec.cuda) {
+        if !c.alloc_conf.is_empty() {
+            a.insert(0, format!("PYTORCH_CUDA_ALLOC_CONF={}", c.alloc_conf));
+        }
+    }
     if config_file {
         a.extend([s("--config_file"), s(Target::Accelerate.file_name())]);
     } else if z > 0 && o.sharder == Sharder::Deepspeed {

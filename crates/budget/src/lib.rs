@@ -24,6 +24,7 @@ mod params;
 mod plan;
 mod runtime;
 mod segment;
+mod snapshot;
 mod spec;
 mod timeline;
 mod units;
@@ -103,3 +104,14 @@ pub use families::{
     MAX_CONFIG_JSON_BYTES,
 };
 pub use families::{DitDiffusersDims, DitDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};
+
+/// PyTorch CUDA memory snapshots (`torch.cuda.memory._dump_snapshot`): read, replayed into
+/// allocated and reserved timelines, and held against a spec's `pytorch:cuda` prediction.
+pub mod memory_snapshot {
+    pub use crate::snapshot::{
+        compare, predicted_timeline, read_snapshot, replay, Action, AllocatorSettings, BlockInfo,
+        BlockSizeCount, BlockState, OomEvent, Origin, OriginBytes, Parting, Predicted, Replay,
+        SegmentInfo, Snapshot, SnapshotComparison, SnapshotError, TimelinePoint, TraceEvent,
+        MAX_BLOCKS, MAX_NODES, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
+    };
+}

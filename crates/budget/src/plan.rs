@@ -193,6 +193,9 @@ struct Point {
     breakdown: Breakdown,
     time: StepTime,
     n_changes: usize,
+    /// Fits only with `expandable_segments:True` added to the allocator settings
+    /// ([`device_peak`]).
+    expandable: bool,
 }
 
 /// One setting of every lever but recompute.
@@ -215,6 +218,9 @@ struct Evaluator<'a> {
     /// The usable budget: a CUDA candidate whose allocated peak and context already exceed it is
     /// not replayed on the allocator (it cannot fit; its device bytes are at least that).
     usable: u64,
+    /// Whether a CUDA candidate may be fitted with `expandable_segments:True` (not the base as
+    /// given: a combination equal to it gets the setting as a change).
+    expandable: bool,
 }
 
 impl<'a> Evaluator<'a> {
@@ -297,13 +303,24 @@ impl<'a> Evaluator<'a> {
         let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
         let e = tl.peak();
         let time = step_time_with(&spec, self.profile, &inputs);
+        let (peak, expandable) = device_peak(&spec, &c.table.0, e.total(), self.usable)
+            .map(|(p, x)| match x {
+                // Without the setting, the plain replay's device bytes.
+                true if !self.expandable => (
+                    device_peak_plain(&spec, &c.table.0, e.total()).unwrap_or(p),
+                    false,
+                ),
+                _ => (p, x),
+            })
+            .unwrap_or((e.total(), false));
         Point {
             combo: ci,
-            n_changes: c.n_changes + usize::from(rc != Recompute::None),
+            n_changes: c.n_changes + usize::from(rc != Recompute::None) + usize::from(expandable),
             recompute: rc,
-            peak: device_peak(&spec, &c.table.0, e.total(), self.usable).unwrap_or(e.total()),
+            peak,
             breakdown: e.live,
             time,
+            expandable,
         }
     }
 
@@ -339,8 +356,17 @@ fn replayed(p: &Point, spec: &Spec) -> Point {
 }
 
 /// On `pytorch:cuda` what has to fit is what the device shows: the caching allocator's reserved
-/// segments (fragmentation included) plus the CUDA context, not the allocated peak.
-fn device_peak(spec: &Spec, table: &[ParamTensor], allocated: u64, usable: u64) -> Option<u64> {
+/// segments (fragmentation included) plus the CUDA context, not the allocated peak. When the
+/// allocated peak and the context fit but the reserved segments do not — fragmentation is what
+/// breaks the fit — the step is replayed again with `expandable_segments:True` (segments that
+/// grow by mapped pages, `caching_allocator.rs`); the second value says that this setting is
+/// what makes it fit.
+fn device_peak(
+    spec: &Spec,
+    table: &[ParamTensor],
+    allocated: u64,
+    usable: u64,
+) -> Option<(u64, bool)> {
     let cuda = matches!(
         spec.runtime,
         crate::spec::Runtime::Pytorch {
@@ -362,16 +388,113 @@ fn device_peak(spec: &Spec, table: &[ParamTensor], allocated: u64, usable: u64) 
     if allocated + context > usable {
         // Cannot fit (reserved ≥ allocated): the allocator's replay is kept for candidates
         // that may.
-        return Some(allocated + context);
+        return Some((allocated + context, false));
     }
     let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
-    Some(match r.oom {
+    let device = |r: &crate::runtime::pytorch::cuda::CudaReport| match r.oom {
         // The allocator stopped at the capacity: the step needs at least its allocated peak
         // and the context.
         Some(_) => r.device_bytes.max(allocated + r.context_bytes),
         None => r.device_bytes,
+    };
+    let plain = device(&r);
+    if plain <= usable || r.max_allocated_bytes + r.context_bytes > usable {
+        return Some((plain, false));
+    }
+    match with_expandable_segments(spec) {
+        Some(e) => {
+            let re = crate::runtime::pytorch::cuda::cuda_report(&e, table).ok()??;
+            let grown = device(&re);
+            if re.oom.is_none() && grown <= usable {
+                Some((grown, true))
+            } else {
+                Some((plain, false))
+            }
+        }
+        None => Some((plain, false)),
+    }
+}
+
+/// The device bytes of a CUDA spec with its allocator settings as given.
+fn device_peak_plain(spec: &Spec, table: &[ParamTensor], allocated: u64) -> Option<u64> {
+    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
+    Some(match r.oom {
+        Some(_) => r.device_bytes.max(allocated + r.context_bytes),
+        None => r.device_bytes,
     })
 }
+
+/// `spec` with `expandable_segments:True` added to its `PYTORCH_CUDA_ALLOC_CONF`; `None` when
+/// the setting is already there (or the string does not parse).
+fn with_expandable_segments(spec: &Spec) -> Option<Spec> {
+    let mut s = spec.clone();
+    let cs = s.cuda.get_or_insert_with(Default::default);
+    let conf = crate::runtime::pytorch::caching_allocator::AllocConf::parse(&cs.alloc_conf).ok()?;
+    if conf.expandable_segments {
+        return None;
+    }
+    let rest: Vec<&str> = cs
+        .alloc_conf
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| !kv.is_empty() && !kv.starts_with("expandable_segments"))
+        .collect();
+    let mut parts = rest.join(",");
+    if !parts.is_empty() {
+        parts.push(',');
+    }
+    parts.push_str(EXPANDABLE_SEGMENTS);
+    cs.alloc_conf = parts;
+    Some(s)
+}
+
+/// Say so when the plan fits only with `expandable_segments:True`: the allocated peak and the
+/// reserved segments without it.
+fn expandable_reason(base: &Spec, p: &mut Plan) {
+    let has = |s: &Spec| {
+        s.cuda
+            .as_ref()
+            .and_then(|c| {
+                crate::runtime::pytorch::caching_allocator::AllocConf::parse(&c.alloc_conf).ok()
+            })
+            .is_some_and(|c| c.expandable_segments)
+    };
+    if !has(&p.plan) || has(base) {
+        return;
+    }
+    let mut without = p.plan.clone();
+    if let Some(c) = without.cuda.as_mut() {
+        c.alloc_conf = c
+            .alloc_conf
+            .split(',')
+            .map(str::trim)
+            .filter(|kv| !kv.is_empty() && !kv.starts_with("expandable_segments"))
+            .collect::<Vec<_>>()
+            .join(",");
+    }
+    let table = param_table(&without);
+    if let Ok(Some(r)) = crate::runtime::pytorch::cuda::cuda_report(&without, &table) {
+        p.reason.push_str(&format!(
+            "; fragmentation breaks the fit without {EXPANDABLE_SEGMENTS}: allocated peaks at {} \
+             (+ {} CUDA context) but the cached segments need {} on the device, over {} usable; \
+             with expandable segments (grown by mapped pages) it needs {} — launch with \
+             PYTORCH_CUDA_ALLOC_CONF={}",
+            fmt_bytes(r.max_allocated_bytes),
+            fmt_bytes(r.context_bytes),
+            fmt_bytes(r.device_bytes),
+            fmt_bytes(p.usable_bytes),
+            fmt_bytes(p.predicted_peak_bytes),
+            p.plan
+                .cuda
+                .as_ref()
+                .map(|c| c.alloc_conf.as_str())
+                .unwrap_or(EXPANDABLE_SEGMENTS)
+        ));
+    }
+}
+
+/// The allocator setting the planner adds where fragmentation breaks the fit.
+pub const EXPANDABLE_SEGMENTS: &str = "expandable_segments:True";
 
 fn trained_params(table: &[ParamTensor]) -> f64 {
     table
@@ -503,6 +626,18 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
             r.zero_stage, s.workload.ranks
         ));
     }
+    let conf = |x: &Spec| {
+        x.cuda
+            .as_ref()
+            .map(|c| c.alloc_conf.clone())
+            .unwrap_or_default()
+    };
+    if conf(base) != conf(s) {
+        out.push(format!(
+            "PYTORCH_CUDA_ALLOC_CONF={} (the allocated peak fits, the cached segments do not)",
+            conf(s)
+        ));
+    }
     out
 }
 
@@ -584,6 +719,7 @@ pub fn plan(
         // Only the last stage (every allowed lever) ran out: its floor is the answer.
         return Ok(p);
     }
+    expandable_reason(base, &mut p);
     let (b, r) = (&base.recipe, &p.plan.recipe);
     // LoRA and 8-bit AdamW: needed, since every stage without them had no fitting recipe.
     if let Some(prev) = tried.last() {
@@ -688,6 +824,7 @@ fn search(
         segments: HashMap::new(),
         evaluated: 0,
         usable,
+        expandable: false,
     };
     let depth = base.model.depth;
     let w = &base.workload;
@@ -696,6 +833,7 @@ fn search(
     let base_combo = ev.combo(base.clone(), 0);
     let mut base_point = ev.point(&base_combo, None, base.recipe.recompute.clone());
     base_point.n_changes = 0;
+    ev.expandable = true;
     let mut points: Vec<Point> = vec![base_point.clone()];
     let mut front: Vec<(f64, u64)> = vec![(base_point.time.total_s, base_point.peak)];
 
@@ -717,9 +855,14 @@ fn search(
     let spec_of = |p: &Point| -> Spec {
         let mut s = match p.combo {
             Some(i) => combos[i].0.spec.clone(),
-            None => return base.clone(),
+            None => base.clone(),
         };
-        s.recipe.recompute = p.recompute.clone();
+        if p.combo.is_some() {
+            s.recipe.recompute = p.recompute.clone();
+        }
+        if p.expandable {
+            s = with_expandable_segments(&s).unwrap_or(s);
+        }
         s
     };
     let candidate = |p: &Point| -> Candidate {
@@ -1550,5 +1693,79 @@ mod tests {
             }
         }
         assert!(saw_needed, "some budget needs LoRA or 8-bit AdamW");
+    }
+
+    /// DiT-XL/2 at 256², batch 8, on pytorch:cuda, 18 GiB (17.1 GiB usable): the allocated peak
+    /// and the context fit (15.2 GiB + 500 MiB), the cached segments of the default allocator do
+    /// not (19.0 GiB on the device), expandable segments do (15.9 GiB). The plan says so, carries
+    /// the setting, and the launch line sets it; a base that already has it gets no suggestion.
+    #[test]
+    fn fragmentation_that_breaks_the_fit_suggests_expandable_segments() {
+        let mut s = Spec::default_xl();
+        s.workload.batch = 8;
+        s.workload.microbatch = 8;
+        s.runtime = "pytorch:cuda".parse().unwrap();
+        let l = limits(18 << 30);
+        let usable = l.usable();
+        let p = plan(&s, &l, &DeviceProfile::cpu_default()).unwrap();
+        assert!(p.feasible, "{}", p.reason);
+        let conf = p
+            .plan
+            .cuda
+            .as_ref()
+            .map(|c| c.alloc_conf.clone())
+            .unwrap_or_default();
+        assert_eq!(conf, EXPANDABLE_SEGMENTS);
+        assert!(
+            p.reason.contains("fragmentation breaks the fit"),
+            "{}",
+            p.reason
+        );
+        assert!(p
+            .changes
+            .iter()
+            .any(|c| c.contains("PYTORCH_CUDA_ALLOC_CONF")));
+        // The same recipe without the setting: allocated + context fit, reserved does not.
+        let mut without = p.plan.clone();
+        without.cuda = None;
+        let table = param_table(&without);
+        let r = crate::runtime::pytorch::cuda::cuda_report(&without, &table)
+            .unwrap()
+            .unwrap();
+        assert!(r.max_allocated_bytes + r.context_bytes <= usable);
+        assert!(r.device_bytes > usable, "{} vs {usable}", r.device_bytes);
+        let e = crate::runtime::pytorch::cuda::cuda_report(&p.plan, &table)
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.device_bytes, p.predicted_peak_bytes);
+        assert!(e.device_bytes <= usable);
+        // The export's launch line sets it.
+        let x = crate::export(
+            &p.plan,
+            crate::Target::Accelerate,
+            &crate::ExportOptions::default(),
+        )
+        .unwrap();
+        let line = x.command.unwrap().render();
+        assert!(
+            line.starts_with("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True accelerate launch"),
+            "{line}"
+        );
+        // Already set by the user: nothing to suggest.
+        let mut given = s.clone();
+        given.cuda = Some(crate::spec::CudaSpec {
+            gpu: None,
+            alloc_conf: EXPANDABLE_SEGMENTS.into(),
+        });
+        let q = plan(&given, &l, &DeviceProfile::cpu_default()).unwrap();
+        assert!(
+            !q.reason.contains("fragmentation breaks the fit"),
+            "{}",
+            q.reason
+        );
+        assert!(!q
+            .changes
+            .iter()
+            .any(|c| c.contains("PYTORCH_CUDA_ALLOC_CONF")));
     }
 }

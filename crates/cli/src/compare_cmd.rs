@@ -36,6 +36,18 @@ pub struct CompareArgs {
     pub python: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+    /// A PyTorch CUDA memory snapshot of your own run (`torch.cuda.memory._dump_snapshot(FILE)`
+    /// after `_record_memory_history(max_entries=…)`): its trace replayed into allocated and
+    /// reserved timelines beside the pytorch:cuda prediction of the spec (peaks, what is alive at
+    /// the peak, where they part; `--plot` draws both). Nothing is run. The spec moves to
+    /// pytorch:cuda unless --runtime says otherwise; give --gpu and --alloc-conf as in the run.
+    /// Refused (exit 2): files over 1 GiB, or over 25,000,000 values (about 3 GiB of memory while
+    /// read), 3,000,000 trace events or 3,000,000 segments and blocks.
+    #[arg(long, value_name = "FILE")]
+    pub snapshot: Option<PathBuf>,
+    /// With --snapshot: the device whose trace is read (default: the one with most events).
+    #[arg(long, value_name = "N", requires = "snapshot")]
+    pub device: Option<u32>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -57,6 +69,15 @@ struct CompareReport {
 
 pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     crate::output::check_outputs(&[("--plot", args.plot.as_deref())])?;
+    if let Some(path) = &args.snapshot {
+        return crate::snapshot_cmd::run(
+            &args.spec,
+            path,
+            args.device,
+            args.plot.as_deref(),
+            args.json,
+        );
+    }
     let spec = args.spec.to_spec()?;
     if let Runtime::Pytorch { .. } = spec.runtime {
         return compare_pytorch(&spec, &args);

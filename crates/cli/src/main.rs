@@ -18,6 +18,7 @@ mod plan_cmd;
 mod plot;
 mod render;
 mod run_cmd;
+mod snapshot_cmd;
 mod stats;
 mod verify_cmd;
 
@@ -68,7 +69,8 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Execute the recipe on a real DiT training step (candle, CPU) and measure peak and time.
     Run(run_cmd::RunArgs),
-    /// Run the engine on a spec and hold the budget's prediction against the measurement.
+    /// Run the engine on a spec and hold the budget's prediction against the measurement; or,
+    /// with --snapshot, hold the pytorch:cuda prediction against a PyTorch CUDA memory snapshot.
     Compare(compare_cmd::CompareArgs),
     /// Run the agreement grid (40+ small specs) and report max and median |pred/meas − 1|.
     Agree(compare_cmd::AgreeArgs),

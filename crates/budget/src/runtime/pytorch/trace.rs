@@ -162,6 +162,27 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
     without_empty(seq.events)
 }
 
+/// How many events of [`allocation_sequence`] load the model (its tensors, then the EMA
+/// copies) before the warm-up step begins: a memory snapshot recorded from the first step on
+/// starts where these end.
+pub fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
+    let r = &spec.recipe;
+    let lora = r.lora.is_some();
+    let weights = table
+        .iter()
+        .filter(|t| stored_bytes(t, r.precision, lora, r.base_quant) > 0)
+        .count();
+    let ema = if r.ema.enabled {
+        table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained && t.numel() * r.ema.dtype.size() > 0)
+            .count()
+    } else {
+        0
+    };
+    weights + ema
+}
+
 /// Drop zero-byte allocations and their frees (PyTorch's allocator returns no block for them).
 fn without_empty(events: Vec<AllocEvent>) -> Vec<AllocEvent> {
     let empty: std::collections::HashSet<u64> = events
