@@ -466,8 +466,10 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     }
     if b.zero_stage != r.zero_stage {
         out.push(format!(
-            "ZeRO stage {} over {} ranks",
-            r.zero_stage, s.workload.ranks
+            "ZeRO stage {} over {} ranks ({})",
+            r.zero_stage,
+            s.workload.ranks,
+            crate::sharding::Scheme::of(s).describe()
         ));
     }
     out
@@ -829,6 +831,9 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
                     for lora in &loras {
                         for &opt in &optimizers {
                             for &z in &zeros {
+                                if !crate::sharding::stage_exists(base, z) {
+                                    continue;
+                                }
                                 let mut s = base.clone();
                                 s.recipe.precision = precision;
                                 s.recipe.attention = attention;
@@ -836,6 +841,7 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
                                 s.recipe.lora = lora.clone();
                                 s.recipe.optimizer = opt;
                                 s.recipe.zero_stage = z;
+                                s.recipe.gradient_as_bucket_view &= z == 0;
                                 s.recipe.recompute = Recompute::None;
                                 s.workload.microbatch = micro;
                                 s.workload.accumulation = per_rank / micro;
@@ -1228,6 +1234,9 @@ mod tests {
                             }
                             for z in 0..=3u8 {
                                 if z > 0 && !(allow.sharding && w.ranks > 1) {
+                                    continue;
+                                }
+                                if !crate::sharding::stage_exists(base, z) {
                                     continue;
                                 }
                                 // The planner's placements (first k, and first k − 1 plus one
