@@ -776,3 +776,7 @@ pub fn validate(spec: &Spec) -> Result<(), SpecError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "sharding_tests.rs"]
+mod tests;
