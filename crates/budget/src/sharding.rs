@@ -619,13 +619,13 @@ fn gathered(
     elem: u64,
 ) {
     let lora = spec.recipe.lora.is_some();
-    let blocks = table
-        .iter()
-        .filter_map(|t| t.block)
-        .max()
-        .map_or(0, |b| b as usize + 1);
+    let index = global_block_index(table);
+    let blocks = index.iter().flatten().max().map_or(0, |b| b + 1);
     s.gathered_blocks = vec![0; blocks];
-    for t in table.iter().filter(|t| !t.buffer && gathers(t)) {
+    for (t, at) in table.iter().zip(&index) {
+        if t.buffer || !gathers(t) {
+            continue;
+        }
         // A frozen quantized base is gathered as stored.
         let bytes = if t.role == ParamRole::Frozen && spec.recipe.base_quant.is_none() {
             t.numel() * elem
@@ -634,11 +634,48 @@ fn gathered(
         } else {
             t.numel() * elem
         };
-        match t.block {
-            Some(b) => s.gathered_blocks[b as usize] += bytes,
+        match at {
+            Some(b) => s.gathered_blocks[*b] += bytes,
             None => s.gathered_outside += bytes,
         }
     }
+}
+
+/// Each tensor's block numbered across the model's stacks, in the order the stacks first appear
+/// in the table (the forward's: Flux's `transformer_blocks` 0–18, then
+/// `single_transformer_blocks` as 19–56), as the step replay numbers the blocks; `None` outside
+/// the blocks. A stack is the tensor name before `.{block}.`.
+pub fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
+    let stack = |t: &ParamTensor| -> Option<(String, usize)> {
+        let b = t.block? as usize;
+        let key = format!(".{b}.");
+        let prefix = t.name.find(&key).map_or("", |i| &t.name[..i]);
+        Some((prefix.to_string(), b))
+    };
+    // Stacks in order of appearance with their block counts.
+    let mut stacks: Vec<(String, usize)> = Vec::new();
+    for t in table {
+        if let Some((p, b)) = stack(t) {
+            match stacks.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, n)) => *n = (*n).max(b + 1),
+                None => stacks.push((p, b + 1)),
+            }
+        }
+    }
+    table
+        .iter()
+        .map(|t| {
+            let (p, b) = stack(t)?;
+            let mut offset = 0;
+            for (q, n) in &stacks {
+                if *q == p {
+                    return Some(offset + b);
+                }
+                offset += n;
+            }
+            None
+        })
+        .collect()
 }
 
 /// Bytes one rank sends per optimizer step over the link between ranks, and over PCIe to the

@@ -301,3 +301,55 @@ fn a_spec_with_sharding_fields_round_trips_and_omits_the_defaults() {
     let plain = serde_json::to_string(&xl(8)).unwrap();
     assert!(!plain.contains("sharder") && !plain.contains("offload"));
 }
+
+/// A diffusers preset over 8 ranks at ZeRO-3.
+fn family(name: &str) -> Spec {
+    let text = crate::families::preset_config(name).unwrap();
+    let map = serde_json::from_str(text).unwrap();
+    let mut s = crate::denoiser::with_family(xl(8), name, map).unwrap();
+    s.workload.height = 256;
+    s.workload.width = 256;
+    s.recipe.zero_stage = 3;
+    s
+}
+
+/// The gathers are the blocks as diffusers holds them (counted with diffusers 0.42.1 on the meta
+/// device: `sum(p.numel() for p in block.parameters())`), numbered across Flux's two stacks as
+/// the replay numbers them.
+#[test]
+fn gathers_are_the_diffusers_blocks() {
+    // FSDP2 gathers every parameter of a block.
+    let mut f = family("flux.1-dev");
+    f.recipe.sharder = Sharder::Fsdp;
+    let rs = rank_states(&f, &param_table(&f), crate::spec::Dtype::F32).unwrap();
+    assert_eq!(rs.gathered_blocks.len(), 19 + 38);
+    assert_eq!(
+        rs.gathered_blocks[0],
+        2 * 339_831_296,
+        "a double-stream block in bf16"
+    );
+    assert_eq!(
+        rs.gathered_blocks[19],
+        2 * 141_591_808,
+        "a single-stream block in bf16"
+    );
+    // DeepSpeed stage 3 gathers all but the parameters of at most 1e5 elements (kept whole).
+    let d = family("dit-xl-2-256");
+    let table = param_table(&d);
+    let rs = rank_states(&d, &table, crate::spec::Dtype::F32).unwrap();
+    assert_eq!(rs.gathered_blocks.len(), 28);
+    let small: u64 = table
+        .iter()
+        .filter(|t| t.block == Some(5) && ds3_persistent(t))
+        .map(|t| 2 * t.numel())
+        .sum();
+    assert!(small > 0);
+    assert!(rs
+        .gathered_blocks
+        .iter()
+        .all(|&b| b + small == 2 * 26_682_624));
+    // DeepSpeed's prefetch bucket (5e7 elements) reaches one DiT block past the current one
+    // and then some: blocks are prefetched while fewer than 1e8 bytes are.
+    let w = rs.prefetch.window(&rs.gathered_blocks, 0);
+    assert_eq!(w, 1..3);
+}
