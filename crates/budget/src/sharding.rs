@@ -370,8 +370,9 @@ pub struct RankStates {
     pub grad_partition: u64,
     /// A transient of `step()`: the partition's gradients as one fp32 tensor (DeepSpeed).
     pub step_grads: u64,
-    /// Whether a block's full gradients stay after its backward (DDP, stage 1, one rank): their
-    /// bytes are the segments' own.
+    /// Whether a block's full gradients stay after its backward as `.grad` tensors of their own
+    /// (DDP without bucket views, ZeRO-1): their bytes are the segments' own. Otherwise they are
+    /// copied into a bucket or reduced into a partition and freed.
     pub keep_full_grads: bool,
     /// Bytes per element of the gradients the segments make.
     pub grad_elem_bytes: u64,
