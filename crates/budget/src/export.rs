@@ -102,7 +102,10 @@ pub struct ExportOptions {
     /// The model's family: which diffusers script trains it and which block class FSDP wraps.
     /// The spec does not carry it yet; [`Family::Dit`] (what the budget models) by default.
     pub family: Family,
+    /// How a sharded plan launches; the default (deepspeed) defers to the plan's
+    /// `recipe.sharder`.
     pub sharder: Sharder,
+    /// What a sharded plan offloads; the default (none) defers to the plan's `recipe.offload`.
     pub offload: Offload,
 }
 
@@ -1434,5 +1437,35 @@ mod tests {
         for t in Target::ALL {
             assert_eq!(t.name().parse::<Target>().unwrap(), t);
         }
+    }
+
+    /// The export launches what the plan budgeted: the recipe's sharder and offload by default,
+    /// and a note when the options launch something the budget did not count.
+    #[test]
+    fn the_export_launches_the_budgeted_sharding() {
+        let mut s = zero(3);
+        s.recipe.sharder = Sharder::Fsdp;
+        s.recipe.offload = Offload::OptimizerAndParams;
+        s.validate().unwrap();
+        let e = export(&s, Target::Accelerate, &ExportOptions::default()).unwrap();
+        assert_eq!(e.options.sharder, Sharder::Fsdp);
+        assert_eq!(e.options.offload, Offload::OptimizerAndParams);
+        assert!(e.text.contains("fsdp_offload_params: true"), "{}", e.text);
+        assert!(!e.notes.iter().any(|n| n.contains("was budgeted for")));
+        let plain = zero(2);
+        let e = export(
+            &plain,
+            Target::Deepspeed,
+            &opts(Family::Dit, Sharder::Deepspeed, Offload::Optimizer),
+        )
+        .unwrap();
+        assert!(e.text.contains("offload_optimizer"));
+        assert!(
+            e.notes
+                .iter()
+                .any(|n| n.contains("was budgeted for deepspeed with offload none")),
+            "{:?}",
+            e.notes
+        );
     }
 }
