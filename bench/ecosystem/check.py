@@ -204,7 +204,7 @@ def check_launch(cmd, plan, options, workdir):
                 plugin = quiet(FullyShardedDataParallelPlugin)
                 need(plugin.fsdp_version == 2, f"fsdp_version {plugin.fsdp_version}")
                 need(plugin.reshard_after_forward == (z == 3), f"reshard_after_forward {plugin.reshard_after_forward}")
-                offload = options["offload"] == "optimizer-and-params"
+                offload = options["offload"] == "optimizer+params"
                 # FSDP2 (torch.distributed.fsdp): CPUOffloadPolicy offloads, OffloadPolicy() does not.
                 kind = type(plugin.cpu_offload).__name__
                 need((kind == "CPUOffloadPolicy") == offload, f"cpu_offload {kind}")

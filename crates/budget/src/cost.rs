@@ -31,8 +31,25 @@ pub struct DeviceProfile {
     pub elementwise_half: f64,
     /// Fixed cost of one forward+backward pass (dispatch, allocation, thread barriers).
     pub microbatch_overhead_s: f64,
-    /// Bytes/s between ranks for gradient reduction and ZeRO gathers.
+    /// Bytes/s per direction between the ranks of a node for gradient reduction and ZeRO /
+    /// FSDP gathers.
     pub link_bytes_per_s: f64,
+    /// Bytes/s per direction between nodes (rings over more than
+    /// [`crate::gpu::GPUS_PER_NODE`] ranks run at the slower of the two); default InfiniBand
+    /// NDR.
+    #[serde(default = "default_inter_node")]
+    pub inter_node_bytes_per_s: f64,
+    /// Bytes/s per direction between device and host (offload's copies); default PCIe 4.0 x16.
+    #[serde(default = "default_host_link")]
+    pub host_link_bytes_per_s: f64,
+}
+
+fn default_inter_node() -> f64 {
+    crate::gpu::IB_NDR.bytes_per_s
+}
+
+fn default_host_link() -> f64 {
+    crate::gpu::PCIE4_X16.bytes_per_s
 }
 
 /// Share of a GPU's dense matmul peak the GPU profile assumes (see [`DeviceProfile::for_gpu`]).
@@ -67,6 +84,8 @@ impl DeviceProfile {
             elementwise_half: 0.51e9,
             microbatch_overhead_s: 0.0029,
             link_bytes_per_s: 10e9,
+            inter_node_bytes_per_s: default_inter_node(),
+            host_link_bytes_per_s: default_host_link(),
         }
     }
 
@@ -82,10 +101,13 @@ impl DeviceProfile {
     /// - elementwise ops bandwidth-bound at [`GPU_BANDWIDTH_EFFICIENCY`] of the peak, one read
     ///   and one write of the element (the model charges two passes per element an op writes);
     /// - [`GPU_PASS_OVERHEAD_S`] per forward+backward pass for kernel launches;
-    /// - the link between ranks at PCIe 4.0 ×16 (≈ 25 GB/s); NVLink is issue 17's.
+    /// - the links of the card (`gpu::links_for`): NVLink within a node where the board has
+    ///   it, else PCIe; InfiniBand between nodes; PCIe to the host — datasheet rates per
+    ///   direction, no efficiency factor.
     pub fn for_gpu(g: &crate::gpu::Gpu) -> DeviceProfile {
         let m = GPU_MATMUL_EFFICIENCY;
         let bw = g.bandwidth * GPU_BANDWIDTH_EFFICIENCY;
+        let links = crate::gpu::links_for(g.name);
         let fp32 = g.flops.fp32;
         DeviceProfile {
             name: format!(
@@ -101,7 +123,9 @@ impl DeviceProfile {
             elementwise_f32: bw / 4.0,
             elementwise_half: bw / 2.0,
             microbatch_overhead_s: GPU_PASS_OVERHEAD_S,
-            link_bytes_per_s: 25e9,
+            link_bytes_per_s: links.intra_node.bytes_per_s,
+            inter_node_bytes_per_s: links.inter_node.bytes_per_s,
+            host_link_bytes_per_s: links.host.bytes_per_s,
         }
     }
 
@@ -143,6 +167,8 @@ impl DeviceProfile {
             ("elementwise_f32", self.elementwise_f32),
             ("elementwise_half", self.elementwise_half),
             ("link_bytes_per_s", self.link_bytes_per_s),
+            ("inter_node_bytes_per_s", self.inter_node_bytes_per_s),
+            ("host_link_bytes_per_s", self.host_link_bytes_per_s),
         ];
         for (name, v) in rates {
             if !(v.is_finite() && v > 0.0) {
@@ -372,27 +398,17 @@ pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs)
     } else {
         0.0
     } + acc * (2.0 + recast) * inputs.dequant_params / profile.elementwise_rate(cd);
-    let ranks = f64::from(w.ranks);
-    let comm = if w.ranks > 1 {
-        // Ring collectives move (ranks − 1)/ranks of the buffer per rank; nothing is assumed to
-        // overlap with compute.
-        let frac = (ranks - 1.0) / ranks;
-        let gbytes = trained * r.precision.param_dtype().size() as f64;
-        let wbytes = trained * cd.size() as f64;
-        let volume = match r.zero_stage {
-            // DDP: one all-reduce of the gradients per step (no sync inside the accumulation).
-            0 => 2.0 * gbytes,
-            // Reduce-scatter of the gradients, all-gather of the updated weights, once per step.
-            1 => gbytes + wbytes,
-            // Gradients are partitioned: reduce-scattered after every microbatch.
-            2 => acc * gbytes + wbytes,
-            // Weights are gathered for each forward, each recompute and each backward.
-            _ => acc * (gbytes + (2.0 + recomputed / depth.max(1.0)) * wbytes),
-        };
-        volume * frac / profile.link_bytes_per_s
+    // Bytes moved between ranks and to the host (`sharding::comm_volume`, with its rules); ring
+    // collectives over more than one node run at the slower link; nothing is assumed to overlap
+    // with compute. Offload's host-side optimizer update is timed at the device's rates (no host
+    // rate in the profile).
+    let vol = crate::sharding::comm_volume(spec, trained, recomputed / depth.max(1.0));
+    let link = if w.ranks > crate::gpu::GPUS_PER_NODE {
+        profile.link_bytes_per_s.min(profile.inter_node_bytes_per_s)
     } else {
-        0.0
+        profile.link_bytes_per_s
     };
+    let comm = vol.link_bytes / link + vol.host_bytes / profile.host_link_bytes_per_s;
     // The frozen encoders of each microbatch, each in its own dtype.
     let encode: f64 = crate::encoders::encoder_runs(spec)
         .iter()

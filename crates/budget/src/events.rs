@@ -14,7 +14,8 @@ pub struct Breakdown {
     pub weights: u64,
     /// fp32 master weights of mixed precision (the trained parameters).
     pub master_weights: u64,
-    /// Low-precision copies of weights made for compute, alive while a graph uses them.
+    /// Copies of weights made for compute, alive while a graph uses them: autocast's
+    /// low-precision copies, and parameters all-gathered from their shards (ZeRO-3, FSDP2).
     pub weight_casts: u64,
     /// Accumulated gradient buffers of the trained parameters.
     pub gradients: u64,
@@ -148,6 +149,9 @@ pub struct StaticBytes {
     pub optimizer_scratch: u64,
     /// Largest transient of one tensor's EMA update (0 for both runtimes).
     pub ema_scratch: u64,
+    /// Model states kept in host memory by offload (`recipe.offload`), per rank: not on the
+    /// device, not in the timeline.
+    pub host_bytes: u64,
 }
 
 /// Microbatches a step replay lays out: the first (gradient buffers created) and the second

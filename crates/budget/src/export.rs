@@ -94,66 +94,7 @@ impl FromStr for Target {
     }
 }
 
-/// How a sharded plan (ZeRO stage ≥ 1) is launched.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Sharder {
-    /// DeepSpeed ZeRO at the plan's stage.
-    #[default]
-    Deepspeed,
-    /// FSDP2 (`fully_shard`): stage 3 ↔ `reshard_after_forward` true, stage 2 ↔ false; no
-    /// stage-1 equivalent.
-    Fsdp,
-}
-
-impl FromStr for Sharder {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "deepspeed" | "zero" => Ok(Sharder::Deepspeed),
-            "fsdp" | "fsdp2" => Ok(Sharder::Fsdp),
-            _ => Err(SpecError::invalid(
-                "plan.emit-sharder",
-                format!(
-                    "'{}' is not a sharder; allowed: deepspeed, fsdp",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
-    }
-}
-
-/// What a sharded plan moves to CPU memory. Not in the budget yet: a plan's peak does not count
-/// what offload saves (nor its PCIe traffic in the step time).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Offload {
-    #[default]
-    None,
-    /// Optimizer state (ZeRO-Offload): DeepSpeed `offload_optimizer`.
-    Optimizer,
-    /// Optimizer state and parameters: DeepSpeed `offload_param` (stage 3 only), FSDP
-    /// `offload_params`.
-    OptimizerAndParams,
-}
-
-impl FromStr for Offload {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "none" => Ok(Offload::None),
-            "optimizer" => Ok(Offload::Optimizer),
-            "optimizer+params" | "params" | "all" => Ok(Offload::OptimizerAndParams),
-            _ => Err(SpecError::invalid(
-                "plan.emit-offload",
-                format!(
-                    "'{}' is not an offload; allowed: none, optimizer, optimizer+params",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
-    }
-}
+pub use crate::sharding::{Offload, Sharder};
 
 /// What the export needs beyond the spec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -161,7 +102,10 @@ pub struct ExportOptions {
     /// The model's family: which diffusers script trains it and which block class FSDP wraps.
     /// The spec does not carry it yet; [`Family::Dit`] (what the budget models) by default.
     pub family: Family,
+    /// How a sharded plan launches; the default (deepspeed) defers to the plan's
+    /// `recipe.sharder`.
     pub sharder: Sharder,
+    /// What a sharded plan offloads; the default (none) defers to the plan's `recipe.offload`.
     pub offload: Offload,
 }
 
@@ -359,23 +303,45 @@ fn check_options(spec: &Spec, o: &ExportOptions) -> Result<(), SpecError> {
     Ok(())
 }
 
+/// The sharder and offload an export writes: the options' where they name one, else the
+/// plan's own (`recipe.sharder`, `recipe.offload`, which the budget counted).
+fn effective_options(spec: &Spec, options: &ExportOptions) -> ExportOptions {
+    let r = &spec.recipe;
+    ExportOptions {
+        sharder: if options.sharder.is_default() {
+            r.sharder
+        } else {
+            options.sharder
+        },
+        offload: if options.offload.is_none() {
+            r.offload
+        } else {
+            options.offload
+        },
+        ..*options
+    }
+}
+
 /// Export the plan `spec` for `target`.
 pub fn export(spec: &Spec, target: Target, options: &ExportOptions) -> Result<Export, SpecError> {
-    check_options(spec, options)?;
+    let effective = effective_options(spec, options);
+    let o = &effective;
+    check_options(spec, o)?;
     let mut notes = Vec::new();
     let mut cannot = Vec::new();
     let mp = mixed_precision(spec.recipe.precision, &mut notes);
     let ckpt = checkpointing(spec, &mut notes);
-    let o = options;
     let sharded = spec.recipe.zero_stage > 0;
-    if o.offload != Offload::None {
+    if o.offload != spec.recipe.offload || (sharded && o.sharder != spec.recipe.sharder) {
         notes.push(format!(
-            "offload ({}) is not in the budget yet: the plan's peak still counts what offload moves \
-             to CPU memory, and the step time leaves out the PCIe traffic",
-            match o.offload {
-                Offload::Optimizer => "optimizer state",
-                _ => "optimizer state and parameters",
-            }
+            "the export launches {} with offload {}, the plan was budgeted for {} with offload {}: \
+             plan with --sharder {} --offload {} to count what this launch keeps on the device",
+            o.sharder,
+            o.offload,
+            spec.recipe.sharder,
+            spec.recipe.offload,
+            o.sharder,
+            o.offload
         ));
     }
     let (text, command) = match target {
@@ -1540,14 +1506,50 @@ mod tests {
         );
         assert_eq!(
             "ddp".parse::<Sharder>().unwrap_err().field(),
-            Some("plan.emit-sharder")
+            Some("recipe.sharder")
         );
         assert_eq!(
             "gpu".parse::<Offload>().unwrap_err().field(),
-            Some("plan.emit-offload")
+            Some("recipe.offload")
+        );
+        assert_eq!(
+            Sharder::parse("ddp", "plan.emit-sharder")
+                .unwrap_err()
+                .field(),
+            Some("plan.emit-sharder")
         );
         for t in Target::ALL {
             assert_eq!(t.name().parse::<Target>().unwrap(), t);
         }
+    }
+
+    /// The export launches what the plan budgeted: the recipe's sharder and offload by default,
+    /// and a note when the options launch something the budget did not count.
+    #[test]
+    fn the_export_launches_the_budgeted_sharding() {
+        let mut s = zero(3);
+        s.recipe.sharder = Sharder::Fsdp;
+        s.recipe.offload = Offload::OptimizerAndParams;
+        s.validate().unwrap();
+        let e = export(&s, Target::Accelerate, &ExportOptions::default()).unwrap();
+        assert_eq!(e.options.sharder, Sharder::Fsdp);
+        assert_eq!(e.options.offload, Offload::OptimizerAndParams);
+        assert!(e.text.contains("fsdp_offload_params: true"), "{}", e.text);
+        assert!(!e.notes.iter().any(|n| n.contains("was budgeted for")));
+        let plain = zero(2);
+        let e = export(
+            &plain,
+            Target::Deepspeed,
+            &opts(Family::Dit, Sharder::Deepspeed, Offload::Optimizer),
+        )
+        .unwrap();
+        assert!(e.text.contains("offload_optimizer"));
+        assert!(
+            e.notes
+                .iter()
+                .any(|n| n.contains("was budgeted for deepspeed with offload none")),
+            "{:?}",
+            e.notes
+        );
     }
 }

@@ -24,6 +24,7 @@ mod params;
 mod plan;
 mod runtime;
 mod segment;
+mod sharding;
 mod snapshot;
 mod spec;
 mod timeline;
@@ -37,8 +38,8 @@ pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase, StaticBytes};
 pub use export::{
-    block_classes, export, script_for, Command, Export, ExportOptions, NoScript, Offload, Script,
-    Sharder, Target, DIFFUSERS_COMMIT, DIFFUSERS_TAG,
+    block_classes, export, script_for, Command, Export, ExportOptions, NoScript, Script, Target,
+    DIFFUSERS_COMMIT, DIFFUSERS_TAG,
 };
 pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
@@ -49,6 +50,11 @@ pub use plan::{
 };
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};
+pub use sharding::{
+    comm_volume, ddp_buckets, ds12_partition_elems, rank_states, CommVolume, Offload, RankStates,
+    Scheme, Sharder, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, DS_PERSISTENCE_THRESHOLD,
+    DS_PREFETCH_BUCKET_ELEMS, DS_REDUCE_BUCKET_ELEMS,
+};
 pub use spec::{
     default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
     EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision,

@@ -349,7 +349,7 @@ impl<'a> Evaluator<'a> {
 fn replayed(p: &Point, spec: &Spec) -> Point {
     let mut out = p.clone();
     let table = param_table(spec);
-    if let Some(device) = device_peak(spec, &table, p.breakdown.total(), u64::MAX) {
+    if let Some((device, _)) = device_peak(spec, &table, p.breakdown.total(), u64::MAX) {
         out.peak = out.peak.max(device);
     }
     out
@@ -622,8 +622,10 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     }
     if b.zero_stage != r.zero_stage {
         out.push(format!(
-            "ZeRO stage {} over {} ranks",
-            r.zero_stage, s.workload.ranks
+            "ZeRO stage {} over {} ranks ({})",
+            r.zero_stage,
+            s.workload.ranks,
+            crate::sharding::Scheme::of(s).describe()
         ));
     }
     let conf = |x: &Spec| {
@@ -1038,6 +1040,9 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
                     {
                         for &opt in &optimizers {
                             for &z in &zeros {
+                                if !crate::sharding::stage_exists(base, z) {
+                                    continue;
+                                }
                                 let mut s = base.clone();
                                 s.recipe.base_quant = quant;
                                 s.recipe.precision = precision;
@@ -1046,6 +1051,7 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
                                 s.recipe.lora = lora.clone();
                                 s.recipe.optimizer = opt;
                                 s.recipe.zero_stage = z;
+                                s.recipe.gradient_as_bucket_view &= z == 0;
                                 s.recipe.recompute = Recompute::None;
                                 s.workload.microbatch = micro;
                                 s.workload.accumulation = per_rank / micro;
@@ -1439,6 +1445,9 @@ mod tests {
                             }
                             for z in 0..=3u8 {
                                 if z > 0 && !(allow.sharding && w.ranks > 1) {
+                                    continue;
+                                }
+                                if !crate::sharding::stage_exists(base, z) {
                                     continue;
                                 }
                                 // The planner's placements (first k, and first k − 1 plus one

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
+use crate::sharding::{Offload, Sharder};
 
 /// Element types that a tensor of the step can have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -724,6 +725,16 @@ pub struct Recipe {
     /// ZeRO stage over the data-parallel ranks: 0 none, 1 optimizer state, 2 + gradients, 3 + weights.
     #[serde(default)]
     pub zero_stage: u8,
+    /// Who shards a stage ≥ 1: DeepSpeed ZeRO (default) or FSDP2 (`crate::sharding`).
+    #[serde(default, skip_serializing_if = "Sharder::is_default")]
+    pub sharder: Sharder,
+    /// What a sharded step keeps in host memory: none, optimizer, optimizer+params.
+    #[serde(default, skip_serializing_if = "Offload::is_none")]
+    pub offload: Offload,
+    /// DDP's `gradient_as_bucket_view` (stage 0 over several ranks): the gradients are views of
+    /// the all-reduce buckets instead of a second copy.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_as_bucket_view: bool,
     #[serde(default = "default_latents")]
     pub latents: Latents,
     /// Where the frozen text encoders are during the step (a family's T5, CLIP, Gemma, umT5).
@@ -899,6 +910,9 @@ impl Default for Recipe {
             recompute: default_recompute(),
             lora: None,
             zero_stage: 0,
+            sharder: Sharder::Deepspeed,
+            offload: Offload::None,
+            gradient_as_bucket_view: false,
             latents: default_latents(),
             text_encoders: TextEncoders::Cached,
             ema: EmaSpec::default(),
@@ -1583,6 +1597,7 @@ impl Spec {
                 ),
             ));
         }
+        crate::sharding::validate(self)?;
         if r.ema.enabled && !(r.ema.decay > 0.0 && r.ema.decay < 1.0) {
             return Err(SpecError::invalid(
                 "recipe.ema.decay",

@@ -123,14 +123,6 @@ pub const ADAM8BIT_BLOCK: u64 = 256;
 /// Tensors smaller than this keep 32-bit state under bitsandbytes' 8-bit optimizers.
 pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
 
-fn shard(bytes: u64, ranks: u64, on: bool) -> u64 {
-    if on {
-        bytes.div_ceil(ranks)
-    } else {
-        bytes
-    }
-}
-
 /// Optimizer state bytes of one trained tensor.
 pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precision) -> u64 {
     let sd = precision.optimizer_dtype().size();
@@ -142,12 +134,12 @@ pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precis
     }
 }
 
-/// The persistent bytes of the model states under the spec (per rank).
+/// The persistent bytes of the model states under the spec (per rank): on one rank as the
+/// module holds them; over several ranks as the recipe's scheme shards them
+/// ([`crate::sharding::rank_states`]: DDP buckets, ZeRO partitions, FSDP2 shards, offload).
 pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
     let r = &spec.recipe;
     let p = r.precision;
-    let ranks = u64::from(spec.workload.ranks);
-    let z = r.zero_stage;
     let rt = model_for(spec);
     let mut s = StaticBytes::default();
     for t in table {
@@ -156,20 +148,15 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
         match t.role {
             ParamRole::Frozen => s.weights += stored_bytes(t, p, r.lora.is_some(), r.base_quant),
             ParamRole::Trained => {
-                let bytes = n * dt.size();
                 if p.is_mixed() {
-                    s.master_weights += shard(bytes, ranks, z >= 1);
-                    if z >= 1 {
-                        // Each rank needs the full compute copy once masters are sharded.
-                        s.weights += shard(n * p.compute_dtype().size(), ranks, z >= 3);
-                    }
+                    s.master_weights += n * dt.size();
                 } else {
-                    s.weights += shard(bytes, ranks, z >= 3);
+                    s.weights += n * dt.size();
                 }
-                s.gradients += shard(n * rt.grad_dtype(p).size(), ranks, z >= 2);
-                s.optimizer_state += shard(optimizer_state_bytes(n, r.optimizer, p), ranks, z >= 1);
+                s.gradients += n * rt.grad_dtype(p).size();
+                s.optimizer_state += optimizer_state_bytes(n, r.optimizer, p);
                 if r.ema.enabled {
-                    s.ema += shard(n * r.ema.dtype.size(), ranks, z >= 3);
+                    s.ema += crate::sharding::ema_bytes(spec, t);
                     s.ema_scratch = s.ema_scratch.max(rt.ema_scratch(n, r.ema.dtype));
                 }
                 s.optimizer_scratch =
@@ -177,6 +164,20 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
                         .max(rt.optimizer_scratch(n, p, r.optimizer));
             }
         }
+    }
+    if let Some(rs) = crate::sharding::rank_states(spec, table, rt.grad_dtype(p)) {
+        s.weights = rs.weights_bytes();
+        s.master_weights = rs.master_bytes();
+        s.optimizer_state = rs.optimizer_state_bytes();
+        let full: u64 = table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .map(|t| t.numel() * rs.grad_elem_bytes)
+            .sum();
+        s.gradients = rs.grad_buffers.iter().sum::<u64>()
+            + rs.grad_partition
+            + if rs.keep_full_grads { full } else { 0 };
+        s.host_bytes = rs.host;
     }
     s.encoder_weights = crate::encoders::resident_bytes(&crate::encoders::encoder_runs(spec));
     s

@@ -80,6 +80,17 @@ pub struct SpecArgs {
     /// ZeRO stage 0–3 over the ranks.
     #[arg(long, value_parser = crate::flags::zero_stage, allow_hyphen_values = true)]
     pub zero: Option<u8>,
+    /// Who shards a ZeRO stage: deepspeed (default) | fsdp (FSDP2: stage 3 reshards after
+    /// forward, stage 2 does not; no stage 1).
+    #[arg(long, value_name = "SHARDER")]
+    pub sharder: Option<String>,
+    /// What a sharded step keeps in host memory: none (default) | optimizer (ZeRO-Offload) |
+    /// optimizer+params (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy).
+    #[arg(long, value_name = "OFFLOAD")]
+    pub offload: Option<String>,
+    /// DDP (stage 0 over several ranks): gradients as views of the all-reduce buckets: on | off.
+    #[arg(long, value_name = "on|off")]
+    pub gradient_as_bucket_view: Option<String>,
     /// encode (VAE runs in the step) | cached
     #[arg(long)]
     pub latents: Option<String>,
@@ -383,6 +394,27 @@ impl SpecArgs {
         }
         if let Some(z) = self.zero {
             r.zero_stage = z;
+        }
+        if let Some(x) = &self.sharder {
+            r.sharder = ditmem_budget::Sharder::parse(x, "--sharder")?;
+        }
+        if let Some(x) = &self.offload {
+            r.offload = ditmem_budget::Offload::parse(x, "--offload")?;
+        }
+        if let Some(v) = &self.gradient_as_bucket_view {
+            r.gradient_as_bucket_view = match v.as_str() {
+                "on" | "true" | "yes" => true,
+                "off" | "false" | "no" => false,
+                _ => {
+                    return Err(SpecError::invalid(
+                        "--gradient-as-bucket-view",
+                        format!(
+                            "'{}' is not a switch; allowed: on, off",
+                            v.chars().take(60).collect::<String>()
+                        ),
+                    ))
+                }
+            };
         }
         if let Some(l) = &self.latents {
             r.latents = l.parse::<Latents>()?;

@@ -110,7 +110,22 @@ fn detail(g: &Gpu) -> String {
             fmt_bytes(g.capacity_bytes())
         ),
     };
-    format!(
+    let l = gpu::links_for(g.name);
+    let link = |l: &gpu::Link| {
+        format!(
+            "{} at {:.1} GB/s per direction ({})",
+            l.name,
+            l.bytes_per_s / 1e9,
+            l.source
+        )
+    };
+    let links = format!(
+        "  links: between ranks {}; between nodes {}; to the host {}\n",
+        link(&l.intra_node),
+        link(&l.inter_node),
+        link(&l.host)
+    );
+    let text = format!(
         "{name} — {product}\n  aliases: {aliases}\n  capacity: {capacity}\n  compute capability: \
          {ma}.{mi}; bf16 {bf16}, tf32 {tf32}, fp8 {fp8}\n  dense TFLOP/s: fp32 {f32}, tf32 {t32}, \
          bf16 {b16}, fp16 {h16}, fp8 {f8}\n  bandwidth: {bw:.0} GB/s\n  source: {source}\n  \
@@ -135,7 +150,8 @@ fn detail(g: &Gpu) -> String {
         ctx = fmt_bytes(g.context_bytes),
         ctx_src = g.context_source,
         ws = fmt_bytes(g.cublas_workspace_bytes()),
-    )
+    );
+    text + &links
 }
 
 /// A card in `--json`: the catalog entry with its derived capacity and dtypes spelled out.
@@ -145,6 +161,8 @@ struct GpuJson<'a> {
     gpu: &'a Gpu,
     capacity_bytes: u64,
     dtypes: gpu::DtypeSupport,
+    /// The links the time model uses for this card (`gpu::links_for`).
+    links: gpu::GpuLinks,
 }
 
 impl<'a> GpuJson<'a> {
@@ -153,6 +171,7 @@ impl<'a> GpuJson<'a> {
             gpu: g,
             capacity_bytes: g.capacity_bytes(),
             dtypes: g.dtypes(),
+            links: gpu::links_for(g.name),
         }
     }
 }
@@ -199,5 +218,14 @@ mod tests {
         assert!(d.contains("Ada GPU Architecture whitepaper"));
         assert!(d.contains("24563 MiB"));
         assert!(d.contains("pytorch/pytorch#107667"));
+        assert!(
+            d.contains("links: between ranks PCIe 4.0 x16 at 31.5 GB/s"),
+            "{d}"
+        );
+        let h = detail(gpu::lookup("h100").unwrap());
+        assert!(
+            h.contains("NVLink 4") && h.contains("450.0 GB/s per direction"),
+            "{h}"
+        );
     }
 }

@@ -230,6 +230,8 @@ pub fn load_profile(path: &Path) -> Result<DeviceProfile, SpecError> {
         ("elementwise_f32", p.elementwise_f32),
         ("elementwise_half", p.elementwise_half),
         ("link_bytes_per_s", p.link_bytes_per_s),
+        ("inter_node_bytes_per_s", p.inter_node_bytes_per_s),
+        ("host_link_bytes_per_s", p.host_link_bytes_per_s),
     ] {
         if !(v.is_finite() && (lo..=hi).contains(&v)) {
             return Err(SpecError::invalid(

@@ -53,11 +53,12 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FAMILY", requires = "emit")]
     pub emit_family: Option<String>,
     /// How the export launches a sharded plan: deepspeed (ZeRO at the plan's stage, default) |
-    /// fsdp (FSDP2: stage 3 reshards after forward, stage 2 does not; no stage 1).
+    /// fsdp (FSDP2: stage 3 reshards after forward, stage 2 does not; no stage 1); the same as
+    /// --sharder (the plan's budget counts it).
     #[arg(long, value_name = "SHARDER", requires = "emit")]
     pub emit_sharder: Option<String>,
     /// What the export offloads to CPU for a sharded plan: none (default) | optimizer |
-    /// optimizer+params. Not in the budget yet: the plan's peak does not count the saving.
+    /// optimizer+params; the same as --offload (the plan's budget counts it).
     #[arg(long, value_name = "OFFLOAD", requires = "emit")]
     pub emit_offload: Option<String>,
     /// Write the export to this file (atomically) instead of printing it.
@@ -406,17 +407,26 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         sharder: args
             .emit_sharder
             .as_deref()
-            .map(str::parse::<Sharder>)
+            .map(|x| Sharder::parse(x, "plan.emit-sharder"))
             .transpose()?
             .unwrap_or_default(),
         offload: args
             .emit_offload
             .as_deref()
-            .map(str::parse::<Offload>)
+            .map(|x| Offload::parse(x, "plan.emit-offload"))
             .transpose()?
             .unwrap_or_default(),
     };
-    let base = args.spec.to_gpu_spec()?;
+    let mut base = args.spec.to_gpu_spec()?;
+    // `--emit-sharder` / `--emit-offload` are the plan's own sharder and offload: the budget
+    // counts what the export launches.
+    if args.emit_sharder.is_some() {
+        base.recipe.sharder = options.sharder;
+    }
+    if args.emit_offload.is_some() {
+        base.recipe.offload = options.offload;
+    }
+    base.validate()?;
     let mut options = options;
     if args.emit_family.is_none() {
         // The script that trains the spec's model.

@@ -107,10 +107,17 @@ pub fn recipe_line(spec: &Spec) -> String {
             }
         })
         .unwrap_or_default();
-    let zero = if r.zero_stage > 0 {
-        format!(", ZeRO-{}", r.zero_stage)
-    } else {
-        String::new()
+    let zero = match ditmem_budget::Scheme::of(spec) {
+        ditmem_budget::Scheme::Single => String::new(),
+        s if r.offload.is_none() => {
+            format!(", {} over {} ranks", s.describe(), spec.workload.ranks)
+        }
+        s => format!(
+            ", {} over {} ranks, offload {}",
+            s.describe(),
+            spec.workload.ranks,
+            r.offload
+        ),
     };
     let ema = if r.ema.enabled {
         format!("EMA {}", r.ema.dtype)
@@ -365,6 +372,19 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
             "cuda: the step makes more than {} allocations; the caching allocator is not replayed \
              (reserved memory and fit unknown)\n",
             ditmem_budget::pytorch::MAX_REPLAYED_EVENTS
+        ));
+    }
+    if b.static_bytes.host_bytes > 0 {
+        o.push_str(&format!(
+            "offload ({}): {} per rank in host memory (optimizer state, fp32 partition and its \
+             gradient{}), not on the device\n",
+            b.spec.recipe.offload,
+            fmt_bytes(b.static_bytes.host_bytes),
+            if b.spec.recipe.offload == ditmem_budget::Offload::OptimizerAndParams {
+                ", parameters"
+            } else {
+                ""
+            }
         ));
     }
     let seg = b.segments.kept()[1];

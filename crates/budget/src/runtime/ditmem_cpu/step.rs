@@ -152,6 +152,9 @@ struct Replay<'a> {
     /// microbatch's gradients are cast into new buffers while the store still holds the
     /// originals, instead of being moved.
     cast_on_landing: bool,
+    /// Ranks a landed gradient is reduce-scattered over (ZeRO-2/3, FSDP2: the rank keeps its
+    /// share, `crate::sharding`); 1 otherwise.
+    grad_share: u64,
     block: Landing,
     final_layer: Landing,
     embed: Landing,
@@ -170,6 +173,11 @@ impl<'a> Replay<'a> {
             e: sh.e() * ad.size() + TENSOR_META + STORAGE_META,
             bd: sh.b * sh.d * ad.size() + TENSOR_META + STORAGE_META,
             cast_on_landing: p.param_dtype() != grad_dtype(p),
+            grad_share: if crate::sharding::Scheme::of(spec).shards_gradients() {
+                u64::from(spec.workload.ranks)
+            } else {
+                1
+            },
             block: Landing::of(table, gd, &|t| t.block == Some(0)),
             final_layer: Landing::of(table, gd, &|t| t.name.starts_with("final_layer")),
             embed: Landing::of(table, gd, &|t| {
@@ -204,7 +212,7 @@ impl<'a> Replay<'a> {
     /// worth an event (summing into existing buffers, or the first casts), if any.
     fn land(&self, live: &mut Breakdown, first: bool, l: Landing) -> Option<u64> {
         if first {
-            live.gradients += l.grads.0;
+            live.gradients += l.grads.0.div_ceil(self.grad_share);
             live.runtime += l.grads.1;
             self.cast_on_landing.then_some(0)
         } else {

@@ -54,6 +54,7 @@ pub(crate) mod device;
 pub(crate) mod families;
 pub(crate) mod ops;
 pub(crate) mod rules;
+pub(crate) mod sharding;
 pub(crate) mod stages;
 pub(crate) mod step;
 #[cfg(test)]

@@ -7,7 +7,9 @@ use crate::params::{ParamRole, ParamTensor};
 use crate::runtime::pytorch::allocator::{Live, SegCost};
 use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::families::of_spec as stages;
+use crate::runtime::pytorch::sharding::{block_gathers, GatherWalk};
 use crate::runtime::pytorch::stages::StageCost;
+use crate::sharding::{rank_states, RankStates, Scheme};
 use crate::spec::{Optimizer, OptimizerImpl, Precision, Spec, TorchDevice};
 
 /// The implementation of `torch.optim.AdamW` a spec runs: its own, else the device's default.
@@ -75,6 +77,34 @@ pub fn dequant_bytes(spec: &Spec, table: &[ParamTensor]) -> u64 {
         .unwrap_or(0)
 }
 
+/// The sharded model states of the spec's rank under the `pytorch` runtime (`None`: one rank).
+pub fn rank_states_of(spec: &Spec, table: &[ParamTensor]) -> Option<RankStates> {
+    let rt: &dyn crate::runtime::RuntimeModel = for_spec(spec);
+    rank_states(spec, table, rt.grad_dtype(spec.recipe.precision))
+}
+
+/// The tensors the device optimizer updates (elements each): the trained parameters on one
+/// rank, the rank's partition or shards when sharded, none when offloaded.
+pub fn optimizer_tensors(table: &[ParamTensor], rs: Option<&RankStates>) -> Vec<u64> {
+    match rs {
+        Some(rs) => rs.optimizer_tensors.clone(),
+        None => table
+            .iter()
+            .filter(|t| t.role == ParamRole::Trained)
+            .map(|t| t.numel())
+            .collect(),
+    }
+}
+
+/// Bytes of each EMA tensor the update casts (`p.detach().to(ema dtype)`), per rank.
+pub fn ema_update_tensors(spec: &Spec, table: &[ParamTensor]) -> Vec<u64> {
+    table
+        .iter()
+        .filter(|t| t.role == ParamRole::Trained)
+        .map(|t| crate::sharding::ema_bytes(spec, t))
+        .collect()
+}
+
 /// The label of a stage's instance: `"block 3"` for blocks, the stage's name otherwise.
 fn label(sc: &StageCost, idx: Option<u32>) -> String {
     match idx {
@@ -112,17 +142,44 @@ pub fn replay(
         .iter()
         .filter(|t| t.role == ParamRole::Trained)
         .collect();
-    let trained_elems: u64 = trained.iter().map(|t| t.numel()).sum();
-    let largest = trained.iter().map(|t| t.numel()).max().unwrap_or(0);
+    let rs = rank_states_of(spec, table);
+    let scheme = Scheme::of(spec);
+    let opt = optimizer_tensors(table, rs.as_ref());
+    let trained_elems: u64 = opt.iter().sum();
+    let largest = opt.iter().copied().max().unwrap_or(0);
     let imp = optimizer_impl(spec);
     let dq = dequant_bytes(spec, table);
+    let keep_grads = rs.as_ref().is_none_or(|rs| rs.keep_full_grads);
+    let total_blocks: u32 = costs.iter().filter(|c| c.blocks).map(|c| c.count).sum();
+    let mut gw = GatherWalk::new(
+        rs.as_ref()
+            .filter(|_| scheme.gathers())
+            .map(|rs| block_gathers(rs, total_blocks))
+            .unwrap_or_else(|| vec![0; total_blocks as usize]),
+        rs.as_ref().map(|rs| rs.prefetch).unwrap_or_default(),
+    );
+    let reshard_fwd = !matches!(
+        scheme,
+        Scheme::Fsdp2 {
+            reshard_after_forward: false
+        }
+    );
+    let outside = rs
+        .as_ref()
+        .filter(|_| scheme.gathers())
+        .map_or(0, |rs| rs.gathered_outside);
+    let bwd_buffers: u64 = rs.as_ref().map_or(0, |rs| rs.backward_buffers.iter().sum());
+    let partition = rs.as_ref().map_or(0, |rs| rs.grad_partition);
     let base = Breakdown {
         weights: st.weights,
         master_weights: st.master_weights,
-        optimizer_state: st.optimizer_state + step_tensors(spec, trained.len() as u64),
+        optimizer_state: st.optimizer_state + step_tensors(spec, opt.len() as u64),
         ema: st.ema,
+        gradients: rs.as_ref().map_or(0, |rs| rs.grad_buffers.iter().sum()),
         ..Breakdown::default()
     };
+    let fwd_order: Vec<usize> = (0..total_blocks as usize).collect();
+    let bwd_order: Vec<usize> = (0..total_blocks as usize).rev().collect();
     let mut ev = Events::default();
     ev.push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
@@ -130,6 +187,8 @@ pub fn replay(
     for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
         let first = mb == 0;
         live.data = stages.data.kept + stages.data.forward_only;
+        // Parameters outside the blocks gathered for the whole pass (sharding.rs).
+        live.weight_casts += outside;
         // Forward.
         let mut cache = 0;
         let mut block = 0u32;
@@ -142,6 +201,11 @@ pub fn replay(
                 let idx = sc.blocks.then_some(block);
                 let ck = sc.blocks && r.recompute.recomputes_block(block);
                 let name = label(sc, idx);
+                if sc.blocks {
+                    for g in gw.before(&fwd_order, block as usize) {
+                        live.weight_casts += gw.bytes(g);
+                    }
+                }
                 let mut inside = with(live, if ck { c.ckpt_peak } else { c.fwd_peak });
                 if sc.blocks {
                     inside.workspace += dq;
@@ -168,6 +232,9 @@ pub fn replay(
                     }
                 }
                 prev_out = c.output;
+                if sc.blocks && gw.after(block as usize, reshard_fwd) {
+                    live.weight_casts -= gw.bytes(block as usize);
+                }
                 let done = if last { "loss".to_string() } else { name };
                 ev.push(Phase::Forward, done, idx, mb, false, live);
                 if sc.blocks {
@@ -198,6 +265,11 @@ pub fn replay(
         // backward consumes them.
         let mut bcast: Vec<(String, u64)> = Vec::new();
         let mut grad_out = 0; // the gradient of the stream the current stage produced
+                              // The IPG buffers of a backward, and the gradient partition a sharded step keeps.
+        live.gradients += bwd_buffers;
+        if first {
+            live.gradients += partition;
+        }
         for (k, sc) in costs.iter().enumerate().rev() {
             let c = &sc.cost;
             let last = k + 1 == costs.len();
@@ -208,6 +280,12 @@ pub fn replay(
                 });
                 let ck = sc.blocks && r.recompute.recomputes_block(block);
                 let name = label(sc, idx);
+                if sc.blocks {
+                    let i = total_blocks as usize - 1 - block as usize;
+                    for g in gw.before(&bwd_order, i) {
+                        live.weight_casts += gw.bytes(g);
+                    }
+                }
                 if ck {
                     // Recompute under the same autocast state, with the incoming gradient alive.
                     let mut at = with(live, c.fwd_peak);
@@ -264,8 +342,11 @@ pub fn replay(
                         live.workspace += bytes;
                     }
                 }
-                if first {
+                if first && keep_grads {
                     live.gradients += c.param_grads;
+                }
+                if sc.blocks && gw.after(block as usize, true) {
+                    live.weight_casts -= gw.bytes(block as usize);
                 }
                 if k == 0 {
                     live.workspace -= bcast.iter().map(|(_, b)| b).sum::<u64>();
@@ -274,11 +355,20 @@ pub fn replay(
                 ev.push(Phase::Backward, name, idx, mb, false, live);
             }
         }
+        // The backward ends: its IPG buffers and the gathers outside the blocks go.
+        live.gradients -= bwd_buffers;
+        live.weight_casts -= outside;
+        for b in gw.live_blocks() {
+            live.weight_casts -= gw.bytes(b);
+        }
+        gw.clear();
     }
     // Optimizer step, EMA, zero_grad.
-    if trained_elems > 0 {
+    if !trained.is_empty() {
         let mut at = live;
         at.workspace += optimizer_scratch(trained_elems, largest, p, r.optimizer, imp);
+        // DeepSpeed's fp32 gradient partition, made for the update.
+        at.workspace += rs.as_ref().map_or(0, |rs| rs.step_grads);
         ev.push(
             Phase::Optimizer,
             format!("{} (inside)", r.optimizer.name()),
@@ -290,11 +380,12 @@ pub fn replay(
         if r.ema.enabled && r.ema.dtype != p.param_dtype() {
             // `p.detach().to(ema dtype)` for every parameter before the foreach update.
             let mut at = live;
-            at.workspace += trained_elems * r.ema.dtype.size();
+            at.workspace += ema_update_tensors(spec, table).iter().sum::<u64>();
             ev.push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, at);
         }
     }
-    live.gradients = 0;
+    // zero_grad: what stays are the buffers made at construction (DDP buckets, stage 3's).
+    live.gradients = base.gradients;
     ev.push(Phase::Optimizer, "step end".into(), None, 0, false, live);
     ev.0
 }

@@ -20,8 +20,12 @@ use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
 use crate::runtime::pytorch::caching_allocator::AllocEvent;
 use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::families::of_spec as stages;
+use crate::runtime::pytorch::sharding::{block_gathers, GatherWalk};
 use crate::runtime::pytorch::stages::{broadcast_inputs, grad_in};
-use crate::runtime::pytorch::step::{optimizer_impl, step_tensors};
+use crate::runtime::pytorch::step::{
+    ema_update_tensors, optimizer_impl, optimizer_tensors, rank_states_of, step_tensors,
+};
+use crate::sharding::{RankStates, Scheme};
 use crate::spec::{Optimizer, OptimizerImpl, Spec};
 use crate::timeline::optimizer_state_bytes;
 
@@ -101,7 +105,7 @@ struct Traced {
 }
 
 /// The allocation sequence of a warm-up step and a measured step of a spec on the `pytorch`
-/// runtime (one rank; a sharded spec is laid out unsharded).
+/// runtime, on one rank of a sharded spec as `runtime/pytorch/sharding.rs` lays it out.
 pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
     let rt = for_spec(spec);
     let st = stages(rt, spec);
@@ -140,12 +144,35 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         .iter()
         .filter(|t| t.role == ParamRole::Trained)
         .collect();
-    for t in table {
-        seq.alloc(stored_bytes(t, p, lora, r.base_quant));
+    let rs = rank_states_of(spec, table);
+    match &rs {
+        // The rank's model states as its scheme allocates them (sharding.rs): weights, masters,
+        // DeepSpeed stage 3's eager optimizer state, gradient buffers made at construction.
+        Some(rs) => {
+            for &b in rs.weights.iter().chain(&rs.master) {
+                seq.alloc(b);
+            }
+            if rs.eager_optimizer_state {
+                for pair in rs.optimizer_state.chunks(2) {
+                    seq.alloc(step_tensors(spec, 1));
+                    for &b in pair {
+                        seq.alloc(b);
+                    }
+                }
+            }
+            for &b in &rs.grad_buffers {
+                seq.alloc(b);
+            }
+        }
+        None => {
+            for t in table {
+                seq.alloc(stored_bytes(t, p, lora, r.base_quant));
+            }
+        }
     }
     if r.ema.enabled {
-        for t in &trained {
-            seq.alloc(t.numel() * r.ema.dtype.size());
+        for b in ema_update_tensors(spec, table) {
+            seq.alloc(b);
         }
     }
     // The frozen encoders the step runs; the resident ones moved to the device once.
@@ -154,9 +181,12 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         seq.alloc(e.weight_bytes);
     }
     let mut state: Vec<u64> = Vec::new();
+    let blocks: u32 = traced.iter().filter(|t| t.blocks).map(|t| t.count).sum();
+    let mut sh = Sharded::new(spec, rs.as_ref(), blocks);
     for warm in [true, false] {
         step(
             spec, &traced, &st.data, &trained, table, &encoders, &mut seq, &mut state, warm,
+            &mut sh,
         );
     }
     without_empty(seq.events)
@@ -210,6 +240,72 @@ fn dequant(seq: &mut Seq, bytes: u64) {
     }
 }
 
+/// What a sharded rank adds to the sequence (`sharding.rs`): gathers, IPG buffers, the
+/// gradient partition, the optimizer's own tensors.
+struct Sharded {
+    rs: Option<RankStates>,
+    gw: GatherWalk,
+    /// The id of each block's live gather.
+    gather_ids: Vec<u64>,
+    reshard_fwd: bool,
+    outside: u64,
+    keep_grads: bool,
+    blocks: usize,
+}
+
+impl Sharded {
+    fn new(spec: &Spec, rs: Option<&RankStates>, blocks: u32) -> Sharded {
+        let scheme = Scheme::of(spec);
+        let gathers = rs.filter(|_| scheme.gathers());
+        Sharded {
+            gw: GatherWalk::new(
+                gathers
+                    .map(|rs| block_gathers(rs, blocks))
+                    .unwrap_or_else(|| vec![0; blocks as usize]),
+                rs.map(|rs| rs.prefetch).unwrap_or_default(),
+            ),
+            gather_ids: vec![0; blocks as usize],
+            reshard_fwd: !matches!(
+                scheme,
+                Scheme::Fsdp2 {
+                    reshard_after_forward: false
+                }
+            ),
+            outside: gathers.map_or(0, |rs| rs.gathered_outside),
+            keep_grads: rs.is_none_or(|rs| rs.keep_full_grads),
+            rs: rs.cloned(),
+            blocks: blocks as usize,
+        }
+    }
+
+    /// Gather block `order[i]` and its prefetch window.
+    fn before(&mut self, seq: &mut Seq, forward: bool, b: usize) {
+        let order: Vec<usize> = if forward {
+            (0..self.blocks).collect()
+        } else {
+            (0..self.blocks).rev().collect()
+        };
+        let i = order.iter().position(|&x| x == b).unwrap_or(0);
+        for g in self.gw.before(&order, i) {
+            self.gather_ids[g] = seq.alloc(self.gw.bytes(g));
+        }
+    }
+
+    fn after(&mut self, seq: &mut Seq, b: usize, reshard: bool) {
+        if self.gw.after(b, reshard) {
+            seq.free(self.gather_ids[b]);
+        }
+    }
+
+    /// The backward ended: free every gather still live.
+    fn end_backward(&mut self, seq: &mut Seq) {
+        for b in self.gw.live_blocks() {
+            seq.free(self.gather_ids[b]);
+        }
+        self.gw.clear();
+    }
+}
+
 /// One optimizer step: every microbatch's forward and backward, the optimizer, EMA, zero_grad.
 #[allow(clippy::too_many_arguments)]
 fn step(
@@ -222,6 +318,7 @@ fn step(
     seq: &mut Seq,
     state: &mut Vec<u64>,
     warm: bool,
+    sh: &mut Sharded,
 ) {
     let r = &spec.recipe;
     let dq = crate::runtime::pytorch::step::dequant_bytes(spec, table);
@@ -236,6 +333,7 @@ fn step(
         }
         let kept = seq.alloc(data.kept);
         let fwd_data = seq.alloc(data.forward_only);
+        let outside = seq.alloc(sh.outside);
         // Forward: one instance per block, ids kept for its backward.
         let mut inst: Vec<(usize, u32, Instance, bool)> = Vec::new();
         let mut cache: Vec<u64> = Vec::new();
@@ -245,6 +343,7 @@ fn step(
             for j in 0..tr.count {
                 let ck = tr.blocks && r.recompute.recomputes_block(block);
                 if tr.blocks {
+                    sh.before(seq, true, block as usize);
                     dequant(seq, dq);
                 }
                 let i = Instance {
@@ -266,6 +365,8 @@ fn step(
                 prev_outs = tr.trace.outputs.iter().map(|&l| i.id(l)).collect();
                 inst.push((k, j, i, ck));
                 if tr.blocks {
+                    let reshard = sh.reshard_fwd;
+                    sh.after(seq, block as usize, reshard);
                     block += 1;
                 }
             }
@@ -277,6 +378,20 @@ fn step(
         seq.free(fwd_data);
         // Backward in reverse. The loss's gradient first.
         let mut incoming: Vec<u64> = vec![seq.alloc(4)];
+        // The IPG buffers of this backward, and the gradient partition of the step.
+        let ipg: Vec<u64> = sh
+            .rs
+            .as_ref()
+            .map(|rs| rs.backward_buffers.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|b| seq.alloc(b))
+            .collect();
+        if mb == 0 {
+            if let Some(rs) = &sh.rs {
+                param_grads.push(seq.alloc(rs.grad_partition));
+            }
+        }
         let mut bcast: Vec<(String, u64)> = Vec::new();
         let mut outs_of: Vec<Vec<u64>> = inst
             .iter()
@@ -285,6 +400,8 @@ fn step(
         while let Some((k, _j, fwd, ck)) = inst.pop() {
             let tr = &traced[k];
             if tr.blocks {
+                block -= 1;
+                sh.before(seq, false, block as usize);
                 dequant(seq, dq);
             }
             let mut i = if ck {
@@ -327,7 +444,7 @@ fn step(
             }
             // Gradients of the parameters: kept from the first microbatch, added in after.
             for &l in &tr.trace.param_grads {
-                if mb == 0 {
+                if mb == 0 && sh.keep_grads {
                     param_grads.push(i.id(l));
                 } else {
                     seq.free(i.id(l));
@@ -347,6 +464,9 @@ fn step(
                     seq.free(i.id(l));
                 }
             }
+            if tr.blocks {
+                sh.after(seq, block as usize, true);
+            }
             incoming = tr.stream_grads.iter().map(|&l| i.id(l)).collect();
             if k == 0 {
                 for (_, id) in bcast.drain(..) {
@@ -357,46 +477,70 @@ fn step(
                 }
             }
         }
+        for id in ipg {
+            seq.free(id);
+        }
+        seq.free(outside);
+        sh.end_backward(seq);
         seq.free(kept);
     }
-    // optimizer.step(): state created at the first step; the implementation's scratch.
+    // optimizer.step(): state created at the first step (at construction under DeepSpeed
+    // stage 3); DeepSpeed's fp32 gradient partition; the implementation's scratch.
     let sgd = r.optimizer == Optimizer::Sgd;
+    let opt = optimizer_tensors(table, sh.rs.as_ref());
     if warm && !sgd {
         // `_init_group`: step (on the device only when fused or capturable), exp_avg, exp_avg_sq.
         let step_bytes = step_tensors(spec, 1);
-        for t in trained {
-            let b = optimizer_state_bytes(t.numel(), r.optimizer, r.precision) / 2;
-            if step_bytes > 0 {
-                state.push(seq.alloc(step_bytes));
+        match &sh.rs {
+            Some(rs) if rs.eager_optimizer_state => {}
+            Some(rs) => {
+                for pair in rs.optimizer_state.chunks(2) {
+                    if step_bytes > 0 {
+                        state.push(seq.alloc(step_bytes));
+                    }
+                    for &b in pair {
+                        state.push(seq.alloc(b));
+                    }
+                }
             }
-            state.push(seq.alloc(b));
-            state.push(seq.alloc(b));
+            None => {
+                for t in trained {
+                    let b = optimizer_state_bytes(t.numel(), r.optimizer, r.precision) / 2;
+                    if step_bytes > 0 {
+                        state.push(seq.alloc(step_bytes));
+                    }
+                    state.push(seq.alloc(b));
+                    state.push(seq.alloc(b));
+                }
+            }
         }
     }
+    let step_grads = seq.alloc(sh.rs.as_ref().map_or(0, |rs| rs.step_grads));
     if !sgd {
         let sd = r.precision.optimizer_dtype().size();
         match (r.optimizer, optimizer_impl(spec)) {
             (Optimizer::AdamW, OptimizerImpl::ForLoop) => {
-                for t in trained {
-                    let a = seq.alloc(t.numel() * sd);
-                    let b = seq.alloc(t.numel() * sd);
+                for &n in &opt {
+                    let a = seq.alloc(n * sd);
+                    let b = seq.alloc(n * sd);
                     seq.free(a);
                     seq.free(b);
                 }
             }
             (Optimizer::AdamW, OptimizerImpl::Fused) => {}
             _ => {
-                let ids: Vec<u64> = trained.iter().map(|t| seq.alloc(t.numel() * sd)).collect();
+                let ids: Vec<u64> = opt.iter().map(|&n| seq.alloc(n * sd)).collect();
                 for id in ids {
                     seq.free(id);
                 }
             }
         }
     }
+    seq.free(step_grads);
     if r.ema.enabled && r.ema.dtype != r.precision.param_dtype() {
-        let ids: Vec<u64> = trained
-            .iter()
-            .map(|t| seq.alloc(t.numel() * r.ema.dtype.size()))
+        let ids: Vec<u64> = ema_update_tensors(spec, table)
+            .into_iter()
+            .map(|b| seq.alloc(b))
             .collect();
         for id in ids {
             seq.free(id);
@@ -470,6 +614,71 @@ mod tests {
                 "only the model state stays"
             );
             assert!(r.max_reserved >= r.max_allocated && r.max_allocated >= r.max_requested);
+        }
+    }
+
+    /// The same over the sharded schemes: DDP (with and without bucket views), ZeRO-1/2/3 and
+    /// FSDP2 (with and without resharding after forward), offload, recompute, accumulation.
+    #[test]
+    fn sharded_sequences_peak_where_the_timeline_does() {
+        use crate::sharding::{Offload, Sharder};
+        let mut base = Spec::default_xl();
+        base.model = ModelSpec::preset("dit-s-2").unwrap();
+        base.runtime = "pytorch:cuda".parse().unwrap();
+        base.workload.ranks = 8;
+        base.workload.microbatch = 4;
+        base.workload.batch = 32;
+        let mut specs = Vec::new();
+        for view in [false, true] {
+            let mut s = base.clone();
+            s.recipe.gradient_as_bucket_view = view;
+            specs.push(s);
+        }
+        for (z, sharder, offload) in [
+            (1, Sharder::Deepspeed, Offload::None),
+            (2, Sharder::Deepspeed, Offload::None),
+            (3, Sharder::Deepspeed, Offload::None),
+            (2, Sharder::Deepspeed, Offload::Optimizer),
+            (3, Sharder::Deepspeed, Offload::OptimizerAndParams),
+            (2, Sharder::Fsdp, Offload::None),
+            (3, Sharder::Fsdp, Offload::None),
+            (3, Sharder::Fsdp, Offload::OptimizerAndParams),
+        ] {
+            for rc in [Recompute::None, Recompute::EveryK(2)] {
+                for p in [Precision::Bf16Mixed, Precision::Fp32] {
+                    let mut s = base.clone();
+                    s.recipe.zero_stage = z;
+                    s.recipe.sharder = sharder;
+                    s.recipe.offload = offload;
+                    s.recipe.recompute = rc.clone();
+                    s.recipe.precision = p;
+                    specs.push(s);
+                }
+            }
+        }
+        let mut s = specs[4].clone();
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 2;
+        specs.push(s);
+        for s in specs {
+            s.validate().unwrap();
+            let b = estimate(&s).unwrap();
+            let table = crate::denoiser::param_table(&s);
+            let seq = allocation_sequence(&s, &table);
+            let r = simulate_allocator(&seq, &AllocConf::default(), None).unwrap();
+            assert_eq!(
+                r.max_requested,
+                b.peak_bytes,
+                "{} {} {:?} {} acc {}: sequence {} vs timeline {} ({})",
+                s.recipe.zero_stage,
+                s.recipe.sharder,
+                s.recipe.offload,
+                s.recipe.recompute,
+                s.workload.accumulation,
+                r.max_requested,
+                b.peak_bytes,
+                b.peak.label
+            );
         }
     }
 

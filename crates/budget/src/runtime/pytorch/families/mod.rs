@@ -53,18 +53,23 @@ pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
 
 /// The stages of a spec's step: the original DiT, or its diffusers family.
 pub fn of_spec(rt: &PyTorch, spec: &Spec) -> Stages {
-    match crate::denoiser::family(spec) {
+    let mut st = match crate::denoiser::family(spec) {
         Ok(Some(fm)) => stages(rt, spec, &fm),
         _ => crate::runtime::pytorch::stages::dit(rt, spec),
+    };
+    let p = spec.recipe.precision;
+    if crate::sharding::Scheme::of(spec).low_precision_module(p) {
+        crate::runtime::pytorch::sharding::low_precision_module(&mut st, p);
     }
+    st
 }
 
 /// A family spec's stage segments, input side first (None for the original DiT, whose three
 /// segments the runtime's builders give): the op inventory and the generic costs of the
 /// estimate read them.
 pub fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
-    let fm = crate::denoiser::family(spec).ok().flatten()?;
-    let st = stages(crate::runtime::pytorch::device::for_spec(spec), spec, &fm);
+    crate::denoiser::family(spec).ok().flatten()?;
+    let st = of_spec(crate::runtime::pytorch::device::for_spec(spec), spec);
     Some(
         st.stages
             .into_iter()
