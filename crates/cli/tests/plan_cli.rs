@@ -321,8 +321,6 @@ fn a_requested_precision_is_kept_unless_allowed() {
 fn a_zero3_plan_launches_deepspeed_stage_3() {
     let (code, out, err) = ditmem(&[
         "plan",
-        "--runtime",
-        "ditmem-cpu",
         "--ranks",
         "8",
         "--batch",
