@@ -1,0 +1,41 @@
+//! The diffusers families the engine executes beside the original DiT ([`crate::model`],
+//! [`crate::block`]), one folder per family, each sharing the fused ops of [`crate::ops`]:
+//!
+//! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
+//!   caption projection).
+//!
+//! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
+
+pub mod pixart;
+
+use ditmem_budget::{Family, Spec};
+
+use crate::error::{EngineError, Result};
+
+/// The model of a spec, as the engine runs it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arch {
+    /// The original DiT of `model`'s own fields.
+    Dit,
+    /// A `PixArtTransformer2DModel` from `model.diffusers`.
+    Pixart(pixart::PixartGeom),
+}
+
+impl Arch {
+    /// The model of `spec`; a family the engine does not run yet is an error naming it.
+    pub fn of(spec: &Spec) -> Result<Arch> {
+        let fm = ditmem_budget::denoiser::family(spec)?;
+        match fm {
+            None => Ok(Arch::Dit),
+            Some(fm) => match (&fm.dims, fm.family) {
+                (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
+                    Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
+                }
+                _ => Err(EngineError::unsupported(
+                    format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
+                    "the engine runs the original DiT and PixArtTransformer2DModel so far",
+                )),
+            },
+        }
+    }
+}
