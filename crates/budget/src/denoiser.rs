@@ -90,12 +90,12 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
     let Some(fm) = family(spec)? else {
         return Ok(());
     };
-    if spec.runtime == Runtime::DitmemCpu {
+    if spec.runtime == Runtime::DitmemCpu && fm.family != families::Family::Pixart {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT so far, not {} ({}); allowed: pytorch, \
-                 pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
+                "ditmem-cpu runs only the original DiT and PixArt so far, not {} ({}); allowed: \
+                 pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
             ),
