@@ -185,7 +185,8 @@ pub struct Trainer {
     params: Vec<Param>,
     by_name: HashMap<String, usize>,
     trained: Vec<usize>,
-    layout: Layout,
+    /// Shared, so a step reads it without a copy (a copy would be step memory).
+    layout: Arc<Layout>,
     /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
     /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
     sinks: Vec<Option<(Arc<GradSink>, bool)>>,
@@ -370,7 +371,7 @@ impl Trainer {
             params,
             by_name,
             trained,
-            layout,
+            layout: Arc::new(layout),
             sinks,
             grads: vec![None; n],
             grad_scale: 1.0,
@@ -732,11 +733,11 @@ impl Trainer {
         }
         self.grad_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let mut loss_sum = 0.0;
-        let layout = self.layout.clone();
+        let layout = Arc::clone(&self.layout);
         for m in 0..accum {
             let mb = batch.slice(m * micro, micro)?;
             rec.enter(Phase::Forward);
-            loss_sum += match &layout {
+            loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.pixart_microbatch(l, &mb, m, accum, rec)?,
             };

@@ -318,7 +318,9 @@ impl Trainer {
         }
         self.accumulate(&idx, &grads)?;
         drop(grads);
+        // The conditioning leaves go with the embed's outputs (the budget frees them together).
         drop((x0, t6, emb, y, gx, g6, g_emb, gy));
+        drop((t6_leaf, emb_leaf, y_leaf));
         rec.mark(tag("embed".into()));
         Ok(loss_value)
     }
