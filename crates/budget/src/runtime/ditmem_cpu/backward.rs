@@ -510,9 +510,12 @@ fn custom_backward(
             *sunk_grads += bytes(i) + h.tmeta + h.smeta;
             continue;
         }
+        // `if let Some(arg_grad) = arg_grad { …add(&arg_grad) }`: each gradient is dropped once
+        // folded, before the next input's (candle-core `backprop.rs`, CustomOp2/CustomOp3).
         acc(h, g, store, i, d);
-        locals.push(d);
+        h.drop_val(d);
     }
+    let _ = locals;
 }
 
 /// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
