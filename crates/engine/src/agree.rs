@@ -268,8 +268,8 @@ pub fn pixart_grid_base() -> Result<Spec> {
 
 /// The PixArt agreement grid: precisions × recompute policies × attention modes on the base,
 /// then accumulation, odd caption lengths (1, 77 and 300 tokens: more keys than a streaming
-/// block; 300 in both attention modes), a deeper and wider model, SGD without EMA and a block list. Each spec runs in about a
-/// second in release on 2 cores.
+/// block; 300 in both attention modes), a deeper and wider model, SGD without EMA and a block
+/// list. Each spec runs in well under a second in release on 2 cores.
 pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
     use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
     let base = pixart_grid_base()?;

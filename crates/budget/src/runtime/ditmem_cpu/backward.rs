@@ -323,9 +323,7 @@ fn node_backward(
                 acc(h, g, store, i, d);
             }
         }
-        Kind::Custom { bwd_scratch } => {
-            custom_backward(h, g, store, x, bwd_scratch, sunk_grads, &mut locals)
-        }
+        Kind::Custom { bwd_scratch } => custom_backward(h, g, store, x, bwd_scratch, sunk_grads),
         Kind::Var | Kind::Const => {}
     }
     locals
@@ -492,7 +490,6 @@ fn custom_backward(
     x: Nid,
     bwd_scratch: u64,
     sunk_grads: &mut u64,
-    locals: &mut Vec<Val>,
 ) {
     let ins = &g.nodes[x].inputs;
     let bytes = |x: Nid| g.nodes[x].bytes();
@@ -515,7 +512,6 @@ fn custom_backward(
         acc(h, g, store, i, d);
         h.drop_val(d);
     }
-    let _ = locals;
 }
 
 /// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
