@@ -1,9 +1,22 @@
 //! PixArt in the engine: its parameter count is the budget's (`ditmem params`), a step trains
-//! (finite loss, every trained tensor gets a gradient), and the recipe levers run.
+//! (finite loss, every trained tensor gets a gradient), the recipe levers run, `verify` passes,
+//! and the `ditmem-cpu` budget predicts its measured step peak (a subset of the agreement grid,
+//! each spec to 2 %).
 
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
+use ditmem_engine::agree::{measure_and_compare, pixart_grid, summarize};
 use ditmem_engine::families::pixart::tiny_spec;
-use ditmem_engine::{trainable_count, SyntheticData, TrainOptions, Trainer};
+use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+
+#[global_allocator]
+static A: CountingAlloc = CountingAlloc::new();
+
+/// The counting allocator is the whole process's: the tests of this file run one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn spec() -> Spec {
     ditmem_engine::host::resolve(&tiny_spec(2, 4, 13).unwrap())
@@ -13,6 +26,7 @@ fn spec() -> Spec {
 /// and in total (`ditmem params`).
 #[test]
 fn pixart_parameters_match_the_budget_table() {
+    let _one = one_at_a_time();
     for (layers, heads) in [(1, 2), (2, 4), (3, 3)] {
         let s = tiny_spec(layers, heads, 7).unwrap();
         let budget = ditmem_budget::denoiser::param_table(&s);
@@ -48,6 +62,7 @@ fn pixart_parameters_match_the_budget_table() {
 /// One step under each lever: finite loss, a gradient for every trained tensor, the weights move.
 #[test]
 fn pixart_steps_under_every_lever() {
+    let _one = one_at_a_time();
     let base = spec();
     let mut variants: Vec<Spec> = Vec::new();
     for p in [
@@ -134,6 +149,7 @@ fn pixart_steps_under_every_lever() {
 /// equal those of the stored, materialized step (f64).
 #[test]
 fn pixart_recompute_and_attention_modes_give_the_same_gradients() {
+    let _one = one_at_a_time();
     let mut base = spec();
     base.recipe.precision = Precision::Fp64;
     let batch = SyntheticData::new(&base, 5).unwrap().step_batch(0);
@@ -183,6 +199,7 @@ fn pixart_recompute_and_attention_modes_give_the_same_gradients() {
 /// a dropped cross-attention gradient fails.
 #[test]
 fn pixart_verifies_against_its_f64_reference() {
+    let _one = one_at_a_time();
     use ditmem_engine::verify::{
         compute_reference, verify, Fault, Variant, Verdict, VerifyOptions,
     };
@@ -228,4 +245,44 @@ fn pixart_verifies_against_its_f64_reference() {
         assert_eq!(v.verdict, Verdict::Pass, "{}: {:?}", v.name, v.reasons);
     }
     assert_eq!(faulty[0].verdict, Verdict::Fail, "{:?}", faulty[0].reasons);
+}
+
+/// Every third spec of the PixArt agreement grid (`DITMEM_PIXART_ALL=1`: all of them).
+#[test]
+fn budget_predicts_pixarts_measured_step_peak_within_two_percent() {
+    let _one = one_at_a_time();
+    let all = std::env::var("DITMEM_PIXART_ALL").is_ok();
+    let grid = pixart_grid().unwrap();
+    let n = grid.len();
+    let mut results = Vec::new();
+    for (name, spec) in grid.into_iter().step_by(if all { 1 } else { 3 }) {
+        let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
+        eprintln!(
+            "{name}: predicted {} measured {} ({:+.3} %) [{}]",
+            a.predicted_peak_bytes,
+            a.measured_peak_bytes,
+            100.0 * a.rel_error,
+            a.predicted_peak_label
+        );
+        results.push(a);
+    }
+    for a in &results {
+        assert!(
+            a.rel_error.abs() <= 0.02,
+            "{}: predicted {} vs measured {} ({:+.3} %)",
+            a.name,
+            a.predicted_peak_bytes,
+            a.measured_peak_bytes,
+            100.0 * a.rel_error
+        );
+    }
+    let s = summarize(&results);
+    assert!(n >= 10 && s.specs >= 4);
+    eprintln!(
+        "{} specs: max {:.3} % ({}), median {:.3} %",
+        s.specs,
+        100.0 * s.max_abs_rel_error,
+        s.worst,
+        100.0 * s.median_abs_rel_error
+    );
 }
