@@ -228,3 +228,38 @@ fn a_plan_on_a_gpu_fits_its_device_bytes() {
     assert_eq!(b["fits"], Value::Bool(true));
     assert_eq!(b["cuda"]["device_bytes"].as_u64(), Some(peak));
 }
+
+/// `ditmem-cpu` budgets PixArt (the engine runs it), and refuses what its engine does not run
+/// yet, naming the field: PixArt-α's size embedders (sample_size 128), LoRA on PixArt.
+#[test]
+fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
+    let b = json(&[
+        "estimate",
+        "--preset",
+        "pixart-sigma-1024",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(b["runtime"], "ditmem-cpu");
+    assert!(b["peak_bytes"].as_u64().unwrap() > 0);
+    for (args, field) in [
+        (
+            vec!["--preset", "pixart-alpha-1024"],
+            "model.diffusers.use_additional_conditions",
+        ),
+        (
+            vec!["--preset", "pixart-sigma-1024", "--lora-rank", "4"],
+            "recipe.lora",
+        ),
+    ] {
+        let mut a = vec!["estimate", "--runtime", "ditmem-cpu"];
+        a.extend(args);
+        let (code, _, err) = ditmem(&a);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(field), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+}
