@@ -102,16 +102,19 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         }
         return Ok(());
     };
-    if spec.runtime == Runtime::DitmemCpu {
+    if spec.runtime == Runtime::DitmemCpu && fm.family != families::Family::Pixart {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT so far, not {} ({}); allowed: pytorch, \
-                 pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
+                "ditmem-cpu runs only the original DiT and PixArt so far, not {} ({}); allowed: \
+                 pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
             ),
         ));
+    }
+    if spec.runtime == Runtime::DitmemCpu {
+        check_engine_pixart(spec, &fm)?;
     }
     let g = fm.geometry();
     if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
@@ -188,6 +191,43 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// What the ditmem-cpu engine runs of PixArt (`ditmem_engine::families::pixart`): the budget
+/// of that runtime describes the engine's step, so a config it does not execute is refused.
+fn check_engine_pixart(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let families::Dims::Pixart(d) = &fm.dims else {
+        return Ok(());
+    };
+    let other = "; allowed: --runtime pytorch for it";
+    if d.use_additional_conditions {
+        return Err(SpecError::invalid(
+            "model.diffusers.use_additional_conditions",
+            format!(
+                "true (a sample_size of 128 turns it on): the ditmem-cpu engine has no resolution \
+                 and aspect-ratio embedders yet; allowed: false{other}"
+            ),
+        ));
+    }
+    if !d.attention_bias {
+        return Err(SpecError::invalid(
+            "model.diffusers.attention_bias",
+            format!("false: the ditmem-cpu engine's PixArt has biased q/k/v; allowed: true{other}"),
+        ));
+    }
+    if spec.recipe.lora.is_some() {
+        return Err(SpecError::invalid(
+            "recipe.lora",
+            format!("LoRA on PixArt is not in the ditmem-cpu engine yet; allowed: none{other}"),
+        ));
+    }
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return Err(SpecError::invalid(
+            "model.attn_dropout",
+            format!("dropout in PixArt is not in the ditmem-cpu engine; allowed: 0{other}"),
+        ));
     }
     Ok(())
 }

@@ -135,14 +135,26 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let rt = model_for(spec);
     let dims = Shape::new(spec);
     let kept = segments.kept();
-    let family_inv = crate::runtime::pytorch::families::family_segments(spec).map(|segs| {
-        segs.iter()
-            .map(|seg| {
-                let k = crate::runtime::pytorch::allocator::simulate(seg, 0, &[]).kept;
-                inventory(seg, k.activations + k.weight_casts)
-            })
-            .collect::<Vec<_>>()
-    });
+    let engine_family = (spec.runtime == crate::spec::Runtime::DitmemCpu)
+        .then(|| crate::runtime::ditmem_cpu::pixart::inventory_segments(spec))
+        .flatten()
+        .map(|segs| {
+            segs.iter()
+                .zip(kept.iter())
+                .map(|(seg, k)| inventory(seg, k.activations + k.weight_casts))
+                .collect::<Vec<_>>()
+        });
+    let torch_family = || {
+        crate::runtime::pytorch::families::family_segments(spec).map(|segs| {
+            segs.iter()
+                .map(|seg| {
+                    let k = crate::runtime::pytorch::allocator::simulate(seg, 0, &[]).kept;
+                    inventory(seg, k.activations + k.weight_casts)
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let family_inv = engine_family.or_else(torch_family);
     let inv = family_inv.unwrap_or_else(|| {
         vec![
             inventory(

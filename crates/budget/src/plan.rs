@@ -979,18 +979,21 @@ fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Co
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
     let micros = microbatch_candidates(per_rank, w.microbatch);
-    let loras: Vec<Option<LoraSpec>> = if limits.allow.lora && base.recipe.lora.is_none() {
-        vec![
-            None,
-            Some(LoraSpec {
-                rank: PLAN_LORA_RANK.min(base.model.hidden),
-                targets: crate::spec::default_lora_targets(),
-                modules: Vec::new(),
-            }),
-        ]
-    } else {
-        vec![base.recipe.lora.clone()]
-    };
+    // The engine runs no LoRA on a diffusers family yet (`denoiser::check` refuses it).
+    let engine_family = base.runtime == Runtime::DitmemCpu && base.model.diffusers.is_some();
+    let loras: Vec<Option<LoraSpec>> =
+        if limits.allow.lora && base.recipe.lora.is_none() && !engine_family {
+            vec![
+                None,
+                Some(LoraSpec {
+                    rank: PLAN_LORA_RANK.min(base.model.hidden),
+                    targets: crate::spec::default_lora_targets(),
+                    modules: Vec::new(),
+                }),
+            ]
+        } else {
+            vec![base.recipe.lora.clone()]
+        };
     // A quantized base (QLoRA's NF4) under LoRA, on the runtime that models it.
     let quants: Vec<BaseQuant> = if limits.allow.quant
         && base.recipe.base_quant == BaseQuant::None

@@ -55,8 +55,19 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
+    /// Which grid: the original DiT's, PixArt's, or both (each summarised on its own).
+    #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
+    pub family: AgreeFamily,
     #[arg(long)]
     pub json: bool,
+}
+
+/// The model families `ditmem agree` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AgreeFamily {
+    Dit,
+    Pixart,
+    All,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -365,7 +376,15 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
             "is 0; allowed: 1 or more",
         )));
     }
-    let grid: Vec<_> = agree::grid().into_iter().step_by(args.every).collect();
+    let mut grid: Vec<(String, ditmem_budget::Spec)> = Vec::new();
+    if args.family != AgreeFamily::Pixart {
+        grid.extend(agree::grid().into_iter().step_by(args.every));
+    }
+    let dit_specs = grid.len();
+    if args.family != AgreeFamily::Dit {
+        let pixart = agree::pixart_grid().map_err(crate::run_cmd::engine_err)?;
+        grid.extend(pixart.into_iter().step_by(args.every));
+    }
     let mut largest = 0;
     for (_, spec) in &grid {
         largest = largest.max(ditmem_budget::estimate(spec)?.peak_bytes);
@@ -386,8 +405,20 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
     }
     bar.finish_and_clear();
     let summary: GridSummary = agree::summarize(&results);
+    let (dit, pixart) = results.split_at(dit_specs.min(results.len()));
+    let mut families = serde_json::Map::new();
+    for (name, part) in [("dit", dit), ("pixart", pixart)] {
+        if !part.is_empty() {
+            let s = serde_json::to_value(agree::summarize(part)).map_err(anyhow::Error::from)?;
+            families.insert(name.into(), s);
+        }
+    }
     if args.json {
-        crate::output::print_json(&serde_json::json!({ "summary": summary, "specs": results }))?;
+        crate::output::print_json(&serde_json::json!({
+            "summary": summary,
+            "families": families,
+            "specs": results
+        }))?;
     } else {
         let mut t = Table::new(&["spec", "predicted", "measured", "error"]);
         for a in &results {
@@ -399,6 +430,18 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
             ]);
         }
         print!("{}", t.render());
+        for (name, part) in [("DiT", dit), ("PixArt", pixart)] {
+            if !part.is_empty() && part.len() < results.len() {
+                let s = agree::summarize(part);
+                println!(
+                    "{name}: {} specs, max {:.3} % ({}), median {:.3} %",
+                    s.specs,
+                    100.0 * s.max_abs_rel_error,
+                    s.worst,
+                    100.0 * s.median_abs_rel_error
+                );
+            }
+        }
         println!(
             "{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %",
             summary.specs,

@@ -326,3 +326,38 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("store the frozen base quantized"), "{out}");
 }
+
+/// `ditmem-cpu` budgets PixArt (the engine runs it), and refuses what its engine does not run
+/// yet, naming the field: PixArt-α's size embedders (sample_size 128), LoRA on PixArt.
+#[test]
+fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
+    let b = json(&[
+        "estimate",
+        "--preset",
+        "pixart-sigma-1024",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(b["runtime"], "ditmem-cpu");
+    assert!(b["peak_bytes"].as_u64().unwrap() > 0);
+    for (args, field) in [
+        (
+            vec!["--preset", "pixart-alpha-1024"],
+            "model.diffusers.use_additional_conditions",
+        ),
+        (
+            vec!["--preset", "pixart-sigma-1024", "--lora-rank", "4"],
+            "recipe.lora",
+        ),
+    ] {
+        let mut a = vec!["estimate", "--runtime", "ditmem-cpu"];
+        a.extend(args);
+        let (code, _, err) = ditmem(&a);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(field), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+}

@@ -256,6 +256,98 @@ pub fn grid() -> Vec<(String, Spec)> {
     out
 }
 
+/// The PixArt grid's base: [`crate::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// 64 image tokens, 13 caption tokens of width 32, batch 4) with an fp32 EMA, on this process's
+/// CPU.
+pub fn pixart_grid_base() -> Result<Spec> {
+    let mut s = crate::families::pixart::tiny_spec(2, 4, 13)?;
+    s.model.name = "pixart-d2-h64".into();
+    s.recipe.ema.enabled = true;
+    Ok(crate::host::resolve(&s))
+}
+
+/// The PixArt agreement grid: precisions × recompute policies × attention modes on the base,
+/// then accumulation, odd caption lengths (1, 77 and 300 tokens: more keys than a streaming
+/// block; 300 in both attention modes), a deeper and wider model, SGD without EMA and a block
+/// list. Each spec runs in well under a second in release on 2 cores.
+pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
+    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
+    let base = pixart_grid_base()?;
+    let mut out = Vec::new();
+    for (p, rc, a) in [
+        (P::Fp32, R::None, A::Materialized),
+        (P::Fp32, R::None, A::MemoryEfficient),
+        (P::Fp32, R::All, A::Materialized),
+        (P::Fp32, R::AttentionOnly, A::Materialized),
+        (P::Bf16Mixed, R::None, A::Materialized),
+        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
+        (P::Fp16Mixed, R::None, A::MemoryEfficient),
+        (P::Fp16Mixed, R::All, A::Materialized),
+        (P::Bf16Pure, R::None, A::Materialized),
+        (P::Fp64, R::None, A::Materialized),
+        (P::Fp64, R::AttentionOnly, A::Materialized),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc.clone();
+        s.recipe.attention = a;
+        out.push((format!("pixart {p} recompute {rc} {}", a.name()), s));
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((format!("pixart {name}"), s));
+    };
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("1 caption token", &|s| {
+        s.workload.text_tokens = Some(vec![1])
+    });
+    add("77 caption tokens, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![77]);
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("300 caption tokens, batch 2, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![300]);
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("300 caption tokens, batch 2", &|s| {
+        s.workload.text_tokens = Some(vec![300]);
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+    });
+    add("256×256 (256 tokens), batch 2, memory-efficient", &|s| {
+        s.workload.height = 256;
+        s.workload.width = 256;
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("batch 1, blocks:1", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        s.recipe.recompute = R::Blocks(vec![1]);
+    });
+    let mut deep = crate::families::pixart::tiny_spec(4, 6, 19)?;
+    deep.recipe.ema.enabled = true;
+    deep.recipe.recompute = R::EveryK(2);
+    out.push((
+        "pixart 4 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
+        crate::host::resolve(&deep),
+    ));
+    Ok(out)
+}
+
 /// Summary over a grid: max and median |pred/meas − 1| and the worst spec.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GridSummary {

@@ -52,6 +52,12 @@ pub struct Batch {
     pub labels: Vec<u32>,
     /// Labels replaced by the null class (label dropout for classifier-free guidance).
     pub drop_label: Vec<bool>,
+    /// Caption tokens per sample (0 for a model without text).
+    pub text_tokens: usize,
+    /// Width of one cached text embedding.
+    pub text_width: usize,
+    /// Cached text embeddings, (n, T, width) row-major (empty without text).
+    pub text: Vec<f64>,
 }
 
 impl Batch {
@@ -71,6 +77,7 @@ impl Batch {
             timesteps: self.timesteps[start..start + len].to_vec(),
             labels: self.labels[start..start + len].to_vec(),
             drop_label: self.drop_label[start..start + len].to_vec(),
+            text: self.text[start * self.text_len()..(start + len) * self.text_len()].to_vec(),
             ..self.clone_meta()
         })
     }
@@ -87,7 +94,25 @@ impl Batch {
             timesteps: Vec::new(),
             labels: Vec::new(),
             drop_label: Vec::new(),
+            text_tokens: self.text_tokens,
+            text_width: self.text_width,
+            text: Vec::new(),
         }
+    }
+
+    /// Text elements per sample: T·width.
+    pub fn text_len(&self) -> usize {
+        self.text_tokens * self.text_width
+    }
+
+    /// The cached text embeddings as (n·T, width) in `dtype` (made in f64, then cast).
+    pub fn text_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = Tensor::from_slice(
+            &self.text,
+            (self.n * self.text_tokens, self.text_width),
+            dev,
+        )?;
+        Ok(t.to_dtype(dtype)?)
     }
 
     /// Check the batch against the model geometry.
@@ -99,7 +124,8 @@ impl Batch {
             && self.noise.len() == self.n * self.sample_len
             && self.timesteps.len() == self.n
             && self.labels.len() == self.n
-            && self.drop_label.len() == self.n;
+            && self.drop_label.len() == self.n
+            && self.text.len() == self.n * self.text_len();
         if !ok {
             return Err(EngineError::bad_input(
                 "batch",
@@ -180,6 +206,9 @@ pub struct SyntheticData {
     width: usize,
     num_classes: u32,
     class_dropout: f64,
+    /// Caption tokens and width of the cached text embeddings (0 without text).
+    text_tokens: usize,
+    text_width: usize,
     /// Samples per optimizer step on one rank: microbatch × accumulation.
     pub per_step: usize,
 }
@@ -188,7 +217,13 @@ impl SyntheticData {
     pub fn new(spec: &Spec, seed: u64) -> Result<Self> {
         let d = Dims::new(spec)?;
         let w = &spec.workload;
+        let (text_tokens, text_width) = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Dit => (0, 0),
+            crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width),
+        };
         Ok(SyntheticData {
+            text_tokens,
+            text_width,
             seed,
             latent_scale: 1.0,
             channels: d.in_channels,
@@ -210,6 +245,9 @@ impl SyntheticData {
         b.timesteps.push(r.below(NUM_TIMESTEPS as u64) as u32);
         b.labels.push(r.below(u64::from(self.num_classes)) as u32);
         b.drop_label.push(r.uniform() < self.class_dropout);
+        // Text embeddings ~ N(0, 1), drawn after the DiT's fields (which stay as they were).
+        b.text
+            .extend((0..self.text_tokens * self.text_width).map(|_| r.normal()));
     }
 
     /// Samples `first .. first + n`.
@@ -226,6 +264,9 @@ impl SyntheticData {
             timesteps: Vec::with_capacity(n),
             labels: Vec::with_capacity(n),
             drop_label: Vec::with_capacity(n),
+            text_tokens: self.text_tokens,
+            text_width: self.text_width,
+            text: Vec::with_capacity(n * self.text_tokens * self.text_width),
         };
         for i in 0..n as u64 {
             self.sample(first + i, &mut b);

@@ -82,6 +82,11 @@ impl Dims {
         let m = &spec.model;
         let grid = spec.token_grid()?;
         let u = |v: u32| v as usize;
+        // A family's output channels come from its config (PixArt-α's 8: a learned variance).
+        let out_channels = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Dit => u(m.out_channels()),
+            crate::families::Arch::Pixart(g) => g.out_channels,
+        };
         Ok(Dims {
             depth: u(m.depth),
             hidden: u(m.hidden),
@@ -90,7 +95,7 @@ impl Dims {
             mlp_hidden: u(m.mlp_hidden()),
             patch: u(m.patch),
             in_channels: u(m.in_channels),
-            out_channels: u(m.out_channels()),
+            out_channels,
             num_classes: u(m.num_classes),
             label_rows: u(m.label_rows()),
             freq: u(m.freq_embed),
@@ -137,6 +142,9 @@ pub fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
 /// Every parameter of the spec's model, in a fixed order (embedders, blocks, final layer).
 pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     let d = Dims::new(spec)?;
+    if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
+        return Ok(crate::families::pixart::param_shapes(&d, &g));
+    }
     let lora = spec.recipe.lora.as_ref();
     let base_trainable = lora.is_none();
     let small = Init::Normal(0.02);
@@ -268,7 +276,8 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     Ok(v)
 }
 
-/// Total parameter count, including the frozen `pos_embed` (the number DiT's `train.py` logs).
+/// Total parameter count, including the frozen `pos_embed` (the number DiT's `train.py` logs;
+/// for a family, its non-persistent position buffer too).
 pub fn param_count(spec: &Spec) -> Result<u64> {
     Ok(param_shapes(spec)?.iter().map(ParamShape::numel).sum())
 }

@@ -41,6 +41,8 @@ use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
+mod pixart;
+
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
     Ok(match d {
@@ -131,6 +133,39 @@ struct BlockIdx {
     lin: [LinearIdx; 5],
 }
 
+/// Where the original DiT's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+struct DitLayout {
+    embed_idx: [LinearIdx; 3],
+    table: usize,
+    pos: usize,
+    blocks: Vec<BlockIdx>,
+    final_idx: [LinearIdx; 2],
+}
+
+/// The model's parameters by role.
+#[derive(Debug, Clone)]
+enum Layout {
+    Dit(DitLayout),
+    Pixart(pixart::PixartLayout),
+}
+
+impl Layout {
+    /// Every linear of the model (for their gradient sinks).
+    fn linears(&self) -> Vec<LinearIdx> {
+        match self {
+            Layout::Dit(l) => l
+                .embed_idx
+                .iter()
+                .chain(l.blocks.iter().flat_map(|b| b.lin.iter()))
+                .chain(l.final_idx.iter())
+                .copied()
+                .collect(),
+            Layout::Pixart(l) => l.linears(),
+        }
+    }
+}
+
 /// What the forward pass keeps of a block until its backward.
 enum Saved {
     /// The leaf the block ran on and its output (holding the block's graph).
@@ -150,11 +185,8 @@ pub struct Trainer {
     params: Vec<Param>,
     by_name: HashMap<String, usize>,
     trained: Vec<usize>,
-    embed_idx: [LinearIdx; 3],
-    table: usize,
-    pos: usize,
-    blocks: Vec<BlockIdx>,
-    final_idx: [LinearIdx; 2],
+    /// Shared, so a step reads it without a copy (a copy would be step memory).
+    layout: Arc<Layout>,
     /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
     /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
     sinks: Vec<Option<(Arc<GradSink>, bool)>>,
@@ -171,6 +203,7 @@ impl Trainer {
     /// Build the model of `spec` with weights drawn from `opts.seed` (in f64, then cast).
     pub fn new(spec: &Spec, opts: TrainOptions) -> Result<Trainer> {
         let dims = Dims::new(spec)?;
+        let arch = crate::families::Arch::of(spec)?;
         // The spec's CPU must be this process's (the budget of the spec assumes it); a spec
         // without one runs as detected. Its bf16 path is the one the ops take from here on.
         let cpu = spec.cpu.unwrap_or_else(crate::host::detect);
@@ -239,13 +272,17 @@ impl Trainer {
         let mut params = Vec::new();
         let mut by_name = HashMap::new();
         let mut trained = Vec::new();
-        for (i, p) in param_shapes(spec)?.into_iter().enumerate() {
+        let shapes = match &arch {
+            crate::families::Arch::Dit => param_shapes(spec)?,
+            crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
+        };
+        for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
             let t = Tensor::from_vec(values, p.shape.clone(), &dev)?;
             let value = if p.trainable {
                 trained.push(i);
                 Value::Trained(Var::from_tensor(&t.to_dtype(param_dt)?)?)
-            } else if p.name == "pos_embed" {
+            } else if p.name == "pos_embed" || p.name == "pos_embed.pos_embed" {
                 Value::Frozen(t.to_dtype(accum)?)
             } else {
                 Value::Frozen(t.to_dtype(compute)?)
@@ -276,33 +313,43 @@ impl Trainer {
                 lora,
             })
         };
-        let embed_idx = [
-            lin("x_embedder.proj")?,
-            lin("t_embedder.mlp.0")?,
-            lin("t_embedder.mlp.2")?,
-        ];
-        let mut blocks = Vec::new();
-        for i in 0..dims.depth {
-            let mut l = [embed_idx[0]; 5];
-            for (slot, (name, _)) in l.iter_mut().zip(BLOCK_LINEARS) {
-                *slot = lin(&format!("blocks.{i}.{name}"))?;
+        let layout = match &arch {
+            crate::families::Arch::Dit => {
+                let embed_idx = [
+                    lin("x_embedder.proj")?,
+                    lin("t_embedder.mlp.0")?,
+                    lin("t_embedder.mlp.2")?,
+                ];
+                let mut blocks = Vec::new();
+                for i in 0..dims.depth {
+                    let mut l = [embed_idx[0]; 5];
+                    for (slot, (name, _)) in l.iter_mut().zip(BLOCK_LINEARS) {
+                        *slot = lin(&format!("blocks.{i}.{name}"))?;
+                    }
+                    blocks.push(BlockIdx { lin: l });
+                }
+                Layout::Dit(DitLayout {
+                    embed_idx,
+                    table: idx("y_embedder.embedding_table.weight")?,
+                    pos: idx("pos_embed")?,
+                    blocks,
+                    final_idx: [
+                        lin("final_layer.adaLN_modulation.1")?,
+                        lin("final_layer.linear")?,
+                    ],
+                })
             }
-            blocks.push(BlockIdx { lin: l });
-        }
-        let final_idx = [
-            lin("final_layer.adaLN_modulation.1")?,
-            lin("final_layer.linear")?,
-        ];
-        let table = idx("y_embedder.embedding_table.weight")?;
-        let pos = idx("pos_embed")?;
+            crate::families::Arch::Pixart(g) => Layout::Pixart(pixart::PixartLayout::new(
+                &lin,
+                &idx,
+                dims.depth,
+                g.clone(),
+            )?),
+        };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
         let is_trained = |i: usize| matches!(params[i].value, Value::Trained(_));
-        for l in embed_idx
-            .iter()
-            .chain(blocks.iter().flat_map(|b| b.lin.iter()))
-            .chain(final_idx.iter())
-        {
+        for l in layout.linears().iter() {
             let (tw, tb) = (is_trained(l.w), is_trained(l.b));
             if tw || tb {
                 let sink = Arc::new(GradSink::new(tw, tb));
@@ -324,11 +371,7 @@ impl Trainer {
             params,
             by_name,
             trained,
-            embed_idx,
-            table,
-            pos,
-            blocks,
-            final_idx,
+            layout: Arc::new(layout),
             sinks,
             grads: vec![None; n],
             grad_scale: 1.0,
@@ -588,16 +631,20 @@ impl Trainer {
         } else {
             None
         };
+        // A conv weight (out, C, p, p) (PixArt's patch embedding) multiplies as its
+        // (out, C·p·p) view; candle reshapes its gradient back.
+        let w = self.linear_weight(l.w, track)?;
+        let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
         Ok(LinearW {
-            w: self.linear_weight(l.w, track)?,
+            w,
             b: self.linear_weight(l.b, track)?,
             lora,
             sink,
         })
     }
 
-    fn block_weights(&self, i: usize, track: bool) -> Result<BlockWeights> {
-        let l = &self.blocks[i].lin;
+    fn block_weights(&self, b: &BlockIdx, track: bool) -> Result<BlockWeights> {
+        let l = &b.lin;
         Ok(BlockWeights {
             adaln: self.linear(l[0], track)?,
             qkv: self.linear(l[1], track)?,
@@ -635,6 +682,11 @@ impl Trainer {
                 continue;
             };
             let g = cast(g, gd)?;
+            let g = if g.dims() != v.dims() {
+                g.reshape(v.shape())?
+            } else {
+                g
+            };
             self.grads[i] = Some(match self.grads[i].take() {
                 Some(old) if crate::mutation::active(crate::mutation::Mutation::AccumulateBf16) => {
                     cast((cast(old, DType::BF16)? + cast(g, DType::BF16)?)?, gd)?
@@ -681,16 +733,21 @@ impl Trainer {
         }
         self.grad_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let mut loss_sum = 0.0;
+        let layout = Arc::clone(&self.layout);
         for m in 0..accum {
             let mb = batch.slice(m * micro, micro)?;
             rec.enter(Phase::Forward);
-            loss_sum += self.microbatch(&mb, m, accum, rec)?;
+            loss_sum += match &*layout {
+                Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
+                Layout::Pixart(l) => self.pixart_microbatch(l, &mb, m, accum, rec)?,
+            };
         }
         Ok(loss_sum / accum as f64)
     }
 
     fn microbatch(
         &mut self,
+        lay: &DitLayout,
         mb: &Batch,
         micro: usize,
         accum: usize,
@@ -712,14 +769,14 @@ impl Trainer {
         let xt = mb.noisy(&self.acp, ad, &self.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);
-        let xe = self.linear(self.embed_idx[0], true)?.forward(&xp)?;
-        let pos = self.weight_and_keep(self.pos)?;
+        let xe = self.linear(lay.embed_idx[0], true)?.forward(&xp)?;
+        let pos = self.weight_and_keep(lay.pos)?;
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
         let tf = cast(timestep_features(&mb.timesteps, d.freq, ad, &self.dev)?, cd)?;
-        let t1 = self.linear(self.embed_idx[1], true)?.forward(&tf)?.silu()?;
-        let temb = cast(self.linear(self.embed_idx[2], true)?.forward(&t1)?, ad)?;
+        let t1 = self.linear(lay.embed_idx[1], true)?.forward(&tf)?.silu()?;
+        let temb = cast(self.linear(lay.embed_idx[2], true)?.forward(&t1)?, ad)?;
         let null = d.num_classes as u32;
         let ids: Vec<u32> = mb
             .labels
@@ -734,7 +791,7 @@ impl Trainer {
             })
             .collect();
         let ids = Tensor::from_vec(ids, b, &self.dev)?;
-        let table = match &self.params[self.table].value {
+        let table = match &self.params[lay.table].value {
             Value::Trained(v) => v.as_tensor().clone(),
             Value::Frozen(t) => t.clone(),
         };
@@ -750,12 +807,12 @@ impl Trainer {
             let seeds = self.seeds(micro, i);
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let input = cur.detach();
-                let w = self.block_weights(i, false)?;
+                let w = self.block_weights(&lay.blocks[i], false)?;
                 cur = block_forward(&input, &c_leaf.as_detached_tensor(), &w, &self.cfg, seeds)?;
                 saved.push(Saved::Recompute { input });
             } else {
                 let leaf = Var::from_tensor(&cur.detach())?;
-                let w = self.block_weights(i, true)?;
+                let w = self.block_weights(&lay.blocks[i], true)?;
                 let out =
                     block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
                 cur = out.clone();
@@ -768,8 +825,8 @@ impl Trainer {
         let final_leaf = Var::from_tensor(&cur.detach())?;
         drop(cur);
         let fw = FinalWeights {
-            adaln: self.linear(self.final_idx[0], true)?,
-            linear: self.linear(self.final_idx[1], true)?,
+            adaln: self.linear(lay.final_idx[0], true)?,
+            linear: self.linear(lay.final_idx[1], true)?,
         };
         // `out` is dropped as soon as the prediction is built, so that the final layer's graph
         // is owned by the loss alone and freed with it.
@@ -788,8 +845,8 @@ impl Trainer {
         let factor = self.grad_scale / accum as f64;
         let grads = loss.affine(factor, 0.0)?.backward()?;
         drop(loss);
-        let mut final_params = Self::linear_params(&self.final_idx[0]);
-        final_params.extend(Self::linear_params(&self.final_idx[1]));
+        let mut final_params = Self::linear_params(&lay.final_idx[0]);
+        final_params.extend(Self::linear_params(&lay.final_idx[1]));
         self.accumulate(&final_params, &grads)?;
         let mut gx = grads
             .get(final_leaf.as_tensor())
@@ -814,7 +871,7 @@ impl Trainer {
                 Saved::Recompute { input } => {
                     let leaf = Var::from_tensor(&input)?;
                     drop(input);
-                    let w = self.block_weights(i, true)?;
+                    let w = self.block_weights(&lay.blocks[i], true)?;
                     let seeds =
                         if crate::mutation::active(crate::mutation::Mutation::RecomputeDropoutMask)
                         {
@@ -831,7 +888,7 @@ impl Trainer {
             let grads = crate::ops::backward_from(&out, &gx)?;
             drop(out);
             let mut idx = Vec::new();
-            for l in &self.blocks[i].lin {
+            for l in &lay.blocks[i].lin {
                 idx.extend(Self::linear_params(l));
             }
             self.accumulate(&idx, &grads)?;
@@ -858,10 +915,10 @@ impl Trainer {
         let grads = sur.backward()?;
         drop(sur);
         let mut idx = Vec::new();
-        for l in &self.embed_idx {
+        for l in &lay.embed_idx {
             idx.extend(Self::linear_params(l));
         }
-        idx.push(self.table);
+        idx.push(lay.table);
         self.accumulate(&idx, &grads)?;
         drop(grads);
         drop((x0, c, gx, gc));

@@ -46,6 +46,11 @@ pub struct Sims {
     /// What the embed's locals still hold after its backward, until `microbatch` returns
     /// (activations, weight casts).
     pub embed_tail: (u64, u64),
+    /// The gradients of the conditioning leaves, summed over the blocks and the final layer and
+    /// held from the final layer's backward to the embed's (DiT: c, (b, D) in the accumulation
+    /// dtype; PixArt: t6, the embedded timestep and the caption in the gradient dtype), with
+    /// candle's bookkeeping.
+    pub cond_grad: u64,
 }
 
 /// Costs of the three segments of a runtime described by generic segments.

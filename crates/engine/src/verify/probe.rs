@@ -51,6 +51,9 @@ pub(super) fn score_bound(
     seed: u64,
     batch: &Batch,
 ) -> Result<(f64, f64)> {
+    if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
+        return pixart_score_bound(spec, t, &g, batch);
+    }
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
     let f = DType::F64;
@@ -158,6 +161,164 @@ pub(super) fn score_bound(
         }
         loss_sum += on_pool(|| -> Result<f64> {
             let out = final_forward(&x, &c, &fw, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// max over samples and heads of `scale`·maxᵢ ‖qᵢ‖·maxⱼ ‖kⱼ‖ for q (b·s_q, D) and k (b·s_k, D).
+fn pair_bound(q: &Tensor, k: &Tensor, b: usize, heads: usize, scale: f64) -> Result<f64> {
+    let (rq, h) = q.dims2().map_err(e)?;
+    let rk = k.dim(0).map_err(e)?;
+    let (sq, sk, dh) = (rq / b, rk / b, h / heads);
+    let qv: Vec<f64> = q.flatten_all().and_then(|v| v.to_vec1()).map_err(e)?;
+    let kv: Vec<f64> = k.flatten_all().and_then(|v| v.to_vec1()).map_err(e)?;
+    let largest = |x: &[f64], s: usize, bi: usize, hd: usize| {
+        (0..s)
+            .map(|r| {
+                let at = (bi * s + r) * h + hd * dh;
+                x[at..at + dh].iter().map(|v| v * v).sum::<f64>()
+            })
+            .fold(0.0f64, f64::max)
+            .sqrt()
+    };
+    let mut sb = 0.0f64;
+    for bi in 0..b {
+        for hd in 0..heads {
+            sb = sb.max(scale.abs() * largest(&qv, sq, bi, hd) * largest(&kv, sk, bi, hd));
+        }
+    }
+    Ok(sb)
+}
+
+/// [`score_bound`] for PixArt: its forward replayed in f64 (embed, blocks, output side), S over
+/// both the self-attention and the cross-attention to the caption.
+fn pixart_score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    g: &crate::families::pixart::PixartGeom,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    use crate::families::pixart::{
+        caption_forward, final_forward as pixart_final, pixart_block_forward, CaptionWeights,
+        PixartBlockWeights, PixartFinalWeights,
+    };
+    use crate::ops::gated_residual;
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: 0.0,
+        mlp_dropout: 0.0,
+    };
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let conv = t
+        .parameter("pos_embed.proj.weight")?
+        .flatten_from(1)
+        .map_err(e)?;
+    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
+    let te = "adaln_single.emb.timestep_embedder";
+    let t1 = linear(t, &format!("{te}.linear_1"))?;
+    let t2 = linear(t, &format!("{te}.linear_2"))?;
+    let adaln = linear(t, "adaln_single.linear")?;
+    let cw = if g.caption_projection {
+        Some(CaptionWeights {
+            linear_1: linear(t, "caption_projection.linear_1")?,
+            linear_2: linear(t, "caption_projection.linear_2")?,
+        })
+    } else {
+        None
+    };
+    let pos = t.parameter("pos_embed.pos_embed")?;
+    let fw = PixartFinalWeights {
+        table: t.parameter("scale_shift_table")?,
+        proj_out: linear(t, "proj_out")?,
+    };
+    let (h, s) = (d.hidden, d.tokens);
+    let mut bound = 0.0f64;
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut x, emb, t6, y) = on_pool(|| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe
+                .reshape((b, s, h))
+                .and_then(|x| x.broadcast_add(&pos))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, 256, f, &dev)?;
+            let emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let t6 = adaln.forward(&emb.silu().map_err(e)?)?;
+            let cap = mb.text_tensor(f, &dev)?;
+            let y = match &cw {
+                Some(cw) => caption_forward(&cap, cw)?,
+                None => cap,
+            };
+            Ok((x, emb, t6, y))
+        })?;
+        for i in 0..d.depth {
+            let p = |n: &str| linear(t, &format!("transformer_blocks.{i}.{n}"));
+            let bw = PixartBlockWeights {
+                table: t.parameter(&format!("transformer_blocks.{i}.scale_shift_table"))?,
+                q1: p("attn1.to_q")?,
+                k1: p("attn1.to_k")?,
+                v1: p("attn1.to_v")?,
+                o1: p("attn1.to_out.0")?,
+                q2: p("attn2.to_q")?,
+                k2: p("attn2.to_k")?,
+                v2: p("attn2.to_v")?,
+                o2: p("attn2.to_out.0")?,
+                fc1: p("ff.net.0.proj")?,
+                fc2: p("ff.net.2")?,
+            };
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                // q and k of both attentions as the block computes them.
+                let modv = t6
+                    .broadcast_add(&bw.table.reshape((1, 6 * h)).map_err(e)?)
+                    .map_err(e)?;
+                let chunk = |k: usize| modv.narrow(1, k * h, h).map_err(e);
+                let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
+                let q = bw.q1.forward(&h1)?;
+                let (k, v) = (bw.k1.forward(&h1)?, bw.v1.forward(&h1)?);
+                let sb1 = pair_bound(&q, &k, b, d.heads, scale)?;
+                let o = crate::ops::attention::separate::attention(
+                    &q,
+                    &k,
+                    &v,
+                    b,
+                    d.heads,
+                    crate::ops::AttnKeep::Nothing,
+                )
+                .map_err(e)?;
+                let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
+                let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
+                let sb2 = pair_bound(&q2, &bw.k2.forward(&y)?, b, d.heads, scale)?;
+                Ok((pixart_block_forward(&x, &t6, &y, &bw, &cfg)?, sb1.max(sb2)))
+            })?;
+            bound = bound.max(sb);
+            x = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = pixart_final(&x, &emb, &fw, f, f)?;
             let pred = unpatchify(&out, b, &d)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;

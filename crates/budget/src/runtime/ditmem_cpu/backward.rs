@@ -323,9 +323,7 @@ fn node_backward(
                 acc(h, g, store, i, d);
             }
         }
-        Kind::Custom { bwd_scratch } => {
-            custom_backward(h, g, store, x, bwd_scratch, sunk_grads, &mut locals)
-        }
+        Kind::Custom { bwd_scratch } => custom_backward(h, g, store, x, bwd_scratch, sunk_grads),
         Kind::Var | Kind::Const => {}
     }
     locals
@@ -492,7 +490,6 @@ fn custom_backward(
     x: Nid,
     bwd_scratch: u64,
     sunk_grads: &mut u64,
-    locals: &mut Vec<Val>,
 ) {
     let ins = &g.nodes[x].inputs;
     let bytes = |x: Nid| g.nodes[x].bytes();
@@ -510,8 +507,10 @@ fn custom_backward(
             *sunk_grads += bytes(i) + h.tmeta + h.smeta;
             continue;
         }
+        // `if let Some(arg_grad) = arg_grad { …add(&arg_grad) }`: each gradient is dropped once
+        // folded, before the next input's (candle-core `backprop.rs`, CustomOp2/CustomOp3).
         acc(h, g, store, i, d);
-        locals.push(d);
+        h.drop_val(d);
     }
 }
 

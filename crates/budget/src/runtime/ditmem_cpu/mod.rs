@@ -25,6 +25,7 @@
 //!   `ops/attention/bf16.rs`);
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
+//! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
@@ -34,6 +35,7 @@ pub mod backward;
 pub mod block;
 pub mod graph;
 pub mod ops;
+pub mod pixart;
 pub(crate) mod segments;
 pub(crate) mod step;
 

@@ -74,6 +74,13 @@ pub fn fused_linear_scratch(
     }
 }
 
+/// Known gap (measured, not yet modelled): on f32/f64 the engine's direct linear hands `gemm` a
+/// row-major destination, and `gemm` then packs its operands into a heap buffer per call (about
+/// the size of W: 65,592 B around a 64 → 256 f32 linear, 16,680 B around 64 → 64; see
+/// `kernels::gemm::mm_strided`), which [`fused_linear_scratch`] leaves out. It sets the
+/// forward-phase peak of a recomputed block at small row counts (PixArt and the DiT at batch 1
+/// under recompute: the forward phase 5–25 % under), never the step peak of a grid spec.
+///
 /// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
 /// nothing saved beyond its inputs; its workspace is [`fused_linear_scratch`]. The gradients it
 /// returns are those of the inputs that track. Its widened f32 buffers are laid out so that

@@ -136,7 +136,7 @@ pub fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     (g, x, root)
 }
 
-fn seg(
+pub(crate) fn seg(
     g: &Graph,
     leaf: Option<Nid>,
     output: Option<Nid>,
@@ -170,6 +170,9 @@ fn seg(
 
 /// Simulate the engine's three segments for a spec.
 pub fn sims(spec: &Spec) -> Sims {
+    if let Some(pg) = super::pixart::PixGeo::of(spec) {
+        return super::pixart::sims(spec, &pg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();
@@ -227,5 +230,6 @@ pub fn sims(spec: &Spec) -> Sims {
         c_leaf: bd * ad.size() + TENSOR_META + STORAGE_META,
         embed_scratch: scratch,
         embed_tail,
+        cond_grad: bd * ad.size() + TENSOR_META + STORAGE_META,
     }
 }

@@ -11,7 +11,7 @@
 //! the engine's recorder marks (`inside: false`) or the worst moment between two marks.
 
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
-use crate::params::{ParamRole, ParamTensor};
+use crate::params::{Module, ParamRole, ParamTensor};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
@@ -42,6 +42,10 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// f16 products widened to f32 (no AVX512-BF16 kernel, or f16), and LoRA adapters (composed
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
+    // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
+    if super::pixart::PixGeo::of(spec).is_some() {
+        return true;
+    }
     let bf16_native =
         spec.recipe.precision.compute_dtype() == Dtype::Bf16 && spec.cpu().bf16_kernel();
     !bf16_native || spec.recipe.lora.is_some()
@@ -110,7 +114,15 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * (spec.tokens().unwrap_or(0))
         * u64::from(spec.model.patch)
         * u64::from(spec.model.patch);
-    n * (2 * lat_per_sample * 8 + 4 + 4 + 1)
+    // PixArt's cached text embeddings (n, T, width) in f64.
+    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems());
+    n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
+}
+
+/// A tensor of the output side: the DiT's `final_layer.*`, a family's final-layer group
+/// (PixArt's `scale_shift_table` and `proj_out`).
+fn is_final(t: &ParamTensor) -> bool {
+    t.name.starts_with("final_layer") || (t.block.is_none() && t.module == Module::FinalLayer)
 }
 
 /// The gradients one segment lands in the buffers.
@@ -146,7 +158,7 @@ struct Replay<'a> {
     ev: Events,
     /// One residual-stream tensor with candle's bookkeeping.
     e: u64,
-    /// The conditioning vector's gradient (b·D) with candle's bookkeeping.
+    /// The conditioning leaves' gradients with candle's bookkeeping ([`Sims::cond_grad`]).
     bd: u64,
     /// Weights stored in another dtype than the gradient buffers (bf16-pure): the first
     /// microbatch's gradients are cast into new buffers while the store still holds the
@@ -171,7 +183,7 @@ impl<'a> Replay<'a> {
             sims,
             ev: Events::default(),
             e: sh.e() * ad.size() + TENSOR_META + STORAGE_META,
-            bd: sh.b * sh.d * ad.size() + TENSOR_META + STORAGE_META,
+            bd: sims.cond_grad,
             cast_on_landing: p.param_dtype() != grad_dtype(p),
             grad_share: if crate::sharding::Scheme::of(spec).shards_gradients() {
                 u64::from(spec.workload.ranks)
@@ -179,10 +191,8 @@ impl<'a> Replay<'a> {
                 1
             },
             block: Landing::of(table, gd, &|t| t.block == Some(0)),
-            final_layer: Landing::of(table, gd, &|t| t.name.starts_with("final_layer")),
-            embed: Landing::of(table, gd, &|t| {
-                t.block.is_none() && !t.name.starts_with("final_layer")
-            }),
+            final_layer: Landing::of(table, gd, &is_final),
+            embed: Landing::of(table, gd, &|t| t.block.is_none() && !is_final(t)),
         }
     }
 

@@ -9,12 +9,15 @@
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
 //! - [`dropout`]: the dropout mask, composed and per element.
 //! - [`reference`](mod@reference): the composed attention ([`attention_materialized`]), the tests' reference.
+//! - [`separate`]: attention over separate q, k, v (self-attention of three projections, and
+//!   cross-attention to text tokens).
 
 pub mod bf16;
 pub mod dropout;
 mod generic;
 pub mod geom;
 pub mod reference;
+pub mod separate;
 
 use std::sync::Mutex;
 
@@ -28,6 +31,7 @@ use generic::{attn_bwd_cpu, attn_fwd_cpu};
 use geom::attn_geom;
 pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK};
 pub use reference::attention_materialized;
+pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};
 
 /// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
 /// read in place (no narrow, no transposes, no contiguous copies), the output already has the

@@ -1,0 +1,441 @@
+//! PixArt in the engine as candle nodes (twin: the engine's `families/pixart/block.rs` and
+//! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
+//! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
+//! over separate q, k, v ([`separate_attention`]), and the output side with the final
+//! `scale_shift_table`; then their simulation into [`Sims`] for the step replay
+//! ([`super::step`]), which schedules them as the DiT's.
+
+use crate::families::{Dims as FamilyDims, PixartDims};
+use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
+    TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{
+    fused_linear, gated_residual, gelu, ln_modulate, seed, FUSED_ATTN_KEY_BLOCK,
+};
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{AttentionMode, Dtype, Precision, Spec};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const PIXART_FREQ: u64 = 256;
+
+/// What a PixArt step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PixGeo {
+    /// Caption tokens T.
+    pub t: u64,
+    /// Width of the cached text embeddings (caption_channels, or D without a projection).
+    pub width: u64,
+    /// Whether the caption is projected (`caption_projection`).
+    pub projection: bool,
+    /// `out_channels` of the config.
+    pub c_out: u64,
+}
+
+impl PixGeo {
+    /// The PixArt geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec) -> Option<PixGeo> {
+        let fm = crate::denoiser::family(spec).ok().flatten()?;
+        let FamilyDims::Pixart(d) = &fm.dims else {
+            return None;
+        };
+        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+        Some(PixGeo::new(d, tokens.first().copied().unwrap_or(0)))
+    }
+
+    fn new(d: &PixartDims, t: u64) -> PixGeo {
+        PixGeo {
+            t,
+            width: d.caption_channels.unwrap_or(d.inner()),
+            projection: d.caption_channels.is_some(),
+            c_out: d.out_channels,
+        }
+    }
+
+    /// Text elements of one sample (T·width): the batch holds them in f64.
+    pub fn text_elems(&self) -> u64 {
+        self.t * self.width
+    }
+}
+
+/// Scratch elements (accumulation type) per head of the separate attention, (forward,
+/// backward) (`ops::attention::separate::{sep_fwd_scratch, sep_bwd_scratch}`).
+pub fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
+    let dh = sh.d / sh.heads;
+    let kb = FUSED_ATTN_KEY_BLOCK.min(sk);
+    let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
+    if sh.attention == AttentionMode::MemoryEfficient {
+        (f + sq * kb + 2 * sq, b + 2 * sq * kb + sq)
+    } else {
+        (f + sq * sk, b + 2 * sq * sk)
+    }
+}
+
+/// `ops::attention::separate::attention` of the engine: q (b·s_q, D) over k, v (b·s_kv, D),
+/// one fresh (b·s_q, D) output in the compute dtype. It keeps P (b·a·s_q·s_kv, compute dtype)
+/// when materialized, the log-sum-exp (b·a·s_q, accumulation type) when memory-efficient,
+/// nothing under attention-only recompute. Forward and backward run on one scratch of
+/// accumulation-type buffers per thread (at most one per head, every dtype on the generic
+/// kernels); the backward returns three fresh gradients.
+pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], sq: u64) -> Nid {
+    let cd = sh.cd();
+    let acc = if sh.precision == Precision::Fp64 {
+        8
+    } else {
+        4
+    };
+    let sk = g.elems(qkv[1]) / (sh.b * sh.d);
+    let nh = sh.b * sh.heads;
+    let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
+    let extra = if sh.attention == AttentionMode::MemoryEfficient {
+        nh * sq * acc
+    } else if sh.attention_only {
+        0
+    } else {
+        nh * sq * sk * cd.size()
+    };
+    let (fwd, bwd) = separate_attention_scratch(sh, sq, sk);
+    let o = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: nt * bwd * acc,
+        },
+        &qkv,
+        sh.b * sq * sh.d,
+        cd,
+    );
+    g.nodes[o].extra = extra;
+    g.nodes[o].fwd_scratch = nt * fwd * acc;
+    o
+}
+
+/// `k` narrow views of a (b, k·D) tensor.
+fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
+    (0..k)
+        .map(|i| {
+            let c = g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            );
+            g.bind(c)
+        })
+        .collect()
+}
+
+/// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input; every
+/// intermediate is a local of that function (bound). Returns the graph and (input leaf, t6
+/// leaf, caption leaf, output).
+pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (e, d) = (sh.e(), sh.d);
+    let rows = sh.b * sh.s;
+    let (bd, trows) = (sh.b * d, sh.b * pg.t);
+    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
+    let y = g.var("caption (shared leaf)", trows * d, cd, false);
+    let pd = sh.precision.param_dtype();
+    let table = g.weight("scale_shift_table", 6 * d, pd, true, ad);
+    let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+    let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+    g.bind(modv);
+    let m = chunks(&mut g, "modulation", modv, 6, bd);
+    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
+        let y = linear(g, sh, name, x, rows, out, inp, None);
+        g.bind(y)
+    };
+
+    // Self-attention.
+    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+    g.bind(h1);
+    let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
+    let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
+    let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
+    let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
+    g.bind(o);
+    let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
+    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+    g.bind(x1);
+
+    // Cross-attention.
+    let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+    let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+    g.bind(xq);
+    let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
+    let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
+    let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
+    let o2 = separate_attention(
+        &mut g,
+        sh,
+        "attn2 (cross, separate q, k, v)",
+        [q2, k2, v2],
+        sh.s,
+    );
+    g.bind(o2);
+    let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
+    let ones = g.constant("ones (b, D)", bd, ad, true);
+    g.bind(ones);
+    let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+    g.bind(x2);
+
+    // MLP.
+    let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
+    g.bind(h2);
+    let f1 = lin(&mut g, "ff.net.0.proj", h2, rows, sh.mlp, d);
+    let act = gelu(&mut g, "gelu(tanh) (fused)", f1);
+    g.bind(act);
+    let f2 = lin(&mut g, "ff.net.2", act, rows, d, sh.mlp);
+    let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+    (g, x, t6, y, out)
+}
+
+/// The embed segment as `Trainer::pixart_microbatch` builds it. Returns (graph, x0, t6,
+/// embedded timestep, caption).
+pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let bd = sh.b * sh.d;
+    let trows = sh.b * pg.t;
+    let wd = sh.weight_dtype();
+    let mut g = Graph::default();
+    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+    g.bind(xp);
+    // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view; the patches do not track,
+    // so the weight goes in tracked (its gradient through candle's store).
+    let inp = sh.c_in * p2;
+    let w = g.weight("pos_embed.proj.weight", sh.d * inp, wd, true, wd);
+    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+    let bias = g.weight("pos_embed.proj.bias", sh.d, wd, true, wd);
+    let xe = fused_linear(
+        &mut g,
+        "pos_embed.proj x·Wᵀ+b",
+        [xp, wv, bias],
+        (rows, inp, sh.d),
+        sh.cpu.bf16_kernel(),
+    );
+    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+    let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+    let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
+    let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+    let tf = g.constant("timestep features", sh.b * PIXART_FREQ, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
+    let te = "adaln_single.emb.timestep_embedder";
+    let h = linear(
+        &mut g,
+        sh,
+        &format!("{te}.linear_1"),
+        tf,
+        sh.b,
+        sh.d,
+        PIXART_FREQ,
+        None,
+    );
+    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+    g.bind(h);
+    let emb = linear(
+        &mut g,
+        sh,
+        &format!("{te}.linear_2"),
+        h,
+        sh.b,
+        sh.d,
+        sh.d,
+        None,
+    );
+    let emb = g.cast(&format!("emb→{ad}"), emb, ad);
+    g.bind(emb);
+    let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+    let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+    g.bind(se);
+    let t6 = linear(
+        &mut g,
+        sh,
+        "adaln_single.linear",
+        se,
+        sh.b,
+        6 * sh.d,
+        sh.d,
+        None,
+    );
+    let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+    g.bind(t6);
+    let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
+    g.bind(cap);
+    let y = if pg.projection {
+        let c1 = linear(
+            &mut g,
+            sh,
+            "caption_projection.linear_1",
+            cap,
+            trows,
+            sh.d,
+            pg.width,
+            None,
+        );
+        let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
+        let y = linear(
+            &mut g,
+            sh,
+            "caption_projection.linear_2",
+            act,
+            trows,
+            sh.d,
+            sh.d,
+            None,
+        );
+        // `caption_forward`'s locals live until it returns.
+        g.hold_until(&[c1, act], y);
+        y
+    } else {
+        cap
+    };
+    g.bind(y);
+    g.bind(x0);
+    (g, x0, t6, emb, y)
+}
+
+/// The output side and the loss on a leaf copy of the last block's output.
+/// Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let e = sh.e();
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", e, ad, true);
+    let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
+    let pd = sh.precision.param_dtype();
+    let table = g.weight("scale_shift_table", 2 * sh.d, pd, true, ad);
+    let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
+    let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
+    let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
+    let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
+    let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+    let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+    let md = chunks(&mut g, "final modulation", ss, 2, bd);
+    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+    let out_el = rows * p2 * pg.c_out;
+    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+    let lat = rows * p2 * sh.c_in;
+    let pred = g.view(
+        "ε channels",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: out_el - lat,
+        },
+        img,
+        lat,
+    );
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", lat, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+/// Simulate PixArt's three segments for a spec.
+pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
+    let sh = Shape::new(spec);
+    let ad = sh.ad();
+    let cd = sh.cd();
+    let ld = grad_dtype(sh.precision);
+
+    let (mut bg, leaf, _, _, out) = block(&sh, pg);
+    let fwd = forward_peak(&bg);
+    let root = seed(&mut bg, out);
+    let mut block_sim = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
+    block_sim.fwd_peak = fwd;
+    let (mut ug, uleaf, _, _, uout) = block(&sh, pg);
+    ug.nodes[uleaf].alloc = false;
+    block_sim.untracked_peak = untracked_peak(&ug, &[uout]);
+
+    let (fg, fleaf, froot) = final_graph(&sh, pg);
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
+
+    // Embed: its surrogate is Σ x0·gx + Σ t6·g6 + Σ emb·g_emb + Σ y·gy (the last in cd).
+    let (mut eg, x0, t6, emb, y) = embed_graph(&sh, pg);
+    let fwd = forward_peak(&eg);
+    let bd = sh.b * sh.d;
+    let yel = sh.b * pg.t * sh.d;
+    let gx = eg.constant("grad x0", sh.e(), ad, false);
+    let g6 = eg.constant("grad t6", 6 * bd, ad, false);
+    let ge = eg.constant("grad emb", bd, ad, false);
+    let gy = eg.constant("grad caption", yel, cd, false);
+    let n0 = eg.nodes.len();
+    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], sh.e(), ad);
+    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
+    let m2 = eg.op("t6·g6", Kind::Mul, &[t6, g6], 6 * bd, ad);
+    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
+    let a1 = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
+    let m3 = eg.op("emb·g_emb", Kind::Mul, &[emb, ge], bd, ad);
+    let s3 = eg.op("sum", Kind::Sum, &[m3], 1, ad);
+    let a2 = eg.op("+", Kind::Add, &[a1, s3], 1, ad);
+    let m4 = eg.op("y·gy", Kind::Mul, &[y, gy], yel, cd);
+    let s4 = eg.op("sum", Kind::Sum, &[m4], 1, cd);
+    let s4 = eg.cast(&format!("sum→{ad}"), s4, ad);
+    let r = eg.op("+", Kind::Add, &[a2, s4], 1, ad);
+    let root_nodes = eg.nodes.len() - n0;
+    let held = eg.bound();
+    let tail: Vec<Nid> = held
+        .iter()
+        .copied()
+        .filter(|&n| n != x0 && n != t6 && n != emb && n != y)
+        .collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
+    embed.fwd_peak = fwd;
+
+    let meta = TENSOR_META + STORAGE_META;
+    let leaves = (6 * bd + bd) * ad.size() + yel * cd.size() + 3 * meta;
+    let n_lat = sh.latent;
+    let text = sh.b * pg.text_elems();
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * PIXART_FREQ * 8);
+    if cd != Dtype::F64 {
+        // The f64 caption made from the batch, freed once cast.
+        scratch = scratch.max(text * 8);
+    }
+    Sims {
+        embed,
+        block: block_sim,
+        final_layer,
+        c_leaf: leaves,
+        embed_scratch: scratch,
+        embed_tail,
+        cond_grad: (bd + 6 * bd + yel) * ld.size() + 3 * meta,
+    }
+}
+
+/// PixArt's three segments (embed, block, final) as generic segments, for the op inventory of
+/// a `ditmem-cpu` budget; None for any other model.
+pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+    let pg = PixGeo::of(spec)?;
+    let sh = Shape::new(spec);
+    Some([
+        to_segment(&embed_graph(&sh, &pg).0, "embed"),
+        to_segment(&block(&sh, &pg).0, "block"),
+        to_segment(&final_graph(&sh, &pg).0, "final"),
+    ])
+}

@@ -1,0 +1,122 @@
+//! PixArt's block, caption projection and output side (see the module docs of
+//! [`super`] for the tensor list), on the engine's fused ops. `cd` is the compute dtype of the
+//! matmuls and attention, `ad` the accumulation dtype of the residual stream, norms and
+//! modulation; every linear is one fused node ([`LinearW`]).
+
+use candle_core::{DType, Tensor};
+
+use crate::block::{cast, AttnImpl, BlockConfig, LinearW, LN_EPS};
+use crate::error::Result;
+use crate::ops::attention::separate::attention;
+use crate::ops::{gated_residual, gelu_tanh, ln_modulate, AttnKeep};
+
+/// The weights of one PixArt block; `table` is its `scale_shift_table` (6, D) in `ad`.
+#[derive(Debug, Clone)]
+pub struct PixartBlockWeights {
+    pub table: Tensor,
+    pub q1: LinearW,
+    pub k1: LinearW,
+    pub v1: LinearW,
+    pub o1: LinearW,
+    pub q2: LinearW,
+    pub k2: LinearW,
+    pub v2: LinearW,
+    pub o2: LinearW,
+    pub fc1: LinearW,
+    pub fc2: LinearW,
+}
+
+/// What the attention ops keep under the block's attention setting.
+pub fn attn_keep(a: AttnImpl) -> AttnKeep {
+    match a {
+        AttnImpl::Materialized => AttnKeep::Probabilities,
+        AttnImpl::RecomputeCore => AttnKeep::Nothing,
+        AttnImpl::MemoryEfficient => AttnKeep::LogSumExp,
+    }
+}
+
+/// One PixArt block: x (b, s, D) and t6 (b, 6D) in `ad`, the projected caption y (b·T, D) in
+/// `cd` → x (b, s, D) in `ad`. Every intermediate is a local until the block returns (the
+/// budget's twin binds the same tensors).
+pub fn pixart_block_forward(
+    x: &Tensor,
+    t6: &Tensor,
+    y: &Tensor,
+    w: &PixartBlockWeights,
+    cfg: &BlockConfig,
+) -> Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let keep = attn_keep(cfg.attn);
+    // (scale_shift_table[None] + timestep.reshape(b, 6, D)).chunk(6): one (b, 6D) sum.
+    let table = w.table.reshape((1, 6 * h))?;
+    let modv = t6.broadcast_add(&table)?;
+    let chunk = |i: usize| modv.narrow(1, i * h, h);
+    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
+    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+
+    // Self-attention.
+    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
+    let q = w.q1.forward(&h1)?;
+    let k = w.k1.forward(&h1)?;
+    let v = w.v1.forward(&h1)?;
+    let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
+    let p = w.o1.forward(&o)?;
+    let x1 = gated_residual(x, &p, &gate_msa)?;
+
+    // Cross-attention to the caption (PixArt's attn2 reads the stream without a norm).
+    let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
+    let q2 = w.q2.forward(&xq)?;
+    let k2 = w.k2.forward(y)?;
+    let v2 = w.v2.forward(y)?;
+    let o2 = attention(&q2, &k2, &v2, b, cfg.heads, keep)?;
+    let p2 = w.o2.forward(&o2)?;
+    let ones = Tensor::ones((b, h), ad, x.device())?;
+    let x2 = gated_residual(&x1, &p2, &ones)?;
+
+    // MLP.
+    let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
+    let f1 = w.fc1.forward(&h2)?;
+    let g = gelu_tanh(&f1)?;
+    let f2 = w.fc2.forward(&g)?;
+    Ok(gated_residual(&x2, &f2, &gate_mlp)?)
+}
+
+/// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.
+#[derive(Debug, Clone)]
+pub struct PixartFinalWeights {
+    pub table: Tensor,
+    pub proj_out: LinearW,
+}
+
+/// `norm_out` + `(table[None] + emb[:, None]).chunk(2)` modulation + `proj_out`: x (b, s, D)
+/// and the embedded timestep (b, D) in `ad` → (b·s, p²·C_out) in `ad`.
+pub fn final_forward(
+    x: &Tensor,
+    emb: &Tensor,
+    w: &PixartFinalWeights,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
+    let (b, _, h) = x.dims3()?;
+    let e = emb.unsqueeze(1)?;
+    let t = w.table.unsqueeze(0)?;
+    let ss = e.broadcast_add(&t)?.reshape((b, 2 * h))?;
+    let (shift, scale) = (ss.narrow(1, 0, h)?, ss.narrow(1, h, h)?);
+    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
+    cast(w.proj_out.forward(&hx)?, ad)
+}
+
+/// `caption_projection` (PixArtAlphaTextProjection): linear_1, GELU-tanh, linear_2.
+#[derive(Debug, Clone)]
+pub struct CaptionWeights {
+    pub linear_1: LinearW,
+    pub linear_2: LinearW,
+}
+
+/// The caption (b·T, C) in `cd` → (b·T, D) in `cd`.
+pub fn caption_forward(cap: &Tensor, w: &CaptionWeights) -> Result<Tensor> {
+    let c1 = w.linear_1.forward(cap)?;
+    let g = gelu_tanh(&c1)?;
+    w.linear_2.forward(&g)
+}

@@ -1,0 +1,173 @@
+//! PixArt's geometry beyond [`Dims`] and its parameter inventory, named and ordered as diffusers
+//! registers them (the budget's table, `ditmem_budget::denoiser::param_table`).
+//!
+//! Initialisation (drawn in f64 from the seed and the name, as for the DiT): linears
+//! xavier-uniform with zero biases; the timestep MLP and `adaln_single.linear` normal(0, 0.02);
+//! every `scale_shift_table` randn / √D (diffusers' init); the sin-cos table of the token grid
+//! (frozen; diffusers' non-persistent `pos_embed.pos_embed` buffer, which the parameter count
+//! leaves out).
+
+use ditmem_budget::{PixartDims, Spec};
+
+use crate::error::{EngineError, Result};
+use crate::model::{Dims, Init, ParamShape};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const PIXART_FREQ: usize = 256;
+
+/// The linears of a PixArt block in forward order (diffusers names).
+pub const PIXART_BLOCK_LINEARS: [&str; 10] = [
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+];
+
+/// What a PixArt step needs beyond [`Dims`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PixartGeom {
+    /// Caption tokens T (`workload.text_tokens`, else the family's default).
+    pub text_tokens: usize,
+    /// Width of the cached text embeddings (`caption_channels`, or the hidden size when the
+    /// model has no caption projection).
+    pub text_width: usize,
+    /// Whether the model projects the caption (`caption_channels` set).
+    pub caption_projection: bool,
+    /// `out_channels` of the config (8 with a learned variance).
+    pub out_channels: usize,
+}
+
+impl PixartGeom {
+    /// Checks what the engine runs of a PixArt config and reads its geometry.
+    pub fn new(spec: &Spec, d: &PixartDims) -> Result<PixartGeom> {
+        if !d.attention_bias {
+            return Err(EngineError::unsupported(
+                "model.diffusers.attention_bias = false",
+                "the engine's PixArt has biased q/k/v projections; use attention_bias = true",
+            ));
+        }
+        if d.use_additional_conditions {
+            return Err(EngineError::unsupported(
+                "model.diffusers.use_additional_conditions = true (or sample_size 128)",
+                "the resolution and aspect-ratio embedders are not in the engine yet; set \
+                 use_additional_conditions = false",
+            ));
+        }
+        if spec.recipe.lora.is_some() {
+            return Err(EngineError::unsupported(
+                "recipe.lora with a PixArt model",
+                "LoRA on PixArt's projections is not in the engine yet; train the full model",
+            ));
+        }
+        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+            return Err(EngineError::unsupported(
+                "model.attn_dropout / model.mlp_dropout with a PixArt model",
+                "PixArt trains without dropout in the engine; set both to 0",
+            ));
+        }
+        let fm = ditmem_budget::denoiser::family(spec)?
+            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
+        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
+        let t = match tokens.as_slice() {
+            [t] if *t > 0 => *t as usize,
+            other => {
+                return Err(EngineError::bad_input(
+                    "workload.text_tokens",
+                    format!("{other:?}; allowed: one positive count (the T5 caption)"),
+                ))
+            }
+        };
+        let hidden = d.inner() as usize;
+        Ok(PixartGeom {
+            text_tokens: t,
+            text_width: d.caption_channels.map_or(hidden, |c| c as usize),
+            caption_projection: d.caption_channels.is_some(),
+            out_channels: d.out_channels as usize,
+        })
+    }
+}
+
+/// Every tensor of the PixArt model of `spec`, in the budget's table order, then the frozen
+/// position table.
+pub fn param_shapes(d: &Dims, g: &PixartGeom) -> Vec<ParamShape> {
+    let h = d.hidden;
+    let table_init = Init::Normal(1.0 / (h as f64).sqrt());
+    let small = Init::Normal(0.02);
+    let mut v = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, init: Init| {
+        v.push(ParamShape {
+            name,
+            shape,
+            init,
+            trainable: true,
+        })
+    };
+    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
+        push(format!("{p}.weight"), vec![out, inp], w);
+        push(format!("{p}.bias"), vec![out], Init::Zeros);
+    };
+    push("scale_shift_table".into(), vec![2, h], table_init);
+    push(
+        "pos_embed.proj.weight".into(),
+        vec![h, d.in_channels, d.patch, d.patch],
+        Init::XavierUniform,
+    );
+    push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    for i in 0..d.depth {
+        let b = format!("transformer_blocks.{i}");
+        push(format!("{b}.scale_shift_table"), vec![6, h], table_init);
+        for name in PIXART_BLOCK_LINEARS {
+            let (out, inp) = match name {
+                "ff.net.0.proj" => (d.mlp_hidden, h),
+                "ff.net.2" => (h, d.mlp_hidden),
+                _ => (h, h),
+            };
+            linear(
+                &mut push,
+                &format!("{b}.{name}"),
+                out,
+                inp,
+                Init::XavierUniform,
+            );
+        }
+    }
+    let out = d.patch * d.patch * g.out_channels;
+    linear(&mut push, "proj_out", out, h, small);
+    let te = "adaln_single.emb.timestep_embedder";
+    linear(&mut push, &format!("{te}.linear_1"), h, PIXART_FREQ, small);
+    linear(&mut push, &format!("{te}.linear_2"), h, h, small);
+    linear(&mut push, "adaln_single.linear", 6 * h, h, small);
+    if g.caption_projection {
+        let c = g.text_width;
+        linear(
+            &mut push,
+            "caption_projection.linear_1",
+            h,
+            c,
+            Init::XavierUniform,
+        );
+        linear(
+            &mut push,
+            "caption_projection.linear_2",
+            h,
+            h,
+            Init::XavierUniform,
+        );
+    }
+    v.push(ParamShape {
+        name: "pos_embed.pos_embed".into(),
+        shape: vec![d.tokens, h],
+        init: Init::SinCos2d {
+            rows: d.rows,
+            cols: d.cols,
+        },
+        trainable: false,
+    });
+    v
+}
