@@ -250,12 +250,14 @@ pub fn timeline_svg(
         name: "predicted (budget)".into(),
         points: pred,
         markers: false,
+        line: true,
     }];
     if measured.is_some() {
         series.push(Series {
             name: "measured (engine, boundaries)".into(),
             points: meas,
             markers: true,
+            line: true,
         });
     }
     let chart = LineChart {

@@ -335,6 +335,19 @@ fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
         .iter()
         .map(|c| (gib(c.peak_bytes), c.time.total_s))
         .collect();
+    let at = |c: &&ditmem_budget::Candidate| (gib(c.peak_bytes), c.time.total_s);
+    let fit: Vec<(f64, f64)> = p
+        .pareto
+        .iter()
+        .filter(|c| c.peak_bytes <= p.usable_bytes)
+        .map(|c| at(&c))
+        .collect();
+    let no_fit: Vec<(f64, f64)> = p
+        .pareto
+        .iter()
+        .filter(|c| c.peak_bytes > p.usable_bytes)
+        .map(|c| at(&c))
+        .collect();
     let chart = LineChart {
         title: format!(
             "{}: peak vs predicted step time ({})",
@@ -342,11 +355,27 @@ fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
         ),
         x_desc: "predicted peak (GiB)".into(),
         y_desc: "predicted step time (s)".into(),
-        series: vec![Series {
-            name: "Pareto front".into(),
-            points,
-            markers: true,
-        }],
+        series: vec![
+            Series {
+                name: "Pareto front".into(),
+                points,
+                markers: false,
+                line: true,
+            },
+            // Red for what does not fit, green for what does (the palette's second and third).
+            Series {
+                name: "does not fit".into(),
+                points: no_fit,
+                markers: true,
+                line: false,
+            },
+            Series {
+                name: "fits the usable budget".into(),
+                points: fit,
+                markers: true,
+                line: false,
+            },
+        ],
         markers: vec![
             Marker {
                 x: gib(p.usable_bytes),

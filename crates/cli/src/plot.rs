@@ -11,6 +11,8 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
     /// Draw markers at the points (for sparse data such as a Pareto front).
     pub markers: bool,
+    /// Join the points with a line (false: markers only, e.g. which points fit).
+    pub line: bool,
 }
 
 /// A vertical line with a label (a phase boundary).
@@ -64,14 +66,22 @@ fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
 }
 
 fn bounds(chart: &LineChart) -> (f64, f64, f64, f64) {
-    let pts = chart.series.iter().flat_map(|s| s.points.iter());
+    // Every point, note and marker is inside the frame (a base far off the front included).
+    let notes = chart.notes.iter().map(|n| (n.x, n.y));
+    let pts: Vec<(f64, f64)> = chart
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().copied())
+        .chain(notes)
+        .collect();
+    let marker_x: Vec<f64> = chart.markers.iter().map(|m| m.x).collect();
     let (mut x0, mut x1, mut y0, mut y1) = (
         f64::INFINITY,
         f64::NEG_INFINITY,
         f64::INFINITY,
         f64::NEG_INFINITY,
     );
-    for &(x, y) in pts {
+    for &(x, y) in &pts {
         if x.is_finite() && y.is_finite() && (!chart.log_y || y > 0.0) {
             x0 = x0.min(x);
             x1 = x1.max(x);
@@ -82,9 +92,15 @@ fn bounds(chart: &LineChart) -> (f64, f64, f64, f64) {
     if !x0.is_finite() {
         return (0.0, 1.0, if chart.log_y { 1e-12 } else { 0.0 }, 1.0);
     }
+    for &x in marker_x.iter().filter(|x| x.is_finite()) {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+    }
     if x1 <= x0 {
         x1 = x0 + 1.0;
     }
+    // Room for the labels at the right end.
+    x1 += (x1 - x0) * 0.06;
     if chart.log_y {
         if y1 <= y0 {
             y1 = y0 * 10.0;
@@ -121,15 +137,21 @@ pub fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
                     .light_line_style(WHITE.mix(0.0))
                     .draw()
                     .map_err(err)?;
-                for m in &chart.markers {
+                for (k, m) in chart.markers.iter().enumerate() {
                     c.draw_series(LineSeries::new(
                         vec![(m.x, y0), (m.x, y1)],
                         BLACK.mix(0.25).stroke_width(1),
                     ))
                     .map_err(err)?;
+                    // Labels of neighbouring lines on alternate rows, beside their line.
+                    let row = if chart.log_y {
+                        y1 / (1.0 + 0.25 * k as f64)
+                    } else {
+                        y1 - (y1 - y0) * 0.035 * (k % 3) as f64
+                    };
                     c.draw_series(std::iter::once(Text::new(
-                        m.label.clone(),
-                        (m.x, y1),
+                        format!(" {}", m.label),
+                        (m.x, row),
                         ("sans-serif", 12).into_font().color(&BLACK.mix(0.6)),
                     )))
                     .map_err(err)?;
@@ -144,25 +166,31 @@ pub fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
                             x.is_finite() && y.is_finite() && (!chart.log_y || y > 0.0)
                         })
                         .collect();
-                    c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))
-                        .map_err(err)?
-                        .label(s.name.clone())
-                        .legend(move |(x, y)| {
-                            PathElement::new(vec![(x, y), (x + 18, y)], col.stroke_width(2))
-                        });
+                    if s.line {
+                        c.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))
+                            .map_err(err)?
+                            .label(s.name.clone())
+                            .legend(move |(x, y)| {
+                                PathElement::new(vec![(x, y), (x + 18, y)], col.stroke_width(2))
+                            });
+                    }
                     if s.markers {
-                        c.draw_series(pts.iter().map(|&p| Circle::new(p, 3, col.filled())))
+                        let dots = c
+                            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, col.filled())))
                             .map_err(err)?;
+                        if !s.line {
+                            dots.label(s.name.clone())
+                                .legend(move |(x, y)| Circle::new((x + 9, y), 4, col.filled()));
+                        }
                     }
                 }
                 for n in &chart.notes {
-                    c.draw_series(std::iter::once(Circle::new((n.x, n.y), 4, BLACK.filled())))
-                        .map_err(err)?;
-                    c.draw_series(std::iter::once(Text::new(
-                        n.label.clone(),
-                        (n.x, n.y),
-                        ("sans-serif", 13).into_font(),
-                    )))
+                    // The label beside its dot, up and to the right (pixel offsets).
+                    c.draw_series(std::iter::once(
+                        EmptyElement::at((n.x, n.y))
+                            + Circle::new((0, 0), 4, BLACK.filled())
+                            + Text::new(n.label.clone(), (7, -16), ("sans-serif", 13).into_font()),
+                    ))
                     .map_err(err)?;
                 }
                 c.configure_series_labels()
@@ -255,6 +283,7 @@ mod tests {
                 name: "predicted".into(),
                 points: vec![(0.0, 1.0), (1.0, 3.0), (2.0, 2.0)],
                 markers: false,
+                line: true,
             }],
             markers: vec![Marker {
                 x: 1.0,
@@ -281,6 +310,7 @@ mod tests {
                 name: "drift".into(),
                 points: vec![(0.0, 0.0), (1.0, 1e-6), (2.0, 1e-4)],
                 markers: true,
+                line: true,
             }],
             log_y: true,
             ..LineChart::default()

@@ -391,21 +391,25 @@ fn snapshot_svg(
             name: format!("snapshot allocated (max {})", fmt(m.max_allocated)),
             points: ma,
             markers: false,
+            line: true,
         },
         Series {
             name: format!("snapshot reserved (max {})", fmt(m.max_reserved)),
             points: mr,
             markers: false,
+            line: true,
         },
         Series {
             name: format!("predicted allocated (max {})", fmt(p.max_allocated)),
             points: pa,
             markers: false,
+            line: true,
         },
         Series {
             name: format!("predicted reserved (max {})", fmt(p.max_reserved)),
             points: pr,
             markers: false,
+            line: true,
         },
     ];
     let mut markers = Vec::new();

@@ -636,6 +636,7 @@ fn drift_chart(r: &Report) -> Result<String, CliError> {
                 .map(|(i, &y)| (i as f64, y))
                 .collect(),
             markers: false,
+            line: true,
         });
     }
     for (s, (_, recomputes)) in series.iter_mut().zip(&names) {
