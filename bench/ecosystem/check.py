@@ -170,7 +170,19 @@ def build_ds(cfg, world_size, plan):
 
 def check_launch(cmd, plan, options, workdir):
     """accelerate's launch validation and the plugin its launcher's environment builds."""
-    argv = cmd["launcher"][2:] + [cmd["script"]] + cmd["script_args"]
+    # A launch line may start with environment assignments (`PYTORCH_CUDA_ALLOC_CONF=…` when
+    # the plan needs expandable segments): a shell sets them for the launcher.
+    launcher = list(cmd["launcher"])
+    while launcher and "=" in launcher[0] and launcher[0].split("=", 1)[0].isidentifier():
+        name, value = launcher.pop(0).split("=", 1)
+        need(name == "PYTORCH_CUDA_ALLOC_CONF", f"unexpected environment variable {name}")
+        for item in value.split(","):
+            key, _, val = item.partition(":")
+            need(key in ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
+                         "garbage_collection_threshold") and val != "",
+                 f"PYTORCH_CUDA_ALLOC_CONF item {item!r}")
+    need(launcher[:2] == ["accelerate", "launch"], f"launcher {launcher[:2]}")
+    argv = launcher[2:] + [cmd["script"]] + cmd["script_args"]
     with cwd(workdir):
         args = launch_command_parser().parse_args(argv)
         args, defaults, mp_from_config = quiet(_validate_launch_command, args)

@@ -24,7 +24,7 @@ while IFS='|' read -r name args; do
 done <<'PLANS'
 fp32-1-dit|--precision fp32 --budget 80GiB
 bf16-1-flux|--precision bf16-mixed --budget 24GiB --emit-family flux
-fp16-1-sd3|--precision fp16-mixed --budget 16GiB --emit-family sd3
+fp16-1-sd3|--precision fp16-mixed --budget 20GiB --emit-family sd3
 lora-1-sana|--lora-rank 16 --budget 24GiB --emit-family sana
 lora-needed-1-flux|--budget 9GiB --allow lora,8bit --emit-family flux
 ddp-8-sd3|--ranks 8 --batch 256 --budget 40GiB --emit-family sd3

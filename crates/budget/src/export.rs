@@ -569,6 +569,12 @@ fn command(
         script.path
     ));
     let file = script.file_name();
+    if r.paged_optimizer {
+        cannot.push(format!(
+            "use the paged 8-bit AdamW ({file}'s --use_8bit_adam builds bnb.optim.AdamW8bit; \
+             construct bnb.optim.PagedAdamW8bit in your copy)"
+        ));
+    }
     if let Some(n) = base_quant_note(r.base_quant) {
         cannot.push(format!(
             "store the frozen base quantized ({file} has no flag for it): {n}"

@@ -747,6 +747,12 @@ pub struct Recipe {
     /// How the frozen base's Linear weights are stored under LoRA (QLoRA: `nf4`).
     #[serde(default, skip_serializing_if = "BaseQuant::is_none")]
     pub base_quant: BaseQuant,
+    /// bitsandbytes' paged 8-bit AdamW (`bnb.optim.PagedAdamW8bit`): the state buffers of
+    /// tensors of at least 1e5 elements live in CUDA managed memory (`cudaMallocManaged`,
+    /// bitsandbytes `optim/optimizer.py` `get_state_buffer`), outside PyTorch's caching
+    /// allocator; the driver pages them to the host when the device runs short.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paged_optimizer: bool,
     /// Which implementation of `torch.optim.AdamW` the `pytorch` runtime runs; absent: the
     /// device's default (for-loop on the CPU, foreach on CUDA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -915,6 +921,7 @@ impl Default for Recipe {
             gradient_as_bucket_view: false,
             latents: default_latents(),
             text_encoders: TextEncoders::Cached,
+            paged_optimizer: false,
             ema: EmaSpec::default(),
             prediction: Prediction::Eps,
             base_quant: BaseQuant::None,
@@ -1534,6 +1541,27 @@ impl Spec {
         let m = &self.model;
         let w = &self.workload;
         let r = &self.recipe;
+        if r.paged_optimizer {
+            let cuda = matches!(
+                self.runtime,
+                Runtime::Pytorch {
+                    device: TorchDevice::Cuda,
+                    ..
+                }
+            );
+            if r.optimizer != Optimizer::AdamW8bit || !cuda || r.zero_stage > 0 {
+                return Err(SpecError::invalid(
+                    "recipe.paged_optimizer",
+                    format!(
+                        "is on with {} on {}{}; allowed: adamw-8bit on pytorch:cuda without ZeRO \
+                         (bitsandbytes' PagedAdamW8bit pages CUDA managed memory)",
+                        r.optimizer.name(),
+                        self.runtime,
+                        if r.zero_stage > 0 { " under ZeRO" } else { "" }
+                    ),
+                ));
+            }
+        }
         // A diffusers model not yet resolved has no depth or hidden size to check against.
         let sized = m.diffusers.is_none() || (m.depth > 0 && m.hidden > 0);
         if let Recompute::Blocks(blocks) = &r.recompute {

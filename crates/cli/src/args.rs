@@ -94,6 +94,9 @@ pub struct SpecArgs {
     /// encode (VAE runs in the step) | cached
     #[arg(long)]
     pub latents: Option<String>,
+    /// on | off — bitsandbytes' paged 8-bit AdamW (PagedAdamW8bit; with --optimizer adamw-8bit on pytorch:cuda): large tensors' state in CUDA managed memory, outside the caching allocator
+    #[arg(long, value_name = "on|off")]
+    pub paged_optimizer: Option<String>,
     /// cached | online | offloaded — a family's frozen text encoders (T5, CLIP, Gemma, umT5): caption embeddings computed beforehand; encoders on the device all step in weight_dtype; or moved to the device only to encode (the scripts' --offload)
     #[arg(long, value_name = "WHERE")]
     pub text_encoders: Option<String>,
@@ -421,6 +424,18 @@ impl SpecArgs {
         }
         if let Some(t) = &self.text_encoders {
             r.text_encoders = t.parse::<ditmem_budget::TextEncoders>()?;
+        }
+        if let Some(p) = &self.paged_optimizer {
+            r.paged_optimizer = match p.as_str() {
+                "on" | "true" | "yes" => true,
+                "off" | "false" | "no" => false,
+                _ => {
+                    return Err(SpecError::invalid(
+                        "recipe.paged_optimizer",
+                        format!("'{p}' is not a switch; allowed: on, off"),
+                    ))
+                }
+            };
         }
         if let Some(e) = &self.ema {
             r.ema.enabled = match e.as_str() {

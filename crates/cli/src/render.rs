@@ -205,6 +205,13 @@ fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
         fmt_bytes(c.context_bytes),
         fmt_bytes(c.device_bytes),
     );
+    if c.paged_bytes > 0 {
+        o.push_str(&format!(
+            "paged optimizer state {} in CUDA managed memory, outside the allocator: on the device \
+             while there is room, paged to the host when there is not (not in the figures above)\n",
+            fmt_bytes(c.paged_bytes)
+        ));
+    }
     if let (Some(gpu), Some(cap), Some(fits)) = (c.gpu, c.capacity_bytes, c.fits) {
         match &c.oom {
             None => o.push_str(&format!(

@@ -54,6 +54,10 @@ pub struct CudaReport {
     pub device_allocs: u64,
     /// Allocation events replayed.
     pub events: usize,
+    /// A paged optimizer's state in CUDA managed memory, outside the allocator (and so outside
+    /// allocated, reserved and `device_bytes`): on the device while there is room, paged to the
+    /// host by the driver when there is not.
+    pub paged_bytes: u64,
 }
 
 /// The CUDA memory of a spec on the `pytorch:cuda` runtime.
@@ -89,6 +93,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaRepo
                 alloc_retries: m.allocator.alloc_retries,
                 device_allocs: m.allocator.device_allocs,
                 events: events.len(),
+                paged_bytes: paged(spec, table),
             }))
         }
         None => {
@@ -116,7 +121,17 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaRepo
                 alloc_retries: r.alloc_retries,
                 device_allocs: r.device_allocs,
                 events: events.len(),
+                paged_bytes: paged(spec, table),
             }))
         }
     }
+}
+
+/// The paged optimizer state of the trained tensors ([`super::trace::paged_state_bytes`]).
+fn paged(spec: &Spec, table: &[ParamTensor]) -> u64 {
+    table
+        .iter()
+        .filter(|t| t.role == crate::params::ParamRole::Trained)
+        .map(|t| super::trace::paged_state_bytes(spec, t.numel()))
+        .sum()
 }

@@ -509,6 +509,9 @@ fn step(
                     if step_bytes > 0 {
                         state.push(seq.alloc(step_bytes));
                     }
+                    // Paged: the 8-bit buffers live in managed memory, outside the allocator;
+                    // their absmax tensors stay in it.
+                    let b = b - paged_state_bytes(spec, t.numel()) / 2;
                     state.push(seq.alloc(b));
                     state.push(seq.alloc(b));
                 }
@@ -549,6 +552,24 @@ fn step(
     for id in param_grads {
         seq.free(id);
     }
+}
+
+/// Tensors below this keep their paged optimizer's state in ordinary device tensors
+/// (bitsandbytes `optim/optimizer.py` `get_state_buffer`: `p.numel() < 1e5`).
+pub const PAGED_MIN_NUMEL: u64 = 100_000;
+
+/// Bytes of one trained tensor's optimizer state that a paged optimizer keeps in CUDA managed
+/// memory: its two 8-bit buffers (`state1`, `state2`), when it is large enough to be paged.
+pub fn paged_state_bytes(spec: &Spec, numel: u64) -> u64 {
+    let r = &spec.recipe;
+    if !r.paged_optimizer
+        || r.optimizer != Optimizer::AdamW8bit
+        || numel < PAGED_MIN_NUMEL
+        || numel < crate::timeline::ADAM8BIT_MIN_SIZE
+    {
+        return 0;
+    }
+    2 * numel
 }
 
 #[cfg(test)]
