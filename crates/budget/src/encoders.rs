@@ -48,6 +48,11 @@ impl EncoderRun {
 pub fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
     let mut out = Vec::new();
     let r = &spec.recipe;
+    if r.latents == Latents::Cached && r.text_encoders == TextEncoders::Cached {
+        // Nothing runs: the planner asks this for every point it evaluates, so the model's
+        // config is not read again.
+        return out;
+    }
     let w = &spec.workload;
     let b = u64::from(w.microbatch);
     let fm = family(spec).ok().flatten();

@@ -304,13 +304,10 @@ impl<'a> Evaluator<'a> {
         let e = tl.peak();
         let time = step_time_with(&spec, self.profile, &inputs);
         let (peak, expandable) = device_peak(&spec, &c.table.0, e.total(), self.usable)
-            .map(|(p, x)| match x {
+            .map(|(plain, grown)| match grown {
+                Some(g) if self.expandable => (g, true),
                 // Without the setting, the plain replay's device bytes.
-                true if !self.expandable => (
-                    device_peak_plain(&spec, &c.table.0, e.total()).unwrap_or(p),
-                    false,
-                ),
-                _ => (p, x),
+                _ => (plain, false),
             })
             .unwrap_or((e.total(), false));
         Point {
@@ -359,14 +356,14 @@ fn replayed(p: &Point, spec: &Spec) -> Point {
 /// segments (fragmentation included) plus the CUDA context, not the allocated peak. When the
 /// allocated peak and the context fit but the reserved segments do not — fragmentation is what
 /// breaks the fit — the step is replayed again with `expandable_segments:True` (segments that
-/// grow by mapped pages, `caching_allocator.rs`); the second value says that this setting is
-/// what makes it fit.
+/// grow by mapped pages, `caching_allocator.rs`); the second value is its device bytes when
+/// that setting makes it fit.
 fn device_peak(
     spec: &Spec,
     table: &[ParamTensor],
     allocated: u64,
     usable: u64,
-) -> Option<(u64, bool)> {
+) -> Option<(u64, Option<u64>)> {
     let cuda = matches!(
         spec.runtime,
         crate::spec::Runtime::Pytorch {
@@ -388,7 +385,7 @@ fn device_peak(
     if allocated + context > usable {
         // Cannot fit (reserved ≥ allocated): the allocator's replay is kept for candidates
         // that may.
-        return Some((allocated + context, false));
+        return Some((allocated + context, None));
     }
     let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
     let device = |r: &crate::runtime::pytorch::cuda::CudaReport| match r.oom {
@@ -399,29 +396,14 @@ fn device_peak(
     };
     let plain = device(&r);
     if plain <= usable || r.max_allocated_bytes + r.context_bytes > usable {
-        return Some((plain, false));
+        return Some((plain, None));
     }
-    match with_expandable_segments(spec) {
-        Some(e) => {
-            let re = crate::runtime::pytorch::cuda::cuda_report(&e, table).ok()??;
-            let grown = device(&re);
-            if re.oom.is_none() && grown <= usable {
-                Some((grown, true))
-            } else {
-                Some((plain, false))
-            }
-        }
-        None => Some((plain, false)),
-    }
-}
-
-/// The device bytes of a CUDA spec with its allocator settings as given.
-fn device_peak_plain(spec: &Spec, table: &[ParamTensor], allocated: u64) -> Option<u64> {
-    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
-    Some(match r.oom {
-        Some(_) => r.device_bytes.max(allocated + r.context_bytes),
-        None => r.device_bytes,
-    })
+    let grown = with_expandable_segments(spec).and_then(|e| {
+        let re = crate::runtime::pytorch::cuda::cuda_report(&e, table).ok()??;
+        let g = device(&re);
+        (re.oom.is_none() && g <= usable).then_some(g)
+    });
+    Some((plain, grown))
 }
 
 /// `spec` with `expandable_segments:True` added to its `PYTORCH_CUDA_ALLOC_CONF`; `None` when
