@@ -1595,6 +1595,8 @@ enum Msg {
     Start(usize),
     Step(usize, u32),
     Done(usize, Box<Result<Run>>),
+    /// A worker could not start; the variants it would have run are taken by the others.
+    Failed(String),
 }
 
 /// Run every variant on `jobs` worker threads (each variant is independent and deterministic:
@@ -1614,22 +1616,49 @@ fn run_all(
     let next = AtomicUsize::new(0);
     let names: Vec<String> = variants.iter().map(Variant::name).collect();
     let mut results: Vec<Option<Result<Run>>> = (0..n).map(|_| None).collect();
+    let mut failure: Option<String> = None;
     let steps = opts.steps;
     std::thread::scope(|scope| {
         let (tx, rx) = mpsc::channel::<Msg>();
-        for _ in 0..jobs.clamp(1, n.max(1)) {
+        let workers = jobs.clamp(1, n.max(1));
+        for _ in 0..workers {
             let tx = tx.clone();
             let next = &next;
-            scope.spawn(move || loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= n {
-                    break;
+            scope.spawn(move || {
+                // A trainer's step runs on a rayon pool (`trainer::on_pool`). Several workers
+                // sharing the global pool would queue their steps on it — with the one thread
+                // the CLI gives it under --jobs > 1, one variant computed at a time however
+                // many jobs were asked for (measured: one busy thread of three). Each worker
+                // therefore steps on a pool of its own thread; one worker keeps the global pool
+                // and all its threads.
+                let pool = if workers > 1 {
+                    match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            let _ = tx.send(Msg::Failed(format!("cannot start a worker: {e}")));
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= n {
+                        break;
+                    }
+                    let _ = tx.send(Msg::Start(i));
+                    let run = || {
+                        run_variant(base, &variants[i], opts, reference, &mut |s| {
+                            let _ = tx.send(Msg::Step(i, s));
+                        })
+                    };
+                    let r = match &pool {
+                        Some(p) => p.install(run),
+                        None => run(),
+                    };
+                    let _ = tx.send(Msg::Done(i, Box::new(r)));
                 }
-                let _ = tx.send(Msg::Start(i));
-                let r = run_variant(base, &variants[i], opts, reference, &mut |s| {
-                    let _ = tx.send(Msg::Step(i, s));
-                });
-                let _ = tx.send(Msg::Done(i, Box::new(r)));
             });
         }
         drop(tx);
@@ -1649,12 +1678,22 @@ fn run_all(
                     progress(Event::Done { index: i });
                     results[i] = Some(*r);
                 }
+                Msg::Failed(why) => failure = Some(why),
             }
         }
     });
     results
         .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(bad("verify", "a worker thread stopped early"))))
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(bad(
+                    "verify",
+                    failure
+                        .clone()
+                        .unwrap_or_else(|| "a worker thread stopped early".into()),
+                ))
+            })
+        })
         .collect()
 }
 
