@@ -42,6 +42,7 @@ use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
 mod pixart;
+mod sd3;
 
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
@@ -148,6 +149,7 @@ struct DitLayout {
 enum Layout {
     Dit(DitLayout),
     Pixart(pixart::PixartLayout),
+    Sd3(sd3::Sd3Layout),
 }
 
 impl Layout {
@@ -162,6 +164,7 @@ impl Layout {
                 .copied()
                 .collect(),
             Layout::Pixart(l) => l.linears(),
+            Layout::Sd3(l) => l.linears(),
         }
     }
 }
@@ -275,6 +278,7 @@ impl Trainer {
         let shapes = match &arch {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
+            crate::families::Arch::Sd3(g) => crate::families::sd3::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -340,6 +344,12 @@ impl Trainer {
                 })
             }
             crate::families::Arch::Pixart(g) => Layout::Pixart(pixart::PixartLayout::new(
+                &lin,
+                &idx,
+                dims.depth,
+                g.clone(),
+            )?),
+            crate::families::Arch::Sd3(g) => Layout::Sd3(sd3::Sd3Layout::new(
                 &lin,
                 &idx,
                 dims.depth,
@@ -740,6 +750,12 @@ impl Trainer {
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.pixart_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Sd3(_) => {
+                    return Err(EngineError::unsupported(
+                        "SD3",
+                        "waiting for the family schedule",
+                    ))
+                }
             };
         }
         Ok(loss_sum / accum as f64)
