@@ -146,7 +146,9 @@ pub fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
 pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     let d = Dims::new(spec)?;
     match crate::families::Arch::of(spec)? {
-        crate::families::Arch::Pixart(g) => return Ok(crate::families::pixart::param_shapes(&d, &g)),
+        crate::families::Arch::Pixart(g) => {
+            return Ok(crate::families::pixart::param_shapes(&d, &g))
+        }
         crate::families::Arch::Sd3(g) => return Ok(crate::families::sd3::param_shapes(&d, &g)),
         crate::families::Arch::Dit => {}
     }

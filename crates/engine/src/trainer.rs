@@ -41,6 +41,7 @@ use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
+mod family;
 mod pixart;
 mod sd3;
 
@@ -349,12 +350,9 @@ impl Trainer {
                 dims.depth,
                 g.clone(),
             )?),
-            crate::families::Arch::Sd3(g) => Layout::Sd3(sd3::Sd3Layout::new(
-                &lin,
-                &idx,
-                dims.depth,
-                g.clone(),
-            )?),
+            crate::families::Arch::Sd3(g) => {
+                Layout::Sd3(sd3::Sd3Layout::new(&lin, &idx, dims.depth, g.clone())?)
+            }
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -749,13 +747,8 @@ impl Trainer {
             rec.enter(Phase::Forward);
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
-                Layout::Pixart(l) => self.pixart_microbatch(l, &mb, m, accum, rec)?,
-                Layout::Sd3(_) => {
-                    return Err(EngineError::unsupported(
-                        "SD3",
-                        "waiting for the family schedule",
-                    ))
-                }
+                Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Sd3(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -8,8 +8,8 @@
 //! `joint_split` of `ditmem_budget::ditmem_cpu::sd3`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor,
-    WithDType,
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape,
+    Tensor, WithDType,
 };
 
 use super::storage::{cpu_slice, err, with_cpu, CResult};
@@ -131,7 +131,14 @@ impl CustomOp2 for CatTokens {
         }
         let b = self.batch;
         let st = by_dtype!(sa, what, |T| {
-            let v = cat_rows::<T>(cpu_slice(sa, la, what)?, cpu_slice(sc, lc, what)?, b, na, nc, d);
+            let v = cat_rows::<T>(
+                cpu_slice(sa, la, what)?,
+                cpu_slice(sc, lc, what)?,
+                b,
+                na,
+                nc,
+                d,
+            );
             T::to_cpu_storage_owned(v)
         });
         Ok((st, Shape::from((b * (na + nc), d))))

@@ -8,8 +8,7 @@
 use std::sync::Mutex;
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor,
-    WithDType,
+    backend::BackendStorage, CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
@@ -44,7 +43,11 @@ pub fn rms_norm_heads(x: &Tensor, w: &Tensor, heads: usize, eps: f64) -> CResult
 fn geom(lx: &Layout, lw: &Layout, heads: usize) -> CResult<(usize, usize)> {
     let (rows, d) = match lx.dims() {
         &[r, d] => (r, d),
-        dims => return Err(err(format!("rms_norm_heads expects x (rows, D), got {dims:?}"))),
+        dims => {
+            return Err(err(format!(
+                "rms_norm_heads expects x (rows, D), got {dims:?}"
+            )))
+        }
     };
     if heads == 0 || d % heads != 0 || lw.dims() != [d / heads] {
         return Err(err(format!(
@@ -66,7 +69,7 @@ fn fwd<T: Elem<A>, A: Acc + IntoRstd>(x: &[T], w: &[T], dh: usize, eps: f64) -> 
         let mut ss = A::from_f64(0.0);
         for &v in g {
             let v = v.to_acc();
-            ss = ss + v * v;
+            ss += v * v;
         }
         let r = A::from_f64(1.0) / (ss / n + e).sqrt();
         rstd.push(r);
@@ -87,8 +90,8 @@ fn bwd<T: Elem<A>, A: Acc>(x: &[T], w: &[T], g: &[T], rstd: &[A], dh: usize) -> 
         for j in 0..dh {
             let xh = xg[j].to_acc() * r;
             let gv = gg[j].to_acc();
-            dw[j] = dw[j] + gv * xh;
-            dot = dot + gv * w[j].to_acc() * xh;
+            dw[j] += gv * xh;
+            dot += gv * w[j].to_acc() * xh;
         }
         let m = dot / n;
         for j in 0..dh {
@@ -122,8 +125,16 @@ impl CustomOp2 for RmsNormHeads {
             )));
         }
         let out = dispatch_float!(sx.dtype(), what, |T, A| {
-            let (o, r) = fwd::<T, A>(cpu_slice(sx, lx, what)?, cpu_slice(sw, lw, what)?, dh, self.eps);
-            *self.rstd.lock().map_err(|_| err("rms_norm_heads: poisoned"))? = Some(A::into_rstd(r));
+            let (o, r) = fwd::<T, A>(
+                cpu_slice(sx, lx, what)?,
+                cpu_slice(sw, lw, what)?,
+                dh,
+                self.eps,
+            );
+            *self
+                .rstd
+                .lock()
+                .map_err(|_| err("rms_norm_heads: poisoned"))? = Some(A::into_rstd(r));
             T::to_cpu_storage_owned(o)
         });
         Ok((out, lx.shape().clone()))
@@ -138,7 +149,10 @@ impl CustomOp2 for RmsNormHeads {
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let what = "rms_norm_heads backward";
         let grad = grad.contiguous()?;
-        let guard = self.rstd.lock().map_err(|_| err("rms_norm_heads: poisoned"))?;
+        let guard = self
+            .rstd
+            .lock()
+            .map_err(|_| err("rms_norm_heads: poisoned"))?;
         let rstd = guard
             .as_ref()
             .ok_or_else(|| err("rms_norm_heads backward before forward"))?;
@@ -165,10 +179,7 @@ impl CustomOp2 for RmsNormHeads {
                 })
             })
         })?;
-        Ok((
-            x.track_op().then_some(dx),
-            w.track_op().then_some(dw),
-        ))
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)))
     }
 }
 

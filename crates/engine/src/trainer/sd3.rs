@@ -10,6 +10,7 @@
 
 use candle_core::Tensor;
 
+use super::family::{Embedded, FamilyStep};
 use super::{cast, LinearIdx, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
@@ -91,50 +92,8 @@ impl Sd3Layout {
     }
 
     fn embed_linears(&self) -> Vec<LinearIdx> {
-        vec![
-            self.patch,
-            self.t1,
-            self.t2,
-            self.p1,
-            self.p2,
-            self.context,
-        ]
+        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
     }
-
-    pub(super) fn depth(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// The trained tensors of the embed segment.
-    pub(super) fn embed_params(&self) -> Vec<usize> {
-        self.embed_linears()
-            .iter()
-            .flat_map(Trainer::linear_params)
-            .collect()
-    }
-
-    /// The trained tensors of block `i`.
-    pub(super) fn block_params(&self, i: usize) -> Vec<usize> {
-        let b = &self.blocks[i];
-        let mut v: Vec<usize> = b.lin.iter().flat_map(Trainer::linear_params).collect();
-        v.extend(b.qk.iter().flatten().copied());
-        v
-    }
-
-    /// The trained tensors of the output side.
-    pub(super) fn final_params(&self) -> Vec<usize> {
-        let mut v = Trainer::linear_params(&self.norm_out);
-        v.extend(Trainer::linear_params(&self.proj_out));
-        v
-    }
-}
-
-/// What SD3's embed makes: the streams [context, image] (`ad`), the conditioning SiLU(temb)
-/// (`cd`), and the locals it keeps until the microbatch returns.
-pub(super) struct Sd3Embedded {
-    pub(super) streams: Vec<Tensor>,
-    pub(super) conds: Vec<Tensor>,
-    pub(super) hold: Vec<Tensor>,
 }
 
 impl Trainer {
@@ -181,12 +140,15 @@ impl Trainer {
             qk,
         })
     }
+}
 
+impl FamilyStep for Sd3Layout {
     /// The embed segment on a microbatch (tracked graph).
-    pub(super) fn sd3_embed(&self, lay: &Sd3Layout, mb: &Batch) -> Result<Sd3Embedded> {
-        let d = self.dims;
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let lay = self;
+        let d = tr.dims;
         let g = &lay.geom;
-        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         if mb.text_tokens != g.text_tokens
             || mb.text_width != g.text_width
@@ -208,13 +170,13 @@ impl Trainer {
         }
         // Image stream: patches + the position table cropped to the token grid (centred, as
         // diffusers' `cropped_pos_embed`), a strided view the sum reads in place.
-        let xt = mb.noisy(&self.acp, ad, &self.dev)?;
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);
-        let xe = self.linear(lay.patch, true)?.forward(&xp)?;
+        let xe = tr.linear(lay.patch, true)?.forward(&xp)?;
         let side = g.pos_side;
         let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
-        let pos = self
+        let pos = tr
             .raw_weight(lay.pos, true)
             .reshape((side, side, d.hidden))?
             .narrow(0, top, d.rows)?
@@ -224,37 +186,37 @@ impl Trainer {
             .broadcast_add(&pos)?
             .reshape((b, d.tokens, d.hidden))?;
         // temb = timestep MLP + pooled-text MLP; every block reads SiLU(temb).
-        let tf = cast(timestep_features(&mb.timesteps, SD3_FREQ, ad, &self.dev)?, cd)?;
-        let tt = silu_mlp(
-            &tf,
-            &self.linear(lay.t1, true)?,
-            &self.linear(lay.t2, true)?,
-        )?;
-        let pooled = mb.pooled_tensor(cd, &self.dev)?;
+        let tf = cast(timestep_features(&mb.timesteps, SD3_FREQ, ad, &tr.dev)?, cd)?;
+        let tt = silu_mlp(&tf, &tr.linear(lay.t1, true)?, &tr.linear(lay.t2, true)?)?;
+        let pooled = mb.pooled_tensor(cd, &tr.dev)?;
         let tp = silu_mlp(
             &pooled,
-            &self.linear(lay.p1, true)?,
-            &self.linear(lay.p2, true)?,
+            &tr.linear(lay.p1, true)?,
+            &tr.linear(lay.p2, true)?,
         )?;
         let se = (tt + tp)?.silu()?;
         // Context stream: context_embedder on the cached caption.
-        let cap = mb.text_tensor(cd, &self.dev)?;
-        let c0 = cast(self.linear(lay.context, true)?.forward(&cap)?, ad)?.reshape((
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let c0 = cast(tr.linear(lay.context, true)?.forward(&cap)?, ad)?.reshape((
             b,
             g.text_tokens,
             d.hidden,
         ))?;
-        Ok(Sd3Embedded {
+        Ok(Embedded {
             streams: vec![c0, x0],
             conds: vec![se],
             hold: vec![xp, tf, pooled, cap],
         })
     }
 
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
     /// Joint block `i` on the streams [context, image] with the conditioning [SiLU(temb)].
-    pub(super) fn sd3_block(
+    fn block(
         &self,
-        lay: &Sd3Layout,
+        tr: &Trainer,
         i: usize,
         x: &[Tensor],
         c: &[Tensor],
@@ -271,34 +233,49 @@ impl Trainer {
                 ),
             ));
         };
-        let w = self.sd3_block_weights(lay, i, track)?;
-        sd3_block_forward(ctx, img, se, &w, &self.cfg)
+        let w = tr.sd3_block_weights(self, i, track)?;
+        sd3_block_forward(ctx, img, se, &w, &tr.cfg)
     }
 
     /// The output side on the image stream: the prediction in the latents' layout, `ad`.
-    pub(super) fn sd3_final(
-        &self,
-        lay: &Sd3Layout,
-        x: &[Tensor],
-        c: &[Tensor],
-        mb: &Batch,
-    ) -> Result<Tensor> {
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let lay = self;
         let ([img], [se]) = (x, c) else {
             return Err(EngineError::bad_input(
                 "sd3 output",
                 "the output side reads the image stream alone after the context_pre_only block",
             ));
         };
-        let d = self.dims;
-        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let out = final_forward(
             img,
             se,
-            &self.linear(lay.norm_out, true)?,
-            &self.linear(lay.proj_out, true)?,
+            &tr.linear(lay.norm_out, true)?,
+            &tr.linear(lay.proj_out, true)?,
             cd,
             ad,
         )?;
         Ok(unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?)
+    }
+
+    fn embed_params(&self) -> Vec<usize> {
+        self.embed_linears()
+            .iter()
+            .flat_map(Trainer::linear_params)
+            .collect()
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let b = &self.blocks[i];
+        let mut v: Vec<usize> = b.lin.iter().flat_map(Trainer::linear_params).collect();
+        v.extend(b.qk.iter().flatten().copied());
+        v
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        let mut v = Trainer::linear_params(&self.norm_out);
+        v.extend(Trainer::linear_params(&self.proj_out));
+        v
     }
 }

@@ -9,7 +9,9 @@ use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm_heads, split_tokens};
+use crate::ops::{
+    cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm_heads, split_tokens,
+};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
 pub const RMS_EPS: f64 = 1e-6;

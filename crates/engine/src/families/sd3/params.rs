@@ -168,7 +168,13 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
     linear(&mut push, &format!("{te}.linear_1"), h, SD3_FREQ, small);
     linear(&mut push, &format!("{te}.linear_2"), h, h, small);
     let pe = "time_text_embed.text_embedder";
-    linear(&mut push, &format!("{pe}.linear_1"), h, g.pooled_width, small);
+    linear(
+        &mut push,
+        &format!("{pe}.linear_1"),
+        h,
+        g.pooled_width,
+        small,
+    );
     linear(&mut push, &format!("{pe}.linear_2"), h, h, small);
     linear(
         &mut push,
