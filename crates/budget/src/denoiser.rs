@@ -102,11 +102,13 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         }
         return Ok(());
     };
-    if spec.runtime == Runtime::DitmemCpu && fm.family != families::Family::Pixart {
+    if spec.runtime == Runtime::DitmemCpu
+        && !matches!(fm.family, families::Family::Pixart | families::Family::Sd3)
+    {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT and PixArt so far, not {} ({}); allowed: \
+                "ditmem-cpu runs only the original DiT, PixArt and SD3 so far, not {} ({}); allowed: \
                  pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
@@ -115,6 +117,7 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
     }
     if spec.runtime == Runtime::DitmemCpu {
         check_engine_pixart(spec, &fm)?;
+        check_engine_sd3(spec, &fm)?;
     }
     let g = fm.geometry();
     if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
@@ -227,6 +230,38 @@ fn check_engine_pixart(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
         return Err(SpecError::invalid(
             "model.attn_dropout",
             format!("dropout in PixArt is not in the ditmem-cpu engine; allowed: 0{other}"),
+        ));
+    }
+    Ok(())
+}
+
+/// What the ditmem-cpu engine runs of SD3 (`ditmem_engine::families::sd3`): a config it does
+/// not execute is refused, naming the field.
+fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let families::Dims::Sd3(d) = &fm.dims else {
+        return Ok(());
+    };
+    let other = "; allowed: --runtime pytorch for it";
+    if !d.dual_attention_layers.is_empty() {
+        return Err(SpecError::invalid(
+            "model.diffusers.dual_attention_layers",
+            format!(
+                "{:?}: SD3.5's dual attention (attn2) is not in the ditmem-cpu engine yet; \
+                 allowed: []{other}",
+                d.dual_attention_layers
+            ),
+        ));
+    }
+    if spec.recipe.lora.is_some() {
+        return Err(SpecError::invalid(
+            "recipe.lora",
+            format!("LoRA on SD3 is not in the ditmem-cpu engine yet; allowed: none{other}"),
+        ));
+    }
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return Err(SpecError::invalid(
+            "model.attn_dropout",
+            format!("dropout in SD3 is not in the ditmem-cpu engine; allowed: 0{other}"),
         ));
     }
     Ok(())

@@ -348,6 +348,97 @@ pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
     Ok(out)
 }
 
+/// The SD3 grid's base: [`crate::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
+/// heads, hidden 64, 16 latent channels), 5 + 8 caption tokens, EMA on.
+pub fn sd3_grid_base() -> Result<Spec> {
+    let mut s = crate::families::sd3::tiny_spec(3, 4, false, 5, 8)?;
+    s.model.name = "sd3-d3-h64".into();
+    s.recipe.ema.enabled = true;
+    Ok(crate::host::resolve(&s))
+}
+
+/// The SD3 agreement grid: precisions × recompute policies × attention modes on the base, then
+/// q/k RMSNorm (SD3.5), accumulation, odd caption lengths (1 + 0 … 77 + 77: more keys than a
+/// streaming block), one block (only the `context_pre_only` one), SGD without EMA and a block
+/// list. Each spec runs in well under a second in release on 2 cores.
+pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
+    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
+    let base = sd3_grid_base()?;
+    let mut out = Vec::new();
+    for (p, rc, a) in [
+        (P::Fp32, R::None, A::Materialized),
+        (P::Fp32, R::None, A::MemoryEfficient),
+        (P::Fp32, R::All, A::Materialized),
+        (P::Fp32, R::AttentionOnly, A::Materialized),
+        (P::Bf16Mixed, R::None, A::Materialized),
+        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
+        (P::Fp16Mixed, R::None, A::MemoryEfficient),
+        (P::Fp16Mixed, R::All, A::Materialized),
+        (P::Bf16Pure, R::None, A::Materialized),
+        (P::Fp64, R::None, A::Materialized),
+        (P::Fp64, R::AttentionOnly, A::Materialized),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc.clone();
+        s.recipe.attention = a;
+        out.push((format!("sd3 {p} recompute {rc} {}", a.name()), s));
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((format!("sd3 {name}"), s));
+    };
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("1 + 1 caption tokens", &|s| {
+        s.workload.text_tokens = Some(vec![1, 1])
+    });
+    add("77 + 77 caption tokens, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![77, 77]);
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("77 + 77 caption tokens, batch 2", &|s| {
+        s.workload.text_tokens = Some(vec![77, 77]);
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+    });
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("batch 1, blocks:1,2", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        s.recipe.recompute = R::Blocks(vec![1, 2]);
+    });
+    for (name, layers, heads, qk, rc) in [
+        ("q/k RMSNorm (SD3.5), every-2", 3, 4, true, R::EveryK(2)),
+        ("q/k RMSNorm, bf16-mixed", 3, 4, true, R::None),
+        ("1 block (context_pre_only only)", 1, 4, false, R::None),
+        (
+            "4 blocks × 6 heads (hidden 96), q/k RMSNorm, all",
+            4,
+            6,
+            true,
+            R::All,
+        ),
+    ] {
+        let mut s = crate::families::sd3::tiny_spec(layers, heads, qk, 7, 12)?;
+        s.recipe.ema.enabled = true;
+        s.recipe.recompute = rc;
+        if name.contains("bf16") {
+            s.recipe.precision = P::Bf16Mixed;
+        }
+        out.push((format!("sd3 {name}"), crate::host::resolve(&s)));
+    }
+    Ok(out)
+}
+
 /// Summary over a grid: max and median |pred/meas − 1| and the worst spec.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GridSummary {

@@ -51,6 +51,10 @@ pub struct Sims {
     /// dtype; PixArt: t6, the embedded timestep and the caption in the gradient dtype), with
     /// candle's bookkeeping.
     pub cond_grad: u64,
+    /// The last block when it differs from the others (SD3's `context_pre_only` block: one
+    /// stream out, fewer weights); None when every block is [`Sims::block`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_block: Option<SegSim>,
 }
 
 /// Costs of the three segments of a runtime described by generic segments.

@@ -3,10 +3,13 @@
 //!
 //! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
 //!   caption projection).
+//! - [`sd3`]: `SD3Transformer2DModel` (MMDiT joint blocks over a context and an image stream,
+//!   the pooled-text embedder, optional q/k RMSNorm).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod pixart;
+pub mod sd3;
 
 use ditmem_budget::{Family, Spec};
 
@@ -28,6 +31,8 @@ pub enum Arch {
     Dit,
     /// A `PixArtTransformer2DModel` from `model.diffusers`.
     Pixart(pixart::PixartGeom),
+    /// An `SD3Transformer2DModel` from `model.diffusers`.
+    Sd3(sd3::Sd3Geom),
 }
 
 impl Arch {
@@ -40,9 +45,12 @@ impl Arch {
                 (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
                     Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Sd3(d), Family::Sd3) => {
+                    Ok(Arch::Sd3(sd3::Sd3Geom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and PixArtTransformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel and SD3Transformer2DModel so far",
                 )),
             },
         }

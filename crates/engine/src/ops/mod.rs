@@ -13,6 +13,10 @@
 //!   trainer instead of candle's store (no `zeros_like` + `add` per weight).
 //! - [`attention`]: [`qkv_attention`], attention read in place from the qkv projection, keeping
 //!   P, nothing or the log-sum-exp; with the composed reference [`attention_materialized`].
+//! - [`joint`](mod@joint): [`cat_tokens`] / [`split_tokens`], the per-sample token
+//!   concatenation of joint attention and its split.
+//! - [`rms_norm`](mod@rms_norm): [`rms_norm_heads`], the per-head q/k RMSNorm, keeping the
+//!   per-(row, head) rstd.
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
@@ -33,8 +37,10 @@ pub mod attention;
 pub mod backward_from;
 pub mod gated_residual;
 pub mod gelu;
+pub mod joint;
 pub mod linear;
 pub mod ln_modulate;
+pub mod rms_norm;
 pub(crate) mod storage;
 pub mod sum_squares;
 
@@ -45,9 +51,11 @@ pub use attention::{
 pub use backward_from::{backward_from, backward_from_many};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
+pub use joint::{cat_tokens, split_tokens};
 pub use linear::{
     linear, linear_bwd_scratch, linear_fwd_scratch, linear_sunk, GradSink, LinearGrads, LinearOp,
     LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
+pub use rms_norm::{rms_norm_heads, RmsNormHeads};
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};

@@ -36,6 +36,7 @@ pub mod block;
 pub mod graph;
 pub mod ops;
 pub mod pixart;
+pub mod sd3;
 pub(crate) mod segments;
 pub(crate) mod step;
 

@@ -12,10 +12,9 @@
 
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{Module, ParamRole, ParamTensor};
-use crate::runtime::costs::Sims;
+use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
-use crate::runtime::shape::Shape;
 use crate::spec::{CpuSpec, Dtype, Optimizer, Precision, Spec};
 
 /// Gradient buffers of the engine: fp32, fp64 under the fp64 policy (also under bf16-pure).
@@ -43,7 +42,7 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
     // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
-    if super::pixart::PixGeo::of(spec).is_some() {
+    if super::pixart::PixGeo::of(spec).is_some() || super::sd3::Sd3Geo::of(spec).is_some() {
         return true;
     }
     let bf16_native =
@@ -115,7 +114,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * u64::from(spec.model.patch)
         * u64::from(spec.model.patch);
     // PixArt's cached text embeddings (n, T, width) in f64.
-    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems());
+    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
+        + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 
@@ -156,8 +156,6 @@ struct Replay<'a> {
     spec: &'a Spec,
     sims: &'a Sims,
     ev: Events,
-    /// One residual-stream tensor with candle's bookkeeping.
-    e: u64,
     /// The conditioning leaves' gradients with candle's bookkeeping ([`Sims::cond_grad`]).
     bd: u64,
     /// Weights stored in another dtype than the gradient buffers (bf16-pure): the first
@@ -168,6 +166,8 @@ struct Replay<'a> {
     /// share, `crate::sharding`); 1 otherwise.
     grad_share: u64,
     block: Landing,
+    /// The last block's landing when its weights differ ([`Sims::last_block`]).
+    last_block: Landing,
     final_layer: Landing,
     embed: Landing,
 }
@@ -175,14 +175,11 @@ struct Replay<'a> {
 impl<'a> Replay<'a> {
     fn new(spec: &'a Spec, table: &[ParamTensor], sims: &'a Sims) -> Replay<'a> {
         let p = spec.recipe.precision;
-        let ad = p.accum_dtype();
         let gd = grad_dtype(p).size();
-        let sh = Shape::new(spec);
         Replay {
             spec,
             sims,
             ev: Events::default(),
-            e: sh.e() * ad.size() + TENSOR_META + STORAGE_META,
             bd: sims.cond_grad,
             cast_on_landing: p.param_dtype() != grad_dtype(p),
             grad_share: if crate::sharding::Scheme::of(spec).shards_gradients() {
@@ -191,6 +188,13 @@ impl<'a> Replay<'a> {
                 1
             },
             block: Landing::of(table, gd, &|t| t.block == Some(0)),
+            last_block: match sims.last_block {
+                Some(_) => {
+                    let last = spec.model.depth.saturating_sub(1);
+                    Landing::of(table, gd, &|t| t.block == Some(last))
+                }
+                None => Landing::of(table, gd, &|t| t.block == Some(0)),
+            },
             final_layer: Landing::of(table, gd, &is_final),
             embed: Landing::of(table, gd, &|t| t.block.is_none() && !is_final(t)),
         }
@@ -198,6 +202,24 @@ impl<'a> Replay<'a> {
 
     fn recomputed(&self, i: u32) -> bool {
         self.spec.recipe.recompute.recomputes_block(i)
+    }
+
+    /// The simulation of block `i` ([`Sims::last_block`] for the last one when it differs).
+    fn block_sim(&self, i: u32) -> &'a SegSim {
+        let sims: &'a Sims = self.sims;
+        match &sims.last_block {
+            Some(l) if i + 1 == self.spec.model.depth => l,
+            _ => &sims.block,
+        }
+    }
+
+    /// What block `i` lands in the gradient buffers.
+    fn block_landing(&self, i: u32) -> Landing {
+        if i + 1 == self.spec.model.depth {
+            self.last_block
+        } else {
+            self.block
+        }
     }
 
     /// An event of microbatch `mb`, its label prefixed by the microbatch under accumulation.
@@ -251,7 +273,6 @@ impl<'a> Replay<'a> {
     fn forward(&mut self, live: &mut Breakdown, mb: u32) {
         let sims = self.sims;
         let depth = self.spec.model.depth;
-        let e = self.e;
 
         // Embed.
         let es = &sims.embed;
@@ -271,9 +292,9 @@ impl<'a> Replay<'a> {
         self.mark(Phase::Forward, "embed".into(), None, mb, false, *live);
 
         // Blocks.
-        let bs = &sims.block;
-        let block_kept = bs.activations + bs.leaf + bs.output;
         for i in 0..depth {
+            let bs = self.block_sim(i);
+            let block_kept = bs.activations + bs.leaf + bs.output;
             let mut inside = *live;
             if self.recomputed(i) {
                 inside.activations += bs.untracked_peak;
@@ -283,8 +304,9 @@ impl<'a> Replay<'a> {
                 live.activations += block_kept;
                 live.weight_casts += bs.weight_casts;
                 if i > 0 && self.recomputed(i - 1) {
-                    // The recomputed block's output was only this block's input: copied, freed.
-                    live.activations -= e;
+                    // The recomputed block's outputs were only this block's inputs: copied,
+                    // freed.
+                    live.activations -= self.block_sim(i - 1).output;
                 }
             }
             let what = format!("block {i} (inside)");
@@ -306,7 +328,7 @@ impl<'a> Replay<'a> {
         live.activations += fs.activations + fs.leaf;
         live.weight_casts += fs.weight_casts;
         if depth > 0 && self.recomputed(depth - 1) {
-            live.activations -= e;
+            live.activations -= self.block_sim(depth - 1).output;
         }
         self.mark(
             Phase::Forward,
@@ -380,9 +402,8 @@ impl<'a> Replay<'a> {
     /// Backward through the blocks, last first, from the final layer's input gradient of
     /// `gx_bytes`; returns the bytes of the gradient left for the embed segment.
     fn backward_blocks(&mut self, live: &mut Breakdown, mb: u32, mut gx_bytes: u64) -> u64 {
-        let bs = &self.sims.block;
-        let e = self.e;
         for i in (0..self.spec.model.depth).rev() {
+            let bs = self.block_sim(i);
             let mut inside = *live;
             if self.recomputed(i) {
                 // Leaf copy of the saved input; the input is freed unless the previous block's
@@ -390,7 +411,7 @@ impl<'a> Replay<'a> {
                 live.activations += bs.leaf;
                 let input_held = i == 0 || !self.recomputed(i - 1);
                 if !input_held {
-                    live.activations -= e;
+                    live.activations -= self.block_sim(i - 1).output;
                 }
                 inside = *live;
                 inside.activations += bs.fwd_peak - bs.leaf;
@@ -408,7 +429,7 @@ impl<'a> Replay<'a> {
             live.activations -= bs.activations + bs.output;
             live.weight_casts -= bs.weight_casts;
             let what = format!("block {i} grads (inside)");
-            self.land_event(live, mb, self.block, what, Some(i));
+            self.land_event(live, mb, self.block_landing(i), what, Some(i));
             // gx replaced by the leaf's grad; drop(grads); drop(leaf).
             live.workspace -= bs.bwd_store;
             live.workspace -= gx_bytes;

@@ -1,0 +1,550 @@
+//! SD3 in the engine as candle nodes (twin: the engine's `families/sd3/block.rs` and
+//! `trainer/sd3.rs` on the family schedule `trainer/family.rs`): the embed segment (patch
+//! embedding + the cropped position table, the timestep and pooled-text MLPs, SiLU(temb),
+//! `context_embedder`), the joint block over the context and image streams (the last one
+//! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step
+//! replay ([`super::step`]), which runs the last block on its own [`Sims::last_block`].
+
+use crate::families::{Dims as FamilyDims, Sd3Dims};
+use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
+    TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Spec};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const SD3_FREQ: u64 = 256;
+
+/// What an SD3 step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sd3Geo {
+    /// Caption tokens T (the sequence encoders' counts summed).
+    pub t: u64,
+    /// Caption width (`joint_attention_dim`).
+    pub width: u64,
+    /// Pooled width (`pooled_projection_dim`).
+    pub pooled: u64,
+    /// Side of the position table.
+    pub pos_side: u64,
+    /// `out_channels` of the config.
+    pub c_out: u64,
+    /// Per-head q/k RMSNorm.
+    pub qk_norm: bool,
+    /// Joint blocks.
+    pub layers: u64,
+}
+
+impl Sd3Geo {
+    /// The SD3 geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec) -> Option<Sd3Geo> {
+        let fm = crate::denoiser::family(spec).ok().flatten()?;
+        let FamilyDims::Sd3(d) = &fm.dims else {
+            return None;
+        };
+        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+        let side = spec.token_grid().ok().map_or(0, |g| u64::from(g.rows));
+        Some(Sd3Geo::new(d, tokens.iter().sum(), side))
+    }
+
+    fn new(d: &Sd3Dims, t: u64, grid_side: u64) -> Sd3Geo {
+        Sd3Geo {
+            t,
+            width: d.joint_attention_dim,
+            pooled: d.pooled_projection_dim,
+            pos_side: d.pos_embed_max_size.unwrap_or(grid_side),
+            c_out: d.out_channels,
+            qk_norm: d.qk_norm,
+            layers: d.num_layers,
+        }
+    }
+
+    /// Cached text elements of one sample the batch holds in f64: the caption and the pooled
+    /// embedding.
+    pub fn text_elems(&self) -> u64 {
+        self.t * self.width + self.pooled
+    }
+}
+
+/// `ops::cat_tokens` of the engine: one fresh (b·(s+t), D) output; backward one fresh
+/// gradient per input that tracks; keeps nothing.
+fn cat_tokens(g: &mut Graph, name: &str, a: Nid, c: Nid) -> Nid {
+    let (e, dt) = (g.elems(a) + g.elems(c), g.dtype(a));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[a, c], e, dt)
+}
+
+/// `ops::split_tokens` of the engine: one fresh (b·len, D) part; backward one fresh gradient of
+/// the input's size (zero outside the part).
+fn split_tokens(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
+    let dt = g.dtype(x);
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
+}
+
+/// `ops::rms_norm_heads` of the engine: one fresh output of x's size; keeps one rstd per (row,
+/// head) in the accumulation type beside it; backward dx and dw fresh.
+fn rms_norm_heads(g: &mut Graph, name: &str, x: Nid, w: Nid, rows: u64, heads: u64) -> Nid {
+    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    let y = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, w], e, dt);
+    g.nodes[y].extra = rows * heads * acc;
+    y
+}
+
+/// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
+/// call, held only by the op that reads it).
+fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
+    g.view(
+        &format!("{name} chunk {i}"),
+        Kind::Narrow {
+            pad_before: i * bd,
+            pad_after: (k - 1 - i) * bd,
+        },
+        m,
+        bd,
+    )
+}
+
+/// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.
+fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid {
+    let f1 = linear(
+        g,
+        sh,
+        &format!("{name}.net.0.proj"),
+        h,
+        rows,
+        sh.mlp,
+        sh.d,
+        None,
+    );
+    let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
+    let f = linear(
+        g,
+        sh,
+        &format!("{name}.net.2"),
+        act,
+        rows,
+        sh.d,
+        sh.mlp,
+        None,
+    );
+    g.hold_until(&[f1, act], f);
+    g.bind(f)
+}
+
+/// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams.
+/// Returns the graph, the stream leaves [context, image], the conditioning leaf and the outputs
+/// ([context, image], or [image] for the last block).
+pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<Nid>) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let d = sh.d;
+    let (rows, trows) = (sh.b * sh.s, sh.b * sg.t);
+    let (e, c_el) = (rows * d, trows * d);
+    let bd = sh.b * d;
+    let c = g.var("context (leaf copy of the block input)", c_el, ad, true);
+    let x = g.var("image (leaf copy of the block input)", e, ad, true);
+    let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
+    // The q/k norm weights are cast copies made with the block's weights (alive while it runs).
+    let pd = sh.precision.param_dtype();
+    let dh = d / sh.heads;
+    let qk: Option<Vec<Nid>> = sg.qk_norm.then(|| {
+        ["norm_q", "norm_k", "norm_added_q", "norm_added_k"]
+            .iter()
+            .map(|n| {
+                let w = g.weight(&format!("attn.{n}.weight"), dh, pd, true, cd);
+                g.bind(w)
+            })
+            .collect()
+    });
+    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
+        let y = linear(g, sh, name, x, rows, out, inp, None);
+        g.bind(y)
+    };
+    let ada = |g: &mut Graph, name: &str, k: u64| {
+        let m = linear(g, sh, name, se, sh.b, k * d, d, None);
+        let m = g.cast(&format!("{name} →{ad}"), m, ad);
+        g.bind(m)
+    };
+    let m = ada(&mut g, "norm1.linear", 6);
+    let kc = if last { 2 } else { 6 };
+    let mc = ada(&mut g, "norm1_context.linear", kc);
+    let (s0, s1) = (
+        chunk(&mut g, "m", m, 0, 6, bd),
+        chunk(&mut g, "m", m, 1, 6, bd),
+    );
+    let hx = ln_modulate(&mut g, "norm1+modulate", x, s0, s1, rows, cd);
+    g.bind(hx);
+    let (shift, scale) = if last {
+        let a = chunk(&mut g, "mc", mc, 1, kc, bd);
+        (a, chunk(&mut g, "mc", mc, 0, kc, bd))
+    } else {
+        let a = chunk(&mut g, "mc", mc, 0, kc, bd);
+        (a, chunk(&mut g, "mc", mc, 1, kc, bd))
+    };
+    let hc = ln_modulate(&mut g, "norm1_context+modulate", c, shift, scale, trows, cd);
+    g.bind(hc);
+
+    // Joint attention.
+    let q = lin(&mut g, "attn.to_q", hx, rows, d, d);
+    let k = lin(&mut g, "attn.to_k", hx, rows, d, d);
+    let v = lin(&mut g, "attn.to_v", hx, rows, d, d);
+    let eq = lin(&mut g, "attn.add_q_proj", hc, trows, d, d);
+    let ek = lin(&mut g, "attn.add_k_proj", hc, trows, d, d);
+    let ev = lin(&mut g, "attn.add_v_proj", hc, trows, d, d);
+    let (q, k, eq, ek) = match &qk {
+        Some(w) => {
+            let a = sh.heads;
+            let mut n = |name: &str, x: Nid, w: Nid, r: u64| {
+                let y = rms_norm_heads(&mut g, name, x, w, r, a);
+                g.bind(y)
+            };
+            (
+                n("attn.norm_q", q, w[0], rows),
+                n("attn.norm_k", k, w[1], rows),
+                n("attn.norm_added_q", eq, w[2], trows),
+                n("attn.norm_added_k", ek, w[3], trows),
+            )
+        }
+        None => (q, k, eq, ek),
+    };
+    let qc = cat_tokens(&mut g, "cat q", q, eq);
+    g.bind(qc);
+    let kcat = cat_tokens(&mut g, "cat k", k, ek);
+    g.bind(kcat);
+    let vc = cat_tokens(&mut g, "cat v", v, ev);
+    g.bind(vc);
+    let o = separate_attention(
+        &mut g,
+        sh,
+        "joint attention (separate q, k, v)",
+        [qc, kcat, vc],
+        sh.s + sg.t,
+    );
+    g.bind(o);
+
+    // Image stream.
+    let oi = split_tokens(&mut g, "split image", o, e);
+    g.bind(oi);
+    let ao = lin(&mut g, "attn.to_out.0", oi, rows, d, d);
+    let gate = chunk(&mut g, "m", m, 2, 6, bd);
+    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, ao, gate);
+    g.bind(x1);
+    let (s3, s4) = (
+        chunk(&mut g, "m", m, 3, 6, bd),
+        chunk(&mut g, "m", m, 4, 6, bd),
+    );
+    let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
+    g.bind(h2);
+    let f = feed_forward(&mut g, sh, "ff", h2, rows);
+    let gate = chunk(&mut g, "m", m, 5, 6, bd);
+    let x2 = gated_residual(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, gate);
+    if last {
+        return (g, vec![c, x], se, vec![x2]);
+    }
+    g.bind(x2);
+
+    // Context stream.
+    let oc = split_tokens(&mut g, "split context", o, c_el);
+    g.bind(oc);
+    let co = lin(&mut g, "attn.to_add_out", oc, trows, d, d);
+    let gate = chunk(&mut g, "mc", mc, 2, 6, bd);
+    let c1 = gated_residual(&mut g, "c + out·c_gate_msa (fused)", c, co, gate);
+    g.bind(c1);
+    let (s3, s4) = (
+        chunk(&mut g, "mc", mc, 3, 6, bd),
+        chunk(&mut g, "mc", mc, 4, 6, bd),
+    );
+    let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, s3, s4, trows, cd);
+    g.bind(h2c);
+    let fc = feed_forward(&mut g, sh, "ff_context", h2c, trows);
+    let gate = chunk(&mut g, "mc", mc, 5, 6, bd);
+    let c2 = gated_residual(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
+    (g, vec![c, x], se, vec![c2, x2])
+}
+
+/// The root `ops::backward_from_many` backpropagates a block from: one seed per output, each
+/// cast to f64 (a copy unless f64), summed; one output is `backward_from`'s single seed.
+/// Returns (root, nodes appended).
+fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
+    let n0 = g.nodes.len();
+    let mut root: Option<Nid> = None;
+    for &out in outs {
+        let (e, dt) = (g.elems(out), g.dtype(out));
+        let go = g.constant("grad_out", e, dt, false);
+        let s = g.op("grad seed", Kind::Seed, &[out, go], 1, dt);
+        if outs.len() == 1 {
+            return (s, g.nodes.len() - n0);
+        }
+        let s = g.cast("seed→f64", s, Dtype::F64);
+        root = Some(match root {
+            None => s,
+            Some(r) => g.op("seed sum", Kind::Add, &[r, s], 1, Dtype::F64),
+        });
+    }
+    let r = root.unwrap_or(n0);
+    (r, g.nodes.len() - n0)
+}
+
+/// A segment's simulation with several leaves and outputs (the generic `seg` takes one each).
+fn seg_many(g: &Graph, leaves: &[Nid], outs: &[Nid], root: Nid, root_nodes: usize) -> SegSim {
+    let mut held = leaves.to_vec();
+    held.extend_from_slice(outs);
+    let mut s = seg(g, None, None, root, root_nodes, &held);
+    let bytes = |xs: &[Nid]| xs.iter().map(|&x| g.nodes[x].footprint()).sum::<u64>();
+    let (l, o) = (bytes(leaves), bytes(outs));
+    s.activations -= l + o;
+    s.leaf = l;
+    s.output = o;
+    s
+}
+
+/// One block's simulation: tracked on leaf copies with its seeds, and untracked on its inputs.
+fn block_sim(sh: &Shape, sg: &Sd3Geo, last: bool) -> SegSim {
+    let (mut bg, leaves, _, outs) = block(sh, sg, last);
+    let fwd = forward_peak(&bg);
+    let (root, n) = seeds(&mut bg, &outs);
+    let mut s = seg_many(&bg, &leaves, &outs, root, n);
+    s.fwd_peak = fwd;
+    let (mut ug, uleaves, _, uouts) = block(sh, sg, last);
+    for l in uleaves {
+        ug.nodes[l].alloc = false;
+    }
+    s.untracked_peak = untracked_peak(&ug, &uouts);
+    s
+}
+
+/// The embed segment as `Sd3Layout::embed` builds it. Returns (graph, [context, image] streams,
+/// SiLU(temb)).
+pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let bd = sh.b * sh.d;
+    let trows = sh.b * sg.t;
+    let wd = sh.weight_dtype();
+    let mut g = Graph::default();
+    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+    g.bind(xp);
+    let inp = sh.c_in * p2;
+    let w = g.weight("pos_embed.proj.weight", sh.d * inp, wd, true, wd);
+    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+    let bias = g.weight("pos_embed.proj.bias", sh.d, wd, true, wd);
+    let xe = crate::runtime::ditmem_cpu::ops::fused_linear(
+        &mut g,
+        "pos_embed.proj x·Wᵀ+b",
+        [xp, wv, bias],
+        (rows, inp, sh.d),
+        sh.cpu.bf16_kernel(),
+    );
+    // The table's (M², D) → (M, M, D) view, cropped by two narrows (views) and read in place.
+    let side2 = sg.pos_side * sg.pos_side;
+    let pos = g.constant("pos_embed.pos_embed", side2 * sh.d, ad, false);
+    let pos = g.view("reshape(M, M, D)", Kind::Reshape, pos, side2 * sh.d);
+    let pos = g.view(
+        "crop rows",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: 0,
+        },
+        pos,
+        side2 * sh.d,
+    );
+    let pos = g.view(
+        "crop cols",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: 0,
+        },
+        pos,
+        sh.s * sh.d,
+    );
+    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+    let xe = g.view("reshape(b,r,c,D)", Kind::Reshape, xe, sh.e());
+    let x0 = g.broadcast_binary("+pos_embed (cropped)", Kind::Add, xe, pos, false);
+    let x0 = g.view("reshape(b,s,D)", Kind::Reshape, x0, sh.e());
+    let tf = g.constant("timestep features", sh.b * SD3_FREQ, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
+    let mlp = |g: &mut Graph, name: &str, x: Nid, inp: u64| {
+        let h = linear(g, sh, &format!("{name}.linear_1"), x, sh.b, sh.d, inp, None);
+        let h = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
+        let y = linear(
+            g,
+            sh,
+            &format!("{name}.linear_2"),
+            h,
+            sh.b,
+            sh.d,
+            sh.d,
+            None,
+        );
+        g.hold_until(&[h], y);
+        y
+    };
+    let tt = mlp(&mut g, "time_text_embed.timestep_embedder", tf, SD3_FREQ);
+    let pooled = g.constant("pooled embeddings", sh.b * sg.pooled, cd, true);
+    g.bind(pooled);
+    let tp = mlp(&mut g, "time_text_embed.text_embedder", pooled, sg.pooled);
+    let temb = g.op("temb = t + pooled", Kind::Add, &[tt, tp], bd, cd);
+    let se = g.op("SiLU(temb)", Kind::Silu, &[temb], bd, cd);
+    g.bind(se);
+    let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
+    g.bind(cap);
+    let c0 = linear(
+        &mut g,
+        sh,
+        "context_embedder",
+        cap,
+        trows,
+        sh.d,
+        sg.width,
+        None,
+    );
+    let c0 = g.cast(&format!("context→{ad}"), c0, ad);
+    let c0 = g.view("reshape(b,T,D)", Kind::Reshape, c0, trows * sh.d);
+    g.bind(c0);
+    g.bind(x0);
+    (g, vec![c0, x0], se)
+}
+
+/// The output side and the loss on a leaf copy of the image stream. Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let e = sh.e();
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", e, ad, true);
+    let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
+    let m = linear(
+        &mut g,
+        sh,
+        "norm_out.linear",
+        se,
+        sh.b,
+        2 * sh.d,
+        sh.d,
+        None,
+    );
+    let m = g.cast(&format!("norm_out →{ad}"), m, ad);
+    g.bind(m);
+    let scale = chunk(&mut g, "norm_out", m, 0, 2, bd);
+    g.bind(scale);
+    let shift = chunk(&mut g, "norm_out", m, 1, 2, bd);
+    g.bind(shift);
+    let h = ln_modulate(&mut g, "norm_out+modulate", x, shift, scale, rows, cd);
+    g.bind(h);
+    let out_el = rows * p2 * sg.c_out;
+    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d, None);
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+    let lat = rows * p2 * sh.c_in;
+    let pred = g.view(
+        "latent channels",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: out_el - lat,
+        },
+        img,
+        lat,
+    );
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", lat, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+/// Simulate SD3's segments for a spec: the embed, a joint block, the last
+/// (`context_pre_only`) block, the output side.
+pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
+    let sh = Shape::new(spec);
+    let (ad, cd) = (sh.ad(), sh.cd());
+    let ld = grad_dtype(sh.precision);
+    let meta = TENSOR_META + STORAGE_META;
+
+    let last = block_sim(&sh, sg, true);
+    let block = if sg.layers > 1 {
+        block_sim(&sh, sg, false)
+    } else {
+        last
+    };
+
+    let (fg, fleaf, froot) = final_graph(&sh, sg);
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
+
+    // Embed: the surrogate Σ c0·gc + Σ x0·gx + Σ se·gse (the last in cd, cast to the streams'
+    // dtype), in the schedule's order (streams, then conditioning).
+    let (mut eg, streams, se) = embed_graph(&sh, sg);
+    let fwd = forward_peak(&eg);
+    let bd = sh.b * sh.d;
+    let n0 = eg.nodes.len();
+    let mut terms = Vec::new();
+    for (i, &t) in streams.iter().chain([&se]).enumerate() {
+        let (e, dt) = (eg.elems(t), eg.dtype(t));
+        let gr = eg.constant(&format!("grad {i}"), e, dt, false);
+        let m = eg.op(&format!("term {i} product"), Kind::Mul, &[t, gr], e, dt);
+        let s = eg.op(&format!("term {i} sum"), Kind::Sum, &[m], 1, dt);
+        terms.push(eg.cast(&format!("term {i}→{ad}"), s, ad));
+    }
+    let mut r = terms[0];
+    for &t in &terms[1..] {
+        r = eg.op("+", Kind::Add, &[r, t], 1, ad);
+    }
+    let root_nodes = eg.nodes.len() - n0;
+    let held = eg.bound();
+    let tail: Vec<Nid> = held
+        .iter()
+        .copied()
+        .filter(|n| !streams.contains(n) && *n != se)
+        .collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg_many(&eg, &[], &streams, r, root_nodes);
+    embed.fwd_peak = fwd;
+
+    let n_lat = sh.latent;
+    // The f64 caption of the batch, freed once cast (the pooled embedding's is smaller).
+    let text = sh.b * sg.t * sg.width;
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * SD3_FREQ * 8);
+    if cd != Dtype::F64 {
+        scratch = scratch.max(text * 8);
+    }
+    Sims {
+        embed,
+        block,
+        final_layer,
+        c_leaf: bd * cd.size() + meta,
+        embed_scratch: scratch,
+        embed_tail,
+        cond_grad: bd * ld.size() + meta,
+        last_block: Some(last),
+    }
+}
+
+/// SD3's segments (embed, block, final) as generic segments, for the op inventory of a
+/// `ditmem-cpu` budget; None for any other model.
+pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+    let sg = Sd3Geo::of(spec)?;
+    let sh = Shape::new(spec);
+    Some([
+        to_segment(&embed_graph(&sh, &sg).0, "embed"),
+        to_segment(&block(&sh, &sg, sg.layers == 1).0, "block"),
+        to_segment(&final_graph(&sh, &sg).0, "final"),
+    ])
+}

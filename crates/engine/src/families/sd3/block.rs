@@ -1,0 +1,146 @@
+//! SD3's joint block, embedders and output side (see the module docs of [`super`] for the
+//! tensor list), on the engine's fused ops. `cd` is the compute dtype of the matmuls and
+//! attention, `ad` the accumulation dtype of both residual streams, norms and modulation; every
+//! linear is one fused node ([`LinearW`]).
+
+use candle_core::{DType, Tensor};
+
+use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::error::Result;
+use crate::families::pixart::block::attn_keep;
+use crate::ops::attention::separate::attention;
+use crate::ops::{
+    cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm_heads, split_tokens,
+};
+
+/// diffusers' `RMSNorm` eps of the q/k norms.
+pub const RMS_EPS: f64 = 1e-6;
+
+/// The weights of one joint block; `ctx` is None for the last (`context_pre_only`) block's
+/// context-side output weights, `qk` the four q/k RMSNorm weights (`norm_q`, `norm_k`,
+/// `norm_added_q`, `norm_added_k`, in the compute dtype) with `qk_norm`.
+#[derive(Debug, Clone)]
+pub struct Sd3BlockWeights {
+    pub norm1: LinearW,
+    pub norm1_context: LinearW,
+    pub to_q: LinearW,
+    pub to_k: LinearW,
+    pub to_v: LinearW,
+    pub add_k: LinearW,
+    pub add_v: LinearW,
+    pub add_q: LinearW,
+    pub to_out: LinearW,
+    pub ff1: LinearW,
+    pub ff2: LinearW,
+    pub ctx: Option<ContextOut>,
+    pub qk: Option<[Tensor; 4]>,
+}
+
+/// The context stream's output side of a block that is not `context_pre_only`.
+#[derive(Debug, Clone)]
+pub struct ContextOut {
+    pub to_add_out: LinearW,
+    pub ff1: LinearW,
+    pub ff2: LinearW,
+}
+
+/// `FeedForward` (GELU-tanh): h (rows, D) in `cd` → (rows, D) in `cd`.
+fn feed_forward(h: &Tensor, fc1: &LinearW, fc2: &LinearW) -> Result<Tensor> {
+    let f1 = fc1.forward(h)?;
+    let g = gelu_tanh(&f1)?;
+    fc2.forward(&g)
+}
+
+/// One `JointTransformerBlock`: the context c (b, T, D) and image x (b, s, D) streams in `ad`,
+/// SiLU(temb) `se` (b, D) in `cd` → [c', x'] (the last block returns [x'] only). Every
+/// intermediate is a local until the block returns (the budget's twin binds the same tensors).
+pub fn sd3_block_forward(
+    c: &Tensor,
+    x: &Tensor,
+    se: &Tensor,
+    w: &Sd3BlockWeights,
+    cfg: &BlockConfig,
+) -> Result<Vec<Tensor>> {
+    let (b, s, h) = x.dims3()?;
+    let t = c.dim(1)?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let keep = attn_keep(cfg.attn);
+    // norm1 (AdaLayerNormZero): shift, scale, gate (msa), shift, scale, gate (mlp).
+    let m = cast(w.norm1.forward(se)?, ad)?;
+    let mc = cast(w.norm1_context.forward(se)?, ad)?;
+    let chunk = |t: &Tensor, i: usize| t.narrow(1, i * h, h);
+    let hx = ln_modulate(x, &chunk(&m, 0)?, &chunk(&m, 1)?, LN_EPS, cd)?;
+    // norm1_context: AdaLayerNormZero, or AdaLayerNormContinuous (scale, shift) when last.
+    let hc = match &w.ctx {
+        Some(_) => ln_modulate(c, &chunk(&mc, 0)?, &chunk(&mc, 1)?, LN_EPS, cd)?,
+        None => ln_modulate(c, &chunk(&mc, 1)?, &chunk(&mc, 0)?, LN_EPS, cd)?,
+    };
+
+    // Joint attention over [image, context] per sample.
+    let q = w.to_q.forward(&hx)?;
+    let k = w.to_k.forward(&hx)?;
+    let v = w.to_v.forward(&hx)?;
+    let eq = w.add_q.forward(&hc)?;
+    let ek = w.add_k.forward(&hc)?;
+    let ev = w.add_v.forward(&hc)?;
+    let (q, k, eq, ek) = match &w.qk {
+        Some([nq, nk, naq, nak]) => {
+            let a = cfg.heads;
+            (
+                rms_norm_heads(&q, nq, a, RMS_EPS)?,
+                rms_norm_heads(&k, nk, a, RMS_EPS)?,
+                rms_norm_heads(&eq, naq, a, RMS_EPS)?,
+                rms_norm_heads(&ek, nak, a, RMS_EPS)?,
+            )
+        }
+        None => (q, k, eq, ek),
+    };
+    let qc = cat_tokens(&q, &eq, b)?;
+    let kc = cat_tokens(&k, &ek, b)?;
+    let vc = cat_tokens(&v, &ev, b)?;
+    let o = attention(&qc, &kc, &vc, b, cfg.heads, keep)?;
+
+    // Image stream: to_out.0, gated residual, norm2 + ff.
+    let oi = split_tokens(&o, b, 0, s)?;
+    let ao = w.to_out.forward(&oi)?;
+    let x1 = gated_residual(x, &ao, &chunk(&m, 2)?)?;
+    let h2 = ln_modulate(&x1, &chunk(&m, 3)?, &chunk(&m, 4)?, LN_EPS, cd)?;
+    let f = feed_forward(&h2, &w.ff1, &w.ff2)?;
+    let x2 = gated_residual(&x1, &f, &chunk(&m, 5)?)?;
+    let Some(cw) = &w.ctx else {
+        return Ok(vec![x2]);
+    };
+
+    // Context stream: to_add_out, gated residual, norm2_context + ff_context.
+    let oc = split_tokens(&o, b, s, t)?;
+    let co = cw.to_add_out.forward(&oc)?;
+    let c1 = gated_residual(c, &co, &chunk(&mc, 2)?)?;
+    let h2c = ln_modulate(&c1, &chunk(&mc, 3)?, &chunk(&mc, 4)?, LN_EPS, cd)?;
+    let fc = feed_forward(&h2c, &cw.ff1, &cw.ff2)?;
+    let c2 = gated_residual(&c1, &fc, &chunk(&mc, 5)?)?;
+    Ok(vec![c2, x2])
+}
+
+/// `norm_out` (AdaLayerNormContinuous: scale, shift = linear(SiLU(temb)).chunk(2)) +
+/// `proj_out`: x (b, s, D) in `ad`, `se` (b, D) in `cd` → (b·s, p²·C_out) in `ad`.
+pub fn final_forward(
+    x: &Tensor,
+    se: &Tensor,
+    norm_out: &LinearW,
+    proj_out: &LinearW,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
+    let h = x.dim(2)?;
+    let e = cast(norm_out.forward(se)?, ad)?;
+    let (scale, shift) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
+    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
+    cast(proj_out.forward(&hx)?, ad)
+}
+
+/// A two-linear MLP with SiLU between (`TimestepEmbedding`, and the pooled text's
+/// `PixArtAlphaTextProjection(act_fn="silu")`): (b, in) in `cd` → (b, D) in `cd`.
+pub fn silu_mlp(x: &Tensor, l1: &LinearW, l2: &LinearW) -> Result<Tensor> {
+    let h = l1.forward(x)?.silu()?;
+    l2.forward(&h)
+}

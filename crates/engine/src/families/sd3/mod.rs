@@ -1,0 +1,74 @@
+//! SD3 / SD3.5 (diffusers `SD3Transformer2DModel`) in the engine, on the generic family
+//! schedule:
+//!
+//! - [`params`]: the geometry beyond [`crate::model::Dims`] (caption tokens and width, the
+//!   pooled width, the position table's side) and the parameter inventory with diffusers' names,
+//!   in the order of the budget's table (`ditmem_budget::denoiser::param_table`);
+//! - [`block`]: the MMDiT `JointTransformerBlock` (AdaLayerNormZero on both streams, one
+//!   softmax attention over the per-sample concatenation [image, context], gated residuals,
+//!   GELU-tanh MLPs), its last `context_pre_only` variant, the optional q/k RMSNorm, and the
+//!   output side (`norm_out` + `proj_out`).
+//!
+//! The caption (b × T × joint_attention_dim) and the pooled embedding (b ×
+//! pooled_projection_dim) enter as cached synthetic inputs from the data seed, like the
+//! latents: no text encoder weights. SD3.5's dual attention layers are refused.
+//!
+//! # Block composition (what one block allocates in forward)
+//! `cd` compute dtype, `ad` accumulation dtype, E = b·s·D, C = b·T·D, N = E + C:
+//! 1. `norm1.linear`, `norm1_context.linear` on SiLU(temb) (b, 6D cd each; b, 2D for the last
+//!    block's context), each cast to `ad` (a copy under mixed precision), `narrow` views.
+//! 2. LN + modulate on x (E cd) and on c (C cd).
+//! 3. `to_q`, `to_k`, `to_v` (3 × E cd), `add_q_proj`, `add_k_proj`, `add_v_proj` (3 × C cd);
+//!    with `qk_norm` four per-head RMSNorms (2E + 2C cd, each keeping b·s·a / b·T·a rstd);
+//!    `cat_tokens` of q, k, v (3 × N cd); attention (N cd, keeps P b·a·n² cd / the
+//!    log-sum-exp b·a·n f32 / nothing).
+//! 4. Image: `split_tokens` (E cd), `to_out.0` (E cd), x1 = x + ·gate (E ad), LN + modulate
+//!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad).
+//! 5. Context (not the last block): `split_tokens` (C cd), `to_add_out` (C cd), c1 (C ad), LN +
+//!    modulate (C cd), `ff_context` (4C, 4C, C cd), c2 (C ad).
+
+pub mod block;
+pub mod params;
+
+pub use block::{final_forward, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights};
+pub use params::{block_linears, param_shapes, Sd3Geom, QK_NORMS, SD3_FREQ};
+
+use ditmem_budget::Spec;
+
+use crate::error::Result;
+
+/// A tiny SD3 `config.json` (diffusers keys): `layers` joint blocks of `heads` × 16-wide heads,
+/// 16 latent channels, patch 2, caption width 32, pooled width 24, a 12-wide position table,
+/// no dual attention; `qk_norm` as SD3.5's.
+pub fn tiny_config(
+    layers: u32,
+    heads: u32,
+    qk_norm: bool,
+) -> serde_json::Map<String, serde_json::Value> {
+    let hidden = 16 * heads;
+    let qk = if qk_norm { r#""rms_norm""# } else { "null" };
+    let text = format!(
+        r#"{{"_class_name": "SD3Transformer2DModel", "sample_size": 16, "num_layers": {layers},
+            "attention_head_dim": 16, "num_attention_heads": {heads}, "in_channels": 16,
+            "out_channels": 16, "patch_size": 2, "joint_attention_dim": 32,
+            "caption_projection_dim": {hidden}, "pooled_projection_dim": 24,
+            "pos_embed_max_size": 12, "dual_attention_layers": [], "qk_norm": {qk}}}"#
+    );
+    match serde_json::from_str(&text) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    }
+}
+
+/// A tiny SD3 spec on [`Spec::small`]'s workload (128×128 images: 64 tokens, batch 4) with
+/// `clip` + `t5` caption tokens, fp32, materialized attention, no EMA.
+pub fn tiny_spec(layers: u32, heads: u32, qk_norm: bool, clip: u32, t5: u32) -> Result<Spec> {
+    let mut s = ditmem_budget::denoiser::with_family(
+        Spec::small(),
+        "sd3-tiny",
+        tiny_config(layers, heads, qk_norm),
+    )?;
+    s.workload.text_tokens = Some(vec![clip, t5]);
+    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
+    Ok(s)
+}

@@ -1,0 +1,226 @@
+//! SD3's geometry beyond [`Dims`] and its parameter inventory, named and ordered as the budget's
+//! table (`ditmem_budget::denoiser::param_table`, from `ditmem_budget::families::sd3`).
+//!
+//! Initialisation (drawn in f64 from the seed and the name, as for the DiT and PixArt): linears
+//! xavier-uniform with zero biases; the timestep and pooled-text MLPs, the modulation linears
+//! (`norm1`, `norm1_context`, `norm_out`) and `proj_out` normal(0, 0.02), so that the
+//! adaLN-Zero gates start small but not at zero (every tensor gets a gradient in the first
+//! step); the q/k RMSNorm weights ones; the sin-cos table of the `pos_embed_max_size` grid
+//! (frozen; diffusers' persistent `pos_embed.pos_embed` buffer, cropped to the token grid at
+//! run time).
+
+use ditmem_budget::{Sd3Dims, Spec};
+
+use crate::error::{EngineError, Result};
+use crate::model::{Dims, Init, ParamShape};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const SD3_FREQ: usize = 256;
+
+/// What an SD3 step needs beyond [`Dims`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sd3Geom {
+    /// Caption tokens T (the sequence encoders' counts summed: CLIP ⊕ T5 along the tokens).
+    pub text_tokens: usize,
+    /// Width of the cached caption (`joint_attention_dim`).
+    pub text_width: usize,
+    /// Width of the cached pooled embedding (`pooled_projection_dim`).
+    pub pooled_width: usize,
+    /// Side of the position table (`pos_embed_max_size`, else the token grid's side).
+    pub pos_side: usize,
+    /// Whether the table is the token grid itself (no `pos_embed_max_size`).
+    pub pos_is_grid: bool,
+    /// `out_channels` of the config.
+    pub out_channels: usize,
+    /// Per-head q/k RMSNorm (`qk_norm: "rms_norm"`).
+    pub qk_norm: bool,
+}
+
+impl Sd3Geom {
+    /// Checks what the engine runs of an SD3 config and reads its geometry.
+    pub fn new(spec: &Spec, d: &Sd3Dims) -> Result<Sd3Geom> {
+        if !d.dual_attention_layers.is_empty() {
+            return Err(EngineError::unsupported(
+                "model.diffusers.dual_attention_layers",
+                "SD3.5's dual attention (MMDiT-X attn2) is not in the engine yet; use an empty list",
+            ));
+        }
+        if spec.recipe.lora.is_some() {
+            return Err(EngineError::unsupported(
+                "recipe.lora with an SD3 model",
+                "LoRA on SD3's projections is not in the engine yet; train the full model",
+            ));
+        }
+        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+            return Err(EngineError::unsupported(
+                "model.attn_dropout / model.mlp_dropout with an SD3 model",
+                "SD3 trains without dropout in the engine; set both to 0",
+            ));
+        }
+        let fm = ditmem_budget::denoiser::family(spec)?
+            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
+        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
+        if tokens.is_empty() || tokens.contains(&0) {
+            return Err(EngineError::bad_input(
+                "workload.text_tokens",
+                format!("{tokens:?}; allowed: positive counts (CLIP ⊕ CLIP, T5)"),
+            ));
+        }
+        let t: u64 = tokens.iter().sum();
+        let grid = spec.token_grid()?;
+        let (rows, cols) = (grid.rows as usize, grid.cols as usize);
+        let (pos_side, pos_is_grid) = match d.pos_embed_max_size {
+            Some(m) => {
+                let m = m as usize;
+                if rows > m || cols > m {
+                    return Err(EngineError::bad_input(
+                        "model.diffusers.pos_embed_max_size",
+                        format!(
+                            "{m} is smaller than the {rows}×{cols} token grid; allowed: at least {}",
+                            rows.max(cols)
+                        ),
+                    ));
+                }
+                (m, false)
+            }
+            None => {
+                if rows != cols {
+                    return Err(EngineError::bad_input(
+                        "workload.image_size",
+                        format!(
+                            "a {rows}×{cols} token grid without pos_embed_max_size; allowed: a \
+                             square grid, or set pos_embed_max_size"
+                        ),
+                    ));
+                }
+                (rows, true)
+            }
+        };
+        Ok(Sd3Geom {
+            text_tokens: t as usize,
+            text_width: d.joint_attention_dim as usize,
+            pooled_width: d.pooled_projection_dim as usize,
+            pos_side,
+            pos_is_grid,
+            out_channels: d.out_channels as usize,
+            qk_norm: d.qk_norm,
+        })
+    }
+}
+
+/// The linears of a joint block in the table's order (diffusers names); the last block
+/// (`context_pre_only`) has no `attn.to_add_out` and no `ff_context`.
+pub fn block_linears(last: bool) -> Vec<&'static str> {
+    let mut v = vec![
+        "norm1.linear",
+        "norm1_context.linear",
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.add_q_proj",
+        "attn.to_out.0",
+    ];
+    if !last {
+        v.push("attn.to_add_out");
+    }
+    v.extend(["ff.net.0.proj", "ff.net.2"]);
+    if !last {
+        v.extend(["ff_context.net.0.proj", "ff_context.net.2"]);
+    }
+    v
+}
+
+/// The q/k RMSNorm weights of a block's attention (with `qk_norm`).
+pub const QK_NORMS: [&str; 4] = [
+    "attn.norm_q",
+    "attn.norm_k",
+    "attn.norm_added_q",
+    "attn.norm_added_k",
+];
+
+/// Every tensor of the SD3 model of `spec`, in the budget's table order, then the frozen
+/// position table.
+pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
+    let h = d.hidden;
+    let small = Init::Normal(0.02);
+    let mut v = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, init: Init| {
+        v.push(ParamShape {
+            name,
+            shape,
+            init,
+            trainable: true,
+        })
+    };
+    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
+        push(format!("{p}.weight"), vec![out, inp], w);
+        push(format!("{p}.bias"), vec![out], Init::Zeros);
+    };
+    push(
+        "pos_embed.proj.weight".into(),
+        vec![h, d.in_channels, d.patch, d.patch],
+        Init::XavierUniform,
+    );
+    push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    let te = "time_text_embed.timestep_embedder";
+    linear(&mut push, &format!("{te}.linear_1"), h, SD3_FREQ, small);
+    linear(&mut push, &format!("{te}.linear_2"), h, h, small);
+    let pe = "time_text_embed.text_embedder";
+    linear(
+        &mut push,
+        &format!("{pe}.linear_1"),
+        h,
+        g.pooled_width,
+        small,
+    );
+    linear(&mut push, &format!("{pe}.linear_2"), h, h, small);
+    linear(
+        &mut push,
+        "context_embedder",
+        h,
+        g.text_width,
+        Init::XavierUniform,
+    );
+    let hd = d.head_dim;
+    for i in 0..d.depth {
+        let b = format!("transformer_blocks.{i}");
+        let last = i + 1 == d.depth;
+        for name in block_linears(last) {
+            let (out, inp, init) = match name {
+                "norm1.linear" => (6 * h, h, small),
+                "norm1_context.linear" if last => (2 * h, h, small),
+                "norm1_context.linear" => (6 * h, h, small),
+                "ff.net.0.proj" | "ff_context.net.0.proj" => (d.mlp_hidden, h, Init::XavierUniform),
+                "ff.net.2" | "ff_context.net.2" => (h, d.mlp_hidden, Init::XavierUniform),
+                _ => (h, h, Init::XavierUniform),
+            };
+            linear(&mut push, &format!("{b}.{name}"), out, inp, init);
+            // The table lists the q/k norms after the attention's output projections.
+            let after = if last {
+                "attn.to_out.0"
+            } else {
+                "attn.to_add_out"
+            };
+            if g.qk_norm && name == after {
+                for n in QK_NORMS {
+                    push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+                }
+            }
+        }
+    }
+    linear(&mut push, "norm_out.linear", 2 * h, h, small);
+    let out = d.patch * d.patch * g.out_channels;
+    linear(&mut push, "proj_out", out, h, small);
+    v.push(ParamShape {
+        name: "pos_embed.pos_embed".into(),
+        shape: vec![g.pos_side * g.pos_side, h],
+        init: Init::SinCos2d {
+            rows: g.pos_side,
+            cols: g.pos_side,
+        },
+        trainable: false,
+    });
+    v
+}

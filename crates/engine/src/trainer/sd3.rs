@@ -1,0 +1,281 @@
+//! SD3 on the trainer: where its parameters sit and its three segments (embed, joint block,
+//! output side) as the family schedule runs them.
+//!
+//! Embed (kept until the end of the backward): the patch embedding plus the cropped sin-cos
+//! table (the image stream, `ad`), `context_embedder` on the cached caption (the context
+//! stream, `ad`), and SiLU(temb) in `cd` with temb = the timestep MLP + the pooled-text MLP:
+//! every modulation linear (`norm1`, `norm1_context`, `norm_out`) reads SiLU(temb), so it is the
+//! one conditioning tensor, made once. Streams enter block 0 as [context, image]; the last
+//! block (`context_pre_only`) returns [image].
+
+use candle_core::Tensor;
+
+use super::family::{Embedded, FamilyStep};
+use super::{cast, LinearIdx, Trainer};
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::families::sd3::{
+    block_linears, final_forward, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights,
+    Sd3Geom, QK_NORMS, SD3_FREQ,
+};
+use crate::model::{patchify, timestep_features, unpatchify};
+
+/// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
+/// norm weights.
+#[derive(Debug, Clone)]
+pub(super) struct Sd3BlockIdx {
+    lin: Vec<LinearIdx>,
+    qk: Option<[usize; 4]>,
+}
+
+/// Where SD3's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+pub(super) struct Sd3Layout {
+    patch: LinearIdx,
+    pos: usize,
+    t1: LinearIdx,
+    t2: LinearIdx,
+    p1: LinearIdx,
+    p2: LinearIdx,
+    context: LinearIdx,
+    blocks: Vec<Sd3BlockIdx>,
+    norm_out: LinearIdx,
+    proj_out: LinearIdx,
+    pub(super) geom: Sd3Geom,
+}
+
+impl Sd3Layout {
+    pub(super) fn new(
+        lin: &dyn Fn(&str) -> Result<LinearIdx>,
+        idx: &dyn Fn(&str) -> Result<usize>,
+        depth: usize,
+        geom: Sd3Geom,
+    ) -> Result<Sd3Layout> {
+        let mut blocks = Vec::with_capacity(depth);
+        for i in 0..depth {
+            let b = format!("transformer_blocks.{i}");
+            let l = block_linears(i + 1 == depth)
+                .into_iter()
+                .map(|n| lin(&format!("{b}.{n}")))
+                .collect::<Result<Vec<_>>>()?;
+            let qk = if geom.qk_norm {
+                let n = |k: usize| idx(&format!("{b}.{}.weight", QK_NORMS[k]));
+                Some([n(0)?, n(1)?, n(2)?, n(3)?])
+            } else {
+                None
+            };
+            blocks.push(Sd3BlockIdx { lin: l, qk });
+        }
+        let te = "time_text_embed.timestep_embedder";
+        let pe = "time_text_embed.text_embedder";
+        Ok(Sd3Layout {
+            patch: lin("pos_embed.proj")?,
+            pos: idx("pos_embed.pos_embed")?,
+            t1: lin(&format!("{te}.linear_1"))?,
+            t2: lin(&format!("{te}.linear_2"))?,
+            p1: lin(&format!("{pe}.linear_1"))?,
+            p2: lin(&format!("{pe}.linear_2"))?,
+            context: lin("context_embedder")?,
+            blocks,
+            norm_out: lin("norm_out.linear")?,
+            proj_out: lin("proj_out")?,
+            geom,
+        })
+    }
+
+    /// Every linear of the model.
+    pub(super) fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = self.embed_linears();
+        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
+        v.extend([self.norm_out, self.proj_out]);
+        v
+    }
+
+    fn embed_linears(&self) -> Vec<LinearIdx> {
+        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
+    }
+}
+
+impl Trainer {
+    fn sd3_block_weights(&self, lay: &Sd3Layout, i: usize, track: bool) -> Result<Sd3BlockWeights> {
+        let b = &lay.blocks[i];
+        let l = |k: usize| self.linear(b.lin[k], track);
+        let last = i + 1 == lay.depth();
+        // block_linears order: norm1, norm1_context, to_q, to_k, to_v, add_k, add_v, add_q,
+        // to_out.0, [to_add_out], ff.0, ff.2, [ff_context.0, ff_context.2].
+        let (ff, ctx) = if last {
+            (9, None)
+        } else {
+            (
+                10,
+                Some(ContextOut {
+                    to_add_out: l(9)?,
+                    ff1: l(12)?,
+                    ff2: l(13)?,
+                }),
+            )
+        };
+        let qk = match b.qk {
+            Some(q) => Some([
+                self.weight(q[0], track)?,
+                self.weight(q[1], track)?,
+                self.weight(q[2], track)?,
+                self.weight(q[3], track)?,
+            ]),
+            None => None,
+        };
+        Ok(Sd3BlockWeights {
+            norm1: l(0)?,
+            norm1_context: l(1)?,
+            to_q: l(2)?,
+            to_k: l(3)?,
+            to_v: l(4)?,
+            add_k: l(5)?,
+            add_v: l(6)?,
+            add_q: l(7)?,
+            to_out: l(8)?,
+            ff1: l(ff)?,
+            ff2: l(ff + 1)?,
+            ctx,
+            qk,
+        })
+    }
+}
+
+impl FamilyStep for Sd3Layout {
+    /// The embed segment on a microbatch (tracked graph).
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let lay = self;
+        let d = tr.dims;
+        let g = &lay.geom;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let b = mb.n;
+        if mb.text_tokens != g.text_tokens
+            || mb.text_width != g.text_width
+            || mb.pooled_width != g.pooled_width
+        {
+            return Err(EngineError::bad_input(
+                "batch text",
+                format!(
+                    "{} tokens of width {} and a pooled width of {}; this model reads {} of width \
+                     {} and a pooled width of {}",
+                    mb.text_tokens,
+                    mb.text_width,
+                    mb.pooled_width,
+                    g.text_tokens,
+                    g.text_width,
+                    g.pooled_width
+                ),
+            ));
+        }
+        // Image stream: patches + the position table cropped to the token grid (centred, as
+        // diffusers' `cropped_pos_embed`), a strided view the sum reads in place.
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
+        let xp = cast(patchify(&xt, &d)?, cd)?;
+        drop(xt);
+        let xe = tr.linear(lay.patch, true)?.forward(&xp)?;
+        let side = g.pos_side;
+        let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
+        let pos = tr
+            .raw_weight(lay.pos, true)
+            .reshape((side, side, d.hidden))?
+            .narrow(0, top, d.rows)?
+            .narrow(1, left, d.cols)?;
+        let x0 = cast(xe, ad)?
+            .reshape((b, d.rows, d.cols, d.hidden))?
+            .broadcast_add(&pos)?
+            .reshape((b, d.tokens, d.hidden))?;
+        // temb = timestep MLP + pooled-text MLP; every block reads SiLU(temb).
+        let tf = cast(timestep_features(&mb.timesteps, SD3_FREQ, ad, &tr.dev)?, cd)?;
+        let tt = silu_mlp(&tf, &tr.linear(lay.t1, true)?, &tr.linear(lay.t2, true)?)?;
+        let pooled = mb.pooled_tensor(cd, &tr.dev)?;
+        let tp = silu_mlp(
+            &pooled,
+            &tr.linear(lay.p1, true)?,
+            &tr.linear(lay.p2, true)?,
+        )?;
+        let se = (tt + tp)?.silu()?;
+        // Context stream: context_embedder on the cached caption.
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let c0 = cast(tr.linear(lay.context, true)?.forward(&cap)?, ad)?.reshape((
+            b,
+            g.text_tokens,
+            d.hidden,
+        ))?;
+        Ok(Embedded {
+            streams: vec![c0, x0],
+            conds: vec![se],
+            hold: vec![xp, tf, pooled, cap],
+        })
+    }
+
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Joint block `i` on the streams [context, image] with the conditioning [SiLU(temb)].
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let ([ctx, img], [se]) = (x, c) else {
+            return Err(EngineError::bad_input(
+                "sd3 block",
+                format!(
+                    "{} streams and {} conditioning tensors; a joint block reads [context, image] \
+                     and [SiLU(temb)]",
+                    x.len(),
+                    c.len()
+                ),
+            ));
+        };
+        let w = tr.sd3_block_weights(self, i, track)?;
+        sd3_block_forward(ctx, img, se, &w, &tr.cfg)
+    }
+
+    /// The output side on the image stream: the prediction in the latents' layout, `ad`.
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let lay = self;
+        let ([img], [se]) = (x, c) else {
+            return Err(EngineError::bad_input(
+                "sd3 output",
+                "the output side reads the image stream alone after the context_pre_only block",
+            ));
+        };
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let out = final_forward(
+            img,
+            se,
+            &tr.linear(lay.norm_out, true)?,
+            &tr.linear(lay.proj_out, true)?,
+            cd,
+            ad,
+        )?;
+        Ok(unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?)
+    }
+
+    fn embed_params(&self) -> Vec<usize> {
+        self.embed_linears()
+            .iter()
+            .flat_map(Trainer::linear_params)
+            .collect()
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let b = &self.blocks[i];
+        let mut v: Vec<usize> = b.lin.iter().flat_map(Trainer::linear_params).collect();
+        v.extend(b.qk.iter().flatten().copied());
+        v
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        let mut v = Trainer::linear_params(&self.norm_out);
+        v.extend(Trainer::linear_params(&self.proj_out));
+        v
+    }
+}
