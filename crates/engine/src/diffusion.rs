@@ -58,6 +58,10 @@ pub struct Batch {
     pub text_width: usize,
     /// Cached text embeddings, (n, T, width) row-major (empty without text).
     pub text: Vec<f64>,
+    /// Width of one cached pooled text embedding (Flux's CLIP-L; 0 without one).
+    pub pooled_width: usize,
+    /// Cached pooled text embeddings, (n, pooled_width) row-major.
+    pub pooled: Vec<f64>,
 }
 
 impl Batch {
@@ -78,6 +82,8 @@ impl Batch {
             labels: self.labels[start..start + len].to_vec(),
             drop_label: self.drop_label[start..start + len].to_vec(),
             text: self.text[start * self.text_len()..(start + len) * self.text_len()].to_vec(),
+            pooled: self.pooled[start * self.pooled_width..(start + len) * self.pooled_width]
+                .to_vec(),
             ..self.clone_meta()
         })
     }
@@ -97,6 +103,8 @@ impl Batch {
             text_tokens: self.text_tokens,
             text_width: self.text_width,
             text: Vec::new(),
+            pooled_width: self.pooled_width,
+            pooled: Vec::new(),
         }
     }
 
@@ -115,6 +123,13 @@ impl Batch {
         Ok(t.to_dtype(dtype)?)
     }
 
+    /// The cached pooled text embeddings as (n, pooled_width) in `dtype` (made in f64, then
+    /// cast).
+    pub fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = Tensor::from_slice(&self.pooled, (self.n, self.pooled_width), dev)?;
+        Ok(t.to_dtype(dtype)?)
+    }
+
     /// Check the batch against the model geometry.
     pub fn check(&self, d: &Dims) -> Result<()> {
         let ok = self.channels == d.in_channels
@@ -125,7 +140,8 @@ impl Batch {
             && self.timesteps.len() == self.n
             && self.labels.len() == self.n
             && self.drop_label.len() == self.n
-            && self.text.len() == self.n * self.text_len();
+            && self.text.len() == self.n * self.text_len()
+            && self.pooled.len() == self.n * self.pooled_width;
         if !ok {
             return Err(EngineError::bad_input(
                 "batch",
@@ -209,6 +225,8 @@ pub struct SyntheticData {
     /// Caption tokens and width of the cached text embeddings (0 without text).
     text_tokens: usize,
     text_width: usize,
+    /// Width of the cached pooled text embedding (0 without one).
+    pooled_width: usize,
     /// Samples per optimizer step on one rank: microbatch × accumulation.
     pub per_step: usize,
 }
@@ -217,11 +235,13 @@ impl SyntheticData {
     pub fn new(spec: &Spec, seed: u64) -> Result<Self> {
         let d = Dims::new(spec)?;
         let w = &spec.workload;
-        let (text_tokens, text_width) = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Dit => (0, 0),
-            crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width),
+        let (text_tokens, text_width, pooled_width) = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Dit => (0, 0, 0),
+            crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width, 0),
+            crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
         };
         Ok(SyntheticData {
+            pooled_width,
             text_tokens,
             text_width,
             seed,
@@ -248,6 +268,8 @@ impl SyntheticData {
         // Text embeddings ~ N(0, 1), drawn after the DiT's fields (which stay as they were).
         b.text
             .extend((0..self.text_tokens * self.text_width).map(|_| r.normal()));
+        // The pooled embedding after the caption (models without one draw nothing).
+        b.pooled.extend((0..self.pooled_width).map(|_| r.normal()));
     }
 
     /// Samples `first .. first + n`.
@@ -267,6 +289,8 @@ impl SyntheticData {
             text_tokens: self.text_tokens,
             text_width: self.text_width,
             text: Vec::with_capacity(n * self.text_tokens * self.text_width),
+            pooled_width: self.pooled_width,
+            pooled: Vec::with_capacity(n * self.pooled_width),
         };
         for i in 0..n as u64 {
             self.sample(first + i, &mut b);

@@ -32,6 +32,8 @@ pub enum Init {
     /// Uniform(±bound).
     Uniform(f64),
     Zeros,
+    /// All ones (a norm's weight).
+    Ones,
     /// The fixed 2-D sin-cos position table.
     SinCos2d {
         rows: usize,
@@ -86,6 +88,8 @@ impl Dims {
         let out_channels = match crate::families::Arch::of(spec)? {
             crate::families::Arch::Dit => u(m.out_channels()),
             crate::families::Arch::Pixart(g) => g.out_channels,
+            // Flux predicts the packed latent (out_channels = in_channels, checked).
+            crate::families::Arch::Flux(_) => u(m.in_channels),
         };
         Ok(Dims {
             depth: u(m.depth),
@@ -144,6 +148,9 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     let d = Dims::new(spec)?;
     if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
         return Ok(crate::families::pixart::param_shapes(&d, &g));
+    }
+    if let crate::families::Arch::Flux(g) = crate::families::Arch::of(spec)? {
+        return Ok(crate::families::flux::param_shapes(&d, &g));
     }
     let lora = spec.recipe.lora.as_ref();
     let base_trainable = lora.is_none();
@@ -297,6 +304,7 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
     let mut rng = SplitMix64::new(seed_from_str(seed, &p.name));
     Ok(match p.init {
         Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
         Init::Normal(std) => (0..n).map(|_| std * rng.normal()).collect(),
         Init::Uniform(b) => (0..n).map(|_| b * (2.0 * rng.uniform() - 1.0)).collect(),
         Init::XavierUniform => {

@@ -275,6 +275,12 @@ impl Trainer {
         let shapes = match &arch {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
+            crate::families::Arch::Flux(_) => {
+                return Err(EngineError::unsupported(
+                    "model.diffusers (FluxTransformer2DModel)",
+                    "the Flux step waits for the family schedule",
+                ))
+            }
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -345,6 +351,7 @@ impl Trainer {
                 dims.depth,
                 g.clone(),
             )?),
+            crate::families::Arch::Flux(_) => unreachable!("refused above"),
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];

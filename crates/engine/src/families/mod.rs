@@ -3,9 +3,12 @@
 //!
 //! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
 //!   caption projection).
+//! - [`flux`]: `FluxTransformer2DModel` (double-stream joint-attention blocks, single-stream
+//!   blocks, q/k RMSNorm, 2-D RoPE).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
+pub mod flux;
 pub mod pixart;
 
 use ditmem_budget::{Family, Spec};
@@ -28,6 +31,8 @@ pub enum Arch {
     Dit,
     /// A `PixArtTransformer2DModel` from `model.diffusers`.
     Pixart(pixart::PixartGeom),
+    /// A `FluxTransformer2DModel` from `model.diffusers`.
+    Flux(flux::FluxGeom),
 }
 
 impl Arch {
@@ -40,9 +45,12 @@ impl Arch {
                 (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
                     Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Flux(d), Family::Flux) => {
+                    Ok(Arch::Flux(flux::FluxGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and PixArtTransformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel and FluxTransformer2DModel so far",
                 )),
             },
         }
