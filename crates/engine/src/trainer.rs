@@ -42,6 +42,7 @@ use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
 mod family;
+mod flux;
 mod pixart;
 
 /// Candle dtype of a spec dtype.
@@ -149,6 +150,7 @@ struct DitLayout {
 enum Layout {
     Dit(DitLayout),
     Pixart(pixart::PixartLayout),
+    Flux(flux::FluxLayout),
 }
 
 impl Layout {
@@ -163,6 +165,7 @@ impl Layout {
                 .copied()
                 .collect(),
             Layout::Pixart(l) => l.linears(),
+            Layout::Flux(l) => l.linears(),
         }
     }
 }
@@ -276,12 +279,7 @@ impl Trainer {
         let shapes = match &arch {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
-            crate::families::Arch::Flux(_) => {
-                return Err(EngineError::unsupported(
-                    "model.diffusers (FluxTransformer2DModel)",
-                    "the Flux step waits for the family schedule",
-                ))
-            }
+            crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -352,7 +350,9 @@ impl Trainer {
                 dims.depth,
                 g.clone(),
             )?),
-            crate::families::Arch::Flux(_) => unreachable!("refused above"),
+            crate::families::Arch::Flux(g) => {
+                Layout::Flux(flux::FluxLayout::new(&lin, &idx, g.clone())?)
+            }
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -748,6 +748,7 @@ impl Trainer {
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Flux(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -103,6 +103,13 @@ impl FluxGeom {
                 ),
             ));
         }
+        if d.num_single_layers == 0 {
+            return Err(EngineError::unsupported(
+                "model.diffusers.num_single_layers = 0",
+                "the engine's Flux ends on the joint stream of its single-stream blocks; use at \
+                 least one",
+            ));
+        }
         if spec.recipe.lora.is_some() {
             return Err(EngineError::unsupported(
                 "recipe.lora with a Flux model",
