@@ -111,8 +111,8 @@ fn rms_norm_low_precision_reads_master_weights() {
 }
 
 fn table(n: usize, axes: &[usize], dt: DType) -> Arc<RopeTable> {
-    let ids: Vec<Vec<f64>> = (0..n)
-        .map(|i| vec![0.0, (i / 3) as f64, (i % 3) as f64])
+    let ids: Vec<f64> = (0..n)
+        .flat_map(|i| [0.0, (i / 3) as f64, (i % 3) as f64])
         .collect();
     Arc::new(RopeTable::new(&ids, axes, 10000.0, dt).unwrap())
 }

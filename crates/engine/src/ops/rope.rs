@@ -29,20 +29,21 @@ pub struct RopeTable {
 impl RopeTable {
     /// `FluxPosEmbed(theta, axes_dim)` over `ids` (n rows of one position per axis): per axis of
     /// width a, the angles pos·θ^(−2k/a) (k < a/2), each repeated for its channel pair, the axes
-    /// side by side. Built in f64, stored in `dtype`.
-    pub fn new(ids: &[Vec<f64>], axes: &[usize], theta: f64, dtype: DType) -> CResult<RopeTable> {
+    /// side by side. `ids` holds one position per axis for each token, token after token.
+    /// Built in f64, stored in `dtype`.
+    pub fn new(ids: &[f64], axes: &[usize], theta: f64, dtype: DType) -> CResult<RopeTable> {
         let dh: usize = axes.iter().sum();
-        let n = ids.len();
+        if axes.is_empty() || !ids.len().is_multiple_of(axes.len()) {
+            return Err(err(format!(
+                "rope: {} positions are not whole tokens of {} axes",
+                ids.len(),
+                axes.len()
+            )));
+        }
+        let n = ids.len() / axes.len();
         let mut cos = Vec::with_capacity(n * dh);
         let mut sin = Vec::with_capacity(n * dh);
-        for row in ids {
-            if row.len() != axes.len() {
-                return Err(err(format!(
-                    "rope: an id has {} positions for {} axes",
-                    row.len(),
-                    axes.len()
-                )));
-            }
+        for row in ids.chunks_exact(axes.len()) {
             for (&pos, &a) in row.iter().zip(axes) {
                 for k in 0..a / 2 {
                     let f = pos * theta.powf(-((2 * k) as f64) / a as f64);

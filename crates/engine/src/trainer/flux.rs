@@ -137,11 +137,14 @@ impl FluxLayout {
 
     /// `FluxPosEmbed`'s ids: (0, 0, 0) for each text token, then (0, row, column) for each image
     /// token.
-    fn rope_ids(&self, d: &Dims) -> Vec<Vec<f64>> {
-        let text = (0..self.geom.text_tokens).map(|_| vec![0.0; 3]);
-        let image =
-            (0..d.rows * d.cols).map(|k| vec![0.0, (k / d.cols) as f64, (k % d.cols) as f64]);
-        text.chain(image).collect()
+    fn rope_ids(&self, d: &Dims) -> Vec<f64> {
+        let n = self.geom.text_tokens + d.rows * d.cols;
+        let mut ids = Vec::with_capacity(3 * n);
+        ids.resize(3 * self.geom.text_tokens, 0.0);
+        for k in 0..d.rows * d.cols {
+            ids.extend([0.0, (k / d.cols) as f64, (k % d.cols) as f64]);
+        }
+        ids
     }
 }
 
@@ -192,16 +195,19 @@ impl FamilyStep for FluxLayout {
         let c0 = cast(ce, ad)?.reshape((b, g.text_tokens, d.hidden))?;
         // time_text_embed: Σ of the timestep, guidance and pooled-text MLPs (compute dtype).
         let mut hold = vec![xp, cap];
-        let mut feats = vec![timestep_features(&mb.timesteps, FLUX_FREQ, ad, &tr.dev)?];
-        if g.guidance {
-            let gs = vec![GUIDANCE as u32; b];
-            feats.push(timestep_features(&gs, FLUX_FREQ, ad, &tr.dev)?);
-        }
         let mut temb: Option<Tensor> = None;
         for (k, [l1, l2]) in self.embedders.iter().enumerate() {
-            let input = match feats.get(k) {
-                Some(f) => cast(f.clone(), cd)?,
-                None => mb.pooled_tensor(cd, &tr.dev)?,
+            // The sinusoids are made in the accumulation dtype and cast, as PixArt's.
+            let input = if k + 1 == self.embedders.len() {
+                mb.pooled_tensor(cd, &tr.dev)?
+            } else if k == 0 {
+                cast(
+                    timestep_features(&mb.timesteps, FLUX_FREQ, ad, &tr.dev)?,
+                    cd,
+                )?
+            } else {
+                let gs = vec![GUIDANCE as u32; b];
+                cast(timestep_features(&gs, FLUX_FREQ, ad, &tr.dev)?, cd)?
             };
             let e = mlp_silu(&input, &tr.linear(*l1, true)?, &tr.linear(*l2, true)?)?;
             hold.push(input);
@@ -210,7 +216,6 @@ impl FamilyStep for FluxLayout {
                 Some(t) => (t + e)?,
             });
         }
-        drop(feats);
         let temb = temb.ok_or_else(|| EngineError::bad_input("embed", "no timestep embedder"))?;
         let st = temb.silu()?;
         // RoPE tables in the attention's accumulation type.

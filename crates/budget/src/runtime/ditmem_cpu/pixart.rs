@@ -425,6 +425,7 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
         embed_scratch: scratch,
         embed_tail,
         cond_grad: (bd + 6 * bd + yel) * ld.size() + 3 * meta,
+        second: None,
     }
 }
 

@@ -173,6 +173,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(pg) = super::pixart::PixGeo::of(spec) {
         return super::pixart::sims(spec, &pg);
     }
+    if let Some(fg) = super::flux::FluxGeo::of(spec) {
+        return super::flux::sims(spec, &fg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();
@@ -231,5 +234,6 @@ pub fn sims(spec: &Spec) -> Sims {
         embed_scratch: scratch,
         embed_tail,
         cond_grad: bd * ad.size() + TENSOR_META + STORAGE_META,
+        second: None,
     }
 }

@@ -12,7 +12,7 @@
 
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{Module, ParamRole, ParamTensor};
-use crate::runtime::costs::Sims;
+use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
 use crate::runtime::shape::Shape;
@@ -43,7 +43,7 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
     // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
-    if super::pixart::PixGeo::of(spec).is_some() {
+    if super::pixart::PixGeo::of(spec).is_some() || super::flux::FluxGeo::of(spec).is_some() {
         return true;
     }
     let bf16_native =
@@ -115,7 +115,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * u64::from(spec.model.patch)
         * u64::from(spec.model.patch);
     // PixArt's cached text embeddings (n, T, width) in f64.
-    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems());
+    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
+        + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 
@@ -168,6 +169,8 @@ struct Replay<'a> {
     /// share, `crate::sharding`); 1 otherwise.
     grad_share: u64,
     block: Landing,
+    /// The second kind of block's landing ([`Sims::second`]: Flux's single-stream blocks).
+    second: Landing,
     final_layer: Landing,
     embed: Landing,
 }
@@ -190,7 +193,12 @@ impl<'a> Replay<'a> {
             } else {
                 1
             },
-            block: Landing::of(table, gd, &|t| t.block == Some(0)),
+            block: Landing::of(table, gd, &|t| {
+                t.block == Some(0) && t.module != Module::SingleBlocks
+            }),
+            second: Landing::of(table, gd, &|t| {
+                t.block == Some(0) && t.module == Module::SingleBlocks
+            }),
             final_layer: Landing::of(table, gd, &is_final),
             embed: Landing::of(table, gd, &|t| t.block.is_none() && !is_final(t)),
         }
@@ -198,6 +206,33 @@ impl<'a> Replay<'a> {
 
     fn recomputed(&self, i: u32) -> bool {
         self.spec.recipe.recompute.recomputes_block(i)
+    }
+
+    /// The segment of block `i` (of the first kind, or of [`Sims::second`]).
+    fn seg_of(&self, i: u32) -> &'a SegSim {
+        match &self.sims.second {
+            Some(k) if i == k.start => &k.first,
+            Some(k) if i > k.start => &k.rest,
+            _ => &self.sims.block,
+        }
+    }
+
+    /// The landing of block `i`'s gradients.
+    fn landing_of(&self, i: u32) -> Landing {
+        match &self.sims.second {
+            Some(k) if i >= k.start => self.second,
+            _ => self.block,
+        }
+    }
+
+    /// Bytes of the streams block `i` reads (`depth`: the final layer): one residual stream,
+    /// or with a second kind of block the reader's leaf copies of them.
+    fn input_bytes(&self, i: u32) -> u64 {
+        match self.sims.second {
+            None => self.e,
+            Some(_) if i >= self.spec.model.depth => self.sims.final_layer.leaf,
+            Some(_) => self.seg_of(i).leaf,
+        }
     }
 
     /// An event of microbatch `mb`, its label prefixed by the microbatch under accumulation.
@@ -251,7 +286,6 @@ impl<'a> Replay<'a> {
     fn forward(&mut self, live: &mut Breakdown, mb: u32) {
         let sims = self.sims;
         let depth = self.spec.model.depth;
-        let e = self.e;
 
         // Embed.
         let es = &sims.embed;
@@ -271,9 +305,9 @@ impl<'a> Replay<'a> {
         self.mark(Phase::Forward, "embed".into(), None, mb, false, *live);
 
         // Blocks.
-        let bs = &sims.block;
-        let block_kept = bs.activations + bs.leaf + bs.output;
         for i in 0..depth {
+            let bs = self.seg_of(i);
+            let block_kept = bs.activations + bs.leaf + bs.output;
             let mut inside = *live;
             if self.recomputed(i) {
                 inside.activations += bs.untracked_peak;
@@ -284,7 +318,7 @@ impl<'a> Replay<'a> {
                 live.weight_casts += bs.weight_casts;
                 if i > 0 && self.recomputed(i - 1) {
                     // The recomputed block's output was only this block's input: copied, freed.
-                    live.activations -= e;
+                    live.activations -= self.input_bytes(i);
                 }
             }
             let what = format!("block {i} (inside)");
@@ -306,7 +340,7 @@ impl<'a> Replay<'a> {
         live.activations += fs.activations + fs.leaf;
         live.weight_casts += fs.weight_casts;
         if depth > 0 && self.recomputed(depth - 1) {
-            live.activations -= e;
+            live.activations -= self.input_bytes(depth);
         }
         self.mark(
             Phase::Forward,
@@ -380,9 +414,9 @@ impl<'a> Replay<'a> {
     /// Backward through the blocks, last first, from the final layer's input gradient of
     /// `gx_bytes`; returns the bytes of the gradient left for the embed segment.
     fn backward_blocks(&mut self, live: &mut Breakdown, mb: u32, mut gx_bytes: u64) -> u64 {
-        let bs = &self.sims.block;
-        let e = self.e;
         for i in (0..self.spec.model.depth).rev() {
+            let bs = self.seg_of(i);
+            let e = self.input_bytes(i);
             let mut inside = *live;
             if self.recomputed(i) {
                 // Leaf copy of the saved input; the input is freed unless the previous block's
@@ -408,7 +442,7 @@ impl<'a> Replay<'a> {
             live.activations -= bs.activations + bs.output;
             live.weight_casts -= bs.weight_casts;
             let what = format!("block {i} grads (inside)");
-            self.land_event(live, mb, self.block, what, Some(i));
+            self.land_event(live, mb, self.landing_of(i), what, Some(i));
             // gx replaced by the leaf's grad; drop(grads); drop(leaf).
             live.workspace -= bs.bwd_store;
             live.workspace -= gx_bytes;
