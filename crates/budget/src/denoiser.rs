@@ -102,13 +102,15 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         }
         return Ok(());
     };
-    if spec.runtime == Runtime::DitmemCpu
-        && !matches!(fm.family, families::Family::Pixart | families::Family::Sd3)
-    {
+    let engine_runs = matches!(
+        fm.family,
+        families::Family::Pixart | families::Family::Sd3 | families::Family::Flux
+    );
+    if spec.runtime == Runtime::DitmemCpu && !engine_runs {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT, PixArt and SD3 so far, not {} ({}); allowed: \
+                "ditmem-cpu runs only the original DiT, PixArt, SD3 and Flux so far, not {} ({}); allowed: \
                  pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
@@ -118,6 +120,7 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
     if spec.runtime == Runtime::DitmemCpu {
         check_engine_pixart(spec, &fm)?;
         check_engine_sd3(spec, &fm)?;
+        check_engine_flux(spec, &fm)?;
     }
     let g = fm.geometry();
     if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
@@ -263,6 +266,46 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
             "model.attn_dropout",
             format!("dropout in SD3 is not in the ditmem-cpu engine; allowed: 0{other}"),
         ));
+    }
+    Ok(())
+}
+
+/// What the ditmem-cpu engine runs of a Flux config (the engine's `FluxGeom::new` refuses the
+/// same).
+fn check_engine_flux(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let families::Dims::Flux(d) = &fm.dims else {
+        return Ok(());
+    };
+    let other = "; allowed: --runtime pytorch for it";
+    let refuse = |field: &str, why: String| Err(SpecError::invalid(field, format!("{why}{other}")));
+    if d.patch_size != 1 || d.out_channels != d.in_channels {
+        return refuse(
+            "model.diffusers.patch_size",
+            format!(
+                "{} with out_channels {} (in {}): the ditmem-cpu engine packs 2×2 latent pixels \
+                 per token and predicts the packed latent; allowed: patch_size 1, out_channels = \
+                 in_channels",
+                d.patch_size, d.out_channels, d.in_channels
+            ),
+        );
+    }
+    if d.num_single_layers == 0 {
+        return refuse(
+            "model.diffusers.num_single_layers",
+            "0: the ditmem-cpu engine's Flux ends on the joint stream; allowed: 1 or more".into(),
+        );
+    }
+    if spec.recipe.lora.is_some() {
+        return refuse(
+            "recipe.lora",
+            "LoRA on Flux is not in the ditmem-cpu engine yet; allowed: none".into(),
+        );
+    }
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return refuse(
+            "model.attn_dropout",
+            "dropout in Flux is not in the ditmem-cpu engine; allowed: 0".into(),
+        );
     }
     Ok(())
 }

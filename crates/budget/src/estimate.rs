@@ -139,6 +139,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
         .then(|| {
             crate::runtime::ditmem_cpu::pixart::inventory_segments(spec)
                 .or_else(|| crate::runtime::ditmem_cpu::sd3::inventory_segments(spec))
+                .or_else(|| crate::runtime::ditmem_cpu::flux::inventory_segments(spec))
         })
         .flatten()
         .map(|segs| {

@@ -469,3 +469,95 @@ pub fn summarize(results: &[Agreement]) -> GridSummary {
         worst: worst.to_string(),
     }
 }
+
+/// The Flux grid's base: [`crate::families::flux::tiny_spec`] (one double-stream and two
+/// single-stream blocks of 4 × 16-wide heads, 64 image tokens, 13 T5 tokens of width 32, a
+/// pooled width of 24, the guidance embedder, batch 4) with an fp32 EMA, on this process's CPU.
+pub fn flux_grid_base() -> Result<Spec> {
+    let mut s = crate::families::flux::tiny_spec(1, 2, 4, 13, true)?;
+    s.model.name = "flux-d1s2-h64".into();
+    s.recipe.ema.enabled = true;
+    Ok(crate::host::resolve(&s))
+}
+
+/// The Flux agreement grid: precisions × recompute policies × attention modes on the base,
+/// then accumulation, odd T5 lengths (1, 77 and 300 tokens), a larger image, SGD without EMA, a
+/// block list across the two kinds of block, no guidance embedder, and a deeper, wider model.
+pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
+    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
+    let base = flux_grid_base()?;
+    let mut out = Vec::new();
+    for (p, rc, a) in [
+        (P::Fp32, R::None, A::Materialized),
+        (P::Fp32, R::None, A::MemoryEfficient),
+        (P::Fp32, R::All, A::Materialized),
+        (P::Fp32, R::AttentionOnly, A::Materialized),
+        (P::Bf16Mixed, R::None, A::Materialized),
+        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
+        (P::Fp16Mixed, R::None, A::MemoryEfficient),
+        (P::Fp16Mixed, R::All, A::Materialized),
+        (P::Bf16Pure, R::None, A::Materialized),
+        (P::Fp64, R::None, A::Materialized),
+        (P::Fp64, R::AttentionOnly, A::Materialized),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc.clone();
+        s.recipe.attention = a;
+        out.push((format!("flux {p} recompute {rc} {}", a.name()), s));
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((format!("flux {name}"), s));
+    };
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("1 T5 token", &|s| {
+        s.workload.text_tokens = Some(vec![77, 1])
+    });
+    add("77 T5 tokens, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![77, 77]);
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("300 T5 tokens, batch 2, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![77, 300]);
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("256×256 (256 tokens), batch 2, memory-efficient", &|s| {
+        s.workload.height = 256;
+        s.workload.width = 256;
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("batch 1, blocks:0,1", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        s.recipe.recompute = R::Blocks(vec![0, 1]);
+    });
+    let mut plain = crate::families::flux::tiny_spec(1, 2, 4, 13, false)?;
+    plain.recipe.ema.enabled = true;
+    out.push((
+        "flux no guidance embedder (schnell-like)".into(),
+        crate::host::resolve(&plain),
+    ));
+    let mut deep = crate::families::flux::tiny_spec(2, 3, 6, 19, true)?;
+    deep.recipe.ema.enabled = true;
+    deep.recipe.recompute = R::EveryK(2);
+    out.push((
+        "flux 2 + 3 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
+        crate::host::resolve(&deep),
+    ));
+    Ok(out)
+}

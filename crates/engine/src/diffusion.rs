@@ -58,7 +58,8 @@ pub struct Batch {
     pub text_width: usize,
     /// Cached text embeddings, (n, T, width) row-major (empty without text).
     pub text: Vec<f64>,
-    /// Width of one cached pooled text embedding (SD3's CLIP pooled output; 0 without one).
+    /// Width of one cached pooled text embedding (SD3's CLIP pooled outputs, Flux's CLIP-L; 0
+    /// without one).
     pub pooled_width: usize,
     /// Cached pooled text embeddings, (n, pooled_width) row-major.
     pub pooled: Vec<f64>,
@@ -123,7 +124,8 @@ impl Batch {
         Ok(t.to_dtype(dtype)?)
     }
 
-    /// The cached pooled embeddings as (n, pooled_width) in `dtype` (made in f64, then cast).
+    /// The cached pooled text embeddings as (n, pooled_width) in `dtype` (made in f64, then
+    /// cast).
     pub fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_slice(&self.pooled, (self.n, self.pooled_width), dev)?;
         Ok(t.to_dtype(dtype)?)
@@ -238,6 +240,7 @@ impl SyntheticData {
             crate::families::Arch::Dit => (0, 0, 0),
             crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width, 0),
             crate::families::Arch::Sd3(g) => (g.text_tokens, g.text_width, g.pooled_width),
+            crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
         };
         Ok(SyntheticData {
             pooled_width,
@@ -267,6 +270,7 @@ impl SyntheticData {
         // Text embeddings ~ N(0, 1), drawn after the DiT's fields (which stay as they were).
         b.text
             .extend((0..self.text_tokens * self.text_width).map(|_| r.normal()));
+        // The pooled embedding after the caption (models without one draw nothing).
         b.pooled.extend((0..self.pooled_width).map(|_| r.normal()));
     }
 

@@ -89,6 +89,8 @@ impl Dims {
             crate::families::Arch::Dit => u(m.out_channels()),
             crate::families::Arch::Pixart(g) => g.out_channels,
             crate::families::Arch::Sd3(g) => g.out_channels,
+            // Flux predicts the packed latent (out_channels = in_channels, checked).
+            crate::families::Arch::Flux(_) => u(m.in_channels),
         };
         Ok(Dims {
             depth: u(m.depth),
@@ -150,6 +152,7 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
             return Ok(crate::families::pixart::param_shapes(&d, &g))
         }
         crate::families::Arch::Sd3(g) => return Ok(crate::families::sd3::param_shapes(&d, &g)),
+        crate::families::Arch::Flux(g) => return Ok(crate::families::flux::param_shapes(&d, &g)),
         crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();

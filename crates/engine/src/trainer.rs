@@ -42,6 +42,7 @@ use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
 mod family;
+mod flux;
 mod pixart;
 mod sd3;
 
@@ -151,6 +152,7 @@ enum Layout {
     Dit(DitLayout),
     Pixart(pixart::PixartLayout),
     Sd3(sd3::Sd3Layout),
+    Flux(flux::FluxLayout),
 }
 
 impl Layout {
@@ -166,6 +168,7 @@ impl Layout {
                 .collect(),
             Layout::Pixart(l) => l.linears(),
             Layout::Sd3(l) => l.linears(),
+            Layout::Flux(l) => l.linears(),
         }
     }
 }
@@ -280,6 +283,7 @@ impl Trainer {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
             crate::families::Arch::Sd3(g) => crate::families::sd3::param_shapes(&dims, g),
+            crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -352,6 +356,9 @@ impl Trainer {
             )?),
             crate::families::Arch::Sd3(g) => {
                 Layout::Sd3(sd3::Sd3Layout::new(&lin, &idx, dims.depth, g.clone())?)
+            }
+            crate::families::Arch::Flux(g) => {
+                Layout::Flux(flux::FluxLayout::new(&lin, &idx, g.clone())?)
             }
         };
         let n = params.len();
@@ -749,6 +756,7 @@ impl Trainer {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
                 Layout::Sd3(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Flux(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -32,6 +32,16 @@ pub struct SegSim {
     pub bwd_leaf_grads: u64,
 }
 
+/// A second kind of block after the first `start` blocks (Flux's single-stream blocks after its
+/// double-stream ones): `first` is block `start` (which may read the streams of the first kind
+/// and join them), `rest` every later one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SecondBlocks {
+    pub start: u32,
+    pub first: SegSim,
+    pub rest: SegSim,
+}
+
 /// The three segments of the engine under a spec.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Sims {
@@ -55,6 +65,8 @@ pub struct Sims {
     /// stream out, fewer weights); None when every block is [`Sims::block`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_block: Option<SegSim>,
+    /// Blocks of a second kind (None: every block is `block`).
+    pub second: Option<SecondBlocks>,
 }
 
 /// Costs of the three segments of a runtime described by generic segments.
@@ -69,6 +81,9 @@ pub struct GenericCosts {
 /// across candidates that share the segment shapes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+// Few of these live at once (one per cached spec shape), so the Engine variant's size (a
+// second block kind's segments) is not worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum SegmentCosts {
     /// The ditmem engine, replayed node for node.
     Engine(Sims),

@@ -5,9 +5,12 @@
 //!   caption projection).
 //! - [`sd3`]: `SD3Transformer2DModel` (MMDiT joint blocks over a context and an image stream,
 //!   the pooled-text embedder, optional q/k RMSNorm).
+//! - [`flux`]: `FluxTransformer2DModel` (double-stream joint-attention blocks, single-stream
+//!   blocks, q/k RMSNorm, 2-D RoPE).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
+pub mod flux;
 pub mod pixart;
 pub mod sd3;
 
@@ -33,6 +36,8 @@ pub enum Arch {
     Pixart(pixart::PixartGeom),
     /// An `SD3Transformer2DModel` from `model.diffusers`.
     Sd3(sd3::Sd3Geom),
+    /// A `FluxTransformer2DModel` from `model.diffusers`.
+    Flux(flux::FluxGeom),
 }
 
 impl Arch {
@@ -48,9 +53,12 @@ impl Arch {
                 (ditmem_budget::Dims::Sd3(d), Family::Sd3) => {
                     Ok(Arch::Sd3(sd3::Sd3Geom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Flux(d), Family::Flux) => {
+                    Ok(Arch::Flux(flux::FluxGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT, PixArtTransformer2DModel and SD3Transformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel, SD3Transformer2DModel and FluxTransformer2DModel so far",
                 )),
             },
         }

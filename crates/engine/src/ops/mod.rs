@@ -21,6 +21,9 @@
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
+//! - [`rms_norm`](mod@rms_norm): Flux's per-head q/k RMSNorm, keeping nothing.
+//! - [`rope`](mod@rope): Flux's rotary embedding over shared cos/sin tables.
+//! - [`tokens`]: per-sample concatenation and slicing (Flux's joint sequences).
 //! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
 //!
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
@@ -41,8 +44,10 @@ pub mod joint;
 pub mod linear;
 pub mod ln_modulate;
 pub mod rms_norm;
+pub mod rope;
 pub(crate) mod storage;
 pub mod sum_squares;
+pub mod tokens;
 
 pub use attention::{
     attention_materialized, attn_threads, dropout_mask, qkv_attention, AttnGeom, AttnKeep, Dropout,
@@ -57,5 +62,6 @@ pub use linear::{
     LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
-pub use rms_norm::{rms_norm_heads, RmsNormHeads};
+pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
+pub use rope::{rope, Rope, RopeTable};
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};

@@ -1,111 +1,155 @@
-//! [`rms_norm_heads`]: diffusers' `RMSNorm(head_dim)` on each head of a (rows, heads·d_h)
-//! projection (the q/k norms of SD3.5 and Flux: `norm_q`, `norm_k`, `norm_added_q`,
-//! `norm_added_k`), `x·rsqrt(mean(x²) + eps)·w` with the statistics in the accumulation type.
-//! It keeps the per-(row, head) rstd (rows·heads values, f32, f64 for f64 inputs) beside its
-//! input; the output is fresh in x's dtype. Backward: a fresh dx (x's dtype and shape) and dw
-//! (w's). Budget twin: `rms_norm_heads` of `ditmem_budget::ditmem_cpu::sd3`.
-
-use std::sync::Mutex;
+//! [`rms_norm`]: the per-head q/k RMSNorm of Flux's attention (`torch.nn.RMSNorm(dim_head,
+//! eps=1e-6)` on each head of the (b·s, heads·d_h) projection) as one custom op. candle's fused
+//! RmsNorm has no backward, and composed it keeps x², the mean, the rsqrt and the normalised
+//! copy; this op keeps nothing beyond its inputs: the backward recomputes the per-group rstd
+//! from x (one (rows·heads) accumulation-type scratch, [`rms_bwd_scratch`]) and returns a fresh
+//! dx (x's dtype and shape) and a fresh dw (w's dtype), summed per channel over every group.
+//!
+//! y = x·r·w with r = (mean(x²) + eps)^(−½) over each head's d_h channels, computed in the
+//! accumulation type (f64 for f64 x, else f32) and written in x's dtype; w may be the f32 master
+//! weight under a low-precision x (read as it is, no cast copy). Backward with ĝ = g·w and
+//! x̂ = x·r: dx = r·(ĝ − x̂·mean(ĝ·x̂)), dw = Σ g·x̂. Budget twin: `rms_norm` of
+//! `ditmem_budget::ditmem_cpu::flux`.
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor, WithDType,
 };
+use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
-#[derive(Debug)]
-enum Rstd {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
+/// RMSNorm epsilon of Flux's q/k norms.
+pub const RMS_EPS: f64 = 1e-6;
 
 /// The op (see the module docs).
-#[derive(Debug)]
-pub struct RmsNormHeads {
-    heads: usize,
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNorm {
     eps: f64,
-    rstd: Mutex<Option<Rstd>>,
 }
 
-/// Per-head RMSNorm of x (rows, heads·d_h) with weight w (d_h) of x's dtype.
-pub fn rms_norm_heads(x: &Tensor, w: &Tensor, heads: usize, eps: f64) -> CResult<Tensor> {
-    x.apply_op2(
-        w,
-        RmsNormHeads {
-            heads,
-            eps,
-            rstd: Mutex::new(None),
-        },
-    )
+/// Per-head RMSNorm of x (rows, heads·d_h) with the weight w (d_h) → (rows, heads·d_h) in x's
+/// dtype.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    x.apply_op2(w, RmsNorm { eps })
 }
 
-fn geom(lx: &Layout, lw: &Layout, heads: usize) -> CResult<(usize, usize)> {
+/// Scratch elements (accumulation type) of the backward: one rstd per (row, head).
+pub fn rms_bwd_scratch(rows: usize, d: usize, dh: usize) -> usize {
+    rows * (d / dh.max(1))
+}
+
+/// (rows, D, d_h) of a call.
+fn rms_geom(lx: &Layout, lw: &Layout) -> CResult<(usize, usize, usize)> {
     let (rows, d) = match lx.dims() {
-        &[r, d] => (r, d),
-        dims => {
-            return Err(err(format!(
-                "rms_norm_heads expects x (rows, D), got {dims:?}"
-            )))
-        }
+        &[r, c] => (r, c),
+        dims => return Err(err(format!("rms norm expects x (rows, D), got {dims:?}"))),
     };
-    if heads == 0 || d % heads != 0 || lw.dims() != [d / heads] {
+    let dh = match lw.dims() {
+        &[h] => h,
+        dims => return Err(err(format!("rms norm expects w (d_h), got {dims:?}"))),
+    };
+    if dh == 0 || d % dh != 0 {
         return Err(err(format!(
-            "rms_norm_heads: x {:?} with {heads} heads and weight {:?}",
-            lx.dims(),
-            lw.dims()
+            "rms norm: the width {d} is not a whole number of heads of {dh}"
         )));
     }
-    Ok((rows, d / heads))
+    Ok((rows, d, dh))
 }
 
-fn fwd<T: Elem<A>, A: Acc + IntoRstd>(x: &[T], w: &[T], dh: usize, eps: f64) -> (Vec<T>, Vec<A>) {
-    let groups = x.len() / dh;
-    let mut out = Vec::with_capacity(x.len());
-    let mut rstd = Vec::with_capacity(groups);
-    let e = A::from_f64(eps);
-    let n = A::from_f64(dh as f64);
-    for g in x.chunks_exact(dh) {
-        let mut ss = A::from_f64(0.0);
-        for &v in g {
-            let v = v.to_acc();
-            ss += v * v;
-        }
-        let r = A::from_f64(1.0) / (ss / n + e).sqrt();
-        rstd.push(r);
-        for (&v, &wv) in g.iter().zip(w) {
-            out.push(T::from_acc(v.to_acc() * r * wv.to_acc()));
-        }
+/// rstd of one group.
+#[inline]
+fn rstd<T: Elem<A>, A: Acc>(x: &[T], eps: A) -> A {
+    let mut ss = A::ZERO;
+    for &v in x {
+        let a = v.to_acc();
+        ss += a * a;
     }
-    (out, rstd)
+    let n = A::from_f64(x.len() as f64);
+    A::from_f64(1.0) / (ss / n + eps).sqrt()
 }
 
-fn bwd<T: Elem<A>, A: Acc>(x: &[T], w: &[T], g: &[T], rstd: &[A], dh: usize) -> (Vec<T>, Vec<T>) {
-    let mut dx = Vec::with_capacity(x.len());
-    let mut dw = vec![A::from_f64(0.0); dh];
-    let n = A::from_f64(dh as f64);
-    for ((xg, gg), &r) in x.chunks_exact(dh).zip(g.chunks_exact(dh)).zip(rstd) {
-        // dxhat = g·w; dx = r·(dxhat − xhat·mean(dxhat·xhat)).
-        let mut dot = A::from_f64(0.0);
-        for j in 0..dh {
-            let xh = xg[j].to_acc() * r;
-            let gv = gg[j].to_acc();
-            dw[j] += gv * xh;
-            dot += gv * w[j].to_acc() * xh;
-        }
-        let m = dot / n;
-        for j in 0..dh {
-            let xh = xg[j].to_acc() * r;
-            let dxh = gg[j].to_acc() * w[j].to_acc();
-            dx.push(T::from_acc(r * (dxh - xh * m)));
-        }
-    }
-    (dx, dw.into_iter().map(T::from_acc).collect())
+fn rms_fwd_cpu<T, W, A>(x: &[T], w: &[W], dh: usize, eps: f64) -> Vec<T>
+where
+    T: Elem<A> + Send + Sync,
+    W: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
+    let eps = A::from_f64(eps);
+    o.par_chunks_mut(dh)
+        .zip(x.par_chunks(dh))
+        .with_min_len((PAR_CHUNK / dh).max(1))
+        .for_each(|(og, xg)| {
+            let r = rstd(xg, eps);
+            for j in 0..dh {
+                og[j] = T::from_acc(xg[j].to_acc() * r * w[j].to_acc());
+            }
+        });
+    o
 }
 
-impl CustomOp2 for RmsNormHeads {
+/// (dx, dw in the accumulation type): dx per group in parallel, dw per channel over every group.
+fn rms_bwd_cpu<T, W, A>(
+    x: &[T],
+    w: &[W],
+    g: &[T],
+    dh: usize,
+    eps: f64,
+    (want_x, want_w): (bool, bool),
+) -> (Option<Vec<T>>, Option<Vec<W>>)
+where
+    T: Elem<A> + Send + Sync,
+    W: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let eps = A::from_f64(eps);
+    let chunk = (PAR_CHUNK / dh).max(1);
+    // The scratch: one rstd per group.
+    let mut r: Vec<A> = Vec::with_capacity(x.len() / dh);
+    x.par_chunks(dh)
+        .with_min_len(chunk)
+        .map(|xg| rstd(xg, eps))
+        .collect_into_vec(&mut r);
+    let dx = want_x.then(|| {
+        let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
+        dx.par_chunks_mut(dh)
+            .zip(x.par_chunks(dh).zip(g.par_chunks(dh)))
+            .zip(r.par_iter())
+            .with_min_len(chunk)
+            .for_each(|((dg, (xg, gg)), &rg)| {
+                let mut dot = A::ZERO;
+                for j in 0..dh {
+                    dot += gg[j].to_acc() * w[j].to_acc() * xg[j].to_acc() * rg;
+                }
+                let mean = dot / A::from_f64(dh as f64);
+                for j in 0..dh {
+                    let xh = xg[j].to_acc() * rg;
+                    dg[j] = T::from_acc(rg * (gg[j].to_acc() * w[j].to_acc() - xh * mean));
+                }
+            });
+        dx
+    });
+    let dw = want_w.then(|| {
+        let mut dw: Vec<W> = Vec::with_capacity(dh);
+        (0..dh)
+            .into_par_iter()
+            .map(|j| {
+                let mut s = A::ZERO;
+                for (k, &rg) in r.iter().enumerate() {
+                    s += g[k * dh + j].to_acc() * x[k * dh + j].to_acc() * rg;
+                }
+                W::from_acc(s)
+            })
+            .collect_into_vec(&mut dw);
+        dw
+    });
+    (dx, dw)
+}
+
+impl CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
-        "rms-norm-heads"
+        "rms-norm"
     }
 
     fn cpu_fwd(
@@ -115,27 +159,11 @@ impl CustomOp2 for RmsNormHeads {
         sw: &CpuStorage,
         lw: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let what = "rms_norm_heads";
-        let (_, dh) = geom(lx, lw, self.heads)?;
-        if sx.dtype() != sw.dtype() {
-            return Err(err(format!(
-                "{what}: x {:?} and weight {:?} differ",
-                sx.dtype(),
-                sw.dtype()
-            )));
-        }
-        let out = dispatch_float!(sx.dtype(), what, |T, A| {
-            let (o, r) = fwd::<T, A>(
-                cpu_slice(sx, lx, what)?,
-                cpu_slice(sw, lw, what)?,
-                dh,
-                self.eps,
-            );
-            *self
-                .rstd
-                .lock()
-                .map_err(|_| err("rms_norm_heads: poisoned"))? = Some(A::into_rstd(r));
-            T::to_cpu_storage_owned(o)
+        let (_, _, dh) = rms_geom(lx, lw)?;
+        let out = dispatch_ln!(sx.dtype(), sw.dtype(), |T, W, A| {
+            let x = cpu_slice::<T>(sx, lx, "rms norm x")?;
+            let w = cpu_slice::<W>(sw, lw, "rms norm w")?;
+            T::to_cpu_storage_owned(rms_fwd_cpu::<T, W, A>(x, w, dh, self.eps))
         });
         Ok((out, lx.shape().clone()))
     }
@@ -147,66 +175,36 @@ impl CustomOp2 for RmsNormHeads {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let what = "rms_norm_heads backward";
         let grad = grad.contiguous()?;
-        let guard = self
-            .rstd
-            .lock()
-            .map_err(|_| err("rms_norm_heads: poisoned"))?;
-        let rstd = guard
-            .as_ref()
-            .ok_or_else(|| err("rms_norm_heads backward before forward"))?;
-        let (dx, dw) = with_cpu(x, |sx, lx| {
+        let want = (x.track_op(), w.track_op());
+        let dev = Device::Cpu;
+        with_cpu(x, |sx, lx| {
             with_cpu(w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {
-                    let (_, dh) = geom(lx, lw, self.heads)?;
-                    let dev = &Device::Cpu;
-                    dispatch_float!(sx.dtype(), what, |T, A| {
-                        let r = A::from_rstd(rstd)
-                            .ok_or_else(|| err("rms_norm_heads: statistics of another dtype"))?;
-                        let (dx, dw) = bwd::<T, A>(
-                            cpu_slice(sx, lx, what)?,
-                            cpu_slice(sw, lw, what)?,
-                            cpu_slice(sg, lg, what)?,
-                            r,
-                            dh,
-                        );
-                        Ok((
-                            Tensor::from_vec(dx, lx.shape(), dev)?,
-                            Tensor::from_vec(dw, lw.shape(), dev)?,
-                        ))
-                    })
+                    let (_, _, dh) = rms_geom(lx, lw)?;
+                    if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
+                        return Err(err("rms norm backward: gradient differs from x"));
+                    }
+                    Ok(dispatch_ln!(sx.dtype(), sw.dtype(), |T, W, A| {
+                        let xv = cpu_slice::<T>(sx, lx, "rms norm x")?;
+                        let wv = cpu_slice::<W>(sw, lw, "rms norm w")?;
+                        let g = cpu_slice::<T>(sg, lg, "rms norm grad")?;
+                        let (dx, dw) = rms_bwd_cpu::<T, W, A>(xv, wv, g, dh, self.eps, want);
+                        let dx = match dx {
+                            Some(v) => Some(Tensor::from_vec(v, lx.shape(), &dev)?),
+                            None => None,
+                        };
+                        let dw = match dw {
+                            Some(v) => Some(Tensor::from_vec(v, lw.shape(), &dev)?),
+                            None => None,
+                        };
+                        (dx, dw)
+                    }))
                 })
             })
-        })?;
-        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)))
+        })
     }
 }
 
-/// f32 statistics as `Rstd`, or f64 ones.
-trait IntoRstd: Sized {
-    fn into_rstd(v: Vec<Self>) -> Rstd;
-    fn from_rstd(s: &Rstd) -> Option<&[Self]>;
-}
-impl IntoRstd for f32 {
-    fn into_rstd(v: Vec<Self>) -> Rstd {
-        Rstd::F32(v)
-    }
-    fn from_rstd(s: &Rstd) -> Option<&[Self]> {
-        match s {
-            Rstd::F32(v) => Some(v),
-            Rstd::F64(_) => None,
-        }
-    }
-}
-impl IntoRstd for f64 {
-    fn into_rstd(v: Vec<Self>) -> Rstd {
-        Rstd::F64(v)
-    }
-    fn from_rstd(s: &Rstd) -> Option<&[Self]> {
-        match s {
-            Rstd::F64(v) => Some(v),
-            Rstd::F32(_) => None,
-        }
-    }
-}
+/// Keeps `DType` in scope for the dispatch macro.
+const _: Option<DType> = None;

@@ -57,6 +57,12 @@ pub(super) trait FamilyStep {
     fn embed_params(&self) -> Vec<usize>;
     fn block_params(&self, i: usize) -> Vec<usize>;
     fn final_params(&self) -> Vec<usize>;
+    /// How many of the last conditioning tensors are fixed tables (Flux's RoPE cos and sin):
+    /// the blocks and the final layer read them as they are, after the leaves, with no leaf
+    /// copy and no gradient.
+    fn fixed_conds(&self) -> usize {
+        0
+    }
 }
 
 /// What the forward keeps of a block until its backward.
@@ -120,10 +126,19 @@ impl Trainer {
         // Embed segment (kept until the end of the backward).
         let Embedded {
             streams: x0,
-            conds,
+            mut conds,
             hold,
         } = fam.embed(self, mb)?;
+        let fixed = conds.split_off(conds.len() - fam.fixed_conds().min(conds.len()));
         let cond_leaves = leaves_of(&conds)?;
+        // The conditioning a segment reads: the leaves, then the fixed tables.
+        let with_fixed = |c: Vec<Tensor>| -> Vec<Tensor> {
+            if fixed.is_empty() {
+                c
+            } else {
+                c.into_iter().chain(fixed.iter().cloned()).collect()
+            }
+        };
         rec.mark(tag("embed".into()));
 
         // Blocks.
@@ -133,11 +148,12 @@ impl Trainer {
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
-                cur = fam.block(self, i, &inputs, &detached(&cond_leaves), false)?;
+                cur = fam.block(self, i, &inputs, &with_fixed(detached(&cond_leaves)), false)?;
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
-                let outs = fam.block(self, i, &tensors(&leaves), &tensors(&cond_leaves), true)?;
+                let c = with_fixed(tensors(&cond_leaves));
+                let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
@@ -147,7 +163,8 @@ impl Trainer {
         // Output side and loss.
         let final_leaves = leaves_of(&cur)?;
         drop(cur);
-        let pred = fam.final_layer(self, &tensors(&final_leaves), &tensors(&cond_leaves), mb)?;
+        let c = with_fixed(tensors(&cond_leaves));
+        let pred = fam.final_layer(self, &tensors(&final_leaves), &c, mb)?;
         let pred = cast(pred, ld)?;
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
         let loss = (pred - target)?.sqr()?.mean_all()?;
@@ -186,8 +203,8 @@ impl Trainer {
                 SavedStreams::Recompute { inputs } => {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
-                    let outs =
-                        fam.block(self, i, &tensors(&leaves), &tensors(&cond_leaves), true)?;
+                    let c = with_fixed(tensors(&cond_leaves));
+                    let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
                     (leaves, outs)
                 }
             };
@@ -229,7 +246,7 @@ impl Trainer {
         self.accumulate(&fam.embed_params(), &grads)?;
         drop(grads);
         // The conditioning leaves go with the embed's outputs (the budget frees them together).
-        drop((x0, conds, gx, gc));
+        drop((x0, conds, gx, gc, fixed));
         drop(cond_leaves);
         rec.mark(tag("embed".into()));
         drop(hold);

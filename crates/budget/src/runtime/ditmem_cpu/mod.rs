@@ -25,6 +25,7 @@
 //!   `ops/attention/bf16.rs`);
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
+//! - [`flux`]: Flux's segments (`families/flux/block.rs`, `trainer/flux.rs`);
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
@@ -33,6 +34,7 @@
 pub mod attention;
 pub mod backward;
 pub mod block;
+pub mod flux;
 pub mod graph;
 pub mod ops;
 pub mod pixart;

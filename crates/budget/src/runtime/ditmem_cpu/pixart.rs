@@ -426,6 +426,7 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
         embed_tail,
         cond_grad: (bd + 6 * bd + yel) * ld.size() + 3 * meta,
         last_block: None,
+        second: None,
     }
 }
 

@@ -86,16 +86,6 @@ fn split_tokens(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
     g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
 }
 
-/// `ops::rms_norm_heads` of the engine: one fresh output of x's size; keeps one rstd per (row,
-/// head) in the accumulation type beside it; backward dx and dw fresh.
-fn rms_norm_heads(g: &mut Graph, name: &str, x: Nid, w: Nid, rows: u64, heads: u64) -> Nid {
-    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
-    let (e, dt) = (g.elems(x), g.dtype(x));
-    let y = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, w], e, dt);
-    g.nodes[y].extra = rows * heads * acc;
-    y
-}
-
 /// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
 /// call, held only by the op that reads it).
 fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
@@ -199,9 +189,9 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let ev = lin(&mut g, "attn.add_v_proj", hc, trows, d, d);
     let (q, k, eq, ek) = match &qk {
         Some(w) => {
-            let a = sh.heads;
-            let mut n = |name: &str, x: Nid, w: Nid, r: u64| {
-                let y = rms_norm_heads(&mut g, name, x, w, r, a);
+            let dh = sh.d / sh.heads;
+            let mut n = |name: &str, x: Nid, w: Nid, _r: u64| {
+                let y = super::flux::rms_norm(&mut g, sh, name, x, w, dh);
                 g.bind(y)
             };
             (
@@ -534,6 +524,7 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
         embed_tail,
         cond_grad: bd * ld.size() + meta,
         last_block: Some(last),
+        second: None,
     }
 }
 

@@ -176,6 +176,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(sg) = super::sd3::Sd3Geo::of(spec) {
         return super::sd3::sims(spec, &sg);
     }
+    if let Some(fg) = super::flux::FluxGeo::of(spec) {
+        return super::flux::sims(spec, &fg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();
@@ -235,5 +238,6 @@ pub fn sims(spec: &Spec) -> Sims {
         embed_tail,
         cond_grad: bd * ad.size() + TENSOR_META + STORAGE_META,
         last_block: None,
+        second: None,
     }
 }

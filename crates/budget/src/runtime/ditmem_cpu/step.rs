@@ -42,7 +42,10 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
     // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
-    if super::pixart::PixGeo::of(spec).is_some() || super::sd3::Sd3Geo::of(spec).is_some() {
+    if super::pixart::PixGeo::of(spec).is_some()
+        || super::sd3::Sd3Geo::of(spec).is_some()
+        || super::flux::FluxGeo::of(spec).is_some()
+    {
         return true;
     }
     let bf16_native =
@@ -115,7 +118,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * u64::from(spec.model.patch);
     // PixArt's cached text embeddings (n, T, width) in f64.
     let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
-        + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems());
+        + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems())
+        + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 
@@ -168,6 +172,8 @@ struct Replay<'a> {
     block: Landing,
     /// The last block's landing when its weights differ ([`Sims::last_block`]).
     last_block: Landing,
+    /// The second kind of block's landing ([`Sims::second`]: Flux's single-stream blocks).
+    second: Landing,
     final_layer: Landing,
     embed: Landing,
 }
@@ -187,7 +193,9 @@ impl<'a> Replay<'a> {
             } else {
                 1
             },
-            block: Landing::of(table, gd, &|t| t.block == Some(0)),
+            block: Landing::of(table, gd, &|t| {
+                t.block == Some(0) && t.module != Module::SingleBlocks
+            }),
             last_block: match sims.last_block {
                 Some(_) => {
                     let last = spec.model.depth.saturating_sub(1);
@@ -195,6 +203,9 @@ impl<'a> Replay<'a> {
                 }
                 None => Landing::of(table, gd, &|t| t.block == Some(0)),
             },
+            second: Landing::of(table, gd, &|t| {
+                t.block == Some(0) && t.module == Module::SingleBlocks
+            }),
             final_layer: Landing::of(table, gd, &is_final),
             embed: Landing::of(table, gd, &|t| t.block.is_none() && !is_final(t)),
         }
@@ -204,21 +215,34 @@ impl<'a> Replay<'a> {
         self.spec.recipe.recompute.recomputes_block(i)
     }
 
-    /// The simulation of block `i` ([`Sims::last_block`] for the last one when it differs).
-    fn block_sim(&self, i: u32) -> &'a SegSim {
+    /// The simulation of block `i`: of the first kind, of [`Sims::second`] (Flux's
+    /// single-stream blocks), or [`Sims::last_block`] (SD3's `context_pre_only` block).
+    fn seg_of(&self, i: u32) -> &'a SegSim {
         let sims: &'a Sims = self.sims;
-        match &sims.last_block {
-            Some(l) if i + 1 == self.spec.model.depth => l,
+        match (&sims.second, &sims.last_block) {
+            (Some(k), _) if i == k.start => &k.first,
+            (Some(k), _) if i > k.start => &k.rest,
+            (_, Some(l)) if i + 1 == self.spec.model.depth => l,
             _ => &sims.block,
         }
     }
 
-    /// What block `i` lands in the gradient buffers.
-    fn block_landing(&self, i: u32) -> Landing {
-        if i + 1 == self.spec.model.depth {
-            self.last_block
-        } else {
-            self.block
+    /// The landing of block `i`'s gradients.
+    fn landing_of(&self, i: u32) -> Landing {
+        match (&self.sims.second, &self.sims.last_block) {
+            (Some(k), _) if i >= k.start => self.second,
+            (_, Some(_)) if i + 1 == self.spec.model.depth => self.last_block,
+            _ => self.block,
+        }
+    }
+
+    /// Bytes of the streams block `i` reads (`depth`: the final layer), i.e. block i − 1's
+    /// outputs; with a second kind of block, the reader's leaf copies of them.
+    fn input_bytes(&self, i: u32) -> u64 {
+        match &self.sims.second {
+            Some(_) if i >= self.spec.model.depth => self.sims.final_layer.leaf,
+            Some(_) => self.seg_of(i).leaf,
+            None => self.seg_of(i.saturating_sub(1)).output,
         }
     }
 
@@ -293,7 +317,7 @@ impl<'a> Replay<'a> {
 
         // Blocks.
         for i in 0..depth {
-            let bs = self.block_sim(i);
+            let bs = self.seg_of(i);
             let block_kept = bs.activations + bs.leaf + bs.output;
             let mut inside = *live;
             if self.recomputed(i) {
@@ -304,9 +328,8 @@ impl<'a> Replay<'a> {
                 live.activations += block_kept;
                 live.weight_casts += bs.weight_casts;
                 if i > 0 && self.recomputed(i - 1) {
-                    // The recomputed block's outputs were only this block's inputs: copied,
-                    // freed.
-                    live.activations -= self.block_sim(i - 1).output;
+                    // The recomputed block's output was only this block's input: copied, freed.
+                    live.activations -= self.input_bytes(i);
                 }
             }
             let what = format!("block {i} (inside)");
@@ -328,7 +351,7 @@ impl<'a> Replay<'a> {
         live.activations += fs.activations + fs.leaf;
         live.weight_casts += fs.weight_casts;
         if depth > 0 && self.recomputed(depth - 1) {
-            live.activations -= self.block_sim(depth - 1).output;
+            live.activations -= self.input_bytes(depth);
         }
         self.mark(
             Phase::Forward,
@@ -403,7 +426,8 @@ impl<'a> Replay<'a> {
     /// `gx_bytes`; returns the bytes of the gradient left for the embed segment.
     fn backward_blocks(&mut self, live: &mut Breakdown, mb: u32, mut gx_bytes: u64) -> u64 {
         for i in (0..self.spec.model.depth).rev() {
-            let bs = self.block_sim(i);
+            let bs = self.seg_of(i);
+            let e = self.input_bytes(i);
             let mut inside = *live;
             if self.recomputed(i) {
                 // Leaf copy of the saved input; the input is freed unless the previous block's
@@ -411,7 +435,7 @@ impl<'a> Replay<'a> {
                 live.activations += bs.leaf;
                 let input_held = i == 0 || !self.recomputed(i - 1);
                 if !input_held {
-                    live.activations -= self.block_sim(i - 1).output;
+                    live.activations -= e;
                 }
                 inside = *live;
                 inside.activations += bs.fwd_peak - bs.leaf;
@@ -429,7 +453,7 @@ impl<'a> Replay<'a> {
             live.activations -= bs.activations + bs.output;
             live.weight_casts -= bs.weight_casts;
             let what = format!("block {i} grads (inside)");
-            self.land_event(live, mb, self.block_landing(i), what, Some(i));
+            self.land_event(live, mb, self.landing_of(i), what, Some(i));
             // gx replaced by the leaf's grad; drop(grads); drop(leaf).
             live.workspace -= bs.bwd_store;
             live.workspace -= gx_bytes;

@@ -9,12 +9,10 @@ use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{
-    cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm_heads, split_tokens,
-};
+use crate::ops::{cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm, split_tokens};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
-pub const RMS_EPS: f64 = 1e-6;
+pub use crate::ops::RMS_EPS;
 
 /// The weights of one joint block; `ctx` is None for the last (`context_pre_only`) block's
 /// context-side output weights, `qk` the four q/k RMSNorm weights (`norm_q`, `norm_k`,
@@ -84,15 +82,12 @@ pub fn sd3_block_forward(
     let ek = w.add_k.forward(&hc)?;
     let ev = w.add_v.forward(&hc)?;
     let (q, k, eq, ek) = match &w.qk {
-        Some([nq, nk, naq, nak]) => {
-            let a = cfg.heads;
-            (
-                rms_norm_heads(&q, nq, a, RMS_EPS)?,
-                rms_norm_heads(&k, nk, a, RMS_EPS)?,
-                rms_norm_heads(&eq, naq, a, RMS_EPS)?,
-                rms_norm_heads(&ek, nak, a, RMS_EPS)?,
-            )
-        }
+        Some([nq, nk, naq, nak]) => (
+            rms_norm(&q, nq, RMS_EPS)?,
+            rms_norm(&k, nk, RMS_EPS)?,
+            rms_norm(&eq, naq, RMS_EPS)?,
+            rms_norm(&ek, nak, RMS_EPS)?,
+        ),
         None => (q, k, eq, ek),
     };
     let qc = cat_tokens(&q, &eq, b)?;

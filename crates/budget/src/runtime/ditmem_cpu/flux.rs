@@ -1,0 +1,563 @@
+//! Flux in the engine as candle nodes (twin: the engine's `families/flux/block.rs`,
+//! `trainer/flux.rs` and the ops `ops/rms_norm.rs`, `ops/rope.rs`, `ops/tokens.rs`): the embed
+//! segment (`x_embedder`, `context_embedder`, `time_text_embed`, the RoPE tables), the
+//! double-stream block on [image, text], the single-stream block on the joint stream (the first
+//! one joins the two streams itself), and the output side on the image tokens; then their
+//! simulation into [`Sims`] for the step replay ([`super::step`]): the double-stream blocks are
+//! `Sims::block`, the single-stream ones [`SecondBlocks`].
+
+use crate::families::{Dims as FamilyDims, FluxDims};
+use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
+use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, retained, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
+    TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate, seed};
+use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Precision, Spec};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const FLUX_FREQ: u64 = 256;
+
+/// What a Flux step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FluxGeo {
+    /// T5 tokens T in the sequence.
+    pub t: u64,
+    /// T5 width (`joint_attention_dim`).
+    pub width: u64,
+    /// Pooled CLIP width.
+    pub pooled: u64,
+    pub guidance: bool,
+    /// Double-stream blocks (the single-stream ones follow).
+    pub double: u64,
+    pub single: u64,
+    /// Head width.
+    pub dh: u64,
+}
+
+impl FluxGeo {
+    /// The Flux geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec) -> Option<FluxGeo> {
+        let fm = crate::denoiser::family(spec).ok().flatten()?;
+        let FamilyDims::Flux(d) = &fm.dims else {
+            return None;
+        };
+        let geo = fm.geometry();
+        let tokens = crate::denoiser::text_tokens(spec, &geo);
+        let t = geo
+            .text
+            .iter()
+            .zip(&tokens)
+            .filter(|(e, _)| e.sequence)
+            .map(|(_, &n)| n)
+            .sum();
+        Some(FluxGeo::new(d, t))
+    }
+
+    fn new(d: &FluxDims, t: u64) -> FluxGeo {
+        FluxGeo {
+            t,
+            width: d.joint_attention_dim,
+            pooled: d.pooled_projection_dim,
+            guidance: d.guidance_embeds,
+            double: d.num_layers,
+            single: d.num_single_layers,
+            dh: d.attention_head_dim,
+        }
+    }
+
+    /// Text elements of one sample the batch holds in f64: T·width and the pooled vector.
+    pub fn text_elems(&self) -> u64 {
+        self.t * self.width + self.pooled
+    }
+}
+
+/// Bytes of the attention's accumulation type (the RoPE tables, RMSNorm's statistics).
+fn acc_size(sh: &Shape) -> u64 {
+    if sh.precision == Precision::Fp64 {
+        8
+    } else {
+        4
+    }
+}
+
+/// `ops::rms_norm`: one fresh output in x's dtype, nothing kept; its backward recomputes one
+/// rstd per (row, head) (accumulation type) as workspace.
+pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    let groups = e / dh.max(1);
+    g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: groups * acc_size(sh),
+        },
+        &[x, w],
+        e,
+        dt,
+    )
+}
+
+/// `ops::rope`: one fresh output in x's dtype; the tables are not graph inputs.
+pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
+}
+
+/// `ops::tokens::concat`: one fresh output; the backward one fresh part per tracked input.
+pub fn concat(g: &mut Graph, name: &str, a: Nid, b: Nid) -> Nid {
+    let (e, dt) = (g.elems(a) + g.elems(b), g.dtype(a));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[a, b], e, dt)
+}
+
+/// `ops::tokens::slice`: one fresh output of `elems`; the backward one fresh x-sized gradient.
+pub fn slice(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
+    let dt = g.dtype(x);
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
+}
+
+/// `modulation`: `linear(st)` cast to the accumulation dtype (the function's local, dropped at
+/// its return; the views keep it), `k` narrow views (bound by the caller's Vec).
+fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid> {
+    let bd = sh.b * sh.d;
+    let m = linear(g, sh, name, st, sh.b, k * sh.d, sh.d, None);
+    let m = g.cast(&format!("{name}→{}", sh.ad()), m, sh.ad());
+    (0..k)
+        .map(|i| {
+            let c = g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            );
+            g.bind(c)
+        })
+        .collect()
+}
+
+/// A bound linear of a block.
+fn lin(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64, out: u64, inp: u64) -> Nid {
+    let y = linear(g, sh, name, x, rows, out, inp, None);
+    g.bind(y)
+}
+
+/// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
+fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
+    let (d, m) = (sh.d, 4 * sh.d);
+    let f1 = linear(g, sh, &format!("{name}.net.0.proj"), x, rows, m, d, None);
+    let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
+    let f2 = linear(g, sh, &format!("{name}.net.2"), act, rows, d, m, None);
+    g.hold_until(&[f1, act], f2);
+    g.bind(f2)
+}
+
+/// A q/k RMSNorm weight (d_h), read as stored.
+fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
+    let pd = sh.precision.param_dtype();
+    g.weight(&format!("{name}.weight"), dh, pd, sh.lora.is_none(), pd)
+}
+
+/// One double-stream block as `double_forward` builds it, on leaf copies of its two streams.
+/// Returns (graph, [image leaf, text leaf], st leaf, [image out, text out]).
+pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let d = sh.d;
+    let (rs, rt) = (sh.b * sh.s, sh.b * fg.t);
+    let x = g.var("image (leaf copy)", rs * d, ad, true);
+    let c = g.var("text (leaf copy)", rt * d, ad, true);
+    let st = g.var("silu(temb) (shared leaf)", sh.b * d, cd, false);
+    let m = modulation(&mut g, sh, "norm1.linear", st, 6);
+    let mc = modulation(&mut g, sh, "norm1_context.linear", st, 6);
+    let hx = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rs, cd);
+    g.bind(hx);
+    let hc = ln_modulate(&mut g, "norm1_context+modulate", c, mc[0], mc[1], rt, cd);
+    g.bind(hc);
+    let q = lin(&mut g, sh, "attn.to_q", hx, rs, d, d);
+    let k = lin(&mut g, sh, "attn.to_k", hx, rs, d, d);
+    let v = lin(&mut g, sh, "attn.to_v", hx, rs, d, d);
+    let eq = lin(&mut g, sh, "attn.add_q_proj", hc, rt, d, d);
+    let ek = lin(&mut g, sh, "attn.add_k_proj", hc, rt, d, d);
+    let ev = lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d);
+    let mut norms = Vec::new();
+    for (name, t) in [
+        ("attn.norm_q", q),
+        ("attn.norm_k", k),
+        ("attn.norm_added_q", eq),
+        ("attn.norm_added_k", ek),
+    ] {
+        let w = norm_weight(&mut g, sh, name, fg.dh);
+        let y = rms_norm(&mut g, sh, &format!("{name} (fused)"), t, w, fg.dh);
+        norms.push(g.bind(y));
+    }
+    let qc = concat(&mut g, "[text; image] q", norms[2], norms[0]);
+    g.bind(qc);
+    let kc = concat(&mut g, "[text; image] k", norms[3], norms[1]);
+    g.bind(kc);
+    let vc = concat(&mut g, "[text; image] v", ev, v);
+    g.bind(vc);
+    let qr = rope(&mut g, "rope q", qc);
+    g.bind(qr);
+    let kr = rope(&mut g, "rope k", kc);
+    g.bind(kr);
+    let n = sh.s + fg.t;
+    let o = separate_attention(&mut g, sh, "joint attention", [qr, kr, vc], n);
+    g.bind(o);
+    let oc = slice(&mut g, "text tokens of the attention", o, rt * d);
+    g.bind(oc);
+    let oi = slice(&mut g, "image tokens of the attention", o, rs * d);
+    g.bind(oi);
+    let ao = lin(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
+    let co = lin(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
+    // Image stream.
+    let x1 = gated_residual(&mut g, "x + attn·gate_msa (fused)", x, ao, m[2]);
+    g.bind(x1);
+    let h2 = ln_modulate(&mut g, "norm2+modulate", x1, m[3], m[4], rs, cd);
+    g.bind(h2);
+    let f = feed_forward(&mut g, sh, "ff", h2, rs);
+    let x2 = gated_residual(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
+    g.bind(x2);
+    // Text stream.
+    let c1 = gated_residual(&mut g, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
+    g.bind(c1);
+    let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, mc[3], mc[4], rt, cd);
+    g.bind(h2c);
+    let fc = feed_forward(&mut g, sh, "ff_context", h2c, rt);
+    let c2 = gated_residual(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
+    g.bind(c2);
+    (g, [x, c], st, [x2, c2])
+}
+
+/// One single-stream block as `single_forward` builds it; `first`: the block that joins the
+/// image and text leaves into the joint stream itself. Returns (graph, leaves, st leaf, out).
+pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let d = sh.d;
+    let n = sh.s + fg.t;
+    let rows = sh.b * n;
+    let (leaves, j) = if first {
+        let x = g.var("image (leaf copy)", sh.b * sh.s * d, ad, true);
+        let c = g.var("text (leaf copy)", sh.b * fg.t * d, ad, true);
+        let j = concat(&mut g, "[text; image] stream", c, x);
+        (vec![x, c], g.bind(j))
+    } else {
+        let j = g.var("joint stream (leaf copy)", rows * d, ad, true);
+        (vec![j], j)
+    };
+    let st = g.var("silu(temb) (shared leaf)", sh.b * d, cd, false);
+    let m = modulation(&mut g, sh, "norm.linear", st, 3);
+    let hx = ln_modulate(&mut g, "norm+modulate", j, m[0], m[1], rows, cd);
+    g.bind(hx);
+    let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
+    let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
+    g.bind(am);
+    let q = lin(&mut g, sh, "attn.to_q", hx, rows, d, d);
+    let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
+    let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
+    let wq = norm_weight(&mut g, sh, "attn.norm_q", fg.dh);
+    let qn = rms_norm(&mut g, sh, "attn.norm_q (fused)", q, wq, fg.dh);
+    g.bind(qn);
+    let wk = norm_weight(&mut g, sh, "attn.norm_k", fg.dh);
+    let kn = rms_norm(&mut g, sh, "attn.norm_k (fused)", k, wk, fg.dh);
+    g.bind(kn);
+    let qr = rope(&mut g, "rope q", qn);
+    g.bind(qr);
+    let kr = rope(&mut g, "rope k", kn);
+    g.bind(kr);
+    let o = separate_attention(&mut g, sh, "attention", [qr, kr, v], n);
+    g.bind(o);
+    let cat = concat(&mut g, "[attention; MLP]", o, am);
+    g.bind(cat);
+    let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+    let out = gated_residual(&mut g, "x + proj_out·gate (fused)", j, p, m[2]);
+    g.bind(out);
+    (g, leaves, st, out)
+}
+
+/// The output side and the loss on a leaf copy of the joint stream. Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let rows = sh.b * sh.s;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", sh.b * (sh.s + fg.t) * sh.d, ad, true);
+    let st = g.var("silu(temb) (shared leaf)", sh.b * sh.d, cd, false);
+    let img = slice(&mut g, "image tokens", x, sh.e());
+    g.bind(img);
+    let m = modulation(&mut g, sh, "norm_out.linear", st, 2);
+    let h = ln_modulate(&mut g, "norm_out+modulate", img, m[1], m[0], rows, cd);
+    g.bind(h);
+    let out_el = rows * sh.patch2 * sh.c_out;
+    let y = linear(
+        &mut g,
+        sh,
+        "proj_out",
+        h,
+        rows,
+        sh.patch2 * sh.c_out,
+        sh.d,
+        None,
+    );
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,r,c,C,p,p)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpack (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let pred = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", out_el, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], out_el, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], out_el, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+/// The embed segment as `FluxLayout::embed` builds it. Returns (graph, [image, text], st,
+/// [cos, sin]).
+pub fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let rows = sh.b * sh.s;
+    let bd = sh.b * sh.d;
+    let trows = sh.b * fg.t;
+    let inp = sh.c_in * sh.patch2;
+    let mut g = Graph::default();
+    let xp = g.constant("packed latents", rows * inp, cd, true);
+    g.bind(xp);
+    let xe = linear(&mut g, sh, "x_embedder", xp, rows, sh.d, inp, None);
+    let xe = g.cast(&format!("x_embedder→{ad}"), xe, ad);
+    let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+    g.bind(x0);
+    let cap = g.constant("T5 embeddings", trows * fg.width, cd, true);
+    g.bind(cap);
+    let ce = linear(
+        &mut g,
+        sh,
+        "context_embedder",
+        cap,
+        trows,
+        sh.d,
+        fg.width,
+        None,
+    );
+    let ce = g.cast(&format!("context_embedder→{ad}"), ce, ad);
+    let c0 = g.view("reshape(b,T,D)", Kind::Reshape, ce, trows * sh.d);
+    g.bind(c0);
+    // time_text_embed: one MLP per input, summed.
+    let mut inputs: Vec<(&str, Nid)> = Vec::new();
+    let tf = g.constant("timestep features", sh.b * FLUX_FREQ, ad, true);
+    inputs.push(("timestep_embedder", g.cast(&format!("t_freq→{cd}"), tf, cd)));
+    if fg.guidance {
+        let gf = g.constant("guidance features", sh.b * FLUX_FREQ, ad, true);
+        inputs.push(("guidance_embedder", g.cast(&format!("g_freq→{cd}"), gf, cd)));
+    }
+    let pp = g.constant("pooled embeddings", sh.b * fg.pooled, cd, true);
+    inputs.push(("text_embedder", pp));
+    let mut temb: Option<Nid> = None;
+    for (name, x) in inputs {
+        g.bind(x);
+        let w = g.elems(x) / sh.b;
+        let tte = format!("time_text_embed.{name}");
+        let h = linear(
+            &mut g,
+            sh,
+            &format!("{tte}.linear_1"),
+            x,
+            sh.b,
+            sh.d,
+            w,
+            None,
+        );
+        let a = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
+        let e = linear(
+            &mut g,
+            sh,
+            &format!("{tte}.linear_2"),
+            a,
+            sh.b,
+            sh.d,
+            sh.d,
+            None,
+        );
+        g.hold_until(&[a], e);
+        temb = Some(match temb {
+            None => e,
+            Some(t) => g.op("temb +", Kind::Add, &[t, e], bd, cd),
+        });
+    }
+    let temb = temb.unwrap_or(0);
+    g.bind(temb);
+    let st = g.op("silu(temb)", Kind::Silu, &[temb], bd, cd);
+    g.bind(st);
+    let tab = (sh.s + fg.t) * fg.dh;
+    let td = if sh.precision == Precision::Fp64 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    };
+    let cos = g.constant("rope cos", tab, td, true);
+    g.bind(cos);
+    let sin = g.constant("rope sin", tab, td, true);
+    g.bind(sin);
+    (g, [x0, c0], st, [cos, sin])
+}
+
+/// The block segment of a graph: seeded from its outputs (`ops::backward_from_many`: one seed
+/// per output), its leaves and outputs split out of the activations.
+fn block_sim(
+    g: &Graph,
+    ug: &Graph,
+    leaves: &[Nid],
+    outs: &[Nid],
+    build: &dyn Fn(&mut Graph) -> Nid,
+) -> SegSim {
+    let mut bg = g.clone();
+    let fwd = forward_peak(&bg);
+    let root = build(&mut bg);
+    let root_nodes = bg.nodes.len() - g.nodes.len();
+    let mut held: Vec<Nid> = leaves.to_vec();
+    held.extend_from_slice(outs);
+    let mut s = seg(&bg, None, None, root, root_nodes, &held);
+    let keep = retained(&bg, &{
+        let mut r = vec![root];
+        r.extend_from_slice(&held);
+        r
+    });
+    let kept = |x: Nid| {
+        if keep[x] {
+            bg.nodes[x].footprint()
+        } else {
+            0
+        }
+    };
+    s.leaf = leaves.iter().map(|&l| kept(l)).sum();
+    s.output = outs.iter().map(|&o| kept(o)).sum();
+    s.activations -= s.leaf + s.output;
+    s.fwd_peak = fwd;
+    let mut ug = ug.clone();
+    for &l in leaves {
+        ug.nodes[l].alloc = false;
+    }
+    s.untracked_peak = untracked_peak(&ug, outs);
+    s
+}
+
+/// `ops::backward_from_many` on `outs`: one seed per output (see [`seed`]); with several, each
+/// cast to f64 and their one-element sum the root.
+fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
+    if let [o] = outs {
+        return seed(g, *o);
+    }
+    let mut root: Option<Nid> = None;
+    for &o in outs {
+        let s = seed(g, o);
+        let s = g.cast("seed→f64", s, Dtype::F64);
+        root = Some(match root {
+            None => s,
+            Some(r) => g.op("seeds +", Kind::Add, &[r, s], 1, Dtype::F64),
+        });
+    }
+    root.unwrap_or(0)
+}
+
+/// Simulate Flux's segments for a spec.
+pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
+    let sh = Shape::new(spec);
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let bd = sh.b * sh.d;
+    let meta = TENSOR_META + STORAGE_META;
+
+    let (dg, dleaves, _, douts) = double_block(&sh, fg);
+    let double = block_sim(&dg, &dg, &dleaves, &douts, &|g| seeds(g, &douts));
+    let (fg1, l1, _, o1) = single_block(&sh, fg, true);
+    let first = block_sim(&fg1, &fg1, &l1, &[o1], &|g| seeds(g, &[o1]));
+    let (sg, ls, _, os) = single_block(&sh, fg, false);
+    let rest = block_sim(&sg, &sg, &ls, &[os], &|g| seeds(g, &[os]));
+
+    let (fgr, fleaf, froot) = final_graph(&sh, fg);
+    let mut final_layer = seg(&fgr, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fgr) - fgr.nodes[froot].footprint();
+
+    // Embed: its surrogate is Σ x0·gx + Σ c0·gc + Σ st·g_st (the last in cd, cast to ad).
+    let (mut eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
+    let fwd = forward_peak(&eg);
+    let (xe, ce) = (eg.elems(x0), eg.elems(c0));
+    let gx = eg.constant("grad x0", xe, ad, false);
+    let gc = eg.constant("grad c0", ce, ad, false);
+    let gs = eg.constant("grad st", bd, cd, false);
+    let n0 = eg.nodes.len();
+    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], xe, ad);
+    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
+    let m2 = eg.op("c0·gc", Kind::Mul, &[c0, gc], ce, ad);
+    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
+    let a1 = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
+    let m3 = eg.op("st·g_st", Kind::Mul, &[st, gs], bd, cd);
+    let s3 = eg.op("sum", Kind::Sum, &[m3], 1, cd);
+    let s3 = eg.cast(&format!("sum→{ad}"), s3, ad);
+    let r = eg.op("+", Kind::Add, &[a1, s3], 1, ad);
+    let root_nodes = eg.nodes.len() - n0;
+    let held = eg.bound();
+    let outs = [x0, c0, st, cos, sin];
+    let tail: Vec<Nid> = held.iter().copied().filter(|n| !outs.contains(n)).collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
+    // The text stream is an output as well.
+    let c0_b = eg.nodes[c0].footprint();
+    embed.output += c0_b;
+    embed.activations -= c0_b;
+    embed.fwd_peak = fwd;
+
+    let n_lat = sh.latent;
+    let text = sh.b * fg.text_elems();
+    // noisy(): host f64 tensor then its cast; patchify's contiguous copy; the cast to cd.
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * FLUX_FREQ * 8);
+    if cd != Dtype::F64 {
+        // The f64 caption made from the batch, freed once cast.
+        scratch = scratch.max(text * 8);
+    }
+    // The RoPE tables: the flat ids (3 f64 per token) and the f64 tables beside their casts.
+    let tab = (sh.s + fg.t) * fg.dh;
+    let f64_tables = if sh.precision == Precision::Fp64 {
+        0
+    } else {
+        2 * tab * 8
+    };
+    scratch = scratch.max((sh.s + fg.t) * 3 * 8 + f64_tables);
+    Sims {
+        embed,
+        block: double,
+        final_layer,
+        c_leaf: bd * cd.size() + meta,
+        embed_scratch: scratch,
+        embed_tail,
+        cond_grad: bd * ld.size() + meta,
+        last_block: None,
+        second: Some(SecondBlocks {
+            start: fg.double as u32,
+            first,
+            rest,
+        }),
+    }
+}
+
+/// Flux's segments (embed, double block, single block, final) as generic segments, for the op
+/// inventory of a `ditmem-cpu` budget; None for any other model.
+pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+    let fg = FluxGeo::of(spec)?;
+    let sh = Shape::new(spec);
+    Some([
+        to_segment(&embed_graph(&sh, &fg).0, "embed"),
+        to_segment(&double_block(&sh, &fg).0, "block"),
+        to_segment(&final_graph(&sh, &fg).0, "final"),
+    ])
+}

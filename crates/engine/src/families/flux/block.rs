@@ -1,0 +1,176 @@
+//! Flux's blocks, embedders and output side (see the module docs of [`super`] for the tensor
+//! lists), on the engine's fused ops. `cd` is the compute dtype of the matmuls, norms' outputs
+//! and attention, `ad` the accumulation dtype of the residual streams and the modulation; every
+//! linear is one fused node ([`LinearW`]). `st` is `silu(temb)` (b, D) in `cd`, which every
+//! AdaLayerNorm's linear reads.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::error::Result;
+use crate::families::pixart::block::attn_keep;
+use crate::ops::attention::separate::attention;
+use crate::ops::tokens::{concat, slice};
+use crate::ops::{gated_residual, gelu_tanh, ln_modulate, rms_norm, rope, RopeTable, RMS_EPS};
+
+/// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
+/// [`super::params::DOUBLE_LINEARS`] order and the four q/k RMSNorm weights (d_h).
+#[derive(Debug, Clone)]
+pub struct DoubleWeights {
+    pub lin: Vec<LinearW>,
+    /// norm_q, norm_k, norm_added_q, norm_added_k.
+    pub norms: [Tensor; 4],
+}
+
+/// The weights of one single-stream block (`FluxSingleTransformerBlock`): the linears in
+/// [`super::params::SINGLE_LINEARS`] order and norm_q, norm_k.
+#[derive(Debug, Clone)]
+pub struct SingleWeights {
+    pub lin: Vec<LinearW>,
+    pub norms: [Tensor; 2],
+}
+
+/// `linear(st)` of an AdaLayerNorm in `ad`, chunked into `k` (b, D) views.
+fn modulation(l: &LinearW, st: &Tensor, k: usize, h: usize, ad: DType) -> Result<Vec<Tensor>> {
+    let m = cast(l.forward(st)?, ad)?;
+    (0..k).map(|i| Ok(m.narrow(1, i * h, h)?)).collect()
+}
+
+/// `FeedForward` with GELU-tanh: (rows, D) cd → (rows, D) cd.
+fn feed_forward(x: &Tensor, up: &LinearW, down: &LinearW) -> Result<Tensor> {
+    let f1 = up.forward(x)?;
+    let g = gelu_tanh(&f1)?;
+    down.forward(&g)
+}
+
+/// One double-stream block: image x (b, s, D) and text c (b, t, D) in `ad`, `st` (b, D) in
+/// `cd`, the RoPE table over the t + s tokens → (x, c) in `ad`. Every intermediate is a local
+/// until the block returns (the budget's twin binds the same tensors).
+pub fn double_forward(
+    x: &Tensor,
+    c: &Tensor,
+    st: &Tensor,
+    table: &Arc<RopeTable>,
+    w: &DoubleWeights,
+    cfg: &BlockConfig,
+) -> Result<(Tensor, Tensor)> {
+    let (b, s, h) = x.dims3()?;
+    let t = c.dim(1)?;
+    let n = s + t;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let l = &w.lin;
+    let m = modulation(&l[0], st, 6, h, ad)?;
+    let mc = modulation(&l[1], st, 6, h, ad)?;
+    let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
+    let hc = ln_modulate(c, &mc[0], &mc[1], LN_EPS, cd)?;
+    let q = l[2].forward(&hx)?;
+    let k = l[3].forward(&hx)?;
+    let v = l[4].forward(&hx)?;
+    let eq = l[5].forward(&hc)?;
+    let ek = l[6].forward(&hc)?;
+    let ev = l[7].forward(&hc)?;
+    let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
+    let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
+    let eq = rms_norm(&eq, &w.norms[2], RMS_EPS)?;
+    let ek = rms_norm(&ek, &w.norms[3], RMS_EPS)?;
+    // One joint sequence [text; image] per sample.
+    let qc = concat(&eq, &q, b, (b * n, h))?;
+    let kc = concat(&ek, &k, b, (b * n, h))?;
+    let vc = concat(&ev, &v, b, (b * n, h))?;
+    let qr = rope(&qc, table)?;
+    let kr = rope(&kc, table)?;
+    let o = attention(&qr, &kr, &vc, b, cfg.heads, attn_keep(cfg.attn))?;
+    let oc = slice(&o, b, (0, t * h), (b * t, h))?;
+    let oi = slice(&o, b, (t * h, n * h), (b * s, h))?;
+    let ao = l[8].forward(&oi)?;
+    let co = l[9].forward(&oc)?;
+    // Image stream.
+    let x1 = gated_residual(x, &ao, &m[2])?;
+    let h2 = ln_modulate(&x1, &m[3], &m[4], LN_EPS, cd)?;
+    let f = feed_forward(&h2, &l[10], &l[11])?;
+    let x2 = gated_residual(&x1, &f, &m[5])?;
+    // Text stream.
+    let c1 = gated_residual(c, &co, &mc[2])?;
+    let h2c = ln_modulate(&c1, &mc[3], &mc[4], LN_EPS, cd)?;
+    let fc = feed_forward(&h2c, &l[12], &l[13])?;
+    let c2 = gated_residual(&c1, &fc, &mc[5])?;
+    Ok((x2, c2))
+}
+
+/// The [text; image] stream (b, t + s, D) in `ad` the first single-stream block starts from.
+pub fn join_streams(x: &Tensor, c: &Tensor) -> Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let t = c.dim(1)?;
+    Ok(concat(c, x, b, (b, t + s, h))?)
+}
+
+/// One single-stream block: the joint stream (b, n, D) in `ad` → (b, n, D) in `ad`.
+pub fn single_forward(
+    x: &Tensor,
+    st: &Tensor,
+    table: &Arc<RopeTable>,
+    w: &SingleWeights,
+    cfg: &BlockConfig,
+) -> Result<Tensor> {
+    let (b, n, h) = x.dims3()?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let l = &w.lin;
+    let m = modulation(&l[0], st, 3, h, ad)?;
+    let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
+    let pm = l[1].forward(&hx)?;
+    let am = gelu_tanh(&pm)?;
+    let q = l[2].forward(&hx)?;
+    let k = l[3].forward(&hx)?;
+    let v = l[4].forward(&hx)?;
+    let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
+    let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
+    let qr = rope(&q, table)?;
+    let kr = rope(&k, table)?;
+    let o = attention(&qr, &kr, &v, b, cfg.heads, attn_keep(cfg.attn))?;
+    // proj_out reads [attention; MLP] per row.
+    let rows = b * n;
+    let cat = concat(&o, &am, rows, (rows, 5 * h))?;
+    let p = l[5].forward(&cat)?;
+    Ok(gated_residual(x, &p, &m[2])?)
+}
+
+/// The output side's weights: `norm_out.linear` and `proj_out`.
+#[derive(Debug, Clone)]
+pub struct FinalWeights {
+    pub norm_out: LinearW,
+    pub proj_out: LinearW,
+}
+
+/// The image tokens (b, s, D) of the last stream: the image stream itself after double blocks
+/// only, else a copy of the joint stream's last s tokens.
+pub fn image_tokens(x: &Tensor, s: usize) -> Result<Tensor> {
+    let (b, n, h) = x.dims3()?;
+    if n == s {
+        return Ok(x.clone());
+    }
+    Ok(slice(x, b, ((n - s) * h, n * h), (b, s, h))?)
+}
+
+/// `norm_out` (AdaLayerNormContinuous: scale, shift = linear(st).chunk(2)) + `proj_out`: image
+/// tokens (b, s, D) in `ad` → (b·s, features) in `ad`.
+pub fn final_forward(
+    x: &Tensor,
+    st: &Tensor,
+    w: &FinalWeights,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
+    let h = x.dim(2)?;
+    let m = modulation(&w.norm_out, st, 2, h, ad)?;
+    let hx = ln_modulate(x, &m[1], &m[0], LN_EPS, cd)?;
+    cast(w.proj_out.forward(&hx)?, ad)
+}
+
+/// A two-layer MLP with SiLU between (`TimestepEmbedding`, `PixArtAlphaTextProjection` with
+/// `act_fn="silu"`): (b, in) cd → (b, D) cd.
+pub fn mlp_silu(x: &Tensor, l1: &LinearW, l2: &LinearW) -> Result<Tensor> {
+    let a = l1.forward(x)?.silu()?;
+    l2.forward(&a)
+}

@@ -1,0 +1,319 @@
+//! Flux's segments for the family schedule ([`super::family`]).
+//!
+//! Embed: `x_embedder` on the 2×2-packed latent tokens (the image stream (b, s, D)),
+//! `context_embedder` on the cached T5 embeddings (the text stream (b, T, D)), `time_text_embed`
+//! (the timestep MLP, the guidance MLP when the config has one, the pooled-text MLP; their sum
+//! is temb), and the RoPE tables over [text; image]. The conditioning is `[silu(temb), cos,
+//! sin]`: every AdaLayerNorm's linear reads silu(temb) (b, D) in the compute dtype (its leaf
+//! gathers their gradients); cos and sin are fixed tables (no leaf, no gradient).
+//!
+//! Blocks: the double-stream blocks on [image, text], then the single-stream blocks on the
+//! joint stream; the first single-stream block joins the two streams itself (it reads two and
+//! returns one). The final layer reads the image tokens of the joint stream.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use super::family::{Embedded, FamilyStep};
+use super::LinearIdx;
+use super::{cast, Trainer};
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::families::flux::block::{
+    double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward,
+    DoubleWeights, FinalWeights, SingleWeights,
+};
+use crate::families::flux::params::{
+    FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, FLUX_FREQ, GUIDANCE, ROPE_THETA, SINGLE_LINEARS,
+    SINGLE_NORMS,
+};
+use crate::model::{patchify, timestep_features, Dims};
+use crate::ops::RopeTable;
+
+/// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
+/// [`DOUBLE_LINEARS`] / [`SINGLE_LINEARS`] and their norms.
+#[derive(Debug, Clone)]
+pub(super) struct FluxBlockIdx {
+    lin: Vec<LinearIdx>,
+    norms: Vec<usize>,
+}
+
+/// Where Flux's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+pub(super) struct FluxLayout {
+    x_embedder: LinearIdx,
+    context_embedder: LinearIdx,
+    /// timestep_embedder, guidance_embedder (if any), text_embedder: (linear_1, linear_2).
+    embedders: Vec<[LinearIdx; 2]>,
+    double: Vec<FluxBlockIdx>,
+    single: Vec<FluxBlockIdx>,
+    norm_out: LinearIdx,
+    proj_out: LinearIdx,
+    geom: FluxGeom,
+}
+
+impl FluxLayout {
+    pub(super) fn new(
+        lin: &dyn Fn(&str) -> Result<LinearIdx>,
+        idx: &dyn Fn(&str) -> Result<usize>,
+        geom: FluxGeom,
+    ) -> Result<FluxLayout> {
+        let block = |prefix: String, lins: &[&str], norms: &[&str]| -> Result<FluxBlockIdx> {
+            Ok(FluxBlockIdx {
+                lin: lins
+                    .iter()
+                    .map(|n| lin(&format!("{prefix}.{n}")))
+                    .collect::<Result<_>>()?,
+                norms: norms
+                    .iter()
+                    .map(|n| idx(&format!("{prefix}.{n}.weight")))
+                    .collect::<Result<_>>()?,
+            })
+        };
+        let double = (0..geom.double)
+            .map(|i| {
+                block(
+                    format!("transformer_blocks.{i}"),
+                    &DOUBLE_LINEARS,
+                    &DOUBLE_NORMS,
+                )
+            })
+            .collect::<Result<_>>()?;
+        let single = (0..geom.single)
+            .map(|i| {
+                block(
+                    format!("single_transformer_blocks.{i}"),
+                    &SINGLE_LINEARS,
+                    &SINGLE_NORMS,
+                )
+            })
+            .collect::<Result<_>>()?;
+        let tte = "time_text_embed";
+        let mut names = vec!["timestep_embedder"];
+        if geom.guidance {
+            names.push("guidance_embedder");
+        }
+        names.push("text_embedder");
+        let embedders = names
+            .iter()
+            .map(|n| {
+                Ok([
+                    lin(&format!("{tte}.{n}.linear_1"))?,
+                    lin(&format!("{tte}.{n}.linear_2"))?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        Ok(FluxLayout {
+            x_embedder: lin("x_embedder")?,
+            context_embedder: lin("context_embedder")?,
+            embedders,
+            double,
+            single,
+            norm_out: lin("norm_out.linear")?,
+            proj_out: lin("proj_out")?,
+            geom,
+        })
+    }
+
+    /// Every linear of the model.
+    pub(super) fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.x_embedder, self.context_embedder];
+        v.extend(self.embedders.iter().flatten().copied());
+        for b in self.double.iter().chain(&self.single) {
+            v.extend(b.lin.iter().copied());
+        }
+        v.extend([self.norm_out, self.proj_out]);
+        v
+    }
+
+    fn block_idx(&self, i: usize) -> &FluxBlockIdx {
+        if i < self.double.len() {
+            &self.double[i]
+        } else {
+            &self.single[i - self.double.len()]
+        }
+    }
+
+    /// `FluxPosEmbed`'s ids: (0, 0, 0) for each text token, then (0, row, column) for each image
+    /// token.
+    fn rope_ids(&self, d: &Dims) -> Vec<f64> {
+        let n = self.geom.text_tokens + d.rows * d.cols;
+        let mut ids = Vec::with_capacity(3 * n);
+        ids.resize(3 * self.geom.text_tokens, 0.0);
+        for k in 0..d.rows * d.cols {
+            ids.extend([0.0, (k / d.cols) as f64, (k % d.cols) as f64]);
+        }
+        ids
+    }
+}
+
+fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+/// diffusers' `_unpack_latents`: (b·s, C·2·2) with features ordered (c, py, px) → (b, C, H, W);
+/// one contiguous copy.
+fn unpack(x: &Tensor, b: usize, d: &Dims) -> Result<Tensor> {
+    let p = d.patch;
+    let x = x.reshape(vec![b, d.rows, d.cols, d.out_channels, p, p])?;
+    let x = x.permute(vec![0, 3, 1, 4, 2, 5])?.contiguous()?;
+    Ok(x.reshape((b, d.out_channels, d.latent_h, d.latent_w))?)
+}
+
+impl FamilyStep for FluxLayout {
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let b = mb.n;
+        let g = &self.geom;
+        if mb.text_tokens != g.text_tokens
+            || mb.text_width != g.text_width
+            || mb.pooled_width != g.pooled_width
+        {
+            return Err(EngineError::bad_input(
+                "batch text",
+                format!(
+                    "{} tokens of width {} and a pooled width {}; this model reads {} of width {} \
+                     and a pooled width {}",
+                    mb.text_tokens,
+                    mb.text_width,
+                    mb.pooled_width,
+                    g.text_tokens,
+                    g.text_width,
+                    g.pooled_width
+                ),
+            ));
+        }
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
+        let xp = cast(patchify(&xt, &d)?, cd)?;
+        drop(xt);
+        let xe = tr.linear(self.x_embedder, true)?.forward(&xp)?;
+        let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let ce = tr.linear(self.context_embedder, true)?.forward(&cap)?;
+        let c0 = cast(ce, ad)?.reshape((b, g.text_tokens, d.hidden))?;
+        // time_text_embed: Σ of the timestep, guidance and pooled-text MLPs (compute dtype).
+        let mut hold = vec![xp, cap];
+        let mut temb: Option<Tensor> = None;
+        for (k, [l1, l2]) in self.embedders.iter().enumerate() {
+            // The sinusoids are made in the accumulation dtype and cast, as PixArt's.
+            let input = if k + 1 == self.embedders.len() {
+                mb.pooled_tensor(cd, &tr.dev)?
+            } else if k == 0 {
+                cast(
+                    timestep_features(&mb.timesteps, FLUX_FREQ, ad, &tr.dev)?,
+                    cd,
+                )?
+            } else {
+                let gs = vec![GUIDANCE as u32; b];
+                cast(timestep_features(&gs, FLUX_FREQ, ad, &tr.dev)?, cd)?
+            };
+            let e = mlp_silu(&input, &tr.linear(*l1, true)?, &tr.linear(*l2, true)?)?;
+            hold.push(input);
+            temb = Some(match temb {
+                None => e,
+                Some(t) => (t + e)?,
+            });
+        }
+        let temb = temb.ok_or_else(|| EngineError::bad_input("embed", "no timestep embedder"))?;
+        let st = temb.silu()?;
+        // RoPE tables in the attention's accumulation type.
+        let td = if cd == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let table = RopeTable::new(&self.rope_ids(&d), &g.axes, ROPE_THETA, td)?;
+        Ok(Embedded {
+            streams: vec![x0, c0],
+            conds: vec![st, table.cos, table.sin],
+            hold,
+        })
+    }
+
+    fn depth(&self) -> usize {
+        self.double.len() + self.single.len()
+    }
+
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let bi = self.block_idx(i);
+        let lin = bi
+            .lin
+            .iter()
+            .map(|l| tr.linear(*l, track))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = |k: usize| tr.raw_weight(bi.norms[k], track);
+        let table = Arc::new(RopeTable {
+            cos: c[1].clone(),
+            sin: c[2].clone(),
+        });
+        if i < self.double.len() {
+            let w = DoubleWeights {
+                lin,
+                norms: [norm(0), norm(1), norm(2), norm(3)],
+            };
+            let (xo, co) = double_forward(&x[0], &x[1], &c[0], &table, &w, &tr.cfg)?;
+            return Ok(vec![xo, co]);
+        }
+        let w = SingleWeights {
+            lin,
+            norms: [norm(0), norm(1)],
+        };
+        let out = match x {
+            [joint] => single_forward(joint, &c[0], &table, &w, &tr.cfg)?,
+            [img, txt] => {
+                let joint = join_streams(img, txt)?;
+                single_forward(&joint, &c[0], &table, &w, &tr.cfg)?
+            }
+            _ => {
+                return Err(EngineError::bad_input(
+                    "flux block",
+                    "expects one or two streams",
+                ))
+            }
+        };
+        Ok(vec![out])
+    }
+
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let d = tr.dims;
+        let fw = FinalWeights {
+            norm_out: tr.linear(self.norm_out, true)?,
+            proj_out: tr.linear(self.proj_out, true)?,
+        };
+        let img = image_tokens(&x[0], d.tokens)?;
+        let out = final_forward(&img, &c[0], &fw, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpack(&out, mb.n, &d)?;
+        drop(fw);
+        Ok(pred)
+    }
+
+    fn embed_params(&self) -> Vec<usize> {
+        let mut embed = vec![self.x_embedder, self.context_embedder];
+        embed.extend(self.embedders.iter().flatten().copied());
+        params_of(&embed)
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let bi = self.block_idx(i);
+        let mut idx = params_of(&bi.lin);
+        idx.extend(bi.norms.iter().copied());
+        idx
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        params_of(&[self.norm_out, self.proj_out])
+    }
+
+    fn fixed_conds(&self) -> usize {
+        2
+    }
+}

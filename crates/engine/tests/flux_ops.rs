@@ -1,0 +1,213 @@
+//! Flux's fused ops against composed candle references in f64: the per-head RMSNorm (values
+//! and gradients of x and w), RoPE (values against the rotation written out, gradients by the
+//! adjoint identity), the per-sample concatenation and slice (against `cat` / `narrow`), and
+//! their low-precision paths against f64.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use ditmem_engine::ops::tokens::{concat, slice};
+use ditmem_engine::ops::{rms_norm, rope, RopeTable, RMS_EPS};
+use ditmem_engine::rng::SplitMix64;
+
+fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
+    let mut r = SplitMix64::new(seed);
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
+    y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+fn dot(a: &Tensor, b: &Tensor) -> f64 {
+    a.to_dtype(DType::F64)
+        .unwrap()
+        .mul(&b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// torch.nn.RMSNorm per head, composed.
+fn rms_reference(x: &Tensor, w: &Tensor, heads: usize) -> Tensor {
+    let (rows, d) = x.dims2().unwrap();
+    let xh = x.reshape((rows, heads, d / heads)).unwrap();
+    let ms = xh.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let r = ms.affine(1.0, RMS_EPS).unwrap().powf(-0.5).unwrap();
+    xh.broadcast_mul(&r)
+        .unwrap()
+        .broadcast_mul(w)
+        .unwrap()
+        .reshape((rows, d))
+        .unwrap()
+}
+
+#[test]
+fn rms_norm_matches_composed_f64() {
+    let (rows, heads, dh) = (13, 3, 8);
+    let x = Var::from_tensor(&rand(&[rows, heads * dh], 1, 1.5)).unwrap();
+    let w = Var::from_tensor(&rand(&[dh], 2, 0.3).affine(1.0, 1.0).unwrap()).unwrap();
+    let go = rand(&[rows, heads * dh], 3, 1.0);
+    let y = rms_norm(x.as_tensor(), w.as_tensor(), RMS_EPS).unwrap();
+    let yr = rms_reference(x.as_tensor(), w.as_tensor(), heads);
+    assert!(max_abs(&y, &yr) < 1e-12);
+    let g = grads_through(&y, &go);
+    let gr = grads_through(&yr, &go);
+    for v in [&x, &w] {
+        let (a, b) = (
+            g.get(v.as_tensor()).unwrap(),
+            gr.get(v.as_tensor()).unwrap(),
+        );
+        assert!(max_abs(a, b) < 1e-10, "{}", max_abs(a, b));
+    }
+    // Untracked weight: no gradient for it, dx unchanged.
+    let y2 = rms_norm(x.as_tensor(), &w.as_tensor().detach(), RMS_EPS).unwrap();
+    let g2 = grads_through(&y2, &go);
+    assert!(
+        max_abs(
+            g2.get(x.as_tensor()).unwrap(),
+            gr.get(x.as_tensor()).unwrap()
+        ) < 1e-10
+    );
+}
+
+#[test]
+fn rms_norm_low_precision_reads_master_weights() {
+    let (rows, heads, dh) = (9, 2, 16);
+    let x = rand(&[rows, heads * dh], 4, 1.0);
+    let w = rand(&[dh], 5, 0.2).affine(1.0, 1.0).unwrap();
+    let exact = rms_norm(&x, &w, RMS_EPS).unwrap();
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        let y = rms_norm(
+            &x.to_dtype(dt).unwrap(),
+            &w.to_dtype(DType::F32).unwrap(),
+            RMS_EPS,
+        )
+        .unwrap();
+        assert_eq!(y.dtype(), dt);
+        let tol = if dt == DType::F32 { 1e-5 } else { 3e-2 };
+        assert!(max_abs(&y, &exact) < tol, "{dt:?}: {}", max_abs(&y, &exact));
+    }
+    assert!(rms_norm(&x, &rand(&[5], 1, 1.0), RMS_EPS).is_err());
+}
+
+fn table(n: usize, axes: &[usize], dt: DType) -> Arc<RopeTable> {
+    let ids: Vec<f64> = (0..n)
+        .flat_map(|i| [0.0, (i / 3) as f64, (i % 3) as f64])
+        .collect();
+    Arc::new(RopeTable::new(&ids, axes, 10000.0, dt).unwrap())
+}
+
+#[test]
+fn rope_rotates_pairs_and_its_backward_is_the_adjoint() {
+    let (b, n, heads, axes) = (2, 7, 2, [4, 6, 6]);
+    let dh: usize = axes.iter().sum();
+    let tb = table(n, &axes, DType::F64);
+    let x = Var::from_tensor(&rand(&[b * n, heads * dh], 6, 1.0)).unwrap();
+    let y = rope(x.as_tensor(), &tb).unwrap();
+    // Written out: out[2i] = x[2i]cos − x[2i+1]sin, out[2i+1] = x[2i+1]cos + x[2i]sin.
+    let xv: Vec<Vec<f64>> = x.as_tensor().to_vec2().unwrap();
+    let yv: Vec<Vec<f64>> = y.to_vec2().unwrap();
+    let cos: Vec<Vec<f64>> = tb.cos.to_vec2().unwrap();
+    let sin: Vec<Vec<f64>> = tb.sin.to_vec2().unwrap();
+    let mut worst = 0f64;
+    for r in 0..b * n {
+        let tok = r % n;
+        for hd in 0..heads {
+            for i in (0..dh).step_by(2) {
+                let (x0, x1) = (xv[r][hd * dh + i], xv[r][hd * dh + i + 1]);
+                let (c, s) = (cos[tok][i], sin[tok][i]);
+                worst = worst.max((yv[r][hd * dh + i] - (x0 * c - x1 * s)).abs());
+                worst = worst.max((yv[r][hd * dh + i + 1] - (x1 * c + x0 * s)).abs());
+            }
+        }
+    }
+    assert!(worst < 1e-14, "{worst}");
+    // Token 0 sits at the origin of every axis: no rotation.
+    assert!(
+        max_abs(
+            &y.narrow(0, 0, 1).unwrap(),
+            &x.as_tensor().narrow(0, 0, 1).unwrap()
+        ) < 1e-15
+    );
+    // ⟨rope(x), g⟩ = ⟨x, rope_bwd(g)⟩, and a rotation keeps norms.
+    let go = rand(&[b * n, heads * dh], 7, 1.0);
+    let g = grads_through(&y, &go);
+    let dx = g.get(x.as_tensor()).unwrap();
+    assert!((dot(&y, &go) - dot(x.as_tensor(), dx)).abs() < 1e-10);
+    assert!((dot(dx, dx) - dot(&go, &go)).abs() < 1e-9);
+    // Low precision against f64.
+    let t32 = table(n, &axes, DType::F32);
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        let yl = rope(&x.as_tensor().to_dtype(dt).unwrap(), &t32).unwrap();
+        assert_eq!(yl.dtype(), dt);
+        assert!(max_abs(&yl, &y) < 3e-2);
+    }
+    assert!(rope(&rand(&[5, heads * dh], 1, 1.0), &tb).is_err());
+}
+
+#[test]
+fn concat_and_slice_match_cat_and_narrow() {
+    let (b, ta, tb, d) = (3, 2, 5, 4);
+    let a = Var::from_tensor(&rand(&[b, ta, d], 8, 1.0)).unwrap();
+    let c = Var::from_tensor(&rand(&[b, tb, d], 9, 1.0)).unwrap();
+    let y = concat(a.as_tensor(), c.as_tensor(), b, (b, ta + tb, d)).unwrap();
+    let yr = Tensor::cat(&[a.as_tensor(), c.as_tensor()], 1).unwrap();
+    assert_eq!(max_abs(&y, &yr), 0.0);
+    let go = rand(&[b, ta + tb, d], 10, 1.0);
+    let (g, gr) = (grads_through(&y, &go), grads_through(&yr, &go));
+    for v in [&a, &c] {
+        assert_eq!(
+            max_abs(
+                g.get(v.as_tensor()).unwrap(),
+                gr.get(v.as_tensor()).unwrap()
+            ),
+            0.0
+        );
+    }
+    let x = Var::from_tensor(&rand(&[b, ta + tb, d], 11, 1.0)).unwrap();
+    let s = slice(x.as_tensor(), b, (ta * d, (ta + tb) * d), (b * tb, d)).unwrap();
+    let sr = x
+        .as_tensor()
+        .narrow(1, ta, tb)
+        .unwrap()
+        .reshape((b * tb, d))
+        .unwrap();
+    assert_eq!(max_abs(&s, &sr), 0.0);
+    let go = rand(&[b * tb, d], 12, 1.0);
+    let (g, gr) = (grads_through(&s, &go), grads_through(&sr, &go));
+    assert_eq!(
+        max_abs(
+            g.get(x.as_tensor()).unwrap(),
+            gr.get(x.as_tensor()).unwrap()
+        ),
+        0.0
+    );
+    assert!(concat(a.as_tensor(), c.as_tensor(), b, (b, ta + tb + 1, d)).is_err());
+    assert!(slice(
+        x.as_tensor(),
+        b,
+        (0, (ta + tb + 1) * d),
+        (b * (ta + tb + 1), d)
+    )
+    .is_err());
+}
