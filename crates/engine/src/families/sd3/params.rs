@@ -57,6 +57,15 @@ impl Sd3Geom {
                 "SD3 trains without dropout in the engine; set both to 0",
             ));
         }
+        if d.out_channels < d.in_channels {
+            return Err(EngineError::bad_input(
+                "model.diffusers.out_channels",
+                format!(
+                    "{} is below in_channels {}; allowed: at least {}",
+                    d.out_channels, d.in_channels, d.in_channels
+                ),
+            ));
+        }
         let fm = ditmem_budget::denoiser::family(spec)?
             .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
         let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
