@@ -267,6 +267,45 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
             format!("dropout in SD3 is not in the ditmem-cpu engine; allowed: 0{other}"),
         ));
     }
+    if d.out_channels < d.in_channels {
+        return Err(SpecError::invalid(
+            "model.diffusers.out_channels",
+            format!(
+                "{} is below in_channels {}: the engine's loss reads the first in_channels of the \
+                 prediction; allowed: at least {}{other}",
+                d.out_channels, d.in_channels, d.in_channels
+            ),
+        ));
+    }
+    let grid = spec.token_grid()?;
+    let side = u64::from(grid.rows.max(grid.cols));
+    match d.pos_embed_max_size {
+        Some(m) if m < side => {
+            return Err(SpecError::invalid(
+                "model.diffusers.pos_embed_max_size",
+                format!(
+                    "{m} is smaller than the token grid's side {side}; allowed: at least {side}"
+                ),
+            ))
+        }
+        None if grid.rows != grid.cols => {
+            return Err(SpecError::invalid(
+                "workload.image_size",
+                format!(
+                    "a {}×{} token grid without pos_embed_max_size; allowed: a square grid{other}",
+                    grid.rows, grid.cols
+                ),
+            ))
+        }
+        _ => {}
+    }
+    let tokens = text_tokens(spec, &fm.geometry());
+    if tokens.contains(&0) {
+        return Err(SpecError::invalid(
+            "workload.text_tokens",
+            format!("{tokens:?}: the engine's SD3 reads every encoder's tokens; allowed: counts of 1 or more{other}"),
+        ));
+    }
     Ok(())
 }
 

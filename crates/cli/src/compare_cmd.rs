@@ -55,7 +55,7 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, PixArt's, or both (each summarised on its own).
+    /// Which grid: the original DiT's, PixArt's, SD3's, or all (each summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
     #[arg(long)]
@@ -67,6 +67,7 @@ pub struct AgreeArgs {
 pub enum AgreeFamily {
     Dit,
     Pixart,
+    Sd3,
     All,
 }
 
@@ -379,13 +380,25 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         )));
     }
     let mut grid: Vec<(String, ditmem_budget::Spec)> = Vec::new();
-    if args.family != AgreeFamily::Pixart {
+    // (json key, label, specs) of each family's part of the grid, in order.
+    let mut parts: Vec<(&str, &str, usize)> = Vec::new();
+    let wants = |f: AgreeFamily| args.family == f || args.family == AgreeFamily::All;
+    if wants(AgreeFamily::Dit) {
+        let n = grid.len();
         grid.extend(agree::grid().into_iter().step_by(args.every));
+        parts.push(("dit", "DiT", grid.len() - n));
     }
-    let dit_specs = grid.len();
-    if args.family != AgreeFamily::Dit {
+    if wants(AgreeFamily::Pixart) {
         let pixart = agree::pixart_grid().map_err(crate::run_cmd::engine_err)?;
+        let n = grid.len();
         grid.extend(pixart.into_iter().step_by(args.every));
+        parts.push(("pixart", "PixArt", grid.len() - n));
+    }
+    if wants(AgreeFamily::Sd3) {
+        let sd3 = agree::sd3_grid().map_err(crate::run_cmd::engine_err)?;
+        let n = grid.len();
+        grid.extend(sd3.into_iter().step_by(args.every));
+        parts.push(("sd3", "SD3", grid.len() - n));
     }
     let mut largest = 0;
     for (_, spec) in &grid {
@@ -407,9 +420,15 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
     }
     bar.finish_and_clear();
     let summary: GridSummary = agree::summarize(&results);
-    let (dit, pixart) = results.split_at(dit_specs.min(results.len()));
+    let mut split: Vec<(&str, &str, &[Agreement])> = Vec::new();
+    let mut rest = results.as_slice();
+    for (key, label, n) in &parts {
+        let (part, r) = rest.split_at((*n).min(rest.len()));
+        split.push((key, label, part));
+        rest = r;
+    }
     let mut families = serde_json::Map::new();
-    for (name, part) in [("dit", dit), ("pixart", pixart)] {
+    for &(name, _, part) in &split {
         if !part.is_empty() {
             let s = serde_json::to_value(agree::summarize(part)).map_err(anyhow::Error::from)?;
             families.insert(name.into(), s);
@@ -432,7 +451,7 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
             ]);
         }
         print!("{}", t.render());
-        for (name, part) in [("DiT", dit), ("PixArt", pixart)] {
+        for &(_, name, part) in &split {
             if !part.is_empty() && part.len() < results.len() {
                 let s = agree::summarize(part);
                 println!(

@@ -51,8 +51,10 @@ pub(super) fn score_bound(
     seed: u64,
     batch: &Batch,
 ) -> Result<(f64, f64)> {
-    if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
-        return pixart_score_bound(spec, t, &g, batch);
+    match crate::families::Arch::of(spec)? {
+        crate::families::Arch::Pixart(g) => return pixart_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Sd3(g) => return sd3_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Dit => {}
     }
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
@@ -319,6 +321,156 @@ fn pixart_score_bound(
         }
         loss_sum += on_pool(|| -> Result<f64> {
             let out = pixart_final(&x, &emb, &fw, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// [`score_bound`] for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
+/// over each block's joint attention (queries and keys of both streams).
+fn sd3_score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    g: &crate::families::sd3::Sd3Geom,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    use crate::families::sd3::{
+        block_linears, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
+        ContextOut, Sd3BlockWeights, QK_NORMS, SD3_FREQ,
+    };
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: 0.0,
+        mlp_dropout: 0.0,
+    };
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let conv = t
+        .parameter("pos_embed.proj.weight")?
+        .flatten_from(1)
+        .map_err(e)?;
+    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
+    let te = "time_text_embed.timestep_embedder";
+    let pe = "time_text_embed.text_embedder";
+    let (t1, t2) = (
+        linear(t, &format!("{te}.linear_1"))?,
+        linear(t, &format!("{te}.linear_2"))?,
+    );
+    let (p1, p2) = (
+        linear(t, &format!("{pe}.linear_1"))?,
+        linear(t, &format!("{pe}.linear_2"))?,
+    );
+    let context = linear(t, "context_embedder")?;
+    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
+    let side = g.pos_side;
+    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
+    let pos = t
+        .parameter("pos_embed.pos_embed")?
+        .reshape((side, side, d.hidden))
+        .and_then(|p| p.narrow(0, top, d.rows))
+        .and_then(|p| p.narrow(1, left, d.cols))
+        .map_err(e)?;
+    let mut blocks = Vec::with_capacity(d.depth);
+    for i in 0..d.depth {
+        let last = i + 1 == d.depth;
+        let l = block_linears(last)
+            .into_iter()
+            .map(|n| linear(t, &format!("transformer_blocks.{i}.{n}")))
+            .collect::<Result<Vec<_>>>()?;
+        let qk = if g.qk_norm {
+            let n =
+                |k: usize| t.parameter(&format!("transformer_blocks.{i}.{}.weight", QK_NORMS[k]));
+            Some([n(0)?, n(1)?, n(2)?, n(3)?])
+        } else {
+            None
+        };
+        let (ff, ctx) = if last {
+            (9, None)
+        } else {
+            (
+                10,
+                Some(ContextOut {
+                    to_add_out: l[9].clone(),
+                    ff1: l[12].clone(),
+                    ff2: l[13].clone(),
+                }),
+            )
+        };
+        blocks.push(Sd3BlockWeights {
+            norm1: l[0].clone(),
+            norm1_context: l[1].clone(),
+            to_q: l[2].clone(),
+            to_k: l[3].clone(),
+            to_v: l[4].clone(),
+            add_k: l[5].clone(),
+            add_v: l[6].clone(),
+            add_q: l[7].clone(),
+            to_out: l[8].clone(),
+            ff1: l[ff].clone(),
+            ff2: l[ff + 1].clone(),
+            ctx,
+            qk,
+        });
+    }
+    let mut bound = 0.0f64;
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut streams, se) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe
+                .reshape((b, d.rows, d.cols, d.hidden))
+                .and_then(|x| x.broadcast_add(&pos))
+                .and_then(|x| x.reshape((b, d.tokens, d.hidden)))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, SD3_FREQ, f, &dev)?;
+            let tt = silu_mlp(&tf, &t1, &t2)?;
+            let tp = silu_mlp(&mb.pooled_tensor(f, &dev)?, &p1, &p2)?;
+            let se = (tt + tp).and_then(|v| v.silu()).map_err(e)?;
+            let c = context
+                .forward(&mb.text_tensor(f, &dev)?)?
+                .reshape((b, g.text_tokens, d.hidden))
+                .map_err(e)?;
+            Ok((vec![c, x], se))
+        })?;
+        for bw in &blocks {
+            let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
+                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
+                let sb = pair_bound(&q, &k, b, d.heads, scale)?;
+                Ok((
+                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
+                    sb,
+                ))
+            })?;
+            bound = bound.max(sb);
+            streams = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let x = streams
+                .last()
+                .ok_or_else(|| bad("attention-score probe", "no image stream"))?;
+            let out = sd3_final(x, &se, &norm_out, &proj_out, f, f)?;
             let pred = unpatchify(&out, b, &d)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;

@@ -116,6 +116,39 @@ pub fn sd3_block_forward(
     Ok(vec![c2, x2])
 }
 
+/// The joint attention's concatenated queries and keys of a block, [image, context] per sample
+/// after the q/k norms, as [`sd3_block_forward`] computes them: (b·(s+T), D) each. The score
+/// probe of `verify` reads them; the block itself does not call this.
+pub fn joint_qk(
+    c: &Tensor,
+    x: &Tensor,
+    se: &Tensor,
+    w: &Sd3BlockWeights,
+    cfg: &BlockConfig,
+) -> Result<(Tensor, Tensor)> {
+    let b = x.dim(0)?;
+    let h = x.dim(2)?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let m = cast(w.norm1.forward(se)?, ad)?;
+    let mc = cast(w.norm1_context.forward(se)?, ad)?;
+    let chunk = |t: &Tensor, i: usize| t.narrow(1, i * h, h);
+    let hx = ln_modulate(x, &chunk(&m, 0)?, &chunk(&m, 1)?, LN_EPS, cd)?;
+    let hc = match &w.ctx {
+        Some(_) => ln_modulate(c, &chunk(&mc, 0)?, &chunk(&mc, 1)?, LN_EPS, cd)?,
+        None => ln_modulate(c, &chunk(&mc, 1)?, &chunk(&mc, 0)?, LN_EPS, cd)?,
+    };
+    let (mut q, mut k) = (w.to_q.forward(&hx)?, w.to_k.forward(&hx)?);
+    let (mut eq, mut ek) = (w.add_q.forward(&hc)?, w.add_k.forward(&hc)?);
+    if let Some([nq, nk, naq, nak]) = &w.qk {
+        let a = cfg.heads;
+        q = rms_norm_heads(&q, nq, a, RMS_EPS)?;
+        k = rms_norm_heads(&k, nk, a, RMS_EPS)?;
+        eq = rms_norm_heads(&eq, naq, a, RMS_EPS)?;
+        ek = rms_norm_heads(&ek, nak, a, RMS_EPS)?;
+    }
+    Ok((cat_tokens(&q, &eq, b)?, cat_tokens(&k, &ek, b)?))
+}
+
 /// `norm_out` (AdaLayerNormContinuous: scale, shift = linear(SiLU(temb)).chunk(2)) +
 /// `proj_out`: x (b, s, D) in `ad`, `se` (b, D) in `cd` → (b·s, p²·C_out) in `ad`.
 pub fn final_forward(

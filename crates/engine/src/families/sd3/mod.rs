@@ -30,7 +30,9 @@
 pub mod block;
 pub mod params;
 
-pub use block::{final_forward, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights};
+pub use block::{
+    final_forward, joint_qk, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights,
+};
 pub use params::{block_linears, param_shapes, Sd3Geom, QK_NORMS, SD3_FREQ};
 
 use ditmem_budget::Spec;

@@ -1,11 +1,11 @@
 //! SD3's geometry beyond [`Dims`] and its parameter inventory, named and ordered as the budget's
 //! table (`ditmem_budget::denoiser::param_table`, from `ditmem_budget::families::sd3`).
 //!
-//! Initialisation (drawn in f64 from the seed and the name, as for the DiT and PixArt): linears
-//! xavier-uniform with zero biases; the timestep and pooled-text MLPs, the modulation linears
-//! (`norm1`, `norm1_context`, `norm_out`) and `proj_out` normal(0, 0.02), so that the
-//! adaLN-Zero gates start small but not at zero (every tensor gets a gradient in the first
-//! step); the q/k RMSNorm weights ones; the sin-cos table of the `pos_embed_max_size` grid
+//! Initialisation (drawn in f64 from the seed and the name, as for the DiT and PixArt): every
+//! linear xavier-uniform with zero biases (diffusers' SD3 keeps PyTorch's default init, of that
+//! scale, with no adaLN-Zero zeros: gates of order one, so the gradients through two gated
+//! residuals do not underflow fp16 in a first step, as they did with normal(0, 0.02)
+//! modulation), `proj_out` normal(0, 0.02); the q/k RMSNorm weights ones; the sin-cos table of the `pos_embed_max_size` grid
 //! (frozen; diffusers' persistent `pos_embed.pos_embed` buffer, cropped to the token grid at
 //! run time).
 
@@ -55,6 +55,15 @@ impl Sd3Geom {
             return Err(EngineError::unsupported(
                 "model.attn_dropout / model.mlp_dropout with an SD3 model",
                 "SD3 trains without dropout in the engine; set both to 0",
+            ));
+        }
+        if d.out_channels < d.in_channels {
+            return Err(EngineError::bad_input(
+                "model.diffusers.out_channels",
+                format!(
+                    "{} is below in_channels {}; allowed: at least {}",
+                    d.out_channels, d.in_channels, d.in_channels
+                ),
             ));
         }
         let fm = ditmem_budget::denoiser::family(spec)?
@@ -165,17 +174,35 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
     );
     push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
     let te = "time_text_embed.timestep_embedder";
-    linear(&mut push, &format!("{te}.linear_1"), h, SD3_FREQ, small);
-    linear(&mut push, &format!("{te}.linear_2"), h, h, small);
+    linear(
+        &mut push,
+        &format!("{te}.linear_1"),
+        h,
+        SD3_FREQ,
+        Init::XavierUniform,
+    );
+    linear(
+        &mut push,
+        &format!("{te}.linear_2"),
+        h,
+        h,
+        Init::XavierUniform,
+    );
     let pe = "time_text_embed.text_embedder";
     linear(
         &mut push,
         &format!("{pe}.linear_1"),
         h,
         g.pooled_width,
-        small,
+        Init::XavierUniform,
     );
-    linear(&mut push, &format!("{pe}.linear_2"), h, h, small);
+    linear(
+        &mut push,
+        &format!("{pe}.linear_2"),
+        h,
+        h,
+        Init::XavierUniform,
+    );
     linear(
         &mut push,
         "context_embedder",
@@ -189,9 +216,9 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
         let last = i + 1 == d.depth;
         for name in block_linears(last) {
             let (out, inp, init) = match name {
-                "norm1.linear" => (6 * h, h, small),
-                "norm1_context.linear" if last => (2 * h, h, small),
-                "norm1_context.linear" => (6 * h, h, small),
+                "norm1.linear" => (6 * h, h, Init::XavierUniform),
+                "norm1_context.linear" if last => (2 * h, h, Init::XavierUniform),
+                "norm1_context.linear" => (6 * h, h, Init::XavierUniform),
                 "ff.net.0.proj" | "ff_context.net.0.proj" => (d.mlp_hidden, h, Init::XavierUniform),
                 "ff.net.2" | "ff_context.net.2" => (h, d.mlp_hidden, Init::XavierUniform),
                 _ => (h, h, Init::XavierUniform),
@@ -210,7 +237,7 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
             }
         }
     }
-    linear(&mut push, "norm_out.linear", 2 * h, h, small);
+    linear(&mut push, "norm_out.linear", 2 * h, h, Init::XavierUniform);
     let out = d.patch * d.patch * g.out_channels;
     linear(&mut push, "proj_out", out, h, small);
     v.push(ParamShape {
