@@ -67,10 +67,11 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
 
 #[test]
 fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
+    // Flux runs on the engine now; SD3 not yet.
     let (code, _, err) = ditmem(&[
         "estimate",
         "--preset",
-        "flux.1-dev",
+        "sd3-medium",
         "--runtime",
         "ditmem-cpu",
     ]);
@@ -343,7 +344,24 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
     ]);
     assert_eq!(b["runtime"], "ditmem-cpu");
     assert!(b["peak_bytes"].as_u64().unwrap() > 0);
+    // Flux runs on the engine too.
+    let f = json(&[
+        "estimate",
+        "--preset",
+        "flux.1-schnell",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(f["runtime"], "ditmem-cpu");
+    assert!(f["peak_bytes"].as_u64().unwrap() > 0);
     for (args, field) in [
+        (
+            vec!["--preset", "flux.1-dev", "--lora-rank", "4"],
+            "recipe.lora",
+        ),
         (
             vec!["--preset", "pixart-alpha-1024"],
             "model.diffusers.use_additional_conditions",

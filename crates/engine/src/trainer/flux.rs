@@ -21,14 +21,14 @@ use super::{cast, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::flux::block::{
-    double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward,
+    double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward, unpack,
     DoubleWeights, FinalWeights, SingleWeights,
 };
 use crate::families::flux::params::{
-    FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, FLUX_FREQ, GUIDANCE, ROPE_THETA, SINGLE_LINEARS,
-    SINGLE_NORMS,
+    rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, FLUX_FREQ, GUIDANCE, ROPE_THETA,
+    SINGLE_LINEARS, SINGLE_NORMS,
 };
-use crate::model::{patchify, timestep_features, Dims};
+use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
@@ -134,31 +134,10 @@ impl FluxLayout {
             &self.single[i - self.double.len()]
         }
     }
-
-    /// `FluxPosEmbed`'s ids: (0, 0, 0) for each text token, then (0, row, column) for each image
-    /// token.
-    fn rope_ids(&self, d: &Dims) -> Vec<f64> {
-        let n = self.geom.text_tokens + d.rows * d.cols;
-        let mut ids = Vec::with_capacity(3 * n);
-        ids.resize(3 * self.geom.text_tokens, 0.0);
-        for k in 0..d.rows * d.cols {
-            ids.extend([0.0, (k / d.cols) as f64, (k % d.cols) as f64]);
-        }
-        ids
-    }
 }
 
 fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
     lins.iter().flat_map(Trainer::linear_params).collect()
-}
-
-/// diffusers' `_unpack_latents`: (b·s, C·2·2) with features ordered (c, py, px) → (b, C, H, W);
-/// one contiguous copy.
-fn unpack(x: &Tensor, b: usize, d: &Dims) -> Result<Tensor> {
-    let p = d.patch;
-    let x = x.reshape(vec![b, d.rows, d.cols, d.out_channels, p, p])?;
-    let x = x.permute(vec![0, 3, 1, 4, 2, 5])?.contiguous()?;
-    Ok(x.reshape((b, d.out_channels, d.latent_h, d.latent_w))?)
 }
 
 impl FamilyStep for FluxLayout {
@@ -224,7 +203,7 @@ impl FamilyStep for FluxLayout {
         } else {
             DType::F32
         };
-        let table = RopeTable::new(&self.rope_ids(&d), &g.axes, ROPE_THETA, td)?;
+        let table = RopeTable::new(&rope_ids(g.text_tokens, &d), &g.axes, ROPE_THETA, td)?;
         Ok(Embedded {
             streams: vec![x0, c0],
             conds: vec![st, table.cos, table.sin],

@@ -54,6 +54,7 @@ pub(super) fn score_bound(
     match crate::families::Arch::of(spec)? {
         crate::families::Arch::Pixart(g) => return pixart_score_bound(spec, t, &g, batch),
         crate::families::Arch::Sd3(g) => return sd3_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Flux(g) => return flux_score_bound(spec, t, &g, batch),
         crate::families::Arch::Dit => {}
     }
     let d: Dims = *t.dims();
@@ -510,4 +511,176 @@ pub(super) fn check_loss(probe_loss: f64, loss: f64) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// [`score_bound`] for Flux: its forward replayed in f64 (embed, double- and single-stream
+/// blocks, output side) for the loss check. S needs no activations: q and k leave a per-head
+/// RMSNorm (‖x̂‖ = √d_h·(ms/(ms + ε))^½ ≤ √d_h per head) and RoPE (a rotation), so
+/// ‖qᵢ‖ ≤ √d_h·max|w_q| and ‖kⱼ‖ ≤ √d_h·max|w_k|, over both streams' norms in a joint block, and
+/// S = d_h^−½·maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ ≤ √d_h·max|w_q|·max|w_k| (tight up to ms/(ms + ε)).
+fn flux_score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    g: &crate::families::flux::FluxGeom,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    use crate::families::flux::params::{FLUX_FREQ, GUIDANCE, ROPE_THETA};
+    use crate::families::flux::{
+        double_forward, final_forward as flux_final, image_tokens, join_streams, mlp_silu,
+        rope_ids, single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights,
+        DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
+    };
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: 0.0,
+        mlp_dropout: 0.0,
+    };
+    let max_abs = |n: &str| -> Result<f64> {
+        t.parameter(&format!("{n}.weight"))?
+            .abs()
+            .and_then(|a| a.max_all())
+            .and_then(|a| a.to_dtype(f))
+            .and_then(|a| a.to_scalar::<f64>())
+            .map_err(e)
+    };
+    let root_dh = (d.head_dim as f64).sqrt();
+    let mut bound = 0.0f64;
+    let blocks = g.double + g.single;
+    for i in 0..blocks {
+        let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
+            let p = format!("transformer_blocks.{i}.attn");
+            (
+                p,
+                vec!["norm_q", "norm_added_q"],
+                vec!["norm_k", "norm_added_k"],
+            )
+        } else {
+            let p = format!("single_transformer_blocks.{}.attn", i - g.double);
+            (p, vec!["norm_q"], vec!["norm_k"])
+        };
+        let mut mq = 0.0f64;
+        for n in qs {
+            mq = mq.max(max_abs(&format!("{p}.{n}"))?);
+        }
+        let mut mk = 0.0f64;
+        for n in ks {
+            mk = mk.max(max_abs(&format!("{p}.{n}"))?);
+        }
+        bound = bound.max(root_dh * mq * mk);
+    }
+    let x_embedder = linear(t, "x_embedder")?;
+    let context_embedder = linear(t, "context_embedder")?;
+    let tte = "time_text_embed";
+    let mlp = |n: &str| -> Result<[LinearW; 2]> {
+        Ok([
+            linear(t, &format!("{tte}.{n}.linear_1"))?,
+            linear(t, &format!("{tte}.{n}.linear_2"))?,
+        ])
+    };
+    let time = mlp("timestep_embedder")?;
+    let guidance = if g.guidance {
+        Some(mlp("guidance_embedder")?)
+    } else {
+        None
+    };
+    let text = mlp("text_embedder")?;
+    let table = std::sync::Arc::new(
+        crate::ops::RopeTable::new(&rope_ids(g.text_tokens, &d), &g.axes, ROPE_THETA, f)
+            .map_err(e)?,
+    );
+    let weights =
+        |prefix: String, lins: &[&str], norms: &[&str]| -> Result<(Vec<LinearW>, Vec<Tensor>)> {
+            let l = lins
+                .iter()
+                .map(|n| linear(t, &format!("{prefix}.{n}")))
+                .collect::<Result<Vec<_>>>()?;
+            let w = norms
+                .iter()
+                .map(|n| t.parameter(&format!("{prefix}.{n}.weight")))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok((l, w))
+        };
+    let fw = FinalWeights {
+        norm_out: linear(t, "norm_out.linear")?,
+        proj_out: linear(t, "proj_out")?,
+    };
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut xs, st) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let x0 = x_embedder
+                .forward(&patchify(&xt, &d)?)?
+                .reshape((b, d.tokens, d.hidden))
+                .map_err(e)?;
+            let c0 = context_embedder
+                .forward(&mb.text_tensor(f, &dev)?)?
+                .reshape((b, g.text_tokens, d.hidden))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, FLUX_FREQ, f, &dev)?;
+            let mut temb = mlp_silu(&tf, &time[0], &time[1])?;
+            if let Some(gm) = &guidance {
+                let gf = timestep_features(&vec![GUIDANCE as u32; b], FLUX_FREQ, f, &dev)?;
+                temb = (temb + mlp_silu(&gf, &gm[0], &gm[1])?).map_err(e)?;
+            }
+            let pooled = mb.pooled_tensor(f, &dev)?;
+            temb = (temb + mlp_silu(&pooled, &text[0], &text[1])?).map_err(e)?;
+            Ok((vec![x0, c0], temb.silu().map_err(e)?))
+        })?;
+        for i in 0..blocks {
+            xs = if i < g.double {
+                let (lin, n) = weights(
+                    format!("transformer_blocks.{i}"),
+                    &DOUBLE_LINEARS,
+                    &DOUBLE_NORMS,
+                )?;
+                let w = DoubleWeights {
+                    lin,
+                    norms: [n[0].clone(), n[1].clone(), n[2].clone(), n[3].clone()],
+                };
+                on_pool(|| -> Result<Vec<Tensor>> {
+                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
+                    Ok(vec![x, c])
+                })?
+            } else {
+                let p = format!("single_transformer_blocks.{}", i - g.double);
+                let (lin, n) = weights(p, &SINGLE_LINEARS, &SINGLE_NORMS)?;
+                let w = SingleWeights {
+                    lin,
+                    norms: [n[0].clone(), n[1].clone()],
+                };
+                on_pool(|| -> Result<Vec<Tensor>> {
+                    let joint = match xs.as_slice() {
+                        [img, txt] => join_streams(img, txt)?,
+                        _ => xs[0].clone(),
+                    };
+                    Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
+                })?
+            };
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let img = image_tokens(&xs[0], d.tokens)?;
+            let out = flux_final(&img, &st, &fw, f, f)?;
+            let pred = unpack(&out, b, &d)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
 }

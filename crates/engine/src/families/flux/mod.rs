@@ -30,11 +30,11 @@ pub mod block;
 pub mod params;
 
 pub use block::{
-    double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward,
+    double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward, unpack,
     DoubleWeights, FinalWeights, SingleWeights,
 };
 pub use params::{
-    param_shapes, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
+    param_shapes, rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
 };
 
 use ditmem_budget::Spec;

@@ -235,3 +235,15 @@ pub fn param_shapes(d: &Dims, g: &FluxGeom) -> Vec<ParamShape> {
     linear(&mut push, "proj_out", g.out_features, h, small);
     v
 }
+
+/// `FluxPosEmbed`'s ids, three positions per token: (0, 0, 0) for each of the `text_tokens`
+/// text tokens, then (0, row, column) for each image token, row-major.
+pub fn rope_ids(text_tokens: usize, d: &Dims) -> Vec<f64> {
+    let n = text_tokens + d.rows * d.cols;
+    let mut ids = Vec::with_capacity(3 * n);
+    ids.resize(3 * text_tokens, 0.0);
+    for k in 0..d.rows * d.cols {
+        ids.extend([0.0, (k / d.cols) as f64, (k % d.cols) as f64]);
+    }
+    ids
+}
