@@ -32,6 +32,8 @@ pub enum Init {
     /// Uniform(±bound).
     Uniform(f64),
     Zeros,
+    /// All ones (a norm's weight: Sana's `caption_norm`).
+    Ones,
     /// The fixed 2-D sin-cos position table.
     SinCos2d {
         rows: usize,
@@ -297,6 +299,7 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
     let mut rng = SplitMix64::new(seed_from_str(seed, &p.name));
     Ok(match p.init {
         Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
         Init::Normal(std) => (0..n).map(|_| std * rng.normal()).collect(),
         Init::Uniform(b) => (0..n).map(|_| b * (2.0 * rng.uniform() - 1.0)).collect(),
         Init::XavierUniform => {

@@ -14,6 +14,9 @@
 //! - [`attention`]: [`qkv_attention`], attention read in place from the qkv projection, keeping
 //!   P, nothing or the log-sum-exp; with the composed reference [`attention_materialized`].
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
+//! - Sana's ops: [`linear_attention`](mod@linear_attention) (ReLU linear attention over
+//!   separate q, k, v), [`dwconv`] (SiLU + depthwise 3×3 conv on the token grid), [`glu`] (the
+//!   Mix-FFN gate), [`rms_norm`](mod@rms_norm) (RMSNorm with a weight).
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
@@ -31,10 +34,14 @@
 
 pub mod attention;
 pub mod backward_from;
+pub mod dwconv;
 pub mod gated_residual;
 pub mod gelu;
+pub mod glu;
 pub mod linear;
+pub mod linear_attention;
 pub mod ln_modulate;
+pub mod rms_norm;
 pub(crate) mod storage;
 pub mod sum_squares;
 
