@@ -55,7 +55,7 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, PixArt's, or both (each summarised on its own).
+    /// Which grid: the original DiT's, PixArt's, Sana's, or all (each summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
     #[arg(long)]
@@ -67,6 +67,7 @@ pub struct AgreeArgs {
 pub enum AgreeFamily {
     Dit,
     Pixart,
+    Sana,
     All,
 }
 
@@ -379,13 +380,19 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         )));
     }
     let mut grid: Vec<(String, ditmem_budget::Spec)> = Vec::new();
-    if args.family != AgreeFamily::Pixart {
+    let wants = |f: AgreeFamily| args.family == f || args.family == AgreeFamily::All;
+    if wants(AgreeFamily::Dit) {
         grid.extend(agree::grid().into_iter().step_by(args.every));
     }
     let dit_specs = grid.len();
-    if args.family != AgreeFamily::Dit {
+    if wants(AgreeFamily::Pixart) {
         let pixart = agree::pixart_grid().map_err(crate::run_cmd::engine_err)?;
         grid.extend(pixart.into_iter().step_by(args.every));
+    }
+    let pixart_end = grid.len();
+    if wants(AgreeFamily::Sana) {
+        let sana = agree::sana_grid().map_err(crate::run_cmd::engine_err)?;
+        grid.extend(sana.into_iter().step_by(args.every));
     }
     let mut largest = 0;
     for (_, spec) in &grid {
@@ -407,9 +414,10 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
     }
     bar.finish_and_clear();
     let summary: GridSummary = agree::summarize(&results);
-    let (dit, pixart) = results.split_at(dit_specs.min(results.len()));
+    let (dit, rest) = results.split_at(dit_specs.min(results.len()));
+    let (pixart, sana) = rest.split_at((pixart_end - dit_specs).min(rest.len()));
     let mut families = serde_json::Map::new();
-    for (name, part) in [("dit", dit), ("pixart", pixart)] {
+    for (name, part) in [("dit", dit), ("pixart", pixart), ("sana", sana)] {
         if !part.is_empty() {
             let s = serde_json::to_value(agree::summarize(part)).map_err(anyhow::Error::from)?;
             families.insert(name.into(), s);
@@ -432,7 +440,7 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
             ]);
         }
         print!("{}", t.render());
-        for (name, part) in [("DiT", dit), ("PixArt", pixart)] {
+        for (name, part) in [("DiT", dit), ("PixArt", pixart), ("Sana", sana)] {
             if !part.is_empty() && part.len() < results.len() {
                 let s = agree::summarize(part);
                 println!(

@@ -361,3 +361,33 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
         assert_eq!(err.lines().count(), 1, "{err}");
     }
 }
+
+/// `ditmem-cpu` budgets Sana (the engine runs it) and refuses what its engine does not run,
+/// naming the field.
+#[test]
+fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
+    let b = json(&[
+        "estimate",
+        "--preset",
+        "sana-600m",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(b["runtime"], "ditmem-cpu");
+    assert!(b["peak_bytes"].as_u64().unwrap() > 0);
+    let (code, _, err) = ditmem(&[
+        "estimate",
+        "--runtime",
+        "ditmem-cpu",
+        "--preset",
+        "sana-600m",
+        "--lora-rank",
+        "4",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("recipe.lora"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}

@@ -220,6 +220,7 @@ impl SyntheticData {
         let (text_tokens, text_width) = match crate::families::Arch::of(spec)? {
             crate::families::Arch::Dit => (0, 0),
             crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width),
+            crate::families::Arch::Sana(g) => (g.text_tokens, g.text_width),
         };
         Ok(SyntheticData {
             text_tokens,

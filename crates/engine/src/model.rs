@@ -88,6 +88,7 @@ impl Dims {
         let out_channels = match crate::families::Arch::of(spec)? {
             crate::families::Arch::Dit => u(m.out_channels()),
             crate::families::Arch::Pixart(g) => g.out_channels,
+            crate::families::Arch::Sana(g) => g.out_channels,
         };
         Ok(Dims {
             depth: u(m.depth),
@@ -144,8 +145,12 @@ pub fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
 /// Every parameter of the spec's model, in a fixed order (embedders, blocks, final layer).
 pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     let d = Dims::new(spec)?;
-    if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
-        return Ok(crate::families::pixart::param_shapes(&d, &g));
+    match crate::families::Arch::of(spec)? {
+        crate::families::Arch::Pixart(g) => {
+            return Ok(crate::families::pixart::param_shapes(&d, &g))
+        }
+        crate::families::Arch::Sana(g) => return Ok(crate::families::sana::param_shapes(&d, &g)),
+        crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();
     let base_trainable = lora.is_none();

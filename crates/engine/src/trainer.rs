@@ -43,6 +43,7 @@ use crate::rng::derive_seed;
 
 mod family;
 mod pixart;
+mod sana;
 
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
@@ -149,6 +150,7 @@ struct DitLayout {
 enum Layout {
     Dit(DitLayout),
     Pixart(pixart::PixartLayout),
+    Sana(sana::SanaLayout),
 }
 
 impl Layout {
@@ -163,6 +165,15 @@ impl Layout {
                 .copied()
                 .collect(),
             Layout::Pixart(l) => l.linears(),
+            Layout::Sana(l) => l.linears(),
+        }
+    }
+
+    /// The weights of linears without a bias (Sana's): their sinks take dW only.
+    fn weight_only_linears(&self) -> Vec<usize> {
+        match self {
+            Layout::Sana(l) => l.weight_only(),
+            _ => Vec::new(),
         }
     }
 }
@@ -276,6 +287,7 @@ impl Trainer {
         let shapes = match &arch {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
+            crate::families::Arch::Sana(g) => crate::families::sana::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -346,6 +358,13 @@ impl Trainer {
                 dims.depth,
                 g.clone(),
             )?),
+            crate::families::Arch::Sana(g) => Layout::Sana(sana::SanaLayout::new(
+                &lin,
+                &idx,
+                &|n: &str| by_name.contains_key(n),
+                &dims,
+                g.clone(),
+            )?),
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -360,6 +379,11 @@ impl Trainer {
                 if tb {
                     sinks[l.b] = Some((sink, false));
                 }
+            }
+        }
+        for w in layout.weight_only_linears() {
+            if is_trained(w) {
+                sinks[w] = Some((Arc::new(GradSink::new(true, false)), true));
             }
         }
         let mut t = Trainer {
@@ -741,6 +765,7 @@ impl Trainer {
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Sana(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -3,10 +3,13 @@
 //!
 //! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
 //!   caption projection).
+//! - [`sana`]: `SanaTransformer2DModel` (adaLN-single, ReLU linear self-attention, softmax
+//!   cross-attention, the GLUMBConv Mix-FFN, the caption projection and its RMSNorm).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod pixart;
+pub mod sana;
 
 use ditmem_budget::{Family, Spec};
 
@@ -28,6 +31,8 @@ pub enum Arch {
     Dit,
     /// A `PixArtTransformer2DModel` from `model.diffusers`.
     Pixart(pixart::PixartGeom),
+    /// A `SanaTransformer2DModel` from `model.diffusers`.
+    Sana(sana::SanaGeom),
 }
 
 impl Arch {
@@ -40,9 +45,12 @@ impl Arch {
                 (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
                     Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Sana(d), Family::Sana) => {
+                    Ok(Arch::Sana(sana::SanaGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and PixArtTransformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel and SanaTransformer2DModel so far",
                 )),
             },
         }

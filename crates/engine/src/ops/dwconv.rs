@@ -53,11 +53,17 @@ pub fn silu_dwconv3x3(
 }
 
 /// (batch, C).
-fn dw_geom(lx: &Layout, lw: &Layout, lb: &Layout, rows: usize, cols: usize) -> CResult<(usize, usize)> {
+fn dw_geom(
+    lx: &Layout,
+    lw: &Layout,
+    lb: &Layout,
+    rows: usize,
+    cols: usize,
+) -> CResult<(usize, usize)> {
     let n = lx.shape().elem_count();
     let c = *lx.dims().last().unwrap_or(&0);
     let s = rows * cols;
-    if c == 0 || s == 0 || n % (s * c) != 0 {
+    if c == 0 || s == 0 || !n.is_multiple_of(s * c) {
         return Err(err(format!(
             "depthwise conv: x {:?} is not (b·{rows}·{cols}, C)",
             lx.dims()
@@ -89,10 +95,22 @@ pub(crate) fn widen_rounded<T: Elem<A>, A: Acc>(
         .ok_or_else(|| err("expected a contiguous weight"))?;
     let put = |v: f64| T::from_acc(A::from_f64(v)).to_acc();
     match s {
-        CpuStorage::F32(v) => v[a..b].iter().enumerate().for_each(|(i, x)| dst[perm(i)] = put(f64::from(*x))),
-        CpuStorage::F64(v) => v[a..b].iter().enumerate().for_each(|(i, x)| dst[perm(i)] = put(*x)),
-        CpuStorage::BF16(v) => v[a..b].iter().enumerate().for_each(|(i, x)| dst[perm(i)] = put(x.to_f64())),
-        CpuStorage::F16(v) => v[a..b].iter().enumerate().for_each(|(i, x)| dst[perm(i)] = put(x.to_f64())),
+        CpuStorage::F32(v) => v[a..b]
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| dst[perm(i)] = put(f64::from(*x))),
+        CpuStorage::F64(v) => v[a..b]
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| dst[perm(i)] = put(*x)),
+        CpuStorage::BF16(v) => v[a..b]
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| dst[perm(i)] = put(x.to_f64())),
+        CpuStorage::F16(v) => v[a..b]
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| dst[perm(i)] = put(x.to_f64())),
         other => return Err(err(format!("unsupported weight dtype {:?}", other.dtype()))),
     }
     Ok(())
@@ -109,7 +127,8 @@ pub(crate) fn narrow_to<A: Acc + Into<f64>>(
         DType::F32 => Tensor::from_vec(v.map(|x| x.into() as f32).collect::<Vec<_>>(), shape, &dev),
         DType::F64 => Tensor::from_vec(v.map(|x| x.into()).collect::<Vec<f64>>(), shape, &dev),
         DType::BF16 => Tensor::from_vec(
-            v.map(|x| half::bf16::from_f64(x.into())).collect::<Vec<_>>(),
+            v.map(|x| half::bf16::from_f64(x.into()))
+                .collect::<Vec<_>>(),
             shape,
             &dev,
         ),
@@ -173,7 +192,12 @@ impl Grid {
 }
 
 /// out[t, ch] = b[ch] + Σ_taps w[ch, tap]·silu(x[t + tap, ch]).
-fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(x: &[T], wt: &[A], bias: &[A], gr: &Grid) -> Vec<T> {
+fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    x: &[T],
+    wt: &[A],
+    bias: &[A],
+    gr: &Grid,
+) -> Vec<T> {
     let c = gr.c;
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); gr.b * gr.rows * gr.cols * c];
     out.par_chunks_mut(gr.cols * c)
@@ -197,7 +221,12 @@ fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(x: &[T], wt: &[A], bia
 }
 
 /// dx[t, ch] = silu'(x[t, ch])·Σ_taps w[ch, tap]·g[t − tap, ch].
-fn dw_dx<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(x: &[T], g: &[T], wt: &[A], gr: &Grid) -> Vec<T> {
+fn dw_dx<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    x: &[T],
+    g: &[T],
+    wt: &[A],
+    gr: &Grid,
+) -> Vec<T> {
     let c = gr.c;
     let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
     dx.par_chunks_mut(gr.cols * c)
@@ -224,32 +253,39 @@ fn dw_dx<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(x: &[T], g: &[T], wt: &
 
 /// Per channel: dW[ch, tap] = Σ_t g[t, ch]·silu(x[t + tap, ch]) and db[ch] = Σ_t g[t, ch], into
 /// `acc` laid out (C, 10) (the tenth column is db).
-fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(x: &[T], g: &[T], gr: &Grid, acc: &mut [A]) {
+fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    x: &[T],
+    g: &[T],
+    gr: &Grid,
+    acc: &mut [A],
+) {
     let c = gr.c;
     const CB: usize = 16;
-    acc.par_chunks_mut(10 * CB).enumerate().for_each(|(blk, a)| {
-        a.iter_mut().for_each(|v| *v = A::ZERO);
-        let c0 = blk * CB;
-        let nc = a.len() / 10;
-        for bi in 0..gr.b {
-            for r in 0..gr.rows {
-                for col in 0..gr.cols {
-                    let t = (bi * gr.rows + r) * gr.cols + col;
-                    let src: [Option<usize>; 9] = TAPS.map(|tp| gr.at(bi, r, col, tp));
-                    for j in 0..nc {
-                        let ch = c0 + j;
-                        let gv = g[t * c + ch].to_acc();
-                        for (k, s) in src.iter().enumerate() {
-                            if let Some(s) = s {
-                                a[j * 10 + k] += gv * silu(x[s * c + ch].to_acc());
+    acc.par_chunks_mut(10 * CB)
+        .enumerate()
+        .for_each(|(blk, a)| {
+            a.iter_mut().for_each(|v| *v = A::ZERO);
+            let c0 = blk * CB;
+            let nc = a.len() / 10;
+            for bi in 0..gr.b {
+                for r in 0..gr.rows {
+                    for col in 0..gr.cols {
+                        let t = (bi * gr.rows + r) * gr.cols + col;
+                        let src: [Option<usize>; 9] = TAPS.map(|tp| gr.at(bi, r, col, tp));
+                        for j in 0..nc {
+                            let ch = c0 + j;
+                            let gv = g[t * c + ch].to_acc();
+                            for (k, s) in src.iter().enumerate() {
+                                if let Some(s) = s {
+                                    a[j * 10 + k] += gv * silu(x[s * c + ch].to_acc());
+                                }
                             }
+                            a[j * 10 + 9] += gv;
                         }
-                        a[j * 10 + 9] += gv;
                     }
                 }
             }
-        }
-    });
+        });
 }
 
 impl CustomOp3 for SiluDwConv {
@@ -318,7 +354,11 @@ impl CustomOp3 for SiluDwConv {
                         let (wt, acc) = ws.split_at_mut(9 * c);
                         widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
                         let dx = if tx {
-                            Some(Tensor::from_vec(dw_dx::<T, A>(xv, gv, wt, &gr), lx.shape(), &dev)?)
+                            Some(Tensor::from_vec(
+                                dw_dx::<T, A>(xv, gv, wt, &gr),
+                                lx.shape(),
+                                &dev,
+                            )?)
                         } else {
                             None
                         };
@@ -350,7 +390,9 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn data(n: usize, salt: f64) -> Vec<f64> {
-        (0..n).map(|i| (i as f64 * 0.613 + salt).sin() * 1.7).collect()
+        (0..n)
+            .map(|i| (i as f64 * 0.613 + salt).sin() * 1.7)
+            .collect()
     }
 
     /// SiLU then the depthwise conv composed from candle ops in f64 (zero-padded grid, one
@@ -358,9 +400,19 @@ mod tests {
     fn reference(x: &Tensor, w: &Tensor, bias: &Tensor, b: usize, r: usize, wd: usize) -> Tensor {
         let c = bias.dim(0).unwrap();
         let a = x.silu().unwrap().reshape((b, r, wd, c)).unwrap();
-        let p = a.pad_with_zeros(1, 1, 1).unwrap().pad_with_zeros(2, 1, 1).unwrap();
+        let p = a
+            .pad_with_zeros(1, 1, 1)
+            .unwrap()
+            .pad_with_zeros(2, 1, 1)
+            .unwrap();
         let wt = w.reshape((c, 9)).unwrap();
-        let mut out = bias.reshape((1, 1, 1, c)).unwrap().broadcast_as((b, r, wd, c)).unwrap().contiguous().unwrap();
+        let mut out = bias
+            .reshape((1, 1, 1, c))
+            .unwrap()
+            .broadcast_as((b, r, wd, c))
+            .unwrap()
+            .contiguous()
+            .unwrap();
         for k in 0..9 {
             let (dy, dx) = (k / 3, k % 3);
             let sl = p.narrow(1, dy, r).unwrap().narrow(2, dx, wd).unwrap();
@@ -375,19 +427,40 @@ mod tests {
     fn silu_dwconv_matches_composed_reference() {
         let dev = Device::Cpu;
         let (b, r, wd, c) = (2, 3, 5, 20);
-        let x = Var::from_tensor(&Tensor::from_vec(data(b * r * wd * c, 0.3), (b * r * wd, c), &dev).unwrap()).unwrap();
-        let w = Var::from_tensor(&Tensor::from_vec(data(c * 9, 1.1), (c, 1, 3, 3), &dev).unwrap()).unwrap();
+        let x = Var::from_tensor(
+            &Tensor::from_vec(data(b * r * wd * c, 0.3), (b * r * wd, c), &dev).unwrap(),
+        )
+        .unwrap();
+        let w = Var::from_tensor(&Tensor::from_vec(data(c * 9, 1.1), (c, 1, 3, 3), &dev).unwrap())
+            .unwrap();
         let bias = Var::from_tensor(&Tensor::from_vec(data(c, 2.2), c, &dev).unwrap()).unwrap();
         let gw = Tensor::from_vec(data(b * r * wd * c, 4.4), (b * r * wd, c), &dev).unwrap();
         let re = reference(x.as_tensor(), w.as_tensor(), bias.as_tensor(), b, r, wd);
         let rg = re.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         let o = silu_dwconv3x3(x.as_tensor(), w.as_tensor(), bias.as_tensor(), r, wd).unwrap();
-        let diff = (&o - &re).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        let diff = (&o - &re)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(diff < 1e-12, "{diff}");
         let g = o.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         for v in [&x, &w, &bias] {
-            let (ge, gr) = (g.get(v.as_tensor()).unwrap(), rg.get(v.as_tensor()).unwrap());
-            let diff = (ge - gr).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            let (ge, gr) = (
+                g.get(v.as_tensor()).unwrap(),
+                rg.get(v.as_tensor()).unwrap(),
+            );
+            let diff = (ge - gr)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
             assert!(diff < 1e-11, "{diff}");
         }
     }

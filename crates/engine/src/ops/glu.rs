@@ -92,7 +92,8 @@ impl CustomOp1 for GluSilu {
             with_cpu(&grad, |sg, lg| {
                 let (_, h) = glu_geom(l)?;
                 Ok(dispatch_float!(s.dtype(), n, |T, A| {
-                    let du = glu_bwd::<T, A>(cpu_slice::<T>(s, l, n)?, cpu_slice::<T>(sg, lg, n)?, h);
+                    let du =
+                        glu_bwd::<T, A>(cpu_slice::<T>(s, l, n)?, cpu_slice::<T>(sg, lg, n)?, h);
                     Tensor::from_vec(du, l.shape(), &Device::Cpu)?
                 }))
             })
@@ -110,17 +111,39 @@ mod tests {
     fn glu_matches_composed_reference() {
         let dev = Device::Cpu;
         let (r, h) = (5, 6);
-        let v: Vec<f64> = (0..r * 2 * h).map(|i| (i as f64 * 0.37).sin() * 2.0).collect();
+        let v: Vec<f64> = (0..r * 2 * h)
+            .map(|i| (i as f64 * 0.37).sin() * 2.0)
+            .collect();
         let u = Var::from_tensor(&Tensor::from_vec(v, (r, 2 * h), &dev).unwrap()).unwrap();
-        let w = Tensor::from_vec((0..r * h).map(|i| (i as f64 * 0.91).cos()).collect::<Vec<_>>(), (r, h), &dev).unwrap();
+        let w = Tensor::from_vec(
+            (0..r * h)
+                .map(|i| (i as f64 * 0.91).cos())
+                .collect::<Vec<_>>(),
+            (r, h),
+            &dev,
+        )
+        .unwrap();
         let re = (u.narrow(1, 0, h).unwrap() * u.narrow(1, h, h).unwrap().silu().unwrap()).unwrap();
         let rg = re.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         let o = glu_silu(u.as_tensor()).unwrap();
-        let d = (&o - &re).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        let d = (&o - &re)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(d < 1e-13);
         let g = o.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         let d = (g.get(u.as_tensor()).unwrap() - rg.get(u.as_tensor()).unwrap())
-            .unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(d < 1e-12);
     }
 }

@@ -121,7 +121,7 @@ fn gather<T: Elem<A>, A: Acc>(
         let src = &x[(bi * s + i) * d + hd * dh..][..dh];
         for (o, v) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
             let a = v.to_acc();
-            *o = if relu && !(a > A::ZERO) { A::ZERO } else { a };
+            *o = if relu && a <= A::ZERO { A::ZERO } else { a };
         }
     }
 }
@@ -296,7 +296,7 @@ where
                 }
                 // ReLU: the gradient passes where q > 0 (where φ(q) > 0).
                 for (x, qj) in dr.iter_mut().zip(qr) {
-                    if !(*qj > A::ZERO) {
+                    if *qj <= A::ZERO {
                         *x = A::ZERO;
                     }
                 }
@@ -318,7 +318,7 @@ where
                     dv[n * dh + i] = acc;
                 }
                 for (x, kj) in dkr.iter_mut().zip(kr) {
-                    if !(*kj > A::ZERO) {
+                    if *kj <= A::ZERO {
                         *x = A::ZERO;
                     }
                 }
@@ -470,7 +470,13 @@ mod tests {
                 g.get(x.as_tensor()).unwrap(),
                 rg.get(x.as_tensor()).unwrap(),
             );
-            let scale = gr.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            let scale = gr
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
             let diff = (ge - gr).unwrap().abs().unwrap().max_all().unwrap();
             assert!(diff.to_scalar::<f64>().unwrap() < 1e-10 * scale.max(1.0));
         }

@@ -88,7 +88,11 @@ fn rms_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
     let rows = x.len() / d;
     let mut y: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
     let mut rs: Vec<A> = vec![A::ZERO; rows];
-    let (inv_d, eps, one) = (A::from_f64(1.0 / d as f64), A::from_f64(eps), A::from_f64(1.0));
+    let (inv_d, eps, one) = (
+        A::from_f64(1.0 / d as f64),
+        A::from_f64(eps),
+        A::from_f64(1.0),
+    );
     y.par_chunks_mut(d)
         .zip(rs.par_iter_mut())
         .enumerate()
@@ -172,7 +176,10 @@ impl CustomOp2 for RmsNorm {
             drop(wv);
             (T::to_cpu_storage_owned(y), A::keep(rs))
         });
-        *self.rstd.lock().map_err(|_| err("rms_norm lock poisoned"))? = Some(kept);
+        *self
+            .rstd
+            .lock()
+            .map_err(|_| err("rms_norm lock poisoned"))? = Some(kept);
         Ok((out, lx.shape().clone()))
     }
 
@@ -183,7 +190,10 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let guard = self.rstd.lock().map_err(|_| err("rms_norm lock poisoned"))?;
+        let guard = self
+            .rstd
+            .lock()
+            .map_err(|_| err("rms_norm lock poisoned"))?;
         let kept = guard
             .as_ref()
             .ok_or_else(|| err("rms_norm backward: no statistics kept"))?;
@@ -231,7 +241,9 @@ mod tests {
         let dev = Device::Cpu;
         let (r, d) = (5, 8);
         let mk = |n: usize, salt: f64, shape: &[usize]| {
-            let v: Vec<f64> = (0..n).map(|i| (i as f64 * 0.53 + salt).sin() * 1.5).collect();
+            let v: Vec<f64> = (0..n)
+                .map(|i| (i as f64 * 0.53 + salt).sin() * 1.5)
+                .collect();
             Var::from_tensor(&Tensor::from_vec(v, shape, &dev).unwrap()).unwrap()
         };
         let x = mk(r * d, 0.2, &[r, d]);
@@ -239,15 +251,32 @@ mod tests {
         let gw = mk(r * d, 2.9, &[r, d]).as_tensor().detach();
         let ms = x.sqr().unwrap().mean_keepdim(1).unwrap();
         let rstd = (ms + 1e-5).unwrap().sqrt().unwrap().recip().unwrap();
-        let re = x.broadcast_mul(&rstd).unwrap().broadcast_mul(w.as_tensor()).unwrap();
+        let re = x
+            .broadcast_mul(&rstd)
+            .unwrap()
+            .broadcast_mul(w.as_tensor())
+            .unwrap();
         let rg = re.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         let o = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
-        let dd = (&o - &re).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        let dd = (&o - &re)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(dd < 1e-13);
         let g = o.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         for v in [&x, &w] {
             let dd = (g.get(v.as_tensor()).unwrap() - rg.get(v.as_tensor()).unwrap())
-                .unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
             assert!(dd < 1e-12, "{dd}");
         }
     }

@@ -26,6 +26,8 @@
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
+//! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `trainer/sana.rs`,
+//!   `ops/{linear_attention,dwconv,glu,rms_norm}.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
@@ -36,6 +38,7 @@ pub mod block;
 pub mod graph;
 pub mod ops;
 pub mod pixart;
+pub mod sana;
 pub(crate) mod segments;
 pub(crate) mod step;
 

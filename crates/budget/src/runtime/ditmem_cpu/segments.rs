@@ -173,6 +173,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(pg) = super::pixart::PixGeo::of(spec) {
         return super::pixart::sims(spec, &pg);
     }
+    if let Some(sg) = super::sana::SanaGeo::of(spec) {
+        return super::sana::sims(spec, &sg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();

@@ -32,8 +32,8 @@ pub mod block;
 pub mod params;
 
 pub use block::{
-    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom,
-    SanaBlockWeights, SanaCaptionWeights, SanaFinalWeights,
+    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
+    SanaCaptionWeights, SanaFinalWeights,
 };
 pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 
@@ -67,8 +67,11 @@ pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_jso
 /// latent, 64 tokens; batch 4) with `text_tokens` caption tokens, fp32, materialized
 /// cross-attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32, text_tokens: u32) -> Result<Spec> {
-    let mut s =
-        ditmem_budget::denoiser::with_family(Spec::small(), "sana-tiny", tiny_config(layers, heads))?;
+    let mut s = ditmem_budget::denoiser::with_family(
+        Spec::small(),
+        "sana-tiny",
+        tiny_config(layers, heads),
+    )?;
     s.workload.height = 256;
     s.workload.width = 256;
     s.workload.text_tokens = Some(vec![text_tokens]);

@@ -120,25 +120,85 @@ pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
         true,
     );
     let te = "time_embed.emb.timestep_embedder";
-    linear(&mut push, &format!("{te}.linear_1"), vec![h, SANA_FREQ], small, true);
-    linear(&mut push, &format!("{te}.linear_2"), vec![h, h], small, true);
+    linear(
+        &mut push,
+        &format!("{te}.linear_1"),
+        vec![h, SANA_FREQ],
+        small,
+        true,
+    );
+    linear(
+        &mut push,
+        &format!("{te}.linear_2"),
+        vec![h, h],
+        small,
+        true,
+    );
     linear(&mut push, "time_embed.linear", vec![6 * h, h], small, true);
     let c = g.text_width;
-    linear(&mut push, "caption_projection.linear_1", vec![h, c], xav, true);
-    linear(&mut push, "caption_projection.linear_2", vec![h, h], xav, true);
+    linear(
+        &mut push,
+        "caption_projection.linear_1",
+        vec![h, c],
+        xav,
+        true,
+    );
+    linear(
+        &mut push,
+        "caption_projection.linear_2",
+        vec![h, h],
+        xav,
+        true,
+    );
     push("caption_norm.weight".into(), vec![h], Init::Ones);
     let (dc, hid) = (g.cross_width, g.mlp_hidden);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
         push(format!("{b}.scale_shift_table"), vec![6, h], table_init);
         for n in ["to_q", "to_k", "to_v"] {
-            linear(&mut push, &format!("{b}.attn1.{n}"), vec![h, h], xav, g.qkv_bias);
+            linear(
+                &mut push,
+                &format!("{b}.attn1.{n}"),
+                vec![h, h],
+                xav,
+                g.qkv_bias,
+            );
         }
-        linear(&mut push, &format!("{b}.attn1.to_out.0"), vec![h, h], xav, true);
-        linear(&mut push, &format!("{b}.attn2.to_q"), vec![dc, h], xav, true);
-        linear(&mut push, &format!("{b}.attn2.to_k"), vec![dc, h], xav, true);
-        linear(&mut push, &format!("{b}.attn2.to_v"), vec![dc, h], xav, true);
-        linear(&mut push, &format!("{b}.attn2.to_out.0"), vec![h, dc], xav, true);
+        linear(
+            &mut push,
+            &format!("{b}.attn1.to_out.0"),
+            vec![h, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_q"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_k"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_v"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_out.0"),
+            vec![h, dc],
+            xav,
+            true,
+        );
         let ff = format!("{b}.ff");
         linear(
             &mut push,
