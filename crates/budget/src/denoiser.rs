@@ -254,12 +254,6 @@ fn check_engine_sana(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
             format!("set: the ditmem-cpu engine's Sana has no sin-cos position table yet; allowed: null{other}"),
         ));
     }
-    if spec.recipe.lora.is_some() {
-        return Err(SpecError::invalid(
-            "recipe.lora",
-            format!("LoRA on Sana is not in the ditmem-cpu engine yet; allowed: none{other}"),
-        ));
-    }
     if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
         return Err(SpecError::invalid(
             "model.attn_dropout",

@@ -361,9 +361,10 @@ pub fn sana_grid_base() -> Result<Spec> {
 /// The Sana agreement grid: precisions × recompute policies × attention modes (of the softmax
 /// cross-attention; the linear self-attention has one form) on the base, then accumulation,
 /// odd caption lengths, an odd and non-square token grid (7×5: the depthwise conv's borders),
-/// a deeper model with biased q/k/v, SGD without EMA and a block list.
+/// a deeper model with biased q/k/v, SGD without EMA, a block list, and LoRA (the scripts'
+/// default targets; and the Mix-FFN-free list `to_q, to_v` on bias-less projections).
 pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
+    use ditmem_budget::{AttentionMode as A, LoraSpec, Optimizer, Precision as P, Recompute as R};
     let base = sana_grid_base()?;
     let mut out = Vec::new();
     for (p, rc, a) in [
@@ -417,6 +418,22 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
         s.workload.batch = 1;
         s.workload.microbatch = 1;
         s.recipe.recompute = R::Blocks(vec![1]);
+    });
+    add("LoRA r4 (to_k, to_q, to_v, to_out.0), bf16-mixed", &|s| {
+        s.recipe.precision = P::Bf16Mixed;
+        s.recipe.lora = Some(LoraSpec {
+            rank: 4,
+            targets: ditmem_budget::default_lora_targets(),
+            modules: Vec::new(),
+        });
+    });
+    add("LoRA r8 (to_q, to_v), fp32, recompute all", &|s| {
+        s.recipe.recompute = R::All;
+        s.recipe.lora = Some(LoraSpec {
+            rank: 8,
+            targets: ditmem_budget::default_lora_targets(),
+            modules: vec!["to_q".into(), "to_v".into()],
+        });
     });
     let mut cfg = crate::families::sana::tiny_config(4, 6);
     cfg.insert("attention_bias".into(), serde_json::Value::Bool(true));

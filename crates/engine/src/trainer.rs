@@ -359,7 +359,6 @@ impl Trainer {
                 g.clone(),
             )?),
             crate::families::Arch::Sana(g) => Layout::Sana(sana::SanaLayout::new(
-                &lin,
                 &idx,
                 &|n: &str| by_name.contains_key(n),
                 &dims,

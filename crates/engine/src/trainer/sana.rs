@@ -17,17 +17,19 @@ use super::{cast, Trainer};
 use crate::block::LinearW;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
+use crate::families::sana::params::lora_names;
 use crate::families::sana::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
 };
 use crate::model::{patchify, timestep_features, unpatchify};
 
-/// A linear's weight and, when it has one, its bias.
+/// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Lin {
     w: usize,
     b: Option<usize>,
+    lora: Option<(usize, usize)>,
 }
 
 /// Where one Sana block's parameters sit: the table, then attn1's q, k, v, out, attn2's q, k,
@@ -71,22 +73,46 @@ pub(super) struct SanaLayout {
 
 impl SanaLayout {
     pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
         idx: &dyn Fn(&str) -> Result<usize>,
         has: &dyn Fn(&str) -> bool,
         dims: &crate::model::Dims,
         geom: SanaGeom,
     ) -> Result<SanaLayout> {
+        // A linear by module name, with PEFT's LoRA factor names.
+        let any = |m: &str| -> Result<Lin> {
+            let bias = format!("{m}.bias");
+            let [a, b] = lora_names(m);
+            Ok(Lin {
+                w: idx(&format!("{m}.weight"))?,
+                b: if has(&bias) { Some(idx(&bias)?) } else { None },
+                lora: if has(&a) {
+                    Some((idx(&a)?, idx(&b)?))
+                } else {
+                    None
+                },
+            })
+        };
+        // One with a bias.
+        let lin = |m: &str| -> Result<LinearIdx> {
+            let l = any(m)?;
+            Ok(LinearIdx {
+                w: l.w,
+                b: l.b.ok_or_else(|| {
+                    EngineError::bad_input("parameter", format!("'{m}.bias' is missing"))
+                })?,
+                lora: l.lora,
+            })
+        };
         let mut blocks = Vec::with_capacity(dims.depth);
         for i in 0..dims.depth {
             let b = format!("transformer_blocks.{i}");
-            let mut l = [Lin { w: 0, b: None }; 10];
+            let mut l = [Lin {
+                w: 0,
+                b: None,
+                lora: None,
+            }; 10];
             for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
-                let bias = format!("{b}.{name}.bias");
-                *slot = Lin {
-                    w: idx(&format!("{b}.{name}.weight"))?,
-                    b: if has(&bias) { Some(idx(&bias)?) } else { None },
-                };
+                *slot = any(&format!("{b}.{name}"))?;
             }
             blocks.push(SanaBlockIdx {
                 table: idx(&format!("{b}.scale_shift_table"))?,
@@ -126,7 +152,7 @@ impl SanaLayout {
                     v.push(LinearIdx {
                         w: l.w,
                         b: bi,
-                        lora: None,
+                        lora: l.lora,
                     });
                 }
             }
@@ -152,11 +178,16 @@ impl Trainer {
                 LinearIdx {
                     w: l.w,
                     b,
-                    lora: None,
+                    lora: l.lora,
                 },
                 track,
             ),
             None => {
+                // As `Trainer::linear`: the adapters (cast to the compute dtype) first.
+                let lora = match l.lora {
+                    Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
+                    None => None,
+                };
                 let sink = if track {
                     self.sinks[l.w]
                         .as_ref()
@@ -169,7 +200,7 @@ impl Trainer {
                 Ok(LinearW {
                     w,
                     b: zero.clone(),
-                    lora: None,
+                    lora,
                     sink,
                 })
             }
@@ -296,6 +327,9 @@ impl FamilyStep for SanaLayout {
         for l in &blk.lin {
             idx.push(l.w);
             idx.extend(l.b);
+            if let Some((a, b)) = l.lora {
+                idx.extend([a, b]);
+            }
         }
         idx
     }

@@ -26,7 +26,7 @@ use crate::spec::{Dtype, Precision, Spec};
 pub const SANA_FREQ: u64 = 256;
 
 /// What a Sana step reads beyond [`Shape`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SanaGeo {
     /// Caption tokens T.
     pub t: u64,
@@ -41,6 +41,8 @@ pub struct SanaGeo {
     pub hid: u64,
     /// attn1's q/k/v have biases.
     pub qkv_bias: bool,
+    /// LoRA's rank and the module names it adapts (the recipe's, or the scripts' default).
+    pub lora: Option<(u64, Vec<String>)>,
 }
 
 impl SanaGeo {
@@ -51,7 +53,22 @@ impl SanaGeo {
             return None;
         };
         let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(SanaGeo::new(d, tokens.first().copied().unwrap_or(0)))
+        let mut g = SanaGeo::new(d, tokens.first().copied().unwrap_or(0));
+        g.lora = spec
+            .recipe
+            .lora
+            .as_ref()
+            .map(|l| (u64::from(l.rank), crate::denoiser::lora_modules(spec)));
+        Some(g)
+    }
+
+    /// LoRA's rank on the linear `module` (its name relative to the block for block linears),
+    /// when it adapts it.
+    pub fn lora_rank(&self, module: &str) -> Option<u64> {
+        let (r, keys) = self.lora.as_ref()?;
+        keys.iter()
+            .any(|k| crate::denoiser::matches_module(module, k))
+            .then_some(*r)
     }
 
     fn new(d: &SanaDims, t: u64) -> SanaGeo {
@@ -63,6 +80,7 @@ impl SanaGeo {
             dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
             hid: d.mlp_hidden(),
             qkv_bias: d.attention_bias,
+            lora: None,
         }
     }
 
@@ -157,12 +175,15 @@ pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, rows: u64
     o
 }
 
-/// `LinearW::forward` of a full-trained Sana linear: `bias` is the block's zero bias for a
-/// linear without one (a constant: no gradient), else the linear's own bias weight.
+/// `LinearW::forward` of a Sana linear: `bias` is the block's zero bias for a linear without
+/// one (a constant: no gradient), else the linear's own bias weight. Under LoRA the base is a
+/// frozen weight in the compute dtype and an adapted linear adds `(x·Aᵀ)·Bᵀ` (composed candle
+/// matmuls on the adapters' compute-dtype copies), as the DiT's (`super::block::linear`).
 #[allow(clippy::too_many_arguments)]
 fn linear(
     g: &mut Graph,
     sh: &Shape,
+    sg: &SanaGeo,
     name: &str,
     x: Nid,
     rows: u64,
@@ -170,14 +191,16 @@ fn linear(
     inp: u64,
     zero: Option<Nid>,
 ) -> Nid {
+    let cd = sh.cd();
+    let trained = sg.lora.is_none();
     let wd = sh.weight_dtype();
-    let w = g.weight(&format!("{name}.weight"), out * inp, wd, true, wd);
+    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
     let bias = match zero {
         Some(z) => z,
-        None => g.weight(&format!("{name}.bias"), out, wd, true, wd),
+        None => g.weight(&format!("{name}.bias"), out, wd, trained, wd),
     };
     // Trained weights go to a gradient sink when the input tracks.
-    if g.nodes[x].tracks {
+    if trained && g.nodes[x].tracks {
         for t in [w, bias] {
             if g.nodes[t].kind == Kind::Var {
                 g.nodes[t].tracks = false;
@@ -185,12 +208,46 @@ fn linear(
             }
         }
     }
-    fused_linear(
+    let y = fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
         [x, w, bias],
         (rows, inp, out),
         sh.cpu.bf16_kernel(),
+    );
+    let Some(r) = sg.lora_rank(name) else {
+        return y;
+    };
+    let pd = sh.precision.param_dtype();
+    let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
+    let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+    for t in [a, bm] {
+        if g.nodes[t].kind == Kind::ToDtype {
+            g.bind(t);
+        }
+    }
+    let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
+    let xa = g.op(
+        &format!("{name} x·Aᵀ"),
+        Kind::Matmul,
+        &[x, at],
+        rows * r,
+        cd,
+    );
+    let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
+    let xab = g.op(
+        &format!("{name} ·Bᵀ"),
+        Kind::Matmul,
+        &[xa, bt],
+        rows * out,
+        cd,
+    );
+    g.op(
+        &format!("{name} +lora"),
+        Kind::Add,
+        &[y, xab],
+        rows * out,
+        cd,
     )
 }
 
@@ -224,10 +281,10 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
     let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
     let y = g.var("caption (shared leaf)", trows * d, cd, false);
-    let pd = sh.precision.param_dtype();
     let wd = sh.weight_dtype();
+    let trained = sg.lora.is_none();
     // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
-    let table = g.weight("scale_shift_table", 6 * d, pd, true, ad);
+    let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
     let zero = g.constant("zero bias (D)", d, wd, true);
     g.bind(zero);
     let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
@@ -235,7 +292,7 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(modv);
     let m = chunks(&mut g, "modulation", modv, 6, bd);
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
-        let y = linear(g, sh, name, x, rows, out, inp, z.then_some(zero));
+        let y = linear(g, sh, sg, name, x, rows, out, inp, z.then_some(zero));
         g.bind(y)
     };
     let nb = !sg.qkv_bias;
@@ -282,8 +339,8 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(h2);
     let hid = sg.hid;
     let f1 = lin(&mut g, "ff.conv_inverted", h2, rows, 2 * hid, d, false);
-    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, true, wd);
-    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, true, wd);
+    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
+    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
     let c2 = silu_dwconv(
         &mut g,
         sh,
@@ -308,13 +365,14 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let bd = sh.b * sh.d;
     let trows = sh.b * sg.t;
     let wd = sh.weight_dtype();
+    let trained = sg.lora.is_none();
     let mut g = Graph::default();
     let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
     g.bind(xp);
     let inp = sh.c_in * p2;
-    let w = g.weight("patch_embed.proj.weight", sh.d * inp, wd, true, wd);
+    let w = g.weight("patch_embed.proj.weight", sh.d * inp, wd, trained, wd);
     let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = g.weight("patch_embed.proj.bias", sh.d, wd, true, wd);
+    let bias = g.weight("patch_embed.proj.bias", sh.d, wd, trained, wd);
     let xe = fused_linear(
         &mut g,
         "patch_embed.proj x·Wᵀ+b",
@@ -331,6 +389,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let h = linear(
         &mut g,
         sh,
+        sg,
         &format!("{te}.linear_1"),
         tf,
         sh.b,
@@ -343,6 +402,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let emb = linear(
         &mut g,
         sh,
+        sg,
         &format!("{te}.linear_2"),
         h,
         sh.b,
@@ -358,6 +418,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let t6 = linear(
         &mut g,
         sh,
+        sg,
         "time_embed.linear",
         se,
         sh.b,
@@ -372,6 +433,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let c1 = linear(
         &mut g,
         sh,
+        sg,
         "caption_projection.linear_1",
         cap,
         trows,
@@ -383,6 +445,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let c2 = linear(
         &mut g,
         sh,
+        sg,
         "caption_projection.linear_2",
         act,
         trows,
@@ -390,7 +453,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
         sh.d,
         None,
     );
-    let nw = g.weight("caption_norm.weight", sh.d, wd, true, wd);
+    let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
     let y = rms_norm(&mut g, sh, "caption_norm (fused)", c2, nw, trows);
     // `caption_forward`'s locals live until it returns.
     g.hold_until(&[c1, act, c2], y);
@@ -412,8 +475,8 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
     let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
-    let pd = sh.precision.param_dtype();
-    let table = g.weight("scale_shift_table", 2 * sh.d, pd, true, ad);
+    let wd = sh.weight_dtype();
+    let table = g.weight("scale_shift_table", 2 * sh.d, wd, pg.lora.is_none(), ad);
     let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
     let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
     let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
@@ -423,7 +486,17 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let md = chunks(&mut g, "final modulation", ss, 2, bd);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
     let out_el = rows * p2 * pg.c_out;
-    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
+    let y = linear(
+        &mut g,
+        sh,
+        pg,
+        "proj_out",
+        h,
+        rows,
+        p2 * pg.c_out,
+        sh.d,
+        None,
+    );
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);

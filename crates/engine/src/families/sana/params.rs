@@ -33,6 +33,19 @@ pub struct SanaGeom {
     pub mlp_hidden: usize,
     /// Whether attn1's to_q / to_k / to_v have biases (`attention_bias`).
     pub qkv_bias: bool,
+    /// LoRA: the rank and the module names it adapts (PEFT's matching: a module's full name
+    /// equals a key or ends with `.key`); None trains the full model.
+    pub lora: Option<(usize, Vec<String>)>,
+}
+
+impl SanaGeom {
+    /// Whether LoRA adapts the linear `module` (its full name).
+    pub fn adapts(&self, module: &str) -> bool {
+        self.lora.as_ref().is_some_and(|(_, keys)| {
+            keys.iter()
+                .any(|k| ditmem_budget::denoiser::matches_module(module, k))
+        })
+    }
 }
 
 impl SanaGeom {
@@ -49,12 +62,6 @@ impl SanaGeom {
                 "model.diffusers.interpolation_scale",
                 "Sana's sin-cos position table is not in the engine yet; use \
                  interpolation_scale = null",
-            ));
-        }
-        if spec.recipe.lora.is_some() {
-            return Err(EngineError::unsupported(
-                "recipe.lora with a Sana model",
-                "LoRA on Sana's projections is not in the engine yet; train the full model",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -83,24 +90,61 @@ impl SanaGeom {
             cross_width: (d.num_cross_attention_heads * d.cross_attention_head_dim) as usize,
             mlp_hidden: d.mlp_hidden() as usize,
             qkv_bias: d.attention_bias,
+            lora: spec
+                .recipe
+                .lora
+                .as_ref()
+                .map(|l| (l.rank as usize, ditmem_budget::denoiser::lora_modules(spec))),
         })
     }
 }
 
-/// Every tensor of the Sana model of `spec`, in the budget's table order.
+/// PEFT's names of the LoRA factors of the linear `module`: A (r × in), B (out × r).
+pub fn lora_names(module: &str) -> [String; 2] {
+    [
+        format!("{module}.lora_A.default.weight"),
+        format!("{module}.lora_B.default.weight"),
+    ]
+}
+
+/// Every tensor of the Sana model of `spec`, in the budget's table order. Under LoRA the base
+/// is frozen and each adapted linear weight is followed by its A (uniform ±1/√in, PEFT's
+/// kaiming-uniform with a = √5) and B (zeros).
 pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let table_init = Init::Normal(1.0 / (h as f64).sqrt());
     let small = Init::Normal(0.02);
     let xav = Init::XavierUniform;
     let mut v = Vec::new();
+    let base = g.lora.is_none();
     let mut push = |name: String, shape: Vec<usize>, init: Init| {
+        let module = name.strip_suffix(".weight").map(str::to_string);
+        let lora = match (&module, &g.lora) {
+            (Some(m), Some((r, _))) if shape.len() == 2 && g.adapts(m) => {
+                Some((lora_names(m), *r, shape[0], shape[1]))
+            }
+            _ => None,
+        };
         v.push(ParamShape {
             name,
             shape,
             init,
-            trainable: true,
-        })
+            trainable: base,
+        });
+        if let Some(([a, b], r, out, inp)) = lora {
+            let bound = 1.0 / (inp as f64).sqrt();
+            for (name, shape, init) in [
+                (a, vec![r, inp], Init::Uniform(bound)),
+                (b, vec![out, r], Init::Zeros),
+            ] {
+                v.push(ParamShape {
+                    name,
+                    shape,
+                    init,
+                    trainable: true,
+                });
+            }
+        }
     };
     let linear =
         |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, shape: Vec<usize>, w, bias| {
