@@ -104,13 +104,16 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
     };
     let engine_runs = matches!(
         fm.family,
-        families::Family::Pixart | families::Family::Sd3 | families::Family::Flux
+        families::Family::Pixart
+            | families::Family::Sd3
+            | families::Family::Flux
+            | families::Family::Sana
     );
     if spec.runtime == Runtime::DitmemCpu && !engine_runs {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT, PixArt, SD3 and Flux so far, not {} ({}); allowed: \
+                "ditmem-cpu runs only the original DiT, PixArt, SD3, Flux and Sana so far, not {} ({}); allowed: \
                  pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
@@ -121,6 +124,7 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         check_engine_pixart(spec, &fm)?;
         check_engine_sd3(spec, &fm)?;
         check_engine_flux(spec, &fm)?;
+        check_engine_sana(spec, &fm)?;
     }
     let g = fm.geometry();
     if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
@@ -308,6 +312,35 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     }
     Ok(())
 }
+
+/// What the ditmem-cpu engine runs of Sana (`ditmem_engine::families::sana`): the budget of
+/// that runtime describes the engine's step, so a config it does not execute is refused.
+fn check_engine_sana(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let families::Dims::Sana(d) = &fm.dims else {
+        return Ok(());
+    };
+    let other = "; allowed: --runtime pytorch for it";
+    if d.qk_norm {
+        return Err(SpecError::invalid(
+            "model.diffusers.qk_norm",
+            format!("rms_norm_across_heads: the ditmem-cpu engine's Sana has no q/k norms yet; allowed: null{other}"),
+        ));
+    }
+    if d.pos_embed {
+        return Err(SpecError::invalid(
+            "model.diffusers.interpolation_scale",
+            format!("set: the ditmem-cpu engine's Sana has no sin-cos position table yet; allowed: null{other}"),
+        ));
+    }
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return Err(SpecError::invalid(
+            "model.attn_dropout",
+            format!("dropout in Sana is not in the ditmem-cpu engine; allowed: 0{other}"),
+        ));
+    }
+    Ok(())
+}
+
 
 /// What the ditmem-cpu engine runs of a Flux config (the engine's `FluxGeom::new` refuses the
 /// same).

@@ -140,6 +140,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
             crate::runtime::ditmem_cpu::pixart::inventory_segments(spec)
                 .or_else(|| crate::runtime::ditmem_cpu::sd3::inventory_segments(spec))
                 .or_else(|| crate::runtime::ditmem_cpu::flux::inventory_segments(spec))
+                .or_else(|| crate::runtime::ditmem_cpu::sana::inventory_segments(spec))
         })
         .flatten()
         .map(|segs| {

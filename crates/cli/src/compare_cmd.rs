@@ -55,7 +55,8 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, PixArt's, SD3's, or all (each summarised on its own).
+    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan), or all (each
+    /// summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
     #[arg(long)]
@@ -68,6 +69,9 @@ pub enum AgreeFamily {
     Dit,
     Pixart,
     Sd3,
+    Flux,
+    Sana,
+    Wan,
     All,
 }
 
@@ -394,11 +398,21 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         grid.extend(pixart.into_iter().step_by(args.every));
         parts.push(("pixart", "PixArt", grid.len() - n));
     }
-    if wants(AgreeFamily::Sd3) {
-        let sd3 = agree::sd3_grid().map_err(crate::run_cmd::engine_err)?;
+    type FamilyGrid = fn() -> ditmem_engine::Result<Vec<(String, ditmem_budget::Spec)>>;
+    let families: [(AgreeFamily, &str, &str, FamilyGrid); 4] = [
+        (AgreeFamily::Sd3, "sd3", "SD3", agree::sd3_grid),
+        (AgreeFamily::Flux, "flux", "Flux", agree::flux_grid),
+        (AgreeFamily::Sana, "sana", "Sana", agree::sana_grid),
+        (AgreeFamily::Wan, "wan", "Wan", agree::wan_grid),
+    ];
+    for (fam, key, label, make) in families {
+        if !wants(fam) {
+            continue;
+        }
+        let specs = make().map_err(crate::run_cmd::engine_err)?;
         let n = grid.len();
-        grid.extend(sd3.into_iter().step_by(args.every));
-        parts.push(("sd3", "SD3", grid.len() - n));
+        grid.extend(specs.into_iter().step_by(args.every));
+        parts.push((key, label, grid.len() - n));
     }
     let mut largest = 0;
     for (_, spec) in &grid {

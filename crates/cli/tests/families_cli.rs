@@ -416,3 +416,54 @@ fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
         assert_eq!(err.lines().count(), 1, "{err}");
     }
 }
+
+/// `ditmem-cpu` budgets Sana (the engine runs it), with LoRA too, and refuses what its engine
+/// does not run (Sana 1.5's q/k norms), naming the field.
+#[test]
+fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
+    let b = json(&[
+        "estimate",
+        "--preset",
+        "sana-600m",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(b["runtime"], "ditmem-cpu");
+    let full = b["peak_bytes"].as_u64().unwrap();
+    let l = json(&[
+        "estimate",
+        "--preset",
+        "sana-600m",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--lora-rank",
+        "4",
+        "--json",
+    ]);
+    let lora = l["peak_bytes"].as_u64().unwrap();
+    assert!(0 < lora && lora < full, "LoRA {lora} vs full {full}");
+    let cfg = common::temp_dir("families", "sana15").join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"_class_name": "SanaTransformer2DModel", "num_layers": 2, "num_attention_heads": 4,
+            "attention_head_dim": 16, "num_cross_attention_heads": 2,
+            "cross_attention_head_dim": 32, "cross_attention_dim": 64, "caption_channels": 48,
+            "qk_norm": "rms_norm_across_heads", "interpolation_scale": null}"#,
+    )
+    .unwrap();
+    let (code, _, err) = ditmem(&[
+        "estimate",
+        "--runtime",
+        "ditmem-cpu",
+        "--model",
+        cfg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("model.diffusers.qk_norm"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}

@@ -561,3 +561,107 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
     ));
     Ok(out)
 }
+
+/// The Sana grid's base: [`crate::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// cross-attention 2 × 32 wide, Mix-FFN 160 wide, 64 image tokens on an 8×8 grid, 13 caption
+/// tokens of width 48, batch 4) with an fp32 EMA, on this process's CPU.
+pub fn sana_grid_base() -> Result<Spec> {
+    let mut s = crate::families::sana::tiny_spec(2, 4, 13)?;
+    s.model.name = "sana-d2-h64".into();
+    s.recipe.ema.enabled = true;
+    Ok(crate::host::resolve(&s))
+}
+
+/// The Sana agreement grid: precisions × recompute policies × attention modes (of the softmax
+/// cross-attention; the linear self-attention has one form) on the base, then accumulation,
+/// odd caption lengths, an odd and non-square token grid (7×5: the depthwise conv's borders),
+/// a deeper model with biased q/k/v, SGD without EMA, a block list, and LoRA (the scripts'
+/// default targets; and the Mix-FFN-free list `to_q, to_v` on bias-less projections).
+pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
+    use ditmem_budget::{AttentionMode as A, LoraSpec, Optimizer, Precision as P, Recompute as R};
+    let base = sana_grid_base()?;
+    let mut out = Vec::new();
+    for (p, rc, a) in [
+        (P::Fp32, R::None, A::Materialized),
+        (P::Fp32, R::None, A::MemoryEfficient),
+        (P::Fp32, R::All, A::Materialized),
+        (P::Fp32, R::AttentionOnly, A::Materialized),
+        (P::Bf16Mixed, R::None, A::Materialized),
+        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
+        (P::Fp16Mixed, R::None, A::MemoryEfficient),
+        (P::Fp16Mixed, R::All, A::Materialized),
+        (P::Bf16Pure, R::None, A::Materialized),
+        (P::Fp64, R::None, A::Materialized),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc.clone();
+        s.recipe.attention = a;
+        out.push((format!("sana {p} recompute {rc} {}", a.name()), s));
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((format!("sana {name}"), s));
+    };
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("1 caption token", &|s| {
+        s.workload.text_tokens = Some(vec![1])
+    });
+    add("300 caption tokens, batch 2, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![300]);
+        s.workload.batch = 2;
+        s.workload.microbatch = 2;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("224×160 (7×5 tokens), memory-efficient", &|s| {
+        s.workload.height = 224;
+        s.workload.width = 160;
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("batch 1, blocks:1", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        s.recipe.recompute = R::Blocks(vec![1]);
+    });
+    add("LoRA r4 (to_k, to_q, to_v, to_out.0), bf16-mixed", &|s| {
+        s.recipe.precision = P::Bf16Mixed;
+        s.recipe.lora = Some(LoraSpec {
+            rank: 4,
+            targets: ditmem_budget::default_lora_targets(),
+            modules: Vec::new(),
+        });
+    });
+    add("LoRA r8 (to_q, to_v), fp32, recompute all", &|s| {
+        s.recipe.recompute = R::All;
+        s.recipe.lora = Some(LoraSpec {
+            rank: 8,
+            targets: ditmem_budget::default_lora_targets(),
+            modules: vec!["to_q".into(), "to_v".into()],
+        });
+    });
+    let mut cfg = crate::families::sana::tiny_config(4, 6);
+    cfg.insert("attention_bias".into(), serde_json::Value::Bool(true));
+    let mut deep = ditmem_budget::denoiser::with_family(Spec::small(), "sana-d4-h96", cfg)?;
+    deep.workload.height = 256;
+    deep.workload.width = 256;
+    deep.workload.text_tokens = Some(vec![19]);
+    deep.recipe.attention = ditmem_budget::AttentionMode::Materialized;
+    deep.recipe.ema.enabled = true;
+    deep.recipe.recompute = R::EveryK(2);
+    out.push((
+        "sana 4 blocks × 6 heads (hidden 96), biased q/k/v, 19 tokens, every-2".into(),
+        crate::host::resolve(&deep),
+    ));
+    Ok(out)
+}
+

@@ -241,6 +241,7 @@ impl SyntheticData {
             crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width, 0),
             crate::families::Arch::Sd3(g) => (g.text_tokens, g.text_width, g.pooled_width),
             crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
+            crate::families::Arch::Sana(g) => (g.text_tokens, g.text_width, 0),
         };
         Ok(SyntheticData {
             pooled_width,

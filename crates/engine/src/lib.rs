@@ -3,7 +3,8 @@
 //!
 //! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
 //! - [`block`]: the adaLN-Zero block and final layer.
-//! - [`families`]: the diffusers families beside the DiT ([`families::pixart`]: PixArt-α / Σ).
+//! - [`families`]: the diffusers families beside the DiT ([`families::pixart`]: PixArt-α / Σ;
+//!   [`families::sana`]: Sana).
 //! - [`ops`]: fused ops with their own backward, one module per op family: [`ops::linear`](mod@ops::linear)
 //!   (+ its gradient sink), [`ops::gelu`], [`ops::ln_modulate`](mod@ops::ln_modulate),
 //!   [`ops::gated_residual`](mod@ops::gated_residual), [`ops::attention`] (the fused qkv

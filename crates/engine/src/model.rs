@@ -91,6 +91,7 @@ impl Dims {
             crate::families::Arch::Sd3(g) => g.out_channels,
             // Flux predicts the packed latent (out_channels = in_channels, checked).
             crate::families::Arch::Flux(_) => u(m.in_channels),
+            crate::families::Arch::Sana(g) => g.out_channels,
         };
         Ok(Dims {
             depth: u(m.depth),
@@ -153,6 +154,7 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
         }
         crate::families::Arch::Sd3(g) => return Ok(crate::families::sd3::param_shapes(&d, &g)),
         crate::families::Arch::Flux(g) => return Ok(crate::families::flux::param_shapes(&d, &g)),
+        crate::families::Arch::Sana(g) => return Ok(crate::families::sana::param_shapes(&d, &g)),
         crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();

@@ -45,6 +45,7 @@ mod family;
 mod flux;
 mod pixart;
 mod sd3;
+mod sana;
 
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
@@ -153,6 +154,7 @@ enum Layout {
     Pixart(pixart::PixartLayout),
     Sd3(sd3::Sd3Layout),
     Flux(flux::FluxLayout),
+    Sana(sana::SanaLayout),
 }
 
 impl Layout {
@@ -169,6 +171,15 @@ impl Layout {
             Layout::Pixart(l) => l.linears(),
             Layout::Sd3(l) => l.linears(),
             Layout::Flux(l) => l.linears(),
+            Layout::Sana(l) => l.linears(),
+        }
+    }
+
+    /// The weights of linears without a bias (Sana's): their sinks take dW only.
+    fn weight_only_linears(&self) -> Vec<usize> {
+        match self {
+            Layout::Sana(l) => l.weight_only(),
+            _ => Vec::new(),
         }
     }
 }
@@ -284,6 +295,7 @@ impl Trainer {
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
             crate::families::Arch::Sd3(g) => crate::families::sd3::param_shapes(&dims, g),
             crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
+            crate::families::Arch::Sana(g) => crate::families::sana::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -360,6 +372,12 @@ impl Trainer {
             crate::families::Arch::Flux(g) => {
                 Layout::Flux(flux::FluxLayout::new(&lin, &idx, g.clone())?)
             }
+            crate::families::Arch::Sana(g) => Layout::Sana(sana::SanaLayout::new(
+                &idx,
+                &|n: &str| by_name.contains_key(n),
+                &dims,
+                g.clone(),
+            )?),
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -374,6 +392,11 @@ impl Trainer {
                 if tb {
                     sinks[l.b] = Some((sink, false));
                 }
+            }
+        }
+        for w in layout.weight_only_linears() {
+            if is_trained(w) {
+                sinks[w] = Some((Arc::new(GradSink::new(true, false)), true));
             }
         }
         let mut t = Trainer {
@@ -757,6 +780,7 @@ impl Trainer {
                 Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
                 Layout::Sd3(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
                 Layout::Flux(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Sana(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -7,12 +7,15 @@
 //!   the pooled-text embedder, optional q/k RMSNorm).
 //! - [`flux`]: `FluxTransformer2DModel` (double-stream joint-attention blocks, single-stream
 //!   blocks, q/k RMSNorm, 2-D RoPE).
+//! - [`sana`]: `SanaTransformer2DModel` (adaLN-single, ReLU linear self-attention, softmax
+//!   cross-attention, the GLUMBConv Mix-FFN, the caption projection and its RMSNorm).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod flux;
 pub mod pixart;
 pub mod sd3;
+pub mod sana;
 
 use ditmem_budget::{Family, Spec};
 
@@ -38,6 +41,8 @@ pub enum Arch {
     Sd3(sd3::Sd3Geom),
     /// A `FluxTransformer2DModel` from `model.diffusers`.
     Flux(flux::FluxGeom),
+    /// A `SanaTransformer2DModel` from `model.diffusers`.
+    Sana(sana::SanaGeom),
 }
 
 impl Arch {
@@ -56,9 +61,12 @@ impl Arch {
                 (ditmem_budget::Dims::Flux(d), Family::Flux) => {
                     Ok(Arch::Flux(flux::FluxGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Sana(d), Family::Sana) => {
+                    Ok(Arch::Sana(sana::SanaGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT, PixArtTransformer2DModel, SD3Transformer2DModel and FluxTransformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel, SD3Transformer2DModel, FluxTransformer2DModel and SanaTransformer2DModel so far",
                 )),
             },
         }

@@ -18,6 +18,9 @@
 //! - [`rms_norm`](mod@rms_norm): [`rms_norm_heads`], the per-head q/k RMSNorm, keeping the
 //!   per-(row, head) rstd.
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
+//! - Sana's ops: [`linear_attention`](mod@linear_attention) (ReLU linear attention over
+//!   separate q, k, v), [`dwconv`] (SiLU + depthwise 3×3 conv on the token grid), [`glu`] (the
+//!   Mix-FFN gate), [`rms_norm`](mod@rms_norm) (RMSNorm with a weight).
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
@@ -38,10 +41,13 @@
 
 pub mod attention;
 pub mod backward_from;
+pub mod dwconv;
 pub mod gated_residual;
 pub mod gelu;
 pub mod joint;
+pub mod glu;
 pub mod linear;
+pub mod linear_attention;
 pub mod ln_modulate;
 pub mod rms_norm;
 pub mod rope;

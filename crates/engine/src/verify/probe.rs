@@ -55,6 +55,7 @@ pub(super) fn score_bound(
         crate::families::Arch::Pixart(g) => return pixart_score_bound(spec, t, &g, batch),
         crate::families::Arch::Sd3(g) => return sd3_score_bound(spec, t, &g, batch),
         crate::families::Arch::Flux(g) => return flux_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Sana(g) => return sana_score_bound(spec, t, &g, batch),
         crate::families::Arch::Dit => {}
     }
     let d: Dims = *t.dims();
@@ -674,6 +675,144 @@ fn flux_score_bound(
             let img = image_tokens(&xs[0], d.tokens)?;
             let out = flux_final(&img, &st, &fw, f, f)?;
             let pred = unpack(&out, b, &d)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// A Sana linear or 1×1 conv from the trainer's weights (as its (out, in) view), with a zero
+/// bias where diffusers has none.
+fn sana_linear(t: &Trainer, name: &str) -> Result<LinearW> {
+    let w = t.parameter(&format!("{name}.weight"))?;
+    let w = if w.rank() > 2 {
+        w.flatten_from(1).map_err(e)?
+    } else {
+        w
+    };
+    let bname = format!("{name}.bias");
+    let b = if t.trained_names().contains(&bname) {
+        t.parameter(&bname)?
+    } else {
+        Tensor::zeros(w.dim(0).map_err(e)?, w.dtype(), &Device::Cpu).map_err(e)?
+    };
+    Ok(LinearW::new(w, b, None))
+}
+
+/// [`score_bound`] for Sana: its forward replayed in f64 (embed, blocks, output side), S over
+/// the softmax cross-attention to the caption (the linear self-attention has no softmax).
+fn sana_score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    g: &crate::families::sana::SanaGeom,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    use crate::families::sana::{
+        caption_forward, final_forward as sana_final, sana_block_forward, SanaBlockGeom,
+        SanaBlockWeights, SanaCaptionWeights, SanaFinalWeights, SANA_FREQ,
+    };
+    use crate::ops::gated_residual;
+    use crate::ops::linear_attention::linear_attention;
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: 0.0,
+        mlp_dropout: 0.0,
+    };
+    let geo = SanaBlockGeom {
+        rows: d.rows,
+        cols: d.cols,
+        cross_heads: g.cross_heads,
+    };
+    let scale = crate::mutation::attention_scale(g.cross_width / g.cross_heads);
+    let embed = sana_linear(t, "patch_embed.proj")?;
+    let te = "time_embed.emb.timestep_embedder";
+    let t1 = sana_linear(t, &format!("{te}.linear_1"))?;
+    let t2 = sana_linear(t, &format!("{te}.linear_2"))?;
+    let adaln = sana_linear(t, "time_embed.linear")?;
+    let cw = SanaCaptionWeights {
+        linear_1: sana_linear(t, "caption_projection.linear_1")?,
+        linear_2: sana_linear(t, "caption_projection.linear_2")?,
+        norm: t.parameter("caption_norm.weight")?,
+    };
+    let fw = SanaFinalWeights {
+        table: t.parameter("scale_shift_table")?,
+        proj_out: sana_linear(t, "proj_out")?,
+    };
+    let (h, s) = (d.hidden, d.tokens);
+    let mut bound = 0.0f64;
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut x, emb, t6, y) = on_pool(|| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe.reshape((b, s, h)).map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, SANA_FREQ, f, &dev)?;
+            let emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let t6 = adaln.forward(&emb.silu().map_err(e)?)?;
+            let y = caption_forward(&mb.text_tensor(f, &dev)?, &cw)?;
+            Ok((x, emb, t6, y))
+        })?;
+        for i in 0..d.depth {
+            let p = |n: &str| sana_linear(t, &format!("transformer_blocks.{i}.{n}"));
+            let dp = |n: &str| t.parameter(&format!("transformer_blocks.{i}.ff.conv_depth.{n}"));
+            let bw = SanaBlockWeights {
+                table: t.parameter(&format!("transformer_blocks.{i}.scale_shift_table"))?,
+                q1: p("attn1.to_q")?,
+                k1: p("attn1.to_k")?,
+                v1: p("attn1.to_v")?,
+                o1: p("attn1.to_out.0")?,
+                q2: p("attn2.to_q")?,
+                k2: p("attn2.to_k")?,
+                v2: p("attn2.to_v")?,
+                o2: p("attn2.to_out.0")?,
+                conv_inverted: p("ff.conv_inverted")?,
+                conv_depth: (dp("weight")?, dp("bias")?),
+                conv_point: p("ff.conv_point")?,
+            };
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                // q and k of the cross-attention as the block computes them.
+                let modv = t6
+                    .broadcast_add(&bw.table.reshape((1, 6 * h)).map_err(e)?)
+                    .map_err(e)?;
+                let chunk = |k: usize| modv.narrow(1, k * h, h).map_err(e);
+                let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
+                let (q, k, v) = (
+                    bw.q1.forward(&h1)?,
+                    bw.k1.forward(&h1)?,
+                    bw.v1.forward(&h1)?,
+                );
+                let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
+                let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
+                let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
+                let sb = pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale)?;
+                Ok((sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?, sb))
+            })?;
+            bound = bound.max(sb);
+            x = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = sana_final(&x, &emb, &fw, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
             let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
             (pred - target)
                 .and_then(|r| r.sqr())

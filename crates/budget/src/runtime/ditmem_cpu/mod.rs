@@ -27,6 +27,8 @@
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`flux`]: Flux's segments (`families/flux/block.rs`, `trainer/flux.rs`);
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
+//! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `trainer/sana.rs`,
+//!   `ops/{linear_attention,dwconv,glu,rms_norm}.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
@@ -39,6 +41,7 @@ pub mod graph;
 pub mod ops;
 pub mod pixart;
 pub mod sd3;
+pub mod sana;
 pub(crate) mod segments;
 pub(crate) mod step;
 

@@ -179,6 +179,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(fg) = super::flux::FluxGeo::of(spec) {
         return super::flux::sims(spec, &fg);
     }
+    if let Some(sg) = super::sana::SanaGeo::of(spec) {
+        return super::sana::sims(spec, &sg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();

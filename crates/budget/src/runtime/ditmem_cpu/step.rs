@@ -48,6 +48,10 @@ pub fn step_uses_gemm(spec: &Spec) -> bool {
     {
         return true;
     }
+    // So does Sana's cross-attention.
+    if super::sana::SanaGeo::of(spec).is_some() {
+        return true;
+    }
     let bf16_native =
         spec.recipe.precision.compute_dtype() == Dtype::Bf16 && spec.cpu().bf16_kernel();
     !bf16_native || spec.recipe.lora.is_some()
@@ -119,7 +123,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
     // PixArt's cached text embeddings (n, T, width) in f64.
     let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
         + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems())
-        + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems());
+        + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems())
+        + super::sana::SanaGeo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 

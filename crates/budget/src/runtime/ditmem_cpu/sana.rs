@@ -1,0 +1,595 @@
+//! Sana in the engine as candle nodes (twin: the engine's `families/sana/block.rs` and
+//! `trainer/sana.rs`): the embed segment (patch embedding, timestep MLP, `time_embed.linear`,
+//! caption projection + `caption_norm`), the `SanaTransformerBlock` (ReLU linear
+//! self-attention, softmax cross-attention over separate q, k, v, the GLUMBConv Mix-FFN) and the
+//! output side with the final `scale_shift_table`; then their simulation into [`Sims`] for the
+//! step replay ([`super::step`]), which schedules them as PixArt's.
+//!
+//! The engine's Sana ops, each one node here: [`linear_attention`]
+//! (`ops::linear_attention`), [`silu_dwconv`] (`ops::dwconv`), [`glu`] (`ops::glu`),
+//! `ops::rms_norm` (the rule of [`super::flux::rms_norm`]).
+
+use crate::families::{Dims as FamilyDims, SanaDims};
+use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
+    TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{fused_linear, gated_residual, gelu, ln_modulate, seed};
+use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Precision, Spec};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const SANA_FREQ: u64 = 256;
+
+/// What a Sana step reads beyond [`Shape`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SanaGeo {
+    /// Caption tokens T.
+    pub t: u64,
+    /// Width of the cached Gemma states (`caption_channels`).
+    pub width: u64,
+    /// `out_channels` of the config.
+    pub c_out: u64,
+    /// Cross-attention heads and inner width.
+    pub hc: u64,
+    pub dc: u64,
+    /// GLUMBConv hidden channels H.
+    pub hid: u64,
+    /// attn1's q/k/v have biases.
+    pub qkv_bias: bool,
+    /// LoRA's rank and the module names it adapts (the recipe's, or the scripts' default).
+    pub lora: Option<(u64, Vec<String>)>,
+}
+
+impl SanaGeo {
+    /// The Sana geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec) -> Option<SanaGeo> {
+        let fm = crate::denoiser::family(spec).ok().flatten()?;
+        let FamilyDims::Sana(d) = &fm.dims else {
+            return None;
+        };
+        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+        let mut g = SanaGeo::new(d, tokens.first().copied().unwrap_or(0));
+        g.lora = spec
+            .recipe
+            .lora
+            .as_ref()
+            .map(|l| (u64::from(l.rank), crate::denoiser::lora_modules(spec)));
+        Some(g)
+    }
+
+    /// LoRA's rank on the linear `module` (its name relative to the block for block linears),
+    /// when it adapts it.
+    pub fn lora_rank(&self, module: &str) -> Option<u64> {
+        let (r, keys) = self.lora.as_ref()?;
+        keys.iter()
+            .any(|k| crate::denoiser::matches_module(module, k))
+            .then_some(*r)
+    }
+
+    fn new(d: &SanaDims, t: u64) -> SanaGeo {
+        SanaGeo {
+            t,
+            width: d.caption_channels,
+            c_out: d.out_channels,
+            hc: d.num_cross_attention_heads,
+            dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
+            hid: d.mlp_hidden(),
+            qkv_bias: d.attention_bias,
+            lora: None,
+        }
+    }
+
+    /// Text elements of one sample (T·width): the batch holds them in f64.
+    pub fn text_elems(&self) -> u64 {
+        self.t * self.width
+    }
+}
+
+/// Bytes of the accumulation type of the engine's kernels (f64 under fp64).
+fn acc_bytes(sh: &Shape) -> u64 {
+    if sh.precision == Precision::Fp64 {
+        8
+    } else {
+        4
+    }
+}
+
+/// Scratch elements per head of the linear attention, (forward, backward)
+/// (`ops::linear_attention::{lin_fwd_scratch, lin_bwd_scratch}`).
+pub fn linear_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
+    (
+        4 * s * dh + dh * dh + dh + s,
+        7 * s * dh + 2 * dh * dh + 2 * dh + 2 * s,
+    )
+}
+
+/// `ops::linear_attention` of the engine: q, k, v (b·s, D) → one fresh (b·s, D) output in the
+/// compute dtype; it keeps nothing beyond its inputs. Forward and backward run on one scratch
+/// per thread (at most one per head); the backward returns three fresh gradients.
+pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) -> Nid {
+    let nh = sh.b * sh.heads;
+    let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
+    let (fwd, bwd) = linear_attention_scratch(sh.s, sh.d / sh.heads);
+    let acc = acc_bytes(sh);
+    let o = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: nt * bwd * acc,
+        },
+        &qkv,
+        sh.b * sh.s * sh.d,
+        sh.cd(),
+    );
+    g.nodes[o].fwd_scratch = nt * fwd * acc;
+    o
+}
+
+/// `ops::dwconv::silu_dwconv3x3` of the engine: SiLU + depthwise 3×3 conv of x (rows, C) with
+/// its weight (C·9) and bias (C): one fresh output of x's size; forward workspace 10·C,
+/// backward 19·C accumulation-type values (`dwconv_{fwd,bwd}_scratch`).
+pub fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
+    let acc = acc_bytes(sh);
+    let (e, dt) = (g.elems(ins[0]), g.dtype(ins[0]));
+    let o = g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: 19 * c * acc,
+        },
+        &ins,
+        e,
+        dt,
+    );
+    g.nodes[o].fwd_scratch = 10 * c * acc;
+    o
+}
+
+/// `ops::glu::glu_silu` of the engine: (rows, 2H) → one fresh (rows, H); saves nothing beyond
+/// its input, backward one fresh gradient.
+pub fn glu(g: &mut Graph, name: &str, u: Nid) -> Nid {
+    let (e, dt) = (g.elems(u), g.dtype(u));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[u], e / 2, dt)
+}
+
+/// `LinearW::forward` of a Sana linear: `bias` is the block's zero bias for a linear without
+/// one (a constant: no gradient), else the linear's own bias weight. Under LoRA the base is a
+/// frozen weight in the compute dtype and an adapted linear adds `(x·Aᵀ)·Bᵀ` (composed candle
+/// matmuls on the adapters' compute-dtype copies), as the DiT's (`super::block::linear`).
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    g: &mut Graph,
+    sh: &Shape,
+    sg: &SanaGeo,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+    zero: Option<Nid>,
+) -> Nid {
+    let cd = sh.cd();
+    let trained = sg.lora.is_none();
+    let wd = sh.weight_dtype();
+    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
+    let bias = match zero {
+        Some(z) => z,
+        None => g.weight(&format!("{name}.bias"), out, wd, trained, wd),
+    };
+    // Trained weights go to a gradient sink when the input tracks.
+    if trained && g.nodes[x].tracks {
+        for t in [w, bias] {
+            if g.nodes[t].kind == Kind::Var {
+                g.nodes[t].tracks = false;
+                g.nodes[t].sunk = true;
+            }
+        }
+    }
+    let y = fused_linear(
+        g,
+        &format!("{name} x·Wᵀ+b"),
+        [x, w, bias],
+        (rows, inp, out),
+        sh.cpu.bf16_kernel(),
+    );
+    let Some(r) = sg.lora_rank(name) else {
+        return y;
+    };
+    let pd = sh.precision.param_dtype();
+    let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
+    let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+    for t in [a, bm] {
+        if g.nodes[t].kind == Kind::ToDtype {
+            g.bind(t);
+        }
+    }
+    let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
+    let xa = g.op(
+        &format!("{name} x·Aᵀ"),
+        Kind::Matmul,
+        &[x, at],
+        rows * r,
+        cd,
+    );
+    let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
+    let xab = g.op(
+        &format!("{name} ·Bᵀ"),
+        Kind::Matmul,
+        &[xa, bt],
+        rows * out,
+        cd,
+    );
+    g.op(
+        &format!("{name} +lora"),
+        Kind::Add,
+        &[y, xab],
+        rows * out,
+        cd,
+    )
+}
+
+/// `k` narrow views of a (b, k·D) tensor.
+fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
+    (0..k)
+        .map(|i| {
+            let c = g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            );
+            g.bind(c)
+        })
+        .collect()
+}
+
+/// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the
+/// block's weights (the zero bias is made with them). Returns the graph and (input leaf, t6
+/// leaf, caption leaf, output).
+pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (e, d) = (sh.e(), sh.d);
+    let rows = sh.b * sh.s;
+    let (bd, trows) = (sh.b * d, sh.b * sg.t);
+    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
+    let y = g.var("caption (shared leaf)", trows * d, cd, false);
+    let wd = sh.weight_dtype();
+    let trained = sg.lora.is_none();
+    // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
+    let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
+    let zero = g.constant("zero bias (D)", d, wd, true);
+    g.bind(zero);
+    let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+    let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+    g.bind(modv);
+    let m = chunks(&mut g, "modulation", modv, 6, bd);
+    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
+        let y = linear(g, sh, sg, name, x, rows, out, inp, z.then_some(zero));
+        g.bind(y)
+    };
+    let nb = !sg.qkv_bias;
+
+    // Linear self-attention.
+    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+    g.bind(h1);
+    let q = lin(&mut g, "attn1.to_q", h1, rows, d, d, nb);
+    let k = lin(&mut g, "attn1.to_k", h1, rows, d, d, nb);
+    let v = lin(&mut g, "attn1.to_v", h1, rows, d, d, nb);
+    let o = linear_attention(&mut g, sh, "attn1 (linear, ReLU kernel)", [q, k, v]);
+    g.bind(o);
+    let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d, false);
+    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+    g.bind(x1);
+
+    // Cross-attention (its own heads and width).
+    let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+    let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+    g.bind(xq);
+    let dc = sg.dc;
+    let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
+    let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
+    let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
+    let mut csh = sh.clone();
+    csh.d = dc;
+    csh.heads = sg.hc;
+    let o2 = separate_attention(
+        &mut g,
+        &csh,
+        "attn2 (cross, separate q, k, v)",
+        [q2, k2, v2],
+        sh.s,
+    );
+    g.bind(o2);
+    let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, dc, false);
+    let ones = g.constant("ones (b, D)", bd, ad, true);
+    g.bind(ones);
+    let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+    g.bind(x2);
+
+    // Mix-FFN.
+    let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
+    g.bind(h2);
+    let hid = sg.hid;
+    let f1 = lin(&mut g, "ff.conv_inverted", h2, rows, 2 * hid, d, false);
+    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
+    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
+    let c2 = silu_dwconv(
+        &mut g,
+        sh,
+        "ff silu + conv_depth (fused)",
+        [f1, dw, db],
+        2 * hid,
+    );
+    g.bind(c2);
+    let gl = glu(&mut g, "ff hidden·silu(gate) (fused)", c2);
+    g.bind(gl);
+    let f2 = lin(&mut g, "ff.conv_point", gl, rows, d, hid, true);
+    let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+    (g, x, t6, y, out)
+}
+
+/// The embed segment as `SanaLayout::embed` builds it. Returns (graph, x0, t6, embedded
+/// timestep, caption).
+pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let bd = sh.b * sh.d;
+    let trows = sh.b * sg.t;
+    let wd = sh.weight_dtype();
+    let trained = sg.lora.is_none();
+    let mut g = Graph::default();
+    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+    g.bind(xp);
+    let inp = sh.c_in * p2;
+    let w = g.weight("patch_embed.proj.weight", sh.d * inp, wd, trained, wd);
+    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+    let bias = g.weight("patch_embed.proj.bias", sh.d, wd, trained, wd);
+    let xe = fused_linear(
+        &mut g,
+        "patch_embed.proj x·Wᵀ+b",
+        [xp, wv, bias],
+        (rows, inp, sh.d),
+        sh.cpu.bf16_kernel(),
+    );
+    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+    let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+    let tf = g.constant("timestep features", sh.b * SANA_FREQ, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
+    let te = "time_embed.emb.timestep_embedder";
+    let h = linear(
+        &mut g,
+        sh,
+        sg,
+        &format!("{te}.linear_1"),
+        tf,
+        sh.b,
+        sh.d,
+        SANA_FREQ,
+        None,
+    );
+    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+    g.bind(h);
+    let emb = linear(
+        &mut g,
+        sh,
+        sg,
+        &format!("{te}.linear_2"),
+        h,
+        sh.b,
+        sh.d,
+        sh.d,
+        None,
+    );
+    let emb = g.cast(&format!("emb→{ad}"), emb, ad);
+    g.bind(emb);
+    let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+    let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+    g.bind(se);
+    let t6 = linear(
+        &mut g,
+        sh,
+        sg,
+        "time_embed.linear",
+        se,
+        sh.b,
+        6 * sh.d,
+        sh.d,
+        None,
+    );
+    let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+    g.bind(t6);
+    let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
+    g.bind(cap);
+    let c1 = linear(
+        &mut g,
+        sh,
+        sg,
+        "caption_projection.linear_1",
+        cap,
+        trows,
+        sh.d,
+        sg.width,
+        None,
+    );
+    let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
+    let c2 = linear(
+        &mut g,
+        sh,
+        sg,
+        "caption_projection.linear_2",
+        act,
+        trows,
+        sh.d,
+        sh.d,
+        None,
+    );
+    let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
+    let y = super::flux::rms_norm(&mut g, sh, "caption_norm (fused)", c2, nw, sh.d);
+    // `caption_forward`'s locals live until it returns.
+    g.hold_until(&[c1, act, c2], y);
+    g.bind(y);
+    g.bind(x0);
+    (g, x0, t6, emb, y)
+}
+
+/// The output side and the loss on a leaf copy of the last block's output (PixArt's; the
+/// prediction's channel `narrow` is candle's no-op when `out_channels` = `in_channels`).
+/// Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let e = sh.e();
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", e, ad, true);
+    let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
+    let wd = sh.weight_dtype();
+    let table = g.weight("scale_shift_table", 2 * sh.d, wd, pg.lora.is_none(), ad);
+    let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
+    let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
+    let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
+    let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
+    let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+    let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+    let md = chunks(&mut g, "final modulation", ss, 2, bd);
+    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+    let out_el = rows * p2 * pg.c_out;
+    let y = linear(
+        &mut g,
+        sh,
+        pg,
+        "proj_out",
+        h,
+        rows,
+        p2 * pg.c_out,
+        sh.d,
+        None,
+    );
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+    let lat = rows * p2 * sh.c_in;
+    let pred = if out_el > lat {
+        g.view(
+            "ε channels",
+            Kind::Narrow {
+                pad_before: 0,
+                pad_after: out_el - lat,
+            },
+            img,
+            lat,
+        )
+    } else {
+        img
+    };
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", lat, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+/// Simulate Sana's three segments for a spec.
+pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
+    let sh = Shape::new(spec);
+    let ad = sh.ad();
+    let cd = sh.cd();
+    let ld = grad_dtype(sh.precision);
+
+    let (mut bg, leaf, _, _, out) = block(&sh, sg);
+    let fwd = forward_peak(&bg);
+    let root = seed(&mut bg, out);
+    let mut block_sim = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
+    block_sim.fwd_peak = fwd;
+    let (mut ug, uleaf, _, _, uout) = block(&sh, sg);
+    ug.nodes[uleaf].alloc = false;
+    block_sim.untracked_peak = untracked_peak(&ug, &[uout]);
+
+    let (fg, fleaf, froot) = final_graph(&sh, sg);
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
+
+    // Embed: its surrogate is Σ x0·gx + Σ t6·g6 + Σ emb·g_emb + Σ y·gy (the last in cd).
+    let (mut eg, x0, t6, emb, y) = embed_graph(&sh, sg);
+    let fwd = forward_peak(&eg);
+    let bd = sh.b * sh.d;
+    let yel = sh.b * sg.t * sh.d;
+    let gx = eg.constant("grad x0", sh.e(), ad, false);
+    let g6 = eg.constant("grad t6", 6 * bd, ad, false);
+    let ge = eg.constant("grad emb", bd, ad, false);
+    let gy = eg.constant("grad caption", yel, cd, false);
+    let n0 = eg.nodes.len();
+    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], sh.e(), ad);
+    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
+    let m2 = eg.op("t6·g6", Kind::Mul, &[t6, g6], 6 * bd, ad);
+    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
+    let a1 = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
+    let m3 = eg.op("emb·g_emb", Kind::Mul, &[emb, ge], bd, ad);
+    let s3 = eg.op("sum", Kind::Sum, &[m3], 1, ad);
+    let a2 = eg.op("+", Kind::Add, &[a1, s3], 1, ad);
+    let m4 = eg.op("y·gy", Kind::Mul, &[y, gy], yel, cd);
+    let s4 = eg.op("sum", Kind::Sum, &[m4], 1, cd);
+    let s4 = eg.cast(&format!("sum→{ad}"), s4, ad);
+    let r = eg.op("+", Kind::Add, &[a2, s4], 1, ad);
+    let root_nodes = eg.nodes.len() - n0;
+    let held = eg.bound();
+    let tail: Vec<Nid> = held
+        .iter()
+        .copied()
+        .filter(|&n| n != x0 && n != t6 && n != emb && n != y)
+        .collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
+    embed.fwd_peak = fwd;
+
+    let meta = TENSOR_META + STORAGE_META;
+    let leaves = (6 * bd + bd) * ad.size() + yel * cd.size() + 3 * meta;
+    let n_lat = sh.latent;
+    let text = sh.b * sg.text_elems();
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * SANA_FREQ * 8);
+    if cd != Dtype::F64 {
+        // The f64 caption made from the batch, freed once cast.
+        scratch = scratch.max(text * 8);
+    }
+    Sims {
+        embed,
+        block: block_sim,
+        final_layer,
+        c_leaf: leaves,
+        embed_scratch: scratch,
+        embed_tail,
+        cond_grad: (bd + 6 * bd + yel) * ld.size() + 3 * meta,
+        last_block: None,
+        second: None,
+    }
+}
+
+/// Sana's three segments (embed, block, final) as generic segments, for the op inventory of a
+/// `ditmem-cpu` budget; None for any other model.
+pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+    let sg = SanaGeo::of(spec)?;
+    let sh = Shape::new(spec);
+    Some([
+        to_segment(&embed_graph(&sh, &sg).0, "embed"),
+        to_segment(&block(&sh, &sg).0, "block"),
+        to_segment(&final_graph(&sh, &sg).0, "final"),
+    ])
+}

@@ -1,0 +1,150 @@
+//! Sana's block, caption side and output side (see the module docs of [`super`] for the tensor
+//! list), on the engine's fused ops. `cd` is the compute dtype of the matmuls and attention, `ad`
+//! the accumulation dtype of the residual stream, norms and modulation; every linear (and every
+//! 1×1 conv, as its (out, in) view) is one fused node ([`LinearW`]).
+
+use candle_core::{DType, Tensor};
+
+use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::error::Result;
+use crate::families::pixart::block::attn_keep;
+use crate::ops::attention::separate::attention;
+use crate::ops::dwconv::silu_dwconv3x3;
+use crate::ops::glu::glu_silu;
+use crate::ops::linear_attention::linear_attention;
+use crate::ops::rms_norm;
+use crate::ops::{gated_residual, gelu_tanh, ln_modulate};
+
+use super::params::CAPTION_NORM_EPS;
+
+/// The weights of one Sana block; `table` is its `scale_shift_table` (6, D) in `ad`. A linear
+/// without a bias in diffusers (attn1's q/k/v when `attention_bias` is false, `conv_point`)
+/// carries a zero bias made by the block ([`zero_bias`]).
+#[derive(Debug, Clone)]
+pub struct SanaBlockWeights {
+    pub table: Tensor,
+    pub q1: LinearW,
+    pub k1: LinearW,
+    pub v1: LinearW,
+    pub o1: LinearW,
+    pub q2: LinearW,
+    pub k2: LinearW,
+    pub v2: LinearW,
+    pub o2: LinearW,
+    pub conv_inverted: LinearW,
+    /// `conv_depth` weight (2H, 1, 3, 3) and bias (2H), as the fused linears read weights.
+    pub conv_depth: (Tensor, Tensor),
+    pub conv_point: LinearW,
+}
+
+/// The geometry a block reads beyond [`BlockConfig`].
+#[derive(Debug, Clone, Copy)]
+pub struct SanaBlockGeom {
+    /// The token grid (rows, cols) the depthwise conv runs on.
+    pub rows: usize,
+    pub cols: usize,
+    /// Cross-attention heads.
+    pub cross_heads: usize,
+}
+
+/// The zero bias (`n`) a bias-less linear of weight dtype `dt` reads: a constant of the block,
+/// freed when it returns.
+pub fn zero_bias(n: usize, dt: DType) -> Result<Tensor> {
+    Ok(Tensor::zeros(n, dt, &candle_core::Device::Cpu)?)
+}
+
+/// One Sana block: x (b, s, D) and t6 (b, 6D) in `ad`, the normed caption y (b·T, D) in `cd` →
+/// x (b, s, D) in `ad`. Every intermediate is a local until the block returns (the budget's
+/// twin binds the same tensors).
+pub fn sana_block_forward(
+    x: &Tensor,
+    t6: &Tensor,
+    y: &Tensor,
+    w: &SanaBlockWeights,
+    cfg: &BlockConfig,
+    geo: &SanaBlockGeom,
+) -> Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let keep = attn_keep(cfg.attn);
+    // (scale_shift_table[None] + timestep.reshape(b, 6, D)).chunk(6): one (b, 6D) sum.
+    let table = w.table.reshape((1, 6 * h))?;
+    let modv = t6.broadcast_add(&table)?;
+    let chunk = |i: usize| modv.narrow(1, i * h, h);
+    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
+    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+
+    // Linear self-attention.
+    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
+    let q = w.q1.forward(&h1)?;
+    let k = w.k1.forward(&h1)?;
+    let v = w.v1.forward(&h1)?;
+    let o = linear_attention(&q, &k, &v, b, cfg.heads)?;
+    let p = w.o1.forward(&o)?;
+    let x1 = gated_residual(x, &p, &gate_msa)?;
+
+    // Cross-attention to the caption (softmax; attn2 reads the stream without a norm).
+    let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
+    let q2 = w.q2.forward(&xq)?;
+    let k2 = w.k2.forward(y)?;
+    let v2 = w.v2.forward(y)?;
+    let o2 = attention(&q2, &k2, &v2, b, geo.cross_heads, keep)?;
+    let p2 = w.o2.forward(&o2)?;
+    let ones = Tensor::ones((b, h), ad, x.device())?;
+    let x2 = gated_residual(&x1, &p2, &ones)?;
+
+    // Mix-FFN (GLUMBConv) on the channels-last token rows.
+    let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
+    let f1 = w.conv_inverted.forward(&h2)?;
+    let (wd, bd) = &w.conv_depth;
+    let c2 = silu_dwconv3x3(&f1, wd, bd, geo.rows, geo.cols)?;
+    let gl = glu_silu(&c2)?;
+    let f2 = w.conv_point.forward(&gl)?;
+    Ok(gated_residual(&x2, &f2, &gate_mlp)?)
+}
+
+/// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.
+#[derive(Debug, Clone)]
+pub struct SanaFinalWeights {
+    pub table: Tensor,
+    pub proj_out: LinearW,
+}
+
+/// `norm_out` (SanaModulatedNorm: LayerNorm, `(table[None] + emb[:, None]).chunk(2)`
+/// modulation) + `proj_out`: x (b, s, D) and the embedded timestep (b, D) in `ad` →
+/// (b·s, p²·C_out) in `ad`. PixArt's output side.
+pub fn final_forward(
+    x: &Tensor,
+    emb: &Tensor,
+    w: &SanaFinalWeights,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
+    crate::families::pixart::final_forward(
+        x,
+        emb,
+        &crate::families::pixart::PixartFinalWeights {
+            table: w.table.clone(),
+            proj_out: w.proj_out.clone(),
+        },
+        cd,
+        ad,
+    )
+}
+
+/// `caption_projection` (PixArtAlphaTextProjection: linear_1, GELU-tanh, linear_2) and
+/// `caption_norm` (RMSNorm with a weight, eps 1e-5).
+#[derive(Debug, Clone)]
+pub struct SanaCaptionWeights {
+    pub linear_1: LinearW,
+    pub linear_2: LinearW,
+    pub norm: Tensor,
+}
+
+/// The Gemma states (b·T, C) in `cd` → the normed caption (b·T, D) in `cd`.
+pub fn caption_forward(cap: &Tensor, w: &SanaCaptionWeights) -> Result<Tensor> {
+    let c1 = w.linear_1.forward(cap)?;
+    let g = gelu_tanh(&c1)?;
+    let c2 = w.linear_2.forward(&g)?;
+    Ok(rms_norm(&c2, &w.norm, CAPTION_NORM_EPS)?)
+}

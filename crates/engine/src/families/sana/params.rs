@@ -1,0 +1,272 @@
+//! Sana's geometry beyond [`Dims`] and its parameter inventory, named and ordered as the
+//! budget's table (`ditmem_budget::denoiser::param_table`, `families/sana.rs`).
+//!
+//! Initialisation (drawn in f64 from the seed and the name, as for PixArt): linears and convs
+//! xavier-uniform over their (out, rest) view with zero biases; the timestep MLP,
+//! `time_embed.linear` and `proj_out` normal(0, 0.02); every `scale_shift_table` randn / √D
+//! (diffusers' init); `caption_norm` ones.
+
+use ditmem_budget::{SanaDims, Spec};
+
+use crate::error::{EngineError, Result};
+use crate::model::{Dims, Init, ParamShape};
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const SANA_FREQ: usize = 256;
+
+/// `caption_norm`'s epsilon (`RMSNorm(inner_dim, eps=1e-5, elementwise_affine=True)`).
+pub const CAPTION_NORM_EPS: f64 = 1e-5;
+
+/// What a Sana step needs beyond [`Dims`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SanaGeom {
+    /// Caption tokens T (`workload.text_tokens`, else the family's default).
+    pub text_tokens: usize,
+    /// Width of the cached Gemma states (`caption_channels`).
+    pub text_width: usize,
+    /// `out_channels` of the config.
+    pub out_channels: usize,
+    /// Cross-attention heads and their inner width (heads × head size).
+    pub cross_heads: usize,
+    pub cross_width: usize,
+    /// GLUMBConv hidden channels H (`int(mlp_ratio · D)`; the inverted conv makes 2H).
+    pub mlp_hidden: usize,
+    /// Whether attn1's to_q / to_k / to_v have biases (`attention_bias`).
+    pub qkv_bias: bool,
+    /// LoRA: the rank and the module names it adapts (PEFT's matching: a module's full name
+    /// equals a key or ends with `.key`); None trains the full model.
+    pub lora: Option<(usize, Vec<String>)>,
+}
+
+impl SanaGeom {
+    /// Whether LoRA adapts the linear `module` (its full name).
+    pub fn adapts(&self, module: &str) -> bool {
+        self.lora.as_ref().is_some_and(|(_, keys)| {
+            keys.iter()
+                .any(|k| ditmem_budget::denoiser::matches_module(module, k))
+        })
+    }
+}
+
+impl SanaGeom {
+    /// Checks what the engine runs of a Sana config and reads its geometry.
+    pub fn new(spec: &Spec, d: &SanaDims) -> Result<SanaGeom> {
+        if d.qk_norm {
+            return Err(EngineError::unsupported(
+                "model.diffusers.qk_norm",
+                "the q/k RMSNorms of Sana 1.5 are not in the engine yet; use qk_norm = null",
+            ));
+        }
+        if d.pos_embed {
+            return Err(EngineError::unsupported(
+                "model.diffusers.interpolation_scale",
+                "Sana's sin-cos position table is not in the engine yet; use \
+                 interpolation_scale = null",
+            ));
+        }
+        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+            return Err(EngineError::unsupported(
+                "model.attn_dropout / model.mlp_dropout with a Sana model",
+                "Sana trains without dropout in the engine; set both to 0",
+            ));
+        }
+        let fm = ditmem_budget::denoiser::family(spec)?
+            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
+        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
+        let t = match tokens.as_slice() {
+            [t] if *t > 0 => *t as usize,
+            other => {
+                return Err(EngineError::bad_input(
+                    "workload.text_tokens",
+                    format!("{other:?}; allowed: one positive count (the Gemma caption)"),
+                ))
+            }
+        };
+        Ok(SanaGeom {
+            text_tokens: t,
+            text_width: d.caption_channels as usize,
+            out_channels: d.out_channels as usize,
+            cross_heads: d.num_cross_attention_heads as usize,
+            cross_width: (d.num_cross_attention_heads * d.cross_attention_head_dim) as usize,
+            mlp_hidden: d.mlp_hidden() as usize,
+            qkv_bias: d.attention_bias,
+            lora: spec
+                .recipe
+                .lora
+                .as_ref()
+                .map(|l| (l.rank as usize, ditmem_budget::denoiser::lora_modules(spec))),
+        })
+    }
+}
+
+/// PEFT's names of the LoRA factors of the linear `module`: A (r × in), B (out × r).
+pub fn lora_names(module: &str) -> [String; 2] {
+    [
+        format!("{module}.lora_A.default.weight"),
+        format!("{module}.lora_B.default.weight"),
+    ]
+}
+
+/// Every tensor of the Sana model of `spec`, in the budget's table order. Under LoRA the base
+/// is frozen and each adapted linear weight is followed by its A (uniform ±1/√in, PEFT's
+/// kaiming-uniform with a = √5) and B (zeros).
+pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
+    let h = d.hidden;
+    let table_init = Init::Normal(1.0 / (h as f64).sqrt());
+    let small = Init::Normal(0.02);
+    let xav = Init::XavierUniform;
+    let mut v = Vec::new();
+    let base = g.lora.is_none();
+    let mut push = |name: String, shape: Vec<usize>, init: Init| {
+        let module = name.strip_suffix(".weight").map(str::to_string);
+        let lora = match (&module, &g.lora) {
+            (Some(m), Some((r, _))) if shape.len() == 2 && g.adapts(m) => {
+                Some((lora_names(m), *r, shape[0], shape[1]))
+            }
+            _ => None,
+        };
+        v.push(ParamShape {
+            name,
+            shape,
+            init,
+            trainable: base,
+        });
+        if let Some(([a, b], r, out, inp)) = lora {
+            let bound = 1.0 / (inp as f64).sqrt();
+            for (name, shape, init) in [
+                (a, vec![r, inp], Init::Uniform(bound)),
+                (b, vec![out, r], Init::Zeros),
+            ] {
+                v.push(ParamShape {
+                    name,
+                    shape,
+                    init,
+                    trainable: true,
+                });
+            }
+        }
+    };
+    let linear =
+        |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, shape: Vec<usize>, w, bias| {
+            let out = shape[0];
+            push(format!("{p}.weight"), shape, w);
+            if bias {
+                push(format!("{p}.bias"), vec![out], Init::Zeros);
+            }
+        };
+    push("scale_shift_table".into(), vec![2, h], table_init);
+    let p = d.patch;
+    linear(
+        &mut push,
+        "patch_embed.proj",
+        vec![h, d.in_channels, p, p],
+        xav,
+        true,
+    );
+    let te = "time_embed.emb.timestep_embedder";
+    linear(
+        &mut push,
+        &format!("{te}.linear_1"),
+        vec![h, SANA_FREQ],
+        small,
+        true,
+    );
+    linear(
+        &mut push,
+        &format!("{te}.linear_2"),
+        vec![h, h],
+        small,
+        true,
+    );
+    linear(&mut push, "time_embed.linear", vec![6 * h, h], small, true);
+    let c = g.text_width;
+    linear(
+        &mut push,
+        "caption_projection.linear_1",
+        vec![h, c],
+        xav,
+        true,
+    );
+    linear(
+        &mut push,
+        "caption_projection.linear_2",
+        vec![h, h],
+        xav,
+        true,
+    );
+    push("caption_norm.weight".into(), vec![h], Init::Ones);
+    let (dc, hid) = (g.cross_width, g.mlp_hidden);
+    for i in 0..d.depth {
+        let b = format!("transformer_blocks.{i}");
+        push(format!("{b}.scale_shift_table"), vec![6, h], table_init);
+        for n in ["to_q", "to_k", "to_v"] {
+            linear(
+                &mut push,
+                &format!("{b}.attn1.{n}"),
+                vec![h, h],
+                xav,
+                g.qkv_bias,
+            );
+        }
+        linear(
+            &mut push,
+            &format!("{b}.attn1.to_out.0"),
+            vec![h, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_q"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_k"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_v"),
+            vec![dc, h],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{b}.attn2.to_out.0"),
+            vec![h, dc],
+            xav,
+            true,
+        );
+        let ff = format!("{b}.ff");
+        linear(
+            &mut push,
+            &format!("{ff}.conv_inverted"),
+            vec![2 * hid, h, 1, 1],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{ff}.conv_depth"),
+            vec![2 * hid, 1, 3, 3],
+            xav,
+            true,
+        );
+        linear(
+            &mut push,
+            &format!("{ff}.conv_point"),
+            vec![h, hid, 1, 1],
+            xav,
+            false,
+        );
+    }
+    let out = d.patch * d.patch * g.out_channels;
+    linear(&mut push, "proj_out", vec![out, h], small, true);
+    v
+}

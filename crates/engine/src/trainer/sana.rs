@@ -1,0 +1,342 @@
+//! Sana's segments for the family schedule ([`super::family`]).
+//!
+//! Embed: the patch embedding (the one stream; no position table), the timestep MLP (the
+//! embedded timestep, (b, D)), `time_embed.linear` on its SiLU (the (b, 6D) block modulation)
+//! and the caption projection + `caption_norm` (b·T, D) in the compute dtype. The conditioning
+//! is `[t6, emb, y]`: blocks read t6 and y, the final layer emb.
+//!
+//! A linear without a bias in diffusers (attn1's q/k/v unless `attention_bias`, `conv_point`)
+//! runs as the fused linear on a zero bias that the block's weights share ([`zero_bias`]); its
+//! weight's gradient goes to a sink that takes dW only.
+
+use candle_core::Tensor;
+
+use super::family::{Embedded, FamilyStep};
+use super::LinearIdx;
+use super::{cast, Trainer};
+use crate::block::LinearW;
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::families::sana::params::lora_names;
+use crate::families::sana::{
+    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
+    SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
+};
+use crate::model::{patchify, timestep_features, unpatchify};
+
+/// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Lin {
+    w: usize,
+    b: Option<usize>,
+    lora: Option<(usize, usize)>,
+}
+
+/// Where one Sana block's parameters sit: the table, then attn1's q, k, v, out, attn2's q, k,
+/// v, out, `conv_inverted`, `conv_point` (in `lin`), and `conv_depth`'s weight and bias.
+#[derive(Debug, Clone)]
+pub(super) struct SanaBlockIdx {
+    table: usize,
+    lin: [Lin; 10],
+    depth: (usize, usize),
+}
+
+/// The linears of a block in `SanaBlockIdx::lin` order (diffusers names).
+const BLOCK_LINEARS: [&str; 10] = [
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ff.conv_inverted",
+    "ff.conv_point",
+];
+
+/// Where Sana's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+pub(super) struct SanaLayout {
+    patch: LinearIdx,
+    t1: LinearIdx,
+    t2: LinearIdx,
+    adaln: LinearIdx,
+    caption: [LinearIdx; 2],
+    caption_norm: usize,
+    blocks: Vec<SanaBlockIdx>,
+    final_table: usize,
+    proj_out: LinearIdx,
+    geom: SanaGeom,
+    grid: (usize, usize),
+}
+
+impl SanaLayout {
+    pub(super) fn new(
+        idx: &dyn Fn(&str) -> Result<usize>,
+        has: &dyn Fn(&str) -> bool,
+        dims: &crate::model::Dims,
+        geom: SanaGeom,
+    ) -> Result<SanaLayout> {
+        // A linear by module name, with PEFT's LoRA factor names.
+        let any = |m: &str| -> Result<Lin> {
+            let bias = format!("{m}.bias");
+            let [a, b] = lora_names(m);
+            Ok(Lin {
+                w: idx(&format!("{m}.weight"))?,
+                b: if has(&bias) { Some(idx(&bias)?) } else { None },
+                lora: if has(&a) {
+                    Some((idx(&a)?, idx(&b)?))
+                } else {
+                    None
+                },
+            })
+        };
+        // One with a bias.
+        let lin = |m: &str| -> Result<LinearIdx> {
+            let l = any(m)?;
+            Ok(LinearIdx {
+                w: l.w,
+                b: l.b.ok_or_else(|| {
+                    EngineError::bad_input("parameter", format!("'{m}.bias' is missing"))
+                })?,
+                lora: l.lora,
+            })
+        };
+        let mut blocks = Vec::with_capacity(dims.depth);
+        for i in 0..dims.depth {
+            let b = format!("transformer_blocks.{i}");
+            let mut l = [Lin {
+                w: 0,
+                b: None,
+                lora: None,
+            }; 10];
+            for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
+                *slot = any(&format!("{b}.{name}"))?;
+            }
+            blocks.push(SanaBlockIdx {
+                table: idx(&format!("{b}.scale_shift_table"))?,
+                lin: l,
+                depth: (
+                    idx(&format!("{b}.ff.conv_depth.weight"))?,
+                    idx(&format!("{b}.ff.conv_depth.bias"))?,
+                ),
+            });
+        }
+        let te = "time_embed.emb.timestep_embedder";
+        Ok(SanaLayout {
+            patch: lin("patch_embed.proj")?,
+            t1: lin(&format!("{te}.linear_1"))?,
+            t2: lin(&format!("{te}.linear_2"))?,
+            adaln: lin("time_embed.linear")?,
+            caption: [
+                lin("caption_projection.linear_1")?,
+                lin("caption_projection.linear_2")?,
+            ],
+            caption_norm: idx("caption_norm.weight")?,
+            blocks,
+            final_table: idx("scale_shift_table")?,
+            proj_out: lin("proj_out")?,
+            geom,
+            grid: (dims.rows, dims.cols),
+        })
+    }
+
+    /// Every linear with a bias.
+    pub(super) fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
+        v.extend(self.caption);
+        for b in &self.blocks {
+            for l in &b.lin {
+                if let Some(bi) = l.b {
+                    v.push(LinearIdx {
+                        w: l.w,
+                        b: bi,
+                        lora: l.lora,
+                    });
+                }
+            }
+        }
+        v.push(self.proj_out);
+        v
+    }
+
+    /// The weights of the linears without a bias (their sinks take dW only).
+    pub(super) fn weight_only(&self) -> Vec<usize> {
+        self.blocks
+            .iter()
+            .flat_map(|b| b.lin.iter().filter(|l| l.b.is_none()).map(|l| l.w))
+            .collect()
+    }
+}
+
+impl Trainer {
+    /// A linear of a Sana block; a bias-less one reads `zero` (D) as its bias.
+    fn sana_linear(&self, l: Lin, zero: &Tensor, track: bool) -> Result<LinearW> {
+        match l.b {
+            Some(b) => self.linear(
+                LinearIdx {
+                    w: l.w,
+                    b,
+                    lora: l.lora,
+                },
+                track,
+            ),
+            None => {
+                // As `Trainer::linear`: the adapters (cast to the compute dtype) first.
+                let lora = match l.lora {
+                    Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
+                    None => None,
+                };
+                let sink = if track {
+                    self.sinks[l.w]
+                        .as_ref()
+                        .map(|(s, _)| std::sync::Arc::clone(s))
+                } else {
+                    None
+                };
+                let w = self.linear_weight(l.w, track)?;
+                let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
+                Ok(LinearW {
+                    w,
+                    b: zero.clone(),
+                    lora,
+                    sink,
+                })
+            }
+        }
+    }
+
+    fn sana_block_weights(&self, b: &SanaBlockIdx, track: bool) -> Result<SanaBlockWeights> {
+        // One zero bias (D) for every bias-less linear of the block (all write D).
+        let wdt = self.linear_weight(b.lin[3].w, false)?.dtype();
+        let zero = zero_bias(self.dims.hidden, wdt)?;
+        let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
+        Ok(SanaBlockWeights {
+            table: cast(self.raw_weight(b.table, track), self.cfg.accum)?,
+            q1: l(0)?,
+            k1: l(1)?,
+            v1: l(2)?,
+            o1: l(3)?,
+            q2: l(4)?,
+            k2: l(5)?,
+            v2: l(6)?,
+            o2: l(7)?,
+            conv_inverted: l(8)?,
+            conv_depth: (
+                self.linear_weight(b.depth.0, track)?,
+                self.linear_weight(b.depth.1, track)?,
+            ),
+            conv_point: l(9)?,
+        })
+    }
+}
+
+fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+impl FamilyStep for SanaLayout {
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let b = mb.n;
+        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
+            return Err(EngineError::bad_input(
+                "batch text",
+                format!(
+                    "{} tokens of width {}; this model reads {} of width {}",
+                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
+                ),
+            ));
+        }
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
+        let xp = cast(patchify(&xt, &d)?, cd)?;
+        drop(xt);
+        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
+        let tf = cast(
+            timestep_features(&mb.timesteps, SANA_FREQ, ad, &tr.dev)?,
+            cd,
+        )?;
+        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
+        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
+        let se = cast(emb.silu()?, cd)?;
+        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let y = caption_forward(
+            &cap,
+            &SanaCaptionWeights {
+                linear_1: tr.linear(self.caption[0], true)?,
+                linear_2: tr.linear(self.caption[1], true)?,
+                norm: tr.linear_weight(self.caption_norm, true)?,
+            },
+        )?;
+        Ok(Embedded {
+            streams: vec![x0],
+            conds: vec![t6, emb, y],
+            hold: vec![xp, tf, t1, se, cap],
+        })
+    }
+
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let w = tr.sana_block_weights(&self.blocks[i], track)?;
+        let geo = SanaBlockGeom {
+            rows: self.grid.0,
+            cols: self.grid.1,
+            cross_heads: self.geom.cross_heads,
+        };
+        let out = sana_block_forward(&x[0], &c[0], &c[2], &w, &tr.cfg, &geo)?;
+        Ok(vec![out])
+    }
+
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let d = tr.dims;
+        let fw = SanaFinalWeights {
+            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
+            proj_out: tr.linear(self.proj_out, true)?,
+        };
+        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
+        drop(fw);
+        Ok(pred)
+    }
+
+    fn embed_params(&self) -> Vec<usize> {
+        let mut embed = vec![self.patch, self.t1, self.t2, self.adaln];
+        embed.extend(self.caption);
+        let mut idx = params_of(&embed);
+        idx.push(self.caption_norm);
+        idx
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let blk = &self.blocks[i];
+        let mut idx = vec![blk.table, blk.depth.0, blk.depth.1];
+        for l in &blk.lin {
+            idx.push(l.w);
+            idx.extend(l.b);
+            if let Some((a, b)) = l.lora {
+                idx.extend([a, b]);
+            }
+        }
+        idx
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        let mut idx = Trainer::linear_params(&self.proj_out);
+        idx.push(self.final_table);
+        idx
+    }
+}
