@@ -13,6 +13,10 @@
 //!   trainer instead of candle's store (no `zeros_like` + `add` per weight).
 //! - [`attention`]: [`qkv_attention`], attention read in place from the qkv projection, keeping
 //!   P, nothing or the log-sum-exp; with the composed reference [`attention_materialized`].
+//! - [`rms_norm`](mod@rms_norm): RMSNorm over the last dimension with an optional weight,
+//!   keeping one rstd per row (q/k norms).
+//! - [`rope`](mod@rope): rotary embedding of interleaved pairs by (s, d_h/2) tables, keeping
+//!   nothing.
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
@@ -35,6 +39,8 @@ pub mod gated_residual;
 pub mod gelu;
 pub mod linear;
 pub mod ln_modulate;
+pub mod rms_norm;
+pub mod rope;
 pub(crate) mod storage;
 pub mod sum_squares;
 
@@ -50,4 +56,6 @@ pub use linear::{
     LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
+pub use rms_norm::{rms_norm, RmsNorm};
+pub use rope::{rope, Rope};
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};
