@@ -41,6 +41,7 @@ use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
+mod family;
 mod pixart;
 
 /// Candle dtype of a spec dtype.
@@ -739,7 +740,7 @@ impl Trainer {
             rec.enter(Phase::Forward);
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
-                Layout::Pixart(l) => self.pixart_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -48,7 +48,7 @@ pub use attention::{
     attention_materialized, attn_threads, dropout_mask, qkv_attention, AttnGeom, AttnKeep, Dropout,
     QkvAttention, ATTN_KEY_BLOCK,
 };
-pub use backward_from::backward_from;
+pub use backward_from::{backward_from, backward_from_many};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
 pub use linear::{

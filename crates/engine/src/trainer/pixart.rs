@@ -1,16 +1,15 @@
-//! The PixArt microbatch: the DiT's schedule ([`super`]) on PixArt's segments.
+//! PixArt's segments for the family schedule ([`super::family`]).
 //!
-//! Embed (kept until the end of the backward): patch embedding + the sin-cos table, the
-//! timestep MLP (the embedded timestep, (b, D)), `adaln_single.linear` on its SiLU (the (b, 6D)
-//! block modulation) and the caption projection (b·T, D) in the compute dtype. The three enter
-//! the blocks and the final layer as leaf copies (`t6`, `emb`, `y`) whose gradients are summed
-//! over the segments that read them (in the gradient dtype, from zeros made after the final
-//! layer's backward) and backpropagated through the embedders with one surrogate at the end.
+//! Embed: patch embedding + the sin-cos table (the one stream), the timestep MLP (the embedded
+//! timestep, (b, D)), `adaln_single.linear` on its SiLU (the (b, 6D) block modulation) and the
+//! caption projection (b·T, D) in the compute dtype. The conditioning is `[t6, emb, y]`: blocks
+//! read t6 and y, the final layer emb.
 
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
+use super::family::{Embedded, FamilyStep};
 use super::LinearIdx;
-use super::{cast, grad_dtype, Saved, Trainer};
+use super::{cast, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::pixart::params::PIXART_FREQ;
@@ -18,7 +17,6 @@ use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
-use crate::measure::{Phase, Recorder};
 use crate::model::{patchify, timestep_features, unpatchify};
 
 /// Where one PixArt block's parameters sit.
@@ -118,210 +116,105 @@ impl Trainer {
             fc2: l(9)?,
         })
     }
+}
 
-    pub(super) fn pixart_microbatch(
-        &mut self,
-        lay: &PixartLayout,
-        mb: &Batch,
-        micro: usize,
-        accum: usize,
-        rec: &mut Recorder<'_>,
-    ) -> Result<f64> {
-        let tag = |what: String| {
-            if accum > 1 {
-                format!("microbatch {micro}: {what}")
-            } else {
-                what
-            }
-        };
-        let d = self.dims;
-        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
-        let ld = grad_dtype(self.precision);
+fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+impl FamilyStep for PixartLayout {
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        let t_tokens = lay.geom.text_tokens;
-        if mb.text_tokens != t_tokens || mb.text_width != lay.geom.text_width {
+        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
             return Err(EngineError::bad_input(
                 "batch text",
                 format!(
                     "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, t_tokens, lay.geom.text_width
+                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
                 ),
             ));
         }
-
-        // Embed segment (kept until the end of the backward).
-        let xt = mb.noisy(&self.acp, ad, &self.dev)?;
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);
-        let xe = self.linear(lay.patch, true)?.forward(&xp)?;
-        let pos = self.raw_weight(lay.pos, true);
+        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let pos = tr.raw_weight(self.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
         let tf = cast(
-            timestep_features(&mb.timesteps, PIXART_FREQ, ad, &self.dev)?,
+            timestep_features(&mb.timesteps, PIXART_FREQ, ad, &tr.dev)?,
             cd,
         )?;
-        let t1 = self.linear(lay.t1, true)?.forward(&tf)?.silu()?;
-        let emb = cast(self.linear(lay.t2, true)?.forward(&t1)?, ad)?;
+        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
+        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
         let se = cast(emb.silu()?, cd)?;
-        let t6 = cast(self.linear(lay.adaln, true)?.forward(&se)?, ad)?;
-        let cap = mb.text_tensor(cd, &self.dev)?;
-        let y = match &lay.caption {
+        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let y = match &self.caption {
             Some([l1, l2]) => caption_forward(
                 &cap,
                 &CaptionWeights {
-                    linear_1: self.linear(*l1, true)?,
-                    linear_2: self.linear(*l2, true)?,
+                    linear_1: tr.linear(*l1, true)?,
+                    linear_2: tr.linear(*l2, true)?,
                 },
             )?,
             None => cap.clone(),
         };
-        let t6_leaf = Var::from_tensor(&t6.detach())?;
-        let emb_leaf = Var::from_tensor(&emb.detach())?;
-        let y_leaf = Var::from_tensor(&y.detach())?;
-        rec.mark(tag("embed".into()));
+        Ok(Embedded {
+            streams: vec![x0],
+            conds: vec![t6, emb, y],
+            hold: vec![xp, pos, tf, t1, se, cap],
+        })
+    }
 
-        // Blocks.
-        let mut saved: Vec<Saved> = Vec::with_capacity(d.depth);
-        let mut cur = x0.clone();
-        for i in 0..d.depth {
-            if self.spec.recipe.recompute.recomputes_block(i as u32) {
-                let input = cur.detach();
-                let w = self.pixart_block_weights(&lay.blocks[i], false)?;
-                cur = pixart_block_forward(
-                    &input,
-                    &t6_leaf.as_detached_tensor(),
-                    &y_leaf.as_detached_tensor(),
-                    &w,
-                    &self.cfg,
-                )?;
-                saved.push(Saved::Recompute { input });
-            } else {
-                let leaf = Var::from_tensor(&cur.detach())?;
-                let w = self.pixart_block_weights(&lay.blocks[i], true)?;
-                let out = pixart_block_forward(
-                    leaf.as_tensor(),
-                    t6_leaf.as_tensor(),
-                    y_leaf.as_tensor(),
-                    &w,
-                    &self.cfg,
-                )?;
-                cur = out.clone();
-                saved.push(Saved::Stored { leaf, out });
-            }
-            rec.mark(tag(format!("block {i}")));
-        }
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
 
-        // Output side and loss.
-        let final_leaf = Var::from_tensor(&cur.detach())?;
-        drop(cur);
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let w = tr.pixart_block_weights(&self.blocks[i], track)?;
+        let out = pixart_block_forward(&x[0], &c[0], &c[2], &w, &tr.cfg)?;
+        Ok(vec![out])
+    }
+
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let d = tr.dims;
         let fw = PixartFinalWeights {
-            table: self.table_weight(lay.final_table, true)?,
-            proj_out: self.linear(lay.proj_out, true)?,
+            table: tr.table_weight(self.final_table, true)?,
+            proj_out: tr.linear(self.proj_out, true)?,
         };
-        let pred = {
-            let out = final_forward(final_leaf.as_tensor(), emb_leaf.as_tensor(), &fw, cd, ad)?;
-            unpatchify(&out, b, &d)?.narrow(1, 0, d.in_channels)?
-        };
+        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
         drop(fw);
-        let pred = cast(pred, ld)?;
-        let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
-        let loss = (pred - target)?.sqr()?.mean_all()?;
-        let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-        rec.mark(tag("final".into()));
+        Ok(pred)
+    }
 
-        rec.enter(Phase::Backward);
-        let factor = self.grad_scale / accum as f64;
-        let grads = loss.affine(factor, 0.0)?.backward()?;
-        drop(loss);
-        let mut final_params = Self::linear_params(&lay.proj_out);
-        final_params.push(lay.final_table);
-        self.accumulate(&final_params, &grads)?;
-        let mut gx = grads
-            .get(final_leaf.as_tensor())
-            .map(Tensor::detach)
-            .ok_or_else(|| {
-                EngineError::bad_input("backward", "no gradient reached the final layer input")
-            })?;
-        let g_emb = match grads.get(emb_leaf.as_tensor()) {
-            Some(g) => cast(g.detach(), ld)?,
-            None => Tensor::zeros((b, d.hidden), ld, &self.dev)?,
-        };
-        drop(grads);
-        drop(final_leaf);
-        let mut g6 = Tensor::zeros((b, 6 * d.hidden), ld, &self.dev)?;
-        let mut gy = Tensor::zeros((b * t_tokens, d.hidden), ld, &self.dev)?;
-        rec.mark(tag("final".into()));
+    fn embed_params(&self) -> Vec<usize> {
+        let mut embed = vec![self.patch, self.t1, self.t2, self.adaln];
+        embed.extend(self.caption.iter().flatten().copied());
+        params_of(&embed)
+    }
 
-        for i in (0..d.depth).rev() {
-            let s = saved
-                .pop()
-                .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
-            let (leaf, out) = match s {
-                Saved::Stored { leaf, out } => (leaf, out),
-                Saved::Recompute { input } => {
-                    let leaf = Var::from_tensor(&input)?;
-                    drop(input);
-                    let w = self.pixart_block_weights(&lay.blocks[i], true)?;
-                    let out = pixart_block_forward(
-                        leaf.as_tensor(),
-                        t6_leaf.as_tensor(),
-                        y_leaf.as_tensor(),
-                        &w,
-                        &self.cfg,
-                    )?;
-                    (leaf, out)
-                }
-            };
-            let grads = crate::ops::backward_from(&out, &gx)?;
-            drop(out);
-            let blk = &lay.blocks[i];
-            let mut idx = vec![blk.table];
-            for l in &blk.lin {
-                idx.extend(Self::linear_params(l));
-            }
-            self.accumulate(&idx, &grads)?;
-            gx = grads
-                .get(leaf.as_tensor())
-                .map(Tensor::detach)
-                .ok_or_else(|| {
-                    EngineError::bad_input(
-                        "backward",
-                        format!("no gradient reached block {i}'s input"),
-                    )
-                })?;
-            if let Some(g) = grads.get(t6_leaf.as_tensor()) {
-                g6 = (g6 + cast(g.detach(), ld)?)?;
-            }
-            if let Some(g) = grads.get(y_leaf.as_tensor()) {
-                gy = (gy + cast(g.detach(), ld)?)?;
-            }
-            drop(grads);
-            drop(leaf);
-            rec.mark(tag(format!("block {i}")));
-        }
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let blk = &self.blocks[i];
+        let mut idx = vec![blk.table];
+        idx.extend(params_of(&blk.lin));
+        idx
+    }
 
-        // Embed segment backward: one surrogate over the four outputs.
-        let (g6, g_emb, gy) = (cast(g6, ad)?, cast(g_emb, ad)?, cast(gy, cd)?);
-        let dt = x0.dtype();
-        let sur = (((x0.mul(&gx)?.sum_all()? + t6.mul(&g6)?.sum_all()?)?
-            + emb.mul(&g_emb)?.sum_all()?)?
-            + cast(y.mul(&gy)?.sum_all()?, dt)?)?;
-        let grads = sur.backward()?;
-        drop(sur);
-        let mut idx = Vec::new();
-        let mut embed = vec![lay.patch, lay.t1, lay.t2, lay.adaln];
-        embed.extend(lay.caption.iter().flatten().copied());
-        for l in &embed {
-            idx.extend(Self::linear_params(l));
-        }
-        self.accumulate(&idx, &grads)?;
-        drop(grads);
-        // The conditioning leaves go with the embed's outputs (the budget frees them together).
-        drop((x0, t6, emb, y, gx, g6, g_emb, gy));
-        drop((t6_leaf, emb_leaf, y_leaf));
-        rec.mark(tag("embed".into()));
-        Ok(loss_value)
+    fn final_params(&self) -> Vec<usize> {
+        let mut idx = Trainer::linear_params(&self.proj_out);
+        idx.push(self.final_table);
+        idx
     }
 }

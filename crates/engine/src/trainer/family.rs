@@ -1,0 +1,238 @@
+//! The microbatch of a diffusers family: the DiT's schedule ([`super`]) over a family's three
+//! kinds of segment, which the family supplies through [`FamilyStep`].
+//!
+//! - **Embed** (kept until the end of the backward): the family's embedders produce the residual
+//!   streams entering block 0 and the conditioning tensors (embedded timestep, block modulation,
+//!   projected caption, RoPE tables …). Each conditioning tensor enters the blocks and the final
+//!   layer as a shared leaf copy; its gradient is summed over the segments that read it (in the
+//!   gradient dtype, from zeros made after the final layer's backward when the final layer does
+//!   not read it) and backpropagated through the embedders with one surrogate at the end.
+//! - **Blocks**, stored or recomputed as the recipe says. A block reads one or more streams
+//!   (PixArt one; a joint-attention block two: text and image) and returns one or more: the
+//!   count may change from block to block (Flux's single-stream blocks after its double-stream
+//!   ones, SD3's last `context_pre_only` block).
+//! - **Final**: the output side and the loss on leaf copies of the last streams.
+//!
+//! The order of every allocation and free here is what the `ditmem-cpu` budget replays
+//! (`ditmem_budget::runtime::ditmem_cpu::step`): change one only with its twin.
+
+use candle_core::{Tensor, Var};
+
+use super::{cast, grad_dtype, Trainer};
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::measure::{Phase, Recorder};
+
+/// What a family's embed segment hands the blocks.
+pub(super) struct Embedded {
+    /// The residual streams entering block 0 (tracked: the embed's graph).
+    pub streams: Vec<Tensor>,
+    /// Tensors every block and the final layer may read; each becomes one shared leaf.
+    pub conds: Vec<Tensor>,
+    /// Locals of the embed that live until the microbatch returns (inputs and casts the
+    /// embed's graph references), so the step frees them where the budget does.
+    pub hold: Vec<Tensor>,
+}
+
+/// A family's segments for [`Trainer::family_microbatch`].
+pub(super) trait FamilyStep {
+    /// The embed segment, tracked (its graph stays until the embed backward).
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded>;
+    /// Number of blocks.
+    fn depth(&self) -> usize;
+    /// Block `i` on the streams `x` with the conditioning leaves `c`; `track` is false for the
+    /// untracked forward of a recomputed block (detached weights).
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>>;
+    /// The output side on the last streams: the prediction in the latents' layout, accumulation
+    /// dtype. Its weights are dropped before it returns.
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor>;
+    /// Parameter indices of the embed segment, of block `i`, of the final layer.
+    fn embed_params(&self) -> Vec<usize>;
+    fn block_params(&self, i: usize) -> Vec<usize>;
+    fn final_params(&self) -> Vec<usize>;
+}
+
+/// What the forward keeps of a block until its backward.
+enum SavedStreams {
+    /// The leaves the block ran on and its outputs (holding the block's graph).
+    Stored { leaves: Vec<Var>, outs: Vec<Tensor> },
+    /// The block's inputs only (sharing storage with the previous outputs).
+    Recompute { inputs: Vec<Tensor> },
+}
+
+fn leaves_of(xs: &[Tensor]) -> Result<Vec<Var>> {
+    Ok(xs
+        .iter()
+        .map(|x| Var::from_tensor(&x.detach()))
+        .collect::<candle_core::Result<Vec<_>>>()?)
+}
+
+fn tensors(vs: &[Var]) -> Vec<Tensor> {
+    vs.iter().map(|v| v.as_tensor().clone()).collect()
+}
+
+fn detached(vs: &[Var]) -> Vec<Tensor> {
+    vs.iter().map(|v| v.as_detached_tensor()).collect()
+}
+
+/// The gradients of `leaves` in `grads`, detached; an error naming `what` for a leaf no
+/// gradient reached.
+fn leaf_grads(
+    grads: &candle_core::backprop::GradStore,
+    leaves: &[Var],
+    what: &str,
+) -> Result<Vec<Tensor>> {
+    leaves
+        .iter()
+        .map(|l| {
+            grads.get(l.as_tensor()).map(Tensor::detach).ok_or_else(|| {
+                EngineError::bad_input("backward", format!("no gradient reached {what}"))
+            })
+        })
+        .collect()
+}
+
+impl Trainer {
+    pub(super) fn family_microbatch<F: FamilyStep>(
+        &mut self,
+        fam: &F,
+        mb: &Batch,
+        micro: usize,
+        accum: usize,
+        rec: &mut Recorder<'_>,
+    ) -> Result<f64> {
+        let tag = |what: String| {
+            if accum > 1 {
+                format!("microbatch {micro}: {what}")
+            } else {
+                what
+            }
+        };
+        let ld = grad_dtype(self.precision);
+
+        // Embed segment (kept until the end of the backward).
+        let Embedded {
+            streams: x0,
+            conds,
+            hold,
+        } = fam.embed(self, mb)?;
+        let cond_leaves = leaves_of(&conds)?;
+        rec.mark(tag("embed".into()));
+
+        // Blocks.
+        let depth = fam.depth();
+        let mut saved: Vec<SavedStreams> = Vec::with_capacity(depth);
+        let mut cur = x0.clone();
+        for i in 0..depth {
+            if self.spec.recipe.recompute.recomputes_block(i as u32) {
+                let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
+                cur = fam.block(self, i, &inputs, &detached(&cond_leaves), false)?;
+                saved.push(SavedStreams::Recompute { inputs });
+            } else {
+                let leaves = leaves_of(&cur)?;
+                let outs = fam.block(self, i, &tensors(&leaves), &tensors(&cond_leaves), true)?;
+                cur = outs.clone();
+                saved.push(SavedStreams::Stored { leaves, outs });
+            }
+            rec.mark(tag(format!("block {i}")));
+        }
+
+        // Output side and loss.
+        let final_leaves = leaves_of(&cur)?;
+        drop(cur);
+        let pred = fam.final_layer(self, &tensors(&final_leaves), &tensors(&cond_leaves), mb)?;
+        let pred = cast(pred, ld)?;
+        let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
+        let loss = (pred - target)?.sqr()?.mean_all()?;
+        let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        rec.mark(tag("final".into()));
+
+        rec.enter(Phase::Backward);
+        let factor = self.grad_scale / accum as f64;
+        let grads = loss.affine(factor, 0.0)?.backward()?;
+        drop(loss);
+        self.accumulate(&fam.final_params(), &grads)?;
+        let mut gx = leaf_grads(&grads, &final_leaves, "the final layer's input")?;
+        // The conditioning gradients the final layer produced, in the gradient dtype; the
+        // others start from zeros once its graph is gone.
+        let mut gc: Vec<Option<Tensor>> = cond_leaves
+            .iter()
+            .map(|l| grads.get(l.as_tensor()).map(|g| cast(g.detach(), ld)))
+            .map(Option::transpose)
+            .collect::<Result<_>>()?;
+        drop(grads);
+        drop(final_leaves);
+        for (g, c) in gc.iter_mut().zip(&conds) {
+            if g.is_none() {
+                *g = Some(Tensor::zeros(c.shape(), ld, &self.dev)?);
+            }
+        }
+        let mut gc: Vec<Tensor> = gc.into_iter().flatten().collect();
+        rec.mark(tag("final".into()));
+
+        for i in (0..depth).rev() {
+            let s = saved
+                .pop()
+                .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
+            let (leaves, outs) = match s {
+                SavedStreams::Stored { leaves, outs } => (leaves, outs),
+                SavedStreams::Recompute { inputs } => {
+                    let leaves = leaves_of(&inputs)?;
+                    drop(inputs);
+                    let outs =
+                        fam.block(self, i, &tensors(&leaves), &tensors(&cond_leaves), true)?;
+                    (leaves, outs)
+                }
+            };
+            let grads = crate::ops::backward_from_many(&outs, &gx)?;
+            drop(outs);
+            self.accumulate(&fam.block_params(i), &grads)?;
+            gx = leaf_grads(&grads, &leaves, &format!("block {i}'s input"))?;
+            for (sum, l) in gc.iter_mut().zip(&cond_leaves) {
+                if let Some(g) = grads.get(l.as_tensor()) {
+                    *sum = (&*sum + cast(g.detach(), ld)?)?;
+                }
+            }
+            drop(grads);
+            drop(leaves);
+            rec.mark(tag(format!("block {i}")));
+        }
+
+        // Embed segment backward: one surrogate over the streams and the conditioning.
+        let gc = gc
+            .into_iter()
+            .zip(&conds)
+            .map(|(g, c)| cast(g, c.dtype()))
+            .collect::<Result<Vec<_>>>()?;
+        let dt = x0
+            .first()
+            .ok_or_else(|| EngineError::bad_input("embed", "no residual stream"))?
+            .dtype();
+        let mut sur: Option<Tensor> = None;
+        for (t, g) in x0.iter().zip(&gx).chain(conds.iter().zip(&gc)) {
+            let term = cast(t.mul(g)?.sum_all()?, dt)?;
+            sur = Some(match sur {
+                None => term,
+                Some(s) => (s + term)?,
+            });
+        }
+        let sur = sur.ok_or_else(|| EngineError::bad_input("embed", "nothing to backpropagate"))?;
+        let grads = sur.backward()?;
+        drop(sur);
+        self.accumulate(&fam.embed_params(), &grads)?;
+        drop(grads);
+        // The conditioning leaves go with the embed's outputs (the budget frees them together).
+        drop((x0, conds, gx, gc));
+        drop(cond_leaves);
+        rec.mark(tag("embed".into()));
+        drop(hold);
+        Ok(loss_value)
+    }
+}
