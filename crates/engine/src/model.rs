@@ -32,6 +32,12 @@ pub enum Init {
     /// Uniform(±bound).
     Uniform(f64),
     Zeros,
+    /// All ones (a norm's weight).
+    Ones,
+    /// Wan's 3-D RoPE buffer (`rope.freqs_cos` / `freqs_sin`, (max_len, d_h)).
+    Rope3d {
+        cos: bool,
+    },
     /// The fixed 2-D sin-cos position table.
     SinCos2d {
         rows: usize,
@@ -74,6 +80,8 @@ pub struct Dims {
     pub rows: usize,
     pub cols: usize,
     pub tokens: usize,
+    /// Latent frames of a video model (1 for images); `tokens` counts every frame's.
+    pub frames: usize,
 }
 
 impl Dims {
@@ -86,13 +94,22 @@ impl Dims {
         let out_channels = match crate::families::Arch::of(spec)? {
             crate::families::Arch::Dit => u(m.out_channels()),
             crate::families::Arch::Pixart(g) => g.out_channels,
+            crate::families::Arch::Wan(g) => g.out_channels,
+        };
+        let frames = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Wan(g) => g.frames,
+            _ => 1,
+        };
+        let mlp_hidden = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Wan(g) => g.ffn,
+            _ => u(m.mlp_hidden()),
         };
         Ok(Dims {
             depth: u(m.depth),
             hidden: u(m.hidden),
             heads: u(m.heads),
             head_dim: u(m.head_dim()),
-            mlp_hidden: u(m.mlp_hidden()),
+            mlp_hidden,
             patch: u(m.patch),
             in_channels: u(m.in_channels),
             out_channels,
@@ -103,7 +120,8 @@ impl Dims {
             latent_w: u(grid.latent_w),
             rows: u(grid.rows),
             cols: u(grid.cols),
-            tokens: u(grid.rows) * u(grid.cols),
+            tokens: u(grid.rows) * u(grid.cols) * frames,
+            frames,
         })
     }
 
@@ -142,8 +160,12 @@ pub fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
 /// Every parameter of the spec's model, in a fixed order (embedders, blocks, final layer).
 pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
     let d = Dims::new(spec)?;
-    if let crate::families::Arch::Pixart(g) = crate::families::Arch::of(spec)? {
-        return Ok(crate::families::pixart::param_shapes(&d, &g));
+    match crate::families::Arch::of(spec)? {
+        crate::families::Arch::Pixart(g) => {
+            return Ok(crate::families::pixart::param_shapes(&d, &g))
+        }
+        crate::families::Arch::Wan(g) => return Ok(crate::families::wan::param_shapes(&d, &g)),
+        crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();
     let base_trainable = lora.is_none();
@@ -297,6 +319,10 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
     let mut rng = SplitMix64::new(seed_from_str(seed, &p.name));
     Ok(match p.init {
         Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Rope3d { cos } => {
+            crate::families::wan::params::rope_buffer(p.shape[1], p.shape[0], cos)
+        }
         Init::Normal(std) => (0..n).map(|_| std * rng.normal()).collect(),
         Init::Uniform(b) => (0..n).map(|_| b * (2.0 * rng.uniform() - 1.0)).collect(),
         Init::XavierUniform => {

@@ -43,6 +43,7 @@ use crate::rng::derive_seed;
 
 mod family;
 mod pixart;
+mod wan;
 
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
@@ -149,6 +150,7 @@ struct DitLayout {
 enum Layout {
     Dit(DitLayout),
     Pixart(pixart::PixartLayout),
+    Wan(wan::WanLayout),
 }
 
 impl Layout {
@@ -163,6 +165,7 @@ impl Layout {
                 .copied()
                 .collect(),
             Layout::Pixart(l) => l.linears(),
+            Layout::Wan(l) => l.linears(),
         }
     }
 }
@@ -276,6 +279,7 @@ impl Trainer {
         let shapes = match &arch {
             crate::families::Arch::Dit => param_shapes(spec)?,
             crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
+            crate::families::Arch::Wan(g) => crate::families::wan::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -346,6 +350,9 @@ impl Trainer {
                 dims.depth,
                 g.clone(),
             )?),
+            crate::families::Arch::Wan(g) => {
+                Layout::Wan(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
+            }
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -741,6 +748,7 @@ impl Trainer {
             loss_sum += match &*layout {
                 Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
                 Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Wan(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

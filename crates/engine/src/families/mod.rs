@@ -3,10 +3,13 @@
 //!
 //! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
 //!   caption projection).
+//! - [`wan`]: `WanTransformer3DModel` (video latents, 3-D patchify and RoPE, q/k RMSNorm,
+//!   cross-attention to umT5 states).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod pixart;
+pub mod wan;
 
 use ditmem_budget::{Family, Spec};
 
@@ -28,6 +31,8 @@ pub enum Arch {
     Dit,
     /// A `PixArtTransformer2DModel` from `model.diffusers`.
     Pixart(pixart::PixartGeom),
+    /// A `WanTransformer3DModel` from `model.diffusers`.
+    Wan(wan::WanGeom),
 }
 
 impl Arch {
@@ -40,9 +45,12 @@ impl Arch {
                 (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
                     Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Wan(d), Family::Wan) => {
+                    Ok(Arch::Wan(wan::WanGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and PixArtTransformer2DModel so far",
+                    "the engine runs the original DiT, PixArtTransformer2DModel and WanTransformer3DModel so far",
                 )),
             },
         }

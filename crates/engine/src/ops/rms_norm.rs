@@ -230,32 +230,33 @@ impl RmsNorm {
         let (dx, dw) = with_cpu(x, |sx, lx| {
             with_cpu(&grad, |sg, lg| {
                 let (_, d) = geom(lx)?;
-                let run = |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
-                    Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
-                        let st = A::unwrap(rs)
-                            .ok_or_else(|| err("rms_norm: statistics of another dtype"))?;
-                        let wsl = match ws {
-                            Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
-                            None => None,
-                        };
-                        let (dx, dw) = bwd_cpu::<T, O, A>(
-                            cpu_slice::<T>(sx, lx, "rms_norm x")?,
-                            wsl,
-                            cpu_slice::<O>(sg, lg, "rms_norm grad")?,
-                            st,
-                            d,
-                            want_w,
-                        );
-                        let dev = Device::Cpu;
-                        (
-                            Tensor::from_vec(dx, lx.shape(), &dev)?,
-                            match dw {
-                                Some(v) => Some(Tensor::from_vec(v, d, &dev)?),
+                let run =
+                    |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
+                        Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+                            let st = A::unwrap(rs)
+                                .ok_or_else(|| err("rms_norm: statistics of another dtype"))?;
+                            let wsl = match ws {
+                                Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
                                 None => None,
-                            },
-                        )
-                    }))
-                };
+                            };
+                            let (dx, dw) = bwd_cpu::<T, O, A>(
+                                cpu_slice::<T>(sx, lx, "rms_norm x")?,
+                                wsl,
+                                cpu_slice::<O>(sg, lg, "rms_norm grad")?,
+                                st,
+                                d,
+                                want_w,
+                            );
+                            let dev = Device::Cpu;
+                            (
+                                Tensor::from_vec(dx, lx.shape(), &dev)?,
+                                match dw {
+                                    Some(v) => Some(Tensor::from_vec(v, d, &dev)?),
+                                    None => None,
+                                },
+                            )
+                        }))
+                    };
                 match &w_c {
                     Some(wt) => with_cpu(wt, |sw, lw| run(Some((sw, lw)))),
                     None => run(None),

@@ -51,8 +51,7 @@ fn geom(lx: &Layout, cos: &Tensor, sin: &Tensor) -> CResult<(usize, usize, usize
         [] => return Err(err("rope: x is a scalar")),
     };
     let n = lx.shape().elem_count();
-    if w == 0 || !w.is_multiple_of(2 * half) || !n.is_multiple_of(w) || !(n / w).is_multiple_of(s)
-    {
+    if w == 0 || !w.is_multiple_of(2 * half) || !n.is_multiple_of(w) || !(n / w).is_multiple_of(s) {
         return Err(err(format!(
             "rope: x {dims:?} is not rows of heads·{} at {s} positions",
             2 * half
@@ -77,7 +76,10 @@ where
         .with_min_len((PAR_CHUNK / w).max(1))
         .for_each(|(r, orow)| {
             let p = r % s;
-            let (cr, sr) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+            let (cr, sr) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
             let xr = &x[r * w..(r + 1) * w];
             for h0 in (0..w).step_by(dh) {
                 for i in 0..half {
