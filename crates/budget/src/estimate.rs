@@ -136,7 +136,10 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let dims = Shape::new(spec);
     let kept = segments.kept();
     let engine_family = (spec.runtime == crate::spec::Runtime::DitmemCpu)
-        .then(|| crate::runtime::ditmem_cpu::pixart::inventory_segments(spec))
+        .then(|| {
+            crate::runtime::ditmem_cpu::pixart::inventory_segments(spec)
+                .or_else(|| crate::runtime::ditmem_cpu::wan::inventory_segments(spec))
+        })
         .flatten()
         .map(|segs| {
             segs.iter()

@@ -26,6 +26,7 @@
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
+//! - [`wan`]: Wan 2.1's segments (`families/wan/block.rs`, `trainer/wan.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
@@ -38,6 +39,7 @@ pub mod ops;
 pub mod pixart;
 pub(crate) mod segments;
 pub(crate) mod step;
+pub mod wan;
 
 use crate::events::{Event, StaticBytes};
 use crate::params::ParamTensor;

@@ -262,3 +262,23 @@ pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
 
 /// Elements per partial sum of the engine's gradient norm (`ops::SQUARES_CHUNK`).
 pub const SQUARES_CHUNK: u64 = 1 << 16;
+
+/// `ops::rms_norm` of the engine: RMSNorm over the last dimension written in `out`, one fresh
+/// output of x's size; the op keeps one rstd per row in the accumulation type (f64 for f64
+/// x, else f32) beside it. Inputs: x and the weight (whose fresh gradient the backward returns
+/// when it tracks).
+pub fn rms_norm(g: &mut Graph, name: &str, x: Nid, w: Nid, rows: u64, out: Dtype) -> Nid {
+    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
+    let e = g.elems(x);
+    let y = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, w], e, out);
+    g.nodes[y].extra = rows * acc;
+    y
+}
+
+/// `ops::rope` of the engine: one fresh output in x's dtype and size; it keeps nothing (the
+/// cos/sin tables are constants the caller holds, not inputs of the node), and its backward
+/// makes one fresh dx.
+pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
+}

@@ -173,6 +173,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(pg) = super::pixart::PixGeo::of(spec) {
         return super::pixart::sims(spec, &pg);
     }
+    if let Some(wg) = super::wan::WanGeo::of(spec) {
+        return super::wan::sims(spec, &wg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();

@@ -43,7 +43,7 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
     // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
-    if super::pixart::PixGeo::of(spec).is_some() {
+    if super::pixart::PixGeo::of(spec).is_some() || super::wan::WanGeo::of(spec).is_some() {
         return true;
     }
     let bf16_native =
@@ -115,7 +115,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * u64::from(spec.model.patch)
         * u64::from(spec.model.patch);
     // PixArt's cached text embeddings (n, T, width) in f64.
-    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems());
+    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
+        + super::wan::WanGeo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 
