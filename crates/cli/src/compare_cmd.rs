@@ -55,7 +55,7 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, PixArt's, or both (each summarised on its own).
+    /// Which grid: the original DiT's, PixArt's, Wan's, or all (each summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
     #[arg(long)]
@@ -67,6 +67,7 @@ pub struct AgreeArgs {
 pub enum AgreeFamily {
     Dit,
     Pixart,
+    Wan,
     All,
 }
 
@@ -379,13 +380,24 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         )));
     }
     let mut grid: Vec<(String, ditmem_budget::Spec)> = Vec::new();
-    if args.family != AgreeFamily::Pixart {
+    // (JSON key, display name, specs) of each family's part of the grid, in grid order.
+    let mut parts: Vec<(&str, &str, usize)> = Vec::new();
+    let want = |f: AgreeFamily| args.family == AgreeFamily::All || args.family == f;
+    if want(AgreeFamily::Dit) {
         grid.extend(agree::grid().into_iter().step_by(args.every));
+        parts.push(("dit", "DiT", grid.len()));
     }
-    let dit_specs = grid.len();
-    if args.family != AgreeFamily::Dit {
+    if want(AgreeFamily::Pixart) {
         let pixart = agree::pixart_grid().map_err(crate::run_cmd::engine_err)?;
+        let n = grid.len();
         grid.extend(pixart.into_iter().step_by(args.every));
+        parts.push(("pixart", "PixArt", grid.len() - n));
+    }
+    if want(AgreeFamily::Wan) {
+        let wan = agree::wan_grid().map_err(crate::run_cmd::engine_err)?;
+        let n = grid.len();
+        grid.extend(wan.into_iter().step_by(args.every));
+        parts.push(("wan", "Wan", grid.len() - n));
     }
     let mut largest = 0;
     for (_, spec) in &grid {
@@ -407,9 +419,15 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
     }
     bar.finish_and_clear();
     let summary: GridSummary = agree::summarize(&results);
-    let (dit, pixart) = results.split_at(dit_specs.min(results.len()));
+    let mut split: Vec<(&str, &str, &[agree::Agreement])> = Vec::new();
+    let mut rest = &results[..];
+    for (key, display, n) in &parts {
+        let (part, r) = rest.split_at((*n).min(rest.len()));
+        split.push((key, display, part));
+        rest = r;
+    }
     let mut families = serde_json::Map::new();
-    for (name, part) in [("dit", dit), ("pixart", pixart)] {
+    for &(name, _, part) in &split {
         if !part.is_empty() {
             let s = serde_json::to_value(agree::summarize(part)).map_err(anyhow::Error::from)?;
             families.insert(name.into(), s);
@@ -432,7 +450,7 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
             ]);
         }
         print!("{}", t.render());
-        for (name, part) in [("DiT", dit), ("PixArt", pixart)] {
+        for &(_, name, part) in &split {
             if !part.is_empty() && part.len() < results.len() {
                 let s = agree::summarize(part);
                 println!(

@@ -326,3 +326,60 @@ fn budget_predicts_wans_measured_step_peak_within_two_percent() {
         100.0 * s.median_abs_rel_error
     );
 }
+
+/// `verify` on a tiny Wan: fp32, bf16-mixed and fp16-mixed pass against the f64 reference
+/// (recomputed and memory-efficient variants included), and a dropped cross-attention
+/// gradient fails.
+#[test]
+fn wan_verifies_against_its_f64_reference() {
+    use ditmem_engine::verify::{
+        compute_reference, verify, Fault, Variant, Verdict, VerifyOptions,
+    };
+    let _one = one_at_a_time();
+    let base = spec();
+    let o = VerifyOptions {
+        steps: 2,
+        ..VerifyOptions::default()
+    };
+    let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
+    let mut variants = Vec::new();
+    for (p, rc, a) in [
+        (
+            Precision::Fp32,
+            Recompute::None,
+            AttentionMode::Materialized,
+        ),
+        (Precision::Fp32, Recompute::All, AttentionMode::Materialized),
+        (
+            Precision::Bf16Mixed,
+            Recompute::None,
+            AttentionMode::MemoryEfficient,
+        ),
+        (
+            Precision::Fp16Mixed,
+            Recompute::AttentionOnly,
+            AttentionMode::Materialized,
+        ),
+        (
+            Precision::Bf16Pure,
+            Recompute::None,
+            AttentionMode::Materialized,
+        ),
+    ] {
+        variants.push(Variant::new(p, rc, a));
+    }
+    let mut bad = Variant::new(
+        Precision::Fp32,
+        Recompute::None,
+        AttentionMode::Materialized,
+    );
+    bad.fault = Some(Fault::ZeroGradient("blocks.1.attn2.to_v.weight".into()));
+    variants.push(bad);
+    let rep = verify(&base, &variants, &o, &r, 1, &mut |_| {}).unwrap();
+    let (clean, faulty) = rep.variants.split_at(5);
+    for v in clean {
+        eprintln!("{}: {:?} {:?}", v.name, v.verdict, v.reasons);
+        assert_eq!(v.verdict, Verdict::Pass, "{}: {:?}", v.name, v.reasons);
+    }
+    assert_eq!(faulty[0].verdict, Verdict::Fail, "{:?}", faulty[0].reasons);
+}

@@ -171,3 +171,47 @@ pub fn unpatchify3d(
     let x = x.permute(vec![0, 6, 1, 2, 4, 3, 5])?.contiguous()?;
     Ok(x.reshape(shape)?)
 }
+
+/// The q and k of both attentions of a block as [`wan_block_forward`] computes them (self:
+/// after the RMSNorm and RoPE; cross: after the RMSNorm), for `verify`'s score bound; x1, the
+/// stream after the self-attention, comes with them.
+pub fn wan_block_qk(
+    x: &Tensor,
+    c: WanConds<'_>,
+    w: &WanBlockWeights,
+    cfg: &BlockConfig,
+) -> Result<[(Tensor, Tensor); 2]> {
+    let (b, s, h) = x.dims3()?;
+    let cd = cfg.compute;
+    let table = w.table.reshape((1, 6 * h))?;
+    let modv = c.t6.broadcast_add(&table)?;
+    let chunk = |i: usize| modv.narrow(1, i * h, h);
+    let h1 = ln_modulate(x, &chunk(0)?, &chunk(1)?, WAN_EPS, cd)?;
+    let q = rope(
+        &rms_norm(&w.q1.forward(&h1)?, Some(&w.norm_q1), WAN_EPS, cd)?,
+        c.cos,
+        c.sin,
+    )?;
+    let k = rope(
+        &rms_norm(&w.k1.forward(&h1)?, Some(&w.norm_k1), WAN_EPS, cd)?,
+        c.cos,
+        c.sin,
+    )?;
+    let v = w.v1.forward(&h1)?;
+    let o = attention(&q, &k, &v, b, cfg.heads, crate::ops::AttnKeep::Nothing)?;
+    let x1 = gated_residual(x, &w.o1.forward(&o)?, &chunk(2)?)?;
+    let h2 = match &w.norm2 {
+        Some((nw, nb)) => {
+            let shift = nb.reshape((1, h))?.broadcast_as((b, h))?;
+            let scale = nw
+                .affine(1.0, -1.0)?
+                .reshape((1, h))?
+                .broadcast_as((b, h))?;
+            ln_modulate(&x1, &shift, &scale, WAN_EPS, cd)?
+        }
+        None => cast(x1.clone(), cd)?.reshape((b * s, h))?,
+    };
+    let q2 = rms_norm(&w.q2.forward(&h2)?, Some(&w.norm_q2), WAN_EPS, cd)?;
+    let k2 = rms_norm(&w.k2.forward(c.ctx)?, Some(&w.norm_k2), WAN_EPS, cd)?;
+    Ok([(q, k), (q2, k2)])
+}
