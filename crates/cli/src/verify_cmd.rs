@@ -335,9 +335,13 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         }
         None => {
             let b = bar(u64::from(opts.steps), show, "fp64 reference");
-            let r = compute_reference_in(&ref_dir, &base, &opts, &mut |s| {
-                b.set_position(u64::from(s))
-            })
+            let mut tick = |s: u32| b.set_position(u64::from(s));
+            // Kept: a named file where it will lie (a rename at the end); otherwise a file
+            // without a name, freed however the process ends.
+            let r = match &args.save_reference {
+                Some(_) => compute_reference_in(&ref_dir, &base, &opts, &mut tick),
+                None => verify::compute_reference(&base, &opts, &mut tick),
+            }
             .map_err(|e| map_err(e, "spec"))?;
             b.finish_and_clear();
             (r, "computed".to_string())
@@ -345,8 +349,8 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
     };
     let mut reference = reference;
     if let Some(path) = &args.save_reference {
-        if args.reference.is_some() {
-            if let Err(e) = std::fs::copy(reference.path(), path) {
+        if let Some(from) = &args.reference {
+            if let Err(e) = std::fs::copy(from, path) {
                 // Never leave a half file behind.
                 let _ = std::fs::remove_file(path);
                 return Err(CliError::Other(anyhow::Error::new(e).context(format!(

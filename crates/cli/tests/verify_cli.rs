@@ -268,3 +268,46 @@ fn a_reference_the_disk_cannot_hold_is_refused_before_work() {
     assert!(!again.exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_killed_verify_leaves_no_reference_file_behind() {
+    // The reference of a run that does not save it lies in a file without a name: nothing of it
+    // is ever visible in the temporary folder, and a kill frees it. (Before, each killed run
+    // left a `.ditmem-verify-reference-*.tmp` of 8 B × parameters × (steps + 2) there: 13 GB for
+    // the default DiT-S/2 256² run.)
+    let dir = common::temp_dir("verify-cli", "killed");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .env("TMPDIR", &dir)
+        .args([
+            "verify",
+            "--variants",
+            "fp32/none/materialized",
+            "--steps",
+            "400",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the binary runs");
+    // Watch the folder while the reference is computed (400 steps: seconds), then kill.
+    let start = std::time::Instant::now();
+    let mut seen = Vec::new();
+    while start.elapsed() < std::time::Duration::from_millis(1500) {
+        seen.extend(
+            std::fs::read_dir(&dir)
+                .unwrap()
+                .filter_map(|e| e.ok().map(|e| e.file_name())),
+        );
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let finished_early = child.try_wait().unwrap().is_some();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(!finished_early, "the run ended before it could be killed");
+    assert!(seen.is_empty(), "visible while running: {seen:?}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+}

@@ -288,7 +288,7 @@ fn reference_is_stored_opened_and_refuses_another_spec() {
         r.file_bytes()
     );
     assert!(r.score_bound > 0.0 && r.score_bound.is_finite());
-    let temp = r.path().to_path_buf();
+    let temp = r.path().expect("a named file").to_path_buf();
     let kept = dir.join("ref.safetensors");
     r.persist(&kept).unwrap();
     assert!(!temp.exists());
@@ -342,12 +342,20 @@ fn reference_is_stored_opened_and_refuses_another_spec() {
         Reference::open(&junk),
         Err(VerifyError::Reference { .. })
     ));
-    // A temporary reference is deleted with it.
-    let t = compute_reference(&base, &opts(0), &mut |_| {}).unwrap();
-    let p = t.path().to_path_buf();
+    // A named temporary reference is deleted with it; one computed without a folder has no
+    // name at all, and cannot be kept.
+    let t = compute_reference_in(&dir, &base, &opts(0), &mut |_| {}).unwrap();
+    let p = t.path().expect("a named file").to_path_buf();
     assert!(p.exists());
     drop(t);
     assert!(!p.exists());
+    let mut t = compute_reference(&base, &opts(0), &mut |_| {}).unwrap();
+    assert!(t.path().is_none() && t.file_bytes() > 0);
+    assert!(t.gradient(&t.tensors[0].0).is_ok());
+    assert!(matches!(
+        t.persist(&dir.join("anonymous.safetensors")),
+        Err(VerifyError::Reference { .. })
+    ));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

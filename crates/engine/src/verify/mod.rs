@@ -571,16 +571,18 @@ pub struct Reference {
     pub ema: bool,
     /// S, the attention-score bound of the first step (see [`Growth::score_bound`]).
     pub score_bound: f64,
-    path: PathBuf,
+    /// The file's name; None for a reference computed into a file without one.
+    path: Option<PathBuf>,
+    file: std::sync::Mutex<std::fs::File>,
     layout: store::Layout,
-    /// Deleted when dropped (a reference computed for one run and not saved).
+    /// The named file is deleted when dropped (computed to be persisted, and not yet).
     temporary: bool,
 }
 
 impl Drop for Reference {
     fn drop(&mut self) {
-        if self.temporary {
-            let _ = std::fs::remove_file(&self.path);
+        if let (true, Some(p)) = (self.temporary, &self.path) {
+            let _ = std::fs::remove_file(p);
         }
     }
 }
@@ -647,32 +649,55 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
 static TEMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Compute the reference for `base` (its recipe's precision, recompute and attention are replaced
-/// by fp64 / none / materialized) into a temporary file in the system's temporary folder, deleted
-/// with the reference unless [`Reference::persist`]ed. `progress(step)` is called after each
-/// drift step.
+/// by fp64 / none / materialized) into a file without a name in the system's temporary folder:
+/// its blocks are freed when the reference is dropped or the process ends, however it ends.
+/// `progress(step)` is called after each drift step.
 pub fn compute_reference(
     base: &Spec,
     opts: &VerifyOptions,
     progress: &mut dyn FnMut(u32),
 ) -> Result<Reference> {
-    compute_reference_in(&std::env::temp_dir(), base, opts, progress)
+    compute_reference_into(
+        Target::Anonymous(&std::env::temp_dir()),
+        base,
+        opts,
+        progress,
+    )
 }
 
-/// [`compute_reference`] with the temporary file in `dir` (the folder it will be persisted to:
-/// a rename, not a copy).
+/// [`compute_reference`] into a named temporary file in `dir`, to be [`Reference::persist`]ed
+/// there (a rename, not a copy); deleted when dropped before that.
 pub fn compute_reference_in(
     dir: &Path,
     base: &Spec,
     opts: &VerifyOptions,
     progress: &mut dyn FnMut(u32),
 ) -> Result<Reference> {
+    compute_reference_into(Target::Named(dir), base, opts, progress)
+}
+
+/// Where a reference is computed to.
+enum Target<'a> {
+    Anonymous(&'a Path),
+    Named(&'a Path),
+}
+
+fn compute_reference_into(
+    target: Target<'_>,
+    base: &Spec,
+    opts: &VerifyOptions,
+    progress: &mut dyn FnMut(u32),
+) -> Result<Reference> {
     opts.check()?;
     let spec = reference_spec(base);
-    let path = dir.join(format!(
-        ".ditmem-verify-reference-{}-{}.tmp",
-        std::process::id(),
-        TEMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    ));
+    let path = match target {
+        Target::Named(dir) => Some(dir.join(format!(
+            ".ditmem-verify-reference-{}-{}.tmp",
+            std::process::id(),
+            TEMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ))),
+        Target::Anonymous(_) => None,
+    };
     // From here on the file is ours: removed on every error path by the guard's drop.
     struct Cleanup(Option<PathBuf>);
     impl Drop for Cleanup {
@@ -700,8 +725,17 @@ pub fn compute_reference_in(
     probe::check_loss(probe_loss, loss)?;
     drop(batch);
     let meta = reference_meta(&spec, opts, &names, score_bound)?;
-    let mut w = store::Writer::create(&path, meta, store::keys(&tensors, opts.steps, ema))?;
-    cleanup.0 = Some(path.clone());
+    let keys = store::keys(&tensors, opts.steps, ema);
+    let mut w = match (&path, target) {
+        (Some(p), _) => {
+            let w = store::Writer::create(p, meta, keys)?;
+            cleanup.0 = Some(p.clone());
+            w
+        }
+        (None, Target::Anonymous(dir) | Target::Named(dir)) => {
+            store::Writer::anonymous(dir, meta, keys)?
+        }
+    };
     for (n, shape) in &tensors {
         let g = match t.gradient(n)? {
             Some(g) => to_f64(&g)?,
@@ -734,9 +768,9 @@ pub fn compute_reference_in(
     drop(t);
     w.put("drift/losses", &losses)?;
     w.put("loss", &[loss])?;
-    w.finish()?;
-    let layout = store::read_layout(&path)?;
-    cleanup.0 = None;
+    let file = w.finish()?;
+    let layout = store::read_layout(&file)?;
+    let temporary = cleanup.0.take().is_some();
     Ok(Reference {
         spec,
         options: opts.clone(),
@@ -747,32 +781,41 @@ pub fn compute_reference_in(
         ema,
         score_bound,
         path,
+        file: std::sync::Mutex::new(file),
         layout,
-        temporary: true,
+        temporary,
     })
 }
 
 impl Reference {
-    /// The file the reference lies in.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The file the reference lies in; None when it has no name ([`compute_reference`]).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// Size of the reference file in bytes.
     pub fn file_bytes(&self) -> u64 {
-        std::fs::metadata(&self.path).map_or(0, |m| m.len())
+        self.file
+            .lock()
+            .ok()
+            .and_then(|f| f.metadata().ok())
+            .map_or(0, |m| m.len())
     }
 
     /// Keep the reference at `to` (a rename: `to` must be on the file system of the temporary
-    /// file, see [`compute_reference_in`]); it is no longer deleted when dropped.
+    /// file, see [`compute_reference_in`]); it is no longer deleted when dropped. A reference
+    /// without a name ([`compute_reference`]) cannot be kept.
     pub fn persist(&mut self, to: &Path) -> Result<()> {
-        std::fs::rename(&self.path, to).map_err(|e| {
+        let from = self.path.as_ref().ok_or_else(|| {
+            reference_error("this reference was computed into a file without a name; compute it with a folder to keep it")
+        })?;
+        std::fs::rename(from, to).map_err(|e| {
             reference_error(format!(
                 "cannot move the reference to '{}': {e}",
                 to.display()
             ))
         })?;
-        self.path = to.to_path_buf();
+        self.path = Some(to.to_path_buf());
         self.temporary = false;
         Ok(())
     }
@@ -781,7 +824,9 @@ impl Reference {
     /// header is read and checked (every tensor the layout needs, f64, of the right shape, the
     /// data exactly as long as the file); the loss and the drift losses are read.
     pub fn open(path: &Path) -> Result<Reference> {
-        let layout = store::read_layout(path)?;
+        let file = std::fs::File::open(path)
+            .map_err(|e| reference_error(format!("cannot open '{}': {e}", path.display())))?;
+        let layout = store::read_layout(&file)?;
         let field = |k: &str| {
             layout.meta.get(k).ok_or_else(|| {
                 reference_error(format!(
@@ -848,7 +893,8 @@ impl Reference {
             tensors,
             ema,
             score_bound,
-            path: path.to_path_buf(),
+            path: Some(path.to_path_buf()),
+            file: std::sync::Mutex::new(file),
             layout,
             temporary: false,
         };
@@ -862,7 +908,7 @@ impl Reference {
     }
 
     fn reader(&self) -> Result<store::Reader<'_>> {
-        store::Reader::open(&self.path, &self.layout)
+        Ok(store::Reader::new(&self.file, &self.layout))
     }
 
     /// The reference gradient of one trained tensor (f64, flattened).
@@ -1554,6 +1600,8 @@ enum Msg {
     Start(usize),
     Step(usize, u32),
     Done(usize, Box<Result<Run>>),
+    /// A worker could not start; the variants it would have run are taken by the others.
+    Failed(String),
 }
 
 /// Run every variant on `jobs` worker threads (each variant is independent and deterministic:
@@ -1573,22 +1621,49 @@ fn run_all(
     let next = AtomicUsize::new(0);
     let names: Vec<String> = variants.iter().map(Variant::name).collect();
     let mut results: Vec<Option<Result<Run>>> = (0..n).map(|_| None).collect();
+    let mut failure: Option<String> = None;
     let steps = opts.steps;
     std::thread::scope(|scope| {
         let (tx, rx) = mpsc::channel::<Msg>();
-        for _ in 0..jobs.clamp(1, n.max(1)) {
+        let workers = jobs.clamp(1, n.max(1));
+        for _ in 0..workers {
             let tx = tx.clone();
             let next = &next;
-            scope.spawn(move || loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= n {
-                    break;
+            scope.spawn(move || {
+                // A trainer's step runs on a rayon pool (`trainer::on_pool`). Several workers
+                // sharing the global pool would queue their steps on it — with the one thread
+                // the CLI gives it under --jobs > 1, one variant computed at a time however
+                // many jobs were asked for (measured: one busy thread of three). Each worker
+                // therefore steps on a pool of its own thread; one worker keeps the global pool
+                // and all its threads.
+                let pool = if workers > 1 {
+                    match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            let _ = tx.send(Msg::Failed(format!("cannot start a worker: {e}")));
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= n {
+                        break;
+                    }
+                    let _ = tx.send(Msg::Start(i));
+                    let run = || {
+                        run_variant(base, &variants[i], opts, reference, &mut |s| {
+                            let _ = tx.send(Msg::Step(i, s));
+                        })
+                    };
+                    let r = match &pool {
+                        Some(p) => p.install(run),
+                        None => run(),
+                    };
+                    let _ = tx.send(Msg::Done(i, Box::new(r)));
                 }
-                let _ = tx.send(Msg::Start(i));
-                let r = run_variant(base, &variants[i], opts, reference, &mut |s| {
-                    let _ = tx.send(Msg::Step(i, s));
-                });
-                let _ = tx.send(Msg::Done(i, Box::new(r)));
             });
         }
         drop(tx);
@@ -1608,12 +1683,22 @@ fn run_all(
                     progress(Event::Done { index: i });
                     results[i] = Some(*r);
                 }
+                Msg::Failed(why) => failure = Some(why),
             }
         }
     });
     results
         .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(bad("verify", "a worker thread stopped early"))))
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(bad(
+                    "verify",
+                    failure
+                        .clone()
+                        .unwrap_or_else(|| "a worker thread stopped early".into()),
+                ))
+            })
+        })
         .collect()
 }
 

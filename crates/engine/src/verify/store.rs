@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Mutex;
 
 use super::error::{reference_error, Result};
 
@@ -94,24 +95,57 @@ pub(crate) struct Writer {
     out: BufWriter<File>,
     order: Vec<(String, Vec<usize>)>,
     next: usize,
-    path: PathBuf,
+    /// What error messages call the file.
+    name: String,
 }
 
 impl Writer {
+    /// A new file at `path` (which must not exist), readable and writable.
     pub fn create(
         path: &Path,
         meta: HashMap<String, String>,
         order: Vec<(String, Vec<usize>)>,
     ) -> Result<Writer> {
-        let (text, _) = header(&meta, &order)?;
         let file = std::fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
             .open(path)
             .map_err(|e| reference_error(format!("cannot create '{}': {e}", path.display())))?;
+        Writer::on(file, format!("'{}'", path.display()), meta, order)
+    }
+
+    /// A file without a name in `dir` (removed from the directory as it is created): the
+    /// system frees its blocks when the process ends, however it ends — a killed `verify`
+    /// leaves no multi-gigabyte file behind.
+    pub fn anonymous(
+        dir: &Path,
+        meta: HashMap<String, String>,
+        order: Vec<(String, Vec<usize>)>,
+    ) -> Result<Writer> {
+        let file = tempfile::tempfile_in(dir).map_err(|e| {
+            reference_error(format!(
+                "cannot create a temporary file in '{}': {e}",
+                dir.display()
+            ))
+        })?;
+        Writer::on(
+            file,
+            format!("the temporary reference in '{}'", dir.display()),
+            meta,
+            order,
+        )
+    }
+
+    fn on(
+        file: File,
+        name: String,
+        meta: HashMap<String, String>,
+        order: Vec<(String, Vec<usize>)>,
+    ) -> Result<Writer> {
+        let (text, _) = header(&meta, &order)?;
         let mut out = BufWriter::with_capacity(WRITE_BUFFER as usize, file);
-        let io =
-            |e: std::io::Error| reference_error(format!("cannot write '{}': {e}", path.display()));
+        let io = |e: std::io::Error| reference_error(format!("cannot write {name}: {e}"));
         out.write_all(&(text.len() as u64).to_le_bytes())
             .map_err(io)?;
         out.write_all(text.as_bytes()).map_err(io)?;
@@ -119,7 +153,7 @@ impl Writer {
             out,
             order,
             next: 0,
-            path: path.to_path_buf(),
+            name,
         })
     }
 
@@ -142,14 +176,15 @@ impl Writer {
             for (i, x) in chunk.iter().enumerate() {
                 buf[8 * i..8 * i + 8].copy_from_slice(&x.to_le_bytes());
             }
-            self.out.write_all(&buf[..8 * chunk.len()]).map_err(|e| {
-                reference_error(format!("cannot write '{}': {e}", self.path.display()))
-            })?;
+            self.out
+                .write_all(&buf[..8 * chunk.len()])
+                .map_err(|e| reference_error(format!("cannot write {}: {e}", self.name)))?;
         }
         Ok(())
     }
 
-    pub fn finish(mut self) -> Result<()> {
+    /// The written file, flushed.
+    pub fn finish(self) -> Result<File> {
         if self.next != self.order.len() {
             return Err(reference_error(format!(
                 "{} of {} tensors written",
@@ -157,9 +192,10 @@ impl Writer {
                 self.order.len()
             )));
         }
+        let name = self.name;
         self.out
-            .flush()
-            .map_err(|e| reference_error(format!("cannot write '{}': {e}", self.path.display())))
+            .into_inner()
+            .map_err(|e| reference_error(format!("cannot write {name}: {}", e.error())))
     }
 }
 
@@ -173,8 +209,9 @@ pub(crate) struct Layout {
 
 /// Read and check the header of a reference file: every tensor f64, its size its shape's, the
 /// data section contiguous and exactly as long as the file.
-pub(crate) fn read_layout(path: &Path) -> Result<Layout> {
-    let mut f = File::open(path).map_err(|e| reference_error(format!("cannot open: {e}")))?;
+pub(crate) fn read_layout(mut f: &File) -> Result<Layout> {
+    f.seek(SeekFrom::Start(0))
+        .map_err(|e| reference_error(format!("cannot read: {e}")))?;
     let file_len = f
         .metadata()
         .map_err(|e| reference_error(format!("cannot stat: {e}")))?
@@ -249,23 +286,22 @@ pub(crate) fn read_layout(path: &Path) -> Result<Layout> {
     })
 }
 
-/// Reads tensors of a reference file by key (one open file per reader, so workers read in
-/// parallel).
+/// Reads tensors of a reference file by key. Workers share the one open file (a file without
+/// a name can be opened only once); each read seeks and reads under its lock, a few
+/// milliseconds beside a variant's step.
 pub(crate) struct Reader<'a> {
-    file: File,
+    file: &'a Mutex<File>,
     layout: &'a Layout,
     bytes: Vec<u8>,
 }
 
 impl<'a> Reader<'a> {
-    pub fn open(path: &Path, layout: &'a Layout) -> Result<Reader<'a>> {
-        let file = File::open(path)
-            .map_err(|e| reference_error(format!("cannot open '{}': {e}", path.display())))?;
-        Ok(Reader {
+    pub fn new(file: &'a Mutex<File>, layout: &'a Layout) -> Reader<'a> {
+        Reader {
             file,
             layout,
             bytes: Vec::new(),
-        })
+        }
     }
 
     /// The values of `key` into `out` (resized).
@@ -276,10 +312,15 @@ impl<'a> Reader<'a> {
             .get(key)
             .ok_or_else(|| reference_error(format!("tensor '{key}' is missing")))?;
         self.bytes.resize(e.len as usize, 0);
-        self.file
-            .seek(SeekFrom::Start(self.layout.data_start + e.start))
-            .and_then(|_| self.file.read_exact(&mut self.bytes))
-            .map_err(|err| reference_error(format!("cannot read '{key}': {err}")))?;
+        {
+            let mut f = self
+                .file
+                .lock()
+                .map_err(|_| reference_error("a reader of the reference panicked"))?;
+            f.seek(SeekFrom::Start(self.layout.data_start + e.start))
+                .and_then(|_| f.read_exact(&mut self.bytes))
+                .map_err(|err| reference_error(format!("cannot read '{key}': {err}")))?;
+        }
         out.clear();
         out.extend(
             self.bytes
