@@ -108,12 +108,13 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             | families::Family::Sd3
             | families::Family::Flux
             | families::Family::Sana
+            | families::Family::Wan
     );
     if spec.runtime == Runtime::DitmemCpu && !engine_runs {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT, PixArt, SD3, Flux and Sana so far, not {} ({}); allowed: \
+                "ditmem-cpu runs only the original DiT, PixArt, SD3, Flux, Sana and Wan so far, not {} ({}); allowed: \
                  pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()
@@ -125,6 +126,7 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         check_engine_sd3(spec, &fm)?;
         check_engine_flux(spec, &fm)?;
         check_engine_sana(spec, &fm)?;
+        check_engine_wan(spec, &fm)?;
     }
     let g = fm.geometry();
     if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
@@ -336,6 +338,38 @@ fn check_engine_sana(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
         return Err(SpecError::invalid(
             "model.attn_dropout",
             format!("dropout in Sana is not in the ditmem-cpu engine; allowed: 0{other}"),
+        ));
+    }
+    Ok(())
+}
+
+
+/// What the ditmem-cpu engine runs of Wan (`ditmem_engine::families::wan`): a square spatial
+/// patch, no LoRA, no dropout.
+fn check_engine_wan(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let families::Dims::Wan(d) = &fm.dims else {
+        return Ok(());
+    };
+    let other = "; allowed: --runtime pytorch for it";
+    if d.patch_size[1] != d.patch_size[2] {
+        return Err(SpecError::invalid(
+            "model.diffusers.patch_size",
+            format!(
+                "{:?}: the ditmem-cpu engine's Wan has a square spatial patch; allowed: [1, p, p]{other}",
+                d.patch_size
+            ),
+        ));
+    }
+    if spec.recipe.lora.is_some() {
+        return Err(SpecError::invalid(
+            "recipe.lora",
+            format!("LoRA on Wan is not in the ditmem-cpu engine yet; allowed: none{other}"),
+        ));
+    }
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return Err(SpecError::invalid(
+            "model.attn_dropout",
+            format!("dropout in Wan is not in the ditmem-cpu engine; allowed: 0{other}"),
         ));
     }
     Ok(())

@@ -467,3 +467,38 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
     assert!(err.contains("model.diffusers.qk_norm"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+/// The engine runs Wan 2.1: `ditmem-cpu` budgets a video spec (more frames, more memory) and
+/// refuses what its Wan does not run (LoRA), naming the field on one line.
+#[test]
+fn the_engine_budgets_wan_and_refuses_what_it_does_not_run() {
+    let peak = |frames: &str| {
+        let b = json(&[
+            "estimate",
+            "--preset",
+            "wan2.1-1.3b",
+            "--resolution",
+            "128",
+            "--frames",
+            frames,
+            "--runtime",
+            "ditmem-cpu",
+            "--json",
+        ]);
+        assert_eq!(b["runtime"], "ditmem-cpu");
+        b["peak_bytes"].as_u64().unwrap()
+    };
+    assert!(peak("9") > peak("1"));
+    let (code, _, err) = ditmem(&[
+        "estimate",
+        "--preset",
+        "wan2.1-1.3b",
+        "--runtime",
+        "ditmem-cpu",
+        "--lora-rank",
+        "4",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("recipe.lora"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}

@@ -665,3 +665,95 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
     Ok(out)
 }
 
+
+
+/// The Wan grid's base: [`crate::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
+/// 64×64 pixels at 9 frames: 3 latent frames of 4×4 tokens, 48 video tokens, 13 umT5 tokens of
+/// width 32, batch 4) with an fp32 EMA, on this process's CPU.
+pub fn wan_grid_base() -> Result<Spec> {
+    let mut s = crate::families::wan::tiny_spec(2, 2, 9, 13)?;
+    s.model.name = "wan-d2-h32".into();
+    s.workload.height = 64;
+    s.workload.width = 64;
+    s.recipe.ema.enabled = true;
+    Ok(crate::host::resolve(&s))
+}
+
+/// The Wan agreement grid: precisions × recompute policies × attention modes on the base,
+/// then accumulation, odd token counts (1 and 77 umT5 tokens, one latent frame, an odd
+/// 5×3 token grid), a wider and deeper model, SGD without EMA and a block list.
+pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
+    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
+    let base = wan_grid_base()?;
+    let mut out = Vec::new();
+    for (p, rc, a) in [
+        (P::Fp32, R::None, A::Materialized),
+        (P::Fp32, R::None, A::MemoryEfficient),
+        (P::Fp32, R::All, A::Materialized),
+        (P::Fp32, R::AttentionOnly, A::Materialized),
+        (P::Bf16Mixed, R::None, A::Materialized),
+        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
+        (P::Fp16Mixed, R::None, A::MemoryEfficient),
+        (P::Fp16Mixed, R::All, A::Materialized),
+        (P::Bf16Pure, R::None, A::Materialized),
+        (P::Fp64, R::None, A::Materialized),
+        (P::Fp64, R::AttentionOnly, A::Materialized),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc.clone();
+        s.recipe.attention = a;
+        out.push((format!("wan {p} recompute {rc} {}", a.name()), s));
+    }
+    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
+        let mut s = base.clone();
+        f(&mut s);
+        out.push((format!("wan {name}"), s));
+    };
+    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
+        s.workload.batch = 8;
+        s.workload.microbatch = 2;
+        s.workload.accumulation = 4;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add("1 umT5 token", &|s| s.workload.text_tokens = Some(vec![1]));
+    add("77 umT5 tokens, memory-efficient", &|s| {
+        s.workload.text_tokens = Some(vec![77]);
+        s.recipe.attention = A::MemoryEfficient;
+    });
+    add("1 frame (an image)", &|s| s.workload.frames = 1);
+    add("80×48 (5×3 tokens a frame), 5 frames, bf16-mixed", &|s| {
+        s.workload.height = 80;
+        s.workload.width = 48;
+        s.workload.frames = 5;
+        s.recipe.precision = P::Bf16Mixed;
+    });
+    add(
+        "17 frames (5 latent frames, 80 tokens), batch 2, memory-efficient",
+        &|s| {
+            s.workload.frames = 17;
+            s.workload.batch = 2;
+            s.workload.microbatch = 2;
+            s.recipe.attention = A::MemoryEfficient;
+        },
+    );
+    add("SGD, no EMA", &|s| {
+        s.recipe.optimizer = Optimizer::Sgd;
+        s.recipe.ema.enabled = false;
+    });
+    add("batch 1, blocks:1", &|s| {
+        s.workload.batch = 1;
+        s.workload.microbatch = 1;
+        s.recipe.recompute = R::Blocks(vec![1]);
+    });
+    let mut deep = crate::families::wan::tiny_spec(4, 4, 5, 19)?;
+    deep.workload.height = 64;
+    deep.workload.width = 64;
+    deep.recipe.ema.enabled = true;
+    deep.recipe.recompute = R::EveryK(2);
+    out.push((
+        "wan 4 blocks × 4 heads (hidden 64), 5 frames, 19 tokens, every-2".into(),
+        crate::host::resolve(&deep),
+    ));
+    Ok(out)
+}

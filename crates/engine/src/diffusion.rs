@@ -37,9 +37,11 @@ pub fn alphas_cumprod() -> Vec<f64> {
 pub struct Batch {
     /// Samples in the batch.
     pub n: usize,
-    /// Elements of one latent: C·H·W.
+    /// Elements of one latent: C·F·H·W.
     pub sample_len: usize,
     pub channels: usize,
+    /// Latent frames of a video latent (1 for an image: the latents are then (n, C, H, W)).
+    pub frames: usize,
     pub height: usize,
     pub width: usize,
     /// Clean latents x₀, (n, C, H, W) row-major.
@@ -94,6 +96,7 @@ impl Batch {
             n: self.n,
             sample_len: self.sample_len,
             channels: self.channels,
+            frames: self.frames,
             height: self.height,
             width: self.width,
             latents: Vec::new(),
@@ -134,6 +137,7 @@ impl Batch {
     /// Check the batch against the model geometry.
     pub fn check(&self, d: &Dims) -> Result<()> {
         let ok = self.channels == d.in_channels
+            && self.frames == d.frames
             && self.height == d.latent_h
             && self.width == d.latent_w
             && self.latents.len() == self.n * self.sample_len
@@ -185,9 +189,14 @@ impl Batch {
         v
     }
 
-    /// (n, C, H, W) in `dtype`.
+    /// (n, C, H, W) in `dtype`; (n, C, F, H, W) for a video latent.
     fn tensor(&self, v: Vec<f64>, dtype: DType, dev: &Device) -> Result<Tensor> {
-        let t = Tensor::from_vec(v, (self.n, self.channels, self.height, self.width), dev)?;
+        let (n, c, h, w) = (self.n, self.channels, self.height, self.width);
+        let t = if self.frames == 1 {
+            Tensor::from_vec(v, (n, c, h, w), dev)?
+        } else {
+            Tensor::from_vec(v, (n, c, self.frames, h, w), dev)?
+        };
         Ok(t.to_dtype(dtype)?)
     }
 
@@ -219,6 +228,8 @@ pub struct SyntheticData {
     pub seed: u64,
     pub latent_scale: f64,
     channels: usize,
+    /// Latent frames (1 for images).
+    frames: usize,
     height: usize,
     width: usize,
     num_classes: u32,
@@ -242,6 +253,7 @@ impl SyntheticData {
             crate::families::Arch::Sd3(g) => (g.text_tokens, g.text_width, g.pooled_width),
             crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
             crate::families::Arch::Sana(g) => (g.text_tokens, g.text_width, 0),
+            crate::families::Arch::Wan(g) => (g.text_tokens, g.text_dim, 0),
         };
         Ok(SyntheticData {
             pooled_width,
@@ -250,6 +262,7 @@ impl SyntheticData {
             seed,
             latent_scale: 1.0,
             channels: d.in_channels,
+            frames: d.frames,
             height: d.latent_h,
             width: d.latent_w,
             num_classes: spec.model.num_classes,
@@ -261,7 +274,7 @@ impl SyntheticData {
     /// One sample; the same (seed, index) always gives the same sample.
     fn sample(&self, index: u64, b: &mut Batch) {
         let mut r = SplitMix64::new(derive_seed(self.seed, &[0xDA7A, index]));
-        let e = self.channels * self.height * self.width;
+        let e = self.sample_len();
         b.latents
             .extend((0..e).map(|_| self.latent_scale * r.normal()));
         b.noise.extend((0..e).map(|_| r.normal()));
@@ -275,17 +288,23 @@ impl SyntheticData {
         b.pooled.extend((0..self.pooled_width).map(|_| r.normal()));
     }
 
+    /// Elements of one latent: C·F·H·W.
+    fn sample_len(&self) -> usize {
+        self.channels * self.frames * self.height * self.width
+    }
+
     /// Samples `first .. first + n`.
     pub fn batch_at(&self, first: u64, n: usize) -> Batch {
         let mut b = Batch {
             n,
-            sample_len: self.channels * self.height * self.width,
+            sample_len: self.sample_len(),
             channels: self.channels,
+            frames: self.frames,
             height: self.height,
             width: self.width,
             // Exact capacities: the batch is part of the measured step, byte for byte.
-            latents: Vec::with_capacity(n * self.channels * self.height * self.width),
-            noise: Vec::with_capacity(n * self.channels * self.height * self.width),
+            latents: Vec::with_capacity(n * self.sample_len()),
+            noise: Vec::with_capacity(n * self.sample_len()),
             timesteps: Vec::with_capacity(n),
             labels: Vec::with_capacity(n),
             drop_label: Vec::with_capacity(n),
@@ -328,7 +347,7 @@ pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
         return Err(derr("no .safetensors or .npy files".into()));
     }
     let mut lat: Vec<f64> = Vec::new();
-    let sample_len = data.channels * data.height * data.width;
+    let sample_len = data.sample_len();
     for f in &files {
         let tensors: Vec<Tensor> = if f.extension().is_some_and(|e| e == "npy") {
             vec![Tensor::read_npy(f).map_err(|e| derr(format!("{}: {e}", f.display())))?]

@@ -4,10 +4,11 @@
 //! - [`model`]: the DiT's parameters (PyTorch names), init, embedders, patchify.
 //! - [`block`]: the adaLN-Zero block and final layer.
 //! - [`families`]: the diffusers families beside the DiT ([`families::pixart`]: PixArt-α / Σ;
-//!   [`families::sana`]: Sana).
+//!   [`families::sana`]: Sana, [`families::wan`]: Wan 2.1).
 //! - [`ops`]: fused ops with their own backward, one module per op family: [`ops::linear`](mod@ops::linear)
 //!   (+ its gradient sink), [`ops::gelu`], [`ops::ln_modulate`](mod@ops::ln_modulate),
-//!   [`ops::gated_residual`](mod@ops::gated_residual), [`ops::attention`] (the fused qkv
+//!   [`ops::gated_residual`](mod@ops::gated_residual), [`ops::rms_norm`](mod@ops::rms_norm),
+//!   [`ops::rope`](mod@ops::rope), [`ops::attention`] (the fused qkv
 //!   attention, its AVX512-BF16 kernels in [`ops::attention::bf16`] and the composed reference in
 //!   [`ops::attention::reference`]), [`ops::backward_from`](mod@ops::backward_from) and
 //!   [`ops::sum_squares`](mod@ops::sum_squares).

@@ -34,6 +34,10 @@ pub enum Init {
     Zeros,
     /// All ones (a norm's weight).
     Ones,
+    /// Wan's 3-D RoPE buffer (`rope.freqs_cos` / `freqs_sin`, (max_len, d_h)).
+    Rope3d {
+        cos: bool,
+    },
     /// The fixed 2-D sin-cos position table.
     SinCos2d {
         rows: usize,
@@ -76,6 +80,8 @@ pub struct Dims {
     pub rows: usize,
     pub cols: usize,
     pub tokens: usize,
+    /// Latent frames of a video model (1 for images); `tokens` counts every frame's.
+    pub frames: usize,
 }
 
 impl Dims {
@@ -92,13 +98,22 @@ impl Dims {
             // Flux predicts the packed latent (out_channels = in_channels, checked).
             crate::families::Arch::Flux(_) => u(m.in_channels),
             crate::families::Arch::Sana(g) => g.out_channels,
+            crate::families::Arch::Wan(g) => g.out_channels,
+        };
+        let frames = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Wan(g) => g.frames,
+            _ => 1,
+        };
+        let mlp_hidden = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Wan(g) => g.ffn,
+            _ => u(m.mlp_hidden()),
         };
         Ok(Dims {
             depth: u(m.depth),
             hidden: u(m.hidden),
             heads: u(m.heads),
             head_dim: u(m.head_dim()),
-            mlp_hidden: u(m.mlp_hidden()),
+            mlp_hidden,
             patch: u(m.patch),
             in_channels: u(m.in_channels),
             out_channels,
@@ -109,7 +124,8 @@ impl Dims {
             latent_w: u(grid.latent_w),
             rows: u(grid.rows),
             cols: u(grid.cols),
-            tokens: u(grid.rows) * u(grid.cols),
+            tokens: u(grid.rows) * u(grid.cols) * frames,
+            frames,
         })
     }
 
@@ -155,6 +171,7 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
         crate::families::Arch::Sd3(g) => return Ok(crate::families::sd3::param_shapes(&d, &g)),
         crate::families::Arch::Flux(g) => return Ok(crate::families::flux::param_shapes(&d, &g)),
         crate::families::Arch::Sana(g) => return Ok(crate::families::sana::param_shapes(&d, &g)),
+        crate::families::Arch::Wan(g) => return Ok(crate::families::wan::param_shapes(&d, &g)),
         crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();
@@ -310,6 +327,9 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
     Ok(match p.init {
         Init::Zeros => vec![0.0; n],
         Init::Ones => vec![1.0; n],
+        Init::Rope3d { cos } => {
+            crate::families::wan::params::rope_buffer(p.shape[1], p.shape[0], cos)
+        }
         Init::Normal(std) => (0..n).map(|_| std * rng.normal()).collect(),
         Init::Uniform(b) => (0..n).map(|_| b * (2.0 * rng.uniform() - 1.0)).collect(),
         Init::XavierUniform => {

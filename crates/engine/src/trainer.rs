@@ -46,6 +46,7 @@ mod flux;
 mod pixart;
 mod sd3;
 mod sana;
+mod wan;
 
 /// Candle dtype of a spec dtype.
 pub fn dtype(d: Dtype) -> Result<DType> {
@@ -155,6 +156,7 @@ enum Layout {
     Sd3(sd3::Sd3Layout),
     Flux(flux::FluxLayout),
     Sana(sana::SanaLayout),
+    Wan(wan::WanLayout),
 }
 
 impl Layout {
@@ -169,6 +171,7 @@ impl Layout {
                 .copied()
                 .collect(),
             Layout::Pixart(l) => l.linears(),
+            Layout::Wan(l) => l.linears(),
             Layout::Sd3(l) => l.linears(),
             Layout::Flux(l) => l.linears(),
             Layout::Sana(l) => l.linears(),
@@ -296,6 +299,7 @@ impl Trainer {
             crate::families::Arch::Sd3(g) => crate::families::sd3::param_shapes(&dims, g),
             crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
             crate::families::Arch::Sana(g) => crate::families::sana::param_shapes(&dims, g),
+            crate::families::Arch::Wan(g) => crate::families::wan::param_shapes(&dims, g),
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -378,6 +382,9 @@ impl Trainer {
                 &dims,
                 g.clone(),
             )?),
+            crate::families::Arch::Wan(g) => {
+                Layout::Wan(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
+            }
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -781,6 +788,7 @@ impl Trainer {
                 Layout::Sd3(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
                 Layout::Flux(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
                 Layout::Sana(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Wan(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -9,6 +9,8 @@
 //!   blocks, q/k RMSNorm, 2-D RoPE).
 //! - [`sana`]: `SanaTransformer2DModel` (adaLN-single, ReLU linear self-attention, softmax
 //!   cross-attention, the GLUMBConv Mix-FFN, the caption projection and its RMSNorm).
+//! - [`wan`]: `WanTransformer3DModel` (video latents, 3-D patchify and RoPE, q/k RMSNorm,
+//!   cross-attention to umT5 states).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
@@ -16,6 +18,7 @@ pub mod flux;
 pub mod pixart;
 pub mod sd3;
 pub mod sana;
+pub mod wan;
 
 use ditmem_budget::{Family, Spec};
 
@@ -43,6 +46,8 @@ pub enum Arch {
     Flux(flux::FluxGeom),
     /// A `SanaTransformer2DModel` from `model.diffusers`.
     Sana(sana::SanaGeom),
+    /// A `WanTransformer3DModel` from `model.diffusers`.
+    Wan(wan::WanGeom),
 }
 
 impl Arch {
@@ -64,9 +69,12 @@ impl Arch {
                 (ditmem_budget::Dims::Sana(d), Family::Sana) => {
                     Ok(Arch::Sana(sana::SanaGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::Wan(d), Family::Wan) => {
+                    Ok(Arch::Wan(wan::WanGeom::new(spec, d)?))
+                }
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT, PixArtTransformer2DModel, SD3Transformer2DModel, FluxTransformer2DModel and SanaTransformer2DModel so far",
+                    "the engine runs the original DiT and the diffusers PixArt, SD3, Flux, Sana and Wan 2.1 transformers so far",
                 )),
             },
         }

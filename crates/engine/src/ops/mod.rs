@@ -15,8 +15,12 @@
 //!   P, nothing or the log-sum-exp; with the composed reference [`attention_materialized`].
 //! - [`joint`](mod@joint): [`cat_tokens`] / [`split_tokens`], the per-sample token
 //!   concatenation of joint attention and its split.
-//! - [`rms_norm`](mod@rms_norm): [`rms_norm_heads`], the per-head q/k RMSNorm, keeping the
-//!   per-(row, head) rstd.
+//! - [`rms_norm`](mod@rms_norm): the per-head q/k RMSNorm of SD3.5 and Flux (and Sana's
+//!   caption norm, one head as wide as the row), keeping nothing for backward.
+//! - [`rms_norm_rows`](mod@rms_norm_rows): RMSNorm over the last dimension with an optional
+//!   weight and an output dtype, keeping one rstd per row (Wan's q/k norms).
+//! - [`rope_cos_sin`](mod@rope_cos_sin): rotary embedding of interleaved pairs by (s, d_h/2)
+//!   cos/sin tables (Wan), keeping nothing.
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
 //! - Sana's ops: [`linear_attention`](mod@linear_attention) (ReLU linear attention over
 //!   separate q, k, v), [`dwconv`] (SiLU + depthwise 3×3 conv on the token grid), [`glu`] (the
@@ -51,6 +55,8 @@ pub mod linear_attention;
 pub mod ln_modulate;
 pub mod rms_norm;
 pub mod rope;
+pub mod rope_cos_sin;
+pub mod rms_norm_rows;
 pub(crate) mod storage;
 pub mod sum_squares;
 pub mod tokens;
@@ -69,5 +75,7 @@ pub use linear::{
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
+pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};
+pub use rope_cos_sin::{rope_cos_sin, RopeCosSin};
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};

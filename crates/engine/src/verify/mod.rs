@@ -267,7 +267,8 @@ pub struct Growth {
     pub reduction: u64,
     /// Rounding stages chained from the first weights to the loss on the longest path: the patch
     /// embedding, 6 per block (qkv, q·kᵀ, softmax, P·v, proj, fc1→fc2 as one MLP stage plus the
-    /// norm), and the final layer: 6·L + 2.
+    /// norm), and the final layer: 6·L + 2 (Wan: 14 per block, its
+    /// `families::wan::ROUNDING_STAGES_PER_BLOCK`).
     pub forward_chain: u64,
     /// The backward retraces the forward chain to reach the first parameters: 2 × forward.
     pub gradient_chain: u64,
@@ -292,7 +293,11 @@ impl Growth {
         .into_iter()
         .max()
         .unwrap_or(1) as u64;
-        let forward_chain = 6 * d.depth as u64 + 2;
+        let per_block = match crate::families::Arch::of(spec)? {
+            crate::families::Arch::Wan(_) => crate::families::wan::ROUNDING_STAGES_PER_BLOCK,
+            _ => 6,
+        };
+        let forward_chain = per_block * d.depth as u64 + 2;
         Ok(Growth {
             reduction,
             forward_chain,

@@ -56,6 +56,7 @@ pub(super) fn score_bound(
         crate::families::Arch::Sd3(g) => return sd3_score_bound(spec, t, &g, batch),
         crate::families::Arch::Flux(g) => return flux_score_bound(spec, t, &g, batch),
         crate::families::Arch::Sana(g) => return sana_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Wan(g) => return wan_score_bound(spec, t, &g, batch),
         crate::families::Arch::Dit => {}
     }
     let d: Dims = *t.dims();
@@ -811,6 +812,133 @@ fn sana_score_bound(
         loss_sum += on_pool(|| -> Result<f64> {
             let out = sana_final(&x, &emb, &fw, f, f)?;
             let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64))
+}
+
+/// [`score_bound`] for Wan: its forward replayed in f64 (embed, blocks, output side), S over
+/// both the self-attention (q, k after the RMSNorm and RoPE) and the cross-attention to the
+/// text (after the RMSNorm).
+fn wan_score_bound(
+    spec: &Spec,
+    t: &Trainer,
+    g: &crate::families::wan::WanGeom,
+    batch: &Batch,
+) -> Result<(f64, f64)> {
+    use crate::families::wan::{
+        final_forward as wan_final, patchify3d, rope_tables, text_forward, unpatchify3d,
+        wan_block_forward, wan_block_qk, WanBlockWeights, WanConds, WanFinalWeights,
+    };
+    let d: Dims = *t.dims();
+    let dev = Device::Cpu;
+    let f = DType::F64;
+    let w = &spec.workload;
+    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
+    let acp = alphas_cumprod();
+    let cfg = BlockConfig {
+        hidden: d.hidden,
+        heads: d.heads,
+        head_dim: d.head_dim,
+        compute: f,
+        accum: f,
+        attn: AttnImpl::Materialized,
+        attn_dropout: 0.0,
+        mlp_dropout: 0.0,
+    };
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let conv = t
+        .parameter("patch_embedding.weight")?
+        .flatten_from(1)
+        .map_err(e)?;
+    let embed = LinearW::new(conv, t.parameter("patch_embedding.bias")?, None);
+    let ce = "condition_embedder";
+    let t1 = linear(t, &format!("{ce}.time_embedder.linear_1"))?;
+    let t2 = linear(t, &format!("{ce}.time_embedder.linear_2"))?;
+    let tp = linear(t, &format!("{ce}.time_proj"))?;
+    let x1 = linear(t, &format!("{ce}.text_embedder.linear_1"))?;
+    let x2 = linear(t, &format!("{ce}.text_embedder.linear_2"))?;
+    let fw = WanFinalWeights {
+        table: t.parameter("scale_shift_table")?,
+        proj_out: linear(t, "proj_out")?,
+    };
+    let (cv, sv) = rope_tables(g, d.rows, d.cols);
+    let half = cv.len() / d.tokens.max(1);
+    let cos = Tensor::from_vec(cv, (d.tokens, half), &dev).map_err(e)?;
+    let sin = Tensor::from_vec(sv, (d.tokens, half), &dev).map_err(e)?;
+    let (h, s) = (d.hidden, d.tokens);
+    let mut bound = 0.0f64;
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut x, temb, t6, ctx) = on_pool(|| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xp = patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?;
+            let x = embed.forward(&xp)?.reshape((b, s, h)).map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, g.freq, f, &dev)?;
+            let temb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let t6 = tp.forward(&temb.silu().map_err(e)?)?;
+            let ctx = text_forward(&mb.text_tensor(f, &dev)?, &x1, &x2)?;
+            Ok((x, temb, t6, ctx))
+        })?;
+        for i in 0..d.depth {
+            let p = |n: &str| linear(t, &format!("blocks.{i}.{n}"));
+            let q = |n: &str| t.parameter(&format!("blocks.{i}.{n}.weight"));
+            let bw = WanBlockWeights {
+                table: t.parameter(&format!("blocks.{i}.scale_shift_table"))?,
+                q1: p("attn1.to_q")?,
+                k1: p("attn1.to_k")?,
+                v1: p("attn1.to_v")?,
+                o1: p("attn1.to_out.0")?,
+                norm_q1: q("attn1.norm_q")?,
+                norm_k1: q("attn1.norm_k")?,
+                q2: p("attn2.to_q")?,
+                k2: p("attn2.to_k")?,
+                v2: p("attn2.to_v")?,
+                o2: p("attn2.to_out.0")?,
+                norm_q2: q("attn2.norm_q")?,
+                norm_k2: q("attn2.norm_k")?,
+                norm2: if g.cross_attn_norm {
+                    Some((q("norm2")?, t.parameter(&format!("blocks.{i}.norm2.bias"))?))
+                } else {
+                    None
+                },
+                fc1: p("ffn.net.0.proj")?,
+                fc2: p("ffn.net.2")?,
+            };
+            let conds = WanConds {
+                t6: &t6,
+                ctx: &ctx,
+                cos: &cos,
+                sin: &sin,
+            };
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &cfg)?;
+                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale)?;
+                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale)?;
+                Ok((wan_block_forward(&x, conds, &bw, &cfg)?, sb1.max(sb2)))
+            })?;
+            bound = bound.max(sb);
+            x = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = wan_final(&x, &temb, &fw, f, f)?;
+            let shape = if g.frames == 1 {
+                vec![b, g.out_channels, d.latent_h, d.latent_w]
+            } else {
+                vec![b, g.out_channels, g.frames, d.latent_h, d.latent_w]
+            };
+            let geo = (g.out_channels, g.frames, d.rows, d.cols, d.patch);
+            let pred = unpatchify3d(&out, b, geo, &shape)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;
             let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;

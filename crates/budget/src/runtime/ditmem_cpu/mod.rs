@@ -29,6 +29,7 @@
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
 //! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `trainer/sana.rs`,
 //!   `ops/{linear_attention,dwconv,glu,rms_norm}.rs`);
+//! - [`wan`]: Wan 2.1's segments (`families/wan/block.rs`, `trainer/wan.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
@@ -44,6 +45,7 @@ pub mod sd3;
 pub mod sana;
 pub(crate) mod segments;
 pub(crate) mod step;
+pub mod wan;
 
 use crate::events::{Event, StaticBytes};
 use crate::params::ParamTensor;

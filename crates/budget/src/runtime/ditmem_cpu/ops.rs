@@ -262,3 +262,40 @@ pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
 
 /// Elements per partial sum of the engine's gradient norm (`ops::SQUARES_CHUNK`).
 pub const SQUARES_CHUNK: u64 = 1 << 16;
+
+/// Heap bytes of a tracked `ops::RmsNorm` node's op beside its output: candle's
+/// `Arc<Box<dyn CustomOp2>>` (32) and the op (its dtype, eps and the mutex over the kept rstd:
+/// 56); measured by the engine's `tests/wan.rs`.
+pub const RMS_NORM_OP_BYTES: u64 = 88;
+/// Heap bytes of a tracked `ops::Rope` node's op: the `Arc<Box<dyn CustomOp1>>` (32) and the op
+/// (its two table handles: 16).
+pub const ROPE_OP_BYTES: u64 = 48;
+
+/// `ops::rms_norm` of the engine: RMSNorm over the last dimension written in `out`, one fresh
+/// output of x's size; the op keeps one rstd per row in the accumulation type (f64 for f64
+/// x, else f32) beside it, and a tracked node its boxed op ([`RMS_NORM_OP_BYTES`]). Inputs: x
+/// and the weight (whose fresh gradient the backward returns when it tracks).
+pub fn rms_norm(g: &mut Graph, name: &str, x: Nid, w: Nid, rows: u64, out: Dtype) -> Nid {
+    let acc = if g.dtype(x) == Dtype::F64 { 8 } else { 4 };
+    let e = g.elems(x);
+    let y = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, w], e, out);
+    let op = if g.nodes[y].tracks {
+        RMS_NORM_OP_BYTES
+    } else {
+        0
+    };
+    g.nodes[y].extra = rows * acc + op;
+    y
+}
+
+/// `ops::rope` of the engine: one fresh output in x's dtype and size; it keeps nothing but its
+/// boxed op when tracked ([`ROPE_OP_BYTES`]; the cos/sin tables are constants the caller
+/// holds, not inputs of the node), and its backward makes one fresh dx.
+pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
+    let (e, dt) = (g.elems(x), g.dtype(x));
+    let y = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt);
+    if g.nodes[y].tracks {
+        g.nodes[y].extra = ROPE_OP_BYTES;
+    }
+    y
+}

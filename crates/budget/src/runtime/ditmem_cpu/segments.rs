@@ -182,6 +182,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(sg) = super::sana::SanaGeo::of(spec) {
         return super::sana::sims(spec, &sg);
     }
+    if let Some(wg) = super::wan::WanGeo::of(spec) {
+        return super::wan::sims(spec, &wg);
+    }
     let sh = Shape::new(spec);
     let m = &spec.model;
     let ad = sh.precision.accum_dtype();

@@ -45,6 +45,7 @@ pub fn step_uses_gemm(spec: &Spec) -> bool {
     if super::pixart::PixGeo::of(spec).is_some()
         || super::sd3::Sd3Geo::of(spec).is_some()
         || super::flux::FluxGeo::of(spec).is_some()
+        || super::wan::WanGeo::of(spec).is_some()
     {
         return true;
     }
@@ -124,7 +125,8 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
     let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
         + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems())
         + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems())
-        + super::sana::SanaGeo::of(spec).map_or(0, |g| g.text_elems());
+        + super::sana::SanaGeo::of(spec).map_or(0, |g| g.text_elems())
+        + super::wan::WanGeo::of(spec).map_or(0, |g| g.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
 }
 

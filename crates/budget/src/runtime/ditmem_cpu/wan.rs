@@ -1,0 +1,441 @@
+//! Wan 2.1 in the engine as candle nodes (twin: the engine's `families/wan/block.rs` and
+//! `trainer/wan.rs` on the family schedule): the embed segment (3-D patch embedding, timestep
+//! MLP, `time_proj`, text projection, the RoPE tables), the `WanTransformerBlock` (q/k RMSNorm
+//! across heads, RoPE, self- and cross-attention over separate q, k, v, the affine `norm2`),
+//! and the output side with the final `scale_shift_table`; then their simulation into
+//! [`Sims`] for the step replay ([`super::step`]).
+
+use crate::families::{Dims as FamilyDims, WanDims};
+use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
+    TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::{
+    fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope, seed,
+};
+use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::step::grad_dtype;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Spec};
+
+/// What a Wan step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WanGeo {
+    /// umT5 tokens T.
+    pub t: u64,
+    /// `text_dim`.
+    pub text_dim: u64,
+    /// `ffn_dim`.
+    pub ffn: u64,
+    /// `freq_dim`.
+    pub freq: u64,
+    /// `out_channels`.
+    pub c_out: u64,
+    pub cross_attn_norm: bool,
+    /// Channel pairs of a head's RoPE (d_h / 2): the width of the per-step tables.
+    pub half: u64,
+}
+
+impl WanGeo {
+    /// The Wan geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec) -> Option<WanGeo> {
+        let fm = crate::denoiser::family(spec).ok().flatten()?;
+        let FamilyDims::Wan(d) = &fm.dims else {
+            return None;
+        };
+        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+        Some(WanGeo::new(d, tokens.first().copied().unwrap_or(0)))
+    }
+
+    fn new(d: &WanDims, t: u64) -> WanGeo {
+        WanGeo {
+            t,
+            text_dim: d.text_dim,
+            ffn: d.ffn_dim,
+            freq: d.freq_dim,
+            c_out: d.out_channels,
+            cross_attn_norm: d.cross_attn_norm,
+            half: d.attention_head_dim / 2,
+        }
+    }
+
+    /// Text elements of one sample (T·text_dim): the batch holds them in f64.
+    pub fn text_elems(&self) -> u64 {
+        self.t * self.text_dim
+    }
+}
+
+/// Dtype of the RoPE tables: f64 under an f64 compute dtype, else f32.
+fn rope_dtype(sh: &Shape) -> Dtype {
+    if sh.cd() == Dtype::F64 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    }
+}
+
+/// `k` narrow views of a (b, k·D) tensor, each bound.
+fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
+    (0..k)
+        .map(|i| {
+            let c = g.view(
+                &format!("{name} chunk {i}"),
+                Kind::Narrow {
+                    pad_before: i * bd,
+                    pad_after: (k - 1 - i) * bd,
+                },
+                m,
+                bd,
+            );
+            g.bind(c)
+        })
+        .collect()
+}
+
+/// One Wan block as `wan_block_forward` builds it, on a leaf copy of its input; every
+/// intermediate is a local of that function (bound). Returns the graph, the input leaf and
+/// the output.
+pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (e, d) = (sh.e(), sh.d);
+    let rows = sh.b * sh.s;
+    let (bd, trows) = (sh.b * d, sh.b * wg.t);
+    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
+    let ctx = g.var("text context (shared leaf)", trows * d, cd, false);
+    let pd = sh.precision.param_dtype();
+    let table = g.weight("scale_shift_table", 6 * d, pd, true, ad);
+    let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+    let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+    g.bind(modv);
+    let m = chunks(&mut g, "modulation", modv, 6, bd);
+    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
+        let y = linear(g, sh, name, x, rows, out, inp, None);
+        g.bind(y)
+    };
+    let norm = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
+        let w = g.weight(&format!("{name}.weight"), d, pd, true, cd);
+        let y = rms_norm(g, &format!("{name} (fused)"), x, w, rows, cd);
+        g.bind(y)
+    };
+
+    // Self-attention.
+    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+    g.bind(h1);
+    let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
+    let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
+    let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
+    let qn = norm(&mut g, "attn1.norm_q", q, rows);
+    let kn = norm(&mut g, "attn1.norm_k", k, rows);
+    let qr = rope(&mut g, "attn1 rope(q) (fused)", qn);
+    g.bind(qr);
+    let kr = rope(&mut g, "attn1 rope(k) (fused)", kn);
+    g.bind(kr);
+    let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [qr, kr, v], sh.s);
+    g.bind(o);
+    let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
+    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+    g.bind(x1);
+
+    // Cross-attention: norm2 as ln_modulate with the bias as shift and weight − 1 as scale.
+    let h2 = if wg.cross_attn_norm {
+        let nw = g.weight("norm2.weight", d, pd, true, ad);
+        let nb = g.weight("norm2.bias", d, pd, true, ad);
+        let sr = g.view("norm2.bias.reshape(1, D)", Kind::Reshape, nb, d);
+        let shift = g.view("broadcast (b, D)", Kind::Broadcast, sr, bd);
+        let w1 = g.op("norm2.weight − 1", Kind::Affine, &[nw], d, ad);
+        let wr = g.view("reshape(1, D)", Kind::Reshape, w1, d);
+        let scale = g.view("broadcast (b, D)", Kind::Broadcast, wr, bd);
+        let h2 = ln_modulate(
+            &mut g,
+            "norm2 (affine LN, fused)",
+            x1,
+            shift,
+            scale,
+            rows,
+            cd,
+        );
+        g.bind(h2)
+    } else {
+        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+        g.bind(xq)
+    };
+    let q2 = lin(&mut g, "attn2.to_q", h2, rows, d, d);
+    let k2 = lin(&mut g, "attn2.to_k", ctx, trows, d, d);
+    let v2 = lin(&mut g, "attn2.to_v", ctx, trows, d, d);
+    let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
+    let k2n = norm(&mut g, "attn2.norm_k", k2, trows);
+    let o2 = separate_attention(
+        &mut g,
+        sh,
+        "attn2 (cross, separate q, k, v)",
+        [q2n, k2n, v2],
+        sh.s,
+    );
+    g.bind(o2);
+    let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
+    let ones = g.constant("ones (b, D)", bd, ad, true);
+    g.bind(ones);
+    let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+    g.bind(x2);
+
+    // Feed-forward.
+    let h3 = ln_modulate(&mut g, "norm3+modulate", x2, m[3], m[4], rows, cd);
+    g.bind(h3);
+    let f1 = lin(&mut g, "ffn.net.0.proj", h3, rows, wg.ffn, d);
+    let act = gelu(&mut g, "gelu(tanh) (fused)", f1);
+    g.bind(act);
+    let f2 = lin(&mut g, "ffn.net.2", act, rows, d, wg.ffn);
+    let out = gated_residual(&mut g, "x2 + out·c_gate (fused)", x2, f2, m[5]);
+    (g, x, out)
+}
+
+/// The embed segment as `WanLayout::embed` builds it. Returns (graph, x0, t6, temb, ctx,
+/// cos, sin).
+pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let bd = sh.b * sh.d;
+    let trows = sh.b * wg.t;
+    let wd = sh.weight_dtype();
+    let mut g = Graph::default();
+    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+    g.bind(xp);
+    // The Conv3d weight (D, C, 1, p, p) multiplies as its (D, C·p·p) view.
+    let inp = sh.c_in * p2;
+    let w = g.weight("patch_embedding.weight", sh.d * inp, wd, true, wd);
+    let wv = g.view("weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+    let bias = g.weight("patch_embedding.bias", sh.d, wd, true, wd);
+    let xe = fused_linear(
+        &mut g,
+        "patch_embedding x·Wᵀ+b",
+        [xp, wv, bias],
+        (rows, inp, sh.d),
+        sh.cpu.bf16_kernel(),
+    );
+    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+    let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+    let tf = g.constant("timestep features", sh.b * wg.freq, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf);
+    let ce = "condition_embedder";
+    let h = linear(
+        &mut g,
+        sh,
+        &format!("{ce}.time_embedder.linear_1"),
+        tf,
+        sh.b,
+        sh.d,
+        wg.freq,
+        None,
+    );
+    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+    g.bind(h);
+    let temb = linear(
+        &mut g,
+        sh,
+        &format!("{ce}.time_embedder.linear_2"),
+        h,
+        sh.b,
+        sh.d,
+        sh.d,
+        None,
+    );
+    let temb = g.cast(&format!("temb→{ad}"), temb, ad);
+    g.bind(temb);
+    let st = g.op("silu(temb)", Kind::Silu, &[temb], bd, ad);
+    let st = g.cast(&format!("silu(temb)→{cd}"), st, cd);
+    g.bind(st);
+    let t6 = linear(
+        &mut g,
+        sh,
+        &format!("{ce}.time_proj"),
+        st,
+        sh.b,
+        6 * sh.d,
+        sh.d,
+        None,
+    );
+    let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+    g.bind(t6);
+    let cap = g.constant("umT5 states", trows * wg.text_dim, cd, true);
+    g.bind(cap);
+    let te = format!("{ce}.text_embedder");
+    let c1 = linear(
+        &mut g,
+        sh,
+        &format!("{te}.linear_1"),
+        cap,
+        trows,
+        sh.d,
+        wg.text_dim,
+        None,
+    );
+    let act = gelu(&mut g, "text gelu(tanh) (fused)", c1);
+    let ctx = linear(
+        &mut g,
+        sh,
+        &format!("{te}.linear_2"),
+        act,
+        trows,
+        sh.d,
+        sh.d,
+        None,
+    );
+    // `text_forward`'s locals live until it returns.
+    g.hold_until(&[c1, act], ctx);
+    g.bind(ctx);
+    let rd = rope_dtype(sh);
+    let cos = g.constant("rope cos (s, d_h/2)", sh.s * wg.half, rd, true);
+    g.bind(cos);
+    let sin = g.constant("rope sin (s, d_h/2)", sh.s * wg.half, rd, true);
+    g.bind(sin);
+    g.bind(x0);
+    (g, [x0, t6, temb, ctx, cos, sin])
+}
+
+/// The output side and the loss on a leaf copy of the last block's output.
+/// Returns (graph, leaf, root).
+pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let ld = grad_dtype(sh.precision);
+    let p2 = sh.patch2;
+    let rows = sh.b * sh.s;
+    let e = sh.e();
+    let bd = sh.b * sh.d;
+    let mut g = Graph::default();
+    let x = g.var("final leaf", e, ad, true);
+    let temb = g.var("temb (shared leaf)", bd, ad, false);
+    let pd = sh.precision.param_dtype();
+    let table = g.weight("scale_shift_table", 2 * sh.d, pd, true, ad);
+    let eu = g.view("temb.unsqueeze(1)", Kind::Reshape, temb, bd);
+    let eb = g.view("temb broadcast", Kind::Broadcast, eu, 2 * bd);
+    let tb = g.view("table broadcast", Kind::Broadcast, table, 2 * bd);
+    let ss = g.op("temb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+    let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+    let md = chunks(&mut g, "final modulation", ss, 2, bd);
+    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+    let out_el = rows * p2 * wg.c_out;
+    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * wg.c_out, sh.d, None);
+    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = g.view("reshape(b,F,r,c,p,p,C)", Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view("reshape(b,C,F,h,w)", Kind::Reshape, img, out_el);
+    let lat = rows * p2 * sh.c_in;
+    let pred = g.view(
+        "ε channels",
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: out_el - lat,
+        },
+        img,
+        lat,
+    );
+    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+    let target = g.constant("target", lat, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    (g, x, root)
+}
+
+/// Simulate Wan's three segments for a spec.
+pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
+    let sh = Shape::new(spec);
+    let ad = sh.ad();
+    let cd = sh.cd();
+    let ld = grad_dtype(sh.precision);
+    let rd = rope_dtype(&sh);
+
+    let (mut bg, leaf, out) = block(&sh, wg);
+    let fwd = forward_peak(&bg);
+    let root = seed(&mut bg, out);
+    let mut block_sim = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
+    block_sim.fwd_peak = fwd;
+    let (mut ug, uleaf, uout) = block(&sh, wg);
+    ug.nodes[uleaf].alloc = false;
+    block_sim.untracked_peak = untracked_peak(&ug, &[uout]);
+
+    let (fg, fleaf, froot) = final_graph(&sh, wg);
+    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
+    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
+
+    // Embed: the schedule's surrogate Σ x0·gx + Σ t6·g6 + Σ temb·g_temb + Σ ctx·g_ctx +
+    // Σ cos·0 + Σ sin·0, each term cast to the stream's dtype.
+    let (mut eg, [x0, t6, temb, ctx, cos, sin]) = embed_graph(&sh, wg);
+    let fwd = forward_peak(&eg);
+    let bd = sh.b * sh.d;
+    let yel = sh.b * wg.t * sh.d;
+    let tab = sh.s * wg.half;
+    let n0 = eg.nodes.len();
+    let mut sur: Option<Nid> = None;
+    for (name, t, el, dt) in [
+        ("x0", x0, sh.e(), ad),
+        ("t6", t6, 6 * bd, ad),
+        ("temb", temb, bd, ad),
+        ("ctx", ctx, yel, cd),
+        ("cos", cos, tab, rd),
+        ("sin", sin, tab, rd),
+    ] {
+        let gr = eg.constant(&format!("grad {name}"), el, dt, false);
+        let m = eg.op(&format!("{name}·grad"), Kind::Mul, &[t, gr], el, dt);
+        let s = eg.op("sum", Kind::Sum, &[m], 1, dt);
+        let s = eg.cast(&format!("sum→{ad}"), s, ad);
+        sur = Some(match sur {
+            None => s,
+            Some(a) => eg.op("+", Kind::Add, &[a, s], 1, ad),
+        });
+    }
+    let r = sur.unwrap_or(x0);
+    let root_nodes = eg.nodes.len() - n0;
+    let held = eg.bound();
+    let outs = [x0, t6, temb, ctx, cos, sin];
+    let tail: Vec<Nid> = held.iter().copied().filter(|n| !outs.contains(n)).collect();
+    let embed_tail = kept_bytes(&eg, &tail);
+    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
+    embed.fwd_peak = fwd;
+
+    let meta = TENSOR_META + STORAGE_META;
+    // The conditioning leaves: copies of t6, temb, ctx and the two tables.
+    let leaves = (6 * bd + bd) * ad.size() + yel * cd.size() + 2 * tab * rd.size() + 5 * meta;
+    let n_lat = sh.latent;
+    let text = sh.b * wg.text_elems();
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * wg.freq * 8);
+    if cd != Dtype::F64 {
+        // The f64 umT5 states made from the batch, freed once cast.
+        scratch = scratch.max(text * 8);
+    }
+    // The f64 angle tables made on the host (both alive while the first is cast).
+    scratch = scratch.max(2 * tab * 8);
+    Sims {
+        embed,
+        block: block_sim,
+        final_layer,
+        c_leaf: leaves,
+        embed_scratch: scratch,
+        embed_tail,
+        cond_grad: (bd + 6 * bd + yel + 2 * tab) * ld.size() + 5 * meta,
+    }
+}
+
+/// Wan's three segments (embed, block, final) as generic segments, for the op inventory of a
+/// `ditmem-cpu` budget; None for any other model.
+pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+    let wg = WanGeo::of(spec)?;
+    let sh = Shape::new(spec);
+    Some([
+        to_segment(&embed_graph(&sh, &wg).0, "embed"),
+        to_segment(&block(&sh, &wg).0, "block"),
+        to_segment(&final_graph(&sh, &wg).0, "final"),
+    ])
+}

@@ -1,0 +1,323 @@
+//! [`rms_norm_rows`]: (Wan's q/k norms across heads; Flux's per-head op is [`super::rms_norm`]) RMSNorm over the last dimension, `x·rsqrt(mean(x²) + eps)·w`, as one node
+//! written in the output dtype. Candle's fused `rms_norm` has no backward, and the composed one
+//! keeps x², the mean and the scaled copy in the gradient graph; this op keeps only its
+//! argument and one rstd per row in the accumulation type (f32, f64 for f64 inputs). Backward
+//! returns dx (in x's dtype) and dw (in w's dtype) for the inputs that track. diffusers'
+//! `RMSNorm` (Wan's `norm_q` / `norm_k` across heads, Flux's per head) computes the statistic
+//! in float32 the same way. Budget twin: the `rms_norm` rule of
+//! `ditmem_budget::ditmem_cpu::ops`.
+
+use std::sync::Mutex;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape,
+    Tensor, WithDType,
+};
+use rayon::prelude::*;
+
+use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use crate::kernels::scalar::{Acc, Elem};
+
+/// Per-row rstd kept for backward.
+#[derive(Debug)]
+enum Rstd {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+trait IntoRstd: Sized {
+    fn wrap(v: Vec<Self>) -> Rstd;
+    fn unwrap(r: &Rstd) -> Option<&[Self]>;
+}
+impl IntoRstd for f32 {
+    fn wrap(v: Vec<Self>) -> Rstd {
+        Rstd::F32(v)
+    }
+    fn unwrap(r: &Rstd) -> Option<&[Self]> {
+        match r {
+            Rstd::F32(v) => Some(v),
+            Rstd::F64(_) => None,
+        }
+    }
+}
+impl IntoRstd for f64 {
+    fn wrap(v: Vec<Self>) -> Rstd {
+        Rstd::F64(v)
+    }
+    fn unwrap(r: &Rstd) -> Option<&[Self]> {
+        match r {
+            Rstd::F64(v) => Some(v),
+            Rstd::F32(_) => None,
+        }
+    }
+}
+
+/// RMSNorm over the last dimension of x (any rank, contiguous), with an optional weight (D) of
+/// x's dtype; the output has x's shape in `out`.
+#[derive(Debug)]
+pub struct RmsNormRows {
+    out: DType,
+    eps: f64,
+    rstd: Mutex<Option<Rstd>>,
+}
+
+/// `x·rsqrt(mean(x²) + eps)·w` over the last dimension, in `out` dtype (see the module docs).
+pub fn rms_norm_rows(x: &Tensor, weight: Option<&Tensor>, eps: f64, out: DType) -> CResult<Tensor> {
+    let op = RmsNormRows {
+        out,
+        eps,
+        rstd: Mutex::new(None),
+    };
+    match weight {
+        Some(w) => x.apply_op2(w, op),
+        None => x.apply_op1(op),
+    }
+}
+
+/// (rows, d) of x.
+fn geom(lx: &Layout) -> CResult<(usize, usize)> {
+    let d = *lx
+        .dims()
+        .last()
+        .ok_or_else(|| err("rms_norm: x is a scalar"))?;
+    if d == 0 {
+        return Err(err("rms_norm: empty last dimension"));
+    }
+    Ok((lx.shape().elem_count() / d, d))
+}
+
+/// Forward kernel: y (rows·d in `O`) and one rstd per row.
+fn fwd_cpu<T, O, A>(x: &[T], w: Option<&[T]>, d: usize, eps: f64) -> (Vec<O>, Vec<A>)
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let rows = x.len() / d;
+    let mut y: Vec<O> = vec![O::from_acc(A::ZERO); rows * d];
+    let mut rs: Vec<A> = vec![A::ZERO; rows];
+    let inv_d = A::from_f64(1.0 / d as f64);
+    let (eps, one) = (A::from_f64(eps), A::from_f64(1.0));
+    y.par_chunks_mut(d)
+        .zip(rs.par_iter_mut())
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d).max(1))
+        .for_each(|(r, (yr, rr))| {
+            let xr = &x[r * d..(r + 1) * d];
+            let mut ss = A::ZERO;
+            for v in xr {
+                let a = v.to_acc();
+                ss += a * a;
+            }
+            let rstd = one / (ss * inv_d + eps).sqrt();
+            *rr = rstd;
+            match w {
+                Some(w) => {
+                    for j in 0..d {
+                        yr[j] = O::from_acc(xr[j].to_acc() * rstd * w[j].to_acc());
+                    }
+                }
+                None => {
+                    for j in 0..d {
+                        yr[j] = O::from_acc(xr[j].to_acc() * rstd);
+                    }
+                }
+            }
+        });
+    (y, rs)
+}
+
+/// Backward kernel: with ĝ = g·w and x̂ = x·rstd, dx = rstd·(ĝ − x̂·mean(ĝ·x̂)) and
+/// dw = Σ_rows g·x̂ (when `want_w`), fresh, in x's type.
+fn bwd_cpu<T, O, A>(
+    x: &[T],
+    w: Option<&[T]>,
+    gy: &[O],
+    rs: &[A],
+    d: usize,
+    want_w: bool,
+) -> (Vec<T>, Option<Vec<T>>)
+where
+    T: Elem<A> + Send + Sync,
+    O: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let rows = x.len() / d;
+    let inv_d = A::from_f64(1.0 / d as f64);
+    let wv = |j: usize| w.map_or(A::from_f64(1.0), |w| w[j].to_acc());
+    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
+    dx.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d).max(1))
+        .for_each(|(r, dxr)| {
+            let (xr, gr, rstd) = (&x[r * d..(r + 1) * d], &gy[r * d..(r + 1) * d], rs[r]);
+            let mut dot = A::ZERO;
+            for j in 0..d {
+                dot += gr[j].to_acc() * wv(j) * xr[j].to_acc() * rstd;
+            }
+            let m = dot * inv_d;
+            for j in 0..d {
+                let xh = xr[j].to_acc() * rstd;
+                dxr[j] = T::from_acc(rstd * (gr[j].to_acc() * wv(j) - xh * m));
+            }
+        });
+    let dw = want_w.then(|| {
+        // Column sums in blocks of columns, so a wide norm parallelises.
+        const COLS: usize = 64;
+        let mut dw: Vec<T> = vec![T::from_acc(A::ZERO); d];
+        dw.par_chunks_mut(COLS).enumerate().for_each(|(cb, dwc)| {
+            let j0 = cb * COLS;
+            let mut acc = [A::ZERO; COLS];
+            for r in 0..rows {
+                let rstd = rs[r];
+                for (j, a) in acc.iter_mut().enumerate().take(dwc.len()) {
+                    *a += gy[r * d + j0 + j].to_acc() * x[r * d + j0 + j].to_acc() * rstd;
+                }
+            }
+            for (o, a) in dwc.iter_mut().zip(acc) {
+                *o = T::from_acc(a);
+            }
+        });
+        dw
+    });
+    (dx, dw)
+}
+
+impl RmsNormRows {
+    fn fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        w: Option<(&CpuStorage, &Layout)>,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (_, d) = geom(lx)?;
+        if let Some((sw, lw)) = w {
+            if sw.dtype() != sx.dtype() || lw.shape().elem_count() != d {
+                return Err(err(format!(
+                    "rms_norm: weight {:?} {:?} does not match x's last dimension {d} and dtype {:?}",
+                    lw.dims(),
+                    sw.dtype(),
+                    sx.dtype()
+                )));
+            }
+        }
+        let (out, rs) = dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+            let x = cpu_slice::<T>(sx, lx, "rms_norm x")?;
+            let w = match w {
+                Some((sw, lw)) => Some(cpu_slice::<T>(sw, lw, "rms_norm weight")?),
+                None => None,
+            };
+            let (y, rs) = fwd_cpu::<T, O, A>(x, w, d, self.eps);
+            (O::to_cpu_storage_owned(y), A::wrap(rs))
+        });
+        *self.rstd.lock().map_err(|_| err("rms lock poisoned"))? = Some(rs);
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd_impl(
+        &self,
+        x: &Tensor,
+        w: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let guard = self.rstd.lock().map_err(|_| err("rms lock poisoned"))?;
+        let rs = guard
+            .as_ref()
+            .ok_or_else(|| err("rms_norm backward before forward"))?;
+        let grad = grad.contiguous()?;
+        let want_w = w.is_some_and(|w| w.track_op());
+        let w_c = w.map(|w| w.contiguous()).transpose()?;
+        let (dx, dw) = with_cpu(x, |sx, lx| {
+            with_cpu(&grad, |sg, lg| {
+                let (_, d) = geom(lx)?;
+                let run =
+                    |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
+                        Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+                            let st = A::unwrap(rs)
+                                .ok_or_else(|| err("rms_norm: statistics of another dtype"))?;
+                            let wsl = match ws {
+                                Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
+                                None => None,
+                            };
+                            let (dx, dw) = bwd_cpu::<T, O, A>(
+                                cpu_slice::<T>(sx, lx, "rms_norm x")?,
+                                wsl,
+                                cpu_slice::<O>(sg, lg, "rms_norm grad")?,
+                                st,
+                                d,
+                                want_w,
+                            );
+                            let dev = Device::Cpu;
+                            (
+                                Tensor::from_vec(dx, lx.shape(), &dev)?,
+                                match dw {
+                                    Some(v) => Some(Tensor::from_vec(v, d, &dev)?),
+                                    None => None,
+                                },
+                            )
+                        }))
+                    };
+                match &w_c {
+                    Some(wt) => with_cpu(wt, |sw, lw| run(Some((sw, lw)))),
+                    None => run(None),
+                }
+            })
+        })?;
+        let dw = match (dw, w) {
+            (Some(g), Some(w)) => Some(g.reshape(w.shape())?),
+            _ => None,
+        };
+        Ok((x.track_op().then_some(dx), dw))
+    }
+}
+
+impl CustomOp1 for RmsNormRows {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        self.fwd(s, l, None)
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        Ok(self.bwd_impl(arg, None, grad)?.0)
+    }
+}
+
+impl CustomOp2 for RmsNormRows {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.fwd(s1, l1, Some((s2, l2)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        self.bwd_impl(x, Some(w), grad)
+    }
+}
+
+/// The same op composed of candle primitives in f64 (the tests' reference).
+pub fn rms_norm_rows_reference(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> CResult<Tensor> {
+    let x = x.to_dtype(DType::F64)?;
+    let ms = x.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+    let y = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    match weight {
+        Some(w) => y.broadcast_mul(&w.to_dtype(DType::F64)?),
+        None => Ok(y),
+    }
+}

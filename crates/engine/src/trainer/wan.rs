@@ -1,0 +1,256 @@
+//! Wan's segments for the family schedule ([`super::family`]).
+//!
+//! Embed: the 3-D patchify + `patch_embedding` (the one stream), the timestep MLP (`temb`,
+//! (b, D)), `time_proj` on its SiLU (the (b, 6D) block modulation), the text projection of the
+//! umT5 states (b·T, D) in the compute dtype, and the per-step RoPE tables (s, d_h/2) (f32,
+//! f64 under fp64). The conditioning is `[t6, temb, ctx, cos, sin]`: blocks read t6, ctx and
+//! the tables, the final layer temb; nothing differentiates the tables (the RoPE op holds
+//! them as constants), so their summed gradients stay the zeros the schedule makes.
+
+use candle_core::{DType, Tensor};
+
+use super::family::{Embedded, FamilyStep};
+use super::LinearIdx;
+use super::{cast, Trainer};
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::families::wan::{
+    final_forward, patchify3d, rope_tables, text_forward, unpatchify3d, wan_block_forward,
+    WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
+};
+use crate::model::timestep_features;
+
+/// Where one Wan block's parameters sit.
+#[derive(Debug, Clone)]
+pub(super) struct WanBlockIdx {
+    table: usize,
+    lin: [LinearIdx; 10],
+    norms: [usize; 4],
+    norm2: Option<(usize, usize)>,
+}
+
+/// Where Wan's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+pub(super) struct WanLayout {
+    patch: LinearIdx,
+    t1: LinearIdx,
+    t2: LinearIdx,
+    time_proj: LinearIdx,
+    text: [LinearIdx; 2],
+    blocks: Vec<WanBlockIdx>,
+    final_table: usize,
+    proj_out: LinearIdx,
+    geom: WanGeom,
+}
+
+impl WanLayout {
+    pub(super) fn new(
+        lin: &dyn Fn(&str) -> Result<LinearIdx>,
+        idx: &dyn Fn(&str) -> Result<usize>,
+        depth: usize,
+        geom: WanGeom,
+    ) -> Result<WanLayout> {
+        let mut blocks = Vec::with_capacity(depth);
+        for i in 0..depth {
+            let b = format!("blocks.{i}");
+            let first = lin(&format!("{b}.{}", WAN_BLOCK_LINEARS[0]))?;
+            let mut l = [first; 10];
+            for (slot, name) in l.iter_mut().zip(WAN_BLOCK_LINEARS) {
+                *slot = lin(&format!("{b}.{name}"))?;
+            }
+            let mut norms = [0; 4];
+            for (slot, name) in norms.iter_mut().zip(WAN_BLOCK_NORMS) {
+                *slot = idx(&format!("{b}.{name}.weight"))?;
+            }
+            let norm2 = if geom.cross_attn_norm {
+                Some((
+                    idx(&format!("{b}.norm2.weight"))?,
+                    idx(&format!("{b}.norm2.bias"))?,
+                ))
+            } else {
+                None
+            };
+            blocks.push(WanBlockIdx {
+                table: idx(&format!("{b}.scale_shift_table"))?,
+                lin: l,
+                norms,
+                norm2,
+            });
+        }
+        let ce = "condition_embedder";
+        Ok(WanLayout {
+            patch: lin("patch_embedding")?,
+            t1: lin(&format!("{ce}.time_embedder.linear_1"))?,
+            t2: lin(&format!("{ce}.time_embedder.linear_2"))?,
+            time_proj: lin(&format!("{ce}.time_proj"))?,
+            text: [
+                lin(&format!("{ce}.text_embedder.linear_1"))?,
+                lin(&format!("{ce}.text_embedder.linear_2"))?,
+            ],
+            blocks,
+            final_table: idx("scale_shift_table")?,
+            proj_out: lin("proj_out")?,
+            geom,
+        })
+    }
+
+    /// Every linear of the model.
+    pub(super) fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch, self.t1, self.t2, self.time_proj];
+        v.extend(self.text);
+        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
+        v.push(self.proj_out);
+        v
+    }
+}
+
+impl Trainer {
+    fn wan_block_weights(&self, b: &WanBlockIdx, track: bool) -> Result<WanBlockWeights> {
+        let l = |k: usize| self.linear(b.lin[k], track);
+        let n = |k: usize| self.weight(b.norms[k], track);
+        let ad = self.cfg.accum;
+        Ok(WanBlockWeights {
+            table: cast(self.raw_weight(b.table, track), ad)?,
+            q1: l(0)?,
+            k1: l(1)?,
+            v1: l(2)?,
+            o1: l(3)?,
+            norm_q1: n(0)?,
+            norm_k1: n(1)?,
+            q2: l(4)?,
+            k2: l(5)?,
+            v2: l(6)?,
+            o2: l(7)?,
+            norm_q2: n(2)?,
+            norm_k2: n(3)?,
+            norm2: match b.norm2 {
+                Some((w, bias)) => Some((
+                    cast(self.raw_weight(w, track), ad)?,
+                    cast(self.raw_weight(bias, track), ad)?,
+                )),
+                None => None,
+            },
+            fc1: l(8)?,
+            fc2: l(9)?,
+        })
+    }
+}
+
+fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+impl FamilyStep for WanLayout {
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let d = tr.dims;
+        let g = &self.geom;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let b = mb.n;
+        if mb.text_tokens != g.text_tokens || mb.text_width != g.text_dim {
+            return Err(EngineError::bad_input(
+                "batch text",
+                format!(
+                    "{} tokens of width {}; this model reads {} of width {}",
+                    mb.text_tokens, mb.text_width, g.text_tokens, g.text_dim
+                ),
+            ));
+        }
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
+        let xp = cast(
+            patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?,
+            cd,
+        )?;
+        drop(xt);
+        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
+        let tf = cast(timestep_features(&mb.timesteps, g.freq, ad, &tr.dev)?, cd)?;
+        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
+        let temb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
+        let st = cast(temb.silu()?, cd)?;
+        let t6 = cast(tr.linear(self.time_proj, true)?.forward(&st)?, ad)?;
+        let cap = mb.text_tensor(cd, &tr.dev)?;
+        let ctx = text_forward(
+            &cap,
+            &tr.linear(self.text[0], true)?,
+            &tr.linear(self.text[1], true)?,
+        )?;
+        let rd = if cd == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let (cv, sv) = rope_tables(g, d.rows, d.cols);
+        let half = cv.len() / d.tokens.max(1);
+        let cos = Tensor::from_vec(cv, (d.tokens, half), &tr.dev)?.to_dtype(rd)?;
+        let sin = Tensor::from_vec(sv, (d.tokens, half), &tr.dev)?.to_dtype(rd)?;
+        Ok(Embedded {
+            streams: vec![x0],
+            conds: vec![t6, temb, ctx, cos, sin],
+            hold: vec![xp, tf, t1, st, cap],
+        })
+    }
+
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let w = tr.wan_block_weights(&self.blocks[i], track)?;
+        let conds = WanConds {
+            t6: &c[0],
+            ctx: &c[2],
+            cos: &c[3],
+            sin: &c[4],
+        };
+        Ok(vec![wan_block_forward(&x[0], conds, &w, &tr.cfg)?])
+    }
+
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let d = tr.dims;
+        let g = &self.geom;
+        let fw = WanFinalWeights {
+            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
+            proj_out: tr.linear(self.proj_out, true)?,
+        };
+        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
+        drop(fw);
+        let shape: Vec<usize> = if g.frames == 1 {
+            vec![mb.n, g.out_channels, d.latent_h, d.latent_w]
+        } else {
+            vec![mb.n, g.out_channels, g.frames, d.latent_h, d.latent_w]
+        };
+        let geo = (g.out_channels, g.frames, d.rows, d.cols, d.patch);
+        let pred = unpatchify3d(&out, mb.n, geo, &shape)?;
+        Ok(pred.narrow(1, 0, d.in_channels)?)
+    }
+
+    fn embed_params(&self) -> Vec<usize> {
+        let mut embed = vec![self.patch, self.t1, self.t2, self.time_proj];
+        embed.extend(self.text);
+        params_of(&embed)
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let blk = &self.blocks[i];
+        let mut idx = vec![blk.table];
+        idx.extend(blk.norms);
+        if let Some((w, b)) = blk.norm2 {
+            idx.extend([w, b]);
+        }
+        idx.extend(params_of(&blk.lin));
+        idx
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        let mut idx = Trainer::linear_params(&self.proj_out);
+        idx.push(self.final_table);
+        idx
+    }
+}
