@@ -343,7 +343,6 @@ fn check_engine_sana(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     Ok(())
 }
 
-
 /// What the ditmem-cpu engine runs of Wan (`ditmem_engine::families::wan`): a square spatial
 /// patch, no LoRA, no dropout.
 fn check_engine_wan(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
@@ -374,7 +373,6 @@ fn check_engine_wan(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     }
     Ok(())
 }
-
 
 /// What the ditmem-cpu engine runs of a Flux config (the engine's `FluxGeom::new` refuses the
 /// same).

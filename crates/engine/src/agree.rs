@@ -665,8 +665,6 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
     Ok(out)
 }
 
-
-
 /// The Wan grid's base: [`crate::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
 /// 64×64 pixels at 9 frames: 3 latent frames of 4×4 tokens, 48 video tokens, 13 umT5 tokens of
 /// width 32, batch 4) with an fp32 EMA, on this process's CPU.

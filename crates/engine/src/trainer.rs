@@ -44,8 +44,8 @@ use crate::rng::derive_seed;
 mod family;
 mod flux;
 mod pixart;
-mod sd3;
 mod sana;
+mod sd3;
 mod wan;
 
 /// Candle dtype of a spec dtype.

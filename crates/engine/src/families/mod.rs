@@ -16,8 +16,8 @@
 
 pub mod flux;
 pub mod pixart;
-pub mod sd3;
 pub mod sana;
+pub mod sd3;
 pub mod wan;
 
 use ditmem_budget::{Family, Spec};

@@ -425,6 +425,8 @@ pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
         embed_scratch: scratch,
         embed_tail,
         cond_grad: (bd + 6 * bd + yel + 2 * tab) * ld.size() + 5 * meta,
+        last_block: None,
+        second: None,
     }
 }
 

@@ -140,11 +140,10 @@ pub fn joint_qk(
     let (mut q, mut k) = (w.to_q.forward(&hx)?, w.to_k.forward(&hx)?);
     let (mut eq, mut ek) = (w.add_q.forward(&hc)?, w.add_k.forward(&hc)?);
     if let Some([nq, nk, naq, nak]) = &w.qk {
-        let a = cfg.heads;
-        q = rms_norm_heads(&q, nq, a, RMS_EPS)?;
-        k = rms_norm_heads(&k, nk, a, RMS_EPS)?;
-        eq = rms_norm_heads(&eq, naq, a, RMS_EPS)?;
-        ek = rms_norm_heads(&ek, nak, a, RMS_EPS)?;
+        q = rms_norm(&q, nq, RMS_EPS)?;
+        k = rms_norm(&k, nk, RMS_EPS)?;
+        eq = rms_norm(&eq, naq, RMS_EPS)?;
+        ek = rms_norm(&ek, nak, RMS_EPS)?;
     }
     Ok((cat_tokens(&q, &eq, b)?, cat_tokens(&k, &ek, b)?))
 }
