@@ -256,7 +256,7 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
             "model.diffusers.dual_attention_layers",
             format!(
                 "{:?}: SD3.5's dual attention (attn2) is not in the ditmem-cpu engine yet; \
-                 allowed: []{other}",
+                 allowed: [], or --runtime pytorch for it",
                 d.dual_attention_layers
             ),
         ));

@@ -67,11 +67,11 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
 
 #[test]
 fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
-    // Flux runs on the engine now; SD3 not yet.
+    // Every diffusers family but diffusers' own DiT class runs on the engine now.
     let (code, _, err) = ditmem(&[
         "estimate",
         "--preset",
-        "sd3-medium",
+        "dit-xl-2-256",
         "--runtime",
         "ditmem-cpu",
     ]);
