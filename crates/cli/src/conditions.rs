@@ -41,6 +41,9 @@ pub struct Conditions {
     /// Spin rounds of candle's barrier-pool workers before they park
     /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`; the binary sets 1000 unless it is set).
     pub candle_barrier_spin: u32,
+    /// The malloc policy the binary set before its threads started (`ditmem_engine::malloc`):
+    /// it decides how far the resident set stands above the live bytes measured.
+    pub malloc: &'static str,
 }
 
 impl Conditions {
@@ -83,6 +86,7 @@ impl Conditions {
             },
             gemm_l2_bytes: cpu.gemm_l2_bytes,
             candle_barrier_spin: ditmem_engine::threads::barrier_spin(),
+            malloc: ditmem_engine::malloc::policy().describe(),
         }
     }
 
@@ -90,7 +94,7 @@ impl Conditions {
     pub fn line(&self) -> String {
         format!(
             "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}, \
-             gemm slab {} per thread, candle barrier spin {}",
+             gemm slab {} per thread, candle barrier spin {}, malloc: {}",
             self.cpu_model,
             self.cores,
             self.threads,
@@ -100,7 +104,8 @@ impl Conditions {
             self.git_revision,
             self.bf16_products,
             ditmem_budget::fmt_bytes(self.gemm_l2_bytes),
-            self.candle_barrier_spin
+            self.candle_barrier_spin,
+            self.malloc
         )
     }
 }

@@ -186,6 +186,7 @@ fn command_name() -> String {
 fn main() -> ExitCode {
     // Before any thread exists (see `ditmem_engine::threads`).
     ditmem_engine::threads::configure_before_threads();
+    ditmem_engine::malloc::one_arena();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => match e.kind() {

@@ -62,6 +62,7 @@ pub mod error;
 pub mod families;
 pub mod host;
 pub mod kernels;
+pub mod malloc;
 pub mod measure;
 pub mod model;
 pub mod mutation;

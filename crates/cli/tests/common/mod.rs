@@ -29,3 +29,38 @@ pub fn temp_dir(suite: &str, test: &str) -> PathBuf {
     std::fs::create_dir_all(&d).expect("a temporary folder");
     d
 }
+
+/// Run `ditmem` with `args`: (exit code, stdout, the child's peak resident set in bytes), read
+/// from the kernel's accounting of that one process (`wait4`'s `ru_maxrss`), so tests running at
+/// once in this binary do not mix in.
+#[cfg(target_os = "linux")]
+pub fn ditmem_max_rss(args: &[&str]) -> (i32, String, u64) {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the binary runs");
+    let mut stdout = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        stdout.read_to_string(&mut s).map(|_| s)
+    });
+    let mut status = 0;
+    // SAFETY: rusage is plain old data that wait4 overwrites; the pid is our own unwaited child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: `status` and `usage` are ours to write for the call's duration.
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(r, pid, "wait4 on the child");
+    let out = reader.join().expect("reader").expect("stdout is UTF-8");
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    // Linux reports ru_maxrss in KiB.
+    (code, out, usage.ru_maxrss as u64 * 1024)
+}
