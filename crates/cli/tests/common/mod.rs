@@ -37,6 +37,8 @@ pub fn temp_dir(suite: &str, test: &str) -> PathBuf {
 pub fn ditmem_max_rss(args: &[&str]) -> (i32, String, u64) {
     use std::io::Read;
     use std::process::Stdio;
+    // Reaped by `wait4` below, which `Child::wait` cannot replace: it alone returns the rusage.
+    #[allow(clippy::zombie_processes)]
     let mut child = Command::new(env!("CARGO_BIN_EXE_ditmem"))
         .args(args)
         .stdout(Stdio::piped())
