@@ -8,7 +8,7 @@
 //! as the small remaining overhead.
 
 use ditmem_budget::Phase as BudgetPhase;
-use ditmem_budget::{Budget, Spec};
+use ditmem_budget::{AttentionMode, Budget, LoraSpec, Optimizer, Precision, Recompute, Spec};
 use serde::Serialize;
 
 use crate::measure::{MemoryProbe, Phase};
@@ -150,295 +150,6 @@ pub fn measure_and_compare(
     Ok((a, budget, m))
 }
 
-/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script, on
-/// this process's CPU ([`crate::host::resolve`]).
-pub fn grid_base() -> Spec {
-    let mut s = Spec::small();
-    s.model.name = "grid-d2-h64".into();
-    s.recipe.ema.enabled = true;
-    crate::host::resolve(&s)
-}
-
-/// The agreement grid: precision × recompute × attention on the base, then batch splits,
-/// resolution and patch, depth, LoRA, optimizer and EMA variations. Every spec runs in about a
-/// second in release on 2 cores.
-pub fn grid() -> Vec<(String, Spec)> {
-    use ditmem_budget::{AttentionMode as A, LoraSpec, Optimizer, Precision as P, Recompute as R};
-    let mut out = Vec::new();
-    let base = grid_base();
-    for p in [P::Fp64, P::Fp32, P::Bf16Mixed, P::Fp16Mixed] {
-        for rc in [R::None, R::EveryK(2), R::All, R::AttentionOnly] {
-            for a in [A::Materialized, A::MemoryEfficient] {
-                if rc == R::AttentionOnly && a == A::MemoryEfficient {
-                    continue;
-                }
-                let mut s = base.clone();
-                s.model.depth = 3;
-                s.recipe.precision = p;
-                s.recipe.recompute = rc.clone();
-                s.recipe.attention = a;
-                out.push((format!("d3 {p} recompute {rc} {}", a.name()), s));
-            }
-        }
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((name.to_string(), s));
-    };
-    add("bf16-pure", &|s| s.recipe.precision = P::Bf16Pure);
-    add("batch 8 = 4 × accumulation 2", &|s| {
-        s.workload.batch = 8;
-        s.workload.accumulation = 2;
-    });
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("batch 1", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-    });
-    add("256×256 patch 4 (64 tokens)", &|s| {
-        s.workload.height = 256;
-        s.workload.width = 256;
-        s.model.patch = 4;
-    });
-    add("256×256 patch 2 (256 tokens), batch 2", &|s| {
-        s.workload.height = 256;
-        s.workload.width = 256;
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-    });
-    add("128×256 patch 2 (128 tokens), memory-efficient", &|s| {
-        s.workload.width = 256;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("hidden 128, 8 heads, depth 4, every-2", &|s| {
-        s.model.hidden = 128;
-        s.model.heads = 8;
-        s.model.depth = 4;
-        s.recipe.recompute = R::EveryK(2);
-    });
-    add("LoRA rank 8 on qkv,proj,fc1,fc2", &|s| {
-        s.recipe.lora = Some(LoraSpec {
-            rank: 8,
-            targets: ditmem_budget::default_lora_targets(),
-            modules: Vec::new(),
-        })
-    });
-    add("LoRA rank 4 on all, bf16-mixed, recompute all", &|s| {
-        s.recipe.lora = Some(LoraSpec {
-            rank: 4,
-            targets: ditmem_budget::LoraTarget::ALL.to_vec(),
-            modules: Vec::new(),
-        });
-        s.recipe.precision = P::Bf16Mixed;
-        s.recipe.recompute = R::All;
-    });
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("EMA in bf16", &|s| {
-        s.recipe.ema.dtype = ditmem_budget::Dtype::Bf16
-    });
-    add("learn_sigma off, v-prediction", &|s| {
-        s.model.learn_sigma = false;
-        s.recipe.prediction = ditmem_budget::Prediction::V;
-    });
-    add("blocks:1 of depth 4", &|s| {
-        s.model.depth = 4;
-        s.recipe.recompute = R::Blocks(vec![1]);
-    });
-    out
-}
-
-/// The PixArt grid's base: [`crate::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
-/// 64 image tokens, 13 caption tokens of width 32, batch 4) with an fp32 EMA, on this process's
-/// CPU.
-pub fn pixart_grid_base() -> Result<Spec> {
-    let mut s = crate::families::pixart::tiny_spec(2, 4, 13)?;
-    s.model.name = "pixart-d2-h64".into();
-    s.recipe.ema.enabled = true;
-    Ok(crate::host::resolve(&s))
-}
-
-/// The PixArt agreement grid: precisions × recompute policies × attention modes on the base,
-/// then accumulation, odd caption lengths (1, 77 and 300 tokens: more keys than a streaming
-/// block; 300 in both attention modes), a deeper and wider model, SGD without EMA and a block
-/// list. Each spec runs in well under a second in release on 2 cores.
-pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
-    let base = pixart_grid_base()?;
-    let mut out = Vec::new();
-    for (p, rc, a) in [
-        (P::Fp32, R::None, A::Materialized),
-        (P::Fp32, R::None, A::MemoryEfficient),
-        (P::Fp32, R::All, A::Materialized),
-        (P::Fp32, R::AttentionOnly, A::Materialized),
-        (P::Bf16Mixed, R::None, A::Materialized),
-        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
-        (P::Fp16Mixed, R::None, A::MemoryEfficient),
-        (P::Fp16Mixed, R::All, A::Materialized),
-        (P::Bf16Pure, R::None, A::Materialized),
-        (P::Fp64, R::None, A::Materialized),
-        (P::Fp64, R::AttentionOnly, A::Materialized),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        out.push((format!("pixart {p} recompute {rc} {}", a.name()), s));
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((format!("pixart {name}"), s));
-    };
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("1 caption token", &|s| {
-        s.workload.text_tokens = Some(vec![1])
-    });
-    add("77 caption tokens, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![77]);
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("300 caption tokens, batch 2, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![300]);
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("300 caption tokens, batch 2", &|s| {
-        s.workload.text_tokens = Some(vec![300]);
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-    });
-    add("256×256 (256 tokens), batch 2, memory-efficient", &|s| {
-        s.workload.height = 256;
-        s.workload.width = 256;
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("batch 1, blocks:1", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-        s.recipe.recompute = R::Blocks(vec![1]);
-    });
-    let mut deep = crate::families::pixart::tiny_spec(4, 6, 19)?;
-    deep.recipe.ema.enabled = true;
-    deep.recipe.recompute = R::EveryK(2);
-    out.push((
-        "pixart 4 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
-        crate::host::resolve(&deep),
-    ));
-    Ok(out)
-}
-
-/// The SD3 grid's base: [`crate::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
-/// heads, hidden 64, 16 latent channels), 5 + 8 caption tokens, EMA on.
-pub fn sd3_grid_base() -> Result<Spec> {
-    let mut s = crate::families::sd3::tiny_spec(3, 4, false, 5, 8)?;
-    s.model.name = "sd3-d3-h64".into();
-    s.recipe.ema.enabled = true;
-    Ok(crate::host::resolve(&s))
-}
-
-/// The SD3 agreement grid: precisions × recompute policies × attention modes on the base, then
-/// q/k RMSNorm (SD3.5), accumulation, odd caption lengths (1 + 0 … 77 + 77: more keys than a
-/// streaming block), one block (only the `context_pre_only` one), SGD without EMA and a block
-/// list. Each spec runs in well under a second in release on 2 cores.
-pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
-    let base = sd3_grid_base()?;
-    let mut out = Vec::new();
-    for (p, rc, a) in [
-        (P::Fp32, R::None, A::Materialized),
-        (P::Fp32, R::None, A::MemoryEfficient),
-        (P::Fp32, R::All, A::Materialized),
-        (P::Fp32, R::AttentionOnly, A::Materialized),
-        (P::Bf16Mixed, R::None, A::Materialized),
-        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
-        (P::Fp16Mixed, R::None, A::MemoryEfficient),
-        (P::Fp16Mixed, R::All, A::Materialized),
-        (P::Bf16Pure, R::None, A::Materialized),
-        (P::Fp64, R::None, A::Materialized),
-        (P::Fp64, R::AttentionOnly, A::Materialized),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        out.push((format!("sd3 {p} recompute {rc} {}", a.name()), s));
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((format!("sd3 {name}"), s));
-    };
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("1 + 1 caption tokens", &|s| {
-        s.workload.text_tokens = Some(vec![1, 1])
-    });
-    add("77 + 77 caption tokens, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![77, 77]);
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("77 + 77 caption tokens, batch 2", &|s| {
-        s.workload.text_tokens = Some(vec![77, 77]);
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-    });
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("batch 1, blocks:1,2", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-        s.recipe.recompute = R::Blocks(vec![1, 2]);
-    });
-    for (name, layers, heads, qk, rc) in [
-        ("q/k RMSNorm (SD3.5), every-2", 3, 4, true, R::EveryK(2)),
-        ("q/k RMSNorm, bf16-mixed", 3, 4, true, R::None),
-        ("1 block (context_pre_only only)", 1, 4, false, R::None),
-        (
-            "4 blocks × 6 heads (hidden 96), q/k RMSNorm, all",
-            4,
-            6,
-            true,
-            R::All,
-        ),
-    ] {
-        let mut s = crate::families::sd3::tiny_spec(layers, heads, qk, 7, 12)?;
-        s.recipe.ema.enabled = true;
-        s.recipe.recompute = rc;
-        if name.contains("bf16") {
-            s.recipe.precision = P::Bf16Mixed;
-        }
-        out.push((format!("sd3 {name}"), crate::host::resolve(&s)));
-    }
-    Ok(out)
-}
-
 /// Summary over a grid: max and median |pred/meas − 1| and the worst spec.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GridSummary {
@@ -470,199 +181,437 @@ pub fn summarize(results: &[Agreement]) -> GridSummary {
     }
 }
 
+/// One (precision, recompute, attention) policy of a grid.
+pub type Policy = (Precision, Recompute, AttentionMode);
+
+/// The policies every diffusers family's grid runs on its base: each precision with the
+/// stored, materialized step, and the recompute policies and the memory-efficient attention
+/// spread over the precisions.
+pub const FAMILY_POLICIES: [Policy; 11] = {
+    use AttentionMode::{Materialized as Mat, MemoryEfficient as Me};
+    use Precision as P;
+    use Recompute as R;
+    [
+        (P::Fp32, R::None, Mat),
+        (P::Fp32, R::None, Me),
+        (P::Fp32, R::All, Mat),
+        (P::Fp32, R::AttentionOnly, Mat),
+        (P::Bf16Mixed, R::None, Mat),
+        (P::Bf16Mixed, R::EveryK(2), Me),
+        (P::Fp16Mixed, R::None, Me),
+        (P::Fp16Mixed, R::All, Mat),
+        (P::Bf16Pure, R::None, Mat),
+        (P::Fp64, R::None, Mat),
+        (P::Fp64, R::AttentionOnly, Mat),
+    ]
+};
+
+/// `base` under each policy, named `"{prefix} {precision} recompute {policy} {attention}"`.
+pub fn policy_grid(prefix: &str, base: &Spec, policies: &[Policy]) -> Vec<(String, Spec)> {
+    policies
+        .iter()
+        .map(|(p, rc, a)| {
+            let mut s = base.clone();
+            s.recipe.precision = *p;
+            s.recipe.recompute = rc.clone();
+            s.recipe.attention = *a;
+            (format!("{prefix} {p} recompute {rc} {}", a.name()), s)
+        })
+        .collect()
+}
+
+/// A grid being written: its specs so far, each named after the grid's prefix, and the base
+/// its variations start from.
+struct GridBuilder {
+    prefix: &'static str,
+    base: Spec,
+    specs: Vec<(String, Spec)>,
+}
+
+impl GridBuilder {
+    /// The policy part of a grid on `base`, names prefixed by `prefix` (none when empty).
+    fn new(prefix: &'static str, base: Spec, policies: &[Policy]) -> Self {
+        let specs = policy_grid(prefix, &base, policies);
+        GridBuilder {
+            prefix,
+            base,
+            specs,
+        }
+    }
+
+    fn name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{} {name}", self.prefix)
+        }
+    }
+
+    /// The base changed by `f`.
+    fn vary(&mut self, name: &str, f: impl FnOnce(&mut Spec)) -> &mut Self {
+        let mut s = self.base.clone();
+        f(&mut s);
+        self.specs.push((self.name(name), s));
+        self
+    }
+
+    /// Another model of the family (not the base's), with the base's fp32 EMA and, when given,
+    /// `recompute`, on this process's CPU.
+    fn model(&mut self, name: &str, mut s: Spec, recompute: Option<Recompute>) -> &mut Self {
+        s.recipe.ema.enabled = true;
+        if let Some(rc) = recompute {
+            s.recipe.recompute = rc;
+        }
+        self.specs.push((self.name(name), crate::host::resolve(&s)));
+        self
+    }
+
+    fn finish(self) -> Vec<(String, Spec)> {
+        self.specs
+    }
+}
+
+/// The base of a family's grid: its tiny spec named `name`, with an fp32 EMA as in the training
+/// scripts, on this process's CPU.
+fn family_base(mut s: Spec, name: &str) -> Spec {
+    s.model.name = name.into();
+    s.recipe.ema.enabled = true;
+    crate::host::resolve(&s)
+}
+
+/// `n` samples in one microbatch.
+fn batch(s: &mut Spec, n: u32) {
+    s.workload.batch = n;
+    s.workload.microbatch = n;
+}
+
+fn memory_efficient(s: &mut Spec) {
+    s.recipe.attention = AttentionMode::MemoryEfficient;
+}
+
+fn text_tokens(s: &mut Spec, tokens: &[u32]) {
+    s.workload.text_tokens = Some(tokens.to_vec());
+}
+
+/// 8 samples in 4 microbatches of 2, bf16-mixed (every grid's accumulation spec).
+const ACCUMULATION: &str = "batch 8 = 2 × accumulation 4, bf16-mixed";
+fn accumulation(s: &mut Spec) {
+    s.workload.batch = 8;
+    s.workload.microbatch = 2;
+    s.workload.accumulation = 4;
+    s.recipe.precision = Precision::Bf16Mixed;
+}
+
+const SGD: &str = "SGD, no EMA";
+fn sgd_without_ema(s: &mut Spec) {
+    s.recipe.optimizer = Optimizer::Sgd;
+    s.recipe.ema.enabled = false;
+}
+
+/// One sample, the listed blocks recomputed: named `"batch 1, blocks:{list}"`.
+fn one_sample_blocks(g: &mut GridBuilder, blocks: &[u32]) {
+    let rc = Recompute::Blocks(blocks.to_vec());
+    g.vary(&format!("batch 1, {rc}"), |s| {
+        batch(s, 1);
+        s.recipe.recompute = rc;
+    });
+}
+
+fn lora(rank: u32, modules: &[&str]) -> Option<LoraSpec> {
+    Some(LoraSpec {
+        rank,
+        targets: ditmem_budget::default_lora_targets(),
+        modules: modules.iter().map(|m| m.to_string()).collect(),
+    })
+}
+
+/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script, on
+/// this process's CPU ([`crate::host::resolve`]).
+pub fn grid_base() -> Spec {
+    family_base(Spec::small(), "grid-d2-h64")
+}
+
+/// The agreement grid: precision × recompute × attention on a depth-3 base, then batch
+/// splits, resolution and patch, depth, LoRA, optimizer and EMA variations. Every spec runs in
+/// about a second in release on 2 cores.
+pub fn grid() -> Vec<(String, Spec)> {
+    use AttentionMode as A;
+    use Precision as P;
+    use Recompute as R;
+    let mut policies = Vec::new();
+    for p in [P::Fp64, P::Fp32, P::Bf16Mixed, P::Fp16Mixed] {
+        for rc in [R::None, R::EveryK(2), R::All, R::AttentionOnly] {
+            for a in [A::Materialized, A::MemoryEfficient] {
+                // Attention-only recompute is the materialized attention's policy.
+                if rc != R::AttentionOnly || a == A::Materialized {
+                    policies.push((p, rc.clone(), a));
+                }
+            }
+        }
+    }
+    let base = grid_base();
+    let mut d3 = base.clone();
+    d3.model.depth = 3;
+    let mut specs = policy_grid("d3", &d3, &policies);
+    let mut g = GridBuilder {
+        prefix: "",
+        base,
+        specs: Vec::new(),
+    };
+    g.vary("bf16-pure", |s| s.recipe.precision = P::Bf16Pure)
+        .vary("batch 8 = 4 × accumulation 2", |s| {
+            s.workload.batch = 8;
+            s.workload.accumulation = 2;
+        })
+        .vary(ACCUMULATION, accumulation)
+        .vary("batch 1", |s| batch(s, 1))
+        .vary("256×256 patch 4 (64 tokens)", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            s.model.patch = 4;
+        })
+        .vary("256×256 patch 2 (256 tokens), batch 2", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            batch(s, 2);
+        })
+        .vary("128×256 patch 2 (128 tokens), memory-efficient", |s| {
+            s.workload.width = 256;
+            memory_efficient(s);
+        })
+        .vary("hidden 128, 8 heads, depth 4, every-2", |s| {
+            s.model.hidden = 128;
+            s.model.heads = 8;
+            s.model.depth = 4;
+            s.recipe.recompute = R::EveryK(2);
+        })
+        .vary("LoRA rank 8 on qkv,proj,fc1,fc2", |s| {
+            s.recipe.lora = lora(8, &[])
+        })
+        .vary("LoRA rank 4 on all, bf16-mixed, recompute all", |s| {
+            s.recipe.lora = Some(LoraSpec {
+                rank: 4,
+                targets: ditmem_budget::LoraTarget::ALL.to_vec(),
+                modules: Vec::new(),
+            });
+            s.recipe.precision = P::Bf16Mixed;
+            s.recipe.recompute = R::All;
+        })
+        .vary(SGD, sgd_without_ema)
+        .vary("EMA in bf16", |s| {
+            s.recipe.ema.dtype = ditmem_budget::Dtype::Bf16
+        })
+        .vary("learn_sigma off, v-prediction", |s| {
+            s.model.learn_sigma = false;
+            s.recipe.prediction = ditmem_budget::Prediction::V;
+        })
+        .vary("blocks:1 of depth 4", |s| {
+            s.model.depth = 4;
+            s.recipe.recompute = R::Blocks(vec![1]);
+        });
+    specs.extend(g.finish());
+    specs
+}
+
+/// The PixArt grid's base: [`crate::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// 64 image tokens, 13 caption tokens of width 32, batch 4) with an fp32 EMA, on this process's
+/// CPU.
+pub fn pixart_grid_base() -> Result<Spec> {
+    Ok(family_base(
+        crate::families::pixart::tiny_spec(2, 4, 13)?,
+        "pixart-d2-h64",
+    ))
+}
+
+/// The PixArt agreement grid: the family policies on the base, then accumulation, odd caption
+/// lengths (1, 77 and 300 tokens: more keys than a streaming block; 300 in both attention
+/// modes), a larger image, SGD without EMA, a block list and a deeper and wider model. Each
+/// spec runs in well under a second in release on 2 cores.
+pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
+    let mut g = GridBuilder::new("pixart", pixart_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 caption token", |s| text_tokens(s, &[1]))
+        .vary("77 caption tokens, memory-efficient", |s| {
+            text_tokens(s, &[77]);
+            memory_efficient(s);
+        })
+        .vary("300 caption tokens, batch 2, memory-efficient", |s| {
+            text_tokens(s, &[300]);
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary("300 caption tokens, batch 2", |s| {
+            text_tokens(s, &[300]);
+            batch(s, 2);
+        })
+        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.model(
+        "4 blocks × 6 heads (hidden 96), 19 tokens, every-2",
+        crate::families::pixart::tiny_spec(4, 6, 19)?,
+        Some(Recompute::EveryK(2)),
+    );
+    Ok(g.finish())
+}
+
+/// The SD3 grid's base: [`crate::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
+/// heads, hidden 64, 16 latent channels), 5 + 8 caption tokens, EMA on.
+pub fn sd3_grid_base() -> Result<Spec> {
+    Ok(family_base(
+        crate::families::sd3::tiny_spec(3, 4, false, 5, 8)?,
+        "sd3-d3-h64",
+    ))
+}
+
+/// The SD3 agreement grid: the family policies on the base, then accumulation, odd caption
+/// lengths (1 + 1 … 77 + 77: more keys than a streaming block), SGD without EMA, a block list,
+/// q/k RMSNorm (SD3.5), one block (only the `context_pre_only` one) and a deeper, wider model.
+/// Each spec runs in well under a second in release on 2 cores.
+pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
+    use crate::families::sd3::tiny_spec;
+    use Recompute as R;
+    let mut g = GridBuilder::new("sd3", sd3_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 + 1 caption tokens", |s| text_tokens(s, &[1, 1]))
+        .vary("77 + 77 caption tokens, memory-efficient", |s| {
+            text_tokens(s, &[77, 77]);
+            memory_efficient(s);
+        })
+        .vary("77 + 77 caption tokens, batch 2", |s| {
+            text_tokens(s, &[77, 77]);
+            batch(s, 2);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1, 2]);
+    let mut qk_bf16 = tiny_spec(3, 4, true, 7, 12)?;
+    qk_bf16.recipe.precision = Precision::Bf16Mixed;
+    g.model(
+        "q/k RMSNorm (SD3.5), every-2",
+        tiny_spec(3, 4, true, 7, 12)?,
+        Some(R::EveryK(2)),
+    )
+    .model("q/k RMSNorm, bf16-mixed", qk_bf16, Some(R::None))
+    .model(
+        "1 block (context_pre_only only)",
+        tiny_spec(1, 4, false, 7, 12)?,
+        Some(R::None),
+    )
+    .model(
+        "4 blocks × 6 heads (hidden 96), q/k RMSNorm, all",
+        tiny_spec(4, 6, true, 7, 12)?,
+        Some(R::All),
+    );
+    Ok(g.finish())
+}
+
 /// The Flux grid's base: [`crate::families::flux::tiny_spec`] (one double-stream and two
 /// single-stream blocks of 4 × 16-wide heads, 64 image tokens, 13 T5 tokens of width 32, a
 /// pooled width of 24, the guidance embedder, batch 4) with an fp32 EMA, on this process's CPU.
 pub fn flux_grid_base() -> Result<Spec> {
-    let mut s = crate::families::flux::tiny_spec(1, 2, 4, 13, true)?;
-    s.model.name = "flux-d1s2-h64".into();
-    s.recipe.ema.enabled = true;
-    Ok(crate::host::resolve(&s))
+    Ok(family_base(
+        crate::families::flux::tiny_spec(1, 2, 4, 13, true)?,
+        "flux-d1s2-h64",
+    ))
 }
 
-/// The Flux agreement grid: precisions × recompute policies × attention modes on the base,
-/// then accumulation, odd T5 lengths (1, 77 and 300 tokens), a larger image, SGD without EMA, a
-/// block list across the two kinds of block, no guidance embedder, and a deeper, wider model.
+/// The Flux agreement grid: the family policies on the base, then accumulation, odd T5
+/// lengths (1, 77 and 300 tokens; the CLIP prompt stays 77), a larger image, SGD without EMA,
+/// a block list across the two kinds of block, no guidance embedder, and a deeper, wider model.
 pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
-    let base = flux_grid_base()?;
-    let mut out = Vec::new();
-    for (p, rc, a) in [
-        (P::Fp32, R::None, A::Materialized),
-        (P::Fp32, R::None, A::MemoryEfficient),
-        (P::Fp32, R::All, A::Materialized),
-        (P::Fp32, R::AttentionOnly, A::Materialized),
-        (P::Bf16Mixed, R::None, A::Materialized),
-        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
-        (P::Fp16Mixed, R::None, A::MemoryEfficient),
-        (P::Fp16Mixed, R::All, A::Materialized),
-        (P::Bf16Pure, R::None, A::Materialized),
-        (P::Fp64, R::None, A::Materialized),
-        (P::Fp64, R::AttentionOnly, A::Materialized),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        out.push((format!("flux {p} recompute {rc} {}", a.name()), s));
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((format!("flux {name}"), s));
-    };
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("1 T5 token", &|s| {
-        s.workload.text_tokens = Some(vec![77, 1])
-    });
-    add("77 T5 tokens, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![77, 77]);
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("300 T5 tokens, batch 2, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![77, 300]);
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("256×256 (256 tokens), batch 2, memory-efficient", &|s| {
-        s.workload.height = 256;
-        s.workload.width = 256;
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("batch 1, blocks:0,1", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-        s.recipe.recompute = R::Blocks(vec![0, 1]);
-    });
-    let mut plain = crate::families::flux::tiny_spec(1, 2, 4, 13, false)?;
-    plain.recipe.ema.enabled = true;
-    out.push((
-        "flux no guidance embedder (schnell-like)".into(),
-        crate::host::resolve(&plain),
-    ));
-    let mut deep = crate::families::flux::tiny_spec(2, 3, 6, 19, true)?;
-    deep.recipe.ema.enabled = true;
-    deep.recipe.recompute = R::EveryK(2);
-    out.push((
-        "flux 2 + 3 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
-        crate::host::resolve(&deep),
-    ));
-    Ok(out)
+    use crate::families::flux::tiny_spec;
+    let mut g = GridBuilder::new("flux", flux_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 T5 token", |s| text_tokens(s, &[77, 1]))
+        .vary("77 T5 tokens, memory-efficient", |s| {
+            text_tokens(s, &[77, 77]);
+            memory_efficient(s);
+        })
+        .vary("300 T5 tokens, batch 2, memory-efficient", |s| {
+            text_tokens(s, &[77, 300]);
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[0, 1]);
+    g.model(
+        "no guidance embedder (schnell-like)",
+        tiny_spec(1, 2, 4, 13, false)?,
+        None,
+    )
+    .model(
+        "2 + 3 blocks × 6 heads (hidden 96), 19 tokens, every-2",
+        tiny_spec(2, 3, 6, 19, true)?,
+        Some(Recompute::EveryK(2)),
+    );
+    Ok(g.finish())
 }
 
 /// The Sana grid's base: [`crate::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
 /// cross-attention 2 × 32 wide, Mix-FFN 160 wide, 64 image tokens on an 8×8 grid, 13 caption
 /// tokens of width 48, batch 4) with an fp32 EMA, on this process's CPU.
 pub fn sana_grid_base() -> Result<Spec> {
-    let mut s = crate::families::sana::tiny_spec(2, 4, 13)?;
-    s.model.name = "sana-d2-h64".into();
-    s.recipe.ema.enabled = true;
-    Ok(crate::host::resolve(&s))
+    Ok(family_base(
+        crate::families::sana::tiny_spec(2, 4, 13)?,
+        "sana-d2-h64",
+    ))
 }
 
-/// The Sana agreement grid: precisions × recompute policies × attention modes (of the softmax
-/// cross-attention; the linear self-attention has one form) on the base, then accumulation,
-/// odd caption lengths, an odd and non-square token grid (7×5: the depthwise conv's borders),
-/// a deeper model with biased q/k/v, SGD without EMA, a block list, and LoRA (the scripts'
-/// default targets; and the Mix-FFN-free list `to_q, to_v` on bias-less projections).
+/// The Sana agreement grid: the family policies but fp64 attention-only (the attention modes
+/// are the softmax cross-attention's; the linear self-attention has one form) on the base,
+/// then accumulation, odd caption lengths, an odd and non-square token grid (7×5: the
+/// depthwise conv's borders), SGD without EMA, a block list, LoRA (the scripts' default
+/// targets; and the Mix-FFN-free list `to_q, to_v` on bias-less projections) and a deeper
+/// model with biased q/k/v.
 pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, LoraSpec, Optimizer, Precision as P, Recompute as R};
-    let base = sana_grid_base()?;
-    let mut out = Vec::new();
-    for (p, rc, a) in [
-        (P::Fp32, R::None, A::Materialized),
-        (P::Fp32, R::None, A::MemoryEfficient),
-        (P::Fp32, R::All, A::Materialized),
-        (P::Fp32, R::AttentionOnly, A::Materialized),
-        (P::Bf16Mixed, R::None, A::Materialized),
-        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
-        (P::Fp16Mixed, R::None, A::MemoryEfficient),
-        (P::Fp16Mixed, R::All, A::Materialized),
-        (P::Bf16Pure, R::None, A::Materialized),
-        (P::Fp64, R::None, A::Materialized),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        out.push((format!("sana {p} recompute {rc} {}", a.name()), s));
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((format!("sana {name}"), s));
-    };
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("1 caption token", &|s| {
-        s.workload.text_tokens = Some(vec![1])
-    });
-    add("300 caption tokens, batch 2, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![300]);
-        s.workload.batch = 2;
-        s.workload.microbatch = 2;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("224×160 (7×5 tokens), memory-efficient", &|s| {
-        s.workload.height = 224;
-        s.workload.width = 160;
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("batch 1, blocks:1", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-        s.recipe.recompute = R::Blocks(vec![1]);
-    });
-    add("LoRA r4 (to_k, to_q, to_v, to_out.0), bf16-mixed", &|s| {
-        s.recipe.precision = P::Bf16Mixed;
-        s.recipe.lora = Some(LoraSpec {
-            rank: 4,
-            targets: ditmem_budget::default_lora_targets(),
-            modules: Vec::new(),
-        });
-    });
-    add("LoRA r8 (to_q, to_v), fp32, recompute all", &|s| {
-        s.recipe.recompute = R::All;
-        s.recipe.lora = Some(LoraSpec {
-            rank: 8,
-            targets: ditmem_budget::default_lora_targets(),
-            modules: vec!["to_q".into(), "to_v".into()],
-        });
+    let policies = &FAMILY_POLICIES[..FAMILY_POLICIES.len() - 1];
+    let mut g = GridBuilder::new("sana", sana_grid_base()?, policies);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 caption token", |s| text_tokens(s, &[1]))
+        .vary("300 caption tokens, batch 2, memory-efficient", |s| {
+            text_tokens(s, &[300]);
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary("224×160 (7×5 tokens), memory-efficient", |s| {
+            s.workload.height = 224;
+            s.workload.width = 160;
+            memory_efficient(s);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.vary("LoRA r4 (to_k, to_q, to_v, to_out.0), bf16-mixed", |s| {
+        s.recipe.precision = Precision::Bf16Mixed;
+        s.recipe.lora = lora(4, &[]);
+    })
+    .vary("LoRA r8 (to_q, to_v), fp32, recompute all", |s| {
+        s.recipe.recompute = Recompute::All;
+        s.recipe.lora = lora(8, &["to_q", "to_v"]);
     });
     let mut cfg = crate::families::sana::tiny_config(4, 6);
     cfg.insert("attention_bias".into(), serde_json::Value::Bool(true));
     let mut deep = ditmem_budget::denoiser::with_family(Spec::small(), "sana-d4-h96", cfg)?;
     deep.workload.height = 256;
     deep.workload.width = 256;
-    deep.workload.text_tokens = Some(vec![19]);
-    deep.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    deep.recipe.ema.enabled = true;
-    deep.recipe.recompute = R::EveryK(2);
-    out.push((
-        "sana 4 blocks × 6 heads (hidden 96), biased q/k/v, 19 tokens, every-2".into(),
-        crate::host::resolve(&deep),
-    ));
-    Ok(out)
+    text_tokens(&mut deep, &[19]);
+    deep.recipe.attention = AttentionMode::Materialized;
+    g.model(
+        "4 blocks × 6 heads (hidden 96), biased q/k/v, 19 tokens, every-2",
+        deep,
+        Some(Recompute::EveryK(2)),
+    );
+    Ok(g.finish())
 }
 
 /// The Wan grid's base: [`crate::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
@@ -670,88 +619,46 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
 /// width 32, batch 4) with an fp32 EMA, on this process's CPU.
 pub fn wan_grid_base() -> Result<Spec> {
     let mut s = crate::families::wan::tiny_spec(2, 2, 9, 13)?;
-    s.model.name = "wan-d2-h32".into();
     s.workload.height = 64;
     s.workload.width = 64;
-    s.recipe.ema.enabled = true;
-    Ok(crate::host::resolve(&s))
+    Ok(family_base(s, "wan-d2-h32"))
 }
 
-/// The Wan agreement grid: precisions × recompute policies × attention modes on the base,
-/// then accumulation, odd token counts (1 and 77 umT5 tokens, one latent frame, an odd
-/// 5×3 token grid), a wider and deeper model, SGD without EMA and a block list.
+/// The Wan agreement grid: the family policies on the base, then accumulation, odd token
+/// counts (1 and 77 umT5 tokens, one latent frame, an odd 5×3 token grid, 5 latent frames),
+/// SGD without EMA, a block list and a wider and deeper model.
 pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{AttentionMode as A, Optimizer, Precision as P, Recompute as R};
-    let base = wan_grid_base()?;
-    let mut out = Vec::new();
-    for (p, rc, a) in [
-        (P::Fp32, R::None, A::Materialized),
-        (P::Fp32, R::None, A::MemoryEfficient),
-        (P::Fp32, R::All, A::Materialized),
-        (P::Fp32, R::AttentionOnly, A::Materialized),
-        (P::Bf16Mixed, R::None, A::Materialized),
-        (P::Bf16Mixed, R::EveryK(2), A::MemoryEfficient),
-        (P::Fp16Mixed, R::None, A::MemoryEfficient),
-        (P::Fp16Mixed, R::All, A::Materialized),
-        (P::Bf16Pure, R::None, A::Materialized),
-        (P::Fp64, R::None, A::Materialized),
-        (P::Fp64, R::AttentionOnly, A::Materialized),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        out.push((format!("wan {p} recompute {rc} {}", a.name()), s));
-    }
-    let mut add = |name: &str, f: &dyn Fn(&mut Spec)| {
-        let mut s = base.clone();
-        f(&mut s);
-        out.push((format!("wan {name}"), s));
-    };
-    add("batch 8 = 2 × accumulation 4, bf16-mixed", &|s| {
-        s.workload.batch = 8;
-        s.workload.microbatch = 2;
-        s.workload.accumulation = 4;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add("1 umT5 token", &|s| s.workload.text_tokens = Some(vec![1]));
-    add("77 umT5 tokens, memory-efficient", &|s| {
-        s.workload.text_tokens = Some(vec![77]);
-        s.recipe.attention = A::MemoryEfficient;
-    });
-    add("1 frame (an image)", &|s| s.workload.frames = 1);
-    add("80×48 (5×3 tokens a frame), 5 frames, bf16-mixed", &|s| {
-        s.workload.height = 80;
-        s.workload.width = 48;
-        s.workload.frames = 5;
-        s.recipe.precision = P::Bf16Mixed;
-    });
-    add(
-        "17 frames (5 latent frames, 80 tokens), batch 2, memory-efficient",
-        &|s| {
-            s.workload.frames = 17;
-            s.workload.batch = 2;
-            s.workload.microbatch = 2;
-            s.recipe.attention = A::MemoryEfficient;
-        },
-    );
-    add("SGD, no EMA", &|s| {
-        s.recipe.optimizer = Optimizer::Sgd;
-        s.recipe.ema.enabled = false;
-    });
-    add("batch 1, blocks:1", &|s| {
-        s.workload.batch = 1;
-        s.workload.microbatch = 1;
-        s.recipe.recompute = R::Blocks(vec![1]);
-    });
+    let mut g = GridBuilder::new("wan", wan_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 umT5 token", |s| text_tokens(s, &[1]))
+        .vary("77 umT5 tokens, memory-efficient", |s| {
+            text_tokens(s, &[77]);
+            memory_efficient(s);
+        })
+        .vary("1 frame (an image)", |s| s.workload.frames = 1)
+        .vary("80×48 (5×3 tokens a frame), 5 frames, bf16-mixed", |s| {
+            s.workload.height = 80;
+            s.workload.width = 48;
+            s.workload.frames = 5;
+            s.recipe.precision = Precision::Bf16Mixed;
+        })
+        .vary(
+            "17 frames (5 latent frames, 80 tokens), batch 2, memory-efficient",
+            |s| {
+                s.workload.frames = 17;
+                batch(s, 2);
+                memory_efficient(s);
+            },
+        )
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
     let mut deep = crate::families::wan::tiny_spec(4, 4, 5, 19)?;
     deep.workload.height = 64;
     deep.workload.width = 64;
-    deep.recipe.ema.enabled = true;
-    deep.recipe.recompute = R::EveryK(2);
-    out.push((
-        "wan 4 blocks × 4 heads (hidden 64), 5 frames, 19 tokens, every-2".into(),
-        crate::host::resolve(&deep),
-    ));
-    Ok(out)
+    g.model(
+        "4 blocks × 4 heads (hidden 64), 5 frames, 19 tokens, every-2",
+        deep,
+        Some(Recompute::EveryK(2)),
+    );
+    Ok(g.finish())
 }

@@ -1,12 +1,10 @@
-//! Flux in the engine: its parameter count is the budget's (`ditmem params`), a step trains
-//! (finite loss, every trained tensor gets a gradient), the recipe levers run, recompute and the
-//! attention modes give the same gradients, `verify` passes, and the `ditmem-cpu` budget
-//! predicts its measured step peak (a subset of the agreement grid, each spec to 2 %).
+//! Flux in the engine: what it does not run is refused by name, and `verify` passes. What
+//! every family shares (the parameter table, the levers, equal gradients across recompute and
+//! attention modes, the agreement grid) is in `families.rs`.
 
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
-use ditmem_engine::agree::{flux_grid, measure_and_compare, summarize};
 use ditmem_engine::families::flux::tiny_spec;
-use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+use ditmem_engine::{CountingAlloc, TrainOptions, Trainer};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -23,35 +21,10 @@ fn spec() -> Spec {
     ditmem_engine::host::resolve(&tiny_spec(1, 2, 2, 7, true).unwrap())
 }
 
-/// The engine's trained parameters are the budget's table, tensor for tensor (names, shapes)
-/// and in total (`ditmem params`).
+/// What the engine does not run is refused by name: a Flux without single-stream blocks.
 #[test]
-fn flux_parameters_match_the_budget_table() {
+fn flux_refuses_a_model_without_single_stream_blocks() {
     let _one = one_at_a_time();
-    for (double, single, heads, guidance) in [(1, 1, 2, false), (2, 3, 4, true), (0, 2, 3, true)] {
-        let s = tiny_spec(double, single, heads, 5, guidance).unwrap();
-        let budget = ditmem_budget::denoiser::param_table(&s);
-        let counts = ditmem_budget::count(&budget);
-        let what = format!("{double}+{single}×{heads}");
-        assert_eq!(trainable_count(&s).unwrap(), counts.trained, "{what}");
-        assert_eq!(counts.total, counts.trained, "Flux trains every parameter");
-        let t = Trainer::new(&s, TrainOptions::default()).unwrap();
-        let engine: Vec<(String, Vec<u64>)> = t
-            .parameters()
-            .unwrap()
-            .into_iter()
-            .filter(|(n, _)| t.trained_names().contains(n))
-            .map(|(n, v)| (n, v.dims().iter().map(|&d| d as u64).collect()))
-            .collect();
-        let table: Vec<(String, Vec<u64>)> = budget
-            .iter()
-            .filter(|p| p.role == ditmem_budget::ParamRole::Trained)
-            .map(|p| (p.name.clone(), p.shape.clone()))
-            .collect();
-        // Same tensors in the same order (the budget's table order).
-        assert_eq!(engine, table, "{what}");
-    }
-    // What the engine does not run is refused by name.
     let mut s = tiny_spec(1, 1, 2, 5, false).unwrap();
     s.model
         .diffusers
@@ -68,137 +41,6 @@ fn flux_parameters_match_the_budget_table() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("num_single_layers"), "{e}");
-}
-
-/// One step under each lever: finite loss, a gradient for every trained tensor, the weights move.
-#[test]
-fn flux_steps_under_every_lever() {
-    let _one = one_at_a_time();
-    let base = spec();
-    let mut variants: Vec<Spec> = Vec::new();
-    for p in [
-        Precision::Fp32,
-        Precision::Bf16Mixed,
-        Precision::Fp16Mixed,
-        Precision::Bf16Pure,
-        Precision::Fp64,
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        variants.push(s);
-    }
-    for (rc, a) in [
-        (Recompute::All, AttentionMode::MemoryEfficient),
-        (Recompute::EveryK(2), AttentionMode::Materialized),
-        (Recompute::AttentionOnly, AttentionMode::Materialized),
-        (Recompute::Blocks(vec![1]), AttentionMode::MemoryEfficient),
-    ] {
-        let mut s = base.clone();
-        s.recipe.recompute = rc;
-        s.recipe.attention = a;
-        variants.push(s);
-    }
-    let mut s = base.clone();
-    s.workload.microbatch = 2;
-    s.workload.accumulation = 2;
-    s.recipe.optimizer = ditmem_budget::Optimizer::Sgd;
-    s.recipe.ema.enabled = true;
-    variants.push(s);
-    // The output projection: its gradient is large enough for SGD at lr 1e-4 to move it in f32.
-    let watched = "single_transformer_blocks.1.proj_out.weight";
-    for s in variants {
-        let what = format!(
-            "{} {} {}",
-            s.recipe.precision,
-            s.recipe.recompute,
-            s.recipe.attention.name()
-        );
-        let mut t = Trainer::new(
-            &s,
-            TrainOptions {
-                seed: 3,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap();
-        let before = t.parameter(watched).unwrap();
-        let batch = SyntheticData::new(&s, 1).unwrap().step_batch(0);
-        let r = t.step(&batch, None).unwrap();
-        assert!(
-            r.loss.is_finite() && r.loss > 0.1,
-            "{what}: loss {}",
-            r.loss
-        );
-        let names = t.trained_names();
-        let grads = t.gradients().unwrap();
-        assert_eq!(grads.len(), names.len(), "{what}");
-        for (n, g) in &grads {
-            let sq: f64 = g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
-            assert!(sq.is_finite() && sq > 0.0, "{what}: {n} has gradient² {sq}");
-        }
-        let after = t.parameter(watched).unwrap();
-        let moved: f64 = (after.to_dtype(candle_core::DType::F64).unwrap()
-            - before.to_dtype(candle_core::DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-        assert!(moved > 0.0, "{what}: {watched} did not move");
-    }
-}
-
-/// Recompute and the attention modes change memory, not results: the gradients of every policy
-/// equal those of the stored, materialized step (f64).
-#[test]
-fn flux_recompute_and_attention_modes_give_the_same_gradients() {
-    let _one = one_at_a_time();
-    let mut base = spec();
-    base.recipe.precision = Precision::Fp64;
-    let batch = SyntheticData::new(&base, 5).unwrap().step_batch(0);
-    let grads = |s: &Spec| {
-        let mut t = Trainer::new(
-            s,
-            TrainOptions {
-                seed: 9,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap();
-        t.compute_gradients(&batch).unwrap();
-        t.gradients().unwrap()
-    };
-    let reference = grads(&base);
-    for (rc, a) in [
-        (Recompute::All, AttentionMode::Materialized),
-        (Recompute::Blocks(vec![0, 2]), AttentionMode::Materialized),
-        (Recompute::AttentionOnly, AttentionMode::Materialized),
-        (Recompute::None, AttentionMode::MemoryEfficient),
-    ] {
-        let mut s = base.clone();
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        for ((n, g), (_, r)) in grads(&s).iter().zip(&reference) {
-            let d: f64 = (g - r)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            let m: f64 = r.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
-            assert!(
-                d <= 1e-10 * (1.0 + m),
-                "{rc} {}: {n} differs by {d}",
-                a.name()
-            );
-        }
-    }
 }
 
 /// `verify` on a tiny Flux: fp32 and bf16 pass against the f64 reference, recompute twins are
@@ -255,44 +97,4 @@ fn flux_verifies_against_its_f64_reference() {
         assert_eq!(v.verdict, Verdict::Pass, "{}: {:?}", v.name, v.reasons);
     }
     assert_eq!(faulty[0].verdict, Verdict::Fail, "{:?}", faulty[0].reasons);
-}
-
-/// Every third spec of the Flux agreement grid (`DITMEM_FLUX_ALL=1`: all of them).
-#[test]
-fn budget_predicts_fluxs_measured_step_peak_within_two_percent() {
-    let _one = one_at_a_time();
-    let all = std::env::var("DITMEM_FLUX_ALL").is_ok();
-    let grid = flux_grid().unwrap();
-    let n = grid.len();
-    let mut results = Vec::new();
-    for (name, spec) in grid.into_iter().step_by(if all { 1 } else { 3 }) {
-        let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
-        eprintln!(
-            "{name}: predicted {} measured {} ({:+.3} %) [{}]",
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error,
-            a.predicted_peak_label
-        );
-        results.push(a);
-    }
-    for a in &results {
-        assert!(
-            a.rel_error.abs() <= 0.02,
-            "{}: predicted {} vs measured {} ({:+.3} %)",
-            a.name,
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error
-        );
-    }
-    let s = summarize(&results);
-    assert!(n >= 10 && s.specs >= 4);
-    eprintln!(
-        "{} specs: max {:.3} % ({}), median {:.3} %",
-        s.specs,
-        100.0 * s.max_abs_rel_error,
-        s.worst,
-        100.0 * s.median_abs_rel_error
-    );
 }

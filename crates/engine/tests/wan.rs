@@ -1,6 +1,7 @@
 //! Wan 2.1 in the engine: the RMSNorm and RoPE ops against composed references (values and
-//! gradients), its parameter count is the budget's (`ditmem params`), a step on video latents
-//! trains under every lever, and recompute / attention modes give the same gradients.
+//! gradients), and `verify` passes. What every family shares (the parameter table, the levers
+//! on video latents, equal gradients across recompute and attention modes, the agreement grid)
+//! is in `families.rs`.
 
 use candle_core::{DType, Device, Tensor, Var};
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
@@ -8,7 +9,7 @@ use ditmem_engine::families::wan::tiny_spec;
 use ditmem_engine::ops::rms_norm_rows::rms_norm_rows_reference as rms_norm_reference;
 use ditmem_engine::ops::rope_cos_sin::rope_cos_sin_reference as rope_reference;
 use ditmem_engine::ops::{rms_norm_rows as rms_norm, rope_cos_sin as rope};
-use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+use ditmem_engine::CountingAlloc;
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -125,206 +126,6 @@ fn rope_matches_its_reference() {
     let x = randn(&[b, s, heads * dh], 10);
     assert!(rope(&x, &cos.to_dtype(DType::F32).unwrap(), &sin).is_err());
     assert!(rope(&randn(&[7, heads * dh], 11), &cos, &sin).is_err());
-}
-
-/// The engine's parameters are the budget's table, tensor for tensor (names, shapes) and in
-/// total (`ditmem params`), the RoPE buffers included.
-#[test]
-fn wan_parameters_match_the_budget_table() {
-    let _one = one_at_a_time();
-    for (layers, heads, frames) in [(1, 2, 1), (2, 2, 5), (3, 3, 9)] {
-        let s = tiny_spec(layers, heads, frames, 7).unwrap();
-        let budget = ditmem_budget::denoiser::param_table(&s);
-        let counts = ditmem_budget::count(&budget);
-        assert_eq!(
-            trainable_count(&s).unwrap(),
-            counts.trained,
-            "{layers}×{heads}"
-        );
-        assert_eq!(
-            ditmem_engine::param_count(&s).unwrap(),
-            counts.total + counts.buffers,
-            "{layers}×{heads}: with the RoPE buffers"
-        );
-        let t = Trainer::new(&s, TrainOptions::default()).unwrap();
-        let mut engine: Vec<(String, Vec<u64>)> = t
-            .parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, v)| (n, v.dims().iter().map(|&d| d as u64).collect()))
-            .collect();
-        let mut table: Vec<(String, Vec<u64>)> = budget
-            .iter()
-            .map(|p| (p.name.clone(), p.shape.clone()))
-            .collect();
-        engine.sort();
-        table.sort();
-        assert_eq!(engine, table);
-    }
-}
-
-/// One step under each lever on 2 latent frames: finite loss, a gradient for every trained
-/// tensor, the weights move; an image (1 frame) and 3 latent frames run too.
-#[test]
-fn wan_steps_under_every_lever() {
-    let _one = one_at_a_time();
-    let base = spec();
-    let mut variants: Vec<Spec> = Vec::new();
-    for p in [
-        Precision::Fp32,
-        Precision::Bf16Mixed,
-        Precision::Fp16Mixed,
-        Precision::Bf16Pure,
-        Precision::Fp64,
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        variants.push(s);
-    }
-    for (rc, a) in [
-        (Recompute::All, AttentionMode::MemoryEfficient),
-        (Recompute::EveryK(2), AttentionMode::Materialized),
-        (Recompute::AttentionOnly, AttentionMode::Materialized),
-        (Recompute::Blocks(vec![1]), AttentionMode::MemoryEfficient),
-    ] {
-        let mut s = base.clone();
-        s.recipe.recompute = rc;
-        s.recipe.attention = a;
-        variants.push(s);
-    }
-    let mut s = base.clone();
-    s.workload.microbatch = 2;
-    s.workload.accumulation = 2;
-    s.recipe.optimizer = ditmem_budget::Optimizer::Sgd;
-    s.recipe.ema.enabled = true;
-    variants.push(s);
-    for frames in [1, 9] {
-        let mut s = base.clone();
-        s.workload.frames = frames;
-        variants.push(s);
-    }
-    for s in variants {
-        let what = format!(
-            "{} {} {} frames {}",
-            s.recipe.precision,
-            s.recipe.recompute,
-            s.recipe.attention.name(),
-            s.workload.frames
-        );
-        let mut t = Trainer::new(
-            &s,
-            TrainOptions {
-                seed: 3,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap();
-        let before = t.parameter("blocks.0.attn2.to_k.weight").unwrap();
-        let batch = SyntheticData::new(&s, 1).unwrap().step_batch(0);
-        let r = t.step(&batch, None).unwrap();
-        assert!(
-            r.loss.is_finite() && r.loss > 0.1,
-            "{what}: loss {}",
-            r.loss
-        );
-        let names = t.trained_names();
-        let grads = t.gradients().unwrap();
-        assert_eq!(grads.len(), names.len(), "{what}");
-        for (n, g) in &grads {
-            let sq: f64 = g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
-            assert!(sq.is_finite() && sq > 0.0, "{what}: {n} has gradient² {sq}");
-        }
-        let after = t.parameter("blocks.0.attn2.to_k.weight").unwrap();
-        assert!(
-            max_diff(&after, &before) > 0.0,
-            "{what}: attn2.to_k did not move"
-        );
-    }
-}
-
-/// Recompute and the attention modes change memory, not results: the gradients of every policy
-/// equal those of the stored, materialized step (f64).
-#[test]
-fn wan_recompute_and_attention_modes_give_the_same_gradients() {
-    let _one = one_at_a_time();
-    let mut base = spec();
-    base.recipe.precision = Precision::Fp64;
-    let batch = SyntheticData::new(&base, 5).unwrap().step_batch(0);
-    let grads = |s: &Spec| {
-        let mut t = Trainer::new(
-            s,
-            TrainOptions {
-                seed: 9,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap();
-        t.compute_gradients(&batch).unwrap();
-        t.gradients().unwrap()
-    };
-    let reference = grads(&base);
-    for (rc, a) in [
-        (Recompute::All, AttentionMode::Materialized),
-        (Recompute::AttentionOnly, AttentionMode::Materialized),
-        (Recompute::None, AttentionMode::MemoryEfficient),
-        (Recompute::EveryK(2), AttentionMode::MemoryEfficient),
-    ] {
-        let mut s = base.clone();
-        s.recipe.recompute = rc.clone();
-        s.recipe.attention = a;
-        for ((n, g), (_, r)) in grads(&s).iter().zip(&reference) {
-            let d = max_diff(g, r);
-            let m: f64 = r.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
-            assert!(
-                d <= 1e-10 * (1.0 + m),
-                "{rc} {}: {n} differs by {d}",
-                a.name()
-            );
-        }
-    }
-}
-
-/// Every third spec of the Wan agreement grid (`DITMEM_WAN_ALL=1`: all of them).
-#[test]
-fn budget_predicts_wans_measured_step_peak_within_two_percent() {
-    use ditmem_engine::agree::{measure_and_compare, summarize, wan_grid};
-    let _one = one_at_a_time();
-    let all = std::env::var("DITMEM_WAN_ALL").is_ok();
-    let grid = wan_grid().unwrap();
-    let n = grid.len();
-    let mut results = Vec::new();
-    for (name, spec) in grid.into_iter().step_by(if all { 1 } else { 3 }) {
-        let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
-        eprintln!(
-            "{name}: predicted {} measured {} ({:+.3} %) [{}]",
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error,
-            a.predicted_peak_label
-        );
-        results.push(a);
-    }
-    for a in &results {
-        assert!(
-            a.rel_error.abs() <= 0.02,
-            "{}: predicted {} vs measured {} ({:+.3} %)",
-            a.name,
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error
-        );
-    }
-    let s = summarize(&results);
-    assert!(n >= 10 && s.specs >= 4);
-    eprintln!(
-        "{} specs: max {:.3} % ({}), median {:.3} %",
-        s.specs,
-        100.0 * s.max_abs_rel_error,
-        s.worst,
-        100.0 * s.median_abs_rel_error
-    );
 }
 
 /// `verify` on a tiny Wan: fp32, bf16-mixed and fp16-mixed pass against the f64 reference

@@ -10,12 +10,12 @@ use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::linear;
 use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, retained, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
-    TENSOR_META,
+    forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate, seed};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Precision, Spec};
@@ -471,11 +471,6 @@ fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
 /// Simulate Flux's segments for a spec.
 pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let sh = Shape::new(spec);
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let bd = sh.b * sh.d;
-    let meta = TENSOR_META + STORAGE_META;
-
     let (dg, dleaves, _, douts) = double_block(&sh, fg);
     let double = block_sim(&dg, &dg, &dleaves, &douts, &|g| seeds(g, &douts));
     let (fg1, l1, _, o1) = single_block(&sh, fg, true);
@@ -484,47 +479,18 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let rest = block_sim(&sg, &sg, &ls, &[os], &|g| seeds(g, &[os]));
 
     let (fgr, fleaf, froot) = final_graph(&sh, fg);
-    let mut final_layer = seg(&fgr, Some(fleaf), None, froot, 1, &[fleaf]);
-    final_layer.fwd_peak = forward_peak(&fgr) - fgr.nodes[froot].footprint();
-
-    // Embed: its surrogate is Σ x0·gx + Σ c0·gc + Σ st·g_st (the last in cd, cast to ad).
-    let (mut eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
-    let fwd = forward_peak(&eg);
-    let (xe, ce) = (eg.elems(x0), eg.elems(c0));
-    let gx = eg.constant("grad x0", xe, ad, false);
-    let gc = eg.constant("grad c0", ce, ad, false);
-    let gs = eg.constant("grad st", bd, cd, false);
-    let n0 = eg.nodes.len();
-    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], xe, ad);
-    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
-    let m2 = eg.op("c0·gc", Kind::Mul, &[c0, gc], ce, ad);
-    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
-    let a1 = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
-    let m3 = eg.op("st·g_st", Kind::Mul, &[st, gs], bd, cd);
-    let s3 = eg.op("sum", Kind::Sum, &[m3], 1, cd);
-    let s3 = eg.cast(&format!("sum→{ad}"), s3, ad);
-    let r = eg.op("+", Kind::Add, &[a1, s3], 1, ad);
-    let root_nodes = eg.nodes.len() - n0;
-    let held = eg.bound();
-    let outs = [x0, c0, st, cos, sin];
-    let tail: Vec<Nid> = held.iter().copied().filter(|n| !outs.contains(n)).collect();
-    let embed_tail = kept_bytes(&eg, &tail);
-    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
-    // The text stream is an output as well.
-    let c0_b = eg.nodes[c0].footprint();
-    embed.output += c0_b;
-    embed.activations -= c0_b;
-    embed.fwd_peak = fwd;
-
-    let n_lat = sh.latent;
+    let (eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
+    let embed = sims::embed_sim(
+        &sh,
+        eg,
+        &EmbedOutputs {
+            streams: &[x0, c0],
+            conds: &[st],
+            tables: &[cos, sin],
+        },
+        grad_dtype(sh.precision),
+    );
     let text = sh.b * fg.text_elems();
-    // noisy(): host f64 tensor then its cast; patchify's contiguous copy; the cast to cd.
-    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
-    scratch = scratch.max(sh.b * FLUX_FREQ * 8);
-    if cd != Dtype::F64 {
-        // The f64 caption made from the batch, freed once cast.
-        scratch = scratch.max(text * 8);
-    }
     // The RoPE tables: the flat ids (3 f64 per token) and the f64 tables beside their casts.
     let tab = (sh.s + fg.t) * fg.dh;
     let f64_tables = if sh.precision == Precision::Fp64 {
@@ -532,21 +498,14 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     } else {
         2 * tab * 8
     };
-    scratch = scratch.max((sh.s + fg.t) * 3 * 8 + f64_tables);
+    let scratch = sims::embed_scratch(&sh, FLUX_FREQ, text).max((sh.s + fg.t) * 3 * 8 + f64_tables);
     Sims {
-        embed,
-        block: double,
-        final_layer,
-        c_leaf: bd * cd.size() + meta,
-        embed_scratch: scratch,
-        embed_tail,
-        cond_grad: bd * ld.size() + meta,
-        last_block: None,
         second: Some(SecondBlocks {
             start: fg.double as u32,
             first,
             rest,
         }),
+        ..sims::sims(embed, double, sims::final_sim(&fgr, fleaf, froot), scratch)
     }
 }
 

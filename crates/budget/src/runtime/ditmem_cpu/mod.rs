@@ -44,6 +44,7 @@ pub mod pixart;
 pub mod sana;
 pub mod sd3;
 pub(crate) mod segments;
+pub(crate) mod sims;
 pub(crate) mod step;
 pub mod wan;
 

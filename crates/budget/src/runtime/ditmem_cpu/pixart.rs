@@ -8,17 +8,14 @@
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::linear;
-use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
-    TENSOR_META,
-};
+use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    fused_linear, gated_residual, gelu, ln_modulate, seed, FUSED_ATTN_KEY_BLOCK,
+    fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
 };
-use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
-use crate::spec::{AttentionMode, Dtype, Precision, Spec};
+use crate::spec::{AttentionMode, Precision, Spec};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const PIXART_FREQ: u64 = 256;
@@ -357,77 +354,30 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
 /// Simulate PixArt's three segments for a spec.
 pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
     let sh = Shape::new(spec);
-    let ad = sh.ad();
-    let cd = sh.cd();
-    let ld = grad_dtype(sh.precision);
-
-    let (mut bg, leaf, _, _, out) = block(&sh, pg);
-    let fwd = forward_peak(&bg);
-    let root = seed(&mut bg, out);
-    let mut block_sim = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
-    block_sim.fwd_peak = fwd;
-    let (mut ug, uleaf, _, _, uout) = block(&sh, pg);
-    ug.nodes[uleaf].alloc = false;
-    block_sim.untracked_peak = untracked_peak(&ug, &[uout]);
-
+    let block_sim = sims::block_sim(|| {
+        let (g, leaf, _, _, out) = block(&sh, pg);
+        (g, leaf, out)
+    });
     let (fg, fleaf, froot) = final_graph(&sh, pg);
-    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
-    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
-
-    // Embed: its surrogate is Σ x0·gx + Σ t6·g6 + Σ emb·g_emb + Σ y·gy (the last in cd).
-    let (mut eg, x0, t6, emb, y) = embed_graph(&sh, pg);
-    let fwd = forward_peak(&eg);
-    let bd = sh.b * sh.d;
-    let yel = sh.b * pg.t * sh.d;
-    let gx = eg.constant("grad x0", sh.e(), ad, false);
-    let g6 = eg.constant("grad t6", 6 * bd, ad, false);
-    let ge = eg.constant("grad emb", bd, ad, false);
-    let gy = eg.constant("grad caption", yel, cd, false);
-    let n0 = eg.nodes.len();
-    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], sh.e(), ad);
-    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
-    let m2 = eg.op("t6·g6", Kind::Mul, &[t6, g6], 6 * bd, ad);
-    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
-    let a1 = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
-    let m3 = eg.op("emb·g_emb", Kind::Mul, &[emb, ge], bd, ad);
-    let s3 = eg.op("sum", Kind::Sum, &[m3], 1, ad);
-    let a2 = eg.op("+", Kind::Add, &[a1, s3], 1, ad);
-    let m4 = eg.op("y·gy", Kind::Mul, &[y, gy], yel, cd);
-    let s4 = eg.op("sum", Kind::Sum, &[m4], 1, cd);
-    let s4 = eg.cast(&format!("sum→{ad}"), s4, ad);
-    let r = eg.op("+", Kind::Add, &[a2, s4], 1, ad);
-    let root_nodes = eg.nodes.len() - n0;
-    let held = eg.bound();
-    let tail: Vec<Nid> = held
-        .iter()
-        .copied()
-        .filter(|&n| n != x0 && n != t6 && n != emb && n != y)
-        .collect();
-    let embed_tail = kept_bytes(&eg, &tail);
-    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
-    embed.fwd_peak = fwd;
-
-    let meta = TENSOR_META + STORAGE_META;
-    let leaves = (6 * bd + bd) * ad.size() + yel * cd.size() + 3 * meta;
-    let n_lat = sh.latent;
+    let (eg, x0, t6, emb, y) = embed_graph(&sh, pg);
+    let embed = sims::embed_sim(
+        &sh,
+        eg,
+        &EmbedOutputs {
+            streams: &[x0],
+            conds: &[t6, emb, y],
+            tables: &[],
+        },
+        grad_dtype(sh.precision),
+    );
     let text = sh.b * pg.text_elems();
-    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
-    scratch = scratch.max(sh.b * PIXART_FREQ * 8);
-    if cd != Dtype::F64 {
-        // The f64 caption made from the batch, freed once cast.
-        scratch = scratch.max(text * 8);
-    }
-    Sims {
+    let scratch = sims::embed_scratch(&sh, PIXART_FREQ, text);
+    sims::sims(
         embed,
-        block: block_sim,
-        final_layer,
-        c_leaf: leaves,
-        embed_scratch: scratch,
-        embed_tail,
-        cond_grad: (bd + 6 * bd + yel) * ld.size() + 3 * meta,
-        last_block: None,
-        second: None,
-    }
+        block_sim,
+        sims::final_sim(&fg, fleaf, froot),
+        scratch,
+    )
 }
 
 /// PixArt's three segments (embed, block, final) as generic segments, for the op inventory of

@@ -9,12 +9,12 @@ use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::linear;
 use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
-    TENSOR_META,
+    forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -463,68 +463,31 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
 /// (`context_pre_only`) block, the output side.
 pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     let sh = Shape::new(spec);
-    let (ad, cd) = (sh.ad(), sh.cd());
-    let ld = grad_dtype(sh.precision);
-    let meta = TENSOR_META + STORAGE_META;
-
     let last = block_sim(&sh, sg, true);
     let block = if sg.layers > 1 {
         block_sim(&sh, sg, false)
     } else {
         last
     };
-
     let (fg, fleaf, froot) = final_graph(&sh, sg);
-    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
-    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
-
-    // Embed: the surrogate Σ c0·gc + Σ x0·gx + Σ se·gse (the last in cd, cast to the streams'
-    // dtype), in the schedule's order (streams, then conditioning).
-    let (mut eg, streams, se) = embed_graph(&sh, sg);
-    let fwd = forward_peak(&eg);
-    let bd = sh.b * sh.d;
-    let n0 = eg.nodes.len();
-    let mut terms = Vec::new();
-    for (i, &t) in streams.iter().chain([&se]).enumerate() {
-        let (e, dt) = (eg.elems(t), eg.dtype(t));
-        let gr = eg.constant(&format!("grad {i}"), e, dt, false);
-        let m = eg.op(&format!("term {i} product"), Kind::Mul, &[t, gr], e, dt);
-        let s = eg.op(&format!("term {i} sum"), Kind::Sum, &[m], 1, dt);
-        terms.push(eg.cast(&format!("term {i}→{ad}"), s, ad));
-    }
-    let mut r = terms[0];
-    for &t in &terms[1..] {
-        r = eg.op("+", Kind::Add, &[r, t], 1, ad);
-    }
-    let root_nodes = eg.nodes.len() - n0;
-    let held = eg.bound();
-    let tail: Vec<Nid> = held
-        .iter()
-        .copied()
-        .filter(|n| !streams.contains(n) && *n != se)
-        .collect();
-    let embed_tail = kept_bytes(&eg, &tail);
-    let mut embed = seg_many(&eg, &[], &streams, r, root_nodes);
-    embed.fwd_peak = fwd;
-
-    let n_lat = sh.latent;
-    // The f64 caption of the batch, freed once cast (the pooled embedding's is smaller).
+    // The streams first, then the conditioning, in the schedule's order.
+    let (eg, streams, se) = embed_graph(&sh, sg);
+    let embed = sims::embed_sim(
+        &sh,
+        eg,
+        &EmbedOutputs {
+            streams: &streams,
+            conds: &[se],
+            tables: &[],
+        },
+        grad_dtype(sh.precision),
+    );
+    // The f64 caption of the batch (the pooled embedding's is smaller).
     let text = sh.b * sg.t * sg.width;
-    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
-    scratch = scratch.max(sh.b * SD3_FREQ * 8);
-    if cd != Dtype::F64 {
-        scratch = scratch.max(text * 8);
-    }
+    let scratch = sims::embed_scratch(&sh, SD3_FREQ, text);
     Sims {
-        embed,
-        block,
-        final_layer,
-        c_leaf: bd * cd.size() + meta,
-        embed_scratch: scratch,
-        embed_tail,
-        cond_grad: bd * ld.size() + meta,
         last_block: Some(last),
-        second: None,
+        ..sims::sims(embed, block, sims::final_sim(&fg, fleaf, froot), scratch)
     }
 }
 

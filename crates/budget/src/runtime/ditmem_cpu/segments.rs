@@ -6,10 +6,9 @@
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::backward::backward;
 use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
-use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
-};
-use crate::runtime::ditmem_cpu::ops::{ln_modulate, seed};
+use crate::runtime::ditmem_cpu::graph::{kept_bytes, retained, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::ops::ln_modulate;
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -186,64 +185,22 @@ pub fn sims(spec: &Spec) -> Sims {
         return super::wan::sims(spec, &wg);
     }
     let sh = Shape::new(spec);
-    let m = &spec.model;
-    let ad = sh.precision.accum_dtype();
-    let cd = sh.precision.compute_dtype();
-
-    // Block: tracked on a leaf copy, plus the seed it is backpropagated from.
-    let (mut bg, leaf, _c, out) = block::block(&sh);
-    let fwd = forward_peak(&bg);
-    let root = seed(&mut bg, out);
-    let mut block = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
-    block.fwd_peak = fwd;
-    // No-grad forward on the input itself (no leaf copy); the output survives.
-    let (mut ug, uleaf, _, uout) = block::block(&sh);
-    ug.nodes[uleaf].alloc = false;
-    block.untracked_peak = untracked_peak(&ug, &[uout]);
-
-    // Final layer + loss.
+    let block = sims::block_sim(|| {
+        let (g, leaf, _c, out) = block::block(&sh);
+        (g, leaf, out)
+    });
     let (fg, fleaf, froot) = final_graph(&sh);
-    // The root (loss·scale) exists only for the backward call.
-    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
-    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
-
-    // Embed: its surrogate is x0·gx + c·gc summed.
-    let (mut eg, x0, c) = embed_graph(&sh);
-    let fwd = forward_peak(&eg);
-    let e = eg.nodes[x0].elems;
-    let bd = sh.b * sh.d;
-    let gx = eg.constant("grad x0", e, ad, false);
-    let gc = eg.constant("grad c", bd, ad, false);
-    let m1 = eg.op("x0·gx", Kind::Mul, &[x0, gx], e, ad);
-    let s1 = eg.op("sum", Kind::Sum, &[m1], 1, ad);
-    let m2 = eg.op("c·gc", Kind::Mul, &[c, gc], bd, ad);
-    let s2 = eg.op("sum", Kind::Sum, &[m2], 1, ad);
-    let r = eg.op("+", Kind::Add, &[s1, s2], 1, ad);
-    let held = eg.bound();
-    let tail: Vec<Nid> = held
-        .iter()
-        .copied()
-        .filter(|&n| n != x0 && n != c)
-        .collect();
-    let embed_tail = kept_bytes(&eg, &tail);
-    let mut embed = seg(&eg, None, Some(x0), r, 5, &held);
-    embed.fwd_peak = fwd;
-
-    let n_lat = sh.b * sh.s * u64::from(m.patch) * u64::from(m.patch) * u64::from(m.in_channels);
-    // noisy(): host f64 tensor then its cast; patchify's contiguous copy; the cast to cd.
-    let _ = cd;
-    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
-    // timestep features: f64 then the accumulation dtype.
-    scratch = scratch.max(sh.b * u64::from(m.freq_embed) * 8);
-    Sims {
-        embed,
-        block,
-        final_layer,
-        c_leaf: bd * ad.size() + TENSOR_META + STORAGE_META,
-        embed_scratch: scratch,
-        embed_tail,
-        cond_grad: bd * ad.size() + TENSOR_META + STORAGE_META,
-        last_block: None,
-        second: None,
-    }
+    let (eg, x0, c) = embed_graph(&sh);
+    let embed = sims::embed_sim(
+        &sh,
+        eg,
+        &sims::EmbedOutputs {
+            streams: &[x0],
+            conds: &[c],
+            tables: &[],
+        },
+        sh.ad(),
+    );
+    let scratch = sims::embed_scratch(&sh, u64::from(spec.model.freq_embed), 0);
+    sims::sims(embed, block, sims::final_sim(&fg, fleaf, froot), scratch)
 }

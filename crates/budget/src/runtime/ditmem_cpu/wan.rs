@@ -8,15 +8,12 @@
 use crate::families::{Dims as FamilyDims, WanDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::linear;
-use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, to_segment, untracked_peak, Graph, Kind, Nid, STORAGE_META,
-    TENSOR_META,
-};
+use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope, seed,
+    fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
-use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -351,83 +348,30 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
 /// Simulate Wan's three segments for a spec.
 pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
     let sh = Shape::new(spec);
-    let ad = sh.ad();
-    let cd = sh.cd();
-    let ld = grad_dtype(sh.precision);
-    let rd = rope_dtype(&sh);
-
-    let (mut bg, leaf, out) = block(&sh, wg);
-    let fwd = forward_peak(&bg);
-    let root = seed(&mut bg, out);
-    let mut block_sim = seg(&bg, Some(leaf), Some(out), root, 1, &[leaf, out]);
-    block_sim.fwd_peak = fwd;
-    let (mut ug, uleaf, uout) = block(&sh, wg);
-    ug.nodes[uleaf].alloc = false;
-    block_sim.untracked_peak = untracked_peak(&ug, &[uout]);
-
+    let block_sim = sims::block_sim(|| block(&sh, wg));
     let (fg, fleaf, froot) = final_graph(&sh, wg);
-    let mut final_layer = seg(&fg, Some(fleaf), None, froot, 1, &[fleaf]);
-    final_layer.fwd_peak = forward_peak(&fg) - fg.nodes[froot].footprint();
-
-    // Embed: the schedule's surrogate Σ x0·gx + Σ t6·g6 + Σ temb·g_temb + Σ ctx·g_ctx +
-    // Σ cos·0 + Σ sin·0, each term cast to the stream's dtype.
-    let (mut eg, [x0, t6, temb, ctx, cos, sin]) = embed_graph(&sh, wg);
-    let fwd = forward_peak(&eg);
-    let bd = sh.b * sh.d;
-    let yel = sh.b * wg.t * sh.d;
-    let tab = sh.s * wg.half;
-    let n0 = eg.nodes.len();
-    let mut sur: Option<Nid> = None;
-    for (name, t, el, dt) in [
-        ("x0", x0, sh.e(), ad),
-        ("t6", t6, 6 * bd, ad),
-        ("temb", temb, bd, ad),
-        ("ctx", ctx, yel, cd),
-        ("cos", cos, tab, rd),
-        ("sin", sin, tab, rd),
-    ] {
-        let gr = eg.constant(&format!("grad {name}"), el, dt, false);
-        let m = eg.op(&format!("{name}·grad"), Kind::Mul, &[t, gr], el, dt);
-        let s = eg.op("sum", Kind::Sum, &[m], 1, dt);
-        let s = eg.cast(&format!("sum→{ad}"), s, ad);
-        sur = Some(match sur {
-            None => s,
-            Some(a) => eg.op("+", Kind::Add, &[a, s], 1, ad),
-        });
-    }
-    let r = sur.unwrap_or(x0);
-    let root_nodes = eg.nodes.len() - n0;
-    let held = eg.bound();
-    let outs = [x0, t6, temb, ctx, cos, sin];
-    let tail: Vec<Nid> = held.iter().copied().filter(|n| !outs.contains(n)).collect();
-    let embed_tail = kept_bytes(&eg, &tail);
-    let mut embed = seg(&eg, None, Some(x0), r, root_nodes, &held);
-    embed.fwd_peak = fwd;
-
-    let meta = TENSOR_META + STORAGE_META;
-    // The conditioning leaves: copies of t6, temb, ctx and the two tables.
-    let leaves = (6 * bd + bd) * ad.size() + yel * cd.size() + 2 * tab * rd.size() + 5 * meta;
-    let n_lat = sh.latent;
+    // The RoPE tables are conditioning: the blocks read leaf copies of them (zero gradients).
+    let (eg, [x0, t6, temb, ctx, cos, sin]) = embed_graph(&sh, wg);
+    let embed = sims::embed_sim(
+        &sh,
+        eg,
+        &EmbedOutputs {
+            streams: &[x0],
+            conds: &[t6, temb, ctx, cos, sin],
+            tables: &[],
+        },
+        grad_dtype(sh.precision),
+    );
     let text = sh.b * wg.text_elems();
-    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
-    scratch = scratch.max(sh.b * wg.freq * 8);
-    if cd != Dtype::F64 {
-        // The f64 umT5 states made from the batch, freed once cast.
-        scratch = scratch.max(text * 8);
-    }
     // The f64 angle tables made on the host (both alive while the first is cast).
-    scratch = scratch.max(2 * tab * 8);
-    Sims {
+    let tab = sh.s * wg.half;
+    let scratch = sims::embed_scratch(&sh, wg.freq, text).max(2 * tab * 8);
+    sims::sims(
         embed,
-        block: block_sim,
-        final_layer,
-        c_leaf: leaves,
-        embed_scratch: scratch,
-        embed_tail,
-        cond_grad: (bd + 6 * bd + yel + 2 * tab) * ld.size() + 5 * meta,
-        last_block: None,
-        second: None,
-    }
+        block_sim,
+        sims::final_sim(&fg, fleaf, froot),
+        scratch,
+    )
 }
 
 /// Wan's three segments (embed, block, final) as generic segments, for the op inventory of a

@@ -1,0 +1,151 @@
+//! The parts of a model's [`Sims`] every family assembles the same way from its own graphs:
+//! a block with one input and one output, the final layer, the embed segment backpropagated
+//! from the trainer's surrogate, the conditioning leaves and the embed's host scratch. Twin:
+//! the engine's `trainer/family.rs` (the family schedule) and `trainer.rs` (DiT).
+
+use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::ditmem_cpu::graph::{
+    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
+};
+use crate::runtime::ditmem_cpu::ops::seed;
+use crate::runtime::ditmem_cpu::segments::seg;
+use crate::runtime::shape::Shape;
+use crate::spec::Dtype;
+
+/// A block of one input and one output: tracked on a leaf copy of its input and backpropagated
+/// from one seed, and untracked on the input itself (no leaf copy; the output survives).
+/// `build` returns (graph, leaf, output) and is called once for each.
+pub(crate) fn block_sim(build: impl Fn() -> (Graph, Nid, Nid)) -> SegSim {
+    let (mut g, leaf, out) = build();
+    let fwd = forward_peak(&g);
+    let root = seed(&mut g, out);
+    let mut s = seg(&g, Some(leaf), Some(out), root, 1, &[leaf, out]);
+    s.fwd_peak = fwd;
+    let (mut ug, uleaf, uout) = build();
+    ug.nodes[uleaf].alloc = false;
+    s.untracked_peak = untracked_peak(&ug, &[uout]);
+    s
+}
+
+/// The final layer and the loss on a leaf copy of the last block's output; the root
+/// (loss·scale) exists only for the backward call.
+pub(crate) fn final_sim(g: &Graph, leaf: Nid, root: Nid) -> SegSim {
+    let mut s = seg(g, Some(leaf), None, root, 1, &[leaf]);
+    s.fwd_peak = forward_peak(g) - g.nodes[root].footprint();
+    s
+}
+
+/// What the embed segment hands on, as nodes of its graph.
+pub(crate) struct EmbedOutputs<'a> {
+    /// The residual streams the first block reads: the segment's output.
+    pub streams: &'a [Nid],
+    /// The conditioning every block reads: copied to leaves for the blocks, their gradients
+    /// summed over the blocks and the final layer.
+    pub conds: &'a [Nid],
+    /// Other results the blocks read and nothing differentiates (Flux's RoPE tables): neither
+    /// in the surrogate nor in the embed's tail.
+    pub tables: &'a [Nid],
+}
+
+/// The embed segment and what goes with it.
+pub(crate) struct EmbedSim {
+    pub seg: SegSim,
+    /// [`Sims::embed_tail`].
+    pub tail: (u64, u64),
+    /// [`Sims::c_leaf`].
+    pub c_leaf: u64,
+    /// [`Sims::cond_grad`].
+    pub cond_grad: u64,
+}
+
+/// The embed segment, backpropagated from the trainer's surrogate: Σ out·grad over the
+/// streams then the conditioning, each product summed in its own dtype and cast to the
+/// accumulation dtype, added in turn (`trainer/family.rs`, "Embed segment backward"). The
+/// graph's bound nodes (the embed's locals) are held to the end of the backward; those that
+/// are not outputs are its tail. The trainer sums the conditioning's gradients in
+/// `cond_grad_dtype` (the family schedule: the gradient dtype; DiT's `trainer.rs`: the
+/// accumulation dtype).
+pub(crate) fn embed_sim(
+    sh: &Shape,
+    mut g: Graph,
+    o: &EmbedOutputs,
+    cond_grad_dtype: Dtype,
+) -> EmbedSim {
+    let ad = sh.ad();
+    let fwd = forward_peak(&g);
+    let n0 = g.nodes.len();
+    let mut sur: Option<Nid> = None;
+    for (i, &t) in o.streams.iter().chain(o.conds).enumerate() {
+        let (e, dt) = (g.elems(t), g.dtype(t));
+        let gr = g.constant(&format!("grad {i}"), e, dt, false);
+        let m = g.op(&format!("term {i} product"), Kind::Mul, &[t, gr], e, dt);
+        let s = g.op(&format!("term {i} sum"), Kind::Sum, &[m], 1, dt);
+        let s = g.cast(&format!("term {i}→{ad}"), s, ad);
+        sur = Some(match sur {
+            None => s,
+            Some(a) => g.op("+", Kind::Add, &[a, s], 1, ad),
+        });
+    }
+    let root = sur.expect("an embed has a residual stream");
+    let root_nodes = g.nodes.len() - n0;
+    let held = g.bound();
+    let outs: Vec<Nid> = [o.streams, o.conds, o.tables].concat();
+    let tail: Vec<Nid> = held.iter().copied().filter(|n| !outs.contains(n)).collect();
+    let tail = kept_bytes(&g, &tail);
+    let mut s = seg(&g, None, None, root, root_nodes, &held);
+    let keep = retained(&g, &[&[root][..], &held].concat());
+    s.output = o
+        .streams
+        .iter()
+        .filter(|&&x| keep[x])
+        .map(|&x| g.nodes[x].footprint())
+        .sum();
+    s.activations -= s.output;
+    s.fwd_peak = fwd;
+    let meta = TENSOR_META + STORAGE_META;
+    let c_leaf = o
+        .conds
+        .iter()
+        .map(|&c| g.elems(c) * g.dtype(c).size() + meta)
+        .sum();
+    let cond_grad = o
+        .conds
+        .iter()
+        .map(|&c| g.elems(c) * cond_grad_dtype.size() + meta)
+        .sum();
+    EmbedSim {
+        seg: s,
+        tail,
+        c_leaf,
+        cond_grad,
+    }
+}
+
+/// Transient host bytes of the embed forward beyond its graph: noisy() makes the latents on
+/// the host in f64 and casts them, patchify makes a contiguous copy; the timestep features
+/// are made in f64; a text encoder's states (`text_elems` a batch) come as f64 and are freed
+/// once cast.
+pub(crate) fn embed_scratch(sh: &Shape, freq: u64, text_elems: u64) -> u64 {
+    let (ad, n_lat) = (sh.ad(), sh.latent);
+    let mut scratch = n_lat * 8 + n_lat * ad.size() + n_lat * ad.size();
+    scratch = scratch.max(sh.b * freq * 8);
+    if sh.cd() != Dtype::F64 {
+        scratch = scratch.max(text_elems * 8);
+    }
+    scratch
+}
+
+/// A family's [`Sims`] with every block of one kind.
+pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch: u64) -> Sims {
+    Sims {
+        embed: embed.seg,
+        block,
+        final_layer,
+        c_leaf: embed.c_leaf,
+        embed_scratch: scratch,
+        embed_tail: embed.tail,
+        cond_grad: embed.cond_grad,
+        last_block: None,
+        second: None,
+    }
+}

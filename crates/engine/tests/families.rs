@@ -1,0 +1,427 @@
+//! What every diffusers family in the engine shares, checked over one table of families (each
+//! with a tiny spec): its parameters are the budget's table (`ditmem params`) tensor for tensor,
+//! in order; one step trains under every recipe lever (finite loss, a gradient for every
+//! trained tensor, the weights move); recompute and the attention modes give the stored step's
+//! f64 gradients; and the `ditmem-cpu` budget predicts the measured step peak of a subset of
+//! the family's agreement grid, each spec to 2 %. What only one family has is in its own file.
+
+use candle_core::{DType, Tensor};
+use ditmem_budget::{AttentionMode, ParamRole, Precision, Recompute, Spec};
+use ditmem_engine::agree::{self, measure_and_compare, summarize};
+use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
+use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+
+#[global_allocator]
+static A: CountingAlloc = CountingAlloc::new();
+
+/// The counting allocator is the whole process's: the tests of this file run one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+type Grid = fn() -> ditmem_engine::Result<Vec<(String, Spec)>>;
+
+/// One family of the table.
+struct Family {
+    name: &'static str,
+    /// The tiny specs the step tests run (on this process's CPU), each with what sets it apart.
+    specs: Vec<(&'static str, Spec)>,
+    /// Sizes whose parameter tables are compared (a 1-block model among them).
+    sizes: Vec<Spec>,
+    /// A weight one step of every lever must move (its gradient is large enough for SGD's
+    /// lr·g to show in f32).
+    watched: &'static str,
+    /// The block list of the lever test's `blocks:` policy.
+    blocks: Vec<u32>,
+    /// Policies beyond the common ones whose gradients must equal the stored step's.
+    more_policies: Vec<(Recompute, AttentionMode)>,
+    /// Levers only this family has (video frames).
+    more_levers: fn(&Spec) -> Vec<Spec>,
+    /// Tensors whose gradient is exactly zero by construction.
+    zero_gradient: fn(&str) -> bool,
+    /// The agreement grid and the stride of the suite's subset of it.
+    grid: (Grid, usize),
+}
+
+fn none(_: &Spec) -> Vec<Spec> {
+    Vec::new()
+}
+
+fn nothing(_: &str) -> bool {
+    false
+}
+
+fn resolved(s: ditmem_engine::Result<Spec>) -> Spec {
+    ditmem_engine::host::resolve(&s.unwrap())
+}
+
+fn families() -> Vec<Family> {
+    vec![
+        Family {
+            name: "PixArt",
+            specs: vec![("", resolved(pixart::tiny_spec(2, 4, 13)))],
+            sizes: vec![
+                pixart::tiny_spec(1, 2, 7).unwrap(),
+                pixart::tiny_spec(2, 4, 7).unwrap(),
+                pixart::tiny_spec(3, 3, 7).unwrap(),
+            ],
+            watched: "transformer_blocks.0.attn2.to_k.weight",
+            blocks: vec![1],
+            more_policies: Vec::new(),
+            more_levers: none,
+            zero_gradient: nothing,
+            grid: (agree::pixart_grid, 3),
+        },
+        Family {
+            name: "SD3",
+            specs: vec![
+                ("", resolved(sd3::tiny_spec(3, 2, false, 5, 6))),
+                ("q/k norm", resolved(sd3::tiny_spec(3, 2, true, 5, 6))),
+            ],
+            sizes: vec![
+                sd3::tiny_spec(1, 2, false, 3, 4).unwrap(),
+                sd3::tiny_spec(2, 4, false, 3, 4).unwrap(),
+                sd3::tiny_spec(3, 3, true, 3, 4).unwrap(),
+            ],
+            // The output projection (the small modulation weights keep the blocks' gradients
+            // small in a first step).
+            watched: "proj_out.weight",
+            blocks: vec![2],
+            more_policies: vec![(
+                Recompute::Blocks(vec![0, 2]),
+                AttentionMode::MemoryEfficient,
+            )],
+            more_levers: none,
+            // The last block is `context_pre_only`: its context queries' outputs are dropped
+            // (no `to_add_out`), so their projection and norm get exactly zero.
+            zero_gradient: |n| {
+                n.starts_with("transformer_blocks.2.attn.add_q_proj.")
+                    || n.starts_with("transformer_blocks.2.attn.norm_added_q.")
+            },
+            grid: (agree::sd3_grid, 2),
+        },
+        Family {
+            name: "Flux",
+            // One double-stream and two single-stream blocks of 2 heads, 7 T5 tokens, guidance.
+            specs: vec![("", resolved(flux::tiny_spec(1, 2, 2, 7, true)))],
+            sizes: vec![
+                flux::tiny_spec(1, 1, 2, 5, false).unwrap(),
+                flux::tiny_spec(2, 3, 4, 5, true).unwrap(),
+                flux::tiny_spec(0, 2, 3, 5, true).unwrap(),
+            ],
+            watched: "single_transformer_blocks.1.proj_out.weight",
+            blocks: vec![1],
+            more_policies: vec![(Recompute::Blocks(vec![0, 2]), AttentionMode::Materialized)],
+            more_levers: none,
+            zero_gradient: nothing,
+            grid: (agree::flux_grid, 3),
+        },
+        Family {
+            name: "Sana",
+            specs: vec![("", resolved(sana::tiny_spec(2, 4, 13)))],
+            sizes: vec![
+                sana::tiny_spec(1, 2, 7).unwrap(),
+                sana::tiny_spec(2, 4, 7).unwrap(),
+                sana::tiny_spec(3, 6, 7).unwrap(),
+            ],
+            watched: "transformer_blocks.0.attn1.to_k.weight",
+            blocks: vec![1],
+            more_policies: Vec::new(),
+            more_levers: none,
+            zero_gradient: nothing,
+            grid: (agree::sana_grid, 3),
+        },
+        Family {
+            name: "Wan",
+            specs: vec![("2 latent frames", resolved(wan::tiny_spec(2, 2, 5, 7)))],
+            sizes: vec![
+                wan::tiny_spec(1, 2, 1, 7).unwrap(),
+                wan::tiny_spec(2, 2, 5, 7).unwrap(),
+                wan::tiny_spec(3, 3, 9, 7).unwrap(),
+            ],
+            watched: "blocks.0.attn2.to_k.weight",
+            blocks: vec![1],
+            more_policies: vec![(Recompute::EveryK(2), AttentionMode::MemoryEfficient)],
+            // An image (1 frame) and 3 latent frames.
+            more_levers: |base| {
+                [1, 9]
+                    .map(|frames| {
+                        let mut s = base.clone();
+                        s.workload.frames = frames;
+                        s
+                    })
+                    .to_vec()
+            },
+            zero_gradient: nothing,
+            grid: (agree::wan_grid, 3),
+        },
+    ]
+}
+
+fn sum_sq(t: &Tensor) -> f64 {
+    let t = t.to_dtype(DType::F64).unwrap();
+    t.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+fn what(s: &Spec) -> String {
+    format!(
+        "{} {} {} frames {}",
+        s.recipe.precision,
+        s.recipe.recompute,
+        s.recipe.attention.name(),
+        s.workload.frames
+    )
+}
+
+/// A shape without its leading 1s: diffusers' buffers carry a batch axis the engine's do not
+/// (SD3's (1, M², D) position table is held as (M², D)).
+fn squeezed(shape: &[u64]) -> &[u64] {
+    let lead = shape.iter().take_while(|&&d| d == 1).count();
+    &shape[lead.min(shape.len().saturating_sub(1))..]
+}
+
+/// The engine's tensors are the budget's table (`ditmem params`) in the table's order: names and
+/// shapes (buffers up to a leading batch axis), the trained ones marked trained, and the counts.
+#[test]
+fn parameters_match_the_budget_table() {
+    let _one = one_at_a_time();
+    for f in families() {
+        for s in &f.sizes {
+            let table = ditmem_budget::denoiser::param_table(s);
+            let counts = ditmem_budget::count(&table);
+            let at = format!("{} {}", f.name, s.model.name);
+            assert_eq!(trainable_count(s).unwrap(), counts.trained, "{at}");
+            assert_eq!(
+                ditmem_engine::param_count(s).unwrap(),
+                counts.total + counts.buffers,
+                "{at}: with the buffers"
+            );
+            let t = Trainer::new(s, TrainOptions::default()).unwrap();
+            let engine = t.parameters().unwrap();
+            let names: Vec<&str> = engine.iter().map(|(n, _)| n.as_str()).collect();
+            let rows: Vec<&str> = table.iter().map(|p| p.name.as_str()).collect();
+            assert_eq!(names, rows, "{at}");
+            for ((n, v), row) in engine.iter().zip(&table) {
+                let shape: Vec<u64> = v.dims().iter().map(|&d| d as u64).collect();
+                if row.role == ParamRole::Trained {
+                    assert_eq!(shape, row.shape, "{at}: {n}");
+                } else {
+                    assert_eq!(squeezed(&shape), squeezed(&row.shape), "{at}: {n}");
+                }
+            }
+            let trained: Vec<&str> = table
+                .iter()
+                .filter(|p| p.role == ParamRole::Trained)
+                .map(|p| p.name.as_str())
+                .collect();
+            let mut engine_trained = t.trained_names();
+            engine_trained.sort();
+            let mut trained_sorted = trained.clone();
+            trained_sorted.sort();
+            assert_eq!(engine_trained, trained_sorted, "{at}");
+        }
+    }
+}
+
+/// One step under each lever: finite loss, a gradient for every trained tensor, the watched
+/// weight moves.
+#[test]
+fn every_family_steps_under_every_lever() {
+    let _one = one_at_a_time();
+    for f in families() {
+        for (label, base) in &f.specs {
+            for s in levers(base, &f) {
+                let what = format!("{} {label} {}", f.name, what(&s));
+                one_step_trains(&f, &s, &what);
+            }
+        }
+    }
+}
+
+/// The base under each precision, each recompute policy (with an attention mode), and
+/// accumulation with SGD and an EMA; then the family's own levers.
+fn levers(base: &Spec, f: &Family) -> Vec<Spec> {
+    let mut variants: Vec<Spec> = Vec::new();
+    for p in [
+        Precision::Fp32,
+        Precision::Bf16Mixed,
+        Precision::Fp16Mixed,
+        Precision::Bf16Pure,
+        Precision::Fp64,
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        variants.push(s);
+    }
+    for (rc, a) in [
+        (Recompute::All, AttentionMode::MemoryEfficient),
+        (Recompute::EveryK(2), AttentionMode::Materialized),
+        (Recompute::AttentionOnly, AttentionMode::Materialized),
+        (
+            Recompute::Blocks(f.blocks.clone()),
+            AttentionMode::MemoryEfficient,
+        ),
+    ] {
+        let mut s = base.clone();
+        s.recipe.recompute = rc;
+        s.recipe.attention = a;
+        variants.push(s);
+    }
+    let mut s = base.clone();
+    s.workload.microbatch = 2;
+    s.workload.accumulation = 2;
+    s.recipe.optimizer = ditmem_budget::Optimizer::Sgd;
+    s.recipe.ema.enabled = true;
+    variants.push(s);
+    variants.extend((f.more_levers)(base));
+    variants
+}
+
+/// One step of `s`: a finite loss, a gradient for every trained tensor (nonzero but where the
+/// family says it is zero), and the watched weight moved.
+fn one_step_trains(f: &Family, s: &Spec, what: &str) {
+    let mut t = Trainer::new(
+        s,
+        TrainOptions {
+            seed: 3,
+            keep_gradients: true,
+            ..TrainOptions::default()
+        },
+    )
+    .unwrap();
+    let before = t.parameter(f.watched).unwrap();
+    let batch = SyntheticData::new(s, 1).unwrap().step_batch(0);
+    let r = t.step(&batch, None).unwrap();
+    assert!(
+        r.loss.is_finite() && r.loss > 0.1,
+        "{what}: loss {}",
+        r.loss
+    );
+    let grads = t.gradients().unwrap();
+    assert_eq!(grads.len(), t.trained_names().len(), "{what}");
+    for (n, g) in &grads {
+        let sq = sum_sq(g);
+        if (f.zero_gradient)(n) {
+            assert_eq!(sq, 0.0, "{what}: {n}");
+        } else {
+            assert!(sq.is_finite() && sq > 0.0, "{what}: {n} has gradient² {sq}");
+        }
+    }
+    let after = t.parameter(f.watched).unwrap();
+    assert!(
+        max_abs_diff(&after, &before) > 0.0,
+        "{what}: {} did not move",
+        f.watched
+    );
+}
+
+/// Recompute and the attention modes change memory, not results: the gradients of every policy
+/// equal those of the stored, materialized step (f64).
+#[test]
+fn recompute_and_attention_modes_give_the_same_gradients() {
+    let _one = one_at_a_time();
+    for f in families() {
+        for (label, spec) in &f.specs {
+            let mut base = spec.clone();
+            base.recipe.precision = Precision::Fp64;
+            let batch = SyntheticData::new(&base, 5).unwrap().step_batch(0);
+            let grads = |s: &Spec| {
+                let mut t = Trainer::new(
+                    s,
+                    TrainOptions {
+                        seed: 9,
+                        keep_gradients: true,
+                        ..TrainOptions::default()
+                    },
+                )
+                .unwrap();
+                t.compute_gradients(&batch).unwrap();
+                t.gradients().unwrap()
+            };
+            let reference = grads(&base);
+            let common = [
+                (Recompute::All, AttentionMode::Materialized),
+                (Recompute::AttentionOnly, AttentionMode::Materialized),
+                (Recompute::None, AttentionMode::MemoryEfficient),
+            ];
+            for (rc, a) in common.into_iter().chain(f.more_policies.clone()) {
+                let mut s = base.clone();
+                s.recipe.recompute = rc;
+                s.recipe.attention = a;
+                let at = format!("{} {label} {}", f.name, what(&s));
+                let g = grads(&s);
+                assert_eq!(g.len(), reference.len(), "{at}");
+                for ((n, g), (nr, r)) in g.iter().zip(&reference) {
+                    assert_eq!(n, nr, "{at}");
+                    let d = max_abs_diff(g, r);
+                    let m: f64 = r.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+                    assert!(d <= 1e-10 * (1.0 + m), "{at}: {n} differs by {d}");
+                }
+            }
+        }
+    }
+}
+
+/// A subset of each family's agreement grid (every `Family::grid.1`-th spec; `DITMEM_{FAMILY}_ALL=1`: all
+/// of them): the budget's step peak within 2 % of the measured one.
+#[test]
+fn budget_predicts_every_familys_measured_step_peak_within_two_percent() {
+    let _one = one_at_a_time();
+    for f in families() {
+        let (grid, stride) = f.grid;
+        let family = f.name.to_uppercase();
+        let all = std::env::var(format!("DITMEM_{family}_ALL")).is_ok();
+        let grid = grid().unwrap();
+        let n = grid.len();
+        let mut results = Vec::new();
+        for (name, spec) in grid.into_iter().step_by(if all { 1 } else { stride }) {
+            let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
+            eprintln!(
+                "{name}: predicted {} measured {} ({:+.3} %) [{}]",
+                a.predicted_peak_bytes,
+                a.measured_peak_bytes,
+                100.0 * a.rel_error,
+                a.predicted_peak_label
+            );
+            results.push(a);
+        }
+        for a in &results {
+            assert!(
+                a.rel_error.abs() <= 0.02,
+                "{}: predicted {} vs measured {} ({:+.3} %)",
+                a.name,
+                a.predicted_peak_bytes,
+                a.measured_peak_bytes,
+                100.0 * a.rel_error
+            );
+        }
+        let s = summarize(&results);
+        assert!(
+            n >= 10 && s.specs >= 4,
+            "{}: {} of {n} specs",
+            f.name,
+            s.specs
+        );
+        eprintln!(
+            "{}: {} specs: max {:.3} % ({}), median {:.3} %",
+            f.name,
+            s.specs,
+            100.0 * s.max_abs_rel_error,
+            s.worst,
+            100.0 * s.median_abs_rel_error
+        );
+    }
+}
