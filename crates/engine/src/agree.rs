@@ -345,6 +345,7 @@ pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
         "pixart 4 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
         crate::host::resolve(&deep),
     ));
+    out.extend(lora_specs("pixart", &base));
     Ok(out)
 }
 
@@ -436,6 +437,7 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
         }
         out.push((format!("sd3 {name}"), crate::host::resolve(&s)));
     }
+    out.extend(lora_specs("sd3", &base));
     Ok(out)
 }
 
@@ -559,6 +561,7 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
         "flux 2 + 3 blocks × 6 heads (hidden 96), 19 tokens, every-2".into(),
         crate::host::resolve(&deep),
     ));
+    out.extend(lora_specs("flux", &base));
     Ok(out)
 }
 
@@ -753,5 +756,50 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
         "wan 4 blocks × 4 heads (hidden 64), 5 frames, 19 tokens, every-2".into(),
         crate::host::resolve(&deep),
     ));
+    out.extend(lora_specs("wan", &base));
     Ok(out)
+}
+
+/// A family grid's LoRA specs on its `base`: the family's default modules (the diffusers
+/// script's, `ditmem_budget::denoiser::lora_modules`) at rank 4 under bf16-mixed and at rank 8
+/// under fp32 with every block recomputed, and a custom list at rank 16 that reaches the embed
+/// and output sides too (`linear_1`: the timestep and caption MLPs; `proj_out`: the output
+/// projection, and Flux's single blocks' own) under fp16-mixed with the attention-only policy.
+pub fn lora_specs(family: &str, base: &Spec) -> Vec<(String, Spec)> {
+    use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
+    let lora = |rank: u32, modules: &[&str]| LoraSpec {
+        rank,
+        targets: ditmem_budget::default_lora_targets(),
+        modules: modules.iter().map(|m| m.to_string()).collect(),
+    };
+    let custom = ["to_q", "to_v", "linear_1", "proj_out"];
+    [
+        (
+            "LoRA r4 (defaults), bf16-mixed",
+            P::Bf16Mixed,
+            R::None,
+            lora(4, &[]),
+        ),
+        (
+            "LoRA r8 (defaults), fp32, recompute all",
+            P::Fp32,
+            R::All,
+            lora(8, &[]),
+        ),
+        (
+            "LoRA r16 (to_q, to_v, linear_1, proj_out), fp16-mixed, attention-only",
+            P::Fp16Mixed,
+            R::AttentionOnly,
+            lora(16, &custom),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, p, rc, l)| {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc;
+        s.recipe.lora = Some(l);
+        (format!("{family} {name}"), s)
+    })
+    .collect()
 }
