@@ -266,6 +266,13 @@ impl GridBuilder {
         self
     }
 
+    /// The family's LoRA specs on the base ([`lora_specs`]).
+    fn lora(&mut self) -> &mut Self {
+        let more = lora_specs(self.prefix, &self.base);
+        self.specs.extend(more);
+        self
+    }
+
     fn finish(self) -> Vec<(String, Spec)> {
         self.specs
     }
@@ -457,6 +464,7 @@ pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
         crate::families::pixart::tiny_spec(4, 6, 19)?,
         Some(Recompute::EveryK(2)),
     );
+    g.lora();
     Ok(g.finish())
 }
 
@@ -507,6 +515,7 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
         tiny_spec(4, 6, true, 7, 12)?,
         Some(R::All),
     );
+    g.lora();
     Ok(g.finish())
 }
 
@@ -555,6 +564,7 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
         tiny_spec(2, 3, 6, 19, true)?,
         Some(Recompute::EveryK(2)),
     );
+    g.lora();
     Ok(g.finish())
 }
 
@@ -660,5 +670,50 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
         deep,
         Some(Recompute::EveryK(2)),
     );
+    g.lora();
     Ok(g.finish())
+}
+
+/// A family grid's LoRA specs on its `base`: the family's default modules (the diffusers
+/// script's, `ditmem_budget::denoiser::lora_modules`) at rank 4 under bf16-mixed and at rank 8
+/// under fp32 with every block recomputed, and a custom list at rank 16 that reaches the embed
+/// and output sides too (`linear_1`: the timestep and caption MLPs; `proj_out`: the output
+/// projection, and Flux's single blocks' own) under fp16-mixed with the attention-only policy.
+pub fn lora_specs(family: &str, base: &Spec) -> Vec<(String, Spec)> {
+    use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
+    let lora = |rank: u32, modules: &[&str]| LoraSpec {
+        rank,
+        targets: ditmem_budget::default_lora_targets(),
+        modules: modules.iter().map(|m| m.to_string()).collect(),
+    };
+    let custom = ["to_q", "to_v", "linear_1", "proj_out"];
+    [
+        (
+            "LoRA r4 (defaults), bf16-mixed",
+            P::Bf16Mixed,
+            R::None,
+            lora(4, &[]),
+        ),
+        (
+            "LoRA r8 (defaults), fp32, recompute all",
+            P::Fp32,
+            R::All,
+            lora(8, &[]),
+        ),
+        (
+            "LoRA r16 (to_q, to_v, linear_1, proj_out), fp16-mixed, attention-only",
+            P::Fp16Mixed,
+            R::AttentionOnly,
+            lora(16, &custom),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, p, rc, l)| {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc;
+        s.recipe.lora = Some(l);
+        (format!("{family} {name}"), s)
+    })
+    .collect()
 }

@@ -324,13 +324,15 @@ impl Trainer {
                 .copied()
                 .ok_or_else(|| EngineError::bad_input("parameter", format!("'{n}' is missing")))
         };
+        let find = |n: &str| by_name.get(n).copied();
+        // A linear and its LoRA factors: the DiT's (`.lora_a`, `.lora_b`) or PEFT's (a family's).
         let lin = |prefix: &str| -> Result<LinearIdx> {
             let lora = match (
                 by_name.get(&format!("{prefix}.lora_a")),
                 by_name.get(&format!("{prefix}.lora_b")),
             ) {
                 (Some(&a), Some(&b)) => Some((a, b)),
-                _ => None,
+                _ => crate::families::lora::factor_indices(&find, prefix),
             };
             Ok(LinearIdx {
                 w: idx(&format!("{prefix}.weight"))?,
@@ -376,12 +378,9 @@ impl Trainer {
             crate::families::Arch::Flux(g) => {
                 Layout::Flux(flux::FluxLayout::new(&lin, &idx, g.clone())?)
             }
-            crate::families::Arch::Sana(g) => Layout::Sana(sana::SanaLayout::new(
-                &idx,
-                &|n: &str| by_name.contains_key(n),
-                &dims,
-                g.clone(),
-            )?),
+            crate::families::Arch::Sana(g) => {
+                Layout::Sana(sana::SanaLayout::new(&idx, &find, &dims, g.clone())?)
+            }
             crate::families::Arch::Wan(g) => {
                 Layout::Wan(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
             }

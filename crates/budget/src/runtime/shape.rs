@@ -30,6 +30,8 @@ pub struct Shape {
     pub attention: AttentionMode,
     pub attention_only: bool,
     pub lora: Option<(u64, Vec<LoraTarget>)>,
+    /// A diffusers family's LoRA module keys (`denoiser::lora_modules`; empty without LoRA).
+    pub lora_modules: Vec<String>,
     pub attn_dropout: bool,
     pub mlp_dropout: bool,
     /// The CPU of the ditmem-cpu runtime (threads, bf16 product path, gemm's slab).
@@ -62,6 +64,7 @@ impl Shape {
                 .lora
                 .as_ref()
                 .map(|l| (u64::from(l.rank), l.targets.clone())),
+            lora_modules: crate::denoiser::lora_modules(spec),
             attn_dropout: m.attn_dropout > 0.0,
             mlp_dropout: m.mlp_dropout > 0.0,
             cpu: spec.cpu(),
@@ -99,6 +102,17 @@ impl Shape {
             .as_ref()
             .filter(|(_, ts)| ts.contains(&t))
             .map(|(r, _)| *r)
+    }
+
+    /// The LoRA rank of a diffusers family's linear `module` (its name relative to the block for
+    /// a block's linear: every block adapts the same ones, `denoiser::check`), when LoRA adapts
+    /// it (PEFT's suffix matching).
+    pub fn lora_rank(&self, module: &str) -> Option<u64> {
+        let (r, _) = self.lora.as_ref()?;
+        self.lora_modules
+            .iter()
+            .any(|k| crate::denoiser::matches_module(module, k))
+            .then_some(*r)
     }
 
     /// Dtype weights are stored in (trained masters, or a frozen LoRA base in the compute dtype).

@@ -11,10 +11,12 @@
 //!   cross-attention, the GLUMBConv Mix-FFN, the caption projection and its RMSNorm).
 //! - [`wan`]: `WanTransformer3DModel` (video latents, 3-D patchify and RoPE, q/k RMSNorm,
 //!   cross-attention to umT5 states).
+//! - [`lora`]: PEFT's LoRA on any family's linears (which modules, names, init, frozen base).
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod flux;
+pub mod lora;
 pub mod pixart;
 pub mod sana;
 pub mod sd3;

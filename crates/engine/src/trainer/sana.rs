@@ -17,7 +17,7 @@ use super::{cast, Trainer};
 use crate::block::LinearW;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
-use crate::families::sana::params::lora_names;
+use crate::families::lora::factor_indices;
 use crate::families::sana::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
@@ -74,22 +74,16 @@ pub(super) struct SanaLayout {
 impl SanaLayout {
     pub(super) fn new(
         idx: &dyn Fn(&str) -> Result<usize>,
-        has: &dyn Fn(&str) -> bool,
+        find: &dyn Fn(&str) -> Option<usize>,
         dims: &crate::model::Dims,
         geom: SanaGeom,
     ) -> Result<SanaLayout> {
-        // A linear by module name, with PEFT's LoRA factor names.
+        // A linear by module name, with its LoRA factors when it has them.
         let any = |m: &str| -> Result<Lin> {
-            let bias = format!("{m}.bias");
-            let [a, b] = lora_names(m);
             Ok(Lin {
                 w: idx(&format!("{m}.weight"))?,
-                b: if has(&bias) { Some(idx(&bias)?) } else { None },
-                lora: if has(&a) {
-                    Some((idx(&a)?, idx(&b)?))
-                } else {
-                    None
-                },
+                b: find(&format!("{m}.bias")),
+                lora: factor_indices(find, m),
             })
         };
         // One with a bias.

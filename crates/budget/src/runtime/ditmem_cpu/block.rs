@@ -7,9 +7,10 @@ use crate::runtime::ditmem_cpu::ops::{
     fused_attention, fused_linear, gated_residual, gelu, ln_modulate,
 };
 use crate::runtime::shape::Shape;
-use crate::spec::LoraTarget;
+use crate::spec::{Dtype, LoraTarget};
 
-/// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA.
+/// `LinearW::forward`: `x·Wᵀ + b` on a 2-D input, plus `(x·Aᵀ)·Bᵀ` with LoRA (the DiT's
+/// linears, adapted by `target`).
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
     g: &mut Graph,
@@ -21,7 +22,34 @@ pub fn linear(
     inp: u64,
     target: Option<LoraTarget>,
 ) -> Nid {
-    let cd = sh.cd();
+    let rank = target.and_then(|t| sh.lora_for(t));
+    adapted_linear(g, sh, name, x, (rows, out, inp), rank)
+}
+
+/// A diffusers family's linear `name` (relative to its block for a block's linear): the fused
+/// linear, plus LoRA's branch when the recipe's modules name it ([`Shape::lora_rank`]).
+pub fn module_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+) -> Nid {
+    adapted_linear(g, sh, name, x, (rows, out, inp), sh.lora_rank(name))
+}
+
+/// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under
+/// LoRA the base is a frozen weight in the compute dtype.
+fn adapted_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    (rows, out, inp): (u64, u64, u64),
+    rank: Option<u64>,
+) -> Nid {
     let trained = sh.lora.is_none();
     // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
     // packs or widens them), so a linear's weight and bias are never cast copies.
@@ -42,42 +70,62 @@ pub fn linear(
         (rows, inp, out),
         sh.cpu.bf16_kernel(),
     );
-    match target.and_then(|t| sh.lora_for(t)) {
-        Some(r) => {
-            let pd = sh.precision.param_dtype();
-            let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
-            let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
-            for t in [a, bm] {
-                if g.nodes[t].kind == Kind::ToDtype {
-                    g.bind(t);
-                }
-            }
-            let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
-            let xa = g.op(
-                &format!("{name} x·Aᵀ"),
-                Kind::Matmul,
-                &[x, at],
-                rows * r,
-                cd,
-            );
-            let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
-            let xab = g.op(
-                &format!("{name} ·Bᵀ"),
-                Kind::Matmul,
-                &[xa, bt],
-                rows * out,
-                cd,
-            );
-            g.op(
-                &format!("{name} +lora"),
-                Kind::Add,
-                &[y, xab],
-                rows * out,
-                cd,
-            )
-        }
+    match rank {
+        Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
         None => y,
     }
+}
+
+/// A base tensor of the model (a table, a norm's weight, a conv's weight) as the trainer reads
+/// it, cast to `to`: trained in the parameter dtype, or under LoRA frozen in the compute dtype
+/// (`Trainer::new` stores a frozen base so).
+pub fn base_weight(g: &mut Graph, sh: &Shape, name: &str, elems: u64, to: Dtype) -> Nid {
+    g.weight(name, elems, sh.weight_dtype(), sh.lora.is_none(), to)
+}
+
+/// LoRA's branch of `LinearW::forward`: `y + (x·Aᵀ)·Bᵀ`, composed candle matmuls on the
+/// adapters' compute-dtype copies (bound while the linear's weights live), A (r, in), B (out, r)
+/// trained in the parameter dtype.
+pub fn lora_branch(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    y: Nid,
+    (rows, out, inp): (u64, u64, u64),
+    r: u64,
+) -> Nid {
+    let (cd, pd) = (sh.cd(), sh.precision.param_dtype());
+    let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
+    let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
+    for t in [a, bm] {
+        if g.nodes[t].kind == Kind::ToDtype {
+            g.bind(t);
+        }
+    }
+    let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
+    let xa = g.op(
+        &format!("{name} x·Aᵀ"),
+        Kind::Matmul,
+        &[x, at],
+        rows * r,
+        cd,
+    );
+    let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
+    let xab = g.op(
+        &format!("{name} ·Bᵀ"),
+        Kind::Matmul,
+        &[xa, bt],
+        rows * out,
+        cd,
+    );
+    g.op(
+        &format!("{name} +lora"),
+        Kind::Add,
+        &[y, xab],
+        rows * out,
+        cd,
+    )
 }
 
 /// `layer_norm` of the engine: mean, x − mean, (x − mean)², var, +eps, ^−½, product.
@@ -241,6 +289,7 @@ mod tests {
             attention: AttentionMode::Materialized,
             attention_only: false,
             lora: None,
+            lora_modules: Vec::new(),
             attn_dropout: false,
             mlp_dropout: false,
             cpu: crate::spec::CpuSpec::REFERENCE,

@@ -8,7 +8,7 @@
 
 use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -124,7 +124,7 @@ pub fn slice(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
 /// its return; the views keep it), `k` narrow views (bound by the caller's Vec).
 fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid> {
     let bd = sh.b * sh.d;
-    let m = linear(g, sh, name, st, sh.b, k * sh.d, sh.d, None);
+    let m = module_linear(g, sh, name, st, sh.b, k * sh.d, sh.d);
     let m = g.cast(&format!("{name}→{}", sh.ad()), m, sh.ad());
     (0..k)
         .map(|i| {
@@ -144,24 +144,24 @@ fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid
 
 /// A bound linear of a block.
 fn lin(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64, out: u64, inp: u64) -> Nid {
-    let y = linear(g, sh, name, x, rows, out, inp, None);
+    let y = module_linear(g, sh, name, x, rows, out, inp);
     g.bind(y)
 }
 
 /// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
     let (d, m) = (sh.d, 4 * sh.d);
-    let f1 = linear(g, sh, &format!("{name}.net.0.proj"), x, rows, m, d, None);
+    let f1 = module_linear(g, sh, &format!("{name}.net.0.proj"), x, rows, m, d);
     let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
-    let f2 = linear(g, sh, &format!("{name}.net.2"), act, rows, d, m, None);
+    let f2 = module_linear(g, sh, &format!("{name}.net.2"), act, rows, d, m);
     g.hold_until(&[f1, act], f2);
     g.bind(f2)
 }
 
-/// A q/k RMSNorm weight (d_h), read as stored.
+/// A q/k RMSNorm weight (d_h), read as stored (a frozen base's in the compute dtype).
 fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
-    let pd = sh.precision.param_dtype();
-    g.weight(&format!("{name}.weight"), dh, pd, sh.lora.is_none(), pd)
+    let wd = sh.weight_dtype();
+    base_weight(g, sh, &format!("{name}.weight"), dh, wd)
 }
 
 /// One double-stream block as `double_forward` builds it, on leaf copies of its two streams.
@@ -296,16 +296,7 @@ pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
     let h = ln_modulate(&mut g, "norm_out+modulate", img, m[1], m[0], rows, cd);
     g.bind(h);
     let out_el = rows * sh.patch2 * sh.c_out;
-    let y = linear(
-        &mut g,
-        sh,
-        "proj_out",
-        h,
-        rows,
-        sh.patch2 * sh.c_out,
-        sh.d,
-        None,
-    );
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * sh.c_out, sh.d);
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,r,c,C,p,p)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);
@@ -332,22 +323,13 @@ pub fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2])
     let mut g = Graph::default();
     let xp = g.constant("packed latents", rows * inp, cd, true);
     g.bind(xp);
-    let xe = linear(&mut g, sh, "x_embedder", xp, rows, sh.d, inp, None);
+    let xe = module_linear(&mut g, sh, "x_embedder", xp, rows, sh.d, inp);
     let xe = g.cast(&format!("x_embedder→{ad}"), xe, ad);
     let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
     g.bind(x0);
     let cap = g.constant("T5 embeddings", trows * fg.width, cd, true);
     g.bind(cap);
-    let ce = linear(
-        &mut g,
-        sh,
-        "context_embedder",
-        cap,
-        trows,
-        sh.d,
-        fg.width,
-        None,
-    );
+    let ce = module_linear(&mut g, sh, "context_embedder", cap, trows, sh.d, fg.width);
     let ce = g.cast(&format!("context_embedder→{ad}"), ce, ad);
     let c0 = g.view("reshape(b,T,D)", Kind::Reshape, ce, trows * sh.d);
     g.bind(c0);
@@ -366,27 +348,9 @@ pub fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2])
         g.bind(x);
         let w = g.elems(x) / sh.b;
         let tte = format!("time_text_embed.{name}");
-        let h = linear(
-            &mut g,
-            sh,
-            &format!("{tte}.linear_1"),
-            x,
-            sh.b,
-            sh.d,
-            w,
-            None,
-        );
+        let h = module_linear(&mut g, sh, &format!("{tte}.linear_1"), x, sh.b, sh.d, w);
         let a = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
-        let e = linear(
-            &mut g,
-            sh,
-            &format!("{tte}.linear_2"),
-            a,
-            sh.b,
-            sh.d,
-            sh.d,
-            None,
-        );
+        let e = module_linear(&mut g, sh, &format!("{tte}.linear_2"), a, sh.b, sh.d, sh.d);
         g.hold_until(&[a], e);
         temb = Some(match temb {
             None => e,

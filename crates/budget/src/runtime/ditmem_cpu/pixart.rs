@@ -7,7 +7,7 @@
 
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
@@ -140,14 +140,13 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
     let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
     let y = g.var("caption (shared leaf)", trows * d, cd, false);
-    let pd = sh.precision.param_dtype();
-    let table = g.weight("scale_shift_table", 6 * d, pd, true, ad);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
     let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
     let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
     g.bind(modv);
     let m = chunks(&mut g, "modulation", modv, 6, bd);
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = linear(g, sh, name, x, rows, out, inp, None);
+        let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
     };
 
@@ -210,9 +209,9 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view; the patches do not track,
     // so the weight goes in tracked (its gradient through candle's store).
     let inp = sh.c_in * p2;
-    let w = g.weight("pos_embed.proj.weight", sh.d * inp, wd, true, wd);
+    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
     let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = g.weight("pos_embed.proj.bias", sh.d, wd, true, wd);
+    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
     let xe = fused_linear(
         &mut g,
         "pos_embed.proj x·Wᵀ+b",
@@ -228,7 +227,7 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
     g.bind(tf);
     let te = "adaln_single.emb.timestep_embedder";
-    let h = linear(
+    let h = module_linear(
         &mut g,
         sh,
         &format!("{te}.linear_1"),
@@ -236,41 +235,22 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
         sh.b,
         sh.d,
         PIXART_FREQ,
-        None,
     );
     let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
     g.bind(h);
-    let emb = linear(
-        &mut g,
-        sh,
-        &format!("{te}.linear_2"),
-        h,
-        sh.b,
-        sh.d,
-        sh.d,
-        None,
-    );
+    let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
     let emb = g.cast(&format!("emb→{ad}"), emb, ad);
     g.bind(emb);
     let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
     let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
     g.bind(se);
-    let t6 = linear(
-        &mut g,
-        sh,
-        "adaln_single.linear",
-        se,
-        sh.b,
-        6 * sh.d,
-        sh.d,
-        None,
-    );
+    let t6 = module_linear(&mut g, sh, "adaln_single.linear", se, sh.b, 6 * sh.d, sh.d);
     let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
     g.bind(t6);
     let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
     g.bind(cap);
     let y = if pg.projection {
-        let c1 = linear(
+        let c1 = module_linear(
             &mut g,
             sh,
             "caption_projection.linear_1",
@@ -278,10 +258,9 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
             trows,
             sh.d,
             pg.width,
-            None,
         );
         let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
-        let y = linear(
+        let y = module_linear(
             &mut g,
             sh,
             "caption_projection.linear_2",
@@ -289,7 +268,6 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
             trows,
             sh.d,
             sh.d,
-            None,
         );
         // `caption_forward`'s locals live until it returns.
         g.hold_until(&[c1, act], y);
@@ -314,8 +292,7 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
     let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
-    let pd = sh.precision.param_dtype();
-    let table = g.weight("scale_shift_table", 2 * sh.d, pd, true, ad);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
     let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
     let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
     let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
@@ -325,7 +302,7 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
     let md = chunks(&mut g, "final modulation", ss, 2, bd);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
     let out_el = rows * p2 * pg.c_out;
-    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);

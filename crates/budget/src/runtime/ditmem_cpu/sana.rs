@@ -11,6 +11,7 @@
 
 use crate::families::{Dims as FamilyDims, SanaDims};
 use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::block::lora_branch;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{fused_linear, gated_residual, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
@@ -38,8 +39,6 @@ pub struct SanaGeo {
     pub hid: u64,
     /// attn1's q/k/v have biases.
     pub qkv_bias: bool,
-    /// LoRA's rank and the module names it adapts (the recipe's, or the scripts' default).
-    pub lora: Option<(u64, Vec<String>)>,
 }
 
 impl SanaGeo {
@@ -50,22 +49,7 @@ impl SanaGeo {
             return None;
         };
         let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        let mut g = SanaGeo::new(d, tokens.first().copied().unwrap_or(0));
-        g.lora = spec
-            .recipe
-            .lora
-            .as_ref()
-            .map(|l| (u64::from(l.rank), crate::denoiser::lora_modules(spec)));
-        Some(g)
-    }
-
-    /// LoRA's rank on the linear `module` (its name relative to the block for block linears),
-    /// when it adapts it.
-    pub fn lora_rank(&self, module: &str) -> Option<u64> {
-        let (r, keys) = self.lora.as_ref()?;
-        keys.iter()
-            .any(|k| crate::denoiser::matches_module(module, k))
-            .then_some(*r)
+        Some(SanaGeo::new(d, tokens.first().copied().unwrap_or(0)))
     }
 
     fn new(d: &SanaDims, t: u64) -> SanaGeo {
@@ -77,7 +61,6 @@ impl SanaGeo {
             dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
             hid: d.mlp_hidden(),
             qkv_bias: d.attention_bias,
-            lora: None,
         }
     }
 
@@ -154,13 +137,12 @@ pub fn glu(g: &mut Graph, name: &str, u: Nid) -> Nid {
 
 /// `LinearW::forward` of a Sana linear: `bias` is the block's zero bias for a linear without
 /// one (a constant: no gradient), else the linear's own bias weight. Under LoRA the base is a
-/// frozen weight in the compute dtype and an adapted linear adds `(x·Aᵀ)·Bᵀ` (composed candle
-/// matmuls on the adapters' compute-dtype copies), as the DiT's (`super::block::linear`).
+/// frozen weight in the compute dtype and an adapted linear adds LoRA's branch
+/// ([`lora_branch`]).
 #[allow(clippy::too_many_arguments)]
 fn linear(
     g: &mut Graph,
     sh: &Shape,
-    sg: &SanaGeo,
     name: &str,
     x: Nid,
     rows: u64,
@@ -168,8 +150,7 @@ fn linear(
     inp: u64,
     zero: Option<Nid>,
 ) -> Nid {
-    let cd = sh.cd();
-    let trained = sg.lora.is_none();
+    let trained = sh.lora.is_none();
     let wd = sh.weight_dtype();
     let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
     let bias = match zero {
@@ -192,40 +173,10 @@ fn linear(
         (rows, inp, out),
         sh.cpu.bf16_kernel(),
     );
-    let Some(r) = sg.lora_rank(name) else {
-        return y;
-    };
-    let pd = sh.precision.param_dtype();
-    let a = g.weight(&format!("{name}.lora_a"), r * inp, pd, true, cd);
-    let bm = g.weight(&format!("{name}.lora_b"), out * r, pd, true, cd);
-    for t in [a, bm] {
-        if g.nodes[t].kind == Kind::ToDtype {
-            g.bind(t);
-        }
+    match sh.lora_rank(name) {
+        Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
+        None => y,
     }
-    let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
-    let xa = g.op(
-        &format!("{name} x·Aᵀ"),
-        Kind::Matmul,
-        &[x, at],
-        rows * r,
-        cd,
-    );
-    let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
-    let xab = g.op(
-        &format!("{name} ·Bᵀ"),
-        Kind::Matmul,
-        &[xa, bt],
-        rows * out,
-        cd,
-    );
-    g.op(
-        &format!("{name} +lora"),
-        Kind::Add,
-        &[y, xab],
-        rows * out,
-        cd,
-    )
 }
 
 /// `k` narrow views of a (b, k·D) tensor.
@@ -259,7 +210,7 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
     let y = g.var("caption (shared leaf)", trows * d, cd, false);
     let wd = sh.weight_dtype();
-    let trained = sg.lora.is_none();
+    let trained = sh.lora.is_none();
     // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
     let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
     let zero = g.constant("zero bias (D)", d, wd, true);
@@ -269,7 +220,7 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(modv);
     let m = chunks(&mut g, "modulation", modv, 6, bd);
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
-        let y = linear(g, sh, sg, name, x, rows, out, inp, z.then_some(zero));
+        let y = linear(g, sh, name, x, rows, out, inp, z.then_some(zero));
         g.bind(y)
     };
     let nb = !sg.qkv_bias;
@@ -342,7 +293,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let bd = sh.b * sh.d;
     let trows = sh.b * sg.t;
     let wd = sh.weight_dtype();
-    let trained = sg.lora.is_none();
+    let trained = sh.lora.is_none();
     let mut g = Graph::default();
     let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
     g.bind(xp);
@@ -366,7 +317,6 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let h = linear(
         &mut g,
         sh,
-        sg,
         &format!("{te}.linear_1"),
         tf,
         sh.b,
@@ -379,7 +329,6 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let emb = linear(
         &mut g,
         sh,
-        sg,
         &format!("{te}.linear_2"),
         h,
         sh.b,
@@ -395,7 +344,6 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let t6 = linear(
         &mut g,
         sh,
-        sg,
         "time_embed.linear",
         se,
         sh.b,
@@ -410,7 +358,6 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let c1 = linear(
         &mut g,
         sh,
-        sg,
         "caption_projection.linear_1",
         cap,
         trows,
@@ -422,7 +369,6 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let c2 = linear(
         &mut g,
         sh,
-        sg,
         "caption_projection.linear_2",
         act,
         trows,
@@ -453,7 +399,7 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let x = g.var("final leaf", e, ad, true);
     let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
     let wd = sh.weight_dtype();
-    let table = g.weight("scale_shift_table", 2 * sh.d, wd, pg.lora.is_none(), ad);
+    let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);
     let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
     let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
     let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
@@ -463,17 +409,7 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let md = chunks(&mut g, "final modulation", ss, 2, bd);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
     let out_el = rows * p2 * pg.c_out;
-    let y = linear(
-        &mut g,
-        sh,
-        pg,
-        "proj_out",
-        h,
-        rows,
-        p2 * pg.c_out,
-        sh.d,
-        None,
-    );
+    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);

@@ -7,7 +7,7 @@
 
 use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -102,27 +102,9 @@ fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
 
 /// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid {
-    let f1 = linear(
-        g,
-        sh,
-        &format!("{name}.net.0.proj"),
-        h,
-        rows,
-        sh.mlp,
-        sh.d,
-        None,
-    );
+    let f1 = module_linear(g, sh, &format!("{name}.net.0.proj"), h, rows, sh.mlp, sh.d);
     let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
-    let f = linear(
-        g,
-        sh,
-        &format!("{name}.net.2"),
-        act,
-        rows,
-        sh.d,
-        sh.mlp,
-        None,
-    );
+    let f = module_linear(g, sh, &format!("{name}.net.2"), act, rows, sh.d, sh.mlp);
     g.hold_until(&[f1, act], f);
     g.bind(f)
 }
@@ -141,23 +123,22 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let x = g.var("image (leaf copy of the block input)", e, ad, true);
     let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
     // The q/k norm weights are cast copies made with the block's weights (alive while it runs).
-    let pd = sh.precision.param_dtype();
     let dh = d / sh.heads;
     let qk: Option<Vec<Nid>> = sg.qk_norm.then(|| {
         ["norm_q", "norm_k", "norm_added_q", "norm_added_k"]
             .iter()
             .map(|n| {
-                let w = g.weight(&format!("attn.{n}.weight"), dh, pd, true, cd);
+                let w = base_weight(&mut g, sh, &format!("attn.{n}.weight"), dh, cd);
                 g.bind(w)
             })
             .collect()
     });
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = linear(g, sh, name, x, rows, out, inp, None);
+        let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
     };
     let ada = |g: &mut Graph, name: &str, k: u64| {
-        let m = linear(g, sh, name, se, sh.b, k * d, d, None);
+        let m = module_linear(g, sh, name, se, sh.b, k * d, d);
         let m = g.cast(&format!("{name} →{ad}"), m, ad);
         g.bind(m)
     };
@@ -281,10 +262,20 @@ fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
     (r, g.nodes.len() - n0)
 }
 
-/// A segment's simulation with several leaves and outputs (the generic `seg` takes one each).
-fn seg_many(g: &Graph, leaves: &[Nid], outs: &[Nid], root: Nid, root_nodes: usize) -> SegSim {
+/// A segment's simulation with several leaves and outputs (the generic `seg` takes one each);
+/// `locals` are what the segment's function keeps alive to its end whether or not a graph
+/// references them (the embed's inputs: under LoRA with a frozen embedder no graph does).
+fn seg_many(
+    g: &Graph,
+    leaves: &[Nid],
+    outs: &[Nid],
+    locals: &[Nid],
+    root: Nid,
+    root_nodes: usize,
+) -> SegSim {
     let mut held = leaves.to_vec();
     held.extend_from_slice(outs);
+    held.extend_from_slice(locals);
     let mut s = seg(g, None, None, root, root_nodes, &held);
     let bytes = |xs: &[Nid]| xs.iter().map(|&x| g.nodes[x].footprint()).sum::<u64>();
     let (l, o) = (bytes(leaves), bytes(outs));
@@ -299,7 +290,7 @@ fn block_sim(sh: &Shape, sg: &Sd3Geo, last: bool) -> SegSim {
     let (mut bg, leaves, _, outs) = block(sh, sg, last);
     let fwd = forward_peak(&bg);
     let (root, n) = seeds(&mut bg, &outs);
-    let mut s = seg_many(&bg, &leaves, &outs, root, n);
+    let mut s = seg_many(&bg, &leaves, &outs, &[], root, n);
     s.fwd_peak = fwd;
     let (mut ug, uleaves, _, uouts) = block(sh, sg, last);
     for l in uleaves {
@@ -322,9 +313,9 @@ pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
     g.bind(xp);
     let inp = sh.c_in * p2;
-    let w = g.weight("pos_embed.proj.weight", sh.d * inp, wd, true, wd);
+    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
     let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = g.weight("pos_embed.proj.bias", sh.d, wd, true, wd);
+    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
     let xe = crate::runtime::ditmem_cpu::ops::fused_linear(
         &mut g,
         "pos_embed.proj x·Wᵀ+b",
@@ -362,18 +353,9 @@ pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
     g.bind(tf);
     let mlp = |g: &mut Graph, name: &str, x: Nid, inp: u64| {
-        let h = linear(g, sh, &format!("{name}.linear_1"), x, sh.b, sh.d, inp, None);
+        let h = module_linear(g, sh, &format!("{name}.linear_1"), x, sh.b, sh.d, inp);
         let h = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
-        let y = linear(
-            g,
-            sh,
-            &format!("{name}.linear_2"),
-            h,
-            sh.b,
-            sh.d,
-            sh.d,
-            None,
-        );
+        let y = module_linear(g, sh, &format!("{name}.linear_2"), h, sh.b, sh.d, sh.d);
         g.hold_until(&[h], y);
         y
     };
@@ -386,16 +368,7 @@ pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     g.bind(se);
     let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
     g.bind(cap);
-    let c0 = linear(
-        &mut g,
-        sh,
-        "context_embedder",
-        cap,
-        trows,
-        sh.d,
-        sg.width,
-        None,
-    );
+    let c0 = module_linear(&mut g, sh, "context_embedder", cap, trows, sh.d, sg.width);
     let c0 = g.cast(&format!("context→{ad}"), c0, ad);
     let c0 = g.view("reshape(b,T,D)", Kind::Reshape, c0, trows * sh.d);
     g.bind(c0);
@@ -414,16 +387,7 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
     let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
-    let m = linear(
-        &mut g,
-        sh,
-        "norm_out.linear",
-        se,
-        sh.b,
-        2 * sh.d,
-        sh.d,
-        None,
-    );
+    let m = module_linear(&mut g, sh, "norm_out.linear", se, sh.b, 2 * sh.d, sh.d);
     let m = g.cast(&format!("norm_out →{ad}"), m, ad);
     g.bind(m);
     let scale = chunk(&mut g, "norm_out", m, 0, 2, bd);
@@ -433,7 +397,7 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let h = ln_modulate(&mut g, "norm_out+modulate", x, shift, scale, rows, cd);
     g.bind(h);
     let out_el = rows * p2 * sg.c_out;
-    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d, None);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d);
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);

@@ -7,7 +7,7 @@
 
 use crate::families::{Dims as FamilyDims, WanDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::linear;
+use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
@@ -104,18 +104,17 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
     let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
     let ctx = g.var("text context (shared leaf)", trows * d, cd, false);
-    let pd = sh.precision.param_dtype();
-    let table = g.weight("scale_shift_table", 6 * d, pd, true, ad);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
     let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
     let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
     g.bind(modv);
     let m = chunks(&mut g, "modulation", modv, 6, bd);
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = linear(g, sh, name, x, rows, out, inp, None);
+        let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
     };
     let norm = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
-        let w = g.weight(&format!("{name}.weight"), d, pd, true, cd);
+        let w = base_weight(g, sh, &format!("{name}.weight"), d, cd);
         let y = rms_norm(g, &format!("{name} (fused)"), x, w, rows, cd);
         g.bind(y)
     };
@@ -140,8 +139,8 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
 
     // Cross-attention: norm2 as ln_modulate with the bias as shift and weight − 1 as scale.
     let h2 = if wg.cross_attn_norm {
-        let nw = g.weight("norm2.weight", d, pd, true, ad);
-        let nb = g.weight("norm2.bias", d, pd, true, ad);
+        let nw = base_weight(&mut g, sh, "norm2.weight", d, ad);
+        let nb = base_weight(&mut g, sh, "norm2.bias", d, ad);
         let sr = g.view("norm2.bias.reshape(1, D)", Kind::Reshape, nb, d);
         let shift = g.view("broadcast (b, D)", Kind::Broadcast, sr, bd);
         let w1 = g.op("norm2.weight − 1", Kind::Affine, &[nw], d, ad);
@@ -206,9 +205,9 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
     g.bind(xp);
     // The Conv3d weight (D, C, 1, p, p) multiplies as its (D, C·p·p) view.
     let inp = sh.c_in * p2;
-    let w = g.weight("patch_embedding.weight", sh.d * inp, wd, true, wd);
+    let w = base_weight(&mut g, sh, "patch_embedding.weight", sh.d * inp, wd);
     let wv = g.view("weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = g.weight("patch_embedding.bias", sh.d, wd, true, wd);
+    let bias = base_weight(&mut g, sh, "patch_embedding.bias", sh.d, wd);
     let xe = fused_linear(
         &mut g,
         "patch_embedding x·Wᵀ+b",
@@ -222,7 +221,7 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
     let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
     g.bind(tf);
     let ce = "condition_embedder";
-    let h = linear(
+    let h = module_linear(
         &mut g,
         sh,
         &format!("{ce}.time_embedder.linear_1"),
@@ -230,11 +229,10 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         sh.b,
         sh.d,
         wg.freq,
-        None,
     );
     let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
     g.bind(h);
-    let temb = linear(
+    let temb = module_linear(
         &mut g,
         sh,
         &format!("{ce}.time_embedder.linear_2"),
@@ -242,14 +240,13 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         sh.b,
         sh.d,
         sh.d,
-        None,
     );
     let temb = g.cast(&format!("temb→{ad}"), temb, ad);
     g.bind(temb);
     let st = g.op("silu(temb)", Kind::Silu, &[temb], bd, ad);
     let st = g.cast(&format!("silu(temb)→{cd}"), st, cd);
     g.bind(st);
-    let t6 = linear(
+    let t6 = module_linear(
         &mut g,
         sh,
         &format!("{ce}.time_proj"),
@@ -257,14 +254,13 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         sh.b,
         6 * sh.d,
         sh.d,
-        None,
     );
     let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
     g.bind(t6);
     let cap = g.constant("umT5 states", trows * wg.text_dim, cd, true);
     g.bind(cap);
     let te = format!("{ce}.text_embedder");
-    let c1 = linear(
+    let c1 = module_linear(
         &mut g,
         sh,
         &format!("{te}.linear_1"),
@@ -272,10 +268,9 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         trows,
         sh.d,
         wg.text_dim,
-        None,
     );
     let act = gelu(&mut g, "text gelu(tanh) (fused)", c1);
-    let ctx = linear(
+    let ctx = module_linear(
         &mut g,
         sh,
         &format!("{te}.linear_2"),
@@ -283,7 +278,6 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         trows,
         sh.d,
         sh.d,
-        None,
     );
     // `text_forward`'s locals live until it returns.
     g.hold_until(&[c1, act], ctx);
@@ -309,8 +303,7 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
     let temb = g.var("temb (shared leaf)", bd, ad, false);
-    let pd = sh.precision.param_dtype();
-    let table = g.weight("scale_shift_table", 2 * sh.d, pd, true, ad);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
     let eu = g.view("temb.unsqueeze(1)", Kind::Reshape, temb, bd);
     let eb = g.view("temb broadcast", Kind::Broadcast, eu, 2 * bd);
     let tb = g.view("table broadcast", Kind::Broadcast, table, 2 * bd);
@@ -319,7 +312,7 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let md = chunks(&mut g, "final modulation", ss, 2, bd);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
     let out_el = rows * p2 * wg.c_out;
-    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * wg.c_out, sh.d, None);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * wg.c_out, sh.d);
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
     let y = g.view("reshape(b,F,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);

@@ -8,6 +8,7 @@
 use ditmem_budget::{FluxDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid (timestep and guidance).
@@ -80,6 +81,8 @@ pub struct FluxGeom {
     pub in_features: usize,
     /// Features per output token (`patch_size² · out_channels`).
     pub out_features: usize,
+    /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
+    pub lora: Option<LoraPlan>,
 }
 
 impl FluxGeom {
@@ -108,12 +111,6 @@ impl FluxGeom {
                 "model.diffusers.num_single_layers = 0",
                 "the engine's Flux ends on the joint stream of its single-stream blocks; use at \
                  least one",
-            ));
-        }
-        if spec.recipe.lora.is_some() {
-            return Err(EngineError::unsupported(
-                "recipe.lora with a Flux model",
-                "LoRA on Flux's projections is not in the engine yet; train the full model",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -157,6 +154,7 @@ impl FluxGeom {
             axes: d.axes_dims_rope.iter().map(|&a| u(a)).collect(),
             in_features: u(d.in_channels),
             out_features: u(d.patch_size * d.patch_size * d.out_channels),
+            lora: LoraPlan::of(spec),
         })
     }
 }
@@ -233,7 +231,7 @@ pub fn param_shapes(d: &Dims, g: &FluxGeom) -> Vec<ParamShape> {
     }
     linear(&mut push, "norm_out.linear", 2 * h, h, small);
     linear(&mut push, "proj_out", g.out_features, h, small);
-    v
+    adapt(v, g.lora.as_ref())
 }
 
 /// `FluxPosEmbed`'s ids, three positions per token: (0, 0, 0) for each of the `text_tokens`

@@ -10,6 +10,7 @@
 use ditmem_budget::{PixartDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
@@ -41,6 +42,8 @@ pub struct PixartGeom {
     pub caption_projection: bool,
     /// `out_channels` of the config (8 with a learned variance).
     pub out_channels: usize,
+    /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
+    pub lora: Option<LoraPlan>,
 }
 
 impl PixartGeom {
@@ -57,12 +60,6 @@ impl PixartGeom {
                 "model.diffusers.use_additional_conditions = true (or sample_size 128)",
                 "the resolution and aspect-ratio embedders are not in the engine yet; set \
                  use_additional_conditions = false",
-            ));
-        }
-        if spec.recipe.lora.is_some() {
-            return Err(EngineError::unsupported(
-                "recipe.lora with a PixArt model",
-                "LoRA on PixArt's projections is not in the engine yet; train the full model",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -89,6 +86,7 @@ impl PixartGeom {
             text_width: d.caption_channels.map_or(hidden, |c| c as usize),
             caption_projection: d.caption_channels.is_some(),
             out_channels: d.out_channels as usize,
+            lora: LoraPlan::of(spec),
         })
     }
 }
@@ -169,5 +167,5 @@ pub fn param_shapes(d: &Dims, g: &PixartGeom) -> Vec<ParamShape> {
         },
         trainable: false,
     });
-    v
+    adapt(v, g.lora.as_ref())
 }

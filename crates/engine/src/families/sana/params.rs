@@ -9,6 +9,7 @@
 use ditmem_budget::{SanaDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
@@ -33,19 +34,8 @@ pub struct SanaGeom {
     pub mlp_hidden: usize,
     /// Whether attn1's to_q / to_k / to_v have biases (`attention_bias`).
     pub qkv_bias: bool,
-    /// LoRA: the rank and the module names it adapts (PEFT's matching: a module's full name
-    /// equals a key or ends with `.key`); None trains the full model.
-    pub lora: Option<(usize, Vec<String>)>,
-}
-
-impl SanaGeom {
-    /// Whether LoRA adapts the linear `module` (its full name).
-    pub fn adapts(&self, module: &str) -> bool {
-        self.lora.as_ref().is_some_and(|(_, keys)| {
-            keys.iter()
-                .any(|k| ditmem_budget::denoiser::matches_module(module, k))
-        })
-    }
+    /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
+    pub lora: Option<LoraPlan>,
 }
 
 impl SanaGeom {
@@ -90,61 +80,26 @@ impl SanaGeom {
             cross_width: (d.num_cross_attention_heads * d.cross_attention_head_dim) as usize,
             mlp_hidden: d.mlp_hidden() as usize,
             qkv_bias: d.attention_bias,
-            lora: spec
-                .recipe
-                .lora
-                .as_ref()
-                .map(|l| (l.rank as usize, ditmem_budget::denoiser::lora_modules(spec))),
+            lora: LoraPlan::of(spec),
         })
     }
 }
 
-/// PEFT's names of the LoRA factors of the linear `module`: A (r × in), B (out × r).
-pub fn lora_names(module: &str) -> [String; 2] {
-    [
-        format!("{module}.lora_A.default.weight"),
-        format!("{module}.lora_B.default.weight"),
-    ]
-}
-
-/// Every tensor of the Sana model of `spec`, in the budget's table order. Under LoRA the base
-/// is frozen and each adapted linear weight is followed by its A (uniform ±1/√in, PEFT's
-/// kaiming-uniform with a = √5) and B (zeros).
+/// Every tensor of the Sana model of `spec`, in the budget's table order, with LoRA's adapters
+/// when the recipe has them ([`adapt`]).
 pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let table_init = Init::Normal(1.0 / (h as f64).sqrt());
     let small = Init::Normal(0.02);
     let xav = Init::XavierUniform;
     let mut v = Vec::new();
-    let base = g.lora.is_none();
     let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        let module = name.strip_suffix(".weight").map(str::to_string);
-        let lora = match (&module, &g.lora) {
-            (Some(m), Some((r, _))) if shape.len() == 2 && g.adapts(m) => {
-                Some((lora_names(m), *r, shape[0], shape[1]))
-            }
-            _ => None,
-        };
         v.push(ParamShape {
             name,
             shape,
             init,
-            trainable: base,
+            trainable: true,
         });
-        if let Some(([a, b], r, out, inp)) = lora {
-            let bound = 1.0 / (inp as f64).sqrt();
-            for (name, shape, init) in [
-                (a, vec![r, inp], Init::Uniform(bound)),
-                (b, vec![out, r], Init::Zeros),
-            ] {
-                v.push(ParamShape {
-                    name,
-                    shape,
-                    init,
-                    trainable: true,
-                });
-            }
-        }
     };
     let linear =
         |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, shape: Vec<usize>, w, bias| {
@@ -268,5 +223,5 @@ pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
     }
     let out = d.patch * d.patch * g.out_channels;
     linear(&mut push, "proj_out", vec![out, h], small, true);
-    v
+    adapt(v, g.lora.as_ref())
 }

@@ -12,6 +12,7 @@
 use ditmem_budget::{Sd3Dims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
@@ -34,6 +35,8 @@ pub struct Sd3Geom {
     pub out_channels: usize,
     /// Per-head q/k RMSNorm (`qk_norm: "rms_norm"`).
     pub qk_norm: bool,
+    /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
+    pub lora: Option<LoraPlan>,
 }
 
 impl Sd3Geom {
@@ -43,12 +46,6 @@ impl Sd3Geom {
             return Err(EngineError::unsupported(
                 "model.diffusers.dual_attention_layers",
                 "SD3.5's dual attention (MMDiT-X attn2) is not in the engine yet; use an empty list",
-            ));
-        }
-        if spec.recipe.lora.is_some() {
-            return Err(EngineError::unsupported(
-                "recipe.lora with an SD3 model",
-                "LoRA on SD3's projections is not in the engine yet; train the full model",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -113,6 +110,7 @@ impl Sd3Geom {
             pos_is_grid,
             out_channels: d.out_channels as usize,
             qk_norm: d.qk_norm,
+            lora: LoraPlan::of(spec),
         })
     }
 }
@@ -249,5 +247,5 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
         },
         trainable: false,
     });
-    v
+    adapt(v, g.lora.as_ref())
 }

@@ -11,6 +11,7 @@
 use ditmem_budget::{Spec, WanDims};
 
 use crate::error::{EngineError, Result};
+use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// RoPE's base θ (`WanRotaryPosEmbed`'s default).
@@ -61,6 +62,8 @@ pub struct WanGeom {
     pub rope_max: usize,
     /// `attention_head_dim`.
     pub head_dim: usize,
+    /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
+    pub lora: Option<LoraPlan>,
 }
 
 impl WanGeom {
@@ -72,12 +75,6 @@ impl WanGeom {
                 format!("model.diffusers.patch_size = {:?}", d.patch_size),
                 "the engine's Wan patchifies one latent frame at a time with a square patch; \
                  use [1, p, p]",
-            ));
-        }
-        if spec.recipe.lora.is_some() {
-            return Err(EngineError::unsupported(
-                "recipe.lora with a Wan model",
-                "LoRA on Wan's projections is not in the engine yet; train the full model",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -110,6 +107,7 @@ impl WanGeom {
             cross_attn_norm: d.cross_attn_norm,
             rope_max: u(d.rope_max_seq_len),
             head_dim: u(d.attention_head_dim),
+            lora: LoraPlan::of(spec),
         };
         if !g.freq.is_multiple_of(2) {
             return Err(EngineError::unsupported(
@@ -264,5 +262,5 @@ pub fn param_shapes(d: &Dims, g: &WanGeom) -> Vec<ParamShape> {
             trainable: false,
         });
     }
-    v
+    adapt(v, g.lora.as_ref())
 }
