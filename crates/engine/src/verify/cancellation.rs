@@ -12,18 +12,25 @@
 //!
 //! Rounding errs on the terms (KVᵀ·dO and z·(o·dO); vₘ and oₙ), so the relative error of the
 //! result is the terms' times ‖terms‖ / ‖result‖. That ratio depends on dO, which a forward
-//! replay does not have: it is taken over an isotropic dO (E‖J·dO‖² = ‖J‖_F²), i.e. as the
+//! replay does not have: it is taken over a random dO (E‖J·dO‖² = ‖J‖_F²), i.e. as the
 //! Frobenius norms of the Jacobians' two parts over the parts' difference, on the components
 //! ReLU passes (qₙ, kₘ > 0), summed over samples, heads and tokens: the amplification of the
-//! whole `to_q` / `to_k` gradient, which sums those rows.
+//! whole `to_q` / `to_k` gradient, which sums those rows. The k gradient sums over the queries
+//! n, so how its terms add depends on how dOₙ varies with n: independent across tokens (the
+//! sum of squares above) or one direction for every token (a loss whose gradient is alike
+//! over the image: the sums Σₙ φ(qₙ)/dₙ and Σₙ φ(qₙ)·oₙᵀ/dₙ first, then the Frobenius norms).
+//! Both extremes are measured; the larger is the amplification.
 
-/// Σ ‖terms‖² and Σ ‖result‖² of the q and of the k gradient of one linear attention.
+/// Σ ‖terms‖² and Σ ‖result‖² of the q and of the k gradient of one linear attention (the k
+/// gradient's for a dO independent across tokens and for one common to all of them).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(super) struct Sums {
     pub q_terms: f64,
     pub q_result: f64,
     pub k_terms: f64,
     pub k_result: f64,
+    pub k_common_terms: f64,
+    pub k_common_result: f64,
 }
 
 impl Sums {
@@ -38,7 +45,7 @@ impl Sums {
         };
         (
             a(self.q_terms, self.q_result),
-            a(self.k_terms, self.k_result),
+            a(self.k_terms, self.k_result).max(a(self.k_common_terms, self.k_common_result)),
         )
     }
 
@@ -47,6 +54,8 @@ impl Sums {
         self.q_result += o.q_result;
         self.k_terms += o.k_terms;
         self.k_result += o.k_result;
+        self.k_common_terms += o.k_common_terms;
+        self.k_common_result += o.k_common_result;
     }
 }
 
@@ -124,6 +133,28 @@ pub(super) fn add_sums(
                     let diff2: f64 = (0..dh).map(|a| (vv[m][a] - out[n][a]).powi(2)).sum();
                     sums.k_terms += w * (vm2 + on2);
                     sums.k_result += w * diff2;
+                }
+            }
+            // k with one dO for every token: A = Σₙ φ(qₙ)/dₙ, B = Σₙ φ(qₙ)·oₙᵀ/dₙ; the block
+            // of dO is A·vₘᵀ − B on the components kₘ[c] > 0.
+            let mut av = vec![0.0; dh];
+            let mut bm = vec![vec![0.0; dh]; dh];
+            for n in 0..s {
+                for c in 0..dh {
+                    let w = fq[n][c] / den[n];
+                    av[c] += w;
+                    for a in 0..dh {
+                        bm[c][a] += w * out[n][a];
+                    }
+                }
+            }
+            for m in 0..s {
+                for c in (0..dh).filter(|&c| k[at(m) + c] > 0.0) {
+                    for a in 0..dh {
+                        let (t1, t2) = (av[c] * vv[m][a], bm[c][a]);
+                        sums.k_common_terms += t1 * t1 + t2 * t2;
+                        sums.k_common_result += (t1 - t2) * (t1 - t2);
+                    }
                 }
             }
             into.add(sums);

@@ -1279,6 +1279,12 @@ fn one_step(
     };
     let scale = t.loss_scale().unwrap_or(1.0);
     let compute = spec.recipe.precision.compute_dtype();
+    // The underflow term is the policy's, at the scale its loss scaler holds (or starts from,
+    // should the run have none: a missing scaler is a bug the term must not absorb).
+    let policy_scale = match spec.recipe.precision {
+        Precision::Fp16Mixed => t.loss_scale().unwrap_or(crate::optim::LossScaler::INITIAL),
+        _ => 1.0,
+    };
     // The rows a gradient sums over, at most (see terms::underflow_with_upstream).
     let d = Dims::new(spec)?;
     let rows = (spec.workload.microbatch as usize * (d.tokens + batch.text_tokens)) as u64;
@@ -1322,7 +1328,7 @@ fn one_step(
             } else {
                 let per_head = shape.len() == 1 && shape[0] == d.head_dim;
                 let n = rows * if per_head { d.heads as u64 } else { 1 };
-                terms::underflow_with_upstream(&r, scale, n, compute)
+                terms::underflow_with_upstream(&r, policy_scale, n, compute)
             },
             amplification: reference.amplification_of(name),
         });

@@ -584,7 +584,10 @@ fn flux_score_bound(
             .and_then(|a| a.to_scalar::<f64>())
             .map_err(e)
     };
-    let root_dh = (d.head_dim as f64).sqrt();
+    let (scale, dh) = (
+        crate::mutation::attention_scale(d.head_dim).abs(),
+        d.head_dim as f64,
+    );
     let mut bound = 0.0f64;
     let blocks = g.double + g.single;
     for i in 0..blocks {
@@ -607,7 +610,9 @@ fn flux_score_bound(
         for n in ks {
             mk = mk.max(max_abs(&format!("{p}.{n}"))?);
         }
-        bound = bound.max(root_dh * mq * mk);
+        // q and k are RMS-normed per head (norm ≤ √d_h · max|w|), scaled as the attention
+        // scales them (d_h^−½ and any planted gain).
+        bound = bound.max(scale * dh * mq * mk);
     }
     let x_embedder = linear(t, "x_embedder")?;
     let context_embedder = linear(t, "context_embedder")?;
