@@ -255,16 +255,18 @@ fn family_specs() -> Vec<(&'static str, Spec)> {
     .collect()
 }
 
-/// Why mutation `m` cannot show on family `fam`, if it cannot.
-fn not_applicable(fam: &str, m: Mutation) -> Option<&'static str> {
+/// Why mutation `m` cannot show on the families' tiny specs, if it cannot.
+fn not_applicable(m: Mutation) -> Option<&'static str> {
     match m {
         // The families' blocks run without dropout (diffusers' defaults: attention and MLP
         // dropout 0), so a recomputed block has no mask to replay.
         Mutation::RecomputeDropoutMask => Some("the family's blocks have no dropout"),
-        _ => {
-            let _ = fam;
-            None
+        // bf16 LayerNorm statistics err with the row width: the DiT shows it at 384 (see
+        // `wide_spec`), not at the default 64; the tiny family specs are 32–64 wide.
+        Mutation::LayerNormStatsBf16 => {
+            Some("rows 32–64 wide: bf16 statistics stay inside the bf16 tolerance there")
         }
+        _ => None,
     }
 }
 
@@ -300,7 +302,7 @@ fn every_mutation_that_applies_fails_on_each_family() {
             unjudged.push(format!("{fam}: correct fp32 fails at logits ×32"));
         }
         for m in Mutation::ALL {
-            if let Some(why) = not_applicable(fam, m) {
+            if let Some(why) = not_applicable(m) {
                 eprintln!("{fam} {m:?}: does not apply ({why})");
                 continue;
             }

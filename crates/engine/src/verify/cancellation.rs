@@ -72,15 +72,13 @@ pub(super) fn add_sums(
         for h in 0..heads {
             let at = |n: usize| (bi * s + n) * d + h * dh;
             let row = |x: &[f64], n: usize| x[at(n)..at(n) + dh].to_vec();
-            let (fq, fk, vv): (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) = (
+            let phi = |x: &[f64]| -> Vec<Vec<f64>> {
                 (0..s)
-                    .map(|n| row(q, n).into_iter().map(relu).collect())
-                    .collect(),
-                (0..s)
-                    .map(|n| row(k, n).into_iter().map(relu).collect())
-                    .collect(),
-                (0..s).map(|n| row(v, n)).collect(),
-            );
+                    .map(|n| row(x, n).into_iter().map(relu).collect())
+                    .collect()
+            };
+            let (fq, fk) = (phi(q), phi(k));
+            let vv: Vec<Vec<f64>> = (0..s).map(|n| row(v, n)).collect();
             // kv[a][c] = Σₘ vₘ[a]·φ(kₘ)[c]; z[c] = Σₘ φ(kₘ)[c].
             let mut kv = vec![vec![0.0; dh]; dh];
             let mut z = vec![0.0; dh];

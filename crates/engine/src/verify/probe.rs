@@ -805,7 +805,7 @@ fn sana_score_bound(
             let y = caption_forward(&mb.text_tensor(f, &dev)?, &cw)?;
             Ok((x, emb, t6, y))
         })?;
-        for i in 0..d.depth {
+        for (i, block_total) in sums.iter_mut().enumerate() {
             let p = |n: &str| sana_linear(t, &format!("transformer_blocks.{i}.{n}"));
             let dp = |n: &str| t.parameter(&format!("transformer_blocks.{i}.ff.conv_depth.{n}"));
             let bw = SanaBlockWeights {
@@ -855,7 +855,7 @@ fn sana_score_bound(
                 ))
             })?;
             bound = bound.max(sb);
-            sums[i].add(block_sums);
+            block_total.add(block_sums);
             x = next;
         }
         loss_sum += on_pool(|| -> Result<f64> {
