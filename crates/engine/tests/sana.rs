@@ -1,8 +1,8 @@
-//! Sana in the engine: LoRA trains the adapters only, and `verify` passes. What every family
+//! Sana in the engine: LoRA trains the adapters only. What every family
 //! shares (the parameter table, the levers, equal gradients across recompute and attention
-//! modes, the agreement grid) is in `families.rs`.
+//! modes, the agreement grid) is in `families.rs`; `verify` on each family in `verify_families.rs`.
 
-use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
+use ditmem_budget::{Precision, Spec};
 use ditmem_engine::families::sana::tiny_spec;
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
@@ -80,78 +80,4 @@ fn sana_lora_trains_the_adapters_only() {
     .to_scalar()
     .unwrap();
     assert_eq!(moved, 0.0, "the frozen base moved");
-}
-
-/// `verify` on a tiny Sana: no precision fails against the f64 reference (exit 0 of `ditmem
-/// verify` for these variants; the fp16 policy passes outright), recompute twins are bitwise,
-/// and a dropped depthwise-conv gradient fails.
-///
-/// The tolerances are the DiT's calibration (`verify::kappa`, `Growth::of`), which has no term
-/// for the linear attention: its output is invariant to the scale of each row of φ(q) and of
-/// φ(k) per head, so the exact q and k gradients are orthogonal to φ(q), φ(k) and come out of a
-/// cancellation that amplifies any rounding of q, k, v and dO (in every policy; by a factor
-/// that varies with the weights). attn1's to_q / to_k are the worst tensors of every policy:
-/// here fp32's 2-step weight drift lands at 1.6× its tolerance and bf16-mixed's to_k gradient
-/// at 1.02×, in the warning band; bf16-pure (left out) fails at 3.4× on block 1's to_q, and
-/// other weight seeds push fp32 and bf16-mixed past 2× too.
-#[test]
-fn sana_verifies_against_its_f64_reference() {
-    let _one = one_at_a_time();
-    use ditmem_engine::verify::{
-        compute_reference, verify, Fault, Variant, Verdict, VerifyOptions,
-    };
-    let base = spec();
-    let o = VerifyOptions {
-        steps: 2,
-        ..VerifyOptions::default()
-    };
-    let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
-    let mut variants = Vec::new();
-    for (p, rc, a) in [
-        (
-            Precision::Fp32,
-            Recompute::None,
-            AttentionMode::Materialized,
-        ),
-        (Precision::Fp32, Recompute::All, AttentionMode::Materialized),
-        (
-            Precision::Bf16Mixed,
-            Recompute::None,
-            AttentionMode::MemoryEfficient,
-        ),
-        (
-            Precision::Fp16Mixed,
-            Recompute::AttentionOnly,
-            AttentionMode::Materialized,
-        ),
-    ] {
-        variants.push(Variant::new(p, rc, a));
-    }
-    let mut bad = Variant::new(
-        Precision::Fp32,
-        Recompute::None,
-        AttentionMode::Materialized,
-    );
-    bad.fault = Some(Fault::ZeroGradient(
-        "transformer_blocks.1.ff.conv_depth.weight".into(),
-    ));
-    variants.push(bad);
-    let rep = verify(&base, &variants, &o, &r, 1, &mut |_| {}).unwrap();
-    for v in &rep.variants {
-        eprintln!("{}: {:?} {:?}", v.name, v.verdict, v.reasons);
-    }
-    let (clean, faulty) = rep.variants.split_at(4);
-    for v in clean {
-        assert_ne!(v.verdict, Verdict::Fail, "{}: {:?}", v.name, v.reasons);
-    }
-    assert_eq!(clean[3].verdict, Verdict::Pass, "{:?}", clean[3].reasons);
-    assert_eq!(faulty[0].verdict, Verdict::Fail, "{:?}", faulty[0].reasons);
-    assert!(
-        faulty[0]
-            .reasons
-            .iter()
-            .any(|r| r.contains("conv_depth.weight")),
-        "{:?}",
-        faulty[0].reasons
-    );
 }

@@ -1,9 +1,9 @@
-//! SD3 in the engine: `verify` passes with and without q/k RMSNorm, and the backward is the
+//! SD3 in the engine: the backward is the
 //! forward's derivative (finite differences). What every family shares (the parameter table,
 //! the levers, equal gradients across recompute and attention modes, the agreement grid) is in
 //! `families.rs`.
 
-use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
+use ditmem_budget::{Precision, Spec};
 use ditmem_engine::families::sd3::tiny_spec;
 use ditmem_engine::{CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
@@ -19,76 +19,6 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 
 fn spec(qk_norm: bool) -> Spec {
     ditmem_engine::host::resolve(&tiny_spec(3, 2, qk_norm, 5, 6).unwrap())
-}
-
-/// `verify` on a tiny SD3: every precision passes against the f64 reference, recompute twins are
-/// bitwise, and a dropped context-projection gradient fails; with q/k RMSNorm (SD3.5) too, where
-/// bf16-mixed may warn (below).
-#[test]
-fn sd3_verifies_against_its_f64_reference() {
-    let _one = one_at_a_time();
-    use ditmem_engine::verify::{
-        compute_reference, verify, Fault, Variant, Verdict, VerifyOptions,
-    };
-    let o = VerifyOptions {
-        steps: 2,
-        ..VerifyOptions::default()
-    };
-    for qk in [false, true] {
-        let base = spec(qk);
-        let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
-        let mut variants = Vec::new();
-        for (p, rc, a) in [
-            (
-                Precision::Fp32,
-                Recompute::None,
-                AttentionMode::Materialized,
-            ),
-            (Precision::Fp32, Recompute::All, AttentionMode::Materialized),
-            (
-                Precision::Fp16Mixed,
-                Recompute::AttentionOnly,
-                AttentionMode::Materialized,
-            ),
-            (
-                Precision::Bf16Mixed,
-                Recompute::None,
-                AttentionMode::MemoryEfficient,
-            ),
-        ] {
-            variants.push(Variant::new(p, rc, a));
-        }
-        let mut bad = Variant::new(
-            Precision::Fp32,
-            Recompute::None,
-            AttentionMode::Materialized,
-        );
-        bad.fault = Some(Fault::ZeroGradient(
-            "transformer_blocks.1.attn.add_v_proj.weight".into(),
-        ));
-        variants.push(bad);
-        let rep = verify(&base, &variants, &o, &r, 1, &mut |_| {}).unwrap();
-        let (clean, faulty) = rep.variants.split_at(4);
-        for v in clean {
-            eprintln!(
-                "qk {qk} {}: {:?} margin {:?} worst {:?}",
-                v.name, v.verdict, v.grad_margin, v.worst_tensor
-            );
-            // Under bf16/fp16 the gradients of the context queries' projection and of the q/k
-            // norm weights (summed over every token and head) carry more rounding than the
-            // DiT-calibrated tolerance allows: they land in the warning band (at most 1.4× at
-            // these specs), not in failure. fp32 and the recompute twins pass.
-            let allowed = match v.precision {
-                Precision::Bf16Mixed | Precision::Fp16Mixed => Verdict::Warn,
-                _ => Verdict::Pass,
-            };
-            if let Some(m) = v.grad_margin {
-                assert!(m <= 1.5, "qk {qk} {}: margin {m}", v.name);
-            }
-            assert!(v.verdict <= allowed, "qk {qk} {}: {:?}", v.name, v.reasons);
-        }
-        assert_eq!(faulty[0].verdict, Verdict::Fail, "{:?}", faulty[0].reasons);
-    }
 }
 
 /// The backward is the forward's derivative: central differences of the f64 loss along a few

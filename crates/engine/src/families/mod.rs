@@ -24,13 +24,33 @@ pub mod wan;
 
 use ditmem_budget::{Family, Spec};
 
-/// Whether a trained tensor's gradient is zero in exact arithmetic: the key bias of a softmax
-/// attention (diffusers' `to_k.bias`) adds q·b_k to every score of a query's row, which the
-/// softmax ignores, so its gradient Σⱼ dkⱼ = Σᵢ qᵢ Σⱼ dSᵢⱼ vanishes (each row of dS sums to
-/// zero). What a step computes for it is rounding noise; `verify` judges it against the whole
-/// gradient instead of its own norm.
-pub fn zero_gradient(name: &str) -> bool {
-    name.ends_with(".to_k.bias")
+/// Whether a trained tensor of `arch` has a gradient that is zero in exact arithmetic: the key
+/// bias of a softmax attention whose keys are `W·y + b` and nothing more before the scores. It
+/// adds qᵢ·b to every score of query i's row, which the softmax ignores (shift invariance), so
+/// its gradient Σⱼ dkⱼ = Σᵢ qᵢ Σⱼ dSᵢⱼ vanishes (each row of dS sums to zero). What a step
+/// computes for it is rounding noise; `verify` judges it against the whole gradient instead of
+/// its own norm. Per family (checked against the f64 gradients by `tests/verify_families.rs`):
+///
+/// - DiT: none — the key bias is a third of `attn.qkv.bias`, whose q and v thirds are not zero.
+/// - PixArt: `attn1.to_k.bias` (self-attention) and `attn2.to_k.bias` (cross-attention to the
+///   caption): both plain softmax attentions without q/k norm.
+/// - Sana: `attn2.to_k.bias` (softmax cross-attention). Not attn1's: ReLU(k + b) is no shift of
+///   the linear attention's keys.
+/// - SD3, Flux: none. Joint attention: `to_k.bias` shifts the image keys only and
+///   `add_k_proj.bias` the text keys only, so a row's scores do not all move together; with q/k
+///   RMSNorm (SD3.5, Flux) the bias also enters before a normalisation, and Flux's RoPE rotates
+///   each key by its own position.
+/// - Wan: none: q/k RMSNorm after the bias in both attentions, and RoPE in the self-attention.
+pub fn zero_gradient(arch: &Arch, name: &str) -> bool {
+    let softmax_key_biases: &[&str] = match arch {
+        Arch::Pixart(_) => &["attn1.to_k.bias", "attn2.to_k.bias"],
+        Arch::Sana(_) => &["attn2.to_k.bias"],
+        Arch::Dit | Arch::Sd3(_) | Arch::Flux(_) | Arch::Wan(_) => &[],
+    };
+    softmax_key_biases.iter().any(|b| {
+        name.strip_suffix(b)
+            .is_some_and(|head| head.is_empty() || head.ends_with('.'))
+    })
 }
 
 use crate::error::{EngineError, Result};

@@ -29,9 +29,12 @@
 //! ([`compute_reference`], [`Reference::open`]) with its spec and seeds as metadata, so a later run
 //! against a different spec is refused; variants are compared with it one tensor at a time.
 
+mod cancellation;
+mod chain;
 mod error;
 mod probe;
 mod store;
+mod terms;
 
 use error::{bad, reference_error};
 pub use error::{Result, VerifyError};
@@ -266,9 +269,9 @@ pub struct Growth {
     /// microbatch × tokens that form the weight and bias gradients.
     pub reduction: u64,
     /// Rounding stages chained from the first weights to the loss on the longest path: the patch
-    /// embedding, 6 per block (qkv, q·kᵀ, softmax, P·v, proj, fc1→fc2 as one MLP stage plus the
-    /// norm), and the final layer: 6·L + 2 (Wan: 14 per block, its
-    /// `families::wan::ROUNDING_STAGES_PER_BLOCK`).
+    /// embedding, the blocks' stages from their structure ([`chain::block_stages`]: the DiT's 6
+    /// per block — qkv, q·kᵀ, softmax, P·v, proj, fc1→fc2 as one MLP stage plus the norm — and
+    /// each family's own count), and the final layer: 6·L + 2 on the DiT.
     pub forward_chain: u64,
     /// The backward retraces the forward chain to reach the first parameters: 2 × forward.
     pub gradient_chain: u64,
@@ -293,11 +296,8 @@ impl Growth {
         .into_iter()
         .max()
         .unwrap_or(1) as u64;
-        let per_block = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Wan(_) => crate::families::wan::ROUNDING_STAGES_PER_BLOCK,
-            _ => 6,
-        };
-        let forward_chain = per_block * d.depth as u64 + 2;
+        let arch = crate::families::Arch::of(spec)?;
+        let forward_chain = chain::block_stages(&arch, d.depth as u64) + chain::OUTSIDE_BLOCKS;
         Ok(Growth {
             reduction,
             forward_chain,
@@ -571,6 +571,9 @@ pub struct Reference {
     pub ema: bool,
     /// S, the attention-score bound of the first step (see [`Growth::score_bound`]).
     pub score_bound: f64,
+    /// (tensor prefix, ‖terms‖ / ‖result‖): the cancellations the tensors' gradients come out
+    /// of, measured on the first step's replay (Sana's linear attention; empty elsewhere).
+    pub amplification: Vec<(String, f64)>,
     /// The file's name; None for a reference computed into a file without one.
     path: Option<PathBuf>,
     file: std::sync::Mutex<std::fs::File>,
@@ -609,7 +612,7 @@ pub fn reference_file_bytes(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
     Ok(store::data_bytes(n, opts.steps, base.recipe.ema.enabled))
 }
 
-const FORMAT: &str = "ditmem-verify-reference/3";
+const FORMAT: &str = "ditmem-verify-reference/4";
 
 /// The metadata of a reference file.
 fn reference_meta(
@@ -617,6 +620,7 @@ fn reference_meta(
     opts: &VerifyOptions,
     names: &[String],
     score_bound: f64,
+    amplification: &[(String, f64)],
 ) -> Result<HashMap<String, String>> {
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), FORMAT.to_string());
@@ -625,6 +629,7 @@ fn reference_meta(
     meta.insert("names".to_string(), json(&names)?);
     meta.insert("ema".to_string(), spec.recipe.ema.enabled.to_string());
     meta.insert("score_bound".to_string(), json(&score_bound)?);
+    meta.insert("amplification".to_string(), json(&amplification)?);
     meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
     Ok(meta)
 }
@@ -641,7 +646,11 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
         .map(|p| (p.name, p.shape))
         .collect();
     let names: Vec<String> = tensors.iter().map(|t| t.0.clone()).collect();
-    let meta = reference_meta(&spec, opts, &names, -f64::MAX)?;
+    let amplification: Vec<(String, f64)> = probe::amplified_tensors(&spec)?
+        .into_iter()
+        .map(|n| (n, -f64::MAX))
+        .collect();
+    let meta = reference_meta(&spec, opts, &names, -f64::MAX, &amplification)?;
     let ema = spec.recipe.ema.enabled;
     store::file_len(&meta, &store::keys(&tensors, opts.steps, ema))
 }
@@ -720,11 +729,15 @@ fn compute_reference_into(
     let batch = data.step_batch(0);
     // The probe first, while the trainer holds only its weights (its forward stays below the
     // step's peak), then checked against the step's loss.
-    let (score_bound, probe_loss) = probe::score_bound(&spec, &t, opts.seed, &batch)?;
+    let probe::Probe {
+        score_bound,
+        loss: probe_loss,
+        amplification,
+    } = probe::probe(&spec, &t, opts.seed, &batch)?;
     let loss = t.compute_gradients(&batch)?;
     probe::check_loss(probe_loss, loss)?;
     drop(batch);
-    let meta = reference_meta(&spec, opts, &names, score_bound)?;
+    let meta = reference_meta(&spec, opts, &names, score_bound, &amplification)?;
     let keys = store::keys(&tensors, opts.steps, ema);
     let mut w = match (&path, target) {
         (Some(p), _) => {
@@ -780,6 +793,7 @@ fn compute_reference_into(
         tensors,
         ema,
         score_bound,
+        amplification,
         path,
         file: std::sync::Mutex::new(file),
         layout,
@@ -853,6 +867,12 @@ impl Reference {
             .ok()
             .filter(|s: &f64| s.is_finite() && *s >= 0.0)
             .ok_or_else(|| reference_error("metadata 'score_bound' is not a number ≥ 0"))?;
+        let amplification: Vec<(String, f64)> = serde_json::from_str(field("amplification")?)
+            .ok()
+            .filter(|a: &Vec<(String, f64)>| a.iter().all(|x| x.1.is_finite() && x.1 >= 1.0))
+            .ok_or_else(|| {
+                reference_error("metadata 'amplification' is not a list of [tensor, number ≥ 1]")
+            })?;
         let version = field("version")?.clone();
         let mut tensors = Vec::with_capacity(names.len());
         for n in &names {
@@ -893,6 +913,7 @@ impl Reference {
             tensors,
             ema,
             score_bound,
+            amplification,
             path: Some(path.to_path_buf()),
             file: std::sync::Mutex::new(file),
             layout,
@@ -905,6 +926,19 @@ impl Reference {
         r.loss = loss;
         r.losses = losses;
         Ok(r)
+    }
+
+    /// The amplification of the cancellation `tensor`'s gradient comes out of (1: none).
+    pub fn amplification_of(&self, tensor: &str) -> f64 {
+        self.amplification
+            .iter()
+            .filter(|(prefix, _)| {
+                tensor
+                    .strip_prefix(prefix.as_str())
+                    .is_some_and(|rest| rest.starts_with('.'))
+            })
+            .map(|x| x.1)
+            .fold(1.0, f64::max)
     }
 
     fn reader(&self) -> Result<store::Reader<'_>> {
@@ -1032,6 +1066,78 @@ fn scalar_rel(a: f64, b: f64) -> f64 {
 pub struct TensorError {
     pub name: String,
     pub rel_err: f64,
+    /// The tensor's underflow term measured on the reference: the relative error its
+    /// loss-scaled gradient loses to the compute dtype's subnormals, in its own storage and in
+    /// its activation gradients' ([`terms::underflow_with_upstream`]); 0 when it
+    /// is normal, and for a gradient zero in exact arithmetic (judged against the whole
+    /// gradient, whose scale is normal).
+    pub underflow: f64,
+    /// The cancellation its gradient comes out of, ‖terms‖ / ‖result‖ in the f64 replay
+    /// ([`Reference::amplification`]; 1 when none).
+    pub amplification: f64,
+}
+
+/// The underflow term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the
+/// term itself is the predicted error, see [`TensorError::underflow`]).
+pub const KAPPA_UNDERFLOW: f64 = SPREAD_MARGIN;
+
+impl Tolerance {
+    /// The gradient tolerance of one tensor: the policy's, multiplied by the cancellation its
+    /// gradient comes out of, with its underflow term added in quadrature.
+    pub fn grad_of(&self, te: &TensorError) -> f64 {
+        (self.grad * te.amplification.max(1.0)).hypot(KAPPA_UNDERFLOW * te.underflow)
+    }
+}
+
+impl Tolerance {
+    /// The drift tolerance of a variant whose tensors' gradient tolerances are `one`'s: each
+    /// tensor's divergence is held to κ_d × its own gradient tolerance in units of its own
+    /// travel, so the whole divergence as a share of the whole travel to κ_d × the
+    /// travel-weighted RMS of those tolerances, √(Σₜ shareₜ · (grad_of(t))²). The policy's
+    /// [`Tolerance::drift`] where no tensor has a term of its own (or the shares are unknown).
+    pub fn drift_of(&self, one: &OneStep, travel_shares: &[f64]) -> f64 {
+        if travel_shares.len() != one.per_tensor.len() || self.grad <= 0.0 {
+            return self.drift;
+        }
+        let mean_sq: f64 = one
+            .per_tensor
+            .iter()
+            .zip(travel_shares)
+            .map(|(te, s)| s * (self.grad_of(te) / self.grad).powi(2))
+            .sum();
+        self.drift * mean_sq.sqrt().max(1.0)
+    }
+}
+
+impl OneStep {
+    /// The tensor with the largest error / its own tolerance, that margin and that tolerance
+    /// (None without tensors).
+    pub fn worst_margin(&self, tol: &Tolerance) -> Option<(&TensorError, f64, f64)> {
+        self.per_tensor
+            .iter()
+            .map(|te| {
+                let t = tol.grad_of(te);
+                let m = if te.rel_err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    te.rel_err / t
+                };
+                (te, m, t)
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// The gradient's margin under `tol` (0 without tensors) and the largest per-tensor
+    /// tolerance, which bounds the whole gradient's relative error (and so its norm's).
+    fn grad_margin(&self, tol: &Tolerance) -> (f64, f64) {
+        let m = self.worst_margin(tol).map_or(0.0, |w| w.1);
+        let widest = self
+            .per_tensor
+            .iter()
+            .map(|te| tol.grad_of(te))
+            .fold(tol.grad, f64::max);
+        (m, widest)
+    }
 }
 
 /// The one-step comparison of a variant with the reference.
@@ -1120,6 +1226,7 @@ fn one_step(
     rd: &mut store::Reader<'_>,
     h: &mut DefaultHasher,
 ) -> Result<OneStep> {
+    let arch = crate::families::Arch::of(spec)?;
     let mut t = Trainer::new(spec, opts.train())?;
     let names = t.trained_names();
     if names.len() != reference.tensors.len()
@@ -1171,6 +1278,16 @@ fn one_step(
         t.set_loss_scale(scale / 2.0)?;
     };
     let scale = t.loss_scale().unwrap_or(1.0);
+    let compute = spec.recipe.precision.compute_dtype();
+    // The underflow term is the policy's, at the scale its loss scaler holds (or starts from,
+    // should the run have none: a missing scaler is a bug the term must not absorb).
+    let policy_scale = match spec.recipe.precision {
+        Precision::Fp16Mixed => t.loss_scale().unwrap_or(crate::optim::LossScaler::INITIAL),
+        _ => 1.0,
+    };
+    // The rows a gradient sums over, at most (see terms::underflow_with_upstream).
+    let d = Dims::new(spec)?;
+    let rows = (spec.workload.microbatch as usize * (d.tokens + batch.text_tokens)) as u64;
     let grad_norm = t.gradient_norm()?;
     h.write_u64(loss.to_bits());
     let mut per_tensor = Vec::with_capacity(names.len());
@@ -1201,11 +1318,19 @@ fn one_step(
         per_tensor.push(TensorError {
             name: name.clone(),
             // Made relative to the whole gradient below when zero in exact arithmetic.
-            rel_err: if crate::families::zero_gradient(name) {
+            rel_err: if crate::families::zero_gradient(&arch, name) {
                 diff_norm(&g, &r)
             } else {
                 rel_err(&g, &r)
             },
+            underflow: if crate::families::zero_gradient(&arch, name) {
+                0.0
+            } else {
+                let per_head = shape.len() == 1 && shape[0] == d.head_dim;
+                let n = rows * if per_head { d.heads as u64 } else { 1 };
+                terms::underflow_with_upstream(&r, policy_scale, n, compute)
+            },
+            amplification: reference.amplification_of(name),
         });
         for (x, y) in g.iter().zip(&r) {
             dot += x * y;
@@ -1217,7 +1342,7 @@ fn one_step(
     // row's scores) holds only rounding noise, in the reference too: its error is judged as a
     // share of the whole reference gradient, ‖g − g_ref‖ / ‖g_ref,all‖.
     for te in per_tensor.iter_mut() {
-        if crate::families::zero_gradient(&te.name) {
+        if crate::families::zero_gradient(&arch, &te.name) {
             te.rel_err = ratio(te.rel_err, nb.sqrt());
         }
     }
@@ -1278,6 +1403,11 @@ pub struct Drift {
     pub ema_exceeds_at: Option<usize>,
     /// Steps the fp16 loss scaler skipped.
     pub skipped_steps: u32,
+    /// Each trained tensor's share of the reference's squared travel ‖θ_ref,K − θ_ref,0‖², in
+    /// the reference's tensor order (empty: unknown, every tensor held to the policy's drift
+    /// tolerance; see [`Tolerance::drift_of`]).
+    #[serde(skip)]
+    pub travel_shares: Vec<f64>,
 }
 
 /// The EMA rule: an EMA is a convex combination of the weights it has seen, so its divergence
@@ -1335,6 +1465,7 @@ impl Drift {
             predicted_max,
             ema_exceeds_at,
             skipped_steps,
+            travel_shares: Vec::new(),
         }
     }
 }
@@ -1351,9 +1482,10 @@ fn state_norms(
     rd: &mut store::Reader<'_>,
     h: &mut DefaultHasher,
     travel: bool,
-) -> Result<(f64, Option<f64>, f64)> {
+) -> Result<(f64, Option<f64>, f64, Vec<f64>)> {
     let mut r = Vec::new();
     let (mut d2, mut n2, mut t2) = (0.0, 0.0, 0.0);
+    let mut travel_sq = Vec::new();
     for (name, _) in &reference.tensors {
         let mut p = to_f64(&t.parameter(name)?)?;
         rd.read_into(&format!("param/{step}/{name}"), &mut r)?;
@@ -1372,11 +1504,13 @@ fn state_norms(
         n2 += r.iter().map(|y| y * y).sum::<f64>();
         if travel {
             rd.read_into(&format!("param/0/{name}"), &mut p)?;
-            t2 += p
+            let moved = p
                 .iter()
                 .zip(&r)
                 .map(|(x, y)| (x - y) * (x - y))
                 .sum::<f64>();
+            t2 += moved;
+            travel_sq.push(moved);
         }
     }
     let param = ratio(d2.sqrt(), n2.sqrt());
@@ -1398,7 +1532,10 @@ fn state_norms(
         }
         _ => None,
     };
-    Ok((param, ema, moved))
+    for x in travel_sq.iter_mut() {
+        *x = ratio(*x, t2);
+    }
+    Ok((param, ema, moved, travel_sq))
 }
 
 /// d / n for a difference norm d and a reference norm n: 0 when both are zero, ∞ when only n
@@ -1434,32 +1571,34 @@ fn drift(
     let mut ema_rel = Vec::new();
     let mut losses = Vec::with_capacity(opts.steps as usize);
     let mut skipped = 0;
-    let (p, e, _) = state_norms(&t, 0, reference, rd, h, false)?;
+    let (p, e, _, _) = state_norms(&t, 0, reference, rd, h, false)?;
     param_rel.push(p);
     ema_rel.extend(e);
-    let mut travel = 0.0;
+    let (mut travel, mut shares) = (0.0, Vec::new());
     for i in 0..opts.steps {
         let r = t.step(&data.step_batch(u64::from(i)), None)?;
         skipped += u32::from(r.skipped);
         losses.push(r.loss);
         h.write_u64(r.loss.to_bits());
         let last = i + 1 == opts.steps;
-        let (p, e, moved) = state_norms(&t, i + 1, reference, rd, h, last)?;
+        let (p, e, moved, s) = state_norms(&t, i + 1, reference, rd, h, last)?;
         param_rel.push(p);
         ema_rel.extend(e);
         if last {
-            travel = moved;
+            (travel, shares) = (moved, s);
         }
         progress(i + 1);
     }
-    Ok(Drift::from_norms(
+    let mut d = Drift::from_norms(
         &losses,
         &reference.losses,
         param_rel,
         ema_rel,
         travel,
         skipped,
-    ))
+    );
+    d.travel_shares = shares;
+    Ok(d)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1486,7 +1625,8 @@ pub struct VariantReport {
     pub recompute: String,
     pub attention: AttentionMode,
     pub verdict: Verdict,
-    /// Why the verdict is not pass.
+    /// Why the verdict is not pass; and notes (`note: …`) on what the tolerance allowed beyond
+    /// rounding (underflow of a loss-scaled gradient, a cancellation), whatever the verdict.
     pub reasons: Vec<String>,
     pub loss: Option<f64>,
     pub loss_rel_err: Option<f64>,
@@ -1904,13 +2044,47 @@ pub fn judge_one_step(one: &OneStep, tol: &Tolerance) -> Verdict {
     } else {
         Verdict::Pass
     };
-    Verdict::of(one.grad_rel_err_max, tol.grad)
+    let (margin, widest) = one.grad_margin(tol);
+    Verdict::of(margin, 1.0)
         .max(Verdict::of(
             one.grad_norm_rel_err,
-            tol.grad + one.grad_norm_rounding,
+            widest + one.grad_norm_rounding,
         ))
         .max(Verdict::of(one.loss_rel_err, tol.loss))
         .max(nonfinite)
+}
+
+/// Say what a variant's tolerance allowed beyond rounding, in its reasons (whatever its
+/// verdict): the tensors whose loss-scaled gradients underflow the compute dtype (the loss scale
+/// is too small for them) and those behind a cancellation, each with the largest term.
+fn note_terms(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance) {
+    let largest = |key: &dyn Fn(&TensorError) -> f64| {
+        one.per_tensor
+            .iter()
+            .max_by(|a, b| key(a).total_cmp(&key(b)))
+            .map(|te| (te.name.clone(), key(te), te.rel_err))
+    };
+    let under = |te: &TensorError| KAPPA_UNDERFLOW * te.underflow;
+    let n_under = one
+        .per_tensor
+        .iter()
+        .filter(|te| under(te) > tol.grad)
+        .count();
+    if let Some((name, term, err)) = largest(&under).filter(|_| n_under > 0) {
+        rep.reasons.push(format!(
+            "note: {n_under} tensors' gradients underflow {} at loss scale {} (the loss scale is too small for them): worst {name}, up to {:.2e} of its gradient lost to subnormals, tolerance term {term:.2e}; its error {err:.2e}",
+            tol.dtype,
+            one.loss_scale,
+            term / KAPPA_UNDERFLOW,
+        ));
+    }
+    let amp = |te: &TensorError| te.amplification;
+    if let Some((name, a, err)) = largest(&amp).filter(|w| w.1 > 1.0) {
+        rep.reasons.push(format!(
+            "note: gradients behind the linear attention's cancellation amplify rounding up to {a:.1}× ({name}: tolerance {:.2e}); its error {err:.2e}",
+            tol.grad * a
+        ));
+    }
 }
 
 fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
@@ -1925,23 +2099,28 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
     rep.nonfinite_share = Some(one.nonfinite_share);
     rep.loss_scale = Some(one.loss_scale);
     rep.per_tensor = one.per_tensor.clone();
-    rep.grad_margin = Some(one.grad_rel_err_max / tol.grad);
+    let (margin, widest) = one.grad_margin(tol);
+    rep.grad_margin = Some(margin);
     rep.loss_margin = Some(one.loss_rel_err / tol.loss);
+    if let Some((te, m, t)) = one.worst_margin(tol) {
+        rep.worst_tensor = Some(te.name.clone());
+        raise(
+            rep,
+            Verdict::of(m, 1.0),
+            format!(
+                "gradient error {:.2e} ({}) vs its tolerance {t:.2e}",
+                te.rel_err, te.name
+            ),
+        );
+    }
+    note_terms(rep, one, tol);
     raise(
         rep,
-        Verdict::of(one.grad_rel_err_max, tol.grad),
-        format!(
-            "gradient error {:.2e} ({}) vs tolerance {:.2e}",
-            one.grad_rel_err_max, one.worst_tensor, tol.grad
-        ),
-    );
-    raise(
-        rep,
-        Verdict::of(one.grad_norm_rel_err, tol.grad + one.grad_norm_rounding),
+        Verdict::of(one.grad_norm_rel_err, widest + one.grad_norm_rounding),
         format!(
             "reported gradient norm error {:.2e} vs tolerance {:.2e}",
             one.grad_norm_rel_err,
-            tol.grad + one.grad_norm_rounding
+            widest + one.grad_norm_rounding
         ),
     );
     raise(
@@ -2000,15 +2179,16 @@ fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
                 "the drift run diverged (non-finite loss or weights)".into(),
             );
         } else if d.skipped_steps == 0 {
-            rep.drift_margin = Some(d.vs_travel / tol.drift);
+            let drift_tol = tol.drift_of(one, &d.travel_shares);
+            rep.tolerance_drift = drift_tol;
+            rep.drift_margin = Some(d.vs_travel / drift_tol);
             raise(
                 rep,
-                Verdict::of(d.vs_travel, tol.drift),
+                Verdict::of(d.vs_travel, drift_tol),
                 format!(
-                    "weight drift {:.2e} of the distance trained in {} steps vs tolerance {:.2e}",
+                    "weight drift {:.2e} of the distance trained in {} steps vs tolerance {drift_tol:.2e}",
                     d.vs_travel,
                     d.loss_rel.len(),
-                    tol.drift
                 ),
             );
         }

@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::cancellation::{add_sums, Sums};
 use super::error::{bad, Result, VerifyError};
 use crate::block::{
     block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
@@ -42,23 +43,50 @@ fn linear(t: &Trainer, name: &str) -> Result<LinearW> {
     ))
 }
 
-/// S of the first step of `spec` (the reference spec: f64, nothing recomputed) with the weights
-/// of `t` (fresh, not yet stepped) on `batch`, and the loss of the replay (to be checked with
-/// [`check_loss`] against the step's).
-pub(super) fn score_bound(
-    spec: &Spec,
-    t: &Trainer,
-    seed: u64,
-    batch: &Batch,
-) -> Result<(f64, f64)> {
+/// What the replay measures on the reference's first step.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Probe {
+    /// S (see the module docs).
+    pub score_bound: f64,
+    /// The replay's loss, to be checked with [`check_loss`] against the step's.
+    pub loss: f64,
+    /// (tensor prefix, ‖terms‖ / ‖result‖) of the gradients that come out of a cancellation
+    /// ([`super::cancellation`]; Sana's linear attention's `to_q` and `to_k`), in the order of
+    /// [`amplified_tensors`].
+    pub amplification: Vec<(String, f64)>,
+}
+
+/// The prefixes of the tensors whose gradients come out of a cancellation the probe measures:
+/// the `to_q` and `to_k` of each Sana block's linear attention.
+pub(super) fn amplified_tensors(spec: &Spec) -> Result<Vec<String>> {
+    Ok(match crate::families::Arch::of(spec)? {
+        crate::families::Arch::Sana(_) => (0..Dims::new(spec)?.depth)
+            .flat_map(|i| ["to_q", "to_k"].map(|p| format!("transformer_blocks.{i}.attn1.{p}")))
+            .collect(),
+        _ => Vec::new(),
+    })
+}
+
+/// [`Probe`] of the first step of `spec` (the reference spec: f64, nothing recomputed) with the
+/// weights of `t` (fresh, not yet stepped) on `batch`.
+pub(super) fn probe(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<Probe> {
+    let plain = |(score_bound, loss): (f64, f64)| Probe {
+        score_bound,
+        loss,
+        amplification: Vec::new(),
+    };
     match crate::families::Arch::of(spec)? {
-        crate::families::Arch::Pixart(g) => return pixart_score_bound(spec, t, &g, batch),
-        crate::families::Arch::Sd3(g) => return sd3_score_bound(spec, t, &g, batch),
-        crate::families::Arch::Flux(g) => return flux_score_bound(spec, t, &g, batch),
-        crate::families::Arch::Sana(g) => return sana_score_bound(spec, t, &g, batch),
-        crate::families::Arch::Wan(g) => return wan_score_bound(spec, t, &g, batch),
-        crate::families::Arch::Dit => {}
+        crate::families::Arch::Pixart(g) => pixart_score_bound(spec, t, &g, batch).map(plain),
+        crate::families::Arch::Sd3(g) => sd3_score_bound(spec, t, &g, batch).map(plain),
+        crate::families::Arch::Flux(g) => flux_score_bound(spec, t, &g, batch).map(plain),
+        crate::families::Arch::Sana(g) => sana_score_bound(spec, t, &g, batch),
+        crate::families::Arch::Wan(g) => wan_score_bound(spec, t, &g, batch).map(plain),
+        crate::families::Arch::Dit => score_bound(spec, t, seed, batch).map(plain),
     }
+}
+
+/// S of the DiT's first step and the replay's loss.
+fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f64, f64)> {
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
     let f = DType::F64;
@@ -556,7 +584,10 @@ fn flux_score_bound(
             .and_then(|a| a.to_scalar::<f64>())
             .map_err(e)
     };
-    let root_dh = (d.head_dim as f64).sqrt();
+    let (scale, dh) = (
+        crate::mutation::attention_scale(d.head_dim).abs(),
+        d.head_dim as f64,
+    );
     let mut bound = 0.0f64;
     let blocks = g.double + g.single;
     for i in 0..blocks {
@@ -579,7 +610,9 @@ fn flux_score_bound(
         for n in ks {
             mk = mk.max(max_abs(&format!("{p}.{n}"))?);
         }
-        bound = bound.max(root_dh * mq * mk);
+        // q and k are RMS-normed per head (norm ≤ √d_h · max|w|), scaled as the attention
+        // scales them (d_h^−½ and any planted gain).
+        bound = bound.max(scale * dh * mq * mk);
     }
     let x_embedder = linear(t, "x_embedder")?;
     let context_embedder = linear(t, "context_embedder")?;
@@ -712,7 +745,7 @@ fn sana_score_bound(
     t: &Trainer,
     g: &crate::families::sana::SanaGeom,
     batch: &Batch,
-) -> Result<(f64, f64)> {
+) -> Result<Probe> {
     use crate::families::sana::{
         caption_forward, final_forward as sana_final, sana_block_forward, SanaBlockGeom,
         SanaBlockWeights, SanaCaptionWeights, SanaFinalWeights, SANA_FREQ,
@@ -758,6 +791,7 @@ fn sana_score_bound(
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
     let mut loss_sum = 0.0;
+    let mut sums = vec![Sums::default(); d.depth];
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
         let b = mb.n;
@@ -771,7 +805,7 @@ fn sana_score_bound(
             let y = caption_forward(&mb.text_tensor(f, &dev)?, &cw)?;
             Ok((x, emb, t6, y))
         })?;
-        for i in 0..d.depth {
+        for (i, block_total) in sums.iter_mut().enumerate() {
             let p = |n: &str| sana_linear(t, &format!("transformer_blocks.{i}.{n}"));
             let dp = |n: &str| t.parameter(&format!("transformer_blocks.{i}.ff.conv_depth.{n}"));
             let bw = SanaBlockWeights {
@@ -788,7 +822,7 @@ fn sana_score_bound(
                 conv_depth: (dp("weight")?, dp("bias")?),
                 conv_point: p("ff.conv_point")?,
             };
-            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+            let (next, sb, block_sums) = on_pool(|| -> Result<(Tensor, f64, Sums)> {
                 // q and k of the cross-attention as the block computes them.
                 let modv = t6
                     .broadcast_add(&bw.table.reshape((1, 6 * h)).map_err(e)?)
@@ -800,13 +834,28 @@ fn sana_score_bound(
                     bw.k1.forward(&h1)?,
                     bw.v1.forward(&h1)?,
                 );
+                // The linear attention's cancellation, on the same q, k, v.
+                let mut block_sums = Sums::default();
+                let flat = |t: &Tensor| -> Result<Vec<f64>> {
+                    t.flatten_all().and_then(|v| v.to_vec1()).map_err(e)
+                };
+                add_sums(
+                    (&flat(&q)?, &flat(&k)?, &flat(&v)?),
+                    (b, s, d.heads, h / d.heads),
+                    &mut block_sums,
+                );
                 let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
                 let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
                 let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
                 let sb = pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale)?;
-                Ok((sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?, sb))
+                Ok((
+                    sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?,
+                    sb,
+                    block_sums,
+                ))
             })?;
             bound = bound.max(sb);
+            block_total.add(block_sums);
             x = next;
         }
         loss_sum += on_pool(|| -> Result<f64> {
@@ -822,7 +871,18 @@ fn sana_score_bound(
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    let amplification = amplified_tensors(spec)?
+        .into_iter()
+        .zip(sums.iter().flat_map(|s| {
+            let (aq, ak) = s.amplification();
+            [aq, ak]
+        }))
+        .collect();
+    Ok(Probe {
+        score_bound: bound,
+        loss: loss_sum / accum as f64,
+        amplification,
+    })
 }
 
 /// [`score_bound`] for Wan: its forward replayed in f64 (embed, blocks, output side), S over
