@@ -1,18 +1,27 @@
 //! The ditmem engine against the PyTorch peer (`bench/torch_peer/peer.py`), side by side in one
-//! run on the same spec and threads: fp32 and bf16-mixed × no recompute and recompute-all × both
-//! attention modes. Prints, per configuration, the step peak (total, and above the resident model
-//! state) and the step time p50 of both, as ratios engine/PyTorch, and the achieved GFLOP/s of
-//! model FLOPs against this machine's matmul rate in the step's dtype (f32 through candle/gemm;
-//! bf16 through the engine's AVX512-BF16 kernel, packing included, where the CPU has it)
-//! measured in the same run. Nothing is
-//! asserted: timings are printed with their conditions.
+//! run on the same spec and threads, swept over sizes (issue 20): DiT at 256² with batch 1, 2, 4,
+//! 8, 16 and at 512² with batch 1, 4, each in fp32 and bf16-mixed × no recompute and
+//! recompute-all × both attention modes. Engine and peer alternate `VS_ROUNDS` times per row, so a
+//! burst of load from elsewhere lands on both. Prints, per row, the step peak (total, and above
+//! the resident model state) and the step time p50 of both, as ratios engine/PyTorch (the median
+//! of the rounds and the range of the per-round ratios), and the achieved GFLOP/s of model FLOPs
+//! against this machine's matmul rate in the step's dtype (f32 through candle/gemm; bf16 through
+//! the engine's AVX512-BF16 kernel, packing included, where the CPU has it) measured at that size
+//! in the same run; then a summary of every row's median ratios and the worst of them. Nothing is
+//! asserted: timings are printed with their conditions (CPU model, caches, threads, load).
 //!
-//! `cargo bench -p ditmem-engine --bench vs_torch`. Environment: `VS_PRESET` (dit-s-2),
-//! `VS_RES` (256), `VS_BATCH` (2), `VS_WARMUP` (1), `VS_STEPS` (5), `VS_ROUNDS` (1: engine then
-//! peer once per configuration; more alternate them and report the median of the rounds' p50
-//! and the range of the per-round ratios), `VS_THREADS` (all cores;
-//! exported as `RAYON_NUM_THREADS` for the engine and `--threads` for the peer), `VS_PYTHON`
-//! (bench/torch_peer/.venv/bin/python), `VS_ONLY` (a substring of the configuration names).
+//! `cargo bench -p ditmem-engine --bench vs_torch`. Environment (every one optional):
+//! - `VS_SIZES`: the sizes, `RESxBATCH` comma-separated (default the sweep
+//!   `256x1,256x2,256x4,256x8,256x16,512x1,512x4`); `VS_RES` / `VS_BATCH` without `VS_SIZES`
+//!   give one size (default 256 and 2).
+//! - `VS_PRECISION` (`fp32,bf16-mixed`), `VS_RECOMPUTE` (`none,all`), `VS_ATTENTION`
+//!   (`materialized,memory-efficient`): comma-separated subsets; `VS_ONLY`: a substring of the
+//!   row names (e.g. `256x8 fp32`).
+//! - `VS_PRESET` (dit-s-2), `VS_EMA` (`off`, issue 20's condition; `on`), `VS_WARMUP` (1),
+//!   `VS_STEPS` (5), `VS_ROUNDS` (3), `VS_THREADS` (all cores; exported as `RAYON_NUM_THREADS`
+//!   for the engine and `--threads` for the peer), `VS_PYTHON`
+//!   (bench/torch_peer/.venv/bin/python).
+//!
 //! The peer runs with `OMP_WAIT_POLICY=PASSIVE`. Without the peer's virtualenv the PyTorch
 //! columns say so and the engine still runs.
 
@@ -179,19 +188,208 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
+/// The median of `v` (NaN when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// (lowest, highest) of `v`.
+fn range(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
+}
+
+/// The comma-separated list in `VS_<key>`, or `default` where unset: the subset of a sweep axis
+/// to run.
+fn list(key: &str, default: &str) -> Vec<String> {
+    std::env::var(key)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+/// The sweep's sizes as (resolution, batch): `VS_SIZES`, else one size from `VS_RES` /
+/// `VS_BATCH` where either is set, else issue 20's sweep.
+fn sizes() -> Result<Vec<(u32, u32)>, String> {
+    let single = std::env::var("VS_RES").is_ok() || std::env::var("VS_BATCH").is_ok();
+    let default = if single {
+        format!("{}x{}", env("VS_RES", 256u32), env("VS_BATCH", 2u32))
+    } else {
+        "256x1,256x2,256x4,256x8,256x16,512x1,512x4".to_string()
+    };
+    list("VS_SIZES", &default)
+        .iter()
+        .map(|t| {
+            let parsed = t
+                .split_once('x')
+                .and_then(|(r, b)| Some((r.parse().ok()?, b.parse().ok()?)));
+            match parsed {
+                Some((r, b)) if r > 0 && b > 0 => Ok((r, b)),
+                _ => Err(format!(
+                    "VS_SIZES: '{t}' is not RESxBATCH with both positive, e.g. 256x8"
+                )),
+            }
+        })
+        .collect()
+}
+
+/// Parses every entry of `VS_<key>` with `parse`, naming the variable and the allowed values on
+/// a bad entry.
+fn axis<T>(key: &str, default: &str, allowed: &str, parse: impl Fn(&str) -> Option<T>) -> Vec<T> {
+    list(key, default)
+        .iter()
+        .map(|v| {
+            parse(v).unwrap_or_else(|| {
+                eprintln!("vs_torch: {key}: '{v}' is not one of {allowed}");
+                std::process::exit(2)
+            })
+        })
+        .collect()
+}
+
+/// One row's result: the engine's and the peer's figures, the medians over the rounds.
+struct Row {
+    name: String,
+    time_ratio: f64,
+    time_range: (f64, f64),
+    peak_ratio: Option<f64>,
+}
+
+/// Runs one configuration `rounds` times, engine then peer, and prints its line.
+fn measure(
+    name: &str,
+    s: &Spec,
+    (warmup, steps, rounds, threads): (u32, u32, u32, usize),
+    (flops, rate): (f64, f64),
+) -> Option<Row> {
+    let mut e_p50s = Vec::new();
+    let mut t_p50s = Vec::new();
+    let mut last = None;
+    let mut peer_last = None;
+    for _ in 0..rounds {
+        let m = match run(
+            s,
+            &RunOptions {
+                warmup,
+                steps,
+                ..RunOptions::default()
+            },
+            Some(&A),
+            &mut |_| true,
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                println!("{name:<44} engine failed: {e}");
+                return None;
+            }
+        };
+        e_p50s.push(median(&m.step_times_s));
+        let peer = run_peer(s, warmup, steps, threads);
+        match &peer {
+            Ok(pe) => t_p50s.push(pe.p50),
+            Err(_) => t_p50s.push(f64::NAN),
+        }
+        last = Some(m);
+        peer_last = Some(peer);
+    }
+    let (m, peer) = (last?, peer_last?);
+    let ratios: Vec<f64> = e_p50s
+        .iter()
+        .zip(&t_p50s)
+        .map(|(e, t)| e / t)
+        .filter(|r| r.is_finite())
+        .collect();
+    let p50 = median(&e_p50s);
+    let above = m.peak_bytes.saturating_sub(m.resident_bytes);
+    let gf = flops / p50;
+    let (tp, tr, ta, tar, tt, ttr) = match &peer {
+        Ok(pe) => {
+            let t50 = median(&t_p50s);
+            (
+                format!("{:.1}", mib(pe.peak)),
+                format!("{:.2}", m.peak_bytes as f64 / pe.peak as f64),
+                format!("{:.1}", mib(pe.above)),
+                format!("{:.2}", above as f64 / pe.above.max(1) as f64),
+                format!("{t50:.3}"),
+                format!("{:.2}", median(&ratios)),
+            )
+        }
+        Err(_) => Default::default(),
+    };
+    let mut line = format!(
+        "{:>10.1} {tp:>10} {tr:>7} {:>10.1} {ta:>10} {tar:>7} {:>8.3} {tt:>8} {ttr:>7} {:>9.2} {:>5.0}%",
+        mib(m.peak_bytes),
+        mib(above),
+        p50,
+        gf / 1e9,
+        100.0 * gf / rate
+    );
+    let (lo, hi) = range(&ratios);
+    if ratios.len() > 1 {
+        line.push_str(&format!("  rounds {lo:.2}–{hi:.2}"));
+    }
+    if let Err(e) = &peer {
+        line.push_str(&format!("  (peer: {e})"));
+    }
+    println!("{name:<44} {line}");
+    Some(Row {
+        name: name.to_string(),
+        time_ratio: median(&ratios),
+        time_range: (lo, hi),
+        peak_ratio: peer
+            .as_ref()
+            .ok()
+            .map(|pe| m.peak_bytes as f64 / pe.peak as f64),
+    })
+}
+
 fn main() {
     ditmem_engine::threads::configure_before_threads();
     let preset: String = env("VS_PRESET", "dit-s-2".to_string());
-    let res: u32 = env("VS_RES", 256);
-    let batch: u32 = env("VS_BATCH", 2);
     let warmup: u32 = env("VS_WARMUP", 1);
     let steps: u32 = env("VS_STEPS", 5);
-    let rounds: u32 = env("VS_ROUNDS", 1).max(1);
+    let rounds: u32 = env("VS_ROUNDS", 3).max(1);
+    let ema = env("VS_EMA", "off".to_string()) == "on";
     let threads: usize = env(
         "VS_THREADS",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     let only: String = env("VS_ONLY", String::new());
+    let sizes = sizes().unwrap_or_else(|e| {
+        eprintln!("vs_torch: {e}");
+        std::process::exit(2)
+    });
+    let precisions = axis(
+        "VS_PRECISION",
+        "fp32,bf16-mixed",
+        "fp32, bf16-mixed",
+        |v| match v {
+            "fp32" => Some(Precision::Fp32),
+            "bf16-mixed" => Some(Precision::Bf16Mixed),
+            _ => None,
+        },
+    );
+    let recomputes = axis("VS_RECOMPUTE", "none,all", "none, all", |v| match v {
+        "none" => Some(Recompute::None),
+        "all" => Some(Recompute::All),
+        _ => None,
+    });
+    let attentions = axis(
+        "VS_ATTENTION",
+        "materialized,memory-efficient",
+        "materialized, memory-efficient",
+        |v| match v {
+            "materialized" => Some(AttentionMode::Materialized),
+            "memory-efficient" => Some(AttentionMode::MemoryEfficient),
+            _ => None,
+        },
+    );
     // rayon reads this when its pool starts (the first parallel op below).
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
 
@@ -203,157 +401,110 @@ fn main() {
             std::process::exit(2);
         }
     };
-    base.workload.height = res;
-    base.workload.width = res;
-    base.workload.batch = batch;
-    base.workload.microbatch = batch;
     base.workload.accumulation = 1;
-    let d = ditmem_budget::Shape::new(&base);
-    let (rate_med, rate) = matmul_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize)
-        .unwrap_or((f64::NAN, f64::NAN));
-    let cpu = ditmem_engine::host::cpu_model();
-    println!(
-        "conditions: {cpu}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {} at {res}² ({} tokens), batch {batch}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per configuration (median of the rounds' p50); AdamW + EMA",
-        if cfg!(debug_assertions) { "debug" } else { "release" },
-        base.model.name,
-        d.s,
-    );
-    println!(
-        "f32 matmul rate (candle/gemm, {}×{} · {}×{}, 25 runs): best {:.1} GFLOP/s, median {:.1}",
-        d.b * d.s,
-        d.d,
-        d.d,
-        d.mlp,
-        rate / 1e9,
-        rate_med / 1e9
-    );
-    let rate16 = bf16_rate((d.b * d.s) as usize, d.d as usize, d.mlp as usize);
-    match rate16 {
-        Some((med, best)) => println!(
-            "bf16 matmul rate (engine AVX512-BF16 kernel, packing included, same shape, 25 runs): best {:.1} GFLOP/s, median {:.1}",
-            best / 1e9,
-            med / 1e9
-        ),
-        None => println!("bf16 matmul rate: no AVX512-BF16 kernel on this CPU (bf16 products widen to f32)"),
-    }
+    base.recipe.ema.enabled = ema;
     let load = || {
         std::fs::read_to_string("/proc/loadavg")
             .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
             .unwrap_or_default()
     };
-    println!("load average before: {}", load());
     println!(
-        "\n{:<40} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>9} {:>6}",
-        "configuration",
-        "peak MiB",
-        "torch",
-        "ratio",
-        "step MiB",
-        "torch",
-        "ratio",
-        "p50 s",
-        "torch",
-        "ratio",
-        "GFLOP/s",
-        "of mm"
+        "conditions: {}; {}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per row (median of the rounds' p50, range of the per-round ratios); AdamW, EMA {}; load average before: {}",
+        ditmem_engine::host::cpu_model(),
+        ditmem_engine::host::cache_summary(),
+        if cfg!(debug_assertions) { "debug" } else { "release" },
+        base.model.name,
+        if ema { "on" } else { "off" },
+        load(),
     );
-    let flops = model_flops(&base);
-    for p in [Precision::Fp32, Precision::Bf16Mixed] {
-        for rc in [Recompute::None, Recompute::All] {
-            for a in [AttentionMode::Materialized, AttentionMode::MemoryEfficient] {
-                let name = format!("{p} recompute {rc} {}", a.name());
-                if !name.contains(&only) {
-                    continue;
-                }
-                let mut s = base.clone();
-                s.recipe.precision = p;
-                s.recipe.recompute = rc.clone();
-                s.recipe.attention = a;
-                // Engine and peer alternate `rounds` times on this configuration, so a burst of
-                // load from elsewhere on a shared machine lands on both rather than on one.
-                let mut e_p50s = Vec::new();
-                let mut t_p50s = Vec::new();
-                let mut last = None;
-                let mut peer_last = None;
-                for _ in 0..rounds {
-                    let m = match run(
-                        &s,
-                        &RunOptions {
-                            warmup,
-                            steps,
-                            ..RunOptions::default()
-                        },
-                        Some(&A),
-                        &mut |_| true,
-                    ) {
-                        Ok(m) => m,
-                        Err(e) => {
-                            println!("{name:<40} engine failed: {e}");
-                            break;
-                        }
-                    };
-                    let mut t = m.step_times_s.clone();
-                    t.sort_by(f64::total_cmp);
-                    e_p50s.push(t.get(t.len() / 2).copied().unwrap_or(f64::NAN));
-                    let peer = run_peer(&s, warmup, steps, threads);
-                    if let Ok(pe) = &peer {
-                        t_p50s.push(pe.p50);
+    let mut rows = Vec::new();
+    for &(res, batch) in &sizes {
+        let mut sized = base.clone();
+        sized.workload.height = res;
+        sized.workload.width = res;
+        sized.workload.batch = batch;
+        sized.workload.microbatch = batch;
+        let d = ditmem_budget::Shape::new(&sized);
+        let (r, k, n) = ((d.b * d.s) as usize, d.d as usize, d.mlp as usize);
+        let rate = matmul_rate(r, k, n).map_or(f64::NAN, |(_, best)| best);
+        let rate16 = bf16_rate(r, k, n).map(|(_, best)| best);
+        println!(
+            "\n{res}² batch {batch} ({} tokens): f32 matmul (candle/gemm, {r}×{k} · {k}×{n}, best of 25) {:.1} GFLOP/s; bf16 {}",
+            d.s,
+            rate / 1e9,
+            rate16.map_or("no AVX512-BF16 kernel (widened to f32)".to_string(), |b| format!(
+                "(engine kernel, packing included) {:.1} GFLOP/s",
+                b / 1e9
+            ))
+        );
+        println!(
+            "{:<44} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>9} {:>6}",
+            "row",
+            "peak MiB",
+            "torch",
+            "ratio",
+            "step MiB",
+            "torch",
+            "ratio",
+            "p50 s",
+            "torch",
+            "ratio",
+            "GFLOP/s",
+            "of mm"
+        );
+        let flops = model_flops(&sized);
+        for &p in &precisions {
+            for rc in &recomputes {
+                for &a in &attentions {
+                    let name = format!("{res}x{batch} {p} recompute {rc} {}", a.name());
+                    if !name.contains(&only) {
+                        continue;
                     }
-                    last = Some(m);
-                    peer_last = Some(peer);
+                    let mut s = sized.clone();
+                    s.recipe.precision = p;
+                    s.recipe.recompute = rc.clone();
+                    s.recipe.attention = a;
+                    let mm = match (p, rate16) {
+                        (Precision::Bf16Mixed, Some(best)) => best,
+                        _ => rate,
+                    };
+                    if let Some(row) =
+                        measure(&name, &s, (warmup, steps, rounds, threads), (flops, mm))
+                    {
+                        rows.push(row);
+                    }
                 }
-                let (Some(m), Some(peer)) = (last, peer_last) else {
-                    continue;
-                };
-                let median = |v: &mut Vec<f64>| {
-                    v.sort_by(f64::total_cmp);
-                    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-                };
-                let ratios: Vec<f64> = e_p50s.iter().zip(&t_p50s).map(|(e, t)| e / t).collect();
-                let p50 = median(&mut e_p50s);
-                let above = m.peak_bytes.saturating_sub(m.resident_bytes);
-                let gf = flops / p50;
-                let peer = peer.map(|mut pe| {
-                    pe.p50 = median(&mut t_p50s);
-                    pe
-                });
-                let (tp, tr, ta, tar, tt, ttr) = match &peer {
-                    Ok(pe) => (
-                        format!("{:.1}", mib(pe.peak)),
-                        format!("{:.2}", m.peak_bytes as f64 / pe.peak as f64),
-                        format!("{:.1}", mib(pe.above)),
-                        format!("{:.2}", above as f64 / pe.above.max(1) as f64),
-                        format!("{:.3}", pe.p50),
-                        format!("{:.2}", p50 / pe.p50),
-                    ),
-                    Err(_) => Default::default(),
-                };
-                let mut line = format!(
-                    "{:>10.1} {tp:>10} {tr:>7} {:>10.1} {ta:>10} {tar:>7} {:>8.3} {tt:>8} {ttr:>7} {:>9.2} {:>5.0}%",
-                    mib(m.peak_bytes),
-                    mib(above),
-                    p50,
-                    gf / 1e9,
-                    100.0 * gf
-                        / match (p, rate16) {
-                            (Precision::Bf16Mixed, Some((_, best))) => best,
-                            _ => rate,
-                        }
-                );
-                if ratios.len() > 1 {
-                    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-                    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    line.push_str(&format!("  rounds {lo:.2}–{hi:.2}"));
-                }
-                if let Err(e) = peer {
-                    line.push_str(&format!("  (peer: {e})"));
-                }
-                println!("{name:<40} {line}");
             }
         }
     }
     println!("load average after: {}", load());
     println!(
-        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel)."
+        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel) at that size."
     );
+    println!("\nsummary ({} rows)", rows.len());
+    println!(
+        "{:<44} {:>11} {:>13} {:>11}",
+        "row", "time ratio", "round range", "peak ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:<44} {:>11.2} {:>6.2}–{:<6.2} {:>11}",
+            r.name,
+            r.time_ratio,
+            r.time_range.0,
+            r.time_range.1,
+            r.peak_ratio.map_or("-".to_string(), |v| format!("{v:.2}"))
+        );
+    }
+    let worst = |f: &dyn Fn(&Row) -> Option<f64>| {
+        rows.iter()
+            .filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (v, r.name.as_str())))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    if let Some((v, n)) = worst(&|r| Some(r.time_ratio)) {
+        println!("highest median time ratio: {v:.2} ({n})");
+    }
+    if let Some((v, n)) = worst(&|r| r.peak_ratio) {
+        println!("highest peak ratio: {v:.2} ({n})");
+    }
 }

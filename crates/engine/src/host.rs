@@ -140,6 +140,94 @@ pub fn cpu_model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
+/// One cache level of the CPU as sysfs describes it (`/sys/devices/system/cpu/cpu0/cache`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheLevel {
+    /// 1, 2, 3, …
+    pub level: u8,
+    /// `Data`, `Instruction` or `Unified`.
+    pub kind: String,
+    /// Bytes of one instance of the cache.
+    pub bytes: u64,
+    /// Logical CPUs that share one instance (from `shared_cpu_list`).
+    pub shared_by: u32,
+}
+
+/// The caches of CPU 0 as Linux reports them (empty where sysfs cannot be read): the conditions
+/// line of the benchmarks, since speed depends on them.
+pub fn cache_levels() -> Vec<CacheLevel> {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    let read = |p: &std::path::Path, f: &str| {
+        std::fs::read_to_string(p.join(f))
+            .ok()
+            .map(|s| s.trim().to_string())
+    };
+    let mut out: Vec<CacheLevel> = (0..16)
+        .map_while(|i| {
+            let p = dir.join(format!("index{i}"));
+            Some((read(&p, "level")?, read(&p, "type")?, read(&p, "size")?, p))
+        })
+        .filter_map(|(level, kind, size, p)| {
+            Some(CacheLevel {
+                level: level.parse().ok()?,
+                kind,
+                bytes: parse_cache_size(&size)?,
+                shared_by: read(&p, "shared_cpu_list").map_or(1, |l| cpu_list_len(&l)),
+            })
+        })
+        .collect();
+    out.sort_by_key(|c| (c.level, c.kind.clone()));
+    out
+}
+
+/// A sysfs cache size (`48K`, `1024K`, `32M`, or plain bytes) in bytes.
+fn parse_cache_size(s: &str) -> Option<u64> {
+    let (num, mult) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1024),
+        b'M' => (&s[..s.len() - 1], 1024 * 1024),
+        b'G' => (&s[..s.len() - 1], 1024 * 1024 * 1024),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok().map(|n| n * mult)
+}
+
+/// How many CPUs a sysfs CPU list (`0`, `0-1`, `0-3,8-11`) names.
+fn cpu_list_len(s: &str) -> u32 {
+    s.split(',')
+        .filter_map(|r| match r.split_once('-') {
+            Some((a, b)) => (b.parse::<u32>().ok()? + 1).checked_sub(a.parse::<u32>().ok()?),
+            None => r.parse::<u32>().ok().map(|_| 1),
+        })
+        .sum::<u32>()
+        .max(1)
+}
+
+/// The caches in one line, e.g. `L1d 48 KiB, L1i 32 KiB, L2 1024 KiB, L3 32768 KiB (shared by
+/// 2)`, or `caches unknown`.
+pub fn cache_summary() -> String {
+    let levels = cache_levels();
+    if levels.is_empty() {
+        return "caches unknown".to_string();
+    }
+    levels
+        .iter()
+        .map(|c| {
+            let suffix = match c.kind.as_str() {
+                "Data" => "d",
+                "Instruction" => "i",
+                _ => "",
+            };
+            let shared = if c.shared_by > 1 {
+                format!(" (shared by {})", c.shared_by)
+            } else {
+                String::new()
+            };
+            format!("L{}{suffix} {} KiB{shared}", c.level, c.bytes / 1024)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +280,21 @@ mod tests {
         let mut torch = s;
         torch.runtime = "pytorch:cuda".parse().unwrap();
         assert_eq!(resolve(&torch).cpu, None);
+    }
+
+    #[test]
+    fn cache_sizes_and_cpu_lists_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("48K"), Some(48 * 1024));
+        assert_eq!(parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("x"), None);
+        assert_eq!(cpu_list_len("0"), 1);
+        assert_eq!(cpu_list_len("0-1"), 2);
+        assert_eq!(cpu_list_len("0-3,8-11"), 8);
+        // A reversed range counts nothing rather than wrapping.
+        assert_eq!(cpu_list_len("3-1"), 1);
+        for c in cache_levels() {
+            assert!(c.bytes > 0 && c.level >= 1, "{c:?}");
+        }
     }
 }
