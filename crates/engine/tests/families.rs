@@ -11,6 +11,9 @@ use ditmem_engine::agree::{self, measure_and_compare, summarize};
 use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
+mod common;
+use common::max_abs_diff;
+
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
@@ -163,17 +166,6 @@ fn families() -> Vec<Family> {
 fn sum_sq(t: &Tensor) -> f64 {
     let t = t.to_dtype(DType::F64).unwrap();
     t.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 fn what(s: &Spec) -> String {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use ditmem_engine::ops::tokens::{concat, slice};
+use ditmem_engine::ops::tokens::{cat_tokens, concat, slice, split_tokens};
 use ditmem_engine::ops::{rms_norm, rope, RopeTable, RMS_EPS};
 use ditmem_engine::rng::SplitMix64;
 
@@ -210,4 +210,26 @@ fn concat_and_slice_match_cat_and_narrow() {
         (b * (ta + tb + 1), d)
     )
     .is_err());
+}
+
+/// SD3's row forms are the same ops: (b·s, D) and (b·t, D) rows make (b·(s+t), D) rows, each
+/// sample's s rows then its t rows, and a split takes one part back out.
+#[test]
+fn cat_tokens_and_split_tokens_are_concat_and_slice_on_rows() {
+    let (b, ta, tb, d) = (3, 2, 5, 4);
+    let a = rand(&[b * ta, d], 13, 1.0);
+    let c = rand(&[b * tb, d], 14, 1.0);
+    let y = cat_tokens(&a, &c, b).unwrap();
+    let per_sample = |x: &Tensor, t: usize| x.reshape((b, t, d)).unwrap();
+    let yr = Tensor::cat(&[per_sample(&a, ta), per_sample(&c, tb)], 1)
+        .unwrap()
+        .reshape((b * (ta + tb), d))
+        .unwrap();
+    assert_eq!(max_abs(&y, &yr), 0.0);
+    assert_eq!(max_abs(&split_tokens(&y, b, 0, ta).unwrap(), &a), 0.0);
+    assert_eq!(max_abs(&split_tokens(&y, b, ta, tb).unwrap(), &c), 0.0);
+    // Widths that differ, rows that are not whole samples, a part past the end: errors.
+    assert!(cat_tokens(&a, &rand(&[b * tb, d + 1], 15, 1.0), b).is_err());
+    assert!(split_tokens(&rand(&[7, d], 16, 1.0), b, 0, 1).is_err());
+    assert!(split_tokens(&y, b, ta, tb + 1).is_err());
 }

@@ -9,6 +9,9 @@ use ditmem_engine::ops::rope_cos_sin::rope_cos_sin_reference as rope_reference;
 use ditmem_engine::ops::{rms_norm_rows as rms_norm, rope_cos_sin as rope};
 use ditmem_engine::CountingAlloc;
 
+mod common;
+use common::max_abs_diff;
+
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
@@ -26,17 +29,6 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
-
 /// RMSNorm with and without a weight: the fused op's value and gradients (x and the weight)
 /// equal candle's composed f64 reference; in f32 the value is within rounding.
 #[test]
@@ -50,16 +42,16 @@ fn rms_norm_matches_its_reference() {
         let wr = with_w.then(|| w.as_tensor());
         let y = rms_norm(x.as_tensor(), wr, 1e-6, DType::F64).unwrap();
         let yr = rms_norm_reference(x.as_tensor(), wr, 1e-6).unwrap();
-        assert!(max_diff(&y, &yr) < 1e-12);
+        assert!(max_abs_diff(&y, &yr) < 1e-12);
         let g = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
         let gr = (yr * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let dx = max_diff(
+        let dx = max_abs_diff(
             g.get(x.as_tensor()).unwrap(),
             gr.get(x.as_tensor()).unwrap(),
         );
         assert!(dx < 1e-12, "dx differs by {dx}");
         if with_w {
-            let dw = max_diff(
+            let dw = max_abs_diff(
                 g.get(w.as_tensor()).unwrap(),
                 gr.get(w.as_tensor()).unwrap(),
             );
@@ -72,7 +64,7 @@ fn rms_norm_matches_its_reference() {
         let y32 = rms_norm(&x32, with_w.then_some(&w32), 1e-6, DType::BF16).unwrap();
         assert_eq!(y32.dtype(), DType::BF16);
         assert!(
-            max_diff(
+            max_abs_diff(
                 &y32,
                 &rms_norm_reference(&x32, with_w.then_some(&w32), 1e-6).unwrap()
             ) < 0.05
@@ -97,7 +89,7 @@ fn rope_matches_its_reference() {
         let r = randn(&shape, 9);
         let y = rope(x.as_tensor(), &cos, &sin).unwrap();
         let yr = rope_reference(x.as_tensor(), &cos, &sin).unwrap();
-        assert!(max_diff(&y, &yr) < 1e-12);
+        assert!(max_abs_diff(&y, &yr) < 1e-12);
         let n0: f64 = x
             .as_tensor()
             .sqr()
@@ -110,7 +102,7 @@ fn rope_matches_its_reference() {
         assert!((n0 - n1).abs() < 1e-9 * n0);
         let g = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
         let gr = (yr * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let dx = max_diff(
+        let dx = max_abs_diff(
             g.get(x.as_tensor()).unwrap(),
             gr.get(x.as_tensor()).unwrap(),
         );

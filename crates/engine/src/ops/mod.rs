@@ -13,8 +13,6 @@
 //!   trainer instead of candle's store (no `zeros_like` + `add` per weight).
 //! - [`attention`]: [`qkv_attention`], attention read in place from the qkv projection, keeping
 //!   P, nothing or the log-sum-exp; with the composed reference [`attention_materialized`].
-//! - [`joint`](mod@joint): [`cat_tokens`] / [`split_tokens`], the per-sample token
-//!   concatenation of joint attention and its split.
 //! - [`rms_norm`](mod@rms_norm): the per-head q/k RMSNorm of SD3.5 and Flux (and Sana's
 //!   caption norm, one head as wide as the row), keeping nothing for backward.
 //! - [`rms_norm_rows`](mod@rms_norm_rows): RMSNorm over the last dimension with an optional
@@ -30,7 +28,8 @@
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
 //! - [`rms_norm`](mod@rms_norm): Flux's per-head q/k RMSNorm, keeping nothing.
 //! - [`rope`](mod@rope): Flux's rotary embedding over shared cos/sin tables.
-//! - [`tokens`]: per-sample concatenation and slicing (Flux's joint sequences).
+//! - [`tokens`]: per-sample concatenation and slicing (the joint sequences of SD3 and Flux;
+//!   [`cat_tokens`] / [`split_tokens`] on (b·tokens, D) rows).
 //! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
 //!
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
@@ -49,7 +48,6 @@ pub mod dwconv;
 pub mod gated_residual;
 pub mod gelu;
 pub mod glu;
-pub mod joint;
 pub mod linear;
 pub mod linear_attention;
 pub mod ln_modulate;
@@ -68,7 +66,6 @@ pub use attention::{
 pub use backward_from::{backward_from, backward_from_many};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
-pub use joint::{cat_tokens, split_tokens};
 pub use linear::{
     linear, linear_bwd_scratch, linear_fwd_scratch, linear_sunk, GradSink, LinearGrads, LinearOp,
     LINEAR_ROWS,
@@ -79,3 +76,4 @@ pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};
 pub use rope_cos_sin::{rope_cos_sin, RopeCosSin};
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};
+pub use tokens::{cat_tokens, split_tokens};

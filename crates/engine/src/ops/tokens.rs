@@ -1,12 +1,13 @@
-//! Per-sample concatenation and slicing as custom ops, for Flux's joint sequences: [`concat`]
-//! writes, for each of `batch` samples, a's part then b's part (the [text; image] token
-//! sequence, or the single-stream block's [attention; MLP] features of each row), and [`slice`]
-//! copies one range of each sample's part (the text or image tokens of the joint attention's
-//! output, the image tokens of the last stream). candle's `cat` backward narrows the gradient
+//! Per-sample concatenation and slicing as custom ops, for the joint sequences of SD3 and Flux:
+//! [`concat`] writes, for each of `batch` samples, a's part then b's part (the [text; image]
+//! token sequence, or the single-stream block's [attention; MLP] features of each row), and
+//! [`slice`] copies one range of each sample's part (the text or image tokens of the joint
+//! attention's output, the image tokens of the last stream); [`cat_tokens`] and
+//! [`split_tokens`] are the two on (b·tokens, D) rows (SD3's `JointAttnProcessor2_0`). candle's `cat` backward narrows the gradient
 //! and adds it into zeros, and `narrow` + `contiguous` pads each gradient back with zeros and a
 //! concatenation; these return fresh gradients directly: `concat` one per tracked input (its
 //! part of g), `slice` one x-sized gradient, zero outside the range. Neither keeps anything nor
-//! uses scratch. Budget twins: `concat` / `slice` of `ditmem_budget::ditmem_cpu::flux`.
+//! uses scratch. Budget twins: `concat` / `slice` of `ditmem_budget::ditmem_cpu::ops`.
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor,
@@ -182,6 +183,32 @@ impl CustomOp2 for Concat {
         };
         Ok((da, db))
     }
+}
+
+/// Width of (rows, D) rows, checked to split into `batch` samples.
+fn rows_of(x: &Tensor, batch: usize, what: &str) -> CResult<(usize, usize)> {
+    match x.dims() {
+        &[r, d] if batch > 0 && r.is_multiple_of(batch) => Ok((r, d)),
+        dims => Err(err(format!(
+            "{what}: expected (b·tokens, D) rows for a batch of {batch}, got {dims:?}"
+        ))),
+    }
+}
+
+/// [`concat`] of (b·s, D) and (b·t, D) rows of one width → (b·(s+t), D).
+pub fn cat_tokens(a: &Tensor, c: &Tensor, batch: usize) -> CResult<Tensor> {
+    let (ra, d) = rows_of(a, batch, "cat_tokens a")?;
+    let (rc, dc) = rows_of(c, batch, "cat_tokens c")?;
+    if dc != d {
+        return Err(err(format!("cat_tokens: widths {d} and {dc} differ")));
+    }
+    concat(a, c, batch, (ra + rc, d))
+}
+
+/// [`slice`] of rows `start .. start + len` of each sample of (b·n, D) rows → (b·len, D).
+pub fn split_tokens(x: &Tensor, batch: usize, start: usize, len: usize) -> CResult<Tensor> {
+    let (_, d) = rows_of(x, batch, "split_tokens")?;
+    slice(x, batch, (start * d, (start + len) * d), (batch * len, d))
 }
 
 /// Per-sample slice (see the module docs).

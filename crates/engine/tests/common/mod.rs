@@ -2,6 +2,7 @@
 //! images = 16×16 latents = 64 tokens, batch 4).
 #![allow(dead_code)]
 
+use candle_core::{DType, Tensor};
 use ditmem_budget::{Precision, Recompute, Spec};
 use ditmem_engine::{Batch, SyntheticData, TrainOptions, Trainer};
 
@@ -57,4 +58,16 @@ pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
         worst = worst.max(d / scale);
     }
     worst
+}
+
+/// max |a − b| over two tensors of one shape, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
 }

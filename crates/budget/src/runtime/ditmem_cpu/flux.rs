@@ -12,7 +12,7 @@ use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate, seed};
+use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, gelu, ln_modulate, seed, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -106,18 +106,6 @@ pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) 
 pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
     let (e, dt) = (g.elems(x), g.dtype(x));
     g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
-}
-
-/// `ops::tokens::concat`: one fresh output; the backward one fresh part per tracked input.
-pub fn concat(g: &mut Graph, name: &str, a: Nid, b: Nid) -> Nid {
-    let (e, dt) = (g.elems(a) + g.elems(b), g.dtype(a));
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[a, b], e, dt)
-}
-
-/// `ops::tokens::slice`: one fresh output of `elems`; the backward one fresh x-sized gradient.
-pub fn slice(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
-    let dt = g.dtype(x);
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
 }
 
 /// `modulation`: `linear(st)` cast to the accumulation dtype (the function's local, dropped at

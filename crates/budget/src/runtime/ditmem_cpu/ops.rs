@@ -299,3 +299,17 @@ pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
     }
     y
 }
+
+/// `ops::tokens::concat` (and `cat_tokens`): one fresh output; the backward one fresh part per
+/// tracked input; keeps nothing.
+pub fn concat(g: &mut Graph, name: &str, a: Nid, b: Nid) -> Nid {
+    let (e, dt) = (g.elems(a) + g.elems(b), g.dtype(a));
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[a, b], e, dt)
+}
+
+/// `ops::tokens::slice` (and `split_tokens`): one fresh output of `elems`; the backward one
+/// fresh x-sized gradient (zero outside the part).
+pub fn slice(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
+    let dt = g.dtype(x);
+    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
+}

@@ -11,7 +11,7 @@ use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, gelu, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -70,20 +70,6 @@ impl Sd3Geo {
     pub fn text_elems(&self) -> u64 {
         self.t * self.width + self.pooled
     }
-}
-
-/// `ops::cat_tokens` of the engine: one fresh (b·(s+t), D) output; backward one fresh
-/// gradient per input that tracks; keeps nothing.
-fn cat_tokens(g: &mut Graph, name: &str, a: Nid, c: Nid) -> Nid {
-    let (e, dt) = (g.elems(a) + g.elems(c), g.dtype(a));
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[a, c], e, dt)
-}
-
-/// `ops::split_tokens` of the engine: one fresh (b·len, D) part; backward one fresh gradient of
-/// the input's size (zero outside the part).
-fn split_tokens(g: &mut Graph, name: &str, x: Nid, elems: u64) -> Nid {
-    let dt = g.dtype(x);
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], elems, dt)
 }
 
 /// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
@@ -184,11 +170,11 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
         }
         None => (q, k, eq, ek),
     };
-    let qc = cat_tokens(&mut g, "cat q", q, eq);
+    let qc = concat(&mut g, "cat q", q, eq);
     g.bind(qc);
-    let kcat = cat_tokens(&mut g, "cat k", k, ek);
+    let kcat = concat(&mut g, "cat k", k, ek);
     g.bind(kcat);
-    let vc = cat_tokens(&mut g, "cat v", v, ev);
+    let vc = concat(&mut g, "cat v", v, ev);
     g.bind(vc);
     let o = separate_attention(
         &mut g,
@@ -200,7 +186,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     g.bind(o);
 
     // Image stream.
-    let oi = split_tokens(&mut g, "split image", o, e);
+    let oi = slice(&mut g, "split image", o, e);
     g.bind(oi);
     let ao = lin(&mut g, "attn.to_out.0", oi, rows, d, d);
     let gate = chunk(&mut g, "m", m, 2, 6, bd);
@@ -221,7 +207,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     g.bind(x2);
 
     // Context stream.
-    let oc = split_tokens(&mut g, "split context", o, c_el);
+    let oc = slice(&mut g, "split context", o, c_el);
     g.bind(oc);
     let co = lin(&mut g, "attn.to_add_out", oc, trows, d, d);
     let gate = chunk(&mut g, "mc", mc, 2, 6, bd);
