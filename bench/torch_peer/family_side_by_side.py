@@ -8,6 +8,23 @@ range of the per-round time ratios). Nothing is asserted; conditions are printed
         --spec A.json --spec B.json [--rounds 3 --steps 5 --threads 2 --ditmem target/release/ditmem]
 
 A spec is the `spec` object of `ditmem estimate --json` (model.diffusers, workload, recipe).
+
+What each step peak counts (both: the bytes above what lives between steps, at the step's worst
+moment):
+- engine: `ditmem run --json` peak_bytes − resident_bytes, from the counting allocator (every heap
+  byte: tensors, candle's per-tensor bookkeeping, the gradient store). resident_bytes is read just
+  before the step, so it holds the weights, optimizer state, EMA, the step's batch (f64 latents,
+  noise and text embeddings, drawn before the step) and the `gemm` crate's packing slabs
+  (threads × L2 bytes, thread-locals made in the warm-up step and kept): neither is in the step
+  peak.
+- peer: `family_peer.py` step_peak_above_resident, torch's profiler [memory] events (storages of
+  c10's CPU allocator only). The inputs the step draws (latents, noise, text embeddings in the
+  weight dtype) are made inside the step and counted; MKL's and oneDNN's packing buffers
+  (mkl_malloc, kept across calls like the gemm slabs) and autograd's node objects are not
+  tracked at all: neither side's step peak holds packing memory.
+Per row the engine's worst moment and what is live at it above the step start come from
+`ditmem estimate --json` (`peak.label`, `peak.breakdown` − the first timeline event; the budget
+agrees with the engine to < 1 %), the peer's from its phase peaks.
 """
 
 import argparse
@@ -37,6 +54,18 @@ def engine(ditmem, spec, steps, threads):
     return v["peak_bytes"] - v["resident_bytes"], p50(v["step_time_s"])
 
 
+def engine_peak_moment(ditmem, spec):
+    """The budget's worst moment of the engine's step: its label and the bytes live at it above
+    the step start, by kind (activations, workspace, gradients, data, runtime, ...)."""
+    out = subprocess.run([ditmem, "estimate", "--config", spec, "--json"],
+                         capture_output=True, text=True, check=True)
+    v = json.loads(out.stdout)
+    start = v["timeline"]["events"][0]["live"]
+    at = v["peak"]["breakdown"]
+    above = {k: at[k] - start[k] for k in at if at[k] != start[k]}
+    return v["peak"]["label"], above
+
+
 def peer(python, spec, steps, threads):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     out = subprocess.run(
@@ -45,7 +74,9 @@ def peer(python, spec, steps, threads):
         env=env, capture_output=True, text=True, check=True,
     )
     v = json.loads(out.stdout[out.stdout.index("{"):])
-    return v["step_peak_above_resident"], p50(v["step_time_s"]), v["conditions"]
+    phases = v["phase_peaks"]
+    return (v["step_peak_above_resident"], p50(v["step_time_s"]), v["conditions"],
+            max(phases, key=phases.get))
 
 
 def main():
@@ -63,12 +94,13 @@ def main():
         e_peak, e_t, p_peak, p_t = [], [], [], []
         for _ in range(a.rounds):
             ep, et = engine(a.ditmem, spec, a.steps, a.threads)
-            pp, pt, cond = peer(a.python, spec, a.steps, a.threads)
+            pp, pt, cond, p_phase = peer(a.python, spec, a.steps, a.threads)
             e_peak.append(ep)
             e_t.append(et)
             p_peak.append(pp)
             p_t.append(pt)
         ratios = [x / y for x, y in zip(e_t, p_t)]
+        label, above = engine_peak_moment(a.ditmem, spec)
         rows.append({
             "spec": os.path.basename(spec),
             "engine_step_peak": statistics.median(e_peak),
@@ -78,6 +110,9 @@ def main():
             "peer_p50_s": statistics.median(p_t),
             "time_ratio": statistics.median(e_t) / statistics.median(p_t),
             "time_ratio_range": [min(ratios), max(ratios)],
+            "engine_peak_at": label,
+            "engine_peak_above_start": above,
+            "peer_peak_phase": p_phase,
         })
     print(json.dumps({"rows": rows, "rounds": a.rounds, "steps": a.steps,
                       "threads": a.threads, "peer_conditions": cond}, indent=1))
@@ -87,6 +122,13 @@ def main():
         print(f"{r['spec']:40} {r['engine_step_peak']:>12,} {r['peer_step_peak']:>12,} "
               f"{r['peak_ratio']:>6.2f} {r['engine_p50_s']:>10.4f} {r['peer_p50_s']:>9.4f} "
               f"{r['time_ratio']:>6.2f}", file=sys.stderr)
+    print("engine's worst moment (budget) and what is live at it above the step start; the "
+          "peer's phase:", file=sys.stderr)
+    for r in rows:
+        parts = ", ".join(f"{k} {v:,}" for k, v in sorted(r["engine_peak_above_start"].items(),
+                                                          key=lambda kv: -kv[1]))
+        print(f"{r['spec']:40} {r['engine_peak_at']:24} {parts}; peer: {r['peer_peak_phase']}",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -779,15 +779,23 @@ impl Trainer {
         let mut loss_sum = 0.0;
         let layout = Arc::clone(&self.layout);
         for m in 0..accum {
-            let mb = batch.slice(m * micro, micro)?;
+            // One microbatch is the batch itself: no copy of its f64 latents, noise and text
+            // (budget twin: `ditmem_cpu::step::replay` lays out a slice only under accumulation).
+            let slice;
+            let mb = if accum == 1 {
+                batch
+            } else {
+                slice = batch.slice(m * micro, micro)?;
+                &slice
+            };
             rec.enter(Phase::Forward);
             loss_sum += match &*layout {
-                Layout::Dit(l) => self.microbatch(l, &mb, m, accum, rec)?,
-                Layout::Pixart(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
-                Layout::Sd3(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
-                Layout::Flux(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
-                Layout::Sana(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
-                Layout::Wan(l) => self.family_microbatch(l, &mb, m, accum, rec)?,
+                Layout::Dit(l) => self.microbatch(l, mb, m, accum, rec)?,
+                Layout::Pixart(l) => self.family_microbatch(l, mb, m, accum, rec)?,
+                Layout::Sd3(l) => self.family_microbatch(l, mb, m, accum, rec)?,
+                Layout::Flux(l) => self.family_microbatch(l, mb, m, accum, rec)?,
+                Layout::Sana(l) => self.family_microbatch(l, mb, m, accum, rec)?,
+                Layout::Wan(l) => self.family_microbatch(l, mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

@@ -5,7 +5,9 @@ mod common;
 
 use common::*;
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
-use ditmem_engine::{run, CountingAlloc, Phase, RunOptions, TrainOptions, Trainer};
+use ditmem_engine::{
+    run, Batch, CountingAlloc, Phase, RunOptions, SyntheticData, TrainOptions, Trainer,
+};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -23,6 +25,49 @@ fn peak(spec: &Spec) -> (u64, ditmem_engine::Measurement) {
     )
     .unwrap();
     (m.peak_bytes, m)
+}
+
+/// Live bytes at the end of the first microbatch's embed segment, above those just before the
+/// step (weights, optimizer state, the step's batch), after one warm-up step.
+fn above_start_at_embed(spec: &Spec) -> u64 {
+    let data = SyntheticData::new(spec, 1).unwrap();
+    let mut t = trainer(spec, false);
+    t.step(&data.step_batch(0), None).unwrap();
+    let b = data.step_batch(1);
+    let before = A.live();
+    let r = t.step(&b, Some(&A)).unwrap();
+    let embed = r
+        .timeline
+        .iter()
+        .find(|p| p.label.ends_with("embed"))
+        .unwrap();
+    embed.live_bytes - before
+}
+
+/// Heap bytes of a batch's sample vectors.
+fn batch_heap_bytes(b: &Batch) -> u64 {
+    let f64s = b.latents.len() + b.noise.len() + b.text.len() + b.pooled.len();
+    (8 * f64s + 4 * (b.timesteps.len() + b.labels.len()) + b.drop_label.len()) as u64
+}
+
+/// One microbatch runs on the step's batch itself; under accumulation each microbatch runs on a
+/// copy of its samples (`Batch::slice`). Same microbatch, so the same embed segment: the only
+/// difference is that copy, plus the longer timeline label ("microbatch 0: embed", 14 bytes).
+fn one_microbatch_runs_on_the_batch_itself() {
+    let mut one = tiny(Precision::Fp32);
+    one.workload.microbatch = 2;
+    one.workload.batch = 2;
+    one.workload.accumulation = 1;
+    let mut two = one.clone();
+    two.workload.batch = 4;
+    two.workload.accumulation = 2;
+    let copy = batch_heap_bytes(&batch(&one, 1));
+    let (a, b) = (above_start_at_embed(&one), above_start_at_embed(&two));
+    eprintln!("embed above start: one microbatch {a}, two {b}; a microbatch's copy {copy}");
+    assert!(
+        b >= a + copy && b - a - copy < 64,
+        "one microbatch {a}, two {b}: the difference is not one copy of {copy} bytes"
+    );
 }
 
 #[test]
@@ -97,4 +142,6 @@ fn recompute_and_attention_modes_lower_the_measured_peak() {
         "optimizer peak too small"
     );
     let _ = A.live();
+
+    one_microbatch_runs_on_the_batch_itself();
 }

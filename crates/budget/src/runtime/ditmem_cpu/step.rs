@@ -1,8 +1,9 @@
 //! The `ditmem-cpu` step timeline: a replay of `ditmem-engine`'s `Trainer::step` over the candle
 //! graphs of [`super::segments`] (twin: the engine's `trainer.rs`).
 //!
-//! The replay follows the engine's code path: the microbatch slice of the batch, the embed
-//! segment (kept to the end of backward), each block on a leaf copy of its input (stored) or on
+//! The replay follows the engine's code path: the microbatch slice of the batch (under
+//! accumulation only: one microbatch runs on the batch itself), the embed segment (kept to the
+//! end of backward), each block on a leaf copy of its input (stored) or on
 //! its input without tracking (recomputed), the final layer on a leaf copy, then backward through
 //! the final layer's loss and each block from its output gradient (the seed of
 //! `ops::backward_from`), the gradient buffers (moved out of the gradient store, or out of the
@@ -104,14 +105,27 @@ pub fn replay(
     rp.ev
         .push(Phase::Start, "step start".into(), None, 0, false, base);
     let mut live = base;
+    let slice = microbatch_slice_bytes(spec);
     for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
-        live.data += batch_bytes(spec, u64::from(w.microbatch));
+        live.data += slice;
         rp.forward(&mut live, mb);
         rp.backward(&mut live, mb);
-        live.data -= batch_bytes(spec, u64::from(w.microbatch));
+        live.data -= slice;
     }
     rp.optimizer(&mut live, table, base.runtime);
     rp.ev.0
+}
+
+/// Bytes of the microbatch slice the engine copies out of the step's batch while it runs the
+/// microbatch (`Trainer::forward_backward`, `Batch::slice`): none with one microbatch, which
+/// runs on the batch itself.
+fn microbatch_slice_bytes(spec: &Spec) -> u64 {
+    let w = &spec.workload;
+    if w.accumulation > 1 {
+        batch_bytes(spec, u64::from(w.microbatch))
+    } else {
+        0
+    }
 }
 
 /// Bytes of a `Batch` of `n` samples: latents and noise in f64, timesteps and labels u32,
@@ -417,8 +431,8 @@ impl<'a> Replay<'a> {
         let what = "embed grads (inside)".into();
         self.land_event(live, mb, self.embed, what, None);
         // x0, c, gx and gc are dropped; the other locals of `microbatch` (patches, timestep
-        // features, t_emb, y_emb and what they still hold) and the microbatch slice live until
-        // the function returns, just after this mark.
+        // features, t_emb, y_emb and what they still hold) and the microbatch slice (if any)
+        // live until the function returns, just after this mark.
         live.workspace -= es.bwd_store + gx_bytes + self.bd;
         live.activations -= es.activations + es.output + sims.c_leaf;
         live.weight_casts -= es.weight_casts;
@@ -513,5 +527,39 @@ impl<'a> Replay<'a> {
         live.runtime = runtime;
         self.ev
             .push(Phase::Optimizer, "optimizer".into(), None, 0, false, *live);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Live data bytes at the end of the first microbatch's embed and at the step start.
+    fn data_at_embed(spec: &Spec) -> (u64, u64) {
+        let b = crate::estimate(spec).unwrap();
+        let ev = &b.timeline.events;
+        let embed = ev
+            .iter()
+            .find(|e| !e.inside && e.label.ends_with("embed"))
+            .unwrap();
+        (ev[0].live.data, embed.live.data)
+    }
+
+    /// One microbatch runs on the step's batch: no slice of it is laid out. Under accumulation
+    /// each microbatch is a copy of its samples while it runs.
+    #[test]
+    fn only_accumulation_lays_out_a_microbatch_slice() {
+        let mut spec = Spec::small();
+        spec.workload.microbatch = 2;
+        spec.workload.batch = 2;
+        spec.workload.accumulation = 1;
+        let (start, embed) = data_at_embed(&spec);
+        assert_eq!(start, batch_bytes(&spec, 2));
+        assert_eq!(embed, start);
+        spec.workload.batch = 4;
+        spec.workload.accumulation = 2;
+        let (start, embed) = data_at_embed(&spec);
+        assert_eq!(start, batch_bytes(&spec, 4));
+        assert_eq!(embed, start + batch_bytes(&spec, 2));
     }
 }
