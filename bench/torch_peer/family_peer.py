@@ -53,6 +53,16 @@ FLUX_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8)  # the scripts' defaults
 SGD_LR = 1e-4
 DEFAULT_LORA_MODULES = ("to_q", "to_k", "to_v", "to_out.0")  # the diffusers LoRA scripts' default
+# The scripts whose default differs, with --lora_layers unset (diffusers 58eb52c; the budget's
+# `denoiser::SD3_LORA_MODULES` / `FLUX_LORA_MODULES`): train_dreambooth_lora_sd3.py adapts both
+# streams' attention projections, train_dreambooth_lora_flux.py those and the feed-forwards.
+SCRIPT_LORA_MODULES = {
+    "sd3": ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+            "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"),
+    "flux": ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+             "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+             "ff_context.net.0.proj", "ff_context.net.2"),
+}
 DIT_LORA_TARGETS = {"qkv", "proj", "fc1", "fc2", "adaln"}  # ditmem's LoraTarget (original DiT)
 
 
@@ -122,13 +132,13 @@ class FamilySpec:
         lora = r.get("lora")
         self.lora = None
         if lora:
-            # ditmem's LoraSpec: `modules` = PEFT target_modules names (empty: the scripts'
-            # to_q, to_k, to_v, to_out.0); `targets` holds the original DiT's linears (qkv, proj,
+            # ditmem's LoraSpec: `modules` = PEFT target_modules names (empty: the family's
+            # script default, SCRIPT_LORA_MODULES or DEFAULT_LORA_MODULES); `targets` holds the original DiT's linears (qkv, proj,
             # fc1, fc2, adaln) and is ignored here unless it holds module names.
             mods = list(lora.get("modules") or [])
             if not mods:
                 mods = [t for t in (lora.get("targets") or []) if t not in DIT_LORA_TARGETS]
-            self.lora = {"rank": int(lora["rank"]), "targets": mods or list(DEFAULT_LORA_MODULES)}
+            self.lora = {"rank": int(lora["rank"]), "targets": mods or list(SCRIPT_LORA_MODULES.get(self.family, DEFAULT_LORA_MODULES))}
             self.lora["alpha"] = int(lora.get("alpha", self.lora["rank"]))
         ema = r.get("ema") or {}  # ditmem's EmaSpec default: enabled, f32, 0.9999
         self.ema = bool(ema.get("enabled", True))
