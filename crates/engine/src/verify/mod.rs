@@ -352,6 +352,12 @@ impl Growth {
 /// (also over K = 50 on the default spec). Each κ = [`SPREAD_MARGIN`] × c, so a correct run sits
 /// at a margin (error / tolerance) of at most 0.5 at every calibration point; a bug that doubles
 /// a policy's error lands in the warning band, one that triples it fails.
+///
+/// Per tensor ([`Tolerance::grad_of`]) two terms measured on the reference itself join this
+/// (`terms.rs`): the underflow of a loss-scaled gradient below the compute dtype's smallest
+/// normal (fp16: Flux's text stream at initialisation), and the cancellation a gradient comes
+/// out of (Sana's linear attention, measured by the probe). The drift tolerance follows them,
+/// weighted by each tensor's share of the reference's travel ([`Tolerance::drift_of`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
     /// The policy the tolerance is for.
