@@ -38,6 +38,7 @@ const DTYPES: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16];
 
 fn main() -> candle_core::Result<()> {
     ditmem_engine::threads::configure_before_threads();
+    ditmem_engine::malloc::one_arena();
     let n = reps();
     let dev = Device::Cpu;
     println!(

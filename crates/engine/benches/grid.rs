@@ -23,6 +23,7 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     ditmem_engine::threads::configure_before_threads();
+    ditmem_engine::malloc::one_arena();
     let steps = env("GRID_STEPS", 3);
     let mut base = Spec::default_xl();
     base.model.name = "grid".into();

@@ -351,6 +351,7 @@ fn measure(
 
 fn main() {
     ditmem_engine::threads::configure_before_threads();
+    ditmem_engine::malloc::one_arena();
     let preset: String = env("VS_PRESET", "dit-s-2".to_string());
     let warmup: u32 = env("VS_WARMUP", 1);
     let steps: u32 = env("VS_STEPS", 5);
@@ -409,12 +410,13 @@ fn main() {
             .unwrap_or_default()
     };
     println!(
-        "conditions: {}; {}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per row (median of the rounds' p50, range of the per-round ratios); AdamW, EMA {}; load average before: {}",
+        "conditions: {}; {}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per row (median of the rounds' p50, range of the per-round ratios); AdamW, EMA {}; engine malloc: {}; load average before: {}",
         ditmem_engine::host::cpu_model(),
         ditmem_engine::host::cache_summary(),
         if cfg!(debug_assertions) { "debug" } else { "release" },
         base.model.name,
         if ema { "on" } else { "off" },
+        ditmem_engine::malloc::policy().describe(),
         load(),
     );
     let mut rows = Vec::new();
