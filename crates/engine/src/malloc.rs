@@ -88,12 +88,12 @@ fn set_one_arena() -> ArenaPolicy {
         (libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (libc::M_TOP_PAD, TOP_PAD),
     ];
-    // SAFETY: mallopt only sets glibc parameters; each option is valid and each value in its
-    // range (glibc returns 1 on success, 0 on error).
-    if settings
-        .iter()
-        .all(|&(option, value)| unsafe { libc::mallopt(option, value) } == 1)
-    {
+    let set = |(option, value): (i32, i32)| {
+        // SAFETY: mallopt only sets a glibc parameter; each option is valid and each value in
+        // its range (glibc returns 1 on success, 0 on error).
+        unsafe { libc::mallopt(option, value) == 1 }
+    };
+    if settings.into_iter().all(set) {
         ArenaPolicy::One
     } else {
         ArenaPolicy::LibraryDefault
