@@ -7,12 +7,12 @@
 
 use candle_core::{DType, Tensor};
 use ditmem_budget::{AttentionMode, ParamRole, Precision, Recompute, Spec};
-use ditmem_engine::agree::{self, measure_and_compare, summarize};
+use ditmem_engine::agree::{self, summarize};
 use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
 mod common;
-use common::max_abs_diff;
+use common::{agreement_logged, max_abs_diff};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -380,14 +380,7 @@ fn budget_predicts_every_familys_measured_step_peak_within_two_percent() {
         let n = grid.len();
         let mut results = Vec::new();
         for (name, spec) in grid.into_iter().step_by(if all { 1 } else { stride }) {
-            let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
-            eprintln!(
-                "{name}: predicted {} measured {} ({:+.3} %) [{}]",
-                a.predicted_peak_bytes,
-                a.measured_peak_bytes,
-                100.0 * a.rel_error,
-                a.predicted_peak_label
-            );
+            let a = agreement_logged(&name, &spec, &A);
             results.push(a);
         }
         for a in &results {

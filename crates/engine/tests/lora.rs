@@ -6,9 +6,12 @@
 
 use ditmem_budget::{LoraSpec, ParamRole, Precision, Spec};
 use ditmem_engine::agree::{
-    flux_grid_base, lora_specs, measure_and_compare, pixart_grid_base, sd3_grid_base, wan_grid_base,
+    flux_grid_base, lora_specs, pixart_grid_base, sd3_grid_base, wan_grid_base,
 };
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+
+mod common;
+use common::{agreement_logged, max_abs_diff};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -56,18 +59,6 @@ fn trainer(s: &Spec) -> Trainer {
         },
     )
     .unwrap()
-}
-
-fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
-    let f = |t: &candle_core::Tensor| t.to_dtype(candle_core::DType::F64).unwrap();
-    (f(a) - f(b))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Under LoRA (the family default and a custom list reaching the embedders and the output
@@ -221,14 +212,7 @@ fn lora_budget_agrees_with_the_measured_peak() {
         let specs = lora_specs(fam, &base);
         assert!(specs.len() >= 3);
         for (name, spec) in specs {
-            let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the spec runs");
-            eprintln!(
-                "{name}: predicted {} measured {} ({:+.3} %) [{}]",
-                a.predicted_peak_bytes,
-                a.measured_peak_bytes,
-                100.0 * a.rel_error,
-                a.predicted_peak_label
-            );
+            let a = agreement_logged(&name, &spec, &A);
             worst = worst.max(a.rel_error.abs());
             assert!(
                 a.rel_error.abs() <= 0.02,
