@@ -317,7 +317,8 @@ fn a_killed_verify_leaves_no_reference_file_behind() {
 /// default of an arena per thread it did not: the f64 reference's memory, freed on one thread,
 /// stayed in that thread's arena while the workers filled arenas of their own (1.75 GiB RSS for
 /// this run against 1.04 GiB predicted; see `ditmem_engine::malloc`).
-#[cfg(target_os = "linux")]
+// glibc only: the one-arena policy is glibc's `mallopt`; other C libraries keep their defaults.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn two_jobs_stay_within_the_predicted_peak_in_resident_memory() {
     let (code, _, binary) = common::ditmem_max_rss(&["params", "--preset", "dit-s-4"]);

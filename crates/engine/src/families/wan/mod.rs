@@ -45,13 +45,6 @@ pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOC
 
 use ditmem_budget::Spec;
 
-/// Rounding stages a Wan block chains on its longest path, counted as `verify`'s
-/// `Growth::forward_chain` counts the DiT's 6 (qkv, q·kᵀ, softmax, P·v, proj, the MLP with
-/// its norm): the self-attention's 7 (q, its RMSNorm, RoPE, q·kᵀ, softmax, P·v, `to_out`),
-/// then the cross-attention's 6 (norm2 + q, its RMSNorm, q·kᵀ, softmax, P·v, `to_out`: its
-/// query is the self-attention's output), then the FFN with norm3 as one.
-pub const ROUNDING_STAGES_PER_BLOCK: u64 = 14;
-
 use crate::error::Result;
 
 /// A tiny Wan `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
