@@ -1620,7 +1620,7 @@ mod tests {
             bf16_pure: false,
             ..Allow::all()
         };
-        let budgets: Vec<u64> = (1..=40).map(|i| base_peak / 40 * i).collect();
+        let budgets: Vec<u64> = (1..=200).map(|i| base_peak / 200 * i).collect();
         let mut changed = false;
         for b in budgets {
             let kept = plan(&f, &limits(b).with_allow(all_fp32), &prof).unwrap();

@@ -13,7 +13,9 @@ use candle_core::{DType, Tensor, D};
 
 use crate::error::{EngineError, Result};
 use crate::ops::Dropout;
-use crate::ops::{gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep, GradSink};
+use crate::ops::{
+    gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep, GradSink, MlpLinear,
+};
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
 pub const LN_EPS: f64 = 1e-6;
@@ -54,6 +56,45 @@ impl LinearW {
             Some((a, b)) => (y + x.matmul(&a.t()?)?.matmul(&b.t()?)?)?,
             None => y,
         })
+    }
+}
+
+/// A linear as the fused MLP takes it (see [`crate::ops::fused_mlp()`]), or None where it must
+/// run composed: with LoRA, or with tracking weights and no sink the op can hand their
+/// gradients to (as [`LinearW::forward`], a sink only when the input tracks).
+fn mlp_linear(l: &LinearW, x_tracks: bool) -> Option<MlpLinear> {
+    if l.lora.is_some() {
+        return None;
+    }
+    match &l.sink {
+        Some(sink) if x_tracks => Some(MlpLinear {
+            w: l.w.detach(),
+            b: l.b.detach(),
+            sink: Some(Arc::clone(sink)),
+        }),
+        _ if !l.w.track_op() && !l.b.track_op() => Some(MlpLinear {
+            w: l.w.clone(),
+            b: l.b.clone(),
+            sink: None,
+        }),
+        _ => None,
+    }
+}
+
+/// The feed-forward `fc2(gelu_tanh(fc1(h)))` on a 2-D input: one fused node
+/// ([`crate::ops::fused_mlp()`]: keeps fc1's output only, no wide gradient in candle's store)
+/// where both linears allow it (see [`mlp_linear`]), else composed of the two linears and the
+/// GELU. Both give the same values, bit for bit.
+pub fn feed_forward(h: &Tensor, fc1: &LinearW, fc2: &LinearW) -> Result<Tensor> {
+    let t = h.track_op();
+    match (mlp_linear(fc1, t), mlp_linear(fc2, t)) {
+        (Some(l1), Some(l2)) => Ok(crate::ops::fused_mlp(h, l1, l2)?),
+        _ => {
+            // Locals until fc2's output exists (the budget holds them so).
+            let f1 = fc1.forward(h)?;
+            let g = gelu_tanh(&f1)?;
+            fc2.forward(&g)
+        }
     }
 }
 
@@ -169,19 +210,33 @@ pub fn block_forward(
 
     // MLP branch.
     let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
-    let f1 = w.fc1.forward(&h2)?;
-    let g = gelu_tanh(&f1)?;
-    let g = if cfg.mlp_dropout > 0.0 {
+    if cfg.mlp_dropout > 0.0 {
         let d = Dropout {
             p: cfg.mlp_dropout,
             seed: seeds.mlp,
         };
-        let mask = crate::ops::dropout_mask(g.dims(), d, cd, g.device())?;
-        g.mul(&mask)?
-    } else {
-        g
-    };
-    Ok(gated_residual(&x1, &w.fc2.forward(&g)?, &gate_mlp)?)
+        return mlp_dropout_residual(&x1, &h2, w, &gate_mlp, cd, d);
+    }
+    let f2 = feed_forward(&h2, &w.fc1, &w.fc2)?;
+    Ok(gated_residual(&x1, &f2, &gate_mlp)?)
+}
+
+/// The MLP branch with dropout between the GELU and fc2, composed, and its gated residual:
+/// x1 + fc2(gelu(fc1(h2))·mask)·gate. Its locals live until the block returns (the budget
+/// binds them so).
+fn mlp_dropout_residual(
+    x1: &Tensor,
+    h2: &Tensor,
+    w: &BlockWeights,
+    gate_mlp: &Tensor,
+    cd: DType,
+    d: Dropout,
+) -> Result<Tensor> {
+    let f1 = w.fc1.forward(h2)?;
+    let g = gelu_tanh(&f1)?;
+    let mask = crate::ops::dropout_mask(g.dims(), d, cd, g.device())?;
+    let g = g.mul(&mask)?;
+    Ok(gated_residual(x1, &w.fc2.forward(&g)?, gate_mlp)?)
 }
 
 /// The final layer's weights (dtypes: see the module docs).

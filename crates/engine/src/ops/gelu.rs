@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::storage::{cpu_slice, err, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::Acc;
-use crate::kernels::vecmath;
+use crate::kernels::vecmath::{self, Lanes, LANE_BLOCK};
 
 /// √(2/π).
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -84,7 +84,7 @@ fn gelu_bwd_f64(x: &[f64], g: &[f64]) -> Vec<f64> {
 }
 
 /// Forward kernel: one fresh output of x's length (vectorised f32 path, f64 reference path).
-fn gelu_fwd_storage(s: &CpuStorage, l: &Layout) -> CResult<CpuStorage> {
+pub(crate) fn gelu_fwd_storage(s: &CpuStorage, l: &Layout) -> CResult<CpuStorage> {
     let n = "gelu";
     Ok(match s.dtype() {
         DType::F64 => CpuStorage::F64(gelu_fwd_f64(cpu_slice(s, l, n)?)),
@@ -125,6 +125,75 @@ fn gelu_bwd_tensor(xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -
         }
         other => Err(err(format!("gelu backward: unsupported dtype {other:?}"))),
     }
+}
+
+/// `dst[i] = f(dst[i], y[i])` in place (y absent: `f(dst[i], 0)`), computed in f32 by blocks of
+/// [`LANE_BLOCK`] on the stack: the same per-element arithmetic as [`vecmath::map1`] /
+/// [`vecmath::map2`] (so the same bits), without a fresh buffer.
+fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(dst: &mut [T], y: Option<&[T]>, f: F) {
+    dst.par_chunks_mut(PAR_CHUNK)
+        .enumerate()
+        .for_each(|(ci, c)| {
+            let mut a = [0f32; LANE_BLOCK];
+            let mut b = [0f32; LANE_BLOCK];
+            for (bi, blk) in c.chunks_mut(LANE_BLOCK).enumerate() {
+                let n = blk.len();
+                T::widen(blk, &mut a[..n]);
+                if let Some(y) = y {
+                    let o = ci * PAR_CHUNK + bi * LANE_BLOCK;
+                    T::widen(&y[o..o + n], &mut b[..n]);
+                }
+                for (v, w) in a[..n].iter_mut().zip(&b[..n]) {
+                    *v = f(*v, *w);
+                }
+                // SAFETY: `MaybeUninit<T>` has T's size and alignment, so the exclusive borrow
+                // of `blk` is a valid `[MaybeUninit<T>]` of the same length; the narrowing writes
+                // only initialised values (T is `Copy`), which keeps `blk` valid.
+                let out: &mut [std::mem::MaybeUninit<T>] =
+                    unsafe { std::slice::from_raw_parts_mut(blk.as_mut_ptr().cast(), n) };
+                T::narrow(&a[..n], out);
+            }
+        });
+}
+
+/// GELU over a storage in place (the fused MLP turns the fc1 output it kept into the
+/// activation): the forward's values, bit for bit.
+pub(crate) fn gelu_in_place(s: &mut CpuStorage) -> CResult<()> {
+    match s {
+        CpuStorage::F64(v) => v
+            .par_iter_mut()
+            .with_min_len(PAR_CHUNK)
+            .for_each(|x| *x = gelu_val(*x)),
+        CpuStorage::F32(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
+        CpuStorage::BF16(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
+        CpuStorage::F16(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
+        other => return Err(err(format!("gelu: unsupported dtype {:?}", other.dtype()))),
+    }
+    Ok(())
+}
+
+/// `g ← g · gelu'(x)` in place (the fused MLP's du over its dh): the backward's values, bit for
+/// bit. g and x must share dtype and length.
+pub(crate) fn gelu_grad_in_place(g: &mut CpuStorage, x: &CpuStorage) -> CResult<()> {
+    let short = || err("gelu backward: gradient shape or dtype differs");
+    match (g, x) {
+        (CpuStorage::F64(g), CpuStorage::F64(x)) if g.len() == x.len() => g
+            .par_iter_mut()
+            .zip(x.par_iter())
+            .with_min_len(PAR_CHUNK)
+            .for_each(|(gv, &v)| *gv = *gv * gelu_deriv(v)),
+        (CpuStorage::F32(g), CpuStorage::F32(x)) if g.len() == x.len() => {
+            map_in_place(g, Some(x), |gv, v| gelu_grad_f32(v, gv))
+        }
+        (CpuStorage::BF16(g), CpuStorage::BF16(x)) if g.len() == x.len() => {
+            map_in_place(g, Some(x), |gv, v| gelu_grad_f32(v, gv))
+        }
+        (CpuStorage::F16(g), CpuStorage::F16(x)) if g.len() == x.len() => {
+            map_in_place(g, Some(x), |gv, v| gelu_grad_f32(v, gv))
+        }
+        _ => return Err(short()),
+    }
+    Ok(())
 }
 
 /// The GELU-tanh custom op (see the module docs).

@@ -6,6 +6,8 @@
 //! needs and return fresh, untracked gradients computed by plain loops, so nothing chains:
 //!
 //! - [`gelu`]: [`gelu_tanh`], GELU with the tanh approximation, saving its input only.
+//! - [`fused_mlp`](mod@fused_mlp): the feed-forward `fc2(gelu_tanh(fc1(x)))` as one node,
+//!   keeping the fc1 output only, its backward one wide buffer and the weight gradients sunk.
 //! - [`ln_modulate`](mod@ln_modulate): LayerNorm + adaLN modulation written in the compute
 //!   dtype, keeping the per-row (mean, rstd).
 //! - [`linear`](mod@linear): `x·Wᵀ + b` as one node ([`LinearOp`]) on `gemm` (f32/f64), the
@@ -45,6 +47,7 @@
 pub mod attention;
 pub mod backward_from;
 pub mod dwconv;
+pub mod fused_mlp;
 pub mod gated_residual;
 pub mod gelu;
 pub mod glu;
@@ -64,6 +67,7 @@ pub use attention::{
     QkvAttention, ATTN_KEY_BLOCK,
 };
 pub use backward_from::{backward_from, backward_from_many};
+pub use fused_mlp::{fused_mlp, fused_mlp_bwd_scratch, fused_mlp_fwd_scratch, FusedMlp, MlpLinear};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
 pub use linear::{

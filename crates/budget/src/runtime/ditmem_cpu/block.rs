@@ -4,7 +4,7 @@
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    fused_attention, fused_linear, gated_residual, gelu, ln_modulate,
+    fused_attention, fused_linear, fused_mlp, gated_residual, gelu, ln_modulate,
 };
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, LoraTarget};
@@ -50,19 +50,7 @@ fn adapted_linear(
     (rows, out, inp): (u64, u64, u64),
     rank: Option<u64>,
 ) -> Nid {
-    let trained = sh.lora.is_none();
-    // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
-    // packs or widens them), so a linear's weight and bias are never cast copies.
-    let wd = sh.weight_dtype();
-    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
-    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
-    // `LinearW::forward`: trained weights go to a gradient sink when the input tracks.
-    if trained && g.nodes[x].tracks {
-        for t in [w, bias] {
-            g.nodes[t].tracks = false;
-            g.nodes[t].sunk = true;
-        }
-    }
+    let [w, bias] = linear_weights(g, sh, name, x, (out, inp));
     let y = fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
@@ -74,6 +62,77 @@ fn adapted_linear(
         Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
         None => y,
     }
+}
+
+/// A linear's weight and bias as `LinearW` holds them. Under LoRA the base is a frozen weight
+/// in the compute dtype; trained, the weights go to a gradient sink when the input `x` tracks
+/// (`LinearW::forward`).
+fn linear_weights(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    (out, inp): (u64, u64),
+) -> [Nid; 2] {
+    let trained = sh.lora.is_none();
+    // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
+    // packs or widens them), so a linear's weight and bias are never cast copies.
+    let wd = sh.weight_dtype();
+    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
+    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
+    if trained && g.nodes[x].tracks {
+        for t in [w, bias] {
+            g.nodes[t].tracks = false;
+            g.nodes[t].sunk = true;
+        }
+    }
+    [w, bias]
+}
+
+/// `block::feed_forward` of the engine: x (rows, inp) → (rows, out) through `ffn`, bound (the
+/// engine's callers keep it in a local). Where neither linear carries LoRA (`ranks`), one
+/// [`fused_mlp`] node; else fc1, the GELU and fc2 composed, the first two held until fc2 exists
+/// (the engine function's locals).
+pub fn feed_forward(
+    g: &mut Graph,
+    sh: &Shape,
+    (fc1, fc2): (&str, &str),
+    ranks: [Option<u64>; 2],
+    x: Nid,
+    (rows, inp, ffn, out): (u64, u64, u64, u64),
+) -> Nid {
+    let y = if ranks.iter().all(Option::is_none) {
+        let [w1, b1] = linear_weights(g, sh, fc1, x, (ffn, inp));
+        let [w2, b2] = linear_weights(g, sh, fc2, x, (out, ffn));
+        fused_mlp(
+            g,
+            &format!("{fc1} → gelu(tanh) → {fc2} (fused MLP)"),
+            x,
+            [w1, b1, w2, b2],
+            (rows, inp, ffn, out),
+            sh.cpu.bf16_kernel(),
+        )
+    } else {
+        let f1 = adapted_linear(g, sh, fc1, x, (rows, ffn, inp), ranks[0]);
+        let act = gelu(g, &format!("{fc1} gelu(tanh) (fused)"), f1);
+        let f2 = adapted_linear(g, sh, fc2, act, (rows, out, ffn), ranks[1]);
+        g.hold_until(&[f1, act], f2);
+        f2
+    };
+    g.bind(y)
+}
+
+/// A diffusers family's feed-forward (`block::feed_forward` of the engine) on its linears
+/// `names`, LoRA's ranks as the recipe's modules name them ([`Shape::lora_rank`]).
+pub fn module_feed_forward(
+    g: &mut Graph,
+    sh: &Shape,
+    names: (&str, &str),
+    x: Nid,
+    dims: (u64, u64, u64, u64),
+) -> Nid {
+    let ranks = [sh.lora_rank(names.0), sh.lora_rank(names.1)];
+    feed_forward(g, sh, names, ranks, x, dims)
 }
 
 /// A base tensor of the model (a table, a norm's weight, a conv's weight) as the trainer reads
@@ -232,34 +291,41 @@ pub fn block(sh: &Shape) -> (Graph, Nid, Nid, Nid) {
 
     let h2 = ln_modulate(&mut g, "norm2+modulate2", x1, m[3], m[4], rows, cd);
     g.bind(h2);
-    let f1 = linear(
-        &mut g,
-        sh,
-        "mlp.fc1",
-        h2,
-        rows,
-        sh.mlp,
-        d,
-        Some(LoraTarget::Fc1),
-    );
-    g.bind(f1);
-    let mut act = gelu(&mut g, "gelu(tanh) (fused)", f1);
-    g.bind(act);
-    if sh.mlp_dropout {
-        let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);
-        act = g.op("gelu·mask", Kind::Mul, &[act, mask], rows * sh.mlp, cd);
+    let f2 = if sh.mlp_dropout {
+        // `block_forward`'s dropout path: composed, its locals bound until the block returns.
+        let f1 = linear(
+            &mut g,
+            sh,
+            "mlp.fc1",
+            h2,
+            rows,
+            sh.mlp,
+            d,
+            Some(LoraTarget::Fc1),
+        );
+        g.bind(f1);
+        let mut act = gelu(&mut g, "gelu(tanh) (fused)", f1);
         g.bind(act);
-    }
-    let f2 = linear(
-        &mut g,
-        sh,
-        "mlp.fc2",
-        act,
-        rows,
-        d,
-        sh.mlp,
-        Some(LoraTarget::Fc2),
-    );
+        if sh.mlp_dropout {
+            let mask = g.constant("mlp dropout mask", rows * sh.mlp, cd, true);
+            act = g.op("gelu·mask", Kind::Mul, &[act, mask], rows * sh.mlp, cd);
+            g.bind(act);
+        }
+        linear(
+            &mut g,
+            sh,
+            "mlp.fc2",
+            act,
+            rows,
+            d,
+            sh.mlp,
+            Some(LoraTarget::Fc2),
+        )
+    } else {
+        let ranks = [LoraTarget::Fc1, LoraTarget::Fc2].map(|t| sh.lora_for(t));
+        let dims = (rows, d, sh.mlp, d);
+        feed_forward(&mut g, sh, ("mlp.fc1", "mlp.fc2"), ranks, h2, dims)
+    };
     let out = gated_residual(&mut g, "x1 + fc2·gate_mlp (fused)", x1, f2, m[5]);
     (g, x, c, out)
 }

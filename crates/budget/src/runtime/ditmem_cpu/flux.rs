@@ -8,7 +8,7 @@
 
 use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
+use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -139,11 +139,8 @@ fn lin(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64, out: u64, inp: 
 /// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
     let (d, m) = (sh.d, 4 * sh.d);
-    let f1 = module_linear(g, sh, &format!("{name}.net.0.proj"), x, rows, m, d);
-    let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
-    let f2 = module_linear(g, sh, &format!("{name}.net.2"), act, rows, d, m);
-    g.hold_until(&[f1, act], f2);
-    g.bind(f2)
+    let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
+    module_feed_forward(g, sh, (&fc1, &fc2), x, (rows, d, m, d))
 }
 
 /// A q/k RMSNorm weight (d_h), read as stored (a frozen base's in the compute dtype).

@@ -109,6 +109,79 @@ pub fn fused_linear(
     y
 }
 
+/// Heap bytes of a tracked `ops::FusedMlp` node's op beside the u it keeps: candle's
+/// `Arc<Box<dyn CustomOp1>>` (32) and the op itself (four weight handles, two sink handles, the
+/// keep flag and the mutex over u: `size_of::<FusedMlp>()`, held equal by the engine's test).
+pub const FUSED_MLP_OP_BYTES: u64 = 32 + 112;
+
+/// Workspace bytes (forward, backward) of the engine's fused MLP (`ops::fused_mlp_*_scratch`)
+/// in compute dtype `cd` with weight gradients in `wd`, for `(rows, inp, ffn, out)`, dx when
+/// `tx`, and the weight gradients `wants` = (dW1, db1, dW2, db2). Each phase is one of
+/// [`fused_linear_scratch`]'s. Forward, beyond y and the kept u: the larger of fc1's workspace
+/// less y, and h = gelu(u) with fc2's workspace. Backward, beyond the gradients it hands out:
+/// dh (rows × ffn) with, at its peak phase, fc2's dx workspace; or fc2's dW/db workspace with
+/// dW2, db2; or fc1's workspace with every gradient (the peak phase less the gradients).
+pub fn fused_mlp_scratch(
+    (cd, wd): (Dtype, Dtype),
+    (rows, inp, ffn, out): (u64, u64, u64, u64),
+    (tx, wants): (bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> (u64, u64) {
+    let (e, we) = (cd.size(), wd.size());
+    let (h, y) = (e * rows * ffn, e * rows * out);
+    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
+    let (s1, _) = lin((rows, inp, ffn), (false, false, false));
+    let (s2, sa) = lin((rows, ffn, out), (true, false, false));
+    let (_, sc) = lin((rows, ffn, out), (false, wants[2], wants[3]));
+    let (_, sd) = lin((rows, inp, ffn), (tx, wants[0], wants[1]));
+    let on = |b: bool, n: u64| if b { we * n } else { 0 };
+    let g2 = on(wants[2], out * ffn) + on(wants[3], out);
+    let g1 = on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * rows * inp } else { 0 };
+    let fwd = s1.saturating_sub(y).max(h + s2);
+    let bwd = (h + sa).max(h + sc + g2).max(h + g1 + g2 + sd) - g1 - g2;
+    (fwd, bwd)
+}
+
+/// `ops::fused_mlp` of the engine: `fc2(gelu_tanh(fc1(x)))` as one node on x (the weights
+/// `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen, so their gradients are
+/// counted). A fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute
+/// dtype; turned into h in place by its backward and held until the graph drops) and its boxed
+/// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_scratch`]. Its backward returns dx only
+/// (no wide gradient enters candle's store).
+pub fn fused_mlp(
+    g: &mut Graph,
+    name: &str,
+    x: Nid,
+    ws: [Nid; 4],
+    (rows, inp, ffn, out): (u64, u64, u64, u64),
+    bf16_kernel: bool,
+) -> Nid {
+    let (cd, wd) = (g.dtype(x), g.dtype(ws[0]));
+    let wants = ws.map(|i| g.nodes[i].sunk);
+    let tx = g.nodes[x].tracks;
+    let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (fwd, bwd) = fused_mlp_scratch(
+        (cd, wd),
+        (rows, inp, ffn, out),
+        (tx, wants),
+        bf16_kernel,
+        master,
+    );
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &[x, ws[0], ws[1], ws[2], ws[3]],
+        rows * out,
+        cd,
+    );
+    if g.nodes[y].tracks {
+        g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_OP_BYTES;
+    }
+    g.nodes[y].fwd_scratch = fwd;
+    y
+}
+
 /// `ops::ln_modulate` of the engine: LayerNorm fused with the adaLN modulation, written in the
 /// compute dtype. One fresh output; the op keeps (mean, rstd) per row in the accumulation type
 /// (f64 under fp64, else f32) beside it. Its inputs are x and the shift/scale chunks themselves.

@@ -7,7 +7,7 @@
 
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
+use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
@@ -186,10 +186,8 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     // MLP.
     let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
     g.bind(h2);
-    let f1 = lin(&mut g, "ff.net.0.proj", h2, rows, sh.mlp, d);
-    let act = gelu(&mut g, "gelu(tanh) (fused)", f1);
-    g.bind(act);
-    let f2 = lin(&mut g, "ff.net.2", act, rows, d, sh.mlp);
+    let names = ("ff.net.0.proj", "ff.net.2");
+    let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
     let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
     (g, x, t6, y, out)
 }

@@ -7,11 +7,11 @@
 
 use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
+use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, gelu, ln_modulate, slice};
+use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -88,11 +88,9 @@ fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
 
 /// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid {
-    let f1 = module_linear(g, sh, &format!("{name}.net.0.proj"), h, rows, sh.mlp, sh.d);
-    let act = gelu(g, &format!("{name} gelu(tanh) (fused)"), f1);
-    let f = module_linear(g, sh, &format!("{name}.net.2"), act, rows, sh.d, sh.mlp);
-    g.hold_until(&[f1, act], f);
-    g.bind(f)
+    let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
+    let dims = (rows, sh.d, sh.mlp, sh.d);
+    module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
 }
 
 /// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams.

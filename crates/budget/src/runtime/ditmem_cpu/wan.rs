@@ -7,7 +7,7 @@
 
 use crate::families::{Dims as FamilyDims, WanDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{base_weight, module_linear};
+use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
@@ -183,10 +183,8 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     // Feed-forward.
     let h3 = ln_modulate(&mut g, "norm3+modulate", x2, m[3], m[4], rows, cd);
     g.bind(h3);
-    let f1 = lin(&mut g, "ffn.net.0.proj", h3, rows, wg.ffn, d);
-    let act = gelu(&mut g, "gelu(tanh) (fused)", f1);
-    g.bind(act);
-    let f2 = lin(&mut g, "ffn.net.2", act, rows, d, wg.ffn);
+    let names = ("ffn.net.0.proj", "ffn.net.2");
+    let f2 = module_feed_forward(&mut g, sh, names, h3, (rows, d, wg.ffn, d));
     let out = gated_residual(&mut g, "x2 + out·c_gate (fused)", x2, f2, m[5]);
     (g, x, out)
 }

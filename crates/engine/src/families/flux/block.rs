@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::block::{cast, feed_forward, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
@@ -36,13 +36,6 @@ pub struct SingleWeights {
 fn modulation(l: &LinearW, st: &Tensor, k: usize, h: usize, ad: DType) -> Result<Vec<Tensor>> {
     let m = cast(l.forward(st)?, ad)?;
     (0..k).map(|i| Ok(m.narrow(1, i * h, h)?)).collect()
-}
-
-/// `FeedForward` with GELU-tanh: (rows, D) cd → (rows, D) cd.
-fn feed_forward(x: &Tensor, up: &LinearW, down: &LinearW) -> Result<Tensor> {
-    let f1 = up.forward(x)?;
-    let g = gelu_tanh(&f1)?;
-    down.forward(&g)
 }
 
 /// One double-stream block: image x (b, s, D) and text c (b, t, D) in `ad`, `st` (b, D) in

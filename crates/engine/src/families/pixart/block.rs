@@ -76,9 +76,7 @@ pub fn pixart_block_forward(
 
     // MLP.
     let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
-    let f1 = w.fc1.forward(&h2)?;
-    let g = gelu_tanh(&f1)?;
-    let f2 = w.fc2.forward(&g)?;
+    let f2 = crate::block::feed_forward(&h2, &w.fc1, &w.fc2)?;
     Ok(gated_residual(&x2, &f2, &gate_mlp)?)
 }
 

@@ -5,11 +5,11 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::block::{cast, feed_forward, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{cat_tokens, gated_residual, gelu_tanh, ln_modulate, rms_norm, split_tokens};
+use crate::ops::{cat_tokens, gated_residual, ln_modulate, rms_norm, split_tokens};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
 pub use crate::ops::RMS_EPS;
@@ -40,13 +40,6 @@ pub struct ContextOut {
     pub to_add_out: LinearW,
     pub ff1: LinearW,
     pub ff2: LinearW,
-}
-
-/// `FeedForward` (GELU-tanh): h (rows, D) in `cd` → (rows, D) in `cd`.
-fn feed_forward(h: &Tensor, fc1: &LinearW, fc2: &LinearW) -> Result<Tensor> {
-    let f1 = fc1.forward(h)?;
-    let g = gelu_tanh(&f1)?;
-    fc2.forward(&g)
 }
 
 /// One `JointTransformerBlock`: the context c (b, T, D) and image x (b, s, D) streams in `ad`,

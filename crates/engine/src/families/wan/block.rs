@@ -104,9 +104,7 @@ pub fn wan_block_forward(
 
     // Feed-forward on norm3 + modulate.
     let h3 = ln_modulate(&x2, &c_shift, &c_scale, WAN_EPS, cd)?;
-    let f1 = w.fc1.forward(&h3)?;
-    let g = gelu_tanh(&f1)?;
-    let f2 = w.fc2.forward(&g)?;
+    let f2 = crate::block::feed_forward(&h3, &w.fc1, &w.fc2)?;
     Ok(gated_residual(&x2, &f2, &c_gate)?)
 }
 

@@ -151,6 +151,113 @@ fn linear_dtypes(x: DType, w: DType, b: DType) -> CResult<()> {
     }
 }
 
+/// The linear's forward on CPU storages: `y = x·Wᵀ + b` through the kernel path of the dtypes
+/// (see [`LinearOp`]); the fused MLP calls it for both of its products.
+pub(crate) fn linear_fwd_storage(
+    (sx, lx): (&CpuStorage, &Layout),
+    (sw, lw): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+) -> CResult<(CpuStorage, Shape)> {
+    let (rows, inp, out) = linear_dims(lx, lw, lb)?;
+    linear_dtypes(sx.dtype(), sw.dtype(), sb.dtype())?;
+    let n = "linear";
+    let native = gemm_bf16::in_use();
+    macro_rules! call {
+        ($f:expr) => {
+            $f(
+                cpu_slice(sx, lx, n)?,
+                cpu_slice(sw, lw, n)?,
+                cpu_slice(sb, lb, n)?,
+                rows,
+                inp,
+                out,
+            )
+        };
+    }
+    use half::{bf16, f16};
+    let y = match (sx.dtype(), sw.dtype()) {
+        (DType::F32, _) => CpuStorage::F32(call!(linear_fwd_direct::<f32>)),
+        (DType::F64, _) => CpuStorage::F64(call!(linear_fwd_direct::<f64>)),
+        (DType::BF16, DType::BF16) if native => CpuStorage::BF16(call!(linear_fwd_bf16::<bf16>)),
+        (DType::BF16, _) if native => CpuStorage::BF16(call!(linear_fwd_bf16::<f32>)),
+        (DType::BF16, DType::BF16) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, bf16>)),
+        (DType::BF16, _) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, f32>)),
+        (DType::F16, DType::F16) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f16>)),
+        (DType::F16, _) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f32>)),
+        (other, _) => return Err(err(format!("linear: unsupported dtype {other:?}"))),
+    };
+    Ok((y, Shape::from((rows, out))))
+}
+
+/// The gradients (dx, dW, db) a linear's backward computes, as CPU storages.
+pub(crate) type LinearGradStorages = (Option<CpuStorage>, Option<CpuStorage>, Option<CpuStorage>);
+
+/// The linear's backward on CPU storages: the gradients `want` asks for, from x, W, b's layout
+/// and dtype, and the output gradient g (contiguous). x is read only for dW.
+pub(crate) fn linear_bwd_storage(
+    (sx, lx): (&CpuStorage, &Layout),
+    (sw, lw): (&CpuStorage, &Layout),
+    (bdt, lb): (DType, &Layout),
+    (sg, lg): (&CpuStorage, &Layout),
+    want: LinearGrads,
+) -> CResult<LinearGradStorages> {
+    let dims = linear_dims(lx, lw, lb)?;
+    linear_dtypes(sx.dtype(), sw.dtype(), bdt)?;
+    let native = gemm_bf16::in_use();
+    let n = "linear backward";
+    macro_rules! run {
+        ($f:expr, $sx:path, $sw:path) => {{
+            let (dx, dw, db) = $f(
+                cpu_slice(sx, lx, n)?,
+                cpu_slice(sw, lw, n)?,
+                cpu_slice(sg, lg, n)?,
+                dims,
+                want,
+            );
+            Ok((dx.map($sx), dw.map($sw), db.map($sw)))
+        }};
+    }
+    use half::{bf16, f16};
+    use CpuStorage as S;
+    match (sx.dtype(), sw.dtype()) {
+        (DType::F32, _) => run!(linear_bwd_direct::<f32>, S::F32, S::F32),
+        (DType::F64, _) => run!(linear_bwd_direct::<f64>, S::F64, S::F64),
+        (DType::BF16, DType::BF16) if native => run!(linear_bwd_bf16::<bf16>, S::BF16, S::BF16),
+        (DType::BF16, _) if native => run!(linear_bwd_bf16::<f32>, S::BF16, S::F32),
+        (DType::BF16, DType::BF16) => run!(linear_bwd_widen::<bf16, bf16>, S::BF16, S::BF16),
+        (DType::BF16, _) => run!(linear_bwd_widen::<bf16, f32>, S::BF16, S::F32),
+        (DType::F16, DType::F16) => run!(linear_bwd_widen::<f16, f16>, S::F16, S::F16),
+        (DType::F16, _) => run!(linear_bwd_widen::<f16, f32>, S::F16, S::F32),
+        (other, _) => Err(err(format!("linear backward: unsupported dtype {other:?}"))),
+    }
+}
+
+/// A CPU storage as a fresh, untracked tensor of `shape`.
+pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<Tensor> {
+    let (shape, dev) = (shape.into(), &Device::Cpu);
+    match s {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F64(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        other => Err(err(format!(
+            "linear: unsupported gradient dtype {:?}",
+            other.dtype()
+        ))),
+    }
+}
+
+/// The weight and bias gradients of a linear as tensors of W's and b's shapes.
+pub(crate) fn weight_grads(
+    (dw, db): (Option<CpuStorage>, Option<CpuStorage>),
+    (out, inp): (usize, usize),
+) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    Ok((
+        dw.map(|v| storage_tensor(v, (out, inp))).transpose()?,
+        db.map(|v| storage_tensor(v, out)).transpose()?,
+    ))
+}
+
 impl CustomOp3 for LinearOp {
     fn name(&self) -> &'static str {
         "linear"
@@ -165,37 +272,7 @@ impl CustomOp3 for LinearOp {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (rows, inp, out) = linear_dims(lx, lw, lb)?;
-        linear_dtypes(sx.dtype(), sw.dtype(), sb.dtype())?;
-        let n = "linear";
-        let native = gemm_bf16::in_use();
-        macro_rules! call {
-            ($f:expr) => {
-                $f(
-                    cpu_slice(sx, lx, n)?,
-                    cpu_slice(sw, lw, n)?,
-                    cpu_slice(sb, lb, n)?,
-                    rows,
-                    inp,
-                    out,
-                )
-            };
-        }
-        use half::{bf16, f16};
-        let y = match (sx.dtype(), sw.dtype()) {
-            (DType::F32, _) => CpuStorage::F32(call!(linear_fwd_direct::<f32>)),
-            (DType::F64, _) => CpuStorage::F64(call!(linear_fwd_direct::<f64>)),
-            (DType::BF16, DType::BF16) if native => {
-                CpuStorage::BF16(call!(linear_fwd_bf16::<bf16>))
-            }
-            (DType::BF16, _) if native => CpuStorage::BF16(call!(linear_fwd_bf16::<f32>)),
-            (DType::BF16, DType::BF16) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, bf16>)),
-            (DType::BF16, _) => CpuStorage::BF16(call!(linear_fwd_widen::<bf16, f32>)),
-            (DType::F16, DType::F16) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f16>)),
-            (DType::F16, _) => CpuStorage::F16(call!(linear_fwd_widen::<f16, f32>)),
-            (other, _) => return Err(err(format!("linear: unsupported dtype {other:?}"))),
-        };
-        Ok((y, Shape::from((rows, out))))
+        linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
     }
 
     fn bwd(
@@ -212,60 +289,22 @@ impl CustomOp3 for LinearOp {
             b: b.track_op() || self.sink.as_ref().is_some_and(|s| s.want_b),
         };
         let grad = grad.contiguous()?;
-        let dev = Device::Cpu;
-        let native = gemm_bf16::in_use();
-        with_cpu(x, |sx, lx| {
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
             with_cpu(w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {
-                    let dims = linear_dims(lx, lw, b.layout())?;
-                    linear_dtypes(sx.dtype(), sw.dtype(), b.dtype())?;
-                    let (rows, inp, out) = dims;
-                    let n = "linear backward";
-                    macro_rules! run {
-                        ($f:expr) => {{
-                            let (dx, dw, db) = $f(
-                                cpu_slice(sx, lx, n)?,
-                                cpu_slice(sw, lw, n)?,
-                                cpu_slice(sg, lg, n)?,
-                                dims,
-                                want,
-                            );
-                            let dx = dx
-                                .map(|v| Tensor::from_vec(v, (rows, inp), &dev))
-                                .transpose()?;
-                            let dw = dw
-                                .map(|v| Tensor::from_vec(v, (out, inp), &dev))
-                                .transpose()?;
-                            let db = db.map(|v| Tensor::from_vec(v, out, &dev)).transpose()?;
-                            match &self.sink {
-                                Some(sink) => {
-                                    GradSink::put(&sink.w, dw)?;
-                                    GradSink::put(&sink.b, db)?;
-                                    Ok((dx, None, None))
-                                }
-                                None => Ok((dx, dw, db)),
-                            }
-                        }};
-                    }
-                    use half::{bf16, f16};
-                    match (sx.dtype(), sw.dtype()) {
-                        (DType::F32, _) => run!(linear_bwd_direct::<f32>),
-                        (DType::F64, _) => run!(linear_bwd_direct::<f64>),
-                        (DType::BF16, DType::BF16) if native => {
-                            run!(linear_bwd_bf16::<bf16>)
-                        }
-                        (DType::BF16, _) if native => run!(linear_bwd_bf16::<f32>),
-                        (DType::BF16, DType::BF16) => run!(linear_bwd_widen::<bf16, bf16>),
-                        (DType::BF16, _) => run!(linear_bwd_widen::<bf16, f32>),
-                        (DType::F16, DType::F16) => run!(linear_bwd_widen::<f16, f16>),
-                        (DType::F16, _) => run!(linear_bwd_widen::<f16, f32>),
-                        (other, _) => {
-                            Err(err(format!("linear backward: unsupported dtype {other:?}")))
-                        }
-                    }
+                    linear_bwd_storage((sx, lx), (sw, lw), (b.dtype(), b.layout()), (sg, lg), want)
                 })
             })
-        })
+        })?;
+        let dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
+        let (dw, db) = weight_grads((dw, db), w.dims2()?)?;
+        match &self.sink {
+            Some(sink) => {
+                sink.put_both(dw, db)?;
+                Ok((dx, None, None))
+            }
+            None => Ok((dx, dw, db)),
+        }
     }
 }
 

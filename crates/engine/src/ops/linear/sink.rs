@@ -39,7 +39,18 @@ impl GradSink {
         self.b.lock().ok().and_then(|mut g| g.take())
     }
 
-    pub(super) fn put(slot: &Mutex<Option<Tensor>>, g: Option<Tensor>) -> CResult<()> {
+    /// Adds a backward's weight and bias gradients (either may be absent).
+    pub(crate) fn put_both(&self, dw: Option<Tensor>, db: Option<Tensor>) -> CResult<()> {
+        GradSink::put(&self.w, dw)?;
+        GradSink::put(&self.b, db)
+    }
+
+    /// Whether the owner wants the weight's and the bias's gradients.
+    pub(crate) fn wants(&self) -> (bool, bool) {
+        (self.want_w, self.want_b)
+    }
+
+    fn put(slot: &Mutex<Option<Tensor>>, g: Option<Tensor>) -> CResult<()> {
         let Some(g) = g else { return Ok(()) };
         let mut s = slot
             .lock()

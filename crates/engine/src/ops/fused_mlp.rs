@@ -1,0 +1,411 @@
+//! [`fused_mlp`]: the feed-forward `y = fc2(gelu_tanh(fc1(x)))` as one node on x. Budget twin:
+//! `ditmem_budget::ditmem_cpu::ops::fused_mlp` and `fused_mlp_scratch` (the test below holds
+//! them equal to [`fused_mlp_fwd_scratch`] / [`fused_mlp_bwd_scratch`]), and
+//! `FUSED_MLP_OP_BYTES`.
+//!
+//! Why: composed of two linears and a GELU, candle's backward (candle-core 0.11
+//! `backprop.rs`, the custom-op arms) folds the GELU's dx into its store as
+//! `zeros_like(u) + du` while the GELU's own output gradient is still alive: four (rows, ffn)
+//! tensors at once (dh, du, the zeros, the sum), and the same three at fc2's backward; the
+//! graph also keeps both u = fc1(x) and h = gelu(u). This op keeps u only (h is recomputed
+//! from it), and its backward makes one (rows, ffn) buffer: dh = g·W2, turned into
+//! du = dh ⊙ gelu'(u) in place, while u becomes h in place for dW2 = gᵀ·h. Nothing wide enters
+//! candle's store: the weight gradients go to the linears' [`GradSink`]s, only dx is returned.
+//!
+//! Numerics: the same kernel calls as the composition ([`linear`](super::linear()) for both
+//! products, the GELU's maps element for element), so the same bits in every dtype.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
+use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
+use super::linear::{
+    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
+    weight_grads, GradSink, LinearGrads,
+};
+use super::storage::{err, with_cpu, CResult};
+
+/// What the op keeps for its backward: the fc1 output u, which the first backward turns into
+/// h = gelu(u) in place (a second backward on the same graph recomputes u from x). h stays held
+/// until the graph drops, as the budget's node keeps its saved bytes.
+#[derive(Debug)]
+enum Kept {
+    Nothing,
+    U(CpuStorage),
+    H(#[allow(dead_code)] CpuStorage),
+}
+
+/// One linear of the fused MLP: its weight and bias (detached when a sink takes their
+/// gradients) and the sink.
+#[derive(Debug, Clone)]
+pub struct MlpLinear {
+    pub w: Tensor,
+    pub b: Tensor,
+    pub sink: Option<Arc<GradSink>>,
+}
+
+impl MlpLinear {
+    /// Which gradients of this linear the backward hands over (to the sink; none without one).
+    fn wants(&self) -> (bool, bool) {
+        self.sink.as_ref().map_or((false, false), |s| s.wants())
+    }
+}
+
+/// The fused feed-forward (see the module docs).
+#[derive(Debug)]
+pub struct FusedMlp {
+    fc1: MlpLinear,
+    fc2: MlpLinear,
+    /// Keep u for a backward (x tracks); otherwise h is written over u.
+    keep: bool,
+    kept: Mutex<Kept>,
+}
+
+/// `fc2(gelu_tanh(fc1(x)))` on a 2-D x as one node (see the module docs). A linear's weights
+/// must not track unless it has a sink (the op returns only dx to candle); with a sink they go
+/// in as given and their gradients to the sink.
+pub fn fused_mlp(x: &Tensor, fc1: MlpLinear, fc2: MlpLinear) -> CResult<Tensor> {
+    for l in [&fc1, &fc2] {
+        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
+            return Err(err(
+                "fused_mlp: a linear whose weights track needs a gradient sink",
+            ));
+        }
+    }
+    x.apply_op1(FusedMlp {
+        fc1,
+        fc2,
+        keep: x.track_op(),
+        kept: Mutex::new(Kept::Nothing),
+    })
+}
+
+/// Workspace bytes of the fused MLP's forward beyond its output y and the kept u (x tracks):
+/// fc1's linear workspace while u is made, then h = gelu(u) beside u, y and fc2's workspace.
+/// `(rows, inp, ffn, out)`. Untracked, the op writes h over u (nothing is kept), so its peak
+/// above what existed is max(u + s1, u + y + s2) = y + this, except where fc1's workspace s1
+/// exceeds y + s2 (bf16/f16 at a few hundred rows), which this leaves out.
+pub fn fused_mlp_fwd_scratch(
+    dtype: DType,
+    (rows, inp, ffn, out): (usize, usize, usize, usize),
+    native: bool,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (h, y) = (e * (rows * ffn) as u64, e * (rows * out) as u64);
+    let s1 = linear_fwd_scratch(dtype, rows, inp, ffn, native);
+    let s2 = linear_fwd_scratch(dtype, rows, ffn, out, native);
+    s1.saturating_sub(y).max(h + s2)
+}
+
+/// Workspace bytes of the fused MLP's backward beyond the gradients it hands out (dx when x
+/// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
+/// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. Phases: dh with fc2's
+/// dx workspace; dh, dW2, db2 with fc2's dW/db workspace; dh, every gradient and fc1's
+/// workspace. The peak phase less the gradients.
+pub fn fused_mlp_bwd_scratch(
+    (dtype, wdtype): (DType, DType),
+    (rows, inp, ffn, out): (usize, usize, usize, usize),
+    (tx, wants): (bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> u64 {
+    let (e, we) = (dtype.size_in_bytes() as u64, wdtype.size_in_bytes() as u64);
+    let dh = e * (rows * ffn) as u64;
+    let on = |b: bool, n: usize| if b { we * n as u64 } else { 0 };
+    let g2 = on(wants[2], out * ffn) + on(wants[3], out);
+    let g1 =
+        on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * (rows * inp) as u64 } else { 0 };
+    let lin =
+        |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
+    let sa = lin((rows, ffn, out), true, false, false);
+    let sc = lin((rows, ffn, out), false, wants[2], wants[3]);
+    let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
+    let peak = (dh + sa).max(dh + sc + g2).max(dh + g1 + g2 + sd);
+    peak - g1 - g2
+}
+
+/// The kept storage's contiguous layout.
+fn wide(rows: usize, ffn: usize) -> Layout {
+    Layout::contiguous((rows, ffn))
+}
+
+impl FusedMlp {
+    /// u = fc1(x).
+    fn fc1_fwd(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpu(&self.fc1.w, |sw, lw| {
+            with_cpu(&self.fc1.b, |sb, lb| {
+                linear_fwd_storage(x, (sw, lw), (sb, lb))
+            })
+        })
+    }
+}
+
+impl CustomOp1 for FusedMlp {
+    fn name(&self) -> &'static str {
+        "fused-mlp"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (mut u, su) = self.fc1_fwd((sx, lx))?;
+        let lu = Layout::contiguous(su);
+        // Kept for a backward: h beside u; otherwise h over u.
+        let h = if self.keep {
+            Some(gelu_fwd_storage(&u, &lu)?)
+        } else {
+            gelu_in_place(&mut u)?;
+            None
+        };
+        let y = with_cpu(&self.fc2.w, |sw, lw| {
+            with_cpu(&self.fc2.b, |sb, lb| {
+                linear_fwd_storage((h.as_ref().unwrap_or(&u), &lu), (sw, lw), (sb, lb))
+            })
+        })?;
+        if let Some(h) = h {
+            drop(h);
+            *self
+                .kept
+                .lock()
+                .map_err(|_| err("fused_mlp: kept u poisoned"))? = Kept::U(u);
+        }
+        Ok(y)
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let (rows, out) = grad.dims2()?;
+        let ffn = self.fc2.w.dims2()?.1;
+        let lu = wide(rows, ffn);
+        let (w1, b1) = self.fc1.wants();
+        let (w2, b2) = self.fc2.wants();
+        let mut kept = self
+            .kept
+            .lock()
+            .map_err(|_| err("fused_mlp: kept u poisoned"))?;
+        // u, from the forward or (a second backward) recomputed from x.
+        let mut u = match std::mem::replace(&mut *kept, Kept::Nothing) {
+            Kept::U(u) => u,
+            Kept::H(_) | Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
+        };
+        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
+        let dh = with_cpu(&self.fc2.w, |sw, lw| {
+            with_cpu(&grad, |sg, lg| {
+                // dh = g·W2 (x is not read for dx).
+                let want = LinearGrads {
+                    x: true,
+                    w: false,
+                    b: false,
+                };
+                let (dh, _, _) =
+                    linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                let mut dh = dh.ok_or_else(|| err("fused_mlp: no dh"))?;
+                // du = dh ⊙ gelu'(u) over dh, then h = gelu(u) over u.
+                gelu_grad_in_place(&mut dh, &u)?;
+                gelu_in_place(&mut u)?;
+                // dW2 = gᵀ·h, db2 = Σ g, to fc2's sink.
+                if w2 || b2 {
+                    let want = LinearGrads {
+                        x: false,
+                        w: w2,
+                        b: b2,
+                    };
+                    let (_, dw, db) =
+                        linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                    let (dw, db) = weight_grads((dw, db), (out, ffn))?;
+                    if let Some(s) = &self.fc2.sink {
+                        s.put_both(dw, db)?;
+                    }
+                }
+                Ok(dh)
+            })
+        })?;
+        *kept = Kept::H(u);
+        drop(kept);
+        // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
+        let want = LinearGrads {
+            x: x.track_op(),
+            w: w1,
+            b: b1,
+        };
+        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
+            with_cpu(&self.fc1.w, |sw, lw| {
+                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&dh, &lu), want)
+            })
+        })?;
+        drop(dh);
+        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
+        if let Some(s) = &self.fc1.sink {
+            s.put_both(dw, db)?;
+        }
+        dx.map(|v| storage_tensor(v, x.shape())).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{gelu_tanh, linear_sunk};
+    use candle_core::{Device, Var};
+
+    /// Deterministic values in about [−1, 1).
+    fn vals(n: usize, seed: usize) -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
+            .collect()
+    }
+
+    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
+        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(dt))
+            .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let v: Vec<f64> = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.to_vec1())
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// (y, dx, [dW1, db1, dW2, db2]) of x (rows, inp) through (ffn, out) with gradient r of y,
+    /// fused or composed of the sunk linears and the GELU.
+    fn run(
+        fused: bool,
+        dt: DType,
+        wdt: DType,
+        (rows, inp, ffn, out): (usize, usize, usize, usize),
+    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
+        let w1 = t(ffn * inp, &[ffn, inp], 2, wdt);
+        let b1 = t(ffn, &[ffn], 3, wdt);
+        let w2 = t(out * ffn, &[out, ffn], 4, wdt);
+        let b2 = t(out, &[out], 5, wdt);
+        let r = t(rows * out, &[rows, out], 6, dt);
+        let s1 = Arc::new(GradSink::new(true, true));
+        let s2 = Arc::new(GradSink::new(true, true));
+        let y = if fused {
+            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
+                w: w.clone(),
+                b: b.clone(),
+                sink: Some(Arc::clone(s)),
+            };
+            fused_mlp(x.as_tensor(), l(&w1, &b1, &s1), l(&w2, &b2, &s2)).unwrap()
+        } else {
+            let u = linear_sunk(x.as_tensor(), &w1, &b1, &s1).unwrap();
+            linear_sunk(&gelu_tanh(&u).unwrap(), &w2, &b2, &s2).unwrap()
+        };
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).unwrap().clone();
+        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
+            .map(|g| g.expect("the sink holds every weight gradient"));
+        (y, dx, sunk.to_vec())
+    }
+
+    /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
+    /// bit for bit (the same kernel calls in the same order), on f64, f32, bf16 and f16 with
+    /// weights in the compute dtype or f32 masters, at whole and ragged (multi-chunk) row counts.
+    #[test]
+    fn fused_mlp_equals_the_composition_bit_for_bit() {
+        for (dt, wdt) in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for dims in [(6, 8, 32, 8), (150, 16, 40, 12)] {
+                let (yf, dxf, gf) = run(true, dt, wdt, dims);
+                let (yc, dxc, gc) = run(false, dt, wdt, dims);
+                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
+                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                    assert_eq!(a.dims(), b.dims());
+                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
+                }
+                // Not all zero: the comparison means something.
+                assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
+            }
+        }
+    }
+
+    /// A second backward on the same graph recomputes u from x and gives the same dx.
+    #[test]
+    fn a_second_backward_gives_the_same_gradients() {
+        let x = Var::from_tensor(&t(10 * 8, &[10, 8], 1, DType::F32)).unwrap();
+        let l = |n: usize, k: usize, s: usize| MlpLinear {
+            w: t(n * k, &[n, k], s, DType::F32),
+            b: t(n, &[n], s + 1, DType::F32),
+            sink: Some(Arc::new(GradSink::new(true, true))),
+        };
+        let y = fused_mlp(x.as_tensor(), l(24, 8, 2), l(8, 24, 4)).unwrap();
+        let loss = y.sqr().unwrap().sum_all().unwrap();
+        let a = loss.backward().unwrap();
+        let b = loss.backward().unwrap();
+        let (a, b) = (a.get(x.as_tensor()).unwrap(), b.get(x.as_tensor()).unwrap());
+        assert_eq!(bits(a), bits(b));
+    }
+
+    /// Tracking weights without a sink are refused (the op hands only dx to candle).
+    #[test]
+    fn tracking_weights_need_a_sink() {
+        let x = t(4 * 8, &[4, 8], 1, DType::F32);
+        let w = Var::from_tensor(&t(16 * 8, &[16, 8], 2, DType::F32)).unwrap();
+        let l1 = MlpLinear {
+            w: w.as_tensor().clone(),
+            b: t(16, &[16], 3, DType::F32),
+            sink: None,
+        };
+        let l2 = MlpLinear {
+            w: t(8 * 16, &[8, 16], 4, DType::F32),
+            b: t(8, &[8], 5, DType::F32),
+            sink: None,
+        };
+        let e = fused_mlp(&x, l1, l2).unwrap_err().to_string();
+        assert!(e.contains("sink"), "{e}");
+    }
+
+    /// The fused MLP's workspace and kept bytes as the engine states them are the budget's
+    /// restatement, for every dtype, path and set of gradients.
+    #[test]
+    fn fused_mlp_scratch_is_the_budgets() {
+        use ditmem_budget::ditmem_cpu::ops::{fused_mlp_scratch, FUSED_MLP_OP_BYTES};
+        use ditmem_budget::Dtype;
+        assert_eq!(
+            32 + std::mem::size_of::<FusedMlp>() as u64,
+            FUSED_MLP_OP_BYTES
+        );
+        for (dt, bd, wdt, wbd) in [
+            (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
+            (DType::F64, Dtype::F64, DType::F64, Dtype::F64),
+            (DType::BF16, Dtype::Bf16, DType::F32, Dtype::F32),
+            (DType::BF16, Dtype::Bf16, DType::BF16, Dtype::Bf16),
+            (DType::F16, Dtype::F16, DType::F32, Dtype::F32),
+        ] {
+            let master = wdt != dt;
+            for dims in [(512, 64, 256, 64), (300, 37, 130, 41), (7, 1, 4, 1)] {
+                for native in [false, true] {
+                    for bits in 0..32u8 {
+                        let tx = bits & 16 != 0;
+                        let wants = [0, 1, 2, 3].map(|i| bits & (1 << i) != 0);
+                        let (r, i, f, o) = dims;
+                        let budget = fused_mlp_scratch(
+                            (bd, wbd),
+                            (r as u64, i as u64, f as u64, o as u64),
+                            (tx, wants),
+                            native,
+                            master,
+                        );
+                        let engine = (
+                            fused_mlp_fwd_scratch(dt, dims, native),
+                            fused_mlp_bwd_scratch((dt, wdt), dims, (tx, wants), native, master),
+                        );
+                        assert_eq!(engine, budget, "{dt:?}/{wdt:?} {dims:?} {native} {bits}");
+                    }
+                }
+            }
+        }
+    }
+}
