@@ -181,7 +181,7 @@ pub(crate) fn gelu_grad_in_place(g: &mut CpuStorage, x: &CpuStorage) -> CResult<
             .par_iter_mut()
             .zip(x.par_iter())
             .with_min_len(PAR_CHUNK)
-            .for_each(|(gv, &v)| *gv = *gv * gelu_deriv(v)),
+            .for_each(|(gv, &v)| *gv *= gelu_deriv(v)),
         (CpuStorage::F32(g), CpuStorage::F32(x)) if g.len() == x.len() => {
             map_in_place(g, Some(x), |gv, v| gelu_grad_f32(v, gv))
         }

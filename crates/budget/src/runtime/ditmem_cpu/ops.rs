@@ -112,7 +112,7 @@ pub fn fused_linear(
 /// Heap bytes of a tracked `ops::FusedMlp` node's op beside the u it keeps: candle's
 /// `Arc<Box<dyn CustomOp1>>` (32) and the op itself (four weight handles, two sink handles, the
 /// keep flag and the mutex over u: `size_of::<FusedMlp>()`, held equal by the engine's test).
-pub const FUSED_MLP_OP_BYTES: u64 = 32 + 112;
+pub const FUSED_MLP_OP_BYTES: u64 = 32 + 104;
 
 /// Workspace bytes (forward, backward) of the engine's fused MLP (`ops::fused_mlp_*_scratch`)
 /// in compute dtype `cd` with weight gradients in `wd`, for `(rows, inp, ffn, out)`, dx when
