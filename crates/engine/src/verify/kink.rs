@@ -45,51 +45,70 @@ use super::cancellation::{head_at, Head};
 /// The compute dtypes the term is measured for, in the order of [`KinkSums`]' arrays.
 pub const KINK_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
 
-/// Σ E dφ² over the components ReLU passes and Σ P_flip·E dφ² over all, of q and of k, per
-/// dtype of [`KINK_DTYPES`].
+/// Σ E dφ² over the components ReLU passes, Σ P_flip·E dφ² over all and λ = Σ P_flip (the
+/// expected number of flipped components) of one projection's components, per dtype of
+/// [`KINK_DTYPES`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct KinkSums {
-    pub q_all: f64,
-    pub k_all: f64,
-    pub q_flip: [f64; 3],
-    pub k_flip: [f64; 3],
-    /// λ: the expected number of flipped components.
-    pub q_count: [f64; 3],
-    pub k_count: [f64; 3],
+pub(super) struct SideSums {
+    pub all: f64,
+    pub flip: [f64; 3],
+    pub count: [f64; 3],
 }
 
 /// Below this expected number of flipped components (e^−λ ≥ 0.99: no flip in 99 % of runs) the
 /// term is 0 (see the module docs).
 pub const RARE_FLIPS: f64 = 0.01;
 
-impl KinkSums {
-    /// The expected relative error of the q and of the k gradient per dtype (0 where nothing
-    /// passes ReLU).
-    pub fn errors(&self) -> ([f64; 3], [f64; 3]) {
-        let rel = |flip: [f64; 3], count: [f64; 3], all: f64| {
-            std::array::from_fn(|i| {
-                if all > 0.0 && count[i] >= RARE_FLIPS {
-                    (flip[i] / all).sqrt()
-                } else {
-                    0.0
-                }
-            })
-        };
-        (
-            rel(self.q_flip, self.q_count, self.q_all),
-            rel(self.k_flip, self.k_count, self.k_all),
-        )
+impl SideSums {
+    /// The expected relative error of the gradient per dtype (0 where nothing passes ReLU or
+    /// flips are rare).
+    pub fn errors(&self) -> [f64; 3] {
+        std::array::from_fn(|i| {
+            if self.all > 0.0 && self.count[i] >= RARE_FLIPS {
+                (self.flip[i] / self.all).sqrt()
+            } else {
+                0.0
+            }
+        })
     }
 
-    pub fn add(&mut self, o: KinkSums) {
-        self.q_all += o.q_all;
-        self.k_all += o.k_all;
+    pub fn add(&mut self, o: SideSums) {
+        self.all += o.all;
         for i in 0..KINK_DTYPES.len() {
-            self.q_flip[i] += o.q_flip[i];
-            self.k_flip[i] += o.k_flip[i];
-            self.q_count[i] += o.q_count[i];
-            self.k_count[i] += o.k_count[i];
+            self.flip[i] += o.flip[i];
+            self.count[i] += o.count[i];
         }
+    }
+
+    /// Adds P_flip·w (per dtype) of a component of value `x` whose dot product's terms spread
+    /// `spread`, P_flip to the count, and w to `all` where ReLU passes it.
+    fn add_component(&mut self, x: f64, spread: f64, roundings: f64, w: f64) {
+        if x > 0.0 {
+            self.all += w;
+        }
+        for (i, d) in KINK_DTYPES.iter().enumerate() {
+            let delta =
+                super::unit_roundoff(*d) * (roundings / MEAN_SQUARE_DIVISOR).sqrt() * spread;
+            if delta > 0.0 {
+                let p = normal_tail(x.abs() / delta);
+                self.flip[i] += p * w;
+                self.count[i] += p;
+            }
+        }
+    }
+}
+
+/// [`SideSums`] of the q and of the k components of a linear attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct KinkSums {
+    pub q: SideSums,
+    pub k: SideSums,
+}
+
+impl KinkSums {
+    pub fn add(&mut self, o: KinkSums) {
+        self.q.add(o.q);
+        self.k.add(o.k);
     }
 }
 
@@ -106,29 +125,6 @@ fn normal_tail(x: f64) -> f64 {
             + t * (-0.284_496_736
                 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
     0.5 * poly * (-y * y).exp()
-}
-
-/// Running sums of one projection's components (q's or k's).
-struct Side<'a> {
-    all: &'a mut f64,
-    flip: &'a mut [f64; 3],
-    count: &'a mut [f64; 3],
-}
-
-/// Adds to `flip` (per dtype) P_flip·w of a component of value `x` whose dot product's terms
-/// spread `spread`, P_flip to `count`, and w to `all` where ReLU passes it.
-fn add_component(x: f64, spread: f64, roundings: f64, w: f64, side: Side<'_>) {
-    if x > 0.0 {
-        *side.all += w;
-    }
-    for (i, d) in KINK_DTYPES.iter().enumerate() {
-        let delta = super::unit_roundoff(*d) * (roundings / MEAN_SQUARE_DIVISOR).sqrt() * spread;
-        if delta > 0.0 {
-            let p = normal_tail(x.abs() / delta);
-            side.flip[i] += p * w;
-            side.count[i] += p;
-        }
-    }
 }
 
 /// [`KinkSums`] of the linear attention of q, k, v ((b·s, heads·dh) row-major, f64) whose
@@ -154,12 +150,7 @@ pub(super) fn add_kink_sums(
                         .sum::<f64>()
                         / d2;
                     let i = at(n) + c;
-                    let side = Side {
-                        all: &mut sums.q_all,
-                        flip: &mut sums.q_flip,
-                        count: &mut sums.q_count,
-                    };
-                    add_component(q[i], sq[i], roundings, w, side);
+                    sums.q.add_component(q[i], sq[i], roundings, w);
                 }
             }
             for m in 0..s {
@@ -175,12 +166,7 @@ pub(super) fn add_kink_sums(
                 for c in 0..dh {
                     let w: f64 = (0..s).map(|n| hd.fq[n][c].powi(2) * diff[n]).sum();
                     let i = at(m) + c;
-                    let side = Side {
-                        all: &mut sums.k_all,
-                        flip: &mut sums.k_flip,
-                        count: &mut sums.k_count,
-                    };
-                    add_component(k[i], sk[i], roundings, w, side);
+                    sums.k.add_component(k[i], sk[i], roundings, w);
                 }
             }
             into.add(sums);
@@ -201,48 +187,39 @@ mod tests {
 
     /// A component far from the kink never flips, one at it flips half the time, and the
     /// flips grow with the dtype's unit roundoff.
-    /// One component's sums: (all, flip, count).
-    fn one(x: f64, w: f64) -> (f64, [f64; 3], [f64; 3]) {
-        let (mut all, mut flip, mut count) = (0.0, [0.0; 3], [0.0; 3]);
-        let side = Side {
-            all: &mut all,
-            flip: &mut flip,
-            count: &mut count,
-        };
-        add_component(x, 1.0, 3.0, w, side);
-        (all, flip, count)
+    /// One component's sums (spread 1, 3 roundings).
+    fn one(x: f64, w: f64) -> SideSums {
+        let mut side = SideSums::default();
+        side.add_component(x, 1.0, 3.0, w);
+        side
     }
 
     #[test]
     fn flips_follow_the_distance_to_the_kink() {
-        let (all, flip, _) = one(1.0, 2.0);
-        assert_eq!(all, 2.0);
-        assert!(flip.iter().all(|&f| f < 1e-12), "{flip:?}");
+        let far = one(1.0, 2.0);
+        assert_eq!(far.all, 2.0);
+        assert!(far.flip.iter().all(|&f| f < 1e-12), "{far:?}");
         // At the kink: half the time on the other side, whatever the dtype.
-        let (all, flip, count) = one(-1e-12, 2.0);
-        assert_eq!(all, 0.0);
-        assert!(flip.iter().all(|&f| (f - 1.0).abs() < 1e-3), "{flip:?}");
-        assert!(count.iter().all(|&c| (c - 0.5).abs() < 1e-3), "{count:?}");
+        let at = one(-1e-12, 2.0);
+        assert_eq!(at.all, 0.0);
+        assert!(at.flip.iter().all(|&f| (f - 1.0).abs() < 1e-3), "{at:?}");
+        assert!(at.count.iter().all(|&c| (c - 0.5).abs() < 1e-3), "{at:?}");
         // Near it, the flips grow with the dtype's unit roundoff: f32 < f16 < bf16.
-        let (_, flip, _) = one(2e-3, 1.0);
-        assert!(flip[0] < flip[2] && flip[2] < flip[1], "{flip:?}");
+        let near = one(2e-3, 1.0).flip;
+        assert!(near[0] < near[2] && near[2] < near[1], "{near:?}");
     }
 
     /// Where flips are rare the term is 0; where they are not, it is the root of the shares.
     #[test]
     fn rare_flips_leave_no_term() {
-        let mut s = KinkSums {
-            q_all: 4.0,
-            k_all: 4.0,
-            q_flip: [1e-6, 1.0, 0.25],
-            k_flip: [0.0; 3],
-            q_count: [1e-3, 5.0, 0.5],
-            k_count: [0.0; 3],
+        let mut s = SideSums {
+            all: 4.0,
+            flip: [1e-6, 1.0, 0.25],
+            count: [1e-3, 5.0, 0.5],
         };
-        let (q, k) = s.errors();
-        assert_eq!(q, [0.0, 0.5, 0.25]);
-        assert_eq!(k, [0.0; 3]);
+        assert_eq!(s.errors(), [0.0, 0.5, 0.25]);
+        assert_eq!(SideSums::default().errors(), [0.0; 3]);
         s.add(s);
-        assert_eq!(s.errors().0, [0.0, 0.5, 0.25]);
+        assert_eq!(s.errors(), [0.0, 0.5, 0.25]);
     }
 }

@@ -908,10 +908,7 @@ fn sana_score_bound(
         .collect();
     let kink = amplified_tensors(spec)?
         .into_iter()
-        .zip(kinks.iter().flat_map(|s| {
-            let (eq, ek) = s.errors();
-            [eq, ek]
-        }))
+        .zip(kinks.iter().flat_map(|s| [s.q.errors(), s.k.errors()]))
         .collect();
     Ok(Probe {
         score_bound: bound,
