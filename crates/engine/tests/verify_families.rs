@@ -166,12 +166,24 @@ fn pixart_verifies_against_its_f64_reference() {
 #[test]
 fn sd3_verifies_against_its_f64_reference() {
     for spec in [&family_specs()[1].1, &family_specs()[2].1] {
-        verify_family(
+        let rep = verify_family(
             spec,
             VARIANTS,
             "transformer_blocks.1.attn.add_v_proj.weight",
             &|v| v.precision == Precision::Fp16Mixed,
         );
+        // A key bias's gradient is a remainder of the joint attention's zero sum (key_bias.rs):
+        // amplified beside its query sibling's, which is not.
+        let amp = |suffix: &str| {
+            rep.variants[0]
+                .per_tensor
+                .iter()
+                .filter(|t| t.name.ends_with(suffix))
+                .map(|t| t.amplification)
+                .fold(0.0, f64::max)
+        };
+        assert!(amp("attn.to_k.bias") > 1.0);
+        assert_eq!(amp("attn.to_q.bias"), 1.0);
     }
 }
 
@@ -301,6 +313,17 @@ fn per_tensor_margins() {
     let vs = parse_variants(&env("VERIFY_VARIANTS", "*/none/materialized")).unwrap();
     let rep = verify(&spec, &vs, &o, &r, 1, &mut |_| {}).unwrap();
     eprintln!("growth {:?}", rep.growth);
+    // ‖g_ref(bias)‖ / ‖g_ref(its weight)‖ of the attention projections: a bias whose gradient
+    // is a small part of its terms (a cancellation) sits far below the others.
+    for (name, _) in &r.tensors {
+        if let Some(stem) = name.strip_suffix(".bias").filter(|n| n.contains("attn")) {
+            let (g, gw) = (
+                norm(&r.gradient(name).unwrap()),
+                norm(&r.gradient(&format!("{stem}.weight")).unwrap()),
+            );
+            eprintln!("  bias/weight {:.3e} {name}", g / gw);
+        }
+    }
     for v in &rep.variants {
         let tol = rep
             .tolerances

@@ -32,6 +32,7 @@
 mod cancellation;
 mod chain;
 mod error;
+mod key_bias;
 mod kink;
 mod probe;
 mod store;
@@ -1118,8 +1119,9 @@ pub struct TensorError {
     /// is normal, and for a gradient zero in exact arithmetic (judged against the whole
     /// gradient, whose scale is normal).
     pub underflow: f64,
-    /// The cancellation its gradient comes out of, ‖terms‖ / ‖result‖ in the f64 replay
-    /// ([`Reference::amplification`]; 1 when none).
+    /// The cancellation its gradient comes out of: ‖terms‖ / ‖result‖ in the f64 replay
+    /// ([`Reference::amplification`]), or a key bias's remainder of a zero sum measured on the
+    /// reference's gradients (`key_bias.rs`); 1 when none.
     pub amplification: f64,
     /// The expected relative error from components crossing a ReLU kink in the compute dtype
     /// ([`Reference::kink_of`]; 0 when none).
@@ -1348,6 +1350,7 @@ fn one_step(
     let mut per_tensor = Vec::with_capacity(names.len());
     let (mut dot, mut na, mut nb) = (0.0, 0.0, 0.0);
     let mut r = Vec::new();
+    let mut sibling = Vec::new();
     let mut values = 0usize;
     for (name, shape) in &reference.tensors {
         let mut g = match t.gradient(name)? {
@@ -1370,6 +1373,7 @@ fn one_step(
         }
         hash_values(h, &g);
         values += g.len();
+        let zero = crate::families::zero_gradient(&arch, name);
         per_tensor.push(TensorError {
             name: name.clone(),
             // Made relative to the whole gradient below when zero in exact arithmetic.
@@ -1385,7 +1389,14 @@ fn one_step(
                 let n = rows * if per_head { d.heads as u64 } else { 1 };
                 terms::underflow_with_upstream(&r, policy_scale, n, compute)
             },
-            amplification: reference.amplification_of(name),
+            amplification: reference.amplification_of(name).max(if zero {
+                1.0
+            } else {
+                key_bias::of(&arch, name, |n| {
+                    rd.read_into(&format!("grad/{n}"), &mut sibling)?;
+                    Ok(norm(&sibling))
+                })?
+            }),
             kink: reference.kink_of(name, compute),
         });
         for (x, y) in g.iter().zip(&r) {
@@ -2144,7 +2155,7 @@ fn note_terms(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance) {
     let amp = |te: &TensorError| te.amplification;
     if let Some((name, a, err)) = largest(&amp).filter(|w| w.1 > 1.0) {
         rep.reasons.push(format!(
-            "note: gradients behind the linear attention's cancellation amplify rounding up to {a:.1}× ({name}: tolerance {:.2e}); its error {err:.2e}",
+            "note: gradients out of a cancellation (the linear attention's q and k, a key bias) amplify rounding up to {a:.1}× ({name}: tolerance {:.2e}); its error {err:.2e}",
             tol.grad * a
         ));
     }
