@@ -7,8 +7,8 @@
 use ditmem_budget::Spec;
 use ditmem_engine::mutation::{self, Mutation};
 use ditmem_engine::verify::{
-    compute_reference, parse_variants, verify, Reference, Report, Verdict, VerifyOptions,
-    WARN_FACTOR,
+    compute_reference, parse_variants, verify, Reference, Report, VariantReport, Verdict,
+    VerifyOptions, SPREAD_MARGIN, WARN_FACTOR,
 };
 
 /// The planted mutation and logit gain are the process's: one test at a time.
@@ -270,6 +270,11 @@ fn not_applicable(m: Mutation) -> Option<&'static str> {
     }
 }
 
+/// Whether a variant's step or drift produced non-finite values (an overflow).
+fn overflowed(v: &VariantReport) -> bool {
+    v.nonfinite_share.is_some_and(|s| s > 0.0) || v.reasons.iter().any(|r| r.contains("non-finite"))
+}
+
 #[test]
 fn every_mutation_that_applies_fails_on_each_family() {
     let _one = one_at_a_time();
@@ -295,18 +300,25 @@ fn every_mutation_that_applies_fails_on_each_family() {
         let at_gain = run(&base, gain_vs, &o, &r_gain);
         mutation::set_logit_gain(1.0);
         show(&format!("{fam} correct (logits ×32)"), &at_gain);
-        // Where the correct variant does not pass at ×32 the softmax mutation cannot be told
-        // from it: listed, not judged.
-        let gain_ok = at_gain.variants.iter().all(|v| v.verdict != Verdict::Fail);
-        if !gain_ok {
-            unjudged.push(format!("{fam}: correct fp32 fails at logits ×32"));
+        // At ×32 the correct fp32 variant exceeds the rounding tolerance on these specs: the
+        // saturated rows' softmax backward cancels (dS = P·(dP − Σ P·dP) with P near one-hot),
+        // which the tolerance model does not hold yet (an open finding, listed, not asserted).
+        // The softmax mutation is told from it as the tolerances were calibrated: against the
+        // error of this correct run, × SPREAD_MARGIN, beyond the warning band (× WARN_FACTOR).
+        assert!(
+            at_gain.variants.iter().all(|v| !overflowed(v)),
+            "{fam}: the correct variant overflows at ×32: {:?}",
+            at_gain.variants[0].reasons
+        );
+        if at_gain.variants.iter().any(|v| v.verdict == Verdict::Fail) {
+            unjudged.push(format!(
+                "{fam}: correct fp32 exceeds its rounding tolerance at logits ×32 (margin {:.2})",
+                at_gain.variants[0].grad_margin.unwrap_or(f64::NAN)
+            ));
         }
         for m in Mutation::ALL {
             if let Some(why) = not_applicable(m) {
                 eprintln!("{fam} {m:?}: does not apply ({why})");
-                continue;
-            }
-            if m == Mutation::SoftmaxNoMax && !gain_ok {
                 continue;
             }
             let r = if m == Mutation::SoftmaxNoMax {
@@ -320,11 +332,24 @@ fn every_mutation_that_applies_fails_on_each_family() {
             mutation::set(None);
             mutation::set_logit_gain(1.0);
             show(&format!("{fam} {m:?}"), &rep);
-            if !rep.variants.iter().any(|v| v.verdict == Verdict::Fail) {
+            let caught = if m == Mutation::SoftmaxNoMax {
+                let correct = at_gain.variants[0]
+                    .grad_rel_err_max
+                    .unwrap_or(f64::INFINITY);
+                rep.variants.iter().any(|v| {
+                    v.verdict == Verdict::Fail
+                        && v.grad_rel_err_max.is_some_and(|e| {
+                            e.is_nan() || e > SPREAD_MARGIN * WARN_FACTOR * correct
+                        })
+                })
+            } else {
+                rep.variants.iter().any(|v| v.verdict == Verdict::Fail)
+            };
+            if !caught {
                 missed.push(format!("{fam} {m:?}"));
             }
         }
     }
-    eprintln!("not judged: {unjudged:?}");
+    eprintln!("outside the tolerance model at ×32: {unjudged:?}");
     assert!(missed.is_empty(), "not caught: {missed:?}");
 }

@@ -59,6 +59,79 @@ impl Sums {
     }
 }
 
+/// One head of one sample of the linear attention, replayed in f64: φ(q) and v per token,
+/// KV, z, the denominators dₙ and the outputs oₙ (see the module docs).
+pub(super) struct Head {
+    pub fq: Vec<Vec<f64>>,
+    pub v: Vec<Vec<f64>>,
+    /// kv[a][c] = Σₘ vₘ[a]·φ(kₘ)[c].
+    pub kv: Vec<Vec<f64>>,
+    /// z[c] = Σₘ φ(kₘ)[c].
+    pub z: Vec<f64>,
+    pub den: Vec<f64>,
+    pub out: Vec<Vec<f64>>,
+}
+
+/// Where row `n` of head `h` of sample `bi` starts in a (b·s, heads·dh) row-major operand.
+pub(super) fn head_at(
+    bi: usize,
+    h: usize,
+    n: usize,
+    (s, heads, dh): (usize, usize, usize),
+) -> usize {
+    (bi * s + n) * heads * dh + h * dh
+}
+
+impl Head {
+    /// Head `h` of sample `bi` of q, k, v ((b·s, heads·dh) row-major, f64).
+    pub fn of(
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        (bi, h): (usize, usize),
+        (s, heads, dh): (usize, usize, usize),
+    ) -> Head {
+        let at = |n: usize| head_at(bi, h, n, (s, heads, dh));
+        let row = |x: &[f64], n: usize| x[at(n)..at(n) + dh].to_vec();
+        let phi = |x: &[f64]| -> Vec<Vec<f64>> {
+            (0..s)
+                .map(|n| row(x, n).into_iter().map(|y| y.max(0.0)).collect())
+                .collect()
+        };
+        let (fq, fk) = (phi(q), phi(k));
+        let vv: Vec<Vec<f64>> = (0..s).map(|n| row(v, n)).collect();
+        let mut kv = vec![vec![0.0; dh]; dh];
+        let mut z = vec![0.0; dh];
+        for m in 0..s {
+            for c in 0..dh {
+                z[c] += fk[m][c];
+                for a in 0..dh {
+                    kv[a][c] += vv[m][a] * fk[m][c];
+                }
+            }
+        }
+        let den: Vec<f64> = (0..s)
+            .map(|n| {
+                (0..dh).map(|c| z[c] * fq[n][c]).sum::<f64>()
+                    + crate::ops::linear_attention::LINEAR_ATTN_EPS
+            })
+            .collect();
+        let out: Vec<Vec<f64>> = (0..s)
+            .map(|n| {
+                (0..dh)
+                    .map(|a| (0..dh).map(|c| kv[a][c] * fq[n][c]).sum::<f64>() / den[n])
+                    .collect()
+            })
+            .collect();
+        Head {
+            fq,
+            v: vv,
+            kv,
+            z,
+            den,
+            out,
+        }
+    }
+}
+
 /// [`Sums`] of the linear attention of q, k, v ((b·s, heads·dh) row-major, f64) for `b`
 /// samples of `s` tokens, added to `into`.
 pub(super) fn add_sums(
@@ -66,43 +139,17 @@ pub(super) fn add_sums(
     (b, s, heads, dh): (usize, usize, usize, usize),
     into: &mut Sums,
 ) {
-    let d = heads * dh;
-    let relu = |x: f64| x.max(0.0);
     for bi in 0..b {
         for h in 0..heads {
-            let at = |n: usize| (bi * s + n) * d + h * dh;
-            let row = |x: &[f64], n: usize| x[at(n)..at(n) + dh].to_vec();
-            let phi = |x: &[f64]| -> Vec<Vec<f64>> {
-                (0..s)
-                    .map(|n| row(x, n).into_iter().map(relu).collect())
-                    .collect()
-            };
-            let (fq, fk) = (phi(q), phi(k));
-            let vv: Vec<Vec<f64>> = (0..s).map(|n| row(v, n)).collect();
-            // kv[a][c] = Σₘ vₘ[a]·φ(kₘ)[c]; z[c] = Σₘ φ(kₘ)[c].
-            let mut kv = vec![vec![0.0; dh]; dh];
-            let mut z = vec![0.0; dh];
-            for m in 0..s {
-                for c in 0..dh {
-                    z[c] += fk[m][c];
-                    for a in 0..dh {
-                        kv[a][c] += vv[m][a] * fk[m][c];
-                    }
-                }
-            }
-            let den: Vec<f64> = (0..s)
-                .map(|n| {
-                    (0..dh).map(|c| z[c] * fq[n][c]).sum::<f64>()
-                        + crate::ops::linear_attention::LINEAR_ATTN_EPS
-                })
-                .collect();
-            let out: Vec<Vec<f64>> = (0..s)
-                .map(|n| {
-                    (0..dh)
-                        .map(|a| (0..dh).map(|c| kv[a][c] * fq[n][c]).sum::<f64>() / den[n])
-                        .collect()
-                })
-                .collect();
+            let at = |n: usize| head_at(bi, h, n, (s, heads, dh));
+            let Head {
+                fq,
+                v: vv,
+                kv,
+                z,
+                den,
+                out,
+            } = Head::of((q, k, v), (bi, h), (s, heads, dh));
             let mut sums = Sums::default();
             // q: J[c][a] = (KV[a][c] − z[c]·oₙ[a]) / dₙ on the components qₙ[c] > 0.
             for n in 0..s {

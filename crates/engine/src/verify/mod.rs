@@ -32,6 +32,8 @@
 mod cancellation;
 mod chain;
 mod error;
+mod key_bias;
+mod kink;
 mod probe;
 mod store;
 mod terms;
@@ -353,10 +355,11 @@ impl Growth {
 /// at a margin (error / tolerance) of at most 0.5 at every calibration point; a bug that doubles
 /// a policy's error lands in the warning band, one that triples it fails.
 ///
-/// Per tensor ([`Tolerance::grad_of`]) two terms measured on the reference itself join this
+/// Per tensor ([`Tolerance::grad_of`]) three terms measured on the reference itself join this
 /// (`terms.rs`): the underflow of a loss-scaled gradient below the compute dtype's smallest
-/// normal (fp16: Flux's text stream at initialisation), and the cancellation a gradient comes
-/// out of (Sana's linear attention, measured by the probe). The drift tolerance follows them,
+/// normal (fp16: Flux's text stream at initialisation), the cancellation a gradient comes out
+/// of (Sana's linear attention, measured by the probe), and the components of q and k that
+/// cross the ReLU kink of Sana's linear attention (`kink.rs`: an error that grows with √u_c). The drift tolerance follows them,
 /// weighted by each tensor's share of the reference's travel ([`Tolerance::drift_of`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
@@ -580,6 +583,10 @@ pub struct Reference {
     /// (tensor prefix, ‖terms‖ / ‖result‖): the cancellations the tensors' gradients come out
     /// of, measured on the first step's replay (Sana's linear attention; empty elsewhere).
     pub amplification: Vec<(String, f64)>,
+    /// (tensor prefix, expected relative error per dtype of [`kink::KINK_DTYPES`]): the
+    /// gradients behind a ReLU kink, measured on the first step's replay (Sana's linear
+    /// attention; empty elsewhere).
+    pub kink: Vec<(String, [f64; 3])>,
     /// The file's name; None for a reference computed into a file without one.
     path: Option<PathBuf>,
     file: std::sync::Mutex<std::fs::File>,
@@ -618,7 +625,7 @@ pub fn reference_file_bytes(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
     Ok(store::data_bytes(n, opts.steps, base.recipe.ema.enabled))
 }
 
-const FORMAT: &str = "ditmem-verify-reference/4";
+const FORMAT: &str = "ditmem-verify-reference/5";
 
 /// The metadata of a reference file.
 fn reference_meta(
@@ -627,6 +634,7 @@ fn reference_meta(
     names: &[String],
     score_bound: f64,
     amplification: &[(String, f64)],
+    kink: &[(String, [f64; 3])],
 ) -> Result<HashMap<String, String>> {
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), FORMAT.to_string());
@@ -636,6 +644,7 @@ fn reference_meta(
     meta.insert("ema".to_string(), spec.recipe.ema.enabled.to_string());
     meta.insert("score_bound".to_string(), json(&score_bound)?);
     meta.insert("amplification".to_string(), json(&amplification)?);
+    meta.insert("kink".to_string(), json(&kink)?);
     meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
     Ok(meta)
 }
@@ -656,7 +665,11 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
         .into_iter()
         .map(|n| (n, -f64::MAX))
         .collect();
-    let meta = reference_meta(&spec, opts, &names, -f64::MAX, &amplification)?;
+    let kink: Vec<(String, [f64; 3])> = amplification
+        .iter()
+        .map(|(n, _)| (n.clone(), [-f64::MAX; 3]))
+        .collect();
+    let meta = reference_meta(&spec, opts, &names, -f64::MAX, &amplification, &kink)?;
     let ema = spec.recipe.ema.enabled;
     store::file_len(&meta, &store::keys(&tensors, opts.steps, ema))
 }
@@ -739,11 +752,12 @@ fn compute_reference_into(
         score_bound,
         loss: probe_loss,
         amplification,
+        kink,
     } = probe::probe(&spec, &t, opts.seed, &batch)?;
     let loss = t.compute_gradients(&batch)?;
     probe::check_loss(probe_loss, loss)?;
     drop(batch);
-    let meta = reference_meta(&spec, opts, &names, score_bound, &amplification)?;
+    let meta = reference_meta(&spec, opts, &names, score_bound, &amplification, &kink)?;
     let keys = store::keys(&tensors, opts.steps, ema);
     let mut w = match (&path, target) {
         (Some(p), _) => {
@@ -800,6 +814,7 @@ fn compute_reference_into(
         ema,
         score_bound,
         amplification,
+        kink,
         path,
         file: std::sync::Mutex::new(file),
         layout,
@@ -879,6 +894,15 @@ impl Reference {
             .ok_or_else(|| {
                 reference_error("metadata 'amplification' is not a list of [tensor, number ≥ 1]")
             })?;
+        let kink: Vec<(String, [f64; 3])> = serde_json::from_str(field("kink")?)
+            .ok()
+            .filter(|a: &Vec<(String, [f64; 3])>| {
+                a.iter()
+                    .all(|x| x.1.iter().all(|e| e.is_finite() && *e >= 0.0))
+            })
+            .ok_or_else(|| {
+                reference_error("metadata 'kink' is not a list of [tensor, [3 numbers ≥ 0]]")
+            })?;
         let version = field("version")?.clone();
         let mut tensors = Vec::with_capacity(names.len());
         for n in &names {
@@ -920,6 +944,7 @@ impl Reference {
             ema,
             score_bound,
             amplification,
+            kink,
             path: Some(path.to_path_buf()),
             file: std::sync::Mutex::new(file),
             layout,
@@ -938,13 +963,22 @@ impl Reference {
     pub fn amplification_of(&self, tensor: &str) -> f64 {
         self.amplification
             .iter()
-            .filter(|(prefix, _)| {
-                tensor
-                    .strip_prefix(prefix.as_str())
-                    .is_some_and(|rest| rest.starts_with('.'))
-            })
+            .filter(|(prefix, _)| is_under(tensor, prefix))
             .map(|x| x.1)
             .fold(1.0, f64::max)
+    }
+
+    /// The expected relative error of `tensor`'s gradient from components crossing a ReLU
+    /// kink when computed in `dtype` ([`kink`]; 0 when none, and for dtypes not measured).
+    pub fn kink_of(&self, tensor: &str, dtype: Dtype) -> f64 {
+        let Some(i) = kink::KINK_DTYPES.iter().position(|d| *d == dtype) else {
+            return 0.0;
+        };
+        self.kink
+            .iter()
+            .filter(|(prefix, _)| is_under(tensor, prefix))
+            .map(|x| x.1[i])
+            .fold(0.0, f64::max)
     }
 
     fn reader(&self) -> Result<store::Reader<'_>> {
@@ -998,6 +1032,13 @@ impl Reference {
 }
 
 /// The first leaf where two JSON values differ: (dotted path, a, b).
+/// Whether `tensor` is one of the module `prefix`'s (`prefix.` starts its name).
+fn is_under(tensor: &str, prefix: &str) -> bool {
+    tensor
+        .strip_prefix(prefix)
+        .is_some_and(|rest| rest.starts_with('.'))
+}
+
 fn first_difference(
     path: &str,
     a: &serde_json::Value,
@@ -1078,20 +1119,30 @@ pub struct TensorError {
     /// is normal, and for a gradient zero in exact arithmetic (judged against the whole
     /// gradient, whose scale is normal).
     pub underflow: f64,
-    /// The cancellation its gradient comes out of, ‖terms‖ / ‖result‖ in the f64 replay
-    /// ([`Reference::amplification`]; 1 when none).
+    /// The cancellation its gradient comes out of: ‖terms‖ / ‖result‖ in the f64 replay
+    /// ([`Reference::amplification`]), or a key bias's remainder of a zero sum measured on the
+    /// reference's gradients (`key_bias.rs`); 1 when none.
     pub amplification: f64,
+    /// The expected relative error from components crossing a ReLU kink in the compute dtype
+    /// ([`Reference::kink_of`]; 0 when none).
+    pub kink: f64,
 }
 
 /// The underflow term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the
 /// term itself is the predicted error, see [`TensorError::underflow`]).
 pub const KAPPA_UNDERFLOW: f64 = SPREAD_MARGIN;
 
+/// The kink term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the term
+/// is the expected error of a count of flipped components, see [`kink`]).
+pub const KAPPA_KINK: f64 = SPREAD_MARGIN;
+
 impl Tolerance {
     /// The gradient tolerance of one tensor: the policy's, multiplied by the cancellation its
-    /// gradient comes out of, with its underflow term added in quadrature.
+    /// gradient comes out of, with its underflow and kink terms added in quadrature.
     pub fn grad_of(&self, te: &TensorError) -> f64 {
-        (self.grad * te.amplification.max(1.0)).hypot(KAPPA_UNDERFLOW * te.underflow)
+        (self.grad * te.amplification.max(1.0))
+            .hypot(KAPPA_UNDERFLOW * te.underflow)
+            .hypot(KAPPA_KINK * te.kink)
     }
 }
 
@@ -1299,6 +1350,7 @@ fn one_step(
     let mut per_tensor = Vec::with_capacity(names.len());
     let (mut dot, mut na, mut nb) = (0.0, 0.0, 0.0);
     let mut r = Vec::new();
+    let mut sibling = Vec::new();
     let mut values = 0usize;
     for (name, shape) in &reference.tensors {
         let mut g = match t.gradient(name)? {
@@ -1321,6 +1373,7 @@ fn one_step(
         }
         hash_values(h, &g);
         values += g.len();
+        let zero = crate::families::zero_gradient(&arch, name);
         per_tensor.push(TensorError {
             name: name.clone(),
             // Made relative to the whole gradient below when zero in exact arithmetic.
@@ -1336,7 +1389,15 @@ fn one_step(
                 let n = rows * if per_head { d.heads as u64 } else { 1 };
                 terms::underflow_with_upstream(&r, policy_scale, n, compute)
             },
-            amplification: reference.amplification_of(name),
+            amplification: reference.amplification_of(name).max(if zero {
+                1.0
+            } else {
+                key_bias::of(&arch, name, |n| {
+                    rd.read_into(&format!("grad/{n}"), &mut sibling)?;
+                    Ok(norm(&sibling))
+                })?
+            }),
+            kink: reference.kink_of(name, compute),
         });
         for (x, y) in g.iter().zip(&r) {
             dot += x * y;
@@ -2084,10 +2145,17 @@ fn note_terms(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance) {
             term / KAPPA_UNDERFLOW,
         ));
     }
+    let kink = |te: &TensorError| KAPPA_KINK * te.kink;
+    if let Some((name, term, err)) = largest(&kink).filter(|w| w.1 > tol.grad) {
+        rep.reasons.push(format!(
+            "note: gradients behind the linear attention's ReLU err by components crossing its kink, up to {:.2e} expected ({name}: tolerance term {term:.2e}); its error {err:.2e}",
+            term / KAPPA_KINK
+        ));
+    }
     let amp = |te: &TensorError| te.amplification;
     if let Some((name, a, err)) = largest(&amp).filter(|w| w.1 > 1.0) {
         rep.reasons.push(format!(
-            "note: gradients behind the linear attention's cancellation amplify rounding up to {a:.1}× ({name}: tolerance {:.2e}); its error {err:.2e}",
+            "note: gradients out of a cancellation (the linear attention's q and k, a key bias) amplify rounding up to {a:.1}× ({name}: tolerance {:.2e}); its error {err:.2e}",
             tol.grad * a
         ));
     }

@@ -15,6 +15,7 @@ use ditmem_budget::Spec;
 
 use super::cancellation::{add_sums, Sums};
 use super::error::{bad, Result, VerifyError};
+use super::kink::{add_kink_sums, KinkSums};
 use crate::block::{
     block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
     LinearW, LN_EPS,
@@ -54,6 +55,9 @@ pub(super) struct Probe {
     /// ([`super::cancellation`]; Sana's linear attention's `to_q` and `to_k`), in the order of
     /// [`amplified_tensors`].
     pub amplification: Vec<(String, f64)>,
+    /// (tensor prefix, the expected relative error per dtype of [`super::kink::KINK_DTYPES`])
+    /// of the gradients behind a ReLU kink ([`super::kink`]), in the same order.
+    pub kink: Vec<(String, [f64; 3])>,
 }
 
 /// The prefixes of the tensors whose gradients come out of a cancellation the probe measures:
@@ -74,6 +78,7 @@ pub(super) fn probe(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Resul
         score_bound,
         loss,
         amplification: Vec::new(),
+        kink: Vec::new(),
     };
     match crate::families::Arch::of(spec)? {
         crate::families::Arch::Pixart(g) => pixart_score_bound(spec, t, &g, batch).map(plain),
@@ -792,6 +797,8 @@ fn sana_score_bound(
     let mut bound = 0.0f64;
     let mut loss_sum = 0.0;
     let mut sums = vec![Sums::default(); d.depth];
+    let mut kinks = vec![KinkSums::default(); d.depth];
+    let arch = crate::families::Arch::of(spec)?;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
         let b = mb.n;
@@ -805,7 +812,7 @@ fn sana_score_bound(
             let y = caption_forward(&mb.text_tensor(f, &dev)?, &cw)?;
             Ok((x, emb, t6, y))
         })?;
-        for (i, block_total) in sums.iter_mut().enumerate() {
+        for (i, (block_total, kink_total)) in sums.iter_mut().zip(kinks.iter_mut()).enumerate() {
             let p = |n: &str| sana_linear(t, &format!("transformer_blocks.{i}.{n}"));
             let dp = |n: &str| t.parameter(&format!("transformer_blocks.{i}.ff.conv_depth.{n}"));
             let bw = SanaBlockWeights {
@@ -822,40 +829,61 @@ fn sana_score_bound(
                 conv_depth: (dp("weight")?, dp("bias")?),
                 conv_point: p("ff.conv_point")?,
             };
-            let (next, sb, block_sums) = on_pool(|| -> Result<(Tensor, f64, Sums)> {
-                // q and k of the cross-attention as the block computes them.
-                let modv = t6
-                    .broadcast_add(&bw.table.reshape((1, 6 * h)).map_err(e)?)
-                    .map_err(e)?;
-                let chunk = |k: usize| modv.narrow(1, k * h, h).map_err(e);
-                let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
-                let (q, k, v) = (
-                    bw.q1.forward(&h1)?,
-                    bw.k1.forward(&h1)?,
-                    bw.v1.forward(&h1)?,
-                );
-                // The linear attention's cancellation, on the same q, k, v.
-                let mut block_sums = Sums::default();
-                let flat = |t: &Tensor| -> Result<Vec<f64>> {
-                    t.flatten_all().and_then(|v| v.to_vec1()).map_err(e)
-                };
-                add_sums(
-                    (&flat(&q)?, &flat(&k)?, &flat(&v)?),
-                    (b, s, d.heads, h / d.heads),
-                    &mut block_sums,
-                );
-                let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
-                let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
-                let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
-                let sb = pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale)?;
-                Ok((
-                    sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?,
-                    sb,
-                    block_sums,
-                ))
-            })?;
+            // What h carries into the block's q and k: the embedding, the earlier blocks' stages,
+            // its norm; and the weight's own rounding (see kink.rs).
+            let roundings = (3 + super::chain::block_stages(&arch, i as u64)) as f64;
+            let (next, sb, block_sums, block_kinks) =
+                on_pool(|| -> Result<(Tensor, f64, Sums, KinkSums)> {
+                    // q and k of the cross-attention as the block computes them.
+                    let modv = t6
+                        .broadcast_add(&bw.table.reshape((1, 6 * h)).map_err(e)?)
+                        .map_err(e)?;
+                    let chunk = |k: usize| modv.narrow(1, k * h, h).map_err(e);
+                    let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
+                    let (q, k, v) = (
+                        bw.q1.forward(&h1)?,
+                        bw.k1.forward(&h1)?,
+                        bw.v1.forward(&h1)?,
+                    );
+                    // The linear attention's cancellation, on the same q, k, v.
+                    let mut block_sums = Sums::default();
+                    let flat = |t: &Tensor| -> Result<Vec<f64>> {
+                        t.flatten_all().and_then(|v| v.to_vec1()).map_err(e)
+                    };
+                    let qkv = (&flat(&q)?[..], &flat(&k)?[..], &flat(&v)?[..]);
+                    let geom = (b, s, d.heads, h / d.heads);
+                    add_sums(qkv, geom, &mut block_sums);
+                    // √(Σⱼ hⱼ²·W_cj²) of each component of q and k: the spread of its terms.
+                    let h2 = h1.sqr().and_then(|x| x.reshape((b * s, h))).map_err(e)?;
+                    let spread = |w: &Tensor| -> Result<Vec<f64>> {
+                        flat(
+                            &h2.matmul(&w.sqr().and_then(|w| w.t()).map_err(e)?)
+                                .and_then(|x| x.sqrt())
+                                .map_err(e)?,
+                        )
+                    };
+                    let mut block_kinks = KinkSums::default();
+                    add_kink_sums(
+                        qkv,
+                        (&spread(&bw.q1.w)?, &spread(&bw.k1.w)?),
+                        roundings,
+                        geom,
+                        &mut block_kinks,
+                    );
+                    let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
+                    let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
+                    let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
+                    let sb = pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale)?;
+                    Ok((
+                        sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?,
+                        sb,
+                        block_sums,
+                        block_kinks,
+                    ))
+                })?;
             bound = bound.max(sb);
             block_total.add(block_sums);
+            kink_total.add(block_kinks);
             x = next;
         }
         loss_sum += on_pool(|| -> Result<f64> {
@@ -878,10 +906,15 @@ fn sana_score_bound(
             [aq, ak]
         }))
         .collect();
+    let kink = amplified_tensors(spec)?
+        .into_iter()
+        .zip(kinks.iter().flat_map(|s| [s.q.errors(), s.k.errors()]))
+        .collect();
     Ok(Probe {
         score_bound: bound,
         loss: loss_sum / accum as f64,
         amplification,
+        kink,
     })
 }
 
