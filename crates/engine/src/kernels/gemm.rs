@@ -95,9 +95,11 @@ pub(crate) fn mm_fresh<A: 'static + Acc>(
 /// The general product: every operand as (slice, row stride, column stride).
 ///
 /// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is
-/// column-major with a row count that fills its SIMD lanes, and the rhs is column-major with at
-/// most 128 microkernel rows of destination (`gemm-common` `gemm_basic_generic`). The widened
-/// linear lays out its own f32 scratch that way, so its products allocate nothing.
+/// column-major with a row count that fills its SIMD lanes (8 f32 on AVX2, 16 on AVX-512), and
+/// the rhs is column-major with at most 128 microkernel rows of destination (`gemm-common`
+/// `gemm_basic_generic`). The widened linear lays out its own f32 scratch that way, so its
+/// products allocate nothing but where a chunk's rows miss the lanes; the budget's rule for what
+/// a call allocates is `ditmem_budget::ditmem_cpu::gemm_pack::call_heap_bytes`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mm_strided<A: 'static + Acc>(
     m: usize,
@@ -124,6 +126,26 @@ pub(crate) fn mm_strided<A: 'static + Acc>(
             par,
         )
     }
+}
+
+/// [`mm_strided`] on f32, for callers outside the crate: the test that holds the budget's rule
+/// for `gemm`'s per-call packing (`ditmem_budget::ditmem_cpu::gemm_pack`) against the counting
+/// allocator around real products. `threads`: 1 for `gemm::Parallelism::None`.
+#[allow(clippy::too_many_arguments)]
+pub fn mm_strided_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize, usize),
+    lhs: (&[f32], usize, usize),
+    rhs: (&[f32], usize, usize),
+    threads: usize,
+) {
+    let par = match threads {
+        0 | 1 => gemm::Parallelism::None,
+        t => gemm::Parallelism::Rayon(t),
+    };
+    mm_strided(m, n, k, dst, lhs, rhs, false, par)
 }
 
 /// `dst = lhs·rhs` (`+ dst` when `acc`) through `gemm`, the destination as (pointer, row
