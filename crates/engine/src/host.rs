@@ -47,10 +47,10 @@ pub fn gemm_l2_bytes() -> u64 {
 }
 
 /// The microkernels `gemm` runs f32/f64 products on here, as it chooses them
-/// (`gemm-common` 0.19 `gemm_def!`, with the workspace's `x86-v4` feature): AVX-512F where the
-/// CPU has it, else AVX2 + FMA.
+/// (`gemm-common` 0.19 `gemm_def!`): AVX-512F where the CPU has it and `gemm` was built with
+/// its `x86-v4` feature (this crate's default feature `gemm-avx512`), else AVX2 + FMA.
 pub fn gemm_isa() -> GemmIsa {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", feature = "gemm-avx512"))]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             return GemmIsa::Avx512;

@@ -4,7 +4,7 @@
 //! written straight into new, unzeroed memory). bf16 products have their own kernel,
 //! [`super::gemm_bf16`].
 //!
-//! `gemm` is built with its `x86-v4` feature (workspace `Cargo.toml`), so on a CPU with AVX512F
+//! `gemm` is built with its `x86-v4` feature (this crate's default feature `gemm-avx512`), so on a CPU with AVX512F
 //! its f32/f64 microkernels run on zmm registers; without the feature it stops at AVX2+FMA, which
 //! held a DiT-S/2 fp32 step to half an AVX-512 core's rate (issue 20). Which kernel runs is chosen
 //! at run time from the CPU's features, so the build still runs on AVX2-only CPUs.
