@@ -42,16 +42,6 @@ fn measured(c: &GemmCall) -> u64 {
 /// product, a depth above 512 (blocked `kc`) and small shapes (the m, n ≤ 64 shortcut).
 #[test]
 fn the_rule_is_what_gemm_allocates_on_this_host() {
-    let cm = |m: u64, n: u64, k: u64| GemmCall {
-        m,
-        n,
-        k,
-        dst: (1, m),
-        lhs: (1, m),
-        rhs: (1, k),
-        elem: 4,
-        threads: 1,
-    };
     let call = |m, n, k, dst, lhs, rhs| GemmCall {
         m,
         n,
@@ -62,6 +52,7 @@ fn the_rule_is_what_gemm_allocates_on_this_host() {
         elem: 4,
         threads: 1,
     };
+    let cm = |m: u64, n: u64, k: u64| call(m, n, k, (1, m), (1, m), (1, k));
     let (s, dh) = (256, 64);
     let shapes = [
         cm(128, 256, 64),

@@ -32,6 +32,29 @@ fn chunk_rows(rows: u64) -> impl Iterator<Item = u64> {
     [r, rows % r.max(1)].into_iter().filter(|&n| n > 0)
 }
 
+/// `gemm`'s per-call heap bytes for one product on the spec's CPU: elements of `elem` bytes on
+/// `threads` (1: `Parallelism::None`), strides of `[dst, lhs, rhs]` as (row, column).
+fn gemm_call_bytes(
+    cpu: &CpuSpec,
+    (elem, threads): (u64, u64),
+    (m, n, k): (u64, u64, u64),
+    [dst, lhs, rhs]: [(u64, u64); 3],
+) -> u64 {
+    spec_call_heap_bytes(
+        cpu,
+        &GemmCall {
+            m,
+            n,
+            k,
+            dst,
+            lhs,
+            rhs,
+            elem,
+            threads,
+        },
+    )
+}
+
 /// `gemm`'s per-call packing bytes (forward, backward) of the widened linear
 /// (`ops/linear/widen.rs`), the most of any of its products: all operands column-major, so a
 /// product packs its lhs when its rows miss the SIMD lanes (a chunk's rows forward and for dx,
@@ -43,19 +66,7 @@ fn widened_linear_packing(
 ) -> (u64, u64) {
     let threads = u64::from(cpu.threads.max(1));
     let col_major = |m: u64, n: u64, k: u64| {
-        spec_call_heap_bytes(
-            cpu,
-            &GemmCall {
-                m,
-                n,
-                k,
-                dst: (1, m),
-                lhs: (1, m),
-                rhs: (1, k),
-                elem: 4,
-                threads,
-            },
-        )
+        gemm_call_bytes(cpu, (4, threads), (m, n, k), [(1, m), (1, m), (1, k)])
     };
     let (mut fwd, mut bwd) = (0, 0);
     for n in chunk_rows(rows) {
@@ -84,19 +95,7 @@ fn direct_linear_packing(
 ) -> (u64, u64) {
     let threads = u64::from(cpu.threads.max(1));
     let mm = |m: u64, n: u64, k: u64, dst, lhs, rhs| {
-        spec_call_heap_bytes(
-            cpu,
-            &GemmCall {
-                m,
-                n,
-                k,
-                dst,
-                lhs,
-                rhs,
-                elem,
-                threads,
-            },
-        )
+        gemm_call_bytes(cpu, (elem, threads), (m, n, k), [dst, lhs, rhs])
     };
     let fwd = mm(rows, out, inp, (out, 1), (inp, 1), (1, inp));
     let dw_bytes = if tw { out * inp * elem } else { 0 };
@@ -297,19 +296,7 @@ pub fn attention_head_packing(
     elem: u64,
 ) -> (u64, u64) {
     let mm = |m: u64, n: u64, k: u64, dst, lhs, rhs| {
-        spec_call_heap_bytes(
-            cpu,
-            &GemmCall {
-                m,
-                n,
-                k,
-                dst,
-                lhs,
-                rhs,
-                elem,
-                threads: 1,
-            },
-        )
+        gemm_call_bytes(cpu, (elem, 1), (m, n, k), [dst, lhs, rhs])
     };
     let blocks = match kb {
         Some(kb) if kb > 0 && kb < sk => vec![kb, sk % kb],
