@@ -78,7 +78,9 @@ fn the_rule_is_what_gemm_allocates_on_this_host() {
     let mut packed = 0;
     for c in &shapes {
         let rule = call_heap_bytes(isa, &cache, c);
-        assert_eq!(measured(c), rule, "{isa:?} {c:?}");
+        // The least of three: another thread of the harness can only add to the count.
+        let m = (0..3).map(|_| measured(c)).min().unwrap_or(0);
+        assert_eq!(m, rule, "{isa:?} {c:?}");
         if rule > 64 {
             packed += 1;
         }
