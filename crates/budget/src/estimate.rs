@@ -358,6 +358,7 @@ mod tests {
             threads: 2,
             bf16_products: Bf16Products::Kernel,
             gemm_l2_bytes: 1 << 20,
+            gemm_isa: crate::spec::GemmIsa::Avx512,
         };
         let xeon = CpuSpec {
             gemm_l2_bytes: 2 << 20,

@@ -57,8 +57,8 @@ pub use sharding::{
 };
 pub use spec::{
     default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
-    EmaSpec, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl, Precision,
-    Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TextEncoders, TokenGrid,
+    EmaSpec, GemmIsa, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl,
+    Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TextEncoders, TokenGrid,
     TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES,
     MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH,
     MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS, MAX_VAE_FACTOR,
@@ -73,6 +73,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::attention;
     pub use crate::runtime::ditmem_cpu::backward;
     pub use crate::runtime::ditmem_cpu::block;
+    pub use crate::runtime::ditmem_cpu::gemm_pack;
     pub use crate::runtime::ditmem_cpu::graph;
     pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
     pub use crate::runtime::ditmem_cpu::ops;

@@ -1105,6 +1105,48 @@ impl FromStr for Bf16Products {
     }
 }
 
+/// The microkernels the `gemm` crate runs f32/f64 products on, chosen at run time from the CPU's
+/// features (`gemm-common` 0.19 `gemm_def!`: `avx512f` with the workspace's `x86-v4` feature,
+/// else `fma`). They set the SIMD lanes, the micro-tile and so which calls pack their operands
+/// into a per-call buffer ([`crate::ditmem_cpu::gemm_pack`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GemmIsa {
+    /// AVX2 + FMA: 8 f32 lanes, 16 × 6 f32 micro-tiles (`gemm_f32::microkernel::fma`).
+    Avx2,
+    /// AVX-512F: 16 f32 lanes, 64 × 6 f32 micro-tiles (`gemm_f32::microkernel::avx512f`).
+    Avx512,
+}
+
+impl GemmIsa {
+    pub const fn name(self) -> &'static str {
+        match self {
+            GemmIsa::Avx2 => "avx2",
+            GemmIsa::Avx512 => "avx512",
+        }
+    }
+
+    /// The ISA of the reference machine (AMD EPYC, Zen 4: AVX-512F), which a spec written
+    /// before the field existed is taken to describe, like the rest of [`CpuSpec::REFERENCE`].
+    pub const fn reference() -> GemmIsa {
+        GemmIsa::Avx512
+    }
+}
+
+impl FromStr for GemmIsa {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "avx2" => Ok(GemmIsa::Avx2),
+            "avx512" => Ok(GemmIsa::Avx512),
+            _ => Err(SpecError::invalid(
+                "cpu.gemm_isa",
+                format!("'{s}' is not a gemm kernel family; allowed: avx2, avx512"),
+            )),
+        }
+    }
+}
+
 /// The CPU that the `ditmem-cpu` runtime executes on: what the engine's allocations depend on
 /// beyond the model and the recipe. The budget never reads the host: these values are part of
 /// the spec, filled from the machine by the CLI (and by the engine's `host::resolve`) where the
@@ -1124,6 +1166,10 @@ pub struct CpuSpec {
     /// (`cache.rs`: sysfs on Linux, cpuid elsewhere). 1 MiB on the AMD EPYC (Zen 4) this project
     /// measures on, 2 MiB on an Intel Xeon (Sapphire Rapids).
     pub gemm_l2_bytes: u64,
+    /// The microkernels `gemm` runs f32/f64 products on ([`GemmIsa`]). A spec without the field
+    /// (written before it existed) is read as the reference machine's, AVX-512.
+    #[serde(default = "GemmIsa::reference")]
+    pub gemm_isa: GemmIsa,
 }
 
 impl CpuSpec {
@@ -1133,6 +1179,7 @@ impl CpuSpec {
         threads: 2,
         bf16_products: Bf16Products::Kernel,
         gemm_l2_bytes: 1 << 20,
+        gemm_isa: GemmIsa::Avx512,
     };
 
     /// Most threads a spec may name.

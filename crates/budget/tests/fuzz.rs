@@ -297,6 +297,7 @@ fn spec_near_caps() -> impl Strategy<Value = Spec> {
                 ditmem_budget::Bf16Products::Widen
             },
             gemm_l2_bytes: l2,
+            gemm_isa: ditmem_budget::GemmIsa::Avx512,
         });
     (spec_near_caps_without_cpu(), cpu).prop_map(|(mut s, cpu)| {
         if s.runtime == ditmem_budget::Runtime::DitmemCpu {

@@ -11,7 +11,8 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use ditmem_budget::{Bf16Products, CpuSpec, Spec};
+use ditmem_budget::ditmem_cpu::gemm_pack::{self, GemmCache};
+use ditmem_budget::{Bf16Products, CpuSpec, GemmIsa, Spec};
 
 use crate::error::{EngineError, Result};
 
@@ -45,6 +46,38 @@ pub fn gemm_l2_bytes() -> u64 {
     gemm_common::cache::CACHE_INFO[1].cache_bytes as u64
 }
 
+/// The microkernels `gemm` runs f32/f64 products on here, as it chooses them
+/// (`gemm-common` 0.19 `gemm_def!`): AVX-512F where the CPU has it and `gemm` was built with
+/// its `x86-v4` feature (this crate's default feature `gemm-avx512`), else AVX2 + FMA.
+pub fn gemm_isa() -> GemmIsa {
+    #[cfg(all(target_arch = "x86_64", feature = "gemm-avx512"))]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return GemmIsa::Avx512;
+        }
+    }
+    GemmIsa::Avx2
+}
+
+/// The caches `gemm` sizes its blocks from on this CPU (`gemm_common::cache::CACHE_INFO`), in
+/// the budget's terms; the spec names only the L2 ([`gemm_l2_bytes`]), the budget takes the rest
+/// from its reference machine (`GemmCache::of`).
+pub fn gemm_cache() -> GemmCache {
+    let level = |i: usize| {
+        let c = gemm_common::cache::CACHE_INFO[i];
+        gemm_pack::CacheLevel {
+            bytes: c.cache_bytes as u64,
+            associativity: c.associativity as u64,
+            line_bytes: c.cache_line_bytes as u64,
+        }
+    };
+    GemmCache {
+        l1: level(0),
+        l2: level(1),
+        l3: level(2),
+    }
+}
+
 /// This process's CPU: its pool's threads, the bf16 product path (the kernel where the CPU has
 /// it, unless `DITMEM_BF16_GEMM=widen`) and `gemm`'s per-thread slab.
 pub fn detect() -> CpuSpec {
@@ -57,6 +90,7 @@ pub fn detect() -> CpuSpec {
             Bf16Products::Widen
         },
         gemm_l2_bytes: gemm_l2_bytes(),
+        gemm_isa: gemm_isa(),
     }
 }
 
@@ -71,7 +105,8 @@ pub fn resolve(spec: &Spec) -> Spec {
 }
 
 /// Refuse a `cpu` section that this process cannot execute as written: another thread count
-/// than its pool, another `gemm` slab than this CPU's, or the bf16 kernel on a CPU without it.
+/// than its pool, another `gemm` slab or kernel family than this CPU's, or the bf16 kernel on a
+/// CPU without it.
 pub fn check(cpu: &CpuSpec) -> Result<()> {
     let (threads, l2) = (threads(), gemm_l2_bytes());
     if cpu.threads != threads {
@@ -89,6 +124,18 @@ pub fn check(cpu: &CpuSpec) -> Result<()> {
             format!(
                 "{} but gemm on this CPU packs into {l2} bytes per thread; allowed: {l2}",
                 cpu.gemm_l2_bytes
+            ),
+        ));
+    }
+    let isa = gemm_isa();
+    if cpu.gemm_isa != isa {
+        return Err(EngineError::bad_input(
+            "cpu.gemm_isa",
+            format!(
+                "{} but gemm on this CPU runs its {} kernels; allowed: {}",
+                cpu.gemm_isa.name(),
+                isa.name(),
+                isa.name()
             ),
         ));
     }

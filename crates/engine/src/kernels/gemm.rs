@@ -3,6 +3,11 @@
 //! linear lays its f32 scratch out so that `gemm` packs nothing) and `mm_fresh` (a product
 //! written straight into new, unzeroed memory). bf16 products have their own kernel,
 //! [`super::gemm_bf16`].
+//!
+//! `gemm` is built with its `x86-v4` feature (this crate's default feature `gemm-avx512`), so on a CPU with AVX512F
+//! its f32/f64 microkernels run on zmm registers; without the feature it stops at AVX2+FMA, which
+//! held a DiT-S/2 fp32 step to half an AVX-512 core's rate (issue 20). Which kernel runs is chosen
+//! at run time from the CPU's features, so the build still runs on AVX2-only CPUs.
 
 use super::scalar::Acc;
 
@@ -90,9 +95,11 @@ pub(crate) fn mm_fresh<A: 'static + Acc>(
 /// The general product: every operand as (slice, row stride, column stride).
 ///
 /// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is
-/// column-major with a row count that fills its SIMD lanes, and the rhs is column-major with at
-/// most 128 microkernel rows of destination (`gemm-common` `gemm_basic_generic`). The widened
-/// linear lays out its own f32 scratch that way, so its products allocate nothing.
+/// column-major with a row count that fills its SIMD lanes (8 f32 on AVX2, 16 on AVX-512), and
+/// the rhs is column-major with at most 128 microkernel rows of destination (`gemm-common`
+/// `gemm_basic_generic`). The widened linear lays out its own f32 scratch that way, so its
+/// products allocate nothing but where a chunk's rows miss the lanes; the budget's rule for what
+/// a call allocates is `ditmem_budget::ditmem_cpu::gemm_pack::call_heap_bytes`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mm_strided<A: 'static + Acc>(
     m: usize,
@@ -119,6 +126,26 @@ pub(crate) fn mm_strided<A: 'static + Acc>(
             par,
         )
     }
+}
+
+/// [`mm_strided`] on f32, for callers outside the crate: the test that holds the budget's rule
+/// for `gemm`'s per-call packing (`ditmem_budget::ditmem_cpu::gemm_pack`) against the counting
+/// allocator around real products. `threads`: 1 for `gemm::Parallelism::None`.
+#[allow(clippy::too_many_arguments)]
+pub fn mm_strided_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize, usize),
+    lhs: (&[f32], usize, usize),
+    rhs: (&[f32], usize, usize),
+    threads: usize,
+) {
+    let par = match threads {
+        0 | 1 => gemm::Parallelism::None,
+        t => gemm::Parallelism::Rayon(t),
+    };
+    mm_strided(m, n, k, dst, lhs, rhs, false, par)
 }
 
 /// `dst = lhs·rhs` (`+ dst` when `acc`) through `gemm`, the destination as (pointer, row

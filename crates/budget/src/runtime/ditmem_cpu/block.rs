@@ -56,7 +56,7 @@ fn adapted_linear(
         &format!("{name} x·Wᵀ+b"),
         [x, w, bias],
         (rows, inp, out),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     match rank {
         Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),

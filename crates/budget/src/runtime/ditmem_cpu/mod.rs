@@ -23,6 +23,7 @@
 //! - [`backward`]: candle's backward rules (candle-core `src/backprop.rs`);
 //! - [`ops`]: the engine's fused ops and kernel workspaces (`ops/`, `kernels/gemm_bf16.rs`,
 //!   `ops/attention/bf16.rs`);
+//! - [`gemm_pack`]: the per-call packing buffer of the `gemm` crate (`kernels/gemm.rs`);
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`flux`]: Flux's segments (`families/flux/block.rs`, `trainer/flux.rs`);
@@ -38,6 +39,7 @@ pub mod attention;
 pub mod backward;
 pub mod block;
 pub mod flux;
+pub mod gemm_pack;
 pub mod graph;
 pub mod ops;
 pub mod pixart;

@@ -3,9 +3,10 @@
 //! it saves and the workspace its forward and backward allocate. The engine's tests and benches
 //! hold their measured workspaces against these functions.
 
+use crate::runtime::ditmem_cpu::gemm_pack::{spec_call_heap_bytes, GemmCall};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::shape::Shape;
-use crate::spec::{AttentionMode, Dtype, Precision};
+use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
@@ -24,9 +25,101 @@ fn packed_b_bytes(k: u64, n: u64) -> u64 {
     4 * n.div_ceil(BF16_KERNEL_TILE.1) * BF16_KERNEL_TILE.1 * k.div_ceil(2)
 }
 
+/// The rows of each chunk of `rows` the engine's chunked linears run through (`LINEAR_ROWS` a
+/// chunk, the rest last): the full chunk and the remainder, if any.
+fn chunk_rows(rows: u64) -> impl Iterator<Item = u64> {
+    let r = LINEAR_ROWS.min(rows);
+    [r, rows % r.max(1)].into_iter().filter(|&n| n > 0)
+}
+
+/// `gemm`'s per-call heap bytes for one product on the spec's CPU: elements of `elem` bytes on
+/// `threads` (1: `Parallelism::None`), strides of `[dst, lhs, rhs]` as (row, column).
+fn gemm_call_bytes(
+    cpu: &CpuSpec,
+    (elem, threads): (u64, u64),
+    (m, n, k): (u64, u64, u64),
+    [dst, lhs, rhs]: [(u64, u64); 3],
+) -> u64 {
+    spec_call_heap_bytes(
+        cpu,
+        &GemmCall {
+            m,
+            n,
+            k,
+            dst,
+            lhs,
+            rhs,
+            elem,
+            threads,
+        },
+    )
+}
+
+/// `gemm`'s per-call packing bytes (forward, backward) of the widened linear
+/// (`ops/linear/widen.rs`), the most of any of its products: all operands column-major, so a
+/// product packs its lhs when its rows miss the SIMD lanes (a chunk's rows forward and for dx,
+/// the `out` rows of dW).
+fn widened_linear_packing(
+    cpu: &CpuSpec,
+    (rows, inp, out): (u64, u64, u64),
+    (tx, tw): (bool, bool),
+) -> (u64, u64) {
+    let threads = u64::from(cpu.threads.max(1));
+    let col_major = |m: u64, n: u64, k: u64| {
+        gemm_call_bytes(cpu, (4, threads), (m, n, k), [(1, m), (1, m), (1, k)])
+    };
+    let (mut fwd, mut bwd) = (0, 0);
+    for n in chunk_rows(rows) {
+        fwd = fwd.max(col_major(n, out, inp));
+        if tx {
+            bwd = bwd.max(col_major(n, inp, out));
+        }
+        if tw {
+            bwd = bwd.max(col_major(out, inp, n));
+        }
+    }
+    (fwd, bwd)
+}
+
+/// `gemm`'s per-call packing bytes (forward, backward) of the direct f32/f64 linear
+/// (`ops/linear/direct.rs`), as workspace beside the node's output (forward) and beside all its
+/// gradients (backward, [`super::backward`]'s custom rule). Forward `y += x·Wᵀ` into the fresh
+/// (row-major) y; backward `dx = g·W` into a fresh dx, then `dW = gᵀ·x` into a fresh dW while dx
+/// lives, then db: the backward's peak is that of each product's packing over the gradients
+/// alive by then, stated here as the part above all of them.
+fn direct_linear_packing(
+    cpu: &CpuSpec,
+    elem: u64,
+    (rows, inp, out): (u64, u64, u64),
+    (tx, tw, tb): (bool, bool, bool),
+) -> (u64, u64) {
+    let threads = u64::from(cpu.threads.max(1));
+    let mm = |m: u64, n: u64, k: u64, dst, lhs, rhs| {
+        gemm_call_bytes(cpu, (elem, threads), (m, n, k), [dst, lhs, rhs])
+    };
+    let fwd = mm(rows, out, inp, (out, 1), (inp, 1), (1, inp));
+    let dw_bytes = if tw { out * inp * elem } else { 0 };
+    let db_bytes = if tb { out * elem } else { 0 };
+    let dx = if tx {
+        mm(rows, inp, out, (inp, 1), (out, 1), (inp, 1))
+    } else {
+        0
+    };
+    let dw = if tw {
+        mm(out, inp, rows, (inp, 1), (1, out), (inp, 1))
+    } else {
+        0
+    };
+    let bwd = dx
+        .saturating_sub(dw_bytes + db_bytes)
+        .max(dw.saturating_sub(db_bytes));
+    (fwd, bwd)
+}
+
 /// Workspace bytes (forward, backward) of the engine's fused linear (`ops::linear_*_scratch`)
 /// in compute dtype `cd` for the inputs that track (`(x, w, b)`), on the AVX512-BF16 kernel when
-/// `native` (the spec's `cpu.bf16_products`, [`crate::CpuSpec`]), else widened: nothing on f32/f64. `master`: W and b are
+/// `native` (the spec's `cpu.bf16_products`, [`crate::CpuSpec`]), else widened: nothing on
+/// f32/f64 (`gemm`'s own per-call packing, [`widened_linear_packing`], comes on top). `master`: W and b are
 /// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
 /// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
 /// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
@@ -74,30 +167,40 @@ pub fn fused_linear_scratch(
     }
 }
 
-/// Known gap (measured, not yet modelled): on f32/f64 the engine's direct linear hands `gemm` a
-/// row-major destination, and `gemm` then packs its operands into a heap buffer per call (about
-/// the size of W: 65,592 B around a 64 → 256 f32 linear, 16,680 B around 64 → 64; see
-/// `kernels::gemm::mm_strided`), which [`fused_linear_scratch`] leaves out. It sets the
-/// forward-phase peak of a recomputed block at small row counts (PixArt and the DiT at batch 1
-/// under recompute: the forward phase 5–25 % under), never the step peak of a grid spec.
+/// On f32/f64 the engine's direct linear hands `gemm` a row-major destination, and `gemm` then
+/// packs its operands into a heap buffer per call (about the size of W: 65,592 B around a 64 →
+/// 256 f32 linear, 16,680 B around 64 → 64; see `kernels::gemm::mm_strided`): counted by
+/// [`direct_linear_packing`] with the rule [`super::gemm_pack::call_heap_bytes`] (once a known
+/// gap, which set the forward-phase peak of a recomputed block at small row counts).
 ///
 /// `ops::linear` of the engine: `x·Wᵀ + b` as one node with a fresh (rows, out) output and
 /// nothing saved beyond its inputs; its workspace is [`fused_linear_scratch`]. The gradients it
 /// returns are those of the inputs that track. Its widened f32 buffers are laid out so that
-/// `gemm` packs nothing (its per-call packing buffers are not in this model). `bf16_kernel`: bf16
-/// products run on the AVX512-BF16 kernel (the spec's `cpu.bf16_products`).
+/// `gemm` packs only where a chunk's rows miss the SIMD lanes ([`widened_linear_packing`], added
+/// to the node's workspace). `cpu`: the spec's CPU (bf16 products on the AVX512-BF16 kernel per
+/// `cpu.bf16_products`; `gemm`'s kernels per `cpu.gemm_isa`).
 pub fn fused_linear(
     g: &mut Graph,
     name: &str,
     ins: [Nid; 3],
     (rows, inp, out): (u64, u64, u64),
-    bf16_kernel: bool,
+    cpu: &CpuSpec,
 ) -> Nid {
     let cd = g.dtype(ins[0]);
     let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
     let tracks = (wants(ins[0]), wants(ins[1]), wants(ins[2]));
     let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, bf16_kernel, master);
+    let native = cpu.bf16_kernel();
+    let (mut fwd, mut bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, native, master);
+    let (pf, pb) = match cd {
+        Dtype::Bf16 if native => (0, 0),
+        Dtype::Bf16 | Dtype::F16 => {
+            widened_linear_packing(cpu, (rows, inp, out), (tracks.0, tracks.1))
+        }
+        _ => direct_linear_packing(cpu, cd.size(), (rows, inp, out), tracks),
+    };
+    fwd += pf;
+    bwd += pb;
     let y = g.op(
         name,
         Kind::Custom { bwd_scratch: bwd },
@@ -252,6 +355,37 @@ pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
     )
 }
 
+/// `gemm`'s per-call packing bytes (forward, backward) of one head of the engine's generic
+/// attention kernels (`ops/attention/{generic,separate}.rs`, `sq` queries over `sk` keys, head
+/// width `dh`, accumulation elements of `elem` bytes, single-threaded calls), the most of any of
+/// its products: per key block of `n` keys (all `sk` at once when `kb` is None, else blocks of
+/// `kb` and the rest) the scores `S = q·kᵀ` (and `dP = dO·vᵀ`), `O = P·v` (and `dq = dS·k`), and
+/// in backward `dv = Pᵀ·dO` (and `dk = dSᵀ·q`). q·kᵀ reads k transposed, so `gemm` pre-packs it
+/// on every ISA.
+pub fn attention_head_packing(
+    cpu: &CpuSpec,
+    (sq, sk, dh): (u64, u64, u64),
+    kb: Option<u64>,
+    elem: u64,
+) -> (u64, u64) {
+    let mm = |m: u64, n: u64, k: u64, dst, lhs, rhs| {
+        gemm_call_bytes(cpu, (elem, 1), (m, n, k), [dst, lhs, rhs])
+    };
+    let blocks = match kb {
+        Some(kb) if kb > 0 && kb < sk => vec![kb, sk % kb],
+        _ => vec![sk],
+    };
+    let (mut fwd, mut bwd) = (0, 0);
+    for n in blocks.into_iter().filter(|&n| n > 0) {
+        let scores = mm(sq, n, dh, (n, 1), (dh, 1), (1, dh));
+        let out = mm(sq, dh, n, (dh, 1), (n, 1), (dh, 1));
+        let grad_kv = mm(n, dh, sq, (dh, 1), (1, n), (dh, 1));
+        fwd = fwd.max(scores).max(out);
+        bwd = bwd.max(scores).max(out).max(grad_kv);
+    }
+    (fwd, bwd)
+}
+
 /// `ops::qkv_attention` of the engine: attention read in place from the (b·s, 3D) qkv
 /// projection, written as (b·s, D). One fresh output. What it keeps (the node's `extra`): P
 /// (b·a·s², compute dtype) when materialized, the log-sum-exp (b·a·s, accumulation type) when
@@ -300,7 +434,9 @@ pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
     } else if native {
         native_attention_scratch(s, dh)
     } else {
-        (fwd * acc, bwd * acc)
+        let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(kb);
+        let (pf, pb) = attention_head_packing(&sh.cpu, (s, s, dh), kb, acc);
+        (fwd * acc + pf, bwd * acc + pb)
     };
     let o = g.op(
         name,

@@ -10,7 +10,7 @@ use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
+    attention_head_packing, fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
@@ -96,17 +96,20 @@ pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], 
         nh * sq * sk * cd.size()
     };
     let (fwd, bwd) = separate_attention_scratch(sh, sq, sk);
+    let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(FUSED_ATTN_KEY_BLOCK);
+    let (pf, pb) = attention_head_packing(&sh.cpu, (sq, sk, sh.d / sh.heads), kb, acc);
+    let (fwd, bwd) = (fwd * acc + pf, bwd * acc + pb);
     let o = g.op(
         name,
         Kind::Custom {
-            bwd_scratch: nt * bwd * acc,
+            bwd_scratch: nt * bwd,
         },
         &qkv,
         sh.b * sq * sh.d,
         cd,
     );
     g.nodes[o].extra = extra;
-    g.nodes[o].fwd_scratch = nt * fwd * acc;
+    g.nodes[o].fwd_scratch = nt * fwd;
     o
 }
 
@@ -215,7 +218,7 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
         "pos_embed.proj x·Wᵀ+b",
         [xp, wv, bias],
         (rows, inp, sh.d),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
     let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());

@@ -171,7 +171,7 @@ fn linear(
         &format!("{name} x·Wᵀ+b"),
         [x, w, bias],
         (rows, inp, out),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     match sh.lora_rank(name) {
         Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
@@ -306,7 +306,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
         "patch_embed.proj x·Wᵀ+b",
         [xp, wv, bias],
         (rows, inp, sh.d),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
     let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());

@@ -305,7 +305,7 @@ pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
         "pos_embed.proj x·Wᵀ+b",
         [xp, wv, bias],
         (rows, inp, sh.d),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     // The table's (M², D) → (M, M, D) view, cropped by two narrows (views) and read in place.
     let side2 = sg.pos_side * sg.pos_side;

@@ -211,7 +211,7 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
         "patch_embedding x·Wᵀ+b",
         [xp, wv, bias],
         (rows, inp, sh.d),
-        sh.cpu.bf16_kernel(),
+        &sh.cpu,
     );
     let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
     let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
