@@ -81,24 +81,16 @@ fn mlp_linear(l: &LinearW, x_tracks: bool) -> Option<MlpLinear> {
     }
 }
 
-/// Whether the fused MLP runs in compute dtype `cd`: bf16/f16 only for now. On f32/f64 its
-/// backward lowers the step peak to where `gemm`'s per-call packing buffers (the direct
-/// linear's products; not in the budget, see `ditmem_budget::ditmem_cpu::ops::fused_linear`)
-/// set it: measured 3.3–3.8 % above the budget on PixArt fp32/fp64 with materialized attention
-/// (`tests/families.rs`). It runs there once that packing is modelled.
-pub fn mlp_fuses(cd: DType) -> bool {
-    matches!(cd, DType::BF16 | DType::F16)
-}
-
 /// The feed-forward `fc2(gelu_tanh(fc1(h)))` on a 2-D input: one fused node
 /// ([`crate::ops::fused_mlp()`]: keeps fc1's output only, no wide gradient in candle's store)
-/// where the dtype ([`mlp_fuses`]) and both linears allow it (see [`mlp_linear`]), else
-/// composed of the two linears and the GELU. Both give the same values, bit for bit.
+/// where both linears allow it (see [`mlp_linear`]), in every dtype, else composed of the two
+/// linears and the GELU. Both give the same values, bit for bit. (On f32/f64 it ran composed
+/// until the budget counted `gemm`'s per-call packing, `ditmem_cpu::ops::linear_workspace`: the
+/// fused backward's lower peak sat where the direct linear's packing buffers set it.)
 pub fn feed_forward(h: &Tensor, fc1: &LinearW, fc2: &LinearW) -> Result<Tensor> {
     let t = h.track_op();
-    let fuse = mlp_fuses(h.dtype());
     match (mlp_linear(fc1, t), mlp_linear(fc2, t)) {
-        (Some(l1), Some(l2)) if fuse => Ok(crate::ops::fused_mlp(h, l1, l2)?),
+        (Some(l1), Some(l2)) => Ok(crate::ops::fused_mlp(h, l1, l2)?),
         _ => {
             // Locals until fc2's output exists (the budget holds them so).
             let f1 = fc1.forward(h)?;

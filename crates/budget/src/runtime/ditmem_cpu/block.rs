@@ -90,8 +90,8 @@ fn linear_weights(
 }
 
 /// `block::feed_forward` of the engine: x (rows, inp) → (rows, out) through `ffn`, bound (the
-/// engine's callers keep it in a local). Where neither linear carries LoRA (`ranks`) and the
-/// compute dtype is bf16/f16 (`block::mlp_fuses`), one [`fused_mlp`] node; else fc1, the GELU
+/// engine's callers keep it in a local). Where neither linear carries LoRA (`ranks`), one
+/// [`fused_mlp`] node; else fc1, the GELU
 /// and fc2 composed, the first two held until fc2 exists (the engine function's locals).
 pub fn feed_forward(
     g: &mut Graph,
@@ -101,8 +101,7 @@ pub fn feed_forward(
     x: Nid,
     (rows, inp, ffn, out): (u64, u64, u64, u64),
 ) -> Nid {
-    let fuses = matches!(g.dtype(x), Dtype::Bf16 | Dtype::F16);
-    let y = if fuses && ranks.iter().all(Option::is_none) {
+    let y = if ranks.iter().all(Option::is_none) {
         let [w1, b1] = linear_weights(g, sh, fc1, x, (ffn, inp));
         let [w2, b2] = linear_weights(g, sh, fc2, x, (out, ffn));
         fused_mlp(
@@ -111,7 +110,7 @@ pub fn feed_forward(
             x,
             [w1, b1, w2, b2],
             (rows, inp, ffn, out),
-            sh.cpu.bf16_kernel(),
+            &sh.cpu,
         )
     } else {
         let f1 = adapted_linear(g, sh, fc1, x, (rows, ffn, inp), ranks[0]);

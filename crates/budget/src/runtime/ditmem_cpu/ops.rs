@@ -167,6 +167,29 @@ pub fn fused_linear_scratch(
     }
 }
 
+/// Workspace bytes (forward, backward) of one of the engine's linears on the spec's CPU: its own
+/// buffers ([`fused_linear_scratch`]) and `gemm`'s per-call packing where its products go
+/// through `gemm` (widened bf16/f16: [`widened_linear_packing`]; direct f32/f64:
+/// [`direct_linear_packing`]); the AVX512-BF16 kernel packs into its own buffers only.
+pub fn linear_workspace(
+    cpu: &CpuSpec,
+    cd: Dtype,
+    (rows, inp, out): (u64, u64, u64),
+    tracks: (bool, bool, bool),
+    master: bool,
+) -> (u64, u64) {
+    let native = cpu.bf16_kernel();
+    let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, native, master);
+    let (pf, pb) = match cd {
+        Dtype::Bf16 if native => (0, 0),
+        Dtype::Bf16 | Dtype::F16 => {
+            widened_linear_packing(cpu, (rows, inp, out), (tracks.0, tracks.1))
+        }
+        _ => direct_linear_packing(cpu, cd.size(), (rows, inp, out), tracks),
+    };
+    (fwd + pf, bwd + pb)
+}
+
 /// On f32/f64 the engine's direct linear hands `gemm` a row-major destination, and `gemm` then
 /// packs its operands into a heap buffer per call (about the size of W: 65,592 B around a 64 →
 /// 256 f32 linear, 16,680 B around 64 → 64; see `kernels::gemm::mm_strided`): counted by
@@ -190,17 +213,7 @@ pub fn fused_linear(
     let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
     let tracks = (wants(ins[0]), wants(ins[1]), wants(ins[2]));
     let master = g.dtype(ins[1]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let native = cpu.bf16_kernel();
-    let (mut fwd, mut bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, native, master);
-    let (pf, pb) = match cd {
-        Dtype::Bf16 if native => (0, 0),
-        Dtype::Bf16 | Dtype::F16 => {
-            widened_linear_packing(cpu, (rows, inp, out), (tracks.0, tracks.1))
-        }
-        _ => direct_linear_packing(cpu, cd.size(), (rows, inp, out), tracks),
-    };
-    fwd += pf;
-    bwd += pb;
+    let (fwd, bwd) = linear_workspace(cpu, cd, (rows, inp, out), tracks, master);
     let y = g.op(
         name,
         Kind::Custom { bwd_scratch: bwd },
@@ -226,14 +239,37 @@ pub const FUSED_MLP_OP_BYTES: u64 = 32 + 104;
 /// dW2, db2; or fc1's workspace with every gradient (the peak phase less the gradients).
 pub fn fused_mlp_scratch(
     (cd, wd): (Dtype, Dtype),
-    (rows, inp, ffn, out): (u64, u64, u64, u64),
+    dims: (u64, u64, u64, u64),
     (tx, wants): (bool, [bool; 4]),
     native: bool,
     master: bool,
 ) -> (u64, u64) {
+    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
+    fused_mlp_phases(lin, (cd, wd), dims, (tx, wants))
+}
+
+/// [`fused_mlp_scratch`] with `gemm`'s per-call packing in each phase ([`linear_workspace`] for
+/// each of the four products): the node's workspace on the spec's CPU.
+pub fn fused_mlp_workspace(
+    cpu: &CpuSpec,
+    (cd, wd): (Dtype, Dtype),
+    dims: (u64, u64, u64, u64),
+    (tx, wants): (bool, [bool; 4]),
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
+    fused_mlp_phases(lin, (cd, wd), dims, (tx, wants))
+}
+
+/// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears.
+fn fused_mlp_phases(
+    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (cd, wd): (Dtype, Dtype),
+    (rows, inp, ffn, out): (u64, u64, u64, u64),
+    (tx, wants): (bool, [bool; 4]),
+) -> (u64, u64) {
     let (e, we) = (cd.size(), wd.size());
     let (h, y) = (e * rows * ffn, e * rows * out);
-    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
     let (s1, _) = lin((rows, inp, ffn), (false, false, false));
     let (s2, sa) = lin((rows, ffn, out), (true, false, false));
     let (_, sc) = lin((rows, ffn, out), (false, wants[2], wants[3]));
@@ -250,7 +286,7 @@ pub fn fused_mlp_scratch(
 /// `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen, so their gradients are
 /// counted). A fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute
 /// dtype; turned into h in place by its backward and held until the graph drops) and its boxed
-/// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_scratch`]. Its backward returns dx only
+/// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_workspace`]. Its backward returns dx only
 /// (no wide gradient enters candle's store).
 pub fn fused_mlp(
     g: &mut Graph,
@@ -258,19 +294,13 @@ pub fn fused_mlp(
     x: Nid,
     ws: [Nid; 4],
     (rows, inp, ffn, out): (u64, u64, u64, u64),
-    bf16_kernel: bool,
+    cpu: &CpuSpec,
 ) -> Nid {
     let (cd, wd) = (g.dtype(x), g.dtype(ws[0]));
     let wants = ws.map(|i| g.nodes[i].sunk);
     let tx = g.nodes[x].tracks;
     let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let (fwd, bwd) = fused_mlp_scratch(
-        (cd, wd),
-        (rows, inp, ffn, out),
-        (tx, wants),
-        bf16_kernel,
-        master,
-    );
+    let (fwd, bwd) = fused_mlp_workspace(cpu, (cd, wd), (rows, inp, ffn, out), (tx, wants), master);
     let y = g.op(
         name,
         Kind::Custom { bwd_scratch: bwd },
