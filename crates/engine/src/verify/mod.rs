@@ -35,6 +35,7 @@ mod error;
 mod key_bias;
 mod kink;
 mod probe;
+mod softmax;
 mod store;
 mod terms;
 
@@ -583,6 +584,9 @@ pub struct Reference {
     /// (tensor prefix, ‖terms‖ / ‖result‖): the cancellations the tensors' gradients come out
     /// of, measured on the first step's replay (Sana's linear attention; empty elsewhere).
     pub amplification: Vec<(String, f64)>,
+    /// ‖terms‖ / ‖result‖ of the softmax attentions' backward on the first step's replay
+    /// ([`softmax`]: saturated rows cancel), applied to every tensor's gradient (≥ 1).
+    pub softmax_amplification: f64,
     /// (tensor prefix, expected relative error per dtype of [`kink::KINK_DTYPES`]): the
     /// gradients behind a ReLU kink, measured on the first step's replay (Sana's linear
     /// attention; empty elsewhere).
@@ -625,7 +629,7 @@ pub fn reference_file_bytes(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
     Ok(store::data_bytes(n, opts.steps, base.recipe.ema.enabled))
 }
 
-const FORMAT: &str = "ditmem-verify-reference/5";
+const FORMAT: &str = "ditmem-verify-reference/6";
 
 /// The metadata of a reference file.
 fn reference_meta(
@@ -633,6 +637,7 @@ fn reference_meta(
     opts: &VerifyOptions,
     names: &[String],
     score_bound: f64,
+    softmax_amplification: f64,
     amplification: &[(String, f64)],
     kink: &[(String, [f64; 3])],
 ) -> Result<HashMap<String, String>> {
@@ -643,6 +648,10 @@ fn reference_meta(
     meta.insert("names".to_string(), json(&names)?);
     meta.insert("ema".to_string(), spec.recipe.ema.enabled.to_string());
     meta.insert("score_bound".to_string(), json(&score_bound)?);
+    meta.insert(
+        "softmax_amplification".to_string(),
+        json(&softmax_amplification)?,
+    );
     meta.insert("amplification".to_string(), json(&amplification)?);
     meta.insert("kink".to_string(), json(&kink)?);
     meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
@@ -669,7 +678,15 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
         .iter()
         .map(|(n, _)| (n.clone(), [-f64::MAX; 3]))
         .collect();
-    let meta = reference_meta(&spec, opts, &names, -f64::MAX, &amplification, &kink)?;
+    let meta = reference_meta(
+        &spec,
+        opts,
+        &names,
+        -f64::MAX,
+        -f64::MAX,
+        &amplification,
+        &kink,
+    )?;
     let ema = spec.recipe.ema.enabled;
     store::file_len(&meta, &store::keys(&tensors, opts.steps, ema))
 }
@@ -750,6 +767,7 @@ fn compute_reference_into(
     // step's peak), then checked against the step's loss.
     let probe::Probe {
         score_bound,
+        softmax: softmax_amplification,
         loss: probe_loss,
         amplification,
         kink,
@@ -757,7 +775,15 @@ fn compute_reference_into(
     let loss = t.compute_gradients(&batch)?;
     probe::check_loss(probe_loss, loss)?;
     drop(batch);
-    let meta = reference_meta(&spec, opts, &names, score_bound, &amplification, &kink)?;
+    let meta = reference_meta(
+        &spec,
+        opts,
+        &names,
+        score_bound,
+        softmax_amplification,
+        &amplification,
+        &kink,
+    )?;
     let keys = store::keys(&tensors, opts.steps, ema);
     let mut w = match (&path, target) {
         (Some(p), _) => {
@@ -813,6 +839,7 @@ fn compute_reference_into(
         tensors,
         ema,
         score_bound,
+        softmax_amplification,
         amplification,
         kink,
         path,
@@ -888,6 +915,12 @@ impl Reference {
             .ok()
             .filter(|s: &f64| s.is_finite() && *s >= 0.0)
             .ok_or_else(|| reference_error("metadata 'score_bound' is not a number ≥ 0"))?;
+        let softmax_amplification: f64 = serde_json::from_str(field("softmax_amplification")?)
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 1.0)
+            .ok_or_else(|| {
+                reference_error("metadata 'softmax_amplification' is not a number ≥ 1")
+            })?;
         let amplification: Vec<(String, f64)> = serde_json::from_str(field("amplification")?)
             .ok()
             .filter(|a: &Vec<(String, f64)>| a.iter().all(|x| x.1.is_finite() && x.1 >= 1.0))
@@ -943,6 +976,7 @@ impl Reference {
             tensors,
             ema,
             score_bound,
+            softmax_amplification,
             amplification,
             kink,
             path: Some(path.to_path_buf()),
@@ -1389,14 +1423,17 @@ fn one_step(
                 let n = rows * if per_head { d.heads as u64 } else { 1 };
                 terms::underflow_with_upstream(&r, policy_scale, n, compute)
             },
-            amplification: reference.amplification_of(name).max(if zero {
-                1.0
-            } else {
-                key_bias::of(&arch, name, |n| {
-                    rd.read_into(&format!("grad/{n}"), &mut sibling)?;
-                    Ok(norm(&sibling))
-                })?
-            }),
+            // The key bias's ratio is relative to its key weight's error, which carries the
+            // softmax cancellation: the two multiply.
+            amplification: reference.softmax_amplification
+                * reference.amplification_of(name).max(if zero {
+                    1.0
+                } else {
+                    key_bias::of(&arch, name, |n| {
+                        rd.read_into(&format!("grad/{n}"), &mut sibling)?;
+                        Ok(norm(&sibling))
+                    })?
+                }),
             kink: reference.kink_of(name, compute),
         });
         for (x, y) in g.iter().zip(&r) {
