@@ -1160,6 +1160,21 @@ pub struct TensorError {
     /// The expected relative error from components crossing a ReLU kink in the compute dtype
     /// ([`Reference::kink_of`]; 0 when none).
     pub kink: f64,
+    /// The cancellation of the softmax backward behind it: ‖terms‖ / ‖result‖ in the f64
+    /// replay ([`Reference::softmax_amplification`], `softmax.rs`; 1 when none). It amplifies
+    /// the rounding of the dtype the softmax backward runs in ([`softmax_dtype`]).
+    pub softmax: f64,
+}
+
+/// The dtype the attention's softmax and dS = P∘(dP − Σ dP·P) run in: f32 for every policy
+/// but fp64 (the fused attention accumulates in f32, `ops/attention/mod.rs`; the bf16 kernel
+/// keeps the softmax and dS in f32, `ops/attention/bf16.rs`), f64 for fp64.
+pub fn softmax_dtype(compute: Dtype) -> Dtype {
+    if compute == Dtype::F64 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    }
 }
 
 /// The underflow term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the
@@ -1172,11 +1187,21 @@ pub const KAPPA_KINK: f64 = SPREAD_MARGIN;
 
 impl Tolerance {
     /// The gradient tolerance of one tensor: the policy's, multiplied by the cancellation its
-    /// gradient comes out of, with its underflow and kink terms added in quadrature.
+    /// gradient comes out of and by the softmax's ([`Tolerance::softmax_factor`]), with its
+    /// underflow and kink terms added in quadrature.
     pub fn grad_of(&self, te: &TensorError) -> f64 {
-        (self.grad * te.amplification.max(1.0))
+        (self.grad * te.amplification.max(1.0) * self.softmax_factor(te.softmax))
             .hypot(KAPPA_UNDERFLOW * te.underflow)
             .hypot(KAPPA_KINK * te.kink)
+    }
+}
+
+impl Tolerance {
+    /// The softmax cancellation `a` amplifies the rounding of [`softmax_dtype`], u_s·a; the
+    /// policy's tolerance already holds rounding at u_c, so the factor is u_s·a / u_c where
+    /// that is larger (fp32 and fp64: a itself; bf16/fp16 policies: 1 unless a > u_c / u_f32).
+    pub fn softmax_factor(&self, a: f64) -> f64 {
+        (a * unit_roundoff(softmax_dtype(self.dtype)) / self.unit_roundoff).max(1.0)
     }
 }
 
@@ -1423,18 +1448,16 @@ fn one_step(
                 let n = rows * if per_head { d.heads as u64 } else { 1 };
                 terms::underflow_with_upstream(&r, policy_scale, n, compute)
             },
-            // The key bias's ratio is relative to its key weight's error, which carries the
-            // softmax cancellation: the two multiply.
-            amplification: reference.softmax_amplification
-                * reference.amplification_of(name).max(if zero {
-                    1.0
-                } else {
-                    key_bias::of(&arch, name, |n| {
-                        rd.read_into(&format!("grad/{n}"), &mut sibling)?;
-                        Ok(norm(&sibling))
-                    })?
-                }),
+            amplification: reference.amplification_of(name).max(if zero {
+                1.0
+            } else {
+                key_bias::of(&arch, name, |n| {
+                    rd.read_into(&format!("grad/{n}"), &mut sibling)?;
+                    Ok(norm(&sibling))
+                })?
+            }),
             kink: reference.kink_of(name, compute),
+            softmax: reference.softmax_amplification,
         });
         for (x, y) in g.iter().zip(&r) {
             dot += x * y;

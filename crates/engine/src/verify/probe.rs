@@ -125,7 +125,7 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
     };
     let (h, dh, s) = (d.hidden, d.head_dim, d.tokens);
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -207,9 +207,7 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
                     q_stride: 3 * h,
                     k_stride: 3 * h,
                 };
-                let mut sums = SoftmaxSums::default();
-                add_softmax_sums(&qkv, &qkv[h..], layout, scale, &mut sums);
-                softmax.lock().unwrap_or_else(|e| e.into_inner()).add(sums);
+                add_softmax((&qkv, &qkv[h..]), layout, 0, scale, &softmax);
                 Ok((block_forward(&x, &c, &bw, &cfg, seeds)?, sb))
             })?;
             bound = bound.max(sb);
@@ -231,23 +229,42 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
     Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
 }
 
-/// The softmax amplification of the sums gathered (1 where none: Flux, whose S is bounded
-/// from its norms' weights without replaying q and k).
-fn amplification_of(sums: std::sync::Mutex<SoftmaxSums>) -> f64 {
-    sums.into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .amplification()
+/// The largest softmax amplification gathered (1 where none).
+fn amplification_of(largest: std::sync::Mutex<f64>) -> f64 {
+    largest.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Raise `largest` to the softmax amplification ([`super::softmax`]) of each query group of
+/// one attention: the first `split` query rows of each sample (one stream of a joint
+/// attention: SD3's image, Flux's text), and the rest.
+fn add_softmax(
+    (q, k): (&[f64], &[f64]),
+    layout: SoftmaxLayout,
+    split: usize,
+    scale: f64,
+    largest: &std::sync::Mutex<f64>,
+) {
+    for rows in [0..split, split..layout.sq] {
+        if rows.is_empty() {
+            continue;
+        }
+        let mut sums = SoftmaxSums::default();
+        add_softmax_sums(q, k, layout, rows, scale, &mut sums);
+        let mut l = largest.lock().unwrap_or_else(|e| e.into_inner());
+        *l = l.max(sums.amplification());
+    }
 }
 
 /// max over samples and heads of `scale`·maxᵢ ‖qᵢ‖·maxⱼ ‖kⱼ‖ for q (b·s_q, D) and k (b·s_k, D);
-/// the attention's softmax [`SoftmaxSums`] added to `softmax`.
+/// `softmax` raised to the attention's softmax amplification, its first `split` query rows per
+/// sample a group of their own ([`add_softmax`]).
 fn pair_bound(
     q: &Tensor,
     k: &Tensor,
     b: usize,
     heads: usize,
     scale: f64,
-    softmax: &std::sync::Mutex<SoftmaxSums>,
+    (softmax, split): (&std::sync::Mutex<f64>, usize),
 ) -> Result<f64> {
     let (rq, h) = q.dims2().map_err(e)?;
     let rk = k.dim(0).map_err(e)?;
@@ -278,9 +295,7 @@ fn pair_bound(
         q_stride: h,
         k_stride: h,
     };
-    let mut sums = SoftmaxSums::default();
-    add_softmax_sums(&qv, &kv, layout, scale, &mut sums);
-    softmax.lock().unwrap_or_else(|e| e.into_inner()).add(sums);
+    add_softmax((&qv, &kv), layout, split, scale, softmax);
     Ok(sb)
 }
 
@@ -338,7 +353,7 @@ fn pixart_score_bound(
     };
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -384,7 +399,7 @@ fn pixart_score_bound(
                 let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
                 let q = bw.q1.forward(&h1)?;
                 let (k, v) = (bw.k1.forward(&h1)?, bw.v1.forward(&h1)?);
-                let sb1 = pair_bound(&q, &k, b, d.heads, scale, &softmax)?;
+                let sb1 = pair_bound(&q, &k, b, d.heads, scale, (&softmax, 0))?;
                 let o = crate::ops::attention::separate::attention(
                     &q,
                     &k,
@@ -396,7 +411,7 @@ fn pixart_score_bound(
                 .map_err(e)?;
                 let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
                 let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
-                let sb2 = pair_bound(&q2, &bw.k2.forward(&y)?, b, d.heads, scale, &softmax)?;
+                let sb2 = pair_bound(&q2, &bw.k2.forward(&y)?, b, d.heads, scale, (&softmax, 0))?;
                 Ok((pixart_block_forward(&x, &t6, &y, &bw, &cfg)?, sb1.max(sb2)))
             })?;
             bound = bound.max(sb);
@@ -515,7 +530,7 @@ fn sd3_score_bound(
         });
     }
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -541,7 +556,7 @@ fn sd3_score_bound(
         for bw in &blocks {
             let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
                 let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
-                let sb = pair_bound(&q, &k, b, d.heads, scale, &softmax)?;
+                let sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
                 Ok((
                     sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
                     sb,
@@ -642,7 +657,7 @@ fn flux_score_bound(
         d.head_dim as f64,
     );
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let blocks = g.double + g.single;
     for i in 0..blocks {
         let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
@@ -756,7 +771,7 @@ fn flux_score_bound(
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, &softmax)?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
                     let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
                     Ok(vec![x, c])
                 })?
@@ -783,7 +798,7 @@ fn flux_score_bound(
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, &softmax)?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
                     Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
                 })?
             };
@@ -912,7 +927,7 @@ fn sana_score_bound(
     };
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     let mut sums = vec![Sums::default(); d.depth];
     let mut kinks = vec![KinkSums::default(); d.depth];
@@ -991,8 +1006,14 @@ fn sana_score_bound(
                     let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
                     let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
                     let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
-                    let sb =
-                        pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale, &softmax)?;
+                    let sb = pair_bound(
+                        &q2,
+                        &bw.k2.forward(&y)?,
+                        b,
+                        g.cross_heads,
+                        scale,
+                        (&softmax, 0),
+                    )?;
                     Ok((
                         sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?,
                         sb,
@@ -1089,7 +1110,7 @@ fn wan_score_bound(
     let sin = Tensor::from_vec(sv, (d.tokens, half), &dev).map_err(e)?;
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(SoftmaxSums::default());
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -1137,8 +1158,8 @@ fn wan_score_bound(
             };
             let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
                 let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &cfg)?;
-                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, &softmax)?;
-                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, &softmax)?;
+                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, (&softmax, 0))?;
+                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?;
                 Ok((wan_block_forward(&x, conds, &bw, &cfg)?, sb1.max(sb2)))
             })?;
             bound = bound.max(sb);

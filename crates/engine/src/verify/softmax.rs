@@ -20,14 +20,17 @@
 //! ‖result‖² = ‖J‖_F² = Σⱼ Pⱼ²(1 − Pⱼ)² + Σ_{j≠k} Pⱼ² Pₖ²
 //! ```
 //!
-//! summed over every row, head and sample of every softmax attention (a uniform row of n gives
-//! √((n + 1)/(n − 1)), a one-hot row → ∞). The result is formed without the cancellation itself:
-//! 1 − P_{j*} as Σ_{k≠j*} Pₖ, and Σ_{k≠j} Pₖ² by excluding j from the sum.
+//! summed over the rows of one group of queries of one attention — every head and sample; a
+//! joint attention's text and image queries are two groups, since a projection's gradient
+//! sums the rows of its own stream (a uniform row of n gives √((n + 1)/(n − 1)), a one-hot
+//! row → ∞). The result is formed without the cancellation itself: 1 − P_{j*} as
+//! Σ_{k≠j*} Pₖ, and Σ_{k≠j} Pₖ² by excluding j from the sum.
 //!
 //! Where it enters: the error reaches every gradient upstream of the scores (q and k, their
 //! norms and projections, and through the residual stream and the modulation every tensor of
-//! the blocks before and the embedders), which in these models is nearly every tensor; it is
-//! applied to all of them (for the few after the last attention a bound, not an estimate).
+//! the blocks before and the embedders), which in these models is nearly every tensor; the
+//! largest ratio over the groups is applied to all of them (a bound, not an estimate: for the
+//! tensors after the last attention, and for the groups less saturated than the worst).
 
 /// Σ ‖terms‖² and Σ ‖result‖² of the softmax backward of the attentions replayed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -92,13 +95,21 @@ pub(super) fn row_sums(p: &[f64]) -> Sums {
     }
 }
 
-/// [`Sums`] of the softmax attention of q and k (f64, laid out as `l`; the scores are
-/// `scale`·qᵢ·kⱼ per sample and head), added to `into`.
-pub(super) fn add_sums(q: &[f64], k: &[f64], l: Layout, scale: f64, into: &mut Sums) {
+/// [`Sums`] of the query rows `rows` (of each sample's `l.sq`) of the softmax attention of q
+/// and k (f64, laid out as `l`; the scores are `scale`·qᵢ·kⱼ per sample and head), added to
+/// `into`.
+pub(super) fn add_sums(
+    q: &[f64],
+    k: &[f64],
+    l: Layout,
+    rows: std::ops::Range<usize>,
+    scale: f64,
+    into: &mut Sums,
+) {
     let mut p = vec![0.0; l.sk];
     for bi in 0..l.b {
         for h in 0..l.heads {
-            for i in 0..l.sq {
+            for i in rows.clone() {
                 let qi = &q[(bi * l.sq + i) * l.q_stride + h * l.dh..][..l.dh];
                 for (j, pj) in p.iter_mut().enumerate() {
                     let kj = &k[(bi * l.sk + j) * l.k_stride + h * l.dh..][..l.dh];
@@ -156,9 +167,9 @@ mod tests {
             k_stride: 2,
         };
         let mut soft = Sums::default();
-        add_sums(&q, &k, l, 1.0, &mut soft);
+        add_sums(&q, &k, l, 0..2, 1.0, &mut soft);
         let mut hard = Sums::default();
-        add_sums(&q, &k, l, 100.0, &mut hard);
+        add_sums(&q, &k, l, 0..2, 100.0, &mut hard);
         assert!(soft.amplification() < 3.0, "{}", soft.amplification());
         assert!(hard.amplification() > 1e10, "{}", hard.amplification());
     }
