@@ -356,11 +356,14 @@ impl Growth {
 /// at a margin (error / tolerance) of at most 0.5 at every calibration point; a bug that doubles
 /// a policy's error lands in the warning band, one that triples it fails.
 ///
-/// Per tensor ([`Tolerance::grad_of`]) three terms measured on the reference itself join this
+/// Per tensor ([`Tolerance::grad_of`]) four terms measured on the reference itself join this
 /// (`terms.rs`): the underflow of a loss-scaled gradient below the compute dtype's smallest
 /// normal (fp16: Flux's text stream at initialisation), the cancellation a gradient comes out
 /// of (Sana's linear attention, measured by the probe), and the components of q and k that
-/// cross the ReLU kink of Sana's linear attention (`kink.rs`: an error that grows with √u_c). The drift tolerance follows them,
+/// cross the ReLU kink of Sana's linear attention (`kink.rs`: an error that grows with √u_c),
+/// and the cancellation of a saturated softmax's backward (`softmax.rs`: ‖terms‖ / ‖result‖ of
+/// dS = P∘(dP − Σ P·dP), multiplying the tolerance where the softmax runs at u_c — fp32, fp64;
+/// the score term κ_s·S, fitted on the DiT, holds the rounding of P). The drift tolerance follows them,
 /// weighted by each tensor's share of the reference's travel ([`Tolerance::drift_of`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
