@@ -311,7 +311,8 @@ fn correct_variants_pass_over_five_weight_seeds() {
 }
 
 /// Diagnosis: every tensor's error, tolerance and margin of the variants `VERIFY_VARIANTS`
-/// (default `*/none/materialized`) of family `VERIFY_FAMILY` at weight seed `VERIFY_SEED`,
+/// (default `*/none/materialized`) of family `VERIFY_FAMILY` at weight seed `VERIFY_SEED`
+/// with the attention scores × `VERIFY_GAIN` (default 1; the softmax mutation's probe uses 32),
 /// largest margin first. `cargo test --release -p ditmem-engine --test verify_families
 /// per_tensor_margins -- --ignored --nocapture`.
 #[test]
@@ -320,15 +321,18 @@ fn per_tensor_margins() {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let fam = env("VERIFY_FAMILY", "sana");
     let seed: u64 = env("VERIFY_SEED", "1").parse().unwrap();
+    let gain: f64 = env("VERIFY_GAIN", "1").parse().unwrap();
     let (_, spec) = family_specs().into_iter().find(|(f, _)| *f == fam).unwrap();
     let o = VerifyOptions {
         seed,
         steps: 2,
         ..VerifyOptions::default()
     };
+    ditmem_engine::mutation::set_logit_gain(gain);
     let r = compute_reference(&spec, &o, &mut |_| {}).unwrap();
     let vs = parse_variants(&env("VERIFY_VARIANTS", "*/none/materialized")).unwrap();
     let rep = verify(&spec, &vs, &o, &r, 1, &mut |_| {}).unwrap();
+    ditmem_engine::mutation::set_logit_gain(1.0);
     eprintln!("growth {:?}", rep.growth);
     // ‖g_ref(bias)‖ / ‖g_ref(its weight)‖ of the attention projections: a bias whose gradient
     // is a small part of its terms (a cancellation) sits far below the others.

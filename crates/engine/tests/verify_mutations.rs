@@ -270,6 +270,12 @@ fn not_applicable(m: Mutation) -> Option<&'static str> {
     }
 }
 
+/// The families whose correct fp32 variant still fails at logits ×32 with the softmax term
+/// (`verify/softmax.rs`): SD3's text-query projections (`add_q_proj.weight` of block 0) err
+/// 2.05× their tolerance on this spec, i.e. ~15× the tolerance without the term where the
+/// term measures ~7.5×: an error term the model lacks, left open (not widened to green).
+const OUTSIDE_THE_SOFTMAX_MODEL: [&str; 1] = ["sd3"];
+
 /// Whether a variant's step or drift produced non-finite values (an overflow).
 fn overflowed(v: &VariantReport) -> bool {
     v.nonfinite_share.is_some_and(|s| s > 0.0) || v.reasons.iter().any(|r| r.contains("non-finite"))
@@ -284,7 +290,7 @@ fn every_mutation_that_applies_fails_on_each_family() {
     };
     mutation::set(None);
     mutation::set_logit_gain(1.0);
-    let (mut missed, mut unjudged) = (Vec::new(), Vec::new());
+    let (mut missed, mut false_failures) = (Vec::new(), Vec::new());
     for (fam, base) in family_specs() {
         let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
         let clean = run(
@@ -300,20 +306,20 @@ fn every_mutation_that_applies_fails_on_each_family() {
         let at_gain = run(&base, gain_vs, &o, &r_gain);
         mutation::set_logit_gain(1.0);
         show(&format!("{fam} correct (logits ×32)"), &at_gain);
-        // At ×32 the correct fp32 variant exceeds the rounding tolerance on these specs: the
-        // saturated rows' softmax backward cancels (dS = P·(dP − Σ P·dP) with P near one-hot),
-        // which the tolerance model does not hold yet (an open finding, listed, not asserted).
-        // The softmax mutation is told from it as the tolerances were calibrated: against the
-        // error of this correct run, × SPREAD_MARGIN, beyond the warning band (× WARN_FACTOR).
+        // At ×32 the rows saturate and the softmax backward cancels (dS = P·(dP − Σ P·dP) with
+        // P near one-hot); the tolerance holds it (`verify/softmax.rs`), so the correct variant
+        // passes and the softmax mutation fails by verdict, not by comparison with this run.
         assert!(
             at_gain.variants.iter().all(|v| !overflowed(v)),
             "{fam}: the correct variant overflows at ×32: {:?}",
             at_gain.variants[0].reasons
         );
-        if at_gain.variants.iter().any(|v| v.verdict == Verdict::Fail) {
-            unjudged.push(format!(
-                "{fam}: correct fp32 exceeds its rounding tolerance at logits ×32 (margin {:.2})",
-                at_gain.variants[0].grad_margin.unwrap_or(f64::NAN)
+        let correct_fails = at_gain.variants.iter().any(|v| v.verdict == Verdict::Fail);
+        if correct_fails != OUTSIDE_THE_SOFTMAX_MODEL.contains(&fam) {
+            false_failures.push(format!(
+                "{fam} correct at logits ×32: {:?} (listed outside the model: {})",
+                at_gain.variants[0].reasons,
+                OUTSIDE_THE_SOFTMAX_MODEL.contains(&fam)
             ));
         }
         for m in Mutation::ALL {
@@ -332,7 +338,9 @@ fn every_mutation_that_applies_fails_on_each_family() {
             mutation::set(None);
             mutation::set_logit_gain(1.0);
             show(&format!("{fam} {m:?}"), &rep);
-            let caught = if m == Mutation::SoftmaxNoMax {
+            let caught = if m == Mutation::SoftmaxNoMax && correct_fails {
+                // Outside the model: told from the correct run's error as the tolerances were
+                // calibrated, × SPREAD_MARGIN, beyond the warning band (× WARN_FACTOR).
                 let correct = at_gain.variants[0]
                     .grad_rel_err_max
                     .unwrap_or(f64::INFINITY);
@@ -350,6 +358,9 @@ fn every_mutation_that_applies_fails_on_each_family() {
             }
         }
     }
-    eprintln!("outside the tolerance model at ×32: {unjudged:?}");
+    assert!(
+        false_failures.is_empty(),
+        "correct variants' verdicts at ×32 not as listed: {false_failures:#?}"
+    );
     assert!(missed.is_empty(), "not caught: {missed:?}");
 }

@@ -35,6 +35,7 @@ mod error;
 mod key_bias;
 mod kink;
 mod probe;
+mod softmax;
 mod store;
 mod terms;
 
@@ -355,11 +356,14 @@ impl Growth {
 /// at a margin (error / tolerance) of at most 0.5 at every calibration point; a bug that doubles
 /// a policy's error lands in the warning band, one that triples it fails.
 ///
-/// Per tensor ([`Tolerance::grad_of`]) three terms measured on the reference itself join this
+/// Per tensor ([`Tolerance::grad_of`]) four terms measured on the reference itself join this
 /// (`terms.rs`): the underflow of a loss-scaled gradient below the compute dtype's smallest
 /// normal (fp16: Flux's text stream at initialisation), the cancellation a gradient comes out
 /// of (Sana's linear attention, measured by the probe), and the components of q and k that
-/// cross the ReLU kink of Sana's linear attention (`kink.rs`: an error that grows with √u_c). The drift tolerance follows them,
+/// cross the ReLU kink of Sana's linear attention (`kink.rs`: an error that grows with √u_c),
+/// and the cancellation of a saturated softmax's backward (`softmax.rs`: ‖terms‖ / ‖result‖ of
+/// dS = P∘(dP − Σ P·dP), multiplying the tolerance where the softmax runs at u_c — fp32, fp64;
+/// the score term κ_s·S, fitted on the DiT, holds the rounding of P). The drift tolerance follows them,
 /// weighted by each tensor's share of the reference's travel ([`Tolerance::drift_of`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tolerance {
@@ -583,6 +587,9 @@ pub struct Reference {
     /// (tensor prefix, ‖terms‖ / ‖result‖): the cancellations the tensors' gradients come out
     /// of, measured on the first step's replay (Sana's linear attention; empty elsewhere).
     pub amplification: Vec<(String, f64)>,
+    /// ‖terms‖ / ‖result‖ of the softmax attentions' backward on the first step's replay
+    /// ([`softmax`]: saturated rows cancel), applied to every tensor's gradient (≥ 1).
+    pub softmax_amplification: f64,
     /// (tensor prefix, expected relative error per dtype of [`kink::KINK_DTYPES`]): the
     /// gradients behind a ReLU kink, measured on the first step's replay (Sana's linear
     /// attention; empty elsewhere).
@@ -625,7 +632,7 @@ pub fn reference_file_bytes(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
     Ok(store::data_bytes(n, opts.steps, base.recipe.ema.enabled))
 }
 
-const FORMAT: &str = "ditmem-verify-reference/5";
+const FORMAT: &str = "ditmem-verify-reference/6";
 
 /// The metadata of a reference file.
 fn reference_meta(
@@ -633,6 +640,7 @@ fn reference_meta(
     opts: &VerifyOptions,
     names: &[String],
     score_bound: f64,
+    softmax_amplification: f64,
     amplification: &[(String, f64)],
     kink: &[(String, [f64; 3])],
 ) -> Result<HashMap<String, String>> {
@@ -643,6 +651,10 @@ fn reference_meta(
     meta.insert("names".to_string(), json(&names)?);
     meta.insert("ema".to_string(), spec.recipe.ema.enabled.to_string());
     meta.insert("score_bound".to_string(), json(&score_bound)?);
+    meta.insert(
+        "softmax_amplification".to_string(),
+        json(&softmax_amplification)?,
+    );
     meta.insert("amplification".to_string(), json(&amplification)?);
     meta.insert("kink".to_string(), json(&kink)?);
     meta.insert("version".to_string(), env!("CARGO_PKG_VERSION").to_string());
@@ -669,7 +681,15 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
         .iter()
         .map(|(n, _)| (n.clone(), [-f64::MAX; 3]))
         .collect();
-    let meta = reference_meta(&spec, opts, &names, -f64::MAX, &amplification, &kink)?;
+    let meta = reference_meta(
+        &spec,
+        opts,
+        &names,
+        -f64::MAX,
+        -f64::MAX,
+        &amplification,
+        &kink,
+    )?;
     let ema = spec.recipe.ema.enabled;
     store::file_len(&meta, &store::keys(&tensors, opts.steps, ema))
 }
@@ -750,6 +770,7 @@ fn compute_reference_into(
     // step's peak), then checked against the step's loss.
     let probe::Probe {
         score_bound,
+        softmax: softmax_amplification,
         loss: probe_loss,
         amplification,
         kink,
@@ -757,7 +778,15 @@ fn compute_reference_into(
     let loss = t.compute_gradients(&batch)?;
     probe::check_loss(probe_loss, loss)?;
     drop(batch);
-    let meta = reference_meta(&spec, opts, &names, score_bound, &amplification, &kink)?;
+    let meta = reference_meta(
+        &spec,
+        opts,
+        &names,
+        score_bound,
+        softmax_amplification,
+        &amplification,
+        &kink,
+    )?;
     let keys = store::keys(&tensors, opts.steps, ema);
     let mut w = match (&path, target) {
         (Some(p), _) => {
@@ -813,6 +842,7 @@ fn compute_reference_into(
         tensors,
         ema,
         score_bound,
+        softmax_amplification,
         amplification,
         kink,
         path,
@@ -888,6 +918,12 @@ impl Reference {
             .ok()
             .filter(|s: &f64| s.is_finite() && *s >= 0.0)
             .ok_or_else(|| reference_error("metadata 'score_bound' is not a number ≥ 0"))?;
+        let softmax_amplification: f64 = serde_json::from_str(field("softmax_amplification")?)
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 1.0)
+            .ok_or_else(|| {
+                reference_error("metadata 'softmax_amplification' is not a number ≥ 1")
+            })?;
         let amplification: Vec<(String, f64)> = serde_json::from_str(field("amplification")?)
             .ok()
             .filter(|a: &Vec<(String, f64)>| a.iter().all(|x| x.1.is_finite() && x.1 >= 1.0))
@@ -943,6 +979,7 @@ impl Reference {
             tensors,
             ema,
             score_bound,
+            softmax_amplification,
             amplification,
             kink,
             path: Some(path.to_path_buf()),
@@ -1126,6 +1163,21 @@ pub struct TensorError {
     /// The expected relative error from components crossing a ReLU kink in the compute dtype
     /// ([`Reference::kink_of`]; 0 when none).
     pub kink: f64,
+    /// The cancellation of the softmax backward behind it: ‖terms‖ / ‖result‖ in the f64
+    /// replay ([`Reference::softmax_amplification`], `softmax.rs`; 1 when none). It amplifies
+    /// the rounding of the dtype the softmax backward runs in ([`softmax_dtype`]).
+    pub softmax: f64,
+}
+
+/// The dtype the attention's softmax and dS = P∘(dP − Σ dP·P) run in: f32 for every policy
+/// but fp64 (the fused attention accumulates in f32, `ops/attention/mod.rs`; the bf16 kernel
+/// keeps the softmax and dS in f32, `ops/attention/bf16.rs`), f64 for fp64.
+pub fn softmax_dtype(compute: Dtype) -> Dtype {
+    if compute == Dtype::F64 {
+        Dtype::F64
+    } else {
+        Dtype::F32
+    }
 }
 
 /// The underflow term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the
@@ -1138,11 +1190,21 @@ pub const KAPPA_KINK: f64 = SPREAD_MARGIN;
 
 impl Tolerance {
     /// The gradient tolerance of one tensor: the policy's, multiplied by the cancellation its
-    /// gradient comes out of, with its underflow and kink terms added in quadrature.
+    /// gradient comes out of and by the softmax's ([`Tolerance::softmax_factor`]), with its
+    /// underflow and kink terms added in quadrature.
     pub fn grad_of(&self, te: &TensorError) -> f64 {
-        (self.grad * te.amplification.max(1.0))
+        (self.grad * te.amplification.max(1.0) * self.softmax_factor(te.softmax))
             .hypot(KAPPA_UNDERFLOW * te.underflow)
             .hypot(KAPPA_KINK * te.kink)
+    }
+}
+
+impl Tolerance {
+    /// The softmax cancellation `a` amplifies the rounding of [`softmax_dtype`], u_s·a; the
+    /// policy's tolerance already holds rounding at u_c, so the factor is u_s·a / u_c where
+    /// that is larger (fp32 and fp64: a itself; bf16/fp16 policies: 1 unless a > u_c / u_f32).
+    pub fn softmax_factor(&self, a: f64) -> f64 {
+        (a * unit_roundoff(softmax_dtype(self.dtype)) / self.unit_roundoff).max(1.0)
     }
 }
 
@@ -1398,6 +1460,7 @@ fn one_step(
                 })?
             }),
             kink: reference.kink_of(name, compute),
+            softmax: reference.softmax_amplification,
         });
         for (x, y) in g.iter().zip(&r) {
             dot += x * y;

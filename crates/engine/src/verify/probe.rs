@@ -16,6 +16,7 @@ use ditmem_budget::Spec;
 use super::cancellation::{add_sums, Sums};
 use super::error::{bad, Result, VerifyError};
 use super::kink::{add_kink_sums, KinkSums};
+use super::softmax::{add_sums as add_softmax_sums, Layout as SoftmaxLayout, Sums as SoftmaxSums};
 use crate::block::{
     block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
     LinearW, LN_EPS,
@@ -51,6 +52,9 @@ pub(super) struct Probe {
     pub score_bound: f64,
     /// The replay's loss, to be checked with [`check_loss`] against the step's.
     pub loss: f64,
+    /// ‖terms‖ / ‖result‖ of the softmax attentions' backward ([`super::softmax`]; 1 where
+    /// none is replayed).
+    pub softmax: f64,
     /// (tensor prefix, ‖terms‖ / ‖result‖) of the gradients that come out of a cancellation
     /// ([`super::cancellation`]; Sana's linear attention's `to_q` and `to_k`), in the order of
     /// [`amplified_tensors`].
@@ -74,9 +78,10 @@ pub(super) fn amplified_tensors(spec: &Spec) -> Result<Vec<String>> {
 /// [`Probe`] of the first step of `spec` (the reference spec: f64, nothing recomputed) with the
 /// weights of `t` (fresh, not yet stepped) on `batch`.
 pub(super) fn probe(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<Probe> {
-    let plain = |(score_bound, loss): (f64, f64)| Probe {
+    let plain = |(score_bound, loss, softmax): (f64, f64, f64)| Probe {
         score_bound,
         loss,
+        softmax,
         amplification: Vec::new(),
         kink: Vec::new(),
     };
@@ -91,7 +96,7 @@ pub(super) fn probe(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Resul
 }
 
 /// S of the DiT's first step and the replay's loss.
-fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f64, f64)> {
+fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f64, f64, f64)> {
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
     let f = DType::F64;
@@ -120,6 +125,7 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
     };
     let (h, dh, s) = (d.hidden, d.head_dim, d.tokens);
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -192,6 +198,16 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
                         sb = sb.max(scale.abs() * largest(0) * largest(1));
                     }
                 }
+                let layout = SoftmaxLayout {
+                    b,
+                    sq: s,
+                    sk: s,
+                    heads: d.heads,
+                    dh,
+                    q_stride: 3 * h,
+                    k_stride: 3 * h,
+                };
+                add_softmax((&qkv, &qkv[h..]), layout, 0, scale, &softmax);
                 Ok((block_forward(&x, &c, &bw, &cfg, seeds)?, sb))
             })?;
             bound = bound.max(sb);
@@ -210,11 +226,46 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
 }
 
-/// max over samples and heads of `scale`·maxᵢ ‖qᵢ‖·maxⱼ ‖kⱼ‖ for q (b·s_q, D) and k (b·s_k, D).
-fn pair_bound(q: &Tensor, k: &Tensor, b: usize, heads: usize, scale: f64) -> Result<f64> {
+/// The largest softmax amplification gathered (1 where none).
+fn amplification_of(largest: std::sync::Mutex<f64>) -> f64 {
+    largest.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Raise `largest` to the softmax amplification ([`super::softmax`]) of each query group of
+/// one attention: the first `split` query rows of each sample (one stream of a joint
+/// attention: SD3's image, Flux's text), and the rest.
+fn add_softmax(
+    (q, k): (&[f64], &[f64]),
+    layout: SoftmaxLayout,
+    split: usize,
+    scale: f64,
+    largest: &std::sync::Mutex<f64>,
+) {
+    for rows in [0..split, split..layout.sq] {
+        if rows.is_empty() {
+            continue;
+        }
+        let mut sums = SoftmaxSums::default();
+        add_softmax_sums(q, k, layout, rows, scale, &mut sums);
+        let mut l = largest.lock().unwrap_or_else(|e| e.into_inner());
+        *l = l.max(sums.amplification());
+    }
+}
+
+/// max over samples and heads of `scale`·maxᵢ ‖qᵢ‖·maxⱼ ‖kⱼ‖ for q (b·s_q, D) and k (b·s_k, D);
+/// `softmax` raised to the attention's softmax amplification, its first `split` query rows per
+/// sample a group of their own ([`add_softmax`]).
+fn pair_bound(
+    q: &Tensor,
+    k: &Tensor,
+    b: usize,
+    heads: usize,
+    scale: f64,
+    (softmax, split): (&std::sync::Mutex<f64>, usize),
+) -> Result<f64> {
     let (rq, h) = q.dims2().map_err(e)?;
     let rk = k.dim(0).map_err(e)?;
     let (sq, sk, dh) = (rq / b, rk / b, h / heads);
@@ -235,6 +286,16 @@ fn pair_bound(q: &Tensor, k: &Tensor, b: usize, heads: usize, scale: f64) -> Res
             sb = sb.max(scale.abs() * largest(&qv, sq, bi, hd) * largest(&kv, sk, bi, hd));
         }
     }
+    let layout = SoftmaxLayout {
+        b,
+        sq,
+        sk,
+        heads,
+        dh,
+        q_stride: h,
+        k_stride: h,
+    };
+    add_softmax((&qv, &kv), layout, split, scale, softmax);
     Ok(sb)
 }
 
@@ -245,7 +306,7 @@ fn pixart_score_bound(
     t: &Trainer,
     g: &crate::families::pixart::PixartGeom,
     batch: &Batch,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     use crate::families::pixart::{
         caption_forward, final_forward as pixart_final, pixart_block_forward, CaptionWeights,
         PixartBlockWeights, PixartFinalWeights,
@@ -292,6 +353,7 @@ fn pixart_score_bound(
     };
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -337,7 +399,7 @@ fn pixart_score_bound(
                 let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
                 let q = bw.q1.forward(&h1)?;
                 let (k, v) = (bw.k1.forward(&h1)?, bw.v1.forward(&h1)?);
-                let sb1 = pair_bound(&q, &k, b, d.heads, scale)?;
+                let sb1 = pair_bound(&q, &k, b, d.heads, scale, (&softmax, 0))?;
                 let o = crate::ops::attention::separate::attention(
                     &q,
                     &k,
@@ -349,7 +411,7 @@ fn pixart_score_bound(
                 .map_err(e)?;
                 let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
                 let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
-                let sb2 = pair_bound(&q2, &bw.k2.forward(&y)?, b, d.heads, scale)?;
+                let sb2 = pair_bound(&q2, &bw.k2.forward(&y)?, b, d.heads, scale, (&softmax, 0))?;
                 Ok((pixart_block_forward(&x, &t6, &y, &bw, &cfg)?, sb1.max(sb2)))
             })?;
             bound = bound.max(sb);
@@ -368,7 +430,7 @@ fn pixart_score_bound(
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
 }
 
 /// [`score_bound`] for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
@@ -378,7 +440,7 @@ fn sd3_score_bound(
     t: &Trainer,
     g: &crate::families::sd3::Sd3Geom,
     batch: &Batch,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     use crate::families::sd3::{
         block_linears, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
         ContextOut, Sd3BlockWeights, QK_NORMS, SD3_FREQ,
@@ -468,6 +530,7 @@ fn sd3_score_bound(
         });
     }
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -493,7 +556,7 @@ fn sd3_score_bound(
         for bw in &blocks {
             let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
                 let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
-                let sb = pair_bound(&q, &k, b, d.heads, scale)?;
+                let sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
                 Ok((
                     sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
                     sb,
@@ -518,7 +581,7 @@ fn sd3_score_bound(
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
 }
 
 /// Run `f` on the rayon pool the trainer's steps run on, as they do: gemm keeps per-thread
@@ -558,7 +621,7 @@ fn flux_score_bound(
     t: &Trainer,
     g: &crate::families::flux::FluxGeom,
     batch: &Batch,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     use crate::families::flux::params::{FLUX_FREQ, GUIDANCE, ROPE_THETA};
     use crate::families::flux::{
         double_forward, final_forward as flux_final, image_tokens, join_streams, mlp_silu,
@@ -594,6 +657,7 @@ fn flux_score_bound(
         d.head_dim as f64,
     );
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let blocks = g.double + g.single;
     for i in 0..blocks {
         let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
@@ -691,6 +755,23 @@ fn flux_score_bound(
                     norms: [n[0].clone(), n[1].clone(), n[2].clone(), n[3].clone()],
                 };
                 on_pool(|| -> Result<Vec<Tensor>> {
+                    let (q, k) = flux_qk(
+                        (
+                            &xs[1],
+                            &w.lin[1],
+                            [&w.lin[5], &w.lin[6]],
+                            [&w.norms[2], &w.norms[3]],
+                        ),
+                        Some((
+                            &xs[0],
+                            &w.lin[0],
+                            [&w.lin[2], &w.lin[3]],
+                            [&w.norms[0], &w.norms[1]],
+                        )),
+                        &st,
+                        &table,
+                    )?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
                     let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
                     Ok(vec![x, c])
                 })?
@@ -706,6 +787,18 @@ fn flux_score_bound(
                         [img, txt] => join_streams(img, txt)?,
                         _ => xs[0].clone(),
                     };
+                    let (q, k) = flux_qk(
+                        (
+                            &joint,
+                            &w.lin[0],
+                            [&w.lin[2], &w.lin[3]],
+                            [&w.norms[0], &w.norms[1]],
+                        ),
+                        None,
+                        &st,
+                        &table,
+                    )?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
                     Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
                 })?
             };
@@ -722,7 +815,46 @@ fn flux_score_bound(
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+}
+
+/// One Flux stream's part of an attention: its tokens (b, n, D), its AdaLayerNorm's linear,
+/// its q and k projections and their RMSNorm weights.
+type FluxStream<'a> = (&'a Tensor, &'a LinearW, [&'a LinearW; 2], [&'a Tensor; 2]);
+
+/// q and k (b·n, D) of a Flux attention in f64 as its block forms them (`families/flux/
+/// block.rs`: LN with the modulation's shift and scale, projection, RMSNorm, then RoPE over
+/// the joint [text; image] sequence): a double block's from `first` the text and `second` the
+/// image stream, a single block's from `first` the joint stream alone.
+fn flux_qk(
+    first: FluxStream<'_>,
+    second: Option<FluxStream<'_>>,
+    st: &Tensor,
+    table: &std::sync::Arc<crate::ops::RopeTable>,
+) -> Result<(Tensor, Tensor)> {
+    use crate::ops::{rms_norm, rope, RMS_EPS};
+    let part = |(x, ada, [lq, lk], [nq, nk]): FluxStream<'_>| -> Result<(Tensor, Tensor)> {
+        let (b, n, h) = x.dims3().map_err(e)?;
+        let m = ada.forward(st)?;
+        let (shift, sc) = (m.narrow(1, 0, h).map_err(e)?, m.narrow(1, h, h).map_err(e)?);
+        let hx = ln_modulate(x, &shift, &sc, LN_EPS, DType::F64).map_err(e)?;
+        let flat = |y: Tensor| y.reshape((b * n, h)).map_err(e);
+        let q = rms_norm(&flat(lq.forward(&hx)?)?, nq, RMS_EPS).map_err(e)?;
+        let k = rms_norm(&flat(lk.forward(&hx)?)?, nk, RMS_EPS).map_err(e)?;
+        Ok((q, k))
+    };
+    let (mut q, mut k) = part(first)?;
+    if let Some(img) = second {
+        let (b, s, h) = img.0.dims3().map_err(e)?;
+        let t = first.0.dim(1).map_err(e)?;
+        let (qi, ki) = part(img)?;
+        let joint = |a: &Tensor, c: &Tensor| {
+            crate::ops::tokens::concat(a, c, b, (b * (s + t), h)).map_err(e)
+        };
+        q = joint(&q, &qi)?;
+        k = joint(&k, &ki)?;
+    }
+    Ok((rope(&q, table).map_err(e)?, rope(&k, table).map_err(e)?))
 }
 
 /// A Sana linear or 1×1 conv from the trainer's weights (as its (out, in) view), with a zero
@@ -795,6 +927,7 @@ fn sana_score_bound(
     };
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     let mut sums = vec![Sums::default(); d.depth];
     let mut kinks = vec![KinkSums::default(); d.depth];
@@ -873,7 +1006,14 @@ fn sana_score_bound(
                     let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
                     let x1 = gated_residual(&x, &bw.o1.forward(&o)?, &chunk(2)?).map_err(e)?;
                     let q2 = bw.q2.forward(&x1.reshape((b * s, h)).map_err(e)?)?;
-                    let sb = pair_bound(&q2, &bw.k2.forward(&y)?, b, g.cross_heads, scale)?;
+                    let sb = pair_bound(
+                        &q2,
+                        &bw.k2.forward(&y)?,
+                        b,
+                        g.cross_heads,
+                        scale,
+                        (&softmax, 0),
+                    )?;
                     Ok((
                         sana_block_forward(&x, &t6, &y, &bw, &cfg, &geo)?,
                         sb,
@@ -913,6 +1053,7 @@ fn sana_score_bound(
     Ok(Probe {
         score_bound: bound,
         loss: loss_sum / accum as f64,
+        softmax: amplification_of(softmax),
         amplification,
         kink,
     })
@@ -926,7 +1067,7 @@ fn wan_score_bound(
     t: &Trainer,
     g: &crate::families::wan::WanGeom,
     batch: &Batch,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     use crate::families::wan::{
         final_forward as wan_final, patchify3d, rope_tables, text_forward, unpatchify3d,
         wan_block_forward, wan_block_qk, WanBlockWeights, WanConds, WanFinalWeights,
@@ -969,6 +1110,7 @@ fn wan_score_bound(
     let sin = Tensor::from_vec(sv, (d.tokens, half), &dev).map_err(e)?;
     let (h, s) = (d.hidden, d.tokens);
     let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
     let mut loss_sum = 0.0;
     for m in 0..accum {
         let mb = batch.slice(m * micro, micro)?;
@@ -1016,8 +1158,8 @@ fn wan_score_bound(
             };
             let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
                 let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &cfg)?;
-                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale)?;
-                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale)?;
+                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, (&softmax, 0))?;
+                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?;
                 Ok((wan_block_forward(&x, conds, &bw, &cfg)?, sb1.max(sb2)))
             })?;
             bound = bound.max(sb);
@@ -1042,5 +1184,5 @@ fn wan_score_bound(
                 .map_err(e)
         })?;
     }
-    Ok((bound, loss_sum / accum as f64))
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
 }
