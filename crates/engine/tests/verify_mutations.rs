@@ -270,10 +270,12 @@ fn not_applicable(m: Mutation) -> Option<&'static str> {
     }
 }
 
-/// The families whose correct fp32 variant still fails at logits ×32 with the softmax term
+/// The families whose correct fp32 variant may still fail at logits ×32 with the softmax term
 /// (`verify/softmax.rs`): SD3's text-query projections (`add_q_proj.weight` of block 0) err
-/// 2.05× their tolerance on this spec, i.e. ~15× the tolerance without the term where the
-/// term measures ~7.5×: an error term the model lacks, left open (not widened to green).
+/// 2.05× their tolerance on this spec with `gemm`'s AVX2 kernels (~15× the tolerance without
+/// the term, where the term measures ~7.5×) and 0.37× with its AVX-512 kernels (same spec, same
+/// seed): an error that depends on the product's summation order beyond what the model holds,
+/// left open (not widened to green). Listed families may fail or pass; every other must pass.
 const OUTSIDE_THE_SOFTMAX_MODEL: [&str; 1] = ["sd3"];
 
 /// Whether a variant's step or drift produced non-finite values (an overflow).
@@ -315,7 +317,7 @@ fn every_mutation_that_applies_fails_on_each_family() {
             at_gain.variants[0].reasons
         );
         let correct_fails = at_gain.variants.iter().any(|v| v.verdict == Verdict::Fail);
-        if correct_fails != OUTSIDE_THE_SOFTMAX_MODEL.contains(&fam) {
+        if correct_fails && !OUTSIDE_THE_SOFTMAX_MODEL.contains(&fam) {
             false_failures.push(format!(
                 "{fam} correct at logits ×32: {:?} (listed outside the model: {})",
                 at_gain.variants[0].reasons,
