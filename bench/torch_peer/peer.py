@@ -193,12 +193,14 @@ def run(args) -> dict:
     for _ in range(args.warmup):
         tr.step()
     tr.sync()
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tr.step()
         tr.sync()
         times.append(time.perf_counter() - t0)
+        # CPU seconds of the process, every thread (the engine's step_cpu_time_s likewise).
+        cpu.append(time.process_time() - c0)
 
     tr.opt.zero_grad(set_to_none=True)
     resident = measure.tensor_bytes(measure.resident_tensors(tr.model, tr.opt, tr.ema))
@@ -206,6 +208,7 @@ def run(args) -> dict:
         "resident_bytes": resident,
         "params": counts,
         "step_time_s": percentiles(times),
+        "step_cpu_time_s": percentiles(cpu),
         "losses": tr.losses,
     }
     if device.type == "cpu":

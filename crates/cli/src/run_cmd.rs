@@ -65,6 +65,9 @@ pub struct RunReport {
     /// The budget's prediction for the same spec, for reference.
     pub predicted_peak_bytes: u64,
     pub step_time_s: Summary,
+    /// CPU seconds of the process per measured step, all threads (wall time × busy threads on
+    /// a quiet machine; on a shared one, the figure other load moves least).
+    pub step_cpu_time_s: Summary,
     pub images_per_s: f64,
     pub tokens_per_s: f64,
     pub losses: Vec<f64>,
@@ -217,6 +220,7 @@ pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
         resident_bytes: m.resident_bytes,
         predicted_peak_bytes: predicted,
         step_time_s: step,
+        step_cpu_time_s: summarize(&m.step_cpu_s),
         losses: m.losses,
         skipped_steps: m.skipped_steps,
         params_total: m.param_count,
@@ -295,6 +299,13 @@ fn render_run(r: &RunReport) -> String {
     o.push_str(&format!(
         "\nstep time over {} steps: p50 {:.3} s, p95 {:.3} s, p99 {:.3} s, mean {:.3} s\n",
         s.n, s.p50, s.p95, s.p99, s.mean
+    ));
+    let c = &r.step_cpu_time_s;
+    o.push_str(&format!(
+        "CPU time per step (all threads): p50 {:.3} s, p95 {:.3} s ({:.2} threads busy at p50)\n",
+        c.p50,
+        c.p95,
+        c.p50 / s.p50
     ));
     o.push_str(&format!(
         "throughput (at p50): {:.2} images/s, {:.0} tokens/s\n",

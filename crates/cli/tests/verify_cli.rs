@@ -350,3 +350,36 @@ fn two_jobs_stay_within_the_predicted_peak_in_resident_memory() {
         "max RSS {rss} B > predicted {peak} B + the binary's own {binary} B"
     );
 }
+
+/// Two jobs with the pool's size set by the user: each worker steps on a one-thread pool of its
+/// own, so the variants' specs must follow it. They named the global pool's two threads and
+/// every variant was refused (`cpu.threads: 2 but this process's pool has 1`, exit 2) — after
+/// the whole fp64 reference had run (5.5 minutes on DiT-XL/2).
+#[test]
+fn two_jobs_run_when_the_user_sets_the_pool_size() {
+    let (code, out, err) = common::ditmem_env(
+        &[("RAYON_NUM_THREADS", "2")],
+        &[
+            "verify",
+            "--preset",
+            "dit-s-4",
+            "--resolution",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+            "--jobs",
+            "2",
+            "--variants",
+            "fp32/none/materialized,bf16-mixed/none/memory-efficient",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "stderr: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    assert_eq!(v["memory"]["jobs"], 2);
+    for x in v["variants"].as_array().unwrap() {
+        assert_eq!(x["verdict"], "pass", "{x}");
+    }
+}

@@ -4,7 +4,8 @@
 //! recompute-all × both attention modes. Engine and peer alternate `VS_ROUNDS` times per row, so a
 //! burst of load from elsewhere lands on both. Prints, per row, the step peak (total, and above
 //! the resident model state) and the step time p50 of both, as ratios engine/PyTorch (the median
-//! of the rounds and the range of the per-round ratios), and the achieved GFLOP/s of model FLOPs
+//! of the rounds and the range of the per-round ratios), the ratio of CPU seconds per step (every
+//! thread; what other load on a shared machine moves least), and the achieved GFLOP/s of model FLOPs
 //! against this machine's matmul rate in the step's dtype (f32 through candle/gemm; bf16 through
 //! the engine's AVX512-BF16 kernel, packing included, where the CPU has it) measured at that size
 //! in the same run; then a summary of every row's median ratios and the worst of them. Nothing is
@@ -136,6 +137,8 @@ struct Peer {
     peak: u64,
     above: u64,
     p50: f64,
+    /// CPU seconds per step, every thread (p50).
+    cpu_p50: f64,
 }
 
 fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer, String> {
@@ -181,6 +184,7 @@ fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer
         p50: v["step_time_s"]["p50"]
             .as_f64()
             .ok_or("peer JSON lacks step_time_s.p50")?,
+        cpu_p50: v["step_cpu_time_s"]["p50"].as_f64().unwrap_or(f64::NAN),
     })
 }
 
@@ -265,6 +269,8 @@ struct Row {
     name: String,
     time_ratio: f64,
     time_range: (f64, f64),
+    /// The median over rounds of engine / peer CPU seconds per step (p50 each).
+    cpu_ratio: f64,
     peak_ratio: Option<f64>,
 }
 
@@ -277,6 +283,7 @@ fn measure(
 ) -> Option<Row> {
     let mut e_p50s = Vec::new();
     let mut t_p50s = Vec::new();
+    let mut cpu_ratios = Vec::new();
     let mut last = None;
     let mut peer_last = None;
     for _ in 0..rounds {
@@ -299,7 +306,10 @@ fn measure(
         e_p50s.push(median(&m.step_times_s));
         let peer = run_peer(s, warmup, steps, threads);
         match &peer {
-            Ok(pe) => t_p50s.push(pe.p50),
+            Ok(pe) => {
+                t_p50s.push(pe.p50);
+                cpu_ratios.push(median(&m.step_cpu_s) / pe.cpu_p50);
+            }
             Err(_) => t_p50s.push(f64::NAN),
         }
         last = Some(m);
@@ -315,6 +325,8 @@ fn measure(
     let p50 = median(&e_p50s);
     let above = m.peak_bytes.saturating_sub(m.resident_bytes);
     let gf = flops / p50;
+    cpu_ratios.retain(|r| r.is_finite());
+    let cpu_ratio = median(&cpu_ratios);
     let (tp, tr, ta, tar, tt, ttr) = match &peer {
         Ok(pe) => {
             let t50 = median(&t_p50s);
@@ -330,10 +342,15 @@ fn measure(
         Err(_) => Default::default(),
     };
     let mut line = format!(
-        "{:>10.1} {tp:>10} {tr:>7} {:>10.1} {ta:>10} {tar:>7} {:>8.3} {tt:>8} {ttr:>7} {:>9.2} {:>5.0}%",
+        "{:>10.1} {tp:>10} {tr:>7} {:>10.1} {ta:>10} {tar:>7} {:>8.3} {tt:>8} {ttr:>7} {:>7} {:>9.2} {:>5.0}%",
         mib(m.peak_bytes),
         mib(above),
         p50,
+        if cpu_ratio.is_finite() {
+            format!("{cpu_ratio:.2}")
+        } else {
+            String::new()
+        },
         gf / 1e9,
         100.0 * gf / rate
     );
@@ -349,6 +366,7 @@ fn measure(
         name: name.to_string(),
         time_ratio: median(&ratios),
         time_range: (lo, hi),
+        cpu_ratio,
         peak_ratio: peer
             .as_ref()
             .ok()
@@ -447,7 +465,7 @@ fn main() {
             ))
         );
         println!(
-            "{:<44} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>9} {:>6}",
+            "{:<44} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8} {:>8} {:>7} {:>7} {:>9} {:>6}",
             "row",
             "peak MiB",
             "torch",
@@ -458,6 +476,7 @@ fn main() {
             "p50 s",
             "torch",
             "ratio",
+            "cpu",
             "GFLOP/s",
             "of mm"
         );
@@ -488,20 +507,21 @@ fn main() {
     }
     println!("load average after: {}", load());
     println!(
-        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel) at that size."
+        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). cpu = the ratio of CPU seconds per step (every thread, p50; what load from other processes moves least: on a shared machine it stands beside the wall-time ratio, not for it). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel) at that size."
     );
     println!("\nsummary ({} rows)", rows.len());
     println!(
-        "{:<44} {:>11} {:>13} {:>11}",
-        "row", "time ratio", "round range", "peak ratio"
+        "{:<44} {:>11} {:>13} {:>10} {:>11}",
+        "row", "time ratio", "round range", "cpu ratio", "peak ratio"
     );
     for r in &rows {
         println!(
-            "{:<44} {:>11.2} {:>6.2}–{:<6.2} {:>11}",
+            "{:<44} {:>11.2} {:>6.2}–{:<6.2} {:>10.2} {:>11}",
             r.name,
             r.time_ratio,
             r.time_range.0,
             r.time_range.1,
+            r.cpu_ratio,
             r.peak_ratio.map_or("-".to_string(), |v| format!("{v:.2}"))
         );
     }

@@ -16,6 +16,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+/// CPU seconds this process has run so far, every thread's user and system time together
+/// (`CLOCK_PROCESS_CPUTIME_ID`). A step's CPU time is what load from other processes moves
+/// least: wall time grows with time slices lost to them, CPU time only with their cache
+/// pressure (and with spin-waiting, which counts here). NaN where the clock cannot be read.
+pub fn process_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through the valid pointer it is given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// Something that reports live bytes and a resettable high-water mark.
 pub trait MemoryProbe: Sync {
     /// Bytes allocated now.

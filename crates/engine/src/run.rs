@@ -61,6 +61,9 @@ pub struct Measurement {
     pub peak_bytes: u64,
     pub phase_peak_bytes: PhasePeaks,
     pub step_times_s: Vec<f64>,
+    /// CPU seconds of the process during each measured step, all threads
+    /// ([`crate::measure::process_cpu_s`]): on a shared machine, what other load moves least.
+    pub step_cpu_s: Vec<f64>,
     pub losses: Vec<f64>,
     pub skipped_steps: u32,
     /// Live bytes at each segment boundary of the last measured step.
@@ -103,6 +106,7 @@ pub fn run(
         peak_bytes: 0,
         phase_peak_bytes: PhasePeaks::default(),
         step_times_s: Vec::new(),
+        step_cpu_s: Vec::new(),
         losses: Vec::new(),
         skipped_steps: 0,
         timeline: Vec::new(),
@@ -131,13 +135,15 @@ pub fn run(
         };
         let measured = step >= opts.warmup;
         let resident = probe.map_or(0, |p| p.live());
-        let t0 = Instant::now();
+        let (t0, c0) = (Instant::now(), crate::measure::process_cpu_s());
         let r = trainer.step(&batch, probe)?;
         let dt = t0.elapsed().as_secs_f64();
+        let dc = crate::measure::process_cpu_s() - c0;
         if measured {
             m.peak_bytes = m.peak_bytes.max(r.phase_peaks.max());
             m.phase_peak_bytes.merge(&r.phase_peaks);
             m.step_times_s.push(dt);
+            m.step_cpu_s.push(dc);
             m.losses.push(r.loss);
             m.skipped_steps += u32::from(r.skipped);
             m.timeline = r.timeline;

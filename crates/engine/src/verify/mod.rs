@@ -1849,7 +1849,14 @@ fn run_variant(
     reference: &Reference,
     step_done: &mut dyn FnMut(u32),
 ) -> Result<Run> {
-    let spec = v.apply(base);
+    let mut spec = v.apply(base);
+    if let Some(cpu) = &mut spec.cpu {
+        // A variant steps on the pool it runs in: a worker's own one-thread pool when several
+        // run at once (`run_all`), else the global one. verify holds numerics, not memory, so
+        // the spec follows the pool (with RAYON_NUM_THREADS=2 and two jobs the spec said 2 and
+        // every variant was refused after the whole reference had run).
+        cpu.threads = crate::host::threads();
+    }
     let mut rd = reference.reader()?;
     let mut h = DefaultHasher::new();
     let one = one_step(&spec, v.fault.as_ref(), opts, reference, &mut rd, &mut h)?;
