@@ -8,11 +8,15 @@
 
 use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, linear_weights, module_feed_forward, module_linear,
+};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, gelu, ln_modulate, seed, slice};
+use crate::runtime::ditmem_cpu::ops::{
+    concat, fused_mlp_side, gated_residual, gelu, ln_modulate, seed, slice,
+};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -241,9 +245,16 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
     let m = modulation(&mut g, sh, "norm.linear", st, 3);
     let hx = ln_modulate(&mut g, "norm+modulate", j, m[0], m[1], rows, cd);
     g.bind(hx);
-    let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
-    let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
-    g.bind(am);
+    // `single_forward`: proj_mlp, the GELU and proj_out as one fused node after the attention
+    // where neither linear carries LoRA; else the MLP first, composed.
+    let fused = sh.lora_rank("proj_mlp").is_none() && sh.lora_rank("proj_out").is_none();
+    let am = if fused {
+        None
+    } else {
+        let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
+        let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
+        Some(g.bind(am))
+    };
     let q = lin(&mut g, sh, "attn.to_q", hx, rows, d, d);
     let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
     let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
@@ -259,9 +270,26 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
     g.bind(kr);
     let o = separate_attention(&mut g, sh, "attention", [qr, kr, v], n);
     g.bind(o);
-    let cat = concat(&mut g, "[attention; MLP]", o, am);
-    g.bind(cat);
-    let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+    let p = match am {
+        None => {
+            let [w1, b1] = linear_weights(&mut g, sh, "proj_mlp", hx, (4 * d, d));
+            let [w2, b2] = linear_weights(&mut g, sh, "proj_out", hx, (d, 5 * d));
+            let p = fused_mlp_side(
+                &mut g,
+                "proj_mlp → gelu(tanh) → [attention; MLP] → proj_out (fused)",
+                [hx, o],
+                [w1, b1, w2, b2],
+                (rows, d, 4 * d, d, d),
+                &sh.cpu,
+            );
+            g.bind(p)
+        }
+        Some(am) => {
+            let cat = concat(&mut g, "[attention; MLP]", o, am);
+            g.bind(cat);
+            lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d)
+        }
+    };
     let out = gated_residual(&mut g, "x + proj_out·gate (fused)", j, p, m[2]);
     g.bind(out);
     (g, leaves, st, out)

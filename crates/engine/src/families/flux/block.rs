@@ -8,12 +8,14 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, feed_forward, BlockConfig, LinearW, LN_EPS};
-use crate::error::Result;
+use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS};
+use crate::error::{EngineError, Result};
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
-use crate::ops::{gated_residual, gelu_tanh, ln_modulate, rms_norm, rope, RopeTable, RMS_EPS};
+use crate::ops::{
+    fused_mlp_side, gated_residual, gelu_tanh, ln_modulate, rms_norm, rope, RopeTable, RMS_EPS,
+};
 
 /// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
 /// [`super::params::DOUBLE_LINEARS`] order and the four q/k RMSNorm weights (d_h).
@@ -112,8 +114,23 @@ pub fn single_forward(
     let l = &w.lin;
     let m = modulation(&l[0], st, 3, h, ad)?;
     let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
-    let pm = l[1].forward(&hx)?;
-    let am = gelu_tanh(&pm)?;
+    let rows = b * n;
+    let t = hx.track_op();
+    // proj_out reads [attention; MLP] per row: one fused node with proj_mlp and the GELU where
+    // both linears allow it (no LoRA), made after the attention; else composed, the MLP first.
+    let fused = match (mlp_linear(&l[1], t), mlp_linear(&l[5], t)) {
+        (Some(l1), Some(l5)) => Some((l1, l5)),
+        _ => None,
+    };
+    // Locals until the function returns (the budget binds them).
+    let (_pm, am) = match fused {
+        Some(_) => (None, None),
+        None => {
+            let pm = l[1].forward(&hx)?;
+            let am = gelu_tanh(&pm)?;
+            (Some(pm), Some(am))
+        }
+    };
     let q = l[2].forward(&hx)?;
     let k = l[3].forward(&hx)?;
     let v = l[4].forward(&hx)?;
@@ -122,10 +139,19 @@ pub fn single_forward(
     let qr = rope(&q, table)?;
     let kr = rope(&k, table)?;
     let o = attention(&qr, &kr, &v, b, cfg.heads, attn_keep(cfg.attn))?;
-    // proj_out reads [attention; MLP] per row.
-    let rows = b * n;
-    let cat = concat(&o, &am, rows, (rows, 5 * h))?;
-    let p = l[5].forward(&cat)?;
+    let p = match (fused, am) {
+        (Some((l1, l5)), _) => fused_mlp_side(&hx, &o, l1, l5)?,
+        (None, Some(am)) => {
+            let cat = concat(&o, &am, rows, (rows, 5 * h))?;
+            l[5].forward(&cat)?
+        }
+        (None, None) => {
+            return Err(EngineError::bad_input(
+                "flux single block",
+                "no MLP activation",
+            ))
+        }
+    };
     Ok(gated_residual(x, &p, &m[2])?)
 }
 
