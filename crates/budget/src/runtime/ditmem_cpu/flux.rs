@@ -15,7 +15,7 @@ use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{
-    concat, fused_mlp_side, gated_residual, gelu, ln_modulate, seed, slice,
+    concat, fused_mlp_side, gated_residual, gelu, joint_linear, ln_modulate, seed, slice,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -169,12 +169,15 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     g.bind(hx);
     let hc = ln_modulate(&mut g, "norm1_context+modulate", c, mc[0], mc[1], rt, cd);
     g.bind(hc);
+    // `double_forward`: the joint v as one joint linear after the joint q and k where neither
+    // v linear carries LoRA; else both linears here and their concatenation.
+    let joint_v = sh.lora_rank("attn.add_v_proj").is_none() && sh.lora_rank("attn.to_v").is_none();
     let q = lin(&mut g, sh, "attn.to_q", hx, rs, d, d);
     let k = lin(&mut g, sh, "attn.to_k", hx, rs, d, d);
-    let v = lin(&mut g, sh, "attn.to_v", hx, rs, d, d);
+    let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
     let eq = lin(&mut g, sh, "attn.add_q_proj", hc, rt, d, d);
     let ek = lin(&mut g, sh, "attn.add_k_proj", hc, rt, d, d);
-    let ev = lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d);
+    let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
     let mut norms = Vec::new();
     for (name, t) in [
         ("attn.norm_q", q),
@@ -190,7 +193,21 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     g.bind(qc);
     let kc = concat(&mut g, "[text; image] k", norms[3], norms[1]);
     g.bind(kc);
-    let vc = concat(&mut g, "[text; image] v", ev, v);
+    let vc = match (ev, v) {
+        (Some(ev), Some(v)) => concat(&mut g, "[text; image] v", ev, v),
+        _ => {
+            let [wc, bc] = linear_weights(&mut g, sh, "attn.add_v_proj", hc, (d, d));
+            let [wx, bx] = linear_weights(&mut g, sh, "attn.to_v", hx, (d, d));
+            joint_linear(
+                &mut g,
+                "attn.add_v_proj ‖ attn.to_v → [text; image] v (joint linear)",
+                [hc, hx],
+                [wc, bc, wx, bx],
+                (rt, rs, d, d),
+                &sh.cpu,
+            )
+        }
+    };
     g.bind(vc);
     let qr = rope(&mut g, "rope q", qc);
     g.bind(qr);

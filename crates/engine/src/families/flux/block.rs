@@ -14,7 +14,8 @@ use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
 use crate::ops::{
-    fused_mlp_side, gated_residual, gelu_tanh, ln_modulate, rms_norm, rope, RopeTable, RMS_EPS,
+    fused_mlp_side, gated_residual, gelu_tanh, joint_linear, ln_modulate, rms_norm, rope,
+    RopeTable, RMS_EPS,
 };
 
 /// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
@@ -60,12 +61,26 @@ pub fn double_forward(
     let mc = modulation(&l[1], st, 6, h, ad)?;
     let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
     let hc = ln_modulate(c, &mc[0], &mc[1], LN_EPS, cd)?;
+    // The joint v [text; image] as one joint linear (`add_v_proj` ‖ `to_v`) where neither
+    // carries LoRA, made after the joint q and k (nothing but the joint tensor kept); else the
+    // two linears here and their concatenation.
+    let t_in = hx.track_op() || hc.track_op();
+    let joint_v = match (mlp_linear(&l[7], t_in), mlp_linear(&l[4], t_in)) {
+        (Some(lc), Some(lx)) => Some((lc, lx)),
+        _ => None,
+    };
     let q = l[2].forward(&hx)?;
     let k = l[3].forward(&hx)?;
-    let v = l[4].forward(&hx)?;
+    let v = match joint_v {
+        None => Some(l[4].forward(&hx)?),
+        Some(_) => None,
+    };
     let eq = l[5].forward(&hc)?;
     let ek = l[6].forward(&hc)?;
-    let ev = l[7].forward(&hc)?;
+    let ev = match joint_v {
+        None => Some(l[7].forward(&hc)?),
+        Some(_) => None,
+    };
     let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
     let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
     let eq = rms_norm(&eq, &w.norms[2], RMS_EPS)?;
@@ -73,7 +88,16 @@ pub fn double_forward(
     // One joint sequence [text; image] per sample.
     let qc = concat(&eq, &q, b, (b * n, h))?;
     let kc = concat(&ek, &k, b, (b * n, h))?;
-    let vc = concat(&ev, &v, b, (b * n, h))?;
+    let vc = match (joint_v, &ev, &v) {
+        (Some((lc, lx)), _, _) => joint_linear(&hc, &hx, lc, lx, b)?,
+        (None, Some(ev), Some(v)) => concat(ev, v, b, (b * n, h))?,
+        _ => {
+            return Err(EngineError::bad_input(
+                "flux double block",
+                "no v projection",
+            ))
+        }
+    };
     let qr = rope(&qc, table)?;
     let kr = rope(&kc, table)?;
     let o = attention(&qr, &kr, &vc, b, cfg.heads, attn_keep(cfg.attn))?;
