@@ -62,7 +62,7 @@ impl LinearW {
 /// A linear as the fused MLP takes it (see [`crate::ops::fused_mlp()`]), or None where it must
 /// run composed: with LoRA, or with tracking weights and no sink the op can hand their
 /// gradients to (as [`LinearW::forward`], a sink only when the input tracks).
-fn mlp_linear(l: &LinearW, x_tracks: bool) -> Option<MlpLinear> {
+pub(crate) fn mlp_linear(l: &LinearW, x_tracks: bool) -> Option<MlpLinear> {
     if l.lora.is_some() {
         return None;
     }

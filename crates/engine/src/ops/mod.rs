@@ -8,6 +8,11 @@
 //! - [`gelu`]: [`gelu_tanh`], GELU with the tanh approximation, saving its input only.
 //! - [`fused_mlp`](mod@fused_mlp): the feed-forward `fc2(gelu_tanh(fc1(x)))` as one node,
 //!   keeping the fc1 output only, its backward one wide buffer and the weight gradients sunk.
+//! - [`fused_mlp_side`](mod@fused_mlp_side): `fc2([side; gelu_tanh(fc1(x))])` as one node
+//!   (Flux's single-stream MLP and `proj_out` on the attention beside it), keeping fc1's
+//!   output only and handing candle dx and dside alone.
+//! - [`joint_linear`](mod@joint_linear): two linears on two token streams written as one
+//!   per-sample concatenation (SD3's joint q, k, v), keeping neither projection.
 //! - [`ln_modulate`](mod@ln_modulate): LayerNorm + adaLN modulation written in the compute
 //!   dtype, keeping the per-row (mean, rstd).
 //! - [`linear`](mod@linear): `x·Wᵀ + b` as one node ([`LinearOp`]) on `gemm` (f32/f64), the
@@ -48,9 +53,11 @@ pub mod attention;
 pub mod backward_from;
 pub mod dwconv;
 pub mod fused_mlp;
+pub mod fused_mlp_side;
 pub mod gated_residual;
 pub mod gelu;
 pub mod glu;
+pub mod joint_linear;
 pub mod linear;
 pub mod linear_attention;
 pub mod ln_modulate;
@@ -68,8 +75,14 @@ pub use attention::{
 };
 pub use backward_from::{backward_from, backward_from_many};
 pub use fused_mlp::{fused_mlp, fused_mlp_bwd_scratch, fused_mlp_fwd_scratch, FusedMlp, MlpLinear};
+pub use fused_mlp_side::{
+    fused_mlp_side, fused_mlp_side_bwd_scratch, fused_mlp_side_fwd_scratch, FusedMlpSide,
+};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
+pub use joint_linear::{
+    joint_linear, joint_linear_bwd_scratch, joint_linear_fwd_scratch, JointLinear,
+};
 pub use linear::{
     linear, linear_bwd_scratch, linear_fwd_scratch, linear_sunk, GradSink, LinearGrads, LinearOp,
     LINEAR_ROWS,

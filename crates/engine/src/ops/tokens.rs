@@ -105,6 +105,41 @@ fn slice_cpu<T: Copy>(x: &[T], batch: usize, (lo, hi): (usize, usize)) -> Vec<T>
     o
 }
 
+/// [`concat`]'s kernel on storages: for each of `batch` parts, a's then b's (one float dtype).
+/// The fused MLP with a side input builds its fc2 input with it.
+pub(crate) fn concat_storage(
+    (sa, la): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    batch: usize,
+) -> CResult<CpuStorage> {
+    if sa.dtype() != sb.dtype() {
+        return Err(err("concat: a and b must share one float dtype"));
+    }
+    macro_rules! go {
+        ($t:ty) => {{
+            let a = super::storage::cpu_slice::<$t>(sa, la, "concat a")?;
+            let b = super::storage::cpu_slice::<$t>(sb, lb, "concat b")?;
+            <$t>::to_cpu_storage_owned(concat_cpu(a, b, batch))
+        }};
+    }
+    Ok(match sa.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        other => return Err(err(format!("concat: unsupported dtype {other:?}"))),
+    })
+}
+
+/// [`slice`]'s kernel on a storage: [lo, hi) of each of `batch` parts, copied.
+pub(crate) fn slice_storage(
+    (s, l): (&CpuStorage, &Layout),
+    batch: usize,
+    range: (usize, usize),
+) -> CResult<CpuStorage> {
+    Ok(on_slice!(s, l, "slice", |x| slice_cpu(x, batch, range)))
+}
+
 /// Writes g's parts at [lo, hi) of each of `batch` parts of width `p`, zeros elsewhere.
 fn unslice_cpu<T: Copy + Default>(g: &[T], batch: usize, p: usize, lo: usize) -> Vec<T> {
     let w = g.len() / batch;

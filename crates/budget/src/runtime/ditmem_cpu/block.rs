@@ -67,7 +67,7 @@ fn adapted_linear(
 /// A linear's weight and bias as `LinearW` holds them. Under LoRA the base is a frozen weight
 /// in the compute dtype; trained, the weights go to a gradient sink when the input `x` tracks
 /// (`LinearW::forward`).
-fn linear_weights(
+pub(crate) fn linear_weights(
     g: &mut Graph,
     sh: &Shape,
     name: &str,

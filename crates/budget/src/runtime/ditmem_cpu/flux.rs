@@ -8,11 +8,15 @@
 
 use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, linear_weights, module_feed_forward, module_linear,
+};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, gelu, ln_modulate, seed, slice};
+use crate::runtime::ditmem_cpu::ops::{
+    concat, fused_mlp_side, gated_residual, gelu, joint_linear, ln_modulate, seed, slice,
+};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -165,12 +169,15 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     g.bind(hx);
     let hc = ln_modulate(&mut g, "norm1_context+modulate", c, mc[0], mc[1], rt, cd);
     g.bind(hc);
+    // `double_forward`: the joint v as one joint linear after the joint q and k where neither
+    // v linear carries LoRA; else both linears here and their concatenation.
+    let joint_v = sh.lora_rank("attn.add_v_proj").is_none() && sh.lora_rank("attn.to_v").is_none();
     let q = lin(&mut g, sh, "attn.to_q", hx, rs, d, d);
     let k = lin(&mut g, sh, "attn.to_k", hx, rs, d, d);
-    let v = lin(&mut g, sh, "attn.to_v", hx, rs, d, d);
+    let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
     let eq = lin(&mut g, sh, "attn.add_q_proj", hc, rt, d, d);
     let ek = lin(&mut g, sh, "attn.add_k_proj", hc, rt, d, d);
-    let ev = lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d);
+    let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
     let mut norms = Vec::new();
     for (name, t) in [
         ("attn.norm_q", q),
@@ -186,7 +193,21 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     g.bind(qc);
     let kc = concat(&mut g, "[text; image] k", norms[3], norms[1]);
     g.bind(kc);
-    let vc = concat(&mut g, "[text; image] v", ev, v);
+    let vc = match (ev, v) {
+        (Some(ev), Some(v)) => concat(&mut g, "[text; image] v", ev, v),
+        _ => {
+            let [wc, bc] = linear_weights(&mut g, sh, "attn.add_v_proj", hc, (d, d));
+            let [wx, bx] = linear_weights(&mut g, sh, "attn.to_v", hx, (d, d));
+            joint_linear(
+                &mut g,
+                "attn.add_v_proj ‖ attn.to_v → [text; image] v (joint linear)",
+                [hc, hx],
+                [wc, bc, wx, bx],
+                (rt, rs, d, d),
+                &sh.cpu,
+            )
+        }
+    };
     g.bind(vc);
     let qr = rope(&mut g, "rope q", qc);
     g.bind(qr);
@@ -241,9 +262,16 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
     let m = modulation(&mut g, sh, "norm.linear", st, 3);
     let hx = ln_modulate(&mut g, "norm+modulate", j, m[0], m[1], rows, cd);
     g.bind(hx);
-    let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
-    let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
-    g.bind(am);
+    // `single_forward`: proj_mlp, the GELU and proj_out as one fused node after the attention
+    // where neither linear carries LoRA; else the MLP first, composed.
+    let fused = sh.lora_rank("proj_mlp").is_none() && sh.lora_rank("proj_out").is_none();
+    let am = if fused {
+        None
+    } else {
+        let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
+        let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
+        Some(g.bind(am))
+    };
     let q = lin(&mut g, sh, "attn.to_q", hx, rows, d, d);
     let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
     let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
@@ -259,9 +287,26 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
     g.bind(kr);
     let o = separate_attention(&mut g, sh, "attention", [qr, kr, v], n);
     g.bind(o);
-    let cat = concat(&mut g, "[attention; MLP]", o, am);
-    g.bind(cat);
-    let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+    let p = match am {
+        None => {
+            let [w1, b1] = linear_weights(&mut g, sh, "proj_mlp", hx, (4 * d, d));
+            let [w2, b2] = linear_weights(&mut g, sh, "proj_out", hx, (d, 5 * d));
+            let p = fused_mlp_side(
+                &mut g,
+                "proj_mlp → gelu(tanh) → [attention; MLP] → proj_out (fused)",
+                [hx, o],
+                [w1, b1, w2, b2],
+                (rows, d, 4 * d, d, d),
+                &sh.cpu,
+            );
+            g.bind(p)
+        }
+        Some(am) => {
+            let cat = concat(&mut g, "[attention; MLP]", o, am);
+            g.bind(cat);
+            lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d)
+        }
+    };
     let out = gated_residual(&mut g, "x + proj_out·gate (fused)", j, p, m[2]);
     g.bind(out);
     (g, leaves, st, out)

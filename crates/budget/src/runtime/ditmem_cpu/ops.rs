@@ -315,6 +315,193 @@ pub fn fused_mlp(
     y
 }
 
+/// Heap bytes of a tracked `ops::FusedMlpSide` node's op beside the u it keeps: candle's
+/// `Arc<Box<dyn CustomOp2>>` (32) and the op (four weight handles, two sink handles, the keep
+/// flag and the mutex over u: `size_of::<FusedMlpSide>()`, held equal by the engine's test).
+pub const FUSED_MLP_SIDE_OP_BYTES: u64 = 32 + 96;
+
+/// Workspace bytes (forward, backward) of the engine's fused MLP with a side input
+/// (`ops::fused_mlp_side_*_scratch`) in compute dtype `cd`, weight gradients in `wd`, for
+/// `(rows, inp, ffn, ds, out)` (fc2 reads ds + ffn), dx when `tx`, dside when `ts`, the weight
+/// gradients `wants` = (dW1, db1, dW2, db2). Forward, beyond y and the kept u: fc1's workspace
+/// less y; h = gelu(u) beside c = [side; h] less y; c with fc2's workspace. Backward, beyond
+/// the gradients it hands out: h beside c; c, dc, fc2's workspace, dW2, db2; dc beside its
+/// parts dside and du; du, every gradient and fc1's workspace.
+pub fn fused_mlp_side_scratch(
+    (cd, wd): (Dtype, Dtype),
+    dims: (u64, u64, u64, u64, u64),
+    (tx, ts, wants): (bool, bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
+    fused_mlp_side_phases(lin, (cd, wd), dims, (tx, ts, wants))
+}
+
+/// [`fused_mlp_side_scratch`] with `gemm`'s per-call packing in each phase
+/// ([`linear_workspace`] for each of its linear calls): the node's workspace on the spec's CPU.
+pub fn fused_mlp_side_workspace(
+    cpu: &CpuSpec,
+    (cd, wd): (Dtype, Dtype),
+    dims: (u64, u64, u64, u64, u64),
+    (tx, ts, wants): (bool, bool, [bool; 4]),
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
+    fused_mlp_side_phases(lin, (cd, wd), dims, (tx, ts, wants))
+}
+
+/// The phases of the fused MLP with a side input over the workspace `lin(dims, tracks)` of
+/// each of its linear calls.
+fn fused_mlp_side_phases(
+    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (cd, wd): (Dtype, Dtype),
+    (rows, inp, ffn, ds, out): (u64, u64, u64, u64, u64),
+    (tx, ts, wants): (bool, bool, [bool; 4]),
+) -> (u64, u64) {
+    let (e, we) = (cd.size(), wd.size());
+    let (h, c, y) = (e * rows * ffn, e * rows * (ds + ffn), e * rows * out);
+    let dside = if ts { e * rows * ds } else { 0 };
+    let (s1, _) = lin((rows, inp, ffn), (false, false, false));
+    let (s2, _) = lin((rows, ds + ffn, out), (false, false, false));
+    let (_, b2) = lin((rows, ds + ffn, out), (true, wants[2], wants[3]));
+    let (_, b1) = lin((rows, inp, ffn), (tx, wants[0], wants[1]));
+    let on = |b: bool, n: u64| if b { we * n } else { 0 };
+    let g2 = on(wants[2], out * (ds + ffn)) + on(wants[3], out);
+    let g1 = on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * rows * inp } else { 0 };
+    let fwd = s1
+        .saturating_sub(y)
+        .max((h + c).saturating_sub(y))
+        .max(c + s2);
+    let bwd = (h + c)
+        .max(2 * c + b2 + g2)
+        .max(c + dside + h + g2)
+        .max(h + dside + g1 + g2 + b1)
+        - g1
+        - g2
+        - dside;
+    (fwd, bwd)
+}
+
+/// `ops::fused_mlp_side` of the engine: `fc2([side; gelu_tanh(fc1(x))])` as one node on x and
+/// side (the weights `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen). A
+/// fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute dtype, held
+/// until the graph drops) and its boxed op ([`FUSED_MLP_SIDE_OP_BYTES`]). Workspace:
+/// [`fused_mlp_side_workspace`]. Its backward returns dx and dside only.
+pub fn fused_mlp_side(
+    g: &mut Graph,
+    name: &str,
+    [x, side]: [Nid; 2],
+    ws: [Nid; 4],
+    (rows, inp, ffn, ds, out): (u64, u64, u64, u64, u64),
+    cpu: &CpuSpec,
+) -> Nid {
+    let (cd, wd) = (g.dtype(x), g.dtype(ws[0]));
+    let wants = ws.map(|i| g.nodes[i].sunk);
+    let (tx, ts) = (g.nodes[x].tracks, g.nodes[side].tracks);
+    let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (fwd, bwd) = fused_mlp_side_workspace(
+        cpu,
+        (cd, wd),
+        (rows, inp, ffn, ds, out),
+        (tx, ts, wants),
+        master,
+    );
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &[x, side, ws[0], ws[1], ws[2], ws[3]],
+        rows * out,
+        cd,
+    );
+    if g.nodes[y].tracks {
+        g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_SIDE_OP_BYTES;
+    }
+    g.nodes[y].fwd_scratch = fwd;
+    y
+}
+
+/// Workspace bytes (forward, backward) of the engine's joint linear
+/// (`ops::joint_linear_*_scratch`) in compute dtype `cd`, weight gradients in `wd`, for
+/// `(ra, rc, inp, out)`, da when `ta`, dc when `tc`, the weight gradients `wants` = (dWa, dba,
+/// dWc, dbc). Forward, beyond the output: la's workspace less the output; ya with lc's
+/// workspace less the output; ya and yc while joined (the output's size). Backward, beyond the
+/// gradients it hands out: a's part of the gradient with la's backward and its gradients; c's
+/// part with lc's backward beside every gradient.
+pub fn joint_linear_scratch(
+    (cd, wd): (Dtype, Dtype),
+    dims: (u64, u64, u64, u64),
+    (ta, tc, wants): (bool, bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
+    joint_linear_phases(lin, (cd, wd), dims, (ta, tc, wants))
+}
+
+/// [`joint_linear_scratch`] with `gemm`'s per-call packing in each phase
+/// ([`linear_workspace`]): the node's workspace on the spec's CPU.
+pub fn joint_linear_workspace(
+    cpu: &CpuSpec,
+    (cd, wd): (Dtype, Dtype),
+    dims: (u64, u64, u64, u64),
+    (ta, tc, wants): (bool, bool, [bool; 4]),
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
+    joint_linear_phases(lin, (cd, wd), dims, (ta, tc, wants))
+}
+
+/// The joint linear's phases over the workspace `lin(dims, tracks)` of each linear call.
+fn joint_linear_phases(
+    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (cd, wd): (Dtype, Dtype),
+    (ra, rc, inp, out): (u64, u64, u64, u64),
+    (ta, tc, wants): (bool, bool, [bool; 4]),
+) -> (u64, u64) {
+    let (e, we) = (cd.size(), wd.size());
+    let (ya, y) = (e * ra * out, e * (ra + rc) * out);
+    let on = |b: bool, n: u64| if b { we * n } else { 0 };
+    let dx = |t: bool, r: u64| if t { e * r * inp } else { 0 };
+    let ga = dx(ta, ra) + on(wants[0], out * inp) + on(wants[1], out);
+    let gc = dx(tc, rc) + on(wants[2], out * inp) + on(wants[3], out);
+    let (fa, ba) = lin((ra, inp, out), (ta, wants[0], wants[1]));
+    let (fc, bc) = lin((rc, inp, out), (tc, wants[2], wants[3]));
+    let fwd = fa.saturating_sub(y).max((ya + fc).saturating_sub(y)).max(y);
+    let pa = e * ra * out + ba + ga;
+    let pc = ga + e * rc * out + bc + gc;
+    (fwd, pa.max(pc) - ga - gc)
+}
+
+/// `ops::joint_linear` of the engine: `[la(a); lc(c)]` per sample as one node on a and c (the
+/// weights `ws` = [Wa, ba, Wc, bc] are its other inputs here, sunk or frozen). A fresh
+/// (ra + rc, out) output; nothing kept (its boxed op only, as every fused node's). Workspace:
+/// [`joint_linear_workspace`]. Its backward returns da and dc only.
+pub fn joint_linear(
+    g: &mut Graph,
+    name: &str,
+    [a, c]: [Nid; 2],
+    ws: [Nid; 4],
+    (ra, rc, inp, out): (u64, u64, u64, u64),
+    cpu: &CpuSpec,
+) -> Nid {
+    let (cd, wd) = (g.dtype(a), g.dtype(ws[0]));
+    let wants = ws.map(|i| g.nodes[i].sunk);
+    let (ta, tc) = (g.nodes[a].tracks, g.nodes[c].tracks);
+    let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (fwd, bwd) =
+        joint_linear_workspace(cpu, (cd, wd), (ra, rc, inp, out), (ta, tc, wants), master);
+    let y = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &[a, c, ws[0], ws[1], ws[2], ws[3]],
+        (ra + rc) * out,
+        cd,
+    );
+    g.nodes[y].fwd_scratch = fwd;
+    y
+}
+
 /// `ops::ln_modulate` of the engine: LayerNorm fused with the adaLN modulation, written in the
 /// compute dtype. One fresh output; the op keeps (mean, rstd) per row in the accumulation type
 /// (f64 under fp64, else f32) beside it. Its inputs are x and the shift/scale chunks themselves.

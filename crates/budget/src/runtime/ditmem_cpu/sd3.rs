@@ -7,11 +7,13 @@
 
 use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
-use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, linear_weights, module_feed_forward, module_linear,
+};
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, ln_modulate, slice};
+use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -146,34 +148,48 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     g.bind(hc);
 
     // Joint attention.
-    let q = lin(&mut g, "attn.to_q", hx, rows, d, d);
-    let k = lin(&mut g, "attn.to_k", hx, rows, d, d);
-    let v = lin(&mut g, "attn.to_v", hx, rows, d, d);
-    let eq = lin(&mut g, "attn.add_q_proj", hc, trows, d, d);
-    let ek = lin(&mut g, "attn.add_k_proj", hc, trows, d, d);
-    let ev = lin(&mut g, "attn.add_v_proj", hc, trows, d, d);
-    let (q, k, eq, ek) = match &qk {
-        Some(w) => {
-            let dh = sh.d / sh.heads;
-            let mut n = |name: &str, x: Nid, w: Nid, _r: u64| {
-                let y = super::flux::rms_norm(&mut g, sh, name, x, w, dh);
-                g.bind(y)
+    // `sd3_block_forward`'s `joint`: q, k, v of [image; text] per sample, one joint linear
+    // each where neither linear carries LoRA and no q/k norm sits between; else the two
+    // linears, the norms and the concatenation, every one bound (the engine's `hold`).
+    let joint =
+        |g: &mut Graph, (la, lc): (&str, &str), norms: Option<[(Nid, &str); 2]>, name: &str| {
+            if norms.is_none() && sh.lora_rank(la).is_none() && sh.lora_rank(lc).is_none() {
+                let [wa, ba] = linear_weights(g, sh, la, hx, (d, d));
+                let [wc, bc] = linear_weights(g, sh, lc, hc, (d, d));
+                let y = joint_linear(
+                    g,
+                    &format!("{la} ‖ {lc} → {name} (joint linear)"),
+                    [hx, hc],
+                    [wa, ba, wc, bc],
+                    (rows, trows, d, d),
+                    &sh.cpu,
+                );
+                return g.bind(y);
+            }
+            let y = lin(g, la, hx, rows, d, d);
+            let ey = lin(g, lc, hc, trows, d, d);
+            let (y, ey) = match norms {
+                Some([(wa, na), (wc, nc)]) => {
+                    let mut n = |name: &str, x: Nid, w: Nid| {
+                        let y = super::flux::rms_norm(g, sh, name, x, w, dh);
+                        g.bind(y)
+                    };
+                    (n(na, y, wa), n(nc, ey, wc))
+                }
+                None => (y, ey),
             };
-            (
-                n("attn.norm_q", q, w[0], rows),
-                n("attn.norm_k", k, w[1], rows),
-                n("attn.norm_added_q", eq, w[2], trows),
-                n("attn.norm_added_k", ek, w[3], trows),
-            )
-        }
-        None => (q, k, eq, ek),
-    };
-    let qc = concat(&mut g, "cat q", q, eq);
-    g.bind(qc);
-    let kcat = concat(&mut g, "cat k", k, ek);
-    g.bind(kcat);
-    let vc = concat(&mut g, "cat v", v, ev);
-    g.bind(vc);
+            let cat = concat(g, name, y, ey);
+            g.bind(cat)
+        };
+    let nq = qk
+        .as_ref()
+        .map(|w| [(w[0], "attn.norm_q"), (w[2], "attn.norm_added_q")]);
+    let nk = qk
+        .as_ref()
+        .map(|w| [(w[1], "attn.norm_k"), (w[3], "attn.norm_added_k")]);
+    let qc = joint(&mut g, ("attn.to_q", "attn.add_q_proj"), nq, "cat q");
+    let kcat = joint(&mut g, ("attn.to_k", "attn.add_k_proj"), nk, "cat k");
+    let vc = joint(&mut g, ("attn.to_v", "attn.add_v_proj"), None, "cat v");
     let o = separate_attention(
         &mut g,
         sh,

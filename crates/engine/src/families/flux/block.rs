@@ -8,12 +8,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, feed_forward, BlockConfig, LinearW, LN_EPS};
-use crate::error::Result;
+use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS};
+use crate::error::{EngineError, Result};
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
-use crate::ops::{gated_residual, gelu_tanh, ln_modulate, rms_norm, rope, RopeTable, RMS_EPS};
+use crate::ops::{
+    fused_mlp_side, gated_residual, gelu_tanh, joint_linear, ln_modulate, rms_norm, rope,
+    RopeTable, RMS_EPS,
+};
 
 /// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
 /// [`super::params::DOUBLE_LINEARS`] order and the four q/k RMSNorm weights (d_h).
@@ -58,12 +61,26 @@ pub fn double_forward(
     let mc = modulation(&l[1], st, 6, h, ad)?;
     let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
     let hc = ln_modulate(c, &mc[0], &mc[1], LN_EPS, cd)?;
+    // The joint v [text; image] as one joint linear (`add_v_proj` ‖ `to_v`) where neither
+    // carries LoRA, made after the joint q and k (nothing but the joint tensor kept); else the
+    // two linears here and their concatenation.
+    let t_in = hx.track_op() || hc.track_op();
+    let joint_v = match (mlp_linear(&l[7], t_in), mlp_linear(&l[4], t_in)) {
+        (Some(lc), Some(lx)) => Some((lc, lx)),
+        _ => None,
+    };
     let q = l[2].forward(&hx)?;
     let k = l[3].forward(&hx)?;
-    let v = l[4].forward(&hx)?;
+    let v = match joint_v {
+        None => Some(l[4].forward(&hx)?),
+        Some(_) => None,
+    };
     let eq = l[5].forward(&hc)?;
     let ek = l[6].forward(&hc)?;
-    let ev = l[7].forward(&hc)?;
+    let ev = match joint_v {
+        None => Some(l[7].forward(&hc)?),
+        Some(_) => None,
+    };
     let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
     let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
     let eq = rms_norm(&eq, &w.norms[2], RMS_EPS)?;
@@ -71,7 +88,16 @@ pub fn double_forward(
     // One joint sequence [text; image] per sample.
     let qc = concat(&eq, &q, b, (b * n, h))?;
     let kc = concat(&ek, &k, b, (b * n, h))?;
-    let vc = concat(&ev, &v, b, (b * n, h))?;
+    let vc = match (joint_v, &ev, &v) {
+        (Some((lc, lx)), _, _) => joint_linear(&hc, &hx, lc, lx, b)?,
+        (None, Some(ev), Some(v)) => concat(ev, v, b, (b * n, h))?,
+        _ => {
+            return Err(EngineError::bad_input(
+                "flux double block",
+                "no v projection",
+            ))
+        }
+    };
     let qr = rope(&qc, table)?;
     let kr = rope(&kc, table)?;
     let o = attention(&qr, &kr, &vc, b, cfg.heads, attn_keep(cfg.attn))?;
@@ -112,8 +138,23 @@ pub fn single_forward(
     let l = &w.lin;
     let m = modulation(&l[0], st, 3, h, ad)?;
     let hx = ln_modulate(x, &m[0], &m[1], LN_EPS, cd)?;
-    let pm = l[1].forward(&hx)?;
-    let am = gelu_tanh(&pm)?;
+    let rows = b * n;
+    let t = hx.track_op();
+    // proj_out reads [attention; MLP] per row: one fused node with proj_mlp and the GELU where
+    // both linears allow it (no LoRA), made after the attention; else composed, the MLP first.
+    let fused = match (mlp_linear(&l[1], t), mlp_linear(&l[5], t)) {
+        (Some(l1), Some(l5)) => Some((l1, l5)),
+        _ => None,
+    };
+    // Locals until the function returns (the budget binds them).
+    let (_pm, am) = match fused {
+        Some(_) => (None, None),
+        None => {
+            let pm = l[1].forward(&hx)?;
+            let am = gelu_tanh(&pm)?;
+            (Some(pm), Some(am))
+        }
+    };
     let q = l[2].forward(&hx)?;
     let k = l[3].forward(&hx)?;
     let v = l[4].forward(&hx)?;
@@ -122,10 +163,19 @@ pub fn single_forward(
     let qr = rope(&q, table)?;
     let kr = rope(&k, table)?;
     let o = attention(&qr, &kr, &v, b, cfg.heads, attn_keep(cfg.attn))?;
-    // proj_out reads [attention; MLP] per row.
-    let rows = b * n;
-    let cat = concat(&o, &am, rows, (rows, 5 * h))?;
-    let p = l[5].forward(&cat)?;
+    let p = match (fused, am) {
+        (Some((l1, l5)), _) => fused_mlp_side(&hx, &o, l1, l5)?,
+        (None, Some(am)) => {
+            let cat = concat(&o, &am, rows, (rows, 5 * h))?;
+            l[5].forward(&cat)?
+        }
+        (None, None) => {
+            return Err(EngineError::bad_input(
+                "flux single block",
+                "no MLP activation",
+            ))
+        }
+    };
     Ok(gated_residual(x, &p, &m[2])?)
 }
 

@@ -17,14 +17,18 @@
 //! `cd` compute dtype, `ad` accumulation dtype, E = b·s·D (image), C = b·t·D (text), N = E + C:
 //! - double: `norm1.linear`, `norm1_context.linear` on st (2 × b·6D cd, cast to ad under a
 //!   low-precision compute dtype), LN + modulate of both streams (E + C cd, keeping their
-//!   stats), q/k/v of each stream (3(E + C) cd), four RMSNorms (2(E + C) cd), the joint q, k, v
-//!   (3N cd, [`crate::ops::tokens::concat`]), RoPE on q and k (2N cd), attention (N cd, keeps P
+//!   stats), q/k of each stream (2(E + C) cd), four RMSNorms (2(E + C) cd), the joint q, k
+//!   (2N cd, [`crate::ops::tokens::concat`]), the joint v (N cd, one
+//!   [`crate::ops::joint_linear`]; with LoRA on a v linear both projections (E + C cd) made with
+//!   q and k, and their concatenation), RoPE on q and k (2N cd), attention (N cd, keeps P
 //!   (b·a·n²) / the lse / nothing), the text and image slices of its output (N cd), `to_out.0`
 //!   and `to_add_out` (N cd), then per stream the gated residual, LN + modulate, the GELU-tanh
 //!   FFN (4×, 4× and 1× the stream) and the second gated residual.
-//! - single: `norm.linear` (b·3D), LN + modulate (N cd), `proj_mlp` and its GELU (2 × 4N cd),
-//!   q/k/v (3N), two RMSNorms and two RoPEs (4N), attention (N), [attention; MLP] (5N),
-//!   `proj_out` (N), the gated residual (N ad).
+//! - single: `norm.linear` (b·3D), LN + modulate (N cd), q/k/v (3N), two RMSNorms and two
+//!   RoPEs (4N), attention (N), then `proj_mlp`, its GELU, [attention; MLP] and `proj_out` as
+//!   one [`crate::ops::fused_mlp_side`] node (N cd, keeping `proj_mlp`'s output, 4N cd), the
+//!   gated residual (N ad). With LoRA on `proj_mlp` or `proj_out`: `proj_mlp` and its GELU
+//!   (2 × 4N cd) before q, [attention; MLP] (5N) and `proj_out` (N) composed.
 
 pub mod block;
 pub mod params;

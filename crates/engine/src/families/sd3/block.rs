@@ -5,11 +5,11 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, feed_forward, BlockConfig, LinearW, LN_EPS};
+use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{cat_tokens, gated_residual, ln_modulate, rms_norm, split_tokens};
+use crate::ops::{cat_tokens, gated_residual, joint_linear, ln_modulate, rms_norm, split_tokens};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
 pub use crate::ops::RMS_EPS;
@@ -68,24 +68,33 @@ pub fn sd3_block_forward(
     };
 
     // Joint attention over [image, context] per sample.
-    let q = w.to_q.forward(&hx)?;
-    let k = w.to_k.forward(&hx)?;
-    let v = w.to_v.forward(&hx)?;
-    let eq = w.add_q.forward(&hc)?;
-    let ek = w.add_k.forward(&hc)?;
-    let ev = w.add_v.forward(&hc)?;
-    let (q, k, eq, ek) = match &w.qk {
-        Some([nq, nk, naq, nak]) => (
-            rms_norm(&q, nq, RMS_EPS)?,
-            rms_norm(&k, nk, RMS_EPS)?,
-            rms_norm(&eq, naq, RMS_EPS)?,
-            rms_norm(&ek, nak, RMS_EPS)?,
-        ),
-        None => (q, k, eq, ek),
+    // q, k, v of [image; text] per sample: one joint linear each where neither linear
+    // carries LoRA and no q/k norm sits between (nothing but the joint tensor is kept); else
+    // the two linears, the norms and the concatenation, whose locals live until the block
+    // returns (`hold`; the budget binds them).
+    let tracks = hx.track_op() || hc.track_op();
+    let mut hold: Vec<Tensor> = Vec::new();
+    let mut joint = |la: &LinearW, lc: &LinearW, norms: Option<(&Tensor, &Tensor)>| {
+        if norms.is_none() {
+            if let (Some(a), Some(c)) = (mlp_linear(la, tracks), mlp_linear(lc, tracks)) {
+                return Ok::<Tensor, crate::error::EngineError>(joint_linear(&hx, &hc, a, c, b)?);
+            }
+        }
+        let (y, ey) = (la.forward(&hx)?, lc.forward(&hc)?);
+        let (y, ey) = match norms {
+            Some((na, nc)) => {
+                hold.extend([y.clone(), ey.clone()]);
+                (rms_norm(&y, na, RMS_EPS)?, rms_norm(&ey, nc, RMS_EPS)?)
+            }
+            None => (y, ey),
+        };
+        let cat = cat_tokens(&y, &ey, b)?;
+        hold.extend([y, ey]);
+        Ok(cat)
     };
-    let qc = cat_tokens(&q, &eq, b)?;
-    let kc = cat_tokens(&k, &ek, b)?;
-    let vc = cat_tokens(&v, &ev, b)?;
+    let qc = joint(&w.to_q, &w.add_q, w.qk.as_ref().map(|n| (&n[0], &n[2])))?;
+    let kc = joint(&w.to_k, &w.add_k, w.qk.as_ref().map(|n| (&n[1], &n[3])))?;
+    let vc = joint(&w.to_v, &w.add_v, None)?;
     let o = attention(&qc, &kc, &vc, b, cfg.heads, keep)?;
 
     // Image stream: to_out.0, gated residual, norm2 + ff.

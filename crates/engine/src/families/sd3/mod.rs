@@ -18,10 +18,11 @@
 //! 1. `norm1.linear`, `norm1_context.linear` on SiLU(temb) (b, 6D cd each; b, 2D for the last
 //!    block's context), each cast to `ad` (a copy under mixed precision), `narrow` views.
 //! 2. LN + modulate on x (E cd) and on c (C cd).
-//! 3. `to_q`, `to_k`, `to_v` (3 × E cd), `add_q_proj`, `add_k_proj`, `add_v_proj` (3 × C cd);
-//!    with `qk_norm` four per-head RMSNorms (2E + 2C cd, each keeping b·s·a / b·T·a rstd);
-//!    `cat_tokens` of q, k, v (3 × N cd); attention (N cd, keeps P b·a·n² cd / the
-//!    log-sum-exp b·a·n f32 / nothing).
+//! 3. q, k, v of [image; context] (3 × N cd), each one [`crate::ops::joint_linear`] node
+//!    (`to_q` ‖ `add_q_proj`, …; nothing else kept); where LoRA adapts one of the pair, or
+//!    `qk_norm` puts per-head RMSNorms between (q and k: 2E + 2C cd, each keeping b·s·a / b·T·a
+//!    rstd), the two linears (E + C cd) and `cat_tokens` instead, in the order q, k, v; attention
+//!    (N cd, keeps P b·a·n² cd / the log-sum-exp b·a·n f32 / nothing).
 //! 4. Image: `split_tokens` (E cd), `to_out.0` (E cd), x1 = x + ·gate (E ad), LN + modulate
 //!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad).
 //! 5. Context (not the last block): `split_tokens` (C cd), `to_add_out` (C cd), c1 (C ad), LN +

@@ -1,0 +1,488 @@
+//! [`fused_mlp_side`]: the feed-forward whose down projection also reads a side input,
+//! `y = fc2([side; gelu_tanh(fc1(x))])` per row, as one node on (x, side): Flux's single-stream
+//! block, whose `proj_out` reads the attention output beside the MLP's activation. Budget twin:
+//! `ditmem_budget::ditmem_cpu::ops::fused_mlp_side` and `fused_mlp_side_scratch` (the test
+//! below holds them equal to [`fused_mlp_side_fwd_scratch`] / [`fused_mlp_side_bwd_scratch`]),
+//! and `FUSED_MLP_SIDE_OP_BYTES`.
+//!
+//! Why: composed (fc1, GELU, the [side; h] concatenation, fc2), the graph keeps u = fc1(x),
+//! h = gelu(u) and the concatenation (rows, side + ffn) until the block's backward ends, and
+//! candle's backward (candle-core 0.11 `backprop.rs`, the custom-op arms) folds each wide
+//! gradient into its store as `zeros_like + add` while the incoming one is still alive: at the
+//! concatenation's backward the (rows, side + ffn) gradient sum, the fresh parts, and a zeros
+//! and a sum of h's size were alive at once (Flux fp32 recompute-all: the step's peak). This op
+//! keeps u only; its backward rebuilds h and the concatenation as workspace, and hands candle
+//! only dx and dside (each (rows, D)), the weight gradients to the linears' [`GradSink`]s.
+//!
+//! Numerics: the same kernel calls as the composition (the linear on the concatenation for fc2,
+//! the GELU's maps element for element, the same per-row copies), so the same bits in every
+//! dtype.
+
+use std::sync::Mutex;
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::fused_mlp::MlpLinear;
+use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
+use super::linear::{
+    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
+    weight_grads, LinearGrads,
+};
+use super::storage::{err, with_cpu, CResult};
+use super::tokens::{concat_storage, slice_storage};
+
+/// The fused feed-forward with a side input (see the module docs).
+#[derive(Debug)]
+pub struct FusedMlpSide {
+    fc1: MlpLinear,
+    fc2: MlpLinear,
+    /// Keep u for a backward (x or side tracks).
+    keep: bool,
+    kept: Mutex<Option<CpuStorage>>,
+}
+
+/// `fc2([side; gelu_tanh(fc1(x))])` on 2-D x (rows, inp) and side (rows, ds) as one node (see
+/// the module docs); fc2 reads ds + ffn features. A linear's weights must not track unless it
+/// has a sink (the op returns only dx and dside to candle).
+pub fn fused_mlp_side(
+    x: &Tensor,
+    side: &Tensor,
+    fc1: MlpLinear,
+    fc2: MlpLinear,
+) -> CResult<Tensor> {
+    for l in [&fc1, &fc2] {
+        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
+            return Err(err(
+                "fused_mlp_side: a linear whose weights track needs a gradient sink",
+            ));
+        }
+    }
+    let (rows, _) = x.dims2()?;
+    let (srows, ds) = side.dims2()?;
+    let ffn = fc1.w.dims2()?.0;
+    if srows != rows || fc2.w.dims2()?.1 != ds + ffn || side.dtype() != x.dtype() {
+        return Err(err(format!(
+            "fused_mlp_side: side {:?} {:?} and fc1 {:?} do not make fc2's input {:?} for x {:?} {:?}",
+            side.dims(),
+            side.dtype(),
+            fc1.w.dims(),
+            fc2.w.dims(),
+            x.dims(),
+            x.dtype()
+        )));
+    }
+    x.apply_op2(
+        side,
+        FusedMlpSide {
+            fc1,
+            fc2,
+            keep: x.track_op() || side.track_op(),
+            kept: Mutex::new(None),
+        },
+    )
+}
+
+/// Workspace bytes of the forward beyond its output y and the kept u, `(rows, inp, ffn, ds,
+/// out)`: fc1's linear workspace while u is made (less y, which does not exist yet); h =
+/// gelu(u) beside the concatenation c = [side; h] (less y likewise); c with y and fc2's
+/// workspace. Untracked, h is written over u (nothing kept): the same phases less u.
+pub fn fused_mlp_side_fwd_scratch(
+    dtype: DType,
+    (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
+    native: bool,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (h, c, y) = (
+        e * (rows * ffn) as u64,
+        e * (rows * (ds + ffn)) as u64,
+        e * (rows * out) as u64,
+    );
+    let s1 = linear_fwd_scratch(dtype, rows, inp, ffn, native);
+    let s2 = linear_fwd_scratch(dtype, rows, ds + ffn, out, native);
+    s1.saturating_sub(y)
+        .max((h + c).saturating_sub(y))
+        .max(c + s2)
+}
+
+/// Workspace bytes of the backward beyond the gradients it hands out (dx when `tx`, dside when
+/// `ts`, dW1, db1, dW2, db2 as `wants`), all in `dtype` except the weight gradients in
+/// `wdtype`; `master`: f32 master weights under bf16/f16. Phases: h beside the concatenation
+/// c = [side; h]; c, its gradient dc, fc2's workspace, dW2, db2; dc split into dside and du;
+/// du, every gradient and fc1's workspace. The peak phase less the gradients.
+pub fn fused_mlp_side_bwd_scratch(
+    (dtype, wdtype): (DType, DType),
+    (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
+    (tx, ts, wants): (bool, bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> u64 {
+    let (e, we) = (dtype.size_in_bytes() as u64, wdtype.size_in_bytes() as u64);
+    let h = e * (rows * ffn) as u64;
+    let c = e * (rows * (ds + ffn)) as u64;
+    let dside = if ts { e * (rows * ds) as u64 } else { 0 };
+    let on = |b: bool, n: usize| if b { we * n as u64 } else { 0 };
+    let g2 = on(wants[2], out * (ds + ffn)) + on(wants[3], out);
+    let g1 =
+        on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * (rows * inp) as u64 } else { 0 };
+    let lin =
+        |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
+    let s2 = lin((rows, ds + ffn, out), true, wants[2], wants[3]);
+    let s1 = lin((rows, inp, ffn), tx, wants[0], wants[1]);
+    let peak = (h + c)
+        .max(2 * c + s2 + g2)
+        .max(c + dside + h + g2)
+        .max(h + dside + g1 + g2 + s1);
+    peak - g1 - g2 - dside
+}
+
+impl FusedMlpSide {
+    /// u = fc1(x).
+    fn fc1_fwd(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpu(&self.fc1.w, |sw, lw| {
+            with_cpu(&self.fc1.b, |sb, lb| {
+                linear_fwd_storage(x, (sw, lw), (sb, lb))
+            })
+        })
+    }
+
+    /// c = [side; gelu(u)] per row, h made and dropped on the way.
+    fn cat(
+        &self,
+        side: (&CpuStorage, &Layout),
+        u: &CpuStorage,
+        rows: usize,
+    ) -> CResult<CpuStorage> {
+        let lu = Layout::contiguous((rows, u_cols(u, rows)?));
+        let h = gelu_fwd_storage(u, &lu)?;
+        concat_storage(side, (&h, &lu), rows)
+    }
+
+    fn wants(l: &MlpLinear) -> (bool, bool) {
+        l.sink.as_ref().map_or((false, false), |s| s.wants())
+    }
+}
+
+/// The columns of a (rows, ·) storage.
+fn u_cols(u: &CpuStorage, rows: usize) -> CResult<usize> {
+    let n = match u {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        other => return Err(err(format!("fused_mlp_side: dtype {:?}", other.dtype()))),
+    };
+    Ok(n / rows.max(1))
+}
+
+impl CustomOp2 for FusedMlpSide {
+    fn name(&self) -> &'static str {
+        "fused-mlp-side"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        ss: &CpuStorage,
+        ls: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let rows = lx.dims()[0];
+        let (mut u, _) = self.fc1_fwd((sx, lx))?;
+        // Kept for a backward: h beside u; otherwise h over u (the same phases, less u).
+        let c = if self.keep {
+            let c = self.cat((ss, ls), &u, rows)?;
+            *self
+                .kept
+                .lock()
+                .map_err(|_| err("fused_mlp_side: kept u poisoned"))? = Some(u);
+            c
+        } else {
+            gelu_in_place(&mut u)?;
+            let lu = Layout::contiguous((rows, u_cols(&u, rows)?));
+            concat_storage((ss, ls), (&u, &lu), rows)?
+        };
+        let lc = Layout::contiguous((rows, u_cols(&c, rows)?));
+        let y = with_cpu(&self.fc2.w, |sw, lw| {
+            with_cpu(&self.fc2.b, |sb, lb| {
+                linear_fwd_storage((&c, &lc), (sw, lw), (sb, lb))
+            })
+        })?;
+        Ok(y)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        side: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (rows, out) = grad.dims2()?;
+        let ds = side.dims2()?.1;
+        let (w1, b1) = Self::wants(&self.fc1);
+        let (w2, b2) = Self::wants(&self.fc2);
+        let mut kept = self
+            .kept
+            .lock()
+            .map_err(|_| err("fused_mlp_side: kept u poisoned"))?;
+        // u, from the forward or recomputed from x.
+        if kept.is_none() {
+            *kept = Some(with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0);
+        }
+        let u = kept.as_ref().ok_or_else(|| err("fused_mlp_side: no u"))?;
+        let ffn = u_cols(u, rows)?;
+        let lc = Layout::contiguous((rows, ds + ffn));
+        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
+        // dc = g·W2, dW2 = gᵀ·c, db2 = Σ g on c = [side; h] (c dropped after).
+        let dc = with_cpu(side, |ss, ls| {
+            let c = self.cat((ss, ls), u, rows)?;
+            with_cpu(&self.fc2.w, |sw, lw| {
+                with_cpu(&grad, |sg, lg| {
+                    let want = LinearGrads {
+                        x: true,
+                        w: w2,
+                        b: b2,
+                    };
+                    let (dc, dw, db) =
+                        linear_bwd_storage((&c, &lc), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                    drop(c);
+                    let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
+                    if let Some(s) = &self.fc2.sink {
+                        s.put_both(dw, db)?;
+                    }
+                    dc.ok_or_else(|| err("fused_mlp_side: no dc"))
+                })
+            })
+        })?;
+        // dside and du: the two parts of each row of dc; du = dh ⊙ gelu'(u) in place.
+        let dside = if side.track_op() {
+            Some(slice_storage((&dc, &lc), rows, (0, ds))?)
+        } else {
+            None
+        };
+        let mut du = slice_storage((&dc, &lc), rows, (ds, ds + ffn))?;
+        drop(dc);
+        gelu_grad_in_place(&mut du, u)?;
+        drop(kept);
+        // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
+        let lu = Layout::contiguous((rows, ffn));
+        let want = LinearGrads {
+            x: x.track_op(),
+            w: w1,
+            b: b1,
+        };
+        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
+            with_cpu(&self.fc1.w, |sw, lw| {
+                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&du, &lu), want)
+            })
+        })?;
+        drop(du);
+        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
+        if let Some(s) = &self.fc1.sink {
+            s.put_both(dw, db)?;
+        }
+        let dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
+        let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
+        Ok((dx, dside))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::tokens::concat;
+    use crate::ops::{gelu_tanh, linear_sunk, GradSink};
+    use candle_core::{Device, Var};
+    use std::sync::Arc;
+
+    /// Deterministic values in about [−1, 1).
+    fn vals(n: usize, seed: usize) -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
+            .collect()
+    }
+
+    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
+        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(dt))
+            .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let v: Vec<f64> = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.to_vec1())
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// (y, dx, dside, [dW1, db1, dW2, db2]) through (ffn, out) with side width ds, fused or
+    /// composed of the sunk linears, the GELU and the per-row concatenation.
+    fn run(
+        fused: bool,
+        dt: DType,
+        wdt: DType,
+        (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
+    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+        let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
+        let side = Var::from_tensor(&t(rows * ds, &[rows, ds], 7, dt)).unwrap();
+        let w1 = t(ffn * inp, &[ffn, inp], 2, wdt);
+        let b1 = t(ffn, &[ffn], 3, wdt);
+        let w2 = t(out * (ds + ffn), &[out, ds + ffn], 4, wdt);
+        let b2 = t(out, &[out], 5, wdt);
+        let r = t(rows * out, &[rows, out], 6, dt);
+        let s1 = Arc::new(GradSink::new(true, true));
+        let s2 = Arc::new(GradSink::new(true, true));
+        let y = if fused {
+            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
+                w: w.clone(),
+                b: b.clone(),
+                sink: Some(Arc::clone(s)),
+            };
+            fused_mlp_side(
+                x.as_tensor(),
+                side.as_tensor(),
+                l(&w1, &b1, &s1),
+                l(&w2, &b2, &s2),
+            )
+            .unwrap()
+        } else {
+            let u = linear_sunk(x.as_tensor(), &w1, &b1, &s1).unwrap();
+            let h = gelu_tanh(&u).unwrap();
+            let c = concat(side.as_tensor(), &h, rows, (rows, ds + ffn)).unwrap();
+            linear_sunk(&c, &w2, &b2, &s2).unwrap()
+        };
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).unwrap().clone();
+        let dside = grads.get(side.as_tensor()).unwrap().clone();
+        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
+            .map(|g| g.expect("the sink holds every weight gradient"));
+        (y, dx, dside, sunk.to_vec())
+    }
+
+    /// The fused op's output, dx, dside and the four weight gradients it sinks are the
+    /// composition's, bit for bit, on f64, f32, bf16 and f16 with weights in the compute dtype
+    /// or f32 masters, at whole and ragged (multi-chunk) row counts.
+    #[test]
+    fn fused_mlp_side_equals_the_composition_bit_for_bit() {
+        for (dt, wdt) in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for dims in [(6, 8, 32, 8, 8), (150, 16, 40, 16, 12)] {
+                let (yf, dxf, dsf, gf) = run(true, dt, wdt, dims);
+                let (yc, dxc, dsc, gc) = run(false, dt, wdt, dims);
+                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&dsf), bits(&dsc), "dside {dt:?}/{wdt:?} {dims:?}");
+                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                    assert_eq!(a.dims(), b.dims());
+                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
+                }
+                assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
+                assert!(bits(&dsf).iter().any(|&b| f64::from_bits(b) != 0.0));
+            }
+        }
+    }
+
+    /// A second backward on the same graph gives the same gradients (u stays kept).
+    #[test]
+    fn a_second_backward_gives_the_same_gradients() {
+        let x = Var::from_tensor(&t(10 * 8, &[10, 8], 1, DType::F32)).unwrap();
+        let side = Var::from_tensor(&t(10 * 4, &[10, 4], 9, DType::F32)).unwrap();
+        let l = |n: usize, k: usize, s: usize| MlpLinear {
+            w: t(n * k, &[n, k], s, DType::F32),
+            b: t(n, &[n], s + 1, DType::F32),
+            sink: Some(Arc::new(GradSink::new(true, true))),
+        };
+        let y = fused_mlp_side(x.as_tensor(), side.as_tensor(), l(24, 8, 2), l(8, 28, 4)).unwrap();
+        let loss = y.sqr().unwrap().sum_all().unwrap();
+        let a = loss.backward().unwrap();
+        let b = loss.backward().unwrap();
+        for v in [&x, &side] {
+            let (ga, gb) = (a.get(v.as_tensor()).unwrap(), b.get(v.as_tensor()).unwrap());
+            assert_eq!(bits(ga), bits(gb));
+        }
+    }
+
+    /// Mismatched widths and tracking weights without a sink are refused, not panicked on.
+    #[test]
+    fn bad_inputs_are_errors() {
+        let x = t(4 * 8, &[4, 8], 1, DType::F32);
+        let side = t(4 * 4, &[4, 4], 2, DType::F32);
+        let l = |n: usize, k: usize| MlpLinear {
+            w: t(n * k, &[n, k], 3, DType::F32),
+            b: t(n, &[n], 4, DType::F32),
+            sink: None,
+        };
+        // fc2 reads 16 + 4 = 20 features, not 16.
+        let e = fused_mlp_side(&x, &side, l(16, 8), l(8, 16)).unwrap_err();
+        assert!(e.to_string().contains("fc2"), "{e}");
+        let w = Var::from_tensor(&t(16 * 8, &[16, 8], 2, DType::F32)).unwrap();
+        let tracked = MlpLinear {
+            w: w.as_tensor().clone(),
+            b: t(16, &[16], 3, DType::F32),
+            sink: None,
+        };
+        let e = fused_mlp_side(&x, &side, tracked, l(8, 20)).unwrap_err();
+        assert!(e.to_string().contains("sink"), "{e}");
+    }
+
+    /// The op's workspace and kept bytes as the engine states them are the budget's
+    /// restatement, for every dtype, path and set of gradients.
+    #[test]
+    fn fused_mlp_side_scratch_is_the_budgets() {
+        use ditmem_budget::ditmem_cpu::ops::{fused_mlp_side_scratch, FUSED_MLP_SIDE_OP_BYTES};
+        use ditmem_budget::Dtype;
+        assert_eq!(
+            32 + std::mem::size_of::<FusedMlpSide>() as u64,
+            FUSED_MLP_SIDE_OP_BYTES
+        );
+        for (dt, bd, wdt, wbd) in [
+            (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
+            (DType::F64, Dtype::F64, DType::F64, Dtype::F64),
+            (DType::BF16, Dtype::Bf16, DType::F32, Dtype::F32),
+            (DType::BF16, Dtype::Bf16, DType::BF16, Dtype::Bf16),
+            (DType::F16, Dtype::F16, DType::F32, Dtype::F32),
+        ] {
+            let master = wdt != dt;
+            for dims in [
+                (512, 64, 256, 64, 64),
+                (300, 37, 130, 37, 41),
+                (7, 1, 4, 1, 1),
+            ] {
+                for native in [false, true] {
+                    for bits in 0..64u8 {
+                        let (tx, ts) = (bits & 16 != 0, bits & 32 != 0);
+                        let wants = [0, 1, 2, 3].map(|i| bits & (1 << i) != 0);
+                        let (r, i, f, s, o) = dims;
+                        let budget = fused_mlp_side_scratch(
+                            (bd, wbd),
+                            (r as u64, i as u64, f as u64, s as u64, o as u64),
+                            (tx, ts, wants),
+                            native,
+                            master,
+                        );
+                        let engine = (
+                            fused_mlp_side_fwd_scratch(dt, dims, native),
+                            fused_mlp_side_bwd_scratch(
+                                (dt, wdt),
+                                dims,
+                                (tx, ts, wants),
+                                native,
+                                master,
+                            ),
+                        );
+                        assert_eq!(engine, budget, "{dt:?}/{wdt:?} {dims:?} {native} {bits}");
+                    }
+                }
+            }
+        }
+    }
+}

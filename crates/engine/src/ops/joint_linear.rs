@@ -1,0 +1,386 @@
+//! [`joint_linear`]: two linears on two token streams written as one per-sample concatenation,
+//! `[la(a); lc(c)]` for each of `batch` samples, as one node on (a, c): SD3's joint attention
+//! input, where q, k and v of the image and the text stream are projected apart and joined.
+//! Budget twin: `ditmem_budget::ditmem_cpu::ops::joint_linear` and `joint_linear_scratch` (the
+//! test below holds them equal to [`joint_linear_fwd_scratch`] / [`joint_linear_bwd_scratch`]).
+//!
+//! Why: composed (two linears and [`cat_tokens`](super::cat_tokens)), candle's graph keeps both
+//! projections until the block's backward ends though no backward reads them (a linear's
+//! backward reads its input, the concatenation's none of its inputs): the joint tensor's size
+//! again, per projection, beside the concatenation itself. This op keeps nothing; its output is
+//! the joint tensor, and its backward takes each stream's part of the gradient as workspace,
+//! hands candle da and dc, the weight gradients to the linears' [`GradSink`](super::GradSink)s.
+//!
+//! Numerics: the same linear calls on the same inputs, the same per-sample copies, so the same
+//! bits as the composition in every dtype.
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::fused_mlp::MlpLinear;
+use super::linear::{
+    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
+    weight_grads, LinearGrads,
+};
+use super::storage::{err, with_cpu, CResult};
+use super::tokens::{concat_storage, slice_storage};
+
+/// Two linears joined per sample (see the module docs).
+#[derive(Debug)]
+pub struct JointLinear {
+    la: MlpLinear,
+    lc: MlpLinear,
+    batch: usize,
+}
+
+/// `[la(a); lc(c)]` per sample: a (batch·ta, inp) and c (batch·tc, inp) → (batch·(ta + tc),
+/// out), as [`cat_tokens`](super::cat_tokens) of the two linears. A linear's weights must not
+/// track unless it has a sink (the op returns only da and dc to candle).
+pub fn joint_linear(
+    a: &Tensor,
+    c: &Tensor,
+    la: MlpLinear,
+    lc: MlpLinear,
+    batch: usize,
+) -> CResult<Tensor> {
+    for l in [&la, &lc] {
+        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
+            return Err(err(
+                "joint_linear: a linear whose weights track needs a gradient sink",
+            ));
+        }
+    }
+    let ((ra, ia), (rc, ic)) = (a.dims2()?, c.dims2()?);
+    let ((oa, wia), (oc, wic)) = (la.w.dims2()?, lc.w.dims2()?);
+    if batch == 0
+        || !ra.is_multiple_of(batch)
+        || !rc.is_multiple_of(batch)
+        || ia != wia
+        || ic != wic
+        || oa != oc
+        || a.dtype() != c.dtype()
+    {
+        return Err(err(format!(
+            "joint_linear: a {:?} {:?} through {:?} and c {:?} {:?} through {:?} do not join in \
+             {batch} samples",
+            a.dims(),
+            a.dtype(),
+            la.w.dims(),
+            c.dims(),
+            c.dtype(),
+            lc.w.dims()
+        )));
+    }
+    a.apply_op2(c, JointLinear { la, lc, batch })
+}
+
+/// Workspace bytes of the forward beyond its output, `(ra, rc, inp, out)`: la's workspace
+/// before ya exists; ya with lc's workspace; ya and yc while they are joined (the output's
+/// size). The phases less the output.
+pub fn joint_linear_fwd_scratch(
+    dtype: DType,
+    (ra, rc, inp, out): (usize, usize, usize, usize),
+    native: bool,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (ya, y) = (e * (ra * out) as u64, e * ((ra + rc) * out) as u64);
+    let sa = linear_fwd_scratch(dtype, ra, inp, out, native);
+    let sc = linear_fwd_scratch(dtype, rc, inp, out, native);
+    sa.saturating_sub(y).max((ya + sc).saturating_sub(y)).max(y)
+}
+
+/// Workspace bytes of the backward beyond the gradients it hands out (da when `ta`, dc when
+/// `tc`, dWa, dba, dWc, dbc as `wants`), in `dtype` except the weight gradients in `wdtype`;
+/// `master`: f32 master weights under bf16/f16. Phases: a's part of the gradient with la's
+/// backward and its gradients; then c's part with lc's backward, beside every gradient. The
+/// peak phase less the gradients.
+pub fn joint_linear_bwd_scratch(
+    (dtype, wdtype): (DType, DType),
+    (ra, rc, inp, out): (usize, usize, usize, usize),
+    (ta, tc, wants): (bool, bool, [bool; 4]),
+    native: bool,
+    master: bool,
+) -> u64 {
+    let (e, we) = (dtype.size_in_bytes() as u64, wdtype.size_in_bytes() as u64);
+    let on = |b: bool, n: usize| if b { we * n as u64 } else { 0 };
+    let dx = |t: bool, r: usize| if t { e * (r * inp) as u64 } else { 0 };
+    let ga = dx(ta, ra) + on(wants[0], out * inp) + on(wants[1], out);
+    let gc = dx(tc, rc) + on(wants[2], out * inp) + on(wants[3], out);
+    let lin = |r, x, w, b| {
+        linear_bwd_scratch(
+            dtype,
+            (r, inp, out),
+            LinearGrads { x, w, b },
+            native,
+            master,
+        )
+    };
+    let sa = lin(ra, ta, wants[0], wants[1]);
+    let sc = lin(rc, tc, wants[2], wants[3]);
+    let pa = e * (ra * out) as u64 + sa + ga;
+    let pc = ga + e * (rc * out) as u64 + sc + gc;
+    pa.max(pc) - ga - gc
+}
+
+impl JointLinear {
+    fn wants(l: &MlpLinear) -> (bool, bool) {
+        l.sink.as_ref().map_or((false, false), |s| s.wants())
+    }
+
+    /// y = l(x).
+    fn fwd(l: &MlpLinear, x: (&CpuStorage, &Layout)) -> CResult<CpuStorage> {
+        with_cpu(&l.w, |sw, lw| {
+            with_cpu(&l.b, |sb, lb| {
+                Ok(linear_fwd_storage(x, (sw, lw), (sb, lb))?.0)
+            })
+        })
+    }
+
+    /// One stream's backward on its part [lo, hi) of each sample's gradient: dx (when x
+    /// tracks) returned, dW and db to the linear's sink.
+    fn bwd_part(
+        &self,
+        l: &MlpLinear,
+        x: &Tensor,
+        (sg, lg): (&CpuStorage, &Layout),
+        range: (usize, usize),
+    ) -> CResult<Option<Tensor>> {
+        let part = slice_storage((sg, lg), self.batch, range)?;
+        let (rows, out) = (x.dims2()?.0, l.w.dims2()?.0);
+        let lp = Layout::contiguous((rows, out));
+        let (w, b) = Self::wants(l);
+        let want = LinearGrads {
+            x: x.track_op(),
+            w,
+            b,
+        };
+        let (bdt, bl) = (l.b.dtype(), l.b.layout());
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
+            with_cpu(&l.w, |sw, lw| {
+                linear_bwd_storage((sx, lx), (sw, lw), (bdt, bl), (&part, &lp), want)
+            })
+        })?;
+        drop(part);
+        let (dw, db) = weight_grads((dw, db), l.w.dims2()?)?;
+        if let Some(s) = &l.sink {
+            s.put_both(dw, db)?;
+        }
+        dx.map(|v| storage_tensor(v, x.shape())).transpose()
+    }
+}
+
+impl CustomOp2 for JointLinear {
+    fn name(&self) -> &'static str {
+        "joint-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sa: &CpuStorage,
+        la: &Layout,
+        sc: &CpuStorage,
+        lc: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (ra, rc) = (la.dims()[0], lc.dims()[0]);
+        let out = self.la.w.dims2()?.0;
+        let ya = Self::fwd(&self.la, (sa, la))?;
+        let yc = Self::fwd(&self.lc, (sc, lc))?;
+        let y = concat_storage(
+            (&ya, &Layout::contiguous((ra, out))),
+            (&yc, &Layout::contiguous((rc, out))),
+            self.batch,
+        )?;
+        if y.dtype() != sa.dtype() {
+            return Err(err("joint_linear: output dtype differs from the input's"));
+        }
+        Ok((y, Shape::from((ra + rc, out))))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let out = grad.dims2()?.1;
+        let ta = a.dims2()?.0 / self.batch;
+        let tc = c.dims2()?.0 / self.batch;
+        with_cpu(&grad, |sg, lg| {
+            let da = self.bwd_part(&self.la, a, (sg, lg), (0, ta * out))?;
+            let dc = self.bwd_part(&self.lc, c, (sg, lg), (ta * out, (ta + tc) * out))?;
+            Ok((da, dc))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{cat_tokens, linear_sunk, GradSink};
+    use candle_core::{Device, Var};
+    use std::sync::Arc;
+
+    fn vals(n: usize, seed: usize) -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
+            .collect()
+    }
+
+    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
+        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(dt))
+            .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let v: Vec<f64> = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.to_vec1())
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// (y, da, dc, [dWa, dba, dWc, dbc]) for `batch` samples of ta and tc tokens, fused or
+    /// composed of the sunk linears and `cat_tokens`.
+    fn run(
+        fused: bool,
+        dt: DType,
+        wdt: DType,
+        (batch, ta, tc, inp, out): (usize, usize, usize, usize, usize),
+    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+        let (ra, rc) = (batch * ta, batch * tc);
+        let a = Var::from_tensor(&t(ra * inp, &[ra, inp], 1, dt)).unwrap();
+        let c = Var::from_tensor(&t(rc * inp, &[rc, inp], 7, dt)).unwrap();
+        let wa = t(out * inp, &[out, inp], 2, wdt);
+        let ba = t(out, &[out], 3, wdt);
+        let wc = t(out * inp, &[out, inp], 4, wdt);
+        let bc = t(out, &[out], 5, wdt);
+        let r = t((ra + rc) * out, &[ra + rc, out], 6, dt);
+        let s1 = Arc::new(GradSink::new(true, true));
+        let s2 = Arc::new(GradSink::new(true, true));
+        let y = if fused {
+            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
+                w: w.clone(),
+                b: b.clone(),
+                sink: Some(Arc::clone(s)),
+            };
+            joint_linear(
+                a.as_tensor(),
+                c.as_tensor(),
+                l(&wa, &ba, &s1),
+                l(&wc, &bc, &s2),
+                batch,
+            )
+            .unwrap()
+        } else {
+            let ya = linear_sunk(a.as_tensor(), &wa, &ba, &s1).unwrap();
+            let yc = linear_sunk(c.as_tensor(), &wc, &bc, &s2).unwrap();
+            cat_tokens(&ya, &yc, batch).unwrap()
+        };
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let da = grads.get(a.as_tensor()).unwrap().clone();
+        let dc = grads.get(c.as_tensor()).unwrap().clone();
+        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
+            .map(|g| g.expect("the sink holds every weight gradient"));
+        (y, da, dc, sunk.to_vec())
+    }
+
+    /// The joint linear's output, da, dc and the four weight gradients it sinks are the
+    /// composition's, bit for bit, on f64, f32, bf16 and f16 with weights in the compute dtype or
+    /// f32 masters, at whole and ragged (multi-chunk) row counts.
+    #[test]
+    fn joint_linear_equals_the_composition_bit_for_bit() {
+        for (dt, wdt) in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for dims in [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)] {
+                let (yf, daf, dcf, gf) = run(true, dt, wdt, dims);
+                let (yc, dac, dcc, gc) = run(false, dt, wdt, dims);
+                assert_eq!(yf.dims(), yc.dims());
+                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&daf), bits(&dac), "da {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&dcf), bits(&dcc), "dc {dt:?}/{wdt:?} {dims:?}");
+                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
+                }
+                assert!(bits(&daf).iter().any(|&b| f64::from_bits(b) != 0.0));
+                assert!(bits(&dcf).iter().any(|&b| f64::from_bits(b) != 0.0));
+            }
+        }
+    }
+
+    /// Streams that do not split into the batch, mismatched widths and tracking weights
+    /// without a sink are refused, not panicked on.
+    #[test]
+    fn bad_inputs_are_errors() {
+        let a = t(6 * 8, &[6, 8], 1, DType::F32);
+        let c = t(4 * 8, &[4, 8], 2, DType::F32);
+        let l = |o: usize, i: usize| MlpLinear {
+            w: t(o * i, &[o, i], 3, DType::F32),
+            b: t(o, &[o], 4, DType::F32),
+            sink: None,
+        };
+        assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 4).is_err());
+        assert!(joint_linear(&a, &c, l(8, 8), l(4, 8), 2).is_err());
+        assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 0).is_err());
+        assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 2).is_ok());
+        let w = Var::from_tensor(&t(64, &[8, 8], 2, DType::F32)).unwrap();
+        let tracked = MlpLinear {
+            w: w.as_tensor().clone(),
+            b: t(8, &[8], 3, DType::F32),
+            sink: None,
+        };
+        let e = joint_linear(&a, &c, tracked, l(8, 8), 2).unwrap_err();
+        assert!(e.to_string().contains("sink"), "{e}");
+    }
+
+    /// The op's workspace as the engine states it is the budget's restatement, for every
+    /// dtype, path and set of gradients.
+    #[test]
+    fn joint_linear_scratch_is_the_budgets() {
+        use ditmem_budget::ditmem_cpu::ops::joint_linear_scratch;
+        use ditmem_budget::Dtype;
+        for (dt, bd, wdt, wbd) in [
+            (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
+            (DType::F64, Dtype::F64, DType::F64, Dtype::F64),
+            (DType::BF16, Dtype::Bf16, DType::F32, Dtype::F32),
+            (DType::BF16, Dtype::Bf16, DType::BF16, Dtype::Bf16),
+            (DType::F16, Dtype::F16, DType::F32, Dtype::F32),
+        ] {
+            let master = wdt != dt;
+            for dims in [(512, 154, 64, 64), (300, 37, 130, 41), (7, 1, 4, 1)] {
+                for native in [false, true] {
+                    for bits in 0..64u8 {
+                        let (ta, tc) = (bits & 16 != 0, bits & 32 != 0);
+                        let wants = [0, 1, 2, 3].map(|i| bits & (1 << i) != 0);
+                        let (ra, rc, i, o) = dims;
+                        let budget = joint_linear_scratch(
+                            (bd, wbd),
+                            (ra as u64, rc as u64, i as u64, o as u64),
+                            (ta, tc, wants),
+                            native,
+                            master,
+                        );
+                        let engine = (
+                            joint_linear_fwd_scratch(dt, dims, native),
+                            joint_linear_bwd_scratch(
+                                (dt, wdt),
+                                dims,
+                                (ta, tc, wants),
+                                native,
+                                master,
+                            ),
+                        );
+                        assert_eq!(engine, budget, "{dt:?}/{wdt:?} {dims:?} {native} {bits}");
+                    }
+                }
+            }
+        }
+    }
+}
