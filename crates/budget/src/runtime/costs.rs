@@ -26,8 +26,10 @@ pub struct SegSim {
     pub untracked_peak: u64,
     /// The backward root's own buffers during backward.
     pub root: u64,
-    /// Candle backward replay.
+    /// Candle backward replay: the store and temporaries at the backward's worst moment, and
+    /// the activations the graph's ops had freed by then (`Backward::released`).
     pub bwd_peak: u64,
+    pub bwd_released: u64,
     pub bwd_store: u64,
     pub bwd_leaf_grads: u64,
 }

@@ -26,14 +26,15 @@ use super::linear::{
 };
 use super::storage::{err, with_cpu, CResult};
 
-/// What the op keeps for its backward: the fc1 output u, which the first backward turns into
-/// h = gelu(u) in place (a second backward on the same graph recomputes u from x). h stays held
-/// until the graph drops, as the budget's node keeps its saved bytes.
+/// What the op keeps for its backward: the fc1 output u, which the backward turns into
+/// h = gelu(u) in place for dW2 and then frees, before fc1's products, as PyTorch frees a
+/// node's saved tensors once it has run: the rest of the block's backward runs without it
+/// (the budget's node releases it, `Node::released_by_bwd`). A second backward on the same
+/// graph recomputes u from x.
 #[derive(Debug)]
 enum Kept {
     Nothing,
     U(CpuStorage),
-    H(#[allow(dead_code)] CpuStorage),
 }
 
 /// One linear of the fused MLP: its weight and bias (detached when a sink takes their
@@ -100,9 +101,10 @@ pub fn fused_mlp_fwd_scratch(
 
 /// Workspace bytes of the fused MLP's backward beyond the gradients it hands out (dx when x
 /// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
-/// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. Phases: dh with fc2's
-/// dx workspace; dh, dW2, db2 with fc2's dW/db workspace; dh, every gradient and fc1's
-/// workspace. The peak phase less the gradients.
+/// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. Phases: u, dh and
+/// fc2's dx workspace; u (now h), dh, dW2, db2 and fc2's dW/db workspace; then u is freed: dh,
+/// every gradient and fc1's workspace. The peak phase less the gradients; u is counted here
+/// because the budget releases it as the backward starts.
 pub fn fused_mlp_bwd_scratch(
     (dtype, wdtype): (DType, DType),
     (rows, inp, ffn, out): (usize, usize, usize, usize),
@@ -121,7 +123,8 @@ pub fn fused_mlp_bwd_scratch(
     let sa = lin((rows, ffn, out), true, false, false);
     let sc = lin((rows, ffn, out), false, wants[2], wants[3]);
     let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
-    let peak = (dh + sa).max(dh + sc + g2).max(dh + g1 + g2 + sd);
+    let u = dh;
+    let peak = (u + dh + sa).max(u + dh + sc + g2).max(dh + g1 + g2 + sd);
     peak - g1 - g2
 }
 
@@ -185,7 +188,7 @@ impl CustomOp1 for FusedMlp {
         // u, from the forward or (a second backward) recomputed from x.
         let mut u = match std::mem::replace(&mut *kept, Kept::Nothing) {
             Kept::U(u) => u,
-            Kept::H(_) | Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
+            Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
         };
         let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
         let dh = with_cpu(&self.fc2.w, |sw, lw| {
@@ -219,7 +222,8 @@ impl CustomOp1 for FusedMlp {
                 Ok(dh)
             })
         })?;
-        *kept = Kept::H(u);
+        // h is needed no more: freed before fc1's products (see `Kept`).
+        drop(u);
         drop(kept);
         // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
         let want = LinearGrads {
@@ -245,30 +249,9 @@ impl CustomOp1 for FusedMlp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::{bits, t};
     use crate::ops::{gelu_tanh, linear_sunk};
-    use candle_core::{Device, Var};
-
-    /// Deterministic values in about [−1, 1).
-    fn vals(n: usize, seed: usize) -> Vec<f64> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
-            .collect()
-    }
-
-    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
-        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
-            .and_then(|t| t.to_dtype(dt))
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        let v: Vec<f64> = t
-            .flatten_all()
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1())
-            .unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    }
+    use candle_core::Var;
 
     /// (y, dx, [dW1, db1, dW2, db2]) of x (rows, inp) through (ffn, out) with gradient r of y,
     /// fused or composed of the sunk linears and the GELU.

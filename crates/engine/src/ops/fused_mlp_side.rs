@@ -106,9 +106,11 @@ pub fn fused_mlp_side_fwd_scratch(
 
 /// Workspace bytes of the backward beyond the gradients it hands out (dx when `tx`, dside when
 /// `ts`, dW1, db1, dW2, db2 as `wants`), all in `dtype` except the weight gradients in
-/// `wdtype`; `master`: f32 master weights under bf16/f16. Phases: h beside the concatenation
-/// c = [side; h]; c, its gradient dc, fc2's workspace, dW2, db2; dc split into dside and du;
-/// du, every gradient and fc1's workspace. The peak phase less the gradients.
+/// `wdtype`; `master`: f32 master weights under bf16/f16. Phases, with the kept u until the
+/// fourth: h beside the concatenation c = [side; h]; c, its gradient dc, fc2's workspace, dW2,
+/// db2; dc split into dside and du; then u is freed: du, every gradient and fc1's workspace.
+/// The peak phase less the gradients; u is counted here because the budget releases it as the
+/// backward starts.
 pub fn fused_mlp_side_bwd_scratch(
     (dtype, wdtype): (DType, DType),
     (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
@@ -128,9 +130,10 @@ pub fn fused_mlp_side_bwd_scratch(
         |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
     let s2 = lin((rows, ds + ffn, out), true, wants[2], wants[3]);
     let s1 = lin((rows, inp, ffn), tx, wants[0], wants[1]);
-    let peak = (h + c)
-        .max(2 * c + s2 + g2)
-        .max(c + dside + h + g2)
+    let u = h;
+    let peak = (u + h + c)
+        .max(u + 2 * c + s2 + g2)
+        .max(u + c + dside + h + g2)
         .max(h + dside + g1 + g2 + s1);
     peak - g1 - g2 - dside
 }
@@ -264,6 +267,10 @@ impl CustomOp2 for FusedMlpSide {
         let mut du = slice_storage((&dc, &lc), rows, (ds, ds + ffn))?;
         drop(dc);
         gelu_grad_in_place(&mut du, u)?;
+        // u is needed no more: freed before fc1's products, as PyTorch frees a node's saved
+        // tensors once it has run (the budget's node releases it, `Node::released_by_bwd`); a
+        // second backward recomputes it from x.
+        *kept = None;
         drop(kept);
         // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
         let lu = Layout::contiguous((rows, ffn));
@@ -292,32 +299,11 @@ impl CustomOp2 for FusedMlpSide {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::{bits, t};
     use crate::ops::tokens::concat;
     use crate::ops::{gelu_tanh, linear_sunk, GradSink};
-    use candle_core::{Device, Var};
+    use candle_core::Var;
     use std::sync::Arc;
-
-    /// Deterministic values in about [−1, 1).
-    fn vals(n: usize, seed: usize) -> Vec<f64> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
-            .collect()
-    }
-
-    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
-        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
-            .and_then(|t| t.to_dtype(dt))
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        let v: Vec<f64> = t
-            .flatten_all()
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1())
-            .unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    }
 
     /// (y, dx, dside, [dW1, db1, dW2, db2]) through (ffn, out) with side width ds, fused or
     /// composed of the sunk linears, the GELU and the per-row concatenation.

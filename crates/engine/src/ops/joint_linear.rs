@@ -217,30 +217,10 @@ impl CustomOp2 for JointLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::{bits, t};
     use crate::ops::{cat_tokens, linear_sunk, GradSink};
-    use candle_core::{Device, Var};
+    use candle_core::Var;
     use std::sync::Arc;
-
-    fn vals(n: usize, seed: usize) -> Vec<f64> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
-            .collect()
-    }
-
-    fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
-        Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
-            .and_then(|t| t.to_dtype(dt))
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        let v: Vec<f64> = t
-            .flatten_all()
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1())
-            .unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    }
 
     /// (y, da, dc, [dWa, dba, dWc, dbc]) for `batch` samples of ta and tc tokens, fused or
     /// composed of the sunk linears and `cat_tokens`.

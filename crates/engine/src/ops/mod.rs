@@ -67,6 +67,8 @@ pub mod rope;
 pub mod rope_cos_sin;
 pub(crate) mod storage;
 pub mod sum_squares;
+#[cfg(test)]
+pub(crate) mod test_values;
 pub mod tokens;
 
 pub use attention::{

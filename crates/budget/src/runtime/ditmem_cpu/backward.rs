@@ -9,8 +9,13 @@ use crate::runtime::ditmem_cpu::graph::{
 /// What a replay of candle's backward gives.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Backward {
-    /// Highest bytes held by the gradient store and backward temporaries at any moment.
+    /// Bytes held by the gradient store and backward temporaries at the backward's worst
+    /// moment: where they, less the forward bytes freed by then ([`Backward::released`]), are
+    /// highest.
     pub peak: u64,
+    /// Forward bytes (activations the ops own, `Node::released_by_bwd`) freed by the backward
+    /// before its worst moment.
+    pub released: u64,
     /// Bytes left in the gradient store, and in the linears' gradient sinks, when `backward`
     /// returns.
     pub store: u64,
@@ -37,7 +42,13 @@ struct Heap {
     refs: Vec<u32>,
     holds: Vec<Vec<usize>>,
     live: u64,
+    /// `live` at the worst moment: where `live − released` is highest.
     peak: u64,
+    /// Forward bytes the ops have freed so far, and at the worst moment.
+    released: u64,
+    peak_released: u64,
+    /// The highest `live − released` so far.
+    net_peak: u64,
     /// Bookkeeping bytes of a `Tensor_` and of a storage.
     tmeta: u64,
     smeta: u64,
@@ -52,7 +63,12 @@ impl Heap {
         self.refs.push(1);
         self.holds.push(holds);
         self.live += bytes;
-        self.peak = self.peak.max(self.live);
+        let net = self.live.saturating_sub(self.released);
+        if net > self.net_peak {
+            self.net_peak = net;
+            self.peak = self.live;
+            self.peak_released = self.released;
+        }
         self.bytes.len() - 1
     }
 
@@ -134,6 +150,9 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
         holds: Vec::new(),
         live: 0,
         peak: 0,
+        released: 0,
+        peak_released: 0,
+        net_peak: 0,
         tmeta,
         smeta,
     };
@@ -493,6 +512,8 @@ fn custom_backward(
 ) {
     let ins = &g.nodes[x].inputs;
     let bytes = |x: Nid| g.nodes[x].bytes();
+    // The state the op frees itself (its workspace counts that state until it is freed).
+    h.released += g.nodes[x].released_by_bwd;
     // `c.bwd(..)` returns all gradients before candle adds any of them.
     let scratch = h.make(g, bwd_scratch, &[]);
     let grads: Vec<(Nid, Val)> = ins
@@ -520,6 +541,7 @@ fn finish(g: &Graph, h: &Heap, store: &[Option<Val>], sunk_grads: u64) -> Backwa
     let meta = h.tmeta + h.smeta;
     let mut out = Backward {
         peak: h.peak,
+        released: h.peak_released,
         store: h.live,
         weight_grads: sunk_grads,
         ..Backward::default()
@@ -569,5 +591,48 @@ mod tests {
         // With a's own gradient that is five 40-byte tensors.
         assert_eq!(bw.store, 200);
         assert_eq!(bw.leaf_grads, 40);
+    }
+
+    /// Three custom ops in a chain a → f → l → m; l keeps 1,000 bytes of its own state and,
+    /// when it frees them as its backward starts, every later moment stands on that many fewer
+    /// forward bytes. Each moment holds the op's gradient (40), its workspace and its input's
+    /// gradient (40): m 980, l 1,580, f 1,280.
+    #[test]
+    fn state_an_op_frees_lowers_its_moment_and_those_after_it() {
+        let build = |release: u64| {
+            let mut g = Graph::default();
+            let a = g.var("a", 10, Dtype::F32, true);
+            let f = g.op(
+                "f",
+                Kind::Custom { bwd_scratch: 1200 },
+                &[a],
+                10,
+                Dtype::F32,
+            );
+            let l = g.op(
+                "l",
+                Kind::Custom { bwd_scratch: 1500 },
+                &[f],
+                10,
+                Dtype::F32,
+            );
+            g.nodes[l].extra = 1000;
+            g.nodes[l].released_by_bwd = release;
+            let m = g.op("m", Kind::Custom { bwd_scratch: 900 }, &[l], 10, Dtype::F32);
+            let r = g.op("sum", Kind::Sum, &[m], 1, Dtype::F32);
+            backward_with(&g, r, false)
+        };
+        let kept = build(0);
+        assert_eq!((kept.peak, kept.released), (1580, 0), "l's moment");
+        // Freed: l's moment is 580 net, f's 280; m's (980, before the release) is the worst.
+        let freed = build(1000);
+        assert_eq!((freed.peak, freed.released), (980, 0), "m's moment");
+        // A small release leaves l's moment the worst, 100 bytes fewer of it net.
+        let small = build(100);
+        assert_eq!((small.peak, small.released), (1580, 100), "l's moment");
+        assert_eq!(
+            kept.store, freed.store,
+            "the release leaves the store as it was"
+        );
     }
 }

@@ -81,6 +81,10 @@ pub struct Node {
     pub tracks: bool,
     /// Bytes held beside the output while the node lives (the log-sum-exp of an attention op).
     pub extra: u64,
+    /// Of `extra`: bytes the op's backward frees as it starts (state the op owns and needs no
+    /// more, e.g. the fused MLP's u): from then on they are no longer live, though candle's
+    /// graph, which holds the op, lives on.
+    pub released_by_bwd: u64,
     /// Transient bytes of the node's forward (attention workspace).
     pub fwd_scratch: u64,
     /// A low-precision weight copy rather than an activation.
@@ -170,6 +174,7 @@ impl Graph {
             alloc,
             tracks,
             extra: 0,
+            released_by_bwd: 0,
             fwd_scratch,
             weight_cast,
             bound: false,

@@ -228,7 +228,7 @@ pub fn fused_linear(
 /// Heap bytes of a tracked `ops::FusedMlp` node's op beside the u it keeps: candle's
 /// `Arc<Box<dyn CustomOp1>>` (32) and the op itself (four weight handles, two sink handles, the
 /// keep flag and the mutex over u: `size_of::<FusedMlp>()`, held equal by the engine's test).
-pub const FUSED_MLP_OP_BYTES: u64 = 32 + 104;
+pub const FUSED_MLP_OP_BYTES: u64 = 32 + 96;
 
 /// Workspace bytes (forward, backward) of the engine's fused MLP (`ops::fused_mlp_*_scratch`)
 /// in compute dtype `cd` with weight gradients in `wd`, for `(rows, inp, ffn, out)`, dx when
@@ -278,14 +278,17 @@ fn fused_mlp_phases(
     let g2 = on(wants[2], out * ffn) + on(wants[3], out);
     let g1 = on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * rows * inp } else { 0 };
     let fwd = s1.saturating_sub(y).max(h + s2);
-    let bwd = (h + sa).max(h + sc + g2).max(h + g1 + g2 + sd) - g1 - g2;
+    // u (as big as dh) counts until the op frees it before fc1's phase; the node releases it
+    // as its backward starts (`Node::released_by_bwd`).
+    let bwd = (2 * h + sa).max(2 * h + sc + g2).max(h + g1 + g2 + sd) - g1 - g2;
     (fwd, bwd)
 }
 
 /// `ops::fused_mlp` of the engine: `fc2(gelu_tanh(fc1(x)))` as one node on x (the weights
 /// `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen, so their gradients are
 /// counted). A fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute
-/// dtype; turned into h in place by its backward and held until the graph drops) and its boxed
+/// dtype; turned into h in place by its backward and freed there once dW2 is made, which the
+/// node's `released_by_bwd` replays) and its boxed
 /// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_workspace`]. Its backward returns dx only
 /// (no wide gradient enters candle's store).
 pub fn fused_mlp(
@@ -310,6 +313,7 @@ pub fn fused_mlp(
     );
     if g.nodes[y].tracks {
         g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_OP_BYTES;
+        g.nodes[y].released_by_bwd = rows * ffn * cd.size();
     }
     g.nodes[y].fwd_scratch = fwd;
     y
@@ -373,9 +377,11 @@ fn fused_mlp_side_phases(
         .saturating_sub(y)
         .max((h + c).saturating_sub(y))
         .max(c + s2);
-    let bwd = (h + c)
-        .max(2 * c + b2 + g2)
-        .max(c + dside + h + g2)
+    // u (h's size) counts until the op frees it before fc1's phase; the node releases it as
+    // its backward starts (`Node::released_by_bwd`).
+    let bwd = (2 * h + c)
+        .max(h + 2 * c + b2 + g2)
+        .max(c + dside + 2 * h + g2)
         .max(h + dside + g1 + g2 + b1)
         - g1
         - g2
@@ -416,6 +422,7 @@ pub fn fused_mlp_side(
     );
     if g.nodes[y].tracks {
         g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_SIDE_OP_BYTES;
+        g.nodes[y].released_by_bwd = rows * ffn * cd.size();
     }
     g.nodes[y].fwd_scratch = fwd;
     y

@@ -162,6 +162,7 @@ pub(crate) fn seg(
         untracked_peak: 0,
         root: root_b,
         bwd_peak: bw.peak,
+        bwd_released: bw.released,
         bwd_store: bw.store,
         bwd_leaf_grads: bw.leaf_grads,
     }

@@ -394,6 +394,7 @@ impl<'a> Replay<'a> {
         // Backward of the loss.
         let mut inside = *live;
         inside.workspace += fs.root + fs.bwd_peak;
+        inside.activations -= fs.bwd_released;
         self.mark(
             Phase::Backward,
             "final (inside)".into(),
@@ -419,6 +420,7 @@ impl<'a> Replay<'a> {
         let es = &sims.embed;
         let mut inside = *live;
         inside.workspace += es.root + es.bwd_peak;
+        inside.activations -= es.bwd_released;
         self.mark(
             Phase::Backward,
             "embed (inside)".into(),
@@ -467,6 +469,7 @@ impl<'a> Replay<'a> {
                 inside = *live;
             }
             inside.workspace += bs.root + bs.bwd_peak;
+            inside.activations -= bs.bwd_released;
             let what = format!("block {i} (inside)");
             self.mark(Phase::Backward, what, Some(i), mb, true, inside);
             // After backward: the store; drop(out) frees the graph and the output.
