@@ -25,8 +25,8 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout,
 use super::fused_mlp::MlpLinear;
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
-    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
-    weight_grads, LinearGrads,
+    linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
+    linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
 };
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
@@ -107,8 +107,9 @@ pub fn fused_mlp_side_fwd_scratch(
 /// Workspace bytes of the backward beyond the gradients it hands out (dx when `tx`, dside when
 /// `ts`, dW1, db1, dW2, db2 as `wants`), all in `dtype` except the weight gradients in
 /// `wdtype`; `master`: f32 master weights under bf16/f16. Phases, with the kept u until the
-/// fourth: h beside the concatenation c = [side; h]; c, its gradient dc, fc2's workspace, dW2,
-/// db2; dc split into dside and du; then u is freed: du, every gradient and fc1's workspace.
+/// last: h beside the concatenation c = [side; h]; c, dW2, db2 and fc2's dW workspace; c
+/// dropped, its gradient dc, dW2, db2 and fc2's dx workspace; dc split into dside and du; then
+/// u is freed: du, every gradient and fc1's workspace.
 /// The peak phase less the gradients; u is counted here because the budget releases it as the
 /// backward starts.
 pub fn fused_mlp_side_bwd_scratch(
@@ -128,11 +129,15 @@ pub fn fused_mlp_side_bwd_scratch(
         on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * (rows * inp) as u64 } else { 0 };
     let lin =
         |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
-    let s2 = lin((rows, ds + ffn, out), true, wants[2], wants[3]);
+    let s2w = lin((rows, ds + ffn, out), false, wants[2], wants[3]);
+    let s2x = lin((rows, ds + ffn, out), true, false, false);
     let s1 = lin((rows, inp, ffn), tx, wants[0], wants[1]);
     let u = h;
-    let peak = (u + h + c)
-        .max(u + 2 * c + s2 + g2)
+    // c (and h beside it while it is made) only when fc2's weight gradients are wanted.
+    let made = if wants[2] || wants[3] { 1 } else { 0 };
+    let peak = (made * (u + h + c))
+        .max(made * (u + c + s2w + g2))
+        .max(u + c + s2x + g2)
         .max(u + c + dside + h + g2)
         .max(h + dside + g1 + g2 + s1);
     peak - g1 - g2 - dside
@@ -237,24 +242,27 @@ impl CustomOp2 for FusedMlpSide {
         let ffn = u_cols(u, rows)?;
         let lc = Layout::contiguous((rows, ds + ffn));
         let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
-        // dc = g·W2, dW2 = gᵀ·c, db2 = Σ g on c = [side; h] (c dropped after).
+        // dW2 = gᵀ·c, db2 = Σ g on c = [side; h], then c is dropped before dc = g·W2 is made,
+        // so c and dc (both rows × (ds + ffn)) are never held at once.
         let dc = with_cpu(side, |ss, ls| {
-            let c = self.cat((ss, ls), u, rows)?;
             with_cpu(&self.fc2.w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {
-                    let want = LinearGrads {
-                        x: true,
-                        w: w2,
-                        b: b2,
-                    };
-                    let (dc, dw, db) =
-                        linear_bwd_storage((&c, &lc), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                    drop(c);
-                    let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
-                    if let Some(s) = &self.fc2.sink {
-                        s.put_both(dw, db)?;
+                    if w2 || b2 {
+                        let c = self.cat((ss, ls), u, rows)?;
+                        let want = LinearGrads {
+                            x: false,
+                            w: w2,
+                            b: b2,
+                        };
+                        let (_, dw, db) =
+                            linear_bwd_storage((&c, &lc), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                        drop(c);
+                        let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
+                        if let Some(s) = &self.fc2.sink {
+                            s.put_both(dw, db)?;
+                        }
                     }
-                    dc.ok_or_else(|| err("fused_mlp_side: no dc"))
+                    linear_dx_storage((sw, lw), (b2dt, b2l), (sg, lg))
                 })
             })
         })?;

@@ -368,7 +368,8 @@ fn fused_mlp_side_phases(
     let dside = if ts { e * rows * ds } else { 0 };
     let (s1, _) = lin((rows, inp, ffn), (false, false, false));
     let (s2, _) = lin((rows, ds + ffn, out), (false, false, false));
-    let (_, b2) = lin((rows, ds + ffn, out), (true, wants[2], wants[3]));
+    let (_, b2w) = lin((rows, ds + ffn, out), (false, wants[2], wants[3]));
+    let (_, b2x) = lin((rows, ds + ffn, out), (true, false, false));
     let (_, b1) = lin((rows, inp, ffn), (tx, wants[0], wants[1]));
     let on = |b: bool, n: u64| if b { we * n } else { 0 };
     let g2 = on(wants[2], out * (ds + ffn)) + on(wants[3], out);
@@ -379,8 +380,12 @@ fn fused_mlp_side_phases(
         .max(c + s2);
     // u (h's size) counts until the op frees it before fc1's phase; the node releases it as
     // its backward starts (`Node::released_by_bwd`).
-    let bwd = (2 * h + c)
-        .max(h + 2 * c + b2 + g2)
+    // c = [side; h] (and h beside it while it is made) only for fc2's weight gradients;
+    // dropped before dc is made.
+    let made = if wants[2] || wants[3] { 1 } else { 0 };
+    let bwd = (made * (2 * h + c))
+        .max(made * (h + c + b2w + g2))
+        .max(h + c + b2x + g2)
         .max(c + dside + 2 * h + g2)
         .max(h + dside + g1 + g2 + b1)
         - g1

@@ -232,6 +232,65 @@ pub(crate) fn linear_bwd_storage(
     }
 }
 
+/// dx = g·W alone, without x: the kernels read x only for dW, so a caller that has dropped x
+/// (the fused MLP beside a side input drops its concatenation before dx) passes none. The same
+/// dtype paths and bits as [`linear_bwd_storage`] with only `x` wanted.
+pub(crate) fn linear_dx_storage(
+    (sw, lw): (&CpuStorage, &Layout),
+    (bdt, lb): (DType, &Layout),
+    (sg, lg): (&CpuStorage, &Layout),
+) -> CResult<CpuStorage> {
+    let (rows, out) = match lg.dims() {
+        &[rows, out] => (rows, out),
+        d => return Err(err(format!("linear dx: gradient must be 2-D, got {d:?}"))),
+    };
+    let inp = match lw.dims() {
+        &[o, i] if o == out => i,
+        d => {
+            return Err(err(format!(
+                "linear dx: w {d:?} does not match the gradient's {out} columns"
+            )))
+        }
+    };
+    if lb.dims() != [out] {
+        return Err(err(format!("linear dx: b {:?} is not ({out})", lb.dims())));
+    }
+    linear_dtypes(sg.dtype(), sw.dtype(), bdt)?;
+    let native = gemm_bf16::in_use();
+    let n = "linear dx";
+    let want = LinearGrads {
+        x: true,
+        w: false,
+        b: false,
+    };
+    macro_rules! run {
+        ($f:expr, $sx:path, $t:ty) => {{
+            let none: &[$t] = &[];
+            let (dx, _, _) = $f(
+                none,
+                cpu_slice(sw, lw, n)?,
+                cpu_slice(sg, lg, n)?,
+                (rows, inp, out),
+                want,
+            );
+            dx.map($sx).ok_or_else(|| err("linear dx: no dx"))
+        }};
+    }
+    use half::{bf16, f16};
+    use CpuStorage as S;
+    match (sg.dtype(), sw.dtype()) {
+        (DType::F32, _) => run!(linear_bwd_direct::<f32>, S::F32, f32),
+        (DType::F64, _) => run!(linear_bwd_direct::<f64>, S::F64, f64),
+        (DType::BF16, DType::BF16) if native => run!(linear_bwd_bf16::<bf16>, S::BF16, bf16),
+        (DType::BF16, _) if native => run!(linear_bwd_bf16::<f32>, S::BF16, bf16),
+        (DType::BF16, DType::BF16) => run!(linear_bwd_widen::<bf16, bf16>, S::BF16, bf16),
+        (DType::BF16, _) => run!(linear_bwd_widen::<bf16, f32>, S::BF16, bf16),
+        (DType::F16, DType::F16) => run!(linear_bwd_widen::<f16, f16>, S::F16, f16),
+        (DType::F16, _) => run!(linear_bwd_widen::<f16, f32>, S::F16, f16),
+        (other, _) => Err(err(format!("linear dx: unsupported dtype {other:?}"))),
+    }
+}
+
 /// A CPU storage as a fresh, untracked tensor of `shape`.
 pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<Tensor> {
     let (shape, dev) = (shape.into(), &Device::Cpu);
