@@ -14,7 +14,8 @@ use candle_core::{DType, Tensor, D};
 use crate::error::{EngineError, Result};
 use crate::ops::Dropout;
 use crate::ops::{
-    gated_residual, gelu_tanh, ln_modulate, qkv_attention, AttnKeep, GradSink, MlpLinear,
+    gated_residual, gelu_tanh, ln_modulate, projected_attention, qkv_attention, AttnKeep, GradSink,
+    MlpLinear,
 };
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
@@ -185,7 +186,6 @@ pub fn block_forward(
 
     // Attention branch.
     let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
-    let qkv = w.qkv.forward(&h1)?;
     let dropout = (cfg.attn_dropout > 0.0).then_some(Dropout {
         p: cfg.attn_dropout,
         seed: seeds.attn,
@@ -205,7 +205,12 @@ pub fn block_forward(
             AttnKeep::LogSumExp
         }
     };
-    let o2 = qkv_attention(&qkv, b, a, keep, dropout)?;
+    // Where h1 tracks and the projection has no LoRA, the projection runs inside the
+    // attention's node (see `ops::ProjectedAttention`): dqkv never enters candle's store.
+    let o2 = match mlp_linear(&w.qkv, h1.track_op()) {
+        Some(proj) if h1.track_op() => projected_attention(&h1, &proj, b, a, keep, dropout)?,
+        _ => qkv_attention(&w.qkv.forward(&h1)?, b, a, keep, dropout)?,
+    };
     debug_assert_eq!(a * dh, h);
     // x + proj·gate as one node (see `ops::GatedResidual`): no kept product, no f32 copy of proj.
     let x1 = gated_residual(x, &w.proj.forward(&o2)?, &gate_msa)?;

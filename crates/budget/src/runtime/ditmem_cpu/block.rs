@@ -4,7 +4,8 @@
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    fused_attention, fused_linear, fused_mlp, gated_residual, gelu, ln_modulate,
+    fused_attention, fused_linear, fused_mlp, fused_qkv_attention, gated_residual, gelu,
+    ln_modulate,
 };
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, LoraTarget};
@@ -264,17 +265,24 @@ pub fn block(sh: &Shape) -> (Graph, Nid, Nid, Nid) {
     let h = ln_modulate(&mut g, "norm1+modulate1", x, m[0], m[1], rows, cd);
     g.bind(h);
     let h2d = h;
-    let qkv = linear(
-        &mut g,
-        sh,
-        "attn.qkv",
-        h2d,
-        rows,
-        3 * d,
-        d,
-        Some(LoraTarget::Qkv),
-    );
-    let o2 = fused_attention(&mut g, sh, qkv);
+    // The projection folds into the attention where its input tracks and it has no LoRA
+    // (`block_forward`'s `attention_of`).
+    let o2 = if g.nodes[h2d].tracks && sh.lora_for(LoraTarget::Qkv).is_none() {
+        let wb = linear_weights(&mut g, sh, "attn.qkv", h2d, (3 * d, d));
+        fused_qkv_attention(&mut g, sh, h2d, wb)
+    } else {
+        let qkv = linear(
+            &mut g,
+            sh,
+            "attn.qkv",
+            h2d,
+            rows,
+            3 * d,
+            d,
+            Some(LoraTarget::Qkv),
+        );
+        fused_attention(&mut g, sh, qkv)
+    };
     g.bind(o2);
     let p = linear(
         &mut g,

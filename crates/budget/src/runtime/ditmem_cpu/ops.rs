@@ -4,7 +4,7 @@
 //! hold their measured workspaces against these functions.
 
 use crate::runtime::ditmem_cpu::gemm_pack::{spec_call_heap_bytes, GemmCall};
-use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid, STORAGE_META, TENSOR_META};
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
@@ -622,6 +622,23 @@ pub fn attention_head_packing(
 /// scratch of accumulation-type buffers per thread (at most one thread per head), allocated up
 /// front; the backward returns one fresh (b·s, 3D) gradient.
 pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
+    let (name, extra, fwd, bwd) = attention_workspace(sh);
+    let o = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &[qkv],
+        sh.e(),
+        sh.cd(),
+    );
+    g.nodes[o].extra = extra;
+    g.nodes[o].fwd_scratch = fwd;
+    o
+}
+
+/// The fused attention's name, what it keeps (P or the log-sum-exp, bytes) and its forward and
+/// backward workspace (all threads' scratch, with `gemm`'s per-call packing), as
+/// [`fused_attention`] and [`fused_qkv_attention`] count them.
+fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
     let cd = sh.cd();
     let acc = if sh.precision == Precision::Fp64 {
         8
@@ -667,17 +684,59 @@ pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
         let (pf, pb) = attention_head_packing(&sh.cpu, (s, s, dh), kb, acc);
         (fwd * acc + pf, bwd * acc + pb)
     };
+    (name, extra, nt * fwd_bytes, nt * bwd_bytes)
+}
+
+/// Heap bytes of an `ops::ProjectedAttention` node's op beside the buffers it keeps: candle's
+/// `Arc<Box<dyn CustomOp1>>` (32) and the op (the attention's settings and saved state, the
+/// projection's weight, bias and sink handles, the mutex over qkv: `size_of`, held equal by the
+/// engine's test).
+pub const PROJECTED_ATTENTION_OP_BYTES: u64 = 32 + 152;
+
+/// `ops::projected_attention` of the engine: the qkv projection `x·Wᵀ + b` and the fused
+/// attention as one node on x (rows, D), written as (rows, D), used where x tracks and the
+/// projection has no LoRA. The op keeps qkv (rows, 3D, compute dtype, a bare buffer) beside
+/// what the attention keeps; its backward makes dqkv (bare), from it dx, dW, db (the weights
+/// sunk or frozen), frees dqkv and returns dx only: dqkv never enters candle's store, where
+/// its `zeros_like` + `add` held three qkv-sized buffers at once, and the projection's own
+/// node (dqkv handed in, dx made beside it) is gone. Workspace, beyond the output and what is
+/// kept: forward, the projection's less what the node's output and kept state already count,
+/// or the attention's; backward, beyond the gradients it hands out, dqkv with the attention's
+/// scratch or with the projection's.
+pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> Nid {
+    let cd = sh.cd();
+    let (rows, d) = (sh.b * sh.s, sh.d);
+    let (name, attn_extra, attn_fwd, attn_bwd) = attention_workspace(sh);
+    let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
+    let tracks = (true, wants(wb[0]), wants(wb[1]));
+    let master = g.dtype(wb[0]) == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let (lin_fwd, lin_bwd) = linear_workspace(&sh.cpu, cd, (rows, d, 3 * d), tracks, master);
+    let qkv = rows * 3 * d * cd.size();
+    let meta = TENSOR_META + STORAGE_META;
+    let grads = rows * d * cd.size()
+        + meta
+        + if tracks.1 {
+            3 * d * d * g.dtype(wb[0]).size() + meta
+        } else {
+            0
+        }
+        + if tracks.2 {
+            3 * d * g.dtype(wb[1]).size() + meta
+        } else {
+            0
+        };
+    let bwd = (qkv + attn_bwd).saturating_sub(grads).max(qkv + lin_bwd);
     let o = g.op(
-        name,
-        Kind::Custom {
-            bwd_scratch: nt * bwd_bytes,
-        },
-        &[qkv],
+        &format!("attn.qkv + {name}"),
+        Kind::Custom { bwd_scratch: bwd },
+        &[x, wb[0], wb[1]],
         sh.e(),
         cd,
     );
-    g.nodes[o].extra = extra;
-    g.nodes[o].fwd_scratch = nt * fwd_bytes;
+    g.nodes[o].extra = attn_extra + qkv + PROJECTED_ATTENTION_OP_BYTES;
+    let out = g.nodes[o].footprint();
+    let kept = attn_extra + PROJECTED_ATTENTION_OP_BYTES;
+    g.nodes[o].fwd_scratch = attn_fwd.max(lin_fwd.saturating_sub(out + kept));
     o
 }
 

@@ -9,6 +9,7 @@
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
 //! - [`dropout`]: the dropout mask, composed and per element.
 //! - [`reference`](mod@reference): the composed attention ([`attention_materialized`]), the tests' reference.
+//! - [`projected`]: the qkv projection folded into the attention's node.
 //! - [`separate`]: attention over separate q, k, v (self-attention of three projections, and
 //!   cross-attention to text tokens).
 
@@ -16,20 +17,23 @@ pub mod bf16;
 pub mod dropout;
 mod generic;
 pub mod geom;
+pub mod projected;
 pub mod reference;
 pub mod separate;
 
 use std::sync::Mutex;
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType,
 };
 
+use crate::ops::linear::storage_tensor;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 pub use dropout::{dropout_mask, Dropout};
 use generic::{attn_bwd_cpu, attn_fwd_cpu};
 use geom::attn_geom;
 pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK};
+pub use projected::{projected_attention, ProjectedAttention};
 pub use reference::attention_materialized;
 pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};
 
@@ -72,12 +76,10 @@ pub fn qkv_attention(
     })
 }
 
-impl CustomOp1 for QkvAttention {
-    fn name(&self) -> &'static str {
-        "qkv-attention"
-    }
-
-    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+impl QkvAttention {
+    /// The attention's forward on the qkv storage: the output (b·s, D), with what the op keeps
+    /// for its backward saved when it tracks.
+    fn attn_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let g = attn_geom(l, self.batch, self.heads)?;
         if st.dtype() == DType::BF16 && bf16::applies() {
             let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
@@ -104,45 +106,64 @@ impl CustomOp1 for QkvAttention {
         Ok((out, Shape::from((g.b * g.s, g.d()))))
     }
 
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+    /// The attention's backward: dqkv (b·s, 3D) as a bare storage, from qkv, the output and
+    /// its gradient (contiguous).
+    fn dqkv(
+        &self,
+        (sq, lq): (&CpuStorage, &Layout),
+        (so, lo): (&CpuStorage, &Layout),
+        (sg, lg): (&CpuStorage, &Layout),
+    ) -> CResult<CpuStorage> {
         let guard = self
             .saved
             .lock()
             .map_err(|_| err("attention lock poisoned"))?;
+        let g = attn_geom(lq, self.batch, self.heads)?;
+        if sq.dtype() == DType::BF16 && bf16::applies() {
+            let n = "attention";
+            let (qkv, go) = (
+                cpu_slice::<half::bf16>(sq, lq, n)?,
+                cpu_slice::<half::bf16>(sg, lg, n)?,
+            );
+            let dqkv = if self.keep == AttnKeep::LogSumExp {
+                let o = cpu_slice::<half::bf16>(so, lo, n)?;
+                bf16::backward_streaming(qkv, o, go, guard.as_ref(), &g)?
+            } else {
+                bf16::backward(qkv, go, guard.as_ref(), &g, self.keep, self.dropout)?
+            };
+            return Ok(CpuStorage::BF16(dqkv));
+        }
+        Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
+            let dqkv = attn_bwd_cpu::<T, A>(
+                cpu_slice::<T>(sq, lq, "attention qkv")?,
+                cpu_slice::<T>(so, lo, "attention output")?,
+                cpu_slice::<T>(sg, lg, "attention gradient")?,
+                guard.as_ref(),
+                &g,
+                self.keep,
+                self.dropout,
+            )?;
+            T::to_cpu_storage_owned(dqkv)
+        }))
+    }
+}
+
+impl CustomOp1 for QkvAttention {
+    fn name(&self) -> &'static str {
+        "qkv-attention"
+    }
+
+    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        self.attn_fwd(st, l)
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
-        let d = with_cpu(arg, |sq, lq| {
+        let dqkv = with_cpu(arg, |sq, lq| {
             with_cpu(res, |so, lo| {
-                with_cpu(&grad, |sg, lg| {
-                    let g = attn_geom(lq, self.batch, self.heads)?;
-                    if sq.dtype() == DType::BF16 && bf16::applies() {
-                        let n = "attention";
-                        let (qkv, go) = (
-                            cpu_slice::<half::bf16>(sq, lq, n)?,
-                            cpu_slice::<half::bf16>(sg, lg, n)?,
-                        );
-                        let dqkv = if self.keep == AttnKeep::LogSumExp {
-                            let o = cpu_slice::<half::bf16>(so, lo, n)?;
-                            bf16::backward_streaming(qkv, o, go, guard.as_ref(), &g)?
-                        } else {
-                            bf16::backward(qkv, go, guard.as_ref(), &g, self.keep, self.dropout)?
-                        };
-                        return Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu);
-                    }
-                    Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
-                        let dqkv = attn_bwd_cpu::<T, A>(
-                            cpu_slice::<T>(sq, lq, "attention qkv")?,
-                            cpu_slice::<T>(so, lo, "attention output")?,
-                            cpu_slice::<T>(sg, lg, "attention gradient")?,
-                            guard.as_ref(),
-                            &g,
-                            self.keep,
-                            self.dropout,
-                        )?;
-                        Tensor::from_vec(dqkv, lq.shape(), &Device::Cpu)?
-                    }))
-                })
+                with_cpu(&grad, |sg, lg| self.dqkv((sq, lq), (so, lo), (sg, lg)))
             })
         })?;
-        Ok(Some(d))
+        Ok(Some(storage_tensor(dqkv, arg.shape())?))
     }
 }

@@ -1,0 +1,267 @@
+//! [`projected_attention`]: the qkv projection and the fused attention as one node on the
+//! projection's input. Budget twin: `ditmem_budget::ditmem_cpu::ops::fused_qkv_attention`.
+
+use std::sync::Mutex;
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+use super::{AttnKeep, Dropout, QkvAttention};
+use crate::ops::linear::{
+    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
+};
+use crate::ops::storage::{err, with_cpu, CResult};
+use crate::ops::MlpLinear;
+
+/// `attention(x·Wᵀ + b)` on a 2-D x (b·s, D), written as (b·s, D): the projection runs inside
+/// the op and the op keeps its output qkv (a bare buffer) for the backward, which makes dqkv,
+/// turns it into dx, dW and db at once (dW, db to the projection's sink, or none for a frozen
+/// projection), frees it and returns dx only.
+///
+/// Why: as two nodes, the attention's dqkv (b·s, 3D) entered candle's gradient store as
+/// `zeros_like` + `add`, three qkv-sized buffers at once, and the projection's backward then
+/// made dx beside it; here dqkv never leaves the op and only dx (width D) enters the store.
+/// At DiT-S/2 256² batch 16 with block recompute this was the worst moment of a block's
+/// backward. The values are the two nodes' bit for bit (the same kernels in the same order).
+#[derive(Debug)]
+pub struct ProjectedAttention {
+    attn: QkvAttention,
+    proj: MlpLinear,
+    /// qkv from the forward, kept while the node lives (a second backward reads it again).
+    qkv: Mutex<Option<CpuStorage>>,
+}
+
+/// The projected attention (see [`ProjectedAttention`]). `proj`'s weights must not track unless
+/// it has a sink (the op returns only dx to candle); x must track (an untracked forward saves
+/// nothing and has no backward: use the projection and [`super::qkv_attention`] there).
+pub fn projected_attention(
+    x: &Tensor,
+    proj: &MlpLinear,
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) -> CResult<Tensor> {
+    if dropout.is_some() && keep == AttnKeep::LogSumExp {
+        return Err(err(
+            "attention dropout needs materialized attention (the streaming kernel has no mask)",
+        ));
+    }
+    if !x.track_op() {
+        return Err(err(
+            "projected attention: the input does not track (use the projection and qkv_attention)",
+        ));
+    }
+    if proj.sink.is_none() && (proj.w.track_op() || proj.b.track_op()) {
+        return Err(err(
+            "projected attention: tracking projection weights need a gradient sink",
+        ));
+    }
+    x.apply_op1(ProjectedAttention {
+        attn: QkvAttention {
+            batch,
+            heads,
+            keep,
+            dropout: dropout.filter(|d| d.p > 0.0),
+            track: true,
+            saved: Mutex::new(None),
+        },
+        proj: proj.clone(),
+        qkv: Mutex::new(None),
+    })
+}
+
+impl CustomOp1 for ProjectedAttention {
+    fn name(&self) -> &'static str {
+        "projected-attention"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (qkv, shape) = with_cpu(&self.proj.w, |sw, lw| {
+            with_cpu(&self.proj.b, |sb, lb| {
+                linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
+            })
+        })?;
+        let lq = Layout::contiguous(shape);
+        let out = self.attn.attn_fwd(&qkv, &lq)?;
+        *self
+            .qkv
+            .lock()
+            .map_err(|_| err("projected attention: qkv poisoned"))? = Some(qkv);
+        Ok(out)
+    }
+
+    fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let (rows, _) = x.dims2()?;
+        let (out, inp) = self.proj.w.dims2()?;
+        let lq = Layout::contiguous((rows, out));
+        let kept = self
+            .qkv
+            .lock()
+            .map_err(|_| err("projected attention: qkv poisoned"))?;
+        let qkv = kept
+            .as_ref()
+            .ok_or_else(|| err("projected attention: no qkv kept by the forward"))?;
+        let dqkv = with_cpu(res, |so, lo| {
+            with_cpu(&grad, |sg, lg| {
+                self.attn.dqkv((qkv, &lq), (so, lo), (sg, lg))
+            })
+        })?;
+        drop(kept);
+        let (tw, tb) = self
+            .proj
+            .sink
+            .as_ref()
+            .map_or((false, false), |s| s.wants());
+        let want = LinearGrads {
+            x: true,
+            w: tw,
+            b: tb,
+        };
+        let (bdt, bl) = (self.proj.b.dtype(), self.proj.b.layout());
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
+            with_cpu(&self.proj.w, |sw, lw| {
+                linear_bwd_storage((sx, lx), (sw, lw), (bdt, bl), (&dqkv, &lq), want)
+            })
+        })?;
+        debug_assert_eq!(dqkv.dtype(), x.dtype());
+        drop(dqkv);
+        let (dw, db) = weight_grads((dw, db), (out, inp))?;
+        if let Some(s) = &self.proj.sink {
+            s.put_both(dw, db)?;
+        }
+        dx.map(|v| storage_tensor(v, x.shape())).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Var};
+
+    use super::*;
+    use crate::ops::test_values::{bits, t};
+    use crate::ops::{linear_sunk, qkv_attention, GradSink};
+
+    /// (o, dx, [dW, db]) of x (b·s, D) through the projection (3D, D) and the attention with
+    /// `heads` heads, gradient r of o: projected, or the sunk linear then `qkv_attention`.
+    fn run(
+        projected: bool,
+        (dt, wdt): (DType, DType),
+        (b, s, heads, dh): (usize, usize, usize, usize),
+        keep: AttnKeep,
+    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        let (rows, d) = (b * s, heads * dh);
+        let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, dt)).unwrap();
+        let w = t(3 * d * d, &[3 * d, d], 2, wdt);
+        let bias = t(3 * d, &[3 * d], 3, wdt);
+        let r = t(rows * d, &[rows, d], 4, dt);
+        let sink = Arc::new(GradSink::new(true, true));
+        let o = if projected {
+            let proj = MlpLinear {
+                w: w.clone(),
+                b: bias.clone(),
+                sink: Some(Arc::clone(&sink)),
+            };
+            projected_attention(x.as_tensor(), &proj, b, heads, keep, None).unwrap()
+        } else {
+            let qkv = linear_sunk(x.as_tensor(), &w, &bias, &sink).unwrap();
+            qkv_attention(&qkv, b, heads, keep, None).unwrap()
+        };
+        let grads = o.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).unwrap().clone();
+        let sunk = [sink.take_w(), sink.take_b()].map(|g| g.expect("the sink holds dW and db"));
+        (o, dx, sunk.to_vec())
+    }
+
+    /// The projected attention's output, dx and the sunk dW, db are the two nodes', bit for bit,
+    /// in every mode, on f64, f32, bf16 (weights bf16 or f32 masters) and f16, at a token count
+    /// that is not a multiple of the key block.
+    #[test]
+    fn projected_attention_equals_the_two_nodes_bit_for_bit() {
+        for dts in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for keep in [
+                AttnKeep::LogSumExp,
+                AttnKeep::Probabilities,
+                AttnKeep::Nothing,
+            ] {
+                for geom in [(2, 6, 2, 4), (1, 150, 3, 8)] {
+                    let (op, dxp, gp) = run(true, dts, geom, keep);
+                    let (oc, dxc, gc) = run(false, dts, geom, keep);
+                    let what = format!("{dts:?} {keep:?} {geom:?}");
+                    assert_eq!(bits(&op), bits(&oc), "o {what}");
+                    assert_eq!(bits(&dxp), bits(&dxc), "dx {what}");
+                    for (i, (a, b)) in gp.iter().zip(&gc).enumerate() {
+                        assert_eq!(a.dims(), b.dims(), "grad {i} {what}");
+                        assert_eq!(bits(a), bits(b), "grad {i} {what}");
+                    }
+                    assert!(bits(&dxp).iter().any(|&b| f64::from_bits(b) != 0.0));
+                }
+            }
+        }
+    }
+
+    /// A frozen projection (no sink, untracked weights) hands back dx only; a second backward on
+    /// the same graph reads the kept qkv again and gives the same dx.
+    #[test]
+    fn a_frozen_projection_gives_dx_and_a_second_backward_agrees() {
+        let (rows, d) = (12, 8);
+        let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
+        let proj = MlpLinear {
+            w: t(3 * d * d, &[3 * d, d], 2, DType::F32),
+            b: t(3 * d, &[3 * d], 3, DType::F32),
+            sink: None,
+        };
+        let o = projected_attention(x.as_tensor(), &proj, 2, 2, AttnKeep::LogSumExp, None).unwrap();
+        let loss = o.sqr().unwrap().sum_all().unwrap();
+        let a = loss.backward().unwrap();
+        let b = loss.backward().unwrap();
+        let (a, b) = (a.get(x.as_tensor()).unwrap(), b.get(x.as_tensor()).unwrap());
+        assert_eq!(bits(a), bits(b));
+        assert!(bits(a).iter().any(|&v| f64::from_bits(v) != 0.0));
+    }
+
+    /// The op's heap bytes beside what it keeps are the budget's
+    /// (`PROJECTED_ATTENTION_OP_BYTES`: candle's `Arc<Box<dyn CustomOp1>>` and the op).
+    #[test]
+    fn op_bytes_are_the_budgets() {
+        use ditmem_budget::ditmem_cpu::ops::PROJECTED_ATTENTION_OP_BYTES;
+        assert_eq!(
+            32 + std::mem::size_of::<ProjectedAttention>() as u64,
+            PROJECTED_ATTENTION_OP_BYTES
+        );
+    }
+
+    /// What the op cannot do is refused with a message: an untracked input, tracking weights
+    /// without a sink, dropout on the streaming kernel.
+    #[test]
+    fn inputs_it_cannot_take_are_refused() {
+        let (rows, d) = (4, 4);
+        let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
+        let w = Var::from_tensor(&t(3 * d * d, &[3 * d, d], 2, DType::F32)).unwrap();
+        let frozen = MlpLinear {
+            w: w.as_detached_tensor(),
+            b: t(3 * d, &[3 * d], 3, DType::F32),
+            sink: None,
+        };
+        let untracked = x.as_detached_tensor();
+        let e = projected_attention(&untracked, &frozen, 1, 1, AttnKeep::LogSumExp, None);
+        assert!(e.unwrap_err().to_string().contains("does not track"));
+        let tracking = MlpLinear {
+            w: w.as_tensor().clone(),
+            ..frozen.clone()
+        };
+        let e = projected_attention(x.as_tensor(), &tracking, 1, 1, AttnKeep::LogSumExp, None);
+        assert!(e.unwrap_err().to_string().contains("need a gradient sink"));
+        let drop = Some(Dropout { p: 0.1, seed: 1 });
+        let e = projected_attention(x.as_tensor(), &frozen, 1, 1, AttnKeep::LogSumExp, drop);
+        assert!(e.unwrap_err().to_string().contains("dropout"));
+    }
+}
