@@ -359,6 +359,7 @@ mod tests {
             bf16_products: Bf16Products::Kernel,
             gemm_l2_bytes: 1 << 20,
             gemm_isa: crate::spec::GemmIsa::Avx512,
+            ..CpuSpec::REFERENCE
         };
         let xeon = CpuSpec {
             gemm_l2_bytes: 2 << 20,
@@ -405,6 +406,62 @@ mod tests {
         assert!(four.peak_bytes >= two.peak_bytes + (2 << 20));
     }
 
+    /// `gemm`'s depth block comes from the L1: on a Zen 1 (L1d 32 KiB 8-way, L2 512 KiB 8-way,
+    /// L3 8 MiB 16-way) a product deeper than 512 packs 512-deep panels, where the reference's
+    /// roomier L1 (48 KiB 12-way) packs the whole depth. The fp32 budget of a batch whose
+    /// backward multiplies 1,024 rows into each weight gradient is lower by exactly that, and the
+    /// reference's caches are what a spec without the fields reads.
+    #[test]
+    fn the_budget_follows_the_spec_caches() {
+        use crate::runtime::ditmem_cpu::gemm_pack::{call_heap_bytes, GemmCache, GemmCall};
+        use crate::spec::{Bf16Products, CpuSpec, GemmIsa};
+        assert_eq!(GemmCache::of(&CpuSpec::REFERENCE), GemmCache::REFERENCE);
+        let zen1 = CpuSpec {
+            threads: 2,
+            bf16_products: Bf16Products::Widen,
+            gemm_l2_bytes: 512 << 10,
+            gemm_isa: GemmIsa::Avx2,
+            gemm_l1_bytes: 32 << 10,
+            gemm_l1_ways: 8,
+            gemm_l2_ways: 8,
+            gemm_l3_bytes: 8 << 20,
+            gemm_l3_ways: 16,
+        };
+        let as_reference = CpuSpec {
+            gemm_l1_bytes: 48 << 10,
+            gemm_l1_ways: 12,
+            gemm_l2_ways: 16,
+            gemm_l3_bytes: 32 << 20,
+            ..zen1
+        };
+        // dW (1536 × 384) of 1,024 rows, as the direct linear hands it to gemm: the packed
+        // rhs panel is kc × 1536 f32 (+ the flags), 3,145,744 bytes measured around the call on a
+        // Zen 1; the reference packs the whole depth at once.
+        let dw = GemmCall {
+            m: 1536,
+            n: 384,
+            k: 1024,
+            dst: (384, 1),
+            lhs: (1, 1536),
+            rhs: (384, 1),
+            elem: 4,
+            threads: 2,
+        };
+        let pack = |cpu: &CpuSpec| call_heap_bytes(cpu.gemm_isa, &GemmCache::of(cpu), &dw);
+        assert_eq!(pack(&zen1), 3_145_744);
+        assert_eq!(pack(&as_reference), 6_291_468);
+        let mut s = small();
+        s.recipe.precision = Precision::Fp32;
+        s.workload.microbatch = 16;
+        s.workload.batch = 16;
+        let on = |cpu| {
+            let mut t = s.clone();
+            t.cpu = Some(cpu);
+            estimate(&t).unwrap().peak_bytes
+        };
+        assert!(on(zen1) < on(as_reference), "the 512-deep panels pack less");
+    }
+
     #[test]
     fn a_cpu_section_is_validated_and_belongs_to_the_engine_runtime() {
         use crate::spec::{Bf16Products, CpuSpec};
@@ -420,6 +477,52 @@ mod tests {
             ..CpuSpec::REFERENCE
         });
         assert_eq!(field(&s).as_deref(), Some("cpu.gemm_l2_bytes"));
+        for (cpu, name) in [
+            (
+                CpuSpec {
+                    gemm_l1_bytes: 16,
+                    ..CpuSpec::REFERENCE
+                },
+                "cpu.gemm_l1_bytes",
+            ),
+            (
+                CpuSpec {
+                    gemm_l1_ways: 0,
+                    ..CpuSpec::REFERENCE
+                },
+                "cpu.gemm_l1_ways",
+            ),
+            (
+                CpuSpec {
+                    gemm_l2_ways: 1 << 20,
+                    ..CpuSpec::REFERENCE
+                },
+                "cpu.gemm_l2_ways",
+            ),
+            (
+                CpuSpec {
+                    gemm_l3_bytes: u64::MAX,
+                    ..CpuSpec::REFERENCE
+                },
+                "cpu.gemm_l3_bytes",
+            ),
+            (
+                CpuSpec {
+                    gemm_l3_ways: 0,
+                    ..CpuSpec::REFERENCE
+                },
+                "cpu.gemm_l3_ways",
+            ),
+        ] {
+            s.cpu = Some(cpu);
+            assert_eq!(field(&s).as_deref(), Some(name));
+        }
+        // No L3 is a CPU gemm can block for.
+        s.cpu = Some(CpuSpec {
+            gemm_l3_bytes: 0,
+            ..CpuSpec::REFERENCE
+        });
+        s.validate().unwrap();
         s.cpu = Some(CpuSpec {
             bf16_products: Bf16Products::Widen,
             ..CpuSpec::REFERENCE
@@ -435,6 +538,20 @@ mod tests {
         });
         let back: Spec = toml::from_str(&t.to_toml()).unwrap();
         assert_eq!(back.cpu, t.cpu);
+        // A section written before the cache fields existed reads as the reference machine's.
+        let text = t.to_toml();
+        let trimmed: String = text
+            .lines()
+            .filter(|l| {
+                !l.starts_with("gemm_l1_")
+                    && !l.starts_with("gemm_l2_ways")
+                    && !l.starts_with("gemm_l3_")
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_ne!(trimmed, text, "the section holds the cache fields");
+        let back: Spec = toml::from_str(&trimmed).unwrap();
+        assert_eq!(back.cpu, t.cpu, "the reference's caches");
         assert!("fast".parse::<Bf16Products>().is_err());
     }
 }

@@ -1170,6 +1170,24 @@ pub struct CpuSpec {
     /// (written before it existed) is read as the reference machine's, AVX-512.
     #[serde(default = "GemmIsa::reference")]
     pub gemm_isa: GemmIsa,
+    /// The other caches `gemm` blocks its products by (`gemm_common::cache::CACHE_INFO`, read
+    /// from sysfs): the L1d's bytes and ways set the depth block `kc` (above 512 it grows with
+    /// a roomier L1), the L2's ways the row block `mc`, the L3's bytes and ways the column block
+    /// `nc`, and with them what a product packs per call. A spec without them (written before
+    /// they existed) is read as the reference machine's (Zen 4: L1d 48 KiB 12-way, L2 16-way, L3
+    /// 32 MiB 16-way); on a Zen 1 (L1d 32 KiB 8-way) those overstated a depth-1024 weight
+    /// gradient's packing twice over. Lines are 64 bytes on every x86-64 CPU.
+    #[serde(default = "CpuSpec::reference_l1_bytes")]
+    pub gemm_l1_bytes: u64,
+    #[serde(default = "CpuSpec::reference_l1_ways")]
+    pub gemm_l1_ways: u64,
+    #[serde(default = "CpuSpec::reference_l2_ways")]
+    pub gemm_l2_ways: u64,
+    /// 0 where the CPU reports no L3 (`gemm` then blocks columns by the L2 alone).
+    #[serde(default = "CpuSpec::reference_l3_bytes")]
+    pub gemm_l3_bytes: u64,
+    #[serde(default = "CpuSpec::reference_l3_ways")]
+    pub gemm_l3_ways: u64,
 }
 
 impl CpuSpec {
@@ -1180,12 +1198,39 @@ impl CpuSpec {
         bf16_products: Bf16Products::Kernel,
         gemm_l2_bytes: 1 << 20,
         gemm_isa: GemmIsa::Avx512,
+        gemm_l1_bytes: 48 << 10,
+        gemm_l1_ways: 12,
+        gemm_l2_ways: 16,
+        gemm_l3_bytes: 32 << 20,
+        gemm_l3_ways: 16,
     };
+
+    const fn reference_l1_bytes() -> u64 {
+        Self::REFERENCE.gemm_l1_bytes
+    }
+    const fn reference_l1_ways() -> u64 {
+        Self::REFERENCE.gemm_l1_ways
+    }
+    const fn reference_l2_ways() -> u64 {
+        Self::REFERENCE.gemm_l2_ways
+    }
+    const fn reference_l3_bytes() -> u64 {
+        Self::REFERENCE.gemm_l3_bytes
+    }
+    const fn reference_l3_ways() -> u64 {
+        Self::REFERENCE.gemm_l3_ways
+    }
 
     /// Most threads a spec may name.
     pub const MAX_THREADS: u32 = 4096;
     /// Smallest and largest `gemm` slab a spec may name (`gemm` cannot run with no L2).
     pub const GEMM_L2_RANGE: (u64, u64) = (1 << 10, 1 << 30);
+    /// Smallest and largest L1d a spec may name.
+    pub const GEMM_L1_RANGE: (u64, u64) = (1 << 10, 64 << 20);
+    /// Largest L3 a spec may name (0: none).
+    pub const GEMM_L3_MAX: u64 = 64 << 30;
+    /// Ways of a cache level a spec may name.
+    pub const GEMM_WAYS_RANGE: (u64, u64) = (1, 1024);
 
     /// Whether bf16 products run on the AVX512-BF16 kernel.
     pub const fn bf16_kernel(&self) -> bool {
@@ -1212,6 +1257,41 @@ impl CpuSpec {
                     self.gemm_l2_bytes
                 ),
             ));
+        }
+        let (lo, hi) = Self::GEMM_L1_RANGE;
+        if !(lo..=hi).contains(&self.gemm_l1_bytes) {
+            return Err(SpecError::invalid(
+                "cpu.gemm_l1_bytes",
+                format!(
+                    "{} is out of range; allowed: {lo} to {hi} bytes (the L1 data cache per core)",
+                    self.gemm_l1_bytes
+                ),
+            ));
+        }
+        if self.gemm_l3_bytes > Self::GEMM_L3_MAX {
+            return Err(SpecError::invalid(
+                "cpu.gemm_l3_bytes",
+                format!(
+                    "{} is out of range; allowed: 0 (no L3) to {} bytes",
+                    self.gemm_l3_bytes,
+                    Self::GEMM_L3_MAX
+                ),
+            ));
+        }
+        let (lo, hi) = Self::GEMM_WAYS_RANGE;
+        for (field, ways) in [
+            ("cpu.gemm_l1_ways", self.gemm_l1_ways),
+            ("cpu.gemm_l2_ways", self.gemm_l2_ways),
+            ("cpu.gemm_l3_ways", self.gemm_l3_ways),
+        ] {
+            if !(lo..=hi).contains(&ways) {
+                return Err(SpecError::invalid(
+                    field,
+                    format!(
+                        "{ways} is out of range; allowed: {lo} to {hi} (the cache's associativity)"
+                    ),
+                ));
+            }
         }
         Ok(())
     }

@@ -298,6 +298,7 @@ fn spec_near_caps() -> impl Strategy<Value = Spec> {
             },
             gemm_l2_bytes: l2,
             gemm_isa: ditmem_budget::GemmIsa::Avx512,
+            ..ditmem_budget::CpuSpec::REFERENCE
         });
     (spec_near_caps_without_cpu(), cpu).prop_map(|(mut s, cpu)| {
         if s.runtime == ditmem_budget::Runtime::DitmemCpu {

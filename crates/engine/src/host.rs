@@ -60,8 +60,8 @@ pub fn gemm_isa() -> GemmIsa {
 }
 
 /// The caches `gemm` sizes its blocks from on this CPU (`gemm_common::cache::CACHE_INFO`), in
-/// the budget's terms; the spec names only the L2 ([`gemm_l2_bytes`]), the budget takes the rest
-/// from its reference machine (`GemmCache::of`).
+/// the budget's terms; [`detect`] writes them into the spec (`cpu.gemm_l2_bytes`,
+/// `cpu.gemm_l1_*`, `cpu.gemm_l2_ways`, `cpu.gemm_l3_*`), which `GemmCache::of` reads back.
 pub fn gemm_cache() -> GemmCache {
     let level = |i: usize| {
         let c = gemm_common::cache::CACHE_INFO[i];
@@ -91,6 +91,21 @@ pub fn detect() -> CpuSpec {
         },
         gemm_l2_bytes: gemm_l2_bytes(),
         gemm_isa: gemm_isa(),
+        ..gemm_cache_fields()
+    }
+}
+
+/// The spec's `gemm_l1_*`, `gemm_l2_ways` and `gemm_l3_*` as `gemm` reads this CPU's caches
+/// ([`gemm_cache`]); the rest of the spec is the reference's.
+fn gemm_cache_fields() -> CpuSpec {
+    let c = gemm_cache();
+    CpuSpec {
+        gemm_l1_bytes: c.l1.bytes,
+        gemm_l1_ways: c.l1.associativity,
+        gemm_l2_ways: c.l2.associativity,
+        gemm_l3_bytes: c.l3.bytes,
+        gemm_l3_ways: c.l3.associativity,
+        ..CpuSpec::REFERENCE
     }
 }
 
@@ -105,8 +120,8 @@ pub fn resolve(spec: &Spec) -> Spec {
 }
 
 /// Refuse a `cpu` section that this process cannot execute as written: another thread count
-/// than its pool, another `gemm` slab or kernel family than this CPU's, or the bf16 kernel on a
-/// CPU without it.
+/// than its pool, another `gemm` slab, kernel family or cache geometry than this CPU's, or the
+/// bf16 kernel on a CPU without it.
 pub fn check(cpu: &CpuSpec) -> Result<()> {
     let (threads, l2) = (threads(), gemm_l2_bytes());
     if cpu.threads != threads {
@@ -138,6 +153,23 @@ pub fn check(cpu: &CpuSpec) -> Result<()> {
                 isa.name()
             ),
         ));
+    }
+    let host = gemm_cache_fields();
+    for (field, spec, here) in [
+        ("cpu.gemm_l1_bytes", cpu.gemm_l1_bytes, host.gemm_l1_bytes),
+        ("cpu.gemm_l1_ways", cpu.gemm_l1_ways, host.gemm_l1_ways),
+        ("cpu.gemm_l2_ways", cpu.gemm_l2_ways, host.gemm_l2_ways),
+        ("cpu.gemm_l3_bytes", cpu.gemm_l3_bytes, host.gemm_l3_bytes),
+        ("cpu.gemm_l3_ways", cpu.gemm_l3_ways, host.gemm_l3_ways),
+    ] {
+        if spec != here {
+            return Err(EngineError::bad_input(
+                field,
+                format!(
+                    "{spec} but gemm blocks its products by this CPU's {here}; allowed: {here} (or leave the cpu section out)"
+                ),
+            ));
+        }
     }
     if cpu.bf16_kernel() && !bf16_kernel_supported() {
         return Err(EngineError::bad_input(

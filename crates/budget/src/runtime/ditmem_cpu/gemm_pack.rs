@@ -63,14 +63,19 @@ impl GemmCache {
         },
     };
 
-    /// The caches a spec's CPU stands for: its L2 (`cpu.gemm_l2_bytes`, the one level the spec
-    /// names), the reference machine's geometry for the rest. The other levels only matter for
-    /// depths above 512 (L1: `kc`) and rhs blocks wider than L3 holds (`nc`); the twin's products
-    /// on the reference machine are exact.
+    /// The caches a spec's CPU stands for (`cpu.gemm_*`: the L2's size is the slab's), with
+    /// 64-byte lines.
     pub fn of(cpu: &CpuSpec) -> GemmCache {
-        let mut c = GemmCache::REFERENCE;
-        c.l2.bytes = cpu.gemm_l2_bytes;
-        c
+        let level = |bytes, associativity| CacheLevel {
+            bytes,
+            associativity,
+            line_bytes: 64,
+        };
+        GemmCache {
+            l1: level(cpu.gemm_l1_bytes, cpu.gemm_l1_ways),
+            l2: level(cpu.gemm_l2_bytes, cpu.gemm_l2_ways),
+            l3: level(cpu.gemm_l3_bytes, cpu.gemm_l3_ways),
+        }
     }
 }
 
