@@ -48,7 +48,7 @@ pub struct MlpLinear {
 
 impl MlpLinear {
     /// Which gradients of this linear the backward hands over (to the sink; none without one).
-    fn wants(&self) -> (bool, bool) {
+    pub(crate) fn wants(&self) -> (bool, bool) {
         self.sink.as_ref().map_or((false, false), |s| s.wants())
     }
 }

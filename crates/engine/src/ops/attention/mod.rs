@@ -61,22 +61,40 @@ pub fn qkv_attention(
     keep: AttnKeep,
     dropout: Option<Dropout>,
 ) -> CResult<Tensor> {
-    if dropout.is_some() && keep == AttnKeep::LogSumExp {
-        return Err(err(
-            "attention dropout needs materialized attention (the streaming kernel has no mask)",
-        ));
-    }
-    qkv.apply_op1(QkvAttention {
+    qkv.apply_op1(QkvAttention::new(
         batch,
         heads,
         keep,
-        dropout: dropout.filter(|d| d.p > 0.0),
-        track: qkv.track_op(),
-        saved: Mutex::new(None),
-    })
+        dropout,
+        qkv.track_op(),
+    )?)
 }
 
 impl QkvAttention {
+    /// The op's settings; dropout needs the materialized kernels (the streaming one has no
+    /// mask), and a dropout of p = 0 is none. `track`: whether the forward saves for a backward.
+    fn new(
+        batch: usize,
+        heads: usize,
+        keep: AttnKeep,
+        dropout: Option<Dropout>,
+        track: bool,
+    ) -> CResult<QkvAttention> {
+        if dropout.is_some() && keep == AttnKeep::LogSumExp {
+            return Err(err(
+                "attention dropout needs materialized attention (the streaming kernel has no mask)",
+            ));
+        }
+        Ok(QkvAttention {
+            batch,
+            heads,
+            keep,
+            dropout: dropout.filter(|d| d.p > 0.0),
+            track,
+            saved: Mutex::new(None),
+        })
+    }
+
     /// The attention's forward on the qkv storage: the output (b·s, D), with what the op keeps
     /// for its backward saved when it tracks.
     fn attn_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {

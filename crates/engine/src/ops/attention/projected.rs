@@ -41,11 +41,7 @@ pub fn projected_attention(
     keep: AttnKeep,
     dropout: Option<Dropout>,
 ) -> CResult<Tensor> {
-    if dropout.is_some() && keep == AttnKeep::LogSumExp {
-        return Err(err(
-            "attention dropout needs materialized attention (the streaming kernel has no mask)",
-        ));
-    }
+    let attn = QkvAttention::new(batch, heads, keep, dropout, true)?;
     if !x.track_op() {
         return Err(err(
             "projected attention: the input does not track (use the projection and qkv_attention)",
@@ -57,14 +53,7 @@ pub fn projected_attention(
         ));
     }
     x.apply_op1(ProjectedAttention {
-        attn: QkvAttention {
-            batch,
-            heads,
-            keep,
-            dropout: dropout.filter(|d| d.p > 0.0),
-            track: true,
-            saved: Mutex::new(None),
-        },
+        attn,
         proj: proj.clone(),
         qkv: Mutex::new(None),
     })
@@ -108,11 +97,7 @@ impl CustomOp1 for ProjectedAttention {
             })
         })?;
         drop(kept);
-        let (tw, tb) = self
-            .proj
-            .sink
-            .as_ref()
-            .map_or((false, false), |s| s.wants());
+        let (tw, tb) = self.proj.wants();
         let want = LinearGrads {
             x: true,
             w: tw,
