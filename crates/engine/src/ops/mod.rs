@@ -87,7 +87,7 @@ pub use joint_linear::{
 };
 pub use linear::{
     linear, linear_bwd_scratch, linear_fwd_scratch, linear_sunk, GradSink, LinearGrads, LinearOp,
-    LINEAR_ROWS,
+    DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};

@@ -15,7 +15,7 @@ use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{
-    concat, fused_mlp_side, gated_residual, gelu, joint_linear, ln_modulate, seed, slice,
+    concat, fused_mlp_side, gated_residual, gelu, joint_linear, ln_modulate, slice,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -444,22 +444,9 @@ fn block_sim(
     s
 }
 
-/// `ops::backward_from_many` on `outs`: one seed per output (see [`seed`]); with several, each
-/// cast to f64 and their one-element sum the root.
+/// `ops::backward_from_many` on `outs` ([`super::ops::seeds`]).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
-    if let [o] = outs {
-        return seed(g, *o);
-    }
-    let mut root: Option<Nid> = None;
-    for &o in outs {
-        let s = seed(g, o);
-        let s = g.cast("seed→f64", s, Dtype::F64);
-        root = Some(match root {
-            None => s,
-            Some(r) => g.op("seeds +", Kind::Add, &[r, s], 1, Dtype::F64),
-        });
-    }
-    root.unwrap_or(0)
+    super::ops::seeds(g, outs).unwrap_or(0)
 }
 
 /// Simulate Flux's segments for a spec.
@@ -475,7 +462,6 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let (fgr, fleaf, froot) = final_graph(&sh, fg);
     let (eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &EmbedOutputs {
             streams: &[x0, c0],

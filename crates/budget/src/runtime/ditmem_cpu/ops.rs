@@ -11,6 +11,10 @@ use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
 
+/// Rows per product of the engine's f32/f64 weight gradient (`ops::DW_ROWS`): `dW = Σ g_cᵀ·x_c`
+/// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
+pub const DW_ROWS: u64 = 256;
+
 /// Rows / columns of the engine's AVX512-BF16 micro-kernel tile (`kernels::gemm_bf16::{MR, NR}`): packed
 /// operands are padded to whole tiles.
 pub const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
@@ -84,9 +88,10 @@ fn widened_linear_packing(
 /// `gemm`'s per-call packing bytes (forward, backward) of the direct f32/f64 linear
 /// (`ops/linear/direct.rs`), as workspace beside the node's output (forward) and beside all its
 /// gradients (backward, [`super::backward`]'s custom rule). Forward `y += x·Wᵀ` into the fresh
-/// (row-major) y; backward `dx = g·W` into a fresh dx, then `dW = gᵀ·x` into a fresh dW while dx
-/// lives, then db: the backward's peak is that of each product's packing over the gradients
-/// alive by then, stated here as the part above all of them.
+/// (row-major) y; backward `dW = gᵀ·x` into a fresh dW by chunks of [`DW_ROWS`] rows (the
+/// product that packs a panel of g), then db, then `dx = g·W` into a fresh dx beside both: the backward's peak is that of each
+/// product's packing over the gradients alive by then, stated here as the part above all of
+/// them.
 fn direct_linear_packing(
     cpu: &CpuSpec,
     elem: u64,
@@ -98,21 +103,22 @@ fn direct_linear_packing(
         gemm_call_bytes(cpu, (elem, threads), (m, n, k), [dst, lhs, rhs])
     };
     let fwd = mm(rows, out, inp, (out, 1), (inp, 1), (1, inp));
-    let dw_bytes = if tw { out * inp * elem } else { 0 };
     let db_bytes = if tb { out * elem } else { 0 };
+    let dx_bytes = if tx { rows * inp * elem } else { 0 };
     let dx = if tx {
         mm(rows, inp, out, (inp, 1), (out, 1), (inp, 1))
     } else {
         0
     };
+    // dW by chunks of DW_ROWS rows: every call packs at most the first chunk's panel.
     let dw = if tw {
-        mm(out, inp, rows, (inp, 1), (1, out), (inp, 1))
+        mm(out, inp, rows.min(DW_ROWS), (inp, 1), (1, out), (inp, 1))
     } else {
         0
     };
-    let bwd = dx
-        .saturating_sub(dw_bytes + db_bytes)
-        .max(dw.saturating_sub(db_bytes));
+    // The engine makes dW (then db) before dx: dW's packing beside dW alone, dx's beside all
+    // three gradients; the workspace is what a phase holds beyond the gradients handed out.
+    let bwd = dw.saturating_sub(db_bytes + dx_bytes).max(dx);
     (fwd, bwd)
 }
 
@@ -696,13 +702,14 @@ pub const PROJECTED_ATTENTION_OP_BYTES: u64 = 32 + 152;
 /// `ops::projected_attention` of the engine: the qkv projection `x·Wᵀ + b` and the fused
 /// attention as one node on x (rows, D), written as (rows, D), used where x tracks and the
 /// projection has no LoRA. The op keeps qkv (rows, 3D, compute dtype, a bare buffer) beside
-/// what the attention keeps; its backward makes dqkv (bare), from it dx, dW, db (the weights
-/// sunk or frozen), frees dqkv and returns dx only: dqkv never enters candle's store, where
+/// what the attention keeps; its backward makes dqkv (bare), frees qkv (the node's
+/// `released_by_bwd`), makes dx, dW, db from dqkv (the weights sunk or frozen), frees dqkv
+/// and returns dx only: dqkv never enters candle's store, where
 /// its `zeros_like` + `add` held three qkv-sized buffers at once, and the projection's own
 /// node (dqkv handed in, dx made beside it) is gone. Workspace, beyond the output and what is
 /// kept: forward, the projection's less what the node's output and kept state already count,
-/// or the attention's; backward, beyond the gradients it hands out, dqkv with the attention's
-/// scratch or with the projection's.
+/// or the attention's; backward, beyond the gradients it hands out, qkv and dqkv with the
+/// attention's scratch, or dqkv with the projection's.
 pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> Nid {
     let cd = sh.cd();
     let (rows, d) = (sh.b * sh.s, sh.d);
@@ -725,7 +732,12 @@ pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> N
         } else {
             0
         };
-    let bwd = (qkv + attn_bwd).saturating_sub(grads).max(qkv + lin_bwd);
+    // The op frees its kept qkv once dqkv is made (the node releases it as its backward starts,
+    // `Node::released_by_bwd`): qkv and dqkv beside the attention's scratch, then dqkv alone
+    // beside the projection's products.
+    let bwd = (2 * qkv + attn_bwd)
+        .saturating_sub(grads)
+        .max(qkv + lin_bwd);
     let o = g.op(
         &format!("attn.qkv + {name}"),
         Kind::Custom { bwd_scratch: bwd },
@@ -734,6 +746,9 @@ pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> N
         cd,
     );
     g.nodes[o].extra = attn_extra + qkv + PROJECTED_ATTENTION_OP_BYTES;
+    if g.nodes[o].tracks {
+        g.nodes[o].released_by_bwd = qkv;
+    }
     let out = g.nodes[o].footprint();
     let kept = attn_extra + PROJECTED_ATTENTION_OP_BYTES;
     g.nodes[o].fwd_scratch = attn_fwd.max(lin_fwd.saturating_sub(out + kept));
@@ -746,6 +761,26 @@ pub fn seed(g: &mut Graph, out: Nid) -> Nid {
     let (e, dt) = (g.elems(out), g.dtype(out));
     let go = g.constant("grad_out", e, dt, false);
     g.op("grad seed", Kind::Seed, &[out, go], 1, dt)
+}
+
+/// The root `ops::backward_from_many` of the engine backpropagates several outputs from, appended
+/// to a graph: one [`seed`] per output, each cast to f64 (a one-element copy unless f64) and
+/// their sum the root; one output is `backward_from`'s single seed. Returns the root (`None`
+/// without outputs).
+pub fn seeds(g: &mut Graph, outs: &[Nid]) -> Option<Nid> {
+    if let [o] = outs {
+        return Some(seed(g, *o));
+    }
+    let mut root: Option<Nid> = None;
+    for &o in outs {
+        let s = seed(g, o);
+        let s = g.cast("seed→f64", s, Dtype::F64);
+        root = Some(match root {
+            None => s,
+            Some(r) => g.op("seed sum", Kind::Add, &[r, s], 1, Dtype::F64),
+        });
+    }
+    root
 }
 
 /// The composed root `sum(out · grad_out)` appended to a graph (the composed attention core

@@ -339,7 +339,6 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
     let (fg, fleaf, froot) = final_graph(&sh, pg);
     let (eg, x0, t6, emb, y) = embed_graph(&sh, pg);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &EmbedOutputs {
             streams: &[x0],

@@ -449,7 +449,6 @@ pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
     let (fg, fleaf, froot) = final_graph(&sh, sg);
     let (eg, x0, t6, emb, y) = embed_graph(&sh, sg);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &EmbedOutputs {
             streams: &[x0],

@@ -19,7 +19,7 @@ use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
-use crate::spec::{Dtype, Spec};
+use crate::spec::Spec;
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SD3_FREQ: u64 = 256;
@@ -239,26 +239,11 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     (g, vec![c, x], se, vec![c2, x2])
 }
 
-/// The root `ops::backward_from_many` backpropagates a block from: one seed per output, each
-/// cast to f64 (a copy unless f64), summed; one output is `backward_from`'s single seed.
+/// The root `ops::backward_from_many` backpropagates a block from ([`super::ops::seeds`]).
 /// Returns (root, nodes appended).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
     let n0 = g.nodes.len();
-    let mut root: Option<Nid> = None;
-    for &out in outs {
-        let (e, dt) = (g.elems(out), g.dtype(out));
-        let go = g.constant("grad_out", e, dt, false);
-        let s = g.op("grad seed", Kind::Seed, &[out, go], 1, dt);
-        if outs.len() == 1 {
-            return (s, g.nodes.len() - n0);
-        }
-        let s = g.cast("seed→f64", s, Dtype::F64);
-        root = Some(match root {
-            None => s,
-            Some(r) => g.op("seed sum", Kind::Add, &[r, s], 1, Dtype::F64),
-        });
-    }
-    let r = root.unwrap_or(n0);
+    let r = super::ops::seeds(g, outs).unwrap_or(n0);
     (r, g.nodes.len() - n0)
 }
 
@@ -437,7 +422,6 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     // The streams first, then the conditioning, in the schedule's order.
     let (eg, streams, se) = embed_graph(&sh, sg);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &EmbedOutputs {
             streams: &streams,

@@ -193,7 +193,6 @@ pub fn sims(spec: &Spec) -> Sims {
     let (fg, fleaf, froot) = final_graph(&sh);
     let (eg, x0, c) = embed_graph(&sh);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &sims::EmbedOutputs {
             streams: &[x0],

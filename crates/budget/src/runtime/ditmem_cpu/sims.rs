@@ -5,7 +5,7 @@
 
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
+    forward_peak, kept_bytes, retained, untracked_peak, Graph, Nid, STORAGE_META, TENSOR_META,
 };
 use crate::runtime::ditmem_cpu::ops::seed;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -58,35 +58,18 @@ pub(crate) struct EmbedSim {
     pub cond_grad: u64,
 }
 
-/// The embed segment, backpropagated from the trainer's surrogate: Σ out·grad over the
-/// streams then the conditioning, each product summed in its own dtype and cast to the
-/// accumulation dtype, added in turn (`trainer/family.rs`, "Embed segment backward"). The
+/// The embed segment, backpropagated from the gradients of its outputs, the streams then the
+/// conditioning, by `ops::backward_from_many` (`trainer/family.rs`, "Embed segment backward";
+/// [`super::ops::seeds`]). The
 /// graph's bound nodes (the embed's locals) are held to the end of the backward; those that
 /// are not outputs are its tail. The trainer sums the conditioning's gradients in
 /// `cond_grad_dtype` (the family schedule: the gradient dtype; DiT's `trainer.rs`: the
 /// accumulation dtype).
-pub(crate) fn embed_sim(
-    sh: &Shape,
-    mut g: Graph,
-    o: &EmbedOutputs,
-    cond_grad_dtype: Dtype,
-) -> EmbedSim {
-    let ad = sh.ad();
+pub(crate) fn embed_sim(mut g: Graph, o: &EmbedOutputs, cond_grad_dtype: Dtype) -> EmbedSim {
     let fwd = forward_peak(&g);
     let n0 = g.nodes.len();
-    let mut sur: Option<Nid> = None;
-    for (i, &t) in o.streams.iter().chain(o.conds).enumerate() {
-        let (e, dt) = (g.elems(t), g.dtype(t));
-        let gr = g.constant(&format!("grad {i}"), e, dt, false);
-        let m = g.op(&format!("term {i} product"), Kind::Mul, &[t, gr], e, dt);
-        let s = g.op(&format!("term {i} sum"), Kind::Sum, &[m], 1, dt);
-        let s = g.cast(&format!("term {i}→{ad}"), s, ad);
-        sur = Some(match sur {
-            None => s,
-            Some(a) => g.op("+", Kind::Add, &[a, s], 1, ad),
-        });
-    }
-    let root = sur.expect("an embed has a residual stream");
+    let outs: Vec<Nid> = [o.streams, o.conds].concat();
+    let root = super::ops::seeds(&mut g, &outs).expect("an embed has a residual stream");
     let root_nodes = g.nodes.len() - n0;
     let held = g.bound();
     let outs: Vec<Nid> = [o.streams, o.conds, o.tables].concat();

@@ -344,7 +344,6 @@ pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
     // The RoPE tables are conditioning: the blocks read leaf copies of them (zero gradients).
     let (eg, [x0, t6, temb, ctx, cos, sin]) = embed_graph(&sh, wg);
     let embed = sims::embed_sim(
-        &sh,
         eg,
         &EmbedOutputs {
             streams: &[x0],

@@ -14,8 +14,8 @@ use crate::ops::MlpLinear;
 
 /// `attention(x·Wᵀ + b)` on a 2-D x (b·s, D), written as (b·s, D): the projection runs inside
 /// the op and the op keeps its output qkv (a bare buffer) for the backward, which makes dqkv,
-/// turns it into dx, dW and db at once (dW, db to the projection's sink, or none for a frozen
-/// projection), frees it and returns dx only.
+/// frees qkv, turns dqkv into dx, dW and db at once (dW, db to the projection's sink, or none
+/// for a frozen projection), frees it and returns dx only.
 ///
 /// Why: as two nodes, the attention's dqkv (b·s, 3D) entered candle's gradient store as
 /// `zeros_like` + `add`, three qkv-sized buffers at once, and the projection's backward then
@@ -26,7 +26,10 @@ use crate::ops::MlpLinear;
 pub struct ProjectedAttention {
     attn: QkvAttention,
     proj: MlpLinear,
-    /// qkv from the forward, kept while the node lives (a second backward reads it again).
+    /// qkv from the forward, taken by the backward and freed once dqkv is made: the projection's
+    /// products (dx, dW and `gemm`'s packing of dqkv) then run without it, as PyTorch frees the
+    /// attention's saved q, k, v once its node has run (the budget's node releases it,
+    /// `Node::released_by_bwd`). A second backward on the same graph recomputes it from x.
     qkv: Mutex<Option<CpuStorage>>,
 }
 
@@ -59,17 +62,24 @@ pub fn projected_attention(
     })
 }
 
+impl ProjectedAttention {
+    /// qkv = x·Wᵀ + b and its shape.
+    fn project(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpu(&self.proj.w, |sw, lw| {
+            with_cpu(&self.proj.b, |sb, lb| {
+                linear_fwd_storage(x, (sw, lw), (sb, lb))
+            })
+        })
+    }
+}
+
 impl CustomOp1 for ProjectedAttention {
     fn name(&self) -> &'static str {
         "projected-attention"
     }
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (qkv, shape) = with_cpu(&self.proj.w, |sw, lw| {
-            with_cpu(&self.proj.b, |sb, lb| {
-                linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
-            })
-        })?;
+        let (qkv, shape) = self.project((sx, lx))?;
         let lq = Layout::contiguous(shape);
         let out = self.attn.attn_fwd(&qkv, &lq)?;
         *self
@@ -87,16 +97,19 @@ impl CustomOp1 for ProjectedAttention {
         let kept = self
             .qkv
             .lock()
-            .map_err(|_| err("projected attention: qkv poisoned"))?;
-        let qkv = kept
-            .as_ref()
-            .ok_or_else(|| err("projected attention: no qkv kept by the forward"))?;
+            .map_err(|_| err("projected attention: qkv poisoned"))?
+            .take();
+        // qkv, from the forward or (a second backward) recomputed from x.
+        let qkv = match kept {
+            Some(qkv) => qkv,
+            None => with_cpu(x, |sx, lx| self.project((sx, lx)))?.0,
+        };
         let dqkv = with_cpu(res, |so, lo| {
             with_cpu(&grad, |sg, lg| {
-                self.attn.dqkv((qkv, &lq), (so, lo), (sg, lg))
+                self.attn.dqkv((&qkv, &lq), (so, lo), (sg, lg))
             })
         })?;
-        drop(kept);
+        drop(qkv);
         let (tw, tb) = self.proj.wants();
         let want = LinearGrads {
             x: true,
@@ -194,7 +207,7 @@ mod tests {
     }
 
     /// A frozen projection (no sink, untracked weights) hands back dx only; a second backward on
-    /// the same graph reads the kept qkv again and gives the same dx.
+    /// the same graph (the first freed qkv) recomputes it and gives the same dx.
     #[test]
     fn a_frozen_projection_gives_dx_and_a_second_backward_agrees() {
         let (rows, d) = (12, 8);
@@ -211,6 +224,31 @@ mod tests {
         let (a, b) = (a.get(x.as_tensor()).unwrap(), b.get(x.as_tensor()).unwrap());
         assert_eq!(bits(a), bits(b));
         assert!(bits(a).iter().any(|&v| f64::from_bits(v) != 0.0));
+    }
+
+    /// With a sink, a second backward (qkv recomputed) gives the same dx and hands the sink the
+    /// same dW and db as the first.
+    #[test]
+    fn a_second_backward_with_a_sink_gives_the_same_gradients() {
+        let (rows, d) = (10, 8);
+        let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
+        let sink = Arc::new(GradSink::new(true, true));
+        let proj = MlpLinear {
+            w: t(3 * d * d, &[3 * d, d], 2, DType::F32),
+            b: t(3 * d, &[3 * d], 3, DType::F32),
+            sink: Some(Arc::clone(&sink)),
+        };
+        let o = projected_attention(x.as_tensor(), &proj, 2, 2, AttnKeep::LogSumExp, None).unwrap();
+        let loss = o.sqr().unwrap().sum_all().unwrap();
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let g = loss.backward().unwrap();
+            let dx = g.get(x.as_tensor()).unwrap().clone();
+            let (dw, db) = (sink.take_w().unwrap(), sink.take_b().unwrap());
+            runs.push([bits(&dx), bits(&dw), bits(&db)]);
+        }
+        assert_eq!(runs[0], runs[1]);
+        assert!(runs[0][1].iter().any(|&v| f64::from_bits(v) != 0.0));
     }
 
     /// The op's heap bytes beside what it keeps are the budget's

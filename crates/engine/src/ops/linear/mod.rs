@@ -21,7 +21,7 @@ use crate::kernels::gemm_bf16;
 use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
-pub use common::{LinearGrads, LINEAR_ROWS};
+pub use common::{LinearGrads, DW_ROWS, LINEAR_ROWS};
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use sink::GradSink;
 use widen::{linear_bwd_widen, linear_fwd_widen};
@@ -370,6 +370,57 @@ impl CustomOp3 for LinearOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The row chunks the budget counts are the engine's.
+    #[test]
+    fn row_chunks_are_the_budgets() {
+        use ditmem_budget::ditmem_cpu::ops;
+        assert_eq!(LINEAR_ROWS as u64, ops::LINEAR_ROWS);
+        assert_eq!(DW_ROWS as u64, ops::DW_ROWS);
+    }
+
+    /// The direct path's dW, summed over row chunks (three here, the last ragged), and its dx
+    /// and db are the plain sums: exact to f64 rounding on f64, to f32 rounding on f32.
+    #[test]
+    fn chunked_weight_gradient_is_the_plain_sum() {
+        let (rows, inp, out) = (2 * DW_ROWS + 88, 5, 7);
+        let val = |i: usize, s: usize| ((i * 37 + s * 11) % 23) as f64 / 23.0 - 0.5;
+        let x: Vec<f64> = (0..rows * inp).map(|i| val(i, 1)).collect();
+        let w: Vec<f64> = (0..out * inp).map(|i| val(i, 2)).collect();
+        let g: Vec<f64> = (0..rows * out).map(|i| val(i, 3)).collect();
+        let mut dw = vec![0.0; out * inp];
+        let mut dx = vec![0.0; rows * inp];
+        let mut db = vec![0.0; out];
+        for r in 0..rows {
+            for o in 0..out {
+                db[o] += g[r * out + o];
+                for i in 0..inp {
+                    dw[o * inp + i] += g[r * out + o] * x[r * inp + i];
+                    dx[r * inp + i] += g[r * out + o] * w[o * inp + i];
+                }
+            }
+        }
+        let all = LinearGrads {
+            x: true,
+            w: true,
+            b: true,
+        };
+        let close = |got: &[f64], want: &[f64], tol: f64, what: &str| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what}: {a} vs {b}");
+            }
+        };
+        let (gx, gw, gb) = direct::linear_bwd_direct(&x, &w, &g, (rows, inp, out), all);
+        close(&gw.unwrap(), &dw, 1e-12, "f64 dW");
+        close(&gx.unwrap(), &dx, 1e-12, "f64 dx");
+        close(&gb.unwrap(), &db, 1e-12, "f64 db");
+        let f = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+        let back = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<f64>>();
+        let (gx, gw, _) = direct::linear_bwd_direct(&f(&x), &f(&w), &f(&g), (rows, inp, out), all);
+        close(&back(gw.unwrap()), &dw, 1e-4, "f32 dW");
+        close(&back(gx.unwrap()), &dx, 1e-5, "f32 dx");
+    }
 
     /// The linear's workspace as the engine states it is the budget's restatement, for every
     /// dtype, path and set of tracked inputs, on whole and ragged shapes.
