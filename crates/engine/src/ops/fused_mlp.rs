@@ -8,29 +8,39 @@
 //! `zeros_like(u) + du` while the GELU's own output gradient is still alive: four (rows, ffn)
 //! tensors at once (dh, du, the zeros, the sum), and the same three at fc2's backward; the
 //! graph also keeps both u = fc1(x) and h = gelu(u). This op keeps u only (h is recomputed
-//! from it), and its backward makes one (rows, ffn) buffer: dh = g·W2, turned into
-//! du = dh ⊙ gelu'(u) in place, while u becomes h in place for dW2 = gᵀ·h. Nothing wide enters
-//! candle's store: the weight gradients go to the linears' [`GradSink`]s, only dx is returned.
+//! from it). On f32/f64 its backward holds no second (rows, ffn) buffer: by chunks of
+//! [`DW_ROWS`] rows through one chunk buffer it makes dW2 = Σ g_cᵀ·gelu(u_c), then
+//! dh_c = g_c·W2 and du_c = dh_c ⊙ gelu'(u_c) written over u_c (PyTorch holds u, gelu(u) and dh
+//! there: three). On bf16/f16, whose linears chunk inside one call, it makes one (rows, ffn)
+//! buffer: dh = g·W2, turned into du in place, while u becomes h in place for dW2 = gᵀ·h.
+//! Nothing wide enters candle's store: the weight gradients go to the linears'
+//! [`GradSink`]s, only dx is returned.
 //!
 //! Numerics: the same kernel calls as the composition ([`linear`](super::linear()) for both
-//! products, the GELU's maps element for element), so the same bits in every dtype.
+//! products — on f32/f64 dh by row chunks, which `gemm` computes row for row alike — and the
+//! GELU's maps element for element), so the same bits in every dtype. One exception: with
+//! ffn ≤ 64, out > 512 and a last chunk of ≤ 64 rows, `gemm` (gemm-common 0.19 `gemm.rs`, its
+//! small-size branch) blocks that chunk's depth by 512 where the whole product blocks it evenly,
+//! so those rows' dh differ in rounding; no model this tool builds has ffn ≤ 64.
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
-use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
+use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place, GeluSlice};
 use super::linear::{
-    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
-    weight_grads, GradSink, LinearGrads,
+    add_column_sums, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
+    linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
 };
-use super::storage::{err, with_cpu, CResult};
+use super::storage::{cpu_slice, err, with_cpu, CResult};
+use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
+use crate::kernels::scalar::{Acc, Elem};
 
-/// What the op keeps for its backward: the fc1 output u, which the backward turns into
-/// h = gelu(u) in place for dW2 and then frees, before fc1's products, as PyTorch frees a
-/// node's saved tensors once it has run: the rest of the block's backward runs without it
-/// (the budget's node releases it, `Node::released_by_bwd`). A second backward on the same
-/// graph recomputes u from x.
+/// What the op keeps for its backward: the fc1 output u, which the backward takes out (on
+/// f32/f64 turning it into du in place, on bf16/f16 into h for dW2) and frees before it returns,
+/// as PyTorch frees a node's saved tensors once it has run: the rest of the block's backward
+/// runs without it (the budget's node releases it, `Node::released_by_bwd`). A second backward
+/// on the same graph recomputes u from x.
 #[derive(Debug)]
 enum Kept {
     Nothing,
@@ -101,10 +111,14 @@ pub fn fused_mlp_fwd_scratch(
 
 /// Workspace bytes of the fused MLP's backward beyond the gradients it hands out (dx when x
 /// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
-/// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. Phases: u, dh and
-/// fc2's dx workspace; u (now h), dh, dW2, db2 and fc2's dW/db workspace; then u is freed: dh,
-/// every gradient and fc1's workspace. The peak phase less the gradients; u is counted here
-/// because the budget releases it as the backward starts.
+/// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. u (rows × ffn) is
+/// counted here because the budget releases it as the backward starts. The last phase is
+/// alike: du (over u's storage on f32/f64, dh's on bf16/f16), every gradient and fc1's
+/// workspace. Before it, on f32/f64 (`FusedMlp::fc2_gelu_bwd_chunked`): u and a chunk buffer
+/// of min(rows, [`DW_ROWS`]) × ffn, with fc2's dW/db workspace, dW2 and db2 (when fc2 has
+/// gradients to make), then with one chunk's dh workspace; on bf16/f16
+/// (`FusedMlp::fc2_gelu_bwd_whole`): u, dh and fc2's dx workspace, then u (now h), dh, dW2,
+/// db2 and fc2's dW/db workspace. The peak phase less the gradients.
 pub fn fused_mlp_bwd_scratch(
     (dtype, wdtype): (DType, DType),
     (rows, inp, ffn, out): (usize, usize, usize, usize),
@@ -113,18 +127,29 @@ pub fn fused_mlp_bwd_scratch(
     master: bool,
 ) -> u64 {
     let (e, we) = (dtype.size_in_bytes() as u64, wdtype.size_in_bytes() as u64);
-    let dh = e * (rows * ffn) as u64;
+    let u = e * (rows * ffn) as u64;
     let on = |b: bool, n: usize| if b { we * n as u64 } else { 0 };
     let g2 = on(wants[2], out * ffn) + on(wants[3], out);
     let g1 =
         on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * (rows * inp) as u64 } else { 0 };
     let lin =
         |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
-    let sa = lin((rows, ffn, out), true, false, false);
     let sc = lin((rows, ffn, out), false, wants[2], wants[3]);
     let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
-    let u = dh;
-    let peak = (u + dh + sa).max(u + dh + sc + g2).max(dh + g1 + g2 + sd);
+    let last = u + g1 + g2 + sd;
+    let peak = if matches!(dtype, DType::F32 | DType::F64) {
+        let c = e * (rows.min(DW_ROWS) * ffn) as u64;
+        let made = u64::from(wants[2] || wants[3]);
+        let sa = [rows.min(DW_ROWS), rows % DW_ROWS]
+            .into_iter()
+            .map(|k| lin((k, ffn, out), true, false, false))
+            .max()
+            .unwrap_or(0);
+        (made * (u + c + sc + g2)).max(u + c + sa + g2).max(last)
+    } else {
+        let sa = lin((rows, ffn, out), true, false, false);
+        (2 * u + sa).max(2 * u + sc + g2).max(last)
+    };
     peak - g1 - g2
 }
 
@@ -142,6 +167,154 @@ impl FusedMlp {
             })
         })
     }
+}
+
+impl FusedMlp {
+    /// fc2's and the GELU's backward over the whole of u (bf16/f16, whose linears chunk and
+    /// accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh, h = gelu(u) over u
+    /// for dW2 = gᵀ·h and db2 = Σ g; u is freed and du returned. Phase peak: u and dh (two
+    /// rows × ffn buffers) with fc2's dW workspace.
+    fn fc2_gelu_bwd_whole(
+        &self,
+        mut u: CpuStorage,
+        grad: &Tensor,
+        (rows, ffn, out): (usize, usize, usize),
+    ) -> CResult<CpuStorage> {
+        let lu = wide(rows, ffn);
+        let (w2, b2) = self.fc2.wants();
+        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
+        with_cpu(&self.fc2.w, |sw, lw| {
+            with_cpu(grad, |sg, lg| {
+                // dh = g·W2 (x is not read for dx).
+                let want = LinearGrads {
+                    x: true,
+                    w: false,
+                    b: false,
+                };
+                let (dh, _, _) =
+                    linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                let mut dh = dh.ok_or_else(|| err("fused_mlp: no dh"))?;
+                gelu_grad_in_place(&mut dh, &u)?;
+                gelu_in_place(&mut u)?;
+                if w2 || b2 {
+                    let want = LinearGrads {
+                        x: false,
+                        w: w2,
+                        b: b2,
+                    };
+                    let (_, dw, db) =
+                        linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
+                    self.sink_fc2(dw, db, (out, ffn))?;
+                }
+                Ok(dh)
+            })
+        })
+    }
+
+    /// fc2's and the GELU's backward on f32/f64 (the direct `gemm` path) by chunks of
+    /// [`DW_ROWS`] rows through one chunk buffer, so that no second rows × ffn buffer exists
+    /// beside u: first dW2 = Σ g_cᵀ·gelu(u_c) (each chunk's h made in the buffer; the chunks
+    /// are the direct linear's own, so dW2 has its bits) and db2; then per chunk
+    /// dh_c = g_c·W2 in the buffer and du_c = dh_c ⊙ gelu'(u_c) written over u_c. Returns u,
+    /// now du. Phase peaks: u, the buffer and dW2 with `gemm`'s packing of one chunk.
+    fn fc2_gelu_bwd_chunked(
+        &self,
+        mut u: CpuStorage,
+        grad: &Tensor,
+        dims: (usize, usize, usize),
+    ) -> CResult<CpuStorage> {
+        let want = self.fc2.wants();
+        let n = "fused_mlp backward";
+        let (dw, db) = with_cpu(&self.fc2.w, |sw, lw| {
+            with_cpu(grad, |sg, lg| match &mut u {
+                CpuStorage::F32(u) => {
+                    let (w, g) = (cpu_slice::<f32>(sw, lw, n)?, cpu_slice::<f32>(sg, lg, n)?);
+                    let (dw, db) = fc2_gelu_bwd_direct(u, g, w, dims, want);
+                    Ok((dw.map(CpuStorage::F32), db.map(CpuStorage::F32)))
+                }
+                CpuStorage::F64(u) => {
+                    let (w, g) = (cpu_slice::<f64>(sw, lw, n)?, cpu_slice::<f64>(sg, lg, n)?);
+                    let (dw, db) = fc2_gelu_bwd_direct(u, g, w, dims, want);
+                    Ok((dw.map(CpuStorage::F64), db.map(CpuStorage::F64)))
+                }
+                other => Err(err(format!(
+                    "fused_mlp: the chunked backward is f32/f64, got {:?}",
+                    other.dtype()
+                ))),
+            })
+        })?;
+        if want.0 || want.1 {
+            self.sink_fc2(dw, db, (dims.2, dims.1))?;
+        }
+        Ok(u)
+    }
+
+    /// dW2, db2 to fc2's sink.
+    fn sink_fc2(
+        &self,
+        dw: Option<CpuStorage>,
+        db: Option<CpuStorage>,
+        (out, ffn): (usize, usize),
+    ) -> CResult<()> {
+        let (dw, db) = weight_grads((dw, db), (out, ffn))?;
+        if let Some(s) = &self.fc2.sink {
+            s.put_both(dw, db)?;
+        }
+        Ok(())
+    }
+}
+
+/// The slices of [`FusedMlp::fc2_gelu_bwd_chunked`]: u (rows × ffn, row-major, turned into du),
+/// g (rows × out), W2 (out × ffn); returns (dW2, db2) as `(w2, b2)` asks.
+#[allow(clippy::type_complexity)]
+fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
+    u: &mut [A],
+    g: &[A],
+    w2: &[A],
+    (rows, ffn, out): (usize, usize, usize),
+    (w2_wanted, b2_wanted): (bool, bool),
+) -> (Option<Vec<A>>, Option<Vec<A>>) {
+    let par = gemm_threads();
+    let mut buf: Vec<A> = vec![A::ZERO; rows.min(DW_ROWS) * ffn];
+    let chunks = || {
+        (0..rows)
+            .step_by(DW_ROWS)
+            .map(|r0| (r0, DW_ROWS.min(rows - r0)))
+    };
+    let dw = w2_wanted.then(|| {
+        let mut dw: Option<Vec<A>> = None;
+        for (r0, k) in chunks() {
+            let h = &mut buf[..k * ffn];
+            h.copy_from_slice(&u[r0 * ffn..(r0 + k) * ffn]);
+            A::gelu_over(h);
+            let (gc, hc) = ((&g[r0 * out..], 1, out), (&buf[..], ffn, 1));
+            match dw.as_mut() {
+                None => dw = Some(mm_fresh(out, ffn, k, gc, hc, par)),
+                Some(d) => mm_strided(out, ffn, k, (d, ffn, 1), gc, hc, true, par),
+            }
+        }
+        dw.unwrap_or_else(|| vec![A::ZERO; out * ffn])
+    });
+    let db = b2_wanted.then(|| {
+        let mut db = vec![A::ZERO; out];
+        add_column_sums(g, out, &mut db);
+        db
+    });
+    for (r0, k) in chunks() {
+        let dh = &mut buf[..k * ffn];
+        mm_strided(
+            k,
+            ffn,
+            out,
+            (dh, ffn, 1),
+            (&g[r0 * out..], out, 1),
+            (w2, ffn, 1),
+            false,
+            par,
+        );
+        A::grad_over_input(&mut u[r0 * ffn..(r0 + k) * ffn], &buf[..k * ffn]);
+    }
+    (dw, db)
 }
 
 impl CustomOp1 for FusedMlp {
@@ -180,50 +353,21 @@ impl CustomOp1 for FusedMlp {
         let ffn = self.fc2.w.dims2()?.1;
         let lu = wide(rows, ffn);
         let (w1, b1) = self.fc1.wants();
-        let (w2, b2) = self.fc2.wants();
         let mut kept = self
             .kept
             .lock()
             .map_err(|_| err("fused_mlp: kept u poisoned"))?;
         // u, from the forward or (a second backward) recomputed from x.
-        let mut u = match std::mem::replace(&mut *kept, Kept::Nothing) {
+        let u = match std::mem::replace(&mut *kept, Kept::Nothing) {
             Kept::U(u) => u,
             Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
         };
-        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
-        let dh = with_cpu(&self.fc2.w, |sw, lw| {
-            with_cpu(&grad, |sg, lg| {
-                // dh = g·W2 (x is not read for dx).
-                let want = LinearGrads {
-                    x: true,
-                    w: false,
-                    b: false,
-                };
-                let (dh, _, _) =
-                    linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                let mut dh = dh.ok_or_else(|| err("fused_mlp: no dh"))?;
-                // du = dh ⊙ gelu'(u) over dh, then h = gelu(u) over u.
-                gelu_grad_in_place(&mut dh, &u)?;
-                gelu_in_place(&mut u)?;
-                // dW2 = gᵀ·h, db2 = Σ g, to fc2's sink.
-                if w2 || b2 {
-                    let want = LinearGrads {
-                        x: false,
-                        w: w2,
-                        b: b2,
-                    };
-                    let (_, dw, db) =
-                        linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                    let (dw, db) = weight_grads((dw, db), (out, ffn))?;
-                    if let Some(s) = &self.fc2.sink {
-                        s.put_both(dw, db)?;
-                    }
-                }
-                Ok(dh)
-            })
-        })?;
-        // h is needed no more: freed before fc1's products (see `Kept`).
-        drop(u);
+        // du = (g·W2) ⊙ gelu'(u), with dW2, db2 to fc2's sink on the way.
+        let du = if matches!(grad.dtype(), DType::F32 | DType::F64) {
+            self.fc2_gelu_bwd_chunked(u, &grad, (rows, ffn, out))?
+        } else {
+            self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn, out))?
+        };
         drop(kept);
         // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
         let want = LinearGrads {
@@ -234,10 +378,10 @@ impl CustomOp1 for FusedMlp {
         let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
         let (dx, dw, db) = with_cpu(x, |sx, lx| {
             with_cpu(&self.fc1.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&dh, &lu), want)
+                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&du, &lu), want)
             })
         })?;
-        drop(dh);
+        drop(du);
         let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
         if let Some(s) = &self.fc1.sink {
             s.put_both(dw, db)?;
@@ -289,7 +433,8 @@ mod tests {
 
     /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
     /// bit for bit (the same kernel calls in the same order), on f64, f32, bf16 and f16 with
-    /// weights in the compute dtype or f32 masters, at whole and ragged (multi-chunk) row counts.
+    /// weights in the compute dtype or f32 masters, at whole and ragged (multi-chunk) row counts;
+    /// the last at a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
     #[test]
     fn fused_mlp_equals_the_composition_bit_for_bit() {
         for (dt, wdt) in [
@@ -299,7 +444,12 @@ mod tests {
             (DType::BF16, DType::F32),
             (DType::F16, DType::F32),
         ] {
-            for dims in [(6, 8, 32, 8), (150, 16, 40, 12)] {
+            for dims in [
+                (6, 8, 32, 8),
+                (150, 16, 40, 12),
+                (600, 16, 40, 12),
+                (520, 32, 96, 600),
+            ] {
                 let (yf, dxf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);
                 assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");

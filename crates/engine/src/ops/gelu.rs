@@ -196,6 +196,41 @@ pub(crate) fn gelu_grad_in_place(g: &mut CpuStorage, x: &CpuStorage) -> CResult<
     Ok(())
 }
 
+/// The GELU's maps on f32/f64 slices, for the fused MLP's backward on the direct (`gemm`)
+/// path, which works on row chunks: the same per-element arithmetic as [`gelu_in_place`] and
+/// [`gelu_grad_in_place`] (so the same bits).
+pub(crate) trait GeluSlice: Sized {
+    /// `v ← gelu(v)`.
+    fn gelu_over(v: &mut [Self]);
+    /// `x ← g · gelu'(x)`: the input's gradient written over the input (x and g of one length).
+    fn grad_over_input(x: &mut [Self], g: &[Self]);
+}
+
+impl GeluSlice for f32 {
+    fn gelu_over(v: &mut [f32]) {
+        map_in_place(v, None, |x, _| gelu_f32(x));
+    }
+    fn grad_over_input(x: &mut [f32], g: &[f32]) {
+        debug_assert_eq!(x.len(), g.len());
+        map_in_place(x, Some(g), gelu_grad_f32);
+    }
+}
+
+impl GeluSlice for f64 {
+    fn gelu_over(v: &mut [f64]) {
+        v.par_iter_mut()
+            .with_min_len(PAR_CHUNK)
+            .for_each(|x| *x = gelu_val(*x));
+    }
+    fn grad_over_input(x: &mut [f64], g: &[f64]) {
+        debug_assert_eq!(x.len(), g.len());
+        x.par_iter_mut()
+            .zip(g.par_iter())
+            .with_min_len(PAR_CHUNK)
+            .for_each(|(v, &gv)| *v = gv * gelu_deriv(*v));
+    }
+}
+
 /// The GELU-tanh custom op (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GeluTanh;

@@ -241,8 +241,8 @@ pub const FUSED_MLP_OP_BYTES: u64 = 32 + 96;
 /// `tx`, and the weight gradients `wants` = (dW1, db1, dW2, db2). Each phase is one of
 /// [`fused_linear_scratch`]'s. Forward, beyond y and the kept u: the larger of fc1's workspace
 /// less y, and h = gelu(u) with fc2's workspace. Backward, beyond the gradients it hands out:
-/// dh (rows × ffn) with, at its peak phase, fc2's dx workspace; or fc2's dW/db workspace with
-/// dW2, db2; or fc1's workspace with every gradient (the peak phase less the gradients).
+/// the peak of its phases ([`fused_mlp_phases`]: by row chunks on f32/f64, whole on bf16/f16)
+/// less the gradients.
 pub fn fused_mlp_scratch(
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64),
@@ -267,7 +267,12 @@ pub fn fused_mlp_workspace(
     fused_mlp_phases(lin, (cd, wd), dims, (tx, wants))
 }
 
-/// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears.
+/// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears. The
+/// backward's last phase is alike in every dtype: du, every gradient and fc1's workspace.
+/// Before it, on f32/f64 (the engine's `FusedMlp::fc2_gelu_bwd_chunked`): u beside a chunk
+/// buffer of min(rows, [`DW_ROWS`]) × ffn, first with dW2, db2 and fc2's weight-gradient
+/// workspace (when fc2 has gradients to make), then per chunk with dh's workspace; on bf16/f16:
+/// u beside a whole dh with fc2's dx workspace, then with dW2, db2 and fc2's dW workspace.
 fn fused_mlp_phases(
     lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
     (cd, wd): (Dtype, Dtype),
@@ -277,24 +282,37 @@ fn fused_mlp_phases(
     let (e, we) = (cd.size(), wd.size());
     let (h, y) = (e * rows * ffn, e * rows * out);
     let (s1, _) = lin((rows, inp, ffn), (false, false, false));
-    let (s2, sa) = lin((rows, ffn, out), (true, false, false));
+    let (s2, _) = lin((rows, ffn, out), (true, false, false));
     let (_, sc) = lin((rows, ffn, out), (false, wants[2], wants[3]));
     let (_, sd) = lin((rows, inp, ffn), (tx, wants[0], wants[1]));
     let on = |b: bool, n: u64| if b { we * n } else { 0 };
     let g2 = on(wants[2], out * ffn) + on(wants[3], out);
     let g1 = on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * rows * inp } else { 0 };
     let fwd = s1.saturating_sub(y).max(h + s2);
-    // u (as big as dh) counts until the op frees it before fc1's phase; the node releases it
-    // as its backward starts (`Node::released_by_bwd`).
-    let bwd = (2 * h + sa).max(2 * h + sc + g2).max(h + g1 + g2 + sd) - g1 - g2;
-    (fwd, bwd)
+    // u (as big as dh) counts until the op frees it; the node releases it as its backward
+    // starts (`Node::released_by_bwd`).
+    let last = h + g1 + g2 + sd;
+    let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
+        let c = e * rows.min(DW_ROWS) * ffn;
+        let made = u64::from(wants[2] || wants[3]);
+        let sa = [rows.min(DW_ROWS), rows % DW_ROWS]
+            .into_iter()
+            .map(|k| lin((k, ffn, out), (true, false, false)).1)
+            .max()
+            .unwrap_or(0);
+        (made * (h + c + sc + g2)).max(h + c + sa + g2).max(last)
+    } else {
+        let (_, sa) = lin((rows, ffn, out), (true, false, false));
+        (2 * h + sa).max(2 * h + sc + g2).max(last)
+    };
+    (fwd, peak - g1 - g2)
 }
 
 /// `ops::fused_mlp` of the engine: `fc2(gelu_tanh(fc1(x)))` as one node on x (the weights
 /// `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen, so their gradients are
 /// counted). A fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute
-/// dtype; turned into h in place by its backward and freed there once dW2 is made, which the
-/// node's `released_by_bwd` replays) and its boxed
+/// dtype; turned into du in place by its backward on f32/f64, into h on bf16/f16, and freed
+/// there, which the node's `released_by_bwd` replays) and its boxed
 /// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_workspace`]. Its backward returns dx only
 /// (no wide gradient enters candle's store).
 pub fn fused_mlp(
@@ -702,14 +720,15 @@ pub const PROJECTED_ATTENTION_OP_BYTES: u64 = 32 + 152;
 /// `ops::projected_attention` of the engine: the qkv projection `x·Wᵀ + b` and the fused
 /// attention as one node on x (rows, D), written as (rows, D), used where x tracks and the
 /// projection has no LoRA. The op keeps qkv (rows, 3D, compute dtype, a bare buffer) beside
-/// what the attention keeps; its backward makes dqkv (bare), frees qkv (the node's
-/// `released_by_bwd`), makes dx, dW, db from dqkv (the weights sunk or frozen), frees dqkv
+/// what the attention keeps; its backward makes dqkv (bare: over qkv's own buffer on the
+/// generic kernels, fresh with qkv freed once it is made on the AVX512-BF16 ones; the node's
+/// `released_by_bwd` is qkv), makes dx, dW, db from dqkv (the weights sunk or frozen), frees dqkv
 /// and returns dx only: dqkv never enters candle's store, where
 /// its `zeros_like` + `add` held three qkv-sized buffers at once, and the projection's own
 /// node (dqkv handed in, dx made beside it) is gone. Workspace, beyond the output and what is
 /// kept: forward, the projection's less what the node's output and kept state already count,
-/// or the attention's; backward, beyond the gradients it hands out, qkv and dqkv with the
-/// attention's scratch, or dqkv with the projection's.
+/// or the attention's; backward, beyond the gradients it hands out, dqkv (and on the bf16
+/// kernels qkv) with the attention's scratch, or dqkv with the projection's.
 pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> Nid {
     let cd = sh.cd();
     let (rows, d) = (sh.b * sh.s, sh.d);
@@ -732,12 +751,14 @@ pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> N
         } else {
             0
         };
-    // The op frees its kept qkv once dqkv is made (the node releases it as its backward starts,
-    // `Node::released_by_bwd`): qkv and dqkv beside the attention's scratch, then dqkv alone
-    // beside the projection's products.
-    let bwd = (2 * qkv + attn_bwd)
-        .saturating_sub(grads)
-        .max(qkv + lin_bwd);
+    // The node releases the kept qkv as its backward starts (`Node::released_by_bwd`), so it
+    // is counted here. On the generic kernels the op writes dqkv over qkv's own buffer: one
+    // qkv-sized buffer beside the attention's scratch, then beside the projection's products.
+    // On the AVX512-BF16 kernels (which read q, k, v in place) dqkv is fresh: qkv and dqkv
+    // beside the attention's scratch, then dqkv alone, qkv freed once it is made.
+    let native = cd == Dtype::Bf16 && sh.cpu.bf16_kernel();
+    let during = if native { 2 * qkv } else { qkv };
+    let bwd = (during + attn_bwd).saturating_sub(grads).max(qkv + lin_bwd);
     let o = g.op(
         &format!("attn.qkv + {name}"),
         Kind::Custom { bwd_scratch: bwd },

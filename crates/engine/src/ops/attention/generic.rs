@@ -14,10 +14,15 @@ use crate::kernels::shared_ptr::SharedMut;
 use crate::ops::storage::{err, CResult};
 
 /// Gathers head `hd` of batch `bi` from the qkv rows into three (s×dh) buffers, q scaled by
-/// `q_scale` (k and v as they are).
+/// `q_scale` (k and v as they are). `qkv` points to the (b·s, 3D) rows; only head (bi, hd)'s
+/// q, k and v columns are read.
+///
+/// # Safety
+/// `qkv` must point to b·s·3D initialised elements, and no other thread may write head
+/// (bi, hd)'s columns during the call.
 #[allow(clippy::too_many_arguments)]
-fn gather_qkv<T: Elem<A>, A: Acc>(
-    qkv: &[T],
+unsafe fn gather_qkv<T: Elem<A>, A: Acc>(
+    qkv: SharedMut<T>,
     g: &AttnGeom,
     bi: usize,
     hd: usize,
@@ -30,9 +35,11 @@ fn gather_qkv<T: Elem<A>, A: Acc>(
     let one = <A as Acc>::from_f64(1.0);
     for (which, (dst, scale)) in [(q, q_scale), (k, one), (v, one)].into_iter().enumerate() {
         for i in 0..s {
-            let src = &qkv[(bi * s + i) * 3 * d + which * d + hd * dh..][..dh];
-            for (o, x) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
-                *o = x.to_acc() * scale;
+            let src = (bi * s + i) * 3 * d + which * d + hd * dh;
+            for (j, o) in dst[i * dh..(i + 1) * dh].iter_mut().enumerate() {
+                // SAFETY: bi < b, i < s, which < 3, hd < a and j < dh, so the index is below
+                // b·s·3D; the caller guarantees no thread writes these columns meanwhile.
+                *o = unsafe { *qkv.at(src + j) }.to_acc() * scale;
             }
         }
     }
@@ -81,6 +88,14 @@ where
     let per = g.fwd_scratch(keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
+    // The callers slice qkv by the layout `attn_geom` read the geometry from, so this holds;
+    // checked because `gather_qkv` reads through a raw pointer.
+    assert_eq!(
+        qkv.len(),
+        g.b * s * 3 * d,
+        "attention forward: qkv is not (b·s, 3D)"
+    );
+    let src = SharedMut(qkv.as_ptr().cast_mut());
     let (po, pp, pl) = (
         SharedMut(out.as_mut_ptr()),
         SharedMut(p_keep.as_mut_ptr()),
@@ -96,7 +111,9 @@ where
         let mut head = t;
         while head < nh {
             let (bi, hd) = (head / g.a, head % g.a);
-            gather_qkv(qkv, g, bi, hd, scale, q, k, v);
+            // SAFETY: `src` points to `qkv`, b·s·3D elements (asserted above), which nothing
+            // writes meanwhile.
+            unsafe { gather_qkv(src, g, bi, hd, scale, q, k, v) };
             match keep {
                 AttnKeep::Probabilities | AttnKeep::Nothing => {
                     let p = &mut rest[..s * s];
@@ -187,7 +204,7 @@ where
     (out, saved)
 }
 
-/// Backward of all heads: returns dqkv (b·s, 3D).
+/// Backward of all heads: returns dqkv (b·s, 3D), a fresh buffer beside qkv.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attn_bwd_cpu<T, A>(
     qkv: &[T],
@@ -198,6 +215,74 @@ pub(super) fn attn_bwd_cpu<T, A>(
     keep: AttnKeep,
     dropout: Option<Dropout>,
 ) -> CResult<Vec<T>>
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    check_len(qkv.len(), g)?;
+    let mut dqkv: Vec<T> = vec![T::from_acc(A::ZERO); g.b * g.s * 3 * g.d()];
+    let (src, dst) = (
+        SharedMut(qkv.as_ptr().cast_mut()),
+        SharedMut(dqkv.as_mut_ptr()),
+    );
+    // SAFETY: `src` and `dst` point to two distinct buffers of b·s·3D elements; `qkv` is only
+    // read.
+    unsafe { attn_bwd_heads::<T, A>((src, dst), (o_all, go_all), saved, g, keep, dropout)? };
+    Ok(dqkv)
+}
+
+/// [`attn_bwd_cpu`] written over qkv itself: each head's task gathers its q, k, v columns into
+/// its scratch before it writes dq, dk, dv over the same columns (no task reads another head's
+/// columns), so the backward holds one (b·s, 3D) buffer instead of two. The same bits.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attn_bwd_cpu_over<T, A>(
+    qkv: &mut [T],
+    o_all: &[T],
+    go_all: &[T],
+    saved: Option<&CpuStorage>,
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) -> CResult<()>
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    check_len(qkv.len(), g)?;
+    let p = SharedMut(qkv.as_mut_ptr());
+    // SAFETY: `p` points to the exclusively borrowed qkv of b·s·3D elements; every task reads
+    // and then writes only its own head's columns through it (`attn_bwd_heads`).
+    unsafe { attn_bwd_heads::<T, A>((p, p), (o_all, go_all), saved, g, keep, dropout) }
+}
+
+/// qkv must hold (b·s, 3D) elements.
+fn check_len(n: usize, g: &AttnGeom) -> CResult<()> {
+    if n == g.b * g.s * 3 * g.d() {
+        Ok(())
+    } else {
+        Err(err(format!(
+            "attention backward: qkv holds {n} elements, not b·s·3D = {}",
+            g.b * g.s * 3 * g.d()
+        )))
+    }
+}
+
+/// The backward's heads: each (bi, hd) gathers its q, k, v from `src`, computes dq, dk, dv in
+/// its task's scratch and writes them into its columns of `dst`.
+///
+/// # Safety
+/// `src` and `dst` must point to b·s·3D elements each (`src` initialised); they may be the
+/// same buffer (a head's columns are read before they are written, and by no other head), but
+/// nothing else may access them during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn attn_bwd_heads<T, A>(
+    (src, pd): (SharedMut<T>, SharedMut<T>),
+    (o_all, go_all): (&[T], &[T]),
+    saved: Option<&CpuStorage>,
+    g: &AttnGeom,
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+) -> CResult<()>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
@@ -218,12 +303,10 @@ where
         }
         _ => None,
     };
-    let mut dqkv: Vec<T> = vec![T::from_acc(A::ZERO); g.b * s * 3 * d];
     let nt = attn_threads(nh);
     let per = g.bwd_scratch(keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
-    let pd = SharedMut(dqkv.as_mut_ptr());
     let kb = g.kb();
     scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
         let (q, rest) = sc.split_at_mut(s * dh);
@@ -236,7 +319,9 @@ where
         let mut head = t;
         while head < nh {
             let (bi, hd) = (head / g.a, head % g.a);
-            gather_qkv(qkv, g, bi, hd, scale, q, k, v);
+            // SAFETY: the caller's contract: `src` holds b·s·3D elements, and only this task
+            // (head ≡ t mod nt) touches head (bi, hd)'s columns, which it writes only below.
+            unsafe { gather_qkv(src, g, bi, hd, scale, q, k, v) };
             for i in 0..s {
                 let src = &go_all[(bi * s + i) * d + hd * dh..][..dh];
                 for (x, y) in go[i * dh..(i + 1) * dh].iter_mut().zip(src) {
@@ -338,8 +423,9 @@ where
             for i in 0..s {
                 let row = (bi * s + i) * 3 * d + hd * dh;
                 for j in 0..dh {
-                    // SAFETY: row + 2d + j < b·s·3D, the length of `dqkv`; only this task
-                    // (head ≡ t mod nt) writes head (bi, hd)'s q, k, v columns.
+                    // SAFETY: row + 2d + j < b·s·3D, the length of `dst` (the caller's
+                    // contract); only this task (head ≡ t mod nt) touches head (bi, hd)'s q, k,
+                    // v columns, and it has gathered them above.
                     unsafe {
                         *pd.at(row + j) = T::from_acc(dq[i * dh + j] * scale);
                         *pd.at(row + d + j) = T::from_acc(dk[i * dh + j]);
@@ -351,5 +437,5 @@ where
         }
     });
     drop(scratch);
-    Ok(dqkv)
+    Ok(())
 }

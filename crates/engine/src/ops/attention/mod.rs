@@ -30,7 +30,7 @@ use candle_core::{
 use crate::ops::linear::storage_tensor;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 pub use dropout::{dropout_mask, Dropout};
-use generic::{attn_bwd_cpu, attn_fwd_cpu};
+use generic::{attn_bwd_cpu, attn_bwd_cpu_over, attn_fwd_cpu};
 use geom::attn_geom;
 pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK};
 pub use projected::{projected_attention, ProjectedAttention};
@@ -163,6 +163,62 @@ impl QkvAttention {
             )?;
             T::to_cpu_storage_owned(dqkv)
         }))
+    }
+}
+
+impl QkvAttention {
+    /// [`Self::dqkv`] from an owned qkv (contiguous, (b·s, 3D)): on the generic kernels dqkv is
+    /// written over qkv's own buffer (`generic::attn_bwd_cpu_over`), so only one (b·s, 3D)
+    /// buffer exists; on the AVX512-BF16 kernels (which read q, k, v in place through the whole
+    /// head) dqkv is fresh and qkv is freed once it is made. The same bits either way.
+    fn dqkv_from_owned(
+        &self,
+        qkv: CpuStorage,
+        lq: &Layout,
+        (so, lo): (&CpuStorage, &Layout),
+        (sg, lg): (&CpuStorage, &Layout),
+    ) -> CResult<CpuStorage> {
+        if qkv.dtype() == DType::BF16 && bf16::applies() {
+            return self.dqkv((&qkv, lq), (so, lo), (sg, lg));
+        }
+        if lq.contiguous_offsets() != Some((0, qkv_len(&qkv))) {
+            return Err(err(
+                "attention backward: the owned qkv must be contiguous and whole",
+            ));
+        }
+        let guard = self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))?;
+        let g = attn_geom(lq, self.batch, self.heads)?;
+        Ok(dispatch_float!(
+            qkv.dtype(),
+            "attention backward",
+            |T, A| {
+                let mut v = T::cpu_storage_data(qkv)?;
+                attn_bwd_cpu_over::<T, A>(
+                    &mut v,
+                    cpu_slice::<T>(so, lo, "attention output")?,
+                    cpu_slice::<T>(sg, lg, "attention gradient")?,
+                    guard.as_ref(),
+                    &g,
+                    self.keep,
+                    self.dropout,
+                )?;
+                T::to_cpu_storage_owned(v)
+            }
+        ))
+    }
+}
+
+/// Elements of a float storage (0 for other dtypes, which the backward refuses).
+fn qkv_len(s: &CpuStorage) -> usize {
+    match s {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        _ => 0,
     }
 }
 

@@ -13,9 +13,10 @@ use crate::ops::storage::{err, with_cpu, CResult};
 use crate::ops::MlpLinear;
 
 /// `attention(x·Wᵀ + b)` on a 2-D x (b·s, D), written as (b·s, D): the projection runs inside
-/// the op and the op keeps its output qkv (a bare buffer) for the backward, which makes dqkv,
-/// frees qkv, turns dqkv into dx, dW and db at once (dW, db to the projection's sink, or none
-/// for a frozen projection), frees it and returns dx only.
+/// the op and the op keeps its output qkv (a bare buffer) for the backward, which makes dqkv
+/// (over qkv's own buffer on the generic kernels; fresh, qkv then freed, on the AVX512-BF16
+/// ones), turns it into dx, dW and db at once (dW, db to the projection's sink, or none for a
+/// frozen projection), frees it and returns dx only.
 ///
 /// Why: as two nodes, the attention's dqkv (b·s, 3D) entered candle's gradient store as
 /// `zeros_like` + `add`, three qkv-sized buffers at once, and the projection's backward then
@@ -26,10 +27,11 @@ use crate::ops::MlpLinear;
 pub struct ProjectedAttention {
     attn: QkvAttention,
     proj: MlpLinear,
-    /// qkv from the forward, taken by the backward and freed once dqkv is made: the projection's
-    /// products (dx, dW and `gemm`'s packing of dqkv) then run without it, as PyTorch frees the
-    /// attention's saved q, k, v once its node has run (the budget's node releases it,
-    /// `Node::released_by_bwd`). A second backward on the same graph recomputes it from x.
+    /// qkv from the forward, taken by the backward, which writes dqkv over it (or frees it once
+    /// dqkv is made): the projection's products (dx, dW and `gemm`'s packing of dqkv) run
+    /// without it, as PyTorch frees the attention's saved q, k, v once its node has run (the
+    /// budget's node releases it, `Node::released_by_bwd`). A second backward on the same graph
+    /// recomputes it from x.
     qkv: Mutex<Option<CpuStorage>>,
 }
 
@@ -104,12 +106,13 @@ impl CustomOp1 for ProjectedAttention {
             Some(qkv) => qkv,
             None => with_cpu(x, |sx, lx| self.project((sx, lx)))?.0,
         };
+        // dqkv over qkv's own buffer where the kernels allow (the generic ones), else fresh with
+        // qkv freed once it is made.
         let dqkv = with_cpu(res, |so, lo| {
             with_cpu(&grad, |sg, lg| {
-                self.attn.dqkv((&qkv, &lq), (so, lo), (sg, lg))
+                self.attn.dqkv_from_owned(qkv, &lq, (so, lo), (sg, lg))
             })
         })?;
-        drop(qkv);
         let (tw, tb) = self.proj.wants();
         let want = LinearGrads {
             x: true,

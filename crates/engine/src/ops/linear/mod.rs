@@ -21,6 +21,7 @@ use crate::kernels::gemm_bf16;
 use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
+pub(crate) use common::add_column_sums;
 pub use common::{LinearGrads, DW_ROWS, LINEAR_ROWS};
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use sink::GradSink;
