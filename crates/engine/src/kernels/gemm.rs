@@ -92,6 +92,43 @@ pub(crate) fn mm_fresh<A: 'static + Acc>(
     out
 }
 
+/// `lhs · rhs` (m × n, row-major at row stride n) written into `v`'s spare capacity from element
+/// `at` on, without reading or zeroing it (`gemm` overwrites a destination it does not
+/// accumulate into); `v`'s length is left as it is, for the caller to set once every element is
+/// written. Nothing is written when m, n or k is 0.
+///
+/// # Safety
+/// The operands' strides must stay inside their slices (as for [`mm_strided`]).
+pub(crate) unsafe fn mm_into_spare<A: 'static + Acc>(
+    v: &mut Vec<A>,
+    (m, n, k): (usize, usize, usize),
+    at: usize,
+    lhs: (&[A], usize, usize),
+    rhs: (&[A], usize, usize),
+    par: gemm::Parallelism,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    assert!(
+        v.capacity() >= at + m * n,
+        "mm_into_spare: the destination's capacity is too small"
+    );
+    // SAFETY: the capacity holds elements at..at + m·n (asserted), the m × n destination at row
+    // stride n; the caller keeps the operands' strides inside their slices; with `acc` false
+    // `gemm` only writes the destination.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            (v.as_mut_ptr().add(at), n, 1),
+            lhs,
+            rhs,
+            false,
+            par,
+        )
+    }
+}
+
 /// The general product: every operand as (slice, row stride, column stride).
 ///
 /// `gemm` allocates packing buffers per call unless the destination is column-major, the lhs is

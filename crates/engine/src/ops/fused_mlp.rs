@@ -28,12 +28,13 @@ use std::sync::{Arc, Mutex};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place, GeluSlice};
+use super::linear::dw_add_chunk;
 use super::linear::{
     add_column_sums, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
     linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
 };
 use super::storage::{cpu_slice, err, with_cpu, CResult};
-use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
+use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// What the op keeps for its backward: the fc1 output u, which the backward takes out (on
@@ -287,11 +288,7 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
             let h = &mut buf[..k * ffn];
             h.copy_from_slice(&u[r0 * ffn..(r0 + k) * ffn]);
             A::gelu_over(h);
-            let (gc, hc) = ((&g[r0 * out..], 1, out), (&buf[..], ffn, 1));
-            match dw.as_mut() {
-                None => dw = Some(mm_fresh(out, ffn, k, gc, hc, par)),
-                Some(d) => mm_strided(out, ffn, k, (d, ffn, 1), gc, hc, true, par),
-            }
+            dw_add_chunk(&mut dw, (&g[r0 * out..], &buf[..], ffn), (k, ffn, out));
         }
         dw.unwrap_or_else(|| vec![A::ZERO; out * ffn])
     });

@@ -15,6 +15,20 @@ pub const LINEAR_ROWS: u64 = 128;
 /// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
 pub const DW_ROWS: u64 = 256;
 
+/// Widest block of dW's rows per product of that weight gradient (`ops::DW_COLS`): `gemm` packs
+/// at most a (chunk rows × block) panel of g.
+pub const DW_COLS: u64 = 512;
+
+/// The (first row, rows) blocks of dW's `out` rows the engine multiplies one by one
+/// (`ops::dw_blocks`): ⌈out / [`DW_COLS`]⌉ of equal width rounded up to 16, the last what remains.
+pub fn dw_blocks(out: u64) -> impl Iterator<Item = (u64, u64)> {
+    let n = out.div_ceil(DW_COLS).max(1);
+    let width = out.div_ceil(n).next_multiple_of(16).max(1);
+    (0..out)
+        .step_by(width as usize)
+        .map(move |o0| (o0, width.min(out - o0)))
+}
+
 /// Rows / columns of the engine's AVX512-BF16 micro-kernel tile (`kernels::gemm_bf16::{MR, NR}`): packed
 /// operands are padded to whole tiles.
 pub const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
@@ -88,8 +102,8 @@ fn widened_linear_packing(
 /// `gemm`'s per-call packing bytes (forward, backward) of the direct f32/f64 linear
 /// (`ops/linear/direct.rs`), as workspace beside the node's output (forward) and beside all its
 /// gradients (backward, [`super::backward`]'s custom rule). Forward `y += x·Wᵀ` into the fresh
-/// (row-major) y; backward `dW = gᵀ·x` into a fresh dW by chunks of [`DW_ROWS`] rows (the
-/// product that packs a panel of g), then db, then `dx = g·W` into a fresh dx beside both: the backward's peak is that of each
+/// (row-major) y; backward `dW = gᵀ·x` into a fresh dW by chunks of [`DW_ROWS`] rows and blocks
+/// of dW's rows ([`dw_blocks`]; the product that packs a panel of g), then db, then `dx = g·W` into a fresh dx beside both: the backward's peak is that of each
 /// product's packing over the gradients alive by then, stated here as the part above all of
 /// them.
 fn direct_linear_packing(
@@ -110,9 +124,13 @@ fn direct_linear_packing(
     } else {
         0
     };
-    // dW by chunks of DW_ROWS rows: every call packs at most the first chunk's panel.
+    // dW by chunks of DW_ROWS rows and blocks of dW's rows (`dw_blocks`): every call packs at
+    // most the first chunk's panel of its block.
     let dw = if tw {
-        mm(out, inp, rows.min(DW_ROWS), (inp, 1), (1, out), (inp, 1))
+        dw_blocks(out)
+            .map(|(_, mb)| mm(mb, inp, rows.min(DW_ROWS), (inp, 1), (1, out), (inp, 1)))
+            .max()
+            .unwrap_or(0)
     } else {
         0
     };

@@ -18,6 +18,24 @@ pub const LINEAR_ROWS: usize = 128;
 /// `ditmem_budget::ditmem_cpu::ops::DW_ROWS`.
 pub const DW_ROWS: usize = 256;
 
+/// Widest block of dW's rows (the linear's outputs) per product of an f32/f64 weight gradient:
+/// `gemm` packs the (chunk rows × block) panel of g, so with [`DW_ROWS`] it packs at most
+/// 256 × 512 elements (512 KiB f32) however wide the layer (DiT-S/2 fc1, out 1,536: 1.5 MiB as
+/// one block). The blocks split the product's columns, not its depth: each element's sum is
+/// the same, bit for bit. [`dw_blocks`] evens them out. Budget twin:
+/// `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
+pub const DW_COLS: usize = 512;
+
+/// The (first row, rows) blocks of dW's `out` rows: ⌈out / [`DW_COLS`]⌉ blocks of equal width
+/// rounded up to 16 rows (whole SIMD lanes), the last what remains.
+pub fn dw_blocks(out: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = out.div_ceil(DW_COLS).max(1);
+    let width = out.div_ceil(n).next_multiple_of(16).max(1);
+    (0..out)
+        .step_by(width)
+        .map(move |o0| (o0, width.min(out - o0)))
+}
+
 /// Which gradients a linear's backward computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinearGrads {

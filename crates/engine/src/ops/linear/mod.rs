@@ -22,7 +22,8 @@ use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
-pub use common::{LinearGrads, DW_ROWS, LINEAR_ROWS};
+pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS};
+pub(crate) use direct::dw_add_chunk;
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use sink::GradSink;
 use widen::{linear_bwd_widen, linear_fwd_widen};
@@ -378,6 +379,22 @@ mod tests {
         use ditmem_budget::ditmem_cpu::ops;
         assert_eq!(LINEAR_ROWS as u64, ops::LINEAR_ROWS);
         assert_eq!(DW_ROWS as u64, ops::DW_ROWS);
+        assert_eq!(DW_COLS as u64, ops::DW_COLS);
+        for out in [1, 7, 16, 384, 511, 512, 513, 1152, 1536, 4096, 5000] {
+            let engine: Vec<(u64, u64)> =
+                dw_blocks(out).map(|(o, n)| (o as u64, n as u64)).collect();
+            assert_eq!(
+                engine,
+                ops::dw_blocks(out as u64).collect::<Vec<_>>(),
+                "out {out}"
+            );
+            assert_eq!(
+                engine.iter().map(|b| b.1).sum::<u64>(),
+                out as u64,
+                "out {out}"
+            );
+            assert!(engine.iter().all(|b| b.1 as usize <= DW_COLS), "out {out}");
+        }
     }
 
     /// The direct path's dW, summed over row chunks (three here, the last ragged), and its dx
