@@ -160,11 +160,8 @@ fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(dst: &mut [T], y: Optio
 /// activation): the forward's values, bit for bit.
 pub(crate) fn gelu_in_place(s: &mut CpuStorage) -> CResult<()> {
     match s {
-        CpuStorage::F64(v) => v
-            .par_iter_mut()
-            .with_min_len(PAR_CHUNK)
-            .for_each(|x| *x = gelu_val(*x)),
-        CpuStorage::F32(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
+        CpuStorage::F64(v) => f64::gelu_over(v),
+        CpuStorage::F32(v) => f32::gelu_over(v),
         CpuStorage::BF16(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
         CpuStorage::F16(v) => map_in_place(v, None, |x, _| gelu_f32(x)),
         other => return Err(err(format!("gelu: unsupported dtype {:?}", other.dtype()))),

@@ -95,6 +95,13 @@ impl QkvAttention {
         })
     }
 
+    /// What the forward saved for the backward, locked.
+    fn saved(&self) -> CResult<std::sync::MutexGuard<'_, Option<CpuStorage>>> {
+        self.saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))
+    }
+
     /// The attention's forward on the qkv storage: the output (b·s, D), with what the op keeps
     /// for its backward saved when it tracks.
     fn attn_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
@@ -106,10 +113,7 @@ impl QkvAttention {
             } else {
                 bf16::forward(qkv, &g, self.keep, self.dropout, self.track)
             };
-            *self
-                .saved
-                .lock()
-                .map_err(|_| err("attention lock poisoned"))? = saved;
+            *self.saved()? = saved;
             return Ok((CpuStorage::BF16(o), Shape::from((g.b * g.s, g.d()))));
         }
         let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
@@ -117,10 +121,7 @@ impl QkvAttention {
             let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
             (T::to_cpu_storage_owned(o), saved)
         });
-        *self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))? = saved;
+        *self.saved()? = saved;
         Ok((out, Shape::from((g.b * g.s, g.d()))))
     }
 
@@ -132,10 +133,7 @@ impl QkvAttention {
         (so, lo): (&CpuStorage, &Layout),
         (sg, lg): (&CpuStorage, &Layout),
     ) -> CResult<CpuStorage> {
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved()?;
         let g = attn_geom(lq, self.batch, self.heads)?;
         if sq.dtype() == DType::BF16 && bf16::applies() {
             let n = "attention";
@@ -181,15 +179,12 @@ impl QkvAttention {
         if qkv.dtype() == DType::BF16 && bf16::applies() {
             return self.dqkv((&qkv, lq), (so, lo), (sg, lg));
         }
-        if lq.contiguous_offsets() != Some((0, qkv_len(&qkv))) {
+        if !lq.is_contiguous() || lq.start_offset() != 0 {
             return Err(err(
                 "attention backward: the owned qkv must be contiguous and whole",
             ));
         }
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved()?;
         let g = attn_geom(lq, self.batch, self.heads)?;
         Ok(dispatch_float!(
             qkv.dtype(),
@@ -208,17 +203,6 @@ impl QkvAttention {
                 T::to_cpu_storage_owned(v)
             }
         ))
-    }
-}
-
-/// Elements of a float storage (0 for other dtypes, which the backward refuses).
-fn qkv_len(s: &CpuStorage) -> usize {
-    match s {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::F64(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        CpuStorage::F16(v) => v.len(),
-        _ => 0,
     }
 }
 
