@@ -15,7 +15,7 @@ use crate::error::{EngineError, Result};
 use crate::ops::Dropout;
 use crate::ops::{
     gated_residual, gelu_tanh, ln_modulate, projected_attention, qkv_attention, AttnKeep, GradSink,
-    MlpLinear,
+    InputSink, MlpLinear,
 };
 
 /// LayerNorm epsilon of DiT (elementwise_affine=False, eps=1e-6).
@@ -23,13 +23,16 @@ pub const LN_EPS: f64 = 1e-6;
 
 /// A linear's weights (see the module docs for their dtypes); `lora` = (A (r, in), B (out, r)).
 /// With a `sink`, a linear whose input tracks gradients hands dW and db to it instead of to
-/// candle's gradient store (see [`crate::ops::LinearOp`]).
+/// candle's gradient store (see [`crate::ops::LinearOp`]); with a `dx_sink`, its dx is added
+/// into that running sum instead (the text context's k and v projections, see
+/// [`crate::ops::InputSink`]); LoRA's branch still hands its share of dx to the store.
 #[derive(Debug, Clone)]
 pub struct LinearW {
     pub w: Tensor,
     pub b: Tensor,
     pub lora: Option<(Tensor, Tensor)>,
     pub sink: Option<Arc<GradSink>>,
+    pub dx_sink: Option<Arc<InputSink>>,
 }
 
 impl LinearW {
@@ -40,15 +43,28 @@ impl LinearW {
             b,
             lora,
             sink: None,
+            dx_sink: None,
         }
+    }
+
+    /// The same linear with its input's gradient added into `dx_sink` (when the input tracks).
+    pub fn with_input_sink(mut self, dx_sink: Option<Arc<InputSink>>) -> LinearW {
+        self.dx_sink = dx_sink;
+        self
     }
 
     /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused node (see `ops::LinearOp`): the product and the biased sum are one buffer.
-        let y = match &self.sink {
-            // Only a tracked input makes candle call the op's backward.
-            Some(sink) if x.track_op() => {
+        // Only a tracked input makes candle call the op's backward.
+        let y = match (&self.sink, &self.dx_sink) {
+            (sink, Some(dx)) if x.track_op() => match sink {
+                Some(s) => {
+                    crate::ops::linear_into(x, &self.w.detach(), &self.b.detach(), Some(s), dx)?
+                }
+                None => crate::ops::linear_into(x, &self.w, &self.b, None, dx)?,
+            },
+            (Some(sink), _) if x.track_op() => {
                 crate::ops::linear_sunk(x, &self.w.detach(), &self.b.detach(), sink)?
             }
             _ => crate::ops::linear(x, &self.w, &self.b)?,

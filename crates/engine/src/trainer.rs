@@ -211,6 +211,10 @@ pub struct Trainer {
     /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
     /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
     sinks: Vec<Option<(Arc<GradSink>, bool)>>,
+    /// The running sum of the text context's gradient that the cross-attentions' k and v
+    /// projections add into (families with cross-attention; see `ops::InputSink`). Set by the
+    /// family schedule for each microbatch's backward, empty between.
+    ctx_sink: Arc<crate::ops::InputSink>,
     grads: Vec<Option<Tensor>>,
     grad_scale: f64,
     optimizer: Box<dyn Optimizer>,
@@ -417,6 +421,7 @@ impl Trainer {
             trained,
             layout: Arc::new(layout),
             sinks,
+            ctx_sink: Arc::default(),
             grads: vec![None; n],
             grad_scale: 1.0,
             optimizer,
@@ -662,6 +667,12 @@ impl Trainer {
         }
     }
 
+    /// The context gradient's sink for a cross-attention's k and v projections: only on a
+    /// tracked forward (a recomputed block's first forward has no backward).
+    fn ctx_sink_for(&self, track: bool) -> Option<Arc<crate::ops::InputSink>> {
+        track.then(|| Arc::clone(&self.ctx_sink))
+    }
+
     fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
         let lora = match l.lora {
             Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
@@ -684,6 +695,7 @@ impl Trainer {
             b: self.linear_weight(l.b, track)?,
             lora,
             sink,
+            dx_sink: None,
         })
     }
 

@@ -86,8 +86,8 @@ pub use joint_linear::{
     joint_linear, joint_linear_bwd_scratch, joint_linear_fwd_scratch, JointLinear,
 };
 pub use linear::{
-    linear, linear_bwd_scratch, linear_fwd_scratch, linear_sunk, GradSink, LinearGrads, LinearOp,
-    DW_ROWS, LINEAR_ROWS,
+    linear, linear_bwd_scratch, linear_fwd_scratch, linear_into, linear_sunk, GradSink, InputSink,
+    LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};

@@ -7,7 +7,10 @@
 //!   layer as a shared leaf copy; its gradient is summed over the segments that read it (in the
 //!   gradient dtype, from zeros made after the final layer's backward when the final layer does
 //!   not read it) and backpropagated through the embedders, with the streams' gradients, from
-//!   one seed per output at the end (`ops::backward_from_many`).
+//!   one seed per output at the end (`ops::backward_from_many`). The text context of a
+//!   cross-attention family ([`FamilyStep::ctx_cond`]) is summed in place instead: its k and v
+//!   projections add their dx into that zeros buffer through `Trainer::ctx_sink`
+//!   (`ops::InputSink`), so no block's store holds a context-sized gradient.
 //! - **Blocks**, stored or recomputed as the recipe says. A block reads one or more streams
 //!   (PixArt one; a joint-attention block two: text and image) and returns one or more: the
 //!   count may change from block to block (Flux's single-stream blocks after its double-stream
@@ -63,6 +66,12 @@ pub(super) trait FamilyStep {
     /// copy and no gradient.
     fn fixed_conds(&self) -> usize {
         0
+    }
+    /// The index among the conditioning leaves of the text context whose gradient the blocks'
+    /// cross-attention k and v projections add in place into `Trainer::ctx_sink` (see
+    /// `ops::InputSink`), if the family has one.
+    fn ctx_cond(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -193,6 +202,12 @@ impl Trainer {
             }
         }
         let mut gc: Vec<Tensor> = gc.into_iter().flatten().collect();
+        // The context's running sum is the sink's buffer: the blocks' k and v projections add
+        // into it in place (the handle in gc sees the sums).
+        let ctx = fam.ctx_cond().filter(|&k| k < gc.len());
+        if let Some(k) = ctx {
+            self.ctx_sink.set(gc[k].clone())?;
+        }
         rec.mark(tag("final".into()));
 
         for i in (0..depth).rev() {
@@ -213,14 +228,23 @@ impl Trainer {
             drop(outs);
             self.accumulate(&fam.block_params(i), &grads)?;
             gx = leaf_grads(&grads, &leaves, &format!("block {i}'s input"))?;
-            for (sum, l) in gc.iter_mut().zip(&cond_leaves) {
+            for (k, (sum, l)) in gc.iter_mut().zip(&cond_leaves).enumerate() {
                 if let Some(g) = grads.get(l.as_tensor()) {
-                    *sum = (&*sum + cast(g.detach(), ld)?)?;
+                    if ctx == Some(k) {
+                        // LoRA's branches of the k and v projections: into the same sum.
+                        self.ctx_sink.add(&g.detach())?;
+                    } else {
+                        *sum = (&*sum + cast(g.detach(), ld)?)?;
+                    }
                 }
             }
             drop(grads);
             drop(leaves);
             rec.mark(tag(format!("block {i}")));
+        }
+
+        if ctx.is_some() {
+            self.ctx_sink.take();
         }
 
         // Embed segment backward: from the known gradients of the streams and the conditioning,

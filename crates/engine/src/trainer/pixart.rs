@@ -109,8 +109,8 @@ impl Trainer {
             v1: l(2)?,
             o1: l(3)?,
             q2: l(4)?,
-            k2: l(5)?,
-            v2: l(6)?,
+            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
+            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
             o2: l(7)?,
             fc1: l(8)?,
             fc2: l(9)?,
@@ -168,6 +168,11 @@ impl FamilyStep for PixartLayout {
             conds: vec![t6, emb, y],
             hold: vec![xp, pos, tf, t1, se, cap],
         })
+    }
+
+    /// `y`, the projected text, third of the conditioning.
+    fn ctx_cond(&self) -> Option<usize> {
+        Some(2)
     }
 
     fn depth(&self) -> usize {

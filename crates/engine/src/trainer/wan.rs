@@ -118,8 +118,8 @@ impl Trainer {
             norm_q1: n(0)?,
             norm_k1: n(1)?,
             q2: l(4)?,
-            k2: l(5)?,
-            v2: l(6)?,
+            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
+            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
             o2: l(7)?,
             norm_q2: n(2)?,
             norm_k2: n(3)?,
@@ -188,6 +188,11 @@ impl FamilyStep for WanLayout {
             conds: vec![t6, temb, ctx, cos, sin],
             hold: vec![xp, tf, t1, st, cap],
         })
+    }
+
+    /// `ctx`, the projected text, third of the conditioning.
+    fn ctx_cond(&self) -> Option<usize> {
+        Some(2)
     }
 
     fn depth(&self) -> usize {

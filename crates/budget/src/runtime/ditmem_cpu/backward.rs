@@ -522,7 +522,12 @@ fn custom_backward(
         .map(|&i| (i, h.make(g, bytes(i), &[])))
         .collect();
     h.drop_val(scratch);
-    for &(i, d) in &grads {
+    for (k, &(i, d)) in grads.iter().enumerate() {
+        if k == 0 && i == ins[0] && g.nodes[x].x_sunk {
+            // Added into the trainer's running sum inside the op's backward, then freed.
+            h.drop_val(d);
+            continue;
+        }
         if g.nodes[i].sunk {
             // Moved into the sink: alive after the backward, outside the store.
             *sunk_grads += bytes(i) + h.tmeta + h.smeta;

@@ -41,6 +41,20 @@ pub fn module_linear(
     adapted_linear(g, sh, name, x, (rows, out, inp), sh.lora_rank(name))
 }
 
+/// Marks the fused linear of `y` (a [`module_linear`] on the shared text context `ctx`: a
+/// cross-attention's k or v projection, LoRA's `+lora` sum or the linear itself) as adding its
+/// dx into the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,
+/// `Node::x_sunk`) when the context tracks; LoRA's branch still hands its share to the store.
+pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
+    let base = match g.nodes[y].kind {
+        Kind::Add => g.nodes[y].inputs[0],
+        _ => y,
+    };
+    debug_assert!(matches!(g.nodes[base].kind, Kind::Custom { .. }));
+    debug_assert_eq!(g.nodes[base].inputs[0], ctx);
+    g.nodes[base].x_sunk = g.nodes[ctx].tracks;
+}
+
 /// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under
 /// LoRA the base is a frozen weight in the compute dtype.
 fn adapted_linear(

@@ -100,6 +100,10 @@ pub struct Node {
     /// candle's store: no `zeros_like` + `add` for it. Such a node is a `Var` that does not
     /// track.
     pub sunk: bool,
+    /// A fused linear whose input's gradient its backward adds in place into a running sum the
+    /// trainer owns (`ditmem_engine::ops::InputSink`: the text context's k and v projections),
+    /// never into candle's store: dx is made beside the other gradients and freed.
+    pub x_sunk: bool,
 }
 
 impl Node {
@@ -180,6 +184,7 @@ impl Graph {
             bound: false,
             held_until: None,
             sunk: false,
+            x_sunk: false,
         });
         self.nodes.len() - 1
     }

@@ -7,7 +7,9 @@
 
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, module_feed_forward, module_linear, sink_context_grad,
+};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     attention_head_packing, fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
@@ -171,7 +173,9 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(xq);
     let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
     let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
+    sink_context_grad(&mut g, k2, y);
     let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
+    sink_context_grad(&mut g, v2, y);
     let o2 = separate_attention(
         &mut g,
         sh,

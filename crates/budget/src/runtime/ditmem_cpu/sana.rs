@@ -11,7 +11,7 @@
 
 use crate::families::{Dims as FamilyDims, SanaDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::lora_branch;
+use crate::runtime::ditmem_cpu::block::{lora_branch, sink_context_grad};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{fused_linear, gated_residual, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
@@ -244,7 +244,9 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let dc = sg.dc;
     let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
     let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
+    sink_context_grad(&mut g, k2, y);
     let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
+    sink_context_grad(&mut g, v2, y);
     let mut csh = sh.clone();
     csh.d = dc;
     csh.heads = sg.hc;

@@ -7,7 +7,9 @@
 
 use crate::families::{Dims as FamilyDims, WanDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{base_weight, module_feed_forward, module_linear};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, module_feed_forward, module_linear, sink_context_grad,
+};
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
@@ -163,7 +165,9 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     };
     let q2 = lin(&mut g, "attn2.to_q", h2, rows, d, d);
     let k2 = lin(&mut g, "attn2.to_k", ctx, trows, d, d);
+    sink_context_grad(&mut g, k2, ctx);
     let v2 = lin(&mut g, "attn2.to_v", ctx, trows, d, d);
+    sink_context_grad(&mut g, v2, ctx);
     let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
     let k2n = norm(&mut g, "attn2.norm_k", k2, trows);
     let o2 = separate_attention(

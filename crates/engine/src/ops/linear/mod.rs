@@ -8,6 +8,7 @@
 mod bf16;
 mod common;
 mod direct;
+mod input_sink;
 mod sink;
 mod widen;
 
@@ -25,6 +26,7 @@ pub(crate) use common::add_column_sums;
 pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS};
 pub(crate) use direct::dw_add_chunk;
 use direct::{linear_bwd_direct, linear_fwd_direct};
+pub use input_sink::InputSink;
 pub use sink::GradSink;
 use widen::{linear_bwd_widen, linear_fwd_widen};
 
@@ -40,9 +42,12 @@ use widen::{linear_bwd_widen, linear_fwd_widen};
 /// sink instead of returning them to candle: candle would fold each into its store as
 /// `zeros_like(W) + dW`, a memset and an add over every weight of the model per step (and a
 /// moment with three weight-sized buffers alive), only for the trainer to take the sum out.
+/// With an [`InputSink`], dx goes the same way: added in place into the sink's running sum
+/// (the text context every block's cross-attention reads).
 #[derive(Debug, Clone, Default)]
 pub struct LinearOp {
     sink: Option<Arc<GradSink>>,
+    dx_sink: Option<Arc<InputSink>>,
 }
 
 /// Fused linear (see [`LinearOp`]): x (rows, in), w (out, in), b (out) → (rows, out).
@@ -60,6 +65,27 @@ pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> 
         b,
         LinearOp {
             sink: Some(Arc::clone(sink)),
+            dx_sink: None,
+        },
+    )
+}
+
+/// The fused linear with its weight gradients handed to `sink` when given (as [`linear_sunk`];
+/// else to candle) and dx added into `dx_sink` (see [`InputSink`]) instead of candle's store.
+/// x must track for the backward to run.
+pub fn linear_into(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    sink: Option<&Arc<GradSink>>,
+    dx_sink: &Arc<InputSink>,
+) -> CResult<Tensor> {
+    x.apply_op3(
+        w,
+        b,
+        LinearOp {
+            sink: sink.map(Arc::clone),
+            dx_sink: Some(Arc::clone(dx_sink)),
         },
     )
 }
@@ -357,7 +383,12 @@ impl CustomOp3 for LinearOp {
                 })
             })
         })?;
-        let dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
+        let mut dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
+        if let (Some(sink), Some(d)) = (&self.dx_sink, &dx) {
+            // Added into the running sum and freed before the weights' gradients are handed on.
+            sink.add(d)?;
+            dx = None;
+        }
         let (dw, db) = weight_grads((dw, db), w.dims2()?)?;
         match &self.sink {
             Some(sink) => {
@@ -394,6 +425,67 @@ mod tests {
                 "out {out}"
             );
             assert!(engine.iter().all(|b| b.1 as usize <= DW_COLS), "out {out}");
+        }
+    }
+
+    /// Two linears on one tracked input (a cross-attention's k and v projections of the
+    /// context): with an input sink their dx's land in the sink's buffer, not in candle's
+    /// store, and sum to the store's gradient without the sink (exactly on f32/f64: two
+    /// contributions added to zero in either order); the weights' gradients are unchanged.
+    #[test]
+    fn input_sink_takes_the_inputs_gradient() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        for dt in [DType::F32, DType::F64] {
+            let val = |n: usize, s: usize| -> Vec<f64> {
+                (0..n)
+                    .map(|i| ((i * 37 + s * 11) % 23) as f64 / 23.0 - 0.5)
+                    .collect()
+            };
+            let t = |v: Vec<f64>, shape: (usize, usize)| {
+                Tensor::from_vec(v, shape, &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap()
+            };
+            let (rows, inp, out) = (40, 6, 5);
+            let x = Var::from_tensor(&t(val(rows * inp, 1), (rows, inp))).unwrap();
+            let wk = Var::from_tensor(&t(val(out * inp, 2), (out, inp))).unwrap();
+            let wv = Var::from_tensor(&t(val(out * inp, 3), (out, inp))).unwrap();
+            let b = Tensor::zeros(out, dt, &dev).unwrap();
+            let loss = |k: Tensor, v: Tensor| (k.sqr().unwrap() + v).unwrap().sum_all().unwrap();
+
+            let plain = loss(
+                linear(x.as_tensor(), wk.as_tensor(), &b).unwrap(),
+                linear(x.as_tensor(), wv.as_tensor(), &b).unwrap(),
+            )
+            .backward()
+            .unwrap();
+            let sink = Arc::new(InputSink::default());
+            sink.set(Tensor::zeros((rows, inp), dt, &dev).unwrap())
+                .unwrap();
+            let sunk = loss(
+                linear_into(x.as_tensor(), wk.as_tensor(), &b, None, &sink).unwrap(),
+                linear_into(x.as_tensor(), wv.as_tensor(), &b, None, &sink).unwrap(),
+            )
+            .backward()
+            .unwrap();
+            assert!(sunk.get(x.as_tensor()).is_none(), "{dt:?}: dx in the store");
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+            let got = flat(&sink.take().unwrap()).to_vec1::<f64>().unwrap();
+            let want = flat(plain.get(x.as_tensor()).unwrap())
+                .to_vec1::<f64>()
+                .unwrap();
+            assert_eq!(got, want, "{dt:?} dx");
+            for w in [&wk, &wv] {
+                let a = flat(sunk.get(w.as_tensor()).unwrap())
+                    .to_vec1::<f64>()
+                    .unwrap();
+                let b = flat(plain.get(w.as_tensor()).unwrap())
+                    .to_vec1::<f64>()
+                    .unwrap();
+                assert_eq!(a, b, "{dt:?} dW");
+            }
         }
     }
 
