@@ -15,6 +15,7 @@
 //!
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
+pub mod cross;
 pub mod flux;
 pub mod lora;
 pub mod pixart;

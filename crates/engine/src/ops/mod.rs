@@ -72,8 +72,9 @@ pub(crate) mod test_values;
 pub mod tokens;
 
 pub use attention::{
-    attention_materialized, attn_threads, dropout_mask, projected_attention, qkv_attention,
-    AttnGeom, AttnKeep, Dropout, ProjectedAttention, QkvAttention, ATTN_KEY_BLOCK,
+    attention_materialized, attn_threads, cross_attention, dropout_mask, projected_attention,
+    qkv_attention, AttnGeom, AttnKeep, CrossAttention, Dropout, ProjectedAttention, QkvAttention,
+    ATTN_KEY_BLOCK,
 };
 pub use backward_from::{backward_from, backward_from_many};
 pub use fused_mlp::{fused_mlp, fused_mlp_bwd_scratch, fused_mlp_fwd_scratch, FusedMlp, MlpLinear};

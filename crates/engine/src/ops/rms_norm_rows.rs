@@ -184,7 +184,7 @@ where
 }
 
 impl RmsNormRows {
-    fn fwd(
+    pub(crate) fn fwd(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -214,18 +214,47 @@ impl RmsNormRows {
         Ok((out, lx.shape().clone()))
     }
 
+    /// The op, for a caller that runs it on storages inside its own node
+    /// ([`super::attention::cross::CrossAttention`]).
+    pub(crate) fn new(eps: f64, out: DType) -> Self {
+        RmsNormRows {
+            out,
+            eps,
+            rstd: Mutex::new(None),
+        }
+    }
+
+    /// Frees the kept statistics, once the backward has run.
+    pub(crate) fn release(&self) {
+        if let Ok(mut s) = self.rstd.lock() {
+            s.take();
+        }
+    }
+
     fn bwd_impl(
         &self,
         x: &Tensor,
         w: Option<&Tensor>,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let want_w = w.is_some_and(|w| w.track_op());
+        self.bwd_parts(x, w, grad, (x.track_op(), want_w))
+    }
+
+    /// The backward with the gradients chosen by the caller: `(want_x, want_w)`.
+    pub(crate) fn bwd_parts(
+        &self,
+        x: &Tensor,
+        w: Option<&Tensor>,
+        grad: &Tensor,
+        (want_x, want_w): (bool, bool),
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let guard = self.rstd.lock().map_err(|_| err("rms lock poisoned"))?;
         let rs = guard
             .as_ref()
             .ok_or_else(|| err("rms_norm backward before forward"))?;
         let grad = grad.contiguous()?;
-        let want_w = w.is_some_and(|w| w.track_op());
+        let want_w = want_w && w.is_some();
         let w_c = w.map(|w| w.contiguous()).transpose()?;
         let (dx, dw) = with_cpu(x, |sx, lx| {
             with_cpu(&grad, |sg, lg| {
@@ -267,7 +296,7 @@ impl RmsNormRows {
             (Some(g), Some(w)) => Some(g.reshape(w.shape())?),
             _ => None,
         };
-        Ok((x.track_op().then_some(dx), dw))
+        Ok((want_x.then_some(dx), dw))
     }
 }
 

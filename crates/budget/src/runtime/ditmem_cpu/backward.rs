@@ -522,8 +522,9 @@ fn custom_backward(
         .map(|&i| (i, h.make(g, bytes(i), &[])))
         .collect();
     h.drop_val(scratch);
-    for (k, &(i, d)) in grads.iter().enumerate() {
-        if k == 0 && i == ins[0] && g.nodes[x].x_sunk {
+    let sunk_input = g.nodes[x].sunk_input.map(|k| ins[k]);
+    for &(i, d) in &grads {
+        if sunk_input == Some(i) {
             // Added into the trainer's running sum inside the op's backward, then freed.
             h.drop_val(d);
             continue;

@@ -44,7 +44,7 @@ pub fn module_linear(
 /// Marks the fused linear of `y` (a [`module_linear`] on the shared text context `ctx`: a
 /// cross-attention's k or v projection, LoRA's `+lora` sum or the linear itself) as adding its
 /// dx into the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,
-/// `Node::x_sunk`) when the context tracks; LoRA's branch still hands its share to the store.
+/// `Node::sunk_input`) when the context tracks; LoRA's branch still hands its share to the store.
 pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
     let base = match g.nodes[y].kind {
         Kind::Add => g.nodes[y].inputs[0],
@@ -52,7 +52,15 @@ pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
     };
     debug_assert!(matches!(g.nodes[base].kind, Kind::Custom { .. }));
     debug_assert_eq!(g.nodes[base].inputs[0], ctx);
-    g.nodes[base].x_sunk = g.nodes[ctx].tracks;
+    if g.nodes[ctx].tracks {
+        g.nodes[base].sunk_input = Some(0);
+    }
+}
+
+/// Whether `families::cross::cross_attend` runs the cross-attention (`attn2`) as one fused
+/// node ([`super::cross::cross_attention`]): neither of its k and v projections carries LoRA.
+pub fn fused_cross(sh: &Shape) -> bool {
+    sh.lora_rank("attn2.to_k").is_none() && sh.lora_rank("attn2.to_v").is_none()
 }
 
 /// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under

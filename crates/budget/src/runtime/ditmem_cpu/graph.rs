@@ -100,10 +100,11 @@ pub struct Node {
     /// candle's store: no `zeros_like` + `add` for it. Such a node is a `Var` that does not
     /// track.
     pub sunk: bool,
-    /// A fused linear whose input's gradient its backward adds in place into a running sum the
-    /// trainer owns (`ditmem_engine::ops::InputSink`: the text context's k and v projections),
-    /// never into candle's store: dx is made beside the other gradients and freed.
-    pub x_sunk: bool,
+    /// The input (its index among `inputs`) whose gradient the op's backward adds in place into
+    /// a running sum the trainer owns (`ditmem_engine::ops::InputSink`: the text context of the
+    /// k and v projections, fused or not), never into candle's store: made beside the other
+    /// gradients and freed.
+    pub sunk_input: Option<usize>,
 }
 
 impl Node {
@@ -184,7 +185,7 @@ impl Graph {
             bound: false,
             held_until: None,
             sunk: false,
-            x_sunk: false,
+            sunk_input: None,
         });
         self.nodes.len() - 1
     }

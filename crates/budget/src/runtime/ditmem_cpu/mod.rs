@@ -38,6 +38,7 @@
 pub mod attention;
 pub mod backward;
 pub mod block;
+pub mod cross;
 pub mod flux;
 pub mod gemm_pack;
 pub mod graph;

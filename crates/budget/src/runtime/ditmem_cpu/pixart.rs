@@ -8,8 +8,9 @@
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, module_feed_forward, module_linear, sink_context_grad,
+    base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
 };
+use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     attention_head_packing, fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
@@ -81,13 +82,30 @@ pub fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
 /// accumulation-type buffers per thread (at most one per head, every dtype on the generic
 /// kernels); the backward returns three fresh gradients.
 pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], sq: u64) -> Nid {
+    let sk = g.elems(qkv[1]) / (sh.b * sh.d);
+    let (extra, fwd, bwd) = separate_attention_bytes(sh, sq, sk);
+    let o = g.op(
+        name,
+        Kind::Custom { bwd_scratch: bwd },
+        &qkv,
+        sh.b * sq * sh.d,
+        sh.cd(),
+    );
+    g.nodes[o].extra = extra;
+    g.nodes[o].fwd_scratch = fwd;
+    o
+}
+
+/// [`separate_attention`]'s bytes for s_q queries over s_kv keys (the shape's batch, heads and
+/// width): what it keeps (P or the log-sum-exp) and the workspace of its forward and backward
+/// (every thread's scratch with its `gemm` packing).
+pub fn separate_attention_bytes(sh: &Shape, sq: u64, sk: u64) -> (u64, u64, u64) {
     let cd = sh.cd();
     let acc = if sh.precision == Precision::Fp64 {
         8
     } else {
         4
     };
-    let sk = g.elems(qkv[1]) / (sh.b * sh.d);
     let nh = sh.b * sh.heads;
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
     let extra = if sh.attention == AttentionMode::MemoryEfficient {
@@ -100,19 +118,7 @@ pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], 
     let (fwd, bwd) = separate_attention_scratch(sh, sq, sk);
     let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(FUSED_ATTN_KEY_BLOCK);
     let (pf, pb) = attention_head_packing(&sh.cpu, (sq, sk, sh.d / sh.heads), kb, acc);
-    let (fwd, bwd) = (fwd * acc + pf, bwd * acc + pb);
-    let o = g.op(
-        name,
-        Kind::Custom {
-            bwd_scratch: nt * bwd,
-        },
-        &qkv,
-        sh.b * sq * sh.d,
-        cd,
-    );
-    g.nodes[o].extra = extra;
-    g.nodes[o].fwd_scratch = nt * fwd;
-    o
+    (extra, nt * (fwd * acc + pf), nt * (bwd * acc + pb))
 }
 
 /// `k` narrow views of a (b, k·D) tensor.
@@ -172,17 +178,19 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
     g.bind(xq);
     let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
-    let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
-    sink_context_grad(&mut g, k2, y);
-    let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
-    sink_context_grad(&mut g, v2, y);
-    let o2 = separate_attention(
-        &mut g,
-        sh,
-        "attn2 (cross, separate q, k, v)",
-        [q2, k2, v2],
-        sh.s,
-    );
+    let o2 = if fused_cross(sh) {
+        let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
+        let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
+        let name = "attn2 (cross, k and v projected inside)";
+        cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
+    } else {
+        let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
+        sink_context_grad(&mut g, k2, y);
+        let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
+        sink_context_grad(&mut g, v2, y);
+        let name = "attn2 (cross, separate q, k, v)";
+        separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
+    };
     g.bind(o2);
     let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
     let ones = g.constant("ones (b, D)", bd, ad, true);

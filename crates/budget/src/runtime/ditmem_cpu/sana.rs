@@ -11,7 +11,10 @@
 
 use crate::families::{Dims as FamilyDims, SanaDims};
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{lora_branch, sink_context_grad};
+use crate::runtime::ditmem_cpu::block::{
+    fused_cross, linear_weights, lora_branch, sink_context_grad,
+};
+use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{fused_linear, gated_residual, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
@@ -243,20 +246,22 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(xq);
     let dc = sg.dc;
     let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
-    let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
-    sink_context_grad(&mut g, k2, y);
-    let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
-    sink_context_grad(&mut g, v2, y);
     let mut csh = sh.clone();
     csh.d = dc;
     csh.heads = sg.hc;
-    let o2 = separate_attention(
-        &mut g,
-        &csh,
-        "attn2 (cross, separate q, k, v)",
-        [q2, k2, v2],
-        sh.s,
-    );
+    let o2 = if fused_cross(sh) {
+        let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (dc, d));
+        let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (dc, d));
+        let name = "attn2 (cross, k and v projected inside)";
+        cross_attention(&mut g, &csh, name, q2, y, (kw, vw), None, (sh.s, sg.t, d))
+    } else {
+        let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
+        sink_context_grad(&mut g, k2, y);
+        let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
+        sink_context_grad(&mut g, v2, y);
+        let name = "attn2 (cross, separate q, k, v)";
+        separate_attention(&mut g, &csh, name, [q2, k2, v2], sh.s)
+    };
     g.bind(o2);
     let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, dc, false);
     let ones = g.constant("ones (b, D)", bd, ad, true);

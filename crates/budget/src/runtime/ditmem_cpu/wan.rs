@@ -8,8 +8,9 @@
 use crate::families::{Dims as FamilyDims, WanDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, module_feed_forward, module_linear, sink_context_grad,
+    base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
 };
+use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
@@ -164,19 +165,24 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
         g.bind(xq)
     };
     let q2 = lin(&mut g, "attn2.to_q", h2, rows, d, d);
-    let k2 = lin(&mut g, "attn2.to_k", ctx, trows, d, d);
-    sink_context_grad(&mut g, k2, ctx);
-    let v2 = lin(&mut g, "attn2.to_v", ctx, trows, d, d);
-    sink_context_grad(&mut g, v2, ctx);
-    let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
-    let k2n = norm(&mut g, "attn2.norm_k", k2, trows);
-    let o2 = separate_attention(
-        &mut g,
-        sh,
-        "attn2 (cross, separate q, k, v)",
-        [q2n, k2n, v2],
-        sh.s,
-    );
+    let o2 = if fused_cross(sh) {
+        let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
+        let nk = base_weight(&mut g, sh, "attn2.norm_k.weight", d, cd);
+        let kw = linear_weights(&mut g, sh, "attn2.to_k", ctx, (d, d));
+        let vw = linear_weights(&mut g, sh, "attn2.to_v", ctx, (d, d));
+        let name = "attn2 (cross, k and v projected and k normed inside)";
+        let dims = (sh.s, wg.t, d);
+        cross_attention(&mut g, sh, name, q2n, ctx, (kw, vw), Some(nk), dims)
+    } else {
+        let k2 = lin(&mut g, "attn2.to_k", ctx, trows, d, d);
+        sink_context_grad(&mut g, k2, ctx);
+        let v2 = lin(&mut g, "attn2.to_v", ctx, trows, d, d);
+        sink_context_grad(&mut g, v2, ctx);
+        let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
+        let k2n = norm(&mut g, "attn2.norm_k", k2, trows);
+        let name = "attn2 (cross, separate q, k, v)";
+        separate_attention(&mut g, sh, name, [q2n, k2n, v2], sh.s)
+    };
     g.bind(o2);
     let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
     let ones = g.constant("ones (b, D)", bd, ad, true);

@@ -7,6 +7,7 @@ use candle_core::{DType, Tensor};
 
 use crate::block::{cast, AttnImpl, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
+use crate::families::cross::cross_attend;
 use crate::ops::attention::separate::attention;
 use crate::ops::{gated_residual, gelu_tanh, ln_modulate, AttnKeep};
 
@@ -67,9 +68,7 @@ pub fn pixart_block_forward(
     // Cross-attention to the caption (PixArt's attn2 reads the stream without a norm).
     let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
     let q2 = w.q2.forward(&xq)?;
-    let k2 = w.k2.forward(y)?;
-    let v2 = w.v2.forward(y)?;
-    let o2 = attention(&q2, &k2, &v2, b, cfg.heads, keep)?;
+    let o2 = cross_attend(&q2, y, (&w.k2, &w.v2), None, b, cfg.heads, keep)?;
     let p2 = w.o2.forward(&o2)?;
     let ones = Tensor::ones((b, h), ad, x.device())?;
     let x2 = gated_residual(&x1, &p2, &ones)?;

@@ -7,8 +7,8 @@ use candle_core::{DType, Tensor};
 
 use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
+use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
-use crate::ops::attention::separate::attention;
 use crate::ops::dwconv::silu_dwconv3x3;
 use crate::ops::glu::glu_silu;
 use crate::ops::linear_attention::linear_attention;
@@ -86,9 +86,7 @@ pub fn sana_block_forward(
     // Cross-attention to the caption (softmax; attn2 reads the stream without a norm).
     let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
     let q2 = w.q2.forward(&xq)?;
-    let k2 = w.k2.forward(y)?;
-    let v2 = w.v2.forward(y)?;
-    let o2 = attention(&q2, &k2, &v2, b, geo.cross_heads, keep)?;
+    let o2 = cross_attend(&q2, y, (&w.k2, &w.v2), None, b, geo.cross_heads, keep)?;
     let p2 = w.o2.forward(&o2)?;
     let ones = Tensor::ones((b, h), ad, x.device())?;
     let x2 = gated_residual(&x1, &p2, &ones)?;

@@ -7,6 +7,7 @@ use candle_core::{DType, Tensor};
 
 use crate::block::{cast, BlockConfig, LinearW};
 use crate::error::Result;
+use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::{
@@ -93,11 +94,9 @@ pub fn wan_block_forward(
         None => cast(x1.clone(), cd)?.reshape((b * s, h))?,
     };
     let q2 = w.q2.forward(&h2)?;
-    let k2 = w.k2.forward(c.ctx)?;
-    let v2 = w.v2.forward(c.ctx)?;
     let q2n = rms_norm(&q2, Some(&w.norm_q2), WAN_EPS, cd)?;
-    let k2n = rms_norm(&k2, Some(&w.norm_k2), WAN_EPS, cd)?;
-    let o2 = attention(&q2n, &k2n, &v2, b, cfg.heads, keep)?;
+    let norm_k = Some((&w.norm_k2, WAN_EPS));
+    let o2 = cross_attend(&q2n, c.ctx, (&w.k2, &w.v2), norm_k, b, cfg.heads, keep)?;
     let p2 = w.o2.forward(&o2)?;
     let ones = Tensor::ones((b, h), x.dtype(), x.device())?;
     let x2 = gated_residual(&x1, &p2, &ones)?;

@@ -12,8 +12,10 @@
 //! - [`projected`]: the qkv projection folded into the attention's node.
 //! - [`separate`]: attention over separate q, k, v (self-attention of three projections, and
 //!   cross-attention to text tokens).
+//! - [`cross`]: the cross-attention with its k and v projections of the text folded in.
 
 pub mod bf16;
+pub mod cross;
 pub mod dropout;
 mod generic;
 pub mod geom;
@@ -29,6 +31,7 @@ use candle_core::{
 
 use crate::ops::linear::storage_tensor;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+pub use cross::{cross_attention, CrossAttention};
 pub use dropout::{dropout_mask, Dropout};
 use generic::{attn_bwd_cpu, attn_bwd_cpu_over, attn_fwd_cpu};
 use geom::attn_geom;

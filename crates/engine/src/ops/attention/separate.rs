@@ -75,6 +75,27 @@ pub struct SeparateAttention {
     saved: Mutex<Option<CpuStorage>>,
 }
 
+impl SeparateAttention {
+    /// The op, for a caller that runs it on storages inside its own node
+    /// ([`super::cross::CrossAttention`]); `track`: keep what the backward reads.
+    pub(crate) fn new(batch: usize, heads: usize, keep: AttnKeep, track: bool) -> Self {
+        SeparateAttention {
+            batch,
+            heads,
+            keep,
+            track,
+            saved: Mutex::new(None),
+        }
+    }
+
+    /// Frees what the forward kept (P or the log-sum-exp), once its backward has run.
+    pub(crate) fn release(&self) {
+        if let Ok(mut s) = self.saved.lock() {
+            s.take();
+        }
+    }
+}
+
 /// Attention of q (b·s_q, D) over k, v (b·s_kv, D), written as (b·s_q, D); `keep` as
 /// [`super::qkv_attention`]'s (no dropout).
 pub fn attention(

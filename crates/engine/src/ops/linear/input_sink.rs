@@ -1,7 +1,9 @@
 //! [`InputSink`]: where the fused linears that read a shared input (the cross-attention's k and
 //! v projections of the text context, in every block) add that input's gradient, in place,
-//! instead of handing it to candle's store. Budget twin: the `x_sunk` linears of
-//! `ditmem_budget::ditmem_cpu` (`Node::x_sunk`: dx made, added, freed; nothing in the store).
+//! instead of handing it to candle's store; the fused cross-attention
+//! ([`crate::ops::cross_attention`]) adds both of its projections' parts the same way. Budget
+//! twin: `Node::sunk_input` of `ditmem_budget::ditmem_cpu` (dx made, added, freed; nothing in
+//! the store).
 //!
 //! Why: candle folds a node's input gradient into its store as `zeros_like(x) + dx` on the
 //! first contribution and `old + dx` on the next, each a new context-sized tensor beside the

@@ -1,0 +1,40 @@
+//! [`cross_attend`]: the cross-attention of PixArt, Sana and Wan to the projected text, from
+//! its query: one fused node ([`crate::ops::cross_attention`]: the k and v projections, Wan's
+//! k norm and the attention) where both projections allow it, composed otherwise (LoRA on
+//! `to_k` / `to_v`, or tracking weights without a sink). Budget twin:
+//! `ditmem_budget::ditmem_cpu::ops::cross_attention` and the composed nodes.
+
+use candle_core::Tensor;
+
+use crate::block::{mlp_linear, LinearW};
+use crate::error::Result;
+use crate::ops::attention::separate::attention;
+use crate::ops::{cross_attention, rms_norm_rows, AttnKeep};
+
+/// Attention of `q` (b·s_q, D) over the context `ctx` (b·T, C) through the projections `k`, `v`
+/// (k normed by `norm_k` = (weight, eps) when given): (b·s_q, D). The context's gradient goes
+/// to `k`'s input sink when it has one (the trainer's running sum), else to candle.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_attend(
+    q: &Tensor,
+    ctx: &Tensor,
+    (k, v): (&LinearW, &LinearW),
+    norm_k: Option<(&Tensor, f64)>,
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+) -> Result<Tensor> {
+    let tracks = ctx.track_op();
+    if let (Some(kl), Some(vl)) = (mlp_linear(k, tracks), mlp_linear(v, tracks)) {
+        let sink = k.dx_sink.clone().filter(|_| tracks);
+        let o = cross_attention(q, ctx, (kl, vl), norm_k, sink, batch, heads, keep)?;
+        return Ok(o);
+    }
+    let kp = k.forward(ctx)?;
+    let vp = v.forward(ctx)?;
+    let kn = match norm_k {
+        Some((w, eps)) => rms_norm_rows(&kp, Some(w), eps, q.dtype())?,
+        None => kp,
+    };
+    Ok(attention(q, &kn, &vp, batch, heads, keep)?)
+}

@@ -1,0 +1,403 @@
+//! [`cross_attention`]: a cross-attention's k and v projections of the text context, Wan's
+//! RMSNorm of k across heads, and the attention itself ([`SeparateAttention`]) as one node on
+//! (q, context[, norm weight]) ([`CrossAttention`]). Budget twin:
+//! `ditmem_budget::ditmem_cpu::ops::cross_attention`.
+//!
+//! Why: composed, the attention's backward hands dk and dv to candle, which folds each into its
+//! store as `zeros_like + add` while the other is alive (candle-core 0.11 `backprop.rs`): four
+//! context-sized tensors at once beside the attention's own gradients, the block's worst moment
+//! when the caption has more tokens than the image (PixArt's 300, Wan's 512 text tokens). Here
+//! dk and dv never leave the node: the v projection's backward runs on dv as soon as the
+//! attention's has, then the norm's and the k projection's on dk, each freeing what it read;
+//! the context's gradient goes to the trainer's running sum ([`InputSink`], v's part then k's,
+//! the order candle ran the composed nodes in) and the weights' to their [`GradSink`]s. The
+//! op keeps k (before and, with the norm, after it), v and the attention's own saved state,
+//! and frees them during its backward.
+//!
+//! Numerics: the same kernel calls as the composition (the fused linear's storage functions, the
+//! RMSNorm's and the attention's own forward and backward), so the same bits.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+
+use super::separate::SeparateAttention;
+use super::AttnKeep;
+use crate::ops::fused_mlp::MlpLinear;
+use crate::ops::linear::{
+    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, InputSink, LinearGrads,
+};
+use crate::ops::rms_norm_rows::RmsNormRows;
+use crate::ops::storage::{err, with_cpu, CResult};
+
+/// What the forward keeps for the backward: k before the norm (with a norm), k as the attention
+/// reads it, and v, all (b·T, D).
+#[derive(Debug)]
+struct Kept {
+    k_pre: Option<CpuStorage>,
+    k: CpuStorage,
+    v: CpuStorage,
+    dims: (usize, usize),
+}
+
+/// The fused cross-attention (see the module docs).
+#[derive(Debug)]
+pub struct CrossAttention {
+    k: MlpLinear,
+    v: MlpLinear,
+    norm: Option<RmsNormRows>,
+    attn: SeparateAttention,
+    /// Where the context's gradient goes; None: returned to candle.
+    ctx_sink: Option<Arc<InputSink>>,
+    track: bool,
+    kept: Mutex<Option<Kept>>,
+}
+
+/// Attention of q (b·s_q, D) over k = norm(ctx·Wkᵀ + bk) (the norm only with `norm_k` = (its
+/// weight, eps)) and v = ctx·Wvᵀ + bv of the context ctx (b·T, C), written as (b·s_q, D). A
+/// linear's weights must not track unless it has a sink; the context's gradient goes to
+/// `ctx_sink` when given.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_attention(
+    q: &Tensor,
+    ctx: &Tensor,
+    (k, v): (MlpLinear, MlpLinear),
+    norm_k: Option<(&Tensor, f64)>,
+    ctx_sink: Option<Arc<InputSink>>,
+    batch: usize,
+    heads: usize,
+    keep: AttnKeep,
+) -> CResult<Tensor> {
+    for l in [&k, &v] {
+        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
+            return Err(err(
+                "cross_attention: a projection whose weights track needs a gradient sink",
+            ));
+        }
+    }
+    let track = q.track_op() || ctx.track_op() || norm_k.is_some_and(|(w, _)| w.track_op());
+    let op = CrossAttention {
+        k,
+        v,
+        norm: norm_k.map(|(_, eps)| RmsNormRows::new(eps, q.dtype())),
+        attn: SeparateAttention::new(batch, heads, keep, track),
+        ctx_sink,
+        track,
+        kept: Mutex::new(None),
+    };
+    match norm_k {
+        Some((w, _)) => q.apply_op3(ctx, w, op),
+        None => q.apply_op2(ctx, op),
+    }
+}
+
+impl CrossAttention {
+    /// One projection of the context.
+    fn project(l: &MlpLinear, ctx: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpu(&l.w, |sw, lw| {
+            with_cpu(&l.b, |sb, lb| linear_fwd_storage(ctx, (sw, lw), (sb, lb)))
+        })
+    }
+
+    fn fwd(
+        &self,
+        (sq, lq): (&CpuStorage, &Layout),
+        ctx: (&CpuStorage, &Layout),
+        nw: Option<(&CpuStorage, &Layout)>,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (k_pre, shape) = Self::project(&self.k, ctx)?;
+        let lk = Layout::contiguous(shape.clone());
+        let kn = match (&self.norm, nw) {
+            (Some(op), Some(w)) => Some(op.fwd(&k_pre, &lk, Some(w))?.0),
+            (None, None) => None,
+            _ => return Err(err("cross_attention: a norm needs its weight")),
+        };
+        let (v, sv) = Self::project(&self.v, ctx)?;
+        let lv = Layout::contiguous(sv);
+        let (out, so) = {
+            let k = kn.as_ref().unwrap_or(&k_pre);
+            CustomOp3::cpu_fwd(&self.attn, sq, lq, k, &lk, &v, &lv)?
+        };
+        if self.track {
+            let (k_pre, k) = match kn {
+                Some(kn) => (Some(k_pre), kn),
+                None => (None, k_pre),
+            };
+            *self.lock()? = Some(Kept {
+                k_pre,
+                k,
+                v,
+                dims: shape.dims2()?,
+            });
+        }
+        Ok((out, so))
+    }
+
+    fn lock(&self) -> CResult<std::sync::MutexGuard<'_, Option<Kept>>> {
+        self.kept
+            .lock()
+            .map_err(|_| err("cross_attention: kept state poisoned"))
+    }
+
+    /// One projection's backward on its output gradient `g`: the context's part to the sink
+    /// (or added into `dctx`), dW and db to the projection's sink.
+    fn project_bwd(
+        &self,
+        l: &MlpLinear,
+        ctx: &Tensor,
+        g: Tensor,
+        dctx: &mut Option<Tensor>,
+    ) -> CResult<()> {
+        let (w_wanted, b_wanted) = l.wants();
+        let want = LinearGrads {
+            x: ctx.track_op(),
+            w: w_wanted,
+            b: b_wanted,
+        };
+        let (bdt, lb) = (l.b.dtype(), l.b.layout());
+        let (dx, dw, db) = with_cpu(ctx, |sx, lx| {
+            with_cpu(&l.w, |sw, lw| {
+                with_cpu(&g, |sg, lg| {
+                    linear_bwd_storage((sx, lx), (sw, lw), (bdt, lb), (sg, lg), want)
+                })
+            })
+        })?;
+        drop(g);
+        if let Some(dx) = dx {
+            let dx = storage_tensor(dx, ctx.shape())?;
+            match (&self.ctx_sink, dctx.take()) {
+                (Some(sink), _) => sink.add(&dx)?,
+                (None, Some(sum)) => *dctx = Some((sum + dx)?),
+                (None, None) => *dctx = Some(dx),
+            }
+        }
+        let (dw, db) = weight_grads((dw, db), l.w.dims2()?)?;
+        if let Some(s) = &l.sink {
+            s.put_both(dw, db)?;
+        }
+        Ok(())
+    }
+
+    /// The backward (see the module docs): (dq, dctx unless sunk, dnorm weight).
+    fn bwd_impl(
+        &self,
+        q: &Tensor,
+        ctx: &Tensor,
+        nw: Option<&Tensor>,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let kept = self
+            .lock()?
+            .take()
+            .ok_or_else(|| err("cross_attention: backward without a tracked forward"))?;
+        let Kept { k_pre, k, v, dims } = kept;
+        let k = storage_tensor(k, dims)?;
+        let v = storage_tensor(v, dims)?;
+        let (dq, dk, dv) = CustomOp3::bwd(&self.attn, q, &k, &v, res, grad)?;
+        self.attn.release();
+        drop(k);
+        let (dk, dv) = match (dk, dv) {
+            (Some(dk), Some(dv)) => (dk, dv),
+            _ => return Err(err("cross_attention: the attention gave no dk, dv")),
+        };
+        let mut dctx = None;
+        self.project_bwd(&self.v, ctx, dv, &mut dctx)?;
+        drop(v);
+        let (dk, dnw) = match (&self.norm, k_pre) {
+            (Some(op), Some(k_pre)) => {
+                let k_pre = storage_tensor(k_pre, dims)?;
+                let want_w = nw.is_some_and(|w| w.track_op());
+                let (dk_pre, dnw) = op.bwd_parts(&k_pre, nw, &dk, (true, want_w))?;
+                op.release();
+                drop((dk, k_pre));
+                let dk_pre =
+                    dk_pre.ok_or_else(|| err("cross_attention: the norm gave no gradient"))?;
+                (dk_pre, dnw)
+            }
+            _ => (dk, None),
+        };
+        self.project_bwd(&self.k, ctx, dk, &mut dctx)?;
+        Ok((dq, dctx, dnw))
+    }
+}
+
+impl CustomOp2 for CrossAttention {
+    fn name(&self) -> &'static str {
+        "cross-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.fwd((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        ctx: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dq, dctx, _) = self.bwd_impl(q, ctx, None, res, grad)?;
+        Ok((dq, dctx))
+    }
+}
+
+impl CustomOp3 for CrossAttention {
+    fn name(&self) -> &'static str {
+        "cross-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.fwd((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        ctx: &Tensor,
+        nw: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.bwd_impl(q, ctx, Some(nw), res, grad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::attention::separate::attention;
+    use crate::ops::test_values::{bits, t};
+    use crate::ops::{linear_into, rms_norm_rows, GradSink};
+    use candle_core::{DType, Var};
+
+    const EPS: f64 = 1e-6;
+
+    /// (out, dq, dctx, [dWk, dbk, dWv, dbv], dnorm) of the cross-attention of q (b·sq, d) over
+    /// ctx (b·t, c), fused or composed of the sunk linears, the norm and the attention.
+    #[allow(clippy::type_complexity)]
+    fn run(
+        fused: bool,
+        (dt, wdt): (DType, DType),
+        norm: bool,
+        keep: AttnKeep,
+        (b, sq, t_, c, d, heads): (usize, usize, usize, usize, usize, usize),
+    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>, Option<Tensor>) {
+        let q = Var::from_tensor(&t(b * sq * d, &[b * sq, d], 1, dt)).unwrap();
+        let ctx = Var::from_tensor(&t(b * t_ * c, &[b * t_, c], 2, dt)).unwrap();
+        let nw = Var::from_tensor(&t(d, &[d], 3, dt)).unwrap();
+        let (wk, bk) = (t(d * c, &[d, c], 4, wdt), t(d, &[d], 5, wdt));
+        let (wv, bv) = (t(d * c, &[d, c], 6, wdt), t(d, &[d], 7, wdt));
+        let r = t(b * sq * d, &[b * sq, d], 8, dt);
+        let (sk, sv) = (
+            Arc::new(GradSink::new(true, true)),
+            Arc::new(GradSink::new(true, true)),
+        );
+        let sink = Arc::new(InputSink::default());
+        // The running sum in the gradient dtype (f64 under f64, else f32), as the trainer's.
+        let gd = if dt == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        sink.set(Tensor::zeros((b * t_, c), gd, q.device()).unwrap())
+            .unwrap();
+        let norm_k = norm.then_some((nw.as_tensor(), EPS));
+        let y = if fused {
+            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
+                w: w.clone(),
+                b: b.clone(),
+                sink: Some(Arc::clone(s)),
+            };
+            let kv = (l(&wk, &bk, &sk), l(&wv, &bv, &sv));
+            let s = Some(Arc::clone(&sink));
+            cross_attention(
+                q.as_tensor(),
+                ctx.as_tensor(),
+                kv,
+                norm_k,
+                s,
+                b,
+                heads,
+                keep,
+            )
+            .unwrap()
+        } else {
+            let k = linear_into(ctx.as_tensor(), &wk, &bk, Some(&sk), &sink).unwrap();
+            let v = linear_into(ctx.as_tensor(), &wv, &bv, Some(&sv), &sink).unwrap();
+            let k = match norm_k {
+                Some((w, eps)) => rms_norm_rows(&k, Some(w), eps, dt).unwrap(),
+                None => k,
+            };
+            attention(q.as_tensor(), &k, &v, b, heads, keep).unwrap()
+        };
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dq = grads.get(q.as_tensor()).unwrap().clone();
+        assert!(grads.get(ctx.as_tensor()).is_none(), "dctx in the store");
+        let dctx = sink.take().unwrap();
+        let sunk = [sk.take_w(), sk.take_b(), sv.take_w(), sv.take_b()]
+            .map(|g| g.expect("the sinks hold every weight gradient"));
+        let dnw = grads.get(nw.as_tensor()).cloned();
+        (y, dq, dctx, sunk.to_vec(), dnw)
+    }
+
+    /// The fused cross-attention's output and every gradient (q's, the context's, the four
+    /// weight gradients it sinks, the norm weight's) are the composition's, bit for bit, on
+    /// f64, f32, bf16 and f16 with weights in the compute dtype or f32 masters, with and
+    /// without the norm, in both attention modes.
+    #[test]
+    fn cross_attention_equals_the_composition_bit_for_bit() {
+        for dts in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for norm in [false, true] {
+                for keep in [AttnKeep::LogSumExp, AttnKeep::Probabilities] {
+                    let dims = (2, 5, 7, 12, 8, 2);
+                    let what = format!("{dts:?} norm {norm} {keep:?}");
+                    let (yf, dqf, dcf, gf, nf) = run(true, dts, norm, keep, dims);
+                    let (yc, dqc, dcc, gc, nc) = run(false, dts, norm, keep, dims);
+                    assert_eq!(bits(&yf), bits(&yc), "y {what}");
+                    assert_eq!(bits(&dqf), bits(&dqc), "dq {what}");
+                    assert_eq!(bits(&dcf), bits(&dcc), "dctx {what}");
+                    for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                        assert_eq!(bits(a), bits(b), "weight grad {i} {what}");
+                    }
+                    assert_eq!(nf.is_some(), norm, "{what}");
+                    if let (Some(a), Some(b)) = (&nf, &nc) {
+                        assert_eq!(bits(a), bits(b), "dnorm {what}");
+                    }
+                    assert!(bits(&dcf).iter().any(|&b| f64::from_bits(b) != 0.0));
+                }
+            }
+        }
+    }
+
+    /// The op's heap bytes beside what it keeps are the budget's constant.
+    #[test]
+    fn op_bytes_are_the_budgets() {
+        use ditmem_budget::ditmem_cpu::cross::CROSS_ATTENTION_OP_BYTES;
+        assert_eq!(
+            CROSS_ATTENTION_OP_BYTES,
+            32 + std::mem::size_of::<CrossAttention>() as u64
+        );
+    }
+}

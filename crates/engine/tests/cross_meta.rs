@@ -1,0 +1,78 @@
+//! The heap a tracked fused cross-attention node holds beside its output, against the budget's
+//! restatement. Alone in its test binary (as `wan_meta.rs`): the counting allocator is the whole
+//! process's, and other tests' threads starting beside it would be counted.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ditmem_engine::ops::{cross_attention, AttnKeep, MlpLinear};
+use ditmem_engine::CountingAlloc;
+
+#[global_allocator]
+static A: CountingAlloc = CountingAlloc::new();
+
+/// Tracked, the node holds beyond the untracked one: k (and, normed, k before the norm and
+/// one rstd per row), v, the attention's log-sum-exp and the boxed op
+/// (`CROSS_ATTENTION_OP_BYTES`); untracked it keeps nothing but its output.
+#[test]
+fn cross_attention_node_holds_what_the_budget_says() {
+    use ditmem_budget::ditmem_cpu::cross::CROSS_ATTENTION_OP_BYTES;
+    let dev = Device::Cpu;
+    let (b, sq, t, c, d, heads) = (2usize, 8usize, 16usize, 24usize, 32usize, 4usize);
+    let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).unwrap();
+    let q = Var::from_tensor(&z(&[b * sq, d])).unwrap();
+    let ctx = Var::from_tensor(&z(&[b * t, c])).unwrap();
+    let nw = Var::from_tensor(&Tensor::ones(d, DType::F32, &dev).unwrap()).unwrap();
+    // The model's weights: made once, as the trainer's are (the node holds handles on them).
+    let (w, bias) = (z(&[d, c]), z(&[d]));
+    let lin = || MlpLinear {
+        w: w.clone(),
+        b: bias.clone(),
+        sink: None,
+    };
+    let n = 32u64;
+    // The least of three counts, after warm-up calls (rayon's and the allocator's per-thread
+    // state grows once).
+    let per = |f: &dyn Fn() -> Tensor| {
+        for _ in 0..n {
+            drop(f());
+        }
+        (0..3)
+            .map(|_| {
+                let before = A.live();
+                let ys: Vec<Tensor> = (0..n).map(|_| f()).collect();
+                let per = (A.live() - before) / n;
+                drop(ys);
+                per
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    let keep = AttnKeep::LogSumExp;
+    let (qd, cdt, nwd) = (
+        q.as_tensor().detach(),
+        ctx.as_tensor().detach(),
+        nw.as_tensor().detach(),
+    );
+    let nk = (b * t * d * 4) as u64;
+    let lse = (b * heads * sq * 4) as u64;
+    for norm in [false, true] {
+        let tracked = per(&|| {
+            let nk = norm.then_some((nw.as_tensor(), 1e-6));
+            let kv = (lin(), lin());
+            cross_attention(q.as_tensor(), ctx.as_tensor(), kv, nk, None, b, heads, keep).unwrap()
+        });
+        let untracked = per(&|| {
+            let nk = norm.then_some((&nwd, 1e-6));
+            cross_attention(&qd, &cdt, (lin(), lin()), nk, None, b, heads, keep).unwrap()
+        });
+        let kept = if norm {
+            3 * nk + (b * t * 4) as u64
+        } else {
+            2 * nk
+        };
+        assert_eq!(
+            tracked - untracked,
+            kept + lse + CROSS_ATTENTION_OP_BYTES,
+            "norm {norm}"
+        );
+    }
+}
