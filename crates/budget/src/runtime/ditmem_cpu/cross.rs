@@ -23,8 +23,9 @@ pub const CROSS_ATTENTION_OP_BYTES: u64 = 32 + 304;
 ///
 /// Forward, in order: k (and, normed, its copy and one rstd per row), v, then the attention's
 /// output and its saved state; tracked, all of them stay in the op. Backward: the attention's
-/// (dq, dk, dv beside its workspace), which frees its saved state and k; v's projection on dv
-/// (the context's part, dW, db and the linear's workspace), freeing dv and v; the norm's on dk
+/// (dq beside its workspace, dk and dv written over k and v), which frees its saved state; v's
+/// projection on dv (the context's part, dW, db and the linear's workspace), freeing dv; the
+/// norm's on dk
 /// (dk before the norm and the weight's gradient), freeing dk, k before the norm and the rstd;
 /// k's projection (the context's part, dW, db). The context's parts go to the trainer's sum
 /// ([`Node::sunk_input`](super::graph::Node::sunk_input)).
@@ -96,9 +97,10 @@ pub fn cross_attention(
     ];
     let fwd = fwd.into_iter().max().unwrap_or(0).saturating_sub(kept + nq);
     let bwd = if tracks {
-        let a = kept + att_b + nq + 2 * nk;
+        // dk and dv are written over the kept k and v.
+        let a = kept + att_b + nq;
         let held = k_pre + rstd;
-        let b = held + nk + nq + 2 * nk + dc + dwv + lv_b;
+        let b = held + 2 * nk + nq + dc + dwv + lv_b;
         let c_ = if norm.is_some() {
             held + nq + nk + dwv + nk + dnw
         } else {

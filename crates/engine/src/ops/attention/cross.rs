@@ -10,9 +10,10 @@
 //! dk and dv never leave the node: the v projection's backward runs on dv as soon as the
 //! attention's has, then the norm's and the k projection's on dk, each freeing what it read;
 //! the context's gradient goes to the trainer's running sum ([`InputSink`], v's part then k's,
-//! the order candle ran the composed nodes in) and the weights' to their [`GradSink`]s. The
-//! op keeps k (before and, with the norm, after it), v and the attention's own saved state,
-//! and frees them during its backward.
+//! the order candle ran the composed nodes in) and the weights' to their [`GradSink`](crate::ops::GradSink)s. The
+//! op keeps k (before and, with the norm, after it), v and the attention's own saved state; the
+//! attention's backward writes dk and dv over the kept k and v, and the rest is freed as the
+//! backward goes.
 //!
 //! Numerics: the same kernel calls as the composition (the fused linear's storage functions, the
 //! RMSNorm's and the attention's own forward and backward), so the same bits.
@@ -192,18 +193,22 @@ impl CrossAttention {
             .take()
             .ok_or_else(|| err("cross_attention: backward without a tracked forward"))?;
         let Kept { k_pre, k, v, dims } = kept;
-        let k = storage_tensor(k, dims)?;
-        let v = storage_tensor(v, dims)?;
-        let (dq, dk, dv) = CustomOp3::bwd(&self.attn, q, &k, &v, res, grad)?;
+        // dk and dv over the kept k and v, which nothing reads after the attention's backward.
+        let lk = Layout::contiguous(dims);
+        let grad = grad.contiguous()?;
+        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
+            with_cpu(res, |so, lo| {
+                with_cpu(&grad, |sg, lg| {
+                    self.attn
+                        .grads_over((sq, lq), (k, v, &lk), (so, lo), (sg, lg))
+                })
+            })
+        })?;
         self.attn.release();
-        drop(k);
-        let (dk, dv) = match (dk, dv) {
-            (Some(dk), Some(dv)) => (dk, dv),
-            _ => return Err(err("cross_attention: the attention gave no dk, dv")),
-        };
+        let dq = storage_tensor(dq, q.shape())?;
+        let (dk, dv) = (storage_tensor(dk, dims)?, storage_tensor(dv, dims)?);
         let mut dctx = None;
         self.project_bwd(&self.v, ctx, dv, &mut dctx)?;
-        drop(v);
         let (dk, dnw) = match (&self.norm, k_pre) {
             (Some(op), Some(k_pre)) => {
                 let k_pre = storage_tensor(k_pre, dims)?;
@@ -218,7 +223,7 @@ impl CrossAttention {
             _ => (dk, None),
         };
         self.project_bwd(&self.k, ctx, dk, &mut dctx)?;
-        Ok((dq, dctx, dnw))
+        Ok((Some(dq), dctx, dnw))
     }
 }
 

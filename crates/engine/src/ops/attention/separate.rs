@@ -88,6 +88,43 @@ impl SeparateAttention {
         }
     }
 
+    /// The backward with dk and dv written over `k` and `v` (all `lk`), which the caller hands
+    /// over (see [`sep_bwd_over`]): (dq, dk, dv).
+    pub(crate) fn grads_over(
+        &self,
+        (sq, lq): (&CpuStorage, &Layout),
+        (k, v, lk): (CpuStorage, CpuStorage, &Layout),
+        (so, lo): (&CpuStorage, &Layout),
+        (sg, lg): (&CpuStorage, &Layout),
+    ) -> CResult<(CpuStorage, CpuStorage, CpuStorage)> {
+        let guard = self
+            .saved
+            .lock()
+            .map_err(|_| err("attention lock poisoned"))?;
+        let g = sep_geom(lq, lk, lk, self.batch, self.heads)?;
+        if k.dtype() != sq.dtype() || v.dtype() != sq.dtype() {
+            return Err(err("attention: q, k and v must share one dtype"));
+        }
+        let n = "attention backward";
+        Ok(dispatch_float!(sq.dtype(), n, |T, A| {
+            let (mut kv, mut vv) = (T::cpu_storage_data(k)?, T::cpu_storage_data(v)?);
+            let dq = sep_bwd_over::<T, A>(
+                cpu_slice::<T>(sq, lq, n)?,
+                (&mut kv, &mut vv),
+                cpu_slice::<T>(so, lo, n)?,
+                cpu_slice::<T>(sg, lg, n)?,
+                guard.as_ref(),
+                &g,
+                self.keep,
+            )?;
+            (
+                T::to_cpu_storage_owned(dq),
+                T::to_cpu_storage_owned(kv),
+                T::to_cpu_storage_owned(vv),
+            )
+        }))
+    }
+
     /// Frees what the forward kept (P or the log-sum-exp), once its backward has run.
     pub(crate) fn release(&self) {
         if let Ok(mut s) = self.saved.lock() {
@@ -321,6 +358,31 @@ where
     (out, saved)
 }
 
+/// Head `hd` of batch `bi` of a (b·n, D) operand read through a raw pointer into an (n × d_h)
+/// buffer, times `scale` ([`gather`] for an operand whose other heads' columns other tasks
+/// write meanwhile).
+///
+/// # Safety
+/// `p` must point to b·n·D initialised elements, and no other thread may write head (bi, hd)'s
+/// columns during the call.
+unsafe fn gather_raw<T: Elem<A>, A: Acc>(
+    p: &SharedMut<T>,
+    n: usize,
+    g: &SepGeom,
+    (bi, hd): (usize, usize),
+    scale: A,
+    dst: &mut [A],
+) {
+    let (dh, d) = (g.dh, g.d());
+    for i in 0..n {
+        for (j, o) in dst[i * dh..(i + 1) * dh].iter_mut().enumerate() {
+            // SAFETY: bi < b, i < n, hd·dh + j < D: inside the buffer; the caller guarantees
+            // no thread writes these columns meanwhile.
+            *o = unsafe { *p.at((bi * n + i) * d + hd * dh + j) }.to_acc() * scale;
+        }
+    }
+}
+
 /// Backward of all heads: (dq, dk, dv), each fresh.
 fn sep_bwd<T, A>(
     (q, k, v): (&[T], &[T], &[T]),
@@ -330,6 +392,73 @@ fn sep_bwd<T, A>(
     g: &SepGeom,
     keep: AttnKeep,
 ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)>
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    let mut dk_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * g.sk * g.d()];
+    let mut dv_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * g.sk * g.d()];
+    if k.len() != dk_all.len() || v.len() != dv_all.len() {
+        return Err(err("attention backward: k or v does not match its shape"));
+    }
+    // Read-only sources: nothing writes through these two pointers.
+    let src = (
+        SharedMut(k.as_ptr().cast_mut()),
+        SharedMut(v.as_ptr().cast_mut()),
+    );
+    let dst = (
+        SharedMut(dk_all.as_mut_ptr()),
+        SharedMut(dv_all.as_mut_ptr()),
+    );
+    // SAFETY: k and v hold b·s_kv·D elements each (checked), as do the fresh dk and dv.
+    let dq = unsafe { sep_bwd_heads(q, src, dst, o_all, go_all, saved, g, keep)? };
+    Ok((dq, dk_all, dv_all))
+}
+
+/// Backward of all heads with dk and dv written over k and v (which the caller owns and no
+/// longer needs, the fused cross-attention's kept projections): each head's task reads its
+/// columns of k and v into its scratch before it writes that head's gradient columns, and no
+/// other task touches them. Returns dq.
+pub(crate) fn sep_bwd_over<T, A>(
+    q: &[T],
+    (k, v): (&mut [T], &mut [T]),
+    o_all: &[T],
+    go_all: &[T],
+    saved: Option<&CpuStorage>,
+    g: &SepGeom,
+    keep: AttnKeep,
+) -> CResult<Vec<T>>
+where
+    T: Elem<A> + WithDType,
+    A: Acc + WithDType,
+{
+    let n = g.b * g.sk * g.d();
+    if k.len() != n || v.len() != n {
+        return Err(err("attention backward: k or v does not match its shape"));
+    }
+    let (pk, pv) = (SharedMut(k.as_mut_ptr()), SharedMut(v.as_mut_ptr()));
+    // SAFETY: k and v hold b·s_kv·D elements each (checked); sources and destinations are the
+    // same buffers, each head's columns read before they are written, by one task.
+    unsafe { sep_bwd_heads(q, (pk, pv), (pk, pv), o_all, go_all, saved, g, keep) }
+}
+
+/// The heads' backward (see [`sep_bwd`], [`sep_bwd_over`]): k and v read from `src`, dk and dv
+/// written to `dst` (the same buffers or others); returns dq.
+///
+/// # Safety
+/// Every pointer must point to b·s_kv·D initialised elements; no one else may access them
+/// during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sep_bwd_heads<T, A>(
+    q: &[T],
+    (sk_src, sv_src): (SharedMut<T>, SharedMut<T>),
+    (pk, pv): (SharedMut<T>, SharedMut<T>),
+    o_all: &[T],
+    go_all: &[T],
+    saved: Option<&CpuStorage>,
+    g: &SepGeom,
+    keep: AttnKeep,
+) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
@@ -351,18 +480,12 @@ where
         _ => None,
     };
     let mut dq_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * d];
-    let mut dk_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sk * d];
-    let mut dv_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sk * d];
     let nt = attn_threads(nh);
     let per = sep_bwd_scratch(g, keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
-    let (pq, pk, pv) = (
-        SharedMut(dq_all.as_mut_ptr()),
-        SharedMut(dk_all.as_mut_ptr()),
-        SharedMut(dv_all.as_mut_ptr()),
-    );
+    let pq = SharedMut(dq_all.as_mut_ptr());
     let kb = g.kb();
     scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
         let (qb, rest) = sc.split_at_mut(sq * dh);
@@ -376,8 +499,12 @@ where
         while head < nh {
             let bh = (head / g.a, head % g.a);
             gather(q, sq, g, bh, scale, qb);
-            gather(k, sk, g, bh, one, kbuf);
-            gather(v, sk, g, bh, one, vb);
+            // SAFETY: the caller's buffers of b·s_kv·D elements; only this task (head ≡ t mod
+            // nt) reads or writes head (bi, hd)'s columns.
+            unsafe {
+                gather_raw(&sk_src, sk, g, bh, one, kbuf);
+                gather_raw(&sv_src, sk, g, bh, one, vb);
+            }
             gather(go_all, sq, g, bh, one, go);
             match keep {
                 AttnKeep::Probabilities | AttnKeep::Nothing => {
@@ -468,7 +595,7 @@ where
         }
     });
     drop(scratch);
-    Ok((dq_all, dk_all, dv_all))
+    Ok(dq_all)
 }
 
 impl CustomOp3 for SeparateAttention {
