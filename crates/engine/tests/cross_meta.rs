@@ -6,6 +6,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use ditmem_engine::ops::{cross_attention, AttnKeep, MlpLinear};
 use ditmem_engine::CountingAlloc;
 
+mod common;
+
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
@@ -29,23 +31,7 @@ fn cross_attention_node_holds_what_the_budget_says() {
         sink: None,
     };
     let n = 32u64;
-    // The least of three counts, after warm-up calls (rayon's and the allocator's per-thread
-    // state grows once).
-    let per = |f: &dyn Fn() -> Tensor| {
-        for _ in 0..n {
-            drop(f());
-        }
-        (0..3)
-            .map(|_| {
-                let before = A.live();
-                let ys: Vec<Tensor> = (0..n).map(|_| f()).collect();
-                let per = (A.live() - before) / n;
-                drop(ys);
-                per
-            })
-            .min()
-            .unwrap_or(0)
-    };
+    let per = |f: &dyn Fn() -> Tensor| common::heap_per_call(&A, n, f);
     let keep = AttnKeep::LogSumExp;
     let (qd, cdt, nwd) = (
         q.as_tensor().detach(),

@@ -6,6 +6,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use ditmem_engine::ops::{rms_norm_rows as rms_norm, rope_cos_sin as rope};
 use ditmem_engine::CountingAlloc;
 
+mod common;
+
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
@@ -24,23 +26,7 @@ fn rms_norm_and_rope_nodes_hold_what_the_budget_says() {
     let sin = Tensor::zeros((8, 8), DType::F32, &dev).unwrap();
     let out = rows * d * 4 + TENSOR_META + STORAGE_META + 8;
     let n = 64u64;
-    // The least of three counts, after warm-up calls: the first calls grow rayon's and the
-    // allocator's per-thread state once.
-    let per = |f: &dyn Fn() -> Tensor| {
-        for _ in 0..n {
-            drop(f());
-        }
-        (0..3)
-            .map(|_| {
-                let before = A.live();
-                let ys: Vec<Tensor> = (0..n).map(|_| f()).collect();
-                let per = (A.live() - before) / n;
-                drop(ys);
-                per
-            })
-            .min()
-            .unwrap_or(0)
-    };
+    let per = |f: &dyn Fn() -> Tensor| common::heap_per_call(&A, n, f);
     let tracked = per(&|| rms_norm(x.as_tensor(), Some(w.as_tensor()), 1e-6, DType::F32).unwrap());
     assert_eq!(tracked, out + rows * 4 + RMS_NORM_OP_BYTES);
     let (xd, wd) = (x.as_tensor().detach(), w.as_tensor().detach());

@@ -86,3 +86,23 @@ pub fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agree
     );
     a
 }
+
+/// Heap bytes one call of `f` leaves alive (its result with everything it holds), counted by
+/// `alloc` over `n` results kept at once: the least of three counts, after `n` warm-up calls
+/// (the first calls grow rayon's and the allocator's per-thread state once). For a test binary
+/// that runs alone: the counting allocator is the whole process's.
+pub fn heap_per_call(alloc: &CountingAlloc, n: u64, f: &dyn Fn() -> Tensor) -> u64 {
+    for _ in 0..n {
+        drop(f());
+    }
+    (0..3)
+        .map(|_| {
+            let before = alloc.live();
+            let ys: Vec<Tensor> = (0..n).map(|_| f()).collect();
+            let per = (alloc.live() - before) / n;
+            drop(ys);
+            per
+        })
+        .min()
+        .unwrap_or(0)
+}

@@ -383,6 +383,15 @@ unsafe fn gather_raw<T: Elem<A>, A: Acc>(
     }
 }
 
+/// b·s_kv·D, the length k and v (of lengths `k`, `v`) must have.
+fn kv_len(g: &SepGeom, k: usize, v: usize) -> CResult<usize> {
+    let n = g.b * g.sk * g.d();
+    if k != n || v != n {
+        return Err(err("attention backward: k or v does not match its shape"));
+    }
+    Ok(n)
+}
+
 /// Backward of all heads: (dq, dk, dv), each fresh.
 fn sep_bwd<T, A>(
     (q, k, v): (&[T], &[T], &[T]),
@@ -396,11 +405,9 @@ where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
 {
-    let mut dk_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * g.sk * g.d()];
-    let mut dv_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * g.sk * g.d()];
-    if k.len() != dk_all.len() || v.len() != dv_all.len() {
-        return Err(err("attention backward: k or v does not match its shape"));
-    }
+    let n = kv_len(g, k.len(), v.len())?;
+    let mut dk_all: Vec<T> = vec![T::from_acc(A::ZERO); n];
+    let mut dv_all: Vec<T> = vec![T::from_acc(A::ZERO); n];
     // Read-only sources: nothing writes through these two pointers.
     let src = (
         SharedMut(k.as_ptr().cast_mut()),
@@ -432,10 +439,7 @@ where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
 {
-    let n = g.b * g.sk * g.d();
-    if k.len() != n || v.len() != n {
-        return Err(err("attention backward: k or v does not match its shape"));
-    }
+    kv_len(g, k.len(), v.len())?;
     let (pk, pv) = (SharedMut(k.as_mut_ptr()), SharedMut(v.as_mut_ptr()));
     // SAFETY: k and v hold b·s_kv·D elements each (checked); sources and destinations are the
     // same buffers, each head's columns read before they are written, by one task.
