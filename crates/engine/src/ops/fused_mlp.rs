@@ -9,9 +9,9 @@
 //! tensors at once (dh, du, the zeros, the sum), and the same three at fc2's backward; the
 //! graph also keeps both u = fc1(x) and h = gelu(u). This op keeps u only (h is recomputed
 //! from it). On f32/f64 its backward holds no second (rows, ffn) buffer: by chunks of
-//! [`DW_ROWS`] rows through one chunk buffer it makes dW2 = Σ g_cᵀ·gelu(u_c), then
-//! dh_c = g_c·W2 and du_c = dh_c ⊙ gelu'(u_c) written over u_c (PyTorch holds u, gelu(u) and dh
-//! there: three). On bf16/f16, whose linears chunk inside one call, it makes one (rows, ffn)
+//! [`DW_ROWS`] rows and blocks of [`MLP_COLS`] columns through one chunk buffer it adds
+//! g_cᵀ·gelu(u_c) into dW2, then makes dh_c = g_c·W2 and writes du_c = dh_c ⊙ gelu'(u_c) over
+//! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16, whose linears chunk inside one call, it makes one (rows, ffn)
 //! buffer: dh = g·W2, turned into du in place, while u becomes h in place for dW2 = gᵀ·h.
 //! Nothing wide enters candle's store: the weight gradients go to the linears'
 //! [`GradSink`]s, only dx is returned.
@@ -28,14 +28,14 @@ use std::sync::{Arc, Mutex};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place, GeluSlice};
-use super::linear::dw_add_chunk;
 use super::linear::{
-    add_column_sums, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
+    add_column_sums, dw_blocks, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
     linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
 };
 use super::storage::{cpu_slice, err, with_cpu, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::{Acc, Elem};
+use rayon::prelude::*;
 
 /// What the op keeps for its backward: the fc1 output u, which the backward takes out (on
 /// f32/f64 turning it into du in place, on bf16/f16 into h for dW2) and frees before it returns,
@@ -115,9 +115,8 @@ pub fn fused_mlp_fwd_scratch(
 /// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. u (rows × ffn) is
 /// counted here because the budget releases it as the backward starts. The last phase is
 /// alike: du (over u's storage on f32/f64, dh's on bf16/f16), every gradient and fc1's
-/// workspace. Before it, on f32/f64 (`FusedMlp::fc2_gelu_bwd_chunked`): u and a chunk buffer
-/// of min(rows, [`DW_ROWS`]) × ffn, with fc2's dW/db workspace, dW2 and db2 (when fc2 has
-/// gradients to make), then with one chunk's dh workspace; on bf16/f16
+/// workspace. Before it, on f32/f64 (`FusedMlp::fc2_gelu_bwd_chunked`): u, dW2, db2 and a
+/// chunk buffer of min(rows, [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; on bf16/f16
 /// (`FusedMlp::fc2_gelu_bwd_whole`): u, dh and fc2's dx workspace, then u (now h), dh, dW2,
 /// db2 and fc2's dW/db workspace. The peak phase less the gradients.
 pub fn fused_mlp_bwd_scratch(
@@ -139,14 +138,11 @@ pub fn fused_mlp_bwd_scratch(
     let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
     let last = u + g1 + g2 + sd;
     let peak = if matches!(dtype, DType::F32 | DType::F64) {
-        let c = e * (rows.min(DW_ROWS) * ffn) as u64;
-        let made = u64::from(wants[2] || wants[3]);
-        let sa = [rows.min(DW_ROWS), rows % DW_ROWS]
-            .into_iter()
-            .map(|k| lin((k, ffn, out), true, false, false))
-            .max()
-            .unwrap_or(0);
-        (made * (u + c + sc + g2)).max(u + c + sa + g2).max(last)
+        // The direct products allocate nothing of their own (`gemm`'s packing is the budget's
+        // separate rule): u, dW2, db2 and the chunk buffer.
+        let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
+        let c = e * (rows.min(DW_ROWS) * wmax) as u64;
+        (u + g2 + c).max(last)
     } else {
         let sa = lin((rows, ffn, out), true, false, false);
         (2 * u + sa).max(2 * u + sc + g2).max(last)
@@ -213,11 +209,9 @@ impl FusedMlp {
     }
 
     /// fc2's and the GELU's backward on f32/f64 (the direct `gemm` path) by chunks of
-    /// [`DW_ROWS`] rows through one chunk buffer, so that no second rows × ffn buffer exists
-    /// beside u: first dW2 = Σ g_cᵀ·gelu(u_c) (each chunk's h made in the buffer; the chunks
-    /// are the direct linear's own, so dW2 has its bits) and db2; then per chunk
-    /// dh_c = g_c·W2 in the buffer and du_c = dh_c ⊙ gelu'(u_c) written over u_c. Returns u,
-    /// now du. Phase peaks: u, the buffer and dW2 with `gemm`'s packing of one chunk.
+    /// [`DW_ROWS`] rows and blocks of columns through one chunk buffer (see
+    /// [`fc2_gelu_bwd_direct`]), so that no second rows × ffn buffer exists beside u. Returns
+    /// u, now du. Phase peak: u, dW2, db2 and the buffer with `gemm`'s packing of one product.
     fn fc2_gelu_bwd_chunked(
         &self,
         mut u: CpuStorage,
@@ -265,8 +259,31 @@ impl FusedMlp {
     }
 }
 
+/// Widest block of u's columns (the hidden width) the f32/f64 backward of fc2 and the GELU
+/// handles at a time ([`mlp_col_blocks`]): its one chunk buffer holds [`DW_ROWS`] rows of a
+/// block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
+/// tiny spec, 256 rows × ffn 256: 128 KiB instead of 256 KiB; DiT-S/2 at 512 rows, ffn 1,536:
+/// 128 KiB instead of 1.5 MiB). Budget twin: `ditmem_budget::ditmem_cpu::ops::MLP_COLS`.
+pub const MLP_COLS: usize = 128;
+
+/// The (first column, columns) blocks of a hidden width `ffn`: ⌈ffn / [`MLP_COLS`]⌉ blocks whose
+/// widths differ by at most one. Above [`MLP_COLS`] every block is wider than 64 columns, so
+/// `gemm` never takes its small-size branch (m, n ≤ 64, gemm-common 0.19 `gemm.rs`), which
+/// blocks a depth beyond 512 differently from the whole product: each element of dh and dW2
+/// has the composition's sum, bit for bit.
+pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = ffn.div_ceil(MLP_COLS).max(1);
+    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+}
+
 /// The slices of [`FusedMlp::fc2_gelu_bwd_chunked`]: u (rows × ffn, row-major, turned into du),
-/// g (rows × out), W2 (out × ffn); returns (dW2, db2) as `(w2, b2)` asks.
+/// g (rows × out), W2 (out × ffn); returns (dW2, db2) as `(w2, b2)` asks. By chunks of
+/// [`DW_ROWS`] rows (the direct linear's weight-gradient chunks) and, in each, by blocks of
+/// columns ([`mlp_col_blocks`]): the block's h = gelu(u) in the chunk buffer, dW2's columns of
+/// the block += g_cᵀ·h (in the linear's blocks of dW's rows, [`dw_blocks`]), then the block's
+/// dh = g_c·W2 in the same buffer and du = dh ⊙ gelu'(u) over u. Every element of dW2 sums the
+/// chunks in the linear's order, and a product's depth is blocked alike whatever its width
+/// (gemm-common 0.19 `cache.rs::kernel_params`: the depth block depends on the depth only).
 #[allow(clippy::type_complexity)]
 fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
     u: &mut [A],
@@ -276,40 +293,55 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
     (w2_wanted, b2_wanted): (bool, bool),
 ) -> (Option<Vec<A>>, Option<Vec<A>>) {
     let par = gemm_threads();
-    let mut buf: Vec<A> = vec![A::ZERO; rows.min(DW_ROWS) * ffn];
-    let chunks = || {
-        (0..rows)
-            .step_by(DW_ROWS)
-            .map(|r0| (r0, DW_ROWS.min(rows - r0)))
-    };
-    let dw = w2_wanted.then(|| {
-        let mut dw: Option<Vec<A>> = None;
-        for (r0, k) in chunks() {
-            let h = &mut buf[..k * ffn];
-            h.copy_from_slice(&u[r0 * ffn..(r0 + k) * ffn]);
-            A::gelu_over(h);
-            dw_add_chunk(&mut dw, (&g[r0 * out..], &buf[..], ffn), (k, ffn, out));
-        }
-        dw.unwrap_or_else(|| vec![A::ZERO; out * ffn])
-    });
+    let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
+    // dW2 first (every chunk writes or adds into it), then the chunk buffer.
+    let mut dw: Option<Vec<A>> = w2_wanted.then(|| vec![A::ZERO; out * ffn]);
     let db = b2_wanted.then(|| {
         let mut db = vec![A::ZERO; out];
         add_column_sums(g, out, &mut db);
         db
     });
-    for (r0, k) in chunks() {
-        let dh = &mut buf[..k * ffn];
-        mm_strided(
-            k,
-            ffn,
-            out,
-            (dh, ffn, 1),
-            (&g[r0 * out..], out, 1),
-            (w2, ffn, 1),
-            false,
-            par,
-        );
-        A::grad_over_input(&mut u[r0 * ffn..(r0 + k) * ffn], &buf[..k * ffn]);
+    let mut buf: Vec<A> = vec![A::ZERO; rows.min(DW_ROWS) * wmax];
+    for r0 in (0..rows).step_by(DW_ROWS) {
+        let k = DW_ROWS.min(rows - r0);
+        let g_c = &g[r0 * out..(r0 + k) * out];
+        let u_c = &mut u[r0 * ffn..(r0 + k) * ffn];
+        for (j0, w) in mlp_col_blocks(ffn) {
+            let b = &mut buf[..k * w];
+            if let Some(dw) = dw.as_mut() {
+                // h of the block, then dW2[:, j0..j0 + w] (+)= g_cᵀ·h.
+                b.par_chunks_mut(w)
+                    .zip(u_c.par_chunks(ffn))
+                    .for_each(|(h, ur)| h.copy_from_slice(&ur[j0..j0 + w]));
+                A::gelu_over(b);
+                for (o0, mb) in dw_blocks(out) {
+                    mm_strided(
+                        mb,
+                        w,
+                        k,
+                        (&mut dw[o0 * ffn + j0..], ffn, 1),
+                        (&g_c[o0..], 1, out),
+                        (&b[..], w, 1),
+                        r0 > 0,
+                        par,
+                    );
+                }
+            }
+            // dh of the block = g_c·W2[:, j0..j0 + w], then du over u.
+            mm_strided(
+                k,
+                w,
+                out,
+                (&mut b[..], w, 1),
+                (g_c, out, 1),
+                (&w2[j0..], ffn, 1),
+                false,
+                par,
+            );
+            u_c.par_chunks_mut(ffn)
+                .zip(b.par_chunks(w))
+                .for_each(|(ur, dh)| A::grad_over_input(&mut ur[j0..j0 + w], dh));
+        }
     }
     (dw, db)
 }
@@ -430,8 +462,9 @@ mod tests {
 
     /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
     /// bit for bit (the same kernel calls in the same order), on f64, f32, bf16 and f16 with
-    /// weights in the compute dtype or f32 masters, at whole and ragged (multi-chunk) row counts;
-    /// the last at a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
+    /// weights in the compute dtype or f32 masters, at whole and ragged (multi-chunk) row counts,
+    /// one and several column blocks ([`mlp_col_blocks`]), and at a depth `gemm` blocks in two
+    /// (out 600) with a ragged 8-row last chunk.
     #[test]
     fn fused_mlp_equals_the_composition_bit_for_bit() {
         for (dt, wdt) in [
@@ -446,6 +479,10 @@ mod tests {
                 (150, 16, 40, 12),
                 (600, 16, 40, 12),
                 (520, 32, 96, 600),
+                // Several column blocks (ffn 300: three of 100; 272: 90, 91, 91), one with a
+                // depth `gemm` blocks in two and a ragged 8-row last chunk.
+                (300, 16, 300, 24),
+                (520, 8, 272, 600),
             ] {
                 let (yf, dxf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);

@@ -15,9 +15,20 @@ pub const LINEAR_ROWS: u64 = 128;
 /// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
 pub const DW_ROWS: u64 = 256;
 
+/// Widest block of the hidden width the engine's f32/f64 fused MLP backward of fc2 and the GELU
+/// handles at a time (`ops::MLP_COLS`): its chunk buffer holds [`DW_ROWS`] rows of one block.
+pub const MLP_COLS: u64 = 128;
+
+/// The (first column, columns) blocks of a hidden width `ffn` (`ops::mlp_col_blocks`):
+/// ⌈ffn / [`MLP_COLS`]⌉ blocks whose widths differ by at most one.
+pub fn mlp_col_blocks(ffn: u64) -> impl Iterator<Item = (u64, u64)> {
+    let n = ffn.div_ceil(MLP_COLS).max(1);
+    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+}
+
 /// Widest block of dW's rows per product of that weight gradient (`ops::DW_COLS`): `gemm` packs
 /// at most a (chunk rows × block) panel of g.
-pub const DW_COLS: u64 = 512;
+pub const DW_COLS: u64 = 128;
 
 /// The (first row, rows) blocks of dW's `out` rows the engine multiplies one by one
 /// (`ops::dw_blocks`): ⌈out / [`DW_COLS`]⌉ of equal width rounded up to 16, the last what remains.
@@ -76,7 +87,7 @@ fn gemm_call_bytes(
 /// `gemm`'s per-call packing bytes (forward, backward) of the widened linear
 /// (`ops/linear/widen.rs`), the most of any of its products: all operands column-major, so a
 /// product packs its lhs when its rows miss the SIMD lanes (a chunk's rows forward and for dx,
-/// the `out` rows of dW).
+/// the `inp` rows of dWᵀ).
 fn widened_linear_packing(
     cpu: &CpuSpec,
     (rows, inp, out): (u64, u64, u64),
@@ -93,7 +104,7 @@ fn widened_linear_packing(
             bwd = bwd.max(col_major(n, inp, out));
         }
         if tw {
-            bwd = bwd.max(col_major(out, inp, n));
+            bwd = bwd.max(col_major(inp, out, n));
         }
     }
     (fwd, bwd)
@@ -147,9 +158,10 @@ fn direct_linear_packing(
 /// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
 /// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
 /// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
-/// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32): forward W, b and a chunk of x and y; backward a chunk of g, and for dx
-/// Wᵀ, a second (column-major) g chunk and a dx chunk, for dW an f32 dW and an x chunk, for db an
-/// f32 db.
+/// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32):
+/// forward W, b and a chunk of x and y; backward a column-major g chunk (for dx or dW), for dx
+/// Wᵀ and a dx chunk, for dW an f32 dW (likewise) and a row-major x chunk (the lhs of
+/// dWᵀ = xᵀ·g, whose column-major destination is dW row-major), for db an f32 db (likewise).
 pub fn fused_linear_scratch(
     cd: Dtype,
     (rows, inp, out): (u64, u64, u64),
@@ -175,15 +187,16 @@ pub fn fused_linear_scratch(
             (fwd, bwd)
         }
         Dtype::Bf16 | Dtype::F16 => {
-            let mut b = r * out;
+            let acc = if master { 0 } else { 1 };
+            let mut b = if tx || tw { r * out } else { 0 };
             if tx {
-                b += out * inp + r * out + r * inp;
-            }
-            if tw {
                 b += out * inp + r * inp;
             }
+            if tw {
+                b += acc * out * inp + r * inp;
+            }
             if tb {
-                b += out;
+                b += acc * out;
             }
             (4 * (out * inp + out + r * (inp + out)), 4 * b)
         }
@@ -269,7 +282,7 @@ pub fn fused_mlp_scratch(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_phases(lin, (cd, wd), dims, (tx, wants))
+    fused_mlp_phases((lin, |_, _| 0), (cd, wd), dims, (tx, wants))
 }
 
 /// [`fused_mlp_scratch`] with `gemm`'s per-call packing in each phase ([`linear_workspace`] for
@@ -282,17 +295,25 @@ pub fn fused_mlp_workspace(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
-    fused_mlp_phases(lin, (cd, wd), dims, (tx, wants))
+    let threads = u64::from(cpu.threads.max(1));
+    let mm = |mnk, strides| gemm_call_bytes(cpu, (cd.size(), threads), mnk, strides);
+    fused_mlp_phases((lin, mm), (cd, wd), dims, (tx, wants))
 }
 
-/// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears. The
-/// backward's last phase is alike in every dtype: du, every gradient and fc1's workspace.
-/// Before it, on f32/f64 (the engine's `FusedMlp::fc2_gelu_bwd_chunked`): u beside a chunk
-/// buffer of min(rows, [`DW_ROWS`]) × ffn, first with dW2, db2 and fc2's weight-gradient
-/// workspace (when fc2 has gradients to make), then per chunk with dh's workspace; on bf16/f16:
-/// u beside a whole dh with fc2's dx workspace, then with dW2, db2 and fc2's dW workspace.
+/// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears and,
+/// on f32/f64, `gemm`'s per-call packing `mm((m, n, k), [dst, lhs, rhs] strides)` of the
+/// products fc2's backward makes itself. The backward's last phase is alike in every dtype:
+/// du, every gradient and fc1's workspace. Before it, on f32/f64 (the engine's
+/// `fc2_gelu_bwd_direct`): u, dW2 and db2 beside one chunk buffer of min(rows, [`DW_ROWS`])
+/// rows × the widest column block ([`mlp_col_blocks`]), with the packing of a block's dW2
+/// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product; on
+/// bf16/f16: u beside a whole dh with fc2's dx workspace, then with dW2, db2 and fc2's dW
+/// workspace.
 fn fused_mlp_phases(
-    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (lin, mm): (
+        impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+        impl Fn((u64, u64, u64), [(u64, u64); 3]) -> u64,
+    ),
     (cd, wd): (Dtype, Dtype),
     (rows, inp, ffn, out): (u64, u64, u64, u64),
     (tx, wants): (bool, [bool; 4]),
@@ -311,14 +332,23 @@ fn fused_mlp_phases(
     // starts (`Node::released_by_bwd`).
     let last = h + g1 + g2 + sd;
     let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
-        let c = e * rows.min(DW_ROWS) * ffn;
-        let made = u64::from(wants[2] || wants[3]);
-        let sa = [rows.min(DW_ROWS), rows % DW_ROWS]
+        let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
+        let c = e * rows.min(DW_ROWS) * wmax;
+        let mut pack = 0;
+        for k in [rows.min(DW_ROWS), rows % DW_ROWS]
             .into_iter()
-            .map(|k| lin((k, ffn, out), (true, false, false)).1)
-            .max()
-            .unwrap_or(0);
-        (made * (h + c + sc + g2)).max(h + c + sa + g2).max(last)
+            .filter(|&k| k > 0)
+        {
+            for (_, w) in mlp_col_blocks(ffn) {
+                if wants[2] {
+                    for (_, mb) in dw_blocks(out) {
+                        pack = pack.max(mm((mb, w, k), [(ffn, 1), (1, out), (w, 1)]));
+                    }
+                }
+                pack = pack.max(mm((k, w, out), [(w, 1), (out, 1), (ffn, 1)]));
+            }
+        }
+        (h + g2 + c + pack).max(last)
     } else {
         let (_, sa) = lin((rows, ffn, out), (true, false, false));
         (2 * h + sa).max(2 * h + sc + g2).max(last)

@@ -7,7 +7,7 @@ use crate::kernels::gemm_bf16;
 use crate::kernels::scalar::Elem;
 use crate::kernels::vecmath;
 
-use super::common::{add_column_sums, read_as, LinearGrads, LINEAR_ROWS};
+use super::common::{add_column_sums, read_as, GradFromF32, LinearGrads, LINEAR_ROWS};
 
 /// bf16 forward on the AVX512-BF16 kernel: Wᵀ packed once, x packed and y accumulated in f32 by
 /// chunks of [`LINEAR_ROWS`] rows (each chunk starts as b).
@@ -61,26 +61,6 @@ pub(super) fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
     // narrowing all n·out elements of its rows into the spare capacity.
     unsafe { y.set_len(rows * out) };
     y
-}
-
-/// A weight's gradient in the weight's dtype from its f32 accumulator: the accumulator itself
-/// for an f32 (master) weight, a parallel narrowing copy for a bf16 one.
-pub(super) trait GradFromF32: Sized {
-    fn grad_from_f32(v: Vec<f32>) -> Vec<Self>;
-}
-
-impl GradFromF32 for f32 {
-    fn grad_from_f32(v: Vec<f32>) -> Vec<f32> {
-        v
-    }
-}
-
-impl GradFromF32 for half::bf16 {
-    fn grad_from_f32(v: Vec<f32>) -> Vec<half::bf16> {
-        let mut d = vec![half::bf16::ZERO; v.len()];
-        vecmath::narrow_into(&v, &mut d);
-        d
-    }
 }
 
 /// bf16 backward on the AVX512-BF16 kernel, by chunks of [`LINEAR_ROWS`] rows: dx = g·W into an

@@ -5,6 +5,7 @@
 use rayon::prelude::*;
 
 use crate::kernels::scalar::{Acc, Elem};
+use crate::kernels::vecmath;
 
 /// Rows per chunk of a low-precision linear (its f32 accumulators and packed operands).
 pub const LINEAR_ROWS: usize = 128;
@@ -20,11 +21,14 @@ pub const DW_ROWS: usize = 256;
 
 /// Widest block of dW's rows (the linear's outputs) per product of an f32/f64 weight gradient:
 /// `gemm` packs the (chunk rows × block) panel of g, so with [`DW_ROWS`] it packs at most
-/// 256 × 512 elements (512 KiB f32) however wide the layer (DiT-S/2 fc1, out 1,536: 1.5 MiB as
-/// one block). The blocks split the product's columns, not its depth: each element's sum is
-/// the same, bit for bit. [`dw_blocks`] evens them out. Budget twin:
+/// 256 × 128 elements (128 KiB f32) however wide the layer (DiT-S/2 fc1, out 1,536: 1.5 MiB as
+/// one block; PixArt's tiny fc1, out 256: 256 KiB, the peak of its block's backward). The
+/// blocks split the product's columns, not its depth: each element's sum is the same, bit for
+/// bit. [`dw_blocks`] evens them out. 128 rather than 512 costs no time measurably (AMD EPYC
+/// Zen 1, 2 threads, f32 linear backward at 512 and 4,096 rows × 384 ↔ 1,536, and 256 × 64 →
+/// 256: medians of 15 within the run-to-run spread of 5–20 %, both ways). Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
-pub const DW_COLS: usize = 512;
+pub const DW_COLS: usize = 128;
 
 /// The (first row, rows) blocks of dW's `out` rows: ⌈out / [`DW_COLS`]⌉ blocks of equal width
 /// rounded up to 16 rows (whole SIMD lanes), the last what remains.
@@ -73,3 +77,30 @@ pub(crate) fn add_column_sums<T: Elem<A> + Sync, A: Acc + Send>(
             }
         });
 }
+
+/// A weight's gradient in the weight's dtype from its f32 accumulator: the accumulator itself
+/// for an f32 (master) weight, a parallel narrowing copy for a bf16/f16 one (made while the
+/// caller's workspace is alive; the budget counts it so).
+pub(crate) trait GradFromF32: Sized {
+    fn grad_from_f32(v: Vec<f32>) -> Vec<Self>;
+}
+
+impl GradFromF32 for f32 {
+    fn grad_from_f32(v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+}
+
+macro_rules! narrowed_grad {
+    ($t:ty) => {
+        impl GradFromF32 for $t {
+            fn grad_from_f32(v: Vec<f32>) -> Vec<$t> {
+                let mut d = vec![<$t>::ZERO; v.len()];
+                vecmath::narrow_into(&v, &mut d);
+                d
+            }
+        }
+    };
+}
+narrowed_grad!(half::bf16);
+narrowed_grad!(half::f16);

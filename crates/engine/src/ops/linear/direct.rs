@@ -73,8 +73,9 @@ pub(super) fn linear_bwd_direct<A: Acc + Elem<A> + Send + Sync + 'static>(
 /// (a fresh dW, written without zeroing), else dW += g_cᵀ·x_c. g_c: k rows of `out` at row
 /// stride `out`; x_c: k rows of `inp` at row stride `x_rs`. One `gemm` call per block of dW's
 /// rows ([`dw_blocks`]), so `gemm` packs at most a (k × block) panel of g. The fused MLP's fc2
-/// calls it too, with the same chunks, so its dW2 has the linear's bits.
-pub(crate) fn dw_add_chunk<A: Acc + 'static>(
+/// makes its dW2 with the same chunks and blocks (`fused_mlp::fc2_gelu_bwd_direct`), so it has
+/// the linear's bits.
+fn dw_add_chunk<A: Acc + 'static>(
     dw: &mut Option<Vec<A>>,
     (g_c, x_c, x_rs): (&[A], &[A], usize),
     (k, inp, out): (usize, usize, usize),

@@ -24,7 +24,6 @@ use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
 pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS};
-pub(crate) use direct::dw_add_chunk;
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use input_sink::InputSink;
 pub use sink::GradSink;
@@ -110,8 +109,9 @@ pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, nat
 /// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
 /// packed g chunk and an f32 dx chunk; for dW an f32 dW (unless the weight is an f32 master,
 /// `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed x chunk; for db an
-/// f32 db (likewise). Widening: per chunk g; for dx Wᵀ, a column-major copy of the g chunk and a
-/// dx chunk; for dW the f32 dW and an x chunk; for db an f32 db (all f32). Nothing on f32/f64.
+/// f32 db (likewise). Widening (all f32): a column-major copy of the g chunk (for dx or dW); for
+/// dx Wᵀ and a dx chunk; for dW an f32 dW (none for a master weight: likewise) and an x chunk;
+/// for db an f32 db (likewise). Nothing on f32/f64.
 pub fn linear_bwd_scratch(
     dtype: DType,
     (rows, inp, out): (usize, usize, usize),
@@ -140,15 +140,16 @@ pub fn linear_bwd_scratch(
             n
         }
         DType::BF16 | DType::F16 => {
-            let mut n = r * out;
+            let acc = if master { 0 } else { 1 };
+            let mut n = if g.x || g.w { r * out } else { 0 };
             if g.x {
-                n += out * inp + r * out + r * inp;
-            }
-            if g.w {
                 n += out * inp + r * inp;
             }
+            if g.w {
+                n += acc * out * inp + r * inp;
+            }
             if g.b {
-                n += out;
+                n += acc * out;
             }
             4 * n
         }

@@ -7,7 +7,7 @@ use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::Elem;
 use crate::ops::storage::PAR_CHUNK;
 
-use super::common::{add_column_sums, read_as, LinearGrads, LINEAR_ROWS};
+use super::common::{add_column_sums, read_as, GradFromF32, LinearGrads, LINEAR_ROWS};
 
 /// dst[k·n + i] = src[i·src_rs + k] for i < n, k < c: a column-major f32 copy of an (n × c) block,
 /// one column per parallel task.
@@ -94,10 +94,18 @@ pub(super) fn linear_fwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Sync>(
 }
 
 /// bf16/f16 backward, widened to f32 by chunks; dW and db accumulate in f32. Every f32 buffer is
-/// laid out so that gemm packs nothing (see [`mm_strided`](crate::kernels::gemm::mm_strided)): g twice (row- and column-major), W
-/// transposed, x, dx and dW column-major.
+/// laid out so that gemm packs nothing (see [`mm_strided`](crate::kernels::gemm::mm_strided)):
+/// one column-major copy of the g chunk serves as the lhs of dx = g·W (with W transposed) and
+/// as the rhs of dWᵀ = xᵀ·g, whose column-major destination is dW row-major, and whose lhs is
+/// the x chunk row-major; so dW accumulates in place in the gradient itself for an f32 master
+/// weight (one narrowed copy at the end for a bf16/f16 one), and db sums g's columns as they
+/// are (the widening is exact). The dx output, then the workspace, are allocated before the
+/// first product.
 #[allow(clippy::type_complexity)]
-pub(super) fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send + Sync>(
+pub(super) fn linear_bwd_widen<
+    T: Elem<f32> + Send + Sync,
+    W: Elem<f32> + Send + Sync + GradFromF32,
+>(
     x: &[T],
     w: &[W],
     g: &[T],
@@ -105,15 +113,15 @@ pub(super) fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send +
     want: LinearGrads,
 ) -> (Option<Vec<T>>, Option<Vec<W>>, Option<Vec<W>>) {
     let par = gemm_threads();
-    // Outputs first, then the scratch (the budget counts both alive together).
     let mut dx: Option<Vec<T>> = want.x.then(|| vec![T::from_acc(0.0); rows * inp]);
-    let mut dw: Option<Vec<W>> = want.w.then(|| vec![W::from_acc(0.0); out * inp]);
-    let mut db: Option<Vec<W>> = want.b.then(|| vec![W::from_acc(0.0); out]);
     let r = LINEAR_ROWS.min(rows);
-    // g chunk row-major (the lhs of dW = gᵀ·x, unit row stride after the transpose) …
-    let mut g32: Vec<f32> = vec![0.0; r * out];
-    // … and, for dx, column-major, with Wᵀ (wt32[j·out + o] = W[o][j]) as a unit-row-stride rhs.
-    let mut gc32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * out]);
+    // The g chunk column-major: gc32[o·n + i] = g[i][o].
+    let mut gc32: Vec<f32> = if want.x || want.w {
+        vec![0.0; r * out]
+    } else {
+        Vec::new()
+    };
+    // Wᵀ (wt32[j·out + o] = W[o][j]) as the unit-row-stride rhs of dx.
     let wt32: Option<Vec<f32>> = want.x.then(|| {
         let mut t = vec![0.0f32; out * inp];
         t.par_chunks_mut(out)
@@ -127,24 +135,23 @@ pub(super) fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send +
         t
     });
     let mut dx32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * inp]);
-    // dW column-major: dw32[j·out + o].
+    // dW row-major (dw32[o·inp + j]), and the x chunk row-major (x32[i·inp + j]).
     let mut dw32: Option<Vec<f32>> = want.w.then(|| vec![0.0; out * inp]);
     let mut x32: Option<Vec<f32>> = want.w.then(|| vec![0.0; r * inp]);
     let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
-        widen_into(&g[r0 * out..(r0 + n) * out], &mut g32[..n * out]);
-        if let (Some(dx), Some(dx32), Some(gc32), Some(wt32)) =
-            (dx.as_mut(), dx32.as_mut(), gc32.as_mut(), wt32.as_ref())
-        {
-            to_colmajor(&g32, out, n, out, gc32);
+        if want.x || want.w {
+            to_colmajor(&g[r0 * out..], out, n, out, &mut gc32);
+        }
+        if let (Some(dx), Some(dx32), Some(wt32)) = (dx.as_mut(), dx32.as_mut(), wt32.as_ref()) {
             mm_strided(
                 n,
                 inp,
                 out,
                 (dx32, 1, n),
-                (gc32, 1, n),
+                (&gc32, 1, n),
                 (wt32, 1, out),
                 false,
                 par,
@@ -152,31 +159,27 @@ pub(super) fn linear_bwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Send +
             from_colmajor(dx32, n, inp, &mut dx[r0 * inp..]);
         }
         if let (Some(dw32), Some(x32)) = (dw32.as_mut(), x32.as_mut()) {
-            to_colmajor(&x[r0 * inp..], inp, n, inp, x32);
-            // dW (out × in) += gᵀ (out × n) · x (n × in).
+            widen_into(&x[r0 * inp..(r0 + n) * inp], &mut x32[..n * inp]);
+            // dWᵀ (in × out) += xᵀ (in × n) · g (n × out).
             mm_strided(
-                out,
                 inp,
+                out,
                 n,
-                (dw32, 1, out),
-                (&g32, 1, out),
-                (x32, 1, n),
+                (dw32, 1, inp),
+                (x32, 1, inp),
+                (&gc32, 1, n),
                 true,
                 par,
             );
         }
         if let Some(db32) = db32.as_mut() {
-            add_column_sums(&g32[..n * out], out, db32);
+            add_column_sums(&g[r0 * out..(r0 + n) * out], out, db32);
         }
         r0 += n;
     }
-    if let (Some(dw), Some(dw32)) = (dw.as_mut(), dw32.as_ref()) {
-        from_colmajor(dw32, out, inp, dw);
-    }
-    if let (Some(db), Some(db32)) = (db.as_mut(), db32.as_ref()) {
-        for (d, s) in db.iter_mut().zip(db32) {
-            *d = W::from_acc(*s);
-        }
-    }
+    // The weight's gradients while the workspace is still alive (the budget's model of the op).
+    let dw = dw32.map(W::grad_from_f32);
+    let db = db32.map(W::grad_from_f32);
+    drop((gc32, wt32, dx32, x32));
     (dx, dw, db)
 }
