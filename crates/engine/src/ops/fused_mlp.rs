@@ -33,7 +33,7 @@ use super::linear::{
     linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
 };
 use super::storage::{cpu_slice, err, with_cpu, CResult};
-use crate::kernels::gemm::{gemm_threads, mm_strided};
+use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
 use crate::kernels::scalar::{Acc, Elem};
 use rayon::prelude::*;
 
@@ -218,18 +218,21 @@ impl FusedMlp {
         grad: &Tensor,
         dims: (usize, usize, usize),
     ) -> CResult<CpuStorage> {
-        let want = self.fc2.wants();
+        let (w2, b2) = self.fc2.wants();
+        let want = (w2, b2, false);
+        let (rows, ffn, out) = dims;
+        let dims = (rows, 0, ffn, out);
         let n = "fused_mlp backward";
         let (dw, db) = with_cpu(&self.fc2.w, |sw, lw| {
             with_cpu(grad, |sg, lg| match &mut u {
                 CpuStorage::F32(u) => {
                     let (w, g) = (cpu_slice::<f32>(sw, lw, n)?, cpu_slice::<f32>(sg, lg, n)?);
-                    let (dw, db) = fc2_gelu_bwd_direct(u, g, w, dims, want);
+                    let (dw, db, _) = fc2_gelu_bwd_direct(u, &[], g, w, dims, want);
                     Ok((dw.map(CpuStorage::F32), db.map(CpuStorage::F32)))
                 }
                 CpuStorage::F64(u) => {
                     let (w, g) = (cpu_slice::<f64>(sw, lw, n)?, cpu_slice::<f64>(sg, lg, n)?);
-                    let (dw, db) = fc2_gelu_bwd_direct(u, g, w, dims, want);
+                    let (dw, db, _) = fc2_gelu_bwd_direct(u, &[], g, w, dims, want);
                     Ok((dw.map(CpuStorage::F64), db.map(CpuStorage::F64)))
                 }
                 other => Err(err(format!(
@@ -238,8 +241,8 @@ impl FusedMlp {
                 ))),
             })
         })?;
-        if want.0 || want.1 {
-            self.sink_fc2(dw, db, (dims.2, dims.1))?;
+        if w2 || b2 {
+            self.sink_fc2(dw, db, (out, ffn))?;
         }
         Ok(u)
     }
@@ -276,26 +279,32 @@ pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
-/// The slices of [`FusedMlp::fc2_gelu_bwd_chunked`]: u (rows × ffn, row-major, turned into du),
-/// g (rows × out), W2 (out × ffn); returns (dW2, db2) as `(w2, b2)` asks. By chunks of
+/// The slices of [`FusedMlp::fc2_gelu_bwd_chunked`] and of the side MLP's f32/f64 backward
+/// (`fused_mlp_side.rs`), where fc2 reads `[side; gelu(u)]` per row: u (rows × ffn, row-major,
+/// turned into du), the side (rows × ds, none when ds is 0), g (rows × out), W2
+/// (out × (ds + ffn)); returns (dW2, db2, dside) as `(w2, b2, side)` asks. By chunks of
 /// [`DW_ROWS`] rows (the direct linear's weight-gradient chunks) and, in each, by blocks of
-/// columns ([`mlp_col_blocks`]): the block's h = gelu(u) in the chunk buffer, dW2's columns of
-/// the block += g_cᵀ·h (in the linear's blocks of dW's rows, [`dw_blocks`]), then the block's
-/// dh = g_c·W2 in the same buffer and du = dh ⊙ gelu'(u) over u. Every element of dW2 sums the
-/// chunks in the linear's order, and a product's depth is blocked alike whatever its width
-/// (gemm-common 0.19 `cache.rs::kernel_params`: the depth block depends on the depth only).
+/// columns ([`mlp_col_blocks`]): the side's columns of dW2 (+)= g_cᵀ·side_c; for each block of
+/// u's columns its h = gelu(u) in the chunk buffer, dW2's columns of the block (+)= g_cᵀ·h (in
+/// the linear's blocks of dW's rows, [`dw_blocks`]), then the block's dh = g_c·W2 in the same
+/// buffer and du = dh ⊙ gelu'(u) over u. The buffer is freed before dside = g·W2[:, ..ds]. Every
+/// element of dW2 sums the chunks in the linear's order, and a product's depth is blocked alike
+/// whatever its width (gemm-common 0.19 `cache.rs::kernel_params`: the depth block depends on
+/// the depth only), so the results are the composition's bits.
 #[allow(clippy::type_complexity)]
-fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
+pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
     u: &mut [A],
+    side: &[A],
     g: &[A],
     w2: &[A],
-    (rows, ffn, out): (usize, usize, usize),
-    (w2_wanted, b2_wanted): (bool, bool),
-) -> (Option<Vec<A>>, Option<Vec<A>>) {
+    (rows, ds, ffn, out): (usize, usize, usize, usize),
+    (w2_wanted, b2_wanted, side_wanted): (bool, bool, bool),
+) -> (Option<Vec<A>>, Option<Vec<A>>, Option<Vec<A>>) {
     let par = gemm_threads();
+    let n2 = ds + ffn;
     let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
     // dW2 first (every chunk writes or adds into it), then the chunk buffer.
-    let mut dw: Option<Vec<A>> = w2_wanted.then(|| vec![A::ZERO; out * ffn]);
+    let mut dw: Option<Vec<A>> = w2_wanted.then(|| vec![A::ZERO; out * n2]);
     let db = b2_wanted.then(|| {
         let mut db = vec![A::ZERO; out];
         add_column_sums(g, out, &mut db);
@@ -306,10 +315,24 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
         let k = DW_ROWS.min(rows - r0);
         let g_c = &g[r0 * out..(r0 + k) * out];
         let u_c = &mut u[r0 * ffn..(r0 + k) * ffn];
+        if let (Some(dw), true) = (dw.as_mut(), ds > 0) {
+            for (o0, mb) in dw_blocks(out) {
+                mm_strided(
+                    mb,
+                    ds,
+                    k,
+                    (&mut dw[o0 * n2..], n2, 1),
+                    (&g_c[o0..], 1, out),
+                    (&side[r0 * ds..], ds, 1),
+                    r0 > 0,
+                    par,
+                );
+            }
+        }
         for (j0, w) in mlp_col_blocks(ffn) {
             let b = &mut buf[..k * w];
             if let Some(dw) = dw.as_mut() {
-                // h of the block, then dW2[:, j0..j0 + w] (+)= g_cᵀ·h.
+                // h of the block, then dW2[:, ds + j0..][..w] (+)= g_cᵀ·h.
                 b.par_chunks_mut(w)
                     .zip(u_c.par_chunks(ffn))
                     .for_each(|(h, ur)| h.copy_from_slice(&ur[j0..j0 + w]));
@@ -319,7 +342,7 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
                         mb,
                         w,
                         k,
-                        (&mut dw[o0 * ffn + j0..], ffn, 1),
+                        (&mut dw[o0 * n2 + ds + j0..], n2, 1),
                         (&g_c[o0..], 1, out),
                         (&b[..], w, 1),
                         r0 > 0,
@@ -327,14 +350,14 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
                     );
                 }
             }
-            // dh of the block = g_c·W2[:, j0..j0 + w], then du over u.
+            // dh of the block = g_c·W2[:, ds + j0..][..w], then du over u.
             mm_strided(
                 k,
                 w,
                 out,
                 (&mut b[..], w, 1),
                 (g_c, out, 1),
-                (&w2[j0..], ffn, 1),
+                (&w2[ds + j0..], n2, 1),
                 false,
                 par,
             );
@@ -343,7 +366,10 @@ fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
                 .for_each(|(ur, dh)| A::grad_over_input(&mut ur[j0..j0 + w], dh));
         }
     }
-    (dw, db)
+    drop(buf);
+    let dside =
+        (side_wanted && ds > 0).then(|| mm_fresh(rows, ds, out, (g, out, 1), (w2, n2, 1), par));
+    (dw, db, dside)
 }
 
 impl CustomOp1 for FusedMlp {

@@ -22,13 +22,13 @@ use std::sync::Mutex;
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::fused_mlp::MlpLinear;
+use super::fused_mlp::{fc2_gelu_bwd_direct, mlp_col_blocks, MlpLinear};
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
     linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
-    linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
+    linear_fwd_storage, storage_tensor, weight_grads, LinearGrads, DW_ROWS,
 };
-use super::storage::{err, with_cpu, CResult};
+use super::storage::{cpu_slice, err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 
 /// The fused feed-forward with a side input (see the module docs).
@@ -107,9 +107,10 @@ pub fn fused_mlp_side_fwd_scratch(
 /// Workspace bytes of the backward beyond the gradients it hands out (dx when `tx`, dside when
 /// `ts`, dW1, db1, dW2, db2 as `wants`), all in `dtype` except the weight gradients in
 /// `wdtype`; `master`: f32 master weights under bf16/f16. Phases, with the kept u until the
-/// last: h beside the concatenation c = [side; h]; c, dW2, db2 and fc2's dW workspace; c
-/// dropped, its gradient dc, dW2, db2 and fc2's dx workspace; dc split into dside and du; then
-/// u is freed: du, every gradient and fc1's workspace.
+/// last: on f32/f64 ([`FusedMlpSide::bwd_direct`]) u, dW2, db2 and the chunk buffer, then u
+/// and dside; on bf16/f16 h beside the concatenation c = [side; h]; c, dW2, db2 and fc2's dW
+/// workspace; c dropped, its gradient dc, dW2, db2 and fc2's dx workspace; dc split into dside
+/// and du; then (u now du, or freed) du, every gradient and fc1's workspace.
 /// The peak phase less the gradients; u is counted here because the budget releases it as the
 /// backward starts.
 pub fn fused_mlp_side_bwd_scratch(
@@ -133,13 +134,23 @@ pub fn fused_mlp_side_bwd_scratch(
     let s2x = lin((rows, ds + ffn, out), true, false, false);
     let s1 = lin((rows, inp, ffn), tx, wants[0], wants[1]);
     let u = h;
-    // c (and h beside it while it is made) only when fc2's weight gradients are wanted.
-    let made = if wants[2] || wants[3] { 1 } else { 0 };
-    let peak = (made * (u + h + c))
-        .max(made * (u + c + s2w + g2))
-        .max(u + c + s2x + g2)
-        .max(u + c + dside + h + g2)
-        .max(h + dside + g1 + g2 + s1);
+    let last = h + dside + g1 + g2 + s1;
+    let peak = if matches!(dtype, DType::F32 | DType::F64) {
+        // `fc2_gelu_bwd_direct`: u, dW2, db2 and the chunk buffer; then u and dside (the
+        // direct products allocate nothing of their own: `gemm`'s packing is the budget's
+        // separate rule).
+        let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
+        let buf = e * (rows.min(DW_ROWS) * wmax) as u64;
+        (u + g2 + buf).max(u + g2 + dside).max(last)
+    } else {
+        // c (and h beside it while it is made) only when fc2's weight gradients are wanted.
+        let made = if wants[2] || wants[3] { 1 } else { 0 };
+        (made * (u + h + c))
+            .max(made * (u + c + s2w + g2))
+            .max(u + c + s2x + g2)
+            .max(u + c + dside + h + g2)
+            .max(last)
+    };
     peak - g1 - g2 - dside
 }
 
@@ -167,6 +178,91 @@ impl FusedMlpSide {
 
     fn wants(l: &MlpLinear) -> (bool, bool) {
         l.sink.as_ref().map_or((false, false), |s| s.wants())
+    }
+
+    /// The backward on f32/f64 (the direct `gemm` path): fc2's and the GELU's by chunks and
+    /// column blocks through one chunk buffer ([`fc2_gelu_bwd_direct`]), so neither the
+    /// concatenation c nor its gradient dc (each rows × (ds + ffn)) is ever made: dW2's side
+    /// columns come from the side itself, dside = g·W2[:, ..ds] straight into its own buffer,
+    /// and du is written over u. Then fc1's backward on du ([`Self::fc1_bwd`]).
+    fn bwd_direct(
+        &self,
+        x: &Tensor,
+        side: &Tensor,
+        mut u: CpuStorage,
+        grad: &Tensor,
+        (rows, ds, out): (usize, usize, usize),
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let ffn = u_cols(&u, rows)?;
+        let (w2, b2) = Self::wants(&self.fc2);
+        let want = (w2, b2, side.track_op());
+        let dims = (rows, ds, ffn, out);
+        let side_c = side.contiguous()?;
+        let n = "fused_mlp_side backward";
+        let (dw, db, dside) = with_cpu(&side_c, |ss, ls| {
+            with_cpu(&self.fc2.w, |sw, lw| {
+                with_cpu(grad, |sg, lg| match &mut u {
+                    CpuStorage::F32(u) => {
+                        let s = cpu_slice::<f32>(ss, ls, n)?;
+                        let (w, g) = (cpu_slice::<f32>(sw, lw, n)?, cpu_slice::<f32>(sg, lg, n)?);
+                        let (dw, db, dside) = fc2_gelu_bwd_direct(u, s, g, w, dims, want);
+                        let f = |v: Option<Vec<f32>>| v.map(CpuStorage::F32);
+                        Ok((f(dw), f(db), f(dside)))
+                    }
+                    CpuStorage::F64(u) => {
+                        let s = cpu_slice::<f64>(ss, ls, n)?;
+                        let (w, g) = (cpu_slice::<f64>(sw, lw, n)?, cpu_slice::<f64>(sg, lg, n)?);
+                        let (dw, db, dside) = fc2_gelu_bwd_direct(u, s, g, w, dims, want);
+                        let f = |v: Option<Vec<f64>>| v.map(CpuStorage::F64);
+                        Ok((f(dw), f(db), f(dside)))
+                    }
+                    other => Err(err(format!(
+                        "fused_mlp_side: the direct backward is f32/f64, got {:?}",
+                        other.dtype()
+                    ))),
+                })
+            })
+        })?;
+        drop(side_c);
+        if w2 || b2 {
+            let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
+            if let Some(s) = &self.fc2.sink {
+                s.put_both(dw, db)?;
+            }
+        }
+        let dx = self.fc1_bwd(x, &u, rows, ffn)?;
+        drop(u);
+        let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
+        Ok((dx, dside))
+    }
+
+    /// fc1's backward on du (rows × ffn): dx = du·W1, dW1 = duᵀ·x and db1 = Σ du, the weight
+    /// gradients to fc1's sink; returns dx when x tracks.
+    fn fc1_bwd(
+        &self,
+        x: &Tensor,
+        du: &CpuStorage,
+        rows: usize,
+        ffn: usize,
+    ) -> CResult<Option<Tensor>> {
+        let (w1, b1) = Self::wants(&self.fc1);
+        let lu = Layout::contiguous((rows, ffn));
+        let want = LinearGrads {
+            x: x.track_op(),
+            w: w1,
+            b: b1,
+        };
+        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
+        let (dx, dw, db) = with_cpu(x, |sx, lx| {
+            with_cpu(&self.fc1.w, |sw, lw| {
+                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (du, &lu), want)
+            })
+        })?;
+        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
+        if let Some(s) = &self.fc1.sink {
+            s.put_both(dw, db)?;
+        }
+        dx.map(|v| storage_tensor(v, x.shape())).transpose()
     }
 }
 
@@ -228,7 +324,6 @@ impl CustomOp2 for FusedMlpSide {
         let grad = grad.contiguous()?;
         let (rows, out) = grad.dims2()?;
         let ds = side.dims2()?.1;
-        let (w1, b1) = Self::wants(&self.fc1);
         let (w2, b2) = Self::wants(&self.fc2);
         let mut kept = self
             .kept
@@ -237,6 +332,11 @@ impl CustomOp2 for FusedMlpSide {
         // u, from the forward or recomputed from x.
         if kept.is_none() {
             *kept = Some(with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0);
+        }
+        if matches!(grad.dtype(), DType::F32 | DType::F64) {
+            let u = kept.take().ok_or_else(|| err("fused_mlp_side: no u"))?;
+            drop(kept);
+            return self.bwd_direct(x, side, u, &grad, (rows, ds, out));
         }
         let u = kept.as_ref().ok_or_else(|| err("fused_mlp_side: no u"))?;
         let ffn = u_cols(u, rows)?;
@@ -281,24 +381,8 @@ impl CustomOp2 for FusedMlpSide {
         *kept = None;
         drop(kept);
         // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
-        let lu = Layout::contiguous((rows, ffn));
-        let want = LinearGrads {
-            x: x.track_op(),
-            w: w1,
-            b: b1,
-        };
-        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(&self.fc1.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&du, &lu), want)
-            })
-        })?;
+        let dx = self.fc1_bwd(x, &du, rows, ffn)?;
         drop(du);
-        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
-        if let Some(s) = &self.fc1.sink {
-            s.put_both(dw, db)?;
-        }
-        let dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
         let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
         Ok((dx, dside))
     }
@@ -369,7 +453,14 @@ mod tests {
             (DType::BF16, DType::F32),
             (DType::F16, DType::F32),
         ] {
-            for dims in [(6, 8, 32, 8, 8), (150, 16, 40, 16, 12)] {
+            // The last two: several row chunks and column blocks of u (ffn 300: three of
+            // 100), and a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
+            for dims in [
+                (6, 8, 32, 8, 8),
+                (150, 16, 40, 16, 12),
+                (300, 8, 300, 24, 24),
+                (520, 8, 136, 40, 600),
+            ] {
                 let (yf, dxf, dsf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, dsc, gc) = run(false, dt, wdt, dims);
                 assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");

@@ -332,28 +332,49 @@ fn fused_mlp_phases(
     // starts (`Node::released_by_bwd`).
     let last = h + g1 + g2 + sd;
     let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
-        let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
-        let c = e * rows.min(DW_ROWS) * wmax;
-        let mut pack = 0;
-        for k in [rows.min(DW_ROWS), rows % DW_ROWS]
-            .into_iter()
-            .filter(|&k| k > 0)
-        {
-            for (_, w) in mlp_col_blocks(ffn) {
-                if wants[2] {
-                    for (_, mb) in dw_blocks(out) {
-                        pack = pack.max(mm((mb, w, k), [(ffn, 1), (1, out), (w, 1)]));
-                    }
-                }
-                pack = pack.max(mm((k, w, out), [(w, 1), (out, 1), (ffn, 1)]));
-            }
-        }
-        (h + g2 + c + pack).max(last)
+        let (buf, pack) = fc2_gelu_blocks(&mm, e, (rows, 0, ffn, out), wants[2]);
+        (h + g2 + buf + pack).max(last)
     } else {
         let (_, sa) = lin((rows, ffn, out), (true, false, false));
         (2 * h + sa).max(2 * h + sc + g2).max(last)
     };
     (fwd, peak - g1 - g2)
+}
+
+/// The engine's f32/f64 backward of fc2 and the GELU by chunks of [`DW_ROWS`] rows and blocks
+/// of u's columns ([`mlp_col_blocks`]; `fused_mlp::fc2_gelu_bwd_direct`, fc2 reading
+/// `[side; gelu(u)]` with `ds` side columns, 0 for the plain MLP): its chunk buffer's bytes
+/// (elements of `e` bytes) and the most `gemm` packs in one of its products `mm` — dW2's side
+/// columns and each block's columns (per block of dW's rows, [`dw_blocks`], when `dw2`), and
+/// each block's dh.
+fn fc2_gelu_blocks(
+    mm: &impl Fn((u64, u64, u64), [(u64, u64); 3]) -> u64,
+    e: u64,
+    (rows, ds, ffn, out): (u64, u64, u64, u64),
+    dw2: bool,
+) -> (u64, u64) {
+    let n2 = ds + ffn;
+    let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
+    let mut pack = 0;
+    for k in [rows.min(DW_ROWS), rows % DW_ROWS]
+        .into_iter()
+        .filter(|&k| k > 0)
+    {
+        if dw2 && ds > 0 {
+            for (_, mb) in dw_blocks(out) {
+                pack = pack.max(mm((mb, ds, k), [(n2, 1), (1, out), (ds, 1)]));
+            }
+        }
+        for (_, w) in mlp_col_blocks(ffn) {
+            if dw2 {
+                for (_, mb) in dw_blocks(out) {
+                    pack = pack.max(mm((mb, w, k), [(n2, 1), (1, out), (w, 1)]));
+                }
+            }
+            pack = pack.max(mm((k, w, out), [(w, 1), (out, 1), (n2, 1)]));
+        }
+    }
+    (e * rows.min(DW_ROWS) * wmax, pack)
 }
 
 /// `ops::fused_mlp` of the engine: `fc2(gelu_tanh(fc1(x)))` as one node on x (the weights
@@ -401,8 +422,10 @@ pub const FUSED_MLP_SIDE_OP_BYTES: u64 = 32 + 96;
 /// `(rows, inp, ffn, ds, out)` (fc2 reads ds + ffn), dx when `tx`, dside when `ts`, the weight
 /// gradients `wants` = (dW1, db1, dW2, db2). Forward, beyond y and the kept u: fc1's workspace
 /// less y; h = gelu(u) beside c = [side; h] less y; c with fc2's workspace. Backward, beyond
-/// the gradients it hands out: h beside c; c, dc, fc2's workspace, dW2, db2; dc beside its
-/// parts dside and du; du, every gradient and fc1's workspace.
+/// the gradients it hands out: on f32/f64 u, dW2, db2 and one chunk buffer
+/// ([`fc2_gelu_blocks`]), then u and dside; on bf16/f16 h beside c; c, dc, fc2's workspace,
+/// dW2, db2; dc beside its parts dside and du; then in every dtype du, every gradient and
+/// fc1's workspace.
 pub fn fused_mlp_side_scratch(
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64, u64),
@@ -411,7 +434,7 @@ pub fn fused_mlp_side_scratch(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_side_phases(lin, (cd, wd), dims, (tx, ts, wants))
+    fused_mlp_side_phases((lin, |_, _| 0), (cd, wd), dims, (tx, ts, wants))
 }
 
 /// [`fused_mlp_side_scratch`] with `gemm`'s per-call packing in each phase
@@ -424,13 +447,18 @@ pub fn fused_mlp_side_workspace(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
-    fused_mlp_side_phases(lin, (cd, wd), dims, (tx, ts, wants))
+    let threads = u64::from(cpu.threads.max(1));
+    let mm = |mnk, strides| gemm_call_bytes(cpu, (cd.size(), threads), mnk, strides);
+    fused_mlp_side_phases((lin, mm), (cd, wd), dims, (tx, ts, wants))
 }
 
 /// The phases of the fused MLP with a side input over the workspace `lin(dims, tracks)` of
 /// each of its linear calls.
 fn fused_mlp_side_phases(
-    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (lin, mm): (
+        impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+        impl Fn((u64, u64, u64), [(u64, u64); 3]) -> u64,
+    ),
     (cd, wd): (Dtype, Dtype),
     (rows, inp, ffn, ds, out): (u64, u64, u64, u64, u64),
     (tx, ts, wants): (bool, bool, [bool; 4]),
@@ -454,16 +482,28 @@ fn fused_mlp_side_phases(
     // its backward starts (`Node::released_by_bwd`).
     // c = [side; h] (and h beside it while it is made) only for fc2's weight gradients;
     // dropped before dc is made.
-    let made = if wants[2] || wants[3] { 1 } else { 0 };
-    let bwd = (made * (2 * h + c))
-        .max(made * (h + c + b2w + g2))
-        .max(h + c + b2x + g2)
-        .max(c + dside + 2 * h + g2)
-        .max(h + dside + g1 + g2 + b1)
-        - g1
-        - g2
-        - dside;
-    (fwd, bwd)
+    let last = h + dside + g1 + g2 + b1;
+    let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
+        // By chunks and column blocks ([`fc2_gelu_blocks`]): neither c nor dc is made; dside
+        // straight from g·W2[:, ..ds] once the chunk buffer is freed.
+        let (buf, pack) = fc2_gelu_blocks(&mm, e, (rows, ds, ffn, out), wants[2]);
+        let pack_side = if ts {
+            mm((rows, ds, out), [(ds, 1), (out, 1), (ds + ffn, 1)])
+        } else {
+            0
+        };
+        (h + g2 + buf + pack)
+            .max(h + g2 + dside + pack_side)
+            .max(last)
+    } else {
+        let made = if wants[2] || wants[3] { 1 } else { 0 };
+        (made * (2 * h + c))
+            .max(made * (h + c + b2w + g2))
+            .max(h + c + b2x + g2)
+            .max(c + dside + 2 * h + g2)
+            .max(last)
+    };
+    (fwd, peak - g1 - g2 - dside)
 }
 
 /// `ops::fused_mlp_side` of the engine: `fc2([side; gelu_tanh(fc1(x))])` as one node on x and
