@@ -218,29 +218,16 @@ impl FusedMlp {
         grad: &Tensor,
         dims: (usize, usize, usize),
     ) -> CResult<CpuStorage> {
-        let (w2, b2) = self.fc2.wants();
-        let want = (w2, b2, false);
         let (rows, ffn, out) = dims;
-        let dims = (rows, 0, ffn, out);
-        let n = "fused_mlp backward";
-        let (dw, db) = with_cpu(&self.fc2.w, |sw, lw| {
-            with_cpu(grad, |sg, lg| match &mut u {
-                CpuStorage::F32(u) => {
-                    let (w, g) = (cpu_slice::<f32>(sw, lw, n)?, cpu_slice::<f32>(sg, lg, n)?);
-                    let (dw, db, _) = fc2_gelu_bwd_direct(u, &[], g, w, dims, want);
-                    Ok((dw.map(CpuStorage::F32), db.map(CpuStorage::F32)))
-                }
-                CpuStorage::F64(u) => {
-                    let (w, g) = (cpu_slice::<f64>(sw, lw, n)?, cpu_slice::<f64>(sg, lg, n)?);
-                    let (dw, db, _) = fc2_gelu_bwd_direct(u, &[], g, w, dims, want);
-                    Ok((dw.map(CpuStorage::F64), db.map(CpuStorage::F64)))
-                }
-                other => Err(err(format!(
-                    "fused_mlp: the chunked backward is f32/f64, got {:?}",
-                    other.dtype()
-                ))),
-            })
-        })?;
+        let (w2, b2) = self.fc2.wants();
+        let (dw, db, _) = fc2_gelu_bwd_storage(
+            &mut u,
+            None,
+            grad,
+            &self.fc2.w,
+            (rows, 0, ffn, out),
+            (w2, b2, false),
+        )?;
         if w2 || b2 {
             self.sink_fc2(dw, db, (out, ffn))?;
         }
@@ -372,6 +359,83 @@ pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + '
     (dw, db, dside)
 }
 
+/// [`fc2_gelu_bwd_direct`] on storages: u (f32/f64, turned into du), the side (none for the
+/// plain MLP), g and W2 as tensors; returns (dW2, db2, dside) as `want` = (w2, b2, side) asks.
+#[allow(clippy::type_complexity)]
+pub(super) fn fc2_gelu_bwd_storage(
+    u: &mut CpuStorage,
+    side: Option<&Tensor>,
+    grad: &Tensor,
+    w2: &Tensor,
+    dims: (usize, usize, usize, usize),
+    want: (bool, bool, bool),
+) -> CResult<(Option<CpuStorage>, Option<CpuStorage>, Option<CpuStorage>)> {
+    let n = "fused MLP backward";
+    let side = side.map(|s| s.contiguous()).transpose()?;
+    let mut run = |ss: Option<(&CpuStorage, &Layout)>| {
+        with_cpu(w2, |sw, lw| {
+            with_cpu(grad, |sg, lg| {
+                macro_rules! run {
+                    ($u:expr, $t:ty, $s:path) => {{
+                        let s = match ss {
+                            Some((ss, ls)) => cpu_slice::<$t>(ss, ls, n)?,
+                            None => &[],
+                        };
+                        let (w, g) = (cpu_slice::<$t>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
+                        let (dw, db, dside) = fc2_gelu_bwd_direct($u, s, g, w, dims, want);
+                        Ok((dw.map($s), db.map($s), dside.map($s)))
+                    }};
+                }
+                match &mut *u {
+                    CpuStorage::F32(u) => run!(u, f32, CpuStorage::F32),
+                    CpuStorage::F64(u) => run!(u, f64, CpuStorage::F64),
+                    other => Err(err(format!(
+                        "{n}: the chunked path is f32/f64, got {:?}",
+                        other.dtype()
+                    ))),
+                }
+            })
+        })
+    };
+    match &side {
+        Some(t) => with_cpu(t, |ss, ls| run(Some((ss, ls)))),
+        None => run(None),
+    }
+}
+
+/// fc1's backward on du (rows × ffn): dx = du·W1, dW1 = duᵀ·x and db1 = Σ du, the weight
+/// gradients to fc1's sink; returns dx when x tracks. Shared by both fused MLPs.
+pub(super) fn fc1_backward(
+    fc1: &MlpLinear,
+    x: &Tensor,
+    du: &CpuStorage,
+    (rows, ffn): (usize, usize),
+) -> CResult<Option<Tensor>> {
+    let (w1, b1) = fc1.wants();
+    let want = LinearGrads {
+        x: x.track_op(),
+        w: w1,
+        b: b1,
+    };
+    let (b1dt, b1l) = (fc1.b.dtype(), fc1.b.layout());
+    let (dx, dw, db) = with_cpu(x, |sx, lx| {
+        with_cpu(&fc1.w, |sw, lw| {
+            linear_bwd_storage(
+                (sx, lx),
+                (sw, lw),
+                (b1dt, b1l),
+                (du, &wide(rows, ffn)),
+                want,
+            )
+        })
+    })?;
+    let (dw, db) = weight_grads((dw, db), fc1.w.dims2()?)?;
+    if let Some(s) = &fc1.sink {
+        s.put_both(dw, db)?;
+    }
+    dx.map(|v| storage_tensor(v, x.shape())).transpose()
+}
+
 impl CustomOp1 for FusedMlp {
     fn name(&self) -> &'static str {
         "fused-mlp"
@@ -406,8 +470,6 @@ impl CustomOp1 for FusedMlp {
         let grad = grad.contiguous()?;
         let (rows, out) = grad.dims2()?;
         let ffn = self.fc2.w.dims2()?.1;
-        let lu = wide(rows, ffn);
-        let (w1, b1) = self.fc1.wants();
         let mut kept = self
             .kept
             .lock()
@@ -424,24 +486,7 @@ impl CustomOp1 for FusedMlp {
             self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn, out))?
         };
         drop(kept);
-        // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
-        let want = LinearGrads {
-            x: x.track_op(),
-            w: w1,
-            b: b1,
-        };
-        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(&self.fc1.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&du, &lu), want)
-            })
-        })?;
-        drop(du);
-        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
-        if let Some(s) = &self.fc1.sink {
-            s.put_both(dw, db)?;
-        }
-        dx.map(|v| storage_tensor(v, x.shape())).transpose()
+        fc1_backward(&self.fc1, x, &du, (rows, ffn))
     }
 }
 

@@ -22,13 +22,13 @@ use std::sync::Mutex;
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::fused_mlp::{fc2_gelu_bwd_direct, mlp_col_blocks, MlpLinear};
+use super::fused_mlp::{fc1_backward, fc2_gelu_bwd_storage, mlp_col_blocks, MlpLinear};
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
     linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
     linear_fwd_storage, storage_tensor, weight_grads, LinearGrads, DW_ROWS,
 };
-use super::storage::{cpu_slice, err, with_cpu, CResult};
+use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 
 /// The fused feed-forward with a side input (see the module docs).
@@ -184,7 +184,7 @@ impl FusedMlpSide {
     /// column blocks through one chunk buffer ([`fc2_gelu_bwd_direct`]), so neither the
     /// concatenation c nor its gradient dc (each rows × (ds + ffn)) is ever made: dW2's side
     /// columns come from the side itself, dside = g·W2[:, ..ds] straight into its own buffer,
-    /// and du is written over u. Then fc1's backward on du ([`Self::fc1_bwd`]).
+    /// and du is written over u. Then fc1's backward on du ([`fc1_backward`]).
     fn bwd_direct(
         &self,
         x: &Tensor,
@@ -197,72 +197,18 @@ impl FusedMlpSide {
         let (w2, b2) = Self::wants(&self.fc2);
         let want = (w2, b2, side.track_op());
         let dims = (rows, ds, ffn, out);
-        let side_c = side.contiguous()?;
-        let n = "fused_mlp_side backward";
-        let (dw, db, dside) = with_cpu(&side_c, |ss, ls| {
-            with_cpu(&self.fc2.w, |sw, lw| {
-                with_cpu(grad, |sg, lg| match &mut u {
-                    CpuStorage::F32(u) => {
-                        let s = cpu_slice::<f32>(ss, ls, n)?;
-                        let (w, g) = (cpu_slice::<f32>(sw, lw, n)?, cpu_slice::<f32>(sg, lg, n)?);
-                        let (dw, db, dside) = fc2_gelu_bwd_direct(u, s, g, w, dims, want);
-                        let f = |v: Option<Vec<f32>>| v.map(CpuStorage::F32);
-                        Ok((f(dw), f(db), f(dside)))
-                    }
-                    CpuStorage::F64(u) => {
-                        let s = cpu_slice::<f64>(ss, ls, n)?;
-                        let (w, g) = (cpu_slice::<f64>(sw, lw, n)?, cpu_slice::<f64>(sg, lg, n)?);
-                        let (dw, db, dside) = fc2_gelu_bwd_direct(u, s, g, w, dims, want);
-                        let f = |v: Option<Vec<f64>>| v.map(CpuStorage::F64);
-                        Ok((f(dw), f(db), f(dside)))
-                    }
-                    other => Err(err(format!(
-                        "fused_mlp_side: the direct backward is f32/f64, got {:?}",
-                        other.dtype()
-                    ))),
-                })
-            })
-        })?;
-        drop(side_c);
+        let (dw, db, dside) =
+            fc2_gelu_bwd_storage(&mut u, Some(side), grad, &self.fc2.w, dims, want)?;
         if w2 || b2 {
             let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
             if let Some(s) = &self.fc2.sink {
                 s.put_both(dw, db)?;
             }
         }
-        let dx = self.fc1_bwd(x, &u, rows, ffn)?;
+        let dx = fc1_backward(&self.fc1, x, &u, (rows, ffn))?;
         drop(u);
         let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
         Ok((dx, dside))
-    }
-
-    /// fc1's backward on du (rows × ffn): dx = du·W1, dW1 = duᵀ·x and db1 = Σ du, the weight
-    /// gradients to fc1's sink; returns dx when x tracks.
-    fn fc1_bwd(
-        &self,
-        x: &Tensor,
-        du: &CpuStorage,
-        rows: usize,
-        ffn: usize,
-    ) -> CResult<Option<Tensor>> {
-        let (w1, b1) = Self::wants(&self.fc1);
-        let lu = Layout::contiguous((rows, ffn));
-        let want = LinearGrads {
-            x: x.track_op(),
-            w: w1,
-            b: b1,
-        };
-        let (b1dt, b1l) = (self.fc1.b.dtype(), self.fc1.b.layout());
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(&self.fc1.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (du, &lu), want)
-            })
-        })?;
-        let (dw, db) = weight_grads((dw, db), self.fc1.w.dims2()?)?;
-        if let Some(s) = &self.fc1.sink {
-            s.put_both(dw, db)?;
-        }
-        dx.map(|v| storage_tensor(v, x.shape())).transpose()
     }
 }
 
@@ -381,7 +327,7 @@ impl CustomOp2 for FusedMlpSide {
         *kept = None;
         drop(kept);
         // dx = du·W1, dW1 = duᵀ·x, db1 = Σ du.
-        let dx = self.fc1_bwd(x, &du, rows, ffn)?;
+        let dx = fc1_backward(&self.fc1, x, &du, (rows, ffn))?;
         drop(du);
         let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
         Ok((dx, dside))
