@@ -24,9 +24,12 @@ pub const DW_ROWS: usize = 256;
 /// 256 × 128 elements (128 KiB f32) however wide the layer (DiT-S/2 fc1, out 1,536: 1.5 MiB as
 /// one block; PixArt's tiny fc1, out 256: 256 KiB, the peak of its block's backward). The
 /// blocks split the product's columns, not its depth: each element's sum is the same, bit for
-/// bit. [`dw_blocks`] evens them out. 128 rather than 512 costs no time measurably (AMD EPYC
-/// Zen 1, 2 threads, f32 linear backward at 512 and 4,096 rows × 384 ↔ 1,536, and 256 × 64 →
-/// 256: medians of 15 within the run-to-run spread of 5–20 %, both ways). Budget twin:
+/// bit. [`dw_blocks`] evens them out. 128 rather than 512 costs no time measurably in the
+/// linear alone (AMD EPYC Zen 1, 2 threads, f32 linear backward at 512 and 4,096 rows × 384 ↔
+/// 1,536, and 256 × 64 → 256: medians of 15 within the run-to-run spread of 5–20 %, both
+/// ways); with the fused MLP's column blocks ([`crate::ops::fused_mlp::MLP_COLS`]) a DiT-S/2
+/// step at 256² b2 takes 1.6–2.5 % longer (`bench/torch_peer/results/ab_blocks_dit_256x2.txt`).
+/// Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
 pub const DW_COLS: usize = 128;
 
