@@ -11,8 +11,9 @@
 //! from it). On f32/f64 its backward holds no second (rows, ffn) buffer: by chunks of
 //! [`DW_ROWS`] rows and blocks of [`MLP_COLS`] columns through one chunk buffer it adds
 //! g_cᵀ·gelu(u_c) into dW2, then makes dh_c = g_c·W2 and writes du_c = dh_c ⊙ gelu'(u_c) over
-//! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16, whose linears chunk inside one call, it makes one (rows, ffn)
-//! buffer: dh = g·W2, turned into du in place, while u becomes h in place for dW2 = gᵀ·h.
+//! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16, whose linears chunk inside
+//! one call, it makes one (rows, ffn) buffer: dh = g·W2, turned into du in place, while u
+//! becomes h in place for dW2 = gᵀ·h.
 //! Nothing wide enters candle's store: the weight gradients go to the linears'
 //! [`GradSink`]s, only dx is returned.
 //!
@@ -249,20 +250,22 @@ impl FusedMlp {
     }
 }
 
-/// Widest block of u's columns (the hidden width) the f32/f64 backward of fc2 and the GELU
-/// handles at a time ([`mlp_col_blocks`]): its one chunk buffer holds [`DW_ROWS`] rows of a
+/// Target width of the blocks of u's columns (the hidden width) the f32/f64 backward of fc2
+/// and the GELU handles at a time ([`mlp_col_blocks`]; the widest is 129, at ffn 129): its one chunk buffer holds [`DW_ROWS`] rows of a
 /// block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
 /// tiny spec, 256 rows × ffn 256: 128 KiB instead of 256 KiB; DiT-S/2 at 512 rows, ffn 1,536:
 /// 128 KiB instead of 1.5 MiB). Budget twin: `ditmem_budget::ditmem_cpu::ops::MLP_COLS`.
 pub const MLP_COLS: usize = 128;
 
 /// The (first column, columns) blocks of a hidden width `ffn`: ⌈ffn / [`MLP_COLS`]⌉ blocks whose
-/// widths differ by at most one. Above [`MLP_COLS`] every block is wider than 64 columns, so
-/// `gemm` never takes its small-size branch (m, n ≤ 64, gemm-common 0.19 `gemm.rs`), which
-/// blocks a depth beyond 512 differently from the whole product: each element of dh and dW2
-/// has the composition's sum, bit for bit.
+/// widths differ by at most one, but never so many that a block is 64 columns or narrower
+/// (ffn 129 stays one block of 129 rather than 64 + 65): `gemm` then never takes its
+/// small-size branch (m, n ≤ 64, gemm-common 0.19 `gemm.rs`) where the whole product does not
+/// (it blocks a depth beyond 512 differently), so each element of dh and dW2 has the
+/// composition's sum, bit for bit. A hidden width of 64 or less is one block, as the
+/// composition's own product.
 pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = ffn.div_ceil(MLP_COLS).max(1);
+    let n = ffn.div_ceil(MLP_COLS).min(ffn / 65).max(1);
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
@@ -276,8 +279,11 @@ pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
 /// the linear's blocks of dW's rows, [`dw_blocks`]), then the block's dh = g_c·W2 in the same
 /// buffer and du = dh ⊙ gelu'(u) over u. The buffer is freed before dside = g·W2[:, ..ds]. Every
 /// element of dW2 sums the chunks in the linear's order, and a product's depth is blocked alike
-/// whatever its width (gemm-common 0.19 `cache.rs::kernel_params`: the depth block depends on
-/// the depth only), so the results are the composition's bits.
+/// whatever its width (gemm-common 0.19 `cache.rs::kernel_params`: the depth block comes from
+/// the depth and the CPU's L1, never from m or n), so the results are the composition's bits.
+/// One exception, as for the dh rows (module docs): dside with rows ≤ 64, ds ≤ 64 and
+/// out > 512 would take `gemm`'s small-size branch where the composition's dc (ds + ffn wide)
+/// does not; its one caller, Flux's single-stream block, has out = ds.
 #[allow(clippy::type_complexity)]
 pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + 'static>(
     u: &mut [A],
@@ -554,6 +560,9 @@ mod tests {
                 // depth `gemm` blocks in two and a ragged 8-row last chunk.
                 (300, 16, 300, 24),
                 (520, 8, 272, 600),
+                // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
+                // branch at the 8-row last chunk, depth 600).
+                (520, 8, 129, 600),
             ] {
                 let (yf, dxf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);
@@ -609,12 +618,25 @@ mod tests {
     /// restatement, for every dtype, path and set of gradients.
     #[test]
     fn fused_mlp_scratch_is_the_budgets() {
-        use ditmem_budget::ditmem_cpu::ops::{fused_mlp_scratch, FUSED_MLP_OP_BYTES};
+        use ditmem_budget::ditmem_cpu::ops::{self, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
         use ditmem_budget::Dtype;
         assert_eq!(
             32 + std::mem::size_of::<FusedMlp>() as u64,
             FUSED_MLP_OP_BYTES
         );
+        assert_eq!(MLP_COLS as u64, ops::MLP_COLS);
+        for ffn in [1, 64, 65, 128, 129, 130, 194, 195, 256, 300, 1536] {
+            let engine: Vec<(u64, u64)> = mlp_col_blocks(ffn)
+                .map(|(a, b)| (a as u64, b as u64))
+                .collect();
+            let budget: Vec<(u64, u64)> = ops::mlp_col_blocks(ffn as u64).collect();
+            assert_eq!(engine, budget, "ffn {ffn}");
+            assert_eq!(engine.iter().map(|b| b.1).sum::<u64>(), ffn as u64);
+            if ffn > 64 {
+                assert!(engine.iter().all(|b| b.1 > 64), "ffn {ffn}: {engine:?}");
+            }
+            assert!(engine.iter().all(|b| b.1 < 2 * 65), "ffn {ffn}: {engine:?}");
+        }
         for (dt, bd, wdt, wbd) in [
             (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
             (DType::F64, Dtype::F64, DType::F64, Dtype::F64),

@@ -20,9 +20,10 @@ pub const DW_ROWS: u64 = 256;
 pub const MLP_COLS: u64 = 128;
 
 /// The (first column, columns) blocks of a hidden width `ffn` (`ops::mlp_col_blocks`):
-/// ⌈ffn / [`MLP_COLS`]⌉ blocks whose widths differ by at most one.
+/// ⌈ffn / [`MLP_COLS`]⌉ blocks whose widths differ by at most one, but none of 64 columns or
+/// fewer (so ffn 129 is one block).
 pub fn mlp_col_blocks(ffn: u64) -> impl Iterator<Item = (u64, u64)> {
-    let n = ffn.div_ceil(MLP_COLS).max(1);
+    let n = ffn.div_ceil(MLP_COLS).min(ffn / 65).max(1);
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
