@@ -81,6 +81,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::ops::{
         fused_linear_scratch, native_attention_scratch, streaming_attention_scratch, SQUARES_CHUNK,
     };
+    pub use crate::runtime::ditmem_cpu::sana;
     pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
 }
 

@@ -53,7 +53,7 @@ pub fn silu_dwconv3x3(
 }
 
 /// (batch, C).
-fn dw_geom(
+pub(crate) fn dw_geom(
     lx: &Layout,
     lw: &Layout,
     lb: &Layout,
@@ -172,11 +172,12 @@ const TAPS: [(isize, isize); 9] = [
     (1, 1),
 ];
 
-struct Grid {
-    b: usize,
-    rows: usize,
-    cols: usize,
-    c: usize,
+/// The token grid of a batch: b entries of rows × cols tokens, c channels each.
+pub(crate) struct Grid {
+    pub(crate) b: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) c: usize,
 }
 
 impl Grid {
@@ -192,7 +193,7 @@ impl Grid {
 }
 
 /// out[t, ch] = b[ch] + Σ_taps w[ch, tap]·silu(x[t + tap, ch]).
-fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+pub(crate) fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
     x: &[T],
     wt: &[A],
     bias: &[A],
@@ -220,20 +221,20 @@ fn dw_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
     out
 }
 
-/// dx[t, ch] = silu'(x[t, ch])·Σ_taps w[ch, tap]·g[t − tap, ch].
-fn dw_dx<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
-    x: &[T],
+/// dx[t, ch] = silu'(x[t, ch])·Σ_taps w[ch, tap]·g[t − tap, ch], written over x: token t's dx
+/// reads x at t only (the neighbours enter through g), so x can be the destination. The fused
+/// Mix-FFN writes df1 over its kept f1 this way; the op below over a copy of x.
+pub(crate) fn dw_dx_over<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    x: &mut [T],
     g: &[T],
     wt: &[A],
     gr: &Grid,
-) -> Vec<T> {
+) {
     let c = gr.c;
-    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
-    dx.par_chunks_mut(gr.cols * c)
+    x.par_chunks_mut(gr.cols * c)
         .enumerate()
-        .for_each(|(row, drow)| {
+        .for_each(|(row, xrow)| {
             let (bi, r) = (row / gr.rows, row % gr.rows);
-            let base = row * gr.cols;
             for col in 0..gr.cols {
                 let dst: [Option<usize>; 9] = TAPS.map(|(dy, dx)| gr.at(bi, r, col, (-dy, -dx)));
                 for ch in 0..c {
@@ -243,17 +244,16 @@ fn dw_dx<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
                             acc += wt[k * c + ch] * g[t * c + ch].to_acc();
                         }
                     }
-                    let xv = x[(base + col) * c + ch].to_acc();
-                    drow[col * c + ch] = T::from_acc(acc * silu_deriv(xv));
+                    let xv = xrow[col * c + ch].to_acc();
+                    xrow[col * c + ch] = T::from_acc(acc * silu_deriv(xv));
                 }
             }
         });
-    dx
 }
 
 /// Per channel: dW[ch, tap] = Σ_t g[t, ch]·silu(x[t + tap, ch]) and db[ch] = Σ_t g[t, ch], into
 /// `acc` laid out (C, 10) (the tenth column is db).
-fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+pub(crate) fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
     x: &[T],
     g: &[T],
     gr: &Grid,
@@ -354,11 +354,9 @@ impl CustomOp3 for SiluDwConv {
                         let (wt, acc) = ws.split_at_mut(9 * c);
                         widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
                         let dx = if tx {
-                            Some(Tensor::from_vec(
-                                dw_dx::<T, A>(xv, gv, wt, &gr),
-                                lx.shape(),
-                                &dev,
-                            )?)
+                            let mut dx = xv.to_vec();
+                            dw_dx_over::<T, A>(&mut dx, gv, wt, &gr);
+                            Some(Tensor::from_vec(dx, lx.shape(), &dev)?)
                         } else {
                             None
                         };

@@ -22,7 +22,7 @@ pub fn glu_silu(u: &Tensor) -> CResult<Tensor> {
     u.apply_op1(GluSilu)
 }
 
-fn glu_geom(l: &Layout) -> CResult<(usize, usize)> {
+pub(crate) fn glu_geom(l: &Layout) -> CResult<(usize, usize)> {
     match l.dims() {
         &[r, c2] if c2 % 2 == 0 && c2 > 0 => Ok((r, c2 / 2)),
         dims => Err(err(format!("glu expects (rows, 2H), got {dims:?}"))),
@@ -35,7 +35,7 @@ fn sigmoid<A: Acc>(x: A) -> A {
     one / (one + (A::ZERO - x).exp())
 }
 
-fn glu_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(u: &[T], h: usize) -> Vec<T> {
+pub(crate) fn glu_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(u: &[T], h: usize) -> Vec<T> {
     let rows = u.len() / (2 * h);
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); rows * h];
     out.par_chunks_mut(h)
@@ -51,24 +51,28 @@ fn glu_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(u: &[T], h: usize) ->
     out
 }
 
-fn glu_bwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(u: &[T], go: &[T], h: usize) -> Vec<T> {
+/// The gradient of u (rows, 2H) written over u: g·SiLU(gate) over the hidden half,
+/// g·hidden·SiLU'(gate) over the gate half (each row reads only its own hidden and gate). The
+/// fused Mix-FFN writes dc2 over its c2 this way; the op below over a copy of u.
+pub(crate) fn glu_bwd_over<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    u: &mut [T],
+    go: &[T],
+    h: usize,
+) {
     let one = A::from_f64(1.0);
-    let mut du: Vec<T> = vec![T::from_acc(A::ZERO); u.len()];
-    du.par_chunks_mut(2 * h)
+    u.par_chunks_mut(2 * h)
         .enumerate()
         .with_min_len((PAR_CHUNK / (2 * h)).max(1))
         .for_each(|(r, d)| {
-            let (a, g) = u[r * 2 * h..(r + 1) * 2 * h].split_at(h);
             let gr = &go[r * h..(r + 1) * h];
-            let (da, dg) = d.split_at_mut(h);
+            let (a, g) = d.split_at_mut(h);
             for j in 0..h {
                 let (av, gv, o) = (a[j].to_acc(), g[j].to_acc(), gr[j].to_acc());
                 let s = sigmoid(gv);
-                da[j] = T::from_acc(o * gv * s);
-                dg[j] = T::from_acc(o * av * s * (one + gv * (one - s)));
+                a[j] = T::from_acc(o * gv * s);
+                g[j] = T::from_acc(o * av * s * (one + gv * (one - s)));
             }
         });
-    du
 }
 
 impl CustomOp1 for GluSilu {
@@ -92,8 +96,8 @@ impl CustomOp1 for GluSilu {
             with_cpu(&grad, |sg, lg| {
                 let (_, h) = glu_geom(l)?;
                 Ok(dispatch_float!(s.dtype(), n, |T, A| {
-                    let du =
-                        glu_bwd::<T, A>(cpu_slice::<T>(s, l, n)?, cpu_slice::<T>(sg, lg, n)?, h);
+                    let mut du = cpu_slice::<T>(s, l, n)?.to_vec();
+                    glu_bwd_over::<T, A>(&mut du, cpu_slice::<T>(sg, lg, n)?, h);
                     Tensor::from_vec(du, l.shape(), &Device::Cpu)?
                 }))
             })

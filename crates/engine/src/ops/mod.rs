@@ -29,7 +29,8 @@
 //! - [`gated_residual`](mod@gated_residual): the adaLN-Zero residual `x + y·gate`.
 //! - Sana's ops: [`linear_attention`](mod@linear_attention) (ReLU linear attention over
 //!   separate q, k, v), [`dwconv`] (SiLU + depthwise 3×3 conv on the token grid), [`glu`] (the
-//!   Mix-FFN gate), [`rms_norm`](mod@rms_norm) (RMSNorm with a weight).
+//!   Mix-FFN gate), [`mix_ffn`](mod@mix_ffn) (the whole Mix-FFN as one node, keeping
+//!   `conv_inverted`'s output only), [`rms_norm`](mod@rms_norm) (RMSNorm with a weight).
 //! - [`backward_from`](mod@backward_from): backpropagation from a segment's output with its
 //!   known gradient (no composed `sum(out · grad)` root).
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
@@ -61,6 +62,7 @@ pub mod joint_linear;
 pub mod linear;
 pub mod linear_attention;
 pub mod ln_modulate;
+pub mod mix_ffn;
 pub mod rms_norm;
 pub mod rms_norm_rows;
 pub mod rope;
@@ -91,6 +93,7 @@ pub use linear::{
     LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
+pub use mix_ffn::{mix_ffn, MixFfn};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
 pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};

@@ -6,8 +6,9 @@
 //! step replay ([`super::step`]), which schedules them as PixArt's.
 //!
 //! The engine's Sana ops, each one node here: [`linear_attention`]
-//! (`ops::linear_attention`), [`silu_dwconv`] (`ops::dwconv`), [`glu`] (`ops::glu`),
-//! `ops::rms_norm` (the rule of [`super::flux::rms_norm`]).
+//! (`ops::linear_attention`), [`mix_ffn`] (`ops::mix_ffn`, the whole Mix-FFN; composed of the
+//! linears, [`silu_dwconv`] (`ops::dwconv`) and [`glu`] (`ops::glu`) under LoRA on its
+//! linears), `ops::rms_norm` (the rule of [`super::flux::rms_norm`]).
 
 use crate::families::{Dims as FamilyDims, SanaDims};
 use crate::runtime::costs::Sims;
@@ -16,12 +17,14 @@ use crate::runtime::ditmem_cpu::block::{
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{fused_linear, gated_residual, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::{
+    fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
+};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
-use crate::spec::{Precision, Spec};
+use crate::spec::{CpuSpec, Dtype, Precision, Spec};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: u64 = 256;
@@ -272,23 +275,143 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     // Mix-FFN.
     let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
     g.bind(h2);
-    let hid = sg.hid;
-    let f1 = lin(&mut g, "ff.conv_inverted", h2, rows, 2 * hid, d, false);
-    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
-    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
-    let c2 = silu_dwconv(
-        &mut g,
-        sh,
-        "ff silu + conv_depth (fused)",
-        [f1, dw, db],
-        2 * hid,
-    );
-    g.bind(c2);
-    let gl = glu(&mut g, "ff hidden·silu(gate) (fused)", c2);
-    g.bind(gl);
-    let f2 = lin(&mut g, "ff.conv_point", gl, rows, d, hid, true);
+    let f2 = mix_ffn_block(&mut g, sh, sg, h2, zero);
+    g.bind(f2);
     let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
     (g, x, t6, y, out)
+}
+
+/// `mix_ffn_forward` of the engine's Sana block on h2 (rows, D): one [`mix_ffn`] node where
+/// neither linear carries LoRA (always, today: both are 1×1 `Conv2d`s in diffusers, which the
+/// spec's LoRA targets refuse), else `conv_inverted`, [`silu_dwconv`], [`glu`] and
+/// `conv_point` composed, the first three held until `conv_point`'s output exists (the engine
+/// function's locals).
+fn mix_ffn_block(g: &mut Graph, sh: &Shape, sg: &SanaGeo, h2: Nid, zero: Nid) -> Nid {
+    let (d, hid, rows) = (sh.d, sg.hid, sh.b * sh.s);
+    let wd = sh.weight_dtype();
+    let trained = sh.lora.is_none();
+    let fused =
+        sh.lora_rank("ff.conv_inverted").is_none() && sh.lora_rank("ff.conv_point").is_none();
+    if fused {
+        let [wi, bi] = linear_weights(g, sh, "ff.conv_inverted", h2, (2 * hid, d));
+        let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
+        let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
+        let wp = g.weight("ff.conv_point.weight", d * hid, wd, trained, wd);
+        if trained && g.nodes[h2].tracks && g.nodes[wp].kind == Kind::Var {
+            g.nodes[wp].tracks = false;
+            g.nodes[wp].sunk = true;
+        }
+        let name = "ff.conv_inverted → silu → conv_depth → glu → ff.conv_point (fused Mix-FFN)";
+        return mix_ffn(g, sh, name, [h2, wi, bi, dw, db, wp, zero], (rows, d, hid));
+    }
+    let f1 = linear(g, sh, "ff.conv_inverted", h2, rows, 2 * hid, d, None);
+    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
+    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
+    let c2 = silu_dwconv(g, sh, "ff silu + conv_depth (fused)", [f1, dw, db], 2 * hid);
+    let gl = glu(g, "ff hidden·silu(gate) (fused)", c2);
+    let f2 = linear(g, sh, "ff.conv_point", gl, rows, d, hid, Some(zero));
+    g.hold_until(&[f1, c2, gl], f2);
+    f2
+}
+
+/// Heap bytes of a tracked `ops::MixFfn` node's op beside the f1 it keeps: candle's
+/// `Arc<Box<dyn CustomOp3>>` (32) and the op (four weight handles, two sink handles, the grid,
+/// the keep flag and the mutex over f1: `size_of::<MixFfn>()`, held equal by the engine's test).
+pub const MIX_FFN_OP_BYTES: u64 = 32 + 112;
+
+/// `ops::mix_ffn` of the engine: Sana's Mix-FFN as one node on h (rows, D); `ins` = [h, Wi, bi,
+/// conv weight, conv bias, Wp, bp] (bp the block's zero bias), `dims` = (rows, D, H). A fresh
+/// (rows, D) output; tracked, it keeps f1 = conv_inverted(h) (rows × 2H, compute dtype; turned
+/// into df1 in place by its backward and freed there, which `released_by_bwd` replays) and its
+/// boxed op ([`MIX_FFN_OP_BYTES`]). Workspace: [`mix_ffn_workspace`]. Its backward returns dh
+/// and the conv's dW, db (the linears' gradients go to their sinks).
+pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64, u64, u64)) -> Nid {
+    let (rows, d, hid) = dims;
+    let (cd, wd) = (g.dtype(ins[0]), g.dtype(ins[1]));
+    let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
+    let grads = [ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], ins[6]].map(wants);
+    let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
+    let tracked = grads.iter().any(|&t| t) || g.nodes[ins[0]].tracks;
+    let (fwd, bwd) = mix_ffn_workspace(
+        &sh.cpu,
+        (cd, wd, acc_bytes(sh)),
+        dims,
+        (tracked, grads),
+        master,
+    );
+    let y = g.op(name, Kind::Custom { bwd_scratch: bwd }, &ins, rows * d, cd);
+    if g.nodes[y].tracks {
+        let f1 = rows * 2 * hid * cd.size();
+        g.nodes[y].extra = f1 + MIX_FFN_OP_BYTES;
+        g.nodes[y].released_by_bwd = f1;
+    }
+    g.nodes[y].fwd_scratch = fwd;
+    y
+}
+
+/// Workspace bytes (forward, backward) of the engine's fused Mix-FFN with its linears'
+/// workspace from [`linear_workspace`] (their own buffers and `gemm`'s packing) on `cpu`:
+/// see [`mix_ffn_phases`].
+pub fn mix_ffn_workspace(
+    cpu: &CpuSpec,
+    types: (Dtype, Dtype, u64),
+    dims: (u64, u64, u64),
+    (tracked, grads): (bool, [bool; 7]),
+    master: bool,
+) -> (u64, u64) {
+    let lin = |dims, t| linear_workspace(cpu, types.0, dims, t, master);
+    mix_ffn_phases(lin, types, dims, (tracked, grads))
+}
+
+/// The fused Mix-FFN's phases over the workspace `lin((rows, inp, out), tracks)` of each of its
+/// linear calls; `types` = (compute dtype, weight dtype, accumulation bytes), `dims` = (rows,
+/// D, H) (C = 2H channels), `grads` = which of [h, Wi, bi, conv W, conv b, Wp, bp] get a
+/// gradient. Forward, beyond y and (tracked) the kept f1: `conv_inverted`'s workspace before y
+/// exists; c2 with the conv's widened weights (10·C); c2 beside the gate's output; the gate's
+/// output with `conv_point`'s workspace (untracked, f1 is freed after c2, so it counts in the
+/// first two). Backward, beyond the gradients it hands out, f1 counted throughout: f1 and c2
+/// (recomputed) with the conv's weights; f1, c2, the gate's output, dWp, dbp and `conv_point`'s
+/// dW workspace; f1, c2, dgl and its dx workspace; f1, dc2 (over c2) and the conv's backward
+/// workspace (19·C) with its dW, db; then df1 (over f1) with `conv_inverted`'s backward and
+/// every gradient.
+pub fn mix_ffn_phases(
+    lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
+    (cd, wd, acc): (Dtype, Dtype, u64),
+    (rows, d, hid): (u64, u64, u64),
+    (tracked, grads): (bool, [bool; 7]),
+) -> (u64, u64) {
+    let (e, we) = (cd.size(), wd.size());
+    let c = 2 * hid;
+    let (f1, gl, y) = (e * rows * c, e * rows * hid, e * rows * d);
+    let (s1, _) = lin((rows, d, c), (false, false, false));
+    let (s2, _) = lin((rows, hid, d), (false, false, false));
+    let conv_f = 10 * c * acc;
+    let kept = if tracked { 0 } else { f1 };
+    // c2 is as big as f1.
+    let fwd = (kept + s1)
+        .saturating_sub(y)
+        .max((kept + f1 + conv_f).saturating_sub(y))
+        .max((f1 + gl).saturating_sub(y))
+        .max(gl + s2);
+    let on = |b: bool, n: u64| if b { we * n } else { 0 };
+    let [th, ti, tbi, tw, tb, tp, tbp] = grads;
+    let gi = on(ti, c * d) + on(tbi, c);
+    let gc = on(tw, 9 * c) + on(tb, c);
+    let gp = on(tp, d * hid) + on(tbp, d);
+    let dh = if th { e * rows * d } else { 0 };
+    let (_, sp_w) = lin((rows, hid, d), (false, tp, tbp));
+    let (_, sp_x) = lin((rows, hid, d), (true, false, false));
+    let (_, si) = lin((rows, d, c), (th, ti, tbi));
+    let mut peak = f1 + f1 + conv_f;
+    if tp || tbp {
+        peak = peak.max(f1 + f1 + gl + gp + sp_w);
+    }
+    peak = peak.max(f1 + f1 + gp + gl + sp_x);
+    peak = peak.max(f1 + f1 + gp + 19 * c * acc + gc);
+    if th || ti || tbi {
+        peak = peak.max(f1 + gp + gc + si + gi + dh);
+    }
+    (fwd, peak.saturating_sub(gi + gc + gp + dh))
 }
 
 /// The embed segment as `SanaLayout::embed` builds it. Returns (graph, x0, t6, embedded

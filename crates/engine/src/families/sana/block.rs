@@ -5,13 +5,14 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, BlockConfig, LinearW, LN_EPS};
+use crate::block::{cast, mlp_linear, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::dwconv::silu_dwconv3x3;
 use crate::ops::glu::glu_silu;
 use crate::ops::linear_attention::linear_attention;
+use crate::ops::mix_ffn::mix_ffn;
 use crate::ops::rms_norm;
 use crate::ops::{gated_residual, gelu_tanh, ln_modulate};
 
@@ -93,12 +94,29 @@ pub fn sana_block_forward(
 
     // Mix-FFN (GLUMBConv) on the channels-last token rows.
     let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
-    let f1 = w.conv_inverted.forward(&h2)?;
-    let (wd, bd) = &w.conv_depth;
-    let c2 = silu_dwconv3x3(&f1, wd, bd, geo.rows, geo.cols)?;
-    let gl = glu_silu(&c2)?;
-    let f2 = w.conv_point.forward(&gl)?;
+    let f2 = mix_ffn_forward(&h2, w, geo)?;
     Ok(gated_residual(&x2, &f2, &gate_mlp)?)
+}
+
+/// The Mix-FFN on h2 (b·s, D): one fused node ([`mix_ffn`]: keeps `conv_inverted`'s output
+/// only, no wide gradient in candle's store) where both linears allow it (no LoRA on either,
+/// see [`mlp_linear`]), else composed of the linears, [`silu_dwconv3x3`] and [`glu_silu`] (each
+/// a local until `conv_point`'s output exists). The same values either way, bit for bit.
+fn mix_ffn_forward(h2: &Tensor, w: &SanaBlockWeights, geo: &SanaBlockGeom) -> Result<Tensor> {
+    let t = h2.track_op();
+    let (wd, bd) = &w.conv_depth;
+    match (
+        mlp_linear(&w.conv_inverted, t),
+        mlp_linear(&w.conv_point, t),
+    ) {
+        (Some(inv), Some(point)) => Ok(mix_ffn(h2, inv, (wd, bd), point, (geo.rows, geo.cols))?),
+        _ => {
+            let f1 = w.conv_inverted.forward(h2)?;
+            let c2 = silu_dwconv3x3(&f1, wd, bd, geo.rows, geo.cols)?;
+            let gl = glu_silu(&c2)?;
+            w.conv_point.forward(&gl)
+        }
+    }
 }
 
 /// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.

@@ -24,9 +24,11 @@
 //!    view); `to_q` (b·s·D_c cd), `to_k`, `to_v` on the caption (2 × C cd); separate attention
 //!    (b·s·D_c cd, keeps P / lse / nothing); `to_out.0` (E cd); x2 = x1 + out with a (b, D)
 //!    gate of ones (E ad).
-//! 4. LN2 + modulate (E cd); `conv_inverted` (2F cd); SiLU + depthwise conv fused (2F cd,
-//!    keeps nothing beyond its input); GLU gate (F cd); `conv_point` (E cd);
-//!    x3 = x2 + out·gate_mlp (E ad).
+//! 4. LN2 + modulate (E cd); the Mix-FFN as one node ([`crate::ops::mix_ffn()`]: E cd, keeps
+//!    `conv_inverted`'s output, 2F cd, and nothing else); without it (LoRA on `conv_inverted`
+//!    or `conv_point`) `conv_inverted` (2F cd), SiLU + depthwise conv fused (2F cd, keeps
+//!    nothing beyond its input), GLU gate (F cd) and `conv_point` (E cd); x3 = x2 +
+//!    out·gate_mlp (E ad).
 
 pub mod block;
 pub mod params;

@@ -1,0 +1,502 @@
+//! [`mix_ffn`]: Sana's Mix-FFN (`GLUMBConv`: `conv_inverted` 1×1 → SiLU → depthwise 3×3
+//! `conv_depth` → `hidden · SiLU(gate)` → `conv_point` 1×1) as one node on its input h (rows, D)
+//! and the depthwise conv's weight and bias ([`MixFfn`]). Budget twin:
+//! `ditmem_budget::ditmem_cpu::sana::mix_ffn` and `mix_ffn_workspace`.
+//!
+//! Why: composed of the two linears, [`silu_dwconv3x3`](super::dwconv::silu_dwconv3x3) and
+//! [`glu_silu`](super::glu::glu_silu), the graph keeps f1 = conv_inverted(h) (rows × 2H), the
+//! conv's output c2 (rows × 2H) and the gate's output (rows × H), and candle's backward folds
+//! each gradient into its store as `zeros_like + add` while the node's own output gradient is
+//! alive (candle-core 0.11 `backprop.rs`): dc2, its zeros and its sum beside dgl at the gate;
+//! df1, its zeros and its sum beside dc2 at the conv — the Sana block's worst moment. This op
+//! keeps f1 only. Its backward recomputes c2 from f1 and the gate's output from c2 (for
+//! `conv_point`'s dW, freed at once), makes dgl, writes dc2 over c2, takes the conv's dW and db
+//! from f1 and dc2, writes df1 over f1 (a token's df1 reads f1 at that token only), frees dc2
+//! and runs `conv_inverted`'s backward on df1: the two linears' weight gradients go to their
+//! [`GradSink`](super::GradSink)s, the conv's to candle (9 + 1 values per channel), and only dh
+//! (width D) enters candle's store. Its peak is f1 + c2 + (the gate's output or dgl): 5H per
+//! row, where the composition held 2H + 2H + H kept plus 6H of gradients.
+//!
+//! Numerics: the same kernel calls as the composition (the fused linear's storage functions,
+//! the conv's and the gate's kernels, in place where the composition wrote a fresh copy), so
+//! the same bits in every dtype.
+
+use std::sync::Mutex;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType,
+};
+
+use super::dwconv::{
+    dw_dw, dw_dx_over, dw_fwd, dw_geom, dwconv_bwd_scratch, dwconv_fwd_scratch, narrow_to,
+    widen_rounded, Grid,
+};
+use super::fused_mlp::MlpLinear;
+use super::glu::{glu_bwd_over, glu_fwd};
+use super::linear::{
+    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
+};
+use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::kernels::scalar::{Acc, Elem};
+
+/// The fused Mix-FFN (see the module docs).
+#[derive(Debug)]
+pub struct MixFfn {
+    inv: MlpLinear,
+    point: MlpLinear,
+    /// The token grid (rows, cols) of each batch entry.
+    grid: (usize, usize),
+    /// Keep f1 for a backward (an input tracks); otherwise nothing is kept.
+    keep: bool,
+    /// f1 = conv_inverted(h) from the forward, taken (and turned into df1) by the backward; a
+    /// second backward on the same graph recomputes it from h.
+    f1: Mutex<Option<CpuStorage>>,
+}
+
+/// `conv_point(glu_silu(silu_dwconv3x3(conv_inverted(h), wd, bd)))` of h (rows, D) on a
+/// `grid` = (rows, cols) token grid per batch entry, written as (rows, D). A linear's weights
+/// must not track unless it has a sink (the op hands candle dh and the conv's dW, db only).
+pub fn mix_ffn(
+    h: &Tensor,
+    inv: MlpLinear,
+    (wd, bd): (&Tensor, &Tensor),
+    point: MlpLinear,
+    grid: (usize, usize),
+) -> CResult<Tensor> {
+    for l in [&inv, &point] {
+        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
+            return Err(err(
+                "mix_ffn: a linear whose weights track needs a gradient sink",
+            ));
+        }
+    }
+    let (c2h, hid) = (inv.w.dims2()?.0, point.w.dims2()?.1);
+    if c2h != 2 * hid {
+        return Err(err(format!(
+            "mix_ffn: conv_inverted makes {c2h} channels, conv_point reads {hid} (needs half)"
+        )));
+    }
+    let keep = h.track_op() || wd.track_op() || bd.track_op();
+    h.apply_op3(
+        wd,
+        bd,
+        MixFfn {
+            inv,
+            point,
+            grid,
+            keep,
+            f1: Mutex::new(None),
+        },
+    )
+}
+
+/// c2 = conv_depth(silu(f1)) of f1 (n, C) with the conv's weight and bias storages: the widened
+/// weights (10·C accumulation values) live for the call only, as in `SiluDwConv`'s forward.
+fn conv_fwd<T: Elem<A> + WithDType + Send + Sync, A: Acc + Send + Sync>(
+    f1: &[T],
+    (sw, lw): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    gr: &Grid,
+) -> CResult<Vec<T>> {
+    let c = gr.c;
+    let mut ws: Vec<A> = vec![A::ZERO; dwconv_fwd_scratch(c)];
+    let (wt, bias) = ws.split_at_mut(9 * c);
+    widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
+    widen_rounded::<T, A>(sb, lb, bias, |i| i)?;
+    Ok(dw_fwd::<T, A>(f1, wt, bias, gr))
+}
+
+impl MixFfn {
+    /// f1 = conv_inverted(h).
+    fn inv_fwd(&self, h: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpu(&self.inv.w, |sw, lw| {
+            with_cpu(&self.inv.b, |sb, lb| {
+                linear_fwd_storage(h, (sw, lw), (sb, lb))
+            })
+        })
+    }
+
+    /// The grid of f1 (n, 2H) under the conv's weight and bias layouts.
+    fn grid_of(&self, n: usize, lw: &Layout, lb: &Layout) -> CResult<Grid> {
+        let c = self.inv.w.dims2()?.0;
+        let (b, c) = dw_geom(
+            &Layout::contiguous((n, c)),
+            lw,
+            lb,
+            self.grid.0,
+            self.grid.1,
+        )?;
+        Ok(Grid {
+            b,
+            rows: self.grid.0,
+            cols: self.grid.1,
+            c,
+        })
+    }
+
+    /// The forward from f1 on: c2, the gate's output, y = conv_point(·); frees f1 after c2 when
+    /// it is not kept, c2 after the gate, the gate's output after y.
+    #[allow(clippy::too_many_arguments)]
+    fn fwd_typed<T: Elem<A> + WithDType + Send + Sync, A: Acc + Send + Sync>(
+        &self,
+        f1: CpuStorage,
+        w: (&CpuStorage, &Layout),
+        b: (&CpuStorage, &Layout),
+        gr: &Grid,
+    ) -> CResult<(CpuStorage, Option<CpuStorage>)> {
+        let n = gr.b * gr.rows * gr.cols;
+        let hid = gr.c / 2;
+        let c2 = {
+            let f = cpu_slice::<T>(&f1, &Layout::contiguous((n, gr.c)), "mix_ffn f1")?;
+            conv_fwd::<T, A>(f, w, b, gr)?
+        };
+        let kept = if self.keep {
+            Some(f1)
+        } else {
+            drop(f1);
+            None
+        };
+        let gl = T::to_cpu_storage_owned(glu_fwd::<T, A>(&c2, hid));
+        drop(c2);
+        let (y, _) = with_cpu(&self.point.w, |sw, lw| {
+            with_cpu(&self.point.b, |sb, lb| {
+                linear_fwd_storage((&gl, &Layout::contiguous((n, hid))), (sw, lw), (sb, lb))
+            })
+        })?;
+        Ok((y, kept))
+    }
+
+    /// The backward from f1 and g (n, D): see the module docs for the order. Returns dh (when h
+    /// tracks) and the conv's dW, db (when they track).
+    #[allow(clippy::type_complexity)]
+    fn bwd_typed<T: Elem<A> + WithDType + Send + Sync, A: Acc + Send + Sync + Into<f64>>(
+        &self,
+        f1: CpuStorage,
+        (h, wd, bd): (&Tensor, &Tensor, &Tensor),
+        grad: &Tensor,
+        gr: &Grid,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = gr.b * gr.rows * gr.cols;
+        let (c, hid) = (gr.c, gr.c / 2);
+        let what = "mix_ffn backward";
+        let mut f1 = T::cpu_storage_data(f1)?;
+        let c2 = with_cpu(wd, |sw, lw| {
+            with_cpu(bd, |sb, lb| conv_fwd::<T, A>(&f1, (sw, lw), (sb, lb), gr))
+        })?;
+        let c2 = T::to_cpu_storage_owned(c2);
+        let lgl = Layout::contiguous((n, hid));
+        let (pw, pb) = self.point.wants();
+        let (pbdt, pbl) = (self.point.b.dtype(), self.point.b.layout());
+        let dgl = with_cpu(&self.point.w, |sw, lw| {
+            with_cpu(grad, |sg, lg| {
+                if pw || pb {
+                    // conv_point's dW, db from the gate's output, freed at once.
+                    let gl = T::to_cpu_storage_owned(glu_fwd::<T, A>(
+                        cpu_slice::<T>(&c2, &Layout::contiguous((n, c)), what)?,
+                        hid,
+                    ));
+                    let want = LinearGrads {
+                        x: false,
+                        w: pw,
+                        b: pb,
+                    };
+                    let (_, dw, db) =
+                        linear_bwd_storage((&gl, &lgl), (sw, lw), (pbdt, pbl), (sg, lg), want)?;
+                    drop(gl);
+                    let (dw, db) = weight_grads((dw, db), self.point.w.dims2()?)?;
+                    if let Some(s) = &self.point.sink {
+                        s.put_both(dw, db)?;
+                    }
+                }
+                // dgl = g·Wp: the product reads no x, so c2's first n·H values stand in for it.
+                let want = LinearGrads {
+                    x: true,
+                    w: false,
+                    b: false,
+                };
+                let (dgl, _, _) =
+                    linear_bwd_storage((&c2, &lgl), (sw, lw), (pbdt, pbl), (sg, lg), want)?;
+                dgl.ok_or_else(|| err("mix_ffn: no dgl"))
+            })
+        })?;
+        // dc2 over c2, then the conv's weight gradients and df1 over f1.
+        let mut dc2 = T::cpu_storage_data(c2)?;
+        glu_bwd_over::<T, A>(&mut dc2, cpu_slice::<T>(&dgl, &lgl, what)?, hid);
+        drop(dgl);
+        let (tw, tb) = (wd.track_op(), bd.track_op());
+        let (ti, (iw, ib)) = (h.track_op(), self.inv.wants());
+        let (mut dwd, mut dbd) = (None, None);
+        with_cpu(wd, |sw, lw| {
+            let mut ws: Vec<A> = vec![A::ZERO; dwconv_bwd_scratch(c)];
+            let (wt, acc) = ws.split_at_mut(9 * c);
+            widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
+            if tw || tb {
+                dw_dw::<T, A>(&f1, &dc2, gr, acc);
+                if tw {
+                    // (C, 10) → (C, 1, 3, 3).
+                    let it = (0..9 * c).map(|i| acc[(i / 9) * 10 + i % 9]);
+                    dwd = Some(narrow_to(it, wd.dtype(), wd.shape())?);
+                }
+                if tb {
+                    let it = (0..c).map(|ch| acc[ch * 10 + 9]);
+                    dbd = Some(narrow_to(it, bd.dtype(), bd.shape())?);
+                }
+            }
+            if ti || iw || ib {
+                dw_dx_over::<T, A>(&mut f1, &dc2, wt, gr);
+            }
+            Ok(())
+        })?;
+        drop(dc2);
+        if !(ti || iw || ib) {
+            return Ok((None, dwd, dbd));
+        }
+        let df1 = T::to_cpu_storage_owned(f1);
+        let want = LinearGrads {
+            x: ti,
+            w: iw,
+            b: ib,
+        };
+        let (ibdt, ibl) = (self.inv.b.dtype(), self.inv.b.layout());
+        let (dh, dw, db) = with_cpu(h, |sx, lx| {
+            with_cpu(&self.inv.w, |sw, lw| {
+                linear_bwd_storage(
+                    (sx, lx),
+                    (sw, lw),
+                    (ibdt, ibl),
+                    (&df1, &Layout::contiguous((n, c))),
+                    want,
+                )
+            })
+        })?;
+        drop(df1);
+        let (dw, db) = weight_grads((dw, db), self.inv.w.dims2()?)?;
+        if let Some(s) = &self.inv.sink {
+            s.put_both(dw, db)?;
+        }
+        let dh = dh.map(|v| storage_tensor(v, h.shape())).transpose()?;
+        Ok((dh, dwd, dbd))
+    }
+}
+
+impl CustomOp3 for MixFfn {
+    fn name(&self) -> &'static str {
+        "mix-ffn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sh: &CpuStorage,
+        lh: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (f1, shape) = self.inv_fwd((sh, lh))?;
+        let n = shape.dims2()?.0;
+        let gr = self.grid_of(n, lw, lb)?;
+        let (y, kept) = dispatch_float!(f1.dtype(), "mix_ffn", |T, A| {
+            self.fwd_typed::<T, A>(f1, (sw, lw), (sb, lb), &gr)?
+        });
+        *self
+            .f1
+            .lock()
+            .map_err(|_| err("mix_ffn: kept f1 poisoned"))? = kept;
+        let d = self.point.w.dims2()?.0;
+        Ok((y, Shape::from((n, d))))
+    }
+
+    fn bwd(
+        &self,
+        h: &Tensor,
+        wd: &Tensor,
+        bd: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let kept = self
+            .f1
+            .lock()
+            .map_err(|_| err("mix_ffn: kept f1 poisoned"))?
+            .take();
+        // f1, from the forward or (a second backward) recomputed from h.
+        let f1 = match kept {
+            Some(f1) => f1,
+            None => with_cpu(h, |sx, lx| self.inv_fwd((sx, lx)))?.0,
+        };
+        let n = grad.dims2()?.0;
+        let gr = self.grid_of(n, wd.layout(), bd.layout())?;
+        Ok(dispatch_float!(f1.dtype(), "mix_ffn backward", |T, A| {
+            self.bwd_typed::<T, A>(f1, (h, wd, bd), &grad, &gr)?
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::dwconv::silu_dwconv3x3;
+    use crate::ops::glu::glu_silu;
+    use crate::ops::linear_sunk;
+    use crate::ops::test_values::{bits, t};
+    use crate::ops::GradSink;
+    use candle_core::Var;
+    use std::sync::Arc;
+
+    /// (y, dh, [dWi, dbi, dWd, dbd, dWp, dbp]) of h (b·rows·cols, d) through a Mix-FFN of hidden
+    /// width `hid` with gradient r of y, fused or composed of the sunk linears, the conv and the
+    /// gate. The conv's weight and bias are Vars (their gradients come back through candle).
+    fn run(
+        fused: bool,
+        dt: DType,
+        wdt: DType,
+        (b, rows, cols, d, hid): (usize, usize, usize, usize, usize),
+    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        let n = b * rows * cols;
+        let h = Var::from_tensor(&t(n * d, &[n, d], 1, dt)).unwrap();
+        let wi = t(2 * hid * d, &[2 * hid, d], 2, wdt);
+        let bi = t(2 * hid, &[2 * hid], 3, wdt);
+        let wd = Var::from_tensor(&t(2 * hid * 9, &[2 * hid, 1, 3, 3], 4, wdt)).unwrap();
+        let bd = Var::from_tensor(&t(2 * hid, &[2 * hid], 5, wdt)).unwrap();
+        let wp = t(d * hid, &[d, hid], 6, wdt);
+        let bp = t(d, &[d], 7, wdt);
+        let r = t(n * d, &[n, d], 8, dt);
+        let si = Arc::new(GradSink::new(true, true));
+        let sp = Arc::new(GradSink::new(true, true));
+        let y = if fused {
+            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
+                w: w.clone(),
+                b: b.clone(),
+                sink: Some(Arc::clone(s)),
+            };
+            mix_ffn(
+                h.as_tensor(),
+                l(&wi, &bi, &si),
+                (wd.as_tensor(), bd.as_tensor()),
+                l(&wp, &bp, &sp),
+                (rows, cols),
+            )
+            .unwrap()
+        } else {
+            let f1 = linear_sunk(h.as_tensor(), &wi, &bi, &si).unwrap();
+            let c2 = silu_dwconv3x3(&f1, wd.as_tensor(), bd.as_tensor(), rows, cols).unwrap();
+            let gl = glu_silu(&c2).unwrap();
+            linear_sunk(&gl, &wp, &bp, &sp).unwrap()
+        };
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dh = grads.get(h.as_tensor()).unwrap().clone();
+        let conv = [wd.as_tensor(), bd.as_tensor()].map(|v| grads.get(v).unwrap().clone());
+        let sunk = [si.take_w(), si.take_b(), sp.take_w(), sp.take_b()]
+            .map(|g| g.expect("the sink holds every weight gradient"));
+        let all = vec![
+            sunk[0].clone(),
+            sunk[1].clone(),
+            conv[0].clone(),
+            conv[1].clone(),
+            sunk[2].clone(),
+            sunk[3].clone(),
+        ];
+        (y, dh, all)
+    }
+
+    /// The fused Mix-FFN's output, dh and all six weight gradients are the composition's, bit
+    /// for bit, on f64, f32, bf16 and f16 with weights in the compute dtype or f32 masters, on a
+    /// square and an odd non-square grid, with row counts past one linear chunk.
+    #[test]
+    fn mix_ffn_equals_the_composition_bit_for_bit() {
+        for (dt, wdt) in [
+            (DType::F64, DType::F64),
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            for dims in [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)] {
+                let (yf, dhf, gf) = run(true, dt, wdt, dims);
+                let (yc, dhc, gc) = run(false, dt, wdt, dims);
+                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
+                assert_eq!(bits(&dhf), bits(&dhc), "dh {dt:?}/{wdt:?} {dims:?}");
+                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+                    assert_eq!(a.dims(), b.dims());
+                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
+                }
+                assert!(bits(&dhf).iter().any(|&b| f64::from_bits(b) != 0.0));
+            }
+        }
+    }
+
+    /// A second backward on the same graph recomputes f1 from h and gives the same gradients.
+    #[test]
+    fn a_second_backward_gives_the_same_gradients() {
+        let (rows, cols, d, hid) = (3, 4, 8, 12);
+        let n = 2 * rows * cols;
+        let h = Var::from_tensor(&t(n * d, &[n, d], 1, DType::F32)).unwrap();
+        let l = |o: usize, i: usize, s: usize| MlpLinear {
+            w: t(o * i, &[o, i], s, DType::F32),
+            b: t(o, &[o], s + 1, DType::F32),
+            sink: Some(Arc::new(GradSink::new(true, true))),
+        };
+        let wd = Var::from_tensor(&t(2 * hid * 9, &[2 * hid, 1, 3, 3], 9, DType::F32)).unwrap();
+        let bd = Var::from_tensor(&t(2 * hid, &[2 * hid], 10, DType::F32)).unwrap();
+        let y = mix_ffn(
+            h.as_tensor(),
+            l(2 * hid, d, 2),
+            (wd.as_tensor(), bd.as_tensor()),
+            l(d, hid, 4),
+            (rows, cols),
+        )
+        .unwrap();
+        let loss = y.sqr().unwrap().sum_all().unwrap();
+        let (a, b) = (loss.backward().unwrap(), loss.backward().unwrap());
+        for v in [h.as_tensor(), wd.as_tensor(), bd.as_tensor()] {
+            assert_eq!(bits(a.get(v).unwrap()), bits(b.get(v).unwrap()));
+        }
+    }
+
+    /// Tracking linear weights without a sink, and mismatched widths, are refused.
+    #[test]
+    fn bad_linears_are_refused() {
+        let (rows, cols, d, hid) = (2, 2, 4, 6);
+        let h = t(4 * d, &[4, d], 1, DType::F32);
+        let wd = t(2 * hid * 9, &[2 * hid, 1, 3, 3], 2, DType::F32);
+        let bd = t(2 * hid, &[2 * hid], 3, DType::F32);
+        let w = Var::from_tensor(&t(2 * hid * d, &[2 * hid, d], 4, DType::F32)).unwrap();
+        let inv = MlpLinear {
+            w: w.as_tensor().clone(),
+            b: t(2 * hid, &[2 * hid], 5, DType::F32),
+            sink: None,
+        };
+        let point = |k: usize| MlpLinear {
+            w: t(d * k, &[d, k], 6, DType::F32),
+            b: t(d, &[d], 7, DType::F32),
+            sink: None,
+        };
+        let e = mix_ffn(&h, inv, (&wd, &bd), point(hid), (rows, cols))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sink"), "{e}");
+        let inv = MlpLinear {
+            w: w.as_tensor().detach(),
+            b: t(2 * hid, &[2 * hid], 5, DType::F32),
+            sink: None,
+        };
+        let e = mix_ffn(&h, inv, (&wd, &bd), point(hid + 1), (rows, cols))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("half"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod budget_twin {
+    use super::MixFfn;
+
+    /// The op's heap bytes beside f1 are the budget's.
+    #[test]
+    fn mix_ffn_op_bytes_are_the_budgets() {
+        use ditmem_budget::ditmem_cpu::sana::MIX_FFN_OP_BYTES;
+        assert_eq!(32 + std::mem::size_of::<MixFfn>() as u64, MIX_FFN_OP_BYTES);
+    }
+}
