@@ -668,6 +668,10 @@ pub fn gated_residual(g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid) -> N
 /// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
 pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
 
+/// Queries per block of the backward of the engine's generic streaming attention kernels
+/// (`ops::ATTN_QUERY_BLOCK`): P and dP of a block are this × [`FUSED_ATTN_KEY_BLOCK`].
+pub const FUSED_ATTN_QUERY_BLOCK: u64 = 64;
+
 /// Bytes of one thread's scratch (forward, backward) of the engine's streaming bf16 attention on
 /// the AVX512-BF16 kernel with key blocks of `kb` (`ops::attention::bf16::streaming_scratch_bytes`).
 /// Forward: f32 output accumulator, a block of scores, row max and sum; packed q, a packed block
@@ -702,8 +706,9 @@ pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
 /// width `dh`, accumulation elements of `elem` bytes, single-threaded calls), the most of any of
 /// its products: per key block of `n` keys (all `sk` at once when `kb` is None, else blocks of
 /// `kb` and the rest) the scores `S = q·kᵀ` (and `dP = dO·vᵀ`), `O = P·v` (and `dq = dS·k`), and
-/// in backward `dv = Pᵀ·dO` (and `dk = dSᵀ·q`). q·kᵀ reads k transposed, so `gemm` pre-packs it
-/// on every ISA.
+/// in backward `dv = Pᵀ·dO` (and `dk = dSᵀ·q`), the streaming backward's by blocks of
+/// [`FUSED_ATTN_QUERY_BLOCK`] queries. q·kᵀ reads k transposed, so `gemm` pre-packs it on every
+/// ISA.
 pub fn attention_head_packing(
     cpu: &CpuSpec,
     (sq, sk, dh): (u64, u64, u64),
@@ -713,17 +718,30 @@ pub fn attention_head_packing(
     let mm = |m: u64, n: u64, k: u64, dst, lhs, rhs| {
         gemm_call_bytes(cpu, (elem, 1), (m, n, k), [dst, lhs, rhs])
     };
-    let blocks = match kb {
-        Some(kb) if kb > 0 && kb < sk => vec![kb, sk % kb],
-        _ => vec![sk],
+    let split = |s: u64, b: u64| {
+        if b > 0 && b < s {
+            vec![b, s % b]
+        } else {
+            vec![s]
+        }
+    };
+    let blocks = split(sk, kb.unwrap_or(sk));
+    // The streaming backward also blocks the queries (`ops::ATTN_QUERY_BLOCK`).
+    let q_blocks = match kb {
+        Some(_) => split(sq, FUSED_ATTN_QUERY_BLOCK),
+        None => vec![sq],
     };
     let (mut fwd, mut bwd) = (0, 0);
     for n in blocks.into_iter().filter(|&n| n > 0) {
         let scores = mm(sq, n, dh, (n, 1), (dh, 1), (1, dh));
         let out = mm(sq, dh, n, (dh, 1), (n, 1), (dh, 1));
-        let grad_kv = mm(n, dh, sq, (dh, 1), (1, n), (dh, 1));
         fwd = fwd.max(scores).max(out);
-        bwd = bwd.max(scores).max(out).max(grad_kv);
+        for &m in q_blocks.iter().filter(|&&m| m > 0) {
+            let scores = mm(m, n, dh, (n, 1), (dh, 1), (1, dh));
+            let dq = mm(m, dh, n, (dh, 1), (n, 1), (dh, 1));
+            let grad_kv = mm(n, dh, m, (dh, 1), (1, n), (dh, 1));
+            bwd = bwd.max(scores).max(dq).max(grad_kv);
+        }
     }
     (fwd, bwd)
 }
@@ -771,7 +789,7 @@ fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
             "attention (fused, streaming; keeps lse)",
             nh * s * acc,
             4 * s * dh + s * kb + 2 * s,
-            7 * s * dh + 2 * s * kb + s,
+            7 * s * dh + 2 * FUSED_ATTN_QUERY_BLOCK.min(s) * kb + s,
         )
     } else if sh.attention_only {
         (

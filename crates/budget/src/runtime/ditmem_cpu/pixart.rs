@@ -14,6 +14,7 @@ use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     attention_head_packing, fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
+    FUSED_ATTN_QUERY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::ditmem_cpu::step::grad_dtype;
@@ -69,7 +70,8 @@ pub fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
     let kb = FUSED_ATTN_KEY_BLOCK.min(sk);
     let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
     if sh.attention == AttentionMode::MemoryEfficient {
-        (f + sq * kb + 2 * sq, b + 2 * sq * kb + sq)
+        let qb = FUSED_ATTN_QUERY_BLOCK.min(sq);
+        (f + sq * kb + 2 * sq, b + 2 * qb * kb + sq)
     } else {
         (f + sq * sk, b + 2 * sq * sk)
     }

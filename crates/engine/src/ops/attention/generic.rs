@@ -307,7 +307,7 @@ where
     let per = g.bwd_scratch(keep);
     let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
-    let kb = g.kb();
+    let (kb, qbl) = (g.kb(), g.qb());
     scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
         let (q, rest) = sc.split_at_mut(s * dh);
         let (k, rest) = rest.split_at_mut(s * dh);
@@ -385,8 +385,8 @@ where
                 }
                 AttnKeep::LogSumExp => {
                     let lse = &lse.unwrap_or(&[])[head * s..][..s];
-                    let (pb, rest) = rest.split_at_mut(s * kb);
-                    let (dpb, delta) = rest.split_at_mut(s * kb);
+                    let (pb, rest) = rest.split_at_mut(qbl * kb);
+                    let (dpb, delta) = rest.split_at_mut(qbl * kb);
                     // Δ_i = dO_i · o_i.
                     for i in 0..s {
                         let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
@@ -400,22 +400,31 @@ where
                     let mut j0 = 0;
                     while j0 < s {
                         let n = kb.min(s - j0);
-                        let p = &mut pb[..s * n];
-                        let dp = &mut dpb[..s * n];
-                        mm(s, n, dh, p, (q, dh, 1), (&k[j0 * dh..], 1, dh), false);
-                        A::exp_rows(p, n, lse);
-                        mm(n, dh, s, &mut dv[j0 * dh..], (p, 1, n), (go, dh, 1), false);
-                        mm(s, n, dh, dp, (go, dh, 1), (&v[j0 * dh..], 1, dh), false);
-                        for i in 0..s {
-                            for (a, b) in p[i * n..(i + 1) * n]
-                                .iter()
-                                .zip(dp[i * n..(i + 1) * n].iter_mut())
-                            {
-                                *b = *a * (*b - delta[i]);
+                        // By blocks of queries: dv and dk of the key block sum them in order.
+                        let mut i0 = 0;
+                        while i0 < s {
+                            let m = qbl.min(s - i0);
+                            let p = &mut pb[..m * n];
+                            let dp = &mut dpb[..m * n];
+                            let (qi, goi) = (&q[i0 * dh..], &go[i0 * dh..]);
+                            let acc = i0 > 0;
+                            mm(m, n, dh, p, (qi, dh, 1), (&k[j0 * dh..], 1, dh), false);
+                            A::exp_rows(p, n, &lse[i0..i0 + m]);
+                            mm(n, dh, m, &mut dv[j0 * dh..], (p, 1, n), (goi, dh, 1), acc);
+                            mm(m, n, dh, dp, (goi, dh, 1), (&v[j0 * dh..], 1, dh), false);
+                            for i in 0..m {
+                                for (a, b) in p[i * n..(i + 1) * n]
+                                    .iter()
+                                    .zip(dp[i * n..(i + 1) * n].iter_mut())
+                                {
+                                    *b = *a * (*b - delta[i0 + i]);
+                                }
                             }
+                            let dqi = &mut dq[i0 * dh..];
+                            mm(m, dh, n, dqi, (dp, n, 1), (&k[j0 * dh..], dh, 1), true);
+                            mm(n, dh, m, &mut dk[j0 * dh..], (dp, 1, n), (qi, dh, 1), acc);
+                            i0 += m;
                         }
-                        mm(s, dh, n, dq, (dp, n, 1), (&k[j0 * dh..], dh, 1), true);
-                        mm(n, dh, s, &mut dk[j0 * dh..], (dp, 1, n), (q, dh, 1), false);
                         j0 += n;
                     }
                 }

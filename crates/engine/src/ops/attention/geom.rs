@@ -17,12 +17,21 @@ pub enum AttnKeep {
     Nothing,
     /// The log-sum-exp per query row (b, a, s) in the accumulation type; forward and backward
     /// stream over key blocks and never hold more than s × [`ATTN_KEY_BLOCK`] scores per head
-    /// (the memory-efficient mode).
+    /// in forward, [`ATTN_QUERY_BLOCK`] × [`ATTN_KEY_BLOCK`] (P and dP) in backward (the
+    /// memory-efficient mode).
     LogSumExp,
 }
 
 /// Keys per block of the streaming kernels.
 pub const ATTN_KEY_BLOCK: usize = 128;
+
+/// Queries per block of the streaming kernels' backward (generic kernels): P and dP of a block
+/// are [`ATTN_QUERY_BLOCK`] × [`ATTN_KEY_BLOCK`], not s × [`ATTN_KEY_BLOCK`] — at Flux's tiny
+/// family spec (192 joint tokens, 16-wide heads) 64 KiB per thread instead of 192 KiB, the
+/// single-stream block's worst moment; at 4,608 tokens 64 KiB instead of 4.5 MiB. dk and dv
+/// sum the query blocks in order (one more rounding per block than one product over all
+/// queries). Budget twin: `ditmem_budget::ditmem_cpu::ops::FUSED_ATTN_QUERY_BLOCK`.
+pub const ATTN_QUERY_BLOCK: usize = 64;
 
 /// Shapes of one fused attention call.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +52,9 @@ impl AttnGeom {
     pub(crate) fn kb(&self) -> usize {
         ATTN_KEY_BLOCK.min(self.s)
     }
+    pub(crate) fn qb(&self) -> usize {
+        ATTN_QUERY_BLOCK.min(self.s)
+    }
     /// Scratch elements (accumulation type) per head of the forward.
     pub fn fwd_scratch(&self, keep: AttnKeep) -> usize {
         let (s, dh) = (self.s, self.dh);
@@ -59,8 +71,8 @@ impl AttnGeom {
         match keep {
             // q, k, v, dO, dq, dk, dv, P, dP.
             AttnKeep::Probabilities | AttnKeep::Nothing => 7 * s * dh + 2 * s * s,
-            // q, k, v, dO, dq, dk, dv, a block of P and of dP, the row deltas.
-            AttnKeep::LogSumExp => 7 * s * dh + 2 * s * self.kb() + s,
+            // q, k, v, dO, dq, dk, dv, a (query × key) block of P and of dP, the row deltas.
+            AttnKeep::LogSumExp => 7 * s * dh + 2 * self.qb() * self.kb() + s,
         }
     }
 }

@@ -35,7 +35,7 @@ pub use cross::{cross_attention, CrossAttention};
 pub use dropout::{dropout_mask, Dropout};
 use generic::{attn_bwd_cpu, attn_bwd_cpu_over, attn_fwd_cpu};
 use geom::attn_geom;
-pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK};
+pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 pub use projected::{projected_attention, ProjectedAttention};
 pub use reference::attention_materialized;
 pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};

@@ -18,7 +18,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK};
+use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use crate::kernels::gemm::mm;
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
@@ -41,6 +41,9 @@ impl SepGeom {
     fn kb(&self) -> usize {
         ATTN_KEY_BLOCK.min(self.sk)
     }
+    fn qb(&self) -> usize {
+        ATTN_QUERY_BLOCK.min(self.sq)
+    }
 }
 
 /// Scratch elements (accumulation type) per head of the forward: q, k, v, the head's output and
@@ -55,13 +58,13 @@ pub fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
 }
 
 /// Scratch elements (accumulation type) per head of the backward: q, dO, dq (s_q × d_h), k, v,
-/// dk, dv (s_kv × d_h), P and dP; streaming: a block of each and the row deltas.
+/// dk, dv (s_kv × d_h), P and dP; streaming: a (query × key) block of each and the row deltas.
 pub fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
     let (sq, sk, dh) = (g.sq, g.sk, g.dh);
     let base = 3 * sq * dh + 4 * sk * dh;
     match keep {
         AttnKeep::Probabilities | AttnKeep::Nothing => base + 2 * sq * sk,
-        AttnKeep::LogSumExp => base + 2 * sq * g.kb() + sq,
+        AttnKeep::LogSumExp => base + 2 * g.qb() * g.kb() + sq,
     }
 }
 
@@ -490,7 +493,7 @@ where
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
     let pq = SharedMut(dq_all.as_mut_ptr());
-    let kb = g.kb();
+    let (kb, qbl) = (g.kb(), g.qb());
     scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
         let (qb, rest) = sc.split_at_mut(sq * dh);
         let (go, rest) = rest.split_at_mut(sq * dh);
@@ -545,8 +548,8 @@ where
                 }
                 AttnKeep::LogSumExp => {
                     let lse = &lse.unwrap_or(&[])[head * sq..][..sq];
-                    let (pb, rest) = rest.split_at_mut(sq * kb);
-                    let (dpb, delta) = rest.split_at_mut(sq * kb);
+                    let (pb, rest) = rest.split_at_mut(qbl * kb);
+                    let (dpb, delta) = rest.split_at_mut(qbl * kb);
                     let (bi, hd) = bh;
                     for i in 0..sq {
                         let orow = &o_all[(bi * sq + i) * d + hd * dh..][..dh];
@@ -560,30 +563,31 @@ where
                     let mut j0 = 0;
                     while j0 < sk {
                         let n = kb.min(sk - j0);
-                        let p = &mut pb[..sq * n];
-                        let dp = &mut dpb[..sq * n];
-                        mm(sq, n, dh, p, (qb, dh, 1), (&kbuf[j0 * dh..], 1, dh), false);
-                        A::exp_rows(p, n, lse);
-                        mm(n, dh, sq, &mut dv[j0 * dh..], (p, 1, n), (go, dh, 1), false);
-                        mm(sq, n, dh, dp, (go, dh, 1), (&vb[j0 * dh..], 1, dh), false);
-                        for i in 0..sq {
-                            for (a, b) in p[i * n..(i + 1) * n]
-                                .iter()
-                                .zip(dp[i * n..(i + 1) * n].iter_mut())
-                            {
-                                *b = *a * (*b - delta[i]);
+                        let (kj, vj) = (&kbuf[j0 * dh..], &vb[j0 * dh..]);
+                        // By blocks of queries: dv and dk of the key block sum them in order.
+                        let mut i0 = 0;
+                        while i0 < sq {
+                            let m = qbl.min(sq - i0);
+                            let p = &mut pb[..m * n];
+                            let dp = &mut dpb[..m * n];
+                            let (qi, goi) = (&qb[i0 * dh..], &go[i0 * dh..]);
+                            let acc = i0 > 0;
+                            mm(m, n, dh, p, (qi, dh, 1), (kj, 1, dh), false);
+                            A::exp_rows(p, n, &lse[i0..i0 + m]);
+                            mm(n, dh, m, &mut dv[j0 * dh..], (p, 1, n), (goi, dh, 1), acc);
+                            mm(m, n, dh, dp, (goi, dh, 1), (vj, 1, dh), false);
+                            for i in 0..m {
+                                for (a, b) in p[i * n..(i + 1) * n]
+                                    .iter()
+                                    .zip(dp[i * n..(i + 1) * n].iter_mut())
+                                {
+                                    *b = *a * (*b - delta[i0 + i]);
+                                }
                             }
+                            mm(m, dh, n, &mut dq[i0 * dh..], (dp, n, 1), (kj, dh, 1), true);
+                            mm(n, dh, m, &mut dk[j0 * dh..], (dp, 1, n), (qi, dh, 1), acc);
+                            i0 += m;
                         }
-                        mm(sq, dh, n, dq, (dp, n, 1), (&kbuf[j0 * dh..], dh, 1), true);
-                        mm(
-                            n,
-                            dh,
-                            sq,
-                            &mut dk[j0 * dh..],
-                            (dp, 1, n),
-                            (qb, dh, 1),
-                            false,
-                        );
                         j0 += n;
                     }
                 }
@@ -732,12 +736,13 @@ mod tests {
     }
 
     /// Output and the three gradients of every mode match the composed f64 attention, with a
-    /// key count that is not a multiple of the streaming block (and more keys than a block).
+    /// key count that is not a multiple of the streaming block (and more keys than a block),
+    /// and more queries than the backward's query block (150: 64 + 64 + 22).
     #[test]
     fn separate_attention_matches_composed_reference() {
         let dev = Device::Cpu;
         let (b, a, d) = (2, 2, 8);
-        for (sq, sk) in [(6, 5), (4, 131)] {
+        for (sq, sk) in [(6, 5), (4, 131), (150, 131)] {
             let mk = |r: usize, salt: f64| {
                 Var::from_tensor(&Tensor::from_vec(data(r * d, salt), (r, d), &dev).unwrap())
                     .unwrap()
