@@ -8,11 +8,8 @@ use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid, STORAGE_META, TENSOR_M
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
-/// Rows per chunk of the engine's bf16 linear on the AVX512-BF16 kernel (`ops::LINEAR_ROWS`).
+/// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
-
-/// Rows per chunk of the engine's widened bf16/f16 linear (`ops::WIDEN_ROWS`).
-pub const WIDEN_ROWS: u64 = 64;
 
 /// Rows per product of the engine's f32/f64 weight gradient (`ops::DW_ROWS`): `dW = Σ g_cᵀ·x_c`
 /// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
@@ -58,10 +55,10 @@ fn packed_b_bytes(k: u64, n: u64) -> u64 {
     4 * n.div_ceil(BF16_KERNEL_TILE.1) * BF16_KERNEL_TILE.1 * k.div_ceil(2)
 }
 
-/// The rows of each chunk of `rows` the engine's widened linear runs through ([`WIDEN_ROWS`] a
+/// The rows of each chunk of `rows` the engine's chunked linears run through (`LINEAR_ROWS` a
 /// chunk, the rest last): the full chunk and the remainder, if any.
 fn chunk_rows(rows: u64) -> impl Iterator<Item = u64> {
-    let r = WIDEN_ROWS.min(rows);
+    let r = LINEAR_ROWS.min(rows);
     [r, rows % r.max(1)].into_iter().filter(|&n| n > 0)
 }
 
@@ -191,7 +188,6 @@ pub fn fused_linear_scratch(
             (fwd, bwd)
         }
         Dtype::Bf16 | Dtype::F16 => {
-            let r = WIDEN_ROWS.min(rows);
             let acc = if master { 0 } else { 1 };
             let mut b = if tx || tw { r * out } else { 0 };
             if tx {

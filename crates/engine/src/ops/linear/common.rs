@@ -1,5 +1,5 @@
-//! What the three kernel paths of the fused linear share: the row chunks of the low-precision
-//! paths ([`LINEAR_ROWS`], [`WIDEN_ROWS`]) and of the direct path's weight gradient ([`DW_ROWS`]), which gradients a backward computes ([`LinearGrads`]), how a master
+//! What the three kernel paths of the fused linear share: the row chunk of the low-precision
+//! paths ([`LINEAR_ROWS`]) and of the direct path's weight gradient ([`DW_ROWS`]), which gradients a backward computes ([`LinearGrads`]), how a master
 //! weight is read in the compute dtype ([`read_as`]) and the bias gradient's column sums.
 
 use rayon::prelude::*;
@@ -7,17 +7,8 @@ use rayon::prelude::*;
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::vecmath;
 
-/// Rows per chunk of a low-precision linear on the AVX512-BF16 kernel (its f32 accumulators
-/// and packed operands).
+/// Rows per chunk of a low-precision linear (its f32 accumulators and packed operands).
 pub const LINEAR_ROWS: usize = 128;
-
-/// Rows per chunk of the widened bf16/f16 linear (`widen.rs`, CPUs without the AVX512-BF16
-/// kernel): each chunk widens x and g to f32 and makes an f32 dx or y chunk, so the chunk sets
-/// the linear's workspace beside W in f32 — at the tiny family specs' MLPs (ffn 256) the dx chunk
-/// of fc2's backward was 128 KiB of the block's worst moment. 64 rows are four whole tiles of
-/// 16 lanes, so `gemm` still packs nothing. Budget twin:
-/// `ditmem_budget::ditmem_cpu::ops::WIDEN_ROWS`.
-pub const WIDEN_ROWS: usize = 64;
 
 /// Rows of g and x per product of an f32/f64 linear's weight gradient (`direct.rs`): `gemm`
 /// packs a panel of g (depth block × out) on the heap per call, the depth block up to the

@@ -23,7 +23,7 @@ use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
-pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS, WIDEN_ROWS};
+pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS};
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use input_sink::InputSink;
 pub use sink::GradSink;
@@ -34,7 +34,7 @@ use widen::{linear_bwd_widen, linear_fwd_widen};
 /// operands to f32 for every product. This op keeps nothing beyond its inputs, calls `gemm`
 /// directly on f32/f64 data (W read transposed in place); on bf16 with AVX512-BF16 it packs W
 /// once and x by chunks of [`LINEAR_ROWS`] rows for [`crate::kernels::gemm_bf16`], otherwise (and on
-/// f16) it widens W once and x by chunks of [`WIDEN_ROWS`] rows to f32; both accumulate in f32. Backward returns dx,
+/// f16) it widens W once and x by chunks to f32; both accumulate in f32. Backward returns dx,
 /// dW, db for the inputs that track (a frozen LoRA base gets only dx).
 ///
 /// With a [`GradSink`], W and b go in untracked and the backward hands their gradients to the
@@ -100,10 +100,7 @@ pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, nat
                 + 4 * gemm_bf16::packed_a_len(r, inp)
                 + 4 * (r * out + out)
         }
-        DType::BF16 | DType::F16 => {
-            let r = WIDEN_ROWS.min(rows);
-            4 * (out * inp + out + r * (inp + out))
-        }
+        DType::BF16 | DType::F16 => 4 * (out * inp + out + r * (inp + out)),
         _ => 0,
     };
     n as u64
@@ -143,7 +140,6 @@ pub fn linear_bwd_scratch(
             n
         }
         DType::BF16 | DType::F16 => {
-            let r = WIDEN_ROWS.min(rows);
             let acc = if master { 0 } else { 1 };
             let mut n = if g.x || g.w { r * out } else { 0 };
             if g.x {
@@ -414,7 +410,6 @@ mod tests {
     fn row_chunks_are_the_budgets() {
         use ditmem_budget::ditmem_cpu::ops;
         assert_eq!(LINEAR_ROWS as u64, ops::LINEAR_ROWS);
-        assert_eq!(WIDEN_ROWS as u64, ops::WIDEN_ROWS);
         assert_eq!(DW_ROWS as u64, ops::DW_ROWS);
         assert_eq!(DW_COLS as u64, ops::DW_COLS);
         for out in [1, 7, 16, 384, 511, 512, 513, 1152, 1536, 4096, 5000] {

@@ -1,5 +1,5 @@
 //! The fused linear on bf16/f16 without the AVX512-BF16 kernel: W widened to f32 once, x and g
-//! by chunks of [`WIDEN_ROWS`] rows, every f32 buffer laid out so that `gemm` packs nothing.
+//! by chunks of [`LINEAR_ROWS`] rows, every f32 buffer laid out so that `gemm` packs nothing.
 
 use rayon::prelude::*;
 
@@ -7,7 +7,7 @@ use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::Elem;
 use crate::ops::storage::PAR_CHUNK;
 
-use super::common::{add_column_sums, read_as, GradFromF32, LinearGrads, WIDEN_ROWS};
+use super::common::{add_column_sums, read_as, GradFromF32, LinearGrads, LINEAR_ROWS};
 
 /// dst[k·n + i] = src[i·src_rs + k] for i < n, k < c: a column-major f32 copy of an (n × c) block,
 /// one column per parallel task.
@@ -63,7 +63,7 @@ pub(super) fn linear_fwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Sync>(
     out: usize,
 ) -> Vec<T> {
     let mut y: Vec<T> = vec![T::from_acc(0.0); rows * out];
-    let r = WIDEN_ROWS.min(rows);
+    let r = LINEAR_ROWS.min(rows);
     // W as the rhs (k = in, n = out) with unit row stride: its natural row-major layout.
     let mut w32: Vec<f32> = vec![0.0; out * inp];
     widen_weight_into::<T, W>(w, &mut w32);
@@ -114,7 +114,7 @@ pub(super) fn linear_bwd_widen<
 ) -> (Option<Vec<T>>, Option<Vec<W>>, Option<Vec<W>>) {
     let par = gemm_threads();
     let mut dx: Option<Vec<T>> = want.x.then(|| vec![T::from_acc(0.0); rows * inp]);
-    let r = WIDEN_ROWS.min(rows);
+    let r = LINEAR_ROWS.min(rows);
     // The g chunk column-major: gc32[o·n + i] = g[i][o].
     let mut gc32: Vec<f32> = if want.x || want.w {
         vec![0.0; r * out]
