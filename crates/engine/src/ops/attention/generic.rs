@@ -275,6 +275,61 @@ fn check_len(n: usize, g: &AttnGeom) -> CResult<()> {
 /// same buffer (a head's columns are read before they are written, and by no other head), but
 /// nothing else may access them during the call.
 #[allow(clippy::too_many_arguments)]
+/// The streaming backward of one head (s_q queries over s_kv keys, head width d_h, q already
+/// scaled): Δ_i = dO_i · o_i from the head's columns of `o_all` (rows of width `d`, batch entry
+/// `bi`, head `hd`), then per block of `kb` keys and, within it, per block of `qbl` queries: P =
+/// exp(q·kᵀ − lse) into `pb`, dv += Pᵀ·dO, dP = dO·vᵀ into `dpb`, dS = P ⊙ (dP − Δ) over it,
+/// dq += dS·k and dk += dSᵀ·q (dv and dk sum the query blocks in order). Shared by the qkv and
+/// the separate q, k, v kernels (`super::separate`).
+#[allow(clippy::type_complexity)]
+pub(super) fn streaming_head_bwd<T: Elem<A>, A: Acc + WithDType>(
+    (sq, sk, dh): (usize, usize, usize),
+    (q, go, k, v): (&[A], &[A], &[A], &[A]),
+    (o_all, bi, hd, d): (&[T], usize, usize, usize),
+    (lse, delta): (&[A], &mut [A]),
+    (qbl, kb, pb, dpb): (usize, usize, &mut [A], &mut [A]),
+    (dq, dk, dv): (&mut [A], &mut [A], &mut [A]),
+) {
+    for i in 0..sq {
+        let orow = &o_all[(bi * sq + i) * d + hd * dh..][..dh];
+        let mut acc = A::ZERO;
+        for (x, y) in go[i * dh..(i + 1) * dh].iter().zip(orow) {
+            acc += *x * y.to_acc();
+        }
+        delta[i] = acc;
+    }
+    dq[..sq * dh].iter_mut().for_each(|x| *x = A::ZERO);
+    let mut j0 = 0;
+    while j0 < sk {
+        let n = kb.min(sk - j0);
+        let (kj, vj) = (&k[j0 * dh..], &v[j0 * dh..]);
+        let mut i0 = 0;
+        while i0 < sq {
+            let m = qbl.min(sq - i0);
+            let p = &mut pb[..m * n];
+            let dp = &mut dpb[..m * n];
+            let (qi, goi) = (&q[i0 * dh..], &go[i0 * dh..]);
+            let acc = i0 > 0;
+            mm(m, n, dh, p, (qi, dh, 1), (kj, 1, dh), false);
+            A::exp_rows(p, n, &lse[i0..i0 + m]);
+            mm(n, dh, m, &mut dv[j0 * dh..], (p, 1, n), (goi, dh, 1), acc);
+            mm(m, n, dh, dp, (goi, dh, 1), (vj, 1, dh), false);
+            for i in 0..m {
+                for (a, b) in p[i * n..(i + 1) * n]
+                    .iter()
+                    .zip(dp[i * n..(i + 1) * n].iter_mut())
+                {
+                    *b = *a * (*b - delta[i0 + i]);
+                }
+            }
+            mm(m, dh, n, &mut dq[i0 * dh..], (dp, n, 1), (kj, dh, 1), true);
+            mm(n, dh, m, &mut dk[j0 * dh..], (dp, 1, n), (qi, dh, 1), acc);
+            i0 += m;
+        }
+        j0 += n;
+    }
+}
+
 unsafe fn attn_bwd_heads<T, A>(
     (src, pd): (SharedMut<T>, SharedMut<T>),
     (o_all, go_all): (&[T], &[T]),
@@ -387,46 +442,10 @@ where
                     let lse = &lse.unwrap_or(&[])[head * s..][..s];
                     let (pb, rest) = rest.split_at_mut(qbl * kb);
                     let (dpb, delta) = rest.split_at_mut(qbl * kb);
-                    // Δ_i = dO_i · o_i.
-                    for i in 0..s {
-                        let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
-                        let mut acc = A::ZERO;
-                        for (x, y) in go[i * dh..(i + 1) * dh].iter().zip(orow) {
-                            acc += *x * y.to_acc();
-                        }
-                        delta[i] = acc;
-                    }
-                    dq.iter_mut().for_each(|x| *x = A::ZERO);
-                    let mut j0 = 0;
-                    while j0 < s {
-                        let n = kb.min(s - j0);
-                        // By blocks of queries: dv and dk of the key block sum them in order.
-                        let mut i0 = 0;
-                        while i0 < s {
-                            let m = qbl.min(s - i0);
-                            let p = &mut pb[..m * n];
-                            let dp = &mut dpb[..m * n];
-                            let (qi, goi) = (&q[i0 * dh..], &go[i0 * dh..]);
-                            let acc = i0 > 0;
-                            mm(m, n, dh, p, (qi, dh, 1), (&k[j0 * dh..], 1, dh), false);
-                            A::exp_rows(p, n, &lse[i0..i0 + m]);
-                            mm(n, dh, m, &mut dv[j0 * dh..], (p, 1, n), (goi, dh, 1), acc);
-                            mm(m, n, dh, dp, (goi, dh, 1), (&v[j0 * dh..], 1, dh), false);
-                            for i in 0..m {
-                                for (a, b) in p[i * n..(i + 1) * n]
-                                    .iter()
-                                    .zip(dp[i * n..(i + 1) * n].iter_mut())
-                                {
-                                    *b = *a * (*b - delta[i0 + i]);
-                                }
-                            }
-                            let dqi = &mut dq[i0 * dh..];
-                            mm(m, dh, n, dqi, (dp, n, 1), (&k[j0 * dh..], dh, 1), true);
-                            mm(n, dh, m, &mut dk[j0 * dh..], (dp, 1, n), (qi, dh, 1), acc);
-                            i0 += m;
-                        }
-                        j0 += n;
-                    }
+                    let (blocks, grads) = ((qbl, kb, pb, dpb), (&mut *dq, &mut *dk, &mut *dv));
+                    let ins = (&*q, &*go, &*k, &*v);
+                    let o = (o_all, bi, hd, d);
+                    streaming_head_bwd((s, s, dh), ins, o, (lse, delta), blocks, grads);
                 }
             }
             for i in 0..s {

@@ -18,6 +18,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+use super::generic::streaming_head_bwd;
 use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use crate::kernels::gemm::mm;
 use crate::kernels::scalar::{Acc, Elem};
@@ -550,46 +551,9 @@ where
                     let lse = &lse.unwrap_or(&[])[head * sq..][..sq];
                     let (pb, rest) = rest.split_at_mut(qbl * kb);
                     let (dpb, delta) = rest.split_at_mut(qbl * kb);
-                    let (bi, hd) = bh;
-                    for i in 0..sq {
-                        let orow = &o_all[(bi * sq + i) * d + hd * dh..][..dh];
-                        let mut acc = A::ZERO;
-                        for (x, y) in go[i * dh..(i + 1) * dh].iter().zip(orow) {
-                            acc += *x * y.to_acc();
-                        }
-                        delta[i] = acc;
-                    }
-                    dq.iter_mut().for_each(|x| *x = A::ZERO);
-                    let mut j0 = 0;
-                    while j0 < sk {
-                        let n = kb.min(sk - j0);
-                        let (kj, vj) = (&kbuf[j0 * dh..], &vb[j0 * dh..]);
-                        // By blocks of queries: dv and dk of the key block sum them in order.
-                        let mut i0 = 0;
-                        while i0 < sq {
-                            let m = qbl.min(sq - i0);
-                            let p = &mut pb[..m * n];
-                            let dp = &mut dpb[..m * n];
-                            let (qi, goi) = (&qb[i0 * dh..], &go[i0 * dh..]);
-                            let acc = i0 > 0;
-                            mm(m, n, dh, p, (qi, dh, 1), (kj, 1, dh), false);
-                            A::exp_rows(p, n, &lse[i0..i0 + m]);
-                            mm(n, dh, m, &mut dv[j0 * dh..], (p, 1, n), (goi, dh, 1), acc);
-                            mm(m, n, dh, dp, (goi, dh, 1), (vj, 1, dh), false);
-                            for i in 0..m {
-                                for (a, b) in p[i * n..(i + 1) * n]
-                                    .iter()
-                                    .zip(dp[i * n..(i + 1) * n].iter_mut())
-                                {
-                                    *b = *a * (*b - delta[i0 + i]);
-                                }
-                            }
-                            mm(m, dh, n, &mut dq[i0 * dh..], (dp, n, 1), (kj, dh, 1), true);
-                            mm(n, dh, m, &mut dk[j0 * dh..], (dp, 1, n), (qi, dh, 1), acc);
-                            i0 += m;
-                        }
-                        j0 += n;
-                    }
+                    let (blocks, grads) = ((qbl, kb, pb, dpb), (&mut *dq, &mut *dk, &mut *dv));
+                    let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
+                    streaming_head_bwd((sq, sk, dh), ins, o, (lse, delta), blocks, grads);
                 }
             }
             // SAFETY: each buffer holds b·n·D elements for its n; only this task (head ≡ t mod
