@@ -329,9 +329,10 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
     let (rows, d, hid) = dims;
     let (cd, wd) = (g.dtype(ins[0]), g.dtype(ins[1]));
     let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
-    let grads = [ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], ins[6]].map(wants);
+    let grads = ins.map(wants);
     let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
-    let tracked = grads.iter().any(|&t| t) || g.nodes[ins[0]].tracks;
+    // The engine keeps f1 when h or the conv's weights track (a sunk weight means h tracks).
+    let tracked = grads.iter().any(|&t| t);
     let (fwd, bwd) = mix_ffn_workspace(
         &sh.cpu,
         (cd, wd, acc_bytes(sh)),
