@@ -251,6 +251,73 @@ pub(crate) fn dw_dx_over<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
         });
 }
 
+/// conv(silu(x)) of x (b·s, C) with the conv's weight and bias storages: the widened weights
+/// (tap-major, [`dwconv_fwd_scratch`] accumulation values) live for the call only. Shared by
+/// [`SiluDwConv`]'s forward and the fused Mix-FFN (`super::mix_ffn`).
+pub(crate) fn silu_dwconv_fwd<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
+    x: &[T],
+    (sw, lw): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    gr: &Grid,
+) -> CResult<Vec<T>> {
+    let c = gr.c;
+    let mut ws: Vec<A> = vec![A::ZERO; dwconv_fwd_scratch(c)];
+    let (wt, bias) = ws.split_at_mut(9 * c);
+    // Weight (C, 1, 3, 3) row-major → tap-major (9, C).
+    widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
+    widen_rounded::<T, A>(sb, lb, bias, |i| i)?;
+    Ok(dw_fwd::<T, A>(x, wt, bias, gr))
+}
+
+/// The workspace of the conv's backward ([`dwconv_bwd_scratch`] accumulation values): the
+/// widened weights, tap-major (9·C, which [`dw_dx_over`] reads), then room for the per-channel
+/// sums of [`dwconv_weight_grads`] (10·C).
+pub(crate) fn dwconv_bwd_workspace<T: Elem<A>, A: Acc>(
+    (sw, lw): (&CpuStorage, &Layout),
+    c: usize,
+) -> CResult<Vec<A>> {
+    let mut ws: Vec<A> = vec![A::ZERO; dwconv_bwd_scratch(c)];
+    widen_rounded::<T, A>(sw, lw, &mut ws[..9 * c], |i| (i % 9) * c + i / 9)?;
+    Ok(ws)
+}
+
+/// The conv's dW and db, as `want` = (w, b) asks, from x and g: summed per channel into the
+/// workspace's tail ([`dwconv_bwd_workspace`]), then narrowed to fresh tensors of the weight's
+/// and the bias's dtype and shape. Shared by [`SiluDwConv`]'s backward and the fused Mix-FFN.
+#[allow(clippy::type_complexity)]
+pub(crate) fn dwconv_weight_grads<T, A>(
+    (x, g): (&[T], &[T]),
+    ws: &mut [A],
+    (w, b): (&Tensor, &Tensor),
+    (want_w, want_b): (bool, bool),
+    gr: &Grid,
+) -> CResult<(Option<Tensor>, Option<Tensor>)>
+where
+    T: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync + Into<f64>,
+{
+    let c = gr.c;
+    if !(want_w || want_b) {
+        return Ok((None, None));
+    }
+    let acc = &mut ws[9 * c..];
+    dw_dw::<T, A>(x, g, gr, acc);
+    // (C, 10) → (C, 1, 3, 3); the tenth column is db.
+    let dw = want_w
+        .then(|| {
+            narrow_to(
+                (0..9 * c).map(|i| acc[(i / 9) * 10 + i % 9]),
+                w.dtype(),
+                w.shape(),
+            )
+        })
+        .transpose()?;
+    let db = want_b
+        .then(|| narrow_to((0..c).map(|ch| acc[ch * 10 + 9]), b.dtype(), b.shape()))
+        .transpose()?;
+    Ok((dw, db))
+}
+
 /// Per channel: dW[ch, tap] = Σ_t g[t, ch]·silu(x[t + tap, ch]) and db[ch] = Σ_t g[t, ch], into
 /// `acc` laid out (C, 10) (the tenth column is db).
 pub(crate) fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
@@ -312,14 +379,7 @@ impl CustomOp3 for SiluDwConv {
         let n = "depthwise conv";
         let out = dispatch_float!(sx.dtype(), n, |T, A| {
             let x = cpu_slice::<T>(sx, lx, n)?;
-            let mut ws: Vec<A> = vec![A::ZERO; dwconv_fwd_scratch(c)];
-            let (wt, bias) = ws.split_at_mut(9 * c);
-            // Weight (C, 1, 3, 3) row-major → tap-major (9, C).
-            widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
-            widen_rounded::<T, A>(sb, lb, bias, |i| i)?;
-            let o = dw_fwd::<T, A>(x, wt, bias, &gr);
-            drop(ws);
-            T::to_cpu_storage_owned(o)
+            T::to_cpu_storage_owned(silu_dwconv_fwd::<T, A>(x, (sw, lw), (sb, lb), &gr)?)
         });
         Ok((out, Shape::from((b * self.rows * self.cols, c))))
     }
@@ -335,7 +395,6 @@ impl CustomOp3 for SiluDwConv {
         let grad = grad.contiguous()?;
         let (tx, tw, tb) = (x.track_op(), w.track_op(), bias.track_op());
         let n = "depthwise conv backward";
-        let (wdt, bdt) = (w.dtype(), bias.dtype());
         with_cpu(x, |sx, lx| {
             with_cpu(w, |sw, lw| {
                 with_cpu(&grad, |sg, lg| {
@@ -350,29 +409,16 @@ impl CustomOp3 for SiluDwConv {
                     Ok(dispatch_float!(sx.dtype(), n, |T, A| {
                         let xv = cpu_slice::<T>(sx, lx, n)?;
                         let gv = cpu_slice::<T>(sg, lg, n)?;
-                        let mut ws: Vec<A> = vec![A::ZERO; dwconv_bwd_scratch(c)];
-                        let (wt, acc) = ws.split_at_mut(9 * c);
-                        widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
+                        let mut ws = dwconv_bwd_workspace::<T, A>((sw, lw), c)?;
                         let dx = if tx {
                             let mut dx = xv.to_vec();
-                            dw_dx_over::<T, A>(&mut dx, gv, wt, &gr);
+                            dw_dx_over::<T, A>(&mut dx, gv, &ws[..9 * c], &gr);
                             Some(Tensor::from_vec(dx, lx.shape(), &dev)?)
                         } else {
                             None
                         };
-                        let (mut dw, mut db) = (None, None);
-                        if tw || tb {
-                            dw_dw::<T, A>(xv, gv, &gr, acc);
-                            if tw {
-                                // (C, 10) → (C, 1, 3, 3).
-                                let it = (0..9 * c).map(|i| acc[(i / 9) * 10 + i % 9]);
-                                dw = Some(narrow_to(it, wdt, w.shape())?);
-                            }
-                            if tb {
-                                let it = (0..c).map(|ch| acc[ch * 10 + 9]);
-                                db = Some(narrow_to(it, bdt, bias.shape())?);
-                            }
-                        }
+                        let (dw, db) =
+                            dwconv_weight_grads((xv, gv), &mut ws, (w, bias), (tw, tb), &gr)?;
                         drop(ws);
                         (dx, dw, db)
                     }))

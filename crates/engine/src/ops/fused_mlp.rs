@@ -63,6 +63,15 @@ impl MlpLinear {
     pub(crate) fn wants(&self) -> (bool, bool) {
         self.sink.as_ref().map_or((false, false), |s| s.wants())
     }
+
+    /// A backward's dW and db (bare storages of W's and b's sizes) into the sink, if any.
+    pub(crate) fn sink_grads(&self, dw: Option<CpuStorage>, db: Option<CpuStorage>) -> CResult<()> {
+        let (dw, db) = weight_grads((dw, db), self.w.dims2()?)?;
+        if let Some(s) = &self.sink {
+            s.put_both(dw, db)?;
+        }
+        Ok(())
+    }
 }
 
 /// The fused feed-forward (see the module docs).
@@ -176,7 +185,7 @@ impl FusedMlp {
         &self,
         mut u: CpuStorage,
         grad: &Tensor,
-        (rows, ffn, out): (usize, usize, usize),
+        (rows, ffn): (usize, usize),
     ) -> CResult<CpuStorage> {
         let lu = wide(rows, ffn);
         let (w2, b2) = self.fc2.wants();
@@ -202,7 +211,7 @@ impl FusedMlp {
                     };
                     let (_, dw, db) =
                         linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                    self.sink_fc2(dw, db, (out, ffn))?;
+                    self.fc2.sink_grads(dw, db)?;
                 }
                 Ok(dh)
             })
@@ -230,29 +239,15 @@ impl FusedMlp {
             (w2, b2, false),
         )?;
         if w2 || b2 {
-            self.sink_fc2(dw, db, (out, ffn))?;
+            self.fc2.sink_grads(dw, db)?;
         }
         Ok(u)
-    }
-
-    /// dW2, db2 to fc2's sink.
-    fn sink_fc2(
-        &self,
-        dw: Option<CpuStorage>,
-        db: Option<CpuStorage>,
-        (out, ffn): (usize, usize),
-    ) -> CResult<()> {
-        let (dw, db) = weight_grads((dw, db), (out, ffn))?;
-        if let Some(s) = &self.fc2.sink {
-            s.put_both(dw, db)?;
-        }
-        Ok(())
     }
 }
 
 /// Target width of the blocks of u's columns (the hidden width) the f32/f64 backward of fc2
-/// and the GELU handles at a time ([`mlp_col_blocks`]; the widest is 129, at ffn 129): its one chunk buffer holds [`DW_ROWS`] rows of a
-/// block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
+/// and the GELU handles at a time ([`mlp_col_blocks`]; the widest is 129, at ffn 129): its one
+/// chunk buffer holds [`DW_ROWS`] rows of a block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
 /// tiny spec, 256 rows × ffn 256: 128 KiB instead of 256 KiB; DiT-S/2 at 512 rows, ffn 1,536:
 /// 128 KiB instead of 1.5 MiB). Budget twin: `ditmem_budget::ditmem_cpu::ops::MLP_COLS`.
 pub const MLP_COLS: usize = 128;
@@ -410,7 +405,8 @@ pub(super) fn fc2_gelu_bwd_storage(
 }
 
 /// fc1's backward on du (rows × ffn): dx = du·W1, dW1 = duᵀ·x and db1 = Σ du, the weight
-/// gradients to fc1's sink; returns dx when x tracks. Shared by both fused MLPs.
+/// gradients to fc1's sink; returns dx when x tracks. Shared by both fused MLPs and the fused
+/// Mix-FFN (its `conv_inverted` on df1).
 pub(super) fn fc1_backward(
     fc1: &MlpLinear,
     x: &Tensor,
@@ -435,10 +431,7 @@ pub(super) fn fc1_backward(
             )
         })
     })?;
-    let (dw, db) = weight_grads((dw, db), fc1.w.dims2()?)?;
-    if let Some(s) = &fc1.sink {
-        s.put_both(dw, db)?;
-    }
+    fc1.sink_grads(dw, db)?;
     dx.map(|v| storage_tensor(v, x.shape())).transpose()
 }
 
@@ -489,7 +482,7 @@ impl CustomOp1 for FusedMlp {
         let du = if matches!(grad.dtype(), DType::F32 | DType::F64) {
             self.fc2_gelu_bwd_chunked(u, &grad, (rows, ffn, out))?
         } else {
-            self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn, out))?
+            self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn))?
         };
         drop(kept);
         fc1_backward(&self.fc1, x, &du, (rows, ffn))

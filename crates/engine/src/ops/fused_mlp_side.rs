@@ -26,7 +26,7 @@ use super::fused_mlp::{fc1_backward, fc2_gelu_bwd_storage, mlp_col_blocks, MlpLi
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
     linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
-    linear_fwd_storage, storage_tensor, weight_grads, LinearGrads, DW_ROWS,
+    linear_fwd_storage, storage_tensor, LinearGrads, DW_ROWS,
 };
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
@@ -200,10 +200,7 @@ impl FusedMlpSide {
         let (dw, db, dside) =
             fc2_gelu_bwd_storage(&mut u, Some(side), grad, &self.fc2.w, dims, want)?;
         if w2 || b2 {
-            let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
-            if let Some(s) = &self.fc2.sink {
-                s.put_both(dw, db)?;
-            }
+            self.fc2.sink_grads(dw, db)?;
         }
         let dx = fc1_backward(&self.fc1, x, &u, (rows, ffn))?;
         drop(u);
@@ -303,10 +300,7 @@ impl CustomOp2 for FusedMlpSide {
                         let (_, dw, db) =
                             linear_bwd_storage((&c, &lc), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
                         drop(c);
-                        let (dw, db) = weight_grads((dw, db), (out, ds + ffn))?;
-                        if let Some(s) = &self.fc2.sink {
-                            s.put_both(dw, db)?;
-                        }
+                        self.fc2.sink_grads(dw, db)?;
                     }
                     linear_dx_storage((sw, lw), (b2dt, b2l), (sg, lg))
                 })

@@ -28,14 +28,11 @@ use candle_core::{
 };
 
 use super::dwconv::{
-    dw_dw, dw_dx_over, dw_fwd, dw_geom, dwconv_bwd_scratch, dwconv_fwd_scratch, narrow_to,
-    widen_rounded, Grid,
+    dw_dx_over, dw_geom, dwconv_bwd_workspace, dwconv_weight_grads, silu_dwconv_fwd, Grid,
 };
-use super::fused_mlp::MlpLinear;
+use super::fused_mlp::{fc1_backward, MlpLinear};
 use super::glu::{glu_bwd_over, glu_fwd};
-use super::linear::{
-    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
-};
+use super::linear::{linear_bwd_storage, linear_fwd_storage, LinearGrads};
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
@@ -90,22 +87,6 @@ pub fn mix_ffn(
     )
 }
 
-/// c2 = conv_depth(silu(f1)) of f1 (n, C) with the conv's weight and bias storages: the widened
-/// weights (10·C accumulation values) live for the call only, as in `SiluDwConv`'s forward.
-fn conv_fwd<T: Elem<A> + WithDType + Send + Sync, A: Acc + Send + Sync>(
-    f1: &[T],
-    (sw, lw): (&CpuStorage, &Layout),
-    (sb, lb): (&CpuStorage, &Layout),
-    gr: &Grid,
-) -> CResult<Vec<T>> {
-    let c = gr.c;
-    let mut ws: Vec<A> = vec![A::ZERO; dwconv_fwd_scratch(c)];
-    let (wt, bias) = ws.split_at_mut(9 * c);
-    widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
-    widen_rounded::<T, A>(sb, lb, bias, |i| i)?;
-    Ok(dw_fwd::<T, A>(f1, wt, bias, gr))
-}
-
 impl MixFfn {
     /// f1 = conv_inverted(h).
     fn inv_fwd(&self, h: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
@@ -148,7 +129,7 @@ impl MixFfn {
         let hid = gr.c / 2;
         let c2 = {
             let f = cpu_slice::<T>(&f1, &Layout::contiguous((n, gr.c)), "mix_ffn f1")?;
-            conv_fwd::<T, A>(f, w, b, gr)?
+            silu_dwconv_fwd::<T, A>(f, w, b, gr)?
         };
         let kept = if self.keep {
             Some(f1)
@@ -181,7 +162,9 @@ impl MixFfn {
         let what = "mix_ffn backward";
         let mut f1 = T::cpu_storage_data(f1)?;
         let c2 = with_cpu(wd, |sw, lw| {
-            with_cpu(bd, |sb, lb| conv_fwd::<T, A>(&f1, (sw, lw), (sb, lb), gr))
+            with_cpu(bd, |sb, lb| {
+                silu_dwconv_fwd::<T, A>(&f1, (sw, lw), (sb, lb), gr)
+            })
         })?;
         let c2 = T::to_cpu_storage_owned(c2);
         let lgl = Layout::contiguous((n, hid));
@@ -203,10 +186,7 @@ impl MixFfn {
                     let (_, dw, db) =
                         linear_bwd_storage((&gl, &lgl), (sw, lw), (pbdt, pbl), (sg, lg), want)?;
                     drop(gl);
-                    let (dw, db) = weight_grads((dw, db), self.point.w.dims2()?)?;
-                    if let Some(s) = &self.point.sink {
-                        s.put_both(dw, db)?;
-                    }
+                    self.point.sink_grads(dw, db)?;
                 }
                 // dgl = g·Wp: the product reads no x, so c2's first n·H values stand in for it.
                 let want = LinearGrads {
@@ -225,56 +205,19 @@ impl MixFfn {
         drop(dgl);
         let (tw, tb) = (wd.track_op(), bd.track_op());
         let (ti, (iw, ib)) = (h.track_op(), self.inv.wants());
-        let (mut dwd, mut dbd) = (None, None);
-        with_cpu(wd, |sw, lw| {
-            let mut ws: Vec<A> = vec![A::ZERO; dwconv_bwd_scratch(c)];
-            let (wt, acc) = ws.split_at_mut(9 * c);
-            widen_rounded::<T, A>(sw, lw, wt, |i| (i % 9) * c + i / 9)?;
-            if tw || tb {
-                dw_dw::<T, A>(&f1, &dc2, gr, acc);
-                if tw {
-                    // (C, 10) → (C, 1, 3, 3).
-                    let it = (0..9 * c).map(|i| acc[(i / 9) * 10 + i % 9]);
-                    dwd = Some(narrow_to(it, wd.dtype(), wd.shape())?);
-                }
-                if tb {
-                    let it = (0..c).map(|ch| acc[ch * 10 + 9]);
-                    dbd = Some(narrow_to(it, bd.dtype(), bd.shape())?);
-                }
-            }
-            if ti || iw || ib {
-                dw_dx_over::<T, A>(&mut f1, &dc2, wt, gr);
-            }
-            Ok(())
-        })?;
+        let mut ws = with_cpu(wd, |sw, lw| dwconv_bwd_workspace::<T, A>((sw, lw), c))?;
+        let (dwd, dbd) = dwconv_weight_grads((&f1, &dc2), &mut ws, (wd, bd), (tw, tb), gr)?;
+        if ti || iw || ib {
+            dw_dx_over::<T, A>(&mut f1, &dc2, &ws[..9 * c], gr);
+        }
+        drop(ws);
         drop(dc2);
         if !(ti || iw || ib) {
             return Ok((None, dwd, dbd));
         }
         let df1 = T::to_cpu_storage_owned(f1);
-        let want = LinearGrads {
-            x: ti,
-            w: iw,
-            b: ib,
-        };
-        let (ibdt, ibl) = (self.inv.b.dtype(), self.inv.b.layout());
-        let (dh, dw, db) = with_cpu(h, |sx, lx| {
-            with_cpu(&self.inv.w, |sw, lw| {
-                linear_bwd_storage(
-                    (sx, lx),
-                    (sw, lw),
-                    (ibdt, ibl),
-                    (&df1, &Layout::contiguous((n, c))),
-                    want,
-                )
-            })
-        })?;
+        let dh = fc1_backward(&self.inv, h, &df1, (n, c))?;
         drop(df1);
-        let (dw, db) = weight_grads((dw, db), self.inv.w.dims2()?)?;
-        if let Some(s) = &self.inv.sink {
-            s.put_both(dw, db)?;
-        }
-        let dh = dh.map(|v| storage_tensor(v, h.shape())).transpose()?;
         Ok((dh, dwd, dbd))
     }
 }
