@@ -32,7 +32,7 @@ use super::dwconv::{
 };
 use super::fused_mlp::{fc1_backward, MlpLinear};
 use super::glu::{glu_bwd_over, glu_fwd};
-use super::linear::{linear_bwd_storage, linear_fwd_storage, LinearGrads};
+use super::linear::{linear_bwd_storage, linear_dx_storage, linear_fwd_storage, LinearGrads};
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
@@ -188,15 +188,8 @@ impl MixFfn {
                     drop(gl);
                     self.point.sink_grads(dw, db)?;
                 }
-                // dgl = g·Wp: the product reads no x, so c2's first n·H values stand in for it.
-                let want = LinearGrads {
-                    x: true,
-                    w: false,
-                    b: false,
-                };
-                let (dgl, _, _) =
-                    linear_bwd_storage((&c2, &lgl), (sw, lw), (pbdt, pbl), (sg, lg), want)?;
-                dgl.ok_or_else(|| err("mix_ffn: no dgl"))
+                // dgl = g·Wp (the gate's output is gone; dx reads no x).
+                linear_dx_storage((sw, lw), (pbdt, pbl), (sg, lg))
             })
         })?;
         // dc2 over c2, then the conv's weight gradients and df1 over f1.
