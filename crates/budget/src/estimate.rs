@@ -388,7 +388,9 @@ mod tests {
         assert_eq!(a.breakdown.runtime, b.breakdown.runtime);
         assert!(a.breakdown.runtime < 1 << 20, "no slab");
         assert_eq!(a.peak_bytes, b.peak_bytes);
-        // Widened, the same step multiplies through gemm: slabs, and the widening buffers.
+        // Widened, the same step multiplies through gemm: its slabs, and the widened path's
+        // own workspace instead of the kernel's packed operands (less at this peak: the widened
+        // MLP backward goes by row chunks and column blocks, the kernel's over whole buffers).
         let widened = on(
             bf16.clone(),
             CpuSpec {
@@ -397,7 +399,8 @@ mod tests {
             },
         );
         assert_eq!(widened.breakdown.runtime - b.breakdown.runtime, 4 << 20);
-        assert!(widened.peak_bytes > b.peak_bytes + (4 << 20));
+        assert_ne!(widened.breakdown.workspace, b.breakdown.workspace);
+        assert!(widened.peak_bytes > b.peak_bytes);
 
         // Four threads: twice the slabs (and the attention keeps a scratch per thread).
         let two = on(fp32.clone(), epyc);

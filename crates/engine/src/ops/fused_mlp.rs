@@ -11,9 +11,10 @@
 //! from it). On f32/f64 its backward holds no second (rows, ffn) buffer: by chunks of
 //! [`DW_ROWS`] rows and blocks of [`MLP_COLS`] columns through one chunk buffer it adds
 //! g_cᵀ·gelu(u_c) into dW2, then makes dh_c = g_c·W2 and writes du_c = dh_c ⊙ gelu'(u_c) over
-//! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16, whose linears chunk inside
-//! one call, it makes one (rows, ffn) buffer: dh = g·W2, turned into du in place, while u
-//! becomes h in place for dW2 = gᵀ·h.
+//! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16 with the products widened
+//! to f32 it does the same through f32 blocks ([`super::fused_mlp_widen`]). On bf16 with the
+//! AVX512-BF16 kernel, whose linears chunk inside one call, it makes one (rows, ffn) buffer:
+//! dh = g·W2, turned into du in place, while u becomes h in place for dW2 = gᵀ·h.
 //! Nothing wide enters candle's store: the weight gradients go to the linears'
 //! [`GradSink`]s, only dx is returned.
 //!
@@ -28,6 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use super::fused_mlp_widen::{fc2_gelu_bwd_widen, fc2_gelu_widen_workspace};
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place, GeluSlice};
 use super::linear::{
     add_column_sums, dw_blocks, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
@@ -35,6 +37,7 @@ use super::linear::{
 };
 use super::storage::{cpu_slice, err, with_cpu, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
+use crate::kernels::gemm_bf16;
 use crate::kernels::scalar::{Acc, Elem};
 use rayon::prelude::*;
 
@@ -124,9 +127,10 @@ pub fn fused_mlp_fwd_scratch(
 /// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
 /// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. u (rows × ffn) is
 /// counted here because the budget releases it as the backward starts. The last phase is
-/// alike: du (over u's storage on f32/f64, dh's on bf16/f16), every gradient and fc1's
+/// alike: du (over u's storage, or dh's on the AVX512-BF16 kernel), every gradient and fc1's
 /// workspace. Before it, on f32/f64 (`FusedMlp::fc2_gelu_bwd_chunked`): u, dW2, db2 and a
-/// chunk buffer of min(rows, [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; on bf16/f16
+/// chunk buffer of min(rows, [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; widened
+/// (bf16/f16 without the kernel, `native` false): [`widen_phase`]; on the kernel
 /// (`FusedMlp::fc2_gelu_bwd_whole`): u, dh and fc2's dx workspace, then u (now h), dh, dW2,
 /// db2 and fc2's dW/db workspace. The peak phase less the gradients.
 pub fn fused_mlp_bwd_scratch(
@@ -153,11 +157,38 @@ pub fn fused_mlp_bwd_scratch(
         let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
         let c = e * (rows.min(DW_ROWS) * wmax) as u64;
         (u + g2 + c).max(last)
+    } else if dtype == DType::F16 || !native {
+        widen_phase(e, (rows, 0, ffn, out), (wants[2], wants[3]), master, u, g2).max(last)
     } else {
         let sa = lin((rows, ffn, out), true, false, false);
         (2 * u + sa).max(2 * u + sc + g2).max(last)
     };
     peak - g1 - g2
+}
+
+/// The worst moment of [`fc2_gelu_bwd_widen`] (bf16/f16 without the AVX512-BF16 kernel) for
+/// `(rows, ds, ffn, out)` with fc2's gradients `(w2, b2)` wanted: what lives beside it (`held`:
+/// u, and dside for the side MLP), the f32 accumulators (the gradients `g2` themselves for f32
+/// master weights) and the workspace; for bf16/f16 weights then the accumulators beside their
+/// narrowed copies `g2`. Elements of `e` bytes.
+pub(crate) fn widen_phase(
+    e: u64,
+    dims: (usize, usize, usize, usize),
+    (w2, b2): (bool, bool),
+    master: bool,
+    held: u64,
+    g2: u64,
+) -> u64 {
+    let (_, ds, ffn, out) = dims;
+    let (f32s, es) = fc2_gelu_widen_workspace(dims);
+    let ws = 4 * f32s + e * es;
+    if master {
+        held + g2 + ws
+    } else {
+        let on = |b: bool, n: usize| if b { 4 * n as u64 } else { 0 };
+        let acc = on(w2, out * (ds + ffn)) + on(b2, out);
+        (held + acc + ws).max(held + acc + g2)
+    }
 }
 
 /// The kept storage's contiguous layout.
@@ -177,8 +208,8 @@ impl FusedMlp {
 }
 
 impl FusedMlp {
-    /// fc2's and the GELU's backward over the whole of u (bf16/f16, whose linears chunk and
-    /// accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh, h = gelu(u) over u
+    /// fc2's and the GELU's backward over the whole of u (bf16 on the AVX512-BF16 kernel, whose
+    /// linears chunk and accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh, h = gelu(u) over u
     /// for dW2 = gᵀ·h and db2 = Σ g; u is freed and du returned. Phase peak: u and dh (two
     /// rows × ffn buffers) with fc2's dW workspace.
     fn fc2_gelu_bwd_whole(
@@ -218,10 +249,10 @@ impl FusedMlp {
         })
     }
 
-    /// fc2's and the GELU's backward on f32/f64 (the direct `gemm` path) by chunks of
-    /// [`DW_ROWS`] rows and blocks of columns through one chunk buffer (see
-    /// [`fc2_gelu_bwd_direct`]), so that no second rows × ffn buffer exists beside u. Returns
-    /// u, now du. Phase peak: u, dW2, db2 and the buffer with `gemm`'s packing of one product.
+    /// fc2's and the GELU's backward by chunks of rows and blocks of columns through one chunk
+    /// buffer (f32/f64: [`fc2_gelu_bwd_direct`]; widened bf16/f16: [`fc2_gelu_bwd_widen`]), so
+    /// that no second rows × ffn buffer exists beside u. Returns u, now du. Phase peak: u, dW2,
+    /// db2 and the buffers with `gemm`'s packing of one product.
     fn fc2_gelu_bwd_chunked(
         &self,
         mut u: CpuStorage,
@@ -304,7 +335,7 @@ pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + '
         let g_c = &g[r0 * out..(r0 + k) * out];
         let u_c = &mut u[r0 * ffn..(r0 + k) * ffn];
         if let (Some(dw), true) = (dw.as_mut(), ds > 0) {
-            for (o0, mb) in dw_blocks(out) {
+            for (o0, mb) in dw_blocks(rows, out) {
                 mm_strided(
                     mb,
                     ds,
@@ -325,7 +356,7 @@ pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + '
                     .zip(u_c.par_chunks(ffn))
                     .for_each(|(h, ur)| h.copy_from_slice(&ur[j0..j0 + w]));
                 A::gelu_over(b);
-                for (o0, mb) in dw_blocks(out) {
+                for (o0, mb) in dw_blocks(rows, out) {
                     mm_strided(
                         mb,
                         w,
@@ -360,8 +391,10 @@ pub(super) fn fc2_gelu_bwd_direct<A: Acc + Elem<A> + GeluSlice + Send + Sync + '
     (dw, db, dside)
 }
 
-/// [`fc2_gelu_bwd_direct`] on storages: u (f32/f64, turned into du), the side (none for the
-/// plain MLP), g and W2 as tensors; returns (dW2, db2, dside) as `want` = (w2, b2, side) asks.
+/// [`fc2_gelu_bwd_direct`] (f32/f64) or, on bf16/f16, [`fc2_gelu_bwd_widen`] (the widened path:
+/// call it only without the AVX512-BF16 kernel) on storages: u (turned into du), the side (none
+/// for the plain MLP), g and W2 as tensors; returns (dW2, db2, dside) as `want` = (w2, b2,
+/// side) asks, the weight gradients in W2's dtype.
 #[allow(clippy::type_complexity)]
 pub(super) fn fc2_gelu_bwd_storage(
     u: &mut CpuStorage,
@@ -376,22 +409,39 @@ pub(super) fn fc2_gelu_bwd_storage(
     let mut run = |ss: Option<(&CpuStorage, &Layout)>| {
         with_cpu(w2, |sw, lw| {
             with_cpu(grad, |sg, lg| {
-                macro_rules! run {
-                    ($u:expr, $t:ty, $s:path) => {{
-                        let s = match ss {
+                macro_rules! side {
+                    ($t:ty) => {
+                        match ss {
                             Some((ss, ls)) => cpu_slice::<$t>(ss, ls, n)?,
                             None => &[],
-                        };
+                        }
+                    };
+                }
+                macro_rules! run {
+                    ($u:expr, $t:ty, $s:path) => {{
                         let (w, g) = (cpu_slice::<$t>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
-                        let (dw, db, dside) = fc2_gelu_bwd_direct($u, s, g, w, dims, want);
+                        let (dw, db, dside) = fc2_gelu_bwd_direct($u, side!($t), g, w, dims, want);
                         Ok((dw.map($s), db.map($s), dside.map($s)))
                     }};
                 }
-                match &mut *u {
-                    CpuStorage::F32(u) => run!(u, f32, CpuStorage::F32),
-                    CpuStorage::F64(u) => run!(u, f64, CpuStorage::F64),
-                    other => Err(err(format!(
-                        "{n}: the chunked path is f32/f64, got {:?}",
+                macro_rules! widen {
+                    ($u:expr, $t:ty, $w:ty, $s:path, $sw:path) => {{
+                        let (w, g) = (cpu_slice::<$w>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
+                        let (dw, db, dside) = fc2_gelu_bwd_widen($u, side!($t), g, w, dims, want);
+                        Ok((dw.map($sw), db.map($sw), dside.map($s)))
+                    }};
+                }
+                use half::{bf16, f16};
+                use CpuStorage as S;
+                match (&mut *u, sw.dtype()) {
+                    (S::F32(u), _) => run!(u, f32, S::F32),
+                    (S::F64(u), _) => run!(u, f64, S::F64),
+                    (S::BF16(u), DType::BF16) => widen!(u, bf16, bf16, S::BF16, S::BF16),
+                    (S::BF16(u), DType::F32) => widen!(u, bf16, f32, S::BF16, S::F32),
+                    (S::F16(u), DType::F16) => widen!(u, f16, f16, S::F16, S::F16),
+                    (S::F16(u), DType::F32) => widen!(u, f16, f32, S::F16, S::F32),
+                    (other, wdt) => Err(err(format!(
+                        "{n}: u {:?} with W2 {wdt:?} has no chunked path",
                         other.dtype()
                     ))),
                 }
@@ -478,8 +528,9 @@ impl CustomOp1 for FusedMlp {
             Kept::U(u) => u,
             Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
         };
-        // du = (g·W2) ⊙ gelu'(u), with dW2, db2 to fc2's sink on the way.
-        let du = if matches!(grad.dtype(), DType::F32 | DType::F64) {
+        // du = (g·W2) ⊙ gelu'(u), with dW2, db2 to fc2's sink on the way: by chunks and
+        // column blocks, except on bf16 with the AVX512-BF16 kernel.
+        let du = if grad.dtype() != DType::BF16 || !gemm_bf16::in_use() {
             self.fc2_gelu_bwd_chunked(u, &grad, (rows, ffn, out))?
         } else {
             self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn))?
@@ -556,6 +607,11 @@ mod tests {
                 // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
                 // branch at the 8-row last chunk, depth 600).
                 (520, 8, 129, 600),
+                // Enough rows for dW2's blocks to widen (`dw_blocks`: two of 304 and 296
+                // instead of five of 128 or less).
+                (2100, 8, 130, 600),
+                // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
+                (1100, 8, 600, 40),
             ] {
                 let (yf, dxf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);
@@ -611,8 +667,10 @@ mod tests {
     /// restatement, for every dtype, path and set of gradients.
     #[test]
     fn fused_mlp_scratch_is_the_budgets() {
+        use crate::ops::fused_mlp_widen::{widen_col_blocks, WIDEN_BLOCK_SHARE};
         use ditmem_budget::ditmem_cpu::ops::{self, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
         use ditmem_budget::Dtype;
+        assert_eq!(WIDEN_BLOCK_SHARE as u64, ops::WIDEN_BLOCK_SHARE);
         assert_eq!(
             32 + std::mem::size_of::<FusedMlp>() as u64,
             FUSED_MLP_OP_BYTES
@@ -629,7 +687,23 @@ mod tests {
                 assert!(engine.iter().all(|b| b.1 > 64), "ffn {ffn}: {engine:?}");
             }
             assert!(engine.iter().all(|b| b.1 < 2 * 65), "ffn {ffn}: {engine:?}");
+            for rows in [1, 128, 1100, 4096] {
+                let engine: Vec<(u64, u64)> = widen_col_blocks(rows, ffn)
+                    .map(|(a, b)| (a as u64, b as u64))
+                    .collect();
+                let budget: Vec<(u64, u64)> =
+                    ops::widen_col_blocks(rows as u64, ffn as u64).collect();
+                assert_eq!(engine, budget, "rows {rows}, ffn {ffn}");
+                assert_eq!(engine.iter().map(|b| b.1).sum::<u64>(), ffn as u64);
+                if ffn > 64 {
+                    assert!(engine.iter().all(|b| b.1 > 64), "ffn {ffn}: {engine:?}");
+                }
+            }
         }
+        assert_eq!(
+            widen_col_blocks(1100, 600).collect::<Vec<_>>(),
+            vec![(0, 300), (300, 300)]
+        );
         for (dt, bd, wdt, wbd) in [
             (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
             (DType::F64, Dtype::F64, DType::F64, Dtype::F64),

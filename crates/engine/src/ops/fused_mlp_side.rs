@@ -11,8 +11,10 @@
 //! gradient into its store as `zeros_like + add` while the incoming one is still alive: at the
 //! concatenation's backward the (rows, side + ffn) gradient sum, the fresh parts, and a zeros
 //! and a sum of h's size were alive at once (Flux fp32 recompute-all: the step's peak). This op
-//! keeps u only; its backward rebuilds h and the concatenation as workspace, and hands candle
-//! only dx and dside (each (rows, D)), the weight gradients to the linears' [`GradSink`]s.
+//! keeps u only; its backward makes neither the concatenation nor its gradient (by row chunks
+//! and column blocks, as the plain fused MLP) except on the AVX512-BF16 kernel, where it
+//! rebuilds h and the concatenation as workspace; it hands candle only dx and dside (each
+//! (rows, D)), the weight gradients to the linears' [`GradSink`]s.
 //!
 //! Numerics: the same kernel calls as the composition (the linear on the concatenation for fc2,
 //! the GELU's maps element for element, the same per-row copies), so the same bits in every
@@ -22,7 +24,9 @@ use std::sync::Mutex;
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::fused_mlp::{fc1_backward, fc2_gelu_bwd_storage, mlp_col_blocks, MlpLinear};
+use super::fused_mlp::{
+    fc1_backward, fc2_gelu_bwd_storage, mlp_col_blocks, widen_phase, MlpLinear,
+};
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
     linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
@@ -30,6 +34,7 @@ use super::linear::{
 };
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
+use crate::kernels::gemm_bf16;
 
 /// The fused feed-forward with a side input (see the module docs).
 #[derive(Debug)]
@@ -108,7 +113,8 @@ pub fn fused_mlp_side_fwd_scratch(
 /// `ts`, dW1, db1, dW2, db2 as `wants`), all in `dtype` except the weight gradients in
 /// `wdtype`; `master`: f32 master weights under bf16/f16. Phases, with the kept u until the
 /// last: on f32/f64 ([`FusedMlpSide::bwd_direct`]) u, dW2, db2 and the chunk buffer, then u
-/// and dside; on bf16/f16 h beside the concatenation c = [side; h]; c, dW2, db2 and fc2's dW
+/// and dside; widened bf16/f16 (`native` false) [`widen_phase`] with dside beside u; on the
+/// AVX512-BF16 kernel h beside the concatenation c = [side; h]; c, dW2, db2 and fc2's dW
 /// workspace; c dropped, its gradient dc, dW2, db2 and fc2's dx workspace; dc split into dside
 /// and du; then (u now du, or freed) du, every gradient and fc1's workspace.
 /// The peak phase less the gradients; u is counted here because the budget releases it as the
@@ -142,6 +148,9 @@ pub fn fused_mlp_side_bwd_scratch(
         let wmax = mlp_col_blocks(ffn).map(|b| b.1).max().unwrap_or(0);
         let buf = e * (rows.min(DW_ROWS) * wmax) as u64;
         (u + g2 + buf).max(u + g2 + dside).max(last)
+    } else if dtype == DType::F16 || !native {
+        let dims = (rows, ds, ffn, out);
+        widen_phase(e, dims, (wants[2], wants[3]), master, u + dside, g2).max(last)
     } else {
         // c (and h beside it while it is made) only when fc2's weight gradients are wanted.
         let made = if wants[2] || wants[3] { 1 } else { 0 };
@@ -180,11 +189,11 @@ impl FusedMlpSide {
         l.sink.as_ref().map_or((false, false), |s| s.wants())
     }
 
-    /// The backward on f32/f64 (the direct `gemm` path): fc2's and the GELU's by chunks and
-    /// column blocks through one chunk buffer ([`fc2_gelu_bwd_direct`]), so neither the
-    /// concatenation c nor its gradient dc (each rows × (ds + ffn)) is ever made: dW2's side
-    /// columns come from the side itself, dside = g·W2[:, ..ds] straight into its own buffer,
-    /// and du is written over u. Then fc1's backward on du ([`fc1_backward`]).
+    /// The backward by chunks and column blocks (f32/f64: `fused_mlp::fc2_gelu_bwd_direct`; widened
+    /// bf16/f16: `fused_mlp_widen::fc2_gelu_bwd_widen`), so neither the concatenation c nor
+    /// its gradient dc (each rows × (ds + ffn)) is ever made: dW2's side columns come from the
+    /// side itself, dside = g·W2[:, ..ds] straight into its own buffer, and du is written over
+    /// u. Then fc1's backward on du ([`fc1_backward`]).
     fn bwd_direct(
         &self,
         x: &Tensor,
@@ -276,7 +285,7 @@ impl CustomOp2 for FusedMlpSide {
         if kept.is_none() {
             *kept = Some(with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0);
         }
-        if matches!(grad.dtype(), DType::F32 | DType::F64) {
+        if grad.dtype() != DType::BF16 || !gemm_bf16::in_use() {
             let u = kept.take().ok_or_else(|| err("fused_mlp_side: no u"))?;
             drop(kept);
             return self.bwd_direct(x, side, u, &grad, (rows, ds, out));

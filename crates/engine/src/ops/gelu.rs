@@ -228,6 +228,25 @@ impl GeluSlice for f64 {
     }
 }
 
+/// bf16/f16: the same per-element f32 arithmetic and narrowing as [`gelu_in_place`] and
+/// [`gelu_grad_in_place`] on their storages (the widened fused MLP's backward works on row
+/// chunks of them).
+macro_rules! gelu_slice_half {
+    ($t:ty) => {
+        impl GeluSlice for $t {
+            fn gelu_over(v: &mut [$t]) {
+                map_in_place(v, None, |x, _| gelu_f32(x));
+            }
+            fn grad_over_input(x: &mut [$t], g: &[$t]) {
+                debug_assert_eq!(x.len(), g.len());
+                map_in_place(x, Some(g), gelu_grad_f32);
+            }
+        }
+    };
+}
+gelu_slice_half!(half::bf16);
+gelu_slice_half!(half::f16);
+
 /// The GELU-tanh custom op (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GeluTanh;

@@ -55,6 +55,7 @@ pub mod backward_from;
 pub mod dwconv;
 pub mod fused_mlp;
 pub mod fused_mlp_side;
+pub mod fused_mlp_widen;
 pub mod gated_residual;
 pub mod gelu;
 pub mod glu;
@@ -89,8 +90,8 @@ pub use joint_linear::{
     joint_linear, joint_linear_bwd_scratch, joint_linear_fwd_scratch, JointLinear,
 };
 pub use linear::{
-    linear, linear_bwd_scratch, linear_fwd_scratch, linear_into, linear_sunk, GradSink, InputSink,
-    LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
+    dw_blocks, linear, linear_bwd_scratch, linear_fwd_scratch, linear_into, linear_sunk, GradSink,
+    InputSink, LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use mix_ffn::{mix_ffn, MixFfn};

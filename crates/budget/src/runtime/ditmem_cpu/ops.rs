@@ -27,14 +27,20 @@ pub fn mlp_col_blocks(ffn: u64) -> impl Iterator<Item = (u64, u64)> {
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
-/// Widest block of dW's rows per product of that weight gradient (`ops::DW_COLS`): `gemm` packs
-/// at most a (chunk rows × block) panel of g.
+/// Narrowest cap on a block of dW's rows per product of that weight gradient (`ops::DW_COLS`):
+/// `gemm` packs a (chunk rows × block) panel of g.
 pub const DW_COLS: u64 = 128;
 
-/// The (first row, rows) blocks of dW's `out` rows the engine multiplies one by one
-/// (`ops::dw_blocks`): ⌈out / [`DW_COLS`]⌉ of equal width rounded up to 16, the last what remains.
-pub fn dw_blocks(out: u64) -> impl Iterator<Item = (u64, u64)> {
-    let n = out.div_ceil(DW_COLS).max(1);
+/// A block of dW's rows is up to rows·out / (this·[`DW_ROWS`]) wide, never under [`DW_COLS`]
+/// (`ops::DW_PANEL_SHARE`): the packed panel stays within 1/16 of g.
+pub const DW_PANEL_SHARE: u64 = 16;
+
+/// The (first row, rows) blocks of dW's `out` rows the engine multiplies one by one for a
+/// gradient of `rows` rows (`ops::dw_blocks`): as few as keep each under the cap, of equal
+/// width rounded up to 16, the last what remains.
+pub fn dw_blocks(rows: u64, out: u64) -> impl Iterator<Item = (u64, u64)> {
+    let cap = DW_COLS.max(rows.saturating_mul(out) / (DW_PANEL_SHARE * DW_ROWS));
+    let n = out.div_ceil(cap).max(1);
     let width = out.div_ceil(n).next_multiple_of(16).max(1);
     (0..out)
         .step_by(width as usize)
@@ -85,30 +91,30 @@ fn gemm_call_bytes(
     )
 }
 
-/// `gemm`'s per-call packing bytes (forward, backward) of the widened linear
-/// (`ops/linear/widen.rs`), the most of any of its products: all operands column-major, so a
-/// product packs its lhs when its rows miss the SIMD lanes (a chunk's rows forward and for dx,
-/// the `inp` rows of dWᵀ).
+/// `gemm`'s per-call packing bytes (forward, backward's dx pass, backward's dW pass) of the
+/// widened linear (`ops/linear/widen.rs`), the most of any of its products in each: all
+/// operands column-major, so a product packs its lhs when its rows miss the SIMD lanes (a
+/// chunk's rows forward and for dx, the `inp` rows of dWᵀ).
 fn widened_linear_packing(
     cpu: &CpuSpec,
     (rows, inp, out): (u64, u64, u64),
     (tx, tw): (bool, bool),
-) -> (u64, u64) {
+) -> (u64, u64, u64) {
     let threads = u64::from(cpu.threads.max(1));
     let col_major = |m: u64, n: u64, k: u64| {
         gemm_call_bytes(cpu, (4, threads), (m, n, k), [(1, m), (1, m), (1, k)])
     };
-    let (mut fwd, mut bwd) = (0, 0);
+    let (mut fwd, mut dx, mut dw) = (0, 0, 0);
     for n in chunk_rows(rows) {
         fwd = fwd.max(col_major(n, out, inp));
         if tx {
-            bwd = bwd.max(col_major(n, inp, out));
+            dx = dx.max(col_major(n, inp, out));
         }
         if tw {
-            bwd = bwd.max(col_major(inp, out, n));
+            dw = dw.max(col_major(inp, out, n));
         }
     }
-    (fwd, bwd)
+    (fwd, dx, dw)
 }
 
 /// `gemm`'s per-call packing bytes (forward, backward) of the direct f32/f64 linear
@@ -139,7 +145,7 @@ fn direct_linear_packing(
     // dW by chunks of DW_ROWS rows and blocks of dW's rows (`dw_blocks`): every call packs at
     // most the first chunk's panel of its block.
     let dw = if tw {
-        dw_blocks(out)
+        dw_blocks(rows, out)
             .map(|(_, mb)| mm(mb, inp, rows.min(DW_ROWS), (inp, 1), (1, out), (inp, 1)))
             .max()
             .unwrap_or(0)
@@ -160,9 +166,11 @@ fn direct_linear_packing(
 /// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
 /// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
 /// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32):
-/// forward W, b and a chunk of x and y; backward a column-major g chunk (for dx or dW), for dx
-/// Wᵀ and a dx chunk, for dW an f32 dW (likewise) and a row-major x chunk (the lhs of
-/// dWᵀ = xᵀ·g, whose column-major destination is dW row-major), for db an f32 db (likewise).
+/// forward W, b and a chunk of x and y; backward in two passes beside a column-major g chunk
+/// (for dx or dW): for dx Wᵀ and a dx chunk, before dW and db exist (their bytes come off
+/// that pass's workspace); then for dW an f32 dW (likewise) and a row-major x chunk (the lhs
+/// of dWᵀ = xᵀ·g, whose column-major destination is dW row-major), for db an f32 db
+/// (likewise).
 pub fn fused_linear_scratch(
     cd: Dtype,
     (rows, inp, out): (u64, u64, u64),
@@ -188,21 +196,42 @@ pub fn fused_linear_scratch(
             (fwd, bwd)
         }
         Dtype::Bf16 | Dtype::F16 => {
-            let acc = if master { 0 } else { 1 };
-            let mut b = if tx || tw { r * out } else { 0 };
-            if tx {
-                b += out * inp + r * inp;
-            }
-            if tw {
-                b += acc * out * inp + r * inp;
-            }
-            if tb {
-                b += acc * out;
-            }
-            (4 * (out * inp + out + r * (inp + out)), 4 * b)
+            let pass = widened_bwd_passes(cd, (rows, inp, out), (tx, tw, tb), master, (0, 0));
+            (4 * (out * inp + out + r * (inp + out)), pass)
         }
         _ => (0, 0),
     }
+}
+
+/// The widened bf16/f16 backward's workspace beyond the gradients it hands out, with `gemm`'s
+/// per-call packing `pack` = (dx pass, dW pass) on top of each pass (`widen::linear_bwd_widen`):
+/// first dx beside the g chunk, Wᵀ and a dx chunk, while dW and db do not exist yet (their bytes
+/// come off that pass); then beside the g chunk dW (an f32 accumulator unless `master`, whose
+/// accumulator is the gradient), db likewise and an x chunk.
+fn widened_bwd_passes(
+    cd: Dtype,
+    (rows, inp, out): (u64, u64, u64),
+    (tx, tw, tb): (bool, bool, bool),
+    master: bool,
+    (pack_dx, pack_dw): (u64, u64),
+) -> u64 {
+    let r = LINEAR_ROWS.min(rows);
+    let (acc, we) = if master { (0, 4) } else { (1, cd.size()) };
+    let gc = if tx || tw { r * out } else { 0 };
+    let dx_pass = if tx {
+        4 * (gc + out * inp + r * inp) + pack_dx
+    } else {
+        0
+    };
+    let later = we * (u64::from(tw) * out * inp + u64::from(tb) * out);
+    let mut b = gc;
+    if tw {
+        b += acc * out * inp + r * inp;
+    }
+    if tb {
+        b += acc * out;
+    }
+    dx_pass.saturating_sub(later).max(4 * b + pack_dw)
 }
 
 /// Workspace bytes (forward, backward) of one of the engine's linears on the spec's CPU: its own
@@ -218,14 +247,19 @@ pub fn linear_workspace(
 ) -> (u64, u64) {
     let native = cpu.bf16_kernel();
     let (fwd, bwd) = fused_linear_scratch(cd, (rows, inp, out), tracks, native, master);
-    let (pf, pb) = match cd {
-        Dtype::Bf16 if native => (0, 0),
+    match cd {
+        Dtype::Bf16 if native => (fwd, bwd),
         Dtype::Bf16 | Dtype::F16 => {
-            widened_linear_packing(cpu, (rows, inp, out), (tracks.0, tracks.1))
+            let (pf, pdx, pdw) =
+                widened_linear_packing(cpu, (rows, inp, out), (tracks.0, tracks.1));
+            let bwd = widened_bwd_passes(cd, (rows, inp, out), tracks, master, (pdx, pdw));
+            (fwd + pf, bwd)
         }
-        _ => direct_linear_packing(cpu, cd.size(), (rows, inp, out), tracks),
-    };
-    (fwd + pf, bwd + pb)
+        _ => {
+            let (pf, pb) = direct_linear_packing(cpu, cd.size(), (rows, inp, out), tracks);
+            (fwd + pf, bwd + pb)
+        }
+    }
 }
 
 /// On f32/f64 the engine's direct linear hands `gemm` a row-major destination, and `gemm` then
@@ -283,7 +317,13 @@ pub fn fused_mlp_scratch(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_phases((lin, |_, _| 0), (cd, wd), dims, (tx, wants))
+    fused_mlp_phases(
+        (lin, |_, _| 0),
+        (cd, wd),
+        dims,
+        (tx, wants),
+        (native, master),
+    )
 }
 
 /// [`fused_mlp_scratch`] with `gemm`'s per-call packing in each phase ([`linear_workspace`] for
@@ -298,7 +338,13 @@ pub fn fused_mlp_workspace(
     let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
     let threads = u64::from(cpu.threads.max(1));
     let mm = |mnk, strides| gemm_call_bytes(cpu, (cd.size(), threads), mnk, strides);
-    fused_mlp_phases((lin, mm), (cd, wd), dims, (tx, wants))
+    fused_mlp_phases(
+        (lin, mm),
+        (cd, wd),
+        dims,
+        (tx, wants),
+        (cpu.bf16_kernel(), master),
+    )
 }
 
 /// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears and,
@@ -309,7 +355,8 @@ pub fn fused_mlp_workspace(
 /// rows × the widest column block ([`mlp_col_blocks`]), with the packing of a block's dW2
 /// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product; on
 /// bf16/f16: u beside a whole dh with fc2's dx workspace, then with dW2, db2 and fc2's dW
-/// workspace.
+/// workspace; widened (bf16/f16 without the AVX512-BF16 kernel, `native` false; the engine's
+/// `fc2_gelu_bwd_widen`) by row chunks too ([`widen_phase`]).
 fn fused_mlp_phases(
     (lin, mm): (
         impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
@@ -318,6 +365,7 @@ fn fused_mlp_phases(
     (cd, wd): (Dtype, Dtype),
     (rows, inp, ffn, out): (u64, u64, u64, u64),
     (tx, wants): (bool, [bool; 4]),
+    (native, master): (bool, bool),
 ) -> (u64, u64) {
     let (e, we) = (cd.size(), wd.size());
     let (h, y) = (e * rows * ffn, e * rows * out);
@@ -335,6 +383,9 @@ fn fused_mlp_phases(
     let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
         let (buf, pack) = fc2_gelu_blocks(&mm, e, (rows, 0, ffn, out), wants[2]);
         (h + g2 + buf + pack).max(last)
+    } else if cd == Dtype::F16 || !native {
+        let dims = (rows, 0, ffn, out);
+        widen_phase(&mm, e, dims, (wants[2], wants[3], false), master, (h, g2)).max(last)
     } else {
         let (_, sa) = lin((rows, ffn, out), (true, false, false));
         (2 * h + sa).max(2 * h + sc + g2).max(last)
@@ -362,13 +413,13 @@ fn fc2_gelu_blocks(
         .filter(|&k| k > 0)
     {
         if dw2 && ds > 0 {
-            for (_, mb) in dw_blocks(out) {
+            for (_, mb) in dw_blocks(rows, out) {
                 pack = pack.max(mm((mb, ds, k), [(n2, 1), (1, out), (ds, 1)]));
             }
         }
         for (_, w) in mlp_col_blocks(ffn) {
             if dw2 {
-                for (_, mb) in dw_blocks(out) {
+                for (_, mb) in dw_blocks(rows, out) {
                     pack = pack.max(mm((mb, w, k), [(n2, 1), (1, out), (w, 1)]));
                 }
             }
@@ -413,6 +464,70 @@ pub fn fused_mlp(
     y
 }
 
+/// A block of u's columns in the engine's widened backward of fc2 and the GELU is up to
+/// rows·ffn / (this·[`LINEAR_ROWS`]) wide, never under [`MLP_COLS`]
+/// (`fused_mlp_widen::WIDEN_BLOCK_SHARE`).
+pub const WIDEN_BLOCK_SHARE: u64 = 16;
+
+/// The (first column, columns) blocks of u's `ffn` columns of that backward for `rows` rows
+/// (`fused_mlp_widen::widen_col_blocks`): as [`mlp_col_blocks`] with the wider cap.
+pub fn widen_col_blocks(rows: u64, ffn: u64) -> impl Iterator<Item = (u64, u64)> {
+    let cap = MLP_COLS.max(rows.saturating_mul(ffn) / (WIDEN_BLOCK_SHARE * LINEAR_ROWS));
+    let n = ffn.div_ceil(cap).min(ffn / 65).max(1);
+    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+}
+
+/// f32 and compute-dtype element counts of the workspace of the engine's widened backward of
+/// fc2 and the GELU (`fused_mlp_widen::fc2_gelu_widen_workspace`) for `(rows, ds, ffn, out)`:
+/// g's chunk of [`LINEAR_ROWS`] rows column-major, W2ᵀ in f32, one f32 block of the side's
+/// columns and the widest of u's ([`widen_col_blocks`]); a block of u's in the compute dtype.
+pub fn fc2_gelu_widen_workspace((rows, ds, ffn, out): (u64, u64, u64, u64)) -> (u64, u64) {
+    let r = LINEAR_ROWS.min(rows);
+    let wmax = widen_col_blocks(rows, ffn).map(|b| b.1).max().unwrap_or(0);
+    (r * out + (ds + ffn) * out + r * (ds + wmax), r * wmax)
+}
+
+/// The worst moment of the engine's widened backward of fc2 and the GELU (bf16/f16 without the
+/// AVX512-BF16 kernel, `fused_mlp_widen::fc2_gelu_bwd_widen`) for `(rows, ds, ffn, out)` with
+/// (dW2, db2, dside) as `want` asks: beside `held` (u, and dside for the side MLP), the f32
+/// accumulators (the gradients `g2` themselves for f32 master weights), the workspace
+/// ([`fc2_gelu_widen_workspace`]) and the most `gemm` packs in one of its products `mm`; for
+/// bf16/f16 weights then the accumulators beside their narrowed copies `g2`. Elements of `e`
+/// bytes. Products per chunk: dW2's side columns, each block's dW2 columns and dh (the first
+/// with dside's columns when dside is made).
+fn widen_phase(
+    mm: &impl Fn((u64, u64, u64), [(u64, u64); 3]) -> u64,
+    e: u64,
+    (rows, ds, ffn, out): (u64, u64, u64, u64),
+    (w2, b2, side): (bool, bool, bool),
+    master: bool,
+    (held, g2): (u64, u64),
+) -> u64 {
+    let n2 = ds + ffn;
+    let (f32s, es) = fc2_gelu_widen_workspace((rows, ds, ffn, out));
+    let ws = 4 * f32s + e * es;
+    let mut pack = 0;
+    for k in chunk_rows(rows) {
+        if w2 && ds > 0 {
+            pack = pack.max(mm((ds, out, k), [(1, n2), (1, ds), (1, k)]));
+        }
+        for (j0, w) in widen_col_blocks(rows, ffn) {
+            if w2 {
+                pack = pack.max(mm((w, out, k), [(1, n2), (1, w), (1, k)]));
+            }
+            let cw = if side && ds > 0 && j0 == 0 { ds + w } else { w };
+            pack = pack.max(mm((k, cw, out), [(1, k), (1, k), (1, out)]));
+        }
+    }
+    if master {
+        held + g2 + ws + pack
+    } else {
+        let on = |b: bool, n: u64| if b { 4 * n } else { 0 };
+        let acc = on(w2, out * n2) + on(b2, out);
+        (held + acc + ws + pack).max(held + acc + g2)
+    }
+}
+
 /// Heap bytes of a tracked `ops::FusedMlpSide` node's op beside the u it keeps: candle's
 /// `Arc<Box<dyn CustomOp2>>` (32) and the op (four weight handles, two sink handles, the keep
 /// flag and the mutex over u: `size_of::<FusedMlpSide>()`, held equal by the engine's test).
@@ -435,7 +550,13 @@ pub fn fused_mlp_side_scratch(
     master: bool,
 ) -> (u64, u64) {
     let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_side_phases((lin, |_, _| 0), (cd, wd), dims, (tx, ts, wants))
+    fused_mlp_side_phases(
+        (lin, |_, _| 0),
+        (cd, wd),
+        dims,
+        (tx, ts, wants),
+        (native, master),
+    )
 }
 
 /// [`fused_mlp_side_scratch`] with `gemm`'s per-call packing in each phase
@@ -450,7 +571,8 @@ pub fn fused_mlp_side_workspace(
     let lin = |dims, t| linear_workspace(cpu, cd, dims, t, master);
     let threads = u64::from(cpu.threads.max(1));
     let mm = |mnk, strides| gemm_call_bytes(cpu, (cd.size(), threads), mnk, strides);
-    fused_mlp_side_phases((lin, mm), (cd, wd), dims, (tx, ts, wants))
+    let how = (cpu.bf16_kernel(), master);
+    fused_mlp_side_phases((lin, mm), (cd, wd), dims, (tx, ts, wants), how)
 }
 
 /// The phases of the fused MLP with a side input over the workspace `lin(dims, tracks)` of
@@ -463,6 +585,7 @@ fn fused_mlp_side_phases(
     (cd, wd): (Dtype, Dtype),
     (rows, inp, ffn, ds, out): (u64, u64, u64, u64, u64),
     (tx, ts, wants): (bool, bool, [bool; 4]),
+    (native, master): (bool, bool),
 ) -> (u64, u64) {
     let (e, we) = (cd.size(), wd.size());
     let (h, c, y) = (e * rows * ffn, e * rows * (ds + ffn), e * rows * out);
@@ -496,6 +619,12 @@ fn fused_mlp_side_phases(
         (h + g2 + buf + pack)
             .max(h + g2 + dside + pack_side)
             .max(last)
+    } else if cd == Dtype::F16 || !native {
+        // By chunks and column blocks, dside made with the first block's dh: neither c nor
+        // dc is made ([`widen_phase`]).
+        let dims = (rows, ds, ffn, out);
+        let want = (wants[2], wants[3], ts);
+        widen_phase(&mm, e, dims, want, master, (h + dside, g2)).max(last)
     } else {
         let made = if wants[2] || wants[3] { 1 } else { 0 };
         (made * (2 * h + c))

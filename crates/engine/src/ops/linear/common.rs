@@ -19,24 +19,30 @@ pub const LINEAR_ROWS: usize = 128;
 /// `ditmem_budget::ditmem_cpu::ops::DW_ROWS`.
 pub const DW_ROWS: usize = 256;
 
-/// Widest block of dW's rows (the linear's outputs) per product of an f32/f64 weight gradient:
-/// `gemm` packs the (chunk rows × block) panel of g, so with [`DW_ROWS`] it packs at most
-/// 256 × 128 elements (128 KiB f32) however wide the layer (DiT-S/2 fc1, out 1,536: 1.5 MiB as
-/// one block; PixArt's tiny fc1, out 256: 256 KiB, the peak of its block's backward). The
-/// blocks split the product's columns, not its depth: each element's sum is the same, bit for
-/// bit. [`dw_blocks`] evens them out. 128 rather than 512 costs no time measurably in the
-/// linear alone (AMD EPYC Zen 1, 2 threads, f32 linear backward at 512 and 4,096 rows × 384 ↔
-/// 1,536, and 256 × 64 → 256: medians of 15 within the run-to-run spread of 5–20 %, both
-/// ways); with the fused MLP's column blocks ([`crate::ops::fused_mlp::MLP_COLS`]) a DiT-S/2
-/// step at 256² b2 takes 1.6–2.5 % longer (`bench/torch_peer/results/ab_blocks_dit_256x2.txt`).
-/// Budget twin:
-/// `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
+/// Narrowest cap on a block of dW's rows (the linear's outputs) per product of an f32/f64
+/// weight gradient: `gemm` packs the (chunk rows × block) panel of g, so with [`DW_ROWS`] it
+/// packs 256 × 128 elements (128 KiB f32) per call where the layer's gradient is small
+/// (PixArt's tiny fc1, out 256 at 256 rows: 256 KiB as one block, the peak of its block's
+/// backward). The blocks split the product's columns, not its depth: each element's sum is
+/// the same, bit for bit. Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
 pub const DW_COLS: usize = 128;
 
-/// The (first row, rows) blocks of dW's `out` rows: ⌈out / [`DW_COLS`]⌉ blocks of equal width
+/// How much smaller than g (rows × out) the packed panel of one weight-gradient product may
+/// be: a block of dW's rows is up to rows·out / ([`DW_PANEL_SHARE`]·[`DW_ROWS`]) wide (never
+/// under [`DW_COLS`]), so the panel is at most 1/16 of g, which is alive beside it. Narrow
+/// blocks cost time where the rows are many: at 4,096 rows × in 384 → out 1,536 (DiT-S/2 fc1
+/// at 256² batch 16), blocks of 128 made dW at 84 GFLOP/s against 117 as one block (medians of
+/// 25 alternating runs, AMD EPYC family 25 AVX2, 2 threads, chunks of 256 rows), and a whole
+/// step without the blocks and chunks took 0.85–0.98 of its time (3 alternating rounds).
+/// Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_PANEL_SHARE`.
+pub const DW_PANEL_SHARE: usize = 16;
+
+/// The (first row, rows) blocks of dW's `out` rows for a gradient of `rows` rows: as few blocks
+/// as keep each under the cap of [`DW_PANEL_SHARE`] (at least [`DW_COLS`]), of equal width
 /// rounded up to 16 rows (whole SIMD lanes), the last what remains.
-pub fn dw_blocks(out: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = out.div_ceil(DW_COLS).max(1);
+pub fn dw_blocks(rows: usize, out: usize) -> impl Iterator<Item = (usize, usize)> {
+    let cap = DW_COLS.max(rows.saturating_mul(out) / (DW_PANEL_SHARE * DW_ROWS));
+    let n = out.div_ceil(cap).max(1);
     let width = out.div_ceil(n).next_multiple_of(16).max(1);
     (0..out)
         .step_by(width)

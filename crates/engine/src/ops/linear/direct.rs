@@ -54,6 +54,7 @@ pub(super) fn linear_bwd_direct<A: Acc + Elem<A> + Send + Sync + 'static>(
                 &mut dw,
                 (&g[r0 * out..], &x[r0 * inp..], inp),
                 (k, inp, out),
+                rows,
             );
         }
         dw.unwrap_or_else(|| vec![A::ZERO; out * inp])
@@ -72,18 +73,20 @@ pub(super) fn linear_bwd_direct<A: Acc + Elem<A> + Send + Sync + 'static>(
 /// One chunk of `k` rows of a weight gradient: dW (out × inp) = g_cᵀ·x_c when `dw` is `None`
 /// (a fresh dW, written without zeroing), else dW += g_cᵀ·x_c. g_c: k rows of `out` at row
 /// stride `out`; x_c: k rows of `inp` at row stride `x_rs`. One `gemm` call per block of dW's
-/// rows ([`dw_blocks`]), so `gemm` packs at most a (k × block) panel of g. The fused MLP's fc2
+/// rows ([`dw_blocks`] of the gradient's `rows` in all), so `gemm` packs at most a (k × block)
+/// panel of g. The fused MLP's fc2
 /// makes its dW2 with the same chunks and blocks (`fused_mlp::fc2_gelu_bwd_direct`), so it has
 /// the linear's bits.
 fn dw_add_chunk<A: Acc + 'static>(
     dw: &mut Option<Vec<A>>,
     (g_c, x_c, x_rs): (&[A], &[A], usize),
     (k, inp, out): (usize, usize, usize),
+    rows: usize,
 ) {
     let par = gemm_threads();
     let fresh = dw.is_none();
     let d = dw.get_or_insert_with(|| Vec::with_capacity(out * inp));
-    for (o0, mb) in dw_blocks(out) {
+    for (o0, mb) in dw_blocks(rows, out) {
         let lhs = (&g_c[o0..], 1, out);
         let rhs = (x_c, x_rs, 1);
         if fresh {

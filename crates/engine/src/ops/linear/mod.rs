@@ -23,10 +23,12 @@ use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
-pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_ROWS, LINEAR_ROWS};
+pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_PANEL_SHARE, DW_ROWS, LINEAR_ROWS};
+pub(crate) use common::{read_as, GradFromF32};
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use input_sink::InputSink;
 pub use sink::GradSink;
+pub(crate) use widen::{from_colmajor, to_colmajor, widen_into};
 use widen::{linear_bwd_widen, linear_fwd_widen};
 
 /// `y = x·Wᵀ + b` on a 2-D x as one node: candle's composition keeps both the product and the
@@ -109,9 +111,10 @@ pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, nat
 /// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
 /// packed g chunk and an f32 dx chunk; for dW an f32 dW (unless the weight is an f32 master,
 /// `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed x chunk; for db an
-/// f32 db (likewise). Widening (all f32): a column-major copy of the g chunk (for dx or dW); for
-/// dx Wᵀ and a dx chunk; for dW an f32 dW (none for a master weight: likewise) and an x chunk;
-/// for db an f32 db (likewise). Nothing on f32/f64.
+/// f32 db (likewise). Widening (all f32), in two passes: a column-major copy of the g chunk (for
+/// dx or dW) throughout; first for dx Wᵀ and a dx chunk, while dW and db do not exist yet
+/// (their bytes come off that pass); then for dW an f32 dW (none for a master weight:
+/// likewise) and an x chunk, for db an f32 db (likewise). Nothing on f32/f64.
 pub fn linear_bwd_scratch(
     dtype: DType,
     (rows, inp, out): (usize, usize, usize),
@@ -140,18 +143,29 @@ pub fn linear_bwd_scratch(
             n
         }
         DType::BF16 | DType::F16 => {
-            let acc = if master { 0 } else { 1 };
-            let mut n = if g.x || g.w { r * out } else { 0 };
-            if g.x {
-                n += out * inp + r * inp;
-            }
+            // Two passes (`widen::linear_bwd_widen`): dx beside Wᵀ and a dx chunk, before dW
+            // and db exist; then dW and db (f32 accumulators unless they are the gradients) and
+            // an x chunk. Both beside the g chunk.
+            let (acc, we) = if master {
+                (0, 4)
+            } else {
+                (1, dtype.size_in_bytes())
+            };
+            let gc = if g.x || g.w { r * out } else { 0 };
+            let dx_pass = if g.x {
+                4 * (gc + out * inp + r * inp)
+            } else {
+                0
+            };
+            let later = we * (usize::from(g.w) * out * inp + usize::from(g.b) * out);
+            let mut n = gc;
             if g.w {
                 n += acc * out * inp + r * inp;
             }
             if g.b {
                 n += acc * out;
             }
-            4 * n
+            dx_pass.saturating_sub(later).max(4 * n)
         }
         _ => 0,
     };
@@ -412,21 +426,30 @@ mod tests {
         assert_eq!(LINEAR_ROWS as u64, ops::LINEAR_ROWS);
         assert_eq!(DW_ROWS as u64, ops::DW_ROWS);
         assert_eq!(DW_COLS as u64, ops::DW_COLS);
-        for out in [1, 7, 16, 384, 511, 512, 513, 1152, 1536, 4096, 5000] {
-            let engine: Vec<(u64, u64)> =
-                dw_blocks(out).map(|(o, n)| (o as u64, n as u64)).collect();
-            assert_eq!(
-                engine,
-                ops::dw_blocks(out as u64).collect::<Vec<_>>(),
-                "out {out}"
-            );
-            assert_eq!(
-                engine.iter().map(|b| b.1).sum::<u64>(),
-                out as u64,
-                "out {out}"
-            );
-            assert!(engine.iter().all(|b| b.1 as usize <= DW_COLS), "out {out}");
+        assert_eq!(DW_PANEL_SHARE as u64, ops::DW_PANEL_SHARE);
+        for rows in [1, 64, 256, 512, 2100, 4096, 32768] {
+            for out in [1, 7, 16, 384, 511, 512, 513, 1152, 1536, 4096, 5000] {
+                let engine: Vec<(u64, u64)> = dw_blocks(rows, out)
+                    .map(|(o, n)| (o as u64, n as u64))
+                    .collect();
+                let at = format!("rows {rows}, out {out}");
+                assert_eq!(
+                    engine,
+                    ops::dw_blocks(rows as u64, out as u64).collect::<Vec<_>>(),
+                    "{at}"
+                );
+                assert_eq!(engine.iter().map(|b| b.1).sum::<u64>(), out as u64, "{at}");
+                // Each block within the cap (rounded up to whole lanes): 128 rows of dW, or
+                // a panel of at most 1/16 of g.
+                let cap = DW_COLS.max(rows * out / (DW_PANEL_SHARE * DW_ROWS));
+                let widest = engine.iter().map(|b| b.1).max().unwrap_or(0) as usize;
+                assert!(widest <= cap.next_multiple_of(16), "{at}: {engine:?}");
+            }
         }
+        // Few rows: blocks of at most 128 (the panel's floor); many: one block.
+        assert_eq!(dw_blocks(512, 1536).count(), 8);
+        assert_eq!(dw_blocks(256, 1536).count(), 12);
+        assert_eq!(dw_blocks(4096, 1536).collect::<Vec<_>>(), vec![(0, 1536)]);
     }
 
     /// Two linears on one tracked input (a cross-attention's k and v projections of the

@@ -11,7 +11,13 @@ use super::common::{add_column_sums, read_as, GradFromF32, LinearGrads, LINEAR_R
 
 /// dst[k·n + i] = src[i·src_rs + k] for i < n, k < c: a column-major f32 copy of an (n × c) block,
 /// one column per parallel task.
-fn to_colmajor<T: Elem<f32> + Sync>(src: &[T], src_rs: usize, n: usize, c: usize, dst: &mut [f32]) {
+pub(crate) fn to_colmajor<T: Elem<f32> + Sync>(
+    src: &[T],
+    src_rs: usize,
+    n: usize,
+    c: usize,
+    dst: &mut [f32],
+) {
     dst[..n * c]
         .par_chunks_mut(n)
         .enumerate()
@@ -24,7 +30,7 @@ fn to_colmajor<T: Elem<f32> + Sync>(src: &[T], src_rs: usize, n: usize, c: usize
 }
 
 /// dst[i·c + k] = src[k·n + i]: back from column-major, one row per parallel task.
-fn from_colmajor<T: Elem<f32> + Send>(src: &[f32], n: usize, c: usize, dst: &mut [T]) {
+pub(crate) fn from_colmajor<T: Elem<f32> + Send>(src: &[f32], n: usize, c: usize, dst: &mut [T]) {
     dst[..n * c]
         .par_chunks_mut(c)
         .enumerate()
@@ -45,7 +51,7 @@ fn widen_weight_into<T: Elem<f32>, W: Elem<f32> + Sync>(src: &[W], dst: &mut [f3
 }
 
 /// Elementwise widening copy, in parallel.
-fn widen_into<T: Elem<f32> + Sync>(src: &[T], dst: &mut [f32]) {
+pub(crate) fn widen_into<T: Elem<f32> + Sync>(src: &[T], dst: &mut [f32]) {
     dst.par_iter_mut()
         .zip(src.par_iter())
         .with_min_len(PAR_CHUNK)
@@ -93,14 +99,18 @@ pub(super) fn linear_fwd_widen<T: Elem<f32> + Send + Sync, W: Elem<f32> + Sync>(
     y
 }
 
-/// bf16/f16 backward, widened to f32 by chunks; dW and db accumulate in f32. Every f32 buffer is
-/// laid out so that gemm packs nothing (see [`mm_strided`](crate::kernels::gemm::mm_strided)):
-/// one column-major copy of the g chunk serves as the lhs of dx = g·W (with W transposed) and
-/// as the rhs of dWᵀ = xᵀ·g, whose column-major destination is dW row-major, and whose lhs is
-/// the x chunk row-major; so dW accumulates in place in the gradient itself for an f32 master
-/// weight (one narrowed copy at the end for a bf16/f16 one), and db sums g's columns as they
-/// are (the widening is exact). The dx output, then the workspace, are allocated before the
-/// first product.
+/// bf16/f16 backward, widened to f32 by chunks, in two passes over the row chunks: dx, then dW
+/// and db (accumulated in f32). Every f32 buffer is laid out so that gemm packs nothing (see
+/// [`mm_strided`](crate::kernels::gemm::mm_strided)): one column-major copy of the g chunk
+/// serves as the lhs of dx = g·W (with W transposed) and, made again in the second pass, as
+/// the rhs of dWᵀ = xᵀ·g, whose column-major destination is dW row-major, and whose lhs is the x
+/// chunk row-major; so dW accumulates in place in the gradient itself for an f32 master weight
+/// (one narrowed copy at the end for a bf16/f16 one), and db sums g's columns as they are (the
+/// widening is exact). Why two passes: Wᵀ and the dx chunk are freed before dW's accumulator
+/// and the x chunk exist (SD3's and PixArt's tiny bf16 fc1 backward: 262 KiB of f32 workspace
+/// beside the gradients → 163 KiB), for one more widening of g per chunk (rows × out
+/// conversions against rows × in × out multiply-adds). The dx output, then the g chunk, are
+/// allocated before the first product.
 #[allow(clippy::type_complexity)]
 pub(super) fn linear_bwd_widen<
     T: Elem<f32> + Send + Sync,
@@ -121,10 +131,10 @@ pub(super) fn linear_bwd_widen<
     } else {
         Vec::new()
     };
-    // Wᵀ (wt32[j·out + o] = W[o][j]) as the unit-row-stride rhs of dx.
-    let wt32: Option<Vec<f32>> = want.x.then(|| {
-        let mut t = vec![0.0f32; out * inp];
-        t.par_chunks_mut(out)
+    if let Some(dx) = dx.as_mut() {
+        // Wᵀ (wt32[j·out + o] = W[o][j]) as the unit-row-stride rhs of dx, and a dx chunk.
+        let mut wt32 = vec![0.0f32; out * inp];
+        wt32.par_chunks_mut(out.max(1))
             .enumerate()
             .with_min_len((PAR_CHUNK / out.max(1)).max(1))
             .for_each(|(j, col)| {
@@ -132,54 +142,54 @@ pub(super) fn linear_bwd_widen<
                     *d = read_as::<T, W>(w[o * inp + j]);
                 }
             });
-        t
-    });
-    let mut dx32: Option<Vec<f32>> = want.x.then(|| vec![0.0; r * inp]);
-    // dW row-major (dw32[o·inp + j]), and the x chunk row-major (x32[i·inp + j]).
-    let mut dw32: Option<Vec<f32>> = want.w.then(|| vec![0.0; out * inp]);
-    let mut x32: Option<Vec<f32>> = want.w.then(|| vec![0.0; r * inp]);
-    let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
-    let mut r0 = 0;
-    while r0 < rows {
-        let n = r.min(rows - r0);
-        if want.x || want.w {
+        let mut dx32: Vec<f32> = vec![0.0; r * inp];
+        for r0 in (0..rows).step_by(r.max(1)) {
+            let n = r.min(rows - r0);
             to_colmajor(&g[r0 * out..], out, n, out, &mut gc32);
-        }
-        if let (Some(dx), Some(dx32), Some(wt32)) = (dx.as_mut(), dx32.as_mut(), wt32.as_ref()) {
             mm_strided(
                 n,
                 inp,
                 out,
-                (dx32, 1, n),
+                (&mut dx32, 1, n),
                 (&gc32, 1, n),
-                (wt32, 1, out),
+                (&wt32, 1, out),
                 false,
                 par,
             );
-            from_colmajor(dx32, n, inp, &mut dx[r0 * inp..]);
+            from_colmajor(&dx32, n, inp, &mut dx[r0 * inp..]);
         }
-        if let (Some(dw32), Some(x32)) = (dw32.as_mut(), x32.as_mut()) {
-            widen_into(&x[r0 * inp..(r0 + n) * inp], &mut x32[..n * inp]);
-            // dWᵀ (in × out) += xᵀ (in × n) · g (n × out).
-            mm_strided(
-                inp,
-                out,
-                n,
-                (dw32, 1, inp),
-                (x32, 1, inp),
-                (&gc32, 1, n),
-                true,
-                par,
-            );
-        }
-        if let Some(db32) = db32.as_mut() {
-            add_column_sums(&g[r0 * out..(r0 + n) * out], out, db32);
-        }
-        r0 += n;
     }
-    // The weight's gradients while the workspace is still alive (the budget's model of the op).
+    // dW row-major (dw32[o·inp + j]), the x chunk row-major (x32[i·inp + j]), db.
+    let mut dw32: Option<Vec<f32>> = want.w.then(|| vec![0.0; out * inp]);
+    let mut x32: Option<Vec<f32>> = want.w.then(|| vec![0.0; r * inp]);
+    let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
+    if want.w || want.b {
+        for r0 in (0..rows).step_by(r.max(1)) {
+            let n = r.min(rows - r0);
+            if let (Some(dw32), Some(x32)) = (dw32.as_mut(), x32.as_mut()) {
+                to_colmajor(&g[r0 * out..], out, n, out, &mut gc32);
+                widen_into(&x[r0 * inp..(r0 + n) * inp], &mut x32[..n * inp]);
+                // dWᵀ (in × out) += xᵀ (in × n) · g (n × out).
+                mm_strided(
+                    inp,
+                    out,
+                    n,
+                    (dw32, 1, inp),
+                    (x32, 1, inp),
+                    (&gc32, 1, n),
+                    true,
+                    par,
+                );
+            }
+            if let Some(db32) = db32.as_mut() {
+                add_column_sums(&g[r0 * out..(r0 + n) * out], out, db32);
+            }
+        }
+    }
+    // The weight's gradients while the g and x chunks are still alive (the budget's model of
+    // the op).
     let dw = dw32.map(W::grad_from_f32);
     let db = db32.map(W::grad_from_f32);
-    drop((gc32, wt32, dx32, x32));
+    drop((gc32, x32));
     (dx, dw, db)
 }

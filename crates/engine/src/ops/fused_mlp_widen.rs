@@ -1,0 +1,184 @@
+//! fc2's and the GELU's backward of the fused MLPs ([`super::fused_mlp`], and
+//! [`super::fused_mlp_side`] with its side input) on bf16/f16 where the products are widened to
+//! f32 (no AVX512-BF16 kernel: `linear/widen.rs`), by chunks of [`LINEAR_ROWS`] rows and
+//! blocks of u's columns ([`widen_col_blocks`]), as the f32/f64 path does
+//! ([`super::fused_mlp::fc2_gelu_bwd_direct`]).
+//!
+//! Why: over whole buffers this backward held u beside dh = g·W2 (two rows × ffn buffers) and,
+//! with a side input, the concatenation [side; gelu(u)] and its gradient (rows × (side + ffn)
+//! each), plus the widened linear's f32 chunks; it was the worst moment of the step in SD3's
+//! and Flux's bf16 blocks with recompute. Here nothing rows-wide is made beside u but dside
+//! (an output): per chunk, g's chunk widened once; the side's columns of dW2 from the side; per
+//! block of u's columns h = gelu(u) in f32 for its columns of dW2, then the block's dh =
+//! g_c·W2 in the same f32 buffer, narrowed and turned into du over u.
+//!
+//! Numerics: the composition's products split by columns, never by depth (the depth is the
+//! chunk's rows for dW2 and `out` for dh, as in the widened linear), the GELU's maps element
+//! for element in the compute dtype, and the same f32 accumulators in the same chunk order:
+//! the composition's bits (the fused MLPs' tests hold them equal on bf16 and f16).
+
+use rayon::prelude::*;
+
+use super::fused_mlp::MLP_COLS;
+use super::gelu::GeluSlice;
+use super::linear::{
+    add_column_sums, from_colmajor, read_as, to_colmajor, widen_into, GradFromF32, LINEAR_ROWS,
+};
+use crate::kernels::gemm::{gemm_threads, mm_strided};
+use crate::kernels::scalar::Elem;
+
+/// How much smaller than u (rows × ffn) the f32 block buffer of [`fc2_gelu_bwd_widen`] may be:
+/// a block of u's columns is up to rows·ffn / (this·[`LINEAR_ROWS`]) wide, never under
+/// [`MLP_COLS`]. Narrow blocks cost time where the rows are many: with blocks of at most 129
+/// columns a DiT-S/2 step at 256² batch 4, bf16-mixed without recompute took 1.09–1.11 × the
+/// CPU time of the whole-buffer backward (AMD EPYC family 25 AVX2, 2 threads, 2 alternating
+/// rounds), the products (128 rows × 128 columns, depth 384) too small to run at the rate of
+/// one product over all columns. Budget twin: `ditmem_budget::ditmem_cpu::ops::WIDEN_BLOCK_SHARE`.
+pub const WIDEN_BLOCK_SHARE: usize = 16;
+
+/// The (first column, columns) blocks of u's `ffn` columns the widened backward takes at a time
+/// for `rows` rows: ⌈ffn / cap⌉ blocks, the cap [`MLP_COLS`] or rows·ffn / ([`WIDEN_BLOCK_SHARE`]
+/// · [`LINEAR_ROWS`]) if wider, whose widths differ by at most one, never 64 columns or fewer
+/// (`gemm`'s small-size branch, as for [`super::fused_mlp::mlp_col_blocks`]).
+pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize, usize)> {
+    let cap = MLP_COLS.max(rows.saturating_mul(ffn) / (WIDEN_BLOCK_SHARE * LINEAR_ROWS));
+    let n = ffn.div_ceil(cap).min(ffn / 65).max(1);
+    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+}
+
+/// f32 and compute-dtype element counts of the workspace of [`fc2_gelu_bwd_widen`] for
+/// `(rows, ds, ffn, out)`: g's chunk column-major, W2ᵀ, one f32 block buffer (the side's
+/// columns and the widest of u's column blocks); and a block in the compute dtype (h, then
+/// dh). Budget twin:
+/// `ditmem_budget::ditmem_cpu::ops::fc2_gelu_widen_workspace`.
+pub fn fc2_gelu_widen_workspace((rows, ds, ffn, out): (usize, usize, usize, usize)) -> (u64, u64) {
+    let r = LINEAR_ROWS.min(rows);
+    let wmax = widen_col_blocks(rows, ffn).map(|b| b.1).max().unwrap_or(0);
+    let f32s = r * out + (ds + ffn) * out + r * (ds + wmax);
+    (f32s as u64, (r * wmax) as u64)
+}
+
+/// The backward of `y = fc2([side; gelu(u)])` per row on the widened path (see the module
+/// docs): u (rows × ffn, turned into du), the side (rows × ds, empty when ds is 0), g (rows ×
+/// out), W2 (out × (ds + ffn), in the compute dtype or f32 masters read as it). Returns (dW2,
+/// db2, dside) as `(w2, b2, side)` asks, the weight gradients in W's dtype. Allocation order:
+/// dside, the f32 accumulators (the gradients themselves for f32 masters), then the workspace,
+/// dropped before the accumulators are narrowed for bf16/f16 weights.
+#[allow(clippy::type_complexity)]
+pub(super) fn fc2_gelu_bwd_widen<T, W>(
+    u: &mut [T],
+    side: &[T],
+    g: &[T],
+    w2: &[W],
+    (rows, ds, ffn, out): (usize, usize, usize, usize),
+    (w2_wanted, b2_wanted, side_wanted): (bool, bool, bool),
+) -> (Option<Vec<W>>, Option<Vec<W>>, Option<Vec<T>>)
+where
+    T: Elem<f32> + GeluSlice + Send + Sync,
+    W: Elem<f32> + Send + Sync + GradFromF32,
+{
+    let par = gemm_threads();
+    let n2 = ds + ffn;
+    let r = LINEAR_ROWS.min(rows);
+    let wmax = widen_col_blocks(rows, ffn).map(|b| b.1).max().unwrap_or(0);
+    let zero = T::from_acc(0.0);
+    let mut dside: Option<Vec<T>> = (side_wanted && ds > 0).then(|| vec![zero; rows * ds]);
+    let mut dw32: Option<Vec<f32>> = w2_wanted.then(|| vec![0.0; out * n2]);
+    let mut db32: Option<Vec<f32>> = b2_wanted.then(|| vec![0.0; out]);
+    // g's chunk column-major (gc32[o·n + i] = g[i][o]), W2ᵀ (wt32[j·out + o] = W2[o][j]), the
+    // f32 block and the compute-dtype block.
+    let mut gc32: Vec<f32> = vec![0.0; r * out];
+    let mut wt32: Vec<f32> = vec![0.0; n2 * out];
+    wt32.par_chunks_mut(out.max(1))
+        .enumerate()
+        .for_each(|(j, col)| {
+            for (o, d) in col.iter_mut().enumerate() {
+                *d = read_as::<T, W>(w2[o * n2 + j]);
+            }
+        });
+    let mut b32: Vec<f32> = vec![0.0; r * (ds + wmax)];
+    let mut bt: Vec<T> = vec![zero; r * wmax];
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        to_colmajor(&g[r0 * out..], out, n, out, &mut gc32);
+        if let Some(db32) = db32.as_mut() {
+            add_column_sums(&g[r0 * out..(r0 + n) * out], out, db32);
+        }
+        if ds > 0 {
+            if let Some(dw32) = dw32.as_mut() {
+                // dW2's side columns (+)= side_cᵀ·g_c, the side chunk row-major.
+                widen_into(&side[r0 * ds..(r0 + n) * ds], &mut b32[..n * ds]);
+                mm_strided(
+                    ds,
+                    out,
+                    n,
+                    (dw32, 1, n2),
+                    (&b32, 1, ds),
+                    (&gc32, 1, n),
+                    true,
+                    par,
+                );
+            }
+        }
+        let u_c = &mut u[r0 * ffn..(r0 + n) * ffn];
+        for (j0, w) in widen_col_blocks(rows, ffn) {
+            let t = &mut bt[..n * w];
+            if let Some(dw32) = dw32.as_mut() {
+                // h of the block in the compute dtype, widened row-major; dW2's columns of
+                // the block (+)= h_cᵀ·g_c.
+                t.par_chunks_mut(w)
+                    .zip(u_c.par_chunks(ffn))
+                    .for_each(|(h, ur)| h.copy_from_slice(&ur[j0..j0 + w]));
+                T::gelu_over(t);
+                widen_into(t, &mut b32[..n * w]);
+                mm_strided(
+                    w,
+                    out,
+                    n,
+                    (&mut dw32[ds + j0..], 1, n2),
+                    (&b32, 1, w),
+                    (&gc32, 1, n),
+                    true,
+                    par,
+                );
+            }
+            // dh of the block = g_c·W2[:, ds + j0..][..w], column-major, narrowed; du over u.
+            // The first block's product also makes dside (the side's columns before it): a
+            // product of its own would be at most 64 × 64 on a short last chunk, where `gemm`
+            // blocks a depth beyond 512 otherwise (gemm-common 0.19 `gemm.rs`, the small-size
+            // branch) than the composition's whole row of dc.
+            let (c0, lead) = match dside.as_mut() {
+                Some(d) if j0 == 0 => (0, Some(d)),
+                _ => (ds + j0, None),
+            };
+            let cw = ds + j0 + w - c0;
+            mm_strided(
+                n,
+                cw,
+                out,
+                (&mut b32, 1, n),
+                (&gc32, 1, n),
+                (&wt32[c0 * out..], 1, out),
+                false,
+                par,
+            );
+            let skip = match lead {
+                Some(d) => {
+                    from_colmajor(&b32, n, ds, &mut d[r0 * ds..]);
+                    ds * n
+                }
+                None => 0,
+            };
+            from_colmajor(&b32[skip..], n, w, t);
+            u_c.par_chunks_mut(ffn)
+                .zip(t.par_chunks(w))
+                .for_each(|(ur, dh)| T::grad_over_input(&mut ur[j0..j0 + w], dh));
+        }
+        r0 += n;
+    }
+    drop((gc32, wt32, b32, bt));
+    let dw = dw32.map(W::grad_from_f32);
+    let db = db32.map(W::grad_from_f32);
+    (dw, db, dside)
+}
