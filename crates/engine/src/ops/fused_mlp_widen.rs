@@ -125,13 +125,18 @@ where
         for (j0, w) in widen_col_blocks(rows, ffn) {
             let t = &mut bt[..n * w];
             if let Some(dw32) = dw32.as_mut() {
-                // h of the block in the compute dtype, widened row-major; dW2's columns of
-                // the block (+)= h_cᵀ·g_c.
+                // h of the block in the compute dtype, widened row-major (one parallel pass
+                // over the rows); dW2's columns of the block (+)= h_cᵀ·g_c.
                 t.par_chunks_mut(w)
+                    .zip(b32[..n * w].par_chunks_mut(w))
                     .zip(u_c.par_chunks(ffn))
-                    .for_each(|(h, ur)| h.copy_from_slice(&ur[j0..j0 + w]));
-                T::gelu_over(t);
-                widen_into(t, &mut b32[..n * w]);
+                    .for_each(|((h, h32), ur)| {
+                        h.copy_from_slice(&ur[j0..j0 + w]);
+                        T::gelu_over(h);
+                        for (d, v) in h32.iter_mut().zip(h.iter()) {
+                            *d = v.to_acc();
+                        }
+                    });
                 mm_strided(
                     w,
                     out,
@@ -170,10 +175,18 @@ where
                 }
                 None => 0,
             };
-            from_colmajor(&b32[skip..], n, w, t);
-            u_c.par_chunks_mut(ffn)
-                .zip(t.par_chunks(w))
-                .for_each(|(ur, dh)| T::grad_over_input(&mut ur[j0..j0 + w], dh));
+            // dh narrowed row by row from the column-major block, then du over u (one
+            // parallel pass over the rows).
+            let dh32 = &b32[skip..];
+            t.par_chunks_mut(w)
+                .zip(u_c.par_chunks_mut(ffn))
+                .enumerate()
+                .for_each(|(i, (dh, ur))| {
+                    for (j, d) in dh.iter_mut().enumerate() {
+                        *d = T::from_acc(dh32[j * n + i]);
+                    }
+                    T::grad_over_input(&mut ur[j0..j0 + w], dh);
+                });
         }
         r0 += n;
     }
