@@ -307,7 +307,8 @@ pub const FUSED_MLP_OP_BYTES: u64 = 32 + 96;
 /// `tx`, and the weight gradients `wants` = (dW1, db1, dW2, db2). Each phase is one of
 /// [`fused_linear_scratch`]'s. Forward, beyond y and the kept u: the larger of fc1's workspace
 /// less y, and h = gelu(u) with fc2's workspace. Backward, beyond the gradients it hands out:
-/// the peak of its phases ([`fused_mlp_phases`]: by row chunks on f32/f64, whole on bf16/f16)
+/// the peak of its phases ([`fused_mlp_phases`]: by row chunks, except whole on the AVX512-BF16
+/// kernel)
 /// less the gradients.
 pub fn fused_mlp_scratch(
     (cd, wd): (Dtype, Dtype),
@@ -353,10 +354,10 @@ pub fn fused_mlp_workspace(
 /// du, every gradient and fc1's workspace. Before it, on f32/f64 (the engine's
 /// `fc2_gelu_bwd_direct`): u, dW2 and db2 beside one chunk buffer of min(rows, [`DW_ROWS`])
 /// rows × the widest column block ([`mlp_col_blocks`]), with the packing of a block's dW2
-/// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product; on
-/// bf16/f16: u beside a whole dh with fc2's dx workspace, then with dW2, db2 and fc2's dW
-/// workspace; widened (bf16/f16 without the AVX512-BF16 kernel, `native` false; the engine's
-/// `fc2_gelu_bwd_widen`) by row chunks too ([`widen_phase`]).
+/// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product;
+/// widened (bf16/f16 without the AVX512-BF16 kernel, `native` false; the engine's
+/// `fc2_gelu_bwd_widen`) by row chunks too ([`widen_phase`]); on the kernel u beside a whole dh
+/// with fc2's dx workspace, then with dW2, db2 and fc2's dW workspace.
 fn fused_mlp_phases(
     (lin, mm): (
         impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
@@ -432,7 +433,7 @@ fn fc2_gelu_blocks(
 /// `ops::fused_mlp` of the engine: `fc2(gelu_tanh(fc1(x)))` as one node on x (the weights
 /// `ws` = [W1, b1, W2, b2] are its other inputs here, sunk or frozen, so their gradients are
 /// counted). A fresh (rows, out) output; tracked, it keeps u = fc1(x) (rows × ffn, compute
-/// dtype; turned into du in place by its backward on f32/f64, into h on bf16/f16, and freed
+/// dtype; turned into du in place by its backward (into h on the AVX512-BF16 kernel), and freed
 /// there, which the node's `released_by_bwd` replays) and its boxed
 /// op ([`FUSED_MLP_OP_BYTES`]). Workspace: [`fused_mlp_workspace`]. Its backward returns dx only
 /// (no wide gradient enters candle's store).
@@ -539,7 +540,8 @@ pub const FUSED_MLP_SIDE_OP_BYTES: u64 = 32 + 96;
 /// gradients `wants` = (dW1, db1, dW2, db2). Forward, beyond y and the kept u: fc1's workspace
 /// less y; h = gelu(u) beside c = [side; h] less y; c with fc2's workspace. Backward, beyond
 /// the gradients it hands out: on f32/f64 u, dW2, db2 and one chunk buffer
-/// ([`fc2_gelu_blocks`]), then u and dside; on bf16/f16 h beside c; c, dc, fc2's workspace,
+/// ([`fc2_gelu_blocks`]), then u and dside; widened bf16/f16 by chunks too ([`widen_phase`]);
+/// on the AVX512-BF16 kernel h beside c; c, dc, fc2's workspace,
 /// dW2, db2; dc beside its parts dside and du; then in every dtype du, every gradient and
 /// fc1's workspace.
 pub fn fused_mlp_side_scratch(
