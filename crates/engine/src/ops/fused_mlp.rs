@@ -209,8 +209,8 @@ impl FusedMlp {
 
 impl FusedMlp {
     /// fc2's and the GELU's backward over the whole of u (bf16 on the AVX512-BF16 kernel, whose
-    /// linears chunk and accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh, h = gelu(u) over u
-    /// for dW2 = gᵀ·h and db2 = Σ g; u is freed and du returned. Phase peak: u and dh (two
+    /// linears chunk and accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh,
+    /// h = gelu(u) over u for dW2 = gᵀ·h and db2 = Σ g; u is freed and du returned. Phase peak: u and dh (two
     /// rows × ffn buffers) with fc2's dW workspace.
     fn fc2_gelu_bwd_whole(
         &self,
@@ -291,7 +291,14 @@ pub const MLP_COLS: usize = 128;
 /// composition's sum, bit for bit. A hidden width of 64 or less is one block, as the
 /// composition's own product.
 pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = ffn.div_ceil(MLP_COLS).min(ffn / 65).max(1);
+    col_blocks_under(ffn, MLP_COLS)
+}
+
+/// ⌈ffn / cap⌉ blocks of `ffn` columns whose widths differ by at most one, never 64 columns or
+/// fewer unless ffn itself is (see [`mlp_col_blocks`]); shared with the widened path's
+/// `fused_mlp_widen::widen_col_blocks`.
+pub(crate) fn col_blocks_under(ffn: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = ffn.div_ceil(cap.max(1)).min(ffn / 65).max(1);
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 

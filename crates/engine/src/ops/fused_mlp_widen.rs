@@ -19,21 +19,25 @@
 
 use rayon::prelude::*;
 
-use super::fused_mlp::MLP_COLS;
+use super::fused_mlp::{col_blocks_under, MLP_COLS};
 use super::gelu::GeluSlice;
 use super::linear::{
-    add_column_sums, from_colmajor, read_as, to_colmajor, widen_into, GradFromF32, LINEAR_ROWS,
+    add_column_sums, from_colmajor, to_colmajor, widen_into, widened_transpose, GradFromF32,
+    LINEAR_ROWS,
 };
 use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::Elem;
 
 /// How much smaller than u (rows × ffn) the f32 block buffer of [`fc2_gelu_bwd_widen`] may be:
 /// a block of u's columns is up to rows·ffn / (this·[`LINEAR_ROWS`]) wide, never under
-/// [`MLP_COLS`]. Narrow blocks cost time where the rows are many: with blocks of at most 129
-/// columns a DiT-S/2 step at 256² batch 4, bf16-mixed without recompute took 1.09–1.11 × the
-/// CPU time of the whole-buffer backward (AMD EPYC family 25 AVX2, 2 threads, 2 alternating
-/// rounds), the products (128 rows × 128 columns, depth 384) too small to run at the rate of
-/// one product over all columns. Budget twin: `ditmem_budget::ditmem_cpu::ops::WIDEN_BLOCK_SHARE`.
+/// [`MLP_COLS`]. Narrow blocks cost time where the rows are many: DiT-S/2 at 256² batch 4,
+/// bf16-mixed, memory-efficient attention, EMA off, no recompute, AMD EPYC family 25 (AVX2), 2
+/// threads, engine against its previous commit in alternating rounds: with blocks of at most
+/// 129 columns (and five parallel passes per block) 1.09–1.18× the CPU time of the
+/// whole-buffer backward (3 rounds, steal 5 %, `bench/torch_peer/results/
+/// ab_dw_blocks_widen128_dit.txt`); with this cap and two passes per block 0.97–1.01× (4
+/// rounds, quiet, `ab_widen_mlp_passes_dit_256x4_bf16.txt`). Budget twin:
+/// `ditmem_budget::ditmem_cpu::ops::WIDEN_BLOCK_SHARE`.
 pub const WIDEN_BLOCK_SHARE: usize = 16;
 
 /// The (first column, columns) blocks of u's `ffn` columns the widened backward takes at a time
@@ -42,8 +46,7 @@ pub const WIDEN_BLOCK_SHARE: usize = 16;
 /// (`gemm`'s small-size branch, as for [`super::fused_mlp::mlp_col_blocks`]).
 pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize, usize)> {
     let cap = MLP_COLS.max(rows.saturating_mul(ffn) / (WIDEN_BLOCK_SHARE * LINEAR_ROWS));
-    let n = ffn.div_ceil(cap).min(ffn / 65).max(1);
-    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+    col_blocks_under(ffn, cap)
 }
 
 /// f32 and compute-dtype element counts of the workspace of [`fc2_gelu_bwd_widen`] for
@@ -88,14 +91,7 @@ where
     // g's chunk column-major (gc32[o·n + i] = g[i][o]), W2ᵀ (wt32[j·out + o] = W2[o][j]), the
     // f32 block and the compute-dtype block.
     let mut gc32: Vec<f32> = vec![0.0; r * out];
-    let mut wt32: Vec<f32> = vec![0.0; n2 * out];
-    wt32.par_chunks_mut(out.max(1))
-        .enumerate()
-        .for_each(|(j, col)| {
-            for (o, d) in col.iter_mut().enumerate() {
-                *d = read_as::<T, W>(w2[o * n2 + j]);
-            }
-        });
+    let wt32 = widened_transpose::<T, W>(w2, out, n2);
     let mut b32: Vec<f32> = vec![0.0; r * (ds + wmax)];
     let mut bt: Vec<T> = vec![zero; r * wmax];
     let mut r0 = 0;

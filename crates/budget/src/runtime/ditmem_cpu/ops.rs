@@ -23,7 +23,13 @@ pub const MLP_COLS: u64 = 128;
 /// ⌈ffn / [`MLP_COLS`]⌉ blocks whose widths differ by at most one, but none of 64 columns or
 /// fewer (so ffn 129 is one block).
 pub fn mlp_col_blocks(ffn: u64) -> impl Iterator<Item = (u64, u64)> {
-    let n = ffn.div_ceil(MLP_COLS).min(ffn / 65).max(1);
+    col_blocks_under(ffn, MLP_COLS)
+}
+
+/// ⌈ffn / cap⌉ blocks whose widths differ by at most one, none of 64 columns or fewer unless
+/// ffn is (`fused_mlp::col_blocks_under`).
+fn col_blocks_under(ffn: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
+    let n = ffn.div_ceil(cap.max(1)).min(ffn / 65).max(1);
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
@@ -474,8 +480,7 @@ pub const WIDEN_BLOCK_SHARE: u64 = 16;
 /// (`fused_mlp_widen::widen_col_blocks`): as [`mlp_col_blocks`] with the wider cap.
 pub fn widen_col_blocks(rows: u64, ffn: u64) -> impl Iterator<Item = (u64, u64)> {
     let cap = MLP_COLS.max(rows.saturating_mul(ffn) / (WIDEN_BLOCK_SHARE * LINEAR_ROWS));
-    let n = ffn.div_ceil(cap).min(ffn / 65).max(1);
-    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+    col_blocks_under(ffn, cap)
 }
 
 /// f32 and compute-dtype element counts of the workspace of the engine's widened backward of

@@ -31,9 +31,12 @@ pub const DW_COLS: usize = 128;
 /// be: a block of dW's rows is up to rows·out / ([`DW_PANEL_SHARE`]·[`DW_ROWS`]) wide (never
 /// under [`DW_COLS`]), so the panel is at most 1/16 of g, which is alive beside it. Narrow
 /// blocks cost time where the rows are many: at 4,096 rows × in 384 → out 1,536 (DiT-S/2 fc1
-/// at 256² batch 16), blocks of 128 made dW at 84 GFLOP/s against 117 as one block (medians of
-/// 25 alternating runs, AMD EPYC family 25 AVX2, 2 threads, chunks of 256 rows), and a whole
-/// step without the blocks and chunks took 0.85–0.98 of its time (3 alternating rounds).
+/// at 256² batch 16), blocks of 128 made dW at 79 GFLOP/s against 103–105 as one block or the
+/// blocks of this rule (`cargo bench --bench matmul`, medians of 21 alternating runs, AMD EPYC
+/// family 25 AVX2, 2 threads, chunks of 256 rows); a DiT-S/2 256² b16 fp32 step
+/// (memory-efficient, EMA off, no recompute) took 0.94–0.98× its CPU time with these blocks,
+/// 512² b4 with recompute 0.88–0.95× (3 alternating rounds, steal 5 %,
+/// `bench/torch_peer/results/ab_dw_blocks_widen128_dit.txt`).
 /// Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_PANEL_SHARE`.
 pub const DW_PANEL_SHARE: usize = 16;
 

@@ -23,12 +23,12 @@ use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
+pub(crate) use common::GradFromF32;
 pub use common::{dw_blocks, LinearGrads, DW_COLS, DW_PANEL_SHARE, DW_ROWS, LINEAR_ROWS};
-pub(crate) use common::{read_as, GradFromF32};
 use direct::{linear_bwd_direct, linear_fwd_direct};
 pub use input_sink::InputSink;
 pub use sink::GradSink;
-pub(crate) use widen::{from_colmajor, to_colmajor, widen_into};
+pub(crate) use widen::{from_colmajor, to_colmajor, widen_into, widened_transpose};
 use widen::{linear_bwd_widen, linear_fwd_widen};
 
 /// `y = x·Wᵀ + b` on a 2-D x as one node: candle's composition keeps both the product and the

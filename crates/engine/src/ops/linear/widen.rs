@@ -42,6 +42,26 @@ pub(crate) fn from_colmajor<T: Elem<f32> + Send>(src: &[f32], n: usize, c: usize
         });
 }
 
+/// Wᵀ of an (out × inp) weight in f32 as the compute dtype `T` reads it (see [`read_as`]):
+/// wt[j·out + o] = W[o][j], one column of W per parallel task. The rhs of dx = g·W in the
+/// widened linear and in the widened fused MLP (`fused_mlp_widen`).
+pub(crate) fn widened_transpose<T: Elem<f32>, W: Elem<f32> + Sync>(
+    w: &[W],
+    out: usize,
+    inp: usize,
+) -> Vec<f32> {
+    let mut wt = vec![0.0f32; out * inp];
+    wt.par_chunks_mut(out.max(1))
+        .enumerate()
+        .with_min_len((PAR_CHUNK / out.max(1)).max(1))
+        .for_each(|(j, col)| {
+            for (o, d) in col.iter_mut().enumerate() {
+                *d = read_as::<T, W>(w[o * inp + j]);
+            }
+        });
+    wt
+}
+
 /// A weight (or bias) in f32 as the compute dtype `T` sees it (see [`read_as`]), in parallel.
 fn widen_weight_into<T: Elem<f32>, W: Elem<f32> + Sync>(src: &[W], dst: &mut [f32]) {
     dst.par_iter_mut()
@@ -132,16 +152,8 @@ pub(super) fn linear_bwd_widen<
         Vec::new()
     };
     if let Some(dx) = dx.as_mut() {
-        // Wᵀ (wt32[j·out + o] = W[o][j]) as the unit-row-stride rhs of dx, and a dx chunk.
-        let mut wt32 = vec![0.0f32; out * inp];
-        wt32.par_chunks_mut(out.max(1))
-            .enumerate()
-            .with_min_len((PAR_CHUNK / out.max(1)).max(1))
-            .for_each(|(j, col)| {
-                for (o, d) in col.iter_mut().enumerate() {
-                    *d = read_as::<T, W>(w[o * inp + j]);
-                }
-            });
+        // Wᵀ as the unit-row-stride rhs of dx, and a dx chunk.
+        let wt32 = widened_transpose::<T, W>(w, out, inp);
         let mut dx32: Vec<f32> = vec![0.0; r * inp];
         for r0 in (0..rows).step_by(r.max(1)) {
             let n = r.min(rows - r0);
