@@ -81,13 +81,19 @@ class Trainer:
         return x0.to(self.device), y.to(self.device), t.to(self.device)
 
     def microbatch(self):
+        t0 = time.perf_counter()
         with record_function("ditmem::forward"):
             loss = self.forward_loss()
+        t1 = time.perf_counter()
         with record_function("ditmem::backward"):
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
+        self.sync()
+        t2 = time.perf_counter()
+        self.phase_s["forward"] += t1 - t0
+        self.phase_s["backward"] += t2 - t1
         return loss.detach().item()
 
     def forward_loss(self):
@@ -108,12 +114,19 @@ class Trainer:
         return F.mse_loss(pred.to(self.param_dtype), target) / ps.accumulation
 
     def step(self):
+        # Wall seconds of this step's phases (the engine's `phase_time_s`): the forward with the
+        # data and the loss, the backward (recomputed forwards included), the optimizer. On CUDA
+        # the forward's kernels may still run when the backward's clock starts.
+        self.phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         total = 0.0
         for _ in range(self.ps.accumulation):
             total += self.microbatch()
         self.losses.append(total)
+        t0 = time.perf_counter()
         with record_function("ditmem::optimizer"):
             self.optimizer_step()
+        self.sync()
+        self.phase_s["optimizer"] += time.perf_counter() - t0
 
     def optimizer_step(self):
         if self.scaler is not None:
@@ -193,12 +206,13 @@ def run(args) -> dict:
     for _ in range(args.warmup):
         tr.step()
     tr.sync()
-    times, cpu = [], []
+    times, cpu, phases = [], [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         tr.step()
         tr.sync()
         times.append(time.perf_counter() - t0)
+        phases.append(dict(tr.phase_s))
         # CPU seconds of the process, every thread (the engine's step_cpu_time_s likewise).
         cpu.append(time.process_time() - c0)
 
@@ -209,6 +223,7 @@ def run(args) -> dict:
         "params": counts,
         "step_time_s": percentiles(times),
         "step_cpu_time_s": percentiles(cpu),
+        "phase_time_s": {k: percentiles([p[k] for p in phases]) for k in ("forward", "backward", "optimizer")},
         "losses": tr.losses,
     }
     if device.type == "cpu":

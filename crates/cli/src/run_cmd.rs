@@ -68,6 +68,9 @@ pub struct RunReport {
     /// CPU seconds of the process per measured step, all threads (wall time × busy threads on
     /// a quiet machine; on a shared one, the figure other load moves least).
     pub step_cpu_time_s: Summary,
+    /// Wall seconds per measured step in each phase (the backward with its recomputed
+    /// forwards), from the timeline's points.
+    pub phase_time_s: PhaseTimeSummary,
     pub images_per_s: f64,
     pub tokens_per_s: f64,
     pub losses: Vec<f64>,
@@ -76,6 +79,27 @@ pub struct RunReport {
     pub params_trained: u64,
     pub timeline: Vec<ditmem_engine::TimelinePoint>,
     pub conditions: Conditions,
+}
+
+/// [`RunReport::phase_time_s`]: each phase's wall seconds over the measured steps.
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseTimeSummary {
+    pub forward: Summary,
+    pub backward: Summary,
+    pub optimizer: Summary,
+}
+
+impl PhaseTimeSummary {
+    fn of(steps: &[ditmem_engine::PhaseTimes]) -> PhaseTimeSummary {
+        let s = |f: fn(&ditmem_engine::PhaseTimes) -> f64| {
+            summarize(&steps.iter().map(f).collect::<Vec<_>>())
+        };
+        PhaseTimeSummary {
+            forward: s(|p| p.forward),
+            backward: s(|p| p.backward),
+            optimizer: s(|p| p.optimizer),
+        }
+    }
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -221,6 +245,7 @@ pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
         predicted_peak_bytes: predicted,
         step_time_s: step,
         step_cpu_time_s: summarize(&m.step_cpu_s),
+        phase_time_s: PhaseTimeSummary::of(&m.phase_times_s),
         losses: m.losses,
         skipped_steps: m.skipped_steps,
         params_total: m.param_count,
@@ -306,6 +331,11 @@ fn render_run(r: &RunReport) -> String {
         c.p50,
         c.p95,
         c.p50 / s.p50
+    ));
+    let ph = &r.phase_time_s;
+    o.push_str(&format!(
+        "by phase (p50): forward {:.3} s, backward {:.3} s (recomputed forwards included), optimizer {:.3} s\n",
+        ph.forward.p50, ph.backward.p50, ph.optimizer.p50
     ));
     o.push_str(&format!(
         "throughput (at p50): {:.2} images/s, {:.0} tokens/s\n",

@@ -167,13 +167,16 @@ impl Phase {
     }
 }
 
-/// Live bytes at one segment boundary of a step.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// Live bytes at one segment boundary of a step, and when it was reached.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TimelinePoint {
     pub phase: Phase,
     /// What just finished: `embed`, `block 3`, `final`, `optimizer`, ….
     pub label: String,
     pub live_bytes: u64,
+    /// Wall-clock seconds since the step began: the difference between two points is the time
+    /// the segments between them took (a block's forward, its recompute and backward …).
+    pub at_s: f64,
 }
 
 /// Highest live bytes seen in each phase of a step (0 when no probe was given).
@@ -217,6 +220,7 @@ impl PhasePeaks {
 pub(crate) struct Recorder<'a> {
     probe: Option<&'a dyn MemoryProbe>,
     phase: Phase,
+    start: std::time::Instant,
     pub timeline: Vec<TimelinePoint>,
     pub peaks: PhasePeaks,
 }
@@ -229,6 +233,7 @@ impl<'a> Recorder<'a> {
         Recorder {
             probe,
             phase: Phase::Forward,
+            start: std::time::Instant::now(),
             timeline: Vec::new(),
             peaks: PhasePeaks::default(),
         }
@@ -250,6 +255,7 @@ impl<'a> Recorder<'a> {
                 phase: self.phase,
                 label: label.into(),
                 live_bytes: p.live(),
+                at_s: self.start.elapsed().as_secs_f64(),
             });
         }
     }

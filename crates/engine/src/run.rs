@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::diffusion::{load_latent_dir, SyntheticData};
 use crate::error::{EngineError, Result};
-use crate::measure::{MemoryProbe, PhasePeaks, TimelinePoint};
+use crate::measure::{MemoryProbe, Phase, PhasePeaks, TimelinePoint};
 use crate::trainer::{TrainOptions, Trainer};
 
 /// What to run.
@@ -64,6 +64,9 @@ pub struct Measurement {
     /// CPU seconds of the process during each measured step, all threads
     /// ([`crate::measure::process_cpu_s`]): on a shared machine, what other load moves least.
     pub step_cpu_s: Vec<f64>,
+    /// Wall seconds of each measured step's forward, backward (recomputed forwards included)
+    /// and optimizer, from its timeline ([`PhaseTimes::of`]).
+    pub phase_times_s: Vec<PhaseTimes>,
     pub losses: Vec<f64>,
     pub skipped_steps: u32,
     /// Live bytes at each segment boundary of the last measured step.
@@ -72,6 +75,36 @@ pub struct Measurement {
     pub resident_bytes: u64,
     pub param_count: u64,
     pub trainable_params: u64,
+}
+
+/// Wall seconds one step spent in each phase, from its timeline: a phase runs from the previous
+/// phase's last point (the step's start for the forward) to its own last point. Without a
+/// probe the timeline is empty and every phase reads 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PhaseTimes {
+    pub forward: f64,
+    pub backward: f64,
+    pub optimizer: f64,
+}
+
+impl PhaseTimes {
+    pub fn of(timeline: &[TimelinePoint]) -> PhaseTimes {
+        let end = |ph: Phase| {
+            timeline
+                .iter()
+                .filter(|p| p.phase == ph)
+                .map(|p| p.at_s)
+                .fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.max(t))))
+        };
+        let f = end(Phase::Forward).unwrap_or(0.0);
+        let b = end(Phase::Backward).unwrap_or(f);
+        let o = end(Phase::Optimizer).unwrap_or(b);
+        PhaseTimes {
+            forward: f,
+            backward: (b - f).max(0.0),
+            optimizer: (o - b).max(0.0),
+        }
+    }
 }
 
 /// Run `spec` for `opts.warmup + opts.steps` optimizer steps.
@@ -107,6 +140,7 @@ pub fn run(
         phase_peak_bytes: PhasePeaks::default(),
         step_times_s: Vec::new(),
         step_cpu_s: Vec::new(),
+        phase_times_s: Vec::new(),
         losses: Vec::new(),
         skipped_steps: 0,
         timeline: Vec::new(),
@@ -144,6 +178,7 @@ pub fn run(
             m.phase_peak_bytes.merge(&r.phase_peaks);
             m.step_times_s.push(dt);
             m.step_cpu_s.push(dc);
+            m.phase_times_s.push(PhaseTimes::of(&r.timeline));
             m.losses.push(r.loss);
             m.skipped_steps += u32::from(r.skipped);
             m.timeline = r.timeline;
@@ -164,4 +199,36 @@ pub fn run(
         }
     }
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(phase: Phase, at_s: f64) -> TimelinePoint {
+        TimelinePoint {
+            phase,
+            label: String::new(),
+            live_bytes: 0,
+            at_s,
+        }
+    }
+
+    /// Each phase runs from the previous phase's last point to its own; a phase without points
+    /// takes no time.
+    #[test]
+    fn phase_times_are_the_spans_between_phase_ends() {
+        let t = [
+            point(Phase::Forward, 0.5),
+            point(Phase::Forward, 1.0),
+            point(Phase::Backward, 1.5),
+            point(Phase::Backward, 3.25),
+            point(Phase::Optimizer, 3.5),
+        ];
+        let p = PhaseTimes::of(&t);
+        assert_eq!((p.forward, p.backward, p.optimizer), (1.0, 2.25, 0.25));
+        let p = PhaseTimes::of(&t[..2]);
+        assert_eq!((p.forward, p.backward, p.optimizer), (1.0, 0.0, 0.0));
+        assert_eq!(PhaseTimes::of(&[]), PhaseTimes::default());
+    }
 }

@@ -12,8 +12,8 @@ use crate::spec::{Dtype, Precision};
 /// Heap bytes of a tracked cross-attention node's op beside what it keeps: candle's
 /// `Arc<Box<dyn CustomOp>>` (32) and the op (`size_of::<CrossAttention>()`: two projections'
 /// weight and sink handles, the norm's and the attention's own state, the context's sink, the
-/// mutex over the kept k and v; held equal by the engine's test).
-pub const CROSS_ATTENTION_OP_BYTES: u64 = 32 + 304;
+/// flag of a pending backward; held equal by the engine's test).
+pub const CROSS_ATTENTION_OP_BYTES: u64 = 32 + 192;
 
 /// The fused cross-attention: q (b·s_q, D) over the context `ctx` (b·T, C) through the
 /// projections `k` and `v` ([weight, bias] as `block::linear_weights` makes them: sunk when
@@ -22,12 +22,13 @@ pub const CROSS_ATTENTION_OP_BYTES: u64 = 32 + 304;
 /// and the context's width.
 ///
 /// Forward, in order: k (and, normed, its copy and one rstd per row), v, then the attention's
-/// output and its saved state; tracked, all of them stay in the op. Backward: the attention's
-/// (dq beside its workspace, dk and dv written over k and v), which frees its saved state; v's
-/// projection on dv (the context's part, dW, db and the linear's workspace), freeing dv; the
-/// norm's on dk
-/// (dk before the norm and the weight's gradient), freeing dk, k before the norm and the rstd;
-/// k's projection (the context's part, dW, db). The context's parts go to the trainer's sum
+/// output and its saved state; k, v and the rstd are then freed (tracked, the attention's saved
+/// state stays). Backward: k, v (and the norm's) again, in the forward's order, beside the
+/// saved state; the attention's (dq beside its workspace, dk and dv written over k and v),
+/// which frees its saved state; v's projection on dv (the context's part, dW, db and the
+/// linear's workspace), freeing dv; the norm's on dk (dk before the norm and the weight's
+/// gradient), freeing dk, k before the norm and the rstd; k's projection (the context's part,
+/// dW, db). The context's parts go to the trainer's sum
 /// ([`Node::sunk_input`](super::graph::Node::sunk_input)).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_attention(
@@ -82,23 +83,22 @@ pub fn cross_attention(
         cd,
     );
     let tracks = g.nodes[y].tracks;
-    // k before the norm (kept only with a norm), k as the attention reads it, v.
+    // k before the norm (made only with a norm), k as the attention reads it, v.
     let k_pre = if norm.is_some() { nk } else { 0 };
-    let kept = if tracks {
-        k_pre + 2 * nk + rstd + saved
-    } else {
-        0
-    };
-    let fwd = [
-        nk + lk_f,
-        k_pre + nk + rstd,
-        k_pre + 2 * nk + rstd + lv_f,
-        k_pre + 2 * nk + rstd + if tracks { saved } else { 0 } + nq + att_f,
-    ];
-    let fwd = fwd.into_iter().max().unwrap_or(0).saturating_sub(kept + nq);
+    let kept = if tracks { saved } else { 0 };
+    // The projections' moments, in the forward and again at the start of the backward.
+    let project = [nk + lk_f, k_pre + nk + rstd, k_pre + 2 * nk + rstd + lv_f];
+    let kv = k_pre + 2 * nk + rstd;
+    let fwd = project
+        .into_iter()
+        .chain([kv + kept + nq + att_f])
+        .max()
+        .unwrap_or(0)
+        .saturating_sub(kept + nq);
     let bwd = if tracks {
-        // dk and dv are written over the kept k and v.
-        let a = kept + att_b + nq;
+        let again = project.into_iter().max().unwrap_or(0) + kept;
+        // dk and dv are written over the recomputed k and v.
+        let a = kv + kept + att_b + nq;
         let held = k_pre + rstd;
         let b = held + 2 * nk + nq + dc + dwv + lv_b;
         let c_ = if norm.is_some() {
@@ -108,7 +108,7 @@ pub fn cross_attention(
         };
         let dd = nq + nk + dwv + dnw + dc + dwk + lk_b;
         let q_grad = if g.nodes[q].tracks { nq } else { 0 };
-        [a, b, c_, dd]
+        [again, a, b, c_, dd]
             .into_iter()
             .max()
             .unwrap_or(0)

@@ -1,22 +1,31 @@
 //! [`cross_attention`]: a cross-attention's k and v projections of the text context, Wan's
 //! RMSNorm of k across heads, and the attention itself ([`SeparateAttention`]) as one node on
 //! (q, context[, norm weight]) ([`CrossAttention`]). Budget twin:
-//! `ditmem_budget::ditmem_cpu::ops::cross_attention`.
+//! `ditmem_budget::ditmem_cpu::cross::cross_attention`.
 //!
-//! Why: composed, the attention's backward hands dk and dv to candle, which folds each into its
-//! store as `zeros_like + add` while the other is alive (candle-core 0.11 `backprop.rs`): four
-//! context-sized tensors at once beside the attention's own gradients, the block's worst moment
-//! when the caption has more tokens than the image (PixArt's 300, Wan's 512 text tokens). Here
-//! dk and dv never leave the node: the v projection's backward runs on dv as soon as the
-//! attention's has, then the norm's and the k projection's on dk, each freeing what it read;
-//! the context's gradient goes to the trainer's running sum ([`InputSink`], v's part then k's,
-//! the order candle ran the composed nodes in) and the weights' to their [`GradSink`](crate::ops::GradSink)s. The
-//! op keeps k (before and, with the norm, after it), v and the attention's own saved state; the
-//! attention's backward writes dk and dv over the kept k and v, and the rest is freed as the
-//! backward goes.
+//! Why one node: composed, the attention's backward hands dk and dv to candle, which folds each
+//! into its store as `zeros_like + add` while the other is alive (candle-core 0.11
+//! `backprop.rs`): four context-sized tensors at once beside the attention's own gradients, the
+//! block's worst moment when the caption has more tokens than the image (PixArt's 300, Wan's
+//! 512 text tokens). Here dk and dv never leave the node: the v projection's backward runs on
+//! dv as soon as the attention's has, then the norm's and the k projection's on dk, each
+//! freeing what it read; the context's gradient goes to the trainer's running sum
+//! ([`InputSink`], v's part then k's, the order candle ran the composed nodes in) and the
+//! weights' to their [`GradSink`](crate::ops::GradSink)s.
+//!
+//! Why k and v are not kept: the forward frees them (and the norm's statistics) once the
+//! attention has run, and the backward projects them again from the context, which every block
+//! reads anyway (a shared leaf). Kept, each block held two (b·T, D) tensors from its forward to
+//! its backward: with T = 300 caption tokens over PixArt's 64-token tiny spec that was the
+//! block's largest saved state, and the step's worst moment (block 1's backward) held block 0's
+//! too. PyTorch's SDPA keeps them; here they cost two (b·T) × C × D products per block in the
+//! backward instead (at PixArt-Σ 1024², 300 text against 4,096 image tokens, about 1 % of a
+//! block's multiply-adds). The attention's backward writes dk and dv over the recomputed k and
+//! v, and the rest is freed as the backward goes.
 //!
 //! Numerics: the same kernel calls as the composition (the fused linear's storage functions, the
-//! RMSNorm's and the attention's own forward and backward), so the same bits.
+//! RMSNorm's and the attention's own forward and backward); a projection recomputed from the same
+//! inputs has the same bits, so the results are the composition's bits.
 
 use std::sync::{Arc, Mutex};
 
@@ -31,10 +40,9 @@ use crate::ops::linear::{
 use crate::ops::rms_norm_rows::RmsNormRows;
 use crate::ops::storage::{err, with_cpu, CResult};
 
-/// What the forward keeps for the backward: k before the norm (with a norm), k as the attention
-/// reads it, and v, all (b·T, D).
-#[derive(Debug)]
-struct Kept {
+/// k before the norm (with a norm), k as the attention reads it, and v, all (b·T, D), with
+/// their dims: made by the forward for the attention and again by the backward.
+struct Projected {
     k_pre: Option<CpuStorage>,
     k: CpuStorage,
     v: CpuStorage,
@@ -51,7 +59,9 @@ pub struct CrossAttention {
     /// Where the context's gradient goes; None: returned to candle.
     ctx_sink: Option<Arc<InputSink>>,
     track: bool,
-    kept: Mutex<Option<Kept>>,
+    /// Whether a tracked forward has run and its backward has not (the attention's and the
+    /// norm's own state is theirs).
+    pending: Mutex<bool>,
 }
 
 /// Attention of q (b·s_q, D) over k = norm(ctx·Wkᵀ + bk) (the norm only with `norm_k` = (its
@@ -84,7 +94,7 @@ pub fn cross_attention(
         attn: SeparateAttention::new(batch, heads, keep, track),
         ctx_sink,
         track,
-        kept: Mutex::new(None),
+        pending: Mutex::new(false),
     };
     match norm_k {
         Some((w, _)) => q.apply_op3(ctx, w, op),
@@ -100,12 +110,14 @@ impl CrossAttention {
         })
     }
 
-    fn fwd(
+    /// k (normed when the op has a norm, its statistics then kept by the norm op until
+    /// [`RmsNormRows::release`]) and v of the context, in the order the budget counts them: k,
+    /// the norm's output, v.
+    fn project_kv(
         &self,
-        (sq, lq): (&CpuStorage, &Layout),
         ctx: (&CpuStorage, &Layout),
         nw: Option<(&CpuStorage, &Layout)>,
-    ) -> CResult<(CpuStorage, Shape)> {
+    ) -> CResult<Projected> {
         let (k_pre, shape) = Self::project(&self.k, ctx)?;
         let lk = Layout::contiguous(shape.clone());
         let kn = match (&self.norm, nw) {
@@ -113,31 +125,44 @@ impl CrossAttention {
             (None, None) => None,
             _ => return Err(err("cross_attention: a norm needs its weight")),
         };
-        let (v, sv) = Self::project(&self.v, ctx)?;
-        let lv = Layout::contiguous(sv);
-        let (out, so) = {
-            let k = kn.as_ref().unwrap_or(&k_pre);
-            CustomOp3::cpu_fwd(&self.attn, sq, lq, k, &lk, &v, &lv)?
+        let (v, _) = Self::project(&self.v, ctx)?;
+        let (k_pre, k) = match kn {
+            Some(kn) => (Some(k_pre), kn),
+            None => (None, k_pre),
         };
-        if self.track {
-            let (k_pre, k) = match kn {
-                Some(kn) => (Some(k_pre), kn),
-                None => (None, k_pre),
-            };
-            *self.lock()? = Some(Kept {
-                k_pre,
-                k,
-                v,
-                dims: shape.dims2()?,
-            });
-        }
-        Ok((out, so))
+        Ok(Projected {
+            k_pre,
+            k,
+            v,
+            dims: shape.dims2()?,
+        })
     }
 
-    fn lock(&self) -> CResult<std::sync::MutexGuard<'_, Option<Kept>>> {
-        self.kept
+    fn fwd(
+        &self,
+        (sq, lq): (&CpuStorage, &Layout),
+        ctx: (&CpuStorage, &Layout),
+        nw: Option<(&CpuStorage, &Layout)>,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let p = self.project_kv(ctx, nw)?;
+        let lk = Layout::contiguous(p.dims);
+        let out = CustomOp3::cpu_fwd(&self.attn, sq, lq, &p.k, &lk, &p.v, &lk)?;
+        // k, v (and k before the norm, with the norm's statistics) go now: the backward
+        // projects them again.
+        drop(p);
+        if let Some(op) = &self.norm {
+            op.release();
+        }
+        if self.track {
+            *self.lock()? = true;
+        }
+        Ok(out)
+    }
+
+    fn lock(&self) -> CResult<std::sync::MutexGuard<'_, bool>> {
+        self.pending
             .lock()
-            .map_err(|_| err("cross_attention: kept state poisoned"))
+            .map_err(|_| err("cross_attention: state poisoned"))
     }
 
     /// One projection's backward on its output gradient `g`: the context's part to the sink
@@ -188,12 +213,15 @@ impl CrossAttention {
         res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let kept = self
-            .lock()?
-            .take()
-            .ok_or_else(|| err("cross_attention: backward without a tracked forward"))?;
-        let Kept { k_pre, k, v, dims } = kept;
-        // dk and dv over the kept k and v, which nothing reads after the attention's backward.
+        if !std::mem::take(&mut *self.lock()?) {
+            return Err(err("cross_attention: backward without a tracked forward"));
+        }
+        // k and v again from the context (the norm's statistics with them), then dk and dv
+        // over them: nothing reads them after the attention's backward.
+        let Projected { k_pre, k, v, dims } = with_cpu(ctx, |sc, lc| match nw {
+            Some(w) => with_cpu(w, |sw, lw| self.project_kv((sc, lc), Some((sw, lw)))),
+            None => self.project_kv((sc, lc), None),
+        })?;
         let lk = Layout::contiguous(dims);
         let grad = grad.contiguous()?;
         let (dq, dk, dv) = with_cpu(q, |sq, lq| {
