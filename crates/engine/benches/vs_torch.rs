@@ -139,6 +139,9 @@ struct Peer {
     p50: f64,
     /// CPU seconds per step, every thread (p50).
     cpu_p50: f64,
+    /// Wall seconds of the forward and of the backward (recomputed forwards included), p50.
+    fwd_p50: f64,
+    bwd_p50: f64,
 }
 
 fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer, String> {
@@ -185,6 +188,12 @@ fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer
             .as_f64()
             .ok_or("peer JSON lacks step_time_s.p50")?,
         cpu_p50: v["step_cpu_time_s"]["p50"].as_f64().unwrap_or(f64::NAN),
+        fwd_p50: v["phase_time_s"]["forward"]["p50"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        bwd_p50: v["phase_time_s"]["backward"]["p50"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
     })
 }
 
@@ -284,6 +293,8 @@ fn measure(
     let mut e_p50s = Vec::new();
     let mut t_p50s = Vec::new();
     let mut cpu_ratios = Vec::new();
+    // Per round: engine / peer wall seconds of the forward and of the backward (p50 each).
+    let (mut fwd_ratios, mut bwd_ratios) = (Vec::new(), Vec::new());
     let mut last = None;
     let mut peer_last = None;
     for _ in 0..rounds {
@@ -309,6 +320,11 @@ fn measure(
             Ok(pe) => {
                 t_p50s.push(pe.p50);
                 cpu_ratios.push(median(&m.step_cpu_s) / pe.cpu_p50);
+                let phase = |f: fn(&ditmem_engine::PhaseTimes) -> f64| {
+                    median(&m.phase_times_s.iter().map(f).collect::<Vec<_>>())
+                };
+                fwd_ratios.push(phase(|p| p.forward) / pe.fwd_p50);
+                bwd_ratios.push(phase(|p| p.backward) / pe.bwd_p50);
             }
             Err(_) => t_p50s.push(f64::NAN),
         }
@@ -354,6 +370,15 @@ fn measure(
         gf / 1e9,
         100.0 * gf / rate
     );
+    fwd_ratios.retain(|r: &f64| r.is_finite());
+    bwd_ratios.retain(|r: &f64| r.is_finite());
+    if !fwd_ratios.is_empty() && !bwd_ratios.is_empty() {
+        line.push_str(&format!(
+            "  fwd {:.2} bwd {:.2}",
+            median(&fwd_ratios),
+            median(&bwd_ratios)
+        ));
+    }
     let (lo, hi) = range(&ratios);
     if ratios.len() > 1 {
         line.push_str(&format!("  rounds {lo:.2}–{hi:.2}"));
@@ -507,7 +532,7 @@ fn main() {
     }
     println!("load average after: {}", load());
     println!(
-        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). cpu = the ratio of CPU seconds per step (every thread, p50; what load from other processes moves least: on a shared machine it stands beside the wall-time ratio, not for it). GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel) at that size."
+        "\nratios are engine / PyTorch (< 1: the engine uses less memory or time). peak = whole heap at the step's peak; step = that peak above the resident model state (weights, optimizer, EMA). cpu = the ratio of CPU seconds per step (every thread, p50; what load from other processes moves least: on a shared machine it stands beside the wall-time ratio, not for it). fwd / bwd = the wall-time ratios of the forward and of the backward (recomputed forwards included), p50 per round, median of the rounds. GFLOP/s = model FLOPs (3× forward, recompute not counted) / engine p50; 'of mm' = that rate over the best matmul rate in the step's compute dtype (f32, or the bf16 kernel) at that size."
     );
     println!("\nsummary ({} rows)", rows.len());
     println!(
