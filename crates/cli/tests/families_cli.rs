@@ -500,8 +500,9 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
 /// model's. Not its peak: LoRA's adapted linears run composed in the engine (candle's graph
 /// holds the base output, the branch's product and their sum), its cross-attention too (k and v
 /// held from forward to backward), while full fine-tuning's fused cross-attention projects k
-/// and v again in its backward; at 128² × 9 frames (192 video tokens under 512 text tokens)
-/// LoRA's activations outweigh the state it saves (39.3 GB against 35.9 GB).
+/// and v again in its backward; at 128² × 9 frames (192 video tokens under 512 text tokens;
+/// the preset's batch 32, bf16-mixed, no recompute, memory-efficient attention, AdamW) LoRA's
+/// activations outweigh the state it saves (39.3 GB against 35.9 GB, budget).
 #[test]
 fn the_engine_budgets_wan_and_refuses_what_it_does_not_run() {
     let estimate = |frames: &str, lora: &[&str]| {

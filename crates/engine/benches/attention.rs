@@ -2,8 +2,9 @@
 //! memory-efficient mode of a DiT block) alone: forward and backward wall time per call and
 //! their rate in GFLOP/s, at DiT-S/2's head shapes (6 heads of 64) for 256 tokens × 16 and
 //! 1,024 tokens × 4 (256² batch 16, 512² batch 4), f32. The backward's rate is the figure to
-//! raise for issue 20: at those sizes the attention's backward is a quarter to two fifths of a
-//! step's backward, at well under the rate of the step's large products (`--bench matmul`).
+//! raise for issue 20: at those sizes (DiT-S/2 fp32, no recompute, 2 threads, AMD EPYC family
+//! 25 with AVX2 only, 2026-12) it was a quarter (256² b16) to two fifths (512² b4) of a step's
+//! backward, at 53–72 GFLOP/s against ~166 for the step's large products (`--bench matmul`).
 //! Nothing is asserted.
 //!
 //! FLOPs counted: forward 2 products (q·kᵀ, P·v), backward 5 (P again, dV, dP, dQ, dK), each

@@ -94,7 +94,7 @@ impl PhaseTimes {
                 .iter()
                 .filter(|p| p.phase == ph)
                 .map(|p| p.at_s)
-                .fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.max(t))))
+                .reduce(f64::max)
         };
         let f = end(Phase::Forward).unwrap_or(0.0);
         let b = end(Phase::Backward).unwrap_or(f);

@@ -20,8 +20,8 @@
 //! block's largest saved state, and the step's worst moment (block 1's backward) held block 0's
 //! too. PyTorch's SDPA keeps them; here they cost two (b·T) × C × D products per block in the
 //! backward instead (at PixArt-Σ 1024², 300 text against 4,096 image tokens, about 1 % of a
-//! block's multiply-adds). The attention's backward writes dk and dv over the recomputed k and
-//! v, and the rest is freed as the backward goes.
+//! block's multiply-adds by count, not timed). The attention's backward writes dk and dv over
+//! the recomputed k and v, and the rest is freed as the backward goes.
 //!
 //! Numerics: the same kernel calls as the composition (the fused linear's storage functions, the
 //! RMSNorm's and the attention's own forward and backward); a projection recomputed from the same
