@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use ditmem_engine::ops::tokens::{cat_tokens, concat, slice, split_tokens};
-use ditmem_engine::ops::{rms_norm, rope, RopeTable, RMS_EPS};
+use ditmem_engine::ops::{joint_norm_rope, norm_rope, rms_norm, rope, RopeTable, RMS_EPS};
 use ditmem_engine::rng::SplitMix64;
 
 fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
@@ -232,4 +232,103 @@ fn cat_tokens_and_split_tokens_are_concat_and_slice_on_rows() {
     assert!(cat_tokens(&a, &rand(&[b * tb, d + 1], 15, 1.0), b).is_err());
     assert!(split_tokens(&rand(&[7, d], 16, 1.0), b, 0, 1).is_err());
     assert!(split_tokens(&y, b, ta, tb + 1).is_err());
+}
+
+/// The fused q/k norm + RoPE against the composition it replaces, bit for bit in every dtype:
+/// `norm_rope` = rope(rms_norm(x, w)); `joint_norm_rope` on the joint [text; image] projection
+/// = rope(concat(rms_norm(text, w_text), rms_norm(image, w_image))); values, dx and each dw
+/// (the weights as f32 masters under a low-precision x, as under bf16-mixed); with a frozen
+/// weight no dw and the same dx.
+#[test]
+fn norm_rope_is_the_composition_bit_for_bit() {
+    let (b, t, s, heads, axes) = (3, 4, 5, 2, [4, 6, 6]);
+    let dh: usize = axes.iter().sum();
+    let (n, d) = (t + s, heads * dh);
+    for dt in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+        let (wdt, tdt) = match dt {
+            DType::F64 => (DType::F64, DType::F64),
+            _ => (DType::F32, DType::F32),
+        };
+        let tb = table(n, &axes, tdt);
+        let var = |dims: &[usize], seed: u64, scale: f64, to: DType| {
+            Var::from_tensor(&rand(dims, seed, scale).to_dtype(to).unwrap()).unwrap()
+        };
+        let text = var(&[b * t, d], 20, 1.3, dt);
+        let image = var(&[b * s, d], 21, 0.8, dt);
+        let w_text = var(&[dh], 22, 0.3, wdt);
+        let w_image = var(&[dh], 23, 0.3, wdt);
+        let go = rand(&[b * n, d], 24, 1.0).to_dtype(dt).unwrap();
+
+        // Joint: the fused op reads the concatenated projection.
+        let joint = concat(text.as_tensor(), image.as_tensor(), b, (b * n, d)).unwrap();
+        let y = joint_norm_rope(
+            &joint,
+            w_text.as_tensor(),
+            w_image.as_tensor(),
+            t,
+            RMS_EPS,
+            &tb,
+        )
+        .unwrap();
+        let composed = |wt: &Tensor, wi: &Tensor| {
+            let nt = rms_norm(text.as_tensor(), wt, RMS_EPS).unwrap();
+            let ni = rms_norm(image.as_tensor(), wi, RMS_EPS).unwrap();
+            rope(&concat(&nt, &ni, b, (b * n, d)).unwrap(), &tb).unwrap()
+        };
+        let yr = composed(w_text.as_tensor(), w_image.as_tensor());
+        assert_eq!(y.dtype(), dt);
+        assert_eq!(max_abs(&y, &yr), 0.0, "{dt:?} joint values");
+        let (g, gr) = (grads_through(&y, &go), grads_through(&yr, &go));
+        for (what, v) in [
+            ("text", &text),
+            ("image", &image),
+            ("w_text", &w_text),
+            ("w_image", &w_image),
+        ] {
+            let (a, c) = (
+                g.get(v.as_tensor()).unwrap(),
+                gr.get(v.as_tensor()).unwrap(),
+            );
+            assert_eq!(a.dtype(), c.dtype());
+            assert_eq!(max_abs(a, c), 0.0, "{dt:?} joint d{what}");
+        }
+        // A frozen image weight: no gradient for it, the rest unchanged.
+        let wi = w_image.as_tensor().detach();
+        let y2 = joint_norm_rope(&joint, w_text.as_tensor(), &wi, t, RMS_EPS, &tb).unwrap();
+        let g2 = grads_through(&y2, &go);
+        assert!(g2.get(&wi).is_none());
+        let dx2 = g2.get(text.as_tensor()).unwrap();
+        assert_eq!(max_abs(dx2, gr.get(text.as_tensor()).unwrap()), 0.0);
+
+        // Single stream: one weight over every token.
+        let x = var(&[b * n, d], 25, 1.1, dt);
+        let ys = norm_rope(x.as_tensor(), w_image.as_tensor(), RMS_EPS, &tb).unwrap();
+        let ysr = rope(
+            &rms_norm(x.as_tensor(), w_image.as_tensor(), RMS_EPS).unwrap(),
+            &tb,
+        )
+        .unwrap();
+        assert_eq!(max_abs(&ys, &ysr), 0.0, "{dt:?} single values");
+        let (g, gr) = (grads_through(&ys, &go), grads_through(&ysr, &go));
+        for v in [&x, &w_image] {
+            let (a, c) = (
+                g.get(v.as_tensor()).unwrap(),
+                gr.get(v.as_tensor()).unwrap(),
+            );
+            assert_eq!(max_abs(a, c), 0.0, "{dt:?} single gradients");
+        }
+    }
+    // Shapes the op refuses: rows that are not whole samples, a weight not d_h wide.
+    let tb = table(n, &axes, DType::F64);
+    let w = rand(&[dh], 1, 1.0);
+    assert!(norm_rope(&rand(&[n + 1, d], 2, 1.0), &w, RMS_EPS, &tb).is_err());
+    assert!(norm_rope(
+        &rand(&[n, d], 3, 1.0),
+        &rand(&[dh + 2], 4, 1.0),
+        RMS_EPS,
+        &tb
+    )
+    .is_err());
+    let x = rand(&[n, d], 5, 1.0);
+    assert!(joint_norm_rope(&x, &w, &w.to_dtype(DType::F32).unwrap(), t, RMS_EPS, &tb).is_err());
 }

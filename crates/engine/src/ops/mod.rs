@@ -36,6 +36,8 @@
 //! - [`sum_squares`](mod@sum_squares): the gradient norm without a squared copy.
 //! - [`rms_norm`](mod@rms_norm): Flux's per-head q/k RMSNorm, keeping nothing.
 //! - [`rope`](mod@rope): Flux's rotary embedding over shared cos/sin tables.
+//! - [`norm_rope`](mod@norm_rope): Flux's q/k RMSNorm and RoPE as one node (the double-stream
+//!   block's on the joint [text; image] projection with both streams' weights), keeping nothing.
 //! - [`tokens`]: per-sample concatenation and slicing (the joint sequences of SD3 and Flux;
 //!   [`cat_tokens`] / [`split_tokens`] on (b·tokens, D) rows).
 //! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
@@ -64,6 +66,7 @@ pub mod linear;
 pub mod linear_attention;
 pub mod ln_modulate;
 pub mod mix_ffn;
+pub mod norm_rope;
 pub mod rms_norm;
 pub mod rms_norm_rows;
 pub mod rope;
@@ -95,6 +98,7 @@ pub use linear::{
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use mix_ffn::{mix_ffn, MixFfn};
+pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
 pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};

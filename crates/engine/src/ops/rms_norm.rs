@@ -59,7 +59,7 @@ fn rms_geom(lx: &Layout, lw: &Layout) -> CResult<(usize, usize, usize)> {
 
 /// rstd of one group.
 #[inline]
-fn rstd<T: Elem<A>, A: Acc>(x: &[T], eps: A) -> A {
+pub(super) fn rstd<T: Elem<A>, A: Acc>(x: &[T], eps: A) -> A {
     let mut ss = A::ZERO;
     for &v in x {
         let a = v.to_acc();
@@ -87,6 +87,27 @@ where
             }
         });
     o
+}
+
+/// dx of one group of d_h channels with its rstd `rg`: r·(ĝ − x̂·mean(ĝ·x̂)), ĝ = g·w, x̂ = x·r.
+#[inline]
+pub(super) fn group_dx<T: Elem<A>, W: Elem<A>, A: Acc>(
+    xg: &[T],
+    gg: &[T],
+    w: &[W],
+    rg: A,
+    dg: &mut [T],
+) {
+    let dh = xg.len();
+    let mut dot = A::ZERO;
+    for j in 0..dh {
+        dot += gg[j].to_acc() * w[j].to_acc() * xg[j].to_acc() * rg;
+    }
+    let mean = dot / A::from_f64(dh as f64);
+    for j in 0..dh {
+        let xh = xg[j].to_acc() * rg;
+        dg[j] = T::from_acc(rg * (gg[j].to_acc() * w[j].to_acc() - xh * mean));
+    }
 }
 
 /// (dx, dw in the accumulation type): dx per group in parallel, dw per channel over every group.
@@ -117,17 +138,7 @@ where
             .zip(x.par_chunks(dh).zip(g.par_chunks(dh)))
             .zip(r.par_iter())
             .with_min_len(chunk)
-            .for_each(|((dg, (xg, gg)), &rg)| {
-                let mut dot = A::ZERO;
-                for j in 0..dh {
-                    dot += gg[j].to_acc() * w[j].to_acc() * xg[j].to_acc() * rg;
-                }
-                let mean = dot / A::from_f64(dh as f64);
-                for j in 0..dh {
-                    let xh = xg[j].to_acc() * rg;
-                    dg[j] = T::from_acc(rg * (gg[j].to_acc() * w[j].to_acc() - xh * mean));
-                }
-            });
+            .for_each(|((dg, (xg, gg)), &rg)| group_dx::<T, W, A>(xg, gg, w, rg, dg));
         dx
     });
     let dw = want_w.then(|| {

@@ -80,7 +80,13 @@ pub fn rope(x: &Tensor, table: &Arc<RopeTable>) -> CResult<Tensor> {
 }
 
 /// Rotates each row of `x` by +angle (`sign` 1) or −angle (`sign` −1).
-fn rotate<T, A>(x: &[T], cos: &[A], sin: &[A], (n, d, dh): (usize, usize, usize), sign: A) -> Vec<T>
+pub(super) fn rotate<T, A>(
+    x: &[T],
+    cos: &[A],
+    sin: &[A],
+    (n, d, dh): (usize, usize, usize),
+    sign: A,
+) -> Vec<T>
 where
     T: Elem<A> + Send + Sync,
     A: Acc + Send + Sync,

@@ -106,10 +106,25 @@ pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) 
     )
 }
 
-/// `ops::rope`: one fresh output in x's dtype; the tables are not graph inputs.
-pub fn rope(g: &mut Graph, name: &str, x: Nid) -> Nid {
+/// `ops::norm_rope` / `ops::joint_norm_rope`: the q/k RMSNorm (one weight, or the text and the
+/// image stream's) and the RoPE as one node: one fresh output in x's dtype, nothing kept, no
+/// forward workspace; its backward holds the un-rotated gradient (x's dtype) and one rstd per
+/// (row, head) (accumulation type) while it makes dx and the weights' gradients
+/// (`ops::norm_rope_bwd_scratch`). The tables are not graph inputs.
+pub fn norm_rope(g: &mut Graph, sh: &Shape, name: &str, x: Nid, ws: &[Nid], dh: u64) -> Nid {
     let (e, dt) = (g.elems(x), g.dtype(x));
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x], e, dt)
+    let groups = e / dh.max(1);
+    let mut inputs = vec![x];
+    inputs.extend_from_slice(ws);
+    g.op(
+        name,
+        Kind::Custom {
+            bwd_scratch: e * dt.size() + groups * acc_size(sh),
+        },
+        &inputs,
+        e,
+        dt,
+    )
 }
 
 /// `modulation`: `linear(st)` cast to the accumulation dtype (the function's local, dropped at
@@ -172,27 +187,32 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     // `double_forward`: the joint v as one joint linear after the joint q and k where neither
     // v linear carries LoRA; else both linears here and their concatenation.
     let joint_v = sh.lora_rank("attn.add_v_proj").is_none() && sh.lora_rank("attn.to_v").is_none();
-    let q = lin(&mut g, sh, "attn.to_q", hx, rs, d, d);
-    let k = lin(&mut g, sh, "attn.to_k", hx, rs, d, d);
+    // The joint q and k before their norms: one joint linear each where neither of the pair
+    // carries LoRA; else the two linears (bound) and their concatenation.
+    let joint_pre = |g: &mut Graph, which: &str, image: &str, text: &str| -> Nid {
+        let joint = sh.lora_rank(image).is_none() && sh.lora_rank(text).is_none();
+        let y = if joint {
+            let [wc, bc] = linear_weights(g, sh, text, hc, (d, d));
+            let [wx, bx] = linear_weights(g, sh, image, hx, (d, d));
+            joint_linear(
+                g,
+                &format!("{text} ‖ {image} → [text; image] {which} (joint linear)"),
+                [hc, hx],
+                [wc, bc, wx, bx],
+                (rt, rs, d, d),
+                &sh.cpu,
+            )
+        } else {
+            let y = lin(g, sh, image, hx, rs, d, d);
+            let ey = lin(g, sh, text, hc, rt, d, d);
+            concat(g, &format!("[text; image] {which}"), ey, y)
+        };
+        g.bind(y)
+    };
+    let qc = joint_pre(&mut g, "q", "attn.to_q", "attn.add_q_proj");
+    let kc = joint_pre(&mut g, "k", "attn.to_k", "attn.add_k_proj");
     let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
-    let eq = lin(&mut g, sh, "attn.add_q_proj", hc, rt, d, d);
-    let ek = lin(&mut g, sh, "attn.add_k_proj", hc, rt, d, d);
     let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
-    let mut norms = Vec::new();
-    for (name, t) in [
-        ("attn.norm_q", q),
-        ("attn.norm_k", k),
-        ("attn.norm_added_q", eq),
-        ("attn.norm_added_k", ek),
-    ] {
-        let w = norm_weight(&mut g, sh, name, fg.dh);
-        let y = rms_norm(&mut g, sh, &format!("{name} (fused)"), t, w, fg.dh);
-        norms.push(g.bind(y));
-    }
-    let qc = concat(&mut g, "[text; image] q", norms[2], norms[0]);
-    g.bind(qc);
-    let kc = concat(&mut g, "[text; image] k", norms[3], norms[1]);
-    g.bind(kc);
     let vc = match (ev, v) {
         (Some(ev), Some(v)) => concat(&mut g, "[text; image] v", ev, v),
         _ => {
@@ -209,10 +229,18 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
         }
     };
     g.bind(vc);
-    let qr = rope(&mut g, "rope q", qc);
-    g.bind(qr);
-    let kr = rope(&mut g, "rope k", kc);
-    g.bind(kr);
+    let mut normed = Vec::new();
+    for (which, x, text, image) in [
+        ("q", qc, "attn.norm_added_q", "attn.norm_q"),
+        ("k", kc, "attn.norm_added_k", "attn.norm_k"),
+    ] {
+        let wt = norm_weight(&mut g, sh, text, fg.dh);
+        let wi = norm_weight(&mut g, sh, image, fg.dh);
+        let name = format!("{text} | {image} + rope {which} (fused)");
+        let y = norm_rope(&mut g, sh, &name, x, &[wt, wi], fg.dh);
+        normed.push(g.bind(y));
+    }
+    let (qr, kr) = (normed[0], normed[1]);
     let n = sh.s + fg.t;
     let o = separate_attention(&mut g, sh, "joint attention", [qr, kr, vc], n);
     g.bind(o);
@@ -276,14 +304,10 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
     let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
     let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
     let wq = norm_weight(&mut g, sh, "attn.norm_q", fg.dh);
-    let qn = rms_norm(&mut g, sh, "attn.norm_q (fused)", q, wq, fg.dh);
-    g.bind(qn);
-    let wk = norm_weight(&mut g, sh, "attn.norm_k", fg.dh);
-    let kn = rms_norm(&mut g, sh, "attn.norm_k (fused)", k, wk, fg.dh);
-    g.bind(kn);
-    let qr = rope(&mut g, "rope q", qn);
+    let qr = norm_rope(&mut g, sh, "attn.norm_q + rope q (fused)", q, &[wq], fg.dh);
     g.bind(qr);
-    let kr = rope(&mut g, "rope k", kn);
+    let wk = norm_weight(&mut g, sh, "attn.norm_k", fg.dh);
+    let kr = norm_rope(&mut g, sh, "attn.norm_k + rope k (fused)", k, &[wk], fg.dh);
     g.bind(kr);
     let o = separate_attention(&mut g, sh, "attention", [qr, kr, v], n);
     g.bind(o);

@@ -14,8 +14,8 @@ use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
 use crate::ops::{
-    fused_mlp_side, gated_residual, gelu_tanh, joint_linear, ln_modulate, rms_norm, rope,
-    RopeTable, RMS_EPS,
+    fused_mlp_side, gated_residual, gelu_tanh, joint_linear, joint_norm_rope, ln_modulate,
+    norm_rope, RopeTable, RMS_EPS,
 };
 
 /// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
@@ -69,25 +69,31 @@ pub fn double_forward(
         (Some(lc), Some(lx)) => Some((lc, lx)),
         _ => None,
     };
-    let q = l[2].forward(&hx)?;
-    let k = l[3].forward(&hx)?;
+    // The joint q (and k) [text; image] before its norms: one joint linear (`add_q_proj` ‖
+    // `to_q`) where neither carries LoRA, else the two linears and their concatenation (the
+    // linears' outputs locals until the block returns; the budget binds them). The norms and
+    // the RoPE then run as one node on it.
+    let mut hold: Vec<Tensor> = Vec::new();
+    let mut joint_pre = |li: usize, lt: usize| -> Result<Tensor> {
+        if let (Some(lc), Some(lx)) = (mlp_linear(&l[lt], t_in), mlp_linear(&l[li], t_in)) {
+            return Ok(joint_linear(&hc, &hx, lc, lx, b)?);
+        }
+        let y = l[li].forward(&hx)?;
+        let ey = l[lt].forward(&hc)?;
+        let cat = concat(&ey, &y, b, (b * n, h))?;
+        hold.extend([y, ey]);
+        Ok(cat)
+    };
+    let qc = joint_pre(2, 5)?;
+    let kc = joint_pre(3, 6)?;
     let v = match joint_v {
         None => Some(l[4].forward(&hx)?),
         Some(_) => None,
     };
-    let eq = l[5].forward(&hc)?;
-    let ek = l[6].forward(&hc)?;
     let ev = match joint_v {
         None => Some(l[7].forward(&hc)?),
         Some(_) => None,
     };
-    let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
-    let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
-    let eq = rms_norm(&eq, &w.norms[2], RMS_EPS)?;
-    let ek = rms_norm(&ek, &w.norms[3], RMS_EPS)?;
-    // One joint sequence [text; image] per sample.
-    let qc = concat(&eq, &q, b, (b * n, h))?;
-    let kc = concat(&ek, &k, b, (b * n, h))?;
     let vc = match (joint_v, &ev, &v) {
         (Some((lc, lx)), _, _) => joint_linear(&hc, &hx, lc, lx, b)?,
         (None, Some(ev), Some(v)) => concat(ev, v, b, (b * n, h))?,
@@ -98,8 +104,9 @@ pub fn double_forward(
             ))
         }
     };
-    let qr = rope(&qc, table)?;
-    let kr = rope(&kc, table)?;
+    let [nq, nk, naq, nak] = &w.norms;
+    let qr = joint_norm_rope(&qc, naq, nq, t, RMS_EPS, table)?;
+    let kr = joint_norm_rope(&kc, nak, nk, t, RMS_EPS, table)?;
     let o = attention(&qr, &kr, &vc, b, cfg.heads, attn_keep(cfg.attn))?;
     let oc = slice(&o, b, (0, t * h), (b * t, h))?;
     let oi = slice(&o, b, (t * h, n * h), (b * s, h))?;
@@ -158,10 +165,8 @@ pub fn single_forward(
     let q = l[2].forward(&hx)?;
     let k = l[3].forward(&hx)?;
     let v = l[4].forward(&hx)?;
-    let q = rms_norm(&q, &w.norms[0], RMS_EPS)?;
-    let k = rms_norm(&k, &w.norms[1], RMS_EPS)?;
-    let qr = rope(&q, table)?;
-    let kr = rope(&k, table)?;
+    let qr = norm_rope(&q, &w.norms[0], RMS_EPS, table)?;
+    let kr = norm_rope(&k, &w.norms[1], RMS_EPS, table)?;
     let o = attention(&qr, &kr, &v, b, cfg.heads, attn_keep(cfg.attn))?;
     let p = match (fused, am) {
         (Some((l1, l5)), _) => fused_mlp_side(&hx, &o, l1, l5)?,

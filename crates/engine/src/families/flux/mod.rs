@@ -17,15 +17,16 @@
 //! `cd` compute dtype, `ad` accumulation dtype, E = b·s·D (image), C = b·t·D (text), N = E + C:
 //! - double: `norm1.linear`, `norm1_context.linear` on st (2 × b·6D cd, cast to ad under a
 //!   low-precision compute dtype), LN + modulate of both streams (E + C cd, keeping their
-//!   stats), q/k of each stream (2(E + C) cd), four RMSNorms (2(E + C) cd), the joint q, k
-//!   (2N cd, [`crate::ops::tokens::concat`]), the joint v (N cd, one
-//!   [`crate::ops::joint_linear`]; with LoRA on a v linear both projections (E + C cd) made with
-//!   q and k, and their concatenation), RoPE on q and k (2N cd), attention (N cd, keeps P
+//!   stats), the joint q and k before their norms (2N cd, each one [`crate::ops::joint_linear`];
+//!   with LoRA on a q or k linear, that pair's two projections (N cd) and their
+//!   [`crate::ops::tokens::concat`]), the joint v (N cd, a joint linear; with LoRA on a v linear
+//!   both projections (N cd) and their concatenation), the q/k RMSNorms with RoPE on q and k
+//!   (2N cd, one [`crate::ops::joint_norm_rope`] each), attention (N cd, keeps P
 //!   (b·a·n²) / the lse / nothing), the text and image slices of its output (N cd), `to_out.0`
 //!   and `to_add_out` (N cd), then per stream the gated residual, LN + modulate, the GELU-tanh
 //!   FFN (4×, 4× and 1× the stream) and the second gated residual.
-//! - single: `norm.linear` (b·3D), LN + modulate (N cd), q/k/v (3N), two RMSNorms and two
-//!   RoPEs (4N), attention (N), then `proj_mlp`, its GELU, [attention; MLP] and `proj_out` as
+//! - single: `norm.linear` (b·3D), LN + modulate (N cd), q/k/v (3N), the RMSNorm and RoPE of
+//!   q and of k (2N, one [`crate::ops::norm_rope`] each), attention (N), then `proj_mlp`, its GELU, [attention; MLP] and `proj_out` as
 //!   one [`crate::ops::fused_mlp_side`] node (N cd, keeping `proj_mlp`'s output, 4N cd), the
 //!   gated residual (N ad). With LoRA on `proj_mlp` or `proj_out`: `proj_mlp` and its GELU
 //!   (2 × 4N cd) before q, [attention; MLP] (5N) and `proj_out` (N) composed.

@@ -1,0 +1,362 @@
+//! [`norm_rope`] and [`joint_norm_rope`]: Flux's per-head q/k RMSNorm and the RoPE after it as
+//! one custom op on a (b·n, heads·d_h) projection. `joint_norm_rope` takes the double-stream
+//! block's joint [text; image] projection with two weights: `norm_added_q` (or `_k`) for each
+//! sample's first `t` tokens, `norm_q` (`norm_k`) for the rest.
+//!
+//! Why: composed ([`rms_norm`](super::rms_norm), the per-sample [`concat`](super::tokens::concat)
+//! of the two streams, [`rope`](super::rope)), candle's graph keeps the normalised copy, and in
+//! the double-stream block the concatenation too, until the block's backward ends, though no
+//! backward reads them (RoPE's backward is the rotation by the opposite angle, the
+//! concatenation's a split): one (b·n, D) tensor per q and k in a single-stream block, two in a
+//! double-stream one, beside the two the backward does read (the projection and the rotated
+//! output the attention keeps). Flux's recomputed double-stream block held four of them through
+//! its whole backward: the step's peak (Flux bf16 recompute-all, issue 15). This op keeps
+//! nothing beyond its inputs; its backward takes the un-rotated gradient ((b·n, D) in x's dtype)
+//! and one rstd per (row, head) (accumulation type) as workspace, [`norm_rope_bwd_scratch`],
+//! and returns a fresh dx and one dw per tracked weight.
+//!
+//! Numerics: the norm's output is rounded through x's dtype before the rotation, and the
+//! un-rotated gradient before the norm's backward, as the composition's tensors are; the same
+//! per-element formulas (`rms_norm::rstd`, `rms_norm::group_dx`, `rope::rotate`) and each dw
+//! summed over its stream's groups in the composition's order: the same bits in every dtype
+//! (`tests/flux_ops.rs`). Budget twin: `norm_rope` of `ditmem_budget::ditmem_cpu::flux`.
+
+use std::sync::Arc;
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Shape,
+    Tensor, WithDType,
+};
+use rayon::prelude::*;
+
+use super::rms_norm::{group_dx, rstd};
+use super::rope::{rotate, RopeTable};
+use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use crate::kernels::scalar::{Acc, Elem};
+
+/// The op (see the module docs): rows whose token (row mod n) is below `first` take the first
+/// weight, the others the second; [`norm_rope`] has one weight and `first` 0.
+#[derive(Debug, Clone)]
+pub struct NormRope {
+    eps: f64,
+    table: Arc<RopeTable>,
+    first: usize,
+}
+
+/// RMSNorm per head of x (b·n, heads·d_h) with w (d_h), then RoPE by the table's (n, d_h)
+/// angles → a fresh (b·n, heads·d_h) in x's dtype (the single-stream block's q and k).
+pub fn norm_rope(x: &Tensor, w: &Tensor, eps: f64, table: &Arc<RopeTable>) -> CResult<Tensor> {
+    x.apply_op2(
+        w,
+        NormRope {
+            eps,
+            table: table.clone(),
+            first: 0,
+        },
+    )
+}
+
+/// [`norm_rope`] of the joint [text; image] projection x (b·(t + s), D): each sample's first
+/// `t` tokens normalised with `w_text`, the rest with `w_image` (the double-stream block's q
+/// and k; the weights of one dtype).
+pub fn joint_norm_rope(
+    x: &Tensor,
+    w_text: &Tensor,
+    w_image: &Tensor,
+    t: usize,
+    eps: f64,
+    table: &Arc<RopeTable>,
+) -> CResult<Tensor> {
+    x.apply_op3(
+        w_text,
+        w_image,
+        NormRope {
+            eps,
+            table: table.clone(),
+            first: t,
+        },
+    )
+}
+
+/// Backward workspace (elements of x's dtype, elements of the accumulation type) of x with
+/// `elems` elements and head width `dh`: the un-rotated gradient and one rstd per group.
+pub fn norm_rope_bwd_scratch(elems: usize, dh: usize) -> (usize, usize) {
+    (elems, elems / dh.max(1))
+}
+
+/// (n, D, d_h) of a call: x (rows, D) whole samples of the table's n tokens, whole heads of d_h.
+fn geom(table: &RopeTable, lx: &Layout, lw: &[&Layout]) -> CResult<(usize, usize, usize)> {
+    let (n, dh) = table.cos.dims2()?;
+    let (rows, d) = match lx.dims() {
+        &[r, c] => (r, c),
+        dims => return Err(err(format!("norm-rope expects x (b·n, D), got {dims:?}"))),
+    };
+    if n == 0 || rows % n != 0 || dh == 0 || d % dh != 0 || dh % 2 != 0 {
+        return Err(err(format!(
+            "norm-rope: x {:?} is not whole samples of {n} tokens and heads of {dh}",
+            lx.dims()
+        )));
+    }
+    for l in lw {
+        if l.dims() != [dh] {
+            return Err(err(format!(
+                "norm-rope: a weight is {:?}, not the head width ({dh})",
+                l.dims()
+            )));
+        }
+    }
+    Ok((n, d, dh))
+}
+
+fn forward<T, W, A>(
+    x: &[T],
+    ws: [&[W]; 2],
+    (cos, sin): (&[A], &[A]),
+    (n, d, dh, first): (usize, usize, usize, usize),
+    eps: f64,
+) -> Vec<T>
+where
+    T: Elem<A> + Send + Sync,
+    W: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let eps = A::from_f64(eps);
+    let sign = A::from_f64(1.0);
+    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
+    o.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d).max(1))
+        .for_each(|(r, (orow, xrow))| {
+            let tok = r % n;
+            let w = ws[usize::from(tok >= first)];
+            let (c, s) = (&cos[tok * dh..][..dh], &sin[tok * dh..][..dh]);
+            for (oh, xh) in orow.chunks_exact_mut(dh).zip(xrow.chunks_exact(dh)) {
+                let rg = rstd(xh, eps);
+                // The norm's output in x's dtype (`rms_norm`), then `rope::rotate`'s formula.
+                let y = |j: usize| T::from_acc(xh[j].to_acc() * rg * w[j].to_acc()).to_acc();
+                for i in (0..dh).step_by(2) {
+                    let (x0, x1) = (y(i), y(i + 1));
+                    oh[i] = T::from_acc(x0 * c[i] - sign * x1 * s[i]);
+                    oh[i + 1] = T::from_acc(x1 * c[i + 1] + sign * x0 * s[i + 1]);
+                }
+            }
+        });
+    o
+}
+
+/// (dx, [dw of the first weight, dw of the second]) for the wanted ones.
+#[allow(clippy::type_complexity)]
+fn backward<T, W, A>(
+    x: &[T],
+    ws: [&[W]; 2],
+    g: &[T],
+    (cos, sin): (&[A], &[A]),
+    (n, d, dh, first): (usize, usize, usize, usize),
+    eps: f64,
+    (want_x, want_w): (bool, [bool; 2]),
+) -> (Option<Vec<T>>, [Option<Vec<W>>; 2])
+where
+    T: Elem<A> + Send + Sync,
+    W: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let eps = A::from_f64(eps);
+    // RoPE's backward in x's dtype, as the composition's rope node hands it on.
+    let gu = rotate::<T, A>(g, cos, sin, (n, d, dh), A::from_f64(-1.0));
+    let mut r: Vec<A> = Vec::with_capacity(x.len() / dh);
+    x.par_chunks(dh)
+        .with_min_len((PAR_CHUNK / dh).max(1))
+        .map(|xg| rstd(xg, eps))
+        .collect_into_vec(&mut r);
+    let heads = d / dh;
+    let dx = want_x.then(|| {
+        let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
+        dx.par_chunks_mut(d)
+            .zip(x.par_chunks(d).zip(gu.par_chunks(d)))
+            .enumerate()
+            .with_min_len((PAR_CHUNK / d).max(1))
+            .for_each(|(row, (dr, (xr, gr)))| {
+                let w = ws[usize::from(row % n >= first)];
+                for (h, ((dg, xg), gg)) in dr
+                    .chunks_exact_mut(dh)
+                    .zip(xr.chunks_exact(dh))
+                    .zip(gr.chunks_exact(dh))
+                    .enumerate()
+                {
+                    group_dx::<T, W, A>(xg, gg, w, r[row * heads + h], dg);
+                }
+            });
+        dx
+    });
+    // Each weight's dw per channel over its stream's groups, in order (the composition's sum
+    // over the stream tensor's groups).
+    let dw = |which: usize| -> Vec<W> {
+        let mut dw: Vec<W> = Vec::with_capacity(dh);
+        (0..dh)
+            .into_par_iter()
+            .map(|j| {
+                let mut s = A::ZERO;
+                for (k, &rg) in r.iter().enumerate() {
+                    if usize::from((k / heads) % n >= first) == which {
+                        s += gu[k * dh + j].to_acc() * x[k * dh + j].to_acc() * rg;
+                    }
+                }
+                W::from_acc(s)
+            })
+            .collect_into_vec(&mut dw);
+        dw
+    };
+    let dws = [want_w[0].then(|| dw(0)), want_w[1].then(|| dw(1))];
+    (dx, dws)
+}
+
+impl NormRope {
+    fn fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        w: [(&CpuStorage, &Layout); 2],
+    ) -> CResult<CpuStorage> {
+        let (n, d, dh) = geom(&self.table, lx, &[w[0].1, w[1].1])?;
+        if w[0].0.dtype() != w[1].0.dtype() {
+            return Err(err("norm-rope: the two weights must share one dtype"));
+        }
+        let dims = (n, d, dh, self.first);
+        with_cpu(&self.table.cos, |sc, lc| {
+            with_cpu(&self.table.sin, |ss, ls| {
+                Ok(dispatch_ln!(sx.dtype(), w[0].0.dtype(), |T, W, A| {
+                    let x = cpu_slice::<T>(sx, lx, "norm-rope x")?;
+                    let wa = cpu_slice::<W>(w[0].0, w[0].1, "norm-rope w")?;
+                    let wb = cpu_slice::<W>(w[1].0, w[1].1, "norm-rope w")?;
+                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
+                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
+                    let o = forward::<T, W, A>(x, [wa, wb], (cos, sin), dims, self.eps);
+                    T::to_cpu_storage_owned(o)
+                }))
+            })
+        })
+    }
+
+    /// (dx, [dw of the first weight, dw of the second]) of the tracked ones.
+    fn bwd_all(
+        &self,
+        x: &Tensor,
+        w: [&Tensor; 2],
+        grad: &Tensor,
+        want_w: [bool; 2],
+    ) -> CResult<(Option<Tensor>, [Option<Tensor>; 2])> {
+        let grad = grad.contiguous()?;
+        let want_x = x.track_op();
+        let dev = Device::Cpu;
+        with_cpu(x, |sx, lx| {
+            with_cpu(w[0], |swa, lwa| {
+                with_cpu(w[1], |swb, lwb| {
+                    with_cpu(&grad, |sg, lg| {
+                        with_cpu(&self.table.cos, |sc, lc| {
+                            with_cpu(&self.table.sin, |ss, ls| {
+                                let (n, d, dh) = geom(&self.table, lx, &[lwa, lwb])?;
+                                if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
+                                    return Err(err("norm-rope backward: gradient differs from x"));
+                                }
+                                let dims = (n, d, dh, self.first);
+                                Ok(dispatch_ln!(sx.dtype(), swa.dtype(), |T, W, A| {
+                                    let xv = cpu_slice::<T>(sx, lx, "norm-rope x")?;
+                                    let wa = cpu_slice::<W>(swa, lwa, "norm-rope w")?;
+                                    let wb = cpu_slice::<W>(swb, lwb, "norm-rope w")?;
+                                    let g = cpu_slice::<T>(sg, lg, "norm-rope grad")?;
+                                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
+                                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
+                                    let (dx, [da, db]) = backward::<T, W, A>(
+                                        xv,
+                                        [wa, wb],
+                                        g,
+                                        (cos, sin),
+                                        dims,
+                                        self.eps,
+                                        (want_x, want_w),
+                                    );
+                                    let dx = match dx {
+                                        Some(v) => Some(Tensor::from_vec(v, lx.shape(), &dev)?),
+                                        None => None,
+                                    };
+                                    let da = match da {
+                                        Some(v) => Some(Tensor::from_vec(v, lwa.shape(), &dev)?),
+                                        None => None,
+                                    };
+                                    let db = match db {
+                                        Some(v) => Some(Tensor::from_vec(v, lwb.shape(), &dev)?),
+                                        None => None,
+                                    };
+                                    (dx, [da, db])
+                                }))
+                            })
+                        })
+                    })
+                })
+            })
+        })
+    }
+}
+
+impl CustomOp2 for NormRope {
+    fn name(&self) -> &'static str {
+        "norm-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        Ok((self.fwd(sx, lx, [(sw, lw), (sw, lw)])?, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        // Every row takes the second weight (`first` is 0).
+        let (dx, [_, dw]) = self.bwd_all(x, [w, w], grad, [false, w.track_op()])?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for NormRope {
+    fn name(&self) -> &'static str {
+        "joint-norm-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        Ok((self.fwd(sx, lx, [(sa, la), (sb, lb)])?, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        wa: &Tensor,
+        wb: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = [wa.track_op(), wb.track_op()];
+        let (dx, [da, db]) = self.bwd_all(x, [wa, wb], grad, want)?;
+        Ok((dx, da, db))
+    }
+}
+
+/// Keeps `DType` in scope for the dispatch macro.
+const _: Option<DType> = None;
