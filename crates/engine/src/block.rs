@@ -55,6 +55,11 @@ impl LinearW {
 
     /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // Under LoRA the frozen base and the branch are one node (`ops::lora_linear`).
+        if let Some((a, bm)) = &self.lora {
+            let dx = self.dx_sink.as_ref().filter(|_| x.track_op());
+            return Ok(crate::ops::lora_linear(x, a, bm, (&self.w, &self.b), dx)?);
+        }
         // One fused node (see `ops::LinearOp`): the product and the biased sum are one buffer.
         // Only a tracked input makes candle call the op's backward.
         let y = match (&self.sink, &self.dx_sink) {
@@ -69,10 +74,7 @@ impl LinearW {
             }
             _ => crate::ops::linear(x, &self.w, &self.b)?,
         };
-        Ok(match &self.lora {
-            Some((a, b)) => (y + x.matmul(&a.t()?)?.matmul(&b.t()?)?)?,
-            None => y,
-        })
+        Ok(y)
     }
 }
 

@@ -225,3 +225,99 @@ fn lora_budget_agrees_with_the_measured_peak() {
     }
     eprintln!("worst {:.3} %", 100.0 * worst);
 }
+
+/// `ops::lora_linear` (the frozen base and LoRA's branch as one node) against the composition
+/// it replaces, `linear(x) + (x·Aᵀ)·Bᵀ` through candle: values and the gradients of x, A and B,
+/// to 1e-12 in f64, 1e-5 in f32 and the dtype's rounding in bf16/f16 (each product rounded
+/// once, the sums in another order); an untracked A gets no gradient; a tracked base and
+/// factors that do not chain are refused.
+#[test]
+fn lora_linear_is_the_composition() {
+    use candle_core::{DType, Device, Tensor, Var};
+    use ditmem_engine::ops::{linear, lora_linear};
+    let dev = Device::Cpu;
+    let (rows, inp, out, r) = (37, 24, 40, 4);
+    let val = |n: usize, seed: usize, scale: f64| -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1009) as f64 / 1009.0 - 0.5) * scale)
+            .collect()
+    };
+    for (dt, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-5),
+        (DType::BF16, 0.06),
+        (DType::F16, 0.01),
+    ] {
+        let t = |v: Vec<f64>, shape: &[usize]| {
+            Tensor::from_vec(v, shape, &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+        };
+        let x = Var::from_tensor(&t(val(rows * inp, 1, 2.0), &[rows, inp])).unwrap();
+        let a = Var::from_tensor(&t(val(r * inp, 2, 1.0), &[r, inp])).unwrap();
+        let bm = Var::from_tensor(&t(val(out * r, 3, 1.0), &[out, r])).unwrap();
+        let w = t(val(out * inp, 4, 0.5), &[out, inp]);
+        let b = t(val(out, 5, 0.2), &[out]);
+        let go = t(val(rows * out, 6, 1.0), &[rows, out]);
+        let y = lora_linear(x.as_tensor(), a.as_tensor(), bm.as_tensor(), (&w, &b), None).unwrap();
+        let yr = (linear(x.as_tensor(), &w, &b).unwrap()
+            + x.as_tensor()
+                .matmul(&a.as_tensor().t().unwrap())
+                .unwrap()
+                .matmul(&bm.as_tensor().t().unwrap())
+                .unwrap())
+        .unwrap();
+        assert_eq!(y.dtype(), dt);
+        let diff = |p: &Tensor, q: &Tensor| max_abs_diff(p, q);
+        assert!(diff(&y, &yr) < tol, "{dt:?} y: {}", diff(&y, &yr));
+        let loss = |y: &Tensor| {
+            y.to_dtype(DType::F64)
+                .unwrap()
+                .mul(&go.to_dtype(DType::F64).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
+        let (g, gr) = (loss(&y).backward().unwrap(), loss(&yr).backward().unwrap());
+        for (what, v) in [("x", &x), ("A", &a), ("B", &bm)] {
+            let (p, q) = (
+                g.get(v.as_tensor()).unwrap(),
+                gr.get(v.as_tensor()).unwrap(),
+            );
+            assert_eq!(p.dtype(), dt);
+            // Relative to the gradient's scale (bf16's sums of 40 products).
+            let scale = q
+                .to_dtype(DType::F64)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                .max(1.0);
+            assert!(diff(p, q) < tol * scale, "{dt:?} d{what}: {}", diff(p, q));
+        }
+        // A frozen A: no gradient for it; dx and dB as before.
+        let af = a.as_tensor().detach();
+        let y2 = lora_linear(x.as_tensor(), &af, bm.as_tensor(), (&w, &b), None).unwrap();
+        let g2 = loss(&y2).backward().unwrap();
+        assert!(g2.get(&af).is_none());
+        assert_eq!(
+            diff(
+                g2.get(x.as_tensor()).unwrap(),
+                g.get(x.as_tensor()).unwrap()
+            ),
+            0.0
+        );
+    }
+    let t = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &dev).unwrap();
+    let wv = Var::from_tensor(&t(&[out, inp])).unwrap();
+    let (x, a, bm, b) = (t(&[rows, inp]), t(&[r, inp]), t(&[out, r]), t(&[out]));
+    assert!(lora_linear(&x, &a, &bm, (wv.as_tensor(), &b), None).is_err());
+    assert!(lora_linear(&x, &t(&[r, inp + 1]), &bm, (&t(&[out, inp]), &b), None).is_err());
+    assert!(lora_linear(&x, &a, &t(&[out, r + 1]), (&t(&[out, inp]), &b), None).is_err());
+}

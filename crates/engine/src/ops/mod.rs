@@ -65,6 +65,7 @@ pub mod joint_linear;
 pub mod linear;
 pub mod linear_attention;
 pub mod ln_modulate;
+pub mod lora_linear;
 pub mod mix_ffn;
 pub mod norm_rope;
 pub mod rms_norm;
@@ -97,6 +98,7 @@ pub use linear::{
     InputSink, LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
+pub use lora_linear::{lora_linear, LoraLinear};
 pub use mix_ffn::{mix_ffn, MixFfn};
 pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};

@@ -1,5 +1,7 @@
-//! [`rms_norm`]: the per-head q/k RMSNorm of Flux's attention (`torch.nn.RMSNorm(dim_head,
-//! eps=1e-6)` on each head of the (b·s, heads·d_h) projection) as one custom op. candle's fused
+//! [`rms_norm`]: the per-head q/k RMSNorm of SD3.5's and Flux's attention
+//! (`torch.nn.RMSNorm(dim_head, eps=1e-6)` on each head of the (b·s, heads·d_h) projection; Sana's
+//! caption norm with one head) as one custom op. Flux's blocks run it fused with the RoPE after
+//! it ([`super::norm_rope`], through [`rstd`] and [`group_dx`]). candle's fused
 //! RmsNorm has no backward, and composed it keeps x², the mean, the rsqrt and the normalised
 //! copy; this op keeps nothing beyond its inputs: the backward recomputes the per-group rstd
 //! from x (one (rows·heads) accumulation-type scratch, [`rms_bwd_scratch`]) and returns a fresh

@@ -7,7 +7,8 @@
 //!
 //! out[2i] = x[2i]·cos[2i] − x[2i+1]·sin[2i], out[2i+1] = x[2i+1]·cos[2i+1] + x[2i]·sin[2i+1],
 //! computed in the accumulation type and written in x's dtype (diffusers computes in f32 and
-//! casts back). Budget twin: `rope` of `ditmem_budget::ditmem_cpu::flux`.
+//! casts back). Flux's blocks run it fused with the q/k RMSNorm before it ([`super::norm_rope`],
+//! whose forward and backward use [`rotate`]); alone it serves `verify`'s score probe.
 
 use std::sync::Arc;
 

@@ -231,7 +231,8 @@ impl Trainer {
             for (k, (sum, l)) in gc.iter_mut().zip(&cond_leaves).enumerate() {
                 if let Some(g) = grads.get(l.as_tensor()) {
                     if ctx == Some(k) {
-                        // LoRA's branches of the k and v projections: into the same sum.
+                        // Any other reader of the context than the k and v projections
+                        // (all of which add into the sink, LoRA'd or not): into the same sum.
                         self.ctx_sink.add(&g.detach())?;
                     } else {
                         *sum = (&*sum + cast(g.detach(), ld)?)?;

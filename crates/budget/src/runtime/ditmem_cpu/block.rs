@@ -5,7 +5,7 @@
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_attention, fused_linear, fused_mlp, fused_qkv_attention, gated_residual, gelu,
-    ln_modulate,
+    linear_workspace, ln_modulate,
 };
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, LoraTarget};
@@ -41,19 +41,15 @@ pub fn module_linear(
     adapted_linear(g, sh, name, x, (rows, out, inp), sh.lora_rank(name))
 }
 
-/// Marks the fused linear of `y` (a [`module_linear`] on the shared text context `ctx`: a
-/// cross-attention's k or v projection, LoRA's `+lora` sum or the linear itself) as adding its
-/// dx into the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,
-/// `Node::sunk_input`) when the context tracks; LoRA's branch still hands its share to the store.
+/// Marks the fused linear `y` (a [`module_linear`] on the shared text context `ctx`: a
+/// cross-attention's k or v projection, the linear or its fused LoRA node) as adding its dx into
+/// the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,
+/// `Node::sunk_input`) when the context tracks.
 pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
-    let base = match g.nodes[y].kind {
-        Kind::Add => g.nodes[y].inputs[0],
-        _ => y,
-    };
-    debug_assert!(matches!(g.nodes[base].kind, Kind::Custom { .. }));
-    debug_assert_eq!(g.nodes[base].inputs[0], ctx);
+    debug_assert!(matches!(g.nodes[y].kind, Kind::Custom { .. }));
+    debug_assert_eq!(g.nodes[y].inputs[0], ctx);
     if g.nodes[ctx].tracks {
-        g.nodes[base].sunk_input = Some(0);
+        g.nodes[y].sunk_input = Some(0);
     }
 }
 
@@ -73,18 +69,17 @@ fn adapted_linear(
     (rows, out, inp): (u64, u64, u64),
     rank: Option<u64>,
 ) -> Nid {
+    if let Some(r) = rank {
+        return lora_linear(g, sh, name, x, (rows, out, inp), r);
+    }
     let [w, bias] = linear_weights(g, sh, name, x, (out, inp));
-    let y = fused_linear(
+    fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
         [x, w, bias],
         (rows, inp, out),
         &sh.cpu,
-    );
-    match rank {
-        Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
-        None => y,
-    }
+    )
 }
 
 /// A linear's weight and bias as `LinearW` holds them. Under LoRA the base is a frozen weight
@@ -165,15 +160,20 @@ pub fn base_weight(g: &mut Graph, sh: &Shape, name: &str, elems: u64, to: Dtype)
     g.weight(name, elems, sh.weight_dtype(), sh.lora.is_none(), to)
 }
 
-/// LoRA's branch of `LinearW::forward`: `y + (x·Aᵀ)·Bᵀ`, composed candle matmuls on the
-/// adapters' compute-dtype copies (bound while the linear's weights live), A (r, in), B (out, r)
-/// trained in the parameter dtype.
-pub fn lora_branch(
+/// `ops::lora_linear` of the engine (`LinearW::forward` under LoRA): the frozen base and LoRA's
+/// branch `x·Wᵀ + b + (x·Aᵀ)·Bᵀ` as one node on (x, A, B), A (r, in) and B (out, r) the
+/// adapters' compute-dtype copies (bound while the linear's weights live), trained in the
+/// parameter dtype; the base weights are the op's, not inputs. Nothing kept. Workspace, step by
+/// step as the op runs (each product one engine linear, [`linear_workspace`], the branch's with
+/// a zero bias): forward the base; x·Aᵀ beside a zero bias of r; x·Aᵀ·Bᵀ beside x·Aᵀ and a zero
+/// bias of out (then added into y and freed). Backward, beside dx (when x tracks), dA and dB (the
+/// node's gradients): the base's dx; x·Aᵀ again beside a zero bias of r; g·B and dB beside
+/// x·Aᵀ; the branch's dx and dA beside g·B.
+pub fn lora_linear(
     g: &mut Graph,
     sh: &Shape,
     name: &str,
     x: Nid,
-    y: Nid,
     (rows, out, inp): (u64, u64, u64),
     r: u64,
 ) -> Nid {
@@ -185,29 +185,34 @@ pub fn lora_branch(
             g.bind(t);
         }
     }
-    let at = g.view(&format!("{name}.lora_aᵀ"), Kind::Transpose, a, r * inp);
-    let xa = g.op(
-        &format!("{name} x·Aᵀ"),
-        Kind::Matmul,
-        &[x, at],
-        rows * r,
-        cd,
-    );
-    let bt = g.view(&format!("{name}.lora_bᵀ"), Kind::Transpose, bm, out * r);
-    let xab = g.op(
-        &format!("{name} ·Bᵀ"),
-        Kind::Matmul,
-        &[xa, bt],
+    let cpu = &sh.cpu;
+    let e = cd.size();
+    let wants = |i: Nid| g.nodes[i].tracks || g.nodes[i].sunk;
+    let (tx, ta, tb) = (wants(x), wants(a), wants(bm));
+    let (base_f, base_b) = linear_workspace(cpu, cd, (rows, inp, out), (tx, false, false), false);
+    let (a_f, a_b) = linear_workspace(cpu, cd, (rows, inp, r), (tx, ta, false), false);
+    let (b_f, b_b) = linear_workspace(cpu, cd, (rows, r, out), (tx || ta, tb, false), false);
+    let xa = rows * r * e;
+    let (zr, zo) = (r * e, out * e);
+    let fwd = base_f
+        .max(zr + xa + a_f)
+        .max(xa + zo + rows * out * e + b_f);
+    let gb = if tx || ta { rows * r * e } else { 0 };
+    let dxl = if tx { rows * inp * e } else { 0 };
+    let base = if tx { base_b } else { 0 };
+    let bwd =
+        base.max(zr + xa + a_f)
+            .max(xa + gb + b_b)
+            .max(if gb > 0 { gb + dxl + a_b } else { 0 });
+    let y = g.op(
+        &format!("{name} x·Wᵀ+b + (x·Aᵀ)·Bᵀ (fused LoRA)"),
+        Kind::Custom { bwd_scratch: bwd },
+        &[x, a, bm],
         rows * out,
         cd,
     );
-    g.op(
-        &format!("{name} +lora"),
-        Kind::Add,
-        &[y, xab],
-        rows * out,
-        cd,
-    )
+    g.nodes[y].fwd_scratch = fwd;
+    y
 }
 
 /// `layer_norm` of the engine: mean, x − mean, (x − mean)², var, +eps, ^−½, product.

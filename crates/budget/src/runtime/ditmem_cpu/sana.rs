@@ -13,7 +13,7 @@
 use crate::families::{Dims as FamilyDims, SanaDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
-    fused_cross, linear_weights, lora_branch, sink_context_grad,
+    fused_cross, linear_weights, lora_linear, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
@@ -144,7 +144,7 @@ pub fn glu(g: &mut Graph, name: &str, u: Nid) -> Nid {
 /// `LinearW::forward` of a Sana linear: `bias` is the block's zero bias for a linear without
 /// one (a constant: no gradient), else the linear's own bias weight. Under LoRA the base is a
 /// frozen weight in the compute dtype and an adapted linear adds LoRA's branch
-/// ([`lora_branch`]).
+/// ([`lora_linear`]).
 #[allow(clippy::too_many_arguments)]
 fn linear(
     g: &mut Graph,
@@ -156,6 +156,9 @@ fn linear(
     inp: u64,
     zero: Option<Nid>,
 ) -> Nid {
+    if let Some(r) = sh.lora_rank(name) {
+        return lora_linear(g, sh, name, x, (rows, out, inp), r);
+    }
     let trained = sh.lora.is_none();
     let wd = sh.weight_dtype();
     let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
@@ -172,17 +175,13 @@ fn linear(
             }
         }
     }
-    let y = fused_linear(
+    fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
         [x, w, bias],
         (rows, inp, out),
         &sh.cpu,
-    );
-    match sh.lora_rank(name) {
-        Some(r) => lora_branch(g, sh, name, x, y, (rows, out, inp), r),
-        None => y,
-    }
+    )
 }
 
 /// `k` narrow views of a (b, k·D) tensor.
