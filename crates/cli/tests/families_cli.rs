@@ -497,12 +497,12 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
 
 /// The engine runs Wan 2.1: `ditmem-cpu` budgets a video spec (more frames, more memory), and
 /// LoRA on it: the adapters' optimizer state, masters and gradients are a sliver of the full
-/// model's. Not its peak: LoRA's adapted linears run composed in the engine (candle's graph
-/// holds the base output, the branch's product and their sum), its cross-attention too (k and v
-/// held from forward to backward), while full fine-tuning's fused cross-attention projects k
-/// and v again in its backward; at 128² × 9 frames (192 video tokens under 512 text tokens;
-/// the preset's batch 32, bf16-mixed, no recompute, memory-efficient attention, AdamW) LoRA's
-/// activations outweigh the state it saves (39.3 GB against 35.9 GB, budget).
+/// model's, and its peak is below full fine-tuning's (at 128² × 9 frames, the preset's batch
+/// 32, bf16-mixed, no recompute, memory-efficient attention, AdamW: 26.1 GB against 35.9 GB,
+/// budget). It was above (39.3 GB) while each adapted linear ran composed in the engine
+/// (candle's graph held the base output, the branch's product and their sum); the fused LoRA
+/// linear (`ops::lora_linear`) keeps none of them, though LoRA on `attn2.to_k`/`to_v` still
+/// runs the cross-attention on composed projections.
 #[test]
 fn the_engine_budgets_wan_and_refuses_what_it_does_not_run() {
     let estimate = |frames: &str, lora: &[&str]| {
@@ -534,7 +534,12 @@ fn the_engine_budgets_wan_and_refuses_what_it_does_not_run() {
     let full = estimate("9", &[]);
     assert!(peak(&full) > peak(&estimate("1", &[])));
     let lora = estimate("9", &["--lora-rank", "4"]);
-    assert!(peak(&lora) > 0);
+    assert!(
+        0 < peak(&lora) && peak(&lora) < peak(&full),
+        "LoRA's peak {} vs full fine-tuning's {}",
+        peak(&lora),
+        peak(&full)
+    );
     assert!(
         100 * state(&lora) < state(&full),
         "LoRA's trained state {} vs the full model's {}",

@@ -11,9 +11,9 @@
 //!   engine's inventory equals the budget's table (`ditmem_budget::denoiser::param_table`).
 //! - Init: A uniform(±1/√in) (PEFT's kaiming-uniform with a = √5), B zeros, so the first
 //!   forward is the base model's.
-//! - The base is frozen (no gradient, no optimizer state, no EMA); the adapters train. Their
-//!   product runs beside the fused linear (`LinearW::forward`: `(x·Aᵀ)·Bᵀ`, scale 1 as
-//!   `lora_alpha = rank` in the scripts).
+//! - The base is frozen (no gradient, no optimizer state, no EMA); the adapters train. The base
+//!   and the branch run as one node (`LinearW::forward` → [`crate::ops::lora_linear`]:
+//!   `x·Wᵀ + b + (x·Aᵀ)·Bᵀ`, scale 1 as `lora_alpha = rank` in the scripts).
 
 use ditmem_budget::Spec;
 
