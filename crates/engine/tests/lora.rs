@@ -287,18 +287,7 @@ fn lora_linear_is_the_composition() {
             );
             assert_eq!(p.dtype(), dt);
             // Relative to the gradient's scale (bf16's sums of 40 products).
-            let scale = q
-                .to_dtype(DType::F64)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap()
-                .max(1.0);
+            let scale = max_abs_diff(q, &q.zeros_like().unwrap()).max(1.0);
             assert!(diff(p, q) < tol * scale, "{dt:?} d{what}: {}", diff(p, q));
         }
         // A frozen A: no gradient for it; dx and dB as before.

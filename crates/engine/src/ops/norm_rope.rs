@@ -30,7 +30,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use super::rms_norm::{group_dx, rstd};
-use super::rope::{rotate, RopeTable};
+use super::rope::{rope_geom, rotate, RopeTable};
 use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
@@ -86,17 +86,7 @@ pub fn norm_rope_bwd_scratch(elems: usize, dh: usize) -> (usize, usize) {
 
 /// (n, D, d_h) of a call: x (rows, D) whole samples of the table's n tokens, whole heads of d_h.
 fn geom(table: &RopeTable, lx: &Layout, lw: &[&Layout]) -> CResult<(usize, usize, usize)> {
-    let (n, dh) = table.cos.dims2()?;
-    let (rows, d) = match lx.dims() {
-        &[r, c] => (r, c),
-        dims => return Err(err(format!("norm-rope expects x (b·n, D), got {dims:?}"))),
-    };
-    if n == 0 || rows % n != 0 || dh == 0 || d % dh != 0 || dh % 2 != 0 {
-        return Err(err(format!(
-            "norm-rope: x {:?} is not whole samples of {n} tokens and heads of {dh}",
-            lx.dims()
-        )));
-    }
+    let (n, d, dh) = rope_geom(table, lx, "norm-rope")?;
     for l in lw {
         if l.dims() != [dh] {
             return Err(err(format!(
@@ -211,6 +201,12 @@ where
     (dx, dws)
 }
 
+/// A fresh tensor of `l`'s shape from a gradient's values, when there is one.
+fn tensor<T: WithDType>(v: Option<Vec<T>>, l: &Layout) -> CResult<Option<Tensor>> {
+    v.map(|v| Tensor::from_vec(v, l.shape(), &Device::Cpu))
+        .transpose()
+}
+
 impl NormRope {
     fn fwd(
         &self,
@@ -248,7 +244,6 @@ impl NormRope {
     ) -> CResult<(Option<Tensor>, [Option<Tensor>; 2])> {
         let grad = grad.contiguous()?;
         let want_x = x.track_op();
-        let dev = Device::Cpu;
         with_cpu(x, |sx, lx| {
             with_cpu(w[0], |swa, lwa| {
                 with_cpu(w[1], |swb, lwb| {
@@ -276,19 +271,8 @@ impl NormRope {
                                         self.eps,
                                         (want_x, want_w),
                                     );
-                                    let dx = match dx {
-                                        Some(v) => Some(Tensor::from_vec(v, lx.shape(), &dev)?),
-                                        None => None,
-                                    };
-                                    let da = match da {
-                                        Some(v) => Some(Tensor::from_vec(v, lwa.shape(), &dev)?),
-                                        None => None,
-                                    };
-                                    let db = match db {
-                                        Some(v) => Some(Tensor::from_vec(v, lwb.shape(), &dev)?),
-                                        None => None,
-                                    };
-                                    (dx, [da, db])
+                                    let t = (tensor(dx, lx)?, tensor(da, lwa)?, tensor(db, lwb)?);
+                                    (t.0, [t.1, t.2])
                                 }))
                             })
                         })

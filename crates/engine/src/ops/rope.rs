@@ -111,21 +111,31 @@ where
     o
 }
 
+/// (n, D, d_h) of x under `l` rotated by `table`: whole samples of the table's n tokens, whole
+/// heads of its even d_h; `what` names the op in the error.
+pub(super) fn rope_geom(
+    table: &RopeTable,
+    l: &Layout,
+    what: &str,
+) -> CResult<(usize, usize, usize)> {
+    let (n, dh) = table.dims()?;
+    let (rows, d) = match l.dims() {
+        &[r, c] => (r, c),
+        dims => return Err(err(format!("{what} expects x (b·n, D), got {dims:?}"))),
+    };
+    if n == 0 || rows % n != 0 || dh == 0 || d % dh != 0 || dh % 2 != 0 {
+        return Err(err(format!(
+            "{what}: x {:?} is not whole samples of {n} tokens and heads of {dh}",
+            l.dims()
+        )));
+    }
+    Ok((n, d, dh))
+}
+
 impl Rope {
     /// (n, D, d_h) of a call on `l`.
     fn geom(&self, l: &Layout) -> CResult<(usize, usize, usize)> {
-        let (n, dh) = self.table.dims()?;
-        let (rows, d) = match l.dims() {
-            &[r, c] => (r, c),
-            dims => return Err(err(format!("rope expects x (b·n, D), got {dims:?}"))),
-        };
-        if n == 0 || rows % n != 0 || dh == 0 || d % dh != 0 || dh % 2 != 0 {
-            return Err(err(format!(
-                "rope: x {:?} is not whole samples of {n} tokens and heads of {dh}",
-                l.dims()
-            )));
-        }
-        Ok((n, d, dh))
+        rope_geom(&self.table, l, "rope")
     }
 
     fn run(&self, s: &CpuStorage, l: &Layout, sign: f64) -> CResult<CpuStorage> {
