@@ -3,9 +3,9 @@
 //!
 //! Why: composed (the fused linear, two candle matmuls and an add), candle's graph keeps the
 //! base output, the branch's product and their sum (three output-sized tensors) and x·Aᵀ until
-//! the block's backward ends, though the backward reads none of the output-sized ones; and it
-//! adds the base's and the branch's dx through the gradient store. A PixArt block under LoRA on
-//! its eight attention linears kept 624 KiB of such tensors in 1.49 MiB (the tiny
+//! the block's backward ends, though no backward reads the first two; and it adds the base's and
+//! the branch's dx through the gradient store. A PixArt block under LoRA on its eight attention
+//! linears kept 936 KiB of the three in 1.49 MiB, 624 KiB beyond one output per linear (the tiny
 //! `pixart-bf16-lora8-none` spec). PyTorch keeps none of them: a frozen base linear saves
 //! nothing for its backward. This op keeps nothing beyond its inputs: the backward recomputes
 //! x·Aᵀ (r wide) and returns dx (the base's and the branch's parts summed in the op, or added
