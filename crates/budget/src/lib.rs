@@ -74,6 +74,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::backward;
     pub use crate::runtime::ditmem_cpu::block;
     pub use crate::runtime::ditmem_cpu::cross;
+    pub use crate::runtime::ditmem_cpu::flux;
     pub use crate::runtime::ditmem_cpu::gemm_pack;
     pub use crate::runtime::ditmem_cpu::graph;
     pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};

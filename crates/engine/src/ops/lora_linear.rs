@@ -25,8 +25,10 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout,
 use super::linear::{
     linear_bwd_storage, linear_fwd_storage, storage_tensor, InputSink, LinearGrads,
 };
-use super::storage::{err, with_cpu, CResult};
-use crate::kernels::scalar::Elem;
+use rayon::prelude::*;
+
+use super::storage::{err, with_cpu, CResult, PAR_CHUNK};
+use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs).
 #[derive(Debug)]
@@ -72,18 +74,20 @@ fn zeros(dt: DType, n: usize) -> CResult<(CpuStorage, Layout)> {
     Ok((s, Layout::contiguous(n)))
 }
 
-/// `y += z` elementwise in the storage's dtype (rounded once per element).
+/// `y += z` elementwise in the storage's dtype (rounded once per element), on the pool: it runs
+/// on every adapted linear's (rows, out) output and (rows, in) dx.
 fn add_into(y: &mut CpuStorage, z: &CpuStorage) -> CResult<()> {
-    fn go<T: Elem<f32>>(y: &mut [T], z: &[T]) {
-        for (a, b) in y.iter_mut().zip(z) {
-            *a = T::from_acc(a.to_acc() + b.to_acc());
-        }
+    fn go<T: Elem<A> + Send + Sync, A: Acc>(y: &mut [T], z: &[T]) {
+        y.par_iter_mut()
+            .zip(z.par_iter())
+            .with_min_len(PAR_CHUNK)
+            .for_each(|(a, b)| *a = T::from_acc(a.to_acc() + b.to_acc()));
     }
     match (y, z) {
-        (CpuStorage::F32(y), CpuStorage::F32(z)) => y.iter_mut().zip(z).for_each(|(a, b)| *a += b),
-        (CpuStorage::F64(y), CpuStorage::F64(z)) => y.iter_mut().zip(z).for_each(|(a, b)| *a += b),
-        (CpuStorage::BF16(y), CpuStorage::BF16(z)) => go(y, z),
-        (CpuStorage::F16(y), CpuStorage::F16(z)) => go(y, z),
+        (CpuStorage::F32(y), CpuStorage::F32(z)) => go::<f32, f32>(y, z),
+        (CpuStorage::F64(y), CpuStorage::F64(z)) => go::<f64, f64>(y, z),
+        (CpuStorage::BF16(y), CpuStorage::BF16(z)) => go::<half::bf16, f32>(y, z),
+        (CpuStorage::F16(y), CpuStorage::F16(z)) => go::<half::f16, f32>(y, z),
         _ => return Err(err("lora linear: the two parts differ in dtype")),
     }
     Ok(())

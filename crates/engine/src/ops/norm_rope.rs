@@ -344,3 +344,25 @@ impl CustomOp3 for NormRope {
 
 /// Keeps `DType` in scope for the dispatch macro.
 const _: Option<DType> = None;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The workspace the budget counts for the node's backward is this op's: the un-rotated
+    /// gradient in x's dtype and one rstd per group in the accumulation type.
+    #[test]
+    fn backward_workspace_is_the_budgets() {
+        use ditmem_budget::ditmem_cpu::flux::norm_rope_bwd_bytes;
+        for (elems, dh) in [(4 * 117 * 64, 16), (2 * 4608 * 3072, 128), (7 * 6, 6)] {
+            let (nx, nacc) = norm_rope_bwd_scratch(elems, dh);
+            for (x_size, acc) in [(2, 4), (4, 4), (8, 8)] {
+                assert_eq!(
+                    (nx * x_size + nacc * acc) as u64,
+                    norm_rope_bwd_bytes(elems as u64, x_size as u64, dh as u64, acc as u64),
+                    "elems {elems}, d_h {dh}, x {x_size} B, acc {acc} B"
+                );
+            }
+        }
+    }
+}
