@@ -30,8 +30,13 @@ fn run_within(args: &[&str], secs: u64, wrapper: Option<&str>) -> (i32, String, 
         }
     };
     let dir = temp_dir("hostile", "capture");
+    // Tests run on several threads at once: the clock alone gave two of them one id (its
+    // resolution here is coarser than a nanosecond), and each read the other's stderr.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = format!(
-        "{}",
+        "{}-{}-{}",
+        std::process::id(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

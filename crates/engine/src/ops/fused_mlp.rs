@@ -13,8 +13,8 @@
 //! g_cᵀ·gelu(u_c) into dW2, then makes dh_c = g_c·W2 and writes du_c = dh_c ⊙ gelu'(u_c) over
 //! u_c (PyTorch holds u, gelu(u) and dh there: three). On bf16/f16 with the products widened
 //! to f32 it does the same through f32 blocks ([`super::fused_mlp_widen`]). On bf16 with the
-//! AVX512-BF16 kernel, whose linears chunk inside one call, it makes one (rows, ffn) buffer:
-//! dh = g·W2, turned into du in place, while u becomes h in place for dW2 = gᵀ·h.
+//! AVX512-BF16 kernel by chunks of rows too ([`super::fused_mlp_bf16`]): dh_c = g_c·W2 and
+//! h_c = gelu(u_c) for dW2 in chunk buffers, du_c written over u_c.
 //! Nothing wide enters candle's store: the weight gradients go to the linears'
 //! [`GradSink`]s, only dx is returned.
 //!
@@ -29,8 +29,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use super::fused_mlp_bf16::{fc2_gelu_bwd_bf16, fc2_gelu_bwd_bf16_scratch};
 use super::fused_mlp_widen::{fc2_gelu_bwd_widen, fc2_gelu_widen_workspace};
-use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place, GeluSlice};
+use super::gelu::{gelu_fwd_storage, gelu_in_place, GeluSlice};
 use super::linear::{
     add_column_sums, dw_blocks, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
     linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
@@ -127,12 +128,11 @@ pub fn fused_mlp_fwd_scratch(
 /// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
 /// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. u (rows × ffn) is
 /// counted here because the budget releases it as the backward starts. The last phase is
-/// alike: du (over u's storage, or dh's on the AVX512-BF16 kernel), every gradient and fc1's
-/// workspace. Before it, on f32/f64 (`FusedMlp::fc2_gelu_bwd_chunked`): u, dW2, db2 and a
-/// chunk buffer of min(rows, [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; widened
-/// (bf16/f16 without the kernel, `native` false): [`widen_phase`]; on the kernel
-/// (`FusedMlp::fc2_gelu_bwd_whole`): u, dh and fc2's dx workspace, then u (now h), dh, dW2,
-/// db2 and fc2's dW/db workspace. The peak phase less the gradients.
+/// alike: du (over u's storage), every gradient and fc1's workspace. Before it, on f32/f64
+/// (`FusedMlp::fc2_gelu_bwd_chunked`): u, dW2, db2 and a chunk buffer of min(rows,
+/// [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; widened (bf16/f16 without the kernel,
+/// `native` false): [`widen_phase`]; on the kernel (`FusedMlp::fc2_gelu_bwd_native`): u, dW2,
+/// db2 and [`fc2_gelu_bwd_bf16_scratch`]'s chunk workspace. The peak phase less the gradients.
 pub fn fused_mlp_bwd_scratch(
     (dtype, wdtype): (DType, DType),
     (rows, inp, ffn, out): (usize, usize, usize, usize),
@@ -148,7 +148,6 @@ pub fn fused_mlp_bwd_scratch(
         on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * (rows * inp) as u64 } else { 0 };
     let lin =
         |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
-    let sc = lin((rows, ffn, out), false, wants[2], wants[3]);
     let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
     let last = u + g1 + g2 + sd;
     let peak = if matches!(dtype, DType::F32 | DType::F64) {
@@ -160,8 +159,8 @@ pub fn fused_mlp_bwd_scratch(
     } else if dtype == DType::F16 || !native {
         widen_phase(e, (rows, 0, ffn, out), (wants[2], wants[3]), master, u, g2).max(last)
     } else {
-        let sa = lin((rows, ffn, out), true, false, false);
-        (2 * u + sa).max(2 * u + sc + g2).max(last)
+        let chunks = fc2_gelu_bwd_bf16_scratch((rows, ffn, out), (wants[2], wants[3]), master);
+        (u + chunks + g2).max(last)
     };
     peak - g1 - g2
 }
@@ -208,45 +207,47 @@ impl FusedMlp {
 }
 
 impl FusedMlp {
-    /// fc2's and the GELU's backward over the whole of u (bf16 on the AVX512-BF16 kernel, whose
-    /// linears chunk and accumulate inside one call): dh = g·W2, du = dh ⊙ gelu'(u) over dh,
-    /// h = gelu(u) over u for dW2 = gᵀ·h and db2 = Σ g; u is freed and du returned. Phase peak: u and dh (two
-    /// rows × ffn buffers) with fc2's dW workspace.
-    fn fc2_gelu_bwd_whole(
+    /// fc2's and the GELU's backward on bf16 with the AVX512-BF16 kernel, by chunks of
+    /// [`LINEAR_ROWS`](super::linear::LINEAR_ROWS) rows ([`fc2_gelu_bwd_bf16`]): u becomes du
+    /// in place, dW2 and db2 go to fc2's sink. Phase peak: u, the chunk workspace and dW2, db2.
+    fn fc2_gelu_bwd_native(
         &self,
         mut u: CpuStorage,
         grad: &Tensor,
-        (rows, ffn): (usize, usize),
+        (rows, ffn, out): (usize, usize, usize),
     ) -> CResult<CpuStorage> {
-        let lu = wide(rows, ffn);
-        let (w2, b2) = self.fc2.wants();
-        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
-        with_cpu(&self.fc2.w, |sw, lw| {
+        let wants = self.fc2.wants();
+        let dims = (rows, ffn, out);
+        let (dw, db) = with_cpu(&self.fc2.w, |sw, lw| {
             with_cpu(grad, |sg, lg| {
-                // dh = g·W2 (x is not read for dx).
-                let want = LinearGrads {
-                    x: true,
-                    w: false,
-                    b: false,
+                let n = "fused_mlp backward";
+                let g = cpu_slice::<half::bf16>(sg, lg, n)?;
+                let CpuStorage::BF16(uv) = &mut u else {
+                    return Err(err("fused_mlp: bf16 backward on a non-bf16 u"));
                 };
-                let (dh, _, _) =
-                    linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                let mut dh = dh.ok_or_else(|| err("fused_mlp: no dh"))?;
-                gelu_grad_in_place(&mut dh, &u)?;
-                gelu_in_place(&mut u)?;
-                if w2 || b2 {
-                    let want = LinearGrads {
-                        x: false,
-                        w: w2,
-                        b: b2,
-                    };
-                    let (_, dw, db) =
-                        linear_bwd_storage((&u, &lu), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                    self.fc2.sink_grads(dw, db)?;
-                }
-                Ok(dh)
+                Ok(match sw.dtype() {
+                    DType::F32 => {
+                        let w = cpu_slice::<f32>(sw, lw, n)?;
+                        let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
+                        (dw.map(CpuStorage::F32), db.map(CpuStorage::F32))
+                    }
+                    DType::BF16 => {
+                        let w = cpu_slice::<half::bf16>(sw, lw, n)?;
+                        let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
+                        (dw.map(CpuStorage::BF16), db.map(CpuStorage::BF16))
+                    }
+                    other => {
+                        return Err(err(format!(
+                            "fused_mlp: bf16 backward with {other:?} weights"
+                        )))
+                    }
+                })
             })
-        })
+        })?;
+        if wants.0 || wants.1 {
+            self.fc2.sink_grads(dw, db)?;
+        }
+        Ok(u)
     }
 
     /// fc2's and the GELU's backward by chunks of rows and blocks of columns through one chunk
@@ -535,12 +536,12 @@ impl CustomOp1 for FusedMlp {
             Kept::U(u) => u,
             Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
         };
-        // du = (g·W2) ⊙ gelu'(u), with dW2, db2 to fc2's sink on the way: by chunks and
-        // column blocks, except on bf16 with the AVX512-BF16 kernel.
+        // du = (g·W2) ⊙ gelu'(u) over u, with dW2, db2 to fc2's sink on the way: by chunks
+        // (and column blocks, except on bf16 with the AVX512-BF16 kernel).
         let du = if grad.dtype() != DType::BF16 || !gemm_bf16::in_use() {
             self.fc2_gelu_bwd_chunked(u, &grad, (rows, ffn, out))?
         } else {
-            self.fc2_gelu_bwd_whole(u, &grad, (rows, ffn))?
+            self.fc2_gelu_bwd_native(u, &grad, (rows, ffn, out))?
         };
         drop(kept);
         fc1_backward(&self.fc1, x, &du, (rows, ffn))

@@ -13,7 +13,9 @@ use crate::kernels::scalar::{Acc, Elem};
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
 /// candle it keeps the (b·s, D) product (the sum's input) and, under mixed precision, y's cast to
 /// the accumulation dtype; fused it keeps nothing beyond its inputs and reads y in the compute
-/// dtype. Backward: dx = g (a fresh copy), dy = g·gate in y's dtype, dgate = Σ_s g·y.
+/// dtype. Backward: dx = g (the output gradient itself, no copy: PyTorch's AddBackward also
+/// hands its gradient on as is, `torch/csrc/autograd/generated/Functions.cpp`), dy = g·gate in
+/// y's dtype, dgate = Σ_s g·y.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GatedResidual;
 
@@ -165,13 +167,9 @@ impl CustomOp3 for GatedResidual {
                         let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
                         let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
                         let gate = sgt.as_slice::<T>()?;
-                        let dx = if wx {
-                            let mut v: Vec<T> = Vec::with_capacity(g.len());
-                            v.extend_from_slice(g);
-                            Some(Tensor::from_vec(v, x.shape(), &dev)?)
-                        } else {
-                            None
-                        };
+                        // dx = g: the output gradient itself (candle only reads it, adding it
+                        // into x's entry), not a copy.
+                        let dx = wx.then(|| grad.clone());
                         let geom = (b, s, d, off, rs);
                         let dy = if wy {
                             let v = gated_dy_cpu::<T, O, A>(g, gate, geom);

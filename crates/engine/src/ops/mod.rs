@@ -7,7 +7,9 @@
 //!
 //! - [`gelu`]: [`gelu_tanh`], GELU with the tanh approximation, saving its input only.
 //! - [`fused_mlp`](mod@fused_mlp): the feed-forward `fc2(gelu_tanh(fc1(x)))` as one node,
-//!   keeping the fc1 output only, its backward one wide buffer and the weight gradients sunk.
+//!   keeping the fc1 output only, its backward one wide buffer and the weight gradients sunk;
+//!   [`fused_mlp_bf16`](mod@fused_mlp_bf16) is its fc2 + GELU backward on the AVX512-BF16
+//!   kernel, by chunks of rows.
 //! - [`fused_mlp_side`](mod@fused_mlp_side): `fc2([side; gelu_tanh(fc1(x))])` as one node
 //!   (Flux's single-stream MLP and `proj_out` on the attention beside it), keeping fc1's
 //!   output only and handing candle dx and dside alone.
@@ -56,6 +58,7 @@ pub mod attention;
 pub mod backward_from;
 pub mod dwconv;
 pub mod fused_mlp;
+pub mod fused_mlp_bf16;
 pub mod fused_mlp_side;
 pub mod fused_mlp_widen;
 pub mod gated_residual;

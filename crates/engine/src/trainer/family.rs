@@ -224,7 +224,8 @@ impl Trainer {
                     (leaves, outs)
                 }
             };
-            let grads = crate::ops::backward_from_many(&outs, &gx)?;
+            // gx moves into the seeds and is freed once each reaches its output's entry.
+            let grads = crate::ops::backward_from_many(&outs, gx)?;
             drop(outs);
             self.accumulate(&fam.block_params(i), &grads)?;
             gx = leaf_grads(&grads, &leaves, &format!("block {i}'s input"))?;
@@ -261,13 +262,13 @@ impl Trainer {
             .map(|(g, c)| cast(g, c.dtype()))
             .collect::<Result<Vec<_>>>()?;
         let outs: Vec<Tensor> = x0.iter().chain(&conds).cloned().collect();
-        let seeds: Vec<Tensor> = gx.iter().chain(&gc).cloned().collect();
-        let grads = crate::ops::backward_from_many(&outs, &seeds)?;
-        drop((outs, seeds));
+        let seeds: Vec<Tensor> = gx.into_iter().chain(gc).collect();
+        let grads = crate::ops::backward_from_many(&outs, seeds)?;
+        drop(outs);
         self.accumulate(&fam.embed_params(), &grads)?;
         drop(grads);
         // The conditioning leaves go with the embed's outputs (the budget frees them together).
-        drop((x0, conds, gx, gc, fixed));
+        drop((x0, conds, fixed));
         drop(cond_leaves);
         rec.mark(tag("embed".into()));
         drop(hold);

@@ -120,6 +120,14 @@ impl Heap {
         }
     }
 
+    /// Another handle on `v` (an `Arc` clone of its tensor): no bytes, one more reference.
+    fn share(&mut self, v: Val) -> Val {
+        if let Val::Tmp(w, _) = v {
+            self.refs[w] += 1;
+        }
+        v
+    }
+
     fn drop_val(&mut self, v: Val) {
         if let Val::Tmp(w, _) = v {
             self.dec(w);
@@ -160,6 +168,14 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     let mut sunk_grads = 0u64;
     // `grads.insert(self, self.ones_like()?.contiguous()?)`
     store[root] = Some(h.make(g, g.nodes[root].bytes(), &[]));
+    // The gradients the seeds take by value (`ops::backward_from`): alive from the call, each
+    // freed once its seed has added it into its output's entry.
+    let mut seeded: Vec<Option<Val>> = vec![None; g.nodes.len()];
+    for &x in &order {
+        if g.nodes[x].kind == Kind::Seed {
+            seeded[x] = Some(h.make(g, g.nodes[g.nodes[x].inputs[1]].bytes(), &[]));
+        }
+    }
 
     for &x in &order {
         if g.nodes[x].kind == Kind::Var {
@@ -169,7 +185,7 @@ pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
             continue;
         };
         let grad = h.view(g, orig, true);
-        let locals = node_backward(&mut h, g, &mut store, x, grad, &mut sunk_grads);
+        let locals = node_backward(&mut h, g, &mut store, x, grad, seeded[x], &mut sunk_grads);
         for v in locals {
             h.drop_val(v);
         }
@@ -236,6 +252,7 @@ fn node_backward(
     store: &mut [Option<Val>],
     x: Nid,
     grad: Val,
+    seeded: Option<Val>,
     sunk_grads: &mut u64,
 ) -> Vec<Val> {
     let node = &g.nodes[x];
@@ -277,7 +294,10 @@ fn node_backward(
             locals.extend([s, bv]);
         }
         Kind::Seed => {
-            acc(h, g, store, ins[0], Val::Fwd(ins[1]));
+            // The gradient the seed took: added into out's entry, then freed.
+            let given = seeded.unwrap_or(Val::Fwd(ins[1]));
+            acc(h, g, store, ins[0], given);
+            locals.push(given);
         }
         Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
             let v = h.view(g, grad, false);
@@ -342,7 +362,9 @@ fn node_backward(
                 acc(h, g, store, i, d);
             }
         }
-        Kind::Custom { bwd_scratch } => custom_backward(h, g, store, x, bwd_scratch, sunk_grads),
+        Kind::Custom { bwd_scratch } => {
+            custom_backward(h, g, store, (x, grad), bwd_scratch, sunk_grads)
+        }
         Kind::Var | Kind::Const => {}
     }
     locals
@@ -506,7 +528,7 @@ fn custom_backward(
     h: &mut Heap,
     g: &Graph,
     store: &mut [Option<Val>],
-    x: Nid,
+    (x, grad): (Nid, Val),
     bwd_scratch: u64,
     sunk_grads: &mut u64,
 ) {
@@ -516,10 +538,18 @@ fn custom_backward(
     h.released += g.nodes[x].released_by_bwd;
     // `c.bwd(..)` returns all gradients before candle adds any of them.
     let scratch = h.make(g, bwd_scratch, &[]);
+    let shared = g.nodes[x].grad_is_output_grad.map(|k| ins[k]);
     let grads: Vec<(Nid, Val)> = ins
         .iter()
         .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
-        .map(|&i| (i, h.make(g, bytes(i), &[])))
+        .map(|&i| {
+            if shared == Some(i) {
+                // A handle on the output gradient: nothing new.
+                (i, h.share(grad))
+            } else {
+                (i, h.make(g, bytes(i), &[]))
+            }
+        })
         .collect();
     h.drop_val(scratch);
     let sunk_input = g.nodes[x].sunk_input.map(|k| ins[k]);

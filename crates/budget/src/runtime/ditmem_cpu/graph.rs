@@ -105,6 +105,9 @@ pub struct Node {
     /// k and v projections, fused or not), never into candle's store: made beside the other
     /// gradients and freed.
     pub sunk_input: Option<usize>,
+    /// The input (its index among `inputs`) whose gradient the op's backward hands on as its own
+    /// output gradient, the same tensor (a handle, no copy): the gated residual's dx = g.
+    pub grad_is_output_grad: Option<usize>,
 }
 
 impl Node {
@@ -186,6 +189,7 @@ impl Graph {
             held_until: None,
             sunk: false,
             sunk_input: None,
+            grad_is_output_grad: None,
         });
         self.nodes.len() - 1
     }

@@ -313,9 +313,7 @@ pub const FUSED_MLP_OP_BYTES: u64 = 32 + 96;
 /// `tx`, and the weight gradients `wants` = (dW1, db1, dW2, db2). Each phase is one of
 /// [`fused_linear_scratch`]'s. Forward, beyond y and the kept u: the larger of fc1's workspace
 /// less y, and h = gelu(u) with fc2's workspace. Backward, beyond the gradients it hands out:
-/// the peak of its phases ([`fused_mlp_phases`]: by row chunks, except whole on the AVX512-BF16
-/// kernel)
-/// less the gradients.
+/// the peak of its phases ([`fused_mlp_phases`], by row chunks) less the gradients.
 pub fn fused_mlp_scratch(
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64),
@@ -362,8 +360,9 @@ pub fn fused_mlp_workspace(
 /// rows × the widest column block ([`mlp_col_blocks`]), with the packing of a block's dW2
 /// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product;
 /// widened (bf16/f16 without the AVX512-BF16 kernel, `native` false; the engine's
-/// `fc2_gelu_bwd_widen`) by row chunks too ([`widen_phase`]); on the kernel u beside a whole dh
-/// with fc2's dx workspace, then with dW2, db2 and fc2's dW workspace.
+/// `fc2_gelu_bwd_widen`) by row chunks too ([`widen_phase`]); on the kernel (the engine's
+/// `fc2_gelu_bwd_bf16`) by chunks of [`LINEAR_ROWS`] rows: u, dW2, db2 and fc2's whole linear
+/// workspace with a dh chunk and an h chunk, du written over u.
 fn fused_mlp_phases(
     (lin, mm): (
         impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
@@ -378,7 +377,6 @@ fn fused_mlp_phases(
     let (h, y) = (e * rows * ffn, e * rows * out);
     let (s1, _) = lin((rows, inp, ffn), (false, false, false));
     let (s2, _) = lin((rows, ffn, out), (true, false, false));
-    let (_, sc) = lin((rows, ffn, out), (false, wants[2], wants[3]));
     let (_, sd) = lin((rows, inp, ffn), (tx, wants[0], wants[1]));
     let on = |b: bool, n: u64| if b { we * n } else { 0 };
     let g2 = on(wants[2], out * ffn) + on(wants[3], out);
@@ -394,8 +392,12 @@ fn fused_mlp_phases(
         let dims = (rows, 0, ffn, out);
         widen_phase(&mm, e, dims, (wants[2], wants[3], false), master, (h, g2)).max(last)
     } else {
-        let (_, sa) = lin((rows, ffn, out), (true, false, false));
-        (2 * h + sa).max(2 * h + sc + g2).max(last)
+        // By chunks of [`LINEAR_ROWS`] rows (`fused_mlp_bf16::fc2_gelu_bwd_bf16`): fc2's dx and
+        // dW/db workspace at once, with a bf16 dh chunk and, for dW2, a bf16 h chunk.
+        let (_, sb) = lin((rows, ffn, out), (true, wants[2], wants[3]));
+        let chunk = e * LINEAR_ROWS.min(rows) * ffn;
+        let chunks = sb + chunk + if wants[2] { chunk } else { 0 };
+        (h + chunks + g2).max(last)
     };
     (fwd, peak - g1 - g2)
 }
@@ -795,10 +797,13 @@ pub fn gelu(g: &mut Graph, name: &str, x: Nid) -> Nid {
 }
 
 /// `ops::gated_residual` of the engine: `x + y·gate` as one fresh node in x's dtype, reading y
-/// in the compute dtype; saves nothing beyond its inputs.
+/// in the compute dtype; saves nothing beyond its inputs. Its backward hands the output
+/// gradient itself on as dx.
 pub fn gated_residual(g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
     let (e, dt) = (g.elems(x), g.dtype(x));
-    g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, y, gate], e, dt)
+    let o = g.op(name, Kind::Custom { bwd_scratch: 0 }, &[x, y, gate], e, dt);
+    g.nodes[o].grad_is_output_grad = Some(0);
+    o
 }
 
 /// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
@@ -825,15 +830,28 @@ pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
     )
 }
 
+/// Query rows per block of the backward of the engine's bf16 attention on the AVX512-BF16
+/// kernel (`ops::attention::bf16::NATIVE_BWD_ROWS`): P and dP of a block are this × s.
+pub const NATIVE_ATTN_BWD_ROWS: u64 = 128;
+
 /// Bytes of one thread's scratch (forward, backward) of the engine's bf16 attention on the
-/// AVX512-BF16 kernel (`ops::attention::bf16::native_scratch_bytes`): f32 buffers (forward the head's
-/// output and S; backward dq, dk, dv, P and dP) and the packed operands of every product of a
-/// head (A up to s × max(s, d_h); B d_h × s or s × d_h).
+/// AVX512-BF16 kernel (`ops::attention::bf16::native_scratch_bytes`): f32 buffers (forward the
+/// head's output and S; backward dq, dk, dv, and P and dP of a block of
+/// [`NATIVE_ATTN_BWD_ROWS`] query rows) and the packed operands of every product (forward: A
+/// up to s × max(s, d_h), B d_h × s or s × d_h; backward, of a block of m rows: A m × d_h,
+/// m × s or s × m, B d_h × s, s × d_h or m × d_h).
 pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
     let packed = packed_a_bytes(s, s.max(dh)) + packed_b_bytes(dh, s).max(packed_b_bytes(s, dh));
+    let m = NATIVE_ATTN_BWD_ROWS.min(s);
+    let packed_bwd = packed_a_bytes(m, dh)
+        .max(packed_a_bytes(m, s))
+        .max(packed_a_bytes(s, m))
+        + packed_b_bytes(dh, s)
+            .max(packed_b_bytes(s, dh))
+            .max(packed_b_bytes(m, dh));
     (
         4 * (s * dh + s * s) + packed,
-        4 * (3 * s * dh + 2 * s * s) + packed,
+        4 * (3 * s * dh + 2 * m * s) + packed_bwd,
     )
 }
 

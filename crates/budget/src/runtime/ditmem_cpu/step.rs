@@ -416,8 +416,9 @@ impl<'a> Replay<'a> {
 
         let gx_bytes = self.backward_blocks(live, mb, fs.bwd_leaf_grads);
 
-        // Embed backward.
+        // Embed backward: gx and the conditioning's gradients move into its seeds.
         let es = &sims.embed;
+        live.workspace -= gx_bytes + self.bd;
         let mut inside = *live;
         inside.workspace += es.root + es.bwd_peak;
         inside.activations -= es.bwd_released;
@@ -435,7 +436,7 @@ impl<'a> Replay<'a> {
         // x0, c, gx and gc are dropped; the other locals of `microbatch` (patches, timestep
         // features, t_emb, y_emb and what they still hold) and the microbatch slice (if any)
         // live until the function returns, just after this mark.
-        live.workspace -= es.bwd_store + gx_bytes + self.bd;
+        live.workspace -= es.bwd_store;
         live.activations -= es.activations + es.output + sims.c_leaf;
         live.weight_casts -= es.weight_casts;
         live.activations += sims.embed_tail.0;
@@ -451,7 +452,6 @@ impl<'a> Replay<'a> {
         for i in (0..self.spec.model.depth).rev() {
             let bs = self.seg_of(i);
             let e = self.input_bytes(i);
-            let mut inside = *live;
             if self.recomputed(i) {
                 // Leaf copy of the saved input; the input is freed unless the previous block's
                 // stored output (or x0) still holds it.
@@ -460,14 +460,17 @@ impl<'a> Replay<'a> {
                 if !input_held {
                     live.activations -= e;
                 }
-                inside = *live;
+                let mut inside = *live;
                 inside.activations += bs.fwd_peak - bs.leaf;
                 let what = format!("block {i} recompute (inside)");
                 self.mark(Phase::Backward, what, Some(i), mb, true, inside);
                 live.activations += bs.activations + bs.output;
                 live.weight_casts += bs.weight_casts;
-                inside = *live;
             }
+            // gx moves into the block's seed (`ops::backward_from`), which frees it once it
+            // reaches the output's entry: the segment's backward counts it from here.
+            live.workspace -= gx_bytes;
+            let mut inside = *live;
             inside.workspace += bs.root + bs.bwd_peak;
             inside.activations -= bs.bwd_released;
             let what = format!("block {i} (inside)");
@@ -478,9 +481,8 @@ impl<'a> Replay<'a> {
             live.weight_casts -= bs.weight_casts;
             let what = format!("block {i} grads (inside)");
             self.land_event(live, mb, self.landing_of(i), what, Some(i));
-            // gx replaced by the leaf's grad; drop(grads); drop(leaf).
+            // gx is the leaf's grad now; drop(grads); drop(leaf).
             live.workspace -= bs.bwd_store;
-            live.workspace -= gx_bytes;
             live.workspace += bs.bwd_leaf_grads;
             gx_bytes = bs.bwd_leaf_grads;
             live.activations -= bs.leaf;

@@ -34,7 +34,7 @@ pub fn applies() -> bool {
 }
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
-/// a head: A is at most s × max(s, d_h), B either d_h × s or s × d_h.
+/// a head's forward: A is at most s × max(s, d_h), B either d_h × s or s × d_h.
 pub fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
     (
         packed_a_len(s, s.max(dh)),
@@ -42,13 +42,34 @@ pub fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
     )
 }
 
+/// Query rows per block of [`backward`]: P and dP of a block are this × s, not s × s (at 1,024
+/// tokens 1 MiB per thread instead of 8 MiB). Twice the kernel's depth block
+/// (`gemm_bf16::KC_PAIRS` pairs), so that dk and dv, summed over the blocks, add one depth
+/// block at a time as one product over all queries does. Budget twin:
+/// `ditmem_budget::ditmem_cpu::ops::NATIVE_ATTN_BWD_ROWS`.
+pub const NATIVE_BWD_ROWS: usize = 2 * gemm_bf16::KC_PAIRS;
+
+/// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
+/// [`backward`]'s blocks of m = min(s, [`NATIVE_BWD_ROWS`]) rows: A is m × d_h (the block's dO
+/// or q), m × s (dS) or s × m (Pᵀ, dSᵀ); B is d_h × s (kᵀ, vᵀ), s × d_h (k) or m × d_h (dO, q).
+pub fn packed_lens_bwd(s: usize, dh: usize) -> (usize, usize) {
+    let m = NATIVE_BWD_ROWS.min(s);
+    (
+        packed_a_len(m, dh)
+            .max(packed_a_len(m, s))
+            .max(packed_a_len(s, m)),
+        packed_b_len(dh, s)
+            .max(packed_b_len(s, dh))
+            .max(packed_b_len(m, dh)),
+    )
+}
+
 /// Bytes of one thread's scratch: the f32 buffers and the packed operands, forward or backward.
 pub fn native_scratch_bytes(s: usize, dh: usize, backward: bool) -> u64 {
-    let (pa, pb) = packed_lens(s, dh);
-    let f = if backward {
-        AttnGeom::native_f32_bwd(s, dh)
+    let ((pa, pb), f) = if backward {
+        (packed_lens_bwd(s, dh), AttnGeom::native_f32_bwd(s, dh))
     } else {
-        AttnGeom::native_f32_fwd(s, dh)
+        (packed_lens(s, dh), AttnGeom::native_f32_fwd(s, dh))
     };
     (f * 4 + pa * 4 + pb * 2) as u64
 }
@@ -73,9 +94,10 @@ impl AttnGeom {
     pub fn native_f32_fwd(s: usize, dh: usize) -> usize {
         s * dh + s * s
     }
-    /// f32 elements of one thread's backward scratch: dq, dk, dv, P and dP.
+    /// f32 elements of one thread's backward scratch: dq, dk, dv, and P and dP of a block of
+    /// [`NATIVE_BWD_ROWS`] query rows.
     pub fn native_f32_bwd(s: usize, dh: usize) -> usize {
-        3 * s * dh + 2 * s * s
+        3 * s * dh + 2 * NATIVE_BWD_ROWS.min(s) * s
     }
 }
 
@@ -187,6 +209,23 @@ fn product<TA: ToBf16, TB: ToBf16>(
     gemm_packed_serial(m, n, k, pa, pb, c, n);
 }
 
+/// c += a·b on the kernel, on the calling thread.
+#[allow(clippy::too_many_arguments)]
+fn accumulate<TA: ToBf16, TB: ToBf16>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View<'_, TA>,
+    b: View<'_, TB>,
+    c: &mut [f32],
+    pa: &mut [u32],
+    pb: &mut [u16],
+) {
+    pack_a_serial(m, k, a, pa);
+    pack_b_serial(k, n, b, pb);
+    gemm_packed_serial(m, n, k, pa, pb, c, n);
+}
+
 /// P of one head (softmax of the scaled scores) into `p`, on the calling thread.
 fn probabilities(
     h: &Head<'_>,
@@ -265,7 +304,10 @@ pub fn forward(
     (out, saved)
 }
 
-/// Backward of all heads: dqkv (b·s, 3D).
+/// Backward of all heads: dqkv (b·s, 3D). Each head runs by blocks of [`NATIVE_BWD_ROWS`]
+/// query rows: the block's P (from the kept one, or recomputed) and dP = dO·vᵀ, dS = P∘(dP −
+/// Σ dP·P) in place, dq of the block's rows = dS·k, and dv += Pᵀ·dO, dk += dSᵀ·q summed over
+/// the blocks in order.
 pub fn backward(
     qkv: &[bf16],
     go_all: &[bf16],
@@ -286,79 +328,99 @@ pub fn backward(
     // Written whole through raw pointers below, then given its length: no zeroing.
     let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
     let per = AttnGeom::native_f32_bwd(s, dh);
-    let (pa_len, pb_len) = packed_lens(s, dh);
+    let (pa_len, pb_len) = packed_lens_bwd(s, dh);
     let scale = crate::mutation::attention_scale(dh) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
+    let rows = NATIVE_BWD_ROWS.min(s);
     for_each_head(nh, per, pa_len, pb_len, |hi, sc, pa, pb| {
         let (dq, rest) = sc.split_at_mut(s * dh);
         let (dk, rest) = rest.split_at_mut(s * dh);
         let (dv, rest) = rest.split_at_mut(s * dh);
-        let (p, dp) = rest.split_at_mut(s * s);
+        let (p, dp) = rest.split_at_mut(rows * s);
         let (bi, hd) = (hi / g.a, hi % g.a);
         let h = head(qkv, g, bi, hd);
-        let go = View {
-            data: &go_all[bi * s * d + hd * dh..],
-            rs: d,
-            cs: 1,
-        };
-        let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
-            Some(ps) => {
-                for (x, y) in p.iter_mut().zip(&ps[hi * s * s..][..s * s]) {
-                    *x = y.to_f32();
-                }
-            }
-            None => {
-                // Recomputed and rounded as the stored mode keeps it (bitwise twins).
-                probabilities(&h, s, dh, scale, p, pa, pb);
-                for x in p.iter_mut() {
-                    *x = bf16::from_f32(*x).to_f32();
-                }
-            }
-        };
-        load_p(p, pa, pb);
-        // dP̃ = dO·vᵀ.
-        product(s, s, dh, go, h.vt, dp, pa, pb);
-        if let Some(dr) = dropout {
-            // dv = (P∘M)ᵀ·dO: scale P in place, rebuild it after.
-            for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
-                let mk = mask_at::<f32>(dr, hi * s * s + i);
-                *x *= mk;
-                *y *= mk;
-            }
-            let pt = View {
-                data: &*p,
-                rs: 1,
-                cs: s,
+        dk.fill(0.0);
+        dv.fill(0.0);
+        let mut i0 = 0;
+        while i0 < s {
+            let m = rows.min(s - i0);
+            let (p, dp) = (&mut p[..m * s], &mut dp[..m * s]);
+            // The block's rows of q and dO, and where its P and mask start.
+            let qb = View {
+                data: &h.q.data[i0 * 3 * d..],
+                rs: 3 * d,
+                cs: 1,
             };
-            product(s, dh, s, pt, go, dv, pa, pb);
+            let go = View {
+                data: &go_all[(bi * s + i0) * d + hd * dh..],
+                rs: d,
+                cs: 1,
+            };
+            let at = hi * s * s + i0 * s;
+            let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
+                Some(ps) => {
+                    for (x, y) in p.iter_mut().zip(&ps[at..][..m * s]) {
+                        *x = y.to_f32();
+                    }
+                }
+                None => {
+                    // Recomputed and rounded as the stored mode keeps it (bitwise twins).
+                    product(m, s, dh, qb, h.kt, p, pa, pb);
+                    for x in p.iter_mut() {
+                        *x *= scale;
+                    }
+                    vecmath::softmax_rows(p, s);
+                    for x in p.iter_mut() {
+                        *x = bf16::from_f32(*x).to_f32();
+                    }
+                }
+            };
             load_p(p, pa, pb);
-        } else {
-            let pt = View {
-                data: &*p,
+            // dP̃ = dO·vᵀ.
+            product(m, s, dh, go, h.vt, dp, pa, pb);
+            if let Some(dr) = dropout {
+                // dv += (P∘M)ᵀ·dO: scale P in place, rebuild it after.
+                for (i, (x, y)) in p.iter_mut().zip(dp.iter_mut()).enumerate() {
+                    let mk = mask_at::<f32>(dr, at + i);
+                    *x *= mk;
+                    *y *= mk;
+                }
+                let pt = View {
+                    data: &*p,
+                    rs: 1,
+                    cs: s,
+                };
+                accumulate(s, dh, m, pt, go, dv, pa, pb);
+                load_p(p, pa, pb);
+            } else {
+                let pt = View {
+                    data: &*p,
+                    rs: 1,
+                    cs: s,
+                };
+                accumulate(s, dh, m, pt, go, dv, pa, pb);
+            }
+            // dS = P∘(dP − Σ_j dP·P), in dp.
+            for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
+                let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                for (a, b) in pr.iter().zip(dr.iter_mut()) {
+                    *b = *a * (*b - delta);
+                }
+            }
+            let ds = View {
+                data: &*dp,
+                rs: s,
+                cs: 1,
+            };
+            product(m, dh, s, ds, h.k, &mut dq[i0 * dh..], pa, pb);
+            let dst = View {
+                data: &*dp,
                 rs: 1,
                 cs: s,
             };
-            product(s, dh, s, pt, go, dv, pa, pb);
+            accumulate(s, dh, m, dst, qb, dk, pa, pb);
+            i0 += m;
         }
-        // dS = P∘(dP − Σ_j dP·P), in dp.
-        for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
-            let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-            for (a, b) in pr.iter().zip(dr.iter_mut()) {
-                *b = *a * (*b - delta);
-            }
-        }
-        let ds = View {
-            data: &*dp,
-            rs: s,
-            cs: 1,
-        };
-        product(s, dh, s, ds, h.k, dq, pa, pb);
-        let dst = View {
-            data: &*dp,
-            rs: 1,
-            cs: s,
-        };
-        product(s, dh, s, dst, h.q, dk, pa, pb);
         // SAFETY: `pd` points to dqkv's b·s·3D elements (its capacity) and head (bi, hd) is this
         // task's alone, so no other thread writes its q, k, v columns.
         unsafe { write_dqkv(&pd, g, (bi, hd), dq, dk, dv, scale) };

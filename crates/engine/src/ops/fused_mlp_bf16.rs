@@ -1,0 +1,141 @@
+//! fc2's and the GELU's backward of the fused MLP ([`super::fused_mlp`]) on bf16 with the
+//! AVX512-BF16 kernel ([`crate::kernels::gemm_bf16`]), by chunks of [`LINEAR_ROWS`] rows: per
+//! chunk dh_c = g_c·W2 (an f32 chunk narrowed to bf16), h_c = gelu(u_c) for dW2 += g_cᵀ·h_c and
+//! db2 += Σ g_c, then du_c = dh_c ⊙ gelu'(u_c) written over u_c. Budget twin: the AVX512-BF16
+//! branch of `ditmem_budget::ditmem_cpu::ops::fused_mlp_scratch`.
+//!
+//! Why: over the whole rows this backward made dh = g·W2 beside u, two rows × ffn buffers at
+//! once (u then became h for dW2 and dh became du): at DiT-S/2 bf16, 4,096 rows × ffn 1,536, a
+//! second 12 MiB beside u in the MLP's backward, the block's worst moment under recompute. By
+//! chunks nothing rows-wide is made beside u, which becomes du.
+//!
+//! Numerics: the same kernel calls, chunk for chunk, as the linear's bf16 backward
+//! (`linear/bf16.rs`: dh as its dx, dW2 and db2 as its dW and db with x = gelu(u)), and the
+//! GELU's per-element maps: the same bits as the whole-rows order.
+
+use half::bf16;
+
+use super::gelu::GeluSlice;
+use super::linear::{add_column_sums, GradFromF32, LINEAR_ROWS};
+use crate::kernels::gemm_bf16::{
+    gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, ToBf16, View,
+};
+use crate::kernels::vecmath;
+
+/// Workspace bytes of [`fc2_gelu_bwd_bf16`] for `(rows, ffn, out)` with dW2 / db2 wanted
+/// (`w2`, `b2`), beyond u and the gradients it returns: packed W2, a packed g chunk, an f32 dh
+/// chunk and its bf16 narrowing; for dW2 a bf16 h chunk, the f32 dW2 (none for an f32 master
+/// weight, `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed h chunk; for
+/// db2 an f32 db2 (likewise). All allocated before the first product.
+pub fn fc2_gelu_bwd_bf16_scratch(
+    (rows, ffn, out): (usize, usize, usize),
+    (w2, b2): (bool, bool),
+    master: bool,
+) -> u64 {
+    let r = LINEAR_ROWS.min(rows);
+    let acc = if master { 0 } else { 4 };
+    let mut n = 2 * packed_b_len(out, ffn) + 4 * packed_a_len(r, out) + (4 + 2) * r * ffn;
+    if w2 {
+        n += 2 * r * ffn + acc * out * ffn + 4 * packed_a_len(out, r) + 2 * packed_b_len(r, ffn);
+    }
+    if b2 {
+        n += acc * out;
+    }
+    n as u64
+}
+
+/// u (rows × ffn, fc1's output) becomes du = (g·W2) ⊙ gelu'(u) in place; returns dW2 and db2
+/// (when wanted) in W2's dtype. g: the output gradient (rows × out); W2: (out × ffn).
+#[allow(clippy::type_complexity)]
+pub(super) fn fc2_gelu_bwd_bf16<W: ToBf16 + GradFromF32>(
+    u: &mut [bf16],
+    w2: &[W],
+    g: &[bf16],
+    (rows, ffn, out): (usize, usize, usize),
+    (want_w, want_b): (bool, bool),
+) -> (Option<Vec<W>>, Option<Vec<W>>) {
+    debug_assert!(u.len() == rows * ffn && g.len() == rows * out && w2.len() == out * ffn);
+    let r = LINEAR_ROWS.min(rows);
+    // dh: B = W2 (out × ffn) as stored; A = the g chunk; an f32 chunk, then its bf16 narrowing.
+    let mut pw = vec![0u16; packed_b_len(out, ffn)];
+    pack_b(
+        out,
+        ffn,
+        View {
+            data: w2,
+            rs: ffn,
+            cs: 1,
+        },
+        &mut pw,
+    );
+    let mut pa = vec![0u32; packed_a_len(r, out)];
+    let mut c = vec![0f32; r * ffn];
+    let mut dh = vec![bf16::ZERO; r * ffn];
+    // dW2: a bf16 h chunk; f32 dW2 (out × ffn); A = gᵀ chunk (out × n), B = h chunk (n × ffn).
+    let mut gw = want_w.then(|| {
+        (
+            vec![bf16::ZERO; r * ffn],
+            vec![0f32; out * ffn],
+            vec![0u32; packed_a_len(out, r)],
+            vec![0u16; packed_b_len(r, ffn)],
+        )
+    });
+    let mut db32: Option<Vec<f32>> = want_b.then(|| vec![0.0; out]);
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = r.min(rows - r0);
+        let gc = &g[r0 * out..(r0 + n) * out];
+        let uc = &mut u[r0 * ffn..(r0 + n) * ffn];
+        pack_a(
+            n,
+            out,
+            View {
+                data: gc,
+                rs: out,
+                cs: 1,
+            },
+            &mut pa,
+        );
+        c[..n * ffn].fill(0.0);
+        gemm_packed(n, ffn, out, &pa, &pw, &mut c, ffn);
+        vecmath::narrow_into(&c[..n * ffn], &mut dh[..n * ffn]);
+        if let Some((h, dw32, pga, pbh)) = gw.as_mut() {
+            let h = &mut h[..n * ffn];
+            h.copy_from_slice(uc);
+            <bf16 as GeluSlice>::gelu_over(h);
+            pack_a(
+                out,
+                n,
+                View {
+                    data: gc,
+                    rs: 1,
+                    cs: out,
+                },
+                pga,
+            );
+            pack_b(
+                n,
+                ffn,
+                View {
+                    data: &*h,
+                    rs: ffn,
+                    cs: 1,
+                },
+                pbh,
+            );
+            gemm_packed(out, ffn, n, pga, pbh, dw32, ffn);
+        }
+        if let Some(db32) = db32.as_mut() {
+            add_column_sums(gc, out, db32);
+        }
+        // du_c = dh_c ⊙ gelu'(u_c), over u_c.
+        <bf16 as GeluSlice>::grad_over_input(uc, &dh[..n * ffn]);
+        r0 += n;
+    }
+    // Every buffer stays alive until the gradients are out (the budget's model of the op).
+    let dw = gw.map(|(h, dw32, pga, pbh)| (W::grad_from_f32(dw32), h, pga, pbh));
+    let db = db32.map(W::grad_from_f32);
+    let grads = (dw.map(|(d, _, _, _)| d), db);
+    drop((pw, pa, c, dh));
+    grads
+}
