@@ -203,10 +203,8 @@ fn product<TA: ToBf16, TB: ToBf16>(
     pa: &mut [u32],
     pb: &mut [u16],
 ) {
-    pack_a_serial(m, k, a, pa);
-    pack_b_serial(k, n, b, pb);
     c[..m * n].fill(0.0);
-    gemm_packed_serial(m, n, k, pa, pb, c, n);
+    accumulate(m, n, k, a, b, c, pa, pb);
 }
 
 /// c += a·b on the kernel, on the calling thread.
