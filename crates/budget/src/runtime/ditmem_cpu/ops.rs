@@ -816,17 +816,19 @@ pub const FUSED_ATTN_QUERY_BLOCK: u64 = 64;
 /// Bytes of one thread's scratch (forward, backward) of the engine's streaming bf16 attention on
 /// the AVX512-BF16 kernel with key blocks of `kb` (`ops::attention::bf16::streaming_scratch_bytes`).
 /// Forward: f32 output accumulator, a block of scores, row max and sum; packed q, a packed block
-/// of P, a packed B (a block of kᵀ or v). Backward: f32 dq, dk, dv, blocks of P and dP, the row
-/// deltas; packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ), a packed B (a block of kᵀ,
-/// vᵀ or k, or all of dO or q).
+/// of P, a packed B (a block of kᵀ or v). Backward, by blocks of [`NATIVE_ATTN_BWD_ROWS`]
+/// queries: f32 dq, dk, dv, blocks of P and dP, the row deltas; the query block's packed q and
+/// dO, a packed A of a block (Pᵀ, dS or dSᵀ), a packed B (a block of kᵀ, vᵀ or k, or the query
+/// block's dO or q).
 pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
-    let a_qd = packed_a_bytes(s, dh);
-    let a_blk = packed_a_bytes(s, kb).max(packed_a_bytes(kb, s));
     let b_fwd = packed_b_bytes(dh, kb).max(packed_b_bytes(kb, dh));
-    let b_bwd = b_fwd.max(packed_b_bytes(s, dh));
+    let qb = NATIVE_ATTN_BWD_ROWS.min(s);
+    let a_qd = packed_a_bytes(qb, dh);
+    let a_blk = packed_a_bytes(qb, kb).max(packed_a_bytes(kb, qb));
+    let b_bwd = b_fwd.max(packed_b_bytes(qb, dh));
     (
-        4 * (s * dh + s * kb + 2 * s) + a_qd + packed_a_bytes(s, kb) + b_fwd,
-        4 * (3 * s * dh + 2 * s * kb + s) + 2 * a_qd + a_blk + b_bwd,
+        4 * (s * dh + s * kb + 2 * s) + packed_a_bytes(s, dh) + packed_a_bytes(s, kb) + b_fwd,
+        4 * (3 * s * dh + 2 * qb * kb + s) + 2 * a_qd + a_blk + b_bwd,
     )
 }
 

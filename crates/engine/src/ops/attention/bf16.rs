@@ -76,16 +76,19 @@ pub fn native_scratch_bytes(s: usize, dh: usize, backward: bool) -> u64 {
 
 /// Bytes of one thread's scratch of the streaming mode with key blocks of `kb` (forward,
 /// backward). Forward: the f32 output accumulator, a block of scores, row max and sum; packed q,
-/// a packed block of P and a packed B (a block of kᵀ or v). Backward: f32 dq, dk, dv, a block of
-/// P and of dP, the row deltas; packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ) and a
-/// packed B (a block of kᵀ, vᵀ or k, or all of dO or q).
+/// a packed block of P and a packed B (a block of kᵀ or v). Backward, by blocks of
+/// [`NATIVE_BWD_ROWS`] queries: f32 dq, dk, dv, a block of P and of dP, the row deltas; the
+/// query block's packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ) and a packed B (a
+/// block of kᵀ, vᵀ or k, or the query block's dO or q).
 pub fn streaming_scratch_bytes(s: usize, dh: usize, kb: usize) -> (u64, u64) {
-    let a_qd = packed_a_len(s, dh);
-    let a_blk = packed_a_len(s, kb).max(packed_a_len(kb, s));
+    let a_fwd = packed_a_len(s, dh);
     let b_fwd = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
-    let b_bwd = b_fwd.max(packed_b_len(s, dh));
-    let fwd = 4 * (s * dh + s * kb + 2 * s) + 4 * (a_qd + packed_a_len(s, kb)) + 2 * b_fwd;
-    let bwd = 4 * (3 * s * dh + 2 * s * kb + s) + 4 * (2 * a_qd + a_blk) + 2 * b_bwd;
+    let fwd = 4 * (s * dh + s * kb + 2 * s) + 4 * (a_fwd + packed_a_len(s, kb)) + 2 * b_fwd;
+    let qb = NATIVE_BWD_ROWS.min(s);
+    let a_qd = packed_a_len(qb, dh);
+    let a_blk = packed_a_len(qb, kb).max(packed_a_len(kb, qb));
+    let b_bwd = b_fwd.max(packed_b_len(qb, dh));
+    let bwd = 4 * (3 * s * dh + 2 * qb * kb + s) + 4 * (2 * a_qd + a_blk) + 2 * b_bwd;
     (fwd as u64, bwd as u64)
 }
 
@@ -544,35 +547,31 @@ pub fn backward_streaming(
 ) -> CResult<Vec<bf16>> {
     let (s, dh, d) = (g.s, g.dh, g.d());
     let (nh, kb) = (g.heads(), g.kb());
+    let qb = NATIVE_BWD_ROWS.min(s);
     let lse_all: &[f32] = match saved {
         Some(st) => st.as_slice::<f32>()?,
         None => return Err(err("attention backward: the log-sum-exp was not kept")),
     };
     // Written whole through raw pointers below, then given its length: no zeroing.
     let mut dqkv: Vec<bf16> = Vec::with_capacity(g.b * s * 3 * d);
-    let per = 3 * s * dh + 2 * s * kb + s;
-    let a_qd = packed_a_len(s, dh);
-    let a_blk = packed_a_len(s, kb).max(packed_a_len(kb, s));
+    let per = 3 * s * dh + 2 * qb * kb + s;
+    let a_qd = packed_a_len(qb, dh);
+    let a_blk = packed_a_len(qb, kb).max(packed_a_len(kb, qb));
     let b_len = packed_b_len(dh, kb)
         .max(packed_b_len(kb, dh))
-        .max(packed_b_len(s, dh));
+        .max(packed_b_len(qb, dh));
     let scale = crate::mutation::attention_scale(dh) as f32;
     let pd = SharedMut(dqkv.as_mut_ptr());
     for_each_head(nh, per, 2 * a_qd + a_blk, b_len, |hi, sc, pa, pb| {
         let (dq, rest) = sc.split_at_mut(s * dh);
         let (dk, rest) = rest.split_at_mut(s * dh);
         let (dv, rest) = rest.split_at_mut(s * dh);
-        let (pblk, rest) = rest.split_at_mut(s * kb);
-        let (dpblk, delta) = rest.split_at_mut(s * kb);
+        let (pblk, rest) = rest.split_at_mut(qb * kb);
+        let (dpblk, delta) = rest.split_at_mut(qb * kb);
         let (aq, rest) = pa.split_at_mut(a_qd);
         let (ado, ab) = rest.split_at_mut(a_qd);
         let (bi, hd) = (hi / g.a, hi % g.a);
         let h = head(qkv, g, bi, hd);
-        let go = View {
-            data: &go_all[bi * s * d + hd * dh..],
-            rs: d,
-            cs: 1,
-        };
         let lse = &lse_all[hi * s..][..s];
         // Δ_i = dO_i · o_i.
         for (i, dl) in delta.iter_mut().enumerate() {
@@ -584,91 +583,107 @@ pub fn backward_streaming(
                 .map(|(a, b)| a.to_f32() * b.to_f32())
                 .sum();
         }
-        pack_a_serial(s, dh, h.q, aq);
-        pack_a_serial(s, dh, go, ado);
         dq.fill(0.0);
-        let mut j0 = 0;
-        while j0 < s {
-            let n = kb.min(s - j0);
-            let p = &mut pblk[..s * n];
-            let dp = &mut dpblk[..s * n];
-            // P = exp(S·scale − lse).
-            let kt = View {
-                data: &h.kt.data[j0 * h.kt.cs..],
-                ..h.kt
+        dk.fill(0.0);
+        dv.fill(0.0);
+        // By blocks of qb queries, each over blocks of kb keys: dq of the query block, dk and dv
+        // of the key block summed over the query blocks in order.
+        let mut i0 = 0;
+        while i0 < s {
+            let m = qb.min(s - i0);
+            let qi = View {
+                data: &h.q.data[i0 * h.q.rs..],
+                ..h.q
             };
-            pack_b_serial(dh, n, kt, pb);
-            p.fill(0.0);
-            gemm_packed_serial(s, n, dh, aq, pb, p, n);
-            for x in p.iter_mut() {
-                *x *= scale;
-            }
-            vecmath::exp_rows(p, n, lse);
-            // dv_blk = P_blkᵀ·dO.
-            pack_a_serial(
-                n,
-                s,
-                View {
-                    data: &*p,
-                    rs: 1,
-                    cs: n,
-                },
-                ab,
-            );
-            pack_b_serial(s, dh, go, pb);
-            let dvb = &mut dv[j0 * dh..(j0 + n) * dh];
-            dvb.fill(0.0);
-            gemm_packed_serial(n, dh, s, ab, pb, dvb, dh);
-            // dP_blk = dO·v_blkᵀ.
-            let vt = View {
-                data: &h.vt.data[j0 * h.vt.cs..],
-                ..h.vt
+            let goi = View {
+                data: &go_all[(bi * s + i0) * d + hd * dh..],
+                rs: d,
+                cs: 1,
             };
-            pack_b_serial(dh, n, vt, pb);
-            dp.fill(0.0);
-            gemm_packed_serial(s, n, dh, ado, pb, dp, n);
-            // dS = P∘(dP − Δ).
-            for i in 0..s {
-                for (a, b) in p[i * n..(i + 1) * n]
-                    .iter()
-                    .zip(dp[i * n..(i + 1) * n].iter_mut())
-                {
-                    *b = *a * (*b - delta[i]);
+            pack_a_serial(m, dh, qi, aq);
+            pack_a_serial(m, dh, goi, ado);
+            let (lse_i, delta_i) = (&lse[i0..i0 + m], &delta[i0..i0 + m]);
+            let dqi = &mut dq[i0 * dh..(i0 + m) * dh];
+            let mut j0 = 0;
+            while j0 < s {
+                let n = kb.min(s - j0);
+                let p = &mut pblk[..m * n];
+                let dp = &mut dpblk[..m * n];
+                // P = exp(S·scale − lse).
+                let kt = View {
+                    data: &h.kt.data[j0 * h.kt.cs..],
+                    ..h.kt
+                };
+                pack_b_serial(dh, n, kt, pb);
+                p.fill(0.0);
+                gemm_packed_serial(m, n, dh, aq, pb, p, n);
+                for x in p.iter_mut() {
+                    *x *= scale;
                 }
+                vecmath::exp_rows(p, n, lse_i);
+                // dv_blk += Pᵀ·dO_i.
+                pack_a_serial(
+                    n,
+                    m,
+                    View {
+                        data: &*p,
+                        rs: 1,
+                        cs: n,
+                    },
+                    ab,
+                );
+                pack_b_serial(m, dh, goi, pb);
+                gemm_packed_serial(n, dh, m, ab, pb, &mut dv[j0 * dh..(j0 + n) * dh], dh);
+                // dP = dO_i·v_blkᵀ.
+                let vt = View {
+                    data: &h.vt.data[j0 * h.vt.cs..],
+                    ..h.vt
+                };
+                pack_b_serial(dh, n, vt, pb);
+                dp.fill(0.0);
+                gemm_packed_serial(m, n, dh, ado, pb, dp, n);
+                // dS = P∘(dP − Δ).
+                for i in 0..m {
+                    for (a, b) in p[i * n..(i + 1) * n]
+                        .iter()
+                        .zip(dp[i * n..(i + 1) * n].iter_mut())
+                    {
+                        *b = *a * (*b - delta_i[i]);
+                    }
+                }
+                // dq_i += dS·k_blk.
+                pack_a_serial(
+                    m,
+                    n,
+                    View {
+                        data: &*dp,
+                        rs: n,
+                        cs: 1,
+                    },
+                    ab,
+                );
+                let kblk = View {
+                    data: &h.k.data[j0 * h.k.rs..],
+                    ..h.k
+                };
+                pack_b_serial(n, dh, kblk, pb);
+                gemm_packed_serial(m, dh, n, ab, pb, dqi, dh);
+                // dk_blk += dSᵀ·q_i.
+                pack_a_serial(
+                    n,
+                    m,
+                    View {
+                        data: &*dp,
+                        rs: 1,
+                        cs: n,
+                    },
+                    ab,
+                );
+                pack_b_serial(m, dh, qi, pb);
+                gemm_packed_serial(n, dh, m, ab, pb, &mut dk[j0 * dh..(j0 + n) * dh], dh);
+                j0 += n;
             }
-            // dq += dS·k_blk.
-            pack_a_serial(
-                s,
-                n,
-                View {
-                    data: &*dp,
-                    rs: n,
-                    cs: 1,
-                },
-                ab,
-            );
-            let kblk = View {
-                data: &h.k.data[j0 * h.k.rs..],
-                ..h.k
-            };
-            pack_b_serial(n, dh, kblk, pb);
-            gemm_packed_serial(s, dh, n, ab, pb, dq, dh);
-            // dk_blk = dSᵀ·q.
-            pack_a_serial(
-                n,
-                s,
-                View {
-                    data: &*dp,
-                    rs: 1,
-                    cs: n,
-                },
-                ab,
-            );
-            pack_b_serial(s, dh, h.q, pb);
-            let dkb = &mut dk[j0 * dh..(j0 + n) * dh];
-            dkb.fill(0.0);
-            gemm_packed_serial(n, dh, s, ab, pb, dkb, dh);
-            j0 += n;
+            i0 += m;
         }
         // SAFETY: `pd` points to dqkv's b·s·3D elements (its capacity) and head (bi, hd) is this
         // task's alone, so no other thread writes its q, k, v columns.
