@@ -9,17 +9,15 @@
 //! second 12 MiB beside u in the MLP's backward, the block's worst moment under recompute. By
 //! chunks nothing rows-wide is made beside u, which becomes du.
 //!
-//! Numerics: the same kernel calls, chunk for chunk, as the linear's bf16 backward
-//! (`linear/bf16.rs`: dh as its dx, dW2 and db2 as its dW and db with x = gelu(u)), and the
+//! Numerics: the linear's bf16 backward's own chunk steps (`linear::dx_chunk` for dh,
+//! `linear::dw_chunk` and its column sums for dW2 and db2 with x = gelu(u)), and the
 //! GELU's per-element maps: the same bits as the whole-rows order.
 
 use half::bf16;
 
 use super::gelu::GeluSlice;
-use super::linear::{add_column_sums, GradFromF32, LINEAR_ROWS};
-use crate::kernels::gemm_bf16::{
-    gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, ToBf16, View,
-};
+use super::linear::{add_column_sums, dw_chunk, dx_chunk, GradFromF32, LINEAR_ROWS};
+use crate::kernels::gemm_bf16::{pack_b, packed_a_len, packed_b_len, ToBf16, View};
 use crate::kernels::vecmath;
 
 /// Workspace bytes of [`fc2_gelu_bwd_bf16`] for `(rows, ffn, out)` with dW2 / db2 wanted
@@ -86,44 +84,13 @@ pub(super) fn fc2_gelu_bwd_bf16<W: ToBf16 + GradFromF32>(
         let n = r.min(rows - r0);
         let gc = &g[r0 * out..(r0 + n) * out];
         let uc = &mut u[r0 * ffn..(r0 + n) * ffn];
-        pack_a(
-            n,
-            out,
-            View {
-                data: gc,
-                rs: out,
-                cs: 1,
-            },
-            &mut pa,
-        );
-        c[..n * ffn].fill(0.0);
-        gemm_packed(n, ffn, out, &pa, &pw, &mut c, ffn);
+        dx_chunk(gc, &pw, (n, ffn, out), &mut pa, &mut c);
         vecmath::narrow_into(&c[..n * ffn], &mut dh[..n * ffn]);
         if let Some((h, dw32, pga, pbh)) = gw.as_mut() {
             let h = &mut h[..n * ffn];
             h.copy_from_slice(uc);
             <bf16 as GeluSlice>::gelu_over(h);
-            pack_a(
-                out,
-                n,
-                View {
-                    data: gc,
-                    rs: 1,
-                    cs: out,
-                },
-                pga,
-            );
-            pack_b(
-                n,
-                ffn,
-                View {
-                    data: &*h,
-                    rs: ffn,
-                    cs: 1,
-                },
-                pbh,
-            );
-            gemm_packed(out, ffn, n, pga, pbh, dw32, ffn);
+            dw_chunk(gc, h, (n, ffn, out), (pga, pbh), dw32);
         }
         if let Some(db32) = db32.as_mut() {
             add_column_sums(gc, out, db32);

@@ -194,6 +194,15 @@ fn head<'a>(qkv: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> Head<'a> {
     }
 }
 
+/// The output gradient of head (bi, hd) as a view on dO (b·s, D).
+fn head_go<'a>(go_all: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> View<'a, bf16> {
+    View {
+        data: &go_all[bi * g.s * g.d() + hd * g.dh..],
+        rs: g.d(),
+        cs: 1,
+    }
+}
+
 /// c = a·b on the kernel, on the calling thread (c is overwritten).
 #[allow(clippy::too_many_arguments)]
 fn product<TA: ToBf16, TB: ToBf16>(
@@ -227,21 +236,31 @@ fn accumulate<TA: ToBf16, TB: ToBf16>(
     gemm_packed_serial(m, n, k, pa, pb, c, n);
 }
 
-/// P of one head (softmax of the scaled scores) into `p`, on the calling thread.
+/// The rows of `v` from row `i0` on.
+fn from_row<T>(v: View<'_, T>, i0: usize) -> View<'_, T> {
+    View {
+        data: &v.data[i0 * v.rs..],
+        ..v
+    }
+}
+
+/// P of `m` query rows `q` of one head over its s keys (softmax of the scaled scores) into
+/// `p` (m × s), on the calling thread.
+#[allow(clippy::too_many_arguments)]
 fn probabilities(
     h: &Head<'_>,
-    s: usize,
-    dh: usize,
+    q: View<'_, bf16>,
+    (m, s, dh): (usize, usize, usize),
     scale: f32,
     p: &mut [f32],
     pa: &mut [u32],
     pb: &mut [u16],
 ) {
-    product(s, s, dh, h.q, h.kt, p, pa, pb);
-    for x in p[..s * s].iter_mut() {
+    product(m, s, dh, q, h.kt, p, pa, pb);
+    for x in p[..m * s].iter_mut() {
         *x *= scale;
     }
-    vecmath::softmax_rows(&mut p[..s * s], s);
+    vecmath::softmax_rows(&mut p[..m * s], s);
 }
 
 /// Forward of all heads: the output (b·s, D) and, when `save`, P (b·a·s², bf16).
@@ -266,7 +285,7 @@ pub fn forward(
         let (o, p) = sc.split_at_mut(s * dh);
         let (bi, hd) = (hi / g.a, hi % g.a);
         let h = head(qkv, g, bi, hd);
-        probabilities(&h, s, dh, scale, p, pa, pb);
+        probabilities(&h, h.q, (s, s, dh), scale, p, pa, pb);
         if save_p {
             for (i, v) in p.iter().enumerate() {
                 // SAFETY: i < s², hi < b·a, and `p_keep` has capacity b·a·s² when P is saved, so
@@ -340,6 +359,7 @@ pub fn backward(
         let (p, dp) = rest.split_at_mut(rows * s);
         let (bi, hd) = (hi / g.a, hi % g.a);
         let h = head(qkv, g, bi, hd);
+        let go_head = head_go(go_all, g, bi, hd);
         dk.fill(0.0);
         dv.fill(0.0);
         let mut i0 = 0;
@@ -347,16 +367,7 @@ pub fn backward(
             let m = rows.min(s - i0);
             let (p, dp) = (&mut p[..m * s], &mut dp[..m * s]);
             // The block's rows of q and dO, and where its P and mask start.
-            let qb = View {
-                data: &h.q.data[i0 * 3 * d..],
-                rs: 3 * d,
-                cs: 1,
-            };
-            let go = View {
-                data: &go_all[(bi * s + i0) * d + hd * dh..],
-                rs: d,
-                cs: 1,
-            };
+            let (qi, go) = (from_row(h.q, i0), from_row(go_head, i0));
             let at = hi * s * s + i0 * s;
             let load_p = |p: &mut [f32], pa: &mut [u32], pb: &mut [u16]| match p_saved {
                 Some(ps) => {
@@ -366,11 +377,7 @@ pub fn backward(
                 }
                 None => {
                     // Recomputed and rounded as the stored mode keeps it (bitwise twins).
-                    product(m, s, dh, qb, h.kt, p, pa, pb);
-                    for x in p.iter_mut() {
-                        *x *= scale;
-                    }
-                    vecmath::softmax_rows(p, s);
+                    probabilities(&h, qi, (m, s, dh), scale, p, pa, pb);
                     for x in p.iter_mut() {
                         *x = bf16::from_f32(*x).to_f32();
                     }
@@ -386,20 +393,15 @@ pub fn backward(
                     *x *= mk;
                     *y *= mk;
                 }
-                let pt = View {
-                    data: &*p,
-                    rs: 1,
-                    cs: s,
-                };
-                accumulate(s, dh, m, pt, go, dv, pa, pb);
+            }
+            let pt = View {
+                data: &*p,
+                rs: 1,
+                cs: s,
+            };
+            accumulate(s, dh, m, pt, go, dv, pa, pb);
+            if dropout.is_some() {
                 load_p(p, pa, pb);
-            } else {
-                let pt = View {
-                    data: &*p,
-                    rs: 1,
-                    cs: s,
-                };
-                accumulate(s, dh, m, pt, go, dv, pa, pb);
             }
             // dS = P∘(dP − Σ_j dP·P), in dp.
             for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
@@ -419,7 +421,7 @@ pub fn backward(
                 rs: 1,
                 cs: s,
             };
-            accumulate(s, dh, m, dst, qb, dk, pa, pb);
+            accumulate(s, dh, m, dst, qi, dk, pa, pb);
             i0 += m;
         }
         // SAFETY: `pd` points to dqkv's b·s·3D elements (its capacity) and head (bi, hd) is this
@@ -572,6 +574,7 @@ pub fn backward_streaming(
         let (ado, ab) = rest.split_at_mut(a_qd);
         let (bi, hd) = (hi / g.a, hi % g.a);
         let h = head(qkv, g, bi, hd);
+        let go_head = head_go(go_all, g, bi, hd);
         let lse = &lse_all[hi * s..][..s];
         // Δ_i = dO_i · o_i.
         for (i, dl) in delta.iter_mut().enumerate() {
@@ -591,15 +594,7 @@ pub fn backward_streaming(
         let mut i0 = 0;
         while i0 < s {
             let m = qb.min(s - i0);
-            let qi = View {
-                data: &h.q.data[i0 * h.q.rs..],
-                ..h.q
-            };
-            let goi = View {
-                data: &go_all[(bi * s + i0) * d + hd * dh..],
-                rs: d,
-                cs: 1,
-            };
+            let (qi, goi) = (from_row(h.q, i0), from_row(go_head, i0));
             pack_a_serial(m, dh, qi, aq);
             pack_a_serial(m, dh, goi, ado);
             let (lse_i, delta_i) = (&lse[i0..i0 + m], &delta[i0..i0 + m]);

@@ -63,6 +63,51 @@ pub(super) fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
     y
 }
 
+/// dx of a chunk of n rows into the f32 `c` (n × in): c = g_c·W from the chunk's gradient
+/// `gc` (n × out) and W packed whole as B (`pw`), through the packed A `pa`.
+pub(crate) fn dx_chunk(
+    gc: &[half::bf16],
+    pw: &[u16],
+    (n, inp, out): (usize, usize, usize),
+    pa: &mut [u32],
+    c: &mut [f32],
+) {
+    use gemm_bf16::{gemm_packed, pack_a, View};
+    let g = View {
+        data: gc,
+        rs: out,
+        cs: 1,
+    };
+    pack_a(n, out, g, pa);
+    c[..n * inp].fill(0.0);
+    gemm_packed(n, inp, out, pa, pw, c, inp);
+}
+
+/// dW += g_cᵀ·x_c for a chunk of n rows: gc (n × out), xc (n × in), the f32 `dw32` (out × in),
+/// through the packed gᵀ `pa` and packed x `pb`.
+pub(crate) fn dw_chunk(
+    gc: &[half::bf16],
+    xc: &[half::bf16],
+    (n, inp, out): (usize, usize, usize),
+    (pa, pb): (&mut [u32], &mut [u16]),
+    dw32: &mut [f32],
+) {
+    use gemm_bf16::{gemm_packed, pack_a, pack_b, View};
+    let gt = View {
+        data: gc,
+        rs: 1,
+        cs: out,
+    };
+    pack_a(out, n, gt, pa);
+    let x = View {
+        data: xc,
+        rs: inp,
+        cs: 1,
+    };
+    pack_b(n, inp, x, pb);
+    gemm_packed(out, inp, n, pa, pb, dw32, inp);
+}
+
 /// bf16 backward on the AVX512-BF16 kernel, by chunks of [`LINEAR_ROWS`] rows: dx = g·W into an
 /// f32 chunk, dW += gᵀ·x and db += Σ g in f32 over all chunks. The dx output, then all workspace,
 /// are allocated before the first product. dW and db are returned in the weight's dtype: for an
@@ -76,7 +121,7 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     (rows, inp, out): (usize, usize, usize),
     want: LinearGrads,
 ) -> (Option<Vec<half::bf16>>, Option<Vec<W>>, Option<Vec<W>>) {
-    use gemm_bf16::{gemm_packed, pack_a, pack_b, packed_a_len, packed_b_len, View};
+    use gemm_bf16::{pack_b, packed_a_len, packed_b_len, View};
     // Filled chunk by chunk below: no zeroing.
     let mut dx: Option<Vec<half::bf16>> = want.x.then(|| Vec::with_capacity(rows * inp));
     let r = LINEAR_ROWS.min(rows);
@@ -109,46 +154,20 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
         let n = r.min(rows - r0);
         let gc = &g[r0 * out..(r0 + n) * out];
         if let (Some(dx), Some((pw, pa, c))) = (dx.as_mut(), gx.as_mut()) {
-            pack_a(
-                n,
-                out,
-                View {
-                    data: gc,
-                    rs: out,
-                    cs: 1,
-                },
-                pa,
-            );
-            c[..n * inp].fill(0.0);
-            gemm_packed(n, inp, out, pa, pw, c, inp);
+            dx_chunk(gc, pw, (n, inp, out), pa, c);
             vecmath::narrow_into_uninit(
                 &c[..n * inp],
                 &mut dx.spare_capacity_mut()[r0 * inp..(r0 + n) * inp],
             );
         }
         if let Some((dw32, pa, pb)) = gw.as_mut() {
-            pack_a(
-                out,
-                n,
-                View {
-                    data: gc,
-                    rs: 1,
-                    cs: out,
-                },
-                pa,
+            dw_chunk(
+                gc,
+                &x[r0 * inp..(r0 + n) * inp],
+                (n, inp, out),
+                (pa, pb),
+                dw32,
             );
-            let xc = &x[r0 * inp..(r0 + n) * inp];
-            pack_b(
-                n,
-                inp,
-                View {
-                    data: xc,
-                    rs: inp,
-                    cs: 1,
-                },
-                pb,
-            );
-            gemm_packed(out, inp, n, pa, pb, dw32, inp);
         }
         if let Some(db32) = db32.as_mut() {
             add_column_sums(gc, out, db32);

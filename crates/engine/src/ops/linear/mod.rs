@@ -21,6 +21,7 @@ use candle_core::{
 use crate::kernels::gemm_bf16;
 use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
+pub(crate) use bf16::{dw_chunk, dx_chunk};
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
 pub(crate) use common::add_column_sums;
 pub(crate) use common::GradFromF32;
