@@ -122,6 +122,26 @@ fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
     Some((f / t[t.len() / 2], f / t[0]))
 }
 
+/// Runs `f` (the matmul rate measurements) on a pool of `threads` threads that is joined before
+/// this returns. candle's f32 products go through the `gemm` crate, which keeps an L2-sized scratch
+/// slab per thread for the thread's life; measured on the engine's own pool (or the main thread)
+/// those slabs stayed live through the rows and counted in the engine's step peak, a harness
+/// allocation the run itself never made (256² b2 bf16-mixed recompute-all: 511.8 MiB here against
+/// 509.8 MiB from `ditmem run` on the same spec). Scoped threads end, and free their slabs, before
+/// the engine starts.
+fn off_the_engines_heap<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_scoped(|worker| worker.run(), |pool| pool.install(f));
+    match built {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vs_torch: a pool for the matmul rates: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
 /// Model FLOPs of one optimizer step: forward + backward (2× forward) of every block and the
 /// embed/final linears, recompute not counted (the usual model-FLOPs convention).
 fn model_flops(spec: &Spec) -> f64 {
@@ -478,8 +498,12 @@ fn main() {
         sized.workload.microbatch = batch;
         let d = ditmem_budget::Shape::new(&sized);
         let (r, k, n) = ((d.b * d.s) as usize, d.d as usize, d.mlp as usize);
-        let rate = matmul_rate(r, k, n).map_or(f64::NAN, |(_, best)| best);
-        let rate16 = bf16_rate(r, k, n).map(|(_, best)| best);
+        let (rate, rate16) = off_the_engines_heap(threads, || {
+            (
+                matmul_rate(r, k, n).map_or(f64::NAN, |(_, best)| best),
+                bf16_rate(r, k, n).map(|(_, best)| best),
+            )
+        });
         println!(
             "\n{res}² batch {batch} ({} tokens): f32 matmul (candle/gemm, {r}×{k} · {k}×{n}, best of 25) {:.1} GFLOP/s; bf16 {}",
             d.s,
