@@ -298,6 +298,25 @@ pub fn narrow_into_uninit<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
         .for_each(|(o, s)| dispatch_narrow(s, o));
 }
 
+/// Rounds the first `cols` columns of each row of `src` (row stride `lds`) into the first `cols`
+/// of each row of `dst` (row stride `ldd`), rows in parallel: a column block of a wider matrix
+/// (the bf16 linear's dx by panels of W). `dst` may be not yet initialised.
+pub fn narrow_block_into_uninit<T: Lanes>(
+    src: &[f32],
+    lds: usize,
+    dst: &mut [MaybeUninit<T>],
+    ldd: usize,
+    cols: usize,
+) {
+    assert!(
+        cols <= lds && cols <= ldd,
+        "narrow_block: a row is wider than its stride"
+    );
+    dst.par_chunks_mut(ldd)
+        .zip(src.par_chunks(lds))
+        .for_each(|(o, s)| dispatch_narrow(&s[..cols], &mut o[..cols]));
+}
+
 #[inline(always)]
 fn run_narrow<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     T::narrow(src, dst)

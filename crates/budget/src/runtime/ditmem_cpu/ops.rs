@@ -10,6 +10,9 @@ use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
+/// Columns of W per packed panel of the engine's bf16 kernel backward's dx product
+/// (`ops::linear::bf16::DX_PANEL_COLS`: two of the kernel's 64-column panels).
+pub const BF16_DX_PANEL_COLS: u64 = 2 * BF16_KERNEL_TILE.1;
 
 /// Rows per product of the engine's f32/f64 weight gradient (`ops::DW_ROWS`): `dW = Σ g_cᵀ·x_c`
 /// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
@@ -169,8 +172,8 @@ fn direct_linear_packing(
 /// `native` (the spec's `cpu.bf16_products`, [`crate::CpuSpec`]), else widened: nothing on
 /// f32/f64 (`gemm`'s own per-call packing, [`widened_linear_packing`], comes on top). `master`: W and b are
 /// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
-/// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx packed W, a
-/// packed g chunk and an f32 dx chunk, for dW an f32 dW (the gradient itself when `master`), a
+/// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx a packed
+/// panel of [`BF16_DX_PANEL_COLS`] columns of W, a packed g chunk and an f32 chunk of the panel, for dW an f32 dW (the gradient itself when `master`), a
 /// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32):
 /// forward W, b and a chunk of x and y; backward in two passes beside a column-major g chunk
 /// (for dx or dW): for dx Wᵀ and a dx chunk, before dW and db exist (their bytes come off
@@ -190,7 +193,9 @@ pub fn fused_linear_scratch(
             let fwd = packed_b_bytes(inp, out) + packed_a_bytes(r, inp) + 4 * (r * out + out);
             let mut bwd = 0;
             if tx {
-                bwd += packed_b_bytes(out, inp) + packed_a_bytes(r, out) + 4 * r * inp;
+                // dx by panels of W (`linear::bf16::DX_PANEL_COLS`).
+                let pc = BF16_DX_PANEL_COLS.min(inp);
+                bwd += packed_b_bytes(out, pc) + packed_a_bytes(r, out) + 4 * r * pc;
             }
             let acc = if master { 0 } else { 4 };
             if tw {
@@ -392,10 +397,15 @@ fn fused_mlp_phases(
         let dims = (rows, 0, ffn, out);
         widen_phase(&mm, e, dims, (wants[2], wants[3], false), master, (h, g2)).max(last)
     } else {
-        // By chunks of [`LINEAR_ROWS`] rows (`fused_mlp_bf16::fc2_gelu_bwd_bf16`): fc2's dx and
-        // dW/db workspace at once, with a bf16 dh chunk and, for dW2, a bf16 h chunk.
-        let (_, sb) = lin((rows, ffn, out), (true, wants[2], wants[3]));
-        let chunk = e * LINEAR_ROWS.min(rows) * ffn;
+        // By chunks of [`LINEAR_ROWS`] rows (`fused_mlp_bf16::fc2_gelu_bwd_bf16`): fc2's dx
+        // product with W2 packed whole (not the linear's panels: every chunk reads all of it), a
+        // packed g chunk and an f32 dh chunk, and fc2's dW/db workspace at once, with a bf16 dh
+        // chunk and, for dW2, a bf16 h chunk.
+        let r = LINEAR_ROWS.min(rows);
+        let dx = packed_b_bytes(out, ffn) + packed_a_bytes(r, out) + 4 * r * ffn;
+        let (_, sb) = lin((rows, ffn, out), (false, wants[2], wants[3]));
+        let sb = sb + dx;
+        let chunk = e * r * ffn;
         let chunks = sb + chunk + if wants[2] { chunk } else { 0 };
         (h + chunks + g2).max(last)
     };

@@ -72,15 +72,23 @@ pub(crate) fn dx_chunk(
     pa: &mut [u32],
     c: &mut [f32],
 ) {
-    use gemm_bf16::{gemm_packed, pack_a, View};
-    let g = View {
-        data: gc,
-        rs: out,
-        cs: 1,
-    };
-    pack_a(n, out, g, pa);
+    pack_g(gc, (n, out), pa);
     c[..n * inp].fill(0.0);
-    gemm_packed(n, inp, out, pa, pw, c, inp);
+    gemm_bf16::gemm_packed(n, inp, out, pa, pw, c, inp);
+}
+
+/// Packs a chunk of the output gradient (n × out, row-major) as the dx product's A.
+fn pack_g(gc: &[half::bf16], (n, out): (usize, usize), pa: &mut [u32]) {
+    gemm_bf16::pack_a(
+        n,
+        out,
+        gemm_bf16::View {
+            data: gc,
+            rs: out,
+            cs: 1,
+        },
+        pa,
+    );
 }
 
 /// dW += g_cᵀ·x_c for a chunk of n rows: gc (n × out), xc (n × in), the f32 `dw32` (out × in),
@@ -108,10 +116,19 @@ pub(crate) fn dw_chunk(
     gemm_packed(out, inp, n, pa, pb, dw32, inp);
 }
 
-/// bf16 backward on the AVX512-BF16 kernel, by chunks of [`LINEAR_ROWS`] rows: dx = g·W into an
-/// f32 chunk, dW += gᵀ·x and db += Σ g in f32 over all chunks. The dx output, then all workspace,
-/// are allocated before the first product. dW and db are returned in the weight's dtype: for an
-/// f32 master weight the accumulators themselves (no copy, no rounding), for a bf16 weight a
+/// Columns of W (and of dx) per packed panel of the bf16 backward's dx product: two of the
+/// kernel's column panels, so two threads still split each call. The packed W of a panel is
+/// out × 128 bf16 instead of the whole out × in: at 2 rows (a DiT-S/2 block's adaLN linear,
+/// 2,304 × 384) 590 KB instead of 1.77 MB, alive beside every weight gradient of the block. Each
+/// dx element sums over the same k blocks in the same order either way (`gemm_packed`), so the
+/// result is bit for bit the whole-W product's.
+pub(crate) const DX_PANEL_COLS: usize = 2 * gemm_bf16::NR;
+
+/// bf16 backward on the AVX512-BF16 kernel: dx = g·W by panels of [`DX_PANEL_COLS`] columns of
+/// W, each packed once and run over g by chunks of [`LINEAR_ROWS`] rows into an f32 chunk; then
+/// dW += gᵀ·x and db += Σ g in f32 by the same chunks. The dx output, then all workspace, are
+/// allocated before the first product. dW and db are returned in the weight's dtype: for an f32
+/// master weight the accumulators themselves (no copy, no rounding), for a bf16 weight a
 /// narrowed copy made while the workspace is still alive (the budget counts it so).
 #[allow(clippy::type_complexity)]
 pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
@@ -121,24 +138,18 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     (rows, inp, out): (usize, usize, usize),
     want: LinearGrads,
 ) -> (Option<Vec<half::bf16>>, Option<Vec<W>>, Option<Vec<W>>) {
-    use gemm_bf16::{pack_b, packed_a_len, packed_b_len, View};
-    // Filled chunk by chunk below: no zeroing.
+    use gemm_bf16::{gemm_packed, pack_b, packed_a_len, packed_b_len, View};
+    // Filled panel by panel and chunk by chunk below: no zeroing.
     let mut dx: Option<Vec<half::bf16>> = want.x.then(|| Vec::with_capacity(rows * inp));
     let r = LINEAR_ROWS.min(rows);
-    // dx: B = W (out × in) as stored; A = the g chunk; an f32 dx chunk.
+    // dx: B = a panel of W (out × pc) as stored; A = the g chunk; an f32 chunk of the panel.
+    let pc = DX_PANEL_COLS.min(inp);
     let mut gx = want.x.then(|| {
-        let mut pw = vec![0u16; packed_b_len(out, inp)];
-        pack_b(
-            out,
-            inp,
-            View {
-                data: w,
-                rs: inp,
-                cs: 1,
-            },
-            &mut pw,
-        );
-        (pw, vec![0u32; packed_a_len(r, out)], vec![0f32; r * inp])
+        (
+            vec![0u16; packed_b_len(out, pc)],
+            vec![0u32; packed_a_len(r, out)],
+            vec![0f32; r * pc],
+        )
     });
     // dW: f32 dW (out × in); A = gᵀ chunk (out × n), B = x chunk (n × in).
     let mut gw = want.w.then(|| {
@@ -149,17 +160,50 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
         )
     });
     let mut db32: Option<Vec<f32>> = want.b.then(|| vec![0.0; out]);
+    if let (Some(dx), Some((pw, pa, c))) = (dx.as_mut(), gx.as_mut()) {
+        let spare = &mut dx.spare_capacity_mut()[..rows * inp];
+        // One chunk: g is packed once for every panel.
+        let once = rows <= r;
+        if once {
+            pack_g(g, (rows, out), pa);
+        }
+        let mut j0 = 0;
+        while j0 < inp {
+            let cols = pc.min(inp - j0);
+            pack_b(
+                out,
+                cols,
+                View {
+                    data: &w[j0..],
+                    rs: inp,
+                    cs: 1,
+                },
+                pw,
+            );
+            let mut r0 = 0;
+            while r0 < rows {
+                let n = r.min(rows - r0);
+                if !once {
+                    pack_g(&g[r0 * out..(r0 + n) * out], (n, out), pa);
+                }
+                c[..n * pc].fill(0.0);
+                gemm_packed(n, cols, out, pa, pw, c, pc);
+                vecmath::narrow_block_into_uninit(
+                    &c[..n * pc],
+                    pc,
+                    &mut spare[r0 * inp + j0..(r0 + n - 1) * inp + j0 + cols],
+                    inp,
+                    cols,
+                );
+                r0 += n;
+            }
+            j0 += cols;
+        }
+    }
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
         let gc = &g[r0 * out..(r0 + n) * out];
-        if let (Some(dx), Some((pw, pa, c))) = (dx.as_mut(), gx.as_mut()) {
-            dx_chunk(gc, pw, (n, inp, out), pa, c);
-            vecmath::narrow_into_uninit(
-                &c[..n * inp],
-                &mut dx.spare_capacity_mut()[r0 * inp..(r0 + n) * inp],
-            );
-        }
         if let Some((dw32, pa, pb)) = gw.as_mut() {
             dw_chunk(
                 gc,
@@ -175,8 +219,9 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
         r0 += n;
     }
     if let Some(dx) = dx.as_mut() {
-        // SAFETY: the capacity is rows·inp, and the chunks r0..r0 + n above cover rows 0..rows,
-        // each narrowing all n·inp elements of its rows into the spare capacity.
+        // SAFETY: the capacity is rows·inp, and the panels j0..j0 + cols × chunks r0..r0 + n
+        // above cover every column of every row, each narrowing its n × cols block into the
+        // spare capacity.
         unsafe { dx.set_len(rows * inp) };
     }
     // Every buffer stays alive until the gradients are out (the budget's model of the op).
@@ -185,4 +230,71 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     let out = (dx, dw.map(|(d, _, _)| d), db);
     drop(gx);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::gemm_bf16::{pack_b, packed_a_len, packed_b_len, View};
+
+    /// dx by panels of W is bit for bit the product with W packed whole, on shapes with one
+    /// chunk and several, whole and ragged panels (columns 64, 128, 300: one panel, one, three
+    /// with a 44-column last one).
+    #[test]
+    fn dx_by_panels_is_the_whole_w_product() {
+        if !gemm_bf16::supported() {
+            return;
+        }
+        let mut rng = crate::rng::SplitMix64::new(11);
+        let mut v = |n: usize| -> Vec<half::bf16> {
+            (0..n)
+                .map(|_| half::bf16::from_f64(rng.uniform() - 0.5))
+                .collect()
+        };
+        for (rows, inp, out) in [(2, 300, 130), (300, 128, 70), (131, 64, 257), (7, 300, 1)] {
+            let (x, w, g) = (v(rows * inp), v(out * inp), v(rows * out));
+            let want = LinearGrads {
+                x: true,
+                w: false,
+                b: false,
+            };
+            let (dx, _, _) = linear_bwd_bf16(&x, &w, &g, (rows, inp, out), want);
+            let dx = dx.unwrap();
+            let mut pw = vec![0u16; packed_b_len(out, inp)];
+            pack_b(
+                out,
+                inp,
+                View {
+                    data: &w,
+                    rs: inp,
+                    cs: 1,
+                },
+                &mut pw,
+            );
+            let r = LINEAR_ROWS.min(rows);
+            let mut pa = vec![0u32; packed_a_len(r, out)];
+            let mut c = vec![0f32; r * inp];
+            let mut r0 = 0;
+            while r0 < rows {
+                let n = r.min(rows - r0);
+                dx_chunk(
+                    &g[r0 * out..(r0 + n) * out],
+                    &pw,
+                    (n, inp, out),
+                    &mut pa,
+                    &mut c,
+                );
+                for (i, (a, b)) in dx[r0 * inp..(r0 + n) * inp].iter().zip(&c).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        half::bf16::from_f32(*b).to_bits(),
+                        "{rows}x{inp}x{out}: row {} column {}",
+                        r0 + i / inp,
+                        i % inp
+                    );
+                }
+                r0 += n;
+            }
+        }
+    }
 }
