@@ -10,8 +10,9 @@ use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
-/// Columns of W per packed panel of the engine's bf16 kernel backward's dx product
-/// (`ops::linear::bf16::DX_PANEL_COLS`: two of the kernel's 64-column panels).
+/// Columns of W per packed panel of the engine's bf16 kernel backward's dx product where the rows
+/// fit one chunk (`ops::linear::bf16::DX_PANEL_COLS`: two of the kernel's 64-column panels; W
+/// is packed whole over several chunks).
 pub const BF16_DX_PANEL_COLS: u64 = 2 * BF16_KERNEL_TILE.1;
 
 /// Rows per product of the engine's f32/f64 weight gradient (`ops::DW_ROWS`): `dW = Σ g_cᵀ·x_c`
@@ -173,7 +174,8 @@ fn direct_linear_packing(
 /// f32/f64 (`gemm`'s own per-call packing, [`widened_linear_packing`], comes on top). `master`: W and b are
 /// the f32 master weights, read rounded to `cd` (mixed precision without cast copies). Kernel:
 /// forward packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; backward for dx a packed
-/// panel of [`BF16_DX_PANEL_COLS`] columns of W, a packed g chunk and an f32 chunk of the panel, for dW an f32 dW (the gradient itself when `master`), a
+/// panel of [`BF16_DX_PANEL_COLS`] columns of W (W whole over several chunks), a packed g chunk
+/// and an f32 chunk of the panel, for dW an f32 dW (the gradient itself when `master`), a
 /// packed gᵀ chunk and a packed x chunk, for db an f32 db (likewise). Widened (all f32):
 /// forward W, b and a chunk of x and y; backward in two passes beside a column-major g chunk
 /// (for dx or dW): for dx Wᵀ and a dx chunk, before dW and db exist (their bytes come off
@@ -193,8 +195,13 @@ pub fn fused_linear_scratch(
             let fwd = packed_b_bytes(inp, out) + packed_a_bytes(r, inp) + 4 * (r * out + out);
             let mut bwd = 0;
             if tx {
-                // dx by panels of W (`linear::bf16::DX_PANEL_COLS`).
-                let pc = BF16_DX_PANEL_COLS.min(inp);
+                // dx by panels of W when the rows fit one chunk, else W whole
+                // (`linear::bf16::dx_panel_cols`).
+                let pc = if rows <= LINEAR_ROWS {
+                    BF16_DX_PANEL_COLS.min(inp)
+                } else {
+                    inp
+                };
                 bwd += packed_b_bytes(out, pc) + packed_a_bytes(r, out) + 4 * r * pc;
             }
             let acc = if master { 0 } else { 4 };

@@ -116,16 +116,29 @@ pub(crate) fn dw_chunk(
     gemm_packed(out, inp, n, pa, pb, dw32, inp);
 }
 
-/// Columns of W (and of dx) per packed panel of the bf16 backward's dx product: two of the
-/// kernel's column panels, so two threads still split each call. The packed W of a panel is
-/// out × 128 bf16 instead of the whole out × in: at 2 rows (a DiT-S/2 block's adaLN linear,
-/// 2,304 × 384) 590 KB instead of 1.77 MB, alive beside every weight gradient of the block. Each
-/// dx element sums over the same k blocks in the same order either way (`gemm_packed`), so the
-/// result is bit for bit the whole-W product's.
+/// Columns of W (and of dx) per packed panel of the bf16 backward's dx product when the rows fit
+/// one chunk ([`dx_panel_cols`]): two of the kernel's column panels, so two threads still split
+/// each call. The packed W of a panel is out × 128 bf16 instead of the whole out × in: at 2 rows
+/// (a DiT-S/2 block's adaLN linear, 2,304 × 384) 590 KB instead of 1.77 MB, alive beside every
+/// weight gradient of the block. Each dx element sums over the same k blocks in the same order
+/// either way (`gemm_packed`), so the result is bit for bit the whole-W product's.
 pub(crate) const DX_PANEL_COLS: usize = 2 * gemm_bf16::NR;
 
-/// bf16 backward on the AVX512-BF16 kernel: dx = g·W by panels of [`DX_PANEL_COLS`] columns of
-/// W, each packed once and run over g by chunks of [`LINEAR_ROWS`] rows into an f32 chunk; then
+/// Columns of W per packed panel of the dx product for `rows` rows and `inp` columns: panels of
+/// [`DX_PANEL_COLS`] when the rows fit one chunk (g is packed once whichever the panels), else W
+/// whole. By panels over several chunks each chunk of g would be packed once per panel (3× for
+/// a DiT-S/2 qkv or fc1 dx, +40 % of the block backward's packing at 4,096 rows), while W whole
+/// is small beside those rows' activations.
+pub(crate) fn dx_panel_cols(rows: usize, inp: usize) -> usize {
+    if rows <= LINEAR_ROWS {
+        DX_PANEL_COLS.min(inp)
+    } else {
+        inp
+    }
+}
+
+/// bf16 backward on the AVX512-BF16 kernel: dx = g·W by panels of W ([`dx_panel_cols`]), each
+/// packed once and run over g by chunks of [`LINEAR_ROWS`] rows into an f32 chunk; then
 /// dW += gᵀ·x and db += Σ g in f32 by the same chunks. The dx output, then all workspace, are
 /// allocated before the first product. dW and db are returned in the weight's dtype: for an f32
 /// master weight the accumulators themselves (no copy, no rounding), for a bf16 weight a
@@ -143,7 +156,7 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
     let mut dx: Option<Vec<half::bf16>> = want.x.then(|| Vec::with_capacity(rows * inp));
     let r = LINEAR_ROWS.min(rows);
     // dx: B = a panel of W (out × pc) as stored; A = the g chunk; an f32 chunk of the panel.
-    let pc = DX_PANEL_COLS.min(inp);
+    let pc = dx_panel_cols(rows, inp);
     let mut gx = want.x.then(|| {
         (
             vec![0u16; packed_b_len(out, pc)],

@@ -128,8 +128,8 @@ pub fn linear_bwd_scratch(
         DType::BF16 if native => {
             let mut n = 0;
             if g.x {
-                // dx by panels of W (`bf16::DX_PANEL_COLS` columns).
-                let pc = bf16::DX_PANEL_COLS.min(inp);
+                // dx by panels of W (`bf16::dx_panel_cols`).
+                let pc = bf16::dx_panel_cols(rows, inp);
                 n += 2 * gemm_bf16::packed_b_len(out, pc)
                     + 4 * gemm_bf16::packed_a_len(r, out)
                     + 4 * r * pc;
