@@ -317,6 +317,13 @@ pub fn narrow_block_into_uninit<T: Lanes>(
         .for_each(|(o, s)| dispatch_narrow(&s[..cols], &mut o[..cols]));
 }
 
+/// [`narrow_into_uninit`] on the calling thread (for callers that already run in parallel, such
+/// as the attention's loop over heads).
+pub fn narrow_serial<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+    assert_eq!(src.len(), dst.len(), "narrow_serial: lengths differ");
+    dispatch_narrow(src, dst)
+}
+
 #[inline(always)]
 fn run_narrow<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     T::narrow(src, dst)
@@ -397,6 +404,53 @@ fn exp_rows_body(x: &mut [f32], n: usize, sub: &[f32]) {
         for v in row.iter_mut() {
             *v = exp(*v - m);
         }
+    }
+}
+
+/// Σ a·b, accumulated per lane, then across lanes.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; RED];
+    let (ca, cb) = (a.chunks_exact(RED), b.chunks_exact(RED));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for ((s, &u), &v) in acc.iter_mut().zip(x).zip(y) {
+            *s += u * v;
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(u, v)| u * v).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn softmax_grad_body(p: &[f32], dp: &mut [f32], n: usize) {
+    for (pr, dr) in p.chunks(n).zip(dp.chunks_mut(n)) {
+        let delta = dot(pr, dr);
+        for (a, b) in pr.iter().zip(dr.iter_mut()) {
+            *b = *a * (*b - delta);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn softmax_grad_avx512(p: &[f32], dp: &mut [f32], n: usize) {
+    softmax_grad_body(p, dp, n)
+}
+
+/// The softmax's backward on rows of `n`, on the calling thread: with P and dP of the same
+/// rows, dP becomes dS = P∘(dP − Σ_j P·dP) row by row (the row sums accumulated per lane).
+pub fn softmax_grad_rows(p: &[f32], dp: &mut [f32], n: usize) {
+    assert_eq!(p.len(), dp.len(), "softmax_grad_rows: lengths differ");
+    if n == 0 {
+        return;
+    }
+    match isa() {
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { softmax_grad_avx512(p, dp, n) },
+        _ => softmax_grad_body(p, dp, n),
     }
 }
 

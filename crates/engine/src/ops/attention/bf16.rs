@@ -14,6 +14,8 @@
 //! scratch (`AttnGeom::native_f32_fwd`, `AttnGeom::native_f32_bwd`) and the packed operands ([`packed_lens`]); the budget
 //! restates [`native_scratch_bytes`] (`ditmem_budget::ditmem_cpu::ops::fused_attention`).
 
+use std::mem::MaybeUninit;
+
 use candle_core::CpuStorage;
 use half::bf16;
 use rayon::prelude::*;
@@ -131,7 +133,8 @@ fn for_each_head(
 }
 
 /// Writes one head's dq·scale, dk·scale and dv (s × d_h each, f32) into its q, k and v columns
-/// of dqkv (b·s, 3D).
+/// of dqkv (b·s, 3D), row by row through the vector narrowing (dq and dk are scaled in place
+/// first: the same products, rounded once, as scaling each element on its way out).
 ///
 /// # Safety
 /// `pd` must point to dqkv's b·s·3D elements, and no other thread may write head (bi, hd)'s
@@ -141,24 +144,25 @@ unsafe fn write_dqkv(
     pd: &SharedMut<bf16>,
     g: &AttnGeom,
     (bi, hd): (usize, usize),
-    dq: &[f32],
-    dk: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
     dv: &[f32],
     scale: f32,
 ) {
     let (s, dh, d) = (g.s, g.dh, g.d());
+    for x in dq[..s * dh].iter_mut().chain(dk[..s * dh].iter_mut()) {
+        *x *= scale;
+    }
     for i in 0..s {
         let row = (bi * s + i) * 3 * d + hd * dh;
-        for j in 0..dh {
-            // SAFETY: bi < b, i < s, hd < a and j < dh, so row + 2d + j < b·s·3D: inside the
-            // buffer `pd` points to; these are head (bi, hd)'s own columns, which the caller
-            // guarantees no other thread writes. bf16 is `Copy`: writing over uninitialised
-            // memory drops nothing.
-            unsafe {
-                *pd.at(row + j) = bf16::from_f32(dq[i * dh + j] * scale);
-                *pd.at(row + d + j) = bf16::from_f32(dk[i * dh + j] * scale);
-                *pd.at(row + 2 * d + j) = bf16::from_f32(dv[i * dh + j]);
-            }
+        for (off, src) in [(0, &*dq), (d, &*dk), (2 * d, dv)] {
+            // SAFETY: bi < b, i < s and hd < a, so the dh elements from row + off (off ≤ 2D)
+            // lie inside the b·s·3D elements `pd` points to; they are head (bi, hd)'s own
+            // columns, which the caller guarantees no other thread writes. The narrowing writes
+            // every one (bf16 is `Copy`: nothing is dropped).
+            let dst: &mut [MaybeUninit<bf16>] =
+                unsafe { std::slice::from_raw_parts_mut(pd.at(row + off).cast(), dh) };
+            vecmath::narrow_serial(&src[i * dh..(i + 1) * dh], dst);
         }
     }
 }
@@ -287,12 +291,12 @@ pub fn forward(
         let h = head(qkv, g, bi, hd);
         probabilities(&h, h.q, (s, s, dh), scale, p, pa, pb);
         if save_p {
-            for (i, v) in p.iter().enumerate() {
-                // SAFETY: i < s², hi < b·a, and `p_keep` has capacity b·a·s² when P is saved, so
-                // the element is inside it; `for_each_head` hands head `hi` to one task only, and
-                // only that task writes P[hi·s²..(hi+1)·s²].
-                unsafe { *pp.at(hi * s * s + i) = bf16::from_f32(*v) };
-            }
+            // SAFETY: hi < b·a, and `p_keep` has capacity b·a·s² when P is saved, so its
+            // elements hi·s²..(hi+1)·s² lie inside it; `for_each_head` hands head `hi` to one
+            // task only, and only that task touches them. The narrowing writes every one.
+            let dst: &mut [MaybeUninit<bf16>] =
+                unsafe { std::slice::from_raw_parts_mut(pp.at(hi * s * s).cast(), s * s) };
+            vecmath::narrow_serial(p, dst);
         }
         if let Some(dr) = dropout {
             for (i, v) in p.iter_mut().enumerate() {
@@ -305,12 +309,14 @@ pub fn forward(
             cs: 1,
         };
         product(s, dh, s, pv, h.v, o, pa, pb);
-        for i in 0..s {
-            for j in 0..dh {
-                // SAFETY: the index is below b·s·D, the capacity of `out`; head (bi, hd) is one
-                // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
-                unsafe { *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j]) };
-            }
+        for (i, oi) in o.chunks(dh).enumerate() {
+            // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the
+            // capacity of `out`; head (bi, hd) is one task's alone and only it writes columns
+            // hd·dh..(hd+1)·dh of batch bi's rows. The narrowing writes every one.
+            let dst: &mut [MaybeUninit<bf16>] = unsafe {
+                std::slice::from_raw_parts_mut(po.at((bi * s + i) * d + hd * dh).cast(), dh)
+            };
+            vecmath::narrow_serial(oi, dst);
         }
     });
     // SAFETY: the heads' columns cover every row of `out` (b·s·D elements, its capacity), and
@@ -404,12 +410,7 @@ pub fn backward(
                 load_p(p, pa, pb);
             }
             // dS = P∘(dP − Σ_j dP·P), in dp.
-            for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
-                let delta: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-                for (a, b) in pr.iter().zip(dr.iter_mut()) {
-                    *b = *a * (*b - delta);
-                }
-            }
+            vecmath::softmax_grad_rows(p, dp, s);
             let ds = View {
                 data: &*dp,
                 rs: s,
@@ -517,13 +518,17 @@ pub fn forward_streaming(
         }
         for i in 0..s {
             let inv = 1.0 / l[i];
-            for j in 0..dh {
-                // SAFETY: the index is below b·s·D, the capacity of `out`; head (bi, hd) is one
-                // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
-                unsafe {
-                    *po.at((bi * s + i) * d + hd * dh + j) = bf16::from_f32(o[i * dh + j] * inv)
-                };
+            let oi = &mut o[i * dh..(i + 1) * dh];
+            for x in oi.iter_mut() {
+                *x *= inv;
             }
+            // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the
+            // capacity of `out`; head (bi, hd) is one task's alone and only it writes columns
+            // hd·dh..(hd+1)·dh of batch bi's rows. The narrowing writes every one.
+            let dst: &mut [MaybeUninit<bf16>] = unsafe {
+                std::slice::from_raw_parts_mut(po.at((bi * s + i) * d + hd * dh).cast(), dh)
+            };
+            vecmath::narrow_serial(oi, dst);
             if save {
                 // SAFETY: `lse` holds b·a·s elements when saved and hi·s + i < b·a·s; only head
                 // `hi`'s task writes lse[hi·s..(hi+1)·s].
