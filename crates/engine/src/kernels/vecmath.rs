@@ -549,6 +549,32 @@ pub fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
 mod tests {
     use super::*;
 
+    /// dS = P∘(dP − Σ P·dP) per row against the f64 formula, on rows shorter than, equal to
+    /// and longer than the lanes (the remainder must count).
+    #[test]
+    fn softmax_grad_rows_is_the_formula() {
+        let mut r = crate::rng::SplitMix64::new(5);
+        for n in [1usize, 15, 16, 17, 256, 300] {
+            let rows = 3;
+            let p: Vec<f32> = (0..rows * n).map(|_| r.uniform() as f32).collect();
+            let dp: Vec<f32> = (0..rows * n).map(|_| r.uniform() as f32 - 0.5).collect();
+            let mut got = dp.clone();
+            softmax_grad_rows(&p, &mut got, n);
+            for i in 0..rows {
+                let (pr, dr) = (&p[i * n..(i + 1) * n], &dp[i * n..(i + 1) * n]);
+                let delta: f64 = pr.iter().zip(dr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                for j in 0..n {
+                    let want = pr[j] as f64 * (dr[j] as f64 - delta);
+                    let g = got[i * n + j] as f64;
+                    assert!(
+                        (g - want).abs() <= 1e-5 * (1.0 + delta.abs()),
+                        "n {n} row {i} col {j}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
     }
