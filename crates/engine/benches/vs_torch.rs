@@ -122,8 +122,8 @@ fn bf16_rate(rows: usize, d: usize, mlp: usize) -> Option<(f64, f64)> {
     Some((f / t[t.len() / 2], f / t[0]))
 }
 
-/// Runs `f` (the matmul rate measurements) on a pool of `threads` threads that is joined before
-/// this returns. candle's f32 products go through the `gemm` crate, which keeps an L2-sized scratch
+/// Runs `f` (the matmul rate measurements, each engine round) on a pool of `threads` threads
+/// that is joined before this returns. candle's f32 products go through the `gemm` crate, which keeps an L2-sized scratch
 /// slab per thread for the thread's life; measured on the engine's own pool (or the main thread)
 /// those slabs stayed live through the rows and counted in the engine's step peak, a harness
 /// allocation the run itself never made (256² b2 bf16-mixed recompute-all: 511.8 MiB here against
@@ -318,16 +318,21 @@ fn measure(
     let mut last = None;
     let mut peer_last = None;
     for _ in 0..rounds {
-        let m = match run(
-            s,
-            &RunOptions {
-                warmup,
-                steps,
-                ..RunOptions::default()
-            },
-            Some(&A),
-            &mut |_| true,
-        ) {
+        // On a fresh pool per round, as a process of its own would run it: `gemm`'s per-thread
+        // slabs from an earlier row (an fp32 one) would otherwise count in this row's peak
+        // (256² b2 bf16-mixed recompute-all after its fp32 row: 510.6 MiB against 508.6).
+        let m = match off_the_engines_heap(threads, || {
+            run(
+                s,
+                &RunOptions {
+                    warmup,
+                    steps,
+                    ..RunOptions::default()
+                },
+                Some(&A),
+                &mut |_| true,
+            )
+        }) {
             Ok(m) => m,
             Err(e) => {
                 println!("{name:<44} engine failed: {e}");
