@@ -498,22 +498,16 @@ pub fn forward_streaming(
                 m[i] = bmax;
             }
             // o += P_blk·v_blk.
-            pack_a_serial(
-                s,
-                n,
-                View {
-                    data: &*blk,
-                    rs: n,
-                    cs: 1,
-                },
-                ap,
-            );
+            let pblk = View {
+                data: &*blk,
+                rs: n,
+                cs: 1,
+            };
             let vb = View {
                 data: &h.v.data[j0 * h.v.rs..],
                 ..h.v
             };
-            pack_b_serial(n, dh, vb, pb);
-            gemm_packed_serial(s, dh, n, ap, pb, o, dh);
+            accumulate(s, dh, n, pblk, vb, o, ap, pb);
             j0 += n;
         }
         for i in 0..s {
@@ -622,18 +616,12 @@ pub fn backward_streaming(
                 }
                 vecmath::exp_rows(p, n, lse_i);
                 // dv_blk += Pᵀ·dO_i.
-                pack_a_serial(
-                    n,
-                    m,
-                    View {
-                        data: &*p,
-                        rs: 1,
-                        cs: n,
-                    },
-                    ab,
-                );
-                pack_b_serial(m, dh, goi, pb);
-                gemm_packed_serial(n, dh, m, ab, pb, &mut dv[j0 * dh..(j0 + n) * dh], dh);
+                let pt = View {
+                    data: &*p,
+                    rs: 1,
+                    cs: n,
+                };
+                accumulate(n, dh, m, pt, goi, &mut dv[j0 * dh..(j0 + n) * dh], ab, pb);
                 // dP = dO_i·v_blkᵀ.
                 let vt = View {
                     data: &h.vt.data[j0 * h.vt.cs..],
@@ -652,35 +640,23 @@ pub fn backward_streaming(
                     }
                 }
                 // dq_i += dS·k_blk.
-                pack_a_serial(
-                    m,
-                    n,
-                    View {
-                        data: &*dp,
-                        rs: n,
-                        cs: 1,
-                    },
-                    ab,
-                );
+                let ds = View {
+                    data: &*dp,
+                    rs: n,
+                    cs: 1,
+                };
                 let kblk = View {
                     data: &h.k.data[j0 * h.k.rs..],
                     ..h.k
                 };
-                pack_b_serial(n, dh, kblk, pb);
-                gemm_packed_serial(m, dh, n, ab, pb, dqi, dh);
+                accumulate(m, dh, n, ds, kblk, dqi, ab, pb);
                 // dk_blk += dSᵀ·q_i.
-                pack_a_serial(
-                    n,
-                    m,
-                    View {
-                        data: &*dp,
-                        rs: 1,
-                        cs: n,
-                    },
-                    ab,
-                );
-                pack_b_serial(m, dh, qi, pb);
-                gemm_packed_serial(n, dh, m, ab, pb, &mut dk[j0 * dh..(j0 + n) * dh], dh);
+                let dst = View {
+                    data: &*dp,
+                    rs: 1,
+                    cs: n,
+                };
+                accumulate(n, dh, m, dst, qi, &mut dk[j0 * dh..(j0 + n) * dh], ab, pb);
                 j0 += n;
             }
             i0 += m;
