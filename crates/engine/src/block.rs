@@ -53,6 +53,15 @@ impl LinearW {
         self
     }
 
+    /// Whether the backward reads the input's values: for dW (a trained weight) or for LoRA's
+    /// branch. A frozen linear's dx = g·W reads only W, so its caller may release the input
+    /// once nothing else reads it (`ops::release`), as PyTorch saves nothing of it.
+    pub fn reads_input(&self) -> bool {
+        self.lora.is_some()
+            || self.w.track_op()
+            || self.sink.as_ref().is_some_and(|s| s.wants_weight())
+    }
+
     /// y = x·Wᵀ + b (+ (x·Aᵀ)·Bᵀ) on a 2-D input.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // Under LoRA the frozen base and the branch are one node (`ops::lora_linear`).

@@ -165,7 +165,6 @@ impl CustomOp3 for GatedResidual {
                     let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
                     Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
                         let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
-                        let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
                         let gate = sgt.as_slice::<T>()?;
                         // dx = g: the output gradient itself (candle only reads it, adding it
                         // into x's entry), not a copy.
@@ -177,7 +176,10 @@ impl CustomOp3 for GatedResidual {
                         } else {
                             None
                         };
+                        // y is read for dgate alone: under a frozen gate the caller may have
+                        // released it (`ops::release`).
                         let dg = if wg {
+                            let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
                             let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
                             Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
                         } else {

@@ -42,6 +42,8 @@
 //!   block's on the joint [text; image] projection with both streams' weights), keeping nothing.
 //! - [`tokens`]: per-sample concatenation and slicing (the joint sequences of SD3 and Flux;
 //!   [`cat_tokens`] / [`split_tokens`] on (b·tokens, D) rows).
+//! - [`release`](mod@release): frees the buffer of a tensor the graph holds but no backward
+//!   reads (a branch output under a frozen gate, a frozen linear's input), keeping its node.
 //! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
 //!
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
@@ -71,6 +73,7 @@ pub mod ln_modulate;
 pub mod lora_linear;
 pub mod mix_ffn;
 pub mod norm_rope;
+pub mod release;
 pub mod rms_norm;
 pub mod rms_norm_rows;
 pub mod rope;
@@ -104,6 +107,7 @@ pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use lora_linear::{lora_linear, LoraLinear};
 pub use mix_ffn::{mix_ffn, MixFfn};
 pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
+pub use release::release;
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
 pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};

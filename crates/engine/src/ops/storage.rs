@@ -23,7 +23,12 @@ pub(crate) fn cpu_slice<'a, T: WithDType>(
 ) -> CResult<&'a [T]> {
     let v = s.as_slice::<T>()?;
     match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
+        Some((a, b)) if b <= v.len() => Ok(&v[a..b]),
+        // A buffer freed by `release` (or a layout beyond its storage): an error, not a panic.
+        Some((_, b)) => Err(err(format!(
+            "{what}: reads {b} elements of a storage of {} (a released tensor)",
+            v.len()
+        ))),
         None => Err(err(format!("{what}: expected a contiguous tensor"))),
     }
 }

@@ -108,6 +108,9 @@ pub struct Node {
     /// The input (its index among `inputs`) whose gradient the op's backward hands on as its own
     /// output gradient, the same tensor (a handle, no copy): the gated residual's dx = g.
     pub grad_is_output_grad: Option<usize>,
+    /// Its buffer is freed once the node with this index exists (`ditmem_engine::ops::release`:
+    /// no backward reads its values); the node, its `Tensor_` and storage stay.
+    pub released_at: Option<Nid>,
 }
 
 impl Node {
@@ -115,10 +118,25 @@ impl Node {
         self.elems * self.dtype.size()
     }
 
-    /// Heap bytes the node takes while alive: its buffer and candle's bookkeeping (a fresh
-    /// tensor is a `Tensor_` and a storage; a view only a `Tensor_`). Nodes owned outside the
-    /// graph (weights, the shared conditioning leaf, inputs) take nothing here.
+    /// Heap bytes the node takes while alive once its graph is built: its buffer (unless
+    /// released) and candle's bookkeeping (a fresh tensor is a `Tensor_` and a storage; a view
+    /// only a `Tensor_`). Nodes owned outside the graph (weights, the shared conditioning leaf,
+    /// inputs) take nothing here.
     pub fn footprint(&self) -> u64 {
+        self.created_footprint() - self.released_bytes()
+    }
+
+    /// The buffer bytes a release frees (0 when the node is not released).
+    pub fn released_bytes(&self) -> u64 {
+        if self.released_at.is_some() && self.alloc {
+            self.bytes()
+        } else {
+            0
+        }
+    }
+
+    /// [`Node::footprint`] as the node is made, before any release.
+    pub fn created_footprint(&self) -> u64 {
         match self.kind {
             // A sunk weight enters its linear as a detached handle on the weight's storage.
             Kind::Var if self.sunk => TENSOR_META,
@@ -190,8 +208,32 @@ impl Graph {
             sunk: false,
             sunk_input: None,
             grad_is_output_grad: None,
+            released_at: None,
         });
         self.nodes.len() - 1
+    }
+
+    /// `ops::release(x)` in the engine, right after the last node made so far: `x`'s buffer
+    /// (its storage's) leaves the live bytes; its node stays for the backward, which must not
+    /// read its values.
+    pub fn release(&mut self, x: Nid) {
+        let s = self.storage(x);
+        debug_assert!(
+            self.nodes[s].alloc,
+            "release of a buffer the graph does not own"
+        );
+        self.nodes[s].released_at = Some(self.nodes.len() - 1);
+    }
+
+    /// The nodes whose buffers are released once node `k` exists, for each `k`.
+    fn releases(&self) -> Vec<Vec<Nid>> {
+        let mut at = vec![Vec::new(); self.nodes.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            if let Some(k) = n.released_at {
+                at[k].push(i);
+            }
+        }
+        at
     }
 
     /// A tensor made outside the graph; `owned` when the graph's lifetime decides its memory.
@@ -423,11 +465,15 @@ pub fn kept_bytes(g: &Graph, roots: &[Nid]) -> (u64, u64) {
 
 /// Highest bytes while the graph is built, above what existed before (everything is kept).
 pub fn forward_peak(g: &Graph) -> u64 {
+    let releases = g.releases();
     let mut live = 0u64;
     let mut peak = 0u64;
-    for n in &g.nodes {
-        live += n.footprint() + n.extra;
+    for (k, n) in g.nodes.iter().enumerate() {
+        live += n.created_footprint() + n.extra;
         peak = peak.max(live + n.fwd_scratch);
+        for &r in &releases[k] {
+            live -= g.nodes[r].released_bytes();
+        }
     }
     peak
 }
@@ -459,10 +505,17 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
             frees[last[k]].push(k);
         }
     }
+    // A released buffer leaves at its release, the rest of the node at its last reader.
+    let releases = g.releases();
     let (mut live, mut peak) = (0u64, 0u64);
     for (k, node) in g.nodes.iter().enumerate() {
-        live += node.footprint();
+        live += node.created_footprint();
         peak = peak.max(live + node.fwd_scratch);
+        for &r in &releases[k] {
+            if g.nodes[r].created_footprint() > 0 && !keep.contains(&r) {
+                live -= g.nodes[r].released_bytes();
+            }
+        }
         for &f in &frees[k] {
             live -= g.nodes[f].footprint();
         }

@@ -95,10 +95,11 @@ fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid
     module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
 }
 
-/// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams.
-/// Returns the graph, the stream leaves [context, image], the conditioning leaf and the outputs
-/// ([context, image], or [image] for the last block).
-pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<Nid>) {
+/// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams, tracked
+/// or not (`track`: which buffers the engine releases, `ops::release`, depends on what a backward
+/// would read). Returns the graph, the stream leaves [context, image], the conditioning leaf and
+/// the outputs ([context, image], or [image] for the last block).
+pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Nid>, Nid, Vec<Nid>) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let d = sh.d;
@@ -122,6 +123,25 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
         let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
+    };
+    // `LinearW::reads_input`: a tracked backward reads a linear's input for a trained weight or
+    // LoRA's branch; untracked, nothing reads anything.
+    let reads = |name: &str| track && (sh.lora.is_none() || sh.lora_rank(name).is_some());
+    // `gated_then_release`: the branch output goes under a frozen (or untracked) gate.
+    let gated = |g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid| {
+        let o = gated_residual(g, name, x, y, gate);
+        if !(track && g.nodes[gate].tracks) {
+            g.release(y);
+        }
+        o
+    };
+    // `linear_then_release` on a slice of the attention's output.
+    let lin_release = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
+        let y = lin(g, name, x, rows, d, d);
+        if !reads(name) {
+            g.release(x);
+        }
+        y
     };
     let ada = |g: &mut Graph, name: &str, k: u64| {
         let m = module_linear(g, sh, name, se, sh.b, k * d, d);
@@ -179,6 +199,8 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
                 None => (y, ey),
             };
             let cat = concat(g, name, y, ey);
+            g.release(y);
+            g.release(ey);
             g.bind(cat)
         };
     let nq = qk
@@ -190,6 +212,12 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let qc = joint(&mut g, ("attn.to_q", "attn.add_q_proj"), nq, "cat q");
     let kcat = joint(&mut g, ("attn.to_k", "attn.add_k_proj"), nk, "cat k");
     let vc = joint(&mut g, ("attn.to_v", "attn.add_v_proj"), None, "cat v");
+    if !["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]
+        .iter()
+        .any(|n| reads(n))
+    {
+        g.release(hc);
+    }
     let o = separate_attention(
         &mut g,
         sh,
@@ -202,9 +230,9 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     // Image stream.
     let oi = slice(&mut g, "split image", o, e);
     g.bind(oi);
-    let ao = lin(&mut g, "attn.to_out.0", oi, rows, d, d);
+    let ao = lin_release(&mut g, "attn.to_out.0", oi, rows);
     let gate = chunk(&mut g, "m", m, 2, 6, bd);
-    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, ao, gate);
+    let x1 = gated(&mut g, "x + out·gate_msa (fused)", x, ao, gate);
     g.bind(x1);
     let (s3, s4) = (
         chunk(&mut g, "m", m, 3, 6, bd),
@@ -213,8 +241,11 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
     g.bind(h2);
     let f = feed_forward(&mut g, sh, "ff", h2, rows);
+    if !reads("ff.net.0.proj") {
+        g.release(h2);
+    }
     let gate = chunk(&mut g, "m", m, 5, 6, bd);
-    let x2 = gated_residual(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, gate);
+    let x2 = gated(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, gate);
     if last {
         return (g, vec![c, x], se, vec![x2]);
     }
@@ -223,9 +254,9 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     // Context stream.
     let oc = slice(&mut g, "split context", o, c_el);
     g.bind(oc);
-    let co = lin(&mut g, "attn.to_add_out", oc, trows, d, d);
+    let co = lin_release(&mut g, "attn.to_add_out", oc, trows);
     let gate = chunk(&mut g, "mc", mc, 2, 6, bd);
-    let c1 = gated_residual(&mut g, "c + out·c_gate_msa (fused)", c, co, gate);
+    let c1 = gated(&mut g, "c + out·c_gate_msa (fused)", c, co, gate);
     g.bind(c1);
     let (s3, s4) = (
         chunk(&mut g, "mc", mc, 3, 6, bd),
@@ -234,8 +265,11 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool) -> (Graph, Vec<Nid>, Nid, Vec<
     let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, s3, s4, trows, cd);
     g.bind(h2c);
     let fc = feed_forward(&mut g, sh, "ff_context", h2c, trows);
+    if !reads("ff_context.net.0.proj") {
+        g.release(h2c);
+    }
     let gate = chunk(&mut g, "mc", mc, 5, 6, bd);
-    let c2 = gated_residual(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
+    let c2 = gated(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
     (g, vec![c, x], se, vec![c2, x2])
 }
 
@@ -272,12 +306,12 @@ fn seg_many(
 
 /// One block's simulation: tracked on leaf copies with its seeds, and untracked on its inputs.
 fn block_sim(sh: &Shape, sg: &Sd3Geo, last: bool) -> SegSim {
-    let (mut bg, leaves, _, outs) = block(sh, sg, last);
+    let (mut bg, leaves, _, outs) = block(sh, sg, last, true);
     let fwd = forward_peak(&bg);
     let (root, n) = seeds(&mut bg, &outs);
     let mut s = seg_many(&bg, &leaves, &outs, &[], root, n);
     s.fwd_peak = fwd;
-    let (mut ug, uleaves, _, uouts) = block(sh, sg, last);
+    let (mut ug, uleaves, _, uouts) = block(sh, sg, last, false);
     for l in uleaves {
         ug.nodes[l].alloc = false;
     }
@@ -446,7 +480,7 @@ pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let sh = Shape::new(spec);
     Some([
         to_segment(&embed_graph(&sh, &sg).0, "embed"),
-        to_segment(&block(&sh, &sg, sg.layers == 1).0, "block"),
+        to_segment(&block(&sh, &sg, sg.layers == 1, true).0, "block"),
         to_segment(&final_graph(&sh, &sg).0, "final"),
     ])
 }

@@ -9,7 +9,9 @@ use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS}
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{cat_tokens, gated_residual, joint_linear, ln_modulate, rms_norm, split_tokens};
+use crate::ops::{
+    cat_tokens, gated_residual, joint_linear, ln_modulate, release, rms_norm, split_tokens,
+};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
 pub use crate::ops::RMS_EPS;
@@ -89,33 +91,71 @@ pub fn sd3_block_forward(
             None => (y, ey),
         };
         let cat = cat_tokens(&y, &ey, b)?;
+        // The parts: no backward reads them (a linear's rule reads its input, a q/k norm's
+        // its input, kept above, the concatenation's none), so their buffers go now.
+        release(&y)?;
+        release(&ey)?;
         hold.extend([y, ey]);
         Ok(cat)
     };
     let qc = joint(&w.to_q, &w.add_q, w.qk.as_ref().map(|n| (&n[0], &n[2])))?;
     let kc = joint(&w.to_k, &w.add_k, w.qk.as_ref().map(|n| (&n[1], &n[3])))?;
     let vc = joint(&w.to_v, &w.add_v, None)?;
+    // The normalised context: read by no backward once its three linears are frozen (LoRA on
+    // the image side only, as the scripts' default).
+    if ![&w.add_q, &w.add_k, &w.add_v]
+        .iter()
+        .any(|l| l.reads_input())
+    {
+        release(&hc)?;
+    }
     let o = attention(&qc, &kc, &vc, b, cfg.heads, keep)?;
 
     // Image stream: to_out.0, gated residual, norm2 + ff.
     let oi = split_tokens(&o, b, 0, s)?;
-    let ao = w.to_out.forward(&oi)?;
-    let x1 = gated_residual(x, &ao, &chunk(&m, 2)?)?;
+    let ao = linear_then_release(&w.to_out, &oi)?;
+    let x1 = gated_then_release(x, ao, &chunk(&m, 2)?)?;
     let h2 = ln_modulate(&x1, &chunk(&m, 3)?, &chunk(&m, 4)?, LN_EPS, cd)?;
     let f = feed_forward(&h2, &w.ff1, &w.ff2)?;
-    let x2 = gated_residual(&x1, &f, &chunk(&m, 5)?)?;
+    if !w.ff1.reads_input() {
+        release(&h2)?;
+    }
+    let x2 = gated_then_release(&x1, f, &chunk(&m, 5)?)?;
     let Some(cw) = &w.ctx else {
         return Ok(vec![x2]);
     };
 
     // Context stream: to_add_out, gated residual, norm2_context + ff_context.
     let oc = split_tokens(&o, b, s, t)?;
-    let co = cw.to_add_out.forward(&oc)?;
-    let c1 = gated_residual(c, &co, &chunk(&mc, 2)?)?;
+    let co = linear_then_release(&cw.to_add_out, &oc)?;
+    let c1 = gated_then_release(c, co, &chunk(&mc, 2)?)?;
     let h2c = ln_modulate(&c1, &chunk(&mc, 3)?, &chunk(&mc, 4)?, LN_EPS, cd)?;
     let fc = feed_forward(&h2c, &cw.ff1, &cw.ff2)?;
-    let c2 = gated_residual(&c1, &fc, &chunk(&mc, 5)?)?;
+    if !cw.ff1.reads_input() {
+        release(&h2c)?;
+    }
+    let c2 = gated_then_release(&c1, fc, &chunk(&mc, 5)?)?;
     Ok(vec![c2, x2])
+}
+
+/// `l.forward(x)`, then x's buffer released when the linear is frozen (x read by nothing else:
+/// a slice of the attention's output made for this linear).
+fn linear_then_release(l: &LinearW, x: &Tensor) -> Result<Tensor> {
+    let y = l.forward(x)?;
+    if !l.reads_input() {
+        release(x)?;
+    }
+    Ok(y)
+}
+
+/// `gated_residual(x, y, gate)`, then y's buffer released under a frozen gate (its rule reads y
+/// for dgate alone; y is read by nothing else).
+pub(crate) fn gated_then_release(x: &Tensor, y: Tensor, gate: &Tensor) -> Result<Tensor> {
+    let out = gated_residual(x, &y, gate)?;
+    if !gate.track_op() {
+        release(&y)?;
+    }
+    Ok(out)
 }
 
 /// The joint attention's concatenated queries and keys of a block, [image, context] per sample

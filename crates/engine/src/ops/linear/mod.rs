@@ -251,10 +251,12 @@ pub(crate) fn linear_bwd_storage(
     linear_dtypes(sx.dtype(), sw.dtype(), bdt)?;
     let native = gemm_bf16::in_use();
     let n = "linear backward";
+    // x is read for dW alone: a caller may have released a frozen linear's input
+    // (`ops::release`), so it is not even sliced then.
     macro_rules! run {
         ($f:expr, $sx:path, $sw:path) => {{
             let (dx, dw, db) = $f(
-                cpu_slice(sx, lx, n)?,
+                if want.w { cpu_slice(sx, lx, n)? } else { &[] },
                 cpu_slice(sw, lw, n)?,
                 cpu_slice(sg, lg, n)?,
                 dims,

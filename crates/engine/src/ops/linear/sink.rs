@@ -20,6 +20,11 @@ pub struct GradSink {
 }
 
 impl GradSink {
+    /// Whether the sink takes the weight's gradient (the backward then reads the input).
+    pub fn wants_weight(&self) -> bool {
+        self.want_w
+    }
+
     /// A sink for the gradients of the weight (`want_w`) and/or the bias (`want_b`).
     pub fn new(want_w: bool, want_b: bool) -> GradSink {
         GradSink {
