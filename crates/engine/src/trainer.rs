@@ -642,6 +642,11 @@ impl Trainer {
     // -----------------------------------------------------------------------------------------
     // Weights for compute.
 
+    /// Whether parameter `i` is trained (a LoRA base is not).
+    fn trains(&self, i: usize) -> bool {
+        matches!(self.params[i].value, Value::Trained(_))
+    }
+
     fn raw_weight(&self, i: usize, track: bool) -> Tensor {
         match &self.params[i].value {
             Value::Trained(v) if track => v.as_tensor().clone(),

@@ -36,6 +36,10 @@ pub struct Shape {
     pub mlp_dropout: bool,
     /// The CPU of the ditmem-cpu runtime (threads, bf16 product path, gemm's slab).
     pub cpu: CpuSpec,
+    /// A diffusers family whose embed trains nothing (LoRA on the blocks alone): the engine's
+    /// family schedule then hands the blocks the conditioning as it is, untracked
+    /// (`trainer/family.rs`, `frozen_embed`).
+    pub frozen_embed: bool,
 }
 
 impl Shape {
@@ -68,6 +72,24 @@ impl Shape {
             attn_dropout: m.attn_dropout > 0.0,
             mlp_dropout: m.mlp_dropout > 0.0,
             cpu: spec.cpu(),
+            frozen_embed: frozen_embed(spec),
+        }
+    }
+
+    /// A conditioning leaf of a family's segment (`trainer/family.rs`): a `Var` copy that
+    /// collects its gradient, or under a [`Shape::frozen_embed`] the embed's untracked output
+    /// itself.
+    pub(crate) fn cond_leaf(
+        &self,
+        g: &mut crate::runtime::ditmem_cpu::graph::Graph,
+        name: &str,
+        elems: u64,
+        dtype: Dtype,
+    ) -> crate::runtime::ditmem_cpu::graph::Nid {
+        if self.frozen_embed {
+            g.constant(name, elems, dtype, false)
+        } else {
+            g.var(name, elems, dtype, false)
         }
     }
 
@@ -123,4 +145,17 @@ impl Shape {
             self.precision.param_dtype()
         }
     }
+}
+
+/// Whether the engine runs `spec`'s embed frozen: a diffusers family under LoRA with no
+/// adapter on an embedder (the budget's embed tensors: no block, not the output side; the
+/// engine's `FamilyStep::embed_params`).
+pub fn frozen_embed(spec: &Spec) -> bool {
+    use crate::params::{Module, ParamRole};
+    if spec.recipe.lora.is_none() || !matches!(crate::denoiser::family(spec), Ok(Some(_))) {
+        return false;
+    }
+    !crate::denoiser::param_table(spec).iter().any(|t| {
+        t.block.is_none() && t.module != Module::FinalLayer && t.role == ParamRole::Trained
+    })
 }

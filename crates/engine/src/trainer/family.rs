@@ -139,10 +139,33 @@ impl Trainer {
             mut conds,
             hold,
         } = fam.embed(self, mb)?;
+        // A frozen embed (LoRA on the blocks alone, the scripts' defaults): nothing
+        // differentiates the embedders, so the conditioning enters the segments as it is (no
+        // leaf copies, no gradients, no context sink), the embed's locals go now and there is
+        // no embed backward; PyTorch likewise saves nothing before the first adapted linear.
+        // Untracked, the modulation makes the gates frozen, so the blocks release what only a
+        // gate's gradient would read (`ops::release`).
+        let frozen_embed = fam.embed_params().iter().all(|&i| !self.trains(i));
+        let mut hold = Some(hold);
+        if frozen_embed {
+            drop(hold.take());
+        }
         let fixed = conds.split_off(conds.len() - fam.fixed_conds().min(conds.len()));
-        let cond_leaves = leaves_of(&conds)?;
-        // The conditioning a segment reads: the leaves, then the fixed tables.
-        let with_fixed = |c: Vec<Tensor>| -> Vec<Tensor> {
+        let cond_leaves = if frozen_embed {
+            Vec::new()
+        } else {
+            leaves_of(&conds)?
+        };
+        // The conditioning a segment reads: the leaves (or the frozen embed's outputs), then
+        // the fixed tables; `detach` for a recomputed block's untracked forward.
+        let cond_in = |detach: bool| -> Vec<Tensor> {
+            let c = if frozen_embed {
+                conds.clone()
+            } else if detach {
+                detached(&cond_leaves)
+            } else {
+                tensors(&cond_leaves)
+            };
             if fixed.is_empty() {
                 c
             } else {
@@ -158,11 +181,11 @@ impl Trainer {
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
-                cur = fam.block(self, i, &inputs, &with_fixed(detached(&cond_leaves)), false)?;
+                cur = fam.block(self, i, &inputs, &cond_in(true), false)?;
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
-                let c = with_fixed(tensors(&cond_leaves));
+                let c = cond_in(false);
                 let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
@@ -173,7 +196,7 @@ impl Trainer {
         // Output side and loss.
         let final_leaves = leaves_of(&cur)?;
         drop(cur);
-        let c = with_fixed(tensors(&cond_leaves));
+        let c = cond_in(false);
         let pred = fam.final_layer(self, &tensors(&final_leaves), &c, mb)?;
         let pred = cast(pred, ld)?;
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
@@ -219,7 +242,7 @@ impl Trainer {
                 SavedStreams::Recompute { inputs } => {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
-                    let c = with_fixed(tensors(&cond_leaves));
+                    let c = cond_in(false);
                     let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
                     (leaves, outs)
                 }
@@ -252,9 +275,15 @@ impl Trainer {
         // Embed segment backward: from the known gradients of the streams and the conditioning,
         // one seed each (a composed root Σ sum(out·grad) made an output-sized product per term
         // in forward and several in backward: at DiT-S/2 256² batch 2 with block recompute the
-        // step's worst moment).
+        // step's worst moment). None for a frozen embed.
         if x0.is_empty() {
             return Err(EngineError::bad_input("embed", "no residual stream"));
+        }
+        if frozen_embed {
+            drop(gx);
+            drop((x0, conds, fixed));
+            rec.mark(tag("embed".into()));
+            return Ok(loss_value);
         }
         let gc = gc
             .into_iter()

@@ -394,6 +394,7 @@ mod tests {
             attn_dropout: false,
             mlp_dropout: false,
             cpu: crate::spec::CpuSpec::REFERENCE,
+            frozen_embed: false,
         }
     }
 

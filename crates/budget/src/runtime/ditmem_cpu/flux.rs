@@ -182,7 +182,7 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     let (rs, rt) = (sh.b * sh.s, sh.b * fg.t);
     let x = g.var("image (leaf copy)", rs * d, ad, true);
     let c = g.var("text (leaf copy)", rt * d, ad, true);
-    let st = g.var("silu(temb) (shared leaf)", sh.b * d, cd, false);
+    let st = sh.cond_leaf(&mut g, "silu(temb) (shared leaf)", sh.b * d, cd);
     let m = modulation(&mut g, sh, "norm1.linear", st, 6);
     let mc = modulation(&mut g, sh, "norm1_context.linear", st, 6);
     let hx = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rs, cd);
@@ -291,7 +291,7 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
         let j = g.var("joint stream (leaf copy)", rows * d, ad, true);
         (vec![j], j)
     };
-    let st = g.var("silu(temb) (shared leaf)", sh.b * d, cd, false);
+    let st = sh.cond_leaf(&mut g, "silu(temb) (shared leaf)", sh.b * d, cd);
     let m = modulation(&mut g, sh, "norm.linear", st, 3);
     let hx = ln_modulate(&mut g, "norm+modulate", j, m[0], m[1], rows, cd);
     g.bind(hx);
@@ -348,7 +348,7 @@ pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
     let rows = sh.b * sh.s;
     let mut g = Graph::default();
     let x = g.var("final leaf", sh.b * (sh.s + fg.t) * sh.d, ad, true);
-    let st = g.var("silu(temb) (shared leaf)", sh.b * sh.d, cd, false);
+    let st = sh.cond_leaf(&mut g, "silu(temb) (shared leaf)", sh.b * sh.d, cd);
     let img = slice(&mut g, "image tokens", x, sh.e());
     g.bind(img);
     let m = modulation(&mut g, sh, "norm_out.linear", st, 2);
@@ -496,6 +496,7 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
             streams: &[x0, c0],
             conds: &[st],
             tables: &[cos, sin],
+            frozen: sh.frozen_embed,
         },
         grad_dtype(sh.precision),
     );

@@ -151,8 +151,8 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let rows = sh.b * sh.s;
     let (bd, trows) = (sh.b * d, sh.b * pg.t);
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
-    let y = g.var("caption (shared leaf)", trows * d, cd, false);
+    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+    let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
     let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
     let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
     let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
@@ -306,7 +306,7 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
     let bd = sh.b * sh.d;
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
-    let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
+    let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
     let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
     let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
     let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
@@ -358,6 +358,7 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
             streams: &[x0],
             conds: &[t6, emb, y],
             tables: &[],
+            frozen: sh.frozen_embed,
         },
         grad_dtype(sh.precision),
     );

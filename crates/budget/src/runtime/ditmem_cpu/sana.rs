@@ -212,8 +212,8 @@ pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let rows = sh.b * sh.s;
     let (bd, trows) = (sh.b * d, sh.b * sg.t);
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
-    let y = g.var("caption (shared leaf)", trows * d, cd, false);
+    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+    let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
     let wd = sh.weight_dtype();
     let trained = sh.lora.is_none();
     // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
@@ -527,7 +527,7 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let bd = sh.b * sh.d;
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
-    let emb = g.var("embedded timestep (shared leaf)", bd, ad, false);
+    let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
     let wd = sh.weight_dtype();
     let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);
     let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
@@ -584,6 +584,7 @@ pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
             streams: &[x0],
             conds: &[t6, emb, y],
             tables: &[],
+            frozen: sh.frozen_embed,
         },
         grad_dtype(sh.precision),
     );

@@ -108,7 +108,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let bd = sh.b * d;
     let c = g.var("context (leaf copy of the block input)", c_el, ad, true);
     let x = g.var("image (leaf copy of the block input)", e, ad, true);
-    let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
+    let se = sh.cond_leaf(&mut g, "SiLU(temb) (shared leaf)", bd, cd);
     // The q/k norm weights are cast copies made with the block's weights (alive while it runs).
     let dh = d / sh.heads;
     let qk: Option<Vec<Nid>> = sg.qk_norm.then(|| {
@@ -405,7 +405,7 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let bd = sh.b * sh.d;
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
-    let se = g.var("SiLU(temb) (shared leaf)", bd, cd, false);
+    let se = sh.cond_leaf(&mut g, "SiLU(temb) (shared leaf)", bd, cd);
     let m = module_linear(&mut g, sh, "norm_out.linear", se, sh.b, 2 * sh.d, sh.d);
     let m = g.cast(&format!("norm_out →{ad}"), m, ad);
     g.bind(m);
@@ -461,6 +461,7 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
             streams: &streams,
             conds: &[se],
             tables: &[],
+            frozen: sh.frozen_embed,
         },
         grad_dtype(sh.precision),
     );

@@ -198,6 +198,7 @@ pub fn sims(spec: &Spec) -> Sims {
             streams: &[x0],
             conds: &[c],
             tables: &[],
+            frozen: false,
         },
         sh.ad(),
     );

@@ -45,6 +45,9 @@ pub(crate) struct EmbedOutputs<'a> {
     /// Other results the blocks read and nothing differentiates (Flux's RoPE tables): neither
     /// in the surrogate nor in the embed's tail.
     pub tables: &'a [Nid],
+    /// The embed trains nothing ([`Shape::frozen_embed`]): the schedule drops its locals after
+    /// the forward, makes no conditioning leaves or gradients and runs no embed backward.
+    pub frozen: bool,
 }
 
 /// The embed segment and what goes with it.
@@ -85,6 +88,21 @@ pub(crate) fn embed_sim(mut g: Graph, o: &EmbedOutputs, cond_grad_dtype: Dtype) 
         .sum();
     s.activations -= s.output;
     s.fwd_peak = fwd;
+    if o.frozen {
+        s.activations -= tail.0;
+        s.weight_casts -= tail.1;
+        s.root = 0;
+        s.bwd_peak = 0;
+        s.bwd_released = 0;
+        s.bwd_store = 0;
+        s.bwd_leaf_grads = 0;
+        return EmbedSim {
+            seg: s,
+            tail: (0, 0),
+            c_leaf: 0,
+            cond_grad: 0,
+        };
+    }
     let meta = TENSOR_META + STORAGE_META;
     let c_leaf = o
         .conds

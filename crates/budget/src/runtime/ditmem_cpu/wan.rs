@@ -105,8 +105,8 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let rows = sh.b * sh.s;
     let (bd, trows) = (sh.b * d, sh.b * wg.t);
     let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    let t6 = g.var("t6 (shared leaf)", 6 * bd, ad, false);
-    let ctx = g.var("text context (shared leaf)", trows * d, cd, false);
+    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+    let ctx = sh.cond_leaf(&mut g, "text context (shared leaf)", trows * d, cd);
     let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
     let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
     let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
@@ -310,7 +310,7 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let bd = sh.b * sh.d;
     let mut g = Graph::default();
     let x = g.var("final leaf", e, ad, true);
-    let temb = g.var("temb (shared leaf)", bd, ad, false);
+    let temb = sh.cond_leaf(&mut g, "temb (shared leaf)", bd, ad);
     let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
     let eu = g.view("temb.unsqueeze(1)", Kind::Reshape, temb, bd);
     let eb = g.view("temb broadcast", Kind::Broadcast, eu, 2 * bd);
@@ -359,6 +359,7 @@ pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
             streams: &[x0],
             conds: &[t6, temb, ctx, cos, sin],
             tables: &[],
+            frozen: sh.frozen_embed,
         },
         grad_dtype(sh.precision),
     );
