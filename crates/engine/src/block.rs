@@ -167,6 +167,37 @@ pub struct BlockSeeds {
     pub mlp: u64,
 }
 
+/// `l.forward(x)`, then x's buffer released when the linear is frozen (x read by nothing else:
+/// a slice of the attention's output made for this linear, the output side's modulated norm).
+pub(crate) fn linear_then_release(l: &LinearW, x: &Tensor) -> Result<Tensor> {
+    let y = l.forward(x)?;
+    if !l.reads_input() {
+        crate::ops::release(x)?;
+    }
+    Ok(y)
+}
+
+/// `gated_residual(x, y, gate)`, then y's buffer released under a frozen gate (its rule reads y
+/// for dgate alone; y is read by nothing else).
+pub(crate) fn gated_then_release(x: &Tensor, y: Tensor, gate: &Tensor) -> Result<Tensor> {
+    let out = gated_residual(x, &y, gate)?;
+    if !gate.track_op() {
+        crate::ops::release(&y)?;
+    }
+    Ok(out)
+}
+
+/// `cast(y, dtype)`, then y's buffer released when the cast made a copy (the cast's rule reads
+/// no values; y is read by nothing else).
+pub(crate) fn cast_then_release(y: Tensor, dtype: DType) -> Result<Tensor> {
+    if y.dtype() == dtype {
+        return Ok(y);
+    }
+    let out = cast(y.clone(), dtype)?;
+    crate::ops::release(&y)?;
+    Ok(out)
+}
+
 /// Cast only when the dtype differs (a cast is a copy).
 pub fn cast(t: Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() == dtype {

@@ -107,7 +107,7 @@ pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use lora_linear::{lora_linear, LoraLinear};
 pub use mix_ffn::{mix_ffn, MixFfn};
 pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
-pub use release::release;
+pub use release::{release, release_whole};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
 pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
 pub use rope::{rope, Rope, RopeTable};

@@ -59,6 +59,29 @@ pub fn release(t: &Tensor) -> CResult<()> {
     t.inplace_op1(&Release)
 }
 
+/// [`release`] when `t` covers its whole storage (a prediction not narrowed to fewer channels
+/// than the model outputs); returns whether it did.
+pub fn release_whole(t: &Tensor) -> CResult<bool> {
+    let whole = {
+        let (s, l) = t.storage_and_layout();
+        let len = match &*s {
+            candle_core::Storage::Cpu(c) => match c {
+                CpuStorage::F32(v) => v.len(),
+                CpuStorage::F64(v) => v.len(),
+                CpuStorage::BF16(v) => v.len(),
+                CpuStorage::F16(v) => v.len(),
+                _ => 0,
+            },
+            _ => 0,
+        };
+        len > 0 && l.contiguous_offsets() == Some((0, len))
+    };
+    if whole {
+        release(t)?;
+    }
+    Ok(whole)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -200,7 +200,17 @@ impl Trainer {
         let pred = fam.final_layer(self, &tensors(&final_leaves), &c, mb)?;
         let pred = cast(pred, ld)?;
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
-        let loss = (pred - target)?.sqr()?.mean_all()?;
+        // No rule of the subtraction or the mean's sum reads its input's values (the square's
+        // reads pred − target): the prediction (unless a narrowed view), the target and the
+        // square go once read (`ops::release`), as PyTorch keeps pred − target alone.
+        let diff = (&pred - &target)?;
+        crate::ops::release_whole(&pred)?;
+        crate::ops::release(&target)?;
+        drop((pred, target));
+        let sq = diff.sqr()?;
+        let loss = sq.mean_all()?;
+        crate::ops::release(&sq)?;
+        drop((diff, sq));
         let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         rec.mark(tag("final".into()));
 

@@ -41,6 +41,20 @@ pub fn module_linear(
     adapted_linear(g, sh, name, x, (rows, out, inp), sh.lora_rank(name))
 }
 
+/// The output side's `linear_then_release(proj_out, h)` and `cast_then_release(y, ad)` of the
+/// engine (SD3's and Flux's `final_forward`): the modulated norm `h` goes under a frozen
+/// `proj_out`, its product `y` once cast to `ad` (when the cast copies). Returns the cast.
+pub fn proj_out_released(g: &mut Graph, sh: &Shape, h: Nid, y: Nid, ad: Dtype) -> Nid {
+    if sh.lora.is_some() && sh.lora_rank("proj_out").is_none() {
+        g.release(h);
+    }
+    let yc = g.cast(&format!("prediction→{ad}"), y, ad);
+    if yc != y {
+        g.release(y);
+    }
+    yc
+}
+
 /// Marks the fused linear `y` (a [`module_linear`] on the shared text context `ctx`: a
 /// cross-attention's k or v projection, the linear or its fused LoRA node) as adding its dx into
 /// the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,

@@ -356,18 +356,13 @@ pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
     g.bind(h);
     let out_el = rows * sh.patch2 * sh.c_out;
     let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * sh.c_out, sh.d);
-    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
     let y = g.view("reshape(b,r,c,C,p,p)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);
     let img = g.op("unpack (contiguous)", Kind::Copy, &[y], out_el, ad);
     let pred = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
     let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let target = g.constant("target", out_el, ld, true);
-    let diff = g.op("pred − target", Kind::Sub, &[pred, target], out_el, ld);
-    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], out_el, ld);
-    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
-    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
-    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    let root = sims::family_loss(&mut g, pred, out_el, ld);
     (g, x, root)
 }
 

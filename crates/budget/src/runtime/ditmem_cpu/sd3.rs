@@ -8,7 +8,7 @@
 use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, linear_weights, module_feed_forward, module_linear,
+    base_weight, linear_weights, module_feed_forward, module_linear, proj_out_released,
 };
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
@@ -417,7 +417,7 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     g.bind(h);
     let out_el = rows * p2 * sg.c_out;
     let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d);
-    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = proj_out_released(&mut g, sh, h, y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);
     let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
@@ -433,12 +433,7 @@ pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
         lat,
     );
     let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let target = g.constant("target", lat, ld, true);
-    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
-    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
-    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
-    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
-    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    let root = sims::family_loss(&mut g, pred, lat, ld);
     (g, x, root)
 }
 

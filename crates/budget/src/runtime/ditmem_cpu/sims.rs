@@ -5,7 +5,7 @@
 
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, retained, untracked_peak, Graph, Nid, STORAGE_META, TENSOR_META,
+    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
 };
 use crate::runtime::ditmem_cpu::ops::seed;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -149,4 +149,22 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
         last_block: None,
         second: None,
     }
+}
+
+/// The family schedule's loss on the prediction `pred` (`elems` values in the gradient dtype
+/// `ld`; `trainer/family.rs`): pred − target, its square, the mean; the prediction (when it is
+/// its whole storage, not a narrowed view) and the target released once subtracted, the square
+/// once summed (`ops::release`: no rule of theirs reads them). Returns the root (loss·scale).
+pub(crate) fn family_loss(g: &mut Graph, pred: Nid, elems: u64, ld: Dtype) -> Nid {
+    let target = g.constant("target", elems, ld, true);
+    let diff = g.op("pred − target", Kind::Sub, &[pred, target], elems, ld);
+    if g.elems(g.storage(pred)) == elems {
+        g.release(pred);
+    }
+    g.release(target);
+    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], elems, ld);
+    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
+    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
+    g.release(sq);
+    g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld)
 }

@@ -337,12 +337,7 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
         lat,
     );
     let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let target = g.constant("target", lat, ld, true);
-    let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
-    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);
-    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
-    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
-    let root = g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld);
+    let root = sims::family_loss(&mut g, pred, lat, ld);
     (g, x, root)
 }
 

@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS};
+use crate::block::{
+    cast, cast_then_release, feed_forward, linear_then_release, mlp_linear, BlockConfig, LinearW,
+    LN_EPS,
+};
 use crate::error::{EngineError, Result};
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
@@ -213,7 +216,8 @@ pub fn final_forward(
     let h = x.dim(2)?;
     let m = modulation(&w.norm_out, st, 2, h, ad)?;
     let hx = ln_modulate(x, &m[1], &m[0], LN_EPS, cd)?;
-    cast(w.proj_out.forward(&hx)?, ad)
+    let y = linear_then_release(&w.proj_out, &hx)?;
+    cast_then_release(y, ad)
 }
 
 /// A two-layer MLP with SiLU between (`TimestepEmbedding`, `PixArtAlphaTextProjection` with

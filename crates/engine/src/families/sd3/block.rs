@@ -5,13 +5,14 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, feed_forward, mlp_linear, BlockConfig, LinearW, LN_EPS};
+use crate::block::{
+    cast, cast_then_release, feed_forward, gated_then_release, linear_then_release, mlp_linear,
+    BlockConfig, LinearW, LN_EPS,
+};
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
-use crate::ops::{
-    cat_tokens, gated_residual, joint_linear, ln_modulate, release, rms_norm, split_tokens,
-};
+use crate::ops::{cat_tokens, joint_linear, ln_modulate, release, rms_norm, split_tokens};
 
 /// diffusers' `RMSNorm` eps of the q/k norms.
 pub use crate::ops::RMS_EPS;
@@ -138,26 +139,6 @@ pub fn sd3_block_forward(
     Ok(vec![c2, x2])
 }
 
-/// `l.forward(x)`, then x's buffer released when the linear is frozen (x read by nothing else:
-/// a slice of the attention's output made for this linear).
-fn linear_then_release(l: &LinearW, x: &Tensor) -> Result<Tensor> {
-    let y = l.forward(x)?;
-    if !l.reads_input() {
-        release(x)?;
-    }
-    Ok(y)
-}
-
-/// `gated_residual(x, y, gate)`, then y's buffer released under a frozen gate (its rule reads y
-/// for dgate alone; y is read by nothing else).
-pub(crate) fn gated_then_release(x: &Tensor, y: Tensor, gate: &Tensor) -> Result<Tensor> {
-    let out = gated_residual(x, &y, gate)?;
-    if !gate.track_op() {
-        release(&y)?;
-    }
-    Ok(out)
-}
-
 /// The joint attention's concatenated queries and keys of a block, [image, context] per sample
 /// after the q/k norms, as [`sd3_block_forward`] computes them: (b·(s+T), D) each. The score
 /// probe of `verify` reads them; the block itself does not call this.
@@ -204,7 +185,8 @@ pub fn final_forward(
     let e = cast(norm_out.forward(se)?, ad)?;
     let (scale, shift) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
     let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    cast(proj_out.forward(&hx)?, ad)
+    let y = linear_then_release(proj_out, &hx)?;
+    cast_then_release(y, ad)
 }
 
 /// A two-linear MLP with SiLU between (`TimestepEmbedding`, and the pooled text's
