@@ -141,10 +141,10 @@ fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
         .collect()
 }
 
-/// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input; every
-/// intermediate is a local of that function (bound). Returns the graph and (input leaf, t6
-/// leaf, caption leaf, output).
-pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+/// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
+/// not (`track`: what the engine releases); every intermediate is a local of that function
+/// (bound). Returns the graph and (input leaf, t6 leaf, caption leaf, output).
+pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let (e, d) = (sh.e(), sh.d);
@@ -172,7 +172,15 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
     g.bind(o);
     let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
-    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+    // `gated_then_release`: the branch output goes under a frozen (or untracked) gate.
+    let gated = |g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid| {
+        let o = gated_residual(g, name, x, y, gate);
+        if !(track && g.nodes[gate].tracks) {
+            g.release(y);
+        }
+        o
+    };
+    let x1 = gated(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
     g.bind(x1);
 
     // Cross-attention.
@@ -197,7 +205,7 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
     let ones = g.constant("ones (b, D)", bd, ad, true);
     g.bind(ones);
-    let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+    let x2 = gated(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
     g.bind(x2);
 
     // MLP.
@@ -205,7 +213,11 @@ pub fn block(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     g.bind(h2);
     let names = ("ff.net.0.proj", "ff.net.2");
     let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-    let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+    // fc1's backward reads h2 only for a trained weight or LoRA's branch.
+    if !(track && (sh.lora.is_none() || sh.lora_rank(names.0).is_some())) {
+        g.release(h2);
+    }
+    let out = gated(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
     (g, x, t6, y, out)
 }
 
@@ -318,7 +330,7 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
     let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
     let out_el = rows * p2 * pg.c_out;
     let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
-    let y = g.cast(&format!("prediction→{ad}"), y, ad);
+    let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
     let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
     let y = g.view("permute", Kind::Transpose, y, out_el);
     let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
@@ -341,8 +353,8 @@ pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
 /// Simulate PixArt's three segments for a spec.
 pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
     let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|| {
-        let (g, leaf, _, _, out) = block(&sh, pg);
+    let block_sim = sims::block_sim(|track| {
+        let (g, leaf, _, _, out) = block(&sh, pg, track);
         (g, leaf, out)
     });
     let (fg, fleaf, froot) = final_graph(&sh, pg);
@@ -374,7 +386,7 @@ pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let sh = Shape::new(spec);
     Some([
         to_segment(&embed_graph(&sh, &pg).0, "embed"),
-        to_segment(&block(&sh, &pg).0, "block"),
+        to_segment(&block(&sh, &pg, true).0, "block"),
         to_segment(&final_graph(&sh, &pg).0, "final"),
     ])
 }

@@ -567,7 +567,7 @@ pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
 /// Simulate Sana's three segments for a spec.
 pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
     let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|| {
+    let block_sim = sims::block_sim(|_track| {
         let (g, leaf, _, _, out) = block(&sh, sg);
         (g, leaf, out)
     });

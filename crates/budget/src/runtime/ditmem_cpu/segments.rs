@@ -186,7 +186,7 @@ pub fn sims(spec: &Spec) -> Sims {
         return super::wan::sims(spec, &wg);
     }
     let sh = Shape::new(spec);
-    let block = sims::block_sim(|| {
+    let block = sims::block_sim(|_track| {
         let (g, leaf, _c, out) = block::block(&sh);
         (g, leaf, out)
     });

@@ -14,14 +14,15 @@ use crate::spec::Dtype;
 
 /// A block of one input and one output: tracked on a leaf copy of its input and backpropagated
 /// from one seed, and untracked on the input itself (no leaf copy; the output survives).
-/// `build` returns (graph, leaf, output) and is called once for each.
-pub(crate) fn block_sim(build: impl Fn() -> (Graph, Nid, Nid)) -> SegSim {
-    let (mut g, leaf, out) = build();
+/// `build(track)` returns (graph, leaf, output) and is called once for each (what the engine
+/// releases, `ops::release`, depends on what a backward would read).
+pub(crate) fn block_sim(build: impl Fn(bool) -> (Graph, Nid, Nid)) -> SegSim {
+    let (mut g, leaf, out) = build(true);
     let fwd = forward_peak(&g);
     let root = seed(&mut g, out);
     let mut s = seg(&g, Some(leaf), Some(out), root, 1, &[leaf, out]);
     s.fwd_peak = fwd;
-    let (mut ug, uleaf, uout) = build();
+    let (mut ug, uleaf, uout) = build(false);
     ug.nodes[uleaf].alloc = false;
     s.untracked_peak = untracked_peak(&ug, &[uout]);
     s

@@ -344,7 +344,7 @@ pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
 /// Simulate Wan's three segments for a spec.
 pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
     let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|| block(&sh, wg));
+    let block_sim = sims::block_sim(|_track| block(&sh, wg));
     let (fg, fleaf, froot) = final_graph(&sh, wg);
     // The RoPE tables are conditioning: the blocks read leaf copies of them (zero gradients).
     let (eg, [x0, t6, temb, ctx, cos, sin]) = embed_graph(&sh, wg);

@@ -5,11 +5,14 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, AttnImpl, BlockConfig, LinearW, LN_EPS};
+use crate::block::{
+    cast, cast_then_release, gated_then_release, linear_then_release, AttnImpl, BlockConfig,
+    LinearW, LN_EPS,
+};
 use crate::error::Result;
 use crate::families::cross::cross_attend;
 use crate::ops::attention::separate::attention;
-use crate::ops::{gated_residual, gelu_tanh, ln_modulate, AttnKeep};
+use crate::ops::{gelu_tanh, ln_modulate, AttnKeep};
 
 /// The weights of one PixArt block; `table` is its `scale_shift_table` (6, D) in `ad`.
 #[derive(Debug, Clone)]
@@ -63,7 +66,7 @@ pub fn pixart_block_forward(
     let v = w.v1.forward(&h1)?;
     let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
     let p = w.o1.forward(&o)?;
-    let x1 = gated_residual(x, &p, &gate_msa)?;
+    let x1 = gated_then_release(x, p, &gate_msa)?;
 
     // Cross-attention to the caption (PixArt's attn2 reads the stream without a norm).
     let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
@@ -71,12 +74,15 @@ pub fn pixart_block_forward(
     let o2 = cross_attend(&q2, y, (&w.k2, &w.v2), None, b, cfg.heads, keep)?;
     let p2 = w.o2.forward(&o2)?;
     let ones = Tensor::ones((b, h), ad, x.device())?;
-    let x2 = gated_residual(&x1, &p2, &ones)?;
+    let x2 = gated_then_release(&x1, p2, &ones)?;
 
     // MLP.
     let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
     let f2 = crate::block::feed_forward(&h2, &w.fc1, &w.fc2)?;
-    Ok(gated_residual(&x2, &f2, &gate_mlp)?)
+    if !w.fc1.reads_input() {
+        crate::ops::release(&h2)?;
+    }
+    gated_then_release(&x2, f2, &gate_mlp)
 }
 
 /// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.
@@ -101,7 +107,8 @@ pub fn final_forward(
     let ss = e.broadcast_add(&t)?.reshape((b, 2 * h))?;
     let (shift, scale) = (ss.narrow(1, 0, h)?, ss.narrow(1, h, h)?);
     let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    cast(w.proj_out.forward(&hx)?, ad)
+    let y = linear_then_release(&w.proj_out, &hx)?;
+    cast_then_release(y, ad)
 }
 
 /// `caption_projection` (PixArtAlphaTextProjection): linear_1, GELU-tanh, linear_2.
