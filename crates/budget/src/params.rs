@@ -321,8 +321,9 @@ pub fn count(table: &[ParamTensor]) -> ParamCounts {
 ///
 /// Trained tensors live in the policy's parameter dtype (fp32 masters under mixed precision).
 /// Frozen tensors need no master: under mixed precision they are stored in the compute dtype,
-/// as fine-tuning scripts do with a frozen base (`weight_dtype`), except the position table,
-/// which is added to the fp32 residual stream and stays in the accumulation dtype.
+/// as fine-tuning scripts do with a frozen base (`weight_dtype`), except the position table of
+/// full fine-tuning, which is added to the fp32 residual stream and stays in the accumulation
+/// dtype (under LoRA the stream, and the table with it, is in the compute dtype).
 /// A buffer follows the model: kept in the parameter dtype, cast with the frozen base under
 /// LoRA (the scripts' `transformer.to(dtype=weight_dtype)` casts buffers too).
 pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype {
@@ -335,7 +336,9 @@ pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype 
     }
     match t.role {
         ParamRole::Trained => precision.param_dtype(),
-        ParamRole::Frozen if t.module == Module::PosEmbed => precision.accum_dtype(),
+        // With the residual stream: in the compute dtype under LoRA (the scripts cast the
+        // whole transformer), else the accumulation dtype.
+        ParamRole::Frozen if t.module == Module::PosEmbed && !lora => precision.accum_dtype(),
         ParamRole::Frozen => precision.compute_dtype(),
     }
 }

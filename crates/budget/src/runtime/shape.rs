@@ -115,7 +115,13 @@ impl Shape {
 
     /// The accumulation dtype of the precision policy (the residual stream).
     pub fn ad(&self) -> Dtype {
-        self.precision.accum_dtype()
+        // The engine's streams under LoRA: the frozen base's dtype (`Trainer::new`), as the
+        // scripts cast the transformer to `weight_dtype`.
+        if self.lora.is_some() {
+            self.cd()
+        } else {
+            self.precision.accum_dtype()
+        }
     }
 
     /// The LoRA rank of a target, when LoRA adapts it.

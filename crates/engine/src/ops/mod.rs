@@ -42,6 +42,8 @@
 //!   block's on the joint [text; image] projection with both streams' weights), keeping nothing.
 //! - [`tokens`]: per-sample concatenation and slicing (the joint sequences of SD3 and Flux;
 //!   [`cat_tokens`] / [`split_tokens`] on (b·tokens, D) rows).
+//! - [`mse_loss`](mod@mse_loss): the diffusion loss as one node keeping pred − target only, its
+//!   gradient made in place.
 //! - [`release`](mod@release): frees the buffer of a tensor the graph holds but no backward
 //!   reads (a branch output under a frozen gate, a frozen linear's input), keeping its node.
 //! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
@@ -72,6 +74,7 @@ pub mod linear_attention;
 pub mod ln_modulate;
 pub mod lora_linear;
 pub mod mix_ffn;
+pub mod mse_loss;
 pub mod norm_rope;
 pub mod release;
 pub mod rms_norm;
@@ -106,6 +109,7 @@ pub use linear::{
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use lora_linear::{lora_linear, LoraLinear};
 pub use mix_ffn::{mix_ffn, MixFfn};
+pub use mse_loss::mse_loss;
 pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
 pub use release::{release, release_whole};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};

@@ -200,17 +200,12 @@ impl Trainer {
         let pred = fam.final_layer(self, &tensors(&final_leaves), &c, mb)?;
         let pred = cast(pred, ld)?;
         let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
-        // No rule of the subtraction or the mean's sum reads its input's values (the square's
-        // reads pred − target): the prediction (unless a narrowed view), the target and the
-        // square go once read (`ops::release`), as PyTorch keeps pred − target alone.
-        let diff = (&pred - &target)?;
+        // One node keeping pred − target (`ops::mse_loss`; the target goes once subtracted);
+        // its rule reads no prediction, which goes too unless a narrowed view
+        // (`ops::release`), as PyTorch keeps pred − target alone.
+        let loss = crate::ops::mse_loss(&pred, target)?;
         crate::ops::release_whole(&pred)?;
-        crate::ops::release(&target)?;
-        drop((pred, target));
-        let sq = diff.sqr()?;
-        let loss = sq.mean_all()?;
-        crate::ops::release(&sq)?;
-        drop((diff, sq));
+        drop(pred);
         let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         rec.mark(tag("final".into()));
 

@@ -173,9 +173,26 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
     base_weight(g, sh, &format!("{name}.weight"), dh, wd)
 }
 
-/// One double-stream block as `double_forward` builds it, on leaf copies of its two streams.
-/// Returns (graph, [image leaf, text leaf], st leaf, [image out, text out]).
-pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+/// `track`: a backward reads a linear's input (a trained weight or LoRA's branch; untracked,
+/// nothing reads anything).
+fn reads(sh: &Shape, track: bool, name: &str) -> bool {
+    track && (sh.lora.is_none() || sh.lora_rank(name).is_some())
+}
+
+/// `gated_then_release`: the gated residual, the branch output released under a frozen (or
+/// untracked) gate.
+fn gated(g: &mut Graph, track: bool, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
+    let o = gated_residual(g, name, x, y, gate);
+    if !(track && g.nodes[gate].tracks) {
+        g.release(y);
+    }
+    o
+}
+
+/// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
+/// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
+/// st leaf, [image out, text out]).
+pub fn double_block(sh: &Shape, fg: &FluxGeo, track: bool) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let d = sh.d;
@@ -210,7 +227,10 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
         } else {
             let y = lin(g, sh, image, hx, rs, d, d);
             let ey = lin(g, sh, text, hc, rt, d, d);
-            concat(g, &format!("[text; image] {which}"), ey, y)
+            let cat = concat(g, &format!("[text; image] {which}"), ey, y);
+            g.release(y);
+            g.release(ey);
+            cat
         };
         g.bind(y)
     };
@@ -219,7 +239,12 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
     let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
     let vc = match (ev, v) {
-        (Some(ev), Some(v)) => concat(&mut g, "[text; image] v", ev, v),
+        (Some(ev), Some(v)) => {
+            let vc = concat(&mut g, "[text; image] v", ev, v);
+            g.release(ev);
+            g.release(v);
+            vc
+        }
         _ => {
             let [wc, bc] = linear_weights(&mut g, sh, "attn.add_v_proj", hc, (d, d));
             let [wx, bx] = linear_weights(&mut g, sh, "attn.to_v", hx, (d, d));
@@ -256,27 +281,39 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]
     let ao = lin(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
     let co = lin(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
     // Image stream.
-    let x1 = gated_residual(&mut g, "x + attn·gate_msa (fused)", x, ao, m[2]);
+    let x1 = gated(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
     g.bind(x1);
     let h2 = ln_modulate(&mut g, "norm2+modulate", x1, m[3], m[4], rs, cd);
     g.bind(h2);
     let f = feed_forward(&mut g, sh, "ff", h2, rs);
-    let x2 = gated_residual(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
+    if !reads(sh, track, "ff.net.0.proj") {
+        g.release(h2);
+    }
+    let x2 = gated(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
     g.bind(x2);
     // Text stream.
-    let c1 = gated_residual(&mut g, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
+    let c1 = gated(&mut g, track, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
     g.bind(c1);
     let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, mc[3], mc[4], rt, cd);
     g.bind(h2c);
     let fc = feed_forward(&mut g, sh, "ff_context", h2c, rt);
-    let c2 = gated_residual(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
+    if !reads(sh, track, "ff_context.net.0.proj") {
+        g.release(h2c);
+    }
+    let c2 = gated(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
     g.bind(c2);
     (g, [x, c], st, [x2, c2])
 }
 
-/// One single-stream block as `single_forward` builds it; `first`: the block that joins the
-/// image and text leaves into the joint stream itself. Returns (graph, leaves, st leaf, out).
-pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, Nid, Nid) {
+/// One single-stream block as `single_forward` builds it, tracked or not (`track`); `first`: the
+/// block that joins the image and text leaves into the joint stream itself. Returns (graph,
+/// leaves, st leaf, out).
+pub fn single_block(
+    sh: &Shape,
+    fg: &FluxGeo,
+    first: bool,
+    track: bool,
+) -> (Graph, Vec<Nid>, Nid, Nid) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let d = sh.d;
@@ -333,10 +370,15 @@ pub fn single_block(sh: &Shape, fg: &FluxGeo, first: bool) -> (Graph, Vec<Nid>, 
         Some(am) => {
             let cat = concat(&mut g, "[attention; MLP]", o, am);
             g.bind(cat);
-            lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d)
+            g.release(am);
+            let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+            if !reads(sh, track, "proj_out") {
+                g.release(cat);
+            }
+            p
         }
     };
-    let out = gated_residual(&mut g, "x + proj_out·gate (fused)", j, p, m[2]);
+    let out = gated(&mut g, track, "x + proj_out·gate (fused)", j, p, m[2]);
     g.bind(out);
     (g, leaves, st, out)
 }
@@ -476,12 +518,16 @@ fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
 /// Simulate Flux's segments for a spec.
 pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let sh = Shape::new(spec);
-    let (dg, dleaves, _, douts) = double_block(&sh, fg);
-    let double = block_sim(&dg, &dg, &dleaves, &douts, &|g| seeds(g, &douts));
-    let (fg1, l1, _, o1) = single_block(&sh, fg, true);
-    let first = block_sim(&fg1, &fg1, &l1, &[o1], &|g| seeds(g, &[o1]));
-    let (sg, ls, _, os) = single_block(&sh, fg, false);
-    let rest = block_sim(&sg, &sg, &ls, &[os], &|g| seeds(g, &[os]));
+    // Each block tracked and untracked (what the engine releases differs).
+    let (dg, dleaves, _, douts) = double_block(&sh, fg, true);
+    let dug = double_block(&sh, fg, false).0;
+    let double = block_sim(&dg, &dug, &dleaves, &douts, &|g| seeds(g, &douts));
+    let (fg1, l1, _, o1) = single_block(&sh, fg, true, true);
+    let fug1 = single_block(&sh, fg, true, false).0;
+    let first = block_sim(&fg1, &fug1, &l1, &[o1], &|g| seeds(g, &[o1]));
+    let (sg, ls, _, os) = single_block(&sh, fg, false, true);
+    let sug = single_block(&sh, fg, false, false).0;
+    let rest = block_sim(&sg, &sug, &ls, &[os], &|g| seeds(g, &[os]));
 
     let (fgr, fleaf, froot) = final_graph(&sh, fg);
     let (eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
@@ -521,7 +567,7 @@ pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let sh = Shape::new(spec);
     Some([
         to_segment(&embed_graph(&sh, &fg).0, "embed"),
-        to_segment(&double_block(&sh, &fg).0, "block"),
+        to_segment(&double_block(&sh, &fg, true).0, "block"),
         to_segment(&final_graph(&sh, &fg).0, "final"),
     ])
 }

@@ -153,19 +153,31 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
 }
 
 /// The family schedule's loss on the prediction `pred` (`elems` values in the gradient dtype
-/// `ld`; `trainer/family.rs`): pred − target, its square, the mean; the prediction (when it is
-/// its whole storage, not a narrowed view) and the target released once subtracted, the square
-/// once summed (`ops::release`: no rule of theirs reads them). Returns the root (loss·scale).
+/// `ld`; `trainer/family.rs`): one `ops::mse_loss` node keeping d = pred − target (made beside
+/// the target, which goes once subtracted) and handing d back, scaled in place, as the
+/// prediction's gradient; the prediction released after it (when it is its whole storage, not
+/// a narrowed view: no rule reads it). Returns the root (loss·scale).
 pub(crate) fn family_loss(g: &mut Graph, pred: Nid, elems: u64, ld: Dtype) -> Nid {
     let target = g.constant("target", elems, ld, true);
-    let diff = g.op("pred − target", Kind::Sub, &[pred, target], elems, ld);
+    // `Batch::target`: the values made in f64 on the host, cast beside them (none to cast
+    // under the fp64 policy).
+    if ld != Dtype::F64 {
+        g.nodes[target].fwd_scratch = elems * 8 + TENSOR_META + STORAGE_META;
+    }
+    let loss = g.op(
+        "mean((pred − target)²) (fused)",
+        Kind::Custom { bwd_scratch: 0 },
+        &[pred],
+        1,
+        ld,
+    );
+    // d and its tensor bookkeeping, freed when the backward hands d on as the gradient.
+    let d = elems * ld.size() + TENSOR_META + STORAGE_META;
+    g.nodes[loss].extra = d;
+    g.nodes[loss].released_by_bwd = d;
+    g.release(target);
     if g.elems(g.storage(pred)) == elems {
         g.release(pred);
     }
-    g.release(target);
-    let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], elems, ld);
-    let s = g.op("sum", Kind::Sum, &[sq], 1, ld);
-    let loss = g.op("mean (loss)", Kind::Affine, &[s], 1, ld);
-    g.release(sq);
     g.op("loss·scale/accumulation", Kind::Affine, &[loss], 1, ld)
 }

@@ -9,16 +9,16 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use crate::block::{
-    cast, cast_then_release, feed_forward, linear_then_release, mlp_linear, BlockConfig, LinearW,
-    LN_EPS,
+    cast, cast_then_release, feed_forward, gated_then_release, linear_then_release, mlp_linear,
+    BlockConfig, LinearW, LN_EPS,
 };
 use crate::error::{EngineError, Result};
 use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
 use crate::ops::{
-    fused_mlp_side, gated_residual, gelu_tanh, joint_linear, joint_norm_rope, ln_modulate,
-    norm_rope, RopeTable, RMS_EPS,
+    fused_mlp_side, gelu_tanh, joint_linear, joint_norm_rope, ln_modulate, norm_rope, release,
+    RopeTable, RMS_EPS,
 };
 
 /// The weights of one double-stream block (`FluxTransformerBlock`): the linears in
@@ -84,6 +84,10 @@ pub fn double_forward(
         let y = l[li].forward(&hx)?;
         let ey = l[lt].forward(&hc)?;
         let cat = concat(&ey, &y, b, (b * n, h))?;
+        // No backward reads the parts (a linear's rule reads its input; the concatenation's
+        // none).
+        release(&y)?;
+        release(&ey)?;
         hold.extend([y, ey]);
         Ok(cat)
     };
@@ -99,7 +103,12 @@ pub fn double_forward(
     };
     let vc = match (joint_v, &ev, &v) {
         (Some((lc, lx)), _, _) => joint_linear(&hc, &hx, lc, lx, b)?,
-        (None, Some(ev), Some(v)) => concat(ev, v, b, (b * n, h))?,
+        (None, Some(ev), Some(v)) => {
+            let vc = concat(ev, v, b, (b * n, h))?;
+            release(ev)?;
+            release(v)?;
+            vc
+        }
         _ => {
             return Err(EngineError::bad_input(
                 "flux double block",
@@ -115,16 +124,23 @@ pub fn double_forward(
     let oi = slice(&o, b, (t * h, n * h), (b * s, h))?;
     let ao = l[8].forward(&oi)?;
     let co = l[9].forward(&oc)?;
-    // Image stream.
-    let x1 = gated_residual(x, &ao, &m[2])?;
+    // Image stream; the branch outputs go under frozen gates, the feed-forwards' inputs when
+    // fc1 is frozen (`ops::release`).
+    let x1 = gated_then_release(x, ao, &m[2])?;
     let h2 = ln_modulate(&x1, &m[3], &m[4], LN_EPS, cd)?;
     let f = feed_forward(&h2, &l[10], &l[11])?;
-    let x2 = gated_residual(&x1, &f, &m[5])?;
+    if !l[10].reads_input() {
+        release(&h2)?;
+    }
+    let x2 = gated_then_release(&x1, f, &m[5])?;
     // Text stream.
-    let c1 = gated_residual(c, &co, &mc[2])?;
+    let c1 = gated_then_release(c, co, &mc[2])?;
     let h2c = ln_modulate(&c1, &mc[3], &mc[4], LN_EPS, cd)?;
     let fc = feed_forward(&h2c, &l[12], &l[13])?;
-    let c2 = gated_residual(&c1, &fc, &mc[5])?;
+    if !l[12].reads_input() {
+        release(&h2c)?;
+    }
+    let c2 = gated_then_release(&c1, fc, &mc[5])?;
     Ok((x2, c2))
 }
 
@@ -175,7 +191,14 @@ pub fn single_forward(
         (Some((l1, l5)), _) => fused_mlp_side(&hx, &o, l1, l5)?,
         (None, Some(am)) => {
             let cat = concat(&o, &am, rows, (rows, 5 * h))?;
-            l[5].forward(&cat)?
+            // The GELU's output is read by the concatenation alone (whose rule reads nothing);
+            // the concatenation by proj_out, whose rule reads it for a trained weight or LoRA.
+            release(&am)?;
+            let p = l[5].forward(&cat)?;
+            if !l[5].reads_input() {
+                release(&cat)?;
+            }
+            p
         }
         (None, None) => {
             return Err(EngineError::bad_input(
@@ -184,7 +207,7 @@ pub fn single_forward(
             ))
         }
     };
-    Ok(gated_residual(x, &p, &m[2])?)
+    gated_then_release(x, p, &m[2])
 }
 
 /// The output side's weights: `norm_out.linear` and `proj_out`.
