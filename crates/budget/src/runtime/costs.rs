@@ -32,6 +32,10 @@ pub struct SegSim {
     pub bwd_released: u64,
     pub bwd_store: u64,
     pub bwd_leaf_grads: u64,
+    /// Of [`SegSim::output`] (the embed: its streams): the buffers' data bytes, which the family
+    /// schedule releases once a stored reader has copied them into its leaves
+    /// ([`Sims::streams_once`]).
+    pub output_data: u64,
 }
 
 /// A second kind of block after the first `start` blocks (Flux's single-stream blocks after its
@@ -69,6 +73,10 @@ pub struct Sims {
     pub last_block: Option<SegSim>,
     /// Blocks of a second kind (None: every block is `block`).
     pub second: Option<SecondBlocks>,
+    /// The family schedule (`trainer/family.rs`, `release_streams`): a stored segment's input
+    /// streams are released once copied into its leaves, so each stream is held once.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub streams_once: bool,
 }
 
 /// Costs of the three segments of a runtime described by generic segments.

@@ -90,6 +90,19 @@ fn leaves_of(xs: &[Tensor]) -> Result<Vec<Var>> {
         .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
+/// The stream once: a stored segment's leaves are copies of its input streams (the previous
+/// block's stored outputs, or the embed's), and no backward reads those (a seed reads only their
+/// dtype; their producers' rules, the gated residual's, a cast's, a sum's, read no output), so
+/// their buffers go once copied (`ops::release`; a stream that is a view of a larger buffer
+/// stays). PyTorch holds each stream once. Budget twin: `SegSim::output_data`,
+/// `Sims::streams_once`.
+fn release_streams(xs: &[Tensor]) -> Result<()> {
+    for x in xs {
+        crate::ops::release_whole(x)?;
+    }
+    Ok(())
+}
+
 fn tensors(vs: &[Var]) -> Vec<Tensor> {
     vs.iter().map(|v| v.as_tensor().clone()).collect()
 }
@@ -185,6 +198,9 @@ impl Trainer {
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
+                if i == 0 || !self.spec.recipe.recompute.recomputes_block(i as u32 - 1) {
+                    release_streams(&cur)?;
+                }
                 let c = cond_in(false);
                 let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
                 cur = outs.clone();
@@ -195,6 +211,15 @@ impl Trainer {
 
         // Output side and loss.
         let final_leaves = leaves_of(&cur)?;
+        if depth == 0
+            || !self
+                .spec
+                .recipe
+                .recompute
+                .recomputes_block(depth as u32 - 1)
+        {
+            release_streams(&cur)?;
+        }
         drop(cur);
         let c = cond_in(false);
         let pred = fam.final_layer(self, &tensors(&final_leaves), &c, mb)?;

@@ -500,6 +500,7 @@ fn block_sim(
     };
     s.leaf = leaves.iter().map(|&l| kept(l)).sum();
     s.output = outs.iter().map(|&o| kept(o)).sum();
+    s.output_data = crate::runtime::ditmem_cpu::graph::stream_data(&bg, outs);
     s.activations -= s.leaf + s.output;
     s.fwd_peak = fwd;
     let mut ug = ug.clone();

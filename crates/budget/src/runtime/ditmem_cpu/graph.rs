@@ -409,6 +409,21 @@ pub fn to_segment(g: &Graph, name: &str) -> Segment {
     seg
 }
 
+/// Data bytes `ops::release_whole` frees of the streams `xs`: each stream's buffer when the
+/// stream is its whole storage (a view of a larger buffer stays).
+pub fn stream_data(g: &Graph, xs: &[Nid]) -> u64 {
+    xs.iter()
+        .map(|&x| {
+            let s = g.storage(x);
+            if g.nodes[s].alloc && g.nodes[s].elems == g.nodes[x].elems {
+                g.nodes[s].bytes()
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
 /// Bytes of the buffers a graph owns (what stays alive while its root lives).
 pub fn owned_bytes(g: &Graph) -> (u64, u64) {
     let mut act = 0;

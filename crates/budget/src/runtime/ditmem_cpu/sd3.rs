@@ -301,6 +301,7 @@ fn seg_many(
     s.activations -= l + o;
     s.leaf = l;
     s.output = o;
+    s.output_data = crate::runtime::ditmem_cpu::graph::stream_data(g, outs);
     s
 }
 

@@ -165,6 +165,7 @@ pub(crate) fn seg(
         bwd_released: bw.released,
         bwd_store: bw.store,
         bwd_leaf_grads: bw.leaf_grads,
+        output_data: 0,
     }
 }
 
@@ -203,5 +204,9 @@ pub fn sims(spec: &Spec) -> Sims {
         sh.ad(),
     );
     let scratch = sims::embed_scratch(&sh, u64::from(spec.model.freq_embed), 0);
-    sims::sims(embed, block, sims::final_sim(&fg, fleaf, froot), scratch)
+    // The DiT's own schedule (`trainer.rs`) holds its streams as they are.
+    Sims {
+        streams_once: false,
+        ..sims::sims(embed, block, sims::final_sim(&fg, fleaf, froot), scratch)
+    }
 }

@@ -5,7 +5,8 @@
 
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, kept_bytes, retained, untracked_peak, Graph, Kind, Nid, STORAGE_META, TENSOR_META,
+    forward_peak, kept_bytes, retained, stream_data, untracked_peak, Graph, Kind, Nid,
+    STORAGE_META, TENSOR_META,
 };
 use crate::runtime::ditmem_cpu::ops::seed;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -22,6 +23,7 @@ pub(crate) fn block_sim(build: impl Fn(bool) -> (Graph, Nid, Nid)) -> SegSim {
     let root = seed(&mut g, out);
     let mut s = seg(&g, Some(leaf), Some(out), root, 1, &[leaf, out]);
     s.fwd_peak = fwd;
+    s.output_data = stream_data(&g, &[out]);
     let (mut ug, uleaf, uout) = build(false);
     ug.nodes[uleaf].alloc = false;
     s.untracked_peak = untracked_peak(&ug, &[uout]);
@@ -89,6 +91,7 @@ pub(crate) fn embed_sim(mut g: Graph, o: &EmbedOutputs, cond_grad_dtype: Dtype) 
         .sum();
     s.activations -= s.output;
     s.fwd_peak = fwd;
+    s.output_data = stream_data(&g, o.streams);
     if o.frozen {
         s.activations -= tail.0;
         s.weight_casts -= tail.1;
@@ -149,6 +152,7 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
         cond_grad: embed.cond_grad,
         last_block: None,
         second: None,
+        streams_once: true,
     }
 }
 

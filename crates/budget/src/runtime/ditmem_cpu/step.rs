@@ -248,6 +248,23 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// Data bytes of the streams segment `i` (`depth`: the final layer) reads that the family
+    /// schedule releases once copied into its leaves (`release_streams`): when `i` is stored
+    /// and its input is the embed's streams or a stored block's outputs (a recomputed block's
+    /// output is freed whole once copied).
+    fn released_input(&self, i: u32) -> u64 {
+        let depth = self.spec.model.depth;
+        if !self.sims.streams_once || (i < depth && self.recomputed(i)) {
+            0
+        } else if i == 0 {
+            self.sims.embed.output_data
+        } else if !self.recomputed(i - 1) {
+            self.seg_of(i - 1).output_data
+        } else {
+            0
+        }
+    }
+
     /// The landing of block `i`'s gradients.
     fn landing_of(&self, i: u32) -> Landing {
         match (&self.sims.second, &self.sims.last_block) {
@@ -345,8 +362,10 @@ impl<'a> Replay<'a> {
                 inside.activations += bs.untracked_peak;
                 live.activations += bs.output;
             } else {
-                inside.activations += bs.fwd_peak;
-                live.activations += block_kept;
+                // The leaf copy first, then the input streams released, then the block.
+                let released = self.released_input(i);
+                inside.activations += bs.fwd_peak.saturating_sub(released).max(bs.leaf);
+                live.activations += block_kept - released;
                 live.weight_casts += bs.weight_casts;
                 if i > 0 && self.recomputed(i - 1) {
                     // The recomputed block's output was only this block's input: copied, freed.
@@ -368,8 +387,9 @@ impl<'a> Replay<'a> {
         // Final layer + loss.
         let fs = &sims.final_layer;
         let mut inside = *live;
-        inside.activations += fs.fwd_peak;
-        live.activations += fs.activations + fs.leaf;
+        let released = self.released_input(depth);
+        inside.activations += fs.fwd_peak.saturating_sub(released).max(fs.leaf);
+        live.activations += fs.activations + fs.leaf - released;
         live.weight_casts += fs.weight_casts;
         if depth > 0 && self.recomputed(depth - 1) {
             live.activations -= self.input_bytes(depth);
@@ -437,7 +457,7 @@ impl<'a> Replay<'a> {
         // features, t_emb, y_emb and what they still hold) and the microbatch slice (if any)
         // live until the function returns, just after this mark.
         live.workspace -= es.bwd_store;
-        live.activations -= es.activations + es.output + sims.c_leaf;
+        live.activations -= es.activations + es.output + sims.c_leaf - self.released_input(0);
         live.weight_casts -= es.weight_casts;
         live.activations += sims.embed_tail.0;
         live.weight_casts += sims.embed_tail.1;
@@ -477,7 +497,8 @@ impl<'a> Replay<'a> {
             self.mark(Phase::Backward, what, Some(i), mb, true, inside);
             // After backward: the store; drop(out) frees the graph and the output.
             live.workspace += bs.bwd_store;
-            live.activations -= bs.activations + bs.output;
+            // The output's data went in the forward when its reader was stored.
+            live.activations -= bs.activations + bs.output - self.released_input(i + 1);
             live.weight_casts -= bs.weight_casts;
             let what = format!("block {i} grads (inside)");
             self.land_event(live, mb, self.landing_of(i), what, Some(i));
