@@ -21,6 +21,17 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Tensor};
 
 use super::storage::{err, CResult};
 
+/// Elements of a float storage (None for another dtype).
+fn float_len(s: &CpuStorage) -> Option<usize> {
+    match s {
+        CpuStorage::F32(v) => Some(v.len()),
+        CpuStorage::F64(v) => Some(v.len()),
+        CpuStorage::BF16(v) => Some(v.len()),
+        CpuStorage::F16(v) => Some(v.len()),
+        _ => None,
+    }
+}
+
 /// Swaps the storage's buffer for an empty one of the same dtype.
 struct Release;
 
@@ -30,13 +41,7 @@ impl InplaceOp1 for Release {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> CResult<()> {
-        let len = match &*s {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            _ => return Err(err("release: only float tensors are released")),
-        };
+        let len = float_len(s).ok_or_else(|| err("release: only float tensors are released"))?;
         // Only a tensor that is its whole storage: a view would free what its owner still reads.
         if l.contiguous_offsets() != Some((0, len)) {
             return Err(err(format!(
@@ -64,17 +69,12 @@ pub fn release(t: &Tensor) -> CResult<()> {
 pub fn release_whole(t: &Tensor) -> CResult<bool> {
     let whole = {
         let (s, l) = t.storage_and_layout();
-        let len = match &*s {
-            candle_core::Storage::Cpu(c) => match c {
-                CpuStorage::F32(v) => v.len(),
-                CpuStorage::F64(v) => v.len(),
-                CpuStorage::BF16(v) => v.len(),
-                CpuStorage::F16(v) => v.len(),
-                _ => 0,
-            },
-            _ => 0,
-        };
-        len > 0 && l.contiguous_offsets() == Some((0, len))
+        match &*s {
+            candle_core::Storage::Cpu(c) => {
+                float_len(c).is_some_and(|len| len > 0 && l.contiguous_offsets() == Some((0, len)))
+            }
+            _ => false,
+        }
     };
     if whole {
         release(t)?;
@@ -113,20 +113,11 @@ mod tests {
                 release(&y).unwrap();
             }
             let g = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
-            (
-                g.get(x.as_tensor())
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
-                g.get(w.as_tensor())
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
-            )
+            let of = |v: &Var| {
+                let t = g.get(v.as_tensor()).unwrap();
+                t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            (of(&x), of(&w))
         };
         assert_eq!(run(false), run(true));
     }
