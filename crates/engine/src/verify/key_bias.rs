@@ -20,27 +20,27 @@
 
 use crate::families::Arch;
 
-/// The query bias whose projection reads the same input as the key bias `name`, where `name`
-/// is the key bias of a softmax self- or joint attention (q and k from one stream): SD3's and
-/// Flux's `attn` (both streams), Wan's and PixArt's `attn1`. None elsewhere: a cross-attention's
-/// keys read the caption, its queries the image; Sana's `attn1` is the linear attention (its
-/// own cancellation, `cancellation.rs`); the DiT's key bias is a third of the fused
-/// `qkv.bias`.
+/// The bias whose projection reads the same input as the key bias `name` and does not cancel:
+/// the query bias of a softmax self- or joint attention (q and k from one stream: SD3's and
+/// Flux's `attn`, both streams, Wan's and PixArt's `attn1`), the value bias of Wan's
+/// cross-attention `attn2` (k and v both read the caption; its k passes an RMSNorm, so the key
+/// bias's gradient is a remainder, not the exact zero of PixArt's and Sana's cross-attention,
+/// [`crate::families::zero_gradient`]; v's bias sums dO over the queries and cancels nothing).
+/// None elsewhere: Sana's `attn1` is the linear attention (its own cancellation,
+/// `cancellation.rs`); the DiT's key bias is a third of the fused `qkv.bias`.
 pub(super) fn query_sibling(arch: &Arch, name: &str) -> Option<String> {
-    let attention = match arch {
-        Arch::Sd3(_) | Arch::Flux(_) => ".attn.",
-        Arch::Wan(_) | Arch::Pixart(_) => ".attn1.",
-        Arch::Sana(_) | Arch::Dit => return None,
-    };
-    if !name.contains(attention) {
-        return None;
-    }
-    [
+    const SELF: &[(&str, &str)] = &[
         ("to_k.bias", "to_q.bias"),
         ("add_k_proj.bias", "add_q_proj.bias"),
-    ]
-    .iter()
-    .find_map(|(k, q)| {
+    ];
+    const CROSS: &[(&str, &str)] = &[("to_k.bias", "to_v.bias")];
+    let pairs = match arch {
+        Arch::Sd3(_) | Arch::Flux(_) if name.contains(".attn.") => SELF,
+        Arch::Wan(_) | Arch::Pixart(_) if name.contains(".attn1.") => SELF,
+        Arch::Wan(_) if name.contains(".attn2.") => CROSS,
+        _ => return None,
+    };
+    pairs.iter().find_map(|(k, q)| {
         name.strip_suffix(k)
             .filter(|head| head.ends_with('.'))
             .map(|head| format!("{head}{q}"))
@@ -99,7 +99,15 @@ mod tests {
         );
         let wan = Arch::of(&crate::families::wan::tiny_spec(2, 2, 5, 7).unwrap()).unwrap();
         assert!(query_sibling(&wan, "blocks.0.attn1.to_k.bias").is_some());
-        assert_eq!(query_sibling(&wan, "blocks.0.attn2.to_k.bias"), None);
+        assert_eq!(
+            query_sibling(&wan, "blocks.0.attn2.to_k.bias").as_deref(),
+            Some("blocks.0.attn2.to_v.bias")
+        );
+        let pixart = Arch::of(&crate::families::pixart::tiny_spec(2, 4, 13).unwrap()).unwrap();
+        assert_eq!(
+            query_sibling(&pixart, "transformer_blocks.0.attn2.to_k.bias"),
+            None
+        );
     }
 
     #[test]
