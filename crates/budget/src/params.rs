@@ -336,9 +336,8 @@ pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype 
     }
     match t.role {
         ParamRole::Trained => precision.param_dtype(),
-        // With the residual stream: in the compute dtype under LoRA (the scripts cast the
-        // whole transformer), else the accumulation dtype.
-        ParamRole::Frozen if t.module == Module::PosEmbed && !lora => precision.accum_dtype(),
+        // Added to the residual stream, in its dtype.
+        ParamRole::Frozen if t.module == Module::PosEmbed => precision.stream_dtype(lora),
         ParamRole::Frozen => precision.compute_dtype(),
     }
 }

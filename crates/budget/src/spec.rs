@@ -332,6 +332,17 @@ impl Precision {
         }
     }
 
+    /// Dtype of the residual streams: the accumulation dtype, or under LoRA the compute dtype,
+    /// the frozen base's (the diffusers scripts cast the whole transformer to `weight_dtype`
+    /// and feed it latents of that dtype). The engine's rule (`Trainer::new`) and the budget's.
+    pub const fn stream_dtype(self, lora: bool) -> Dtype {
+        if lora {
+            self.compute_dtype()
+        } else {
+            self.accum_dtype()
+        }
+    }
+
     /// Dtype of the sensitive ops: norms, softmax, the residual stream and the loss.
     pub const fn accum_dtype(self) -> Dtype {
         match self {

@@ -177,6 +177,21 @@ pub(crate) fn linear_then_release(l: &LinearW, x: &Tensor) -> Result<Tensor> {
     Ok(y)
 }
 
+/// `feed_forward(h, fc1, fc2)`, then h's buffer released when fc1 is frozen (the fused MLP's
+/// and the composed fc1's rules read h only for fc1's weight or LoRA's branch; h, a modulated
+/// norm, is read by nothing else).
+pub(crate) fn feed_forward_then_release(
+    h: &Tensor,
+    fc1: &LinearW,
+    fc2: &LinearW,
+) -> Result<Tensor> {
+    let f = feed_forward(h, fc1, fc2)?;
+    if !fc1.reads_input() {
+        crate::ops::release(h)?;
+    }
+    Ok(f)
+}
+
 /// `gated_residual(x, y, gate)`, then y's buffer released under a frozen gate (its rule reads y
 /// for dgate alone; y is read by nothing else).
 pub(crate) fn gated_then_release(x: &Tensor, y: Tensor, gate: &Tensor) -> Result<Tensor> {

@@ -262,14 +262,9 @@ impl Trainer {
         let precision = r.precision;
         let compute = dtype(precision.compute_dtype())?;
         // Under LoRA the residual streams run in the frozen base's dtype, as the diffusers
-        // scripts cast the whole transformer (`transformer.to(dtype=weight_dtype)`) and feed it
-        // latents of that dtype: bf16 streams under bf16-mixed, not the fp32 of full
-        // fine-tuning's masters. Budget twin: `Shape::ad`, `params::stored_dtype`.
-        let accum = if r.lora.is_some() {
-            compute
-        } else {
-            dtype(precision.accum_dtype())?
-        };
+        // scripts cast the whole transformer: bf16 streams under bf16-mixed, not the fp32 of
+        // full fine-tuning's masters (`Precision::stream_dtype`, the budget's rule too).
+        let accum = dtype(precision.stream_dtype(r.lora.is_some()))?;
         let param_dt = dtype(precision.param_dtype())?;
         let opt_dt = dtype(precision.optimizer_dtype())?;
         let optimizer: Box<dyn Optimizer> = match r.optimizer {

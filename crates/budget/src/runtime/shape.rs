@@ -113,15 +113,10 @@ impl Shape {
         self.precision.compute_dtype()
     }
 
-    /// The accumulation dtype of the precision policy (the residual stream).
+    /// The dtype of the residual streams (the accumulation dtype; under LoRA the compute dtype).
     pub fn ad(&self) -> Dtype {
-        // The engine's streams under LoRA: the frozen base's dtype (`Trainer::new`), as the
-        // scripts cast the transformer to `weight_dtype`.
-        if self.lora.is_some() {
-            self.cd()
-        } else {
-            self.precision.accum_dtype()
-        }
+        // Under LoRA the frozen base's dtype (`Precision::stream_dtype`, `Trainer::new`).
+        self.precision.stream_dtype(self.lora.is_some())
     }
 
     /// The LoRA rank of a target, when LoRA adapts it.
@@ -154,14 +149,15 @@ impl Shape {
 }
 
 /// Whether the engine runs `spec`'s embed frozen: a diffusers family under LoRA with no
-/// adapter on an embedder (the budget's embed tensors: no block, not the output side; the
-/// engine's `FamilyStep::embed_params`).
+/// adapter on an embedder (the replay's embed tensors; the engine's
+/// `FamilyStep::embed_params`).
 pub fn frozen_embed(spec: &Spec) -> bool {
-    use crate::params::{Module, ParamRole};
+    use crate::params::ParamRole;
+    use crate::runtime::ditmem_cpu::step::is_embed;
     if spec.recipe.lora.is_none() || !matches!(crate::denoiser::family(spec), Ok(Some(_))) {
         return false;
     }
-    !crate::denoiser::param_table(spec).iter().any(|t| {
-        t.block.is_none() && t.module != Module::FinalLayer && t.role == ParamRole::Trained
-    })
+    !crate::denoiser::param_table(spec)
+        .iter()
+        .any(|t| is_embed(t) && t.role == ParamRole::Trained)
 }

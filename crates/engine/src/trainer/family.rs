@@ -189,6 +189,11 @@ impl Trainer {
 
         // Blocks.
         let depth = fam.depth();
+        // Whether segment `i` (`depth`: the final layer) reads the embed's streams or a stored
+        // block's outputs, which `release_streams` may free once copied (a recomputed block's
+        // untracked output is freed whole).
+        let recipe = &self.spec.recipe;
+        let reads_stored = |i: usize| i == 0 || !recipe.recompute.recomputes_block(i as u32 - 1);
         let mut saved: Vec<SavedStreams> = Vec::with_capacity(depth);
         let mut cur = x0.clone();
         for i in 0..depth {
@@ -198,7 +203,7 @@ impl Trainer {
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
-                if i == 0 || !self.spec.recipe.recompute.recomputes_block(i as u32 - 1) {
+                if reads_stored(i) {
                     release_streams(&cur)?;
                 }
                 let c = cond_in(false);
@@ -211,13 +216,7 @@ impl Trainer {
 
         // Output side and loss.
         let final_leaves = leaves_of(&cur)?;
-        if depth == 0
-            || !self
-                .spec
-                .recipe
-                .recompute
-                .recomputes_block(depth as u32 - 1)
-        {
+        if reads_stored(depth) {
             release_streams(&cur)?;
         }
         drop(cur);

@@ -41,13 +41,36 @@ pub fn module_linear(
     adapted_linear(g, sh, name, x, (rows, out, inp), sh.lora_rank(name))
 }
 
+/// `LinearW::reads_input` of the linear `name` (or the feed-forward whose fc1 is `name`): a
+/// tracked backward reads its input for a trained weight or LoRA's branch; untracked
+/// (`track` false: a recomputed block's first forward), nothing reads anything.
+pub fn reads_input(sh: &Shape, track: bool, name: &str) -> bool {
+    track && (sh.lora.is_none() || sh.lora_rank(name).is_some())
+}
+
+/// The engine's `linear_then_release` / `feed_forward_then_release`: `x` released after the
+/// linear (or feed-forward) `name` that reads it unless its backward reads it.
+pub fn release_unless_read(g: &mut Graph, sh: &Shape, track: bool, name: &str, x: Nid) {
+    if !reads_input(sh, track, name) {
+        g.release(x);
+    }
+}
+
+/// The engine's `gated_then_release`: the gated residual, its branch output `y` released under
+/// a frozen (or untracked) gate.
+pub fn gated_released(g: &mut Graph, track: bool, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
+    let o = gated_residual(g, name, x, y, gate);
+    if !(track && g.nodes[gate].tracks) {
+        g.release(y);
+    }
+    o
+}
+
 /// The output side's `linear_then_release(proj_out, h)` and `cast_then_release(y, ad)` of the
 /// engine (SD3's and Flux's `final_forward`): the modulated norm `h` goes under a frozen
 /// `proj_out`, its product `y` once cast to `ad` (when the cast copies). Returns the cast.
 pub fn proj_out_released(g: &mut Graph, sh: &Shape, h: Nid, y: Nid, ad: Dtype) -> Nid {
-    if sh.lora.is_some() && sh.lora_rank("proj_out").is_none() {
-        g.release(h);
-    }
+    release_unless_read(g, sh, true, "proj_out", h);
     let yc = g.cast(&format!("prediction→{ad}"), y, ad);
     if yc != y {
         g.release(y);

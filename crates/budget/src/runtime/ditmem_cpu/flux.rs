@@ -9,13 +9,14 @@
 use crate::families::{Dims as FamilyDims, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, linear_weights, module_feed_forward, module_linear,
+    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
+    release_unless_read,
 };
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{
-    concat, fused_mlp_side, gated_residual, gelu, joint_linear, ln_modulate, slice,
+    concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
@@ -173,22 +174,6 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
     base_weight(g, sh, &format!("{name}.weight"), dh, wd)
 }
 
-/// `track`: a backward reads a linear's input (a trained weight or LoRA's branch; untracked,
-/// nothing reads anything).
-fn reads(sh: &Shape, track: bool, name: &str) -> bool {
-    track && (sh.lora.is_none() || sh.lora_rank(name).is_some())
-}
-
-/// `gated_then_release`: the gated residual, the branch output released under a frozen (or
-/// untracked) gate.
-fn gated(g: &mut Graph, track: bool, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
-    let o = gated_residual(g, name, x, y, gate);
-    if !(track && g.nodes[gate].tracks) {
-        g.release(y);
-    }
-    o
-}
-
 /// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
 /// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
 /// st leaf, [image out, text out]).
@@ -281,26 +266,22 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo, track: bool) -> (Graph, [Nid; 2], 
     let ao = lin(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
     let co = lin(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
     // Image stream.
-    let x1 = gated(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
+    let x1 = gated_released(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
     g.bind(x1);
     let h2 = ln_modulate(&mut g, "norm2+modulate", x1, m[3], m[4], rs, cd);
     g.bind(h2);
     let f = feed_forward(&mut g, sh, "ff", h2, rs);
-    if !reads(sh, track, "ff.net.0.proj") {
-        g.release(h2);
-    }
-    let x2 = gated(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
+    release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
+    let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
     g.bind(x2);
     // Text stream.
-    let c1 = gated(&mut g, track, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
+    let c1 = gated_released(&mut g, track, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
     g.bind(c1);
     let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, mc[3], mc[4], rt, cd);
     g.bind(h2c);
     let fc = feed_forward(&mut g, sh, "ff_context", h2c, rt);
-    if !reads(sh, track, "ff_context.net.0.proj") {
-        g.release(h2c);
-    }
-    let c2 = gated(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
+    release_unless_read(&mut g, sh, track, "ff_context.net.0.proj", h2c);
+    let c2 = gated_released(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
     g.bind(c2);
     (g, [x, c], st, [x2, c2])
 }
@@ -372,13 +353,11 @@ pub fn single_block(
             g.bind(cat);
             g.release(am);
             let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
-            if !reads(sh, track, "proj_out") {
-                g.release(cat);
-            }
+            release_unless_read(&mut g, sh, track, "proj_out", cat);
             p
         }
     };
-    let out = gated(&mut g, track, "x + proj_out·gate (fused)", j, p, m[2]);
+    let out = gated_released(&mut g, track, "x + proj_out·gate (fused)", j, p, m[2]);
     g.bind(out);
     (g, leaves, st, out)
 }

@@ -527,7 +527,7 @@ pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
         live += node.created_footprint();
         peak = peak.max(live + node.fwd_scratch);
         for &r in &releases[k] {
-            if g.nodes[r].created_footprint() > 0 && !keep.contains(&r) {
+            if !keep.contains(&r) {
                 live -= g.nodes[r].released_bytes();
             }
         }

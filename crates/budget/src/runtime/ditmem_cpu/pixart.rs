@@ -8,12 +8,13 @@
 use crate::families::{Dims as FamilyDims, PixartDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
+    base_weight, fused_cross, gated_released, linear_weights, module_feed_forward, module_linear,
+    release_unless_read, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    attention_head_packing, fused_linear, gated_residual, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
+    attention_head_packing, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
     FUSED_ATTN_QUERY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -172,15 +173,7 @@ pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid
     let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
     g.bind(o);
     let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
-    // `gated_then_release`: the branch output goes under a frozen (or untracked) gate.
-    let gated = |g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid| {
-        let o = gated_residual(g, name, x, y, gate);
-        if !(track && g.nodes[gate].tracks) {
-            g.release(y);
-        }
-        o
-    };
-    let x1 = gated(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+    let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
     g.bind(x1);
 
     // Cross-attention.
@@ -205,7 +198,14 @@ pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid
     let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
     let ones = g.constant("ones (b, D)", bd, ad, true);
     g.bind(ones);
-    let x2 = gated(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+    let x2 = gated_released(
+        &mut g,
+        track,
+        "x1 + out (fused, gate of ones)",
+        x1,
+        p2,
+        ones,
+    );
     g.bind(x2);
 
     // MLP.
@@ -213,11 +213,8 @@ pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid
     g.bind(h2);
     let names = ("ff.net.0.proj", "ff.net.2");
     let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-    // fc1's backward reads h2 only for a trained weight or LoRA's branch.
-    if !(track && (sh.lora.is_none() || sh.lora_rank(names.0).is_some())) {
-        g.release(h2);
-    }
-    let out = gated(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+    release_unless_read(&mut g, sh, track, names.0, h2);
+    let out = gated_released(&mut g, track, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
     (g, x, t6, y, out)
 }
 

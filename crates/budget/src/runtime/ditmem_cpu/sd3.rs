@@ -8,12 +8,13 @@
 use crate::families::{Dims as FamilyDims, Sd3Dims};
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, linear_weights, module_feed_forward, module_linear, proj_out_released,
+    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
+    proj_out_released, reads_input, release_unless_read,
 };
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
-use crate::runtime::ditmem_cpu::ops::{concat, gated_residual, joint_linear, ln_modulate, slice};
+use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -124,23 +125,10 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
         let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
     };
-    // `LinearW::reads_input`: a tracked backward reads a linear's input for a trained weight or
-    // LoRA's branch; untracked, nothing reads anything.
-    let reads = |name: &str| track && (sh.lora.is_none() || sh.lora_rank(name).is_some());
-    // `gated_then_release`: the branch output goes under a frozen (or untracked) gate.
-    let gated = |g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid| {
-        let o = gated_residual(g, name, x, y, gate);
-        if !(track && g.nodes[gate].tracks) {
-            g.release(y);
-        }
-        o
-    };
     // `linear_then_release` on a slice of the attention's output.
     let lin_release = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
         let y = lin(g, name, x, rows, d, d);
-        if !reads(name) {
-            g.release(x);
-        }
+        release_unless_read(g, sh, track, name, x);
         y
     };
     let ada = |g: &mut Graph, name: &str, k: u64| {
@@ -214,7 +202,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let vc = joint(&mut g, ("attn.to_v", "attn.add_v_proj"), None, "cat v");
     if !["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]
         .iter()
-        .any(|n| reads(n))
+        .any(|n| reads_input(sh, track, n))
     {
         g.release(hc);
     }
@@ -232,7 +220,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     g.bind(oi);
     let ao = lin_release(&mut g, "attn.to_out.0", oi, rows);
     let gate = chunk(&mut g, "m", m, 2, 6, bd);
-    let x1 = gated(&mut g, "x + out·gate_msa (fused)", x, ao, gate);
+    let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, ao, gate);
     g.bind(x1);
     let (s3, s4) = (
         chunk(&mut g, "m", m, 3, 6, bd),
@@ -241,11 +229,9 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
     g.bind(h2);
     let f = feed_forward(&mut g, sh, "ff", h2, rows);
-    if !reads("ff.net.0.proj") {
-        g.release(h2);
-    }
+    release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
     let gate = chunk(&mut g, "m", m, 5, 6, bd);
-    let x2 = gated(&mut g, "x1 + ff·gate_mlp (fused)", x1, f, gate);
+    let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, gate);
     if last {
         return (g, vec![c, x], se, vec![x2]);
     }
@@ -256,7 +242,7 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     g.bind(oc);
     let co = lin_release(&mut g, "attn.to_add_out", oc, trows);
     let gate = chunk(&mut g, "mc", mc, 2, 6, bd);
-    let c1 = gated(&mut g, "c + out·c_gate_msa (fused)", c, co, gate);
+    let c1 = gated_released(&mut g, track, "c + out·c_gate_msa (fused)", c, co, gate);
     g.bind(c1);
     let (s3, s4) = (
         chunk(&mut g, "mc", mc, 3, 6, bd),
@@ -265,11 +251,9 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, s3, s4, trows, cd);
     g.bind(h2c);
     let fc = feed_forward(&mut g, sh, "ff_context", h2c, trows);
-    if !reads("ff_context.net.0.proj") {
-        g.release(h2c);
-    }
+    release_unless_read(&mut g, sh, track, "ff_context.net.0.proj", h2c);
     let gate = chunk(&mut g, "mc", mc, 5, 6, bd);
-    let c2 = gated(&mut g, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
+    let c2 = gated_released(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
     (g, vec![c, x], se, vec![c2, x2])
 }
 

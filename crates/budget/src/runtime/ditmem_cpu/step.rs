@@ -150,6 +150,11 @@ fn is_final(t: &ParamTensor) -> bool {
     t.name.starts_with("final_layer") || (t.block.is_none() && t.module == Module::FinalLayer)
 }
 
+/// A tensor of the embed segment: no block, not the output side.
+pub(crate) fn is_embed(t: &ParamTensor) -> bool {
+    t.block.is_none() && !is_final(t)
+}
+
 /// The gradients one segment lands in the buffers.
 #[derive(Debug, Clone, Copy)]
 struct Landing {
@@ -228,7 +233,7 @@ impl<'a> Replay<'a> {
                 t.block == Some(0) && t.module == Module::SingleBlocks
             }),
             final_layer: Landing::of(table, gd, &is_final),
-            embed: Landing::of(table, gd, &|t| t.block.is_none() && !is_final(t)),
+            embed: Landing::of(table, gd, &is_embed),
         }
     }
 

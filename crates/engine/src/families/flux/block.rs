@@ -9,8 +9,8 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use crate::block::{
-    cast, cast_then_release, feed_forward, gated_then_release, linear_then_release, mlp_linear,
-    BlockConfig, LinearW, LN_EPS,
+    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
+    mlp_linear, BlockConfig, LinearW, LN_EPS,
 };
 use crate::error::{EngineError, Result};
 use crate::families::pixart::block::attn_keep;
@@ -128,18 +128,12 @@ pub fn double_forward(
     // fc1 is frozen (`ops::release`).
     let x1 = gated_then_release(x, ao, &m[2])?;
     let h2 = ln_modulate(&x1, &m[3], &m[4], LN_EPS, cd)?;
-    let f = feed_forward(&h2, &l[10], &l[11])?;
-    if !l[10].reads_input() {
-        release(&h2)?;
-    }
+    let f = feed_forward_then_release(&h2, &l[10], &l[11])?;
     let x2 = gated_then_release(&x1, f, &m[5])?;
     // Text stream.
     let c1 = gated_then_release(c, co, &mc[2])?;
     let h2c = ln_modulate(&c1, &mc[3], &mc[4], LN_EPS, cd)?;
-    let fc = feed_forward(&h2c, &l[12], &l[13])?;
-    if !l[12].reads_input() {
-        release(&h2c)?;
-    }
+    let fc = feed_forward_then_release(&h2c, &l[12], &l[13])?;
     let c2 = gated_then_release(&c1, fc, &mc[5])?;
     Ok((x2, c2))
 }

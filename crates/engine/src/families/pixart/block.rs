@@ -6,8 +6,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::block::{
-    cast, cast_then_release, gated_then_release, linear_then_release, AttnImpl, BlockConfig,
-    LinearW, LN_EPS,
+    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
+    AttnImpl, BlockConfig, LinearW, LN_EPS,
 };
 use crate::error::Result;
 use crate::families::cross::cross_attend;
@@ -78,10 +78,7 @@ pub fn pixart_block_forward(
 
     // MLP.
     let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
-    let f2 = crate::block::feed_forward(&h2, &w.fc1, &w.fc2)?;
-    if !w.fc1.reads_input() {
-        crate::ops::release(&h2)?;
-    }
+    let f2 = feed_forward_then_release(&h2, &w.fc1, &w.fc2)?;
     gated_then_release(&x2, f2, &gate_mlp)
 }
 

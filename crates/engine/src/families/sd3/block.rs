@@ -6,8 +6,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::block::{
-    cast, cast_then_release, feed_forward, gated_then_release, linear_then_release, mlp_linear,
-    BlockConfig, LinearW, LN_EPS,
+    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
+    mlp_linear, BlockConfig, LinearW, LN_EPS,
 };
 use crate::error::Result;
 use crate::families::pixart::block::attn_keep;
@@ -117,10 +117,7 @@ pub fn sd3_block_forward(
     let ao = linear_then_release(&w.to_out, &oi)?;
     let x1 = gated_then_release(x, ao, &chunk(&m, 2)?)?;
     let h2 = ln_modulate(&x1, &chunk(&m, 3)?, &chunk(&m, 4)?, LN_EPS, cd)?;
-    let f = feed_forward(&h2, &w.ff1, &w.ff2)?;
-    if !w.ff1.reads_input() {
-        release(&h2)?;
-    }
+    let f = feed_forward_then_release(&h2, &w.ff1, &w.ff2)?;
     let x2 = gated_then_release(&x1, f, &chunk(&m, 5)?)?;
     let Some(cw) = &w.ctx else {
         return Ok(vec![x2]);
@@ -131,10 +128,7 @@ pub fn sd3_block_forward(
     let co = linear_then_release(&cw.to_add_out, &oc)?;
     let c1 = gated_then_release(c, co, &chunk(&mc, 2)?)?;
     let h2c = ln_modulate(&c1, &chunk(&mc, 3)?, &chunk(&mc, 4)?, LN_EPS, cd)?;
-    let fc = feed_forward(&h2c, &cw.ff1, &cw.ff2)?;
-    if !cw.ff1.reads_input() {
-        release(&h2c)?;
-    }
+    let fc = feed_forward_then_release(&h2c, &cw.ff1, &cw.ff2)?;
     let c2 = gated_then_release(&c1, fc, &chunk(&mc, 5)?)?;
     Ok(vec![c2, x2])
 }
