@@ -48,12 +48,22 @@ pub fn in_use() -> bool {
 /// master weight is packed exactly as its bf16 cast would be, without the cast copy).
 pub trait ToBf16: Copy + Sync {
     fn bf16_bits(self) -> u16;
+    /// The slice itself where the element already is bf16 (packing then moves bits without
+    /// converting them, which the vectorised row-major packing of A relies on).
+    #[inline(always)]
+    fn as_bf16(_s: &[Self]) -> Option<&[bf16]> {
+        None
+    }
 }
 
 impl ToBf16 for bf16 {
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+    #[inline(always)]
+    fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
+        Some(s)
     }
 }
 
@@ -157,7 +167,96 @@ unsafe fn pack_a_panel_avx512<T: ToBf16>(
     p: usize,
     panel: &mut [u32],
 ) {
+    let i0 = p * MR;
+    if let (1, Some(data), true) = (a.cs, T::as_bf16(a.data), m - i0 >= MR) {
+        // SAFETY: the CPU has AVX512F (this function's features); the rows are checked there.
+        unsafe { pack_a_rows_avx512(k, data, a.rs, i0, panel) };
+        return;
+    }
     pack_a_panel(m, k, a, p, panel)
+}
+
+/// A whole micro-panel of a row-major bf16 A ([`MR`] rows from row `i0`, row stride `rs`):
+/// a row's pairs are already the packed `u32`s (the even k in the low half, little-endian), so
+/// packing is the transpose of [`MR`] rows × pairs into pairs × [`MR`] rows. By blocks of 16
+/// pairs: each row's 16 pairs are one load; the rows are interleaved by twos (`r0 r1` per
+/// pair, as 64-bit units), then the three interleavings merged into each pair's six `u32`s by
+/// 64-bit permutes, six stores. Pairs past the last block of 16, and an odd k's last value, go
+/// one by one as in [`pack_a_panel`]. The same bits as [`pack_a_panel`] (the test below).
+///
+/// # Safety
+/// The CPU must have AVX512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_a_rows_avx512(k: usize, a: &[bf16], rs: usize, i0: usize, panel: &mut [u32]) {
+    use std::arch::x86_64::{
+        __m512i, __mmask8, _mm512_loadu_si512, _mm512_mask_permutexvar_epi64,
+        _mm512_permutex2var_epi32, _mm512_permutex2var_epi64, _mm512_setr_epi32,
+        _mm512_storeu_si512,
+    };
+    let kp = k.div_ceil(2);
+    let full = k / 2;
+    let rows: [&[bf16]; MR] = std::array::from_fn(|r| &a[(i0 + r) * rs..][..k]);
+    assert!(panel.len() >= kp * MR);
+    // Pair t of the first (low) or last (high) eight of the block from the first or second
+    // source: the interleavings of two rows.
+    let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    // Output 64-bit unit o of a group of eight pairs (3 units per pair: rows 0-1, 2-3, 4-5):
+    // pair o / 3, interleaving o % 3; `ab` picks from the first two interleavings (index q or
+    // 8 + q), `c` and its mask from the third.
+    let ab: [__m512i; 3] = std::array::from_fn(|j| {
+        let mut v = [0i64; 8];
+        for (l, e) in v.iter_mut().enumerate() {
+            let o = 8 * j + l;
+            *e = ((o % 3 == 1) as usize * 8 + o / 3) as i64;
+        }
+        // SAFETY: eight i64 are the 64 bytes read; `loadu` needs no alignment.
+        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+    });
+    let cidx: [__m512i; 3] = std::array::from_fn(|j| {
+        let v: [i64; 8] = std::array::from_fn(|l| ((8 * j + l) / 3) as i64);
+        // SAFETY: as above.
+        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+    });
+    let cmask: [__mmask8; 3] =
+        std::array::from_fn(|j| (0..8).fold(0u8, |m, l| m | (u8::from((8 * j + l) % 3 == 2) << l)));
+    let mut q0 = 0;
+    while q0 + 16 <= full {
+        // SAFETY: pairs q0..q0 + 16 are bf16 values 2·q0..2·q0 + 32 ≤ 2·full ≤ k of each row,
+        // inside the row slices; `loadu` needs no alignment.
+        let r: [__m512i; MR] = std::array::from_fn(|i| unsafe {
+            _mm512_loadu_si512(rows[i].as_ptr().add(2 * q0).cast())
+        });
+        for (half, idx) in [lo, hi].into_iter().enumerate() {
+            let p01 = _mm512_permutex2var_epi32(r[0], idx, r[1]);
+            let p23 = _mm512_permutex2var_epi32(r[2], idx, r[3]);
+            let p45 = _mm512_permutex2var_epi32(r[4], idx, r[5]);
+            for j in 0..3 {
+                let t = _mm512_permutex2var_epi64(p01, ab[j], p23);
+                let v = _mm512_mask_permutexvar_epi64(t, cmask[j], cidx[j], p45);
+                // SAFETY: pairs q0 + 8·half .. + 8 of the panel are MR·8 = 48 u32 from
+                // (q0 + 8·half)·MR, the j-th 16 of them here; q0 + 16 ≤ full ≤ kp and the
+                // panel holds kp·MR (asserted).
+                unsafe {
+                    _mm512_storeu_si512(
+                        panel.as_mut_ptr().add((q0 + 8 * half) * MR + 16 * j).cast(),
+                        v,
+                    )
+                };
+            }
+        }
+        q0 += 16;
+    }
+    for (r, row) in rows.iter().enumerate() {
+        for q in q0..full {
+            panel[q * MR + r] =
+                u32::from(row[2 * q].to_bits()) | u32::from(row[2 * q + 1].to_bits()) << 16;
+        }
+        if k % 2 == 1 {
+            panel[(kp - 1) * MR + r] = u32::from(row[k - 1].to_bits());
+        }
+    }
 }
 
 /// Micro-panel `p` of a packed A (see [`pack_a`]); one body, compiled per ISA.
@@ -528,6 +627,43 @@ unsafe fn kernel_avx512bf16(kq: usize, a: *const u32, b: *const u16, c: *mut f32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vectorised row-major packing of a bf16 A moves the same bits as the element-wise
+    /// one: whole blocks of 16 pairs, a remainder of pairs, an odd k, a row stride wider than
+    /// k, and a ragged last micro-panel (which the element-wise body packs).
+    #[test]
+    fn row_major_packing_is_the_elementwise_one() {
+        if !vecmath_avx512() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        for &(m, k, rs) in &[
+            (6, 32, 32),
+            (12, 64, 70),
+            (13, 75, 75),
+            (7, 33, 40),
+            (6, 1, 1),
+        ] {
+            let a = mat(m, rs, (m * 1000 + k) as u64);
+            let v = View {
+                data: &a,
+                rs,
+                cs: 1,
+            };
+            let mut fast = vec![u32::MAX; packed_a_len(m, k)];
+            pack_a_serial(m, k, v, &mut fast);
+            let mut slow = vec![0u32; packed_a_len(m, k)];
+            let kp = k.div_ceil(2);
+            for (p, panel) in slow.chunks_mut(kp * MR).enumerate() {
+                pack_a_panel(m, k, v, p, panel);
+            }
+            assert_eq!(fast, slow, "m {m} k {k} rs {rs}");
+        }
+    }
+
+    fn vecmath_avx512() -> bool {
+        super::super::vecmath::avx512()
+    }
 
     fn mat(rows: usize, cols: usize, seed: u64) -> Vec<bf16> {
         let mut r = crate::rng::SplitMix64::new(seed);

@@ -249,6 +249,84 @@ fn dispatch2<T: Lanes, F: Fn(f32, f32) -> f32>(
     }
 }
 
+/// One contiguous run in place: `x[i] = f(x[i], y[i])` (y absent: `f(x[i], 0)`), by blocks:
+/// the per-element arithmetic of [`run1`] / [`run2`], so the same bits as the fresh-buffer maps.
+#[inline(always)]
+fn run_in_place<T: Lanes, F: Fn(f32, f32) -> f32>(x: &mut [T], y: Option<&[T]>, f: &F) {
+    let mut a = [0f32; LANE_BLOCK];
+    let mut b = [0f32; LANE_BLOCK];
+    for (bi, blk) in x.chunks_mut(LANE_BLOCK).enumerate() {
+        let n = blk.len();
+        T::widen(blk, &mut a[..n]);
+        if let Some(y) = y {
+            T::widen(&y[bi * LANE_BLOCK..bi * LANE_BLOCK + n], &mut b[..n]);
+        }
+        for (v, w) in a[..n].iter_mut().zip(&b[..n]) {
+            *v = f(*v, *w);
+        }
+        // SAFETY: `MaybeUninit<T>` has T's size and alignment, so the exclusive borrow of `blk`
+        // is a valid `[MaybeUninit<T>]` of the same length; the narrowing writes only
+        // initialised values (T is `Copy`), which keeps `blk` valid.
+        let out: &mut [MaybeUninit<T>] =
+            unsafe { std::slice::from_raw_parts_mut(blk.as_mut_ptr().cast(), n) };
+        T::narrow(&a[..n], out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn run_in_place_avx512<T: Lanes, F: Fn(f32, f32) -> f32>(
+    x: &mut [T],
+    y: Option<&[T]>,
+    f: &F,
+) {
+    run_in_place(x, y, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_in_place_avx2<T: Lanes, F: Fn(f32, f32) -> f32>(x: &mut [T], y: Option<&[T]>, f: &F) {
+    run_in_place(x, y, f)
+}
+
+fn dispatch_in_place<T: Lanes, F: Fn(f32, f32) -> f32>(x: &mut [T], y: Option<&[T]>, f: &F) {
+    match isa() {
+        // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
+        // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { run_in_place_avx512(x, y, f) },
+        // SAFETY: `isa` returned Avx2 only after detecting avx2 and fma, the features this
+        // build enables; the function has no other precondition.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { run_in_place_avx2(x, y, f) },
+        _ => run_in_place(x, y, f),
+    }
+}
+
+/// `x[i] = f(x[i], y[i])` in place for every i (y absent: `f(x[i], 0)`), computed in f32, in
+/// parallel, in the build for this CPU: the bits of [`map1`] / [`map2`] without a fresh buffer.
+/// Where y is given it must have x's length (checked: `None` otherwise, x untouched).
+pub fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(
+    x: &mut [T],
+    y: Option<&[T]>,
+    f: F,
+) -> Option<()> {
+    match y {
+        Some(y) if y.len() != x.len() => None,
+        Some(y) => {
+            x.par_chunks_mut(PAR_ITEM)
+                .zip(y.par_chunks(PAR_ITEM))
+                .for_each(|(xs, ys)| dispatch_in_place(xs, Some(ys), &f));
+            Some(())
+        }
+        None => {
+            x.par_chunks_mut(PAR_ITEM)
+                .for_each(|xs| dispatch_in_place(xs, None, &f));
+            Some(())
+        }
+    }
+}
+
 /// A fresh buffer with f applied to every element of x, computed in f32, in parallel.
 pub fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
     let mut out: Vec<T> = Vec::with_capacity(x.len());

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::storage::{cpu_slice, err, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::Acc;
-use crate::kernels::vecmath::{self, Lanes, LANE_BLOCK};
+use crate::kernels::vecmath::{self, Lanes};
 
 /// √(2/π).
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -127,33 +127,15 @@ fn gelu_bwd_tensor(xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout) -
     }
 }
 
-/// `dst[i] = f(dst[i], y[i])` in place (y absent: `f(dst[i], 0)`), computed in f32 by blocks of
-/// [`LANE_BLOCK`] on the stack: the same per-element arithmetic as [`vecmath::map1`] /
-/// [`vecmath::map2`] (so the same bits), without a fresh buffer.
+/// `dst[i] = f(dst[i], y[i])` in place (y absent: `f(dst[i], 0)`): [`vecmath::map_in_place`],
+/// the same per-element arithmetic as [`vecmath::map1`] / [`vecmath::map2`] (so the same bits),
+/// without a fresh buffer. Callers hold dst and y to one length.
 fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(dst: &mut [T], y: Option<&[T]>, f: F) {
-    dst.par_chunks_mut(PAR_CHUNK)
-        .enumerate()
-        .for_each(|(ci, c)| {
-            let mut a = [0f32; LANE_BLOCK];
-            let mut b = [0f32; LANE_BLOCK];
-            for (bi, blk) in c.chunks_mut(LANE_BLOCK).enumerate() {
-                let n = blk.len();
-                T::widen(blk, &mut a[..n]);
-                if let Some(y) = y {
-                    let o = ci * PAR_CHUNK + bi * LANE_BLOCK;
-                    T::widen(&y[o..o + n], &mut b[..n]);
-                }
-                for (v, w) in a[..n].iter_mut().zip(&b[..n]) {
-                    *v = f(*v, *w);
-                }
-                // SAFETY: `MaybeUninit<T>` has T's size and alignment, so the exclusive borrow
-                // of `blk` is a valid `[MaybeUninit<T>]` of the same length; the narrowing writes
-                // only initialised values (T is `Copy`), which keeps `blk` valid.
-                let out: &mut [std::mem::MaybeUninit<T>] =
-                    unsafe { std::slice::from_raw_parts_mut(blk.as_mut_ptr().cast(), n) };
-                T::narrow(&a[..n], out);
-            }
-        });
+    let same = vecmath::map_in_place(dst, y, f);
+    debug_assert!(
+        same.is_some(),
+        "gelu: in-place map over slices of different lengths"
+    );
 }
 
 /// GELU over a storage in place (the fused MLP turns the fc1 output it kept into the
