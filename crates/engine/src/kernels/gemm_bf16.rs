@@ -48,11 +48,29 @@ pub fn in_use() -> bool {
 /// master weight is packed exactly as its bf16 cast would be, without the cast copy).
 pub trait ToBf16: Copy + Sync {
     fn bf16_bits(self) -> u16;
-    /// The slice itself where the element already is bf16 (packing then moves bits without
-    /// converting them, which the vectorised row-major packing of A relies on).
-    #[inline(always)]
-    fn as_bf16(_s: &[Self]) -> Option<&[bf16]> {
-        None
+    /// The slice as a packing source of its own type (the vectorised packing reads bf16
+    /// as it is and rounds f32 by 16 lanes).
+    fn src(s: &[Self]) -> Src<'_>;
+}
+
+/// A packing source: bf16 values moved as they are, or f32 values rounded to nearest even.
+#[derive(Clone, Copy)]
+pub enum Src<'a> {
+    Bf16(&'a [bf16]),
+    F32(&'a [f32]),
+}
+
+impl Src<'_> {
+    /// Values in the source (the bound the vectorised packing checks its reads against).
+    pub fn len(&self) -> usize {
+        match self {
+            Src::Bf16(s) => s.len(),
+            Src::F32(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -62,8 +80,8 @@ impl ToBf16 for bf16 {
         self.to_bits()
     }
     #[inline(always)]
-    fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
-        Some(s)
+    fn src(s: &[bf16]) -> Src<'_> {
+        Src::Bf16(s)
     }
 }
 
@@ -72,6 +90,10 @@ impl ToBf16 for f32 {
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
         super::vecmath::bf16_bits(self)
+    }
+    #[inline(always)]
+    fn src(s: &[f32]) -> Src<'_> {
+        Src::F32(s)
     }
 }
 
@@ -167,95 +189,36 @@ unsafe fn pack_a_panel_avx512<T: ToBf16>(
     p: usize,
     panel: &mut [u32],
 ) {
-    let i0 = p * MR;
-    if let (1, Some(data), true) = (a.cs, T::as_bf16(a.data), m - i0 >= MR) {
-        // SAFETY: the CPU has AVX512F (this function's features); the rows are checked there.
-        unsafe { pack_a_rows_avx512(k, data, a.rs, i0, panel) };
-        return;
-    }
-    pack_a_panel(m, k, a, p, panel)
-}
-
-/// A whole micro-panel of a row-major bf16 A ([`MR`] rows from row `i0`, row stride `rs`):
-/// a row's pairs are already the packed `u32`s (the even k in the low half, little-endian), so
-/// packing is the transpose of [`MR`] rows × pairs into pairs × [`MR`] rows. By blocks of 16
-/// pairs: each row's 16 pairs are one load; the rows are interleaved by twos (`r0 r1` per
-/// pair, as 64-bit units), then the three interleavings merged into each pair's six `u32`s by
-/// 64-bit permutes, six stores. Pairs past the last block of 16, and an odd k's last value, go
-/// one by one as in [`pack_a_panel`]. The same bits as [`pack_a_panel`] (the test below).
-///
-/// # Safety
-/// The CPU must have AVX512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn pack_a_rows_avx512(k: usize, a: &[bf16], rs: usize, i0: usize, panel: &mut [u32]) {
-    use std::arch::x86_64::{
-        __m512i, __mmask8, _mm512_loadu_si512, _mm512_mask_permutexvar_epi64,
-        _mm512_permutex2var_epi32, _mm512_permutex2var_epi64, _mm512_setr_epi32,
-        _mm512_storeu_si512,
-    };
-    let kp = k.div_ceil(2);
-    let full = k / 2;
-    let rows: [&[bf16]; MR] = std::array::from_fn(|r| &a[(i0 + r) * rs..][..k]);
-    assert!(panel.len() >= kp * MR);
-    // Pair t of the first (low) or last (high) eight of the block from the first or second
-    // source: the interleavings of two rows.
-    let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    // Output 64-bit unit o of a group of eight pairs (3 units per pair: rows 0-1, 2-3, 4-5):
-    // pair o / 3, interleaving o % 3; `ab` picks from the first two interleavings (index q or
-    // 8 + q), `c` and its mask from the third.
-    let ab: [__m512i; 3] = std::array::from_fn(|j| {
-        let mut v = [0i64; 8];
-        for (l, e) in v.iter_mut().enumerate() {
-            let o = 8 * j + l;
-            *e = ((o % 3 == 1) as usize * 8 + o / 3) as i64;
-        }
-        // SAFETY: eight i64 are the 64 bytes read; `loadu` needs no alignment.
-        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-    });
-    let cidx: [__m512i; 3] = std::array::from_fn(|j| {
-        let v: [i64; 8] = std::array::from_fn(|l| ((8 * j + l) / 3) as i64);
-        // SAFETY: as above.
-        unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-    });
-    let cmask: [__mmask8; 3] =
-        std::array::from_fn(|j| (0..8).fold(0u8, |m, l| m | (u8::from((8 * j + l) % 3 == 2) << l)));
-    let mut q0 = 0;
-    while q0 + 16 <= full {
-        // SAFETY: pairs q0..q0 + 16 are bf16 values 2·q0..2·q0 + 32 ≤ 2·full ≤ k of each row,
-        // inside the row slices; `loadu` needs no alignment.
-        let r: [__m512i; MR] = std::array::from_fn(|i| unsafe {
-            _mm512_loadu_si512(rows[i].as_ptr().add(2 * q0).cast())
-        });
-        for (half, idx) in [lo, hi].into_iter().enumerate() {
-            let p01 = _mm512_permutex2var_epi32(r[0], idx, r[1]);
-            let p23 = _mm512_permutex2var_epi32(r[2], idx, r[3]);
-            let p45 = _mm512_permutex2var_epi32(r[4], idx, r[5]);
-            for j in 0..3 {
-                let t = _mm512_permutex2var_epi64(p01, ab[j], p23);
-                let v = _mm512_mask_permutexvar_epi64(t, cmask[j], cidx[j], p45);
-                // SAFETY: pairs q0 + 8·half .. + 8 of the panel are MR·8 = 48 u32 from
-                // (q0 + 8·half)·MR, the j-th 16 of them here; q0 + 16 ≤ full ≤ kp and the
-                // panel holds kp·MR (asserted).
-                unsafe {
-                    _mm512_storeu_si512(
-                        panel.as_mut_ptr().add((q0 + 8 * half) * MR + 16 * j).cast(),
-                        v,
-                    )
+    use super::pack_bf16_avx512 as v;
+    let (kp, i0) = (k.div_ceil(2), p * MR);
+    let rows = MR.min(m - i0);
+    let src = T::src(a.data);
+    if a.cs == 1 && rows == MR {
+        // SAFETY: the CPU has this function's features; the rows' bounds are checked there.
+        let q0 = unsafe { v::pack_a_rows(k, src, a.rs, i0, panel) };
+        for r in 0..MR {
+            for q in q0..kp {
+                let hi = if 2 * q + 1 < k {
+                    a.bits(i0 + r, 2 * q + 1)
+                } else {
+                    0
                 };
+                panel[q * MR + r] = a.bits(i0 + r, 2 * q) | hi << 16;
             }
         }
-        q0 += 16;
-    }
-    for (r, row) in rows.iter().enumerate() {
-        for q in q0..full {
-            panel[q * MR + r] =
-                u32::from(row[2 * q].to_bits()) | u32::from(row[2 * q + 1].to_bits()) << 16;
+    } else if a.rs == 1 && a.cs != 1 {
+        if rows < MR {
+            panel.iter_mut().for_each(|v| *v = 0);
         }
-        if k % 2 == 1 {
-            panel[(kp - 1) * MR + r] = u32::from(row[k - 1].to_bits());
+        // SAFETY: as above.
+        let q0 = unsafe { v::pack_a_cols(k, src, a.cs, (i0, rows), panel) };
+        for q in q0..kp {
+            for r in 0..rows {
+                panel[q * MR + r] = a.bits(i0 + r, 2 * q);
+            }
         }
+    } else {
+        pack_a_panel(m, k, a, p, panel)
     }
 }
 
@@ -332,7 +295,37 @@ unsafe fn pack_b_panel_avx512<T: ToBf16>(
     p: usize,
     panel: &mut [u16],
 ) {
-    pack_b_panel(k, n, b, p, panel)
+    use super::pack_bf16_avx512 as v;
+    if b.cs != 1 && b.rs != 1 {
+        return pack_b_panel(k, n, b, p, panel);
+    }
+    let (kp, j0) = (k.div_ceil(2), p * NR);
+    let cols = NR.min(n - j0);
+    let src = T::src(b.data);
+    if cols < NR || k % 2 == 1 {
+        panel.iter_mut().for_each(|v| *v = 0);
+    }
+    let put = |panel: &mut [u16], q: usize, c: usize| {
+        let o = (q * NR + c) * 2;
+        panel[o] = b.bits(2 * q, j0 + c) as u16;
+        if 2 * q + 1 < k {
+            panel[o + 1] = b.bits(2 * q + 1, j0 + c) as u16;
+        }
+    };
+    if b.cs == 1 {
+        // SAFETY: the CPU has this function's features; the bounds are checked there.
+        let q0 = unsafe { v::pack_b_rows(k, src, b.rs, (j0, cols), NR, panel) };
+        for q in q0..kp {
+            (0..cols).for_each(|c| put(panel, q, c));
+        }
+    } else {
+        // SAFETY: as above.
+        let (c0, q0) = unsafe { v::pack_b_cols(k, src, b.cs, (j0, cols), NR, panel) };
+        for c in 0..cols {
+            let from = if c < c0 { q0 } else { 0 };
+            (from..kp).for_each(|q| put(panel, q, c));
+        }
+    }
 }
 
 /// Panel `p` of a packed B (see [`pack_b`]); one body, compiled per ISA.
@@ -628,37 +621,84 @@ unsafe fn kernel_avx512bf16(kq: usize, a: *const u32, b: *const u16, c: *mut f32
 mod tests {
     use super::*;
 
-    /// The vectorised row-major packing of a bf16 A moves the same bits as the element-wise
-    /// one: whole blocks of 16 pairs, a remainder of pairs, an odd k, a row stride wider than
-    /// k, and a ragged last micro-panel (which the element-wise body packs).
+    /// f32 values that exercise the rounding: ties to even both ways, NaNs (quieted), ±∞,
+    /// denormals, the largest finite value, and ordinary values.
+    fn f32_mat(len: usize, seed: u64) -> Vec<f32> {
+        let special = [
+            f32::from_bits(0x3F80_8000), // a tie, rounds down to even
+            f32::from_bits(0x3F81_8000), // a tie, rounds up to even
+            f32::from_bits(0x7FC0_0001),
+            f32::from_bits(0xFF80_0001), // a signalling NaN
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(0x0000_0001),
+            f32::MAX,
+            -0.0,
+        ];
+        let mut r = crate::rng::SplitMix64::new(seed);
+        (0..len)
+            .map(|i| {
+                if i % 7 == 3 {
+                    special[(i / 7) % special.len()]
+                } else {
+                    (r.uniform() * 2.0 - 1.0) as f32
+                }
+            })
+            .collect()
+    }
+
+    /// Every packing, dispatched (the AVX-512 one on such CPUs), against the element-wise
+    /// bodies, bit for bit: A row-major and column-major, B row-major and column-major, from
+    /// bf16 and from f32; whole blocks of 16 pairs and of 16 columns, remainders, odd k, strides
+    /// wider than the matrix, ragged last panels.
     #[test]
-    fn row_major_packing_is_the_elementwise_one() {
+    fn vector_packing_is_the_elementwise_one() {
+        fn check<T: ToBf16>(data: &[T], shapes: &[(usize, usize, usize)], what: &str) {
+            for &(m, k, pad) in shapes {
+                // A (m × k) row-major (stride k + pad) and column-major (stride m + pad).
+                for (rs, cs) in [(k + pad, 1), (1, m + pad)] {
+                    let a = View { data, rs, cs };
+                    let mut fast = vec![u32::MAX; packed_a_len(m, k)];
+                    pack_a(m, k, a, &mut fast);
+                    let mut slow = vec![u32::MAX; packed_a_len(m, k)];
+                    let kp = k.div_ceil(2);
+                    for (p, panel) in slow.chunks_mut(kp * MR).enumerate() {
+                        pack_a_panel(m, k, a, p, panel);
+                    }
+                    assert_eq!(fast, slow, "{what} A {m}×{k} rs {rs} cs {cs}");
+                }
+                // B (k × n = m) row-major (stride m + pad) and column-major (stride k + pad).
+                let n = m;
+                for (rs, cs) in [(n + pad, 1), (1, k + pad)] {
+                    let b = View { data, rs, cs };
+                    let mut fast = vec![u16::MAX; packed_b_len(k, n)];
+                    pack_b(k, n, b, &mut fast);
+                    let mut slow = vec![u16::MAX; packed_b_len(k, n)];
+                    let kp = k.div_ceil(2);
+                    for (p, panel) in slow.chunks_mut(kp * NR * 2).enumerate() {
+                        pack_b_panel(k, n, b, p, panel);
+                    }
+                    assert_eq!(fast, slow, "{what} B {k}×{n} rs {rs} cs {cs}");
+                }
+            }
+        }
         if !vecmath_avx512() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
-        for &(m, k, rs) in &[
-            (6, 32, 32),
-            (12, 64, 70),
-            (13, 75, 75),
-            (7, 33, 40),
+        let shapes = [
+            (6, 32, 0),
+            (12, 64, 6),
+            (13, 75, 0),
+            (7, 33, 8),
             (6, 1, 1),
-        ] {
-            let a = mat(m, rs, (m * 1000 + k) as u64);
-            let v = View {
-                data: &a,
-                rs,
-                cs: 1,
-            };
-            let mut fast = vec![u32::MAX; packed_a_len(m, k)];
-            pack_a_serial(m, k, v, &mut fast);
-            let mut slow = vec![0u32; packed_a_len(m, k)];
-            let kp = k.div_ceil(2);
-            for (p, panel) in slow.chunks_mut(kp * MR).enumerate() {
-                pack_a_panel(m, k, v, p, panel);
-            }
-            assert_eq!(fast, slow, "m {m} k {k} rs {rs}");
-        }
+            (130, 66, 3),
+            (64, 128, 0),
+            (70, 31, 2),
+        ];
+        let len = 200 * 200;
+        check(&mat(1, len, 5), &shapes, "bf16");
+        check(&f32_mat(len, 6), &shapes, "f32");
     }
 
     fn vecmath_avx512() -> bool {
