@@ -107,16 +107,29 @@ where
 {
     let (b, s, d, _, _) = geom;
     let mut v: Vec<T> = vec![T::from_acc(A::ZERO); b * d];
-    v.par_chunks_mut(d).enumerate().for_each(|(bi, row)| {
-        for (j, o) in row.iter_mut().enumerate() {
-            let mut a = A::ZERO;
-            for si in 0..s {
-                let r = (bi * s + si) * d + j;
-                a += g[r].to_acc() * y[r].to_acc();
-            }
-            *o = T::from_acc(a);
-        }
-    });
+    // By blocks of columns, the tokens outer: rows read in order and a block of sums the
+    // compiler vectorises, where a column at a time strode over every row (and one task per
+    // batch entry left a thread idle at batch 1). Each sum still adds its tokens in order: the
+    // same bits.
+    const COLS: usize = 64;
+    v.par_chunks_mut(d.max(1))
+        .enumerate()
+        .for_each(|(bi, row)| {
+            row.par_chunks_mut(COLS).enumerate().for_each(|(cb, out)| {
+                let mut acc = [A::ZERO; COLS];
+                let acc = &mut acc[..out.len()];
+                for si in 0..s {
+                    let r = (bi * s + si) * d + cb * COLS;
+                    let (gr, yr) = (&g[r..r + acc.len()], &y[r..r + acc.len()]);
+                    for ((a, gv), yv) in acc.iter_mut().zip(gr).zip(yr) {
+                        *a += gv.to_acc() * yv.to_acc();
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc.iter()) {
+                    *o = T::from_acc(*a);
+                }
+            })
+        });
     v
 }
 

@@ -100,18 +100,10 @@ where
     let bf16_name = std::any::type_name::<half::bf16>();
     let stats_bf16 = crate::mutation::active(crate::mutation::Mutation::LayerNormStatsBf16)
         && (std::any::type_name::<T>() == bf16_name || std::any::type_name::<O>() == bf16_name);
-    let r16 = |v: A| -> A {
-        if stats_bf16 {
-            <half::bf16 as Elem<A>>::from_acc(v).to_acc()
-        } else {
-            v
-        }
-    };
     let mut y: Vec<O> = vec![O::from_acc(A::ZERO); rows * d];
     let mut st: Vec<A> = vec![A::ZERO; 2 * rows];
     let inv_d = A::from_f64(1.0 / d as f64);
     let eps = A::from_f64(eps);
-    let one = A::from_f64(1.0);
     y.par_chunks_mut(d)
         .zip(st.par_chunks_mut(2))
         .enumerate()
@@ -121,33 +113,117 @@ where
             let xr = &x[r * d..(r + 1) * d];
             let sh = &shift[g.shift.0 + bi * g.shift.1..][..d];
             let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
-            let mut sum = A::ZERO;
-            for v in xr {
-                sum = r16(sum + v.to_acc());
-            }
-            let mean = r16(sum * inv_d);
-            let mut var = A::ZERO;
             if stats_bf16 {
-                // As a bf16 kernel would: one pass, var = E[x²] − mean², in bf16.
-                for v in xr {
-                    var = r16(var + r16(v.to_acc() * v.to_acc()));
-                }
-                var = r16(var - r16(r16(mean * mean) * A::from_f64(d as f64)));
+                let (mean, rstd) = bf16_stats(xr, inv_d, eps);
+                modulate_row((xr, sh, sc), (mean, rstd), yr);
+                (sr[0], sr[1]) = (mean, rstd);
             } else {
-                for v in xr {
-                    let c = v.to_acc() - mean;
-                    var += c * c;
-                }
+                (sr[0], sr[1]) = fwd_row((xr, sh, sc), (inv_d, eps), yr);
             }
-            let rstd = r16(one / (var * inv_d + eps).sqrt());
-            for j in 0..d {
-                let xh = (xr[j].to_acc() - mean) * rstd;
-                yr[j] = O::from_acc(xh * (one + sc[j].to_acc()) + sh[j].to_acc());
-            }
-            sr[0] = mean;
-            sr[1] = rstd;
         });
     (y, st)
+}
+
+/// The planted bug's statistics: accumulated and kept in bf16, the variance in one pass
+/// (E[x²] − mean²) as a bf16 kernel would.
+fn bf16_stats<T: Elem<A>, A: Acc>(xr: &[T], inv_d: A, eps: A) -> (A, A)
+where
+    half::bf16: Elem<A>,
+{
+    let r16 = |v: A| -> A { <half::bf16 as Elem<A>>::from_acc(v).to_acc() };
+    let mut sum = A::ZERO;
+    for v in xr {
+        sum = r16(sum + v.to_acc());
+    }
+    let mean = r16(sum * inv_d);
+    let mut var = A::ZERO;
+    for v in xr {
+        var = r16(var + r16(v.to_acc() * v.to_acc()));
+    }
+    var = r16(var - r16(r16(mean * mean) * A::from_f64(xr.len() as f64)));
+    (mean, r16(A::from_f64(1.0) / (var * inv_d + eps).sqrt()))
+}
+
+/// Lanes of the row sums: each row's sums run as [`LANES`] interleaved partial sums added
+/// pairwise at the end. A single running sum is a chain of d dependent additions (384 at
+/// DiT-S/2, four cycles each), which was most of the LayerNorm's time; the partial sums are
+/// independent chains the CPU overlaps, and no less accurate.
+const LANES: usize = 8;
+
+/// Σ f(j) for j < n in [`LANES`] partial sums (see there), in a fixed order: the same bits on
+/// every CPU and in every build.
+#[inline(always)]
+fn lane_sum<A: Acc>(n: usize, f: impl Fn(usize) -> A) -> A {
+    let mut p = [A::ZERO; LANES];
+    let whole = n / LANES * LANES;
+    for j0 in (0..whole).step_by(LANES) {
+        for (l, pl) in p.iter_mut().enumerate() {
+            *pl += f(j0 + l);
+        }
+    }
+    for j in whole..n {
+        p[j - whole] += f(j);
+    }
+    ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]))
+}
+
+/// One row of the forward: mean and rstd by lane sums (the variance about the mean, two
+/// passes), then the modulated output. In the build for this CPU (the row body is generic
+/// scalar code the compiler vectorises for the features it may use).
+#[inline]
+fn fwd_row<T: Elem<A>, O: Elem<A>, A: Acc>(
+    row: (&[T], &[T], &[T]),
+    (inv_d, eps): (A, A),
+    yr: &mut [O],
+) -> (A, A) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::vecmath::avx512() {
+        // SAFETY: `vecmath::avx512` is true only where the CPU has every feature enabled
+        // here; the function has no other precondition.
+        return unsafe { fwd_row_avx512(row, (inv_d, eps), yr) };
+    }
+    fwd_row_body(row, (inv_d, eps), yr)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn fwd_row_avx512<T: Elem<A>, O: Elem<A>, A: Acc>(
+    row: (&[T], &[T], &[T]),
+    st: (A, A),
+    yr: &mut [O],
+) -> (A, A) {
+    fwd_row_body(row, st, yr)
+}
+
+#[inline(always)]
+fn fwd_row_body<T: Elem<A>, O: Elem<A>, A: Acc>(
+    (xr, sh, sc): (&[T], &[T], &[T]),
+    (inv_d, eps): (A, A),
+    yr: &mut [O],
+) -> (A, A) {
+    let d = xr.len();
+    let mean = lane_sum(d, |j| xr[j].to_acc()) * inv_d;
+    let var = lane_sum(d, |j| {
+        let c = xr[j].to_acc() - mean;
+        c * c
+    });
+    let rstd = A::from_f64(1.0) / (var * inv_d + eps).sqrt();
+    modulate_row((xr, sh, sc), (mean, rstd), yr);
+    (mean, rstd)
+}
+
+/// y = (x − mean)·rstd·(1 + scale) + shift over one row.
+#[inline(always)]
+fn modulate_row<T: Elem<A>, O: Elem<A>, A: Acc>(
+    (xr, sh, sc): (&[T], &[T], &[T]),
+    (mean, rstd): (A, A),
+    yr: &mut [O],
+) {
+    let one = A::from_f64(1.0);
+    for j in 0..xr.len() {
+        let xh = (xr[j].to_acc() - mean) * rstd;
+        yr[j] = O::from_acc(xh * (one + sc[j].to_acc()) + sh[j].to_acc());
+    }
 }
 
 /// Backward kernel: dx (b·s·d), dshift (b·d), dscale (b·d), all fresh, in x's type.
@@ -169,7 +245,6 @@ where
     let (s, d) = (g.s, g.d);
     let rows = g.b * s;
     let inv_d = A::from_f64(1.0 / d as f64);
-    let one = A::from_f64(1.0);
     let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
     dx.par_chunks_mut(d)
         .enumerate()
@@ -179,19 +254,7 @@ where
             let xr = &x[r * d..(r + 1) * d];
             let gr = &gy[r * d..(r + 1) * d];
             let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
-            let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
-            let (mut a, mut bsum) = (A::ZERO, A::ZERO);
-            for j in 0..d {
-                let gh = gr[j].to_acc() * (one + sc[j].to_acc());
-                a += gh;
-                bsum += gh * ((xr[j].to_acc() - mean) * rstd);
-            }
-            let (a, bsum) = (a * inv_d, bsum * inv_d);
-            for j in 0..d {
-                let gh = gr[j].to_acc() * (one + sc[j].to_acc());
-                let xh = (xr[j].to_acc() - mean) * rstd;
-                dxr[j] = T::from_acc(rstd * (gh - a - xh * bsum));
-            }
+            bwd_row((xr, gr, sc), (st[2 * r], st[2 * r + 1], inv_d), dxr);
         });
     // dshift, dscale: column sums over the s rows of each batch entry, in column blocks so both
     // a small batch and a wide model parallelise.
@@ -230,6 +293,46 @@ where
                 });
         });
     (dx, dsh, dsc)
+}
+
+/// One row of dx: with ĝ = g·(1 + scale) and x̂ = (x − mean)·rstd, the row means of ĝ and
+/// ĝ·x̂ by lane sums ([`lane_sum`]), then dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)). In the build
+/// for this CPU, like [`fwd_row`].
+#[inline]
+fn bwd_row<T: Elem<A>, O: Elem<A>, A: Acc>(row: (&[T], &[O], &[T]), st: (A, A, A), dxr: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::vecmath::avx512() {
+        // SAFETY: `vecmath::avx512` is true only where the CPU has every feature enabled
+        // here; the function has no other precondition.
+        return unsafe { bwd_row_avx512(row, st, dxr) };
+    }
+    bwd_row_body(row, st, dxr)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn bwd_row_avx512<T: Elem<A>, O: Elem<A>, A: Acc>(
+    row: (&[T], &[O], &[T]),
+    st: (A, A, A),
+    dxr: &mut [T],
+) {
+    bwd_row_body(row, st, dxr)
+}
+
+#[inline(always)]
+fn bwd_row_body<T: Elem<A>, O: Elem<A>, A: Acc>(
+    (xr, gr, sc): (&[T], &[O], &[T]),
+    (mean, rstd, inv_d): (A, A, A),
+    dxr: &mut [T],
+) {
+    let one = A::from_f64(1.0);
+    let gh = |j: usize| gr[j].to_acc() * (one + sc[j].to_acc());
+    let xh = |j: usize| (xr[j].to_acc() - mean) * rstd;
+    let a = lane_sum(xr.len(), gh) * inv_d;
+    let bsum = lane_sum(xr.len(), |j| gh(j) * xh(j)) * inv_d;
+    for (j, dx) in dxr.iter_mut().enumerate() {
+        *dx = T::from_acc(rstd * (gh(j) - a - xh(j) * bsum));
+    }
 }
 
 /// f32 statistics as `Stats`, or f64 ones.
