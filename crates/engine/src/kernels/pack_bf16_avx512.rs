@@ -32,6 +32,22 @@ use super::gemm_bf16::{Src, MR};
 trait Lanes16 {
     unsafe fn bits16(&self, off: usize, mask: __mmask16) -> __m512i;
     unsafe fn pairs16(&self, off: usize) -> __m512i;
+
+    /// Pairs of two k rows `stride` apart, value by value: lane t holds the value at
+    /// `off + t` in its low half and the one at `off + stride + t` in its high half (the lanes
+    /// of `mask`; the others 0).
+    ///
+    /// # Safety
+    /// As for [`Lanes16::bits16`], for both rows' masked values.
+    #[inline(always)]
+    unsafe fn pair16(&self, off: usize, stride: usize, mask: __mmask16) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let l = self.bits16(off, mask);
+            let h = self.bits16(off + stride, mask);
+            _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
+        }
+    }
 }
 
 impl Lanes16 for Src<'_> {
@@ -208,9 +224,7 @@ pub(crate) unsafe fn pack_a_cols(
         // caller's contract); only the masked lanes are read and stored; pair q's MR u32 start
         // at q·MR < ⌈k/2⌉·MR.
         unsafe {
-            let l = a.bits16(2 * q * cs + i0, m);
-            let h = a.bits16((2 * q + 1) * cs + i0, m);
-            let v = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+            let v = a.pair16(2 * q * cs + i0, cs, m);
             _mm512_mask_storeu_epi32(panel.as_mut_ptr().add(q * MR).cast(), m, v);
         }
     }
@@ -245,9 +259,7 @@ pub(crate) unsafe fn pack_b_rows(
             // caller's contract), only the masked lanes read and stored; pair q, column c is
             // u32 q·nr + c of the panel, below ⌈k/2⌉·nr.
             unsafe {
-                let l = b.bits16(2 * q * rs + j0 + c, m);
-                let h = b.bits16((2 * q + 1) * rs + j0 + c, m);
-                let v = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                let v = b.pair16(2 * q * rs + j0 + c, rs, m);
                 _mm512_mask_storeu_epi32(
                     panel.as_mut_ptr().cast::<u32>().add(q * nr + c).cast(),
                     m,

@@ -395,8 +395,10 @@ fn fused_mlp_phases(
     let g1 = on(wants[0], ffn * inp) + on(wants[1], ffn) + if tx { e * rows * inp } else { 0 };
     let fwd = s1.saturating_sub(y).max(h + s2);
     // u (as big as dh) counts until the op frees it; the node releases it as its backward
-    // starts (`Node::released_by_bwd`).
-    let last = h + g1 + g2 + sd;
+    // starts (`Node::released_by_bwd`). The output gradient (y's size, alive beside the whole
+    // backward in `custom_backward`) is freed before fc1's backward, which no longer reads it:
+    // the last phase is that much lower (the engine's `FusedMlp::bwd`, `ops::release`).
+    let last = (h + g1 + g2 + sd).saturating_sub(y);
     let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
         let (buf, pack) = fc2_gelu_blocks(&mm, e, (rows, 0, ffn, out), wants[2]);
         (h + g2 + buf + pack).max(last)
@@ -416,7 +418,7 @@ fn fused_mlp_phases(
         let chunks = sb + chunk + if wants[2] { chunk } else { 0 };
         (h + chunks + g2).max(last)
     };
-    (fwd, peak - g1 - g2)
+    (fwd, peak.saturating_sub(g1 + g2))
 }
 
 /// The engine's f32/f64 backward of fc2 and the GELU by chunks of [`DW_ROWS`] rows and blocks
@@ -1038,7 +1040,11 @@ pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> N
     // beside the attention's scratch, then dqkv alone, qkv freed once it is made.
     let native = cd == Dtype::Bf16 && sh.cpu.bf16_kernel();
     let during = if native { 2 * qkv } else { qkv };
-    let bwd = (during + attn_bwd).saturating_sub(grads).max(qkv + lin_bwd);
+    // The output gradient (rows × D, alive beside the whole backward in `custom_backward`) is
+    // freed once dqkv is made: the projection's products no longer read it.
+    let bwd = (during + attn_bwd)
+        .saturating_sub(grads)
+        .max((qkv + lin_bwd).saturating_sub(sh.e() * cd.size()));
     let o = g.op(
         &format!("attn.qkv + {name}"),
         Kind::Custom { bwd_scratch: bwd },

@@ -10,7 +10,7 @@ use crate::ops::linear::{
     linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
 };
 use crate::ops::storage::{err, with_cpu, CResult};
-use crate::ops::MlpLinear;
+use crate::ops::{release_whole, MlpLinear};
 
 /// `attention(x·Wᵀ + b)` on a 2-D x (b·s, D), written as (b·s, D): the projection runs inside
 /// the op and the op keeps its output qkv (a bare buffer) for the backward, which makes dqkv
@@ -113,6 +113,10 @@ impl CustomOp1 for ProjectedAttention {
                 self.attn.dqkv_from_owned(qkv, &lq, (so, lo), (sg, lg))
             })
         })?;
+        // The projection's products read dqkv, x and W, not the output gradient: its buffer
+        // (the store's sum, which candle drops only after this call) is freed here, as PyTorch
+        // frees a node's incoming gradient once the last rule reading it has run.
+        release_whole(&grad)?;
         let (tw, tb) = self.proj.wants();
         let want = LinearGrads {
             x: true,
