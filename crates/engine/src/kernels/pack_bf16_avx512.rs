@@ -29,28 +29,7 @@ use std::arch::x86_64::{
 use super::gemm_bf16::{Src, MR};
 
 /// The vector reads of a packing source.
-trait Lanes16 {
-    unsafe fn bits16(&self, off: usize, mask: __mmask16) -> __m512i;
-    unsafe fn pairs16(&self, off: usize) -> __m512i;
-
-    /// Pairs of two k rows `stride` apart, value by value: lane t holds the value at
-    /// `off + t` in its low half and the one at `off + stride + t` in its high half (the lanes
-    /// of `mask`; the others 0).
-    ///
-    /// # Safety
-    /// As for [`Lanes16::bits16`], for both rows' masked values.
-    #[inline(always)]
-    unsafe fn pair16(&self, off: usize, stride: usize, mask: __mmask16) -> __m512i {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let l = self.bits16(off, mask);
-            let h = self.bits16(off + stride, mask);
-            _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
-        }
-    }
-}
-
-impl Lanes16 for Src<'_> {
+impl Src<'_> {
     /// The bf16 bits of the 16 values from `off` (those of `mask`; the others 0), one per
     /// 32-bit lane, in the low half.
     ///
@@ -103,6 +82,22 @@ impl Lanes16 for Src<'_> {
             }
         }
     }
+
+    /// Pairs of two k rows `stride` apart, value by value: lane t holds the value at
+    /// `off + t` in its low half and the one at `off + stride + t` in its high half (the lanes
+    /// of `mask`; the others 0).
+    ///
+    /// # Safety
+    /// As for [`Src::bits16`], for both rows' masked values.
+    #[inline(always)]
+    unsafe fn pair16(&self, off: usize, stride: usize, mask: __mmask16) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let l = self.bits16(off, mask);
+            let h = self.bits16(off + stride, mask);
+            _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
+        }
+    }
 }
 
 /// f32 bits → bf16 bits (low half of each lane), round to nearest even, NaN quieted: the lanes
@@ -133,6 +128,35 @@ fn lanes(n: usize) -> __mmask16 {
     }
 }
 
+/// The merge of [`pack_a_rows`]: output 64-bit unit o of a group of eight pairs (three units
+/// per pair: rows 0-1, 2-3, 4-5) is pair o / 3 of interleaving o % 3. `MERGE_AB` picks it from
+/// the first two interleavings (index q or 8 + q), `MERGE_C` with `MERGE_C_MASK` from the
+/// third; row j of each is the j-th output vector's eight units.
+const MERGE_AB: [[i64; 8]; 3] = merge_table(true);
+const MERGE_C: [[i64; 8]; 3] = merge_table(false);
+const MERGE_C_MASK: [__mmask8; 3] = {
+    let mut m = [0u8; 3];
+    let mut o = 0;
+    while o < 24 {
+        if o % 3 == 2 {
+            m[o / 8] |= 1 << (o % 8);
+        }
+        o += 1;
+    }
+    m
+};
+
+const fn merge_table(ab: bool) -> [[i64; 8]; 3] {
+    let mut t = [[0i64; 8]; 3];
+    let mut o = 0;
+    while o < 24 {
+        let second = ab && o % 3 == 1;
+        t[o / 8][o % 8] = (o / 3 + if second { 8 } else { 0 }) as i64;
+        o += 1;
+    }
+    t
+}
+
 /// A whole micro-panel of a row-major A ([`MR`] rows from row `i0`, row stride `rs`, k values
 /// each): each row's pairs are its packed `u32`s, so the panel is the transpose of [`MR`] rows
 /// × pairs into pairs × [`MR`] rows. By blocks of 16 pairs: one 16-pair read per row, the rows
@@ -157,20 +181,12 @@ pub(crate) unsafe fn pack_a_rows(
     // the interleavings of two rows.
     let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    // Output 64-bit unit o of a group of eight pairs (three units per pair: rows 0-1, 2-3,
-    // 4-5) is pair o / 3 of interleaving o % 3: `ab` picks it from the first two interleavings
-    // (index q or 8 + q), `c` with its mask from the third.
-    let idx = |f: &dyn Fn(usize) -> i64| -> [__m512i; 3] {
-        std::array::from_fn(|j| {
-            let v: [i64; 8] = std::array::from_fn(|l| f(8 * j + l));
-            // SAFETY: eight i64 are the 64 bytes read; `loadu` needs no alignment.
-            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-        })
+    let load = |t: &[i64; 8]| {
+        // SAFETY: a table row is eight i64, the 64 bytes read; `loadu` needs no alignment.
+        unsafe { _mm512_loadu_si512(t.as_ptr().cast()) }
     };
-    let ab = idx(&|o| ((o % 3 == 1) as usize * 8 + o / 3) as i64);
-    let cidx = idx(&|o| (o / 3) as i64);
-    let cmask: [__mmask8; 3] =
-        std::array::from_fn(|j| (0..8).fold(0u8, |m, l| m | (u8::from((8 * j + l) % 3 == 2) << l)));
+    let ab: [__m512i; 3] = std::array::from_fn(|j| load(&MERGE_AB[j]));
+    let cidx: [__m512i; 3] = std::array::from_fn(|j| load(&MERGE_C[j]));
     let mut q0 = 0;
     while q0 + 16 <= full {
         // SAFETY: pairs q0..q0 + 16 are values 2·q0..2·q0 + 32 ≤ k of each row, inside `a`
@@ -183,7 +199,7 @@ pub(crate) unsafe fn pack_a_rows(
             let p45 = _mm512_permutex2var_epi32(r[4], idx, r[5]);
             for j in 0..3 {
                 let t = _mm512_permutex2var_epi64(p01, ab[j], p23);
-                let v = _mm512_mask_permutexvar_epi64(t, cmask[j], cidx[j], p45);
+                let v = _mm512_mask_permutexvar_epi64(t, MERGE_C_MASK[j], cidx[j], p45);
                 // SAFETY: pairs q0 + 8·half .. + 8 are MR·8 = 48 u32 from (q0 + 8·half)·MR,
                 // the j-th 16 of them here, below (q0 + 16)·MR ≤ ⌈k/2⌉·MR ≤ panel.len().
                 unsafe {
