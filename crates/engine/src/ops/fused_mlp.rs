@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::fused_mlp_bf16::{fc2_gelu_bwd_bf16, fc2_gelu_bwd_bf16_scratch};
+use super::fused_mlp_dx::{dx_over_du_chunks, fc1_backward_over, DX_FIRST_ROWS};
 use super::fused_mlp_widen::{fc2_gelu_bwd_widen, fc2_gelu_widen_workspace};
 use super::gelu::{gelu_fwd_storage, gelu_in_place, GeluSlice};
 use super::linear::{
@@ -129,7 +130,8 @@ pub fn fused_mlp_fwd_scratch(
 /// tracks, dW1, db1, dW2, db2 as `wants` = (w1, b1, w2, b2)), all in `dtype` except the weight
 /// gradients in `wdtype`; `master`: f32 master weights under bf16/f16. u (rows × ffn) is
 /// counted here because the budget releases it as the backward starts. The last phase is
-/// alike: du (over u's storage), every gradient and fc1's workspace. Before it, on f32/f64
+/// alike: du (over u's storage), every gradient and fc1's workspace (on f32/f64 with dx
+/// tracked, dx over du: [`super::fused_mlp_dx`]). Before it, on f32/f64
 /// (`FusedMlp::fc2_gelu_bwd_chunked`): u, dW2, db2 and a chunk buffer of min(rows,
 /// [`DW_ROWS`]) rows × the widest of [`mlp_col_blocks`]; widened (bf16/f16 without the kernel,
 /// `native` false): [`widen_phase`]; on the kernel (`FusedMlp::fc2_gelu_bwd_native`): u, dW2,
@@ -150,8 +152,18 @@ pub fn fused_mlp_bwd_scratch(
     let lin =
         |dims, x, w, b| linear_bwd_scratch(dtype, dims, LinearGrads { x, w, b }, native, master);
     let sd = lin((rows, inp, ffn), tx, wants[0], wants[1]);
-    // The output gradient is released before fc1's backward (`FusedMlp::bwd`).
-    let last = (u + g1 + g2 + sd).saturating_sub(e * (rows * out) as u64);
+    // The output gradient is released before fc1's backward (`FusedMlp::bwd`); on f32/f64
+    // dx is written over du where it has chunks (`fused_mlp_dx`): beside du only its first
+    // chunk's buffer, after dW1 and db1 (whose products allocate nothing of their own here).
+    let over = tx
+        && matches!(dtype, DType::F32 | DType::F64)
+        && !dx_over_du_chunks(rows, inp, ffn).is_empty();
+    let last = if over {
+        u + g1 + g2 + e * (DX_FIRST_ROWS * inp) as u64 - e * (rows * inp) as u64
+    } else {
+        u + g1 + g2 + sd
+    };
+    let last = last.saturating_sub(e * (rows * out) as u64);
     let peak = if matches!(dtype, DType::F32 | DType::F64) {
         // The direct products allocate nothing of their own (`gemm`'s packing is the budget's
         // separate rule): u, dW2, db2 and the chunk buffer.
@@ -551,7 +563,7 @@ impl CustomOp1 for FusedMlp {
         // node's incoming gradient once the last rule reading it has run. At DiT-S/2 fp32,
         // 512 rows, 768 KiB of the block backward's worst moment.
         release_whole(&grad)?;
-        fc1_backward(&self.fc1, x, &du, (rows, ffn))
+        fc1_backward_over(&self.fc1, x, du, (rows, ffn))
     }
 }
 
@@ -627,6 +639,8 @@ mod tests {
                 (2100, 8, 130, 600),
                 // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
                 (1100, 8, 600, 40),
+                // dx over du (`fused_mlp_dx`, f32/f64): chunks of 64, 128 and a ragged 108.
+                (300, 96, 288, 40),
             ] {
                 let (yf, dxf, gf) = run(true, dt, wdt, dims);
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);
@@ -715,6 +729,20 @@ mod tests {
                 }
             }
         }
+        for (rows, inp, ffn) in [
+            (512, 384, 1536),
+            (300, 96, 288),
+            (67, 96, 288),
+            (4100, 65, 130),
+        ] {
+            let engine: Vec<(u64, u64)> = dx_over_du_chunks(rows, inp, ffn)
+                .into_iter()
+                .map(|(a, b)| (a as u64, b as u64))
+                .collect();
+            let budget = ops::dx_over_du_chunks(rows as u64, inp as u64, ffn as u64);
+            assert_eq!(engine, budget, "rows {rows}, {inp} -> {ffn}");
+        }
+        assert_eq!(DX_FIRST_ROWS as u64, ops::DX_FIRST_ROWS);
         assert_eq!(
             widen_col_blocks(1100, 600).collect::<Vec<_>>(),
             vec![(0, 300), (300, 300)]
@@ -727,7 +755,12 @@ mod tests {
             (DType::F16, Dtype::F16, DType::F32, Dtype::F32),
         ] {
             let master = wdt != dt;
-            for dims in [(512, 64, 256, 64), (300, 37, 130, 41), (7, 1, 4, 1)] {
+            for dims in [
+                (512, 64, 256, 64),
+                (300, 37, 130, 41),
+                (7, 1, 4, 1),
+                (512, 96, 384, 96),
+            ] {
                 for native in [false, true] {
                     for bits in 0..32u8 {
                         let tx = bits & 16 != 0;

@@ -63,6 +63,7 @@ pub mod backward_from;
 pub mod dwconv;
 pub mod fused_mlp;
 pub mod fused_mlp_bf16;
+pub mod fused_mlp_dx;
 pub mod fused_mlp_side;
 pub mod fused_mlp_widen;
 pub mod gated_residual;

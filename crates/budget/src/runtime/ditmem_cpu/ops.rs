@@ -37,6 +37,34 @@ fn col_blocks_under(ffn: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
+/// Rows of dx the engine's f32/f64 fused MLP makes first into a buffer of its own before
+/// writing the rest of dx over du (`ops::fused_mlp_dx::DX_FIRST_ROWS`).
+pub const DX_FIRST_ROWS: u64 = 64;
+
+/// The (first row, rows) chunks by which the engine's f32/f64 fused MLP writes dx = du·W1 over
+/// du (`ops::fused_mlp_dx::dx_over_du_chunks`): the first [`DX_FIRST_ROWS`] through a buffer,
+/// each later one below du's unread rows (at most r0·(ffn − in)/in rows after r0), the last of
+/// 4 rows or more; none (a fresh dx) for in ≤ 64, ffn < 2·in or fewer than 68 rows.
+pub fn dx_over_du_chunks(rows: u64, inp: u64, ffn: u64) -> Vec<(u64, u64)> {
+    if inp <= 64 || ffn < 2 * inp || rows < DX_FIRST_ROWS + 4 {
+        return Vec::new();
+    }
+    let mut chunks = vec![(0, DX_FIRST_ROWS)];
+    let mut r0 = DX_FIRST_ROWS;
+    while r0 < rows {
+        let cap = r0 * (ffn - inp) / inp;
+        let left = rows - r0;
+        let n = match left.checked_sub(cap) {
+            None | Some(0) => left,
+            Some(1..=3) => cap - 4,
+            Some(_) => cap,
+        };
+        chunks.push((r0, n));
+        r0 += n;
+    }
+    chunks
+}
+
 /// Narrowest cap on a block of dW's rows per product of that weight gradient (`ops::DW_COLS`):
 /// `gemm` packs a (chunk rows × block) panel of g.
 pub const DW_COLS: u64 = 128;
@@ -367,7 +395,9 @@ pub fn fused_mlp_workspace(
 /// The fused MLP's phases over the workspace `lin(dims, tracks)` of each of its linears and,
 /// on f32/f64, `gemm`'s per-call packing `mm((m, n, k), [dst, lhs, rhs] strides)` of the
 /// products fc2's backward makes itself. The backward's last phase is alike in every dtype:
-/// du, every gradient and fc1's workspace. Before it, on f32/f64 (the engine's
+/// du, every gradient and fc1's workspace, except that on f32/f64 with dx tracked dx is written
+/// over du by the chunks of [`dx_over_du_chunks`] (after dW1 and db1; beside du then only the
+/// first chunk's buffer and a chunk product's packing). Before it, on f32/f64 (the engine's
 /// `fc2_gelu_bwd_direct`): u, dW2 and db2 beside one chunk buffer of min(rows, [`DW_ROWS`])
 /// rows × the widest column block ([`mlp_col_blocks`]), with the packing of a block's dW2
 /// product (per block of dW's rows, [`dw_blocks`], when dW2 is made) or of its dh product;
@@ -399,6 +429,19 @@ fn fused_mlp_phases(
     // backward in `custom_backward`) is freed before fc1's backward, which no longer reads it:
     // the last phase is that much lower (the engine's `FusedMlp::bwd`, `ops::release`).
     let last = (h + g1 + g2 + sd).saturating_sub(y);
+    let over = dx_over_du_chunks(rows, inp, ffn);
+    let last = if tx && matches!(cd, Dtype::F32 | Dtype::F64) && !over.is_empty() {
+        // dx written over du (the engine's `fused_mlp_dx`): dW1 and db1 first (fc1's
+        // backward without dx: its dW packing), then dx by chunks, the first into a buffer of
+        // its own, the rest in place; du's buffer becomes dx, so dx's bytes are not beside it.
+        let (_, sw) = lin((rows, inp, ffn), (false, wants[0], wants[1]));
+        let pack = |n: u64| mm((n, inp, ffn), [(inp, 1), (ffn, 1), (inp, 1)]);
+        let first = e * DX_FIRST_ROWS * inp + pack(DX_FIRST_ROWS);
+        let rest = over[1..].iter().map(|&(_, n)| pack(n)).max().unwrap_or(0);
+        (h + g1 + g2 - e * rows * inp + sw.max(first).max(rest)).saturating_sub(y)
+    } else {
+        last
+    };
     let peak = if matches!(cd, Dtype::F32 | Dtype::F64) {
         let (buf, pack) = fc2_gelu_blocks(&mm, e, (rows, 0, ffn, out), wants[2]);
         (h + g2 + buf + pack).max(last)
