@@ -249,6 +249,10 @@ def run(args) -> dict:
         "device": ps.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        # The ATen kernels' ISA (AVX512, AVX2, ...) and the settings that cap it and oneDNN's.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY", "unset"),
+        "onednn_max_cpu_isa_env": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "precision": ps.precision,
         "autocast": str(tr.autocast).replace("torch.", "") if tr.autocast else None,

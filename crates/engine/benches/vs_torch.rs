@@ -162,6 +162,8 @@ struct Peer {
     /// Wall seconds of the forward and of the backward (recomputed forwards included), p50.
     fwd_p50: f64,
     bwd_p50: f64,
+    /// The peer's torch version and ATen CPU capability (its conditions).
+    about: String,
 }
 
 fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer, String> {
@@ -214,6 +216,17 @@ fn run_peer(spec: &Spec, warmup: u32, steps: u32, threads: usize) -> Result<Peer
         bwd_p50: v["phase_time_s"]["backward"]["p50"]
             .as_f64()
             .unwrap_or(f64::NAN),
+        about: {
+            let c = &v["conditions"];
+            let s = |k: &str| c[k].as_str().unwrap_or("?").to_string();
+            format!(
+                "torch {}, ATen CPU capability {} (ATEN_CPU_CAPABILITY {}, ONEDNN_MAX_CPU_ISA {})",
+                s("torch"),
+                s("cpu_capability"),
+                s("aten_cpu_capability_env"),
+                s("onednn_max_cpu_isa_env")
+            )
+        },
     })
 }
 
@@ -357,6 +370,11 @@ fn measure(
         peer_last = Some(peer);
     }
     let (m, peer) = (last?, peer_last?);
+    if let Ok(pe) = &peer {
+        // The peer's kernels, once per sweep (the same process settings every row).
+        static PEER_ABOUT: std::sync::Once = std::sync::Once::new();
+        PEER_ABOUT.call_once(|| println!("peer: {}", pe.about));
+    }
     let ratios: Vec<f64> = e_p50s
         .iter()
         .zip(&t_p50s)
@@ -486,9 +504,12 @@ fn main() {
             .unwrap_or_default()
     };
     println!(
-        "conditions: {}; {}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per row (median of the rounds' p50, range of the per-round ratios); AdamW, EMA {}; engine malloc: {}; load average before: {}",
+        "conditions: {}; {}; engine kernels: gemm {}, bf16 products {}, vector kernels {}; {threads} threads (RAYON_NUM_THREADS / torch --threads); OMP_WAIT_POLICY=PASSIVE for the peer; {} build; {}; warm-up {warmup}, {steps} measured steps (p50), {rounds} alternating round(s) per row (median of the rounds' p50, range of the per-round ratios); AdamW, EMA {}; engine malloc: {}; load average before: {}",
         ditmem_engine::host::cpu_model(),
         ditmem_engine::host::cache_summary(),
+        ditmem_engine::host::gemm_isa().name(),
+        ditmem_engine::host::detect().bf16_products.name(),
+        ditmem_engine::kernels::vecmath::level(),
         if cfg!(debug_assertions) { "debug" } else { "release" },
         base.model.name,
         if ema { "on" } else { "off" },

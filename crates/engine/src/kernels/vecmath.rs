@@ -113,34 +113,62 @@ impl Lanes for half::f16 {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The level of the engine's vector kernels, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Isa {
-    Avx512,
-    Avx2,
     Scalar,
+    Avx2,
+    Avx512,
 }
+
+/// Environment variable that caps the level of the engine's own vector kernels below what the
+/// CPU has: `avx2` (no AVX-512 builds) or `scalar` (the portable bodies). With a `gemm` built
+/// without `x86-v4` (`--no-default-features`) and `DITMEM_BF16_GEMM=widen` it makes an AVX-512
+/// machine run the engine as an AVX2-only CPU would (issue 20's sweep on AVX2 kernels), and lets
+/// the tests reach the AVX2 and scalar bodies there. Other values leave the detected level.
+pub const VECTOR_ISA_VAR: &str = "DITMEM_VECTOR_ISA";
 
 fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // Every feature the AVX-512 builds enable (`#[target_feature]` below), so that
-            // calling them is sound wherever this says so.
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
+        let cap = match std::env::var(VECTOR_ISA_VAR).as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") => Isa::Avx2,
+            _ => Isa::Avx512,
+        };
+        detected_isa().min(cap)
     })
+}
+
+/// The highest level this CPU runs.
+fn detected_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Every feature the AVX-512 builds enable (`#[target_feature]` below), so that
+        // calling them is sound wherever this says so.
+        if std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+        {
+            return Isa::Avx512;
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+/// The level the engine's vector kernels run at here: `avx512`, `avx2` or `scalar`
+/// (the CPU's, capped by [`VECTOR_ISA_VAR`]).
+pub fn level() -> &'static str {
+    match isa() {
+        Isa::Avx512 => "avx512",
+        Isa::Avx2 => "avx2",
+        Isa::Scalar => "scalar",
+    }
 }
 
 /// Whether this CPU runs the AVX-512 builds of the kernels (decided once per process): it has
