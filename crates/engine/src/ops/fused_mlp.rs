@@ -729,20 +729,6 @@ mod tests {
                 }
             }
         }
-        for (rows, inp, ffn) in [
-            (512, 384, 1536),
-            (300, 96, 288),
-            (67, 96, 288),
-            (4100, 65, 130),
-        ] {
-            let engine: Vec<(u64, u64)> = dx_over_du_chunks(rows, inp, ffn)
-                .into_iter()
-                .map(|(a, b)| (a as u64, b as u64))
-                .collect();
-            let budget = ops::dx_over_du_chunks(rows as u64, inp as u64, ffn as u64);
-            assert_eq!(engine, budget, "rows {rows}, {inp} -> {ffn}");
-        }
-        assert_eq!(DX_FIRST_ROWS as u64, ops::DX_FIRST_ROWS);
         assert_eq!(
             widen_col_blocks(1100, 600).collect::<Vec<_>>(),
             vec![(0, 300), (300, 300)]

@@ -2,7 +2,7 @@
 //! db1 = Σ du (du read whole), dx = du·W1 is made by chunks of rows, each chunk's rows of dx
 //! stored in du's own buffer over du rows already read; the buffer is then cut to rows × in and
 //! handed out as dx. Budget twin: `ditmem_budget::ditmem_cpu::ops::fused_mlp_phases` (its last
-//! phase on f32/f64) and `dx_over_du_chunks` (held equal by the test below).
+//! phase on f32/f64); the chunk plan is the budget's `dx_over_du_chunks` itself.
 //!
 //! Why: fc1's backward was the block backward's worst moment (DiT-S/2 fp32 at 512 rows: du
 //! 3 MiB, dW1 and dW2 2.25 MiB each, dx 0.75 MiB beside them). PyTorch's `addmm` backward holds
@@ -16,6 +16,7 @@
 //! (m·n ≤ 256) and matrix-vector (m ≤ 1) branches, as the whole product is.
 
 use candle_core::{CpuStorage, Tensor};
+use ditmem_budget::ditmem_cpu::ops;
 
 use super::fused_mlp::{fc1_backward, MlpLinear};
 use super::linear::{linear_bwd_storage, storage_tensor, LinearGrads};
@@ -25,36 +26,21 @@ use crate::kernels::scalar::Acc;
 
 /// Rows of dx made first, into a buffer of their own: du's first rows are where dx's first
 /// rows go, so they cannot be written in place while being read. Each later chunk is written
-/// in place over du rows already read, up to r0·(ffn − in)/in rows after r0 rows done. Budget
-/// twin: `ditmem_budget::ditmem_cpu::ops::DX_FIRST_ROWS`.
-pub const DX_FIRST_ROWS: usize = 64;
+/// in place over du rows already read, up to r0·(ffn − in)/in rows after r0 rows done.
+pub const DX_FIRST_ROWS: usize = ops::DX_FIRST_ROWS as usize;
 
 /// The (first row, rows) chunks of dx over du for `rows` rows of `inp` inputs and `ffn` hidden
 /// units, the first through its own buffer, the rest in place; none where dx is not written
 /// over du (then fc1's backward makes a fresh dx): `inp` of 64 or less (`gemm`'s small-size
 /// branches, module docs), ffn under 2·in (a chunk could not be at least as long as the rows
 /// before it) or rows too few to leave a chunk of 4 after the first. Every chunk has 4 rows or
-/// more; they cover 0..rows in order.
+/// more; they cover 0..rows in order. The plan is the budget's own
+/// (`ditmem_budget::ditmem_cpu::ops::dx_over_du_chunks`), so the two cannot drift apart.
 pub fn dx_over_du_chunks(rows: usize, inp: usize, ffn: usize) -> Vec<(usize, usize)> {
-    if inp <= 64 || ffn < 2 * inp || rows < DX_FIRST_ROWS + 4 {
-        return Vec::new();
-    }
-    let mut chunks = vec![(0, DX_FIRST_ROWS)];
-    let mut r0 = DX_FIRST_ROWS;
-    while r0 < rows {
-        // Rows of dx that fit below du's unread rows: (r0 + n)·in ≤ r0·ffn.
-        let cap = r0 * (ffn - inp) / inp;
-        let left = rows - r0;
-        let n = match left.checked_sub(cap) {
-            None | Some(0) => left,
-            // Leave at least 4 rows to the last chunk.
-            Some(1..=3) => cap - 4,
-            Some(_) => cap,
-        };
-        chunks.push((r0, n));
-        r0 += n;
-    }
-    chunks
+    ops::dx_over_du_chunks(rows as u64, inp as u64, ffn as u64)
+        .into_iter()
+        .map(|(r0, n)| (r0 as usize, n as usize))
+        .collect()
 }
 
 /// fc1's backward on du (rows × ffn, taken): dW1 = duᵀ·x and db1 = Σ du to fc1's sink, then

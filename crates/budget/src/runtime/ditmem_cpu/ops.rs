@@ -42,9 +42,11 @@ fn col_blocks_under(ffn: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
 pub const DX_FIRST_ROWS: u64 = 64;
 
 /// The (first row, rows) chunks by which the engine's f32/f64 fused MLP writes dx = du·W1 over
-/// du (`ops::fused_mlp_dx::dx_over_du_chunks`): the first [`DX_FIRST_ROWS`] through a buffer,
-/// each later one below du's unread rows (at most r0·(ffn − in)/in rows after r0), the last of
-/// 4 rows or more; none (a fresh dx) for in ≤ 64, ffn < 2·in or fewer than 68 rows.
+/// du (the engine's `ops::fused_mlp_dx` runs this very plan): the first [`DX_FIRST_ROWS`]
+/// through a buffer, each later one below du's unread rows (at most r0·(ffn − in)/in rows after
+/// r0), the last of 4 rows or more; none (a fresh dx) for in ≤ 64, ffn < 2·in or fewer than 68
+/// rows. In above 64 and chunks of 4 rows or more keep every chunk's product on `gemm`'s general
+/// path, as the whole product is, so dx has the same bits.
 pub fn dx_over_du_chunks(rows: u64, inp: u64, ffn: u64) -> Vec<(u64, u64)> {
     if inp <= 64 || ffn < 2 * inp || rows < DX_FIRST_ROWS + 4 {
         return Vec::new();
