@@ -483,11 +483,26 @@ pub(super) fn fc1_backward(
     fc1: &MlpLinear,
     x: &Tensor,
     du: &CpuStorage,
-    (rows, ffn): (usize, usize),
+    dims: (usize, usize),
 ) -> CResult<Option<Tensor>> {
+    fc1_grads(fc1, x, du, dims, x.track_op())?
+        .map(|v| storage_tensor(v, x.shape()))
+        .transpose()
+}
+
+/// dW1 = duᵀ·x and db1 = Σ du (as fc1's sink wants them) into the sink, and dx = du·W1 as a
+/// bare storage when `dx` ([`fc1_backward`]; without dx for [`fc1_backward_over`], which
+/// writes dx over du itself).
+pub(super) fn fc1_grads(
+    fc1: &MlpLinear,
+    x: &Tensor,
+    du: &CpuStorage,
+    (rows, ffn): (usize, usize),
+    dx: bool,
+) -> CResult<Option<CpuStorage>> {
     let (w1, b1) = fc1.wants();
     let want = LinearGrads {
-        x: x.track_op(),
+        x: dx,
         w: w1,
         b: b1,
     };
@@ -504,7 +519,7 @@ pub(super) fn fc1_backward(
         })
     })?;
     fc1.sink_grads(dw, db)?;
-    dx.map(|v| storage_tensor(v, x.shape())).transpose()
+    Ok(dx)
 }
 
 impl CustomOp1 for FusedMlp {

@@ -18,8 +18,8 @@
 use candle_core::{CpuStorage, Tensor};
 use ditmem_budget::ditmem_cpu::ops;
 
-use super::fused_mlp::{fc1_backward, MlpLinear};
-use super::linear::{linear_bwd_storage, storage_tensor, LinearGrads};
+use super::fused_mlp::{fc1_backward, fc1_grads, MlpLinear};
+use super::linear::storage_tensor;
 use super::storage::{cpu_slice, err, with_cpu, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
 use crate::kernels::scalar::Acc;
@@ -58,20 +58,7 @@ pub(super) fn fc1_backward_over(
     if !x.track_op() || !direct || chunks.is_empty() {
         return fc1_backward(fc1, x, &du, (rows, ffn));
     }
-    let (w1, b1) = fc1.wants();
-    let want = LinearGrads {
-        x: false,
-        w: w1,
-        b: b1,
-    };
-    let (b1dt, b1l) = (fc1.b.dtype(), fc1.b.layout());
-    let wide = candle_core::Layout::contiguous((rows, ffn));
-    let (_, dw, db) = with_cpu(x, |sx, lx| {
-        with_cpu(&fc1.w, |sw, lw| {
-            linear_bwd_storage((sx, lx), (sw, lw), (b1dt, b1l), (&du, &wide), want)
-        })
-    })?;
-    fc1.sink_grads(dw, db)?;
+    fc1_grads(fc1, x, &du, (rows, ffn), false)?;
     let dx = with_cpu(&fc1.w, |sw, lw| {
         let n = "fused MLP dx";
         Ok(match du {
