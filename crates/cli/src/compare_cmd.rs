@@ -113,7 +113,7 @@ pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliErro
     if args.json {
         crate::output::print_json(&report)?;
     } else {
-        print!("{}", render_compare(&budget, &report));
+        crate::output::say(&render_compare(&budget, &report))?;
     }
     Ok(())
 }
@@ -361,8 +361,8 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
     if args.json {
         crate::output::print_json(&report)?;
     } else {
-        println!("ditmem compare --runtime pytorch — {}", spec_line(spec));
-        println!("recipe: {}", recipe_line(spec));
+        crate::output::say(&format!("ditmem compare --runtime pytorch — {}\n", spec_line(spec)))?;
+        crate::output::say(&format!("recipe: {}\n", recipe_line(spec)))?;
         let mut t = Table::new(&["", "predicted", "measured (PyTorch)", "error"]);
         t.row(vec![
             "peak".into(),
@@ -370,8 +370,8 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
             fmt_bytes(measured),
             format!("{:+.3} %", 100.0 * rel),
         ]);
-        print!("{}", t.render());
-        println!("peer conditions: {}", v["conditions"]);
+        crate::output::say(&t.render())?;
+        crate::output::say(&format!("peer conditions: {}\n", v["conditions"]))?;
     }
     Ok(())
 }
@@ -464,27 +464,27 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
                 format!("{:+.3} %", 100.0 * a.rel_error),
             ]);
         }
-        print!("{}", t.render());
+        crate::output::say(&t.render())?;
         for &(_, name, part) in &split {
             if !part.is_empty() && part.len() < results.len() {
                 let s = agree::summarize(part);
-                println!(
-                    "{name}: {} specs, max {:.3} % ({}), median {:.3} %",
+                crate::output::say(&format!("{name}: {} specs, max {:.3} % ({}), median {:.3} %\n",
                     s.specs,
                     100.0 * s.max_abs_rel_error,
                     s.worst,
                     100.0 * s.median_abs_rel_error
-                );
+                ))?;
             }
         }
-        println!(
-            "{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %",
+        crate::output::say(&format!("{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %\n",
             summary.specs,
             100.0 * summary.max_abs_rel_error,
             summary.worst,
             100.0 * summary.median_abs_rel_error
-        );
-        println!("(step memory above the live bytes before the step, after one warm-up step; counting allocator)");
+        ))?;
+        crate::output::say(
+            "(step memory above the live bytes before the step, after one warm-up step; counting allocator)\n",
+        )?;
     }
     Ok(())
 }

@@ -185,9 +185,9 @@ pub fn run(args: GpusArgs) -> Result<(), crate::CliError> {
         let rows: Vec<GpuJson> = gpus.iter().map(|g| GpuJson::of(g)).collect();
         output::print_json(&rows)?;
     } else if args.name.is_some() {
-        print!("{}", detail(gpus[0]));
+        crate::output::say(&detail(gpus[0]))?;
     } else {
-        print!("{}", table(&gpus));
+        crate::output::say(&table(&gpus))?;
     }
     Ok(())
 }

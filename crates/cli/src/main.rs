@@ -57,6 +57,10 @@ enum Command {
         /// Print every op of each segment with the buffer it keeps.
         #[arg(long)]
         inventory: bool,
+        /// Also print the details: parameters, the breakdown at the peak and per phase, the
+        /// caching allocator, what a block keeps.
+        #[arg(long, short)]
+        verbose: bool,
         /// Also print the whole simulated timeline.
         #[arg(long)]
         timeline: bool,
@@ -93,6 +97,15 @@ enum Command {
     },
 }
 
+/// `estimate --json`: the budget, what has to fit on the device, and each single-flag lever.
+#[derive(serde::Serialize)]
+struct EstimateJson<'a> {
+    #[serde(flatten)]
+    budget: &'a ditmem_budget::Budget,
+    need_bytes: u64,
+    levers: &'a [ditmem_budget::levers::Lever],
+}
+
 /// Errors the binary reports; each maps to an exit code.
 #[derive(Debug)]
 pub enum CliError {
@@ -125,6 +138,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         spec: SpecArgs::default(),
         json: false,
         inventory: false,
+        verbose: false,
         timeline: false,
         plot: None,
     });
@@ -133,22 +147,35 @@ fn run(cli: Cli) -> Result<(), CliError> {
             spec,
             json,
             inventory,
+            verbose,
             timeline,
             plot,
         } => {
             output::check_outputs(&[("--plot", plot.as_deref())])?;
             let spec = spec.to_gpu_spec()?;
             let budget = ditmem_budget::estimate(&spec)?;
+            // The answer's last line: each single-flag change, budgeted.
+            let levers = ditmem_budget::levers::levers(&spec, &budget);
             if let Some(path) = &plot {
                 let svg = compare_cmd::timeline_svg(&budget, None)?;
                 output::write_output("--plot", path, svg.as_bytes())?;
             }
             if json {
-                output::print_json(&budget)?;
+                output::print_json(&EstimateJson {
+                    budget: &budget,
+                    need_bytes: ditmem_budget::levers::need_bytes(&budget),
+                    levers: &levers,
+                })?;
             } else {
-                print!("{}", render::estimate_report(&budget, inventory));
+                output::say(&render::estimate_report(&render::EstimateView {
+                    budget: &budget,
+                    levers: &levers,
+                    verbose,
+                    inventory,
+                    width: render::width(),
+                }))?;
                 if timeline {
-                    print!("{}", output::timeline_table(&budget.timeline));
+                    output::say(&output::timeline_table(&budget.timeline))?;
                 }
             }
         }
@@ -164,7 +191,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             if json {
                 output::print_json(&spec)?;
             } else {
-                print!("{}", spec.to_toml());
+                output::say(&spec.to_toml())?;
             }
         }
     }
@@ -195,10 +222,10 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             _ => {
-                eprintln!(
-                    "ditmem: invalid input: {}",
+                output::note(&format!(
+                    "ditmem: invalid input: {}\n",
                     flags::tidy(&flags::clap_line(&e, &command_name()))
-                );
+                ));
                 return ExitCode::from(2);
             }
         },
@@ -214,6 +241,6 @@ fn main() -> ExitCode {
         ),
         Err(CliError::Other(e)) => (1, format!("{e:#}")),
     };
-    eprintln!("ditmem: {}", flags::tidy(&line));
+    output::note(&format!("ditmem: {}\n", flags::tidy(&line)));
     ExitCode::from(code)
 }

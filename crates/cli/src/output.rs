@@ -11,10 +11,40 @@ use serde::Serialize;
 use crate::render::Table;
 
 pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(value).context("serialising JSON")?;
+    let mut text = serde_json::to_string_pretty(value).context("serialising JSON")?;
+    text.push('\n');
+    say(&text)
+}
+
+/// Set once stdout's reader has gone (a broken pipe): later output is dropped.
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The one path every command's standard output takes. A write that fails is an error (exit 1,
+/// "writing to stdout: No space left on device"); a reader that has gone (`ditmem … | head -3`,
+/// a broken pipe) is not: like a Unix filter, the rest of the output is dropped quietly and the
+/// command finishes its work (files it was asked to write are still written) and exits 0.
+/// `print!` would panic in both cases.
+pub fn say(text: &str) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering;
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{text}").context("writing to stdout")?;
-    Ok(())
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("writing to stdout")),
+        Ok(()) => Ok(()),
+    }
+}
+
+/// A line for standard error (errors, warnings, progress) that never panics: when stderr itself
+/// cannot be written there is no one left to tell, so the failure is dropped.
+pub fn note(text: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
 }
 
 /// What a path that exists but is not a regular file is, for messages.

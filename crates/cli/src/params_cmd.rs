@@ -109,7 +109,7 @@ pub fn run(args: ParamsArgs) -> Result<(), CliError> {
     if args.json {
         crate::output::print_json(&report)?;
     } else {
-        print!("{}", render(&report, &counts));
+        crate::output::say(&render(&report, &counts))?;
     }
     Ok(())
 }

@@ -20,7 +20,10 @@ use crate::args::SpecArgs;
 use crate::flags::{fmt_float, show};
 use crate::output::{print_json, write_output};
 use crate::plot::{line_chart, LineChart, Marker, Note, Series};
-use crate::render::{pct, recipe_line, spec_line, Table};
+use crate::render::{
+    category_words, change_flags, change_tags, fit_lines, pct, short_recipe, spec_line, top_of,
+    wrap, wrap_at_most, Table,
+};
 use crate::CliError;
 
 #[derive(Debug, Clone, Args)]
@@ -77,20 +80,12 @@ pub struct PlanArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Also print the whole reason, the plan's breakdown and the time model's profile.
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 /// Print to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.
-fn say(text: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-            Err(anyhow::Error::new(e).context("writing to stdout"))
-        }
-        _ => Ok(()),
-    }
-}
-
 fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
     let mut a = Allow::default();
     for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
@@ -208,80 +203,165 @@ fn allow_line(a: &Allow, ranks: u32) -> String {
     s
 }
 
-fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
-    let shown = thin(&p.pareto, 16);
+/// The human report: the answer first (five lines: what was planned, fits, the step's time,
+/// the biggest categories, the changes), the reason in at most three lines, the flags that make
+/// the plan, then the Pareto front; `--verbose` adds the whole reason and the breakdown.
+fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) -> String {
+    let w = width;
+    let mut shown = thin(&p.pareto, 12);
+    // The plan itself is always on the table.
+    if let Some(chosen) = p.pareto.iter().find(|c| c.spec == p.plan) {
+        if !shown.iter().any(|c| c.spec == p.plan) {
+            shown.push(chosen);
+            shown.sort_by(|a, b| a.time.total_s.total_cmp(&b.time.total_s));
+        }
+    }
     let mut out = String::new();
-    out.push_str(&format!("plan for {}\n", spec_line(base)));
-    out.push_str(&format!(
-        "budget {} per rank, headroom {:.0} % → {} usable; {}\n",
-        fmt_bytes(p.budget_bytes),
-        100.0 * p.headroom,
+    out.push_str(&wrap(
+        &format!("plan for {}; {}", spec_line(base), short_recipe(base)),
+        w,
+        2,
+    ));
+    let usable = format!(
+        "{} usable ({} less {:.0} % headroom)",
         fmt_bytes(p.usable_bytes),
-        allow_line(&p.allow, base.workload.ranks)
-    ));
-    out.push_str(&format!(
-        "times: predicted by the time model on profile '{}' (FLOPs and bytes over the profile's rates; not a measurement)\n\n",
-        p.profile.name
-    ));
-    let mut t = Table::new(&["", "peak", "fits", "step (predicted)", "recipe"]);
-    t.row(vec![
-        "base".into(),
-        fmt_bytes(p.base_peak_bytes),
-        if p.base_fits { "yes" } else { "no" }.into(),
-        fmt_secs(p.base_step_time_s),
-        recipe_line(base),
-    ]);
-    t.row(vec![
-        if p.feasible { "plan" } else { "floor" }.into(),
-        fmt_bytes(p.predicted_peak_bytes),
-        if p.feasible { "yes" } else { "no" }.into(),
-        fmt_secs(p.predicted_step_time_s),
-        recipe_line(&p.plan),
-    ]);
-    out.push_str(&t.render());
-    if p.plan.workload != base.workload {
-        out.push_str(&format!("  split: {}\n", spec_line(&p.plan)));
-    }
-    out.push_str(&format!(
-        "\nchanges: {}\n",
-        if p.changes.is_empty() {
-            "none".to_string()
+        fmt_bytes(p.budget_bytes),
+        100.0 * p.headroom
+    );
+    out.push_str(&wrap(
+        &if p.feasible && p.base_fits {
+            format!(
+                "fits: yes, as it is — {} of {usable}",
+                fmt_bytes(p.base_peak_bytes)
+            )
+        } else if p.feasible {
+            format!(
+                "fits: yes, changed — {} of {usable}; as given it needs {}",
+                fmt_bytes(p.predicted_peak_bytes),
+                fmt_bytes(p.base_peak_bytes)
+            )
         } else {
-            p.changes.join("; ")
-        }
+            format!(
+                "fits: no — nothing fits {usable}; the smallest found needs {}",
+                fmt_bytes(p.predicted_peak_bytes)
+            )
+        },
+        w,
+        2,
     ));
-    out.push_str(&format!("why: {}\n", p.reason));
+    let profile = p.profile.name.split(" (").next().unwrap_or(&p.profile.name);
+    out.push_str(&wrap(
+        &format!(
+            "step: {} predicted (as given {}, {:+.0} %) by the {} time model",
+            fmt_secs(p.predicted_step_time_s),
+            fmt_secs(p.base_step_time_s),
+            100.0 * (p.predicted_step_time_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0),
+            profile
+        ),
+        w,
+        2,
+    ));
+    out.push_str(&wrap(
+        &format!("biggest: {}", top_of(&p.breakdown, p.predicted_peak_bytes)),
+        w,
+        2,
+    ));
+    let tags = change_tags(base, &p.plan);
+    out.push_str(&wrap(
+        &format!(
+            "changes: {}",
+            if tags.is_empty() {
+                "none".to_string()
+            } else {
+                tags.join(" · ")
+            }
+        ),
+        w,
+        2,
+    ));
+    // The reason without what the lines above already say: the changes, and the peak and
+    // step time on the profile (named in full on the step line's model with --verbose).
+    let mut why = p.reason.replace(&p.profile.name, profile);
+    if !verbose {
+        if !p.changes.is_empty() {
+            why = why.replace(&format!(": {}", p.changes.join("; ")), "");
+        }
+        if let Some(i) = why.find(" → peak ") {
+            if let Some(j) = why[i..].find(&format!(" on {profile}")) {
+                why.replace_range(i..i + j + 4 + profile.len(), "");
+            }
+        }
+    }
+    if verbose {
+        out.push_str(&wrap(&format!("why: {why}"), w, 2));
+    } else {
+        // The first clause (what dominates), then what explains a change.
+        // The fragmentation clause is said in its first words (the flags line names the
+        // setting to launch with).
+        let mut clauses: Vec<&str> = why
+            .split("; ")
+            .filter(|c| !c.starts_with("with expandable segments"))
+            .map(|c| c.split(": allocated peaks at").next().unwrap_or(c))
+            .collect();
+        // What was not needed is for --verbose.
+        let minor = |c: &str| c.ends_with("not needed") || c.ends_with("is kept");
+        if clauses.len() > 1 {
+            let first = clauses[0];
+            clauses.retain(|c| *c == first || !minor(c));
+        }
+        let why = clauses.join("; ");
+        out.push_str(&wrap_at_most(
+            &format!("why: {why}"),
+            w,
+            2,
+            3,
+            "(--verbose: the whole reason)",
+        ));
+    }
+    let flags = change_flags(base, &p.plan);
+    if !flags.is_empty() {
+        out.push_str(&wrap(&format!("flags: {}", flags.join(" ")), w, 2));
+    }
     if p.feasible && !p.engine_runnable {
-        out.push_str(
-            "note: `ditmem run` cannot execute this plan (it runs neither 8-bit AdamW, ZeRO nor the VAE encoder)\n",
-        );
+        out.push_str(&wrap(
+            "note: `ditmem run` cannot execute this plan (it runs neither 8-bit AdamW, ZeRO, a \
+             quantized base nor the VAE encoder)",
+            w,
+            2,
+        ));
     }
-
-    out.push_str(&format!(
-        "\n{} at its peak\n",
-        if p.feasible { "plan" } else { "floor" }
-    ));
-    let mut b = Table::new(&["category", "bytes", "share"]);
-    for (name, v) in p.breakdown.entries() {
-        if v > 0 {
-            b.row(vec![
-                name.replace('_', " "),
-                fmt_bytes(v),
-                pct(v, p.predicted_peak_bytes),
-            ]);
+    if verbose {
+        out.push_str(&format!(
+            "\n{} at its peak\n",
+            if p.feasible { "plan" } else { "floor" }
+        ));
+        let mut b = Table::new(&["category", "bytes", "share"]);
+        for (name, v) in p.breakdown.entries() {
+            if v > 0 {
+                b.row(vec![
+                    category_words(name),
+                    fmt_bytes(v),
+                    pct(v, p.predicted_peak_bytes),
+                ]);
+            }
         }
+        out.push_str(&b.render());
+        out.push_str(&wrap(
+            &format!("times: the time model on profile '{}'", p.profile.name),
+            w,
+            2,
+        ));
     }
-    out.push_str(&b.render());
 
     out.push_str(&format!(
-        "\nPareto front: peak vs predicted step time ({}, fastest first; ✓ fits)\n",
+        "\nPareto front ({}; ✓ fits, → the plan)\n",
         if shown.len() == p.pareto.len() {
             format!("{} points", p.pareto.len())
         } else {
             format!(
-                "{} points, {} of them shown (spread evenly; --json lists all)",
-                p.pareto.len(),
-                shown.len()
+                "{} of {} points, spread evenly; --json lists all",
+                shown.len(),
+                p.pareto.len()
             )
         }
     ));
@@ -293,6 +373,7 @@ fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
         } else {
             ""
         };
+        let tags = change_tags(base, &c.spec);
         f.row(vec![
             format!("{mark}{fits}"),
             fmt_bytes(c.peak_bytes),
@@ -301,19 +382,23 @@ fn report(p: &Plan, base: &Spec, search_ms: f64) -> String {
                 "{:+.0} %",
                 100.0 * (c.time.total_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0)
             ),
-            if c.changes.is_empty() {
-                "(base)".into()
+            if tags.is_empty() {
+                "(as given)".into()
             } else {
-                c.changes.join("; ")
+                tags.join(" · ")
             },
         ]);
     }
-    out.push_str(&f.render());
+    out.push_str(&f.render_fit(w));
+    out.push_str(&wrap(&allow_line(&p.allow, base.workload.ranks), w, 2));
     out.push_str(&format!(
-        "searched {} combinations ({} pruned as dominated), {} timelines, in {:.1} ms\n",
-        p.combinations, p.pruned, p.evaluated, search_ms
+        "searched {} combinations ({} pruned as dominated), {} timelines, in {}\n",
+        p.combinations,
+        p.pruned,
+        p.evaluated,
+        fmt_secs(search_ms / 1e3)
     ));
-    out
+    fit_lines(&out, w)
 }
 
 /// At most `n` points of the front, evenly spread, always keeping both ends.
@@ -527,12 +612,18 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             export: exported.as_ref(),
         })?;
     } else {
-        say(&report(&p, &base, search_ms))?;
+        crate::output::say(&report(
+            &p,
+            &base,
+            search_ms,
+            args.verbose,
+            crate::render::width(),
+        ))?;
     }
     if let Some(path) = &args.plot {
         write_output("--plot", path, pareto_svg(&p)?.as_bytes())?;
         if !args.json {
-            say(&format!("wrote the Pareto front to {}\n", path.display()))?;
+            crate::output::say(&format!("wrote the Pareto front to {}\n", path.display()))?;
         }
     }
     if !p.feasible {
@@ -554,7 +645,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         );
         write_output("--out", path, text.as_bytes())?;
         if !args.json {
-            say(&format!("wrote the plan to {}\n", path.display()))?;
+            crate::output::say(&format!("wrote the plan to {}\n", path.display()))?;
         }
     }
     if let Some(e) = &exported {
@@ -562,7 +653,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             Some(path) => {
                 write_output("--emit-out", path, e.text.as_bytes())?;
                 if !args.json {
-                    say(&format!(
+                    crate::output::say(&format!(
                         "wrote the {} export to {}\n",
                         e.target,
                         path.display()
@@ -570,7 +661,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
                 }
             }
             None if !args.json => {
-                say(&format!(
+                crate::output::say(&format!(
                     "\n--- {} ({}) ---\n{}",
                     e.target, e.file_name, e.text
                 ))?;
@@ -582,7 +673,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             for n in &e.notes {
                 text.push_str(&format!("  - {n}\n"));
             }
-            say(&text)?;
+            crate::output::say(&text)?;
         }
     }
     Ok(())

@@ -56,6 +56,60 @@ impl Table {
     }
 }
 
+impl Table {
+    /// As [`Table::render`], fitted to `width` columns: the last column (words, such as a
+    /// list of changes) is left-aligned and wrapped onto continuation lines under itself.
+    pub fn render_fit(&self, width: usize) -> String {
+        let n = self.header.len();
+        if n < 2 {
+            return self.render();
+        }
+        let mut widths = vec![0usize; n];
+        for r in std::iter::once(&self.header).chain(&self.rows) {
+            for (i, c) in r.iter().enumerate().take(n) {
+                widths[i] = widths[i].max(c.chars().count());
+            }
+        }
+        let lead: usize = 2 + widths[..n - 1].iter().sum::<usize>() + 2 * (n - 1);
+        let room = width.saturating_sub(lead).max(20);
+        let last_w = widths[n - 1].min(room);
+        let line = |r: &Vec<String>| -> String {
+            let mut s = String::from("  ");
+            for (i, c) in r.iter().enumerate().take(n - 1) {
+                let pad = widths[i] - c.chars().count();
+                if i == 0 {
+                    s.push_str(c);
+                    s.push_str(&" ".repeat(pad));
+                } else {
+                    s.push_str(&" ".repeat(pad + 2));
+                    s.push_str(c);
+                }
+            }
+            s.push_str("  ");
+            let last = r.get(n - 1).map(String::as_str).unwrap_or("");
+            let wrapped = wrap(last, last_w, 0);
+            let mut lines = wrapped.lines();
+            s.push_str(lines.next().unwrap_or(""));
+            for more in lines {
+                s.push('\n');
+                s.push_str(&" ".repeat(lead));
+                s.push_str(more);
+            }
+            s.trim_end().to_string()
+        };
+        let mut out = line(&self.header);
+        out.push('\n');
+        out.push_str("  ");
+        out.push_str(&"-".repeat(lead - 2 + last_w));
+        for r in &self.rows {
+            out.push('\n');
+            out.push_str(&line(r));
+        }
+        out.push('\n');
+        out
+    }
+}
+
 /// Thousands separators for counts.
 pub fn fmt_count(n: u64) -> String {
     let s = n.to_string();
@@ -77,20 +131,39 @@ pub fn pct(part: u64, whole: u64) -> String {
     }
 }
 
-/// One line describing the spec: model, resolution, tokens, batch split.
+/// One line describing the spec: model, resolution (frames for video), tokens, and the batch
+/// as the user meant it: per rank unless there are several ranks or microbatches to say so.
 pub fn spec_line(spec: &Spec) -> String {
     let w = &spec.workload;
+    let frames = if w.frames > 1 {
+        format!("{} frames × ", w.frames)
+    } else {
+        String::new()
+    };
     format!(
-        "{} at {}×{} ({} tokens), batch {} = microbatch {} × accumulation {} × ranks {}",
+        "{} at {frames}{}×{} ({} tokens), {}",
         spec.model.name,
         w.height,
         w.width,
-        spec.tokens().unwrap_or(0),
-        w.batch,
-        w.microbatch,
-        w.accumulation,
-        w.ranks
+        fmt_count(spec.tokens().unwrap_or(0)),
+        batch_words(w)
     )
+}
+
+/// The batch in words: "batch 1", "batch 8 = 1 per rank × 8 ranks", "batch 32 = microbatch 4 ×
+/// accumulation 8".
+pub fn batch_words(w: &ditmem_budget::Workload) -> String {
+    let per_rank = if w.accumulation > 1 {
+        format!("microbatch {} × accumulation {}", w.microbatch, w.accumulation)
+    } else {
+        format!("{}", w.microbatch)
+    };
+    match (w.ranks, w.accumulation) {
+        (1, 1) => format!("batch {}", w.batch),
+        (1, _) => format!("batch {} = {per_rank}", w.batch),
+        (r, 1) => format!("batch {} = {per_rank} per rank × {r} ranks", w.batch),
+        (r, _) => format!("batch {} = ({per_rank}) per rank × {r} ranks", w.batch),
+    }
 }
 
 /// One line describing the recipe.
@@ -127,8 +200,9 @@ pub fn recipe_line(spec: &Spec) -> String {
     // The ditmem-cpu budget depends on the CPU it describes: say which (the spec's `cpu`).
     let cpu = match (spec.runtime, spec.cpu()) {
         (ditmem_budget::Runtime::DitmemCpu, c) => format!(
-            " ({} threads, bf16 products {}, gemm slab {} per thread)",
+            " ({} thread{}, bf16 products {}, gemm slab {} per thread)",
             c.threads,
+            if c.threads == 1 { "" } else { "s" },
             if c.bf16_kernel() {
                 "on the AVX512-BF16 kernel"
             } else {
@@ -267,10 +341,8 @@ fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
     o
 }
 
-pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
+fn parameters_section(b: &Budget) -> String {
     let mut o = String::new();
-    o.push_str(&format!("ditmem estimate — {}\n", spec_line(&b.spec)));
-    o.push_str(&format!("recipe: {}\n\n", recipe_line(&b.spec)));
     o.push_str(&format!(
         "parameters: {} total = {} trained + {} frozen\n",
         fmt_count(b.params.total),
@@ -320,6 +392,11 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
         o.push('\n');
     }
 
+    o
+}
+
+fn details_section(b: &Budget) -> String {
+    let mut o = String::new();
     let p = &b.peak;
     let mb = if b.spec.workload.accumulation > 1 {
         format!(", microbatch {}", p.microbatch)
@@ -411,7 +488,12 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
         ratio
     ));
 
-    if show_inventory {
+    o
+}
+
+fn inventory_section(b: &Budget) -> String {
+    let mut o = String::new();
+    {
         for inv in &b.inventory {
             o.push_str(&format!(
                 "\nop inventory: {} (tracked graph keeps {})\n",
@@ -450,10 +532,526 @@ pub fn estimate_report(b: &Budget, show_inventory: bool) -> String {
             }
             o.push_str(&t.render());
         }
-    } else {
-        o.push_str("(--inventory prints every op of each segment with what it keeps)\n");
     }
     o
+}
+
+/// The columns human output fits: the terminal's width when stdout is one, else 100.
+pub fn width() -> usize {
+    use std::io::IsTerminal;
+    const PIPED: usize = 100;
+    if !std::io::stdout().is_terminal() {
+        return PIPED;
+    }
+    // SAFETY: TIOCGWINSZ fills a `winsize` on a terminal file descriptor and touches nothing
+    // else; on failure the struct stays zeroed and the width falls back.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
+    if ok && ws.ws_col >= 40 {
+        usize::from(ws.ws_col)
+    } else {
+        PIPED
+    }
+}
+
+/// `text` broken at spaces into lines of at most `width` columns, continuation lines indented
+/// by `indent` spaces (a word longer than a line stays whole). Each line ends with a newline.
+pub fn wrap(text: &str, width: usize, indent: usize) -> String {
+    let mut out = String::new();
+    let mut line = String::new();
+    let mut cols = 0usize;
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        let n = word.chars().count();
+        if cols > 0 && cols + 1 + n > width {
+            out.push_str(line.trim_end());
+            out.push('\n');
+            line = " ".repeat(indent);
+            cols = indent;
+        } else if cols > 0 {
+            line.push(' ');
+            cols += 1;
+        }
+        line.push_str(word);
+        cols += n;
+    }
+    out.push_str(line.trim_end());
+    out.push('\n');
+    out
+}
+
+/// The recipe in a few words, for the first line: precision, LoRA, recompute, sharding, where.
+pub fn short_recipe(spec: &Spec) -> String {
+    let r = &spec.recipe;
+    let mut parts = vec![r.precision.to_string()];
+    if let Some(l) = &r.lora {
+        parts.push(if r.base_quant.is_none() {
+            format!("LoRA rank {}", l.rank)
+        } else {
+            format!("LoRA rank {} on {}", l.rank, r.base_quant.name())
+        });
+    }
+    if r.recompute != ditmem_budget::Recompute::None {
+        parts.push(format!("recompute {}", r.recompute));
+    }
+    if !matches!(
+        ditmem_budget::Scheme::of(spec),
+        ditmem_budget::Scheme::Single
+    ) {
+        parts.push(ditmem_budget::Scheme::of(spec).describe().to_string());
+    }
+    let gpu = spec.cuda.as_ref().and_then(|c| c.gpu.as_deref());
+    // Line 2 names the card (or the catalog's) on CUDA; elsewhere say where it runs.
+    let place = match (spec.runtime, gpu) {
+        (_, Some(g)) => format!("; on {g}"),
+        (
+            ditmem_budget::Runtime::Pytorch {
+                device: ditmem_budget::TorchDevice::Cuda,
+                ..
+            },
+            None,
+        ) => String::new(),
+        (rt, None) => format!("; on {rt}"),
+    };
+    format!("{}{place}", parts.join(", "))
+}
+
+/// "activations 213 GiB (58 %) · optimizer state 88.7 GiB (24 %) · …": the three largest
+/// categories at the peak.
+fn top_contributors(b: &Budget) -> String {
+    top_of(&b.peak.breakdown, b.peak.bytes)
+}
+
+/// The three largest categories of a breakdown, with their share of `total`.
+pub fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
+    let mut e: Vec<(&str, u64)> = breakdown
+        .entries()
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    e.sort_by(|x, y| y.1.cmp(&x.1));
+    e.iter()
+        .take(3)
+        .map(|(n, v)| {
+            format!(
+                "{} {} {:.0} %",
+                category_words(n),
+                fmt_bytes(*v),
+                100.0 * *v as f64 / total.max(1) as f64
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" · ")
+}
+
+/// A breakdown category as a reader names it.
+pub fn category_words(name: &str) -> String {
+    match name {
+        "ema" => "EMA".into(),
+        other => other.replace('_', " "),
+    }
+}
+
+/// Line 2 of `estimate`: does it fit — the spec's GPU, or the catalog's cards.
+fn fit_line(b: &Budget) -> String {
+    let need = ditmem_budget::levers::need_bytes(b);
+    let Some(c) = &b.cuda else {
+        return match b.spec.runtime {
+            ditmem_budget::Runtime::Pytorch {
+                device: ditmem_budget::TorchDevice::Cuda,
+                ..
+            } => format!(
+                "fits: unknown — the step makes more than {} allocations, so the caching \
+                 allocator is not replayed",
+                fmt_count(ditmem_budget::pytorch::MAX_REPLAYED_EVENTS as u64)
+            ),
+            rt => format!("fits: runs in host memory on {rt} (no GPU capacity to fit against)"),
+        };
+    };
+    match (c.gpu, c.capacity_bytes) {
+        (Some(gpu), Some(cap)) => {
+            if ditmem_budget::levers::fits(b) == Some(true) {
+                format!(
+                    "fits {gpu} ({} as CUDA reports it): yes, {} free at the peak",
+                    fmt_bytes(cap),
+                    fmt_bytes(cap.saturating_sub(c.device_bytes))
+                )
+            } else {
+                format!(
+                    "fits {gpu} ({} as CUDA reports it): no — the step needs {}, {} more",
+                    fmt_bytes(cap),
+                    fmt_bytes(need),
+                    fmt_bytes(need.saturating_sub(cap))
+                )
+            }
+        }
+        _ => {
+            // No card named: which of the catalog's would hold it (its reserved memory and
+            // cuBLAS workspace within the card's capacity less its own context).
+            let bf16 = b.spec.recipe.precision.compute_dtype() == ditmem_budget::Dtype::Bf16;
+            let need = c.max_reserved_bytes + c.cublas_workspace_bytes;
+            let mut cards: Vec<_> = ditmem_budget::gpu::all()
+                .iter()
+                .filter(|g| !bf16 || g.dtypes().bf16)
+                .collect();
+            cards.sort_by_key(|g| g.capacity_bytes());
+            let (yes, no): (Vec<&ditmem_budget::gpu::Gpu>, Vec<&ditmem_budget::gpu::Gpu>) =
+                cards.iter().copied().partition(|g| need <= g.allocator_bytes());
+            let skipped = if bf16 { " with bf16" } else { "" };
+            match (yes.first(), no.last()) {
+                (Some(small), Some(big)) => format!(
+                    "fits {} of {} cards{skipped}, the smallest {} ({}); not {} ({}){}",
+                    yes.len(),
+                    cards.len(),
+                    small.name,
+                    fmt_bytes(small.capacity_bytes()),
+                    big.name,
+                    fmt_bytes(big.capacity_bytes()),
+                    if no.len() > 1 {
+                        format!(" nor {} smaller", no.len() - 1)
+                    } else {
+                        String::new()
+                    }
+                ),
+                (Some(_), None) => {
+                    format!("fits every catalog card{skipped} ({})", cards.len())
+                }
+                (None, _) => format!(
+                    "fits none of the {} catalog cards{skipped} (the largest, {}, has {})",
+                    cards.len(),
+                    cards.last().map_or("-", |g| g.name),
+                    fmt_bytes(cards.last().map_or(0, |g| g.capacity_bytes()))
+                ),
+            }
+        }
+    }
+}
+
+/// A timeline label as words: the budget marks the moment inside an op or block as
+/// "block 3 (inside)"; a reader wants "inside block 3".
+pub fn where_words(label: &str) -> String {
+    match label.strip_suffix(" (inside)") {
+        Some(what) => format!("inside {what}"),
+        None => format!("at {label}"),
+    }
+}
+
+/// Line 3 of `estimate`: the peak as the device would show it.
+fn peak_line(b: &Budget) -> String {
+    let p = &b.peak;
+    match &b.cuda {
+        Some(c) if c.oom.is_some() => format!(
+            "device peak: ≈ {} = {} allocated + {} context, in {} (the replay ran out)",
+            fmt_bytes(ditmem_budget::levers::need_bytes(b)),
+            fmt_bytes(p.bytes),
+            fmt_bytes(c.context_bytes),
+            p.phase.name()
+        ),
+        Some(c) => format!(
+            "device peak: {} as nvidia-smi shows it = {} reserved + {} context, in {}",
+            fmt_bytes(c.device_bytes),
+            fmt_bytes(c.max_reserved_bytes),
+            fmt_bytes(c.context_bytes),
+            p.phase.name()
+        ),
+        None => format!(
+            "peak: {} of host memory in {}, {}",
+            fmt_bytes(p.bytes),
+            p.phase.name(),
+            where_words(&p.label)
+        ),
+    }
+}
+
+/// A lever in a few words: its flag, what the step then needs, whether it fits, the time.
+fn lever_words(l: &ditmem_budget::levers::Lever) -> String {
+    let fits = match l.fits {
+        Some(true) => ", fits",
+        Some(false) => ", still too big",
+        None => "",
+    };
+    format!(
+        "{} → {}{fits}, step ×{:.2}",
+        l.flag,
+        fmt_bytes(l.need_bytes),
+        l.slowdown
+    )
+}
+
+/// Line 5 of `estimate`: the one change that helps most, said in at most `width` columns when
+/// it can be (the lever's description is dropped first).
+fn change_line(b: &Budget, levers: &[ditmem_budget::levers::Lever], width: usize) -> String {
+    let fits = ditmem_budget::levers::fits(b);
+    let on_cuda = b.cuda.is_some();
+    let plan_hint = match b.spec.cuda.as_ref().and_then(|c| c.gpu.clone()) {
+        Some(g) => format!("ditmem plan --gpu {g}"),
+        None if on_cuda => "ditmem plan --gpu NAME".into(),
+        None => "ditmem plan --budget SIZE".into(),
+    };
+    let fitted = |long: String, short: String| {
+        if long.chars().count() <= width {
+            long
+        } else {
+            short
+        }
+    };
+    if fits == Some(true) {
+        return match levers.iter().min_by_key(|l| l.need_bytes) {
+            Some(l) => fitted(
+                format!("change: none needed; the most memory back: {} ({})", lever_words(l), l.change),
+                format!("change: none needed; the most memory back: {}", lever_words(l)),
+            ),
+            None => "change: none needed".into(),
+        };
+    }
+    match levers.first() {
+        Some(l) if l.fits == Some(false) => fitted(
+            format!("change: no one flag is enough; the most: {}; {plan_hint} combines", lever_words(l)),
+            format!("change: no one flag is enough; the most: {}", lever_words(l)),
+        ),
+        Some(l) => fitted(
+            format!("change: {} ({})", lever_words(l), l.change),
+            format!("change: {}", lever_words(l)),
+        ),
+        None => format!("change: no single flag saves memory; {plan_hint} searches combinations"),
+    }
+}
+
+/// What `estimate` prints: the answer first (five lines: the spec, fits, device peak, top
+/// contributors, the change), then the other levers, and the details on request.
+pub struct EstimateView<'a> {
+    pub budget: &'a Budget,
+    pub levers: &'a [ditmem_budget::levers::Lever],
+    pub verbose: bool,
+    pub inventory: bool,
+    pub width: usize,
+}
+
+pub fn estimate_report(v: &EstimateView<'_>) -> String {
+    let b = v.budget;
+    let w = v.width;
+    let mut o = String::new();
+    o.push_str(&wrap(
+        &format!("{}; {}", spec_line(&b.spec), short_recipe(&b.spec)),
+        w,
+        2,
+    ));
+    o.push_str(&wrap(&fit_line(b), w, 2));
+    o.push_str(&wrap(&peak_line(b), w, 2));
+    o.push_str(&wrap(
+        &format!("biggest: {}", top_contributors(b)),
+        w,
+        2,
+    ));
+    o.push_str(&wrap(&change_line(b, v.levers, w), w, 2));
+    if let Some(oom) = b.cuda.as_ref().and_then(|c| c.oom) {
+        o.push('\n');
+        o.push_str(&wrap(
+            &format!(
+                "out of memory: the caching allocator's replay fails on a {} request (allocation \
+                 {} of {}) with {} allocated and {} reserved; its maxima stop there, and the \
+                 figures above are what the whole step would need",
+                fmt_bytes(oom.requested),
+                fmt_count(oom.event as u64 + 1),
+                fmt_count(b.cuda.as_ref().map_or(0, |c| c.events as u64)),
+                fmt_bytes(oom.allocated),
+                fmt_bytes(oom.reserved)
+            ),
+            w,
+            2,
+        ));
+    }
+    let shown_first = usize::from(ditmem_budget::levers::fits(b) != Some(true));
+    let others: Vec<_> = v.levers.iter().skip(shown_first).take(4).collect();
+    if !others.is_empty() {
+        o.push('\n');
+        let mut t = Table::new(&["other levers", "needs", "fits", "step"]);
+        for l in others {
+            t.row(vec![
+                l.flag.clone(),
+                fmt_bytes(l.need_bytes),
+                match l.fits {
+                    Some(true) => "yes",
+                    Some(false) => "no",
+                    None => "-",
+                }
+                .into(),
+                format!("×{:.2}", l.slowdown),
+            ]);
+        }
+        o.push_str(&t.render());
+    }
+    o.push('\n');
+    o.push_str(&wrap(&format!("recipe: {}", recipe_line(&b.spec)), w, 2));
+    if v.verbose {
+        o.push('\n');
+        o.push_str(&parameters_section(b));
+        o.push_str(&details_section(b));
+    } else {
+        o.push_str(&wrap(
+            "more: --verbose (parameters, breakdown, phases, allocator, per block), --inventory \
+             (every op), --timeline, --plot FILE.svg",
+            w,
+            2,
+        ));
+    }
+    if v.inventory {
+        o.push_str(&inventory_section(b));
+    }
+    fit_lines(&o, w)
+}
+
+/// Every line of `text` longer than `width` wrapped at spaces (continuations indented by two
+/// spaces more than the line's own indent); tables and short lines pass unchanged.
+pub fn fit_lines(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        if line.chars().count() <= width {
+            out.push_str(line);
+            out.push('\n');
+        } else {
+            let indent = line.len() - line.trim_start().len();
+            out.push_str(&" ".repeat(indent));
+            out.push_str(&wrap(line.trim_start(), width - indent.min(width / 2), indent + 2));
+        }
+    }
+    out
+}
+
+/// The changes from `base` to `s` as short tags ("recompute 22/57", "nf4 base", "8-bit AdamW"),
+/// for tables and plot labels; the planner's own words (`Candidate::changes`) are the long form.
+pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
+    use ditmem_budget::Recompute;
+    let (b, r) = (&base.recipe, &s.recipe);
+    let mut out = Vec::new();
+    if b.precision != r.precision {
+        out.push(r.precision.to_string());
+    }
+    if b.recompute != r.recompute {
+        out.push(match &r.recompute {
+            Recompute::All => "recompute all".into(),
+            Recompute::None => "no recompute".into(),
+            Recompute::AttentionOnly => "recompute attention".into(),
+            Recompute::Blocks(v) => format!("recompute {}/{}", v.len(), s.model.depth),
+            other => format!("recompute {other}"),
+        });
+    }
+    if b.attention != r.attention {
+        out.push(format!("{} attention", r.attention.name()));
+    }
+    let (bw, w) = (&base.workload, &s.workload);
+    if bw.microbatch != w.microbatch || bw.accumulation != w.accumulation {
+        out.push(format!("micro {} × acc {}", w.microbatch, w.accumulation));
+    }
+    if b.latents != r.latents {
+        out.push("cached latents".into());
+    }
+    if b.text_encoders != r.text_encoders {
+        out.push(format!("text encoders {}", r.text_encoders.name()));
+    }
+    if b.lora != r.lora {
+        match &r.lora {
+            Some(l) => out.push(format!("LoRA r{}", l.rank)),
+            None => out.push("no LoRA".into()),
+        }
+    }
+    if b.base_quant != r.base_quant {
+        out.push(format!("{} base", r.base_quant.name()));
+    }
+    if b.optimizer != r.optimizer {
+        out.push(match r.optimizer {
+            ditmem_budget::Optimizer::AdamW8bit => "8-bit AdamW".into(),
+            o => o.name().to_string(),
+        });
+    }
+    if b.zero_stage != r.zero_stage || b.sharder != r.sharder || b.offload != r.offload {
+        out.push(ditmem_budget::Scheme::of(s).describe());
+    }
+    let conf = |x: &Spec| x.cuda.as_ref().map(|c| c.alloc_conf.clone()).unwrap_or_default();
+    if conf(base) != conf(s) {
+        out.push(if conf(s).contains("expandable_segments:True") {
+            "expandable segments".into()
+        } else {
+            format!("alloc {}", conf(s))
+        });
+    }
+    out
+}
+
+/// The `ditmem` flags that turn `base` into `s` (what to add to the command line to estimate or
+/// run the plan; `--out` writes the whole spec).
+pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
+    let (b, r) = (&base.recipe, &s.recipe);
+    let mut out = Vec::new();
+    if b.precision != r.precision {
+        out.push(format!("--precision {}", r.precision));
+    }
+    if b.recompute != r.recompute {
+        out.push(format!("--recompute {}", r.recompute));
+    }
+    if b.attention != r.attention {
+        out.push(format!("--attention {}", r.attention.name()));
+    }
+    let (bw, w) = (&base.workload, &s.workload);
+    if bw.microbatch != w.microbatch || bw.accumulation != w.accumulation {
+        out.push(format!(
+            "--microbatch {} --accumulation {}",
+            w.microbatch, w.accumulation
+        ));
+    }
+    if b.latents != r.latents {
+        out.push("--latents cached".into());
+    }
+    if b.text_encoders != r.text_encoders {
+        out.push(format!("--text-encoders {}", r.text_encoders.name()));
+    }
+    if b.lora != r.lora {
+        out.push(format!("--lora-rank {}", r.lora.as_ref().map_or(0, |l| l.rank)));
+    }
+    if b.base_quant != r.base_quant {
+        out.push(format!("--base-quant {}", r.base_quant.name()));
+    }
+    if b.optimizer != r.optimizer {
+        out.push(format!("--optimizer {}", r.optimizer.name()));
+    }
+    if b.zero_stage != r.zero_stage {
+        out.push(format!("--zero {}", r.zero_stage));
+    }
+    if b.sharder != r.sharder {
+        out.push(format!("--sharder {}", r.sharder));
+    }
+    if b.offload != r.offload {
+        out.push(format!("--offload {}", r.offload));
+    }
+    let conf = |x: &Spec| x.cuda.as_ref().map(|c| c.alloc_conf.clone()).unwrap_or_default();
+    if conf(base) != conf(s) {
+        out.push(format!("--alloc-conf {}", conf(s)));
+    }
+    out
+}
+
+/// At most `lines` lines of `text` wrapped to `width`: its clauses ("; "-separated) in order,
+/// each kept when it still fits, with `more` appended when any was left out.
+pub fn wrap_at_most(text: &str, width: usize, indent: usize, lines: usize, more: &str) -> String {
+    let whole = wrap(text, width, indent);
+    if whole.lines().count() <= lines {
+        return whole;
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    for clause in text.split("; ") {
+        kept.push(clause);
+        let trial = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
+        if trial.lines().count() > lines && kept.len() > 1 {
+            kept.pop();
+        }
+    }
+    let cut = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
+    if cut.lines().count() <= lines {
+        return cut;
+    }
+    // The first clause alone is longer than the lines: cut it by characters.
+    let budget = (lines * width.saturating_sub(indent)).saturating_sub(more.chars().count() + 2);
+    let head: String = text.chars().take(budget).collect();
+    wrap(&format!("{head}… {more}"), width, indent)
 }
 
 #[cfg(test)]

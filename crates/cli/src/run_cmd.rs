@@ -261,7 +261,7 @@ pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     if args.json {
         crate::output::print_json(&report)?;
     } else {
-        print!("{}", render_run(&report));
+        crate::output::say(&render_run(&report))?;
     }
     Ok(())
 }

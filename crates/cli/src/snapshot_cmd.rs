@@ -92,7 +92,7 @@ pub fn run(
     if json {
         crate::output::print_json(&report)?;
     } else {
-        print!("{}", render(&budget, &shown, &snap, &cmp));
+        crate::output::say(&render(&budget, &shown, &snap, &cmp))?;
     }
     Ok(())
 }

@@ -6,12 +6,10 @@
 //! that cannot be read or was computed for another spec or other seeds), 3 when the predicted
 //! memory or the reference file's size does not fit (checked before any work).
 
-use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
 use clap::Args;
 use ditmem_budget::{Spec, SpecError};
 use ditmem_engine::verify::{
@@ -401,26 +399,22 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
             report: &report,
         })?;
     } else {
-        print!(
-            "{}",
-            render(
-                &report,
-                &base,
-                &source,
-                &conditions,
-                elapsed,
-                &plan,
-                args.tensors
-            )
-        );
+        crate::output::say(&render(
+            &report,
+            &base,
+            &source,
+            &conditions,
+            elapsed,
+            &plan,
+            args.tensors,
+        ))?;
     }
     if !report.ok() {
-        std::io::stdout().flush().context("writing to stdout")?;
-        eprintln!(
-            "ditmem: verification failed: {} of {} variants fail",
+        crate::output::note(&format!(
+            "ditmem: verification failed: {} of {} variants fail\n",
             report.failed,
             report.variants.len()
-        );
+        ));
         std::process::exit(i32::from(EXIT_FAILED));
     }
     Ok(())
