@@ -13,8 +13,8 @@ use crate::error::SpecError;
 use crate::estimate::{estimate, Budget};
 use crate::plan::PLAN_LORA_RANK;
 use crate::spec::{
-    AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
-    TextEncoders, TorchDevice,
+    AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec, TextEncoders,
+    TorchDevice,
 };
 
 /// One single-flag change and what it does to the step.

@@ -361,7 +361,10 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
     if args.json {
         crate::output::print_json(&report)?;
     } else {
-        crate::output::say(&format!("ditmem compare --runtime pytorch — {}\n", spec_line(spec)))?;
+        crate::output::say(&format!(
+            "ditmem compare --runtime pytorch — {}\n",
+            spec_line(spec)
+        ))?;
         crate::output::say(&format!("recipe: {}\n", recipe_line(spec)))?;
         let mut t = Table::new(&["", "predicted", "measured (PyTorch)", "error"]);
         t.row(vec![
@@ -468,7 +471,8 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         for &(_, name, part) in &split {
             if !part.is_empty() && part.len() < results.len() {
                 let s = agree::summarize(part);
-                crate::output::say(&format!("{name}: {} specs, max {:.3} % ({}), median {:.3} %\n",
+                crate::output::say(&format!(
+                    "{name}: {} specs, max {:.3} % ({}), median {:.3} %\n",
                     s.specs,
                     100.0 * s.max_abs_rel_error,
                     s.worst,
@@ -476,7 +480,8 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
                 ))?;
             }
         }
-        crate::output::say(&format!("{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %\n",
+        crate::output::say(&format!(
+            "{} specs: max |pred/meas − 1| = {:.3} % ({}), median {:.3} %\n",
             summary.specs,
             100.0 * summary.max_abs_rel_error,
             summary.worst,

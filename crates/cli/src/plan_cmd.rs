@@ -627,9 +627,16 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         }
     }
     if !p.feasible {
+        // The report (or the JSON) above holds the reason; the error line says it short.
         return Err(CliError::Refused(format!(
-            "the budget is infeasible: {}",
-            p.reason
+            "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}",
+            fmt_bytes(p.usable_bytes),
+            fmt_bytes(p.predicted_peak_bytes),
+            if args.json {
+                "; the JSON's reason says why"
+            } else {
+                "; why: above"
+            }
         )));
     }
     if let Some(path) = &args.out {

@@ -141,7 +141,7 @@ pub fn spec_line(spec: &Spec) -> String {
         String::new()
     };
     format!(
-        "{} at {frames}{}×{} ({} tokens), {}",
+        "{} {frames}{}×{} ({} tokens), {}",
         spec.model.name,
         w.height,
         w.width,
@@ -154,7 +154,10 @@ pub fn spec_line(spec: &Spec) -> String {
 /// accumulation 8".
 pub fn batch_words(w: &ditmem_budget::Workload) -> String {
     let per_rank = if w.accumulation > 1 {
-        format!("microbatch {} × accumulation {}", w.microbatch, w.accumulation)
+        format!(
+            "microbatch {} × accumulation {}",
+            w.microbatch, w.accumulation
+        )
     } else {
         format!("{}", w.microbatch)
     };
@@ -560,7 +563,23 @@ pub fn wrap(text: &str, width: usize, indent: usize) -> String {
     let mut out = String::new();
     let mut line = String::new();
     let mut cols = 0usize;
+    // A number and its unit stay on one line ("16.6 GiB", "30 %").
+    let mut words: Vec<String> = Vec::new();
     for word in text.split(' ').filter(|w| !w.is_empty()) {
+        let unit = matches!(
+            word.trim_end_matches([',', ';', ')', ':', '.']),
+            "B" | "KiB" | "MiB" | "GiB" | "TiB" | "%" | "s" | "ms"
+        );
+        match words.last_mut() {
+            Some(prev) if unit && prev.ends_with(|c: char| c.is_ascii_digit()) => {
+                prev.push(' ');
+                prev.push_str(word);
+            }
+            _ => words.push(word.to_string()),
+        }
+    }
+    for word in &words {
+        let word = word.as_str();
         let n = word.chars().count();
         if cols > 0 && cols + 1 + n > width {
             out.push_str(line.trim_end());
@@ -694,8 +713,10 @@ fn fit_line(b: &Budget) -> String {
                 .filter(|g| !bf16 || g.dtypes().bf16)
                 .collect();
             cards.sort_by_key(|g| g.capacity_bytes());
-            let (yes, no): (Vec<&ditmem_budget::gpu::Gpu>, Vec<&ditmem_budget::gpu::Gpu>) =
-                cards.iter().copied().partition(|g| need <= g.allocator_bytes());
+            let (yes, no): (Vec<&ditmem_budget::gpu::Gpu>, Vec<&ditmem_budget::gpu::Gpu>) = cards
+                .iter()
+                .copied()
+                .partition(|g| need <= g.allocator_bytes());
             let skipped = if bf16 { " with bf16" } else { "" };
             match (yes.first(), no.last()) {
                 (Some(small), Some(big)) => format!(
@@ -797,16 +818,29 @@ fn change_line(b: &Budget, levers: &[ditmem_budget::levers::Lever], width: usize
     if fits == Some(true) {
         return match levers.iter().min_by_key(|l| l.need_bytes) {
             Some(l) => fitted(
-                format!("change: none needed; the most memory back: {} ({})", lever_words(l), l.change),
-                format!("change: none needed; the most memory back: {}", lever_words(l)),
+                format!(
+                    "change: none needed; the most memory back: {} ({})",
+                    lever_words(l),
+                    l.change
+                ),
+                format!(
+                    "change: none needed; the most memory back: {}",
+                    lever_words(l)
+                ),
             ),
             None => "change: none needed".into(),
         };
     }
     match levers.first() {
         Some(l) if l.fits == Some(false) => fitted(
-            format!("change: no one flag is enough; the most: {}; {plan_hint} combines", lever_words(l)),
-            format!("change: no one flag is enough; the most: {}", lever_words(l)),
+            format!(
+                "change: no one flag is enough; the most: {}; {plan_hint} combines",
+                lever_words(l)
+            ),
+            format!(
+                "change: no one flag is enough; the most: {}",
+                lever_words(l)
+            ),
         ),
         Some(l) => fitted(
             format!("change: {} ({})", lever_words(l), l.change),
@@ -837,11 +871,7 @@ pub fn estimate_report(v: &EstimateView<'_>) -> String {
     ));
     o.push_str(&wrap(&fit_line(b), w, 2));
     o.push_str(&wrap(&peak_line(b), w, 2));
-    o.push_str(&wrap(
-        &format!("biggest: {}", top_contributors(b)),
-        w,
-        2,
-    ));
+    o.push_str(&wrap(&format!("biggest: {}", top_contributors(b)), w, 2));
     o.push_str(&wrap(&change_line(b, v.levers, w), w, 2));
     if let Some(oom) = b.cuda.as_ref().and_then(|c| c.oom) {
         o.push('\n');
@@ -911,7 +941,11 @@ pub fn fit_lines(text: &str, width: usize) -> String {
         } else {
             let indent = line.len() - line.trim_start().len();
             out.push_str(&" ".repeat(indent));
-            out.push_str(&wrap(line.trim_start(), width - indent.min(width / 2), indent + 2));
+            out.push_str(&wrap(
+                line.trim_start(),
+                width - indent.min(width / 2),
+                indent + 2,
+            ));
         }
     }
     out
@@ -966,7 +1000,12 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
     if b.zero_stage != r.zero_stage || b.sharder != r.sharder || b.offload != r.offload {
         out.push(ditmem_budget::Scheme::of(s).describe());
     }
-    let conf = |x: &Spec| x.cuda.as_ref().map(|c| c.alloc_conf.clone()).unwrap_or_default();
+    let conf = |x: &Spec| {
+        x.cuda
+            .as_ref()
+            .map(|c| c.alloc_conf.clone())
+            .unwrap_or_default()
+    };
     if conf(base) != conf(s) {
         out.push(if conf(s).contains("expandable_segments:True") {
             "expandable segments".into()
@@ -1005,7 +1044,10 @@ pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
         out.push(format!("--text-encoders {}", r.text_encoders.name()));
     }
     if b.lora != r.lora {
-        out.push(format!("--lora-rank {}", r.lora.as_ref().map_or(0, |l| l.rank)));
+        out.push(format!(
+            "--lora-rank {}",
+            r.lora.as_ref().map_or(0, |l| l.rank)
+        ));
     }
     if b.base_quant != r.base_quant {
         out.push(format!("--base-quant {}", r.base_quant.name()));
@@ -1022,7 +1064,12 @@ pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
     if b.offload != r.offload {
         out.push(format!("--offload {}", r.offload));
     }
-    let conf = |x: &Spec| x.cuda.as_ref().map(|c| c.alloc_conf.clone()).unwrap_or_default();
+    let conf = |x: &Spec| {
+        x.cuda
+            .as_ref()
+            .map(|c| c.alloc_conf.clone())
+            .unwrap_or_default()
+    };
     if conf(base) != conf(s) {
         out.push(format!("--alloc-conf {}", conf(s)));
     }
@@ -1048,10 +1095,18 @@ pub fn wrap_at_most(text: &str, width: usize, indent: usize, lines: usize, more:
     if cut.lines().count() <= lines {
         return cut;
     }
-    // The first clause alone is longer than the lines: cut it by characters.
-    let budget = (lines * width.saturating_sub(indent)).saturating_sub(more.chars().count() + 2);
-    let head: String = text.chars().take(budget).collect();
-    wrap(&format!("{head}… {more}"), width, indent)
+    // The first clause alone is longer than the lines: cut it by characters, shorter until
+    // the wrapped cut fits (wrapping at spaces wastes the ends of lines).
+    let mut budget =
+        (lines * width.saturating_sub(indent)).saturating_sub(more.chars().count() + 2);
+    loop {
+        let head: String = text.chars().take(budget).collect();
+        let cut = wrap(&format!("{}… {more}", head.trim_end()), width, indent);
+        if cut.lines().count() <= lines || budget < 10 {
+            return cut;
+        }
+        budget -= 10;
+    }
 }
 
 #[cfg(test)]

@@ -44,7 +44,11 @@ fn default_estimate_has_the_documented_json_fields() {
 fn no_arguments_runs_the_default_estimate() {
     let (code, out, _) = ditmem(&[]);
     assert_eq!(code, 0);
-    assert!(out.contains("DiT-XL/2 at 256×256 (256 tokens)"));
+    assert!(out.contains("DiT-XL/2 256×256 (256 tokens)"));
+    // The comparison with the rule of thumb is a detail: --verbose.
+    assert!(!out.contains("weights × 4"));
+    let (code, out, _) = ditmem(&["estimate", "--verbose"]);
+    assert_eq!(code, 0);
     assert!(out.contains("weights × 4"));
 }
 
