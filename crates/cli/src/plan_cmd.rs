@@ -359,9 +359,9 @@ fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) ->
             format!("{} points", p.pareto.len())
         } else {
             format!(
-                "{} of {} points, spread evenly; --json lists all",
-                shown.len(),
-                p.pareto.len()
+                "{} points, {} of them shown, spread evenly; --json lists all",
+                p.pareto.len(),
+                shown.len()
             )
         }
     ));
@@ -629,9 +629,15 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     if !p.feasible {
         // The report (or the JSON) above holds the reason; the error line says it short.
         return Err(CliError::Refused(format!(
-            "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}",
+            "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}{}",
             fmt_bytes(p.usable_bytes),
             fmt_bytes(p.predicted_peak_bytes),
+            // What to try next, when the reason names it.
+            p.reason
+                .split("; ")
+                .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
+                .map(|c| format!("; {c}"))
+                .collect::<String>(),
             if args.json {
                 "; the JSON's reason says why"
             } else {

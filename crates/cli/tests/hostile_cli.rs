@@ -642,6 +642,7 @@ fn sizes_that_exhausted_memory_are_refused_or_budgeted_in_bounded_memory() {
         "1",
         "--accumulation",
         "100000",
+        "--verbose",
     ]);
     assert_eq!(c, 0);
     assert!(

@@ -94,7 +94,7 @@ fn infeasible_budget_exits_3_with_the_floor() {
     // The human form says it too, on stderr with the floor.
     let (code, _, err) = ditmem(&["plan", "--config", &cfg, "--budget", "64KiB"]);
     assert_eq!(code, 3);
-    assert!(err.contains("smallest peak"), "{err}");
+    assert!(err.contains("the smallest found needs"), "{err}");
     std::fs::remove_dir_all(&d).ok();
 }
 
