@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::args::SpecArgs;
 use crate::flags::{fmt_float, show};
 use crate::output::{print_json, write_output};
-use crate::plot::{line_chart, LineChart, Marker, Note, Series};
+use crate::plot::{pareto_chart, FrontPoint, ParetoChart, Rule};
 use crate::render::{pct, recipe_line, spec_line, Table};
 use crate::CliError;
 
@@ -328,79 +328,143 @@ fn thin(front: &[ditmem_budget::Candidate], n: usize) -> Vec<&ditmem_budget::Can
     idx.into_iter().map(|i| &front[i]).collect()
 }
 
+/// A change of the plan's description (`plan::describe_changes`) in a few words, for a point's
+/// label: "recompute all", "recompute 14/28", "mb 16×acc 2", "8-bit Adam", "LoRA r16".
+fn short_change(c: &str) -> String {
+    let words: Vec<&str> = c.split_whitespace().collect();
+    let after_arrow = || c.split(" → ").nth(1).unwrap_or(c).to_string();
+    match words.as_slice() {
+        ["recompute", "all", ..] => "recompute all".into(),
+        ["recompute", "nothing"] => "no recompute".into(),
+        ["recompute", "the", "attention", ..] => "recompute attention".into(),
+        ["recompute", "the", "first", k, "of", n, ..] | ["recompute", k, "of", n, ..] => {
+            format!("recompute {k}/{n}")
+        }
+        ["precision", ..] => after_arrow(),
+        ["attention", ..] => match after_arrow().as_str() {
+            "memory-efficient" => "mem-efficient attention".into(),
+            other => format!("{other} attention"),
+        },
+        ["microbatch", _, "→", m, "with", "accumulation", a] => format!("mb {m}×acc {a}"),
+        ["cache", "the", "latents", ..] => "cached latents".into(),
+        ["LoRA", "rank", r, ..] => format!("LoRA r{r}"),
+        ["base", "stored", q, ..] => format!("{q} base"),
+        ["optimizer", ..] => match after_arrow().as_str() {
+            "adamw-8bit" => "8-bit Adam".into(),
+            other => other.to_string(),
+        },
+        ["ZeRO", "stage", s, ..] => format!("ZeRO-{s}"),
+        _ if c.contains("expandable_segments:True") => "expandable segments".into(),
+        _ => c.split(" (").next().unwrap_or(c).to_string(),
+    }
+}
+
+/// Each point's changes in few words, less those every point of the front shares (returned
+/// apart, said once above the chart).
+fn point_names(front: &[ditmem_budget::Candidate]) -> (Vec<String>, Vec<String>) {
+    let short: Vec<Vec<String>> = front
+        .iter()
+        .map(|c| c.changes.iter().map(|x| short_change(x)).collect())
+        .collect();
+    let common: Vec<String> = match short.first() {
+        Some(first) if front.len() > 1 => first
+            .iter()
+            .filter(|x| short.iter().all(|s| s.contains(x)))
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
+    };
+    let names = short
+        .iter()
+        .map(|s| {
+            let rest: Vec<&str> = s
+                .iter()
+                .filter(|x| !common.contains(x))
+                .map(String::as_str)
+                .collect();
+            match (rest.is_empty(), s.is_empty()) {
+                (_, true) => "base recipe".to_string(),
+                (true, false) => format!("{} only", common.join(", ")),
+                _ => rest.join(", "),
+            }
+        })
+        .collect();
+    (names, common)
+}
+
 fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let points: Vec<(f64, f64)> = p
+    let slowest = p
         .pareto
         .iter()
-        .map(|c| (gib(c.peak_bytes), c.time.total_s))
-        .collect();
-    let at = |c: &&ditmem_budget::Candidate| (gib(c.peak_bytes), c.time.total_s);
-    let fit: Vec<(f64, f64)> = p
-        .pareto
-        .iter()
-        .filter(|c| c.peak_bytes <= p.usable_bytes)
-        .map(|c| at(&c))
-        .collect();
-    let no_fit: Vec<(f64, f64)> = p
-        .pareto
-        .iter()
-        .filter(|c| c.peak_bytes > p.usable_bytes)
-        .map(|c| at(&c))
-        .collect();
-    let chart = LineChart {
-        title: format!(
-            "{}: peak vs predicted step time ({})",
-            p.plan.model.name, p.profile.name
-        ),
-        x_desc: "predicted peak (GiB)".into(),
-        y_desc: "predicted step time (s)".into(),
-        series: vec![
-            Series {
-                name: "Pareto front".into(),
-                points,
-                markers: false,
-                line: true,
-            },
-            // Red for what does not fit, green for what does (the palette's second and third).
-            Series {
-                name: "does not fit".into(),
-                points: no_fit,
-                markers: true,
-                line: false,
-            },
-            Series {
-                name: "fits the usable budget".into(),
-                points: fit,
-                markers: true,
-                line: false,
-            },
-        ],
-        markers: vec![
-            Marker {
-                x: gib(p.usable_bytes),
-                label: "usable".into(),
-            },
-            Marker {
-                x: gib(p.budget_bytes),
-                label: "budget".into(),
-            },
-        ],
-        notes: vec![
-            Note {
-                x: gib(p.base_peak_bytes),
-                y: p.base_step_time_s,
-                label: "base".into(),
-            },
-            Note {
-                x: gib(p.predicted_peak_bytes),
-                y: p.predicted_step_time_s,
-                label: if p.feasible { "plan" } else { "floor" }.into(),
-            },
-        ],
-        log_y: false,
+        .map(|c| c.time.total_s)
+        .chain([p.base_step_time_s, p.predicted_step_time_s])
+        .fold(0.0, f64::max);
+    let (ts, tu) = if slowest < 1.0 {
+        (1e3, "ms")
+    } else {
+        (1.0, "s")
     };
-    line_chart(&chart, (900, 560))
+    let (names, common) = point_names(&p.pareto);
+    let front = p
+        .pareto
+        .iter()
+        .zip(names)
+        .map(|(c, label)| FrontPoint {
+            x: gib(c.peak_bytes),
+            y: c.time.total_s * ts,
+            label,
+            fits: c.peak_bytes <= p.usable_bytes,
+        })
+        .collect();
+    let device = p.profile.name.split(" (").next().unwrap_or("").to_string();
+    let mut subtitles = vec![format!(
+        "each point named by its change from the base recipe; times: {}",
+        p.profile.name
+    )];
+    if !common.is_empty() {
+        subtitles.push(format!("every point also: {}", common.join(", ")));
+    }
+    let mut rules = vec![Rule {
+        at: gib(p.usable_bytes),
+        label: format!(
+            "usable {} ({:.0} % headroom)",
+            fmt_bytes(p.usable_bytes),
+            100.0 * p.headroom
+        ),
+        color: "#2e7d32",
+    }];
+    if p.budget_bytes != p.usable_bytes {
+        rules.push(Rule {
+            at: gib(p.budget_bytes),
+            label: format!("budget {}", fmt_bytes(p.budget_bytes)),
+            color: "#b22222",
+        });
+    }
+    let chart = ParetoChart {
+        title: format!(
+            "{}: predicted peak against step time, the recipes that trade one for the other",
+            p.plan.model.name
+        ),
+        subtitles,
+        x_desc: "predicted peak (GiB)".into(),
+        y_desc: format!("predicted step time ({tu}, {device})"),
+        front,
+        rules,
+        marks: vec![
+            (
+                gib(p.predicted_peak_bytes),
+                p.predicted_step_time_s * ts,
+                if p.feasible { "plan" } else { "floor" }.into(),
+            ),
+            (
+                gib(p.base_peak_bytes),
+                p.base_step_time_s * ts,
+                "base".into(),
+            ),
+        ],
+    };
+    Ok(pareto_chart(&chart))
 }
 
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
