@@ -312,7 +312,10 @@ pub fn timeline_svg(
                 ));
             }
         }
-        ("measured (engine, at boundaries)".to_string(), pts)
+        (
+            "measured at boundaries (engine; drawn at their predicted time)".to_string(),
+            pts,
+        )
     });
     let fill = |p: Phase| match p {
         Phase::Encode => "#f1ecf9",
@@ -360,7 +363,7 @@ pub fn timeline_svg(
     }
     let title = match measured {
         Some((_, a)) => format!(
-            "Live bytes over one step: predicted vs measured ({:+.2} % at the peak)",
+            "Live bytes over one step: predicted vs measured ({:+.3} % at the peak)",
             100.0 * a.rel_error
         ),
         None => format!("Live bytes over one step, predicted ({})", b.runtime),

@@ -931,10 +931,11 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
     c.data_points(&px);
     if let Some((_, m)) = &t.measured {
         let pm: Vec<(f64, f64)> = m.iter().map(|&(x, y)| (xs.at(x), ys.at(y))).collect();
-        polyline(&mut c, &pm, ORANGE, 1.2);
+        // Markers only: boundaries are sparse in places (none inside the optimizer), and a line
+        // between them would draw a curve nobody measured.
         for &(x, y) in &pm {
             c.raw(&format!(
-                "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"3\" fill=\"{ORANGE}\"/>"
+                "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"3\" fill=\"{ORANGE}\" fill-opacity=\"0.85\"/>"
             ));
         }
         c.data_points(&pm);
@@ -1031,25 +1032,24 @@ fn bar(c: &mut Canvas, t: &TimelineChart, ys: &Scale, area: &Rect) {
         let (name, v, ymid, col) = segs[i];
         let share = if total > 0.0 { 100.0 * v / total } else { 0.0 };
         let label = format!("{name} {v:.1} ({share:.0} %)");
-        let label = shorten(&label, size, within.x1 - within.x0 - 14.0);
-        let mut cands = vec![(8.0, 4.0, Anchor::Start)];
+        let label = shorten(&label, size, within.x1 - within.x0 - 22.0);
+        let mut cands = vec![(16.0, 4.0, Anchor::Start)];
         for k in 1..40 {
             let d = k as f64 * step / 2.0;
-            cands.push((14.0, 4.0 - d, Anchor::Start));
-            cands.push((14.0, 4.0 + d, Anchor::Start));
+            cands.push((22.0, 4.0 - d, Anchor::Start));
+            cands.push((22.0, 4.0 + d, Anchor::Start));
         }
         if let Some(b) = c.place(bx1, ymid, &cands, size, &label, &within, "fill=\"#222\"") {
             let sy = (b.y0 + b.y1) / 2.0;
             c.raw(&format!(
-                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"3\" height=\"{:.1}\" fill=\"{col}\"/>",
-                b.x0 - 5.0,
-                b.y0 + 1.0,
-                (b.y1 - b.y0 - 2.0).max(1.0)
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"8\" height=\"8\" fill=\"{col}\"/>",
+                b.x0 - 10.0,
+                sy - 4.0
             ));
             if (sy - ymid).abs() > 3.0 {
                 c.raw(&format!(
                     "<line x1=\"{bx1:.1}\" y1=\"{ymid:.1}\" x2=\"{:.1}\" y2=\"{sy:.1}\" stroke=\"#aaa\" stroke-width=\"0.8\"/>",
-                    b.x0 - 6.0
+                    b.x0 - 11.0
                 ));
             }
         }
