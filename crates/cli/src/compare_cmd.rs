@@ -222,8 +222,9 @@ pub fn event_times(
     let dur = |p: Phase| match p {
         Phase::Start => 0.0,
         Phase::Encode => time.encode_s / acc,
-        Phase::Forward => (time.forward_s + time.overhead_s) / acc,
-        Phase::Backward => (time.backward_s + time.recompute_s) / acc,
+        // The launch overhead is per forward and backward pass: half to each.
+        Phase::Forward => (time.forward_s + time.overhead_s / 2.0) / acc,
+        Phase::Backward => (time.backward_s + time.recompute_s + time.overhead_s / 2.0) / acc,
         Phase::Optimizer => time.optimizer_s + time.communication_s,
     };
     // A phase the model gives no time still gets a sliver, so its events do not stack.

@@ -383,7 +383,8 @@ fn point_names(front: &[ditmem_budget::Candidate]) -> (Vec<String>, Vec<String>)
                 .map(String::as_str)
                 .collect();
             match (rest.is_empty(), s.is_empty()) {
-                (_, true) => "base recipe".to_string(),
+                // The base itself: marked and named "base" on the chart.
+                (_, true) => String::new(),
                 (true, false) => format!("{} only", common.join(", ")),
                 _ => rest.join(", "),
             }

@@ -514,6 +514,22 @@ impl Canvas {
         within: &Rect,
         style: &str,
     ) -> Option<Rect> {
+        self.place_with(x, y, cands, size, text, within, style, true)
+    }
+
+    /// [`Canvas::place`], with or without its leader line.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place_with(
+        &mut self,
+        x: f64,
+        y: f64,
+        cands: &[(f64, f64, Anchor)],
+        size: f64,
+        text: &str,
+        within: &Rect,
+        style: &str,
+        leader: bool,
+    ) -> Option<Rect> {
         let boxes: Vec<(f64, f64, Anchor, Rect)> = cands
             .iter()
             .map(|&(dx, dy, a)| (x + dx, y + dy, a, text_box(x + dx, y + dy, size, a, text)))
@@ -527,7 +543,7 @@ impl Canvas {
             .copied();
         let (tx, ty, a, b) = pick?;
         let far = (ty - y).abs() > 3.0 * size;
-        if far {
+        if far && leader {
             let ly = if ty < y { b.y1 } else { b.y0 };
             let lx = x.clamp(b.x0, b.x1);
             self.raw(&format!(
@@ -711,6 +727,7 @@ fn heading(c: &mut Canvas, title: &str, subtitles: &[String]) -> f64 {
 pub enum Swatch {
     Line(&'static str),
     Dot(&'static str),
+    Ring,
 }
 
 /// A legend in one row (wrapping onto more when it does not fit) from (x, y); returns the y of
@@ -729,6 +746,10 @@ fn legend(c: &mut Canvas, x: f64, mut y: f64, right: f64, items: &[(Swatch, Stri
             Swatch::Line(col) => c.raw(&format!(
                 "<line x1=\"{cx:.1}\" y1=\"{sy:.1}\" x2=\"{:.1}\" y2=\"{sy:.1}\" stroke=\"{col}\" stroke-width=\"2.5\"/>",
                 cx + 18.0
+            )),
+            Swatch::Ring => c.raw(&format!(
+                "<circle cx=\"{:.1}\" cy=\"{sy:.1}\" r=\"5\" fill=\"none\" stroke=\"black\" stroke-width=\"2\"/>",
+                cx + 9.0
             )),
             Swatch::Dot(col) => c.raw(&format!(
                 "<circle cx=\"{:.1}\" cy=\"{sy:.1}\" r=\"4\" fill=\"{col}\"/>",
@@ -828,6 +849,9 @@ pub struct TimelineChart {
     pub bar_title: String,
 }
 
+/// A rule more than this many times the data's top is not drawn to scale (see [`timeline_chart`]).
+pub const OFF_CHART: f64 = 4.0;
+
 pub const BLUE: &str = "#1f77b4";
 pub const RED: &str = "#d62728";
 pub const GREEN: &str = "#2ca02c";
@@ -850,7 +874,7 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
     let bar_w = if t.bar.is_empty() { 0.0 } else { 290.0 };
     // Phase names in a strip above the plot area, the y title above its ticks.
     let strip = ly + 22.0;
-    let area = Rect::new(64.0, strip + 10.0, w - 16.0 - bar_w, h - 46.0);
+    let area = Rect::new(76.0, strip + 10.0, w - 16.0 - bar_w, h - 46.0);
     let (mut x0, mut x1) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut ymax: f64 = 0.0;
     let all = t
@@ -868,7 +892,13 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
         x0 = x0.min(s.t0);
         x1 = x1.max(s.t1);
     }
-    for r in &t.rules {
+    // A line far above the data (an 80 GiB card under a 1 GiB step) would flatten the curve
+    // to the axis: such lines are said in words at the top instead.
+    let (on, above): (Vec<&Rule>, Vec<&Rule>) = t
+        .rules
+        .iter()
+        .partition(|r| ymax <= 0.0 || r.at <= OFF_CHART * ymax);
+    for r in &on {
         ymax = ymax.max(r.at);
     }
     if !x0.is_finite() || x1 <= x0 {
@@ -959,7 +989,31 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             "fill=\"#111\"",
         );
     }
-    for r in &t.rules {
+    if !above.is_empty() {
+        let words: Vec<&str> = above
+            .iter()
+            .map(|r| r.label.split(" (").next().unwrap_or(&r.label))
+            .collect();
+        let note = format!("above this scale: {}", words.join("; "));
+        let note = shorten(&note, 11.0, inner.x1 - inner.x0 - 8.0);
+        let cands = [
+            (inner.x1 - 4.0, inner.y0 + 12.0, Anchor::End),
+            (inner.x1 - 4.0, inner.y0 + 28.0, Anchor::End),
+            (inner.x0 + 4.0, inner.y0 + 12.0, Anchor::Start),
+            (inner.x1 - 4.0, inner.y0 + 44.0, Anchor::End),
+        ];
+        c.place_with(
+            0.0,
+            0.0,
+            &cands,
+            11.0,
+            &note,
+            &inner,
+            "fill=\"#b22222\"",
+            false,
+        );
+    }
+    for r in &on {
         let y = ys.at(r.at);
         c.raw(&format!(
             "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"{}\" stroke-width=\"1.5\" stroke-dasharray=\"6 3\"/>",
@@ -978,7 +1032,7 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             (inner.x1, y + d + 14.0, Anchor::End),
         ]
         .map(|(x, yy, a)| (x, yy - y, a));
-        c.place(
+        c.place_with(
             0.0,
             y,
             &cands,
@@ -986,6 +1040,7 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             &label,
             &inner,
             &format!("fill=\"{}\"", r.color),
+            false,
         );
     }
     if !t.bar.is_empty() {
@@ -1023,35 +1078,63 @@ fn bar(c: &mut Canvas, t: &TimelineChart, ys: &Scale, area: &Rect) {
         bottom += v;
     }
     c.occupy(Rect::new(bx0, ys.at(bottom), bx1, ys.at(0.0)));
-    // Largest first, so the big ones sit beside their segment; small ones move up or down.
-    let mut order: Vec<usize> = (0..segs.len()).collect();
-    order.sort_by(|&a, &b| segs[b].1.total_cmp(&segs[a].1));
+    // Labels in the bar's order, each as near its segment's middle as the ones below it allow
+    // (a row apart), the column then shifted down if it ran out of the top; then each is
+    // placed there (or near, if that is taken).
     let size = 11.0;
-    let step = 14.0;
-    for i in order {
-        let (name, v, ymid, col) = segs[i];
+    let row = 15.0;
+    let (top, floor) = (within.y0 + ASCENT_EM * size, area.y1 + 4.0);
+    let mut ys_: Vec<f64> = Vec::new();
+    for (k, s) in segs.iter().enumerate() {
+        let want = (s.2 + 4.0).min(floor);
+        let y = if k == 0 {
+            want
+        } else {
+            want.min(ys_[k - 1] - row)
+        };
+        ys_.push(y);
+    }
+    if let Some(&last) = ys_.last() {
+        if last < top {
+            let shift = top - last;
+            for y in ys_.iter_mut() {
+                *y += shift;
+            }
+        }
+    }
+    let lx = bx1 + 26.0;
+    for (k, (name, v, ymid, col)) in segs.into_iter().enumerate() {
         let share = if total > 0.0 { 100.0 * v / total } else { 0.0 };
         let label = format!("{name} {v:.1} ({share:.0} %)");
-        let label = shorten(&label, size, within.x1 - within.x0 - 22.0);
-        let mut cands = vec![(16.0, 4.0, Anchor::Start)];
-        for k in 1..40 {
-            let d = k as f64 * step / 2.0;
-            cands.push((22.0, 4.0 - d, Anchor::Start));
-            cands.push((22.0, 4.0 + d, Anchor::Start));
+        let label = shorten(&label, size, within.x1 - lx);
+        let mut cands = vec![(lx - bx1, ys_[k] - ymid, Anchor::Start)];
+        for j in 1..20 {
+            let d = j as f64 * row / 2.0;
+            cands.push((lx - bx1, ys_[k] - ymid - d, Anchor::Start));
+            cands.push((lx - bx1, ys_[k] - ymid + d, Anchor::Start));
         }
-        if let Some(b) = c.place(bx1, ymid, &cands, size, &label, &within, "fill=\"#222\"") {
+        let placed = c.place_with(
+            bx1,
+            ymid,
+            &cands,
+            size,
+            &label,
+            &within,
+            "fill=\"#222\"",
+            false,
+        );
+        if let Some(b) = placed {
             let sy = (b.y0 + b.y1) / 2.0;
             c.raw(&format!(
                 "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"8\" height=\"8\" fill=\"{col}\"/>",
-                b.x0 - 10.0,
+                b.x0 - 11.0,
                 sy - 4.0
             ));
-            if (sy - ymid).abs() > 3.0 {
-                c.raw(&format!(
-                    "<line x1=\"{bx1:.1}\" y1=\"{ymid:.1}\" x2=\"{:.1}\" y2=\"{sy:.1}\" stroke=\"#aaa\" stroke-width=\"0.8\"/>",
-                    b.x0 - 11.0
-                ));
-            }
+            c.raw(&format!(
+                "<polyline points=\"{bx1:.1},{ymid:.1} {:.1},{ymid:.1} {:.1},{sy:.1}\" fill=\"none\" stroke=\"#aaa\" stroke-width=\"0.8\"/>",
+                bx1 + 5.0,
+                b.x0 - 14.0
+            ));
         }
     }
 }
@@ -1115,10 +1198,10 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
         (Swatch::Line(BLUE), "Pareto front".to_string()),
         (Swatch::Dot(GREEN), "fits the usable memory".to_string()),
         (Swatch::Dot(RED), "does not fit".to_string()),
-        (Swatch::Dot("#000"), "base and plan".to_string()),
+        (Swatch::Ring, "base and plan".to_string()),
     ];
     let ly = legend(&mut c, 12.0, top + 20.0, w - 12.0, &items);
-    let area = Rect::new(64.0, ly + 30.0, w - 20.0, h - 46.0);
+    let area = Rect::new(76.0, ly + 30.0, w - 20.0, h - 46.0);
     let xsv = p
         .front
         .iter()
@@ -1226,18 +1309,19 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
     for i in spread_order(p.front.len()) {
         let (x, y) = pts[i];
         let label = shorten(&p.front[i].label, 11.0, 300.0);
-        if label.is_empty()
-            || c.place(
-                x,
-                y,
-                &around(7.0, 11.0),
-                11.0,
-                &label,
-                &inner,
-                "fill=\"#333\"",
-            )
-            .is_none()
-        {
+        if label.is_empty() {
+            continue;
+        }
+        let placed = c.place(
+            x,
+            y,
+            &around(7.0, 11.0),
+            11.0,
+            &label,
+            &inner,
+            "fill=\"#333\"",
+        );
+        if placed.is_none() {
             unlabelled += 1;
         }
     }
