@@ -373,7 +373,15 @@ pub fn timeline_svg(
         spec_line(&b.spec),
         format!("recipe: {}", recipe_line(&b.spec)),
     ];
-    if let Some(c) = &b.cuda {
+    if let Some(o) = b.cuda.as_ref().and_then(|c| c.oom.as_ref()) {
+        subtitles.push(format!(
+            "simulated OOM: a {} request fails with {} allocated, {} reserved of {}; the curve is what the step would need",
+            fmt_bytes(o.rounded),
+            fmt_bytes(o.allocated),
+            fmt_bytes(o.reserved),
+            fmt_bytes(o.capacity)
+        ));
+    } else if let Some(c) = &b.cuda {
         subtitles.push(format!(
             "the device would show {} at the peak (CUDA context + max reserved {})",
             fmt_bytes(c.device_bytes),
