@@ -444,7 +444,7 @@ fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
     }
     let chart = ParetoChart {
         title: format!(
-            "{}: predicted peak against step time, the recipes that trade one for the other",
+            "{}: predicted peak against step time, recipe by recipe",
             p.plan.model.name
         ),
         subtitles,
