@@ -319,10 +319,10 @@ pub fn timeline_svg(
         )
     });
     let fill = |p: Phase| match p {
-        Phase::Encode => "#f1ecf9",
-        Phase::Forward => "#eaf2fb",
-        Phase::Backward => "#fdf0e2",
-        _ => "#e9f6ea",
+        Phase::Encode => "#e8dff5",
+        Phase::Forward => "#dce8f6",
+        Phase::Backward => "#fbe6cf",
+        _ => "#dcefdd",
     };
     let short = |p: Phase| match p {
         Phase::Encode => "enc",

@@ -728,6 +728,7 @@ pub enum Swatch {
     Line(&'static str),
     Dot(&'static str),
     Ring,
+    Block(&'static str),
 }
 
 /// A legend in one row (wrapping onto more when it does not fit) from (x, y); returns the y of
@@ -746,6 +747,10 @@ fn legend(c: &mut Canvas, x: f64, mut y: f64, right: f64, items: &[(Swatch, Stri
             Swatch::Line(col) => c.raw(&format!(
                 "<line x1=\"{cx:.1}\" y1=\"{sy:.1}\" x2=\"{:.1}\" y2=\"{sy:.1}\" stroke=\"{col}\" stroke-width=\"2.5\"/>",
                 cx + 18.0
+            )),
+            Swatch::Block(col) => c.raw(&format!(
+                "<rect x=\"{cx:.1}\" y=\"{:.1}\" width=\"18\" height=\"10\" fill=\"{col}\" stroke=\"#ccc\" stroke-width=\"0.5\"/>",
+                sy - 5.0
             )),
             Swatch::Ring => c.raw(&format!(
                 "<circle cx=\"{:.1}\" cy=\"{sy:.1}\" r=\"5\" fill=\"none\" stroke=\"black\" stroke-width=\"2\"/>",
@@ -868,6 +873,12 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
     let mut items = vec![(Swatch::Line(BLUE), t.predicted_name.clone())];
     if let Some((name, _)) = &t.measured {
         items.push((Swatch::Dot(ORANGE), name.clone()));
+    }
+    // The phases' shades, named once here (narrow spans have no room for a name).
+    for sp in &t.spans {
+        if !items.iter().any(|(_, n)| *n == sp.name) {
+            items.push((Swatch::Block(sp.fill), sp.name.clone()));
+        }
     }
     let top = heading(&mut c, &t.title, &t.subtitles);
     let ly = legend(&mut c, 12.0, top + 20.0, w - 12.0, &items);
