@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::args::SpecArgs;
 use crate::conditions::Conditions;
-use crate::plot::{line_chart, stacked_bar, LineChart, Marker, Note, Series};
+use crate::plot::{timeline_chart, Rule, Span, TimelineChart};
 use crate::render::{fmt_count, recipe_line, spec_line, Table};
 use crate::CliError;
 
@@ -184,110 +184,248 @@ fn render_compare(b: &Budget, r: &CompareReport) -> String {
     o
 }
 
-/// Both curves over the step (the measured one when there is a measurement), phases marked, the
-/// peak annotated, and the categories at the peak as a stacked bar.
+/// Where a timeline's times come from: the device the spec runs on (a CUDA spec on its GPU, an
+/// A100 80 GB when it names none; the engine on this project's measured CPU profile), and the
+/// words naming it on the axis.
+fn time_profile(spec: &ditmem_budget::Spec) -> (ditmem_budget::DeviceProfile, String) {
+    use ditmem_budget::{DeviceProfile, Runtime, TorchDevice};
+    if let Runtime::Pytorch {
+        device: TorchDevice::Cuda,
+        ..
+    } = spec.runtime
+    {
+        let named = spec.cuda.as_ref().and_then(|c| c.gpu.as_deref());
+        if let Ok(g) = ditmem_budget::gpu::lookup(named.unwrap_or("a100-80gb")) {
+            let how = if named.is_some() { "" } else { ", no --gpu" };
+            return (
+                DeviceProfile::for_gpu(g),
+                format!("{} roofline{how}", g.name),
+            );
+        }
+    }
+    let p = DeviceProfile::cpu_default();
+    let name = p.name.split(" (").next().unwrap_or("cpu").to_string();
+    (p, format!("{name} profile"))
+}
+
+/// The predicted time of each event: the step's phases laid end to end with the durations the
+/// time model predicts (per microbatch: encode, forward, backward with its recompute; then the
+/// optimizer with the gradients' communication), the events of a phase spread evenly over it.
+/// Returns the times and the phases' spans (t0, t1, phase).
+pub fn event_times(
+    events: &[ditmem_budget::Event],
+    time: &ditmem_budget::StepTime,
+    microbatches: u32,
+) -> (Vec<f64>, Vec<(f64, f64, ditmem_budget::Phase)>) {
+    use ditmem_budget::Phase;
+    let acc = f64::from(microbatches.max(1));
+    let dur = |p: Phase| match p {
+        Phase::Start => 0.0,
+        Phase::Encode => time.encode_s / acc,
+        // The launch overhead is per forward and backward pass: half to each.
+        Phase::Forward => (time.forward_s + time.overhead_s / 2.0) / acc,
+        Phase::Backward => (time.backward_s + time.recompute_s + time.overhead_s / 2.0) / acc,
+        Phase::Optimizer => time.optimizer_s + time.communication_s,
+    };
+    // A phase the model gives no time still gets a sliver, so its events do not stack.
+    let floor = 0.004 * time.total_s.max(f64::MIN_POSITIVE);
+    let mut times = vec![0.0; events.len()];
+    let mut spans = Vec::new();
+    let mut t = 0.0;
+    let mut i = 0;
+    while i < events.len() {
+        let (ph, mb) = (events[i].phase, events[i].microbatch);
+        let mut j = i;
+        while j < events.len() && events[j].phase == ph && events[j].microbatch == mb {
+            j += 1;
+        }
+        if ph != Phase::Start {
+            let d = dur(ph).max(floor);
+            let n = (j - i) as f64;
+            for (k, ti) in times[i..j].iter_mut().enumerate() {
+                *ti = t + d * (k as f64 + 1.0) / n;
+            }
+            spans.push((t, t + d, ph));
+            t += d;
+        }
+        i = j;
+    }
+    (times, spans)
+}
+
+/// Bytes in the unit a chart shows them in: GiB from 2 GiB up, else MiB.
+fn chart_unit(max_bytes: u64) -> (f64, &'static str) {
+    if max_bytes >= 2 << 30 {
+        ((1u64 << 30) as f64, "GiB")
+    } else {
+        ((1u64 << 20) as f64, "MiB")
+    }
+}
+
+/// The step's live bytes over its predicted time (the measured boundaries beside them when there
+/// is a measurement), phases shaded, the GPU's capacity and usable bytes as lines (with a GPU),
+/// the peak marked, and the categories at the peak as a bar on the same scale.
 pub fn timeline_svg(
     b: &Budget,
     measured: Option<(&Measurement, &Agreement)>,
 ) -> anyhow::Result<String> {
-    let mib = |x: u64| x as f64 / (1u64 << 20) as f64;
-    // With a measurement, the whole step (the measured one has every microbatch); without, the
-    // microbatches the budget lays out.
-    let events = match measured {
-        Some(_) => b.timeline.expanded_events(),
-        None => b.timeline.events.clone(),
-    };
-    let peak_index = events
-        .iter()
-        .position(|e| e.total() == b.peak_bytes)
-        .unwrap_or(b.timeline.peak_index);
+    use ditmem_budget::Phase;
+    // The whole step, every microbatch laid out, so the time axis is the step's.
+    let events = b.timeline.expanded_events();
+    let (profile, device) = time_profile(&b.spec);
+    let step = ditmem_budget::step_time(&b.spec, &profile);
+    let (times, spans) = event_times(&events, &step, b.timeline.microbatches);
+    let total = spans.last().map_or(0.0, |s| s.1);
+    let (tscale, tunit) = if total < 1.0 { (1e3, "ms") } else { (1.0, "s") };
+    let gpu = b
+        .spec
+        .cuda
+        .as_ref()
+        .and_then(|c| c.gpu.as_deref())
+        .and_then(|g| ditmem_budget::gpu::lookup(g).ok());
+    let top = b.peak_bytes.max(gpu.map_or(0, |g| g.capacity_bytes()));
+    let (div, unit) = chart_unit(top);
+    let v = |x: u64| x as f64 / div;
     let start = events.first().map_or(0, |e| e.total());
     let pred: Vec<(f64, f64)> = events
         .iter()
-        .enumerate()
-        .map(|(i, e)| (i as f64, mib(e.total())))
+        .zip(&times)
+        .map(|(e, t)| (t * tscale, v(e.total())))
         .collect();
-    // Measured boundaries sit on the predicted boundary events of the same order.
-    let idx: Vec<usize> = events
+    let peak_index = events
         .iter()
-        .enumerate()
-        .filter(|(_, e)| {
-            !e.inside
-                && e.phase != ditmem_budget::Phase::Start
-                && e.phase != ditmem_budget::Phase::Encode
-        })
-        .map(|(i, _)| i)
-        .collect();
-    let mut meas: Vec<(f64, f64)> = vec![(0.0, mib(start))];
-    if let Some((m, _)) = measured {
+        .position(|e| e.total() == b.peak_bytes)
+        .unwrap_or(b.timeline.peak_index.min(events.len().saturating_sub(1)));
+    let measured_pts = measured.map(|(m, _)| {
+        // Measured boundaries sit on the predicted boundary events of the same order.
+        let idx: Vec<usize> = events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !e.inside && e.phase != Phase::Start && e.phase != Phase::Encode)
+            .map(|(i, _)| i)
+            .collect();
+        let mut pts = vec![(0.0, v(start))];
         if idx.len() == m.timeline.len() {
             for (i, p) in idx.iter().zip(&m.timeline) {
-                meas.push((
-                    *i as f64,
-                    mib(start + p.live_bytes.saturating_sub(m.resident_bytes)),
+                pts.push((
+                    times[*i] * tscale,
+                    v(start + p.live_bytes.saturating_sub(m.resident_bytes)),
                 ));
             }
         }
-    }
-    let mut markers = Vec::new();
-    let mut last = None;
-    for (i, e) in events.iter().enumerate() {
-        if last != Some(e.phase) && e.phase != ditmem_budget::Phase::Start {
-            markers.push(Marker {
-                x: i as f64,
-                label: e.phase.name().into(),
-            });
-            last = Some(e.phase);
-        }
+        (
+            "measured at boundaries (engine; drawn at their predicted time)".to_string(),
+            pts,
+        )
+    });
+    let fill = |p: Phase| match p {
+        Phase::Encode => "#e8dff5",
+        Phase::Forward => "#dce8f6",
+        Phase::Backward => "#fbe6cf",
+        _ => "#dcefdd",
+    };
+    let short = |p: Phase| match p {
+        Phase::Encode => "enc",
+        Phase::Forward => "fwd",
+        Phase::Backward => "bwd",
+        Phase::Optimizer => "opt",
+        Phase::Start => "",
+    };
+    let spans = spans
+        .iter()
+        .map(|&(t0, t1, p)| Span {
+            t0: t0 * tscale,
+            t1: t1 * tscale,
+            name: p.name().into(),
+            short: short(p).into(),
+            fill: fill(p),
+        })
+        .collect();
+    let mut rules = Vec::new();
+    if let Some(g) = gpu {
+        rules.push(Rule {
+            at: v(g.capacity_bytes()),
+            label: format!(
+                "{} capacity {} (CUDA total_memory)",
+                g.name,
+                fmt_bytes(g.capacity_bytes())
+            ),
+            color: "#b22222",
+        });
+        rules.push(Rule {
+            at: v(g.allocator_bytes()),
+            label: format!(
+                "usable {} (less the CUDA context, {})",
+                fmt_bytes(g.allocator_bytes()),
+                fmt_bytes(g.context_bytes)
+            ),
+            color: "#d2691e",
+        });
     }
     let title = match measured {
         Some((_, a)) => format!(
-            "{} — live bytes over one step (predicted vs measured, {:+.3} % at the peak)",
-            b.spec.model.name,
+            "Live bytes over one step: predicted vs measured ({:+.3} % at the peak)",
             100.0 * a.rel_error
         ),
-        None => format!(
-            "{} — live bytes over one step (predicted, {})",
-            b.spec.model.name, b.runtime
-        ),
+        None => format!("Live bytes over one step, predicted ({})", b.runtime),
     };
-    let mut series = vec![Series {
-        name: "predicted (budget)".into(),
-        points: pred,
-        markers: false,
-        line: true,
-    }];
-    if measured.is_some() {
-        series.push(Series {
-            name: "measured (engine, boundaries)".into(),
-            points: meas,
-            markers: true,
-            line: true,
-        });
+    let mut subtitles = vec![
+        spec_line(&b.spec),
+        format!("recipe: {}", recipe_line(&b.spec)),
+    ];
+    if let Some(o) = b.cuda.as_ref().and_then(|c| c.oom.as_ref()) {
+        subtitles.push(format!(
+            "simulated OOM: a {} request fails with {} allocated, {} reserved of {}; the curve is what the step would need",
+            fmt_bytes(o.rounded),
+            fmt_bytes(o.allocated),
+            fmt_bytes(o.reserved),
+            fmt_bytes(o.capacity)
+        ));
+    } else if let Some(c) = &b.cuda {
+        subtitles.push(format!(
+            "the device would show {} at the peak (CUDA context + max reserved {})",
+            fmt_bytes(c.device_bytes),
+            fmt_bytes(c.max_reserved_bytes)
+        ));
     }
-    let chart = LineChart {
+    let chart = TimelineChart {
         title,
-        x_desc: "event".into(),
-        y_desc: "MiB".into(),
-        series,
-        markers,
-        notes: vec![Note {
-            x: peak_index as f64,
-            y: mib(b.peak_bytes),
-            label: format!("peak {} ({})", fmt_bytes(b.peak_bytes), b.peak.label),
-        }],
-        log_y: false,
+        subtitles,
+        x_desc: format!(
+            "predicted time into the step, {tunit} ({device}; phases by predicted duration, events spread evenly in each)"
+        ),
+        y_desc: format!("live {unit}"),
+        predicted: pred,
+        predicted_name: "predicted live bytes (budget)".into(),
+        measured: measured_pts,
+        spans,
+        rules,
+        peak: pred_peak(&times, peak_index, tscale, v(b.peak_bytes), b),
+        bar: b
+            .breakdown
+            .entries()
+            .iter()
+            .filter(|(_, x)| *x > 0)
+            .map(|(n, x)| (n.replace('_', " "), v(*x)))
+            .collect(),
+        bar_title: format!("at the peak ({unit})"),
     };
-    let left = line_chart(&chart, (900, 480))?;
-    let segments: Vec<(String, f64)> = b
-        .breakdown
-        .entries()
-        .iter()
-        .filter(|(_, v)| *v > 0)
-        .map(|(n, v)| (n.replace('_', " "), mib(*v)))
-        .collect();
-    let right = stacked_bar("at the peak (MiB)", "MiB", &segments, (520, 480))?;
-    Ok(side_by_side(&left, 900, &right, 520, 480))
+    Ok(timeline_chart(&chart))
+}
+
+fn pred_peak(
+    times: &[f64],
+    i: usize,
+    tscale: f64,
+    y: f64,
+    b: &Budget,
+) -> Option<(f64, f64, String)> {
+    let t = *times.get(i)?;
+    Some((
+        t * tscale,
+        y,
+        format!("peak {} at {}", fmt_bytes(b.peak_bytes), b.peak.label),
+    ))
 }
 
 /// Two SVG documents next to each other in one.

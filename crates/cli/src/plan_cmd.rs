@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::args::SpecArgs;
 use crate::flags::{fmt_float, show};
 use crate::output::{print_json, write_output};
-use crate::plot::{line_chart, LineChart, Marker, Note, Series};
+use crate::plot::{pareto_chart, FrontPoint, ParetoChart, Rule};
 use crate::render::{
     category_words, change_flags, change_tags, fit_lines, pct, short_recipe, spec_line, top_of,
     wrap, wrap_at_most, Table,
@@ -413,79 +413,110 @@ fn thin(front: &[ditmem_budget::Candidate], n: usize) -> Vec<&ditmem_budget::Can
     idx.into_iter().map(|i| &front[i]).collect()
 }
 
-fn pareto_svg(p: &Plan) -> anyhow::Result<String> {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let points: Vec<(f64, f64)> = p
-        .pareto
-        .iter()
-        .map(|c| (gib(c.peak_bytes), c.time.total_s))
-        .collect();
-    let at = |c: &&ditmem_budget::Candidate| (gib(c.peak_bytes), c.time.total_s);
-    let fit: Vec<(f64, f64)> = p
-        .pareto
-        .iter()
-        .filter(|c| c.peak_bytes <= p.usable_bytes)
-        .map(|c| at(&c))
-        .collect();
-    let no_fit: Vec<(f64, f64)> = p
-        .pareto
-        .iter()
-        .filter(|c| c.peak_bytes > p.usable_bytes)
-        .map(|c| at(&c))
-        .collect();
-    let chart = LineChart {
-        title: format!(
-            "{}: peak vs predicted step time ({})",
-            p.plan.model.name, p.profile.name
-        ),
-        x_desc: "predicted peak (GiB)".into(),
-        y_desc: "predicted step time (s)".into(),
-        series: vec![
-            Series {
-                name: "Pareto front".into(),
-                points,
-                markers: false,
-                line: true,
-            },
-            // Red for what does not fit, green for what does (the palette's second and third).
-            Series {
-                name: "does not fit".into(),
-                points: no_fit,
-                markers: true,
-                line: false,
-            },
-            Series {
-                name: "fits the usable budget".into(),
-                points: fit,
-                markers: true,
-                line: false,
-            },
-        ],
-        markers: vec![
-            Marker {
-                x: gib(p.usable_bytes),
-                label: "usable".into(),
-            },
-            Marker {
-                x: gib(p.budget_bytes),
-                label: "budget".into(),
-            },
-        ],
-        notes: vec![
-            Note {
-                x: gib(p.base_peak_bytes),
-                y: p.base_step_time_s,
-                label: "base".into(),
-            },
-            Note {
-                x: gib(p.predicted_peak_bytes),
-                y: p.predicted_step_time_s,
-                label: if p.feasible { "plan" } else { "floor" }.into(),
-            },
-        ],
-        log_y: false,
+/// Each point's changes in few words, less those every point of the front shares (returned
+/// apart, said once above the chart).
+fn point_names(base: &Spec, front: &[ditmem_budget::Candidate]) -> (Vec<String>, Vec<String>) {
+    let short: Vec<Vec<String>> = front.iter().map(|c| change_tags(base, &c.spec)).collect();
+    let common: Vec<String> = match short.first() {
+        Some(first) if front.len() > 1 => first
+            .iter()
+            .filter(|x| short.iter().all(|s| s.contains(x)))
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
     };
-    line_chart(&chart, (900, 560))
+    let names = short
+        .iter()
+        .map(|s| {
+            let rest: Vec<&str> = s
+                .iter()
+                .filter(|x| !common.contains(x))
+                .map(String::as_str)
+                .collect();
+            match (rest.is_empty(), s.is_empty()) {
+                // The base itself: marked and named "base" on the chart.
+                (_, true) => String::new(),
+                (true, false) => format!("{} only", common.join(", ")),
+                _ => rest.join(", "),
+            }
+        })
+        .collect();
+    (names, common)
+}
+
+fn pareto_svg(p: &Plan, base: &Spec) -> anyhow::Result<String> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let slowest = p
+        .pareto
+        .iter()
+        .map(|c| c.time.total_s)
+        .chain([p.base_step_time_s, p.predicted_step_time_s])
+        .fold(0.0, f64::max);
+    let (ts, tu) = if slowest < 1.0 {
+        (1e3, "ms")
+    } else {
+        (1.0, "s")
+    };
+    let (names, common) = point_names(base, &p.pareto);
+    let front = p
+        .pareto
+        .iter()
+        .zip(names)
+        .map(|(c, label)| FrontPoint {
+            x: gib(c.peak_bytes),
+            y: c.time.total_s * ts,
+            label,
+            fits: c.peak_bytes <= p.usable_bytes,
+        })
+        .collect();
+    let device = p.profile.name.split(" (").next().unwrap_or("").to_string();
+    let mut subtitles = vec![format!(
+        "each point named by its change from the base recipe; times: {}",
+        p.profile.name
+    )];
+    if !common.is_empty() {
+        subtitles.push(format!("every point also: {}", common.join(", ")));
+    }
+    let mut rules = vec![Rule {
+        at: gib(p.usable_bytes),
+        label: format!(
+            "usable {} ({:.0} % headroom)",
+            fmt_bytes(p.usable_bytes),
+            100.0 * p.headroom
+        ),
+        color: "#2e7d32",
+    }];
+    if p.budget_bytes != p.usable_bytes {
+        rules.push(Rule {
+            at: gib(p.budget_bytes),
+            label: format!("budget {}", fmt_bytes(p.budget_bytes)),
+            color: "#b22222",
+        });
+    }
+    let chart = ParetoChart {
+        title: format!(
+            "{}: predicted peak against step time, recipe by recipe",
+            p.plan.model.name
+        ),
+        subtitles,
+        x_desc: "predicted peak (GiB)".into(),
+        y_desc: format!("predicted step time ({tu}, {device})"),
+        front,
+        rules,
+        marks: vec![
+            (
+                gib(p.predicted_peak_bytes),
+                p.predicted_step_time_s * ts,
+                if p.feasible { "plan" } else { "floor" }.into(),
+            ),
+            (
+                gib(p.base_peak_bytes),
+                p.base_step_time_s * ts,
+                "base".into(),
+            ),
+        ],
+    };
+    Ok(pareto_chart(&chart))
 }
 
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
@@ -621,7 +652,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         ))?;
     }
     if let Some(path) = &args.plot {
-        write_output("--plot", path, pareto_svg(&p)?.as_bytes())?;
+        write_output("--plot", path, pareto_svg(&p, &base)?.as_bytes())?;
         if !args.json {
             crate::output::say(&format!("wrote the Pareto front to {}\n", path.display()))?;
         }

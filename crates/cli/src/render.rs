@@ -970,11 +970,14 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
         });
     }
     if b.attention != r.attention {
-        out.push(format!("{} attention", r.attention.name()));
+        out.push(match r.attention {
+            ditmem_budget::AttentionMode::MemoryEfficient => "mem-efficient attention".into(),
+            a => format!("{} attention", a.name()),
+        });
     }
     let (bw, w) = (&base.workload, &s.workload);
     if bw.microbatch != w.microbatch || bw.accumulation != w.accumulation {
-        out.push(format!("micro {} × acc {}", w.microbatch, w.accumulation));
+        out.push(format!("mb {}×acc {}", w.microbatch, w.accumulation));
     }
     if b.latents != r.latents {
         out.push("cached latents".into());
