@@ -673,6 +673,43 @@ mod tests {
         assert_eq!(e.field(), Some("workload.batch"));
     }
 
+    /// A family preset brings its training defaults whatever the command; the runtime stays the
+    /// command's: the engine's for `run`, `compare`, `verify` (`to_spec`, `to_spec_or`),
+    /// pytorch:cuda for `estimate`, `plan`, `spec` (`to_gpu_spec`).
+    #[test]
+    fn a_family_preset_brings_its_defaults_and_the_command_its_runtime() {
+        let a = SpecArgs {
+            preset: Some("pixart-sigma-1024".into()),
+            ..SpecArgs::default()
+        };
+        let engine = a.to_spec().unwrap();
+        assert_eq!(engine.runtime, Runtime::DitmemCpu);
+        let w = &engine.workload;
+        assert_eq!(
+            (w.height, w.width, w.batch, w.microbatch),
+            (1024, 1024, 1, 1)
+        );
+        let gpu = a.to_gpu_spec().unwrap();
+        assert!(matches!(
+            gpu.runtime,
+            Runtime::Pytorch {
+                device: TorchDevice::Cuda,
+                ..
+            }
+        ));
+        assert_eq!(gpu.workload, engine.workload);
+        let verify = a.to_spec_or(Spec::small).unwrap();
+        assert_eq!(verify.workload, engine.workload);
+        // Without a preset the DiT default stays, per rank: 32 on each of 8 ranks.
+        let s = SpecArgs {
+            ranks: Some(8),
+            ..SpecArgs::default()
+        }
+        .to_spec()
+        .unwrap();
+        assert_eq!((s.workload.batch, s.workload.microbatch), (256, 32));
+    }
+
     #[test]
     fn resolutions() {
         assert_eq!(parse_resolution("512").unwrap(), (512, 512));
