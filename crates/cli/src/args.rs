@@ -298,9 +298,9 @@ impl SpecArgs {
         self.build(default, None)
     }
 
-    /// `estimate` and `plan`: the step on a CUDA GPU (`pytorch:cuda`) unless `--runtime`, the
-    /// config file's `runtime` or an engine flag (`--cpu-threads`, `--bf16-products`,
-    /// `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
+    /// `estimate`, `plan` and `spec`: the step on a CUDA GPU (`pytorch:cuda`) unless
+    /// `--runtime`, the config file's `runtime` or an engine flag (`--cpu-threads`,
+    /// `--bf16-products`, `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
     pub fn to_gpu_spec(&self) -> Result<Spec, SpecError> {
         let engine_flags =
             self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();

@@ -208,13 +208,16 @@ fn text_tokens(s: &Spec) -> Vec<u64> {
     denoiser::text_tokens(s, &fm.geometry())
 }
 
+/// A preset, its (height, width, frames) and its text tokens per encoder.
+type Defaults = (&'static str, (u32, u32, u32), &'static [u64]);
+
 #[test]
 fn each_preset_brings_its_family_defaults() {
     let cuda: Runtime = "pytorch:cuda".parse().unwrap();
     // Resolution and frames of the family's diffusers pipeline; one sample per rank; the text
     // tokens its training script encodes (CLIP 77 and T5 512 for FLUX.1-dev, 256 for schnell;
     // SD3's dreambooth script 77 + 77; PixArt-α 120, Σ 300; Sana 300; Wan 512).
-    let table: [(&str, (u32, u32, u32), &[u64]); 11] = [
+    let table: [Defaults; 11] = [
         ("flux.1-dev", (1024, 1024, 1), &[77, 512]),
         ("flux.1-schnell", (1024, 1024, 1), &[77, 256]),
         ("sd3-medium", (1024, 1024, 1), &[77, 77]),

@@ -269,7 +269,9 @@ impl FamilyModel {
                 vae_temporal_factor: 1,
                 mlp: 4 * d.inner(),
                 text: vec![t5(
-                    if self.name.contains("sigma") {
+                    // By name: a preset's, or the path of a --model config.json (a Hub
+                    // snapshot's path names the checkpoint, "PixArt-Sigma-XL-2-1024-MS").
+                    if self.name.to_ascii_lowercase().contains("sigma") {
                         300
                     } else {
                         120
