@@ -13,10 +13,10 @@ use crate::spec::{Runtime, Spec};
 
 /// The diffusers model of a spec (None: the original DiT).
 pub fn family(spec: &Spec) -> Result<Option<FamilyModel>, SpecError> {
-    let Some(map) = &spec.model.diffusers else {
+    let Some(map) = spec.model.diffusers_config() else {
         return Ok(None);
     };
-    let mut m = families::from_config_map(map.clone()).map_err(|e| match e {
+    let mut m = families::from_config_map(map).map_err(|e| match e {
         SpecError::Invalid { field, message } => SpecError::Invalid {
             field: format!("model.diffusers.{field}"),
             message,
@@ -74,6 +74,12 @@ pub fn resolve(spec: &mut Spec) -> Result<(), SpecError> {
     w.latent_channels = m.in_channels;
     w.vae_temporal_factor = narrow("workload.vae_temporal_factor", g.vae_temporal_factor)?;
     Ok(())
+}
+
+/// The workload a spec's model trains at by default ([`FamilyModel::training_defaults`]): None
+/// for the original DiT and diffusers' DiT.
+pub fn training_defaults(spec: &Spec) -> Result<Option<families::TrainingDefaults>, SpecError> {
+    Ok(family(spec)?.and_then(|fm| fm.training_defaults()))
 }
 
 /// The text tokens per encoder of a spec's model: the spec's, or the family's defaults.

@@ -553,10 +553,10 @@ mod tests {
             threads: 3,
             ..CpuSpec::REFERENCE
         });
-        let back: Spec = toml::from_str(&t.to_toml()).unwrap();
+        let back: Spec = toml::from_str(&t.to_toml().unwrap()).unwrap();
         assert_eq!(back.cpu, t.cpu);
         // A section written before the cache fields existed reads as the reference machine's.
-        let text = t.to_toml();
+        let text = t.to_toml().unwrap();
         let trimmed: String = text
             .lines()
             .filter(|l| {

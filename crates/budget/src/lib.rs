@@ -112,7 +112,7 @@ pub use families::{
     count as count_family, from_config_json, preset as family_preset, preset_config,
     preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,
     FamilyModel, FamilyTensor, Geometry, Group, GroupCount, StateBytes, TensorKind, TextEncoder,
-    MAX_CONFIG_JSON_BYTES,
+    TrainingDefaults, MAX_CONFIG_JSON_BYTES,
 };
 pub use families::{DitDiffusersDims, DitDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};
 

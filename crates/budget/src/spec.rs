@@ -64,8 +64,17 @@ pub struct ModelSpec {
     /// fields below are then derived from it (`denoiser::resolve`) and written for reading only:
     /// depth = every transformer block of every stack, hidden = heads × head size, patch = latent
     /// pixels per token side (2 for Flux's 2×2 packing), in_channels = the VAE's latent channels.
+    ///
+    /// A `null` value is kept as given: diffusers reads an explicit `null` differently from an
+    /// absent key (`out_channels: null` is in_channels, an absent one the class default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diffusers: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The keys of `diffusers` whose value is `null`, as TOML writes them: TOML has no null, so
+    /// [`Spec::to_toml`] leaves such a key out of the `[model.diffusers]` table and lists it here,
+    /// and reading a spec puts each back as `null` (the list is then empty). Always empty in a
+    /// spec read by [`Spec::from_toml`] or [`Spec::from_json`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub diffusers_null: Vec<String>,
     /// Number of DiT blocks (L).
     #[serde(default)]
     pub depth: u32,
@@ -150,6 +159,7 @@ impl ModelSpec {
         Ok(ModelSpec {
             name: format!("DiT-{}/{}", size.to_ascii_uppercase(), patch),
             diffusers: None,
+            diffusers_null: Vec::new(),
             depth,
             hidden,
             heads,
@@ -174,6 +184,49 @@ impl ModelSpec {
             }
         }
         v
+    }
+
+    /// `model.diffusers` with the keys of `diffusers_null` back as `null` (the config as given).
+    pub fn diffusers_config(&self) -> Option<serde_json::Map<String, serde_json::Value>> {
+        let mut map = self.diffusers.clone()?;
+        for key in &self.diffusers_null {
+            map.entry(key.clone()).or_insert(serde_json::Value::Null);
+        }
+        Some(map)
+    }
+
+    /// Put the keys of `diffusers_null` back into `diffusers` as `null` (reading a spec that
+    /// [`Spec::to_toml`] wrote); a key that also has a value, or a list without a config, is an
+    /// error naming `model.diffusers_null`.
+    pub fn restore_nulls(&mut self) -> Result<(), SpecError> {
+        if self.diffusers_null.is_empty() {
+            return Ok(());
+        }
+        let Some(map) = self.diffusers.as_mut() else {
+            return Err(SpecError::invalid(
+                "model.diffusers_null",
+                "lists keys, but there is no model.diffusers; allowed: an empty list, or keys of \
+                 model.diffusers that are null",
+            ));
+        };
+        for key in std::mem::take(&mut self.diffusers_null) {
+            match map.get(&key) {
+                None | Some(serde_json::Value::Null) => {
+                    map.insert(key, serde_json::Value::Null);
+                }
+                Some(_) => {
+                    return Err(SpecError::invalid(
+                        "model.diffusers_null",
+                        format!(
+                            "lists '{}', which model.diffusers gives a value; allowed: keys that \
+                             are null (absent from model.diffusers)",
+                            key.chars().take(60).collect::<String>()
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Output channels of the final layer.
@@ -1397,10 +1450,11 @@ impl Spec {
     pub fn from_toml(text: &str) -> Result<Spec, SpecError> {
         let de =
             toml::Deserializer::parse(text).map_err(|e| toml_error(text, &e, String::new()))?;
-        let spec: Spec = serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut spec: Spec = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
             toml_error(text, e.inner(), path)
         })?;
+        spec.model.restore_nulls()?;
         spec.validate()?;
         Ok(spec)
     }
@@ -1408,7 +1462,7 @@ impl Spec {
     /// Parse a spec from JSON text.
     pub fn from_json(text: &str) -> Result<Spec, SpecError> {
         let mut de = serde_json::Deserializer::from_str(text);
-        let spec: Spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let mut spec: Spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
             SpecError::Parse {
                 format: "JSON",
@@ -1416,6 +1470,7 @@ impl Spec {
                 location: String::new(),
             }
         })?;
+        spec.model.restore_nulls()?;
         spec.validate()?;
         Ok(spec)
     }
@@ -1436,8 +1491,42 @@ impl Spec {
         }
     }
 
-    pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("a spec always serialises to TOML")
+    /// The spec as TOML, which [`Spec::from_toml`] reads back to the same spec. TOML has no
+    /// null: a top-level `null` of `model.diffusers` is left out of its table and listed in
+    /// `model.diffusers_null`; a `null` nested deeper (inside a list or a table of a config key:
+    /// only diffusers' `_`-prefixed bookkeeping can hold one, every key ditmem reads refuses it)
+    /// is left out. Anything TOML still cannot hold (an integer above 2⁶³ − 1 in the config) is
+    /// an error naming `model.diffusers`, never a panic.
+    pub fn to_toml(&self) -> Result<String, SpecError> {
+        let mut s = self.clone();
+        if let Some(map) = s.model.diffusers.as_mut() {
+            let nulls: Vec<String> = map
+                .iter()
+                .filter(|(_, v)| v.is_null())
+                .map(|(k, _)| k.clone())
+                .collect();
+            map.retain(|_, v| !v.is_null());
+            map.values_mut().for_each(strip_nulls);
+            for k in nulls {
+                if !s.model.diffusers_null.contains(&k) {
+                    s.model.diffusers_null.push(k);
+                }
+            }
+        }
+        let unwritable = |why: String| {
+            SpecError::invalid(
+                "model.diffusers",
+                format!(
+                    "cannot be written as TOML ({why}); allowed: values TOML holds (integers up to \
+                     2^63 − 1); write the spec as JSON (--json) instead"
+                ),
+            )
+        };
+        let text = toml::to_string_pretty(&s).map_err(|e| unwritable(e.to_string()))?;
+        // The writer puts out integers TOML cannot read back (above 2⁶³ − 1): read it again.
+        text.parse::<toml::Table>()
+            .map_err(|e| unwritable(e.message().replace('\n', " ")))?;
+        Ok(text)
     }
 
     /// The token grid of one image; errors when the resolution does not divide.
@@ -1809,6 +1898,22 @@ impl Spec {
     }
 }
 
+/// Drop every `null` inside a JSON value (TOML cannot hold one): a table's key goes, a list's
+/// entry goes.
+fn strip_nulls(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.retain(|_, x| !x.is_null());
+            m.values_mut().for_each(strip_nulls);
+        }
+        serde_json::Value::Array(a) => {
+            a.retain(|x| !x.is_null());
+            a.iter_mut().for_each(strip_nulls);
+        }
+        _ => {}
+    }
+}
+
 /// The largest tensor a spec may ask for (2⁵⁰ elements, 8 PiB in f64): byte counts stay u64.
 pub const MAX_TENSOR_ELEMS: u128 = 1 << 50;
 
@@ -1940,6 +2045,62 @@ mod tests {
         assert_eq!(s.validate().unwrap_err().field(), Some("model.hidden"));
         assert!(Spec::default_xl().validate().is_ok());
         assert!(Spec::small().validate().is_ok());
+    }
+
+    /// A family spec whose config has nulls (Wan's `added_kv_proj_dim`, …) writes as TOML and
+    /// reads back to the same spec; deeper nulls (bookkeeping only) are left out; what TOML
+    /// cannot hold is an error, never a panic.
+    #[test]
+    fn nulls_of_a_diffusers_config_survive_toml() {
+        for name in crate::families::preset_names() {
+            let Some(text) = crate::families::preset_config(&name) else {
+                continue;
+            };
+            let map = serde_json::from_str(text).unwrap();
+            let s = crate::denoiser::with_family(Spec::default_xl(), &name, map).unwrap();
+            let toml = s.to_toml().unwrap();
+            let back = Spec::from_toml(&toml).unwrap_or_else(|e| panic!("{name}: {e}\n{toml}"));
+            assert_eq!(back, s, "{name}:\n{toml}");
+        }
+        let text = crate::families::preset_config("sd3-medium").unwrap();
+        let mut map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text).unwrap();
+        map.insert("pos_embed_max_size".into(), serde_json::Value::Null);
+        map.insert(
+            "_note".into(),
+            serde_json::json!({"a": null, "b": [1, null, {"c": null}]}),
+        );
+        let s = crate::denoiser::with_family(Spec::default_xl(), "sd3-nulls", map).unwrap();
+        let toml = s.to_toml().unwrap();
+        assert!(
+            toml.contains("diffusers_null = [\"pos_embed_max_size\"]"),
+            "{toml}"
+        );
+        let back = Spec::from_toml(&toml).unwrap();
+        let d = back.model.diffusers.as_ref().unwrap();
+        assert_eq!(d["pos_embed_max_size"], serde_json::Value::Null);
+        assert_eq!(d["_note"], serde_json::json!({"b": [1, {}]}));
+        assert!(back.model.diffusers_null.is_empty());
+        // A listed key that also has a value, and a list without a config, are refused.
+        let bad = toml.replace(
+            "diffusers_null = [\"pos_embed_max_size\"]",
+            "diffusers_null = [\"patch_size\"]",
+        );
+        let e = Spec::from_toml(&bad).unwrap_err();
+        assert_eq!(e.field(), Some("model.diffusers_null"), "{e}");
+        let mut dit = Spec::default_xl();
+        dit.model.diffusers_null = vec!["x".into()];
+        let e = Spec::from_toml(&dit.to_toml().unwrap()).unwrap_err();
+        assert_eq!(e.field(), Some("model.diffusers_null"), "{e}");
+        // An integer TOML cannot hold.
+        let mut big = s.clone();
+        big.model
+            .diffusers
+            .as_mut()
+            .unwrap()
+            .insert("_big".into(), serde_json::json!(u64::MAX));
+        let e = big.to_toml().unwrap_err();
+        assert_eq!(e.field(), Some("model.diffusers"), "{e}");
     }
 
     #[test]

@@ -18,11 +18,15 @@ pub struct SpecArgs {
     /// Model preset: dit-{s,b,l,xl}-{2,4,8} (the original DiT), or a diffusers checkpoint:
     /// flux.1-dev, flux.1-schnell, sd3-medium, sd3.5-medium, sd3.5-large, pixart-alpha-1024,
     /// pixart-sigma-1024, sana-600m, sana-1600m, wan2.1-1.3b, wan2.1-14b, dit-xl-2-256,
-    /// dit-xl-2-512 (`ditmem params --preset NAME` shows one).
+    /// dit-xl-2-512 (`ditmem params --preset NAME` shows one). A diffusers checkpoint brings
+    /// its family's training defaults: the pipeline's resolution (FLUX, SD3/3.5, PixArt, Sana
+    /// 1024²; Wan 81 × 480 × 832), 1 sample per rank, the scripts' text tokens; a --config
+    /// file's fields and the flags still win. The DiTs keep 256², batch 32.
     #[arg(long)]
     pub preset: Option<String>,
     /// A diffusers transformer `config.json`, or the folder holding one (a checkpoint's
-    /// `transformer/`): PixArt, SD3/SD3.5, Flux, Sana, Wan 2.1 or diffusers' DiT.
+    /// `transformer/`): PixArt, SD3/SD3.5, Flux, Sana, Wan 2.1 or diffusers' DiT; brings the
+    /// family's training defaults as --preset does.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Text tokens per text encoder of the model, comma-separated in the family's order (Flux:
@@ -55,7 +59,8 @@ pub struct SpecArgs {
     /// rest repeat the second).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub accumulation: Option<u32>,
-    /// Data-parallel ranks: 1–1048576.
+    /// Data-parallel ranks: 1–1048576. Without --batch each rank keeps its microbatch (the
+    /// batch over all ranks grows with them: a family preset's 1 per rank, 8 over 8 ranks).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub ranks: Option<u32>,
     /// fp64 | fp32 | bf16-mixed | fp16-mixed | bf16-pure
@@ -220,6 +225,67 @@ fn parse_targets(text: &str) -> Result<Vec<LoraTarget>, SpecError> {
     Ok(out)
 }
 
+/// Whether a `--config` file (as a tree of values) gives the field at `path`.
+fn states(config: Option<&serde_json::Value>, path: &[&str]) -> bool {
+    let Some(mut v) = config else {
+        return false;
+    };
+    for key in path {
+        match v.get(key) {
+            Some(x) => v = x,
+            None => return false,
+        }
+    }
+    true
+}
+
+/// A family model's training defaults over `spec` (just given the model by a preset or
+/// `--model`), except the fields the config file states: those keep the file's values (`before`
+/// is the spec as the file gave it). The original DiT and diffusers' DiT have none: the spec's
+/// workload stays.
+fn family_defaults(
+    spec: &mut Spec,
+    before: &Spec,
+    config: Option<&serde_json::Value>,
+) -> Result<(), SpecError> {
+    let given = |path: &[&str]| states(config, path);
+    if let Some(d) = denoiser::training_defaults(spec)? {
+        let w = &mut spec.workload;
+        if !given(&["workload", "height"]) {
+            w.height = d.height;
+        }
+        if !given(&["workload", "width"]) {
+            w.width = d.width;
+        }
+        if !given(&["workload", "frames"]) {
+            w.frames = d.frames;
+        }
+        if !given(&["workload", "microbatch"]) {
+            w.microbatch = d.microbatch;
+        }
+        if !given(&["workload", "accumulation"]) {
+            w.accumulation = d.accumulation;
+        }
+        if !given(&["workload", "batch"]) {
+            // One sample per rank and microbatch: the batch over all ranks follows.
+            let b = u64::from(w.microbatch) * u64::from(w.accumulation) * u64::from(w.ranks);
+            w.batch = u32::try_from(b).unwrap_or(u32::MAX);
+        }
+        if !given(&["workload", "text_tokens"]) {
+            // The family's own (`TextEncoder::default_tokens`).
+            w.text_tokens = None;
+        }
+    }
+    // `with_family` set diffusers' recipe (SDPA, no EMA): the file's own choice stays.
+    if given(&["recipe", "attention"]) {
+        spec.recipe.attention = before.recipe.attention;
+    }
+    if given(&["recipe", "ema", "enabled"]) {
+        spec.recipe.ema.enabled = before.recipe.ema.enabled;
+    }
+    Ok(())
+}
+
 impl SpecArgs {
     /// Build and validate the spec: config file (or the embedded default), then the flags.
     pub fn to_spec(&self) -> Result<Spec, SpecError> {
@@ -232,9 +298,9 @@ impl SpecArgs {
         self.build(default, None)
     }
 
-    /// `estimate` and `plan`: the step on a CUDA GPU (`pytorch:cuda`) unless `--runtime`, the
-    /// config file's `runtime` or an engine flag (`--cpu-threads`, `--bf16-products`,
-    /// `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
+    /// `estimate`, `plan` and `spec`: the step on a CUDA GPU (`pytorch:cuda`) unless
+    /// `--runtime`, the config file's `runtime` or an engine flag (`--cpu-threads`,
+    /// `--bf16-products`, `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
     pub fn to_gpu_spec(&self) -> Result<Spec, SpecError> {
         let engine_flags =
             self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();
@@ -275,6 +341,17 @@ impl SpecArgs {
             }
             None => default(),
         };
+        // A preset or `--model` brings its family's training defaults. The layers, each over the
+        // one before: the command's default spec (the original DiT's workload), the family's
+        // defaults (its pipeline's resolution and frames, one sample per rank, SDPA, no EMA),
+        // the fields the --config file states, the flags. So `--config s.toml --preset X` is
+        // the file's workload on model X, and `--preset X` alone is X as its scripts train it.
+        let before = spec.clone();
+        let family_flag = self.model.is_some()
+            || self
+                .preset
+                .as_ref()
+                .is_some_and(|p| ditmem_budget::preset_config(&p.to_ascii_lowercase()).is_some());
         if let Some(p) = &self.preset {
             let lower = p.to_ascii_lowercase();
             if let Some(text) = ditmem_budget::preset_config(&lower) {
@@ -298,6 +375,13 @@ impl SpecArgs {
         if let Some(path) = &self.model {
             let (m, map) = crate::input::load_model(path)?;
             spec = denoiser::with_family(spec, &m.name, map)?;
+        }
+        if family_flag {
+            let stated = match &self.config {
+                Some(path) => Some(crate::input::spec_value(path)?),
+                None => None,
+            };
+            family_defaults(&mut spec, &before, stated.as_ref())?;
         }
         if let Some(t) = &self.text_tokens {
             spec.workload.text_tokens = Some(parse_counts("workload.text_tokens", t)?);
@@ -587,6 +671,43 @@ mod tests {
         };
         let e = a.to_spec().unwrap_err();
         assert_eq!(e.field(), Some("workload.batch"));
+    }
+
+    /// A family preset brings its training defaults whatever the command; the runtime stays the
+    /// command's: the engine's for `run`, `compare`, `verify` (`to_spec`, `to_spec_or`),
+    /// pytorch:cuda for `estimate`, `plan`, `spec` (`to_gpu_spec`).
+    #[test]
+    fn a_family_preset_brings_its_defaults_and_the_command_its_runtime() {
+        let a = SpecArgs {
+            preset: Some("pixart-sigma-1024".into()),
+            ..SpecArgs::default()
+        };
+        let engine = a.to_spec().unwrap();
+        assert_eq!(engine.runtime, Runtime::DitmemCpu);
+        let w = &engine.workload;
+        assert_eq!(
+            (w.height, w.width, w.batch, w.microbatch),
+            (1024, 1024, 1, 1)
+        );
+        let gpu = a.to_gpu_spec().unwrap();
+        assert!(matches!(
+            gpu.runtime,
+            Runtime::Pytorch {
+                device: TorchDevice::Cuda,
+                ..
+            }
+        ));
+        assert_eq!(gpu.workload, engine.workload);
+        let verify = a.to_spec_or(Spec::small).unwrap();
+        assert_eq!(verify.workload, engine.workload);
+        // Without a preset the DiT default stays, per rank: 32 on each of 8 ranks.
+        let s = SpecArgs {
+            ranks: Some(8),
+            ..SpecArgs::default()
+        }
+        .to_spec()
+        .unwrap();
+        assert_eq!((s.workload.batch, s.workload.microbatch), (256, 32));
     }
 
     #[test]

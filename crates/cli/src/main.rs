@@ -187,11 +187,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Params(args) => params_cmd::run(args)?,
         Command::Gpus(args) => gpus_cmd::run(args)?,
         Command::Spec { spec, json } => {
-            let spec = spec.to_spec()?;
+            // The runtime `estimate` and `plan` default to (pytorch:cuda), so that `spec … >
+            // s.toml; estimate --config s.toml` answers as `estimate …` does.
+            let spec = spec.to_gpu_spec()?;
             if json {
                 output::print_json(&spec)?;
             } else {
-                output::say(&spec.to_toml())?;
+                output::say(&spec.to_toml()?)?;
             }
         }
     }

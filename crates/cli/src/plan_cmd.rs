@@ -677,6 +677,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         )));
     }
     if let Some(path) = &args.out {
+        let toml = p.plan.to_toml()?;
         let text = format!(
             "# ditmem plan: {} budget, {:.0} % headroom; predicted peak {}, step {} on '{}'\n# run it: ditmem run --config {}\n{}",
             fmt_bytes(p.budget_bytes),
@@ -685,7 +686,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             fmt_secs(p.predicted_step_time_s),
             p.profile.name,
             path.display(),
-            p.plan.to_toml()
+            toml
         );
         write_output("--out", path, text.as_bytes())?;
         if !args.json {

@@ -12,14 +12,21 @@ fn json(out: &str) -> serde_json::Value {
 
 #[test]
 fn the_host_fills_only_what_the_spec_leaves_out() {
+    // `spec` defaults to pytorch:cuda as `estimate` does: the engine's spec is asked for.
     // The pool's threads are the host value: RAYON_NUM_THREADS decides them.
-    let (code, out, err) = ditmem_env(&[("RAYON_NUM_THREADS", "3")], &["spec", "--json"]);
+    let (code, out, err) = ditmem_env(
+        &[("RAYON_NUM_THREADS", "3")],
+        &["spec", "--json", "--runtime", "ditmem-cpu"],
+    );
     assert_eq!(code, 0, "{err}");
     let cpu = &json(&out)["cpu"];
     assert_eq!(cpu["threads"], 3);
     assert!(cpu["gemm_l2_bytes"].as_u64().unwrap() > 0);
     // DITMEM_BF16_GEMM=widen makes the filled-in path widen.
-    let (_, out, _) = ditmem_env(&[("DITMEM_BF16_GEMM", "widen")], &["spec", "--json"]);
+    let (_, out, _) = ditmem_env(
+        &[("DITMEM_BF16_GEMM", "widen")],
+        &["spec", "--json", "--runtime", "ditmem-cpu"],
+    );
     assert_eq!(json(&out)["cpu"]["bf16_products"], "widen");
     // Flags win over the host.
     let (_, out, _) = ditmem_env(
@@ -98,7 +105,7 @@ fn the_estimate_follows_the_cpu_section() {
 
 #[test]
 fn a_cpu_that_is_not_this_process_is_refused() {
-    let (code, out, _) = ditmem(&["spec", "--json"]);
+    let (code, out, _) = ditmem(&["spec", "--json", "--runtime", "ditmem-cpu"]);
     assert_eq!(code, 0);
     let here = json(&out)["cpu"].clone();
     let threads = here["threads"].as_u64().unwrap() + 1;

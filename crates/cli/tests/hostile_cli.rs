@@ -665,7 +665,7 @@ fn sizes_that_exhausted_memory_are_refused_or_budgeted_in_bounded_memory() {
     );
     let dir = temp_dir("hostile", "depth");
     let cfg = dir.join("deep.toml");
-    let mut text = ditmem_budget::Spec::default_xl().to_toml();
+    let mut text = ditmem_budget::Spec::default_xl().to_toml().unwrap();
     text = text.replace("depth = 28", "depth = 16777216");
     assert!(text.contains("depth = 16777216"));
     std::fs::write(&cfg, text).unwrap();
@@ -686,6 +686,7 @@ fn plan_at_the_depth_cap_evaluates_few_timelines() {
     let cfg = dir.join("deep.toml");
     let text = ditmem_budget::Spec::default_xl()
         .to_toml()
+        .unwrap()
         .replace("depth = 28", "depth = 1024");
     std::fs::write(&cfg, text).unwrap();
     let (c, out, err, _) = run_within(

@@ -8,6 +8,7 @@
 use serde::Serialize;
 
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
+use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
 use super::table::{Group, Table};
 use crate::error::SpecError;
@@ -117,4 +118,11 @@ pub(crate) fn table(d: &FluxDims, t: &mut Table) {
     t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
     let p = d.patch_size;
     t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+}
+
+impl FluxDims {
+    /// FluxPipeline's default: `default_sample_size = 128` latent pixels × the VAE's 8 = 1024².
+    pub fn training_defaults(&self) -> TrainingDefaults {
+        TrainingDefaults::square(1024)
+    }
 }

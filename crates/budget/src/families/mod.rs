@@ -13,6 +13,7 @@
 //! what the model holds.
 
 mod config;
+mod defaults;
 mod dit;
 mod flux;
 pub mod frozen;
@@ -26,6 +27,7 @@ mod sd3;
 mod table;
 mod wan;
 
+pub use defaults::TrainingDefaults;
 pub use dit::{DitDiffusersDims, DitDims};
 pub use flux::FluxDims;
 pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
@@ -40,6 +42,7 @@ pub use table::{
 pub use wan::WanDims;
 
 // Layers, each importing only the ones above it in this list: `table` (the tensor table and its
-// counts) → `modules` (diffusers' module classes as table builders) and `config` (the key reader)
+// counts) → `modules` (diffusers' module classes as table builders), `config` (the key reader) and
+// `defaults` (the default workload)
 // → the family files → `model` (`Family`, `Dims`, `FamilyModel`) → `read` (`config.json` by
 // `_class_name`) → `presets`.

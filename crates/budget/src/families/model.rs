@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use super::defaults::TrainingDefaults;
 use super::dit::{DitDiffusersDims, DitDims};
 use super::flux::FluxDims;
 use super::pixart::PixartDims;
@@ -206,6 +207,19 @@ pub struct Geometry {
 }
 
 impl FamilyModel {
+    /// The workload the family trains at by default (its file's `training_defaults`); None for
+    /// the original DiT and diffusers' DiT, which keep the DiT workload (256², batch 32).
+    pub fn training_defaults(&self) -> Option<TrainingDefaults> {
+        match &self.dims {
+            Dims::Dit(_) | Dims::DitDiffusers(_) => None,
+            Dims::Pixart(d) => Some(d.training_defaults()),
+            Dims::Sd3(d) => Some(d.training_defaults()),
+            Dims::Flux(d) => Some(d.training_defaults()),
+            Dims::Sana(d) => Some(d.training_defaults()),
+            Dims::Wan(d) => Some(d.training_defaults()),
+        }
+    }
+
     /// The geometry of the model: VAEs per family from the published pipelines — SD VAE f8c4
     /// (DiT, PixArt), SD3/Flux VAE f8c16 (Flux packs 2×2 latent pixels into one 64-wide token),
     /// DC-AE f32c32 (Sana), Wan-VAE f8 × t4, c16. Text encoders as the diffusers training scripts
@@ -255,7 +269,9 @@ impl FamilyModel {
                 vae_temporal_factor: 1,
                 mlp: 4 * d.inner(),
                 text: vec![t5(
-                    if self.name.contains("sigma") {
+                    // By name: a preset's, or the path of a --model config.json (a Hub
+                    // snapshot's path names the checkpoint, "PixArt-Sigma-XL-2-1024-MS").
+                    if self.name.to_ascii_lowercase().contains("sigma") {
                         300
                     } else {
                         120

@@ -6,6 +6,7 @@
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -148,4 +149,12 @@ pub(crate) fn table(d: &PixartDims, t: &mut Table) {
     }
     let side = d.sample_size / p;
     t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
+}
+
+impl PixartDims {
+    /// PixArtAlphaPipeline / PixArtSigmaPipeline's default: `sample_size` × the VAE's 8, per
+    /// checkpoint (the 1024 checkpoints: 128 → 1024²; the 512 ones: 64 → 512²).
+    pub fn training_defaults(&self) -> TrainingDefaults {
+        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
+    }
 }

@@ -7,6 +7,7 @@
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
+use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -175,5 +176,12 @@ pub(crate) fn table(d: &SanaDims, t: &mut Table) {
     if d.pos_embed {
         let side = d.sample_size / p;
         t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
+    }
+}
+
+impl SanaDims {
+    /// SanaPipeline's default: `sample_size` × DC-AE's 32 (the 1024px checkpoints: 32 → 1024²).
+    pub fn training_defaults(&self) -> TrainingDefaults {
+        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 32)
     }
 }

@@ -9,6 +9,7 @@
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
+use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -188,4 +189,11 @@ pub(crate) fn table(d: &Sd3Dims, t: &mut Table) {
         None => (d.sample_size / p, TensorKind::BufferNonPersistent),
     };
     t.patch_embed_pos_embed("pos_embed", side, dim, kind);
+}
+
+impl Sd3Dims {
+    /// StableDiffusion3Pipeline's default: `sample_size` × the VAE's 8 (SD3, SD3.5: 128 → 1024²).
+    pub fn training_defaults(&self) -> TrainingDefaults {
+        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
+    }
 }

@@ -9,6 +9,7 @@
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
+use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -157,5 +158,18 @@ pub(crate) fn table(d: &WanDims, t: &mut Table) {
             TensorKind::BufferNonPersistent,
             Group::Rope,
         );
+    }
+}
+
+impl WanDims {
+    /// WanPipeline's default: 81 frames of 480 × 832 (`height=480, width=832, num_frames=81`).
+    pub fn training_defaults(&self) -> TrainingDefaults {
+        TrainingDefaults {
+            height: 480,
+            width: 832,
+            frames: 81,
+            microbatch: 1,
+            accumulation: 1,
+        }
     }
 }
