@@ -20,6 +20,7 @@ mod estimate;
 mod events;
 mod export;
 pub mod gpu;
+pub mod oom;
 mod params;
 mod plan;
 mod runtime;
