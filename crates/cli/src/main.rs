@@ -12,6 +12,7 @@ mod flags;
 mod gpus_cmd;
 mod guard;
 mod input;
+mod oom_cmd;
 mod output;
 mod params_cmd;
 mod plan_cmd;
@@ -84,6 +85,9 @@ enum Command {
     /// The GPU catalog: capacity CUDA reports, compute capability, dtype support, dense FLOP/s,
     /// bandwidth, CUDA context and cuBLAS workspace, with sources (`ditmem gpus NAME` for one).
     Gpus(gpus_cmd::GpusArgs),
+    /// Read a PyTorch out-of-memory message (argument, --file or stdin): fragmentation or a true
+    /// shortage, the card as CUDA sees it and, with the run's spec flags, the levers that fit.
+    Oom(oom_cmd::OomArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -159,6 +163,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Params(args) => params_cmd::run(args)?,
         Command::Gpus(args) => gpus_cmd::run(args)?,
+        Command::Oom(args) => oom_cmd::run(args)?,
         Command::Spec { spec, json } => {
             let spec = spec.to_spec()?;
             if json {
@@ -173,8 +178,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".
 fn command_name() -> String {
-    const NAMES: [&str; 9] = [
-        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus",
+    const NAMES: [&str; 10] = [
+        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus", "oom",
     ];
     std::env::args()
         .skip(1)
