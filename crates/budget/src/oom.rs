@@ -644,7 +644,8 @@ pub struct LeverOptions {
     pub budget_bytes: u64,
     pub headroom: f64,
     /// Which levers that change what is trained may be used (LoRA, a quantized base, bf16-pure,
-    /// a precision change; sharding with several ranks). 8-bit AdamW is always tried.
+    /// a precision change). 8-bit AdamW is always tried, and ZeRO over the spec's ranks when it
+    /// has several.
     pub allow: Allow,
 }
 
@@ -910,30 +911,27 @@ pub fn rank_levers(
             not_allowed.push("a quantized base (--allow quant)".into());
         }
     }
+    // Over ranks the run already has, ZeRO changes neither what is trained nor the devices.
     if w.ranks > 1 && r.zero_stage == 0 {
-        if opts.allow.sharding {
-            let mut chosen = None;
-            for stage in 1..=3u8 {
-                let mut s = base.clone();
-                s.recipe.zero_stage = stage;
-                if let Some(x) = try_spec(&s) {
-                    let done = fits(&x);
-                    chosen = Some((stage, x));
-                    if done {
-                        break;
-                    }
+        let mut chosen = None;
+        for stage in 1..=3u8 {
+            let mut s = base.clone();
+            s.recipe.zero_stage = stage;
+            if let Some(x) = try_spec(&s) {
+                let done = fits(&x);
+                chosen = Some((stage, x));
+                if done {
+                    break;
                 }
             }
-            if let Some((stage, x)) = chosen {
-                levers.push(row(
-                    "ZeRO",
-                    format!("ZeRO stage {stage} over the {} ranks", w.ranks),
-                    x,
-                    "adds communication",
-                ));
-            }
-        } else {
-            not_allowed.push("ZeRO sharding (--allow sharding)".into());
+        }
+        if let Some((stage, x)) = chosen {
+            levers.push(row(
+                "ZeRO",
+                format!("ZeRO stage {stage} over the {} ranks", w.ranks),
+                x,
+                "adds communication",
+            ));
         }
     }
     let mut planned = false;
@@ -941,7 +939,7 @@ pub fn rank_levers(
         planned = true;
         let allow = Allow {
             eight_bit: true,
-            sharding: opts.allow.sharding && w.ranks > 1,
+            sharding: w.ranks > 1,
             ..opts.allow
         };
         let limits = Limits {
@@ -956,7 +954,8 @@ pub fn rank_levers(
             change: p
                 .changes
                 .iter()
-                .map(|c| compact_blocks(c))
+                .map(String::as_str)
+                .map(compact_blocks)
                 .collect::<Vec<_>>()
                 .join("; "),
             device_peak_bytes: p.predicted_peak_bytes,

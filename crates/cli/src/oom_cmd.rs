@@ -32,10 +32,9 @@ pub struct OomArgs {
     pub file: Option<PathBuf>,
     #[command(flatten)]
     pub spec: SpecArgs,
-    /// Levers that change what is trained or need devices, comma-separated: lora, quant (an NF4
-    /// base under LoRA), sharding (ZeRO over --ranks), bf16-pure, precision, or all. Recompute,
-    /// microbatch, expandable segments, cached latents / text embeddings and 8-bit AdamW are
-    /// always tried.
+    /// Levers that change what is trained, comma-separated: lora, quant (an NF4 base under
+    /// LoRA), bf16-pure, precision, or all. Recompute, microbatch, expandable segments, cached
+    /// latents / text embeddings, 8-bit AdamW and (with --ranks > 1) ZeRO are always tried.
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     pub allow: Vec<String>,
     /// Share of the capacity kept free for what the budget does not model (as `plan`).
@@ -338,7 +337,7 @@ fn card_text(d: &Diagnosis, m: &OomMessage, used: Option<&str>) -> String {
         s.push_str(&format!(
             "; levers evaluated on {u}'s context and speed, within the message's capacity"
         ));
-        if g.candidates.len() > 1 && !g.candidates.is_empty() {
+        if g.candidates.len() > 1 {
             s.push_str(" (name yours with --gpu)");
         }
     }
@@ -519,10 +518,7 @@ pub fn render(r: &OomReport) -> String {
     if !l.not_allowed.is_empty() {
         out.push_str(&para(
             "not tried: ",
-            &format!(
-                "{} — they change what is trained or need devices",
-                l.not_allowed.join(", ")
-            ),
+            &format!("{} — they change what is trained", l.not_allowed.join(", ")),
         ));
     }
     if fitting == 0 {

@@ -305,6 +305,29 @@ fn a_spec_that_does_not_fit_a_24_gb_card_gets_a_lever_that_fits() {
 }
 
 #[test]
+fn zero_is_tried_over_the_runs_ranks() {
+    // SD3-medium full fine-tune, 8 ranks, on the L40S of a real message.
+    let msg = data("flux_dev_lora_l40s_kohya_ss_2724.txt");
+    let j = json_of(&[
+        "oom",
+        "--file",
+        msg.to_str().unwrap(),
+        "--preset",
+        "sd3-medium",
+        "--resolution",
+        "1024",
+        "--batch",
+        "8",
+        "--ranks",
+        "8",
+        "--gpu",
+        "l40s",
+    ]);
+    let levers = j["levers"]["levers"].as_array().unwrap();
+    assert!(levers.iter().any(|x| x["lever"] == "ZeRO"), "{levers:?}");
+}
+
+#[test]
 fn stdin_reads_the_message() {
     let text = std::fs::read_to_string(data("flux2_dev_rtx_a6000_flux2_23.txt")).unwrap();
     let log = format!("Traceback (most recent call last):\n  File \"app.py\", line 81\n{text}");
