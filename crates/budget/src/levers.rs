@@ -1,43 +1,25 @@
-//! One change at a time: the levers a user can pull on a spec, each estimated alone.
+//! One change at a time: the levers a user can pull on a spec, each budgeted alone and ranked
+//! against a card.
 //!
-//! `estimate` answers "and what should I change?" with the one lever that helps most; the
-//! planner searches combinations (`plan.rs`). A lever here is a single edit of the spec a user
-//! can make with one flag (recompute, attention, microbatch, optimizer, encoders, allocator
-//! setting, ZeRO stage, LoRA), budgeted like any spec, with its predicted step time on the
-//! same device profile so that a lever that fits can be ranked by what it costs.
+//! `estimate` names the one lever that helps most and `ditmem oom` ranks them against the card
+//! an out-of-memory message came from; the planner searches combinations (`plan.rs`), and is
+//! asked here for its fastest combination when no single lever fits. A lever is a single edit
+//! of the spec a user makes with one setting (the allocator's expandable segments, recompute,
+//! microbatch with accumulation, memory-efficient attention, bf16-mixed, 8-bit AdamW, cached
+//! latents or text embeddings, LoRA, an NF4 base, ZeRO over the ranks), budgeted like any spec,
+//! with its predicted step time on the card's profile so that levers that fit are ranked by
+//! what they cost.
 
 use serde::Serialize;
 
 use crate::cost::{step_time, DeviceProfile};
 use crate::error::SpecError;
-use crate::estimate::{estimate, Budget};
-use crate::plan::PLAN_LORA_RANK;
+use crate::estimate::Budget;
+use crate::plan::{microbatch_candidates, plan, recompute_first, Allow, Limits, PLAN_LORA_RANK};
 use crate::spec::{
-    AttentionMode, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec, TextEncoders,
-    TorchDevice,
+    AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
+    TextEncoders, TorchDevice,
 };
-
-/// One single-flag change and what it does to the step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Lever {
-    /// What changes, in words ("recompute all 57 blocks").
-    pub change: String,
-    /// The flag that makes it (`--recompute all`).
-    pub flag: String,
-    /// The spec with the change.
-    #[serde(skip)]
-    pub spec: Spec,
-    /// What has to fit on the device (see [`need_bytes`]).
-    pub need_bytes: u64,
-    /// Whether it fits the spec's GPU; `None` without a GPU.
-    pub fits: Option<bool>,
-    /// Predicted step time, and its ratio to the unchanged spec's.
-    pub step_time_s: f64,
-    pub slowdown: f64,
-    /// Whether the change alters what is trained or how it is rounded (LoRA, precision, 8-bit
-    /// state), not only where the bytes go.
-    pub changes_training: bool,
-}
 
 /// What has to fit on the device for a budget: on `pytorch:cuda` what `nvidia-smi` would show
 /// (reserved segments + context), and when the allocator's replay ran out of the card, at least
@@ -82,189 +64,483 @@ pub fn profile_for(spec: &Spec) -> DeviceProfile {
         .unwrap_or_else(|_| DeviceProfile::cpu_default())
 }
 
-/// The single-flag changes that apply to `base`, each as (change, flag, spec, changes training).
-fn candidates(base: &Spec) -> Vec<(String, String, Spec, bool)> {
-    let mut out = Vec::new();
-    let r = &base.recipe;
-    let cuda = matches!(
+/// One recipe evaluated against the card: the spec as given, one lever moved, or the planner's
+/// combination.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Lever {
+    /// `as given`, `expandable segments`, `recompute`, `microbatch`, `8-bit AdamW`, `cached
+    /// latents`, `cached text embeddings`, `memory-efficient attention`, `bf16-mixed`, `LoRA`,
+    /// `NF4 base`, `ZeRO`, `combined` (the planner's).
+    pub lever: String,
+    /// The change from the spec, in words.
+    pub change: String,
+    /// What `nvidia-smi` would show at the peak: the caching allocator's reserved segments and
+    /// the CUDA context (at least the allocated peak and the context where the replay stopped at
+    /// the card's capacity).
+    pub device_peak_bytes: u64,
+    /// The step's peak of requested bytes (what `max_memory_allocated` counts, before rounding).
+    pub allocated_peak_bytes: u64,
+    pub fits: bool,
+    /// Predicted step time on the card's profile (the time model, not a measurement).
+    pub step_time_s: f64,
+    /// Step time relative to the spec as given, minus one (0.25: 25 % slower).
+    pub slowdown: f64,
+    /// What it costs beside time (numerics, what is trained), when anything.
+    pub note: String,
+    /// The spec with the lever pulled (the flags that make it: the CLI's `change_flags`).
+    #[serde(skip)]
+    pub spec: Spec,
+}
+
+/// The levers ranked against one card.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeverReport {
+    /// The spec as given.
+    pub base: Lever,
+    /// Fitting levers first, by step time (then peak); then the rest by peak.
+    pub levers: Vec<Lever>,
+    /// The card the spec was evaluated on (catalog name).
+    pub gpu: String,
+    /// What this process may use on the card (for `oom`: the message's total capacity less
+    /// other processes' memory); absent when the spec names no card.
+    pub budget_bytes: Option<u64>,
+    pub headroom: f64,
+    /// `budget × (1 − headroom)`: what a recipe's device peak must stay within.
+    pub usable_bytes: Option<u64>,
+    /// The time model's profile.
+    pub profile: String,
+    /// Whether the planner ran (it does when no single lever fits).
+    pub planned: bool,
+    /// Levers left out because they were not allowed, in words (`--allow lora` …).
+    pub not_allowed: Vec<String>,
+}
+
+/// Options of [`rank_levers`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeverOptions {
+    /// Memory this process may use: the card's capacity, or the message's total less other
+    /// processes'. Without one nothing "fits": levers are ranked by the memory they leave.
+    pub budget_bytes: Option<u64>,
+    pub headroom: f64,
+    /// Which levers that change what is trained may be used (LoRA, a quantized base, bf16-pure,
+    /// a precision change). 8-bit AdamW is always tried, and ZeRO over the spec's ranks when it
+    /// has several.
+    pub allow: Allow,
+    /// When no single lever fits, ask the planner for its fastest combination (seconds, where
+    /// single levers take milliseconds).
+    pub combine: bool,
+}
+
+/// Peak on the device ([`need_bytes`]), allocated peak and step time of `spec`.
+fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<(u64, u64, f64), SpecError> {
+    let b = crate::estimate::estimate(spec)?;
+    Ok((
+        need_bytes(&b),
+        b.peak_bytes,
+        step_time(spec, profile).total_s,
+    ))
+}
+
+fn has_expandable(spec: &Spec) -> bool {
+    spec.cuda.as_ref().is_some_and(|c| {
+        c.alloc_conf
+            .split(',')
+            .any(|kv| kv.trim().eq_ignore_ascii_case("expandable_segments:true"))
+    })
+}
+
+fn with_expandable(spec: &Spec) -> Spec {
+    let mut s = spec.clone();
+    let c = s.cuda.get_or_insert_with(Default::default);
+    let mut parts: Vec<&str> = c
+        .alloc_conf
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| !kv.is_empty() && !kv.starts_with("expandable_segments"))
+        .collect();
+    parts.push("expandable_segments:True");
+    c.alloc_conf = parts.join(",");
+    s
+}
+
+/// Evaluate the spec as given and each single lever against the budget, then (when none fits)
+/// the planner's fastest combination; ranked: fitting recipes by predicted step time, then the
+/// rest by device peak. Levers that do not apply to the spec (already set) are left out; a lever
+/// whose spec does not validate (e.g. a quantized base without LoRA) too.
+pub fn rank_levers(
+    base: &Spec,
+    opts: &LeverOptions,
+    profile: &DeviceProfile,
+) -> Result<LeverReport, SpecError> {
+    if !matches!(
         base.runtime,
         Runtime::Pytorch {
             device: TorchDevice::Cuda,
             ..
         }
-    );
-    let mut push = |change: String, flag: &str, edit: &dyn Fn(&mut Spec), training: bool| {
-        let mut s = base.clone();
-        edit(&mut s);
-        out.push((change, flag.to_string(), s, training));
-    };
-    if r.recompute != Recompute::All {
-        push(
-            format!("recompute all {} blocks", base.model.depth),
-            "--recompute all",
-            &|s| s.recipe.recompute = Recompute::All,
-            false,
-        );
+    ) {
+        return Err(SpecError::invalid(
+            "runtime",
+            format!(
+                "{} is not a CUDA runtime; allowed: pytorch:cuda (an out-of-memory message comes \
+                 from the CUDA caching allocator)",
+                base.runtime
+            ),
+        ));
     }
-    if r.attention == AttentionMode::Materialized {
-        push(
-            "memory-efficient attention".into(),
-            "--attention memory-efficient",
-            &|s| s.recipe.attention = AttentionMode::MemoryEfficient,
-            false,
-        );
+    if !(0.0..0.9).contains(&opts.headroom) {
+        return Err(SpecError::invalid(
+            "headroom",
+            "out of range; allowed: 0 ≤ headroom < 0.9",
+        ));
+    }
+    let usable = opts
+        .budget_bytes
+        .map(|b| (b as f64 * (1.0 - opts.headroom)).floor() as u64);
+    let under = |d: u64| usable.is_some_and(|u| d <= u);
+    let (d0, a0, t0) = evaluate(base, profile)?;
+    let row =
+        |lever: &str, change: String, (d, a, t): (u64, u64, f64), note: &str, spec: &Spec| Lever {
+            lever: lever.into(),
+            change,
+            device_peak_bytes: d,
+            allocated_peak_bytes: a,
+            fits: under(d),
+            step_time_s: t,
+            slowdown: if t0 > 0.0 { t / t0 - 1.0 } else { 0.0 },
+            note: note.into(),
+            spec: spec.clone(),
+        };
+    let base_row = row("as given", "none".into(), (d0, a0, t0), "", base);
+    let mut levers: Vec<Lever> = Vec::new();
+    let mut not_allowed: Vec<String> = Vec::new();
+    let r = &base.recipe;
+    let try_spec = |s: &Spec| -> Option<(u64, u64, f64)> {
+        s.validate().ok()?;
+        evaluate(s, profile).ok()
+    };
+    let fits = |x: &(u64, u64, f64)| under(x.0);
+
+    if !has_expandable(base) {
+        let s = with_expandable(base);
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "expandable segments",
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
+                x,
+                "segments grow by mapped pages: less fragmentation, no cost in the step",
+                &s,
+            ));
+        }
+    }
+    let depth = base.model.depth;
+    if r.recompute != Recompute::All && depth > 0 {
+        let at = |k: u32| {
+            let mut s = base.clone();
+            s.recipe.recompute = recompute_first(k, depth);
+            try_spec(&s).map(|x| (k, x, s))
+        };
+        if let Some(all) = at(depth) {
+            let mut best = all;
+            if fits(&best.1) && depth > 1 {
+                // Smallest k that fits: the peak falls with k, the time rises.
+                let (mut lo, mut hi) = (0u32, depth);
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    match at(mid) {
+                        Some(p) if fits(&p.1) => {
+                            hi = mid;
+                            best = p;
+                        }
+                        _ => lo = mid,
+                    }
+                }
+            }
+            let change = if best.0 >= depth {
+                format!("recompute all {depth} blocks (gradient checkpointing)")
+            } else {
+                format!("recompute the first {} of {depth} blocks", best.0)
+            };
+            levers.push(row(
+                "recompute",
+                change,
+                best.1,
+                "forward runs twice in those blocks",
+                &best.2,
+            ));
+        }
     }
     let w = &base.workload;
     if w.microbatch > 1 {
-        let micro = w.microbatch / 2;
-        let acc = w.accumulation.saturating_mul(w.microbatch / micro.max(1));
-        if micro * acc * w.ranks == w.batch {
-            push(
-                format!("microbatch {micro} × accumulation {acc} (same batch)"),
-                &format!("--microbatch {micro} --accumulation {acc}"),
-                &|s| {
-                    s.workload.microbatch = micro;
-                    s.workload.accumulation = acc;
-                },
-                false,
-            );
+        let per_rank = w.microbatch.saturating_mul(w.accumulation);
+        let mut chosen = None;
+        for m in microbatch_candidates(per_rank, w.microbatch)
+            .into_iter()
+            .filter(|&m| m < w.microbatch)
+        {
+            let mut s = base.clone();
+            s.workload.microbatch = m;
+            s.workload.accumulation = per_rank / m;
+            if let Some(x) = try_spec(&s) {
+                let done = fits(&x);
+                chosen = Some((m, per_rank / m, x, s));
+                if done {
+                    break;
+                }
+            }
+        }
+        if let Some((m, acc, x, s)) = chosen {
+            levers.push(row(
+                "microbatch",
+                format!(
+                    "microbatch {} → {m}, accumulation {} → {acc} (same batch)",
+                    w.microbatch, w.accumulation
+                ),
+                x,
+                "",
+                &s,
+            ));
+        }
+    }
+    if r.attention == AttentionMode::Materialized {
+        let mut s = base.clone();
+        s.recipe.attention = AttentionMode::MemoryEfficient;
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "attention",
+                "memory-efficient attention (SDPA flash / efficient)".into(),
+                x,
+                "",
+                &s,
+            ));
+        }
+    }
+    if r.precision == Precision::Fp32 || r.precision == Precision::Fp64 {
+        let mut s = base.clone();
+        s.recipe.precision = Precision::Bf16Mixed;
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "bf16-mixed",
+                format!("precision {} → bf16-mixed", r.precision),
+                x,
+                "autocast: bf16 compute, fp32 master weights",
+                &s,
+            ));
+        }
+    }
+    if r.optimizer == Optimizer::AdamW {
+        let mut s = base.clone();
+        s.recipe.optimizer = Optimizer::AdamW8bit;
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "8-bit AdamW",
+                "optimizer adamw → adamw-8bit (bitsandbytes)".into(),
+                x,
+                "block-wise 8-bit optimizer state: changes the optimizer's numerics",
+                &s,
+            ));
         }
     }
     if r.latents == Latents::Encode {
-        push(
-            "cache the latents (no VAE in the step)".into(),
-            "--latents cached",
-            &|s| s.recipe.latents = Latents::Cached,
-            false,
-        );
-    }
-    if !r.text_encoders.is_cached() {
-        push(
-            "cache the caption embeddings (no text encoder in the step)".into(),
-            "--text-encoders cached",
-            &|s| s.recipe.text_encoders = TextEncoders::Cached,
-            false,
-        );
-    }
-    if r.optimizer == Optimizer::AdamW && cuda {
-        push(
-            "8-bit AdamW (bitsandbytes)".into(),
-            "--optimizer adamw-8bit",
-            &|s| s.recipe.optimizer = Optimizer::AdamW8bit,
-            true,
-        );
-    }
-    if cuda {
-        let conf = base
-            .cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default();
-        if !conf.contains("expandable_segments") {
-            let joined = if conf.is_empty() {
-                crate::plan::EXPANDABLE_SEGMENTS.to_string()
-            } else {
-                format!("{conf},{}", crate::plan::EXPANDABLE_SEGMENTS)
-            };
-            push(
-                format!("PYTORCH_CUDA_ALLOC_CONF={joined}"),
-                &format!("--alloc-conf {joined}"),
-                &|s| {
-                    s.cuda.get_or_insert_with(Default::default).alloc_conf = joined.clone();
-                },
-                false,
-            );
+        let mut s = base.clone();
+        s.recipe.latents = Latents::Cached;
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "cached latents",
+                "encode the latents beforehand (the VAE leaves the step)".into(),
+                x,
+                "",
+                &s,
+            ));
         }
     }
-    if w.ranks > 1 && r.zero_stage < 3 {
-        let stage = r.zero_stage + 1;
-        push(
-            format!("ZeRO stage {stage} over {} ranks", w.ranks),
-            &format!("--zero {stage}"),
-            &|s| s.recipe.zero_stage = stage,
-            false,
-        );
+    if r.text_encoders != TextEncoders::Cached {
+        let mut s = base.clone();
+        s.recipe.text_encoders = TextEncoders::Cached;
+        if let Some(x) = try_spec(&s) {
+            levers.push(row(
+                "cached text embeddings",
+                format!(
+                    "text encoders {} → cached (embeddings computed beforehand)",
+                    r.text_encoders.name()
+                ),
+                x,
+                "",
+                &s,
+            ));
+        }
     }
-    if r.lora.is_none() && base.model.diffusers.is_some() {
-        push(
-            format!("LoRA rank {PLAN_LORA_RANK} on the frozen base (trains adapters only)"),
-            &format!("--lora-rank {PLAN_LORA_RANK}"),
-            &|s| {
-                s.recipe.lora = Some(LoraSpec {
-                    rank: PLAN_LORA_RANK,
-                    targets: crate::spec::default_lora_targets(),
-                    modules: Vec::new(),
-                })
-            },
-            true,
-        );
-    }
-    if r.precision == Precision::Fp32 && cuda {
-        push(
-            "bf16 mixed precision".into(),
-            "--precision bf16-mixed",
-            &|s| s.recipe.precision = Precision::Bf16Mixed,
-            true,
-        );
-    }
-    out
-}
-
-/// Every single-flag lever of `base` that the budget accepts, budgeted, in the order of
-/// [`rank`]. A change the spec's runtime or family refuses is left out.
-pub fn levers(base: &Spec, base_budget: &Budget) -> Vec<Lever> {
-    let profile = profile_for(base);
-    let base_time = step_time(base, &profile).total_s.max(1e-12);
-    let base_need = need_bytes(base_budget);
-    let mut out: Vec<Lever> = candidates(base)
-        .into_iter()
-        .filter_map(|(change, flag, spec, changes_training)| {
-            let b = estimate(&spec).ok()?;
-            let need = need_bytes(&b);
-            // A lever that saves nothing is not one.
-            if need >= base_need {
-                return None;
+    if r.lora.is_none() {
+        if opts.allow.lora {
+            let mut s = base.clone();
+            s.recipe.lora = Some(LoraSpec {
+                rank: PLAN_LORA_RANK,
+                targets: crate::spec::default_lora_targets(),
+                modules: Vec::new(),
+            });
+            if let Some(x) = try_spec(&s) {
+                levers.push(row(
+                    "LoRA",
+                    format!("train LoRA rank {PLAN_LORA_RANK} adapters, the base frozen"),
+                    x,
+                    "changes what is trained",
+                    &s,
+                ));
             }
-            let t = step_time(&spec, &profile).total_s;
-            Some(Lever {
-                change,
-                flag,
-                fits: fits(&b),
-                need_bytes: need,
-                step_time_s: t,
-                slowdown: t / base_time,
-                changes_training,
-                spec,
-            })
-        })
-        .collect();
-    rank(&mut out);
-    out
-}
-
-/// The order levers are offered in: those that fit first, and among them those that leave
-/// training as it is, then the least slowdown; those that do not fit by what they save.
-pub fn rank(levers: &mut [Lever]) {
-    levers.sort_by(|a, b| {
-        let fit = |l: &Lever| l.fits != Some(true);
-        fit(a)
-            .cmp(&fit(b))
-            .then_with(|| {
-                if a.fits == Some(true) && b.fits == Some(true) {
-                    a.changes_training
-                        .cmp(&b.changes_training)
-                        .then(a.slowdown.total_cmp(&b.slowdown))
-                } else {
-                    a.need_bytes.cmp(&b.need_bytes)
+        } else {
+            not_allowed.push("LoRA (--allow lora)".into());
+        }
+    } else if r.base_quant == BaseQuant::None {
+        if opts.allow.quant {
+            let mut s = base.clone();
+            s.recipe.base_quant = BaseQuant::Nf4;
+            if let Some(x) = try_spec(&s) {
+                levers.push(row(
+                    "NF4 base",
+                    "store the frozen base NF4 (QLoRA, bitsandbytes)".into(),
+                    x,
+                    "changes the frozen weights' numerics",
+                    &s,
+                ));
+            }
+        } else {
+            not_allowed.push("a quantized base (--allow quant)".into());
+        }
+    }
+    // Over ranks the run already has, ZeRO changes neither what is trained nor the devices.
+    if w.ranks > 1 && r.zero_stage == 0 {
+        let mut chosen = None;
+        for stage in 1..=3u8 {
+            let mut s = base.clone();
+            s.recipe.zero_stage = stage;
+            if let Some(x) = try_spec(&s) {
+                let done = fits(&x);
+                chosen = Some((stage, x, s));
+                if done {
+                    break;
                 }
-            })
-            .then_with(|| a.change.cmp(&b.change))
+            }
+        }
+        if let Some((stage, x, s)) = chosen {
+            levers.push(row(
+                "ZeRO",
+                format!("ZeRO stage {stage} over the {} ranks", w.ranks),
+                x,
+                "adds communication",
+                &s,
+            ));
+        }
+    }
+    let mut planned = false;
+    if let (true, Some(budget_bytes), false, false) = (
+        opts.combine,
+        opts.budget_bytes,
+        base_row.fits,
+        levers.iter().any(|l| l.fits),
+    ) {
+        planned = true;
+        let allow = Allow {
+            eight_bit: true,
+            sharding: w.ranks > 1,
+            ..opts.allow
+        };
+        let limits = Limits {
+            budget_bytes,
+            headroom: opts.headroom,
+            allow,
+        };
+        let p = plan(base, &limits, profile)?;
+        let t = p.predicted_step_time_s;
+        levers.push(Lever {
+            lever: "combined".into(),
+            change: p
+                .changes
+                .iter()
+                .map(String::as_str)
+                .map(compact_blocks)
+                .collect::<Vec<_>>()
+                .join("; "),
+            device_peak_bytes: p.predicted_peak_bytes,
+            allocated_peak_bytes: p.breakdown.total(),
+            fits: p.feasible,
+            step_time_s: t,
+            slowdown: if t0 > 0.0 { t / t0 - 1.0 } else { 0.0 },
+            note: if p.feasible {
+                "the planner's fastest recipe that fits (ditmem plan)".into()
+            } else {
+                "the planner's smallest peak: nothing allowed fits".into()
+            },
+            spec: p.plan,
+        });
+    }
+    levers.sort_by(|a, b| {
+        b.fits.cmp(&a.fits).then_with(|| {
+            if a.fits {
+                a.step_time_s
+                    .total_cmp(&b.step_time_s)
+                    .then(a.device_peak_bytes.cmp(&b.device_peak_bytes))
+            } else {
+                a.device_peak_bytes.cmp(&b.device_peak_bytes)
+            }
+        })
     });
+    let gpu = base
+        .cuda
+        .as_ref()
+        .and_then(|c| c.gpu.clone())
+        .unwrap_or_default();
+    Ok(LeverReport {
+        base: base_row,
+        levers,
+        gpu,
+        budget_bytes: opts.budget_bytes,
+        headroom: opts.headroom,
+        usable_bytes: usable,
+        profile: profile.name.clone(),
+        planned,
+        not_allowed,
+    })
 }
 
-/// The one change `estimate` names: the best-ranked lever.
-pub fn best(base: &Spec, base_budget: &Budget) -> Result<Option<Lever>, SpecError> {
-    Ok(levers(base, base_budget).into_iter().next())
+/// A planner change with its block list as ranges: "recompute 23 of 57 blocks
+/// (blocks:0,1,2,…,21,23)" → "… (blocks 0–21, 23)".
+pub fn compact_blocks(change: &str) -> String {
+    let Some(i) = change.find("(blocks:") else {
+        return change.to_string();
+    };
+    let rest = &change[i + "(blocks:".len()..];
+    let Some(end) = rest.find(')') else {
+        return change.to_string();
+    };
+    let Ok(mut v) = rest[..end]
+        .split(',')
+        .map(|t| t.trim().parse::<u32>())
+        .collect::<Result<Vec<u32>, _>>()
+    else {
+        return change.to_string();
+    };
+    v.sort_unstable();
+    v.dedup();
+    let mut parts: Vec<String> = Vec::new();
+    let mut k = 0;
+    while k < v.len() {
+        let mut j = k;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        parts.push(if j == k {
+            v[k].to_string()
+        } else {
+            format!("{}–{}", v[k], v[j])
+        });
+        k = j + 1;
+    }
+    format!(
+        "{}(blocks {}){}",
+        &change[..i],
+        parts.join(", "),
+        &rest[end + 1..]
+    )
 }
 
 #[cfg(test)]
@@ -284,28 +560,59 @@ mod tests {
         s
     }
 
+    fn options(budget: Option<u64>) -> LeverOptions {
+        LeverOptions {
+            budget_bytes: budget,
+            headroom: 0.0,
+            allow: Allow::default(),
+            combine: false,
+        }
+    }
+
     #[test]
-    fn every_lever_saves_bytes_and_the_first_that_fits_leads() {
+    fn levers_that_fit_lead_and_each_is_its_own_spec() {
         // DiT-XL/2 at 256², batch 32 on a 24 GB card: activations dominate, recompute fits.
         let s = on("rtx-4090");
-        let b = estimate(&s).unwrap();
-        let ls = levers(&s, &b);
-        assert!(!ls.is_empty());
-        for l in &ls {
-            assert!(l.need_bytes < need_bytes(&b), "{}", l.change);
+        let cap = crate::gpu::lookup("rtx-4090").unwrap().capacity_bytes();
+        let r = rank_levers(&s, &options(Some(cap)), &profile_for(&s)).unwrap();
+        assert!(!r.base.fits);
+        assert!(r.levers[0].fits, "{:?}", r.levers[0].lever);
+        let first_miss = r
+            .levers
+            .iter()
+            .position(|l| !l.fits)
+            .unwrap_or(r.levers.len());
+        assert!(r.levers[first_miss..].iter().all(|l| !l.fits));
+        // Fitting levers by time, the rest by what they leave.
+        for w in r.levers[..first_miss].windows(2) {
+            assert!(w[0].step_time_s <= w[1].step_time_s);
         }
-        let first_non_fit = ls.iter().position(|l| l.fits != Some(true));
-        if let Some(i) = first_non_fit {
-            assert!(ls[i..].iter().all(|l| l.fits != Some(true)));
+        for w in r.levers[first_miss..].windows(2) {
+            assert!(w[0].device_peak_bytes <= w[1].device_peak_bytes);
         }
-        assert!(ls[0].fits.is_some());
+        for l in &r.levers {
+            assert_ne!(l.spec, s, "{} changes the spec", l.lever);
+            let again = crate::estimate::estimate(&l.spec).unwrap();
+            assert_eq!(need_bytes(&again), l.device_peak_bytes, "{}", l.lever);
+        }
+    }
+
+    #[test]
+    fn without_a_card_nothing_fits_and_the_biggest_saving_leads() {
+        let mut s = on("rtx-4090");
+        s.cuda = None;
+        let r = rank_levers(&s, &options(None), &profile_for(&s)).unwrap();
+        assert!(r.levers.iter().all(|l| !l.fits));
+        assert_eq!(r.usable_bytes, None);
+        let least = r.levers.iter().map(|l| l.device_peak_bytes).min().unwrap();
+        assert_eq!(r.levers[0].device_peak_bytes, least);
     }
 
     #[test]
     fn a_lever_already_pulled_is_not_offered() {
         let mut s = on("h100-sxm");
         s.recipe.recompute = Recompute::All;
-        let b = estimate(&s).unwrap();
-        assert!(levers(&s, &b).iter().all(|l| l.flag != "--recompute all"));
+        let r = rank_levers(&s, &options(None), &profile_for(&s)).unwrap();
+        assert!(r.levers.iter().all(|l| l.lever != "recompute"));
     }
 }

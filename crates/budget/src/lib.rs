@@ -21,6 +21,7 @@ mod events;
 mod export;
 pub mod gpu;
 pub mod levers;
+pub mod oom;
 mod params;
 mod plan;
 mod runtime;

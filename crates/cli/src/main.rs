@@ -12,6 +12,7 @@ mod flags;
 mod gpus_cmd;
 mod guard;
 mod input;
+mod oom_cmd;
 mod output;
 mod params_cmd;
 mod plan_cmd;
@@ -88,6 +89,9 @@ enum Command {
     /// The GPU catalog: capacity CUDA reports, compute capability, dtype support, dense FLOP/s,
     /// bandwidth, CUDA context and cuBLAS workspace, with sources (`ditmem gpus NAME` for one).
     Gpus(gpus_cmd::GpusArgs),
+    /// Read a PyTorch out-of-memory message (argument, --file or stdin): fragmentation or a true
+    /// shortage, the card as CUDA sees it and, with the run's spec flags, the levers that fit.
+    Oom(oom_cmd::OomArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec {
         #[command(flatten)]
@@ -154,8 +158,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             output::check_outputs(&[("--plot", plot.as_deref())])?;
             let spec = spec.to_gpu_spec()?;
             let budget = ditmem_budget::estimate(&spec)?;
-            // The answer's last line: each single-flag change, budgeted.
-            let levers = ditmem_budget::levers::levers(&spec, &budget);
+            // The answer's last line: each single lever, budgeted and ranked on the spec's card.
+            let levers = render::estimate_levers(&spec, &budget)?;
             if let Some(path) = &plot {
                 let svg = compare_cmd::timeline_svg(&budget, None)?;
                 output::write_output("--plot", path, svg.as_bytes())?;
@@ -186,6 +190,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Params(args) => params_cmd::run(args)?,
         Command::Gpus(args) => gpus_cmd::run(args)?,
+        Command::Oom(args) => oom_cmd::run(args)?,
         Command::Spec { spec, json } => {
             // The runtime `estimate` and `plan` default to (pytorch:cuda), so that `spec … >
             // s.toml; estimate --config s.toml` answers as `estimate …` does.
@@ -202,8 +207,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".
 fn command_name() -> String {
-    const NAMES: [&str; 9] = [
-        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus",
+    const NAMES: [&str; 10] = [
+        "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus", "oom",
     ];
     std::env::args()
         .skip(1)

@@ -783,18 +783,75 @@ fn peak_line(b: &Budget) -> String {
     }
 }
 
-/// A lever in a few words: its flag, what the step then needs, whether it fits, the time.
-fn lever_words(l: &ditmem_budget::levers::Lever) -> String {
-    let fits = match l.fits {
-        Some(true) => ", fits",
-        Some(false) => ", still too big",
-        None => "",
+/// The levers `estimate` offers: the single levers ranked against the spec's card (by what
+/// they leave without one); 8-bit AdamW always, LoRA only when nothing else fits a diffusers
+/// model trained in full — it changes what is trained. A lever that saves nothing is left out.
+pub fn estimate_levers(
+    spec: &Spec,
+    b: &Budget,
+) -> anyhow::Result<Vec<ditmem_budget::levers::Lever>> {
+    use ditmem_budget::levers::{need_bytes, profile_for, rank_levers, LeverOptions};
+    let capacity = b.cuda.as_ref().and_then(|c| c.capacity_bytes);
+    let profile = profile_for(spec);
+    let mut opts = LeverOptions {
+        budget_bytes: capacity,
+        headroom: 0.0,
+        allow: ditmem_budget::Allow::default(),
+        combine: false,
+    };
+    let mut r = rank_levers(spec, &opts, &profile)?;
+    if r.base.fits {
+        // It fits as it is: the levers by the memory they give back (a card would stop each
+        // search at the first setting that fits, which the step already does).
+        opts.budget_bytes = None;
+        r = rank_levers(spec, &opts, &profile)?;
+        r.base.fits = true;
+        for l in &mut r.levers {
+            l.fits = capacity.is_some_and(|c| l.device_peak_bytes <= c);
+        }
+    }
+    let none_fits = !r.base.fits && !r.levers.iter().any(|l| l.fits);
+    if none_fits && spec.recipe.lora.is_none() && spec.model.diffusers.is_some() {
+        opts.allow.lora = true;
+        r = rank_levers(spec, &opts, &profile)?;
+    }
+    let need = need_bytes(b);
+    Ok(r.levers
+        .into_iter()
+        .filter(|l| l.device_peak_bytes < need)
+        .collect())
+}
+
+/// A lever's change without its trailing aside, to sit in parentheses itself.
+fn plain_change(change: &str) -> &str {
+    match change.rfind(" (") {
+        Some(i) if change.ends_with(')') => &change[..i],
+        _ => change,
+    }
+}
+
+/// A lever as flags: what to add to the command line.
+fn lever_flags(base: &Spec, l: &ditmem_budget::levers::Lever) -> String {
+    let f = change_flags(base, &l.spec);
+    if f.is_empty() {
+        l.lever.clone()
+    } else {
+        f.join(" ")
+    }
+}
+
+/// A lever in a few words: its flags, what the step then needs, whether it fits, the time.
+fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> String {
+    let fits = match (b.cuda.as_ref().and_then(|c| c.capacity_bytes), l.fits) {
+        (Some(_), true) => ", fits",
+        (Some(_), false) => ", still too big",
+        (None, _) => "",
     };
     format!(
         "{} → {}{fits}, step ×{:.2}",
-        l.flag,
-        fmt_bytes(l.need_bytes),
-        l.slowdown
+        lever_flags(&b.spec, l),
+        fmt_bytes(l.device_peak_bytes),
+        1.0 + l.slowdown
     )
 }
 
@@ -802,10 +859,10 @@ fn lever_words(l: &ditmem_budget::levers::Lever) -> String {
 /// it can be (the lever's description is dropped first).
 fn change_line(b: &Budget, levers: &[ditmem_budget::levers::Lever], width: usize) -> String {
     let fits = ditmem_budget::levers::fits(b);
-    let on_cuda = b.cuda.is_some();
+    let on_card = b.cuda.as_ref().and_then(|c| c.capacity_bytes).is_some();
     let plan_hint = match b.spec.cuda.as_ref().and_then(|c| c.gpu.clone()) {
         Some(g) => format!("ditmem plan --gpu {g}"),
-        None if on_cuda => "ditmem plan --gpu NAME".into(),
+        None if b.cuda.is_some() => "ditmem plan --gpu NAME".into(),
         None => "ditmem plan --budget SIZE".into(),
     };
     let fitted = |long: String, short: String| {
@@ -816,35 +873,39 @@ fn change_line(b: &Budget, levers: &[ditmem_budget::levers::Lever], width: usize
         }
     };
     if fits == Some(true) {
-        return match levers.iter().min_by_key(|l| l.need_bytes) {
+        return match levers.iter().min_by_key(|l| l.device_peak_bytes) {
             Some(l) => fitted(
                 format!(
                     "change: none needed; the most memory back: {} ({})",
-                    lever_words(l),
-                    l.change
+                    lever_words(b, l),
+                    plain_change(&l.change)
                 ),
                 format!(
                     "change: none needed; the most memory back: {}",
-                    lever_words(l)
+                    lever_words(b, l)
                 ),
             ),
             None => "change: none needed".into(),
         };
     }
     match levers.first() {
-        Some(l) if l.fits == Some(false) => fitted(
+        Some(l) if on_card && !l.fits => fitted(
             format!(
                 "change: no one flag is enough; the most: {}; {plan_hint} combines",
-                lever_words(l)
+                lever_words(b, l)
             ),
             format!(
                 "change: no one flag is enough; the most: {}",
-                lever_words(l)
+                lever_words(b, l)
             ),
         ),
         Some(l) => fitted(
-            format!("change: {} ({})", lever_words(l), l.change),
-            format!("change: {}", lever_words(l)),
+            format!(
+                "change: {} ({})",
+                lever_words(b, l),
+                plain_change(&l.change)
+            ),
+            format!("change: {}", lever_words(b, l)),
         ),
         None => format!("change: no single flag saves memory; {plan_hint} searches combinations"),
     }
@@ -890,25 +951,27 @@ pub fn estimate_report(v: &EstimateView<'_>) -> String {
             2,
         ));
     }
-    let shown_first = usize::from(ditmem_budget::levers::fits(b) != Some(true));
-    let others: Vec<_> = v.levers.iter().skip(shown_first).take(4).collect();
+    // Line 5 named the first lever (the best ranked, or when it fits the one that gives the
+    // most memory back, also first then).
+    let others: Vec<_> = v.levers.iter().skip(1).take(4).collect();
     if !others.is_empty() {
         o.push('\n');
-        let mut t = Table::new(&["other levers", "needs", "fits", "step"]);
+        let on_card = b.cuda.as_ref().and_then(|c| c.capacity_bytes).is_some();
+        let mut t = Table::new(&["step", "needs", "fits", "other levers"]);
         for l in others {
             t.row(vec![
-                l.flag.clone(),
-                fmt_bytes(l.need_bytes),
-                match l.fits {
-                    Some(true) => "yes",
-                    Some(false) => "no",
-                    None => "-",
+                format!("×{:.2}", 1.0 + l.slowdown),
+                fmt_bytes(l.device_peak_bytes),
+                match (on_card, l.fits) {
+                    (true, true) => "yes",
+                    (true, false) => "no",
+                    (false, _) => "-",
                 }
                 .into(),
-                format!("×{:.2}", l.slowdown),
+                lever_flags(&b.spec, l),
             ]);
         }
-        o.push_str(&t.render());
+        o.push_str(&t.render_fit(w));
     }
     o.push('\n');
     o.push_str(&wrap(&format!("recipe: {}", recipe_line(&b.spec)), w, 2));
