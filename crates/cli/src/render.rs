@@ -546,9 +546,10 @@ pub fn width() -> usize {
     if !std::io::stdout().is_terminal() {
         return PIPED;
     }
+    // SAFETY: `winsize` is plain old data; all zeroes is a valid value.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
     // SAFETY: TIOCGWINSZ fills a `winsize` on a terminal file descriptor and touches nothing
     // else; on failure the struct stays zeroed and the width falls back.
-    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
     let ok = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
     if ok && ws.ws_col >= 40 {
         usize::from(ws.ws_col)
@@ -647,7 +648,7 @@ pub fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
         .into_iter()
         .filter(|(_, v)| *v > 0)
         .collect();
-    e.sort_by(|x, y| y.1.cmp(&x.1));
+    e.sort_by_key(|x| std::cmp::Reverse(x.1));
     e.iter()
         .take(3)
         .map(|(n, v)| {
