@@ -172,22 +172,13 @@ pub fn rank_levers(
     opts: &LeverOptions,
     profile: &DeviceProfile,
 ) -> Result<LeverReport, SpecError> {
-    if !matches!(
+    let cuda = matches!(
         base.runtime,
         Runtime::Pytorch {
             device: TorchDevice::Cuda,
             ..
         }
-    ) {
-        return Err(SpecError::invalid(
-            "runtime",
-            format!(
-                "{} is not a CUDA runtime; allowed: pytorch:cuda (an out-of-memory message comes \
-                 from the CUDA caching allocator)",
-                base.runtime
-            ),
-        ));
-    }
+    );
     if !(0.0..0.9).contains(&opts.headroom) {
         return Err(SpecError::invalid(
             "headroom",
@@ -221,7 +212,8 @@ pub fn rank_levers(
     };
     let fits = |x: &(u64, u64, f64)| under(x.0);
 
-    if !has_expandable(base) {
+    // The caching allocator's setting exists on CUDA only.
+    if cuda && !has_expandable(base) {
         let s = with_expandable(base);
         if let Some(x) = try_spec(&s) {
             levers.push(row(

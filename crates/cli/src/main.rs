@@ -107,7 +107,15 @@ struct EstimateJson<'a> {
     #[serde(flatten)]
     budget: &'a ditmem_budget::Budget,
     need_bytes: u64,
-    levers: &'a [ditmem_budget::levers::Lever],
+    levers: Vec<LeverJson<'a>>,
+}
+
+/// A lever in `estimate --json`, with the flags that pull it.
+#[derive(serde::Serialize)]
+struct LeverJson<'a> {
+    #[serde(flatten)]
+    lever: &'a ditmem_budget::levers::Lever,
+    flags: String,
 }
 
 /// Errors the binary reports; each maps to an exit code.
@@ -168,7 +176,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 output::print_json(&EstimateJson {
                     budget: &budget,
                     need_bytes: ditmem_budget::levers::need_bytes(&budget),
-                    levers: &levers,
+                    levers: levers
+                        .iter()
+                        .map(|l| LeverJson {
+                            flags: render::change_flags(&spec, &l.spec).join(" "),
+                            lever: l,
+                        })
+                        .collect(),
                 })?;
             } else {
                 output::say(&render::estimate_report(&render::EstimateView {

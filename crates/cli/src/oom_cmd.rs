@@ -144,6 +144,23 @@ pub fn run(args: OomArgs) -> Result<(), CliError> {
     let named = args.spec.gpu.clone();
     if spec_given(&args.spec) {
         let mut spec = args.spec.to_gpu_spec()?;
+        if !matches!(
+            spec.runtime,
+            ditmem_budget::Runtime::Pytorch {
+                device: ditmem_budget::TorchDevice::Cuda,
+                ..
+            }
+        ) {
+            return Err(SpecError::invalid(
+                "runtime",
+                format!(
+                    "{} is not a CUDA runtime; allowed: pytorch:cuda (an out-of-memory message \
+                     comes from the CUDA caching allocator)",
+                    spec.runtime
+                ),
+            )
+            .into());
+        }
         let card = match &named {
             Some(n) => gpu::lookup(n).map_err(|e| SpecError::invalid("--gpu", e.to_string()))?,
             None => gpu::lookup(report.diagnosis.gpu.nearest)

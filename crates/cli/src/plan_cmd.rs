@@ -353,6 +353,7 @@ fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) ->
         ));
     }
 
+    out.push_str(&wrap(&allow_line(&p.allow, base.workload.ranks), w, 2));
     out.push_str(&format!(
         "\nPareto front ({}; ✓ fits, → the plan)\n",
         if shown.len() == p.pareto.len() {
@@ -390,7 +391,6 @@ fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) ->
         ]);
     }
     out.push_str(&f.render_fit(w));
-    out.push_str(&wrap(&allow_line(&p.allow, base.workload.ranks), w, 2));
     out.push_str(&format!(
         "searched {} combinations ({} pruned as dominated), {} timelines, in {}\n",
         p.combinations,

@@ -145,8 +145,8 @@ fn estimate_json_has_the_levers() {
     let levers = v["levers"].as_array().unwrap();
     assert!(!levers.is_empty());
     for l in levers {
-        assert!(l["need_bytes"].as_u64().unwrap() < need, "{l}");
-        assert!(l["flag"].as_str().unwrap().starts_with("--"));
+        assert!(l["device_peak_bytes"].as_u64().unwrap() < need, "{l}");
+        assert!(l["flags"].as_str().unwrap().starts_with("--"), "{l}");
     }
 }
 
