@@ -136,11 +136,19 @@ fn float(text: &str) -> Result<f64, String> {
         .map_err(|_| format!("{} is not a number", show(text)))
 }
 
-/// A learning rate: finite and > 0.
+/// Smallest and largest learning rate `run` and `verify` take. AdamW and SGD steps of DiT
+/// training sit between 1e-6 and 1e-2; below 1e-8 an update vanishes under f32 rounding of
+/// the weights (and 5e-324, a subnormal, makes every variant "fail" verify against a reference
+/// that does not move), above 1 the first steps diverge to NaN. The range keeps a margin on both
+/// sides of what a user would run.
+pub const LEARNING_RATES: (f64, f64) = (1e-8, 1.0);
+
+/// A learning rate: in [`LEARNING_RATES`].
 pub fn learning_rate(text: &str) -> Result<f64, String> {
-    const ALLOWED: &str = "allowed: a finite number > 0, e.g. 1e-4";
+    const ALLOWED: &str = "allowed: a number from 1e-8 to 1, e.g. 1e-4";
+    let (lo, hi) = LEARNING_RATES;
     match float(text) {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
         Ok(_) => Err(format!("{} is out of range; {ALLOWED}", show(text))),
         Err(e) => Err(format!("{e}; {ALLOWED}")),
     }

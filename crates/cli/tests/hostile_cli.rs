@@ -382,11 +382,13 @@ fn the_resource_guard_sees_the_address_space_limit() {
 /// Finding 6: nonsense values are refused, naming the flag and what is allowed.
 #[test]
 fn nonsense_values_are_refused() {
-    for lr in ["NaN", "inf", "-inf", "-1", "0", "1e400"] {
+    for lr in [
+        "NaN", "inf", "-inf", "-1", "0", "1e400", "5e-324", "1e308", "2",
+    ] {
         rejects(
             &["run", "--lr", lr],
             2,
-            &["--lr", "allowed: a finite number > 0"],
+            &["--lr", "allowed: a number from 1e-8 to 1"],
         );
         rejects(&["verify", "--lr", lr], 2, &["--lr", "allowed"]);
     }
