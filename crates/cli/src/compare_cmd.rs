@@ -336,8 +336,8 @@ fn check_python(flag: Option<&std::path::Path>) -> Result<PathBuf, CliError> {
         Ok(m) if m.permissions().mode() & 0o111 == 0 => Err(bad("is not executable".into())),
         Ok(_) => Ok(path.to_path_buf()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(CliError::Missing(format!(
-            "--python {shown} does not exist: run bench/torch_peer/setup.sh first, or name the \
-             peer's Python"
+            "the PyTorch peer's Python (--python {shown}) does not exist: run \
+             bench/torch_peer/setup.sh first, or name the peer's Python"
         ))),
         Err(e) => Err(bad(format!("cannot be read ({e})"))),
     }

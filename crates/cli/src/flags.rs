@@ -292,11 +292,13 @@ mod tests {
 
     #[test]
     fn floats_are_finite_and_in_range() {
-        for bad in ["NaN", "inf", "-inf", "-1", "0", "", "x"] {
+        for bad in ["NaN", "inf", "-inf", "-1", "0", "", "x", "5e-324", "1e308", "1.5"] {
             let e = learning_rate(bad).unwrap_err();
-            assert!(e.contains("allowed: a finite number > 0"), "{bad}: {e}");
+            assert!(e.contains("allowed: a number from 1e-8 to 1"), "{bad}: {e}");
         }
         assert_eq!(learning_rate("1e-4"), Ok(1e-4));
+        assert_eq!(learning_rate("1e-8"), Ok(1e-8));
+        assert_eq!(learning_rate("1"), Ok(1.0));
         assert!(headroom("0.95").is_err());
         assert_eq!(fmt_float(-1e308), "-1e308");
         assert_eq!(fmt_float(0.25), "0.25");
