@@ -210,20 +210,20 @@ impl NotSearched {
                     .unwrap_or_default()
             ));
         }
-        if !self.stages.is_empty() {
-            parts.push(format!("the spaces {}", self.stages.join(", ")));
+        for s in &self.stages {
+            parts.push(format!("the space {s}"));
         }
-        if !self.alternatives.is_empty() {
-            parts.push(format!(
-                "the plan without {}",
-                self.alternatives.join(" and without ")
-            ));
+        for a in &self.alternatives {
+            parts.push(format!("the plan without {a}"));
         }
+        let list = match parts.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => parts.concat(),
+        };
         format!(
-            "the search stopped at its time limit ({} s) before {}: a faster recipe{} may exist \
-             there",
+            "the search stopped at its time limit ({} s) with {list} not searched; a faster \
+             recipe{} may be there",
             self.time_limit_s,
-            parts.join("; "),
             if self.stages.is_empty() && self.combinations == 0 {
                 ""
             } else {
@@ -901,7 +901,11 @@ pub fn plan_with(
         p
     };
     if !p.feasible {
-        // Only the last stage (every allowed lever) ran out: its floor is the answer.
+        // Only the last stage (every allowed lever) ran out: its floor is the answer. A search
+        // cut short found no recipe that fits in what it searched, which is all it can say.
+        if not_searched.combinations > 0 || !not_searched.stages.is_empty() {
+            p.reason = cut_reason(&p);
+        }
         return Ok(cut(p, not_searched));
     }
     expandable_reason(base, &mut p);
@@ -1003,6 +1007,26 @@ pub fn plan_with(
         });
     }
     Ok(cut(p, not_searched))
+}
+
+/// Why a search cut by its time limit has no plan: what it found, not what the space holds.
+fn cut_reason(p: &Plan) -> String {
+    format!(
+        "no recipe found before the time limit fits {} usable ({} budget less {:.0} % \
+         headroom): the smallest peak found is {} ({}), where {} dominate with {} ({:.0} %)",
+        fmt_bytes(p.usable_bytes),
+        fmt_bytes(p.budget_bytes),
+        100.0 * p.headroom,
+        fmt_bytes(p.predicted_peak_bytes),
+        if p.changes.is_empty() {
+            "the base".to_string()
+        } else {
+            p.changes.join(", ")
+        },
+        p.dominant.replace('_', " "),
+        fmt_bytes(p.dominant_bytes),
+        100.0 * p.dominant_bytes as f64 / p.predicted_peak_bytes.max(1) as f64,
+    )
 }
 
 /// The search itself (without the alternatives), and how many combinations the time limit
@@ -1580,6 +1604,59 @@ mod tests {
         fn with_allow(mut self, allow: Allow) -> Limits {
             self.allow = allow;
             self
+        }
+    }
+
+    #[test]
+    fn a_time_limit_cuts_the_search_and_says_what_it_left() {
+        let s = small();
+        let prof = DeviceProfile::cpu_default();
+        // Tight enough that the first stage finds nothing and LoRA / 8-bit AdamW are searched.
+        let l = limits(400 << 20).with_allow(Allow::all());
+        let calls = std::cell::Cell::new(0usize);
+        let count = |p: &Progress| {
+            assert!(p.done <= p.combinations && p.stage <= p.stages);
+            calls.set(calls.get() + 1);
+        };
+        let full = plan_with(
+            &s,
+            &l,
+            &prof,
+            SearchControl {
+                time_limit: Some(Duration::from_secs(3600)),
+                progress: Some(&count),
+            },
+        )
+        .unwrap();
+        assert!(full.not_searched.is_none());
+        assert!(calls.get() > 0);
+        // The same plan as without any control (the stages' shared points change nothing).
+        assert_eq!(full, plan(&s, &l, &prof).unwrap());
+        let cut = plan_with(
+            &s,
+            &l,
+            &prof,
+            SearchControl {
+                time_limit: Some(Duration::ZERO),
+                progress: None,
+            },
+        )
+        .unwrap();
+        let n = cut
+            .not_searched
+            .clone()
+            .expect("a zero time limit cuts the search");
+        assert!(n.combinations > 0 || !n.stages.is_empty(), "{n:?}");
+        assert!(cut.evaluated < full.evaluated);
+        let line = n.describe();
+        assert!(
+            line.starts_with("the search stopped at its time limit (0 s) with "),
+            "{line}"
+        );
+        if !cut.feasible {
+            assert!(cut
+                .reason
+                .starts_with("no recipe found before the time limit"));
         }
     }
 

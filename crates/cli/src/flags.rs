@@ -292,7 +292,9 @@ mod tests {
 
     #[test]
     fn floats_are_finite_and_in_range() {
-        for bad in ["NaN", "inf", "-inf", "-1", "0", "", "x", "5e-324", "1e308", "1.5"] {
+        for bad in [
+            "NaN", "inf", "-inf", "-1", "0", "", "x", "5e-324", "1e308", "1.5",
+        ] {
             let e = learning_rate(bad).unwrap_err();
             assert!(e.contains("allowed: a number from 1e-8 to 1"), "{bad}: {e}");
         }

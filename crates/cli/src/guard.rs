@@ -319,7 +319,7 @@ mod tests {
             heap_step: 6 << 20,
             margin: PROCESS_MARGIN,
         };
-        assert_eq!(n.total(), (20 + 8 + 2 + 6 + 16 << 20) + 4 * 4096);
+        assert_eq!(n.total(), ((20 + 8 + 2 + 6 + 16) << 20) + 4 * 4096);
         match refuse_process("run", 50_000_000, &n) {
             CliError::Refused(m) => {
                 assert!(m.contains(ADDRESS_SPACE) && m.contains("50000000 B"), "{m}");

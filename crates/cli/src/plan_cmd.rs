@@ -624,7 +624,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         return Err(CliError::Refused(match &p.not_searched {
             // Nothing that fits was found in the time given: the budget may still be feasible.
             Some(n) => format!(
-                "no recipe that fits was found: {}; {} (--time-limit to search longer)",
+                "{}; {} (--time-limit to search longer)",
                 p.reason,
                 n.describe()
             ),
