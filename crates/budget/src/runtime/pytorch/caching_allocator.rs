@@ -428,7 +428,9 @@ pub struct CachingAllocator {
     /// Bytes the allocator may reserve (device memory less the context); `u64::MAX` = unlimited.
     capacity: u64,
     segs: Vec<Option<Seg>>,
-    where_: HashMap<u64, usize>,
+    /// Each allocated id's segment and its block's offset there (an allocated block never
+    /// moves: splits add blocks after it, merges join only free ones).
+    where_: HashMap<u64, (usize, u64)>,
     /// Every cached (free) block as (small, stream, size, segment, offset): the order in which
     /// `get_free_block` picks one (smallest size, then the first segment, then the lowest
     /// offset), so a request finds its block in O(log n) instead of scanning every block.
@@ -764,7 +766,7 @@ impl CachingAllocator {
         };
         seg.blocks[k].owner = Some(id);
         seg.blocks[k].requested = bytes;
-        self.where_.insert(id, s);
+        self.where_.insert(id, (s, seg.blocks[k].offset));
         self.allocated += taken;
         self.requested += bytes;
         self.note_peaks();
@@ -774,13 +776,18 @@ impl CachingAllocator {
     /// `free` → `free_block`: the block returns to its pool and merges with free neighbours
     /// (`try_merge_blocks` on prev and next). Returns false for an id that is not allocated.
     pub fn free(&mut self, id: u64) -> bool {
-        let Some(s) = self.where_.remove(&id) else {
+        let Some((s, offset)) = self.where_.remove(&id) else {
             return false;
         };
         let Some(seg) = self.segs[s].as_mut() else {
             return false;
         };
-        let Some(k) = seg.blocks.iter().position(|b| b.owner == Some(id)) else {
+        let Some(k) = seg
+            .blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()
+            .filter(|&k| seg.blocks[k].owner == Some(id))
+        else {
             return false;
         };
         self.allocated -= seg.blocks[k].size;
