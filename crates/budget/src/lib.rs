@@ -47,8 +47,9 @@ pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
 };
 pub use plan::{
-    engine_runnable, fmt_secs, microbatch_candidates, plan, Allow, Alternative, Candidate, Limits,
-    Plan, DEFAULT_HEADROOM, PLAN_LORA_RANK, PLAN_MAX_MICROBATCHES,
+    engine_runnable, fmt_secs, microbatch_candidates, plan, plan_with, Allow, Alternative,
+    Candidate, Limits, NotSearched, Plan, Progress, SearchControl, DEFAULT_HEADROOM,
+    PLAN_LORA_RANK, PLAN_MAX_MICROBATCHES,
 };
 pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
 pub use segment::{SegmentBytes, SegmentCost};

@@ -35,9 +35,19 @@
 //! leanest point (`recompute = all`) is simulated, it is skipped when a point is at least as fast
 //! and at most that lean. Both skips are exact: every point of a skipped combination is dominated
 //! in (time, peak), so neither the best plan, the floor nor the Pareto front changes.
+//!
+//! # Repeated timelines and the time limit
+//! The search stages ([`search_stages`]) and the alternatives each search a space that holds
+//! the previous one: a point already simulated in an earlier stage (same recipe, same split) is
+//! taken from a cache, not simulated again. The search may be bounded by time
+//! ([`SearchControl::time_limit`], which the caller passes as a duration: the planner reads the
+//! clock only then): once it has passed, no further combination, stage or alternative is
+//! started, and the plan says what was left out ([`Plan::not_searched`]). Combinations are
+//! visited fastest first, so what a cut search leaves out is the slower end of the space.
 
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -161,9 +171,122 @@ pub struct Plan {
     pub combinations: usize,
     /// Combinations skipped as dominated before or after their first timeline.
     pub pruned: usize,
-    /// Timelines simulated.
+    /// Timelines simulated (a point an earlier stage simulated is taken from its cache).
     pub evaluated: usize,
     pub profile: DeviceProfile,
+    /// What the search left out when it reached its time limit; `None` when it searched every
+    /// stage, combination and alternative.
+    pub not_searched: Option<NotSearched>,
+}
+
+/// What a search stopped by its time limit did not search ([`Plan::not_searched`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NotSearched {
+    /// The time limit, in seconds.
+    pub time_limit_s: f64,
+    /// Combinations of the stage that was cut that were never visited (the slowest by their
+    /// fastest time: combinations are visited fastest first).
+    pub combinations: usize,
+    /// The stage that was cut, in words (e.g. "with 8-bit AdamW"); `None` when the cut fell
+    /// between stages.
+    pub stage: Option<String>,
+    /// Later stages never started, in words.
+    pub stages: Vec<String>,
+    /// Alternatives (the plan without a lever) not computed: `sharding`, `bf16-pure`.
+    pub alternatives: Vec<String>,
+}
+
+impl NotSearched {
+    /// One line for a report.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.combinations > 0 {
+            parts.push(format!(
+                "{} combinations{}",
+                self.combinations,
+                self.stage
+                    .as_ref()
+                    .map(|s| format!(" of the space {s}"))
+                    .unwrap_or_default()
+            ));
+        }
+        for s in &self.stages {
+            parts.push(format!("the space {s}"));
+        }
+        for a in &self.alternatives {
+            parts.push(format!("the plan without {a}"));
+        }
+        let list = match parts.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => parts.concat(),
+        };
+        format!(
+            "the search stopped at its time limit ({} s) with {list} not searched; a faster \
+             recipe{} may be there",
+            self.time_limit_s,
+            if self.stages.is_empty() && self.combinations == 0 {
+                ""
+            } else {
+                " (or one that fits)"
+            }
+        )
+    }
+}
+
+/// How far a running search is ([`SearchControl::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// The stage being searched, from 1, of `stages` at most ([`search_stages`]); the
+    /// alternatives count as stages after them.
+    pub stage: usize,
+    pub stages: usize,
+    /// Combinations of this stage visited (searched or pruned), of `combinations`.
+    pub done: usize,
+    pub combinations: usize,
+    /// Timelines simulated so far, every stage together.
+    pub timelines: usize,
+    /// Seconds since the search began.
+    pub elapsed_s: f64,
+}
+
+/// Bounds and observers of a search ([`plan_with`]).
+#[derive(Clone, Copy, Default)]
+pub struct SearchControl<'a> {
+    /// Start no combination, stage or alternative after this long; `None`: no limit.
+    pub time_limit: Option<Duration>,
+    /// Called after every combination.
+    pub progress: Option<&'a dyn Fn(&Progress)>,
+}
+
+/// The clock of one [`plan_with`] call and the points its stages share.
+struct Run<'a> {
+    control: SearchControl<'a>,
+    start: Instant,
+    deadline: Option<Instant>,
+    stage: usize,
+    stages: usize,
+    /// Points simulated so far, by recipe and split (see [`Evaluator::point`]).
+    cache: HashMap<String, Point>,
+    simulated: usize,
+}
+
+impl Run<'_> {
+    fn over(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    fn report(&self, done: usize, combinations: usize) {
+        if let Some(f) = self.control.progress {
+            f(&Progress {
+                stage: self.stage,
+                stages: self.stages,
+                done,
+                combinations,
+                timelines: self.simulated,
+                elapsed_s: self.start.elapsed().as_secs_f64(),
+            });
+        }
+    }
 }
 
 /// The best plan when one allowed lever is taken away again.
@@ -210,8 +333,9 @@ type TableKey = (Option<u32>, Precision, Optimizer, u8, Latents, BaseQuant);
 type SegKey = (Option<u32>, Precision, AttentionMode, u32, bool, BaseQuant);
 
 /// Caches the parts of the budget and the time model that many candidates share.
-struct Evaluator<'a> {
+struct Evaluator<'a, 'r> {
     profile: &'a DeviceProfile,
+    run: &'a mut Run<'r>,
     tables: HashMap<TableKey, Rc<(Vec<ParamTensor>, StaticBytes)>>,
     segments: HashMap<SegKey, Rc<(SegmentCosts, TimeInputs)>>,
     evaluated: usize,
@@ -223,7 +347,7 @@ struct Evaluator<'a> {
     expandable: bool,
 }
 
-impl<'a> Evaluator<'a> {
+impl Evaluator<'_, '_> {
     fn table(&mut self, spec: &Spec) -> Rc<(Vec<ParamTensor>, StaticBytes)> {
         let r = &spec.recipe;
         let key = (
@@ -289,9 +413,24 @@ impl<'a> Evaluator<'a> {
 
     /// Peak, breakdown and time of `c` with the recompute policy `rc`.
     fn point(&mut self, c: &Combo, ci: Option<usize>, rc: Recompute) -> Point {
-        self.evaluated += 1;
         let mut spec = c.spec.clone();
         spec.recipe.recompute = rc.clone();
+        // Within one plan only the recipe and the split vary; the same ones give the same point.
+        let key = format!(
+            "{:?}|{:?}|{}|{}",
+            spec.recipe, spec.workload, self.expandable, self.usable
+        );
+        if let Some(p) = self.run.cache.get(&key) {
+            return Point {
+                combo: ci,
+                n_changes: c.n_changes
+                    + usize::from(rc != Recompute::None)
+                    + usize::from(p.expandable),
+                ..p.clone()
+            };
+        }
+        self.evaluated += 1;
+        self.run.simulated += 1;
         let attn_only = rc == Recompute::AttentionOnly;
         let (costs, inputs) = if attn_only {
             let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
@@ -310,7 +449,7 @@ impl<'a> Evaluator<'a> {
                 _ => (plain, false),
             })
             .unwrap_or((e.total(), false));
-        Point {
+        let p = Point {
             combo: ci,
             n_changes: c.n_changes + usize::from(rc != Recompute::None) + usize::from(expandable),
             recompute: rc,
@@ -318,7 +457,9 @@ impl<'a> Evaluator<'a> {
             breakdown: e.live,
             time,
             expandable,
-        }
+        };
+        self.run.cache.insert(key, p.clone());
+        p
     }
 
     /// The leanest of [`recompute_candidates`] for `k` recomputed blocks.
@@ -667,20 +808,74 @@ pub fn search_stages(allow: Allow) -> Vec<Allow> {
 }
 
 /// Search the recipes for the fastest one whose peak fits `limits`, using LoRA and 8-bit AdamW
-/// only when needed to fit (`search_stages`).
+/// only when needed to fit (`search_stages`); no time limit (see [`plan_with`]).
 pub fn plan(
     base: &Spec,
     limits: &Limits,
     profile: &DeviceProfile,
 ) -> Result<Plan, crate::error::SpecError> {
+    plan_with(base, limits, profile, SearchControl::default())
+}
+
+/// The space a search stage adds, in words (for [`NotSearched`]).
+fn stage_name(a: &Allow) -> String {
+    let on: Vec<&str> = [
+        (a.eight_bit, "8-bit AdamW"),
+        (a.lora, "LoRA"),
+        (a.quant, "a quantized LoRA base"),
+    ]
+    .into_iter()
+    .filter_map(|(on, name)| on.then_some(name))
+    .collect();
+    if on.is_empty() {
+        "without LoRA or 8-bit AdamW".into()
+    } else {
+        format!("with {}", on.join(" + "))
+    }
+}
+
+/// [`plan`] under `control`: a time limit (what it cuts is in [`Plan::not_searched`]) and a
+/// progress callback.
+pub fn plan_with(
+    base: &Spec,
+    limits: &Limits,
+    profile: &DeviceProfile,
+    control: SearchControl<'_>,
+) -> Result<Plan, crate::error::SpecError> {
     let stages = search_stages(limits.allow);
+    let start = Instant::now();
+    let mut run = Run {
+        control,
+        start,
+        deadline: control.time_limit.and_then(|d| start.checked_add(d)),
+        stage: 0,
+        stages: stages.len(),
+        cache: HashMap::new(),
+        simulated: 0,
+    };
+    let mut not_searched = NotSearched {
+        time_limit_s: control.time_limit.map_or(0.0, |d| d.as_secs_f64()),
+        combinations: 0,
+        stage: None,
+        stages: Vec::new(),
+        alternatives: Vec::new(),
+    };
     let mut tried: Vec<Plan> = Vec::new();
     for a in &stages {
+        if !tried.is_empty() && run.over() {
+            not_searched.stages.push(stage_name(a));
+            continue;
+        }
         let l = Limits {
             allow: *a,
             ..limits.clone()
         };
-        let p = search(base, &l, profile)?;
+        run.stage += 1;
+        let (p, left) = search(base, &l, profile, &mut run)?;
+        if left > 0 {
+            not_searched.combinations = left;
+            not_searched.stage = Some(stage_name(a));
+        }
         let done = p.feasible;
         tried.push(p);
         if done {
@@ -699,9 +894,19 @@ pub fn plan(
     p.combinations = combinations;
     p.pruned = pruned;
     p.evaluated = evaluated;
+    let cut = |mut p: Plan, n: NotSearched| {
+        if n.combinations > 0 || !n.stages.is_empty() || !n.alternatives.is_empty() {
+            p.not_searched = Some(n);
+        }
+        p
+    };
     if !p.feasible {
-        // Only the last stage (every allowed lever) ran out: its floor is the answer.
-        return Ok(p);
+        // Only the last stage (every allowed lever) ran out: its floor is the answer. A search
+        // cut short found no recipe that fits in what it searched, which is all it can say.
+        if not_searched.combinations > 0 || !not_searched.stages.is_empty() {
+            p.reason = cut_reason(&p);
+        }
+        return Ok(cut(p, not_searched));
     }
     expandable_reason(base, &mut p);
     let (b, r) = (&base.recipe, &p.plan.recipe);
@@ -747,7 +952,7 @@ pub fn plan(
         }
     }
     // Sharding and bf16-pure may be chosen for speed: say so, with the plan without them.
-    let stage_allow = stages[tried.len()];
+    let stage_allow = stages[run.stage - 1];
     let used = [
         (
             "sharding",
@@ -764,6 +969,10 @@ pub fn plan(
         if !on {
             continue;
         }
+        if run.over() {
+            not_searched.alternatives.push(name.into());
+            continue;
+        }
         let mut l = Limits {
             allow: stage_allow,
             ..limits.clone()
@@ -772,7 +981,14 @@ pub fn plan(
             "sharding" => l.allow.sharding = false,
             _ => l.allow.bf16_pure = false,
         }
-        let alt = search(base, &l, profile)?;
+        run.stage += 1;
+        run.stages = run.stages.max(run.stage);
+        let (alt, left) = search(base, &l, profile, &mut run)?;
+        if left > 0 {
+            // A cut alternative is not the plan without the lever: say so rather than show it.
+            not_searched.alternatives.push(name.into());
+            continue;
+        }
         if alt.feasible {
             p.reason.push_str(&format!(
                 "; {name} is used for speed, not needed to fit: without it the fastest plan is \
@@ -790,20 +1006,43 @@ pub fn plan(
             changes: alt.changes,
         });
     }
-    Ok(p)
+    Ok(cut(p, not_searched))
 }
 
-/// The search itself (without the alternatives).
+/// Why a search cut by its time limit has no plan: what it found, not what the space holds.
+fn cut_reason(p: &Plan) -> String {
+    format!(
+        "no recipe found before the time limit fits {} usable ({} budget less {:.0} % \
+         headroom): the smallest peak found is {} ({}), where {} dominate with {} ({:.0} %)",
+        fmt_bytes(p.usable_bytes),
+        fmt_bytes(p.budget_bytes),
+        100.0 * p.headroom,
+        fmt_bytes(p.predicted_peak_bytes),
+        if p.changes.is_empty() {
+            "the base".to_string()
+        } else {
+            p.changes.join(", ")
+        },
+        p.dominant.replace('_', " "),
+        fmt_bytes(p.dominant_bytes),
+        100.0 * p.dominant_bytes as f64 / p.predicted_peak_bytes.max(1) as f64,
+    )
+}
+
+/// The search itself (without the alternatives), and how many combinations the time limit
+/// left unvisited.
 fn search(
     base: &Spec,
     limits: &Limits,
     profile: &DeviceProfile,
-) -> Result<Plan, crate::error::SpecError> {
+    run: &mut Run<'_>,
+) -> Result<(Plan, usize), crate::error::SpecError> {
     base.validate()?;
     check_limits(limits)?;
     let usable = limits.usable();
     let mut ev = Evaluator {
         profile,
+        run,
         tables: HashMap::new(),
         segments: HashMap::new(),
         evaluated: 0,
@@ -823,7 +1062,12 @@ fn search(
 
     let combos = combinations(&mut ev, base, limits);
     let mut pruned = 0usize;
+    let mut left = 0usize;
     for (ci, (c, t0)) in combos.iter().enumerate() {
+        if ev.run.over() {
+            left = combos.len() - ci;
+            break;
+        }
         let search = RecomputeSearch {
             combo: c,
             index: ci,
@@ -834,6 +1078,7 @@ fn search(
         if !search.run(&mut ev, &mut points, &mut front) {
             pruned += 1;
         }
+        ev.run.report(ci + 1, combos.len());
     }
 
     let spec_of = |p: &Point| -> Spec {
@@ -907,32 +1152,36 @@ fn search(
     } else {
         infeasible_reason(limits, w.ranks, usable, chosen, &chosen_c)
     };
-    Ok(Plan {
-        feasible,
-        engine_runnable: engine_runnable(&chosen_c.spec),
-        plan: chosen_c.spec.clone(),
-        predicted_peak_bytes: chosen.peak,
-        predicted_step_time_s: chosen.time.total_s,
-        breakdown: chosen.breakdown,
-        time: chosen.time,
-        changes: chosen_c.changes.clone(),
-        dominant: dom.to_string(),
-        dominant_bytes: dom_bytes,
-        reason,
-        base_fits,
-        base_peak_bytes: base_point.peak,
-        base_step_time_s: base_point.time.total_s,
-        budget_bytes: limits.budget_bytes,
-        headroom: limits.headroom,
-        usable_bytes: usable,
-        allow: limits.allow,
-        alternatives: Vec::new(),
-        pareto,
-        combinations: combos.len(),
-        pruned,
-        evaluated: ev.evaluated,
-        profile: profile.clone(),
-    })
+    Ok((
+        Plan {
+            feasible,
+            engine_runnable: engine_runnable(&chosen_c.spec),
+            plan: chosen_c.spec.clone(),
+            predicted_peak_bytes: chosen.peak,
+            predicted_step_time_s: chosen.time.total_s,
+            breakdown: chosen.breakdown,
+            time: chosen.time,
+            changes: chosen_c.changes.clone(),
+            dominant: dom.to_string(),
+            dominant_bytes: dom_bytes,
+            reason,
+            base_fits,
+            base_peak_bytes: base_point.peak,
+            base_step_time_s: base_point.time.total_s,
+            budget_bytes: limits.budget_bytes,
+            headroom: limits.headroom,
+            usable_bytes: usable,
+            allow: limits.allow,
+            alternatives: Vec::new(),
+            pareto,
+            combinations: combos.len(),
+            pruned,
+            evaluated: ev.evaluated,
+            profile: profile.clone(),
+            not_searched: None,
+        },
+        left,
+    ))
 }
 
 /// The headroom and the budget of `limits` make sense.
@@ -957,7 +1206,7 @@ fn check_limits(limits: &Limits) -> Result<(), crate::error::SpecError> {
 
 /// Every combination of the levers but recompute, with its fastest time (no recompute), fastest
 /// first; at equal time fewer changes (stable: enumeration order breaks the rest).
-fn combinations(ev: &mut Evaluator<'_>, base: &Spec, limits: &Limits) -> Vec<(Combo, f64)> {
+fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec<(Combo, f64)> {
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
     let micros = microbatch_candidates(per_rank, w.microbatch);
@@ -1114,7 +1363,7 @@ impl RecomputeSearch<'_> {
     /// pruned (every point of it dominated).
     fn run(
         &self,
-        ev: &mut Evaluator<'_>,
+        ev: &mut Evaluator<'_, '_>,
         points: &mut Vec<Point>,
         front: &mut Vec<(f64, u64)>,
     ) -> bool {
@@ -1355,6 +1604,59 @@ mod tests {
         fn with_allow(mut self, allow: Allow) -> Limits {
             self.allow = allow;
             self
+        }
+    }
+
+    #[test]
+    fn a_time_limit_cuts_the_search_and_says_what_it_left() {
+        let s = small();
+        let prof = DeviceProfile::cpu_default();
+        // Tight enough that the first stage finds nothing and LoRA / 8-bit AdamW are searched.
+        let l = limits(400 << 20).with_allow(Allow::all());
+        let calls = std::cell::Cell::new(0usize);
+        let count = |p: &Progress| {
+            assert!(p.done <= p.combinations && p.stage <= p.stages);
+            calls.set(calls.get() + 1);
+        };
+        let full = plan_with(
+            &s,
+            &l,
+            &prof,
+            SearchControl {
+                time_limit: Some(Duration::from_secs(3600)),
+                progress: Some(&count),
+            },
+        )
+        .unwrap();
+        assert!(full.not_searched.is_none());
+        assert!(calls.get() > 0);
+        // The same plan as without any control (the stages' shared points change nothing).
+        assert_eq!(full, plan(&s, &l, &prof).unwrap());
+        let cut = plan_with(
+            &s,
+            &l,
+            &prof,
+            SearchControl {
+                time_limit: Some(Duration::ZERO),
+                progress: None,
+            },
+        )
+        .unwrap();
+        let n = cut
+            .not_searched
+            .clone()
+            .expect("a zero time limit cuts the search");
+        assert!(n.combinations > 0 || !n.stages.is_empty(), "{n:?}");
+        assert!(cut.evaluated < full.evaluated);
+        let line = n.describe();
+        assert!(
+            line.starts_with("the search stopped at its time limit (0 s) with "),
+            "{line}"
+        );
+        if !cut.feasible {
+            assert!(cut
+                .reason
+                .starts_with("no recipe found before the time limit"));
         }
     }
 

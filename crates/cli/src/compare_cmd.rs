@@ -46,7 +46,8 @@ pub struct CompareArgs {
     #[arg(long, value_name = "FILE")]
     pub snapshot: Option<PathBuf>,
     /// With --snapshot: the device whose trace is read (default: the one with most events).
-    #[arg(long, value_name = "N", requires = "snapshot")]
+    #[arg(long, value_name = "N", requires = "snapshot",
+          value_parser = crate::flags::count_u32, allow_hyphen_values = true)]
     pub device: Option<u32>,
 }
 
@@ -85,6 +86,7 @@ struct CompareReport {
 
 pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     crate::output::check_outputs(&[("--plot", args.plot.as_deref())])?;
+    crate::guard::check_process("compare", 0)?;
     if let Some(path) = &args.snapshot {
         return crate::snapshot_cmd::run(
             &args.spec,
@@ -441,18 +443,46 @@ pub fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String
     )
 }
 
-fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(), CliError> {
-    let python = args
-        .python
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("bench/torch_peer/.venv/bin/python"));
-    if !python.exists() {
-        return Err(CliError::Missing(format!(
-            "the PyTorch peer is not installed ({} is missing): run bench/torch_peer/setup.sh \
-             first, or name its Python with --python",
-            crate::flags::show(&python.display().to_string())
-        )));
+/// The peer's Python, checked before any work: the default one missing is a missing tool
+/// (exit 5); a `--python` that is not an executable regular file (a link to one is fine) is bad
+/// input (exit 2), never "Permission denied" from the spawn after the budget ran.
+fn check_python(flag: Option<&std::path::Path>) -> Result<PathBuf, CliError> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(path) = flag else {
+        let python = PathBuf::from("bench/torch_peer/.venv/bin/python");
+        return match std::fs::metadata(&python) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => Ok(python),
+            _ => Err(CliError::Missing(format!(
+                "the PyTorch peer is not installed ({} is missing): run \
+                 bench/torch_peer/setup.sh first, or name its Python with --python",
+                crate::flags::show(&python.display().to_string())
+            ))),
+        };
+    };
+    let shown = crate::flags::show(&path.display().to_string());
+    let bad = |why: String| {
+        CliError::Spec(ditmem_budget::SpecError::invalid(
+            "--python",
+            format!("{shown} {why}; allowed: an executable Python interpreter (a regular file)"),
+        ))
+    };
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(bad(format!(
+            "is {}",
+            crate::output::file_kind(m.file_type())
+        ))),
+        Ok(m) if m.permissions().mode() & 0o111 == 0 => Err(bad("is not executable".into())),
+        Ok(_) => Ok(path.to_path_buf()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(CliError::Missing(format!(
+            "the PyTorch peer's Python (--python {shown}) does not exist: run \
+             bench/torch_peer/setup.sh first, or name the peer's Python"
+        ))),
+        Err(e) => Err(bad(format!("cannot be read ({e})"))),
     }
+}
+
+fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(), CliError> {
+    let python = check_python(args.python.as_deref())?;
     let budget = ditmem_budget::estimate(spec)?;
     crate::guard::check("the PyTorch step", budget.peak_bytes, args.force)?;
     let dir = std::env::temp_dir().join(format!("ditmem-compare-{}", std::process::id()));
@@ -518,6 +548,7 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
 }
 
 pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+    crate::guard::check_process("agree", 0)?;
     if args.every == 0 {
         return Err(CliError::Spec(ditmem_budget::SpecError::invalid(
             "--every",
@@ -560,7 +591,7 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         largest = largest.max(ditmem_budget::estimate(spec)?.peak_bytes);
     }
     crate::guard::check("the largest spec of the grid", largest, false)?;
-    let bar = if args.json {
+    let bar = if args.json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         indicatif::ProgressBar::hidden()
     } else {
         indicatif::ProgressBar::new(grid.len() as u64)

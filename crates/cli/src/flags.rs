@@ -136,11 +136,19 @@ fn float(text: &str) -> Result<f64, String> {
         .map_err(|_| format!("{} is not a number", show(text)))
 }
 
-/// A learning rate: finite and > 0.
+/// Smallest and largest learning rate `run` and `verify` take. AdamW and SGD steps of DiT
+/// training sit between 1e-6 and 1e-2; below 1e-8 an update vanishes under f32 rounding of
+/// the weights (and 5e-324, a subnormal, makes every variant "fail" verify against a reference
+/// that does not move), above 1 the first steps diverge to NaN. The range keeps a margin on both
+/// sides of what a user would run.
+pub const LEARNING_RATES: (f64, f64) = (1e-8, 1.0);
+
+/// A learning rate: in [`LEARNING_RATES`].
 pub fn learning_rate(text: &str) -> Result<f64, String> {
-    const ALLOWED: &str = "allowed: a finite number > 0, e.g. 1e-4";
+    const ALLOWED: &str = "allowed: a number from 1e-8 to 1, e.g. 1e-4";
+    let (lo, hi) = LEARNING_RATES;
     match float(text) {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
         Ok(_) => Err(format!("{} is out of range; {ALLOWED}", show(text))),
         Err(e) => Err(format!("{e}; {ALLOWED}")),
     }
@@ -284,11 +292,15 @@ mod tests {
 
     #[test]
     fn floats_are_finite_and_in_range() {
-        for bad in ["NaN", "inf", "-inf", "-1", "0", "", "x"] {
+        for bad in [
+            "NaN", "inf", "-inf", "-1", "0", "", "x", "5e-324", "1e308", "1.5",
+        ] {
             let e = learning_rate(bad).unwrap_err();
-            assert!(e.contains("allowed: a finite number > 0"), "{bad}: {e}");
+            assert!(e.contains("allowed: a number from 1e-8 to 1"), "{bad}: {e}");
         }
         assert_eq!(learning_rate("1e-4"), Ok(1e-4));
+        assert_eq!(learning_rate("1e-8"), Ok(1e-8));
+        assert_eq!(learning_rate("1"), Ok(1.0));
         assert!(headroom("0.95").is_err());
         assert_eq!(fmt_float(-1e308), "-1e308");
         assert_eq!(fmt_float(0.25), "0.25");

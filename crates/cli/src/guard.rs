@@ -32,8 +32,8 @@ fn status_kib(field: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// RLIMIT_AS minus the address space the process already maps.
-fn address_space_left() -> Option<u64> {
+/// RLIMIT_AS (`ulimit -v`), when the process has one.
+fn address_space_limit() -> Option<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -42,12 +42,120 @@ fn address_space_left() -> Option<u64> {
     if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 {
         return None;
     }
-    if lim.rlim_cur == libc::RLIM_INFINITY {
-        return None;
+    (lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
+/// The address space the process maps now (VmSize).
+fn mapped_now() -> u64 {
+    status_kib("VmSize:").map_or(0, |k| k * 1024)
+}
+
+/// What the process allocates beside a step that no budget counts (the spec, the budget's
+/// tables, messages): measured below 4 MiB for every command; 16 MiB keeps a margin.
+const PROCESS_MARGIN: u64 = 16 << 20;
+
+/// The heap's growth step in force: glibc asks for its top pad with every growth (see
+/// `ditmem_engine::malloc`: 256 MiB, at most a sixteenth of an address-space limit).
+fn heap_step(limit: u64) -> u64 {
+    (256u64 << 20).min(limit / 16)
+}
+
+/// RLIMIT_AS minus the address space the process already maps and what it needs beside the
+/// step ([`PROCESS_MARGIN`] and a growth of the heap, [`heap_step`]).
+fn address_space_left() -> Option<u64> {
+    let limit = address_space_limit()?;
+    Some(
+        limit
+            .saturating_sub(mapped_now())
+            .saturating_sub(PROCESS_MARGIN + heap_step(limit)),
+    )
+}
+
+/// The stack of each thread the process starts (Rust's default, or `RUST_MIN_STACK`), and
+/// its guard page.
+fn thread_stack_bytes() -> u64 {
+    let stack = std::env::var("RUST_MIN_STACK")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(2 << 20);
+    stack + 4096
+}
+
+/// Threads of the pools the engine starts: rayon's (`RAYON_NUM_THREADS`, else every logical
+/// core) and candle's barrier pool (as many again), read without starting either.
+fn pool_threads() -> u64 {
+    let n = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
+    2 * n
+}
+
+/// The address space a command that executes the engine needs before its step, by part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ProcessNeed {
+    /// Mapped now: the binary, its libraries, the heap so far.
+    mapped: u64,
+    threads: u64,
+    stacks: u64,
+    /// `gemm`'s packing slab, one per pool thread.
+    slabs: u64,
+    heap_step: u64,
+    margin: u64,
+}
+
+impl ProcessNeed {
+    fn total(&self) -> u64 {
+        self.mapped + self.stacks + self.slabs + self.heap_step + self.margin
     }
-    let limit = lim.rlim_cur;
-    let used = status_kib("VmSize:").map_or(0, |k| k * 1024);
-    Some(limit.saturating_sub(used))
+}
+
+fn process_need(limit: u64, extra_threads: u64) -> ProcessNeed {
+    let pool = pool_threads();
+    let threads = pool + extra_threads;
+    ProcessNeed {
+        mapped: mapped_now(),
+        threads,
+        stacks: threads * thread_stack_bytes(),
+        slabs: (pool / 2) * ditmem_engine::host::gemm_l2_bytes(),
+        heap_step: heap_step(limit),
+        margin: PROCESS_MARGIN,
+    }
+}
+
+fn refuse_process(command: &str, limit: u64, n: &ProcessNeed) -> CliError {
+    CliError::Refused(format!(
+        "the {ADDRESS_SPACE} is {} ({limit} B) but `ditmem {command}` needs at least {} ({} B) \
+         before its step: {} mapped now (the binary, its libraries), {} thread stacks ({}), \
+         gemm's packing slabs ({}), a heap growth step ({}) and {} for the process's own \
+         allocations; raise that limit",
+        fmt_bytes(limit),
+        fmt_bytes(n.total()),
+        n.total(),
+        fmt_bytes(n.mapped),
+        n.threads,
+        fmt_bytes(n.stacks),
+        fmt_bytes(n.slabs),
+        fmt_bytes(n.heap_step),
+        fmt_bytes(n.margin),
+    ))
+}
+
+/// The first thing a command that executes the engine does (`run`, `compare`, `verify`,
+/// `agree`), before its thread pools exist or anything large is allocated: refuse (exit 3) an
+/// address-space limit below what the process needs before any step ([`ProcessNeed`]), which
+/// would otherwise abort in an allocation or panic where a thread cannot start.
+/// `extra_threads` are threads the command starts beside the pools (verify's workers).
+pub fn check_process(command: &str, extra_threads: u64) -> Result<(), CliError> {
+    let Some(limit) = address_space_limit() else {
+        return Ok(());
+    };
+    let need = process_need(limit, extra_threads);
+    if need.total() > limit {
+        return Err(refuse_process(command, limit, &need));
+    }
+    Ok(())
 }
 
 /// The process's cgroup paths (v2 entry `0::/x`, v1 `N:memory:/x`).
@@ -199,6 +307,29 @@ mod tests {
         // --force lifts MemAvailable only.
         assert!(check_against("x", 9 << 30, true, &l[..1]).is_ok());
         assert!(check_against("x", 3 << 30, true, &l).is_err());
+    }
+
+    #[test]
+    fn the_process_need_names_its_parts() {
+        let n = ProcessNeed {
+            mapped: 20 << 20,
+            threads: 4,
+            stacks: 4 * ((2 << 20) + 4096),
+            slabs: 2 << 20,
+            heap_step: 6 << 20,
+            margin: PROCESS_MARGIN,
+        };
+        assert_eq!(n.total(), ((20 + 8 + 2 + 6 + 16) << 20) + 4 * 4096);
+        match refuse_process("run", 50_000_000, &n) {
+            CliError::Refused(m) => {
+                assert!(m.contains(ADDRESS_SPACE) && m.contains("50000000 B"), "{m}");
+                assert!(m.contains("`ditmem run` needs at least"), "{m}");
+                assert!(m.contains("4 thread stacks"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(heap_step(100_000_000), 6_250_000);
+        assert_eq!(heap_step(u64::MAX), 256 << 20);
     }
 
     #[test]

@@ -75,12 +75,43 @@ pub(crate) fn folder_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
+/// Longest file name most Linux file systems take (NAME_MAX), in bytes.
+const NAME_MAX: usize = 255;
+
+/// The temporary file an output is written to before the rename: `.{name}.{pid}.tmp` in the
+/// same folder, the name's bytes as they are (not lossily re-encoded). A name too long for that
+/// (a valid name of up to 255 bytes plus the dot and the suffix can pass NAME_MAX) keeps its
+/// first bytes and a hash of the whole name instead, so every valid name has a temporary name
+/// of at most 255 bytes that no other output of this process shares.
 fn temp_path(dir: &Path, name: &std::ffi::OsStr) -> std::path::PathBuf {
-    dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ))
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let suffix = format!(".{}.tmp", std::process::id());
+    let bytes = name.as_bytes();
+    let mut out = Vec::with_capacity(NAME_MAX);
+    out.push(b'.');
+    if 1 + bytes.len() + suffix.len() <= NAME_MAX {
+        out.extend_from_slice(bytes);
+    } else {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        bytes.hash(&mut h);
+        let tag = format!("~{:016x}", h.finish());
+        let keep = NAME_MAX - 1 - suffix.len() - tag.len();
+        out.extend_from_slice(&bytes[..keep.min(bytes.len())]);
+        out.extend_from_slice(tag.as_bytes());
+    }
+    out.extend_from_slice(suffix.as_bytes());
+    dir.join(std::ffi::OsString::from_vec(out))
+}
+
+/// Whether `path` names a folder rather than a file the way the rename reads it: it ends in a
+/// slash (`out/new/`), in `/.` or `/..`, or is `.`/`..` itself. `Path::file_name` reads past a
+/// trailing slash (`out/new/` has the name `new`), but `rename(2)` onto such a path fails with
+/// "Not a directory" after the work is done.
+fn names_a_folder(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let b = path.as_os_str().as_bytes();
+    b.ends_with(b"/") || b.ends_with(b"/.") || b.ends_with(b"/..") || b == b"." || b == b".."
 }
 
 /// Check that `flag`'s output `path` can be written, before any work: its folder exists and is
@@ -94,6 +125,13 @@ fn temp_path(dir: &Path, name: &std::ffi::OsStr) -> std::path::PathBuf {
 pub fn check_output(flag: &str, path: &Path) -> Result<(), SpecError> {
     let shown = || crate::flags::show(&path.display().to_string());
     let bad = |why: String| SpecError::invalid(flag, format!("{} {why}", shown()));
+    if names_a_folder(path) {
+        return Err(bad(
+            "names a folder (it ends in a slash, `.` or `..`); allowed: a file path, e.g. \
+             out/plan.toml"
+                .into(),
+        ));
+    }
     let name = path.file_name().ok_or_else(|| {
         bad("is not a file path; allowed: a file name in an existing folder".into())
     })?;
@@ -266,6 +304,37 @@ mod tests {
             .collect();
         assert!(leftovers.is_empty());
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn every_valid_name_has_a_short_temporary_name() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = std::env::temp_dir().join(format!("ditmem-long-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for n in [1, 200, 240, 250, 255] {
+            let name = "n".repeat(n);
+            let tmp = temp_path(&dir, std::ffi::OsStr::new(&name));
+            assert!(tmp.file_name().unwrap().as_bytes().len() <= NAME_MAX, "{n}");
+            let p = dir.join(&name);
+            check_output("--out", &p).unwrap();
+            write_atomic(&p, b"x").unwrap();
+            assert_eq!(std::fs::read(&p).unwrap(), b"x");
+        }
+        // Two long names that share their first bytes get different temporary names.
+        let a = temp_path(&dir, std::ffi::OsStr::new(&format!("{}a", "n".repeat(250))));
+        let b = temp_path(&dir, std::ffi::OsStr::new(&format!("{}b", "n".repeat(250))));
+        assert_ne!(a, b);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_trailing_slash_is_refused_before_the_work() {
+        for p in ["out/new/", "file.txt/", "./", ".", "..", "a/..", "a/."] {
+            let e = check_output("--out", Path::new(p)).unwrap_err();
+            assert_eq!(e.field(), Some("--out"), "{p}");
+        }
+        assert!(names_a_folder(Path::new("x/")));
+        assert!(!names_a_folder(Path::new("x/y.json")));
     }
 
     #[test]

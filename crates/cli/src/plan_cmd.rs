@@ -12,7 +12,7 @@ use clap::Args;
 use ditmem_budget::DeviceProfile;
 use ditmem_budget::{export, Export, ExportOptions, Family, Offload, Sharder, Target};
 use ditmem_budget::{fmt_bytes, parse_bytes};
-use ditmem_budget::{fmt_secs, plan, Allow, Limits, Plan, DEFAULT_HEADROOM};
+use ditmem_budget::{fmt_secs, plan_with, Allow, Limits, Plan, SearchControl, DEFAULT_HEADROOM};
 use ditmem_budget::{Spec, SpecError};
 use serde::Serialize;
 
@@ -83,9 +83,80 @@ pub struct PlanArgs {
     /// Also print the whole reason, the plan's breakdown and the time model's profile.
     #[arg(long, short)]
     pub verbose: bool,
+    /// Most seconds the search runs (0.1 to 86400): past it no further recipe, stage or
+    /// alternative is searched, and the plan says what was not (a line, and `not_searched` in
+    /// --json). The recipes are searched fastest first.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_TIME_LIMIT_S,
+          value_parser = time_limit, allow_hyphen_values = true)]
+    pub time_limit: f64,
 }
 
-/// Print to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.
+/// The search's default time limit: the README's promise of an answer within 30 s.
+pub const DEFAULT_TIME_LIMIT_S: f64 = 30.0;
+
+/// `--time-limit`: 0.1 to 86,400 seconds.
+fn time_limit(text: &str) -> Result<f64, String> {
+    const ALLOWED: &str = "allowed: seconds from 0.1 to 86400, e.g. 30";
+    match text.trim().parse::<f64>() {
+        Ok(v) if (0.1..=86_400.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("{} is out of range; {ALLOWED}", show(text))),
+        Err(_) => Err(format!("{} is not a number; {ALLOWED}", show(text))),
+    }
+}
+
+/// The search's progress on stderr: one line, rewritten in place (`\r`) at most ten times a
+/// second once the search has run a second, and cleared when it ends. Only when stderr is a
+/// terminal and the output is not JSON: a pipe, a file or a test sees nothing.
+struct Ticker {
+    on: bool,
+    last: std::cell::Cell<Option<Instant>>,
+}
+
+impl Ticker {
+    fn new(json: bool) -> Ticker {
+        use std::io::IsTerminal;
+        Ticker {
+            on: !json && std::io::stderr().is_terminal(),
+            last: std::cell::Cell::new(None),
+        }
+    }
+
+    fn show(&self, p: &ditmem_budget::Progress) {
+        if !self.on || p.elapsed_s < 1.0 {
+            return;
+        }
+        let now = Instant::now();
+        if self
+            .last
+            .get()
+            .is_some_and(|t| now.duration_since(t).as_secs_f64() < 0.1)
+        {
+            return;
+        }
+        self.last.set(Some(now));
+        use std::io::Write;
+        // Progress is a courtesy: a stderr that fails to take it changes nothing.
+        let _ = write!(
+            std::io::stderr(),
+            "\rplan: stage {}/{}, {}/{} combinations, {} timelines, {:.0} s\x1b[K",
+            p.stage,
+            p.stages,
+            p.done,
+            p.combinations,
+            p.timelines,
+            p.elapsed_s
+        );
+    }
+
+    fn clear(&self) {
+        if self.last.get().is_some() {
+            use std::io::Write;
+            let _ = write!(std::io::stderr(), "\r\x1b[K");
+        }
+    }
+}
+
+/// `--allow`: the levers that change what is trained or need more devices.
 fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
     let mut a = Allow::default();
     for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
@@ -616,7 +687,15 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         allow,
     };
     let t0 = Instant::now();
-    let p = plan(&base, &limits, &profile)?;
+    let ticker = Ticker::new(args.json);
+    let show_progress = |p: &ditmem_budget::Progress| ticker.show(p);
+    let control = SearchControl {
+        time_limit: Some(std::time::Duration::from_secs_f64(args.time_limit)),
+        progress: Some(&show_progress),
+    };
+    let p = plan_with(&base, &limits, &profile, control);
+    ticker.clear();
+    let p = p?;
     let search_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut p = p;
     let exported = if p.feasible {
@@ -650,6 +729,15 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             args.verbose,
             crate::render::width(),
         ))?;
+        if let Some(n) = &p.not_searched {
+            crate::output::say(&crate::render::fit_lines(
+                &format!(
+                    "not searched: {} (--time-limit to search longer)\n",
+                    n.describe()
+                ),
+                crate::render::width(),
+            ))?;
+        }
     }
     if let Some(path) = &args.plot {
         write_output("--plot", path, pareto_svg(&p, &base)?.as_bytes())?;
@@ -659,22 +747,31 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     }
     if !p.feasible {
         // The report (or the JSON) above holds the reason; the error line says it short.
-        return Err(CliError::Refused(format!(
-            "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}{}",
-            fmt_bytes(p.usable_bytes),
-            fmt_bytes(p.predicted_peak_bytes),
-            // What to try next, when the reason names it.
-            p.reason
-                .split("; ")
-                .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
-                .map(|c| format!("; {c}"))
-                .collect::<String>(),
-            if args.json {
-                "; the JSON's reason says why"
-            } else {
-                "; why: above"
-            }
-        )));
+        return Err(CliError::Refused(match &p.not_searched {
+            // Nothing that fits was found in the time given: the budget may still be feasible.
+            Some(n) => format!(
+                "nothing that fits was found before the time limit; the smallest found needs {}; \
+                 {} (--time-limit to search longer)",
+                fmt_bytes(p.predicted_peak_bytes),
+                n.describe()
+            ),
+            None => format!(
+                "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}{}",
+                fmt_bytes(p.usable_bytes),
+                fmt_bytes(p.predicted_peak_bytes),
+                // What to try next, when the reason names it.
+                p.reason
+                    .split("; ")
+                    .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
+                    .map(|c| format!("; {c}"))
+                    .collect::<String>(),
+                if args.json {
+                    "; the JSON's reason says why"
+                } else {
+                    "; why: above"
+                }
+            ),
+        }));
     }
     if let Some(path) = &args.out {
         let toml = p.plan.to_toml()?;

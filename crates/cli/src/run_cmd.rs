@@ -186,11 +186,15 @@ pub fn require_engine_runtime(spec: &Spec, command: &str) -> Result<(), CliError
     )))
 }
 
-/// `--latents-dir` must be an existing folder: checked before the model is built.
+/// `--latents-dir` must be an existing folder whose latent files are regular files within the
+/// engine's cap (`ditmem_engine::diffusion::latent_files`: nothing opened, so a FIFO named
+/// `a.npy` cannot block): checked before the model is built.
 pub fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> {
     let Some(dir) = dir else { return Ok(()) };
     match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) if m.is_dir() => ditmem_engine::diffusion::latent_files(dir)
+            .map(drop)
+            .map_err(engine_err),
         Ok(m) => Err(CliError::Spec(SpecError::invalid(
             "--latents-dir",
             format!(
@@ -212,6 +216,8 @@ pub fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> 
 pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     // Every input and output is checked before the model is built or anything is measured.
     crate::output::check_outputs(&[("--out", args.out.as_deref())])?;
+    // Before the thread pools start (reading the spec's CPU starts rayon's).
+    crate::guard::check_process("run", 0)?;
     let spec = args.spec.to_spec()?;
     if args.steps == 0 {
         return Err(CliError::Spec(SpecError::invalid(

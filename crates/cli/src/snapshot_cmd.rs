@@ -28,11 +28,25 @@ struct SnapshotReport<'a> {
 }
 
 /// The spec a snapshot is held against: the flags' spec, on `pytorch:cuda` unless `--runtime`
-/// names another runtime (which is then refused).
+/// names another runtime (which is then refused). It is built as `estimate` builds it (on
+/// `pytorch:cuda` from the start, a config file without `runtime` moved there), so no `cpu`
+/// section of this machine is filled in and then left beside a CUDA runtime; a config file
+/// that names `ditmem-cpu` moves too, its engine CPU dropped with it. Only the engine's own
+/// flags (`--cpu-threads`, `--bf16-products`, `--gemm-l2`) are refused: they describe a run
+/// the snapshot is not of.
 fn cuda_spec(args: &SpecArgs) -> Result<Spec, SpecError> {
-    let mut spec = args.to_spec()?;
+    if args.cpu_threads.is_some() || args.bf16_products.is_some() || args.gemm_l2.is_some() {
+        return Err(SpecError::invalid(
+            "cpu",
+            "--cpu-threads, --bf16-products and --gemm-l2 describe the ditmem-cpu engine's CPU, \
+             but a snapshot is held against pytorch:cuda; allowed: these flags without --snapshot",
+        ));
+    }
+    let mut spec = args.to_gpu_spec()?;
     if args.runtime.is_none() && !matches!(spec.runtime, Runtime::Pytorch { .. }) {
         spec.runtime = "pytorch:cuda".parse::<Runtime>()?;
+        spec.cpu = None;
+        spec.validate()?;
     }
     Ok(spec)
 }
@@ -58,8 +72,17 @@ pub fn run(
             return Err(SpecError::invalid(
                 "--device",
                 format!(
-                    "{d}: the snapshot has traces for {} device(s) and no segment on device {d}",
-                    snap.device_traces.len()
+                    "{d}: the snapshot has traces for {} device(s) and no segment on device {d}; \
+                     allowed: {}",
+                    snap.device_traces.len(),
+                    {
+                        let mut ds: Vec<u32> = (0..snap.device_traces.len() as u32)
+                            .chain(snap.segments.iter().map(|g| g.device))
+                            .collect();
+                        ds.sort_unstable();
+                        ds.dedup();
+                        ds.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                    }
                 ),
             )
             .into());

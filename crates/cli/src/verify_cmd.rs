@@ -210,8 +210,9 @@ fn check_disk(dir: &Path, need: u64) -> Result<(), CliError> {
     }
 }
 
+/// A progress bar on stderr, only when it is a terminal (`show` is false with --json).
 fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
-    if !show {
+    if !show || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         return ProgressBar::hidden();
     }
     let b = ProgressBar::new(len);
@@ -242,6 +243,8 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         // CPU starts rayon's pool); candle reads it at each matmul.
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
+    // Before the pools start (reading the spec's CPU starts rayon's) and the variants' workers.
+    crate::guard::check_process("verify", jobs as u64)?;
     let mut base = args.spec.to_spec_or(default_spec)?;
     if let Some(cpu) = &mut base.cpu {
         // verify holds numerics, not memory: its variants run on the pool set up above, whatever
@@ -288,11 +291,13 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         weight_decay: defaults.weight_decay,
         steps: args.steps.unwrap_or(defaults.steps),
     };
-    if !(opts.lr.is_finite() && opts.lr > 0.0) {
+    let (lo, hi) = crate::flags::LEARNING_RATES;
+    if !(lo..=hi).contains(&opts.lr) {
+        // A stored reference's rate (the flag's own range is checked as it is parsed).
         return Err(invalid(
             "--lr",
             format!(
-                "{} is not a positive number; allowed: a finite number > 0",
+                "{} is out of range; allowed: a number from 1e-8 to 1",
                 crate::flags::fmt_float(opts.lr)
             ),
         ));

@@ -382,11 +382,13 @@ fn the_resource_guard_sees_the_address_space_limit() {
 /// Finding 6: nonsense values are refused, naming the flag and what is allowed.
 #[test]
 fn nonsense_values_are_refused() {
-    for lr in ["NaN", "inf", "-inf", "-1", "0", "1e400"] {
+    for lr in [
+        "NaN", "inf", "-inf", "-1", "0", "1e400", "5e-324", "1e308", "2",
+    ] {
         rejects(
             &["run", "--lr", lr],
             2,
-            &["--lr", "allowed: a finite number > 0"],
+            &["--lr", "allowed: a number from 1e-8 to 1"],
         );
         rejects(&["verify", "--lr", lr], 2, &["--lr", "allowed"]);
     }
@@ -744,5 +746,289 @@ fn products_past_u32_are_refused_not_divided_by() {
         ],
         2,
         &["workload.batch", "allowed"],
+    );
+}
+
+/// Issue 50, finding 1 and 2: a latents folder whose `.npy` declares a shape past usize
+/// ("capacity overflow" before) or holds a FIFO named `a.npy` (blocked forever before) is one
+/// line and exit 2: every file is checked before it is opened, every size before it sizes an
+/// allocation.
+#[test]
+fn latent_folders_are_checked_before_anything_is_opened() {
+    let dir = temp_dir("hostile", "latents");
+    let npy = |name: &str, shape: &str, data: &[u8]| {
+        let header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
+        let mut b = b"\x93NUMPY\x01\x00".to_vec();
+        b.extend((header.len() as u16).to_le_bytes());
+        b.extend(header.as_bytes());
+        b.extend(data);
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("a.npy"), b).unwrap();
+        d
+    };
+    let spec = [
+        "run",
+        "--preset",
+        "dit-s-2",
+        "--resolution",
+        "32",
+        "--batch",
+        "1",
+    ];
+    let cases = [
+        (
+            npy("huge", "(18446744073709551615,4,4,4)", &[]),
+            "overflows",
+        ),
+        (npy("short", "(1000,4,4,4)", &[0; 16]), "data bytes"),
+    ];
+    let fifo = dir.join("fifo");
+    std::fs::create_dir_all(&fifo).unwrap();
+    mkfifo(&fifo.join("a.npy"));
+    for (d, why) in cases.iter().map(|(d, w)| (d, *w)).chain([(&fifo, "FIFO")]) {
+        let mut args = spec.to_vec();
+        args.extend(["--steps", "1", "--latents-dir", s(d)]);
+        let (c, out, err, _) = run_within(&args, 60, None);
+        assert_eq!(c, 2, "{args:?}: {err}");
+        assert!(out.is_empty());
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains("--latents-dir") && err.contains(why), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 50, finding 3: under address-space limits that aborted (exit 134: the heap grew in
+/// 256 MiB steps) or panicked in rayon (a thread stack that could not be mapped), `run`,
+/// `compare` and `verify` refuse with one line and exit 3 naming the limit; below what the
+/// process needs before any step, the line names that need.
+#[test]
+fn low_address_space_limits_are_refused_not_aborted() {
+    let spec = [
+        "--preset",
+        "dit-s-2",
+        "--resolution",
+        "32",
+        "--batch",
+        "1",
+        "--steps",
+        "1",
+    ];
+    for kib in [30_000u64, 100_000, 200_000, 290_000] {
+        let wrapper = format!("ulimit -v {kib} && exec \"$@\"");
+        for cmd in ["run", "compare", "verify"] {
+            let mut args = vec![cmd];
+            args.extend_from_slice(&spec);
+            let (c, out, err, _) = run_within(&args, 60, Some(&wrapper));
+            assert_eq!(c, 3, "{kib} KiB {args:?}: {err}");
+            assert!(out.is_empty());
+            assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+            assert!(err.contains("address-space limit"), "{err}");
+            if kib == 30_000 {
+                assert!(err.contains("needs at least"), "{err}");
+            }
+        }
+    }
+}
+
+/// Issue 50, finding 4: an output that names a folder (`out/new/`, `file.txt/`) is refused
+/// before the work (exit 2, not exit 1 "Not a directory" after it), and a new 250-character
+/// file name is written (its temporary name stays within 255 bytes).
+#[test]
+fn outputs_naming_a_folder_are_refused_and_long_names_written() {
+    let dir = temp_dir("hostile", "slash");
+    let d = s(&dir).to_string();
+    let new = format!("{d}/new/");
+    let file = format!("{d}/file.txt/");
+    std::fs::write(dir.join("file.txt"), b"kept").unwrap();
+    for args in [
+        vec!["estimate", "--plot", &new],
+        vec!["estimate", "--plot", &file],
+        vec!["plan", "--budget", "24GiB", "--out", &file],
+        vec![
+            "plan",
+            "--budget",
+            "24GiB",
+            "--emit",
+            "deepspeed",
+            "--emit-out",
+            &new,
+        ],
+        vec!["verify", "--steps", "1", "--save-reference", &new],
+    ] {
+        let (c, out, err, took) = run_within(&args, 60, None);
+        assert_eq!(c, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}");
+        assert!(err.contains("names a folder"), "{err}");
+        assert!(
+            took < Duration::from_secs(10),
+            "{args:?} before the work: {took:?}"
+        );
+    }
+    assert_eq!(std::fs::read(dir.join("file.txt")).unwrap(), b"kept");
+    let long = dir.join("n".repeat(250));
+    let (c, _, err) = run(&["estimate", "--plot", s(&long)]);
+    assert_eq!(c, 0, "{err}");
+    assert!(std::fs::read_to_string(&long).unwrap().contains("<svg"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 50, finding 5: `compare --snapshot` with no flags, or only `--preset` or `--config`,
+/// moves the spec to pytorch:cuda by itself (exit 0), as its help says.
+#[test]
+fn a_snapshot_alone_moves_the_spec_to_cuda() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/snapshots/");
+    let pickle = format!("{data}dit-s2-fp32-recompute.pickle");
+    let config = format!("{data}dit-s2-fp32-recompute.spec.json");
+    for extra in [
+        vec![],
+        vec!["--preset", "dit-s-2"],
+        vec!["--config", &config],
+    ] {
+        let mut args = vec!["compare", "--snapshot", &pickle, "--json"];
+        args.extend(extra);
+        let (c, out, err) = run(&args);
+        assert_eq!(c, 0, "{args:?}: {err}");
+        assert!(out.contains("max_allocated"), "{args:?}");
+    }
+    rejects(
+        &["compare", "--snapshot", &pickle, "--cpu-threads", "2"],
+        2,
+        &["--cpu-threads", "allowed"],
+    );
+    rejects(
+        &["compare", "--snapshot", &pickle, "--device", "x"],
+        2,
+        &["--device", "allowed"],
+    );
+    rejects(
+        &["compare", "--snapshot", &pickle, "--device", "7"],
+        2,
+        &["--device", "allowed: 0"],
+    );
+}
+
+/// Issue 50, finding 6: `--python` that is a device, a folder, a FIFO or not executable is bad
+/// input (exit 2) before any work; a missing one is a missing tool (exit 5).
+#[test]
+fn the_peer_python_is_checked_up_front() {
+    let dir = temp_dir("hostile", "python");
+    let fifo = dir.join("python-fifo");
+    mkfifo(&fifo);
+    let plain = dir.join("python-plain");
+    std::fs::write(&plain, b"#!/bin/sh\n").unwrap();
+    for (p, why) in [
+        ("/dev/null", "character device"),
+        (s(&dir), "directory"),
+        (s(&fifo), "FIFO"),
+        (s(&plain), "not executable"),
+    ] {
+        rejects(
+            &["compare", "--runtime", "pytorch", "--python", p],
+            2,
+            &["--python", why, "allowed"],
+        );
+    }
+    rejects(
+        &[
+            "compare",
+            "--runtime",
+            "pytorch",
+            "--python",
+            &format!("{}/none", s(&dir)),
+        ],
+        5,
+        &["--python"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 50, finding 2 (plan's search bounded by time) and issue 44 item 5 (progress only on a
+/// terminal): a search cut by `--time-limit` returns at once and says what it did not search,
+/// in JSON and in a line; stderr (a file here, never a terminal) holds no progress line.
+#[test]
+fn plan_is_bounded_by_time_and_says_what_it_left() {
+    let base = [
+        "plan",
+        "--preset",
+        "flux.1-dev",
+        "--gpu",
+        "rtx-4090",
+        "--allow",
+        "all",
+        "--time-limit",
+        "0.1",
+    ];
+    let mut args = base.to_vec();
+    args.push("--json");
+    let (c, out, err, took) = run_within(&args, 120, None);
+    // Nothing that fits is found in 0.1 s (flux needs LoRA and a quantized base on 24 GB).
+    assert_eq!(c, 3, "{err}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let n = &v["not_searched"];
+    assert_eq!(n["time_limit_s"], 0.1, "{n}");
+    assert!(
+        n["combinations"].as_u64().unwrap() > 0 || !n["stages"].as_array().unwrap().is_empty(),
+        "{n}"
+    );
+    assert!(
+        err.contains("time limit") && err.contains("--time-limit"),
+        "{err}"
+    );
+    let (c, out, err, _) = run_within(&base, 120, None);
+    assert_eq!(c, 3, "{err}");
+    assert!(out.contains("not searched: the search stopped at its time limit (0.1 s)"));
+    assert!(!err.contains("plan: stage") && !err.contains('\r'), "{err}");
+    rejects(
+        &["plan", "--budget", "24GiB", "--time-limit", "0"],
+        2,
+        &["--time-limit", "allowed"],
+    );
+}
+
+/// Issue 50, finding 2: the faster search (the allocator's free blocks indexed, points shared
+/// between stages) gives the same plan: a CUDA plan with partial recompute, a split microbatch
+/// and expandable segments under max_split_size, its answer recorded before the change.
+#[test]
+fn a_fixed_plan_keeps_its_answer() {
+    let (c, out, err) = run(&[
+        "plan",
+        "--preset",
+        "dit-xl-2",
+        "--gpu",
+        "t4",
+        "--batch",
+        "256",
+        "--alloc-conf",
+        "max_split_size_mb:128",
+        "--allow",
+        "all",
+        "--time-limit",
+        "600",
+        "--json",
+    ]);
+    assert_eq!(c, 0, "{err}");
+    assert!(!err.contains("plan: stage"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["not_searched"].is_null());
+    assert_eq!(v["predicted_peak_bytes"], 15_034_482_688u64);
+    assert_eq!(v["predicted_step_time_s"], 43.0082008379963);
+    let changes: Vec<&str> = v["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        changes,
+        [
+            "precision bf16-mixed → bf16-pure",
+            "recompute 3 of 28 blocks (blocks:0,1,3)",
+            "attention materialized → memory-efficient",
+            "microbatch 256 → 4 with accumulation 64",
+            "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128,expandable_segments:True (the \
+             allocated peak fits, the cached segments do not)",
+        ]
     );
 }

@@ -326,15 +326,25 @@ impl SyntheticData {
     }
 }
 
-/// Read latents (n, C, H, W) from a directory of `.safetensors` (every tensor of every file, f32 or
-/// f64 or bf16/f16) or `.npy` files, sorted by file name, and pair them with synthetic noise,
-/// timesteps and labels from `data`. Returns every sample found.
-pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
+/// Most bytes of latent files `--latents-dir` reads, every file together: 1 GiB. The engine holds
+/// every sample it reads (as f64, twice an f32 file's bytes) beside the step; the cap keeps a
+/// huge file, `/dev/zero` behind a link or a runaway folder from filling memory before the guard.
+pub const MAX_LATENTS_BYTES: u64 = 1 << 30;
+
+/// Most dimensions of an `.npy` array read as latents (numpy's own limit is 32; a stack of
+/// latents has 4 or 5).
+pub const MAX_NPY_DIMS: usize = 8;
+
+/// The latent files of `dir` (`.safetensors` and `.npy`, sorted by name), each checked before
+/// it is opened: a regular file (a link to one is fine), and the total at most
+/// [`MAX_LATENTS_BYTES`]. A FIFO, socket or device is refused without opening it (a FIFO would
+/// block the reader until a writer comes).
+pub fn latent_files(dir: &Path) -> Result<Vec<(std::path::PathBuf, u64)>> {
     let derr = |why: String| EngineError::Data {
         path: dir.display().to_string(),
         why,
     };
-    let mut files: Vec<_> = std::fs::read_dir(dir)
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| derr(e.to_string()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -346,17 +356,180 @@ pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
     if files.is_empty() {
         return Err(derr("no .safetensors or .npy files".into()));
     }
+    let mut total = 0u64;
+    let mut out = Vec::with_capacity(files.len());
+    for f in files {
+        let meta = std::fs::metadata(&f).map_err(|e| derr(format!("{}: {e}", f.display())))?;
+        if !meta.file_type().is_file() {
+            return Err(derr(format!(
+                "{} is {}; allowed: regular files",
+                f.display(),
+                file_kind(meta.file_type())
+            )));
+        }
+        total = total.saturating_add(meta.len());
+        if total > MAX_LATENTS_BYTES {
+            return Err(derr(format!(
+                "the latent files hold more than {MAX_LATENTS_BYTES} bytes (at {}); allowed: at \
+                 most {} MiB of latents",
+                f.display(),
+                MAX_LATENTS_BYTES >> 20
+            )));
+        }
+        out.push((f, meta.len()));
+    }
+    Ok(out)
+}
+
+fn file_kind(ft: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_dir() {
+        "a directory"
+    } else if ft.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() || ft.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The bytes of a latent file that [`latent_files`] accepted with `len` bytes: opened without
+/// blocking (should it have become a FIFO since), checked again on the open file, never more
+/// than `len` bytes read.
+fn read_checked(path: &Path, len: u64) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.file_type().is_file() || meta.len() != len {
+        return Err(
+            "changed while it was read; allowed: regular files that stay as they are".into(),
+        );
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(len).map_err(|e| e.to_string())?);
+    file.take(len)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(bytes)
+}
+
+/// An `.npy` file (format 1.0–3.0, little-endian f16, f32 or f64, C order) as a tensor. Every
+/// size in the header is checked before it sizes anything: the element count with checked
+/// multiplication, and the data it declares must be exactly the bytes the file holds.
+pub fn parse_npy(bytes: &[u8]) -> std::result::Result<Tensor, String> {
+    const MAGIC: &[u8] = b"\x93NUMPY";
+    let rest = bytes
+        .strip_prefix(MAGIC)
+        .ok_or("not an .npy file (no \\x93NUMPY magic)")?;
+    let (&major, rest) = rest.split_first().ok_or("truncated header")?;
+    let (_, rest) = rest.split_first().ok_or("truncated header")?;
+    let (len, rest) = match major {
+        1 => {
+            let (l, r) = rest.split_at_checked(2).ok_or("truncated header")?;
+            (usize::from(u16::from_le_bytes([l[0], l[1]])), r)
+        }
+        2 | 3 => {
+            let (l, r) = rest.split_at_checked(4).ok_or("truncated header")?;
+            let n = u32::from_le_bytes([l[0], l[1], l[2], l[3]]);
+            (usize::try_from(n).map_err(|e| e.to_string())?, r)
+        }
+        v => return Err(format!("format version {v}; allowed: 1, 2 or 3")),
+    };
+    let (header, data) = rest
+        .split_at_checked(len)
+        .ok_or("header longer than the file")?;
+    let header = std::str::from_utf8(header).map_err(|_| "header is not text")?;
+    let field = |key: &str| -> Option<&str> {
+        let at = header.find(&format!("'{key}'"))?;
+        let after = header[at + key.len() + 2..]
+            .trim_start()
+            .strip_prefix(':')?;
+        Some(after.trim_start())
+    };
+    let descr = field("descr").ok_or("no 'descr' in the header")?;
+    let descr = descr
+        .strip_prefix('\'')
+        .and_then(|d| d.split('\'').next())
+        .ok_or("'descr' is not a string")?;
+    let dtype = match descr {
+        "<f2" | "=f2" | "<e" => DType::F16,
+        "<f4" | "=f4" | "<f" => DType::F32,
+        "<f8" | "=f8" | "<d" => DType::F64,
+        d => {
+            return Err(format!(
+                "dtype {d:?}; allowed: little-endian float16, float32 or float64 (<f2, <f4, <f8)"
+            ))
+        }
+    };
+    match field("fortran_order") {
+        Some(f) if f.starts_with("False") => {}
+        Some(f) if f.starts_with("True") => {
+            return Err("Fortran order; allowed: C order (numpy's default)".into())
+        }
+        _ => return Err("no 'fortran_order' in the header".into()),
+    }
+    let shape = field("shape").ok_or("no 'shape' in the header")?;
+    let inner = shape
+        .strip_prefix('(')
+        .and_then(|s| s.split(')').next())
+        .ok_or("'shape' is not a tuple")?;
+    let mut dims: Vec<usize> = Vec::new();
+    for d in inner.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        if dims.len() == MAX_NPY_DIMS {
+            return Err(format!("more than {MAX_NPY_DIMS} dimensions"));
+        }
+        dims.push(
+            d.trim_end_matches('L')
+                .parse::<usize>()
+                .map_err(|_| format!("shape entry {d:?} is not a size"))?,
+        );
+    }
+    let elems = dims
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| format!("shape {dims:?} overflows"))?;
+    let need = elems
+        .checked_mul(dtype.size_in_bytes())
+        .ok_or_else(|| format!("shape {dims:?} overflows"))?;
+    if need != data.len() {
+        return Err(format!(
+            "shape {dims:?} of {descr} needs {need} data bytes but the file holds {}",
+            data.len()
+        ));
+    }
+    Tensor::from_raw_buffer(data, dtype, &dims, &Device::Cpu).map_err(|e| e.to_string())
+}
+
+/// Read latents (n, C, H, W) from a directory of `.safetensors` (every tensor of every file, f32 or
+/// f64 or bf16/f16) or `.npy` files, sorted by file name, and pair them with synthetic noise,
+/// timesteps and labels from `data`. Returns every sample found. Each file is checked before it
+/// is opened ([`latent_files`]) and every size it declares before it sizes an allocation.
+pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
+    let derr = |why: String| EngineError::Data {
+        path: dir.display().to_string(),
+        why,
+    };
+    let files = latent_files(dir)?;
     let mut lat: Vec<f64> = Vec::new();
     let sample_len = data.sample_len();
-    for f in &files {
+    for (f, len) in &files {
+        let bytes = read_checked(f, *len).map_err(|e| derr(format!("{}: {e}", f.display())))?;
         let tensors: Vec<Tensor> = if f.extension().is_some_and(|e| e == "npy") {
-            vec![Tensor::read_npy(f).map_err(|e| derr(format!("{}: {e}", f.display())))?]
+            vec![parse_npy(&bytes).map_err(|e| derr(format!("{}: {e}", f.display())))?]
         } else {
-            candle_core::safetensors::load(f, &Device::Cpu)
+            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
                 .map_err(|e| derr(format!("{}: {e}", f.display())))?
                 .into_values()
                 .collect()
         };
+        drop(bytes);
         for t in tensors {
             if t.elem_count() % sample_len != 0 || t.dims().last() != Some(&data.width) {
                 return Err(derr(format!(
@@ -381,6 +554,46 @@ pub fn load_latent_dir(dir: &Path, data: &SyntheticData) -> Result<Batch> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+        let header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        let mut b = b"\x93NUMPY\x01\x00".to_vec();
+        b.extend((header.len() as u16).to_le_bytes());
+        b.extend(header.as_bytes());
+        b.extend(data);
+        b
+    }
+
+    #[test]
+    fn npy_sizes_are_checked_before_they_size_anything() {
+        let ok = npy("<f4", "(2, 1)", &[0, 0, 128, 63, 0, 0, 0, 64]);
+        let t = parse_npy(&ok).unwrap();
+        assert_eq!(t.dims(), &[2, 1]);
+        assert_eq!(
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [1.0, 2.0]
+        );
+        for (bytes, why) in [
+            (npy("<f4", "(18446744073709551615,4,4,4)", &[]), "overflows"),
+            (npy("<f4", "(4611686018427387904,4)", &[]), "overflows"),
+            (
+                npy("<f4", "(1000000000,)", &[0; 8]),
+                "needs 4000000000 data bytes",
+            ),
+            (npy("<f4", "(3,)", &[0; 8]), "needs 12 data bytes"),
+            (npy(">f4", "(2,)", &[0; 8]), "allowed: little-endian"),
+            (npy("<f4", "(1,1,1,1,1,1,1,1,1)", &[0; 4]), "dimensions"),
+            (
+                b"\x93NUMPY\x01\x00\xff\xff{".to_vec(),
+                "longer than the file",
+            ),
+            (b"\x93NUMPY\x09\x00".to_vec(), "version"),
+            (b"not npy".to_vec(), "magic"),
+        ] {
+            let e = parse_npy(&bytes).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
 
     #[test]
     fn schedule_endpoints() {

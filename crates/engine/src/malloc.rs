@@ -11,7 +11,8 @@
 //! unmaps it on free (raising the threshold as it goes, up to 32 MiB), and trims the heap's top
 //! once 128 KiB are free there: a step's activations come back from the kernel as zeroed pages
 //! every step. Pinning the mmap threshold at its 32 MiB ceiling and trimming only past 2 GiB
-//! (with a 256 MiB top pad so the heap grows in large steps) keeps those pages for the next step
+//! (with a 256 MiB top pad so the heap grows in large steps; under an address-space limit at
+//! most a sixteenth of it) keeps those pages for the next step
 //! — what PyTorch's caching allocators do on purpose. Blocks above 32 MiB are still mapped and
 //! returned.
 //!
@@ -86,7 +87,7 @@ fn set_one_arena() -> ArenaPolicy {
         (libc::M_ARENA_MAX, 1),
         (libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         (libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-        (libc::M_TOP_PAD, TOP_PAD),
+        (libc::M_TOP_PAD, top_pad(TOP_PAD)),
     ];
     let set = |(option, value): (i32, i32)| {
         // SAFETY: mallopt only sets a glibc parameter; each option is valid and each value in
@@ -98,6 +99,26 @@ fn set_one_arena() -> ArenaPolicy {
     } else {
         ArenaPolicy::LibraryDefault
     }
+}
+
+/// The heap's top pad under the process's address-space limit (`ulimit -v`, RLIMIT_AS): every
+/// growth of the heap, even for a few bytes, asks the kernel for the pad as well, and a growth
+/// that fails aborts the process. Under a limit the pad is at most a sixteenth of it (a 300 MB
+/// limit: 18 MiB steps), so the limit is spent on what the process allocates and the memory
+/// guard, not the pad, decides what does not fit.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn top_pad(pad: i32) -> i32 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return pad;
+    }
+    i32::try_from(lim.rlim_cur / 16).map_or(pad, |p| p.min(pad))
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
