@@ -10,11 +10,10 @@ use ditmem_budget::oom::{
     agreement, format_size, rank_levers, Agreement, Cause, Diagnosis, Lever, LeverOptions,
     LeverReport, OomMessage, MAX_MESSAGE_BYTES,
 };
-use ditmem_budget::{fmt_bytes, gpu, Allow, DeviceProfile, SpecError, DEFAULT_HEADROOM};
+use ditmem_budget::{fmt_bytes, gpu, DeviceProfile, SpecError, DEFAULT_HEADROOM};
 use serde::Serialize;
 
 use crate::args::SpecArgs;
-use crate::flags::show;
 use crate::CliError;
 
 /// Widest line of the report.
@@ -62,34 +61,6 @@ pub struct OomReport {
     pub agreement: Option<Agreement>,
 }
 
-fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
-    let mut a = Allow::default();
-    for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-        match item.to_ascii_lowercase().as_str() {
-            "lora" => a.lora = true,
-            "quant" | "nf4" | "qlora" => a.quant = true,
-            "sharding" | "zero" => a.sharding = true,
-            "bf16-pure" => a.bf16_pure = true,
-            "precision" => a.precision = true,
-            // 8-bit AdamW is always tried; accepted for symmetry with `plan --allow`.
-            "8bit" | "8-bit" | "adamw-8bit" => a.eight_bit = true,
-            "all" => a = Allow::all(),
-            "none" => {}
-            _ => {
-                return Err(SpecError::invalid(
-                    "--allow",
-                    format!(
-                        "{} is not a lever; allowed: lora, quant, sharding, bf16-pure, precision, \
-                         8bit, all",
-                        show(item)
-                    ),
-                ))
-            }
-        }
-    }
-    Ok(a)
-}
-
 /// The message's text: the argument, `--file`, or stdin (`-`, or none given and stdin not a
 /// terminal), with the field an error names.
 fn read_message(args: &OomArgs) -> Result<(String, &'static str), SpecError> {
@@ -130,7 +101,8 @@ fn spec_given(s: &SpecArgs) -> bool {
 }
 
 pub fn run(args: OomArgs) -> Result<(), CliError> {
-    let allow = parse_allow(&args.allow)?;
+    // 8-bit AdamW is always tried; `8bit` is accepted for symmetry with `plan --allow`.
+    let allow = crate::plan_cmd::parse_allow(&args.allow)?;
     let (text, field) = read_message(&args)?;
     let msg = OomMessage::parse(&text).map_err(|e| SpecError::invalid(field, e.to_string()))?;
     let diagnosis = msg.diagnosis();

@@ -157,7 +157,7 @@ impl Ticker {
 }
 
 /// `--allow`: the levers that change what is trained or need more devices.
-fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
+pub(crate) fn parse_allow(items: &[String]) -> Result<Allow, SpecError> {
     let mut a = Allow::default();
     for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
         match item.to_ascii_lowercase().as_str() {
