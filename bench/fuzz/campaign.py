@@ -1206,6 +1206,7 @@ def reproducer(case):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bin", default=os.path.join(REPO, "target/release/ditmem"))
+    ap.add_argument("--bin-label", default=None, help="what the binary is (its commit), for the summary")
     ap.add_argument("--cases", type=int, default=100_000)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=50)
@@ -1353,6 +1354,7 @@ def write_summary(out, cases_path, binary, args, run_seconds=None, run_cases=Non
                      "jobs": args.jobs, "ended": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z"})
     summary = {
         "binary": binary,
+        "binary_label": args.bin_label or prev.get("binary_label"),
         "binary_size": os.path.getsize(binary) if os.path.exists(binary) else None,
         "repo_commit": commit,
         "seed": args.seed,
@@ -1374,7 +1376,8 @@ def write_summary(out, cases_path, binary, args, run_seconds=None, run_cases=Non
                     "fix_changes", "stray")} | {"stderr": r.get("stderr", "")[:300]}, ensure_ascii=False) + "\n")
     classes = [c for c in FAILURES + BENIGN if any(c in t for t in table.values())]
     lines = [f"# ditmem CLI fuzz campaign: {len(recs)} cases", "",
-             f"binary `{binary}`, repository at `{commit}`, seed {args.seed}", ""]
+             f"binary `{binary}` ({summary['binary_label'] or 'no label'}), harness at `{commit}`, "
+             f"seed {args.seed}", ""]
     for run in runs:
         lines.append(f"- run: {run['cases']} cases in {run['seconds']} s "
                      f"({run['cases_per_second']} cases/s, --jobs {run['jobs']}), ended {run['ended']}")
