@@ -262,8 +262,14 @@ impl Cfg {
             }
             let mut allowed: Vec<&str> = self.used.iter().map(String::as_str).collect();
             allowed.retain(|k| *k != "_class_name");
+            // A key that shows as nothing (empty, blank, control characters) is named quoted.
+            let named = if key.trim().is_empty() || key.chars().any(char::is_control) {
+                Value::String(key.clone()).to_string()
+            } else {
+                key.clone()
+            };
             return Err(SpecError::invalid(
-                cut(key),
+                cut(&named),
                 format!(
                     "unknown key for {class}; allowed: {} (and diffusers' `_`-prefixed bookkeeping)",
                     allowed.join(", ")
