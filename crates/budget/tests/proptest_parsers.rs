@@ -445,7 +445,7 @@ fn spec_json_and_toml_round_trip() {
             prop_assert_eq!(Spec::from_json(&json), Ok(spec.clone()));
             let pretty = serde_json::to_string_pretty(&spec).unwrap();
             prop_assert_eq!(Spec::from_json(&pretty), Ok(spec.clone()));
-            let toml = spec.to_toml();
+            let toml = spec.to_toml().expect("a valid spec writes as TOML");
             prop_assert_eq!(Spec::from_toml(&toml), Ok(spec.clone()), "{}", toml);
             Ok(())
         })
@@ -462,14 +462,15 @@ fn family_spec_json_round_trips() {
     }
 }
 
-/// Each family preset's spec reads back from its TOML (a `null` in a config is an absent key).
+/// Each family preset's spec reads back from its TOML (a top-level `null` in a config is
+/// listed in `model.diffusers_null` and read back as null).
 #[test]
-#[ignore = "issue 50 (1): Spec::to_toml panics on a config holding a null (Sana, Wan); fixed on the spec.rs branch, then un-ignore"]
 fn family_spec_toml_round_trips() {
     for name in diffusers_presets() {
         let spec = family_spec(&name).unwrap();
-        let toml = std::panic::catch_unwind(|| spec.to_toml())
-            .unwrap_or_else(|_| panic!("{name}: to_toml panics"));
+        let toml = spec
+            .to_toml()
+            .unwrap_or_else(|e| panic!("{name}: to_toml: {e}"));
         let back = Spec::from_toml(&toml).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(
             serde_json::to_value(&back).unwrap(),
@@ -568,7 +569,7 @@ fn mutated_spec_text_fails_with_a_typed_error() {
             let text = if json {
                 serde_json::to_string_pretty(&spec).unwrap()
             } else {
-                spec.to_toml()
+                spec.to_toml().expect("a valid spec writes as TOML")
             };
             let mut ls: Vec<String> = text.lines().map(str::to_string).collect();
             for (i, val) in lines {

@@ -125,7 +125,6 @@ fn npy_latents_round_trip() {
 /// Mutated `.npy` headers and files: read (then as many samples as the data holds) or refused
 /// with an error, never a panic (nor an allocation sized by a header before it is checked).
 #[test]
-#[ignore = "issue 50 (1): a header shape of (18446744073709551615, 4, 4, 4) panics in the npy reader ('capacity overflow'); un-ignore with the npy reader's fix"]
 fn mutated_npy_files_are_read_or_refused() {
     let spec = tiny();
     let data = SyntheticData::new(&spec, 0).unwrap();
