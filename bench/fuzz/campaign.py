@@ -711,6 +711,11 @@ def output_target(rng, ext):
         ("{F}/special/regular.txt/", []),
     ]
     p, setup = rng.choice(bad)
+    # A 255-byte name is NAME_MAX itself: a valid new file that must be written (ditmem keeps its
+    # temporary name under the limit), not refused. It stays in this draw so that the seeded case
+    # ids are those of earlier runs.
+    if p == "{C}/" + "n" * 255:
+        return (p, False, setup)
     return (p, True, setup)
 
 

@@ -581,7 +581,7 @@ impl FromStr for Recompute {
         let bad = |why: &str| {
             SpecError::invalid(
                 "recipe.recompute",
-                format!("'{s}' {why}; allowed: none, all, attention-only, every-K (K ≥ 1), blocks:I,J,…"),
+                format!("'{s}' {why}; allowed: none, all, attention-only, every-K (K ≥ 1), blocks:I,J,… (runs as I-J)"),
             )
         };
         match s {
@@ -600,6 +600,23 @@ impl FromStr for Recompute {
         if let Some(list) = s.strip_prefix("blocks:") {
             let mut blocks = Vec::new();
             for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+                // A run of blocks as `I-J` (what `ditmem plan` prints in its flags), at most
+                // MAX_DEPTH long so that a typo cannot size a huge list.
+                if let Some((a, b)) = item.split_once('-') {
+                    let num = |t: &str| {
+                        t.trim()
+                            .parse::<u32>()
+                            .map_err(|_| bad("has a block range that is not I-J"))
+                    };
+                    let (a, b) = (num(a)?, num(b)?);
+                    if a > b || b - a >= MAX_DEPTH {
+                        return Err(bad(&format!(
+                            "has a block range that is backwards or longer than {MAX_DEPTH}"
+                        )));
+                    }
+                    blocks.extend(a..=b);
+                    continue;
+                }
                 blocks.push(
                     item.parse::<u32>()
                         .map_err(|_| bad("has a block that is not a number"))?,
@@ -2111,6 +2128,14 @@ mod tests {
         }
         assert!("every-0".parse::<Recompute>().is_err());
         assert!("blocks:a".parse::<Recompute>().is_err());
+        // Runs of blocks read as their members; backwards or huge runs are refused.
+        assert_eq!(
+            "blocks:0-3,5,7-8".parse::<Recompute>().unwrap(),
+            Recompute::Blocks(vec![0, 1, 2, 3, 5, 7, 8])
+        );
+        assert!("blocks:3-1".parse::<Recompute>().is_err());
+        assert!("blocks:0-4294967295".parse::<Recompute>().is_err());
+        assert!("blocks:0-x".parse::<Recompute>().is_err());
         assert!("blocks:".parse::<Recompute>().is_err());
         assert!("blocks:,".parse::<Recompute>().is_err());
     }

@@ -426,7 +426,11 @@ fn pred_peak(
     Some((
         t * tscale,
         y,
-        format!("peak {} at {}", fmt_bytes(b.peak_bytes), b.peak.label),
+        format!(
+            "peak {} {}",
+            fmt_bytes(b.peak_bytes),
+            crate::render::where_words(&b.peak.label)
+        ),
     ))
 }
 
@@ -500,9 +504,17 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
         .arg(&spec_path)
         .args(["--warmup", "1", "--steps", &args.steps.max(1).to_string()])
         .env("OMP_WAIT_POLICY", "PASSIVE")
-        .output()
-        .context("running the PyTorch peer")?;
+        .output();
+    // The spec file's folder goes whatever the peer did.
     let _ = std::fs::remove_dir_all(&dir);
+    let out = out.context("running the PyTorch peer")?;
+    let not_the_peer = |what: String| {
+        CliError::Missing(format!(
+            "{} {what}, so it is not the PyTorch peer's Python; allowed: the interpreter \
+             bench/torch_peer/setup.sh installs (bench/torch_peer/.venv/bin/python)",
+            crate::flags::show(&python.display().to_string())
+        ))
+    };
     if !out.status.success() {
         let msg = String::from_utf8_lossy(&out.stderr)
             .trim()
@@ -510,11 +522,18 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
             .last()
             .unwrap_or("")
             .to_string();
+        if msg.is_empty() {
+            return Err(not_the_peer(format!(
+                "exited with {} and said nothing",
+                out.status
+            )));
+        }
         return Err(CliError::Other(anyhow::anyhow!(
             "the PyTorch peer failed: {msg}"
         )));
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("the peer's JSON")?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| not_the_peer(format!("printed no peer JSON ({e})")))?;
     let measured = v["peak_bytes"]
         .as_u64()
         .context("peer JSON has no peak_bytes")?;

@@ -537,8 +537,12 @@ mod tests {
 
     #[test]
     fn allow_lists() {
-        assert!(parse_allow(&["lora".into(), "quant".into()]).unwrap().quant);
-        let e = parse_allow(&["wings".into()]).unwrap_err();
+        assert!(
+            crate::plan_cmd::parse_allow(&["lora".into(), "quant".into()])
+                .unwrap()
+                .quant
+        );
+        let e = crate::plan_cmd::parse_allow(&["wings".into()]).unwrap_err();
         assert_eq!(e.field(), Some("--allow"));
     }
 

@@ -300,10 +300,16 @@ fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) ->
         100.0 * p.headroom
     );
     out.push_str(&wrap(
-        &if p.feasible && p.base_fits {
+        &if p.feasible && p.base_fits && p.changes.is_empty() {
             format!(
                 "fits: yes, as it is — {} of {usable}",
                 fmt_bytes(p.base_peak_bytes)
+            )
+        } else if p.feasible && p.base_fits {
+            format!(
+                "fits: yes, as it is — {} of {usable}; the plan is faster, at {}",
+                fmt_bytes(p.base_peak_bytes),
+                fmt_bytes(p.predicted_peak_bytes)
             )
         } else if p.feasible {
             format!(

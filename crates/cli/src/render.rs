@@ -1083,6 +1083,29 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
     out
 }
 
+/// A recompute policy as a flag value, runs of three or more blocks written `I-J`
+/// (`blocks:0-21,23`; the parser reads both forms).
+pub fn recompute_flag(r: &ditmem_budget::Recompute) -> String {
+    let ditmem_budget::Recompute::Blocks(v) = r else {
+        return r.to_string();
+    };
+    let mut parts = Vec::new();
+    let mut k = 0;
+    while k < v.len() {
+        let mut j = k;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        if j >= k + 2 {
+            parts.push(format!("{}-{}", v[k], v[j]));
+        } else {
+            parts.extend(v[k..=j].iter().map(u32::to_string));
+        }
+        k = j + 1;
+    }
+    format!("blocks:{}", parts.join(","))
+}
+
 /// The `ditmem` flags that turn `base` into `s` (what to add to the command line to estimate or
 /// run the plan; `--out` writes the whole spec).
 pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
@@ -1092,7 +1115,7 @@ pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
         out.push(format!("--precision {}", r.precision));
     }
     if b.recompute != r.recompute {
-        out.push(format!("--recompute {}", r.recompute));
+        out.push(format!("--recompute {}", recompute_flag(&r.recompute)));
     }
     if b.attention != r.attention {
         out.push(format!("--attention {}", r.attention.name()));
@@ -1179,6 +1202,26 @@ pub fn wrap_at_most(text: &str, width: usize, indent: usize, lines: usize, more:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recompute_flags_write_runs_and_read_back() {
+        use ditmem_budget::Recompute;
+        for v in [
+            vec![0, 1, 2, 3, 5, 7, 8],
+            vec![4],
+            vec![0, 2, 4],
+            (0..57).collect(),
+        ] {
+            let r = Recompute::Blocks(v);
+            let text = recompute_flag(&r);
+            assert_eq!(text.parse::<Recompute>().unwrap(), r, "{text}");
+        }
+        assert_eq!(
+            recompute_flag(&Recompute::Blocks(vec![0, 1, 2, 3, 5, 7, 8])),
+            "blocks:0-3,5,7,8"
+        );
+        assert_eq!(recompute_flag(&Recompute::All), "all");
+    }
 
     #[test]
     fn counts_get_separators() {

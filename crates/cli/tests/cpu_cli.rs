@@ -97,8 +97,10 @@ fn the_estimate_follows_the_cpu_section() {
         "widen",
     ]);
     assert_eq!(code, 0);
+    // The recipe line wraps at the output's width: read it with its breaks as spaces.
+    let flat = out.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
-        out.contains("runtime ditmem-cpu (2 threads, bf16 products widened to f32, gemm slab 2.00 MiB per thread)"),
+        flat.contains("runtime ditmem-cpu (2 threads, bf16 products widened to f32, gemm slab 2.00 MiB per thread)"),
         "{out}"
     );
 }
