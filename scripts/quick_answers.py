@@ -25,13 +25,14 @@ QUESTIONS = [
       "--allow", "8bit,quant"], 11),
     ("SD3.5-medium full fine-tune on 8×A100?",
      ["plan", "--preset", "sd3.5-medium", "--ranks", "8", "--gpu", "a100-80gb",
-      "--allow", "sharding", "--emit", "diffusers", "--emit-out", "train.sh"], 6),
+      "--allow", "sharding", "--emit", "diffusers", "--emit-out", "train.sh"], 10),
     ("PixArt-Σ at 1024², batch 4, on an A100-40GB?",
      ["estimate", "--preset", "pixart-sigma-1024", "--batch", "4", "--gpu", "a100-40gb"], 5),
     ("Wan 2.1 1.3B LoRA at 81×480×832?",
      ["estimate", "--preset", "wan2.1-1.3b", "--lora-rank", "16", "--gpu", "rtx-4090"], 5),
     ("My run OOMs — which lever?",
-     ["oom", OOM, "--preset", "flux.1-dev", "--lora-rank", "16", "--allow", "quant"], 5),
+     ["oom", OOM, "--preset", "flux.1-dev", "--lora-rank", "16", "--gpu", "rtx-4090",
+      "--allow", "quant"], 5),
 ]
 
 # For these commands, also the lines from this marker on (the ranked levers), this many.
