@@ -227,13 +227,30 @@ RUN_SAFE = {
 }
 
 
+# Values of the generic pools that a flag accepts (so a case drawing them is not a fault).
+ACCEPTED = {
+    "--seed": {"4294967295"},
+    "--data-seed": {"4294967295", "4294967296", "18446744073709551615"},
+    "--lora-rank": {"0"},
+    "--ema": {"true"},
+    "--gradient-as-bucket-view": {"true", "1"},
+    "--lr": {"+1"},
+}
+
+# Flags that take a list and may be given more than once (clap appends).
+REPEATABLE = {"--allow"}
+
+
 def pick_value(rng, flag, safe=False, fault=False):
     pool = RUN_SAFE.get(flag) if safe else None
     pool = pool or POOLS.get(flag, (INT_SMALL, INT_BOUND, []))
     valid, edge, bad = pool
     if fault:
-        # A value that must be refused: malformed (the flag's own, else generic garbage).
-        choices = bad + [v for v in GENERIC_BAD if v not in valid]
+        # A value that must be refused: malformed (the flag's own, else generic garbage), less
+        # what the flag accepts: Rust's integer parsing takes a leading '+', seeds are u32/u64,
+        # `--lora-rank 0` turns LoRA off, the switches take true.
+        ok = set(valid) | {"+1"} | ACCEPTED.get(flag, set())
+        choices = bad + [v for v in GENERIC_BAD if v not in ok]
         if safe:
             choices += [v for v in edge if v in ("0", "4294967296", "18446744073709551616")]
         return rng.choice(choices)
@@ -741,7 +758,7 @@ def add_flags(rng, argv, flags, n, safe=False, case=None):
             argv.append(f"{f}={v}")
         elif form < 0.96:
             argv += [f, v, f, pick_value(rng, f, safe=safe)]  # given twice
-            if case is not None:
+            if case is not None and f not in REPEATABLE:
                 case["expect_refusal"] = True
         else:
             argv.append(f)  # no value (or the next flag taken as its value)
