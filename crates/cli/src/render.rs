@@ -21,7 +21,8 @@ impl Table {
         self.rows.push(cells);
     }
 
-    pub fn render(&self) -> String {
+    /// Each column's width in characters (header and rows).
+    fn widths(&self) -> Vec<usize> {
         let n = self.header.len();
         let mut width = vec![0usize; n];
         for r in std::iter::once(&self.header).chain(&self.rows) {
@@ -29,20 +30,30 @@ impl Table {
                 width[i] = width[i].max(c.chars().count());
             }
         }
-        let line = |r: &Vec<String>| {
-            let mut s = String::from("  ");
-            for (i, c) in r.iter().enumerate().take(n) {
-                let pad = width[i] - c.chars().count();
-                if i == 0 {
-                    s.push_str(c);
-                    s.push_str(&" ".repeat(pad));
-                } else {
-                    s.push_str(&" ".repeat(pad + 2));
-                    s.push_str(c);
-                }
+        width
+    }
+
+    /// The first `upto` cells of a row, indented by two: the first left-aligned, the rest
+    /// right-aligned two spaces apart.
+    fn lead(r: &[String], width: &[usize], upto: usize) -> String {
+        let mut s = String::from("  ");
+        for (i, c) in r.iter().enumerate().take(upto) {
+            let pad = width[i] - c.chars().count();
+            if i == 0 {
+                s.push_str(c);
+                s.push_str(&" ".repeat(pad));
+            } else {
+                s.push_str(&" ".repeat(pad + 2));
+                s.push_str(c);
             }
-            s.trim_end().to_string()
-        };
+        }
+        s
+    }
+
+    pub fn render(&self) -> String {
+        let n = self.header.len();
+        let width = self.widths();
+        let line = |r: &Vec<String>| Self::lead(r, &width, n).trim_end().to_string();
         let mut out = line(&self.header);
         out.push('\n');
         out.push_str("  ");
@@ -54,9 +65,7 @@ impl Table {
         out.push('\n');
         out
     }
-}
 
-impl Table {
     /// As [`Table::render`], fitted to `width` columns: the last column (words, such as a
     /// list of changes) is left-aligned and wrapped onto continuation lines under itself.
     pub fn render_fit(&self, width: usize) -> String {
@@ -64,27 +73,12 @@ impl Table {
         if n < 2 {
             return self.render();
         }
-        let mut widths = vec![0usize; n];
-        for r in std::iter::once(&self.header).chain(&self.rows) {
-            for (i, c) in r.iter().enumerate().take(n) {
-                widths[i] = widths[i].max(c.chars().count());
-            }
-        }
+        let widths = self.widths();
         let lead: usize = 2 + widths[..n - 1].iter().sum::<usize>() + 2 * (n - 1);
         let room = width.saturating_sub(lead).max(20);
         let last_w = widths[n - 1].min(room);
         let line = |r: &Vec<String>| -> String {
-            let mut s = String::from("  ");
-            for (i, c) in r.iter().enumerate().take(n - 1) {
-                let pad = widths[i] - c.chars().count();
-                if i == 0 {
-                    s.push_str(c);
-                    s.push_str(&" ".repeat(pad));
-                } else {
-                    s.push_str(&" ".repeat(pad + 2));
-                    s.push_str(c);
-                }
-            }
+            let mut s = Self::lead(r, &widths, n - 1);
             s.push_str("  ");
             let last = r.get(n - 1).map(String::as_str).unwrap_or("");
             let wrapped = wrap(last, last_w, 0);
