@@ -229,7 +229,7 @@ RUN_SAFE = {
 
 # Values of the generic pools that a flag accepts (so a case drawing them is not a fault).
 ACCEPTED = {
-    "--seed": {"4294967295"},
+    "--seed": {"4294967295", "4294967296", "18446744073709551615"},
     "--data-seed": {"4294967295", "4294967296", "18446744073709551615"},
     "--lora-rank": {"0"},
     "--ema": {"true"},
@@ -252,7 +252,9 @@ def pick_value(rng, flag, safe=False, fault=False):
         ok = set(valid) | {"+1"} | ACCEPTED.get(flag, set())
         choices = bad + [v for v in GENERIC_BAD if v not in ok]
         if safe:
-            choices += [v for v in edge if v in ("0", "4294967296", "18446744073709551616")]
+            choices += [
+                v for v in edge if v in ("0", "4294967296", "18446744073709551616") and v not in ok
+            ]
         return rng.choice(choices)
     r = rng.random()
     if r < 0.6 or (safe and r < 0.85):
