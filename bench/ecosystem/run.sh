@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Generates the exports of a set of plans with the release `ditmem` binary and holds them against
 # accelerate, DeepSpeed and the diffusers scripts' parsers (check.py). Needs bench/ecosystem/.venv
-# (setup.sh) and `cargo build --release -p ditmem`. Prints the table; writes results/ (the table
-# and its JSON). Never needed by `cargo test --release --workspace`.
+# (setup.sh) and `cargo build --release -p ditmem`. Prints the table; writes a run folder runs/<date>-<cpu>-check/ (the
+# table, its JSON and the conditions). Never needed by `cargo test --release --workspace`.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -38,4 +38,16 @@ fsdp2-8-flux|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family flux --
 fsdp3-offload-8-sd3|--ranks 8 --batch 256 --zero 3 --budget 40GiB --emit-family sd3 --emit-sharder fsdp --emit-offload optimizer+params
 PLANS
 
-"$py" "$here/check.py" "$plans" --mutants --json "$here/results/check.json" | tee "$here/results/check.md"
+# One dated folder per run, named by the CPU it ran on, with the command and its conditions.
+cpu="$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
+tag="$(printf '%s' "${cpu:-cpu}" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | cut -c1-24 | sed 's/-$//')"
+out="$here/runs/$(date -u +%F)-$tag-check"
+mkdir -p "$out"
+printf '# %s: bench/ecosystem/run.sh
+
+- command: `bench/ecosystem/run.sh` (ditmem %s)
+- CPU: %s
+- python packages: see check.md
+' \
+    "$(date -u +%F)" "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" "${cpu:-unknown}" > "$out/README.md"
+"$py" "$here/check.py" "$plans" --mutants --json "$out/check.json" | tee "$out/check.md"

@@ -3,7 +3,7 @@
 
 Generates seeded cases (flag values, presets, saved configs and mutated copies, special input and
 output files, broken pipes, address-space limits), runs each against a binary with a timeout in a
-sandbox, classifies the outcome and writes results/<date>/{cases.jsonl,summary.json,summary.md}.
+sandbox, classifies the outcome and writes runs/<date>-<cpu>/{cases.jsonl,summary.json,summary.md}.
 See README.md beside this file.
 """
 
@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import random
 import select
 import shutil
@@ -1234,14 +1235,16 @@ def main():
     ap.add_argument("--cases", type=int, default=100_000)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=50)
-    ap.add_argument("--out", default=None, help="results folder (default results/<UTC date>)")
+    ap.add_argument("--out", default=None, help="results folder (default runs/<UTC date>-<cpu>)")
     ap.add_argument("--work", default=None, help="sandbox (default a folder under /tmp)")
     ap.add_argument("--ids", default=None, help="run only these case ids (comma-separated): reproduce")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop (resumably) after this long")
     ap.add_argument("--summary-only", action="store_true", help="rewrite the summary from cases.jsonl")
     args = ap.parse_args()
     binary = os.path.abspath(args.bin)
-    out = args.out or os.path.join(HERE, "results", datetime.datetime.utcnow().strftime("%Y-%m-%d"))
+    out = args.out or os.path.join(
+        HERE, "runs", datetime.datetime.utcnow().strftime("%Y-%m-%d") + "-" + platform.machine() + "-" + (args.bin_label or "bin")
+    )
     os.makedirs(out, exist_ok=True)
     cases_path = os.path.join(out, "cases.jsonl")
     if args.summary_only:

@@ -4,7 +4,7 @@ each run through `family_peer.py` on the CPU; optionally held against `ditmem es
 pytorch`.
 
     bench/torch_peer/.venv/bin/python bench/torch_peer/family_grid.py [--write-specs-only]
-        [--only NAME,...] [--ditmem target/release/ditmem] [--out results/families.json]
+        [--only NAME,...] [--ditmem target/release/ditmem] [--out runs/<date>-<cpu>-families/families.json]
         [--threads 2]
 
 The specs are written to specs/families/NAME.json (committed) before anything runs. The tiny
@@ -19,6 +19,7 @@ summary gives max and median |pred/meas − 1| over the specs it accepted.
 """
 
 import argparse
+import platform
 import copy
 import json
 import os
@@ -229,7 +230,7 @@ def estimate(ditmem, path):
         return None, f"unreadable estimate: {e}"
 
 
-# One spec per family for results/families_saved.txt (family_saved.py runs it fp32 and bf16).
+# One spec per family for runs/<date>-<cpu>-families-saved/families_saved.txt (family_saved.py runs it fp32 and bf16).
 SAVED_SPECS = ["dit-fp32-none-loop", "pixart-fp32-none-loop", "sd3-fp32-none-loop",
                "flux-fp32-none-loop", "sana-fp32-none-loop", "wan-fp32-none-loop-f5",
                "flux-bf16-lora4-none-loop"]  # and one LoRA spec: peft's layers
@@ -265,11 +266,11 @@ def write_saved(paths, out, threads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ditmem", default=os.path.join(ROOT, "target", "release", "ditmem"))
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "families.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "runs", time.strftime("%Y-%m-%d", time.gmtime()) + "-" + platform.machine() + "-families", "families.json"))
     ap.add_argument("--only", help="comma-separated spec names")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write-specs-only", action="store_true")
-    ap.add_argument("--saved", action="store_true", help="only write results/families_saved.txt (family_saved.py on one spec per family)")
+    ap.add_argument("--saved", action="store_true", help="only write runs/<date>-<cpu>-families-saved/families_saved.txt (family_saved.py on one spec per family)")
     ap.add_argument("--no-peer", action="store_true", help="read the measured rows from --out, only estimate")
     args = ap.parse_args()
     specs = grid()
@@ -279,7 +280,9 @@ def main():
         return 0
     if args.saved:
         sys.path.insert(0, HERE)
-        write_saved(paths, os.path.join(HERE, "results", "families_saved.txt"), args.threads)
+        saved = os.path.join(HERE, "runs", time.strftime("%Y-%m-%d", time.gmtime()) + "-" + platform.machine() + "-families-saved")
+        os.makedirs(saved, exist_ok=True)
+        write_saved(paths, os.path.join(saved, "families_saved.txt"), args.threads)
         return 0
     names = args.only.split(",") if args.only else [n for n, _ in specs]
     have_ditmem = bool(args.ditmem) and os.path.exists(args.ditmem)

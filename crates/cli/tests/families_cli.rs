@@ -1,5 +1,5 @@
 //! The diffusers families through the binary: the `pytorch` runtime held against the real
-//! diffusers classes (the peer's measurements, committed in `bench/torch_peer/results/`), the
+//! diffusers classes (the peer's measurements, committed in `bench/torch_peer/runs/`), the
 //! engine's refusal, and the CUDA side on a family (fits, quantized bases, plans on a GPU).
 
 mod common;
@@ -21,7 +21,7 @@ fn json(args: &[&str]) -> Value {
 }
 
 /// `bench/torch_peer/family_peer.py` measured 34 tiny specs of the six diffusers families on the
-/// CPU (torch 2.15, diffusers 0.42.1, peft 0.21.2; `results/families.json`); the estimate of
+/// CPU (torch 2.15, diffusers 0.42.1, peft 0.21.2; `runs/2026-12-01-epyc-families/families.json`); the estimate of
 /// each spec file is held against its measured peak: every spec within 2 % (fp32 and bf16
 /// autocast, whose CPU peaks often fall inside a bf16 `mm`/`addmm` and its oneDNN scratchpad),
 /// the median over all within 0.5 %.
@@ -29,8 +29,10 @@ fn json(args: &[&str]) -> Value {
 fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
     let root = root();
     let results: Value = serde_json::from_str(
-        &std::fs::read_to_string(root.join("bench/torch_peer/results/families.json"))
-            .expect("the peer's results"),
+        &std::fs::read_to_string(
+            root.join("bench/torch_peer/runs/2026-12-01-epyc-families/families.json"),
+        )
+        .expect("the peer's results"),
     )
     .expect("JSON");
     let rows = results["rows"].as_array().expect("rows");
@@ -310,6 +312,10 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
         "1",
         "--gpu",
         "rtx-4090",
+        // The whole search, however slow the machine: a search cut at the default 30 s would
+        // say so instead of naming the lever it did not reach.
+        "--time-limit",
+        "600",
     ];
     let (code, _, err) = ditmem(&[&base[..], &["--allow", "lora,8bit", "--json"]].concat());
     assert_eq!(code, 3, "{err}");

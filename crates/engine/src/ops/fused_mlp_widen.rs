@@ -34,8 +34,8 @@ use crate::kernels::scalar::Elem;
 /// bf16-mixed, memory-efficient attention, EMA off, no recompute, AMD EPYC family 25 (AVX2), 2
 /// threads, engine against its previous commit in alternating rounds: with blocks of at most
 /// 129 columns (and five parallel passes per block) 1.09–1.18× the CPU time of the
-/// whole-buffer backward (3 rounds, steal 5 %, `bench/torch_peer/results/
-/// ab_dw_blocks_widen128_dit.txt`); with this cap and two passes per block 0.97–1.01× (4
+/// whole-buffer backward (3 rounds, steal 5 %, `bench/torch_peer/runs/
+/// 2026-12-03-epyc-ab-dw-blocks-widen128-dit/`); with this cap and two passes per block 0.97–1.01× (4
 /// rounds, quiet, `ab_widen_mlp_passes_dit_256x4_bf16.txt`). Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::WIDEN_BLOCK_SHARE`.
 pub const WIDEN_BLOCK_SHARE: usize = 16;

@@ -36,7 +36,7 @@ pub const DW_COLS: usize = 128;
 /// family 25 AVX2, 2 threads, chunks of 256 rows); a DiT-S/2 256² b16 fp32 step
 /// (memory-efficient, EMA off, no recompute) took 0.94–0.98× its CPU time with these blocks,
 /// 512² b4 with recompute 0.88–0.95× (3 alternating rounds, steal 5 %,
-/// `bench/torch_peer/results/ab_dw_blocks_widen128_dit.txt`).
+/// `bench/torch_peer/runs/2026-12-03-epyc-ab-dw-blocks-widen128-dit/ab_dw_blocks_widen128_dit.txt`).
 /// Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_PANEL_SHARE`.
 pub const DW_PANEL_SHARE: usize = 16;
 

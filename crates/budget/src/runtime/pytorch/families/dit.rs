@@ -1,6 +1,6 @@
 //! diffusers `DiTTransformer2DModel` (`models/transformers/dit_transformer_2d.py`) in the step of
 //! `bench/torch_peer/family_peer.py` (DDPM ε, class labels), op by op with what each op saves
-//! (rule sources in `pytorch/mod.rs`; ground truth: `bench/torch_peer/results/families_saved.txt`,
+//! (rule sources in `pytorch/mod.rs`; ground truth: `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt`,
 //! section dit).
 //!
 //! Stages: the input side (`pos_embed` PatchEmbed alone: every block embeds t and y itself), the

@@ -2,7 +2,7 @@
 //! saves for backward (the rule sources [AG], [MM], [AC], [SDPA] are listed in `pytorch/mod.rs`),
 //! for the step of `bench/torch_peer/family_peer.py` (the diffusers training scripts' step with
 //! cached text embeddings and latents). Ground truth of every rule: the saved-tensor dumps in
-//! `bench/torch_peer/results/families_saved.txt` (`family_saved.py`).
+//! `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt` (`family_saved.py`).
 //!
 //! One file per family ([`dit`] is diffusers' `DiTTransformer2DModel`), [`common`] the pieces
 //! they share (the family context, timestep embedders, the loss).

@@ -1,7 +1,7 @@
 //! PixArt-α / Σ: diffusers `PixArtTransformer2DModel` (`models/transformers/pixart_transformer_2d.py`)
 //! in the step of `bench/torch_peer/family_peer.py` (DDPM ε, cached T5 embeddings with a padded
 //! prompt's mask), op by op with what each op saves (rule sources in `pytorch/mod.rs`; ground
-//! truth: `bench/torch_peer/results/families_saved.txt`, section pixart).
+//! truth: `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt`, section pixart).
 //!
 //! Stages: the input side (`pos_embed` PatchEmbed, `adaln_single`, `caption_projection`; its
 //! broadcast outputs are the (b, 6D) `timestep`, the (b, D) `embedded_timestep` and the projected

@@ -1,7 +1,7 @@
 //! Sana: diffusers `SanaTransformer2DModel` (`models/transformers/sana_transformer.py`) as eager
 //! PyTorch runs it in `bench/torch_peer/family_peer.py`'s step (flow matching, the caption
 //! embeddings and the padded attention mask cached). Ground truth: the Sana sections of
-//! `bench/torch_peer/results/families_saved.txt` (fp32 and CPU bf16 autocast).
+//! `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt` (fp32 and CPU bf16 autocast).
 //!
 //! Stages: the input side (noising, `PatchEmbed` conv, `AdaLayerNormSingle`, the caption
 //! projection and its RMSNorm), block 0 (its stream is the transposed, low-precision patch

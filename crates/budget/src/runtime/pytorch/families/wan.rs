@@ -1,7 +1,7 @@
 //! Wan 2.1: diffusers `WanTransformer3DModel` (`models/transformers/transformer_wan.py`) as eager
 //! PyTorch runs it in `bench/torch_peer/family_peer.py`'s step (flow matching on video latents
 //! (b, 16, F', h, w), the umT5 states cached). Ground truth: the Wan sections of
-//! `bench/torch_peer/results/families_saved.txt` (fp32 and CPU bf16 autocast).
+//! `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt` (fp32 and CPU bf16 autocast).
 //!
 //! Stages: the input side (noising, the 3-D RoPE tables, the Conv3d patch embedding made
 //! contiguous, `WanTimeTextImageEmbedding`), the blocks (all alike: the stream keeps the patch
