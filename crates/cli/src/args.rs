@@ -29,6 +29,10 @@ pub struct SpecArgs {
     /// family's training defaults as --preset does.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
+    /// A diffusers `config.json` given as a value rather than a file (the API's `model` dict, a
+    /// live model's `config`); read as `--model` reads the file.
+    #[arg(skip)]
+    pub model_json: Option<serde_json::Map<String, serde_json::Value>>,
     /// Text tokens per text encoder of the model, comma-separated in the family's order (Flux:
     /// CLIP,T5 e.g. 77,512; SD3: CLIP,T5 e.g. 77,256; PixArt: T5; Sana: Gemma; Wan: umT5);
     /// default: what the family's training scripts encode.
@@ -348,6 +352,7 @@ impl SpecArgs {
         // the file's workload on model X, and `--preset X` alone is X as its scripts train it.
         let before = spec.clone();
         let family_flag = self.model.is_some()
+            || self.model_json.is_some()
             || self
                 .preset
                 .as_ref()
@@ -374,6 +379,10 @@ impl SpecArgs {
         }
         if let Some(path) = &self.model {
             let (m, map) = crate::input::load_model(path)?;
+            spec = denoiser::with_family(spec, &m.name, map)?;
+        }
+        if let Some(value) = &self.model_json {
+            let (m, map) = crate::input::model_from_value("model", value)?;
             spec = denoiser::with_family(spec, &m.name, map)?;
         }
         if family_flag {

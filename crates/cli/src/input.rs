@@ -151,18 +151,55 @@ pub fn load_model(
             ),
         )
     })?;
+    let (mut model, map) = model_from_text("--model", &shown, &text)?;
+    model.name = file.display().to_string();
+    Ok((model, map))
+}
+
+/// A diffusers `config.json` given as a value (the API's `model` dict, a live model's
+/// `config`): read as [`load_model`] reads the file, errors naming `field`.
+pub fn model_from_value(
+    field: &str,
+    value: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(FamilyModel, serde_json::Map<String, serde_json::Value>), SpecError> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| SpecError::invalid(field, format!("not serialisable as JSON: {e}")))?;
+    if text.len() as u64 > MAX_CONFIG_JSON_BYTES as u64 {
+        return Err(SpecError::invalid(
+            field,
+            format!(
+                "{} bytes; allowed: a diffusers config.json of at most {MAX_CONFIG_JSON_BYTES} bytes",
+                text.len()
+            ),
+        ));
+    }
+    let (mut model, map) = model_from_text(field, "the given config", &text)?;
+    if model.name.is_empty() {
+        model.name = "config".into();
+    }
+    Ok((model, map))
+}
+
+/// A diffusers `config.json`'s text: the family model and the raw map (for the family's
+/// defaults). `shown` names the source in messages.
+fn model_from_text(
+    field: &str,
+    shown: &str,
+    text: &str,
+) -> Result<(FamilyModel, serde_json::Map<String, serde_json::Value>), SpecError> {
     let keyed = |e: SpecError| match e {
-        SpecError::Invalid { field, message } => {
-            SpecError::invalid(format!("--model {shown} key '{field}'"), message)
-        }
+        SpecError::Invalid {
+            field: key,
+            message,
+        } => SpecError::invalid(format!("{field} {shown} key '{key}'"), message),
         SpecError::Parse { message, .. } => SpecError::invalid(
-            "--model",
+            field,
             format!("{shown} is not valid JSON ({message}); allowed: a diffusers config.json"),
         ),
         e => e,
     };
-    let mut model = from_config_json(&text).map_err(keyed)?;
-    let serde_json::Value::Object(map) = serde_json::from_str(&text).map_err(|e| {
+    let model = from_config_json(text).map_err(keyed)?;
+    let serde_json::Value::Object(map) = serde_json::from_str(text).map_err(|e| {
         keyed(SpecError::Parse {
             format: "JSON",
             message: e.to_string(),
@@ -171,11 +208,10 @@ pub fn load_model(
     })?
     else {
         return Err(SpecError::invalid(
-            "--model",
+            field,
             format!("{shown} is not a JSON object"),
         ));
     };
-    model.name = file.display().to_string();
     Ok((model, map))
 }
 

@@ -11,9 +11,51 @@ use serde::Serialize;
 use crate::render::Table;
 
 pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    let captured = CAPTURE.with(|c| {
+        c.borrow_mut().as_mut().map(|cap| -> anyhow::Result<()> {
+            cap.json = Some(serde_json::to_value(value).context("serialising JSON")?);
+            Ok(())
+        })
+    });
+    if let Some(done) = captured {
+        return done;
+    }
     let mut text = serde_json::to_string_pretty(value).context("serialising JSON")?;
     text.push('\n');
     say(&text)
+}
+
+/// What a command printed while [`capture`] held its output: the `--json` value and any text.
+#[derive(Debug, Default)]
+pub struct Captured {
+    pub json: Option<serde_json::Value>,
+    pub text: String,
+}
+
+thread_local! {
+    /// Set while [`capture`] runs a command on this thread: its output goes here, not to stdout.
+    static CAPTURE: std::cell::RefCell<Option<Captured>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` with this thread's standard output ([`say`], [`print_json`]) kept instead of
+/// printed: the API (`ditmem serve`, the Python package) runs the very commands the CLI runs and
+/// takes their `--json` value. Errors (stderr, [`note`]) are not captured.
+pub fn capture<R>(f: impl FnOnce() -> R) -> (R, Captured) {
+    let previous = CAPTURE.with(|c| c.borrow_mut().replace(Captured::default()));
+    // Restores the previous sink even if `f` unwinds.
+    struct Restore(Option<Option<Captured>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(prev) = self.0.take() {
+                CAPTURE.with(|c| *c.borrow_mut() = prev);
+            }
+        }
+    }
+    let mut restore = Restore(Some(previous));
+    let r = f();
+    let prev = restore.0.take().unwrap_or(None);
+    let got = CAPTURE.with(|c| std::mem::replace(&mut *c.borrow_mut(), prev));
+    (r, got.unwrap_or_default())
 }
 
 /// Set once stdout's reader has gone (a broken pipe): later output is dropped.
@@ -26,6 +68,15 @@ static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// `print!` would panic in both cases.
 pub fn say(text: &str) -> anyhow::Result<()> {
     use std::sync::atomic::Ordering;
+    let captured = CAPTURE.with(|c| {
+        c.borrow_mut()
+            .as_mut()
+            .map(|cap| cap.text.push_str(text))
+            .is_some()
+    });
+    if captured {
+        return Ok(());
+    }
     if STDOUT_CLOSED.load(Ordering::Relaxed) {
         return Ok(());
     }

@@ -31,6 +31,9 @@ pub struct ParamsArgs {
     /// A diffusers transformer config.json, or a folder holding one (a checkpoint's transformer/).
     #[arg(long, value_name = "PATH", conflicts_with = "preset")]
     pub model: Option<PathBuf>,
+    /// A diffusers `config.json` as a value (the API's `model` dict).
+    #[arg(skip)]
+    pub model_json: Option<serde_json::Map<String, serde_json::Value>>,
     /// A published checkpoint: flux.1-dev, flux.1-schnell, sd3-medium, sd3.5-medium, sd3.5-large,
     /// pixart-alpha-1024, pixart-sigma-1024, sana-600m, sana-1600m, wan2.1-1.3b, wan2.1-14b,
     /// dit-xl-2-256, dit-xl-2-512 (diffusers), or an original DiT dit-{s,b,l,xl}-{2,4,8} (at 256²).
@@ -73,10 +76,11 @@ struct Params<'a> {
 }
 
 pub fn run(args: ParamsArgs) -> Result<(), CliError> {
-    let model = match (&args.model, &args.preset) {
-        (Some(path), _) => crate::input::load_model(path)?.0,
-        (None, Some(name)) => family_preset(name)?,
-        (None, None) => {
+    let model = match (&args.model, &args.preset, &args.model_json) {
+        (Some(path), _, _) => crate::input::load_model(path)?.0,
+        (None, Some(name), _) => family_preset(name)?,
+        (None, None, Some(value)) => crate::input::model_from_value("model", value)?.0,
+        (None, None, None) => {
             return Err(SpecError::invalid(
                 "--model",
                 "missing; allowed: --model PATH (a config.json or its folder) or --preset NAME",
