@@ -21,10 +21,10 @@ use crate::input::read_capped;
 use crate::render::{fmt_count, Table};
 use crate::CliError;
 
-/// What the output says about activations, until the families' op inventories land.
+/// What the output says about the rest of a step: the table counts model state only.
 pub const ACTIVATIONS_NOTE: &str =
-    "activations of these families (and their text encoders and VAE) \
-come with the next step; `ditmem estimate` budgets a whole step of the original DiT only";
+    "model state only; a whole step (activations, text encoders and VAE, the allocator) is \
+`ditmem estimate` with the same --preset or --model";
 
 #[derive(Debug, Clone, Args)]
 pub struct ParamsArgs {

@@ -53,7 +53,7 @@ fn presets_print_diffusers_counts_and_state() {
             state[2]["bytes"],
             16 * trainable + 4 * (total - trainable + buffers)
         );
-        assert!(v["note"].as_str().unwrap().contains("next step"));
+        assert!(v["note"].as_str().unwrap().contains("ditmem estimate"));
     }
     let (code, out, _) = ditmem(&["params", "--preset", "sd3.5-medium"]);
     assert_eq!(code, 0);
