@@ -228,6 +228,25 @@ impl Browser {
         );
     }
 
+    /// A PNG of `height` CSS pixels of the page from the top of element `from`, at `width`.
+    fn screenshot_of(&mut self, path: &Path, width: u32, from: &str, height: u32) {
+        self.viewport(width, 900, true);
+        std::thread::sleep(Duration::from_millis(300));
+        let top = self
+            .eval(&format!(
+                "Math.floor(document.getElementById('{from}').getBoundingClientRect().top + window.scrollY)"
+            ))
+            .as_f64()
+            .unwrap_or(0.0);
+        let r = self.call(
+            "Page.captureScreenshot",
+            json!({"format": "png", "captureBeyondViewport": true,
+                   "clip": {"x": 0, "y": top, "width": width, "height": height, "scale": 1}}),
+        );
+        let png = base64_decode(r["data"].as_str().unwrap_or_default());
+        std::fs::write(path, png).expect("writing the screenshot");
+    }
+
     /// A PNG of the whole page at `width` CSS pixels.
     fn screenshot(&mut self, path: &Path, width: u32, mobile: bool) {
         self.viewport(width, 800, mobile);
@@ -236,7 +255,7 @@ impl Browser {
             .eval("Math.ceil(document.documentElement.scrollHeight)")
             .as_u64()
             .unwrap_or(800) as u32;
-        self.viewport(width, h.clamp(400, 8000), mobile);
+        self.viewport(width, h.clamp(400, 16000), mobile);
         std::thread::sleep(Duration::from_millis(300));
         let r = self.call(
             "Page.captureScreenshot",
@@ -705,11 +724,35 @@ fn the_plan_and_its_export_are_the_clis() {
         "{page}"
     );
 
+    // On a phone's width (390 CSS px) nothing is wider than the screen.
+    b.viewport(390, 800, true);
+    std::thread::sleep(Duration::from_millis(300));
+    let wide = b.eval(
+        "[document.documentElement.scrollWidth, ...[...document.querySelectorAll('body *')]\
+         .filter(e => e.getBoundingClientRect().right > 391).slice(0, 5)\
+         .map(e => e.tagName + '#' + e.id + '.' + e.className)]",
+    );
+    assert_eq!(
+        wide[0],
+        json!(390),
+        "the page is wider than a phone: {wide}"
+    );
+    b.viewport(1280, 900, false);
+
     if let Some(dir) = std::env::var_os("DITMEM_SCREENSHOT_DIR") {
-        let dir = PathBuf::from(dir);
+        // Relative to the workspace (cargo runs a test in its package's folder).
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(dir);
         std::fs::create_dir_all(&dir).expect("screenshot dir");
         b.screenshot(&dir.join("serve-flux-lora-4090.png"), 1280, false);
-        b.screenshot(&dir.join("serve-flux-lora-4090-phone.png"), 390, true);
+        // A phone: the answer's first screens (the form is above it).
+        b.screenshot_of(
+            &dir.join("serve-flux-lora-4090-phone.png"),
+            390,
+            "result",
+            1400,
+        );
     }
     // The server is still answering after all of it.
     let mut conn = std::net::TcpStream::connect(

@@ -155,6 +155,8 @@ async function estimate() {
   document.body.dataset.args = JSON.stringify(built.args);
   if (!r.ok) {
     showError(r.body.message || `error ${r.status}`);
+    $("summary").textContent = r.body.message || `error ${r.status}`;
+    $("summary").className = "summary no";
     $("estimate").hidden = true;
     document.body.dataset.state = "error";
     return;
@@ -206,6 +208,8 @@ function renderEstimate(j) {
   } else {
     v.textContent = `No card chosen: the step needs ${fmtBytes(need)} on the device`;
   }
+  $("summary").textContent = v.textContent;
+  $("summary").className = v.className.replace("verdict", "summary");
   $("need").textContent = fmtBytes(need);
   $("need").dataset.bytes = String(need);
   $("capacity").textContent = limit ? fmtBytes(limit) + (cap ? " as CUDA reports it" : " (your budget)") : "—";
@@ -315,12 +319,17 @@ function drawTimeline(j, limit, limitName) {
     upper.forEach((b, i) => (base[i] = b));
   }
   // Phase labels along the bottom.
-  let last = null;
+  // Phase boundaries, and their names where there is room (a short phase's name is dropped).
+  const starts = [];
   ev.forEach((e, i) => {
-    if (e.phase !== last) {
-      svg.append(el("line", { x1: x(i), x2: x(i), y1: T, y2: H - B, class: "phase" }));
-      svg.append(el("text", { x: x(i) + 3, y: H - B + 14, class: "tick" }, e.phase));
-      last = e.phase;
+    if (!starts.length || ev[starts[starts.length - 1]].phase !== e.phase) starts.push(i);
+  });
+  starts.forEach((i, n) => {
+    svg.append(el("line", { x1: x(i), x2: x(i), y1: T, y2: H - B, class: "phase" }));
+    const end = n + 1 < starts.length ? x(starts[n + 1]) : W - R;
+    const name = ev[i].phase;
+    if (end - x(i) >= name.length * 6 + 6) {
+      svg.append(el("text", { x: (x(i) + end) / 2, y: H - B + 14, "text-anchor": "middle", class: "tick" }, name));
     }
   });
   const pk = j.timeline.peak_index;
