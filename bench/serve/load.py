@@ -40,8 +40,8 @@ ESTIMATES = [
 ]
 PLANS = [
     {"model": "pixart-sigma-1024", "gpu": "rtx-4090", "allow": ["8bit"]},
-    {"model": "sana-600m", "budget": "12GiB"},
-    {"model": "dit-xl-2-256", "gpu": "t4", "emit": "accelerate"},
+    {"model": "sana-600m", "budget": "24GiB", "allow": ["8bit"]},
+    {"model": "dit-xl-2-256", "gpu": "a100-80gb", "emit": "accelerate"},
     {"model": "flux.1-dev", "budget": "4GiB"},  # infeasible: 422 with the plan's JSON
 ]
 MALFORMED = [

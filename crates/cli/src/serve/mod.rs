@@ -546,7 +546,11 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         let mut request = match server.recv_timeout(Duration::from_millis(200)) {
             Ok(Some(r)) => r,
             Ok(None) => continue,
-            Err(_) => continue,
+            Err(_) => {
+                // The listener failed (accept error): do not spin.
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
         };
         if let Err(reply) = precheck(&request, &settings) {
             send(request, reply);
