@@ -264,7 +264,8 @@ function renderEstimate(j) {
   for (const l of j.levers || []) {
     const li = document.createElement("li");
     li.className = l.fits ? "yes" : l.fits === false ? "no" : "";
-    const slow = l.slowdown ? `, step ${l.slowdown >= 0 ? "+" : ""}${Math.round(l.slowdown * 100)} %` : "";
+    const pc = l.slowdown * 100;
+    const slow = l.slowdown ? `, step ${pc >= 0 ? "+" : ""}${Math.abs(pc) < 10 ? pc.toFixed(1) : Math.round(pc)} %` : "";
     const fitText = l.fits === true ? " — fits" : l.fits === false ? " — still too big" : "";
     li.textContent = `${l.change}: ${fmtBytes(l.device_peak_bytes)}${fitText}${slow}`;
     const code = document.createElement("code");
@@ -444,12 +445,31 @@ function drawPareto(j) {
   }
   for (let g = 0; g <= 4; g++) {
     const t = t0 + ((t1 - t0) * g) / 4;
-    svg.append(el("text", { x: x(t), y: H - B + 16, "text-anchor": "middle", class: "tick" }, `${t.toFixed(2)} s`));
+    const anchor = g === 0 ? "start" : g === 4 ? "end" : "middle";
+    svg.append(el("text", { x: x(t), y: H - B + 16, "text-anchor": anchor, class: "tick" }, `${t.toFixed(2)} s`));
   }
   svg.append(el("text", { x: (W + L) / 2, y: H - 4, "text-anchor": "middle", class: "tick" }, "predicted step time"));
   svg.append(el("line", { x1: L, x2: W - R, y1: y(usable), y2: y(usable), class: "limit" }));
   svg.append(el("text", { x: W - R - 4, y: y(usable) - 4, "text-anchor": "end", class: "limit-label" }, `usable ${fmtBytes(usable)}`));
   const chosen = j.feasible ? j.predicted_peak_bytes : null;
+  // A point's number goes where it overlaps no other number (right, left, above, below of the
+  // point); where none is free it is left out (the list below names every point).
+  const placed = [];
+  const label = (cx, cy, text) => {
+    const w = text.length * 6 + 2, h = 11;
+    for (const [dx, dy] of [[6, -5], [-6 - w, -5], [-w / 2, -9], [-w / 2, 15]]) {
+      const box = { x: cx + dx, y: cy + dy - h + 2, w, h };
+      if (box.x < L || box.x + w > W || box.y < 0 || box.y + h > H - B) continue;
+      if (placed.some((b) => b.x < box.x + box.w && box.x < b.x + b.w && b.y < box.y + box.h && box.y < b.y + b.h)) continue;
+      placed.push(box);
+      svg.append(el("text", { x: box.x, y: cy + dy, class: "pt-label" }, text));
+      return;
+    }
+  };
+  const order = pts.map((p, n) => n);
+  // The plan's label first: it must not be the one left out.
+  order.sort((a, b) => (pts[b].peak === chosen) - (pts[a].peak === chosen));
+  const circles = [];
   pts.forEach((p, n) => {
     const fits = p.peak <= usable;
     const isChosen = chosen !== null && p.peak === chosen && Math.abs(p.t - j.predicted_step_time_s) < 1e-9;
@@ -457,8 +477,9 @@ function drawPareto(j) {
     const name = p.changes.length ? p.changes.join("; ") : "as given";
     c.append(el("title", {}, `${name}: ${fmtBytes(p.peak)}, ${p.t.toFixed(2)} s`));
     svg.append(c);
-    svg.append(el("text", { x: x(p.t) + 6, y: y(p.peak) - 5, class: "pt-label" }, isChosen ? `${n + 1} (plan)` : `${n + 1}`));
+    circles[n] = isChosen;
   });
+  for (const n of order) label(x(pts[n].t), y(pts[n].peak), circles[n] ? `${n + 1} (plan)` : `${n + 1}`);
   box.append(svg);
   const ol = document.createElement("ol");
   ol.className = "pareto-names";
