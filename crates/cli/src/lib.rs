@@ -21,6 +21,7 @@ pub(crate) mod plan_cmd;
 pub(crate) mod plot;
 pub(crate) mod render;
 pub(crate) mod run_cmd;
+pub mod serve;
 pub(crate) mod snapshot_cmd;
 pub(crate) mod stats;
 pub(crate) mod verify_cmd;
@@ -73,6 +74,9 @@ enum Command {
     Oom(oom_cmd::OomArgs),
     /// Print the resolved spec (TOML, or JSON with --json), e.g. to edit and pass to --config.
     Spec(SpecCmdArgs),
+    /// A local web page and JSON API (the CLI's --json) for estimate, plan, params, gpus, oom
+    /// and spec: 127.0.0.1 by default, assets embedded, no file-system access from requests.
+    Serve(serve::ServeArgs),
 }
 
 /// `ditmem estimate`'s flags.
@@ -167,6 +171,7 @@ fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), Cli
         Command::Gpus(args) => gpus_cmd::run(args)?,
         Command::Oom(args) => oom_cmd::run(args)?,
         Command::Spec(args) => spec(args)?,
+        Command::Serve(args) => serve::run(args)?,
     }
     Ok(())
 }
@@ -247,8 +252,9 @@ pub fn error_line(e: &CliError) -> (u8, String) {
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".
 fn command_name() -> String {
-    const NAMES: [&str; 10] = [
+    const NAMES: [&str; 11] = [
         "estimate", "plan", "run", "compare", "agree", "verify", "spec", "params", "gpus", "oom",
+        "serve",
     ];
     std::env::args()
         .skip(1)
