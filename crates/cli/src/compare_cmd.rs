@@ -536,11 +536,7 @@ fn peer_for(spec: &ditmem_budget::Spec) -> Result<&'static str, CliError> {
             field,
             format!(
                 "{what}: the PyTorch peer ({}) does not run it",
-                if family {
-                    "family_peer.py"
-                } else {
-                    "peer.py"
-                }
+                if family { "family_peer.py" } else { "peer.py" }
             ),
         )))
     };
@@ -571,7 +567,10 @@ fn peer_for(spec: &ditmem_budget::Spec) -> Result<&'static str, CliError> {
     if r.base_quant != BaseQuant::default() {
         return refuse(
             "recipe.base_quant",
-            format!("{} (a quantized base needs bitsandbytes on CUDA)", r.base_quant.name()),
+            format!(
+                "{} (a quantized base needs bitsandbytes on CUDA)",
+                r.base_quant.name()
+            ),
         );
     }
     if r.optimizer == Optimizer::AdamW8bit || r.paged_optimizer {
@@ -590,7 +589,10 @@ fn peer_for(spec: &ditmem_budget::Spec) -> Result<&'static str, CliError> {
         if !matches!(r.precision, Precision::Fp32 | Precision::Bf16Mixed) {
             return refuse(
                 "recipe.precision",
-                format!("{} (the family peer runs fp32, bf16-mixed)", r.precision.name()),
+                format!(
+                    "{} (the family peer runs fp32, bf16-mixed)",
+                    r.precision.name()
+                ),
             );
         }
         if !matches!(r.recompute, Recompute::None | Recompute::All) {
@@ -708,7 +710,9 @@ fn compare_pytorch(spec: &ditmem_budget::Spec, args: &CompareArgs) -> Result<(),
             spec_line(spec)
         ))?;
         crate::output::say(&format!("recipe: {}\n", recipe_line(spec)))?;
-        let class = v["conditions"]["class"].as_str().unwrap_or("the original DiT");
+        let class = v["conditions"]["class"]
+            .as_str()
+            .unwrap_or("the original DiT");
         crate::output::say(&format!("peer: {script} ({class})\n"))?;
         let mut t = Table::new(&["", "predicted", "measured (PyTorch)", "error"]);
         t.row(vec![
