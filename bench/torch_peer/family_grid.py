@@ -309,6 +309,7 @@ def main():
     ap.add_argument("--write-specs-only", action="store_true")
     ap.add_argument("--saved", action="store_true", help="only write runs/<date>-<cpu>-families-saved/families_saved.txt (family_saved.py on one spec per family)")
     ap.add_argument("--no-peer", action="store_true", help="read the measured rows from --out, only estimate")
+    ap.add_argument("--estimates-out", help="with --no-peer: write the rows with the new estimates here")
     ap.add_argument("--lora", action="store_true", help="issue 49's LoRA grid (specs/families_lora/, "
                     "runs/<date>-<cpu>-lora-grid/lora_grid.json) instead of the family grid")
     args = ap.parse_args()
@@ -406,6 +407,11 @@ def main():
         summary["method"] = last["method"]
     elif "summary" in (old or {}):
         pass
+    if args.no_peer and args.estimates_out:
+        with open(args.estimates_out, "w") as f:
+            json.dump({"rows": rows, "summary": {**old.get("__summary__", {}), **summary},
+                       "measured_in": os.path.relpath(args.out, ROOT)}, f, indent=2)
+            f.write("\n")
     if not args.no_peer:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
