@@ -42,7 +42,7 @@ def row(name, preset, res, batch, precision, recompute, impl="foreach", lora=Non
     """One row: the `ditmem spec` flags that make its spec, and what the kit adds."""
     flags = ["--preset", preset, "--resolution", str(res), "--batch", str(batch), "--precision", precision,
              "--recompute", recompute, "--optimizer", optimizer, "--optimizer-impl", impl,
-             "--attention", "memory-efficient", "--no-ema"]
+             "--attention", "memory-efficient", "--ema", "off"]
     if lora:
         flags += ["--lora-rank", str(lora)]
     if base_quant:

@@ -95,7 +95,7 @@ def quantize_blocks_nf4(model, device):
                     q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                           compute_dtype=torch.bfloat16, compress_statistics=True,
                                           quant_type="nf4")
-                    q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False,
+                    q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
                                                  quant_type="nf4", compress_statistics=True)
                     if child.bias is not None:
                         q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
