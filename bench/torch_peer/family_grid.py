@@ -192,11 +192,48 @@ def grid():
     return s
 
 
-def write_specs(specs):
-    os.makedirs(SPEC_DIR, exist_ok=True)
+# Feed-forward LoRA targets (PEFT target_modules) per family: the blocks' MLP linears.
+FF_TARGETS = {
+    "dit": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "pixart": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_mlp"],
+    "sana": ["to_k", "to_q", "to_v", "to_out.0"],  # Sana's FF is convolutional (GLUMBConv)
+    "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+}
+LORA_SPEC_DIR = os.path.join(HERE, "specs", "families_lora")
+
+
+def lora_grid():
+    """Issue 49's LoRA grid: every family × fp32 / bf16-mixed × checkpointing none / all, ranks
+    4, 8, 16 and the default / feed-forward targets spread over the rows (tiny configs as grid())."""
+    cfgs = {
+        "dit": (dit_cfg(16), 128, 4, None, 1),
+        "pixart": (pixart_cfg(16), 128, 4, [120], 1),
+        "sd3": (sd3_cfg(16), 128, 4, [77, 77], 1),
+        "flux": (flux_cfg(), 128, 4, [77, 128], 1),
+        "sana": (sana_cfg(8), 256, 4, [300], 1),
+        "wan": (wan_cfg(), 64, 4, [512], 5),
+    }
+    s = []
+    for fam, (cfg, res, batch, tt, frames) in cfgs.items():
+        for i, (prec, rc) in enumerate([("fp32", "none"), ("fp32", "all"), ("bf16-mixed", "none"), ("bf16-mixed", "all")]):
+            rank = (4, 8, 16, 8)[i]
+            ff = i in (1, 2)
+            impl = "foreach" if i % 2 else "for-loop"
+            name = f"{fam}-{'bf16' if prec != 'fp32' else 'fp32'}-lora{rank}{'ff' if ff else ''}-{rc}"
+            n, spec = make(name, fam, cfg, res, batch, prec, rc, impl, tt, frames=frames, lora=rank)
+            if ff:
+                spec["recipe"]["lora"]["modules"] = FF_TARGETS[fam]
+            s.append((n, spec))
+    return s
+
+
+def write_specs(specs, spec_dir=SPEC_DIR):
+    os.makedirs(spec_dir, exist_ok=True)
     paths = {}
     for name, s in specs:
-        p = os.path.join(SPEC_DIR, f"{name}.json")
+        p = os.path.join(spec_dir, f"{name}.json")
         with open(p, "w") as f:
             json.dump(s, f, indent=2)
             f.write("\n")
@@ -272,10 +309,20 @@ def main():
     ap.add_argument("--write-specs-only", action="store_true")
     ap.add_argument("--saved", action="store_true", help="only write runs/<date>-<cpu>-families-saved/families_saved.txt (family_saved.py on one spec per family)")
     ap.add_argument("--no-peer", action="store_true", help="read the measured rows from --out, only estimate")
+    ap.add_argument("--estimates-out", help="with --no-peer: write the rows with the new estimates here")
+    ap.add_argument("--lora", action="store_true", help="issue 49's LoRA grid (specs/families_lora/, "
+                    "runs/<date>-<cpu>-lora-grid/lora_grid.json) instead of the family grid")
     args = ap.parse_args()
-    specs = grid()
-    paths = write_specs(specs)
-    print(f"{len(specs)} specs in {os.path.relpath(SPEC_DIR, ROOT)}", file=sys.stderr)
+    if args.lora:
+        specs = lora_grid()
+        paths = write_specs(specs, LORA_SPEC_DIR)
+        if "-families" in args.out and args.out.endswith("families.json"):
+            args.out = args.out.replace("-families", "-lora-grid").replace("families.json", "lora_grid.json")
+        print(f"{len(specs)} specs in {os.path.relpath(LORA_SPEC_DIR, ROOT)}", file=sys.stderr)
+    else:
+        specs = grid()
+        paths = write_specs(specs)
+        print(f"{len(specs)} specs in {os.path.relpath(SPEC_DIR, ROOT)}", file=sys.stderr)
     if args.write_specs_only:
         return 0
     if args.saved:
@@ -360,6 +407,11 @@ def main():
         summary["method"] = last["method"]
     elif "summary" in (old or {}):
         pass
+    if args.no_peer and args.estimates_out:
+        with open(args.estimates_out, "w") as f:
+            json.dump({"rows": rows, "summary": {**old.get("__summary__", {}), **summary},
+                       "measured_in": os.path.relpath(args.out, ROOT)}, f, indent=2)
+            f.write("\n")
     if not args.no_peer:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

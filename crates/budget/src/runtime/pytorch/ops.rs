@@ -498,9 +498,10 @@ impl<'a> Builder<'a> {
             rows * out,
             promote(bdt, low),
         );
-        if x32 != x {
-            self.hold(&format!("{name} lora forward"), &[x32]);
-        }
+        // The copy bound to PEFT's `x`, and the caller's input, until the forward returns (see
+        // [`Builder::linear_rg`]).
+        let held: Vec<Tid> = if x32 != x { vec![x32, x] } else { vec![x] };
+        self.hold(&format!("{name} lora forward"), &held);
         y
     }
 
@@ -631,11 +632,12 @@ impl Builder<'_> {
             return y;
         };
         let pd = self.param_dtype();
-        let xa = if self.autocast() {
+        let xa0 = if self.autocast() {
             self.g.cast(&format!("{name} lora input →{pd}"), x, pd)
         } else {
             x
         };
+        let xa = xa0;
         let a = self
             .g
             .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
@@ -659,12 +661,21 @@ impl Builder<'_> {
             .g
             .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
         let bdt = self.g.dtype(y);
-        self.g.op(
+        let sum = self.g.op(
             &format!("{name} + lora"),
             &[y, sc],
             rows * out,
             promote(bdt, low),
-        )
+        );
+        // PEFT binds the copy to `x` (`x = self._cast_input_dtype(x, …)`): alive until
+        // `Linear.forward` returns, after the sum (peft 0.21 `tuners/lora/layer.py`); the caller
+        // (diffusers `FeedForward.forward`'s `hidden_states = module(hidden_states)`, the
+        // attention processor's locals) holds the input itself for the whole call. family_trace.py
+        // on dit-bf16-lora16ff-none: the fp32 copy of ff.net.2's input and the GELU output it was
+        // made from are both alive at the forward peak, inside lora_B's mm.
+        let held: Vec<Tid> = if xa0 != x { vec![xa0, x] } else { vec![x] };
+        self.hold(&format!("{name} lora forward"), &held);
+        sum
     }
 
     /// A matmul `(m × k) · (k × n)` (`addmm`/`mm` of a linear: `ins` = input, weight[, bias])
