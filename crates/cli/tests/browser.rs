@@ -600,6 +600,17 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
         "pixart-sigma-1024 on a100-40gb",
     );
 
+    // Any other flag, typed as on the command line.
+    let want = json!({"model": "pixart-sigma-1024", "gpu": "a100-40gb", "batch": 4, "ema": "on",
+                      "accumulation": "2"});
+    fill(&mut b, &[("extra", "--ema on --accumulation=2")], &want);
+    check_against_cli(
+        &b.eval(READ_PAGE),
+        &cli_json("estimate", want.as_object().expect("object")),
+        "pixart-sigma-1024 with EMA and accumulation 2",
+    );
+    b.eval("(() => { document.getElementById('extra').value = ''; return true; })()");
+
     // A pasted config answers as the CLI given that config.json (`--model FILE`)…
     let config = ditmem_budget::preset_config("pixart-sigma-1024").expect("preset");
     let config: Value = serde_json::from_str(config).expect("json");

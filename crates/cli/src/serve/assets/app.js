@@ -123,6 +123,28 @@ function estimateArgs() {
     if (v === "") continue;
     args[f] = NUMBERS.has(f) && /^\d+$/.test(v) ? Number(v) : v;
   }
+  const extra = extraFlags($("extra").value);
+  if (extra.error) return { error: extra.error };
+  Object.assign(args, extra.args);
+  return { args };
+}
+
+// "--ema on --accumulation=4 --verbose" → {ema: "on", accumulation: "4", verbose: true}; the
+// server's parser judges the names and values (an unknown one: the allowed list).
+function extraFlags(text) {
+  const args = {};
+  const words = text.trim().split(/\s+/).filter((w) => w);
+  for (let i = 0; i < words.length; i++) {
+    const w = words[i];
+    if (!w.startsWith("--") || w.length < 3) {
+      return { error: `invalid input: more flags: '${w}' is not a flag; allowed: --name value, e.g. --ema on` };
+    }
+    let [name, value] = w.slice(2).split(/=(.*)/s);
+    if (value === undefined) {
+      value = i + 1 < words.length && !words[i + 1].startsWith("--") ? words[++i] : true;
+    }
+    args[name.replace(/-/g, "_")] = value;
+  }
   return { args };
 }
 
@@ -531,6 +553,9 @@ async function init() {
   for (const x of state.gpus) gs.append(new Option(`${x.name} (${fmtBytes(x.capacity_bytes)})`, x.name));
   gs.value = "rtx-4090";
   $("lora_rank").value = "16";
+  api("/api/args/estimate").then((r) => {
+    if (r.ok) $("arg-names").textContent = r.body.map((n) => `--${n.replace(/_/g, "-")}`).join(" ");
+  });
   const form = $("form");
   form.addEventListener("input", schedule);
   form.addEventListener("change", schedule);
