@@ -251,15 +251,13 @@ fn command_line(
                     continue;
                 }
                 Value::String(_) => {} // a path: the flag below, if files are allowed
-                other => {
-                    return Err(invalid(
-                        key,
-                        format!(
+                other => return Err(invalid(
+                    key,
+                    format!(
                         "{} given; allowed: a preset name, a config.json path or a config object",
                         kind_of(other)
                     ),
-                    ))
-                }
+                )),
             }
         }
         let Some(arg) = sub
