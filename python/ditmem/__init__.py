@@ -617,12 +617,30 @@ class Gpus(Result):
 
 
 class OomReport(Result):
-    """`ditmem oom`: a PyTorch out-of-memory message read against the spec's budget."""
+    """`ditmem oom`: a PyTorch out-of-memory message read against the spec: ``cause``
+    (fragmentation or a shortage), ``gpu`` (the catalog card the capacity matches),
+    ``diagnosis``, ``levers`` and, with spec flags, ``agreement`` (prediction vs message)."""
+
+    def __init__(self, data: dict, kwargs: Optional[Dict[str, Any]] = None):
+        super().__init__(data, kwargs)
+        self.message: dict = data.get("message") or {}
+        self.diagnosis: dict = data.get("diagnosis") or {}
+        self.cause: Optional[str] = self.diagnosis.get("cause")
+        self.gpu: Optional[str] = data.get("gpu")
+        self.levers: Any = data.get("levers")
+        self.agreement: Optional[dict] = data.get("agreement")
 
     def __repr__(self) -> str:
-        return "OomReport(" + ", ".join(sorted(self._data)) + ")" if isinstance(
-            self._data, dict
-        ) else f"OomReport({self._data!r})"
+        m = self.message
+        out = [
+            f"{m.get('backend', '?')} out of memory: tried to allocate "
+            f"{fmt_bytes(m.get('requested_bytes'))} with {fmt_bytes(m.get('allocated_bytes'))} "
+            f"allocated of {fmt_bytes(m.get('total_bytes'))}",
+            f"cause: {self.cause}; card: {self.gpu or '-'}",
+        ]
+        if self.agreement and self.agreement.get("verdict"):
+            out.append(f"spec: {self.agreement['verdict']}")
+        return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,9 +45,10 @@ def run_cli(command: str, argv: list):
     """(exit code, parsed --json or None, stderr)."""
     if not Path(BIN).exists():
         pytest.fail(f"{BIN} missing: run `cargo build --release -p ditmem` (python/test.sh does)")
-    p = subprocess.run(
-        [BIN, command, *argv, "--json"], capture_output=True, text=True, check=False
-    )
+    # --json before a `--` that ends the flags (oom's message)
+    at = argv.index("--") if "--" in argv else len(argv)
+    argv = [*argv[:at], "--json", *argv[at:]]
+    p = subprocess.run([BIN, command, *argv], capture_output=True, text=True, check=False)
     out = json.loads(p.stdout) if p.stdout.strip() else None
     return p.returncode, out, p.stderr.strip()
 

@@ -64,13 +64,11 @@ def test_oom_message():
            "of which 1.20 GiB is free. Of the allocated memory 20.30 GiB is allocated by PyTorch, "
            "and 1.60 GiB is reserved by PyTorch but unallocated.")
     rc, want, err = run_cli("oom", flags({"model": "flux.1-dev", "lora_rank": 16}) + ["--", msg])
-    r = None
-    if rc == 0:
-        r = ditmem.oom(msg, model="flux.1-dev", lora_rank=16)
-        assert r.to_dict() == want
-    else:
-        with pytest.raises(ditmem.DitmemError) as e:
-            ditmem.oom(msg, model="flux.1-dev", lora_rank=16)
-        assert e.value.exit_code == rc
+    assert rc == 0, err
+    # keyword order must not matter: "message" sorts before "model"
+    r = ditmem.oom(msg, model="flux.1-dev", lora_rank=16)
+    assert r.to_dict() == want
+    assert r.cause == want["diagnosis"]["cause"]
+    assert repr(r).startswith("CUDA out of memory: tried to allocate 2.00 GiB")
     with pytest.raises(ditmem.InvalidInput):
         ditmem.oom("nothing like an OOM message", model="flux.1-dev")
