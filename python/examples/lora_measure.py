@@ -15,7 +15,7 @@ import json
 
 import torch
 from diffusers import PixArtTransformer2DModel
-from peft import LoraConfig
+from peft import LoraConfig, inject_adapter_in_model
 
 import ditmem  # ditmem
 import ditmem.torch as dmt  # ditmem
@@ -38,10 +38,12 @@ transformer.to(device, dtype=torch.bfloat16)
 
 # Before the adapters go in: ditmem reads the model's config and checks its parameter count.
 est = ditmem.estimate(model=transformer, lora_rank=args.rank, resolution=args.resolution,  # ditmem
-                      batch=1, recompute="none", gpu=args.gpu)
+                      batch=1, recompute="none", text_tokens=300, gpu=args.gpu,
+                      runtime="pytorch:cuda" if device.type == "cuda" else "pytorch:cpu")
 
-transformer.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
-                                   target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+lora = LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
+                  target_modules=["to_k", "to_q", "to_v", "to_out.0"])
+transformer = inject_adapter_in_model(lora, transformer)  # as add_adapter, for any nn.Module
 for p in transformer.parameters():
     if p.requires_grad:
         p.data = p.data.float()  # LoRA weights in fp32, as the script's cast_training_params
