@@ -233,6 +233,9 @@ fn command_line(
     };
     let mut argv = vec![command.to_string()];
     let mut model_json = None;
+    // A positional goes last, after `--`: the arguments come in key order, and a flag after
+    // `--` would read as the positional's value.
+    let mut positional = None;
     for (key, value) in args {
         let id = key.replace('-', "_");
         if value.is_null() {
@@ -334,12 +337,15 @@ fn command_line(
             ));
         }
         if arg.is_positional() {
-            // `--` keeps a message that starts with '-' a value.
-            argv.push("--".into());
-            argv.push(text);
+            positional = Some(text);
         } else {
             argv.push(format!("{}={text}", flag_of(arg)));
         }
+    }
+    if let Some(text) = positional {
+        // `--` keeps a message that starts with '-' a value.
+        argv.push("--".into());
+        argv.push(text);
     }
     if command == "oom" && !has_oom_message(args) {
         // The CLI would read stdin; a request has none.
@@ -510,6 +516,21 @@ mod tests {
             }
             other => panic!("expected DoesNotFit, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn oom_message_stays_last_whatever_the_key_order() {
+        let msg = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of \
+                   23.65 GiB of which 1.20 GiB is free. Of the allocated memory 20.30 GiB is \
+                   allocated by PyTorch, and 1.60 GiB is reserved by PyTorch but unallocated.";
+        // "message" sorts before "model": the preset must still be a flag.
+        let v = call(
+            "oom",
+            &obj(json!({"model": "flux.1-dev", "lora_rank": 16, "message": msg})),
+            Options::default(),
+        )
+        .unwrap();
+        assert_eq!(v["message"]["requested_bytes"], 2147483648u64);
     }
 
     #[test]

@@ -174,8 +174,13 @@ pub fn model_from_value(
         ));
     }
     let (mut model, map) = model_from_text(field, "the given config", &text)?;
-    if model.name.is_empty() {
-        model.name = "config".into();
+    // A live diffusers model's config names its checkpoint (`from_pretrained` sets
+    // `_name_or_path`, diffusers configuration_utils.py): the name the family reads as
+    // `--model PATH`'s path (PixArt-Σ's 300 text tokens by "sigma", families/model.rs).
+    match map.get("_name_or_path").and_then(serde_json::Value::as_str) {
+        Some(name) if !name.trim().is_empty() => model.name = name.to_string(),
+        _ if model.name.is_empty() => model.name = "config".into(),
+        _ => {}
     }
     Ok((model, map))
 }
