@@ -26,12 +26,9 @@ use rayon::prelude::*;
 
 use super::shared_ptr::SharedMut;
 
-/// Rows of the micro-kernel tile.
-pub const MR: usize = 6;
-/// Columns of the micro-kernel tile (4 × 16 f32 lanes).
-pub const NR: usize = 64;
-/// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).
-pub const KC_PAIRS: usize = 64;
+// The tile and the packing source live in `bf16_layout`, which the AVX-512 packing
+// (`pack_bf16_avx512`) uses too: this file uses that one, and no file uses this one back.
+pub use super::bf16_layout::{Src, KC_PAIRS, MR, NR};
 
 /// Whether this CPU can run the kernel (AVX512F and AVX512-BF16).
 pub fn supported() -> bool {
@@ -51,27 +48,6 @@ pub trait ToBf16: Copy + Sync {
     /// The slice as a packing source of its own type (the vectorised packing reads bf16
     /// as it is and rounds f32 by 16 lanes).
     fn src(s: &[Self]) -> Src<'_>;
-}
-
-/// A packing source: bf16 values moved as they are, or f32 values rounded to nearest even.
-#[derive(Clone, Copy)]
-pub enum Src<'a> {
-    Bf16(&'a [bf16]),
-    F32(&'a [f32]),
-}
-
-impl Src<'_> {
-    /// Values in the source (the bound the vectorised packing checks its reads against).
-    pub fn len(&self) -> usize {
-        match self {
-            Src::Bf16(s) => s.len(),
-            Src::F32(s) => s.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl ToBf16 for bf16 {
