@@ -5,7 +5,7 @@
 //! when it is not resident, its weights.
 //!
 //! Dtypes: the original DiT's `train.py` encodes with an fp32 VAE outside autocast
-//! ([`crate::timeline::vae_dtype`]); diffusers' training scripts move the VAE and the text
+//! ([`crate::precision_rules::vae_dtype`]); diffusers' training scripts move the VAE and the text
 //! encoders to the device in `weight_dtype` (`vae.to(accelerator.device, dtype=weight_dtype)`,
 //! `text_encoder_one.to(accelerator.device, dtype=weight_dtype)`: bf16 or fp16 under mixed
 //! precision, fp32 otherwise).
@@ -13,9 +13,10 @@
 use serde::Serialize;
 
 use crate::denoiser::{family, text_tokens};
+use crate::families::frozen::VAE16_ENCODER_PARAMS;
 use crate::families::frozen::{self, VaeEncoder};
+use crate::precision_rules::vae_dtype;
 use crate::spec::{Dtype, Latents, Spec, TextEncoders, TorchDevice};
-use crate::timeline::{vae_dtype, VAE16_ENCODER_PARAMS};
 
 /// One frozen encoder of the step.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
-use crate::sharding::{Offload, Sharder};
+use crate::sharder::{Offload, Sharder};
 
 /// Element types that a tensor of the step can have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -1869,7 +1869,12 @@ impl Spec {
                 ),
             ));
         }
-        crate::sharding::validate(self)?;
+        crate::sharder::validate(
+            r.zero_stage,
+            r.sharder,
+            r.offload,
+            r.gradient_as_bucket_view,
+        )?;
         if r.ema.enabled && !(r.ema.decay > 0.0 && r.ema.decay < 1.0) {
             return Err(SpecError::invalid(
                 "recipe.ema.decay",

@@ -12,6 +12,7 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
     release_unless_read,
 };
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -21,7 +22,6 @@ use crate::runtime::ditmem_cpu::ops::{
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Precision, Spec};
 

@@ -12,13 +12,13 @@ use crate::runtime::ditmem_cpu::block::{
     release_unless_read, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     attention_head_packing, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
     FUSED_ATTN_QUERY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, Precision, Spec};
 

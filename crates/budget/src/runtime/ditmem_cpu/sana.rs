@@ -16,13 +16,13 @@ use crate::runtime::ditmem_cpu::block::{
     fused_cross, linear_weights, lora_linear, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{CpuSpec, Dtype, Precision, Spec};
 

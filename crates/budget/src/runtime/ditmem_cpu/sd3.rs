@@ -11,6 +11,7 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
     proj_out_released, reads_input, release_unless_read,
 };
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -18,7 +19,6 @@ use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 

@@ -6,10 +6,10 @@
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::backward::backward;
 use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{kept_bytes, retained, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
 use crate::runtime::ditmem_cpu::sims;
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 

@@ -11,13 +11,13 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 
