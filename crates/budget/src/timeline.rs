@@ -265,8 +265,8 @@ pub fn simulate_step_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::Precision;
     use crate::spec::Latents;
+    use crate::spec::Precision;
 
     #[test]
     fn encoder_weights_are_counted_once() {

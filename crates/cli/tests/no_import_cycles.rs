@@ -961,13 +961,6 @@ const KNOWN_CIRCLES: &[&[&str]] = &[
         "crates/budget/src/runtime/shape.rs",
     ],
     &[
-        "crates/budget/src/snapshot/mod.rs",
-        "crates/budget/src/snapshot/pickle.rs",
-        "crates/budget/src/snapshot/predict.rs",
-        "crates/budget/src/snapshot/read.rs",
-        "crates/budget/src/snapshot/replay.rs",
-    ],
-    &[
         "crates/engine/src/families/flux/params.rs",
         "crates/engine/src/families/lora.rs",
         "crates/engine/src/families/mod.rs",
@@ -978,10 +971,6 @@ const KNOWN_CIRCLES: &[&[&str]] = &[
         "crates/engine/src/model.rs",
     ],
     &[
-        "crates/engine/src/ops/attention/mod.rs",
-        "crates/engine/src/ops/attention/projected.rs",
-    ],
-    &[
         "crates/engine/src/trainer/family.rs",
         "crates/engine/src/trainer/flux.rs",
         "crates/engine/src/trainer/pixart.rs",
@@ -989,11 +978,6 @@ const KNOWN_CIRCLES: &[&[&str]] = &[
         "crates/engine/src/trainer/sd3.rs",
         "crates/engine/src/trainer/wan.rs",
         "crates/engine/src/trainer.rs",
-    ],
-    &[
-        "crates/engine/src/verify/kink.rs",
-        "crates/engine/src/verify/mod.rs",
-        "crates/engine/src/verify/probe.rs",
     ],
     &[
         "crates/cli/src/args.rs",

@@ -87,8 +87,9 @@ impl SideSums {
             self.all += w;
         }
         for (i, d) in KINK_DTYPES.iter().enumerate() {
-            let delta =
-                super::unit_roundoff(*d) * (roundings / MEAN_SQUARE_DIVISOR).sqrt() * spread;
+            let delta = super::roundoff::unit_roundoff(*d)
+                * (roundings / MEAN_SQUARE_DIVISOR).sqrt()
+                * spread;
             if delta > 0.0 {
                 let p = normal_tail(x.abs() / delta);
                 self.flip[i] += p * w;

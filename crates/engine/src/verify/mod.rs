@@ -35,12 +35,14 @@ mod error;
 mod key_bias;
 mod kink;
 mod probe;
+mod roundoff;
 mod softmax;
 mod store;
 mod terms;
 
 use error::{bad, reference_error};
 pub use error::{Result, VerifyError};
+pub use roundoff::unit_roundoff;
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -251,18 +253,6 @@ impl Fault {
 
 // ---------------------------------------------------------------------------------------------
 // Tolerances.
-
-/// Unit roundoff u = 2^−t of a float dtype with t significand bits (the implicit bit counted):
-/// f64 2⁻⁵³, f32 2⁻²⁴, bf16 2⁻⁸, f16 2⁻¹¹. `u8` is not a float: 1.
-pub fn unit_roundoff(d: Dtype) -> f64 {
-    match d {
-        Dtype::F64 => 2f64.powi(-53),
-        Dtype::F32 => 2f64.powi(-24),
-        Dtype::Bf16 => 2f64.powi(-8),
-        Dtype::F16 => 2f64.powi(-11),
-        Dtype::U8 => 1.0,
-    }
-}
 
 /// The error-growth factors of a spec's step, from its shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
