@@ -39,14 +39,14 @@ pub struct EncoderRun {
 
 impl EncoderRun {
     /// What the encoder adds on the device while it encodes, beyond what is resident.
-    pub fn while_encoding(&self) -> u64 {
+    pub(crate) fn while_encoding(&self) -> u64 {
         self.forward_bytes + self.input_bytes + if self.resident { 0 } else { self.weight_bytes }
     }
 }
 
 /// The encoders that run inside the step, in the order a microbatch runs them (the VAE, then
 /// the text encoders in the family's order). Empty when latents and captions are cached.
-pub fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
+pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
     let mut out = Vec::new();
     let r = &spec.recipe;
     if r.latents == Latents::Cached && r.text_encoders == TextEncoders::Cached {

@@ -7,7 +7,7 @@
 use crate::spec::{Dtype, Optimizer, Precision};
 
 /// Bitsandbytes block size for 8-bit optimizer state quantisation (one fp32 absmax per block).
-pub const ADAM8BIT_BLOCK: u64 = 256;
+pub(crate) const ADAM8BIT_BLOCK: u64 = 256;
 /// Tensors smaller than this keep 32-bit state under bitsandbytes' 8-bit optimizers.
 pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
 
@@ -23,7 +23,7 @@ pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precis
 }
 
 /// DiT's `train.py` encodes in fp32 outside autocast; fp64 keeps fp64, bf16-pure casts the VAE.
-pub fn vae_dtype(p: Precision) -> Dtype {
+pub(crate) fn vae_dtype(p: Precision) -> Dtype {
     match p {
         Precision::Fp64 => Dtype::F64,
         Precision::Bf16Pure => Dtype::Bf16,

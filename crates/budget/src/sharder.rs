@@ -32,7 +32,7 @@ impl Sharder {
         }
     }
 
-    pub fn is_default(&self) -> bool {
+    pub(crate) fn is_default(&self) -> bool {
         *self == Sharder::Deepspeed
     }
 

@@ -82,10 +82,10 @@ pub const DS_PREFETCH_BUCKET_ELEMS: u64 = 50_000_000;
 /// DeepSpeed `stage3_param_persistence_threshold` default, elements [DSCFG].
 pub const DS_PERSISTENCE_THRESHOLD: u64 = 100_000;
 /// DeepSpeed's flat-partition alignment per rank (`nccl_start_alignment_factor`) [DS12].
-pub const DS_ALIGNMENT: u64 = 2;
+pub(crate) const DS_ALIGNMENT: u64 = 2;
 /// IPG buffers stage 1/2 allocate per backward: 2 with `overlap_comm`, which the exported
 /// `ds_config.json` sets [DS12].
-pub const DS12_IPG_BUFFERS: u64 = 2;
+pub(crate) const DS12_IPG_BUFFERS: u64 = 2;
 
 /// The scheme a spec's recipe runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -137,7 +137,7 @@ impl Scheme {
     /// Whether the module itself runs in the compute dtype (no fp32 parameters under
     /// autocast): DeepSpeed casts the module for bf16/fp16 [DS12]; FSDP2 gathers parameters in
     /// `param_dtype` [FSDP2]. Mixed precision only.
-    pub fn low_precision_module(&self, precision: Precision) -> bool {
+    pub(crate) fn low_precision_module(&self, precision: Precision) -> bool {
         precision.is_mixed() && matches!(self, Scheme::Zero { .. } | Scheme::Fsdp2 { .. })
     }
 
@@ -148,7 +148,7 @@ impl Scheme {
 
     /// Whether the full gradients of a block are dropped once reduced, keeping a partition
     /// (ZeRO-2/3, FSDP2).
-    pub fn shards_gradients(&self) -> bool {
+    pub(crate) fn shards_gradients(&self) -> bool {
         matches!(self, Scheme::Zero { stage: 2 | 3 } | Scheme::Fsdp2 { .. })
     }
 }
@@ -186,7 +186,7 @@ pub fn ds12_partition_elems(elems: u64, ranks: u64) -> u64 {
 
 /// Elements of one rank's partition of a tensor under DeepSpeed stage 3 (padded to a multiple
 /// of the world size) [DS3], or FSDP2 (dim 0 padded to a multiple of the world size) [FSDP2].
-pub fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
+pub(crate) fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
     let n = t.numel();
     match sharder {
         Sharder::Deepspeed => n.div_ceil(ranks),
@@ -198,7 +198,7 @@ pub fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
 }
 
 /// Whether DeepSpeed stage 3 keeps a parameter whole on every rank [DS3].
-pub fn ds3_persistent(t: &ParamTensor) -> bool {
+pub(crate) fn ds3_persistent(t: &ParamTensor) -> bool {
     t.numel() <= DS_PERSISTENCE_THRESHOLD
 }
 
@@ -216,7 +216,7 @@ pub enum Prefetch {
 
 impl Prefetch {
     /// The blocks gathered ahead of block `i` of `gathers` (in execution order): their indices.
-    pub fn window(&self, gathers: &[u64], i: usize) -> std::ops::Range<usize> {
+    pub(crate) fn window(&self, gathers: &[u64], i: usize) -> std::ops::Range<usize> {
         let next = (i + 1).min(gathers.len());
         match *self {
             Prefetch::None => next..next,
@@ -276,10 +276,10 @@ pub struct RankStates {
 }
 
 impl RankStates {
-    pub fn weights_bytes(&self) -> u64 {
+    pub(crate) fn weights_bytes(&self) -> u64 {
         self.weights.iter().sum()
     }
-    pub fn master_bytes(&self) -> u64 {
+    pub(crate) fn master_bytes(&self) -> u64 {
         self.master.iter().sum()
     }
     pub fn optimizer_state_bytes(&self) -> u64 {
@@ -490,7 +490,7 @@ pub fn rank_states(spec: &Spec, table: &[ParamTensor], grad_dtype: Dtype) -> Opt
 
 /// Bytes of the EMA copy of a trained tensor on one rank: whole, or a shard of it where the
 /// parameters are sharded (ZeRO-3, FSDP2: the script's EMA model follows the sharded one).
-pub fn ema_bytes(spec: &Spec, t: &ParamTensor) -> u64 {
+pub(crate) fn ema_bytes(spec: &Spec, t: &ParamTensor) -> u64 {
     let bytes = t.numel() * spec.recipe.ema.dtype.size();
     if Scheme::of(spec).gathers() {
         bytes.div_ceil(u64::from(spec.workload.ranks))
@@ -535,7 +535,7 @@ fn gathered(
 /// in the table (the forward's: Flux's `transformer_blocks` 0–18, then
 /// `single_transformer_blocks` as 19–56), as the step replay numbers the blocks; `None` outside
 /// the blocks. A stack is the tensor name before `.{block}.`.
-pub fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
+pub(crate) fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
     let stack = |t: &ParamTensor| -> Option<(String, usize)> {
         let b = t.block? as usize;
         let key = format!(".{b}.");
@@ -637,7 +637,7 @@ pub fn comm_volume(spec: &Spec, trained: f64, recompute_share: f64) -> CommVolum
 /// Whether the base's sharder and offload can run at ZeRO stage `z` (the planner's search skips
 /// the stages that do not exist: FSDP has no stage 1; an offload needs a stage ≥ 1, parameters
 /// offload under DeepSpeed stage 3).
-pub fn stage_exists(base: &Spec, z: u8) -> bool {
+pub(crate) fn stage_exists(base: &Spec, z: u8) -> bool {
     let mut s = base.recipe.clone();
     s.zero_stage = z;
     s.gradient_as_bucket_view &= z == 0;

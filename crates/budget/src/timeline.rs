@@ -169,7 +169,7 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
 }
 
 /// What the spec's runtime's step replay needs about each segment.
-pub fn segment_costs(spec: &Spec) -> SegmentCosts {
+pub(crate) fn segment_costs(spec: &Spec) -> SegmentCosts {
     model_for(spec).segment_costs(spec)
 }
 
@@ -185,7 +185,7 @@ pub fn simulate_step(spec: &Spec) -> Timeline {
 /// (at least [`LAID_OUT_MICROBATCHES`]): every microbatch after the first starts from the same state (gradient
 /// buffers live), so the second one already shows the steady case, and the peak and the phase
 /// peaks of [`LAID_OUT_MICROBATCHES`] are those of the full layout (`u32::MAX`, for tests).
-pub fn simulate_step_with(
+pub(crate) fn simulate_step_with(
     spec: &Spec,
     table: &[ParamTensor],
     st: &StaticBytes,

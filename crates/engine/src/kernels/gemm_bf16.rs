@@ -37,7 +37,7 @@ pub fn supported() -> bool {
 
 /// Whether bf16 products run on this kernel now (the path of the spec in force, see
 /// [`crate::host::bf16_products`]); never where the CPU lacks it.
-pub fn in_use() -> bool {
+pub(crate) fn in_use() -> bool {
     crate::host::bf16_products() == ditmem_budget::Bf16Products::Kernel
 }
 
@@ -110,7 +110,7 @@ pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
 }
 
 /// [`pack_a`] on the calling thread.
-pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
+pub(crate) fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
     for (p, panel) in dst[..packed_a_len(m, k)].chunks_mut(kp * MR).enumerate() {
         pack_a_one(m, k, a, p, panel);
@@ -118,7 +118,7 @@ pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u
 }
 
 /// [`pack_b`] on the calling thread.
-pub fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
+pub(crate) fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
     for (p, panel) in dst[..packed_b_len(k, n)]
         .chunks_mut(kp * NR * 2)
@@ -404,7 +404,7 @@ pub fn gemm_packed(
 
 /// [`gemm_packed`] on the calling thread (for callers that already parallelise, such as the
 /// attention's loop over heads).
-pub fn gemm_packed_serial(
+pub(crate) fn gemm_packed_serial(
     m: usize,
     n: usize,
     k: usize,
