@@ -199,7 +199,7 @@ impl DeviceProfile {
         }
     }
 
-    pub fn elementwise_rate(&self, d: Dtype) -> f64 {
+    pub(crate) fn elementwise_rate(&self, d: Dtype) -> f64 {
         match d {
             Dtype::F64 => self.elementwise_f64,
             Dtype::F32 | Dtype::U8 => self.elementwise_f32,
@@ -267,7 +267,7 @@ pub struct StepTime {
 /// The parts of a step's time that cost a table or graph build to compute. The planner computes
 /// them once per combination of the levers they depend on and reuses them across candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct TimeInputs {
+pub(crate) struct TimeInputs {
     /// Trained parameter count (depends on the model and LoRA).
     pub trained_params: f64,
     /// Parameters a mixed policy casts to the compute dtype every forward: the trained ones
@@ -300,7 +300,7 @@ impl TimeInputs {
 }
 
 /// Parameters a quantized base dequantizes at each use (0 without `recipe.base_quant`).
-pub fn dequant_params(spec: &Spec, table: &[crate::params::ParamTensor]) -> f64 {
+pub(crate) fn dequant_params(spec: &Spec, table: &[crate::params::ParamTensor]) -> f64 {
     if spec.recipe.base_quant.is_none() {
         return 0.0;
     }
@@ -312,7 +312,7 @@ pub fn dequant_params(spec: &Spec, table: &[crate::params::ParamTensor]) -> f64 
 }
 
 /// Elementwise seconds of each segment's forward (embedder, one block, final layer).
-pub fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
+pub(crate) fn elementwise_forward_s(spec: &Spec, profile: &DeviceProfile) -> (f64, f64, f64) {
     let rt = model_for(spec);
     let dims = Shape::new(spec);
     let seg_time = |seg: Segment| -> f64 {
@@ -344,7 +344,11 @@ pub fn step_time(spec: &Spec, profile: &DeviceProfile) -> StepTime {
 /// [`step_time`] with its expensive inputs precomputed (they must come from
 /// [`TimeInputs::of`] on a spec that agrees with `spec` in model, LoRA, precision, attention,
 /// microbatch and whether recompute is attention-only).
-pub fn step_time_with(spec: &Spec, profile: &DeviceProfile, inputs: &TimeInputs) -> StepTime {
+pub(crate) fn step_time_with(
+    spec: &Spec,
+    profile: &DeviceProfile,
+    inputs: &TimeInputs,
+) -> StepTime {
     let r = &spec.recipe;
     let w = &spec.workload;
     let d = Shape::new(spec);

@@ -401,11 +401,11 @@ fn check_engine_flux(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
 /// for a diffusers attention: the default of a family without a script of its own (PixArt,
 /// Wan) and of Sana (whose `train_dreambooth_lora_sana.py` now defaults to `to_k, to_q, to_v`
 /// alone; the engine's Sana tests count `to_out.0` too, so a change is the lead's call).
-pub const DEFAULT_LORA_MODULES: [&str; 4] = ["to_k", "to_q", "to_v", "to_out.0"];
+pub(crate) const DEFAULT_LORA_MODULES: [&str; 4] = ["to_k", "to_q", "to_v", "to_out.0"];
 
 /// `train_dreambooth_lora_sd3.py` with `--lora_layers` unset (diffusers 58eb52c): both
 /// streams' attention projections.
-pub const SD3_LORA_MODULES: [&str; 8] = [
+pub(crate) const SD3_LORA_MODULES: [&str; 8] = [
     "attn.add_k_proj",
     "attn.add_q_proj",
     "attn.add_v_proj",
@@ -419,7 +419,7 @@ pub const SD3_LORA_MODULES: [&str; 8] = [
 /// `train_dreambooth_lora_flux.py` with `--lora_layers` unset (diffusers 58eb52c): the double
 /// blocks' attention projections and feed-forwards, and (by suffix) the single blocks'
 /// `attn.to_q/k/v`; not their `proj_mlp` or `proj_out`.
-pub const FLUX_LORA_MODULES: [&str; 12] = [
+pub(crate) const FLUX_LORA_MODULES: [&str; 12] = [
     "attn.to_k",
     "attn.to_q",
     "attn.to_v",

@@ -5,7 +5,7 @@
 //! when it is not resident, its weights.
 //!
 //! Dtypes: the original DiT's `train.py` encodes with an fp32 VAE outside autocast
-//! ([`crate::timeline::vae_dtype`]); diffusers' training scripts move the VAE and the text
+//! ([`crate::precision_rules::vae_dtype`]); diffusers' training scripts move the VAE and the text
 //! encoders to the device in `weight_dtype` (`vae.to(accelerator.device, dtype=weight_dtype)`,
 //! `text_encoder_one.to(accelerator.device, dtype=weight_dtype)`: bf16 or fp16 under mixed
 //! precision, fp32 otherwise).
@@ -13,9 +13,10 @@
 use serde::Serialize;
 
 use crate::denoiser::{family, text_tokens};
+use crate::families::frozen::VAE16_ENCODER_PARAMS;
 use crate::families::frozen::{self, VaeEncoder};
+use crate::precision_rules::vae_dtype;
 use crate::spec::{Dtype, Latents, Spec, TextEncoders, TorchDevice};
-use crate::timeline::{vae_dtype, VAE16_ENCODER_PARAMS};
 
 /// One frozen encoder of the step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -38,14 +39,14 @@ pub struct EncoderRun {
 
 impl EncoderRun {
     /// What the encoder adds on the device while it encodes, beyond what is resident.
-    pub fn while_encoding(&self) -> u64 {
+    pub(crate) fn while_encoding(&self) -> u64 {
         self.forward_bytes + self.input_bytes + if self.resident { 0 } else { self.weight_bytes }
     }
 }
 
 /// The encoders that run inside the step, in the order a microbatch runs them (the VAE, then
 /// the text encoders in the family's order). Empty when latents and captions are cached.
-pub fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
+pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
     let mut out = Vec::new();
     let r = &spec.recipe;
     if r.latents == Latents::Cached && r.text_encoders == TextEncoders::Cached {

@@ -163,6 +163,6 @@ pub const LAID_OUT_MICROBATCHES: u32 = 2;
 /// How many of `accumulation` microbatches a replay asked for `max` lays out: never fewer than
 /// [`LAID_OUT_MICROBATCHES`] (the ones the others repeat), never more than the step has. Every
 /// runtime's replay loops over this count.
-pub fn laid_out_microbatches(accumulation: u32, max: u32) -> u32 {
+pub(crate) fn laid_out_microbatches(accumulation: u32, max: u32) -> u32 {
     accumulation.min(max.max(LAID_OUT_MICROBATCHES))
 }

@@ -24,8 +24,10 @@ pub mod levers;
 pub mod oom;
 mod params;
 mod plan;
+mod precision_rules;
 mod runtime;
 mod segment;
+mod sharder;
 mod sharding;
 mod snapshot;
 mod spec;
@@ -77,6 +79,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::backward;
     pub use crate::runtime::ditmem_cpu::block;
     pub use crate::runtime::ditmem_cpu::cross;
+    pub use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
     pub use crate::runtime::ditmem_cpu::flux;
     pub use crate::runtime::ditmem_cpu::gemm_pack;
     pub use crate::runtime::ditmem_cpu::graph;

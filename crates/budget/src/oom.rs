@@ -513,9 +513,9 @@ pub struct GpuMatch {
 
 /// A reported total may sit this far below a card's catalog capacity (WDDM and MIG keep some;
 /// a marketing-basis capacity is an upper bound).
-pub const MATCH_BELOW: f64 = 0.07;
+pub(crate) const MATCH_BELOW: f64 = 0.07;
 /// … and this far above it (drivers move the figure by tens of MiB).
-pub const MATCH_ABOVE: f64 = 0.01;
+pub(crate) const MATCH_ABOVE: f64 = 0.01;
 
 /// The catalog cards a reported total capacity matches.
 pub fn match_gpu(total_bytes: u64) -> GpuMatch {

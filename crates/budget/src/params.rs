@@ -326,7 +326,7 @@ pub fn count(table: &[ParamTensor]) -> ParamCounts {
 /// dtype (under LoRA the stream, and the table with it, is in the compute dtype).
 /// A buffer follows the model: kept in the parameter dtype, cast with the frozen base under
 /// LoRA (the scripts' `transformer.to(dtype=weight_dtype)` casts buffers too).
-pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype {
+pub(crate) fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype {
     if t.buffer {
         return if lora {
             precision.compute_dtype()
@@ -345,7 +345,7 @@ pub fn stored_dtype(t: &ParamTensor, precision: Precision, lora: bool) -> Dtype 
 /// Whether a tensor is a Linear weight inside the transformer blocks: what a quantized LoRA
 /// base stores quantized (bitsandbytes replaces the blocks' `nn.Linear` modules; embedders,
 /// norms and biases stay in the compute dtype).
-pub fn quantizable(t: &ParamTensor) -> bool {
+pub(crate) fn quantizable(t: &ParamTensor) -> bool {
     matches!(
         t.module,
         Module::Blocks | Module::TransformerBlocks | Module::SingleBlocks
@@ -356,7 +356,12 @@ pub fn quantizable(t: &ParamTensor) -> bool {
 
 /// Bytes a tensor is stored in under the recipe: its dtype, or its quantized storage when it is
 /// a frozen base's block Linear and the base is quantized.
-pub fn stored_bytes(t: &ParamTensor, precision: Precision, lora: bool, quant: BaseQuant) -> u64 {
+pub(crate) fn stored_bytes(
+    t: &ParamTensor,
+    precision: Precision,
+    lora: bool,
+    quant: BaseQuant,
+) -> u64 {
     if t.role == ParamRole::Frozen && quantizable(t) {
         if let Some(b) = quant.weight_bytes(t.shape[0], t.shape[1]) {
             return b;

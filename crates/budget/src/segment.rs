@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::spec::Dtype;
 
 /// Index of a tensor in its segment.
-pub type Tid = usize;
+pub(crate) type Tid = usize;
 
 /// Where a tensor's bytes come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -56,7 +56,7 @@ impl TensorDef {
     }
 
     /// Bytes of a fresh allocation, 0 for views, inputs and parameters.
-    pub fn alloc_bytes(&self) -> u64 {
+    pub(crate) fn alloc_bytes(&self) -> u64 {
         match self.kind {
             TensorKind::Alloc => self.bytes(),
             _ => 0,
@@ -210,7 +210,13 @@ impl Segment {
     }
 
     /// Attach saved bytes / scratch to the op that produced `t`.
-    pub fn annotate(&mut self, t: Tid, extra_saved: u64, fwd_scratch: u64, bwd_scratch: u64) {
+    pub(crate) fn annotate(
+        &mut self,
+        t: Tid,
+        extra_saved: u64,
+        fwd_scratch: u64,
+        bwd_scratch: u64,
+    ) {
         if let Some(op) = self.ops.iter_mut().find(|o| o.output == t) {
             op.extra_saved += extra_saved;
             op.fwd_scratch += fwd_scratch;
@@ -276,7 +282,7 @@ pub struct SegmentCost {
 
 /// Simulate a segment. `keep_all` is the runtime's retention rule: true when every op output
 /// stays alive with the graph (candle), false when only tensors an op's backward reads do.
-pub fn simulate(
+pub(crate) fn simulate(
     seg: &Segment,
     keep_all: bool,
     saved: &dyn Fn(&Segment, Tid) -> bool,

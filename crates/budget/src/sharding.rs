@@ -61,126 +61,15 @@
 //!   sharded fp32 gradients. `CPUOffloadPolicy` keeps the shards, their gradients and the
 //!   optimizer step on the host.
 
-use std::fmt;
-use std::str::FromStr;
-
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::error::SpecError;
 use crate::params::{stored_bytes, ParamRole, ParamTensor};
 use crate::spec::{Dtype, Optimizer, Precision, Spec};
 
-/// Who shards a step with ZeRO stage ≥ 1.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Sharder {
-    /// DeepSpeed ZeRO at the recipe's stage.
-    #[default]
-    Deepspeed,
-    /// FSDP2 (`fully_shard`): stage 3 ↔ `reshard_after_forward=True`, stage 2 ↔ `False`; no
-    /// stage-1 equivalent.
-    #[serde(alias = "fsdp2")]
-    Fsdp,
-}
-
-impl Sharder {
-    pub const fn name(self) -> &'static str {
-        match self {
-            Sharder::Deepspeed => "deepspeed",
-            Sharder::Fsdp => "fsdp",
-        }
-    }
-
-    pub fn is_default(&self) -> bool {
-        *self == Sharder::Deepspeed
-    }
-
-    /// Parse a sharder, naming `field` in the error.
-    pub fn parse(s: &str, field: &str) -> Result<Sharder, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "deepspeed" | "zero" => Ok(Sharder::Deepspeed),
-            "fsdp" | "fsdp2" => Ok(Sharder::Fsdp),
-            _ => Err(SpecError::invalid(
-                field,
-                format!(
-                    "'{}' is not a sharder; allowed: deepspeed, fsdp",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Sharder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Sharder {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        Sharder::parse(s, "recipe.sharder")
-    }
-}
-
-/// What a sharded step keeps in host memory.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Offload {
-    #[default]
-    #[serde(rename = "none")]
-    None,
-    /// Optimizer state, fp32 master partition and its gradient (ZeRO-Offload): DeepSpeed
-    /// `offload_optimizer`.
-    #[serde(rename = "optimizer")]
-    Optimizer,
-    /// Also the parameters: DeepSpeed `offload_param` (stage 3 only), FSDP `CPUOffloadPolicy`.
-    #[serde(rename = "optimizer+params")]
-    OptimizerAndParams,
-}
-
-impl Offload {
-    pub const fn name(self) -> &'static str {
-        match self {
-            Offload::None => "none",
-            Offload::Optimizer => "optimizer",
-            Offload::OptimizerAndParams => "optimizer+params",
-        }
-    }
-
-    pub fn is_none(&self) -> bool {
-        *self == Offload::None
-    }
-
-    /// Parse an offload, naming `field` in the error.
-    pub fn parse(s: &str, field: &str) -> Result<Offload, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "none" => Ok(Offload::None),
-            "optimizer" => Ok(Offload::Optimizer),
-            "optimizer+params" | "params" | "all" => Ok(Offload::OptimizerAndParams),
-            _ => Err(SpecError::invalid(
-                field,
-                format!(
-                    "'{}' is not an offload; allowed: none, optimizer, optimizer+params",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Offload {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Offload {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        Offload::parse(s, "recipe.offload")
-    }
-}
+// The recipe's names (who shards, what is offloaded) live in `sharder.rs`, which `spec.rs` reads
+// without reading this file's rules back.
+pub use crate::sharder::{Offload, Sharder};
 
 /// DDP's bucket cap: `bucket_cap_mb` 25 MiB by default [DDP].
 pub const DDP_BUCKET_CAP_BYTES: u64 = 25 << 20;
@@ -193,10 +82,10 @@ pub const DS_PREFETCH_BUCKET_ELEMS: u64 = 50_000_000;
 /// DeepSpeed `stage3_param_persistence_threshold` default, elements [DSCFG].
 pub const DS_PERSISTENCE_THRESHOLD: u64 = 100_000;
 /// DeepSpeed's flat-partition alignment per rank (`nccl_start_alignment_factor`) [DS12].
-pub const DS_ALIGNMENT: u64 = 2;
+pub(crate) const DS_ALIGNMENT: u64 = 2;
 /// IPG buffers stage 1/2 allocate per backward: 2 with `overlap_comm`, which the exported
 /// `ds_config.json` sets [DS12].
-pub const DS12_IPG_BUFFERS: u64 = 2;
+pub(crate) const DS12_IPG_BUFFERS: u64 = 2;
 
 /// The scheme a spec's recipe runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -248,7 +137,7 @@ impl Scheme {
     /// Whether the module itself runs in the compute dtype (no fp32 parameters under
     /// autocast): DeepSpeed casts the module for bf16/fp16 [DS12]; FSDP2 gathers parameters in
     /// `param_dtype` [FSDP2]. Mixed precision only.
-    pub fn low_precision_module(&self, precision: Precision) -> bool {
+    pub(crate) fn low_precision_module(&self, precision: Precision) -> bool {
         precision.is_mixed() && matches!(self, Scheme::Zero { .. } | Scheme::Fsdp2 { .. })
     }
 
@@ -259,7 +148,7 @@ impl Scheme {
 
     /// Whether the full gradients of a block are dropped once reduced, keeping a partition
     /// (ZeRO-2/3, FSDP2).
-    pub fn shards_gradients(&self) -> bool {
+    pub(crate) fn shards_gradients(&self) -> bool {
         matches!(self, Scheme::Zero { stage: 2 | 3 } | Scheme::Fsdp2 { .. })
     }
 }
@@ -297,7 +186,7 @@ pub fn ds12_partition_elems(elems: u64, ranks: u64) -> u64 {
 
 /// Elements of one rank's partition of a tensor under DeepSpeed stage 3 (padded to a multiple
 /// of the world size) [DS3], or FSDP2 (dim 0 padded to a multiple of the world size) [FSDP2].
-pub fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
+pub(crate) fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
     let n = t.numel();
     match sharder {
         Sharder::Deepspeed => n.div_ceil(ranks),
@@ -309,7 +198,7 @@ pub fn shard_elems(t: &ParamTensor, ranks: u64, sharder: Sharder) -> u64 {
 }
 
 /// Whether DeepSpeed stage 3 keeps a parameter whole on every rank [DS3].
-pub fn ds3_persistent(t: &ParamTensor) -> bool {
+pub(crate) fn ds3_persistent(t: &ParamTensor) -> bool {
     t.numel() <= DS_PERSISTENCE_THRESHOLD
 }
 
@@ -327,7 +216,7 @@ pub enum Prefetch {
 
 impl Prefetch {
     /// The blocks gathered ahead of block `i` of `gathers` (in execution order): their indices.
-    pub fn window(&self, gathers: &[u64], i: usize) -> std::ops::Range<usize> {
+    pub(crate) fn window(&self, gathers: &[u64], i: usize) -> std::ops::Range<usize> {
         let next = (i + 1).min(gathers.len());
         match *self {
             Prefetch::None => next..next,
@@ -387,10 +276,10 @@ pub struct RankStates {
 }
 
 impl RankStates {
-    pub fn weights_bytes(&self) -> u64 {
+    pub(crate) fn weights_bytes(&self) -> u64 {
         self.weights.iter().sum()
     }
-    pub fn master_bytes(&self) -> u64 {
+    pub(crate) fn master_bytes(&self) -> u64 {
         self.master.iter().sum()
     }
     pub fn optimizer_state_bytes(&self) -> u64 {
@@ -398,10 +287,10 @@ impl RankStates {
     }
 }
 
-/// AdamW's two state tensors for `elems` elements, as `timeline::optimizer_state_bytes` counts
+/// AdamW's two state tensors for `elems` elements, as `precision_rules::optimizer_state_bytes` counts
 /// them, split into the two tensors (m and v).
 fn state_pair(elems: u64, optimizer: Optimizer, precision: Precision) -> Vec<u64> {
-    let b = crate::timeline::optimizer_state_bytes(elems, optimizer, precision);
+    let b = crate::precision_rules::optimizer_state_bytes(elems, optimizer, precision);
     if b == 0 {
         Vec::new()
     } else {
@@ -601,7 +490,7 @@ pub fn rank_states(spec: &Spec, table: &[ParamTensor], grad_dtype: Dtype) -> Opt
 
 /// Bytes of the EMA copy of a trained tensor on one rank: whole, or a shard of it where the
 /// parameters are sharded (ZeRO-3, FSDP2: the script's EMA model follows the sharded one).
-pub fn ema_bytes(spec: &Spec, t: &ParamTensor) -> u64 {
+pub(crate) fn ema_bytes(spec: &Spec, t: &ParamTensor) -> u64 {
     let bytes = t.numel() * spec.recipe.ema.dtype.size();
     if Scheme::of(spec).gathers() {
         bytes.div_ceil(u64::from(spec.workload.ranks))
@@ -646,7 +535,7 @@ fn gathered(
 /// in the table (the forward's: Flux's `transformer_blocks` 0–18, then
 /// `single_transformer_blocks` as 19–56), as the step replay numbers the blocks; `None` outside
 /// the blocks. A stack is the tensor name before `.{block}.`.
-pub fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
+pub(crate) fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
     let stack = |t: &ParamTensor| -> Option<(String, usize)> {
         let b = t.block? as usize;
         let key = format!(".{b}.");
@@ -748,7 +637,7 @@ pub fn comm_volume(spec: &Spec, trained: f64, recompute_share: f64) -> CommVolum
 /// Whether the base's sharder and offload can run at ZeRO stage `z` (the planner's search skips
 /// the stages that do not exist: FSDP has no stage 1; an offload needs a stage ≥ 1, parameters
 /// offload under DeepSpeed stage 3).
-pub fn stage_exists(base: &Spec, z: u8) -> bool {
+pub(crate) fn stage_exists(base: &Spec, z: u8) -> bool {
     let mut s = base.recipe.clone();
     s.zero_stage = z;
     s.gradient_as_bucket_view &= z == 0;
@@ -757,62 +646,16 @@ pub fn stage_exists(base: &Spec, z: u8) -> bool {
     validate(&spec).is_ok()
 }
 
-/// Validate the sharding fields of a recipe against its stage and ranks.
+/// Validate the sharding fields of a recipe against its stage and ranks (the rule is
+/// [`crate::sharder::validate`], which the spec's own validation calls).
 pub fn validate(spec: &Spec) -> Result<(), SpecError> {
     let r = &spec.recipe;
-    let z = r.zero_stage;
-    if r.offload != Offload::None && z == 0 {
-        return Err(SpecError::invalid(
-            "recipe.offload",
-            format!(
-                "{} needs a sharded plan (recipe.zero_stage 1-3 over workload.ranks > 1); allowed: \
-                 none with zero_stage 0",
-                r.offload
-            ),
-        ));
-    }
-    match r.sharder {
-        Sharder::Deepspeed => {
-            // deepspeed 0.19.8 runtime/zero/config.py: offload_param is "valid only with stage 3".
-            if r.offload == Offload::OptimizerAndParams && z < 3 {
-                return Err(SpecError::invalid(
-                    "recipe.offload",
-                    format!(
-                        "DeepSpeed offloads parameters only at ZeRO stage 3 (recipe.zero_stage is \
-                         {z}); allowed: none, optimizer"
-                    ),
-                ));
-            }
-        }
-        Sharder::Fsdp => {
-            if z == 1 {
-                return Err(SpecError::invalid(
-                    "recipe.sharder",
-                    "fsdp has no ZeRO-1 equivalent (it always shards gradients); allowed: \
-                     deepspeed at zero_stage 1, fsdp at zero_stage 2 or 3",
-                ));
-            }
-            // accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload:
-            // FSDP offloads parameters, gradients and optimizer state together.
-            if r.offload == Offload::Optimizer {
-                return Err(SpecError::invalid(
-                    "recipe.offload",
-                    "FSDP offloads parameters, gradients and optimizer state together; allowed \
-                     with sharder fsdp: none, optimizer+params",
-                ));
-            }
-        }
-    }
-    if r.gradient_as_bucket_view && z > 0 {
-        return Err(SpecError::invalid(
-            "recipe.gradient_as_bucket_view",
-            format!(
-                "is DDP's option (zero_stage 0); recipe.zero_stage is {z}; allowed: false with \
-                 ZeRO or FSDP"
-            ),
-        ));
-    }
-    Ok(())
+    crate::sharder::validate(
+        r.zero_stage,
+        r.sharder,
+        r.offload,
+        r.gradient_as_bucket_view,
+    )
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
-use crate::sharding::{Offload, Sharder};
+use crate::sharder::{Offload, Sharder};
 
 /// Element types that a tensor of the step can have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -187,7 +187,7 @@ impl ModelSpec {
     }
 
     /// `model.diffusers` with the keys of `diffusers_null` back as `null` (the config as given).
-    pub fn diffusers_config(&self) -> Option<serde_json::Map<String, serde_json::Value>> {
+    pub(crate) fn diffusers_config(&self) -> Option<serde_json::Map<String, serde_json::Value>> {
         let mut map = self.diffusers.clone()?;
         for key in &self.diffusers_null {
             map.entry(key.clone()).or_insert(serde_json::Value::Null);
@@ -198,7 +198,7 @@ impl ModelSpec {
     /// Put the keys of `diffusers_null` back into `diffusers` as `null` (reading a spec that
     /// [`Spec::to_toml`] wrote); a key that also has a value, or a list without a config, is an
     /// error naming `model.diffusers_null`.
-    pub fn restore_nulls(&mut self) -> Result<(), SpecError> {
+    pub(crate) fn restore_nulls(&mut self) -> Result<(), SpecError> {
         if self.diffusers_null.is_empty() {
             return Ok(());
         }
@@ -397,7 +397,7 @@ impl Precision {
     }
 
     /// Dtype of the sensitive ops: norms, softmax, the residual stream and the loss.
-    pub const fn accum_dtype(self) -> Dtype {
+    pub(crate) const fn accum_dtype(self) -> Dtype {
         match self {
             Precision::Fp64 => Dtype::F64,
             Precision::Bf16Pure => Dtype::Bf16,
@@ -406,7 +406,7 @@ impl Precision {
     }
 
     /// Whether the weights are cast to a lower dtype for compute each step.
-    pub const fn is_mixed(self) -> bool {
+    pub(crate) const fn is_mixed(self) -> bool {
         matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
     }
 
@@ -542,7 +542,7 @@ impl Recompute {
     }
 
     /// Number of fully recomputed blocks among `depth`.
-    pub fn recomputed_count(&self, depth: u32) -> u32 {
+    pub(crate) fn recomputed_count(&self, depth: u32) -> u32 {
         (0..depth).filter(|&i| self.recomputes_block(i)).count() as u32
     }
 }
@@ -943,7 +943,7 @@ impl OptimizerImpl {
 
     /// PyTorch's default on a device: `foreach` for CUDA tensors, the for-loop elsewhere
     /// (`_default_to_fused_or_foreach`: `fused` is never chosen by default).
-    pub const fn default_for(device: TorchDevice) -> OptimizerImpl {
+    pub(crate) const fn default_for(device: TorchDevice) -> OptimizerImpl {
         match device {
             TorchDevice::Cuda => OptimizerImpl::Foreach,
             TorchDevice::Cpu => OptimizerImpl::ForLoop,
@@ -1307,11 +1307,11 @@ impl CpuSpec {
     /// Smallest and largest `gemm` slab a spec may name (`gemm` cannot run with no L2).
     pub const GEMM_L2_RANGE: (u64, u64) = (1 << 10, 1 << 30);
     /// Smallest and largest L1d a spec may name.
-    pub const GEMM_L1_RANGE: (u64, u64) = (1 << 10, 64 << 20);
+    pub(crate) const GEMM_L1_RANGE: (u64, u64) = (1 << 10, 64 << 20);
     /// Largest L3 a spec may name (0: none).
-    pub const GEMM_L3_MAX: u64 = 64 << 30;
+    pub(crate) const GEMM_L3_MAX: u64 = 64 << 30;
     /// Ways of a cache level a spec may name.
-    pub const GEMM_WAYS_RANGE: (u64, u64) = (1, 1024);
+    pub(crate) const GEMM_WAYS_RANGE: (u64, u64) = (1, 1024);
 
     /// Whether bf16 products run on the AVX512-BF16 kernel.
     pub const fn bf16_kernel(&self) -> bool {
@@ -1869,7 +1869,12 @@ impl Spec {
                 ),
             ));
         }
-        crate::sharding::validate(self)?;
+        crate::sharder::validate(
+            r.zero_stage,
+            r.sharder,
+            r.offload,
+            r.gradient_as_bucket_view,
+        )?;
         if r.ema.enabled && !(r.ema.decay > 0.0 && r.ema.decay < 1.0) {
             return Err(SpecError::invalid(
                 "recipe.ema.decay",
@@ -1961,7 +1966,7 @@ pub const MAX_ACCUMULATION: u32 = 1 << 20;
 /// Most video frames per sample (Wan 2.1: 81).
 pub const MAX_FRAMES: u32 = 4096;
 /// Most text encoders of one model (SD3: 3, counted as CLIP and T5 sequences).
-pub const MAX_TEXT_ENCODERS: usize = 4;
+pub(crate) const MAX_TEXT_ENCODERS: usize = 4;
 /// Most text tokens per encoder (T5 in Flux: 512).
 pub const MAX_TEXT_TOKENS: u32 = 65_536;
 /// Largest `workload.ranks` (GPU clusters: ≤ 100k devices).

@@ -18,7 +18,7 @@ pub use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
 use crate::params::{stored_bytes, stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
-use crate::spec::{Dtype, Optimizer, Precision, Spec};
+use crate::spec::Spec;
 
 /// Microbatches of the step that the timeline does not lay out: `first..=last` (0-based, as in
 /// the event labels) repeat microbatch `as_microbatch` event for event.
@@ -115,24 +115,9 @@ impl Timeline {
     }
 }
 
-/// Parameters of the 16-channel VAE encoder (SD3 / Flux layout): see [`crate::families::frozen`].
-pub use crate::families::frozen::VAE16_ENCODER_PARAMS;
-
-/// Bitsandbytes block size for 8-bit optimizer state quantisation (one fp32 absmax per block).
-pub const ADAM8BIT_BLOCK: u64 = 256;
-/// Tensors smaller than this keep 32-bit state under bitsandbytes' 8-bit optimizers.
-pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
-
-/// Optimizer state bytes of one trained tensor.
-pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precision) -> u64 {
-    let sd = precision.optimizer_dtype().size();
-    match optimizer {
-        Optimizer::Sgd => 0,
-        Optimizer::AdamW => 2 * elems * sd,
-        Optimizer::AdamW8bit if elems < ADAM8BIT_MIN_SIZE => 2 * elems * 4,
-        Optimizer::AdamW8bit => 2 * (elems + elems.div_ceil(ADAM8BIT_BLOCK) * 4),
-    }
-}
+// Two rules of the precision policy that files below the timeline read too (the sharding
+// rules, the frozen encoders) live in `precision_rules.rs`; re-exported here where they were.
+pub use crate::precision_rules::{optimizer_state_bytes, ADAM8BIT_MIN_SIZE};
 
 /// The persistent bytes of the model states under the spec (per rank): on one rank as the
 /// module holds them; over several ranks as the recipe's scheme shards them
@@ -183,17 +168,8 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
     s
 }
 
-/// DiT's `train.py` encodes in fp32 outside autocast; fp64 keeps fp64, bf16-pure casts the VAE.
-pub fn vae_dtype(p: Precision) -> Dtype {
-    match p {
-        Precision::Fp64 => Dtype::F64,
-        Precision::Bf16Pure => Dtype::Bf16,
-        _ => Dtype::F32,
-    }
-}
-
 /// What the spec's runtime's step replay needs about each segment.
-pub fn segment_costs(spec: &Spec) -> SegmentCosts {
+pub(crate) fn segment_costs(spec: &Spec) -> SegmentCosts {
     model_for(spec).segment_costs(spec)
 }
 
@@ -209,7 +185,7 @@ pub fn simulate_step(spec: &Spec) -> Timeline {
 /// (at least [`LAID_OUT_MICROBATCHES`]): every microbatch after the first starts from the same state (gradient
 /// buffers live), so the second one already shows the steady case, and the peak and the phase
 /// peaks of [`LAID_OUT_MICROBATCHES`] are those of the full layout (`u32::MAX`, for tests).
-pub fn simulate_step_with(
+pub(crate) fn simulate_step_with(
     spec: &Spec,
     table: &[ParamTensor],
     st: &StaticBytes,
@@ -290,6 +266,7 @@ pub fn simulate_step_with(
 mod tests {
     use super::*;
     use crate::spec::Latents;
+    use crate::spec::Precision;
 
     #[test]
     fn encoder_weights_are_counted_once() {

@@ -182,12 +182,12 @@ pub fn summarize(results: &[Agreement]) -> GridSummary {
 }
 
 /// One (precision, recompute, attention) policy of a grid.
-pub type Policy = (Precision, Recompute, AttentionMode);
+pub(crate) type Policy = (Precision, Recompute, AttentionMode);
 
 /// The policies every diffusers family's grid runs on its base: each precision with the
 /// stored, materialized step, and the recompute policies and the memory-efficient attention
 /// spread over the precisions.
-pub const FAMILY_POLICIES: [Policy; 11] = {
+pub(crate) const FAMILY_POLICIES: [Policy; 11] = {
     use AttentionMode::{Materialized as Mat, MemoryEfficient as Me};
     use Precision as P;
     use Recompute as R;
@@ -207,7 +207,7 @@ pub const FAMILY_POLICIES: [Policy; 11] = {
 };
 
 /// `base` under each policy, named `"{prefix} {precision} recompute {policy} {attention}"`.
-pub fn policy_grid(prefix: &str, base: &Spec, policies: &[Policy]) -> Vec<(String, Spec)> {
+pub(crate) fn policy_grid(prefix: &str, base: &Spec, policies: &[Policy]) -> Vec<(String, Spec)> {
     policies
         .iter()
         .map(|(p, rc, a)| {
@@ -334,7 +334,7 @@ fn lora(rank: u32, modules: &[&str]) -> Option<LoraSpec> {
 
 /// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script, on
 /// this process's CPU ([`crate::host::resolve`]).
-pub fn grid_base() -> Spec {
+pub(crate) fn grid_base() -> Spec {
     family_base(Spec::small(), "grid-d2-h64")
 }
 
@@ -571,7 +571,7 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
 /// The Sana grid's base: [`crate::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
 /// cross-attention 2 × 32 wide, Mix-FFN 160 wide, 64 image tokens on an 8×8 grid, 13 caption
 /// tokens of width 48, batch 4) with an fp32 EMA, on this process's CPU.
-pub fn sana_grid_base() -> Result<Spec> {
+pub(crate) fn sana_grid_base() -> Result<Spec> {
     Ok(family_base(
         crate::families::sana::tiny_spec(2, 4, 13)?,
         "sana-d2-h64",

@@ -16,7 +16,7 @@ use crate::model::Dims;
 use crate::rng::{derive_seed, SplitMix64};
 
 /// Diffusion steps of DiT's training schedule.
-pub const NUM_TIMESTEPS: usize = 1000;
+pub(crate) const NUM_TIMESTEPS: usize = 1000;
 
 /// ᾱ_t for the linear beta schedule 1e-4 … 0.02 over [`NUM_TIMESTEPS`] steps.
 pub fn alphas_cumprod() -> Vec<f64> {
@@ -113,12 +113,12 @@ impl Batch {
     }
 
     /// Text elements per sample: T·width.
-    pub fn text_len(&self) -> usize {
+    pub(crate) fn text_len(&self) -> usize {
         self.text_tokens * self.text_width
     }
 
     /// The cached text embeddings as (n·T, width) in `dtype` (made in f64, then cast).
-    pub fn text_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub(crate) fn text_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_slice(
             &self.text,
             (self.n * self.text_tokens, self.text_width),
@@ -129,7 +129,7 @@ impl Batch {
 
     /// The cached pooled text embeddings as (n, pooled_width) in `dtype` (made in f64, then
     /// cast).
-    pub fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub(crate) fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_slice(&self.pooled, (self.n, self.pooled_width), dev)?;
         Ok(t.to_dtype(dtype)?)
     }
@@ -294,7 +294,7 @@ impl SyntheticData {
     }
 
     /// Samples `first .. first + n`.
-    pub fn batch_at(&self, first: u64, n: usize) -> Batch {
+    pub(crate) fn batch_at(&self, first: u64, n: usize) -> Batch {
         let mut b = Batch {
             n,
             sample_len: self.sample_len(),
@@ -329,11 +329,11 @@ impl SyntheticData {
 /// Most bytes of latent files `--latents-dir` reads, every file together: 1 GiB. The engine holds
 /// every sample it reads (as f64, twice an f32 file's bytes) beside the step; the cap keeps a
 /// huge file, `/dev/zero` behind a link or a runaway folder from filling memory before the guard.
-pub const MAX_LATENTS_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_LATENTS_BYTES: u64 = 1 << 30;
 
 /// Most dimensions of an `.npy` array read as latents (numpy's own limit is 32; a stack of
 /// latents has 4 or 5).
-pub const MAX_NPY_DIMS: usize = 8;
+pub(crate) const MAX_NPY_DIMS: usize = 8;
 
 /// The latent files of `dir` (`.safetensors` and `.npy`, sorted by name), each checked before
 /// it is opened: a regular file (a link to one is fine), and the total at most
@@ -423,7 +423,7 @@ fn read_checked(path: &Path, len: u64) -> std::result::Result<Vec<u8>, String> {
 /// An `.npy` file (format 1.0–3.0, little-endian f16, f32 or f64, C order) as a tensor. Every
 /// size in the header is checked before it sizes anything: the element count with checked
 /// multiplication, and the data it declares must be exactly the bytes the file holds.
-pub fn parse_npy(bytes: &[u8]) -> std::result::Result<Tensor, String> {
+pub(crate) fn parse_npy(bytes: &[u8]) -> std::result::Result<Tensor, String> {
     const MAGIC: &[u8] = b"\x93NUMPY";
     let rest = bytes
         .strip_prefix(MAGIC)

@@ -33,7 +33,7 @@ impl EngineError {
         }
     }
 
-    pub fn bad_input(what: impl Into<String>, why: impl Into<String>) -> Self {
+    pub(crate) fn bad_input(what: impl Into<String>, why: impl Into<String>) -> Self {
         EngineError::BadInput {
             what: what.into(),
             why: why.into(),

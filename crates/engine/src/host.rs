@@ -18,10 +18,10 @@ use crate::error::{EngineError, Result};
 
 /// Environment variable that makes [`detect`] choose the widening path (`widen`) on a CPU that
 /// has the AVX512-BF16 kernel, for comparisons of the two paths.
-pub const BF16_PRODUCTS_VAR: &str = "DITMEM_BF16_GEMM";
+pub(crate) const BF16_PRODUCTS_VAR: &str = "DITMEM_BF16_GEMM";
 
 /// Whether this CPU can run the engine's AVX512-BF16 kernel: AVX512F and AVX512-BF16.
-pub fn bf16_kernel_supported() -> bool {
+pub(crate) fn bf16_kernel_supported() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
@@ -197,7 +197,7 @@ pub fn bf16_products() -> Bf16Products {
 
 /// Make bf16 products take `p` from now on (a trainer sets its spec's path; [`check`] first, so
 /// the kernel is only chosen where the CPU has it).
-pub fn set_bf16_products(p: Bf16Products) {
+pub(crate) fn set_bf16_products(p: Bf16Products) {
     let v = match p {
         Bf16Products::Kernel => 1,
         Bf16Products::Widen => 2,
@@ -234,7 +234,7 @@ pub struct CacheLevel {
 
 /// The caches of CPU 0 as Linux reports them (empty where sysfs cannot be read): the conditions
 /// line of the benchmarks, since speed depends on them.
-pub fn cache_levels() -> Vec<CacheLevel> {
+pub(crate) fn cache_levels() -> Vec<CacheLevel> {
     let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
     let read = |p: &std::path::Path, f: &str| {
         std::fs::read_to_string(p.join(f))

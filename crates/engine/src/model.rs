@@ -130,18 +130,18 @@ impl Dims {
     }
 
     /// Features of one patch at the input: C·p·p.
-    pub fn patch_in(&self) -> usize {
+    pub(crate) fn patch_in(&self) -> usize {
         self.in_channels * self.patch * self.patch
     }
 
     /// Features of one patch at the output: p·p·C_out.
-    pub fn patch_out(&self) -> usize {
+    pub(crate) fn patch_out(&self) -> usize {
         self.out_channels * self.patch * self.patch
     }
 }
 
 /// The linears of a block, in forward order, with their PyTorch names and LoRA target.
-pub const BLOCK_LINEARS: [(&str, LoraTarget); 5] = [
+pub(crate) const BLOCK_LINEARS: [(&str, LoraTarget); 5] = [
     ("adaLN_modulation.1", LoraTarget::Adaln),
     ("attn.qkv", LoraTarget::Qkv),
     ("attn.proj", LoraTarget::Proj),
@@ -150,7 +150,7 @@ pub const BLOCK_LINEARS: [(&str, LoraTarget); 5] = [
 ];
 
 /// (out, in) of a block linear.
-pub fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
+pub(crate) fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
     let h = d.hidden;
     match target {
         LoraTarget::Adaln => (6 * h, h),
@@ -321,7 +321,7 @@ pub fn trainable_count(spec: &Spec) -> Result<u64> {
 }
 
 /// Initial values of one parameter in f64, deterministic from `seed` and its name.
-pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
+pub(crate) fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
     let n = p.numel() as usize;
     let mut rng = SplitMix64::new(seed_from_str(seed, &p.name));
     Ok(match p.init {
@@ -344,7 +344,7 @@ pub fn init_values(p: &ParamShape, seed: u64) -> Result<Vec<f64>> {
 
 /// The MAE/DiT 2-D sin-cos table, (rows·cols, dim) row-major: for the token at (r, c) the features
 /// are [sin(c·ω), cos(c·ω), sin(r·ω), cos(r·ω)] with ω_k = 10000^(−k/(dim/4)).
-pub fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>> {
+pub(crate) fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>> {
     if !dim.is_multiple_of(4) {
         return Err(EngineError::unsupported(
             format!("model.hidden = {dim}"),
@@ -368,7 +368,12 @@ pub fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>> {
 }
 
 /// The sinusoidal timestep features (b, F): cat[cos(t·f), sin(t·f)], f_k = e^(−ln(10000)·k/(F/2)).
-pub fn timestep_features(t: &[u32], freq: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+pub(crate) fn timestep_features(
+    t: &[u32],
+    freq: usize,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
     let half = freq / 2;
     let mut v = Vec::with_capacity(t.len() * freq);
     for &ti in t {

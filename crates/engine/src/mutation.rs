@@ -57,7 +57,7 @@ pub fn set_logit_gain(gain: f64) {
 
 /// The attention-score gain set by `set_logit_gain` (always 1 without the feature).
 #[inline(always)]
-pub fn logit_gain() -> f64 {
+pub(crate) fn logit_gain() -> f64 {
     #[cfg(feature = "mutations")]
     {
         match LOGIT_GAIN.load(std::sync::atomic::Ordering::Relaxed) {
@@ -98,7 +98,7 @@ pub fn set(m: Option<Mutation>) {
 
 /// Whether `m` is planted (always `false` without the feature).
 #[inline(always)]
-pub fn active(m: Mutation) -> bool {
+pub(crate) fn active(m: Mutation) -> bool {
     #[cfg(feature = "mutations")]
     {
         let v = ACTIVE.load(std::sync::atomic::Ordering::Relaxed);

@@ -486,7 +486,7 @@ impl Ema {
         Ok(())
     }
 
-    pub fn shadow(&self) -> &[Tensor] {
+    pub(crate) fn shadow(&self) -> &[Tensor] {
         &self.shadow
     }
 
@@ -497,7 +497,7 @@ impl Ema {
 
 /// Dynamic loss scaling for fp16-mixed.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LossScaler {
+pub(crate) struct LossScaler {
     pub scale: f64,
     pub growth_interval: u32,
     clean_steps: u32,
@@ -505,7 +505,7 @@ pub struct LossScaler {
 
 impl LossScaler {
     /// Initial scale 2^16.
-    pub const INITIAL: f64 = 65536.0;
+    pub(crate) const INITIAL: f64 = 65536.0;
 
     pub fn new(growth_interval: u32) -> Self {
         LossScaler {
@@ -532,7 +532,7 @@ impl LossScaler {
     }
 
     /// Set the scale (tests inject overflows with a huge one).
-    pub fn set_scale(&mut self, scale: f64) {
+    pub(crate) fn set_scale(&mut self, scale: f64) {
         self.scale = scale;
         self.clean_steps = 0;
     }

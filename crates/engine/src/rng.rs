@@ -21,7 +21,7 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 /// A seed for a sub-stream identified by `tags` (e.g. `[step, microbatch, block, kind]`).
-pub fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
+pub(crate) fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
     let mut h = mix64(seed ^ 0x0005_EED0_FD17_u64);
     for &t in tags {
         h = mix64(
@@ -33,7 +33,7 @@ pub fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
 }
 
 /// A seed derived from a string (parameter names).
-pub fn seed_from_str(seed: u64, s: &str) -> u64 {
+pub(crate) fn seed_from_str(seed: u64, s: &str) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325_u64; // FNV-1a
     for b in s.bytes() {
         h ^= u64::from(b);
@@ -47,7 +47,7 @@ impl SplitMix64 {
         SplitMix64 { state: seed }
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(GOLDEN);
         mix64(self.state)
     }

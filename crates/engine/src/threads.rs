@@ -10,10 +10,10 @@
 //! default, 0.41–0.43 s with 1,000; 0, 200 and 5,000 rounds were no better).
 
 /// Spin rounds of candle's barrier-pool workers before they park.
-pub const BARRIER_SPIN: u32 = 1000;
+pub(crate) const BARRIER_SPIN: u32 = 1000;
 
 /// The environment variable candle 0.11 reads once, when its barrier pool starts.
-pub const BARRIER_SPIN_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+pub(crate) const BARRIER_SPIN_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
 /// Sets the engine's thread settings that the environment leaves unset. Call it first thing in
 /// `main`, before any thread exists (it writes the process environment, which is only sound

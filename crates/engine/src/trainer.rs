@@ -64,13 +64,12 @@ pub fn dtype(d: Dtype) -> Result<DType> {
     })
 }
 
-/// Dtype of the gradient buffers (and of the loss): f64 under fp64, f32 otherwise.
+/// Dtype of the gradient buffers (and of the loss): the budget's rule
+/// (`ditmem_budget::ditmem_cpu::grad_dtype`: f64 under fp64, f32 otherwise), the one
+/// definition both crates read, as a candle dtype. That rule names float dtypes only, so the
+/// conversion cannot fail; f32 stands for an impossible error rather than a panic.
 pub fn grad_dtype(p: Precision) -> DType {
-    if p == Precision::Fp64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
+    dtype(ditmem_budget::ditmem_cpu::grad_dtype(p)).unwrap_or(DType::F32)
 }
 
 /// Options of a trainer that are not part of the spec.
@@ -607,7 +606,7 @@ impl Trainer {
     /// L2 norm of the gradient of the trained parameters, unscaled (what `step` reports and
     /// what a clipping rule would use); non-finite after an overflow. Needs the gradients of the
     /// last `compute_gradients` (or `step` with `keep_gradients`).
-    pub fn gradient_norm(&self) -> Result<f64> {
+    pub(crate) fn gradient_norm(&self) -> Result<f64> {
         let mut sq = 0.0f64;
         for &i in &self.trained {
             if let Some(g) = &self.grads[i] {

@@ -11,19 +11,19 @@ use crate::error::SpecError;
 
 /// Largest count of blocks in one stack (the published models have at most 60): half the spec's
 /// depth cap, so the two stacks of a Flux model stay within it together.
-pub const MAX_LAYERS: u64 = crate::spec::MAX_DEPTH as u64 / 2;
+pub(crate) const MAX_LAYERS: u64 = crate::spec::MAX_DEPTH as u64 / 2;
 /// Largest hidden size, head count × head size (SD3.5-large: 2432; Wan 14B: 5120): the spec's.
 pub const MAX_HIDDEN: u64 = crate::spec::MAX_HIDDEN as u64;
 /// Largest head count, head size, channel count or embedding width.
-pub const MAX_DIM: u64 = 65_536;
+pub(crate) const MAX_DIM: u64 = 65_536;
 /// Largest patch size along one axis.
 pub const MAX_PATCH: u64 = 64;
 /// Largest latent side (`sample_size`) or position-table side (`pos_embed_max_size`).
 pub const MAX_SIDE: u64 = 4_096;
 /// Largest FFN width (Wan 14B: 13,824).
-pub const MAX_FFN: u64 = 1 << 20;
+pub(crate) const MAX_FFN: u64 = 1 << 20;
 /// Largest row count of a table (label classes, RoPE positions).
-pub const MAX_ROWS: u64 = 1 << 20;
+pub(crate) const MAX_ROWS: u64 = 1 << 20;
 
 /// A value for a message: short, with strings quoted.
 pub(crate) fn shown(v: Option<&Value>) -> String {

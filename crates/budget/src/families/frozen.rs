@@ -136,7 +136,7 @@ pub struct VaeEncoder {
 impl VaeEncoder {
     /// Bytes of one encode of `batch` images (× `frames`) of `pixels` each, in `elem`-byte
     /// activations.
-    pub fn encode_bytes(&self, batch: u64, frames: u64, pixels: u64, elem: u64) -> u64 {
+    pub(crate) fn encode_bytes(&self, batch: u64, frames: u64, pixels: u64, elem: u64) -> u64 {
         let frames = if self.chunked_frames { 1 } else { frames };
         batch * frames * pixels * self.peak_elems_per_pixel * elem
     }
@@ -151,20 +151,20 @@ const T5_XXL: EncoderArch = EncoderArch::T5 {
 /// `T5EncoderModel` of google/t5-v1_1-xxl (PixArt, SD3, Flux).
 pub const T5_XXL_PARAMS: u64 = 4_762_310_656;
 /// `UMT5EncoderModel` of google/umt5-xxl (Wan 2.1).
-pub const UMT5_XXL_PARAMS: u64 = 5_680_910_336;
+pub(crate) const UMT5_XXL_PARAMS: u64 = 5_680_910_336;
 /// `CLIPTextModel` of openai/clip-vit-large-patch14 (Flux's pooled CLIP-L).
 pub const CLIP_L_PARAMS: u64 = 123_060_480;
 /// `CLIPTextModelWithProjection` of CLIP-L (SD3's `text_encoder`).
-pub const CLIP_L_PROJ_PARAMS: u64 = 123_650_304;
+pub(crate) const CLIP_L_PROJ_PARAMS: u64 = 123_650_304;
 /// `CLIPTextModelWithProjection` of OpenCLIP ViT-bigG/14 (SD3's `text_encoder_2`).
-pub const CLIP_G_PROJ_PARAMS: u64 = 694_659_840;
+pub(crate) const CLIP_G_PROJ_PARAMS: u64 = 694_659_840;
 /// CLIP-L's token and position embeddings: (49,408 + 77) × 768.
 const CLIP_L_EMBED_PARAMS: u64 = 38_004_480;
 /// `Gemma2Model` of google/gemma-2-2b-it (Sana).
-pub const GEMMA2_2B_PARAMS: u64 = 2_614_341_888;
+pub(crate) const GEMMA2_2B_PARAMS: u64 = 2_614_341_888;
 
 /// The SD VAE encoder (f8c4, with `quant_conv`): DiT, PixArt.
-pub const SD_VAE_ENCODER_PARAMS: u64 = 34_163_664;
+pub(crate) const SD_VAE_ENCODER_PARAMS: u64 = 34_163_664;
 /// The SD3 / Flux VAE encoder (f8c16, no `quant_conv`).
 pub const VAE16_ENCODER_PARAMS: u64 = 34_274_208;
 /// Sana's DC-AE f32c32 encoder.
@@ -292,11 +292,11 @@ pub fn vae_encoder(m: &FamilyModel) -> VaeEncoder {
 /// The SD VAE encoder and the 16-channel SD3/Flux one (same blocks): 128² → 256², fp32:
 /// 42,532,864 → 168,361,984 B, 640 elements per pixel — five 128-channel tensors at full
 /// resolution (conv_in's output and a ResnetBlock2D's norm, SiLU and conv outputs).
-pub const SD_VAE_PEAK_ELEMS_PER_PIXEL: u64 = 640;
+pub(crate) const SD_VAE_PEAK_ELEMS_PER_PIXEL: u64 = 640;
 /// DC-AE f32c32: its first stage is the same 128-channel ResBlock at full resolution; measured
 /// 642 elements per pixel at 256² in fp32 (the 128² figure carries a 38 MB weight reorder of
 /// oneDNN's CPU convolution, absent on CUDA).
-pub const DCAE_PEAK_ELEMS_PER_PIXEL: u64 = 640;
+pub(crate) const DCAE_PEAK_ELEMS_PER_PIXEL: u64 = 640;
 /// Wan-VAE, per pixel of one frame for a whole clip of ≥ 9 frames (the peak is the same at 9 and
 /// 17 frames: 78,382,080 and 78,398,464 B at 64²): 64² → 128², 9 frames, fp32:
 /// 78,382,080 → 259,061,760 B, 3,676 elements per pixel.

@@ -155,7 +155,10 @@ impl FamilyModel {
     }
 
     /// The original DiT of a `ModelSpec` at a square image side (pixels, VAE factor 8).
-    pub fn original_dit(model: ModelSpec, image_size: u32) -> Result<FamilyModel, SpecError> {
+    pub(crate) fn original_dit(
+        model: ModelSpec,
+        image_size: u32,
+    ) -> Result<FamilyModel, SpecError> {
         let p = model.patch.max(1);
         if image_size == 0 || !image_size.is_multiple_of(8 * p) {
             return Err(SpecError::invalid(

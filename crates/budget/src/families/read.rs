@@ -13,7 +13,7 @@ use crate::error::SpecError;
 pub const MAX_CONFIG_JSON_BYTES: usize = 1 << 20;
 
 /// The classes `_class_name` may name.
-pub const CLASSES: &str =
+pub(crate) const CLASSES: &str =
     "DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel, \
 FluxTransformer2DModel, SanaTransformer2DModel, WanTransformer3DModel, Transformer2DModel \
 (norm_type ada_norm_zero or ada_norm_single)";

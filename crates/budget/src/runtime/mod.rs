@@ -28,7 +28,7 @@ pub use shape::Shape;
 use crate::spec::{Runtime, Spec};
 
 /// The rules for a spec's runtime.
-pub fn model_for(spec: &Spec) -> &'static dyn RuntimeModel {
+pub(crate) fn model_for(spec: &Spec) -> &'static dyn RuntimeModel {
     match spec.runtime {
         Runtime::DitmemCpu => &ditmem_cpu::DitmemCpu,
         Runtime::Pytorch { device, sdpa } => pytorch::device::PyTorch::instance(device, sdpa),

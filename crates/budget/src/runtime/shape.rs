@@ -120,7 +120,7 @@ impl Shape {
     }
 
     /// The LoRA rank of a target, when LoRA adapts it.
-    pub fn lora_for(&self, t: LoraTarget) -> Option<u64> {
+    pub(crate) fn lora_for(&self, t: LoraTarget) -> Option<u64> {
         self.lora
             .as_ref()
             .filter(|(_, ts)| ts.contains(&t))

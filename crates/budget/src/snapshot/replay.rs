@@ -237,7 +237,7 @@ impl Layout {
 }
 
 /// The device a replay should look at: the one with the most trace events (then the lowest).
-pub fn busiest_device(s: &Snapshot) -> u32 {
+pub(crate) fn busiest_device(s: &Snapshot) -> u32 {
     let mut best = (0usize, 0u32);
     for (d, t) in s.device_traces.iter().enumerate() {
         if t.len() > best.0 {

@@ -44,7 +44,7 @@ impl LoraPlan {
 }
 
 /// PEFT's names of the LoRA factors of the linear `module`: A (r × in), B (out × r).
-pub fn lora_names(module: &str) -> [String; 2] {
+pub(crate) fn lora_names(module: &str) -> [String; 2] {
     [
         format!("{module}.lora_A.default.weight"),
         format!("{module}.lora_B.default.weight"),
@@ -53,7 +53,7 @@ pub fn lora_names(module: &str) -> [String; 2] {
 
 /// The indices of `module`'s adapters (A, B) when the model has them; `index` finds a tensor by
 /// name.
-pub fn factor_indices(
+pub(crate) fn factor_indices(
     index: &dyn Fn(&str) -> Option<usize>,
     module: &str,
 ) -> Option<(usize, usize)> {

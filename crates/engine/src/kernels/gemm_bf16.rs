@@ -26,12 +26,9 @@ use rayon::prelude::*;
 
 use super::shared_ptr::SharedMut;
 
-/// Rows of the micro-kernel tile.
-pub const MR: usize = 6;
-/// Columns of the micro-kernel tile (4 × 16 f32 lanes).
-pub const NR: usize = 64;
-/// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).
-pub const KC_PAIRS: usize = 64;
+// The tile and the packing source live in `bf16_layout`, which the AVX-512 packing
+// (`pack_bf16_avx512`) uses too: this file uses that one, and no file uses this one back.
+pub use super::bf16_layout::{Src, KC_PAIRS, MR, NR};
 
 /// Whether this CPU can run the kernel (AVX512F and AVX512-BF16).
 pub fn supported() -> bool {
@@ -40,7 +37,7 @@ pub fn supported() -> bool {
 
 /// Whether bf16 products run on this kernel now (the path of the spec in force, see
 /// [`crate::host::bf16_products`]); never where the CPU lacks it.
-pub fn in_use() -> bool {
+pub(crate) fn in_use() -> bool {
     crate::host::bf16_products() == ditmem_budget::Bf16Products::Kernel
 }
 
@@ -51,27 +48,6 @@ pub trait ToBf16: Copy + Sync {
     /// The slice as a packing source of its own type (the vectorised packing reads bf16
     /// as it is and rounds f32 by 16 lanes).
     fn src(s: &[Self]) -> Src<'_>;
-}
-
-/// A packing source: bf16 values moved as they are, or f32 values rounded to nearest even.
-#[derive(Clone, Copy)]
-pub enum Src<'a> {
-    Bf16(&'a [bf16]),
-    F32(&'a [f32]),
-}
-
-impl Src<'_> {
-    /// Values in the source (the bound the vectorised packing checks its reads against).
-    pub fn len(&self) -> usize {
-        match self {
-            Src::Bf16(s) => s.len(),
-            Src::F32(s) => s.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl ToBf16 for bf16 {
@@ -134,7 +110,7 @@ pub fn pack_a<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
 }
 
 /// [`pack_a`] on the calling thread.
-pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
+pub(crate) fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u32]) {
     let kp = k.div_ceil(2);
     for (p, panel) in dst[..packed_a_len(m, k)].chunks_mut(kp * MR).enumerate() {
         pack_a_one(m, k, a, p, panel);
@@ -142,7 +118,7 @@ pub fn pack_a_serial<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, dst: &mut [u
 }
 
 /// [`pack_b`] on the calling thread.
-pub fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
+pub(crate) fn pack_b_serial<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, dst: &mut [u16]) {
     let kp = k.div_ceil(2);
     for (p, panel) in dst[..packed_b_len(k, n)]
         .chunks_mut(kp * NR * 2)
@@ -428,7 +404,7 @@ pub fn gemm_packed(
 
 /// [`gemm_packed`] on the calling thread (for callers that already parallelise, such as the
 /// attention's loop over heads).
-pub fn gemm_packed_serial(
+pub(crate) fn gemm_packed_serial(
     m: usize,
     n: usize,
     k: usize,

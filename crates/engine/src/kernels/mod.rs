@@ -10,7 +10,10 @@
 //! - [`vecmath`]: vectorised f32 elementwise maps and row kernels (GELU, softmax, bf16 rounding).
 //! - `scalar`: the accumulation scalar and storage element traits the kernels are generic over.
 //! - `shared_ptr`: the raw pointer parallel tasks write disjoint elements through.
+//! - `bf16_layout`: the bf16 tile (`MR`, `NR`, `KC_PAIRS`) and packing source (`Src`) that
+//!   `gemm_bf16` and `pack_bf16_avx512` both use.
 
+mod bf16_layout;
 pub mod gemm;
 pub mod gemm_bf16;
 mod pack_bf16_avx512;

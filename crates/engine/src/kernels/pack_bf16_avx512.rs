@@ -26,7 +26,7 @@ use std::arch::x86_64::{
     _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
 };
 
-use super::gemm_bf16::{Src, MR};
+use super::bf16_layout::{Src, MR};
 
 /// The vector reads of a packing source.
 impl Src<'_> {

@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 /// Elements widened to f32 at a time (a stack buffer; 1 KiB).
-pub const LANE_BLOCK: usize = 256;
+pub(crate) const LANE_BLOCK: usize = 256;
 
 /// Elements per rayon work item.
 const PAR_ITEM: usize = 1 << 14;
@@ -57,7 +57,7 @@ pub fn exp(x: f32) -> f32 {
 
 /// f32 → bf16 bits, round to nearest even, NaN kept quiet (as `half::bf16::from_f32`).
 #[inline(always)]
-pub fn bf16_bits(f: f32) -> u16 {
+pub(crate) fn bf16_bits(f: f32) -> u16 {
     let u = f.to_bits();
     let rounded = u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16;
     let nan = (u & 0x7FFF_FFFF) > 0x7F80_0000;
@@ -65,7 +65,7 @@ pub fn bf16_bits(f: f32) -> u16 {
 }
 
 /// A storage element the maps widen to f32 and narrow back.
-pub trait Lanes: Copy + Send + Sync + 'static {
+pub(crate) trait Lanes: Copy + Send + Sync + 'static {
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [MaybeUninit<Self>]);
 }
@@ -126,7 +126,7 @@ enum Isa {
 /// without `x86-v4` (`--no-default-features`) and `DITMEM_BF16_GEMM=widen` it makes an AVX-512
 /// machine run the engine as an AVX2-only CPU would (issue 20's sweep on AVX2 kernels), and lets
 /// the tests reach the AVX2 and scalar bodies there. Other values leave the detected level.
-pub const VECTOR_ISA_VAR: &str = "DITMEM_VECTOR_ISA";
+pub(crate) const VECTOR_ISA_VAR: &str = "DITMEM_VECTOR_ISA";
 
 fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
@@ -334,7 +334,7 @@ fn dispatch_in_place<T: Lanes, F: Fn(f32, f32) -> f32>(x: &mut [T], y: Option<&[
 /// `x[i] = f(x[i], y[i])` in place for every i (y absent: `f(x[i], 0)`), computed in f32, in
 /// parallel, in the build for this CPU: the bits of [`map1`] / [`map2`] without a fresh buffer.
 /// Where y is given it must have x's length (checked: `None` otherwise, x untouched).
-pub fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(
+pub(crate) fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(
     x: &mut [T],
     y: Option<&[T]>,
     f: F,
@@ -356,7 +356,7 @@ pub fn map_in_place<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(
 }
 
 /// A fresh buffer with f applied to every element of x, computed in f32, in parallel.
-pub fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
+pub(crate) fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
     let mut out: Vec<T> = Vec::with_capacity(x.len());
     out.spare_capacity_mut()[..x.len()]
         .par_chunks_mut(PAR_ITEM)
@@ -370,7 +370,11 @@ pub fn map1<T: Lanes, F: Fn(f32) -> f32 + Sync>(x: &[T], f: F) -> Vec<T> {
 
 /// A fresh buffer with `f(x[i], y[i])` for every i, computed in f32, in parallel.
 /// `x` and `y` must have the same length (checked).
-pub fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(x: &[T], y: &[T], f: F) -> Option<Vec<T>> {
+pub(crate) fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(
+    x: &[T],
+    y: &[T],
+    f: F,
+) -> Option<Vec<T>> {
     if x.len() != y.len() {
         return None;
     }
@@ -386,7 +390,7 @@ pub fn map2<T: Lanes, F: Fn(f32, f32) -> f32 + Sync>(x: &[T], y: &[T], f: F) -> 
 }
 
 /// Rounds `src` into `dst` (same length) element by element, in parallel.
-pub fn narrow_into<T: Lanes>(src: &[f32], dst: &mut [T]) {
+pub(crate) fn narrow_into<T: Lanes>(src: &[f32], dst: &mut [T]) {
     // SAFETY: `MaybeUninit<T>` has T's size and alignment, so the exclusive borrow of `dst` is
     // a valid `[MaybeUninit<T>]` of the same length for the same lifetime; the narrowing writes
     // only initialised values (T is `Copy`, so nothing is dropped), which keeps `dst` valid.
@@ -397,7 +401,7 @@ pub fn narrow_into<T: Lanes>(src: &[f32], dst: &mut [T]) {
 
 /// [`narrow_into`] into not yet initialised elements (a vector's spare capacity), so a buffer
 /// the narrowing fills whole needs no zeroing first.
-pub fn narrow_into_uninit<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+pub(crate) fn narrow_into_uninit<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     assert_eq!(src.len(), dst.len(), "narrow_into: lengths differ");
     dst.par_chunks_mut(PAR_ITEM)
         .zip(src.par_chunks(PAR_ITEM))
@@ -407,7 +411,7 @@ pub fn narrow_into_uninit<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
 /// Rounds the first `cols` columns of each row of `src` (row stride `lds`) into the first `cols`
 /// of each row of `dst` (row stride `ldd`), rows in parallel: a column block of a wider matrix
 /// (the bf16 linear's dx by panels of W). `dst` may be not yet initialised.
-pub fn narrow_block_into_uninit<T: Lanes>(
+pub(crate) fn narrow_block_into_uninit<T: Lanes>(
     src: &[f32],
     lds: usize,
     dst: &mut [MaybeUninit<T>],
@@ -425,7 +429,7 @@ pub fn narrow_block_into_uninit<T: Lanes>(
 
 /// [`narrow_into_uninit`] on the calling thread (for callers that already run in parallel, such
 /// as the attention's loop over heads).
-pub fn narrow_serial<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+pub(crate) fn narrow_serial<T: Lanes>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     assert_eq!(src.len(), dst.len(), "narrow_serial: lengths differ");
     dispatch_narrow(src, dst)
 }
@@ -546,7 +550,7 @@ unsafe fn softmax_grad_avx512(p: &[f32], dp: &mut [f32], n: usize) {
 
 /// The softmax's backward on rows of `n`, on the calling thread: with P and dP of the same
 /// rows, dP becomes dS = P∘(dP − Σ_j P·dP) row by row (the row sums accumulated per lane).
-pub fn softmax_grad_rows(p: &[f32], dp: &mut [f32], n: usize) {
+pub(crate) fn softmax_grad_rows(p: &[f32], dp: &mut [f32], n: usize) {
     assert_eq!(p.len(), dp.len(), "softmax_grad_rows: lengths differ");
     if n == 0 {
         return;
@@ -591,7 +595,7 @@ unsafe fn exp_sub_sum_avx512(row: &mut [f32], m: f32) -> f32 {
 }
 
 /// Softmax of each row of `n` values of `x`, in place, on the calling thread.
-pub fn softmax_rows(x: &mut [f32], n: usize) {
+pub(crate) fn softmax_rows(x: &mut [f32], n: usize) {
     if n == 0 {
         return;
     }
@@ -616,7 +620,7 @@ pub fn softmax_rows(x: &mut [f32], n: usize) {
 }
 
 /// Row i of `x` (rows of `n`) becomes `e^(x − sub[i])`, in place, on the calling thread.
-pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
+pub(crate) fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
     if n == 0 {
         return;
     }
@@ -630,7 +634,7 @@ pub fn exp_rows(x: &mut [f32], n: usize, sub: &[f32]) {
 }
 
 /// The row's maximum (NEG_INFINITY when empty).
-pub fn max_of(row: &[f32]) -> f32 {
+pub(crate) fn max_of(row: &[f32]) -> f32 {
     match isa() {
         // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
         // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.
@@ -641,7 +645,7 @@ pub fn max_of(row: &[f32]) -> f32 {
 }
 
 /// `row[j] = e^(row[j] − m)` in place; returns their sum.
-pub fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
+pub(crate) fn exp_sub_sum_of(row: &mut [f32], m: f32) -> f32 {
     match isa() {
         // SAFETY: `isa` returned Avx512 only after detecting every feature this build enables
         // (avx512f, avx512bw, avx512vl, avx2, fma); the function has no other precondition.

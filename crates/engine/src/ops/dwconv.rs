@@ -25,18 +25,18 @@ use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// Accumulation-type elements of the forward workspace for C channels.
-pub fn dwconv_fwd_scratch(c: usize) -> usize {
+pub(crate) fn dwconv_fwd_scratch(c: usize) -> usize {
     10 * c
 }
 
 /// Accumulation-type elements of the backward workspace for C channels.
-pub fn dwconv_bwd_scratch(c: usize) -> usize {
+pub(crate) fn dwconv_bwd_scratch(c: usize) -> usize {
     19 * c
 }
 
 /// The op (see the module docs): the token grid of each batch entry.
 #[derive(Debug, Clone, Copy)]
-pub struct SiluDwConv {
+pub(crate) struct SiluDwConv {
     rows: usize,
     cols: usize,
 }

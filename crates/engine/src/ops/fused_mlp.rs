@@ -25,7 +25,7 @@
 //! small-size branch) blocks that chunk's depth by 512 where the whole product blocks it evenly,
 //! so those rows' dh differ in rounding; no model this tool builds has ffn ≤ 64.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
@@ -34,9 +34,10 @@ use super::fused_mlp_dx::{dx_over_du_chunks, fc1_backward_over, DX_FIRST_ROWS};
 use super::fused_mlp_widen::{fc2_gelu_bwd_widen, fc2_gelu_widen_workspace};
 use super::gelu::{gelu_fwd_storage, gelu_in_place, GeluSlice};
 use super::linear::{
-    add_column_sums, dw_blocks, linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch,
-    linear_fwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads, DW_ROWS,
+    add_column_sums, dw_blocks, linear_bwd_scratch, linear_fwd_scratch, linear_fwd_storage,
+    LinearGrads, DW_ROWS,
 };
+pub use super::mlp_linear::{mlp_col_blocks, MlpLinear, MLP_COLS};
 use super::release::release_whole;
 use super::storage::{cpu_slice, err, with_cpu, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
@@ -53,31 +54,6 @@ use rayon::prelude::*;
 enum Kept {
     Nothing,
     U(CpuStorage),
-}
-
-/// One linear of the fused MLP: its weight and bias (detached when a sink takes their
-/// gradients) and the sink.
-#[derive(Debug, Clone)]
-pub struct MlpLinear {
-    pub w: Tensor,
-    pub b: Tensor,
-    pub sink: Option<Arc<GradSink>>,
-}
-
-impl MlpLinear {
-    /// Which gradients of this linear the backward hands over (to the sink; none without one).
-    pub(crate) fn wants(&self) -> (bool, bool) {
-        self.sink.as_ref().map_or((false, false), |s| s.wants())
-    }
-
-    /// A backward's dW and db (bare storages of W's and b's sizes) into the sink, if any.
-    pub(crate) fn sink_grads(&self, dw: Option<CpuStorage>, db: Option<CpuStorage>) -> CResult<()> {
-        let (dw, db) = weight_grads((dw, db), self.w.dims2()?)?;
-        if let Some(s) = &self.sink {
-            s.put_both(dw, db)?;
-        }
-        Ok(())
-    }
 }
 
 /// The fused feed-forward (see the module docs).
@@ -204,11 +180,6 @@ pub(crate) fn widen_phase(
     }
 }
 
-/// The kept storage's contiguous layout.
-fn wide(rows: usize, ffn: usize) -> Layout {
-    Layout::contiguous((rows, ffn))
-}
-
 impl FusedMlp {
     /// u = fc1(x).
     fn fc1_fwd(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
@@ -289,32 +260,6 @@ impl FusedMlp {
         }
         Ok(u)
     }
-}
-
-/// Target width of the blocks of u's columns (the hidden width) the f32/f64 backward of fc2
-/// and the GELU handles at a time ([`mlp_col_blocks`]; the widest is 129, at ffn 129): its one
-/// chunk buffer holds [`DW_ROWS`] rows of a block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
-/// tiny spec, 256 rows × ffn 256: 128 KiB instead of 256 KiB; DiT-S/2 at 512 rows, ffn 1,536:
-/// 128 KiB instead of 1.5 MiB). Budget twin: `ditmem_budget::ditmem_cpu::ops::MLP_COLS`.
-pub const MLP_COLS: usize = 128;
-
-/// The (first column, columns) blocks of a hidden width `ffn`: ⌈ffn / [`MLP_COLS`]⌉ blocks whose
-/// widths differ by at most one, but never so many that a block is 64 columns or narrower
-/// (ffn 129 stays one block of 129 rather than 64 + 65): `gemm` then never takes its
-/// small-size branch (m, n ≤ 64, gemm-common 0.19 `gemm.rs`) where the whole product does not
-/// (it blocks a depth beyond 512 differently), so each element of dh and dW2 has the
-/// composition's sum, bit for bit. A hidden width of 64 or less is one block, as the
-/// composition's own product.
-pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
-    col_blocks_under(ffn, MLP_COLS)
-}
-
-/// ⌈ffn / cap⌉ blocks of `ffn` columns whose widths differ by at most one, never 64 columns or
-/// fewer unless ffn itself is (see [`mlp_col_blocks`]); shared with the widened path's
-/// `fused_mlp_widen::widen_col_blocks`.
-pub(crate) fn col_blocks_under(ffn: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = ffn.div_ceil(cap.max(1)).min(ffn / 65).max(1);
-    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }
 
 /// The slices of [`FusedMlp::fc2_gelu_bwd_chunked`] and of the side MLP's f32/f64 backward
@@ -476,52 +421,6 @@ pub(super) fn fc2_gelu_bwd_storage(
     }
 }
 
-/// fc1's backward on du (rows × ffn): dx = du·W1, dW1 = duᵀ·x and db1 = Σ du, the weight
-/// gradients to fc1's sink; returns dx when x tracks. Shared by both fused MLPs and the fused
-/// Mix-FFN (its `conv_inverted` on df1).
-pub(super) fn fc1_backward(
-    fc1: &MlpLinear,
-    x: &Tensor,
-    du: &CpuStorage,
-    dims: (usize, usize),
-) -> CResult<Option<Tensor>> {
-    fc1_grads(fc1, x, du, dims, x.track_op())?
-        .map(|v| storage_tensor(v, x.shape()))
-        .transpose()
-}
-
-/// dW1 = duᵀ·x and db1 = Σ du (as fc1's sink wants them) into the sink, and dx = du·W1 as a
-/// bare storage when `dx` ([`fc1_backward`]; without dx for [`fc1_backward_over`], which
-/// writes dx over du itself).
-pub(super) fn fc1_grads(
-    fc1: &MlpLinear,
-    x: &Tensor,
-    du: &CpuStorage,
-    (rows, ffn): (usize, usize),
-    dx: bool,
-) -> CResult<Option<CpuStorage>> {
-    let (w1, b1) = fc1.wants();
-    let want = LinearGrads {
-        x: dx,
-        w: w1,
-        b: b1,
-    };
-    let (b1dt, b1l) = (fc1.b.dtype(), fc1.b.layout());
-    let (dx, dw, db) = with_cpu(x, |sx, lx| {
-        with_cpu(&fc1.w, |sw, lw| {
-            linear_bwd_storage(
-                (sx, lx),
-                (sw, lw),
-                (b1dt, b1l),
-                (du, &wide(rows, ffn)),
-                want,
-            )
-        })
-    })?;
-    fc1.sink_grads(dw, db)?;
-    Ok(dx)
-}
-
 impl CustomOp1 for FusedMlp {
     fn name(&self) -> &'static str {
         "fused-mlp"
@@ -585,9 +484,11 @@ impl CustomOp1 for FusedMlp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::linear::GradSink;
     use crate::ops::test_values::{bits, t};
     use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
+    use std::sync::Arc;
 
     /// (y, dx, [dW1, db1, dW2, db2]) of x (rows, inp) through (ffn, out) with gradient r of y,
     /// fused or composed of the sunk linears and the GELU.

@@ -25,7 +25,7 @@ use crate::kernels::vecmath;
 /// chunk and its bf16 narrowing; for dW2 a bf16 h chunk, the f32 dW2 (none for an f32 master
 /// weight, `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed h chunk; for
 /// db2 an f32 db2 (likewise). All allocated before the first product.
-pub fn fc2_gelu_bwd_bf16_scratch(
+pub(crate) fn fc2_gelu_bwd_bf16_scratch(
     (rows, ffn, out): (usize, usize, usize),
     (w2, b2): (bool, bool),
     master: bool,

@@ -18,8 +18,8 @@
 use candle_core::{CpuStorage, Tensor};
 use ditmem_budget::ditmem_cpu::ops;
 
-use super::fused_mlp::{fc1_backward, fc1_grads, MlpLinear};
 use super::linear::storage_tensor;
+use super::mlp_linear::{fc1_backward, fc1_grads, MlpLinear};
 use super::storage::{cpu_slice, err, with_cpu, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
 use crate::kernels::scalar::Acc;

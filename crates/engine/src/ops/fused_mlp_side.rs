@@ -24,14 +24,13 @@ use std::sync::Mutex;
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::fused_mlp::{
-    fc1_backward, fc2_gelu_bwd_storage, mlp_col_blocks, widen_phase, MlpLinear,
-};
+use super::fused_mlp::{fc2_gelu_bwd_storage, widen_phase};
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
 use super::linear::{
     linear_bwd_scratch, linear_bwd_storage, linear_dx_storage, linear_fwd_scratch,
     linear_fwd_storage, storage_tensor, LinearGrads, DW_ROWS,
 };
+use super::mlp_linear::{fc1_backward, mlp_col_blocks, MlpLinear};
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 use crate::kernels::gemm_bf16;

@@ -19,12 +19,12 @@
 
 use rayon::prelude::*;
 
-use super::fused_mlp::{col_blocks_under, MLP_COLS};
 use super::gelu::GeluSlice;
 use super::linear::{
     add_column_sums, from_colmajor, to_colmajor, widen_into, widened_transpose, GradFromF32,
     LINEAR_ROWS,
 };
+use super::mlp_linear::{col_blocks_under, MLP_COLS};
 use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::Elem;
 

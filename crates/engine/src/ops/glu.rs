@@ -15,7 +15,7 @@ use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct GluSilu;
+pub(crate) struct GluSilu;
 
 /// `u[:, :H] · SiLU(u[:, H:])` of u (rows, 2H) → (rows, H) in u's dtype.
 pub fn glu_silu(u: &Tensor) -> CResult<Tensor> {

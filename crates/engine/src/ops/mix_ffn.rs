@@ -30,9 +30,9 @@ use candle_core::{
 use super::dwconv::{
     dw_dx_over, dw_geom, dwconv_bwd_workspace, dwconv_weight_grads, silu_dwconv_fwd, Grid,
 };
-use super::fused_mlp::{fc1_backward, MlpLinear};
 use super::glu::{glu_bwd_over, glu_fwd};
 use super::linear::{linear_bwd_storage, linear_dx_storage, linear_fwd_storage, LinearGrads};
+use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 

@@ -75,6 +75,7 @@ pub mod linear_attention;
 pub mod ln_modulate;
 pub mod lora_linear;
 pub mod mix_ffn;
+mod mlp_linear;
 pub mod mse_loss;
 pub mod norm_rope;
 pub mod release;

@@ -58,7 +58,7 @@ macro_rules! on_slice {
 
 /// Per-sample concatenation (see the module docs).
 #[derive(Debug, Clone)]
-pub struct Concat {
+pub(crate) struct Concat {
     batch: usize,
     shape: Shape,
 }
@@ -248,7 +248,7 @@ pub fn split_tokens(x: &Tensor, batch: usize, start: usize, len: usize) -> CResu
 
 /// Per-sample slice (see the module docs).
 #[derive(Debug, Clone)]
-pub struct Slice {
+pub(crate) struct Slice {
     batch: usize,
     range: (usize, usize),
     shape: Shape,

@@ -16,11 +16,11 @@ const SOFTMAX_ATTENTION: u64 = 5;
 const MLP: u64 = 1;
 
 /// The patch embedding before the blocks and the final layer after them.
-pub const OUTSIDE_BLOCKS: u64 = 2;
+pub(crate) const OUTSIDE_BLOCKS: u64 = 2;
 
 /// Rounding stages chained by the blocks of `arch` (`depth` blocks for the families with one
 /// kind of block), summed over the blocks.
-pub fn block_stages(arch: &Arch, depth: u64) -> u64 {
+pub(crate) fn block_stages(arch: &Arch, depth: u64) -> u64 {
     match arch {
         // qkv, q·kᵀ, softmax, P·v, proj; the MLP: 6 (the calibration's count).
         Arch::Dit => depth * (SOFTMAX_ATTENTION + MLP),

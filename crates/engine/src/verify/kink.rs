@@ -43,7 +43,7 @@ use ditmem_budget::Dtype;
 use super::cancellation::{head_at, Head};
 
 /// The compute dtypes the term is measured for, in the order of [`KinkSums`]' arrays.
-pub const KINK_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+pub(crate) const KINK_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
 
 /// Σ E dφ² over the components ReLU passes, Σ P_flip·E dφ² over all and λ = Σ P_flip (the
 /// expected number of flipped components) of one projection's components, per dtype of
@@ -57,7 +57,7 @@ pub(super) struct SideSums {
 
 /// Below this expected number of flipped components (e^−λ ≥ 0.99: no flip in 99 % of runs) the
 /// term is 0 (see the module docs).
-pub const RARE_FLIPS: f64 = 0.01;
+pub(crate) const RARE_FLIPS: f64 = 0.01;
 
 impl SideSums {
     /// The expected relative error of the gradient per dtype (0 where nothing passes ReLU or
@@ -87,8 +87,9 @@ impl SideSums {
             self.all += w;
         }
         for (i, d) in KINK_DTYPES.iter().enumerate() {
-            let delta =
-                super::unit_roundoff(*d) * (roundings / MEAN_SQUARE_DIVISOR).sqrt() * spread;
+            let delta = super::roundoff::unit_roundoff(*d)
+                * (roundings / MEAN_SQUARE_DIVISOR).sqrt()
+                * spread;
             if delta > 0.0 {
                 let p = normal_tail(x.abs() / delta);
                 self.flip[i] += p * w;

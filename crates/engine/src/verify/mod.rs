@@ -35,12 +35,14 @@ mod error;
 mod key_bias;
 mod kink;
 mod probe;
+mod roundoff;
 mod softmax;
 mod store;
 mod terms;
 
 use error::{bad, reference_error};
 pub use error::{Result, VerifyError};
+pub use roundoff::unit_roundoff;
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -75,11 +77,11 @@ pub struct Variant {
 }
 
 /// Recompute policies of the default variant set.
-pub const DEFAULT_RECOMPUTE: [Recompute; 3] =
+pub(crate) const DEFAULT_RECOMPUTE: [Recompute; 3] =
     [Recompute::None, Recompute::All, Recompute::AttentionOnly];
 
 /// Attention modes of the default variant set.
-pub const DEFAULT_ATTENTION: [AttentionMode; 2] =
+pub(crate) const DEFAULT_ATTENTION: [AttentionMode; 2] =
     [AttentionMode::Materialized, AttentionMode::MemoryEfficient];
 
 impl Variant {
@@ -251,18 +253,6 @@ impl Fault {
 
 // ---------------------------------------------------------------------------------------------
 // Tolerances.
-
-/// Unit roundoff u = 2^−t of a float dtype with t significand bits (the implicit bit counted):
-/// f64 2⁻⁵³, f32 2⁻²⁴, bf16 2⁻⁸, f16 2⁻¹¹. `u8` is not a float: 1.
-pub fn unit_roundoff(d: Dtype) -> f64 {
-    match d {
-        Dtype::F64 => 2f64.powi(-53),
-        Dtype::F32 => 2f64.powi(-24),
-        Dtype::Bf16 => 2f64.powi(-8),
-        Dtype::F16 => 2f64.powi(-11),
-        Dtype::U8 => 1.0,
-    }
-}
 
 /// The error-growth factors of a spec's step, from its shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -436,7 +426,7 @@ pub const WARN_FACTOR: f64 = 2.0;
 /// fp64 memory-efficient twin, a perturbation at the f64 roundoff, grows 7× beyond linear over
 /// 50 steps); beyond it, the error per step grows — a step goes wrong that the first one did not
 /// show.
-pub const DRIFT_GROWTH_FACTOR: f64 = 10.0;
+pub(crate) const DRIFT_GROWTH_FACTOR: f64 = 10.0;
 
 /// The tolerance of `precision` for a spec with growth `g`.
 pub fn tolerance(precision: Precision, g: &Growth) -> Tolerance {
@@ -512,7 +502,7 @@ impl fmt::Display for Verdict {
 
 /// Learning rate of the drift run: large enough that 50 AdamW steps move every weight by
 /// ~50·lr (≈ 5 % of a 64-wide Xavier weight), so the trajectories actually separate.
-pub const DEFAULT_LR: f64 = 1e-3;
+pub(crate) const DEFAULT_LR: f64 = 1e-3;
 
 /// Settings of a verification that are not part of the spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -611,7 +601,7 @@ impl Drop for Reference {
 }
 
 /// The reference spec of a base spec.
-pub fn reference_spec(base: &Spec) -> Spec {
+pub(crate) fn reference_spec(base: &Spec) -> Spec {
     Variant::reference().apply(base)
 }
 
@@ -997,7 +987,7 @@ impl Reference {
     }
 
     /// The amplification of the cancellation `tensor`'s gradient comes out of (1: none).
-    pub fn amplification_of(&self, tensor: &str) -> f64 {
+    pub(crate) fn amplification_of(&self, tensor: &str) -> f64 {
         self.amplification
             .iter()
             .filter(|(prefix, _)| is_under(tensor, prefix))
@@ -1007,7 +997,7 @@ impl Reference {
 
     /// The expected relative error of `tensor`'s gradient from components crossing a ReLU
     /// kink when computed in `dtype` ([`kink`]; 0 when none, and for dtypes not measured).
-    pub fn kink_of(&self, tensor: &str, dtype: Dtype) -> f64 {
+    pub(crate) fn kink_of(&self, tensor: &str, dtype: Dtype) -> f64 {
         let Some(i) = kink::KINK_DTYPES.iter().position(|d| *d == dtype) else {
             return 0.0;
         };
@@ -1172,7 +1162,7 @@ pub struct TensorError {
 /// The dtype the attention's softmax and dS = P∘(dP − Σ dP·P) run in: f32 for every policy
 /// but fp64 (the fused attention accumulates in f32, `ops/attention/mod.rs`; the bf16 kernel
 /// keeps the softmax and dS in f32, `ops/attention/bf16.rs`), f64 for fp64.
-pub fn softmax_dtype(compute: Dtype) -> Dtype {
+pub(crate) fn softmax_dtype(compute: Dtype) -> Dtype {
     if compute == Dtype::F64 {
         Dtype::F64
     } else {
@@ -1182,11 +1172,11 @@ pub fn softmax_dtype(compute: Dtype) -> Dtype {
 
 /// The underflow term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the
 /// term itself is the predicted error, see [`TensorError::underflow`]).
-pub const KAPPA_UNDERFLOW: f64 = SPREAD_MARGIN;
+pub(crate) const KAPPA_UNDERFLOW: f64 = SPREAD_MARGIN;
 
 /// The kink term enters a tensor's tolerance × this: [`SPREAD_MARGIN`], as every κ (the term
 /// is the expected error of a count of flipped components, see [`kink`]).
-pub const KAPPA_KINK: f64 = SPREAD_MARGIN;
+pub(crate) const KAPPA_KINK: f64 = SPREAD_MARGIN;
 
 impl Tolerance {
     /// The gradient tolerance of one tensor: the policy's, multiplied by the cancellation its
@@ -1203,7 +1193,7 @@ impl Tolerance {
     /// The softmax cancellation `a` amplifies the rounding of [`softmax_dtype`], u_s·a; the
     /// policy's tolerance already holds rounding at u_c, so the factor is u_s·a / u_c where
     /// that is larger (fp32 and fp64: a itself; bf16/fp16 policies: 1 unless a > u_c / u_f32).
-    pub fn softmax_factor(&self, a: f64) -> f64 {
+    pub(crate) fn softmax_factor(&self, a: f64) -> f64 {
         (a * unit_roundoff(softmax_dtype(self.dtype)) / self.unit_roundoff).max(1.0)
     }
 }
@@ -1214,7 +1204,7 @@ impl Tolerance {
     /// travel, so the whole divergence as a share of the whole travel to κ_d × the
     /// travel-weighted RMS of those tolerances, √(Σₜ shareₜ · (grad_of(t))²). The policy's
     /// [`Tolerance::drift`] where no tensor has a term of its own (or the shares are unknown).
-    pub fn drift_of(&self, one: &OneStep, travel_shares: &[f64]) -> f64 {
+    pub(crate) fn drift_of(&self, one: &OneStep, travel_shares: &[f64]) -> f64 {
         if travel_shares.len() != one.per_tensor.len() || self.grad <= 0.0 {
             return self.drift;
         }
@@ -1231,7 +1221,7 @@ impl Tolerance {
 impl OneStep {
     /// The tensor with the largest error / its own tolerance, that margin and that tolerance
     /// (None without tensors).
-    pub fn worst_margin(&self, tol: &Tolerance) -> Option<(&TensorError, f64, f64)> {
+    pub(crate) fn worst_margin(&self, tol: &Tolerance) -> Option<(&TensorError, f64, f64)> {
         self.per_tensor
             .iter()
             .map(|te| {
@@ -1544,7 +1534,7 @@ pub struct Drift {
 /// from the reference's EMA cannot exceed the largest weight divergence so far (both EMAs
 /// weight the same steps), plus the rounding of the shadow itself (f32: u(f32) per update,
 /// counted 4× per step as a margin): `ema_rel[t] ≤ max_{s≤t} param_rel[s] + 4·(t+1)·u(f32)`.
-pub fn ema_bound(param_rel: &[f64], t: usize) -> f64 {
+pub(crate) fn ema_bound(param_rel: &[f64], t: usize) -> f64 {
     let max_so_far = param_rel[..=t.min(param_rel.len().saturating_sub(1))]
         .iter()
         .copied()
@@ -2007,7 +1997,7 @@ pub struct MemoryPlan {
 /// f64 copies of one tensor a running comparison holds at once: the variant's value cast to f64
 /// (and the copy `parameter` makes of it, in its dtype, counted as one more), the reference's
 /// value and the bytes it was read from.
-pub const COMPARE_BUFFERS: u64 = 4;
+pub(crate) const COMPARE_BUFFERS: u64 = 4;
 
 /// Predict the peak of `verify` on `variants` of `base` with `jobs` variants at once: the
 /// budget's estimate of each step it runs, plus what verification keeps (see [`MemoryPlan`]).

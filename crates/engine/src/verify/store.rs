@@ -49,13 +49,13 @@ pub(crate) fn keys(
 }
 
 /// Bytes of a reference file's data section.
-pub fn data_bytes(trained: u64, steps: u32, ema: bool) -> u64 {
+pub(crate) fn data_bytes(trained: u64, steps: u32, ema: bool) -> u64 {
     let per_step = if ema { 2 } else { 1 };
     8 * (trained * (1 + per_step * (u64::from(steps) + 1)) + u64::from(steps) + 1)
 }
 
 /// Bytes of the writer's buffer.
-pub const WRITE_BUFFER: u64 = 1 << 20;
+pub(crate) const WRITE_BUFFER: u64 = 1 << 20;
 
 /// Streams a reference into a file, tensor by tensor, in the order of [`keys`].
 /// The safetensors header of `meta` and tensors `order` (padded to 8 bytes) and the length of
@@ -305,7 +305,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The values of `key` into `out` (resized).
-    pub fn read_into(&mut self, key: &str, out: &mut Vec<f64>) -> Result<()> {
+    pub(crate) fn read_into(&mut self, key: &str, out: &mut Vec<f64>) -> Result<()> {
         let e = self
             .layout
             .entries

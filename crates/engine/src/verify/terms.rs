@@ -14,7 +14,7 @@
 use ditmem_budget::Dtype;
 
 /// Smallest positive normal number of a float dtype (`u8`: 1).
-pub fn smallest_normal(d: Dtype) -> f64 {
+pub(crate) fn smallest_normal(d: Dtype) -> f64 {
     match d {
         Dtype::F64 => f64::MIN_POSITIVE,
         Dtype::F32 | Dtype::Bf16 => f32::MIN_POSITIVE as f64,
@@ -64,7 +64,7 @@ pub fn underflow(g: &[f64], scale: f64, d: Dtype) -> f64 {
 /// scale S/√n. The two are independent: added in quadrature. `rows` bounds n from above (the
 /// microbatch × every token the step's streams hold; × the heads for a per-head norm weight,
 /// which sums over them too): a bound keeps the term a tolerance, not an estimate.
-pub fn underflow_with_upstream(g: &[f64], scale: f64, rows: u64, d: Dtype) -> f64 {
+pub(crate) fn underflow_with_upstream(g: &[f64], scale: f64, rows: u64, d: Dtype) -> f64 {
     let own = underflow(g, scale, d);
     let upstream = underflow(g, scale / (rows.max(1) as f64).sqrt(), d);
     own.hypot(upstream)

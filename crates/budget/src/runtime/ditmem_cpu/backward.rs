@@ -145,7 +145,7 @@ pub fn backward(g: &Graph, root: Nid) -> Backward {
 }
 
 /// [`backward`], optionally without candle's per-tensor bookkeeping (data bytes only).
-pub fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
+pub(crate) fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
     let (tmeta, smeta) = if meta {
         (TENSOR_META, STORAGE_META)
     } else {

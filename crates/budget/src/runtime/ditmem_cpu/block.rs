@@ -29,7 +29,7 @@ pub fn linear(
 
 /// A diffusers family's linear `name` (relative to its block for a block's linear): the fused
 /// linear, plus LoRA's branch when the recipe's modules name it ([`Shape::lora_rank`]).
-pub fn module_linear(
+pub(crate) fn module_linear(
     g: &mut Graph,
     sh: &Shape,
     name: &str,
@@ -50,7 +50,7 @@ pub fn reads_input(sh: &Shape, track: bool, name: &str) -> bool {
 
 /// The engine's `linear_then_release` / `feed_forward_then_release`: `x` released after the
 /// linear (or feed-forward) `name` that reads it unless its backward reads it.
-pub fn release_unless_read(g: &mut Graph, sh: &Shape, track: bool, name: &str, x: Nid) {
+pub(crate) fn release_unless_read(g: &mut Graph, sh: &Shape, track: bool, name: &str, x: Nid) {
     if !reads_input(sh, track, name) {
         g.release(x);
     }
@@ -58,7 +58,14 @@ pub fn release_unless_read(g: &mut Graph, sh: &Shape, track: bool, name: &str, x
 
 /// The engine's `gated_then_release`: the gated residual, its branch output `y` released under
 /// a frozen (or untracked) gate.
-pub fn gated_released(g: &mut Graph, track: bool, name: &str, x: Nid, y: Nid, gate: Nid) -> Nid {
+pub(crate) fn gated_released(
+    g: &mut Graph,
+    track: bool,
+    name: &str,
+    x: Nid,
+    y: Nid,
+    gate: Nid,
+) -> Nid {
     let o = gated_residual(g, name, x, y, gate);
     if !(track && g.nodes[gate].tracks) {
         g.release(y);
@@ -69,7 +76,7 @@ pub fn gated_released(g: &mut Graph, track: bool, name: &str, x: Nid, y: Nid, ga
 /// The output side's `linear_then_release(proj_out, h)` and `cast_then_release(y, ad)` of the
 /// engine (SD3's and Flux's `final_forward`): the modulated norm `h` goes under a frozen
 /// `proj_out`, its product `y` once cast to `ad` (when the cast copies). Returns the cast.
-pub fn proj_out_released(g: &mut Graph, sh: &Shape, h: Nid, y: Nid, ad: Dtype) -> Nid {
+pub(crate) fn proj_out_released(g: &mut Graph, sh: &Shape, h: Nid, y: Nid, ad: Dtype) -> Nid {
     release_unless_read(g, sh, true, "proj_out", h);
     let yc = g.cast(&format!("prediction→{ad}"), y, ad);
     if yc != y {
@@ -82,7 +89,7 @@ pub fn proj_out_released(g: &mut Graph, sh: &Shape, h: Nid, y: Nid, ad: Dtype) -
 /// cross-attention's k or v projection, the linear or its fused LoRA node) as adding its dx into
 /// the trainer's running sum of the context's gradient (`LinearW::with_input_sink`,
 /// `Node::sunk_input`) when the context tracks.
-pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
+pub(crate) fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
     debug_assert!(matches!(g.nodes[y].kind, Kind::Custom { .. }));
     debug_assert_eq!(g.nodes[y].inputs[0], ctx);
     if g.nodes[ctx].tracks {
@@ -92,7 +99,7 @@ pub fn sink_context_grad(g: &mut Graph, y: Nid, ctx: Nid) {
 
 /// Whether `families::cross::cross_attend` runs the cross-attention (`attn2`) as one fused
 /// node ([`super::cross::cross_attention`]): neither of its k and v projections carries LoRA.
-pub fn fused_cross(sh: &Shape) -> bool {
+pub(crate) fn fused_cross(sh: &Shape) -> bool {
     sh.lora_rank("attn2.to_k").is_none() && sh.lora_rank("attn2.to_v").is_none()
 }
 
@@ -179,7 +186,7 @@ pub fn feed_forward(
 
 /// A diffusers family's feed-forward (`block::feed_forward` of the engine) on its linears
 /// `names`, LoRA's ranks as the recipe's modules name them ([`Shape::lora_rank`]).
-pub fn module_feed_forward(
+pub(crate) fn module_feed_forward(
     g: &mut Graph,
     sh: &Shape,
     names: (&str, &str),
@@ -193,7 +200,7 @@ pub fn module_feed_forward(
 /// A base tensor of the model (a table, a norm's weight, a conv's weight) as the trainer reads
 /// it, cast to `to`: trained in the parameter dtype, or under LoRA frozen in the compute dtype
 /// (`Trainer::new` stores a frozen base so).
-pub fn base_weight(g: &mut Graph, sh: &Shape, name: &str, elems: u64, to: Dtype) -> Nid {
+pub(crate) fn base_weight(g: &mut Graph, sh: &Shape, name: &str, elems: u64, to: Dtype) -> Nid {
     g.weight(name, elems, sh.weight_dtype(), sh.lora.is_none(), to)
 }
 
@@ -276,7 +283,7 @@ pub fn modulate(g: &mut Graph, name: &str, x: Nid, shift: Nid, scale: Nid, bd: u
 }
 
 /// adaLN: `linear(silu(c)→cd)→ad` chunked into `k` narrow views of (b, D).
-pub fn ada_ln(
+pub(crate) fn ada_ln(
     g: &mut Graph,
     sh: &Shape,
     name: &str,

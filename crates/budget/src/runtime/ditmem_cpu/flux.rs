@@ -12,6 +12,7 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
     release_unless_read,
 };
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -21,7 +22,6 @@ use crate::runtime::ditmem_cpu::ops::{
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Precision, Spec};
 
@@ -77,7 +77,7 @@ impl FluxGeo {
     }
 
     /// Text elements of one sample the batch holds in f64: T·width and the pooled vector.
-    pub fn text_elems(&self) -> u64 {
+    pub(crate) fn text_elems(&self) -> u64 {
         self.t * self.width + self.pooled
     }
 }
@@ -177,7 +177,11 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
 /// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
 /// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
 /// st leaf, [image out, text out]).
-pub fn double_block(sh: &Shape, fg: &FluxGeo, track: bool) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+pub(crate) fn double_block(
+    sh: &Shape,
+    fg: &FluxGeo,
+    track: bool,
+) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let d = sh.d;
@@ -289,7 +293,7 @@ pub fn double_block(sh: &Shape, fg: &FluxGeo, track: bool) -> (Graph, [Nid; 2], 
 /// One single-stream block as `single_forward` builds it, tracked or not (`track`); `first`: the
 /// block that joins the image and text leaves into the joint stream itself. Returns (graph,
 /// leaves, st leaf, out).
-pub fn single_block(
+pub(crate) fn single_block(
     sh: &Shape,
     fg: &FluxGeo,
     first: bool,
@@ -363,7 +367,7 @@ pub fn single_block(
 }
 
 /// The output side and the loss on a leaf copy of the joint stream. Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let rows = sh.b * sh.s;
@@ -389,7 +393,7 @@ pub fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
 
 /// The embed segment as `FluxLayout::embed` builds it. Returns (graph, [image, text], st,
 /// [cos, sin]).
-pub fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+pub(crate) fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let rows = sh.b * sh.s;
     let bd = sh.b * sh.d;
@@ -542,7 +546,7 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
 
 /// Flux's segments (embed, double block, single block, final) as generic segments, for the op
 /// inventory of a `ditmem-cpu` budget; None for any other model.
-pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let fg = FluxGeo::of(spec)?;
     let sh = Shape::new(spec);
     Some([

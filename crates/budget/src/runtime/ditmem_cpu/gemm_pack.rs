@@ -267,7 +267,7 @@ pub fn call_heap_bytes(isa: GemmIsa, cache: &GemmCache, c: &GemmCall) -> u64 {
 }
 
 /// [`call_heap_bytes`] for a spec's CPU ([`GemmCache::of`]).
-pub fn spec_call_heap_bytes(cpu: &CpuSpec, c: &GemmCall) -> u64 {
+pub(crate) fn spec_call_heap_bytes(cpu: &CpuSpec, c: &GemmCall) -> u64 {
     call_heap_bytes(cpu.gemm_isa, &GemmCache::of(cpu), c)
 }
 

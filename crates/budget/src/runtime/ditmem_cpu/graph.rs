@@ -7,7 +7,7 @@ use crate::segment::{OpDef, Segment, TensorDef, TensorKind, TensorRole};
 use crate::spec::Dtype;
 
 /// Index of a node.
-pub type Nid = usize;
+pub(crate) type Nid = usize;
 
 /// Candle operation kinds that differ in what backward allocates.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -122,12 +122,12 @@ impl Node {
     /// released) and candle's bookkeeping (a fresh tensor is a `Tensor_` and a storage; a view
     /// only a `Tensor_`). Nodes owned outside the graph (weights, the shared conditioning leaf,
     /// inputs) take nothing here.
-    pub fn footprint(&self) -> u64 {
+    pub(crate) fn footprint(&self) -> u64 {
         self.created_footprint() - self.released_bytes()
     }
 
     /// The buffer bytes a release frees (0 when the node is not released).
-    pub fn released_bytes(&self) -> u64 {
+    pub(crate) fn released_bytes(&self) -> u64 {
         if self.released_at.is_some() && self.alloc {
             self.bytes()
         } else {
@@ -136,7 +136,7 @@ impl Node {
     }
 
     /// [`Node::footprint`] as the node is made, before any release.
-    pub fn created_footprint(&self) -> u64 {
+    pub(crate) fn created_footprint(&self) -> u64 {
         match self.kind {
             // A sunk weight enters its linear as a detached handle on the weight's storage.
             Kind::Var if self.sunk => TENSOR_META,
@@ -293,7 +293,7 @@ impl Graph {
     }
 
     /// A binary op where `small` is broadcast to `big`'s shape (`broadcast_mul` & co.).
-    pub fn broadcast_binary(
+    pub(crate) fn broadcast_binary(
         &mut self,
         name: &str,
         kind: Kind,
@@ -317,13 +317,13 @@ impl Graph {
 
     /// The node's storage owner (follows views).
     /// Mark a node as held by a local variable of the engine's code; returns it.
-    pub fn bind(&mut self, x: Nid) -> Nid {
+    pub(crate) fn bind(&mut self, x: Nid) -> Nid {
         self.nodes[x].bound = true;
         x
     }
 
     /// Mark nodes as held by a nested function's locals until `end` (its result) is made.
-    pub fn hold_until(&mut self, xs: &[Nid], end: Nid) {
+    pub(crate) fn hold_until(&mut self, xs: &[Nid], end: Nid) {
         for &x in xs {
             self.nodes[x].held_until = Some(end);
         }
@@ -351,7 +351,7 @@ impl Graph {
 /// both operands' whole storages to f32, multiplies in f32 and narrows the result back
 /// (`CpuStorage::matmul`): three f32 buffers alive beside the bf16 output. `inputs` counts the
 /// elements of both operands' storages.
-pub fn bf16_matmul_scratch(dtype: Dtype, inputs: u64, out: u64) -> u64 {
+pub(crate) fn bf16_matmul_scratch(dtype: Dtype, inputs: u64, out: u64) -> u64 {
     if dtype == Dtype::Bf16 {
         4 * (inputs + out)
     } else {
@@ -359,7 +359,7 @@ pub fn bf16_matmul_scratch(dtype: Dtype, inputs: u64, out: u64) -> u64 {
     }
 }
 
-pub fn is_view(k: Kind) -> bool {
+pub(crate) fn is_view(k: Kind) -> bool {
     matches!(
         k,
         Kind::Broadcast | Kind::Narrow { .. } | Kind::Reshape | Kind::Transpose
@@ -367,7 +367,7 @@ pub fn is_view(k: Kind) -> bool {
 }
 
 /// The graph as a generic `Segment` (for the op inventory and the time model).
-pub fn to_segment(g: &Graph, name: &str) -> Segment {
+pub(crate) fn to_segment(g: &Graph, name: &str) -> Segment {
     let mut seg = Segment::new(name);
     for (i, n) in g.nodes.iter().enumerate() {
         let kind = match n.kind {
@@ -411,7 +411,7 @@ pub fn to_segment(g: &Graph, name: &str) -> Segment {
 
 /// Data bytes `ops::release_whole` frees of the streams `xs`: each stream's buffer when the
 /// stream is its whole storage (a view of a larger buffer stays).
-pub fn stream_data(g: &Graph, xs: &[Nid]) -> u64 {
+pub(crate) fn stream_data(g: &Graph, xs: &[Nid]) -> u64 {
     xs.iter()
         .map(|&x| {
             let s = g.storage(x);
@@ -425,7 +425,7 @@ pub fn stream_data(g: &Graph, xs: &[Nid]) -> u64 {
 }
 
 /// Bytes of the buffers a graph owns (what stays alive while its root lives).
-pub fn owned_bytes(g: &Graph) -> (u64, u64) {
+pub(crate) fn owned_bytes(g: &Graph) -> (u64, u64) {
     let mut act = 0;
     let mut casts = 0;
     for n in &g.nodes {
@@ -441,7 +441,7 @@ pub fn owned_bytes(g: &Graph) -> (u64, u64) {
 
 /// Nodes alive while `roots` are held: a tracked node's op holds its inputs; an untracked view
 /// holds only the storage it shares; any other untracked node holds nothing.
-pub fn retained(g: &Graph, roots: &[Nid]) -> Vec<bool> {
+pub(crate) fn retained(g: &Graph, roots: &[Nid]) -> Vec<bool> {
     let mut keep = vec![false; g.nodes.len()];
     let mut stack = roots.to_vec();
     while let Some(x) = stack.pop() {
@@ -479,7 +479,7 @@ pub fn kept_bytes(g: &Graph, roots: &[Nid]) -> (u64, u64) {
 }
 
 /// Highest bytes while the graph is built, above what existed before (everything is kept).
-pub fn forward_peak(g: &Graph) -> u64 {
+pub(crate) fn forward_peak(g: &Graph) -> u64 {
     let releases = g.releases();
     let mut live = 0u64;
     let mut peak = 0u64;
@@ -495,7 +495,7 @@ pub fn forward_peak(g: &Graph) -> u64 {
 
 /// Highest bytes of a no-grad forward (each buffer freed after its last reader), above what
 /// existed before, with the outputs in `keep` never freed.
-pub fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
+pub(crate) fn untracked_peak(g: &Graph, keep: &[Nid]) -> u64 {
     let n = g.nodes.len();
     let mut last = vec![0usize; n];
     for (k, node) in g.nodes.iter().enumerate() {

@@ -34,11 +34,13 @@
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`step`]: the step replay (`trainer.rs`'s `step`).
+//! - [`dtypes`]: the gradient dtype rule both crates read (`trainer.rs`'s `grad_dtype` converts it).
 
 pub mod attention;
 pub mod backward;
 pub mod block;
 pub mod cross;
+pub mod dtypes;
 pub mod flux;
 pub mod gemm_pack;
 pub mod graph;
@@ -86,7 +88,7 @@ impl RuntimeModel for DitmemCpu {
     }
 
     fn grad_dtype(&self, precision: Precision) -> Dtype {
-        step::grad_dtype(precision)
+        dtypes::grad_dtype(precision)
     }
 
     /// The engine's segments replayed node for node.

@@ -13,7 +13,7 @@ pub const LINEAR_ROWS: u64 = 128;
 /// Columns of W per packed panel of the engine's bf16 kernel backward's dx product where the rows
 /// fit one chunk (`ops::linear::bf16::DX_PANEL_COLS`: two of the kernel's 64-column panels; W
 /// is packed whole over several chunks).
-pub const BF16_DX_PANEL_COLS: u64 = 2 * BF16_KERNEL_TILE.1;
+pub(crate) const BF16_DX_PANEL_COLS: u64 = 2 * BF16_KERNEL_TILE.1;
 
 /// Rows per product of the engine's f32/f64 weight gradient (`ops::DW_ROWS`): `dW = Σ g_cᵀ·x_c`
 /// over chunks of this many rows, so `gemm` packs at most a (256 × out) panel of g per call.
@@ -89,7 +89,7 @@ pub fn dw_blocks(rows: u64, out: u64) -> impl Iterator<Item = (u64, u64)> {
 
 /// Rows / columns of the engine's AVX512-BF16 micro-kernel tile (`kernels::gemm_bf16::{MR, NR}`): packed
 /// operands are padded to whole tiles.
-pub const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
+pub(crate) const BF16_KERNEL_TILE: (u64, u64) = (6, 64);
 
 /// Bytes of a packed bf16 A operand (m × k): whole tiles of rows × ⌈k/2⌉ pairs of u16.
 fn packed_a_bytes(m: u64, k: u64) -> u64 {
@@ -375,7 +375,7 @@ pub fn fused_mlp_scratch(
 
 /// [`fused_mlp_scratch`] with `gemm`'s per-call packing in each phase ([`linear_workspace`] for
 /// each of the four products): the node's workspace on the spec's CPU.
-pub fn fused_mlp_workspace(
+pub(crate) fn fused_mlp_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64),
@@ -634,7 +634,7 @@ pub fn fused_mlp_side_scratch(
 
 /// [`fused_mlp_side_scratch`] with `gemm`'s per-call packing in each phase
 /// ([`linear_workspace`] for each of its linear calls): the node's workspace on the spec's CPU.
-pub fn fused_mlp_side_workspace(
+pub(crate) fn fused_mlp_side_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64, u64),
@@ -768,7 +768,7 @@ pub fn joint_linear_scratch(
 
 /// [`joint_linear_scratch`] with `gemm`'s per-call packing in each phase
 /// ([`linear_workspace`]): the node's workspace on the spec's CPU.
-pub fn joint_linear_workspace(
+pub(crate) fn joint_linear_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),
     dims: (u64, u64, u64, u64),
@@ -871,7 +871,7 @@ pub fn gated_residual(g: &mut Graph, name: &str, x: Nid, y: Nid, gate: Nid) -> N
 }
 
 /// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
-pub const FUSED_ATTN_KEY_BLOCK: u64 = 128;
+pub(crate) const FUSED_ATTN_KEY_BLOCK: u64 = 128;
 
 /// Queries per block of the backward of the engine's generic streaming attention kernels
 /// (`ops::ATTN_QUERY_BLOCK`): P and dP of a block are this × [`FUSED_ATTN_KEY_BLOCK`].
@@ -929,7 +929,7 @@ pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
 /// in backward `dv = Pᵀ·dO` (and `dk = dSᵀ·q`), the streaming backward's by blocks of
 /// [`FUSED_ATTN_QUERY_BLOCK`] queries. q·kᵀ reads k transposed, so `gemm` pre-packs it on every
 /// ISA.
-pub fn attention_head_packing(
+pub(crate) fn attention_head_packing(
     cpu: &CpuSpec,
     (sq, sk, dh): (u64, u64, u64),
     kb: Option<u64>,

@@ -12,13 +12,13 @@ use crate::runtime::ditmem_cpu::block::{
     release_unless_read, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     attention_head_packing, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
     FUSED_ATTN_QUERY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, Precision, Spec};
 
@@ -27,7 +27,7 @@ pub const PIXART_FREQ: u64 = 256;
 
 /// What a PixArt step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PixGeo {
+pub(crate) struct PixGeo {
     /// Caption tokens T.
     pub t: u64,
     /// Width of the cached text embeddings (caption_channels, or D without a projection).
@@ -59,14 +59,14 @@ impl PixGeo {
     }
 
     /// Text elements of one sample (T·width): the batch holds them in f64.
-    pub fn text_elems(&self) -> u64 {
+    pub(crate) fn text_elems(&self) -> u64 {
         self.t * self.width
     }
 }
 
 /// Scratch elements (accumulation type) per head of the separate attention, (forward,
 /// backward) (`ops::attention::separate::{sep_fwd_scratch, sep_bwd_scratch}`).
-pub fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
+pub(crate) fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
     let dh = sh.d / sh.heads;
     let kb = FUSED_ATTN_KEY_BLOCK.min(sk);
     let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
@@ -102,7 +102,7 @@ pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], 
 /// [`separate_attention`]'s bytes for s_q queries over s_kv keys (the shape's batch, heads and
 /// width): what it keeps (P or the log-sum-exp) and the workspace of its forward and backward
 /// (every thread's scratch with its `gemm` packing).
-pub fn separate_attention_bytes(sh: &Shape, sq: u64, sk: u64) -> (u64, u64, u64) {
+pub(crate) fn separate_attention_bytes(sh: &Shape, sq: u64, sk: u64) -> (u64, u64, u64) {
     let cd = sh.cd();
     let acc = if sh.precision == Precision::Fp64 {
         8
@@ -220,7 +220,7 @@ pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid
 
 /// The embed segment as `Trainer::pixart_microbatch` builds it. Returns (graph, x0, t6,
 /// embedded timestep, caption).
-pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+pub(crate) fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
@@ -306,7 +306,7 @@ pub fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
 
 /// The output side and the loss on a leaf copy of the last block's output.
 /// Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;
@@ -378,7 +378,7 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
 
 /// PixArt's three segments (embed, block, final) as generic segments, for the op inventory of
 /// a `ditmem-cpu` budget; None for any other model.
-pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let pg = PixGeo::of(spec)?;
     let sh = Shape::new(spec);
     Some([

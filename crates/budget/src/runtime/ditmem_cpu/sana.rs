@@ -16,13 +16,13 @@ use crate::runtime::ditmem_cpu::block::{
     fused_cross, linear_weights, lora_linear, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{CpuSpec, Dtype, Precision, Spec};
 
@@ -71,7 +71,7 @@ impl SanaGeo {
     }
 
     /// Text elements of one sample (T·width): the batch holds them in f64.
-    pub fn text_elems(&self) -> u64 {
+    pub(crate) fn text_elems(&self) -> u64 {
         self.t * self.width
     }
 }
@@ -87,7 +87,7 @@ fn acc_bytes(sh: &Shape) -> u64 {
 
 /// Scratch elements per head of the linear attention, (forward, backward)
 /// (`ops::linear_attention::{lin_fwd_scratch, lin_bwd_scratch}`).
-pub fn linear_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
+pub(crate) fn linear_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
     (
         4 * s * dh + dh * dh + dh + s,
         7 * s * dh + 2 * dh * dh + 2 * dh + 2 * s,
@@ -374,7 +374,7 @@ pub fn mix_ffn_workspace(
 /// dW workspace; f1, c2, dgl and its dx workspace; f1, dc2 (over c2) and the conv's backward
 /// workspace (19·C) with its dW, db; then df1 (over f1) with `conv_inverted`'s backward and
 /// every gradient.
-pub fn mix_ffn_phases(
+pub(crate) fn mix_ffn_phases(
     lin: impl Fn((u64, u64, u64), (bool, bool, bool)) -> (u64, u64),
     (cd, wd, acc): (Dtype, Dtype, u64),
     (rows, d, hid): (u64, u64, u64),
@@ -416,7 +416,7 @@ pub fn mix_ffn_phases(
 
 /// The embed segment as `SanaLayout::embed` builds it. Returns (graph, x0, t6, embedded
 /// timestep, caption).
-pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
+pub(crate) fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
@@ -518,7 +518,7 @@ pub fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
 /// The output side and the loss on a leaf copy of the last block's output (PixArt's; the
 /// prediction's channel `narrow` is candle's no-op when `out_channels` = `in_channels`).
 /// Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;
@@ -595,7 +595,7 @@ pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
 
 /// Sana's three segments (embed, block, final) as generic segments, for the op inventory of a
 /// `ditmem-cpu` budget; None for any other model.
-pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let sg = SanaGeo::of(spec)?;
     let sh = Shape::new(spec);
     Some([

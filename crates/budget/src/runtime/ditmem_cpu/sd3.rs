@@ -11,6 +11,7 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
     proj_out_released, reads_input, release_unless_read,
 };
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
@@ -18,7 +19,6 @@ use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
@@ -27,7 +27,7 @@ pub const SD3_FREQ: u64 = 256;
 
 /// What an SD3 step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sd3Geo {
+pub(crate) struct Sd3Geo {
     /// Caption tokens T (the sequence encoders' counts summed).
     pub t: u64,
     /// Caption width (`joint_attention_dim`).
@@ -70,7 +70,7 @@ impl Sd3Geo {
 
     /// Cached text elements of one sample the batch holds in f64: the caption and the pooled
     /// embedding.
-    pub fn text_elems(&self) -> u64 {
+    pub(crate) fn text_elems(&self) -> u64 {
         self.t * self.width + self.pooled
     }
 }
@@ -306,7 +306,7 @@ fn block_sim(sh: &Shape, sg: &Sd3Geo, last: bool) -> SegSim {
 
 /// The embed segment as `Sd3Layout::embed` builds it. Returns (graph, [context, image] streams,
 /// SiLU(temb)).
-pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
+pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
@@ -381,7 +381,7 @@ pub fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
 }
 
 /// The output side and the loss on a leaf copy of the image stream. Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;
@@ -456,7 +456,7 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
 
 /// SD3's segments (embed, block, final) as generic segments, for the op inventory of a
 /// `ditmem-cpu` budget; None for any other model.
-pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let sg = Sd3Geo::of(spec)?;
     let sh = Shape::new(spec);
     Some([

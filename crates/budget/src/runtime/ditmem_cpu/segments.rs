@@ -6,16 +6,16 @@
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::backward::backward;
 use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{kept_bytes, retained, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
 use crate::runtime::ditmem_cpu::sims;
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 
 /// The embed segment: patch embedding + pos table, timestep MLP, label rows, c = t + y.
 /// Returns (graph, x0, c).
-pub fn embed_graph(sh: &Shape) -> (Graph, Nid, Nid) {
+pub(crate) fn embed_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
@@ -87,7 +87,7 @@ pub fn embed_graph(sh: &Shape) -> (Graph, Nid, Nid) {
 
 /// The final layer and the loss on a leaf copy of the last block's output.
 /// Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;

@@ -14,18 +14,10 @@
 use crate::events::{laid_out_microbatches, Breakdown, Event, Events, Phase, StaticBytes};
 use crate::params::{Module, ParamRole, ParamTensor};
 use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
 use crate::spec::{CpuSpec, Dtype, Optimizer, Precision, Spec};
-
-/// Gradient buffers of the engine: fp32, fp64 under the fp64 policy (also under bf16-pure).
-pub fn grad_dtype(p: Precision) -> Dtype {
-    if p == Precision::Fp64 {
-        Dtype::F64
-    } else {
-        Dtype::F32
-    }
-}
 
 /// Packing buffers the `gemm` crate under candle keeps after the first matmuls: one slab of the
 /// L2 size per core per thread of the pool (`gemm_common::gemm::L2_SLAB`, a thread-local of

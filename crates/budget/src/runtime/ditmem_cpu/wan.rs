@@ -11,19 +11,19 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
 };
 use crate::runtime::ditmem_cpu::pixart::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
-use crate::runtime::ditmem_cpu::step::grad_dtype;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 
 /// What a Wan step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WanGeo {
+pub(crate) struct WanGeo {
     /// umT5 tokens T.
     pub t: u64,
     /// `text_dim`.
@@ -63,7 +63,7 @@ impl WanGeo {
     }
 
     /// Text elements of one sample (T·text_dim): the batch holds them in f64.
-    pub fn text_elems(&self) -> u64 {
+    pub(crate) fn text_elems(&self) -> u64 {
         self.t * self.text_dim
     }
 }
@@ -201,7 +201,7 @@ pub fn block(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
 
 /// The embed segment as `WanLayout::embed` builds it. Returns (graph, x0, t6, temb, ctx,
 /// cos, sin).
-pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
+pub(crate) fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
@@ -301,7 +301,7 @@ pub fn embed_graph(sh: &Shape, wg: &WanGeo) -> (Graph, [Nid; 6]) {
 
 /// The output side and the loss on a leaf copy of the last block's output.
 /// Returns (graph, leaf, root).
-pub fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
+pub(crate) fn final_graph(sh: &Shape, wg: &WanGeo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;
@@ -372,7 +372,7 @@ pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
 
 /// Wan's three segments (embed, block, final) as generic segments, for the op inventory of a
 /// `ditmem-cpu` budget; None for any other model.
-pub fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
+pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
     let wg = WanGeo::of(spec)?;
     let sh = Shape::new(spec);
     Some([

@@ -49,7 +49,7 @@ use crate::error::Result;
 /// A tiny Flux `config.json` (diffusers keys): `double` + `single` blocks of `heads` × 16-wide
 /// heads (RoPE axes 4 + 6 + 6), 16 latent channels packed to 64, T5 width 32, pooled width 24,
 /// guidance embedder on or off.
-pub fn tiny_config(
+pub(crate) fn tiny_config(
     double: u32,
     single: u32,
     heads: u32,

@@ -31,7 +31,7 @@ pub struct PixartBlockWeights {
 }
 
 /// What the attention ops keep under the block's attention setting.
-pub fn attn_keep(a: AttnImpl) -> AttnKeep {
+pub(crate) fn attn_keep(a: AttnImpl) -> AttnKeep {
     match a {
         AttnImpl::Materialized => AttnKeep::Probabilities,
         AttnImpl::RecomputeCore => AttnKeep::Nothing,

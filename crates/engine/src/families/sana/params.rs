@@ -16,7 +16,7 @@ use crate::model::{Dims, Init, ParamShape};
 pub const SANA_FREQ: usize = 256;
 
 /// `caption_norm`'s epsilon (`RMSNorm(inner_dim, eps=1e-5, elementwise_affine=True)`).
-pub const CAPTION_NORM_EPS: f64 = 1e-5;
+pub(crate) const CAPTION_NORM_EPS: f64 = 1e-5;
 
 /// What a Sana step needs beyond [`Dims`].
 #[derive(Debug, Clone, PartialEq, Eq)]

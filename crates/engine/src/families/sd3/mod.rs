@@ -43,7 +43,7 @@ use crate::error::Result;
 /// A tiny SD3 `config.json` (diffusers keys): `layers` joint blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch 2, caption width 32, pooled width 24, a 12-wide position table,
 /// no dual attention; `qk_norm` as SD3.5's.
-pub fn tiny_config(
+pub(crate) fn tiny_config(
     layers: u32,
     heads: u32,
     qk_norm: bool,

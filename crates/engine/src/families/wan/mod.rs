@@ -49,7 +49,7 @@ use crate::error::Result;
 
 /// A tiny Wan `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch (1, 2, 2), umT5 width 32, FFN 2·D, `cross_attn_norm`.
-pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
+pub(crate) fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
     let ffn = 32 * heads;
     let text = format!(
         r#"{{"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2],

@@ -15,9 +15,9 @@ use crate::families::lora::{adapt, LoraPlan};
 use crate::model::{Dims, Init, ParamShape};
 
 /// RoPE's base θ (`WanRotaryPosEmbed`'s default).
-pub const WAN_ROPE_THETA: f64 = 10000.0;
+pub(crate) const WAN_ROPE_THETA: f64 = 10000.0;
 /// The norms' eps (the config's `eps`, 1e-6 in every released Wan config).
-pub const WAN_EPS: f64 = 1e-6;
+pub(crate) const WAN_EPS: f64 = 1e-6;
 
 /// The linears of a Wan block in forward order (diffusers names).
 pub const WAN_BLOCK_LINEARS: [&str; 10] = [
@@ -131,7 +131,7 @@ impl WanGeom {
 
     /// Channel pairs per axis (frames, rows, columns) of the 3-D RoPE: diffusers gives the
     /// height and the width 2·(d_h // 6) channels each and the frames the rest.
-    pub fn rope_pairs(&self) -> [usize; 3] {
+    pub(crate) fn rope_pairs(&self) -> [usize; 3] {
         let hw = 2 * (self.head_dim / 6);
         let t = self.head_dim - 2 * hw;
         [t / 2, hw / 2, hw / 2]
@@ -172,7 +172,7 @@ pub fn rope_tables(g: &WanGeom, rows: usize, cols: usize) -> (Vec<f64>, Vec<f64>
 /// diffusers' `rope.freqs_cos` / `rope.freqs_sin` buffers (`rope_max_seq_len`, d_h): for each
 /// position the frames', rows' and columns' angles of that position, each repeated for both
 /// channels of its pair.
-pub fn rope_buffer(head_dim: usize, max_len: usize, cos: bool) -> Vec<f64> {
+pub(crate) fn rope_buffer(head_dim: usize, max_len: usize, cos: bool) -> Vec<f64> {
     let hw = 2 * (head_dim / 6);
     let pairs = [(head_dim - 2 * hw) / 2, hw / 2, hw / 2];
     let mut v = Vec::with_capacity(max_len * head_dim);

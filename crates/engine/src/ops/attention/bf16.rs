@@ -37,7 +37,7 @@ pub fn applies() -> bool {
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
 /// a head's forward: A is at most s × max(s, d_h), B either d_h × s or s × d_h.
-pub fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
+pub(crate) fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
     (
         packed_a_len(s, s.max(dh)),
         packed_b_len(dh, s).max(packed_b_len(s, dh)),
@@ -54,7 +54,7 @@ pub const NATIVE_BWD_ROWS: usize = 2 * gemm_bf16::KC_PAIRS;
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
 /// [`backward`]'s blocks of m = min(s, [`NATIVE_BWD_ROWS`]) rows: A is m × d_h (the block's dO
 /// or q), m × s (dS) or s × m (Pᵀ, dSᵀ); B is d_h × s (kᵀ, vᵀ), s × d_h (k) or m × d_h (dO, q).
-pub fn packed_lens_bwd(s: usize, dh: usize) -> (usize, usize) {
+pub(crate) fn packed_lens_bwd(s: usize, dh: usize) -> (usize, usize) {
     let m = NATIVE_BWD_ROWS.min(s);
     (
         packed_a_len(m, dh)
@@ -96,12 +96,12 @@ pub fn streaming_scratch_bytes(s: usize, dh: usize, kb: usize) -> (u64, u64) {
 
 impl AttnGeom {
     /// f32 elements of one thread's forward scratch on the native path: the head's output and S.
-    pub fn native_f32_fwd(s: usize, dh: usize) -> usize {
+    pub(crate) fn native_f32_fwd(s: usize, dh: usize) -> usize {
         s * dh + s * s
     }
     /// f32 elements of one thread's backward scratch: dq, dk, dv, and P and dP of a block of
     /// [`NATIVE_BWD_ROWS`] query rows.
-    pub fn native_f32_bwd(s: usize, dh: usize) -> usize {
+    pub(crate) fn native_f32_bwd(s: usize, dh: usize) -> usize {
         3 * s * dh + 2 * NATIVE_BWD_ROWS.min(s) * s
     }
 }
@@ -437,7 +437,7 @@ pub fn backward(
 
 /// Forward of all heads, streaming over blocks of `g.kb()` keys with an online softmax: the
 /// output (b·s, D) and, when `save`, the log-sum-exp per query row (b·a·s, f32).
-pub fn forward_streaming(
+pub(crate) fn forward_streaming(
     qkv: &[bf16],
     g: &AttnGeom,
     save: bool,
@@ -539,7 +539,7 @@ pub fn forward_streaming(
 
 /// Backward of the streaming mode: dqkv (b·s, 3D), P recomputed block by block from the kept
 /// log-sum-exp.
-pub fn backward_streaming(
+pub(crate) fn backward_streaming(
     qkv: &[bf16],
     o_all: &[bf16],
     go_all: &[bf16],

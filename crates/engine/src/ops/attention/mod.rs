@@ -4,6 +4,7 @@
 //! the softmax is fused and accumulates in f32 (f64 for f64). Budget twin:
 //! `ditmem_budget::ditmem_cpu::ops::fused_attention`.
 //!
+//! - `qkv`: [`qkv_attention`] itself, its node and backward.
 //! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
 //! - `generic`: the kernels for every dtype through the `gemm` crate.
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
@@ -20,211 +21,14 @@ pub mod dropout;
 mod generic;
 pub mod geom;
 pub mod projected;
+mod qkv;
 pub mod reference;
 pub mod separate;
 
-use std::sync::Mutex;
-
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType,
-};
-
-use crate::ops::linear::storage_tensor;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 pub use cross::{cross_attention, CrossAttention};
 pub use dropout::{dropout_mask, Dropout};
-use generic::{attn_bwd_cpu, attn_bwd_cpu_over, attn_fwd_cpu};
-use geom::attn_geom;
 pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 pub use projected::{projected_attention, ProjectedAttention};
+pub use qkv::{qkv_attention, QkvAttention};
 pub use reference::attention_materialized;
 pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};
-
-/// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
-/// read in place (no narrow, no transposes, no contiguous copies), the output already has the
-/// layout the output projection wants, and the gradient comes back as one (b·s, 3D) tensor, so
-/// candle never pads a narrow's gradient. Heads run in parallel, each on a private scratch of
-/// accumulation-type buffers; every product is a `gemm` call.
-#[derive(Debug)]
-pub struct QkvAttention {
-    batch: usize,
-    heads: usize,
-    keep: AttnKeep,
-    dropout: Option<Dropout>,
-    /// Whether the input tracks: an untracked forward saves nothing.
-    track: bool,
-    saved: Mutex<Option<CpuStorage>>,
-}
-
-/// Fused attention from the qkv projection (see [`QkvAttention`]).
-pub fn qkv_attention(
-    qkv: &Tensor,
-    batch: usize,
-    heads: usize,
-    keep: AttnKeep,
-    dropout: Option<Dropout>,
-) -> CResult<Tensor> {
-    qkv.apply_op1(QkvAttention::new(
-        batch,
-        heads,
-        keep,
-        dropout,
-        qkv.track_op(),
-    )?)
-}
-
-impl QkvAttention {
-    /// The op's settings; dropout needs the materialized kernels (the streaming one has no
-    /// mask), and a dropout of p = 0 is none. `track`: whether the forward saves for a backward.
-    fn new(
-        batch: usize,
-        heads: usize,
-        keep: AttnKeep,
-        dropout: Option<Dropout>,
-        track: bool,
-    ) -> CResult<QkvAttention> {
-        if dropout.is_some() && keep == AttnKeep::LogSumExp {
-            return Err(err(
-                "attention dropout needs materialized attention (the streaming kernel has no mask)",
-            ));
-        }
-        Ok(QkvAttention {
-            batch,
-            heads,
-            keep,
-            dropout: dropout.filter(|d| d.p > 0.0),
-            track,
-            saved: Mutex::new(None),
-        })
-    }
-
-    /// What the forward saved for the backward, locked.
-    fn saved(&self) -> CResult<std::sync::MutexGuard<'_, Option<CpuStorage>>> {
-        self.saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))
-    }
-
-    /// The attention's forward on the qkv storage: the output (b·s, D), with what the op keeps
-    /// for its backward saved when it tracks.
-    fn attn_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let g = attn_geom(l, self.batch, self.heads)?;
-        if st.dtype() == DType::BF16 && bf16::applies() {
-            let qkv = cpu_slice::<half::bf16>(st, l, "attention qkv")?;
-            let (o, saved) = if self.keep == AttnKeep::LogSumExp {
-                bf16::forward_streaming(qkv, &g, self.track)
-            } else {
-                bf16::forward(qkv, &g, self.keep, self.dropout, self.track)
-            };
-            *self.saved()? = saved;
-            return Ok((CpuStorage::BF16(o), Shape::from((g.b * g.s, g.d()))));
-        }
-        let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
-            let qkv = cpu_slice::<T>(st, l, "attention qkv")?;
-            let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
-            (T::to_cpu_storage_owned(o), saved)
-        });
-        *self.saved()? = saved;
-        Ok((out, Shape::from((g.b * g.s, g.d()))))
-    }
-
-    /// The attention's backward: dqkv (b·s, 3D) as a bare storage, from qkv, the output and
-    /// its gradient (contiguous).
-    fn dqkv(
-        &self,
-        (sq, lq): (&CpuStorage, &Layout),
-        (so, lo): (&CpuStorage, &Layout),
-        (sg, lg): (&CpuStorage, &Layout),
-    ) -> CResult<CpuStorage> {
-        let guard = self.saved()?;
-        let g = attn_geom(lq, self.batch, self.heads)?;
-        if sq.dtype() == DType::BF16 && bf16::applies() {
-            let n = "attention";
-            let (qkv, go) = (
-                cpu_slice::<half::bf16>(sq, lq, n)?,
-                cpu_slice::<half::bf16>(sg, lg, n)?,
-            );
-            let dqkv = if self.keep == AttnKeep::LogSumExp {
-                let o = cpu_slice::<half::bf16>(so, lo, n)?;
-                bf16::backward_streaming(qkv, o, go, guard.as_ref(), &g)?
-            } else {
-                bf16::backward(qkv, go, guard.as_ref(), &g, self.keep, self.dropout)?
-            };
-            return Ok(CpuStorage::BF16(dqkv));
-        }
-        Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
-            let dqkv = attn_bwd_cpu::<T, A>(
-                cpu_slice::<T>(sq, lq, "attention qkv")?,
-                cpu_slice::<T>(so, lo, "attention output")?,
-                cpu_slice::<T>(sg, lg, "attention gradient")?,
-                guard.as_ref(),
-                &g,
-                self.keep,
-                self.dropout,
-            )?;
-            T::to_cpu_storage_owned(dqkv)
-        }))
-    }
-}
-
-impl QkvAttention {
-    /// [`Self::dqkv`] from an owned qkv (contiguous, (b·s, 3D)): on the generic kernels dqkv is
-    /// written over qkv's own buffer (`generic::attn_bwd_cpu_over`), so only one (b·s, 3D)
-    /// buffer exists; on the AVX512-BF16 kernels (which read q, k, v in place through the whole
-    /// head) dqkv is fresh and qkv is freed once it is made. The same bits either way.
-    fn dqkv_from_owned(
-        &self,
-        qkv: CpuStorage,
-        lq: &Layout,
-        (so, lo): (&CpuStorage, &Layout),
-        (sg, lg): (&CpuStorage, &Layout),
-    ) -> CResult<CpuStorage> {
-        if qkv.dtype() == DType::BF16 && bf16::applies() {
-            return self.dqkv((&qkv, lq), (so, lo), (sg, lg));
-        }
-        if !lq.is_contiguous() || lq.start_offset() != 0 {
-            return Err(err(
-                "attention backward: the owned qkv must be contiguous and whole",
-            ));
-        }
-        let guard = self.saved()?;
-        let g = attn_geom(lq, self.batch, self.heads)?;
-        Ok(dispatch_float!(
-            qkv.dtype(),
-            "attention backward",
-            |T, A| {
-                let mut v = T::cpu_storage_data(qkv)?;
-                attn_bwd_cpu_over::<T, A>(
-                    &mut v,
-                    cpu_slice::<T>(so, lo, "attention output")?,
-                    cpu_slice::<T>(sg, lg, "attention gradient")?,
-                    guard.as_ref(),
-                    &g,
-                    self.keep,
-                    self.dropout,
-                )?;
-                T::to_cpu_storage_owned(v)
-            }
-        ))
-    }
-}
-
-impl CustomOp1 for QkvAttention {
-    fn name(&self) -> &'static str {
-        "qkv-attention"
-    }
-
-    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        self.attn_fwd(st, l)
-    }
-
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        let grad = grad.contiguous()?;
-        let dqkv = with_cpu(arg, |sq, lq| {
-            with_cpu(res, |so, lo| {
-                with_cpu(&grad, |sg, lg| self.dqkv((sq, lq), (so, lo), (sg, lg)))
-            })
-        })?;
-        Ok(Some(storage_tensor(dqkv, arg.shape())?))
-    }
-}

@@ -21,7 +21,7 @@ pub struct GradSink {
 
 impl GradSink {
     /// Whether the sink takes the weight's gradient (the backward then reads the input).
-    pub fn wants_weight(&self) -> bool {
+    pub(crate) fn wants_weight(&self) -> bool {
         self.want_w
     }
 

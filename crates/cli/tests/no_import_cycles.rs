@@ -1,0 +1,1150 @@
+//! No import circles: no source file of any crate of the workspace uses an item of a file that
+//! (directly or through other files) uses an item of it back.
+//!
+//! # What is read
+//! Every `.rs` file reachable from a crate root of every member under `crates/` — `src/lib.rs`,
+//! `src/main.rs`, each `tests/*.rs`, each `benches/*.rs` — by following `mod` declarations
+//! (`#[path = "…"]` included). Comments and string literals are dropped first, so a path in a doc
+//! comment or a `#[serde(with = "…")]` string is not a dependency.
+//!
+//! # What counts as an edge `a.rs → b.rs`
+//! A path in `a.rs` that resolves to an item (a function, type, constant, macro…) defined in, or
+//! re-exported by, `b.rs`:
+//! - every `use` tree (`use crate::x::Y;`, `use super::Y;`, `use self::m::Y;`, grouped
+//!   `use a::{b, c::d};`, `as` renames, globs `use super::*;`, the crate's own name
+//!   `use ditmem_budget::spec::Spec;` from another crate, 2018-style relative `use child::Y;`),
+//!   function-local ones included;
+//! - every qualified path in code (`crate::timeline::simulate_step(…)`, `super::step::f(…)`,
+//!   `child_module::f(…)`, and `m::f(…)` where `m` was bound by a `use` of a module).
+//!
+//! A path resolves through the module tree (declared modules and modules re-exported by `pub use`)
+//! as deep as its segments name modules; the file of the last module reached is the target. A
+//! `use` of a module alone is no edge; the paths through the name it binds are.
+//!
+//! # What does not count: `mod child;` alone
+//! A parent's `mod child;` declaration is containment, not an edge: it places the child file in the
+//! tree (the compiler's file inclusion) and does not make the parent's code depend on any item of
+//! the child. Counted as an edge, every child that uses an item of its parent (`use super::X`,
+//! the usual `use super::*` of a test module) would be a circle, every module tree would be one big
+//! circle, and the test would say nothing. But a parent that *uses or re-exports* an item of its
+//! child (`pub use child::X;`, `child::f()`) has an edge to it, so a parent re-exporting a child
+//! item while that child uses the parent is a circle, and is reported.
+//!
+//! # What is not read: test modules
+//! A module under `#[cfg(test)]` (inline `mod tests { … }`, or a file such as
+//! `sharding_tests.rs`) is left out: it is built only into the crate's test harness, above
+//! every file of its crate, as an integration test is; a test of `spec.rs` that builds a spec
+//! through `denoiser.rs` says nothing about which of the two the library stands on. Integration
+//! tests (`tests/*.rs`) and benches are read, as crates of their own.
+//!
+//! An edge from a file to itself is no circle.
+//! A circle is a strongly connected component of two or more files; the test prints each with a
+//! shortest cycle through it and the file:line of each edge.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+// ---------------------------------------------------------------- lexing
+
+#[derive(Clone, Debug, PartialEq)]
+enum Tok {
+    Ident(String),
+    Str(String),
+    PathSep,
+    Punct(char),
+}
+
+#[derive(Clone, Debug)]
+struct Token {
+    tok: Tok,
+    line: usize,
+}
+
+/// Rust tokens, with comments dropped and literals reduced to `Str` (string) or skipped (chars,
+/// numbers). Good enough for `mod`, `use` and path expressions; not a full lexer.
+fn lex(src: &str) -> Vec<Token> {
+    let c: Vec<char> = src.chars().collect();
+    let mut out = Vec::new();
+    let (mut i, mut line) = (0usize, 1usize);
+    let at = |i: usize| c.get(i).copied().unwrap_or('\0');
+    while i < c.len() {
+        let ch = c[i];
+        if ch == '\n' {
+            line += 1;
+            i += 1;
+        } else if ch.is_whitespace() {
+            i += 1;
+        } else if ch == '/' && at(i + 1) == '/' {
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+        } else if ch == '/' && at(i + 1) == '*' {
+            let mut depth = 0;
+            while i < c.len() {
+                if c[i] == '/' && at(i + 1) == '*' {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && at(i + 1) == '/' {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    if c[i] == '\n' {
+                        line += 1;
+                    }
+                    i += 1;
+                }
+            }
+        } else if (ch == 'r' || (ch == 'b' && at(i + 1) == 'r'))
+            && matches!(at(i + 1 + usize::from(ch == 'b')), '#' | '"')
+            && {
+                // raw string r"…", r#"…"#, br"…" (not a raw identifier r#name)
+                let mut j = i + 1 + usize::from(ch == 'b');
+                while at(j) == '#' {
+                    j += 1;
+                }
+                at(j) == '"'
+            }
+        {
+            let mut j = i + 1 + usize::from(ch == 'b');
+            let mut hashes = 0;
+            while at(j) == '#' {
+                hashes += 1;
+                j += 1;
+            }
+            j += 1;
+            let start = j;
+            loop {
+                if j >= c.len() {
+                    break;
+                }
+                if c[j] == '"' && (1..=hashes).all(|k| at(j + k) == '#') {
+                    break;
+                }
+                if c[j] == '\n' {
+                    line += 1;
+                }
+                j += 1;
+            }
+            let s: String = c[start..j.min(c.len())].iter().collect();
+            out.push(Token {
+                tok: Tok::Str(s),
+                line,
+            });
+            i = j + 1 + hashes;
+        } else if ch == '"' || (ch == 'b' && at(i + 1) == '"') {
+            let mut j = i + if ch == 'b' { 2 } else { 1 };
+            let start = j;
+            let l0 = line;
+            while j < c.len() && c[j] != '"' {
+                if c[j] == '\\' {
+                    j += 1;
+                }
+                if at(j) == '\n' {
+                    line += 1;
+                }
+                j += 1;
+            }
+            let s: String = c[start..j.min(c.len())].iter().collect();
+            out.push(Token {
+                tok: Tok::Str(s),
+                line: l0,
+            });
+            i = j + 1;
+        } else if ch == '\'' {
+            // char literal or lifetime
+            if at(i + 1) == '\\' {
+                let mut j = i + 2;
+                while j < c.len() && c[j] != '\'' {
+                    j += 1;
+                }
+                i = j + 1;
+            } else if at(i + 2) == '\'' {
+                i += 3;
+            } else {
+                i += 1;
+                while at(i).is_alphanumeric() || at(i) == '_' {
+                    i += 1;
+                }
+            }
+        } else if ch.is_alphabetic() || ch == '_' {
+            let mut j = i;
+            if ch == 'r' && at(i + 1) == '#' {
+                j += 2;
+            }
+            let start = j;
+            while at(j).is_alphanumeric() || at(j) == '_' {
+                j += 1;
+            }
+            if ch == 'b' && at(j) == '\'' && j == i + 1 {
+                // byte literal b'x'
+                let mut k = j + 1;
+                if at(k) == '\\' {
+                    k += 1;
+                }
+                k += 1;
+                while k < c.len() && c[k] != '\'' {
+                    k += 1;
+                }
+                i = k + 1;
+                continue;
+            }
+            out.push(Token {
+                tok: Tok::Ident(c[start..j].iter().collect()),
+                line,
+            });
+            i = j;
+        } else if ch.is_ascii_digit() {
+            while at(i).is_alphanumeric()
+                || at(i) == '_'
+                || (at(i) == '.' && at(i + 1).is_ascii_digit())
+            {
+                i += 1;
+            }
+        } else if ch == ':' && at(i + 1) == ':' {
+            out.push(Token {
+                tok: Tok::PathSep,
+                line,
+            });
+            i += 2;
+        } else {
+            out.push(Token {
+                tok: Tok::Punct(ch),
+                line,
+            });
+            i += 1;
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------- module tree
+
+/// Keywords that define a module-level item named by the next identifier.
+const ITEM_KEYWORDS: [&str; 8] = [
+    "fn", "struct", "enum", "union", "trait", "type", "const", "static",
+];
+
+type ModId = usize;
+
+#[derive(Debug)]
+struct Module {
+    crate_name: String,
+    file: PathBuf,
+    parent: Option<ModId>,
+    /// Declared child modules (file or inline).
+    children: BTreeMap<String, ModId>,
+    /// Names bound by `use` in this module: name → (path, line). `*` globs are kept as `*`n.
+    uses: Vec<(String, Vec<String>, usize)>,
+    /// Qualified paths in code: (path, line).
+    paths: Vec<(Vec<String>, usize)>,
+    /// Names of the items defined at this module's level (`fn`, `struct`, `macro_rules!`…).
+    defs: BTreeSet<String>,
+}
+
+struct Tree {
+    mods: Vec<Module>,
+    /// crate name (as written in paths) → root module. Several test roots share no name.
+    roots: HashMap<String, ModId>,
+    problems: Vec<String>,
+}
+
+impl Tree {
+    fn new() -> Self {
+        Tree {
+            mods: Vec::new(),
+            roots: HashMap::new(),
+            problems: Vec::new(),
+        }
+    }
+
+    /// Reads a crate from its root file; `name` is the name other crates write (`ditmem_budget`),
+    /// or a private name for a test or bench root.
+    fn add_crate(&mut self, name: &str, root: &Path) {
+        let id = self.load_file(name, root, None, root.parent().unwrap().to_path_buf());
+        if let Some(id) = id {
+            self.roots.insert(name.to_string(), id);
+        }
+    }
+
+    /// Loads `file` as a module; `dir` is where its `mod x;` children live.
+    fn load_file(
+        &mut self,
+        krate: &str,
+        file: &Path,
+        parent: Option<ModId>,
+        dir: PathBuf,
+    ) -> Option<ModId> {
+        let src = match fs::read_to_string(file) {
+            Ok(s) => s,
+            Err(e) => {
+                self.problems.push(format!("{}: {e}", file.display()));
+                return None;
+            }
+        };
+        let toks = lex(&src);
+        let id = self.new_mod(krate, file, parent);
+        self.parse(krate, file, &toks, id, dir);
+        Some(id)
+    }
+
+    fn new_mod(&mut self, krate: &str, file: &Path, parent: Option<ModId>) -> ModId {
+        self.mods.push(Module {
+            crate_name: krate.to_string(),
+            file: file.to_path_buf(),
+            parent,
+            children: BTreeMap::new(),
+            uses: Vec::new(),
+            paths: Vec::new(),
+            defs: BTreeSet::new(),
+        });
+        self.mods.len() - 1
+    }
+
+    fn parse(&mut self, krate: &str, file: &Path, toks: &[Token], root: ModId, root_dir: PathBuf) {
+        // scope stack: (module, brace depth at which it closes, dir of its children)
+        let mut stack: Vec<(ModId, usize, PathBuf)> = vec![(root, 0, root_dir)];
+        let mut depth = 0usize;
+        let mut path_attr: Option<String> = None;
+        // where the last `#[cfg(test)]` began
+        let mut cfg_test_at: Option<usize> = None;
+        let mut i = 0;
+        let ident = |k: usize| match toks.get(k) {
+            Some(Token {
+                tok: Tok::Ident(s), ..
+            }) => Some(s.as_str()),
+            _ => None,
+        };
+        let punct = |k: usize, p: char| matches!(toks.get(k), Some(Token { tok: Tok::Punct(q), .. }) if *q == p);
+        while i < toks.len() {
+            let (cur, _, ref cur_dir) = *stack.last().unwrap();
+            let cur_dir = cur_dir.clone();
+            match &toks[i].tok {
+                Tok::Punct('{') => {
+                    depth += 1;
+                    i += 1;
+                }
+                Tok::Punct('}') => {
+                    if stack.len() > 1 && stack.last().unwrap().1 == depth {
+                        stack.pop();
+                    }
+                    depth = depth.saturating_sub(1);
+                    i += 1;
+                }
+                Tok::Punct('#') => {
+                    // #[path = "x.rs"]
+                    let k = i + 1 + usize::from(punct(i + 1, '!'));
+                    if punct(k, '[')
+                        && ident(k + 1) == Some("cfg")
+                        && punct(k + 2, '(')
+                        && ident(k + 3) == Some("test")
+                        && punct(k + 4, ')')
+                    {
+                        cfg_test_at = Some(i);
+                    }
+                    if punct(k, '[') && ident(k + 1) == Some("path") && punct(k + 2, '=') {
+                        if let Some(Token {
+                            tok: Tok::Str(s), ..
+                        }) = toks.get(k + 3)
+                        {
+                            path_attr = Some(s.clone());
+                        }
+                    }
+                    i += 1;
+                }
+                Tok::Ident(kw)
+                    if ITEM_KEYWORDS.contains(&kw.as_str())
+                        && depth == stack.last().unwrap().1
+                        && ident(i + 1).is_some() =>
+                {
+                    self.mods[cur]
+                        .defs
+                        .insert(ident(i + 1).unwrap().to_string());
+                    i += 1;
+                }
+                Tok::Ident(kw)
+                    if kw == "macro_rules" && punct(i + 1, '!') && ident(i + 2).is_some() =>
+                {
+                    self.mods[cur]
+                        .defs
+                        .insert(ident(i + 2).unwrap().to_string());
+                    i += 2;
+                }
+                Tok::Ident(kw) if kw == "mod" && ident(i + 1).is_some() => {
+                    let name = ident(i + 1).unwrap().to_string();
+                    let test_only = cfg_test_at.is_some_and(|a| {
+                        toks[a..i]
+                            .iter()
+                            .all(|t| !matches!(t.tok, Tok::Punct(';' | '{' | '}')))
+                    });
+                    if test_only {
+                        // a test module: not read (see the module docs)
+                        path_attr = None;
+                        i += 2;
+                        if punct(i, '{') {
+                            let mut d = 0usize;
+                            while i < toks.len() {
+                                match toks[i].tok {
+                                    Tok::Punct('{') => d += 1,
+                                    Tok::Punct('}') => d -= 1,
+                                    _ => {}
+                                }
+                                i += 1;
+                                if d == 0 {
+                                    break;
+                                }
+                            }
+                        }
+                        continue;
+                    }
+                    if punct(i + 2, ';') {
+                        let child_dir = cur_dir.join(&name);
+                        let (cand, dir): (Vec<PathBuf>, Option<PathBuf>) = match path_attr.take() {
+                            Some(p) => {
+                                let base = if stack.len() == 1 {
+                                    file.parent().unwrap().to_path_buf()
+                                } else {
+                                    cur_dir.clone()
+                                };
+                                let f = base.join(p);
+                                let d = f.parent().unwrap().join(f.file_stem().unwrap());
+                                (vec![f], Some(d))
+                            }
+                            None => (
+                                vec![cur_dir.join(format!("{name}.rs")), child_dir.join("mod.rs")],
+                                None,
+                            ),
+                        };
+                        match cand.iter().find(|p| p.exists()) {
+                            Some(f) => {
+                                let d = dir.unwrap_or_else(|| child_dir.clone());
+                                if let Some(child) = self.load_file(krate, f, Some(cur), d) {
+                                    self.mods[cur].children.insert(name, child);
+                                }
+                            }
+                            None => self
+                                .problems
+                                .push(format!("{}: `mod {name};` has no file", file.display())),
+                        }
+                        i += 3;
+                    } else if punct(i + 2, '{') {
+                        let child = self.new_mod(krate, file, Some(cur));
+                        self.mods[cur].children.insert(name.clone(), child);
+                        depth += 1;
+                        stack.push((child, depth, cur_dir.join(&name)));
+                        path_attr = None;
+                        i += 3;
+                    } else {
+                        i += 1;
+                    }
+                }
+                Tok::Ident(kw) if kw == "use" => {
+                    let line = toks[i].line;
+                    let mut j = i + 1;
+                    if matches!(
+                        toks.get(j),
+                        Some(Token {
+                            tok: Tok::PathSep,
+                            ..
+                        })
+                    ) {
+                        j += 1; // `use ::std::…` is external
+                        while j < toks.len() && !punct(j, ';') {
+                            j += 1;
+                        }
+                        i = j + 1;
+                        continue;
+                    }
+                    let mut bindings = Vec::new();
+                    j = parse_use_tree(toks, j, &mut Vec::new(), &mut bindings);
+                    for (name, path) in bindings {
+                        self.mods[cur].uses.push((name, path, line));
+                    }
+                    i = j + 1;
+                }
+                Tok::Ident(first)
+                    if matches!(
+                        toks.get(i + 1),
+                        Some(Token {
+                            tok: Tok::PathSep,
+                            ..
+                        })
+                    ) && !matches!(
+                        i.checked_sub(1).and_then(|k| toks.get(k)),
+                        Some(Token {
+                            tok: Tok::PathSep,
+                            ..
+                        })
+                    ) && !matches!(
+                        i.checked_sub(1).and_then(|k| toks.get(k)),
+                        Some(Token {
+                            tok: Tok::Punct('$'),
+                            ..
+                        })
+                    ) =>
+                {
+                    let line = toks[i].line;
+                    let mut path = vec![first.clone()];
+                    let mut j = i + 1;
+                    while matches!(
+                        toks.get(j),
+                        Some(Token {
+                            tok: Tok::PathSep,
+                            ..
+                        })
+                    ) {
+                        match ident(j + 1) {
+                            Some(s) => {
+                                path.push(s.to_string());
+                                j += 2;
+                            }
+                            None => break,
+                        }
+                    }
+                    self.mods[cur].paths.push((path, line));
+                    i = j;
+                }
+                _ => i += 1,
+            }
+        }
+    }
+
+    /// The module a path's leading segment names, seen from `m`, and how many segments it used.
+    fn start(
+        &self,
+        m: ModId,
+        path: &[String],
+        seen: &mut BTreeSet<(ModId, String)>,
+    ) -> Option<Target> {
+        let first = path.first()?.as_str();
+        match first {
+            "crate" => Some(Target::Mod(self.root_of(m))),
+            "self" => Some(Target::Mod(m)),
+            "super" => self.mods[m].parent.map(Target::Mod),
+            _ => {
+                if let Some(&c) = self.mods[m].children.get(first) {
+                    return Some(Target::Mod(c));
+                }
+                if let Some(t) = self.binding(m, first, seen) {
+                    return Some(t);
+                }
+                self.roots.get(first).map(|&r| Target::Mod(r))
+            }
+        }
+    }
+
+    fn root_of(&self, mut m: ModId) -> ModId {
+        while let Some(p) = self.mods[m].parent {
+            m = p;
+        }
+        m
+    }
+
+    /// What the name `name` bound by a `use` in module `m` refers to.
+    fn binding(
+        &self,
+        m: ModId,
+        name: &str,
+        seen: &mut BTreeSet<(ModId, String)>,
+    ) -> Option<Target> {
+        if !seen.insert((m, name.to_string())) {
+            return None;
+        }
+        let (_, path, _) = self.mods[m].uses.iter().find(|(n, _, _)| n == name)?;
+        self.resolve(m, path, seen)
+    }
+
+    /// Resolves a path seen from module `m`: the deepest module it names, or the module holding
+    /// the item it names.
+    fn resolve(
+        &self,
+        m: ModId,
+        path: &[String],
+        seen: &mut BTreeSet<(ModId, String)>,
+    ) -> Option<Target> {
+        let mut t = self.start(m, path, seen)?;
+        for seg in &path[1..] {
+            let cur = match t {
+                Target::Mod(c) => c,
+                Target::Item(_) => return Some(t),
+            };
+            if seg == "super" {
+                t = Target::Mod(self.mods[cur].parent?);
+                continue;
+            }
+            if seg == "self" || seg == "*" {
+                continue;
+            }
+            t = self.member(cur, seg, seen);
+        }
+        Some(t)
+    }
+}
+
+impl Tree {
+    /// What `seg` names inside module `cur`: a child module, an item defined there, or what a
+    /// (re-)export there names — followed to the file that defines it.
+    fn member(&self, cur: ModId, seg: &str, seen: &mut BTreeSet<(ModId, String)>) -> Target {
+        if let Some(&c) = self.mods[cur].children.get(seg) {
+            return Target::Mod(c);
+        }
+        if self.mods[cur].defs.contains(seg) {
+            return Target::Item(cur);
+        }
+        if let Some(t) = self.binding(cur, seg, seen) {
+            return t;
+        }
+        // a name brought in by a glob (`pub use child::*;`) that its module defines or exports
+        for (name, path, _) in &self.mods[cur].uses {
+            if !name.starts_with('*') || !seen.insert((cur, name.clone())) {
+                continue;
+            }
+            if let Some(Target::Mod(g)) = self.resolve(cur, path, seen) {
+                if let t @ Target::Item(d) = self.member(g, seg, seen) {
+                    if self.mods[d].defs.contains(seg) {
+                        return t;
+                    }
+                }
+            }
+        }
+        // not found (a macro-made item, an enum variant…): count it as `cur`'s
+        Target::Item(cur)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    /// The path names a module (a `use` of it binds a name; no edge by itself).
+    Mod(ModId),
+    /// The path names an item of this module.
+    Item(ModId),
+}
+
+/// Parses one use tree from `toks[j]`; pushes (bound name, full path); returns the index of the
+/// token after the tree (`;`, `,` or `}`).
+fn parse_use_tree(
+    toks: &[Token],
+    mut j: usize,
+    prefix: &mut Vec<String>,
+    out: &mut Vec<(String, Vec<String>)>,
+) -> usize {
+    let start_len = prefix.len();
+    loop {
+        match toks.get(j).map(|t| &t.tok) {
+            Some(Tok::Ident(s)) => {
+                prefix.push(s.clone());
+                j += 1;
+                if matches!(toks.get(j).map(|t| &t.tok), Some(Tok::PathSep)) {
+                    j += 1;
+                    continue;
+                }
+                // end of a simple path, maybe `as name`
+                let mut name = prefix.last().unwrap().clone();
+                if matches!(toks.get(j).map(|t| &t.tok), Some(Tok::Ident(k)) if k == "as") {
+                    if let Some(Tok::Ident(n)) = toks.get(j + 1).map(|t| &t.tok) {
+                        name = n.clone();
+                    }
+                    j += 2;
+                }
+                if name == "self" {
+                    prefix.pop();
+                    name = prefix.last().cloned().unwrap_or_default();
+                }
+                out.push((name, prefix.clone()));
+                break;
+            }
+            Some(Tok::Punct('*')) => {
+                prefix.push("*".into());
+                out.push((format!("*{}", out.len()), prefix.clone()));
+                j += 1;
+                break;
+            }
+            Some(Tok::Punct('{')) => {
+                j += 1;
+                loop {
+                    j = parse_use_tree(toks, j, prefix, out);
+                    match toks.get(j).map(|t| &t.tok) {
+                        Some(Tok::Punct(',')) => {
+                            j += 1;
+                            if matches!(toks.get(j).map(|t| &t.tok), Some(Tok::Punct('}'))) {
+                                j += 1;
+                                break;
+                            }
+                        }
+                        Some(Tok::Punct('}')) => {
+                            j += 1;
+                            break;
+                        }
+                        _ => break,
+                    }
+                }
+                break;
+            }
+            _ => break,
+        }
+    }
+    prefix.truncate(start_len);
+    j
+}
+
+// ---------------------------------------------------------------- graph
+
+/// file → file → the lines (`file:line path`) that make the edge.
+type Graph = BTreeMap<PathBuf, BTreeMap<PathBuf, Vec<String>>>;
+
+fn graph(tree: &Tree) -> Graph {
+    let mut g: Graph = BTreeMap::new();
+    for (id, m) in tree.mods.iter().enumerate() {
+        g.entry(m.file.clone()).or_default();
+        let mut add = |t: Option<Target>, path: &[String], line: usize| {
+            if let Some(Target::Item(to)) = t {
+                let to = &tree.mods[to].file;
+                if *to != m.file {
+                    g.entry(m.file.clone())
+                        .or_default()
+                        .entry(to.clone())
+                        .or_default()
+                        .push(format!("{}:{line} {}", m.file.display(), path.join("::")));
+                }
+            }
+        };
+        for (name, path, line) in &m.uses {
+            let t = tree.resolve(id, path, &mut BTreeSet::new());
+            // a glob of a module uses items of that module
+            let t = match t {
+                Some(Target::Mod(c)) if name.starts_with('*') => Some(Target::Item(c)),
+                t => t,
+            };
+            add(t, path, *line);
+        }
+        for (path, line) in &m.paths {
+            if path.len() < 2 {
+                continue;
+            }
+            let t = tree.resolve(id, path, &mut BTreeSet::new());
+            add(t, path, *line);
+        }
+        let _ = &m.crate_name;
+    }
+    g
+}
+
+/// Strongly connected components of two or more files (Tarjan).
+fn circles(g: &Graph) -> Vec<Vec<PathBuf>> {
+    let nodes: Vec<&PathBuf> = g.keys().collect();
+    let index_of: HashMap<&PathBuf, usize> =
+        nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let adj: Vec<Vec<usize>> = nodes
+        .iter()
+        .map(|n| {
+            g[*n]
+                .keys()
+                .filter_map(|t| index_of.get(t).copied())
+                .collect()
+        })
+        .collect();
+    let n = nodes.len();
+    let (mut index, mut low, mut on) = (vec![usize::MAX; n], vec![0; n], vec![false; n]);
+    let (mut stack, mut next, mut out) = (Vec::new(), 0, Vec::new());
+    // iterative Tarjan
+    for s in 0..n {
+        if index[s] != usize::MAX {
+            continue;
+        }
+        let mut work: Vec<(usize, usize)> = vec![(s, 0)];
+        index[s] = next;
+        low[s] = next;
+        next += 1;
+        stack.push(s);
+        on[s] = true;
+        while let Some(&mut (v, ref mut k)) = work.last_mut() {
+            if *k < adj[v].len() {
+                let w = adj[v][*k];
+                *k += 1;
+                if index[w] == usize::MAX {
+                    index[w] = next;
+                    low[w] = next;
+                    next += 1;
+                    stack.push(w);
+                    on[w] = true;
+                    work.push((w, 0));
+                } else if on[w] {
+                    low[v] = low[v].min(index[w]);
+                }
+            } else {
+                work.pop();
+                if let Some(&(u, _)) = work.last() {
+                    low[u] = low[u].min(low[v]);
+                }
+                if low[v] == index[v] {
+                    let mut comp = Vec::new();
+                    loop {
+                        let w = stack.pop().unwrap();
+                        on[w] = false;
+                        comp.push(nodes[w].clone());
+                        if w == v {
+                            break;
+                        }
+                    }
+                    if comp.len() > 1 {
+                        comp.sort();
+                        out.push(comp);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A shortest cycle through the first file of a circle, with the lines of each edge.
+fn describe(g: &Graph, comp: &[PathBuf], root: &Path) -> String {
+    let inside: BTreeSet<&PathBuf> = comp.iter().collect();
+    let s = &comp[0];
+    // BFS from s back to s within the component
+    let mut prev: BTreeMap<&PathBuf, &PathBuf> = BTreeMap::new();
+    let mut queue = std::collections::VecDeque::from([s]);
+    let mut found = None;
+    while let Some(v) = queue.pop_front() {
+        for w in g[v].keys().filter(|w| inside.contains(w)) {
+            if w == s {
+                found = Some(v);
+                break;
+            }
+            if !prev.contains_key(w) {
+                prev.insert(w, v);
+                queue.push_back(w);
+            }
+        }
+        if found.is_some() {
+            break;
+        }
+    }
+    let rel = |p: &Path| p.strip_prefix(root).unwrap_or(p).display().to_string();
+    let mut chain = Vec::new();
+    let mut v = found.expect("a component of two or more files has a cycle through each file");
+    while v != s {
+        chain.push(v.clone());
+        v = prev[v];
+    }
+    chain.reverse();
+    let cycle: Vec<PathBuf> = std::iter::once(s.clone())
+        .chain(chain)
+        .chain([s.clone()])
+        .collect();
+    let mut text = format!(
+        "circle of {} files: {}\n  shortest cycle: {}\n",
+        comp.len(),
+        comp.iter().map(|p| rel(p)).collect::<Vec<_>>().join(", "),
+        cycle
+            .iter()
+            .map(|p| rel(p))
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    );
+    for w in cycle.windows(2) {
+        for why in g[&w[0]][&w[1]].iter().take(3) {
+            text += &format!(
+                "    {} -> {}: {}\n",
+                rel(&w[0]),
+                rel(&w[1]),
+                why.replace(&format!("{}/", root.display()), "")
+            );
+        }
+    }
+    if std::env::var_os("DITMEM_CYCLES_ALL").is_some() {
+        text += "  every edge inside it:\n";
+        for a in comp {
+            for (b, why) in g[a].iter().filter(|(b, _)| inside.contains(b)) {
+                text += &format!(
+                    "    {} -> {}: {}\n",
+                    rel(a),
+                    rel(b),
+                    why.first()
+                        .map(|w| w.replace(&format!("{}/", root.display()), ""))
+                        .unwrap_or_default()
+                );
+            }
+        }
+    }
+    text
+}
+
+/// Reads every crate under `<root>/crates` (each root file: src/lib.rs, src/main.rs, tests/*.rs,
+/// benches/*.rs).
+fn workspace(root: &Path) -> Tree {
+    let mut tree = Tree::new();
+    let mut crates: Vec<PathBuf> = fs::read_dir(root.join("crates"))
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    crates.sort();
+    // libraries first, so that other roots resolve their names
+    for dir in &crates {
+        let Ok(manifest) = fs::read_to_string(dir.join("Cargo.toml")) else {
+            continue;
+        };
+        let name = manifest
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("name = \"")
+                    .and_then(|r| r.strip_suffix('"'))
+            })
+            .unwrap_or("?")
+            .replace('-', "_");
+        if dir.join("src/lib.rs").exists() {
+            tree.add_crate(&name, &dir.join("src/lib.rs"));
+        }
+    }
+    for dir in &crates {
+        let mut roots = Vec::new();
+        if dir.join("src/main.rs").exists() {
+            roots.push(dir.join("src/main.rs"));
+        }
+        for sub in ["tests", "benches"] {
+            if let Ok(d) = fs::read_dir(dir.join(sub)) {
+                let mut fs: Vec<PathBuf> = d
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+                    .collect();
+                fs.sort();
+                roots.extend(fs);
+            }
+        }
+        for r in roots {
+            // a private name: `#` cannot start a path segment
+            tree.add_crate(&format!("#{}", r.display()), &r);
+        }
+    }
+    tree
+}
+
+/// The circles found: each one's files (relative to `root`) and its description.
+fn check(root: &Path) -> (usize, usize, Vec<(BTreeSet<String>, String)>) {
+    let tree = workspace(root);
+    assert!(
+        tree.problems.is_empty(),
+        "unreadable module tree: {:#?}",
+        tree.problems
+    );
+    let g = graph(&tree);
+    let edges = g.values().map(|t| t.len()).sum();
+    let rel = |p: &PathBuf| p.strip_prefix(root).unwrap_or(p).display().to_string();
+    let found = circles(&g)
+        .iter()
+        .map(|c| (c.iter().map(rel).collect(), describe(&g, c, root)))
+        .collect();
+    (g.len(), edges, found)
+}
+
+/// Circles this test found when it was written and that are not broken yet, each by its files.
+/// A ratchet: a circle found must lie inside one of these (no new circle, no file joining one),
+/// and each of these must still be found (remove an entry, or shrink it, when its circle is
+/// broken). The goal is an empty list; `docs/architecture.md` says which move breaks which.
+/// `DITMEM_CYCLES_ALL=1` prints every edge inside each circle.
+const KNOWN_CIRCLES: &[&[&str]] = &[
+    &[
+        "crates/budget/src/runtime/ditmem_cpu/block.rs",
+        "crates/budget/src/runtime/ditmem_cpu/cross.rs",
+        "crates/budget/src/runtime/ditmem_cpu/flux.rs",
+        "crates/budget/src/runtime/ditmem_cpu/ops.rs",
+        "crates/budget/src/runtime/ditmem_cpu/pixart.rs",
+        "crates/budget/src/runtime/ditmem_cpu/sana.rs",
+        "crates/budget/src/runtime/ditmem_cpu/sd3.rs",
+        "crates/budget/src/runtime/ditmem_cpu/segments.rs",
+        "crates/budget/src/runtime/ditmem_cpu/sims.rs",
+        "crates/budget/src/runtime/ditmem_cpu/step.rs",
+        "crates/budget/src/runtime/ditmem_cpu/wan.rs",
+        "crates/budget/src/runtime/shape.rs",
+    ],
+    &[
+        "crates/engine/src/families/flux/params.rs",
+        "crates/engine/src/families/lora.rs",
+        "crates/engine/src/families/mod.rs",
+        "crates/engine/src/families/pixart/params.rs",
+        "crates/engine/src/families/sana/params.rs",
+        "crates/engine/src/families/sd3/params.rs",
+        "crates/engine/src/families/wan/params.rs",
+        "crates/engine/src/model.rs",
+    ],
+    &[
+        "crates/engine/src/trainer/family.rs",
+        "crates/engine/src/trainer/flux.rs",
+        "crates/engine/src/trainer/pixart.rs",
+        "crates/engine/src/trainer/sana.rs",
+        "crates/engine/src/trainer/sd3.rs",
+        "crates/engine/src/trainer/wan.rs",
+        "crates/engine/src/trainer.rs",
+    ],
+    &[
+        "crates/cli/src/args.rs",
+        "crates/cli/src/compare_cmd.rs",
+        "crates/cli/src/gpus_cmd.rs",
+        "crates/cli/src/guard.rs",
+        "crates/cli/src/input.rs",
+        "crates/cli/src/main.rs",
+        "crates/cli/src/oom_cmd.rs",
+        "crates/cli/src/output.rs",
+        "crates/cli/src/params_cmd.rs",
+        "crates/cli/src/plan_cmd.rs",
+        "crates/cli/src/run_cmd.rs",
+        "crates/cli/src/snapshot_cmd.rs",
+        "crates/cli/src/verify_cmd.rs",
+    ],
+];
+
+#[test]
+fn no_source_file_imports_a_file_that_imports_it_back() {
+    // `DITMEM_CYCLES_ROOT=DIR` reads another checkout (an older commit's tree, to compare).
+    let root = std::env::var_os("DITMEM_CYCLES_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    let root = root.canonicalize().unwrap();
+    let (files, edges, found) = check(&root);
+    // The walk really read the workspace (a broken walk would find no circle in nothing).
+    assert!(files > 150, "only {files} files read");
+    assert!(edges > 300, "only {edges} edges found");
+    eprintln!(
+        "{files} files, {edges} edges, {} circle(s):\n{}",
+        found.len(),
+        found
+            .iter()
+            .map(|(_, t)| t.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let known: Vec<BTreeSet<String>> = KNOWN_CIRCLES
+        .iter()
+        .map(|c| c.iter().map(|f| f.to_string()).collect())
+        .collect();
+    let new: Vec<&String> = found
+        .iter()
+        .filter(|(files, _)| !known.iter().any(|k| files.is_subset(k)))
+        .map(|(_, text)| text)
+        .collect();
+    assert!(
+        new.is_empty(),
+        "{} new import circle(s) among {files} files and {edges} edges:\n{}",
+        new.len(),
+        new.iter()
+            .map(|t| t.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let gone: Vec<&BTreeSet<String>> = known
+        .iter()
+        .filter(|k| !found.iter().any(|(files, _)| files.is_subset(k)))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "circles broken (good): remove them from KNOWN_CIRCLES: {gone:#?}"
+    );
+}
+
+// ---------------------------------------------------------------- the checker's own tests
+
+/// Writes a small workspace of one crate with `files` under `src/`, returns its root.
+fn tiny(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let root = std::env::temp_dir().join(format!("ditmem-cycles-{name}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&root);
+    let c = root.join("crates/toy");
+    fs::create_dir_all(c.join("src")).unwrap();
+    fs::write(c.join("Cargo.toml"), "[package]\nname = \"toy-crate\"\n").unwrap();
+    for (p, text) in files {
+        let f = c.join("src").join(p);
+        fs::create_dir_all(f.parent().unwrap()).unwrap();
+        fs::write(f, text).unwrap();
+    }
+    root
+}
+
+fn circles_in(name: &str, files: &[(&str, &str)]) -> Vec<String> {
+    let root = tiny(name, files);
+    let (_, _, found) = check(&root.canonicalize().unwrap());
+    let _ = fs::remove_dir_all(&root);
+    found.into_iter().map(|(_, text)| text).collect()
+}
+
+#[test]
+fn siblings_using_each_other_are_a_circle() {
+    let found = circles_in(
+        "siblings",
+        &[
+            ("lib.rs", "pub mod a;\npub mod b;\n"),
+            (
+                "a.rs",
+                "use crate::b::{Beta, other::Gamma};\npub struct Alpha;\n",
+            ),
+            (
+                "b.rs",
+                "pub mod other;\npub struct Beta;\npub fn f() { super::a::Alpha; }\n",
+            ),
+            ("b/other.rs", "pub struct Gamma;\n"),
+        ],
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].contains("a.rs") && found[0].contains("b.rs") && !found[0].contains("other.rs")
+    );
+}
+
+#[test]
+fn mod_declaration_alone_is_containment_not_an_edge() {
+    let found = circles_in(
+        "contain",
+        &[
+            ("lib.rs", "pub mod a;\npub mod b;\npub struct Root;\n"),
+            (
+                "a.rs",
+                "use super::Root;\n#[cfg(test)]\nmod tests { use crate::b::Beta; }\n",
+            ),
+            ("b.rs", "use crate::a::*;\npub struct Beta;\n"),
+        ],
+    );
+    assert!(found.is_empty(), "{found:?}");
+}
+
+#[test]
+fn a_parent_re_exporting_a_child_that_uses_it_is_a_circle() {
+    let found = circles_in(
+        "reexport",
+        &[
+            ("lib.rs", "mod a;\npub use a::Alpha;\npub struct Root;\n"),
+            ("a.rs", "use crate::Root;\npub struct Alpha;\n"),
+        ],
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+}
+
+#[test]
+fn module_aliases_globs_and_comments() {
+    // `use crate::m;` then `m::f()` is an edge to m.rs; a path in a comment or string is not;
+    // a glob of a module is an edge.
+    let found = circles_in(
+        "alias",
+        &[
+            ("lib.rs", "pub mod m;\npub mod n;\npub mod k;\n"),
+            ("m.rs", "use crate::n;\npub fn f() { n::g(); }\n"),
+            ("n.rs", "use crate::k::*;\npub fn g() {}\n"),
+            (
+                "k.rs",
+                "// crate::m::f()\npub fn h() { let _ = \"crate::m::f\"; }\n",
+            ),
+        ],
+    );
+    assert!(found.is_empty(), "{found:?}");
+    let found = circles_in(
+        "alias2",
+        &[
+            ("lib.rs", "pub mod m;\npub mod n;\npub mod k;\n"),
+            ("m.rs", "use crate::n;\npub fn f() { n::g(); }\n"),
+            ("n.rs", "use crate::k::*;\npub fn g() {}\n"),
+            ("k.rs", "pub fn h() { crate::m::f() }\n"),
+        ],
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("circle of 3 files"), "{found:?}");
+}
