@@ -10,7 +10,10 @@
 use clap::{CommandFactory, Parser, Subcommand};
 use serde_json::{Map, Value};
 
-use crate::{gpus_cmd, oom_cmd, params_cmd, plan_cmd, CliError, EstimateArgs, SpecCmdArgs};
+use crate::error::CliError;
+use crate::estimate_cmd::EstimateArgs;
+use crate::spec_cmd::SpecCmdArgs;
+use crate::{estimate_cmd, gpus_cmd, oom_cmd, params_cmd, plan_cmd, spec_cmd};
 
 /// The commands the API answers (the CLI's that need no tensors, no engine and no peer).
 pub const COMMANDS: [&str; 6] = ["estimate", "plan", "params", "gpus", "oom", "spec"];
@@ -115,7 +118,7 @@ pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Resul
         match parsed.command {
             ApiCommand::Estimate(mut a) => {
                 a.spec.model_json = model_json;
-                crate::estimate(a)
+                estimate_cmd::estimate(a)
             }
             ApiCommand::Plan(mut a) => {
                 a.spec.model_json = model_json;
@@ -132,7 +135,7 @@ pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Resul
             }
             ApiCommand::Spec(mut a) => {
                 a.spec.model_json = model_json;
-                crate::spec(a)
+                spec_cmd::spec(a)
             }
         }
     };
@@ -142,7 +145,7 @@ pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Resul
             .json
             .ok_or_else(|| ApiError::Internal(format!("`{command} --json` printed no JSON"))),
         Err(e) => {
-            let (code, message) = crate::error_line(&e);
+            let (code, message) = crate::error::error_line(&e);
             Err(match code {
                 2 => ApiError::Invalid(message),
                 3 => ApiError::DoesNotFit {

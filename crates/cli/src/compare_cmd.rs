@@ -434,19 +434,6 @@ fn pred_peak(
     ))
 }
 
-/// Two SVG documents next to each other in one.
-pub fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String {
-    let strip = |s: &str| s.trim_start_matches(|c| c != '<').to_string();
-    format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\">\n\
-         <svg x=\"0\" y=\"0\" width=\"{lw}\" height=\"{h}\">{l}</svg>\n\
-         <svg x=\"{lw}\" y=\"0\" width=\"{rw}\" height=\"{h}\">{r}</svg>\n</svg>\n",
-        w = lw + rw,
-        l = strip(left),
-        r = strip(right),
-    )
-}
-
 /// The folder of the PyTorch peer (`bench/torch_peer`): `$DITMEM_TORCH_PEER` when set, else the
 /// first of the binary's folder's ancestors (`target/release/ditmem` of a checkout) and the
 /// working folder's ancestors that holds `bench/torch_peer/family_peer.py`. None: not found.

@@ -10,6 +10,8 @@ pub mod api;
 pub(crate) mod args;
 pub(crate) mod compare_cmd;
 pub(crate) mod conditions;
+mod error;
+pub(crate) mod estimate_cmd;
 pub(crate) mod flags;
 pub(crate) mod gpus_cmd;
 pub(crate) mod guard;
@@ -23,16 +25,17 @@ pub(crate) mod render;
 pub(crate) mod run_cmd;
 pub mod serve;
 pub(crate) mod snapshot_cmd;
+pub(crate) mod spec_cmd;
 pub(crate) mod stats;
 pub(crate) mod verify_cmd;
 
 use std::process::ExitCode;
 
+pub use crate::error::{error_line, CliError};
+use crate::estimate_cmd::EstimateArgs;
+use crate::spec_cmd::SpecCmdArgs;
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
-use ditmem_budget::SpecError;
-
-use crate::args::SpecArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -79,89 +82,12 @@ enum Command {
     Serve(serve::ServeArgs),
 }
 
-/// `ditmem estimate`'s flags.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub(crate) struct EstimateArgs {
-    #[command(flatten)]
-    pub spec: SpecArgs,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Print every op of each segment with the buffer it keeps.
-    #[arg(long)]
-    pub inventory: bool,
-    /// Also print the details: parameters, the breakdown at the peak and per phase, the
-    /// caching allocator, what a block keeps.
-    #[arg(long, short)]
-    pub verbose: bool,
-    /// Also print the whole simulated timeline.
-    #[arg(long)]
-    pub timeline: bool,
-    /// Write the timeline as an SVG (live bytes over the step, categories at the peak).
-    #[arg(long, value_name = "FILE")]
-    pub plot: Option<std::path::PathBuf>,
-}
-
-/// `ditmem spec`'s flags.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub(crate) struct SpecCmdArgs {
-    #[command(flatten)]
-    pub spec: SpecArgs,
-    /// Print JSON instead of TOML.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `estimate --json`: the budget, what has to fit on the device, and each single-flag lever.
-#[derive(serde::Serialize)]
-struct EstimateJson<'a> {
-    #[serde(flatten)]
-    budget: &'a ditmem_budget::Budget,
-    need_bytes: u64,
-    levers: Vec<LeverJson<'a>>,
-}
-
-/// A lever in `estimate --json`, with the flags that pull it.
-#[derive(serde::Serialize)]
-struct LeverJson<'a> {
-    #[serde(flatten)]
-    lever: &'a ditmem_budget::levers::Lever,
-    flags: String,
-}
-
-/// Errors the binary reports; each maps to an exit code.
-#[derive(Debug)]
-pub enum CliError {
-    /// Bad input: exit 2.
-    Spec(SpecError),
-    /// The step would not fit (a guard refused it): exit 3.
-    Refused(String),
-    /// A needed external tool is missing (the PyTorch peer's Python): exit 5.
-    Missing(String),
-    /// Ctrl-C stopped a run after this many steps: exit 130.
-    Interrupted(u32),
-    /// Anything else that went wrong: exit 1.
-    Other(anyhow::Error),
-}
-
-impl From<SpecError> for CliError {
-    fn from(e: SpecError) -> Self {
-        CliError::Spec(e)
-    }
-}
-
-impl From<anyhow::Error> for CliError {
-    fn from(e: anyhow::Error) -> Self {
-        CliError::Other(e)
-    }
-}
-
 fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), CliError> {
     let command = cli
         .command
         .unwrap_or(Command::Estimate(EstimateArgs::default()));
     match command {
-        Command::Estimate(args) => estimate(args)?,
+        Command::Estimate(args) => estimate_cmd::estimate(args)?,
         Command::Run(args) => run_cmd::run(args, alloc)?,
         Command::Compare(args) => compare_cmd::compare(args, alloc)?,
         Command::Agree(args) => compare_cmd::agree_grid(args, alloc)?,
@@ -170,84 +96,10 @@ fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), Cli
         Command::Params(args) => params_cmd::run(args)?,
         Command::Gpus(args) => gpus_cmd::run(args)?,
         Command::Oom(args) => oom_cmd::run(args)?,
-        Command::Spec(args) => spec(args)?,
+        Command::Spec(args) => spec_cmd::spec(args)?,
         Command::Serve(args) => serve::run(args)?,
     }
     Ok(())
-}
-
-/// `ditmem estimate`: the budget, the answer first, and each single-flag lever.
-pub(crate) fn estimate(args: EstimateArgs) -> Result<(), CliError> {
-    let EstimateArgs {
-        spec,
-        json,
-        inventory,
-        verbose,
-        timeline,
-        plot,
-    } = args;
-    output::check_outputs(&[("--plot", plot.as_deref())])?;
-    let spec = spec.to_gpu_spec()?;
-    let budget = ditmem_budget::estimate(&spec)?;
-    // The answer's last line: each single lever, budgeted and ranked on the spec's card.
-    let levers = render::estimate_levers(&spec, &budget)?;
-    if let Some(path) = &plot {
-        let svg = compare_cmd::timeline_svg(&budget, None)?;
-        output::write_output("--plot", path, svg.as_bytes())?;
-    }
-    if json {
-        output::print_json(&EstimateJson {
-            budget: &budget,
-            need_bytes: ditmem_budget::levers::need_bytes(&budget),
-            levers: levers
-                .iter()
-                .map(|l| LeverJson {
-                    flags: render::change_flags(&spec, &l.spec).join(" "),
-                    lever: l,
-                })
-                .collect(),
-        })?;
-    } else {
-        output::say(&render::estimate_report(&render::EstimateView {
-            budget: &budget,
-            levers: &levers,
-            verbose,
-            inventory,
-            width: render::width(),
-        }))?;
-        if timeline {
-            output::say(&output::timeline_table(&budget.timeline))?;
-        }
-    }
-    Ok(())
-}
-
-/// `ditmem spec`: the resolved spec as TOML (or JSON). The runtime `estimate` and `plan`
-/// default to (pytorch:cuda), so that `spec … > s.toml; estimate --config s.toml` answers as
-/// `estimate …` does.
-pub(crate) fn spec(args: SpecCmdArgs) -> Result<(), CliError> {
-    let spec = args.spec.to_gpu_spec()?;
-    if args.json {
-        output::print_json(&spec)?;
-    } else {
-        output::say(&spec.to_toml()?)?;
-    }
-    Ok(())
-}
-
-/// The exit code and the one line (without the `ditmem: ` prefix) the CLI reports for an error.
-pub fn error_line(e: &CliError) -> (u8, String) {
-    let (code, line) = match e {
-        CliError::Spec(e) => (2, format!("invalid input: {e}")),
-        CliError::Refused(msg) => (3, format!("refused: {msg}")),
-        CliError::Missing(msg) => (5, format!("missing: {msg}")),
-        CliError::Interrupted(steps) => (
-            130,
-            format!("interrupted after {steps} steps; no output written"),
-        ),
-        CliError::Other(e) => (1, format!("{e:#}")),
-    };
-    (code, flags::tidy(&line))
 }
 
 /// The subcommand named on the command line, for "see `ditmem CMD --help`".

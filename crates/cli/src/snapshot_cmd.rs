@@ -467,7 +467,5 @@ fn snapshot_svg(
         &segments,
         (560, 560),
     )?;
-    Ok(crate::compare_cmd::side_by_side(
-        &left, 1000, &right, 560, 560,
-    ))
+    Ok(crate::plot::side_by_side(&left, 1000, &right, 560, 560))
 }

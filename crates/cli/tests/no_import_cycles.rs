@@ -979,21 +979,6 @@ const KNOWN_CIRCLES: &[&[&str]] = &[
         "crates/engine/src/trainer/wan.rs",
         "crates/engine/src/trainer.rs",
     ],
-    &[
-        "crates/cli/src/args.rs",
-        "crates/cli/src/compare_cmd.rs",
-        "crates/cli/src/gpus_cmd.rs",
-        "crates/cli/src/guard.rs",
-        "crates/cli/src/input.rs",
-        "crates/cli/src/main.rs",
-        "crates/cli/src/oom_cmd.rs",
-        "crates/cli/src/output.rs",
-        "crates/cli/src/params_cmd.rs",
-        "crates/cli/src/plan_cmd.rs",
-        "crates/cli/src/run_cmd.rs",
-        "crates/cli/src/snapshot_cmd.rs",
-        "crates/cli/src/verify_cmd.rs",
-    ],
 ];
 
 #[test]
