@@ -625,6 +625,10 @@ fn command(
             cannot,
         );
     }
+    if r.tf32 {
+        // The plan's times price fp32 matmuls at the TF32 rate (`recipe.tf32`).
+        flag("--allow_tf32", None, "allow TF32 matmuls", cannot);
+    }
     match r.optimizer {
         Optimizer::AdamW => {}
         Optimizer::AdamW8bit => flag("--use_8bit_adam", None, "use 8-bit AdamW", cannot),

@@ -528,7 +528,8 @@ fn device_peak(
         // that may.
         return Some((allocated + context, None));
     }
-    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
+    let events = crate::runtime::pytorch::trace::allocation_sequence(spec, table);
+    let r = crate::runtime::pytorch::cuda::cuda_report_of(spec, table, &events).ok()??;
     let device = |r: &crate::runtime::pytorch::cuda::CudaReport| match r.oom {
         // The allocator stopped at the capacity: the step needs at least its allocated peak
         // and the context.
@@ -540,7 +541,8 @@ fn device_peak(
         return Some((plain, None));
     }
     let grown = with_expandable_segments(spec).and_then(|e| {
-        let re = crate::runtime::pytorch::cuda::cuda_report(&e, table).ok()??;
+        // The same sequence: the allocator setting is not part of it.
+        let re = crate::runtime::pytorch::cuda::cuda_report_of(&e, table, &events).ok()??;
         let g = device(&re);
         (re.oom.is_none() && g <= usable).then_some(g)
     });
