@@ -30,6 +30,7 @@ QUERIES = [
     ("plan-dit-xl2-512-24g", "plan", "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime pytorch:cuda"),
     ("plan-dit-xl2-256-a100", "plan", "--preset dit-xl-2 --batch 128 --gpu a100-80gb --ema on"),
     ("plan-dit-b2-t4", "plan", "--preset dit-b-2 --batch 64 --gpu t4"),
+    ("plan-dit-xl2-512-3090-4r-all", "plan", "--preset dit-xl-2 --resolution 512 --batch 64 --ranks 4 --gpu rtx-3090 --allow all"),
     ("plan-flux-dev-4090-quant", "plan", "--preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant"),
     ("plan-flux-dev-h100-8r-all", "plan", "--preset flux.1-dev --gpu h100-sxm --ranks 8 --allow all"),
     ("plan-flux-schnell-a100-lora", "plan", "--preset flux.1-schnell --gpu a100-40gb --allow lora,8bit"),

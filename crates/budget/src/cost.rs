@@ -516,7 +516,7 @@ pub fn fast_dit_spec(row: &PublishedStep) -> Spec {
 /// The largest relative error of the GPU time model over [`FAST_DIT_A100`]
 /// (|predicted / published − 1|), stated beside every predicted time on a card; a test
 /// recomputes it. No rate or efficiency of the model was fitted to these rows.
-pub const GPU_TIME_ERROR: f64 = 0.29;
+pub const GPU_TIME_ERROR: f64 = 0.092;
 
 /// How far a predicted time on `profile` is known to be off, in words for the CLI.
 pub fn time_error_note(profile: &DeviceProfile) -> String {
