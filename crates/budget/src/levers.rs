@@ -202,15 +202,26 @@ pub fn rank_levers(
             f(&mut s);
             first.push(s);
         };
-        let depth = base.model.depth;
-        if base.recipe.recompute != Recompute::All && depth > 0 {
+        // Each under the condition its lever below is tried on.
+        let (r, depth) = (&base.recipe, base.model.depth);
+        if r.recompute != Recompute::All && depth > 0 {
             one(&|s| s.recipe.recompute = recompute_first(depth, depth));
         }
-        one(&|s| s.recipe.attention = AttentionMode::MemoryEfficient);
-        one(&|s| s.recipe.precision = Precision::Bf16Mixed);
-        one(&|s| s.recipe.optimizer = Optimizer::AdamW8bit);
-        one(&|s| s.recipe.latents = Latents::Cached);
-        one(&|s| s.recipe.text_encoders = TextEncoders::Cached);
+        if r.attention == AttentionMode::Materialized {
+            one(&|s| s.recipe.attention = AttentionMode::MemoryEfficient);
+        }
+        if r.precision == Precision::Fp32 || r.precision == Precision::Fp64 {
+            one(&|s| s.recipe.precision = Precision::Bf16Mixed);
+        }
+        if r.optimizer == Optimizer::AdamW {
+            one(&|s| s.recipe.optimizer = Optimizer::AdamW8bit);
+        }
+        if r.latents == Latents::Encode {
+            one(&|s| s.recipe.latents = Latents::Cached);
+        }
+        if r.text_encoders != TextEncoders::Cached {
+            one(&|s| s.recipe.text_encoders = TextEncoders::Cached);
+        }
     }
     let ready: std::collections::HashMap<String, Option<(u64, u64, f64)>> =
         crate::plan::in_parallel(&first, |s| {

@@ -488,7 +488,11 @@ impl Evaluator<'_, '_> {
             ));
         }
         let (table, usable) = (&c.table.0, self.usable);
-        let replays: Vec<&Pending> = pending.iter().map(|(_, p)| p).filter(|p| !p.alias).collect();
+        let replays: Vec<&Pending> = pending
+            .iter()
+            .map(|(_, p)| p)
+            .filter(|p| !p.alias)
+            .collect();
         let mut peaks = in_parallel(&replays, |p| {
             device_peak(&p.spec, table, p.allocated, usable)
         })
@@ -593,7 +597,14 @@ pub(crate) fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + S
     std::thread::scope(|scope| {
         let others: Vec<_> = (1..threads)
             .map(|t| {
-                scope.spawn(move || items.iter().skip(t).step_by(threads).map(f).collect::<Vec<R>>())
+                scope.spawn(move || {
+                    items
+                        .iter()
+                        .skip(t)
+                        .step_by(threads)
+                        .map(f)
+                        .collect::<Vec<R>>()
+                })
             })
             .collect();
         let mut parts: Vec<std::vec::IntoIter<R>> = vec![items
@@ -604,7 +615,11 @@ pub(crate) fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + S
             .into_iter()];
         for h in others {
             // A panic in a replay is the planner's bug, as it would be on this thread.
-            parts.push(h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)).into_iter());
+            parts.push(
+                h.join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+                    .into_iter(),
+            );
         }
         (0..items.len())
             .map(|i| parts[i % threads].next().expect("each thread's share"))

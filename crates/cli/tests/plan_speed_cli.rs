@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::ditmem;
+use common::ditmem_env;
 
 const QUERIES: [&str; 8] = [
     "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime pytorch:cuda",
@@ -24,15 +24,17 @@ const QUERIES: [&str; 8] = [
 
 const DROP: [&str; 3] = ["search_ms", "evaluated", "profile"];
 
-#[test]
-fn plans_equal_the_reference_search() {
-    let golden: serde_json::Value = serde_json::from_str(include_str!("data/plan_speed/golden.json"))
-        .expect("golden.json parses");
+/// Each query's `plan --json` under `env`, less the dropped keys, compared with golden.json;
+/// the queries whose figures differ.
+fn differing(env: &[(&str, &str)], queries: &[&str]) -> Vec<String> {
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("data/plan_speed/golden.json"))
+            .expect("golden.json parses");
     let mut differ = Vec::new();
-    for q in QUERIES {
+    for q in queries {
         let mut args = vec!["plan", "--json", "--time-limit", "600"];
         args.extend(q.split_whitespace());
-        let (code, out, err) = ditmem(&args);
+        let (code, out, err) = ditmem_env(env, &args);
         let mut got: serde_json::Value =
             serde_json::from_str(&out).unwrap_or_else(|e| panic!("{q}: {e}\n{out}\n{err}"));
         let obj = got.as_object_mut().expect("a plan object");
@@ -40,7 +42,7 @@ fn plans_equal_the_reference_search() {
             obj.remove(k);
         }
         obj.insert("exit".into(), code.into());
-        let want = &golden[q];
+        let want = &golden[*q];
         assert!(want.is_object(), "{q}: not in golden.json");
         if &got != want {
             let keys: Vec<&String> = want
@@ -53,5 +55,28 @@ fn plans_equal_the_reference_search() {
             differ.push(format!("{q}: {keys:?}"));
         }
     }
-    assert!(differ.is_empty(), "plans differ from the reference:\n{}", differ.join("\n"));
+    differ
+}
+
+#[test]
+fn plans_equal_the_reference_search() {
+    let differ = differing(&[], &QUERIES);
+    assert!(
+        differ.is_empty(),
+        "plans differ from the reference:\n{}",
+        differ.join("\n")
+    );
+}
+
+/// Replays one at a time (`DITMEM_PLAN_THREADS=1`) or four side by side give the same plans.
+#[test]
+fn plans_do_not_depend_on_the_replay_threads() {
+    for threads in ["1", "4"] {
+        let differ = differing(&[("DITMEM_PLAN_THREADS", threads)], &QUERIES[..4]);
+        assert!(
+            differ.is_empty(),
+            "with {threads} thread(s) plans differ from the reference:\n{}",
+            differ.join("\n")
+        );
+    }
 }
