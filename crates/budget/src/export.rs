@@ -1307,6 +1307,28 @@ mod tests {
     }
 
     #[test]
+    fn diffusers_command_allows_tf32_as_the_recipe_says() {
+        // The plan's times price fp32 matmuls at the TF32 rate when `recipe.tf32` is on.
+        let mut s = xl();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 8,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        let o = opts(Family::Flux, Sharder::Deepspeed, Offload::None);
+        let args = |s: &Spec| {
+            export(s, Target::Diffusers, &o)
+                .unwrap()
+                .command
+                .unwrap()
+                .script_args
+        };
+        assert!(args(&s).contains(&"--allow_tf32".to_string()));
+        s.recipe.tf32 = false;
+        assert!(!args(&s).contains(&"--allow_tf32".to_string()));
+    }
+
+    #[test]
     fn flux_lora_command_names_its_script_and_flags() {
         let mut s = xl();
         s.recipe.lora = Some(crate::spec::LoraSpec {
