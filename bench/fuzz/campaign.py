@@ -148,6 +148,7 @@ def pools():
         "--gradient-as-bucket-view": (["on", "off"], ["true", "1"], []),
         "--latents": (["encode", "cached"], ["Cached"], []),
         "--paged-optimizer": (["on", "off"], ["yes"], []),
+        "--tf32": (["on", "off"], ["yes"], []),
         "--text-encoders": (["cached", "online", "offloaded"], ["offload"], []),
         "--ema": (["on", "off"], ["true", "ON"], []),
         "--runtime": (["ditmem-cpu", "ditmem", "engine", "pytorch", "pytorch:cpu", "pytorch:cuda",
@@ -208,7 +209,7 @@ POOLS = pools()
 SPEC_FLAGS = [
     "--resolution", "--batch", "--microbatch", "--accumulation", "--ranks", "--precision", "--optimizer",
     "--attention", "--recompute", "--lora-rank", "--lora-targets", "--zero", "--sharder", "--offload",
-    "--gradient-as-bucket-view", "--latents", "--paged-optimizer", "--text-encoders", "--ema", "--runtime",
+    "--gradient-as-bucket-view", "--latents", "--paged-optimizer", "--tf32", "--text-encoders", "--ema", "--runtime",
     "--gpu", "--alloc-conf", "--cpu-threads", "--bf16-products", "--gemm-l2", "--text-tokens", "--frames",
     "--base-quant", "--optimizer-impl",
 ]

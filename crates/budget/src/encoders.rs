@@ -35,6 +35,9 @@ pub struct EncoderRun {
     pub input_bytes: u64,
     /// Floating-point operations of one microbatch's encode.
     pub flops: f64,
+    /// Convolutions (a VAE: cuDNN, TF32 by default in fp32) rather than linears (matmuls).
+    #[serde(skip)]
+    pub conv: bool,
 }
 
 impl EncoderRun {
@@ -82,6 +85,7 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
             // 136 GMAC per 256² image for the SD VAE encoder (DiT's measurement, scaling with
             // the pixels), assumed for the other VAEs too.
             flops: 2.0 * 136e9 * (pixels * frames * b) as f64 / (256.0 * 256.0),
+            conv: true,
         });
     }
     if r.text_encoders != TextEncoders::Cached {
@@ -101,6 +105,7 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
                     input_bytes: b * t * 8,
                     // Two FLOPs per multiplied weight per token.
                     flops: 2.0 * (e.params - e.embed_params) as f64 * (b * t) as f64,
+                    conv: false,
                 });
             }
         }

@@ -625,6 +625,10 @@ fn command(
             cannot,
         );
     }
+    if r.tf32 {
+        // The plan's times price fp32 matmuls at the TF32 rate (`recipe.tf32`).
+        flag("--allow_tf32", None, "allow TF32 matmuls", cannot);
+    }
     match r.optimizer {
         Optimizer::AdamW => {}
         Optimizer::AdamW8bit => flag("--use_8bit_adam", None, "use 8-bit AdamW", cannot),
@@ -1300,6 +1304,28 @@ mod tests {
             }
         }
         assert!(with_script > 0);
+    }
+
+    #[test]
+    fn diffusers_command_allows_tf32_as_the_recipe_says() {
+        // The plan's times price fp32 matmuls at the TF32 rate when `recipe.tf32` is on.
+        let mut s = xl();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 8,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        let o = opts(Family::Flux, Sharder::Deepspeed, Offload::None);
+        let args = |s: &Spec| {
+            export(s, Target::Diffusers, &o)
+                .unwrap()
+                .command
+                .unwrap()
+                .script_args
+        };
+        assert!(args(&s).contains(&"--allow_tf32".to_string()));
+        s.recipe.tf32 = false;
+        assert!(!args(&s).contains(&"--allow_tf32".to_string()));
     }
 
     #[test]

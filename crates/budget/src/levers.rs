@@ -189,7 +189,64 @@ pub fn rank_levers(
         .budget_bytes
         .map(|b| (b as f64 * (1.0 - opts.headroom)).floor() as u64);
     let under = |d: u64| usable.is_some_and(|u| d <= u);
-    let (d0, a0, t0) = evaluate(base, profile)?;
+    // The base and the single levers that depend on no other's result, evaluated side by side
+    // up front (`plan::in_parallel`); `try_spec` takes them from here. The rest (the smallest
+    // recompute and microbatch that fit, the ZeRO stage) are evaluated as they are reached.
+    let mut first: Vec<Spec> = vec![base.clone()];
+    if cuda && !has_expandable(base) {
+        first.push(with_expandable(base));
+    }
+    {
+        let mut one = |f: &dyn Fn(&mut Spec)| {
+            let mut s = base.clone();
+            f(&mut s);
+            first.push(s);
+        };
+        // Each under the condition its lever below is tried on.
+        let (r, depth) = (&base.recipe, base.model.depth);
+        if r.recompute != Recompute::All && depth > 0 {
+            one(&|s| s.recipe.recompute = recompute_first(depth, depth));
+        }
+        if r.attention == AttentionMode::Materialized {
+            one(&|s| s.recipe.attention = AttentionMode::MemoryEfficient);
+        }
+        if r.precision == Precision::Fp32 || r.precision == Precision::Fp64 {
+            one(&|s| s.recipe.precision = Precision::Bf16Mixed);
+        }
+        if r.optimizer == Optimizer::AdamW {
+            one(&|s| s.recipe.optimizer = Optimizer::AdamW8bit);
+        }
+        if r.latents == Latents::Encode {
+            one(&|s| s.recipe.latents = Latents::Cached);
+        }
+        if r.text_encoders != TextEncoders::Cached {
+            one(&|s| s.recipe.text_encoders = TextEncoders::Cached);
+        }
+    }
+    let ready: std::collections::HashMap<String, Option<(u64, u64, f64)>> =
+        crate::plan::in_parallel(&first, |s| {
+            let r = if std::ptr::eq(s, &first[0]) {
+                evaluate(s, profile).map_err(Some)
+            } else {
+                s.validate()
+                    .ok()
+                    .and_then(|_| evaluate(s, profile).ok())
+                    .ok_or(None)
+            };
+            (format!("{s:?}"), r)
+        })
+        .into_iter()
+        .filter_map(|(k, r)| match r {
+            Ok(x) => Some((k, Some(x))),
+            Err(None) => Some((k, None)),
+            // The base's own error is returned below, by evaluating it again.
+            Err(Some(_)) => None,
+        })
+        .collect();
+    let (d0, a0, t0) = match ready.get(&format!("{base:?}")) {
+        Some(Some(x)) => *x,
+        _ => evaluate(base, profile)?,
+    };
     let row =
         |lever: &str, change: String, (d, a, t): (u64, u64, f64), note: &str, spec: &Spec| Lever {
             lever: lever.into(),
@@ -207,6 +264,9 @@ pub fn rank_levers(
     let mut not_allowed: Vec<String> = Vec::new();
     let r = &base.recipe;
     let try_spec = |s: &Spec| -> Option<(u64, u64, f64)> {
+        if let Some(x) = ready.get(&format!("{s:?}")) {
+            return *x;
+        }
         s.validate().ok()?;
         evaluate(s, profile).ok()
     };

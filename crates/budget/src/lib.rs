@@ -35,8 +35,9 @@ mod timeline;
 mod units;
 
 pub use cost::{
-    block_flops, step_time, BlockFlops, DeviceProfile, StepTime, GPU_BANDWIDTH_EFFICIENCY,
-    GPU_MATMUL_EFFICIENCY, GPU_PASS_OVERHEAD_S,
+    block_flops, fast_dit_spec, step_time, time_error_note, BlockFlops, DeviceProfile,
+    PublishedStep, StepTime, FAST_DIT_A100, GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY,
+    GPU_PASS_OVERHEAD_S, GPU_TIME_ERROR,
 };
 pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};

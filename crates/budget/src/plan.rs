@@ -413,65 +413,132 @@ impl Evaluator<'_, '_> {
 
     /// Peak, breakdown and time of `c` with the recompute policy `rc`.
     fn point(&mut self, c: &Combo, ci: Option<usize>, rc: Recompute) -> Point {
-        let mut spec = c.spec.clone();
-        spec.recipe.recompute = rc.clone();
-        // Within one plan only the recipe and the split vary; the same ones give the same point.
-        let key = format!(
-            "{:?}|{:?}|{}|{}",
-            spec.recipe, spec.workload, self.expandable, self.usable
-        );
-        if let Some(p) = self.run.cache.get(&key) {
-            return Point {
+        self.points(c, ci, vec![rc])
+            .pop()
+            .expect("one point per policy")
+    }
+
+    /// [`Self::point`] of each policy of `rcs`, in order. The timelines and times are computed
+    /// here; the allocator replays of the points not cached yet run side by side
+    /// ([`in_parallel`]): they are independent, and each point is what `point` alone gives.
+    fn points(&mut self, c: &Combo, ci: Option<usize>, rcs: Vec<Recompute>) -> Vec<Point> {
+        let mut out: Vec<Option<Point>> = vec![None; rcs.len()];
+        let mut pending: Vec<(usize, Pending)> = Vec::new();
+        for (i, rc) in rcs.into_iter().enumerate() {
+            let mut spec = c.spec.clone();
+            spec.recipe.recompute = rc.clone();
+            // Within one plan only the recipe and the split vary; the same ones give the same
+            // point.
+            let key = format!(
+                "{:?}|{:?}|{}|{}",
+                spec.recipe, spec.workload, self.expandable, self.usable
+            );
+            if let Some(p) = self.run.cache.get(&key) {
+                out[i] = Some(Point {
+                    combo: ci,
+                    n_changes: c.n_changes
+                        + usize::from(rc != Recompute::None)
+                        + usize::from(p.expandable),
+                    ..p.clone()
+                });
+                continue;
+            }
+            if pending.iter().any(|(_, p)| p.key == key) {
+                // The same policy twice in one batch: the second is the first's point (as the
+                // cache would give it).
+                pending.push((
+                    i,
+                    Pending {
+                        alias: true,
+                        key,
+                        spec,
+                        rc,
+                        breakdown: Breakdown::default(),
+                        allocated: 0,
+                        time: None,
+                    },
+                ));
+                continue;
+            }
+            self.evaluated += 1;
+            self.run.simulated += 1;
+            let attn_only = rc == Recompute::AttentionOnly;
+            let (costs, inputs) = if attn_only {
+                let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
+                let seg = self.segments(&spec, trained, dequant);
+                (seg.0, seg.1)
+            } else {
+                (c.costs.0, c.costs.1)
+            };
+            let tl =
+                simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
+            let e = tl.peak();
+            let time = step_time_with(&spec, self.profile, &inputs);
+            pending.push((
+                i,
+                Pending {
+                    alias: false,
+                    key,
+                    spec,
+                    rc,
+                    breakdown: e.live,
+                    allocated: e.total(),
+                    time: Some(time),
+                },
+            ));
+        }
+        let (table, usable) = (&c.table.0, self.usable);
+        let replays: Vec<&Pending> = pending
+            .iter()
+            .map(|(_, p)| p)
+            .filter(|p| !p.alias)
+            .collect();
+        let mut peaks = in_parallel(&replays, |p| {
+            device_peak(&p.spec, table, p.allocated, usable)
+        })
+        .into_iter();
+        for (i, p) in pending {
+            if p.alias {
+                let first = self.run.cache.get(&p.key).expect("evaluated above").clone();
+                out[i] = Some(Point {
+                    combo: ci,
+                    n_changes: c.n_changes
+                        + usize::from(p.rc != Recompute::None)
+                        + usize::from(first.expandable),
+                    ..first
+                });
+                continue;
+            }
+            let dp = peaks.next().expect("one replay per pending point");
+            let (peak, expandable) = dp
+                .map(|(plain, grown)| match grown {
+                    Some(g) if self.expandable => (g, true),
+                    // Without the setting, the plain replay's device bytes.
+                    _ => (plain, false),
+                })
+                .unwrap_or((p.allocated, false));
+            let point = Point {
                 combo: ci,
                 n_changes: c.n_changes
-                    + usize::from(rc != Recompute::None)
-                    + usize::from(p.expandable),
-                ..p.clone()
+                    + usize::from(p.rc != Recompute::None)
+                    + usize::from(expandable),
+                recompute: p.rc,
+                peak,
+                breakdown: p.breakdown,
+                time: p.time.expect("a timed point"),
+                expandable,
             };
+            self.run.cache.insert(p.key, point.clone());
+            out[i] = Some(point);
         }
-        self.evaluated += 1;
-        self.run.simulated += 1;
-        let attn_only = rc == Recompute::AttentionOnly;
-        let (costs, inputs) = if attn_only {
-            let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
-            let seg = self.segments(&spec, trained, dequant);
-            (seg.0, seg.1)
-        } else {
-            (c.costs.0, c.costs.1)
-        };
-        let tl = simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
-        let e = tl.peak();
-        let time = step_time_with(&spec, self.profile, &inputs);
-        let (peak, expandable) = device_peak(&spec, &c.table.0, e.total(), self.usable)
-            .map(|(plain, grown)| match grown {
-                Some(g) if self.expandable => (g, true),
-                // Without the setting, the plain replay's device bytes.
-                _ => (plain, false),
-            })
-            .unwrap_or((e.total(), false));
-        let p = Point {
-            combo: ci,
-            n_changes: c.n_changes + usize::from(rc != Recompute::None) + usize::from(expandable),
-            recompute: rc,
-            peak,
-            breakdown: e.live,
-            time,
-            expandable,
-        };
-        self.run.cache.insert(key, p.clone());
-        p
+        out.into_iter()
+            .map(|p| p.expect("every policy has its point"))
+            .collect()
     }
 
     /// The leanest of [`recompute_candidates`] for `k` recomputed blocks.
     fn point_k(&mut self, c: &Combo, ci: Option<usize>, k: u32, depth: u32) -> Point {
-        let mut best: Option<Point> = None;
-        for rc in recompute_candidates(k, depth) {
-            let p = self.point(c, ci, rc);
-            if best.as_ref().is_none_or(|b| p.peak < b.peak) {
-                best = Some(p);
-            }
-        }
-        best.expect("at least one placement")
+        leanest(self.points(c, ci, recompute_candidates(k, depth)))
     }
 
     fn time(&self, c: &Combo, rc: Recompute) -> StepTime {
@@ -479,6 +546,85 @@ impl Evaluator<'_, '_> {
         spec.recipe.recompute = rc;
         step_time_with(&spec, self.profile, &c.costs.1)
     }
+}
+
+/// A point whose timeline and time are known and whose allocator replay is still to run
+/// ([`Evaluator::points`]).
+struct Pending {
+    /// Another pending point of the batch has the same key.
+    alias: bool,
+    key: String,
+    spec: Spec,
+    rc: Recompute,
+    breakdown: Breakdown,
+    allocated: u64,
+    time: Option<StepTime>,
+}
+
+/// The first of `points` with the smallest peak (a later one must be strictly leaner).
+fn leanest(points: Vec<Point>) -> Point {
+    let mut best: Option<Point> = None;
+    for p in points {
+        if best.as_ref().is_none_or(|b| p.peak < b.peak) {
+            best = Some(p);
+        }
+    }
+    best.expect("at least one placement")
+}
+
+/// Threads the planner replays allocators on: the machine's (`available_parallelism`), at most
+/// 8; `DITMEM_PLAN_THREADS` sets it (1: one at a time).
+fn plan_threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("DITMEM_PLAN_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n >= 1)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .min(8)
+    })
+}
+
+/// `f` of each item, in order, on up to [`plan_threads`] threads (each a pure function of its
+/// item: the results do not depend on how they are spread).
+pub(crate) fn in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = plan_threads().min(items.len());
+    if threads <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let f = &f;
+    std::thread::scope(|scope| {
+        let others: Vec<_> = (1..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    items
+                        .iter()
+                        .skip(t)
+                        .step_by(threads)
+                        .map(f)
+                        .collect::<Vec<R>>()
+                })
+            })
+            .collect();
+        let mut parts: Vec<std::vec::IntoIter<R>> = vec![items
+            .iter()
+            .step_by(threads)
+            .map(f)
+            .collect::<Vec<R>>()
+            .into_iter()];
+        for h in others {
+            // A panic in a replay is the planner's bug, as it would be on this thread.
+            parts.push(
+                h.join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+                    .into_iter(),
+            );
+        }
+        (0..items.len())
+            .map(|i| parts[i % threads].next().expect("each thread's share"))
+            .collect()
+    })
 }
 
 /// `p` with its device bytes replayed on the allocator: on CUDA a candidate that cannot fit is
@@ -528,7 +674,8 @@ fn device_peak(
         // that may.
         return Some((allocated + context, None));
     }
-    let r = crate::runtime::pytorch::cuda::cuda_report(spec, table).ok()??;
+    let events = crate::runtime::pytorch::trace::allocation_sequence(spec, table);
+    let r = crate::runtime::pytorch::cuda::cuda_report_of(spec, table, &events).ok()??;
     let device = |r: &crate::runtime::pytorch::cuda::CudaReport| match r.oom {
         // The allocator stopped at the capacity: the step needs at least its allocated peak
         // and the context.
@@ -540,7 +687,8 @@ fn device_peak(
         return Some((plain, None));
     }
     let grown = with_expandable_segments(spec).and_then(|e| {
-        let re = crate::runtime::pytorch::cuda::cuda_report(&e, table).ok()??;
+        // The same sequence: the allocator setting is not part of it.
+        let re = crate::runtime::pytorch::cuda::cuda_report_of(&e, table, &events).ok()??;
         let g = device(&re);
         (re.oom.is_none() && g <= usable).then_some(g)
     });
@@ -1382,11 +1530,18 @@ impl RecomputeSearch<'_> {
         // block in backward costs a second copy of its output beside the kept one, so `all` can
         // be leaner at the end of forward yet heavier in backward); the attention cores only
         // (leaner on very shallow models).
-        let all_p = ev.point(c, Some(ci), Recompute::All);
+        // Evaluated together: their replays run side by side (`Evaluator::points`).
+        let mut rcs = vec![Recompute::All, Recompute::AttentionOnly];
+        if depth > 1 {
+            rcs.extend(recompute_candidates(depth - 1, depth));
+        }
+        let mut batch = ev.points(c, Some(ci), rcs);
+        let placements = batch.split_off(2);
+        let attn = batch.pop().expect("attention-only");
+        let all_p = batch.pop().expect("all");
         let all_peak = all_p.peak;
-        let below = (depth > 1).then(|| ev.point_k(c, Some(ci), depth - 1, depth));
+        let below = (depth > 1).then(|| leanest(placements));
         let below_peak = below.as_ref().map_or(u64::MAX, |p| p.peak);
-        let attn = ev.point(c, Some(ci), Recompute::AttentionOnly);
         let floor = all_peak.min(below_peak).min(attn.peak);
         let skip = dominated(front, t0, floor);
         add(all_p, points, front);

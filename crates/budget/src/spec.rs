@@ -838,6 +838,22 @@ pub struct Recipe {
     /// device's default (for-loop on the CPU, foreach on CUDA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_impl: Option<OptimizerImpl>,
+    /// fp32 matmuls on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32 = True`): on by
+    /// default, as the scripts people train with set it — DiT's and fast-DiT's `train.py`
+    /// (module top: `torch.backends.cuda.matmul.allow_tf32 = True`) and the diffusers scripts'
+    /// `--allow_tf32`, which the exports pass. PyTorch's own default is off (since 1.12). Only
+    /// the time model reads it (fp32 compute at the card's TF32 rate, `cost.rs`); cards without
+    /// TF32 units (sm < 80) and CPUs keep the fp32 rate.
+    #[serde(default = "default_tf32", skip_serializing_if = "is_true")]
+    pub tf32: bool,
+}
+
+fn default_tf32() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// Storage of a frozen LoRA base's Linear weights inside the transformer blocks.
@@ -1007,6 +1023,7 @@ impl Default for Recipe {
             prediction: Prediction::Eps,
             base_quant: BaseQuant::None,
             optimizer_impl: None,
+            tf32: default_tf32(),
         }
     }
 }

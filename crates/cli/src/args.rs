@@ -106,6 +106,9 @@ pub struct SpecArgs {
     /// on | off — bitsandbytes' paged 8-bit AdamW (PagedAdamW8bit; with --optimizer adamw-8bit on pytorch:cuda): large tensors' state in CUDA managed memory, outside the caching allocator
     #[arg(long, value_name = "on|off")]
     pub paged_optimizer: Option<String>,
+    /// on | off — fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32; the diffusers scripts' --allow_tf32): the time model prices fp32 compute at the card's TF32 rate; default on, as DiT's train.py and the exports set it
+    #[arg(long, value_name = "on|off")]
+    pub tf32: Option<String>,
     /// cached | online | offloaded — a family's frozen text encoders (T5, CLIP, Gemma, umT5): caption embeddings computed beforehand; encoders on the device all step in weight_dtype; or moved to the device only to encode (the scripts' --offload)
     #[arg(long, value_name = "WHERE")]
     pub text_encoders: Option<String>,
@@ -526,6 +529,18 @@ impl SpecArgs {
                     return Err(SpecError::invalid(
                         "recipe.paged_optimizer",
                         format!("'{p}' is not a switch; allowed: on, off"),
+                    ))
+                }
+            };
+        }
+        if let Some(t) = &self.tf32 {
+            r.tf32 = match t.as_str() {
+                "on" | "true" | "yes" => true,
+                "off" | "false" | "no" => false,
+                _ => {
+                    return Err(SpecError::invalid(
+                        "recipe.tf32",
+                        format!("'{t}' is not a switch; allowed: on, off"),
                     ))
                 }
             };

@@ -273,7 +273,10 @@ pub fn load_profile(path: &Path) -> Result<DeviceProfile, SpecError> {
         ("link_bytes_per_s", p.link_bytes_per_s),
         ("inter_node_bytes_per_s", p.inter_node_bytes_per_s),
         ("host_link_bytes_per_s", p.host_link_bytes_per_s),
-    ] {
+    ]
+    .into_iter()
+    .chain(p.matmul_tf32.map(|v| ("matmul_tf32", v)))
+    {
         if !(v.is_finite() && (lo..=hi).contains(&v)) {
             return Err(SpecError::invalid(
                 format!("--profile {name}"),

@@ -329,11 +329,12 @@ fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) ->
     let profile = p.profile.name.split(" (").next().unwrap_or(&p.profile.name);
     out.push_str(&wrap(
         &format!(
-            "step: {} predicted (as given {}, {:+.0} %) by the {} time model",
+            "step: {} predicted (as given {}, {:+.0} %) by the {} time model ({})",
             fmt_secs(p.predicted_step_time_s),
             fmt_secs(p.base_step_time_s),
             100.0 * (p.predicted_step_time_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0),
-            profile
+            profile,
+            ditmem_budget::time_error_note(&p.profile)
         ),
         w,
         2,

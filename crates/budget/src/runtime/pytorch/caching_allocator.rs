@@ -18,6 +18,7 @@
 //! bytes than PyTorch, never fewer.
 
 use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -430,7 +431,7 @@ pub struct CachingAllocator {
     segs: Vec<Option<Seg>>,
     /// Each allocated id's segment and its block's offset there (an allocated block never
     /// moves: splits add blocks after it, merges join only free ones).
-    where_: HashMap<u64, (usize, u64)>,
+    where_: HashMap<u64, (usize, u64), IdHash>,
     /// Every cached (free) block as (small, stream, size, segment, offset): the order in which
     /// `get_free_block` picks one (smallest size, then the first segment, then the lowest
     /// offset), so a request finds its block in O(log n) instead of scanning every block.
@@ -440,6 +441,35 @@ pub struct CachingAllocator {
     requested: u64,
     report: AllocatorReport,
 }
+
+/// Hashing for tensor ids (`u64` keys): one multiply and a fold instead of SipHash, which the
+/// replay spent a seventh of its time in (`perf`, `bench/plan_speed/`). Ids come from the step's
+/// own sequence, not from outside input, so hash flooding is not a concern; the maps are only
+/// looked up, never iterated, so no result depends on the hash.
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        // Fibonacci hashing (Knuth, TAOCP 3, 6.4): the high bits of the product mix every input
+        // bit; the fold brings them down to the bits hashbrown indexes by.
+        let m = (self.0 ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = m ^ (m >> 29);
+    }
+}
+
+/// [`IdHasher`] as a map's hasher.
+pub type IdHash = BuildHasherDefault<IdHasher>;
 
 /// A cached block in [`CachingAllocator::free`]: (small, stream, size, segment, offset).
 type FreeKey = (bool, u32, u64, usize, u64);
@@ -454,7 +484,7 @@ impl CachingAllocator {
             conf,
             capacity: capacity.unwrap_or(u64::MAX),
             segs: Vec::new(),
-            where_: HashMap::new(),
+            where_: HashMap::default(),
             free: BTreeSet::new(),
             allocated: 0,
             reserved: 0,

@@ -63,10 +63,21 @@ pub struct CudaReport {
 /// The CUDA memory of a spec on the `pytorch:cuda` runtime.
 /// None when the step makes more than [`MAX_REPLAYED_EVENTS`] allocations (not replayed).
 pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaReport>, SpecError> {
+    let events = allocation_sequence(spec, table);
+    cuda_report_of(spec, table, &events)
+}
+
+/// [`cuda_report`] of `events`, which must be `allocation_sequence(spec, table)`: the planner
+/// replays one sequence under two allocator settings (`alloc_conf` is not part of the sequence)
+/// without building it twice.
+pub fn cuda_report_of(
+    spec: &Spec,
+    table: &[ParamTensor],
+    events: &[AllocEvent],
+) -> Result<Option<CudaReport>, SpecError> {
     let cs = spec.cuda.clone().unwrap_or_default();
     let conf = AllocConf::parse(&cs.alloc_conf)
         .map_err(|e| SpecError::invalid("cuda.alloc_conf", e.to_string()))?;
-    let events = allocation_sequence(spec, table);
     if events.len() > MAX_REPLAYED_EVENTS {
         return Ok(None);
     }
@@ -76,7 +87,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaRepo
     match &cs.gpu {
         Some(name) => {
             let g = gpu::lookup(name).map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
-            let m = simulate_on_gpu(&events, g, &conf, &[0]).map_err(seq_err)?;
+            let m = simulate_on_gpu(events, g, &conf, &[0]).map_err(seq_err)?;
             Ok(Some(CudaReport {
                 gpu: Some(g.name),
                 alloc_conf: cs.alloc_conf,
@@ -103,7 +114,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaRepo
                 bytes: ws,
                 stream: 0,
             }];
-            all.extend_from_slice(&events);
+            all.extend_from_slice(events);
             let r = simulate_allocator(&all, &conf, None).map_err(seq_err)?;
             Ok(Some(CudaReport {
                 gpu: None,

@@ -215,14 +215,15 @@ pub fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
 
 /// Drop zero-byte allocations and their frees (PyTorch's allocator returns no block for them).
 fn without_empty(events: Vec<AllocEvent>) -> Vec<AllocEvent> {
-    let empty: std::collections::HashSet<u64> = events
+    use crate::runtime::pytorch::caching_allocator::IdHash;
+    let empty: std::collections::HashSet<u64, IdHash> = events
         .iter()
         .filter_map(|e| match *e {
             AllocEvent::Alloc { id, bytes: 0, .. } => Some(id),
             _ => None,
         })
         .collect();
-    let mut allocated = std::collections::HashSet::new();
+    let mut allocated: std::collections::HashSet<u64, IdHash> = Default::default();
     events
         .into_iter()
         .filter(|e| match *e {

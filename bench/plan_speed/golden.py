@@ -1,0 +1,19 @@
+#!/usr/bin/env python3
+"""Write crates/cli/tests/data/plan_speed/golden.json: the plans (and their figures) a ditmem
+binary gives for the queries of crates/cli/tests/plan_speed_cli.rs, so that a faster search can be
+held to the same answers. usage: golden.py BINARY (the binary whose answers are the reference;
+the committed file came from the base commit 95ad019's release binary)."""
+import json
+import subprocess
+import sys
+
+from golden_queries import QUERIES, figures
+
+binary = sys.argv[1]
+out = {}
+for q in QUERIES:
+    p = subprocess.run([binary, "plan", "--json", "--time-limit", "600"] + q.split(),
+                       stdout=subprocess.PIPE, text=True)
+    out[q] = {"exit": p.returncode, **figures(json.loads(p.stdout))}
+json.dump(out, open("crates/cli/tests/data/plan_speed/golden.json", "w"), indent=1, sort_keys=True)
+print(f"{len(out)} plans")
