@@ -24,6 +24,11 @@ pub fn family(spec: &Spec) -> Result<Option<FamilyModel>, SpecError> {
         other => other,
     })?;
     m.name = spec.model.name.clone();
+    if !spec.model.keep_blocks.is_empty() {
+        m.dims = m
+            .dims
+            .with_depth(&spec.model.keep_blocks, "model.keep_blocks")?;
+    }
     Ok(Some(m))
 }
 
