@@ -409,6 +409,15 @@ fn pixart_score_bound(
     let t1 = linear(t, &format!("{te}.linear_1"))?;
     let t2 = linear(t, &format!("{te}.linear_2"))?;
     let adaln = linear(t, "adaln_single.linear")?;
+    // PixArt-α's resolution and aspect-ratio embedders (`trainer/pixart.rs`).
+    let sizes = match g.sizes {
+        Some(hw) => {
+            let l = |e: &str, k: u8| linear(t, &format!("adaln_single.emb.{e}.linear_{k}"));
+            let [r, a] = crate::families::pixart::params::SIZE_EMBEDDERS;
+            Some((hw, [l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?]))
+        }
+        None => None,
+    };
     let cw = if g.caption_projection {
         Some(CaptionWeights {
             linear_1: linear(t, "caption_projection.linear_1")?,
@@ -437,7 +446,18 @@ fn pixart_score_bound(
                 .and_then(|x| x.broadcast_add(&pos))
                 .map_err(e)?;
             let tf = timestep_features(&mb.timesteps, 256, f, &dev)?;
-            let emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let mut emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            if let Some(((hp, wp), [r1, r2, a1, a2])) = &sizes {
+                let mlp = |l1: &LinearW, l2: &LinearW, v: &[f64]| -> Result<Tensor> {
+                    let x = crate::model::sinusoid_features(v, 256, f, &dev)?;
+                    Ok(l2.forward(&l1.forward(&x)?.silu().map_err(e)?)?)
+                };
+                let (hp, wp) = (f64::from(*hp), f64::from(*wp));
+                let res: Vec<f64> = (0..b).flat_map(|_| [hp, wp]).collect();
+                let r = mlp(r1, r2, &res)?.reshape((b, 2 * (h / 3))).map_err(e)?;
+                let a = mlp(a1, a2, &vec![hp / wp; b])?;
+                emb = emb.add(&Tensor::cat(&[&r, &a], 1).map_err(e)?).map_err(e)?;
+            }
             let t6 = adaln.forward(&emb.silu().map_err(e)?)?;
             let cap = mb.text_tensor(f, &dev)?;
             let y = match &cw {
