@@ -24,6 +24,11 @@ pub fn family(spec: &Spec) -> Result<Option<FamilyModel>, SpecError> {
         other => other,
     })?;
     m.name = spec.model.name.clone();
+    if !spec.model.keep_blocks.is_empty() {
+        m.dims = m
+            .dims
+            .with_depth(&spec.model.keep_blocks, "model.keep_blocks")?;
+    }
     Ok(Some(m))
 }
 
@@ -221,12 +226,14 @@ fn check_engine_pixart(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
         return Ok(());
     };
     let other = "; allowed: --runtime pytorch for it";
-    if d.use_additional_conditions {
+    if d.use_additional_conditions && d.inner() % 3 != 0 {
         return Err(SpecError::invalid(
             "model.diffusers.use_additional_conditions",
             format!(
-                "true (a sample_size of 128 turns it on): the ditmem-cpu engine has no resolution \
-                 and aspect-ratio embedders yet; allowed: false{other}"
+                "true with a hidden size of {} that 3 does not divide: diffusers adds the \
+                 resolution (2·D/3) and aspect-ratio (D/3) embeddings to the timestep's (D); \
+                 allowed: false, or a hidden size divisible by 3{other}",
+                d.inner()
             ),
         ));
     }

@@ -75,6 +75,14 @@ pub struct ModelSpec {
     /// spec read by [`Spec::from_toml`] or [`Spec::from_json`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub diffusers_null: Vec<String>,
+    /// A diffusers model with fewer blocks than its config, every other dimension kept (`--depth`:
+    /// a real-width model within a CPU's memory): one count for every kind of block, or one per
+    /// kind (Flux: double-stream, single-stream; SD3.5: dual-attention, joint), each 1 ≤ N ≤ the
+    /// config's blocks of that kind. Applied where the config is read (`denoiser::family`), so
+    /// every command sees the same model. Empty: the config's blocks. The original DiT sets
+    /// `depth` instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keep_blocks: Vec<u32>,
     /// Number of DiT blocks (L).
     #[serde(default)]
     pub depth: u32,
@@ -160,6 +168,7 @@ impl ModelSpec {
             name: format!("DiT-{}/{}", size.to_ascii_uppercase(), patch),
             diffusers: None,
             diffusers_null: Vec::new(),
+            keep_blocks: Vec::new(),
             depth,
             hidden,
             heads,
@@ -1622,6 +1631,15 @@ impl Spec {
         let dit = m.diffusers.is_none();
         if dit {
             self.validate_dit_model()?;
+            if !m.keep_blocks.is_empty() {
+                return Err(SpecError::invalid(
+                    "model.keep_blocks",
+                    format!(
+                        "{:?} on the original DiT; allowed: an empty list (set model.depth)",
+                        m.keep_blocks
+                    ),
+                ));
+            }
         }
         self.validate_workload(dit)?;
         self.validate_recipe()

@@ -41,6 +41,11 @@ pub struct SpecArgs {
     /// Video frames per sample (Wan: 1 + 4k, e.g. 81); 1 for images.
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
     pub frames: Option<u32>,
+    /// The model with fewer blocks, every other dimension kept (a preset at its real width within
+    /// a CPU's memory): N blocks, each 1 to the model's depth. Flux: N double- and N single-stream
+    /// blocks, or D,S; SD3.5-medium: N dual-attention and N joint blocks, or D,S.
+    #[arg(long, value_name = "N[,S]", allow_hyphen_values = true)]
+    pub depth: Option<String>,
     /// none | int8 | nf4 | fp8 — how a frozen LoRA base's block Linears are stored (nf4: QLoRA
     /// with bitsandbytes; fp8: layerwise casting); needs --lora-rank.
     #[arg(long)]
@@ -181,6 +186,49 @@ fn parse_counts(field: &str, text: &str) -> Result<Vec<u32>, SpecError> {
                 })
         })
         .collect()
+}
+
+/// `--depth N[,S]`: a diffusers model keeps N blocks of each kind (`model.keep_blocks`, read
+/// with its config); the original DiT's `model.depth` becomes N, at most the depth it had.
+fn apply_depth(spec: &mut Spec, text: &str) -> Result<(), SpecError> {
+    let counts: Vec<u32> = text
+        .split(',')
+        .map(|t| t.trim().parse::<u32>().ok().filter(|&n| n >= 1))
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            SpecError::invalid(
+                "--depth",
+                format!(
+                    "{} is not a block count; allowed: N or D,S with each count 1 to the \
+                     model's blocks of that kind",
+                    crate::flags::show(text)
+                ),
+            )
+        })?;
+    if spec.model.diffusers.is_some() {
+        spec.model.keep_blocks = counts;
+        return denoiser::resolve(spec).map_err(|e| match e {
+            SpecError::Invalid { field, message } if field == "model.keep_blocks" => {
+                SpecError::invalid("--depth", message)
+            }
+            other => other,
+        });
+    }
+    let depth = spec.model.depth;
+    match counts.as_slice() {
+        [n] if *n <= depth => {
+            spec.model.depth = *n;
+            Ok(())
+        }
+        _ => Err(SpecError::invalid(
+            "--depth",
+            format!(
+                "{} on the original DiT of {depth} blocks; allowed: one count N with \
+                 1 ≤ N ≤ {depth}",
+                crate::flags::show(text)
+            ),
+        )),
+    }
 }
 
 /// PEFT `target_modules` names: comma-separated module names (`to_q,to_k,to_v,to_out.0`).
@@ -397,6 +445,9 @@ impl SpecArgs {
         }
         if let Some(t) = &self.text_tokens {
             spec.workload.text_tokens = Some(parse_counts("workload.text_tokens", t)?);
+        }
+        if let Some(d) = &self.depth {
+            apply_depth(&mut spec, d)?;
         }
         if let Some(f) = self.frames {
             spec.workload.frames = f;

@@ -168,6 +168,14 @@ fn guard(
         );
         match crate::guard::check(&what, plan.peak, force) {
             Ok(()) => return Ok(plan),
+            // What could not run and why, and what would: the same widths with fewer blocks.
+            Err(CliError::Refused(m)) if jobs == 1 && base.model.depth > 1 => {
+                return Err(CliError::Refused(format!(
+                    "{m}; not one variant of {} blocks fits: `--depth 1` keeps the model's \
+                     real width with one block of each kind (docs/verify.md)",
+                    base.model.depth
+                )))
+            }
             Err(e) if jobs == 1 => return Err(e),
             Err(_) => jobs -= 1,
         }

@@ -368,6 +368,21 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
     ]);
     assert_eq!(f["runtime"], "ditmem-cpu");
     assert!(f["peak_bytes"].as_u64().unwrap() > 0);
+    // PixArt-α 1024's resolution and aspect-ratio embedders are in the engine (issue 51).
+    let alpha = json(&[
+        "estimate",
+        "--preset",
+        "pixart-alpha-1024",
+        "--depth",
+        "1",
+        "--resolution",
+        "256",
+        "--runtime",
+        "ditmem-cpu",
+        "--json",
+    ]);
+    assert_eq!(alpha["runtime"], "ditmem-cpu");
+    assert!(alpha["peak_bytes"].as_u64().unwrap() > 0);
     for (args, field) in [
         (
             vec![
@@ -379,10 +394,6 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
                 "transformer_blocks.0.attn.to_q",
             ],
             "recipe.lora.modules",
-        ),
-        (
-            vec!["--preset", "pixart-alpha-1024"],
-            "model.diffusers.use_additional_conditions",
         ),
         (
             vec![

@@ -348,3 +348,39 @@ fn config_fields_and_flags_win_over_family_defaults() {
     assert_eq!(workload(&s), (1024, 1024, 1, 8, 2, 1, 4));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--depth` (issue 51): every preset at one block of each kind keeps its hidden size and
+/// estimates fewer trained parameters; the spec carries it through TOML (`model.keep_blocks`)
+/// to the same estimate; counts outside the model are refused naming `--depth`.
+#[test]
+fn depth_keeps_the_width_of_every_preset() {
+    let dir = temp_dir("presets", "depth");
+    let estimate = |args: &[&str]| -> serde_json::Value {
+        let mut a = vec!["estimate", "--json"];
+        a.extend(args);
+        let (code, out, err) = documented(&a);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        serde_json::from_str(&out).expect("JSON")
+    };
+    let trained = |v: &serde_json::Value| v["params"]["trained"].as_u64().unwrap();
+    for p in presets() {
+        let full = estimate(&["--preset", &p]);
+        let one = estimate(&["--preset", &p, "--depth", "1"]);
+        assert_eq!(
+            one["spec"]["model"]["hidden"], full["spec"]["model"]["hidden"],
+            "{p}"
+        );
+        assert!(trained(&one) < trained(&full), "{p}");
+        let (code, toml, err) = documented(&["spec", "--preset", &p, "--depth", "1"]);
+        assert_eq!(code, 0, "{p}: {err}");
+        let file = dir.join(format!("{p}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let back = estimate(&["--config", arg(&file)]);
+        assert_eq!(trained(&back), trained(&one), "{p}");
+        for bad in ["0", "1000", "1,1,1", "x"] {
+            let (code, _, err) = documented(&["estimate", "--preset", &p, "--depth", bad]);
+            assert_eq!(code, 2, "{p} --depth {bad}");
+            assert!(err.contains("--depth") && err.contains("allowed"), "{err}");
+        }
+    }
+}

@@ -241,8 +241,34 @@ fn with_ema_and_accumulation(base: Spec) -> Spec {
 
 /// One small spec per diffusers family (the tiny specs of `tests/verify_families.rs`, one block
 /// fewer where the family allows), with an EMA and two microbatches.
+///
+/// With `VERIFY_MUTATION_PRESETS=name,…` (one-encoder presets: PixArt, Sana, Wan), those
+/// presets instead at their real width with one block (`model.keep_blocks`, `--depth 1`),
+/// `VERIFY_MUTATION_RESOLUTION` (default 256) square images and 13 caption tokens: the suite
+/// at real widths (issue 51), minutes each on 2 cores.
 fn family_specs() -> Vec<(&'static str, Spec)> {
     use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
+    if let Ok(list) = std::env::var("VERIFY_MUTATION_PRESETS") {
+        let side: u32 = std::env::var("VERIFY_MUTATION_RESOLUTION")
+            .map_or(256, |v| v.parse().expect("a resolution"));
+        return list
+            .split(',')
+            .map(|p| {
+                let text = ditmem_budget::preset_config(p).expect("a diffusers preset");
+                let map = serde_json::from_str(text).expect("its config");
+                let mut s =
+                    ditmem_budget::denoiser::with_family(Spec::small(), p, map).expect("spec");
+                s.model.keep_blocks = vec![1];
+                ditmem_budget::denoiser::resolve(&mut s).expect("one block");
+                s.workload.height = side;
+                s.workload.width = side;
+                s.workload.text_tokens = Some(vec![13]);
+                s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
+                let name: &'static str = Box::leak(p.to_string().into_boxed_str());
+                (name, with_ema_and_accumulation(s))
+            })
+            .collect();
+    }
     [
         ("pixart", pixart::tiny_spec(2, 4, 13).unwrap()),
         ("sd3", sd3::tiny_spec(2, 2, true, 5, 6).unwrap()),

@@ -358,3 +358,105 @@ impl FamilyModel {
         }
     }
 }
+
+impl Dims {
+    /// The kinds of block a model stacks, with how many of each it has: Flux's double- and
+    /// single-stream blocks, SD3.5's dual-attention (MMDiT-X) and plain joint blocks; one kind
+    /// for the other families.
+    pub fn block_kinds(&self) -> Vec<(&'static str, u64)> {
+        match self {
+            Dims::Dit(d) => vec![("block", u64::from(d.model.depth))],
+            Dims::DitDiffusers(d) => vec![("block", d.num_layers)],
+            Dims::Pixart(d) => vec![("block", d.num_layers)],
+            Dims::Sana(d) => vec![("block", d.num_layers)],
+            Dims::Wan(d) => vec![("block", d.num_layers)],
+            Dims::Flux(d) => vec![
+                ("double-stream block", d.num_layers),
+                ("single-stream block", d.num_single_layers),
+            ],
+            Dims::Sd3(d) => {
+                let dual = d.dual_attention_layers.len() as u64;
+                if dual == 0 {
+                    vec![("block", d.num_layers)]
+                } else {
+                    vec![
+                        ("dual-attention block", dual),
+                        ("joint block", d.num_layers.saturating_sub(dual)),
+                    ]
+                }
+            }
+        }
+    }
+
+    /// The same model with fewer blocks, every other dimension kept (a real-width model a CPU
+    /// can hold): `keep` holds one count per kind of block ([`Dims::block_kinds`]), or one
+    /// count for every kind. Each count is 1 ≤ N ≤ the model's blocks of that kind; SD3.5 keeps
+    /// its first N dual-attention blocks and first N joint blocks in their order. `field` names
+    /// the setting in errors.
+    pub fn with_depth(&self, keep: &[u32], field: &str) -> Result<Dims, SpecError> {
+        let kinds = self.block_kinds();
+        let listed = kinds
+            .iter()
+            .map(|(k, n)| format!("{n} {k}s"))
+            .collect::<Vec<_>>()
+            .join(" + ");
+        let form = if kinds.len() == 1 { "N" } else { "N, or D,S" };
+        if keep.is_empty() || (keep.len() != 1 && keep.len() != kinds.len()) {
+            return Err(SpecError::invalid(
+                field,
+                format!(
+                    "{} counts for a model of {listed}; allowed: {form} (1 to each kind's count)",
+                    keep.len()
+                ),
+            ));
+        }
+        let counts: Vec<u64> = (0..kinds.len())
+            .map(|i| u64::from(keep[if keep.len() == 1 { 0 } else { i }]))
+            .collect();
+        for (&n, (kind, have)) in counts.iter().zip(&kinds) {
+            if n < 1 || n > *have {
+                return Err(SpecError::invalid(
+                    field,
+                    format!(
+                        "{n} {kind}s, but the model has {listed}; allowed: {form} with 1 ≤ N ≤ \
+                         {have} {kind}s"
+                    ),
+                ));
+            }
+        }
+        let mut out = self.clone();
+        match &mut out {
+            Dims::Dit(d) => d.model.depth = counts[0] as u32,
+            Dims::DitDiffusers(d) => d.num_layers = counts[0],
+            Dims::Pixart(d) => d.num_layers = counts[0],
+            Dims::Sana(d) => d.num_layers = counts[0],
+            Dims::Wan(d) => d.num_layers = counts[0],
+            Dims::Flux(d) => {
+                d.num_layers = counts[0];
+                d.num_single_layers = counts[1];
+            }
+            Dims::Sd3(d) if d.dual_attention_layers.is_empty() => d.num_layers = counts[0],
+            Dims::Sd3(d) => {
+                // Walk the blocks in order, keeping each while its kind's count lasts.
+                let (mut dual_left, mut joint_left) = (counts[0], counts[1]);
+                let mut dual = Vec::new();
+                let mut kept = 0u64;
+                for i in 0..d.num_layers {
+                    if d.dual_attention_layers.contains(&i) {
+                        if dual_left > 0 {
+                            dual_left -= 1;
+                            dual.push(kept);
+                            kept += 1;
+                        }
+                    } else if joint_left > 0 {
+                        joint_left -= 1;
+                        kept += 1;
+                    }
+                }
+                d.num_layers = kept;
+                d.dual_attention_layers = dual;
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,7 +1,8 @@
 //! PixArt's segments for the family schedule ([`super::family`]).
 //!
 //! Embed: patch embedding + the sin-cos table (the one stream), the timestep MLP (the embedded
-//! timestep, (b, D)), `adaln_single.linear` on its SiLU (the (b, 6D) block modulation) and the
+//! timestep, (b, D); with PixArt-α's additional conditions plus the resolution and aspect-ratio
+//! embedders' (b, 2D/3) ⊕ (b, D/3)), `adaln_single.linear` on its SiLU (the (b, 6D) block modulation) and the
 //! caption projection (b·T, D) in the compute dtype. The conditioning is `[t6, emb, y]`: blocks
 //! read t6 and y, the final layer emb.
 
@@ -12,12 +13,12 @@ use super::LinearIdx;
 use super::{cast, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
-use crate::families::pixart::params::PIXART_FREQ;
+use crate::families::pixart::params::{PIXART_FREQ, SIZE_EMBEDDERS};
 use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
 
 /// Where one PixArt block's parameters sit.
 #[derive(Debug, Clone)]
@@ -32,6 +33,9 @@ pub(super) struct PixartLayout {
     patch: LinearIdx,
     pos: usize,
     t1: LinearIdx,
+    /// PixArt-α's resolution embedder's and aspect-ratio embedder's linears (linear_1,
+    /// linear_2 each), with `use_additional_conditions`.
+    sizes: Option<[LinearIdx; 4]>,
     t2: LinearIdx,
     adaln: LinearIdx,
     caption: Option<[LinearIdx; 2]>,
@@ -67,6 +71,14 @@ impl PixartLayout {
             pos: idx("pos_embed.pos_embed")?,
             t1: lin(&format!("{te}.linear_1"))?,
             t2: lin(&format!("{te}.linear_2"))?,
+            sizes: match geom.sizes {
+                Some(_) => {
+                    let l = |e: &str, k: u8| lin(&format!("adaln_single.emb.{e}.linear_{k}"));
+                    let [r, a] = SIZE_EMBEDDERS;
+                    Some([l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?])
+                }
+                None => None,
+            },
             adaln: lin("adaln_single.linear")?,
             caption: if geom.caption_projection {
                 Some([
@@ -85,7 +97,9 @@ impl PixartLayout {
 
     /// Every linear of the model.
     pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
+        let mut v = vec![self.patch, self.t1, self.t2];
+        v.extend(self.sizes.iter().flatten().copied());
+        v.push(self.adaln);
         v.extend(self.caption.iter().flatten().copied());
         v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
         v.push(self.proj_out);
@@ -150,6 +164,27 @@ impl FamilyStep for PixartLayout {
         )?;
         let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
         let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
+        // PixArt-α's additional conditions: emb + cat[resolution_embedder(sinusoids of (h, w))
+        // as (b, 2·D/3), aspect_ratio_embedder(sinusoids of h/w) (b, D/3)] (diffusers
+        // `PixArtAlphaCombinedTimestepSizeEmbeddings.forward`).
+        let (emb, size_hold) = match (self.sizes, self.geom.sizes) {
+            (Some([r1, r2, a1, a2]), Some((hp, wp))) => {
+                let (hp, wp) = (f64::from(hp), f64::from(wp));
+                let mlp = |l1: LinearIdx, l2: LinearIdx, values: &[f64]| -> Result<Tensor> {
+                    let f = cast(sinusoid_features(values, PIXART_FREQ, ad, &tr.dev)?, cd)?;
+                    let h = tr.linear(l1, true)?.forward(&f)?.silu()?;
+                    cast(tr.linear(l2, true)?.forward(&h)?, ad)
+                };
+                let res: Vec<f64> = (0..b).flat_map(|_| [hp, wp]).collect();
+                let r = mlp(r1, r2, &res)?.reshape((b, 2 * (d.hidden / 3)))?;
+                let a = mlp(a1, a2, &vec![hp / wp; b])?;
+                // Per sample the resolution's 2D/3 then the aspect ratio's D/3: `torch.cat(…,
+                // dim=1)` as the engine's fused concat (its twin: `ops::concat`).
+                let sizes = crate::ops::tokens::concat(&r, &a, b, (b, d.hidden))?;
+                ((&emb + &sizes)?, vec![emb, r, a, sizes])
+            }
+            _ => (emb, Vec::new()),
+        };
         let se = cast(emb.silu()?, cd)?;
         let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
@@ -166,7 +201,7 @@ impl FamilyStep for PixartLayout {
         Ok(Embedded {
             streams: vec![x0],
             conds: vec![t6, emb, y],
-            hold: vec![xp, pos, tf, t1, se, cap],
+            hold: [vec![xp, pos, tf, t1, se, cap], size_hold].concat(),
         })
     }
 
@@ -205,7 +240,9 @@ impl FamilyStep for PixartLayout {
     }
 
     fn embed_params(&self) -> Vec<usize> {
-        let mut embed = vec![self.patch, self.t1, self.t2, self.adaln];
+        let mut embed = vec![self.patch, self.t1, self.t2];
+        embed.extend(self.sizes.iter().flatten().copied());
+        embed.push(self.adaln);
         embed.extend(self.caption.iter().flatten().copied());
         params_of(&embed)
     }

@@ -671,6 +671,9 @@ pub fn reference_file_size(base: &Spec, opts: &VerifyOptions) -> Result<u64> {
         .iter()
         .map(|(n, _)| (n.clone(), [-f64::MAX; 3]))
         .collect();
+    // The same tensors as the probe's lists: each source and what it reaches upstream.
+    let amplification = probe::with_upstream(&spec, amplification, f64::max)?;
+    let kink = probe::with_upstream(&spec, kink, |a, _| a)?;
     let meta = reference_meta(
         &spec,
         opts,
@@ -1061,9 +1064,10 @@ impl Reference {
 /// The first leaf where two JSON values differ: (dotted path, a, b).
 /// Whether `tensor` is one of the module `prefix`'s (`prefix.` starts its name).
 fn is_under(tensor: &str, prefix: &str) -> bool {
-    tensor
-        .strip_prefix(prefix)
-        .is_some_and(|rest| rest.starts_with('.'))
+    tensor == prefix
+        || tensor
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.starts_with('.'))
 }
 
 fn first_difference(

@@ -75,6 +75,77 @@ pub(super) fn amplified_tensors(spec: &Spec) -> Result<Vec<String>> {
     })
 }
 
+/// The tensors of Sana block `i` that its linear attention's q and k are computed from, besides
+/// the block's input stream and the embedded timestep: norm1's modulation (chunks 0 and 1 of
+/// the block's `scale_shift_table` plus the timestep's, as the replay computes `h1` below).
+fn sana_qk_inputs(i: u32) -> Vec<String> {
+    vec![format!("transformer_blocks.{i}.scale_shift_table")]
+}
+
+/// `sources` (a cancellation's or a kink's (tensor prefix, term), from [`amplified_tensors`])
+/// with the same term, as the largest `max` of the sources that reach it, on every trained
+/// tensor upstream of them: an error in a block's q or k gradient flows into the block's input
+/// gradient, so into every tensor the forward read before it — the embed segment's (the family
+/// schedule runs it before every block: patch, position, timestep, label and text embedders),
+/// every earlier block's, and the block's own tensors that q and k are computed from
+/// ([`sana_qk_inputs`]). Tensors after them (the block's v, out, cross-attention and
+/// feed-forward, later blocks, the final layer) are not reached: the kink changes the q and k
+/// gradient alone. The set follows from the model's table (module and block of each tensor),
+/// never from names of the tensors that failed.
+pub(super) fn with_upstream<T: Copy>(
+    spec: &Spec,
+    sources: Vec<(String, T)>,
+    max: impl Fn(T, T) -> T,
+) -> Result<Vec<(String, T)>> {
+    use ditmem_budget::Module;
+    if sources.is_empty() {
+        return Ok(sources);
+    }
+    let table = ditmem_budget::denoiser::param_table(spec);
+    let embed = |m: Module| {
+        matches!(
+            m,
+            Module::PatchEmbed
+                | Module::PosEmbed
+                | Module::TimestepEmbed
+                | Module::LabelEmbed
+                | Module::TextEmbed
+        )
+    };
+    let under = |name: &str, prefix: &str| {
+        name.strip_prefix(prefix)
+            .is_some_and(|rest| rest.starts_with('.'))
+    };
+    let mut reached: Vec<Option<T>> = vec![None; table.len()];
+    for (prefix, v) in &sources {
+        // The block of the source, from the table.
+        let Some(block) = table
+            .iter()
+            .find(|t| under(&t.name, prefix))
+            .and_then(|t| t.block)
+        else {
+            continue;
+        };
+        let own = sana_qk_inputs(block);
+        for (slot, t) in reached.iter_mut().zip(&table) {
+            let upstream = embed(t.module)
+                || (t.block.is_some_and(|b| b < block) && t.module != Module::FinalLayer)
+                || own.contains(&t.name);
+            if upstream {
+                *slot = Some(slot.map_or(*v, |w| max(w, *v)));
+            }
+        }
+    }
+    let mut out = sources;
+    out.extend(
+        table
+            .iter()
+            .zip(reached)
+            .filter_map(|(t, v)| Some((t.name.clone(), v?))),
+    );
+    Ok(out)
+}
+
 /// [`Probe`] of the first step of `spec` (the reference spec: f64, nothing recomputed) with the
 /// weights of `t` (fresh, not yet stepped) on `batch`.
 pub(super) fn probe(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<Probe> {
@@ -338,6 +409,15 @@ fn pixart_score_bound(
     let t1 = linear(t, &format!("{te}.linear_1"))?;
     let t2 = linear(t, &format!("{te}.linear_2"))?;
     let adaln = linear(t, "adaln_single.linear")?;
+    // PixArt-α's resolution and aspect-ratio embedders (`trainer/pixart.rs`).
+    let sizes = match g.sizes {
+        Some(hw) => {
+            let l = |e: &str, k: u8| linear(t, &format!("adaln_single.emb.{e}.linear_{k}"));
+            let [r, a] = crate::families::pixart::params::SIZE_EMBEDDERS;
+            Some((hw, [l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?]))
+        }
+        None => None,
+    };
     let cw = if g.caption_projection {
         Some(CaptionWeights {
             linear_1: linear(t, "caption_projection.linear_1")?,
@@ -366,7 +446,18 @@ fn pixart_score_bound(
                 .and_then(|x| x.broadcast_add(&pos))
                 .map_err(e)?;
             let tf = timestep_features(&mb.timesteps, 256, f, &dev)?;
-            let emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let mut emb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            if let Some(((hp, wp), [r1, r2, a1, a2])) = &sizes {
+                let mlp = |l1: &LinearW, l2: &LinearW, v: &[f64]| -> Result<Tensor> {
+                    let x = crate::model::sinusoid_features(v, 256, f, &dev)?;
+                    Ok(l2.forward(&l1.forward(&x)?.silu().map_err(e)?)?)
+                };
+                let (hp, wp) = (f64::from(*hp), f64::from(*wp));
+                let res: Vec<f64> = (0..b).flat_map(|_| [hp, wp]).collect();
+                let r = mlp(r1, r2, &res)?.reshape((b, 2 * (h / 3))).map_err(e)?;
+                let a = mlp(a1, a2, &vec![hp / wp; b])?;
+                emb = emb.add(&Tensor::cat(&[&r, &a], 1).map_err(e)?).map_err(e)?;
+            }
             let t6 = adaln.forward(&emb.silu().map_err(e)?)?;
             let cap = mb.text_tensor(f, &dev)?;
             let y = match &cw {
@@ -1050,6 +1141,10 @@ fn sana_score_bound(
         .into_iter()
         .zip(kinks.iter().flat_map(|s| [s.q.errors(), s.k.errors()]))
         .collect();
+    let amplification = with_upstream(spec, amplification, f64::max)?;
+    let kink = with_upstream(spec, kink, |a: [f64; 3], b: [f64; 3]| {
+        std::array::from_fn(|i| a[i].max(b[i]))
+    })?;
     Ok(Probe {
         score_bound: bound,
         loss: loss_sum / accum as f64,

@@ -15,7 +15,7 @@ use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    attention_head_packing, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
+    attention_head_packing, concat, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
     FUSED_ATTN_QUERY_BLOCK,
 };
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
@@ -36,6 +36,9 @@ pub(crate) struct PixGeo {
     pub projection: bool,
     /// `out_channels` of the config.
     pub c_out: u64,
+    /// PixArt-α's additional conditions (`use_additional_conditions`): the resolution and
+    /// aspect-ratio embedders in the embed.
+    pub sizes: bool,
 }
 
 impl PixGeo {
@@ -55,6 +58,7 @@ impl PixGeo {
             width: d.caption_channels.unwrap_or(d.inner()),
             projection: d.caption_channels.is_some(),
             c_out: d.out_channels,
+            sizes: d.use_additional_conditions,
         }
     }
 
@@ -265,6 +269,11 @@ pub(crate) fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid
     let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
     let emb = g.cast(&format!("emb→{ad}"), emb, ad);
     g.bind(emb);
+    let emb = if pg.sizes {
+        size_embedding(&mut g, sh, emb)
+    } else {
+        emb
+    };
     let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
     let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
     g.bind(se);
@@ -302,6 +311,39 @@ pub(crate) fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid
     g.bind(y);
     g.bind(x0);
     (g, x0, t6, emb, y)
+}
+
+/// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
+/// `emb`: for the resolution (2 values per sample) and the aspect ratio (1), sinusoid features
+/// (accumulation dtype, cast to the compute dtype), linear_1, SiLU, linear_2 (D/3 wide) cast to
+/// the accumulation dtype; the resolution's rows viewed as (b, 2D/3), the engine's concat and
+/// the sum with `emb`. The features and hidden layers are the closure's locals (freed when no
+/// backward reads them); the two outputs, their concat and `emb` stay held by the embed. `emb` here
+/// is the timestep's; the returned sum is the embedded timestep the blocks' modulation and the
+/// final layer read, as diffusers' `AdaLayerNormSingle` returns it.
+fn size_embedding(g: &mut Graph, sh: &Shape, emb: Nid) -> Nid {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let size = sh.d / 3;
+    let mut parts = Vec::new();
+    for (e, rows) in [
+        ("resolution_embedder", 2 * sh.b),
+        ("aspect_ratio_embedder", sh.b),
+    ] {
+        let p = format!("adaln_single.emb.{e}");
+        let f = g.constant(&format!("{e} features"), rows * PIXART_FREQ, ad, true);
+        let f = g.cast(&format!("{e} features→{cd}"), f, cd);
+        let h = module_linear(g, sh, &format!("{p}.linear_1"), f, rows, size, PIXART_FREQ);
+        let h = g.op(&format!("{e} silu"), Kind::Silu, &[h], rows * size, cd);
+        let o = module_linear(g, sh, &format!("{p}.linear_2"), h, rows, size, size);
+        let mut o = g.cast(&format!("{e}→{ad}"), o, ad);
+        if rows > sh.b {
+            o = g.view(&format!("{e} reshape(b,·)"), Kind::Reshape, o, rows * size);
+        }
+        parts.push(g.bind(o));
+    }
+    let cat = concat(g, "cat[resolution; aspect ratio]", parts[0], parts[1]);
+    g.bind(cat);
+    g.op("emb + sizes", Kind::Add, &[emb, cat], sh.b * sh.d, ad)
 }
 
 /// The output side and the loss on a leaf copy of the last block's output.

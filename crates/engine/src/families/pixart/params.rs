@@ -44,6 +44,12 @@ pub struct PixartGeom {
     pub out_channels: usize,
     /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
     pub lora: Option<LoraPlan>,
+    /// PixArt-α's additional conditions (`use_additional_conditions`, on with sample_size 128):
+    /// the image's (height, width) in pixels, whose sinusoids the resolution embedder reads,
+    /// and height / width for the aspect-ratio embedder (diffusers
+    /// `PixArtAlphaCombinedTimestepSizeEmbeddings`; the training scripts pass the batch's
+    /// resolution). None without them.
+    pub sizes: Option<(u32, u32)>,
 }
 
 impl PixartGeom {
@@ -53,13 +59,6 @@ impl PixartGeom {
             return Err(EngineError::unsupported(
                 "model.diffusers.attention_bias = false",
                 "the engine's PixArt has biased q/k/v projections; use attention_bias = true",
-            ));
-        }
-        if d.use_additional_conditions {
-            return Err(EngineError::unsupported(
-                "model.diffusers.use_additional_conditions = true (or sample_size 128)",
-                "the resolution and aspect-ratio embedders are not in the engine yet; set \
-                 use_additional_conditions = false",
             ));
         }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
@@ -87,9 +86,15 @@ impl PixartGeom {
             caption_projection: d.caption_channels.is_some(),
             out_channels: d.out_channels as usize,
             lora: LoraPlan::of(spec),
+            sizes: d
+                .use_additional_conditions
+                .then_some((spec.workload.height, spec.workload.width)),
         })
     }
 }
+
+/// PixArt-α's additional-condition embedders, in the table's order.
+pub const SIZE_EMBEDDERS: [&str; 2] = ["resolution_embedder", "aspect_ratio_embedder"];
 
 /// Every tensor of the PixArt model of `spec`, in the budget's table order, then the frozen
 /// position table.
@@ -140,6 +145,20 @@ pub fn param_shapes(d: &Dims, g: &PixartGeom) -> Vec<ParamShape> {
     let te = "adaln_single.emb.timestep_embedder";
     linear(&mut push, &format!("{te}.linear_1"), h, PIXART_FREQ, small);
     linear(&mut push, &format!("{te}.linear_2"), h, h, small);
+    if g.sizes.is_some() {
+        // `size_emb_dim = embedding_dim // 3` each, as the timestep embedder.
+        for e in SIZE_EMBEDDERS {
+            let p = format!("adaln_single.emb.{e}");
+            linear(
+                &mut push,
+                &format!("{p}.linear_1"),
+                h / 3,
+                PIXART_FREQ,
+                small,
+            );
+            linear(&mut push, &format!("{p}.linear_2"), h / 3, h / 3, small);
+        }
+    }
     linear(&mut push, "adaln_single.linear", 6 * h, h, small);
     if g.caption_projection {
         let c = g.text_width;
