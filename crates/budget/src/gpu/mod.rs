@@ -6,7 +6,7 @@ mod catalog;
 mod links;
 
 pub use catalog::{
-    all, cublas_workspace_bytes, lookup, names, CapacityBasis, DtypeSupport, Flops, Gpu, GpuError,
+    all, cublas_workspace_bytes, lookup, names, with_memory, CapacityBasis, DtypeSupport, Flops, Gpu, GpuError,
     CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90_PLUS,
 };
 pub use links::{
