@@ -592,8 +592,10 @@ fn command(
                 notes.push(format!("the model: {id}"));
             }
             let depth = spec.model.depth;
-            if !matches!(r.recompute, Recompute::None | Recompute::All | Recompute::AttentionOnly)
-            {
+            if !matches!(
+                r.recompute,
+                Recompute::None | Recompute::All | Recompute::AttentionOnly
+            ) {
                 let blocks: Vec<u32> = (0..depth)
                     .filter(|&i| r.recompute.recomputes_block(i))
                     .collect();
@@ -686,7 +688,12 @@ fn command(
         }
     }
     for b in crate::launch::behaviours(&script) {
-        notes.push(format!("the plan follows {}: {} ({})", script.file_name(), b.what, b.source));
+        notes.push(format!(
+            "the plan follows {}: {} ({})",
+            script.file_name(),
+            b.what,
+            b.source
+        ));
     }
     notes.push(format!(
         "{} and its data are placeholders: {} (diffusers {DIFFUSERS_TAG}) trains on \
@@ -853,7 +860,12 @@ pub fn model_id(spec: &Spec) -> Option<String> {
     if let Some(src) = crate::families::preset_source(&spec.model.name) {
         return src.split_whitespace().next().map(str::to_string);
     }
-    let p = spec.model.diffusers.as_ref()?.get("_name_or_path")?.as_str()?;
+    let p = spec
+        .model
+        .diffusers
+        .as_ref()?
+        .get("_name_or_path")?
+        .as_str()?;
     let p = p.trim_end_matches('/');
     let p = p.strip_suffix("/transformer").unwrap_or(p);
     (!p.is_empty()).then(|| p.to_string())

@@ -41,8 +41,8 @@ pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase, StaticBytes};
 pub use export::{
-    block_classes, export, export_files, model_id, script_for, Command, Export, ExportOptions, NoScript, Script, Target,
-    DIFFUSERS_COMMIT, DIFFUSERS_TAG,
+    block_classes, export, export_files, model_id, script_for, Command, Export, ExportOptions,
+    NoScript, Script, Target, DIFFUSERS_COMMIT, DIFFUSERS_TAG,
 };
 pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,

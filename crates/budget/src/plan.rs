@@ -1280,7 +1280,7 @@ fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec
     let latents: Vec<Latents> = if base.recipe.latents == Latents::Encode && !pin.latents {
         vec![Latents::Encode, Latents::Cached]
     } else {
-        vec![Latents::Cached]
+        vec![base.recipe.latents]
     };
     let attentions: Vec<AttentionMode> = match base.recipe.attention {
         AttentionMode::Materialized if !pin.attention => {

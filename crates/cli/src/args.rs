@@ -599,7 +599,10 @@ impl SpecArgs {
             let b = ditmem_budget::parse_bytes(m).ok_or_else(|| {
                 SpecError::invalid(
                     "--gpu-memory",
-                    format!("'{}' is not a memory size; {ALLOWED}", m.chars().take(60).collect::<String>()),
+                    format!(
+                        "'{}' is not a memory size; {ALLOWED}",
+                        m.chars().take(60).collect::<String>()
+                    ),
                 )
             })?;
             if b <= g.context_bytes + (64 << 20) || b >= 16u64 << 40 {

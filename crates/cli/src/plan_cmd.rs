@@ -9,11 +9,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
+use ditmem_budget::launch::{Launch, Launcher, Pinned};
 use ditmem_budget::DeviceProfile;
 use ditmem_budget::{export, Export, ExportOptions, Family, Offload, Sharder, Target};
 use ditmem_budget::{fmt_bytes, parse_bytes};
 use ditmem_budget::{fmt_secs, plan_with, Allow, Limits, Plan, SearchControl, DEFAULT_HEADROOM};
-use ditmem_budget::launch::{Launch, Launcher, Pinned};
 use ditmem_budget::{Spec, SpecError};
 use serde::Serialize;
 

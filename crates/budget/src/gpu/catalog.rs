@@ -200,6 +200,13 @@ pub struct GpuError {
 /// 300 MB (pytorch/pytorch#107667). An order of magnitude, not measured on each card.
 const CTX_LAZY: u64 = 300 * MIB;
 const CTX_LAZY_SRC: &str = "community estimate: ~300 MB with CUDA lazy loading (pytorch/pytorch#107667); not measured on this card";
+/// A100-SXM4-40GB: what a training process held outside PyTorch's allocator in a published OOM
+/// message (huggingface/diffusers#10120: "Process … has 39.55 GiB memory in use. Of the
+/// allocated memory 38.05 GiB is allocated by PyTorch, and 1021.72 MiB is reserved by PyTorch
+/// but unallocated": 39.55 GiB − 38.05 GiB − 1021.72 MiB = 514 MiB, each figure ±0.005 GiB),
+/// with bitsandbytes' kernels loaded (train_dreambooth_sd3.py --use_8bit_adam).
+const CTX_A100_40: u64 = 514 * MIB;
+const CTX_A100_40_SRC: &str = "published measurement: 514 MiB outside PyTorch's allocator (39.55 GiB in use − 38.05 GiB allocated − 1,021.72 MiB reserved-unallocated) in a train_dreambooth_sd3.py run with bitsandbytes (huggingface/diffusers#10120)";
 /// RTX 3090, torch 2.7.1+cu128: 256 MiB (invoke-ai/InvokeAI#9413).
 const CTX_3090: u64 = 256 * MIB;
 const CTX_3090_SRC: &str =
@@ -315,8 +322,8 @@ static CATALOG: [Gpu; 15] = [
             fp8: None,
         },
         bandwidth: 1.555e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
+        context_bytes: CTX_A100_40,
+        context_source: CTX_A100_40_SRC,
         source: "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)",
         note: "no FP8 on sm80",
     },
