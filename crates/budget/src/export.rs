@@ -1276,6 +1276,7 @@ mod tests {
             family,
             sharder,
             offload,
+            ..ExportOptions::default()
         }
     }
 
@@ -1352,8 +1353,9 @@ mod tests {
             ] {
                 assert_eq!(v[k], "auto", "{k}");
             }
-            assert_eq!(v["bf16"]["enabled"], "auto");
-            assert_eq!(v["fp16"]["enabled"], "auto");
+            // The precision is explicit (issue 46: the YAML alone must keep it).
+            assert_eq!(v["bf16"]["enabled"], true);
+            assert_eq!(v["fp16"]["enabled"], false);
             assert!(v.get("optimizer").is_none(), "{}", e.text);
             assert!(v.get("zero_force_ds_cpu_optimizer").is_none());
             assert_eq!(v["zero_optimization"]["stage"], z);

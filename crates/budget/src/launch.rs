@@ -375,3 +375,71 @@ impl Launch {
 pub fn scripts_source() -> String {
     format!("huggingface/diffusers {DIFFUSERS_TAG} ({DIFFUSERS_COMMIT})")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flux_lora() -> Spec {
+        let map =
+            serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
+        let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 16,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        s
+    }
+
+    fn script(pinned: Pinned) -> Launch {
+        Launch {
+            launcher: Launcher::Diffusers,
+            family: Family::Flux,
+            pinned,
+        }
+    }
+
+    #[test]
+    fn the_flux_lora_script_keeps_its_text_encoders_and_default_layers() {
+        let r = script(Pinned::default()).realise(&flux_lora()).unwrap();
+        assert_eq!(r.recipe.text_encoders, TextEncoders::Online);
+        assert_eq!(r.recipe.lora.as_ref().unwrap().modules.len(), 12);
+        // Pinned cached encoders: an error, not a change.
+        let p = Pinned {
+            text_encoders: true,
+            ..Pinned::default()
+        };
+        assert!(script(p).realise(&flux_lora()).is_err());
+        // Your own script: as given.
+        let custom = Launch::default();
+        assert_eq!(custom.realise(&flux_lora()).unwrap(), flux_lora());
+    }
+
+    #[test]
+    fn partial_recompute_and_nf4_are_not_in_the_scripts() {
+        let mut s = flux_lora();
+        s.recipe.recompute = Recompute::EveryK(2);
+        assert!(script(Pinned::default()).realise(&s).is_err());
+        let mut s = flux_lora();
+        s.recipe.base_quant = BaseQuant::Nf4;
+        assert!(script(Pinned::default()).realise(&s).is_err());
+        let mut s = flux_lora();
+        s.recipe.recompute = Recompute::All;
+        assert!(script(Pinned::default()).realise(&s).is_ok());
+    }
+
+    #[test]
+    fn the_full_flux_script_encodes_latents_every_step() {
+        let mut s = flux_lora();
+        s.recipe.lora = None;
+        s.recipe.latents = Latents::Cached;
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.recipe.latents, Latents::Encode);
+        let p = Pinned {
+            latents: true,
+            ..Pinned::default()
+        };
+        assert!(script(p).realise(&s).is_err());
+    }
+}

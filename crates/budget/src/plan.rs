@@ -1673,6 +1673,7 @@ mod tests {
             SearchControl {
                 time_limit: Some(Duration::from_secs(3600)),
                 progress: Some(&count),
+                launch: None,
             },
         )
         .unwrap();
@@ -1687,6 +1688,7 @@ mod tests {
             SearchControl {
                 time_limit: Some(Duration::ZERO),
                 progress: None,
+                launch: None,
             },
         )
         .unwrap();
