@@ -240,6 +240,19 @@ def check_script(cmd, plan):
     need(a.gradient_accumulation_steps == w["accumulation"], "--gradient_accumulation_steps")
     if r.get("lora"):
         need(a.rank == r["lora"]["rank"], f"--rank {a.rank}")
+        mods = r["lora"].get("modules") or []
+        if mods:
+            need(a.lora_layers == ",".join(mods), f"--lora_layers {a.lora_layers}")
+    # Every field of the recipe the script has a flag for is realised by its flags.
+    need(bool(a.gradient_checkpointing) == (r["recompute"] == "all"),
+         f"--gradient_checkpointing {a.gradient_checkpointing}, recompute {r['recompute']}")
+    need(r["recompute"] in ("none", "all"), f"recompute {r['recompute']}: no flag")
+    need(bool(a.use_8bit_adam) == (r["optimizer"] == "adamw-8bit"), "--use_8bit_adam")
+    need(bool(getattr(a, "cache_latents", False)) == (r["latents"] == "cached"),
+         f"--cache_latents, latents {r['latents']}")
+    need(not r.get("base_quant"), f"base {r.get('base_quant')}: no flag")
+    need(bool(getattr(a, "offload", False)) == (r.get("text_encoders") == "offloaded"), "--offload")
+    need(a.resolution == max(w["height"], w["width"]), f"--resolution {a.resolution}")
     return f"{cmd['script']} ok"
 
 
@@ -255,6 +268,12 @@ def run_check(fn):
 
 
 def load_reports(folder):
+    """One `ditmem plan --emit accelerate,deepspeed,deepspeed-standalone,diffusers --json`: the
+    plan with each export, as the per-target reports the checks read."""
+    single = folder / "plan.json"
+    if single.exists():
+        p = json.loads(single.read_text())
+        return {e["target"]: {**p, "export": e} for e in p["exports"]}
     return {t: json.loads((folder / f"{t}.json").read_text()) for t in
             ("accelerate", "deepspeed", "deepspeed-standalone", "diffusers")}
 
@@ -310,6 +329,51 @@ def check_plan(folder, reports=None):
         return f"ok at {ranks}, refused at {refused}"
 
     out["checks"]["alone"] = run_check(alone)
+
+    def yaml_alone():
+        """`accelerate launch --config_file accelerate_config.yaml train.py`: no precision on
+        the line; what accelerate then trains in must be the plan's."""
+        c = reports["accelerate"]["export"]["command"]
+        argv = ["--config_file", "accelerate_config.yaml", c["script"]]
+        mp = expected_precision(plan["recipe"])
+        with cwd(work):
+            args = launch_command_parser().parse_args(argv)
+            args, defaults, mp_from_config = quiet(_validate_launch_command, args)
+            if args.use_deepspeed:
+                fields = list(defaults.deepspeed_config.keys()) if defaults else []
+                if mp_from_config:
+                    fields.append("mixed_precision")
+                args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+                _, env = quiet(prepare_deepspeed_cmd_env, args)
+                with environ(env):
+                    plugin = quiet(DeepSpeedPlugin)
+                    # The precision DeepSpeed runs: the JSON's, once accelerate fills it with the
+                    # launch's (ACCELERATE_MIXED_PRECISION; fill_match refuses a mismatch).
+                    cfg = fill_like_accelerate(plugin, env.get("ACCELERATE_MIXED_PRECISION", "no"),
+                                               plan["workload"]["microbatch"], plan["workload"]["accumulation"],
+                                               plan["workload"]["ranks"])
+                got = "bf16" if cfg.get("bf16", {}).get("enabled") is True else \
+                      "fp16" if cfg.get("fp16", {}).get("enabled") is True else "no"
+                need(got == mp, f"DeepSpeed trains in {got}, plan {mp}")
+                return f"DeepSpeed {got}"
+            need(args.mixed_precision == mp, f"YAML alone: mixed_precision {args.mixed_precision!r}, plan {mp}")
+            return f"mixed_precision {args.mixed_precision}"
+
+    out["checks"]["yaml-alone"] = run_check(yaml_alone)
+
+    def files():
+        d = folder / "files"
+        if not d.exists():
+            return "no --emit-dir"
+        names = sorted(p.name for p in d.iterdir())
+        text = (d / "accelerate_config.yaml").read_text()
+        if "deepspeed_config_file" in text:
+            need("ds_config.json" in names, "the YAML names ds_config.json, not written")
+        for py in d.glob("*.py"):
+            compile(py.read_text(), str(py), "exec")
+        return ",".join(names)
+
+    out["checks"]["files"] = run_check(files)
     cmd = reports["diffusers"]["export"]["command"]
     out["checks"]["diffusers"] = run_check(lambda: check_launch(cmd, plan, options, work) + "; " + check_script(cmd, plan))
     out["script"] = cmd["script"]
@@ -361,6 +425,13 @@ def _mutants():
         v.pop("zero_force_ds_cpu_optimizer", None)
         e["text"] = json.dumps(v)
 
+    def auto_precision(r):
+        e = r["deepspeed"]["export"]
+        cfg = json.loads(e["text"])
+        cfg["bf16"]["enabled"] = "auto"
+        cfg["fp16"]["enabled"] = "auto"
+        e["text"] = json.dumps(cfg)
+
     return [
         ("fp32-1-dit", "mixed_precision: no (unquoted)", unquoted, "yaml"),
         ("zero3-8-flux", "YAML repeats the JSON's keys", yaml_repeats_json_keys, "acc-launch"),
@@ -369,6 +440,7 @@ def _mutants():
         ("zero3-8-flux", "fixed train_batch_size", fixed_batch, "ds@1"),
         ("zero3-8-flux", "--multi_gpu for a ZeRO-3 plan", multi_gpu, "diffusers"),
         ("zero3-8-flux", "--use_ema to train_dreambooth_flux.py", use_ema, "diffusers"),
+        ("zero3-8-flux", "\"auto\" precision in ds_config.json (issue 46)", auto_precision, "yaml-alone"),
         ("zero2-offload-8-flux", "ZeRO-Offload without zero_force_ds_cpu_optimizer false", offload_without_force_false, "ds@2"),
     ]
 
@@ -406,7 +478,7 @@ def main():
         except Exception:
             traceback.print_exc()
             rows.append({"plan": folder.name, "checks": {"load": (False, "could not read the plan")}})
-    names = ["yaml", "acc-launch"] + [f"ds@{w}" for w in WORLD_SIZES] + ["alone", "diffusers"]
+    names = ["yaml", "acc-launch"] + [f"ds@{w}" for w in WORLD_SIZES] + ["alone", "yaml-alone", "files", "diffusers"]
     print("libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items())
           + "; diffusers scripts: v0.40.0 (d035dcd7cc7c88e0a154609b62887d50bba9fdc2), vendored parse_args")
     print()

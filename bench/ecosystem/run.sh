@@ -17,10 +17,11 @@ rm -rf "$plans" && mkdir -p "$plans" "$here/results"
 while IFS='|' read -r name args; do
     [ -z "$name" ] && continue
     mkdir -p "$plans/$name"
-    for t in accelerate deepspeed deepspeed-standalone diffusers; do
-        # shellcheck disable=SC2086
-        "$ditmem" plan $args --emit "$t" --json > "$plans/$name/$t.json"
-    done
+    # One search, every export of it (the launcher is the accelerate config's: the family's
+    # diffusers script, as --emit diffusers); --emit-dir writes the files one launch needs.
+    # shellcheck disable=SC2086
+    "$ditmem" plan $args --emit accelerate,deepspeed,deepspeed-standalone,diffusers \
+        --emit-dir "$plans/$name/files" --json > "$plans/$name/plan.json"
 done <<'PLANS'
 fp32-1-dit|--precision fp32 --budget 80GiB
 bf16-1-flux|--precision bf16-mixed --budget 24GiB --emit-family flux
@@ -36,6 +37,10 @@ zero2-offload-8-flux|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family
 zero3-offload-8-sd3|--ranks 8 --batch 256 --zero 3 --budget 40GiB --emit-family sd3 --emit-offload optimizer+params
 fsdp2-8-flux|--ranks 8 --batch 256 --zero 2 --budget 40GiB --emit-family flux --emit-sharder fsdp
 fsdp3-offload-8-sd3|--ranks 8 --batch 256 --zero 3 --budget 40GiB --emit-family sd3 --emit-sharder fsdp --emit-offload optimizer+params
+lora-targets-1-flux|--preset flux.1-dev --gpu h100-sxm --lora-rank 16 --lora-targets attn.to_q,attn.to_k,attn.to_v,attn.to_out.0
+lora-offload-1-sana|--preset sana-600m --gpu rtx-4090 --lora-rank 16 --text-encoders offloaded
+lora-1-sd35|--preset sd3.5-medium --gpu rtx-4090 --lora-rank 16
+zero2-16-sd35|--preset sd3.5-medium --ranks 16 --batch 64 --zero 2 --budget 80GiB
 PLANS
 
 # One dated folder per run, named by the CPU it ran on, with the command and its conditions.

@@ -13,5 +13,5 @@ fi
 "$here/.venv/bin/python" -m pip install -q --upgrade pip
 "$here/.venv/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.15.0}"
 DS_BUILD_OPS=0 "$here/.venv/bin/python" -m pip install -q \
-    "accelerate==1.15.0" "deepspeed==0.19.8" "diffusers==0.42.1"
+    "accelerate==${ACCELERATE_VERSION:-1.16.0}" "deepspeed==0.19.8" "diffusers==0.42.1"
 "$here/.venv/bin/python" -c 'import accelerate, deepspeed, diffusers, torch; print("accelerate", accelerate.__version__, "deepspeed", deepspeed.__version__, "diffusers", diffusers.__version__, "torch", torch.__version__)'

@@ -70,6 +70,18 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
             Some(m) => frozen::vae_encoder(m),
             None => original_dit_vae(spec),
         };
+        // The scripts that keep the VAE in fp32 whatever the precision:
+        // train_dreambooth_sd3.py:1167 and train_dreambooth_lora_sd3.py:1237
+        // (`vae.to(accelerator.device, dtype=torch.float32)`), train_dreambooth_lora_sana.py:1017.
+        let fp32_vae = matches!(
+            fm.as_ref().map(|m| m.family),
+            Some(crate::families::Family::Sd3 | crate::families::Family::Sana)
+        );
+        let dtype = if fp32_vae && dtype.size() < 4 {
+            Dtype::F32
+        } else {
+            dtype
+        };
         let frames = u64::from(w.frames.max(1));
         let pixels = u64::from(w.height) * u64::from(w.width);
         out.push(EncoderRun {
@@ -87,6 +99,25 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
             flops: 2.0 * 136e9 * (pixels * frames * b) as f64 / (256.0 * 256.0),
             conv: true,
         });
+        // The scripts move the whole AutoencoderKL to the device, its decoder too, which the
+        // step never runs (train_dreambooth_sd3.py:1167, train_dreambooth_flux.py:1207,
+        // train_dreambooth_lora_sd3.py:1237, train_dreambooth_lora_flux.py:1244).
+        if matches!(
+            fm.as_ref().map(|m| m.family),
+            Some(crate::families::Family::Sd3 | crate::families::Family::Flux)
+        ) {
+            out.push(EncoderRun {
+                name: "SD3/Flux VAE decoder (resident, not run)".to_string(),
+                class: "diffusers.AutoencoderKL",
+                params: VAE16_DECODER_PARAMS,
+                dtype,
+                weight_bytes: VAE16_DECODER_PARAMS * dtype.size(),
+                resident: true,
+                forward_bytes: 0,
+                input_bytes: 0,
+                flops: 0.0,
+            });
+        }
     }
     if r.text_encoders != TextEncoders::Cached {
         if let Some(m) = &fm {
@@ -112,6 +143,12 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
     }
     out
 }
+
+/// The decoder (and `post_quant_conv`: none in this VAE) of the SD3 / Flux AutoencoderKL
+/// (f8c16: block_out_channels 128-256-512-512, 2 layers per block, 16 latent channels, no
+/// quant convs): counted with diffusers 0.42.1 `AutoencoderKL(**config).decoder` (the encoder
+/// counts 34,274,208, [`VAE16_ENCODER_PARAMS`]).
+pub const VAE16_DECODER_PARAMS: u64 = 49_545_475;
 
 /// Bytes of the encoders resident on the device for the whole step.
 pub fn resident_bytes(runs: &[EncoderRun]) -> u64 {

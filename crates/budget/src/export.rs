@@ -16,8 +16,10 @@ use serde::Serialize;
 
 use crate::error::SpecError;
 use crate::families::Family;
-use crate::spec::{AttentionMode, Latents, Optimizer, Precision, Recompute, Spec};
+use crate::launch::Launcher;
+use crate::spec::{AttentionMode, Latents, Optimizer, Precision, Recompute, Spec, TextEncoders};
 
+mod recipe_py;
 mod scripts;
 mod yaml;
 
@@ -107,6 +109,11 @@ pub struct ExportOptions {
     pub sharder: Sharder,
     /// What a sharded plan offloads; the default (none) defers to the plan's `recipe.offload`.
     pub offload: Offload,
+    /// Who launches it: the family's diffusers script (default, where the family has one) or
+    /// your own script ([`Launcher::Custom`]: a placeholder, with the code for what no flag does).
+    pub launcher: Launcher,
+    /// GPUs per node: the plan's ranks run on `ceil(ranks / gpus_per_node)` machines.
+    pub gpus_per_node: u32,
 }
 
 impl Default for ExportOptions {
@@ -115,7 +122,16 @@ impl Default for ExportOptions {
             family: Family::Dit,
             sharder: Sharder::Deepspeed,
             offload: Offload::None,
+            launcher: Launcher::Diffusers,
+            gpus_per_node: 8,
         }
+    }
+}
+
+impl ExportOptions {
+    /// Machines of a launch of `ranks` processes.
+    pub fn machines(&self, ranks: u32) -> u32 {
+        ranks.div_ceil(self.gpus_per_node.max(1))
     }
 }
 
@@ -231,10 +247,12 @@ fn mixed_precision(p: Precision, notes: &mut Vec<String>) -> &'static str {
     }
 }
 
-/// How the spec's recompute maps onto whole-model gradient checkpointing.
-fn checkpointing(spec: &Spec, notes: &mut Vec<String>) -> bool {
+/// How the spec's recompute maps onto whole-model gradient checkpointing (your own script under
+/// `--launcher custom` wraps exactly the plan's blocks instead: see `command`).
+fn checkpointing(spec: &Spec, custom: bool, notes: &mut Vec<String>) -> bool {
     let depth = spec.model.depth;
     match &spec.recipe.recompute {
+        Recompute::EveryK(_) | Recompute::Blocks(_) if custom => false,
         Recompute::None => false,
         Recompute::All => true,
         Recompute::AttentionOnly => {
@@ -262,6 +280,19 @@ fn checkpointing(spec: &Spec, notes: &mut Vec<String>) -> bool {
 /// The combinations of sharder, offload and ZeRO stage that exist.
 fn check_options(spec: &Spec, o: &ExportOptions) -> Result<(), SpecError> {
     let z = spec.recipe.zero_stage;
+    let ranks = spec.workload.ranks;
+    let g = o.gpus_per_node;
+    // accelerate launch starts num_processes / num_machines processes per machine (1.15
+    // commands/launch.py, prepare_multi_gpu_env: nproc_per_node).
+    if g == 0 || (ranks > g && !ranks.is_multiple_of(g)) {
+        return Err(SpecError::invalid(
+            "plan.gpus-per-node",
+            format!(
+                "{g} GPUs per node do not divide the plan's {ranks} ranks; allowed: a divisor \
+                 of the ranks, or at least the ranks (one node)"
+            ),
+        ));
+    }
     if o.offload != Offload::None && z == 0 {
         return Err(SpecError::invalid(
             "plan.emit-offload",
@@ -330,7 +361,7 @@ pub fn export(spec: &Spec, target: Target, options: &ExportOptions) -> Result<Ex
     let mut notes = Vec::new();
     let mut cannot = Vec::new();
     let mp = mixed_precision(spec.recipe.precision, &mut notes);
-    let ckpt = checkpointing(spec, &mut notes);
+    let ckpt = checkpointing(spec, options.launcher == Launcher::Custom, &mut notes);
     let sharded = spec.recipe.zero_stage > 0;
     if o.offload != spec.recipe.offload || (sharded && o.sharder != spec.recipe.sharder) {
         notes.push(format!(
@@ -375,6 +406,48 @@ pub fn export(spec: &Spec, target: Target, options: &ExportOptions) -> Result<Ex
         command,
         options: *o,
     })
+}
+
+/// Every file one plan's launch needs, by file name: the `exports`, the `ds_config.json` an
+/// accelerate DeepSpeed config names (and the accelerate config a ZeRO-Offload launch goes
+/// through), and for your own script `ditmem_recipe.py`.
+pub fn export_files(
+    spec: &Spec,
+    exports: &[Export],
+    options: &ExportOptions,
+) -> Result<Vec<(String, String)>, SpecError> {
+    let mut out: Vec<(String, String)> = exports
+        .iter()
+        .map(|e| (e.file_name.to_string(), e.text.clone()))
+        .collect();
+    let o = effective_options(spec, options);
+    let ds = spec.recipe.zero_stage > 0 && o.sharder == Sharder::Deepspeed;
+    let offload_ds = ds && o.offload != Offload::None;
+    let launches_yaml = exports.iter().any(|e| {
+        e.command
+            .as_ref()
+            .is_some_and(|c| c.launcher.iter().any(|a| a == "--config_file"))
+    });
+    let mut need = Vec::new();
+    if offload_ds && launches_yaml {
+        need.push(Target::Accelerate);
+    }
+    if ds && (launches_yaml || need.contains(&Target::Accelerate)) {
+        need.push(Target::Deepspeed);
+    }
+    for t in need {
+        if !out.iter().any(|(n, _)| n == t.file_name()) {
+            let e = export(spec, t, options)?;
+            out.push((e.file_name.to_string(), e.text));
+        }
+    }
+    if options.launcher == Launcher::Custom {
+        out.push((
+            "ditmem_recipe.py".to_string(),
+            recipe_py::recipe_py(spec, model_id(spec).as_deref()),
+        ));
+    }
+    Ok(out)
 }
 
 fn s(x: impl ToString) -> String {
@@ -440,7 +513,20 @@ fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bool) -> Vec<
         a.extend([s("--num_processes"), s("1")]);
     }
     if !config_file {
-        a.extend([s("--num_machines"), s("1"), s("--dynamo_backend"), s("no")]);
+        let machines = o.machines(w.ranks);
+        a.extend([s("--num_machines"), s(machines)]);
+        if machines > 1 {
+            // One launch per node; this line is node 0's (see the notes for the others).
+            a.extend([
+                s("--machine_rank"),
+                s("0"),
+                s("--main_process_ip"),
+                s(MAIN_NODE_IP),
+                s("--main_process_port"),
+                s(MAIN_PROCESS_PORT),
+            ]);
+        }
+        a.extend([s("--dynamo_backend"), s("no")]);
     }
     // Passed on the command line, never from the YAML of a DeepSpeed plan: accelerate refuses a
     // mixed_precision read from the config file next to a deepspeed_config_file (1.15
@@ -448,6 +534,11 @@ fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bool) -> Vec<
     a.extend([s("--mixed_precision"), s(mp)]);
     a
 }
+
+/// The main node's address in a multi-node launch: a placeholder to replace.
+pub const MAIN_NODE_IP: &str = "MAIN_NODE_IP";
+/// The rendezvous port of a multi-node launch (accelerate's default, 1.15 `commands/launch.py`).
+pub const MAIN_PROCESS_PORT: &str = "29500";
 
 fn offload_devices(o: Offload) -> (&'static str, &'static str) {
     match o {
@@ -485,10 +576,39 @@ fn command(
         ));
     }
     let launcher = launcher(spec, o, mp, config_file || offload_ds);
-    let script = match script_for(o.family, r.lora.is_some()) {
+    let found = if o.launcher.runs_script() {
+        script_for(o.family, r.lora.is_some())
+    } else {
+        Err(NoScript {
+            reason: "launcher custom: your own train script, which pulls the levers no diffusers \
+                     script flag does; ditmem_recipe.py (--emit-dir) holds the code for them",
+        })
+    };
+    let script = match found {
         Ok(s) => s,
         Err(e) => {
             notes.push(format!("{} (diffusers {DIFFUSERS_TAG})", e.reason));
+            if let Some(id) = model_id(spec) {
+                notes.push(format!("the model: {id}"));
+            }
+            let depth = spec.model.depth;
+            if !matches!(
+                r.recompute,
+                Recompute::None | Recompute::All | Recompute::AttentionOnly
+            ) {
+                let blocks: Vec<u32> = (0..depth)
+                    .filter(|&i| r.recompute.recomputes_block(i))
+                    .collect();
+                notes.push(format!(
+                    "recompute exactly {} of {depth} blocks ({}, in the order the model runs \
+                     them): ditmem_recipe.checkpoint_blocks(transformer, {:?}) wraps each in \
+                     torch.utils.checkpoint (use_reentrant=False); do not call \
+                     enable_gradient_checkpointing()",
+                    blocks.len(),
+                    r.recompute,
+                    blocks
+                ));
+            }
             notes.push(format!(
                 "your script: microbatch {} per process, gradient accumulation {} \
                  (Accelerator(gradient_accumulation_steps={})), mixed precision {mp}{}{}",
@@ -507,16 +627,22 @@ fn command(
                 }
             ));
             if let Some(l) = &r.lora {
-                notes.push(format!(
-                    "LoRA rank {} on {} with the base frozen: peft LoraConfig(r={}, \
-                     target_modules=…)",
-                    l.rank,
+                let on = if !l.modules.is_empty() {
+                    l.modules.join(", ")
+                } else if spec.model.diffusers.is_some() {
+                    // spec.rs LoraSpec::modules: empty is the family's default.
+                    "to_q, to_k, to_v, to_out.0 (the family's default)".to_string()
+                } else {
                     l.targets
                         .iter()
                         .map(|t| format!("{t:?}").to_ascii_lowercase())
                         .collect::<Vec<_>>()
-                        .join(", "),
-                    l.rank
+                        .join(", ")
+                };
+                notes.push(format!(
+                    "LoRA rank {} on {on} with the base frozen: peft LoraConfig(r={}, \
+                     target_modules=…) (ditmem_recipe.add_lora)",
+                    l.rank, l.rank
                 ));
             }
             if r.latents == Latents::Cached {
@@ -554,8 +680,20 @@ fn command(
         }
     };
     let mut args: Vec<String> = Vec::new();
+    let id = model_id(spec);
     for (flag, value) in script.required {
-        args.extend([s(flag), s(value)]);
+        match (*flag, &id) {
+            ("--pretrained_model_name_or_path", Some(id)) => args.extend([s(flag), id.clone()]),
+            _ => args.extend([s(flag), s(value)]),
+        }
+    }
+    for b in crate::launch::behaviours(&script) {
+        notes.push(format!(
+            "the plan follows {}: {} ({})",
+            script.file_name(),
+            b.what,
+            b.source
+        ));
     }
     notes.push(format!(
         "{} and its data are placeholders: {} (diffusers {DIFFUSERS_TAG}) trains on \
@@ -639,16 +777,33 @@ fn command(
     }
     if let Some(l) = &r.lora {
         flag("--rank", Some(s(l.rank)), "set the LoRA rank", cannot);
-        notes.push(format!(
-            "LoRA targets: the plan's ({}) are DiT module names; {} adapts its own default \
-             modules (--lora_layers to choose)",
-            l.targets
-                .iter()
-                .map(|t| format!("{t:?}").to_ascii_lowercase())
-                .collect::<Vec<_>>()
-                .join(", "),
-            script.file_name()
-        ));
+        if l.modules.is_empty() {
+            notes.push(format!(
+                "LoRA targets: the plan counts the family's default modules; {} adapts its own \
+                 defaults (--lora_layers to choose)",
+                script.file_name()
+            ));
+        } else {
+            flag(
+                "--lora_layers",
+                Some(l.modules.join(",")),
+                "choose the LoRA targets",
+                cannot,
+            );
+            notes.push(format!(
+                "LoRA targets (PEFT target_modules, {} module names): {}",
+                o.family.name(),
+                l.modules.join(", ")
+            ));
+        }
+    }
+    if r.text_encoders == TextEncoders::Offloaded {
+        flag(
+            "--offload",
+            None,
+            "offload the text encoders to the CPU between encodes",
+            cannot,
+        );
     }
     if r.latents == Latents::Cached {
         flag("--cache_latents", None, "cache the latents", cannot);
@@ -687,20 +842,10 @@ fn command(
             w.width
         ));
     }
-    if r.text_encoders.is_cached() || r.latents == Latents::Cached {
-        notes.push(format!(
-            "{} also loads the text encoders and the VAE to encode (the encoders freed after a \
-             fixed prompt is encoded once; the VAE kept unless --cache_latents); the plan counts \
-             them only as its spec places them (--text-encoders {}, --latents {}), so plan with \
-             --text-encoders online or offloaded and --latents encode when your run keeps them",
-            script.file_name(),
-            r.text_encoders.name(),
-            if r.latents == Latents::Cached {
-                "cached"
-            } else {
-                "encode"
-            }
-        ));
+    if r.zero_stage > 0 {
+        if let Some(trap) = save_state_trap(&script) {
+            notes.push(trap);
+        }
     }
     Command {
         launcher,
@@ -711,6 +856,45 @@ fn command(
         )),
         script_args: args,
     }
+}
+
+/// The checkpoint a plan loads: the preset's checkpoint, or the config's `_name_or_path` (its
+/// pipeline folder when it names the `transformer/` subfolder).
+pub fn model_id(spec: &Spec) -> Option<String> {
+    if let Some(src) = crate::families::preset_source(&spec.model.name) {
+        return src.split_whitespace().next().map(str::to_string);
+    }
+    let p = spec
+        .model
+        .diffusers
+        .as_ref()?
+        .get("_name_or_path")?
+        .as_str()?;
+    let p = p.trim_end_matches('/');
+    let p = p.strip_suffix("/transformer").unwrap_or(p);
+    (!p.is_empty()).then(|| p.to_string())
+}
+
+/// What goes wrong when the script saves its state under DeepSpeed or FSDP (a sharded plan).
+fn save_state_trap(script: &Script) -> Option<String> {
+    let (pop, save) = match script.file_name() {
+        "train_dreambooth_flux.py" => ("1237", "1750"),
+        "train_dreambooth_sd3.py" => ("1204", "1705"),
+        "train_dreambooth_lora_flux.py" => ("1313", "1889"),
+        "train_dreambooth_lora_sana.py" => ("1075", "1496"),
+        // train_dreambooth_lora_sd3.py guards the pop (`if weights:`, 1320) and saves on every
+        // rank under DeepSpeed (1869).
+        _ => return None,
+    };
+    Some(format!(
+        "trap at --checkpointing_steps: under DeepSpeed and FSDP accelerate's save_state hands \
+         the save hook an empty `weights` list, and {f} pops from it unguarded (line {pop}: \
+         IndexError); it also calls save_state on the main process only (line {save}) while \
+         ZeRO's save_checkpoint needs every rank (a hang). Set --checkpointing_steps above \
+         --max_train_steps, or guard the pop (`if weights: weights.pop()`) and call save_state \
+         on every rank",
+        f = script.file_name()
+    ))
 }
 
 fn header(spec: &Spec) -> String {
@@ -765,9 +949,9 @@ fn accelerate_yaml(
             ]),
         ));
         notes.push(format!(
-            "accelerate_config.yaml names {}: keep both in the launch directory; ZeRO stage, \
-             offload and accumulation are in the JSON, the precision on the launch line \
-             (--mixed_precision {mp}, which fills the JSON's \"auto\")",
+            "accelerate_config.yaml names {}: keep both in the launch directory (--emit-dir \
+             writes both); ZeRO stage, offload, accumulation and the precision (bf16/fp16 \
+             enabled, for --mixed_precision {mp}) are in the JSON",
             Target::Deepspeed.file_name()
         ));
     }
@@ -801,13 +985,29 @@ fn accelerate_yaml(
     if !deepspeed {
         m.push(("mixed_precision", Yaml::str(mp)));
     }
-    m.push(("num_machines", Yaml::Int(1)));
+    let machines = o.machines(w.ranks);
+    if machines > 1 {
+        m.push(("main_process_ip", Yaml::str(MAIN_NODE_IP)));
+        m.push((
+            "main_process_port",
+            Yaml::Int(MAIN_PROCESS_PORT.parse().unwrap_or(29500)),
+        ));
+    }
+    m.push(("num_machines", Yaml::Int(i64::from(machines))));
     m.push(("num_processes", Yaml::Int(i64::from(w.ranks))));
     m.push(("rdzv_backend", Yaml::str("static")));
     m.push(("same_network", Yaml::Bool(true)));
     m.push(("use_cpu", Yaml::Bool(false)));
 
     let mut y = format!("# accelerate config for {}\n", header(spec));
+    if machines > 1 {
+        y.push_str(&format!(
+            "# {machines} nodes × {} GPUs: copy this file to every node, set main_process_ip to \
+             node 0's address and machine_rank to 0…{} on each node, then launch on every node\n",
+            w.ranks / machines,
+            machines - 1
+        ));
+    }
     if !deepspeed {
         // Outside DeepSpeed the file has no accumulation key; accelerate reads it from this
         // environment variable (or Accelerator(gradient_accumulation_steps=N), which the
@@ -830,8 +1030,9 @@ fn accelerate_yaml(
 }
 
 /// The DeepSpeed config. For accelerate (`standalone` false): `"auto"` for every value accelerate
-/// fills (batch sizes and accumulation from the dataloader and Accelerator, clipping, fp16/bf16
-/// from --mixed_precision: accelerate 1.15 `accelerator.py` `_prepare_deepspeed`,
+/// fills (batch sizes and accumulation from the dataloader and Accelerator, clipping), explicit
+/// fp16/bf16 (the YAML alone must keep the precision; accelerate checks a --mixed_precision
+/// against them: accelerate 1.15 `accelerator.py` `_prepare_deepspeed`,
 /// `utils/dataclasses.py` `DeepSpeedPlugin.set_mixed_precision`), so it works at any world size,
 /// and no `optimizer` block: the diffusers scripts build their own optimizer, and accelerate
 /// refuses both. Standalone: fixed values, valid at the plan's world size only (deepspeed 0.19.8
@@ -904,9 +1105,14 @@ fn deepspeed_json(
             "train_micro_batch_size_per_gpu": auto(),
             "gradient_accumulation_steps": auto(),
             "gradient_clipping": auto(),
-            "bf16": { "enabled": auto() },
+            // Explicit, not "auto": `accelerate launch --config_file accelerate_config.yaml`
+            // alone (no --mixed_precision) must keep the plan's precision, and the YAML cannot
+            // carry it beside a deepspeed_config_file (see accelerate_yaml). A launch line's
+            // --mixed_precision that agrees is accepted (accelerate 1.15 utils/dataclasses.py
+            // DeepSpeedPlugin.set_mixed_precision → fill_match: only a differing value fails).
+            "bf16": { "enabled": bf16 },
             "fp16": {
-                "enabled": auto(),
+                "enabled": fp16,
                 "loss_scale": 0,
                 "initial_scale_power": 16,
                 "loss_scale_window": 1000,
@@ -1074,6 +1280,7 @@ mod tests {
             family,
             sharder,
             offload,
+            ..ExportOptions::default()
         }
     }
 
@@ -1150,8 +1357,9 @@ mod tests {
             ] {
                 assert_eq!(v[k], "auto", "{k}");
             }
-            assert_eq!(v["bf16"]["enabled"], "auto");
-            assert_eq!(v["fp16"]["enabled"], "auto");
+            // The precision is explicit (issue 46: the YAML alone must keep it).
+            assert_eq!(v["bf16"]["enabled"], true);
+            assert_eq!(v["fp16"]["enabled"], false);
             assert!(v.get("optimizer").is_none(), "{}", e.text);
             assert!(v.get("zero_force_ds_cpu_optimizer").is_none());
             assert_eq!(v["zero_optimization"]["stage"], z);

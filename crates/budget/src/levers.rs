@@ -608,6 +608,7 @@ mod tests {
         s.cuda = Some(crate::spec::CudaSpec {
             gpu: Some(gpu.into()),
             alloc_conf: String::new(),
+            gpu_memory: None,
         });
         s
     }

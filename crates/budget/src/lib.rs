@@ -20,6 +20,7 @@ mod estimate;
 mod events;
 mod export;
 pub mod gpu;
+pub mod launch;
 pub mod levers;
 pub mod oom;
 mod params;
@@ -43,8 +44,8 @@ pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase, StaticBytes};
 pub use export::{
-    block_classes, export, script_for, Command, Export, ExportOptions, NoScript, Script, Target,
-    DIFFUSERS_COMMIT, DIFFUSERS_TAG,
+    block_classes, export, export_files, model_id, script_for, Command, Export, ExportOptions,
+    NoScript, Script, Target, DIFFUSERS_COMMIT, DIFFUSERS_TAG,
 };
 pub use params::{
     bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,

@@ -256,6 +256,9 @@ pub struct SearchControl<'a> {
     pub time_limit: Option<Duration>,
     /// Called after every combination.
     pub progress: Option<&'a dyn Fn(&Progress)>,
+    /// The launcher's abilities and the user's pinned fields, as constraints of the space
+    /// ([`crate::launch`]); `None`: your own script, nothing pinned.
+    pub launch: Option<&'a crate::launch::Launch>,
 }
 
 /// The clock of one [`plan_with`] call and the points its stages share.
@@ -990,6 +993,15 @@ pub fn plan_with(
     profile: &DeviceProfile,
     control: SearchControl<'_>,
 ) -> Result<Plan, crate::error::SpecError> {
+    // The base as the launcher runs it (what the script keeps resident, what its flags allow).
+    let given = base;
+    let realised = match control.launch {
+        Some(l) => l
+            .realise(base)
+            .map_err(|e| crate::error::SpecError::invalid("plan.launcher", e))?,
+        None => base.clone(),
+    };
+    let base = &realised;
     let stages = search_stages(limits.allow);
     let start = Instant::now();
     let mut run = Run {
@@ -1057,6 +1069,12 @@ pub fn plan_with(
         return Ok(cut(p, not_searched));
     }
     expandable_reason(base, &mut p);
+    if base != given {
+        p.reason.push_str(&format!(
+            "; the launcher runs the base as: {}",
+            describe_changes(given, base).join(", ")
+        ));
+    }
     let (b, r) = (&base.recipe, &p.plan.recipe);
     // LoRA and 8-bit AdamW: needed, since every stage without them had no fitting recipe.
     if let Some(prev) = tried.last() {
@@ -1216,12 +1234,20 @@ fn search(
             left = combos.len() - ci;
             break;
         }
+        let launch = ev.run.control.launch.copied().unwrap_or_default();
         let search = RecomputeSearch {
             combo: c,
             index: ci,
             fastest: *t0,
             depth,
             usable,
+            only: if launch.pinned.recompute {
+                Some(vec![base.recipe.recompute.clone()])
+            } else if launch.whole_model_recompute(&c.spec) {
+                Some(vec![Recompute::All, Recompute::None])
+            } else {
+                None
+            },
         };
         if !search.run(&mut ev, &mut points, &mut front) {
             pruned += 1;
@@ -1357,7 +1383,13 @@ fn check_limits(limits: &Limits) -> Result<(), crate::error::SpecError> {
 fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec<(Combo, f64)> {
     let w = &base.workload;
     let per_rank = w.batch / w.ranks;
-    let micros = microbatch_candidates(per_rank, w.microbatch);
+    let launch = ev.run.control.launch.copied().unwrap_or_default();
+    let pin = launch.pinned;
+    let micros = if pin.microbatch {
+        vec![w.microbatch]
+    } else {
+        microbatch_candidates(per_rank, w.microbatch)
+    };
     // The engine runs no LoRA on a diffusers family yet (`denoiser::check` refuses it).
     let engine_family = base.runtime == Runtime::DitmemCpu && base.model.diffusers.is_some();
     let loras: Vec<Option<LoraSpec>> =
@@ -1388,21 +1420,21 @@ fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec
         } else {
             vec![base.recipe.optimizer]
         };
-    let zeros: Vec<u8> = if limits.allow.sharding && w.ranks > 1 {
+    let zeros: Vec<u8> = if limits.allow.sharding && w.ranks > 1 && !pin.zero_stage {
         (base.recipe.zero_stage..=3).collect()
     } else {
         vec![base.recipe.zero_stage]
     };
-    let latents: Vec<Latents> = if base.recipe.latents == Latents::Encode {
+    let latents: Vec<Latents> = if base.recipe.latents == Latents::Encode && !pin.latents {
         vec![Latents::Encode, Latents::Cached]
     } else {
-        vec![Latents::Cached]
+        vec![base.recipe.latents]
     };
     let attentions: Vec<AttentionMode> = match base.recipe.attention {
-        AttentionMode::Materialized => {
+        AttentionMode::Materialized if !pin.attention => {
             vec![AttentionMode::Materialized, AttentionMode::MemoryEfficient]
         }
-        AttentionMode::MemoryEfficient => vec![AttentionMode::MemoryEfficient],
+        a => vec![a],
     };
 
     // Every combination of the levers but recompute, with its fastest time.
@@ -1437,6 +1469,12 @@ fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec
                                 s.recipe.recompute = Recompute::None;
                                 s.workload.microbatch = micro;
                                 s.workload.accumulation = per_rank / micro;
+                                // What the launcher runs of it; a recipe it cannot run is not
+                                // in the space, one it runs as another is that other.
+                                let Ok(s) = launch.realise(&s) else { continue };
+                                if combos.iter().any(|(c, _)| c.spec == s) {
+                                    continue;
+                                }
                                 let mut n = describe_changes(base, &s).len();
                                 // Recompute "none" is not a change of its own here; the point
                                 // counts its policy.
@@ -1504,6 +1542,9 @@ struct RecomputeSearch<'c> {
     fastest: f64,
     depth: u32,
     usable: u64,
+    /// The only policies the launcher runs (a script's all-or-none checkpointing, a pinned
+    /// policy); `None`: the whole search below.
+    only: Option<Vec<Recompute>>,
 }
 
 impl RecomputeSearch<'_> {
@@ -1526,6 +1567,13 @@ impl RecomputeSearch<'_> {
             points.push(p);
             peak
         };
+        if let Some(only) = &self.only {
+            for rc in only {
+                let p = ev.point(c, Some(ci), rc.clone());
+                add(p, points, front);
+            }
+            return true;
+        }
         // The leanest policies: every block recomputed; all but the last (rebuilding the last
         // block in backward costs a second copy of its output beside the kept one, so `all` can
         // be leaner at the end of forward yet heavier in backward); the attention cores only
@@ -1780,6 +1828,7 @@ mod tests {
             SearchControl {
                 time_limit: Some(Duration::from_secs(3600)),
                 progress: Some(&count),
+                launch: None,
             },
         )
         .unwrap();
@@ -1794,6 +1843,7 @@ mod tests {
             SearchControl {
                 time_limit: Some(Duration::ZERO),
                 progress: None,
+                launch: None,
             },
         )
         .unwrap();
@@ -2226,6 +2276,7 @@ mod tests {
         given.cuda = Some(crate::spec::CudaSpec {
             gpu: None,
             alloc_conf: EXPANDABLE_SEGMENTS.into(),
+            gpu_memory: None,
         });
         let q = plan(&given, &l, &DeviceProfile::cpu_default()).unwrap();
         assert!(

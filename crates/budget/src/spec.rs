@@ -1436,6 +1436,11 @@ pub struct CudaSpec {
     /// `max_split_size_mb:128,roundup_power2_divisions:4`; empty: PyTorch's defaults.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub alloc_conf: String,
+    /// The card's `total_memory` in bytes as the user's own torch prints it
+    /// (`torch.cuda.get_device_properties(0).total_memory`, `--gpu-memory`): replaces the
+    /// catalog's capacity; absent: the catalog's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<u64>,
 }
 
 impl Spec {
@@ -1642,6 +1647,15 @@ impl Spec {
             }
         }
         self.validate_workload(dit)?;
+        if let Some(b) = self.cuda.as_ref().and_then(|c| c.gpu_memory) {
+            // Above any CUDA context and the allocator's smallest segment, below 16 TiB.
+            if !(1u64 << 30..16u64 << 40).contains(&b) {
+                return Err(SpecError::invalid(
+                    "cuda.gpu_memory",
+                    format!("{b} bytes is out of range; allowed: 1 GiB to 16 TiB (total_memory)"),
+                ));
+            }
+        }
         self.validate_recipe()
     }
 

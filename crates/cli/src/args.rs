@@ -131,6 +131,11 @@ pub struct SpecArgs {
     /// expandable_segments:True or max_split_size_mb:128.
     #[arg(long, value_name = "CONF")]
     pub alloc_conf: Option<String>,
+    /// pytorch:cuda: the card's memory as your own torch prints it
+    /// (`torch.cuda.get_device_properties(0).total_memory`, bytes, or a size such as 39.5GiB),
+    /// instead of the catalog's figure for --gpu.
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
+    pub gpu_memory: Option<String>,
     /// ditmem-cpu: threads of the engine's pool (spec `cpu.threads`; default: this machine's,
     /// RAYON_NUM_THREADS or every logical core).
     #[arg(long, value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
@@ -621,7 +626,7 @@ impl SpecArgs {
     /// The `cuda` section: `--gpu` (which moves a spec onto `pytorch:cuda` unless `--runtime`
     /// names another device) and `--alloc-conf`.
     fn fill_cuda(&self, spec: &mut Spec) -> Result<(), SpecError> {
-        if self.gpu.is_none() && self.alloc_conf.is_none() {
+        if self.gpu.is_none() && self.alloc_conf.is_none() && self.gpu_memory.is_none() {
             return Ok(());
         }
         let cuda = matches!(
@@ -654,6 +659,34 @@ impl SpecArgs {
             ditmem_budget::pytorch::AllocConf::parse(a)
                 .map_err(|e| SpecError::invalid("cuda.alloc_conf", e.to_string()))?;
             c.alloc_conf = a.clone();
+        }
+        if let Some(m) = &self.gpu_memory {
+            let Some(name) = c.gpu.as_deref() else {
+                return Err(SpecError::invalid(
+                    "--gpu-memory",
+                    "needs the card it measures; allowed: together with --gpu NAME",
+                ));
+            };
+            let g = ditmem_budget::gpu::lookup(name)
+                .map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
+            const ALLOWED: &str = "allowed: the bytes torch prints as total_memory, or a size \
+                                   such as 39.5GiB, above the card's CUDA context and below 16 TiB";
+            let b = ditmem_budget::parse_bytes(m).ok_or_else(|| {
+                SpecError::invalid(
+                    "--gpu-memory",
+                    format!(
+                        "'{}' is not a memory size; {ALLOWED}",
+                        m.chars().take(60).collect::<String>()
+                    ),
+                )
+            })?;
+            if b <= g.context_bytes + (64 << 20) || b >= 16u64 << 40 {
+                return Err(SpecError::invalid(
+                    "--gpu-memory",
+                    format!("{b} bytes is out of range; {ALLOWED}"),
+                ));
+            }
+            c.gpu_memory = Some(b);
         }
         spec.cuda = Some(c);
         Ok(())

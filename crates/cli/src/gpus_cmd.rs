@@ -24,6 +24,7 @@ fn basis(g: &Gpu) -> &'static str {
     match g.capacity_basis {
         CapacityBasis::Reported { .. } => "reported",
         CapacityBasis::Marketing { .. } => "marketing",
+        CapacityBasis::Derived { .. } => "derived",
     }
 }
 
@@ -109,6 +110,9 @@ fn detail(g: &Gpu) -> String {
             "{} (marketing {gb} GB read as {gb} GiB: an upper bound of total_memory)",
             fmt_bytes(g.capacity_bytes())
         ),
+        CapacityBasis::Derived { mib, source } => {
+            format!("{} ({mib} MiB; {source})", fmt_bytes(g.capacity_bytes()))
+        }
     };
     let l = gpu::links_for(g.name);
     let link = |l: &gpu::Link| {

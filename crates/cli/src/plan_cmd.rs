@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
+use ditmem_budget::launch::{Launch, Launcher, Pinned};
 use ditmem_budget::DeviceProfile;
 use ditmem_budget::{export, Export, ExportOptions, Family, Offload, Sharder, Target};
 use ditmem_budget::{fmt_bytes, parse_bytes};
@@ -46,23 +47,40 @@ pub struct PlanArgs {
     /// change without it.
     #[arg(long, value_delimiter = ',', value_name = "LEVERS")]
     pub allow: Vec<String>,
-    /// Export the plan for a training stack: accelerate (accelerate_config.yaml) | deepspeed
-    /// (ds_config.json for accelerate) | deepspeed-standalone (fixed values, plan's world size) |
-    /// diffusers (the accelerate launch command of the family's diffusers script).
-    #[arg(long, value_name = "TARGET")]
-    pub emit: Option<String>,
+    /// Export the plan for a training stack (repeatable, or comma-separated): accelerate
+    /// (accelerate_config.yaml) | deepspeed (ds_config.json for accelerate) |
+    /// deepspeed-standalone (fixed values, plan's world size) | diffusers (the accelerate launch
+    /// command of the family's diffusers script). The target's launcher constrains the search
+    /// (see --launcher).
+    #[arg(long, value_name = "TARGET", value_delimiter = ',')]
+    pub emit: Vec<String>,
+    /// Write every file the plan's launch needs into DIR (the --emit targets, ds_config.json
+    /// beside a DeepSpeed accelerate config, ditmem_recipe.py for --launcher custom).
+    #[arg(long, value_name = "DIR")]
+    pub emit_dir: Option<PathBuf>,
+    /// Who launches the plan: diffusers | accelerate | deepspeed (the family's diffusers script:
+    /// its all-or-none checkpointing, its caching flags, no quantized base, what it keeps
+    /// resident) | custom (your own script: the whole space, and the export carries the code).
+    /// Default: from --emit (deepspeed-standalone and no --emit: custom).
+    #[arg(long, value_name = "LAUNCHER")]
+    pub launcher: Option<String>,
+    /// GPUs per node of the launch: the plan's ranks over ceil(ranks / N) nodes
+    /// (num_machines, machine_rank and the multi-node launch lines). Default 8.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = crate::flags::positive_u32, allow_hyphen_values = true)]
+    pub gpus_per_node: u32,
     /// The model family the export targets: dit, dit-diffusers, pixart, sd3, flux, sana, wan
     /// (picks the diffusers script and the block FSDP wraps; default dit).
-    #[arg(long, value_name = "FAMILY", requires = "emit")]
+    #[arg(long, value_name = "FAMILY")]
     pub emit_family: Option<String>,
     /// How the export launches a sharded plan: deepspeed (ZeRO at the plan's stage, default) |
     /// fsdp (FSDP2: stage 3 reshards after forward, stage 2 does not; no stage 1); the same as
     /// --sharder (the plan's budget counts it).
-    #[arg(long, value_name = "SHARDER", requires = "emit")]
+    #[arg(long, value_name = "SHARDER")]
     pub emit_sharder: Option<String>,
     /// What the export offloads to CPU for a sharded plan: none (default) | optimizer |
     /// optimizer+params; the same as --offload (the plan's budget counts it).
-    #[arg(long, value_name = "OFFLOAD", requires = "emit")]
+    #[arg(long, value_name = "OFFLOAD")]
     pub emit_offload: Option<String>,
     /// Write the export to this file (atomically) instead of printing it.
     #[arg(long, value_name = "FILE", requires = "emit")]
@@ -201,6 +219,40 @@ fn parse_family(text: &str) -> Result<Family, SpecError> {
         })
 }
 
+/// The recipe fields the user set, by a flag or in the `--config` file: the planner keeps them.
+pub(crate) fn pinned(spec: &crate::args::SpecArgs) -> Result<Pinned, SpecError> {
+    let v = match &spec.config {
+        Some(path) => Some(crate::input::spec_value(path)?),
+        None => None,
+    };
+    let has = |path: &[&str]| {
+        let mut x = match &v {
+            Some(x) => x,
+            None => return false,
+        };
+        for k in path {
+            match x.get(k) {
+                Some(y) => x = y,
+                None => return false,
+            }
+        }
+        true
+    };
+    Ok(Pinned {
+        latents: spec.latents.is_some() || has(&["recipe", "latents"]),
+        recompute: spec.recompute.is_some() || has(&["recipe", "recompute"]),
+        attention: spec.attention.is_some() || has(&["recipe", "attention"]),
+        microbatch: spec.microbatch.is_some()
+            || spec.accumulation.is_some()
+            || has(&["workload", "microbatch"])
+            || has(&["workload", "accumulation"]),
+        zero_stage: spec.zero.is_some() || has(&["recipe", "zero_stage"]),
+        text_encoders: spec.text_encoders.is_some() || has(&["recipe", "text_encoders"]),
+        lora_modules: spec.lora_targets.is_some() || has(&["recipe", "lora", "modules"]),
+        ema: spec.ema.is_some() || has(&["recipe", "ema", "enabled"]),
+    })
+}
+
 /// Whether the user asked for a precision: `--precision`, or `recipe.precision` in the
 /// `--config` file.
 fn precision_requested(spec: &crate::args::SpecArgs) -> Result<bool, SpecError> {
@@ -239,8 +291,14 @@ struct PlanReport<'a> {
     plan: &'a Plan,
     base: &'a Spec,
     search_ms: f64,
+    /// Who launches the plan (its abilities constrained the search).
+    launcher: Launcher,
+    /// The first export (the only one with one --emit).
     #[serde(skip_serializing_if = "Option::is_none")]
     export: Option<&'a Export>,
+    /// Every export, in --emit order.
+    #[serde(skip_serializing_if = "<[Export]>::is_empty")]
+    exports: &'a [Export],
 }
 
 fn allow_line(a: &Allow, ranks: u32) -> String {
@@ -621,7 +679,31 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     if !precision_requested(&args.spec)? {
         allow.precision = true;
     }
-    let target = args.emit.as_deref().map(str::parse::<Target>).transpose()?;
+    let targets: Vec<Target> = args
+        .emit
+        .iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.parse::<Target>())
+        .collect::<Result<_, _>>()?;
+    let mut targets_dedup: Vec<Target> = Vec::new();
+    for t in targets {
+        if !targets_dedup.contains(&t) {
+            targets_dedup.push(t);
+        }
+    }
+    let targets = targets_dedup;
+    if args.emit_out.is_some() && targets.len() != 1 {
+        return Err(SpecError::invalid(
+            "--emit-out",
+            "writes one export; allowed: with exactly one --emit target (--emit-dir for several)",
+        )
+        .into());
+    }
+    let launcher = match &args.launcher {
+        Some(l) => l.parse::<Launcher>()?,
+        None => default_launcher(&targets),
+    };
+    let pinned = pinned(&args.spec)?;
     let options = ExportOptions {
         family: match &args.emit_family {
             Some(f) => parse_family(f)?,
@@ -639,6 +721,8 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             .map(|x| Offload::parse(x, "plan.emit-offload"))
             .transpose()?
             .unwrap_or_default(),
+        launcher,
+        gpus_per_node: args.gpus_per_node,
     };
     let mut base = args.spec.to_gpu_spec()?;
     // `--emit-sharder` / `--emit-offload` are the plan's own sharder and offload: the budget
@@ -675,11 +759,15 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         ),
         (None, false) => DeviceProfile::cpu_default(),
     };
+    let gpu_memory = base.cuda.as_ref().and_then(|c| c.gpu_memory);
     let budget = match (budget_flag, gpu) {
         (Some(b), _) => b,
-        (None, Some(name)) => ditmem_budget::gpu::lookup(name)
-            .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?
-            .capacity_bytes(),
+        (None, Some(name)) => ditmem_budget::gpu::with_memory(
+            ditmem_budget::gpu::lookup(name)
+                .map_err(|e| SpecError::invalid("--gpu", e.to_string()))?,
+            gpu_memory,
+        )
+        .capacity_bytes(),
         (None, None) => {
             return Err(SpecError::invalid(
                 "--budget",
@@ -693,24 +781,33 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         headroom: args.headroom,
         allow,
     };
+    let launch = Launch {
+        launcher,
+        family: options.family,
+        pinned,
+    };
     let t0 = Instant::now();
     let ticker = Ticker::new(args.json);
     let show_progress = |p: &ditmem_budget::Progress| ticker.show(p);
     let control = SearchControl {
         time_limit: Some(std::time::Duration::from_secs_f64(args.time_limit)),
         progress: Some(&show_progress),
+        launch: Some(&launch),
     };
     let p = plan_with(&base, &limits, &profile, control);
     ticker.clear();
     let p = p?;
     let search_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut p = p;
-    let exported = if p.feasible {
-        target.map(|t| export(&p.plan, t, &options)).transpose()?
+    let exported: Vec<Export> = if p.feasible {
+        targets
+            .iter()
+            .map(|&t| export(&p.plan, t, &options))
+            .collect::<Result<_, _>>()?
     } else {
-        None
+        Vec::new()
     };
-    if let Some(e) = &exported {
+    if let Some(e) = exported.first() {
         if !e.cannot.is_empty() {
             // What the named train script cannot do is part of why the plan may not run as
             // predicted.
@@ -720,13 +817,14 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             ));
         }
     }
-
     if args.json {
         print_json(&PlanReport {
             plan: &p,
             base: &base,
             search_ms,
-            export: exported.as_ref(),
+            launcher,
+            export: exported.first(),
+            exports: &exported,
         })?;
     } else {
         crate::output::say(&report(
@@ -797,7 +895,30 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             crate::output::say(&format!("wrote the plan to {}\n", path.display()))?;
         }
     }
-    if let Some(e) = &exported {
+    if let Some(dir) = &args.emit_dir {
+        let files = ditmem_budget::export_files(&p.plan, &exported, &options)?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            SpecError::invalid(
+                "--emit-dir",
+                format!("cannot create '{}': {e}", dir.display()),
+            )
+        })?;
+        for (name, text) in &files {
+            write_output("--emit-dir", &dir.join(name), text.as_bytes())?;
+        }
+        if !args.json {
+            crate::output::say(&format!(
+                "wrote {} to {}\n",
+                files
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                dir.display()
+            ))?;
+        }
+    }
+    for e in &exported {
         match &args.emit_out {
             Some(path) => {
                 write_output("--emit-out", path, e.text.as_bytes())?;
@@ -809,7 +930,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
                     ))?;
                 }
             }
-            None if !args.json => {
+            None if !args.json && args.emit_dir.is_none() => {
                 crate::output::say(&format!(
                     "\n--- {} ({}) ---\n{}",
                     e.target, e.file_name, e.text
@@ -826,6 +947,19 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// The launcher an --emit list implies: the first target that runs a diffusers script.
+fn default_launcher(targets: &[Target]) -> Launcher {
+    for t in targets {
+        match t {
+            Target::Diffusers => return Launcher::Diffusers,
+            Target::Accelerate => return Launcher::Accelerate,
+            Target::Deepspeed => return Launcher::Deepspeed,
+            Target::DeepspeedStandalone => {}
+        }
+    }
+    Launcher::Custom
 }
 
 #[cfg(test)]

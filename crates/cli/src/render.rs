@@ -715,7 +715,7 @@ fn fit_line(b: &Budget) -> String {
             let skipped = if bf16 { " with bf16" } else { "" };
             match (yes.first(), no.last()) {
                 (Some(small), Some(big)) => format!(
-                    "fits {} of {} cards{skipped}, the smallest {} ({}); not {} ({}){}",
+                    "fits {} of {} cards{skipped}, smallest {} ({}); not {} ({}){}",
                     yes.len(),
                     cards.len(),
                     small.name,

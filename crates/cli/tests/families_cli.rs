@@ -327,15 +327,32 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
     let reason = p["reason"].as_str().unwrap();
     assert!(reason.contains("quantized base"), "{reason}");
     assert!(p["predicted_peak_bytes"].as_u64().unwrap() <= p["usable_bytes"].as_u64().unwrap());
-    let (code, out, err) = ditmem(
+    // The diffusers script has no NF4 option (and keeps T5-XXL resident): under its launcher
+    // nothing fits (issue 46); your own script gets the plan and the code for the NF4 base.
+    let (code, _, err) = ditmem(
         &[
             &base[..],
             &["--allow", "lora,8bit,quant", "--emit", "diffusers"],
         ]
         .concat(),
     );
+    assert_eq!(code, 3, "{err}");
+    let (code, out, err) = ditmem(
+        &[
+            &base[..],
+            &[
+                "--allow",
+                "lora,8bit,quant",
+                "--launcher",
+                "custom",
+                "--emit",
+                "diffusers",
+            ],
+        ]
+        .concat(),
+    );
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("store the frozen base quantized"), "{out}");
+    assert!(out.contains("BitsAndBytesConfig"), "{out}");
 }
 
 /// `ditmem-cpu` budgets PixArt (the engine runs it), and refuses what its engine does not run

@@ -24,9 +24,14 @@
 //! totalGlobalMem`). Where a printed `_CudaDeviceProperties(... total_memory=NMB ...)` was found in
 //! a public report, the capacity is `N × 2^20` B ([`CapacityBasis::Reported`]; the repr floors to
 //! whole MiB and the figure moves by tens of MiB with the driver: a T4 prints 15,079–15,109 MB).
-//! Otherwise it is the marketing figure read as binary GiB ([`CapacityBasis::Marketing`]): an
-//! upper bound, since CUDA reports a few hundred MiB less than the board's memory (the H100
-//! SXM's "80 GB" reports 81,090 MiB of 81,920).
+//! An OOM message's "total capacity of X GiB" (two decimals) counts as a report too: the capacity
+//! is the lower edge of its rounding, `⌈(X − 0.005) × 1024⌉` MiB. Where no report was found the
+//! capacity is the marketing figure less a stated reserve taken from a card of the same memory
+//! and class that has a report ([`CapacityBasis::Derived`], marked as such): CUDA reports a few
+//! hundred MiB less than the board's memory (the H100 SXM's "80 GB" reports 81,090 MiB of
+//! 81,920), and ECC on GDDR6 data-centre cards withholds more. `--gpu-memory SIZE` replaces the
+//! catalog's figure by what the user's own `torch.cuda.get_device_properties(0).total_memory`
+//! prints.
 
 use serde::Serialize;
 use thiserror::Error;
@@ -60,8 +65,12 @@ pub fn cublas_workspace_bytes(cc: (u32, u32)) -> u64 {
 pub enum CapacityBasis {
     /// `total_memory` as printed by `torch.cuda.get_device_properties` in a public report.
     Reported { mib: u64, source: &'static str },
-    /// The marketing figure (GB) read as GiB: an upper bound of what CUDA reports.
+    /// The marketing figure (GB) read as GiB: an upper bound of what CUDA reports. No catalog
+    /// entry uses it any more (every card has a reported or a derived figure).
     Marketing { gb: u64 },
+    /// No printed `total_memory` found: the marketing figure less a stated, sourced reserve (what
+    /// CUDA withholds on a card of the same memory and class), marked as derived.
+    Derived { mib: u64, source: &'static str },
 }
 
 /// Which dtypes the tensor cores (and PyTorch's autocast) run natively.
@@ -127,13 +136,27 @@ pub struct Gpu {
     pub note: &'static str,
 }
 
+/// `gpu` with its capacity replaced by `total_memory` bytes as the user's torch prints it
+/// (`--gpu-memory`), floored to whole MiB; `None`: the catalog's.
+pub fn with_memory(gpu: &Gpu, total_memory: Option<u64>) -> Gpu {
+    let mut g = *gpu;
+    if let Some(b) = total_memory {
+        g.capacity_basis = CapacityBasis::Reported {
+            mib: b / MIB,
+            source: "--gpu-memory: total_memory as the user's own torch prints it",
+        };
+    }
+    g
+}
+
 impl Gpu {
-    /// `total_memory` as CUDA reports it, bytes: the reported MiB, or the marketing GB read as
-    /// GiB (an upper bound).
+    /// `total_memory` as CUDA reports it, bytes: the reported MiB, or the derived figure (the
+    /// marketing figure less a stated reserve).
     pub const fn capacity_bytes(&self) -> u64 {
         match self.capacity_basis {
             CapacityBasis::Reported { mib, .. } => mib * MIB,
             CapacityBasis::Marketing { gb } => gb * GIB,
+            CapacityBasis::Derived { mib, .. } => mib * MIB,
         }
     }
 
@@ -177,6 +200,13 @@ pub struct GpuError {
 /// 300 MB (pytorch/pytorch#107667). An order of magnitude, not measured on each card.
 const CTX_LAZY: u64 = 300 * MIB;
 const CTX_LAZY_SRC: &str = "community estimate: ~300 MB with CUDA lazy loading (pytorch/pytorch#107667); not measured on this card";
+/// A100-SXM4-40GB: what a training process held outside PyTorch's allocator in a published OOM
+/// message (huggingface/diffusers#10120: "Process … has 39.55 GiB memory in use. Of the
+/// allocated memory 38.05 GiB is allocated by PyTorch, and 1021.72 MiB is reserved by PyTorch
+/// but unallocated": 39.55 GiB − 38.05 GiB − 1021.72 MiB = 514 MiB, each figure ±0.005 GiB),
+/// with bitsandbytes' kernels loaded (train_dreambooth_sd3.py --use_8bit_adam).
+const CTX_A100_40: u64 = 514 * MIB;
+const CTX_A100_40_SRC: &str = "published measurement: 514 MiB outside PyTorch's allocator (39.55 GiB in use − 38.05 GiB allocated − 1,021.72 MiB reserved-unallocated) in a train_dreambooth_sd3.py run with bitsandbytes (huggingface/diffusers#10120)";
 /// RTX 3090, torch 2.7.1+cu128: 256 MiB (invoke-ai/InvokeAI#9413).
 const CTX_3090: u64 = 256 * MIB;
 const CTX_3090_SRC: &str =
@@ -233,7 +263,10 @@ static CATALOG: [Gpu; 15] = [
         name: "h100-pcie",
         aliases: &["h100-80gb-pcie"],
         product: "NVIDIA H100 PCIe 80GB",
-        capacity_basis: CapacityBasis::Marketing { gb: 80 },
+        capacity_basis: CapacityBasis::Derived {
+            mib: 81_090,
+            source: "derived: marketing 80 GiB (81,920 MiB) less 830 MiB, the reserve of the H100 SXM's same 80 GB HBM (81,920 − 81,090 MiB reported); no printed total_memory of an H100 PCIe found",
+        },
         compute_capability: (9, 0),
         // [H100] PCIe: FP32 51; TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity → halved.
         flops: Flops {
@@ -247,13 +280,16 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)",
-        note: "capacity: marketing 80 GB read as 80 GiB (upper bound); tensor figures: sparsity figures halved",
+        note: "tensor figures: sparsity figures halved",
     },
     Gpu {
         name: "a100-80gb",
         aliases: &["a100-80gb-sxm", "a100-sxm4-80gb", "a100-80"],
         product: "NVIDIA A100-SXM4-80GB",
-        capacity_basis: CapacityBasis::Marketing { gb: 80 },
+        capacity_basis: CapacityBasis::Reported {
+            mib: 81_147,
+            source: "OOM messages 'GPU 0; 79.25 GiB total capacity' (github.com/levihsu/OOTDiffusion/issues/235) and 'GPU 2 has a total capacity of 79.25 GiB' on 4 A100 80GB (github.com/wbfwonderful/Vad-R1/issues/11): 79.245 GiB, the lower edge",
+        },
         compute_capability: (8, 0),
         // [A100]: FP32 19.5; TF32 156, BF16/FP16 312 dense (sheet gives dense and sparse).
         flops: Flops {
@@ -267,13 +303,16 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)",
-        note: "capacity: marketing 80 GB read as 80 GiB (upper bound); no FP8 on sm80",
+        note: "no FP8 on sm80",
     },
     Gpu {
         name: "a100-40gb",
         aliases: &["a100", "a100-40gb-sxm", "a100-sxm4-40gb", "a100-40"],
         product: "NVIDIA A100-SXM4-40GB",
-        capacity_basis: CapacityBasis::Marketing { gb: 40 },
+        capacity_basis: CapacityBasis::Reported {
+            mib: 40_443,
+            source: "OOM message 'GPU 0 has a total capacity of 39.50 GiB' on one A100 (github.com/TianheWu/CoSeR/issues/10): 39.495 GiB, the lower edge; another reports 39.59 GiB (github.com/raoyongming/DenseCLIP/issues/52), the smaller is kept",
+        },
         compute_capability: (8, 0),
         flops: Flops {
             fp32: 19.5 * T,
@@ -283,10 +322,10 @@ static CATALOG: [Gpu; 15] = [
             fp8: None,
         },
         bandwidth: 1.555e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
+        context_bytes: CTX_A100_40,
+        context_source: CTX_A100_40_SRC,
         source: "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)",
-        note: "capacity: marketing 40 GB read as 40 GiB (upper bound); no FP8 on sm80",
+        note: "no FP8 on sm80",
     },
     Gpu {
         name: "l40s",
@@ -338,7 +377,10 @@ static CATALOG: [Gpu; 15] = [
         name: "l4",
         aliases: &["l4-24gb"],
         product: "NVIDIA L4",
-        capacity_basis: CapacityBasis::Marketing { gb: 24 },
+        capacity_basis: CapacityBasis::Derived {
+            mib: 22_587,
+            source: "derived: marketing 24 GiB (24,576 MiB) less 1,989 MiB, the reserve of the A10G's same 24 GB GDDR6 with ECC (24,576 − 22,587 MiB reported); nvidia-smi shows 23,034 MiB on an L4 (github.com/modal-labs/modal-client/pull/2797), total_memory is below it; no printed total_memory of an L4 found",
+        },
         compute_capability: (8, 9),
         // [L4]: FP32 30.3; TF32 120, BF16/FP16 242, FP8 485 with sparsity → halved.
         flops: Flops {
@@ -352,7 +394,7 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA L4 Tensor Core GPU datasheet",
-        note: "capacity: marketing 24 GB read as 24 GiB (upper bound); tensor figures: sparsity figures halved",
+        note: "tensor figures: sparsity figures halved",
     },
     Gpu {
         name: "rtx-4090",
@@ -404,7 +446,10 @@ static CATALOG: [Gpu; 15] = [
         name: "rtx-5090",
         aliases: &["5090", "rtx5090", "geforce-rtx-5090"],
         product: "NVIDIA GeForce RTX 5090",
-        capacity_basis: CapacityBasis::Marketing { gb: 32 },
+        capacity_basis: CapacityBasis::Reported {
+            mib: 32_118,
+            source: "OOM message 'GPU 0 has a total capacity of 31.37 GiB' on an RTX 5090 (github.com/Wan-Video/Wan2.1/issues/465): 31.365 GiB, the lower edge",
+        },
         compute_capability: (12, 0),
         // [RTXBW]: FP32 104.8; TF32 104.8, FP16/BF16 with FP32 accumulate 209.5 dense.
         flops: Flops {
@@ -418,13 +463,16 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA RTX Blackwell GPU Architecture whitepaper (GeForce RTX 5090)",
-        note: "capacity: marketing 32 GB read as 32 GiB (upper bound); FP8/FP4 figures not checked in this step",
+        note: "FP8/FP4 figures not checked in this step",
     },
     Gpu {
         name: "rtx-a6000",
         aliases: &["a6000"],
         product: "NVIDIA RTX A6000",
-        capacity_basis: CapacityBasis::Marketing { gb: 48 },
+        capacity_basis: CapacityBasis::Derived {
+            mib: 48_536,
+            source: "derived: marketing 48 GiB (49,152 MiB) less 616 MiB, twice the reserve of the RTX 3090's 24 GB on the same GA102 (24,576 − 24,268 MiB reported), the reserve taken as proportional to the memory; no printed total_memory of an RTX A6000 found",
+        },
         compute_capability: (8, 6),
         // [GA102]: FP32 38.7; TF32 77.4, FP16/BF16 154.8 dense (full-rate FP32 accumulate).
         flops: Flops {
@@ -438,7 +486,7 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX A6000)",
-        note: "capacity: marketing 48 GB read as 48 GiB (upper bound)",
+        note: "capacity derived (see capacity_basis)",
     },
     Gpu {
         name: "t4",
@@ -467,7 +515,10 @@ static CATALOG: [Gpu; 15] = [
         name: "v100-16gb",
         aliases: &["v100", "v100-sxm2-16gb", "tesla-v100"],
         product: "Tesla V100-SXM2-16GB",
-        capacity_basis: CapacityBasis::Marketing { gb: 16 },
+        capacity_basis: CapacityBasis::Reported {
+            mib: 16_144,
+            source: "OOM message 'GPU 3 has a total capacty of 15.77 GiB' on a server of 8 Tesla V100 (github.com/meta-llama/llama/issues/918): 15.765 GiB, the lower edge",
+        },
         compute_capability: (7, 0),
         // [V100] SXM2: FP32 15.7; tensor (FP16) 125. No BF16 and no TF32 on sm70.
         flops: Flops {
@@ -481,13 +532,16 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2)",
-        note: "capacity: marketing 16 GB read as 16 GiB (upper bound); no bf16 (sm < 80)",
+        note: "no bf16 (sm < 80)",
     },
     Gpu {
         name: "v100-32gb",
         aliases: &["v100-sxm2-32gb", "v100-32"],
         product: "Tesla V100-SXM2-32GB",
-        capacity_basis: CapacityBasis::Marketing { gb: 32 },
+        capacity_basis: CapacityBasis::Reported {
+            mib: 32_497,
+            source: "OOM message 'GPU 0; 31.74 GiB total capacity' on a V100 32GB (github.com/liucongg/ChatGLM-Finetuning/issues/73): 31.735 GiB, the lower edge",
+        },
         compute_capability: (7, 0),
         flops: Flops {
             fp32: 15.7 * T,
@@ -500,7 +554,7 @@ static CATALOG: [Gpu; 15] = [
         context_bytes: CTX_LAZY,
         context_source: CTX_LAZY_SRC,
         source: "NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2)",
-        note: "capacity: marketing 32 GB read as 32 GiB (upper bound); no bf16 (sm < 80)",
+        note: "no bf16 (sm < 80)",
     },
 ];
 
@@ -617,6 +671,23 @@ mod tests {
         }
         // CUDA reports less than the board's memory: 81,090 MiB of the H100's 80 GiB.
         assert!(lookup("h100").unwrap().capacity_bytes() < 80 * GIB);
+    }
+
+    #[test]
+    fn every_capacity_is_reported_or_derived_with_its_source() {
+        for g in all() {
+            match g.capacity_basis {
+                CapacityBasis::Reported { source, .. } => assert!(source.len() > 20, "{}", g.name),
+                CapacityBasis::Derived { source, .. } => {
+                    assert!(source.starts_with("derived:"), "{}", g.name)
+                }
+                CapacityBasis::Marketing { .. } => panic!("{}: marketing figure as GiB", g.name),
+            }
+        }
+        // The published OOM messages the issue quotes (A100-40GB 39.39–39.59 GiB, A100-80GB
+        // 79.15–79.25 GiB): the catalog is at or below them.
+        assert!(lookup("a100-40gb").unwrap().capacity_bytes() <= 40_540 * MIB);
+        assert!(lookup("a100-80gb").unwrap().capacity_bytes() <= 81_152 * MIB);
     }
 
     #[test]

@@ -6,8 +6,8 @@ mod catalog;
 mod links;
 
 pub use catalog::{
-    all, cublas_workspace_bytes, lookup, names, CapacityBasis, DtypeSupport, Flops, Gpu, GpuError,
-    CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90_PLUS,
+    all, cublas_workspace_bytes, lookup, names, with_memory, CapacityBasis, DtypeSupport, Flops,
+    Gpu, GpuError, CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90_PLUS,
 };
 pub use links::{
     links_for, GpuLinks, Link, GPUS_PER_NODE, IB_HDR, IB_NDR, LINKS, NVLINK2, NVLINK3, NVLINK4,

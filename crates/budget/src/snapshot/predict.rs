@@ -69,6 +69,7 @@ pub fn predicted_timeline(spec: &Spec) -> Result<Option<Predicted>, SpecError> {
     let (g, capacity, ws) = match &cs.gpu {
         Some(name) => {
             let g = gpu::lookup(name).map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
+            let g = &gpu::with_memory(g, cs.gpu_memory);
             (
                 Some(g.name),
                 Some(g.allocator_bytes()),

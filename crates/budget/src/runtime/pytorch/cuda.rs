@@ -87,6 +87,7 @@ pub fn cuda_report_of(
     match &cs.gpu {
         Some(name) => {
             let g = gpu::lookup(name).map_err(|e| SpecError::invalid("cuda.gpu", e.to_string()))?;
+            let g = &gpu::with_memory(g, cs.gpu_memory);
             let m = simulate_on_gpu(events, g, &conf, &[0]).map_err(seq_err)?;
             Ok(Some(CudaReport {
                 gpu: Some(g.name),

@@ -1,0 +1,445 @@
+//! What the launcher of a plan can run, as constraints of the search.
+//!
+//! A plan exported for the diffusers example scripts (`--emit diffusers`, or the accelerate /
+//! DeepSpeed configs whose launch line names such a script) runs the script as it is written, not
+//! the recipe the budget would like: its gradient checkpointing is all blocks or none, its caching
+//! and quantization are what its flags allow, and it keeps some frozen parts resident whatever the
+//! plan says. [`Launch::realise`] maps a candidate recipe onto what the script runs — or says why
+//! the script cannot run it — so that the planner searches, and prints the figures of, exactly the
+//! recipe the export launches. `custom` (your own train script) keeps the whole space; the export
+//! then carries the code for what no script flag does.
+//!
+//! Each behaviour below cites the line of the script at diffusers [`DIFFUSERS_TAG`]
+//! ([`DIFFUSERS_COMMIT`]) it comes from.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use crate::error::SpecError;
+use crate::export::{script_for, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
+use crate::families::Family;
+use crate::spec::{
+    AttentionMode, BaseQuant, Latents, Optimizer, Precision, Recompute, Spec, TextEncoders,
+};
+
+/// Who launches the plan: a diffusers example script (directly, or through the accelerate /
+/// DeepSpeed configs whose launch line names it), or your own script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Launcher {
+    /// Your own train script: every lever of the space; the export carries the code for what no
+    /// flag does (blocks i…j checkpointed, an NF4 base).
+    #[default]
+    Custom,
+    /// `accelerate launch` of the family's diffusers script (`--emit diffusers`).
+    Diffusers,
+    /// `accelerate launch --config_file accelerate_config.yaml` of the family's script.
+    Accelerate,
+    /// The same, under DeepSpeed (`ds_config.json`).
+    Deepspeed,
+}
+
+impl Launcher {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Launcher::Custom => "custom",
+            Launcher::Diffusers => "diffusers",
+            Launcher::Accelerate => "accelerate",
+            Launcher::Deepspeed => "deepspeed",
+        }
+    }
+
+    /// Whether the launch runs a diffusers example script (where the family has one).
+    pub const fn runs_script(self) -> bool {
+        !matches!(self, Launcher::Custom)
+    }
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Launcher {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "custom" => Ok(Launcher::Custom),
+            "diffusers" => Ok(Launcher::Diffusers),
+            "accelerate" => Ok(Launcher::Accelerate),
+            "deepspeed" | "ds" => Ok(Launcher::Deepspeed),
+            _ => Err(SpecError::invalid(
+                "plan.launcher",
+                format!(
+                    "'{}' is not a launcher; allowed: diffusers, accelerate, deepspeed, custom",
+                    s.chars().take(60).collect::<String>()
+                ),
+            )),
+        }
+    }
+}
+
+/// The recipe fields the user set (a flag, or the `--config` file): the planner never changes
+/// them, and a launcher that cannot run them is an error rather than a silent change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Pinned {
+    pub latents: bool,
+    pub recompute: bool,
+    pub attention: bool,
+    pub microbatch: bool,
+    pub zero_stage: bool,
+    pub text_encoders: bool,
+    pub lora_modules: bool,
+    pub ema: bool,
+}
+
+/// The launcher, the family its script is chosen by, and what the user pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Launch {
+    pub launcher: Launcher,
+    pub family: Family,
+    pub pinned: Pinned,
+}
+
+impl Default for Launch {
+    /// Your own script: the whole space.
+    fn default() -> Self {
+        Launch {
+            launcher: Launcher::Custom,
+            family: Family::Dit,
+            pinned: Pinned::default(),
+        }
+    }
+}
+
+/// One behaviour of a diffusers script that the plan follows, with its source line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Behaviour {
+    pub what: &'static str,
+    /// `file:line` at [`DIFFUSERS_TAG`].
+    pub source: &'static str,
+}
+
+/// The script's default `target_modules` when `--lora_layers` is not given.
+pub fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
+    match family {
+        // train_dreambooth_lora_flux.py:1257-1270
+        Family::Flux => Some(&[
+            "attn.to_k",
+            "attn.to_q",
+            "attn.to_v",
+            "attn.to_out.0",
+            "attn.add_k_proj",
+            "attn.add_q_proj",
+            "attn.add_v_proj",
+            "attn.to_add_out",
+            "ff.net.0.proj",
+            "ff.net.2",
+            "ff_context.net.0.proj",
+            "ff_context.net.2",
+        ]),
+        // train_dreambooth_lora_sd3.py:1251-1260
+        Family::Sd3 => Some(&[
+            "attn.add_k_proj",
+            "attn.add_q_proj",
+            "attn.add_v_proj",
+            "attn.to_add_out",
+            "attn.to_k",
+            "attn.to_out.0",
+            "attn.to_q",
+            "attn.to_v",
+        ]),
+        // train_dreambooth_lora_sana.py:1045
+        Family::Sana => Some(&["to_k", "to_q", "to_v"]),
+        _ => None,
+    }
+}
+
+/// The behaviours of `script` the plan models (what stays resident, what the flags allow).
+pub fn behaviours(script: &Script) -> Vec<Behaviour> {
+    let b = |what, source| Behaviour { what, source };
+    let mut out = vec![b(
+        "gradient checkpointing is all blocks or none (transformer.enable_gradient_checkpointing())",
+        match script.file_name() {
+            "train_dreambooth_lora_flux.py" => "train_dreambooth_lora_flux.py:1249-1250",
+            "train_dreambooth_flux.py" => "train_dreambooth_flux.py:1212-1213",
+            "train_dreambooth_sd3.py" => "train_dreambooth_sd3.py:1173-1174",
+            "train_dreambooth_lora_sd3.py" => "train_dreambooth_lora_sd3.py:1243-1244",
+            _ => "train_dreambooth_lora_sana.py:1039-1040",
+        },
+    )];
+    out.push(b(
+        "no option stores the frozen base quantized (no NF4 / int8 flag in parse_args)",
+        "parse_args",
+    ));
+    match script.file_name() {
+        "train_dreambooth_lora_flux.py" => {
+            out.push(b(
+                "the text encoders stay on the device: `del text_encoder_one, text_encoder_two` \
+                 leaves them in the `text_encoders` list, and each step re-encodes the batch's \
+                 prompts with them",
+                "train_dreambooth_lora_flux.py:1492,1521,1738-1740",
+            ));
+        }
+        "train_dreambooth_lora_sana.py" => {
+            out.push(b(
+                "Gemma-2 stays in the text-encoding pipeline (`del text_encoder` drops a name \
+                 only), on the device unless --offload moves it back to the CPU after encoding",
+                "train_dreambooth_lora_sana.py:1031-1037,1222,1229-1230,1250",
+            ));
+        }
+        "train_dreambooth_lora_sd3.py" => {
+            out.push(b(
+                "--cache_latents casts the images to weight_dtype while the VAE stays fp32: under \
+                 fp16/bf16 the VAE's conv fails (Input type and bias type should be the same), so \
+                 latents are cached only with --mixed_precision no",
+                "train_dreambooth_lora_sd3.py:1237,1596-1599",
+            ));
+            out.push(b(
+                "with one --instance_prompt the text encoders are freed after encoding it once",
+                "train_dreambooth_lora_sd3.py:1559-1563",
+            ));
+        }
+        "train_dreambooth_flux.py" => {
+            out.push(b(
+                "no --cache_latents: the VAE encodes every step",
+                "train_dreambooth_flux.py:1575,1607",
+            ));
+            out.push(b(
+                "with one --instance_prompt the text encoders are freed after encoding it once",
+                "train_dreambooth_flux.py:1411-1418",
+            ));
+        }
+        "train_dreambooth_sd3.py" => {
+            out.push(b(
+                "no --cache_latents: the VAE encodes every step",
+                "train_dreambooth_sd3.py:1555,1570",
+            ));
+            out.push(b(
+                "with one --instance_prompt the text encoders are freed after encoding it once",
+                "train_dreambooth_sd3.py:1398-1402",
+            ));
+        }
+        _ => {}
+    }
+    if script.lora {
+        out.push(b(
+            "the LoRA adapters are upcast to fp32 only under fp16; under bf16 they, their \
+             gradients and AdamW's state stay bf16 (not yet modelled: the plan counts fp32 \
+             adapters, a few bytes per adapter parameter more than the run holds)",
+            match script.file_name() {
+                "train_dreambooth_lora_flux.py" => "train_dreambooth_lora_flux.py:1379-1384",
+                "train_dreambooth_lora_sd3.py" => "train_dreambooth_lora_sd3.py:1408-1413",
+                _ => "train_dreambooth_lora_sana.py:1132-1135",
+            },
+        ));
+    }
+    out
+}
+
+/// Why a launcher cannot run a recipe.
+fn cannot(script: &Script, what: impl fmt::Display) -> String {
+    format!(
+        "{} (diffusers {DIFFUSERS_TAG}) cannot {what}; plan with --launcher custom to keep it \
+         (your own script, with the code in the export)",
+        script.file_name()
+    )
+}
+
+impl Launch {
+    /// The diffusers script a recipe launches, if the launcher runs one and the family has it.
+    pub fn script(&self, spec: &Spec) -> Option<Script> {
+        if !self.launcher.runs_script() {
+            return None;
+        }
+        script_for(self.family, spec.recipe.lora.is_some()).ok()
+    }
+
+    /// Whether recompute is all blocks or none for this recipe.
+    pub fn whole_model_recompute(&self, spec: &Spec) -> bool {
+        self.script(spec).is_some()
+    }
+
+    /// The recipe the launcher runs for `spec`, or why it cannot run it. Fields the user pinned
+    /// are never changed: a pinned value the script cannot run is an error.
+    pub fn realise(&self, spec: &Spec) -> Result<Spec, String> {
+        let Some(script) = self.script(spec) else {
+            return Ok(spec.clone());
+        };
+        let p = self.pinned;
+        let mut s = spec.clone();
+        let r = &mut s.recipe;
+        // All or none: a partial policy is not a flag (`--gradient_checkpointing` only).
+        if !matches!(r.recompute, Recompute::None | Recompute::All) {
+            return Err(cannot(
+                &script,
+                format!(
+                    "recompute {}: --gradient_checkpointing is every block or none",
+                    r.recompute
+                ),
+            ));
+        }
+        if r.base_quant != BaseQuant::None {
+            return Err(cannot(
+                &script,
+                format!("store the base {} (no such flag)", r.base_quant.name()),
+            ));
+        }
+        if r.paged_optimizer {
+            return Err(cannot(&script, "use a paged 8-bit AdamW"));
+        }
+        if r.optimizer == Optimizer::Sgd {
+            return Err(cannot(&script, "train with SGD (AdamW or Prodigy only)"));
+        }
+        if matches!(r.precision, Precision::Fp64 | Precision::Bf16Pure) {
+            return Err(cannot(
+                &script,
+                format!(
+                    "train in {} (--mixed_precision no, fp16 or bf16)",
+                    r.precision
+                ),
+            ));
+        }
+        if r.ema.enabled {
+            if p.ema {
+                return Err(cannot(&script, "keep an EMA copy (no --use_ema)"));
+            }
+            r.ema.enabled = false;
+        }
+        if r.attention == AttentionMode::Materialized {
+            // diffusers' attention processors call F.scaled_dot_product_attention.
+            if p.attention {
+                return Err(cannot(
+                    &script,
+                    "materialize attention (its processors call SDPA)",
+                ));
+            }
+            r.attention = AttentionMode::MemoryEfficient;
+        }
+        if r.latents == Latents::Cached {
+            let crashes = script.file_name() == "train_dreambooth_lora_sd3.py"
+                && r.precision != Precision::Fp32;
+            if !script.has("--cache_latents") || crashes {
+                if p.latents {
+                    return Err(cannot(
+                        &script,
+                        if crashes {
+                            "cache latents under fp16/bf16 (the fp32 VAE fails on the images \
+                             cast to weight_dtype: train_dreambooth_lora_sd3.py:1237,1596)"
+                        } else {
+                            "cache latents (no --cache_latents)"
+                        },
+                    ));
+                }
+                r.latents = Latents::Encode;
+            }
+        }
+        // Where the frozen text encoders are during the step.
+        let ok: &[TextEncoders] = match script.file_name() {
+            // train_dreambooth_lora_flux.py:1492,1521,1738-1740: kept and re-run every step.
+            "train_dreambooth_lora_flux.py" => &[TextEncoders::Online],
+            // train_dreambooth_lora_sana.py:1222,1229-1230: kept, on the device unless --offload.
+            "train_dreambooth_lora_sana.py" => &[TextEncoders::Online, TextEncoders::Offloaded],
+            // The others free them after one fixed prompt (cached), or keep them on the device
+            // for per-image captions (online); none has --offload.
+            _ => &[TextEncoders::Cached, TextEncoders::Online],
+        };
+        if !ok.contains(&r.text_encoders) {
+            if p.text_encoders {
+                return Err(cannot(
+                    &script,
+                    format!(
+                        "keep the text encoders {} (it runs them {})",
+                        r.text_encoders.name(),
+                        ok.iter().map(|t| t.name()).collect::<Vec<_>>().join(" or ")
+                    ),
+                ));
+            }
+            r.text_encoders = ok[0];
+        }
+        if let Some(l) = &mut r.lora {
+            if l.modules.is_empty() && s.model.diffusers.is_some() {
+                if let Some(m) = default_lora_layers(self.family) {
+                    l.modules = m.iter().map(|x| x.to_string()).collect();
+                }
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// The source of the scripts, for the notes.
+pub fn scripts_source() -> String {
+    format!("huggingface/diffusers {DIFFUSERS_TAG} ({DIFFUSERS_COMMIT})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flux_lora() -> Spec {
+        let map =
+            serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
+        let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 16,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        s
+    }
+
+    fn script(pinned: Pinned) -> Launch {
+        Launch {
+            launcher: Launcher::Diffusers,
+            family: Family::Flux,
+            pinned,
+        }
+    }
+
+    #[test]
+    fn the_flux_lora_script_keeps_its_text_encoders_and_default_layers() {
+        let r = script(Pinned::default()).realise(&flux_lora()).unwrap();
+        assert_eq!(r.recipe.text_encoders, TextEncoders::Online);
+        assert_eq!(r.recipe.lora.as_ref().unwrap().modules.len(), 12);
+        // Pinned cached encoders: an error, not a change.
+        let p = Pinned {
+            text_encoders: true,
+            ..Pinned::default()
+        };
+        assert!(script(p).realise(&flux_lora()).is_err());
+        // Your own script: as given.
+        let custom = Launch::default();
+        assert_eq!(custom.realise(&flux_lora()).unwrap(), flux_lora());
+    }
+
+    #[test]
+    fn partial_recompute_and_nf4_are_not_in_the_scripts() {
+        let mut s = flux_lora();
+        s.recipe.recompute = Recompute::EveryK(2);
+        assert!(script(Pinned::default()).realise(&s).is_err());
+        let mut s = flux_lora();
+        s.recipe.base_quant = BaseQuant::Nf4;
+        assert!(script(Pinned::default()).realise(&s).is_err());
+        let mut s = flux_lora();
+        s.recipe.recompute = Recompute::All;
+        assert!(script(Pinned::default()).realise(&s).is_ok());
+    }
+
+    #[test]
+    fn the_full_flux_script_encodes_latents_every_step() {
+        let mut s = flux_lora();
+        s.recipe.lora = None;
+        s.recipe.latents = Latents::Cached;
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.recipe.latents, Latents::Encode);
+        let p = Pinned {
+            latents: true,
+            ..Pinned::default()
+        };
+        assert!(script(p).realise(&s).is_err());
+    }
+}
