@@ -513,6 +513,7 @@ pub fn fast_dit_spec(row: &PublishedStep) -> Spec {
     s.cuda = Some(crate::spec::CudaSpec {
         gpu: Some("a100-80gb".into()),
         alloc_conf: String::new(),
+        gpu_memory: None,
     });
     s
 }

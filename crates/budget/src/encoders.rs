@@ -116,6 +116,7 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
                 forward_bytes: 0,
                 input_bytes: 0,
                 flops: 0.0,
+                conv: true,
             });
         }
     }
