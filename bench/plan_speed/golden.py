@@ -2,7 +2,10 @@
 """Write crates/cli/tests/data/plan_speed/golden.json: the plans (and their figures) a ditmem
 binary gives for the queries of crates/cli/tests/plan_speed_cli.rs, so that a faster search can be
 held to the same answers. usage: golden.py BINARY (the binary whose answers are the reference;
-the committed file came from the base commit 95ad019's release binary)."""
+the committed file came from the base commit 95ad019's release binary, its search before the
+speed-up; the FLUX.1-dev row was rewritten on 2026-12-06 by the merged binary after an intended
+change of the model — the Flux scripts' resident VAE decoder and fp32 VAE, issue 46 — so that row
+pins the merged search, not 95ad019's)."""
 import json
 import subprocess
 import sys

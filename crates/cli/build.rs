@@ -40,6 +40,22 @@ fn main() {
         if dirty { "+dirty" } else { "" }
     );
     println!("cargo:rerun-if-changed=../../Cargo.lock");
-    println!("cargo:rerun-if-changed=../../.git/HEAD");
-    println!("cargo:rerun-if-changed=../../.git/index");
+    // The git folder's HEAD and index (a worktree's `.git` is a file naming its own folder): a
+    // path that does not exist would make Cargo rerun this script, and rebuild the crate, on
+    // every build; a source tree without git watches nothing.
+    let git_dir = Command::new("git")
+        .args(["rev-parse", "--absolute-git-dir"])
+        .current_dir(&root)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    if let Some(dir) = git_dir {
+        for name in ["HEAD", "index"] {
+            let path = dir.join(name);
+            if path.exists() {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
+    }
 }

@@ -91,6 +91,8 @@ struct ApiCli {
     command: ApiCommand,
 }
 
+// One value per request, parsed and consumed at once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum ApiCommand {
     Estimate(EstimateArgs),

@@ -670,6 +670,7 @@ fn the_plan_and_its_export_are_the_clis() {
     b.eval(
         "(() => { for (const v of ['8bit', 'quant']) \
            document.querySelector(`#allow input[value='${v}']`).checked = true; \
+           document.getElementById('launcher').value = 'custom'; \
            document.getElementById('plan-button').click(); return true; })()",
     );
     b.wait(
@@ -695,6 +696,9 @@ fn the_plan_and_its_export_are_the_clis() {
     args.insert("allow".into(), json!(["8bit", "quant"]));
     args.insert("emit".into(), json!("accelerate"));
     args.insert("emit_family".into(), json!("flux"));
+    // The diffusers script keeps T5-XXL resident and has no NF4 base: only a custom launch fits
+    // FLUX.1-dev LoRA on a 24 GiB card.
+    args.insert("launcher".into(), json!("custom"));
     args.insert("time_limit".into(), json!(300));
     let cli = cli_json("plan", &args);
     assert_eq!(cli["feasible"], json!(true), "{cli}");

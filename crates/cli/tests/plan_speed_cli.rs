@@ -44,6 +44,9 @@ fn differing(env: &[(&str, &str)], queries: &[&str]) -> Vec<String> {
         obj.insert("exit".into(), code.into());
         let want = &golden[*q];
         assert!(want.is_object(), "{q}: not in golden.json");
+        // Keys added to the plan's JSON after the reference was written (e.g. `launcher`) are
+        // not part of the search it pins.
+        obj.retain(|k, _| want.get(k).is_some());
         if &got != want {
             let keys: Vec<&String> = want
                 .as_object()

@@ -391,6 +391,8 @@ async function plan() {
   if (allow.length) args.allow = allow;
   args.emit = $("emit").value;
   args.emit_family = family();
+  // The launcher constrains the search (plan --launcher): empty = the export's own script.
+  if ($("launcher").value) args.launcher = $("launcher").value;
   const seq = ++state.planSeq;
   $("plan").hidden = false;
   $("plan").dataset.state = "loading";

@@ -43,7 +43,7 @@ use crate::error::Result;
 /// A tiny PixArt `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 4 latent channels, a learned variance (8 out), patch 2, caption channels 32, no size
 /// embedders.
-pub(crate) fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
+pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
     let hidden = 16 * heads;
     let text = format!(
         r#"{{"_class_name": "PixArtTransformer2DModel", "sample_size": 16, "num_layers": {layers},
