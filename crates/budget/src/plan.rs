@@ -874,7 +874,10 @@ fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
         ));
     }
     if b.latents != r.latents {
-        out.push("cache the latents (no VAE in the step)".into());
+        out.push(match r.latents {
+            Latents::Cached => "cache the latents (no VAE in the step)".into(),
+            Latents::Encode => "encode the latents in the step (the VAE runs every step)".into(),
+        });
     }
     if b.lora != r.lora {
         if let Some(l) = &r.lora {

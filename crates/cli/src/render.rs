@@ -1038,7 +1038,10 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
         out.push(format!("mb {}×acc {}", w.microbatch, w.accumulation));
     }
     if b.latents != r.latents {
-        out.push("cached latents".into());
+        out.push(match r.latents {
+            ditmem_budget::Latents::Cached => "cached latents".into(),
+            ditmem_budget::Latents::Encode => "VAE in the step".into(),
+        });
     }
     if b.text_encoders != r.text_encoders {
         out.push(format!("text encoders {}", r.text_encoders.name()));
@@ -1122,7 +1125,13 @@ pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
         ));
     }
     if b.latents != r.latents {
-        out.push("--latents cached".into());
+        out.push(
+            match r.latents {
+                ditmem_budget::Latents::Cached => "--latents cached",
+                ditmem_budget::Latents::Encode => "--latents encode",
+            }
+            .into(),
+        );
     }
     if b.text_encoders != r.text_encoders {
         out.push(format!("--text-encoders {}", r.text_encoders.name()));
