@@ -238,7 +238,7 @@ static CATALOG: [Gpu; 15] = [
     },
     Gpu {
         name: "h100-sxm",
-        aliases: &["h100", "h100-80gb", "h100-sxm5", "h100-80gb-sxm"],
+        aliases: &["h100", "h100-80gb", "h100-sxm5", "h100-80gb-sxm", "h100-80gb-hbm3"],
         product: "NVIDIA H100 80GB HBM3 (SXM5)",
         capacity_basis: CapacityBasis::Reported {
             mib: 81_090,
@@ -572,7 +572,9 @@ pub fn names() -> String {
         .join(", ")
 }
 
-/// Normalise a name: lower case, `_` and spaces as `-`, an `nvidia-` / `geforce-` prefix dropped.
+/// Normalise a name: lower case, `_` and spaces as `-`, an `nvidia-` or `tesla-` prefix dropped,
+/// so that what `torch.cuda.get_device_name()` and `nvidia-smi` print names the card ("NVIDIA
+/// H100 80GB HBM3", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", "Tesla T4").
 fn normalise(name: &str) -> String {
     let mut n: String = name
         .trim()
@@ -582,8 +584,10 @@ fn normalise(name: &str) -> String {
             c => c.to_ascii_lowercase(),
         })
         .collect();
-    if let Some(rest) = n.strip_prefix("nvidia-") {
-        n = rest.to_string();
+    for prefix in ["nvidia-", "tesla-"] {
+        if let Some(rest) = n.strip_prefix(prefix) {
+            n = rest.to_string();
+        }
     }
     n
 }
@@ -615,6 +619,29 @@ mod tests {
         assert_eq!(lookup("RTX 3090").unwrap().name, "rtx-3090");
         assert_eq!(lookup("nvidia-h200").unwrap().name, "h200");
         assert_eq!(lookup("Tesla-T4").unwrap().name, "t4");
+    }
+
+    #[test]
+    fn the_names_torch_prints_name_their_cards() {
+        // torch.cuda.get_device_name(0) on each card (also nvidia-smi's name column).
+        for (printed, card) in [
+            ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+            ("NVIDIA H100 PCIe", "h100-pcie"),
+            ("NVIDIA H200", "h200"),
+            ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+            ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+            ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+            ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+            ("NVIDIA RTX A6000", "rtx-a6000"),
+            ("NVIDIA L40S", "l40s"),
+            ("NVIDIA A10G", "a10g"),
+            ("NVIDIA L4", "l4"),
+            ("Tesla T4", "t4"),
+            ("Tesla V100-SXM2-16GB", "v100-16gb"),
+            ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ] {
+            assert_eq!(lookup(printed).map(|g| g.name), Ok(card), "{printed}");
+        }
     }
 
     #[test]
