@@ -126,32 +126,10 @@ pub struct Behaviour {
 /// The script's default `target_modules` when `--lora_layers` is not given.
 pub fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
     match family {
-        // train_dreambooth_lora_flux.py:1257-1270
-        Family::Flux => Some(&[
-            "attn.to_k",
-            "attn.to_q",
-            "attn.to_v",
-            "attn.to_out.0",
-            "attn.add_k_proj",
-            "attn.add_q_proj",
-            "attn.add_v_proj",
-            "attn.to_add_out",
-            "ff.net.0.proj",
-            "ff.net.2",
-            "ff_context.net.0.proj",
-            "ff_context.net.2",
-        ]),
-        // train_dreambooth_lora_sd3.py:1251-1260
-        Family::Sd3 => Some(&[
-            "attn.add_k_proj",
-            "attn.add_q_proj",
-            "attn.add_v_proj",
-            "attn.to_add_out",
-            "attn.to_k",
-            "attn.to_out.0",
-            "attn.to_q",
-            "attn.to_v",
-        ]),
+        // train_dreambooth_lora_flux.py:1257-1270; the budget counts the same list.
+        Family::Flux => Some(&crate::denoiser::FLUX_LORA_MODULES),
+        // train_dreambooth_lora_sd3.py:1251-1260; the budget counts the same list.
+        Family::Sd3 => Some(&crate::denoiser::SD3_LORA_MODULES),
         // train_dreambooth_lora_sana.py:1045
         Family::Sana => Some(&["to_k", "to_q", "to_v"]),
         _ => None,
