@@ -1,13 +1,13 @@
 """The queries the plan-speed golden test holds (same list as crates/cli/tests/plan_speed_cli.rs)
 and the figures of a plan it compares: everything but the search's own statistics (time taken,
 timelines simulated) and the device profile's serialisation."""
+# No ditmem-cpu query: that budget follows the host CPU (threads, gemm ISA, L1/L2, bf16 kernel).
 QUERIES = [
     "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime pytorch:cuda",
     "--preset dit-xl-2 --batch 128 --gpu h100-sxm --ema on",
     "--preset dit-b-2 --batch 64 --gpu t4",
     "--preset dit-l-2 --resolution 512 --batch 16 --gpu rtx-4090 --allow 8bit",
     "--preset dit-xl-2 --resolution 512 --batch 64 --ranks 4 --gpu rtx-3090 --allow all",
-    "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime ditmem-cpu",
     "--preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant",
     "--preset sd3.5-medium --ranks 8 --gpu h100-sxm --allow all",
 ]

@@ -1,5 +1,5 @@
 //! Issue 19, hostile input: no file destroyed, no memory blow-up, one line and the documented
-//! exit code (README, "Exit codes"). Each test reproduces one finding of the issue.
+//! exit code (docs/spec.md, "Bad input and exit codes"). Each test reproduces one finding of the issue.
 //!
 //! Nothing here touches a real /dev file: FIFOs and symbolic links are made in temp folders, and
 //! every run of the binary has a deadline (a FIFO opened by mistake would block forever).

@@ -11,13 +11,14 @@ mod common;
 
 use common::ditmem_env;
 
-const QUERIES: [&str; 8] = [
+// No `--runtime ditmem-cpu` query: that budget follows the host CPU (threads, the gemm's ISA and
+// L1/L2 sizes, the bf16 kernel), so a reference written on one machine would fail on another.
+const QUERIES: [&str; 7] = [
     "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime pytorch:cuda",
     "--preset dit-xl-2 --batch 128 --gpu h100-sxm --ema on",
     "--preset dit-b-2 --batch 64 --gpu t4",
     "--preset dit-l-2 --resolution 512 --batch 16 --gpu rtx-4090 --allow 8bit",
     "--preset dit-xl-2 --resolution 512 --batch 64 --ranks 4 --gpu rtx-3090 --allow all",
-    "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime ditmem-cpu",
     "--preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant",
     "--preset sd3.5-medium --ranks 8 --gpu h100-sxm --allow all",
 ];
