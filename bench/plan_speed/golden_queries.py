@@ -1,4 +1,4 @@
-"""The queries the plan-speed golden test holds (same list as crates/cli/tests/plan_speed_cli.rs)
+"""The queries the plan-speed golden test holds (plan_speed_cli.rs reads them as golden.json's keys)
 and the figures of a plan it compares: everything but the search's own statistics (time taken,
 timelines simulated) and the device profile's serialisation."""
 # No ditmem-cpu query: that budget follows the host CPU (threads, gemm ISA, L1/L2, bf16 kernel).

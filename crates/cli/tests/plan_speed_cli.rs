@@ -3,7 +3,7 @@
 //! chosen plan, its peak, breakdown, time, changes, reason, the Pareto front, the alternatives and
 //! the base's figures — all but the search's own statistics (`search_ms`, `evaluated`) and the
 //! profile's serialisation. The reference is `data/plan_speed/golden.json`, written by
-//! `bench/plan_speed/golden.py BINARY` (its query list, `golden_queries.py`, is this one). A
+//! `bench/plan_speed/golden.py BINARY` (its keys are the queries, listed once in `golden_queries.py`). A
 //! deliberate change of the model's figures regenerates it from the new binary, saying why.
 //! No timing is asserted (`bench/plan_speed/` measures them).
 
@@ -11,26 +11,30 @@ mod common;
 
 use common::ditmem_env;
 
-// No `--runtime ditmem-cpu` query: that budget follows the host CPU (threads, the gemm's ISA and
-// L1/L2 sizes, the bf16 kernel), so a reference written on one machine would fail on another.
-const QUERIES: [&str; 7] = [
-    "--preset dit-xl-2 --resolution 512 --batch 32 --budget 24GiB --runtime pytorch:cuda",
-    "--preset dit-xl-2 --batch 128 --gpu h100-sxm --ema on",
-    "--preset dit-b-2 --batch 64 --gpu t4",
-    "--preset dit-l-2 --resolution 512 --batch 16 --gpu rtx-4090 --allow 8bit",
-    "--preset dit-xl-2 --resolution 512 --batch 64 --ranks 4 --gpu rtx-3090 --allow all",
-    "--preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant",
-    "--preset sd3.5-medium --ranks 8 --gpu h100-sxm --allow all",
-];
+/// The reference: each query (as its flags) and the plan's figures. The queries are its keys, so
+/// the list lives once, in `bench/plan_speed/golden_queries.py` (no `--runtime ditmem-cpu` query:
+/// that budget follows the host CPU — threads, the gemm's ISA and L1/L2 sizes, the bf16 kernel —
+/// so a reference written on one machine would fail on another).
+fn golden() -> serde_json::Map<String, serde_json::Value> {
+    match serde_json::from_str(include_str!("data/plan_speed/golden.json")) {
+        Ok(serde_json::Value::Object(map)) => map,
+        other => panic!("golden.json is not an object of plans: {other:?}"),
+    }
+}
+
+/// The queries of the reference, in its (sorted) order; the DiTs on one card come first.
+fn queries() -> Vec<String> {
+    let q: Vec<String> = golden().keys().cloned().collect();
+    assert!(q.len() >= 7, "golden.json holds {} queries", q.len());
+    q
+}
 
 const DROP: [&str; 3] = ["search_ms", "evaluated", "profile"];
 
 /// Each query's `plan --json` under `env`, less the dropped keys, compared with golden.json;
 /// the queries whose figures differ.
-fn differing(env: &[(&str, &str)], queries: &[&str]) -> Vec<String> {
-    let golden: serde_json::Value =
-        serde_json::from_str(include_str!("data/plan_speed/golden.json"))
-            .expect("golden.json parses");
+fn differing(env: &[(&str, &str)], queries: &[String]) -> Vec<String> {
+    let golden = golden();
     let mut differ = Vec::new();
     for q in queries {
         let mut args = vec!["plan", "--json", "--time-limit", "600"];
@@ -43,7 +47,7 @@ fn differing(env: &[(&str, &str)], queries: &[&str]) -> Vec<String> {
             obj.remove(k);
         }
         obj.insert("exit".into(), code.into());
-        let want = &golden[*q];
+        let want = &golden[q.as_str()];
         assert!(want.is_object(), "{q}: not in golden.json");
         // Keys added to the plan's JSON after the reference was written (e.g. `launcher`) are
         // not part of the search it pins.
@@ -64,7 +68,7 @@ fn differing(env: &[(&str, &str)], queries: &[&str]) -> Vec<String> {
 
 #[test]
 fn plans_equal_the_reference_search() {
-    let differ = differing(&[], &QUERIES);
+    let differ = differing(&[], &queries());
     assert!(
         differ.is_empty(),
         "plans differ from the reference:\n{}",
@@ -76,7 +80,7 @@ fn plans_equal_the_reference_search() {
 #[test]
 fn plans_do_not_depend_on_the_replay_threads() {
     for threads in ["1", "4"] {
-        let differ = differing(&[("DITMEM_PLAN_THREADS", threads)], &QUERIES[..4]);
+        let differ = differing(&[("DITMEM_PLAN_THREADS", threads)], &queries()[..4]);
         assert!(
             differ.is_empty(),
             "with {threads} thread(s) plans differ from the reference:\n{}",
