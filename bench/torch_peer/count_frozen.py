@@ -97,8 +97,10 @@ def main():
         out["SD VAE encoder"] = count(sd.encoder) + count(sd.quant_conv)
         v16 = AutoencoderKL(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, **kl)
         out["SD3/Flux VAE encoder"] = count(v16.encoder)
+        out["SD3/Flux VAE decoder"] = count(v16.decoder)
         dc = dcae_sana()
         out["DC-AE f32c32 encoder"] = count(dc.encoder)
+        out["DC-AE f32c32 decoder"] = count(dc.decoder)
         wan = AutoencoderKLWan()
         out["Wan-VAE encoder"] = count(wan.encoder) + count(wan.quant_conv)
     if "--json" in sys.argv:

@@ -39,9 +39,15 @@ pub fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
 ///   .add_(eps)` holds the square root and the quotient of one parameter at once: twice the
 ///   largest tensor;
 /// - fused (`_fused_adamw_`): none;
-/// - SGD without momentum updates in place.
-///
-/// 8-bit AdamW keeps the foreach figure of its state until its own rules land.
+/// - SGD without momentum updates in place;
+/// - bitsandbytes' 8-bit AdamW (`bnb.optim.AdamW8bit`, what `--use_8bit_adam` builds) updates
+///   one parameter at a time, in place: `Optimizer8bit.step` loops over the parameters and
+///   `update_step` calls `F.optimizer_update_8bit_blockwise(grad, p, state1, state2, qmap1,
+///   qmap2, absmax1, absmax2, …)` (or `optimizer_update_32bit` for tensors under
+///   `min_8bit_size`), a kernel that writes `p` and the state where they are; `p.data =
+///   p.data.contiguous()` and `p.grad = p.grad.contiguous()` copy nothing for contiguous
+///   tensors (bitsandbytes 0.50.1 `optim/optimizer.py` `Optimizer8bit.step`,
+///   `Optimizer2State.update_step`): no scratch.
 pub fn optimizer_scratch(
     trained_elems: u64,
     largest: u64,
@@ -51,10 +57,8 @@ pub fn optimizer_scratch(
 ) -> u64 {
     let sd = precision.optimizer_dtype().size();
     match (optimizer, imp) {
-        (Optimizer::Sgd, _) => 0,
-        (Optimizer::AdamW8bit, _) | (Optimizer::AdamW, OptimizerImpl::Foreach) => {
-            trained_elems * sd
-        }
+        (Optimizer::Sgd, _) | (Optimizer::AdamW8bit, _) => 0,
+        (Optimizer::AdamW, OptimizerImpl::Foreach) => trained_elems * sd,
         (Optimizer::AdamW, OptimizerImpl::ForLoop) => 2 * largest * sd,
         (Optimizer::AdamW, OptimizerImpl::Fused) => 0,
     }

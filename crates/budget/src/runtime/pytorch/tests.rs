@@ -187,6 +187,10 @@ fn adamw_scratch_follows_the_implementation() {
     assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, ForLoop), 2 * 300 * 4);
     assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, Fused), 0);
     assert_eq!(sc(Precision::Fp32, Optimizer::Sgd, Foreach), 0);
+    // bitsandbytes' 8-bit AdamW: one in-place kernel per parameter, whatever torch's default.
+    for i in [Foreach, ForLoop, Fused] {
+        assert_eq!(sc(Precision::Fp16Mixed, Optimizer::AdamW8bit, i), 0);
+    }
     let mut s = spec(
         Precision::Fp32,
         AttentionMode::MemoryEfficient,
@@ -230,6 +234,19 @@ fn adamw_scratch_follows_the_implementation() {
         cpu.timeline.events[0].live.optimizer_state,
         cpu.static_bytes.optimizer_state + 4 * tensors
     );
+    // 8-bit AdamW on CUDA: inside the step only the model states are live (no scratch).
+    let mut bnb = cuda.clone();
+    bnb.recipe.optimizer = Optimizer::AdamW8bit;
+    let b = estimate(&bnb).unwrap();
+    let inside = b
+        .timeline
+        .events
+        .iter()
+        .find(|e| e.label == "adamw-8bit (inside)")
+        .unwrap();
+    assert_eq!(inside.live.workspace, 0);
+    assert_eq!(inside.live.gradients, b.static_bytes.gradients);
+    assert_eq!(inside.live.optimizer_state, b.static_bytes.optimizer_state);
 }
 
 #[test]

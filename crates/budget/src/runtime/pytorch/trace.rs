@@ -531,7 +531,8 @@ fn step(
                     seq.free(b);
                 }
             }
-            (Optimizer::AdamW, OptimizerImpl::Fused) => {}
+            // In place, one parameter at a time (`step::optimizer_scratch`).
+            (Optimizer::AdamW, OptimizerImpl::Fused) | (Optimizer::AdamW8bit, _) => {}
             _ => {
                 let ids: Vec<u64> = opt.iter().map(|&n| seq.alloc(n * sd)).collect();
                 for id in ids {
