@@ -84,13 +84,29 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
         };
         let frames = u64::from(w.frames.max(1));
         let pixels = u64::from(w.height) * u64::from(w.width);
+        let sana = matches!(
+            fm.as_ref().map(|m| m.family),
+            Some(crate::families::Family::Sana)
+        );
+        // train_dreambooth_lora_sana.py:1389-1393 moves the whole AutoencoderDC (its decoder
+        // too) to the device to encode, and with --offload (how the export realises offloaded
+        // text encoders, :629-631) back to the CPU after each encode.
+        let sana_offload = sana && r.text_encoders == TextEncoders::Offloaded;
+        let (name, params) = if sana_offload {
+            (
+                "DC-AE f32c32 encoder + decoder (moved in to encode: --offload)".to_string(),
+                vae.params + DCAE_DECODER_PARAMS,
+            )
+        } else {
+            (vae.name.to_string(), vae.params)
+        };
         out.push(EncoderRun {
-            name: vae.name.to_string(),
+            name,
             class: vae.class,
-            params: vae.params,
+            params,
             dtype,
-            weight_bytes: vae.params * dtype.size(),
-            resident: true,
+            weight_bytes: params * dtype.size(),
+            resident: !sana_offload,
             forward_bytes: vae.encode_bytes(b, frames, pixels, dtype.size()),
             // The images, in the VAE's dtype (3 channels).
             input_bytes: b * frames * 3 * pixels * dtype.size(),
@@ -112,6 +128,23 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
                 params: VAE16_DECODER_PARAMS,
                 dtype,
                 weight_bytes: VAE16_DECODER_PARAMS * dtype.size(),
+                resident: true,
+                forward_bytes: 0,
+                input_bytes: 0,
+                flops: 0.0,
+                conv: true,
+            });
+        }
+        // Sana's AutoencoderDC stays whole on the device between encodes unless --offload
+        // (train_dreambooth_lora_sana.py:1389-1393: `vae = vae.to(accelerator.device)`, fp32 from
+        // :1017); the step never runs its decoder.
+        if sana && !sana_offload {
+            out.push(EncoderRun {
+                name: "DC-AE f32c32 decoder (resident, not run)".to_string(),
+                class: "diffusers.AutoencoderDC",
+                params: DCAE_DECODER_PARAMS,
+                dtype,
+                weight_bytes: DCAE_DECODER_PARAMS * dtype.size(),
                 resident: true,
                 forward_bytes: 0,
                 input_bytes: 0,
@@ -151,6 +184,11 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
 /// counts 34,274,208, [`VAE16_ENCODER_PARAMS`]).
 pub const VAE16_DECODER_PARAMS: u64 = 49_545_475;
 
+/// The decoder of Sana's DC-AE f32c32 (`AutoencoderDC` with the `dc-ae-f32c32-sana-1.0`
+/// config): counted with diffusers 0.42.1 by `bench/torch_peer/count_frozen.py` (`dc.decoder`;
+/// the encoder counts 153,027,104, [`frozen::DCAE_ENCODER_PARAMS`]).
+pub const DCAE_DECODER_PARAMS: u64 = 159_223_171;
+
 /// Bytes of the encoders resident on the device for the whole step.
 pub fn resident_bytes(runs: &[EncoderRun]) -> u64 {
     runs.iter()
@@ -183,5 +221,49 @@ fn original_dit_vae(spec: &Spec) -> VaeEncoder {
             peak_elems_per_pixel: frozen::SD_VAE_PEAK_ELEMS_PER_PIXEL,
             chunked_frames: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::Precision;
+
+    fn sana(text_encoders: TextEncoders, latents: Latents) -> Spec {
+        let map =
+            serde_json::from_str(crate::families::preset_config("sana-1600m").unwrap()).unwrap();
+        let mut s = crate::denoiser::with_family(Spec::default_xl(), "sana-1600m", map).unwrap();
+        s.recipe.precision = Precision::Bf16Mixed;
+        s.recipe.text_encoders = text_encoders;
+        s.recipe.latents = latents;
+        s
+    }
+
+    #[test]
+    fn sanas_dcae_decoder_stays_on_the_device_unless_offloaded() {
+        // Encoding every step, Gemma-2 online: the whole AutoencoderDC in fp32, its decoder
+        // resident beside the encoder.
+        let runs = encoder_runs(&sana(TextEncoders::Online, Latents::Encode));
+        let dec = runs.iter().find(|e| e.name.contains("decoder")).unwrap();
+        assert_eq!(dec.weight_bytes, 159_223_171 * 4);
+        assert!(dec.resident && dec.forward_bytes == 0);
+        assert_eq!(
+            resident_bytes(&runs),
+            (frozen::DCAE_ENCODER_PARAMS + DCAE_DECODER_PARAMS) * 4 + frozen::GEMMA2_2B_PARAMS * 2
+        );
+        // --offload: the VAE comes in whole to encode and goes back to the CPU.
+        let runs = encoder_runs(&sana(TextEncoders::Offloaded, Latents::Encode));
+        assert_eq!(runs.iter().filter(|e| e.conv).count(), 1);
+        let vae = &runs[0];
+        assert!(!vae.resident);
+        assert_eq!(
+            vae.weight_bytes,
+            (153_027_104 + 159_223_171) * 4,
+            "encoder and decoder while encoding"
+        );
+        assert_eq!(resident_bytes(&runs), 0);
+        // Cached latents: no VAE in the step.
+        let runs = encoder_runs(&sana(TextEncoders::Online, Latents::Cached));
+        assert!(runs.iter().all(|e| !e.conv));
     }
 }

@@ -136,6 +136,18 @@ pub fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
     }
 }
 
+/// The SD3 scripts' validation (`--validation_prompt`, not in the export): at the end of epoch 0
+/// they reload the three text encoders, cast them to `weight_dtype` and build a
+/// `StableDiffusion3Pipeline` around them, which `log_validation` moves to the device;
+/// `log_validation`'s `del pipeline` drops its own name and `del text_encoder_one, …` the
+/// script's, but `main()`'s `pipeline` still holds the pipeline, so from epoch 1 on CLIP-L,
+/// CLIP-G and T5-XXL stay on the device (10.4 GiB in fp16) through every training step.
+pub const SD3_VALIDATION_KEEPS_ENCODERS: &str =
+    "with --validation_prompt (not in this export) the validation pipeline built at the end of \
+     epoch 0 stays referenced by main()'s `pipeline` (log_validation's `del pipeline` drops its \
+     own name only), so from epoch 1 on the three text encoders stay on the device in \
+     weight_dtype, not run: plan such a run with --text-encoders online to count them";
+
 /// The behaviours of `script` the plan models (what stays resident, what the flags allow).
 pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     let b = |what, source| Behaviour { what, source };
@@ -180,6 +192,10 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
                 "with one --instance_prompt the text encoders are freed after encoding it once",
                 "train_dreambooth_lora_sd3.py:1559-1563",
             ));
+            out.push(b(
+                SD3_VALIDATION_KEEPS_ENCODERS,
+                "train_dreambooth_lora_sd3.py:1903-1933,199,224",
+            ));
         }
         "train_dreambooth_flux.py" => {
             out.push(b(
@@ -199,6 +215,10 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
             out.push(b(
                 "with one --instance_prompt the text encoders are freed after encoding it once",
                 "train_dreambooth_sd3.py:1398-1402",
+            ));
+            out.push(b(
+                SD3_VALIDATION_KEEPS_ENCODERS,
+                "train_dreambooth_sd3.py:1716-1747,175,200",
             ));
         }
         _ => {}
@@ -405,6 +425,51 @@ mod tests {
         let mut s = flux_lora();
         s.recipe.recompute = Recompute::All;
         assert!(script(Pinned::default()).realise(&s).is_ok());
+    }
+
+    fn preset(name: &str) -> Spec {
+        let map = serde_json::from_str(crate::families::preset_config(name).unwrap()).unwrap();
+        crate::denoiser::with_family(Spec::default_xl(), name, map).unwrap()
+    }
+
+    #[test]
+    fn the_sd3_scripts_say_their_validation_keeps_the_text_encoders() {
+        let has = |f, lora| {
+            behaviours(&script_for(f, lora).unwrap())
+                .iter()
+                .any(|b| b.what == SD3_VALIDATION_KEEPS_ENCODERS)
+        };
+        assert!(has(Family::Sd3, false) && has(Family::Sd3, true));
+        // train_dreambooth_flux.py:1802 `del pipeline`s in main(): nothing stays.
+        assert!(!has(Family::Flux, false));
+    }
+
+    #[test]
+    fn sanas_default_lora_layers_train_three_projections_of_both_attentions() {
+        let mut s = preset("sana-600m");
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 4,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        let launch = Launch {
+            launcher: Launcher::Diffusers,
+            family: Family::Sana,
+            pinned: Pinned::default(),
+        };
+        let r = launch.realise(&s).unwrap();
+        let m = &r.recipe.lora.as_ref().unwrap().modules;
+        assert_eq!(m, &["to_k", "to_q", "to_v"]);
+        // peft's LoRA on a Linear(d, d): A (r × d) and B (d × r). `to_k`, `to_q`, `to_v` match
+        // in attn1 (self) and attn2 (cross, whose keys and values read the caption projected
+        // to d): 6 adapters per block.
+        let (d, depth, rank) = (u64::from(r.model.hidden), u64::from(r.model.depth), 4);
+        let trained: u64 = crate::denoiser::param_table(&r)
+            .iter()
+            .filter(|t| t.role == crate::params::ParamRole::Trained)
+            .map(|t| t.numel())
+            .sum();
+        assert_eq!(trained, depth * 6 * 2 * rank * d);
     }
 
     #[test]
