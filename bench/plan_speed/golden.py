@@ -5,7 +5,8 @@ held to the same answers. usage: golden.py BINARY (the binary whose answers are 
 the committed file came from the base commit 95ad019's release binary, its search before the
 speed-up; the FLUX.1-dev row was rewritten on 2026-12-06 by the merged binary after an intended
 change of the model — the Flux scripts' resident VAE decoder and fp32 VAE, issue 46 — so that row
-pins the merged search, not 95ad019's)."""
+pins the merged search, not 95ad019's; rewritten again the same day after bitsandbytes' 8-bit
+AdamW lost its invented state-sized scratch (h-sd3case): the same plan, its 8-bit points lower)."""
 import json
 import subprocess
 import sys

@@ -180,6 +180,11 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
                  only), on the device unless --offload moves it back to the CPU after encoding",
                 "train_dreambooth_lora_sana.py:1031-1037,1222,1229-1230,1250",
             ));
+            out.push(b(
+                "the whole AutoencoderDC (fp32) is moved to the device to encode and stays there \
+                 unless --offload: its decoder, never run in the step, is counted resident",
+                "train_dreambooth_lora_sana.py:1017,1389-1393",
+            ));
         }
         "train_dreambooth_lora_sd3.py" => {
             out.push(b(
