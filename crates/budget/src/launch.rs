@@ -478,6 +478,37 @@ mod tests {
     }
 
     #[test]
+    fn the_sd3_lora_script_caches_latents_only_in_fp32() {
+        let mut s = preset("sd3-medium");
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            rank: 8,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        s.recipe.latents = Latents::Cached;
+        let sd3 = |pinned| Launch {
+            launcher: Launcher::Diffusers,
+            family: Family::Sd3,
+            pinned,
+        };
+        for p in [Precision::Bf16Mixed, Precision::Fp16Mixed] {
+            s.recipe.precision = p;
+            // The images in weight_dtype meet the fp32 VAE: the VAE encodes in the step.
+            let r = sd3(Pinned::default()).realise(&s).unwrap();
+            assert_eq!(r.recipe.latents, Latents::Encode);
+            let pinned = Pinned {
+                latents: true,
+                ..Pinned::default()
+            };
+            let e = sd3(pinned).realise(&s).unwrap_err();
+            assert!(e.contains("1237,1596"), "{e}");
+        }
+        s.recipe.precision = Precision::Fp32;
+        let r = sd3(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.recipe.latents, Latents::Cached);
+    }
+
+    #[test]
     fn the_full_flux_script_encodes_latents_every_step() {
         let mut s = flux_lora();
         s.recipe.lora = None;
