@@ -21,7 +21,8 @@ use crate::error::SpecError;
 use crate::export::{script_for, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
 use crate::families::Family;
 use crate::spec::{
-    AttentionMode, BaseQuant, Latents, Optimizer, Precision, Recompute, Spec, TextEncoders,
+    AttentionMode, BaseQuant, Latents, LoraDtype, Optimizer, Precision, Recompute, Spec,
+    TextEncoders,
 };
 
 /// Who launches the plan: a diffusers example script (directly, or through the accelerate /
@@ -206,8 +207,8 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     if script.lora {
         out.push(b(
             "the LoRA adapters are upcast to fp32 only under fp16; under bf16 they, their \
-             gradients and AdamW's state stay bf16 (not yet modelled: the plan counts fp32 \
-             adapters, a few bytes per adapter parameter more than the run holds)",
+             gradients and AdamW's state stay bf16 (the plan counts them so: lora.dtype = \
+             weight)",
             match script.file_name() {
                 "train_dreambooth_lora_flux.py" => "train_dreambooth_lora_flux.py:1379-1384",
                 "train_dreambooth_lora_sd3.py" => "train_dreambooth_lora_sd3.py:1408-1413",
@@ -339,6 +340,15 @@ impl Launch {
             r.text_encoders = ok[0];
         }
         if let Some(l) = &mut r.lora {
+            // `cast_training_params(transformer, dtype=torch.float32)` runs only under
+            // `if args.mixed_precision == "fp16"` (train_dreambooth_lora_flux.py:1379-1384,
+            // train_dreambooth_lora_sd3.py:1408-1413, train_dreambooth_lora_sana.py:1132-1135):
+            // under bf16 the adapters stay in weight_dtype.
+            l.dtype = if r.precision == Precision::Bf16Mixed {
+                LoraDtype::Weight
+            } else {
+                LoraDtype::Fp32
+            };
             if l.modules.is_empty() && s.model.diffusers.is_some() {
                 if let Some(m) = default_lora_layers(self.family) {
                     l.modules = m.iter().map(|x| x.to_string()).collect();
@@ -363,6 +373,7 @@ mod tests {
             serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
         let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
         s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
             rank: 16,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
