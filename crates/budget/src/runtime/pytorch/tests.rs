@@ -434,8 +434,23 @@ fn flash_scratch_follows_the_specs_threads() {
 /// fp32 → 4n + 4n + 8n.
 #[test]
 fn lora_adapter_dtype_sets_weights_grads_and_state() {
-    use crate::runtime::pytorch::families::flux::tests::tiny;
     use crate::spec::LoraDtype;
+    // A tiny family spec as `bench/torch_peer/specs/families_lora/` writes them.
+    let tiny = |config: &str, text: &str, precision: &str, lora: &str| {
+        let json = format!(
+            r#"{{"model": {{"name": "tiny", "depth": 1, "hidden": 64, "heads": 4, "patch": 2,
+                 "diffusers": {config}}},
+               "workload": {{"height": 128, "width": 128, "vae_factor": 8, "batch": 4,
+                 "microbatch": 4, "accumulation": 1, "ranks": 1, "text_tokens": {text}}},
+               "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+                 "attention": "memory-efficient", "recompute": "none", "lora": {lora},
+                 "zero_stage": 0, "latents": "cached"}},
+               "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).expect("tiny spec");
+        crate::denoiser::resolve(&mut s).expect("resolves");
+        s
+    };
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
         "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
         "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 64,
