@@ -207,8 +207,8 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     if script.lora {
         out.push(b(
             "the LoRA adapters are upcast to fp32 only under fp16; under bf16 they, their \
-             gradients and AdamW's state stay bf16 (the plan counts them so: lora.dtype = \
-             weight)",
+             gradients and AdamW's state stay bf16 (the plan counts them so on one rank: \
+             lora.dtype = weight; over several ranks it counts fp32 adapters)",
             match script.file_name() {
                 "train_dreambooth_lora_flux.py" => "train_dreambooth_lora_flux.py:1379-1384",
                 "train_dreambooth_lora_sd3.py" => "train_dreambooth_lora_sd3.py:1408-1413",
@@ -343,8 +343,9 @@ impl Launch {
             // `cast_training_params(transformer, dtype=torch.float32)` runs only under
             // `if args.mixed_precision == "fp16"` (train_dreambooth_lora_flux.py:1379-1384,
             // train_dreambooth_lora_sd3.py:1408-1413, train_dreambooth_lora_sana.py:1132-1135):
-            // under bf16 the adapters stay in weight_dtype.
-            l.dtype = if r.precision == Precision::Bf16Mixed {
+            // under bf16 the adapters stay in weight_dtype. Over several ranks the sharding rules
+            // count fp32 adapters (a few bytes per adapter parameter more than the run holds).
+            l.dtype = if r.precision == Precision::Bf16Mixed && s.workload.ranks == 1 {
                 LoraDtype::Weight
             } else {
                 LoraDtype::Fp32
