@@ -420,6 +420,21 @@ mod tests {
     }
 
     #[test]
+    fn the_lora_scripts_keep_bf16_adapters_under_bf16_only() {
+        let dtype = |p: Precision, ranks: u32| {
+            let mut s = flux_lora();
+            s.recipe.precision = p;
+            s.workload.ranks = ranks;
+            let r = script(Pinned::default()).realise(&s).unwrap();
+            r.recipe.lora.unwrap().dtype
+        };
+        assert_eq!(dtype(Precision::Bf16Mixed, 1), LoraDtype::Weight);
+        assert_eq!(dtype(Precision::Fp16Mixed, 1), LoraDtype::Fp32);
+        assert_eq!(dtype(Precision::Fp32, 1), LoraDtype::Fp32);
+        assert_eq!(dtype(Precision::Bf16Mixed, 2), LoraDtype::Fp32);
+    }
+
+    #[test]
     fn the_full_flux_script_encodes_latents_every_step() {
         let mut s = flux_lora();
         s.recipe.lora = None;
