@@ -206,7 +206,8 @@ LORA_SPEC_DIR = os.path.join(HERE, "specs", "families_lora")
 
 def lora_grid():
     """Issue 49's LoRA grid: every family × fp32 / bf16-mixed × checkpointing none / all, ranks
-    4, 8, 16 and the default / feed-forward targets spread over the rows (tiny configs as grid())."""
+    4, 8, 16 and the default / feed-forward targets spread over the rows (tiny configs as grid());
+    then per family two bf16-mixed rows with the adapters in bf16 (`lora.dtype = "weight"`)."""
     cfgs = {
         "dit": (dit_cfg(16), 128, 4, None, 1),
         "pixart": (pixart_cfg(16), 128, 4, [120], 1),
@@ -225,6 +226,15 @@ def lora_grid():
             n, spec = make(name, fam, cfg, res, batch, prec, rc, impl, tt, frames=frames, lora=rank)
             if ff:
                 spec["recipe"]["lora"]["modules"] = FF_TARGETS[fam]
+            s.append((n, spec))
+        # Adapters kept in bf16 (lora.dtype "weight": the diffusers scripts under bf16).
+        for rc, rank, ff in (("none", 8, True), ("all", 4, False)):
+            name = f"{fam}-bf16-lora{rank}{'ff' if ff else ''}w-{rc}"
+            impl = "foreach" if rc == "all" else "for-loop"
+            n, spec = make(name, fam, cfg, res, batch, "bf16-mixed", rc, impl, tt, frames=frames, lora=rank)
+            if ff:
+                spec["recipe"]["lora"]["modules"] = FF_TARGETS[fam]
+            spec["recipe"]["lora"]["dtype"] = "weight"
             s.append((n, spec))
     return s
 

@@ -140,6 +140,11 @@ class FamilySpec:
                 mods = [t for t in (lora.get("targets") or []) if t not in DIT_LORA_TARGETS]
             self.lora = {"rank": int(lora["rank"]), "targets": mods or list(SCRIPT_LORA_MODULES.get(self.family, DEFAULT_LORA_MODULES))}
             self.lora["alpha"] = int(lora.get("alpha", self.lora["rank"]))
+            # ditmem's LoraDtype: "fp32" (cast_training_params to fp32) or "weight" (the
+            # adapters stay in weight_dtype, as the diffusers LoRA scripts keep them under bf16).
+            self.lora["dtype"] = lora.get("dtype", "fp32")
+            if self.lora["dtype"] not in ("fp32", "weight"):
+                raise SpecUnsupported(f"lora.dtype '{self.lora['dtype']}' (fp32, weight)")
         ema = r.get("ema") or {}  # ditmem's EmaSpec default: enabled, f32, 0.9999
         self.ema = bool(ema.get("enabled", True))
         self.ema_dtype = ema.get("dtype", "f32")
@@ -205,7 +210,8 @@ def load_spec(path: str) -> FamilySpec:
 
 def prepare_model(fs: FamilySpec, device):
     """Model as the scripts set it up: fp32 from_config; LoRA: base frozen and cast to
-    weight_dtype, gradient checkpointing, add_adapter, trainable (LoRA) params cast to fp32."""
+    weight_dtype, gradient checkpointing, add_adapter, trainable (LoRA) params cast to fp32
+    (lora.dtype "fp32") or left in weight_dtype ("weight")."""
     model = build_model(fs.cfg)
     model.to(device=device, dtype=torch.float32).train()
     if fs.lora:
@@ -234,7 +240,10 @@ def prepare_model(fs: FamilySpec, device):
         model._lora_dtypes_before_cast = sorted(
             {str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad}
         )
-        cast_training_params(model, dtype=torch.float32)
+        # The scripts: `if args.mixed_precision == "fp16": cast_training_params(...)`; ditmem's
+        # lora.dtype says which (PEFT has already put the adapters in the base's dtype).
+        if fs.lora["dtype"] == "fp32":
+            cast_training_params(model, dtype=torch.float32)
     return model
 
 

@@ -1459,6 +1459,7 @@ mod tests {
                 let mut s = xl();
                 s.recipe.precision = p;
                 s.recipe.lora = lora.map(|rank| crate::spec::LoraSpec {
+                    dtype: Default::default(),
                     rank,
                     targets: crate::spec::default_lora_targets(),
                     modules: Vec::new(),
@@ -1519,6 +1520,7 @@ mod tests {
         // The plan's times price fp32 matmuls at the TF32 rate when `recipe.tf32` is on.
         let mut s = xl();
         s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
             rank: 8,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
@@ -1540,6 +1542,7 @@ mod tests {
     fn flux_lora_command_names_its_script_and_flags() {
         let mut s = xl();
         s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
             rank: 8,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
@@ -1640,6 +1643,7 @@ mod tests {
     fn the_rendered_command_is_its_argv() {
         let mut s = zero(3);
         s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
             rank: 4,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),

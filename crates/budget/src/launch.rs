@@ -21,7 +21,8 @@ use crate::error::SpecError;
 use crate::export::{script_for, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
 use crate::families::Family;
 use crate::spec::{
-    AttentionMode, BaseQuant, Latents, Optimizer, Precision, Recompute, Spec, TextEncoders,
+    AttentionMode, BaseQuant, Latents, LoraDtype, Optimizer, Precision, Recompute, Spec,
+    TextEncoders,
 };
 
 /// Who launches the plan: a diffusers example script (directly, or through the accelerate /
@@ -231,8 +232,8 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     if script.lora {
         out.push(b(
             "the LoRA adapters are upcast to fp32 only under fp16; under bf16 they, their \
-             gradients and AdamW's state stay bf16 (not yet modelled: the plan counts fp32 \
-             adapters, a few bytes per adapter parameter more than the run holds)",
+             gradients and AdamW's state stay bf16 (the plan counts them so on one rank: \
+             lora.dtype = weight; over several ranks it counts fp32 adapters)",
             match script.file_name() {
                 "train_dreambooth_lora_flux.py" => "train_dreambooth_lora_flux.py:1379-1384",
                 "train_dreambooth_lora_sd3.py" => "train_dreambooth_lora_sd3.py:1408-1413",
@@ -364,6 +365,16 @@ impl Launch {
             r.text_encoders = ok[0];
         }
         if let Some(l) = &mut r.lora {
+            // `cast_training_params(transformer, dtype=torch.float32)` runs only under
+            // `if args.mixed_precision == "fp16"` (train_dreambooth_lora_flux.py:1379-1384,
+            // train_dreambooth_lora_sd3.py:1408-1413, train_dreambooth_lora_sana.py:1132-1135):
+            // under bf16 the adapters stay in weight_dtype. Over several ranks the sharding rules
+            // count fp32 adapters (a few bytes per adapter parameter more than the run holds).
+            l.dtype = if r.precision == Precision::Bf16Mixed && s.workload.ranks == 1 {
+                LoraDtype::Weight
+            } else {
+                LoraDtype::Fp32
+            };
             if l.modules.is_empty() && s.model.diffusers.is_some() {
                 if let Some(m) = default_lora_layers(self.family) {
                     l.modules = m.iter().map(|x| x.to_string()).collect();
@@ -388,6 +399,7 @@ mod tests {
             serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
         let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
         s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
             rank: 16,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
@@ -506,6 +518,21 @@ mod tests {
         s.recipe.precision = Precision::Fp32;
         let r = sd3(Pinned::default()).realise(&s).unwrap();
         assert_eq!(r.recipe.latents, Latents::Cached);
+    }
+
+    #[test]
+    fn the_lora_scripts_keep_bf16_adapters_under_bf16_only() {
+        let dtype = |p: Precision, ranks: u32| {
+            let mut s = flux_lora();
+            s.recipe.precision = p;
+            s.workload.ranks = ranks;
+            let r = script(Pinned::default()).realise(&s).unwrap();
+            r.recipe.lora.unwrap().dtype
+        };
+        assert_eq!(dtype(Precision::Bf16Mixed, 1), LoraDtype::Weight);
+        assert_eq!(dtype(Precision::Fp16Mixed, 1), LoraDtype::Fp32);
+        assert_eq!(dtype(Precision::Fp32, 1), LoraDtype::Fp32);
+        assert_eq!(dtype(Precision::Bf16Mixed, 2), LoraDtype::Fp32);
     }
 
     #[test]

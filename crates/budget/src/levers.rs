@@ -426,6 +426,7 @@ pub fn rank_levers(
         if opts.allow.lora {
             let mut s = base.clone();
             s.recipe.lora = Some(LoraSpec {
+                dtype: Default::default(),
                 rank: PLAN_LORA_RANK,
                 targets: crate::spec::default_lora_targets(),
                 modules: Vec::new(),

@@ -64,11 +64,12 @@ pub use sharding::{
 };
 pub use spec::{
     default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
-    EmaSpec, GemmIsa, Latents, LoraSpec, LoraTarget, ModelSpec, Optimizer, OptimizerImpl,
-    Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec, TextEncoders, TokenGrid,
-    TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS, MAX_DEPTH, MAX_FRAMES,
-    MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO, MAX_NUM_CLASSES, MAX_PATCH,
-    MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS, MAX_VAE_FACTOR,
+    EmaSpec, GemmIsa, Latents, LoraDtype, LoraSpec, LoraTarget, ModelSpec, Optimizer,
+    OptimizerImpl, Precision, Prediction, Recipe, Recompute, Runtime, SdpaBackend, Spec,
+    TextEncoders, TokenGrid, TorchDevice, Workload, LIMITS, MAX_ACCUMULATION, MAX_CHANNELS,
+    MAX_DEPTH, MAX_FRAMES, MAX_FREQ_EMBED, MAX_HIDDEN, MAX_MICROBATCH, MAX_MLP_RATIO,
+    MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS,
+    MAX_VAE_FACTOR,
 };
 pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
 pub use units::{fmt_bytes, parse_bytes};

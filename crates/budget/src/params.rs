@@ -370,6 +370,15 @@ pub(crate) fn stored_bytes(
     t.numel() * stored_dtype(t, precision, lora).size()
 }
 
+/// [`stored_bytes`] under a recipe: a trained tensor in [`crate::spec::Recipe::trained_dtype`]
+/// (LoRA adapters kept in the weight dtype are not fp32).
+pub(crate) fn stored_bytes_in(t: &ParamTensor, r: &crate::spec::Recipe) -> u64 {
+    if t.role == ParamRole::Trained && !t.buffer {
+        return t.numel() * r.trained_dtype().size();
+    }
+    stored_bytes(t, r.precision, r.lora.is_some(), r.base_quant)
+}
+
 /// Bytes to store `n` numbers in `dtype` (the seed's lab: 1,744 → 13,952 B f64).
 pub const fn bytes_of(n: u64, dtype: Dtype) -> u64 {
     n * dtype.size()
@@ -435,6 +444,7 @@ mod tests {
     fn lora_freezes_base_and_trains_adapters() {
         let mut s = spec("dit-s-2", 256);
         s.recipe.lora = Some(LoraSpec {
+            dtype: Default::default(),
             rank: 8,
             targets: vec![LoraTarget::Qkv],
             modules: Vec::new(),

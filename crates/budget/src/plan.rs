@@ -1400,6 +1400,7 @@ fn combinations(ev: &mut Evaluator<'_, '_>, base: &Spec, limits: &Limits) -> Vec
             vec![
                 None,
                 Some(LoraSpec {
+                    dtype: Default::default(),
                     rank: PLAN_LORA_RANK.min(base.model.hidden),
                     targets: crate::spec::default_lora_targets(),
                     modules: Vec::new(),
@@ -1956,6 +1957,7 @@ mod tests {
                                     s.recipe.precision = precision;
                                     s.recipe.attention = attention;
                                     s.recipe.lora = lora.map(|rank| LoraSpec {
+                                        dtype: Default::default(),
                                         rank,
                                         targets: crate::spec::default_lora_targets(),
                                         modules: Vec::new(),

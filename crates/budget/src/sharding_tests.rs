@@ -5,8 +5,9 @@ use super::*;
 use crate::denoiser::param_table;
 use crate::estimate::estimate;
 use crate::events::Phase;
+use crate::precision_rules::optimizer_state_bytes;
 use crate::spec::Recompute;
-use crate::timeline::{optimizer_state_bytes, static_bytes};
+use crate::timeline::static_bytes;
 
 /// DiT-XL/2 (the original) at 256² on the CUDA runtime over `ranks`, batch 4 per rank.
 fn xl(ranks: u32) -> Spec {

@@ -117,7 +117,7 @@ impl Timeline {
 
 // Two rules of the precision policy that files below the timeline read too (the sharding
 // rules, the frozen encoders) live in `precision_rules.rs`; re-exported here where they were.
-pub use crate::precision_rules::{optimizer_state_bytes, ADAM8BIT_MIN_SIZE};
+pub use crate::precision_rules::ADAM8BIT_MIN_SIZE;
 
 /// The persistent bytes of the model states under the spec (per rank): on one rank as the
 /// module holds them; over several ranks as the recipe's scheme shards them
@@ -129,17 +129,26 @@ pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
     let mut s = StaticBytes::default();
     for t in table {
         let n = t.numel();
-        let dt = stored_dtype(t, p, r.lora.is_some());
+        let dt = if t.buffer {
+            stored_dtype(t, p, r.lora.is_some())
+        } else {
+            r.trained_dtype()
+        };
         match t.role {
             ParamRole::Frozen => s.weights += stored_bytes(t, p, r.lora.is_some(), r.base_quant),
             ParamRole::Trained => {
-                if p.is_mixed() {
+                if r.trained_masters() {
                     s.master_weights += n * dt.size();
                 } else {
                     s.weights += n * dt.size();
                 }
-                s.gradients += n * rt.grad_dtype(p).size();
-                s.optimizer_state += optimizer_state_bytes(n, r.optimizer, p);
+                let gd = if r.low_adapters() {
+                    r.trained_dtype()
+                } else {
+                    rt.grad_dtype(p)
+                };
+                s.gradients += n * gd.size();
+                s.optimizer_state += crate::precision_rules::trained_state_bytes(n, r);
                 if r.ema.enabled {
                     s.ema += crate::sharding::ema_bytes(spec, t);
                     s.ema_scratch = s.ema_scratch.max(rt.ema_scratch(n, r.ema.dtype));
@@ -300,6 +309,7 @@ mod tests {
             }
             let mut s = base.clone();
             s.recipe.lora = Some(LoraSpec {
+                dtype: Default::default(),
                 rank: 4,
                 targets: crate::spec::default_lora_targets(),
                 modules: Vec::new(),

@@ -376,6 +376,7 @@ fn spec_near_caps_without_cpu() -> impl Strategy<Value = Spec> {
                 s.recipe.recompute = recompute.parse().unwrap();
                 if lora {
                     s.recipe.lora = Some(ditmem_budget::LoraSpec {
+                        dtype: Default::default(),
                         rank: 4.min(s.model.hidden),
                         targets: ditmem_budget::default_lora_targets(),
                         modules: Vec::new(),

@@ -91,6 +91,10 @@ pub struct SpecArgs {
     /// as PEFT's target_modules for a diffusers model (default to_k,to_q,to_v,to_out.0).
     #[arg(long)]
     pub lora_targets: Option<String>,
+    /// The dtype LoRA adapters are kept in: fp32 (default: cast_training_params) or weight (the
+    /// frozen base's, as the diffusers LoRA scripts keep them under --mixed_precision bf16).
+    #[arg(long)]
+    pub lora_dtype: Option<String>,
     /// ZeRO stage 0–3 over the ranks.
     #[arg(long, value_parser = crate::flags::zero_stage, allow_hyphen_values = true)]
     pub zero: Option<u8>,
@@ -528,6 +532,7 @@ impl SpecArgs {
                     .map(|l| l.targets.clone())
                     .unwrap_or_else(ditmem_budget::default_lora_targets);
                 r.lora = Some(LoraSpec {
+                    dtype: r.lora.as_ref().map(|l| l.dtype).unwrap_or_default(),
                     rank,
                     targets,
                     modules: Vec::new(),
@@ -543,6 +548,18 @@ impl SpecArgs {
                     return Err(SpecError::invalid(
                         "recipe.lora.targets",
                         "given without --lora-rank; allowed: targets together with a LoRA rank",
+                    ))
+                }
+            }
+        }
+        if let Some(d) = &self.lora_dtype {
+            let d = d.parse::<ditmem_budget::LoraDtype>()?;
+            match &mut r.lora {
+                Some(l) => l.dtype = d,
+                None => {
+                    return Err(SpecError::invalid(
+                        "recipe.lora.dtype",
+                        "given without --lora-rank; allowed: an adapter dtype together with a LoRA rank",
                     ))
                 }
             }
@@ -698,12 +715,25 @@ impl SpecArgs {
     fn fill_cpu(&self, spec: &mut Spec) -> Result<(), SpecError> {
         let flags =
             self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();
+        let torch_cpu = spec.runtime.to_string().starts_with("pytorch:cpu");
+        if torch_cpu && self.bf16_products.is_none() && self.gemm_l2.is_none() {
+            // pytorch:cpu reads only the threads (torch.get_num_threads(): per-thread scratch);
+            // without the flag, the spec's section or the reference's 2.
+            if let Some(t) = self.cpu_threads {
+                let mut cpu = spec.cpu.unwrap_or(ditmem_budget::CpuSpec::REFERENCE);
+                cpu.threads = t;
+                spec.cpu = Some(cpu);
+            } else if self.runtime.is_some() && spec.cpu.is_some() {
+                spec.cpu = None;
+            }
+            return Ok(());
+        }
         if spec.runtime != Runtime::DitmemCpu {
             if flags {
                 return Err(SpecError::invalid(
                     "cpu",
                     format!(
-                        "--cpu-threads, --bf16-products and --gemm-l2 describe the ditmem-cpu engine's CPU, but the runtime is {}; allowed: these flags only with --runtime ditmem-cpu",
+                        "--cpu-threads, --bf16-products and --gemm-l2 describe the ditmem-cpu engine's CPU, but the runtime is {}; allowed: these flags only with --runtime ditmem-cpu (--cpu-threads also with pytorch:cpu)",
                         spec.runtime
                     ),
                 ));

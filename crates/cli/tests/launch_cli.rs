@@ -99,6 +99,11 @@ fn recipe_of_command(preset: &str, gpu: &str, cmd: &Value) -> Vec<String> {
         if let Some(l) = value(&args, "--lora_layers") {
             push("--lora-targets", l);
         }
+        // The adapters stay in weight_dtype unless --mixed_precision fp16 (cast_training_params);
+        // the budget models that on one rank.
+        if mp == "bf16" && ranks == 1 {
+            push("--lora-dtype", "weight".into());
+        }
     }
     // What the scripts do with the text encoders (train_dreambooth_lora_flux.py keeps them and
     // re-encodes every step; train_dreambooth_lora_sana.py keeps Gemma unless --offload; the

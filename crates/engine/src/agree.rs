@@ -326,6 +326,7 @@ fn one_sample_blocks(g: &mut GridBuilder, blocks: &[u32]) {
 
 fn lora(rank: u32, modules: &[&str]) -> Option<LoraSpec> {
     Some(LoraSpec {
+        dtype: Default::default(),
         rank,
         targets: ditmem_budget::default_lora_targets(),
         modules: modules.iter().map(|m| m.to_string()).collect(),
@@ -397,6 +398,7 @@ pub fn grid() -> Vec<(String, Spec)> {
         })
         .vary("LoRA rank 4 on all, bf16-mixed, recompute all", |s| {
             s.recipe.lora = Some(LoraSpec {
+                dtype: Default::default(),
                 rank: 4,
                 targets: ditmem_budget::LoraTarget::ALL.to_vec(),
                 modules: Vec::new(),
@@ -682,6 +684,7 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
 pub fn lora_specs(family: &str, base: &Spec) -> Vec<(String, Spec)> {
     use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
     let lora = |rank: u32, modules: &[&str]| LoraSpec {
+        dtype: Default::default(),
         rank,
         targets: ditmem_budget::default_lora_targets(),
         modules: modules.iter().map(|m| m.to_string()).collect(),

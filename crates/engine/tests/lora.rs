@@ -41,6 +41,7 @@ fn bases() -> Vec<(&'static str, Spec)> {
 fn with_lora(s: &Spec, rank: u32, modules: &[&str]) -> Spec {
     let mut s = s.clone();
     s.recipe.lora = Some(LoraSpec {
+        dtype: Default::default(),
         rank,
         targets: ditmem_budget::default_lora_targets(),
         modules: modules.iter().map(|m| m.to_string()).collect(),

@@ -63,6 +63,7 @@ fn names_follow_the_pytorch_reference() {
 fn lora_adds_adapters_and_freezes_the_base() {
     let mut s = preset("dit-s-2");
     s.recipe.lora = Some(LoraSpec {
+        dtype: Default::default(),
         rank: 8,
         targets: ditmem_budget::default_lora_targets(),
         modules: Vec::new(),

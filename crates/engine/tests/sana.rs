@@ -29,6 +29,7 @@ fn sana_lora_trains_the_adapters_only() {
     let mut s = spec();
     s.recipe.precision = Precision::Bf16Mixed;
     s.recipe.lora = Some(ditmem_budget::LoraSpec {
+        dtype: Default::default(),
         rank: 4,
         targets: ditmem_budget::default_lora_targets(),
         modules: Vec::new(),

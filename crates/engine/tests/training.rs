@@ -179,6 +179,7 @@ fn fp32_gradients_agree_with_fp64_reference() {
 fn lora_trains_only_the_adapters() {
     let mut s = tiny(Precision::Bf16Mixed);
     s.recipe.lora = Some(LoraSpec {
+        dtype: Default::default(),
         rank: 4,
         targets: ditmem_budget::default_lora_targets(),
         modules: Vec::new(),

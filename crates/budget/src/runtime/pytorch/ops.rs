@@ -30,10 +30,13 @@ pub fn save(g: &mut Segment, t: Tid) {
 }
 
 /// LoRA on some linears: rank and the PEFT `target_modules` names.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct LoraOn {
     pub rank: u64,
     pub modules: Vec<String>,
+    /// The adapters' dtype ([`crate::spec::Recipe::trained_dtype`]): fp32, or the weight dtype
+    /// under `lora.dtype = "weight"` (then autocast's casts and PEFT's input cast are no-ops).
+    pub dtype: Dtype,
 }
 
 /// The geometry of one attention call: q (b, heads, sq, dh), k and v (b, heads, skv, dh).
@@ -65,6 +68,9 @@ pub struct Builder<'a> {
     pub attention: AttentionMode,
     /// LoRA on a diffusers model's linears (the original DiT's rules take none).
     pub lora: Option<LoraOn>,
+    /// Threads of PyTorch's intra-op pool (`torch.get_num_threads()`): the CPU flash attention
+    /// allocates a scratch per thread ([`cpu_flash_scratch`]). The spec's `cpu.threads`.
+    pub threads: u64,
     pub g: Segment,
 }
 
@@ -80,6 +86,7 @@ impl<'a> Builder<'a> {
             precision,
             attention,
             lora: None,
+            threads: u64::from(crate::spec::CpuSpec::REFERENCE.threads),
             g: Segment::new(name),
         }
     }
@@ -92,6 +99,11 @@ impl<'a> Builder<'a> {
     /// Dtype the trained parameters are stored in.
     pub fn param_dtype(&self) -> Dtype {
         self.precision.param_dtype()
+    }
+
+    /// Dtype of the LoRA adapters (the parameter dtype without LoRA).
+    fn adapter_dtype(&self) -> Dtype {
+        self.lora.as_ref().map_or(self.param_dtype(), |l| l.dtype)
     }
 
     /// Dtype of matmul / conv / SDPA outputs.
@@ -213,7 +225,7 @@ impl<'a> Builder<'a> {
         inp: u64,
         r: u64,
     ) -> Tid {
-        let pd = self.param_dtype();
+        let pd = self.adapter_dtype();
         let low = self.low();
         let a = self
             .g
@@ -316,8 +328,13 @@ impl<'a> Builder<'a> {
         let low = self.low();
         let o = self.g.op("sdpa out", &[q, k, v], at.q_elems(), low);
         save(&mut self.g, o);
-        // CPU flash keeps per-thread blocks of scores; CUDA kernels tile in SRAM.
-        self.g.annotate(o, lse_rows * 4, 0, 0);
+        // CPU flash allocates per-thread blocks of scores for the call; CUDA kernels tile in SRAM.
+        let (fwd, bwd) = if self.rt.device == TorchDevice::Cpu && backend == SdpaBackend::Flash {
+            cpu_flash_scratch(self.threads, at, low)
+        } else {
+            (0, 0)
+        };
+        self.g.annotate(o, lse_rows * 4, fwd, bwd);
         self.g.view("attn out (b, s, D) view", o, at.q_elems())
     }
 
@@ -466,7 +483,7 @@ impl<'a> Builder<'a> {
         inp: u64,
         r: u64,
     ) -> Tid {
-        let pd = self.param_dtype();
+        let pd = self.adapter_dtype();
         let low = self.low();
         let rx = self.rg(x);
         let x32 = self.g.cast(&format!("{name} x.to(lora dtype)"), x, pd);
@@ -631,7 +648,7 @@ impl Builder<'_> {
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
-        let pd = self.param_dtype();
+        let pd = self.adapter_dtype();
         let xa0 = if self.autocast() {
             self.g.cast(&format!("{name} lora input →{pd}"), x, pd)
         } else {
@@ -751,6 +768,47 @@ impl Builder<'_> {
         }
         o
     }
+}
+
+/// Bytes PyTorch's CPU flash attention (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`,
+/// torch 2.15) allocates for one call beyond its outputs, (forward, backward), with `threads`
+/// intra-op threads and inputs in `dt`. Both kernels block q by `qSplitSize` = 32, 64 or 256
+/// rows (q length below 192, below 768, else; at most the q length) and k/v by `kvSplitSize` =
+/// min(512, kv length), and allocate per-thread buffers up front with `at::empty({num_thread,
+/// size_per_thread})` in the accumulation type (fp32 for bf16/fp16) plus, for a reduced type, a
+/// second one in the input dtype (an fp32 input makes it empty):
+/// - `cpu_flash_attention` (forward): `qk` qSplit·kvSplit + `qk_max` and `qk_sum` qSplit each +
+///   `dst` qSplit·headSize in fp32; `qk_reduced` qSplit·kvSplit in the reduced type (the
+///   oneDNN-packed path, fp16 only, pads these and adds packed copies of k and v: not modelled);
+/// - `cpu_flash_attention_backward`: `attn` + `grad_attn`, 2·qSplit·kvSplit in fp32, the same
+///   again in the reduced type, and inside `at::parallel_for` a `dsum` of qSplit fp32 per thread
+///   that runs (min(threads, b·heads) with grain 1).
+///
+/// Measured (torch 2.15 CPU, 2 threads; `bench/torch_peer/family_trace.py` on the SD3 LoRA bf16
+/// spec, q = kv = 218 joint tokens, qSplit 64): 223,232 + 111,616 B in the backward, as here.
+pub fn cpu_flash_scratch(threads: u64, at: Attn, dt: Dtype) -> (u64, u64) {
+    if at.sq == 0 || at.skv == 0 {
+        return (0, 0);
+    }
+    let threads = threads.max(1);
+    let q_split = match at.sq {
+        s if s >= 768 => 256,
+        s if s >= 192 => 64,
+        _ => 32,
+    }
+    .min(at.sq);
+    let kv_split = at.skv.min(512);
+    let acc = Dtype::F32.size();
+    let reduced = if matches!(dt, Dtype::Bf16 | Dtype::F16) {
+        dt.size()
+    } else {
+        0
+    };
+    let block = q_split * kv_split;
+    let fwd = threads * (block + 2 * q_split + q_split * at.dh) * acc + threads * block * reduced;
+    let workers = threads.min((at.b * at.heads).max(1));
+    let bwd = threads * 2 * block * acc + threads * 2 * block * reduced + workers * q_split * acc;
+    (fwd, bwd)
 }
 
 /// Bytes of oneDNN's bf16 matmul scratchpad for (m × k) · (k × n) on the peer's CPU: see
@@ -883,7 +941,7 @@ impl Builder<'_> {
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
-        let pd = self.param_dtype();
+        let pd = self.adapter_dtype();
         let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
         let xc = self.cast_low(&format!("{name}.lora_A input"), xa0);
         let low = self.low();
@@ -978,7 +1036,7 @@ impl Builder<'_> {
             _ => return self.linear_opt(name, x, rows, out, inp, bias),
         };
         let y = self.frozen_base(name, x, rows, out, inp, bias);
-        let pd = self.param_dtype();
+        let pd = self.adapter_dtype();
         let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
         let xl = self.cast_low(&format!("{name}.lora_A input"), xa0);
         self.lora_with_held_input(name, xa0, x, xl, y, rows, out, inp, r)

@@ -12,7 +12,9 @@ pub use crate::runtime::pytorch::ops::{CACHED, SAVED};
 
 impl PyTorch {
     fn builder<'a>(&'a self, dims: &Shape, name: &str) -> Builder<'a> {
-        Builder::new(self, dims.precision, dims.attention, name)
+        let mut bl = Builder::new(self, dims.precision, dims.attention, name);
+        bl.threads = u64::from(dims.cpu.threads);
+        bl
     }
 }
 

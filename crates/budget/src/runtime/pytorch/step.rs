@@ -10,7 +10,7 @@ use crate::runtime::pytorch::families::of_spec as stages;
 use crate::runtime::pytorch::sharding::{block_gathers, GatherWalk};
 use crate::runtime::pytorch::stages::StageCost;
 use crate::sharding::{rank_states, RankStates, Scheme};
-use crate::spec::{Optimizer, OptimizerImpl, Precision, Spec, TorchDevice};
+use crate::spec::{Dtype, Optimizer, OptimizerImpl, Spec, TorchDevice};
 
 /// The implementation of `torch.optim.AdamW` a spec runs: its own, else the device's default.
 pub fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
@@ -48,14 +48,16 @@ pub fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
 ///   p.data.contiguous()` and `p.grad = p.grad.contiguous()` copy nothing for contiguous
 ///   tensors (bitsandbytes 0.50.1 `optim/optimizer.py` `Optimizer8bit.step`,
 ///   `Optimizer2State.update_step`): no scratch.
+///
+/// `state`: the dtype of AdamW's state ([`crate::spec::Recipe::state_dtype`]).
 pub fn optimizer_scratch(
     trained_elems: u64,
     largest: u64,
-    precision: Precision,
+    state: Dtype,
     optimizer: Optimizer,
     imp: OptimizerImpl,
 ) -> u64 {
-    let sd = precision.optimizer_dtype().size();
+    let sd = state.size();
     match (optimizer, imp) {
         (Optimizer::Sgd, _) | (Optimizer::AdamW8bit, _) => 0,
         (Optimizer::AdamW, OptimizerImpl::Foreach) => trained_elems * sd,
@@ -370,7 +372,8 @@ pub fn replay(
     // Optimizer step, EMA, zero_grad.
     if !trained.is_empty() {
         let mut at = live;
-        at.workspace += optimizer_scratch(trained_elems, largest, p, r.optimizer, imp);
+        at.workspace +=
+            optimizer_scratch(trained_elems, largest, r.state_dtype(), r.optimizer, imp);
         // DeepSpeed's fp32 gradient partition, made for the update.
         at.workspace += rs.as_ref().map_or(0, |rs| rs.step_grads);
         ev.push(

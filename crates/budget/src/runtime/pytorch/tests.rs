@@ -179,7 +179,7 @@ fn checkpointed_blocks_keep_only_their_input() {
 #[test]
 fn adamw_scratch_follows_the_implementation() {
     use crate::spec::OptimizerImpl::{ForLoop, Foreach, Fused};
-    let sc = |p, o, i| optimizer_scratch(1000, 300, p, o, i);
+    let sc = |p: Precision, o, i| optimizer_scratch(1000, 300, p.optimizer_dtype(), o, i);
     // foreach: `_foreach_sqrt(exp_avg_sqs)`, one fp32 state copy of every parameter at once.
     assert_eq!(sc(Precision::Fp32, Optimizer::AdamW, Foreach), 4000);
     assert_eq!(sc(Precision::Bf16Mixed, Optimizer::AdamW, Foreach), 4000);
@@ -340,4 +340,171 @@ fn saved_marker_names_what_backward_reads() {
     assert!(saved.iter().any(|n| n.starts_with("sdpa out")));
     assert!(saved.iter().any(|n| n.starts_with("mlp.fc1")));
     assert!(!saved.iter().any(|n| n.starts_with("x + attn")) || saved.len() > 5);
+}
+
+/// PyTorch's CPU flash attention scratch (`FlashAttentionKernel.cpp`), from the source's
+/// formula: per thread, qSplit·kvSplit fp32 scores (+ row max, row sum, a qSplit × headSize
+/// accumulator) in the forward, `attn` + `grad_attn` in the backward, each again in the reduced
+/// dtype for bf16, and a qSplit fp32 `dsum` per running thread.
+#[test]
+fn cpu_flash_scratch_follows_the_kernel_source() {
+    use crate::runtime::pytorch::ops::{cpu_flash_scratch, Attn};
+    use crate::spec::Dtype;
+    // The SD3 LoRA spec's joint attention: b 4, 4 heads, 64 + 154 tokens, head 16, 2 threads;
+    // q ≥ 192 → qSplit 64, kvSplit 218. The profiler's backward buffers: 223,232 B (fp32) and
+    // 111,616 B (bf16), plus two dsum rows of 64 fp32.
+    let at = Attn {
+        b: 4,
+        heads: 4,
+        sq: 218,
+        skv: 218,
+        dh: 16,
+    };
+    let (fwd, bwd) = cpu_flash_scratch(2, at, Dtype::Bf16);
+    assert_eq!(bwd, 223_232 + 111_616 + 2 * 64 * 4);
+    assert_eq!(
+        fwd,
+        2 * (64 * 218 + 2 * 64 + 64 * 16) * 4 + 2 * 64 * 218 * 2
+    );
+    // fp32 inputs: no reduced buffers.
+    let (f32_fwd, f32_bwd) = cpu_flash_scratch(2, at, Dtype::F32);
+    assert_eq!(f32_bwd, 223_232 + 2 * 64 * 4);
+    assert_eq!(f32_fwd, 2 * (64 * 218 + 2 * 64 + 64 * 16) * 4);
+    // Per thread: 16 threads hold 8 times the buffers (dsum: one per running thread, 16 heads).
+    let (_, b16) = cpu_flash_scratch(16, at, Dtype::F32);
+    assert_eq!(b16, 8 * 223_232 + 16 * 64 * 4);
+    // The q blocking switches at 192 and 768 rows; kv blocks are at most 512 keys; a q shorter
+    // than its block is one block.
+    let q = |sq: u64| Attn {
+        sq,
+        skv: 1024,
+        ..at
+    };
+    assert_eq!(
+        cpu_flash_scratch(1, q(191), Dtype::F32).1,
+        (2 * 32 * 512 + 32) * 4
+    );
+    assert_eq!(
+        cpu_flash_scratch(1, q(192), Dtype::F32).1,
+        (2 * 64 * 512 + 64) * 4
+    );
+    assert_eq!(
+        cpu_flash_scratch(1, q(768), Dtype::F32).1,
+        (2 * 256 * 512 + 256) * 4
+    );
+    assert_eq!(
+        cpu_flash_scratch(1, q(20), Dtype::F32).1,
+        (2 * 20 * 512 + 20) * 4
+    );
+}
+
+/// The spec's `cpu.threads` reaches the flash attention op of a `pytorch:cpu` block (2, the
+/// reference, without a `cpu` section); a `cpu` section on `pytorch:cuda` is refused.
+#[test]
+fn flash_scratch_follows_the_specs_threads() {
+    use crate::runtime::pytorch::ops::cpu_flash_scratch;
+    use crate::spec::{CpuSpec, Dtype};
+    let mut s = spec(
+        Precision::Bf16Mixed,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    let sdpa = |s: &Spec| {
+        let g = for_spec(s).block(&Shape::new(s));
+        let op = g
+            .ops
+            .iter()
+            .find(|o| o.name == "sdpa out")
+            .expect("fused sdpa");
+        (op.fwd_scratch, op.bwd_scratch)
+    };
+    // dit-s-2 at 128²: 64 tokens, 6 heads of 64, b 4.
+    let at = crate::runtime::pytorch::ops::Attn {
+        b: 4,
+        heads: 6,
+        sq: 64,
+        skv: 64,
+        dh: 64,
+    };
+    assert_eq!(sdpa(&s), cpu_flash_scratch(2, at, Dtype::Bf16));
+    s.cpu = Some(CpuSpec {
+        threads: 32,
+        ..CpuSpec::REFERENCE
+    });
+    s.validate()
+        .expect("a cpu section is allowed with pytorch:cpu");
+    assert_eq!(sdpa(&s), cpu_flash_scratch(32, at, Dtype::Bf16));
+    assert!(sdpa(&s).1 > cpu_flash_scratch(2, at, Dtype::Bf16).1);
+    let mut c = spec(
+        Precision::Bf16Mixed,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cuda,
+    );
+    assert_eq!(sdpa(&c), (0, 0));
+    c.cpu = Some(CpuSpec::REFERENCE);
+    assert!(c.validate().is_err(), "a cpu section on pytorch:cuda");
+}
+
+/// `lora.dtype = "weight"` under bf16-mixed: the adapters, their gradients and AdamW's state in
+/// bf16 and no fp32 master copy (the diffusers LoRA scripts under `--mixed_precision bf16`);
+/// `fp32`: fp32 masters, fp32 gradients, fp32 state. n trained elements: weight → 2n + 2n + 4n,
+/// fp32 → 4n + 4n + 8n.
+#[test]
+fn lora_adapter_dtype_sets_weights_grads_and_state() {
+    use crate::spec::LoraDtype;
+    // A tiny family spec as `bench/torch_peer/specs/families_lora/` writes them.
+    let tiny = |config: &str, text: &str, precision: &str, lora: &str| {
+        let json = format!(
+            r#"{{"model": {{"name": "tiny", "depth": 1, "hidden": 64, "heads": 4, "patch": 2,
+                 "diffusers": {config}}},
+               "workload": {{"height": 128, "width": 128, "vae_factor": 8, "batch": 4,
+                 "microbatch": 4, "accumulation": 1, "ranks": 1, "text_tokens": {text}}},
+               "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+                 "attention": "memory-efficient", "recompute": "none", "lora": {lora},
+                 "zero_stage": 0, "latents": "cached"}},
+               "runtime": "pytorch:cpu"}}"#
+        );
+        let mut s = Spec::from_json(&json).expect("tiny spec");
+        crate::denoiser::resolve(&mut s).expect("resolves");
+        s
+    };
+    const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
+        "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 64,
+        "pooled_projection_dim": 80, "out_channels": 16, "pos_embed_max_size": 24}"#;
+    let lora = r#"{"rank": 4, "modules": ["to_q", "to_k", "to_v", "to_out.0"]}"#;
+    let fp32 = tiny(SD3, "[77, 77]", "bf16-mixed", lora);
+    let mut weight = fp32.clone();
+    weight.recipe.lora.as_mut().unwrap().dtype = LoraDtype::Weight;
+    weight.validate().expect("weight adapters under bf16-mixed");
+    let a = estimate(&fp32).unwrap();
+    let b = estimate(&weight).unwrap();
+    let n = a.params.trained;
+    // SD3 tiny, rank 4 on to_q/k/v/out.0 of both blocks (64 wide): 8 modules × 4·(64 + 64).
+    assert_eq!(n, 2 * 4 * 4 * (64 + 64));
+    let (sa, sb) = (a.static_bytes, b.static_bytes);
+    assert_eq!(sa.master_weights, 4 * n);
+    assert_eq!(sb.master_weights, 0);
+    assert_eq!(sb.weights - sa.weights, 2 * n);
+    assert_eq!(sa.gradients, 4 * n);
+    assert_eq!(sb.gradients, 2 * n);
+    assert_eq!(sa.optimizer_state, 8 * n);
+    assert_eq!(sb.optimizer_state, 4 * n);
+    assert!(b.peak_bytes < a.peak_bytes);
+    // Under fp32 the two are one recipe.
+    let mut f = tiny(SD3, "[77, 77]", "fp32", lora);
+    let fa = estimate(&f).unwrap().peak_bytes;
+    f.recipe.lora.as_mut().unwrap().dtype = LoraDtype::Weight;
+    assert_eq!(estimate(&f).unwrap().peak_bytes, fa);
+    // Refused by name where nothing runs it.
+    for (p, rt) in [
+        (Precision::Fp16Mixed, "pytorch:cpu"),
+        (Precision::Bf16Mixed, "ditmem-cpu"),
+    ] {
+        let mut s = weight.clone();
+        s.recipe.precision = p;
+        s.runtime = rt.parse().unwrap();
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("recipe.lora.dtype"), "{e}");
+    }
 }

@@ -15,7 +15,8 @@
 //!
 //! Ids are global: every instance of a segment gets its own range.
 
-use crate::params::{stored_bytes, ParamRole, ParamTensor};
+use crate::params::{stored_bytes_in, ParamRole, ParamTensor};
+use crate::precision_rules::trained_state_bytes;
 use crate::runtime::pytorch::allocator::{simulate_traced, Ev, SegTrace};
 use crate::runtime::pytorch::caching_allocator::AllocEvent;
 use crate::runtime::pytorch::device::for_spec;
@@ -27,7 +28,6 @@ use crate::runtime::pytorch::step::{
 };
 use crate::sharding::{RankStates, Scheme};
 use crate::spec::{Optimizer, OptimizerImpl, Spec};
-use crate::timeline::optimizer_state_bytes;
 
 /// The sequence being written, with a fresh id range per segment instance.
 struct Seq {
@@ -137,8 +137,6 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         next: 1,
     };
     let r = &spec.recipe;
-    let p = r.precision;
-    let lora = r.lora.is_some();
     // The model on the device, then the EMA copies.
     let trained: Vec<&ParamTensor> = table
         .iter()
@@ -166,7 +164,7 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
         }
         None => {
             for t in table {
-                seq.alloc(stored_bytes(t, p, lora, r.base_quant));
+                seq.alloc(stored_bytes_in(t, r));
             }
         }
     }
@@ -197,11 +195,7 @@ pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent
 /// starts where these end.
 pub fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
     let r = &spec.recipe;
-    let lora = r.lora.is_some();
-    let weights = table
-        .iter()
-        .filter(|t| stored_bytes(t, r.precision, lora, r.base_quant) > 0)
-        .count();
+    let weights = table.iter().filter(|t| stored_bytes_in(t, r) > 0).count();
     let ema = if r.ema.enabled {
         table
             .iter()
@@ -506,7 +500,7 @@ fn step(
             }
             None => {
                 for t in trained {
-                    let b = optimizer_state_bytes(t.numel(), r.optimizer, r.precision) / 2;
+                    let b = trained_state_bytes(t.numel(), r) / 2;
                     if step_bytes > 0 {
                         state.push(seq.alloc(step_bytes));
                     }
@@ -521,7 +515,7 @@ fn step(
     }
     let step_grads = seq.alloc(sh.rs.as_ref().map_or(0, |rs| rs.step_grads));
     if !sgd {
-        let sd = r.precision.optimizer_dtype().size();
+        let sd = r.state_dtype().size();
         match (r.optimizer, optimizer_impl(spec)) {
             (Optimizer::AdamW, OptimizerImpl::ForLoop) => {
                 for &n in &opt {
@@ -723,19 +717,18 @@ mod tests {
 
     /// Bytes the model state holds between steps: weights, EMA, optimizer state.
     fn state_bytes(s: &Spec, table: &[ParamTensor]) -> u64 {
-        let lora = s.recipe.lora.is_some();
         let trained = table
             .iter()
             .filter(|t| t.role == ParamRole::Trained)
             .count() as u64;
         let mut total = step_tensors(s, trained);
         for t in table {
-            total += stored_bytes(t, s.recipe.precision, lora, s.recipe.base_quant);
+            total += stored_bytes_in(t, &s.recipe);
             if t.role == ParamRole::Trained {
                 if s.recipe.ema.enabled {
                     total += t.numel() * s.recipe.ema.dtype.size();
                 }
-                total += optimizer_state_bytes(t.numel(), s.recipe.optimizer, s.recipe.precision);
+                total += trained_state_bytes(t.numel(), &s.recipe);
             }
         }
         total

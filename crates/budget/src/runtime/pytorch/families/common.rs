@@ -34,6 +34,7 @@ impl<'a> Fam<'a> {
         let lora = spec.recipe.lora.as_ref().map(|l| LoraOn {
             rank: u64::from(l.rank),
             modules: denoiser::lora_modules(spec),
+            dtype: spec.recipe.trained_dtype(),
         });
         Fam {
             rt,
@@ -58,6 +59,7 @@ impl<'a> Fam<'a> {
             name,
         );
         bl.lora = self.lora.clone();
+        bl.threads = u64::from(self.spec.cpu().threads);
         bl
     }
 }

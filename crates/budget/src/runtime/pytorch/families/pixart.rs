@@ -473,6 +473,7 @@ pub(super) mod tests {
         s.recipe.precision = precision;
         s.recipe.ema.enabled = false;
         s.recipe.lora = lora.map(|rank| LoraSpec {
+            dtype: Default::default(),
             rank,
             targets: Vec::new(),
             modules: Vec::new(),

@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""oneDNN's bf16 matmul scratchpad on the CPU, as the profiler sees it: for each (m, k, n),
+`F.linear` of an (m × k) bf16 input with an (n × k) weight and a bias, once to warm up, then once
+under `torch.profiler(profile_memory=True)`; prints the positive `[memory]` events in order (the
+output, then the scratchpad that `aten::addmm` allocates and frees inside the call).
+
+    bench/torch_peer/.venv/bin/python bench/torch_peer/gemm_scratch_probe.py [--threads 2]
+
+Compared with `crates/budget/src/runtime/pytorch/ops.rs` `cpu_gemm_scratch` by hand (see
+`runs/2026-12-06-epyc-lora-grid-v2/README.md`).
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+SHAPES = [(616, 256, 64), (256, 256, 64), (513, 256, 64), (1024, 256, 64), (1100, 64, 64),
+          (2000, 64, 64), (616, 64, 128), (300, 64, 128), (600, 64, 256)]
+
+
+def allocations(m, k, n):
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16)
+    torch.nn.functional.linear(a, w, b)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        torch.nn.functional.linear(a, w, b)
+    ev = sorted(p.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    return [e.nbytes() for e in ev if e.name() == "[memory]" and e.nbytes() > 0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for m, k, n in SHAPES:
+        print(m, k, n, allocations(m, k, n))
+
+
+if __name__ == "__main__":
+    main()
