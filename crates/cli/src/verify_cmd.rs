@@ -95,10 +95,37 @@ struct VerifyJson<'a> {
     reference_source: String,
     /// The predicted peak of this run and its parts (bytes), and the reference file's size.
     memory: &'a MemoryPlan,
+    /// What the run held at most, measured: to hold `memory.peak` against.
+    measured: Measured,
     conditions: Conditions,
     elapsed_s: f64,
     #[serde(flatten)]
     report: &'a Report,
+}
+
+/// The process's own peaks at the end of the run.
+#[derive(Debug, Serialize)]
+struct Measured {
+    /// Highest live heap bytes of the whole process (the counting allocator), the figure
+    /// `memory.peak` predicts.
+    heap_peak_bytes: u64,
+    /// The kernel's peak resident set (`VmHWM` of /proc/self/status): the heap's pages
+    /// touched, the binary and the threads' stacks; None where it cannot be read.
+    max_rss_bytes: Option<u64>,
+}
+
+/// `VmHWM` of /proc/self/status in bytes.
+fn max_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 fn invalid(field: &str, e: impl std::fmt::Display) -> CliError {
@@ -232,7 +259,7 @@ fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
     b
 }
 
-pub fn run(args: VerifyArgs) -> Result<(), CliError> {
+pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), CliError> {
     let started = Instant::now();
     crate::output::check_outputs(&[
         ("--save-reference", args.save_reference.as_deref()),
@@ -407,6 +434,10 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         crate::output::print_json(&VerifyJson {
             reference_source: source,
             memory: &plan,
+            measured: Measured {
+                heap_peak_bytes: alloc.peak(),
+                max_rss_bytes: max_rss(),
+            },
             conditions,
             elapsed_s: elapsed,
             report: &report,

@@ -351,6 +351,85 @@ fn two_jobs_stay_within_the_predicted_peak_in_resident_memory() {
     );
 }
 
+/// With one drift step no run of verify keeps AdamW's moments past its update (issue 51: the
+/// fp64 reference of FLUX.1 at one block needed 16.5 GiB with them, 32 B per parameter). On a
+/// preset at its real width (DiT-XL/2, one block, 30 M parameters): the counting allocator's
+/// peak stays within the prediction and within +25 % of it, the resident set within the
+/// prediction plus the binary's own, and the run holds at least 8 B per trained parameter less
+/// than the budget's steady-state fp64 step (which keeps 16 B of moments per parameter).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn one_drift_step_keeps_no_optimizer_state_at_real_width() {
+    let shape = [
+        "--preset",
+        "dit-xl-2",
+        "--depth",
+        "1",
+        "--resolution",
+        "64",
+        "--batch",
+        "1",
+    ];
+    let (code, out, err) = ditmem(
+        &[
+            &["estimate"][..],
+            &shape,
+            &["--precision", "fp64", "--runtime", "ditmem-cpu", "--json"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{err}");
+    let e: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let trained = e["params"]["trained"].as_u64().unwrap();
+    let steady = e["peak_bytes"].as_u64().unwrap();
+    assert_eq!(
+        e["static_bytes"]["optimizer_state"].as_u64(),
+        Some(16 * trained)
+    );
+    let (code, _, binary) = common::ditmem_max_rss(&["params", "--preset", "dit-s-4"]);
+    assert_eq!(code, 0);
+    let (code, out, rss) = common::ditmem_max_rss(
+        &[
+            &["verify"][..],
+            &shape,
+            &[
+                "--steps",
+                "1",
+                "--jobs",
+                "1",
+                "--variants",
+                "fp32/none/materialized",
+                "--json",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    let peak = v["memory"]["peak"].as_u64().expect("memory.peak");
+    let heap = v["measured"]["heap_peak_bytes"]
+        .as_u64()
+        .expect("measured heap");
+    eprintln!(
+        "verify: heap peak {heap} B, max RSS {rss} B, predicted {peak} B ({:+.1} %), \
+         steady-state fp64 step {steady} B, {trained} trained",
+        100.0 * (peak as f64 / heap as f64 - 1.0)
+    );
+    assert!(heap <= peak, "measured {heap} B > predicted {peak} B");
+    assert!(
+        peak as f64 <= 1.25 * heap as f64,
+        "predicted {peak} B > 1.25 × measured {heap} B"
+    );
+    assert!(
+        rss <= peak + binary,
+        "max RSS {rss} B > {peak} B + {binary} B"
+    );
+    assert!(
+        heap + 8 * trained <= steady,
+        "measured {heap} B: not 8 B/parameter below the steady-state step's {steady} B"
+    );
+}
+
 /// Two jobs with the pool's size set by the user: each worker steps on a one-thread pool of its
 /// own, so the variants' specs must follow it. They named the global pool's two threads and
 /// every variant was refused (`cpu.threads: 2 but this process's pool has 1`, exit 2) — after
