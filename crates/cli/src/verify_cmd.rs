@@ -106,9 +106,11 @@ struct VerifyJson<'a> {
 /// The process's own peaks at the end of the run.
 #[derive(Debug, Serialize)]
 struct Measured {
-    /// Highest live heap bytes of the whole process (the counting allocator), the figure
-    /// `memory.peak` predicts.
+    /// Highest live heap bytes of the whole process (the counting allocator).
     heap_peak_bytes: u64,
+    /// Live heap bytes when `verify` began (the arguments, the process's own): `memory.peak`
+    /// predicts `heap_peak_bytes − heap_before_bytes`, what the run adds.
+    heap_before_bytes: u64,
     /// The kernel's peak resident set (`VmHWM` of /proc/self/status): the heap's pages
     /// touched, the binary and the threads' stacks; None where it cannot be read.
     max_rss_bytes: Option<u64>,
@@ -261,6 +263,7 @@ fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
 
 pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), CliError> {
     let started = Instant::now();
+    let heap_before = alloc.live();
     crate::output::check_outputs(&[
         ("--save-reference", args.save_reference.as_deref()),
         ("--plot", args.plot.as_deref()),
@@ -436,6 +439,7 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
             memory: &plan,
             measured: Measured {
                 heap_peak_bytes: alloc.peak(),
+                heap_before_bytes: heap_before,
                 max_rss_bytes: max_rss(),
             },
             conditions,
