@@ -197,13 +197,40 @@ fn guard(
         );
         match crate::guard::check(&what, plan.peak, force) {
             Ok(()) => return Ok(plan),
-            // What could not run and why, and what would: the same widths with fewer blocks.
-            Err(CliError::Refused(m)) if jobs == 1 && base.model.depth > 1 => {
+            // What could not run and why, and what would: verify's own levers (its reference is
+            // fp64 without recompute whatever the recipe says, so the guard's recompute lever
+            // does not apply to it).
+            Err(CliError::Refused(m)) if jobs == 1 => {
+                let mut levers = Vec::new();
+                if opts.steps > 1 {
+                    // One drift step keeps no optimizer state (docs/verify.md, Memory).
+                    let one = VerifyOptions {
+                        steps: 1,
+                        ..opts.clone()
+                    };
+                    let p = plan_memory(base, variants, &one, 1, !stored)
+                        .map_err(|e| map_err(e, "spec"))?;
+                    levers.push(format!(
+                        "`--steps 1` ({}: no AdamW moments kept)",
+                        ditmem_budget::fmt_bytes(p.peak)
+                    ));
+                }
+                if base.model.depth > 1 {
+                    levers.push(format!(
+                        "`--depth 1` (the model's real width with one block of each kind of its \
+                         {})",
+                        base.model.depth
+                    ));
+                }
+                levers.push(
+                    "a lower `--resolution` or `--batch` (the activations; weights and \
+                     gradients, 16 B per parameter in the fp64 reference, stay)"
+                        .to_string(),
+                );
                 return Err(CliError::Refused(format!(
-                    "{m}; not one variant of {} blocks fits: `--depth 1` keeps the model's \
-                     real width with one block of each kind (docs/verify.md)",
-                    base.model.depth
-                )))
+                    "{m}; for verify: {} (docs/verify.md)",
+                    levers.join(", ")
+                )));
             }
             Err(e) if jobs == 1 => return Err(e),
             Err(_) => jobs -= 1,

@@ -176,6 +176,13 @@ fn memory_is_predicted_and_refused_before_work() {
         err.contains("predicts a peak of") && err.contains("verify"),
         "{err}"
     );
+    // With verify's own levers: one drift step (its figure), one block, a lower resolution.
+    assert!(
+        err.contains("`--steps 1` (")
+            && err.contains("`--depth 1`")
+            && err.contains("`--resolution`"),
+        "{err}"
+    );
     // A reference into a missing folder is bad input before any work.
     let (code, _, err) = ditmem(&[
         "verify",
