@@ -439,7 +439,6 @@ impl Optimizer for AdamW {
                 state: std::sync::Mutex::new(st),
             };
             p.as_tensor().inplace_op2(&g, &update)?;
-            drop(update);
             if !release {
                 self.moments.push(own);
             }
