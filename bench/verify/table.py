@@ -46,7 +46,7 @@ def main(folder):
         mem = v.get("memory", {})
         predicted = f'{mem["peak"] / 2**20:.0f} MiB' if "peak" in mem else "-"
         rows.append(
-            f'| {tag.split("-d")[0]} | {",".join(map(str, depth))} | {res} | hidden {spec["model"]["hidden"]} '
+            f'| {re.sub(r"-d[0-9,]+-r[0-9]+$", "", tag)} | {",".join(map(str, depth))} | {res} | hidden {spec["model"]["hidden"]} '
             f'| {v["passed"]} / {v["warned"]} / {v["failed"]} | {m("grad_margin"):.3f} / {m("loss_margin"):.3f} / '
             f'{m("drift_margin"):.3f} | {wall} | {rss:.0f} MiB | {predicted} | {cmp_err} |'
         )
