@@ -176,6 +176,12 @@ def pools():
                           ["0", "1", "1,2,3", "77,", ",77", "4294967296", "1048577", "1048576", "65536,65536"], []),
         "--frames": (["1", "5", "81"], ["0", "2", "4", "4294967295", "1048577", "100001"], []),
         "--base-quant": (["none", "int8", "nf4", "fp8"], ["fp4", "NF4"], []),
+        # --depth N[,S]: fewer blocks at the real width (issue 51); D,S only where a model has two
+        # kinds of block (Flux, SD3.5-medium), each count 1 to the model's blocks of that kind.
+        "--depth": (["1", "2", "1,1", "2,1", "1,2"],
+                    ["0", "0,1", "1,0", "57", "1000", "4294967296", "18446744073709551616", "1,1,1",
+                     "19,38", "20,38"],
+                    ["1,", ",1", "a", "-1", "1.5", "1;1", "1, 1", "one"]),
         "--optimizer-impl": (["for-loop", "foreach", "fused"], ["forloop", "for_loop"], []),
         # plan
         "--budget": (sizes_ok, sizes_edge, []),
@@ -211,7 +217,7 @@ SPEC_FLAGS = [
     "--attention", "--recompute", "--lora-rank", "--lora-targets", "--zero", "--sharder", "--offload",
     "--gradient-as-bucket-view", "--latents", "--paged-optimizer", "--tf32", "--text-encoders", "--ema", "--runtime",
     "--gpu", "--alloc-conf", "--cpu-threads", "--bf16-products", "--gemm-l2", "--text-tokens", "--frames",
-    "--base-quant", "--optimizer-impl",
+    "--base-quant", "--optimizer-impl", "--depth",
 ]
 PLAN_FLAGS = ["--budget", "--headroom", "--allow", "--emit", "--emit-family", "--emit-sharder", "--emit-offload"]
 # Values for run-type commands: tiny (fast) or clearly refused; never a valid value that makes a
@@ -226,6 +232,7 @@ RUN_SAFE = {
     "--cpu-threads": (["1", "2"], ["0", "4294967296"], []),
     "--frames": (["1"], ["0", "4294967296"], []),
     "--text-tokens": (["8"], ["0", "4294967296"], []),
+    "--depth": (["1", "2"], ["0", "1,1", "99", "4294967296"], ["1,", "a"]),
 }
 
 
@@ -930,7 +937,7 @@ def gen_case(i, seed, cat):
                  "compare": [],
                  "verify": ["--lr", "--seed", "--data-seed", "--jobs"]}[cmd]
         safe_flags = ["--precision", "--optimizer", "--attention", "--recompute", "--ema", "--latents",
-                      "--bf16-products", "--cpu-threads", "--lora-rank", "--runtime"] + extra
+                      "--bf16-products", "--cpu-threads", "--lora-rank", "--runtime", "--depth"] + extra
         add_flags(rng, argv, safe_flags, rng.randint(0, 2), safe=True)
         if rng.random() < 0.3:
             argv.append("--json")

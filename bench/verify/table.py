@@ -15,7 +15,7 @@ def gnu_time(path):
     text = open(path).read() if os.path.exists(path) else ""
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    rc = re.search(r"rc=(\d+)", text)
+    rc = re.search(r"(?:rc=|Exit status: )(\d+)", text)
     return (wall.group(1) if wall else "-",
             int(rss.group(1)) / 1024 if rss else None,
             int(rc.group(1)) if rc else None)
@@ -29,7 +29,7 @@ def main(folder):
         try:
             v = json.load(open(vf))
         except ValueError:
-            rows.append(f"| {tag} | verify exit {rc} (no report) | | | | | | |")
+            rows.append(f"| {tag} | verify exit {rc} (no report) | | | | | | | |")
             continue
         m = lambda k: max((x.get(k) or 0.0) for x in v["variants"])
         spec = v["reference_spec"]
@@ -43,14 +43,16 @@ def main(folder):
                 cmp_err = f'{100 * c["rel_error"]:+.3f} % ({c["measured_peak_bytes"] / 2**20:.1f} MiB)'
             except ValueError:
                 cmp_err = f"exit {gnu_time(cf[:-5] + '.time')[2]}"
+        mem = v.get("memory", {})
+        predicted = f'{mem["peak"] / 2**20:.0f} MiB' if "peak" in mem else "-"
         rows.append(
-            f'| {tag.split("-d")[0]} | {",".join(map(str, depth))} | {res} | hidden {spec["model"]["hidden"]} '
+            f'| {re.sub(r"-d[0-9,]+-r[0-9]+$", "", tag)} | {",".join(map(str, depth))} | {res} | hidden {spec["model"]["hidden"]} '
             f'| {v["passed"]} / {v["warned"]} / {v["failed"]} | {m("grad_margin"):.3f} / {m("loss_margin"):.3f} / '
-            f'{m("drift_margin"):.3f} | {wall} | {rss:.0f} MiB | {cmp_err} |'
+            f'{m("drift_margin"):.3f} | {wall} | {rss:.0f} MiB | {predicted} | {cmp_err} |'
         )
     print("| preset | depth | resolution | width | pass / warn / fail | largest margin grad / loss / drift "
-          "| verify wall | verify max RSS | compare peak error (measured) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| verify wall | verify max RSS | verify predicted peak | compare peak error (measured) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -91,7 +91,7 @@ fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), Cli
         Command::Run(args) => run_cmd::run(args, alloc)?,
         Command::Compare(args) => compare_cmd::compare(args, alloc)?,
         Command::Agree(args) => compare_cmd::agree_grid(args, alloc)?,
-        Command::Verify(args) => verify_cmd::run(args)?,
+        Command::Verify(args) => verify_cmd::run(args, alloc)?,
         Command::Plan(args) => plan_cmd::run(args)?,
         Command::Params(args) => params_cmd::run(args)?,
         Command::Gpus(args) => gpus_cmd::run(args)?,

@@ -95,10 +95,39 @@ struct VerifyJson<'a> {
     reference_source: String,
     /// The predicted peak of this run and its parts (bytes), and the reference file's size.
     memory: &'a MemoryPlan,
+    /// What the run held at most, measured: to hold `memory.peak` against.
+    measured: Measured,
     conditions: Conditions,
     elapsed_s: f64,
     #[serde(flatten)]
     report: &'a Report,
+}
+
+/// The process's own peaks at the end of the run.
+#[derive(Debug, Serialize)]
+struct Measured {
+    /// Highest live heap bytes of the whole process (the counting allocator).
+    heap_peak_bytes: u64,
+    /// Live heap bytes when `verify` began (the arguments, the process's own): `memory.peak`
+    /// predicts `heap_peak_bytes − heap_before_bytes`, what the run adds.
+    heap_before_bytes: u64,
+    /// The kernel's peak resident set (`VmHWM` of /proc/self/status): the heap's pages
+    /// touched, the binary and the threads' stacks; None where it cannot be read.
+    max_rss_bytes: Option<u64>,
+}
+
+/// `VmHWM` of /proc/self/status in bytes.
+fn max_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 fn invalid(field: &str, e: impl std::fmt::Display) -> CliError {
@@ -168,13 +197,40 @@ fn guard(
         );
         match crate::guard::check(&what, plan.peak, force) {
             Ok(()) => return Ok(plan),
-            // What could not run and why, and what would: the same widths with fewer blocks.
-            Err(CliError::Refused(m)) if jobs == 1 && base.model.depth > 1 => {
+            // What could not run and why, and what would: verify's own levers (its reference is
+            // fp64 without recompute whatever the recipe says, so the guard's recompute lever
+            // does not apply to it).
+            Err(CliError::Refused(m)) if jobs == 1 => {
+                let mut levers = Vec::new();
+                if opts.steps > 1 {
+                    // One drift step keeps no optimizer state (docs/verify.md, Memory).
+                    let one = VerifyOptions {
+                        steps: 1,
+                        ..opts.clone()
+                    };
+                    let p = plan_memory(base, variants, &one, 1, !stored)
+                        .map_err(|e| map_err(e, "spec"))?;
+                    levers.push(format!(
+                        "`--steps 1` ({}: no AdamW moments kept)",
+                        ditmem_budget::fmt_bytes(p.peak)
+                    ));
+                }
+                if base.model.depth > 1 {
+                    levers.push(format!(
+                        "`--depth 1` (the model's real width with one block of each kind of its \
+                         {})",
+                        base.model.depth
+                    ));
+                }
+                levers.push(
+                    "a lower `--resolution` or `--batch` (the activations; weights and \
+                     gradients, 16 B per parameter in the fp64 reference, stay)"
+                        .to_string(),
+                );
                 return Err(CliError::Refused(format!(
-                    "{m}; not one variant of {} blocks fits: `--depth 1` keeps the model's \
-                     real width with one block of each kind (docs/verify.md)",
-                    base.model.depth
-                )))
+                    "{m}; for verify: {} (docs/verify.md)",
+                    levers.join(", ")
+                )));
             }
             Err(e) if jobs == 1 => return Err(e),
             Err(_) => jobs -= 1,
@@ -232,8 +288,9 @@ fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
     b
 }
 
-pub fn run(args: VerifyArgs) -> Result<(), CliError> {
+pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), CliError> {
     let started = Instant::now();
+    let heap_before = alloc.live();
     crate::output::check_outputs(&[
         ("--save-reference", args.save_reference.as_deref()),
         ("--plot", args.plot.as_deref()),
@@ -407,6 +464,11 @@ pub fn run(args: VerifyArgs) -> Result<(), CliError> {
         crate::output::print_json(&VerifyJson {
             reference_source: source,
             memory: &plan,
+            measured: Measured {
+                heap_peak_bytes: alloc.peak(),
+                heap_before_bytes: heap_before,
+                max_rss_bytes: max_rss(),
+            },
             conditions,
             elapsed_s: elapsed,
             report: &report,

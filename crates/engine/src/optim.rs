@@ -23,6 +23,11 @@ pub trait Optimizer: Send {
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()>;
     /// Bytes of optimizer state.
     fn state_bytes(&self) -> u64;
+    /// The next step is the last one this optimizer takes: its state need not outlive it.
+    /// Stateful optimizers then hold one tensor's state at a time during that step and none
+    /// after (the update itself is unchanged, bit for bit). `verify` uses it: its runs stop
+    /// after the compared steps, so a state kept for a step never taken only costs memory.
+    fn release_state_after_next_step(&mut self) {}
 }
 
 fn unscale(g: Tensor, inv_scale: f64) -> Result<Tensor> {
@@ -361,6 +366,9 @@ pub struct AdamW {
     pub dtype: DType,
     t: u64,
     moments: Vec<Moments>,
+    /// Set by [`Optimizer::release_state_after_next_step`]: the next step frees each tensor's
+    /// moments right after its update (and creates them one at a time on a first step).
+    release: bool,
 }
 
 impl AdamW {
@@ -374,6 +382,7 @@ impl AdamW {
             dtype,
             t: 0,
             moments: Vec::new(),
+            release: false,
         }
     }
 
@@ -385,13 +394,15 @@ impl AdamW {
 
 impl Optimizer for AdamW {
     fn step(&mut self, params: &[&Var], grads: &[&Tensor], inv_scale: f64) -> Result<()> {
-        if self.moments.is_empty() {
+        let release = std::mem::take(&mut self.release);
+        if self.moments.is_empty() && !release {
             for p in params {
                 self.moments
                     .push(Moments::zeros(p.as_tensor().elem_count(), self.dtype)?);
             }
         }
-        if self.moments.len() != params.len() || grads.len() != params.len() {
+        let first = self.moments.is_empty();
+        if (!first && self.moments.len() != params.len()) || grads.len() != params.len() {
             return Err(crate::error::EngineError::bad_input(
                 "optimizer",
                 format!(
@@ -406,7 +417,15 @@ impl Optimizer for AdamW {
         let t = self.t as i32;
         let bc1 = 1.0 - self.beta1.powi(t);
         let bc2 = 1.0 - self.beta2.powi(t);
-        for ((p, g), st) in params.iter().zip(grads).zip(self.moments.iter_mut()) {
+        // Under `release` each tensor's moments live only through its own update: created as
+        // zeros on a first step (as the loop above would), taken out of the list otherwise.
+        let mut kept = std::mem::take(&mut self.moments).into_iter();
+        for (p, g) in params.iter().zip(grads) {
+            let mut own = match kept.next() {
+                Some(st) => st,
+                None => Moments::zeros(p.as_tensor().elem_count(), self.dtype)?,
+            };
+            let st = &mut own;
             let g = g.to_dtype(self.dtype)?;
             let update = AdamUpdate {
                 beta1: self.beta1,
@@ -420,12 +439,19 @@ impl Optimizer for AdamW {
                 state: std::sync::Mutex::new(st),
             };
             p.as_tensor().inplace_op2(&g, &update)?;
+            if !release {
+                self.moments.push(own);
+            }
         }
         Ok(())
     }
 
     fn state_bytes(&self) -> u64 {
         self.moments.iter().map(Moments::bytes).sum()
+    }
+
+    fn release_state_after_next_step(&mut self) {
+        self.release = true;
     }
 }
 

@@ -1022,6 +1022,46 @@ impl Trainer {
     ) -> Result<StepReport> {
         let mut rec = Recorder::new(probe);
         let loss = self.forward_backward(batch, &mut rec)?;
+        let (skipped, grad_norm, scale) = self.update(&mut rec)?;
+        let (timeline, phase_peaks) = rec.finish();
+        Ok(StepReport {
+            loss,
+            skipped,
+            timeline,
+            phase_peaks,
+            grad_norm,
+            loss_scale: scale,
+        })
+    }
+
+    /// The optimizer step of [`Trainer::step`] on the gradients [`Trainer::compute_gradients`]
+    /// left in the buffers: `compute_gradients(b)` then `apply_gradients()` is `step(b)`, bit
+    /// for bit (the same calls in the same order). Returns whether the step was skipped (fp16
+    /// overflow). `verify`'s reference takes its first trajectory step this way from the
+    /// one-step gradients it has just stored, instead of computing them a second time.
+    pub fn apply_gradients(&mut self) -> Result<bool> {
+        if self.grads.iter().all(Option::is_none) {
+            return Err(EngineError::bad_input(
+                "apply_gradients",
+                "no gradients: call compute_gradients first",
+            ));
+        }
+        on_pool(|| {
+            let mut rec = Recorder::new(None);
+            self.update(&mut rec).map(|(skipped, _, _)| skipped)
+        })
+    }
+
+    /// The next optimizer step is the last this trainer takes: the optimizer holds one tensor's
+    /// state at a time during it and none after ([`Optimizer::release_state_after_next_step`]);
+    /// the weights it computes are the same. Memory of a run that stops there, not of training.
+    pub fn release_optimizer_state_after_next_step(&mut self) {
+        self.optimizer.release_state_after_next_step();
+    }
+
+    /// The optimizer phase of a step: gradient norm, loss scaler, update, EMA, gradient buffers
+    /// dropped (unless kept). Returns (skipped, gradient norm, loss scale of the gradients).
+    fn update(&mut self, rec: &mut Recorder<'_>) -> Result<(bool, f64, f64)> {
         rec.enter(Phase::Optimizer);
         let scale = self.grad_scale;
         let grad_norm = self.gradient_norm()?;
@@ -1062,15 +1102,7 @@ impl Trainer {
             }
         }
         rec.mark("optimizer");
-        let (timeline, phase_peaks) = rec.finish();
-        Ok(StepReport {
-            loss,
-            skipped,
-            timeline,
-            phase_peaks,
-            grad_norm,
-            loss_scale: scale,
-        })
+        Ok((skipped, grad_norm, scale))
     }
 }
 
