@@ -41,6 +41,7 @@ lora-targets-1-flux|--preset flux.1-dev --gpu h100-sxm --lora-rank 16 --lora-tar
 lora-offload-1-sana|--preset sana-600m --gpu rtx-4090 --lora-rank 16 --text-encoders offloaded
 lora-1-sd35|--preset sd3.5-medium --gpu rtx-4090 --lora-rank 16
 zero2-16-sd35|--preset sd3.5-medium --ranks 16 --batch 64 --zero 2 --budget 80GiB
+tokens-1-flux|--preset flux.1-dev --gpu h100-sxm --lora-rank 16 --text-tokens 77,256
 PLANS
 
 # One dated folder per run, named by the CPU it ran on, with the command and its conditions.

@@ -1,0 +1,149 @@
+"""Memory probe for the end-to-end runs (`end_to_end.py`): put this folder on PYTHONPATH.
+
+Active only in the process whose script is named by DITMEM_E2E_SCRIPT (the training script that
+`accelerate launch` starts; the launcher process itself is left alone). It changes nothing the
+script computes:
+
+- torch's profiler runs from interpreter start to exit with `profile_memory=True`: every
+  allocation and free of PyTorch's CPU allocator is a `[memory]` event with a signed byte count,
+  so their running sum is the bytes of live CPU tensors at every moment (what torch allocated
+  before the profiler started — importing torch — is a few KiB, not counted);
+- `accelerate.Accelerator.accumulate` (the context every script's training step runs in:
+  forward, backward, clipping, `optimizer.step()`, `lr_scheduler.step()`, `zero_grad()`) is wrapped
+  in a `ditmem::step` record_function range, so each step's window is known;
+- at the start of each step the live tensors are sorted by owner (gc): each model's parameters
+  and buffers (LoRA adapters apart), their gradients, the optimizer's state, the rest.
+
+At exit it writes DITMEM_E2E_OUT (JSON): per step the live bytes at its start, the peak inside it,
+and the owners at its start; the whole run's peak.
+"""
+
+import os
+import sys
+
+_SCRIPT = os.environ.get("DITMEM_E2E_SCRIPT")
+_argv = getattr(sys, "orig_argv", sys.argv)
+if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
+    import atexit
+    import contextlib
+    import gc
+    import json
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    _prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    _prof.__enter__()
+    _owners = []
+
+    def _storages(tensors):
+        out = {}
+        for t in tensors:
+            if t is None or not torch.is_tensor(t) or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            if st.nbytes():
+                out[st.data_ptr()] = st.nbytes()
+        return out
+
+    def _census():
+        """Live CPU tensors by owner, each storage counted once (first owner wins)."""
+        seen = {}
+        rows = []
+
+        def add(name, tensors, dtypes=None):
+            st = {k: v for k, v in _storages(tensors).items() if k not in seen}
+            seen.update(st)
+            rows.append({"owner": name, "bytes": sum(st.values()), "dtypes": dtypes or []})
+
+        models, optims = [], []
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, torch.nn.Module) and type(o).__module__.startswith(
+                    ("diffusers.models", "transformers.models")
+                ) and type(o).__name__.endswith(
+                    ("Transformer2DModel", "TextModel", "TextModelWithProjection", "EncoderModel",
+                     "Gemma2Model", "AutoencoderKL", "AutoencoderDC")
+                ):
+                    models.append(o)
+                elif isinstance(o, torch.optim.Optimizer) and type(o).__module__.startswith("torch.optim"):
+                    optims.append(o)
+            except ReferenceError:
+                continue
+        for m in models:
+            name = type(m).__name__
+            lora = [p for n, p in m.named_parameters() if "lora_" in n]
+            base = [p for n, p in m.named_parameters() if "lora_" not in n]
+            if lora:
+                add(f"{name} LoRA params", lora, sorted({str(p.dtype) for p in lora}))
+                add(f"{name} LoRA grads", [p.grad for p in lora])
+            add(f"{name} params+buffers", base + list(m.buffers()),
+                sorted({str(p.dtype) for p in base}))
+            add(f"{name} base grads", [p.grad for p in base])
+        for o in optims:
+            state = [v for s in o.state.values() for v in s.values()]
+            add(f"{type(o).__name__} state", state, sorted({str(v.dtype) for v in state if torch.is_tensor(v)}))
+        # What the scripts keep outside the models: the dataset's preprocessed images (host
+        # memory on CUDA too: DreamBoothDataset's pixel_values) and the --cache_latents list
+        # (on the accelerator's device: DiagonalGaussianDistribution's parameters, std and var,
+        # or Sana's latents).
+        data, cache = [], []
+        for o in gc.get_objects():
+            n = type(o).__name__
+            if n == "DreamBoothDataset":
+                data.extend(getattr(o, "pixel_values", []) or [])
+            elif n == "DiagonalGaussianDistribution":
+                cache.extend(v for v in vars(o).values() if torch.is_tensor(v))
+        add("DreamBoothDataset pixel_values", data)
+        add("latent_dist cache (--cache_latents)", cache)
+        everything = [o for o in gc.get_objects() if torch.is_tensor(o)]
+        add("other tensors (gc-visible)", everything)
+        return rows
+
+    def _wrap():
+        from accelerate import Accelerator
+
+        orig = Accelerator.accumulate
+
+        @contextlib.contextmanager
+        def accumulate(self, *models):
+            _owners.append(_census())
+            with record_function("ditmem::step"):
+                with orig(self, *models) as x:
+                    yield x
+
+        Accelerator.accumulate = accumulate
+
+    _wrap()
+
+    def _finish():
+        _prof.__exit__(None, None, None)
+        kin = _prof.profiler.kineto_results.events()
+        events = sorted((e.start_ns(), e.nbytes()) for e in kin if e.name() == "[memory]")
+        steps = sorted((e.start_ns(), e.end_ns()) for e in kin if e.name() == "ditmem::step")
+        live = peak = 0
+        rows = [{"start": None, "peak": 0, "end": None} for _ in steps]
+        i = 0
+        for ts, n in events:
+            for k, (a, b) in enumerate(steps):
+                if rows[k]["start"] is None and ts >= a:
+                    rows[k]["start"] = live
+            live += n
+            peak = max(peak, live)
+            for k, (a, b) in enumerate(steps):
+                if a <= ts <= b:
+                    rows[k]["peak"] = max(rows[k]["peak"], live)
+                    rows[k]["end"] = live
+        for k, r in enumerate(rows):
+            r["owners_at_start"] = _owners[k] if k < len(_owners) else []
+        out = {
+            "what": "bytes of live tensors of PyTorch's CPU allocator (profiler [memory] events, running sum from interpreter start)",
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "run_peak": peak,
+            "steps": rows,
+        }
+        with open(os.environ["DITMEM_E2E_OUT"], "w") as f:
+            json.dump(out, f, indent=1)
+
+    atexit.register(_finish)
