@@ -8,7 +8,8 @@ published checkpoints: `model_index.json`, `transformer/`, `vae/`, `text_encoder
 
 - the transformer from the tiny diffusers config of the ditmem spec given (`model.diffusers`);
 - the VAE with the family's latent channels and spatial factor (AutoencoderKL f8c16 with 4
-  stages; Sana's AutoencoderDC f32c32 with 6), 8 channels per stage;
+  stages of 8 channels; Sana's AutoencoderDC f32c32 with 6 stages of 8 to 32: its output
+  shortcut averages groups of the last stage's channels down to the 32 latent ones);
 - the text encoders from tiny transformers configs whose widths are what the transformer reads
   (Flux: CLIP hidden = `pooled_projection_dim`, T5 `d_model` = `joint_attention_dim`; SD3: CLIP-L +
   CLIP-G hidden = `joint_attention_dim` = T5 `d_model`, their projections summing to
@@ -192,8 +193,8 @@ def build(spec: dict, out: str) -> dict:
             attention_head_dim=8,
             encoder_block_types="ResBlock",
             decoder_block_types="ResBlock",
-            encoder_block_out_channels=(8,) * 6,
-            decoder_block_out_channels=(8,) * 6,
+            encoder_block_out_channels=(8, 8, 16, 16, 32, 32),
+            decoder_block_out_channels=(8, 8, 16, 16, 32, 32),
             encoder_layers_per_block=(1,) * 6,
             decoder_layers_per_block=(1,) * 6,
             encoder_qkv_multiscales=((),) * 6,

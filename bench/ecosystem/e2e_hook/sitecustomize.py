@@ -11,6 +11,9 @@ script computes:
 - `accelerate.Accelerator.accumulate` (the context every script's training step runs in:
   forward, backward, clipping, `optimizer.step()`, `lr_scheduler.step()`, `zero_grad()`) is wrapped
   in a `ditmem::step` record_function range, so each step's window is known;
+- the frozen encoders' runs (`AutoencoderKL.encode`, `AutoencoderDC.encode`, the text
+  encoders' `forward`) are `ditmem::encode` ranges, so a step's peak splits into the encode's
+  and the rest's (the transformer's forward, backward and optimizer step);
 - at the start of each step the live tensors are sorted by owner (gc): each model's parameters
   and buffers (LoRA adapters apart), their gradients, the optimizer's state, the rest.
 
@@ -96,8 +99,15 @@ if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
                 cache.extend(v for v in vars(o).values() if torch.is_tensor(v))
         add("DreamBoothDataset pixel_values", data)
         add("latent_dist cache (--cache_latents)", cache)
+        seen_before_other = set(seen)
         everything = [o for o in gc.get_objects() if torch.is_tensor(o)]
         add("other tensors (gc-visible)", everything)
+        # The largest of those, to say what they are.
+        big = {}
+        for t in everything:
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen_before_other:
+                big[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), str(tuple(t.shape)), str(t.dtype))
+        rows[-1]["largest"] = sorted(big.values(), reverse=True)[:8]
         return rows
 
     def _wrap():
@@ -114,6 +124,25 @@ if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
 
         Accelerator.accumulate = accumulate
 
+        # The frozen encoders' runs inside a step, as `ditmem::encode` ranges: the VAE's encode
+        # and the text encoders' forward.
+        import diffusers
+        import transformers
+
+        def ranged(cls, name):
+            f = getattr(cls, name)
+
+            def g(*a, **k):
+                with record_function("ditmem::encode"):
+                    return f(*a, **k)
+
+            setattr(cls, name, g)
+
+        for cls in (diffusers.AutoencoderKL, diffusers.AutoencoderDC):
+            ranged(cls, "encode")
+        for n in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Gemma2Model"):
+            ranged(getattr(transformers, n), "forward")
+
     _wrap()
 
     def _finish():
@@ -121,9 +150,10 @@ if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
         kin = _prof.profiler.kineto_results.events()
         events = sorted((e.start_ns(), e.nbytes()) for e in kin if e.name() == "[memory]")
         steps = sorted((e.start_ns(), e.end_ns()) for e in kin if e.name() == "ditmem::step")
+        encodes = sorted((e.start_ns(), e.end_ns()) for e in kin if e.name() == "ditmem::encode")
         live = peak = 0
-        rows = [{"start": None, "peak": 0, "end": None} for _ in steps]
-        i = 0
+        rows = [{"start": None, "peak": 0, "end": None, "peak_encode": 0, "peak_outside_encode": 0}
+                for _ in steps]
         for ts, n in events:
             for k, (a, b) in enumerate(steps):
                 if rows[k]["start"] is None and ts >= a:
@@ -134,6 +164,9 @@ if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
                 if a <= ts <= b:
                     rows[k]["peak"] = max(rows[k]["peak"], live)
                     rows[k]["end"] = live
+                    enc = any(c <= ts <= d for c, d in encodes)
+                    key = "peak_encode" if enc else "peak_outside_encode"
+                    rows[k][key] = max(rows[k][key], live)
         for k, r in enumerate(rows):
             r["owners_at_start"] = _owners[k] if k < len(_owners) else []
         out = {
