@@ -43,7 +43,7 @@ def summarise(row):
     k = max(range(len(steady)), key=lambda i: steady[i]["peak"]) + (1 if len(steps) > 1 else 0)
     step = steps[k]
     owners = {o["owner"]: o for o in step["owners_at_start"]}
-    host = owners.get("DreamBoothDataset pixel_values", {}).get("bytes", 0)
+    host = owners.get("host: DreamBoothDataset pixel_values, prefetched next batch", {}).get("bytes", 0)
     measured = step["peak"] - host
     measured_train = step.get("peak_outside_encode", step["peak"]) - host
     measured_encode = max(step.get("peak_encode", 0) - host, 0)

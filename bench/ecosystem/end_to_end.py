@@ -204,6 +204,7 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     a = ap.parse_args()
     a.scripts = os.path.abspath(a.scripts)
+    a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for name, case in CASES.items():

@@ -47,7 +47,7 @@ PLANS
 # One dated folder per run, named by the CPU it ran on, with the command and its conditions.
 cpu="$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
 tag="$(printf '%s' "${cpu:-cpu}" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | cut -c1-24 | sed 's/-$//')"
-out="$here/runs/$(date -u +%F)-$tag-check"
+out="$here/runs/$(date -u +%F)-$tag-${LABEL:-check}"
 mkdir -p "$out"
 printf '# %s: bench/ecosystem/run.sh
 

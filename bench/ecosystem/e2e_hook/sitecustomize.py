@@ -97,7 +97,18 @@ if _SCRIPT and any(os.path.basename(a) == _SCRIPT for a in _argv[1:3]):
                 data.extend(getattr(o, "pixel_values", []) or [])
             elif n == "DiagonalGaussianDistribution":
                 cache.extend(v for v in vars(o).values() if torch.is_tensor(v))
-        add("DreamBoothDataset pixel_values", data)
+        # accelerate's DataLoaderShard.__iter__ fetches the next batch before it yields the
+        # current one (accelerate/data_loader.py): the next batch is still on the host on CUDA
+        # (send_to_device runs when it becomes current).
+        for o in gc.get_objects():
+            if type(o).__name__ == "generator" and o.gi_frame is not None \
+                    and o.gi_code.co_name == "__iter__" and "accelerate" in o.gi_code.co_filename:
+                loc = o.gi_frame.f_locals
+                nb = loc.get("next_batch")
+                # (on the last batch next_batch is the current one)
+                if isinstance(nb, dict) and nb is not loc.get("current_batch"):
+                    data.extend(v for v in nb.values() if torch.is_tensor(v))
+        add("host: DreamBoothDataset pixel_values, prefetched next batch", data)
         add("latent_dist cache (--cache_latents)", cache)
         seen_before_other = set(seen)
         everything = [o for o in gc.get_objects() if torch.is_tensor(o)]
