@@ -51,9 +51,9 @@ out="$here/runs/$(date -u +%F)-$tag-${LABEL:-check}"
 mkdir -p "$out"
 printf '# %s: bench/ecosystem/run.sh
 
-- command: `bench/ecosystem/run.sh` (ditmem %s)
+- command: `%sbench/ecosystem/run.sh` (ditmem %s)
 - CPU: %s
 - python packages: see check.md
 ' \
-    "$(date -u +%F)" "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" "${cpu:-unknown}" > "$out/README.md"
+    "$(date -u +%F)" "${LABEL:+LABEL=$LABEL }" "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" "${cpu:-unknown}" > "$out/README.md"
 "$py" "$here/check.py" "$plans" --mutants --json "$out/check.json" | tee "$out/check.md"
