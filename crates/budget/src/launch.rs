@@ -218,6 +218,23 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     out
 }
 
+/// The text tokens per encoder a diffusers script encodes with its `--max_sequence_length`
+/// default (T5 for Flux and SD3 after CLIP's fixed 77; Gemma-2 for Sana), at v0.40.0:
+/// train_dreambooth_flux.py:329-331 (77; the LoRA script's 512, train_dreambooth_lora_flux.py:
+/// 349-351, whatever the checkpoint: FLUX.1-schnell's pipeline default is 256),
+/// train_dreambooth_sd3.py:315-317 and train_dreambooth_lora_sd3.py:339-341 (77),
+/// train_dreambooth_lora_sana.py:308-310 (300). Measured: the full Flux export on a tiny
+/// pipeline encodes 77 T5 tokens (bench/ecosystem/runs/2026-12-06-epyc-end-to-end).
+pub fn script_text_tokens(file_name: &str) -> Option<&'static [u32]> {
+    match file_name {
+        "train_dreambooth_flux.py" => Some(&[77, 77]),
+        "train_dreambooth_lora_flux.py" => Some(&[77, 512]),
+        "train_dreambooth_sd3.py" | "train_dreambooth_lora_sd3.py" => Some(&[77, 77]),
+        "train_dreambooth_lora_sana.py" => Some(&[300]),
+        _ => None,
+    }
+}
+
 /// Why a launcher cannot run a recipe.
 fn cannot(script: &Script, what: impl fmt::Display) -> String {
     format!(
@@ -338,6 +355,15 @@ impl Launch {
             }
             r.text_encoders = ok[0];
         }
+        // The text tokens the script encodes when the spec gives none: its own
+        // --max_sequence_length default (the export passes no --max_sequence_length), not the
+        // family's. CLIP's 77 are fixed (tokenizer max_length=77).
+        if s.workload.text_tokens.is_none() {
+            if let Some(t) = script_text_tokens(script.file_name()) {
+                s.workload.text_tokens = Some(t.to_vec());
+            }
+        }
+        let r = &mut s.recipe;
         if let Some(l) = &mut r.lora {
             if l.modules.is_empty() && s.model.diffusers.is_some() {
                 if let Some(m) = default_lora_layers(self.family) {
@@ -392,6 +418,25 @@ mod tests {
         // Your own script: as given.
         let custom = Launch::default();
         assert_eq!(custom.realise(&flux_lora()).unwrap(), flux_lora());
+    }
+
+    #[test]
+    fn the_scripts_encode_their_own_default_text_tokens() {
+        // The full Flux script pads T5 to 77 tokens (the family's FLUX.1-dev default is 512).
+        let mut s = flux_lora();
+        s.recipe.lora = None;
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 77]));
+        // The LoRA script: 512.
+        let r = script(Pinned::default()).realise(&flux_lora()).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 512]));
+        // Tokens the spec gives are kept (the export must pass them).
+        let mut s = flux_lora();
+        s.workload.text_tokens = Some(vec![77, 256]);
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 256]));
+        // Your own script: the family's default stays.
+        assert_eq!(Launch::default().realise(&flux_lora()).unwrap().workload.text_tokens, None);
     }
 
     #[test]
