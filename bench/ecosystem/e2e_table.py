@@ -80,7 +80,10 @@ def main():
     detail = []
     for row in rows:
         if "measured" not in row:
-            out.append(f"| {row.get('script', row['case'])} | — | failed (see its run.log) | | | | | |")
+            log = open(os.path.join(d, row["case"], "run.log"), errors="replace").read()
+            err = [l for l in log.splitlines() if l.startswith("RuntimeError: ") and "^" not in l]
+            out.append(f"| `{row.get('script', '')}` ({row['case']}) | {row.get('recipe_line', '')} | "
+                       f"crashed: `{err[-1][:110] if err else 'see its run.log'}` | | {fmt(row['predicted_peak'])} | | | |")
             continue
         s = summarise(row)
         rec = row.get("recipe_line", "")

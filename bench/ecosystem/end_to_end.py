@@ -47,6 +47,13 @@ CASES = {
         "plan": [],
         "changes": {},
     },
+    # The crash the launcher avoids by encoding latents in the step: --cache_latents under bf16
+    # (train_dreambooth_lora_sd3.py: the images cast to weight_dtype, the VAE kept fp32).
+    "sd3-lora-cache-bf16": {
+        "spec": "tiny_specs/sd3-tiny-lora.json",
+        "plan": [],
+        "changes": {"--cache_latents": ""},
+    },
     # The plan as the spec gives it: 4 images per forward. train_dreambooth_lora_sana.py
     # (v0.40.0) encodes a fixed --instance_prompt once, batch 1 (lines 1256-1258), and never
     # repeats it to the batch: the transformer's cross-attention mask view fails for 4 images
@@ -61,6 +68,17 @@ CASES = {
     "sana-lora": {
         "spec": "tiny_specs/sana-tiny-lora.json",
         "plan": ["--microbatch", "1", "--accumulation", "4"],
+        "changes": {},
+    },
+    # Full fine-tuning: train_dreambooth_flux.py and train_dreambooth_sd3.py.
+    "flux-full": {
+        "spec": "tiny_specs/flux-tiny-full.json",
+        "plan": [],
+        "changes": {},
+    },
+    "sd3-full": {
+        "spec": "tiny_specs/sd3-tiny-full.json",
+        "plan": [],
         "changes": {},
     },
 }
