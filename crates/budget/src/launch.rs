@@ -436,7 +436,14 @@ mod tests {
         let r = script(Pinned::default()).realise(&s).unwrap();
         assert_eq!(r.workload.text_tokens, Some(vec![77, 256]));
         // Your own script: the family's default stays.
-        assert_eq!(Launch::default().realise(&flux_lora()).unwrap().workload.text_tokens, None);
+        assert_eq!(
+            Launch::default()
+                .realise(&flux_lora())
+                .unwrap()
+                .workload
+                .text_tokens,
+            None
+        );
     }
 
     #[test]
