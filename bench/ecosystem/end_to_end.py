@@ -112,8 +112,7 @@ def fill(cmd: list, scripts: str, pipe: str, images: str, out: str, changes: dic
             v = changes[c]
             has_value = i + 1 < len(cmd) and not cmd[i + 1].startswith("--")
             if v is not None:
-                res.append(c)
-                res.append(v)
+                res += [c] if v == "" else [c, v]
             i += 1 if has_value else 0
         elif c in placeholders:
             res += [c, placeholders[c]]
