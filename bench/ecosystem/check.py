@@ -253,6 +253,16 @@ def check_script(cmd, plan):
     need(not r.get("base_quant"), f"base {r.get('base_quant')}: no flag")
     need(bool(getattr(a, "offload", False)) == (r.get("text_encoders") == "offloaded"), "--offload")
     need(a.resolution == max(w["height"], w["width"]), f"--resolution {a.resolution}")
+    # recipe.tf32 (absent: on) is --allow_tf32.
+    need(bool(a.allow_tf32) == r.get("tf32", True), f"--allow_tf32 {a.allow_tf32}, tf32 {r.get('tf32', True)}")
+    # The workload's text tokens: the scripts pad T5's (Flux, SD3: the second stream) and
+    # Gemma's (Sana: the only one) to --max_sequence_length; CLIP's 77 are fixed
+    # (tokenizer max_length=77). The plan counts workload.text_tokens when it has them.
+    tokens = w.get("text_tokens")
+    if tokens and hasattr(a, "max_sequence_length"):
+        stream = 0 if len(tokens) == 1 else 1
+        need(a.max_sequence_length == tokens[stream],
+             f"--max_sequence_length {a.max_sequence_length}, plan's text tokens {tokens}")
     return f"{cmd['script']} ok"
 
 
@@ -432,6 +442,15 @@ def _mutants():
         cfg["fp16"]["enabled"] = "auto"
         e["text"] = json.dumps(cfg)
 
+    def no_tf32(r):
+        args = r["diffusers"]["export"]["command"]["script_args"]
+        args.remove("--allow_tf32")
+
+    def t5_tokens_dropped(r):
+        r["diffusers"]["plan"]["workload"]["text_tokens"] = [77, 256]
+        for t in r:
+            r[t]["plan"] = r["diffusers"]["plan"]
+
     return [
         ("fp32-1-dit", "mixed_precision: no (unquoted)", unquoted, "yaml"),
         ("zero3-8-flux", "YAML repeats the JSON's keys", yaml_repeats_json_keys, "acc-launch"),
@@ -441,6 +460,8 @@ def _mutants():
         ("zero3-8-flux", "--multi_gpu for a ZeRO-3 plan", multi_gpu, "diffusers"),
         ("zero3-8-flux", "--use_ema to train_dreambooth_flux.py", use_ema, "diffusers"),
         ("zero3-8-flux", "\"auto\" precision in ds_config.json (issue 46)", auto_precision, "yaml-alone"),
+        ("lora-1-sd35", "--allow_tf32 dropped (recipe.tf32 on)", no_tf32, "diffusers"),
+        ("lora-targets-1-flux", "T5 tokens 256 planned, --max_sequence_length not passed", t5_tokens_dropped, "diffusers"),
         ("zero2-offload-8-flux", "ZeRO-Offload without zero_force_ds_cpu_optimizer false", offload_without_force_false, "ds@2"),
     ]
 

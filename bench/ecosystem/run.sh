@@ -41,18 +41,19 @@ lora-targets-1-flux|--preset flux.1-dev --gpu h100-sxm --lora-rank 16 --lora-tar
 lora-offload-1-sana|--preset sana-600m --gpu rtx-4090 --lora-rank 16 --text-encoders offloaded
 lora-1-sd35|--preset sd3.5-medium --gpu rtx-4090 --lora-rank 16
 zero2-16-sd35|--preset sd3.5-medium --ranks 16 --batch 64 --zero 2 --budget 80GiB
+tokens-1-flux|--preset flux.1-dev --gpu h100-sxm --lora-rank 16 --text-tokens 77,256
 PLANS
 
 # One dated folder per run, named by the CPU it ran on, with the command and its conditions.
 cpu="$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
 tag="$(printf '%s' "${cpu:-cpu}" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | cut -c1-24 | sed 's/-$//')"
-out="$here/runs/$(date -u +%F)-$tag-check"
+out="$here/runs/$(date -u +%F)-$tag-${LABEL:-check}"
 mkdir -p "$out"
 printf '# %s: bench/ecosystem/run.sh
 
-- command: `bench/ecosystem/run.sh` (ditmem %s)
+- command: `%sbench/ecosystem/run.sh` (ditmem %s)
 - CPU: %s
 - python packages: see check.md
 ' \
-    "$(date -u +%F)" "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" "${cpu:-unknown}" > "$out/README.md"
+    "$(date -u +%F)" "${LABEL:+LABEL=$LABEL }" "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" "${cpu:-unknown}" > "$out/README.md"
 "$py" "$here/check.py" "$plans" --mutants --json "$out/check.json" | tee "$out/check.md"

@@ -95,6 +95,8 @@ pub struct Pinned {
     pub text_encoders: bool,
     pub lora_modules: bool,
     pub ema: bool,
+    /// `workload.text_tokens` given (`--text-tokens` or the spec file).
+    pub text_tokens: bool,
 }
 
 /// The launcher, the family its script is chosen by, and what the user pinned.
@@ -244,6 +246,27 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
     out
 }
 
+/// The text tokens per encoder a diffusers script encodes with its `--max_sequence_length`
+/// default (T5 for Flux and SD3 after CLIP's fixed 77; Gemma-2 for Sana), at v0.40.0:
+/// train_dreambooth_flux.py:329-331 (77; the LoRA script's 512, train_dreambooth_lora_flux.py:
+/// 349-351, whatever the checkpoint: FLUX.1-schnell's pipeline default is 256),
+/// train_dreambooth_sd3.py:315-317 and train_dreambooth_lora_sd3.py:339-341 (77),
+/// train_dreambooth_lora_sana.py:308-310 (300). Measured: the full Flux export on a tiny
+/// pipeline encodes 77 T5 tokens (bench/ecosystem/runs/2026-12-06-epyc-end-to-end).
+/// `class` is the model's diffusers `_class_name`: a model the script does not load (the
+/// original DiT exported with `--emit-family flux`) keeps its own tokens.
+pub fn script_text_tokens(file_name: &str, class: &str) -> Option<&'static [u32]> {
+    match (file_name, class) {
+        ("train_dreambooth_flux.py", "FluxTransformer2DModel") => Some(&[77, 77]),
+        ("train_dreambooth_lora_flux.py", "FluxTransformer2DModel") => Some(&[77, 512]),
+        ("train_dreambooth_sd3.py" | "train_dreambooth_lora_sd3.py", "SD3Transformer2DModel") => {
+            Some(&[77, 77])
+        }
+        ("train_dreambooth_lora_sana.py", "SanaTransformer2DModel") => Some(&[300]),
+        _ => None,
+    }
+}
+
 /// Why a launcher cannot run a recipe.
 fn cannot(script: &Script, what: impl fmt::Display) -> String {
     format!(
@@ -364,6 +387,22 @@ impl Launch {
             }
             r.text_encoders = ok[0];
         }
+        // The text tokens the script encodes when the spec gives none: its own
+        // --max_sequence_length default (the export passes no --max_sequence_length), not the
+        // family's. CLIP's 77 are fixed (tokenizer max_length=77).
+        if !p.text_tokens {
+            let class = s
+                .model
+                .diffusers
+                .as_ref()
+                .and_then(|m| m.get("_class_name"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("");
+            if let Some(t) = script_text_tokens(script.file_name(), class) {
+                s.workload.text_tokens = Some(t.to_vec());
+            }
+        }
+        let r = &mut s.recipe;
         if let Some(l) = &mut r.lora {
             // `cast_training_params(transformer, dtype=torch.float32)` runs only under
             // `if args.mixed_precision == "fp16"` (train_dreambooth_lora_flux.py:1379-1384,
@@ -429,6 +468,45 @@ mod tests {
         // Your own script: as given.
         let custom = Launch::default();
         assert_eq!(custom.realise(&flux_lora()).unwrap(), flux_lora());
+    }
+
+    #[test]
+    fn the_scripts_encode_their_own_default_text_tokens() {
+        // The full Flux script pads T5 to 77 tokens (the family's FLUX.1-dev default is 512).
+        let mut s = flux_lora();
+        s.recipe.lora = None;
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 77]));
+        // The LoRA script: 512.
+        let r = script(Pinned::default()).realise(&flux_lora()).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 512]));
+        // Tokens the user gave are kept (the export must pass them); tokens set for the full
+        // script follow a switch to the LoRA script.
+        let mut s = flux_lora();
+        s.workload.text_tokens = Some(vec![77, 256]);
+        let p = Pinned {
+            text_tokens: true,
+            ..Pinned::default()
+        };
+        let r = script(p).realise(&s).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 256]));
+        s.workload.text_tokens = Some(vec![77, 77]);
+        let r = script(Pinned::default()).realise(&s).unwrap();
+        assert_eq!(r.workload.text_tokens, Some(vec![77, 512]));
+        // A model the script does not load (the original DiT) keeps none.
+        let r = script(Pinned::default())
+            .realise(&Spec::default_xl())
+            .unwrap();
+        assert_eq!(r.workload.text_tokens, None);
+        // Your own script: the family's default stays.
+        assert_eq!(
+            Launch::default()
+                .realise(&flux_lora())
+                .unwrap()
+                .workload
+                .text_tokens,
+            None
+        );
     }
 
     #[test]

@@ -250,6 +250,7 @@ pub(crate) fn pinned(spec: &crate::args::SpecArgs) -> Result<Pinned, SpecError> 
         text_encoders: spec.text_encoders.is_some() || has(&["recipe", "text_encoders"]),
         lora_modules: spec.lora_targets.is_some() || has(&["recipe", "lora", "modules"]),
         ema: spec.ema.is_some() || has(&["recipe", "ema", "enabled"]),
+        text_tokens: spec.text_tokens.is_some() || has(&["workload", "text_tokens"]),
     })
 }
 

@@ -115,6 +115,23 @@ fn recipe_of_command(preset: &str, gpu: &str, cmd: &Value) -> Vec<String> {
         _ => "cached",
     };
     push("--text-encoders", te.into());
+    // The text tokens the script encodes: its --max_sequence_length, or that flag's default
+    // (train_dreambooth_flux.py:329-331 77, train_dreambooth_lora_flux.py:349-351 512, the SD3
+    // scripts 77, train_dreambooth_lora_sana.py:308-310 300); CLIP's 77 are fixed.
+    let default_tokens = match script {
+        "train_dreambooth_lora_flux.py" => "512",
+        "train_dreambooth_lora_sana.py" => "300",
+        _ => "77",
+    };
+    let tokens = value(&args, "--max_sequence_length").unwrap_or_else(|| default_tokens.into());
+    push(
+        "--text-tokens",
+        if script.contains("sana") {
+            tokens
+        } else {
+            format!("77,{tokens}")
+        },
+    );
     if let Some(z) = value(&launcher, "--zero_stage") {
         push("--zero", z);
     }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# sd3-tiny-full at 128×128: batch 4 = microbatch 4 × accumulation 1 × 1 processes
+# script: huggingface/diffusers v0.40.0 (d035dcd7cc7c88e0a154609b62887d50bba9fdc2) examples/dreambooth/train_dreambooth_sd3.py
+# note: the plan follows train_dreambooth_sd3.py: gradient checkpointing is all blocks or none (transformer.enable_gradient_checkpointing()) (train_dreambooth_sd3.py:1173-1174)
+# note: the plan follows train_dreambooth_sd3.py: no option stores the frozen base quantized (no NF4 / int8 flag in parse_args) (parse_args)
+# note: the plan follows train_dreambooth_sd3.py: no --cache_latents: the VAE encodes every step (train_dreambooth_sd3.py:1555,1570)
+# note: the plan follows train_dreambooth_sd3.py: with one --instance_prompt the text encoders are freed after encoding it once (train_dreambooth_sd3.py:1398-1402)
+# note: --pretrained_model_name_or_path, --instance_data_dir, --instance_prompt, --output_dir and its data are placeholders: examples/dreambooth/train_dreambooth_sd3.py (diffusers v0.40.0) trains on --instance_data_dir images with --instance_prompt; edit them
+# the script cannot: select xformers attention; diffusers' default processor calls PyTorch SDPA, which picks a memory-efficient kernel on CUDA by itself (train_dreambooth_sd3.py has no --enable_xformers_memory_efficient_attention)
+accelerate launch \
+  --num_processes 1 \
+  --num_machines 1 \
+  --dynamo_backend no \
+  --mixed_precision bf16 \
+  train_dreambooth_sd3.py \
+  --pretrained_model_name_or_path stabilityai/stable-diffusion-3-medium-diffusers \
+  --instance_data_dir ./instance_images \
+  --instance_prompt 'a photo of sks subject' \
+  --output_dir ./ditmem-out \
+  --mixed_precision bf16 \
+  --resolution 128 \
+  --train_batch_size 4 \
+  --gradient_accumulation_steps 1 \
+  --allow_tf32
