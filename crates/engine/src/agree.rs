@@ -532,6 +532,13 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
         Some(R::EveryK(2)),
     );
     g.lora();
+    // LoRA on the dual-attention model, memory-efficient attention: the defaults leave attn2
+    // frozen (its input released, its output kept for the attention's backward); the custom
+    // targets adapt attn2's to_q and to_v too.
+    let mut dual = family_base(tiny_dual_spec(3, 4, &[0, 2], 7, 12)?, "sd3.5-dual");
+    memory_efficient(&mut dual);
+    g.specs
+        .extend(lora_specs("sd3 dual [0, 2], memory-efficient,", &dual));
     Ok(g.finish())
 }
 

@@ -142,8 +142,8 @@ fn dual_attention(
         None => (q, k),
     };
     let o = separate_attention(g, sh, "attn2 (separate q, k, v)", [qn, kn, v], sh.s);
+    // Not released: the attention's backward reads its output.
     let a = module_linear(g, sh, "attn2.to_out.0", o, rows, d, d);
-    release_unless_read(g, sh, track, "attn2.to_out.0", o);
     let gate = chunk(g, "m", m, 8, 9, bd);
     let out = gated_released(g, track, "x1 + attn2·gate_msa2 (fused)", x1, a, gate);
     g.hold_until(&[hx2, q, k, v, qn, kn, o, a], out);

@@ -181,7 +181,9 @@ pub fn dual_attention(
         None => (q.clone(), k.clone()),
     };
     let o = attention(&qn, &kn, &v, b, cfg.heads, attn_keep(cfg.attn))?;
-    let a = linear_then_release(&w.to_out, &o)?;
+    // The attention's backward reads its output: `o` stays (the joint attention's `to_out`
+    // reads a split copy, which it may release).
+    let a = w.to_out.forward(&o)?;
     gated_then_release(x1, a, &chunk(8)?)
 }
 

@@ -25,11 +25,11 @@
 //!    rstd), the two linears (E + C cd) and `cat_tokens` instead, in the order q, k, v; attention
 //!    (N cd, keeps P b·a·n² cd / the log-sum-exp b·a·n f32 / nothing).
 //! 4. Image: `split_tokens` (E cd), `to_out.0` (E cd), x1 = x + ·gate (E ad), LN + modulate
-//!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad).
-//! 4b. Dual-attention block (between x1 and norm2): LN + modulate on x with chunks 6, 7 of the
-//!    9 (E cd), `attn2.to_q/k/v` (3E cd; under `qk_norm` the normed q, k: 2E cd, each keeping
-//!    b·s·a rstd), attention over the s image tokens, `attn2.to_out.0` (E cd), x1' = x1 +
-//!    ·gate_msa2 (E ad).
+//!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad). A
+//!    dual-attention block adds, between x1 and norm2: LN + modulate on x with chunks 6, 7 of
+//!    the 9 (E cd), `attn2.to_q/k/v` (3E cd; under `qk_norm` the normed q, k: 2E cd, each
+//!    keeping b·s·a rstd), attention over the s image tokens (E cd, kept: its backward reads
+//!    it), `attn2.to_out.0` (E cd), x1' = x1 + ·gate_msa2 (E ad).
 //! 5. Context (not the last block): `split_tokens` (C cd), `to_add_out` (C cd), c1 (C ad), LN +
 //!    modulate (C cd), `ff_context` (4C, 4C, C cd), c2 (C ad).
 
