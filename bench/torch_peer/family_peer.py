@@ -84,6 +84,34 @@ def build_model(cfg: dict, device="cpu"):
         return cls.from_config(kwargs)
 
 
+def keep_blocks(cfg: dict, family: str, keep: list) -> dict:
+    """The config with fewer blocks (`model.keep_blocks`, `--depth N[,S]`), every other value kept,
+    as the budget reads it (`crates/budget/src/families/model.rs` `Dims::with_depth`): one count
+    for every kind of block or one per kind (Flux: double, single; SD3.5: dual-attention, joint,
+    keeping the first N of each in their order). Without it the peer would build the whole model
+    (SD3.5-medium: 2.2 G parameters) for a `--depth 1` spec."""
+    if not keep:
+        return cfg
+    cfg = dict(cfg)
+    count = lambda i: int(keep[0] if len(keep) == 1 else keep[i])  # noqa: E731
+    if family == "flux":
+        cfg["num_layers"], cfg["num_single_layers"] = count(0), count(1)
+    elif family == "sd3" and cfg.get("dual_attention_layers"):
+        dual_set = set(cfg["dual_attention_layers"])
+        left, dual, kept = [count(0), count(1)], [], 0
+        for i in range(int(cfg["num_layers"])):
+            k = 0 if i in dual_set else 1
+            if left[k] > 0:
+                left[k] -= 1
+                if k == 0:
+                    dual.append(kept)
+                kept += 1
+        cfg["num_layers"], cfg["dual_attention_layers"] = kept, dual
+    else:
+        cfg["num_layers"] = count(0)
+    return cfg
+
+
 def default_text_tokens(family: str, cfg: dict) -> list:
     if family == "pixart":
         # α (PixArt-XL-2-*: 120 T5 tokens) unless the config is Σ's (its conversion script sets
@@ -104,6 +132,7 @@ class FamilySpec:
         self.cfg = dict(m["diffusers"])
         self.cls = class_name(self.cfg)
         self.family = FAMILY[self.cls]
+        self.cfg = keep_blocks(self.cfg, self.family, m.get("keep_blocks") or [])
         if w.get("ranks", 1) != 1:
             raise SpecUnsupported("workload.ranks > 1: the peer runs one process")
         if r.get("zero_stage", 0):

@@ -259,16 +259,6 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
         return Ok(());
     };
     let other = "; allowed: --runtime pytorch for it";
-    if !d.dual_attention_layers.is_empty() {
-        return Err(SpecError::invalid(
-            "model.diffusers.dual_attention_layers",
-            format!(
-                "{:?}: SD3.5's dual attention (attn2) is not in the ditmem-cpu engine yet; \
-                 allowed: [], or --runtime pytorch for it",
-                d.dual_attention_layers
-            ),
-        ));
-    }
     if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
         return Err(SpecError::invalid(
             "model.attn_dropout",

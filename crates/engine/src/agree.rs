@@ -481,10 +481,11 @@ pub fn sd3_grid_base() -> Result<Spec> {
 
 /// The SD3 agreement grid: the family policies on the base, then accumulation, odd caption
 /// lengths (1 + 1 … 77 + 77: more keys than a streaming block), SGD without EMA, a block list,
-/// q/k RMSNorm (SD3.5), one block (only the `context_pre_only` one) and a deeper, wider model.
+/// q/k RMSNorm (SD3.5), one block (only the `context_pre_only` one), a deeper, wider model and
+/// SD3.5's dual-attention blocks.
 /// Each spec runs in well under a second in release on 2 cores.
 pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
-    use crate::families::sd3::tiny_spec;
+    use crate::families::sd3::{tiny_dual_spec, tiny_spec};
     use Recompute as R;
     let mut g = GridBuilder::new("sd3", sd3_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
@@ -517,7 +518,29 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
         tiny_spec(4, 6, true, 7, 12)?,
         Some(R::All),
     );
+    // SD3.5's dual-attention blocks (attn2, 9-chunk norm1): blocks 0 and 2 of 3, so a stored
+    // dual block, a plain one and a dual last (context_pre_only) block; then SD3.5-medium's
+    // layout (dual first) under bf16-mixed and recompute.
+    let mut dual_bf16 = tiny_dual_spec(3, 4, &[0, 1], 7, 12)?;
+    dual_bf16.recipe.precision = Precision::Bf16Mixed;
+    g.model(
+        "dual attention [0, 2] (SD3.5), q/k RMSNorm",
+        tiny_dual_spec(3, 4, &[0, 2], 7, 12)?,
+        Some(R::None),
+    )
+    .model(
+        "dual attention [0, 1] (SD3.5-medium's layout), bf16-mixed, every-2",
+        dual_bf16,
+        Some(R::EveryK(2)),
+    );
     g.lora();
+    // LoRA on the dual-attention model, memory-efficient attention: the defaults leave attn2
+    // frozen (its input released, its output kept for the attention's backward); the custom
+    // targets adapt attn2's to_q and to_v too.
+    let mut dual = family_base(tiny_dual_spec(3, 4, &[0, 2], 7, 12)?, "sd3.5-dual");
+    memory_efficient(&mut dual);
+    g.specs
+        .extend(lora_specs("sd3 dual [0, 2], memory-efficient,", &dual));
     Ok(g.finish())
 }
 

@@ -134,11 +134,18 @@ fn families() -> Vec<Family> {
             specs: vec![
                 ("", resolved(sd3::tiny_spec(3, 2, false, 5, 6))),
                 ("q/k norm", resolved(sd3::tiny_spec(3, 2, true, 5, 6))),
+                (
+                    "dual attention [0, 2]",
+                    resolved(sd3::tiny_dual_spec(3, 2, &[0, 2], 5, 6)),
+                ),
             ],
             sizes: vec![
                 sd3::tiny_spec(1, 2, false, 3, 4).unwrap(),
                 sd3::tiny_spec(2, 4, false, 3, 4).unwrap(),
                 sd3::tiny_spec(3, 3, true, 3, 4).unwrap(),
+                // SD3.5's dual-attention blocks: one stored, one the last.
+                sd3::tiny_dual_spec(3, 2, &[0, 2], 3, 4).unwrap(),
+                sd3::tiny_dual_spec(1, 2, &[0], 3, 4).unwrap(),
             ],
             // The output projection (the small modulation weights keep the blocks' gradients
             // small in a first step).

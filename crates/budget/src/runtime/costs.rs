@@ -48,6 +48,14 @@ pub struct SecondBlocks {
     pub rest: SegSim,
 }
 
+/// SD3.5's dual-attention (MMDiT-X) blocks, the spec's `dual_attention_layers`: `block` any
+/// of them but the last block, `last` the last block when it is one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DualBlocks {
+    pub block: SegSim,
+    pub last: SegSim,
+}
+
 /// The three segments of the engine under a spec.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Sims {
@@ -73,6 +81,9 @@ pub struct Sims {
     pub last_block: Option<SegSim>,
     /// Blocks of a second kind (None: every block is `block`).
     pub second: Option<SecondBlocks>,
+    /// SD3.5's dual-attention blocks (None: no block is one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dual: Option<DualBlocks>,
     /// The family schedule (`trainer/family.rs`, `release_streams`): a stored segment's input
     /// streams are released once copied into its leaves, so each stream is held once.
     #[serde(skip_serializing_if = "std::ops::Not::not")]

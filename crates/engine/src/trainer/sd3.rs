@@ -15,8 +15,8 @@ use super::{cast, LinearIdx, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::sd3::{
-    block_linears, final_forward, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights,
-    Sd3Geom, QK_NORMS, SD3_FREQ,
+    block_linears, final_forward, sd3_block_forward, silu_mlp, ContextOut, DualAttn,
+    Sd3BlockWeights, Sd3Geom, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
 };
 use crate::model::{patchify, timestep_features, unpatchify};
 
@@ -26,6 +26,8 @@ use crate::model::{patchify, timestep_features, unpatchify};
 pub(super) struct Sd3BlockIdx {
     lin: Vec<LinearIdx>,
     qk: Option<[usize; 4]>,
+    /// A dual-attention block's `attn2` linears ([`DUAL_LINEARS`] order) and q/k norms.
+    dual: Option<([LinearIdx; 4], Option<[usize; 2]>)>,
 }
 
 /// Where SD3's parameters sit in `Trainer::params`.
@@ -64,7 +66,19 @@ impl Sd3Layout {
             } else {
                 None
             };
-            blocks.push(Sd3BlockIdx { lin: l, qk });
+            let dual = if geom.is_dual(i) {
+                let l = |k: usize| lin(&format!("{b}.{}", DUAL_LINEARS[k]));
+                let qk = if geom.qk_norm {
+                    let n = |k: usize| idx(&format!("{b}.{}.weight", DUAL_QK_NORMS[k]));
+                    Some([n(0)?, n(1)?])
+                } else {
+                    None
+                };
+                Some(([l(0)?, l(1)?, l(2)?, l(3)?], qk))
+            } else {
+                None
+            };
+            blocks.push(Sd3BlockIdx { lin: l, qk, dual });
         }
         let te = "time_text_embed.timestep_embedder";
         let pe = "time_text_embed.text_embedder";
@@ -86,7 +100,10 @@ impl Sd3Layout {
     /// Every linear of the model.
     pub(super) fn linears(&self) -> Vec<LinearIdx> {
         let mut v = self.embed_linears();
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
+        for b in &self.blocks {
+            v.extend(b.lin.iter().copied());
+            v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
+        }
         v.extend([self.norm_out, self.proj_out]);
         v
     }
@@ -124,6 +141,19 @@ impl Trainer {
             ]),
             None => None,
         };
+        let dual = match &b.dual {
+            Some((d, n)) => Some(DualAttn {
+                to_q: self.linear(d[0], track)?,
+                to_k: self.linear(d[1], track)?,
+                to_v: self.linear(d[2], track)?,
+                to_out: self.linear(d[3], track)?,
+                qk: match n {
+                    Some(n) => Some([self.weight(n[0], track)?, self.weight(n[1], track)?]),
+                    None => None,
+                },
+            }),
+            None => None,
+        };
         Ok(Sd3BlockWeights {
             norm1: l(0)?,
             norm1_context: l(1)?,
@@ -138,6 +168,7 @@ impl Trainer {
             ff2: l(ff + 1)?,
             ctx,
             qk,
+            dual,
         })
     }
 }
@@ -270,6 +301,10 @@ impl FamilyStep for Sd3Layout {
         let b = &self.blocks[i];
         let mut v: Vec<usize> = b.lin.iter().flat_map(Trainer::linear_params).collect();
         v.extend(b.qk.iter().flatten().copied());
+        if let Some((d, n)) = &b.dual {
+            v.extend(d.iter().flat_map(Trainer::linear_params));
+            v.extend(n.iter().flatten().copied());
+        }
         v
     }
 

@@ -27,7 +27,9 @@ pub(crate) fn block_stages(arch: &Arch, depth: u64) -> u64 {
         // Self-attention, then the cross-attention whose query is its output, then the MLP: 11.
         Arch::Pixart(_) => depth * (2 * SOFTMAX_ATTENTION + MLP),
         // One joint attention (+ the per-head RMSNorm of q and k with `qk_norm`), then the MLP
-        // of each stream: 6, or 7 (SD3.5).
+        // of each stream: 6, or 7 (SD3.5). SD3.5's dual-attention blocks add `attn2` beside the
+        // joint attention, not after it (it reads the block input's LN, as the joint attention
+        // does, and joins the residual before norm2), with as many stages as it: not longer.
         Arch::Sd3(g) => depth * (SOFTMAX_ATTENTION + u64::from(g.qk_norm) + MLP),
         // Double-stream blocks: the joint attention with RMSNorm and RoPE on q (+2), then the
         // FFN: 8. Single-stream blocks: the attention with RMSNorm and RoPE (+2) whose output

@@ -36,6 +36,8 @@ pub(super) fn query_sibling(arch: &Arch, name: &str) -> Option<String> {
     const CROSS: &[(&str, &str)] = &[("to_k.bias", "to_v.bias")];
     let pairs = match arch {
         Arch::Sd3(_) | Arch::Flux(_) if name.contains(".attn.") => SELF,
+        // SD3.5's dual-attention `attn2`: a self-attention over the image tokens.
+        Arch::Sd3(_) if name.contains(".attn2.") => SELF,
         Arch::Wan(_) | Arch::Pixart(_) if name.contains(".attn1.") => SELF,
         Arch::Wan(_) if name.contains(".attn2.") => CROSS,
         _ => return None,

@@ -525,7 +525,8 @@ fn pixart_score_bound(
 }
 
 /// [`score_bound`] for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
-/// over each block's joint attention (queries and keys of both streams).
+/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
+/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
 fn sd3_score_bound(
     spec: &Spec,
     t: &Trainer,
@@ -533,8 +534,8 @@ fn sd3_score_bound(
     batch: &Batch,
 ) -> Result<(f64, f64, f64)> {
     use crate::families::sd3::{
-        block_linears, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
-        ContextOut, Sd3BlockWeights, QK_NORMS, SD3_FREQ,
+        block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
+        ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
     };
     let d: Dims = *t.dims();
     let dev = Device::Cpu;
@@ -604,6 +605,24 @@ fn sd3_score_bound(
                 }),
             )
         };
+        let dual = if g.is_dual(i) {
+            let n = |k: &str| format!("transformer_blocks.{i}.{k}");
+            let qk = if g.qk_norm {
+                let w = |k: usize| t.parameter(&format!("{}.weight", n(DUAL_QK_NORMS[k])));
+                Some([w(0)?, w(1)?])
+            } else {
+                None
+            };
+            Some(DualAttn {
+                to_q: linear(t, &n(DUAL_LINEARS[0]))?,
+                to_k: linear(t, &n(DUAL_LINEARS[1]))?,
+                to_v: linear(t, &n(DUAL_LINEARS[2]))?,
+                to_out: linear(t, &n(DUAL_LINEARS[3]))?,
+                qk,
+            })
+        } else {
+            None
+        };
         blocks.push(Sd3BlockWeights {
             norm1: l[0].clone(),
             norm1_context: l[1].clone(),
@@ -618,6 +637,7 @@ fn sd3_score_bound(
             ff2: l[ff + 1].clone(),
             ctx,
             qk,
+            dual,
         });
     }
     let mut bound = 0.0f64;
@@ -647,7 +667,11 @@ fn sd3_score_bound(
         for bw in &blocks {
             let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
                 let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
-                let sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
+                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
+                // attn2 reads the block's input image stream (its own LN of x).
+                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &cfg)? {
+                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?);
+                }
                 Ok((
                     sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
                     sb,

@@ -6,7 +6,7 @@
 //! replay ([`super::step`]), which runs the last block on its own [`Sims::last_block`].
 
 use crate::families::{Dims as FamilyDims, Sd3Dims};
-use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
     proj_out_released, reads_input, release_unless_read,
@@ -26,7 +26,7 @@ use crate::spec::Spec;
 pub const SD3_FREQ: u64 = 256;
 
 /// What an SD3 step reads beyond [`Shape`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Sd3Geo {
     /// Caption tokens T (the sequence encoders' counts summed).
     pub t: u64,
@@ -42,6 +42,9 @@ pub(crate) struct Sd3Geo {
     pub qk_norm: bool,
     /// Joint blocks.
     pub layers: u64,
+    /// SD3.5's dual-attention blocks (`dual_attention_layers`, ascending): `norm1` of 9·D and
+    /// the image-only self-attention `attn2`.
+    pub dual: Vec<u64>,
 }
 
 impl Sd3Geo {
@@ -65,7 +68,13 @@ impl Sd3Geo {
             c_out: d.out_channels,
             qk_norm: d.qk_norm,
             layers: d.num_layers,
+            dual: d.dual_attention_layers.clone(),
         }
+    }
+
+    /// Whether block `i` is a dual-attention block.
+    pub(crate) fn is_dual(&self, i: u64) -> bool {
+        self.dual.binary_search(&i).is_ok()
     }
 
     /// Cached text elements of one sample the batch holds in f64: the caption and the pooled
@@ -96,11 +105,62 @@ fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid
     module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
 }
 
+/// The blocks that are dual-attention blocks, by index (empty for any other model).
+pub(crate) fn dual_blocks(spec: &Spec) -> Vec<u64> {
+    Sd3Geo::of(spec).map(|g| g.dual).unwrap_or_default()
+}
+
+/// `dual_attention` of the engine (a function: its locals live until it returns): attn2 on
+/// LN(x) modulated by chunks 6, 7 of `norm1`'s nine, q/k RMSNorm (`norms`: the weights'
+/// copies), attention over the image tokens, `attn2.to_out.0`, and x1 + ·gate_msa2 (chunk 8).
+fn dual_attention(
+    g: &mut Graph,
+    sh: &Shape,
+    track: bool,
+    (x, x1, m): (Nid, Nid, Nid),
+    norms: Option<[Nid; 2]>,
+) -> Nid {
+    let (cd, d) = (sh.cd(), sh.d);
+    let (rows, bd) = (sh.b * sh.s, sh.b * d);
+    let (s6, s7) = (chunk(g, "m", m, 6, 9, bd), chunk(g, "m", m, 7, 9, bd));
+    let hx2 = ln_modulate(g, "norm1 (attn2)+modulate", x, s6, s7, rows, cd);
+    let q = module_linear(g, sh, "attn2.to_q", hx2, rows, d, d);
+    let k = module_linear(g, sh, "attn2.to_k", hx2, rows, d, d);
+    let v = module_linear(g, sh, "attn2.to_v", hx2, rows, d, d);
+    if !["attn2.to_q", "attn2.to_k", "attn2.to_v"]
+        .iter()
+        .any(|n| reads_input(sh, track, n))
+    {
+        g.release(hx2);
+    }
+    let (qn, kn) = match norms {
+        Some([wq, wk]) => {
+            let dh = d / sh.heads;
+            let qn = super::flux::rms_norm(g, sh, "attn2.norm_q", q, wq, dh);
+            (qn, super::flux::rms_norm(g, sh, "attn2.norm_k", k, wk, dh))
+        }
+        None => (q, k),
+    };
+    let o = separate_attention(g, sh, "attn2 (separate q, k, v)", [qn, kn, v], sh.s);
+    // Not released: the attention's backward reads its output.
+    let a = module_linear(g, sh, "attn2.to_out.0", o, rows, d, d);
+    let gate = chunk(g, "m", m, 8, 9, bd);
+    let out = gated_released(g, track, "x1 + attn2·gate_msa2 (fused)", x1, a, gate);
+    g.hold_until(&[hx2, q, k, v, qn, kn, o, a], out);
+    out
+}
+
 /// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams, tracked
 /// or not (`track`: which buffers the engine releases, `ops::release`, depends on what a backward
-/// would read). Returns the graph, the stream leaves [context, image], the conditioning leaf and
-/// the outputs ([context, image], or [image] for the last block).
-pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Nid>, Nid, Vec<Nid>) {
+/// would read); `dual`: SD3.5's dual-attention block (`attn2`). Returns the graph, the stream
+/// leaves [context, image], the conditioning leaf and the outputs ([context, image], or [image]
+/// for the last block).
+pub fn block(
+    sh: &Shape,
+    sg: &Sd3Geo,
+    (last, dual): (bool, bool),
+    track: bool,
+) -> (Graph, Vec<Nid>, Nid, Vec<Nid>) {
     let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
     let d = sh.d;
@@ -112,15 +172,19 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let se = sh.cond_leaf(&mut g, "SiLU(temb) (shared leaf)", bd, cd);
     // The q/k norm weights are cast copies made with the block's weights (alive while it runs).
     let dh = d / sh.heads;
+    let norm_weight = |g: &mut Graph, n: &str| {
+        let w = base_weight(g, sh, &format!("{n}.weight"), dh, cd);
+        g.bind(w)
+    };
     let qk: Option<Vec<Nid>> = sg.qk_norm.then(|| {
         ["norm_q", "norm_k", "norm_added_q", "norm_added_k"]
             .iter()
-            .map(|n| {
-                let w = base_weight(&mut g, sh, &format!("attn.{n}.weight"), dh, cd);
-                g.bind(w)
-            })
+            .map(|n| norm_weight(&mut g, &format!("attn.{n}")))
             .collect()
     });
+    // attn2's, made after them (`Trainer::sd3_block_weights`).
+    let qk2 = (sg.qk_norm && dual)
+        .then(|| [0, 1].map(|i| norm_weight(&mut g, ["attn2.norm_q", "attn2.norm_k"][i])));
     let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
         let y = module_linear(g, sh, name, x, rows, out, inp);
         g.bind(y)
@@ -136,12 +200,14 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
         let m = g.cast(&format!("{name} →{ad}"), m, ad);
         g.bind(m)
     };
-    let m = ada(&mut g, "norm1.linear", 6);
+    // SD35AdaLayerNormZeroX: 9 chunks (a second shift / scale / gate for attn2).
+    let km = if dual { 9 } else { 6 };
+    let m = ada(&mut g, "norm1.linear", km);
     let kc = if last { 2 } else { 6 };
     let mc = ada(&mut g, "norm1_context.linear", kc);
     let (s0, s1) = (
-        chunk(&mut g, "m", m, 0, 6, bd),
-        chunk(&mut g, "m", m, 1, 6, bd),
+        chunk(&mut g, "m", m, 0, km, bd),
+        chunk(&mut g, "m", m, 1, km, bd),
     );
     let hx = ln_modulate(&mut g, "norm1+modulate", x, s0, s1, rows, cd);
     g.bind(hx);
@@ -219,18 +285,24 @@ pub fn block(sh: &Shape, sg: &Sd3Geo, last: bool, track: bool) -> (Graph, Vec<Ni
     let oi = slice(&mut g, "split image", o, e);
     g.bind(oi);
     let ao = lin_release(&mut g, "attn.to_out.0", oi, rows);
-    let gate = chunk(&mut g, "m", m, 2, 6, bd);
+    let gate = chunk(&mut g, "m", m, 2, km, bd);
     let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, ao, gate);
     g.bind(x1);
+    let x1 = if dual {
+        let x1b = dual_attention(&mut g, sh, track, (x, x1, m), qk2);
+        g.bind(x1b)
+    } else {
+        x1
+    };
     let (s3, s4) = (
-        chunk(&mut g, "m", m, 3, 6, bd),
-        chunk(&mut g, "m", m, 4, 6, bd),
+        chunk(&mut g, "m", m, 3, km, bd),
+        chunk(&mut g, "m", m, 4, km, bd),
     );
     let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
     g.bind(h2);
     let f = feed_forward(&mut g, sh, "ff", h2, rows);
     release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
-    let gate = chunk(&mut g, "m", m, 5, 6, bd);
+    let gate = chunk(&mut g, "m", m, 5, km, bd);
     let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, gate);
     if last {
         return (g, vec![c, x], se, vec![x2]);
@@ -290,13 +362,13 @@ fn seg_many(
 }
 
 /// One block's simulation: tracked on leaf copies with its seeds, and untracked on its inputs.
-fn block_sim(sh: &Shape, sg: &Sd3Geo, last: bool) -> SegSim {
-    let (mut bg, leaves, _, outs) = block(sh, sg, last, true);
+fn block_sim(sh: &Shape, sg: &Sd3Geo, kind: (bool, bool)) -> SegSim {
+    let (mut bg, leaves, _, outs) = block(sh, sg, kind, true);
     let fwd = forward_peak(&bg);
     let (root, n) = seeds(&mut bg, &outs);
     let mut s = seg_many(&bg, &leaves, &outs, &[], root, n);
     s.fwd_peak = fwd;
-    let (mut ug, uleaves, _, uouts) = block(sh, sg, last, false);
+    let (mut ug, uleaves, _, uouts) = block(sh, sg, kind, false);
     for l in uleaves {
         ug.nodes[l].alloc = false;
     }
@@ -423,15 +495,24 @@ pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
 }
 
 /// Simulate SD3's segments for a spec: the embed, a joint block, the last
-/// (`context_pre_only`) block, the output side.
+/// (`context_pre_only`) block, SD3.5's dual-attention blocks, the output side.
 pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     let sh = Shape::new(spec);
-    let last = block_sim(&sh, sg, true);
-    let block = if sg.layers > 1 {
-        block_sim(&sh, sg, false)
+    let top = sg.layers.saturating_sub(1);
+    let last = block_sim(&sh, sg, (true, sg.is_dual(top)));
+    let block = if (0..top).any(|i| !sg.is_dual(i)) {
+        block_sim(&sh, sg, (false, false))
     } else {
         last
     };
+    let dual = (!sg.dual.is_empty()).then(|| DualBlocks {
+        block: if (0..top).any(|i| sg.is_dual(i)) {
+            block_sim(&sh, sg, (false, true))
+        } else {
+            last
+        },
+        last,
+    });
     let (fg, fleaf, froot) = final_graph(&sh, sg);
     // The streams first, then the conditioning, in the schedule's order.
     let (eg, streams, se) = embed_graph(&sh, sg);
@@ -450,6 +531,7 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     let scratch = sims::embed_scratch(&sh, SD3_FREQ, text);
     Sims {
         last_block: Some(last),
+        dual,
         ..sims::sims(embed, block, sims::final_sim(&fg, fleaf, froot), scratch)
     }
 }
@@ -461,7 +543,10 @@ pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment
     let sh = Shape::new(spec);
     Some([
         to_segment(&embed_graph(&sh, &sg).0, "embed"),
-        to_segment(&block(&sh, &sg, sg.layers == 1, true).0, "block"),
+        to_segment(
+            &block(&sh, &sg, (sg.layers == 1, sg.is_dual(0)), true).0,
+            "block",
+        ),
         to_segment(&final_graph(&sh, &sg).0, "final"),
     ])
 }

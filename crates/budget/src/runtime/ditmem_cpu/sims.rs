@@ -152,6 +152,7 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
         cond_grad: embed.cond_grad,
         last_block: None,
         second: None,
+        dual: None,
         streams_once: true,
     }
 }

@@ -192,6 +192,10 @@ struct Replay<'a> {
     last_block: Landing,
     /// The second kind of block's landing ([`Sims::second`]: Flux's single-stream blocks).
     second: Landing,
+    /// Which blocks are SD3.5's dual-attention blocks ([`Sims::dual`]; empty without them),
+    /// and the landing of one that is not the last.
+    dual: Vec<bool>,
+    dual_landing: Landing,
     final_layer: Landing,
     embed: Landing,
 }
@@ -200,6 +204,24 @@ impl<'a> Replay<'a> {
     fn new(spec: &'a Spec, table: &[ParamTensor], sims: &'a Sims) -> Replay<'a> {
         let p = spec.recipe.precision;
         let gd = grad_dtype(p).size();
+        let depth = spec.model.depth;
+        let dual: Vec<bool> = match sims.dual {
+            Some(_) => {
+                let d = super::sd3::dual_blocks(spec);
+                (0..u64::from(depth))
+                    .map(|i| d.binary_search(&i).is_ok())
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        // The first block of each kind that is not the last (its tensors' gradients land as
+        // every such block's do).
+        let first = |want: bool| {
+            (0..depth.saturating_sub(1))
+                .find(|&i| dual.get(i as usize).copied().unwrap_or(false) == want)
+                .unwrap_or(0)
+        };
+        let (plain, first_dual) = (first(false), first(true));
         Replay {
             spec,
             sims,
@@ -212,7 +234,7 @@ impl<'a> Replay<'a> {
                 1
             },
             block: Landing::of(table, gd, &|t| {
-                t.block == Some(0) && t.module != Module::SingleBlocks
+                t.block == Some(plain) && t.module != Module::SingleBlocks
             }),
             last_block: match sims.last_block {
                 Some(_) => {
@@ -226,6 +248,8 @@ impl<'a> Replay<'a> {
             }),
             final_layer: Landing::of(table, gd, &is_final),
             embed: Landing::of(table, gd, &is_embed),
+            dual_landing: Landing::of(table, gd, &|t| t.block == Some(first_dual)),
+            dual,
         }
     }
 
@@ -237,6 +261,13 @@ impl<'a> Replay<'a> {
     /// single-stream blocks), or [`Sims::last_block`] (SD3's `context_pre_only` block).
     fn seg_of(&self, i: u32) -> &'a SegSim {
         let sims: &'a Sims = self.sims;
+        if let (Some(d), true) = (&sims.dual, self.is_dual(i)) {
+            return if i + 1 == self.spec.model.depth {
+                &d.last
+            } else {
+                &d.block
+            };
+        }
         match (&sims.second, &sims.last_block) {
             (Some(k), _) if i == k.start => &k.first,
             (Some(k), _) if i > k.start => &k.rest,
@@ -262,8 +293,16 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// Whether block `i` is one of SD3.5's dual-attention blocks.
+    fn is_dual(&self, i: u32) -> bool {
+        self.dual.get(i as usize).copied().unwrap_or(false)
+    }
+
     /// The landing of block `i`'s gradients.
     fn landing_of(&self, i: u32) -> Landing {
+        if self.is_dual(i) && i + 1 != self.spec.model.depth {
+            return self.dual_landing;
+        }
         match (&self.sims.second, &self.sims.last_block) {
             (Some(k), _) if i >= k.start => self.second,
             (_, Some(_)) if i + 1 == self.spec.model.depth => self.last_block,

@@ -35,6 +35,20 @@ pub struct Sd3BlockWeights {
     pub ff2: LinearW,
     pub ctx: Option<ContextOut>,
     pub qk: Option<[Tensor; 4]>,
+    /// A dual-attention (MMDiT-X) block's `attn2`; `norm1` then yields 9 chunks.
+    pub dual: Option<DualAttn>,
+}
+
+/// The image-only self-attention `attn2` of an SD3.5 dual-attention block (diffusers
+/// `JointTransformerBlock(use_dual_attention=True)`), with its q/k RMSNorm weights (`norm_q`,
+/// `norm_k`, in the compute dtype) under `qk_norm`.
+#[derive(Debug, Clone)]
+pub struct DualAttn {
+    pub to_q: LinearW,
+    pub to_k: LinearW,
+    pub to_v: LinearW,
+    pub to_out: LinearW,
+    pub qk: Option<[Tensor; 2]>,
 }
 
 /// The context stream's output side of a block that is not `context_pre_only`.
@@ -116,6 +130,11 @@ pub fn sd3_block_forward(
     let oi = split_tokens(&o, b, 0, s)?;
     let ao = linear_then_release(&w.to_out, &oi)?;
     let x1 = gated_then_release(x, ao, &chunk(&m, 2)?)?;
+    // SD3.5's dual attention: x1 + gate_msa2 · attn2(LN(x)·(1 + scale_msa2) + shift_msa2).
+    let x1 = match &w.dual {
+        Some(d2) => dual_attention(x, &x1, &m, d2, cfg)?,
+        None => x1,
+    };
     let h2 = ln_modulate(&x1, &chunk(&m, 3)?, &chunk(&m, 4)?, LN_EPS, cd)?;
     let f = feed_forward_then_release(&h2, &w.ff1, &w.ff2)?;
     let x2 = gated_then_release(&x1, f, &chunk(&m, 5)?)?;
@@ -131,6 +150,64 @@ pub fn sd3_block_forward(
     let fc = feed_forward_then_release(&h2c, &cw.ff1, &cw.ff2)?;
     let c2 = gated_then_release(&c1, fc, &chunk(&mc, 5)?)?;
     Ok(vec![c2, x2])
+}
+
+/// `attn2` of a dual-attention block and its gated residual (a function: its locals live until
+/// it returns): `norm_hidden_states2` = LN(x) modulated by chunks 6 and 7 of `norm1`'s nine
+/// (diffusers' `SD35AdaLayerNormZeroX` normalises the block input x, not x1), q, k, v of the
+/// image tokens (q/k RMSNorm under `qk_norm`), attention, `to_out.0`, and x1 + ·gate_msa2
+/// (chunk 8). Returns the new image stream (b, s, D) in `ad`.
+pub fn dual_attention(
+    x: &Tensor,
+    x1: &Tensor,
+    m: &Tensor,
+    w: &DualAttn,
+    cfg: &BlockConfig,
+) -> Result<Tensor> {
+    let (b, _, h) = x.dims3()?;
+    let chunk = |i: usize| m.narrow(1, i * h, h);
+    let hx2 = ln_modulate(x, &chunk(6)?, &chunk(7)?, LN_EPS, cfg.compute)?;
+    let (q, k, v) = (
+        w.to_q.forward(&hx2)?,
+        w.to_k.forward(&hx2)?,
+        w.to_v.forward(&hx2)?,
+    );
+    // Read by no backward once its three linears are frozen (LoRA's default leaves attn2).
+    if ![&w.to_q, &w.to_k, &w.to_v].iter().any(|l| l.reads_input()) {
+        release(&hx2)?;
+    }
+    let (qn, kn) = match &w.qk {
+        Some([nq, nk]) => (rms_norm(&q, nq, RMS_EPS)?, rms_norm(&k, nk, RMS_EPS)?),
+        None => (q.clone(), k.clone()),
+    };
+    let o = attention(&qn, &kn, &v, b, cfg.heads, attn_keep(cfg.attn))?;
+    // The attention's backward reads its output: `o` stays (the joint attention's `to_out`
+    // reads a split copy, which it may release).
+    let a = w.to_out.forward(&o)?;
+    gated_then_release(x1, a, &chunk(8)?)
+}
+
+/// The queries and keys of a dual-attention block's `attn2` (after its q/k norms), as
+/// [`dual_attention`] computes them: (b·s, D) each. The score probe of `verify` reads them.
+pub fn dual_qk(
+    x: &Tensor,
+    se: &Tensor,
+    w: &Sd3BlockWeights,
+    cfg: &BlockConfig,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let Some(d2) = &w.dual else {
+        return Ok(None);
+    };
+    let h = x.dim(2)?;
+    let m = cast(w.norm1.forward(se)?, cfg.accum)?;
+    let chunk = |i: usize| m.narrow(1, i * h, h);
+    let hx2 = ln_modulate(x, &chunk(6)?, &chunk(7)?, LN_EPS, cfg.compute)?;
+    let (mut q, mut k) = (d2.to_q.forward(&hx2)?, d2.to_k.forward(&hx2)?);
+    if let Some([nq, nk]) = &d2.qk {
+        q = rms_norm(&q, nq, RMS_EPS)?;
+        k = rms_norm(&k, nk, RMS_EPS)?;
+    }
+    Ok(Some((q, k)))
 }
 
 /// The joint attention's concatenated queries and keys of a block, [image, context] per sample

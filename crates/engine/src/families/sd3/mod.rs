@@ -7,11 +7,12 @@
 //! - [`block`]: the MMDiT `JointTransformerBlock` (AdaLayerNormZero on both streams, one
 //!   softmax attention over the per-sample concatenation [image, context], gated residuals,
 //!   GELU-tanh MLPs), its last `context_pre_only` variant, the optional q/k RMSNorm, and the
-//!   output side (`norm_out` + `proj_out`).
+//!   output side (`norm_out` + `proj_out`); SD3.5's dual-attention (MMDiT-X) blocks add the
+//!   image-only self-attention `attn2` ([`dual_attention`]).
 //!
 //! The caption (b × T × joint_attention_dim) and the pooled embedding (b ×
 //! pooled_projection_dim) enter as cached synthetic inputs from the data seed, like the
-//! latents: no text encoder weights. SD3.5's dual attention layers are refused.
+//! latents: no text encoder weights.
 //!
 //! # Block composition (what one block allocates in forward)
 //! `cd` compute dtype, `ad` accumulation dtype, E = b·s·D, C = b·T·D, N = E + C:
@@ -24,7 +25,11 @@
 //!    rstd), the two linears (E + C cd) and `cat_tokens` instead, in the order q, k, v; attention
 //!    (N cd, keeps P b·a·n² cd / the log-sum-exp b·a·n f32 / nothing).
 //! 4. Image: `split_tokens` (E cd), `to_out.0` (E cd), x1 = x + ·gate (E ad), LN + modulate
-//!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad).
+//!    (E cd), `ff.net.0.proj` (4E cd), GELU (4E cd), `ff.net.2` (E cd), x2 (E ad). A
+//!    dual-attention block adds, between x1 and norm2: LN + modulate on x with chunks 6, 7 of
+//!    the 9 (E cd), `attn2.to_q/k/v` (3E cd; under `qk_norm` the normed q, k: 2E cd, each
+//!    keeping b·s·a rstd), attention over the s image tokens (E cd, kept: its backward reads
+//!    it), `attn2.to_out.0` (E cd), x1' = x1 + ·gate_msa2 (E ad).
 //! 5. Context (not the last block): `split_tokens` (C cd), `to_add_out` (C cd), c1 (C ad), LN +
 //!    modulate (C cd), `ff_context` (4C, 4C, C cd), c2 (C ad).
 
@@ -32,9 +37,12 @@ pub mod block;
 pub mod params;
 
 pub use block::{
-    final_forward, joint_qk, sd3_block_forward, silu_mlp, ContextOut, Sd3BlockWeights,
+    dual_attention, dual_qk, final_forward, joint_qk, sd3_block_forward, silu_mlp, ContextOut,
+    DualAttn, Sd3BlockWeights,
 };
-pub use params::{block_linears, param_shapes, Sd3Geom, QK_NORMS, SD3_FREQ};
+pub use params::{
+    block_linears, param_shapes, Sd3Geom, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
+};
 
 use ditmem_budget::Spec;
 
@@ -48,14 +56,25 @@ pub(crate) fn tiny_config(
     heads: u32,
     qk_norm: bool,
 ) -> serde_json::Map<String, serde_json::Value> {
+    tiny_config_dual(layers, heads, qk_norm, &[])
+}
+
+/// [`tiny_config`] with SD3.5's dual-attention blocks `dual` (`dual_attention_layers`).
+pub fn tiny_config_dual(
+    layers: u32,
+    heads: u32,
+    qk_norm: bool,
+    dual: &[u32],
+) -> serde_json::Map<String, serde_json::Value> {
     let hidden = 16 * heads;
     let qk = if qk_norm { r#""rms_norm""# } else { "null" };
+    let dual = serde_json::to_string(dual).unwrap_or_else(|_| "[]".into());
     let text = format!(
         r#"{{"_class_name": "SD3Transformer2DModel", "sample_size": 16, "num_layers": {layers},
             "attention_head_dim": 16, "num_attention_heads": {heads}, "in_channels": 16,
             "out_channels": 16, "patch_size": 2, "joint_attention_dim": 32,
             "caption_projection_dim": {hidden}, "pooled_projection_dim": 24,
-            "pos_embed_max_size": 12, "dual_attention_layers": [], "qk_norm": {qk}}}"#
+            "pos_embed_max_size": 12, "dual_attention_layers": {dual}, "qk_norm": {qk}}}"#
     );
     match serde_json::from_str(&text) {
         Ok(serde_json::Value::Object(m)) => m,
@@ -70,6 +89,19 @@ pub fn tiny_spec(layers: u32, heads: u32, qk_norm: bool, clip: u32, t5: u32) -> 
         Spec::small(),
         "sd3-tiny",
         tiny_config(layers, heads, qk_norm),
+    )?;
+    s.workload.text_tokens = Some(vec![clip, t5]);
+    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
+    Ok(s)
+}
+
+/// A tiny SD3.5 spec ([`tiny_spec`] with q/k RMSNorm) whose blocks `dual` are dual-attention
+/// (MMDiT-X) blocks, as SD3.5-medium's `dual_attention_layers`.
+pub fn tiny_dual_spec(layers: u32, heads: u32, dual: &[u32], clip: u32, t5: u32) -> Result<Spec> {
+    let mut s = ditmem_budget::denoiser::with_family(
+        Spec::small(),
+        "sd3.5-tiny-dual",
+        tiny_config_dual(layers, heads, true, dual),
     )?;
     s.workload.text_tokens = Some(vec![clip, t5]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;

@@ -35,6 +35,9 @@ pub struct Sd3Geom {
     pub out_channels: usize,
     /// Per-head q/k RMSNorm (`qk_norm: "rms_norm"`).
     pub qk_norm: bool,
+    /// The dual-attention (MMDiT-X) blocks, SD3.5's `dual_attention_layers`: each has an
+    /// `SD35AdaLayerNormZeroX` `norm1` (9·D) and the image-only self-attention `attn2`.
+    pub dual: Vec<usize>,
     /// LoRA's rank and the modules it adapts ([`LoraPlan`]); None trains the full model.
     pub lora: Option<LoraPlan>,
 }
@@ -42,12 +45,6 @@ pub struct Sd3Geom {
 impl Sd3Geom {
     /// Checks what the engine runs of an SD3 config and reads its geometry.
     pub fn new(spec: &Spec, d: &Sd3Dims) -> Result<Sd3Geom> {
-        if !d.dual_attention_layers.is_empty() {
-            return Err(EngineError::unsupported(
-                "model.diffusers.dual_attention_layers",
-                "SD3.5's dual attention (MMDiT-X attn2) is not in the engine yet; use an empty list",
-            ));
-        }
         if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
             return Err(EngineError::unsupported(
                 "model.attn_dropout / model.mlp_dropout with an SD3 model",
@@ -110,6 +107,11 @@ impl Sd3Geom {
             pos_is_grid,
             out_channels: d.out_channels as usize,
             qk_norm: d.qk_norm,
+            dual: d
+                .dual_attention_layers
+                .iter()
+                .map(|&i| i as usize)
+                .collect(),
             lora: LoraPlan::of(spec),
         })
     }
@@ -138,6 +140,20 @@ pub fn block_linears(last: bool) -> Vec<&'static str> {
     }
     v
 }
+
+impl Sd3Geom {
+    /// Whether block `i` is a dual-attention (MMDiT-X) block.
+    pub fn is_dual(&self, i: usize) -> bool {
+        self.dual.contains(&i)
+    }
+}
+
+/// The linears of a dual-attention block's `attn2` (diffusers `Attention(query_dim=dim)`, a
+/// self-attention over the image tokens), in the table's order.
+pub const DUAL_LINEARS: [&str; 4] = ["attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"];
+
+/// The q/k RMSNorm weights of `attn2` (with `qk_norm`).
+pub const DUAL_QK_NORMS: [&str; 2] = ["attn2.norm_q", "attn2.norm_k"];
 
 /// The q/k RMSNorm weights of a block's attention (with `qk_norm`).
 pub const QK_NORMS: [&str; 4] = [
@@ -212,8 +228,11 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
         let last = i + 1 == d.depth;
+        let dual = g.is_dual(i);
         for name in block_linears(last) {
             let (out, inp, init) = match name {
+                // SD35AdaLayerNormZeroX: a second shift / scale / gate for attn2.
+                "norm1.linear" if dual => (9 * h, h, Init::XavierUniform),
                 "norm1.linear" => (6 * h, h, Init::XavierUniform),
                 "norm1_context.linear" if last => (2 * h, h, Init::XavierUniform),
                 "norm1_context.linear" => (6 * h, h, Init::XavierUniform),
@@ -228,9 +247,22 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
             } else {
                 "attn.to_add_out"
             };
-            if g.qk_norm && name == after {
-                for n in QK_NORMS {
-                    push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+            if name == after {
+                if g.qk_norm {
+                    for n in QK_NORMS {
+                        push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+                    }
+                }
+                // Then attn2's projections and its q/k norms.
+                if dual {
+                    for n in DUAL_LINEARS {
+                        linear(&mut push, &format!("{b}.{n}"), h, h, Init::XavierUniform);
+                    }
+                    if g.qk_norm {
+                        for n in DUAL_QK_NORMS {
+                            push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+                        }
+                    }
                 }
             }
         }
