@@ -130,7 +130,7 @@ impl Dims {
     }
 
     /// Features of one patch at the input: C·p·p.
-    pub(crate) fn patch_in(&self) -> usize {
+    pub fn patch_in(&self) -> usize {
         self.in_channels * self.patch * self.patch
     }
 
@@ -368,12 +368,7 @@ pub(crate) fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>
 }
 
 /// The sinusoidal timestep features (b, F): cat[cos(t·f), sin(t·f)], f_k = e^(−ln(10000)·k/(F/2)).
-pub(crate) fn timestep_features(
-    t: &[u32],
-    freq: usize,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
+pub fn timestep_features(t: &[u32], freq: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let values: Vec<f64> = t.iter().map(|&ti| f64::from(ti)).collect();
     sinusoid_features(&values, freq, dtype, dev)
 }
@@ -381,12 +376,7 @@ pub(crate) fn timestep_features(
 /// [`timestep_features`] of any values (diffusers' `Timesteps(256, flip_sin_to_cos=True,
 /// downscale_freq_shift=0)`, which PixArt-α also applies to the image resolution and aspect
 /// ratio: `PixArtAlphaCombinedTimestepSizeEmbeddings.additional_condition_proj`).
-pub(crate) fn sinusoid_features(
-    t: &[f64],
-    freq: usize,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
+pub fn sinusoid_features(t: &[f64], freq: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let half = freq / 2;
     let mut v = Vec::with_capacity(t.len() * freq);
     for &ti in t {

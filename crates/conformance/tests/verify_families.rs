@@ -4,10 +4,10 @@
 //! and (ignored: minutes) the margins of every correct variant over five weight seeds.
 
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
-use ditmem_engine::families::{self, zero_gradient, Arch};
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, verify, Fault, Report, Variant, Verdict, VerifyOptions,
 };
+use ditmem_engine::families::{self, zero_gradient, Arch};
 
 fn resolve(s: Spec) -> Spec {
     ditmem_engine::host::resolve(&s)

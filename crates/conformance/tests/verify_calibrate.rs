@@ -16,10 +16,10 @@
 //! every correct variant passes verify.
 
 use ditmem_budget::Spec;
-use ditmem_engine::mutation;
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, unit_roundoff, verify, Verdict, VerifyOptions,
 };
+use ditmem_engine::mutation;
 
 fn case(name: &str) -> Vec<(String, Spec, f64)> {
     let base = Spec::small();
