@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::{Prediction, Spec};
+use ditmem_spec::{Prediction, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::model::Dims;

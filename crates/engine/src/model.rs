@@ -17,7 +17,7 @@
 //! - LoRA: `lora_a` uniform(±1/√in), `lora_b` zero.
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::{LoraTarget, Spec};
+use ditmem_spec::{LoraTarget, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::rng::{seed_from_str, SplitMix64};

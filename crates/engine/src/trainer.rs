@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ditmem_budget::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
+use ditmem_spec::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
 use serde::Serialize;
 
 use crate::block::{

@@ -39,7 +39,7 @@ pub use block::{
 };
 pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 

@@ -36,7 +36,7 @@ pub use block::{
 };
 pub use params::{block_linears, param_shapes, Sd3Geom, QK_NORMS, SD3_FREQ};
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 
