@@ -72,6 +72,7 @@ pub mod ops;
 pub mod optim;
 pub mod rng;
 pub mod run;
+pub mod shapes;
 pub mod threads;
 pub mod trainer;
 

@@ -17,7 +17,7 @@
 
 use ditmem_spec::Spec;
 
-use crate::model::{Init, ParamShape};
+use crate::shapes::{Init, ParamShape};
 
 /// LoRA's rank and the module keys it adapts.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use ditmem_budget::{FluxDims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid (timestep and guidance).
 pub const FLUX_FREQ: usize = 256;
