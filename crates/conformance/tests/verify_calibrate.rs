@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! CAL_CASES=base,gain,width,mutspec CAL_SEEDS=5 CAL_STEPS=3 cargo test --release \
-//!     -p ditmem-engine --test verify_calibrate -- --ignored --nocapture
+//!     -p ditmem-conformance --test verify_calibrate -- --ignored --nocapture
 //! CAL_CASES=base CAL_SEEDS=5 CAL_STEPS=50 cargo test ... (the drift over the default K)
 //! ```
 //!
