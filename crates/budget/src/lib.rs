@@ -15,7 +15,6 @@
 mod cost;
 pub mod denoiser;
 pub(crate) mod encoders;
-mod error;
 mod estimate;
 mod events;
 mod export;
@@ -28,12 +27,12 @@ mod plan;
 mod precision_rules;
 mod runtime;
 mod segment;
-mod sharder;
 mod sharding;
 mod snapshot;
-mod spec;
 mod timeline;
-mod units;
+
+// The vocabulary (`ditmem-spec`), under the paths this crate has always used for it.
+use ditmem_spec::{error, sharder, spec, units};
 
 pub use cost::{
     block_flops, fast_dit_spec, step_time, time_error_note, BlockFlops, DeviceProfile,

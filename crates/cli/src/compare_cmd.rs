@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use ditmem_budget::fmt_bytes;
 use ditmem_budget::{Budget, Runtime};
-use ditmem_engine::agree::{self, Agreement, GridSummary};
+use ditmem_conformance::agree::{self, Agreement, GridSummary};
 use ditmem_engine::{Measurement, MemoryProbe};
 use serde::Serialize;
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ditmem_budget::{Spec, SpecError};
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     self, compute_reference_in, parse_variants, plan_memory, Event, MemoryPlan, Reference, Report,
     Variant, VerifyError, VerifyOptions,
 };

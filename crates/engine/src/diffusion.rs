@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::{Prediction, Spec};
+use ditmem_spec::{Prediction, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::model::Dims;
@@ -118,7 +118,7 @@ impl Batch {
     }
 
     /// The cached text embeddings as (n·T, width) in `dtype` (made in f64, then cast).
-    pub(crate) fn text_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub fn text_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_slice(
             &self.text,
             (self.n * self.text_tokens, self.text_width),
@@ -129,7 +129,7 @@ impl Batch {
 
     /// The cached pooled text embeddings as (n, pooled_width) in `dtype` (made in f64, then
     /// cast).
-    pub(crate) fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub fn pooled_tensor(&self, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = Tensor::from_slice(&self.pooled, (self.n, self.pooled_width), dev)?;
         Ok(t.to_dtype(dtype)?)
     }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use ditmem_budget::ditmem_cpu::gemm_pack::{self, GemmCache};
-use ditmem_budget::{Bf16Products, CpuSpec, GemmIsa, Spec};
+use ditmem_spec::{Bf16Products, CpuSpec, GemmIsa, Spec};
 
 use crate::error::{EngineError, Result};
 

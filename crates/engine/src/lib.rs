@@ -24,7 +24,10 @@
 //!   slab), the check that a spec describes the process, and the CPU's name.
 //! - [`measure`]: the counting allocator and the memory probe.
 //! - [`run`](mod@run): warm-up + measured steps → [`Measurement`].
-//! - [`verify`]: variants against a float64 reference: tolerances by dtype, twins, drift.
+//!
+//! Verification (variants against a float64 reference) and the agreement grid (the budget against
+//! the measured step) are the conformance suite's, `crates/conformance` (`ditmem-conformance`):
+//! this crate only trains and measures.
 //!
 //! # Block composition (what one block allocates in forward)
 //! `cd` = compute dtype, `ad` = accumulation dtype, E = b·s·D, A = b·a·s². Casts happen only when
@@ -55,7 +58,6 @@
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
 //! output).
 
-pub mod agree;
 pub mod block;
 pub mod diffusion;
 pub mod error;
@@ -70,9 +72,9 @@ pub mod ops;
 pub mod optim;
 pub mod rng;
 pub mod run;
+pub mod shapes;
 pub mod threads;
 pub mod trainer;
-pub mod verify;
 
 pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};
 pub use error::{EngineError, Result};
@@ -80,4 +82,3 @@ pub use measure::{process_cpu_s, CountingAlloc, MemoryProbe, Phase, PhasePeaks, 
 pub use model::{param_count, param_shapes, trainable_count, Dims, ParamShape};
 pub use run::{run, Measurement, PhaseTimes, Progress, RunOptions};
 pub use trainer::{StepReport, TrainOptions, Trainer};
-pub use verify::{Reference, Report as VerifyReport, Variant, Verdict, VerifyError, VerifyOptions};

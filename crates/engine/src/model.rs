@@ -17,72 +17,11 @@
 //! - LoRA: `lora_a` uniform(±1/√in), `lora_b` zero.
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_budget::{LoraTarget, Spec};
+use ditmem_spec::{LoraTarget, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::rng::{seed_from_str, SplitMix64};
-
-/// How a parameter is initialised.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Init {
-    /// Uniform(±√(6/(fan_in+fan_out))) with fan_out = `shape[0]`, fan_in = the rest.
-    XavierUniform,
-    /// Normal(0, std).
-    Normal(f64),
-    /// Uniform(±bound).
-    Uniform(f64),
-    Zeros,
-    /// All ones (a norm's weight).
-    Ones,
-    /// Wan's 3-D RoPE buffer (`rope.freqs_cos` / `freqs_sin`, (max_len, d_h)).
-    Rope3d {
-        cos: bool,
-    },
-    /// The fixed 2-D sin-cos position table.
-    SinCos2d {
-        rows: usize,
-        cols: usize,
-    },
-}
-
-/// One parameter of the model as the spec defines it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ParamShape {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub init: Init,
-    /// Whether the optimizer updates it (false for `pos_embed` and for the base under LoRA).
-    pub trainable: bool,
-}
-
-impl ParamShape {
-    pub fn numel(&self) -> u64 {
-        self.shape.iter().map(|&d| d as u64).product()
-    }
-}
-
-/// Dimensions derived from a spec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dims {
-    pub depth: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub head_dim: usize,
-    pub mlp_hidden: usize,
-    pub patch: usize,
-    pub in_channels: usize,
-    pub out_channels: usize,
-    pub num_classes: usize,
-    pub label_rows: usize,
-    pub freq: usize,
-    pub latent_h: usize,
-    pub latent_w: usize,
-    pub rows: usize,
-    pub cols: usize,
-    pub tokens: usize,
-    /// Latent frames of a video model (1 for images); `tokens` counts every frame's.
-    pub frames: usize,
-}
+pub use crate::shapes::{Dims, Init, ParamShape};
 
 impl Dims {
     pub fn new(spec: &Spec) -> Result<Dims> {
@@ -127,16 +66,6 @@ impl Dims {
             tokens: u(grid.rows) * u(grid.cols) * frames,
             frames,
         })
-    }
-
-    /// Features of one patch at the input: C·p·p.
-    pub(crate) fn patch_in(&self) -> usize {
-        self.in_channels * self.patch * self.patch
-    }
-
-    /// Features of one patch at the output: p·p·C_out.
-    pub(crate) fn patch_out(&self) -> usize {
-        self.out_channels * self.patch * self.patch
     }
 }
 
@@ -368,12 +297,7 @@ pub(crate) fn sincos_2d(dim: usize, rows: usize, cols: usize) -> Result<Vec<f64>
 }
 
 /// The sinusoidal timestep features (b, F): cat[cos(t·f), sin(t·f)], f_k = e^(−ln(10000)·k/(F/2)).
-pub(crate) fn timestep_features(
-    t: &[u32],
-    freq: usize,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
+pub fn timestep_features(t: &[u32], freq: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let values: Vec<f64> = t.iter().map(|&ti| f64::from(ti)).collect();
     sinusoid_features(&values, freq, dtype, dev)
 }
@@ -381,12 +305,7 @@ pub(crate) fn timestep_features(
 /// [`timestep_features`] of any values (diffusers' `Timesteps(256, flip_sin_to_cos=True,
 /// downscale_freq_shift=0)`, which PixArt-α also applies to the image resolution and aspect
 /// ratio: `PixArtAlphaCombinedTimestepSizeEmbeddings.additional_condition_proj`).
-pub(crate) fn sinusoid_features(
-    t: &[f64],
-    freq: usize,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
+pub fn sinusoid_features(t: &[f64], freq: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let half = freq / 2;
     let mut v = Vec::with_capacity(t.len() * freq);
     for &ti in t {

@@ -74,7 +74,7 @@ pub(crate) fn logit_gain() -> f64 {
 /// The attention score scale of a head of width `dh`: d_h^−½ (twice under
 /// [`Mutation::AttentionScaleTwice`]), times [`logit_gain`].
 #[inline]
-pub(crate) fn attention_scale(dh: usize) -> f64 {
+pub fn attention_scale(dh: usize) -> f64 {
     let s = 1.0 / (dh as f64).sqrt();
     let s = if active(Mutation::AttentionScaleTwice) {
         s * s

@@ -523,7 +523,7 @@ impl Ema {
 
 /// Dynamic loss scaling for fp16-mixed.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct LossScaler {
+pub struct LossScaler {
     pub scale: f64,
     pub growth_interval: u32,
     clean_steps: u32,
@@ -531,7 +531,7 @@ pub(crate) struct LossScaler {
 
 impl LossScaler {
     /// Initial scale 2^16.
-    pub(crate) const INITIAL: f64 = 65536.0;
+    pub const INITIAL: f64 = 65536.0;
 
     pub fn new(growth_interval: u32) -> Self {
         LossScaler {

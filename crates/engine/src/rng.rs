@@ -21,7 +21,7 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 /// A seed for a sub-stream identified by `tags` (e.g. `[step, microbatch, block, kind]`).
-pub(crate) fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
+pub fn derive_seed(seed: u64, tags: &[u64]) -> u64 {
     let mut h = mix64(seed ^ 0x0005_EED0_FD17_u64);
     for &t in tags {
         h = mix64(

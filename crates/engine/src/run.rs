@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 use serde::Serialize;
 
 use crate::diffusion::{load_latent_dir, SyntheticData};

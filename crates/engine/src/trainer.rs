@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ditmem_budget::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
+use ditmem_spec::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
 use serde::Serialize;
 
 use crate::block::{
@@ -606,7 +606,7 @@ impl Trainer {
     /// L2 norm of the gradient of the trained parameters, unscaled (what `step` reports and
     /// what a clipping rule would use); non-finite after an overflow. Needs the gradients of the
     /// last `compute_gradients` (or `step` with `keep_gradients`).
-    pub(crate) fn gradient_norm(&self) -> Result<f64> {
+    pub fn gradient_norm(&self) -> Result<f64> {
         let mut sq = 0.0f64;
         for &i in &self.trained {
             if let Some(g) = &self.grads[i] {

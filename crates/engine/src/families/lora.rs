@@ -15,9 +15,9 @@
 //!   and the branch run as one node (`LinearW::forward` → [`crate::ops::lora_linear`]:
 //!   `x·Wᵀ + b + (x·Aᵀ)·Bᵀ`, scale 1 as `lora_alpha = rank` in the scripts).
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
-use crate::model::{Init, ParamShape};
+use crate::shapes::{Init, ParamShape};
 
 /// LoRA's rank and the module keys it adapts.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -614,7 +614,7 @@ mod tests {
     fn fused_mlp_scratch_is_the_budgets() {
         use crate::ops::fused_mlp_widen::{widen_col_blocks, WIDEN_BLOCK_SHARE};
         use ditmem_budget::ditmem_cpu::ops::{self, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
-        use ditmem_budget::Dtype;
+        use ditmem_spec::Dtype;
         assert_eq!(WIDEN_BLOCK_SHARE as u64, ops::WIDEN_BLOCK_SHARE);
         assert_eq!(
             32 + std::mem::size_of::<FusedMlp>() as u64,

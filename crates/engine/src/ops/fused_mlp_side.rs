@@ -472,7 +472,7 @@ mod tests {
     #[test]
     fn fused_mlp_side_scratch_is_the_budgets() {
         use ditmem_budget::ditmem_cpu::ops::{fused_mlp_side_scratch, FUSED_MLP_SIDE_OP_BYTES};
-        use ditmem_budget::Dtype;
+        use ditmem_spec::Dtype;
         assert_eq!(
             32 + std::mem::size_of::<FusedMlpSide>() as u64,
             FUSED_MLP_SIDE_OP_BYTES

@@ -325,7 +325,7 @@ mod tests {
     #[test]
     fn joint_linear_scratch_is_the_budgets() {
         use ditmem_budget::ditmem_cpu::ops::joint_linear_scratch;
-        use ditmem_budget::Dtype;
+        use ditmem_spec::Dtype;
         for (dt, bd, wdt, wbd) in [
             (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
             (DType::F64, Dtype::F64, DType::F64, Dtype::F64),

@@ -30,7 +30,7 @@ use crate::kernels::shared_ptr::SharedMut;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 
 /// diffusers' epsilon of the denominator (`hidden_states[:, :, -1:] + 1e-15`).
-pub(crate) const LINEAR_ATTN_EPS: f64 = 1e-15;
+pub const LINEAR_ATTN_EPS: f64 = 1e-15;
 
 /// Shapes of one call: batch, heads, tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

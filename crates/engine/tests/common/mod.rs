@@ -4,7 +4,6 @@
 
 use candle_core::{DType, Tensor};
 use ditmem_budget::{Precision, Recompute, Spec};
-use ditmem_engine::agree::{measure_and_compare, Agreement};
 use ditmem_engine::{Batch, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
 pub fn tiny(precision: Precision) -> Spec {
@@ -71,20 +70,6 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap()
         .to_scalar()
         .unwrap()
-}
-
-/// One spec of an agreement grid measured against its budget (one step after warm-up), with
-/// the line the suite prints for it.
-pub fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agreement {
-    let (a, _, _) = measure_and_compare(name, spec, 1, alloc).expect("the grid spec runs");
-    eprintln!(
-        "{name}: predicted {} measured {} ({:+.3} %) [{}]",
-        a.predicted_peak_bytes,
-        a.measured_peak_bytes,
-        100.0 * a.rel_error,
-        a.predicted_peak_label
-    );
-    a
 }
 
 /// Heap bytes one call of `f` leaves alive (its result with everything it holds), counted by

@@ -246,7 +246,7 @@ pub fn mlp_silu(x: &Tensor, l1: &LinearW, l2: &LinearW) -> Result<Tensor> {
 
 /// diffusers' `_unpack_latents`: (b·s, C·2·2) with features ordered (c, py, px) → (b, C, H, W);
 /// one contiguous copy.
-pub fn unpack(x: &Tensor, b: usize, d: &crate::model::Dims) -> Result<Tensor> {
+pub fn unpack(x: &Tensor, b: usize, d: &crate::shapes::Dims) -> Result<Tensor> {
     let p = d.patch;
     let x = x.reshape(vec![b, d.rows, d.cols, d.out_channels, p, p])?;
     let x = x.permute(vec![0, 3, 1, 4, 2, 5])?.contiguous()?;

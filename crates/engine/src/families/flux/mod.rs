@@ -42,7 +42,7 @@ pub use params::{
     param_shapes, rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
 };
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 

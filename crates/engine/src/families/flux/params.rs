@@ -9,17 +9,17 @@ use ditmem_budget::{FluxDims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid (timestep and guidance).
 pub const FLUX_FREQ: usize = 256;
 
 /// `FluxPosEmbed`'s θ.
-pub(crate) const ROPE_THETA: f64 = 10000.0;
+pub const ROPE_THETA: f64 = 10000.0;
 
 /// The guidance scale the synthetic batch feeds a guidance-distilled model (FLUX.1-dev's
 /// default 3.5, times diffusers' 1000 before the sinusoid).
-pub(crate) const GUIDANCE: f64 = 3500.0;
+pub const GUIDANCE: f64 = 3500.0;
 
 /// The linears of a double-stream block in forward order (diffusers names), without the q/k
 /// norms.

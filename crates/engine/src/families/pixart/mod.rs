@@ -36,7 +36,7 @@ pub use block::{
 };
 pub use params::{param_shapes, PixartGeom, PIXART_BLOCK_LINEARS};
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 

@@ -11,7 +11,7 @@ use ditmem_budget::{PixartDims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const PIXART_FREQ: usize = 256;

@@ -39,7 +39,7 @@ pub use block::{
 };
 pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 
@@ -47,7 +47,7 @@ use crate::error::Result;
 /// (Sana's are 32 wide), cross-attention of `heads / 2` × 32-wide heads (the same width),
 /// 8 latent channels (the DC-AE's 32 in Sana), patch 1, caption channels 48, mlp_ratio 2.5, no
 /// attention bias.
-pub(crate) fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
+pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_json::Value> {
     let hidden = 16 * heads;
     let cross_heads = (heads / 2).max(1);
     let cross_hd = hidden / cross_heads;

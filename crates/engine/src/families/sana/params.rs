@@ -10,7 +10,7 @@ use ditmem_budget::{SanaDims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: usize = 256;

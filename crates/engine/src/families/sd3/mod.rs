@@ -44,7 +44,7 @@ pub use params::{
     block_linears, param_shapes, Sd3Geom, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
 };
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 

@@ -13,7 +13,7 @@ use ditmem_budget::{Sd3Dims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SD3_FREQ: usize = 256;

@@ -43,7 +43,7 @@ pub use block::{
 };
 pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
-use ditmem_budget::Spec;
+use ditmem_spec::Spec;
 
 use crate::error::Result;
 

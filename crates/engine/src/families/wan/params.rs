@@ -12,7 +12,7 @@ use ditmem_budget::{Spec, WanDims};
 
 use crate::error::{EngineError, Result};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::model::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, ParamShape};
 
 /// RoPE's base θ (`WanRotaryPosEmbed`'s default).
 pub(crate) const WAN_ROPE_THETA: f64 = 10000.0;

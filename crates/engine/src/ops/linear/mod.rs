@@ -566,7 +566,7 @@ mod tests {
     #[test]
     fn linear_scratch_is_the_budgets() {
         use ditmem_budget::ditmem_cpu::fused_linear_scratch;
-        use ditmem_budget::Dtype;
+        use ditmem_spec::Dtype;
         for (dt, bd) in [
             (DType::F32, Dtype::F32),
             (DType::F64, Dtype::F64),

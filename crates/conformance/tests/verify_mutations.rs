@@ -5,11 +5,11 @@
 //! applies to it.
 
 use ditmem_budget::Spec;
-use ditmem_engine::mutation::{self, Mutation};
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, verify, Reference, Report, VariantReport, Verdict,
     VerifyOptions, SPREAD_MARGIN, WARN_FACTOR,
 };
+use ditmem_engine::mutation::{self, Mutation};
 
 /// The planted mutation and logit gain are the process's: one test at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -3,7 +3,7 @@
 //! through safetensors while a mismatched spec is refused.
 
 use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     check_one_step, compute_reference, compute_reference_in, judge_one_step, kappa, parse_variants,
     reference_file_bytes, reference_file_size, tolerance, tolerance_for, unit_roundoff, verify,
     Drift, Fault, Growth, Reference, Variant, Verdict, VerifyError, VerifyOptions,
@@ -363,7 +363,7 @@ fn reference_is_stored_opened_and_refuses_another_spec() {
 fn variant_syntax() {
     let all = parse_variants("*").unwrap();
     assert_eq!(all.len(), 30);
-    assert_eq!(all, ditmem_engine::verify::default_variants());
+    assert_eq!(all, ditmem_conformance::verify::default_variants());
     let some = parse_variants("bf16-mixed/all/materialized, fp32/none/memory-efficient").unwrap();
     assert_eq!(
         some.iter().map(Variant::name).collect::<Vec<_>>(),

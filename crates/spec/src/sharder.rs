@@ -1,6 +1,6 @@
 //! The recipe's sharding vocabulary: who shards a step with ZeRO stage ≥ 1 ([`Sharder`]) and
 //! what it keeps in host memory ([`Offload`]). The rules over them (what each rank keeps, the
-//! buckets, the traffic) are in [`crate::sharding`]; these names are a file of their own so that
+//! buckets, the traffic) are in `ditmem-budget`'s `sharding.rs`; these names are a file of their own so that
 //! the spec (`spec.rs`) reads them without standing on those rules, which read the spec
 //! (`crates/cli/tests/no_import_cycles.rs`).
 
@@ -32,7 +32,7 @@ impl Sharder {
         }
     }
 
-    pub(crate) fn is_default(&self) -> bool {
+    pub fn is_default(&self) -> bool {
         *self == Sharder::Deepspeed
     }
 

@@ -2,7 +2,7 @@
 //! a representative half of the agreement grid (every second spec: all precisions, recompute
 //! policies, both attention modes, accumulation, resolutions, LoRA, optimizers).
 
-use ditmem_engine::agree::{grid, measure_and_compare, summarize};
+use ditmem_conformance::agree::{grid, measure_and_compare, summarize};
 use ditmem_engine::CountingAlloc;
 
 #[global_allocator]

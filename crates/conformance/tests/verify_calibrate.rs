@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! CAL_CASES=base,gain,width,mutspec CAL_SEEDS=5 CAL_STEPS=3 cargo test --release \
-//!     -p ditmem-engine --test verify_calibrate -- --ignored --nocapture
+//!     -p ditmem-conformance --test verify_calibrate -- --ignored --nocapture
 //! CAL_CASES=base CAL_SEEDS=5 CAL_STEPS=50 cargo test ... (the drift over the default K)
 //! ```
 //!
@@ -16,10 +16,10 @@
 //! every correct variant passes verify.
 
 use ditmem_budget::Spec;
-use ditmem_engine::mutation;
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, unit_roundoff, verify, Verdict, VerifyOptions,
 };
+use ditmem_engine::mutation;
 
 fn case(name: &str) -> Vec<(String, Spec, f64)> {
     let base = Spec::small();

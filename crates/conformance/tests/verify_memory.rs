@@ -3,7 +3,7 @@
 
 use ditmem_budget::Spec;
 use ditmem_engine::trainer::Trainer;
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, plan_memory, verify, VerifyOptions,
 };
 use ditmem_engine::CountingAlloc;

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Tensor};
 use ditmem_budget::{AttentionMode, ParamRole, Precision, Recompute, Spec};
-use ditmem_engine::agree::{self, summarize};
+use ditmem_conformance::agree::{self, summarize};
 use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 

@@ -5,7 +5,7 @@
 //! the `ditmem-cpu` budget predicts the measured step peak of the grids' LoRA specs to 2 %.
 
 use ditmem_budget::{LoraSpec, ParamRole, Precision, Spec};
-use ditmem_engine::agree::{
+use ditmem_conformance::agree::{
     flux_grid_base, lora_specs, pixart_grid_base, sd3_grid_base, wan_grid_base,
 };
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};

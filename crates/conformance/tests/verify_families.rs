@@ -4,10 +4,10 @@
 //! and (ignored: minutes) the margins of every correct variant over five weight seeds.
 
 use ditmem_budget::{AttentionMode, Precision, Recompute, Spec};
-use ditmem_engine::families::{self, zero_gradient, Arch};
-use ditmem_engine::verify::{
+use ditmem_conformance::verify::{
     compute_reference, parse_variants, verify, Fault, Report, Variant, Verdict, VerifyOptions,
 };
+use ditmem_engine::families::{self, zero_gradient, Arch};
 
 fn resolve(s: Spec) -> Spec {
     ditmem_engine::host::resolve(&s)
@@ -296,7 +296,7 @@ fn wan_verifies_against_its_f64_reference() {
 
 /// Weight seeds 0–4 × every family × every policy and both attention modes (no recompute: its
 /// twins are bitwise): the largest gradient / loss / drift margin per family and policy, none
-/// failing. Minutes on 2 cores: `cargo test --release -p ditmem-engine --test verify_families
+/// failing. Minutes on 2 cores: `cargo test --release -p ditmem-conformance --test verify_families
 /// -- --ignored --nocapture`.
 #[test]
 #[ignore]
@@ -337,7 +337,7 @@ fn correct_variants_pass_over_five_weight_seeds() {
 /// Diagnosis: every tensor's error, tolerance and margin of the variants `VERIFY_VARIANTS`
 /// (default `*/none/materialized`) of family `VERIFY_FAMILY` at weight seed `VERIFY_SEED`
 /// with the attention scores × `VERIFY_GAIN` (default 1; the softmax mutation's probe uses 32),
-/// largest margin first. `cargo test --release -p ditmem-engine --test verify_families
+/// largest margin first. `cargo test --release -p ditmem-conformance --test verify_families
 /// per_tensor_margins -- --ignored --nocapture`.
 #[test]
 #[ignore]
