@@ -546,6 +546,7 @@ mod tests {
             rank: 4,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
+            dtype: crate::spec::LoraDtype::default(),
         });
         let launch = Launch {
             launcher: Launcher::Diffusers,
@@ -574,6 +575,7 @@ mod tests {
             rank: 8,
             targets: crate::spec::default_lora_targets(),
             modules: Vec::new(),
+            dtype: crate::spec::LoraDtype::default(),
         });
         s.recipe.latents = Latents::Cached;
         let sd3 = |pinned| Launch {

@@ -2,10 +2,10 @@
 //! function only: the allocator is global, so nothing else may run in this binary at once.
 
 use ditmem_budget::Spec;
-use ditmem_engine::trainer::Trainer;
 use ditmem_conformance::verify::{
     compute_reference, parse_variants, plan_memory, verify, VerifyOptions,
 };
+use ditmem_engine::trainer::Trainer;
 use ditmem_engine::CountingAlloc;
 
 #[global_allocator]
