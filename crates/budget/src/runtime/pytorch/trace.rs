@@ -107,6 +107,14 @@ struct Traced {
 /// The allocation sequence of a warm-up step and a measured step of a spec on the `pytorch`
 /// runtime, on one rank of a sharded spec as `runtime/pytorch/sharding.rs` lays it out.
 pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
+    crate::profile::time(
+        crate::profile::Phase::Sequence,
+        |e: &Vec<AllocEvent>| e.len() as u64,
+        || sequence(spec, table),
+    )
+}
+
+fn sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
     let rt = for_spec(spec);
     let st = stages(rt, spec);
     let traced: Vec<Traced> = st
