@@ -1044,11 +1044,76 @@ pub fn simulate_allocator(
     crate::profile::time(
         crate::profile::Phase::Replay,
         |_| events.len() as u64,
-        || replay(&[events], conf, capacity),
+        || replay_once(&[events], conf, capacity),
     )
 }
 
+/// Replays already made in this process, by what decides them: the events (a 128-bit
+/// fingerprint and their count), the settings and the capacity. The planner and `estimate`'s
+/// levers build the same sequence for many candidates (a lever that changes the step time but
+/// no allocation, the plain and the expandable-segments check of one candidate): a replay is a
+/// pure function of these, so a repeated one is answered from here. Bounded: emptied when full.
+type ReplayKey = (u64, u64, usize, String, Option<u64>);
+static REPLAYS: std::sync::Mutex<Option<HashMap<ReplayKey, ReplayOutcome>>> =
+    std::sync::Mutex::new(None);
+type ReplayOutcome = Result<AllocatorReport, SequenceError>;
+const MAX_CACHED_REPLAYS: usize = 4096;
+
+/// Two 64-bit lanes of a multiply-fold hash (wyhash's `mum`) over every field of every event.
+fn fingerprint(parts: &[&[AllocEvent]]) -> (u64, u64) {
+    fn mum(a: u64, b: u64) -> u64 {
+        let r = u128::from(a) * u128::from(b);
+        (r as u64) ^ ((r >> 64) as u64)
+    }
+    let (mut h1, mut h2) = (0x243F_6A88_85A3_08D3_u64, 0x1319_8A2E_0370_7344_u64);
+    let mut word = |w: u64| {
+        h1 = mum(h1 ^ w, 0xA076_1D64_78BD_642F);
+        h2 = mum(h2 ^ w.rotate_left(29), 0xE703_7ED1_A0B4_28DB);
+    };
+    for e in parts.iter().flat_map(|p| p.iter()) {
+        match *e {
+            AllocEvent::Alloc { id, bytes, stream } => {
+                word(id);
+                word(bytes);
+                word(u64::from(stream) | 1 << 40);
+            }
+            AllocEvent::Free { id } => {
+                word(id);
+                word(2 << 40);
+            }
+        }
+    }
+    (h1, h2)
+}
+
+/// [`replay_once`], or the same replay's outcome made earlier in this process.
 fn replay(
+    parts: &[&[AllocEvent]],
+    conf: &AllocConf,
+    capacity: Option<u64>,
+) -> Result<AllocatorReport, SequenceError> {
+    let (h1, h2) = fingerprint(parts);
+    let len = parts.iter().map(|p| p.len()).sum();
+    let key: ReplayKey = (h1, h2, len, format!("{conf:?}"), capacity);
+    let cached = REPLAYS
+        .lock()
+        .ok()
+        .and_then(|m| m.as_ref().and_then(|m| m.get(&key).cloned()));
+    if let Some(r) = cached {
+        return r;
+    }
+    let r = replay_once(parts, conf, capacity);
+    if let Ok(mut m) = REPLAYS.lock() {
+        let m = m.get_or_insert_with(HashMap::default);
+        if m.len() >= MAX_CACHED_REPLAYS {
+            m.clear();
+        }
+        m.insert(key, r.clone());
+    }
+    r
+}
+
+fn replay_once(
     parts: &[&[AllocEvent]],
     conf: &AllocConf,
     capacity: Option<u64>,
