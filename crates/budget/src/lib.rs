@@ -25,6 +25,7 @@ pub mod oom;
 mod params;
 mod plan;
 mod precision_rules;
+pub mod profile;
 mod runtime;
 mod segment;
 mod sharding;

@@ -473,8 +473,11 @@ impl Evaluator<'_, '_> {
             } else {
                 (c.costs.0, c.costs.1)
             };
-            let tl =
-                simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES);
+            let tl = crate::profile::time(
+                crate::profile::Phase::Timeline,
+                |_| 1,
+                || simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES),
+            );
             let e = tl.peak();
             let time = step_time_with(&spec, self.profile, &inputs);
             pending.push((

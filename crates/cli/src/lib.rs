@@ -86,6 +86,7 @@ fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), Cli
     let command = cli
         .command
         .unwrap_or(Command::Estimate(EstimateArgs::default()));
+    let (t0, name) = (std::time::Instant::now(), command_name());
     match command {
         Command::Estimate(args) => estimate_cmd::estimate(args)?,
         Command::Run(args) => run_cmd::run(args, alloc)?,
@@ -99,6 +100,7 @@ fn run(cli: Cli, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), Cli
         Command::Spec(args) => spec_cmd::spec(args)?,
         Command::Serve(args) => serve::run(args)?,
     }
+    ditmem_budget::profile::report(&name, t0.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -339,3 +339,145 @@ fn cublas_workspaces_go_through_the_allocator() {
 }
 
 const GIB_T4: u64 = 1 << 30;
+
+/// Replay `events` on the linked-arena allocator and on the reference (the allocator as it was
+/// before, `caching_allocator_reference.rs`) side by side: allocated and reserved after every
+/// event, where an allocation fails, and the final report must be the same.
+fn held_equal(events: &[AllocEvent], conf: &str, capacity: Option<u64>) -> usize {
+    let c = AllocConf::parse(conf).unwrap();
+    let mut new = CachingAllocator::new(c.clone(), capacity);
+    let mut old = super::reference::ReferenceAllocator::new(c, capacity);
+    for (k, e) in events.iter().enumerate() {
+        match *e {
+            AllocEvent::Alloc { id, bytes, stream } => {
+                let (n, o) = (new.malloc(id, bytes, stream), old.malloc(id, bytes, stream));
+                assert_eq!(n, o, "{conf:?} event {k}: malloc({id}, {bytes}, {stream})");
+                if n.is_err() {
+                    assert_eq!(new.report(), old.report(), "{conf:?} at the OOM");
+                    return k;
+                }
+            }
+            AllocEvent::Free { id } => {
+                assert_eq!(new.free(id), old.free(id), "{conf:?} event {k}: free({id})");
+            }
+        }
+        assert_eq!(
+            (new.allocated(), new.reserved()),
+            (old.allocated(), old.reserved()),
+            "{conf:?} event {k}: {e:?}"
+        );
+    }
+    new.empty_cache();
+    old.empty_cache();
+    assert_eq!(new.report(), old.report(), "{conf:?} after empty_cache");
+    events.len()
+}
+
+/// The allocator settings the equality is held under: defaults, expandable segments, an
+/// oversize threshold (`release_available_cached_blocks`), power-of-two rounding, and both.
+const CONFS: [&str; 5] = [
+    "",
+    "expandable_segments:True",
+    "max_split_size_mb:64",
+    "max_split_size_mb:32,roundup_power2_divisions:4,max_non_split_rounding_mb:24",
+    "expandable_segments:True,max_split_size_mb:64,roundup_power2_divisions:[256:4,>:1]",
+];
+
+/// Random sequences (a fixed-seed generator, so a failure repeats): small, medium and large
+/// requests on two streams, frees of random live tensors, unknown and repeated frees, a
+/// capacity that makes the retry paths and OOMs happen.
+#[test]
+fn the_arena_allocator_equals_the_reference_on_random_sequences() {
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = move || {
+        // xorshift64* (Vigna 2016).
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let mut ooms = 0;
+    for round in 0..60 {
+        let mut live: Vec<u64> = Vec::new();
+        let mut events = Vec::new();
+        let mut id = 1;
+        for _ in 0..3_000 {
+            let r = next();
+            if live.is_empty() || r % 100 < 55 {
+                let bytes = match next() % 10 {
+                    0..=3 => next() % (SMALL_SIZE + 1),
+                    4..=6 => next() % (12 * MIB),
+                    7 | 8 => next() % (200 * MIB),
+                    _ => 256 * MIB + next() % (2048 * MIB),
+                };
+                let stream = u32::from(next() % 8 == 0);
+                events.push(AllocEvent::Alloc { id, bytes, stream });
+                live.push(id);
+                id += if next() % 4 == 0 { 1 << 40 } else { 1 };
+            } else {
+                let k = (next() % live.len() as u64) as usize;
+                events.push(f(live.swap_remove(k)));
+            }
+        }
+        let capacity = match round % 3 {
+            0 => None,
+            1 => Some(8 << 30),
+            _ => Some(3 << 30),
+        };
+        for conf in CONFS {
+            if held_equal(&events, conf, capacity) < events.len() {
+                ooms += 1;
+            }
+        }
+    }
+    // The capacities made some sequences run out, so the retry and OOM paths were compared.
+    assert!(ooms > 0);
+    // Frees of ids never allocated, or freed twice, answer false in both.
+    held_equal(&[a(1, 8), f(1), f(1), f(7)], "", None);
+}
+
+/// Real step sequences (`trace.rs`) of the families and recipes the planner tries, on a card
+/// that some of them overflow.
+#[test]
+fn the_arena_allocator_equals_the_reference_on_step_sequences() {
+    use crate::runtime::pytorch::trace::allocation_sequence;
+    use crate::spec::{ModelSpec, Recompute, Spec};
+    let mut specs = Vec::new();
+    for (preset, res, batch) in [
+        ("dit-s-2", 256, 8),
+        ("pixart-alpha-1024", 512, 2),
+        ("sana-600m", 512, 2),
+        ("flux.1-dev", 256, 1),
+    ] {
+        for rc in [Recompute::None, Recompute::EveryK(2), Recompute::All] {
+            let mut s = match crate::families::preset_config(preset) {
+                Some(text) => crate::denoiser::with_family(
+                    Spec::default_xl(),
+                    preset,
+                    serde_json::from_str(text).unwrap(),
+                )
+                .unwrap(),
+                None => Spec {
+                    model: ModelSpec::preset(preset).unwrap(),
+                    ..Spec::default_xl()
+                },
+            };
+            s.workload.height = res;
+            s.workload.width = res;
+            s.workload.batch = batch;
+            s.workload.microbatch = batch;
+            s.runtime = "pytorch:cuda".parse().unwrap();
+            s.recipe.recompute = rc;
+            s.validate().unwrap();
+            specs.push(s);
+        }
+    }
+    for s in specs {
+        let table = crate::denoiser::param_table(&s);
+        let seq = allocation_sequence(&s, &table);
+        for conf in CONFS {
+            held_equal(&seq, conf, None);
+            held_equal(&seq, conf, Some(3 << 30));
+        }
+    }
+}

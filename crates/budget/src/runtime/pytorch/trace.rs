@@ -107,6 +107,14 @@ struct Traced {
 /// The allocation sequence of a warm-up step and a measured step of a spec on the `pytorch`
 /// runtime, on one rank of a sharded spec as `runtime/pytorch/sharding.rs` lays it out.
 pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
+    crate::profile::time(
+        crate::profile::Phase::Sequence,
+        |e: &Vec<AllocEvent>| e.len() as u64,
+        || sequence(spec, table),
+    )
+}
+
+fn sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
     let rt = for_spec(spec);
     let st = stages(rt, spec);
     let traced: Vec<Traced> = st
@@ -208,21 +216,44 @@ pub fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
 }
 
 /// Drop zero-byte allocations and their frees (PyTorch's allocator returns no block for them).
+/// Ids are numbered from 1 up by [`Seq`], so their state is kept in a vector by id: whether
+/// the id is ever allocated empty, whether it is allocated now.
 fn without_empty(events: Vec<AllocEvent>) -> Vec<AllocEvent> {
-    use crate::runtime::pytorch::caching_allocator::IdHash;
-    let empty: std::collections::HashSet<u64, IdHash> = events
+    const EMPTY: u8 = 1;
+    const ALLOCATED: u8 = 2;
+    let top = events
         .iter()
-        .filter_map(|e| match *e {
-            AllocEvent::Alloc { id, bytes: 0, .. } => Some(id),
-            _ => None,
+        .map(|e| match *e {
+            AllocEvent::Alloc { id, .. } | AllocEvent::Free { id } => id,
         })
-        .collect();
-    let mut allocated: std::collections::HashSet<u64, IdHash> = Default::default();
+        .max()
+        .unwrap_or(0);
+    let mut state = vec![0u8; usize::try_from(top).map_or(0, |t| t.saturating_add(1))];
+    for e in &events {
+        if let AllocEvent::Alloc { id, bytes: 0, .. } = *e {
+            state[id as usize] |= EMPTY;
+        }
+    }
     events
         .into_iter()
         .filter(|e| match *e {
-            AllocEvent::Alloc { id, bytes, .. } => bytes > 0 && allocated.insert(id),
-            AllocEvent::Free { id } => !empty.contains(&id) && allocated.remove(&id),
+            AllocEvent::Alloc { id, bytes, .. } => {
+                let s = &mut state[id as usize];
+                let keep = bytes > 0 && *s & ALLOCATED == 0;
+                if keep {
+                    *s |= ALLOCATED;
+                }
+                keep
+            }
+            AllocEvent::Free { id } => {
+                let s = &mut state[id as usize];
+                // (Never emptied: an id ever allocated empty keeps its state.)
+                let keep = *s & EMPTY == 0 && *s & ALLOCATED != 0;
+                if keep {
+                    *s &= !ALLOCATED;
+                }
+                keep
+            }
         })
         .collect()
 }
