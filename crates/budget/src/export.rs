@@ -718,7 +718,7 @@ fn command(
             "store the frozen base quantized ({file} has no flag for it): {n}"
         ));
     }
-    if let Some(n) = text_encoders_note(r.text_encoders) {
+    if let Some(n) = script_text_encoders_note(file, r.text_encoders) {
         notes.push(n);
     }
     let mut flag = |name: &str, value: Option<String>, missing: &str, cannot: &mut Vec<String>| {
@@ -762,6 +762,29 @@ fn command(
             "recompute activations",
             cannot,
         );
+    }
+    // The text tokens the plan counts reach the script as its --max_sequence_length (T5 for
+    // Flux and SD3, Gemma-2 for Sana; CLIP's 77 are fixed by its tokenizer): without it the
+    // script pads to its own default (`launch::script_text_tokens`), whatever the plan counted.
+    if let (Some(tokens), Some(default)) = (
+        &w.text_tokens,
+        crate::launch::script_text_tokens(file, diffusers_class(spec)),
+    ) {
+        if tokens.as_slice() != default {
+            let fixed = &default[..default.len() - 1];
+            match tokens.split_last() {
+                Some((last, head)) if head == fixed => flag(
+                    "--max_sequence_length",
+                    Some(s(last)),
+                    "set the text tokens",
+                    cannot,
+                ),
+                _ => cannot.push(format!(
+                    "encode {tokens:?} text tokens ({file} pads its last text encoder to \
+                     --max_sequence_length; the tokens before it are fixed at {fixed:?})"
+                )),
+            }
+        }
     }
     if r.tf32 {
         // The plan's times price fp32 matmuls at the TF32 rate (`recipe.tf32`).
@@ -1232,6 +1255,32 @@ fn base_quant_note(q: crate::spec::BaseQuant) -> Option<String> {
     ))
 }
 
+/// The diffusers `_class_name` of the spec's model ("" for the original DiT).
+fn diffusers_class(spec: &Spec) -> &str {
+    spec.model
+        .diffusers
+        .as_ref()
+        .and_then(|m| m.get("_class_name"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+}
+
+/// Where the plan's text encoders are, as the named diffusers script places them.
+/// `train_dreambooth_lora_flux.py` keeps CLIP and T5 in its `text_encoders` list and encodes the
+/// prompts of every batch, a fixed `--instance_prompt` included (v0.40.0 :1738-1740; measured:
+/// an encoder run in every step, bench/ecosystem/runs/2026-12-06-epyc-end-to-end).
+fn script_text_encoders_note(file: &str, t: crate::spec::TextEncoders) -> Option<String> {
+    if file == "train_dreambooth_lora_flux.py" && t == crate::spec::TextEncoders::Online {
+        return Some(
+            "text encoders online: train_dreambooth_lora_flux.py keeps CLIP and T5 on the \
+             device in weight_dtype and encodes every batch's prompts, a fixed \
+             --instance_prompt included (:1738-1740)"
+                .into(),
+        );
+    }
+    text_encoders_note(t)
+}
+
 /// Where the plan's text encoders are, as the diffusers scripts place them.
 fn text_encoders_note(t: crate::spec::TextEncoders) -> Option<String> {
     use crate::spec::TextEncoders;
@@ -1513,6 +1562,58 @@ mod tests {
             }
         }
         assert!(with_script > 0);
+    }
+
+    #[test]
+    fn diffusers_command_passes_the_plans_text_tokens() {
+        // bench/ecosystem's end-to-end run: with --text-tokens 77,256 the Flux LoRA script
+        // still padded T5 to its default 512 when the export passed no --max_sequence_length.
+        let map =
+            serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
+        let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
+        s.recipe.lora = Some(crate::spec::LoraSpec {
+            dtype: Default::default(),
+            rank: 8,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        });
+        let o = opts(Family::Flux, Sharder::Deepspeed, Offload::None);
+        let run = |s: &Spec| export(s, Target::Diffusers, &o).unwrap();
+        let msl = |e: &Export| {
+            let a = &e.command.as_ref().unwrap().script_args;
+            a.iter()
+                .position(|x| x == "--max_sequence_length")
+                .map(|i| a[i + 1].clone())
+        };
+        s.workload.text_tokens = Some(vec![77, 256]);
+        let e = run(&s);
+        assert_eq!(msl(&e).as_deref(), Some("256"));
+        // The script's own default needs no flag.
+        s.workload.text_tokens = Some(vec![77, 512]);
+        assert_eq!(msl(&run(&s)), None);
+        // CLIP's 77 are fixed: another count is something the script cannot do.
+        s.workload.text_tokens = Some(vec![64, 256]);
+        let e = run(&s);
+        assert_eq!(msl(&e), None);
+        assert!(
+            e.cannot.iter().any(|c| c.contains("--max_sequence_length")),
+            "{:?}",
+            e.cannot
+        );
+        // The LoRA script's note says it encodes every batch.
+        s.workload.text_tokens = None;
+        s.recipe.text_encoders = crate::spec::TextEncoders::Online;
+        let e = run(&s);
+        assert!(
+            e.notes.iter().any(|n| n.contains("encodes every batch")),
+            "{:?}",
+            e.notes
+        );
+        assert!(
+            !e.notes.iter().any(|n| n.contains("encoded once")),
+            "{:?}",
+            e.notes
+        );
     }
 
     #[test]
