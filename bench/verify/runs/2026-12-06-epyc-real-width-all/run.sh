@@ -9,9 +9,9 @@ while [ "$(free -g | awk '/^Mem:/ {print $7}')" -lt "$NEED" ]; do
     sleep 20
 done
 echo "$(date -u +%T) $P start; load $(cut -d' ' -f1-3 /proc/loadavg); available $(free -m | awk '/^Mem:/ {print $7}') MiB" >> load.log
-nice -n 15 /usr/bin/time -v "$BIN" verify --preset "$P" --depth 1 --resolution "$R" --batch 1 --steps 1 \
+nice -n ${NICE:-15} /usr/bin/time -v "$BIN" verify --preset "$P" --depth 1 --resolution "$R" --batch 1 --steps 1 \
     --variants "$V" --jobs 1 --json "$@" > "verify-$P-d1-r$R.json" 2> "verify-$P-d1-r$R.time"
 echo "$(date -u +%T) $P verify rc $?; load $(cut -d' ' -f1-3 /proc/loadavg)" >> load.log
-nice -n 15 /usr/bin/time -v "$BIN" compare --preset "$P" --depth 1 --resolution "$R" --batch 1 --steps 1 \
+nice -n ${NICE:-15} /usr/bin/time -v "$BIN" compare --preset "$P" --depth 1 --resolution "$R" --batch 1 --steps 1 \
     --json "$@" > "compare-$P-d1-r$R.json" 2> "compare-$P-d1-r$R.time"
 echo "$(date -u +%T) $P compare rc $?; load $(cut -d' ' -f1-3 /proc/loadavg)" >> load.log
