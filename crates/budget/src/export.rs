@@ -768,7 +768,7 @@ fn command(
     // script pads to its own default (`launch::script_text_tokens`), whatever the plan counted.
     if let (Some(tokens), Some(default)) = (
         &w.text_tokens,
-        crate::launch::script_text_tokens(file, diffusers_class(spec)),
+        crate::launch::script_text_tokens(file, spec),
     ) {
         if tokens.as_slice() != default {
             let fixed = &default[..default.len() - 1];
@@ -1253,16 +1253,6 @@ fn base_quant_note(q: crate::spec::BaseQuant) -> Option<String> {
          peft.prepare_model_for_kbit_training before adding the LoRA adapters",
         q.name()
     ))
-}
-
-/// The diffusers `_class_name` of the spec's model ("" for the original DiT).
-fn diffusers_class(spec: &Spec) -> &str {
-    spec.model
-        .diffusers
-        .as_ref()
-        .and_then(|m| m.get("_class_name"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("")
 }
 
 /// Where the plan's text encoders are, as the named diffusers script places them.

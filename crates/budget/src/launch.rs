@@ -253,9 +253,16 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
 /// train_dreambooth_sd3.py:315-317 and train_dreambooth_lora_sd3.py:339-341 (77),
 /// train_dreambooth_lora_sana.py:308-310 (300). Measured: the full Flux export on a tiny
 /// pipeline encodes 77 T5 tokens (bench/ecosystem/runs/2026-12-06-epyc-end-to-end).
-/// `class` is the model's diffusers `_class_name`: a model the script does not load (the
+/// Keyed by the spec's diffusers `_class_name`: a model the script does not load (the
 /// original DiT exported with `--emit-family flux`) keeps its own tokens.
-pub fn script_text_tokens(file_name: &str, class: &str) -> Option<&'static [u32]> {
+pub fn script_text_tokens(file_name: &str, spec: &Spec) -> Option<&'static [u32]> {
+    let class = spec
+        .model
+        .diffusers
+        .as_ref()
+        .and_then(|m| m.get("_class_name"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
     match (file_name, class) {
         ("train_dreambooth_flux.py", "FluxTransformer2DModel") => Some(&[77, 77]),
         ("train_dreambooth_lora_flux.py", "FluxTransformer2DModel") => Some(&[77, 512]),
@@ -391,14 +398,7 @@ impl Launch {
         // --max_sequence_length default (the export passes no --max_sequence_length), not the
         // family's. CLIP's 77 are fixed (tokenizer max_length=77).
         if !p.text_tokens {
-            let class = s
-                .model
-                .diffusers
-                .as_ref()
-                .and_then(|m| m.get("_class_name"))
-                .and_then(|v| v.as_str())
-                .unwrap_or("");
-            if let Some(t) = script_text_tokens(script.file_name(), class) {
+            if let Some(t) = script_text_tokens(script.file_name(), &s) {
                 s.workload.text_tokens = Some(t.to_vec());
             }
         }
