@@ -22,7 +22,7 @@ four targets), this checks:
   alone       ds_config_standalone.json: DeepSpeedConfig accepts it at the plan's world size and
               refuses it at the others (fixed train_batch_size).
   diffusers   the diffusers launch line through the same launcher checks, and its script
-              arguments through the script's own `parse_args` (vendored in diffusers_args/, read
+              arguments through the script's own `parse_args` (vendored in vendor/diffusers_args/, read
               from diffusers v0.40.0): every flag accepted, and precision, microbatch,
               accumulation and LoRA rank parsed to the plan's values.
 
@@ -117,7 +117,7 @@ def quiet(fn, *a, **k):
 
 
 def load_parser(script):
-    path = HERE / "diffusers_args" / (Path(script).stem + ".py")
+    path = HERE / "vendor" / "diffusers_args" / (Path(script).stem + ".py")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,7 +1,7 @@
 """Vendor the argument parsers of the diffusers example train scripts that ditmem's export names.
 
 Reads each script from a diffusers git checkout at a pinned tag (diffusers' examples are not in its
-wheel, and GitHub is not reachable from the check), and writes `diffusers_args/<script>.py`: the
+wheel, and GitHub is not reachable from the check), and writes `vendor/diffusers_args/<script>.py`: the
 script's module docstring line, its `parse_args` function copied verbatim (ast source segment) and
 the imports that function uses. check.py calls that `parse_args` on every emitted command line; the
 Rust tests read the same files to hold the flag lists in `crates/budget/src/export/scripts.rs`.
@@ -54,7 +54,7 @@ except ImportError:  # torchvision's InterpolationMode members, for a venv witho
 def main():
     repo, tag = Path(sys.argv[1]), sys.argv[2]
     commit = subprocess.check_output(["git", "-C", str(repo), "rev-parse", f"{tag}^{{commit}}"], text=True).strip()
-    out = Path(__file__).resolve().parent / "diffusers_args"
+    out = Path(__file__).resolve().parent / "vendor" / "diffusers_args"
     out.mkdir(exist_ok=True)
     for path in SCRIPTS:
         src = subprocess.check_output(["git", "-C", str(repo), "show", f"{tag}:{path}"], text=True)

@@ -4,7 +4,7 @@
 //!
 //! Read from huggingface/diffusers at tag [`DIFFUSERS_TAG`] (commit [`DIFFUSERS_COMMIT`]): the
 //! newest tag of the diffusers snapshot reachable here (the 0.42 examples were not). Each script's
-//! `parse_args` is vendored verbatim in `bench/ecosystem/diffusers_args/`, which
+//! `parse_args` is vendored verbatim in `bench/ecosystem/vendor/diffusers_args/`, which
 //! `bench/ecosystem/check.py` calls on every emitted command line; a test holds the lists below
 //! against those files. Families without a script at that tag (the DiT in both forms, PixArt —
 //! only a ControlNet trainer in `examples/research_projects/pixart/` — and Wan) and Sana's full
@@ -290,7 +290,7 @@ mod tests {
     /// The option strings of a vendored `parse_args` (every `"--name"` literal in it).
     fn vendored_flags(file: &str) -> Option<BTreeSet<String>> {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../bench/ecosystem/diffusers_args")
+            .join("../../bench/ecosystem/vendor/diffusers_args")
             .join(file);
         let text = std::fs::read_to_string(path).ok()?;
         let mut out = BTreeSet::new();
@@ -315,7 +315,7 @@ mod tests {
                 assert_eq!(s.lora, lora);
                 let want = vendored_flags(s.file_name()).unwrap_or_else(|| {
                     panic!(
-                        "bench/ecosystem/diffusers_args/{} is missing",
+                        "bench/ecosystem/vendor/diffusers_args/{} is missing",
                         s.file_name()
                     )
                 });
