@@ -34,16 +34,24 @@ rng = np.random.default_rng(0)
 for k in range(8):
     Image.fromarray(rng.integers(0, 256, size=(128, 128, 3), dtype=np.uint8)).save(f"images/{k:02d}.png")
 PY
-export PYTHONPATH="$eco/e2e_hook" DITMEM_E2E_SCRIPT=train_dreambooth_sd3.py \
-    DITMEM_E2E_OUT="$work/measured.json" HF_HUB_OFFLINE=1 HF_HOME="$work/hf_home" \
-    OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-nice -n 10 "$py" scripts/train_dreambooth_sd3.py \
-    --pretrained_model_name_or_path=pipe --instance_data_dir=images --output_dir=out \
-    --mixed_precision=bf16 --instance_prompt="a photo of erhu" --resolution=128 \
-    --train_batch_size=1 --gradient_accumulation_steps=4 --learning_rate=1e-4 \
-    --lr_scheduler=constant --lr_warmup_steps=0 --max_train_steps=6 \
-    --validation_prompt="A photo of erhu on the grass" --validation_epochs=1 \
-    --num_validation_images=1 --seed=0 > run.log 2>&1
+train() {  # $1 = the probe's folder (a sitecustomize.py), $2 = output folder name
+    PYTHONPATH="$1" DITMEM_E2E_SCRIPT=train_dreambooth_sd3.py DITMEM_E2E_OUT="$work/measured.json" \
+    DITMEM_CASTS_OUT="$work/casts.json" HF_HUB_OFFLINE=1 HF_HOME="$work/hf_home" \
+    OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled \
+    nice -n 10 "$py" scripts/train_dreambooth_sd3.py \
+        --pretrained_model_name_or_path=pipe --instance_data_dir=images --output_dir="$2" \
+        --mixed_precision=bf16 --instance_prompt="a photo of erhu" --resolution=128 \
+        --train_batch_size=1 --gradient_accumulation_steps=4 --learning_rate=1e-4 \
+        --lr_scheduler=constant --lr_warmup_steps=0 --max_train_steps=6 \
+        --validation_prompt="A photo of erhu on the grass" --validation_epochs=1 \
+        --num_validation_images=1 --seed=0 > "$2.log" 2>&1
+}
+# 1. live bytes and owners per microbatch (bench/ecosystem's e2e probe)
+train "$eco/e2e_hook" out
 cp measured.json "$here/measured.json"
 "$py" "$here/summary.py" "$here/measured.json" > "$here/summary.md"
 cat "$here/summary.md"
+# 2. the 16-bit weight copies: saved by each forward, gc-visible at each backward's entry
+train "$here/casts_hook" out-casts
+cp casts.json "$here/casts.json"
+"$py" -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(b) for b in d["backwards"]]' "$here/casts.json"
