@@ -416,9 +416,13 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // and the mask bias then live until block 0's backward.
     let n = d.num_layers as u32;
     let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
-    // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`).
+    // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`), unless
+    // the adapters are in the compute dtype (`lora.dtype = "weight"`): PEFT's
+    // `_cast_input_dtype` then returns the caption itself (peft 0.21.2
+    // `tuners/tuners_utils.py:2233`) and lora_A saves it.
     let mixed = f.spec.recipe.precision.is_mixed();
-    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && !mixed)));
+    let adapters_low = f.lora.as_ref().is_some_and(|l| l.dtype == low);
+    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && (!mixed || adapters_low))));
     let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, d.pos_embed, cap_saved);
     if ck {
         save(&mut emb_seg, ts);

@@ -334,8 +334,16 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
         })
     });
     // The text context leaves the text projection in the compute dtype; attn2's to_k/to_v save
-    // it as-is when their weights are trained (LoRA under autocast saves lora_A's own copy).
-    let ctx_saved = ck || !frozen || (lora_kv && !mixed);
+    // it as-is when their weights are trained, and their lora_A when the adapters are in that
+    // dtype too (fp32, or `lora.dtype = "weight"` under autocast): PEFT's
+    // `_cast_input_dtype(x, lora_A.weight.dtype)` returns x itself when the dtypes match
+    // (peft 0.21.2 `tuners/tuners_utils.py:2233`, called at `tuners/lora/layer.py:1100`) and
+    // autocast casts nothing already low. Fp32 adapters under autocast save lora_A's own copy.
+    let adapters_low = f
+        .lora
+        .as_ref()
+        .is_some_and(|l| l.dtype == f.spec.recipe.precision.compute_dtype());
+    let ctx_saved = ck || !frozen || (lora_kv && (!mixed || adapters_low));
     let (mut emb_seg, [tp, temb, ctx, _cos, _sin]) = embed(f, &m, d, ctx_saved);
     if ck {
         save(&mut emb_seg, tp);
