@@ -288,6 +288,7 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
     }
     // Whether a tensor's buffered gradient is a matmul's reshape view (summed out of place).
     let mut grad_mm_view = vec![false; n];
+    let mut pending_sum: Option<(u64, u64)> = None;
     let mut grad_out_pending = true;
     let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
     let mut evs = Vec::new();
@@ -332,8 +333,7 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
                     }
                 }
             }
-            // The op's scratch is freed before its gradients are added into the buffers.
-            max_live(&mut peak, live, transient + op.bwd_scratch.max(sum));
+            max_live(&mut peak, live, transient + op.bwd_scratch);
             if sum == 0 {
                 for (id, b) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
                     if b > 0 {
@@ -342,16 +342,14 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
                     }
                 }
             } else {
-                // The new gradients, the op's scratch, then the sums beside them (the sum takes
-                // the old buffer's place: same bytes, so the old id stands for it).
+                // The new gradients and the op's scratch; the sums come once the node has
+                // returned (below).
                 evs.push(Ev::Alloc(5 * nn + kk, transient));
-                for b in [op.bwd_scratch, sum] {
-                    if b > 0 {
-                        evs.push(Ev::Alloc(4 * nn + kk, b));
-                        evs.push(Ev::Free(4 * nn + kk));
-                    }
+                if op.bwd_scratch > 0 {
+                    evs.push(Ev::Alloc(4 * nn + kk, op.bwd_scratch));
+                    evs.push(Ev::Free(4 * nn + kk));
                 }
-                evs.push(Ev::Free(5 * nn + kk));
+                pending_sum = Some((transient, sum));
             }
             // The output's gradient is consumed.
             grad[o] = false;
@@ -383,6 +381,17 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         live.activations = live.activations.saturating_sub(op.extra_saved);
         if op.extra_saved > 0 {
             evs.push(Ev::Free(2 * nn + kk));
+        }
+        // The engine adds a node's outputs into the next nodes' buffers after the node returned
+        // and released its incoming gradient and saved variables (`torch/csrc/autograd/
+        // engine.cpp` `evaluate_function`: `call_function`, `release_variables`, then
+        // `InputBuffer::add`): an out-of-place sum lives beside the old and new gradients only.
+        // The sum takes the old buffer's place (same bytes: the old id stands for it).
+        if let Some((transient, sum)) = pending_sum.take() {
+            max_live(&mut peak, live, transient + sum);
+            evs.push(Ev::Alloc(4 * nn + kk, sum));
+            evs.push(Ev::Free(4 * nn + kk));
+            evs.push(Ev::Free(5 * nn + kk));
         }
     }
     trace.bwd = evs;
