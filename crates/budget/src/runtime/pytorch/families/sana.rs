@@ -595,4 +595,14 @@ mod tests {
         assert!(!c[1].cost.input_saved);
         assert!(c[2].cost.input_saved);
     }
+
+    /// Adapters in the weight dtype (`lora.dtype = "weight"`, bf16 like the caption under a
+    /// frozen bf16 base): PEFT's `_cast_input_dtype` returns the caption itself and the
+    /// cross-attention's lora_A saves it, so the input side keeps it (b·t·D bf16 = 4·300·64·2 B).
+    #[test]
+    fn weight_dtype_adapters_save_the_caption() {
+        let l = r#"{"rank": 4, "modules": ["to_k", "to_q", "to_v"], "dtype": "weight"}"#;
+        let c = costs(&spec("bf16-mixed", "none", l));
+        assert_eq!(kept(&c[0]), 4 * 300 * 64 * 2);
+    }
 }

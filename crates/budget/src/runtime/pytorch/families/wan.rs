@@ -495,4 +495,23 @@ mod tests {
         let full = costs(&spec("bf16-mixed", "none", "null"));
         assert!(kept(&c[1]) < kept(&full[1]));
     }
+
+    /// Adapters in the weight dtype under autocast (`lora.dtype = "weight"`): PEFT's
+    /// `_cast_input_dtype` returns the bf16 text context itself, autocast casts nothing, so
+    /// attn2's lora_A saves it: the input side keeps it (b·t·D bf16 = 4·512·64·2 B) beside the
+    /// RoPE tables, and the forward no longer drops it at its end.
+    #[test]
+    fn weight_dtype_adapters_save_the_text_context() {
+        let fp32 = r#"{"rank": 8, "modules": ["to_k", "to_v"]}"#;
+        let weight = r#"{"rank": 8, "modules": ["to_k", "to_v"], "dtype": "weight"}"#;
+        let (a, w) = (
+            spec("bf16-mixed", "none", fp32),
+            spec("bf16-mixed", "none", weight),
+        );
+        let ctx = 4 * 512 * 64 * 2;
+        assert_eq!(kept(&costs(&a)[0]), 2 * 32 * 32 * 4);
+        assert_eq!(kept(&costs(&w)[0]), 2 * 32 * 32 * 4 + ctx);
+        let fwd = |s: &Spec| stages(for_spec(s), s).data.forward_only;
+        assert_eq!(fwd(&a) - fwd(&w), ctx);
+    }
 }
