@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::rules::{CACHED, SAVED};
+use crate::runtime::pytorch::rules::{CACHED, LEFT_UNSAVED, MATMUL, SAVED};
 use crate::segment::{Segment, TensorKind, TensorRole, Tid};
 
 const MIB: u64 = 1 << 20;
@@ -77,8 +77,18 @@ pub struct SegCost {
 }
 
 /// Simulate one segment: forward (tracked and checkpointed) and backward with PyTorch's
-/// release rule — a saved storage is freed once the earliest op reading it has run its backward,
-/// gradients are freed once consumed [AG]. `extra_grads` are tensors other than the output that
+/// release rule — a saved storage is freed once the earliest op reading it has run its backward
+/// (a matmul marked [`LEFT_UNSAVED`] does not hold its left operand), gradients are freed once
+/// consumed [AG]. A second gradient reaching a tensor is added into the first
+/// (`torch/csrc/autograd/input_buffer.cpp` `accumulate`): in place (`old_var.add_(var)`) only
+/// when `can_accumulate_inplace(old_var)`, otherwise out of place (`old_var + var`: the sum is
+/// allocated while both live). A first gradient made by a matmul (marked [`MATMUL`] or
+/// [`LEFT_UNSAVED`]) is the reshape view of its 2-D result and is summed out of place; the sum
+/// is a plain tensor, so later gradients add into it in place. `bench/torch_peer` measured it:
+/// `family_trace.py` on dit-fp32-lora8ff-all (the GELU output's gradients from `ff.net.2`'s
+/// lora_A and base: `ViewBackward0 > aten::add` allocates 262,144 B with both alive) and the
+/// two-linear probe of `runs/2026-12-06-epyc-lora-ff/` (3-D input: `aten::add` 262,144 B; 2-D
+/// input: `aten::add_`, nothing allocated). `extra_grads` are tensors other than the output that
 /// receive a gradient from outside (the conditioning vector c of the embed segment).
 pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
     simulate_traced(seg, grad_in, extra_grads).0
@@ -151,10 +161,14 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         if seg.tensors[t].name.ends_with(CACHED) {
             cached[storage(t)] = true;
         }
-        for &i in &op.inputs {
+        // A matmul with a frozen weight keeps no reference to its left operand [AG].
+        let unsaved_left = op.name.ends_with(LEFT_UNSAVED);
+        for (j, &i) in op.inputs.iter().enumerate() {
             let s = storage(i);
             last_read[s] = Some(last_read[s].map_or(k, |l| l.max(k)));
-            first_read[s] = Some(first_read[s].map_or(k, |f| f.min(k)));
+            if !(unsaved_left && j == 0) {
+                first_read[s] = Some(first_read[s].map_or(k, |f| f.min(k)));
+            }
         }
     }
     let mut cost = SegCost {
@@ -272,6 +286,9 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
     for &t in extra_grads {
         grad[t] = true;
     }
+    // Whether a tensor's buffered gradient is a matmul's reshape view (summed out of place).
+    let mut grad_mm_view = vec![false; n];
+    let mut pending_sum: Option<(u64, u64)> = None;
     let mut grad_out_pending = true;
     let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
     let mut evs = Vec::new();
@@ -281,7 +298,9 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         let flows = grad[o] && seg.tensors[o].requires_grad;
         if flows {
             let is_view = seg.tensors[o].kind == TensorKind::View;
+            let is_mm = op.name.ends_with(MATMUL) || op.name.ends_with(LEFT_UNSAVED);
             let mut transient = 0;
+            let mut sum = 0;
             for &i in &op.inputs {
                 let ti = &seg.tensors[i];
                 if !ti.requires_grad {
@@ -299,21 +318,38 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
                         // Accumulated into the existing buffer; a view's slice is copied in.
                         if !is_view {
                             transient += ti.bytes();
+                            if grad_mm_view[i] {
+                                // `old_var + var`: the sum replaces the buffered view.
+                                sum += ti.bytes();
+                                grad_mm_view[i] = false;
+                            }
                         }
                     }
                     _ => {
                         grad[i] = true;
+                        grad_mm_view[i] = is_mm;
                         live.workspace += ti.bytes();
                         evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
                     }
                 }
             }
             max_live(&mut peak, live, transient + op.bwd_scratch);
-            for (id, b) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
-                if b > 0 {
-                    evs.push(Ev::Alloc(id, b));
-                    evs.push(Ev::Free(id));
+            if sum == 0 {
+                for (id, b) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
+                    if b > 0 {
+                        evs.push(Ev::Alloc(id, b));
+                        evs.push(Ev::Free(id));
+                    }
                 }
+            } else {
+                // The new gradients and the op's scratch; the sums come once the node has
+                // returned (below).
+                evs.push(Ev::Alloc(5 * nn + kk, transient));
+                if op.bwd_scratch > 0 {
+                    evs.push(Ev::Alloc(4 * nn + kk, op.bwd_scratch));
+                    evs.push(Ev::Free(4 * nn + kk));
+                }
+                pending_sum = Some((transient, sum));
             }
             // The output's gradient is consumed.
             grad[o] = false;
@@ -345,6 +381,17 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         live.activations = live.activations.saturating_sub(op.extra_saved);
         if op.extra_saved > 0 {
             evs.push(Ev::Free(2 * nn + kk));
+        }
+        // The engine adds a node's outputs into the next nodes' buffers after the node returned
+        // and released its incoming gradient and saved variables (`torch/csrc/autograd/
+        // engine.cpp` `evaluate_function`: `call_function`, `release_variables`, then
+        // `InputBuffer::add`): an out-of-place sum lives beside the old and new gradients only.
+        // The sum takes the old buffer's place (same bytes: the old id stands for it).
+        if let Some((transient, sum)) = pending_sum.take() {
+            max_live(&mut peak, live, transient + sum);
+            evs.push(Ev::Alloc(4 * nn + kk, sum));
+            evs.push(Ev::Free(4 * nn + kk));
+            evs.push(Ev::Free(5 * nn + kk));
         }
     }
     trace.bwd = evs;

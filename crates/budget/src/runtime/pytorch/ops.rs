@@ -11,6 +11,17 @@ use crate::spec::{AttentionMode, Dtype, Precision, SdpaBackend, TorchDevice};
 pub const SAVED: &str = " [saved]";
 /// Marker of an autocast weight copy that only the autocast cache holds (until the forward ends).
 pub const CACHED: &str = " [autocast cache]";
+/// Marker on the name of a matmul (a linear's `addmm`/`mm` on the 2-D view of its input): the
+/// input's gradient it makes is a reshape view of its 2-D result, which autograd's
+/// `InputBuffer` cannot add a second gradient into in place (see
+/// [`crate::runtime::pytorch::allocator::simulate`]).
+pub const MATMUL: &str = " [matmul]";
+/// Marker on the name of a matmul whose right operand (a weight) needs no gradient: its node
+/// saves only what `mat1`'s gradient reads (`grad.mm(mat2.t())`), not its left operand [AG]
+/// (`tools/autograd/derivatives.yaml` `addmm`/`mm`: `self` is saved for `mat2`'s gradient only).
+/// A frozen base layer under LoRA reads its input this way; the release rule
+/// ([`crate::runtime::pytorch::allocator::simulate`]) does not count it as a saver.
+pub const LEFT_UNSAVED: &str = " [matmul, weight frozen]";
 
 /// Dtype of an elementwise result under type promotion (the wider float wins).
 pub fn promote(a: Dtype, b: Dtype) -> Dtype {
@@ -703,6 +714,9 @@ impl Builder<'_> {
         let low = self.low();
         let y = self.g.op(name, ins, m * n, low);
         let (grad_x, grad_w) = (self.rg(ins[0]), self.rg(ins[1]));
+        if let Some(op) = self.g.ops.last_mut() {
+            op.name.push_str(if grad_w { MATMUL } else { LEFT_UNSAVED });
+        }
         self.gemm_scratch(y, m, k, n, grad_x, grad_w);
         y
     }

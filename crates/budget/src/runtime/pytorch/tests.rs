@@ -508,3 +508,85 @@ fn lora_adapter_dtype_sets_weights_grads_and_state() {
         assert!(e.contains("recipe.lora.dtype"), "{e}");
     }
 }
+
+/// One PEFT-adapted linear (frozen fp32 base, fp32 adapters, no autocast) on the CPU, reading
+/// `h = op(x0)` of `rows × inp` elements: the segment (output: the base plus the adapter) and
+/// the ids of `h` and of the base's matmul.
+fn peft_linear(
+    rows: u64,
+    inp: u64,
+    out: u64,
+    rank: u64,
+) -> (crate::segment::Segment, usize, usize) {
+    use crate::runtime::pytorch::ops::{Builder, LoraOn};
+    use crate::spec::Dtype;
+    let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Flash);
+    let mut bl = Builder::new(rt, Precision::Fp32, AttentionMode::MemoryEfficient, "peft");
+    bl.lora = Some(LoraOn {
+        rank,
+        modules: vec!["ff".into()],
+        dtype: Dtype::F32,
+    });
+    let x0 = bl.g.input("x0", rows * inp, Dtype::F32, true);
+    let h = bl.g.op("h", &[x0], rows * inp, Dtype::F32);
+    let y = bl.linear_rg("ff", h, rows, out, inp, true);
+    let base =
+        bl.g.ops
+            .iter()
+            .position(|o| o.name.starts_with("ff ["))
+            .expect("the base matmul");
+    bl.g.output = y;
+    (bl.g, h, base)
+}
+
+/// A frozen base's `addmm` saves no input (`derivatives.yaml` `addmm`: `self` only for `mat2`'s
+/// gradient): the input that lora_A saves is freed once lora_A's `MmBackward0` has run, before
+/// the base's backward (which runs last: the lowest sequence number).
+#[test]
+fn a_frozen_matmul_does_not_hold_its_input() {
+    use crate::runtime::pytorch::allocator::{simulate_traced, Ev};
+    use crate::runtime::pytorch::rules::{LEFT_UNSAVED, MATMUL};
+    let (rows, inp, out, r) = (8, 64, 16, 2);
+    let (g, h, base) = peft_linear(rows, inp, out, r);
+    assert!(
+        g.ops[base].name.ends_with(LEFT_UNSAVED),
+        "{}",
+        g.ops[base].name
+    );
+    assert!(g.ops.iter().any(|o| o.name == format!("ff.lora_A{MATMUL}")));
+    assert!(g.tensors[h].name.ends_with(SAVED), "lora_A saves h itself");
+    let (_, tr) = simulate_traced(&g, rows * out * 4, &[]);
+    let n = tr.n;
+    let at = |e: Ev| tr.bwd.iter().position(|&x| x == e);
+    let freed = at(Ev::Free(h as u64)).expect("h is released");
+    // The base's node makes h's second gradient (local id 5n + k).
+    let second = tr
+        .bwd
+        .iter()
+        .position(|e| matches!(*e, Ev::Alloc(id, _) if id == 5 * n + base as u64))
+        .expect("the base's gradient of h");
+    assert!(
+        freed < second,
+        "h freed at {freed}, base backward at {second}"
+    );
+}
+
+/// The base's gradient of h meets lora_A's (a reshape view of its 2-D `mm` result): autograd
+/// adds them out of place (`input_buffer.cpp` `accumulate`: `old_var + var`) after the base's
+/// node released its incoming gradient (`engine.cpp` `evaluate_function`). The backward's worst
+/// moment is then h's two gradients and their sum, plus the adapters' weight gradients — by
+/// hand from the rules, fp32: 3·rows·inp·4 + (out·r + r·inp)·4 = 6,784 B (the old rule, which
+/// held h and counted no sum, gave 7,296 B).
+#[test]
+fn a_matmul_input_gradient_is_summed_out_of_place() {
+    use crate::runtime::pytorch::allocator::simulate;
+    let (rows, inp, out, r) = (8u64, 64, 16, 2);
+    let (g, _, _) = peft_linear(rows, inp, out, r);
+    let c = simulate(&g, rows * out * 4, &[]);
+    assert_eq!(
+        c.bwd_peak.total(),
+        3 * rows * inp * 4 + (out * r + r * inp) * 4
+    );
+    assert_eq!(c.bwd_peak.total(), 6_784);
+    assert_eq!(c.param_grads, (out * r + r * inp) * 4);
+}

@@ -416,9 +416,13 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // and the mask bias then live until block 0's backward.
     let n = d.num_layers as u32;
     let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
-    // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`).
+    // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`), unless
+    // the adapters are in the compute dtype (`lora.dtype = "weight"`): PEFT's
+    // `_cast_input_dtype` then returns the caption itself (peft 0.21.2
+    // `tuners/tuners_utils.py:2233`) and lora_A saves it.
     let mixed = f.spec.recipe.precision.is_mixed();
-    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && !mixed)));
+    let adapters_low = f.lora.as_ref().is_some_and(|l| l.dtype == low);
+    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && (!mixed || adapters_low))));
     let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, d.pos_embed, cap_saved);
     if ck {
         save(&mut emb_seg, ts);
@@ -590,5 +594,15 @@ mod tests {
         assert_eq!(kept(&c[1]), 1_785_792);
         assert!(!c[1].cost.input_saved);
         assert!(c[2].cost.input_saved);
+    }
+
+    /// Adapters in the weight dtype (`lora.dtype = "weight"`, bf16 like the caption under a
+    /// frozen bf16 base): PEFT's `_cast_input_dtype` returns the caption itself and the
+    /// cross-attention's lora_A saves it, so the input side keeps it (b·t·D bf16 = 4·300·64·2 B).
+    #[test]
+    fn weight_dtype_adapters_save_the_caption() {
+        let l = r#"{"rank": 4, "modules": ["to_k", "to_q", "to_v"], "dtype": "weight"}"#;
+        let c = costs(&spec("bf16-mixed", "none", l));
+        assert_eq!(kept(&c[0]), 4 * 300 * 64 * 2);
     }
 }

@@ -334,8 +334,16 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
         })
     });
     // The text context leaves the text projection in the compute dtype; attn2's to_k/to_v save
-    // it as-is when their weights are trained (LoRA under autocast saves lora_A's own copy).
-    let ctx_saved = ck || !frozen || (lora_kv && !mixed);
+    // it as-is when their weights are trained, and their lora_A when the adapters are in that
+    // dtype too (fp32, or `lora.dtype = "weight"` under autocast): PEFT's
+    // `_cast_input_dtype(x, lora_A.weight.dtype)` returns x itself when the dtypes match
+    // (peft 0.21.2 `tuners/tuners_utils.py:2233`, called at `tuners/lora/layer.py:1100`) and
+    // autocast casts nothing already low. Fp32 adapters under autocast save lora_A's own copy.
+    let adapters_low = f
+        .lora
+        .as_ref()
+        .is_some_and(|l| l.dtype == f.spec.recipe.precision.compute_dtype());
+    let ctx_saved = ck || !frozen || (lora_kv && (!mixed || adapters_low));
     let (mut emb_seg, [tp, temb, ctx, _cos, _sin]) = embed(f, &m, d, ctx_saved);
     if ck {
         save(&mut emb_seg, tp);
@@ -486,5 +494,24 @@ mod tests {
         assert_eq!(kept(&c[0]), 2 * 32 * 32 * 4);
         let full = costs(&spec("bf16-mixed", "none", "null"));
         assert!(kept(&c[1]) < kept(&full[1]));
+    }
+
+    /// Adapters in the weight dtype under autocast (`lora.dtype = "weight"`): PEFT's
+    /// `_cast_input_dtype` returns the bf16 text context itself, autocast casts nothing, so
+    /// attn2's lora_A saves it: the input side keeps it (b·t·D bf16 = 4·512·64·2 B) beside the
+    /// RoPE tables, and the forward no longer drops it at its end.
+    #[test]
+    fn weight_dtype_adapters_save_the_text_context() {
+        let fp32 = r#"{"rank": 8, "modules": ["to_k", "to_v"]}"#;
+        let weight = r#"{"rank": 8, "modules": ["to_k", "to_v"], "dtype": "weight"}"#;
+        let (a, w) = (
+            spec("bf16-mixed", "none", fp32),
+            spec("bf16-mixed", "none", weight),
+        );
+        let ctx = 4 * 512 * 64 * 2;
+        assert_eq!(kept(&costs(&a)[0]), 2 * 32 * 32 * 4);
+        assert_eq!(kept(&costs(&w)[0]), 2 * 32 * 32 * 4 + ctx);
+        let fwd = |s: &Spec| stages(for_spec(s), s).data.forward_only;
+        assert_eq!(fwd(&a) - fwd(&w), ctx);
     }
 }
