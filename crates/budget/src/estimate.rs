@@ -110,8 +110,8 @@ pub struct Budget {
     pub fits: Option<bool>,
 }
 
-/// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
-pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
+/// The spec checks [`estimate`] starts with (the denoiser's, and a family the runtime models).
+fn check_estimable(spec: &Spec) -> Result<(), SpecError> {
     crate::denoiser::check(spec)?;
     if let Some(fm) = crate::denoiser::family(spec)? {
         if !crate::runtime::pytorch::families::supported(fm.family) {
@@ -126,6 +126,31 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
             ));
         }
     }
+    Ok(())
+}
+
+/// What a lever's row reads of a budget (`levers.rs`): the CUDA report and the step's peak
+/// (`peak_bytes`), each as [`estimate`] computes it, with the same checks in the same order (so
+/// the same errors) — without the rest of the budget (inventory, breakdowns, encoder runs), which
+/// the row never shows.
+pub(crate) fn need_inputs(spec: &Spec) -> Result<(Option<CudaReport>, u64), SpecError> {
+    check_estimable(spec)?;
+    let table = param_table(spec);
+    let peak_bytes = simulate_step(spec).peak().total();
+    let cuda = match spec.runtime {
+        crate::spec::Runtime::Pytorch {
+            device: crate::spec::TorchDevice::Cuda,
+            ..
+        } => cuda_report(spec, &table)?,
+        _ => None,
+    };
+    spec.tokens()?;
+    Ok((cuda, peak_bytes))
+}
+
+/// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
+pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
+    check_estimable(spec)?;
     let table = param_table(spec);
     let params = count(&table);
     let st = static_bytes(spec, &table);

@@ -16,6 +16,7 @@ use crate::cost::{step_time, DeviceProfile};
 use crate::error::SpecError;
 use crate::estimate::Budget;
 use crate::plan::{microbatch_candidates, plan, recompute_first, Allow, Limits, PLAN_LORA_RANK};
+use crate::runtime::pytorch::cuda::CudaReport;
 use crate::spec::{
     AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
     TextEncoders, TorchDevice,
@@ -26,10 +27,15 @@ use crate::spec::{
 /// the step's allocated peak plus the context (the replay stops at the failing request, so its
 /// own maxima undercount); elsewhere the step's peak.
 pub fn need_bytes(b: &Budget) -> u64 {
-    match &b.cuda {
-        Some(c) if c.oom.is_some() => c.device_bytes.max(b.peak.bytes + c.context_bytes),
+    need_bytes_of(b.cuda.as_ref(), b.peak.bytes)
+}
+
+/// [`need_bytes`] of a budget's CUDA report and step peak.
+fn need_bytes_of(cuda: Option<&CudaReport>, peak_bytes: u64) -> u64 {
+    match cuda {
+        Some(c) if c.oom.is_some() => c.device_bytes.max(peak_bytes + c.context_bytes),
         Some(c) => c.device_bytes,
-        None => b.peak.bytes,
+        None => peak_bytes,
     }
 }
 
@@ -131,14 +137,61 @@ pub struct LeverOptions {
     pub combine: bool,
 }
 
+/// A lever's figures: peak on the device ([`need_bytes`]), allocated peak, step time.
+type Figures = (u64, u64, f64);
+
+/// Most specs whose [`Figures`] one process keeps (a few bytes each beside the key).
+const MAX_EVALUATED: usize = 4_096;
+
+/// The [`Figures`] of the specs evaluated in this process, by spec and profile (each a pure
+/// function of both): `estimate` ranks the levers up to three times over the same specs
+/// (with the card's budget, without, with LoRA allowed), and its own budget is the base's.
+fn evaluated() -> &'static std::sync::Mutex<std::collections::HashMap<String, Figures>> {
+    static M: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Figures>>> =
+        std::sync::OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+fn evaluated_key(spec: &Spec, profile: &DeviceProfile) -> String {
+    format!("{spec:?}\n{profile:?}")
+}
+
+fn keep(key: String, x: Figures) {
+    if let Ok(mut m) = evaluated().lock() {
+        if m.len() >= MAX_EVALUATED {
+            m.clear();
+        }
+        m.insert(key, x);
+    }
+}
+
 /// Peak on the device ([`need_bytes`]), allocated peak and step time of `spec`.
-fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<(u64, u64, f64), SpecError> {
-    let b = crate::estimate::estimate(spec)?;
-    Ok((
-        need_bytes(&b),
-        b.peak_bytes,
+fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<Figures, SpecError> {
+    let key = evaluated_key(spec, profile);
+    if let Some(x) = evaluated().lock().ok().and_then(|m| m.get(&key).copied()) {
+        return Ok(x);
+    }
+    let (cuda, peak_bytes) = crate::estimate::need_inputs(spec)?;
+    let x = (
+        need_bytes_of(cuda.as_ref(), peak_bytes),
+        peak_bytes,
         step_time(spec, profile).total_s,
-    ))
+    );
+    keep(key, x);
+    Ok(x)
+}
+
+/// Take `b`, the budget of `spec`, as that spec's evaluation against `profile`, so that ranking
+/// the levers of `spec` does not budget it again.
+pub fn remember(spec: &Spec, profile: &DeviceProfile, b: &Budget) {
+    keep(
+        evaluated_key(spec, profile),
+        (
+            need_bytes(b),
+            b.peak_bytes,
+            step_time(spec, profile).total_s,
+        ),
+    );
 }
 
 fn has_expandable(spec: &Spec) -> bool {
