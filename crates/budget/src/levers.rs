@@ -379,15 +379,21 @@ pub fn rank_levers(
     if w.microbatch > 1 {
         let per_rank = w.microbatch.saturating_mul(w.accumulation);
         let mut chosen = None;
-        for m in microbatch_candidates(per_rank, w.microbatch)
+        let mut candidates: Vec<u32> = microbatch_candidates(per_rank, w.microbatch)
             .into_iter()
             .filter(|&m| m < w.microbatch)
-        {
+            .collect();
+        if usable.is_none() {
+            // Nothing fits without a budget: the search ends at the last candidate that
+            // budgets, so that one is looked for from the end.
+            candidates.reverse();
+        }
+        for m in candidates {
             let mut s = base.clone();
             s.workload.microbatch = m;
             s.workload.accumulation = per_rank / m;
             if let Some(x) = try_spec(&s) {
-                let done = fits(&x);
+                let done = fits(&x) || usable.is_none();
                 chosen = Some((m, per_rank / m, x, s));
                 if done {
                     break;
@@ -516,11 +522,17 @@ pub fn rank_levers(
     // Over ranks the run already has, ZeRO changes neither what is trained nor the devices.
     if w.ranks > 1 && r.zero_stage == 0 {
         let mut chosen = None;
-        for stage in 1..=3u8 {
+        // Without a budget the last stage that budgets (as for the microbatch above).
+        let stages: Vec<u8> = if usable.is_none() {
+            vec![3, 2, 1]
+        } else {
+            vec![1, 2, 3]
+        };
+        for stage in stages {
             let mut s = base.clone();
             s.recipe.zero_stage = stage;
             if let Some(x) = try_spec(&s) {
-                let done = fits(&x);
+                let done = fits(&x) || usable.is_none();
                 chosen = Some((stage, x, s));
                 if done {
                     break;
