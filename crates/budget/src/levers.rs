@@ -12,7 +12,7 @@
 
 use serde::Serialize;
 
-use crate::cost::{step_time, DeviceProfile};
+use crate::cost::{step_time_with, DeviceProfile, TimeInputs};
 use crate::error::SpecError;
 use crate::estimate::Budget;
 use crate::plan::{microbatch_candidates, plan, recompute_first, Allow, Limits, PLAN_LORA_RANK};
@@ -175,10 +175,41 @@ fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<Figures, SpecError> 
     let x = (
         need_bytes_of(cuda.as_ref(), peak_bytes),
         peak_bytes,
-        step_time(spec, profile).total_s,
+        step_seconds(spec, profile),
     );
     keep(key, x);
     Ok(x)
+}
+
+/// `step_time(spec, profile).total_s`, with its table- and graph-built inputs ([`TimeInputs`])
+/// made once per process for the specs that differ only in the allocator's settings or the
+/// optimizer: neither is read by [`TimeInputs::of`] (parameter table, segment graphs, shape;
+/// `step_time_with` reads the optimizer from the spec itself), so the expandable-segments and
+/// 8-bit AdamW levers take the base's.
+fn step_seconds(spec: &Spec, profile: &DeviceProfile) -> f64 {
+    type Kept = std::sync::Mutex<std::collections::HashMap<String, TimeInputs>>;
+    static INPUTS: std::sync::OnceLock<Kept> = std::sync::OnceLock::new();
+    let mut plain = spec.clone();
+    if let Some(c) = plain.cuda.as_mut() {
+        c.alloc_conf.clear();
+    }
+    plain.recipe.optimizer = Optimizer::AdamW;
+    let key = evaluated_key(&plain, profile);
+    let m = INPUTS.get_or_init(Default::default);
+    let inputs = match m.lock().ok().and_then(|m| m.get(&key).copied()) {
+        Some(i) => i,
+        None => {
+            let i = TimeInputs::of(spec, profile);
+            if let Ok(mut m) = m.lock() {
+                if m.len() >= MAX_EVALUATED {
+                    m.clear();
+                }
+                m.insert(key, i);
+            }
+            i
+        }
+    };
+    step_time_with(spec, profile, &inputs).total_s
 }
 
 /// Take `b`, the budget of `spec`, as that spec's evaluation against `profile`, so that ranking
@@ -186,11 +217,7 @@ fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<Figures, SpecError> 
 pub fn remember(spec: &Spec, profile: &DeviceProfile, b: &Budget) {
     keep(
         evaluated_key(spec, profile),
-        (
-            need_bytes(b),
-            b.peak_bytes,
-            step_time(spec, profile).total_s,
-        ),
+        (need_bytes(b), b.peak_bytes, step_seconds(spec, profile)),
     );
 }
 
