@@ -715,6 +715,52 @@ mod tests {
         }
     }
 
+    /// A lever's row is budgeted without the rest of the budget (`estimate::need_inputs`) and
+    /// its step time from kept inputs (`step_seconds`): both equal the whole estimate's, on a
+    /// card it fits, one it does not (the replay stops at the failing request), with expandable
+    /// segments and 8-bit AdamW (whose time inputs are the base's), and without a card.
+    #[test]
+    fn a_levers_figures_equal_the_whole_estimate() {
+        let mut specs = Vec::new();
+        for gpu in ["a100-80gb", "t4"] {
+            let mut s = on(gpu);
+            s.workload.batch = 64;
+            s.workload.microbatch = 64;
+            specs.push(s.clone());
+            specs.push(with_expandable(&s));
+            s.recipe.optimizer = Optimizer::AdamW8bit;
+            specs.push(s);
+        }
+        let mut s = on("a100-80gb");
+        s.cuda = None;
+        specs.push(s);
+        let profile = profile_for(&specs[0]);
+        let mut ooms = 0;
+        for s in &specs {
+            let b = crate::estimate::estimate(s).unwrap();
+            ooms += usize::from(b.cuda.as_ref().is_some_and(|c| c.oom.is_some()));
+            let (cuda, peak) = crate::estimate::need_inputs(s).unwrap();
+            assert_eq!(cuda, b.cuda, "{:?}", s.recipe.optimizer);
+            assert_eq!(peak, b.peak_bytes);
+            assert_eq!(need_bytes_of(cuda.as_ref(), peak), need_bytes(&b));
+            for _ in 0..2 {
+                assert_eq!(
+                    step_seconds(s, &profile),
+                    crate::cost::step_time(s, &profile).total_s
+                );
+                assert_eq!(
+                    evaluate(s, &profile).unwrap(),
+                    (
+                        need_bytes(&b),
+                        b.peak_bytes,
+                        crate::cost::step_time(s, &profile).total_s
+                    )
+                );
+            }
+        }
+        assert!(ooms > 0, "no spec ran out of its card");
+    }
+
     #[test]
     fn levers_that_fit_lead_and_each_is_its_own_spec() {
         // DiT-XL/2 at 256², batch 32 on a 24 GB card: activations dominate, recompute fits.
