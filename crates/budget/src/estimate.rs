@@ -7,11 +7,15 @@ use crate::denoiser::param_table;
 use crate::error::SpecError;
 use crate::events::{Breakdown, Phase, StaticBytes};
 use crate::params::{count, ParamCounts};
-use crate::runtime::pytorch::cuda::{cuda_report, CudaReport};
+use crate::runtime::pytorch::caching_allocator::AllocEvent;
+use crate::runtime::pytorch::cuda::{cuda_report_of, CudaReport};
+use crate::runtime::pytorch::trace::allocation_sequence;
 use crate::runtime::{model_for, SegmentCosts, Shape};
 use crate::segment::{Segment, TensorKind};
 use crate::spec::{Dtype, Spec};
-use crate::timeline::{segment_costs, simulate_step, static_bytes, Timeline};
+use crate::timeline::{
+    segment_costs, simulate_step_with, static_bytes, Timeline, LAID_OUT_MICROBATCHES,
+};
 
 /// The peak of the step and what is live there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -110,8 +114,8 @@ pub struct Budget {
     pub fits: Option<bool>,
 }
 
-/// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
-pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
+/// The spec checks [`estimate`] starts with (the denoiser's, and a family the runtime models).
+fn check_estimable(spec: &Spec) -> Result<(), SpecError> {
     crate::denoiser::check(spec)?;
     if let Some(fm) = crate::denoiser::family(spec)? {
         if !crate::runtime::pytorch::families::supported(fm.family) {
@@ -126,11 +130,79 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
             ));
         }
     }
+    Ok(())
+}
+
+/// What a lever's row reads of a budget (`levers.rs`): the CUDA report and the step's peak
+/// (`peak_bytes`), each as [`estimate`] computes it, with the same checks in the same order (so
+/// the same errors) — without the rest of the budget (inventory, breakdowns, encoder runs), which
+/// the row never shows.
+pub(crate) fn need_inputs(spec: &Spec) -> Result<(Option<CudaReport>, u64), SpecError> {
+    check_estimable(spec)?;
+    let table = param_table(spec);
+    let st = static_bytes(spec, &table);
+    let costs = segment_costs(spec);
+    let peak_bytes = simulate_step_with(spec, &table, &st, &costs, LAID_OUT_MICROBATCHES)
+        .peak()
+        .total();
+    let cuda = cuda_of(spec, &table)?;
+    spec.tokens()?;
+    Ok((cuda, peak_bytes))
+}
+
+/// Allocation sequences built in this process, by their spec less `cuda.alloc_conf` (which is
+/// not part of a sequence: `cuda_report_of`): the expandable-segments lever replays the
+/// sequence of the spec as given. A few are kept, the last built first.
+type Sequences = Vec<(String, std::sync::Arc<Vec<AllocEvent>>)>;
+const KEPT_SEQUENCES: usize = 4;
+
+/// On `pytorch:cuda`, the CUDA report of `spec` (`table` is its parameter table), with its
+/// allocation sequence built once per process for every allocator setting.
+fn cuda_of(
+    spec: &Spec,
+    table: &[crate::params::ParamTensor],
+) -> Result<Option<CudaReport>, SpecError> {
+    if !matches!(
+        spec.runtime,
+        crate::spec::Runtime::Pytorch {
+            device: crate::spec::TorchDevice::Cuda,
+            ..
+        }
+    ) {
+        return Ok(None);
+    }
+    static BUILT: std::sync::Mutex<Sequences> = std::sync::Mutex::new(Vec::new());
+    let mut plain = spec.clone();
+    if let Some(c) = plain.cuda.as_mut() {
+        c.alloc_conf.clear();
+    }
+    let key = format!("{plain:?}");
+    let kept = BUILT
+        .lock()
+        .ok()
+        .and_then(|v| v.iter().find(|(k, _)| *k == key).map(|(_, e)| e.clone()));
+    let events = match kept {
+        Some(e) => e,
+        None => {
+            let e = std::sync::Arc::new(allocation_sequence(spec, table));
+            if let Ok(mut v) = BUILT.lock() {
+                v.insert(0, (key, e.clone()));
+                v.truncate(KEPT_SEQUENCES);
+            }
+            e
+        }
+    };
+    cuda_report_of(spec, table, &events)
+}
+
+/// Budget a spec: validate it, count parameters, build the inventory and simulate the step.
+pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
+    check_estimable(spec)?;
     let table = param_table(spec);
     let params = count(&table);
     let st = static_bytes(spec, &table);
     let segments = segment_costs(spec);
-    let timeline = simulate_step(spec);
+    let timeline = simulate_step_with(spec, &table, &st, &segments, LAID_OUT_MICROBATCHES);
     let ev = timeline.peak().clone();
     let rt = model_for(spec);
     let dims = Shape::new(spec);
@@ -186,13 +258,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
         breakdown: ev.live,
         dominant: ev.live.dominant().0,
     };
-    let cuda = match spec.runtime {
-        crate::spec::Runtime::Pytorch {
-            device: crate::spec::TorchDevice::Cuda,
-            ..
-        } => cuda_report(spec, &table)?,
-        _ => None,
-    };
+    let cuda = cuda_of(spec, &table)?;
     let fits = cuda.as_ref().and_then(|c| c.fits);
     Ok(Budget {
         encoders: crate::encoders::encoder_runs(spec),

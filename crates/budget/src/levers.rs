@@ -12,10 +12,11 @@
 
 use serde::Serialize;
 
-use crate::cost::{step_time, DeviceProfile};
+use crate::cost::{step_time_with, DeviceProfile, TimeInputs};
 use crate::error::SpecError;
 use crate::estimate::Budget;
 use crate::plan::{microbatch_candidates, plan, recompute_first, Allow, Limits, PLAN_LORA_RANK};
+use crate::runtime::pytorch::cuda::CudaReport;
 use crate::spec::{
     AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
     TextEncoders, TorchDevice,
@@ -26,10 +27,15 @@ use crate::spec::{
 /// the step's allocated peak plus the context (the replay stops at the failing request, so its
 /// own maxima undercount); elsewhere the step's peak.
 pub fn need_bytes(b: &Budget) -> u64 {
-    match &b.cuda {
-        Some(c) if c.oom.is_some() => c.device_bytes.max(b.peak.bytes + c.context_bytes),
+    need_bytes_of(b.cuda.as_ref(), b.peak.bytes)
+}
+
+/// [`need_bytes`] of a budget's CUDA report and step peak.
+fn need_bytes_of(cuda: Option<&CudaReport>, peak_bytes: u64) -> u64 {
+    match cuda {
+        Some(c) if c.oom.is_some() => c.device_bytes.max(peak_bytes + c.context_bytes),
         Some(c) => c.device_bytes,
-        None => b.peak.bytes,
+        None => peak_bytes,
     }
 }
 
@@ -131,14 +137,88 @@ pub struct LeverOptions {
     pub combine: bool,
 }
 
+/// A lever's figures: peak on the device ([`need_bytes`]), allocated peak, step time.
+type Figures = (u64, u64, f64);
+
+/// Most specs whose [`Figures`] one process keeps (a few bytes each beside the key).
+const MAX_EVALUATED: usize = 4_096;
+
+/// The [`Figures`] of the specs evaluated in this process, by spec and profile (each a pure
+/// function of both): `estimate` ranks the levers up to three times over the same specs
+/// (with the card's budget, without, with LoRA allowed), and its own budget is the base's.
+fn evaluated() -> &'static std::sync::Mutex<std::collections::HashMap<String, Figures>> {
+    static M: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Figures>>> =
+        std::sync::OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+fn evaluated_key(spec: &Spec, profile: &DeviceProfile) -> String {
+    format!("{spec:?}\n{profile:?}")
+}
+
+fn keep(key: String, x: Figures) {
+    if let Ok(mut m) = evaluated().lock() {
+        if m.len() >= MAX_EVALUATED {
+            m.clear();
+        }
+        m.insert(key, x);
+    }
+}
+
 /// Peak on the device ([`need_bytes`]), allocated peak and step time of `spec`.
-fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<(u64, u64, f64), SpecError> {
-    let b = crate::estimate::estimate(spec)?;
-    Ok((
-        need_bytes(&b),
-        b.peak_bytes,
-        step_time(spec, profile).total_s,
-    ))
+fn evaluate(spec: &Spec, profile: &DeviceProfile) -> Result<Figures, SpecError> {
+    let key = evaluated_key(spec, profile);
+    if let Some(x) = evaluated().lock().ok().and_then(|m| m.get(&key).copied()) {
+        return Ok(x);
+    }
+    let (cuda, peak_bytes) = crate::estimate::need_inputs(spec)?;
+    let x = (
+        need_bytes_of(cuda.as_ref(), peak_bytes),
+        peak_bytes,
+        step_seconds(spec, profile),
+    );
+    keep(key, x);
+    Ok(x)
+}
+
+/// `step_time(spec, profile).total_s`, with its table- and graph-built inputs ([`TimeInputs`])
+/// made once per process for the specs that differ only in the allocator's settings or the
+/// optimizer: neither is read by [`TimeInputs::of`] (parameter table, segment graphs, shape;
+/// `step_time_with` reads the optimizer from the spec itself), so the expandable-segments and
+/// 8-bit AdamW levers take the base's.
+fn step_seconds(spec: &Spec, profile: &DeviceProfile) -> f64 {
+    type Kept = std::sync::Mutex<std::collections::HashMap<String, TimeInputs>>;
+    static INPUTS: std::sync::OnceLock<Kept> = std::sync::OnceLock::new();
+    let mut plain = spec.clone();
+    if let Some(c) = plain.cuda.as_mut() {
+        c.alloc_conf.clear();
+    }
+    plain.recipe.optimizer = Optimizer::AdamW;
+    let key = evaluated_key(&plain, profile);
+    let m = INPUTS.get_or_init(Default::default);
+    let inputs = match m.lock().ok().and_then(|m| m.get(&key).copied()) {
+        Some(i) => i,
+        None => {
+            let i = TimeInputs::of(spec, profile);
+            if let Ok(mut m) = m.lock() {
+                if m.len() >= MAX_EVALUATED {
+                    m.clear();
+                }
+                m.insert(key, i);
+            }
+            i
+        }
+    };
+    step_time_with(spec, profile, &inputs).total_s
+}
+
+/// Take `b`, the budget of `spec`, as that spec's evaluation against `profile`, so that ranking
+/// the levers of `spec` does not budget it again.
+pub fn remember(spec: &Spec, profile: &DeviceProfile, b: &Budget) {
+    keep(
+        evaluated_key(spec, profile),
+        (need_bytes(b), b.peak_bytes, step_seconds(spec, profile)),
+    );
 }
 
 fn has_expandable(spec: &Spec) -> bool {
@@ -326,15 +406,21 @@ pub fn rank_levers(
     if w.microbatch > 1 {
         let per_rank = w.microbatch.saturating_mul(w.accumulation);
         let mut chosen = None;
-        for m in microbatch_candidates(per_rank, w.microbatch)
+        let mut candidates: Vec<u32> = microbatch_candidates(per_rank, w.microbatch)
             .into_iter()
             .filter(|&m| m < w.microbatch)
-        {
+            .collect();
+        if usable.is_none() {
+            // Nothing fits without a budget: the search ends at the last candidate that
+            // budgets, so that one is looked for from the end.
+            candidates.reverse();
+        }
+        for m in candidates {
             let mut s = base.clone();
             s.workload.microbatch = m;
             s.workload.accumulation = per_rank / m;
             if let Some(x) = try_spec(&s) {
-                let done = fits(&x);
+                let done = fits(&x) || usable.is_none();
                 chosen = Some((m, per_rank / m, x, s));
                 if done {
                     break;
@@ -463,11 +549,17 @@ pub fn rank_levers(
     // Over ranks the run already has, ZeRO changes neither what is trained nor the devices.
     if w.ranks > 1 && r.zero_stage == 0 {
         let mut chosen = None;
-        for stage in 1..=3u8 {
+        // Without a budget the last stage that budgets (as for the microbatch above).
+        let stages: Vec<u8> = if usable.is_none() {
+            vec![3, 2, 1]
+        } else {
+            vec![1, 2, 3]
+        };
+        for stage in stages {
             let mut s = base.clone();
             s.recipe.zero_stage = stage;
             if let Some(x) = try_spec(&s) {
-                let done = fits(&x);
+                let done = fits(&x) || usable.is_none();
                 chosen = Some((stage, x, s));
                 if done {
                     break;
@@ -621,6 +713,52 @@ mod tests {
             allow: Allow::default(),
             combine: false,
         }
+    }
+
+    /// A lever's row is budgeted without the rest of the budget (`estimate::need_inputs`) and
+    /// its step time from kept inputs (`step_seconds`): both equal the whole estimate's, on a
+    /// card it fits, one it does not (the replay stops at the failing request), with expandable
+    /// segments and 8-bit AdamW (whose time inputs are the base's), and without a card.
+    #[test]
+    fn a_levers_figures_equal_the_whole_estimate() {
+        let mut specs = Vec::new();
+        for gpu in ["a100-80gb", "t4"] {
+            let mut s = on(gpu);
+            s.workload.batch = 64;
+            s.workload.microbatch = 64;
+            specs.push(s.clone());
+            specs.push(with_expandable(&s));
+            s.recipe.optimizer = Optimizer::AdamW8bit;
+            specs.push(s);
+        }
+        let mut s = on("a100-80gb");
+        s.cuda = None;
+        specs.push(s);
+        let profile = profile_for(&specs[0]);
+        let mut ooms = 0;
+        for s in &specs {
+            let b = crate::estimate::estimate(s).unwrap();
+            ooms += usize::from(b.cuda.as_ref().is_some_and(|c| c.oom.is_some()));
+            let (cuda, peak) = crate::estimate::need_inputs(s).unwrap();
+            assert_eq!(cuda, b.cuda, "{:?}", s.recipe.optimizer);
+            assert_eq!(peak, b.peak_bytes);
+            assert_eq!(need_bytes_of(cuda.as_ref(), peak), need_bytes(&b));
+            for _ in 0..2 {
+                assert_eq!(
+                    step_seconds(s, &profile),
+                    crate::cost::step_time(s, &profile).total_s
+                );
+                assert_eq!(
+                    evaluate(s, &profile).unwrap(),
+                    (
+                        need_bytes(&b),
+                        b.peak_bytes,
+                        crate::cost::step_time(s, &profile).total_s
+                    )
+                );
+            }
+        }
+        assert!(ooms > 0, "no spec ran out of its card");
     }
 
     #[test]

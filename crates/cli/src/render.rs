@@ -785,26 +785,34 @@ pub fn estimate_levers(
     spec: &Spec,
     b: &Budget,
 ) -> anyhow::Result<Vec<ditmem_budget::levers::Lever>> {
-    use ditmem_budget::levers::{need_bytes, profile_for, rank_levers, LeverOptions};
+    use ditmem_budget::levers::{need_bytes, profile_for, rank_levers, remember, LeverOptions};
     let capacity = b.cuda.as_ref().and_then(|c| c.capacity_bytes);
     let profile = profile_for(spec);
+    // `b` is the spec's budget: the base row's figures without budgeting it again.
+    remember(spec, &profile, b);
     let mut opts = LeverOptions {
         budget_bytes: capacity,
         headroom: 0.0,
         allow: ditmem_budget::Allow::default(),
         combine: false,
     };
-    let mut r = rank_levers(spec, &opts, &profile)?;
-    if r.base.fits {
+    // Whether the base fits the card, as `rank_levers` decides it (its device peak within the
+    // budget, no headroom).
+    let base_fits = capacity.is_some_and(|c| need_bytes(b) <= (c as f64).floor() as u64);
+    let mut r = if base_fits {
         // It fits as it is: the levers by the memory they give back (a card would stop each
-        // search at the first setting that fits, which the step already does).
+        // search at the first setting that fits, which the step already does). Ranked without
+        // a budget only: a ranking against the card would be thrown away.
         opts.budget_bytes = None;
-        r = rank_levers(spec, &opts, &profile)?;
+        let mut r = rank_levers(spec, &opts, &profile)?;
         r.base.fits = true;
         for l in &mut r.levers {
             l.fits = capacity.is_some_and(|c| l.device_peak_bytes <= c);
         }
-    }
+        r
+    } else {
+        rank_levers(spec, &opts, &profile)?
+    };
     let none_fits = !r.base.fits && !r.levers.iter().any(|l| l.fits);
     if none_fits && spec.recipe.lora.is_none() && spec.model.diffusers.is_some() {
         opts.allow.lora = true;

@@ -88,3 +88,56 @@ fn plans_do_not_depend_on_the_replay_threads() {
         );
     }
 }
+
+/// The second reference: `estimate --json`'s answer beyond the budget — what has to fit,
+/// whether it does, the CUDA report and every lever row — for each query of
+/// `data/plan_speed/estimate_golden.json` (written by `bench/plan_speed/golden_estimate.py`
+/// from 8dcd2a5's binary, before the lever ranking kept its evaluations; `ESTIMATE_KEYS` and the
+/// queries are listed once in `golden_queries.py`); the queries whose answer differs.
+fn estimates_differing(env: &[(&str, &str)]) -> Vec<String> {
+    let golden: serde_json::Map<String, serde_json::Value> =
+        match serde_json::from_str(include_str!("data/plan_speed/estimate_golden.json")) {
+            Ok(serde_json::Value::Object(map)) => map,
+            other => panic!("estimate_golden.json is not an object of answers: {other:?}"),
+        };
+    assert!(
+        golden.len() >= 8,
+        "estimate_golden.json holds {}",
+        golden.len()
+    );
+    let mut differ = Vec::new();
+    for (q, want) in &golden {
+        let mut args = vec!["estimate", "--json"];
+        args.extend(q.split_whitespace());
+        let (code, out, err) = ditmem_env(env, &args);
+        let got: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{q}: {e}\n{out}\n{err}"));
+        let want = want.as_object().expect("an answer object");
+        let keys: Vec<&String> = want
+            .iter()
+            .filter(|(k, v)| match k.as_str() {
+                "exit" => *v != &serde_json::Value::from(code),
+                k => got.get(k).unwrap_or(&serde_json::Value::Null) != *v,
+            })
+            .map(|(k, _)| k)
+            .collect();
+        if !keys.is_empty() {
+            differ.push(format!("{q}: {keys:?}"));
+        }
+    }
+    differ
+}
+
+/// Lever rows (and what has to fit) equal the reference, with the levers budgeted one at a
+/// time and side by side.
+#[test]
+fn estimates_equal_the_reference_levers() {
+    for threads in ["1", "4"] {
+        let differ = estimates_differing(&[("DITMEM_PLAN_THREADS", threads)]);
+        assert!(
+            differ.is_empty(),
+            "with {threads} thread(s) estimates differ from the reference:\n{}",
+            differ.join("\n")
+        );
+    }
+}
