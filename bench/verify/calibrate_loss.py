@@ -7,13 +7,20 @@ relative error / (u_c · √P_f), with u_c and P_f read from the JSON itself (`t
 c_ℓ per precision, rounded up to two significant digits. Also prints the largest gradient and
 drift margins per precision (error / tolerance; the calibration keeps them ≤ 0.5 at its points).
 
-Usage: calibrate_loss.py PATH...   (verify-*.json files or run folders)
+With --now, also each file's largest loss margin judged with KAPPA_LOSS_NOW (the κ_ℓ of
+`crates/conformance/src/verify/mod.rs` `kappa` after this calibration), for runs made before it.
+
+Usage: calibrate_loss.py [--now] PATH...   (verify-*.json files or run folders)
 """
 import glob
 import json
 import math
 import os
 import sys
+
+
+# κ_ℓ per policy in `verify::kappa` since the real-width calibration (issue 51).
+KAPPA_LOSS_NOW = {"fp64": 1.2, "fp32": 1.2, "bf16-mixed": 0.054, "fp16-mixed": 0.098, "bf16-pure": 0.045}
 
 
 def files(paths):
@@ -32,6 +39,8 @@ def round_up_2(x):
 
 
 def main(paths):
+    now = "--now" in paths
+    paths = [p for p in paths if p != "--now"]
     best = {}
     for f in files(paths):
         try:
@@ -41,6 +50,12 @@ def main(paths):
         u = {t["precision"]: t["unit_roundoff"] for t in v["tolerances"]}
         pf = v["growth"]["forward_chain"]
         tag = f"{os.path.basename(os.path.dirname(f))}/{os.path.basename(f)}"
+        if now:
+            worst = max(
+                (x["loss_rel_err"] / (u[x["precision"]] * KAPPA_LOSS_NOW[x["precision"]] * math.sqrt(pf)), x["name"])
+                for x in v["variants"] if x.get("loss_rel_err") is not None
+            )
+            print(f"{tag}: largest loss margin at today's kappa_l {worst[0]:.3f} ({worst[1]})")
         for x in v["variants"]:
             p = x["precision"]
             if x.get("loss_rel_err") is None:
