@@ -245,7 +245,10 @@ fn with_ema_and_accumulation(base: Spec) -> Spec {
 /// With `VERIFY_MUTATION_PRESETS=name,…` (one-encoder presets: PixArt, Sana, Wan), those
 /// presets instead at their real width with one block (`model.keep_blocks`, `--depth 1`),
 /// `VERIFY_MUTATION_RESOLUTION` (default 256) square images and 13 caption tokens: the suite
-/// at real widths (issue 51), minutes each on 2 cores.
+/// at real widths (issue 51), minutes each on 2 cores; there LayerNorm statistics in bf16 apply
+/// (rows ≥ [`WIDE_ROWS`]), `VERIFY_MUTATION_SOFTMAX_GAIN` sets the softmax case's logit gain
+/// and `VERIFY_MUTATION_ONLY` picks mutations. Runs and figures:
+/// `bench/verify/runs/2026-12-06-epyc-width-mutations/`.
 fn family_specs() -> Vec<(&'static str, Spec)> {
     use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
     if let Ok(list) = std::env::var("VERIFY_MUTATION_PRESETS") {
