@@ -391,7 +391,8 @@ fn variant_syntax() {
 /// 1 / SPREAD_MARGIN: the largest c_ℓ = loss error / (u·√P_f) measured per policy on the presets
 /// with one block (`bench/verify/calibrate_loss.py` over `bench/verify/runs/2026-12-06-epyc-*`:
 /// SD3.5-medium's dual block bf16-mixed 4.17e-4 at P_f = 16, SD3.5-large fp16-mixed 7.17e-5,
-/// Sana-600M bf16-pure 3.24e-4), which the toy widths' κ_ℓ (0.024, 0.031, 0.028) warned on.
+/// Sana-600M bf16-pure 3.24e-4, Wan 2.1 1.3B fp64 memory-efficient), which the toy widths' κ_ℓ
+/// (0.024, 0.031, 0.028) warned on.
 #[test]
 fn loss_tolerance_holds_the_real_width_runs() {
     for (p, c_measured) in [
@@ -399,16 +400,16 @@ fn loss_tolerance_holds_the_real_width_runs() {
         (Precision::Fp16Mixed, 0.04893),
         (Precision::Bf16Pure, 0.02213),
         (Precision::Fp32, 0.338),
+        (Precision::Fp64, 0.6106),
     ] {
         let k = kappa(p).loss;
         assert!(
             k >= SPREAD_MARGIN * c_measured,
             "{p:?}: κ_ℓ {k} < {SPREAD_MARGIN} × {c_measured}"
         );
-        // Twice the largest, rounded up to two digits: no wider than that.
-        assert!(
-            k <= 1.05 * SPREAD_MARGIN * c_measured || p == Precision::Fp32,
-            "{p:?}: {k}"
-        );
+        // Twice the largest, rounded up to two digits: no wider than one step of the second.
+        let twice = SPREAD_MARGIN * c_measured;
+        let step = 10f64.powf(twice.log10().floor() - 1.0);
+        assert!(k <= twice + step || p == Precision::Fp32, "{p:?}: {k}");
     }
 }
