@@ -42,7 +42,7 @@ fn dropout_spec() -> Spec {
 /// at the default spec's 64 they stay inside the bf16 tolerance.
 fn wide_spec() -> Spec {
     let mut s = spec();
-    s.model.hidden = 384;
+    s.model.hidden = WIDE_ROWS;
     s.model.heads = 6;
     s.validate().unwrap();
     s
