@@ -54,6 +54,23 @@ def main(folder):
           "| verify wall | verify max RSS | verify predicted peak | compare peak error (measured) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    # compare alone (no verify in the folder for that tag)
+    alone = []
+    for cf in sorted(glob.glob(os.path.join(folder, "compare-*.json"))):
+        tag = os.path.basename(cf)[len("compare-"):-len(".json")]
+        if os.path.exists(os.path.join(folder, f"verify-{tag}.json")):
+            continue
+        wall, rss, rc = gnu_time(cf[:-5] + ".time")
+        try:
+            c = json.load(open(cf))
+            err = f'{100 * c["rel_error"]:+.3f} % ({c["measured_peak_bytes"] / 2**20:.1f} MiB measured, {c["predicted_peak_bytes"] / 2**20:.1f} MiB predicted)' \
+                if "predicted_peak_bytes" in c else f'{100 * c["rel_error"]:+.3f} % ({c["measured_peak_bytes"] / 2**20:.1f} MiB)'
+        except ValueError:
+            err = f"exit {rc}"
+        alone.append(f"| {tag} | {err} | {wall} | {rss:.0f} MiB |" if rss else f"| {tag} | {err} | {wall} | - |")
+    if alone:
+        print("\n| compare alone | peak error | wall | max RSS |\n|---|---|---|---|")
+        print("\n".join(alone))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ use ditmem_budget::{AttentionMode, Dtype, Precision, Recompute, Spec};
 use ditmem_conformance::verify::{
     check_one_step, compute_reference, compute_reference_in, judge_one_step, kappa, parse_variants,
     reference_file_bytes, reference_file_size, tolerance, tolerance_for, unit_roundoff, verify,
-    Drift, Fault, Growth, Reference, Variant, Verdict, VerifyError, VerifyOptions,
+    Drift, Fault, Growth, Reference, Variant, Verdict, VerifyError, VerifyOptions, SPREAD_MARGIN,
 };
 
 /// The verify default: depth 2, hidden 64, 4 heads, patch 2, 128×128 (64 tokens), batch 4.
@@ -384,5 +384,32 @@ fn variant_syntax() {
             matches!(parse_variants(bad), Err(VerifyError::Variant { .. })),
             "{bad}"
         );
+    }
+}
+
+/// κ_ℓ holds the loss errors of correct runs at real width (issue 51) at a margin of at most
+/// 1 / SPREAD_MARGIN: the largest c_ℓ = loss error / (u·√P_f) measured per policy on the presets
+/// with one block (`bench/verify/calibrate_loss.py` over `bench/verify/runs/2026-12-06-epyc-*`:
+/// SD3.5-medium's dual block bf16-mixed 4.17e-4 at P_f = 16, SD3.5-large fp16-mixed 7.17e-5,
+/// Sana-1600M bf16-pure, SD3.5-medium 128² fp64 memory-efficient), which the toy widths' κ_ℓ
+/// (0.024, 0.031, 0.028) warned on.
+#[test]
+fn loss_tolerance_holds_the_real_width_runs() {
+    for (p, c_measured) in [
+        (Precision::Bf16Mixed, 0.02669),
+        (Precision::Fp16Mixed, 0.04893),
+        (Precision::Bf16Pure, 0.02407),
+        (Precision::Fp32, 0.338),
+        (Precision::Fp64, 0.8555),
+    ] {
+        let k = kappa(p).loss;
+        assert!(
+            k >= SPREAD_MARGIN * c_measured,
+            "{p:?}: κ_ℓ {k} < {SPREAD_MARGIN} × {c_measured}"
+        );
+        // Twice the largest, rounded up to two digits: no wider than one step of the second.
+        let twice = SPREAD_MARGIN * c_measured;
+        let step = 10f64.powf(twice.log10().floor() - 1.0);
+        assert!(k <= twice + step || p == Precision::Fp32, "{p:?}: {k}");
     }
 }
