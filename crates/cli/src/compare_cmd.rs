@@ -73,6 +73,7 @@ pub enum AgreeFamily {
     Flux,
     Sana,
     Wan,
+    DitDiffusers,
     All,
 }
 
@@ -751,11 +752,17 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         parts.push(("pixart", "PixArt", grid.len() - n));
     }
     type FamilyGrid = fn() -> ditmem_engine::Result<Vec<(String, ditmem_budget::Spec)>>;
-    let families: [(AgreeFamily, &str, &str, FamilyGrid); 4] = [
+    let families: [(AgreeFamily, &str, &str, FamilyGrid); 5] = [
         (AgreeFamily::Sd3, "sd3", "SD3", agree::sd3_grid),
         (AgreeFamily::Flux, "flux", "Flux", agree::flux_grid),
         (AgreeFamily::Sana, "sana", "Sana", agree::sana_grid),
         (AgreeFamily::Wan, "wan", "Wan", agree::wan_grid),
+        (
+            AgreeFamily::DitDiffusers,
+            "dit_diffusers",
+            "DiT (diffusers)",
+            agree::dit_diffusers_grid,
+        ),
     ];
     for (fam, key, label, make) in families {
         if !wants(fam) {

@@ -196,10 +196,16 @@ impl FamilyStep for DitdLayout {
         Ok(pred)
     }
 
-    /// The patch embedding and block 0's embedder (its second use, for the output side).
+    /// Block 0's embedder (its second use, for the output side), then the patch embedding.
+    /// The order is the budget's: block 0 landed the embedder's gradients, so each is summed
+    /// into its buffer (`old + g`, a transient of its size) while the store still holds the
+    /// patch embedding's, moved after (the label table first: no sum has freed a sunk
+    /// gradient before it; `ditmem_cpu::step`'s `Landing::summed`).
     fn embed_params(&self) -> Vec<usize> {
-        let mut v = Trainer::linear_params(&self.patch);
-        v.extend(emb_params(&self.blocks[0].emb));
+        let e = &self.blocks[0].emb;
+        let mut v = vec![e.table];
+        v.extend(params_of(&e.lin));
+        v.extend(Trainer::linear_params(&self.patch));
         v
     }
 

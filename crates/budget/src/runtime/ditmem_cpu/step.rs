@@ -357,7 +357,12 @@ impl<'a> Replay<'a> {
             live.gradients += l.grads.0.div_ceil(self.grad_share);
             live.runtime += l.grads.1;
             if l.summed > 0 {
-                return Some(l.summed);
+                // `Trainer::accumulate` sums these first (`DitdLayout::embed_params`), each
+                // `old + cast(g)` (the cast a copy of its own when the store's gradient is in
+                // the weights' dtype: bf16-pure), before it moves (or casts) the segment's
+                // own gradients, which `live` holds already.
+                let sum = l.summed * if self.cast_on_landing { 2 } else { 1 };
+                return Some(sum.saturating_sub(l.grads.0.div_ceil(self.grad_share)));
             }
             self.cast_on_landing.then_some(0)
         } else {
