@@ -56,7 +56,7 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan), or all (each
+    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan, diffusers' DiT), or all (each
     /// summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
