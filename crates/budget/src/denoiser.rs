@@ -120,12 +120,13 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             | families::Family::Flux
             | families::Family::Sana
             | families::Family::Wan
+            | families::Family::DitDiffusers
     );
     if spec.runtime == Runtime::DitmemCpu && !engine_runs {
         return Err(SpecError::invalid(
             "runtime",
             format!(
-                "ditmem-cpu runs only the original DiT, PixArt, SD3, Flux, Sana and Wan so far, not {} ({}); allowed: \
+                "ditmem-cpu runs only the original DiT, diffusers' DiT, PixArt, SD3, Flux, Sana and Wan so far, not {} ({}); allowed: \
                  pytorch, pytorch:cpu, pytorch:cuda[:flash|efficient|math]",
                 fm.class_name,
                 fm.family.name()

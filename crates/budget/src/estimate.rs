@@ -214,6 +214,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
                 .or_else(|| crate::runtime::ditmem_cpu::flux::inventory_segments(spec))
                 .or_else(|| crate::runtime::ditmem_cpu::sana::inventory_segments(spec))
                 .or_else(|| crate::runtime::ditmem_cpu::wan::inventory_segments(spec))
+                .or_else(|| crate::runtime::ditmem_cpu::dit_diffusers::inventory_segments(spec))
         })
         .flatten()
         .map(|segs| {

@@ -56,7 +56,7 @@ pub struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
-    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan), or all (each
+    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan, diffusers' DiT), or all (each
     /// summarised on its own).
     #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
     pub family: AgreeFamily,
@@ -73,6 +73,7 @@ pub enum AgreeFamily {
     Flux,
     Sana,
     Wan,
+    DitDiffusers,
     All,
 }
 
@@ -751,11 +752,17 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
         parts.push(("pixart", "PixArt", grid.len() - n));
     }
     type FamilyGrid = fn() -> ditmem_engine::Result<Vec<(String, ditmem_budget::Spec)>>;
-    let families: [(AgreeFamily, &str, &str, FamilyGrid); 4] = [
+    let families: [(AgreeFamily, &str, &str, FamilyGrid); 5] = [
         (AgreeFamily::Sd3, "sd3", "SD3", agree::sd3_grid),
         (AgreeFamily::Flux, "flux", "Flux", agree::flux_grid),
         (AgreeFamily::Sana, "sana", "Sana", agree::sana_grid),
         (AgreeFamily::Wan, "wan", "Wan", agree::wan_grid),
+        (
+            AgreeFamily::DitDiffusers,
+            "dit_diffusers",
+            "DiT (diffusers)",
+            agree::dit_diffusers_grid,
+        ),
     ];
     for (fam, key, label, make) in families {
         if !wants(fam) {

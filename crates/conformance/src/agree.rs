@@ -649,6 +649,82 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
     Ok(g.finish())
 }
 
+/// The diffusers DiT grid's base: [`crate::families::dit_diffusers::tiny_spec`]
+/// (`DiTTransformer2DModel`, 2 blocks of 4 × 16-wide heads, 64 tokens, batch 4) with an fp32
+/// EMA, on this process's CPU.
+pub fn dit_diffusers_grid_base() -> Result<Spec> {
+    Ok(family_base(
+        crate::families::dit_diffusers::tiny_spec(2, 4)?,
+        "dit-diffusers-d2-h64",
+    ))
+}
+
+/// The diffusers DiT agreement grid: the family policies on the base, then accumulation, a
+/// larger image, SGD without EMA, a block list, one block, a deeper and wider model, and LoRA
+/// (the defaults, and attention, feed-forward and output-side modules; the timestep embedders
+/// are refused, see `DitdGeom::new`). Each spec runs in well under a second in release on 2
+/// cores.
+pub fn dit_diffusers_grid() -> Result<Vec<(String, Spec)>> {
+    use crate::families::dit_diffusers::tiny_spec;
+    use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
+    let mut g = GridBuilder::new(
+        "dit-diffusers",
+        dit_diffusers_grid_base()?,
+        &FAMILY_POLICIES,
+    );
+    g.vary(ACCUMULATION, accumulation)
+        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            batch(s, 2);
+            memory_efficient(s);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.model("1 block × 2 heads (hidden 32)", tiny_spec(1, 2)?, None);
+    g.model(
+        "4 blocks × 6 heads (hidden 96), every-2",
+        tiny_spec(4, 6)?,
+        Some(R::EveryK(2)),
+    );
+    let base = dit_diffusers_grid_base()?;
+    let lora = |rank: u32, modules: &[&str]| LoraSpec {
+        dtype: Default::default(),
+        rank,
+        targets: ditmem_budget::default_lora_targets(),
+        modules: modules.iter().map(|m| m.to_string()).collect(),
+    };
+    let custom = ["to_q", "to_v", "ff.net.2", "norm1.linear", "proj_out_1"];
+    let mut specs = g.finish();
+    for (name, p, rc, l) in [
+        (
+            "LoRA r4 (defaults), bf16-mixed",
+            P::Bf16Mixed,
+            R::None,
+            lora(4, &[]),
+        ),
+        (
+            "LoRA r8 (defaults), fp32, recompute all",
+            P::Fp32,
+            R::All,
+            lora(8, &[]),
+        ),
+        (
+            "LoRA r16 (to_q, to_v, ff.net.2, norm1.linear, proj_out_1), fp16-mixed, attention-only",
+            P::Fp16Mixed,
+            R::AttentionOnly,
+            lora(16, &custom),
+        ),
+    ] {
+        let mut s = base.clone();
+        s.recipe.precision = p;
+        s.recipe.recompute = rc;
+        s.recipe.lora = Some(l);
+        specs.push((format!("dit-diffusers {name}"), s));
+    }
+    Ok(specs)
+}
+
 /// The Wan grid's base: [`crate::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
 /// 64×64 pixels at 9 frames: 3 latent frames of 4×4 tokens, 48 video tokens, 13 umT5 tokens of
 /// width 32, batch 4) with an fp32 EMA, on this process's CPU.

@@ -8,7 +8,7 @@
 use candle_core::{DType, Tensor};
 use ditmem_budget::{AttentionMode, ParamRole, Precision, Recompute, Spec};
 use ditmem_conformance::agree::{self, summarize};
-use ditmem_engine::families::{flux, pixart, sana, sd3, wan};
+use ditmem_engine::families::{dit_diffusers, flux, pixart, sana, sd3, wan};
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
 mod common;
@@ -218,6 +218,22 @@ fn families() -> Vec<Family> {
             },
             zero_gradient: nothing,
             grid: (agree::wan_grid, 3),
+        },
+        Family {
+            name: "DiT_diffusers",
+            specs: vec![("", resolved(dit_diffusers::tiny_spec(2, 4)))],
+            sizes: vec![
+                dit_diffusers::tiny_spec(1, 2).unwrap(),
+                dit_diffusers::tiny_spec(2, 4).unwrap(),
+                dit_diffusers::tiny_spec(3, 3).unwrap(),
+            ],
+            // Block 0's embedder: read by block 0 and by the output side.
+            watched: "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight",
+            blocks: vec![1],
+            more_policies: Vec::new(),
+            more_levers: none,
+            zero_gradient: nothing,
+            grid: (agree::dit_diffusers_grid, 3),
         },
     ]
 }

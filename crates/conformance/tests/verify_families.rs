@@ -43,6 +43,10 @@ fn family_specs() -> Vec<(&'static str, Spec)> {
             "wan",
             resolve(families::wan::tiny_spec(2, 2, 5, 7).unwrap()),
         ),
+        (
+            "dit-diffusers",
+            resolve(families::dit_diffusers::tiny_spec(2, 4).unwrap()),
+        ),
     ]
 }
 
@@ -91,6 +95,8 @@ fn zero_gradients_are_the_softmax_key_biases_of_each_family() {
         let want = match fam {
             "pixart" => 4,
             "sana" => 2,
+            // attn1.to_k.bias of each of the 2 blocks.
+            "dit-diffusers" => 2,
             _ => 0,
         };
         assert_eq!(zeros, want, "{fam}");
@@ -155,6 +161,18 @@ fn pixart_verifies_against_its_f64_reference() {
         &family_specs()[0].1,
         VARIANTS,
         "transformer_blocks.1.attn2.to_v.weight",
+        &|_| false,
+    );
+}
+
+/// diffusers' DiT (`DiTTransformer2DModel`, an embedder in every block, block 0's read again
+/// for the output side): every policy passes; a zeroed value projection of block 1 fails.
+#[test]
+fn dit_diffusers_verifies_against_its_f64_reference() {
+    verify_family(
+        &family_specs()[6].1,
+        VARIANTS,
+        "transformer_blocks.1.attn1.to_v.weight",
         &|_| false,
     );
 }

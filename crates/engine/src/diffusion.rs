@@ -254,6 +254,7 @@ impl SyntheticData {
             crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
             crate::families::Arch::Sana(g) => (g.text_tokens, g.text_width, 0),
             crate::families::Arch::Wan(g) => (g.text_tokens, g.text_dim, 0),
+            crate::families::Arch::DitDiffusers(_) => (0, 0, 0),
         };
         Ok(SyntheticData {
             pooled_width,

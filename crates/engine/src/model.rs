@@ -38,6 +38,7 @@ impl Dims {
             crate::families::Arch::Flux(_) => u(m.in_channels),
             crate::families::Arch::Sana(g) => g.out_channels,
             crate::families::Arch::Wan(g) => g.out_channels,
+            crate::families::Arch::DitDiffusers(g) => g.out_channels,
         };
         let frames = match crate::families::Arch::of(spec)? {
             crate::families::Arch::Wan(g) => g.frames,
@@ -101,6 +102,9 @@ pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
         crate::families::Arch::Flux(g) => return Ok(crate::families::flux::param_shapes(&d, &g)),
         crate::families::Arch::Sana(g) => return Ok(crate::families::sana::param_shapes(&d, &g)),
         crate::families::Arch::Wan(g) => return Ok(crate::families::wan::param_shapes(&d, &g)),
+        crate::families::Arch::DitDiffusers(g) => {
+            return Ok(crate::families::dit_diffusers::param_shapes(&d, &g))
+        }
         crate::families::Arch::Dit => {}
     }
     let lora = spec.recipe.lora.as_ref();

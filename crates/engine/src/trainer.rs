@@ -41,6 +41,7 @@ use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
 use crate::rng::derive_seed;
 
+mod dit_diffusers;
 mod family;
 mod flux;
 mod pixart;
@@ -156,6 +157,7 @@ enum Layout {
     Flux(flux::FluxLayout),
     Sana(sana::SanaLayout),
     Wan(wan::WanLayout),
+    DitDiffusers(dit_diffusers::DitdLayout),
 }
 
 impl Layout {
@@ -174,6 +176,7 @@ impl Layout {
             Layout::Sd3(l) => l.linears(),
             Layout::Flux(l) => l.linears(),
             Layout::Sana(l) => l.linears(),
+            Layout::DitDiffusers(l) => l.linears(),
         }
     }
 
@@ -306,6 +309,9 @@ impl Trainer {
             crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
             crate::families::Arch::Sana(g) => crate::families::sana::param_shapes(&dims, g),
             crate::families::Arch::Wan(g) => crate::families::wan::param_shapes(&dims, g),
+            crate::families::Arch::DitDiffusers(g) => {
+                crate::families::dit_diffusers::param_shapes(&dims, g)
+            }
         };
         for (i, p) in shapes.into_iter().enumerate() {
             let values = init_values(&p, opts.seed)?;
@@ -390,6 +396,9 @@ impl Trainer {
             crate::families::Arch::Wan(g) => {
                 Layout::Wan(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
             }
+            crate::families::Arch::DitDiffusers(g) => Layout::DitDiffusers(
+                dit_diffusers::DitdLayout::new(&lin, &idx, dims.depth, g.clone())?,
+            ),
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -815,6 +824,7 @@ impl Trainer {
                 Layout::Flux(l) => self.family_microbatch(l, mb, m, accum, rec)?,
                 Layout::Sana(l) => self.family_microbatch(l, mb, m, accum, rec)?,
                 Layout::Wan(l) => self.family_microbatch(l, mb, m, accum, rec)?,
+                Layout::DitDiffusers(l) => self.family_microbatch(l, mb, m, accum, rec)?,
             };
         }
         Ok(loss_sum / accum as f64)

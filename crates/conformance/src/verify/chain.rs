@@ -24,6 +24,10 @@ pub(crate) fn block_stages(arch: &Arch, depth: u64) -> u64 {
     match arch {
         // qkv, q·kᵀ, softmax, P·v, proj; the MLP: 6 (the calibration's count).
         Arch::Dit => depth * (SOFTMAX_ATTENTION + MLP),
+        // diffusers' DiT: the same block as the DiT's with q, k, v as three linears (one
+        // stage beside each other); its per-block embedder feeds the modulation, beside the
+        // stream: 6.
+        Arch::DitDiffusers(_) => depth * (SOFTMAX_ATTENTION + MLP),
         // Self-attention, then the cross-attention whose query is its output, then the MLP: 11.
         Arch::Pixart(_) => depth * (2 * SOFTMAX_ATTENTION + MLP),
         // One joint attention (+ the per-head RMSNorm of q and k with `qk_norm`), then the MLP

@@ -16,6 +16,7 @@
 //! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
 
 pub mod cross;
+pub mod dit_diffusers;
 pub mod flux;
 pub mod lora;
 pub mod pixart;
@@ -35,6 +36,7 @@ use ditmem_budget::{Family, Spec};
 /// - DiT: none — the key bias is a third of `attn.qkv.bias`, whose q and v thirds are not zero.
 /// - PixArt: `attn1.to_k.bias` (self-attention) and `attn2.to_k.bias` (cross-attention to the
 ///   caption): both plain softmax attentions without q/k norm.
+/// - diffusers' DiT: `attn1.to_k.bias` (plain softmax self-attention, separate biased q, k, v).
 /// - Sana: `attn2.to_k.bias` (softmax cross-attention). Not attn1's: ReLU(k + b) is no shift of
 ///   the linear attention's keys.
 /// - SD3, Flux: none. Joint attention: `to_k.bias` shifts the image keys only and
@@ -46,6 +48,7 @@ pub fn zero_gradient(arch: &Arch, name: &str) -> bool {
     let softmax_key_biases: &[&str] = match arch {
         Arch::Pixart(_) => &["attn1.to_k.bias", "attn2.to_k.bias"],
         Arch::Sana(_) => &["attn2.to_k.bias"],
+        Arch::DitDiffusers(_) => &["attn1.to_k.bias"],
         Arch::Dit | Arch::Sd3(_) | Arch::Flux(_) | Arch::Wan(_) => &[],
     };
     softmax_key_biases.iter().any(|b| {
@@ -71,6 +74,8 @@ pub enum Arch {
     Sana(sana::SanaGeom),
     /// A `WanTransformer3DModel` from `model.diffusers`.
     Wan(wan::WanGeom),
+    /// diffusers' `DiTTransformer2DModel` from `model.diffusers`.
+    DitDiffusers(dit_diffusers::DitdGeom),
 }
 
 impl Arch {
@@ -95,9 +100,12 @@ impl Arch {
                 (ditmem_budget::Dims::Wan(d), Family::Wan) => {
                     Ok(Arch::Wan(wan::WanGeom::new(spec, d)?))
                 }
+                (ditmem_budget::Dims::DitDiffusers(d), Family::DitDiffusers) => Ok(
+                    Arch::DitDiffusers(dit_diffusers::DitdGeom::new(spec, d)?),
+                ),
                 _ => Err(EngineError::unsupported(
                     format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and the diffusers PixArt, SD3, Flux, Sana and Wan 2.1 transformers so far",
+                    "the engine runs the original DiT and the diffusers DiT, PixArt, SD3, Flux, Sana and Wan 2.1 transformers so far",
                 )),
             },
         }

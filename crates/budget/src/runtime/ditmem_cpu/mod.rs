@@ -26,6 +26,8 @@
 //! - [`gemm_pack`]: the per-call packing buffer of the `gemm` crate (`kernels/gemm.rs`);
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
+//! - [`dit_diffusers`]: diffusers' DiT's segments (`families/dit_diffusers/block.rs`,
+//!   `trainer/dit_diffusers.rs`);
 //! - [`flux`]: Flux's segments (`families/flux/block.rs`, `trainer/flux.rs`);
 //! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
 //! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `trainer/sana.rs`,
@@ -40,6 +42,7 @@ pub mod attention;
 pub mod backward;
 pub mod block;
 pub mod cross;
+pub mod dit_diffusers;
 pub mod dtypes;
 pub mod flux;
 pub mod gemm_pack;

@@ -186,6 +186,9 @@ pub fn sims(spec: &Spec) -> Sims {
     if let Some(wg) = super::wan::WanGeo::of(spec) {
         return super::wan::sims(spec, &wg);
     }
+    if let Some(dg) = super::dit_diffusers::DitdGeo::of(spec) {
+        return super::dit_diffusers::sims(spec, &dg);
+    }
     let sh = Shape::new(spec);
     let block = sims::block_sim(|_track| {
         let (g, leaf, _c, out) = block::block(&sh);

@@ -39,6 +39,7 @@ pub fn step_uses_gemm(spec: &Spec) -> bool {
         || super::sd3::Sd3Geo::of(spec).is_some()
         || super::flux::FluxGeo::of(spec).is_some()
         || super::wan::WanGeo::of(spec).is_some()
+        || super::dit_diffusers::DitdGeo::of(spec).is_some()
     {
         return true;
     }
@@ -155,6 +156,10 @@ struct Landing {
     grads: (u64, u64),
     /// The largest of them (the transient of summing it into an existing buffer).
     largest: u64,
+    /// The largest gradient the segment adds into a buffer an earlier segment of the same
+    /// microbatch landed (diffusers' DiT: block 0's embedder, read again by the embed,
+    /// [`super::dit_diffusers::summed_by_embed`]); 0 for none.
+    summed: u64,
 }
 
 impl Landing {
@@ -169,6 +174,7 @@ impl Landing {
                 (b + t.numel() * gd, m + TENSOR_META + STORAGE_META)
             }),
             largest: trained().map(|t| t.numel() * gd).max().unwrap_or(0),
+            summed: 0,
         }
     }
 }
@@ -247,7 +253,13 @@ impl<'a> Replay<'a> {
                 t.block == Some(0) && t.module == Module::SingleBlocks
             }),
             final_layer: Landing::of(table, gd, &is_final),
-            embed: Landing::of(table, gd, &is_embed),
+            embed: Landing {
+                summed: Landing::of(table, gd, &|t| {
+                    super::dit_diffusers::summed_by_embed(spec, t)
+                })
+                .largest,
+                ..Landing::of(table, gd, &is_embed)
+            },
             dual_landing: Landing::of(table, gd, &|t| t.block == Some(first_dual)),
             dual,
         }
@@ -344,9 +356,17 @@ impl<'a> Replay<'a> {
         if first {
             live.gradients += l.grads.0.div_ceil(self.grad_share);
             live.runtime += l.grads.1;
+            if l.summed > 0 {
+                // `Trainer::accumulate` sums these first (`DitdLayout::embed_params`), each
+                // `old + cast(g)` (the cast a copy of its own when the store's gradient is in
+                // the weights' dtype: bf16-pure), before it moves (or casts) the segment's
+                // own gradients, which `live` holds already.
+                let sum = l.summed * if self.cast_on_landing { 2 } else { 1 };
+                return Some(sum.saturating_sub(l.grads.0.div_ceil(self.grad_share)));
+            }
             self.cast_on_landing.then_some(0)
         } else {
-            Some(l.largest)
+            Some(l.largest.max(l.summed))
         }
     }
 

@@ -1,0 +1,222 @@
+//! The diffusers DiT's segments for the family schedule ([`super::family`]).
+//!
+//! Embed: patch embedding + the sin-cos table (the one stream); the timestep features
+//! (`downscale_freq_shift=1`, in the compute dtype) and the label rows, which every block's own
+//! embedder reads (fixed tables: no leaf, no gradient); and block 0's embedder once more for
+//! the output side (`conditioning = self.transformer_blocks[0].norm1.emb(...)` in diffusers),
+//! whose SiLU in the compute dtype is the one conditioning leaf. So block 0's embedder
+//! parameters are read by two segments: block 0 lands their gradients, the embed's backward
+//! adds its own into them. The conditioning is `[SiLU(emb₀), features, label rows]`.
+
+use candle_core::Tensor;
+
+use super::family::{Embedded, FamilyStep};
+use super::LinearIdx;
+use super::{cast, Trainer};
+use crate::diffusion::Batch;
+use crate::error::{EngineError, Result};
+use crate::families::dit_diffusers::{
+    combined_embedding, ditd_block_forward, final_forward, label_timestep_features,
+    DitdBlockWeights, DitdGeom, EmbWeights, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_FREQ,
+    DITD_LABEL_TABLE,
+};
+use crate::model::{patchify, unpatchify};
+
+/// Where one block's embedder sits.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct EmbIdx {
+    lin: [LinearIdx; 2],
+    table: usize,
+}
+
+/// Where one block's parameters sit.
+#[derive(Debug, Clone)]
+pub(super) struct DitdBlockIdx {
+    emb: EmbIdx,
+    lin: [LinearIdx; 7],
+}
+
+/// Where the diffusers DiT's parameters sit in `Trainer::params`.
+#[derive(Debug, Clone)]
+pub(super) struct DitdLayout {
+    patch: LinearIdx,
+    pos: usize,
+    blocks: Vec<DitdBlockIdx>,
+    proj_out: [LinearIdx; 2],
+    geom: DitdGeom,
+}
+
+impl DitdLayout {
+    pub(super) fn new(
+        lin: &dyn Fn(&str) -> Result<LinearIdx>,
+        idx: &dyn Fn(&str) -> Result<usize>,
+        depth: usize,
+        geom: DitdGeom,
+    ) -> Result<DitdLayout> {
+        let mut blocks = Vec::with_capacity(depth);
+        for i in 0..depth {
+            let b = format!("transformer_blocks.{i}");
+            let [e1, e2] = DITD_EMB_LINEARS;
+            let emb = EmbIdx {
+                lin: [lin(&format!("{b}.{e1}"))?, lin(&format!("{b}.{e2}"))?],
+                table: idx(&format!("{b}.{DITD_LABEL_TABLE}"))?,
+            };
+            let mut l = [emb.lin[0]; 7];
+            for (slot, name) in l.iter_mut().zip(DITD_BLOCK_LINEARS) {
+                *slot = lin(&format!("{b}.{name}"))?;
+            }
+            blocks.push(DitdBlockIdx { emb, lin: l });
+        }
+        if blocks.is_empty() {
+            return Err(EngineError::bad_input(
+                "model.depth",
+                "0; allowed: at least 1",
+            ));
+        }
+        Ok(DitdLayout {
+            patch: lin("pos_embed.proj")?,
+            pos: idx("pos_embed.pos_embed")?,
+            blocks,
+            proj_out: [lin("proj_out_1")?, lin("proj_out_2")?],
+            geom,
+        })
+    }
+
+    /// Every linear of the model.
+    pub(super) fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch];
+        for b in &self.blocks {
+            v.extend(b.emb.lin);
+            v.extend(b.lin);
+        }
+        v.extend(self.proj_out);
+        v
+    }
+}
+
+fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+fn emb_params(e: &EmbIdx) -> Vec<usize> {
+    let mut v = params_of(&e.lin);
+    v.push(e.table);
+    v
+}
+
+impl Trainer {
+    fn ditd_emb_weights(&self, e: &EmbIdx, track: bool) -> Result<EmbWeights> {
+        Ok(EmbWeights {
+            linear_1: self.linear(e.lin[0], track)?,
+            linear_2: self.linear(e.lin[1], track)?,
+            table: self.raw_weight(e.table, track),
+        })
+    }
+
+    fn ditd_block_weights(&self, b: &DitdBlockIdx, track: bool) -> Result<DitdBlockWeights> {
+        let l = |k: usize| self.linear(b.lin[k], track);
+        Ok(DitdBlockWeights {
+            emb: self.ditd_emb_weights(&b.emb, track)?,
+            norm1: l(0)?,
+            q: l(1)?,
+            k: l(2)?,
+            v: l(3)?,
+            o: l(4)?,
+            fc1: l(5)?,
+            fc2: l(6)?,
+        })
+    }
+}
+
+impl FamilyStep for DitdLayout {
+    fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
+        let d = tr.dims;
+        let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
+        let b = mb.n;
+        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
+        let xp = cast(patchify(&xt, &d)?, cd)?;
+        drop(xt);
+        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let pos = tr.raw_weight(self.pos, true);
+        let x0 = cast(xe, ad)?
+            .reshape((b, d.tokens, d.hidden))?
+            .broadcast_add(&pos)?;
+        let tf = cast(
+            label_timestep_features(&mb.timesteps, DITD_FREQ, ad, &tr.dev)?,
+            cd,
+        )?;
+        // `LabelEmbedding.token_drop`: a dropped label reads the null row (num_classes).
+        let null = self.geom.classes as u32;
+        let ids: Vec<u32> = mb
+            .labels
+            .iter()
+            .zip(&mb.drop_label)
+            .map(|(&y, &drop)| if drop { null } else { y })
+            .collect();
+        let ids = Tensor::from_vec(ids, b, &tr.dev)?;
+        let w0 = tr.ditd_emb_weights(&self.blocks[0].emb, true)?;
+        let se0 = cast(combined_embedding(&tf, &ids, &w0, ad)?.silu()?, cd)?;
+        drop(w0);
+        Ok(Embedded {
+            streams: vec![x0],
+            conds: vec![se0, tf, ids],
+            hold: vec![xp, pos],
+        })
+    }
+
+    /// The timestep features and the label rows: read by every block, differentiated by none.
+    fn fixed_conds(&self) -> usize {
+        2
+    }
+
+    fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn block(
+        &self,
+        tr: &Trainer,
+        i: usize,
+        x: &[Tensor],
+        c: &[Tensor],
+        track: bool,
+    ) -> Result<Vec<Tensor>> {
+        let w = tr.ditd_block_weights(&self.blocks[i], track)?;
+        let out = ditd_block_forward(&x[0], &c[1], &c[2], &w, &tr.cfg, self.geom.norm_eps)?;
+        Ok(vec![out])
+    }
+
+    fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
+        let d = tr.dims;
+        let p1 = tr.linear(self.proj_out[0], true)?;
+        let p2 = tr.linear(self.proj_out[1], true)?;
+        let out = final_forward(&x[0], &c[0], &p1, &p2, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
+        drop((p1, p2));
+        Ok(pred)
+    }
+
+    /// Block 0's embedder (its second use, for the output side), then the patch embedding.
+    /// The order is the budget's: block 0 landed the embedder's gradients, so each is summed
+    /// into its buffer (`old + g`, a transient of its size) while the store still holds the
+    /// patch embedding's, moved after (the label table first: no sum has freed a sunk
+    /// gradient before it; `ditmem_cpu::step`'s `Landing::summed`).
+    fn embed_params(&self) -> Vec<usize> {
+        let e = &self.blocks[0].emb;
+        let mut v = vec![e.table];
+        v.extend(params_of(&e.lin));
+        v.extend(Trainer::linear_params(&self.patch));
+        v
+    }
+
+    fn block_params(&self, i: usize) -> Vec<usize> {
+        let blk = &self.blocks[i];
+        let mut v = emb_params(&blk.emb);
+        v.extend(params_of(&blk.lin));
+        v
+    }
+
+    fn final_params(&self) -> Vec<usize> {
+        params_of(&self.proj_out)
+    }
+}
