@@ -947,20 +947,6 @@ fn check(root: &Path) -> (usize, usize, Vec<(BTreeSet<String>, String)>) {
 /// `DITMEM_CYCLES_ALL=1` prints every edge inside each circle.
 const KNOWN_CIRCLES: &[&[&str]] = &[
     &[
-        "crates/budget/src/runtime/ditmem_cpu/block.rs",
-        "crates/budget/src/runtime/ditmem_cpu/cross.rs",
-        "crates/budget/src/runtime/ditmem_cpu/flux.rs",
-        "crates/budget/src/runtime/ditmem_cpu/ops.rs",
-        "crates/budget/src/runtime/ditmem_cpu/pixart.rs",
-        "crates/budget/src/runtime/ditmem_cpu/sana.rs",
-        "crates/budget/src/runtime/ditmem_cpu/sd3.rs",
-        "crates/budget/src/runtime/ditmem_cpu/segments.rs",
-        "crates/budget/src/runtime/ditmem_cpu/sims.rs",
-        "crates/budget/src/runtime/ditmem_cpu/step.rs",
-        "crates/budget/src/runtime/ditmem_cpu/wan.rs",
-        "crates/budget/src/runtime/shape.rs",
-    ],
-    &[
         "crates/engine/src/trainer/family.rs",
         "crates/engine/src/trainer/flux.rs",
         "crates/engine/src/trainer/pixart.rs",
