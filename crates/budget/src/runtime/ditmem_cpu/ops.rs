@@ -21,7 +21,7 @@ pub const DW_ROWS: u64 = 256;
 
 /// Widest block of the hidden width the engine's f32/f64 fused MLP backward of fc2 and the GELU
 /// handles at a time (`ops::MLP_COLS`): its chunk buffer holds [`DW_ROWS`] rows of one block.
-pub const MLP_COLS: u64 = 256;
+pub const MLP_COLS: u64 = 128;
 
 /// The (first column, columns) blocks of a hidden width `ffn` (`ops::mlp_col_blocks`):
 /// ⌈ffn / [`MLP_COLS`]⌉ blocks whose widths differ by at most one, but none of 64 columns or
