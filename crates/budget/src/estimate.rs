@@ -209,12 +209,7 @@ pub fn estimate(spec: &Spec) -> Result<Budget, SpecError> {
     let kept = segments.kept();
     let engine_family = (spec.runtime == crate::spec::Runtime::DitmemCpu)
         .then(|| {
-            crate::runtime::ditmem_cpu::pixart::inventory_segments(spec)
-                .or_else(|| crate::runtime::ditmem_cpu::sd3::inventory_segments(spec))
-                .or_else(|| crate::runtime::ditmem_cpu::flux::inventory_segments(spec))
-                .or_else(|| crate::runtime::ditmem_cpu::sana::inventory_segments(spec))
-                .or_else(|| crate::runtime::ditmem_cpu::wan::inventory_segments(spec))
-                .or_else(|| crate::runtime::ditmem_cpu::dit_diffusers::inventory_segments(spec))
+            crate::runtime::ditmem_cpu::registry::rules(spec).map(|r| r.inventory_segments(spec))
         })
         .flatten()
         .map(|segs| {

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ditmem_spec::{AttentionMode, Dtype, Optimizer as OptKind, Precision, Recompute, Spec};
+use ditmem_spec::{AttentionMode, Optimizer as OptKind, Precision, Recompute, Spec};
 use serde::Serialize;
 
 use crate::block::{
@@ -47,57 +47,11 @@ mod flux;
 mod pixart;
 mod sana;
 mod sd3;
+mod state;
 mod wan;
 
-/// Candle dtype of a spec dtype.
-pub fn dtype(d: Dtype) -> Result<DType> {
-    Ok(match d {
-        Dtype::F64 => DType::F64,
-        Dtype::F32 => DType::F32,
-        Dtype::Bf16 => DType::BF16,
-        Dtype::F16 => DType::F16,
-        Dtype::U8 => {
-            return Err(EngineError::unsupported(
-                "u8 weights",
-                "only float dtypes hold weights",
-            ))
-        }
-    })
-}
-
-/// Dtype of the gradient buffers (and of the loss): the budget's rule
-/// (`ditmem_budget::ditmem_cpu::grad_dtype`: f64 under fp64, f32 otherwise), the one
-/// definition both crates read, as a candle dtype. That rule names float dtypes only, so the
-/// conversion cannot fail; f32 stands for an impossible error rather than a panic.
-pub fn grad_dtype(p: Precision) -> DType {
-    dtype(ditmem_budget::ditmem_cpu::grad_dtype(p)).unwrap_or(DType::F32)
-}
-
-/// Options of a trainer that are not part of the spec.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainOptions {
-    /// Seed of the weight init and of the dropout masks.
-    pub seed: u64,
-    pub lr: f64,
-    pub weight_decay: f64,
-    /// Clean steps before the fp16 loss scale doubles.
-    pub loss_scale_growth_interval: u32,
-    /// Keep the gradient buffers after the optimizer step (for `gradients()`); by default they
-    /// are dropped after the update, like `zero_grad(set_to_none=True)`.
-    pub keep_gradients: bool,
-}
-
-impl Default for TrainOptions {
-    fn default() -> Self {
-        TrainOptions {
-            seed: 0,
-            lr: 1e-4,
-            weight_decay: 0.0,
-            loss_scale_growth_interval: 2000,
-            keep_gradients: false,
-        }
-    }
-}
+pub use state::{dtype, grad_dtype, TrainOptions, Trainer};
+use state::{LinearIdx, ModelLayout, Param, Value};
 
 /// What one step did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -116,23 +70,6 @@ pub struct StepReport {
     pub loss_scale: f64,
 }
 
-enum Value {
-    Trained(Var),
-    Frozen(Tensor),
-}
-
-struct Param {
-    name: String,
-    value: Value,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct LinearIdx {
-    w: usize,
-    b: usize,
-    lora: Option<(usize, usize)>,
-}
-
 #[derive(Debug, Clone, Copy)]
 struct BlockIdx {
     lin: [LinearIdx; 5],
@@ -148,44 +85,25 @@ struct DitLayout {
     final_idx: [LinearIdx; 2],
 }
 
-/// The model's parameters by role.
-#[derive(Debug, Clone)]
-enum Layout {
-    Dit(DitLayout),
-    Pixart(pixart::PixartLayout),
-    Sd3(sd3::Sd3Layout),
-    Flux(flux::FluxLayout),
-    Sana(sana::SanaLayout),
-    Wan(wan::WanLayout),
-    DitDiffusers(dit_diffusers::DitdLayout),
-}
-
-impl Layout {
-    /// Every linear of the model (for their gradient sinks).
+impl ModelLayout for DitLayout {
     fn linears(&self) -> Vec<LinearIdx> {
-        match self {
-            Layout::Dit(l) => l
-                .embed_idx
-                .iter()
-                .chain(l.blocks.iter().flat_map(|b| b.lin.iter()))
-                .chain(l.final_idx.iter())
-                .copied()
-                .collect(),
-            Layout::Pixart(l) => l.linears(),
-            Layout::Wan(l) => l.linears(),
-            Layout::Sd3(l) => l.linears(),
-            Layout::Flux(l) => l.linears(),
-            Layout::Sana(l) => l.linears(),
-            Layout::DitDiffusers(l) => l.linears(),
-        }
+        self.embed_idx
+            .iter()
+            .chain(self.blocks.iter().flat_map(|b| b.lin.iter()))
+            .chain(self.final_idx.iter())
+            .copied()
+            .collect()
     }
 
-    /// The weights of linears without a bias (Sana's): their sinks take dW only.
-    fn weight_only_linears(&self) -> Vec<usize> {
-        match self {
-            Layout::Sana(l) => l.weight_only(),
-            _ => Vec::new(),
-        }
+    fn microbatch(
+        &self,
+        tr: &mut Trainer,
+        mb: &Batch,
+        micro: usize,
+        accum: usize,
+        rec: &mut Recorder<'_>,
+    ) -> Result<f64> {
+        tr.microbatch(self, mb, micro, accum, rec)
     }
 }
 
@@ -195,35 +113,6 @@ enum Saved {
     Stored { leaf: Var, out: Tensor },
     /// The block's input only (shares storage with the previous output).
     Recompute { input: Tensor },
-}
-
-/// A DiT under a spec's recipe, with its optimizer state; runs training steps.
-pub struct Trainer {
-    spec: Spec,
-    opts: TrainOptions,
-    dev: Device,
-    dims: Dims,
-    cfg: BlockConfig,
-    precision: Precision,
-    params: Vec<Param>,
-    by_name: HashMap<String, usize>,
-    trained: Vec<usize>,
-    /// Shared, so a step reads it without a copy (a copy would be step memory).
-    layout: Arc<Layout>,
-    /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
-    /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
-    sinks: Vec<Option<(Arc<GradSink>, bool)>>,
-    /// The running sum of the text context's gradient that the cross-attentions' k and v
-    /// projections add into (families with cross-attention; see `ops::InputSink`). Set by the
-    /// family schedule for each microbatch's backward, empty between.
-    ctx_sink: Arc<crate::ops::InputSink>,
-    grads: Vec<Option<Tensor>>,
-    grad_scale: f64,
-    optimizer: Box<dyn Optimizer>,
-    ema: Option<Ema>,
-    scaler: Option<LossScaler>,
-    acp: Vec<f64>,
-    steps: u64,
 }
 
 impl Trainer {
@@ -352,7 +241,8 @@ impl Trainer {
                 lora,
             })
         };
-        let layout = match &arch {
+        // Each family's layout: the one place the engine registers a family's schedule.
+        let layout: Arc<dyn ModelLayout> = match &arch {
             crate::families::Arch::Dit => {
                 let embed_idx = [
                     lin("x_embedder.proj")?,
@@ -367,7 +257,7 @@ impl Trainer {
                     }
                     blocks.push(BlockIdx { lin: l });
                 }
-                Layout::Dit(DitLayout {
+                Arc::new(DitLayout {
                     embed_idx,
                     table: idx("y_embedder.embedding_table.weight")?,
                     pos: idx("pos_embed")?,
@@ -378,27 +268,30 @@ impl Trainer {
                     ],
                 })
             }
-            crate::families::Arch::Pixart(g) => Layout::Pixart(pixart::PixartLayout::new(
+            crate::families::Arch::Pixart(g) => Arc::new(pixart::PixartLayout::new(
                 &lin,
                 &idx,
                 dims.depth,
                 g.clone(),
             )?),
             crate::families::Arch::Sd3(g) => {
-                Layout::Sd3(sd3::Sd3Layout::new(&lin, &idx, dims.depth, g.clone())?)
+                Arc::new(sd3::Sd3Layout::new(&lin, &idx, dims.depth, g.clone())?)
             }
             crate::families::Arch::Flux(g) => {
-                Layout::Flux(flux::FluxLayout::new(&lin, &idx, g.clone())?)
+                Arc::new(flux::FluxLayout::new(&lin, &idx, g.clone())?)
             }
             crate::families::Arch::Sana(g) => {
-                Layout::Sana(sana::SanaLayout::new(&idx, &find, &dims, g.clone())?)
+                Arc::new(sana::SanaLayout::new(&idx, &find, &dims, g.clone())?)
             }
             crate::families::Arch::Wan(g) => {
-                Layout::Wan(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
+                Arc::new(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
             }
-            crate::families::Arch::DitDiffusers(g) => Layout::DitDiffusers(
-                dit_diffusers::DitdLayout::new(&lin, &idx, dims.depth, g.clone())?,
-            ),
+            crate::families::Arch::DitDiffusers(g) => Arc::new(dit_diffusers::DitdLayout::new(
+                &lin,
+                &idx,
+                dims.depth,
+                g.clone(),
+            )?),
         };
         let n = params.len();
         let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
@@ -430,7 +323,7 @@ impl Trainer {
             params,
             by_name,
             trained,
-            layout: Arc::new(layout),
+            layout,
             sinks,
             ctx_sink: Arc::default(),
             grads: vec![None; n],
@@ -817,15 +710,7 @@ impl Trainer {
                 &slice
             };
             rec.enter(Phase::Forward);
-            loss_sum += match &*layout {
-                Layout::Dit(l) => self.microbatch(l, mb, m, accum, rec)?,
-                Layout::Pixart(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-                Layout::Sd3(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-                Layout::Flux(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-                Layout::Sana(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-                Layout::Wan(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-                Layout::DitDiffusers(l) => self.family_microbatch(l, mb, m, accum, rec)?,
-            };
+            loss_sum += layout.microbatch(self, mb, m, accum, rec)?;
         }
         Ok(loss_sum / accum as f64)
     }

@@ -3,6 +3,7 @@
 //! One struct for the whole step (input side, blocks, final layer); the ditmem-cpu rules and the
 //! PyTorch rules both build their graphs from it. Its twin in the engine is `model::Dims`.
 
+use crate::params::{Module, ParamTensor};
 use crate::spec::{AttentionMode, CpuSpec, Dtype, LoraTarget, Precision, Recompute, Spec};
 
 /// Dimensions and dtypes of one microbatch, shared by every segment builder.
@@ -153,11 +154,21 @@ impl Shape {
 /// `FamilyStep::embed_params`).
 pub fn frozen_embed(spec: &Spec) -> bool {
     use crate::params::ParamRole;
-    use crate::runtime::ditmem_cpu::step::is_embed;
     if spec.recipe.lora.is_none() || !matches!(crate::denoiser::family(spec), Ok(Some(_))) {
         return false;
     }
     !crate::denoiser::param_table(spec)
         .iter()
         .any(|t| is_embed(t) && t.role == ParamRole::Trained)
+}
+
+/// A tensor of the output side: the DiT's `final_layer.*`, a family's final-layer group
+/// (PixArt's `scale_shift_table` and `proj_out`).
+pub(crate) fn is_final(t: &ParamTensor) -> bool {
+    t.name.starts_with("final_layer") || (t.block.is_none() && t.module == Module::FinalLayer)
+}
+
+/// A tensor of the embed segment: no block, not the output side.
+pub(crate) fn is_embed(t: &ParamTensor) -> bool {
+    t.block.is_none() && !is_final(t)
 }

@@ -17,6 +17,7 @@
 //! for element in the compute dtype, and the same f32 accumulators in the same chunk order:
 //! the composition's bits (the fused MLPs' tests hold them equal on bf16 and f16).
 
+use ditmem_budget::ditmem_cpu::ops;
 use rayon::prelude::*;
 
 use super::gelu::GeluSlice;
@@ -24,13 +25,12 @@ use super::linear::{
     add_column_sums, from_colmajor, to_colmajor, widen_into, widened_transpose, GradFromF32,
     LINEAR_ROWS,
 };
-use super::mlp_linear::{col_blocks_under, MLP_COLS};
 use crate::kernels::gemm::{gemm_threads, mm_strided};
 use crate::kernels::scalar::Elem;
 
 /// How much smaller than u (rows × ffn) the f32 block buffer of [`fc2_gelu_bwd_widen`] may be:
 /// a block of u's columns is up to rows·ffn / (this·[`LINEAR_ROWS`]) wide, never under
-/// [`MLP_COLS`]. Narrow blocks cost time where the rows are many: DiT-S/2 at 256² batch 4,
+/// [`MLP_COLS`](super::mlp_linear::MLP_COLS). Narrow blocks cost time where the rows are many: DiT-S/2 at 256² batch 4,
 /// bf16-mixed, memory-efficient attention, EMA off, no recompute, AMD EPYC family 25 (AVX2), 2
 /// threads, engine against its previous commit in alternating rounds: with blocks of at most
 /// 129 columns (and five parallel passes per block) 1.09–1.18× the CPU time of the
@@ -38,15 +38,14 @@ use crate::kernels::scalar::Elem;
 /// 2026-12-03-epyc-ab-dw-blocks-widen128-dit/`); with this cap and two passes per block 0.97–1.01× (4
 /// rounds, quiet, `ab_widen_mlp_passes_dit_256x4_bf16.txt`). Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::WIDEN_BLOCK_SHARE`.
-pub const WIDEN_BLOCK_SHARE: usize = 16;
+pub const WIDEN_BLOCK_SHARE: usize = ops::WIDEN_BLOCK_SHARE as usize;
 
 /// The (first column, columns) blocks of u's `ffn` columns the widened backward takes at a time
-/// for `rows` rows: ⌈ffn / cap⌉ blocks, the cap [`MLP_COLS`] or rows·ffn / ([`WIDEN_BLOCK_SHARE`]
+/// for `rows` rows: ⌈ffn / cap⌉ blocks, the cap [`MLP_COLS`](super::mlp_linear::MLP_COLS) or rows·ffn / ([`WIDEN_BLOCK_SHARE`]
 /// · [`LINEAR_ROWS`]) if wider, whose widths differ by at most one, never 64 columns or fewer
 /// (`gemm`'s small-size branch, as for [`super::fused_mlp::mlp_col_blocks`]).
 pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize, usize)> {
-    let cap = MLP_COLS.max(rows.saturating_mul(ffn) / (WIDEN_BLOCK_SHARE * LINEAR_ROWS));
-    col_blocks_under(ffn, cap)
+    ops::widen_col_blocks(rows as u64, ffn as u64).map(|(c0, n)| (c0 as usize, n as usize))
 }
 
 /// f32 and compute-dtype element counts of the workspace of [`fc2_gelu_bwd_widen`] for

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, Layout, Tensor};
+use ditmem_budget::ditmem_cpu::ops;
 
 use super::linear::{linear_bwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads};
 use super::storage::{with_cpu, CResult};
@@ -40,8 +41,9 @@ impl MlpLinear {
 /// and the GELU handles at a time ([`mlp_col_blocks`]; the widest is 129, at ffn 129): its one
 /// chunk buffer holds [`DW_ROWS`] rows of a block, so on a narrow hidden layer or a few hundred rows it is not u's own size (PixArt's
 /// tiny spec, 256 rows × ffn 256: 128 KiB instead of 256 KiB; DiT-S/2 at 512 rows, ffn 1,536:
-/// 128 KiB instead of 1.5 MiB). Budget twin: `ditmem_budget::ditmem_cpu::ops::MLP_COLS`.
-pub const MLP_COLS: usize = 128;
+/// 128 KiB instead of 1.5 MiB). Its value is the budget's `ditmem_budget::ditmem_cpu::ops::MLP_COLS`
+/// (the one place the rule is set; the budget predicts with it, the engine allocates with it).
+pub const MLP_COLS: usize = ops::MLP_COLS as usize;
 
 /// The (first column, columns) blocks of a hidden width `ffn`: ⌈ffn / [`MLP_COLS`]⌉ blocks whose
 /// widths differ by at most one, but never so many that a block is 64 columns or narrower
@@ -51,15 +53,7 @@ pub const MLP_COLS: usize = 128;
 /// composition's sum, bit for bit. A hidden width of 64 or less is one block, as the
 /// composition's own product.
 pub fn mlp_col_blocks(ffn: usize) -> impl Iterator<Item = (usize, usize)> {
-    col_blocks_under(ffn, MLP_COLS)
-}
-
-/// ⌈ffn / cap⌉ blocks of `ffn` columns whose widths differ by at most one, never 64 columns or
-/// fewer unless ffn itself is (see [`mlp_col_blocks`]); shared with the widened path's
-/// `fused_mlp_widen::widen_col_blocks`.
-pub(crate) fn col_blocks_under(ffn: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = ffn.div_ceil(cap.max(1)).min(ffn / 65).max(1);
-    (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
+    ops::mlp_col_blocks(ffn as u64).map(|(c0, n)| (c0 as usize, n as usize))
 }
 
 /// The kept storage's contiguous layout.

@@ -81,17 +81,6 @@ impl DitdLayout {
             geom,
         })
     }
-
-    /// Every linear of the model.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch];
-        for b in &self.blocks {
-            v.extend(b.emb.lin);
-            v.extend(b.lin);
-        }
-        v.extend(self.proj_out);
-        v
-    }
 }
 
 fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
@@ -129,6 +118,17 @@ impl Trainer {
 }
 
 impl FamilyStep for DitdLayout {
+    /// Every linear of the model.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch];
+        for b in &self.blocks {
+            v.extend(b.emb.lin);
+            v.extend(b.lin);
+        }
+        v.extend(self.proj_out);
+        v
+    }
+
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);

@@ -22,7 +22,8 @@
 
 use candle_core::{Tensor, Var};
 
-use super::{cast, grad_dtype, Trainer};
+use super::state::{grad_dtype, LinearIdx, ModelLayout, Trainer};
+use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::measure::{Phase, Recorder};
@@ -38,8 +39,16 @@ pub(super) struct Embedded {
     pub hold: Vec<Tensor>,
 }
 
-/// A family's segments for [`Trainer::family_microbatch`].
+/// A family's segments for [`Trainer::family_microbatch`]. Every `FamilyStep` is the trainer's
+/// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
+/// line of `Trainer::new`.
 pub(super) trait FamilyStep {
+    /// Every linear of the model with a bias (for their gradient sinks).
+    fn linears(&self) -> Vec<LinearIdx>;
+    /// The weights of linears without a bias (Sana's): their sinks take dW only.
+    fn weight_only(&self) -> Vec<usize> {
+        Vec::new()
+    }
     /// The embed segment, tracked (its graph stays until the embed backward).
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded>;
     /// Number of blocks.
@@ -72,6 +81,28 @@ pub(super) trait FamilyStep {
     /// `ops::InputSink`), if the family has one.
     fn ctx_cond(&self) -> Option<usize> {
         None
+    }
+}
+
+/// A family's layout runs the family schedule.
+impl<F: FamilyStep + Send + Sync> ModelLayout for F {
+    fn linears(&self) -> Vec<LinearIdx> {
+        FamilyStep::linears(self)
+    }
+
+    fn weight_only_linears(&self) -> Vec<usize> {
+        self.weight_only()
+    }
+
+    fn microbatch(
+        &self,
+        tr: &mut Trainer,
+        mb: &Batch,
+        micro: usize,
+        accum: usize,
+        rec: &mut Recorder<'_>,
+    ) -> Result<f64> {
+        tr.family_microbatch(self, mb, micro, accum, rec)
     }
 }
 

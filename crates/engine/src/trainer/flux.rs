@@ -16,8 +16,8 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use super::family::{Embedded, FamilyStep};
-use super::LinearIdx;
-use super::{cast, Trainer};
+use super::state::{LinearIdx, Trainer};
+use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::flux::block::{
@@ -116,17 +116,6 @@ impl FluxLayout {
         })
     }
 
-    /// Every linear of the model.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.x_embedder, self.context_embedder];
-        v.extend(self.embedders.iter().flatten().copied());
-        for b in self.double.iter().chain(&self.single) {
-            v.extend(b.lin.iter().copied());
-        }
-        v.extend([self.norm_out, self.proj_out]);
-        v
-    }
-
     fn block_idx(&self, i: usize) -> &FluxBlockIdx {
         if i < self.double.len() {
             &self.double[i]
@@ -141,6 +130,17 @@ fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
 }
 
 impl FamilyStep for FluxLayout {
+    /// Every linear of the model.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.x_embedder, self.context_embedder];
+        v.extend(self.embedders.iter().flatten().copied());
+        for b in self.double.iter().chain(&self.single) {
+            v.extend(b.lin.iter().copied());
+        }
+        v.extend([self.norm_out, self.proj_out]);
+        v
+    }
+
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);

@@ -9,8 +9,8 @@
 use candle_core::Tensor;
 
 use super::family::{Embedded, FamilyStep};
-use super::LinearIdx;
-use super::{cast, Trainer};
+use super::state::{LinearIdx, Trainer};
+use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::pixart::params::{PIXART_FREQ, SIZE_EMBEDDERS};
@@ -94,17 +94,6 @@ impl PixartLayout {
             geom,
         })
     }
-
-    /// Every linear of the model.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2];
-        v.extend(self.sizes.iter().flatten().copied());
-        v.push(self.adaln);
-        v.extend(self.caption.iter().flatten().copied());
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
-        v
-    }
 }
 
 impl Trainer {
@@ -137,6 +126,17 @@ fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
 }
 
 impl FamilyStep for PixartLayout {
+    /// Every linear of the model.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch, self.t1, self.t2];
+        v.extend(self.sizes.iter().flatten().copied());
+        v.push(self.adaln);
+        v.extend(self.caption.iter().flatten().copied());
+        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
+        v.push(self.proj_out);
+        v
+    }
+
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);

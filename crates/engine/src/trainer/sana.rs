@@ -12,8 +12,8 @@
 use candle_core::Tensor;
 
 use super::family::{Embedded, FamilyStep};
-use super::LinearIdx;
-use super::{cast, Trainer};
+use super::state::{LinearIdx, Trainer};
+use crate::block::cast;
 use crate::block::LinearW;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
@@ -135,33 +135,6 @@ impl SanaLayout {
             grid: (dims.rows, dims.cols),
         })
     }
-
-    /// Every linear with a bias.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
-        v.extend(self.caption);
-        for b in &self.blocks {
-            for l in &b.lin {
-                if let Some(bi) = l.b {
-                    v.push(LinearIdx {
-                        w: l.w,
-                        b: bi,
-                        lora: l.lora,
-                    });
-                }
-            }
-        }
-        v.push(self.proj_out);
-        v
-    }
-
-    /// The weights of the linears without a bias (their sinks take dW only).
-    pub(super) fn weight_only(&self) -> Vec<usize> {
-        self.blocks
-            .iter()
-            .flat_map(|b| b.lin.iter().filter(|l| l.b.is_none()).map(|l| l.w))
-            .collect()
-    }
 }
 
 impl Trainer {
@@ -232,6 +205,33 @@ fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
 }
 
 impl FamilyStep for SanaLayout {
+    /// Every linear with a bias.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
+        v.extend(self.caption);
+        for b in &self.blocks {
+            for l in &b.lin {
+                if let Some(bi) = l.b {
+                    v.push(LinearIdx {
+                        w: l.w,
+                        b: bi,
+                        lora: l.lora,
+                    });
+                }
+            }
+        }
+        v.push(self.proj_out);
+        v
+    }
+
+    /// The weights of the linears without a bias (their sinks take dW only).
+    fn weight_only(&self) -> Vec<usize> {
+        self.blocks
+            .iter()
+            .flat_map(|b| b.lin.iter().filter(|l| l.b.is_none()).map(|l| l.w))
+            .collect()
+    }
+
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);

@@ -11,7 +11,8 @@
 use candle_core::Tensor;
 
 use super::family::{Embedded, FamilyStep};
-use super::{cast, LinearIdx, Trainer};
+use super::state::{LinearIdx, Trainer};
+use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::sd3::{
@@ -97,17 +98,6 @@ impl Sd3Layout {
         })
     }
 
-    /// Every linear of the model.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        for b in &self.blocks {
-            v.extend(b.lin.iter().copied());
-            v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
-        }
-        v.extend([self.norm_out, self.proj_out]);
-        v
-    }
-
     fn embed_linears(&self) -> Vec<LinearIdx> {
         vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
     }
@@ -174,6 +164,17 @@ impl Trainer {
 }
 
 impl FamilyStep for Sd3Layout {
+    /// Every linear of the model.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = self.embed_linears();
+        for b in &self.blocks {
+            v.extend(b.lin.iter().copied());
+            v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
+        }
+        v.extend([self.norm_out, self.proj_out]);
+        v
+    }
+
     /// The embed segment on a microbatch (tracked graph).
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let lay = self;

@@ -10,8 +10,8 @@
 use candle_core::{DType, Tensor};
 
 use super::family::{Embedded, FamilyStep};
-use super::LinearIdx;
-use super::{cast, Trainer};
+use super::state::{LinearIdx, Trainer};
+use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::wan::{
@@ -93,15 +93,6 @@ impl WanLayout {
             geom,
         })
     }
-
-    /// Every linear of the model.
-    pub(super) fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.time_proj];
-        v.extend(self.text);
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
-        v
-    }
 }
 
 impl Trainer {
@@ -141,6 +132,15 @@ fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
 }
 
 impl FamilyStep for WanLayout {
+    /// Every linear of the model.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = vec![self.patch, self.t1, self.t2, self.time_proj];
+        v.extend(self.text);
+        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
+        v.push(self.proj_out);
+        v
+    }
+
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let g = &self.geom;

@@ -5,7 +5,7 @@
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::linear_workspace;
-use crate::runtime::ditmem_cpu::pixart::separate_attention_bytes;
+use crate::runtime::ditmem_cpu::separate::separate_attention_bytes;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Precision};
 

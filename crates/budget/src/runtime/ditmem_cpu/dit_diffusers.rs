@@ -20,7 +20,8 @@ use crate::runtime::ditmem_cpu::block::{
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{fused_linear, ln_modulate};
-use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
+use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -260,14 +261,22 @@ pub fn sims(spec: &Spec, dg: &DitdGeo) -> Sims {
     )
 }
 
-/// The three segments (embed, block, final) as generic segments, for the op inventory of a
-/// `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let dg = DitdGeo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &dg).0, "embed"),
-        to_segment(&block(&sh, &dg, true).0, "block"),
-        to_segment(&final_graph(&sh, &dg).0, "final"),
-    ])
+impl FamilyRules for DitdGeo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// No text: the class label is a table row.
+    fn text_elems(&self) -> u64 {
+        0
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&block(&sh, self, true).0, "block"),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
 }

@@ -13,15 +13,15 @@ use crate::runtime::ditmem_cpu::block::{
     release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{
     concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
 };
-use crate::runtime::ditmem_cpu::pixart::separate_attention;
-use crate::runtime::ditmem_cpu::segments::seg;
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Precision, Spec};
 
@@ -74,11 +74,6 @@ impl FluxGeo {
             single: d.num_single_layers,
             dh: d.attention_head_dim,
         }
-    }
-
-    /// Text elements of one sample the batch holds in f64: T·width and the pooled vector.
-    pub(crate) fn text_elems(&self) -> u64 {
-        self.t * self.width + self.pooled
     }
 }
 
@@ -544,14 +539,22 @@ pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     }
 }
 
-/// Flux's segments (embed, double block, single block, final) as generic segments, for the op
-/// inventory of a `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let fg = FluxGeo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &fg).0, "embed"),
-        to_segment(&double_block(&sh, &fg, true).0, "block"),
-        to_segment(&final_graph(&sh, &fg).0, "final"),
-    ])
+impl FamilyRules for FluxGeo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// Text elements of one sample the batch holds in f64: T·width and the pooled vector.
+    fn text_elems(&self) -> u64 {
+        self.t * self.width + self.pooled
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&double_block(&sh, self, true).0, "block"),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
 }

@@ -25,6 +25,7 @@
 //!   `ops/attention/bf16.rs`);
 //! - [`gemm_pack`]: the per-call packing buffer of the `gemm` crate (`kernels/gemm.rs`);
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
+//! - [`separate`]: the attention over separate q, k, v (`ops/attention/separate.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`dit_diffusers`]: diffusers' DiT's segments (`families/dit_diffusers/block.rs`,
 //!   `trainer/dit_diffusers.rs`);
@@ -35,7 +36,11 @@
 //! - [`wan`]: Wan 2.1's segments (`families/wan/block.rs`, `trainer/wan.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
-//! - [`step`]: the step replay (`trainer.rs`'s `step`).
+//! - [`sims`]: one segment's simulation ([`sims::seg`]) and the parts every family's
+//!   [`crate::runtime::costs::Sims`] is assembled from (`trainer/family.rs`);
+//! - [`step`]: the step replay (`trainer.rs`'s `step`);
+//! - [`family`]: the trait a family's rules implement ([`family::FamilyRules`], the engine's
+//!   `FamilyStep`), and [`registry`]: the one list of families the step and the segments ask;
 //! - [`dtypes`]: the gradient dtype rule both crates read (`trainer.rs`'s `grad_dtype` converts it).
 
 pub mod attention;
@@ -44,14 +49,17 @@ pub mod block;
 pub mod cross;
 pub mod dit_diffusers;
 pub mod dtypes;
+pub(crate) mod family;
 pub mod flux;
 pub mod gemm_pack;
 pub mod graph;
 pub mod ops;
 pub mod pixart;
+pub(crate) mod registry;
 pub mod sana;
 pub mod sd3;
 pub(crate) mod segments;
+pub mod separate;
 pub(crate) mod sims;
 pub(crate) mod step;
 pub mod wan;

@@ -1,7 +1,7 @@
 //! PixArt in the engine as candle nodes (twin: the engine's `families/pixart/block.rs` and
 //! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
 //! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
-//! over separate q, k, v ([`separate_attention`]), and the output side with the final
+//! over separate q, k, v ([`super::separate`]), and the output side with the final
 //! `scale_shift_table`; then their simulation into [`Sims`] for the step replay
 //! ([`super::step`]), which schedules them as the DiT's.
 
@@ -13,14 +13,13 @@ use crate::runtime::ditmem_cpu::block::{
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{
-    attention_head_packing, concat, fused_linear, gelu, ln_modulate, FUSED_ATTN_KEY_BLOCK,
-    FUSED_ATTN_QUERY_BLOCK,
-};
+use crate::runtime::ditmem_cpu::ops::{concat, fused_linear, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::shape::Shape;
-use crate::spec::{AttentionMode, Precision, Spec};
+use crate::spec::Spec;
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const PIXART_FREQ: u64 = 256;
@@ -61,71 +60,6 @@ impl PixGeo {
             sizes: d.use_additional_conditions,
         }
     }
-
-    /// Text elements of one sample (T·width): the batch holds them in f64.
-    pub(crate) fn text_elems(&self) -> u64 {
-        self.t * self.width
-    }
-}
-
-/// Scratch elements (accumulation type) per head of the separate attention, (forward,
-/// backward) (`ops::attention::separate::{sep_fwd_scratch, sep_bwd_scratch}`).
-pub(crate) fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
-    let dh = sh.d / sh.heads;
-    let kb = FUSED_ATTN_KEY_BLOCK.min(sk);
-    let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
-    if sh.attention == AttentionMode::MemoryEfficient {
-        let qb = FUSED_ATTN_QUERY_BLOCK.min(sq);
-        (f + sq * kb + 2 * sq, b + 2 * qb * kb + sq)
-    } else {
-        (f + sq * sk, b + 2 * sq * sk)
-    }
-}
-
-/// `ops::attention::separate::attention` of the engine: q (b·s_q, D) over k, v (b·s_kv, D),
-/// one fresh (b·s_q, D) output in the compute dtype. It keeps P (b·a·s_q·s_kv, compute dtype)
-/// when materialized, the log-sum-exp (b·a·s_q, accumulation type) when memory-efficient,
-/// nothing under attention-only recompute. Forward and backward run on one scratch of
-/// accumulation-type buffers per thread (at most one per head, every dtype on the generic
-/// kernels); the backward returns three fresh gradients.
-pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], sq: u64) -> Nid {
-    let sk = g.elems(qkv[1]) / (sh.b * sh.d);
-    let (extra, fwd, bwd) = separate_attention_bytes(sh, sq, sk);
-    let o = g.op(
-        name,
-        Kind::Custom { bwd_scratch: bwd },
-        &qkv,
-        sh.b * sq * sh.d,
-        sh.cd(),
-    );
-    g.nodes[o].extra = extra;
-    g.nodes[o].fwd_scratch = fwd;
-    o
-}
-
-/// [`separate_attention`]'s bytes for s_q queries over s_kv keys (the shape's batch, heads and
-/// width): what it keeps (P or the log-sum-exp) and the workspace of its forward and backward
-/// (every thread's scratch with its `gemm` packing).
-pub(crate) fn separate_attention_bytes(sh: &Shape, sq: u64, sk: u64) -> (u64, u64, u64) {
-    let cd = sh.cd();
-    let acc = if sh.precision == Precision::Fp64 {
-        8
-    } else {
-        4
-    };
-    let nh = sh.b * sh.heads;
-    let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
-    let extra = if sh.attention == AttentionMode::MemoryEfficient {
-        nh * sq * acc
-    } else if sh.attention_only {
-        0
-    } else {
-        nh * sq * sk * cd.size()
-    };
-    let (fwd, bwd) = separate_attention_scratch(sh, sq, sk);
-    let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(FUSED_ATTN_KEY_BLOCK);
-    let (pf, pb) = attention_head_packing(&sh.cpu, (sq, sk, sh.d / sh.heads), kb, acc);
-    (extra, nt * (fwd * acc + pf), nt * (bwd * acc + pb))
 }
 
 /// `k` narrow views of a (b, k·D) tensor.
@@ -418,14 +352,22 @@ pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
     )
 }
 
-/// PixArt's three segments (embed, block, final) as generic segments, for the op inventory of
-/// a `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let pg = PixGeo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &pg).0, "embed"),
-        to_segment(&block(&sh, &pg, true).0, "block"),
-        to_segment(&final_graph(&sh, &pg).0, "final"),
-    ])
+impl FamilyRules for PixGeo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// Text elements of one sample (T·width): the batch holds them in f64.
+    fn text_elems(&self) -> u64 {
+        self.t * self.width
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&block(&sh, self, true).0, "block"),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
 }

@@ -17,11 +17,12 @@ use crate::runtime::ditmem_cpu::block::{
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
 };
-use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::shape::Shape;
 use crate::spec::{CpuSpec, Dtype, Precision, Spec};
@@ -68,11 +69,6 @@ impl SanaGeo {
             hid: d.mlp_hidden(),
             qkv_bias: d.attention_bias,
         }
-    }
-
-    /// Text elements of one sample (T·width): the batch holds them in f64.
-    pub(crate) fn text_elems(&self) -> u64 {
-        self.t * self.width
     }
 }
 
@@ -593,14 +589,22 @@ pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
     )
 }
 
-/// Sana's three segments (embed, block, final) as generic segments, for the op inventory of a
-/// `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let sg = SanaGeo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &sg).0, "embed"),
-        to_segment(&block(&sh, &sg).0, "block"),
-        to_segment(&final_graph(&sh, &sg).0, "final"),
-    ])
+impl FamilyRules for SanaGeo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// Text elements of one sample (T·width): the batch holds them in f64.
+    fn text_elems(&self) -> u64 {
+        self.t * self.width
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&block(&sh, self).0, "block"),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
 }

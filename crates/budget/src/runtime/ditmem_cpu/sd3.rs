@@ -12,13 +12,13 @@ use crate::runtime::ditmem_cpu::block::{
     proj_out_released, reads_input, release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
-use crate::runtime::ditmem_cpu::pixart::separate_attention;
-use crate::runtime::ditmem_cpu::segments::seg;
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
@@ -76,12 +76,6 @@ impl Sd3Geo {
     pub(crate) fn is_dual(&self, i: u64) -> bool {
         self.dual.binary_search(&i).is_ok()
     }
-
-    /// Cached text elements of one sample the batch holds in f64: the caption and the pooled
-    /// embedding.
-    pub(crate) fn text_elems(&self) -> u64 {
-        self.t * self.width + self.pooled
-    }
 }
 
 /// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
@@ -103,11 +97,6 @@ fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid
     let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
     let dims = (rows, sh.d, sh.mlp, sh.d);
     module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
-}
-
-/// The blocks that are dual-attention blocks, by index (empty for any other model).
-pub(crate) fn dual_blocks(spec: &Spec) -> Vec<u64> {
-    Sd3Geo::of(spec).map(|g| g.dual).unwrap_or_default()
 }
 
 /// `dual_attention` of the engine (a function: its locals live until it returns): attn2 on
@@ -536,17 +525,30 @@ pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     }
 }
 
-/// SD3's segments (embed, block, final) as generic segments, for the op inventory of a
-/// `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let sg = Sd3Geo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &sg).0, "embed"),
-        to_segment(
-            &block(&sh, &sg, (sg.layers == 1, sg.is_dual(0)), true).0,
-            "block",
-        ),
-        to_segment(&final_graph(&sh, &sg).0, "final"),
-    ])
+impl FamilyRules for Sd3Geo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// Cached text elements of one sample the batch holds in f64: the caption and the pooled
+    /// embedding.
+    fn text_elems(&self) -> u64 {
+        self.t * self.width + self.pooled
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(
+                &block(&sh, self, (self.layers == 1, self.is_dual(0)), true).0,
+                "block",
+            ),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
+
+    fn dual_blocks(&self) -> Vec<u64> {
+        self.dual.clone()
+    }
 }

@@ -3,11 +3,10 @@
 //! `block_forward` builds it ([`super::block`]) — and their simulation into [`Sims`]: what each
 //! keeps, its forward peaks and its backward replayed through candle's rules.
 
-use crate::runtime::costs::{SegSim, Sims};
-use crate::runtime::ditmem_cpu::backward::backward;
+use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::graph::{kept_bytes, retained, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -135,59 +134,10 @@ pub(crate) fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     (g, x, root)
 }
 
-pub(crate) fn seg(
-    g: &Graph,
-    leaf: Option<Nid>,
-    output: Option<Nid>,
-    root: Nid,
-    root_nodes: usize,
-    held: &[Nid],
-) -> SegSim {
-    let mut roots = vec![root];
-    roots.extend_from_slice(held);
-    let (act, casts) = kept_bytes(g, &roots);
-    let keep = retained(g, &roots);
-    let kept = |x: Nid| if keep[x] { g.nodes[x].footprint() } else { 0 };
-    let leaf_b = leaf.map_or(0, kept);
-    let out_b = output.map_or(0, kept);
-    // The backward root's own nodes exist only during backward.
-    let root_b: u64 = (g.nodes.len() - root_nodes..g.nodes.len()).map(kept).sum();
-    let bw = backward(g, root);
-    SegSim {
-        activations: act - leaf_b - out_b - root_b,
-        weight_casts: casts,
-        leaf: leaf_b,
-        output: out_b,
-        fwd_peak: 0,
-        untracked_peak: 0,
-        root: root_b,
-        bwd_peak: bw.peak,
-        bwd_released: bw.released,
-        bwd_store: bw.store,
-        bwd_leaf_grads: bw.leaf_grads,
-        output_data: 0,
-    }
-}
-
 /// Simulate the engine's three segments for a spec.
 pub fn sims(spec: &Spec) -> Sims {
-    if let Some(pg) = super::pixart::PixGeo::of(spec) {
-        return super::pixart::sims(spec, &pg);
-    }
-    if let Some(sg) = super::sd3::Sd3Geo::of(spec) {
-        return super::sd3::sims(spec, &sg);
-    }
-    if let Some(fg) = super::flux::FluxGeo::of(spec) {
-        return super::flux::sims(spec, &fg);
-    }
-    if let Some(sg) = super::sana::SanaGeo::of(spec) {
-        return super::sana::sims(spec, &sg);
-    }
-    if let Some(wg) = super::wan::WanGeo::of(spec) {
-        return super::wan::sims(spec, &wg);
-    }
-    if let Some(dg) = super::dit_diffusers::DitdGeo::of(spec) {
-        return super::dit_diffusers::sims(spec, &dg);
+    if let Some(family) = super::registry::rules(spec) {
+        return family.sims(spec);
     }
     let sh = Shape::new(spec);
     let block = sims::block_sim(|_track| {

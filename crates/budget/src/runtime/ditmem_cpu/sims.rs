@@ -4,14 +4,52 @@
 //! the engine's `trainer/family.rs` (the family schedule) and `trainer.rs` (DiT).
 
 use crate::runtime::costs::{SegSim, Sims};
+use crate::runtime::ditmem_cpu::backward::backward;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, kept_bytes, retained, stream_data, untracked_peak, Graph, Kind, Nid,
     STORAGE_META, TENSOR_META,
 };
 use crate::runtime::ditmem_cpu::ops::seed;
-use crate::runtime::ditmem_cpu::segments::seg;
 use crate::runtime::shape::Shape;
 use crate::spec::Dtype;
+
+/// One segment's graph seen from its roots: what it keeps (activations, weight casts, the leaf
+/// and the output it holds), the backward root's own nodes, and its backward replayed through
+/// candle's rules ([`backward`]) from `root`. `root_nodes`: the nodes at the graph's end made
+/// for the backward call only; `held`: nodes the schedule keeps beside the root.
+pub(crate) fn seg(
+    g: &Graph,
+    leaf: Option<Nid>,
+    output: Option<Nid>,
+    root: Nid,
+    root_nodes: usize,
+    held: &[Nid],
+) -> SegSim {
+    let mut roots = vec![root];
+    roots.extend_from_slice(held);
+    let (act, casts) = kept_bytes(g, &roots);
+    let keep = retained(g, &roots);
+    let kept = |x: Nid| if keep[x] { g.nodes[x].footprint() } else { 0 };
+    let leaf_b = leaf.map_or(0, kept);
+    let out_b = output.map_or(0, kept);
+    // The backward root's own nodes exist only during backward.
+    let root_b: u64 = (g.nodes.len() - root_nodes..g.nodes.len()).map(kept).sum();
+    let bw = backward(g, root);
+    SegSim {
+        activations: act - leaf_b - out_b - root_b,
+        weight_casts: casts,
+        leaf: leaf_b,
+        output: out_b,
+        fwd_peak: 0,
+        untracked_peak: 0,
+        root: root_b,
+        bwd_peak: bw.peak,
+        bwd_released: bw.released,
+        bwd_store: bw.store,
+        bwd_leaf_grads: bw.leaf_grads,
+        output_data: 0,
+    }
+}
 
 /// A block of one input and one output: tracked on a leaf copy of its input and backpropagated
 /// from one seed, and untracked on the input itself (no leaf copy; the output survives).

@@ -17,6 +17,7 @@ use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
+use crate::runtime::shape::{is_embed, is_final};
 use crate::spec::{CpuSpec, Dtype, Optimizer, Precision, Spec};
 
 /// Packing buffers the `gemm` crate under candle keeps after the first matmuls: one slab of the
@@ -34,17 +35,7 @@ pub fn gemm_workspace_bytes(cpu: &CpuSpec) -> u64 {
 /// f16 products widened to f32 (no AVX512-BF16 kernel, or f16), and LoRA adapters (composed
 /// candle matmuls). bf16 linears and attention on the engine's kernel make none.
 pub fn step_uses_gemm(spec: &Spec) -> bool {
-    // PixArt's attention over separate q, k, v runs on the generic kernels in every dtype.
-    if super::pixart::PixGeo::of(spec).is_some()
-        || super::sd3::Sd3Geo::of(spec).is_some()
-        || super::flux::FluxGeo::of(spec).is_some()
-        || super::wan::WanGeo::of(spec).is_some()
-        || super::dit_diffusers::DitdGeo::of(spec).is_some()
-    {
-        return true;
-    }
-    // So does Sana's cross-attention.
-    if super::sana::SanaGeo::of(spec).is_some() {
+    if super::registry::rules(spec).is_some_and(|r| r.step_uses_gemm()) {
         return true;
     }
     let bf16_native =
@@ -128,24 +119,9 @@ fn batch_bytes(spec: &Spec, n: u64) -> u64 {
         * (spec.tokens().unwrap_or(0))
         * u64::from(spec.model.patch)
         * u64::from(spec.model.patch);
-    // PixArt's cached text embeddings (n, T, width) in f64.
-    let text = super::pixart::PixGeo::of(spec).map_or(0, |g| g.text_elems())
-        + super::sd3::Sd3Geo::of(spec).map_or(0, |g| g.text_elems())
-        + super::flux::FluxGeo::of(spec).map_or(0, |g| g.text_elems())
-        + super::sana::SanaGeo::of(spec).map_or(0, |g| g.text_elems())
-        + super::wan::WanGeo::of(spec).map_or(0, |g| g.text_elems());
+    // A family's cached text embeddings (n, T, width) in f64.
+    let text = super::registry::rules(spec).map_or(0, |r| r.text_elems());
     n * (2 * lat_per_sample * 8 + text * 8 + 4 + 4 + 1)
-}
-
-/// A tensor of the output side: the DiT's `final_layer.*`, a family's final-layer group
-/// (PixArt's `scale_shift_table` and `proj_out`).
-fn is_final(t: &ParamTensor) -> bool {
-    t.name.starts_with("final_layer") || (t.block.is_none() && t.module == Module::FinalLayer)
-}
-
-/// A tensor of the embed segment: no block, not the output side.
-pub(crate) fn is_embed(t: &ParamTensor) -> bool {
-    t.block.is_none() && !is_final(t)
 }
 
 /// The gradients one segment lands in the buffers.
@@ -213,7 +189,7 @@ impl<'a> Replay<'a> {
         let depth = spec.model.depth;
         let dual: Vec<bool> = match sims.dual {
             Some(_) => {
-                let d = super::sd3::dual_blocks(spec);
+                let d = super::registry::rules(spec).map_or_else(Vec::new, |r| r.dual_blocks());
                 (0..u64::from(depth))
                     .map(|i| d.binary_search(&i).is_ok())
                     .collect()

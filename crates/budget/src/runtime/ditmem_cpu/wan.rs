@@ -12,11 +12,12 @@ use crate::runtime::ditmem_cpu::block::{
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
 };
-use crate::runtime::ditmem_cpu::pixart::separate_attention;
+use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -60,11 +61,6 @@ impl WanGeo {
             cross_attn_norm: d.cross_attn_norm,
             half: d.attention_head_dim / 2,
         }
-    }
-
-    /// Text elements of one sample (T·text_dim): the batch holds them in f64.
-    pub(crate) fn text_elems(&self) -> u64 {
-        self.t * self.text_dim
     }
 }
 
@@ -370,14 +366,22 @@ pub fn sims(spec: &Spec, wg: &WanGeo) -> Sims {
     )
 }
 
-/// Wan's three segments (embed, block, final) as generic segments, for the op inventory of a
-/// `ditmem-cpu` budget; None for any other model.
-pub(crate) fn inventory_segments(spec: &Spec) -> Option<[crate::segment::Segment; 3]> {
-    let wg = WanGeo::of(spec)?;
-    let sh = Shape::new(spec);
-    Some([
-        to_segment(&embed_graph(&sh, &wg).0, "embed"),
-        to_segment(&block(&sh, &wg).0, "block"),
-        to_segment(&final_graph(&sh, &wg).0, "final"),
-    ])
+impl FamilyRules for WanGeo {
+    fn sims(&self, spec: &Spec) -> Sims {
+        sims(spec, self)
+    }
+
+    /// Text elements of one sample (T·text_dim): the batch holds them in f64.
+    fn text_elems(&self) -> u64 {
+        self.t * self.text_dim
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&block(&sh, self).0, "block"),
+            to_segment(&final_graph(&sh, self).0, "final"),
+        ]
+    }
 }

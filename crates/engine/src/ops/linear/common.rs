@@ -2,13 +2,14 @@
 //! paths ([`LINEAR_ROWS`]) and of the direct path's weight gradient ([`DW_ROWS`]), which gradients a backward computes ([`LinearGrads`]), how a master
 //! weight is read in the compute dtype ([`read_as`]) and the bias gradient's column sums.
 
+use ditmem_budget::ditmem_cpu::ops;
 use rayon::prelude::*;
 
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::vecmath;
 
 /// Rows per chunk of a low-precision linear (its f32 accumulators and packed operands).
-pub const LINEAR_ROWS: usize = 128;
+pub const LINEAR_ROWS: usize = ops::LINEAR_ROWS as usize;
 
 /// Rows of g and x per product of an f32/f64 linear's weight gradient (`direct.rs`): `gemm`
 /// packs a panel of g (depth block × out) on the heap per call, the depth block up to the
@@ -17,7 +18,7 @@ pub const LINEAR_ROWS: usize = 128;
 /// chunks' sum costs 1–5 % of the product's time (AMD EPYC Zen 1, 2 threads, f32, out 1,152
 /// and 1,536 × in 384 at 512 and 4,096 rows; 128-row chunks cost 4–14 %). Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::DW_ROWS`.
-pub const DW_ROWS: usize = 256;
+pub const DW_ROWS: usize = ops::DW_ROWS as usize;
 
 /// Narrowest cap on a block of dW's rows (the linear's outputs) per product of an f32/f64
 /// weight gradient: `gemm` packs the (chunk rows × block) panel of g, so with [`DW_ROWS`] it
@@ -25,7 +26,7 @@ pub const DW_ROWS: usize = 256;
 /// (PixArt's tiny fc1, out 256 at 256 rows: 256 KiB as one block, the peak of its block's
 /// backward). The blocks split the product's columns, not its depth: each element's sum is
 /// the same, bit for bit. Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_COLS`.
-pub const DW_COLS: usize = 128;
+pub const DW_COLS: usize = ops::DW_COLS as usize;
 
 /// How much smaller than g (rows × out) the packed panel of one weight-gradient product may
 /// be: a block of dW's rows is up to rows·out / ([`DW_PANEL_SHARE`]·[`DW_ROWS`]) wide (never
@@ -38,18 +39,13 @@ pub const DW_COLS: usize = 128;
 /// 512² b4 with recompute 0.88–0.95× (3 alternating rounds, steal 5 %,
 /// `bench/torch_peer/runs/2026-12-03-epyc-ab-dw-blocks-widen128-dit/ab_dw_blocks_widen128_dit.txt`).
 /// Budget twin: `ditmem_budget::ditmem_cpu::ops::DW_PANEL_SHARE`.
-pub const DW_PANEL_SHARE: usize = 16;
+pub const DW_PANEL_SHARE: usize = ops::DW_PANEL_SHARE as usize;
 
 /// The (first row, rows) blocks of dW's `out` rows for a gradient of `rows` rows: as few blocks
 /// as keep each under the cap of [`DW_PANEL_SHARE`] (at least [`DW_COLS`]), of equal width
 /// rounded up to 16 rows (whole SIMD lanes), the last what remains.
 pub fn dw_blocks(rows: usize, out: usize) -> impl Iterator<Item = (usize, usize)> {
-    let cap = DW_COLS.max(rows.saturating_mul(out) / (DW_PANEL_SHARE * DW_ROWS));
-    let n = out.div_ceil(cap).max(1);
-    let width = out.div_ceil(n).next_multiple_of(16).max(1);
-    (0..out)
-        .step_by(width)
-        .map(move |o0| (o0, width.min(out - o0)))
+    ops::dw_blocks(rows as u64, out as u64).map(|(o0, n)| (o0 as usize, n as usize))
 }
 
 /// Which gradients a linear's backward computes.
