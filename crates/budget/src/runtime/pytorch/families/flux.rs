@@ -174,7 +174,10 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * d);
     let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
     let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
-    bl.hold("FluxTransformerBlock", &[ga, gm, gc]);
+    // `norm_hidden_states` / `norm_encoder_hidden_states` (the feed-forwards' inputs) and
+    // `context_ff_output` stay bound until the block returns too (`transformer_flux.py`
+    // `FluxTransformerBlock.forward`): under LoRA with frozen feed-forwards nothing saves them.
+    bl.hold("FluxTransformerBlock", &[ga, gm, gc, h2, h2c, ffc]);
     bl.g.output = x2;
     bl.g.side_outputs = vec![c2];
     bl.g

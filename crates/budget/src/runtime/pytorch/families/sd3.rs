@@ -190,6 +190,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     held.push(gm);
+    // `norm_hidden_states` (norm2's modulated output, the feed-forward's input) stays bound
+    // until the block returns (`attention.py` `JointTransformerBlock.forward`): under LoRA
+    // with a frozen `ff` nothing saves it, yet it is alive in the recompute's peak
+    // (family_trace.py, sd3-bf16-lora4w-all: `transformer_blocks.0 > aten::add`, 32,768 B).
+    held.push(h2);
     let mut side = Vec::new();
     if let Some(co) = co {
         let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
@@ -200,6 +205,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
         let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
         side.push(c2);
+        // `norm_encoder_hidden_states` (the context feed-forward's input) and
+        // `context_ff_output` stay bound until the block returns (the gated product is a
+        // temporary of the residual add).
+        held.push(h2c);
+        held.push(ffc);
     } else {
         // context_pre_only: `norm_encoder_hidden_states` and `context_attn_output` (a slice of
         // the attention output, which no to_add_out consumes) stay bound until the block
