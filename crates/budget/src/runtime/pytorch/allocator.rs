@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::rules::{CACHED, SAVED};
+use crate::runtime::pytorch::rules::{CACHED, GRAD_VIEWS, SAVED};
 use crate::segment::{Segment, TensorKind, TensorRole, Tid};
 
 const MIB: u64 = 1 << 20;
@@ -275,6 +275,10 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
     let mut grad_out_pending = true;
     let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
     let mut evs = Vec::new();
+    // Gradients that are views of a concatenation's gradient ([`GRAD_VIEWS`]): the owner of
+    // each, and how many views of an owner are still unconsumed.
+    let mut view_of = vec![None::<Tid>; n];
+    let mut views_left = vec![0u32; n];
     for (k, op) in seg.ops.iter().enumerate().rev() {
         let o = op.output;
         let kk = k as u64;
@@ -282,9 +286,16 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         if flows {
             let is_view = seg.tensors[o].kind == TensorKind::View;
             let mut transient = 0;
+            let views = op.name.contains(GRAD_VIEWS) && !is_out(storage(o));
             for &i in &op.inputs {
                 let ti = &seg.tensors[i];
                 if !ti.requires_grad {
+                    continue;
+                }
+                if views && !grad[i] && matches!(ti.kind, TensorKind::View | TensorKind::Alloc) {
+                    grad[i] = true;
+                    view_of[i] = Some(o);
+                    views_left[o] += 1;
                     continue;
                 }
                 match ti.kind {
@@ -317,7 +328,15 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
             }
             // The output's gradient is consumed.
             grad[o] = false;
-            if o == seg.output && grad_out_pending {
+            if views && views_left[o] > 0 {
+                // Its slices live on as the inputs' gradients: freed with the last of them.
+            } else if let Some(owner) = view_of[o] {
+                views_left[owner] -= 1;
+                if views_left[owner] == 0 {
+                    live.workspace -= seg.tensors[owner].bytes();
+                    evs.push(Ev::Free(nn + owner as u64));
+                }
+            } else if o == seg.output && grad_out_pending {
                 // `grad_in` holds the gradients of every output; each side output's share
                 // goes with its own node.
                 live.workspace -= grad_in - side_grads;

@@ -11,6 +11,12 @@ use crate::spec::{AttentionMode, Dtype, Precision, SdpaBackend, TorchDevice};
 pub const SAVED: &str = " [saved]";
 /// Marker of an autocast weight copy that only the autocast cache holds (until the forward ends).
 pub const CACHED: &str = " [autocast cache]";
+/// Marks a concatenation (`torch.cat`) whose backward hands its inputs slices of its own
+/// gradient (`CatBackward0`: `cat_tensors_backward` returns `grad.narrow(dim, …)` views,
+/// `tools/autograd/derivatives.yaml`, torch 2.15): the inputs' gradients are no new buffers,
+/// and the concatenation's gradient stays allocated until the last of them is consumed
+/// (`allocator.rs`). Used where the segment itself made every input.
+pub const GRAD_VIEWS: &str = " (cat: input gradients are views)";
 
 /// Dtype of an elementwise result under type promotion (the wider float wins).
 pub fn promote(a: Dtype, b: Dtype) -> Dtype {

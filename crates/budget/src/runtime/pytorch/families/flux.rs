@@ -9,7 +9,7 @@
 
 use super::common::Fam;
 use crate::families::FluxDims;
-use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -215,7 +215,7 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     };
     let o = bl.attention(qr, kr, v, at);
     let od = promote(bl.g.dtype(o), bl.g.dtype(am));
-    let cat = bl.g.op("cat [attn, mlp]", &[o, am], rows * 5 * d, od);
+    let cat = bl.g.op(&format!("cat [attn, mlp]{GRAD_VIEWS}"), &[o, am], rows * 5 * d, od);
     let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
     let (out, _) = gated_add(&mut bl, "proj_out", hs, m[2], po);
     // `mlp_hidden_states` (the GELU output) and `norm_hidden_states` stay bound until the
