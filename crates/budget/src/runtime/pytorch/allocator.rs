@@ -62,6 +62,12 @@ pub struct SegCost {
     /// Highest bytes above the start of a checkpointed forward (nothing saved; weight copies
     /// held by the autocast cache), output included.
     pub ckpt_peak: Live,
+    /// Highest bytes above the start of a checkpoint's recompute: the tracked forward up to the
+    /// pack of the last saved tensor ([`Segment::last_pack`]), where
+    /// `torch.utils.checkpoint(use_reentrant=False)` stops it (early stop, on by default:
+    /// `_StopRecomputationError` once every saved tensor is recomputed, torch 2.15
+    /// `utils/checkpoint.py`); the whole tracked forward where that op is not known.
+    pub recompute_peak: Live,
     /// Weight copies a checkpointed forward leaves in the autocast cache.
     pub ckpt_cache: u64,
     /// Worst moment of the backward, segment-local: what is left of the graph, the incoming
@@ -199,6 +205,10 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         for (k, op) in seg.ops.iter().enumerate() {
             let t = op.output;
             let kk = k as u64;
+            if tracked && seg.last_pack == Some(k) {
+                // The node packs its saved inputs before the op allocates its output.
+                cost.recompute_peak = peak;
+            }
             if is_alloc(t) {
                 add(&mut live, t, true);
                 alive[t] = true;
@@ -241,6 +251,9 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         }
         if tracked {
             cost.fwd_peak = peak;
+            if seg.last_pack.is_none_or(|k| k >= seg.ops.len()) {
+                cost.recompute_peak = peak;
+            }
             for s in 0..n {
                 if alive[s] && !is_out(s) {
                     if cached[s] && !saved[s] {

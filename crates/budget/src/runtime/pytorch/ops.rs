@@ -819,19 +819,28 @@ pub fn cpu_flash_scratch(threads: u64, at: Attn, dt: Dtype) -> (u64, u64) {
 /// min(256, m) down to min(32, m) (16 when the column blocks leave threads idle) are scored by
 /// `matmul_avx512_blocking_params_t::get_imbalance` — the spread of the m × n blocks over the
 /// threads, the rows the last block pads, the k tail — skipping block counts under 3 per
-/// thread that do not divide among the threads; the first (largest) best one wins, else the
-/// smallest. With the k tail equal for every candidate, it is left out.
-fn brgemm_m_blk(nthr: u64, m: u64, n_chunks: u64) -> u64 {
+/// thread that do not divide among the threads (`n_chunk_size` column blocks make one work
+/// item); the first (largest) best one wins, else the smallest. With the k tail equal for every
+/// candidate, it is left out.
+fn brgemm_m_blk(nthr: u64, m: u64, n_chunks: u64, n_chunk_size: u64) -> u64 {
     let disbalance = |work: u64, tb: u64| -> f32 {
         let rem = work % tb;
-        let scalar = if work < tb { tb - rem } else { (tb - rem).min(rem) };
+        let scalar = if work < tb {
+            tb - rem
+        } else {
+            (tb - rem).min(rem)
+        };
         scalar as f32 / tb as f32
     };
     let max_m_blk = m.min(256);
-    let min_m_blk = if nthr > n_chunks { m.min(16) } else { m.min(32) };
+    let min_m_blk = if nthr > n_chunks {
+        m.min(16)
+    } else {
+        m.min(32)
+    };
     let mut best: Option<(f32, u64)> = None;
     for m_blk in (min_m_blk..=max_m_blk).rev() {
-        let work = m.div_ceil(m_blk) * n_chunks;
+        let work = m.div_ceil(m_blk) * n_chunks.div_ceil(n_chunk_size);
         if work < 3 * nthr && work % nthr != 0 {
             continue;
         }
@@ -864,7 +873,11 @@ pub fn cpu_gemm_scratch(threads: u64, m: u64, k: u64, n: u64, a_transposed: bool
     }
     let nthr = threads.max(1);
     let n_blk = n.min(64);
-    let m_blk = brgemm_m_blk(nthr, m, n.div_ceil(n_blk));
+    // A transposed left operand is copied (`use_buffer_a`), which lets the heuristic group up
+    // to 16 column blocks per thread's work item (`max_n_chunks`).
+    let n_chunks = n.div_ceil(n_blk);
+    let n_chunk_size = if a_transposed { n_chunks.min(16) } else { 1 };
+    let m_blk = brgemm_m_blk(nthr, m, n_chunks, n_chunk_size);
     let k_blk = if k > 1024 && !a_transposed {
         1024
     } else {

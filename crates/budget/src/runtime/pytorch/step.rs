@@ -323,7 +323,7 @@ pub fn replay(
                 }
                 if ck {
                     // Recompute under the same autocast state, with the incoming gradient alive.
-                    let mut at = with(live, c.fwd_peak);
+                    let mut at = with(live, c.recompute_peak);
                     at.workspace += dq + rng;
                     ev.push(
                         Phase::Backward,

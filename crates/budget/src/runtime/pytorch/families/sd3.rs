@@ -460,4 +460,37 @@ mod tests {
         let st = sd3_stages(extra, "bf16-mixed");
         assert_eq!(kept(&st.stages[1]), 4442304 - 32768 - 78848 - 512);
     }
+
+    /// `JointTransformerBlock.forward` keeps `norm_hidden_states`, `norm_encoder_hidden_states`
+    /// (the feed-forwards' inputs) and `context_ff_output` bound until it returns: under LoRA
+    /// with frozen feed-forwards nothing saves them, yet they are alive to the block's end
+    /// (family_trace.py, sd3-bf16-lora4w-all, inside block 0's recompute).
+    #[test]
+    fn joint_block_holds_its_feed_forward_locals() {
+        let s = tiny(
+            &format!("{SD3}}}"),
+            "[77, 77]",
+            "bf16-mixed",
+            r#"{"rank": 4}"#,
+        );
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Sd3(d) = &fm.dims else {
+            panic!("not sd3")
+        };
+        let st = stages(&Fam::new(for_spec(&s), &s, &fm), d);
+        let g = &st.stages[1].seg;
+        let hold = g
+            .ops
+            .iter()
+            .find(|o| o.name.starts_with("JointTransformerBlock"))
+            .unwrap();
+        let names: Vec<&str> = hold
+            .inputs
+            .iter()
+            .map(|&t| g.tensors[t].name.as_str())
+            .collect();
+        for n in ["norm2 +shift", "norm2_context +shift", "ff_context.net.2"] {
+            assert!(names.iter().any(|m| m.starts_with(n)), "{n} in {names:?}");
+        }
+    }
 }
