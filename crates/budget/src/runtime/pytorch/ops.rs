@@ -841,7 +841,7 @@ fn brgemm_m_blk(nthr: u64, m: u64, n_chunks: u64, n_chunk_size: u64) -> u64 {
     let mut best: Option<(f32, u64)> = None;
     for m_blk in (min_m_blk..=max_m_blk).rev() {
         let work = m.div_ceil(m_blk) * n_chunks.div_ceil(n_chunk_size);
-        if work < 3 * nthr && work % nthr != 0 {
+        if work < 3 * nthr && !work.is_multiple_of(nthr) {
             continue;
         }
         let pad = (m_blk * m.div_ceil(m_blk)) % m;
