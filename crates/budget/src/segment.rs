@@ -93,6 +93,10 @@ pub struct Segment {
     /// inputs every block reads (the conditioning vector, a text context, RoPE tables).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stream_in: Vec<Tid>,
+    /// The op whose autograd node saves the segment's last saved tensor, where it is known (the
+    /// `pytorch` runtime's checkpoint recompute stops there: see `runtime/pytorch/allocator.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_pack: Option<usize>,
 }
 
 impl Segment {

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::rules::{CACHED, LEFT_UNSAVED, MATMUL, SAVED};
+use crate::runtime::pytorch::rules::{CACHED, GRAD_VIEWS, LEFT_UNSAVED, MATMUL, SAVED};
 use crate::segment::{Segment, TensorKind, TensorRole, Tid};
 
 const MIB: u64 = 1 << 20;
@@ -62,6 +62,12 @@ pub struct SegCost {
     /// Highest bytes above the start of a checkpointed forward (nothing saved; weight copies
     /// held by the autocast cache), output included.
     pub ckpt_peak: Live,
+    /// Highest bytes above the start of a checkpoint's recompute: the tracked forward up to the
+    /// pack of the last saved tensor ([`Segment::last_pack`]), where
+    /// `torch.utils.checkpoint(use_reentrant=False)` stops it (early stop, on by default:
+    /// `_StopRecomputationError` once every saved tensor is recomputed, torch 2.15
+    /// `utils/checkpoint.py`); the whole tracked forward where that op is not known.
+    pub recompute_peak: Live,
     /// Weight copies a checkpointed forward leaves in the autocast cache.
     pub ckpt_cache: u64,
     /// Worst moment of the backward, segment-local: what is left of the graph, the incoming
@@ -213,6 +219,10 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         for (k, op) in seg.ops.iter().enumerate() {
             let t = op.output;
             let kk = k as u64;
+            if tracked && seg.last_pack == Some(k) {
+                // The node packs its saved inputs before the op allocates its output.
+                cost.recompute_peak = peak;
+            }
             if is_alloc(t) {
                 add(&mut live, t, true);
                 alive[t] = true;
@@ -255,6 +265,9 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
         }
         if tracked {
             cost.fwd_peak = peak;
+            if seg.last_pack.is_none_or(|k| k >= seg.ops.len()) {
+                cost.recompute_peak = peak;
+            }
             for s in 0..n {
                 if alive[s] && !is_out(s) {
                     if cached[s] && !saved[s] {
@@ -292,6 +305,10 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
     let mut grad_out_pending = true;
     let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
     let mut evs = Vec::new();
+    // Gradients that are views of a concatenation's gradient ([`GRAD_VIEWS`]): the owner of
+    // each, and how many views of an owner are still unconsumed.
+    let mut view_of = vec![None::<Tid>; n];
+    let mut views_left = vec![0u32; n];
     for (k, op) in seg.ops.iter().enumerate().rev() {
         let o = op.output;
         let kk = k as u64;
@@ -301,9 +318,16 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
             let is_mm = op.name.ends_with(MATMUL) || op.name.ends_with(LEFT_UNSAVED);
             let mut transient = 0;
             let mut sum = 0;
+            let views = op.name.contains(GRAD_VIEWS) && !is_out(storage(o));
             for &i in &op.inputs {
                 let ti = &seg.tensors[i];
                 if !ti.requires_grad {
+                    continue;
+                }
+                if views && !grad[i] && matches!(ti.kind, TensorKind::View | TensorKind::Alloc) {
+                    grad[i] = true;
+                    view_of[i] = Some(o);
+                    views_left[o] += 1;
                     continue;
                 }
                 match ti.kind {
@@ -353,7 +377,15 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
             }
             // The output's gradient is consumed.
             grad[o] = false;
-            if o == seg.output && grad_out_pending {
+            if views && views_left[o] > 0 {
+                // Its slices live on as the inputs' gradients: freed with the last of them.
+            } else if let Some(owner) = view_of[o] {
+                views_left[owner] -= 1;
+                if views_left[owner] == 0 {
+                    live.workspace -= seg.tensors[owner].bytes();
+                    evs.push(Ev::Free(nn + owner as u64));
+                }
+            } else if o == seg.output && grad_out_pending {
                 // `grad_in` holds the gradients of every output; each side output's share
                 // goes with its own node.
                 live.workspace -= grad_in - side_grads;

@@ -22,6 +22,12 @@ pub const MATMUL: &str = " [matmul]";
 /// A frozen base layer under LoRA reads its input this way; the release rule
 /// ([`crate::runtime::pytorch::allocator::simulate`]) does not count it as a saver.
 pub const LEFT_UNSAVED: &str = " [matmul, weight frozen]";
+/// Marks a concatenation (`torch.cat`) whose backward hands its inputs slices of its own
+/// gradient (`CatBackward0`: `cat_tensors_backward` returns `grad.narrow(dim, …)` views,
+/// `tools/autograd/derivatives.yaml`, torch 2.15): the inputs' gradients are no new buffers,
+/// and the concatenation's gradient stays allocated until the last of them is consumed
+/// (`allocator.rs`). Used where the segment itself made every input.
+pub const GRAD_VIEWS: &str = " (cat: input gradients are views)";
 
 /// Dtype of an elementwise result under type promotion (the wider float wins).
 pub fn promote(a: Dtype, b: Dtype) -> Dtype {
@@ -721,30 +727,26 @@ impl Builder<'_> {
         y
     }
 
-    /// The scratchpad of a bf16/fp16 matmul on the CPU (`addmm`/`mm` → oneDNN's matmul, which
-    /// allocates it through PyTorch's CPU allocator for the call), on the op producing `y` of an
-    /// (m × k) · (k × n) product: forward, and backward as the larger of `grad·W` (m × n · n × k)
-    /// and `gradᵀ·x` (n × m · m × k, its transposed left operand copied first). Measured with
-    /// `torch.profiler` memory events inside `aten::addmm`/`aten::mm` (torch 2.15, oneDNN 3.13,
-    /// AVX-512, 2 threads: the family peer's CPU): 1664 B, an fp32 C block of m rows (below 16:
-    /// 8; below 64: a multiple of 32; at most 512, 256 when n > 64) by n columns (128 when
-    /// n > 64), a packed B panel of k (a multiple of 32, at most 1024) by 64 fp32; a transposed
-    /// left operand adds its bf16 copy and 128 B. Exact over the forward shapes of the peer's
-    /// tiny specs (n ≤ 64, or m = 256); the transposed backward shapes are off by up to ±50 %
-    /// where k or m exceed 256 (oneDNN's blocking heuristics); fp32 matmuls go to MKL without a
-    /// scratch that the profiler sees, and CUDA's cuBLAS workspace is not modelled here.
+    /// The scratchpad of a bf16/fp16 matmul on the CPU (`addmm`/`mm` → oneDNN's brgemm
+    /// matmul, which books it through PyTorch's CPU allocator for the call; see
+    /// [`cpu_gemm_scratch`]), on the op producing `y` of an (m × k) · (k × n) product: forward,
+    /// and backward as the larger of `grad·W` (m × n · n × k) and `gradᵀ·x` (n × m · m × k, its
+    /// left operand transposed), with the spec's intra-op threads. fp32 matmuls go to MKL
+    /// without a scratch that the profiler sees, and CUDA's cuBLAS workspace is not modelled
+    /// here.
     pub fn gemm_scratch(&mut self, y: Tid, m: u64, k: u64, n: u64, grad_x: bool, grad_w: bool) {
         let half = matches!(self.low(), Dtype::Bf16 | Dtype::F16);
         if self.rt.device != TorchDevice::Cpu || !half {
             return;
         }
-        let fwd = cpu_gemm_scratch(m, k, n, false);
+        let t = self.threads;
+        let fwd = cpu_gemm_scratch(t, m, k, n, false);
         let mut bwd = 0;
         if grad_x {
-            bwd = bwd.max(cpu_gemm_scratch(m, n, k, false));
+            bwd = bwd.max(cpu_gemm_scratch(t, m, n, k, false));
         }
         if grad_w {
-            bwd = bwd.max(cpu_gemm_scratch(n, m, k, true));
+            bwd = bwd.max(cpu_gemm_scratch(t, n, m, k, true));
         }
         self.g.annotate(y, 0, fwd, bwd);
     }
@@ -825,23 +827,78 @@ pub fn cpu_flash_scratch(threads: u64, at: Attn, dt: Dtype) -> (u64, u64) {
     (fwd, bwd)
 }
 
-/// Bytes of oneDNN's bf16 matmul scratchpad for (m × k) · (k × n) on the peer's CPU: see
-/// [`Builder::gemm_scratch`].
-pub fn cpu_gemm_scratch(m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
+/// The row block oneDNN's brgemm matmul picks for an (m × k) · (k × n) product on `nthr`
+/// threads, with `n_blk` output columns per block (`cpu/x64/matmul/brgemm_matmul_utils.cpp`
+/// `compute_blocking_heuristic_avx512`, one batch, no k-parallel split): rows blocks from
+/// min(256, m) down to min(32, m) (16 when the column blocks leave threads idle) are scored by
+/// `matmul_avx512_blocking_params_t::get_imbalance` — the spread of the m × n blocks over the
+/// threads, the rows the last block pads, the k tail — skipping block counts under 3 per
+/// thread that do not divide among the threads (`n_chunk_size` column blocks make one work
+/// item); the first (largest) best one wins, else the smallest. With the k tail equal for every
+/// candidate, it is left out.
+fn brgemm_m_blk(nthr: u64, m: u64, n_chunks: u64, n_chunk_size: u64) -> u64 {
+    let disbalance = |work: u64, tb: u64| -> f32 {
+        let rem = work % tb;
+        let scalar = if work < tb {
+            tb - rem
+        } else {
+            (tb - rem).min(rem)
+        };
+        scalar as f32 / tb as f32
+    };
+    let max_m_blk = m.min(256);
+    let min_m_blk = if nthr > n_chunks {
+        m.min(16)
+    } else {
+        m.min(32)
+    };
+    let mut best: Option<(f32, u64)> = None;
+    for m_blk in (min_m_blk..=max_m_blk).rev() {
+        let work = m.div_ceil(m_blk) * n_chunks.div_ceil(n_chunk_size);
+        if work < 3 * nthr && !work.is_multiple_of(nthr) {
+            continue;
+        }
+        let pad = (m_blk * m.div_ceil(m_blk)) % m;
+        let score = (disbalance(work, nthr) + pad as f32 / m as f32) / 5.0;
+        if best.is_none_or(|(b, _)| score < b) {
+            best = Some((score, m_blk));
+        }
+    }
+    best.map_or(min_m_blk, |(_, b)| b)
+}
+
+/// Bytes of oneDNN's bf16 matmul scratchpad for (m × k) · (k × n) on the CPU with `threads`
+/// intra-op threads (torch 2.15 `aten::addmm`/`aten::mm` → oneDNN 3.13.3's
+/// `brgemm_matmul_t<avx512_core_bf16>`; `brgemm_matmul_utils.cpp` `init_aux_values`,
+/// `init_scratchpad`): per thread an fp32 C block of `M_blk` rows ([`brgemm_m_blk`]) by
+/// `N_blk` = min(n, 64) columns, a packed B panel of `K_blk` (min(k, 512), 1024 when k exceeds
+/// 1024 and the left operand is not transposed; rounded up to 32) by 64 bf16, and 640 B, plus
+/// 384 B; a transposed left operand (the weight gradient `gradᵀ·x`) adds its bf16 copy,
+/// m × k × 2 B, and 128 B.
+///
+/// Measured (`bench/torch_peer/gemm_scratch_probe.py`, torch 2.15 CPU, AVX-512 with
+/// AVX512-BF16): exact on 32 forward shapes (m 8–2000, k 4–2048, n 4–256) at 2 threads and 4
+/// shapes each at 1 and 4 threads; the transposed ones exact at (n, m, k) = (64, 256, 64) and
+/// (256, 256, 256), +4 % / +8 % / −15 % where m exceeds 512 (oneDNN then splits the copy by
+/// `M_blk` with a padded leading dimension, and splits n into chunks).
+pub fn cpu_gemm_scratch(threads: u64, m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
     if m == 0 || k == 0 || n == 0 {
         return 0;
     }
-    let mc = if n <= 64 { m.min(512) } else { m.min(256) };
-    let mp = if m < 16 {
-        8
-    } else if m < 64 {
-        mc.div_ceil(32) * 32
+    let nthr = threads.max(1);
+    let n_blk = n.min(64);
+    // A transposed left operand is copied (`use_buffer_a`), which lets the heuristic group up
+    // to 16 column blocks per thread's work item (`max_n_chunks`).
+    let n_chunks = n.div_ceil(n_blk);
+    let n_chunk_size = if a_transposed { n_chunks.min(16) } else { 1 };
+    let m_blk = brgemm_m_blk(nthr, m, n_chunks, n_chunk_size);
+    let k_blk = if k > 1024 && !a_transposed {
+        1024
     } else {
-        mc
+        k.min(512)
     };
-    let nc = if n <= 64 { n } else { 128 };
-    let kp = (k.div_ceil(32) * 32).min(1024);
-    let mut s = 1664 + mp * nc * 4 + kp * 64 * 4;
+    let k_pad = k_blk.div_ceil(32) * 32;
+    let mut s = 384 + nthr * (640 + m_blk * n_blk * 4 + k_pad * 64 * 2);
     if a_transposed {
         s += m * k * 2 + 128;
     }

@@ -8,7 +8,7 @@ use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
-pub use crate::runtime::pytorch::ops::{CACHED, LEFT_UNSAVED, MATMUL, SAVED};
+pub use crate::runtime::pytorch::ops::{CACHED, GRAD_VIEWS, LEFT_UNSAVED, MATMUL, SAVED};
 
 impl PyTorch {
     fn builder<'a>(&'a self, dims: &Shape, name: &str) -> Builder<'a> {

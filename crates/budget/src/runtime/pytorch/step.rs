@@ -112,6 +112,31 @@ pub fn ema_update_tensors(spec: &Spec, table: &[ParamTensor]) -> Vec<u64> {
 }
 
 /// The label of a stage's instance: `"block 3"` for blocks, the stage's name otherwise.
+/// Bytes of the CPU generator's state, `torch.get_rng_state()`: a `ByteTensor` of
+/// `sizeof(CPUGeneratorImplState)` (`aten/src/ATen/CPUGeneratorImpl.cpp` `get_state`: the
+/// legacy `THGeneratorState` — seed, `left`, `seeded`, `next`, the 624 × u64 Mersenne-Twister
+/// state, the three cached normal doubles and their flag — then the cached float normal and its
+/// flag, 8-aligned). Measured: 5,056 B (family_trace.py, `model > module::model`).
+pub const CPU_RNG_STATE_BYTES: u64 = 5056;
+
+/// Host bytes one checkpointed block holds beside its graph on the CPU, and the same again
+/// while it is recomputed: `torch.utils.checkpoint(use_reentrant=False)` with the default
+/// `preserve_rng_state=True` stashes `fwd_cpu_state = torch.get_rng_state()` before the block
+/// runs (kept by the recompute closure of its `_CheckpointFrame`, which the block's saved-tensor
+/// hooks hold until its backward has run), and the recompute runs inside
+/// `torch.random.fork_rng`, which saves the current state (`cpu_rng_state =
+/// torch.get_rng_state()`) to restore it after (torch 2.15 `utils/checkpoint.py`
+/// `_checkpoint_without_reentrant_generator_impl`, `random.py` `fork_rng`). On a GPU both are
+/// host tensors (the CUDA generator's state is a CPU `ByteTensor` too), outside the device's
+/// memory. family_trace.py, sd3-bf16-lora4w-all: one 5,056 B block per checkpointed block
+/// from its forward to the end of its backward, a second during block 0's recompute.
+pub fn checkpoint_rng_bytes(device: TorchDevice) -> u64 {
+    match device {
+        TorchDevice::Cpu => CPU_RNG_STATE_BYTES,
+        TorchDevice::Cuda => 0,
+    }
+}
+
 fn label(sc: &StageCost, idx: Option<u32>) -> String {
     match idx {
         Some(i) => format!("{} {i}", sc.label),
@@ -155,6 +180,7 @@ pub fn replay(
     let largest = opt.iter().copied().max().unwrap_or(0);
     let imp = optimizer_impl(spec);
     let dq = dequant_bytes(spec, table);
+    let rng = checkpoint_rng_bytes(rt.device);
     let keep_grads = rs.as_ref().is_none_or(|rs| rs.keep_full_grads);
     let total_blocks: u32 = costs.iter().filter(|c| c.blocks).map(|c| c.count).sum();
     let mut gw = GatherWalk::new(
@@ -211,6 +237,9 @@ pub fn replay(
                     for g in gw.before(&fwd_order, block as usize) {
                         live.weight_casts += gw.bytes(g);
                     }
+                }
+                if ck {
+                    live.activations += rng;
                 }
                 let mut inside = with(live, if ck { c.ckpt_peak } else { c.fwd_peak });
                 if sc.blocks {
@@ -294,8 +323,8 @@ pub fn replay(
                 }
                 if ck {
                     // Recompute under the same autocast state, with the incoming gradient alive.
-                    let mut at = with(live, c.fwd_peak);
-                    at.workspace += dq;
+                    let mut at = with(live, c.recompute_peak);
+                    at.workspace += dq + rng;
                     ev.push(
                         Phase::Backward,
                         format!("{name} recompute (inside)"),
@@ -321,6 +350,9 @@ pub fn replay(
                 );
                 live.activations -= c.kept.activations;
                 live.weight_casts -= c.kept.weight_casts;
+                if ck {
+                    live.activations -= rng;
+                }
                 if last {
                     // The loss scalar goes with its node.
                     live.activations -= c.output;

@@ -8,7 +8,7 @@ use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::families::of_spec as stages;
 use crate::runtime::pytorch::rules::SAVED;
-use crate::runtime::pytorch::step::optimizer_scratch;
+use crate::runtime::pytorch::step::{optimizer_scratch, CPU_RNG_STATE_BYTES};
 use crate::runtime::shape::Shape;
 use crate::spec::{
     AttentionMode, ModelSpec, Optimizer, Precision, Recompute, Runtime, SdpaBackend, Spec,
@@ -171,8 +171,8 @@ fn checkpointed_blocks_keep_only_their_input() {
     let last = tl.events.iter().find(|ev| ev.label == "block 3").unwrap();
     assert_eq!(
         last.live.activations - emb.live.activations,
-        4 * e * 4,
-        "four block outputs (x) in fp32"
+        4 * e * 4 + 4 * CPU_RNG_STATE_BYTES,
+        "four block outputs (x) in fp32, and the CPU RNG state each checkpoint stashes"
     );
 }
 
@@ -589,4 +589,82 @@ fn a_matmul_input_gradient_is_summed_out_of_place() {
     );
     assert_eq!(c.bwd_peak.total(), 6_784);
     assert_eq!(c.param_grads, (out * r + r * inp) * 4);
+}
+
+/// oneDNN's bf16 matmul scratch (`cpu_gemm_scratch`), against the profiler's figures
+/// (`bench/torch_peer/gemm_scratch_probe.py`, torch 2.15 CPU, AVX512-BF16): the row block by
+/// `compute_blocking_heuristic_avx512` (balanced blocks of at most 256 rows, a block count
+/// that divides among the threads), the k block at 512 (1024 above 1024), the threads.
+#[test]
+fn cpu_gemm_scratch_follows_onednn_blocking() {
+    use crate::runtime::pytorch::ops::cpu_gemm_scratch;
+    let g = |t, m, k, n| cpu_gemm_scratch(t, m, k, n, false);
+    // (threads, m, k, n, measured bytes)
+    for (t, m, k, n, b) in [
+        (2, 616, 256, 64, 146_048),
+        (2, 256, 256, 64, 132_736),
+        (2, 513, 256, 64, 133_248),
+        (2, 600, 256, 64, 144_000),
+        (2, 1024, 256, 64, 198_272),
+        (2, 1100, 64, 64, 74_368),
+        (2, 2000, 64, 64, 146_048),
+        (2, 616, 64, 128, 96_896),
+        (2, 600, 64, 256, 120_448),
+        (2, 256, 768, 64, 198_272),
+        (2, 256, 2048, 64, 329_344),
+        (2, 256, 100, 64, 99_968),
+        (2, 256, 64, 32, 50_816),
+        (2, 16, 64, 64, 26_240),
+        (2, 40, 64, 64, 28_288),
+        (2, 33, 64, 64, 26_752),
+        (1, 616, 256, 64, 73_216),
+        (1, 256, 256, 64, 99_328),
+        (4, 616, 256, 64, 291_712),
+        (4, 256, 256, 64, 199_552),
+        (4, 16, 64, 64, 52_096),
+        (4, 600, 64, 256, 240_512),
+    ] {
+        assert_eq!(g(t, m, k, n), b, "({t} threads) {m} × {k} × {n}");
+    }
+    // The weight gradient gradᵀ·x (left operand transposed), exact where m ≤ 512.
+    assert_eq!(cpu_gemm_scratch(2, 64, 256, 64, true), 116_480);
+    assert_eq!(cpu_gemm_scratch(2, 256, 256, 256, true), 263_936);
+    assert_eq!(cpu_gemm_scratch(2, 0, 256, 64, false), 0);
+}
+
+/// `torch.utils.checkpoint(use_reentrant=False)` stashes the CPU generator's state per
+/// checkpointed block and `fork_rng` saves it again around the recompute: on the CPU a
+/// checkpointed step's recompute moment holds both; on CUDA they are host memory.
+#[test]
+fn checkpoint_stashes_the_cpu_rng_state() {
+    use crate::runtime::pytorch::step::checkpoint_rng_bytes;
+    assert_eq!(checkpoint_rng_bytes(TorchDevice::Cpu), CPU_RNG_STATE_BYTES);
+    assert_eq!(checkpoint_rng_bytes(TorchDevice::Cuda), 0);
+    let mut s = spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    );
+    s.recipe.recompute = Recompute::All;
+    let tl = simulate_step(&s);
+    let c = costs(&s);
+    let i = tl
+        .events
+        .iter()
+        .position(|ev| ev.label == "block 3 recompute (inside)")
+        .unwrap();
+    let before = tl.events[i - 1].live.total();
+    // Four stashed states (blocks 0–3) are in `before`; fork_rng's copy is the recompute's.
+    assert_eq!(
+        tl.events[i].live.total() - before,
+        c.block.recompute_peak.total() + CPU_RNG_STATE_BYTES
+    );
+    // Block 3's own state goes with its backward.
+    let after = tl.events.iter().find(|ev| ev.label == "block 3").unwrap();
+    assert!(after.live.activations >= 3 * CPU_RNG_STATE_BYTES);
+    // And the step ends where it started.
+    assert_eq!(
+        tl.events.last().unwrap().live.total(),
+        tl.events[0].live.total()
+    );
 }

@@ -9,7 +9,7 @@
 
 use super::common::Fam;
 use crate::families::FluxDims;
-use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -174,7 +174,10 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * d);
     let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
     let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
-    bl.hold("FluxTransformerBlock", &[ga, gm, gc]);
+    // `norm_hidden_states` / `norm_encoder_hidden_states` (the feed-forwards' inputs) and
+    // `context_ff_output` stay bound until the block returns too (`transformer_flux.py`
+    // `FluxTransformerBlock.forward`): under LoRA with frozen feed-forwards nothing saves them.
+    bl.hold("FluxTransformerBlock", &[ga, gm, gc, h2, h2c, ffc]);
     bl.g.output = x2;
     bl.g.side_outputs = vec![c2];
     bl.g
@@ -212,9 +215,25 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     };
     let o = bl.attention(qr, kr, v, at);
     let od = promote(bl.g.dtype(o), bl.g.dtype(am));
-    let cat = bl.g.op("cat [attn, mlp]", &[o, am], rows * 5 * d, od);
+    let cat = bl.g.op(
+        &format!("cat [attn, mlp]{GRAD_VIEWS}"),
+        &[o, am],
+        rows * 5 * d,
+        od,
+    );
     let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
-    let (out, _) = gated_add(&mut bl, "proj_out", hs, m[2], po);
+    // `hidden_states = gate * self.proj_out(hidden_states)`: the concatenation stays bound
+    // until the product exists (family_trace.py, flux-fp32-lora4-none: the 983,040 B cat alive
+    // at the forward peak, the gate's mul, where a frozen proj_out saves nothing).
+    let n = bl.g.elems(po);
+    let gy = bl.mul("proj_out gate·y", m[2], po, n);
+    // Its `MulBackward0` packs the block's last saved tensor (the gate, or proj_out's output
+    // when the gate needs a gradient; the residual add saves nothing): a checkpoint's
+    // recompute stops there, before the product or the held concatenation's moment.
+    bl.g.last_pack = bl.g.ops.iter().position(|o| o.output == gy);
+    bl.hold("hidden_states rebound to gate·proj_out", &[cat]);
+    let dt = promote(bl.g.dtype(hs), bl.g.dtype(gy));
+    let out = bl.g.op("proj_out residual +", &[hs, gy], n, dt);
     // `mlp_hidden_states` (the GELU output) and `norm_hidden_states` stay bound until the
     // block returns.
     bl.hold("FluxSingleTransformerBlock", &[am, h]);
@@ -568,5 +587,54 @@ pub(crate) mod tests {
         let first = &st.stages[1].seg;
         assert!(!first.tensors[first.stream_in[0]].requires_grad);
         assert_eq!(st.data.kept, 0);
+    }
+
+    /// The single block's `hidden_states = gate * proj_out(cat)`: the concatenation is held
+    /// until the gate's product exists (the tracked forward's peak there), a checkpoint's
+    /// recompute stops at that mul's pack (before it), and the cat's gradient is one buffer
+    /// whose slices are the attention's and the MLP's gradients (kept until both are used).
+    #[test]
+    fn single_block_cat_is_held_and_its_gradient_sliced() {
+        use crate::runtime::pytorch::allocator::{simulate_traced, Ev};
+        use crate::runtime::pytorch::stages::grad_in;
+        let st = flux_stages("fp32", r#"{"rank": 4}"#);
+        let seg = &st.stages[2].seg;
+        let cat = seg
+            .tensors
+            .iter()
+            .position(|t| t.name.starts_with("cat [attn, mlp]"))
+            .unwrap();
+        let mul = seg.last_pack.unwrap();
+        assert_eq!(seg.ops[mul].name, "proj_out gate·y");
+        let c = simulate(seg, grad_in(seg), &st.stages[2].extra_grads);
+        let (po, gy) = (
+            seg.tensors[seg.ops[mul].inputs[1]].bytes(),
+            seg.tensors[seg.ops[mul].output].bytes(),
+        );
+        // The forward's peak: the product with the cat and proj_out's output alive.
+        assert!(c.fwd_peak.total() >= seg.tensors[cat].bytes() + po + gy);
+        assert!(c.recompute_peak.total() < c.fwd_peak.total());
+        // Backward: the cat's gradient outlives the attention's slice (freed with the MLP's).
+        let (_, tr) = simulate_traced(seg, grad_in(seg), &st.stages[2].extra_grads);
+        let n = tr.n;
+        let id = n + cat as u64;
+        let alloc = tr
+            .bwd
+            .iter()
+            .position(|e| *e == Ev::Alloc(id, seg.tensors[cat].bytes()));
+        let free = tr.bwd.iter().position(|e| *e == Ev::Free(id));
+        let gelu = seg
+            .tensors
+            .iter()
+            .position(|t| t.name.starts_with("act_mlp"))
+            .unwrap() as u64;
+        let gelu_grad_free = tr.bwd.iter().position(|e| *e == Ev::Free(n + gelu));
+        assert!(alloc.is_some() && free.is_some() && free > alloc);
+        // The slices are no buffers of their own.
+        assert!(!tr
+            .bwd
+            .iter()
+            .any(|e| matches!(e, Ev::Alloc(i, _) if *i == n + gelu)));
+        assert!(gelu_grad_free.is_none());
     }
 }

@@ -190,6 +190,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
     let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
     held.push(gm);
+    // `norm_hidden_states` (norm2's modulated output, the feed-forward's input) stays bound
+    // until the block returns (`attention.py` `JointTransformerBlock.forward`): under LoRA
+    // with a frozen `ff` nothing saves it, yet it is alive in the recompute's peak
+    // (family_trace.py, sd3-bf16-lora4w-all: `transformer_blocks.0 > aten::add`, 32,768 B).
+    held.push(h2);
     let mut side = Vec::new();
     if let Some(co) = co {
         let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
@@ -200,6 +205,11 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
         let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
         side.push(c2);
+        // `norm_encoder_hidden_states` (the context feed-forward's input) and
+        // `context_ff_output` stay bound until the block returns (the gated product is a
+        // temporary of the residual add).
+        held.push(h2c);
+        held.push(ffc);
     } else {
         // context_pre_only: `norm_encoder_hidden_states` and `context_attn_output` (a slice of
         // the attention output, which no to_add_out consumes) stay bound until the block
@@ -449,5 +459,38 @@ mod tests {
         assert_eq!(kept(&st.stages[1]), 6327808 - 65536 - 157696 - 1024);
         let st = sd3_stages(extra, "bf16-mixed");
         assert_eq!(kept(&st.stages[1]), 4442304 - 32768 - 78848 - 512);
+    }
+
+    /// `JointTransformerBlock.forward` keeps `norm_hidden_states`, `norm_encoder_hidden_states`
+    /// (the feed-forwards' inputs) and `context_ff_output` bound until it returns: under LoRA
+    /// with frozen feed-forwards nothing saves them, yet they are alive to the block's end
+    /// (family_trace.py, sd3-bf16-lora4w-all, inside block 0's recompute).
+    #[test]
+    fn joint_block_holds_its_feed_forward_locals() {
+        let s = tiny(
+            &format!("{SD3}}}"),
+            "[77, 77]",
+            "bf16-mixed",
+            r#"{"rank": 4}"#,
+        );
+        let fm = denoiser::family(&s).unwrap().unwrap();
+        let Dims::Sd3(d) = &fm.dims else {
+            panic!("not sd3")
+        };
+        let st = stages(&Fam::new(for_spec(&s), &s, &fm), d);
+        let g = &st.stages[1].seg;
+        let hold = g
+            .ops
+            .iter()
+            .find(|o| o.name.starts_with("JointTransformerBlock"))
+            .unwrap();
+        let names: Vec<&str> = hold
+            .inputs
+            .iter()
+            .map(|&t| g.tensors[t].name.as_str())
+            .collect();
+        for n in ["norm2 +shift", "norm2_context +shift", "ff_context.net.2"] {
+            assert!(names.iter().any(|m| m.starts_with(n)), "{n} in {names:?}");
+        }
     }
 }
