@@ -23,31 +23,19 @@ use ditmem_budget::{
     SpecError, TorchDevice, MAX_CONFIG_JSON_BYTES,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::{TestCaseError, TestRunner};
 use serde_json::{Map, Value};
 
-fn cases(default: u32) -> u32 {
-    std::env::var("DITMEM_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+#[path = "../../engine/tests/common/fuzz_runner.rs"]
+mod fuzz_runner;
+use fuzz_runner::{fuzz_cases, fuzz_runner};
 
 /// A runner with the suite's fixed seed (entropy when `DITMEM_FUZZ_CASES` is set).
 fn runner(default: u32) -> TestRunner {
-    let config = Config {
-        cases: cases(default),
-        failure_persistence: None,
-        max_shrink_iters: 2048,
-        ..Config::default()
-    };
-    if std::env::var_os("DITMEM_FUZZ_CASES").is_some() {
-        TestRunner::new(config)
-    } else {
-        let rng = TestRng::deterministic_rng(config.rng_algorithm);
-        TestRunner::new_with_rng(config, rng)
-    }
+    fuzz_runner(fuzz_cases(default), 2048)
 }
+
+
 
 fn data(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -4,35 +4,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 use ditmem_engine::block::{layer_norm, modulate, LN_EPS};
 use ditmem_engine::ops::{gelu_tanh, ln_modulate};
-use ditmem_engine::rng::SplitMix64;
 
-fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
-    let mut r = SplitMix64::new(seed);
-    let n: usize = dims.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
-/// Gradients of `sum(y · go)`: backpropagates `go` through y's graph the composed way (the
-/// reference the engine's `ops::backward_from` is held to).
-fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
-    y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-}
+mod common;
+use common::{grads_through, max_abs_diff as max_abs, rand};
 
 #[test]
 fn gelu_matches_candle_and_finite_differences() {

@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
 
 /// Run `ditmem` with `args`: (exit code, stdout, stderr).
 pub fn ditmem(args: &[&str]) -> (i32, String, String) {
@@ -21,6 +22,22 @@ pub fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) 
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Wait for `child` until `deadline`, looking every `poll`: its exit status, or `None` for a child
+/// still running at the deadline (then killed and reaped).
+pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Option<ExitStatus> {
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(poll);
+    }
 }
 
 /// A fresh folder for one test of one suite (process-unique).
