@@ -15,7 +15,6 @@ use ditmem_budget::{
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-
 /// The suite draws the same cases every run (proptest's deterministic seed): a draw from entropy
 /// once picked a spec near the caps whose plan search ran for over 18 minutes, and CI must take
 /// the same time and find the same failures on every run. `DITMEM_FUZZ_CASES` (a long run)
@@ -32,7 +31,6 @@ fn runner(n: u32) -> TestRunner {
 fn report() -> bool {
     std::env::var_os("DITMEM_FUZZ_REPORT").is_some()
 }
-
 
 /// Every field a spec document can hold, by section.
 const FIELDS: [(&str, &[&str]); 5] = [

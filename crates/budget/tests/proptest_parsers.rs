@@ -35,8 +35,6 @@ fn runner(default: u32) -> TestRunner {
     fuzz_runner(fuzz_cases(default), 2048)
 }
 
-
-
 fn data(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data")

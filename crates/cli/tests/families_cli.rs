@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::ditmem;
+use common::{argv, argv_with, ditmem, json};
 use serde_json::Value;
 
 fn root() -> std::path::PathBuf {
@@ -12,12 +12,6 @@ fn root() -> std::path::PathBuf {
         .join("../..")
         .canonicalize()
         .expect("the repository root")
-}
-
-fn json(args: &[&str]) -> Value {
-    let (code, out, err) = ditmem(args);
-    assert_eq!(code, 0, "{args:?}: {err}");
-    serde_json::from_str(&out).expect("JSON")
 }
 
 /// `bench/torch_peer/family_peer.py` measured 34 tiny specs of the six diffusers families on the
@@ -42,14 +36,10 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
     for row in rows {
         let file = root.join(row["file"].as_str().expect("file"));
         let measured = row["measured"].as_u64().expect("measured peak");
-        let b = json(&[
-            "estimate",
-            "--config",
-            file.to_str().unwrap(),
-            "--runtime",
-            "pytorch",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --config {} --runtime pytorch --json",
+            &[file.to_str().unwrap()],
+        ));
         let pred = b["peak_bytes"].as_u64().expect("peak");
         let err = pred as f64 / measured as f64 - 1.0;
         let spec = row["spec"].as_str().unwrap();
@@ -70,13 +60,7 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
 #[test]
 fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
     // Every diffusers family but diffusers' own DiT class runs on the engine now.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--preset",
-        "dit-xl-2-256",
-        "--runtime",
-        "ditmem-cpu",
-    ]);
+    let (code, _, err) = ditmem(&argv("estimate --preset dit-xl-2-256 --runtime ditmem-cpu"));
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("ditmem-cpu runs only the original DiT"),
@@ -96,18 +80,10 @@ fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
         "wan2.1-1.3b",
         "dit-xl-2-256",
     ] {
-        let b = json(&[
-            "estimate",
-            "--preset",
-            preset,
-            "--resolution",
-            "256",
-            "--batch",
-            "1",
-            "--runtime",
-            "pytorch:cuda",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --preset {} --resolution 256 --batch 1 --runtime pytorch:cuda --json",
+            &[preset],
+        ));
         let params = &b["params"];
         assert!(params["total"].as_u64().unwrap() > 500_000_000, "{preset}");
         let peak = b["peak_bytes"].as_u64().unwrap();
@@ -122,27 +98,15 @@ fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
         );
     }
     // Text tokens per encoder are checked against the family's encoders.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--preset",
-        "sd3-medium",
-        "--text-tokens",
-        "77",
-        "--runtime",
-        "pytorch",
-    ]);
+    let (code, _, err) = ditmem(&argv(
+        "estimate --preset sd3-medium --text-tokens 77 --runtime pytorch",
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("workload.text_tokens"), "{err}");
     // Wan's frames are 1 + 4k.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--preset",
-        "wan2.1-1.3b",
-        "--frames",
-        "80",
-        "--runtime",
-        "pytorch",
-    ]);
+    let (code, _, err) = ditmem(&argv(
+        "estimate --preset wan2.1-1.3b --frames 80 --runtime pytorch",
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("workload.frames"), "{err}");
 }
@@ -152,26 +116,7 @@ fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
 #[test]
 fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
     let run = |quant: &str| {
-        json(&[
-            "estimate",
-            "--preset",
-            "flux.1-dev",
-            "--resolution",
-            "1024",
-            "--batch",
-            "1",
-            "--lora-rank",
-            "16",
-            "--recompute",
-            "all",
-            "--optimizer",
-            "adamw-8bit",
-            "--base-quant",
-            quant,
-            "--gpu",
-            "rtx-4090",
-            "--json",
-        ])
+        json(&argv_with("estimate --preset flux.1-dev --resolution 1024 --batch 1 --lora-rank 16 --recompute all --optimizer adamw-8bit --base-quant {} --gpu rtx-4090 --json", &[quant]))
     };
     let bf16 = run("none");
     let nf4 = run("nf4");
@@ -182,20 +127,7 @@ fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
     assert!(w(&nf4) * 3 < w(&bf16), "{} vs {}", w(&nf4), w(&bf16));
     assert_eq!(bf16["params"]["trained"], nf4["params"]["trained"]);
     let frames = |n: &str| {
-        json(&[
-            "estimate",
-            "--preset",
-            "wan2.1-1.3b",
-            "--resolution",
-            "480x832",
-            "--frames",
-            n,
-            "--batch",
-            "1",
-            "--runtime",
-            "pytorch:cuda",
-            "--json",
-        ])["peak_bytes"]
+        json(&argv_with("estimate --preset wan2.1-1.3b --resolution 480x832 --frames {} --batch 1 --runtime pytorch:cuda --json", &[n]))["peak_bytes"]
             .as_u64()
             .unwrap()
     };
@@ -205,18 +137,9 @@ fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
 /// `plan --gpu` budgets the card and fits what the device shows.
 #[test]
 fn a_plan_on_a_gpu_fits_its_device_bytes() {
-    let p = json(&[
-        "plan",
-        "--preset",
-        "dit-xl-2",
-        "--resolution",
-        "512",
-        "--batch",
-        "32",
-        "--gpu",
-        "rtx-4090",
-        "--json",
-    ]);
+    let p = json(&argv(
+        "plan --preset dit-xl-2 --resolution 512 --batch 32 --gpu rtx-4090 --json",
+    ));
     let cap = 24_563u64 << 20;
     assert_eq!(p["budget_bytes"].as_u64(), Some(cap));
     let peak = p["predicted_peak_bytes"].as_u64().unwrap();
@@ -340,14 +263,7 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
     let (code, out, err) = ditmem(
         &[
             &base[..],
-            &[
-                "--allow",
-                "lora,8bit,quant",
-                "--launcher",
-                "custom",
-                "--emit",
-                "diffusers",
-            ],
+            &argv("--allow lora,8bit,quant --launcher custom --emit diffusers"),
         ]
         .concat(),
     );
@@ -360,67 +276,28 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
 /// (the budget replays one block for all).
 #[test]
 fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
-    let b = json(&[
-        "estimate",
-        "--preset",
-        "pixart-sigma-1024",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let b = json(&argv(
+        "estimate --preset pixart-sigma-1024 --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(b["runtime"], "ditmem-cpu");
     assert!(b["peak_bytes"].as_u64().unwrap() > 0);
     // Flux runs on the engine too.
-    let f = json(&[
-        "estimate",
-        "--preset",
-        "flux.1-schnell",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let f = json(&argv(
+        "estimate --preset flux.1-schnell --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(f["runtime"], "ditmem-cpu");
     assert!(f["peak_bytes"].as_u64().unwrap() > 0);
     // PixArt-α 1024's resolution and aspect-ratio embedders are in the engine (issue 51).
-    let alpha = json(&[
-        "estimate",
-        "--preset",
-        "pixart-alpha-1024",
-        "--depth",
-        "1",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let alpha = json(&argv("estimate --preset pixart-alpha-1024 --depth 1 --resolution 256 --runtime ditmem-cpu --json"));
     assert_eq!(alpha["runtime"], "ditmem-cpu");
     assert!(alpha["peak_bytes"].as_u64().unwrap() > 0);
     for (args, field) in [
         (
-            vec![
-                "--preset",
-                "flux.1-dev",
-                "--lora-rank",
-                "4",
-                "--lora-targets",
-                "transformer_blocks.0.attn.to_q",
-            ],
+            argv("--preset flux.1-dev --lora-rank 4 --lora-targets transformer_blocks.0.attn.to_q"),
             "recipe.lora.modules",
         ),
         (
-            vec![
-                "--preset",
-                "pixart-sigma-1024",
-                "--lora-rank",
-                "4",
-                "--lora-targets",
-                "transformer_blocks.1.attn1.to_q",
-            ],
+            argv("--preset pixart-sigma-1024 --lora-rank 4 --lora-targets transformer_blocks.1.attn1.to_q"),
             "recipe.lora.modules",
         ),
     ] {
@@ -439,32 +316,14 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
 #[test]
 fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
     for preset in ["sd3-medium", "sd3.5-large", "sd3.5-medium"] {
-        let b = json(&[
-            "estimate",
-            "--preset",
-            preset,
-            "--resolution",
-            "256",
-            "--runtime",
-            "ditmem-cpu",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --preset {} --resolution 256 --runtime ditmem-cpu --json",
+            &[preset],
+        ));
         assert_eq!(b["runtime"], "ditmem-cpu", "{preset}");
         assert!(b["peak_bytes"].as_u64().unwrap() > 0, "{preset}");
     }
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--runtime",
-        "ditmem-cpu",
-        "--resolution",
-        "256",
-        "--preset",
-        "sd3-medium",
-        "--lora-rank",
-        "4",
-        "--lora-targets",
-        "transformer_blocks.12.attn.to_q",
-    ]);
+    let (code, _, err) = ditmem(&argv("estimate --runtime ditmem-cpu --resolution 256 --preset sd3-medium --lora-rank 4 --lora-targets transformer_blocks.12.attn.to_q"));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("recipe.lora.modules"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
@@ -474,30 +333,14 @@ fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
 /// does not run (Sana 1.5's q/k norms), naming the field.
 #[test]
 fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
-    let b = json(&[
-        "estimate",
-        "--preset",
-        "sana-600m",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let b = json(&argv(
+        "estimate --preset sana-600m --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(b["runtime"], "ditmem-cpu");
     let full = b["peak_bytes"].as_u64().unwrap();
-    let l = json(&[
-        "estimate",
-        "--preset",
-        "sana-600m",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--lora-rank",
-        "4",
-        "--json",
-    ]);
+    let l = json(&argv(
+        "estimate --preset sana-600m --resolution 256 --runtime ditmem-cpu --lora-rank 4 --json",
+    ));
     let lora = l["peak_bytes"].as_u64().unwrap();
     assert!(0 < lora && lora < full, "LoRA {lora} vs full {full}");
     let cfg = common::temp_dir("families", "sana15").join("config.json");
@@ -509,13 +352,10 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
             "qk_norm": "rms_norm_across_heads", "interpolation_scale": null}"#,
     )
     .unwrap();
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--runtime",
-        "ditmem-cpu",
-        "--model",
-        cfg.to_str().unwrap(),
-    ]);
+    let (code, _, err) = ditmem(&argv_with(
+        "estimate --runtime ditmem-cpu --model {}",
+        &[cfg.to_str().unwrap()],
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("model.diffusers.qk_norm"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");

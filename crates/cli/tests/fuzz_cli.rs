@@ -119,7 +119,8 @@ fn random_argument_vectors_exit_0_2_or_3_with_one_line() {
             .spawn()
             .expect("the binary starts");
         let deadline = t0 + Duration::from_secs(60);
-        let Some(status) = common::wait_until(&mut child, deadline, Duration::from_millis(5)) else {
+        let Some(status) = common::wait_until(&mut child, deadline, Duration::from_millis(5))
+        else {
             prop_assert!(false, "{args:?}: hangs");
             unreachable!("prop_assert! returned")
         };

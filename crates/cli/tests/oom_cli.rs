@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::ditmem;
+use common::{argv_with, ditmem, json_of};
 use serde_json::Value;
 
 const GIB: f64 = 1073741824.0;
@@ -18,14 +18,6 @@ fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/oom")
         .join(name)
-}
-
-fn json_of(args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let (code, out, err) = ditmem(&a);
-    assert_eq!(code, 0, "{args:?}: stderr: {err}");
-    serde_json::from_str(&out).expect("valid JSON")
 }
 
 /// `ditmem` with `input` on stdin: (exit code, stdout, stderr).
@@ -308,21 +300,10 @@ fn a_spec_that_does_not_fit_a_24_gb_card_gets_a_lever_that_fits() {
 fn zero_is_tried_over_the_runs_ranks() {
     // SD3-medium full fine-tune, 8 ranks, on the L40S of a real message.
     let msg = data("flux_dev_lora_l40s_kohya_ss_2724.txt");
-    let j = json_of(&[
-        "oom",
-        "--file",
-        msg.to_str().unwrap(),
-        "--preset",
-        "sd3-medium",
-        "--resolution",
-        "1024",
-        "--batch",
-        "8",
-        "--ranks",
-        "8",
-        "--gpu",
-        "l40s",
-    ]);
+    let j = json_of(&argv_with(
+        "oom --file {} --preset sd3-medium --resolution 1024 --batch 8 --ranks 8 --gpu l40s",
+        &[msg.to_str().unwrap()],
+    ));
     let levers = j["levers"]["levers"].as_array().unwrap();
     assert!(levers.iter().any(|x| x["lever"] == "ZeRO"), "{levers:?}");
 }

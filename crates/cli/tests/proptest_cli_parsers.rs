@@ -25,7 +25,6 @@ fn runner(default: u32) -> TestRunner {
     fuzz_runner(fuzz_cases(default), 512)
 }
 
-
 /// Run the binary (stdin closed, 60 s at most): (exit code, stdout, stderr).
 fn run(args: &[String]) -> Result<(i32, String, String), TestCaseError> {
     let t0 = Instant::now();

@@ -20,7 +20,6 @@ fn runner(default: u32) -> TestRunner {
     fuzz_runner(fuzz_cases(default), 256)
 }
 
-
 /// DiT-S/2 at 32², batch 1: latents of 4 × 4 × 4.
 fn tiny() -> Spec {
     let mut s = Spec::default_xl();

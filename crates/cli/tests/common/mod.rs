@@ -5,6 +5,26 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+/// A command line's words, as the shell splits one without quotes: `argv("plan --gpu h100")`.
+pub fn argv(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+/// [`argv`] of a line with `{}` words, each replaced by the next of `values` in order (kept
+/// whole, spaces and all): `argv_with("estimate --preset {} --json", &[preset])`.
+pub fn argv_with<'a>(line: &'a str, values: &[&'a str]) -> Vec<&'a str> {
+    let mut next = values.iter();
+    let words: Vec<&str> = line
+        .split_whitespace()
+        .map(|w| match w {
+            "{}" => *next.next().expect("a value for each {}"),
+            w => w,
+        })
+        .collect();
+    assert!(next.next().is_none(), "more values than {{}} in {line:?}");
+    words
+}
+
 /// Run `ditmem` with `args`: (exit code, stdout, stderr).
 pub fn ditmem(args: &[&str]) -> (i32, String, String) {
     ditmem_env(&[], args)
@@ -38,6 +58,23 @@ pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Optio
         }
         std::thread::sleep(poll);
     }
+}
+
+/// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
+pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
+    let (c, out, err) = ditmem(args);
+    assert_eq!(c, code, "{args:?}: stderr: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+/// Run `ditmem` with `args` (exit 0): its stdout read as JSON.
+pub fn json(args: &[&str]) -> serde_json::Value {
+    json_exit(args, 0)
+}
+
+/// Run `ditmem` with `args` and `--json` (exit 0): its stdout read as JSON.
+pub fn json_of(args: &[&str]) -> serde_json::Value {
+    json(&[args, &["--json"]].concat())
 }
 
 /// A fresh folder for one test of one suite (process-unique).

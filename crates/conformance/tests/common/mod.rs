@@ -8,6 +8,7 @@ use ditmem_engine::CountingAlloc;
 // The engine tests' tensor helpers (max |a − b| among them), one file for both crates.
 #[path = "../../../engine/tests/common/tensors.rs"]
 mod tensors;
+#[allow(unused_imports)] // not every test binary that includes `common` uses them
 pub use tensors::*;
 
 /// One spec of an agreement grid measured against its budget (one step after warm-up), with

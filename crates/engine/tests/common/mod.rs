@@ -9,6 +9,7 @@ use ditmem_engine::{Batch, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 // The tensor helpers (random tensors, gradients through a graph, max |a − b|) are in their own
 // file so the conformance tests include the same one.
 mod tensors;
+#[allow(unused_imports)] // not every test binary that includes `common` uses them
 pub use tensors::*;
 
 pub fn tiny(precision: Precision) -> Spec {
