@@ -35,6 +35,23 @@ fn runner(default: u32) -> TestRunner {
     fuzz_runner(fuzz_cases(default), 2048)
 }
 
+/// `value` reads back from its text; `text` parses to a value that reads back, or is refused
+/// naming `field` (and listing what is allowed).
+fn reads_back_or_names<T>(value: T, text: &str, field: &str) -> Result<(), TestCaseError>
+where
+    T: std::str::FromStr<Err = SpecError> + std::fmt::Display + std::fmt::Debug + PartialEq + Clone,
+{
+    prop_assert_eq!(value.to_string().parse::<T>(), Ok(value.clone()));
+    match text.parse::<T>() {
+        Ok(v) => prop_assert_eq!(v.to_string().parse::<T>(), Ok(v)),
+        Err(e) => {
+            prop_assert_eq!(e.field(), Some(field));
+            prop_assert!(e.to_string().contains("allowed"));
+        }
+    }
+    Ok(())
+}
+
 fn data(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data")
@@ -1011,15 +1028,7 @@ fn recompute_strings_round_trip_or_name_the_field() {
     ];
     runner(256)
         .run(&(recompute_value(), text), |(r, t)| {
-            prop_assert_eq!(r.to_string().parse::<Recompute>(), Ok(r.clone()));
-            match t.parse::<Recompute>() {
-                Ok(v) => prop_assert_eq!(v.to_string().parse::<Recompute>(), Ok(v)),
-                Err(e) => {
-                    prop_assert_eq!(e.field(), Some("recipe.recompute"));
-                    prop_assert!(e.to_string().contains("allowed"));
-                }
-            }
-            Ok(())
+            reads_back_or_names(r, &t, "recipe.recompute")
         })
         .unwrap();
 }
@@ -1081,15 +1090,7 @@ fn runtime_strings_round_trip_or_name_the_field() {
     ];
     runner(256)
         .run(&(value, text), |(r, t)| {
-            prop_assert_eq!(r.to_string().parse::<Runtime>(), Ok(r));
-            match t.parse::<Runtime>() {
-                Ok(v) => prop_assert_eq!(v.to_string().parse::<Runtime>(), Ok(v)),
-                Err(e) => {
-                    prop_assert_eq!(e.field(), Some("runtime"));
-                    prop_assert!(e.to_string().contains("allowed"));
-                }
-            }
-            Ok(())
+            reads_back_or_names(r, &t, "runtime")
         })
         .unwrap();
 }
