@@ -7,18 +7,7 @@ mod common;
 use std::io::Read;
 use std::process::{Command, Stdio};
 
-use common::{argv, ditmem};
-
-/// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
-fn assert_fits_100(what: &str, out: &str) {
-    for line in out.lines() {
-        assert!(
-            line.chars().count() <= 100,
-            "{what}: a line of {} columns: {line}",
-            line.chars().count()
-        );
-    }
-}
+use common::{argv, assert_fits_100, ditmem};
 
 /// The extra words of `estimate` command lines (each split as [`argv`] splits a line).
 const ESTIMATES: &[&str] = &[

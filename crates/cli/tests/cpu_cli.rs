@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{argv, argv_with, ditmem, ditmem_env};
+use common::{argv, argv_with, ditmem, ditmem_env, exits_naming};
 
 fn json(out: &str) -> serde_json::Value {
     serde_json::from_str(out).unwrap_or_else(|e| panic!("JSON: {e}\n{out}"))
@@ -95,9 +95,11 @@ fn a_cpu_that_is_not_this_process_is_refused() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
     // The section describes the engine's CPU: not with another runtime.
-    let (code, _, err) = ditmem(&argv("estimate --runtime pytorch:cuda --cpu-threads 2"));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("cpu"), "{err}");
+    exits_naming(
+        &argv("estimate --runtime pytorch:cuda --cpu-threads 2"),
+        2,
+        "cpu",
+    );
     // Out of range.
     for (flag, value) in [
         ("--gemm-l2", "0"),

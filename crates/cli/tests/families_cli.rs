@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{argv, argv_with, ditmem, json};
+use common::{argv, argv_with, ditmem, exits_naming, json};
 use serde_json::Value;
 
 fn root() -> std::path::PathBuf {
@@ -98,17 +98,17 @@ fn the_engine_refuses_a_family_and_the_pytorch_runtime_takes_it() {
         );
     }
     // Text tokens per encoder are checked against the family's encoders.
-    let (code, _, err) = ditmem(&argv(
-        "estimate --preset sd3-medium --text-tokens 77 --runtime pytorch",
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("workload.text_tokens"), "{err}");
+    exits_naming(
+        &argv("estimate --preset sd3-medium --text-tokens 77 --runtime pytorch"),
+        2,
+        "workload.text_tokens",
+    );
     // Wan's frames are 1 + 4k.
-    let (code, _, err) = ditmem(&argv(
-        "estimate --preset wan2.1-1.3b --frames 80 --runtime pytorch",
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("workload.frames"), "{err}");
+    exits_naming(
+        &argv("estimate --preset wan2.1-1.3b --frames 80 --runtime pytorch"),
+        2,
+        "workload.frames",
+    );
 }
 
 /// Flux.1-dev LoRA at 1024² on a 24 GB card: the bf16 base alone is 22.2 GiB and does not fit;
@@ -212,12 +212,12 @@ fn text_encoders_online_offloaded_or_cached() {
     );
     let a = args("gpu");
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let (code, _, err) = ditmem(&a);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("recipe.text_encoders"), "{err}");
-    let (code, _, err) = ditmem(&["estimate", "--text-encoders", "online"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("class-conditional"), "{err}");
+    exits_naming(&a, 2, "recipe.text_encoders");
+    exits_naming(
+        &["estimate", "--text-encoders", "online"],
+        2,
+        "class-conditional",
+    );
 }
 
 /// Flux.1-dev LoRA at 1024² does not fit a 24 GB card with a bf16 base (22.2 GiB of weights):
@@ -240,9 +240,11 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
         "--time-limit",
         "600",
     ];
-    let (code, _, err) = ditmem(&[&base[..], &["--allow", "lora,8bit", "--json"]].concat());
-    assert_eq!(code, 3, "{err}");
-    assert!(err.contains("quant"), "{err}");
+    exits_naming(
+        &[&base[..], &["--allow", "lora,8bit", "--json"]].concat(),
+        3,
+        "quant",
+    );
     let p = json(&[&base[..], &["--allow", "lora,8bit,quant", "--json"]].concat());
     assert_eq!(p["feasible"], true);
     assert_eq!(p["plan"]["recipe"]["base_quant"], "nf4");
@@ -323,9 +325,7 @@ fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
         assert_eq!(b["runtime"], "ditmem-cpu", "{preset}");
         assert!(b["peak_bytes"].as_u64().unwrap() > 0, "{preset}");
     }
-    let (code, _, err) = ditmem(&argv("estimate --runtime ditmem-cpu --resolution 256 --preset sd3-medium --lora-rank 4 --lora-targets transformer_blocks.12.attn.to_q"));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("recipe.lora.modules"), "{err}");
+    let err = exits_naming(&argv("estimate --runtime ditmem-cpu --resolution 256 --preset sd3-medium --lora-rank 4 --lora-targets transformer_blocks.12.attn.to_q"), 2, "recipe.lora.modules");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 
@@ -352,12 +352,14 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
             "qk_norm": "rms_norm_across_heads", "interpolation_scale": null}"#,
     )
     .unwrap();
-    let (code, _, err) = ditmem(&argv_with(
-        "estimate --runtime ditmem-cpu --model {}",
-        &[cfg.to_str().unwrap()],
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("model.diffusers.qk_norm"), "{err}");
+    let err = exits_naming(
+        &argv_with(
+            "estimate --runtime ditmem-cpu --model {}",
+            &[cfg.to_str().unwrap()],
+        ),
+        2,
+        "model.diffusers.qk_norm",
+    );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 

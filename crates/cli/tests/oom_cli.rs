@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{argv_with, ditmem, json_of};
+use common::{argv_with, assert_fits_100, ditmem, json_of};
 use serde_json::Value;
 
 const GIB: f64 = 1073741824.0;
@@ -164,9 +164,7 @@ fn every_real_message_reads_with_its_figures() {
         let (code, out, err) = ditmem(&["oom", "--file", path.to_str().unwrap()]);
         assert_eq!(code, 0, "{file}: {err}");
         assert!(out.starts_with("ditmem oom — "), "{out}");
-        for line in out.lines() {
-            assert!(line.chars().count() <= 100, "{file}: {line}");
-        }
+        assert_fits_100(file, &out);
     }
 }
 
@@ -291,9 +289,7 @@ fn a_spec_that_does_not_fit_a_24_gb_card_gets_a_lever_that_fits() {
     let (code, out, err) = ditmem(&args[..]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("levers on rtx-4090"), "{out}");
-    for line in out.lines() {
-        assert!(line.chars().count() <= 100, "{line}");
-    }
+    assert_fits_100(&format!("{args:?}"), &out);
 }
 
 #[test]

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{argv_with, ditmem, json_of, temp_dir};
+use common::{argv_with, ditmem, exits_naming, json_of, temp_dir};
 use serde_json::{json, Value};
 
 fn saved(name: &str) -> PathBuf {
@@ -230,9 +230,11 @@ fn weights_headers_are_held_against_the_table() {
     let mut bytes = u64::MAX.to_le_bytes().to_vec();
     bytes.extend(b"{}");
     std::fs::write(&f, bytes).unwrap();
-    let (code, _, err) = ditmem(&["params", "--model", model, "--weights", f.to_str().unwrap()]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("header"), "{err}");
+    exits_naming(
+        &["params", "--model", model, "--weights", f.to_str().unwrap()],
+        2,
+        "header",
+    );
     let traversal = dir.join("evil.index.json");
     std::fs::write(&traversal, r#"{"weight_map": {"a": "../../etc/passwd"}}"#).unwrap();
     let (code, _, err) = ditmem(&argv_with(

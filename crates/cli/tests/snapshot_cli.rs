@@ -11,7 +11,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{argv_with, ditmem, temp_dir};
+use common::{argv_with, ditmem, exits_naming, temp_dir};
 
 fn data(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -169,16 +169,20 @@ fn bad_snapshot_files_exit_2_with_one_line() {
 
 #[test]
 fn a_snapshot_is_held_against_pytorch_cuda_only() {
-    let (code, _, err) = ditmem(&argv_with(
-        "compare --snapshot {} --runtime ditmem-cpu",
-        &[&data("dit-s2-fp32.pickle")],
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("pytorch:cuda"), "{err}");
-    let (code, _, err) = ditmem(&argv_with(
-        "compare --snapshot {} --config {} --device 7",
-        &[&data("dit-s2-fp32.pickle"), &data("dit-s2-fp32.spec.json")],
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--device"), "{err}");
+    exits_naming(
+        &argv_with(
+            "compare --snapshot {} --runtime ditmem-cpu",
+            &[&data("dit-s2-fp32.pickle")],
+        ),
+        2,
+        "pytorch:cuda",
+    );
+    exits_naming(
+        &argv_with(
+            "compare --snapshot {} --config {} --device 7",
+            &[&data("dit-s2-fp32.pickle"), &data("dit-s2-fp32.spec.json")],
+        ),
+        2,
+        "--device",
+    );
 }

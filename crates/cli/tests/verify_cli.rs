@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 mod common;
 
-use common::{argv, argv_with, ditmem};
+use common::{argv, argv_with, ditmem, exits_naming};
 
 fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ditmem-verify-cli-{}", std::process::id()));
@@ -128,9 +128,11 @@ fn bad_input_is_one_line_and_exit_2() {
     // A file that is not a reference.
     let junk = temp("junk.safetensors");
     std::fs::write(&junk, b"not safetensors").unwrap();
-    let (code, _, err) = ditmem(&["verify", "--reference", junk.to_str().unwrap()]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("reference"), "{err}");
+    exits_naming(
+        &["verify", "--reference", junk.to_str().unwrap()],
+        2,
+        "reference",
+    );
 }
 
 #[test]
@@ -152,11 +154,11 @@ fn memory_is_predicted_and_refused_before_work() {
         "{err}"
     );
     // A reference into a missing folder is bad input before any work.
-    let (code, _, err) = ditmem(&argv(
-        "verify --save-reference /nonexistent-ditmem-dir/ref.safetensors",
-    ));
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--save-reference"), "{err}");
+    exits_naming(
+        &argv("verify --save-reference /nonexistent-ditmem-dir/ref.safetensors"),
+        2,
+        "--save-reference",
+    );
     // The JSON names the predicted peak and its parts, and each variant's margin.
     let (code, out, err) = ditmem(&argv(
         "verify --variants fp32/none/materialized --steps 1 --json",

@@ -60,6 +60,15 @@ pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Optio
     }
 }
 
+/// Run `ditmem` with `args`, expect exit code `code` and a stderr that names `needle` (a
+/// refusal names its flag or field): that stderr.
+pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
+    let (c, _, err) = ditmem(args);
+    assert_eq!(c, code, "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    err
+}
+
 /// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
 pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
     let (c, out, err) = ditmem(args);
@@ -75,6 +84,17 @@ pub fn json(args: &[&str]) -> serde_json::Value {
 /// Run `ditmem` with `args` and `--json` (exit 0): its stdout read as JSON.
 pub fn json_of(args: &[&str]) -> serde_json::Value {
     json(&[args, &["--json"]].concat())
+}
+
+/// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
+pub fn assert_fits_100(what: &str, out: &str) {
+    for line in out.lines() {
+        assert!(
+            line.chars().count() <= 100,
+            "{what}: a line of {} columns: {line}",
+            line.chars().count()
+        );
+    }
 }
 
 /// A fresh folder for one test of one suite (process-unique).
