@@ -1103,50 +1103,41 @@ fn deepspeed_json(
     if par_dev != "none" {
         zero["offload_param"] = json!({ "device": par_dev, "pin_memory": true });
     }
-    let mut v = if standalone {
-        json!({
-            "train_batch_size": w.batch,
-            "train_micro_batch_size_per_gpu": w.microbatch,
-            "gradient_accumulation_steps": w.accumulation,
-            "gradient_clipping": 1.0,
-            "bf16": { "enabled": bf16 },
-            "fp16": {
-                "enabled": fp16,
-                "loss_scale": 0,
-                "initial_scale_power": 16,
-                "loss_scale_window": 1000,
-                "hysteresis": 2,
-                "min_loss_scale": 1
-            },
-            "zero_optimization": zero,
-            "steps_per_print": 100,
-            "wall_clock_breakdown": false
-        })
+    // A standalone file carries the plan's batch figures; one beside accelerate's config leaves
+    // them to accelerate ("auto").
+    let (batch, micro, accumulation, clipping) = if standalone {
+        (
+            json!(w.batch),
+            json!(w.microbatch),
+            json!(w.accumulation),
+            json!(1.0),
+        )
     } else {
-        json!({
-            "train_batch_size": auto(),
-            "train_micro_batch_size_per_gpu": auto(),
-            "gradient_accumulation_steps": auto(),
-            "gradient_clipping": auto(),
-            // Explicit, not "auto": `accelerate launch --config_file accelerate_config.yaml`
-            // alone (no --mixed_precision) must keep the plan's precision, and the YAML cannot
-            // carry it beside a deepspeed_config_file (see accelerate_yaml). A launch line's
-            // --mixed_precision that agrees is accepted (accelerate 1.15 utils/dataclasses.py
-            // DeepSpeedPlugin.set_mixed_precision → fill_match: only a differing value fails).
-            "bf16": { "enabled": bf16 },
-            "fp16": {
-                "enabled": fp16,
-                "loss_scale": 0,
-                "initial_scale_power": 16,
-                "loss_scale_window": 1000,
-                "hysteresis": 2,
-                "min_loss_scale": 1
-            },
-            "zero_optimization": zero,
-            "steps_per_print": 100,
-            "wall_clock_breakdown": false
-        })
+        (auto(), auto(), auto(), auto())
     };
+    // Explicit, not "auto": `accelerate launch --config_file accelerate_config.yaml` alone (no
+    // --mixed_precision) must keep the plan's precision, and the YAML cannot carry it beside a
+    // deepspeed_config_file (see accelerate_yaml). A launch line's --mixed_precision that agrees
+    // is accepted (accelerate 1.15 utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision →
+    // fill_match: only a differing value fails).
+    let mut v = json!({
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clipping,
+        "bf16": { "enabled": bf16 },
+        "fp16": {
+            "enabled": fp16,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1
+        },
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": false
+    });
     if standalone {
         notes.push(format!(
             "{} holds fixed values for {} processes (train_batch_size {} = {} × {} × {}): \
@@ -1294,6 +1285,16 @@ fn text_encoders_note(t: crate::spec::TextEncoders) -> Option<String> {
 mod tests {
     use super::yaml::tests::read_back;
     use super::*;
+
+    /// LoRA of `rank` on the default targets, adapters in the default dtype.
+    fn lora_of_rank(rank: u32) -> crate::spec::LoraSpec {
+        crate::spec::LoraSpec {
+            dtype: Default::default(),
+            rank,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+        }
+    }
 
     fn xl() -> Spec {
         let mut s = Spec::default_xl();
@@ -1497,12 +1498,7 @@ mod tests {
             for lora in [None, Some(16)] {
                 let mut s = xl();
                 s.recipe.precision = p;
-                s.recipe.lora = lora.map(|rank| crate::spec::LoraSpec {
-                    dtype: Default::default(),
-                    rank,
-                    targets: crate::spec::default_lora_targets(),
-                    modules: Vec::new(),
-                });
+                s.recipe.lora = lora.map(lora_of_rank);
                 s.recipe.recompute = Recompute::All;
                 s.recipe.attention = AttentionMode::MemoryEfficient;
                 s.recipe.latents = Latents::Cached;
@@ -1561,12 +1557,7 @@ mod tests {
         let map =
             serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
         let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            dtype: Default::default(),
-            rank: 8,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-        });
+        s.recipe.lora = Some(lora_of_rank(8));
         let o = opts(Family::Flux, Sharder::Deepspeed, Offload::None);
         let run = |s: &Spec| export(s, Target::Diffusers, &o).unwrap();
         let msl = |e: &Export| {
@@ -1610,12 +1601,7 @@ mod tests {
     fn diffusers_command_allows_tf32_as_the_recipe_says() {
         // The plan's times price fp32 matmuls at the TF32 rate when `recipe.tf32` is on.
         let mut s = xl();
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            dtype: Default::default(),
-            rank: 8,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-        });
+        s.recipe.lora = Some(lora_of_rank(8));
         let o = opts(Family::Flux, Sharder::Deepspeed, Offload::None);
         let args = |s: &Spec| {
             export(s, Target::Diffusers, &o)
@@ -1632,12 +1618,7 @@ mod tests {
     #[test]
     fn flux_lora_command_names_its_script_and_flags() {
         let mut s = xl();
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            dtype: Default::default(),
-            rank: 8,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-        });
+        s.recipe.lora = Some(lora_of_rank(8));
         s.recipe.recompute = Recompute::All;
         s.recipe.optimizer = Optimizer::AdamW8bit;
         let e = export(
@@ -1733,12 +1714,7 @@ mod tests {
     #[test]
     fn the_rendered_command_is_its_argv() {
         let mut s = zero(3);
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            dtype: Default::default(),
-            rank: 4,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-        });
+        s.recipe.lora = Some(lora_of_rank(4));
         for f in [Family::Flux, Family::Sd3, Family::Sana, Family::Dit] {
             let e = export(
                 &s,
@@ -1773,40 +1749,24 @@ mod tests {
     fn impossible_combinations_are_typed_errors() {
         let mut plain = zero(0);
         plain.recipe.zero_stage = 0;
-        let e = export(
-            &plain,
-            Target::Accelerate,
-            &opts(Family::Dit, Sharder::Deepspeed, Offload::Optimizer),
-        )
-        .unwrap_err();
-        assert_eq!(e.field(), Some("plan.emit-offload"));
-        let e = export(
-            &zero(2),
-            Target::Deepspeed,
-            &opts(Family::Dit, Sharder::Deepspeed, Offload::OptimizerAndParams),
-        )
-        .unwrap_err();
-        assert_eq!(e.field(), Some("plan.emit-offload"));
-        let e = export(
-            &zero(1),
-            Target::Accelerate,
-            &opts(Family::Dit, Sharder::Fsdp, Offload::None),
-        )
-        .unwrap_err();
-        assert_eq!(e.field(), Some("plan.emit-sharder"));
-        let e = export(
-            &zero(3),
-            Target::Accelerate,
-            &opts(Family::Dit, Sharder::Fsdp, Offload::Optimizer),
-        )
-        .unwrap_err();
-        assert_eq!(e.field(), Some("plan.emit-offload"));
-        assert!(export(
-            &zero(3),
-            Target::Accelerate,
-            &opts(Family::Dit, Sharder::Fsdp, Offload::OptimizerAndParams)
-        )
-        .is_ok());
+        use {Offload as O, Sharder as S, Target as T};
+        let (offload, sharder) = (Some("plan.emit-offload"), Some("plan.emit-sharder"));
+        let (opt, both) = (O::Optimizer, O::OptimizerAndParams);
+        // (plan, target, sharder, offload): the field the error names, or None: exported.
+        let cases = [
+            (&plain, T::Accelerate, S::Deepspeed, opt, offload),
+            (&zero(2), T::Deepspeed, S::Deepspeed, both, offload),
+            (&zero(1), T::Accelerate, S::Fsdp, O::None, sharder),
+            (&zero(3), T::Accelerate, S::Fsdp, opt, offload),
+            (&zero(3), T::Accelerate, S::Fsdp, both, None),
+        ];
+        for (plan, target, sharder, offload, field) in cases {
+            let r = export(plan, target, &opts(Family::Dit, sharder, offload));
+            match field {
+                Some(f) => assert_eq!(r.unwrap_err().field(), Some(f)),
+                None => assert!(r.is_ok()),
+            }
+        }
     }
 
     #[test]

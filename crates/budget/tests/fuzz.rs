@@ -13,36 +13,23 @@ use ditmem_budget::{
     MAX_ACCUMULATION, MAX_DEPTH, MAX_MICROBATCH, MAX_RANKS,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
-
-/// Cases of one property: `default` in the suite, `DITMEM_FUZZ_CASES` when set.
-fn cases(default: u32) -> u32 {
-    std::env::var("DITMEM_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn report() -> bool {
-    std::env::var_os("DITMEM_FUZZ_REPORT").is_some()
-}
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 /// The suite draws the same cases every run (proptest's deterministic seed): a draw from entropy
 /// once picked a spec near the caps whose plan search ran for over 18 minutes, and CI must take
 /// the same time and find the same failures on every run. `DITMEM_FUZZ_CASES` (a long run)
 /// draws from entropy.
+#[path = "../../engine/tests/common/fuzz_runner.rs"]
+mod fuzz_runner;
+use fuzz_runner::{fuzz_cases as cases, fuzz_runner};
+
+/// proptest's default shrink bound: the runner of this file's properties.
 fn runner(n: u32) -> TestRunner {
-    let config = Config {
-        cases: n,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    if std::env::var_os("DITMEM_FUZZ_CASES").is_some() {
-        TestRunner::new(config)
-    } else {
-        let rng = TestRng::deterministic_rng(config.rng_algorithm);
-        TestRunner::new_with_rng(config, rng)
-    }
+    fuzz_runner(n, Config::default().max_shrink_iters)
+}
+
+fn report() -> bool {
+    std::env::var_os("DITMEM_FUZZ_REPORT").is_some()
 }
 
 /// Every field a spec document can hold, by section.

@@ -23,30 +23,33 @@ use ditmem_budget::{
     SpecError, TorchDevice, MAX_CONFIG_JSON_BYTES,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::{TestCaseError, TestRunner};
 use serde_json::{Map, Value};
 
-fn cases(default: u32) -> u32 {
-    std::env::var("DITMEM_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+#[path = "../../engine/tests/common/fuzz_runner.rs"]
+mod fuzz_runner;
+use fuzz_runner::{fuzz_cases, fuzz_runner};
 
 /// A runner with the suite's fixed seed (entropy when `DITMEM_FUZZ_CASES` is set).
 fn runner(default: u32) -> TestRunner {
-    let config = Config {
-        cases: cases(default),
-        failure_persistence: None,
-        max_shrink_iters: 2048,
-        ..Config::default()
-    };
-    if std::env::var_os("DITMEM_FUZZ_CASES").is_some() {
-        TestRunner::new(config)
-    } else {
-        let rng = TestRng::deterministic_rng(config.rng_algorithm);
-        TestRunner::new_with_rng(config, rng)
+    fuzz_runner(fuzz_cases(default), 2048)
+}
+
+/// `value` reads back from its text; `text` parses to a value that reads back, or is refused
+/// naming `field` (and listing what is allowed).
+fn reads_back_or_names<T>(value: T, text: &str, field: &str) -> Result<(), TestCaseError>
+where
+    T: std::str::FromStr<Err = SpecError> + std::fmt::Display + std::fmt::Debug + PartialEq + Clone,
+{
+    prop_assert_eq!(value.to_string().parse::<T>(), Ok(value.clone()));
+    match text.parse::<T>() {
+        Ok(v) => prop_assert_eq!(v.to_string().parse::<T>(), Ok(v)),
+        Err(e) => {
+            prop_assert_eq!(e.field(), Some(field));
+            prop_assert!(e.to_string().contains("allowed"));
+        }
     }
+    Ok(())
 }
 
 fn data(rel: &str) -> PathBuf {
@@ -1025,15 +1028,7 @@ fn recompute_strings_round_trip_or_name_the_field() {
     ];
     runner(256)
         .run(&(recompute_value(), text), |(r, t)| {
-            prop_assert_eq!(r.to_string().parse::<Recompute>(), Ok(r.clone()));
-            match t.parse::<Recompute>() {
-                Ok(v) => prop_assert_eq!(v.to_string().parse::<Recompute>(), Ok(v)),
-                Err(e) => {
-                    prop_assert_eq!(e.field(), Some("recipe.recompute"));
-                    prop_assert!(e.to_string().contains("allowed"));
-                }
-            }
-            Ok(())
+            reads_back_or_names(r, &t, "recipe.recompute")
         })
         .unwrap();
 }
@@ -1095,15 +1090,7 @@ fn runtime_strings_round_trip_or_name_the_field() {
     ];
     runner(256)
         .run(&(value, text), |(r, t)| {
-            prop_assert_eq!(r.to_string().parse::<Runtime>(), Ok(r));
-            match t.parse::<Runtime>() {
-                Ok(v) => prop_assert_eq!(v.to_string().parse::<Runtime>(), Ok(v)),
-                Err(e) => {
-                    prop_assert_eq!(e.field(), Some("runtime"));
-                    prop_assert!(e.to_string().contains("allowed"));
-                }
-            }
-            Ok(())
+            reads_back_or_names(r, &t, "runtime")
         })
         .unwrap();
 }

@@ -7,66 +7,23 @@ mod common;
 use std::io::Read;
 use std::process::{Command, Stdio};
 
-use common::ditmem;
+use common::{argv, assert_fits_100, ditmem};
 
-/// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
-fn assert_fits_100(what: &str, out: &str) {
-    for line in out.lines() {
-        assert!(
-            line.chars().count() <= 100,
-            "{what}: a line of {} columns: {line}",
-            line.chars().count()
-        );
-    }
-}
-
-const ESTIMATES: &[&[&str]] = &[
-    &[],
-    &["--gpu", "h100"],
-    &[
-        "--preset",
-        "flux.1-dev",
-        "--resolution",
-        "1024",
-        "--batch",
-        "1",
-        "--lora-rank",
-        "16",
-        "--gpu",
-        "rtx-4090",
-    ],
-    &[
-        "--preset",
-        "sd3.5-medium",
-        "--resolution",
-        "1024",
-        "--batch",
-        "8",
-        "--ranks",
-        "8",
-        "--gpu",
-        "a100-80gb",
-    ],
-    &[
-        "--preset",
-        "wan2.1-1.3b",
-        "--frames",
-        "81",
-        "--resolution",
-        "480x832",
-        "--batch",
-        "1",
-        "--lora-rank",
-        "16",
-    ],
-    &["--preset", "dit-s-2", "--runtime", "ditmem-cpu"],
+/// The extra words of `estimate` command lines (each split as [`argv`] splits a line).
+const ESTIMATES: &[&str] = &[
+    "",
+    "--gpu h100",
+    "--preset flux.1-dev --resolution 1024 --batch 1 --lora-rank 16 --gpu rtx-4090",
+    "--preset sd3.5-medium --resolution 1024 --batch 8 --ranks 8 --gpu a100-80gb",
+    "--preset wan2.1-1.3b --frames 81 --resolution 480x832 --batch 1 --lora-rank 16",
+    "--preset dit-s-2 --runtime ditmem-cpu",
 ];
 
 #[test]
 fn estimate_answers_in_its_first_five_lines() {
     for extra in ESTIMATES {
         let mut args = vec!["estimate"];
-        args.extend_from_slice(extra);
+        args.extend(argv(extra));
         let (code, out, err) = ditmem(&args);
         assert_eq!(code, 0, "{args:?}: {err}");
         assert_fits_100(&format!("{args:?}"), &out);
@@ -107,7 +64,7 @@ fn estimate_answers_in_its_first_five_lines() {
 #[test]
 fn the_fit_and_the_change_name_the_card() {
     let mut args = vec!["estimate"];
-    args.extend_from_slice(ESTIMATES[2]);
+    args.extend(argv(ESTIMATES[2]));
     let (code, out, _) = ditmem(&args);
     assert_eq!(code, 0);
     let lines: Vec<&str> = out.lines().collect();
@@ -136,7 +93,7 @@ fn the_fit_and_the_change_name_the_card() {
 #[test]
 fn estimate_json_has_the_levers() {
     let mut args = vec!["estimate", "--json"];
-    args.extend_from_slice(ESTIMATES[2]);
+    args.extend(argv(ESTIMATES[2]));
     let (code, out, _) = ditmem(&args);
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -154,21 +111,7 @@ fn estimate_json_has_the_levers() {
 fn plan_answers_in_its_first_five_lines() {
     for args in [
         &["plan", "--budget", "20GiB"][..],
-        &[
-            "plan",
-            "--preset",
-            "flux.1-dev",
-            "--resolution",
-            "1024",
-            "--batch",
-            "1",
-            "--lora-rank",
-            "16",
-            "--gpu",
-            "rtx-4090",
-            "--allow",
-            "8bit,quant",
-        ][..],
+        &argv("plan --preset flux.1-dev --resolution 1024 --batch 1 --lora-rank 16 --gpu rtx-4090 --allow 8bit,quant")[..],
         &["plan", "--budget", "1GiB"][..],
     ] {
         let (code, out, err) = ditmem(args);

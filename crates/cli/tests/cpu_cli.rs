@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{ditmem, ditmem_env};
+use common::{argv, argv_with, ditmem, ditmem_env, exits_naming};
 
 fn json(out: &str) -> serde_json::Value {
     serde_json::from_str(out).unwrap_or_else(|e| panic!("JSON: {e}\n{out}"))
@@ -31,16 +31,7 @@ fn the_host_fills_only_what_the_spec_leaves_out() {
     // Flags win over the host.
     let (_, out, _) = ditmem_env(
         &[("RAYON_NUM_THREADS", "3")],
-        &[
-            "spec",
-            "--json",
-            "--cpu-threads",
-            "5",
-            "--gemm-l2",
-            "2MiB",
-            "--bf16-products",
-            "widen",
-        ],
+        &argv("spec --json --cpu-threads 5 --gemm-l2 2MiB --bf16-products widen"),
     );
     let cpu = &json(&out)["cpu"];
     assert_eq!(cpu["threads"], 5);
@@ -67,35 +58,14 @@ fn the_host_fills_only_what_the_spec_leaves_out() {
 #[test]
 fn the_estimate_follows_the_cpu_section() {
     let est = |l2: &str| {
-        let (code, out, err) = ditmem(&[
-            "estimate",
-            "--preset",
-            "dit-s-2",
-            "--batch",
-            "2",
-            "--precision",
-            "fp32",
-            "--cpu-threads",
-            "2",
-            "--gemm-l2",
-            l2,
-            "--json",
-        ]);
+        let (code, out, err) = ditmem(&argv_with("estimate --preset dit-s-2 --batch 2 --precision fp32 --cpu-threads 2 --gemm-l2 {} --json", &[l2]));
         assert_eq!(code, 0, "{err}");
         json(&out)["peak_bytes"].as_u64().unwrap()
     };
     assert_eq!(est("2MiB") - est("1MiB"), 2 << 20);
-    let (code, out, _) = ditmem(&[
-        "estimate",
-        "--preset",
-        "dit-s-2",
-        "--cpu-threads",
-        "2",
-        "--gemm-l2",
-        "2MiB",
-        "--bf16-products",
-        "widen",
-    ]);
+    let (code, out, _) = ditmem(&argv(
+        "estimate --preset dit-s-2 --cpu-threads 2 --gemm-l2 2MiB --bf16-products widen",
+    ));
     assert_eq!(code, 0);
     // The recipe line wraps at the output's width: read it with its breaks as spaces.
     let flat = out.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -112,17 +82,7 @@ fn a_cpu_that_is_not_this_process_is_refused() {
     let here = json(&out)["cpu"].clone();
     let threads = here["threads"].as_u64().unwrap() + 1;
     let l2 = here["gemm_l2_bytes"].as_u64().unwrap() * 2;
-    let small = [
-        "run",
-        "--preset",
-        "dit-s-2",
-        "--resolution",
-        "64",
-        "--batch",
-        "1",
-        "--steps",
-        "1",
-    ];
+    let small = argv("run --preset dit-s-2 --resolution 64 --batch 1 --steps 1");
     for (flag, value, field) in [
         ("--cpu-threads", threads.to_string(), "cpu.threads"),
         ("--gemm-l2", l2.to_string(), "cpu.gemm_l2_bytes"),
@@ -135,15 +95,11 @@ fn a_cpu_that_is_not_this_process_is_refused() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
     // The section describes the engine's CPU: not with another runtime.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--runtime",
-        "pytorch:cuda",
-        "--cpu-threads",
-        "2",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("cpu"), "{err}");
+    exits_naming(
+        &argv("estimate --runtime pytorch:cuda --cpu-threads 2"),
+        2,
+        "cpu",
+    );
     // Out of range.
     for (flag, value) in [
         ("--gemm-l2", "0"),

@@ -3,15 +3,7 @@
 use std::path::PathBuf;
 mod common;
 
-use common::ditmem;
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let (code, out, err) = ditmem(&a);
-    assert_eq!(code, 0, "stderr: {err}");
-    serde_json::from_str(&out).expect("valid JSON")
-}
+use common::{argv, argv_with, ditmem, json_of};
 
 fn temp_file(name: &str, text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ditmem-cli-{}", std::process::id()));
@@ -23,7 +15,7 @@ fn temp_file(name: &str, text: &str) -> PathBuf {
 
 #[test]
 fn default_estimate_has_the_documented_json_fields() {
-    let v = json(&["estimate"]);
+    let v = json_of(&["estimate"]);
     assert_eq!(v["params"]["total"], 675_129_632u64);
     assert_eq!(v["params"]["trained"], 674_834_720u64);
     assert_eq!(v["tokens"], 256);
@@ -60,33 +52,20 @@ fn tokens_follow_resolution_and_patch() {
         ("256", "dit-xl-4", 64),
         ("256x512", "dit-s-2", 512),
     ] {
-        let v = json(&[
-            "estimate",
-            "--preset",
-            preset,
-            "--resolution",
-            res,
-            "--batch",
-            "1",
-        ]);
+        let v = json_of(&argv_with(
+            "estimate --preset {} --resolution {} --batch 1",
+            &[preset, res],
+        ));
         assert_eq!(v["tokens"], tokens, "{preset} at {res}");
     }
 }
 
 #[test]
 fn spec_round_trips_through_a_file() {
-    let (code, toml_text, _) = ditmem(&[
-        "spec",
-        "--preset",
-        "dit-s-4",
-        "--batch",
-        "8",
-        "--microbatch",
-        "2",
-    ]);
+    let (code, toml_text, _) = ditmem(&argv("spec --preset dit-s-4 --batch 8 --microbatch 2"));
     assert_eq!(code, 0);
     let p = temp_file("round.toml", &toml_text);
-    let v = json(&["estimate", "--config", p.to_str().unwrap()]);
+    let v = json_of(&["estimate", "--config", p.to_str().unwrap()]);
     assert_eq!(v["spec"]["workload"]["accumulation"], 4);
     assert_eq!(v["spec"]["model"]["patch"], 4);
 }
@@ -195,18 +174,7 @@ fn bad_input_names_the_field_and_exits_2() {
 #[test]
 fn a_paged_optimizer_keeps_its_state_outside_the_allocator() {
     let run = |paged: &str| {
-        let (code, out, err) = common::ditmem(&[
-            "estimate",
-            "--preset",
-            "dit-b-2",
-            "--batch",
-            "8",
-            "--optimizer",
-            "adamw-8bit",
-            "--paged-optimizer",
-            paged,
-            "--json",
-        ]);
+        let (code, out, err) = common::ditmem(&argv_with("estimate --preset dit-b-2 --batch 8 --optimizer adamw-8bit --paged-optimizer {} --json", &[paged]));
         assert_eq!(code, 0, "{err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
@@ -231,15 +199,7 @@ fn a_paged_optimizer_keeps_its_state_outside_the_allocator() {
     );
     for bad in [
         vec!["estimate", "--paged-optimizer", "on"],
-        vec![
-            "estimate",
-            "--optimizer",
-            "adamw-8bit",
-            "--paged-optimizer",
-            "on",
-            "--runtime",
-            "ditmem-cpu",
-        ],
+        argv("estimate --optimizer adamw-8bit --paged-optimizer on --runtime ditmem-cpu"),
     ] {
         let (code, _, err) = common::ditmem(&bad);
         assert_eq!(code, 2, "{bad:?}: {err}");

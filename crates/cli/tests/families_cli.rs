@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::ditmem;
+use common::{argv, argv_with, ditmem, exits_naming, json};
 use serde_json::Value;
 
 fn root() -> std::path::PathBuf {
@@ -12,12 +12,6 @@ fn root() -> std::path::PathBuf {
         .join("../..")
         .canonicalize()
         .expect("the repository root")
-}
-
-fn json(args: &[&str]) -> Value {
-    let (code, out, err) = ditmem(args);
-    assert_eq!(code, 0, "{args:?}: {err}");
-    serde_json::from_str(&out).expect("JSON")
 }
 
 /// `bench/torch_peer/family_peer.py` measured 34 tiny specs of the six diffusers families on the
@@ -42,14 +36,10 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
     for row in rows {
         let file = root.join(row["file"].as_str().expect("file"));
         let measured = row["measured"].as_u64().expect("measured peak");
-        let b = json(&[
-            "estimate",
-            "--config",
-            file.to_str().unwrap(),
-            "--runtime",
-            "pytorch",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --config {} --runtime pytorch --json",
+            &[file.to_str().unwrap()],
+        ));
         let pred = b["peak_bytes"].as_u64().expect("peak");
         let err = pred as f64 / measured as f64 - 1.0;
         let spec = row["spec"].as_str().unwrap();
@@ -71,16 +61,9 @@ fn the_pytorch_runtime_holds_against_the_diffusers_classes() {
 fn the_engine_takes_every_family_and_so_does_the_pytorch_runtime() {
     // Every diffusers family runs on the engine now, diffusers' own DiT class included (its
     // per-block embedders: 749,826,464 parameters at XL/2).
-    let b = json(&[
-        "estimate",
-        "--preset",
-        "dit-xl-2-256",
-        "--depth",
-        "1",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let b = json(&argv(
+        "estimate --preset dit-xl-2-256 --depth 1 --runtime ditmem-cpu --json",
+    ));
     assert!(b["peak_bytes"].as_u64().unwrap() > 0);
     for preset in [
         "flux.1-dev",
@@ -95,18 +78,10 @@ fn the_engine_takes_every_family_and_so_does_the_pytorch_runtime() {
         "wan2.1-1.3b",
         "dit-xl-2-256",
     ] {
-        let b = json(&[
-            "estimate",
-            "--preset",
-            preset,
-            "--resolution",
-            "256",
-            "--batch",
-            "1",
-            "--runtime",
-            "pytorch:cuda",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --preset {} --resolution 256 --batch 1 --runtime pytorch:cuda --json",
+            &[preset],
+        ));
         let params = &b["params"];
         assert!(params["total"].as_u64().unwrap() > 500_000_000, "{preset}");
         let peak = b["peak_bytes"].as_u64().unwrap();
@@ -121,29 +96,17 @@ fn the_engine_takes_every_family_and_so_does_the_pytorch_runtime() {
         );
     }
     // Text tokens per encoder are checked against the family's encoders.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--preset",
-        "sd3-medium",
-        "--text-tokens",
-        "77",
-        "--runtime",
-        "pytorch",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("workload.text_tokens"), "{err}");
+    exits_naming(
+        &argv("estimate --preset sd3-medium --text-tokens 77 --runtime pytorch"),
+        2,
+        "workload.text_tokens",
+    );
     // Wan's frames are 1 + 4k.
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--preset",
-        "wan2.1-1.3b",
-        "--frames",
-        "80",
-        "--runtime",
-        "pytorch",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("workload.frames"), "{err}");
+    exits_naming(
+        &argv("estimate --preset wan2.1-1.3b --frames 80 --runtime pytorch"),
+        2,
+        "workload.frames",
+    );
 }
 
 /// Flux.1-dev LoRA at 1024² on a 24 GB card: the bf16 base alone is 22.2 GiB and does not fit;
@@ -151,26 +114,7 @@ fn the_engine_takes_every_family_and_so_does_the_pytorch_runtime() {
 #[test]
 fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
     let run = |quant: &str| {
-        json(&[
-            "estimate",
-            "--preset",
-            "flux.1-dev",
-            "--resolution",
-            "1024",
-            "--batch",
-            "1",
-            "--lora-rank",
-            "16",
-            "--recompute",
-            "all",
-            "--optimizer",
-            "adamw-8bit",
-            "--base-quant",
-            quant,
-            "--gpu",
-            "rtx-4090",
-            "--json",
-        ])
+        json(&argv_with("estimate --preset flux.1-dev --resolution 1024 --batch 1 --lora-rank 16 --recompute all --optimizer adamw-8bit --base-quant {} --gpu rtx-4090 --json", &[quant]))
     };
     let bf16 = run("none");
     let nf4 = run("nf4");
@@ -181,20 +125,7 @@ fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
     assert!(w(&nf4) * 3 < w(&bf16), "{} vs {}", w(&nf4), w(&bf16));
     assert_eq!(bf16["params"]["trained"], nf4["params"]["trained"]);
     let frames = |n: &str| {
-        json(&[
-            "estimate",
-            "--preset",
-            "wan2.1-1.3b",
-            "--resolution",
-            "480x832",
-            "--frames",
-            n,
-            "--batch",
-            "1",
-            "--runtime",
-            "pytorch:cuda",
-            "--json",
-        ])["peak_bytes"]
+        json(&argv_with("estimate --preset wan2.1-1.3b --resolution 480x832 --frames {} --batch 1 --runtime pytorch:cuda --json", &[n]))["peak_bytes"]
             .as_u64()
             .unwrap()
     };
@@ -204,18 +135,9 @@ fn a_quantized_base_makes_flux_lora_fit_a_24_gb_card() {
 /// `plan --gpu` budgets the card and fits what the device shows.
 #[test]
 fn a_plan_on_a_gpu_fits_its_device_bytes() {
-    let p = json(&[
-        "plan",
-        "--preset",
-        "dit-xl-2",
-        "--resolution",
-        "512",
-        "--batch",
-        "32",
-        "--gpu",
-        "rtx-4090",
-        "--json",
-    ]);
+    let p = json(&argv(
+        "plan --preset dit-xl-2 --resolution 512 --batch 32 --gpu rtx-4090 --json",
+    ));
     let cap = 24_563u64 << 20;
     assert_eq!(p["budget_bytes"].as_u64(), Some(cap));
     let peak = p["predicted_peak_bytes"].as_u64().unwrap();
@@ -288,12 +210,12 @@ fn text_encoders_online_offloaded_or_cached() {
     );
     let a = args("gpu");
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let (code, _, err) = ditmem(&a);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("recipe.text_encoders"), "{err}");
-    let (code, _, err) = ditmem(&["estimate", "--text-encoders", "online"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("class-conditional"), "{err}");
+    exits_naming(&a, 2, "recipe.text_encoders");
+    exits_naming(
+        &["estimate", "--text-encoders", "online"],
+        2,
+        "class-conditional",
+    );
 }
 
 /// Flux.1-dev LoRA at 1024² does not fit a 24 GB card with a bf16 base (22.2 GiB of weights):
@@ -316,9 +238,11 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
         "--time-limit",
         "600",
     ];
-    let (code, _, err) = ditmem(&[&base[..], &["--allow", "lora,8bit", "--json"]].concat());
-    assert_eq!(code, 3, "{err}");
-    assert!(err.contains("quant"), "{err}");
+    exits_naming(
+        &[&base[..], &["--allow", "lora,8bit", "--json"]].concat(),
+        3,
+        "quant",
+    );
     let p = json(&[&base[..], &["--allow", "lora,8bit,quant", "--json"]].concat());
     assert_eq!(p["feasible"], true);
     assert_eq!(p["plan"]["recipe"]["base_quant"], "nf4");
@@ -339,14 +263,7 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
     let (code, out, err) = ditmem(
         &[
             &base[..],
-            &[
-                "--allow",
-                "lora,8bit,quant",
-                "--launcher",
-                "custom",
-                "--emit",
-                "diffusers",
-            ],
+            &argv("--allow lora,8bit,quant --launcher custom --emit diffusers"),
         ]
         .concat(),
     );
@@ -359,67 +276,28 @@ fn the_planner_quantizes_a_lora_base_only_when_allowed_and_needed() {
 /// (the budget replays one block for all).
 #[test]
 fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
-    let b = json(&[
-        "estimate",
-        "--preset",
-        "pixart-sigma-1024",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let b = json(&argv(
+        "estimate --preset pixart-sigma-1024 --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(b["runtime"], "ditmem-cpu");
     assert!(b["peak_bytes"].as_u64().unwrap() > 0);
     // Flux runs on the engine too.
-    let f = json(&[
-        "estimate",
-        "--preset",
-        "flux.1-schnell",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let f = json(&argv(
+        "estimate --preset flux.1-schnell --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(f["runtime"], "ditmem-cpu");
     assert!(f["peak_bytes"].as_u64().unwrap() > 0);
     // PixArt-α 1024's resolution and aspect-ratio embedders are in the engine (issue 51).
-    let alpha = json(&[
-        "estimate",
-        "--preset",
-        "pixart-alpha-1024",
-        "--depth",
-        "1",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let alpha = json(&argv("estimate --preset pixart-alpha-1024 --depth 1 --resolution 256 --runtime ditmem-cpu --json"));
     assert_eq!(alpha["runtime"], "ditmem-cpu");
     assert!(alpha["peak_bytes"].as_u64().unwrap() > 0);
     for (args, field) in [
         (
-            vec![
-                "--preset",
-                "flux.1-dev",
-                "--lora-rank",
-                "4",
-                "--lora-targets",
-                "transformer_blocks.0.attn.to_q",
-            ],
+            argv("--preset flux.1-dev --lora-rank 4 --lora-targets transformer_blocks.0.attn.to_q"),
             "recipe.lora.modules",
         ),
         (
-            vec![
-                "--preset",
-                "pixart-sigma-1024",
-                "--lora-rank",
-                "4",
-                "--lora-targets",
-                "transformer_blocks.1.attn1.to_q",
-            ],
+            argv("--preset pixart-sigma-1024 --lora-rank 4 --lora-targets transformer_blocks.1.attn1.to_q"),
             "recipe.lora.modules",
         ),
     ] {
@@ -438,34 +316,14 @@ fn the_engine_budgets_pixart_and_refuses_what_it_does_not_run() {
 #[test]
 fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
     for preset in ["sd3-medium", "sd3.5-large", "sd3.5-medium"] {
-        let b = json(&[
-            "estimate",
-            "--preset",
-            preset,
-            "--resolution",
-            "256",
-            "--runtime",
-            "ditmem-cpu",
-            "--json",
-        ]);
+        let b = json(&argv_with(
+            "estimate --preset {} --resolution 256 --runtime ditmem-cpu --json",
+            &[preset],
+        ));
         assert_eq!(b["runtime"], "ditmem-cpu", "{preset}");
         assert!(b["peak_bytes"].as_u64().unwrap() > 0, "{preset}");
     }
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--runtime",
-        "ditmem-cpu",
-        "--resolution",
-        "256",
-        "--preset",
-        "sd3-medium",
-        "--lora-rank",
-        "4",
-        "--lora-targets",
-        "transformer_blocks.12.attn.to_q",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("recipe.lora.modules"), "{err}");
+    let err = exits_naming(&argv("estimate --runtime ditmem-cpu --resolution 256 --preset sd3-medium --lora-rank 4 --lora-targets transformer_blocks.12.attn.to_q"), 2, "recipe.lora.modules");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 
@@ -473,30 +331,14 @@ fn the_engine_budgets_sd3_and_refuses_what_it_does_not_run() {
 /// does not run (Sana 1.5's q/k norms), naming the field.
 #[test]
 fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
-    let b = json(&[
-        "estimate",
-        "--preset",
-        "sana-600m",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--json",
-    ]);
+    let b = json(&argv(
+        "estimate --preset sana-600m --resolution 256 --runtime ditmem-cpu --json",
+    ));
     assert_eq!(b["runtime"], "ditmem-cpu");
     let full = b["peak_bytes"].as_u64().unwrap();
-    let l = json(&[
-        "estimate",
-        "--preset",
-        "sana-600m",
-        "--resolution",
-        "256",
-        "--runtime",
-        "ditmem-cpu",
-        "--lora-rank",
-        "4",
-        "--json",
-    ]);
+    let l = json(&argv(
+        "estimate --preset sana-600m --resolution 256 --runtime ditmem-cpu --lora-rank 4 --json",
+    ));
     let lora = l["peak_bytes"].as_u64().unwrap();
     assert!(0 < lora && lora < full, "LoRA {lora} vs full {full}");
     let cfg = common::temp_dir("families", "sana15").join("config.json");
@@ -508,15 +350,14 @@ fn the_engine_budgets_sana_and_refuses_what_it_does_not_run() {
             "qk_norm": "rms_norm_across_heads", "interpolation_scale": null}"#,
     )
     .unwrap();
-    let (code, _, err) = ditmem(&[
-        "estimate",
-        "--runtime",
-        "ditmem-cpu",
-        "--model",
-        cfg.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("model.diffusers.qk_norm"), "{err}");
+    let err = exits_naming(
+        &argv_with(
+            "estimate --runtime ditmem-cpu --model {}",
+            &[cfg.to_str().unwrap()],
+        ),
+        2,
+        "model.diffusers.qk_norm",
+    );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 

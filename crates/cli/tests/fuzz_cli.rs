@@ -2,6 +2,8 @@
 //! binary: exit 0, 2 or 3, and on a refusal one line on stderr, never a panic, an abort or a
 //! hang. The suite runs a bounded number of cases; `DITMEM_FUZZ_CASES=N` raises it.
 
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -116,16 +118,11 @@ fn random_argument_vectors_exit_0_2_or_3_with_one_line() {
             .stderr(Stdio::piped())
             .spawn()
             .expect("the binary starts");
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if t0.elapsed() > Duration::from_secs(60) {
-                let _ = child.kill();
-                let _ = child.wait();
-                prop_assert!(false, "{args:?}: hangs");
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        let deadline = t0 + Duration::from_secs(60);
+        let Some(status) = common::wait_until(&mut child, deadline, Duration::from_millis(5))
+        else {
+            prop_assert!(false, "{args:?}: hangs");
+            unreachable!("prop_assert! returned")
         };
         let elapsed = t0.elapsed();
         let mut err = String::new();

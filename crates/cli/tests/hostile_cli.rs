@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::temp_dir;
+use common::{argv, argv_with, temp_dir};
 
 /// Run `ditmem` with `args` (through `wrapper`, a shell line with `"$@"`, when given), killed
 /// after `secs`: (exit code, stdout, stderr, elapsed). A kill fails the test.
@@ -118,16 +118,7 @@ fn outputs_never_replace_fifos_or_symlinks() {
     std::fs::write(&target, "keep me").unwrap();
     let link = dir.join("link.svg");
     std::os::unix::fs::symlink(&target, &link).unwrap();
-    let small = [
-        "--preset",
-        "dit-s-2",
-        "--resolution",
-        "128",
-        "--batch",
-        "2",
-        "--precision",
-        "fp32",
-    ];
+    let small = argv("--preset dit-s-2 --resolution 128 --batch 2 --precision fp32");
     let commands: Vec<(Vec<&str>, &str)> = vec![
         (vec!["estimate"], "--plot"),
         (vec!["plan", "--budget", "24GiB"], "--out"),
@@ -194,15 +185,7 @@ fn bad_output_paths_fail_before_any_work() {
     let cases: Vec<Vec<&str>> = vec![
         vec!["plan", "--budget", "24GiB", "--out", "/nonexistent/p.toml"],
         vec!["plan", "--budget", "24GiB", "--plot", "/nonexistent/p.svg"],
-        vec![
-            "plan",
-            "--budget",
-            "24GiB",
-            "--emit",
-            "deepspeed",
-            "--emit-out",
-            "/nonexistent/ds.json",
-        ],
+        argv("plan --budget 24GiB --emit deepspeed --emit-out /nonexistent/ds.json"),
         vec!["estimate", "--plot", s(&under_file)],
         // The default XL step would take minutes (or be refused for memory, exit 3) if the path
         // were checked after the work.
@@ -302,18 +285,7 @@ fn the_resource_guard_sees_the_address_space_limit() {
     // 2,000,000 KiB ≈ 1.91 GiB; DiT-B/2 at 256², batch 8, fp32 is predicted at ≈ 3.7 GiB.
     const KIB: u64 = 2_000_000;
     let wrapper = format!("ulimit -v {KIB} && exec \"$@\"");
-    let spec = [
-        "--preset",
-        "dit-b-2",
-        "--resolution",
-        "256",
-        "--batch",
-        "8",
-        "--precision",
-        "fp32",
-        "--steps",
-        "1",
-    ];
+    let spec = argv("--preset dit-b-2 --resolution 256 --batch 8 --precision fp32 --steps 1");
     let named = mem_available().is_some_and(|m| m > KIB * 1024);
     for (cmd, extra) in [
         ("run", &[][..]),
@@ -342,37 +314,14 @@ fn the_resource_guard_sees_the_address_space_limit() {
     }
     // verify runs fp64 variants side by side: the guard counts them.
     let (c, _, err, _) = run_within(
-        &[
-            "verify",
-            "--preset",
-            "dit-b-2",
-            "--resolution",
-            "256",
-            "--batch",
-            "8",
-        ],
+        &argv("verify --preset dit-b-2 --resolution 256 --batch 8"),
         60,
         Some(&wrapper),
     );
     assert_eq!(c, 3, "{err}");
     // A small step still runs under the same limit.
     let (c, _, err, _) = run_within(
-        &[
-            "run",
-            "--preset",
-            "dit-s-2",
-            "--resolution",
-            "128",
-            "--batch",
-            "2",
-            "--precision",
-            "fp32",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--json",
-        ],
+        &argv("run --preset dit-s-2 --resolution 128 --batch 2 --precision fp32 --steps 1 --warmup 0 --json"),
         120,
         Some(&wrapper),
     );
@@ -428,34 +377,14 @@ fn nonsense_values_are_refused() {
 fn run_refuses_a_runtime_the_engine_does_not_execute() {
     for rt in ["pytorch", "pytorch:cuda:sdpa-math"] {
         rejects(
-            &[
-                "run",
-                "--runtime",
-                rt,
-                "--preset",
-                "dit-s-2",
-                "--batch",
-                "2",
-            ],
+            &argv_with("run --runtime {} --preset dit-s-2 --batch 2", &[rt]),
             2,
             &["runtime", "compare --runtime pytorch"],
         );
     }
     // compare --runtime pytorch is still the way, and a missing peer is exit 5.
     rejects(
-        &[
-            "compare",
-            "--runtime",
-            "pytorch",
-            "--preset",
-            "dit-s-2",
-            "--resolution",
-            "128",
-            "--batch",
-            "2",
-            "--python",
-            "/nonexistent/python",
-        ],
+        &argv("compare --runtime pytorch --preset dit-s-2 --resolution 128 --batch 2 --python /nonexistent/python"),
         5,
         &["PyTorch peer", "setup.sh"],
     );
@@ -535,15 +464,9 @@ fn exit_codes_and_one_line_messages() {
 /// Finding 8: the plan's point count matches the rows listed.
 #[test]
 fn plan_counts_the_points_it_lists() {
-    let (c, out, err) = run(&[
-        "plan",
-        "--budget",
-        "24GiB",
-        "--resolution",
-        "512",
-        "--allow",
-        "lora,8bit",
-    ]);
+    let (c, out, err) = run(&argv(
+        "plan --budget 24GiB --resolution 512 --allow lora,8bit",
+    ));
     assert_eq!(c, 0, "{err}");
     let head = out
         .lines()
@@ -619,33 +542,19 @@ fn sizes_that_exhausted_memory_are_refused_or_budgeted_in_bounded_memory() {
         assert_eq!(tl["repeated"]["as_microbatch"], 1);
         assert!(tl["events"].as_array().unwrap().len() < 1000);
         let (c, _, err, _) = run_within(
-            &[
-                "plan",
-                "--budget",
-                "80GiB",
-                "--batch",
-                acc,
-                "--microbatch",
-                "1",
-                "--accumulation",
-                acc,
-            ],
+            &argv_with(
+                "plan --budget 80GiB --batch {} --microbatch 1 --accumulation {}",
+                &[acc, acc],
+            ),
             60,
             Some(limited),
         );
         assert!(c == 0 || c == 3, "plan accumulation {acc}: exit {c}: {err}");
     }
     // The table says which microbatches repeat.
-    let (c, out, _) = run(&[
-        "estimate",
-        "--batch",
-        "100000",
-        "--microbatch",
-        "1",
-        "--accumulation",
-        "100000",
-        "--verbose",
-    ]);
+    let (c, out, _) = run(&argv(
+        "estimate --batch 100000 --microbatch 1 --accumulation 100000 --verbose",
+    ));
     assert_eq!(c, 0);
     assert!(
         out.contains("microbatches 2..=99999 repeat microbatch 1"),
@@ -653,15 +562,7 @@ fn sizes_that_exhausted_memory_are_refused_or_budgeted_in_bounded_memory() {
     );
 
     rejects(
-        &[
-            "estimate",
-            "--batch",
-            "4294967295",
-            "--microbatch",
-            "1",
-            "--accumulation",
-            "4294967295",
-        ],
+        &argv("estimate --batch 4294967295 --microbatch 1 --accumulation 4294967295"),
         2,
         &["workload.accumulation", "1..=1048576"],
     );
@@ -692,16 +593,10 @@ fn plan_at_the_depth_cap_evaluates_few_timelines() {
         .replace("depth = 28", "depth = 1024");
     std::fs::write(&cfg, text).unwrap();
     let (c, out, err, _) = run_within(
-        &[
-            "plan",
-            "--config",
-            s(&cfg),
-            "--budget",
-            "200GiB",
-            "--allow",
-            "lora,8bit,bf16-pure",
-            "--json",
-        ],
+        &argv_with(
+            "plan --config {} --budget 200GiB --allow lora,8bit,bf16-pure --json",
+            &[s(&cfg)],
+        ),
         120,
         None,
     );
@@ -722,28 +617,12 @@ fn plan_at_the_depth_cap_evaluates_few_timelines() {
 #[test]
 fn products_past_u32_are_refused_not_divided_by() {
     rejects(
-        &[
-            "estimate",
-            "--batch",
-            "5",
-            "--ranks",
-            "65536",
-            "--accumulation",
-            "65536",
-        ],
+        &argv("estimate --batch 5 --ranks 65536 --accumulation 65536"),
         2,
         &["workload.", "allowed"],
     );
     rejects(
-        &[
-            "estimate",
-            "--microbatch",
-            "65536",
-            "--ranks",
-            "1048576",
-            "--accumulation",
-            "1048576",
-        ],
+        &argv("estimate --microbatch 65536 --ranks 1048576 --accumulation 1048576"),
         2,
         &["workload.batch", "allowed"],
     );
@@ -767,15 +646,7 @@ fn latent_folders_are_checked_before_anything_is_opened() {
         std::fs::write(d.join("a.npy"), b).unwrap();
         d
     };
-    let spec = [
-        "run",
-        "--preset",
-        "dit-s-2",
-        "--resolution",
-        "32",
-        "--batch",
-        "1",
-    ];
+    let spec = argv("run --preset dit-s-2 --resolution 32 --batch 1");
     let cases = [
         (
             npy("huge", "(18446744073709551615,4,4,4)", &[]),
@@ -804,16 +675,7 @@ fn latent_folders_are_checked_before_anything_is_opened() {
 /// process needs before any step, the line names that need.
 #[test]
 fn low_address_space_limits_are_refused_not_aborted() {
-    let spec = [
-        "--preset",
-        "dit-s-2",
-        "--resolution",
-        "32",
-        "--batch",
-        "1",
-        "--steps",
-        "1",
-    ];
+    let spec = argv("--preset dit-s-2 --resolution 32 --batch 1 --steps 1");
     for kib in [30_000u64, 100_000, 200_000, 290_000] {
         let wrapper = format!("ulimit -v {kib} && exec \"$@\"");
         for cmd in ["run", "compare", "verify"] {
@@ -930,13 +792,10 @@ fn the_peer_python_is_checked_up_front() {
         );
     }
     rejects(
-        &[
-            "compare",
-            "--runtime",
-            "pytorch",
-            "--python",
-            &format!("{}/none", s(&dir)),
-        ],
+        &argv_with(
+            "compare --runtime pytorch --python {}",
+            &[&format!("{}/none", s(&dir))],
+        ),
         5,
         &["--python"],
     );
@@ -948,17 +807,7 @@ fn the_peer_python_is_checked_up_front() {
 /// in JSON and in a line; stderr (a file here, never a terminal) holds no progress line.
 #[test]
 fn plan_is_bounded_by_time_and_says_what_it_left() {
-    let base = [
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "rtx-4090",
-        "--allow",
-        "all",
-        "--time-limit",
-        "0.1",
-    ];
+    let base = argv("plan --preset flux.1-dev --gpu rtx-4090 --allow all --time-limit 0.1");
     let mut args = base.to_vec();
     args.push("--json");
     let (c, out, err, took) = run_within(&args, 120, None);
@@ -992,22 +841,7 @@ fn plan_is_bounded_by_time_and_says_what_it_left() {
 /// and expandable segments under max_split_size, its answer recorded before the change.
 #[test]
 fn a_fixed_plan_keeps_its_answer() {
-    let (c, out, err) = run(&[
-        "plan",
-        "--preset",
-        "dit-xl-2",
-        "--gpu",
-        "t4",
-        "--batch",
-        "256",
-        "--alloc-conf",
-        "max_split_size_mb:128",
-        "--allow",
-        "all",
-        "--time-limit",
-        "600",
-        "--json",
-    ]);
+    let (c, out, err) = run(&argv("plan --preset dit-xl-2 --gpu t4 --batch 256 --alloc-conf max_split_size_mb:128 --allow all --time-limit 600 --json"));
     assert_eq!(c, 0, "{err}");
     assert!(!err.contains("plan: stage"), "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -8,24 +8,21 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::ditmem;
+use common::{argv_with, assert_fits_100, ditmem, json_of};
 use serde_json::Value;
 
 const GIB: f64 = 1073741824.0;
 const MIB: f64 = 1048576.0;
 
+/// `ditmem oom --file` on a message of the test data, as JSON.
+fn oom_json(file: &str) -> Value {
+    json_of(&["oom", "--file", data(file).to_str().unwrap()])
+}
+
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/oom")
         .join(name)
-}
-
-fn json_of(args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let (code, out, err) = ditmem(&a);
-    assert_eq!(code, 0, "{args:?}: stderr: {err}");
-    serde_json::from_str(&out).expect("valid JSON")
 }
 
 /// `ditmem` with `input` on stdin: (exit code, stdout, stderr).
@@ -172,67 +169,29 @@ fn every_real_message_reads_with_its_figures() {
         let (code, out, err) = ditmem(&["oom", "--file", path.to_str().unwrap()]);
         assert_eq!(code, 0, "{file}: {err}");
         assert!(out.starts_with("ditmem oom — "), "{out}");
-        for line in out.lines() {
-            assert!(line.chars().count() <= 100, "{file}: {line}");
-        }
+        assert_fits_100(file, &out);
     }
 }
 
 #[test]
 fn wordings_details_are_read() {
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("flux_lora_8xa100_rank7_x_flux_24.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("flux_lora_8xa100_rank7_x_flux_24.txt");
     assert_eq!(j["message"]["rank"], 7);
     assert_eq!(j["message"]["wording"], "current");
     // The 2.1 wording lists the process by its host pid: taken as this one, not another.
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("sd3_dreambooth_rtx4090_diffusers_8560.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("sd3_dreambooth_rtx4090_diffusers_8560.txt");
     assert_eq!(j["diagnosis"]["other_processes_bytes"], 0);
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("flux_kontext_lora_rtx4090_t2itrainer_37.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("flux_kontext_lora_rtx4090_t2itrainer_37.txt");
     about(&j["diagnosis"]["other_processes_bytes"], 1056.0, MIB);
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("hip_rocm_autotrain_advanced_737.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("hip_rocm_autotrain_advanced_737.txt");
     assert_eq!(j["message"]["backend"], "HIP");
     assert_eq!(j["message"]["messages_in_text"], 2);
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("legacy_lora_rtx2070s_kohya_ss_108.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("legacy_lora_rtx2070s_kohya_ss_108.txt");
     assert_eq!(j["message"]["wording"], "legacy");
     assert_eq!(j["message"]["free_bytes"], 0);
     about(&j["diagnosis"]["reserved_bytes"], 6.93, GIB);
     // A 24 GB total matches the 24 GB cards of the catalog.
-    let j = json_of(&[
-        "oom",
-        "--file",
-        data("flux_dev_lora_rtx4090_lora_fast_1.txt")
-            .to_str()
-            .unwrap(),
-    ]);
+    let j = oom_json("flux_dev_lora_rtx4090_lora_fast_1.txt");
     let cands = j["diagnosis"]["gpu"]["candidates"].as_array().unwrap();
     assert!(cands.iter().any(|c| c == "rtx-4090"), "{cands:?}");
 }
@@ -299,30 +258,17 @@ fn a_spec_that_does_not_fit_a_24_gb_card_gets_a_lever_that_fits() {
     let (code, out, err) = ditmem(&args[..]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("levers on rtx-4090"), "{out}");
-    for line in out.lines() {
-        assert!(line.chars().count() <= 100, "{line}");
-    }
+    assert_fits_100(&format!("{args:?}"), &out);
 }
 
 #[test]
 fn zero_is_tried_over_the_runs_ranks() {
     // SD3-medium full fine-tune, 8 ranks, on the L40S of a real message.
     let msg = data("flux_dev_lora_l40s_kohya_ss_2724.txt");
-    let j = json_of(&[
-        "oom",
-        "--file",
-        msg.to_str().unwrap(),
-        "--preset",
-        "sd3-medium",
-        "--resolution",
-        "1024",
-        "--batch",
-        "8",
-        "--ranks",
-        "8",
-        "--gpu",
-        "l40s",
-    ]);
+    let j = json_of(&argv_with(
+        "oom --file {} --preset sd3-medium --resolution 1024 --batch 8 --ranks 8 --gpu l40s",
+        &[msg.to_str().unwrap()],
+    ));
     let levers = j["levers"]["levers"].as_array().unwrap();
     assert!(levers.iter().any(|x| x["lever"] == "ZeRO"), "{levers:?}");
 }

@@ -5,16 +5,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{ditmem, temp_dir};
+use common::{argv_with, ditmem, exits_naming, json_of, temp_dir};
 use serde_json::{json, Value};
-
-fn json_of(args: &[&str]) -> Value {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let (code, out, err) = ditmem(&a);
-    assert_eq!(code, 0, "stderr: {err}");
-    serde_json::from_str(&out).expect("valid JSON")
-}
 
 fn saved(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -177,13 +169,10 @@ fn weights_headers_are_held_against_the_table() {
     let sd = state_dict(model);
     let file = dir.join("model.safetensors");
     write_safetensors(&file, &sd, "BF16", 2);
-    let v = json_of(&[
-        "params",
-        "--model",
-        model,
-        "--weights",
-        file.to_str().unwrap(),
-    ]);
+    let v = json_of(&argv_with(
+        "params --model {} --weights {}",
+        &[model, file.to_str().unwrap()],
+    ));
     assert_eq!(v["weights"]["tensors"], sd.len() as u64);
     assert_eq!(v["weights"]["dtypes"]["BF16"], sd.len() as u64);
     assert_eq!(
@@ -208,13 +197,10 @@ fn weights_headers_are_held_against_the_table() {
         json!({"metadata": {}, "weight_map": map}).to_string(),
     )
     .unwrap();
-    let v = json_of(&[
-        "params",
-        "--model",
-        model,
-        "--weights",
-        index.to_str().unwrap(),
-    ]);
+    let v = json_of(&argv_with(
+        "params --model {} --weights {}",
+        &[model, index.to_str().unwrap()],
+    ));
     assert_eq!(v["weights"]["files"], 2);
     assert_eq!(v["weights"]["tensors"], sd.len() as u64);
 
@@ -244,17 +230,16 @@ fn weights_headers_are_held_against_the_table() {
     let mut bytes = u64::MAX.to_le_bytes().to_vec();
     bytes.extend(b"{}");
     std::fs::write(&f, bytes).unwrap();
-    let (code, _, err) = ditmem(&["params", "--model", model, "--weights", f.to_str().unwrap()]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("header"), "{err}");
+    exits_naming(
+        &["params", "--model", model, "--weights", f.to_str().unwrap()],
+        2,
+        "header",
+    );
     let traversal = dir.join("evil.index.json");
     std::fs::write(&traversal, r#"{"weight_map": {"a": "../../etc/passwd"}}"#).unwrap();
-    let (code, _, err) = ditmem(&[
-        "params",
-        "--model",
-        model,
-        "--weights",
-        traversal.to_str().unwrap(),
-    ]);
+    let (code, _, err) = ditmem(&argv_with(
+        "params --model {} --weights {}",
+        &[model, traversal.to_str().unwrap()],
+    ));
     assert_eq!(code, 2, "{err}");
 }

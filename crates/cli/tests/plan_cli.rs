@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 mod common;
 
-use common::ditmem;
+use common::{argv, argv_with, ditmem};
 
 fn dir(test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ditmem-plan-{}-{test}", std::process::id()));
@@ -195,19 +195,10 @@ fn exports_and_the_pareto_plot_are_written() {
     let cfg = small_config(&d);
     let svg = d.join("pareto.svg");
     let yaml = d.join("accelerate.yaml");
-    let (code, out, err) = ditmem(&[
-        "plan",
-        "--config",
-        &cfg,
-        "--budget",
-        "1GiB",
-        "--plot",
-        svg.to_str().unwrap(),
-        "--emit",
-        "accelerate",
-        "--emit-out",
-        yaml.to_str().unwrap(),
-    ]);
+    let (code, out, err) = ditmem(&argv_with(
+        "plan --config {} --budget 1GiB --plot {} --emit accelerate --emit-out {}",
+        &[&cfg, svg.to_str().unwrap(), yaml.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("Pareto front"));
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
@@ -249,16 +240,10 @@ fn plans_run_on_the_engine_within_their_budget() {
         );
         assert_eq!(code, 0);
         assert_eq!(p["engine_runnable"], true);
-        let (code, run, err) = ditmem(&[
-            "run",
-            "--config",
-            out.to_str().unwrap(),
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-            "--json",
-        ]);
+        let (code, run, err) = ditmem(&argv_with(
+            "run --config {} --warmup 1 --steps 1 --json",
+            &[out.to_str().unwrap()],
+        ));
         assert_eq!(code, 0, "run of {}: {err}", out.display());
         let r: serde_json::Value = serde_json::from_str(&run).unwrap();
         assert_eq!(r["spec"], p["plan"], "the run executes the plan exactly");
@@ -288,16 +273,8 @@ fn plans_run_on_the_engine_within_their_budget() {
 fn a_requested_precision_is_kept_unless_allowed() {
     let plan = |extra: &[&str]| {
         // On the engine's CPU, where bf16 is the faster half precision.
-        let mut args = vec![
-            "plan",
-            "--runtime",
-            "ditmem-cpu",
-            "--precision",
-            "fp16-mixed",
-            "--budget",
-            "24GiB",
-            "--json",
-        ];
+        let mut args =
+            argv("plan --runtime ditmem-cpu --precision fp16-mixed --budget 24GiB --json");
         args.extend_from_slice(extra);
         let (code, out, err) = ditmem(&args);
         assert_eq!(code, 0, "{err}");
@@ -319,20 +296,9 @@ fn a_requested_precision_is_kept_unless_allowed() {
 /// A ZeRO-3 plan's launch line starts DeepSpeed stage 3 (it used to say --multi_gpu, plain DDP).
 #[test]
 fn a_zero3_plan_launches_deepspeed_stage_3() {
-    let (code, out, err) = ditmem(&[
-        "plan",
-        "--ranks",
-        "8",
-        "--batch",
-        "256",
-        "--budget",
-        "8GiB",
-        "--allow",
-        "sharding",
-        "--emit",
-        "diffusers",
-        "--json",
-    ]);
+    let (code, out, err) = ditmem(&argv(
+        "plan --ranks 8 --batch 256 --budget 8GiB --allow sharding --emit diffusers --json",
+    ));
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["plan"]["recipe"]["zero_stage"], 3, "{}", v["reason"]);

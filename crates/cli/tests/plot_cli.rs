@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ditmem, temp_dir};
+use common::{argv, ditmem, temp_dir};
 
 /// Average advance per character, in em, of the check (the renderer reserves more).
 const GLYPH_EM: f64 = 0.6;
@@ -305,45 +305,17 @@ fn estimate_timelines_with_many_phases_and_a_card_far_above() {
     // Accumulation 8: sixteen phase spans, most too narrow for their name.
     plot(
         "acc",
-        &[
-            "estimate",
-            "--preset",
-            "dit-b-2",
-            "--batch",
-            "64",
-            "--accumulation",
-            "8",
-            "--gpu",
-            "a100-40gb",
-        ],
+        &argv("estimate --preset dit-b-2 --batch 64 --accumulation 8 --gpu a100-40gb"),
     );
     // A small step on a big card: the lines far above the curve, labels still apart.
     plot(
         "small",
-        &[
-            "estimate",
-            "--preset",
-            "dit-s-2",
-            "--batch",
-            "2",
-            "--gpu",
-            "h100-80gb",
-        ],
+        &argv("estimate --preset dit-s-2 --batch 2 --gpu h100-80gb"),
     );
     // The engine's runtime (CPU times, MiB).
     plot(
         "cpu",
-        &[
-            "estimate",
-            "--preset",
-            "dit-s-2",
-            "--resolution",
-            "64",
-            "--batch",
-            "2",
-            "--runtime",
-            "ditmem-cpu",
-        ],
+        &argv("estimate --preset dit-s-2 --resolution 64 --batch 2 --runtime ditmem-cpu"),
     );
 }
 
@@ -372,17 +344,7 @@ fn plan_pareto_names_its_points() {
 fn plan_pareto_when_nothing_fits() {
     plot(
         "floor",
-        &[
-            "plan",
-            "--preset",
-            "dit-s-2",
-            "--resolution",
-            "128",
-            "--batch",
-            "2",
-            "--budget",
-            "64MiB",
-        ],
+        &argv("plan --preset dit-s-2 --resolution 128 --batch 2 --budget 64MiB"),
     );
 }
 
@@ -390,19 +352,9 @@ fn plan_pareto_when_nothing_fits() {
 fn compare_timeline_with_its_measurement() {
     let svg = plot(
         "compare",
-        &[
-            "compare",
-            "--preset",
-            "dit-s-2",
-            "--resolution",
-            "64",
-            "--batch",
-            "4",
-            "--accumulation",
-            "2",
-            "--precision",
-            "fp32",
-        ],
+        &argv(
+            "compare --preset dit-s-2 --resolution 64 --batch 4 --accumulation 2 --precision fp32",
+        ),
     );
     let t = texts(&svg);
     assert!(t.iter().any(|x| x.starts_with("measured")), "{t:?}");

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{ditmem, temp_dir};
+use common::{argv, argv_with, ditmem, temp_dir};
 use ditmem_budget::{denoiser, Runtime, Spec};
 
 /// The exit codes these commands may give (README): ok, bad input, does not fit / refused.
@@ -132,17 +132,10 @@ fn plan_on_every_diffusers_preset_and_config() {
     // With LoRA allowed, a preset with a null in its config (Wan: added_kv_proj_dim) fits
     // and its plan is written.
     let out = dir.join("wan-lora.toml");
-    let (code, _, err) = documented(&[
-        "plan",
-        "--preset",
-        "wan2.1-1.3b",
-        "--gpu",
-        "h100-80gb",
-        "--allow",
-        "lora",
-        "--out",
-        arg(&out),
-    ]);
+    let (code, _, err) = documented(&argv_with(
+        "plan --preset wan2.1-1.3b --gpu h100-80gb --allow lora --out {}",
+        &[arg(&out)],
+    ));
     assert_eq!(code, 0, "{err}");
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(
@@ -287,34 +280,14 @@ fn each_preset_brings_its_family_defaults() {
 fn config_fields_and_flags_win_over_family_defaults() {
     let dir = temp_dir("presets", "layers");
     // Flags over the family's defaults; --batch is over all ranks.
-    let s = spec_of(&[
-        "--preset",
-        "flux.1-dev",
-        "--resolution",
-        "512",
-        "--batch",
-        "4",
-    ]);
+    let s = spec_of(&argv("--preset flux.1-dev --resolution 512 --batch 4"));
     assert_eq!(workload(&s), (512, 512, 1, 4, 4, 1, 1));
     let s = spec_of(&["--preset", "flux.1-dev", "--batch", "8", "--ranks", "4"]);
     assert_eq!(workload(&s), (1024, 1024, 1, 8, 2, 1, 4));
-    let s = spec_of(&[
-        "--preset",
-        "sd3.5-medium",
-        "--microbatch",
-        "2",
-        "--ranks",
-        "8",
-    ]);
+    let s = spec_of(&argv("--preset sd3.5-medium --microbatch 2 --ranks 8"));
     assert_eq!(workload(&s), (1024, 1024, 1, 16, 2, 1, 8));
     // A DiT spec file with another model: the file's workload and recipe stay.
-    let (_, toml, _) = ditmem(&[
-        "spec",
-        "--preset",
-        "dit-xl-2",
-        "--attention",
-        "materialized",
-    ]);
+    let (_, toml, _) = ditmem(&argv("spec --preset dit-xl-2 --attention materialized"));
     let file = dir.join("dit.toml");
     std::fs::write(&file, &toml).unwrap();
     let s = spec_of(&["--config", arg(&file), "--preset", "pixart-sigma-1024"]);
@@ -322,14 +295,10 @@ fn config_fields_and_flags_win_over_family_defaults() {
     assert_eq!(s.recipe.attention.name(), "materialized", "the file's");
     assert!(s.model.diffusers.is_some());
     // What the file does not state comes from the family: Wan's 81 frames.
-    let s = spec_of(&[
-        "--config",
-        arg(&file),
-        "--preset",
-        "wan2.1-1.3b",
-        "--resolution",
-        "480x832",
-    ]);
+    let s = spec_of(&argv_with(
+        "--config {} --preset wan2.1-1.3b --resolution 480x832",
+        &[arg(&file)],
+    ));
     assert_eq!(workload(&s), (480, 832, 81, 32, 32, 1, 1));
     // A file written by `spec` for the family keeps its own values (here, 2 per rank).
     let (_, toml, _) = ditmem(&["spec", "--preset", "sana-600m", "--microbatch", "2"]);
@@ -337,14 +306,10 @@ fn config_fields_and_flags_win_over_family_defaults() {
     std::fs::write(&file, &toml).unwrap();
     let s = spec_of(&["--config", arg(&file)]);
     assert_eq!(workload(&s), (1024, 1024, 1, 2, 2, 1, 1));
-    let s = spec_of(&[
-        "--config",
-        arg(&file),
-        "--preset",
-        "sana-1600m",
-        "--ranks",
-        "4",
-    ]);
+    let s = spec_of(&argv_with(
+        "--config {} --preset sana-1600m --ranks 4",
+        &[arg(&file)],
+    ));
     assert_eq!(workload(&s), (1024, 1024, 1, 8, 2, 1, 4));
     std::fs::remove_dir_all(&dir).ok();
 }

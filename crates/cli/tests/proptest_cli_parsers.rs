@@ -14,26 +14,15 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::{TestCaseError, TestRunner};
 use serde_json::Value;
 
+#[path = "../../engine/tests/common/fuzz_runner.rs"]
+mod fuzz_runner;
+use fuzz_runner::{fuzz_cases, fuzz_runner};
+
 fn runner(default: u32) -> TestRunner {
-    let env = std::env::var("DITMEM_FUZZ_CASES").ok();
-    let config = Config {
-        cases: env
-            .as_deref()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default),
-        failure_persistence: None,
-        max_shrink_iters: 512,
-        ..Config::default()
-    };
-    if env.is_some() {
-        TestRunner::new(config)
-    } else {
-        let rng = TestRng::deterministic_rng(config.rng_algorithm);
-        TestRunner::new_with_rng(config, rng)
-    }
+    fuzz_runner(fuzz_cases(default), 512)
 }
 
 /// Run the binary (stdin closed, 60 s at most): (exit code, stdout, stderr).
@@ -54,16 +43,9 @@ fn run(args: &[String]) -> Result<(i32, String, String), TestCaseError> {
         s
     });
     child.stderr.take().unwrap().read_to_string(&mut err).ok();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(TestCaseError::fail(format!("{args:?}: hangs")));
-        }
-        std::thread::sleep(Duration::from_millis(2));
+    let deadline = t0 + Duration::from_secs(60);
+    let Some(status) = common::wait_until(&mut child, deadline, Duration::from_millis(2)) else {
+        return Err(TestCaseError::fail(format!("{args:?}: hangs")));
     };
     out.push_str(&reader.join().unwrap());
     let code = status.code();

@@ -3,25 +3,12 @@
 
 mod common;
 
-use common::ditmem;
+use common::{argv, ditmem, json, json_exit};
 
 fn plan(extra: &[&str]) -> serde_json::Value {
-    let mut args = vec![
-        "plan",
-        "--runtime",
-        "pytorch",
-        "--ranks",
-        "8",
-        "--batch",
-        "8",
-        "--allow",
-        "sharding",
-        "--json",
-    ];
+    let mut args = argv("plan --runtime pytorch --ranks 8 --batch 8 --allow sharding --json");
     args.extend_from_slice(extra);
-    let (code, out, err) = ditmem(&args);
-    assert_eq!(code, 0, "{err}");
-    serde_json::from_str(&out).unwrap()
+    json(&args)
 }
 
 fn launcher(v: &serde_json::Value) -> Vec<String> {
@@ -35,23 +22,11 @@ fn launcher(v: &serde_json::Value) -> Vec<String> {
 
 /// The smallest peak a plan reaches at a fixed stage (the planner's floor, exit 3).
 fn floor(extra: &[&str]) -> u64 {
-    let mut args = vec![
-        "plan",
-        "--runtime",
-        "pytorch",
-        "--ranks",
-        "8",
-        "--batch",
-        "8",
-        "--budget",
-        "256MiB",
-        "--json",
-    ];
+    let mut args = argv("plan --runtime pytorch --ranks 8 --batch 8 --budget 256MiB --json");
     args.extend_from_slice(extra);
-    let (code, out, err) = ditmem(&args);
-    assert_eq!(code, 3, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    v["predicted_peak_bytes"].as_u64().unwrap()
+    json_exit(&args, 3)["predicted_peak_bytes"]
+        .as_u64()
+        .unwrap()
 }
 
 /// DeepSpeed: 5 GiB (4.75 usable) is below every ZeRO-2 recipe of DiT-XL/2 over 8 ranks and
@@ -85,14 +60,7 @@ fn a_budget_only_fsdp2_with_resharding_meets_gives_reshard_after_forward() {
     let usable = 2.5 * 0.95 * (1u64 << 30) as f64;
     assert!(floor(&["--zero", "2", "--sharder", "fsdp"]) as f64 > usable);
     assert!((floor(&["--zero", "3", "--sharder", "fsdp"]) as f64) < usable);
-    let v = plan(&[
-        "--budget",
-        "2.5GiB",
-        "--sharder",
-        "fsdp",
-        "--emit",
-        "accelerate",
-    ]);
+    let v = plan(&argv("--budget 2.5GiB --sharder fsdp --emit accelerate"));
     assert_eq!(v["plan"]["recipe"]["zero_stage"], 3, "{}", v["reason"]);
     assert_eq!(v["plan"]["recipe"]["sharder"], "fsdp");
     let yaml = v["export"]["text"].as_str().unwrap();
@@ -106,18 +74,7 @@ fn a_budget_only_fsdp2_with_resharding_meets_gives_reshard_after_forward() {
 #[test]
 fn offload_is_in_the_budget_and_its_export() {
     let est = |extra: &[&str]| -> serde_json::Value {
-        let mut a = vec![
-            "estimate",
-            "--runtime",
-            "pytorch",
-            "--ranks",
-            "8",
-            "--batch",
-            "8",
-            "--zero",
-            "2",
-            "--json",
-        ];
+        let mut a = argv("estimate --runtime pytorch --ranks 8 --batch 8 --zero 2 --json");
         a.extend_from_slice(extra);
         let (code, out, err) = ditmem(&a);
         assert_eq!(code, 0, "{err}");
@@ -129,16 +86,9 @@ fn offload_is_in_the_budget_and_its_export() {
     assert!(off["static_bytes"]["host_bytes"].as_u64().unwrap() > 0);
     assert!(off["peak_bytes"].as_u64().unwrap() < on["peak_bytes"].as_u64().unwrap());
     assert_eq!(off["spec"]["recipe"]["offload"], "optimizer");
-    let v = plan(&[
-        "--zero",
-        "2",
-        "--budget",
-        "40GiB",
-        "--emit",
-        "deepspeed",
-        "--emit-offload",
-        "optimizer",
-    ]);
+    let v = plan(&argv(
+        "--zero 2 --budget 40GiB --emit deepspeed --emit-offload optimizer",
+    ));
     assert_eq!(v["plan"]["recipe"]["offload"], "optimizer");
     let json: serde_json::Value =
         serde_json::from_str(v["export"]["text"].as_str().unwrap()).unwrap();
@@ -156,53 +106,19 @@ fn offload_is_in_the_budget_and_its_export() {
 fn bad_sharding_input_names_the_field() {
     for (args, field) in [
         (
-            &[
-                "estimate",
-                "--ranks",
-                "8",
-                "--batch",
-                "8",
-                "--offload",
-                "optimizer",
-            ][..],
+            &argv("estimate --ranks 8 --batch 8 --offload optimizer")[..],
             "recipe.offload",
         ),
         (
-            &[
-                "estimate",
-                "--ranks",
-                "8",
-                "--batch",
-                "8",
-                "--zero",
-                "1",
-                "--sharder",
-                "fsdp",
-            ][..],
+            &argv("estimate --ranks 8 --batch 8 --zero 1 --sharder fsdp")[..],
             "recipe.sharder",
         ),
         (
-            &[
-                "estimate",
-                "--ranks",
-                "8",
-                "--batch",
-                "8",
-                "--sharder",
-                "megatron",
-            ][..],
+            &argv("estimate --ranks 8 --batch 8 --sharder megatron")[..],
             "--sharder",
         ),
         (
-            &[
-                "estimate",
-                "--ranks",
-                "8",
-                "--batch",
-                "8",
-                "--gradient-as-bucket-view",
-                "maybe",
-            ][..],
+            &argv("estimate --ranks 8 --batch 8 --gradient-as-bucket-view maybe")[..],
             "--gradient-as-bucket-view",
         ),
     ] {

@@ -11,7 +11,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{ditmem, temp_dir};
+use common::{argv_with, ditmem, exits_naming, temp_dir};
 
 fn data(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -89,15 +89,14 @@ fn compare_snapshot_json_reports_the_files_peaks_and_the_prediction() {
 fn compare_snapshot_table_and_plot() {
     let dir = temp_dir("snapshot", "plot");
     let svg = dir.join("snap.svg");
-    let (code, out, err) = ditmem(&[
-        "compare",
-        "--snapshot",
-        &data("dit-s2-fp32.pickle"),
-        "--config",
-        &data("dit-s2-fp32.spec.json"),
-        "--plot",
-        svg.to_str().unwrap(),
-    ]);
+    let (code, out, err) = ditmem(&argv_with(
+        "compare --snapshot {} --config {} --plot {}",
+        &[
+            &data("dit-s2-fp32.pickle"),
+            &data("dit-s2-fp32.spec.json"),
+            svg.to_str().unwrap(),
+        ],
+    ));
     assert_eq!(code, 0, "{err}");
     for want in [
         "max allocated",
@@ -170,24 +169,20 @@ fn bad_snapshot_files_exit_2_with_one_line() {
 
 #[test]
 fn a_snapshot_is_held_against_pytorch_cuda_only() {
-    let (code, _, err) = ditmem(&[
-        "compare",
-        "--snapshot",
-        &data("dit-s2-fp32.pickle"),
-        "--runtime",
-        "ditmem-cpu",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("pytorch:cuda"), "{err}");
-    let (code, _, err) = ditmem(&[
-        "compare",
-        "--snapshot",
-        &data("dit-s2-fp32.pickle"),
-        "--config",
-        &data("dit-s2-fp32.spec.json"),
+    exits_naming(
+        &argv_with(
+            "compare --snapshot {} --runtime ditmem-cpu",
+            &[&data("dit-s2-fp32.pickle")],
+        ),
+        2,
+        "pytorch:cuda",
+    );
+    exits_naming(
+        &argv_with(
+            "compare --snapshot {} --config {} --device 7",
+            &[&data("dit-s2-fp32.pickle"), &data("dit-s2-fp32.spec.json")],
+        ),
+        2,
         "--device",
-        "7",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--device"), "{err}");
+    );
 }

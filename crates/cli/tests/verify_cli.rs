@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 mod common;
 
-use common::ditmem;
+use common::{argv, argv_with, ditmem, exits_naming};
 
 fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ditmem-verify-cli-{}", std::process::id()));
@@ -18,18 +18,10 @@ const FEW: &str = "fp32/none/materialized,fp32/all/materialized,bf16-mixed/none/
 fn json_has_the_documented_fields_and_a_reference_reloads() {
     let refp = temp("ref.safetensors");
     let svg = temp("drift.svg");
-    let (code, out, err) = ditmem(&[
-        "verify",
-        "--variants",
-        FEW,
-        "--steps",
-        "3",
-        "--json",
-        "--save-reference",
-        refp.to_str().unwrap(),
-        "--plot",
-        svg.to_str().unwrap(),
-    ]);
+    let (code, out, err) = ditmem(&argv_with(
+        "verify --variants {} --steps 3 --json --save-reference {} --plot {}",
+        &[FEW, refp.to_str().unwrap(), svg.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "stderr: {err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
     let vars = v["variants"].as_array().unwrap();
@@ -63,14 +55,10 @@ fn json_has_the_documented_fields_and_a_reference_reloads() {
     assert!(text.contains("<svg") && text.contains("fp32"));
 
     // Reloaded: the same numbers, the reference not recomputed, steps taken from the file.
-    let (code, out2, err) = ditmem(&[
-        "verify",
-        "--variants",
-        FEW,
-        "--json",
-        "--reference",
-        refp.to_str().unwrap(),
-    ]);
+    let (code, out2, err) = ditmem(&argv_with(
+        "verify --variants {} --json --reference {}",
+        &[FEW, refp.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "stderr: {err}");
     let w: serde_json::Value = serde_json::from_str(&out2).unwrap();
     assert_eq!(w["reference_source"], refp.to_str().unwrap());
@@ -80,15 +68,10 @@ fn json_has_the_documented_fields_and_a_reference_reloads() {
     }
 
     // Another spec is refused with one line and exit 2.
-    let (code, _, err) = ditmem(&[
-        "verify",
-        "--variants",
-        FEW,
-        "--resolution",
-        "64",
-        "--reference",
-        refp.to_str().unwrap(),
-    ]);
+    let (code, _, err) = ditmem(&argv_with(
+        "verify --variants {} --resolution 64 --reference {}",
+        &[FEW, refp.to_str().unwrap()],
+    ));
     assert_eq!(code, 2, "stderr: {err}");
     assert!(
         err.contains("does not match") && err.contains("workload.height"),
@@ -112,25 +95,16 @@ fn corrupt_loss(path: &PathBuf) {
 #[test]
 fn a_failing_variant_exits_4() {
     let refp = temp("bad-ref.safetensors");
-    let (code, _, err) = ditmem(&[
-        "verify",
-        "--variants",
-        "fp32/none/materialized",
-        "--steps",
-        "0",
-        "--json",
-        "--save-reference",
-        refp.to_str().unwrap(),
-    ]);
+    let (code, _, err) = ditmem(&argv_with(
+        "verify --variants fp32/none/materialized --steps 0 --json --save-reference {}",
+        &[refp.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "stderr: {err}");
     corrupt_loss(&refp);
-    let (code, out, err) = ditmem(&[
-        "verify",
-        "--variants",
-        "fp32/none/materialized",
-        "--reference",
-        refp.to_str().unwrap(),
-    ]);
+    let (code, out, err) = ditmem(&argv_with(
+        "verify --variants fp32/none/materialized --reference {}",
+        &[refp.to_str().unwrap()],
+    ));
     assert_eq!(code, 4, "stdout: {out} stderr: {err}");
     assert!(out.contains("FAIL") && out.contains("loss error"), "{out}");
     assert!(err.contains("verification failed"), "{err}");
@@ -154,23 +128,19 @@ fn bad_input_is_one_line_and_exit_2() {
     // A file that is not a reference.
     let junk = temp("junk.safetensors");
     std::fs::write(&junk, b"not safetensors").unwrap();
-    let (code, _, err) = ditmem(&["verify", "--reference", junk.to_str().unwrap()]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("reference"), "{err}");
+    exits_naming(
+        &["verify", "--reference", junk.to_str().unwrap()],
+        2,
+        "reference",
+    );
 }
 
 #[test]
 fn memory_is_predicted_and_refused_before_work() {
     // A spec far beyond this machine: refused with exit 3 naming the predicted figure, at once.
-    let (code, _, err) = ditmem(&[
-        "verify",
-        "--preset",
-        "dit-xl-2",
-        "--resolution",
-        "1024",
-        "--batch",
-        "64",
-    ]);
+    let (code, _, err) = ditmem(&argv(
+        "verify --preset dit-xl-2 --resolution 1024 --batch 64",
+    ));
     assert_eq!(code, 3, "{err}");
     assert!(
         err.contains("predicts a peak of") && err.contains("verify"),
@@ -184,22 +154,15 @@ fn memory_is_predicted_and_refused_before_work() {
         "{err}"
     );
     // A reference into a missing folder is bad input before any work.
-    let (code, _, err) = ditmem(&[
-        "verify",
+    exits_naming(
+        &argv("verify --save-reference /nonexistent-ditmem-dir/ref.safetensors"),
+        2,
         "--save-reference",
-        "/nonexistent-ditmem-dir/ref.safetensors",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--save-reference"), "{err}");
+    );
     // The JSON names the predicted peak and its parts, and each variant's margin.
-    let (code, out, err) = ditmem(&[
-        "verify",
-        "--variants",
-        "fp32/none/materialized",
-        "--steps",
-        "1",
-        "--json",
-    ]);
+    let (code, out, err) = ditmem(&argv(
+        "verify --variants fp32/none/materialized --steps 1 --json",
+    ));
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let peak = v["memory"]["peak"].as_u64().unwrap();
@@ -261,15 +224,10 @@ fn a_reference_the_disk_cannot_hold_is_refused_before_work() {
     let again = dir.join("again.safetensors");
     let (code, _, err) = common::ditmem_env(
         &[("DITMEM_TEST_FREE_DISK", "1000")],
-        &[
-            "verify",
-            "--variants",
-            "fp32/none/materialized",
-            "--reference",
-            refp.to_str().unwrap(),
-            "--save-reference",
-            again.to_str().unwrap(),
-        ],
+        &argv_with(
+            "verify --variants fp32/none/materialized --reference {} --save-reference {}",
+            &[refp.to_str().unwrap(), again.to_str().unwrap()],
+        ),
     );
     assert_eq!(code, 3, "{err}");
     assert!(!again.exists());
@@ -367,16 +325,7 @@ fn two_jobs_stay_within_the_predicted_peak_in_resident_memory() {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn one_drift_step_keeps_no_optimizer_state_at_real_width() {
-    let shape = [
-        "--preset",
-        "dit-xl-2",
-        "--depth",
-        "1",
-        "--resolution",
-        "64",
-        "--batch",
-        "1",
-    ];
+    let shape = argv("--preset dit-xl-2 --depth 1 --resolution 64 --batch 1");
     let (code, out, err) = ditmem(
         &[
             &["estimate"][..],
@@ -399,15 +348,7 @@ fn one_drift_step_keeps_no_optimizer_state_at_real_width() {
         &[
             &["verify"][..],
             &shape,
-            &[
-                "--steps",
-                "1",
-                "--jobs",
-                "1",
-                "--variants",
-                "fp32/none/materialized",
-                "--json",
-            ],
+            &argv("--steps 1 --jobs 1 --variants fp32/none/materialized --json"),
         ]
         .concat(),
     );
@@ -459,22 +400,7 @@ fn one_drift_step_keeps_no_optimizer_state_at_real_width() {
 fn two_jobs_run_when_the_user_sets_the_pool_size() {
     let (code, out, err) = common::ditmem_env(
         &[("RAYON_NUM_THREADS", "2")],
-        &[
-            "verify",
-            "--preset",
-            "dit-s-4",
-            "--resolution",
-            "32",
-            "--batch",
-            "2",
-            "--steps",
-            "1",
-            "--jobs",
-            "2",
-            "--variants",
-            "fp32/none/materialized,bf16-mixed/none/memory-efficient",
-            "--json",
-        ],
+        &argv("verify --preset dit-s-4 --resolution 32 --batch 2 --steps 1 --jobs 2 --variants fp32/none/materialized,bf16-mixed/none/memory-efficient --json"),
     );
     assert_eq!(code, 0, "stderr: {err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");

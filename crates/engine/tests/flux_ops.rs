@@ -5,36 +5,12 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var, D};
 use ditmem_engine::ops::tokens::{cat_tokens, concat, slice, split_tokens};
 use ditmem_engine::ops::{joint_norm_rope, norm_rope, rms_norm, rope, RopeTable, RMS_EPS};
-use ditmem_engine::rng::SplitMix64;
 
-fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
-    let mut r = SplitMix64::new(seed);
-    let n: usize = dims.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
-fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
-    y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-}
+mod common;
+use common::{grads_through, max_abs_diff as max_abs, rand};
 
 fn dot(a: &Tensor, b: &Tensor) -> f64 {
     a.to_dtype(DType::F64)

@@ -4,35 +4,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 use ditmem_engine::block::{layer_norm, modulate, LN_EPS};
 use ditmem_engine::ops::{gelu_tanh, ln_modulate};
-use ditmem_engine::rng::SplitMix64;
 
-fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
-    let mut r = SplitMix64::new(seed);
-    let n: usize = dims.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
-/// Gradients of `sum(y · go)`: backpropagates `go` through y's graph the composed way (the
-/// reference the engine's `ops::backward_from` is held to).
-fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
-    y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-}
+mod common;
+use common::{grads_through, max_abs_diff as max_abs, rand};
 
 #[test]
 fn gelu_matches_candle_and_finite_differences() {
@@ -221,8 +195,21 @@ fn attention_case(
     keep: AttnKeep,
     dropout: Option<Dropout>,
 ) {
-    let qkv = Var::from_tensor(&rand(&[b * s, 3 * a * dh], 11, 1.0)).unwrap();
-    let go = rand(&[b * s, a * dh], 12, 1.0);
+    attention_check((b, s, a, dh), keep, dropout, (11, 12), 1e-11);
+}
+
+/// `qkv_attention` on (b·s, 3·a·dh) inputs drawn from `seeds.0` (output gradient from
+/// `seeds.1`) against the composed reference in f64: outputs within 1e-12, gradients within
+/// `grad_tol`.
+fn attention_check(
+    (b, s, a, dh): (usize, usize, usize, usize),
+    keep: AttnKeep,
+    dropout: Option<Dropout>,
+    seeds: (u64, u64),
+    grad_tol: f64,
+) {
+    let qkv = Var::from_tensor(&rand(&[b * s, 3 * a * dh], seeds.0, 1.0)).unwrap();
+    let go = rand(&[b * s, a * dh], seeds.1, 1.0);
     let r = attention_reference(qkv.as_tensor(), b, a, dropout);
     let o = qkv_attention(qkv.as_tensor(), b, a, keep, dropout).unwrap();
     let d = max_abs(&r, &o);
@@ -230,7 +217,7 @@ fn attention_case(
     let g1 = grads_through(&r, &go);
     let g2 = grads_through(&o, &go);
     let d = max_abs(g1.get(&qkv).unwrap(), g2.get(&qkv).unwrap());
-    assert!(d < 1e-11, "{keep:?} gradient differs by {d}");
+    assert!(d < grad_tol, "{keep:?} gradient differs by {d}");
 }
 
 #[test]
@@ -348,16 +335,8 @@ fn qkv_attention_low_precision_close_to_f64() {
 /// memory-efficient op on q, k, v, with the same tolerance on outputs and gradients).
 #[test]
 fn qkv_attention_streaming_matches_materialized_f64() {
-    let (b, s, a, dh) = (2, ATTN_KEY_BLOCK + 72, 3, 8);
-    let qkv = Var::from_tensor(&rand(&[b * s, 3 * a * dh], 1, 1.0)).unwrap();
-    let go = rand(&[b * s, a * dh], 4, 1.0);
-    let o1 = attention_reference(qkv.as_tensor(), b, a, None);
-    let o2 = qkv_attention(qkv.as_tensor(), b, a, AttnKeep::LogSumExp, None).unwrap();
-    assert!(max_abs(&o1, &o2) < 1e-12);
-    let g1 = grads_through(&o1, &go);
-    let g2 = grads_through(&o2, &go);
-    let d = max_abs(g1.get(&qkv).unwrap(), g2.get(&qkv).unwrap());
-    assert!(d < 1e-12, "grad differs by {d}");
+    let dims = (2, ATTN_KEY_BLOCK + 72, 3, 8);
+    attention_check(dims, AttnKeep::LogSumExp, None, (1, 4), 1e-12);
 }
 
 /// The streaming mode in f32, bf16 and f16 against the composed attention on the same inputs
@@ -391,14 +370,22 @@ fn qkv_attention_rejects_bad_input() {
 
 use ditmem_engine::ops::linear;
 
+/// A linear layer's f64 inputs (x, the weight, the bias) and output gradient, drawn from seeds
+/// `seed`, `seed + 1`, `seed + 2`, `seed + 3`.
+fn linear_inputs(rows: usize, inp: usize, out: usize, seed: u64) -> [Tensor; 4] {
+    [
+        rand(&[rows, inp], seed, 1.0),
+        rand(&[out, inp], seed + 1, 0.3),
+        rand(&[out], seed + 2, 0.3),
+        rand(&[rows, out], seed + 3, 1.0),
+    ]
+}
+
 #[test]
 fn linear_matches_composed() {
     // 300 rows span three chunks of the widened path.
     let (rows, inp, out) = (300, 24, 40);
-    let x64 = rand(&[rows, inp], 21, 1.0);
-    let w64 = rand(&[out, inp], 22, 0.3);
-    let b64 = rand(&[out], 23, 0.3);
-    let go = rand(&[rows, out], 24, 1.0);
+    let [x64, w64, b64, go] = linear_inputs(rows, inp, out, 21);
     let reference = |dt: DType| {
         let x = Var::from_tensor(&x64.to_dtype(dt).unwrap()).unwrap();
         let w = Var::from_tensor(&w64.to_dtype(dt).unwrap()).unwrap();
@@ -604,10 +591,7 @@ fn linear_with_a_gradient_sink_hands_over_the_same_gradients() {
     use ditmem_engine::ops::{linear, linear_sunk, GradSink};
     use std::sync::Arc;
     let (rows, inp, out) = (130, 24, 40);
-    let x64 = rand(&[rows, inp], 31, 1.0);
-    let w64 = rand(&[out, inp], 32, 0.3);
-    let b64 = rand(&[out], 33, 0.3);
-    let go = rand(&[rows, out], 34, 1.0);
+    let [x64, w64, b64, go] = linear_inputs(rows, inp, out, 31);
     for (xd, wd) in [
         (DType::F64, DType::F64),
         (DType::F32, DType::F32),

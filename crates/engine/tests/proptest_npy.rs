@@ -10,25 +10,14 @@ use std::path::PathBuf;
 use ditmem_budget::{ModelSpec, Precision, Spec};
 use ditmem_engine::{load_latent_dir, SyntheticData};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRng, TestRunner};
+use proptest::test_runner::TestRunner;
+
+#[path = "common/fuzz_runner.rs"]
+mod fuzz_runner;
+use fuzz_runner::{fuzz_cases, fuzz_runner};
 
 fn runner(default: u32) -> TestRunner {
-    let env = std::env::var("DITMEM_FUZZ_CASES").ok();
-    let config = Config {
-        cases: env
-            .as_deref()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default),
-        failure_persistence: None,
-        max_shrink_iters: 256,
-        ..Config::default()
-    };
-    if env.is_some() {
-        TestRunner::new(config)
-    } else {
-        let rng = TestRng::deterministic_rng(config.rng_algorithm);
-        TestRunner::new_with_rng(config, rng)
-    }
+    fuzz_runner(fuzz_cases(default), 256)
 }
 
 /// DiT-S/2 at 32², batch 1: latents of 4 × 4 × 4.

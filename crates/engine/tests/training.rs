@@ -142,22 +142,8 @@ fn identical_initial_weights_across_precisions() {
     let b = trainer(&tiny(Precision::Fp32), false);
     for ((na, ta), (nb, tb)) in a.parameters().unwrap().iter().zip(b.parameters().unwrap()) {
         assert_eq!(na, &nb);
-        let x: Vec<f64> = ta
-            .to_dtype(candle_core::DType::F32)
-            .unwrap()
-            .to_dtype(candle_core::DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let y: Vec<f64> = tb
-            .to_dtype(candle_core::DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let x = flat_f64(&ta.to_dtype(candle_core::DType::F32).unwrap());
+        let y = flat_f64(&tb);
         assert_eq!(x, y, "{na}");
     }
 }

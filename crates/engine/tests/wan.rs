@@ -3,14 +3,15 @@
 //! on video latents, equal gradients across recompute and attention modes, the agreement grid)
 //! is in `families.rs`; `verify` on each family is in `verify_families.rs`.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
 use ditmem_engine::ops::rms_norm_rows::rms_norm_rows_reference as rms_norm_reference;
 use ditmem_engine::ops::rope_cos_sin::rope_cos_sin_reference as rope_reference;
 use ditmem_engine::ops::{rms_norm_rows as rms_norm, rope_cos_sin as rope};
 use ditmem_engine::CountingAlloc;
 
 mod common;
-use common::max_abs_diff;
+use common::{grads_through, max_abs_diff, rand};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
@@ -23,10 +24,17 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut r = ditmem_engine::rng::SplitMix64::new(seed);
-    let v: Vec<f64> = (0..n).map(|_| r.normal()).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    rand(shape, seed, 1.0)
+}
+
+/// The gradients of `sum(y · r)` and of `sum(yr · r)`: an op's and its reference's.
+fn grads_of_both(y: &Tensor, yr: &Tensor, r: &Tensor) -> (GradStore, GradStore) {
+    (grads_through(y, r), grads_through(yr, r))
+}
+
+/// max |a − b| between two gradient stores' gradients of `t`.
+fn grad_diff(g: &GradStore, gr: &GradStore, t: &Tensor) -> f64 {
+    max_abs_diff(g.get(t).unwrap(), gr.get(t).unwrap())
 }
 
 /// RMSNorm with and without a weight: the fused op's value and gradients (x and the weight)
@@ -43,18 +51,11 @@ fn rms_norm_matches_its_reference() {
         let y = rms_norm(x.as_tensor(), wr, 1e-6, DType::F64).unwrap();
         let yr = rms_norm_reference(x.as_tensor(), wr, 1e-6).unwrap();
         assert!(max_abs_diff(&y, &yr) < 1e-12);
-        let g = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let gr = (yr * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let dx = max_abs_diff(
-            g.get(x.as_tensor()).unwrap(),
-            gr.get(x.as_tensor()).unwrap(),
-        );
+        let (g, gr) = grads_of_both(&y, &yr, &r);
+        let dx = grad_diff(&g, &gr, x.as_tensor());
         assert!(dx < 1e-12, "dx differs by {dx}");
         if with_w {
-            let dw = max_abs_diff(
-                g.get(w.as_tensor()).unwrap(),
-                gr.get(w.as_tensor()).unwrap(),
-            );
+            let dw = grad_diff(&g, &gr, w.as_tensor());
             assert!(dw < 1e-12, "dw differs by {dw}");
         } else {
             assert!(g.get(w.as_tensor()).is_none());
@@ -100,12 +101,8 @@ fn rope_matches_its_reference() {
             .unwrap();
         let n1: f64 = y.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
         assert!((n0 - n1).abs() < 1e-9 * n0);
-        let g = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let gr = (yr * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        let dx = max_abs_diff(
-            g.get(x.as_tensor()).unwrap(),
-            gr.get(x.as_tensor()).unwrap(),
-        );
+        let (g, gr) = grads_of_both(&y, &yr, &r);
+        let dx = grad_diff(&g, &gr, x.as_tensor());
         assert!(dx < 1e-12, "dx differs by {dx}");
     }
     // Tables of the wrong dtype or a position count that does not divide the rows: errors.

@@ -236,6 +236,24 @@ impl FamilyModel {
             width,
             sequence: true,
         };
+        // A diffusers transformer of `num_layers` blocks of `inner()` width over an f8 VAE (SD's,
+        // SD3's), MLP 4× wide, with its text encoders: the families' config files name the
+        // fields alike, so one macro reads them from each (each arm overrides what differs).
+        macro_rules! diffusers_f8 {
+            ($d:expr, $text:expr) => {
+                Geometry {
+                    blocks: $d.num_layers,
+                    hidden: $d.inner(),
+                    heads: $d.num_attention_heads,
+                    patch: $d.patch_size,
+                    latent_channels: $d.in_channels,
+                    vae_factor: 8,
+                    vae_temporal_factor: 1,
+                    mlp: 4 * $d.inner(),
+                    text: $text,
+                }
+            };
+        }
         match &self.dims {
             Dims::Dit(d) => {
                 let m = &d.model;
@@ -251,27 +269,10 @@ impl FamilyModel {
                     text: Vec::new(),
                 }
             }
-            Dims::DitDiffusers(d) => Geometry {
-                blocks: d.num_layers,
-                hidden: d.inner(),
-                heads: d.num_attention_heads,
-                patch: d.patch_size,
-                latent_channels: d.in_channels,
-                vae_factor: 8,
-                vae_temporal_factor: 1,
-                mlp: 4 * d.inner(),
-                text: Vec::new(),
-            },
-            Dims::Pixart(d) => Geometry {
-                blocks: d.num_layers,
-                hidden: d.inner(),
-                heads: d.num_attention_heads,
-                patch: d.patch_size,
-                latent_channels: d.in_channels,
-                vae_factor: 8,
-                vae_temporal_factor: 1,
-                mlp: 4 * d.inner(),
-                text: vec![t5(
+            Dims::DitDiffusers(d) => diffusers_f8!(d, Vec::new()),
+            Dims::Pixart(d) => diffusers_f8!(
+                d,
+                vec![t5(
                     // By name: a preset's, or the path of a --model config.json (a Hub
                     // snapshot's path names the checkpoint, "PixArt-Sigma-XL-2-1024-MS").
                     if self.name.to_ascii_lowercase().contains("sigma") {
@@ -280,18 +281,11 @@ impl FamilyModel {
                         120
                     },
                     d.caption_channels.unwrap_or(d.cross_attention_dim),
-                )],
-            },
-            Dims::Sd3(d) => Geometry {
-                blocks: d.num_layers,
-                hidden: d.inner(),
-                heads: d.num_attention_heads,
-                patch: d.patch_size,
-                latent_channels: d.in_channels,
-                vae_factor: 8,
-                vae_temporal_factor: 1,
-                mlp: 4 * d.inner(),
-                text: vec![
+                )]
+            ),
+            Dims::Sd3(d) => diffusers_f8!(
+                d,
+                vec![
                     TextEncoder {
                         name: "CLIP-L ⊕ CLIP-G",
                         default_tokens: 77,
@@ -299,45 +293,42 @@ impl FamilyModel {
                         sequence: true,
                     },
                     t5(77, d.joint_attention_dim),
-                ],
-            },
+                ]
+            ),
+            // Flux packs 2×2 latent pixels of 16 channels into one 64-wide token.
             Dims::Flux(d) => Geometry {
                 blocks: d.num_layers + d.num_single_layers,
-                hidden: d.inner(),
-                heads: d.num_attention_heads,
                 patch: 2 * d.patch_size,
                 latent_channels: d.in_channels / 4,
-                vae_factor: 8,
-                vae_temporal_factor: 1,
-                mlp: 4 * d.inner(),
-                text: vec![
-                    TextEncoder {
-                        name: "CLIP-L (pooled)",
-                        default_tokens: 77,
-                        width: d.pooled_projection_dim,
-                        sequence: false,
-                    },
-                    t5(
-                        if d.guidance_embeds { 512 } else { 256 },
-                        d.joint_attention_dim,
-                    ),
-                ],
+                ..diffusers_f8!(
+                    d,
+                    vec![
+                        TextEncoder {
+                            name: "CLIP-L (pooled)",
+                            default_tokens: 77,
+                            width: d.pooled_projection_dim,
+                            sequence: false,
+                        },
+                        t5(
+                            if d.guidance_embeds { 512 } else { 256 },
+                            d.joint_attention_dim,
+                        ),
+                    ]
+                )
             },
+            // DC-AE f32c32, and Sana's own MLP width.
             Dims::Sana(d) => Geometry {
-                blocks: d.num_layers,
-                hidden: d.inner(),
-                heads: d.num_attention_heads,
-                patch: d.patch_size,
-                latent_channels: d.in_channels,
                 vae_factor: 32,
-                vae_temporal_factor: 1,
                 mlp: d.mlp_hidden(),
-                text: vec![TextEncoder {
-                    name: "Gemma-2-2B",
-                    default_tokens: 300,
-                    width: d.caption_channels,
-                    sequence: true,
-                }],
+                ..diffusers_f8!(
+                    d,
+                    vec![TextEncoder {
+                        name: "Gemma-2-2B",
+                        default_tokens: 300,
+                        width: d.caption_channels,
+                        sequence: true,
+                    }]
+                )
             },
             Dims::Wan(d) => Geometry {
                 blocks: d.num_layers,

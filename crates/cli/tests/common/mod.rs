@@ -2,7 +2,28 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// A command line's words, as the shell splits one without quotes: `argv("plan --gpu h100")`.
+pub fn argv(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+/// [`argv`] of a line with `{}` words, each replaced by the next of `values` in order (kept
+/// whole, spaces and all): `argv_with("estimate --preset {} --json", &[preset])`.
+pub fn argv_with<'a>(line: &'a str, values: &[&'a str]) -> Vec<&'a str> {
+    let mut next = values.iter();
+    let words: Vec<&str> = line
+        .split_whitespace()
+        .map(|w| match w {
+            "{}" => *next.next().expect("a value for each {}"),
+            w => w,
+        })
+        .collect();
+    assert!(next.next().is_none(), "more values than {{}} in {line:?}");
+    words
+}
 
 /// Run `ditmem` with `args`: (exit code, stdout, stderr).
 pub fn ditmem(args: &[&str]) -> (i32, String, String) {
@@ -21,6 +42,59 @@ pub fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) 
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Wait for `child` until `deadline`, looking every `poll`: its exit status, or `None` for a child
+/// still running at the deadline (then killed and reaped).
+pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Option<ExitStatus> {
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(poll);
+    }
+}
+
+/// Run `ditmem` with `args`, expect exit code `code` and a stderr that names `needle` (a
+/// refusal names its flag or field): that stderr.
+pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
+    let (c, _, err) = ditmem(args);
+    assert_eq!(c, code, "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    err
+}
+
+/// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
+pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
+    let (c, out, err) = ditmem(args);
+    assert_eq!(c, code, "{args:?}: stderr: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+/// Run `ditmem` with `args` (exit 0): its stdout read as JSON.
+pub fn json(args: &[&str]) -> serde_json::Value {
+    json_exit(args, 0)
+}
+
+/// Run `ditmem` with `args` and `--json` (exit 0): its stdout read as JSON.
+pub fn json_of(args: &[&str]) -> serde_json::Value {
+    json(&[args, &["--json"]].concat())
+}
+
+/// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
+pub fn assert_fits_100(what: &str, out: &str) {
+    for line in out.lines() {
+        assert!(
+            line.chars().count() <= 100,
+            "{what}: a line of {} columns: {line}",
+            line.chars().count()
+        );
+    }
 }
 
 /// A fresh folder for one test of one suite (process-unique).

@@ -1,22 +1,15 @@
 //! Shared helpers of the conformance tests that measure an agreement grid's specs.
 #![allow(dead_code)]
 
-use candle_core::{DType, Tensor};
 use ditmem_budget::Spec;
 use ditmem_conformance::agree::{measure_and_compare, Agreement};
 use ditmem_engine::CountingAlloc;
 
-/// max |a − b| over two tensors of one shape, in f64.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
+// The engine tests' tensor helpers (max |a − b| among them), one file for both crates.
+#[path = "../../../engine/tests/common/tensors.rs"]
+mod tensors;
+#[allow(unused_imports)] // not every test binary that includes `common` uses them
+pub use tensors::*;
 
 /// One spec of an agreement grid measured against its budget (one step after warm-up), with
 /// the line the suite prints for it.

@@ -2,9 +2,15 @@
 //! images = 16×16 latents = 64 tokens, batch 4).
 #![allow(dead_code)]
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use ditmem_budget::{Precision, Recompute, Spec};
 use ditmem_engine::{Batch, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+
+// The tensor helpers (random tensors, gradients through a graph, max |a − b|) are in their own
+// file so the conformance tests include the same one.
+mod tensors;
+#[allow(unused_imports)] // not every test binary that includes `common` uses them
+pub use tensors::*;
 
 pub fn tiny(precision: Precision) -> Spec {
     let mut s = Spec::small();
@@ -58,18 +64,6 @@ pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
         worst = worst.max(d / scale);
     }
     worst
-}
-
-/// max |a − b| over two tensors of one shape, in f64.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Heap bytes one call of `f` leaves alive (its result with everything it holds), counted by
