@@ -6,7 +6,9 @@ the committed file came from the base commit 95ad019's release binary, its searc
 speed-up; the FLUX.1-dev row was rewritten on 2026-12-06 by the merged binary after an intended
 change of the model — the Flux scripts' resident VAE decoder and fp32 VAE, issue 46 — so that row
 pins the merged search, not 95ad019's; rewritten again the same day after bitsandbytes' 8-bit
-AdamW lost its invented state-sized scratch (h-sd3case): the same plan, its 8-bit points lower)."""
+AdamW lost its invented state-sized scratch (h-sd3case): the same plan, its 8-bit points lower); the FLUX.1-dev and SD3.5-medium rows rewritten once more
+after issue 49's rules (SD3/Flux block locals held to the block's end, the single block's
+concatenation and its gradient views: the Flux plan's peak +21 MB, SD3.5's Pareto points)."""
 import json
 import subprocess
 import sys

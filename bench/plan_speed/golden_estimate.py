@@ -3,7 +3,8 @@
 answers beyond the budget (`ESTIMATE_KEYS`: what has to fit, whether it does, the CUDA report and
 every lever row) for `ESTIMATE_QUERIES`, so that a faster lever ranking can be held to the same
 answers. usage: golden_estimate.py BINARY (the committed file: the release binary of 8dcd2a5,
-before the levers were memoised, issue 46 part 4 / h-speed3)."""
+before the levers were memoised, issue 46 part 4 / h-speed3; the allocation-event counts of
+every row and three FLUX.1/SD3.5 rows rewritten by the merged binary after issue 49's rules)."""
 import json
 import subprocess
 import sys
