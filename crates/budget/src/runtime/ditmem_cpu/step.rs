@@ -160,9 +160,10 @@ struct Landing {
     /// microbatch landed (diffusers' DiT: block 0's embedder, read again by the embed,
     /// [`super::dit_diffusers::summed_by_embed`]); 0 for none.
     summed: u64,
-    /// Cast-on-landing (bf16-pure), first microbatch: bytes of the segment's store that the
-    /// casts have freed at the landing's worst moment ([`cast_freed`]).
-    cast_freed: u64,
+    /// Cast-on-landing (bf16-pure), first microbatch: (bytes above the state after the last
+    /// cast, sunk bytes of the store freed by then) at the landing's worst moment
+    /// ([`cast_adjust`]).
+    cast: (u64, u64),
 }
 
 /// Whether the engine takes `t`'s gradient out of a linear's gradient sink (`Trainer::sinks`,
@@ -199,25 +200,40 @@ fn sunk(t: &ParamTensor, table: &[ParamTensor]) -> bool {
 }
 
 /// Cast-on-landing (bf16-pure), first microbatch: `Trainer::accumulate` casts the segment's
-/// gradients into new f32 buffers one by one in its order (the linears' forward order, weight
-/// then bias: `model.rs` `BLOCK_LINEARS` puts the original DiT's `adaLN_modulation` first,
-/// where the parameter table puts it last; the diffusers families' tables follow theirs). A sunk
-/// gradient (in a linear's `GradSink`) is freed as soon as `cast` consumed it; one in candle's
-/// store stays until `drop(grads)`. With `g` each tensor's buffer and `h` its sunk gradient
-/// (0 in the store), the live bytes while tensor k is cast exceed those after the last cast by
-/// `h_k − Σ_{j>k} (g_j − h_j)`; the store's sunk bytes less the largest such excess (0 at
-/// least: after the last cast) are what the casts have freed at the landing's worst moment.
-/// Measured with the counting allocator (DiT-S/2 depth 1 64², bf16-pure: 5,320,166 B of
-/// sunk bf16 gradients gone from the store between `backward_from` and the end of
-/// `accumulate`, the f32 buffers 10,639,872 B).
-fn cast_freed(table: &[ParamTensor], f: &dyn Fn(&ParamTensor) -> bool, gd: u64, pd: u64) -> u64 {
+/// gradients into f32 one by one in its order (the linears' forward order, weight then bias:
+/// `model.rs` `BLOCK_LINEARS` puts the original DiT's `adaLN_modulation` first, where the
+/// parameter table puts it last; diffusers' DiT sums block 0's embedder first, its class table
+/// leading, `trainer/dit_diffusers.rs` `embed_params`; the other families' tables follow their
+/// engine's order). A sunk gradient (in a linear's `GradSink`, [`sunk`]) is freed as soon as
+/// `cast` has consumed it; one in candle's store stays until `drop(grads)`. A new buffer
+/// (`g` bytes) is made while its sunk gradient (`h`, 0 in the store) is alive: `h` above the
+/// state after it; a summed one (`summed(t)`: `old + g`) holds `old` and the cast `g` beside the
+/// new sum: `2g` above it. Returns the landing's worst moment against the state after the
+/// last cast (the store's sunk gradients all freed), as (bytes above it, sunk bytes freed by
+/// then): the event holds the store less the second, plus the first. Measured with the counting allocator (DiT-S/2 depth 1
+/// 64², bf16-pure: 5,320,166 B of sunk bf16 gradients gone from the store between
+/// `backward_from` and the end of `accumulate`, the f32 buffers 10,639,872 B).
+fn cast_adjust(
+    table: &[ParamTensor],
+    f: &dyn Fn(&ParamTensor) -> bool,
+    summed: &dyn Fn(&ParamTensor) -> bool,
+    gd: u64,
+    pd: u64,
+) -> (u64, u64) {
     let meta = TENSOR_META + STORAGE_META;
     let mut ts: Vec<&ParamTensor> = table
         .iter()
-        .filter(|t| t.role == ParamRole::Trained && f(t))
+        .filter(|t| t.role == ParamRole::Trained && (f(t) || summed(t)))
         .collect();
-    ts.sort_by_key(|t| !(t.block.is_some() && t.name.contains("adaLN_modulation")));
-    let gh: Vec<(u64, u64)> = ts
+    ts.sort_by_key(|t| {
+        (
+            !summed(t),
+            !(summed(t) && t.name.contains("embedding_table")),
+            !(t.block.is_some() && t.name.contains("adaLN_modulation")),
+        )
+    });
+    // (new buffer bytes, sunk bytes, summed)
+    let items: Vec<(u64, u64, bool)> = ts
         .iter()
         .map(|t| {
             let h = if sunk(t, table) {
@@ -225,19 +241,19 @@ fn cast_freed(table: &[ParamTensor], f: &dyn Fn(&ParamTensor) -> bool, gd: u64, 
             } else {
                 0
             };
-            (t.numel() * gd + meta, h)
+            (t.numel() * gd + meta, h, summed(t))
         })
         .collect();
-    let sunk_total: u64 = gh.iter().map(|&(_, h)| h).sum();
-    // Walk from the last cast back: `later` = Σ_{j>k} (g_j − h_j).
-    let (mut later, mut excess) = (0u64, 0u64);
-    for &(g, h) in gh.iter().rev() {
-        if h > 0 {
-            excess = excess.max(h.saturating_sub(later));
-        }
-        later += g.saturating_sub(h);
+    let sunk_total: u64 = items.iter().map(|&(_, h, _)| h).sum();
+    // Walk from the last cast back; `later` = the live bytes the casts after k still add.
+    let (mut later, mut excess) = (0i128, 0i128);
+    for &(g, h, s) in items.iter().rev() {
+        let (g, h) = (i128::from(g), i128::from(h));
+        let above = if s { 2 * g } else { h };
+        excess = excess.max(above - later);
+        later += if s { -h } else { g - h };
     }
-    sunk_total - excess.min(sunk_total)
+    (u64::try_from(excess).unwrap_or(0), sunk_total)
 }
 
 impl Landing {
@@ -253,7 +269,7 @@ impl Landing {
             }),
             largest: trained().map(|t| t.numel() * gd).max().unwrap_or(0),
             summed: 0,
-            cast_freed: cast_freed(table, f, gd, pd),
+            cast: cast_adjust(table, f, &|_| false, gd, pd),
         }
     }
 }
@@ -338,6 +354,13 @@ impl<'a> Replay<'a> {
                     super::dit_diffusers::summed_by_embed(spec, t)
                 })
                 .largest,
+                cast: cast_adjust(
+                    table,
+                    &is_embed,
+                    &|t| super::dit_diffusers::summed_by_embed(spec, t),
+                    gd,
+                    pd,
+                ),
                 ..Landing::of(table, gd, pd, &is_embed)
             },
             dual_landing: Landing::of(table, gd, pd, &|t| t.block == Some(first_dual)),
@@ -462,8 +485,9 @@ impl<'a> Replay<'a> {
         if let Some(t) = self.land(live, mb == 0, l) {
             let mut inside = *live;
             inside.workspace += t;
-            if mb == 0 && self.cast_on_landing && l.summed == 0 && self.spec.recipe.lora.is_none() {
-                inside.workspace -= l.cast_freed.min(inside.workspace);
+            if mb == 0 && self.cast_on_landing && self.spec.recipe.lora.is_none() {
+                // In place of `land`'s summing transient: the casts' own worst moment.
+                inside.workspace = (inside.workspace + l.cast.0).saturating_sub(t + l.cast.1);
             }
             self.mark(Phase::Backward, what, block, mb, true, inside);
         }
