@@ -203,16 +203,18 @@ fn sunk(t: &ParamTensor, table: &[ParamTensor]) -> bool {
 /// gradients into f32 one by one in its order (the linears' forward order, weight then bias:
 /// `model.rs` `BLOCK_LINEARS` puts the original DiT's `adaLN_modulation` first, where the
 /// parameter table puts it last; diffusers' DiT sums block 0's embedder first, its class table
-/// leading, `trainer/dit_diffusers.rs` `embed_params`; the other families' tables follow their
-/// engine's order). A sunk gradient (in a linear's `GradSink`, [`sunk`]) is freed as soon as
-/// `cast` has consumed it; one in candle's store stays until `drop(grads)`. A new buffer
-/// (`g` bytes) is made while its sunk gradient (`h`, 0 in the store) is alive: `h` above the
-/// state after it; a summed one (`summed(t)`: `old + g`) holds `old` and the cast `g` beside the
-/// new sum: `2g` above it. Returns the landing's worst moment against the state after the
-/// last cast (the store's sunk gradients all freed), as (bytes above it, sunk bytes freed by
-/// then): the event holds the store less the second, plus the first. Measured with the counting allocator (DiT-S/2 depth 1
-/// 64², bf16-pure: 5,320,166 B of sunk bf16 gradients gone from the store between
-/// `backward_from` and the end of `accumulate`, the f32 buffers 10,639,872 B).
+/// leading, `trainer/dit_diffusers.rs` `embed_params`; the other families' tables are taken in
+/// their own order, measured for PixArt only). A sunk gradient (in a linear's `GradSink`,
+/// [`sunk`]) is freed as soon as `cast` has consumed it; one in candle's store stays until
+/// `drop(grads)`. A new buffer (`g` bytes) is made while its sunk gradient (`h`, 0 in the
+/// store) is alive: `h` above the state after it; a summed one (`summed(t)`: `old + g`) holds
+/// `old` and the cast `g` beside the new sum: `2g` above it. Returns the landing's worst moment
+/// against the state after the last cast (the store's sunk gradients all freed), as (bytes
+/// above it, sunk bytes freed by then): the event holds the store less the second, plus the
+/// first. Measured with the counting allocator (DiT-S/2 depth 1 64², bf16-pure: 5,320,166 B of
+/// sunk bf16 gradients gone from the store between `backward_from` and the end of
+/// `accumulate`, the f32 buffers 10,639,872 B; `compare` at DiT-XL/2, diffusers' DiT-XL/2 and
+/// PixArt-Σ widths within 0.001 %, bench/verify/runs/2026-12-06-epyc-dit-diffusers/).
 fn cast_adjust(
     table: &[ParamTensor],
     f: &dyn Fn(&ParamTensor) -> bool,
