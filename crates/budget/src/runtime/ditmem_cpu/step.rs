@@ -173,7 +173,8 @@ struct Landing {
 /// (`scale_shift_table`) and the norms' affine weights. An embedder's first linear (the patch
 /// embedding, `linear_1`, `mlp.0`, a context embedder) reads data that does not track, so its
 /// gradients stay in the store; of an embedder's linears only those reading another
-/// linear's output are taken as sunk (`linear_2`, `mlp.2`, PixArt's `adaln_single.linear`);
+/// linear's output are taken as sunk (`linear_2`, `mlp.2`, PixArt's `adaln_single.linear`,
+/// Sana's `time_embed.linear`, Wan's `condition_embedder.time_proj`);
 /// any other is left in the store, which can only overstate the landing.
 fn sunk(t: &ParamTensor, table: &[ParamTensor]) -> bool {
     let not_linear = |n: &str| {
@@ -197,6 +198,8 @@ fn sunk(t: &ParamTensor, table: &[ParamTensor]) -> bool {
         || m.ends_with("linear_2")
         || m.ends_with("mlp.2")
         || m.ends_with("adaln_single.linear")
+        || m.ends_with("time_embed.linear")
+        || m.ends_with("condition_embedder.time_proj")
 }
 
 /// Cast-on-landing (bf16-pure), first microbatch: `Trainer::accumulate` casts the segment's
