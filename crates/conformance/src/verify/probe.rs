@@ -371,6 +371,40 @@ fn pair_bound(
     Ok(sb)
 }
 
+/// What each diffusers family's f64 forward replay (`<family>_score_bound`) starts from: the
+/// trainer's dims, the microbatch and accumulation counts, the noise schedule, and a block
+/// config that computes in f64 with materialized attention and no dropout.
+struct F64Replay {
+    d: Dims,
+    micro: usize,
+    accum: usize,
+    acp: Vec<f64>,
+    cfg: BlockConfig,
+}
+
+impl F64Replay {
+    fn of(spec: &Spec, t: &Trainer) -> F64Replay {
+        let d: Dims = *t.dims();
+        let w = &spec.workload;
+        F64Replay {
+            d,
+            micro: w.microbatch as usize,
+            accum: w.accumulation as usize,
+            acp: alphas_cumprod(),
+            cfg: BlockConfig {
+                hidden: d.hidden,
+                heads: d.heads,
+                head_dim: d.head_dim,
+                compute: DType::F64,
+                accum: DType::F64,
+                attn: AttnImpl::Materialized,
+                attn_dropout: 0.0,
+                mlp_dropout: 0.0,
+            },
+        }
+    }
+}
+
 /// [`score_bound`] for PixArt: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention and the cross-attention to the caption.
 fn pixart_score_bound(
@@ -384,22 +418,14 @@ fn pixart_score_bound(
         PixartBlockWeights, PixartFinalWeights,
     };
     use crate::ops::gated_residual;
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let conv = t
         .parameter("pos_embed.proj.weight")?
@@ -539,22 +565,14 @@ fn ditd_score_bound(
         combined_embedding, ditd_block_forward, final_forward as ditd_final,
         label_timestep_features, DitdBlockWeights, EmbWeights, DITD_FREQ,
     };
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let conv = t
         .parameter("pos_embed.proj.weight")?
@@ -652,22 +670,14 @@ fn sd3_score_bound(
         block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
         ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
     };
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let conv = t
         .parameter("pos_embed.proj.weight")?
@@ -858,22 +868,14 @@ fn flux_score_bound(
         rope_ids, single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights,
         DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
     };
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let max_abs = |n: &str| -> Result<f64> {
         t.parameter(&format!("{n}.weight"))?
             .abs()
@@ -1119,22 +1121,14 @@ fn sana_score_bound(
     };
     use crate::ops::gated_residual;
     use crate::ops::linear_attention::linear_attention;
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let geo = SanaBlockGeom {
         rows: d.rows,
         cols: d.cols,
@@ -1306,22 +1300,14 @@ fn wan_score_bound(
         final_forward as wan_final, patchify3d, rope_tables, text_forward, unpatchify3d,
         wan_block_forward, wan_block_qk, WanBlockWeights, WanConds, WanFinalWeights,
     };
-    let d: Dims = *t.dims();
-    let dev = Device::Cpu;
-    let f = DType::F64;
-    let w = &spec.workload;
-    let (micro, accum) = (w.microbatch as usize, w.accumulation as usize);
-    let acp = alphas_cumprod();
-    let cfg = BlockConfig {
-        hidden: d.hidden,
-        heads: d.heads,
-        head_dim: d.head_dim,
-        compute: f,
-        accum: f,
-        attn: AttnImpl::Materialized,
-        attn_dropout: 0.0,
-        mlp_dropout: 0.0,
-    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let conv = t
         .parameter("patch_embedding.weight")?
