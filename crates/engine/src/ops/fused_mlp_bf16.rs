@@ -20,28 +20,6 @@ use super::linear::{add_column_sums, dw_chunk, dx_chunk, GradFromF32, LINEAR_ROW
 use crate::kernels::gemm_bf16::{pack_b, packed_a_len, packed_b_len, ToBf16, View};
 use crate::kernels::vecmath;
 
-/// Workspace bytes of [`fc2_gelu_bwd_bf16`] for `(rows, ffn, out)` with dW2 / db2 wanted
-/// (`w2`, `b2`), beyond u and the gradients it returns: packed W2, a packed g chunk, an f32 dh
-/// chunk and its bf16 narrowing; for dW2 a bf16 h chunk, the f32 dW2 (none for an f32 master
-/// weight, `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed h chunk; for
-/// db2 an f32 db2 (likewise). All allocated before the first product.
-pub(crate) fn fc2_gelu_bwd_bf16_scratch(
-    (rows, ffn, out): (usize, usize, usize),
-    (w2, b2): (bool, bool),
-    master: bool,
-) -> u64 {
-    let r = LINEAR_ROWS.min(rows);
-    let acc = if master { 0 } else { 4 };
-    let mut n = 2 * packed_b_len(out, ffn) + 4 * packed_a_len(r, out) + (4 + 2) * r * ffn;
-    if w2 {
-        n += 2 * r * ffn + acc * out * ffn + 4 * packed_a_len(out, r) + 2 * packed_b_len(r, ffn);
-    }
-    if b2 {
-        n += acc * out;
-    }
-    n as u64
-}
-
 /// u (rows × ffn, fc1's output) becomes du = (g·W2) ⊙ gelu'(u) in place; returns dW2 and db2
 /// (when wanted) in W2's dtype. g: the output gradient (rows × out); W2: (out × ffn).
 #[allow(clippy::type_complexity)]

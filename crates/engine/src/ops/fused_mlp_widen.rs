@@ -48,18 +48,6 @@ pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize,
     ops::widen_col_blocks(rows as u64, ffn as u64).map(|(c0, n)| (c0 as usize, n as usize))
 }
 
-/// f32 and compute-dtype element counts of the workspace of [`fc2_gelu_bwd_widen`] for
-/// `(rows, ds, ffn, out)`: g's chunk column-major, W2ᵀ, one f32 block buffer (the side's
-/// columns and the widest of u's column blocks); and a block in the compute dtype (h, then
-/// dh). Budget twin:
-/// `ditmem_budget::ditmem_cpu::ops::fc2_gelu_widen_workspace`.
-pub fn fc2_gelu_widen_workspace((rows, ds, ffn, out): (usize, usize, usize, usize)) -> (u64, u64) {
-    let r = LINEAR_ROWS.min(rows);
-    let wmax = widen_col_blocks(rows, ffn).map(|b| b.1).max().unwrap_or(0);
-    let f32s = r * out + (ds + ffn) * out + r * (ds + wmax);
-    (f32s as u64, (r * wmax) as u64)
-}
-
 /// The backward of `y = fc2([side; gelu(u)])` per row on the widened path (see the module
 /// docs): u (rows × ffn, turned into du), the side (rows × ds, empty when ds is 0), g (rows ×
 /// out), W2 (out × (ds + ffn), in the compute dtype or f32 masters read as it). Returns (dW2,

@@ -1,8 +1,9 @@
 //! [`joint_linear`]: two linears on two token streams written as one per-sample concatenation,
 //! `[la(a); lc(c)]` for each of `batch` samples, as one node on (a, c): SD3's joint attention
 //! input, where q, k and v of the image and the text stream are projected apart and joined.
-//! Budget twin: `ditmem_budget::ditmem_cpu::ops::joint_linear` and `joint_linear_scratch` (the
-//! test below holds them equal to [`joint_linear_fwd_scratch`] / [`joint_linear_bwd_scratch`]).
+//! Budget twin: `ditmem_budget::ditmem_cpu::ops::joint_linear` and its workspace
+//! `joint_linear_scratch` (the one statement of it; the agreement grid holds it to the measured
+//! peaks).
 //!
 //! Why: composed (two linears and [`cat_tokens`](super::cat_tokens)), candle's graph keeps both
 //! projections until the block's backward ends though no backward reads them (a linear's
@@ -14,12 +15,11 @@
 //! Numerics: the same linear calls on the same inputs, the same per-sample copies, so the same
 //! bits as the composition in every dtype.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::fused_mlp::MlpLinear;
 use super::linear::{
-    linear_bwd_scratch, linear_bwd_storage, linear_fwd_scratch, linear_fwd_storage, storage_tensor,
-    weight_grads, LinearGrads,
+    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
 };
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
@@ -71,54 +71,6 @@ pub fn joint_linear(
         )));
     }
     a.apply_op2(c, JointLinear { la, lc, batch })
-}
-
-/// Workspace bytes of the forward beyond its output, `(ra, rc, inp, out)`: la's workspace
-/// before ya exists; ya with lc's workspace; ya and yc while they are joined (the output's
-/// size). The phases less the output.
-pub fn joint_linear_fwd_scratch(
-    dtype: DType,
-    (ra, rc, inp, out): (usize, usize, usize, usize),
-    native: bool,
-) -> u64 {
-    let e = dtype.size_in_bytes() as u64;
-    let (ya, y) = (e * (ra * out) as u64, e * ((ra + rc) * out) as u64);
-    let sa = linear_fwd_scratch(dtype, ra, inp, out, native);
-    let sc = linear_fwd_scratch(dtype, rc, inp, out, native);
-    sa.saturating_sub(y).max((ya + sc).saturating_sub(y)).max(y)
-}
-
-/// Workspace bytes of the backward beyond the gradients it hands out (da when `ta`, dc when
-/// `tc`, dWa, dba, dWc, dbc as `wants`), in `dtype` except the weight gradients in `wdtype`;
-/// `master`: f32 master weights under bf16/f16. Phases: a's part of the gradient with la's
-/// backward and its gradients; then c's part with lc's backward, beside every gradient. The
-/// peak phase less the gradients.
-pub fn joint_linear_bwd_scratch(
-    (dtype, wdtype): (DType, DType),
-    (ra, rc, inp, out): (usize, usize, usize, usize),
-    (ta, tc, wants): (bool, bool, [bool; 4]),
-    native: bool,
-    master: bool,
-) -> u64 {
-    let (e, we) = (dtype.size_in_bytes() as u64, wdtype.size_in_bytes() as u64);
-    let on = |b: bool, n: usize| if b { we * n as u64 } else { 0 };
-    let dx = |t: bool, r: usize| if t { e * (r * inp) as u64 } else { 0 };
-    let ga = dx(ta, ra) + on(wants[0], out * inp) + on(wants[1], out);
-    let gc = dx(tc, rc) + on(wants[2], out * inp) + on(wants[3], out);
-    let lin = |r, x, w, b| {
-        linear_bwd_scratch(
-            dtype,
-            (r, inp, out),
-            LinearGrads { x, w, b },
-            native,
-            master,
-        )
-    };
-    let sa = lin(ra, ta, wants[0], wants[1]);
-    let sc = lin(rc, tc, wants[2], wants[3]);
-    let pa = e * (ra * out) as u64 + sa + ga;
-    let pc = ga + e * (rc * out) as u64 + sc + gc;
-    pa.max(pc) - ga - gc
 }
 
 impl JointLinear {
@@ -219,7 +171,7 @@ mod tests {
     use super::*;
     use crate::ops::test_values::{bits, t};
     use crate::ops::{cat_tokens, linear_sunk, GradSink};
-    use candle_core::Var;
+    use candle_core::{DType, Var};
     use std::sync::Arc;
 
     /// (y, da, dc, [dWa, dba, dWc, dbc]) for `batch` samples of ta and tc tokens, fused or
@@ -318,49 +270,5 @@ mod tests {
         };
         let e = joint_linear(&a, &c, tracked, l(8, 8), 2).unwrap_err();
         assert!(e.to_string().contains("sink"), "{e}");
-    }
-
-    /// The op's workspace as the engine states it is the budget's restatement, for every
-    /// dtype, path and set of gradients.
-    #[test]
-    fn joint_linear_scratch_is_the_budgets() {
-        use ditmem_budget::ditmem_cpu::ops::joint_linear_scratch;
-        use ditmem_spec::Dtype;
-        for (dt, bd, wdt, wbd) in [
-            (DType::F32, Dtype::F32, DType::F32, Dtype::F32),
-            (DType::F64, Dtype::F64, DType::F64, Dtype::F64),
-            (DType::BF16, Dtype::Bf16, DType::F32, Dtype::F32),
-            (DType::BF16, Dtype::Bf16, DType::BF16, Dtype::Bf16),
-            (DType::F16, Dtype::F16, DType::F32, Dtype::F32),
-        ] {
-            let master = wdt != dt;
-            for dims in [(512, 154, 64, 64), (300, 37, 130, 41), (7, 1, 4, 1)] {
-                for native in [false, true] {
-                    for bits in 0..64u8 {
-                        let (ta, tc) = (bits & 16 != 0, bits & 32 != 0);
-                        let wants = [0, 1, 2, 3].map(|i| bits & (1 << i) != 0);
-                        let (ra, rc, i, o) = dims;
-                        let budget = joint_linear_scratch(
-                            (bd, wbd),
-                            (ra as u64, rc as u64, i as u64, o as u64),
-                            (ta, tc, wants),
-                            native,
-                            master,
-                        );
-                        let engine = (
-                            joint_linear_fwd_scratch(dt, dims, native),
-                            joint_linear_bwd_scratch(
-                                (dt, wdt),
-                                dims,
-                                (ta, tc, wants),
-                                native,
-                                master,
-                            ),
-                        );
-                        assert_eq!(engine, budget, "{dt:?}/{wdt:?} {dims:?} {native} {bits}");
-                    }
-                }
-            }
-        }
     }
 }

@@ -54,9 +54,11 @@
 //! Allocation rules the budget mirrors (`ditmem_budget::ditmem_cpu::graph::Kind::Custom`, the twin of each
 //! op named in its module): the forward allocates its output, what the op saves, and a workspace
 //! freed before it returns; the backward allocates one fresh gradient per input that tracks, in
-//! the input's dtype and shape, beside a workspace freed before it returns. The workspace sizes
-//! are public functions here ([`AttnGeom::fwd_scratch`], [`linear_bwd_scratch`], …) and are
-//! restated in the budget.
+//! the input's dtype and shape, beside a workspace freed before it returns. The chunk and block
+//! sizes the linear and the fused MLPs allocate by, and their workspace formulas, are stated
+//! once, in the budget (`ditmem_budget::ditmem_cpu::ops`, its `sizes` module: this crate calls
+//! them); the attention kernels' per-head element counts are functions here
+//! ([`AttnGeom::fwd_scratch`], …) that the budget restates.
 
 pub mod attention;
 pub mod backward_from;
@@ -95,18 +97,14 @@ pub use attention::{
     ATTN_KEY_BLOCK,
 };
 pub use backward_from::{backward_from, backward_from_many};
-pub use fused_mlp::{fused_mlp, fused_mlp_bwd_scratch, fused_mlp_fwd_scratch, FusedMlp, MlpLinear};
-pub use fused_mlp_side::{
-    fused_mlp_side, fused_mlp_side_bwd_scratch, fused_mlp_side_fwd_scratch, FusedMlpSide,
-};
+pub use fused_mlp::{fused_mlp, FusedMlp, MlpLinear};
+pub use fused_mlp_side::{fused_mlp_side, FusedMlpSide};
 pub use gated_residual::{gated_residual, GatedResidual};
 pub use gelu::{gelu_tanh, GeluTanh};
-pub use joint_linear::{
-    joint_linear, joint_linear_bwd_scratch, joint_linear_fwd_scratch, JointLinear,
-};
+pub use joint_linear::{joint_linear, JointLinear};
 pub use linear::{
-    dw_blocks, linear, linear_bwd_scratch, linear_fwd_scratch, linear_into, linear_sunk, GradSink,
-    InputSink, LinearGrads, LinearOp, DW_ROWS, LINEAR_ROWS,
+    dw_blocks, linear, linear_into, linear_sunk, GradSink, InputSink, LinearGrads, LinearOp,
+    DW_ROWS, LINEAR_ROWS,
 };
 pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
 pub use lora_linear::{lora_linear, LoraLinear};

@@ -12,7 +12,8 @@
 //!
 //! Per thread (at most one per head, all allocated up front like the generic kernels): an f32
 //! scratch (`AttnGeom::native_f32_fwd`, `AttnGeom::native_f32_bwd`) and the packed operands ([`packed_lens`]); the budget
-//! restates [`native_scratch_bytes`] (`ditmem_budget::ditmem_cpu::ops::fused_attention`).
+//! counts them in bytes (`ditmem_budget::ditmem_cpu::ops::native_attention_scratch`,
+//! `streaming_attention_scratch`).
 
 use std::mem::MaybeUninit;
 
@@ -64,34 +65,6 @@ pub(crate) fn packed_lens_bwd(s: usize, dh: usize) -> (usize, usize) {
             .max(packed_b_len(s, dh))
             .max(packed_b_len(m, dh)),
     )
-}
-
-/// Bytes of one thread's scratch: the f32 buffers and the packed operands, forward or backward.
-pub fn native_scratch_bytes(s: usize, dh: usize, backward: bool) -> u64 {
-    let ((pa, pb), f) = if backward {
-        (packed_lens_bwd(s, dh), AttnGeom::native_f32_bwd(s, dh))
-    } else {
-        (packed_lens(s, dh), AttnGeom::native_f32_fwd(s, dh))
-    };
-    (f * 4 + pa * 4 + pb * 2) as u64
-}
-
-/// Bytes of one thread's scratch of the streaming mode with key blocks of `kb` (forward,
-/// backward). Forward: the f32 output accumulator, a block of scores, row max and sum; packed q,
-/// a packed block of P and a packed B (a block of kᵀ or v). Backward, by blocks of
-/// [`NATIVE_BWD_ROWS`] queries: f32 dq, dk, dv, a block of P and of dP, the row deltas; the
-/// query block's packed q and dO, a packed A of a block (Pᵀ, dS or dSᵀ) and a packed B (a
-/// block of kᵀ, vᵀ or k, or the query block's dO or q).
-pub fn streaming_scratch_bytes(s: usize, dh: usize, kb: usize) -> (u64, u64) {
-    let a_fwd = packed_a_len(s, dh);
-    let b_fwd = packed_b_len(dh, kb).max(packed_b_len(kb, dh));
-    let fwd = 4 * (s * dh + s * kb + 2 * s) + 4 * (a_fwd + packed_a_len(s, kb)) + 2 * b_fwd;
-    let qb = NATIVE_BWD_ROWS.min(s);
-    let a_qd = packed_a_len(qb, dh);
-    let a_blk = packed_a_len(qb, kb).max(packed_a_len(kb, qb));
-    let b_bwd = b_fwd.max(packed_b_len(qb, dh));
-    let bwd = 4 * (3 * s * dh + 2 * qb * kb + s) + 4 * (2 * a_qd + a_blk) + 2 * b_bwd;
-    (fwd as u64, bwd as u64)
 }
 
 impl AttnGeom {
@@ -669,23 +642,4 @@ pub(crate) fn backward_streaming(
     // capacity), each written once above.
     unsafe { dqkv.set_len(g.b * s * 3 * d) };
     Ok(dqkv)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn scratch_is_the_budgets() {
-        for (s, dh) in [(256, 64), (16, 16), (130, 16), (7, 72), (1, 8), (4096, 72)] {
-            let (f, b) = ditmem_budget::ditmem_cpu::native_attention_scratch(s as u64, dh as u64);
-            assert_eq!(f, native_scratch_bytes(s, dh, false), "s {s} dh {dh}");
-            assert_eq!(b, native_scratch_bytes(s, dh, true), "s {s} dh {dh}");
-            let kb = 128.min(s);
-            let (f, b) = ditmem_budget::ditmem_cpu::streaming_attention_scratch(
-                s as u64, dh as u64, kb as u64,
-            );
-            assert_eq!((f, b), streaming_scratch_bytes(s, dh, kb), "s {s} dh {dh}");
-        }
-    }
 }

@@ -116,25 +116,19 @@ pub(crate) fn dw_chunk(
     gemm_packed(out, inp, n, pa, pb, dw32, inp);
 }
 
-/// Columns of W (and of dx) per packed panel of the bf16 backward's dx product when the rows fit
-/// one chunk ([`dx_panel_cols`]): two of the kernel's column panels, so two threads still split
-/// each call. The packed W of a panel is out × 128 bf16 instead of the whole out × in: at 2 rows
-/// (a DiT-S/2 block's adaLN linear, 2,304 × 384) 590 KB instead of 1.77 MB, alive beside every
-/// weight gradient of the block. Each dx element sums over the same k blocks in the same order
-/// either way (`gemm_packed`), so the result is bit for bit the whole-W product's.
-pub(crate) const DX_PANEL_COLS: usize = 2 * gemm_bf16::NR;
-
-/// Columns of W per packed panel of the dx product for `rows` rows and `inp` columns: panels of
-/// [`DX_PANEL_COLS`] when the rows fit one chunk (g is packed once whichever the panels), else W
-/// whole. By panels over several chunks each chunk of g would be packed once per panel (3× for
-/// a DiT-S/2 qkv or fc1 dx, +40 % of the block backward's packing at 4,096 rows), while W whole
-/// is small beside those rows' activations.
+/// Columns of W per packed panel of the dx product for `rows` rows and `inp` columns: the
+/// budget's one rule (`ditmem_budget::ditmem_cpu::ops::bf16_dx_panel_cols`, which its scratch
+/// formula counts with): panels of two of the kernel's column panels (128) when the rows fit
+/// one chunk, else W whole. By panels two threads still split each call, and the packed W of a
+/// panel is out × 128 bf16 instead of the whole out × in: at 2 rows (a DiT-S/2 block's adaLN
+/// linear, 2,304 × 384) 590 KB instead of 1.77 MB, alive beside every weight gradient of the
+/// block. Each dx element sums over the same k blocks in the same order either way
+/// (`gemm_packed`), so the result is bit for bit the whole-W product's. By panels over several
+/// chunks each chunk of g would be packed once per panel (3× for a DiT-S/2 qkv or fc1 dx, +40 %
+/// of the block backward's packing at 4,096 rows), while W whole is small beside those rows'
+/// activations.
 pub(crate) fn dx_panel_cols(rows: usize, inp: usize) -> usize {
-    if rows <= LINEAR_ROWS {
-        DX_PANEL_COLS.min(inp)
-    } else {
-        inp
-    }
+    ditmem_budget::ditmem_cpu::ops::bf16_dx_panel_cols(rows as u64, inp as u64) as usize
 }
 
 /// bf16 backward on the AVX512-BF16 kernel: dx = g·W by panels of W ([`dx_panel_cols`]), each

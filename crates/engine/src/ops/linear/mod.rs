@@ -1,9 +1,9 @@
-//! [`linear`]: `x·Wᵀ + b` as one fused node ([`LinearOp`]), with its workspace sizes
-//! ([`linear_fwd_scratch`], [`linear_bwd_scratch`]) and, through [`linear_sunk`], its weight
-//! gradients handed to a [`GradSink`]. Three kernel paths: `direct` (f32/f64 through `gemm`),
-//! `bf16` (the AVX512-BF16 kernel) and `widen` (bf16/f16 widened to f32 by chunks). Budget
-//! twin: `ditmem_budget::ditmem_cpu::ops::fused_linear` and `fused_linear_scratch`, which the test below
-//! holds equal to these sizes.
+//! [`linear`]: `x·Wᵀ + b` as one fused node ([`LinearOp`]) and, through [`linear_sunk`], its
+//! weight gradients handed to a [`GradSink`]. Three kernel paths: `direct` (f32/f64 through
+//! `gemm`), `bf16` (the AVX512-BF16 kernel) and `widen` (bf16/f16 widened to f32 by chunks).
+//! Budget twin: `ditmem_budget::ditmem_cpu::ops::fused_linear`; its workspace is stated once,
+//! there (`fused_linear_scratch`), over the chunk sizes this op allocates by (`common.rs`,
+//! `bf16::dx_panel_cols`: the budget's `ops::sizes`).
 
 mod bf16;
 mod common;
@@ -90,89 +90,6 @@ pub fn linear_into(
             dx_sink: Some(Arc::clone(dx_sink)),
         },
     )
-}
-
-/// Workspace bytes of a linear's forward: nothing on f32/f64; on bf16 with the AVX512-BF16
-/// kernel (`native`) packed Wᵀ, a packed x chunk, an f32 y chunk and an f32 b; when widening
-/// (bf16/f16) W, b and a chunk of x and y in f32.
-pub fn linear_fwd_scratch(dtype: DType, rows: usize, inp: usize, out: usize, native: bool) -> u64 {
-    let r = LINEAR_ROWS.min(rows);
-    let n = match dtype {
-        DType::BF16 if native => {
-            2 * gemm_bf16::packed_b_len(inp, out)
-                + 4 * gemm_bf16::packed_a_len(r, inp)
-                + 4 * (r * out + out)
-        }
-        DType::BF16 | DType::F16 => 4 * (out * inp + out + r * (inp + out)),
-        _ => 0,
-    };
-    n as u64
-}
-
-/// Workspace bytes of a linear's backward. With the AVX512-BF16 kernel: for dx packed W, a
-/// packed g chunk and an f32 dx chunk; for dW an f32 dW (unless the weight is an f32 master,
-/// `master`, whose gradient is that buffer), a packed gᵀ chunk and a packed x chunk; for db an
-/// f32 db (likewise). Widening (all f32), in two passes: a column-major copy of the g chunk (for
-/// dx or dW) throughout; first for dx Wᵀ and a dx chunk, while dW and db do not exist yet
-/// (their bytes come off that pass); then for dW an f32 dW (none for a master weight:
-/// likewise) and an x chunk, for db an f32 db (likewise). Nothing on f32/f64.
-pub fn linear_bwd_scratch(
-    dtype: DType,
-    (rows, inp, out): (usize, usize, usize),
-    g: LinearGrads,
-    native: bool,
-    master: bool,
-) -> u64 {
-    let r = LINEAR_ROWS.min(rows);
-    let n = match dtype {
-        DType::BF16 if native => {
-            let mut n = 0;
-            if g.x {
-                // dx by panels of W (`bf16::dx_panel_cols`).
-                let pc = bf16::dx_panel_cols(rows, inp);
-                n += 2 * gemm_bf16::packed_b_len(out, pc)
-                    + 4 * gemm_bf16::packed_a_len(r, out)
-                    + 4 * r * pc;
-            }
-            let acc = if master { 0 } else { 4 };
-            if g.w {
-                n += acc * out * inp
-                    + 4 * gemm_bf16::packed_a_len(out, r)
-                    + 2 * gemm_bf16::packed_b_len(r, inp);
-            }
-            if g.b {
-                n += acc * out;
-            }
-            n
-        }
-        DType::BF16 | DType::F16 => {
-            // Two passes (`widen::linear_bwd_widen`): dx beside Wᵀ and a dx chunk, before dW
-            // and db exist; then dW and db (f32 accumulators unless they are the gradients) and
-            // an x chunk. Both beside the g chunk.
-            let (acc, we) = if master {
-                (0, 4)
-            } else {
-                (1, dtype.size_in_bytes())
-            };
-            let gc = if g.x || g.w { r * out } else { 0 };
-            let dx_pass = if g.x {
-                4 * (gc + out * inp + r * inp)
-            } else {
-                0
-            };
-            let later = we * (usize::from(g.w) * out * inp + usize::from(g.b) * out);
-            let mut n = gc;
-            if g.w {
-                n += acc * out * inp + r * inp;
-            }
-            if g.b {
-                n += acc * out;
-            }
-            dx_pass.saturating_sub(later).max(4 * n)
-        }
-        _ => 0,
-    };
-    n as u64
 }
 
 fn linear_dims(lx: &Layout, lw: &Layout, lb: &Layout) -> CResult<(usize, usize, usize)> {
@@ -559,48 +476,5 @@ mod tests {
         let (gx, gw, _) = direct::linear_bwd_direct(&f(&x), &f(&w), &f(&g), (rows, inp, out), all);
         close(&back(gw.unwrap()), &dw, 1e-4, "f32 dW");
         close(&back(gx.unwrap()), &dx, 1e-5, "f32 dx");
-    }
-
-    /// The linear's workspace as the engine states it is the budget's restatement, for every
-    /// dtype, path and set of tracked inputs, on whole and ragged shapes.
-    #[test]
-    fn linear_scratch_is_the_budgets() {
-        use ditmem_budget::ditmem_cpu::fused_linear_scratch;
-        use ditmem_spec::Dtype;
-        for (dt, bd) in [
-            (DType::F32, Dtype::F32),
-            (DType::F64, Dtype::F64),
-            (DType::BF16, Dtype::Bf16),
-            (DType::F16, Dtype::F16),
-        ] {
-            for dims in [(512, 384, 1152), (300, 37, 130), (7, 1, 1)] {
-                for (native, master) in [(false, false), (true, false), (false, true), (true, true)]
-                {
-                    for bits in 0..8u8 {
-                        let g = LinearGrads {
-                            x: bits & 1 != 0,
-                            w: bits & 2 != 0,
-                            b: bits & 4 != 0,
-                        };
-                        let (rows, inp, out) = dims;
-                        let budget = fused_linear_scratch(
-                            bd,
-                            (rows as u64, inp as u64, out as u64),
-                            (g.x, g.w, g.b),
-                            native,
-                            master,
-                        );
-                        let engine = (
-                            linear_fwd_scratch(dt, rows, inp, out, native),
-                            linear_bwd_scratch(dt, dims, g, native, master),
-                        );
-                        assert_eq!(
-                            engine, budget,
-                            "{dt:?} {dims:?} native {native} master {master} {bits}"
-                        );
-                    }
-                }
-            }
-        }
     }
 }
