@@ -4,9 +4,10 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use super::{
-    allocation_size, round_size, AllocConf, AllocatorReport, IdHash, Oom, LARGE_BUFFER,
-    MIN_BLOCK_SIZE, SMALL_BUFFER, SMALL_SIZE,
+use super::arena::IdHash;
+use super::conf::{
+    allocation_size, round_size, AllocConf, AllocatorReport, Oom, LARGE_BUFFER, MIN_BLOCK_SIZE,
+    SMALL_BUFFER, SMALL_SIZE,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

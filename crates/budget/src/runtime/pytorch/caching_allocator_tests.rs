@@ -1,6 +1,8 @@
 //! Hand-built allocation sequences whose outcome follows from the allocator's rules (each test
 //! names the rule of `CUDACachingAllocator.cpp` it exercises).
 
+use super::arena::*;
+use super::conf::*;
 use super::*;
 use crate::runtime::pytorch::device::PyTorch;
 
