@@ -1,0 +1,23 @@
+//! The geometry of one attention call, which the builders and the CPU scratch rules read.
+
+/// The geometry of one attention call: q (b, heads, sq, dh), k and v (b, heads, skv, dh).
+#[derive(Debug, Clone, Copy)]
+pub struct Attn {
+    pub b: u64,
+    pub heads: u64,
+    pub sq: u64,
+    pub skv: u64,
+    pub dh: u64,
+}
+
+impl Attn {
+    pub fn q_elems(&self) -> u64 {
+        self.b * self.heads * self.sq * self.dh
+    }
+    pub fn kv_elems(&self) -> u64 {
+        self.b * self.heads * self.skv * self.dh
+    }
+    pub fn scores(&self) -> u64 {
+        self.b * self.heads * self.sq * self.skv
+    }
+}
