@@ -387,7 +387,9 @@ impl CustomOp1 for FusedMlp {
 mod tests {
     use super::*;
     use crate::ops::linear::GradSink;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{
+        assert_grads_bits, bits, sunk_linear, t, take_sunk, DTYPE_PAIRS,
+    };
     use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
     use std::sync::Arc;
@@ -409,21 +411,20 @@ mod tests {
         let s1 = Arc::new(GradSink::new(true, true));
         let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
-                w: w.clone(),
-                b: b.clone(),
-                sink: Some(Arc::clone(s)),
-            };
-            fused_mlp(x.as_tensor(), l(&w1, &b1, &s1), l(&w2, &b2, &s2)).unwrap()
+            fused_mlp(
+                x.as_tensor(),
+                sunk_linear(&w1, &b1, &s1),
+                sunk_linear(&w2, &b2, &s2),
+            )
+            .unwrap()
         } else {
             let u = linear_sunk(x.as_tensor(), &w1, &b1, &s1).unwrap();
             linear_sunk(&gelu_tanh(&u).unwrap(), &w2, &b2, &s2).unwrap()
         };
         let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
-            .map(|g| g.expect("the sink holds every weight gradient"));
-        (y, dx, sunk.to_vec())
+        let sunk = take_sunk(&[&s1, &s2]);
+        (y, dx, sunk)
     }
 
     /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
@@ -433,13 +434,7 @@ mod tests {
     /// (out 600) with a ragged 8-row last chunk.
     #[test]
     fn fused_mlp_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for (dt, wdt) in DTYPE_PAIRS {
             for dims in [
                 (6, 8, 32, 8),
                 (150, 16, 40, 12),
@@ -464,10 +459,7 @@ mod tests {
                 let (yc, dxc, gc) = run(false, dt, wdt, dims);
                 assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
                 assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
-                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
-                    assert_eq!(a.dims(), b.dims());
-                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
-                }
+                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
                 // Not all zero: the comparison means something.
                 assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
             }

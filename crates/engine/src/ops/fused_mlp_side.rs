@@ -262,7 +262,9 @@ impl CustomOp2 for FusedMlpSide {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{
+        assert_grads_bits, bits, sunk_linear, t, take_sunk, DTYPE_PAIRS,
+    };
     use crate::ops::tokens::concat;
     use crate::ops::{gelu_tanh, linear_sunk, GradSink};
     use candle_core::Var;
@@ -286,16 +288,11 @@ mod tests {
         let s1 = Arc::new(GradSink::new(true, true));
         let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
-                w: w.clone(),
-                b: b.clone(),
-                sink: Some(Arc::clone(s)),
-            };
             fused_mlp_side(
                 x.as_tensor(),
                 side.as_tensor(),
-                l(&w1, &b1, &s1),
-                l(&w2, &b2, &s2),
+                sunk_linear(&w1, &b1, &s1),
+                sunk_linear(&w2, &b2, &s2),
             )
             .unwrap()
         } else {
@@ -307,9 +304,8 @@ mod tests {
         let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
         let dx = grads.get(x.as_tensor()).unwrap().clone();
         let dside = grads.get(side.as_tensor()).unwrap().clone();
-        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
-            .map(|g| g.expect("the sink holds every weight gradient"));
-        (y, dx, dside, sunk.to_vec())
+        let sunk = take_sunk(&[&s1, &s2]);
+        (y, dx, dside, sunk)
     }
 
     /// The fused op's output, dx, dside and the four weight gradients it sinks are the
@@ -317,13 +313,7 @@ mod tests {
     /// or f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn fused_mlp_side_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for (dt, wdt) in DTYPE_PAIRS {
             // The last two: several row chunks and column blocks of u (ffn 300: three of
             // 100), and a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
             for dims in [
@@ -337,10 +327,7 @@ mod tests {
                 assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
                 assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
                 assert_eq!(bits(&dsf), bits(&dsc), "dside {dt:?}/{wdt:?} {dims:?}");
-                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
-                    assert_eq!(a.dims(), b.dims());
-                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
-                }
+                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
                 assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
                 assert!(bits(&dsf).iter().any(|&b| f64::from_bits(b) != 0.0));
             }

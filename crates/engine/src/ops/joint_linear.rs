@@ -169,7 +169,7 @@ impl CustomOp2 for JointLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{bits, sunk_linear, t, take_sunk, DTYPE_PAIRS};
     use crate::ops::{cat_tokens, linear_sunk, GradSink};
     use candle_core::{DType, Var};
     use std::sync::Arc;
@@ -193,16 +193,11 @@ mod tests {
         let s1 = Arc::new(GradSink::new(true, true));
         let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
-                w: w.clone(),
-                b: b.clone(),
-                sink: Some(Arc::clone(s)),
-            };
             joint_linear(
                 a.as_tensor(),
                 c.as_tensor(),
-                l(&wa, &ba, &s1),
-                l(&wc, &bc, &s2),
+                sunk_linear(&wa, &ba, &s1),
+                sunk_linear(&wc, &bc, &s2),
                 batch,
             )
             .unwrap()
@@ -214,9 +209,8 @@ mod tests {
         let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
         let da = grads.get(a.as_tensor()).unwrap().clone();
         let dc = grads.get(c.as_tensor()).unwrap().clone();
-        let sunk = [s1.take_w(), s1.take_b(), s2.take_w(), s2.take_b()]
-            .map(|g| g.expect("the sink holds every weight gradient"));
-        (y, da, dc, sunk.to_vec())
+        let sunk = take_sunk(&[&s1, &s2]);
+        (y, da, dc, sunk)
     }
 
     /// The joint linear's output, da, dc and the four weight gradients it sinks are the
@@ -224,13 +218,7 @@ mod tests {
     /// f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn joint_linear_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for (dt, wdt) in DTYPE_PAIRS {
             for dims in [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)] {
                 let (yf, daf, dcf, gf) = run(true, dt, wdt, dims);
                 let (yc, dac, dcc, gc) = run(false, dt, wdt, dims);

@@ -276,7 +276,7 @@ mod tests {
     use crate::ops::dwconv::silu_dwconv3x3;
     use crate::ops::glu::glu_silu;
     use crate::ops::linear_sunk;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{assert_grads_bits, bits, sunk_linear, t, DTYPE_PAIRS};
     use crate::ops::GradSink;
     use candle_core::Var;
     use std::sync::Arc;
@@ -302,16 +302,11 @@ mod tests {
         let si = Arc::new(GradSink::new(true, true));
         let sp = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
-                w: w.clone(),
-                b: b.clone(),
-                sink: Some(Arc::clone(s)),
-            };
             mix_ffn(
                 h.as_tensor(),
-                l(&wi, &bi, &si),
+                sunk_linear(&wi, &bi, &si),
                 (wd.as_tensor(), bd.as_tensor()),
-                l(&wp, &bp, &sp),
+                sunk_linear(&wp, &bp, &sp),
                 (rows, cols),
             )
             .unwrap()
@@ -342,22 +337,13 @@ mod tests {
     /// square and an odd non-square grid, with row counts past one linear chunk.
     #[test]
     fn mix_ffn_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for (dt, wdt) in DTYPE_PAIRS {
             for dims in [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)] {
                 let (yf, dhf, gf) = run(true, dt, wdt, dims);
                 let (yc, dhc, gc) = run(false, dt, wdt, dims);
                 assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
                 assert_eq!(bits(&dhf), bits(&dhc), "dh {dt:?}/{wdt:?} {dims:?}");
-                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
-                    assert_eq!(a.dims(), b.dims());
-                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
-                }
+                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
                 assert!(bits(&dhf).iter().any(|&b| f64::from_bits(b) != 0.0));
             }
         }

@@ -315,7 +315,7 @@ impl CustomOp3 for CrossAttention {
 mod tests {
     use super::*;
     use crate::ops::attention::separate::attention;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{bits, sunk_linear, t};
     use crate::ops::{linear_into, rms_norm_rows, GradSink};
     use candle_core::{DType, Var};
 
@@ -352,12 +352,7 @@ mod tests {
             .unwrap();
         let norm_k = norm.then_some((nw.as_tensor(), EPS));
         let y = if fused {
-            let l = |w: &Tensor, b: &Tensor, s: &Arc<GradSink>| MlpLinear {
-                w: w.clone(),
-                b: b.clone(),
-                sink: Some(Arc::clone(s)),
-            };
-            let kv = (l(&wk, &bk, &sk), l(&wv, &bv, &sv));
+            let kv = (sunk_linear(&wk, &bk, &sk), sunk_linear(&wv, &bv, &sv));
             let s = Some(Arc::clone(&sink));
             cross_attention(
                 q.as_tensor(),

@@ -146,7 +146,7 @@ mod tests {
     use candle_core::{DType, Var};
 
     use super::*;
-    use crate::ops::test_values::{bits, t};
+    use crate::ops::test_values::{bits, t, take_sunk};
     use crate::ops::{linear_sunk, qkv_attention, GradSink};
 
     /// (o, dx, [dW, db]) of x (b·s, D) through the projection (3D, D) and the attention with
@@ -176,8 +176,7 @@ mod tests {
         };
         let grads = o.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        let sunk = [sink.take_w(), sink.take_b()].map(|g| g.expect("the sink holds dW and db"));
-        (o, dx, sunk.to_vec())
+        (o, dx, take_sunk(&[&sink]))
     }
 
     /// The projected attention's output, dx and the sunk dW, db are the two nodes', bit for bit,
