@@ -48,9 +48,23 @@ unsafe fn gather_qkv<T: Elem<A>, A: Acc>(
 /// Rounds values through the storage type: the recomputed P of the attention-only policy then
 /// equals the P the materialized mode stores in the compute dtype, so both modes' gradients are
 /// bitwise the same (the recompute twin test of `ditmem verify`).
-fn round_through<T: Elem<A>, A: Acc>(x: &mut [A]) {
+pub(super) fn round_through<T: Elem<A>, A: Acc>(x: &mut [A]) {
     for v in x.iter_mut() {
         *v = T::from_acc(*v).to_acc();
+    }
+}
+
+/// The softmax's backward over rows of `n` in place: dP becomes dS = P∘(dP − Σ_j dP·P) (the
+/// generic kernels' materialized and attention-only modes, and the separate attention's).
+pub(super) fn softmax_bwd_rows<A: Acc>(p: &[A], dp: &mut [A], n: usize) {
+    for (pr, dr) in p.chunks(n).zip(dp.chunks_mut(n)) {
+        let mut delta = A::ZERO;
+        for (a, b) in pr.iter().zip(dr.iter()) {
+            delta += *a * *b;
+        }
+        for (a, b) in pr.iter().zip(dr.iter_mut()) {
+            *b = *a * (*b - delta);
+        }
     }
 }
 
@@ -426,15 +440,7 @@ where
                         mm(s, dh, s, dv, (p, 1, s), (go, dh, 1), false);
                     }
                     // dS = P∘(dP − Σ_j dP·P), in dp.
-                    for (pr, dr) in p.chunks(s).zip(dp.chunks_mut(s)) {
-                        let mut delta = A::ZERO;
-                        for (a, b) in pr.iter().zip(dr.iter()) {
-                            delta += *a * *b;
-                        }
-                        for (a, b) in pr.iter().zip(dr.iter_mut()) {
-                            *b = *a * (*b - delta);
-                        }
-                    }
+                    softmax_bwd_rows(p, dp, s);
                     mm(s, dh, s, dq, (dp, s, 1), (k, dh, 1), false);
                     mm(s, dh, s, dk, (dp, 1, s), (q, dh, 1), false);
                 }

@@ -18,7 +18,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::generic::streaming_head_bwd;
+use super::generic::{round_through, softmax_bwd_rows, streaming_head_bwd};
 use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use crate::kernels::gemm::mm;
 use crate::kernels::scalar::{Acc, Elem};
@@ -528,22 +528,12 @@ where
                             mm(sq, sk, dh, p, (qb, dh, 1), (kbuf, 1, dh), false);
                             A::softmax_rows(p, sk);
                             // As stored in the compute dtype by the materialized mode.
-                            for x in p.iter_mut() {
-                                *x = T::from_acc(*x).to_acc();
-                            }
+                            round_through::<T, A>(p);
                         }
                     }
                     mm(sq, sk, dh, dp, (go, dh, 1), (vb, 1, dh), false);
                     mm(sk, dh, sq, dv, (p, 1, sk), (go, dh, 1), false);
-                    for (pr, dr) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
-                        let mut delta = A::ZERO;
-                        for (a, b) in pr.iter().zip(dr.iter()) {
-                            delta += *a * *b;
-                        }
-                        for (a, b) in pr.iter().zip(dr.iter_mut()) {
-                            *b = *a * (*b - delta);
-                        }
-                    }
+                    softmax_bwd_rows(p, dp, sk);
                     mm(sq, dh, sk, dq, (dp, sk, 1), (kbuf, dh, 1), false);
                     mm(sk, dh, sq, dk, (dp, 1, sk), (qb, dh, 1), false);
                 }
