@@ -102,7 +102,9 @@ pub(super) fn offload_devices(o: Offload) -> (&'static str, &'static str) {
 }
 
 /// The accelerate config (keys of accelerate 1.15 `commands/config/config_args.py`
-/// `ClusterConfig`, strings quoted: see [`yaml`]).
+/// `ClusterConfig`, strings quoted: see [`yaml`]). Over 100 lines: one mapping written key by
+/// key in the file's order, each key beside the rule it follows; split, the file's keys would
+/// be spread over several functions.
 pub(super) fn accelerate_yaml(
     spec: &Spec,
     o: &ExportOptions,

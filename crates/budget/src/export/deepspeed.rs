@@ -12,6 +12,8 @@ use crate::spec::{Optimizer, Precision, Spec};
 /// and no `optimizer` block: the diffusers scripts build their own optimizer, and accelerate
 /// refuses both. Standalone: fixed values, valid at the plan's world size only (deepspeed 0.19.8
 /// `runtime/config.py` `_configure_train_batch_size` checks batch = micro × accumulation × world).
+/// Over 100 lines: one JSON object written section by section (batch, precision, ZeRO, offload,
+/// checkpointing), each beside the DeepSpeed source it follows, for both modes at once.
 pub(super) fn deepspeed_json(
     spec: &Spec,
     o: &ExportOptions,

@@ -95,7 +95,8 @@ fn lex(env: &str) -> Vec<String> {
 }
 
 impl AllocConf {
-    /// Parse `PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` does.
+    /// Parse `PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` does. Over 100 lines: one
+    /// arm per key, in the order and with the checks of `parseArgs`, so the two read side by side.
     pub fn parse(env: &str) -> Result<AllocConf, AllocConfError> {
         let mut conf = AllocConf::default();
         let t = lex(env);
