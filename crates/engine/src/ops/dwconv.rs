@@ -431,6 +431,7 @@ impl CustomOp3 for SiluDwConv {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::max_abs_diff;
     use candle_core::{Device, Var};
 
     fn data(n: usize, salt: f64) -> Vec<f64> {
@@ -482,14 +483,7 @@ mod tests {
         let re = reference(x.as_tensor(), w.as_tensor(), bias.as_tensor(), b, r, wd);
         let rg = re.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         let o = silu_dwconv3x3(x.as_tensor(), w.as_tensor(), bias.as_tensor(), r, wd).unwrap();
-        let diff = (&o - &re)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let diff = max_abs_diff(&o, &re);
         assert!(diff < 1e-12, "{diff}");
         let g = o.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
         for v in [&x, &w, &bias] {
@@ -497,14 +491,7 @@ mod tests {
                 g.get(v.as_tensor()).unwrap(),
                 rg.get(v.as_tensor()).unwrap(),
             );
-            let diff = (ge - gr)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap();
+            let diff = max_abs_diff(ge, gr);
             assert!(diff < 1e-11, "{diff}");
         }
     }

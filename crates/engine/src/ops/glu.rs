@@ -109,6 +109,7 @@ impl CustomOp1 for GluSilu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::max_abs_diff;
     use candle_core::Var;
 
     #[test]
@@ -130,24 +131,13 @@ mod tests {
         let re = (u.narrow(1, 0, h).unwrap() * u.narrow(1, h, h).unwrap().silu().unwrap()).unwrap();
         let rg = re.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         let o = glu_silu(u.as_tensor()).unwrap();
-        let d = (&o - &re)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let d = max_abs_diff(&o, &re);
         assert!(d < 1e-13);
         let g = o.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let d = (g.get(u.as_tensor()).unwrap() - rg.get(u.as_tensor()).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let d = max_abs_diff(
+            g.get(u.as_tensor()).unwrap(),
+            rg.get(u.as_tensor()).unwrap(),
+        );
         assert!(d < 1e-12);
     }
 }

@@ -66,3 +66,15 @@ pub fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
         assert_eq!(bits(x), bits(y), "grad {i} {at}");
     }
 }
+
+/// max |a − b| over the elements of two f64 tensors of one shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
