@@ -7,6 +7,7 @@
 //! This file names no family and no other file of this folder but the types it returns, so the
 //! family files and their callers both stand on it.
 
+use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
 use crate::segment::Segment;
 use crate::spec::Spec;
@@ -26,6 +27,13 @@ pub(crate) trait FamilyRules {
     /// The blocks that are SD3.5's dual-attention blocks, by index; none for other families.
     fn dual_blocks(&self) -> Vec<u64> {
         Vec::new()
+    }
+
+    /// Whether the embed's backward adds `t`'s gradient into a buffer a block landed (diffusers'
+    /// DiT: block 0's embedder, whose second use the engine runs in the embed segment); false
+    /// for the other families.
+    fn summed_by_embed(&self, _t: &ParamTensor) -> bool {
+        false
     }
 
     /// Whether the step multiplies through candle's `gemm` crate whatever the dtype: true for

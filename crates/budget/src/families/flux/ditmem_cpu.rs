@@ -3,10 +3,10 @@
 //! segment (`x_embedder`, `context_embedder`, `time_text_embed`, the RoPE tables), the
 //! double-stream block on [image, text], the single-stream block on the joint stream (the first
 //! one joins the two streams itself), and the output side on the image tokens; then their
-//! simulation into [`Sims`] for the step replay ([`super::step`]): the double-stream blocks are
+//! simulation into [`Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]): the double-stream blocks are
 //! `Sims::block`, the single-stream ones [`SecondBlocks`].
 
-use crate::families::{Dims as FamilyDims, FluxDims};
+use crate::families::{Dims as FamilyDims, FamilyModel, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
@@ -47,8 +47,7 @@ pub struct FluxGeo {
 
 impl FluxGeo {
     /// The Flux geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<FluxGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<FluxGeo> {
         let FamilyDims::Flux(d) = &fm.dims else {
             return None;
         };
@@ -489,9 +488,9 @@ fn block_sim(
     s
 }
 
-/// `ops::backward_from_many` on `outs` ([`super::ops::seeds`]).
+/// `ops::backward_from_many` on `outs` ([`crate::runtime::ditmem_cpu::ops::seeds`]).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
-    super::ops::seeds(g, outs).unwrap_or(0)
+    crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(0)
 }
 
 /// Simulate Flux's segments for a spec.
@@ -557,4 +556,9 @@ impl FamilyRules for FluxGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    FluxGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -5,12 +5,12 @@
 //! `CombinedTimestepLabelEmbeddings`, `norm1.linear`, self-attention over separate q, k, v
 //! ([`separate_attention`]), the GELU-tanh feed-forward) and the output side (`proj_out_1`,
 //! `norm_out` + modulate, `proj_out_2`); then their simulation into [`Sims`] for the step
-//! replay ([`super::step`]), which schedules them as every family's.
+//! replay ([`crate::runtime::ditmem_cpu::step`]), which schedules them as every family's.
 //!
 //! Block 0's embedder parameters are read by block 0 and by the embed: block 0 lands their
 //! gradients, the embed's backward adds its own into those buffers ([`summed_by_embed`]).
 
-use crate::families::Dims as FamilyDims;
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
@@ -40,8 +40,7 @@ pub(crate) struct DitdGeo {
 
 impl DitdGeo {
     /// The diffusers DiT geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<DitdGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(_spec: &Spec, fm: &FamilyModel) -> Option<DitdGeo> {
         let FamilyDims::DitDiffusers(d) = &fm.dims else {
             return None;
         };
@@ -55,10 +54,8 @@ impl DitdGeo {
 /// Whether the embed's backward adds `t`'s gradient into a buffer block 0 landed: block 0's
 /// embedder (`transformer_blocks.0.norm1.emb.*`) of a diffusers DiT, whose second use (the
 /// output side's conditioning) the engine runs in the embed segment.
-pub(crate) fn summed_by_embed(spec: &Spec, t: &ParamTensor) -> bool {
-    t.block == Some(0)
-        && t.name.starts_with("transformer_blocks.0.norm1.emb.")
-        && DitdGeo::of(spec).is_some()
+fn summed_by_embed(t: &ParamTensor) -> bool {
+    t.block == Some(0) && t.name.starts_with("transformer_blocks.0.norm1.emb.")
 }
 
 /// `k` narrow views of a (b, k·D) tensor, each bound (the engine's locals).
@@ -279,4 +276,13 @@ impl FamilyRules for DitdGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+
+    fn summed_by_embed(&self, t: &ParamTensor) -> bool {
+        summed_by_embed(t)
+    }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    DitdGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

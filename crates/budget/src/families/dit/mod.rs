@@ -4,6 +4,9 @@
 //! own `CombinedTimestepLabelEmbeddings` in every block — 749,826,464 parameters for XL/2 against
 //! the original's 675,129,632.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};

@@ -3,6 +3,9 @@
 //! `scale_shift_table` per block), self-attention, cross-attention to the projected T5 caption,
 //! a GELU-tanh MLP, and a non-persistent sin-cos position table.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};

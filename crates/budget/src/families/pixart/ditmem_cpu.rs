@@ -1,11 +1,11 @@
 //! PixArt in the engine as candle nodes (twin: the engine's `families/pixart/block.rs` and
 //! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
 //! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
-//! over separate q, k, v ([`super::separate`]), and the output side with the final
+//! over separate q, k, v ([`crate::runtime::ditmem_cpu::separate`]), and the output side with the final
 //! `scale_shift_table`; then their simulation into [`Sims`] for the step replay
-//! ([`super::step`]), which schedules them as the DiT's.
+//! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
 
-use crate::families::{Dims as FamilyDims, PixartDims};
+use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
     base_weight, fused_cross, gated_released, linear_weights, module_feed_forward, module_linear,
@@ -42,8 +42,7 @@ pub(crate) struct PixGeo {
 
 impl PixGeo {
     /// The PixArt geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<PixGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<PixGeo> {
         let FamilyDims::Pixart(d) = &fm.dims else {
             return None;
         };
@@ -370,4 +369,9 @@ impl FamilyRules for PixGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    PixGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -6,6 +6,9 @@
 //! second self-attention `attn2`), and a persistent sin-cos table of pos_embed_max_size² rows
 //! cropped at run time.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};

@@ -4,6 +4,9 @@
 //! depthwise 3×3 on 2H, GLU, 1×1 conv H → D without bias; H = int(mlp_ratio · D)), adaLN-single as
 //! in PixArt, an RMSNorm on the caption, and no position table unless `interpolation_scale` is set.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};

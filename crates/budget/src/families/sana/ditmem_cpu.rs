@@ -3,14 +3,14 @@
 //! caption projection + `caption_norm`), the `SanaTransformerBlock` (ReLU linear
 //! self-attention, softmax cross-attention over separate q, k, v, the GLUMBConv Mix-FFN) and the
 //! output side with the final `scale_shift_table`; then their simulation into [`Sims`] for the
-//! step replay ([`super::step`]), which schedules them as PixArt's.
+//! step replay ([`crate::runtime::ditmem_cpu::step`]), which schedules them as PixArt's.
 //!
 //! The engine's Sana ops, each one node here: [`linear_attention`]
 //! (`ops::linear_attention`), [`mix_ffn`] (`ops::mix_ffn`, the whole Mix-FFN; composed of the
 //! linears, [`silu_dwconv`] (`ops::dwconv`) and [`glu`] (`ops::glu`) under LoRA on its
-//! linears), `ops::rms_norm` (the rule of [`super::flux::rms_norm`]).
+//! linears), `ops::rms_norm` (the rule of [`crate::families::flux::ditmem_cpu::rms_norm`]).
 
-use crate::families::{Dims as FamilyDims, SanaDims};
+use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
     fused_cross, linear_weights, lora_linear, sink_context_grad,
@@ -50,8 +50,7 @@ pub struct SanaGeo {
 
 impl SanaGeo {
     /// The Sana geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<SanaGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<SanaGeo> {
         let FamilyDims::Sana(d) = &fm.dims else {
             return None;
         };
@@ -503,7 +502,14 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Ni
         None,
     );
     let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
-    let y = super::flux::rms_norm(&mut g, sh, "caption_norm (fused)", c2, nw, sh.d);
+    let y = crate::families::flux::ditmem_cpu::rms_norm(
+        &mut g,
+        sh,
+        "caption_norm (fused)",
+        c2,
+        nw,
+        sh.d,
+    );
     // `caption_forward`'s locals live until it returns.
     g.hold_until(&[c1, act, c2], y);
     g.bind(y);
@@ -607,4 +613,9 @@ impl FamilyRules for SanaGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    SanaGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -6,6 +6,9 @@
 //! non-persistent 3-D RoPE tables of `rope_max_seq_len` × head-dim. Image conditioning (I2V:
 //! `image_dim`, `added_kv_proj_dim`) is not modelled.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};

@@ -3,9 +3,9 @@
 //! embedding + the cropped position table, the timestep and pooled-text MLPs, SiLU(temb),
 //! `context_embedder`), the joint block over the context and image streams (the last one
 //! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step
-//! replay ([`super::step`]), which runs the last block on its own [`Sims::last_block`].
+//! replay ([`crate::runtime::ditmem_cpu::step`]), which runs the last block on its own [`Sims::last_block`].
 
-use crate::families::{Dims as FamilyDims, Sd3Dims};
+use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
@@ -49,8 +49,7 @@ pub(crate) struct Sd3Geo {
 
 impl Sd3Geo {
     /// The SD3 geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<Sd3Geo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<Sd3Geo> {
         let FamilyDims::Sd3(d) = &fm.dims else {
             return None;
         };
@@ -125,8 +124,11 @@ fn dual_attention(
     let (qn, kn) = match norms {
         Some([wq, wk]) => {
             let dh = d / sh.heads;
-            let qn = super::flux::rms_norm(g, sh, "attn2.norm_q", q, wq, dh);
-            (qn, super::flux::rms_norm(g, sh, "attn2.norm_k", k, wk, dh))
+            let qn = crate::families::flux::ditmem_cpu::rms_norm(g, sh, "attn2.norm_q", q, wq, dh);
+            (
+                qn,
+                crate::families::flux::ditmem_cpu::rms_norm(g, sh, "attn2.norm_k", k, wk, dh),
+            )
         }
         None => (q, k),
     };
@@ -234,7 +236,7 @@ pub fn block(
             let (y, ey) = match norms {
                 Some([(wa, na), (wc, nc)]) => {
                     let mut n = |name: &str, x: Nid, w: Nid| {
-                        let y = super::flux::rms_norm(g, sh, name, x, w, dh);
+                        let y = crate::families::flux::ditmem_cpu::rms_norm(g, sh, name, x, w, dh);
                         g.bind(y)
                     };
                     (n(na, y, wa), n(nc, ey, wc))
@@ -318,11 +320,11 @@ pub fn block(
     (g, vec![c, x], se, vec![c2, x2])
 }
 
-/// The root `ops::backward_from_many` backpropagates a block from ([`super::ops::seeds`]).
+/// The root `ops::backward_from_many` backpropagates a block from ([`crate::runtime::ditmem_cpu::ops::seeds`]).
 /// Returns (root, nodes appended).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
     let n0 = g.nodes.len();
-    let r = super::ops::seeds(g, outs).unwrap_or(n0);
+    let r = crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(n0);
     (r, g.nodes.len() - n0)
 }
 
@@ -551,4 +553,9 @@ impl FamilyRules for Sd3Geo {
     fn dual_blocks(&self) -> Vec<u64> {
         self.dual.clone()
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    Sd3Geo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -5,6 +5,9 @@
 //! `proj_out` 5D → D). RoPE over `axes_dims_rope` is computed per step: no buffer, no parameter.
 //! `x_embedder` reads the 2×2-packed latent (64 features).
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};

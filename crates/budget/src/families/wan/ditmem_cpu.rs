@@ -3,9 +3,9 @@
 //! MLP, `time_proj`, text projection, the RoPE tables), the `WanTransformerBlock` (q/k RMSNorm
 //! across heads, RoPE, self- and cross-attention over separate q, k, v, the affine `norm2`),
 //! and the output side with the final `scale_shift_table`; then their simulation into
-//! [`Sims`] for the step replay ([`super::step`]).
+//! [`Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]).
 
-use crate::families::{Dims as FamilyDims, WanDims};
+use crate::families::{Dims as FamilyDims, FamilyModel, WanDims};
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
     base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
@@ -42,8 +42,7 @@ pub(crate) struct WanGeo {
 
 impl WanGeo {
     /// The Wan geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<WanGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<WanGeo> {
         let FamilyDims::Wan(d) = &fm.dims else {
             return None;
         };
@@ -384,4 +383,9 @@ impl FamilyRules for WanGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    WanGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -7,15 +7,12 @@
 //! contiguous, `WanTimeTextImageEmbedding`), the blocks (all alike: the stream keeps the patch
 //! embedding's dtype), `norm_out` + `proj_out` + the loss.
 
-use super::common::Fam;
-use super::sana::{flow_loss, noising};
-use crate::families::WanDims;
+use crate::families::{Dims, WanDims};
+use crate::runtime::pytorch::families::common::{flow_loss, noising, Fam};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
 
 struct Dm {
     b: u64,
@@ -425,6 +422,15 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
         stages: st,
         data: Data { kept, forward_only },
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Wan(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
 }
 
 #[cfg(test)]
