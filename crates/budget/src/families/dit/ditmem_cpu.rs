@@ -4,7 +4,7 @@
 //! more for the output side), the `BasicTransformerBlock` with `ada_norm_zero` (its own
 //! `CombinedTimestepLabelEmbeddings`, `norm1.linear`, self-attention over separate q, k, v
 //! ([`separate_attention`]), the GELU-tanh feed-forward) and the output side (`proj_out_1`,
-//! `norm_out` + modulate, `proj_out_2`); then their simulation into [`Sims`] for the step
+//! `norm_out` + modulate, `proj_out_2`); then their simulation into [`crate::runtime::costs::Sims`] for the step
 //! replay ([`crate::runtime::ditmem_cpu::step`]), which schedules them as every family's.
 //!
 //! Block 0's embedder parameters are read by block 0 and by the embed: block 0 lands their
@@ -12,17 +12,16 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
-use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
     base_weight, gated_released, module_feed_forward, module_linear, proj_out_released,
     release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::family::FamilyRules;
-use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{fused_linear, ln_modulate};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 
@@ -103,182 +102,156 @@ fn combined_embedding(g: &mut Graph, sh: &Shape, dg: &DitdGeo, tf: Nid, ids: Nid
     emb
 }
 
-/// One block as `ditd_block_forward` builds it, on a leaf copy of its input, tracked or not
-/// (`track`: what the engine releases); every intermediate is a local of that function (bound).
-/// Returns the graph, the input leaf and the output.
-pub fn block(sh: &Shape, dg: &DitdGeo, track: bool) -> (Graph, Nid, Nid) {
-    let mut g = Graph::default();
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let (e, d) = (sh.e(), sh.d);
-    let rows = sh.b * sh.s;
-    let bd = sh.b * d;
-    let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    // The fixed tables the embed made (no leaf copies).
-    let tf = g.constant("timestep features (fixed)", sh.b * DITD_FREQ, cd, false);
-    let ids = g.constant("label ids (fixed)", sh.b, Dtype::F32, false);
-    let emb = combined_embedding(&mut g, sh, dg, tf, ids);
-    g.bind(emb);
-    let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
-    let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
-    g.bind(se);
-    let m6 = module_linear(&mut g, sh, "norm1.linear", se, sh.b, 6 * d, d);
-    let m6 = g.cast(&format!("norm1.linear→{ad}"), m6, ad);
-    g.bind(m6);
-    let m = chunks(&mut g, "modulation", m6, 6, bd);
-    let lin = |g: &mut Graph, name: &str, x: Nid| {
-        let y = module_linear(g, sh, name, x, rows, d, d);
-        g.bind(y)
-    };
-
-    // Self-attention.
-    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
-    g.bind(h1);
-    let q = lin(&mut g, "attn1.to_q", h1);
-    let k = lin(&mut g, "attn1.to_k", h1);
-    let v = lin(&mut g, "attn1.to_v", h1);
-    let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
-    g.bind(o);
-    let p = lin(&mut g, "attn1.to_out.0", o);
-    let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-    g.bind(x1);
-
-    // Feed-forward.
-    let h2 = ln_modulate(&mut g, "norm3+modulate", x1, m[3], m[4], rows, cd);
-    g.bind(h2);
-    let names = ("ff.net.0.proj", "ff.net.2");
-    let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-    release_unless_read(&mut g, sh, track, names.0, h2);
-    let out = gated_released(&mut g, track, "x1 + out·gate_mlp (fused)", x1, f2, m[5]);
-    (g, x, out)
-}
-
-/// The embed segment as `DitdLayout::embed` builds it. Returns (graph, x0, SiLU(emb₀) in the
-/// compute dtype, timestep features, label ids).
-pub(crate) fn embed_graph(sh: &Shape, dg: &DitdGeo) -> (Graph, [Nid; 4]) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let bd = sh.b * sh.d;
-    let wd = sh.weight_dtype();
-    let mut g = Graph::default();
-    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-    g.bind(xp);
-    // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view (as PixArt's).
-    let inp = sh.c_in * p2;
-    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-    let xe = fused_linear(
-        &mut g,
-        "pos_embed.proj x·Wᵀ+b",
-        [xp, wv, bias],
-        (rows, inp, sh.d),
-        &sh.cpu,
-    );
-    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-    let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-    let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
-    let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
-    let tf = g.constant("timestep features", sh.b * DITD_FREQ, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
-    // The label ids (u32, one per sample; 4 bytes each like an f32).
-    let ids = g.constant("label ids", sh.b, Dtype::F32, true);
-    g.bind(ids);
-    let emb0 = combined_embedding(&mut g, sh, dg, tf, ids);
-    let se = g.op("silu(emb₀)", Kind::Silu, &[emb0], bd, ad);
-    let se = g.cast(&format!("silu(emb₀)→{cd}"), se, cd);
-    g.bind(se);
-    g.bind(x0);
-    (g, [x0, se, tf, ids])
-}
-
-/// The output side and the loss on a leaf copy of the last block's output.
-/// Returns (graph, leaf, root).
-pub(crate) fn final_graph(sh: &Shape, dg: &DitdGeo) -> (Graph, Nid, Nid) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let e = sh.e();
-    let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
-    let se = sh.cond_leaf(&mut g, "SiLU(emb₀) (shared leaf)", bd, cd);
-    let m = module_linear(&mut g, sh, "proj_out_1", se, sh.b, 2 * sh.d, sh.d);
-    let m = g.cast(&format!("proj_out_1→{ad}"), m, ad);
-    g.bind(m);
-    let md = chunks(&mut g, "proj_out_1", m, 2, bd);
-    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-    g.bind(h);
-    let out_el = rows * p2 * dg.c_out;
-    let y = module_linear(&mut g, sh, "proj_out_2", h, rows, p2 * dg.c_out, sh.d);
-    let y = proj_out_released(&mut g, sh, h, y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = g.view(
-        "ε channels",
-        Kind::Narrow {
-            pad_before: 0,
-            pad_after: out_el - lat,
-        },
-        img,
-        lat,
-    );
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let root = sims::family_loss(&mut g, pred, lat, ld);
-    (g, x, root)
-}
-
-/// Simulate the diffusers DiT's three segments for a spec.
-pub fn sims(spec: &Spec, dg: &DitdGeo) -> Sims {
-    let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|track| block(&sh, dg, track));
-    let (fg, fleaf, froot) = final_graph(&sh, dg);
-    let (eg, [x0, se, tf, ids]) = embed_graph(&sh, dg);
-    let embed = sims::embed_sim(
-        eg,
-        &EmbedOutputs {
-            streams: &[x0],
-            conds: &[se],
-            tables: &[tf, ids],
-            frozen: sh.frozen_embed,
-        },
-        grad_dtype(sh.precision),
-    );
-    let scratch = sims::embed_scratch(&sh, DITD_FREQ, 0);
-    sims::sims(
-        embed,
-        block_sim,
-        sims::final_sim(&fg, fleaf, froot),
-        scratch,
-    )
-}
-
-impl FamilyRules for DitdGeo {
-    fn sims(&self, spec: &Spec) -> Sims {
-        sims(spec, self)
+impl OneBlockKind for DitdGeo {
+    fn freq(&self) -> u64 {
+        DITD_FREQ
     }
 
     /// No text: the class label is a table row.
-    fn text_elems(&self) -> u64 {
+    fn caption_elems(&self) -> u64 {
         0
-    }
-
-    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
-        let sh = Shape::new(spec);
-        [
-            to_segment(&embed_graph(&sh, self).0, "embed"),
-            to_segment(&block(&sh, self, true).0, "block"),
-            to_segment(&final_graph(&sh, self).0, "final"),
-        ]
     }
 
     fn summed_by_embed(&self, t: &ParamTensor) -> bool {
         summed_by_embed(t)
+    }
+
+    /// The embed segment as `DitdLayout::embed` builds it. Returns (graph, x0, SiLU(emb₀) in the
+    /// compute dtype, timestep features, label ids).
+    fn embed(&self, sh: &Shape) -> EmbedGraph {
+        let dg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let p2 = sh.patch2;
+        let rows = sh.b * sh.s;
+        let bd = sh.b * sh.d;
+        let wd = sh.weight_dtype();
+        let mut g = Graph::default();
+        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+        g.bind(xp);
+        // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view (as PixArt's).
+        let inp = sh.c_in * p2;
+        let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
+        let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+        let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
+        let xe = fused_linear(
+            &mut g,
+            "pos_embed.proj x·Wᵀ+b",
+            [xp, wv, bias],
+            (rows, inp, sh.d),
+            &sh.cpu,
+        );
+        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
+        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let tf = g.constant("timestep features", sh.b * DITD_FREQ, ad, true);
+        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+        g.bind(tf);
+        // The label ids (u32, one per sample; 4 bytes each like an f32).
+        let ids = g.constant("label ids", sh.b, Dtype::F32, true);
+        g.bind(ids);
+        let emb0 = combined_embedding(&mut g, sh, dg, tf, ids);
+        let se = g.op("silu(emb₀)", Kind::Silu, &[emb0], bd, ad);
+        let se = g.cast(&format!("silu(emb₀)→{cd}"), se, cd);
+        g.bind(se);
+        g.bind(x0);
+        EmbedGraph {
+            graph: g,
+            streams: vec![x0],
+            conds: vec![se],
+            tables: vec![tf, ids],
+        }
+    }
+
+    /// One block as `ditd_block_forward` builds it, on a leaf copy of its input, tracked or not
+    /// (`track`: what the engine releases); every intermediate is a local of that function (bound).
+    /// Returns the graph, the input leaf and the output.
+    fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
+        let dg = self;
+        let mut g = Graph::default();
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let (e, d) = (sh.e(), sh.d);
+        let rows = sh.b * sh.s;
+        let bd = sh.b * d;
+        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        // The fixed tables the embed made (no leaf copies).
+        let tf = g.constant("timestep features (fixed)", sh.b * DITD_FREQ, cd, false);
+        let ids = g.constant("label ids (fixed)", sh.b, Dtype::F32, false);
+        let emb = combined_embedding(&mut g, sh, dg, tf, ids);
+        g.bind(emb);
+        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+        g.bind(se);
+        let m6 = module_linear(&mut g, sh, "norm1.linear", se, sh.b, 6 * d, d);
+        let m6 = g.cast(&format!("norm1.linear→{ad}"), m6, ad);
+        g.bind(m6);
+        let m = chunks(&mut g, "modulation", m6, 6, bd);
+        let lin = |g: &mut Graph, name: &str, x: Nid| {
+            let y = module_linear(g, sh, name, x, rows, d, d);
+            g.bind(y)
+        };
+
+        // Self-attention.
+        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+        g.bind(h1);
+        let q = lin(&mut g, "attn1.to_q", h1);
+        let k = lin(&mut g, "attn1.to_k", h1);
+        let v = lin(&mut g, "attn1.to_v", h1);
+        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
+        g.bind(o);
+        let p = lin(&mut g, "attn1.to_out.0", o);
+        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
+        g.bind(x1);
+
+        // Feed-forward.
+        let h2 = ln_modulate(&mut g, "norm3+modulate", x1, m[3], m[4], rows, cd);
+        g.bind(h2);
+        let names = ("ff.net.0.proj", "ff.net.2");
+        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
+        release_unless_read(&mut g, sh, track, names.0, h2);
+        let out = gated_released(&mut g, track, "x1 + out·gate_mlp (fused)", x1, f2, m[5]);
+        (g, x, out)
+    }
+
+    /// The output side and the loss on a leaf copy of the last block's output.
+    /// Returns (graph, leaf, root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
+        let dg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let ld = grad_dtype(sh.precision);
+        let p2 = sh.patch2;
+        let rows = sh.b * sh.s;
+        let e = sh.e();
+        let bd = sh.b * sh.d;
+        let mut g = Graph::default();
+        let x = g.var("final leaf", e, ad, true);
+        let se = sh.cond_leaf(&mut g, "SiLU(emb₀) (shared leaf)", bd, cd);
+        let m = module_linear(&mut g, sh, "proj_out_1", se, sh.b, 2 * sh.d, sh.d);
+        let m = g.cast(&format!("proj_out_1→{ad}"), m, ad);
+        g.bind(m);
+        let md = chunks(&mut g, "proj_out_1", m, 2, bd);
+        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        g.bind(h);
+        let out_el = rows * p2 * dg.c_out;
+        let y = module_linear(&mut g, sh, "proj_out_2", h, rows, p2 * dg.c_out, sh.d);
+        let y = proj_out_released(&mut g, sh, h, y, ad);
+        let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+        let y = g.view("permute", Kind::Transpose, y, out_el);
+        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+        let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+        let lat = rows * p2 * sh.c_in;
+        let pred = g.view(
+            "ε channels",
+            Kind::Narrow {
+                pad_before: 0,
+                pad_after: out_el - lat,
+            },
+            img,
+            lat,
+        );
+        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+        let root = sims::family_loss(&mut g, pred, lat, ld);
+        (g, x, root)
     }
 }
 

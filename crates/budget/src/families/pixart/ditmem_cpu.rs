@@ -2,22 +2,21 @@
 //! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
 //! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
 //! over separate q, k, v ([`crate::runtime::ditmem_cpu::separate`]), and the output side with the final
-//! `scale_shift_table`; then their simulation into [`Sims`] for the step replay
+//! `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the step replay
 //! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
 
 use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
-use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::block::{
     base_weight, fused_cross, gated_released, linear_weights, module_feed_forward, module_linear,
     release_unless_read, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::family::FamilyRules;
-use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{concat, fused_linear, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
@@ -79,173 +78,6 @@ fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
         .collect()
 }
 
-/// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
-/// not (`track`: what the engine releases); every intermediate is a local of that function
-/// (bound). Returns the graph and (input leaf, t6 leaf, caption leaf, output).
-pub fn block(sh: &Shape, pg: &PixGeo, track: bool) -> (Graph, Nid, Nid, Nid, Nid) {
-    let mut g = Graph::default();
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let (e, d) = (sh.e(), sh.d);
-    let rows = sh.b * sh.s;
-    let (bd, trows) = (sh.b * d, sh.b * pg.t);
-    let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
-    let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
-    let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
-    let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
-    let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
-    g.bind(modv);
-    let m = chunks(&mut g, "modulation", modv, 6, bd);
-    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = module_linear(g, sh, name, x, rows, out, inp);
-        g.bind(y)
-    };
-
-    // Self-attention.
-    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
-    g.bind(h1);
-    let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
-    let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
-    let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
-    let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
-    g.bind(o);
-    let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
-    let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-    g.bind(x1);
-
-    // Cross-attention.
-    let xc = g.cast(&format!("x1→{cd}"), x1, cd);
-    let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
-    g.bind(xq);
-    let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
-    let o2 = if fused_cross(sh) {
-        let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
-        let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
-        let name = "attn2 (cross, k and v projected inside)";
-        cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
-    } else {
-        let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
-        sink_context_grad(&mut g, k2, y);
-        let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
-        sink_context_grad(&mut g, v2, y);
-        let name = "attn2 (cross, separate q, k, v)";
-        separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
-    };
-    g.bind(o2);
-    let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
-    let ones = g.constant("ones (b, D)", bd, ad, true);
-    g.bind(ones);
-    let x2 = gated_released(
-        &mut g,
-        track,
-        "x1 + out (fused, gate of ones)",
-        x1,
-        p2,
-        ones,
-    );
-    g.bind(x2);
-
-    // MLP.
-    let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
-    g.bind(h2);
-    let names = ("ff.net.0.proj", "ff.net.2");
-    let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-    release_unless_read(&mut g, sh, track, names.0, h2);
-    let out = gated_released(&mut g, track, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
-    (g, x, t6, y, out)
-}
-
-/// The embed segment as `Trainer::pixart_microbatch` builds it. Returns (graph, x0, t6,
-/// embedded timestep, caption).
-pub(crate) fn embed_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid, Nid, Nid) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let bd = sh.b * sh.d;
-    let trows = sh.b * pg.t;
-    let wd = sh.weight_dtype();
-    let mut g = Graph::default();
-    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-    g.bind(xp);
-    // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view; the patches do not track,
-    // so the weight goes in tracked (its gradient through candle's store).
-    let inp = sh.c_in * p2;
-    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-    let xe = fused_linear(
-        &mut g,
-        "pos_embed.proj x·Wᵀ+b",
-        [xp, wv, bias],
-        (rows, inp, sh.d),
-        &sh.cpu,
-    );
-    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-    let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-    let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
-    let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
-    let tf = g.constant("timestep features", sh.b * PIXART_FREQ, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
-    let te = "adaln_single.emb.timestep_embedder";
-    let h = module_linear(
-        &mut g,
-        sh,
-        &format!("{te}.linear_1"),
-        tf,
-        sh.b,
-        sh.d,
-        PIXART_FREQ,
-    );
-    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
-    g.bind(h);
-    let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
-    let emb = g.cast(&format!("emb→{ad}"), emb, ad);
-    g.bind(emb);
-    let emb = if pg.sizes {
-        size_embedding(&mut g, sh, emb)
-    } else {
-        emb
-    };
-    let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
-    let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
-    g.bind(se);
-    let t6 = module_linear(&mut g, sh, "adaln_single.linear", se, sh.b, 6 * sh.d, sh.d);
-    let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
-    g.bind(t6);
-    let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
-    g.bind(cap);
-    let y = if pg.projection {
-        let c1 = module_linear(
-            &mut g,
-            sh,
-            "caption_projection.linear_1",
-            cap,
-            trows,
-            sh.d,
-            pg.width,
-        );
-        let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
-        let y = module_linear(
-            &mut g,
-            sh,
-            "caption_projection.linear_2",
-            act,
-            trows,
-            sh.d,
-            sh.d,
-        );
-        // `caption_forward`'s locals live until it returns.
-        g.hold_until(&[c1, act], y);
-        y
-    } else {
-        cap
-    };
-    g.bind(y);
-    g.bind(x0);
-    (g, x0, t6, emb, y)
-}
-
 /// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
 /// `emb`: for the resolution (2 values per sample) and the aspect ratio (1), sinusoid features
 /// (accumulation dtype, cast to the compute dtype), linear_1, SiLU, linear_2 (D/3 wide) cast to
@@ -279,95 +111,232 @@ fn size_embedding(g: &mut Graph, sh: &Shape, emb: Nid) -> Nid {
     g.op("emb + sizes", Kind::Add, &[emb, cat], sh.b * sh.d, ad)
 }
 
-/// The output side and the loss on a leaf copy of the last block's output.
-/// Returns (graph, leaf, root).
-pub(crate) fn final_graph(sh: &Shape, pg: &PixGeo) -> (Graph, Nid, Nid) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let e = sh.e();
-    let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
-    let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
-    let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-    let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
-    let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
-    let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
-    let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
-    let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
-    let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
-    let md = chunks(&mut g, "final modulation", ss, 2, bd);
-    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-    let out_el = rows * p2 * pg.c_out;
-    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
-    let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = g.view(
-        "ε channels",
-        Kind::Narrow {
-            pad_before: 0,
-            pad_after: out_el - lat,
-        },
-        img,
-        lat,
-    );
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let root = sims::family_loss(&mut g, pred, lat, ld);
-    (g, x, root)
-}
-
-/// Simulate PixArt's three segments for a spec.
-pub fn sims(spec: &Spec, pg: &PixGeo) -> Sims {
-    let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|track| {
-        let (g, leaf, _, _, out) = block(&sh, pg, track);
-        (g, leaf, out)
-    });
-    let (fg, fleaf, froot) = final_graph(&sh, pg);
-    let (eg, x0, t6, emb, y) = embed_graph(&sh, pg);
-    let embed = sims::embed_sim(
-        eg,
-        &EmbedOutputs {
-            streams: &[x0],
-            conds: &[t6, emb, y],
-            tables: &[],
-            frozen: sh.frozen_embed,
-        },
-        grad_dtype(sh.precision),
-    );
-    let text = sh.b * pg.text_elems();
-    let scratch = sims::embed_scratch(&sh, PIXART_FREQ, text);
-    sims::sims(
-        embed,
-        block_sim,
-        sims::final_sim(&fg, fleaf, froot),
-        scratch,
-    )
-}
-
-impl FamilyRules for PixGeo {
-    fn sims(&self, spec: &Spec) -> Sims {
-        sims(spec, self)
+impl OneBlockKind for PixGeo {
+    fn freq(&self) -> u64 {
+        PIXART_FREQ
     }
 
     /// Text elements of one sample (T·width): the batch holds them in f64.
-    fn text_elems(&self) -> u64 {
+    fn caption_elems(&self) -> u64 {
         self.t * self.width
     }
 
-    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
-        let sh = Shape::new(spec);
-        [
-            to_segment(&embed_graph(&sh, self).0, "embed"),
-            to_segment(&block(&sh, self, true).0, "block"),
-            to_segment(&final_graph(&sh, self).0, "final"),
-        ]
+    /// The embed segment as `Trainer::pixart_microbatch` builds it. Returns (graph, x0, t6,
+    /// embedded timestep, caption).
+    fn embed(&self, sh: &Shape) -> EmbedGraph {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let p2 = sh.patch2;
+        let rows = sh.b * sh.s;
+        let bd = sh.b * sh.d;
+        let trows = sh.b * pg.t;
+        let wd = sh.weight_dtype();
+        let mut g = Graph::default();
+        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
+        g.bind(xp);
+        // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view; the patches do not track,
+        // so the weight goes in tracked (its gradient through candle's store).
+        let inp = sh.c_in * p2;
+        let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
+        let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
+        let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
+        let xe = fused_linear(
+            &mut g,
+            "pos_embed.proj x·Wᵀ+b",
+            [xp, wv, bias],
+            (rows, inp, sh.d),
+            &sh.cpu,
+        );
+        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
+        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let tf = g.constant("timestep features", sh.b * PIXART_FREQ, ad, true);
+        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+        g.bind(tf);
+        let te = "adaln_single.emb.timestep_embedder";
+        let h = module_linear(
+            &mut g,
+            sh,
+            &format!("{te}.linear_1"),
+            tf,
+            sh.b,
+            sh.d,
+            PIXART_FREQ,
+        );
+        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+        g.bind(h);
+        let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
+        let emb = g.cast(&format!("emb→{ad}"), emb, ad);
+        g.bind(emb);
+        let emb = if pg.sizes {
+            size_embedding(&mut g, sh, emb)
+        } else {
+            emb
+        };
+        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+        g.bind(se);
+        let t6 = module_linear(&mut g, sh, "adaln_single.linear", se, sh.b, 6 * sh.d, sh.d);
+        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+        g.bind(t6);
+        let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
+        g.bind(cap);
+        let y = if pg.projection {
+            let c1 = module_linear(
+                &mut g,
+                sh,
+                "caption_projection.linear_1",
+                cap,
+                trows,
+                sh.d,
+                pg.width,
+            );
+            let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
+            let y = module_linear(
+                &mut g,
+                sh,
+                "caption_projection.linear_2",
+                act,
+                trows,
+                sh.d,
+                sh.d,
+            );
+            // `caption_forward`'s locals live until it returns.
+            g.hold_until(&[c1, act], y);
+            y
+        } else {
+            cap
+        };
+        g.bind(y);
+        g.bind(x0);
+        EmbedGraph {
+            graph: g,
+            streams: vec![x0],
+            conds: vec![t6, emb, y],
+            tables: Vec::new(),
+        }
+    }
+
+    /// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
+    /// not (`track`: what the engine releases); every intermediate is a local of that function
+    /// (bound). Returns the graph and (input leaf, t6 leaf, caption leaf, output).
+    fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
+        let pg = self;
+        let mut g = Graph::default();
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let (e, d) = (sh.e(), sh.d);
+        let rows = sh.b * sh.s;
+        let (bd, trows) = (sh.b * d, sh.b * pg.t);
+        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+        let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
+        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+        g.bind(modv);
+        let m = chunks(&mut g, "modulation", modv, 6, bd);
+        let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
+            let y = module_linear(g, sh, name, x, rows, out, inp);
+            g.bind(y)
+        };
+
+        // Self-attention.
+        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+        g.bind(h1);
+        let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
+        let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
+        let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
+        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
+        g.bind(o);
+        let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
+        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
+        g.bind(x1);
+
+        // Cross-attention.
+        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+        g.bind(xq);
+        let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
+        let o2 = if fused_cross(sh) {
+            let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
+            let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
+            let name = "attn2 (cross, k and v projected inside)";
+            cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
+        } else {
+            let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
+            sink_context_grad(&mut g, k2, y);
+            let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
+            sink_context_grad(&mut g, v2, y);
+            let name = "attn2 (cross, separate q, k, v)";
+            separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
+        };
+        g.bind(o2);
+        let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
+        let ones = g.constant("ones (b, D)", bd, ad, true);
+        g.bind(ones);
+        let x2 = gated_released(
+            &mut g,
+            track,
+            "x1 + out (fused, gate of ones)",
+            x1,
+            p2,
+            ones,
+        );
+        g.bind(x2);
+
+        // MLP.
+        let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
+        g.bind(h2);
+        let names = ("ff.net.0.proj", "ff.net.2");
+        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
+        release_unless_read(&mut g, sh, track, names.0, h2);
+        let out = gated_released(&mut g, track, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+        (g, x, out)
+    }
+
+    /// The output side and the loss on a leaf copy of the last block's output.
+    /// Returns (graph, leaf, root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let ld = grad_dtype(sh.precision);
+        let p2 = sh.patch2;
+        let rows = sh.b * sh.s;
+        let e = sh.e();
+        let bd = sh.b * sh.d;
+        let mut g = Graph::default();
+        let x = g.var("final leaf", e, ad, true);
+        let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
+        let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
+        let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
+        let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
+        let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
+        let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        let out_el = rows * p2 * pg.c_out;
+        let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
+        let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
+        let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+        let y = g.view("permute", Kind::Transpose, y, out_el);
+        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+        let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+        let lat = rows * p2 * sh.c_in;
+        let pred = g.view(
+            "ε channels",
+            Kind::Narrow {
+                pad_before: 0,
+                pad_after: out_el - lat,
+            },
+            img,
+            lat,
+        );
+        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+        let root = sims::family_loss(&mut g, pred, lat, ld);
+        (g, x, root)
     }
 }
 
