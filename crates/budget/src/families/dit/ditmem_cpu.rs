@@ -13,13 +13,12 @@
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, module_feed_forward, module_linear, proj_out_released,
-    release_unless_read,
+    base_weight, chunks, gated_released, module_feed_forward, module_linear, patch_embed,
+    proj_out_released, release_unless_read, timestep_features,
 };
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{fused_linear, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::ln_modulate;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -55,24 +54,6 @@ impl DitdGeo {
 /// output side's conditioning) the engine runs in the embed segment.
 fn summed_by_embed(t: &ParamTensor) -> bool {
     t.block == Some(0) && t.name.starts_with("transformer_blocks.0.norm1.emb.")
-}
-
-/// `k` narrow views of a (b, k·D) tensor, each bound (the engine's locals).
-fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
 }
 
 /// `combined_embedding` of the engine (`CombinedTimestepLabelEmbeddings` of the block at
@@ -121,32 +102,14 @@ impl OneBlockKind for DitdGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let dg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let p2 = sh.patch2;
-        let rows = sh.b * sh.s;
         let bd = sh.b * sh.d;
-        let wd = sh.weight_dtype();
         let mut g = Graph::default();
-        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-        g.bind(xp);
-        // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view (as PixArt's).
-        let inp = sh.c_in * p2;
-        let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-        let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-        let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-        let xe = fused_linear(
-            &mut g,
-            "pos_embed.proj x·Wᵀ+b",
-            [xp, wv, bias],
-            (rows, inp, sh.d),
-            &sh.cpu,
-        );
+        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
         let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
         let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
         let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
         let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
-        let tf = g.constant("timestep features", sh.b * DITD_FREQ, ad, true);
-        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-        g.bind(tf);
+        let tf = timestep_features(&mut g, sh, DITD_FREQ);
         // The label ids (u32, one per sample; 4 bytes each like an f32).
         let ids = g.constant("label ids", sh.b, Dtype::F32, true);
         g.bind(ids);
@@ -218,13 +181,9 @@ impl OneBlockKind for DitdGeo {
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let dg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let ld = grad_dtype(sh.precision);
-        let p2 = sh.patch2;
         let rows = sh.b * sh.s;
-        let e = sh.e();
         let bd = sh.b * sh.d;
-        let mut g = Graph::default();
-        let x = g.var("final leaf", e, ad, true);
+        let (mut g, x) = sims::final_leaf(sh);
         let se = sh.cond_leaf(&mut g, "SiLU(emb₀) (shared leaf)", bd, cd);
         let m = module_linear(&mut g, sh, "proj_out_1", se, sh.b, 2 * sh.d, sh.d);
         let m = g.cast(&format!("proj_out_1→{ad}"), m, ad);
@@ -232,25 +191,23 @@ impl OneBlockKind for DitdGeo {
         let md = chunks(&mut g, "proj_out_1", m, 2, bd);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
         g.bind(h);
-        let out_el = rows * p2 * dg.c_out;
-        let y = module_linear(&mut g, sh, "proj_out_2", h, rows, p2 * dg.c_out, sh.d);
-        let y = proj_out_released(&mut g, sh, h, y, ad);
-        let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-        let y = g.view("permute", Kind::Transpose, y, out_el);
-        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-        let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-        let lat = rows * p2 * sh.c_in;
-        let pred = g.view(
-            "ε channels",
-            Kind::Narrow {
-                pad_before: 0,
-                pad_after: out_el - lat,
-            },
-            img,
-            lat,
+        let y = module_linear(
+            &mut g,
+            sh,
+            "proj_out_2",
+            h,
+            rows,
+            sh.patch2 * dg.c_out,
+            sh.d,
         );
-        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-        let root = sims::family_loss(&mut g, pred, lat, ld);
+        let y = proj_out_released(&mut g, sh, h, y, ad);
+        let root = sims::prediction_loss(
+            &mut g,
+            sh,
+            y,
+            dg.c_out,
+            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
+        );
         (g, x, root)
     }
 }

@@ -7,14 +7,13 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, fused_cross, gated_released, linear_weights, module_feed_forward, module_linear,
-    release_unless_read, sink_context_grad,
+    base_weight, chunks, fused_cross, gated_released, linear_weights, module_feed_forward,
+    module_linear, patch_embed, release_unless_read, sink_context_grad, timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{concat, fused_linear, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::{concat, gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -58,24 +57,6 @@ impl PixGeo {
             sizes: d.use_additional_conditions,
         }
     }
-}
-
-/// `k` narrow views of a (b, k·D) tensor.
-fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
 }
 
 /// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
@@ -126,34 +107,15 @@ impl OneBlockKind for PixGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let pg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let p2 = sh.patch2;
-        let rows = sh.b * sh.s;
         let bd = sh.b * sh.d;
         let trows = sh.b * pg.t;
-        let wd = sh.weight_dtype();
         let mut g = Graph::default();
-        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-        g.bind(xp);
-        // The conv weight (D, C, p, p) multiplies as its (D, C·p·p) view; the patches do not track,
-        // so the weight goes in tracked (its gradient through candle's store).
-        let inp = sh.c_in * p2;
-        let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-        let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-        let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-        let xe = fused_linear(
-            &mut g,
-            "pos_embed.proj x·Wᵀ+b",
-            [xp, wv, bias],
-            (rows, inp, sh.d),
-            &sh.cpu,
-        );
+        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
         let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
         let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
         let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
         let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
-        let tf = g.constant("timestep features", sh.b * PIXART_FREQ, ad, true);
-        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-        g.bind(tf);
+        let tf = timestep_features(&mut g, sh, PIXART_FREQ);
         let te = "adaln_single.emb.timestep_embedder";
         let h = module_linear(
             &mut g,
@@ -300,13 +262,9 @@ impl OneBlockKind for PixGeo {
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let pg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let ld = grad_dtype(sh.precision);
-        let p2 = sh.patch2;
         let rows = sh.b * sh.s;
-        let e = sh.e();
         let bd = sh.b * sh.d;
-        let mut g = Graph::default();
-        let x = g.var("final leaf", e, ad, true);
+        let (mut g, x) = sims::final_leaf(sh);
         let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
         let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
         let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
@@ -317,25 +275,15 @@ impl OneBlockKind for PixGeo {
         let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
         let md = chunks(&mut g, "final modulation", ss, 2, bd);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-        let out_el = rows * p2 * pg.c_out;
-        let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
+        let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * pg.c_out, sh.d);
         let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
-        let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-        let y = g.view("permute", Kind::Transpose, y, out_el);
-        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-        let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-        let lat = rows * p2 * sh.c_in;
-        let pred = g.view(
-            "ε channels",
-            Kind::Narrow {
-                pad_before: 0,
-                pad_after: out_el - lat,
-            },
-            img,
-            lat,
+        let root = sims::prediction_loss(
+            &mut g,
+            sh,
+            y,
+            pg.c_out,
+            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
         );
-        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-        let root = sims::family_loss(&mut g, pred, lat, ld);
         (g, x, root)
     }
 }

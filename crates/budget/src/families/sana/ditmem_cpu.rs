@@ -12,7 +12,8 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
 use crate::runtime::ditmem_cpu::block::{
-    fused_cross, linear_weights, lora_linear, sink_context_grad,
+    chunks, fused_cross, linear_weights, lora_linear, patch_embed, sink_context_grad,
+    timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
@@ -178,24 +179,6 @@ fn linear(
     )
 }
 
-/// `k` narrow views of a (b, k·D) tensor.
-fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
-}
-
 /// `mix_ffn_forward` of the engine's Sana block on h2 (rows, D): one [`mix_ffn`] node where
 /// neither linear carries LoRA (always, today: both are 1×1 `Conv2d`s in diffusers, which the
 /// spec's LoRA targets refuse), else `conv_inverted`, [`silu_dwconv`], [`glu`] and
@@ -345,31 +328,20 @@ impl OneBlockKind for SanaGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let sg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let p2 = sh.patch2;
-        let rows = sh.b * sh.s;
         let bd = sh.b * sh.d;
         let trows = sh.b * sg.t;
         let wd = sh.weight_dtype();
         let trained = sh.lora.is_none();
         let mut g = Graph::default();
-        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-        g.bind(xp);
-        let inp = sh.c_in * p2;
-        let w = g.weight("patch_embed.proj.weight", sh.d * inp, wd, trained, wd);
-        let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-        let bias = g.weight("patch_embed.proj.bias", sh.d, wd, trained, wd);
-        let xe = fused_linear(
+        let xe = patch_embed(
             &mut g,
-            "patch_embed.proj x·Wᵀ+b",
-            [xp, wv, bias],
-            (rows, inp, sh.d),
-            &sh.cpu,
+            sh,
+            "patch_embed.proj",
+            "proj.weight.flatten_from(1)",
         );
         let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
         let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-        let tf = g.constant("timestep features", sh.b * SANA_FREQ, ad, true);
-        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-        g.bind(tf);
+        let tf = timestep_features(&mut g, sh, SANA_FREQ);
         let te = "time_embed.emb.timestep_embedder";
         let h = linear(
             &mut g,
@@ -542,10 +514,8 @@ impl OneBlockKind for SanaGeo {
         let ld = grad_dtype(sh.precision);
         let p2 = sh.patch2;
         let rows = sh.b * sh.s;
-        let e = sh.e();
         let bd = sh.b * sh.d;
-        let mut g = Graph::default();
-        let x = g.var("final leaf", e, ad, true);
+        let (mut g, x) = sims::final_leaf(sh);
         let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
         let wd = sh.weight_dtype();
         let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);

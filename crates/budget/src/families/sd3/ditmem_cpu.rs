@@ -8,8 +8,8 @@
 use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
-    proj_out_released, reads_input, release_unless_read,
+    base_weight, gated_released, linear_weights, module_feed_forward, module_linear, patch_embed,
+    proj_out_released, reads_input, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -371,25 +371,10 @@ fn block_sim(sh: &Shape, sg: &Sd3Geo, kind: (bool, bool)) -> SegSim {
 /// SiLU(temb)).
 pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
     let bd = sh.b * sh.d;
     let trows = sh.b * sg.t;
-    let wd = sh.weight_dtype();
     let mut g = Graph::default();
-    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-    g.bind(xp);
-    let inp = sh.c_in * p2;
-    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-    let xe = crate::runtime::ditmem_cpu::ops::fused_linear(
-        &mut g,
-        "pos_embed.proj x·Wᵀ+b",
-        [xp, wv, bias],
-        (rows, inp, sh.d),
-        &sh.cpu,
-    );
+    let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
     // The table's (M², D) → (M, M, D) view, cropped by two narrows (views) and read in place.
     let side2 = sg.pos_side * sg.pos_side;
     let pos = g.constant("pos_embed.pos_embed", side2 * sh.d, ad, false);
@@ -416,9 +401,7 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let xe = g.view("reshape(b,r,c,D)", Kind::Reshape, xe, sh.e());
     let x0 = g.broadcast_binary("+pos_embed (cropped)", Kind::Add, xe, pos, false);
     let x0 = g.view("reshape(b,s,D)", Kind::Reshape, x0, sh.e());
-    let tf = g.constant("timestep features", sh.b * SD3_FREQ, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
+    let tf = timestep_features(&mut g, sh, SD3_FREQ);
     let mlp = |g: &mut Graph, name: &str, x: Nid, inp: u64| {
         let h = module_linear(g, sh, &format!("{name}.linear_1"), x, sh.b, sh.d, inp);
         let h = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
@@ -446,13 +429,9 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
 /// The output side and the loss on a leaf copy of the image stream. Returns (graph, leaf, root).
 pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let p2 = sh.patch2;
     let rows = sh.b * sh.s;
-    let e = sh.e();
     let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
+    let (mut g, x) = sims::final_leaf(sh);
     let se = sh.cond_leaf(&mut g, "SiLU(temb) (shared leaf)", bd, cd);
     let m = module_linear(&mut g, sh, "norm_out.linear", se, sh.b, 2 * sh.d, sh.d);
     let m = g.cast(&format!("norm_out →{ad}"), m, ad);
@@ -463,25 +442,19 @@ pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     g.bind(shift);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, shift, scale, rows, cd);
     g.bind(h);
-    let out_el = rows * p2 * sg.c_out;
-    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * sg.c_out, sh.d);
     let y = proj_out_released(&mut g, sh, h, y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = g.view(
-        "latent channels",
-        Kind::Narrow {
-            pad_before: 0,
-            pad_after: out_el - lat,
-        },
-        img,
-        lat,
+    let root = sims::prediction_loss(
+        &mut g,
+        sh,
+        y,
+        sg.c_out,
+        [
+            "reshape(b,r,c,p,p,C)",
+            "reshape(b,C,h,w)",
+            "latent channels",
+        ],
     );
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let root = sims::family_loss(&mut g, pred, lat, ld);
     (g, x, root)
 }
 

@@ -7,15 +7,13 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, WanDims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, fused_cross, linear_weights, module_feed_forward, module_linear, sink_context_grad,
+    base_weight, chunks, fused_cross, linear_weights, module_feed_forward, module_linear,
+    patch_embed, sink_context_grad, timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{
-    fused_linear, gated_residual, gelu, ln_modulate, rms_norm, rope,
-};
+use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate, rms_norm, rope};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -71,24 +69,6 @@ fn rope_dtype(sh: &Shape) -> Dtype {
     }
 }
 
-/// `k` narrow views of a (b, k·D) tensor, each bound.
-fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
-}
-
 impl OneBlockKind for WanGeo {
     fn freq(&self) -> u64 {
         self.freq
@@ -111,31 +91,13 @@ impl OneBlockKind for WanGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let wg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let p2 = sh.patch2;
-        let rows = sh.b * sh.s;
         let bd = sh.b * sh.d;
         let trows = sh.b * wg.t;
-        let wd = sh.weight_dtype();
         let mut g = Graph::default();
-        let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-        g.bind(xp);
-        // The Conv3d weight (D, C, 1, p, p) multiplies as its (D, C·p·p) view.
-        let inp = sh.c_in * p2;
-        let w = base_weight(&mut g, sh, "patch_embedding.weight", sh.d * inp, wd);
-        let wv = g.view("weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-        let bias = base_weight(&mut g, sh, "patch_embedding.bias", sh.d, wd);
-        let xe = fused_linear(
-            &mut g,
-            "patch_embedding x·Wᵀ+b",
-            [xp, wv, bias],
-            (rows, inp, sh.d),
-            &sh.cpu,
-        );
+        let xe = patch_embed(&mut g, sh, "patch_embedding", "weight.flatten_from(1)");
         let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
         let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-        let tf = g.constant("timestep features", sh.b * wg.freq, ad, true);
-        let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-        g.bind(tf);
+        let tf = timestep_features(&mut g, sh, wg.freq);
         let ce = "condition_embedder";
         let h = module_linear(
             &mut g,
@@ -322,13 +284,9 @@ impl OneBlockKind for WanGeo {
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let wg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let ld = grad_dtype(sh.precision);
-        let p2 = sh.patch2;
         let rows = sh.b * sh.s;
-        let e = sh.e();
         let bd = sh.b * sh.d;
-        let mut g = Graph::default();
-        let x = g.var("final leaf", e, ad, true);
+        let (mut g, x) = sims::final_leaf(sh);
         let temb = sh.cond_leaf(&mut g, "temb (shared leaf)", bd, ad);
         let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
         let eu = g.view("temb.unsqueeze(1)", Kind::Reshape, temb, bd);
@@ -338,25 +296,15 @@ impl OneBlockKind for WanGeo {
         let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
         let md = chunks(&mut g, "final modulation", ss, 2, bd);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-        let out_el = rows * p2 * wg.c_out;
-        let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * wg.c_out, sh.d);
+        let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * wg.c_out, sh.d);
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
-        let y = g.view("reshape(b,F,r,c,p,p,C)", Kind::Reshape, y, out_el);
-        let y = g.view("permute", Kind::Transpose, y, out_el);
-        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-        let img = g.view("reshape(b,C,F,h,w)", Kind::Reshape, img, out_el);
-        let lat = rows * p2 * sh.c_in;
-        let pred = g.view(
-            "ε channels",
-            Kind::Narrow {
-                pad_before: 0,
-                pad_after: out_el - lat,
-            },
-            img,
-            lat,
+        let root = sims::prediction_loss(
+            &mut g,
+            sh,
+            y,
+            wg.c_out,
+            ["reshape(b,F,r,c,p,p,C)", "reshape(b,C,F,h,w)", "ε channels"],
         );
-        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-        let root = sims::family_loss(&mut g, pred, lat, ld);
         (g, x, root)
     }
 }
