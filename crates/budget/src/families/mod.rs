@@ -15,6 +15,7 @@
 mod config;
 mod defaults;
 pub(crate) mod dit;
+mod family;
 pub(crate) mod flux;
 pub mod frozen;
 mod model;

@@ -13,6 +13,7 @@ use serde::Serialize;
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table};
 use crate::error::SpecError;
 
@@ -127,5 +128,60 @@ impl FluxDims {
     /// FluxPipeline's default: `default_sample_size = 128` latent pixels × the VAE's 8 = 1024².
     pub fn training_defaults(&self) -> TrainingDefaults {
         TrainingDefaults::square(1024)
+    }
+}
+
+impl FamilyDims for FluxDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        table(self, t);
+    }
+
+    /// SD3/Flux VAE f8c16, 2×2 latent pixels of 16 channels packed into one 64-wide token;
+    /// CLIP-L pooled + T5-XXL at 512 tokens (dev; schnell 256).
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        let clip = TextEncoder {
+            name: "CLIP-L (pooled)",
+            default_tokens: 77,
+            width: d.pooled_projection_dim,
+            sequence: false,
+        };
+        let t5_tokens = if d.guidance_embeds { 512 } else { 256 };
+        let t5 = TextEncoder::t5(t5_tokens, d.joint_attention_dim);
+        let dims = [d.num_layers, d.inner(), d.num_attention_heads, d.patch_size];
+        Geometry {
+            blocks: d.num_layers + d.num_single_layers,
+            patch: 2 * d.patch_size,
+            latent_channels: d.in_channels / 4,
+            ..diffusers_f8(
+                [dims[0], dims[1], dims[2], dims[3], d.in_channels],
+                vec![clip, t5],
+            )
+        }
+    }
+
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(FluxDims::training_defaults(self))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers + self.num_single_layers
+    }
+
+    /// Double- and single-stream blocks.
+    fn block_kinds(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("double-stream block", self.num_layers),
+            ("single-stream block", self.num_single_layers),
+        ]
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
+        self.num_single_layers = counts[1];
     }
 }

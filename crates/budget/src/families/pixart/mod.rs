@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -159,5 +160,47 @@ impl PixartDims {
     /// checkpoint (the 1024 checkpoints: 128 → 1024²; the 512 ones: 64 → 512²).
     pub fn training_defaults(&self) -> TrainingDefaults {
         TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
+    }
+}
+
+impl FamilyDims for PixartDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        table(self, t);
+    }
+
+    /// SD VAE f8c4; T5-XXL at 120 tokens (α; Σ: 300), told by name: a preset's, or the path of
+    /// a --model config.json (a Hub snapshot's path names the checkpoint,
+    /// "PixArt-Sigma-XL-2-1024-MS").
+    fn geometry(&self, name: &str) -> Geometry {
+        let d = self;
+        let sigma = name.to_ascii_lowercase().contains("sigma");
+        let t5 = TextEncoder::t5(
+            if sigma { 300 } else { 120 },
+            d.caption_channels.unwrap_or(d.cross_attention_dim),
+        );
+        let dims = [
+            d.num_layers,
+            d.inner(),
+            d.num_attention_heads,
+            d.patch_size,
+            d.in_channels,
+        ];
+        diffusers_f8(dims, vec![t5])
+    }
+
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(PixartDims::training_defaults(self))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

@@ -12,6 +12,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch};
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -186,5 +187,47 @@ impl SanaDims {
     /// SanaPipeline's default: `sample_size` × DC-AE's 32 (the 1024px checkpoints: 32 → 1024²).
     pub fn training_defaults(&self) -> TrainingDefaults {
         TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 32)
+    }
+}
+
+impl FamilyDims for SanaDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        table(self, t);
+    }
+
+    /// DC-AE f32c32, Sana's own MLP width; Gemma-2-2B at 300 tokens.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        let gemma = TextEncoder {
+            name: "Gemma-2-2B",
+            default_tokens: 300,
+            width: d.caption_channels,
+            sequence: true,
+        };
+        let dims = [d.num_layers, d.inner(), d.num_attention_heads, d.patch_size];
+        Geometry {
+            vae_factor: 32,
+            mlp: d.mlp_hidden(),
+            ..diffusers_f8(
+                [dims[0], dims[1], dims[2], dims[3], d.in_channels],
+                vec![gemma],
+            )
+        }
+    }
+
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(SanaDims::training_defaults(self))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

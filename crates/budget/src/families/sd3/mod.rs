@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch};
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -198,5 +199,84 @@ impl Sd3Dims {
     /// StableDiffusion3Pipeline's default: `sample_size` × the VAE's 8 (SD3, SD3.5: 128 → 1024²).
     pub fn training_defaults(&self) -> TrainingDefaults {
         TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
+    }
+}
+
+impl FamilyDims for Sd3Dims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        table(self, t);
+    }
+
+    /// SD3 VAE f8c16; CLIP-L ⊕ CLIP-G 77 + T5-XXL 77 (`train_dreambooth_sd3.py`
+    /// `--max_sequence_length 77`).
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        let clip = TextEncoder {
+            name: "CLIP-L ⊕ CLIP-G",
+            default_tokens: 77,
+            width: d.joint_attention_dim,
+            sequence: true,
+        };
+        let t5 = TextEncoder::t5(77, d.joint_attention_dim);
+        let dims = [
+            d.num_layers,
+            d.inner(),
+            d.num_attention_heads,
+            d.patch_size,
+            d.in_channels,
+        ];
+        diffusers_f8(dims, vec![clip, t5])
+    }
+
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(Sd3Dims::training_defaults(self))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    /// SD3.5's dual-attention (MMDiT-X) and plain joint blocks; one kind without them.
+    fn block_kinds(&self) -> Vec<(&'static str, u64)> {
+        let dual = self.dual_attention_layers.len() as u64;
+        if dual == 0 {
+            vec![("block", self.num_layers)]
+        } else {
+            vec![
+                ("dual-attention block", dual),
+                ("joint block", self.num_layers.saturating_sub(dual)),
+            ]
+        }
+    }
+
+    /// Without dual-attention blocks, the first N; with them, the first N dual-attention
+    /// blocks and the first N joint blocks, in their order.
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        if self.dual_attention_layers.is_empty() {
+            self.num_layers = counts[0];
+            return;
+        }
+        // Walk the blocks in order, keeping each while its kind's count lasts.
+        let (mut dual_left, mut joint_left) = (counts[0], counts[1]);
+        let mut dual = Vec::new();
+        let mut kept = 0u64;
+        for i in 0..self.num_layers {
+            if self.dual_attention_layers.contains(&i) {
+                if dual_left > 0 {
+                    dual_left -= 1;
+                    dual.push(kept);
+                    kept += 1;
+                }
+            } else if joint_left > 0 {
+                joint_left -= 1;
+                kept += 1;
+            }
+        }
+        self.num_layers = kept;
+        self.dual_attention_layers = dual;
     }
 }

@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
+use super::family::{FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
@@ -174,5 +175,48 @@ impl WanDims {
             microbatch: 1,
             accumulation: 1,
         }
+    }
+}
+
+impl FamilyDims for WanDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        table(self, t);
+    }
+
+    /// Wan-VAE f8 × t4, c16; umT5-XXL at 512 tokens.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        Geometry {
+            blocks: d.num_layers,
+            hidden: d.inner(),
+            heads: d.num_attention_heads,
+            patch: d.patch_size[1],
+            latent_channels: d.in_channels,
+            vae_factor: 8,
+            vae_temporal_factor: 4,
+            mlp: d.ffn_dim,
+            text: vec![TextEncoder {
+                name: "umT5-XXL",
+                default_tokens: 512,
+                width: d.text_dim,
+                sequence: true,
+            }],
+        }
+    }
+
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(WanDims::training_defaults(self))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }
