@@ -13,8 +13,8 @@
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, chunks, gated_released, module_feed_forward, module_linear, patch_embed,
-    proj_out_released, release_unless_read, timestep_features,
+    base_weight, block_leaf, chunks, gated_released, module_feed_forward, module_linear,
+    patch_embed, proj_out_released, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
@@ -131,12 +131,11 @@ impl OneBlockKind for DitdGeo {
     /// Returns the graph, the input leaf and the output.
     fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
         let dg = self;
-        let mut g = Graph::default();
         let (cd, ad) = (sh.cd(), sh.ad());
-        let (e, d) = (sh.e(), sh.d);
+        let d = sh.d;
         let rows = sh.b * sh.s;
         let bd = sh.b * d;
-        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        let (mut g, x) = block_leaf(sh);
         // The fixed tables the embed made (no leaf copies).
         let tf = g.constant("timestep features (fixed)", sh.b * DITD_FREQ, cd, false);
         let ids = g.constant("label ids (fixed)", sh.b, Dtype::F32, false);

@@ -9,7 +9,7 @@
 use crate::families::{Dims as FamilyDims, FamilyModel, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
+    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
     release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
@@ -149,12 +149,6 @@ fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid
         .collect()
 }
 
-/// A bound linear of a block.
-fn lin(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64, out: u64, inp: u64) -> Nid {
-    let y = module_linear(g, sh, name, x, rows, out, inp);
-    g.bind(y)
-}
-
 /// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
     let (d, m) = (sh.d, 4 * sh.d);
@@ -208,8 +202,8 @@ pub(crate) fn double_block(
                 &sh.cpu,
             )
         } else {
-            let y = lin(g, sh, image, hx, rs, d, d);
-            let ey = lin(g, sh, text, hc, rt, d, d);
+            let y = bound_linear(g, sh, image, hx, rs, d, d);
+            let ey = bound_linear(g, sh, text, hc, rt, d, d);
             let cat = concat(g, &format!("[text; image] {which}"), ey, y);
             g.release(y);
             g.release(ey);
@@ -219,8 +213,8 @@ pub(crate) fn double_block(
     };
     let qc = joint_pre(&mut g, "q", "attn.to_q", "attn.add_q_proj");
     let kc = joint_pre(&mut g, "k", "attn.to_k", "attn.add_k_proj");
-    let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
-    let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
+    let v = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.to_v", hx, rs, d, d));
+    let ev = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
     let vc = match (ev, v) {
         (Some(ev), Some(v)) => {
             let vc = concat(&mut g, "[text; image] v", ev, v);
@@ -261,8 +255,8 @@ pub(crate) fn double_block(
     g.bind(oc);
     let oi = slice(&mut g, "image tokens of the attention", o, rs * d);
     g.bind(oi);
-    let ao = lin(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
-    let co = lin(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
+    let ao = bound_linear(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
+    let co = bound_linear(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
     // Image stream.
     let x1 = gated_released(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
     g.bind(x1);
@@ -317,13 +311,13 @@ pub(crate) fn single_block(
     let am = if fused {
         None
     } else {
-        let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
+        let pm = bound_linear(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
         let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
         Some(g.bind(am))
     };
-    let q = lin(&mut g, sh, "attn.to_q", hx, rows, d, d);
-    let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
-    let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
+    let q = bound_linear(&mut g, sh, "attn.to_q", hx, rows, d, d);
+    let k = bound_linear(&mut g, sh, "attn.to_k", hx, rows, d, d);
+    let v = bound_linear(&mut g, sh, "attn.to_v", hx, rows, d, d);
     let wq = norm_weight(&mut g, sh, "attn.norm_q", fg.dh);
     let qr = norm_rope(&mut g, sh, "attn.norm_q + rope q (fused)", q, &[wq], fg.dh);
     g.bind(qr);
@@ -350,7 +344,7 @@ pub(crate) fn single_block(
             let cat = concat(&mut g, "[attention; MLP]", o, am);
             g.bind(cat);
             g.release(am);
-            let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+            let p = bound_linear(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
             release_unless_read(&mut g, sh, track, "proj_out", cat);
             p
         }

@@ -87,57 +87,47 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<FluxDims, SpecError> {
     Ok(d)
 }
 
-pub(crate) fn table(d: &FluxDims, t: &mut Table) {
-    let dim = d.inner();
-    let hd = d.attention_head_dim;
-    // CombinedTimestep(Guidance)TextProjEmbeddings.
-    let pooled = d.pooled_projection_dim;
-    t.combined_timestep_text_proj_embeddings("time_text_embed", dim, pooled, d.guidance_embeds);
-    t.top_linear(
-        "context_embedder",
-        dim,
-        d.joint_attention_dim,
-        Group::TextEmbed,
-    );
-    t.top_linear("x_embedder", dim, d.in_channels, Group::PatchEmbed);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
-        t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
-        t.flux_attention(&format!("{b}.attn"), dim, hd, true, g, blk);
-        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
-        t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
-    }
-    for i in 0..d.num_single_layers as u32 {
-        let b = format!("single_transformer_blocks.{i}");
-        let (g, blk) = (Group::SingleBlocks, Some(i));
-        // mlp_ratio 4.0 is fixed in FluxSingleTransformerBlock.
-        let mlp = 4 * dim;
-        t.ada_layer_norm_zero_single(&format!("{b}.norm"), dim, g, blk);
-        t.linear(&format!("{b}.proj_mlp"), mlp, dim, true, g, blk);
-        t.linear(&format!("{b}.proj_out"), dim, dim + mlp, true, g, blk);
-        t.flux_attention(&format!("{b}.attn"), dim, hd, false, g, blk);
-    }
-    t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
-    let p = d.patch_size;
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-}
-
-impl FluxDims {
-    /// FluxPipeline's default: `default_sample_size = 128` latent pixels × the VAE's 8 = 1024².
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::square(1024)
-    }
-}
-
 impl FamilyDims for FluxDims {
     fn hidden(&self) -> u64 {
         self.inner()
     }
 
     fn table(&self, t: &mut Table) {
-        table(self, t);
+        let d = self;
+        let dim = d.inner();
+        let hd = d.attention_head_dim;
+        // CombinedTimestep(Guidance)TextProjEmbeddings.
+        let pooled = d.pooled_projection_dim;
+        t.combined_timestep_text_proj_embeddings("time_text_embed", dim, pooled, d.guidance_embeds);
+        t.top_linear(
+            "context_embedder",
+            dim,
+            d.joint_attention_dim,
+            Group::TextEmbed,
+        );
+        t.top_linear("x_embedder", dim, d.in_channels, Group::PatchEmbed);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
+            t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
+            t.flux_attention(&format!("{b}.attn"), dim, hd, true, g, blk);
+            t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+            t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
+        }
+        for i in 0..d.num_single_layers as u32 {
+            let b = format!("single_transformer_blocks.{i}");
+            let (g, blk) = (Group::SingleBlocks, Some(i));
+            // mlp_ratio 4.0 is fixed in FluxSingleTransformerBlock.
+            let mlp = 4 * dim;
+            t.ada_layer_norm_zero_single(&format!("{b}.norm"), dim, g, blk);
+            t.linear(&format!("{b}.proj_mlp"), mlp, dim, true, g, blk);
+            t.linear(&format!("{b}.proj_out"), dim, dim + mlp, true, g, blk);
+            t.flux_attention(&format!("{b}.attn"), dim, hd, false, g, blk);
+        }
+        t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
+        let p = d.patch_size;
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
     }
 
     /// SD3/Flux VAE f8c16, 2×2 latent pixels of 16 channels packed into one 64-wide token;
@@ -164,8 +154,9 @@ impl FamilyDims for FluxDims {
         }
     }
 
+    /// FluxPipeline's default: `default_sample_size = 128` latent pixels × the VAE's 8 = 1024².
     fn training_defaults(&self) -> Option<TrainingDefaults> {
-        Some(FluxDims::training_defaults(self))
+        Some(TrainingDefaults::square(1024))
     }
 
     fn layers(&self) -> u64 {

@@ -7,8 +7,9 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, chunks, fused_cross, gated_released, linear_weights, module_feed_forward,
-    module_linear, patch_embed, release_unless_read, sink_context_grad, timestep_features,
+    base_weight, block_leaf, bound_linear, chunks, fused_cross, gated_released, linear_weights,
+    module_feed_forward, module_linear, patch_embed, release_unless_read, sink_context_grad,
+    timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
@@ -182,15 +183,14 @@ impl OneBlockKind for PixGeo {
 
     /// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
     /// not (`track`: what the engine releases); every intermediate is a local of that function
-    /// (bound). Returns the graph and (input leaf, t6 leaf, caption leaf, output).
+    /// (bound). Returns (graph, input leaf, output).
     fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
         let pg = self;
-        let mut g = Graph::default();
         let (cd, ad) = (sh.cd(), sh.ad());
         let (e, d) = (sh.e(), sh.d);
         let rows = sh.b * sh.s;
         let (bd, trows) = (sh.b * d, sh.b * pg.t);
-        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        let (mut g, x) = block_leaf(sh);
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
         let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
@@ -198,20 +198,16 @@ impl OneBlockKind for PixGeo {
         let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
         g.bind(modv);
         let m = chunks(&mut g, "modulation", modv, 6, bd);
-        let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-            let y = module_linear(g, sh, name, x, rows, out, inp);
-            g.bind(y)
-        };
 
         // Self-attention.
         let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
         g.bind(h1);
-        let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
-        let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
-        let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
+        let q = bound_linear(&mut g, sh, "attn1.to_q", h1, rows, d, d);
+        let k = bound_linear(&mut g, sh, "attn1.to_k", h1, rows, d, d);
+        let v = bound_linear(&mut g, sh, "attn1.to_v", h1, rows, d, d);
         let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
         g.bind(o);
-        let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
+        let p = bound_linear(&mut g, sh, "attn1.to_out.0", o, rows, d, d);
         let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
         g.bind(x1);
 
@@ -219,22 +215,22 @@ impl OneBlockKind for PixGeo {
         let xc = g.cast(&format!("x1→{cd}"), x1, cd);
         let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
         g.bind(xq);
-        let q2 = lin(&mut g, "attn2.to_q", xq, rows, d, d);
+        let q2 = bound_linear(&mut g, sh, "attn2.to_q", xq, rows, d, d);
         let o2 = if fused_cross(sh) {
             let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
             let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
             let name = "attn2 (cross, k and v projected inside)";
             cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
         } else {
-            let k2 = lin(&mut g, "attn2.to_k", y, trows, d, d);
+            let k2 = bound_linear(&mut g, sh, "attn2.to_k", y, trows, d, d);
             sink_context_grad(&mut g, k2, y);
-            let v2 = lin(&mut g, "attn2.to_v", y, trows, d, d);
+            let v2 = bound_linear(&mut g, sh, "attn2.to_v", y, trows, d, d);
             sink_context_grad(&mut g, v2, y);
             let name = "attn2 (cross, separate q, k, v)";
             separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
         };
         g.bind(o2);
-        let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
+        let p2 = bound_linear(&mut g, sh, "attn2.to_out.0", o2, rows, d, d);
         let ones = g.constant("ones (b, D)", bd, ad, true);
         g.bind(ones);
         let x2 = gated_released(

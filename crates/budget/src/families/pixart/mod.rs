@@ -120,56 +120,45 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, Spe
     Ok(d)
 }
 
-/// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
-pub(crate) fn table(d: &PixartDims, t: &mut Table) {
-    let dim = d.inner();
-    let p = d.patch_size;
-    t.push(
-        "scale_shift_table".into(),
-        vec![2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    t.patch_embed("pos_embed", d.in_channels, dim, p);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        let attn1 = Attn::self_attn(dim, d.attention_bias);
-        t.attention(&format!("{b}.attn1"), attn1, g, blk);
-        let attn2 = Attn {
-            kv_dim: d.cross_attention_dim,
-            ..attn1
-        };
-        t.attention(&format!("{b}.attn2"), attn2, g, blk);
-        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
-    }
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-    // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
-    t.ada_layer_norm_single("adaln_single", dim, d.use_additional_conditions);
-    if let Some(c) = d.caption_channels {
-        // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
-        t.pixart_alpha_text_projection("caption_projection", c, dim);
-    }
-    let side = d.sample_size / p;
-    t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
-}
-
-impl PixartDims {
-    /// PixArtAlphaPipeline / PixArtSigmaPipeline's default: `sample_size` × the VAE's 8, per
-    /// checkpoint (the 1024 checkpoints: 128 → 1024²; the 512 ones: 64 → 512²).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
-    }
-}
-
 impl FamilyDims for PixartDims {
     fn hidden(&self) -> u64 {
         self.inner()
     }
 
+    /// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
     fn table(&self, t: &mut Table) {
-        table(self, t);
+        let d = self;
+        let dim = d.inner();
+        let p = d.patch_size;
+        t.push(
+            "scale_shift_table".into(),
+            vec![2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        t.patch_embed("pos_embed", d.in_channels, dim, p);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+            let attn1 = Attn::self_attn(dim, d.attention_bias);
+            t.attention(&format!("{b}.attn1"), attn1, g, blk);
+            let attn2 = Attn {
+                kv_dim: d.cross_attention_dim,
+                ..attn1
+            };
+            t.attention(&format!("{b}.attn2"), attn2, g, blk);
+            t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+        }
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+        // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
+        t.ada_layer_norm_single("adaln_single", dim, d.use_additional_conditions);
+        if let Some(c) = d.caption_channels {
+            // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
+            t.pixart_alpha_text_projection("caption_projection", c, dim);
+        }
+        let side = d.sample_size / p;
+        t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
     }
 
     /// SD VAE f8c4; T5-XXL at 120 tokens (α; Σ: 300), told by name: a preset's, or the path of
@@ -192,8 +181,14 @@ impl FamilyDims for PixartDims {
         diffusers_f8(dims, vec![t5])
     }
 
+    /// PixArtAlphaPipeline / PixArtSigmaPipeline's default: `sample_size` × the VAE's 8, per
+    /// checkpoint (the 1024 checkpoints: 128 → 1024²; the 512 ones: 64 → 512²).
     fn training_defaults(&self) -> Option<TrainingDefaults> {
-        Some(PixartDims::training_defaults(self))
+        Some(TrainingDefaults::from_sample_size(
+            self.sample_size,
+            self.patch_size,
+            8,
+        ))
     }
 
     fn layers(&self) -> u64 {

@@ -12,7 +12,7 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
 use crate::runtime::ditmem_cpu::block::{
-    chunks, fused_cross, linear_weights, lora_linear, patch_embed, sink_context_grad,
+    block_leaf, chunks, fused_cross, linear_weights, lora_linear, patch_embed, sink_context_grad,
     timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
@@ -427,16 +427,14 @@ impl OneBlockKind for SanaGeo {
     }
 
     /// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the
-    /// block's weights (the zero bias is made with them). Returns the graph and (input leaf, t6
-    /// leaf, caption leaf, output).
+    /// block's weights (the zero bias is made with them). Returns (graph, input leaf, output).
     fn block(&self, sh: &Shape, _track: bool) -> (Graph, Nid, Nid) {
         let sg = self;
-        let mut g = Graph::default();
         let (cd, ad) = (sh.cd(), sh.ad());
         let (e, d) = (sh.e(), sh.d);
         let rows = sh.b * sh.s;
         let (bd, trows) = (sh.b * d, sh.b * sg.t);
-        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        let (mut g, x) = block_leaf(sh);
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
         let wd = sh.weight_dtype();

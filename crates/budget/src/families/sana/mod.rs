@@ -141,62 +141,52 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
     Ok(d)
 }
 
-pub(crate) fn table(d: &SanaDims, t: &mut Table) {
-    let dim = d.inner();
-    let p = d.patch_size;
-    let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
-    t.push(
-        "scale_shift_table".into(),
-        vec![2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    t.patch_embed("patch_embed", d.in_channels, dim, p);
-    // AdaLayerNormSingle(dim) without the size embedders.
-    t.ada_layer_norm_single("time_embed", dim, false);
-    t.pixart_alpha_text_projection("caption_projection", d.caption_channels, dim);
-    t.norm("caption_norm", dim, false, Group::TextEmbed, None);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
-        let attn1 = Attn {
-            qk_norm: d.qk_norm.then_some(dim),
-            ..Attn::self_attn(dim, d.attention_bias)
-        };
-        t.attention(&format!("{b}.attn1"), attn1, g, blk);
-        let attn2 = Attn {
-            query_dim: dim,
-            kv_dim: d.cross_attention_dim,
-            inner: cross,
-            bias: true,
-            qk_norm: d.qk_norm.then_some(cross),
-        };
-        t.attention(&format!("{b}.attn2"), attn2, g, blk);
-        t.glumb_conv(&format!("{b}.ff"), dim, d.mlp_hidden(), g, blk);
-    }
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-    if d.pos_embed {
-        let side = d.sample_size / p;
-        t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
-    }
-}
-
-impl SanaDims {
-    /// SanaPipeline's default: `sample_size` × DC-AE's 32 (the 1024px checkpoints: 32 → 1024²).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 32)
-    }
-}
-
 impl FamilyDims for SanaDims {
     fn hidden(&self) -> u64 {
         self.inner()
     }
 
     fn table(&self, t: &mut Table) {
-        table(self, t);
+        let d = self;
+        let dim = d.inner();
+        let p = d.patch_size;
+        let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
+        t.push(
+            "scale_shift_table".into(),
+            vec![2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        t.patch_embed("patch_embed", d.in_channels, dim, p);
+        // AdaLayerNormSingle(dim) without the size embedders.
+        t.ada_layer_norm_single("time_embed", dim, false);
+        t.pixart_alpha_text_projection("caption_projection", d.caption_channels, dim);
+        t.norm("caption_norm", dim, false, Group::TextEmbed, None);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+            // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
+            let attn1 = Attn {
+                qk_norm: d.qk_norm.then_some(dim),
+                ..Attn::self_attn(dim, d.attention_bias)
+            };
+            t.attention(&format!("{b}.attn1"), attn1, g, blk);
+            let attn2 = Attn {
+                query_dim: dim,
+                kv_dim: d.cross_attention_dim,
+                inner: cross,
+                bias: true,
+                qk_norm: d.qk_norm.then_some(cross),
+            };
+            t.attention(&format!("{b}.attn2"), attn2, g, blk);
+            t.glumb_conv(&format!("{b}.ff"), dim, d.mlp_hidden(), g, blk);
+        }
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+        if d.pos_embed {
+            let side = d.sample_size / p;
+            t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
+        }
     }
 
     /// DC-AE f32c32, Sana's own MLP width; Gemma-2-2B at 300 tokens.
@@ -219,8 +209,13 @@ impl FamilyDims for SanaDims {
         }
     }
 
+    /// SanaPipeline's default: `sample_size` × DC-AE's 32 (the 1024px checkpoints: 32 → 1024²).
     fn training_defaults(&self) -> Option<TrainingDefaults> {
-        Some(SanaDims::training_defaults(self))
+        Some(TrainingDefaults::from_sample_size(
+            self.sample_size,
+            self.patch_size,
+            32,
+        ))
     }
 
     fn layers(&self) -> u64 {

@@ -8,8 +8,8 @@
 use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, linear_weights, module_feed_forward, module_linear, patch_embed,
-    proj_out_released, reads_input, release_unless_read, timestep_features,
+    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
+    patch_embed, proj_out_released, reads_input, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -176,13 +176,9 @@ pub fn block(
     // attn2's, made after them (`Trainer::sd3_block_weights`).
     let qk2 = (sg.qk_norm && dual)
         .then(|| [0, 1].map(|i| norm_weight(&mut g, ["attn2.norm_q", "attn2.norm_k"][i])));
-    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = module_linear(g, sh, name, x, rows, out, inp);
-        g.bind(y)
-    };
     // `linear_then_release` on a slice of the attention's output.
     let lin_release = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
-        let y = lin(g, name, x, rows, d, d);
+        let y = bound_linear(g, sh, name, x, rows, d, d);
         release_unless_read(g, sh, track, name, x);
         y
     };
@@ -231,8 +227,8 @@ pub fn block(
                 );
                 return g.bind(y);
             }
-            let y = lin(g, la, hx, rows, d, d);
-            let ey = lin(g, lc, hc, trows, d, d);
+            let y = bound_linear(g, sh, la, hx, rows, d, d);
+            let ey = bound_linear(g, sh, lc, hc, trows, d, d);
             let (y, ey) = match norms {
                 Some([(wa, na), (wc, nc)]) => {
                     let mut n = |name: &str, x: Nid, w: Nid| {

@@ -120,95 +120,85 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
     Ok(d)
 }
 
-/// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,
-/// `proj_out`, then the position buffer.
-pub(crate) fn table(d: &Sd3Dims, t: &mut Table) {
-    let dim = d.inner();
-    let p = d.patch_size;
-    let hd = d.attention_head_dim;
-    t.patch_embed("pos_embed", d.in_channels, dim, p);
-    // CombinedTimestepTextProjEmbeddings: TimestepEmbedding(256, dim) + PixArtAlphaTextProjection.
-    t.combined_timestep_text_proj_embeddings(
-        "time_text_embed",
-        dim,
-        d.pooled_projection_dim,
-        false,
-    );
-    let (c, joint) = (d.caption_projection_dim, d.joint_attention_dim);
-    t.top_linear("context_embedder", c, joint, Group::TextEmbed);
-    for i in 0..d.num_layers {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i as u32));
-        let last = i + 1 == d.num_layers;
-        let dual = d.dual_attention_layers.binary_search(&i).is_ok();
-        // AdaLayerNormZero: Linear(dim, 6dim); SD35AdaLayerNormZeroX: Linear(dim, 9dim).
-        if dual {
-            t.sd35_ada_layer_norm_zero_x(&format!("{b}.norm1"), dim, g, blk);
-        } else {
-            t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
-        }
-        // context_pre_only: AdaLayerNormContinuous(dim, dim) = Linear(dim, 2dim).
-        if last {
-            t.ada_layer_norm_continuous(&format!("{b}.norm1_context"), dim, g, blk);
-        } else {
-            t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
-        }
-        // Attention(added_kv_proj_dim=dim, context_pre_only=last). The table lists the q/k
-        // RMSNorms after the projections (diffusers registers norm_q and norm_k first).
-        let attn = format!("{b}.attn");
-        for proj in [
-            "to_q",
-            "to_k",
-            "to_v",
-            "add_k_proj",
-            "add_v_proj",
-            "add_q_proj",
-        ] {
-            t.linear(&format!("{attn}.{proj}"), dim, dim, true, g, blk);
-        }
-        t.linear(&format!("{attn}.to_out.0"), dim, dim, true, g, blk);
-        if !last {
-            t.linear(&format!("{attn}.to_add_out"), dim, dim, true, g, blk);
-        }
-        if d.qk_norm {
-            let norms = ["norm_q", "norm_k", "norm_added_q", "norm_added_k"];
-            t.rms_norms(&attn, &norms, hd, g, blk);
-        }
-        if dual {
-            let attn2 = format!("{b}.attn2");
-            t.attention(&attn2, Attn::self_attn(dim, true), g, blk);
-            if d.qk_norm {
-                t.rms_norms(&attn2, &["norm_q", "norm_k"], hd, g, blk);
-            }
-        }
-        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
-        if !last {
-            t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
-        }
-    }
-    t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-    let (side, kind) = match d.pos_embed_max_size {
-        Some(m) => (m, TensorKind::Buffer),
-        None => (d.sample_size / p, TensorKind::BufferNonPersistent),
-    };
-    t.patch_embed_pos_embed("pos_embed", side, dim, kind);
-}
-
-impl Sd3Dims {
-    /// StableDiffusion3Pipeline's default: `sample_size` × the VAE's 8 (SD3, SD3.5: 128 → 1024²).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
-    }
-}
-
 impl FamilyDims for Sd3Dims {
     fn hidden(&self) -> u64 {
         self.inner()
     }
 
+    /// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,
+    /// `proj_out`, then the position buffer.
     fn table(&self, t: &mut Table) {
-        table(self, t);
+        let d = self;
+        let dim = d.inner();
+        let p = d.patch_size;
+        let hd = d.attention_head_dim;
+        t.patch_embed("pos_embed", d.in_channels, dim, p);
+        // CombinedTimestepTextProjEmbeddings: TimestepEmbedding(256, dim) + PixArtAlphaTextProjection.
+        t.combined_timestep_text_proj_embeddings(
+            "time_text_embed",
+            dim,
+            d.pooled_projection_dim,
+            false,
+        );
+        let (c, joint) = (d.caption_projection_dim, d.joint_attention_dim);
+        t.top_linear("context_embedder", c, joint, Group::TextEmbed);
+        for i in 0..d.num_layers {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i as u32));
+            let last = i + 1 == d.num_layers;
+            let dual = d.dual_attention_layers.binary_search(&i).is_ok();
+            // AdaLayerNormZero: Linear(dim, 6dim); SD35AdaLayerNormZeroX: Linear(dim, 9dim).
+            if dual {
+                t.sd35_ada_layer_norm_zero_x(&format!("{b}.norm1"), dim, g, blk);
+            } else {
+                t.ada_layer_norm_zero(&format!("{b}.norm1"), dim, None, g, blk);
+            }
+            // context_pre_only: AdaLayerNormContinuous(dim, dim) = Linear(dim, 2dim).
+            if last {
+                t.ada_layer_norm_continuous(&format!("{b}.norm1_context"), dim, g, blk);
+            } else {
+                t.ada_layer_norm_zero(&format!("{b}.norm1_context"), dim, None, g, blk);
+            }
+            // Attention(added_kv_proj_dim=dim, context_pre_only=last). The table lists the q/k
+            // RMSNorms after the projections (diffusers registers norm_q and norm_k first).
+            let attn = format!("{b}.attn");
+            for proj in [
+                "to_q",
+                "to_k",
+                "to_v",
+                "add_k_proj",
+                "add_v_proj",
+                "add_q_proj",
+            ] {
+                t.linear(&format!("{attn}.{proj}"), dim, dim, true, g, blk);
+            }
+            t.linear(&format!("{attn}.to_out.0"), dim, dim, true, g, blk);
+            if !last {
+                t.linear(&format!("{attn}.to_add_out"), dim, dim, true, g, blk);
+            }
+            if d.qk_norm {
+                let norms = ["norm_q", "norm_k", "norm_added_q", "norm_added_k"];
+                t.rms_norms(&attn, &norms, hd, g, blk);
+            }
+            if dual {
+                let attn2 = format!("{b}.attn2");
+                t.attention(&attn2, Attn::self_attn(dim, true), g, blk);
+                if d.qk_norm {
+                    t.rms_norms(&attn2, &["norm_q", "norm_k"], hd, g, blk);
+                }
+            }
+            t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+            if !last {
+                t.feed_forward(&format!("{b}.ff_context"), dim, 4 * dim, g, blk);
+            }
+        }
+        t.ada_layer_norm_continuous("norm_out", dim, Group::FinalLayer, None);
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+        let (side, kind) = match d.pos_embed_max_size {
+            Some(m) => (m, TensorKind::Buffer),
+            None => (d.sample_size / p, TensorKind::BufferNonPersistent),
+        };
+        t.patch_embed_pos_embed("pos_embed", side, dim, kind);
     }
 
     /// SD3 VAE f8c16; CLIP-L ⊕ CLIP-G 77 + T5-XXL 77 (`train_dreambooth_sd3.py`
@@ -232,8 +222,13 @@ impl FamilyDims for Sd3Dims {
         diffusers_f8(dims, vec![clip, t5])
     }
 
+    /// StableDiffusion3Pipeline's default: `sample_size` × the VAE's 8 (SD3, SD3.5: 128 → 1024²).
     fn training_defaults(&self) -> Option<TrainingDefaults> {
-        Some(Sd3Dims::training_defaults(self))
+        Some(TrainingDefaults::from_sample_size(
+            self.sample_size,
+            self.patch_size,
+            8,
+        ))
     }
 
     fn layers(&self) -> u64 {

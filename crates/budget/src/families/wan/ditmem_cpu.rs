@@ -7,8 +7,8 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel, WanDims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, chunks, fused_cross, linear_weights, module_feed_forward, module_linear,
-    patch_embed, sink_context_grad, timestep_features,
+    base_weight, block_leaf, bound_linear, chunks, fused_cross, linear_weights,
+    module_feed_forward, module_linear, patch_embed, sink_context_grad, timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
@@ -179,12 +179,11 @@ impl OneBlockKind for WanGeo {
     /// the output.
     fn block(&self, sh: &Shape, _track: bool) -> (Graph, Nid, Nid) {
         let wg = self;
-        let mut g = Graph::default();
         let (cd, ad) = (sh.cd(), sh.ad());
         let (e, d) = (sh.e(), sh.d);
         let rows = sh.b * sh.s;
         let (bd, trows) = (sh.b * d, sh.b * wg.t);
-        let x = g.var("x (leaf copy of the block input)", e, ad, true);
+        let (mut g, x) = block_leaf(sh);
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let ctx = sh.cond_leaf(&mut g, "text context (shared leaf)", trows * d, cd);
         let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
@@ -192,10 +191,6 @@ impl OneBlockKind for WanGeo {
         let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
         g.bind(modv);
         let m = chunks(&mut g, "modulation", modv, 6, bd);
-        let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-            let y = module_linear(g, sh, name, x, rows, out, inp);
-            g.bind(y)
-        };
         let norm = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
             let w = base_weight(g, sh, &format!("{name}.weight"), d, cd);
             let y = rms_norm(g, &format!("{name} (fused)"), x, w, rows, cd);
@@ -205,9 +200,9 @@ impl OneBlockKind for WanGeo {
         // Self-attention.
         let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
         g.bind(h1);
-        let q = lin(&mut g, "attn1.to_q", h1, rows, d, d);
-        let k = lin(&mut g, "attn1.to_k", h1, rows, d, d);
-        let v = lin(&mut g, "attn1.to_v", h1, rows, d, d);
+        let q = bound_linear(&mut g, sh, "attn1.to_q", h1, rows, d, d);
+        let k = bound_linear(&mut g, sh, "attn1.to_k", h1, rows, d, d);
+        let v = bound_linear(&mut g, sh, "attn1.to_v", h1, rows, d, d);
         let qn = norm(&mut g, "attn1.norm_q", q, rows);
         let kn = norm(&mut g, "attn1.norm_k", k, rows);
         let qr = rope(&mut g, "attn1 rope(q) (fused)", qn);
@@ -216,7 +211,7 @@ impl OneBlockKind for WanGeo {
         g.bind(kr);
         let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [qr, kr, v], sh.s);
         g.bind(o);
-        let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d);
+        let p = bound_linear(&mut g, sh, "attn1.to_out.0", o, rows, d, d);
         let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
         g.bind(x1);
 
@@ -244,7 +239,7 @@ impl OneBlockKind for WanGeo {
             let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
             g.bind(xq)
         };
-        let q2 = lin(&mut g, "attn2.to_q", h2, rows, d, d);
+        let q2 = bound_linear(&mut g, sh, "attn2.to_q", h2, rows, d, d);
         let o2 = if fused_cross(sh) {
             let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
             let nk = base_weight(&mut g, sh, "attn2.norm_k.weight", d, cd);
@@ -254,9 +249,9 @@ impl OneBlockKind for WanGeo {
             let dims = (sh.s, wg.t, d);
             cross_attention(&mut g, sh, name, q2n, ctx, (kw, vw), Some(nk), dims)
         } else {
-            let k2 = lin(&mut g, "attn2.to_k", ctx, trows, d, d);
+            let k2 = bound_linear(&mut g, sh, "attn2.to_k", ctx, trows, d, d);
             sink_context_grad(&mut g, k2, ctx);
-            let v2 = lin(&mut g, "attn2.to_v", ctx, trows, d, d);
+            let v2 = bound_linear(&mut g, sh, "attn2.to_v", ctx, trows, d, d);
             sink_context_grad(&mut g, v2, ctx);
             let q2n = norm(&mut g, "attn2.norm_q", q2, rows);
             let k2n = norm(&mut g, "attn2.norm_k", k2, trows);
@@ -264,7 +259,7 @@ impl OneBlockKind for WanGeo {
             separate_attention(&mut g, sh, name, [q2n, k2n, v2], sh.s)
         };
         g.bind(o2);
-        let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, d);
+        let p2 = bound_linear(&mut g, sh, "attn2.to_out.0", o2, rows, d, d);
         let ones = g.constant("ones (b, D)", bd, ad, true);
         g.bind(ones);
         let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);

@@ -123,68 +123,52 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
     Ok(d)
 }
 
-pub(crate) fn table(d: &WanDims, t: &mut Table) {
-    let dim = d.inner();
-    let [pt, ph, pw] = d.patch_size;
-    t.push(
-        "scale_shift_table".into(),
-        vec![1, 2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    let patch = vec![dim, d.in_channels, pt, ph, pw];
-    t.conv("patch_embedding", patch, true, Group::PatchEmbed, None);
-    // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
-    // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
-    let ce = "condition_embedder";
-    let g = Group::TimeEmbed;
-    t.timestep_embedding(&format!("{ce}.time_embedder"), d.freq_dim, dim, g, None);
-    t.top_linear(&format!("{ce}.time_proj"), 6 * dim, dim, g);
-    t.pixart_alpha_text_projection(&format!("{ce}.text_embedder"), d.text_dim, dim);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
-        for attn in ["attn1", "attn2"] {
-            t.wan_attention(&format!("{b}.{attn}"), dim, g, blk);
-        }
-        if d.cross_attn_norm {
-            t.norm(&format!("{b}.norm2"), dim, true, g, blk);
-        }
-        t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
-    }
-    let out = d.out_channels * pt * ph * pw;
-    t.top_linear("proj_out", out, dim, Group::FinalLayer);
-    for name in ["rope.freqs_cos", "rope.freqs_sin"] {
-        t.buffer(
-            name,
-            vec![d.rope_max_seq_len, d.attention_head_dim],
-            TensorKind::BufferNonPersistent,
-            Group::Rope,
-        );
-    }
-}
-
-impl WanDims {
-    /// WanPipeline's default: 81 frames of 480 × 832 (`height=480, width=832, num_frames=81`).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults {
-            height: 480,
-            width: 832,
-            frames: 81,
-            microbatch: 1,
-            accumulation: 1,
-        }
-    }
-}
-
 impl FamilyDims for WanDims {
     fn hidden(&self) -> u64 {
         self.inner()
     }
 
     fn table(&self, t: &mut Table) {
-        table(self, t);
+        let d = self;
+        let dim = d.inner();
+        let [pt, ph, pw] = d.patch_size;
+        t.push(
+            "scale_shift_table".into(),
+            vec![1, 2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        let patch = vec![dim, d.in_channels, pt, ph, pw];
+        t.conv("patch_embedding", patch, true, Group::PatchEmbed, None);
+        // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
+        // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
+        let ce = "condition_embedder";
+        let g = Group::TimeEmbed;
+        t.timestep_embedding(&format!("{ce}.time_embedder"), d.freq_dim, dim, g, None);
+        t.top_linear(&format!("{ce}.time_proj"), 6 * dim, dim, g);
+        t.pixart_alpha_text_projection(&format!("{ce}.text_embedder"), d.text_dim, dim);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
+            for attn in ["attn1", "attn2"] {
+                t.wan_attention(&format!("{b}.{attn}"), dim, g, blk);
+            }
+            if d.cross_attn_norm {
+                t.norm(&format!("{b}.norm2"), dim, true, g, blk);
+            }
+            t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
+        }
+        let out = d.out_channels * pt * ph * pw;
+        t.top_linear("proj_out", out, dim, Group::FinalLayer);
+        for name in ["rope.freqs_cos", "rope.freqs_sin"] {
+            t.buffer(
+                name,
+                vec![d.rope_max_seq_len, d.attention_head_dim],
+                TensorKind::BufferNonPersistent,
+                Group::Rope,
+            );
+        }
     }
 
     /// Wan-VAE f8 × t4, c16; umT5-XXL at 512 tokens.
@@ -208,8 +192,15 @@ impl FamilyDims for WanDims {
         }
     }
 
+    /// WanPipeline's default: 81 frames of 480 × 832 (`height=480, width=832, num_frames=81`).
     fn training_defaults(&self) -> Option<TrainingDefaults> {
-        Some(WanDims::training_defaults(self))
+        Some(TrainingDefaults {
+            height: 480,
+            width: 832,
+            frames: 81,
+            microbatch: 1,
+            accumulation: 1,
+        })
     }
 
     fn layers(&self) -> u64 {

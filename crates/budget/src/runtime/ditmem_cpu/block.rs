@@ -221,6 +221,29 @@ pub(crate) fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<
         .collect()
 }
 
+/// One block's graph begun: a tracked leaf copy of its input (b·s·D in the accumulation dtype).
+/// Returns (graph, leaf).
+pub(crate) fn block_leaf(sh: &Shape) -> (Graph, Nid) {
+    let mut g = Graph::default();
+    let x = g.var("x (leaf copy of the block input)", sh.e(), sh.ad(), true);
+    (g, x)
+}
+
+/// A block's linear ([`module_linear`]: its base or LoRA form), its output bound (a local of
+/// the block's function).
+pub(crate) fn bound_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+) -> Nid {
+    let y = module_linear(g, sh, name, x, rows, out, inp);
+    g.bind(y)
+}
+
 /// The patch embedding as the trainers make it: the patches (b·s rows of C·p² values in the
 /// compute dtype, not tracking, bound) through the conv `module` ("pos_embed.proj",
 /// "patch_embedding", …), whose weight (D, C, p, p) multiplies as its (D, C·p·p) view
@@ -373,12 +396,11 @@ pub(crate) fn ada_ln(
 /// One DiT block as `block_forward` builds it, on a leaf copy of its input.
 /// Returns the graph and (input leaf, c, output).
 pub fn block(sh: &Shape) -> (Graph, Nid, Nid, Nid) {
-    let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
-    let (e, d) = (sh.e(), sh.d);
+    let d = sh.d;
     let rows = sh.b * sh.s;
     let bd = sh.b * d;
-    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let (mut g, x) = block_leaf(sh);
     let c = g.var("c (shared leaf)", bd, ad, false);
     let m = ada_ln(
         &mut g,
