@@ -165,6 +165,8 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
 /// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
 /// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
 /// st leaf, [image out, text out]).
+// Over 100 lines on purpose: one statement per op of FluxTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub(crate) fn double_block(
     sh: &Shape,
     fg: &FluxGeo,

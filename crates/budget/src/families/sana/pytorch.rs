@@ -204,6 +204,8 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
 }
 
 /// One `SanaTransformerBlock`, op by op.
+// Over 100 lines on purpose: one statement per op of SanaTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let mut bl = f.builder("block");
     let (b, s, dd) = (m.b, m.s, m.d);
@@ -335,6 +337,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     bl.g
 }
 
+// Over 100 lines on purpose: one statement per op of the Sana step in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     let m = dm(f, d);
     let probe = f.builder("probe");

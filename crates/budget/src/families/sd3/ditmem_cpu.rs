@@ -146,6 +146,8 @@ fn dual_attention(
 /// would read); `dual`: SD3.5's dual-attention block (`attn2`). Returns the graph, the stream
 /// leaves [context, image], the conditioning leaf and the outputs ([context, image], or [image]
 /// for the last block).
+// Over 100 lines on purpose: one statement per op of `sd3_block_forward` in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn block(
     sh: &Shape,
     sg: &Sd3Geo,

@@ -56,6 +56,8 @@ fn out_part(bl: &mut Builder, name: &str, o: Tid, elems: u64, b: u64) -> Tid {
 }
 
 /// `JointTransformerBlock.forward` (`models/attention.py`) of block `i`.
+// Over 100 lines on purpose: one statement per op of JointTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: bool) -> Segment {
     let mut bl = f.builder("sd3 joint block");
     let sd = bl.low();

@@ -316,6 +316,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     bl.g
 }
 
+// Over 100 lines on purpose: one statement per op of the Wan step in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     let m = dm(f, d);
     let frozen = f.lora.is_some();
