@@ -78,12 +78,13 @@ pub use units::{fmt_bytes, parse_bytes};
 /// candle's bookkeeping per tensor, the engine's fused ops and the workspace of its kernels, and
 /// the graphs they make (twins of the engine's files, see `runtime/ditmem_cpu/`).
 pub mod ditmem_cpu {
+    pub use crate::families::flux::ditmem_cpu as flux;
+    pub use crate::families::sana::ditmem_cpu as sana;
     pub use crate::runtime::ditmem_cpu::attention;
     pub use crate::runtime::ditmem_cpu::backward;
     pub use crate::runtime::ditmem_cpu::block;
     pub use crate::runtime::ditmem_cpu::cross;
     pub use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-    pub use crate::runtime::ditmem_cpu::flux;
     pub use crate::runtime::ditmem_cpu::gemm_pack;
     pub use crate::runtime::ditmem_cpu::graph;
     pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
@@ -91,7 +92,6 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::ops::{
         fused_linear_scratch, native_attention_scratch, streaming_attention_scratch, SQUARES_CHUNK,
     };
-    pub use crate::runtime::ditmem_cpu::sana;
     pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
 }
 

@@ -14,18 +14,20 @@
 
 mod config;
 mod defaults;
-mod dit;
-mod flux;
+pub(crate) mod dit;
+mod family;
+pub(crate) mod flux;
 pub mod frozen;
 mod model;
 mod modules;
-mod pixart;
+pub(crate) mod pixart;
 mod presets;
 mod read;
-mod sana;
-mod sd3;
+pub(crate) mod registry;
+pub(crate) mod sana;
+pub(crate) mod sd3;
 mod table;
-mod wan;
+pub(crate) mod wan;
 
 pub use defaults::TrainingDefaults;
 pub use dit::{DitDiffusersDims, DitDims};

@@ -197,6 +197,86 @@ pub(crate) fn module_feed_forward(
     feed_forward(g, sh, names, ranks, x, dims)
 }
 
+/// The `i`-th of `k` narrow views of a (b, k·D) tensor `m` (`bd` = b·D elements each), as the
+/// trainers split a modulation.
+pub(crate) fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
+    g.view(
+        &format!("{name} chunk {i}"),
+        Kind::Narrow {
+            pad_before: i * bd,
+            pad_after: (k - 1 - i) * bd,
+        },
+        m,
+        bd,
+    )
+}
+
+/// All `k` narrow views of a (b, k·D) tensor, each bound (the engine's locals).
+pub(crate) fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
+    (0..k)
+        .map(|i| {
+            let c = chunk(g, name, m, i, k, bd);
+            g.bind(c)
+        })
+        .collect()
+}
+
+/// One block's graph begun: a tracked leaf copy of its input (b·s·D in the accumulation dtype).
+/// Returns (graph, leaf).
+pub(crate) fn block_leaf(sh: &Shape) -> (Graph, Nid) {
+    let mut g = Graph::default();
+    let x = g.var("x (leaf copy of the block input)", sh.e(), sh.ad(), true);
+    (g, x)
+}
+
+/// A block's linear ([`module_linear`]: its base or LoRA form), its output bound (a local of
+/// the block's function).
+pub(crate) fn bound_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+) -> Nid {
+    let y = module_linear(g, sh, name, x, rows, out, inp);
+    g.bind(y)
+}
+
+/// The patch embedding as the trainers make it: the patches (b·s rows of C·p² values in the
+/// compute dtype, not tracking, bound) through the conv `module` ("pos_embed.proj",
+/// "patch_embedding", …), whose weight (D, C, p, p) multiplies as its (D, C·p·p) view
+/// (`flatten` names the view) beside its bias, in one `fused_linear`. The patches do not track,
+/// so the weight goes in tracked (its gradient through candle's store). Returns the embedded
+/// patches (b·s, D) in the compute dtype: the caller casts them where the trainer does.
+pub(crate) fn patch_embed(g: &mut Graph, sh: &Shape, module: &str, flatten: &str) -> Nid {
+    let rows = sh.b * sh.s;
+    let wd = sh.weight_dtype();
+    let xp = g.constant("patches", rows * sh.patch2 * sh.c_in, sh.cd(), true);
+    g.bind(xp);
+    let inp = sh.c_in * sh.patch2;
+    let w = base_weight(g, sh, &format!("{module}.weight"), sh.d * inp, wd);
+    let wv = g.view(flatten, Kind::Reshape, w, sh.d * inp);
+    let bias = base_weight(g, sh, &format!("{module}.bias"), sh.d, wd);
+    crate::runtime::ditmem_cpu::ops::fused_linear(
+        g,
+        &format!("{module} x·Wᵀ+b"),
+        [xp, wv, bias],
+        (rows, inp, sh.d),
+        &sh.cpu,
+    )
+}
+
+/// The timestep features (b × `freq`, made in the accumulation dtype and cast to the compute
+/// dtype, bound: the embed's local).
+pub(crate) fn timestep_features(g: &mut Graph, sh: &Shape, freq: u64) -> Nid {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let tf = g.constant("timestep features", sh.b * freq, ad, true);
+    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
+    g.bind(tf)
+}
+
 /// A base tensor of the model (a table, a norm's weight, a conv's weight) as the trainer reads
 /// it, cast to `to`: trained in the parameter dtype, or under LoRA frozen in the compute dtype
 /// (`Trainer::new` stores a frozen base so).
@@ -316,12 +396,11 @@ pub(crate) fn ada_ln(
 /// One DiT block as `block_forward` builds it, on a leaf copy of its input.
 /// Returns the graph and (input leaf, c, output).
 pub fn block(sh: &Shape) -> (Graph, Nid, Nid, Nid) {
-    let mut g = Graph::default();
     let (cd, ad) = (sh.cd(), sh.ad());
-    let (e, d) = (sh.e(), sh.d);
+    let d = sh.d;
     let rows = sh.b * sh.s;
     let bd = sh.b * d;
-    let x = g.var("x (leaf copy of the block input)", e, ad, true);
+    let (mut g, x) = block_leaf(sh);
     let c = g.var("c (shared leaf)", bd, ad, false);
     let m = ada_ln(
         &mut g,

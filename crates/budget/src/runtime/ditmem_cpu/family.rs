@@ -1,13 +1,25 @@
 //! What the step replay asks of a diffusers family, as one trait: [`FamilyRules`]. Each family's
-//! file (`pixart.rs`, `sd3.rs`, `flux.rs`, `sana.rs`, `wan.rs`) implements it on its geometry
-//! (`PixGeo`, …); [`super::registry`] lists them, the one place a family is registered; the
-//! step (`step.rs`), the segments (`segments.rs`) and the op inventory (`estimate.rs`) ask the
-//! registry and never name a family. Twin: the engine's `trainer/family.rs` (`FamilyStep`).
+//! `ditmem_cpu.rs` (`crates/budget/src/families/<family>/`) implements it on its geometry
+//! (`PixGeo`, …); `crate::families::registry` lists them, the one place a family is registered;
+//! the step (`step.rs`), the segments (`segments.rs`) and the op inventory (`estimate.rs`) ask
+//! [`super::registry`] and never name a family. Twin: the engine's `trainer/family.rs`
+//! (`FamilyStep`).
 //!
-//! This file names no family and no other file of this folder but the types it returns, so the
-//! family files and their callers both stand on it.
+//! A family whose blocks are all of one kind (PixArt, Sana, Wan, diffusers' DiT) implements
+//! [`OneBlockKind`] instead — its three graphs and what its embed hands on — and gets
+//! [`FamilyRules`] from it: the simulation and the op inventory are assembled the same way for
+//! each. Flux (double- and single-stream blocks) and SD3 (joint, last and dual-attention blocks)
+//! implement [`FamilyRules`] themselves.
+//!
+//! This file names no family and no other file of this folder but the types it returns and the
+//! assembly it calls (`sims.rs`), so the family files and their callers both stand on it.
 
+use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Nid};
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::shape::Shape;
 use crate::segment::Segment;
 use crate::spec::Spec;
 
@@ -28,10 +40,102 @@ pub(crate) trait FamilyRules {
         Vec::new()
     }
 
+    /// Whether the embed's backward adds `t`'s gradient into a buffer a block landed (diffusers'
+    /// DiT: block 0's embedder, whose second use the engine runs in the embed segment); false
+    /// for the other families.
+    fn summed_by_embed(&self, _t: &ParamTensor) -> bool {
+        false
+    }
+
     /// Whether the step multiplies through candle's `gemm` crate whatever the dtype: true for
     /// every family, whose attention over separate q, k, v (`super::separate`; Sana's
     /// cross-attention) runs on the generic kernels in every dtype.
     fn step_uses_gemm(&self) -> bool {
         true
+    }
+}
+
+/// The embed segment's graph and what it hands on (see [`EmbedOutputs`]).
+pub(crate) struct EmbedGraph {
+    pub graph: Graph,
+    /// The residual stream(s) the first block reads.
+    pub streams: Vec<Nid>,
+    /// The conditioning every block reads (leaf copies, gradients summed).
+    pub conds: Vec<Nid>,
+    /// Results the blocks read that nothing differentiates.
+    pub tables: Vec<Nid>,
+}
+
+/// A family of one kind of block, as its three graphs: the embed, one block on a leaf copy of
+/// its input, the final layer with the loss. [`FamilyRules`] follows from them (the blanket
+/// impl below): the embed backpropagated from its outputs, the block tracked and untracked, the
+/// embed's host scratch, the op inventory — the same assembly for every such family.
+pub(crate) trait OneBlockKind {
+    /// Width of the timestep sinusoid the embed makes on the host (in f64).
+    fn freq(&self) -> u64;
+
+    /// [`FamilyRules::text_elems`].
+    fn caption_elems(&self) -> u64;
+
+    /// The embed segment as the trainer builds it.
+    fn embed(&self, sh: &Shape) -> EmbedGraph;
+
+    /// One block on a leaf copy of its input, tracked or not (`track`: what the engine
+    /// releases): (graph, input leaf, output).
+    fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid);
+
+    /// The output side and the loss on a leaf copy of the last block's output: (graph, leaf,
+    /// root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid);
+
+    /// Transient host bytes of the embed forward beyond its graph ([`sims::embed_scratch`]).
+    fn embed_scratch(&self, sh: &Shape) -> u64 {
+        sims::embed_scratch(sh, self.freq(), sh.b * self.caption_elems())
+    }
+
+    /// [`FamilyRules::summed_by_embed`].
+    fn summed_by_embed(&self, _t: &ParamTensor) -> bool {
+        false
+    }
+}
+
+impl<T: OneBlockKind> FamilyRules for T {
+    /// The three segments simulated: every block as the one block, tracked on a leaf copy and
+    /// untracked; the embed backpropagated from its streams and conditioning, its conditioning
+    /// gradients summed in the gradient dtype.
+    fn sims(&self, spec: &Spec) -> Sims {
+        let sh = Shape::new(spec);
+        let block = sims::block_sim(|track| self.block(&sh, track));
+        let (fg, fleaf, froot) = self.final_layer(&sh);
+        let e = self.embed(&sh);
+        let embed = sims::embed_sim(
+            e.graph,
+            &EmbedOutputs {
+                streams: &e.streams,
+                conds: &e.conds,
+                tables: &e.tables,
+                frozen: sh.frozen_embed,
+            },
+            grad_dtype(sh.precision),
+        );
+        let final_layer = sims::final_sim(&fg, fleaf, froot);
+        sims::sims(embed, block, final_layer, self.embed_scratch(&sh))
+    }
+
+    fn text_elems(&self) -> u64 {
+        self.caption_elems()
+    }
+
+    fn inventory_segments(&self, spec: &Spec) -> [Segment; 3] {
+        let sh = Shape::new(spec);
+        [
+            to_segment(&self.embed(&sh).graph, "embed"),
+            to_segment(&self.block(&sh, true).0, "block"),
+            to_segment(&self.final_layer(&sh).0, "final"),
+        ]
+    }
+
+    fn summed_by_embed(&self, t: &ParamTensor) -> bool {
+        OneBlockKind::summed_by_embed(self, t)
     }
 }

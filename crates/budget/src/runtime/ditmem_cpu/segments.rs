@@ -4,7 +4,7 @@
 //! keeps, its forward peaks and its backward replayed through candle's rules.
 
 use crate::runtime::costs::Sims;
-use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear};
+use crate::runtime::ditmem_cpu::block::{self, ada_ln, linear, timestep_features};
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
@@ -42,9 +42,7 @@ pub(crate) fn embed_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     let pos = g.constant("pos_embed", sh.s * sh.d, ad, false);
     let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
     let f = sh.freq;
-    let tf = g.constant("timestep features", sh.b * f, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
+    let tf = timestep_features(&mut g, sh, f);
     let h = linear(&mut g, sh, "t_embedder.mlp.0", tf, sh.b, sh.d, f, None);
     let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
     g.bind(h);
@@ -91,14 +89,11 @@ pub(crate) fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
     let ld = grad_dtype(sh.precision);
     let p2 = sh.patch2;
     let rows = sh.b * sh.s;
-    let e = sh.e();
     let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
+    let (mut g, x) = sims::final_leaf(sh);
     let c = g.var("c (shared leaf)", bd, ad, false);
     let md = ada_ln(&mut g, sh, "final_layer.adaLN_modulation.1", c, 2, None);
     let h = ln_modulate(&mut g, "final norm+modulate", x, md[0], md[1], rows, cd);
-    let out_el = rows * p2 * sh.c_out;
     let y = linear(
         &mut g,
         sh,
@@ -110,21 +105,13 @@ pub(crate) fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
         None,
     );
     let y = g.cast(&format!("prediction→{ad}"), y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = g.view(
-        "ε channels",
-        Kind::Narrow {
-            pad_before: 0,
-            pad_after: out_el - lat,
-        },
-        img,
-        lat,
+    let (pred, lat) = sims::unpatchified(
+        &mut g,
+        sh,
+        y,
+        sh.c_out,
+        ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
     );
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
     let target = g.constant("target", lat, ld, true);
     let diff = g.op("pred − target", Kind::Sub, &[pred, target], lat, ld);
     let sq = g.op("(pred − target)²", Kind::Sqr, &[diff], lat, ld);

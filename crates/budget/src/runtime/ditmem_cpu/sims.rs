@@ -5,6 +5,7 @@
 
 use crate::runtime::costs::{SegSim, Sims};
 use crate::runtime::ditmem_cpu::backward::backward;
+use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, kept_bytes, retained, stream_data, untracked_peak, Graph, Kind, Nid,
     STORAGE_META, TENSOR_META,
@@ -193,6 +194,60 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
         dual: None,
         streams_once: true,
     }
+}
+
+/// The final layer's graph begun: a tracked leaf copy of the last block's output (b·s·D in the
+/// accumulation dtype). Returns (graph, leaf).
+pub(crate) fn final_leaf(sh: &Shape) -> (Graph, Nid) {
+    let mut g = Graph::default();
+    let x = g.var("final leaf", sh.e(), sh.ad(), true);
+    (g, x)
+}
+
+/// The family schedule's loss ([`family_loss`]) on the prediction `y` [`unpatchified`]. Returns
+/// the root (loss·scale).
+pub(crate) fn prediction_loss(
+    g: &mut Graph,
+    sh: &Shape,
+    y: Nid,
+    c_out: u64,
+    names: [&str; 3],
+) -> Nid {
+    let (pred, lat) = unpatchified(g, sh, y, c_out, names);
+    family_loss(g, pred, lat, grad_dtype(sh.precision))
+}
+
+/// The prediction `y` (b·s rows of p²·`c_out` values in the accumulation dtype) unpatchified as
+/// the trainers do, and its latent channels: the reshape to patches, the permuted view, the
+/// contiguous copy, the image view, the first C channels (a narrow view: ε of a learned-sigma
+/// output) cast to the gradient dtype. `names`: the patch reshape, the image reshape and the
+/// channels' view, as the engine names them (video adds a frame axis). Returns (prediction,
+/// its elements).
+pub(crate) fn unpatchified(
+    g: &mut Graph,
+    sh: &Shape,
+    y: Nid,
+    c_out: u64,
+    names: [&str; 3],
+) -> (Nid, u64) {
+    let (ad, ld) = (sh.ad(), grad_dtype(sh.precision));
+    let rows = sh.b * sh.s;
+    let out_el = rows * sh.patch2 * c_out;
+    let y = g.view(names[0], Kind::Reshape, y, out_el);
+    let y = g.view("permute", Kind::Transpose, y, out_el);
+    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+    let img = g.view(names[1], Kind::Reshape, img, out_el);
+    let lat = rows * sh.patch2 * sh.c_in;
+    let pred = g.view(
+        names[2],
+        Kind::Narrow {
+            pad_before: 0,
+            pad_after: out_el - lat,
+        },
+        img,
+        lat,
+    );
+    (g.cast(&format!("pred→{ld}"), pred, ld), lat)
 }
 
 /// The family schedule's loss on the prediction `pred` (`elems` values in the gradient dtype

@@ -288,9 +288,11 @@ impl<'a> Replay<'a> {
         let gd = grad_dtype(p).size();
         let pd = p.param_dtype().size();
         let depth = spec.model.depth;
+        let rules = super::registry::rules(spec);
+        let summed = |t: &ParamTensor| rules.as_ref().is_some_and(|r| r.summed_by_embed(t));
         let dual: Vec<bool> = match sims.dual {
             Some(_) => {
-                let d = super::registry::rules(spec).map_or_else(Vec::new, |r| r.dual_blocks());
+                let d = rules.as_ref().map_or_else(Vec::new, |r| r.dual_blocks());
                 (0..u64::from(depth))
                     .map(|i| d.binary_search(&i).is_ok())
                     .collect()
@@ -331,17 +333,8 @@ impl<'a> Replay<'a> {
             }),
             final_layer: Landing::of(table, gd, pd, &is_final),
             embed: Landing {
-                summed: Landing::of(table, gd, pd, &|t| {
-                    super::dit_diffusers::summed_by_embed(spec, t)
-                })
-                .largest,
-                cast: cast_adjust(
-                    table,
-                    &is_embed,
-                    &|t| super::dit_diffusers::summed_by_embed(spec, t),
-                    gd,
-                    pd,
-                ),
+                summed: Landing::of(table, gd, pd, &summed).largest,
+                cast: cast_adjust(table, &is_embed, &summed, gd, pd),
                 ..Landing::of(table, gd, pd, &is_embed)
             },
             dual_landing: Landing::of(table, gd, pd, &|t| t.block == Some(first_dual)),

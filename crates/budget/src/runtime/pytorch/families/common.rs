@@ -4,7 +4,9 @@
 use crate::denoiser;
 use crate::families::{FamilyModel, Geometry};
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::ops::{Builder, LoraOn};
+use crate::runtime::pytorch::ops::{save, Builder, LoraOn};
+use crate::segment::Tid;
+use crate::spec::Dtype;
 use crate::spec::Spec;
 
 /// A family spec's step, as the builders read it.
@@ -61,5 +63,115 @@ impl<'a> Fam<'a> {
         bl.lora = self.lora.clone();
         bl.threads = u64::from(self.spec.cpu().threads);
         bl
+    }
+}
+
+/// Width of diffusers' `Timesteps(256)` sinusoid (`time_proj`, `additional_condition_proj`).
+pub(crate) const FREQ: u64 = 256;
+
+/// A Python local that holds `t` until here (reassigned or the function returns): a zero-sized
+/// view that reads it, so its storage lives to this point of the forward; nothing flows back
+/// through it. Restores the segment's output (the view is not the output).
+pub(crate) fn hold(bl: &mut Builder, ts: &[Tid]) {
+    let out = bl.g.output;
+    for &t in ts {
+        bl.g.view("python local (held until reassigned / return)", t, 0);
+    }
+    bl.g.output = out;
+}
+
+/// `get_timestep_embedding` (diffusers `Timesteps`, no grad): the (n, 256) fp32 sinusoid (its
+/// arange/exp/sin/cos temporaries are a few n·256 floats, freed at once), then
+/// `.to(hidden_dtype)`.
+pub(crate) fn sinusoid(bl: &mut Builder, name: &str, src: Tid, n: u64, to: Dtype) -> Tid {
+    let e = bl.g.op(name, &[src], n * FREQ, Dtype::F32);
+    bl.g.cast(&format!("{name} →{to}"), e, to)
+}
+
+/// Unpatchify (`reshape`, `einsum("nhwpqc->nchpwq")` a permuted view, the last `reshape` a copy
+/// of `out` elements), the ε channels (`out[:, :C]`, a view, when sigma is learned) and
+/// `F.mse_loss(pred.float(), noise.float())` outside autocast (`family_peer.py`): `.float()` copies
+/// a low-precision tensor; MseLossBackward0 saves input and target; the forward makes one
+/// elementwise buffer before the mean [AG].
+pub(crate) fn eps_loss(bl: &mut Builder, y: Tid, out: u64, lat: u64) {
+    let wd = bl.low();
+    let img = bl.ew("unpatchify reshape", &[y], out);
+    let pred = bl.g.view("ε channels", img, lat);
+    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
+    let noise = bl.g.input("noise", lat, wd, false);
+    let target = bl.g.cast("target.float()", noise, Dtype::F32);
+    save(&mut bl.g, pf);
+    save(&mut bl.g, target);
+    let loss = bl.g.op("mse_loss", &[pf, target], 1, Dtype::F32);
+    bl.g.annotate(loss, 0, lat * 4, 0);
+    // The script's `pred` lives until `del pred, target` after the loss.
+    hold(bl, &[pred]);
+}
+
+/// The DDPM step's data shared with diffusers' DiT (`family_peer.py` `Inputs.forward`, `loss_of`),
+/// as (kept, forward-only) bytes without the noisy latent: the scheduler's `alphas_cumprod`
+/// (1000 fp32, resident in the peer, held here for the whole step); the noise (the target),
+/// until the backward ends when the loss saves it as is (fp32), else freed with `del pred,
+/// target` after the loss (its `.float()` copy is the saved one); x0, ᾱ_t and the int64 t for
+/// the forward.
+pub(crate) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
+    let wd = f.spec.recipe.precision.compute_dtype();
+    let noise = lat * wd.size();
+    let acp = 1000 * 4;
+    let fwd = lat * wd.size() + f.b * (8 + wd.size());
+    if wd == Dtype::F32 {
+        (acp + noise, fwd)
+    } else {
+        (acp, fwd + noise)
+    }
+}
+
+/// The flow-matching noising of `family_peer.py` (no grad): `(1 − σ)·x0 + σ·noise` in the
+/// scripts' `weight_dtype`, both products freed after the sum. Returns `noisy`.
+pub(crate) fn noising(bl: &mut Builder, lat: u64, b: u64, wd: Dtype) -> Tid {
+    let x0 = bl.g.input("x0", lat, wd, false);
+    let noise = bl.g.input("noise", lat, wd, false);
+    let sig = bl.g.input("σ", b, wd, false);
+    let om = bl.g.op("1−σ", &[sig], b, wd);
+    let a = bl.g.op("(1−σ)·x0", &[x0, om], lat, wd);
+    let bn = bl.g.op("σ·noise", &[noise, sig], lat, wd);
+    bl.g.op("noisy", &[a, bn], lat, wd)
+}
+
+/// Unpatchify (a copy when the permutation cannot be viewed) and the scripts' loss
+/// `mean(((pred.float() − target.float())²).reshape(b, −1), 1).mean()` outside autocast:
+/// `.float()` copies a low-precision prediction / target, `PowBackward0` saves the difference
+/// [AG]. The script holds `pred` until the loss is made (`del pred, target` after it): its
+/// bytes ride as forward scratch on the ops after its last read.
+pub(crate) fn flow_loss(
+    bl: &mut Builder,
+    f: &Fam,
+    y: Tid,
+    copy: bool,
+    target: Tid,
+    lat: u64,
+    b: u64,
+) {
+    let ydt = bl.g.dtype(y);
+    let pred = if copy {
+        bl.g.op("unpatchify (copy)", &[y], lat, ydt)
+    } else {
+        bl.g.view("unpatchify (view)", y, lat)
+    };
+    let pb = bl.g.tensors[pred].bytes();
+    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
+    let tf = bl.g.cast("target.float()", target, Dtype::F32);
+    let diff = bl.g.op("pred − target", &[pf, tf], lat, Dtype::F32);
+    let r = bl.rg(diff);
+    bl.save_if(diff, r);
+    if pf != pred {
+        bl.g.annotate(diff, 0, pb, 0);
+    }
+    let sq = bl.g.op("(pred − target)²", &[diff], lat, Dtype::F32);
+    bl.g.annotate(sq, 0, pb, 0);
+    let m1 = bl.g.op("mean over each sample", &[sq], b, Dtype::F32);
+    let loss = bl.g.op("mean", &[m1], 1, Dtype::F32);
+    if f.spec.workload.accumulation > 1 {
+        bl.g.op("loss / accumulation", &[loss], 1, Dtype::F32);
     }
 }

@@ -4,51 +4,34 @@
 //! cached text embeddings and latents). Ground truth of every rule: the saved-tensor dumps in
 //! `bench/torch_peer/runs/2026-12-01-epyc-families-saved/families_saved.txt` (`family_saved.py`).
 //!
-//! One file per family ([`dit`] is diffusers' `DiTTransformer2DModel`), [`common`] the pieces
-//! they share (the family context, timestep embedders, the loss).
+//! Each family's rules are its folder's `pytorch.rs` (`crates/budget/src/families/<family>/`;
+//! `families/dit/pytorch.rs` is diffusers' `DiTTransformer2DModel`), listed in
+//! `crate::families::registry`; this file dispatches to them, [`common`] holds the pieces they
+//! share (the family context, the timestep sinusoid, the noising and the losses).
 
-mod common;
-mod dit;
-mod flux;
-mod pixart;
-mod sana;
-mod sd3;
-mod wan;
+pub(crate) mod common;
 
 pub use common::Fam;
 
-use crate::families::{Dims, Family, FamilyModel};
+use crate::families::{registry, Family, FamilyModel};
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::stages::Stages;
 use crate::segment::Segment;
 use crate::spec::Spec;
 
-/// Whether the `pytorch` runtime has the op inventory of a family.
-pub const fn supported(family: Family) -> bool {
-    match family {
-        Family::Dit => true,
-        Family::DitDiffusers => dit::READY,
-        Family::Pixart => pixart::READY,
-        Family::Sd3 => sd3::READY,
-        Family::Flux => flux::READY,
-        Family::Sana => sana::READY,
-        Family::Wan => wan::READY,
-    }
+/// Whether the `pytorch` runtime has the op inventory of a family: the original DiT's own
+/// rules, or the family's registered `pytorch.rs`.
+pub fn supported(family: Family) -> bool {
+    family == Family::Dit || registry::of(family).is_some()
 }
 
-/// The stages of a family spec's step.
+/// The stages of a family spec's step (none for the original DiT, which has its own rules,
+/// `rules.rs`; `stages.rs` never sends it here).
 pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
     let f = Fam::new(rt, spec, fm);
-    match &fm.dims {
-        // The original DiT has its own rules (`rules.rs`); `stages.rs` never sends it here.
-        Dims::Dit(_) => Stages::default(),
-        Dims::DitDiffusers(d) => dit::stages(&f, d),
-        Dims::Pixart(d) => pixart::stages(&f, d),
-        Dims::Sd3(d) => sd3::stages(&f, d),
-        Dims::Flux(d) => flux::stages(&f, d),
-        Dims::Sana(d) => sana::stages(&f, d),
-        Dims::Wan(d) => wan::stages(&f, d),
-    }
+    registry::of(fm.family)
+        .and_then(|r| (r.pytorch)(&f, &fm.dims))
+        .unwrap_or_default()
 }
 
 /// The stages of a spec's step: the original DiT, or its diffusers family.

@@ -3,13 +3,13 @@
 //! segment (`x_embedder`, `context_embedder`, `time_text_embed`, the RoPE tables), the
 //! double-stream block on [image, text], the single-stream block on the joint stream (the first
 //! one joins the two streams itself), and the output side on the image tokens; then their
-//! simulation into [`Sims`] for the step replay ([`super::step`]): the double-stream blocks are
+//! simulation into [`Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]): the double-stream blocks are
 //! `Sims::block`, the single-stream ones [`SecondBlocks`].
 
-use crate::families::{Dims as FamilyDims, FluxDims};
+use crate::families::{Dims as FamilyDims, FamilyModel, FluxDims};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
+    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
     release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
@@ -47,8 +47,7 @@ pub struct FluxGeo {
 
 impl FluxGeo {
     /// The Flux geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<FluxGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<FluxGeo> {
         let FamilyDims::Flux(d) = &fm.dims else {
             return None;
         };
@@ -150,12 +149,6 @@ fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid
         .collect()
 }
 
-/// A bound linear of a block.
-fn lin(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64, out: u64, inp: u64) -> Nid {
-    let y = module_linear(g, sh, name, x, rows, out, inp);
-    g.bind(y)
-}
-
 /// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
 fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
     let (d, m) = (sh.d, 4 * sh.d);
@@ -172,6 +165,8 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
 /// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
 /// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
 /// st leaf, [image out, text out]).
+// Over 100 lines on purpose: one statement per op of FluxTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub(crate) fn double_block(
     sh: &Shape,
     fg: &FluxGeo,
@@ -209,8 +204,8 @@ pub(crate) fn double_block(
                 &sh.cpu,
             )
         } else {
-            let y = lin(g, sh, image, hx, rs, d, d);
-            let ey = lin(g, sh, text, hc, rt, d, d);
+            let y = bound_linear(g, sh, image, hx, rs, d, d);
+            let ey = bound_linear(g, sh, text, hc, rt, d, d);
             let cat = concat(g, &format!("[text; image] {which}"), ey, y);
             g.release(y);
             g.release(ey);
@@ -220,8 +215,8 @@ pub(crate) fn double_block(
     };
     let qc = joint_pre(&mut g, "q", "attn.to_q", "attn.add_q_proj");
     let kc = joint_pre(&mut g, "k", "attn.to_k", "attn.add_k_proj");
-    let v = (!joint_v).then(|| lin(&mut g, sh, "attn.to_v", hx, rs, d, d));
-    let ev = (!joint_v).then(|| lin(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
+    let v = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.to_v", hx, rs, d, d));
+    let ev = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
     let vc = match (ev, v) {
         (Some(ev), Some(v)) => {
             let vc = concat(&mut g, "[text; image] v", ev, v);
@@ -262,8 +257,8 @@ pub(crate) fn double_block(
     g.bind(oc);
     let oi = slice(&mut g, "image tokens of the attention", o, rs * d);
     g.bind(oi);
-    let ao = lin(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
-    let co = lin(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
+    let ao = bound_linear(&mut g, sh, "attn.to_out.0", oi, rs, d, d);
+    let co = bound_linear(&mut g, sh, "attn.to_add_out", oc, rt, d, d);
     // Image stream.
     let x1 = gated_released(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
     g.bind(x1);
@@ -318,13 +313,13 @@ pub(crate) fn single_block(
     let am = if fused {
         None
     } else {
-        let pm = lin(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
+        let pm = bound_linear(&mut g, sh, "proj_mlp", hx, rows, 4 * d, d);
         let am = gelu(&mut g, "act_mlp gelu(tanh) (fused)", pm);
         Some(g.bind(am))
     };
-    let q = lin(&mut g, sh, "attn.to_q", hx, rows, d, d);
-    let k = lin(&mut g, sh, "attn.to_k", hx, rows, d, d);
-    let v = lin(&mut g, sh, "attn.to_v", hx, rows, d, d);
+    let q = bound_linear(&mut g, sh, "attn.to_q", hx, rows, d, d);
+    let k = bound_linear(&mut g, sh, "attn.to_k", hx, rows, d, d);
+    let v = bound_linear(&mut g, sh, "attn.to_v", hx, rows, d, d);
     let wq = norm_weight(&mut g, sh, "attn.norm_q", fg.dh);
     let qr = norm_rope(&mut g, sh, "attn.norm_q + rope q (fused)", q, &[wq], fg.dh);
     g.bind(qr);
@@ -351,7 +346,7 @@ pub(crate) fn single_block(
             let cat = concat(&mut g, "[attention; MLP]", o, am);
             g.bind(cat);
             g.release(am);
-            let p = lin(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
+            let p = bound_linear(&mut g, sh, "proj_out", cat, rows, d, 5 * d);
             release_unless_read(&mut g, sh, track, "proj_out", cat);
             p
         }
@@ -489,9 +484,9 @@ fn block_sim(
     s
 }
 
-/// `ops::backward_from_many` on `outs` ([`super::ops::seeds`]).
+/// `ops::backward_from_many` on `outs` ([`crate::runtime::ditmem_cpu::ops::seeds`]).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
-    super::ops::seeds(g, outs).unwrap_or(0)
+    crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(0)
 }
 
 /// Simulate Flux's segments for a spec.
@@ -557,4 +552,9 @@ impl FamilyRules for FluxGeo {
             to_segment(&final_graph(&sh, self).0, "final"),
         ]
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    FluxGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

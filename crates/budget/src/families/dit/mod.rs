@@ -4,9 +4,13 @@
 //! own `CombinedTimestepLabelEmbeddings` in every block — 749,826,464 parameters for XL/2 against
 //! the original's 675,129,632.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::family::{diffusers_f8, FamilyDims, Geometry};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -229,5 +233,66 @@ pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
         if let Some(last) = t.0.last_mut() {
             last.fixed = fixed;
         }
+    }
+}
+
+impl FamilyDims for DitDims {
+    fn hidden(&self) -> u64 {
+        u64::from(self.model.hidden)
+    }
+
+    fn table(&self, t: &mut Table) {
+        original_table(self, t);
+    }
+
+    /// SD VAE f8c4, class-conditional.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let m = &self.model;
+        Geometry {
+            mlp: u64::from(m.mlp_hidden()),
+            ..diffusers_f8(
+                [m.depth, m.hidden, m.heads, m.patch, m.in_channels].map(u64::from),
+                Vec::new(),
+            )
+        }
+    }
+
+    fn layers(&self) -> u64 {
+        u64::from(self.model.depth)
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.model.depth = counts[0] as u32;
+    }
+}
+
+impl FamilyDims for DitDiffusersDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
+    }
+
+    fn table(&self, t: &mut Table) {
+        diffusers_table(self, t);
+    }
+
+    /// SD VAE f8c4, class-conditional.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        let dims = [
+            d.num_layers,
+            d.inner(),
+            d.num_attention_heads,
+            d.patch_size,
+            d.in_channels,
+        ];
+        diffusers_f8(dims, Vec::new())
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

@@ -6,11 +6,15 @@
 //! non-persistent 3-D RoPE tables of `rope_max_seq_len` × head-dim. Image conditioning (I2V:
 //! `image_dim`, `added_kv_proj_dim`) is not modelled.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
+use super::family::{FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
@@ -119,57 +123,91 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
     Ok(d)
 }
 
-pub(crate) fn table(d: &WanDims, t: &mut Table) {
-    let dim = d.inner();
-    let [pt, ph, pw] = d.patch_size;
-    t.push(
-        "scale_shift_table".into(),
-        vec![1, 2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    let patch = vec![dim, d.in_channels, pt, ph, pw];
-    t.conv("patch_embedding", patch, true, Group::PatchEmbed, None);
-    // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
-    // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
-    let ce = "condition_embedder";
-    let g = Group::TimeEmbed;
-    t.timestep_embedding(&format!("{ce}.time_embedder"), d.freq_dim, dim, g, None);
-    t.top_linear(&format!("{ce}.time_proj"), 6 * dim, dim, g);
-    t.pixart_alpha_text_projection(&format!("{ce}.text_embedder"), d.text_dim, dim);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
-        for attn in ["attn1", "attn2"] {
-            t.wan_attention(&format!("{b}.{attn}"), dim, g, blk);
-        }
-        if d.cross_attn_norm {
-            t.norm(&format!("{b}.norm2"), dim, true, g, blk);
-        }
-        t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
+impl FamilyDims for WanDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
     }
-    let out = d.out_channels * pt * ph * pw;
-    t.top_linear("proj_out", out, dim, Group::FinalLayer);
-    for name in ["rope.freqs_cos", "rope.freqs_sin"] {
-        t.buffer(
-            name,
-            vec![d.rope_max_seq_len, d.attention_head_dim],
-            TensorKind::BufferNonPersistent,
-            Group::Rope,
-        );
-    }
-}
 
-impl WanDims {
+    fn table(&self, t: &mut Table) {
+        let d = self;
+        let dim = d.inner();
+        let [pt, ph, pw] = d.patch_size;
+        t.push(
+            "scale_shift_table".into(),
+            vec![1, 2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        let patch = vec![dim, d.in_channels, pt, ph, pw];
+        t.conv("patch_embedding", patch, true, Group::PatchEmbed, None);
+        // WanTimeTextImageEmbedding: TimestepEmbedding(freq_dim, dim), time_proj Linear(dim, 6dim),
+        // text_embedder PixArtAlphaTextProjection(text_dim, dim, gelu_tanh).
+        let ce = "condition_embedder";
+        let g = Group::TimeEmbed;
+        t.timestep_embedding(&format!("{ce}.time_embedder"), d.freq_dim, dim, g, None);
+        t.top_linear(&format!("{ce}.time_proj"), 6 * dim, dim, g);
+        t.pixart_alpha_text_projection(&format!("{ce}.text_embedder"), d.text_dim, dim);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![1, 6, dim], g, blk);
+            for attn in ["attn1", "attn2"] {
+                t.wan_attention(&format!("{b}.{attn}"), dim, g, blk);
+            }
+            if d.cross_attn_norm {
+                t.norm(&format!("{b}.norm2"), dim, true, g, blk);
+            }
+            t.feed_forward(&format!("{b}.ffn"), dim, d.ffn_dim, g, blk);
+        }
+        let out = d.out_channels * pt * ph * pw;
+        t.top_linear("proj_out", out, dim, Group::FinalLayer);
+        for name in ["rope.freqs_cos", "rope.freqs_sin"] {
+            t.buffer(
+                name,
+                vec![d.rope_max_seq_len, d.attention_head_dim],
+                TensorKind::BufferNonPersistent,
+                Group::Rope,
+            );
+        }
+    }
+
+    /// Wan-VAE f8 × t4, c16; umT5-XXL at 512 tokens.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        Geometry {
+            blocks: d.num_layers,
+            hidden: d.inner(),
+            heads: d.num_attention_heads,
+            patch: d.patch_size[1],
+            latent_channels: d.in_channels,
+            vae_factor: 8,
+            vae_temporal_factor: 4,
+            mlp: d.ffn_dim,
+            text: vec![TextEncoder {
+                name: "umT5-XXL",
+                default_tokens: 512,
+                width: d.text_dim,
+                sequence: true,
+            }],
+        }
+    }
+
     /// WanPipeline's default: 81 frames of 480 × 832 (`height=480, width=832, num_frames=81`).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults {
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(TrainingDefaults {
             height: 480,
             width: 832,
             frames: 81,
             microbatch: 1,
             accumulation: 1,
-        }
+        })
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

@@ -3,13 +3,13 @@
 //! embedding + the cropped position table, the timestep and pooled-text MLPs, SiLU(temb),
 //! `context_embedder`), the joint block over the context and image streams (the last one
 //! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step
-//! replay ([`super::step`]), which runs the last block on its own [`Sims::last_block`].
+//! replay ([`crate::runtime::ditmem_cpu::step`]), which runs the last block on its own [`Sims::last_block`].
 
-use crate::families::{Dims as FamilyDims, Sd3Dims};
+use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, gated_released, linear_weights, module_feed_forward, module_linear,
-    proj_out_released, reads_input, release_unless_read,
+    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
+    patch_embed, proj_out_released, reads_input, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -49,8 +49,7 @@ pub(crate) struct Sd3Geo {
 
 impl Sd3Geo {
     /// The SD3 geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<Sd3Geo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<Sd3Geo> {
         let FamilyDims::Sd3(d) = &fm.dims else {
             return None;
         };
@@ -125,8 +124,11 @@ fn dual_attention(
     let (qn, kn) = match norms {
         Some([wq, wk]) => {
             let dh = d / sh.heads;
-            let qn = super::flux::rms_norm(g, sh, "attn2.norm_q", q, wq, dh);
-            (qn, super::flux::rms_norm(g, sh, "attn2.norm_k", k, wk, dh))
+            let qn = crate::families::flux::ditmem_cpu::rms_norm(g, sh, "attn2.norm_q", q, wq, dh);
+            (
+                qn,
+                crate::families::flux::ditmem_cpu::rms_norm(g, sh, "attn2.norm_k", k, wk, dh),
+            )
         }
         None => (q, k),
     };
@@ -144,6 +146,8 @@ fn dual_attention(
 /// would read); `dual`: SD3.5's dual-attention block (`attn2`). Returns the graph, the stream
 /// leaves [context, image], the conditioning leaf and the outputs ([context, image], or [image]
 /// for the last block).
+// Over 100 lines on purpose: one statement per op of `sd3_block_forward` in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn block(
     sh: &Shape,
     sg: &Sd3Geo,
@@ -174,13 +178,9 @@ pub fn block(
     // attn2's, made after them (`Trainer::sd3_block_weights`).
     let qk2 = (sg.qk_norm && dual)
         .then(|| [0, 1].map(|i| norm_weight(&mut g, ["attn2.norm_q", "attn2.norm_k"][i])));
-    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64| {
-        let y = module_linear(g, sh, name, x, rows, out, inp);
-        g.bind(y)
-    };
     // `linear_then_release` on a slice of the attention's output.
     let lin_release = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
-        let y = lin(g, name, x, rows, d, d);
+        let y = bound_linear(g, sh, name, x, rows, d, d);
         release_unless_read(g, sh, track, name, x);
         y
     };
@@ -229,12 +229,12 @@ pub fn block(
                 );
                 return g.bind(y);
             }
-            let y = lin(g, la, hx, rows, d, d);
-            let ey = lin(g, lc, hc, trows, d, d);
+            let y = bound_linear(g, sh, la, hx, rows, d, d);
+            let ey = bound_linear(g, sh, lc, hc, trows, d, d);
             let (y, ey) = match norms {
                 Some([(wa, na), (wc, nc)]) => {
                     let mut n = |name: &str, x: Nid, w: Nid| {
-                        let y = super::flux::rms_norm(g, sh, name, x, w, dh);
+                        let y = crate::families::flux::ditmem_cpu::rms_norm(g, sh, name, x, w, dh);
                         g.bind(y)
                     };
                     (n(na, y, wa), n(nc, ey, wc))
@@ -318,11 +318,11 @@ pub fn block(
     (g, vec![c, x], se, vec![c2, x2])
 }
 
-/// The root `ops::backward_from_many` backpropagates a block from ([`super::ops::seeds`]).
+/// The root `ops::backward_from_many` backpropagates a block from ([`crate::runtime::ditmem_cpu::ops::seeds`]).
 /// Returns (root, nodes appended).
 fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
     let n0 = g.nodes.len();
-    let r = super::ops::seeds(g, outs).unwrap_or(n0);
+    let r = crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(n0);
     (r, g.nodes.len() - n0)
 }
 
@@ -369,25 +369,10 @@ fn block_sim(sh: &Shape, sg: &Sd3Geo, kind: (bool, bool)) -> SegSim {
 /// SiLU(temb)).
 pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
     let bd = sh.b * sh.d;
     let trows = sh.b * sg.t;
-    let wd = sh.weight_dtype();
     let mut g = Graph::default();
-    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-    g.bind(xp);
-    let inp = sh.c_in * p2;
-    let w = base_weight(&mut g, sh, "pos_embed.proj.weight", sh.d * inp, wd);
-    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = base_weight(&mut g, sh, "pos_embed.proj.bias", sh.d, wd);
-    let xe = crate::runtime::ditmem_cpu::ops::fused_linear(
-        &mut g,
-        "pos_embed.proj x·Wᵀ+b",
-        [xp, wv, bias],
-        (rows, inp, sh.d),
-        &sh.cpu,
-    );
+    let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
     // The table's (M², D) → (M, M, D) view, cropped by two narrows (views) and read in place.
     let side2 = sg.pos_side * sg.pos_side;
     let pos = g.constant("pos_embed.pos_embed", side2 * sh.d, ad, false);
@@ -414,9 +399,7 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let xe = g.view("reshape(b,r,c,D)", Kind::Reshape, xe, sh.e());
     let x0 = g.broadcast_binary("+pos_embed (cropped)", Kind::Add, xe, pos, false);
     let x0 = g.view("reshape(b,s,D)", Kind::Reshape, x0, sh.e());
-    let tf = g.constant("timestep features", sh.b * SD3_FREQ, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
+    let tf = timestep_features(&mut g, sh, SD3_FREQ);
     let mlp = |g: &mut Graph, name: &str, x: Nid, inp: u64| {
         let h = module_linear(g, sh, &format!("{name}.linear_1"), x, sh.b, sh.d, inp);
         let h = g.op(&format!("{name} silu"), Kind::Silu, &[h], bd, cd);
@@ -444,13 +427,9 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
 /// The output side and the loss on a leaf copy of the image stream. Returns (graph, leaf, root).
 pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let p2 = sh.patch2;
     let rows = sh.b * sh.s;
-    let e = sh.e();
     let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
+    let (mut g, x) = sims::final_leaf(sh);
     let se = sh.cond_leaf(&mut g, "SiLU(temb) (shared leaf)", bd, cd);
     let m = module_linear(&mut g, sh, "norm_out.linear", se, sh.b, 2 * sh.d, sh.d);
     let m = g.cast(&format!("norm_out →{ad}"), m, ad);
@@ -461,25 +440,19 @@ pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
     g.bind(shift);
     let h = ln_modulate(&mut g, "norm_out+modulate", x, shift, scale, rows, cd);
     g.bind(h);
-    let out_el = rows * p2 * sg.c_out;
-    let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * sg.c_out, sh.d);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * sg.c_out, sh.d);
     let y = proj_out_released(&mut g, sh, h, y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = g.view(
-        "latent channels",
-        Kind::Narrow {
-            pad_before: 0,
-            pad_after: out_el - lat,
-        },
-        img,
-        lat,
+    let root = sims::prediction_loss(
+        &mut g,
+        sh,
+        y,
+        sg.c_out,
+        [
+            "reshape(b,r,c,p,p,C)",
+            "reshape(b,C,h,w)",
+            "latent channels",
+        ],
     );
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let root = sims::family_loss(&mut g, pred, lat, ld);
     (g, x, root)
 }
 
@@ -551,4 +524,9 @@ impl FamilyRules for Sd3Geo {
     fn dual_blocks(&self) -> Vec<u64> {
         self.dual.clone()
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    Sd3Geo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

@@ -13,17 +13,12 @@
 //! parameters that carry a gradient but create no `.grad`), and under autocast the output side
 //! reads the weight copies block 0 put in the autocast cache.
 
-use super::common::Fam;
-use super::pixart::{ddpm_data, eps_loss, hold, sinusoid};
-use crate::families::DitDiffusersDims;
+use crate::families::{Dims, DitDiffusersDims};
+use crate::runtime::pytorch::families::common::{ddpm_data, eps_loss, hold, sinusoid, Fam, FREQ};
 use crate::runtime::pytorch::ops::{save, Attn, Builder, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
-
-const FREQ: u64 = 256;
 
 #[derive(Debug, Clone, Copy)]
 struct Geo {
@@ -319,6 +314,15 @@ pub fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
     }
 }
 
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::DitDiffusers(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
+}
+
 fn block_stage(seg: Segment, count: u32) -> Stage {
     Stage {
         seg,
@@ -331,7 +335,7 @@ fn block_stage(seg: Segment, count: u32) -> Stage {
 
 #[cfg(test)]
 mod tests {
-    use super::super::pixart::tests::{costs, kept, tiny};
+    use crate::families::pixart::pytorch::tests::{costs, kept, tiny};
     use crate::spec::Precision;
 
     const DIT: &str = r#"{"_class_name": "DiTTransformer2DModel", "sample_size": 16,

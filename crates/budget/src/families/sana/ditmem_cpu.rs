@@ -2,28 +2,28 @@
 //! `trainer/sana.rs`): the embed segment (patch embedding, timestep MLP, `time_embed.linear`,
 //! caption projection + `caption_norm`), the `SanaTransformerBlock` (ReLU linear
 //! self-attention, softmax cross-attention over separate q, k, v, the GLUMBConv Mix-FFN) and the
-//! output side with the final `scale_shift_table`; then their simulation into [`Sims`] for the
-//! step replay ([`super::step`]), which schedules them as PixArt's.
+//! output side with the final `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the
+//! step replay ([`crate::runtime::ditmem_cpu::step`]), which schedules them as PixArt's.
 //!
 //! The engine's Sana ops, each one node here: [`linear_attention`]
 //! (`ops::linear_attention`), [`mix_ffn`] (`ops::mix_ffn`, the whole Mix-FFN; composed of the
 //! linears, [`silu_dwconv`] (`ops::dwconv`) and [`glu`] (`ops::glu`) under LoRA on its
-//! linears), `ops::rms_norm` (the rule of [`super::flux::rms_norm`]).
+//! linears), `ops::rms_norm` (the rule of [`crate::families::flux::ditmem_cpu::rms_norm`]).
 
-use crate::families::{Dims as FamilyDims, SanaDims};
-use crate::runtime::costs::Sims;
+use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
 use crate::runtime::ditmem_cpu::block::{
-    fused_cross, linear_weights, lora_linear, sink_context_grad,
+    block_leaf, chunks, fused_cross, linear_weights, lora_linear, patch_embed, sink_context_grad,
+    timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::family::FamilyRules;
-use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
 };
 use crate::runtime::ditmem_cpu::separate::separate_attention;
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{CpuSpec, Dtype, Precision, Spec};
 
@@ -50,8 +50,7 @@ pub struct SanaGeo {
 
 impl SanaGeo {
     /// The Sana geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec) -> Option<SanaGeo> {
-        let fm = crate::denoiser::family(spec).ok().flatten()?;
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<SanaGeo> {
         let FamilyDims::Sana(d) = &fm.dims else {
             return None;
         };
@@ -178,102 +177,6 @@ fn linear(
         (rows, inp, out),
         &sh.cpu,
     )
-}
-
-/// `k` narrow views of a (b, k·D) tensor.
-fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<Nid> {
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
-}
-
-/// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the
-/// block's weights (the zero bias is made with them). Returns the graph and (input leaf, t6
-/// leaf, caption leaf, output).
-pub fn block(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
-    let mut g = Graph::default();
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let (e, d) = (sh.e(), sh.d);
-    let rows = sh.b * sh.s;
-    let (bd, trows) = (sh.b * d, sh.b * sg.t);
-    let x = g.var("x (leaf copy of the block input)", e, ad, true);
-    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
-    let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
-    let wd = sh.weight_dtype();
-    let trained = sh.lora.is_none();
-    // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
-    let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
-    let zero = g.constant("zero bias (D)", d, wd, true);
-    g.bind(zero);
-    let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
-    let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
-    g.bind(modv);
-    let m = chunks(&mut g, "modulation", modv, 6, bd);
-    let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
-        let y = linear(g, sh, name, x, rows, out, inp, z.then_some(zero));
-        g.bind(y)
-    };
-    let nb = !sg.qkv_bias;
-
-    // Linear self-attention.
-    let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
-    g.bind(h1);
-    let q = lin(&mut g, "attn1.to_q", h1, rows, d, d, nb);
-    let k = lin(&mut g, "attn1.to_k", h1, rows, d, d, nb);
-    let v = lin(&mut g, "attn1.to_v", h1, rows, d, d, nb);
-    let o = linear_attention(&mut g, sh, "attn1 (linear, ReLU kernel)", [q, k, v]);
-    g.bind(o);
-    let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d, false);
-    let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
-    g.bind(x1);
-
-    // Cross-attention (its own heads and width).
-    let xc = g.cast(&format!("x1→{cd}"), x1, cd);
-    let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
-    g.bind(xq);
-    let dc = sg.dc;
-    let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
-    let mut csh = sh.clone();
-    csh.d = dc;
-    csh.heads = sg.hc;
-    let o2 = if fused_cross(sh) {
-        let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (dc, d));
-        let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (dc, d));
-        let name = "attn2 (cross, k and v projected inside)";
-        cross_attention(&mut g, &csh, name, q2, y, (kw, vw), None, (sh.s, sg.t, d))
-    } else {
-        let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
-        sink_context_grad(&mut g, k2, y);
-        let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
-        sink_context_grad(&mut g, v2, y);
-        let name = "attn2 (cross, separate q, k, v)";
-        separate_attention(&mut g, &csh, name, [q2, k2, v2], sh.s)
-    };
-    g.bind(o2);
-    let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, dc, false);
-    let ones = g.constant("ones (b, D)", bd, ad, true);
-    g.bind(ones);
-    let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
-    g.bind(x2);
-
-    // Mix-FFN.
-    let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
-    g.bind(h2);
-    let f2 = mix_ffn_block(&mut g, sh, sg, h2, zero);
-    g.bind(f2);
-    let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
-    (g, x, t6, y, out)
 }
 
 /// `mix_ffn_forward` of the engine's Sana block on h2 (rows, D): one [`mix_ffn`] node where
@@ -410,201 +313,246 @@ pub(crate) fn mix_ffn_phases(
     (fwd, peak.saturating_sub(gi + gc + gp + dh))
 }
 
-/// The embed segment as `SanaLayout::embed` builds it. Returns (graph, x0, t6, embedded
-/// timestep, caption).
-pub(crate) fn embed_graph(sh: &Shape, sg: &SanaGeo) -> (Graph, Nid, Nid, Nid, Nid) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let bd = sh.b * sh.d;
-    let trows = sh.b * sg.t;
-    let wd = sh.weight_dtype();
-    let trained = sh.lora.is_none();
-    let mut g = Graph::default();
-    let xp = g.constant("patches", rows * p2 * sh.c_in, cd, true);
-    g.bind(xp);
-    let inp = sh.c_in * p2;
-    let w = g.weight("patch_embed.proj.weight", sh.d * inp, wd, trained, wd);
-    let wv = g.view("proj.weight.flatten_from(1)", Kind::Reshape, w, sh.d * inp);
-    let bias = g.weight("patch_embed.proj.bias", sh.d, wd, trained, wd);
-    let xe = fused_linear(
-        &mut g,
-        "patch_embed.proj x·Wᵀ+b",
-        [xp, wv, bias],
-        (rows, inp, sh.d),
-        &sh.cpu,
-    );
-    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-    let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-    let tf = g.constant("timestep features", sh.b * SANA_FREQ, ad, true);
-    let tf = g.cast(&format!("t_freq→{cd}"), tf, cd);
-    g.bind(tf);
-    let te = "time_embed.emb.timestep_embedder";
-    let h = linear(
-        &mut g,
-        sh,
-        &format!("{te}.linear_1"),
-        tf,
-        sh.b,
-        sh.d,
-        SANA_FREQ,
-        None,
-    );
-    let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
-    g.bind(h);
-    let emb = linear(
-        &mut g,
-        sh,
-        &format!("{te}.linear_2"),
-        h,
-        sh.b,
-        sh.d,
-        sh.d,
-        None,
-    );
-    let emb = g.cast(&format!("emb→{ad}"), emb, ad);
-    g.bind(emb);
-    let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
-    let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
-    g.bind(se);
-    let t6 = linear(
-        &mut g,
-        sh,
-        "time_embed.linear",
-        se,
-        sh.b,
-        6 * sh.d,
-        sh.d,
-        None,
-    );
-    let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
-    g.bind(t6);
-    let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
-    g.bind(cap);
-    let c1 = linear(
-        &mut g,
-        sh,
-        "caption_projection.linear_1",
-        cap,
-        trows,
-        sh.d,
-        sg.width,
-        None,
-    );
-    let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
-    let c2 = linear(
-        &mut g,
-        sh,
-        "caption_projection.linear_2",
-        act,
-        trows,
-        sh.d,
-        sh.d,
-        None,
-    );
-    let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
-    let y = super::flux::rms_norm(&mut g, sh, "caption_norm (fused)", c2, nw, sh.d);
-    // `caption_forward`'s locals live until it returns.
-    g.hold_until(&[c1, act, c2], y);
-    g.bind(y);
-    g.bind(x0);
-    (g, x0, t6, emb, y)
-}
-
-/// The output side and the loss on a leaf copy of the last block's output (PixArt's; the
-/// prediction's channel `narrow` is candle's no-op when `out_channels` = `in_channels`).
-/// Returns (graph, leaf, root).
-pub(crate) fn final_graph(sh: &Shape, pg: &SanaGeo) -> (Graph, Nid, Nid) {
-    let (cd, ad) = (sh.cd(), sh.ad());
-    let ld = grad_dtype(sh.precision);
-    let p2 = sh.patch2;
-    let rows = sh.b * sh.s;
-    let e = sh.e();
-    let bd = sh.b * sh.d;
-    let mut g = Graph::default();
-    let x = g.var("final leaf", e, ad, true);
-    let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
-    let wd = sh.weight_dtype();
-    let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);
-    let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
-    let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
-    let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
-    let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
-    let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
-    let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
-    let md = chunks(&mut g, "final modulation", ss, 2, bd);
-    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-    let out_el = rows * p2 * pg.c_out;
-    let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
-    let y = g.cast(&format!("prediction→{ad}"), y, ad);
-    let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
-    let y = g.view("permute", Kind::Transpose, y, out_el);
-    let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
-    let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
-    let lat = rows * p2 * sh.c_in;
-    let pred = if out_el > lat {
-        g.view(
-            "ε channels",
-            Kind::Narrow {
-                pad_before: 0,
-                pad_after: out_el - lat,
-            },
-            img,
-            lat,
-        )
-    } else {
-        img
-    };
-    let pred = g.cast(&format!("pred→{ld}"), pred, ld);
-    let root = sims::family_loss(&mut g, pred, lat, ld);
-    (g, x, root)
-}
-
-/// Simulate Sana's three segments for a spec.
-pub fn sims(spec: &Spec, sg: &SanaGeo) -> Sims {
-    let sh = Shape::new(spec);
-    let block_sim = sims::block_sim(|_track| {
-        let (g, leaf, _, _, out) = block(&sh, sg);
-        (g, leaf, out)
-    });
-    let (fg, fleaf, froot) = final_graph(&sh, sg);
-    let (eg, x0, t6, emb, y) = embed_graph(&sh, sg);
-    let embed = sims::embed_sim(
-        eg,
-        &EmbedOutputs {
-            streams: &[x0],
-            conds: &[t6, emb, y],
-            tables: &[],
-            frozen: sh.frozen_embed,
-        },
-        grad_dtype(sh.precision),
-    );
-    let text = sh.b * sg.text_elems();
-    let scratch = sims::embed_scratch(&sh, SANA_FREQ, text);
-    sims::sims(
-        embed,
-        block_sim,
-        sims::final_sim(&fg, fleaf, froot),
-        scratch,
-    )
-}
-
-impl FamilyRules for SanaGeo {
-    fn sims(&self, spec: &Spec) -> Sims {
-        sims(spec, self)
+impl OneBlockKind for SanaGeo {
+    fn freq(&self) -> u64 {
+        SANA_FREQ
     }
 
     /// Text elements of one sample (T·width): the batch holds them in f64.
-    fn text_elems(&self) -> u64 {
+    fn caption_elems(&self) -> u64 {
         self.t * self.width
     }
 
-    fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
-        let sh = Shape::new(spec);
-        [
-            to_segment(&embed_graph(&sh, self).0, "embed"),
-            to_segment(&block(&sh, self).0, "block"),
-            to_segment(&final_graph(&sh, self).0, "final"),
-        ]
+    /// The embed segment as `SanaLayout::embed` builds it. Returns (graph, x0, t6, embedded
+    /// timestep, caption).
+    fn embed(&self, sh: &Shape) -> EmbedGraph {
+        let sg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let bd = sh.b * sh.d;
+        let trows = sh.b * sg.t;
+        let wd = sh.weight_dtype();
+        let trained = sh.lora.is_none();
+        let mut g = Graph::default();
+        let xe = patch_embed(
+            &mut g,
+            sh,
+            "patch_embed.proj",
+            "proj.weight.flatten_from(1)",
+        );
+        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+        let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let tf = timestep_features(&mut g, sh, SANA_FREQ);
+        let te = "time_embed.emb.timestep_embedder";
+        let h = linear(
+            &mut g,
+            sh,
+            &format!("{te}.linear_1"),
+            tf,
+            sh.b,
+            sh.d,
+            SANA_FREQ,
+            None,
+        );
+        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+        g.bind(h);
+        let emb = linear(
+            &mut g,
+            sh,
+            &format!("{te}.linear_2"),
+            h,
+            sh.b,
+            sh.d,
+            sh.d,
+            None,
+        );
+        let emb = g.cast(&format!("emb→{ad}"), emb, ad);
+        g.bind(emb);
+        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+        g.bind(se);
+        let t6 = linear(
+            &mut g,
+            sh,
+            "time_embed.linear",
+            se,
+            sh.b,
+            6 * sh.d,
+            sh.d,
+            None,
+        );
+        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+        g.bind(t6);
+        let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
+        g.bind(cap);
+        let c1 = linear(
+            &mut g,
+            sh,
+            "caption_projection.linear_1",
+            cap,
+            trows,
+            sh.d,
+            sg.width,
+            None,
+        );
+        let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
+        let c2 = linear(
+            &mut g,
+            sh,
+            "caption_projection.linear_2",
+            act,
+            trows,
+            sh.d,
+            sh.d,
+            None,
+        );
+        let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
+        let y = crate::families::flux::ditmem_cpu::rms_norm(
+            &mut g,
+            sh,
+            "caption_norm (fused)",
+            c2,
+            nw,
+            sh.d,
+        );
+        // `caption_forward`'s locals live until it returns.
+        g.hold_until(&[c1, act, c2], y);
+        g.bind(y);
+        g.bind(x0);
+        EmbedGraph {
+            graph: g,
+            streams: vec![x0],
+            conds: vec![t6, emb, y],
+            tables: Vec::new(),
+        }
     }
+
+    /// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the
+    /// block's weights (the zero bias is made with them). Returns (graph, input leaf, output).
+    fn block(&self, sh: &Shape, _track: bool) -> (Graph, Nid, Nid) {
+        let sg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let (e, d) = (sh.e(), sh.d);
+        let rows = sh.b * sh.s;
+        let (bd, trows) = (sh.b * d, sh.b * sg.t);
+        let (mut g, x) = block_leaf(sh);
+        let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+        let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
+        let wd = sh.weight_dtype();
+        let trained = sh.lora.is_none();
+        // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
+        let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
+        let zero = g.constant("zero bias (D)", d, wd, true);
+        g.bind(zero);
+        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+        g.bind(modv);
+        let m = chunks(&mut g, "modulation", modv, 6, bd);
+        let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
+            let y = linear(g, sh, name, x, rows, out, inp, z.then_some(zero));
+            g.bind(y)
+        };
+        let nb = !sg.qkv_bias;
+
+        // Linear self-attention.
+        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+        g.bind(h1);
+        let q = lin(&mut g, "attn1.to_q", h1, rows, d, d, nb);
+        let k = lin(&mut g, "attn1.to_k", h1, rows, d, d, nb);
+        let v = lin(&mut g, "attn1.to_v", h1, rows, d, d, nb);
+        let o = linear_attention(&mut g, sh, "attn1 (linear, ReLU kernel)", [q, k, v]);
+        g.bind(o);
+        let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d, false);
+        let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
+        g.bind(x1);
+
+        // Cross-attention (its own heads and width).
+        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+        g.bind(xq);
+        let dc = sg.dc;
+        let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
+        let mut csh = sh.clone();
+        csh.d = dc;
+        csh.heads = sg.hc;
+        let o2 = if fused_cross(sh) {
+            let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (dc, d));
+            let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (dc, d));
+            let name = "attn2 (cross, k and v projected inside)";
+            cross_attention(&mut g, &csh, name, q2, y, (kw, vw), None, (sh.s, sg.t, d))
+        } else {
+            let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
+            sink_context_grad(&mut g, k2, y);
+            let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
+            sink_context_grad(&mut g, v2, y);
+            let name = "attn2 (cross, separate q, k, v)";
+            separate_attention(&mut g, &csh, name, [q2, k2, v2], sh.s)
+        };
+        g.bind(o2);
+        let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, dc, false);
+        let ones = g.constant("ones (b, D)", bd, ad, true);
+        g.bind(ones);
+        let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
+        g.bind(x2);
+
+        // Mix-FFN.
+        let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
+        g.bind(h2);
+        let f2 = mix_ffn_block(&mut g, sh, sg, h2, zero);
+        g.bind(f2);
+        let out = gated_residual(&mut g, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+        (g, x, out)
+    }
+
+    /// The output side and the loss on a leaf copy of the last block's output (PixArt's; the
+    /// prediction's channel `narrow` is candle's no-op when `out_channels` = `in_channels`).
+    /// Returns (graph, leaf, root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let ld = grad_dtype(sh.precision);
+        let p2 = sh.patch2;
+        let rows = sh.b * sh.s;
+        let bd = sh.b * sh.d;
+        let (mut g, x) = sims::final_leaf(sh);
+        let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
+        let wd = sh.weight_dtype();
+        let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);
+        let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
+        let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
+        let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
+        let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
+        let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        let out_el = rows * p2 * pg.c_out;
+        let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
+        let y = g.cast(&format!("prediction→{ad}"), y, ad);
+        let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
+        let y = g.view("permute", Kind::Transpose, y, out_el);
+        let img = g.op("unpatchify (contiguous)", Kind::Copy, &[y], out_el, ad);
+        let img = g.view("reshape(b,C,h,w)", Kind::Reshape, img, out_el);
+        let lat = rows * p2 * sh.c_in;
+        let pred = if out_el > lat {
+            g.view(
+                "ε channels",
+                Kind::Narrow {
+                    pad_before: 0,
+                    pad_after: out_el - lat,
+                },
+                img,
+                lat,
+            )
+        } else {
+            img
+        };
+        let pred = g.cast(&format!("pred→{ld}"), pred, ld);
+        let root = sims::family_loss(&mut g, pred, lat, ld);
+        (g, x, root)
+    }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    SanaGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
 }

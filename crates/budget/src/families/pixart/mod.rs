@@ -3,11 +3,15 @@
 //! `scale_shift_table` per block), self-attention, cross-attention to the projected T5 caption,
 //! a GELU-tanh MLP, and a non-persistent sin-cos position table.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -116,45 +120,82 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, Spe
     Ok(d)
 }
 
-/// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
-pub(crate) fn table(d: &PixartDims, t: &mut Table) {
-    let dim = d.inner();
-    let p = d.patch_size;
-    t.push(
-        "scale_shift_table".into(),
-        vec![2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    t.patch_embed("pos_embed", d.in_channels, dim, p);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        let attn1 = Attn::self_attn(dim, d.attention_bias);
-        t.attention(&format!("{b}.attn1"), attn1, g, blk);
-        let attn2 = Attn {
-            kv_dim: d.cross_attention_dim,
-            ..attn1
-        };
-        t.attention(&format!("{b}.attn2"), attn2, g, blk);
-        t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+impl FamilyDims for PixartDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
     }
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-    // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
-    t.ada_layer_norm_single("adaln_single", dim, d.use_additional_conditions);
-    if let Some(c) = d.caption_channels {
-        // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
-        t.pixart_alpha_text_projection("caption_projection", c, dim);
-    }
-    let side = d.sample_size / p;
-    t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
-}
 
-impl PixartDims {
+    /// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
+    fn table(&self, t: &mut Table) {
+        let d = self;
+        let dim = d.inner();
+        let p = d.patch_size;
+        t.push(
+            "scale_shift_table".into(),
+            vec![2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        t.patch_embed("pos_embed", d.in_channels, dim, p);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+            let attn1 = Attn::self_attn(dim, d.attention_bias);
+            t.attention(&format!("{b}.attn1"), attn1, g, blk);
+            let attn2 = Attn {
+                kv_dim: d.cross_attention_dim,
+                ..attn1
+            };
+            t.attention(&format!("{b}.attn2"), attn2, g, blk);
+            t.feed_forward(&format!("{b}.ff"), dim, 4 * dim, g, blk);
+        }
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+        // AdaLayerNormSingle: PixArtAlphaCombinedTimestepSizeEmbeddings (size embedders dim / 3 wide).
+        t.ada_layer_norm_single("adaln_single", dim, d.use_additional_conditions);
+        if let Some(c) = d.caption_channels {
+            // PixArtAlphaTextProjection(caption_channels, dim): linear_1, GELU-tanh, linear_2.
+            t.pixart_alpha_text_projection("caption_projection", c, dim);
+        }
+        let side = d.sample_size / p;
+        t.patch_embed_pos_embed("pos_embed", side, dim, TensorKind::BufferNonPersistent);
+    }
+
+    /// SD VAE f8c4; T5-XXL at 120 tokens (α; Σ: 300), told by name: a preset's, or the path of
+    /// a --model config.json (a Hub snapshot's path names the checkpoint,
+    /// "PixArt-Sigma-XL-2-1024-MS").
+    fn geometry(&self, name: &str) -> Geometry {
+        let d = self;
+        let sigma = name.to_ascii_lowercase().contains("sigma");
+        let t5 = TextEncoder::t5(
+            if sigma { 300 } else { 120 },
+            d.caption_channels.unwrap_or(d.cross_attention_dim),
+        );
+        let dims = [
+            d.num_layers,
+            d.inner(),
+            d.num_attention_heads,
+            d.patch_size,
+            d.in_channels,
+        ];
+        diffusers_f8(dims, vec![t5])
+    }
+
     /// PixArtAlphaPipeline / PixArtSigmaPipeline's default: `sample_size` × the VAE's 8, per
     /// checkpoint (the 1024 checkpoints: 128 → 1024²; the 512 ones: 64 → 512²).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 8)
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(TrainingDefaults::from_sample_size(
+            self.sample_size,
+            self.patch_size,
+            8,
+        ))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

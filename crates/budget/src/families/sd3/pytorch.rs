@@ -7,17 +7,15 @@
 //! block `context_pre_only`, `norm_out`, `proj_out`, unpatchify and the flow-matching loss.
 //! Ground truth: `families_saved.txt` (`sd3-fp32-none-loop`, fp32 and bf16).
 
-use super::common::Fam;
-use super::flux::{
+use crate::families::flux::pytorch::{
     ada, feed_forward, gated_add, loss, sequence_tokens, split_part, stack, timestep_embedder,
 };
-use crate::families::Sd3Dims;
+use crate::families::{Dims, Sd3Dims};
+use crate::runtime::pytorch::families::common::Fam;
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
 
 #[derive(Debug, Clone, Copy)]
 struct Sz {
@@ -58,6 +56,8 @@ fn out_part(bl: &mut Builder, name: &str, o: Tid, elems: u64, b: u64) -> Tid {
 }
 
 /// `JointTransformerBlock.forward` (`models/attention.py`) of block `i`.
+// Over 100 lines on purpose: one statement per op of JointTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: bool) -> Segment {
     let mut bl = f.builder("sd3 joint block");
     let sd = bl.low();
@@ -400,14 +400,23 @@ pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
     Stages { stages, data }
 }
 
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Sd3(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::denoiser;
+    use crate::families::flux::pytorch::tests::tiny;
     use crate::families::Dims;
     use crate::runtime::pytorch::allocator::simulate;
     use crate::runtime::pytorch::device::for_spec;
-    use crate::runtime::pytorch::families::flux::tests::tiny;
 
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
         "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,

@@ -11,17 +11,12 @@
 //! are fp32) — and the output side (`norm_out`, the final `scale_shift_table`, `proj_out`,
 //! unpatchify, the fp32 MSE loss).
 
-use super::common::Fam;
-use crate::families::PixartDims;
+use crate::families::{Dims, PixartDims};
+use crate::runtime::pytorch::families::common::{ddpm_data, eps_loss, hold, sinusoid, Fam, FREQ};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
-
-/// Width of diffusers' `Timesteps(256)` sinusoid (`time_proj`, `additional_condition_proj`).
-const FREQ: u64 = 256;
 
 /// The shapes one PixArt step runs at.
 #[derive(Debug, Clone, Copy)]
@@ -79,25 +74,6 @@ struct Handoff {
 
 fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
     (g.tensors[t].dtype, g.tensors[t].requires_grad)
-}
-
-/// A Python local that holds `t` until here (reassigned or the function returns): a zero-sized
-/// view that reads it, so its storage lives to this point of the forward; nothing flows back
-/// through it. Restores the segment's output (the view is not the output).
-pub(super) fn hold(bl: &mut Builder, ts: &[Tid]) {
-    let out = bl.g.output;
-    for &t in ts {
-        bl.g.view("python local (held until reassigned / return)", t, 0);
-    }
-    bl.g.output = out;
-}
-
-/// `get_timestep_embedding` (diffusers `Timesteps`, no grad): the (n, 256) fp32 sinusoid (its
-/// arange/exp/sin/cos temporaries are a few n·256 floats, freed at once), then
-/// `.to(hidden_dtype)`.
-pub(super) fn sinusoid(bl: &mut Builder, name: &str, src: Tid, n: u64, to: Dtype) -> Tid {
-    let e = bl.g.op(name, &[src], n * FREQ, Dtype::F32);
-    bl.g.cast(&format!("{name} →{to}"), e, to)
 }
 
 /// diffusers `TimestepEmbedding`: `linear_1` → SiLU → `linear_2`.
@@ -326,26 +302,6 @@ fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) 
     bl.g
 }
 
-/// Unpatchify (`reshape`, `einsum("nhwpqc->nchpwq")` a permuted view, the last `reshape` a copy
-/// of `out` elements), the ε channels (`out[:, :C]`, a view, when sigma is learned) and
-/// `F.mse_loss(pred.float(), noise.float())` outside autocast (`family_peer.py`): `.float()` copies
-/// a low-precision tensor; MseLossBackward0 saves input and target; the forward makes one
-/// elementwise buffer before the mean [AG].
-pub(super) fn eps_loss(bl: &mut Builder, y: Tid, out: u64, lat: u64) {
-    let wd = bl.low();
-    let img = bl.ew("unpatchify reshape", &[y], out);
-    let pred = bl.g.view("ε channels", img, lat);
-    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
-    let noise = bl.g.input("noise", lat, wd, false);
-    let target = bl.g.cast("target.float()", noise, Dtype::F32);
-    save(&mut bl.g, pf);
-    save(&mut bl.g, target);
-    let loss = bl.g.op("mse_loss", &[pf, target], 1, Dtype::F32);
-    bl.g.annotate(loss, 0, lat * 4, 0);
-    // The script's `pred` lives until `del pred, target` after the loss.
-    hold(bl, &[pred]);
-}
-
 /// The stages of a PixArt step.
 pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
     let g = Geo::new(f, d);
@@ -382,6 +338,15 @@ pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
         stages,
         data: data(f, d, &g),
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Pixart(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
 }
 
 fn block_stage(seg: Segment, count: u32) -> Stage {
@@ -435,26 +400,8 @@ fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
     }
 }
 
-/// The DDPM step's data shared with diffusers' DiT (`family_peer.py` `Inputs.forward`, `loss_of`),
-/// as (kept, forward-only) bytes without the noisy latent: the scheduler's `alphas_cumprod`
-/// (1000 fp32, resident in the peer, held here for the whole step); the noise (the target),
-/// until the backward ends when the loss saves it as is (fp32), else freed with `del pred,
-/// target` after the loss (its `.float()` copy is the saved one); x0, ᾱ_t and the int64 t for
-/// the forward.
-pub(super) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
-    let wd = f.spec.recipe.precision.compute_dtype();
-    let noise = lat * wd.size();
-    let acp = 1000 * 4;
-    let fwd = lat * wd.size() + f.b * (8 + wd.size());
-    if wd == Dtype::F32 {
-        (acp + noise, fwd)
-    } else {
-        (acp, fwd + noise)
-    }
-}
-
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use crate::runtime::pytorch::device::PyTorch;
     use crate::runtime::pytorch::families::of_spec as stages;
     use crate::runtime::pytorch::stages::StageCost;

@@ -7,14 +7,12 @@
 //! `proj_out`), `norm_out` (`AdaLayerNormContinuous`), `proj_out`, the unpacking and the
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
-use super::common::Fam;
-use crate::families::FluxDims;
+use crate::families::{Dims, FluxDims};
+use crate::runtime::pytorch::families::common::Fam;
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
 
 /// The sizes one Flux step reads.
 #[derive(Debug, Clone, Copy)]
@@ -495,6 +493,15 @@ pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
         }
     };
     Stages { stages, data }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Flux(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
 }
 
 #[cfg(test)]

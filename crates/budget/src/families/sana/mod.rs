@@ -4,11 +4,15 @@
 //! depthwise 3×3 on 2H, GLU, 1×1 conv H → D without bias; H = int(mlp_ratio · D)), adaLN-single as
 //! in PixArt, an RMSNorm on the caption, and no position table unless `interpolation_scale` is set.
 
+pub mod ditmem_cpu;
+pub mod pytorch;
+
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_inner, check_patch};
+use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -137,51 +141,88 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
     Ok(d)
 }
 
-pub(crate) fn table(d: &SanaDims, t: &mut Table) {
-    let dim = d.inner();
-    let p = d.patch_size;
-    let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
-    t.push(
-        "scale_shift_table".into(),
-        vec![2, dim],
-        Group::FinalLayer,
-        None,
-    );
-    t.patch_embed("patch_embed", d.in_channels, dim, p);
-    // AdaLayerNormSingle(dim) without the size embedders.
-    t.ada_layer_norm_single("time_embed", dim, false);
-    t.pixart_alpha_text_projection("caption_projection", d.caption_channels, dim);
-    t.norm("caption_norm", dim, false, Group::TextEmbed, None);
-    for i in 0..d.num_layers as u32 {
-        let b = format!("transformer_blocks.{i}");
-        let (g, blk) = (Group::Blocks, Some(i));
-        t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
-        // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
-        let attn1 = Attn {
-            qk_norm: d.qk_norm.then_some(dim),
-            ..Attn::self_attn(dim, d.attention_bias)
-        };
-        t.attention(&format!("{b}.attn1"), attn1, g, blk);
-        let attn2 = Attn {
-            query_dim: dim,
-            kv_dim: d.cross_attention_dim,
-            inner: cross,
-            bias: true,
-            qk_norm: d.qk_norm.then_some(cross),
-        };
-        t.attention(&format!("{b}.attn2"), attn2, g, blk);
-        t.glumb_conv(&format!("{b}.ff"), dim, d.mlp_hidden(), g, blk);
+impl FamilyDims for SanaDims {
+    fn hidden(&self) -> u64 {
+        self.inner()
     }
-    t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
-    if d.pos_embed {
-        let side = d.sample_size / p;
-        t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
-    }
-}
 
-impl SanaDims {
+    fn table(&self, t: &mut Table) {
+        let d = self;
+        let dim = d.inner();
+        let p = d.patch_size;
+        let cross = d.num_cross_attention_heads * d.cross_attention_head_dim;
+        t.push(
+            "scale_shift_table".into(),
+            vec![2, dim],
+            Group::FinalLayer,
+            None,
+        );
+        t.patch_embed("patch_embed", d.in_channels, dim, p);
+        // AdaLayerNormSingle(dim) without the size embedders.
+        t.ada_layer_norm_single("time_embed", dim, false);
+        t.pixart_alpha_text_projection("caption_projection", d.caption_channels, dim);
+        t.norm("caption_norm", dim, false, Group::TextEmbed, None);
+        for i in 0..d.num_layers as u32 {
+            let b = format!("transformer_blocks.{i}");
+            let (g, blk) = (Group::Blocks, Some(i));
+            t.push(format!("{b}.scale_shift_table"), vec![6, dim], g, blk);
+            // Attention(qk_norm="rms_norm_across_heads"): RMSNorm over all heads, weight only.
+            let attn1 = Attn {
+                qk_norm: d.qk_norm.then_some(dim),
+                ..Attn::self_attn(dim, d.attention_bias)
+            };
+            t.attention(&format!("{b}.attn1"), attn1, g, blk);
+            let attn2 = Attn {
+                query_dim: dim,
+                kv_dim: d.cross_attention_dim,
+                inner: cross,
+                bias: true,
+                qk_norm: d.qk_norm.then_some(cross),
+            };
+            t.attention(&format!("{b}.attn2"), attn2, g, blk);
+            t.glumb_conv(&format!("{b}.ff"), dim, d.mlp_hidden(), g, blk);
+        }
+        t.top_linear("proj_out", p * p * d.out_channels, dim, Group::FinalLayer);
+        if d.pos_embed {
+            let side = d.sample_size / p;
+            t.patch_embed_pos_embed("patch_embed", side, dim, TensorKind::BufferNonPersistent);
+        }
+    }
+
+    /// DC-AE f32c32, Sana's own MLP width; Gemma-2-2B at 300 tokens.
+    fn geometry(&self, _name: &str) -> Geometry {
+        let d = self;
+        let gemma = TextEncoder {
+            name: "Gemma-2-2B",
+            default_tokens: 300,
+            width: d.caption_channels,
+            sequence: true,
+        };
+        let dims = [d.num_layers, d.inner(), d.num_attention_heads, d.patch_size];
+        Geometry {
+            vae_factor: 32,
+            mlp: d.mlp_hidden(),
+            ..diffusers_f8(
+                [dims[0], dims[1], dims[2], dims[3], d.in_channels],
+                vec![gemma],
+            )
+        }
+    }
+
     /// SanaPipeline's default: `sample_size` × DC-AE's 32 (the 1024px checkpoints: 32 → 1024²).
-    pub fn training_defaults(&self) -> TrainingDefaults {
-        TrainingDefaults::from_sample_size(self.sample_size, self.patch_size, 32)
+    fn training_defaults(&self) -> Option<TrainingDefaults> {
+        Some(TrainingDefaults::from_sample_size(
+            self.sample_size,
+            self.patch_size,
+            32,
+        ))
+    }
+
+    fn layers(&self) -> u64 {
+        self.num_layers
+    }
+
+    fn keep_blocks(&mut self, counts: &[u64]) {
+        self.num_layers = counts[0];
     }
 }

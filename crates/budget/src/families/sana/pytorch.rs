@@ -7,14 +7,12 @@
 //! projection and its RMSNorm), block 0 (its stream is the transposed, low-precision patch
 //! embedding), blocks 1.. (an fp32 contiguous stream), `norm_out` + `proj_out` + the loss.
 
-use super::common::Fam;
-use crate::families::SanaDims;
+use crate::families::{Dims, SanaDims};
+use crate::runtime::pytorch::families::common::{flow_loss, noising, Fam};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
 
 /// The sizes of one step.
 struct Dm {
@@ -143,56 +141,6 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     bl.g.op("attn1 rows / last row", &[hs, den], e, low)
 }
 
-/// The flow-matching noising of `family_peer.py` (no grad): `(1 − σ)·x0 + σ·noise` in the
-/// scripts' `weight_dtype`, both products freed after the sum. Returns `noisy`.
-pub(super) fn noising(bl: &mut Builder, lat: u64, b: u64, wd: Dtype) -> Tid {
-    let x0 = bl.g.input("x0", lat, wd, false);
-    let noise = bl.g.input("noise", lat, wd, false);
-    let sig = bl.g.input("σ", b, wd, false);
-    let om = bl.g.op("1−σ", &[sig], b, wd);
-    let a = bl.g.op("(1−σ)·x0", &[x0, om], lat, wd);
-    let bn = bl.g.op("σ·noise", &[noise, sig], lat, wd);
-    bl.g.op("noisy", &[a, bn], lat, wd)
-}
-
-/// Unpatchify (a copy when the permutation cannot be viewed) and the scripts' loss
-/// `mean(((pred.float() − target.float())²).reshape(b, −1), 1).mean()` outside autocast:
-/// `.float()` copies a low-precision prediction / target, `PowBackward0` saves the difference
-/// [AG]. The script holds `pred` until the loss is made (`del pred, target` after it): its
-/// bytes ride as forward scratch on the ops after its last read.
-pub(super) fn flow_loss(
-    bl: &mut Builder,
-    f: &Fam,
-    y: Tid,
-    copy: bool,
-    target: Tid,
-    lat: u64,
-    b: u64,
-) {
-    let ydt = bl.g.dtype(y);
-    let pred = if copy {
-        bl.g.op("unpatchify (copy)", &[y], lat, ydt)
-    } else {
-        bl.g.view("unpatchify (view)", y, lat)
-    };
-    let pb = bl.g.tensors[pred].bytes();
-    let pf = bl.g.cast("pred.float()", pred, Dtype::F32);
-    let tf = bl.g.cast("target.float()", target, Dtype::F32);
-    let diff = bl.g.op("pred − target", &[pf, tf], lat, Dtype::F32);
-    let r = bl.rg(diff);
-    bl.save_if(diff, r);
-    if pf != pred {
-        bl.g.annotate(diff, 0, pb, 0);
-    }
-    let sq = bl.g.op("(pred − target)²", &[diff], lat, Dtype::F32);
-    bl.g.annotate(sq, 0, pb, 0);
-    let m1 = bl.g.op("mean over each sample", &[sq], b, Dtype::F32);
-    let loss = bl.g.op("mean", &[m1], 1, Dtype::F32);
-    if f.spec.workload.accumulation > 1 {
-        bl.g.op("loss / accumulation", &[loss], 1, Dtype::F32);
-    }
-}
-
 /// The input side: noising (no grad), `PatchEmbed` (conv, flatten + transpose: a view; plus
 /// the sin-cos table when `interpolation_scale` is set),
 /// `AdaLayerNormSingle` (timestep MLP, SiLU, Linear D → 6D), `PixArtAlphaTextProjection`
@@ -256,6 +204,8 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
 }
 
 /// One `SanaTransformerBlock`, op by op.
+// Over 100 lines on purpose: one statement per op of SanaTransformerBlock in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let mut bl = f.builder("block");
     let (b, s, dd) = (m.b, m.s, m.d);
@@ -387,6 +337,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     bl.g
 }
 
+// Over 100 lines on purpose: one statement per op of the Sana step in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     let m = dm(f, d);
     let probe = f.builder("probe");
@@ -513,6 +465,15 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
         stages: st,
         data: Data { kept, forward_only },
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Sana(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
 }
 
 #[cfg(test)]

@@ -7,15 +7,12 @@
 //! contiguous, `WanTimeTextImageEmbedding`), the blocks (all alike: the stream keeps the patch
 //! embedding's dtype), `norm_out` + `proj_out` + the loss.
 
-use super::common::Fam;
-use super::sana::{flow_loss, noising};
-use crate::families::WanDims;
+use crate::families::{Dims, WanDims};
+use crate::runtime::pytorch::families::common::{flow_loss, noising, Fam};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-pub const READY: bool = true;
 
 struct Dm {
     b: u64,
@@ -319,6 +316,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     bl.g
 }
 
+// Over 100 lines on purpose: one statement per op of the Wan step in the order the code runs,
+// each reading the locals before it; split, the parts would pass most of them back and forth.
 pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     let m = dm(f, d);
     let frozen = f.lora.is_some();
@@ -425,6 +424,15 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
         stages: st,
         data: Data { kept, forward_only },
     }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
+/// None for another family's.
+pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
+    let Dims::Wan(d) = dims else {
+        return None;
+    };
+    Some(stages(f, d))
 }
 
 #[cfg(test)]

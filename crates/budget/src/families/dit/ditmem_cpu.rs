@@ -1,0 +1,217 @@
+//! diffusers' DiT (`DiTTransformer2DModel`) in the engine as candle nodes (twin: the engine's
+//! `families/dit_diffusers/block.rs` and `trainer/dit_diffusers.rs`): the embed segment (patch
+//! embedding, the timestep features and label rows every block reads, block 0's embedder once
+//! more for the output side), the `BasicTransformerBlock` with `ada_norm_zero` (its own
+//! `CombinedTimestepLabelEmbeddings`, `norm1.linear`, self-attention over separate q, k, v
+//! ([`separate_attention`]), the GELU-tanh feed-forward) and the output side (`proj_out_1`,
+//! `norm_out` + modulate, `proj_out_2`); then their simulation into [`crate::runtime::costs::Sims`] for the step
+//! replay ([`crate::runtime::ditmem_cpu::step`]), which schedules them as every family's.
+//!
+//! Block 0's embedder parameters are read by block 0 and by the embed: block 0 lands their
+//! gradients, the embed's backward adds its own into those buffers ([`summed_by_embed`]).
+
+use crate::families::{Dims as FamilyDims, FamilyModel};
+use crate::params::ParamTensor;
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, block_leaf, chunks, gated_released, module_feed_forward, module_linear,
+    patch_embed, proj_out_released, release_unless_read, timestep_features,
+};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::ops::ln_modulate;
+use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::sims;
+use crate::runtime::shape::Shape;
+use crate::spec::{Dtype, Spec};
+
+/// Width of `CombinedTimestepLabelEmbeddings.time_proj` (`Timesteps(256)`).
+pub const DITD_FREQ: u64 = 256;
+
+/// What a diffusers DiT step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DitdGeo {
+    /// `out_channels` of the config (8 with the learned variance).
+    pub c_out: u64,
+    /// Rows of every label table: the classes and the null class.
+    pub labels: u64,
+}
+
+impl DitdGeo {
+    /// The diffusers DiT geometry of a spec; None for any other model.
+    pub fn of(_spec: &Spec, fm: &FamilyModel) -> Option<DitdGeo> {
+        let FamilyDims::DitDiffusers(d) = &fm.dims else {
+            return None;
+        };
+        Some(DitdGeo {
+            c_out: d.out_channels,
+            labels: d.num_embeds_ada_norm + 1,
+        })
+    }
+}
+
+/// Whether the embed's backward adds `t`'s gradient into a buffer block 0 landed: block 0's
+/// embedder (`transformer_blocks.0.norm1.emb.*`) of a diffusers DiT, whose second use (the
+/// output side's conditioning) the engine runs in the embed segment.
+fn summed_by_embed(t: &ParamTensor) -> bool {
+    t.block == Some(0) && t.name.starts_with("transformer_blocks.0.norm1.emb.")
+}
+
+/// `combined_embedding` of the engine (`CombinedTimestepLabelEmbeddings` of the block at
+/// `prefix`, relative names): `linear_1` on the features `tf` (b, 256) in `cd`, SiLU,
+/// `linear_2` cast to `ad`; the label rows of the table as stored, cast to `ad`; their sum
+/// (b, D) in `ad`. The helper's locals (the SiLU, the two casts) live until the sum exists.
+fn combined_embedding(g: &mut Graph, sh: &Shape, dg: &DitdGeo, tf: Nid, ids: Nid) -> Nid {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let bd = sh.b * sh.d;
+    let te = "norm1.emb.timestep_embedder";
+    let h = module_linear(g, sh, &format!("{te}.linear_1"), tf, sh.b, sh.d, DITD_FREQ);
+    let h = g.op("timestep silu", Kind::Silu, &[h], bd, cd);
+    let t = module_linear(g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
+    let t = g.cast(&format!("t_emb→{ad}"), t, ad);
+    let wd = sh.weight_dtype();
+    let table = base_weight(
+        g,
+        sh,
+        "norm1.emb.class_embedder.embedding_table.weight",
+        dg.labels * sh.d,
+        wd,
+    );
+    let y = g.op("label rows", Kind::IndexSelect, &[table, ids], bd, wd);
+    let y = g.cast(&format!("y_emb→{ad}"), y, ad);
+    let emb = g.op("t_emb + y_emb", Kind::Add, &[t, y], bd, ad);
+    g.hold_until(&[h, t, y], emb);
+    emb
+}
+
+impl OneBlockKind for DitdGeo {
+    fn freq(&self) -> u64 {
+        DITD_FREQ
+    }
+
+    /// No text: the class label is a table row.
+    fn caption_elems(&self) -> u64 {
+        0
+    }
+
+    fn summed_by_embed(&self, t: &ParamTensor) -> bool {
+        summed_by_embed(t)
+    }
+
+    /// The embed segment as `DitdLayout::embed` builds it. Returns (graph, x0, SiLU(emb₀) in the
+    /// compute dtype, timestep features, label ids).
+    fn embed(&self, sh: &Shape) -> EmbedGraph {
+        let dg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let bd = sh.b * sh.d;
+        let mut g = Graph::default();
+        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
+        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
+        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let tf = timestep_features(&mut g, sh, DITD_FREQ);
+        // The label ids (u32, one per sample; 4 bytes each like an f32).
+        let ids = g.constant("label ids", sh.b, Dtype::F32, true);
+        g.bind(ids);
+        let emb0 = combined_embedding(&mut g, sh, dg, tf, ids);
+        let se = g.op("silu(emb₀)", Kind::Silu, &[emb0], bd, ad);
+        let se = g.cast(&format!("silu(emb₀)→{cd}"), se, cd);
+        g.bind(se);
+        g.bind(x0);
+        EmbedGraph {
+            graph: g,
+            streams: vec![x0],
+            conds: vec![se],
+            tables: vec![tf, ids],
+        }
+    }
+
+    /// One block as `ditd_block_forward` builds it, on a leaf copy of its input, tracked or not
+    /// (`track`: what the engine releases); every intermediate is a local of that function (bound).
+    /// Returns the graph, the input leaf and the output.
+    fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
+        let dg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let d = sh.d;
+        let rows = sh.b * sh.s;
+        let bd = sh.b * d;
+        let (mut g, x) = block_leaf(sh);
+        // The fixed tables the embed made (no leaf copies).
+        let tf = g.constant("timestep features (fixed)", sh.b * DITD_FREQ, cd, false);
+        let ids = g.constant("label ids (fixed)", sh.b, Dtype::F32, false);
+        let emb = combined_embedding(&mut g, sh, dg, tf, ids);
+        g.bind(emb);
+        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+        g.bind(se);
+        let m6 = module_linear(&mut g, sh, "norm1.linear", se, sh.b, 6 * d, d);
+        let m6 = g.cast(&format!("norm1.linear→{ad}"), m6, ad);
+        g.bind(m6);
+        let m = chunks(&mut g, "modulation", m6, 6, bd);
+        let lin = |g: &mut Graph, name: &str, x: Nid| {
+            let y = module_linear(g, sh, name, x, rows, d, d);
+            g.bind(y)
+        };
+
+        // Self-attention.
+        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+        g.bind(h1);
+        let q = lin(&mut g, "attn1.to_q", h1);
+        let k = lin(&mut g, "attn1.to_k", h1);
+        let v = lin(&mut g, "attn1.to_v", h1);
+        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
+        g.bind(o);
+        let p = lin(&mut g, "attn1.to_out.0", o);
+        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
+        g.bind(x1);
+
+        // Feed-forward.
+        let h2 = ln_modulate(&mut g, "norm3+modulate", x1, m[3], m[4], rows, cd);
+        g.bind(h2);
+        let names = ("ff.net.0.proj", "ff.net.2");
+        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
+        release_unless_read(&mut g, sh, track, names.0, h2);
+        let out = gated_released(&mut g, track, "x1 + out·gate_mlp (fused)", x1, f2, m[5]);
+        (g, x, out)
+    }
+
+    /// The output side and the loss on a leaf copy of the last block's output.
+    /// Returns (graph, leaf, root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
+        let dg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let rows = sh.b * sh.s;
+        let bd = sh.b * sh.d;
+        let (mut g, x) = sims::final_leaf(sh);
+        let se = sh.cond_leaf(&mut g, "SiLU(emb₀) (shared leaf)", bd, cd);
+        let m = module_linear(&mut g, sh, "proj_out_1", se, sh.b, 2 * sh.d, sh.d);
+        let m = g.cast(&format!("proj_out_1→{ad}"), m, ad);
+        g.bind(m);
+        let md = chunks(&mut g, "proj_out_1", m, 2, bd);
+        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        g.bind(h);
+        let y = module_linear(
+            &mut g,
+            sh,
+            "proj_out_2",
+            h,
+            rows,
+            sh.patch2 * dg.c_out,
+            sh.d,
+        );
+        let y = proj_out_released(&mut g, sh, h, y, ad);
+        let root = sims::prediction_loss(
+            &mut g,
+            sh,
+            y,
+            dg.c_out,
+            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
+        );
+        (g, x, root)
+    }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    DitdGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+}

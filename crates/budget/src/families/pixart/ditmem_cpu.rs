@@ -1,0 +1,290 @@
+//! PixArt in the engine as candle nodes (twin: the engine's `families/pixart/block.rs` and
+//! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
+//! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
+//! over separate q, k, v ([`crate::runtime::ditmem_cpu::separate`]), and the output side with the final
+//! `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the step replay
+//! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
+
+use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
+use crate::runtime::ditmem_cpu::block::{
+    base_weight, block_leaf, bound_linear, chunks, fused_cross, gated_released, linear_weights,
+    module_feed_forward, module_linear, patch_embed, release_unless_read, sink_context_grad,
+    timestep_features,
+};
+use crate::runtime::ditmem_cpu::cross::cross_attention;
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::ops::{concat, gelu, ln_modulate};
+use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::sims;
+use crate::runtime::shape::Shape;
+use crate::spec::Spec;
+
+/// Width of diffusers' `Timesteps(256)` sinusoid.
+pub const PIXART_FREQ: u64 = 256;
+
+/// What a PixArt step reads beyond [`Shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PixGeo {
+    /// Caption tokens T.
+    pub t: u64,
+    /// Width of the cached text embeddings (caption_channels, or D without a projection).
+    pub width: u64,
+    /// Whether the caption is projected (`caption_projection`).
+    pub projection: bool,
+    /// `out_channels` of the config.
+    pub c_out: u64,
+    /// PixArt-α's additional conditions (`use_additional_conditions`): the resolution and
+    /// aspect-ratio embedders in the embed.
+    pub sizes: bool,
+}
+
+impl PixGeo {
+    /// The PixArt geometry of a spec; None for any other model.
+    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<PixGeo> {
+        let FamilyDims::Pixart(d) = &fm.dims else {
+            return None;
+        };
+        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+        Some(PixGeo::new(d, tokens.first().copied().unwrap_or(0)))
+    }
+
+    fn new(d: &PixartDims, t: u64) -> PixGeo {
+        PixGeo {
+            t,
+            width: d.caption_channels.unwrap_or(d.inner()),
+            projection: d.caption_channels.is_some(),
+            c_out: d.out_channels,
+            sizes: d.use_additional_conditions,
+        }
+    }
+}
+
+/// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
+/// `emb`: for the resolution (2 values per sample) and the aspect ratio (1), sinusoid features
+/// (accumulation dtype, cast to the compute dtype), linear_1, SiLU, linear_2 (D/3 wide) cast to
+/// the accumulation dtype; the resolution's rows viewed as (b, 2D/3), the engine's concat and
+/// the sum with `emb`. The features and hidden layers are the closure's locals (freed when no
+/// backward reads them); the two outputs, their concat and `emb` stay held by the embed. `emb` here
+/// is the timestep's; the returned sum is the embedded timestep the blocks' modulation and the
+/// final layer read, as diffusers' `AdaLayerNormSingle` returns it.
+fn size_embedding(g: &mut Graph, sh: &Shape, emb: Nid) -> Nid {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let size = sh.d / 3;
+    let mut parts = Vec::new();
+    for (e, rows) in [
+        ("resolution_embedder", 2 * sh.b),
+        ("aspect_ratio_embedder", sh.b),
+    ] {
+        let p = format!("adaln_single.emb.{e}");
+        let f = g.constant(&format!("{e} features"), rows * PIXART_FREQ, ad, true);
+        let f = g.cast(&format!("{e} features→{cd}"), f, cd);
+        let h = module_linear(g, sh, &format!("{p}.linear_1"), f, rows, size, PIXART_FREQ);
+        let h = g.op(&format!("{e} silu"), Kind::Silu, &[h], rows * size, cd);
+        let o = module_linear(g, sh, &format!("{p}.linear_2"), h, rows, size, size);
+        let mut o = g.cast(&format!("{e}→{ad}"), o, ad);
+        if rows > sh.b {
+            o = g.view(&format!("{e} reshape(b,·)"), Kind::Reshape, o, rows * size);
+        }
+        parts.push(g.bind(o));
+    }
+    let cat = concat(g, "cat[resolution; aspect ratio]", parts[0], parts[1]);
+    g.bind(cat);
+    g.op("emb + sizes", Kind::Add, &[emb, cat], sh.b * sh.d, ad)
+}
+
+impl OneBlockKind for PixGeo {
+    fn freq(&self) -> u64 {
+        PIXART_FREQ
+    }
+
+    /// Text elements of one sample (T·width): the batch holds them in f64.
+    fn caption_elems(&self) -> u64 {
+        self.t * self.width
+    }
+
+    /// The embed segment as `Trainer::pixart_microbatch` builds it. Returns (graph, x0, t6,
+    /// embedded timestep, caption).
+    fn embed(&self, sh: &Shape) -> EmbedGraph {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let bd = sh.b * sh.d;
+        let trows = sh.b * pg.t;
+        let mut g = Graph::default();
+        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
+        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
+        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let tf = timestep_features(&mut g, sh, PIXART_FREQ);
+        let te = "adaln_single.emb.timestep_embedder";
+        let h = module_linear(
+            &mut g,
+            sh,
+            &format!("{te}.linear_1"),
+            tf,
+            sh.b,
+            sh.d,
+            PIXART_FREQ,
+        );
+        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
+        g.bind(h);
+        let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
+        let emb = g.cast(&format!("emb→{ad}"), emb, ad);
+        g.bind(emb);
+        let emb = if pg.sizes {
+            size_embedding(&mut g, sh, emb)
+        } else {
+            emb
+        };
+        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
+        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
+        g.bind(se);
+        let t6 = module_linear(&mut g, sh, "adaln_single.linear", se, sh.b, 6 * sh.d, sh.d);
+        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
+        g.bind(t6);
+        let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
+        g.bind(cap);
+        let y = if pg.projection {
+            let c1 = module_linear(
+                &mut g,
+                sh,
+                "caption_projection.linear_1",
+                cap,
+                trows,
+                sh.d,
+                pg.width,
+            );
+            let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
+            let y = module_linear(
+                &mut g,
+                sh,
+                "caption_projection.linear_2",
+                act,
+                trows,
+                sh.d,
+                sh.d,
+            );
+            // `caption_forward`'s locals live until it returns.
+            g.hold_until(&[c1, act], y);
+            y
+        } else {
+            cap
+        };
+        g.bind(y);
+        g.bind(x0);
+        EmbedGraph {
+            graph: g,
+            streams: vec![x0],
+            conds: vec![t6, emb, y],
+            tables: Vec::new(),
+        }
+    }
+
+    /// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
+    /// not (`track`: what the engine releases); every intermediate is a local of that function
+    /// (bound). Returns (graph, input leaf, output).
+    fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let (e, d) = (sh.e(), sh.d);
+        let rows = sh.b * sh.s;
+        let (bd, trows) = (sh.b * d, sh.b * pg.t);
+        let (mut g, x) = block_leaf(sh);
+        let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
+        let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
+        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
+        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
+        g.bind(modv);
+        let m = chunks(&mut g, "modulation", modv, 6, bd);
+
+        // Self-attention.
+        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
+        g.bind(h1);
+        let q = bound_linear(&mut g, sh, "attn1.to_q", h1, rows, d, d);
+        let k = bound_linear(&mut g, sh, "attn1.to_k", h1, rows, d, d);
+        let v = bound_linear(&mut g, sh, "attn1.to_v", h1, rows, d, d);
+        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
+        g.bind(o);
+        let p = bound_linear(&mut g, sh, "attn1.to_out.0", o, rows, d, d);
+        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
+        g.bind(x1);
+
+        // Cross-attention.
+        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
+        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
+        g.bind(xq);
+        let q2 = bound_linear(&mut g, sh, "attn2.to_q", xq, rows, d, d);
+        let o2 = if fused_cross(sh) {
+            let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
+            let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
+            let name = "attn2 (cross, k and v projected inside)";
+            cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
+        } else {
+            let k2 = bound_linear(&mut g, sh, "attn2.to_k", y, trows, d, d);
+            sink_context_grad(&mut g, k2, y);
+            let v2 = bound_linear(&mut g, sh, "attn2.to_v", y, trows, d, d);
+            sink_context_grad(&mut g, v2, y);
+            let name = "attn2 (cross, separate q, k, v)";
+            separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
+        };
+        g.bind(o2);
+        let p2 = bound_linear(&mut g, sh, "attn2.to_out.0", o2, rows, d, d);
+        let ones = g.constant("ones (b, D)", bd, ad, true);
+        g.bind(ones);
+        let x2 = gated_released(
+            &mut g,
+            track,
+            "x1 + out (fused, gate of ones)",
+            x1,
+            p2,
+            ones,
+        );
+        g.bind(x2);
+
+        // MLP.
+        let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
+        g.bind(h2);
+        let names = ("ff.net.0.proj", "ff.net.2");
+        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
+        release_unless_read(&mut g, sh, track, names.0, h2);
+        let out = gated_released(&mut g, track, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+        (g, x, out)
+    }
+
+    /// The output side and the loss on a leaf copy of the last block's output.
+    /// Returns (graph, leaf, root).
+    fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
+        let pg = self;
+        let (cd, ad) = (sh.cd(), sh.ad());
+        let rows = sh.b * sh.s;
+        let bd = sh.b * sh.d;
+        let (mut g, x) = sims::final_leaf(sh);
+        let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
+        let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
+        let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
+        let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
+        let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
+        let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
+        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
+        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * pg.c_out, sh.d);
+        let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
+        let root = sims::prediction_loss(
+            &mut g,
+            sh,
+            y,
+            pg.c_out,
+            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
+        );
+        (g, x, root)
+    }
+}
+
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    PixGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+}
