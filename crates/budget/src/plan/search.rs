@@ -290,15 +290,7 @@ pub(super) fn combinations(
     let per_rank = w.batch / w.ranks;
     let launch = ev.run.control.launch.copied().unwrap_or_default();
     let pin = launch.pinned;
-    let Levers {
-        micros,
-        loras,
-        quants,
-        optimizers,
-        zeros,
-        latents,
-        attentions,
-    } = levers(base, limits, pin);
+    let lv = levers(base, limits, pin);
 
     // Every combination of the levers but recompute, with its fastest time.
     let mut combos: Vec<(Combo, f64)> = Vec::new();
@@ -307,16 +299,17 @@ pub(super) fn combinations(
         limits.allow.bf16_pure,
         limits.allow.precision,
     ) {
-        for &attention in &attentions {
-            for &micro in &micros {
-                for &lat in &latents {
-                    for (lora, &quant) in loras
+        for &attention in &lv.attentions {
+            for &micro in &lv.micros {
+                for &lat in &lv.latents {
+                    for (lora, &quant) in lv
+                        .loras
                         .iter()
-                        .flat_map(|l| quants.iter().map(move |q| (l, q)))
+                        .flat_map(|l| lv.quants.iter().map(move |q| (l, q)))
                         .filter(|(l, q)| l.is_some() || **q == BaseQuant::None)
                     {
-                        for &opt in &optimizers {
-                            for &z in &zeros {
+                        for &opt in &lv.optimizers {
+                            for &z in &lv.zeros {
                                 if !crate::sharding::stage_exists(base, z) {
                                     continue;
                                 }
