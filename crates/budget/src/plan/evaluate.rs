@@ -2,7 +2,19 @@
 //! combination's recompute policies, and on `pytorch:cuda` the allocator replays behind a
 //! point's device bytes.
 
-use super::*;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Instant;
+
+use crate::cost::{elementwise_forward_s, step_time_with, DeviceProfile, StepTime, TimeInputs};
+use crate::denoiser::param_table;
+use crate::events::{Breakdown, StaticBytes};
+use crate::params::{ParamRole, ParamTensor};
+use crate::runtime::SegmentCosts;
+use crate::spec::{AttentionMode, BaseQuant, Latents, Optimizer, Precision, Recompute, Spec};
+use crate::timeline::{segment_costs, simulate_step_with, static_bytes, LAID_OUT_MICROBATCHES};
+
+use super::types::*;
 
 /// The clock of one [`plan_with`] call and the points its stages share.
 pub(super) struct Run<'a> {
@@ -474,4 +486,30 @@ pub(super) fn trained_params(table: &[ParamTensor]) -> f64 {
 /// Persistent bytes of a combination: a lower bound of its peak under any recompute policy.
 pub(super) fn persistent(st: &StaticBytes) -> u64 {
     st.weights + st.master_weights + st.optimizer_state + st.ema + st.encoder_weights
+}
+
+/// `recompute` for the first `k` of `depth` blocks.
+pub fn recompute_first(k: u32, depth: u32) -> Recompute {
+    if k == 0 {
+        Recompute::None
+    } else if k >= depth {
+        Recompute::All
+    } else {
+        Recompute::Blocks((0..k).collect())
+    }
+}
+
+/// The placements of `k` recomputed blocks the planner compares: the first `k`, and the first
+/// `k − 1` plus the one after a gap. In the engine a recomputed block keeps only its input, which
+/// is the previous block's output: kept anyway when that block is stored, an extra buffer when it
+/// is recomputed too; and a block recomputed late is rebuilt on top of every graph below it. The
+/// two placements cover both effects (a test holds them against all `2^depth` subsets).
+pub fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
+    let mut v = vec![recompute_first(k, depth)];
+    if k >= 1 && k + 1 < depth {
+        let mut blocks: Vec<u32> = (0..k - 1).collect();
+        blocks.push(k);
+        v.push(Recompute::Blocks(blocks));
+    }
+    v
 }

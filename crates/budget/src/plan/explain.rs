@@ -1,6 +1,11 @@
 //! The plan in words: the changes from the base, why it was chosen, why nothing fits.
 
-use super::*;
+use crate::cost::DeviceProfile;
+use crate::spec::{Latents, Optimizer, Precision, Recompute, Spec};
+use crate::units::fmt_bytes;
+
+use super::evaluate::*;
+use super::types::*;
 
 pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     let (b, r) = (&base.recipe, &s.recipe);

@@ -1,33 +1,16 @@
 //! One stage's search: every combination of the levers but recompute, fastest first, each with
 //! its recompute policies, pruned when dominated; the plan and its Pareto front from the points.
 
-use super::*;
+use std::collections::HashMap;
 
-/// `recompute` for the first `k` of `depth` blocks.
-pub fn recompute_first(k: u32, depth: u32) -> Recompute {
-    if k == 0 {
-        Recompute::None
-    } else if k >= depth {
-        Recompute::All
-    } else {
-        Recompute::Blocks((0..k).collect())
-    }
-}
+use crate::cost::DeviceProfile;
+use crate::spec::{
+    AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
+};
 
-/// The placements of `k` recomputed blocks the planner compares: the first `k`, and the first
-/// `k − 1` plus the one after a gap. In the engine a recomputed block keeps only its input, which
-/// is the previous block's output: kept anyway when that block is stored, an extra buffer when it
-/// is recomputed too; and a block recomputed late is rebuilt on top of every graph below it. The
-/// two placements cover both effects (a test holds them against all `2^depth` subsets).
-pub fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
-    let mut v = vec![recompute_first(k, depth)];
-    if k >= 1 && k + 1 < depth {
-        let mut blocks: Vec<u32> = (0..k - 1).collect();
-        blocks.push(k);
-        v.push(Recompute::Blocks(blocks));
-    }
-    v
-}
+use super::evaluate::*;
+use super::explain::*;
+use super::types::*;
 
 /// Precisions at or below the base's footprint, in order of preference at equal time
 /// (bf16 before fp16: no loss scaling needed). Without `allow_change`, the base's alone (and

@@ -1,7 +1,18 @@
 //! The search stages (LoRA, 8-bit AdamW and a quantized base only when needed) and the
 //! alternatives (the plan without a lever chosen for speed), around [`super::search`].
 
-use super::*;
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crate::cost::DeviceProfile;
+use crate::denoiser::param_table;
+use crate::spec::{Optimizer, Precision, Spec};
+use crate::units::fmt_bytes;
+
+use super::evaluate::*;
+use super::explain::*;
+use super::search::*;
+use super::types::*;
 
 /// Say so when the plan fits only with `expandable_segments:True`: the allocated peak and the
 /// reserved segments without it.

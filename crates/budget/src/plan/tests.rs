@@ -1,4 +1,13 @@
-use super::*;
+use std::time::Duration;
+
+use crate::cost::DeviceProfile;
+use crate::denoiser::param_table;
+use crate::spec::{AttentionMode, LoraSpec, Optimizer, Precision, Recompute, Spec};
+
+use super::evaluate::*;
+use super::search::*;
+use super::stages::*;
+use super::types::*;
 use crate::spec::ModelSpec;
 
 fn small() -> Spec {
