@@ -2,7 +2,7 @@
 //! against a card.
 //!
 //! `estimate` names the one lever that helps most and `ditmem oom` ranks them against the card
-//! an out-of-memory message came from; the planner searches combinations (`plan.rs`), and is
+//! an out-of-memory message came from; the planner searches combinations (`plan/`), and is
 //! asked here for its fastest combination when no single lever fits. A lever is a single edit
 //! of the spec a user makes with one setting (the allocator's expandable segments, recompute,
 //! microbatch with accumulation, memory-efficient attention, bf16-mixed, 8-bit AdamW, cached

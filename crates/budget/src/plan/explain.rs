@@ -1,0 +1,218 @@
+//! The plan in words: the changes from the base, why it was chosen, why nothing fits.
+
+use crate::cost::DeviceProfile;
+use crate::spec::{Latents, Optimizer, Precision, Recompute, Spec};
+use crate::units::fmt_bytes;
+
+use super::evaluate::*;
+use super::types::*;
+
+pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
+    let (b, r) = (&base.recipe, &s.recipe);
+    let mut out = Vec::new();
+    if b.precision != r.precision {
+        out.push(format!("precision {} → {}", b.precision, r.precision));
+    }
+    if b.recompute != r.recompute {
+        let what = match &r.recompute {
+            Recompute::Blocks(v) if v.iter().copied().eq(0..v.len() as u32) => format!(
+                "recompute the first {} of {} blocks",
+                v.len(),
+                s.model.depth
+            ),
+            Recompute::Blocks(v) => format!(
+                "recompute {} of {} blocks ({})",
+                v.len(),
+                s.model.depth,
+                r.recompute
+            ),
+            Recompute::All => format!("recompute all {} blocks", s.model.depth),
+            Recompute::None => "recompute nothing".into(),
+            Recompute::AttentionOnly => "recompute the attention core only".into(),
+            other => format!("recompute {other}"),
+        };
+        out.push(what);
+    }
+    if b.attention != r.attention {
+        out.push(format!(
+            "attention {} → {}",
+            b.attention.name(),
+            r.attention.name()
+        ));
+    }
+    if base.workload.microbatch != s.workload.microbatch {
+        out.push(format!(
+            "microbatch {} → {} with accumulation {}",
+            base.workload.microbatch, s.workload.microbatch, s.workload.accumulation
+        ));
+    }
+    if b.latents != r.latents {
+        out.push(match r.latents {
+            Latents::Cached => "cache the latents (no VAE in the step)".into(),
+            Latents::Encode => "encode the latents in the step (the VAE runs every step)".into(),
+        });
+    }
+    if b.lora != r.lora {
+        if let Some(l) = &r.lora {
+            out.push(format!("LoRA rank {} (base frozen)", l.rank));
+        }
+    }
+    if b.base_quant != r.base_quant {
+        out.push(format!(
+            "base stored {} (bitsandbytes; the adapters train in the compute dtype)",
+            r.base_quant.name()
+        ));
+    }
+    if b.optimizer != r.optimizer {
+        out.push(format!(
+            "optimizer {} → {}",
+            b.optimizer.name(),
+            r.optimizer.name()
+        ));
+    }
+    if b.zero_stage != r.zero_stage {
+        out.push(format!(
+            "ZeRO stage {} over {} ranks ({})",
+            r.zero_stage,
+            s.workload.ranks,
+            crate::sharding::Scheme::of(s).describe()
+        ));
+    }
+    let conf = |x: &Spec| {
+        x.cuda
+            .as_ref()
+            .map(|c| c.alloc_conf.clone())
+            .unwrap_or_default()
+    };
+    if conf(base) != conf(s) {
+        out.push(format!(
+            "PYTORCH_CUDA_ALLOC_CONF={} (the allocated peak fits, the cached segments do not)",
+            conf(s)
+        ));
+    }
+    out
+}
+
+/// Why no recipe fits: the smallest peak, what dominates it, and what would widen the search.
+pub(super) fn infeasible_reason(
+    limits: &Limits,
+    ranks: u32,
+    usable: u64,
+    chosen: &Point,
+    chosen_c: &Candidate,
+) -> String {
+    let (dom, dom_bytes) = chosen.breakdown.dominant();
+    let missing: Vec<&str> = [
+        (!limits.allow.lora, "lora"),
+        (!limits.allow.eight_bit, "8bit"),
+        (!limits.allow.sharding && ranks > 1, "sharding"),
+        (!limits.allow.bf16_pure, "bf16-pure"),
+        (!limits.allow.precision, "precision"),
+        (!limits.allow.quant, "quant"),
+    ]
+    .into_iter()
+    .filter_map(|(m, n)| m.then_some(n))
+    .collect();
+    format!(
+            "no recipe in the allowed space fits {} usable ({} budget less {:.0} % headroom): the smallest \
+             peak is {} ({}), where {} dominate with {} ({:.0} %){}{}",
+            fmt_bytes(usable),
+            fmt_bytes(limits.budget_bytes),
+            100.0 * limits.headroom,
+            fmt_bytes(chosen.peak),
+            if chosen_c.changes.is_empty() {
+                "the base".to_string()
+            } else {
+                chosen_c.changes.join(", ")
+            },
+            dom.replace('_', " "),
+            fmt_bytes(dom_bytes),
+            100.0 * dom_bytes as f64 / chosen.peak.max(1) as f64,
+            if missing.is_empty() {
+                String::new()
+            } else {
+                format!("; --allow {} widens the search", missing.join(","))
+            },
+            if ranks == 1 {
+                "; sharding (ZeRO) needs --ranks N > 1"
+            } else {
+                ""
+            }
+        )
+}
+
+pub(super) fn explain(
+    base: &Spec,
+    base_c: &Candidate,
+    chosen: &Candidate,
+    usable: u64,
+    profile: &DeviceProfile,
+) -> String {
+    let (dom, dom_bytes) = base_c.breakdown.dominant();
+    let share = 100.0 * dom_bytes as f64 / base_c.peak_bytes.max(1) as f64;
+    let w = &base.workload;
+    if chosen.changes.is_empty() {
+        return format!(
+            "the base spec already fits: its peak {} is within {} usable, and no recipe that fits is \
+             predicted faster on {}; nothing to change",
+            fmt_bytes(base_c.peak_bytes),
+            fmt_bytes(usable),
+            profile.name
+        );
+    }
+    let speed = |c: &Candidate| {
+        format!(
+            "predicted step {} (base {}, {:+.1} %) on {}",
+            fmt_secs(c.time.total_s),
+            fmt_secs(base_c.time.total_s),
+            100.0 * (c.time.total_s / base_c.time.total_s.max(f64::MIN_POSITIVE) - 1.0),
+            profile.name
+        )
+    };
+    let mut s = if base_c.peak_bytes <= usable {
+        format!(
+            "the base fits ({} of {} usable), but {} is predicted faster and fits too → peak {}, {}",
+            fmt_bytes(base_c.peak_bytes),
+            fmt_bytes(usable),
+            chosen.changes.join("; "),
+            fmt_bytes(chosen.peak_bytes),
+            speed(chosen)
+        )
+    } else {
+        format!(
+            "{} are {:.0} % of the base peak ({} of {}) at {}×{}, over {} usable: {} → peak {}, {}",
+            dom.replace('_', " "),
+            share,
+            fmt_bytes(dom_bytes),
+            fmt_bytes(base_c.peak_bytes),
+            w.height,
+            w.width,
+            fmt_bytes(usable),
+            chosen.changes.join("; "),
+            fmt_bytes(chosen.peak_bytes),
+            speed(chosen)
+        )
+    };
+    let (b, r) = (&base.recipe, &chosen.spec.recipe);
+    let mut not_needed = Vec::new();
+    if r.precision != Precision::Fp16Mixed && b.precision != Precision::Fp16Mixed {
+        not_needed.push("fp16");
+    }
+    if r.lora.is_none() && b.lora.is_none() {
+        not_needed.push("LoRA");
+    }
+    if r.optimizer == b.optimizer && b.optimizer == Optimizer::AdamW {
+        not_needed.push("8-bit AdamW");
+    }
+    if r.zero_stage == b.zero_stage && w.ranks > 1 {
+        not_needed.push("sharding");
+    }
+    if !not_needed.is_empty() {
+        let verb = if not_needed.len() == 1 { "was" } else { "were" };
+        s.push_str(&format!("; {} {verb} not needed", not_needed.join(", ")));
+    }
+    if chosen.spec.workload.microbatch == w.microbatch && w.microbatch > 1 {
+        s.push_str("; the microbatch is kept");
+    }
+    s
+}
