@@ -6,9 +6,6 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
-use crate::precision::{Dtype, Precision};
-use crate::recipe::Recipe;
-use crate::runtime::Runtime;
 
 /// Linears of a DiT block that LoRA can adapt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -93,70 +90,6 @@ impl FromStr for LoraDtype {
                     format!("'{s}' is not an adapter dtype; allowed: fp32, weight"),
                 )
             })
-    }
-}
-
-impl Recipe {
-    /// Whether LoRA adapters are kept below fp32 ([`LoraDtype::Weight`] under mixed precision).
-    pub fn low_adapters(&self) -> bool {
-        self.lora
-            .as_ref()
-            .is_some_and(|l| l.dtype == LoraDtype::Weight)
-            && self.precision.is_mixed()
-    }
-
-    /// Dtype the trained tensors are stored in, and their gradients are.
-    pub fn trained_dtype(&self) -> Dtype {
-        if self.low_adapters() {
-            self.precision.compute_dtype()
-        } else {
-            self.precision.param_dtype()
-        }
-    }
-
-    /// Dtype of AdamW's state: `zeros_like(p)`, never below fp32 except for low adapters.
-    pub fn state_dtype(&self) -> Dtype {
-        if self.low_adapters() {
-            self.precision.compute_dtype()
-        } else {
-            self.precision.optimizer_dtype()
-        }
-    }
-
-    /// Whether the trained tensors are fp32 masters that autocast casts for compute.
-    pub fn trained_masters(&self) -> bool {
-        self.precision.is_mixed() && !self.low_adapters()
-    }
-
-    /// What a spec may not combine with `lora.dtype = "weight"`.
-    pub(crate) fn validate_lora_dtype(
-        &self,
-        runtime: Runtime,
-        ranks: u32,
-    ) -> Result<(), SpecError> {
-        if !self
-            .lora
-            .as_ref()
-            .is_some_and(|l| l.dtype == LoraDtype::Weight)
-        {
-            return Ok(());
-        }
-        let why = match (self.precision, runtime) {
-            (Precision::Fp16Mixed, _) => {
-                "under fp16-mixed: GradScaler cannot unscale fp16 \
-                 gradients (the scripts upcast the adapters to fp32 there)"
-            }
-            (p, Runtime::DitmemCpu) if p.is_mixed() => {
-                "with the ditmem-cpu engine: it keeps \
-                 trained tensors in the precision's parameter dtype (fp32 masters)"
-            }
-            _ if ranks > 1 => "over several ranks: the sharding rules count fp32 adapters",
-            _ => return Ok(()),
-        };
-        Err(SpecError::invalid(
-            "recipe.lora.dtype",
-            format!("weight {why}; allowed: fp32"),
-        ))
     }
 }
 
