@@ -163,6 +163,7 @@ impl Ticker {
     }
 }
 
+// Not yet split (> 100 lines, issue 45): checks, search, report, outputs and exports in order.
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
     // Every flag and output path is checked before any work or any file is written.
     crate::output::check_outputs(&[

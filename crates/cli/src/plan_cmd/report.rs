@@ -61,6 +61,7 @@ pub(super) fn allow_line(a: &Allow, ranks: u32) -> String {
     s
 }
 
+// Kept whole (> 100 lines): the report's sections in the order they print, into one string.
 /// The human report: the answer first (five lines: what was planned, fits, the step's time,
 /// the biggest categories, the changes), the reason in at most three lines, the flags that make
 /// the plan, then the Pareto front; `--verbose` adds the whole reason and the breakdown.

@@ -55,6 +55,7 @@ pub fn spread_order(n: usize) -> Vec<usize> {
     out
 }
 
+// Kept whole (> 100 lines): one drawing, top to bottom, on one canvas and two scales.
 /// Render a Pareto chart as a [`SIZE`] SVG.
 pub fn pareto_chart(p: &ParetoChart) -> String {
     let (w, h) = SIZE;

@@ -60,6 +60,7 @@ pub(super) const BAR_COLORS: [&str; 11] = [
     "#9c755f", "#bab0ac", "#333333",
 ];
 
+// Kept whole (> 100 lines): one drawing, top to bottom, on one canvas and two scales.
 /// Render a timeline chart as a [`SIZE`] SVG.
 pub fn timeline_chart(t: &TimelineChart) -> String {
     let (w, h) = SIZE;

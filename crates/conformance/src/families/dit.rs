@@ -18,6 +18,7 @@ use crate::verify::replay::{add_softmax, amplification_of, e, linear, on_pool, P
 use crate::verify::softmax::Layout as SoftmaxLayout;
 use crate::verify::Result;
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks, output side, loss) over shared locals; pieces would each take them all.
 /// S of the DiT's first step and the replay's loss.
 fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f64, f64, f64)> {
     let d: Dims = *t.dims();

@@ -15,6 +15,7 @@ use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F6
 use crate::verify::Result;
 use ditmem_engine::families::flux::FluxGeom;
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, double and single blocks, output side, loss) over shared locals; pieces would each take them all.
 /// The score bound S for Flux: its forward replayed in f64 (embed, double- and single-stream
 /// blocks, output side) for the loss check. S needs no activations: q and k leave a per-head
 /// RMSNorm (‖x̂‖ = √d_h·(ms/(ms + ε))^½ ≤ √d_h per head) and RoPE (a rotation), so

@@ -15,6 +15,7 @@ use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F6
 use crate::verify::Result;
 use ditmem_engine::families::pixart::PixartGeom;
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks, output side, loss) over shared locals; pieces would each take them all.
 /// The score bound S for PixArt: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention and the cross-attention to the caption.
 fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Result<(f64, f64, f64)> {

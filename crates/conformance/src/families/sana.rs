@@ -35,6 +35,7 @@ fn sana_linear(t: &Trainer, name: &str) -> Result<LinearW> {
     Ok(LinearW::new(w, b, None))
 }
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks with their cancellation and kink sums, output side, loss) over shared locals.
 /// The score bound S for Sana: its forward replayed in f64 (embed, blocks, output side), S over
 /// the softmax cross-attention to the caption (the linear self-attention has no softmax).
 fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<Probe> {

@@ -15,6 +15,7 @@ use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F6
 use crate::verify::Result;
 use ditmem_engine::families::sd3::Sd3Geom;
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, joint and dual blocks, output side, loss) over shared locals; pieces would each take them all.
 /// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
 /// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
 /// dual-attention blocks, over `attn2` (the image tokens' self-attention).

@@ -14,6 +14,7 @@ use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F6
 use crate::verify::Result;
 use ditmem_engine::families::wan::WanGeom;
 
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks, output side, loss) over shared locals; pieces would each take them all.
 /// The score bound S for Wan: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention (q, k after the RMSNorm and RoPE) and the cross-attention to the
 /// text (after the RMSNorm).

@@ -74,6 +74,7 @@ pub(super) fn note_terms(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance
     }
 }
 
+// Kept whole (> 100 lines): a variant's verdict rules in the order its report lists them, each raising the same `rep`.
 pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
     let one = &run.one;
     rep.loss = Some(one.loss);

@@ -138,6 +138,7 @@ pub(super) fn summarize(
     }
 }
 
+// Kept whole (> 100 lines): one step and its tensor-by-tensor comparison read the reference in one pass, with the fp16 retry around both.
 /// One forward/backward of a variant on `step_batch(0)`, compared tensor by tensor with the
 /// reference's gradients. Under fp16-mixed a non-finite gradient halves the loss scale and
 /// retries, as the dynamic loss scaler would (the overflowing step is skipped in training); the

@@ -233,6 +233,7 @@ pub(super) enum Target<'a> {
     Named(&'a Path),
 }
 
+// Kept whole (> 100 lines): the reference file's writes in the order the file holds them (probe, one step, drift steps), one writer throughout.
 pub(super) fn compute_reference_into(
     target: Target<'_>,
     base: &Spec,
@@ -400,6 +401,7 @@ impl Reference {
         Ok(())
     }
 
+    // Kept whole (> 100 lines): each header field read and checked in turn against the one layout.
     /// Open a reference file written by [`compute_reference`] and [`Reference::persist`]: its
     /// header is read and checked (every tensor the layout needs, f64, of the right shape, the
     /// data exactly as long as the file); the loss and the drift losses are read.
