@@ -4,9 +4,9 @@
 //! Specs are read from TOML or JSON; unknown fields are errors, and every invalid value is reported
 //! by [`Spec::validate`] with the field's dotted path and what is allowed.
 //!
-//! The spec's parts are in their own modules ([`crate::model`], [`crate::workload`],
-//! [`crate::precision`], [`crate::recipe`], [`crate::lora`], [`crate::runtime`], [`crate::cpu`],
-//! [`crate::limits`], [`crate::validation`]); this module holds the whole and reads and writes it,
+//! The spec's parts are in their own modules (`model.rs`, `workload.rs`,
+//! `precision.rs`, `recipe.rs`, `lora.rs`, `runtime.rs`, `cpu.rs`,
+//! `limits.rs`, `validation.rs`); this module holds the whole and reads and writes it,
 //! and re-exports every part, so `ditmem_spec::spec::X` names the same item as `ditmem_spec::X`.
 
 use serde::{Deserialize, Serialize};
