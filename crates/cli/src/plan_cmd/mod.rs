@@ -474,6 +474,7 @@ fn default_launcher(targets: &[Target]) -> Launcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ditmem_budget::Allow;
 
     #[test]
     fn budgets_parse_or_name_the_flag() {
