@@ -422,12 +422,12 @@ pub fn grid() -> Vec<(String, Spec)> {
     specs
 }
 
-/// The PixArt grid's base: [`crate::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// The PixArt grid's base: [`ditmem_engine::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
 /// 64 image tokens, 13 caption tokens of width 32, batch 4) with an fp32 EMA, on this process's
 /// CPU.
 pub fn pixart_grid_base() -> Result<Spec> {
     Ok(family_base(
-        crate::families::pixart::tiny_spec(2, 4, 13)?,
+        ditmem_engine::families::pixart::tiny_spec(2, 4, 13)?,
         "pixart-d2-h64",
     ))
 }
@@ -463,18 +463,18 @@ pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
     one_sample_blocks(&mut g, &[1]);
     g.model(
         "4 blocks × 6 heads (hidden 96), 19 tokens, every-2",
-        crate::families::pixart::tiny_spec(4, 6, 19)?,
+        ditmem_engine::families::pixart::tiny_spec(4, 6, 19)?,
         Some(Recompute::EveryK(2)),
     );
     g.lora();
     Ok(g.finish())
 }
 
-/// The SD3 grid's base: [`crate::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
+/// The SD3 grid's base: [`ditmem_engine::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
 /// heads, hidden 64, 16 latent channels), 5 + 8 caption tokens, EMA on.
 pub fn sd3_grid_base() -> Result<Spec> {
     Ok(family_base(
-        crate::families::sd3::tiny_spec(3, 4, false, 5, 8)?,
+        ditmem_engine::families::sd3::tiny_spec(3, 4, false, 5, 8)?,
         "sd3-d3-h64",
     ))
 }
@@ -485,7 +485,7 @@ pub fn sd3_grid_base() -> Result<Spec> {
 /// SD3.5's dual-attention blocks.
 /// Each spec runs in well under a second in release on 2 cores.
 pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
-    use crate::families::sd3::{tiny_dual_spec, tiny_spec};
+    use ditmem_engine::families::sd3::{tiny_dual_spec, tiny_spec};
     use Recompute as R;
     let mut g = GridBuilder::new("sd3", sd3_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
@@ -544,12 +544,12 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
     Ok(g.finish())
 }
 
-/// The Flux grid's base: [`crate::families::flux::tiny_spec`] (one double-stream and two
+/// The Flux grid's base: [`ditmem_engine::families::flux::tiny_spec`] (one double-stream and two
 /// single-stream blocks of 4 × 16-wide heads, 64 image tokens, 13 T5 tokens of width 32, a
 /// pooled width of 24, the guidance embedder, batch 4) with an fp32 EMA, on this process's CPU.
 pub fn flux_grid_base() -> Result<Spec> {
     Ok(family_base(
-        crate::families::flux::tiny_spec(1, 2, 4, 13, true)?,
+        ditmem_engine::families::flux::tiny_spec(1, 2, 4, 13, true)?,
         "flux-d1s2-h64",
     ))
 }
@@ -558,7 +558,7 @@ pub fn flux_grid_base() -> Result<Spec> {
 /// lengths (1, 77 and 300 tokens; the CLIP prompt stays 77), a larger image, SGD without EMA,
 /// a block list across the two kinds of block, no guidance embedder, and a deeper, wider model.
 pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
-    use crate::families::flux::tiny_spec;
+    use ditmem_engine::families::flux::tiny_spec;
     let mut g = GridBuilder::new("flux", flux_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 T5 token", |s| text_tokens(s, &[77, 1]))
@@ -593,12 +593,12 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
     Ok(g.finish())
 }
 
-/// The Sana grid's base: [`crate::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// The Sana grid's base: [`ditmem_engine::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
 /// cross-attention 2 × 32 wide, Mix-FFN 160 wide, 64 image tokens on an 8×8 grid, 13 caption
 /// tokens of width 48, batch 4) with an fp32 EMA, on this process's CPU.
 pub(crate) fn sana_grid_base() -> Result<Spec> {
     Ok(family_base(
-        crate::families::sana::tiny_spec(2, 4, 13)?,
+        ditmem_engine::families::sana::tiny_spec(2, 4, 13)?,
         "sana-d2-h64",
     ))
 }
@@ -634,7 +634,7 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
         s.recipe.recompute = Recompute::All;
         s.recipe.lora = lora(8, &["to_q", "to_v"]);
     });
-    let mut cfg = crate::families::sana::tiny_config(4, 6);
+    let mut cfg = ditmem_engine::families::sana::tiny_config(4, 6);
     cfg.insert("attention_bias".into(), serde_json::Value::Bool(true));
     let mut deep = ditmem_budget::denoiser::with_family(Spec::small(), "sana-d4-h96", cfg)?;
     deep.workload.height = 256;
@@ -649,12 +649,12 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
     Ok(g.finish())
 }
 
-/// The diffusers DiT grid's base: [`crate::families::dit_diffusers::tiny_spec`]
+/// The diffusers DiT grid's base: [`ditmem_engine::families::dit_diffusers::tiny_spec`]
 /// (`DiTTransformer2DModel`, 2 blocks of 4 × 16-wide heads, 64 tokens, batch 4) with an fp32
 /// EMA, on this process's CPU.
 pub fn dit_diffusers_grid_base() -> Result<Spec> {
     Ok(family_base(
-        crate::families::dit_diffusers::tiny_spec(2, 4)?,
+        ditmem_engine::families::dit_diffusers::tiny_spec(2, 4)?,
         "dit-diffusers-d2-h64",
     ))
 }
@@ -665,8 +665,8 @@ pub fn dit_diffusers_grid_base() -> Result<Spec> {
 /// are refused, see `DitdGeom::new`). Each spec runs in well under a second in release on 2
 /// cores.
 pub fn dit_diffusers_grid() -> Result<Vec<(String, Spec)>> {
-    use crate::families::dit_diffusers::tiny_spec;
     use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
+    use ditmem_engine::families::dit_diffusers::tiny_spec;
     let mut g = GridBuilder::new(
         "dit-diffusers",
         dit_diffusers_grid_base()?,
@@ -725,11 +725,11 @@ pub fn dit_diffusers_grid() -> Result<Vec<(String, Spec)>> {
     Ok(specs)
 }
 
-/// The Wan grid's base: [`crate::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
+/// The Wan grid's base: [`ditmem_engine::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
 /// 64×64 pixels at 9 frames: 3 latent frames of 4×4 tokens, 48 video tokens, 13 umT5 tokens of
 /// width 32, batch 4) with an fp32 EMA, on this process's CPU.
 pub fn wan_grid_base() -> Result<Spec> {
-    let mut s = crate::families::wan::tiny_spec(2, 2, 9, 13)?;
+    let mut s = ditmem_engine::families::wan::tiny_spec(2, 2, 9, 13)?;
     s.workload.height = 64;
     s.workload.width = 64;
     Ok(family_base(s, "wan-d2-h32"))
@@ -763,7 +763,7 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
         )
         .vary(SGD, sgd_without_ema);
     one_sample_blocks(&mut g, &[1]);
-    let mut deep = crate::families::wan::tiny_spec(4, 4, 5, 19)?;
+    let mut deep = ditmem_engine::families::wan::tiny_spec(4, 4, 5, 19)?;
     deep.workload.height = 64;
     deep.workload.width = 64;
     g.model(

@@ -24,7 +24,7 @@
 /// Σ ‖terms‖² and Σ ‖result‖² of the q and of the k gradient of one linear attention (the k
 /// gradient's for a dO independent across tokens and for one common to all of them).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct Sums {
+pub(crate) struct Sums {
     pub q_terms: f64,
     pub q_result: f64,
     pub k_terms: f64,
@@ -61,7 +61,7 @@ impl Sums {
 
 /// One head of one sample of the linear attention, replayed in f64: φ(q) and v per token,
 /// KV, z, the denominators dₙ and the outputs oₙ (see the module docs).
-pub(super) struct Head {
+pub(crate) struct Head {
     pub fq: Vec<Vec<f64>>,
     pub v: Vec<Vec<f64>>,
     /// kv[a][c] = Σₘ vₘ[a]·φ(kₘ)[c].
@@ -73,7 +73,7 @@ pub(super) struct Head {
 }
 
 /// Where row `n` of head `h` of sample `bi` starts in a (b·s, heads·dh) row-major operand.
-pub(super) fn head_at(
+pub(crate) fn head_at(
     bi: usize,
     h: usize,
     n: usize,
@@ -134,7 +134,7 @@ impl Head {
 
 /// [`Sums`] of the linear attention of q, k, v ((b·s, heads·dh) row-major, f64) for `b`
 /// samples of `s` tokens, added to `into`.
-pub(super) fn add_sums(
+pub(crate) fn add_sums(
     (q, k, v): (&[f64], &[f64], &[f64]),
     (b, s, heads, dh): (usize, usize, usize, usize),
     into: &mut Sums,

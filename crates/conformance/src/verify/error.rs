@@ -33,7 +33,7 @@ pub enum VerifyError {
 /// Result of the verify calls.
 pub type Result<T> = std::result::Result<T, VerifyError>;
 
-pub(super) fn bad(what: impl Into<String>, why: impl Into<String>) -> VerifyError {
+pub(crate) fn bad(what: impl Into<String>, why: impl Into<String>) -> VerifyError {
     VerifyError::BadInput {
         what: what.into(),
         why: why.into(),

@@ -2,7 +2,7 @@
 //! projections share their input, measured on the reference's own gradients.
 //!
 //! A softmax ignores a shift of a row's scores: a shift of every key by the same vector
-//! changes nothing, so Σⱼ dkⱼ over all keys is 0 ([`crate::families::zero_gradient`] names the
+//! changes nothing, so Σⱼ dkⱼ over all keys is 0 ([`ditmem_engine::families::zero_gradient`] names the
 //! biases where that sum is exactly the bias's gradient). Where the bias shifts only part of
 //! the keys (SD3's and Flux's joint attention: `to_k.bias` the image keys, `add_k_proj.bias`
 //! the text keys) or enters before a q/k RMSNorm (Flux, Wan, SD3.5), its gradient is a
@@ -18,30 +18,25 @@
 //! weight's relative error the policy's, the key bias errs by tol·‖G_W,k‖·ρ_q, i.e.
 //! tol · ρ_q / ρ_k of its own norm: the amplification is ρ_q / ρ_k (at least 1).
 
-use crate::families::Arch;
+/// The query sibling of a key bias in a self- or joint attention (q and k from one stream).
+pub(crate) const SELF_ATTENTION: &[(&str, &str)] = &[
+    ("to_k.bias", "to_q.bias"),
+    ("add_k_proj.bias", "add_q_proj.bias"),
+];
 
-/// The bias whose projection reads the same input as the key bias `name` and does not cancel:
-/// the query bias of a softmax self- or joint attention (q and k from one stream: SD3's and
-/// Flux's `attn`, both streams, Wan's and PixArt's `attn1`), the value bias of Wan's
-/// cross-attention `attn2` (k and v both read the caption; its k passes an RMSNorm, so the key
-/// bias's gradient is a remainder, not the exact zero of PixArt's and Sana's cross-attention,
-/// [`crate::families::zero_gradient`]; v's bias sums dO over the queries and cancels nothing).
-/// None elsewhere: Sana's `attn1` is the linear attention (its own cancellation,
-/// `cancellation.rs`); the DiT's key bias is a third of the fused `qkv.bias`.
-pub(super) fn query_sibling(arch: &Arch, name: &str) -> Option<String> {
-    const SELF: &[(&str, &str)] = &[
-        ("to_k.bias", "to_q.bias"),
-        ("add_k_proj.bias", "add_q_proj.bias"),
-    ];
-    const CROSS: &[(&str, &str)] = &[("to_k.bias", "to_v.bias")];
-    let pairs = match arch {
-        Arch::Sd3(_) | Arch::Flux(_) if name.contains(".attn.") => SELF,
-        // SD3.5's dual-attention `attn2`: a self-attention over the image tokens.
-        Arch::Sd3(_) if name.contains(".attn2.") => SELF,
-        Arch::Wan(_) | Arch::Pixart(_) if name.contains(".attn1.") => SELF,
-        Arch::Wan(_) if name.contains(".attn2.") => CROSS,
-        _ => return None,
-    };
+/// The sibling of a key bias in a cross-attention whose k and v both read the caption: the
+/// value bias (v's bias sums dO over the queries and cancels nothing).
+pub(crate) const CROSS_ATTENTION: &[(&str, &str)] = &[("to_k.bias", "to_v.bias")];
+
+/// The bias whose projection reads the same input as the key bias `name` and does not cancel,
+/// among the family's `pairs` for `name`
+/// ([`VerifyFamily::key_bias_pairs`](crate::families::VerifyFamily::key_bias_pairs)): the query
+/// bias of a softmax self- or joint attention (SD3's and Flux's `attn`, both streams, Wan's and
+/// PixArt's `attn1`), the value bias of Wan's cross-attention `attn2`. None elsewhere: Sana's
+/// `attn1` is the linear attention (its own cancellation, `cancellation.rs`); the DiT's key bias
+/// is a third of the fused `qkv.bias`; PixArt's and Sana's cross-attention key biases get an
+/// exact zero gradient ([`ditmem_engine::families::zero_gradient`]).
+pub(super) fn query_sibling(pairs: &[(&str, &str)], name: &str) -> Option<String> {
     pairs.iter().find_map(|(k, q)| {
         name.strip_suffix(k)
             .filter(|head| head.ends_with('.'))
@@ -52,11 +47,11 @@ pub(super) fn query_sibling(arch: &Arch, name: &str) -> Option<String> {
 /// The amplification of tensor `name`'s gradient if it is a key bias with a query sibling
 /// ([`query_sibling`]; 1 otherwise), from the reference gradient norms `norm_of` gives.
 pub(super) fn of(
-    arch: &Arch,
+    pairs: &[(&str, &str)],
     name: &str,
     mut norm_of: impl FnMut(&str) -> super::Result<f64>,
 ) -> super::Result<f64> {
-    let Some(query) = query_sibling(arch, name) else {
+    let Some(query) = query_sibling(pairs, name) else {
         return Ok(1.0);
     };
     let weight = |bias: &str| format!("{}.weight", bias.strip_suffix(".bias").unwrap_or(bias));
@@ -83,31 +78,35 @@ pub(super) fn amplification(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ditmem_engine::families::Arch;
+
+    fn sibling(arch: &Arch, name: &str) -> Option<String> {
+        query_sibling(crate::families::of(arch).key_bias_pairs(name), name)
+    }
 
     #[test]
     fn siblings_are_the_same_attentions_query_biases() {
-        let sd3 = Arch::of(&crate::families::sd3::tiny_spec(3, 2, false, 5, 6).unwrap()).unwrap();
+        let sd3 =
+            Arch::of(&ditmem_engine::families::sd3::tiny_spec(3, 2, false, 5, 6).unwrap()).unwrap();
         assert_eq!(
-            query_sibling(&sd3, "transformer_blocks.1.attn.add_k_proj.bias").as_deref(),
+            sibling(&sd3, "transformer_blocks.1.attn.add_k_proj.bias").as_deref(),
             Some("transformer_blocks.1.attn.add_q_proj.bias")
         );
         assert_eq!(
-            query_sibling(&sd3, "transformer_blocks.1.attn.to_k.bias").as_deref(),
+            sibling(&sd3, "transformer_blocks.1.attn.to_k.bias").as_deref(),
             Some("transformer_blocks.1.attn.to_q.bias")
         );
+        assert_eq!(sibling(&sd3, "transformer_blocks.1.attn.to_k.weight"), None);
+        let wan = Arch::of(&ditmem_engine::families::wan::tiny_spec(2, 2, 5, 7).unwrap()).unwrap();
+        assert!(sibling(&wan, "blocks.0.attn1.to_k.bias").is_some());
         assert_eq!(
-            query_sibling(&sd3, "transformer_blocks.1.attn.to_k.weight"),
-            None
-        );
-        let wan = Arch::of(&crate::families::wan::tiny_spec(2, 2, 5, 7).unwrap()).unwrap();
-        assert!(query_sibling(&wan, "blocks.0.attn1.to_k.bias").is_some());
-        assert_eq!(
-            query_sibling(&wan, "blocks.0.attn2.to_k.bias").as_deref(),
+            sibling(&wan, "blocks.0.attn2.to_k.bias").as_deref(),
             Some("blocks.0.attn2.to_v.bias")
         );
-        let pixart = Arch::of(&crate::families::pixart::tiny_spec(2, 4, 13).unwrap()).unwrap();
+        let pixart =
+            Arch::of(&ditmem_engine::families::pixart::tiny_spec(2, 4, 13).unwrap()).unwrap();
         assert_eq!(
-            query_sibling(&pixart, "transformer_blocks.0.attn2.to_k.bias"),
+            sibling(&pixart, "transformer_blocks.0.attn2.to_k.bias"),
             None
         );
     }

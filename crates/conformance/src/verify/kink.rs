@@ -49,7 +49,7 @@ pub(crate) const KINK_DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16]
 /// expected number of flipped components) of one projection's components, per dtype of
 /// [`KINK_DTYPES`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct SideSums {
+pub(crate) struct SideSums {
     pub all: f64,
     pub flip: [f64; 3],
     pub count: [f64; 3],
@@ -101,7 +101,7 @@ impl SideSums {
 
 /// [`SideSums`] of the q and of the k components of a linear attention.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct KinkSums {
+pub(crate) struct KinkSums {
     pub q: SideSums,
     pub k: SideSums,
 }
@@ -131,7 +131,7 @@ fn normal_tail(x: f64) -> f64 {
 /// [`KinkSums`] of the linear attention of q, k, v ((b·s, heads·dh) row-major, f64) whose
 /// components' dot products spread `(sq, sk)` (same layout), each input carrying `roundings`
 /// roundings (see the module docs), for `b` samples of `s` tokens, added to `into`.
-pub(super) fn add_kink_sums(
+pub(crate) fn add_kink_sums(
     (q, k, v): (&[f64], &[f64], &[f64]),
     (sq, sk): (&[f64], &[f64]),
     roundings: f64,

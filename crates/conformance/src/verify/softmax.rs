@@ -34,7 +34,7 @@
 
 /// Σ ‖terms‖² and Σ ‖result‖² of the softmax backward of the attentions replayed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct Sums {
+pub(crate) struct Sums {
     pub terms: f64,
     pub result: f64,
 }
@@ -58,7 +58,7 @@ impl Sums {
 /// The layout of a (b·s_q, ·) query and a (b·s_k, ·) key operand: `b` samples, `heads` heads of
 /// width `dh`, row strides `q_stride` and `k_stride` (values per token row).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Layout {
+pub(crate) struct Layout {
     pub b: usize,
     pub sq: usize,
     pub sk: usize,
@@ -69,7 +69,7 @@ pub(super) struct Layout {
 }
 
 /// The [`Sums`] of one row of probabilities `p` (summing to 1).
-pub(super) fn row_sums(p: &[f64]) -> Sums {
+pub(crate) fn row_sums(p: &[f64]) -> Sums {
     let Some(peak) = (0..p.len()).max_by(|&a, &b| p[a].total_cmp(&p[b])) else {
         return Sums::default();
     };
@@ -98,7 +98,7 @@ pub(super) fn row_sums(p: &[f64]) -> Sums {
 /// [`Sums`] of the query rows `rows` (of each sample's `l.sq`) of the softmax attention of q
 /// and k (f64, laid out as `l`; the scores are `scale`·qᵢ·kⱼ per sample and head), added to
 /// `into`.
-pub(super) fn add_sums(
+pub(crate) fn add_sums(
     q: &[f64],
     k: &[f64],
     l: Layout,

@@ -1,231 +1,12 @@
-//! Human output: aligned tables with binary units, and the plain words that explain a budget.
+//! `estimate`'s report ([`estimate_report`]): the peak, what dominates it and the advice, the
+//! parameter, detail and inventory sections, the CUDA allocator's lines, the levers that would
+//! make it fit.
 
+use super::table::{fmt_count, pct, Table};
+use super::text::{fit_lines, wrap};
+use super::words::{change_flags, recipe_line, short_recipe, spec_line};
 use ditmem_budget::fmt_bytes;
 use ditmem_budget::{Budget, Spec};
-
-/// A simple left/right aligned text table.
-pub struct Table {
-    header: Vec<String>,
-    rows: Vec<Vec<String>>,
-}
-
-impl Table {
-    pub fn new(header: &[&str]) -> Table {
-        Table {
-            header: header.iter().map(|s| s.to_string()).collect(),
-            rows: Vec::new(),
-        }
-    }
-
-    pub fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
-    }
-
-    /// Each column's width in characters (header and rows).
-    fn widths(&self) -> Vec<usize> {
-        let n = self.header.len();
-        let mut width = vec![0usize; n];
-        for r in std::iter::once(&self.header).chain(&self.rows) {
-            for (i, c) in r.iter().enumerate().take(n) {
-                width[i] = width[i].max(c.chars().count());
-            }
-        }
-        width
-    }
-
-    /// The first `upto` cells of a row, indented by two: the first left-aligned, the rest
-    /// right-aligned two spaces apart.
-    fn lead(r: &[String], width: &[usize], upto: usize) -> String {
-        let mut s = String::from("  ");
-        for (i, c) in r.iter().enumerate().take(upto) {
-            let pad = width[i] - c.chars().count();
-            if i == 0 {
-                s.push_str(c);
-                s.push_str(&" ".repeat(pad));
-            } else {
-                s.push_str(&" ".repeat(pad + 2));
-                s.push_str(c);
-            }
-        }
-        s
-    }
-
-    pub fn render(&self) -> String {
-        let n = self.header.len();
-        let width = self.widths();
-        let line = |r: &Vec<String>| Self::lead(r, &width, n).trim_end().to_string();
-        let mut out = line(&self.header);
-        out.push('\n');
-        out.push_str("  ");
-        out.push_str(&"-".repeat(width.iter().sum::<usize>() + 2 * (n - 1)));
-        for r in &self.rows {
-            out.push('\n');
-            out.push_str(&line(r));
-        }
-        out.push('\n');
-        out
-    }
-
-    /// As [`Table::render`], fitted to `width` columns: the last column (words, such as a
-    /// list of changes) is left-aligned and wrapped onto continuation lines under itself.
-    pub fn render_fit(&self, width: usize) -> String {
-        let n = self.header.len();
-        if n < 2 {
-            return self.render();
-        }
-        let widths = self.widths();
-        let lead: usize = 2 + widths[..n - 1].iter().sum::<usize>() + 2 * (n - 1);
-        let room = width.saturating_sub(lead).max(20);
-        let last_w = widths[n - 1].min(room);
-        let line = |r: &Vec<String>| -> String {
-            let mut s = Self::lead(r, &widths, n - 1);
-            s.push_str("  ");
-            let last = r.get(n - 1).map(String::as_str).unwrap_or("");
-            let wrapped = wrap(last, last_w, 0);
-            let mut lines = wrapped.lines();
-            s.push_str(lines.next().unwrap_or(""));
-            for more in lines {
-                s.push('\n');
-                s.push_str(&" ".repeat(lead));
-                s.push_str(more);
-            }
-            s.trim_end().to_string()
-        };
-        let mut out = line(&self.header);
-        out.push('\n');
-        out.push_str("  ");
-        out.push_str(&"-".repeat(lead - 2 + last_w));
-        for r in &self.rows {
-            out.push('\n');
-            out.push_str(&line(r));
-        }
-        out.push('\n');
-        out
-    }
-}
-
-/// Thousands separators for counts.
-pub fn fmt_count(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
-
-pub fn pct(part: u64, whole: u64) -> String {
-    if whole == 0 {
-        "-".into()
-    } else {
-        format!("{:.1} %", 100.0 * part as f64 / whole as f64)
-    }
-}
-
-/// One line describing the spec: model, resolution (frames for video), tokens, and the batch
-/// as the user meant it: per rank unless there are several ranks or microbatches to say so.
-pub fn spec_line(spec: &Spec) -> String {
-    let w = &spec.workload;
-    let frames = if w.frames > 1 {
-        format!("{} frames × ", w.frames)
-    } else {
-        String::new()
-    };
-    format!(
-        "{} {frames}{}×{} ({} tokens), {}",
-        spec.model.name,
-        w.height,
-        w.width,
-        fmt_count(spec.tokens().unwrap_or(0)),
-        batch_words(w)
-    )
-}
-
-/// The batch in words: "batch 1", "batch 8 = 1 per rank × 8 ranks", "batch 32 = microbatch 4 ×
-/// accumulation 8".
-pub fn batch_words(w: &ditmem_budget::Workload) -> String {
-    let per_rank = if w.accumulation > 1 {
-        format!(
-            "microbatch {} × accumulation {}",
-            w.microbatch, w.accumulation
-        )
-    } else {
-        format!("{}", w.microbatch)
-    };
-    match (w.ranks, w.accumulation) {
-        (1, 1) => format!("batch {}", w.batch),
-        (1, _) => format!("batch {} = {per_rank}", w.batch),
-        (r, 1) => format!("batch {} = {per_rank} per rank × {r} ranks", w.batch),
-        (r, _) => format!("batch {} = ({per_rank}) per rank × {r} ranks", w.batch),
-    }
-}
-
-/// One line describing the recipe.
-pub fn recipe_line(spec: &Spec) -> String {
-    let r = &spec.recipe;
-    let lora = r
-        .lora
-        .as_ref()
-        .map(|l| {
-            if r.base_quant.is_none() {
-                format!(", LoRA rank {}", l.rank)
-            } else {
-                format!(", LoRA rank {} on a {} base", l.rank, r.base_quant.name())
-            }
-        })
-        .unwrap_or_default();
-    let zero = match ditmem_budget::Scheme::of(spec) {
-        ditmem_budget::Scheme::Single => String::new(),
-        s if r.offload.is_none() => {
-            format!(", {} over {} ranks", s.describe(), spec.workload.ranks)
-        }
-        s => format!(
-            ", {} over {} ranks, offload {}",
-            s.describe(),
-            spec.workload.ranks,
-            r.offload
-        ),
-    };
-    let ema = if r.ema.enabled {
-        format!("EMA {}", r.ema.dtype)
-    } else {
-        "no EMA".into()
-    };
-    // The ditmem-cpu budget depends on the CPU it describes: say which (the spec's `cpu`).
-    let cpu = match (spec.runtime, spec.cpu()) {
-        (ditmem_budget::Runtime::DitmemCpu, c) => format!(
-            " ({} thread{}, bf16 products {}, gemm slab {} per thread)",
-            c.threads,
-            if c.threads == 1 { "" } else { "s" },
-            if c.bf16_kernel() {
-                "on the AVX512-BF16 kernel"
-            } else {
-                "widened to f32"
-            },
-            fmt_bytes(c.gemm_l2_bytes)
-        ),
-        _ => String::new(),
-    };
-    let text = if r.text_encoders.is_cached() {
-        String::new()
-    } else {
-        format!(", text encoders {}", r.text_encoders.name())
-    };
-    format!(
-        "{}, {}, {} attention, recompute {}, latents {:?}{text}{lora}{zero}, {ema}; runtime {}{cpu}",
-        r.precision,
-        r.optimizer.name(),
-        r.attention.name(),
-        r.recompute,
-        r.latents,
-        spec.runtime
-    )
-    .replace("Cached", "cached")
-    .replace("Encode", "encode")
-}
 
 /// What to do about the dominant consumer, in words.
 pub fn advice(dominant: &str, budget: &Budget) -> String {
@@ -260,7 +41,7 @@ pub fn advice(dominant: &str, budget: &Budget) -> String {
 
 /// The human report of `estimate`.
 /// What the device shows on `pytorch:cuda`: the caching allocator over the step's allocations.
-fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
+pub(super) fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
     let mut o = format!(
         "cuda (caching allocator over a warm-up and a measured step{}): max allocated {}, max reserved {} \
          (fragmentation at the allocated peak {}), cuBLAS workspace {}, context {} → nvidia-smi ≈ {}\n",
@@ -338,7 +119,7 @@ fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> String {
     o
 }
 
-fn parameters_section(b: &Budget) -> String {
+pub(super) fn parameters_section(b: &Budget) -> String {
     let mut o = String::new();
     o.push_str(&format!(
         "parameters: {} total = {} trained + {} frozen\n",
@@ -392,7 +173,7 @@ fn parameters_section(b: &Budget) -> String {
     o
 }
 
-fn details_section(b: &Budget) -> String {
+pub(super) fn details_section(b: &Budget) -> String {
     let mut o = String::new();
     let p = &b.peak;
     let mb = if b.spec.workload.accumulation > 1 {
@@ -488,7 +269,7 @@ fn details_section(b: &Budget) -> String {
     o
 }
 
-fn inventory_section(b: &Budget) -> String {
+pub(super) fn inventory_section(b: &Budget) -> String {
     let mut o = String::new();
     {
         for inv in &b.inventory {
@@ -533,105 +314,9 @@ fn inventory_section(b: &Budget) -> String {
     o
 }
 
-/// The columns human output fits: the terminal's width when stdout is one, else 100.
-pub fn width() -> usize {
-    use std::io::IsTerminal;
-    const PIPED: usize = 100;
-    if !std::io::stdout().is_terminal() {
-        return PIPED;
-    }
-    // SAFETY: `winsize` is plain old data; all zeroes is a valid value.
-    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-    // SAFETY: TIOCGWINSZ fills a `winsize` on a terminal file descriptor and touches nothing
-    // else; on failure the struct stays zeroed and the width falls back.
-    let ok = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
-    if ok && ws.ws_col >= 40 {
-        usize::from(ws.ws_col)
-    } else {
-        PIPED
-    }
-}
-
-/// `text` broken at spaces into lines of at most `width` columns, continuation lines indented
-/// by `indent` spaces (a word longer than a line stays whole). Each line ends with a newline.
-pub fn wrap(text: &str, width: usize, indent: usize) -> String {
-    let mut out = String::new();
-    let mut line = String::new();
-    let mut cols = 0usize;
-    // A number and its unit stay on one line ("16.6 GiB", "30 %").
-    let mut words: Vec<String> = Vec::new();
-    for word in text.split(' ').filter(|w| !w.is_empty()) {
-        let unit = matches!(
-            word.trim_end_matches([',', ';', ')', ':', '.']),
-            "B" | "KiB" | "MiB" | "GiB" | "TiB" | "%" | "s" | "ms"
-        );
-        match words.last_mut() {
-            Some(prev) if unit && prev.ends_with(|c: char| c.is_ascii_digit()) => {
-                prev.push(' ');
-                prev.push_str(word);
-            }
-            _ => words.push(word.to_string()),
-        }
-    }
-    for word in &words {
-        let word = word.as_str();
-        let n = word.chars().count();
-        if cols > 0 && cols + 1 + n > width {
-            out.push_str(line.trim_end());
-            out.push('\n');
-            line = " ".repeat(indent);
-            cols = indent;
-        } else if cols > 0 {
-            line.push(' ');
-            cols += 1;
-        }
-        line.push_str(word);
-        cols += n;
-    }
-    out.push_str(line.trim_end());
-    out.push('\n');
-    out
-}
-
-/// The recipe in a few words, for the first line: precision, LoRA, recompute, sharding, where.
-pub fn short_recipe(spec: &Spec) -> String {
-    let r = &spec.recipe;
-    let mut parts = vec![r.precision.to_string()];
-    if let Some(l) = &r.lora {
-        parts.push(if r.base_quant.is_none() {
-            format!("LoRA rank {}", l.rank)
-        } else {
-            format!("LoRA rank {} on {}", l.rank, r.base_quant.name())
-        });
-    }
-    if r.recompute != ditmem_budget::Recompute::None {
-        parts.push(format!("recompute {}", r.recompute));
-    }
-    if !matches!(
-        ditmem_budget::Scheme::of(spec),
-        ditmem_budget::Scheme::Single
-    ) {
-        parts.push(ditmem_budget::Scheme::of(spec).describe().to_string());
-    }
-    let gpu = spec.cuda.as_ref().and_then(|c| c.gpu.as_deref());
-    // Line 2 names the card (or the catalog's) on CUDA; elsewhere say where it runs.
-    let place = match (spec.runtime, gpu) {
-        (_, Some(g)) => format!("; on {g}"),
-        (
-            ditmem_budget::Runtime::Pytorch {
-                device: ditmem_budget::TorchDevice::Cuda,
-                ..
-            },
-            None,
-        ) => String::new(),
-        (rt, None) => format!("; on {rt}"),
-    };
-    format!("{}{place}", parts.join(", "))
-}
-
 /// "activations 213 GiB (58 %) · optimizer state 88.7 GiB (24 %) · …": the three largest
 /// categories at the peak.
-fn top_contributors(b: &Budget) -> String {
+pub(super) fn top_contributors(b: &Budget) -> String {
     top_of(&b.peak.breakdown, b.peak.bytes)
 }
 
@@ -666,7 +351,7 @@ pub fn category_words(name: &str) -> String {
 }
 
 /// Line 2 of `estimate`: does it fit — the spec's GPU, or the catalog's cards.
-fn fit_line(b: &Budget) -> String {
+pub(super) fn fit_line(b: &Budget) -> String {
     let need = ditmem_budget::levers::need_bytes(b);
     let Some(c) = &b.cuda else {
         return match b.spec.runtime {
@@ -752,7 +437,7 @@ pub fn where_words(label: &str) -> String {
 }
 
 /// Line 3 of `estimate`: the peak as the device would show it.
-fn peak_line(b: &Budget) -> String {
+pub(super) fn peak_line(b: &Budget) -> String {
     let p = &b.peak;
     match &b.cuda {
         Some(c) if c.oom.is_some() => format!(
@@ -826,7 +511,7 @@ pub fn estimate_levers(
 }
 
 /// A lever's change without its trailing aside, to sit in parentheses itself.
-fn plain_change(change: &str) -> &str {
+pub(super) fn plain_change(change: &str) -> &str {
     match change.rfind(" (") {
         Some(i) if change.ends_with(')') => &change[..i],
         _ => change,
@@ -834,7 +519,7 @@ fn plain_change(change: &str) -> &str {
 }
 
 /// A lever as flags: what to add to the command line.
-fn lever_flags(base: &Spec, l: &ditmem_budget::levers::Lever) -> String {
+pub(super) fn lever_flags(base: &Spec, l: &ditmem_budget::levers::Lever) -> String {
     let f = change_flags(base, &l.spec);
     if f.is_empty() {
         l.lever.clone()
@@ -844,7 +529,7 @@ fn lever_flags(base: &Spec, l: &ditmem_budget::levers::Lever) -> String {
 }
 
 /// A lever in a few words: its flags, what the step then needs, whether it fits, the time.
-fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> String {
+pub(super) fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> String {
     let fits = match (b.cuda.as_ref().and_then(|c| c.capacity_bytes), l.fits) {
         (Some(_), true) => ", fits",
         (Some(_), false) => ", still too big",
@@ -860,7 +545,11 @@ fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> String {
 
 /// Line 5 of `estimate`: the one change that helps most, said in at most `width` columns when
 /// it can be (the lever's description is dropped first).
-fn change_line(b: &Budget, levers: &[ditmem_budget::levers::Lever], width: usize) -> String {
+pub(super) fn change_line(
+    b: &Budget,
+    levers: &[ditmem_budget::levers::Lever],
+    width: usize,
+) -> String {
     let fits = ditmem_budget::levers::fits(b);
     let on_card = b.cuda.as_ref().and_then(|c| c.capacity_bytes).is_some();
     let plan_hint = match b.spec.cuda.as_ref().and_then(|c| c.gpu.clone()) {
@@ -994,257 +683,4 @@ pub fn estimate_report(v: &EstimateView<'_>) -> String {
         o.push_str(&inventory_section(b));
     }
     fit_lines(&o, w)
-}
-
-/// Every line of `text` longer than `width` wrapped at spaces (continuations indented by two
-/// spaces more than the line's own indent); tables and short lines pass unchanged.
-pub fn fit_lines(text: &str, width: usize) -> String {
-    let mut out = String::new();
-    for line in text.lines() {
-        if line.chars().count() <= width {
-            out.push_str(line);
-            out.push('\n');
-        } else {
-            let indent = line.len() - line.trim_start().len();
-            out.push_str(&" ".repeat(indent));
-            out.push_str(&wrap(
-                line.trim_start(),
-                width - indent.min(width / 2),
-                indent + 2,
-            ));
-        }
-    }
-    out
-}
-
-/// The changes from `base` to `s` as short tags ("recompute 22/57", "nf4 base", "8-bit AdamW"),
-/// for tables and plot labels; the planner's own words (`Candidate::changes`) are the long form.
-pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
-    use ditmem_budget::Recompute;
-    let (b, r) = (&base.recipe, &s.recipe);
-    let mut out = Vec::new();
-    if b.precision != r.precision {
-        out.push(r.precision.to_string());
-    }
-    if b.recompute != r.recompute {
-        out.push(match &r.recompute {
-            Recompute::All => "recompute all".into(),
-            Recompute::None => "no recompute".into(),
-            Recompute::AttentionOnly => "recompute attention".into(),
-            Recompute::Blocks(v) => format!("recompute {}/{}", v.len(), s.model.depth),
-            other => format!("recompute {other}"),
-        });
-    }
-    if b.attention != r.attention {
-        out.push(match r.attention {
-            ditmem_budget::AttentionMode::MemoryEfficient => "mem-efficient attention".into(),
-            a => format!("{} attention", a.name()),
-        });
-    }
-    let (bw, w) = (&base.workload, &s.workload);
-    if bw.microbatch != w.microbatch || bw.accumulation != w.accumulation {
-        out.push(format!("mb {}×acc {}", w.microbatch, w.accumulation));
-    }
-    if b.latents != r.latents {
-        out.push(match r.latents {
-            ditmem_budget::Latents::Cached => "cached latents".into(),
-            ditmem_budget::Latents::Encode => "VAE in the step".into(),
-        });
-    }
-    if b.text_encoders != r.text_encoders {
-        out.push(format!("text encoders {}", r.text_encoders.name()));
-    }
-    if b.lora != r.lora {
-        match &r.lora {
-            Some(l) => out.push(format!("LoRA r{}", l.rank)),
-            None => out.push("no LoRA".into()),
-        }
-    }
-    if b.base_quant != r.base_quant {
-        out.push(format!("{} base", r.base_quant.name()));
-    }
-    if b.optimizer != r.optimizer {
-        out.push(match r.optimizer {
-            ditmem_budget::Optimizer::AdamW8bit => "8-bit AdamW".into(),
-            o => o.name().to_string(),
-        });
-    }
-    if b.zero_stage != r.zero_stage || b.sharder != r.sharder || b.offload != r.offload {
-        out.push(ditmem_budget::Scheme::of(s).describe());
-    }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
-        out.push(if conf(s).contains("expandable_segments:True") {
-            "expandable segments".into()
-        } else {
-            format!("alloc {}", conf(s))
-        });
-    }
-    out
-}
-
-/// A recompute policy as a flag value, runs of three or more blocks written `I-J`
-/// (`blocks:0-21,23`; the parser reads both forms).
-pub fn recompute_flag(r: &ditmem_budget::Recompute) -> String {
-    let ditmem_budget::Recompute::Blocks(v) = r else {
-        return r.to_string();
-    };
-    let mut parts = Vec::new();
-    let mut k = 0;
-    while k < v.len() {
-        let mut j = k;
-        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
-            j += 1;
-        }
-        if j >= k + 2 {
-            parts.push(format!("{}-{}", v[k], v[j]));
-        } else {
-            parts.extend(v[k..=j].iter().map(u32::to_string));
-        }
-        k = j + 1;
-    }
-    format!("blocks:{}", parts.join(","))
-}
-
-/// The `ditmem` flags that turn `base` into `s` (what to add to the command line to estimate or
-/// run the plan; `--out` writes the whole spec).
-pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
-    let (b, r) = (&base.recipe, &s.recipe);
-    let mut out = Vec::new();
-    if b.precision != r.precision {
-        out.push(format!("--precision {}", r.precision));
-    }
-    if b.recompute != r.recompute {
-        out.push(format!("--recompute {}", recompute_flag(&r.recompute)));
-    }
-    if b.attention != r.attention {
-        out.push(format!("--attention {}", r.attention.name()));
-    }
-    let (bw, w) = (&base.workload, &s.workload);
-    if bw.microbatch != w.microbatch || bw.accumulation != w.accumulation {
-        out.push(format!(
-            "--microbatch {} --accumulation {}",
-            w.microbatch, w.accumulation
-        ));
-    }
-    if b.latents != r.latents {
-        out.push(
-            match r.latents {
-                ditmem_budget::Latents::Cached => "--latents cached",
-                ditmem_budget::Latents::Encode => "--latents encode",
-            }
-            .into(),
-        );
-    }
-    if b.text_encoders != r.text_encoders {
-        out.push(format!("--text-encoders {}", r.text_encoders.name()));
-    }
-    if b.lora != r.lora {
-        out.push(format!(
-            "--lora-rank {}",
-            r.lora.as_ref().map_or(0, |l| l.rank)
-        ));
-    }
-    if b.base_quant != r.base_quant {
-        out.push(format!("--base-quant {}", r.base_quant.name()));
-    }
-    if b.optimizer != r.optimizer {
-        out.push(format!("--optimizer {}", r.optimizer.name()));
-    }
-    if b.zero_stage != r.zero_stage {
-        out.push(format!("--zero {}", r.zero_stage));
-    }
-    if b.sharder != r.sharder {
-        out.push(format!("--sharder {}", r.sharder));
-    }
-    if b.offload != r.offload {
-        out.push(format!("--offload {}", r.offload));
-    }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
-        out.push(format!("--alloc-conf {}", conf(s)));
-    }
-    out
-}
-
-/// At most `lines` lines of `text` wrapped to `width`: its clauses ("; "-separated) in order,
-/// each kept when it still fits, with `more` appended when any was left out.
-pub fn wrap_at_most(text: &str, width: usize, indent: usize, lines: usize, more: &str) -> String {
-    let whole = wrap(text, width, indent);
-    if whole.lines().count() <= lines {
-        return whole;
-    }
-    let mut kept: Vec<&str> = Vec::new();
-    for clause in text.split("; ") {
-        kept.push(clause);
-        let trial = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-        if trial.lines().count() > lines && kept.len() > 1 {
-            kept.pop();
-        }
-    }
-    let cut = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-    if cut.lines().count() <= lines {
-        return cut;
-    }
-    // The first clause alone is longer than the lines: cut it by characters, shorter until
-    // the wrapped cut fits (wrapping at spaces wastes the ends of lines).
-    let mut budget =
-        (lines * width.saturating_sub(indent)).saturating_sub(more.chars().count() + 2);
-    loop {
-        let head: String = text.chars().take(budget).collect();
-        let cut = wrap(&format!("{}… {more}", head.trim_end()), width, indent);
-        if cut.lines().count() <= lines || budget < 10 {
-            return cut;
-        }
-        budget -= 10;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn recompute_flags_write_runs_and_read_back() {
-        use ditmem_budget::Recompute;
-        for v in [
-            vec![0, 1, 2, 3, 5, 7, 8],
-            vec![4],
-            vec![0, 2, 4],
-            (0..57).collect(),
-        ] {
-            let r = Recompute::Blocks(v);
-            let text = recompute_flag(&r);
-            assert_eq!(text.parse::<Recompute>().unwrap(), r, "{text}");
-        }
-        assert_eq!(
-            recompute_flag(&Recompute::Blocks(vec![0, 1, 2, 3, 5, 7, 8])),
-            "blocks:0-3,5,7,8"
-        );
-        assert_eq!(recompute_flag(&Recompute::All), "all");
-    }
-
-    #[test]
-    fn counts_get_separators() {
-        assert_eq!(fmt_count(675_129_632), "675,129,632");
-        assert_eq!(fmt_count(12), "12");
-    }
-
-    #[test]
-    fn table_aligns() {
-        let mut t = Table::new(&["a", "bb"]);
-        t.row(vec!["long name".into(), "1".into()]);
-        let s = t.render();
-        assert!(s.contains("long name   1"));
-    }
 }

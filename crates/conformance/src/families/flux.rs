@@ -1,0 +1,275 @@
+//! FLUX.1 in the conformance suite: its rounding stages, its key biases' query siblings and its
+//! score probe (with [`flux_qk`], q and k as its blocks form them).
+
+use candle_core::{DType, Device, Tensor};
+use ditmem_budget::Spec;
+
+use crate::block::{LinearW, LN_EPS};
+use crate::diffusion::Batch;
+use crate::model::{patchify, timestep_features};
+use crate::ops::ln_modulate;
+use crate::trainer::Trainer;
+use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
+use crate::verify::key_bias::SELF_ATTENTION;
+use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::Result;
+use ditmem_engine::families::flux::FluxGeom;
+
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, double and single blocks, output side, loss) over shared locals; pieces would each take them all.
+/// The score bound S for Flux: its forward replayed in f64 (embed, double- and single-stream
+/// blocks, output side) for the loss check. S needs no activations: q and k leave a per-head
+/// RMSNorm (‖x̂‖ = √d_h·(ms/(ms + ε))^½ ≤ √d_h per head) and RoPE (a rotation), so
+/// ‖qᵢ‖ ≤ √d_h·max|w_q| and ‖kⱼ‖ ≤ √d_h·max|w_k|, over both streams' norms in a joint block, and
+/// S = d_h^−½·maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ ≤ √d_h·max|w_q|·max|w_k| (tight up to ms/(ms + ε)).
+fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::flux::params::{FLUX_FREQ, GUIDANCE, ROPE_THETA};
+    use ditmem_engine::families::flux::{
+        double_forward, final_forward as flux_final, image_tokens, join_streams, mlp_silu,
+        rope_ids, single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights,
+        DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
+    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let max_abs = |n: &str| -> Result<f64> {
+        t.parameter(&format!("{n}.weight"))?
+            .abs()
+            .and_then(|a| a.max_all())
+            .and_then(|a| a.to_dtype(f))
+            .and_then(|a| a.to_scalar::<f64>())
+            .map_err(e)
+    };
+    let (scale, dh) = (
+        crate::mutation::attention_scale(d.head_dim).abs(),
+        d.head_dim as f64,
+    );
+    let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
+    let blocks = g.double + g.single;
+    for i in 0..blocks {
+        let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
+            let p = format!("transformer_blocks.{i}.attn");
+            (
+                p,
+                vec!["norm_q", "norm_added_q"],
+                vec!["norm_k", "norm_added_k"],
+            )
+        } else {
+            let p = format!("single_transformer_blocks.{}.attn", i - g.double);
+            (p, vec!["norm_q"], vec!["norm_k"])
+        };
+        let mut mq = 0.0f64;
+        for n in qs {
+            mq = mq.max(max_abs(&format!("{p}.{n}"))?);
+        }
+        let mut mk = 0.0f64;
+        for n in ks {
+            mk = mk.max(max_abs(&format!("{p}.{n}"))?);
+        }
+        // q and k are RMS-normed per head (norm ≤ √d_h · max|w|), scaled as the attention
+        // scales them (d_h^−½ and any planted gain).
+        bound = bound.max(scale * dh * mq * mk);
+    }
+    let x_embedder = linear(t, "x_embedder")?;
+    let context_embedder = linear(t, "context_embedder")?;
+    let tte = "time_text_embed";
+    let mlp = |n: &str| -> Result<[LinearW; 2]> {
+        Ok([
+            linear(t, &format!("{tte}.{n}.linear_1"))?,
+            linear(t, &format!("{tte}.{n}.linear_2"))?,
+        ])
+    };
+    let time = mlp("timestep_embedder")?;
+    let guidance = if g.guidance {
+        Some(mlp("guidance_embedder")?)
+    } else {
+        None
+    };
+    let text = mlp("text_embedder")?;
+    let table = std::sync::Arc::new(
+        crate::ops::RopeTable::new(&rope_ids(g.text_tokens, &d), &g.axes, ROPE_THETA, f)
+            .map_err(e)?,
+    );
+    let weights =
+        |prefix: String, lins: &[&str], norms: &[&str]| -> Result<(Vec<LinearW>, Vec<Tensor>)> {
+            let l = lins
+                .iter()
+                .map(|n| linear(t, &format!("{prefix}.{n}")))
+                .collect::<Result<Vec<_>>>()?;
+            let w = norms
+                .iter()
+                .map(|n| t.parameter(&format!("{prefix}.{n}.weight")))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok((l, w))
+        };
+    let fw = FinalWeights {
+        norm_out: linear(t, "norm_out.linear")?,
+        proj_out: linear(t, "proj_out")?,
+    };
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut xs, st) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let x0 = x_embedder
+                .forward(&patchify(&xt, &d)?)?
+                .reshape((b, d.tokens, d.hidden))
+                .map_err(e)?;
+            let c0 = context_embedder
+                .forward(&mb.text_tensor(f, &dev)?)?
+                .reshape((b, g.text_tokens, d.hidden))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, FLUX_FREQ, f, &dev)?;
+            let mut temb = mlp_silu(&tf, &time[0], &time[1])?;
+            if let Some(gm) = &guidance {
+                let gf = timestep_features(&vec![GUIDANCE as u32; b], FLUX_FREQ, f, &dev)?;
+                temb = (temb + mlp_silu(&gf, &gm[0], &gm[1])?).map_err(e)?;
+            }
+            let pooled = mb.pooled_tensor(f, &dev)?;
+            temb = (temb + mlp_silu(&pooled, &text[0], &text[1])?).map_err(e)?;
+            Ok((vec![x0, c0], temb.silu().map_err(e)?))
+        })?;
+        for i in 0..blocks {
+            xs = if i < g.double {
+                let (lin, n) = weights(
+                    format!("transformer_blocks.{i}"),
+                    &DOUBLE_LINEARS,
+                    &DOUBLE_NORMS,
+                )?;
+                let w = DoubleWeights {
+                    lin,
+                    norms: [n[0].clone(), n[1].clone(), n[2].clone(), n[3].clone()],
+                };
+                on_pool(|| -> Result<Vec<Tensor>> {
+                    let (q, k) = flux_qk(
+                        (
+                            &xs[1],
+                            &w.lin[1],
+                            [&w.lin[5], &w.lin[6]],
+                            [&w.norms[2], &w.norms[3]],
+                        ),
+                        Some((
+                            &xs[0],
+                            &w.lin[0],
+                            [&w.lin[2], &w.lin[3]],
+                            [&w.norms[0], &w.norms[1]],
+                        )),
+                        &st,
+                        &table,
+                    )?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
+                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
+                    Ok(vec![x, c])
+                })?
+            } else {
+                let p = format!("single_transformer_blocks.{}", i - g.double);
+                let (lin, n) = weights(p, &SINGLE_LINEARS, &SINGLE_NORMS)?;
+                let w = SingleWeights {
+                    lin,
+                    norms: [n[0].clone(), n[1].clone()],
+                };
+                on_pool(|| -> Result<Vec<Tensor>> {
+                    let joint = match xs.as_slice() {
+                        [img, txt] => join_streams(img, txt)?,
+                        _ => xs[0].clone(),
+                    };
+                    let (q, k) = flux_qk(
+                        (
+                            &joint,
+                            &w.lin[0],
+                            [&w.lin[2], &w.lin[3]],
+                            [&w.norms[0], &w.norms[1]],
+                        ),
+                        None,
+                        &st,
+                        &table,
+                    )?;
+                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
+                    Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
+                })?
+            };
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let img = image_tokens(&xs[0], d.tokens)?;
+            let out = flux_final(&img, &st, &fw, f, f)?;
+            let pred = unpack(&out, b, &d)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+}
+
+/// One Flux stream's part of an attention: its tokens (b, n, D), its AdaLayerNorm's linear,
+/// its q and k projections and their RMSNorm weights.
+type FluxStream<'a> = (&'a Tensor, &'a LinearW, [&'a LinearW; 2], [&'a Tensor; 2]);
+
+/// q and k (b·n, D) of a Flux attention in f64 as its block forms them (`families/flux/
+/// block.rs`: LN with the modulation's shift and scale, projection, RMSNorm, then RoPE over
+/// the joint [text; image] sequence): a double block's from `first` the text and `second` the
+/// image stream, a single block's from `first` the joint stream alone.
+fn flux_qk(
+    first: FluxStream<'_>,
+    second: Option<FluxStream<'_>>,
+    st: &Tensor,
+    table: &std::sync::Arc<crate::ops::RopeTable>,
+) -> Result<(Tensor, Tensor)> {
+    use crate::ops::{rms_norm, rope, RMS_EPS};
+    let part = |(x, ada, [lq, lk], [nq, nk]): FluxStream<'_>| -> Result<(Tensor, Tensor)> {
+        let (b, n, h) = x.dims3().map_err(e)?;
+        let m = ada.forward(st)?;
+        let (shift, sc) = (m.narrow(1, 0, h).map_err(e)?, m.narrow(1, h, h).map_err(e)?);
+        let hx = ln_modulate(x, &shift, &sc, LN_EPS, DType::F64).map_err(e)?;
+        let flat = |y: Tensor| y.reshape((b * n, h)).map_err(e);
+        let q = rms_norm(&flat(lq.forward(&hx)?)?, nq, RMS_EPS).map_err(e)?;
+        let k = rms_norm(&flat(lk.forward(&hx)?)?, nk, RMS_EPS).map_err(e)?;
+        Ok((q, k))
+    };
+    let (mut q, mut k) = part(first)?;
+    if let Some(img) = second {
+        let (b, s, h) = img.0.dims3().map_err(e)?;
+        let t = first.0.dim(1).map_err(e)?;
+        let (qi, ki) = part(img)?;
+        let joint = |a: &Tensor, c: &Tensor| {
+            crate::ops::tokens::concat(a, c, b, (b * (s + t), h)).map_err(e)
+        };
+        q = joint(&q, &qi)?;
+        k = joint(&k, &ki)?;
+    }
+    Ok((rope(&q, table).map_err(e)?, rope(&k, table).map_err(e)?))
+}
+
+impl super::VerifyFamily for FluxGeom {
+    /// Double-stream blocks: the joint attention with RMSNorm and RoPE on q (+2), then the FFN:
+    /// 8. Single-stream blocks: the attention with RMSNorm and RoPE (+2) whose output
+    /// `proj_out` shares with the parallel MLP (proj_mlp → GELU, one stage beside the
+    /// attention's four, so not on the longest path): 7. Counted over the geometry's own
+    /// blocks of each kind, whatever `depth` says.
+    fn block_stages(&self, _depth: u64) -> u64 {
+        self.double as u64 * (SOFTMAX_ATTENTION + 2 + MLP)
+            + self.single as u64 * (SOFTMAX_ATTENTION + 2)
+    }
+
+    /// The joint attention `attn` (q and k from one stream, both streams).
+    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
+        if name.contains(".attn.") {
+            SELF_ATTENTION
+        } else {
+            &[]
+        }
+    }
+
+    fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
+        score_bound(spec, t, self, batch).map(Probe::plain)
+    }
+}

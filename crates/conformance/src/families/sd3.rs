@@ -1,0 +1,203 @@
+//! SD3 / SD3.5 in the conformance suite: its rounding stages, its key biases' query siblings and
+//! its score probe.
+
+use candle_core::{DType, Device, Tensor};
+use ditmem_budget::Spec;
+
+use crate::block::LinearW;
+use crate::diffusion::Batch;
+use crate::model::{patchify, timestep_features, unpatchify};
+use crate::trainer::Trainer;
+use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
+use crate::verify::error::bad;
+use crate::verify::key_bias::SELF_ATTENTION;
+use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::Result;
+use ditmem_engine::families::sd3::Sd3Geom;
+
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, joint and dual blocks, output side, loss) over shared locals; pieces would each take them all.
+/// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
+/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
+/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
+fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::sd3::{
+        block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
+        ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
+    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let conv = t
+        .parameter("pos_embed.proj.weight")?
+        .flatten_from(1)
+        .map_err(e)?;
+    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
+    let te = "time_text_embed.timestep_embedder";
+    let pe = "time_text_embed.text_embedder";
+    let (t1, t2) = (
+        linear(t, &format!("{te}.linear_1"))?,
+        linear(t, &format!("{te}.linear_2"))?,
+    );
+    let (p1, p2) = (
+        linear(t, &format!("{pe}.linear_1"))?,
+        linear(t, &format!("{pe}.linear_2"))?,
+    );
+    let context = linear(t, "context_embedder")?;
+    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
+    let side = g.pos_side;
+    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
+    let pos = t
+        .parameter("pos_embed.pos_embed")?
+        .reshape((side, side, d.hidden))
+        .and_then(|p| p.narrow(0, top, d.rows))
+        .and_then(|p| p.narrow(1, left, d.cols))
+        .map_err(e)?;
+    let mut blocks = Vec::with_capacity(d.depth);
+    for i in 0..d.depth {
+        let last = i + 1 == d.depth;
+        let l = block_linears(last)
+            .into_iter()
+            .map(|n| linear(t, &format!("transformer_blocks.{i}.{n}")))
+            .collect::<Result<Vec<_>>>()?;
+        let qk = if g.qk_norm {
+            let n =
+                |k: usize| t.parameter(&format!("transformer_blocks.{i}.{}.weight", QK_NORMS[k]));
+            Some([n(0)?, n(1)?, n(2)?, n(3)?])
+        } else {
+            None
+        };
+        let (ff, ctx) = if last {
+            (9, None)
+        } else {
+            (
+                10,
+                Some(ContextOut {
+                    to_add_out: l[9].clone(),
+                    ff1: l[12].clone(),
+                    ff2: l[13].clone(),
+                }),
+            )
+        };
+        let dual = if g.is_dual(i) {
+            let n = |k: &str| format!("transformer_blocks.{i}.{k}");
+            let qk = if g.qk_norm {
+                let w = |k: usize| t.parameter(&format!("{}.weight", n(DUAL_QK_NORMS[k])));
+                Some([w(0)?, w(1)?])
+            } else {
+                None
+            };
+            Some(DualAttn {
+                to_q: linear(t, &n(DUAL_LINEARS[0]))?,
+                to_k: linear(t, &n(DUAL_LINEARS[1]))?,
+                to_v: linear(t, &n(DUAL_LINEARS[2]))?,
+                to_out: linear(t, &n(DUAL_LINEARS[3]))?,
+                qk,
+            })
+        } else {
+            None
+        };
+        blocks.push(Sd3BlockWeights {
+            norm1: l[0].clone(),
+            norm1_context: l[1].clone(),
+            to_q: l[2].clone(),
+            to_k: l[3].clone(),
+            to_v: l[4].clone(),
+            add_k: l[5].clone(),
+            add_v: l[6].clone(),
+            add_q: l[7].clone(),
+            to_out: l[8].clone(),
+            ff1: l[ff].clone(),
+            ff2: l[ff + 1].clone(),
+            ctx,
+            qk,
+            dual,
+        });
+    }
+    let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut streams, se) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xe = embed.forward(&patchify(&xt, &d)?)?;
+            let x = xe
+                .reshape((b, d.rows, d.cols, d.hidden))
+                .and_then(|x| x.broadcast_add(&pos))
+                .and_then(|x| x.reshape((b, d.tokens, d.hidden)))
+                .map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, SD3_FREQ, f, &dev)?;
+            let tt = silu_mlp(&tf, &t1, &t2)?;
+            let tp = silu_mlp(&mb.pooled_tensor(f, &dev)?, &p1, &p2)?;
+            let se = (tt + tp).and_then(|v| v.silu()).map_err(e)?;
+            let c = context
+                .forward(&mb.text_tensor(f, &dev)?)?
+                .reshape((b, g.text_tokens, d.hidden))
+                .map_err(e)?;
+            Ok((vec![c, x], se))
+        })?;
+        for bw in &blocks {
+            let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
+                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
+                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
+                // attn2 reads the block's input image stream (its own LN of x).
+                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &cfg)? {
+                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?);
+                }
+                Ok((
+                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
+                    sb,
+                ))
+            })?;
+            bound = bound.max(sb);
+            streams = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let x = streams
+                .last()
+                .ok_or_else(|| bad("attention-score probe", "no image stream"))?;
+            let out = sd3_final(x, &se, &norm_out, &proj_out, f, f)?;
+            let pred = unpatchify(&out, b, &d)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+}
+
+impl super::VerifyFamily for Sd3Geom {
+    /// One joint attention (+ the per-head RMSNorm of q and k with `qk_norm`), then the MLP of
+    /// each stream: 6, or 7 (SD3.5). SD3.5's dual-attention blocks add `attn2` beside the joint
+    /// attention, not after it (it reads the block input's LN, as the joint attention does, and
+    /// joins the residual before norm2), with as many stages as it: not longer.
+    fn block_stages(&self, depth: u64) -> u64 {
+        depth * (SOFTMAX_ATTENTION + u64::from(self.qk_norm) + MLP)
+    }
+
+    /// The joint attention `attn` (q and k from one stream, both streams) and SD3.5's
+    /// dual-attention `attn2` (a self-attention over the image tokens).
+    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
+        if name.contains(".attn.") || name.contains(".attn2.") {
+            SELF_ATTENTION
+        } else {
+            &[]
+        }
+    }
+
+    fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
+        score_bound(spec, t, self, batch).map(Probe::plain)
+    }
+}

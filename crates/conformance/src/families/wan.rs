@@ -1,0 +1,156 @@
+//! Wan 2.x in the conformance suite: its rounding stages, its key biases' query siblings and its
+//! score probe.
+
+use candle_core::{DType, Device, Tensor};
+use ditmem_budget::Spec;
+
+use crate::block::LinearW;
+use crate::diffusion::Batch;
+use crate::model::timestep_features;
+use crate::trainer::Trainer;
+use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
+use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
+use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::Result;
+use ditmem_engine::families::wan::WanGeom;
+
+// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks, output side, loss) over shared locals; pieces would each take them all.
+/// The score bound S for Wan: its forward replayed in f64 (embed, blocks, output side), S over
+/// both the self-attention (q, k after the RMSNorm and RoPE) and the cross-attention to the
+/// text (after the RMSNorm).
+fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::wan::{
+        final_forward as wan_final, patchify3d, rope_tables, text_forward, unpatchify3d,
+        wan_block_forward, wan_block_qk, WanBlockWeights, WanConds, WanFinalWeights,
+    };
+    let F64Replay {
+        d,
+        micro,
+        accum,
+        acp,
+        cfg,
+    } = F64Replay::of(spec, t);
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let conv = t
+        .parameter("patch_embedding.weight")?
+        .flatten_from(1)
+        .map_err(e)?;
+    let embed = LinearW::new(conv, t.parameter("patch_embedding.bias")?, None);
+    let ce = "condition_embedder";
+    let t1 = linear(t, &format!("{ce}.time_embedder.linear_1"))?;
+    let t2 = linear(t, &format!("{ce}.time_embedder.linear_2"))?;
+    let tp = linear(t, &format!("{ce}.time_proj"))?;
+    let x1 = linear(t, &format!("{ce}.text_embedder.linear_1"))?;
+    let x2 = linear(t, &format!("{ce}.text_embedder.linear_2"))?;
+    let fw = WanFinalWeights {
+        table: t.parameter("scale_shift_table")?,
+        proj_out: linear(t, "proj_out")?,
+    };
+    let (cv, sv) = rope_tables(g, d.rows, d.cols);
+    let half = cv.len() / d.tokens.max(1);
+    let cos = Tensor::from_vec(cv, (d.tokens, half), &dev).map_err(e)?;
+    let sin = Tensor::from_vec(sv, (d.tokens, half), &dev).map_err(e)?;
+    let (h, s) = (d.hidden, d.tokens);
+    let mut bound = 0.0f64;
+    let softmax = std::sync::Mutex::new(1.0f64);
+    let mut loss_sum = 0.0;
+    for m in 0..accum {
+        let mb = batch.slice(m * micro, micro)?;
+        let b = mb.n;
+        let (mut x, temb, t6, ctx) = on_pool(|| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+            let xt = mb.noisy(&acp, f, &dev)?;
+            let xp = patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?;
+            let x = embed.forward(&xp)?.reshape((b, s, h)).map_err(e)?;
+            let tf = timestep_features(&mb.timesteps, g.freq, f, &dev)?;
+            let temb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let t6 = tp.forward(&temb.silu().map_err(e)?)?;
+            let ctx = text_forward(&mb.text_tensor(f, &dev)?, &x1, &x2)?;
+            Ok((x, temb, t6, ctx))
+        })?;
+        for i in 0..d.depth {
+            let p = |n: &str| linear(t, &format!("blocks.{i}.{n}"));
+            let q = |n: &str| t.parameter(&format!("blocks.{i}.{n}.weight"));
+            let bw = WanBlockWeights {
+                table: t.parameter(&format!("blocks.{i}.scale_shift_table"))?,
+                q1: p("attn1.to_q")?,
+                k1: p("attn1.to_k")?,
+                v1: p("attn1.to_v")?,
+                o1: p("attn1.to_out.0")?,
+                norm_q1: q("attn1.norm_q")?,
+                norm_k1: q("attn1.norm_k")?,
+                q2: p("attn2.to_q")?,
+                k2: p("attn2.to_k")?,
+                v2: p("attn2.to_v")?,
+                o2: p("attn2.to_out.0")?,
+                norm_q2: q("attn2.norm_q")?,
+                norm_k2: q("attn2.norm_k")?,
+                norm2: if g.cross_attn_norm {
+                    Some((q("norm2")?, t.parameter(&format!("blocks.{i}.norm2.bias"))?))
+                } else {
+                    None
+                },
+                fc1: p("ffn.net.0.proj")?,
+                fc2: p("ffn.net.2")?,
+            };
+            let conds = WanConds {
+                t6: &t6,
+                ctx: &ctx,
+                cos: &cos,
+                sin: &sin,
+            };
+            let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
+                let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &cfg)?;
+                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, (&softmax, 0))?;
+                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?;
+                Ok((wan_block_forward(&x, conds, &bw, &cfg)?, sb1.max(sb2)))
+            })?;
+            bound = bound.max(sb);
+            x = next;
+        }
+        loss_sum += on_pool(|| -> Result<f64> {
+            let out = wan_final(&x, &temb, &fw, f, f)?;
+            let shape = if g.frames == 1 {
+                vec![b, g.out_channels, d.latent_h, d.latent_w]
+            } else {
+                vec![b, g.out_channels, g.frames, d.latent_h, d.latent_w]
+            };
+            let geo = (g.out_channels, g.frames, d.rows, d.cols, d.patch);
+            let pred = unpatchify3d(&out, b, geo, &shape)?
+                .narrow(1, 0, d.in_channels)
+                .map_err(e)?;
+            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
+            (pred - target)
+                .and_then(|r| r.sqr())
+                .and_then(|r| r.mean_all())
+                .and_then(|r| r.to_scalar::<f64>())
+                .map_err(e)
+        })?;
+    }
+    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+}
+
+impl super::VerifyFamily for WanGeom {
+    /// Self-attention with RMSNorm and RoPE on q (7), the cross-attention with RMSNorm on q
+    /// (norm2 counted with its q projection: 6), the FFN with norm3: 14.
+    fn block_stages(&self, depth: u64) -> u64 {
+        depth * ((SOFTMAX_ATTENTION + 2) + (SOFTMAX_ATTENTION + 1) + MLP)
+    }
+
+    /// `attn1` a self-attention; `attn2` the cross-attention, whose k and v both read the
+    /// caption (its k passes an RMSNorm, so the key bias's gradient is a remainder, not an exact
+    /// zero; v's bias sums dO over the queries and cancels nothing).
+    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
+        if name.contains(".attn1.") {
+            SELF_ATTENTION
+        } else if name.contains(".attn2.") {
+            CROSS_ATTENTION
+        } else {
+            &[]
+        }
+    }
+
+    fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
+        score_bound(spec, t, self, batch).map(Probe::plain)
+    }
+}
