@@ -11,7 +11,7 @@
 // the engine (`crate::families::…`, `crate::ops::…`): imported once here, so the files moved
 // unchanged.
 use ditmem_engine::{
-    block, diffusion, error, families, host, measure, model, mutation, ops, optim, rng, run,
+    diffusion, error, families, host, layers, measure, model, mutation, ops, optim, rng, run,
     trainable_count, trainer, Result,
 };
 

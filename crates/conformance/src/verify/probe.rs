@@ -17,12 +17,10 @@ use super::cancellation::{add_sums, Sums};
 use super::error::{bad, Result, VerifyError};
 use super::kink::{add_kink_sums, KinkSums};
 use super::softmax::{add_sums as add_softmax_sums, Layout as SoftmaxLayout, Sums as SoftmaxSums};
-use crate::block::{
-    block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
-    LinearW, LN_EPS,
-};
 use crate::diffusion::{alphas_cumprod, Batch};
 use crate::error::EngineError;
+use crate::families::dit::{block_forward, final_forward, BlockSeeds, BlockWeights, FinalWeights};
+use crate::layers::{AttnImpl, BlockConfig, LinearW, LN_EPS};
 use crate::model::{patchify, timestep_features, unpatchify, Dims};
 use crate::ops::ln_modulate;
 use crate::rng::derive_seed;

@@ -6,8 +6,8 @@
 
 use candle_core::Tensor;
 
-use crate::block::{mlp_linear, LinearW};
 use crate::error::Result;
+use crate::layers::{mlp_linear, LinearW};
 use crate::ops::attention::separate::attention;
 use crate::ops::{cross_attention, rms_norm_rows, AttnKeep};
 

@@ -23,13 +23,13 @@
 use candle_core::{Tensor, Var};
 
 use super::state::{grad_dtype, LinearIdx, ModelLayout, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
+use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
 
 /// What a family's embed segment hands the blocks.
-pub(super) struct Embedded {
+pub(crate) struct Embedded {
     /// The residual streams entering block 0 (tracked: the embed's graph).
     pub streams: Vec<Tensor>,
     /// Tensors every block and the final layer may read; each becomes one shared leaf.
@@ -42,7 +42,7 @@ pub(super) struct Embedded {
 /// A family's segments for [`Trainer::family_microbatch`]. Every `FamilyStep` is the trainer's
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
-pub(super) trait FamilyStep {
+pub(crate) trait FamilyStep {
     /// Every linear of the model with a bias (for their gradient sinks).
     fn linears(&self) -> Vec<LinearIdx>;
     /// The weights of linears without a bias (Sana's): their sinks take dW only.
@@ -160,7 +160,7 @@ fn leaf_grads(
 }
 
 impl Trainer {
-    pub(super) fn family_microbatch<F: FamilyStep>(
+    pub(crate) fn family_microbatch<F: FamilyStep>(
         &mut self,
         fam: &F,
         mb: &Batch,

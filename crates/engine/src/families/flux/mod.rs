@@ -33,6 +33,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward, unpack,
@@ -42,9 +43,14 @@ pub use params::{
     param_shapes, rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
 };
 
+use std::sync::Arc;
+
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
+use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny Flux `config.json` (diffusers keys): `double` + `single` blocks of `heads` × 16-wide
 /// heads (RoPE axes 4 + 6 + 6), 16 latent channels packed to 64, T5 width 32, pooled width 24,
@@ -85,4 +91,23 @@ pub fn tiny_spec(
     s.workload.text_tokens = Some(vec![77, text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for FluxGeom {
+    /// Flux predicts the packed latent (out_channels = in_channels, checked).
+    fn out_channels(&self, spec: &Spec) -> usize {
+        spec.model.in_channels as usize
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_width, self.pooled_width)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
+
+    fn layout(&self, p: &ParamIndex<'_>, _d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(step::FluxLayout::new(p, self.clone())?))
+    }
 }

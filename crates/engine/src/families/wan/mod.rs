@@ -36,6 +36,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     final_forward, patchify3d, text_forward, unpatchify3d, wan_block_forward, wan_block_qk,
@@ -43,9 +44,14 @@ pub use block::{
 };
 pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
+use std::sync::Arc;
+
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
+use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny Wan `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch (1, 2, 2), umT5 width 32, FFN 2·D, `cross_attn_norm`.
@@ -80,4 +86,30 @@ pub fn tiny_spec(layers: u32, heads: u32, frames: u32, text_tokens: u32) -> Resu
     s.workload.text_tokens = Some(vec![text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for WanGeom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn frames(&self) -> usize {
+        self.frames
+    }
+
+    fn mlp_hidden(&self) -> Option<usize> {
+        Some(self.ffn)
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_dim, 0)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
+
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(step::WanLayout::new(p, d.depth, self.clone())?))
+    }
 }

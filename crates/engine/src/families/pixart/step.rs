@@ -1,4 +1,4 @@
-//! PixArt's segments for the family schedule ([`super::family`]).
+//! PixArt's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: patch embedding + the sin-cos table (the one stream), the timestep MLP (the embedded
 //! timestep, (b, D); with PixArt-α's additional conditions plus the resolution and aspect-ratio
@@ -8,9 +8,6 @@
 
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::pixart::params::{PIXART_FREQ, SIZE_EMBEDDERS};
@@ -18,18 +15,21 @@ use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
+use crate::layers::cast;
 use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
+use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one PixArt block's parameters sit.
 #[derive(Debug, Clone)]
-pub(super) struct PixartBlockIdx {
+pub(crate) struct PixartBlockIdx {
     table: usize,
     lin: [LinearIdx; 10],
 }
 
 /// Where PixArt's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct PixartLayout {
+pub(crate) struct PixartLayout {
     patch: LinearIdx,
     pos: usize,
     t1: LinearIdx,
@@ -46,51 +46,42 @@ pub(super) struct PixartLayout {
 }
 
 impl PixartLayout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        depth: usize,
-        geom: PixartGeom,
-    ) -> Result<PixartLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: PixartGeom) -> Result<PixartLayout> {
         let mut blocks = Vec::with_capacity(depth);
         for i in 0..depth {
             let b = format!("transformer_blocks.{i}");
-            let first = lin(&format!("{b}.{}", PIXART_BLOCK_LINEARS[0]))?;
-            let mut l = [first; 10];
-            for (slot, name) in l.iter_mut().zip(PIXART_BLOCK_LINEARS) {
-                *slot = lin(&format!("{b}.{name}"))?;
-            }
+            let l = p.lins(&b, PIXART_BLOCK_LINEARS)?;
             blocks.push(PixartBlockIdx {
-                table: idx(&format!("{b}.scale_shift_table"))?,
+                table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
             });
         }
         let te = "adaln_single.emb.timestep_embedder";
         Ok(PixartLayout {
-            patch: lin("pos_embed.proj")?,
-            pos: idx("pos_embed.pos_embed")?,
-            t1: lin(&format!("{te}.linear_1"))?,
-            t2: lin(&format!("{te}.linear_2"))?,
+            patch: p.lin("pos_embed.proj")?,
+            pos: p.idx("pos_embed.pos_embed")?,
+            t1: p.lin(&format!("{te}.linear_1"))?,
+            t2: p.lin(&format!("{te}.linear_2"))?,
             sizes: match geom.sizes {
                 Some(_) => {
-                    let l = |e: &str, k: u8| lin(&format!("adaln_single.emb.{e}.linear_{k}"));
+                    let l = |e: &str, k: u8| p.lin(&format!("adaln_single.emb.{e}.linear_{k}"));
                     let [r, a] = SIZE_EMBEDDERS;
                     Some([l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?])
                 }
                 None => None,
             },
-            adaln: lin("adaln_single.linear")?,
+            adaln: p.lin("adaln_single.linear")?,
             caption: if geom.caption_projection {
                 Some([
-                    lin("caption_projection.linear_1")?,
-                    lin("caption_projection.linear_2")?,
+                    p.lin("caption_projection.linear_1")?,
+                    p.lin("caption_projection.linear_2")?,
                 ])
             } else {
                 None
             },
             blocks,
-            final_table: idx("scale_shift_table")?,
-            proj_out: lin("proj_out")?,
+            final_table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
             geom,
         })
     }
@@ -99,11 +90,15 @@ impl PixartLayout {
 impl Trainer {
     /// A PixArt parameter that is not a linear (a `scale_shift_table`), in the accumulation
     /// dtype (a cast copy only when the dtypes differ).
-    fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
+    pub(crate) fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
         cast(self.raw_weight(i, track), self.cfg.accum)
     }
 
-    fn pixart_block_weights(&self, b: &PixartBlockIdx, track: bool) -> Result<PixartBlockWeights> {
+    pub(crate) fn pixart_block_weights(
+        &self,
+        b: &PixartBlockIdx,
+        track: bool,
+    ) -> Result<PixartBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         Ok(PixartBlockWeights {
             table: self.table_weight(b.table, track)?,

@@ -1,4 +1,4 @@
-//! Sana's segments for the family schedule ([`super::family`]).
+//! Sana's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: the patch embedding (the one stream; no position table), the timestep MLP (the
 //! embedded timestep, (b, D)), `time_embed.linear` on its SiLU (the (b, 6D) block modulation)
@@ -11,10 +11,6 @@
 
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
-use crate::block::LinearW;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::lora::factor_indices;
@@ -22,11 +18,15 @@ use crate::families::sana::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
 };
+use crate::layers::cast;
+use crate::layers::LinearW;
 use crate::model::{patchify, timestep_features, unpatchify};
+use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Lin {
+pub(crate) struct Lin {
     w: usize,
     b: Option<usize>,
     lora: Option<(usize, usize)>,
@@ -35,7 +35,7 @@ pub(super) struct Lin {
 /// Where one Sana block's parameters sit: the table, then attn1's q, k, v, out, attn2's q, k,
 /// v, out, `conv_inverted`, `conv_point` (in `lin`), and `conv_depth`'s weight and bias.
 #[derive(Debug, Clone)]
-pub(super) struct SanaBlockIdx {
+pub(crate) struct SanaBlockIdx {
     table: usize,
     lin: [Lin; 10],
     depth: (usize, usize),
@@ -57,7 +57,7 @@ const BLOCK_LINEARS: [&str; 10] = [
 
 /// Where Sana's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct SanaLayout {
+pub(crate) struct SanaLayout {
     patch: LinearIdx,
     t1: LinearIdx,
     t2: LinearIdx,
@@ -72,29 +72,17 @@ pub(super) struct SanaLayout {
 }
 
 impl SanaLayout {
-    pub(super) fn new(
-        idx: &dyn Fn(&str) -> Result<usize>,
-        find: &dyn Fn(&str) -> Option<usize>,
+    pub(crate) fn new(
+        p: &ParamIndex<'_>,
         dims: &crate::model::Dims,
         geom: SanaGeom,
     ) -> Result<SanaLayout> {
         // A linear by module name, with its LoRA factors when it has them.
         let any = |m: &str| -> Result<Lin> {
             Ok(Lin {
-                w: idx(&format!("{m}.weight"))?,
-                b: find(&format!("{m}.bias")),
-                lora: factor_indices(find, m),
-            })
-        };
-        // One with a bias.
-        let lin = |m: &str| -> Result<LinearIdx> {
-            let l = any(m)?;
-            Ok(LinearIdx {
-                w: l.w,
-                b: l.b.ok_or_else(|| {
-                    EngineError::bad_input("parameter", format!("'{m}.bias' is missing"))
-                })?,
-                lora: l.lora,
+                w: p.idx(&format!("{m}.weight"))?,
+                b: p.find(&format!("{m}.bias")),
+                lora: factor_indices(&|n| p.find(n), m),
             })
         };
         let mut blocks = Vec::with_capacity(dims.depth);
@@ -109,28 +97,28 @@ impl SanaLayout {
                 *slot = any(&format!("{b}.{name}"))?;
             }
             blocks.push(SanaBlockIdx {
-                table: idx(&format!("{b}.scale_shift_table"))?,
+                table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 depth: (
-                    idx(&format!("{b}.ff.conv_depth.weight"))?,
-                    idx(&format!("{b}.ff.conv_depth.bias"))?,
+                    p.idx(&format!("{b}.ff.conv_depth.weight"))?,
+                    p.idx(&format!("{b}.ff.conv_depth.bias"))?,
                 ),
             });
         }
         let te = "time_embed.emb.timestep_embedder";
         Ok(SanaLayout {
-            patch: lin("patch_embed.proj")?,
-            t1: lin(&format!("{te}.linear_1"))?,
-            t2: lin(&format!("{te}.linear_2"))?,
-            adaln: lin("time_embed.linear")?,
+            patch: p.lin("patch_embed.proj")?,
+            t1: p.lin(&format!("{te}.linear_1"))?,
+            t2: p.lin(&format!("{te}.linear_2"))?,
+            adaln: p.lin("time_embed.linear")?,
             caption: [
-                lin("caption_projection.linear_1")?,
-                lin("caption_projection.linear_2")?,
+                p.lin("caption_projection.linear_1")?,
+                p.lin("caption_projection.linear_2")?,
             ],
-            caption_norm: idx("caption_norm.weight")?,
+            caption_norm: p.idx("caption_norm.weight")?,
             blocks,
-            final_table: idx("scale_shift_table")?,
-            proj_out: lin("proj_out")?,
+            final_table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
             geom,
             grid: (dims.rows, dims.cols),
         })
@@ -139,7 +127,7 @@ impl SanaLayout {
 
 impl Trainer {
     /// A linear of a Sana block; a bias-less one reads `zero` (D) as its bias.
-    fn sana_linear(&self, l: Lin, zero: &Tensor, track: bool) -> Result<LinearW> {
+    pub(crate) fn sana_linear(&self, l: Lin, zero: &Tensor, track: bool) -> Result<LinearW> {
         match l.b {
             Some(b) => self.linear(
                 LinearIdx {
@@ -175,7 +163,11 @@ impl Trainer {
         }
     }
 
-    fn sana_block_weights(&self, b: &SanaBlockIdx, track: bool) -> Result<SanaBlockWeights> {
+    pub(crate) fn sana_block_weights(
+        &self,
+        b: &SanaBlockIdx,
+        track: bool,
+    ) -> Result<SanaBlockWeights> {
         // One zero bias (D) for every bias-less linear of the block (all write D).
         let wdt = self.linear_weight(b.lin[3].w, false)?.dtype();
         let zero = zero_bias(self.dims.hidden, wdt)?;
