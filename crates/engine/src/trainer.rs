@@ -376,25 +376,41 @@ impl Trainer {
     }
 
     pub(crate) fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
-        let lora = match l.lora {
+        self.linear_with(l.w, Some(l.b), l.lora, track, || {
+            self.linear_weight(l.b, track)
+        })
+    }
+
+    /// The linear of weight `w` (its sink shared with the bias `b`, if it has one) and LoRA
+    /// factors `lora`; `bias` makes its bias tensor once the weights are ready (a bias-less
+    /// linear's zeros: Sana's).
+    pub(crate) fn linear_with(
+        &self,
+        w: usize,
+        b: Option<usize>,
+        lora: Option<(usize, usize)>,
+        track: bool,
+        bias: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<LinearW> {
+        let lora = match lora {
             Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
             None => None,
         };
         let sink = if track {
-            self.sinks[l.w]
+            self.sinks[w]
                 .as_ref()
-                .or(self.sinks[l.b].as_ref())
+                .or(b.and_then(|b| self.sinks[b].as_ref()))
                 .map(|(s, _)| Arc::clone(s))
         } else {
             None
         };
         // A conv weight (out, C, p, p) (PixArt's patch embedding) multiplies as its
         // (out, C·p·p) view; candle reshapes its gradient back.
-        let w = self.linear_weight(l.w, track)?;
+        let w = self.linear_weight(w, track)?;
         let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
         Ok(LinearW {
             w,
-            b: self.linear_weight(l.b, track)?,
+            b: bias()?,
             lora,
             sink,
             dx_sink: None,

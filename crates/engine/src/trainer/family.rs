@@ -39,6 +39,15 @@ pub(crate) struct Embedded {
     pub hold: Vec<Tensor>,
 }
 
+/// What a block reads: the streams `x`, the conditioning leaves `c`, and `track`, false for the
+/// untracked forward of a recomputed block (detached weights).
+#[derive(Clone, Copy)]
+pub(crate) struct BlockIn<'a> {
+    pub(crate) x: &'a [Tensor],
+    pub(crate) c: &'a [Tensor],
+    pub(crate) track: bool,
+}
+
 /// A family's segments for [`Trainer::family_microbatch`]. Every `FamilyStep` is the trainer's
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
@@ -53,16 +62,8 @@ pub(crate) trait FamilyStep {
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded>;
     /// Number of blocks.
     fn depth(&self) -> usize;
-    /// Block `i` on the streams `x` with the conditioning leaves `c`; `track` is false for the
-    /// untracked forward of a recomputed block (detached weights).
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>>;
+    /// Block `i` on what it reads ([`BlockIn`]).
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>>;
     /// The output side on the last streams: the prediction in the latents' layout, accumulation
     /// dtype. Its weights are dropped before it returns.
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor>;
@@ -230,7 +231,15 @@ impl Trainer {
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
-                cur = fam.block(self, i, &inputs, &cond_in(true), false)?;
+                cur = fam.block(
+                    self,
+                    i,
+                    BlockIn {
+                        x: &inputs,
+                        c: &cond_in(true),
+                        track: false,
+                    },
+                )?;
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
@@ -238,7 +247,15 @@ impl Trainer {
                     release_streams(&cur)?;
                 }
                 let c = cond_in(false);
-                let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
+                let outs = fam.block(
+                    self,
+                    i,
+                    BlockIn {
+                        x: &tensors(&leaves),
+                        c: &c,
+                        track: true,
+                    },
+                )?;
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
@@ -303,7 +320,15 @@ impl Trainer {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
                     let c = cond_in(false);
-                    let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
+                    let outs = fam.block(
+                        self,
+                        i,
+                        BlockIn {
+                            x: &tensors(&leaves),
+                            c: &c,
+                            track: true,
+                        },
+                    )?;
                     (leaves, outs)
                 }
             };

@@ -19,7 +19,7 @@ use crate::families::dit_diffusers::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, unpatchify};
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::Trainer;
 use crate::trainer::state::{LinearIdx, ParamIndex};
 
@@ -169,14 +169,8 @@ impl FamilyStep for DitdLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.ditd_block_weights(&self.blocks[i], track)?;
         let out = ditd_block_forward(&x[0], &c[1], &c[2], &w, &tr.cfg, self.geom.norm_eps)?;
         Ok(vec![out])

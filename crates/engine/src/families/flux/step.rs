@@ -28,7 +28,7 @@ use crate::families::flux::params::{
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
@@ -211,14 +211,8 @@ impl FamilyStep for FluxLayout {
         self.double.len() + self.single.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let bi = self.block_idx(i);
         let lin = bi
             .lin

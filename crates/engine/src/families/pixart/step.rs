@@ -17,7 +17,7 @@ use crate::families::pixart::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one PixArt block's parameters sit.
@@ -209,14 +209,8 @@ impl FamilyStep for PixartLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.pixart_block_weights(&self.blocks[i], track)?;
         let out = pixart_block_forward(&x[0], &c[0], &c[2], &w, &tr.cfg)?;
         Ok(vec![out])

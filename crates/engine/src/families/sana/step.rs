@@ -21,7 +21,7 @@ use crate::families::sana::{
 use crate::layers::cast;
 use crate::layers::LinearW;
 use crate::model::{patchify, timestep_features, unpatchify};
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
@@ -137,29 +137,7 @@ impl Trainer {
                 },
                 track,
             ),
-            None => {
-                // As `Trainer::linear`: the adapters (cast to the compute dtype) first.
-                let lora = match l.lora {
-                    Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
-                    None => None,
-                };
-                let sink = if track {
-                    self.sinks[l.w]
-                        .as_ref()
-                        .map(|(s, _)| std::sync::Arc::clone(s))
-                } else {
-                    None
-                };
-                let w = self.linear_weight(l.w, track)?;
-                let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
-                Ok(LinearW {
-                    w,
-                    b: zero.clone(),
-                    lora,
-                    sink,
-                    dx_sink: None,
-                })
-            }
+            None => self.linear_with(l.w, None, l.lora, track, || Ok(zero.clone())),
         }
     }
 
@@ -275,14 +253,8 @@ impl FamilyStep for SanaLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.sana_block_weights(&self.blocks[i], track)?;
         let geo = SanaBlockGeom {
             rows: self.grid.0,

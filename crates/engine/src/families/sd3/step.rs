@@ -18,7 +18,7 @@ use crate::families::sd3::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features, unpatchify};
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
@@ -246,14 +246,8 @@ impl FamilyStep for Sd3Layout {
     }
 
     /// Joint block `i` on the streams [context, image] with the conditioning [SiLU(temb)].
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let ([ctx, img], [se]) = (x, c) else {
             return Err(EngineError::bad_input(
                 "sd3 block",

@@ -17,7 +17,7 @@ use crate::families::wan::{
 };
 use crate::layers::cast;
 use crate::model::timestep_features;
-use crate::trainer::family::{Embedded, FamilyStep};
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one Wan block's parameters sit.
@@ -194,14 +194,8 @@ impl FamilyStep for WanLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.wan_block_weights(&self.blocks[i], track)?;
         let conds = WanConds {
             t6: &c[0],
