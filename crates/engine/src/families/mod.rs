@@ -16,6 +16,7 @@
 //! [`Arch`] says which model a spec describes; `register_families!` below is the one list a
 //! family is registered in (one line each), and [`Arch::family`] its [`EngineFamily`].
 
+pub(crate) mod config;
 pub mod cross;
 pub mod dit;
 pub mod dit_diffusers;

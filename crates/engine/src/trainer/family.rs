@@ -48,6 +48,18 @@ pub(crate) struct BlockIn<'a> {
     pub(crate) track: bool,
 }
 
+impl<'a> BlockIn<'a> {
+    /// A stored block's forward, or a recomputed one's replay in the backward.
+    fn tracked(x: &'a [Tensor], c: &'a [Tensor]) -> BlockIn<'a> {
+        BlockIn { x, c, track: true }
+    }
+
+    /// A recomputed block's first forward (nothing of it is kept).
+    fn untracked(x: &'a [Tensor], c: &'a [Tensor]) -> BlockIn<'a> {
+        BlockIn { x, c, track: false }
+    }
+}
+
 /// A family's segments for [`Trainer::family_microbatch`]. Every `FamilyStep` is the trainer's
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
@@ -83,6 +95,25 @@ pub(crate) trait FamilyStep {
     fn ctx_cond(&self) -> Option<usize> {
         None
     }
+}
+
+/// The parameter indices of `lins` (each weight, bias and LoRA factors).
+pub(crate) fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+/// The batch's cached caption must be what the model reads: `tokens` tokens of `width`.
+pub(crate) fn check_text(mb: &Batch, tokens: usize, width: usize) -> Result<()> {
+    if mb.text_tokens != tokens || mb.text_width != width {
+        return Err(EngineError::bad_input(
+            "batch text",
+            format!(
+                "{} tokens of width {}; this model reads {tokens} of width {width}",
+                mb.text_tokens, mb.text_width
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A family's layout runs the family schedule.
@@ -161,6 +192,10 @@ fn leaf_grads(
 }
 
 impl Trainer {
+    // Over 100 lines on purpose: every local's drop point is where the `ditmem-cpu` budget frees
+    // it (`ditmem_cpu::step::replay`); split into functions, the locals would have to travel in
+    // holders whose own heap blocks the measured peak counts (a `Vec` of six tensors moved the
+    // DiT's measured peaks by 48 bytes when its microbatch was split in this change).
     pub(crate) fn family_microbatch<F: FamilyStep>(
         &mut self,
         fam: &F,
@@ -231,15 +266,7 @@ impl Trainer {
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
-                cur = fam.block(
-                    self,
-                    i,
-                    BlockIn {
-                        x: &inputs,
-                        c: &cond_in(true),
-                        track: false,
-                    },
-                )?;
+                cur = fam.block(self, i, BlockIn::untracked(&inputs, &cond_in(true)))?;
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
@@ -247,15 +274,7 @@ impl Trainer {
                     release_streams(&cur)?;
                 }
                 let c = cond_in(false);
-                let outs = fam.block(
-                    self,
-                    i,
-                    BlockIn {
-                        x: &tensors(&leaves),
-                        c: &c,
-                        track: true,
-                    },
-                )?;
+                let outs = fam.block(self, i, BlockIn::tracked(&tensors(&leaves), &c))?;
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
@@ -320,15 +339,7 @@ impl Trainer {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
                     let c = cond_in(false);
-                    let outs = fam.block(
-                        self,
-                        i,
-                        BlockIn {
-                            x: &tensors(&leaves),
-                            c: &c,
-                            track: true,
-                        },
-                    )?;
+                    let outs = fam.block(self, i, BlockIn::tracked(&tensors(&leaves), &c))?;
                     (leaves, outs)
                 }
             };

@@ -28,6 +28,8 @@ pub(crate) fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize)
 
 /// Every parameter of the DiT of `spec` (dims `d`), in a fixed order (embedders, blocks, final
 /// layer).
+// Over 100 lines as rustfmt lays out its 22 named tensors one call each; it is a list, read
+// top to bottom in the order of DiT's `state_dict`.
 pub(crate) fn param_shapes(spec: &Spec, d: &Dims) -> Vec<ParamShape> {
     let lora = spec.recipe.lora.as_ref();
     let base_trainable = lora.is_none();

@@ -15,6 +15,7 @@
 use ditmem_budget::{DitDiffusersDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -67,12 +68,7 @@ impl DitdGeom {
                 "the engine's diffusers DiT has biased q/k/v projections; use attention_bias = true",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a DiTTransformer2DModel",
-                "the diffusers DiT trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "a DiTTransformer2DModel", "the diffusers DiT")?;
         let lora = LoraPlan::of(spec);
         if let Some(plan) = &lora {
             // Block 0's embedder also feeds the output side, so the engine runs it in the

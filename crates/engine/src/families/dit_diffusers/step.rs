@@ -19,7 +19,7 @@ use crate::families::dit_diffusers::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, unpatchify};
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::Trainer;
 use crate::trainer::state::{LinearIdx, ParamIndex};
 
@@ -73,10 +73,6 @@ impl DitdLayout {
             geom,
         })
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 fn emb_params(e: &EmbIdx) -> Vec<usize> {

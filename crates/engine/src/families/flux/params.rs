@@ -8,6 +8,7 @@
 use ditmem_budget::{FluxDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -113,12 +114,7 @@ impl FluxGeom {
                  least one",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Flux model",
-                "Flux trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "a Flux model", "Flux")?;
         let fm = ditmem_budget::denoiser::family(spec)?
             .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
         let geo = fm.geometry();

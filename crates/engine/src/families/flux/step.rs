@@ -28,7 +28,7 @@ use crate::families::flux::params::{
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
@@ -119,10 +119,6 @@ impl FluxLayout {
             &self.single[i - self.double.len()]
         }
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 impl FamilyStep for FluxLayout {

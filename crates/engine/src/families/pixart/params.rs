@@ -10,6 +10,8 @@
 use ditmem_budget::{PixartDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -17,18 +19,8 @@ use crate::shapes::{Dims, Init, Inventory, ParamShape};
 pub const PIXART_FREQ: usize = 256;
 
 /// The linears of a PixArt block in forward order (diffusers names).
-pub const PIXART_BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-];
+pub const PIXART_BLOCK_LINEARS: [&str; 10] =
+    self_cross_block_linears(["ff.net.0.proj", "ff.net.2"]);
 
 /// What a PixArt step needs beyond [`Dims`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,24 +53,8 @@ impl PixartGeom {
                 "the engine's PixArt has biased q/k/v projections; use attention_bias = true",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a PixArt model",
-                "PixArt trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the T5 caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a PixArt model", "PixArt")?;
+        let t = caption_tokens(spec, "T5")?;
         let hidden = d.inner() as usize;
         Ok(PixartGeom {
             text_tokens: t,

@@ -9,7 +9,7 @@
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::families::pixart::params::{PIXART_FREQ, SIZE_EMBEDDERS};
 use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
@@ -17,7 +17,7 @@ use crate::families::pixart::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one PixArt block's parameters sit.
@@ -116,10 +116,6 @@ impl Trainer {
     }
 }
 
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
-}
-
 impl FamilyStep for PixartLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
@@ -136,15 +132,7 @@ impl FamilyStep for PixartLayout {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
-                ),
-            ));
-        }
+        check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);

@@ -9,6 +9,7 @@
 use ditmem_budget::{SanaDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -54,24 +55,8 @@ impl SanaGeom {
                  interpolation_scale = null",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Sana model",
-                "Sana trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the Gemma caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a Sana model", "Sana")?;
+        let t = caption_tokens(spec, "Gemma")?;
         Ok(SanaGeom {
             text_tokens: t,
             text_width: d.caption_channels as usize,

@@ -12,7 +12,8 @@
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
 use crate::families::sana::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
@@ -21,7 +22,7 @@ use crate::families::sana::{
 use crate::layers::cast;
 use crate::layers::LinearW;
 use crate::model::{patchify, timestep_features, unpatchify};
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
@@ -42,18 +43,7 @@ pub(crate) struct SanaBlockIdx {
 }
 
 /// The linears of a block in `SanaBlockIdx::lin` order (diffusers names).
-const BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.conv_inverted",
-    "ff.conv_point",
-];
+const BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ff.conv_inverted", "ff.conv_point"]);
 
 /// Where Sana's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
@@ -170,10 +160,6 @@ impl Trainer {
     }
 }
 
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
-}
-
 impl FamilyStep for SanaLayout {
     /// Every linear with a bias.
     fn linears(&self) -> Vec<LinearIdx> {
@@ -206,15 +192,7 @@ impl FamilyStep for SanaLayout {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
-                ),
-            ));
-        }
+        check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);

@@ -12,6 +12,7 @@
 use ditmem_budget::{Sd3Dims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -45,12 +46,7 @@ pub struct Sd3Geom {
 impl Sd3Geom {
     /// Checks what the engine runs of an SD3 config and reads its geometry.
     pub fn new(spec: &Spec, d: &Sd3Dims) -> Result<Sd3Geom> {
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with an SD3 model",
-                "SD3 trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "an SD3 model", "SD3")?;
         if d.out_channels < d.in_channels {
             return Err(EngineError::bad_input(
                 "model.diffusers.out_channels",

@@ -11,6 +11,8 @@
 use ditmem_budget::{Spec, WanDims};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -20,18 +22,7 @@ pub(crate) const WAN_ROPE_THETA: f64 = 10000.0;
 pub(crate) const WAN_EPS: f64 = 1e-6;
 
 /// The linears of a Wan block in forward order (diffusers names).
-pub const WAN_BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ffn.net.0.proj",
-    "ffn.net.2",
-];
+pub const WAN_BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ffn.net.0.proj", "ffn.net.2"]);
 
 /// The RMSNorm weights of a Wan block (q/k norms of both attentions).
 pub const WAN_BLOCK_NORMS: [&str; 4] = [
@@ -77,24 +68,8 @@ impl WanGeom {
                  use [1, p, p]",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Wan model",
-                "Wan trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the umT5 caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a Wan model", "Wan")?;
+        let t = caption_tokens(spec, "umT5")?;
         let frames = spec.latent_frames()? as usize;
         let u = |v: u64| v as usize;
         let g = WanGeom {

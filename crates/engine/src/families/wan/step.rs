@@ -10,14 +10,14 @@
 use candle_core::{DType, Tensor};
 
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::families::wan::{
     final_forward, patchify3d, rope_tables, text_forward, unpatchify3d, wan_block_forward,
     WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
 };
 use crate::layers::cast;
 use crate::model::timestep_features;
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
 
 /// Where one Wan block's parameters sit.
@@ -122,10 +122,6 @@ impl Trainer {
     }
 }
 
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
-}
-
 impl FamilyStep for WanLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
@@ -141,15 +137,7 @@ impl FamilyStep for WanLayout {
         let g = &self.geom;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != g.text_tokens || mb.text_width != g.text_dim {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, g.text_tokens, g.text_dim
-                ),
-            ));
-        }
+        check_text(mb, g.text_tokens, g.text_dim)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(
             patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?,
