@@ -39,8 +39,23 @@ pub(crate) mod family;
 
 pub(crate) mod state;
 
+use crate::families::Arch;
 pub use state::{dtype, grad_dtype, TrainOptions, Trainer};
-use state::{LinearIdx, ModelLayout, Param, ParamIndex, Value};
+use state::{FamilyLayout, LinearIdx, ModelLayout, Param, ParamIndex, Value};
+
+/// The family's [`FamilyLayout`] (the step's concern) over the one registration list, as
+/// `Arch::family` gives its `EngineFamily`.
+macro_rules! layout_dispatch {
+    ($($(#[$doc:meta])* $variant:ident($geom:ty),)*) => {
+        fn family_layout(arch: &Arch) -> &dyn FamilyLayout {
+            match arch {
+                Arch::Dit => &crate::families::dit::Dit,
+                $(Arch::$variant(g) => g,)*
+            }
+        }
+    };
+}
+crate::families::for_each_family!(layout_dispatch);
 
 /// What one step did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -103,7 +118,7 @@ impl Trainer {
         let shapes = family.param_shapes(spec, &dims);
         let (params, by_name, trained) = make_params(shapes, opts.seed, param_dt, &cfg)?;
         // The family's layout: which schedule runs the step, and where its parameters sit.
-        let layout = family.layout(&ParamIndex { by_name: &by_name }, &dims)?;
+        let layout = family_layout(&arch).layout(&ParamIndex { by_name: &by_name }, &dims)?;
         let sinks = grad_sinks(layout.as_ref(), &params);
         let n = params.len();
         let mut t = Trainer {

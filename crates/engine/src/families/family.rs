@@ -2,16 +2,14 @@
 //! geometry (`families/<family>/params.rs`'s `*Geom`, or the original DiT's [`super::dit::Dit`])
 //! implements it in its folder's `mod.rs`, and [`super::Arch::family`] hands it out. Nothing
 //! outside `families/` matches on the family: `model.rs` (dims, parameter inventory),
-//! `diffusion.rs` (the text inputs), `trainer.rs` (the step's layout) and the verification's
-//! zero-gradient rule ask this trait.
-
-use std::sync::Arc;
+//! `diffusion.rs` (the text inputs) and the verification's zero-gradient rule ask this trait.
+//! The step's concern is the trait `trainer::state::FamilyLayout`, which each family implements
+//! in its `step.rs`: this file and `families/mod.rs` name no step file, so the files the steps
+//! stand on (`diffusion.rs`, `model.rs`) can ask the family without an import circle.
 
 use ditmem_spec::Spec;
 
-use crate::error::Result;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// One model family as the engine runs it. Defaults are the original DiT's answers where a
 /// family has nothing of its own (no video frames, the spec's MLP width, no text inputs, no
@@ -41,7 +39,4 @@ pub(crate) trait EngineFamily {
     fn softmax_key_biases(&self) -> &'static [&'static str] {
         &[]
     }
-    /// Where the model's parameters sit for the step, and so which schedule runs it (the DiT's
-    /// own, or the family schedule through `trainer::family::FamilyStep`).
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>>;
 }

@@ -60,10 +60,36 @@ pub fn zero_gradient(arch: &Arch, name: &str) -> bool {
 
 use crate::error::{EngineError, Result};
 
-/// The one list of the families the engine runs: each line a variant of [`Arch`] named as the
-/// budget's `Family` and `Dims` variants, holding the family's geometry (which implements
-/// [`EngineFamily`] and reads the budget's dims with `new(spec, dims)`).
-macro_rules! register_families {
+/// The one list of the families the engine runs (one line each; the original DiT is `Arch::Dit`
+/// beside them): each line a variant of [`Arch`] named as the budget's `Family` and `Dims`
+/// variants, holding the family's geometry, which reads the budget's dims with `new(spec, dims)`
+/// and implements [`EngineFamily`] (in its `mod.rs`) and `trainer::state::FamilyLayout` (in its
+/// `step.rs`). `for_each_family!(m)` hands the list to the macro `m`: `define_arch` here,
+/// `layout_dispatch` in `trainer.rs` (the step's concern, which this file must not name: the
+/// steps stand on `diffusion.rs` and `model.rs`, which ask this file).
+macro_rules! for_each_family {
+    ($m:ident) => {
+        $m! {
+            /// A `PixArtTransformer2DModel` from `model.diffusers`.
+            Pixart(pixart::PixartGeom),
+            /// An `SD3Transformer2DModel` from `model.diffusers`.
+            Sd3(sd3::Sd3Geom),
+            /// A `FluxTransformer2DModel` from `model.diffusers`.
+            Flux(flux::FluxGeom),
+            /// A `SanaTransformer2DModel` from `model.diffusers`.
+            Sana(sana::SanaGeom),
+            /// A `WanTransformer3DModel` from `model.diffusers`.
+            Wan(wan::WanGeom),
+            /// diffusers' `DiTTransformer2DModel` from `model.diffusers`.
+            DitDiffusers(dit_diffusers::DitdGeom),
+
+        }
+    };
+}
+pub(crate) use for_each_family;
+
+/// [`Arch`], its constructor and [`Arch::family`] from the registration list.
+macro_rules! define_arch {
     ($($(#[$doc:meta])* $variant:ident($geom:ty),)*) => {
         /// The model of a spec, as the engine runs it.
         #[derive(Debug, Clone, PartialEq)]
@@ -93,7 +119,7 @@ macro_rules! register_families {
             /// What the engine asks of this model's family.
             pub(crate) fn family(&self) -> &dyn EngineFamily {
                 match self {
-                    Arch::Dit => &dit::Dit,
+                    Arch::Dit => &dit::params::Dit,
                     $(Arch::$variant(g) => g,)*
                 }
             }
@@ -101,17 +127,4 @@ macro_rules! register_families {
     };
 }
 
-register_families! {
-    /// A `PixArtTransformer2DModel` from `model.diffusers`.
-    Pixart(pixart::PixartGeom),
-    /// An `SD3Transformer2DModel` from `model.diffusers`.
-    Sd3(sd3::Sd3Geom),
-    /// A `FluxTransformer2DModel` from `model.diffusers`.
-    Flux(flux::FluxGeom),
-    /// A `SanaTransformer2DModel` from `model.diffusers`.
-    Sana(sana::SanaGeom),
-    /// A `WanTransformer3DModel` from `model.diffusers`.
-    Wan(wan::WanGeom),
-    /// diffusers' `DiTTransformer2DModel` from `model.diffusers`.
-    DitDiffusers(dit_diffusers::DitdGeom),
-}
+for_each_family!(define_arch);

@@ -133,6 +133,13 @@ impl ParamIndex<'_> {
     }
 }
 
+/// A family's step concern: where its parameters sit (its layout), which also says which
+/// schedule runs it. Each family implements it for its geometry in its `step.rs`; `trainer.rs`
+/// dispatches to it over the registration list (`families::for_each_family!`).
+pub(crate) trait FamilyLayout {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>>;
+}
+
 /// The name of a segment boundary in the step's timeline: "block 3", or "microbatch 1: block 3"
 /// under gradient accumulation.
 #[derive(Debug, Clone, Copy)]

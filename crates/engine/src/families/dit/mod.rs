@@ -14,19 +14,12 @@ pub mod params;
 pub(crate) mod step;
 
 pub use block::{block_forward, final_forward, BlockSeeds, BlockWeights, FinalWeights};
-
-use std::sync::Arc;
+pub use params::Dit;
 
 use ditmem_spec::Spec;
 
-use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
-
-/// The original DiT: everything it needs beyond [`Dims`] is in the spec's `model` section.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dit;
 
 impl EngineFamily for Dit {
     fn out_channels(&self, spec: &Spec) -> usize {
@@ -35,9 +28,5 @@ impl EngineFamily for Dit {
 
     fn param_shapes(&self, spec: &Spec, d: &Dims) -> Vec<ParamShape> {
         params::param_shapes(spec, d)
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        step::layout(p, d.depth)
     }
 }

@@ -5,6 +5,10 @@ use ditmem_spec::{LoraTarget, Spec};
 
 use crate::shapes::{Dims, Init, ParamShape};
 
+/// The original DiT: everything it needs beyond [`Dims`] is in the spec's `model` section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dit;
+
 /// The linears of a block, in forward order, with their PyTorch names and LoRA target.
 pub(crate) const BLOCK_LINEARS: [(&str, LoraTarget); 5] = [
     ("adaLN_modulation.1", LoraTarget::Adaln),

@@ -16,7 +16,10 @@ use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
 use crate::model::{patchify, timestep_features, unpatchify};
 use crate::rng::derive_seed;
-use crate::trainer::state::{grad_dtype, LinearIdx, ModelLayout, ParamIndex, SegmentTag, Trainer};
+use crate::shapes::Dims;
+use crate::trainer::state::{
+    grad_dtype, FamilyLayout, LinearIdx, ModelLayout, ParamIndex, SegmentTag, Trainer,
+};
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BlockIdx {
@@ -346,7 +349,8 @@ impl Trainer {
     }
 }
 
-/// The DiT's layout for [`Trainer::new`].
-pub(crate) fn layout(p: &ParamIndex<'_>, depth: usize) -> Result<Arc<dyn ModelLayout>> {
-    Ok(Arc::new(DitLayout::new(p, depth)?))
+impl FamilyLayout for super::params::Dit {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(DitLayout::new(p, d.depth)?))
+    }
 }

@@ -48,14 +48,11 @@ pub use params::{
     param_shapes, DitdGeom, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_FREQ, DITD_LABEL_TABLE,
 };
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny `DiTTransformer2DModel` `config.json` (diffusers keys): `layers` blocks of `heads` ×
 /// 16-wide heads, 4 latent channels, a learned variance (8 out), patch 2, 1000 classes.
@@ -96,9 +93,5 @@ impl EngineFamily for DitdGeom {
 
     fn softmax_key_biases(&self) -> &'static [&'static str] {
         &["attn1.to_k.bias"]
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::DitdLayout::new(p, d.depth, self.clone())?))
     }
 }

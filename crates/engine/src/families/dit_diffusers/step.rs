@@ -8,6 +8,8 @@
 //! parameters are read by two segments: block 0 lands their gradients, the embed's backward
 //! adds its own into them. The conditioning is `[SiLU(emb₀), features, label rows]`.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
@@ -19,9 +21,10 @@ use crate::families::dit_diffusers::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, unpatchify};
+use crate::shapes::Dims;
 use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::Trainer;
-use crate::trainer::state::{LinearIdx, ParamIndex};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex};
 
 /// Where one block's embedder sits.
 #[derive(Debug, Clone, Copy)]
@@ -204,5 +207,11 @@ impl FamilyStep for DitdLayout {
 
     fn final_params(&self) -> Vec<usize> {
         params_of(&self.proj_out)
+    }
+}
+
+impl FamilyLayout for DitdGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(DitdLayout::new(p, d.depth, self.clone())?))
     }
 }

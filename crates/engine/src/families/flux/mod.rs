@@ -43,14 +43,11 @@ pub use params::{
     param_shapes, rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
 };
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny Flux `config.json` (diffusers keys): `double` + `single` blocks of `heads` × 16-wide
 /// heads (RoPE axes 4 + 6 + 6), 16 latent channels packed to 64, T5 width 32, pooled width 24,
@@ -105,9 +102,5 @@ impl EngineFamily for FluxGeom {
 
     fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
         param_shapes(d, self)
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, _d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::FluxLayout::new(p, self.clone())?))
     }
 }

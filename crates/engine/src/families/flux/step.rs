@@ -28,8 +28,9 @@ use crate::families::flux::params::{
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
+use crate::shapes::Dims;
 use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
-use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
 /// [`DOUBLE_LINEARS`] / [`SINGLE_LINEARS`] and their norms.
@@ -280,5 +281,11 @@ impl FamilyStep for FluxLayout {
 
     fn fixed_conds(&self) -> usize {
         2
+    }
+}
+
+impl FamilyLayout for FluxGeom {
+    fn layout(&self, p: &ParamIndex<'_>, _d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(FluxLayout::new(p, self.clone())?))
     }
 }

@@ -37,14 +37,11 @@ pub use block::{
 };
 pub use params::{param_shapes, PixartGeom, PIXART_BLOCK_LINEARS};
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny PixArt `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 4 latent channels, a learned variance (8 out), patch 2, caption channels 32, no size
@@ -94,9 +91,5 @@ impl EngineFamily for PixartGeom {
 
     fn softmax_key_biases(&self) -> &'static [&'static str] {
         &["attn1.to_k.bias", "attn2.to_k.bias"]
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::PixartLayout::new(p, d.depth, self.clone())?))
     }
 }

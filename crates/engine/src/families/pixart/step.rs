@@ -6,6 +6,8 @@
 //! caption projection (b·T, D) in the compute dtype. The conditioning is `[t6, emb, y]`: blocks
 //! read t6 and y, the final layer emb.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
@@ -17,8 +19,9 @@ use crate::families::pixart::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
+use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
-use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one PixArt block's parameters sit.
 #[derive(Debug, Clone)]
@@ -235,5 +238,11 @@ impl FamilyStep for PixartLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for PixartGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(PixartLayout::new(p, d.depth, self.clone())?))
     }
 }

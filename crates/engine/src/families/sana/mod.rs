@@ -40,14 +40,11 @@ pub use block::{
 };
 pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny Sana `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads
 /// (Sana's are 32 wide), cross-attention of `heads / 2` × 32-wide heads (the same width),
@@ -102,9 +99,5 @@ impl EngineFamily for SanaGeom {
 
     fn softmax_key_biases(&self) -> &'static [&'static str] {
         &["attn2.to_k.bias"]
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::SanaLayout::new(p, d, self.clone())?))
     }
 }

@@ -9,6 +9,8 @@
 //! runs as the fused linear on a zero bias that the block's weights share ([`zero_bias`]); its
 //! weight's gradient goes to a sink that takes dW only.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
@@ -22,8 +24,9 @@ use crate::families::sana::{
 use crate::layers::cast;
 use crate::layers::LinearW;
 use crate::model::{patchify, timestep_features, unpatchify};
+use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
-use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
 #[derive(Debug, Clone, Copy)]
@@ -62,11 +65,7 @@ pub(crate) struct SanaLayout {
 }
 
 impl SanaLayout {
-    pub(crate) fn new(
-        p: &ParamIndex<'_>,
-        dims: &crate::model::Dims,
-        geom: SanaGeom,
-    ) -> Result<SanaLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, dims: &Dims, geom: SanaGeom) -> Result<SanaLayout> {
         // A linear by module name, with its LoRA factors when it has them.
         let any = |m: &str| -> Result<Lin> {
             Ok(Lin {
@@ -280,5 +279,11 @@ impl FamilyStep for SanaLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for SanaGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(SanaLayout::new(p, d, self.clone())?))
     }
 }

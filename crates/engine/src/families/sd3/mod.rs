@@ -45,14 +45,11 @@ pub use params::{
     block_linears, param_shapes, Sd3Geom, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
 };
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny SD3 `config.json` (diffusers keys): `layers` joint blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch 2, caption width 32, pooled width 24, a 12-wide position table,
@@ -125,9 +122,5 @@ impl EngineFamily for Sd3Geom {
 
     fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
         param_shapes(d, self)
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::Sd3Layout::new(p, d.depth, self.clone())?))
     }
 }

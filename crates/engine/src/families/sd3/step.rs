@@ -8,6 +8,8 @@
 //! one conditioning tensor, made once. Streams enter block 0 as [context, image]; the last
 //! block (`context_pre_only`) returns [image].
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use crate::diffusion::Batch;
@@ -18,8 +20,9 @@ use crate::families::sd3::{
 };
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features, unpatchify};
+use crate::shapes::Dims;
 use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
-use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
 /// norm weights.
@@ -307,5 +310,11 @@ impl FamilyStep for Sd3Layout {
         let mut v = Trainer::linear_params(&self.norm_out);
         v.extend(Trainer::linear_params(&self.proj_out));
         v
+    }
+}
+
+impl FamilyLayout for Sd3Geom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(Sd3Layout::new(p, d.depth, self.clone())?))
     }
 }

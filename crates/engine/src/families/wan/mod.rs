@@ -44,14 +44,11 @@ pub use block::{
 };
 pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
-use std::sync::Arc;
-
 use ditmem_spec::Spec;
 
 use crate::error::Result;
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
-use crate::trainer::state::{ModelLayout, ParamIndex};
 
 /// A tiny Wan `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch (1, 2, 2), umT5 width 32, FFN 2·D, `cross_attn_norm`.
@@ -107,9 +104,5 @@ impl EngineFamily for WanGeom {
 
     fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
         param_shapes(d, self)
-    }
-
-    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
-        Ok(Arc::new(step::WanLayout::new(p, d.depth, self.clone())?))
     }
 }

@@ -7,6 +7,8 @@
 //! the tables, the final layer temb; nothing differentiates the tables (the RoPE op holds
 //! them as constants), so their summed gradients stay the zeros the schedule makes.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 
 use crate::diffusion::Batch;
@@ -17,8 +19,9 @@ use crate::families::wan::{
 };
 use crate::layers::cast;
 use crate::model::timestep_features;
+use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
-use crate::trainer::state::{LinearIdx, ParamIndex, Trainer};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Wan block's parameters sit.
 #[derive(Debug, Clone)]
@@ -234,5 +237,11 @@ impl FamilyStep for WanLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for WanGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(WanLayout::new(p, d.depth, self.clone())?))
     }
 }
