@@ -659,6 +659,9 @@ fn optimizer(kind: OptKind, opts: &TrainOptions, opt_dt: DType) -> Result<Box<dy
     })
 }
 
+/// What [`make_params`] makes: the parameters, their indices by name, the trained indices.
+type MadeParams = (Vec<Param>, HashMap<String, usize>, Vec<usize>);
+
 /// The parameters of `shapes`, drawn from `seed` in f64 and cast: trained ones in `param_dt`,
 /// the frozen position table in the accumulation dtype, other frozen ones (a LoRA base) in the
 /// compute dtype. Returns them, their indices by name and the trained indices.
@@ -667,7 +670,7 @@ fn make_params(
     seed: u64,
     param_dt: DType,
     cfg: &BlockConfig,
-) -> Result<(Vec<Param>, HashMap<String, usize>, Vec<usize>)> {
+) -> Result<MadeParams> {
     let dev = Device::Cpu;
     let mut params = Vec::new();
     let mut by_name = HashMap::new();
