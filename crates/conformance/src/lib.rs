@@ -15,8 +15,8 @@
 // unchanged. The engine's families are named `ditmem_engine::families` (`crate::families` is the
 // suite's own: each family's part of `verify`).
 use ditmem_engine::{
-    block, diffusion, error, host, measure, model, mutation, ops, optim, rng, run, trainable_count,
-    trainer, Result,
+    diffusion, error, host, layers, measure, model, mutation, ops, optim, rng, run,
+    trainable_count, trainer, Result,
 };
 
 pub mod agree;

@@ -247,15 +247,8 @@ impl SyntheticData {
     pub fn new(spec: &Spec, seed: u64) -> Result<Self> {
         let d = Dims::new(spec)?;
         let w = &spec.workload;
-        let (text_tokens, text_width, pooled_width) = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Dit => (0, 0, 0),
-            crate::families::Arch::Pixart(g) => (g.text_tokens, g.text_width, 0),
-            crate::families::Arch::Sd3(g) => (g.text_tokens, g.text_width, g.pooled_width),
-            crate::families::Arch::Flux(g) => (g.text_tokens, g.text_width, g.pooled_width),
-            crate::families::Arch::Sana(g) => (g.text_tokens, g.text_width, 0),
-            crate::families::Arch::Wan(g) => (g.text_tokens, g.text_dim, 0),
-            crate::families::Arch::DitDiffusers(_) => (0, 0, 0),
-        };
+        let (text_tokens, text_width, pooled_width) =
+            crate::families::Arch::of(spec)?.family().text_inputs();
         Ok(SyntheticData {
             pooled_width,
             text_tokens,

@@ -58,12 +58,12 @@
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
 //! output).
 
-pub mod block;
 pub mod diffusion;
 pub mod error;
 pub mod families;
 pub mod host;
 pub mod kernels;
+pub mod layers;
 pub mod malloc;
 pub mod measure;
 pub mod model;

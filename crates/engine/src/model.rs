@@ -17,7 +17,7 @@
 //! - LoRA: `lora_a` uniform(±1/√in), `lora_b` zero.
 
 use candle_core::{DType, Device, Tensor};
-use ditmem_spec::{LoraTarget, Spec};
+use ditmem_spec::Spec;
 
 use crate::error::{EngineError, Result};
 use crate::rng::{seed_from_str, SplitMix64};
@@ -25,38 +25,28 @@ pub use crate::shapes::{Dims, Init, ParamShape};
 
 impl Dims {
     pub fn new(spec: &Spec) -> Result<Dims> {
+        Ok(Dims::with_arch(spec)?.0)
+    }
+
+    /// The dims of `spec` and its model: the spec's own fields, and what a family's config says
+    /// beyond them ([`crate::families::EngineFamily`]: output channels, frames, the MLP width).
+    pub(crate) fn with_arch(spec: &Spec) -> Result<(Dims, crate::families::Arch)> {
         spec.validate()?;
         let m = &spec.model;
         let grid = spec.token_grid()?;
+        let arch = crate::families::Arch::of(spec)?;
         let u = |v: u32| v as usize;
-        // A family's output channels come from its config (PixArt-α's 8: a learned variance).
-        let out_channels = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Dit => u(m.out_channels()),
-            crate::families::Arch::Pixart(g) => g.out_channels,
-            crate::families::Arch::Sd3(g) => g.out_channels,
-            // Flux predicts the packed latent (out_channels = in_channels, checked).
-            crate::families::Arch::Flux(_) => u(m.in_channels),
-            crate::families::Arch::Sana(g) => g.out_channels,
-            crate::families::Arch::Wan(g) => g.out_channels,
-            crate::families::Arch::DitDiffusers(g) => g.out_channels,
-        };
-        let frames = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Wan(g) => g.frames,
-            _ => 1,
-        };
-        let mlp_hidden = match crate::families::Arch::of(spec)? {
-            crate::families::Arch::Wan(g) => g.ffn,
-            _ => u(m.mlp_hidden()),
-        };
-        Ok(Dims {
+        let family = arch.family();
+        let frames = family.frames();
+        let dims = Dims {
             depth: u(m.depth),
             hidden: u(m.hidden),
             heads: u(m.heads),
             head_dim: u(m.head_dim()),
-            mlp_hidden,
+            mlp_hidden: family.mlp_hidden().unwrap_or(u(m.mlp_hidden())),
             patch: u(m.patch),
             in_channels: u(m.in_channels),
-            out_channels,
+            out_channels: family.out_channels(spec),
             num_classes: u(m.num_classes),
             label_rows: u(m.label_rows()),
             freq: u(m.freq_embed),
@@ -66,176 +56,16 @@ impl Dims {
             cols: u(grid.cols),
             tokens: u(grid.rows) * u(grid.cols) * frames,
             frames,
-        })
+        };
+        Ok((dims, arch))
     }
 }
 
-/// The linears of a block, in forward order, with their PyTorch names and LoRA target.
-pub(crate) const BLOCK_LINEARS: [(&str, LoraTarget); 5] = [
-    ("adaLN_modulation.1", LoraTarget::Adaln),
-    ("attn.qkv", LoraTarget::Qkv),
-    ("attn.proj", LoraTarget::Proj),
-    ("mlp.fc1", LoraTarget::Fc1),
-    ("mlp.fc2", LoraTarget::Fc2),
-];
-
-/// (out, in) of a block linear.
-pub(crate) fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize) {
-    let h = d.hidden;
-    match target {
-        LoraTarget::Adaln => (6 * h, h),
-        LoraTarget::Qkv => (3 * h, h),
-        LoraTarget::Proj => (h, h),
-        LoraTarget::Fc1 => (d.mlp_hidden, h),
-        LoraTarget::Fc2 => (h, d.mlp_hidden),
-    }
-}
-
-/// Every parameter of the spec's model, in a fixed order (embedders, blocks, final layer).
+/// Every parameter of the spec's model, in a fixed order (the DiT's: embedders, blocks, final
+/// layer; a family's: the budget's table order), from the family ([`crate::families::EngineFamily`]).
 pub fn param_shapes(spec: &Spec) -> Result<Vec<ParamShape>> {
-    let d = Dims::new(spec)?;
-    match crate::families::Arch::of(spec)? {
-        crate::families::Arch::Pixart(g) => {
-            return Ok(crate::families::pixart::param_shapes(&d, &g))
-        }
-        crate::families::Arch::Sd3(g) => return Ok(crate::families::sd3::param_shapes(&d, &g)),
-        crate::families::Arch::Flux(g) => return Ok(crate::families::flux::param_shapes(&d, &g)),
-        crate::families::Arch::Sana(g) => return Ok(crate::families::sana::param_shapes(&d, &g)),
-        crate::families::Arch::Wan(g) => return Ok(crate::families::wan::param_shapes(&d, &g)),
-        crate::families::Arch::DitDiffusers(g) => {
-            return Ok(crate::families::dit_diffusers::param_shapes(&d, &g))
-        }
-        crate::families::Arch::Dit => {}
-    }
-    let lora = spec.recipe.lora.as_ref();
-    let base_trainable = lora.is_none();
-    let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init, trainable: bool| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable,
-        })
-    };
-    let h = d.hidden;
-    push(
-        "x_embedder.proj.weight".into(),
-        vec![h, d.patch_in()],
-        Init::XavierUniform,
-        base_trainable,
-    );
-    push(
-        "x_embedder.proj.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "pos_embed".into(),
-        vec![d.tokens, h],
-        Init::SinCos2d {
-            rows: d.rows,
-            cols: d.cols,
-        },
-        false,
-    );
-    push(
-        "t_embedder.mlp.0.weight".into(),
-        vec![h, d.freq],
-        small,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.0.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.2.weight".into(),
-        vec![h, h],
-        small,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.2.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "y_embedder.embedding_table.weight".into(),
-        vec![d.label_rows, h],
-        small,
-        base_trainable,
-    );
-    for i in 0..d.depth {
-        for (name, target) in BLOCK_LINEARS {
-            let (out, inp) = block_linear_shape(&d, target);
-            let w_init = if target == LoraTarget::Adaln {
-                small
-            } else {
-                Init::XavierUniform
-            };
-            push(
-                format!("blocks.{i}.{name}.weight"),
-                vec![out, inp],
-                w_init,
-                base_trainable,
-            );
-            push(
-                format!("blocks.{i}.{name}.bias"),
-                vec![out],
-                Init::Zeros,
-                base_trainable,
-            );
-            if let Some(l) = lora {
-                if l.targets.contains(&target) {
-                    let r = l.rank as usize;
-                    let bound = 1.0 / (inp as f64).sqrt();
-                    push(
-                        format!("blocks.{i}.{name}.lora_a"),
-                        vec![r, inp],
-                        Init::Uniform(bound),
-                        true,
-                    );
-                    push(
-                        format!("blocks.{i}.{name}.lora_b"),
-                        vec![out, r],
-                        Init::Zeros,
-                        true,
-                    );
-                }
-            }
-        }
-    }
-    push(
-        "final_layer.linear.weight".into(),
-        vec![d.patch_out(), h],
-        small,
-        base_trainable,
-    );
-    push(
-        "final_layer.linear.bias".into(),
-        vec![d.patch_out()],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.weight".into(),
-        vec![2 * h, h],
-        small,
-        base_trainable,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.bias".into(),
-        vec![2 * h],
-        Init::Zeros,
-        base_trainable,
-    );
-    Ok(v)
+    let (d, arch) = Dims::with_arch(spec)?;
+    Ok(arch.family().param_shapes(spec, &d))
 }
 
 /// Total parameter count, including the frozen `pos_embed` (the number DiT's `train.py` logs;

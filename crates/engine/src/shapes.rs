@@ -77,3 +77,48 @@ impl Dims {
         self.out_channels * self.patch * self.patch
     }
 }
+
+/// A family's parameter inventory as it is written down: tensors in the order they are added,
+/// trainable (a LoRA plan then freezes the base: `families::lora::adapt`).
+#[derive(Debug, Default)]
+pub(crate) struct Inventory {
+    pub(crate) shapes: Vec<ParamShape>,
+}
+
+impl Inventory {
+    /// One trained tensor.
+    pub(crate) fn tensor(&mut self, name: String, shape: Vec<usize>, init: Init) {
+        self.shapes.push(ParamShape {
+            name,
+            shape,
+            init,
+            trainable: true,
+        });
+    }
+
+    /// A linear `prefix`: its weight (out, in) drawn by `w`, its bias (out) zero.
+    pub(crate) fn linear(&mut self, prefix: &str, out: usize, inp: usize, w: Init) {
+        self.layer(prefix, vec![out, inp], w, true);
+    }
+
+    /// A layer `prefix` with a weight of any `shape` (a conv's (out, in, k…)) drawn by `w`, and
+    /// a zero bias (`shape[0]`) when it has one.
+    pub(crate) fn layer(&mut self, prefix: &str, shape: Vec<usize>, w: Init, bias: bool) {
+        let out = shape.first().copied().unwrap_or(0);
+        self.tensor(format!("{prefix}.weight"), shape, w);
+        if bias {
+            self.tensor(format!("{prefix}.bias"), vec![out], Init::Zeros);
+        }
+    }
+
+    /// The fixed 2-D sin-cos position table `name` of a `rows` × `cols` grid, `width` features
+    /// a position (frozen; a diffusers family's non-persistent buffer).
+    pub(crate) fn sincos_table(&mut self, name: &str, (rows, cols): (usize, usize), width: usize) {
+        self.shapes.push(ParamShape {
+            name: name.into(),
+            shape: vec![rows * cols, width],
+            init: Init::SinCos2d { rows, cols },
+            trainable: false,
+        });
+    }
+}

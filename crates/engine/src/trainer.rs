@@ -27,31 +27,35 @@ use candle_core::{DType, Device, Tensor, Var};
 use ditmem_spec::{AttentionMode, Optimizer as OptKind, Precision, Recompute, Spec};
 use serde::Serialize;
 
-use crate::block::{
-    block_forward, cast, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights,
-    FinalWeights, LinearW,
-};
 use crate::diffusion::{alphas_cumprod, Batch};
 use crate::error::{EngineError, Result};
+use crate::layers::{cast, AttnImpl, BlockConfig, LinearW};
 use crate::measure::{MemoryProbe, Phase, PhasePeaks, Recorder, TimelinePoint};
-use crate::model::{
-    init_values, param_shapes, patchify, timestep_features, unpatchify, Dims, BLOCK_LINEARS,
-};
+use crate::model::{init_values, Dims};
 use crate::ops::GradSink;
 use crate::optim::{AdamW, Ema, LossScaler, Optimizer, Sgd};
-use crate::rng::derive_seed;
 
-mod dit_diffusers;
-mod family;
-mod flux;
-mod pixart;
-mod sana;
-mod sd3;
-mod state;
-mod wan;
+pub(crate) mod family;
 
+pub(crate) mod state;
+
+use crate::families::Arch;
 pub use state::{dtype, grad_dtype, TrainOptions, Trainer};
-use state::{LinearIdx, ModelLayout, Param, Value};
+use state::{FamilyLayout, LinearIdx, ModelLayout, Param, ParamIndex, Value};
+
+/// The family's [`FamilyLayout`] (the step's concern) over the one registration list, as
+/// `Arch::family` gives its `EngineFamily`.
+macro_rules! layout_dispatch {
+    ($($(#[$doc:meta])* $variant:ident($geom:ty),)*) => {
+        fn family_layout(arch: &Arch) -> &dyn FamilyLayout {
+            match arch {
+                Arch::Dit => &crate::families::dit::Dit,
+                $(Arch::$variant(g) => g,)*
+            }
+        }
+    };
+}
+crate::families::for_each_family!(layout_dispatch);
 
 /// What one step did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -70,56 +74,10 @@ pub struct StepReport {
     pub loss_scale: f64,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct BlockIdx {
-    lin: [LinearIdx; 5],
-}
-
-/// Where the original DiT's parameters sit in `Trainer::params`.
-#[derive(Debug, Clone)]
-struct DitLayout {
-    embed_idx: [LinearIdx; 3],
-    table: usize,
-    pos: usize,
-    blocks: Vec<BlockIdx>,
-    final_idx: [LinearIdx; 2],
-}
-
-impl ModelLayout for DitLayout {
-    fn linears(&self) -> Vec<LinearIdx> {
-        self.embed_idx
-            .iter()
-            .chain(self.blocks.iter().flat_map(|b| b.lin.iter()))
-            .chain(self.final_idx.iter())
-            .copied()
-            .collect()
-    }
-
-    fn microbatch(
-        &self,
-        tr: &mut Trainer,
-        mb: &Batch,
-        micro: usize,
-        accum: usize,
-        rec: &mut Recorder<'_>,
-    ) -> Result<f64> {
-        tr.microbatch(self, mb, micro, accum, rec)
-    }
-}
-
-/// What the forward pass keeps of a block until its backward.
-enum Saved {
-    /// The leaf the block ran on and its output (holding the block's graph).
-    Stored { leaf: Var, out: Tensor },
-    /// The block's input only (shares storage with the previous output).
-    Recompute { input: Tensor },
-}
-
 impl Trainer {
     /// Build the model of `spec` with weights drawn from `opts.seed` (in f64, then cast).
     pub fn new(spec: &Spec, opts: TrainOptions) -> Result<Trainer> {
-        let dims = Dims::new(spec)?;
-        let arch = crate::families::Arch::of(spec)?;
+        let (dims, arch) = Dims::with_arch(spec)?;
         // The spec's CPU must be this process's (the budget of the spec assumes it); a spec
         // without one runs as detected. Its bf16 path is the one the ops take from here on.
         let cpu = spec.cpu.unwrap_or_else(crate::host::detect);
@@ -131,25 +89,8 @@ impl Trainer {
         if ditmem_budget::ditmem_cpu::step_uses_gemm(&on_this_cpu) {
             crate::kernels::gemm::allocate_slabs();
         }
+        check_recipe(spec)?;
         let r = &spec.recipe;
-        if r.zero_stage > 0 {
-            return Err(EngineError::unsupported(
-                format!("recipe.zero_stage = {}", r.zero_stage),
-                "the engine executes one rank without sharding; use zero_stage = 0",
-            ));
-        }
-        if r.latents == ditmem_budget::Latents::Encode {
-            return Err(EngineError::unsupported(
-                "recipe.latents = encode",
-                "the engine has no VAE encoder; use latents = cached",
-            ));
-        }
-        if r.attention == AttentionMode::MemoryEfficient && spec.model.attn_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "attention dropout with memory-efficient attention",
-                "use materialized attention or model.attn_dropout = 0",
-            ));
-        }
         let precision = r.precision;
         let compute = dtype(precision.compute_dtype())?;
         // Under LoRA the residual streams run in the frozen base's dtype, as the diffusers
@@ -157,21 +98,7 @@ impl Trainer {
         // full fine-tuning's masters (`Precision::stream_dtype`, the budget's rule too).
         let accum = dtype(precision.stream_dtype(r.lora.is_some()))?;
         let param_dt = dtype(precision.param_dtype())?;
-        let opt_dt = dtype(precision.optimizer_dtype())?;
-        let optimizer: Box<dyn Optimizer> = match r.optimizer {
-            OptKind::AdamW => Box::new(AdamW::new(opts.lr, opts.weight_decay, opt_dt)),
-            OptKind::Sgd => Box::new(Sgd {
-                lr: opts.lr,
-                weight_decay: opts.weight_decay,
-                dtype: opt_dt,
-            }),
-            OptKind::AdamW8bit => {
-                return Err(EngineError::unsupported(
-                    "recipe.optimizer = adamw-8bit",
-                    "8-bit AdamW is not implemented by the engine; use adamw or sgd",
-                ))
-            }
-        };
+        let optimizer = optimizer(r.optimizer, &opts, dtype(precision.optimizer_dtype())?)?;
         let attn = match (r.attention, &r.recompute) {
             (AttentionMode::MemoryEfficient, _) => AttnImpl::MemoryEfficient,
             (AttentionMode::Materialized, Recompute::AttentionOnly) => AttnImpl::RecomputeCore,
@@ -187,136 +114,17 @@ impl Trainer {
             attn_dropout: spec.model.attn_dropout,
             mlp_dropout: spec.model.mlp_dropout,
         };
-        let dev = Device::Cpu;
-        let mut params = Vec::new();
-        let mut by_name = HashMap::new();
-        let mut trained = Vec::new();
-        let shapes = match &arch {
-            crate::families::Arch::Dit => param_shapes(spec)?,
-            crate::families::Arch::Pixart(g) => crate::families::pixart::param_shapes(&dims, g),
-            crate::families::Arch::Sd3(g) => crate::families::sd3::param_shapes(&dims, g),
-            crate::families::Arch::Flux(g) => crate::families::flux::param_shapes(&dims, g),
-            crate::families::Arch::Sana(g) => crate::families::sana::param_shapes(&dims, g),
-            crate::families::Arch::Wan(g) => crate::families::wan::param_shapes(&dims, g),
-            crate::families::Arch::DitDiffusers(g) => {
-                crate::families::dit_diffusers::param_shapes(&dims, g)
-            }
-        };
-        for (i, p) in shapes.into_iter().enumerate() {
-            let values = init_values(&p, opts.seed)?;
-            let t = Tensor::from_vec(values, p.shape.clone(), &dev)?;
-            let value = if p.trainable {
-                trained.push(i);
-                Value::Trained(Var::from_tensor(&t.to_dtype(param_dt)?)?)
-            } else if p.name == "pos_embed" || p.name == "pos_embed.pos_embed" {
-                Value::Frozen(t.to_dtype(accum)?)
-            } else {
-                Value::Frozen(t.to_dtype(compute)?)
-            };
-            by_name.insert(p.name.clone(), i);
-            params.push(Param {
-                name: p.name,
-                value,
-            });
-        }
-        let idx = |n: &str| -> Result<usize> {
-            by_name
-                .get(n)
-                .copied()
-                .ok_or_else(|| EngineError::bad_input("parameter", format!("'{n}' is missing")))
-        };
-        let find = |n: &str| by_name.get(n).copied();
-        // A linear and its LoRA factors: the DiT's (`.lora_a`, `.lora_b`) or PEFT's (a family's).
-        let lin = |prefix: &str| -> Result<LinearIdx> {
-            let lora = match (
-                by_name.get(&format!("{prefix}.lora_a")),
-                by_name.get(&format!("{prefix}.lora_b")),
-            ) {
-                (Some(&a), Some(&b)) => Some((a, b)),
-                _ => crate::families::lora::factor_indices(&find, prefix),
-            };
-            Ok(LinearIdx {
-                w: idx(&format!("{prefix}.weight"))?,
-                b: idx(&format!("{prefix}.bias"))?,
-                lora,
-            })
-        };
-        // Each family's layout: the one place the engine registers a family's schedule.
-        let layout: Arc<dyn ModelLayout> = match &arch {
-            crate::families::Arch::Dit => {
-                let embed_idx = [
-                    lin("x_embedder.proj")?,
-                    lin("t_embedder.mlp.0")?,
-                    lin("t_embedder.mlp.2")?,
-                ];
-                let mut blocks = Vec::new();
-                for i in 0..dims.depth {
-                    let mut l = [embed_idx[0]; 5];
-                    for (slot, (name, _)) in l.iter_mut().zip(BLOCK_LINEARS) {
-                        *slot = lin(&format!("blocks.{i}.{name}"))?;
-                    }
-                    blocks.push(BlockIdx { lin: l });
-                }
-                Arc::new(DitLayout {
-                    embed_idx,
-                    table: idx("y_embedder.embedding_table.weight")?,
-                    pos: idx("pos_embed")?,
-                    blocks,
-                    final_idx: [
-                        lin("final_layer.adaLN_modulation.1")?,
-                        lin("final_layer.linear")?,
-                    ],
-                })
-            }
-            crate::families::Arch::Pixart(g) => Arc::new(pixart::PixartLayout::new(
-                &lin,
-                &idx,
-                dims.depth,
-                g.clone(),
-            )?),
-            crate::families::Arch::Sd3(g) => {
-                Arc::new(sd3::Sd3Layout::new(&lin, &idx, dims.depth, g.clone())?)
-            }
-            crate::families::Arch::Flux(g) => {
-                Arc::new(flux::FluxLayout::new(&lin, &idx, g.clone())?)
-            }
-            crate::families::Arch::Sana(g) => {
-                Arc::new(sana::SanaLayout::new(&idx, &find, &dims, g.clone())?)
-            }
-            crate::families::Arch::Wan(g) => {
-                Arc::new(wan::WanLayout::new(&lin, &idx, dims.depth, g.clone())?)
-            }
-            crate::families::Arch::DitDiffusers(g) => Arc::new(dit_diffusers::DitdLayout::new(
-                &lin,
-                &idx,
-                dims.depth,
-                g.clone(),
-            )?),
-        };
+        let family = arch.family();
+        let shapes = family.param_shapes(spec, &dims);
+        let (params, by_name, trained) = make_params(shapes, opts.seed, param_dt, &cfg)?;
+        // The family's layout: which schedule runs the step, and where its parameters sit.
+        let layout = family_layout(&arch).layout(&ParamIndex { by_name: &by_name }, &dims)?;
+        let sinks = grad_sinks(layout.as_ref(), &params);
         let n = params.len();
-        let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; n];
-        let is_trained = |i: usize| matches!(params[i].value, Value::Trained(_));
-        for l in layout.linears().iter() {
-            let (tw, tb) = (is_trained(l.w), is_trained(l.b));
-            if tw || tb {
-                let sink = Arc::new(GradSink::new(tw, tb));
-                if tw {
-                    sinks[l.w] = Some((Arc::clone(&sink), true));
-                }
-                if tb {
-                    sinks[l.b] = Some((sink, false));
-                }
-            }
-        }
-        for w in layout.weight_only_linears() {
-            if is_trained(w) {
-                sinks[w] = Some((Arc::new(GradSink::new(true, false)), true));
-            }
-        }
         let mut t = Trainer {
             spec: spec.clone(),
             opts,
-            dev,
+            dev: Device::Cpu,
             dims,
             cfg,
             precision,
@@ -547,11 +355,11 @@ impl Trainer {
     // Weights for compute.
 
     /// Whether parameter `i` is trained (a LoRA base is not).
-    fn trains(&self, i: usize) -> bool {
+    pub(crate) fn trains(&self, i: usize) -> bool {
         matches!(self.params[i].value, Value::Trained(_))
     }
 
-    fn raw_weight(&self, i: usize, track: bool) -> Tensor {
+    pub(crate) fn raw_weight(&self, i: usize, track: bool) -> Tensor {
         match &self.params[i].value {
             Value::Trained(v) if track => v.as_tensor().clone(),
             Value::Trained(v) => v.as_detached_tensor(),
@@ -560,14 +368,14 @@ impl Trainer {
     }
 
     /// A parameter in the compute dtype (a cast copy when the dtypes differ).
-    fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
+    pub(crate) fn weight(&self, i: usize, track: bool) -> Result<Tensor> {
         cast(self.raw_weight(i, track), self.cfg.compute)
     }
 
     /// A fused linear's weight or bias: f32 master weights go in as they are under a bf16/f16
     /// compute dtype (the op rounds them as it reads them and returns their gradients in f32),
     /// so mixed precision makes no cast copies of them; anything else is cast as by [`weight`].
-    fn linear_weight(&self, i: usize, track: bool) -> Result<Tensor> {
+    pub(crate) fn linear_weight(&self, i: usize, track: bool) -> Result<Tensor> {
         let t = self.raw_weight(i, track);
         if t.dtype() == DType::F32 && matches!(self.cfg.compute, DType::BF16 | DType::F16) {
             Ok(t)
@@ -578,48 +386,53 @@ impl Trainer {
 
     /// The context gradient's sink for a cross-attention's k and v projections: only on a
     /// tracked forward (a recomputed block's first forward has no backward).
-    fn ctx_sink_for(&self, track: bool) -> Option<Arc<crate::ops::InputSink>> {
+    pub(crate) fn ctx_sink_for(&self, track: bool) -> Option<Arc<crate::ops::InputSink>> {
         track.then(|| Arc::clone(&self.ctx_sink))
     }
 
-    fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
-        let lora = match l.lora {
+    pub(crate) fn linear(&self, l: LinearIdx, track: bool) -> Result<LinearW> {
+        self.linear_with(l.w, Some(l.b), l.lora, track, || {
+            self.linear_weight(l.b, track)
+        })
+    }
+
+    /// The linear of weight `w` (its sink shared with the bias `b`, if it has one) and LoRA
+    /// factors `lora`; `bias` makes its bias tensor once the weights are ready (a bias-less
+    /// linear's zeros: Sana's).
+    pub(crate) fn linear_with(
+        &self,
+        w: usize,
+        b: Option<usize>,
+        lora: Option<(usize, usize)>,
+        track: bool,
+        bias: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<LinearW> {
+        let lora = match lora {
             Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
             None => None,
         };
         let sink = if track {
-            self.sinks[l.w]
+            self.sinks[w]
                 .as_ref()
-                .or(self.sinks[l.b].as_ref())
+                .or(b.and_then(|b| self.sinks[b].as_ref()))
                 .map(|(s, _)| Arc::clone(s))
         } else {
             None
         };
         // A conv weight (out, C, p, p) (PixArt's patch embedding) multiplies as its
         // (out, C·p·p) view; candle reshapes its gradient back.
-        let w = self.linear_weight(l.w, track)?;
+        let w = self.linear_weight(w, track)?;
         let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
         Ok(LinearW {
             w,
-            b: self.linear_weight(l.b, track)?,
+            b: bias()?,
             lora,
             sink,
             dx_sink: None,
         })
     }
 
-    fn block_weights(&self, b: &BlockIdx, track: bool) -> Result<BlockWeights> {
-        let l = &b.lin;
-        Ok(BlockWeights {
-            adaln: self.linear(l[0], track)?,
-            qkv: self.linear(l[1], track)?,
-            proj: self.linear(l[2], track)?,
-            fc1: self.linear(l[3], track)?,
-            fc2: self.linear(l[4], track)?,
-        })
-    }
-
-    fn linear_params(l: &LinearIdx) -> Vec<usize> {
+    pub(crate) fn linear_params(l: &LinearIdx) -> Vec<usize> {
         let mut v = vec![l.w, l.b];
         if let Some((a, b)) = l.lora {
             v.extend([a, b]);
@@ -628,7 +441,7 @@ impl Trainer {
     }
 
     /// Add the gradients of `idx` found in `grads` into the buffers.
-    fn accumulate(
+    pub(crate) fn accumulate(
         &mut self,
         idx: &[usize],
         grads: &candle_core::backprop::GradStore,
@@ -661,14 +474,6 @@ impl Trainer {
             });
         }
         Ok(())
-    }
-
-    fn seeds(&self, micro: usize, block: usize) -> BlockSeeds {
-        let base = [self.steps, micro as u64, block as u64];
-        BlockSeeds {
-            attn: derive_seed(self.opts.seed, &[base[0], base[1], base[2], 1]),
-            mlp: derive_seed(self.opts.seed, &[base[0], base[1], base[2], 2]),
-        }
     }
 
     // -----------------------------------------------------------------------------------------
@@ -713,195 +518,6 @@ impl Trainer {
             loss_sum += layout.microbatch(self, mb, m, accum, rec)?;
         }
         Ok(loss_sum / accum as f64)
-    }
-
-    fn microbatch(
-        &mut self,
-        lay: &DitLayout,
-        mb: &Batch,
-        micro: usize,
-        accum: usize,
-        rec: &mut Recorder<'_>,
-    ) -> Result<f64> {
-        let tag = |what: String| {
-            if accum > 1 {
-                format!("microbatch {micro}: {what}")
-            } else {
-                what
-            }
-        };
-        let d = self.dims;
-        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
-        let ld = grad_dtype(self.precision);
-        let b = mb.n;
-
-        // Embed segment (kept until the end of the backward).
-        let xt = mb.noisy(&self.acp, ad, &self.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = self.linear(lay.embed_idx[0], true)?.forward(&xp)?;
-        let pos = self.weight_and_keep(lay.pos)?;
-        let x0 = cast(xe, ad)?
-            .reshape((b, d.tokens, d.hidden))?
-            .broadcast_add(&pos)?;
-        let tf = cast(timestep_features(&mb.timesteps, d.freq, ad, &self.dev)?, cd)?;
-        let t1 = self.linear(lay.embed_idx[1], true)?.forward(&tf)?.silu()?;
-        let temb = cast(self.linear(lay.embed_idx[2], true)?.forward(&t1)?, ad)?;
-        let null = d.num_classes as u32;
-        let ids: Vec<u32> = mb
-            .labels
-            .iter()
-            .zip(&mb.drop_label)
-            .map(|(&y, &drop)| {
-                if drop && d.label_rows > d.num_classes {
-                    null
-                } else {
-                    y
-                }
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, b, &self.dev)?;
-        let table = match &self.params[lay.table].value {
-            Value::Trained(v) => v.as_tensor().clone(),
-            Value::Frozen(t) => t.clone(),
-        };
-        let yemb = cast(table.index_select(&ids, 0)?, ad)?;
-        let c = (temb + yemb)?;
-        let c_leaf = Var::from_tensor(&c.detach())?;
-        rec.mark(tag("embed".into()));
-
-        // Blocks.
-        let mut saved: Vec<Saved> = Vec::with_capacity(d.depth);
-        let mut cur = x0.clone();
-        for i in 0..d.depth {
-            let seeds = self.seeds(micro, i);
-            if self.spec.recipe.recompute.recomputes_block(i as u32) {
-                let input = cur.detach();
-                let w = self.block_weights(&lay.blocks[i], false)?;
-                cur = block_forward(&input, &c_leaf.as_detached_tensor(), &w, &self.cfg, seeds)?;
-                saved.push(Saved::Recompute { input });
-            } else {
-                let leaf = Var::from_tensor(&cur.detach())?;
-                let w = self.block_weights(&lay.blocks[i], true)?;
-                let out =
-                    block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
-                cur = out.clone();
-                saved.push(Saved::Stored { leaf, out });
-            }
-            rec.mark(tag(format!("block {i}")));
-        }
-
-        // Final layer and loss.
-        let final_leaf = Var::from_tensor(&cur.detach())?;
-        drop(cur);
-        let fw = FinalWeights {
-            adaln: self.linear(lay.final_idx[0], true)?,
-            linear: self.linear(lay.final_idx[1], true)?,
-        };
-        // `out` is dropped as soon as the prediction is built, so that the final layer's graph
-        // is owned by the loss alone and freed with it.
-        let pred = {
-            let out = final_forward(final_leaf.as_tensor(), c_leaf.as_tensor(), &fw, cd, ad)?;
-            unpatchify(&out, b, &d)?.narrow(1, 0, d.in_channels)?
-        };
-        drop(fw);
-        let pred = cast(pred, ld)?;
-        let target = mb.target(&self.acp, self.spec.recipe.prediction, ld, &self.dev)?;
-        let loss = (pred - target)?.sqr()?.mean_all()?;
-        let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        rec.mark(tag("final".into()));
-
-        rec.enter(Phase::Backward);
-        let factor = self.grad_scale / accum as f64;
-        let grads = loss.affine(factor, 0.0)?.backward()?;
-        drop(loss);
-        let mut final_params = Self::linear_params(&lay.final_idx[0]);
-        final_params.extend(Self::linear_params(&lay.final_idx[1]));
-        self.accumulate(&final_params, &grads)?;
-        let mut gx = grads
-            .get(final_leaf.as_tensor())
-            .map(Tensor::detach)
-            .ok_or_else(|| {
-                EngineError::bad_input("backward", "no gradient reached the final layer input")
-            })?;
-        let mut gc = match grads.get(c_leaf.as_tensor()) {
-            Some(g) => cast(g.detach(), ld)?,
-            None => Tensor::zeros((b, d.hidden), ld, &self.dev)?,
-        };
-        drop(grads);
-        drop(final_leaf);
-        rec.mark(tag("final".into()));
-
-        for i in (0..d.depth).rev() {
-            let s = saved
-                .pop()
-                .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
-            let (leaf, out) = match s {
-                Saved::Stored { leaf, out } => (leaf, out),
-                Saved::Recompute { input } => {
-                    let leaf = Var::from_tensor(&input)?;
-                    drop(input);
-                    let w = self.block_weights(&lay.blocks[i], true)?;
-                    let seeds =
-                        if crate::mutation::active(crate::mutation::Mutation::RecomputeDropoutMask)
-                        {
-                            // The planted bug: the replay draws from the next block's seeds.
-                            self.seeds(micro, i + 1)
-                        } else {
-                            self.seeds(micro, i)
-                        };
-                    let out =
-                        block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
-                    (leaf, out)
-                }
-            };
-            // gx moves into the seed and is freed once it reaches out's entry.
-            let grads = crate::ops::backward_from(&out, gx)?;
-            drop(out);
-            let mut idx = Vec::new();
-            for l in &lay.blocks[i].lin {
-                idx.extend(Self::linear_params(l));
-            }
-            self.accumulate(&idx, &grads)?;
-            gx = grads
-                .get(leaf.as_tensor())
-                .map(Tensor::detach)
-                .ok_or_else(|| {
-                    EngineError::bad_input(
-                        "backward",
-                        format!("no gradient reached block {i}'s input"),
-                    )
-                })?;
-            if let Some(g) = grads.get(c_leaf.as_tensor()) {
-                gc = (gc + cast(g.detach(), ld)?)?;
-            }
-            drop(grads);
-            drop(leaf);
-            rec.mark(tag(format!("block {i}")));
-        }
-
-        // Embed segment backward, from the known gradients of x0 and c, one seed each (a
-        // composed root sum(x0·gx) + sum(c·gc) made x0-sized products in forward and backward:
-        // at DiT-S/2 256² batch 2 with block recompute the step's worst moment).
-        let gc = cast(gc, c.dtype())?;
-        let grads = crate::ops::backward_from_many(&[x0.clone(), c.clone()], vec![gx, gc])?;
-        let mut idx = Vec::new();
-        for l in &lay.embed_idx {
-            idx.extend(Self::linear_params(l));
-        }
-        idx.push(lay.table);
-        self.accumulate(&idx, &grads)?;
-        drop(grads);
-        drop((x0, c));
-        rec.mark(tag("embed".into()));
-        Ok(loss_value)
-    }
-
-    fn weight_and_keep(&self, i: usize) -> Result<Tensor> {
-        Ok(match &self.params[i].value {
-            Value::Trained(v) => v.as_tensor().clone(),
-            Value::Frozen(t) => t.clone(),
-        })
     }
 
     /// One optimizer step on `batch` (microbatch × accumulation samples).
@@ -999,6 +615,109 @@ impl Trainer {
         rec.mark("optimizer");
         Ok((skipped, grad_norm, scale))
     }
+}
+
+/// The recipe fields the engine does not execute: an error naming each.
+fn check_recipe(spec: &Spec) -> Result<()> {
+    let r = &spec.recipe;
+    if r.zero_stage > 0 {
+        return Err(EngineError::unsupported(
+            format!("recipe.zero_stage = {}", r.zero_stage),
+            "the engine executes one rank without sharding; use zero_stage = 0",
+        ));
+    }
+    if r.latents == ditmem_budget::Latents::Encode {
+        return Err(EngineError::unsupported(
+            "recipe.latents = encode",
+            "the engine has no VAE encoder; use latents = cached",
+        ));
+    }
+    if r.attention == AttentionMode::MemoryEfficient && spec.model.attn_dropout > 0.0 {
+        return Err(EngineError::unsupported(
+            "attention dropout with memory-efficient attention",
+            "use materialized attention or model.attn_dropout = 0",
+        ));
+    }
+    Ok(())
+}
+
+/// The recipe's optimizer, its state in `opt_dt`.
+fn optimizer(kind: OptKind, opts: &TrainOptions, opt_dt: DType) -> Result<Box<dyn Optimizer>> {
+    Ok(match kind {
+        OptKind::AdamW => Box::new(AdamW::new(opts.lr, opts.weight_decay, opt_dt)),
+        OptKind::Sgd => Box::new(Sgd {
+            lr: opts.lr,
+            weight_decay: opts.weight_decay,
+            dtype: opt_dt,
+        }),
+        OptKind::AdamW8bit => {
+            return Err(EngineError::unsupported(
+                "recipe.optimizer = adamw-8bit",
+                "8-bit AdamW is not implemented by the engine; use adamw or sgd",
+            ))
+        }
+    })
+}
+
+/// What [`make_params`] makes: the parameters, their indices by name, the trained indices.
+type MadeParams = (Vec<Param>, HashMap<String, usize>, Vec<usize>);
+
+/// The parameters of `shapes`, drawn from `seed` in f64 and cast: trained ones in `param_dt`,
+/// the frozen position table in the accumulation dtype, other frozen ones (a LoRA base) in the
+/// compute dtype. Returns them, their indices by name and the trained indices.
+fn make_params(
+    shapes: Vec<crate::shapes::ParamShape>,
+    seed: u64,
+    param_dt: DType,
+    cfg: &BlockConfig,
+) -> Result<MadeParams> {
+    let dev = Device::Cpu;
+    let mut params = Vec::new();
+    let mut by_name = HashMap::new();
+    let mut trained = Vec::new();
+    for (i, p) in shapes.into_iter().enumerate() {
+        let values = init_values(&p, seed)?;
+        let t = Tensor::from_vec(values, p.shape.clone(), &dev)?;
+        let value = if p.trainable {
+            trained.push(i);
+            Value::Trained(Var::from_tensor(&t.to_dtype(param_dt)?)?)
+        } else if p.name == "pos_embed" || p.name == "pos_embed.pos_embed" {
+            Value::Frozen(t.to_dtype(cfg.accum)?)
+        } else {
+            Value::Frozen(t.to_dtype(cfg.compute)?)
+        };
+        by_name.insert(p.name.clone(), i);
+        params.push(Param {
+            name: p.name,
+            value,
+        });
+    }
+    Ok((params, by_name, trained))
+}
+
+/// Per parameter, the gradient sink of the fused linear it belongs to (a trained weight or
+/// bias of one of the layout's linears) and whether it is that linear's weight.
+fn grad_sinks(layout: &dyn ModelLayout, params: &[Param]) -> Vec<Option<(Arc<GradSink>, bool)>> {
+    let mut sinks: Vec<Option<(Arc<GradSink>, bool)>> = vec![None; params.len()];
+    let is_trained = |i: usize| matches!(params[i].value, Value::Trained(_));
+    for l in layout.linears().iter() {
+        let (tw, tb) = (is_trained(l.w), is_trained(l.b));
+        if tw || tb {
+            let sink = Arc::new(GradSink::new(tw, tb));
+            if tw {
+                sinks[l.w] = Some((Arc::clone(&sink), true));
+            }
+            if tb {
+                sinks[l.b] = Some((sink, false));
+            }
+        }
+    }
+    for w in layout.weight_only_linears() {
+        if is_trained(w) {
+            sinks[w] = Some((Arc::new(GradSink::new(true, false)), true));
+        }
+    }
+    sinks
 }
 
 /// Runs `f` on a worker thread of rayon's global pool (directly when already on one).

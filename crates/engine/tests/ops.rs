@@ -2,7 +2,7 @@
 //! differences for GELU), plus the low-precision paths against f64.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ditmem_engine::block::{layer_norm, modulate, LN_EPS};
+use ditmem_engine::layers::{layer_norm, modulate, LN_EPS};
 use ditmem_engine::ops::{gelu_tanh, ln_modulate};
 
 mod common;

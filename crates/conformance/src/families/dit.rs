@@ -3,12 +3,12 @@
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
-
-use crate::block::{
-    block_forward, final_forward, AttnImpl, BlockConfig, BlockSeeds, BlockWeights, FinalWeights,
-    LN_EPS,
+use ditmem_engine::families::dit::{
+    block_forward, final_forward, BlockSeeds, BlockWeights, FinalWeights,
 };
+
 use crate::diffusion::{alphas_cumprod, Batch};
+use crate::layers::{AttnImpl, BlockConfig, LN_EPS};
 use crate::model::{patchify, timestep_features, unpatchify, Dims};
 use crate::ops::ln_modulate;
 use crate::rng::derive_seed;

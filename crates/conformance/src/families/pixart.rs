@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
-use crate::block::{LinearW, LN_EPS};
 use crate::diffusion::Batch;
+use crate::layers::{LinearW, LN_EPS};
 use crate::model::{patchify, timestep_features, unpatchify};
 use crate::ops::ln_modulate;
 use crate::trainer::Trainer;

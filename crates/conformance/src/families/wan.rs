@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
-use crate::block::LinearW;
 use crate::diffusion::Batch;
+use crate::layers::LinearW;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};

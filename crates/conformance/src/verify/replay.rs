@@ -9,9 +9,9 @@ use ditmem_budget::Spec;
 
 use super::error::{Result, VerifyError};
 use super::softmax::{add_sums as add_softmax_sums, Layout as SoftmaxLayout, Sums as SoftmaxSums};
-use crate::block::{AttnImpl, BlockConfig, LinearW};
 use crate::diffusion::alphas_cumprod;
 use crate::error::EngineError;
+use crate::layers::{AttnImpl, BlockConfig, LinearW};
 use crate::model::Dims;
 use crate::trainer::Trainer;
 

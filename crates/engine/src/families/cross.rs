@@ -6,10 +6,28 @@
 
 use candle_core::Tensor;
 
-use crate::block::{mlp_linear, LinearW};
 use crate::error::Result;
+use crate::layers::{mlp_linear, LinearW};
 use crate::ops::attention::separate::attention;
 use crate::ops::{cross_attention, rms_norm_rows, AttnKeep};
+
+/// The linears of a block with a self-attention (`attn1`), a cross-attention (`attn2`) and a
+/// feed-forward of two linears `ffn` (PixArt's, Sana's, Wan's), in forward order (diffusers
+/// names).
+pub(crate) const fn self_cross_block_linears(ffn: [&'static str; 2]) -> [&'static str; 10] {
+    [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+        ffn[0],
+        ffn[1],
+    ]
+}
 
 /// Attention of `q` (b·s_q, D) over the context `ctx` (b·T, C) through the projections `k`, `v`
 /// (k normed by `norm_k` = (weight, eps) when given): (b·s_q, D). The context's gradient goes

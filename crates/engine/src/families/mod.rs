@@ -1,5 +1,5 @@
 //! The diffusers families the engine executes beside the original DiT ([`crate::model`],
-//! [`crate::block`]), one folder per family, each sharing the fused ops of [`crate::ops`]:
+//! [`crate::layers`]), one folder per family, each sharing the fused ops of [`crate::ops`]:
 //!
 //! - [`pixart`]: `PixArtTransformer2DModel` (adaLN-single, self- and cross-attention, the
 //!   caption projection).
@@ -13,16 +13,22 @@
 //!   cross-attention to umT5 states).
 //! - [`lora`]: PEFT's LoRA on any family's linears (which modules, names, init, frozen base).
 //!
-//! [`Arch`] says which model a spec describes; the trainer schedules both the same way.
+//! [`Arch`] says which model a spec describes; `register_families!` below is the one list a
+//! family is registered in (one line each), and [`Arch::family`] its [`EngineFamily`].
 
+pub(crate) mod config;
 pub mod cross;
+pub mod dit;
 pub mod dit_diffusers;
+pub(crate) mod family;
 pub mod flux;
 pub mod lora;
 pub mod pixart;
 pub mod sana;
 pub mod sd3;
 pub mod wan;
+
+pub(crate) use family::EngineFamily;
 
 use ditmem_budget::{Family, Spec};
 
@@ -45,12 +51,7 @@ use ditmem_budget::{Family, Spec};
 ///   each key by its own position.
 /// - Wan: none: q/k RMSNorm after the bias in both attentions, and RoPE in the self-attention.
 pub fn zero_gradient(arch: &Arch, name: &str) -> bool {
-    let softmax_key_biases: &[&str] = match arch {
-        Arch::Pixart(_) => &["attn1.to_k.bias", "attn2.to_k.bias"],
-        Arch::Sana(_) => &["attn2.to_k.bias"],
-        Arch::DitDiffusers(_) => &["attn1.to_k.bias"],
-        Arch::Dit | Arch::Sd3(_) | Arch::Flux(_) | Arch::Wan(_) => &[],
-    };
+    let softmax_key_biases = arch.family().softmax_key_biases();
     softmax_key_biases.iter().any(|b| {
         name.strip_suffix(b)
             .is_some_and(|head| head.is_empty() || head.ends_with('.'))
@@ -59,55 +60,71 @@ pub fn zero_gradient(arch: &Arch, name: &str) -> bool {
 
 use crate::error::{EngineError, Result};
 
-/// The model of a spec, as the engine runs it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Arch {
-    /// The original DiT of `model`'s own fields.
-    Dit,
-    /// A `PixArtTransformer2DModel` from `model.diffusers`.
-    Pixart(pixart::PixartGeom),
-    /// An `SD3Transformer2DModel` from `model.diffusers`.
-    Sd3(sd3::Sd3Geom),
-    /// A `FluxTransformer2DModel` from `model.diffusers`.
-    Flux(flux::FluxGeom),
-    /// A `SanaTransformer2DModel` from `model.diffusers`.
-    Sana(sana::SanaGeom),
-    /// A `WanTransformer3DModel` from `model.diffusers`.
-    Wan(wan::WanGeom),
-    /// diffusers' `DiTTransformer2DModel` from `model.diffusers`.
-    DitDiffusers(dit_diffusers::DitdGeom),
+/// The one list of the families the engine runs (one line each; the original DiT is `Arch::Dit`
+/// beside them): each line a variant of [`Arch`] named as the budget's `Family` and `Dims`
+/// variants, holding the family's geometry, which reads the budget's dims with `new(spec, dims)`
+/// and implements [`EngineFamily`] (in its `mod.rs`) and `trainer::state::FamilyLayout` (in its
+/// `step.rs`). `for_each_family!(m)` hands the list to the macro `m`: `define_arch` here,
+/// `layout_dispatch` in `trainer.rs` (the step's concern, which this file must not name: the
+/// steps stand on `diffusion.rs` and `model.rs`, which ask this file).
+macro_rules! for_each_family {
+    ($m:ident) => {
+        $m! {
+            /// A `PixArtTransformer2DModel` from `model.diffusers`.
+            Pixart(pixart::PixartGeom),
+            /// An `SD3Transformer2DModel` from `model.diffusers`.
+            Sd3(sd3::Sd3Geom),
+            /// A `FluxTransformer2DModel` from `model.diffusers`.
+            Flux(flux::FluxGeom),
+            /// A `SanaTransformer2DModel` from `model.diffusers`.
+            Sana(sana::SanaGeom),
+            /// A `WanTransformer3DModel` from `model.diffusers`.
+            Wan(wan::WanGeom),
+            /// diffusers' `DiTTransformer2DModel` from `model.diffusers`.
+            DitDiffusers(dit_diffusers::DitdGeom),
+
+        }
+    };
+}
+pub(crate) use for_each_family;
+
+/// [`Arch`], its constructor and [`Arch::family`] from the registration list.
+macro_rules! define_arch {
+    ($($(#[$doc:meta])* $variant:ident($geom:ty),)*) => {
+        /// The model of a spec, as the engine runs it.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Arch {
+            /// The original DiT of `model`'s own fields.
+            Dit,
+            $($(#[$doc])* $variant($geom),)*
+        }
+
+        impl Arch {
+            /// The model of `spec`; a family the engine does not run yet is an error naming it.
+            pub fn of(spec: &Spec) -> Result<Arch> {
+                let Some(fm) = ditmem_budget::denoiser::family(spec)? else {
+                    return Ok(Arch::Dit);
+                };
+                match (&fm.dims, fm.family) {
+                    $((ditmem_budget::Dims::$variant(d), Family::$variant) => {
+                        Ok(Arch::$variant(<$geom>::new(spec, d)?))
+                    })*
+                    _ => Err(EngineError::unsupported(
+                        format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
+                        "the engine runs the original DiT and the diffusers DiT, PixArt, SD3, Flux, Sana and Wan 2.1 transformers so far",
+                    )),
+                }
+            }
+
+            /// What the engine asks of this model's family.
+            pub(crate) fn family(&self) -> &dyn EngineFamily {
+                match self {
+                    Arch::Dit => &dit::params::Dit,
+                    $(Arch::$variant(g) => g,)*
+                }
+            }
+        }
+    };
 }
 
-impl Arch {
-    /// The model of `spec`; a family the engine does not run yet is an error naming it.
-    pub fn of(spec: &Spec) -> Result<Arch> {
-        let fm = ditmem_budget::denoiser::family(spec)?;
-        match fm {
-            None => Ok(Arch::Dit),
-            Some(fm) => match (&fm.dims, fm.family) {
-                (ditmem_budget::Dims::Pixart(d), Family::Pixart) => {
-                    Ok(Arch::Pixart(pixart::PixartGeom::new(spec, d)?))
-                }
-                (ditmem_budget::Dims::Sd3(d), Family::Sd3) => {
-                    Ok(Arch::Sd3(sd3::Sd3Geom::new(spec, d)?))
-                }
-                (ditmem_budget::Dims::Flux(d), Family::Flux) => {
-                    Ok(Arch::Flux(flux::FluxGeom::new(spec, d)?))
-                }
-                (ditmem_budget::Dims::Sana(d), Family::Sana) => {
-                    Ok(Arch::Sana(sana::SanaGeom::new(spec, d)?))
-                }
-                (ditmem_budget::Dims::Wan(d), Family::Wan) => {
-                    Ok(Arch::Wan(wan::WanGeom::new(spec, d)?))
-                }
-                (ditmem_budget::Dims::DitDiffusers(d), Family::DitDiffusers) => Ok(
-                    Arch::DitDiffusers(dit_diffusers::DitdGeom::new(spec, d)?),
-                ),
-                _ => Err(EngineError::unsupported(
-                    format!("model.diffusers ({}, {})", fm.class_name, fm.family.name()),
-                    "the engine runs the original DiT and the diffusers DiT, PixArt, SD3, Flux, Sana and Wan 2.1 transformers so far",
-                )),
-            },
-        }
-    }
-}
+for_each_family!(define_arch);

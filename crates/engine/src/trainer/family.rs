@@ -23,13 +23,13 @@
 use candle_core::{Tensor, Var};
 
 use super::state::{grad_dtype, LinearIdx, ModelLayout, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
+use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
 
 /// What a family's embed segment hands the blocks.
-pub(super) struct Embedded {
+pub(crate) struct Embedded {
     /// The residual streams entering block 0 (tracked: the embed's graph).
     pub streams: Vec<Tensor>,
     /// Tensors every block and the final layer may read; each becomes one shared leaf.
@@ -39,10 +39,31 @@ pub(super) struct Embedded {
     pub hold: Vec<Tensor>,
 }
 
+/// What a block reads: the streams `x`, the conditioning leaves `c`, and `track`, false for the
+/// untracked forward of a recomputed block (detached weights).
+#[derive(Clone, Copy)]
+pub(crate) struct BlockIn<'a> {
+    pub(crate) x: &'a [Tensor],
+    pub(crate) c: &'a [Tensor],
+    pub(crate) track: bool,
+}
+
+impl<'a> BlockIn<'a> {
+    /// A stored block's forward, or a recomputed one's replay in the backward.
+    fn tracked(x: &'a [Tensor], c: &'a [Tensor]) -> BlockIn<'a> {
+        BlockIn { x, c, track: true }
+    }
+
+    /// A recomputed block's first forward (nothing of it is kept).
+    fn untracked(x: &'a [Tensor], c: &'a [Tensor]) -> BlockIn<'a> {
+        BlockIn { x, c, track: false }
+    }
+}
+
 /// A family's segments for [`Trainer::family_microbatch`]. Every `FamilyStep` is the trainer's
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
-pub(super) trait FamilyStep {
+pub(crate) trait FamilyStep {
     /// Every linear of the model with a bias (for their gradient sinks).
     fn linears(&self) -> Vec<LinearIdx>;
     /// The weights of linears without a bias (Sana's): their sinks take dW only.
@@ -53,16 +74,8 @@ pub(super) trait FamilyStep {
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded>;
     /// Number of blocks.
     fn depth(&self) -> usize;
-    /// Block `i` on the streams `x` with the conditioning leaves `c`; `track` is false for the
-    /// untracked forward of a recomputed block (detached weights).
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>>;
+    /// Block `i` on what it reads ([`BlockIn`]).
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>>;
     /// The output side on the last streams: the prediction in the latents' layout, accumulation
     /// dtype. Its weights are dropped before it returns.
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor>;
@@ -82,6 +95,25 @@ pub(super) trait FamilyStep {
     fn ctx_cond(&self) -> Option<usize> {
         None
     }
+}
+
+/// The parameter indices of `lins` (each weight, bias and LoRA factors).
+pub(crate) fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
+    lins.iter().flat_map(Trainer::linear_params).collect()
+}
+
+/// The batch's cached caption must be what the model reads: `tokens` tokens of `width`.
+pub(crate) fn check_text(mb: &Batch, tokens: usize, width: usize) -> Result<()> {
+    if mb.text_tokens != tokens || mb.text_width != width {
+        return Err(EngineError::bad_input(
+            "batch text",
+            format!(
+                "{} tokens of width {}; this model reads {tokens} of width {width}",
+                mb.text_tokens, mb.text_width
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A family's layout runs the family schedule.
@@ -160,7 +192,11 @@ fn leaf_grads(
 }
 
 impl Trainer {
-    pub(super) fn family_microbatch<F: FamilyStep>(
+    // Over 100 lines on purpose: every local's drop point is where the `ditmem-cpu` budget frees
+    // it (`ditmem_cpu::step::replay`); split into functions, the locals would have to travel in
+    // holders whose own heap blocks the measured peak counts (a `Vec` of six tensors moved the
+    // DiT's measured peaks by 48 bytes when its microbatch was split in this change).
+    pub(crate) fn family_microbatch<F: FamilyStep>(
         &mut self,
         fam: &F,
         mb: &Batch,
@@ -230,7 +266,7 @@ impl Trainer {
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
-                cur = fam.block(self, i, &inputs, &cond_in(true), false)?;
+                cur = fam.block(self, i, BlockIn::untracked(&inputs, &cond_in(true)))?;
                 saved.push(SavedStreams::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
@@ -238,7 +274,7 @@ impl Trainer {
                     release_streams(&cur)?;
                 }
                 let c = cond_in(false);
-                let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
+                let outs = fam.block(self, i, BlockIn::tracked(&tensors(&leaves), &c))?;
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
@@ -303,7 +339,7 @@ impl Trainer {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
                     let c = cond_in(false);
-                    let outs = fam.block(self, i, &tensors(&leaves), &c, true)?;
+                    let outs = fam.block(self, i, BlockIn::tracked(&tensors(&leaves), &c))?;
                     (leaves, outs)
                 }
             };

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use ditmem_spec::{Dtype, Precision, Spec};
 
-use crate::block::BlockConfig;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
+use crate::layers::BlockConfig;
 use crate::measure::Recorder;
 use crate::model::Dims;
 use crate::ops::GradSink;
@@ -67,26 +67,100 @@ impl Default for TrainOptions {
     }
 }
 
-pub(super) enum Value {
+pub(crate) enum Value {
     Trained(Var),
     Frozen(Tensor),
 }
 
-pub(super) struct Param {
-    pub(super) name: String,
-    pub(super) value: Value,
+pub(crate) struct Param {
+    pub(crate) name: String,
+    pub(crate) value: Value,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub(super) struct LinearIdx {
-    pub(super) w: usize,
-    pub(super) b: usize,
-    pub(super) lora: Option<(usize, usize)>,
+pub(crate) struct LinearIdx {
+    pub(crate) w: usize,
+    pub(crate) b: usize,
+    pub(crate) lora: Option<(usize, usize)>,
+}
+
+/// The model's parameters by name, as a family's layout finds them (`EngineFamily::layout`).
+pub(crate) struct ParamIndex<'a> {
+    pub(crate) by_name: &'a HashMap<String, usize>,
+}
+
+impl ParamIndex<'_> {
+    /// The index of parameter `n`; an error naming it when the model has none.
+    pub(crate) fn idx(&self, n: &str) -> Result<usize> {
+        self.find(n)
+            .ok_or_else(|| EngineError::bad_input("parameter", format!("'{n}' is missing")))
+    }
+
+    /// The index of parameter `n`, if the model has it.
+    pub(crate) fn find(&self, n: &str) -> Option<usize> {
+        self.by_name.get(n).copied()
+    }
+
+    /// A linear (`{prefix}.weight`, `{prefix}.bias`) and its LoRA factors: the DiT's
+    /// (`.lora_a`, `.lora_b`) or PEFT's (a family's).
+    pub(crate) fn lin(&self, prefix: &str) -> Result<LinearIdx> {
+        let lora = match (
+            self.find(&format!("{prefix}.lora_a")),
+            self.find(&format!("{prefix}.lora_b")),
+        ) {
+            (Some(a), Some(b)) => Some((a, b)),
+            _ => crate::families::lora::factor_indices(&|n| self.find(n), prefix),
+        };
+        Ok(LinearIdx {
+            w: self.idx(&format!("{prefix}.weight"))?,
+            b: self.idx(&format!("{prefix}.bias"))?,
+            lora,
+        })
+    }
+
+    /// The linears `{block}.{name}` of one block, in the order of `names`.
+    pub(crate) fn lins<const N: usize>(
+        &self,
+        block: &str,
+        names: [&str; N],
+    ) -> Result<[LinearIdx; N]> {
+        let v = names
+            .iter()
+            .map(|name| self.lin(&format!("{block}.{name}")))
+            .collect::<Result<Vec<_>>>()?;
+        v.try_into()
+            .map_err(|_| EngineError::bad_input("block", "linear count"))
+    }
+}
+
+/// A family's step concern: where its parameters sit (its layout), which also says which
+/// schedule runs it. Each family implements it for its geometry in its `step.rs`; `trainer.rs`
+/// dispatches to it over the registration list (`families::for_each_family!`).
+pub(crate) trait FamilyLayout {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>>;
+}
+
+/// The name of a segment boundary in the step's timeline: "block 3", or "microbatch 1: block 3"
+/// under gradient accumulation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SegmentTag {
+    pub(crate) micro: usize,
+    pub(crate) accum: usize,
+}
+
+impl SegmentTag {
+    pub(crate) fn at(&self, what: String) -> String {
+        if self.accum > 1 {
+            format!("microbatch {}: {what}", self.micro)
+        } else {
+            what
+        }
+    }
 }
 
 /// The model's parameters by role, as the step reads them: the original DiT's layout
 /// (`trainer.rs`) or a diffusers family's (`<family>.rs`, through `family::FamilyStep`).
-pub(super) trait ModelLayout: Send + Sync {
+pub(crate) trait ModelLayout: Send + Sync {
     /// Every linear of the model (for their gradient sinks).
     fn linears(&self) -> Vec<LinearIdx>;
     /// The weights of linears without a bias (Sana's): their sinks take dW only.
@@ -106,29 +180,29 @@ pub(super) trait ModelLayout: Send + Sync {
 
 /// A DiT under a spec's recipe, with its optimizer state; runs training steps.
 pub struct Trainer {
-    pub(super) spec: Spec,
-    pub(super) opts: TrainOptions,
-    pub(super) dev: Device,
-    pub(super) dims: Dims,
-    pub(super) cfg: BlockConfig,
-    pub(super) precision: Precision,
-    pub(super) params: Vec<Param>,
-    pub(super) by_name: HashMap<String, usize>,
-    pub(super) trained: Vec<usize>,
+    pub(crate) spec: Spec,
+    pub(crate) opts: TrainOptions,
+    pub(crate) dev: Device,
+    pub(crate) dims: Dims,
+    pub(crate) cfg: BlockConfig,
+    pub(crate) precision: Precision,
+    pub(crate) params: Vec<Param>,
+    pub(crate) by_name: HashMap<String, usize>,
+    pub(crate) trained: Vec<usize>,
     /// Shared, so a step reads it without a copy (a copy would be step memory).
-    pub(super) layout: Arc<dyn ModelLayout>,
+    pub(crate) layout: Arc<dyn ModelLayout>,
     /// Per parameter: the gradient sink of the fused linear it belongs to, if it is a trained
     /// linear weight or bias (see `ops::LinearOp`), and whether it is that linear's weight.
-    pub(super) sinks: Vec<Option<(Arc<GradSink>, bool)>>,
+    pub(crate) sinks: Vec<Option<(Arc<GradSink>, bool)>>,
     /// The running sum of the text context's gradient that the cross-attentions' k and v
     /// projections add into (families with cross-attention; see `ops::InputSink`). Set by the
     /// family schedule for each microbatch's backward, empty between.
-    pub(super) ctx_sink: Arc<crate::ops::InputSink>,
-    pub(super) grads: Vec<Option<Tensor>>,
-    pub(super) grad_scale: f64,
-    pub(super) optimizer: Box<dyn Optimizer>,
-    pub(super) ema: Option<Ema>,
-    pub(super) scaler: Option<LossScaler>,
-    pub(super) acp: Vec<f64>,
-    pub(super) steps: u64,
+    pub(crate) ctx_sink: Arc<crate::ops::InputSink>,
+    pub(crate) grads: Vec<Option<Tensor>>,
+    pub(crate) grad_scale: f64,
+    pub(crate) optimizer: Box<dyn Optimizer>,
+    pub(crate) ema: Option<Ema>,
+    pub(crate) scaler: Option<LossScaler>,
+    pub(crate) acp: Vec<f64>,
+    pub(crate) steps: u64,
 }

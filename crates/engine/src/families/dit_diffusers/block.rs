@@ -5,12 +5,12 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::block::{
+use crate::error::Result;
+use crate::families::pixart::block::attn_keep;
+use crate::layers::{
     cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     BlockConfig, LinearW, LN_EPS,
 };
-use crate::error::Result;
-use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::ln_modulate;
 

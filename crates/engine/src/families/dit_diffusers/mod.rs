@@ -10,7 +10,7 @@
 //!   feed-forward; and the output side (`proj_out_1` on SiLU of block 0's embedding,
 //!   `norm_out` + modulate, `proj_out_2`).
 //!
-//! What sets it apart from the original DiT ([`crate::model`], [`crate::block`]): no shared
+//! What sets it apart from the original DiT ([`crate::model`], [`crate::layers`]): no shared
 //! `t_embedder` / `y_embedder` — every block embeds the timestep and the label itself (749.8 M
 //! parameters for XL/2 against 675.1 M), q, k, v are three linears, and the output side reads
 //! block 0's embedder again (`self.transformer_blocks[0].norm1.emb(...)`).
@@ -38,6 +38,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     combined_embedding, ditd_block_forward, final_forward, label_timestep_features,
@@ -50,6 +51,8 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny `DiTTransformer2DModel` `config.json` (diffusers keys): `layers` blocks of `heads` ×
 /// 16-wide heads, 4 latent channels, a learned variance (8 out), patch 2, 1000 classes.
@@ -77,4 +80,18 @@ pub fn tiny_spec(layers: u32, heads: u32) -> Result<Spec> {
     )?;
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for DitdGeom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
+
+    fn softmax_key_biases(&self) -> &'static [&'static str] {
+        &["attn1.to_k.bias"]
+    }
 }

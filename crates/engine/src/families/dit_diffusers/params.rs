@@ -15,8 +15,9 @@
 use ditmem_budget::{DitDiffusersDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of `CombinedTimestepLabelEmbeddings.time_proj` (`Timesteps(256)`).
 pub const DITD_FREQ: usize = 256;
@@ -67,12 +68,7 @@ impl DitdGeom {
                 "the engine's diffusers DiT has biased q/k/v projections; use attention_bias = true",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a DiTTransformer2DModel",
-                "the diffusers DiT trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "a DiTTransformer2DModel", "the diffusers DiT")?;
         let lora = LoraPlan::of(spec);
         if let Some(plan) = &lora {
             // Block 0's embedder also feeds the output side, so the engine runs it in the
@@ -109,31 +105,19 @@ impl DitdGeom {
 pub fn param_shapes(d: &Dims, g: &DitdGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        })
-    };
-    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
-        push(format!("{p}.weight"), vec![out, inp], w);
-        push(format!("{p}.bias"), vec![out], Init::Zeros);
-    };
-    push(
+    let mut inv = Inventory::default();
+    inv.tensor(
         "pos_embed.proj.weight".into(),
         vec![h, d.in_channels, d.patch, d.patch],
         Init::XavierUniform,
     );
-    push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
         let [l1, l2] = DITD_EMB_LINEARS;
-        linear(&mut push, &format!("{b}.{l1}"), h, DITD_FREQ, small);
-        linear(&mut push, &format!("{b}.{l2}"), h, h, small);
-        push(
+        inv.linear(&format!("{b}.{l1}"), h, DITD_FREQ, small);
+        inv.linear(&format!("{b}.{l2}"), h, h, small);
+        inv.tensor(
             format!("{b}.{DITD_LABEL_TABLE}"),
             vec![g.classes + 1, h],
             small,
@@ -145,20 +129,12 @@ pub fn param_shapes(d: &Dims, g: &DitdGeom) -> Vec<ParamShape> {
                 "ff.net.2" => (h, d.mlp_hidden, Init::XavierUniform),
                 _ => (h, h, Init::XavierUniform),
             };
-            linear(&mut push, &format!("{b}.{name}"), out, inp, init);
+            inv.linear(&format!("{b}.{name}"), out, inp, init);
         }
     }
-    linear(&mut push, "proj_out_1", 2 * h, h, small);
+    inv.linear("proj_out_1", 2 * h, h, small);
     let out = d.patch * d.patch * g.out_channels;
-    linear(&mut push, "proj_out_2", out, h, small);
-    v.push(ParamShape {
-        name: "pos_embed.pos_embed".into(),
-        shape: vec![d.tokens, h],
-        init: Init::SinCos2d {
-            rows: d.rows,
-            cols: d.cols,
-        },
-        trainable: false,
-    });
-    adapt(v, g.lora.as_ref())
+    inv.linear("proj_out_2", out, h, small);
+    inv.sincos_table("pos_embed.pos_embed", (d.rows, d.cols), h);
+    adapt(inv.shapes, g.lora.as_ref())
 }

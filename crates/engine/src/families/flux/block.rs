@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{
+use crate::error::{EngineError, Result};
+use crate::families::pixart::block::attn_keep;
+use crate::layers::{
     cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     mlp_linear, BlockConfig, LinearW, LN_EPS,
 };
-use crate::error::{EngineError, Result};
-use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::tokens::{concat, slice};
 use crate::ops::{

@@ -33,6 +33,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     double_forward, final_forward, image_tokens, join_streams, mlp_silu, single_forward, unpack,
@@ -45,6 +46,8 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny Flux `config.json` (diffusers keys): `double` + `single` blocks of `heads` × 16-wide
 /// heads (RoPE axes 4 + 6 + 6), 16 latent channels packed to 64, T5 width 32, pooled width 24,
@@ -85,4 +88,19 @@ pub fn tiny_spec(
     s.workload.text_tokens = Some(vec![77, text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for FluxGeom {
+    /// Flux predicts the packed latent (out_channels = in_channels, checked).
+    fn out_channels(&self, spec: &Spec) -> usize {
+        spec.model.in_channels as usize
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_width, self.pooled_width)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
 }

@@ -8,8 +8,9 @@
 use ditmem_budget::{FluxDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid (timestep and guidance).
 pub const FLUX_FREQ: usize = 256;
@@ -113,12 +114,7 @@ impl FluxGeom {
                  least one",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Flux model",
-                "Flux trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "a Flux model", "Flux")?;
         let fm = ditmem_budget::denoiser::family(spec)?
             .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
         let geo = fm.geometry();
@@ -164,74 +160,56 @@ pub fn param_shapes(d: &Dims, g: &FluxGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let dh = d.head_dim;
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        })
-    };
-    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
-        push(format!("{p}.weight"), vec![out, inp], w);
-        push(format!("{p}.bias"), vec![out], Init::Zeros);
-    };
+    let mut inv = Inventory::default();
     let tte = "time_text_embed";
-    let mlp = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: String, inp| {
-        linear(push, &format!("{p}.linear_1"), h, inp, small);
-        linear(push, &format!("{p}.linear_2"), h, h, small);
+    let mlp = |inv: &mut Inventory, p: String, inp| {
+        inv.linear(&format!("{p}.linear_1"), h, inp, small);
+        inv.linear(&format!("{p}.linear_2"), h, h, small);
     };
-    mlp(&mut push, format!("{tte}.timestep_embedder"), FLUX_FREQ);
+    mlp(&mut inv, format!("{tte}.timestep_embedder"), FLUX_FREQ);
     if g.guidance {
-        mlp(&mut push, format!("{tte}.guidance_embedder"), FLUX_FREQ);
+        mlp(&mut inv, format!("{tte}.guidance_embedder"), FLUX_FREQ);
     }
-    mlp(&mut push, format!("{tte}.text_embedder"), g.pooled_width);
+    mlp(&mut inv, format!("{tte}.text_embedder"), g.pooled_width);
     let xavier = Init::XavierUniform;
-    linear(&mut push, "context_embedder", h, g.text_width, xavier);
-    linear(&mut push, "x_embedder", h, g.in_features, xavier);
-    let norm = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str| {
-        push(format!("{p}.weight"), vec![dh], Init::Ones);
+    inv.linear("context_embedder", h, g.text_width, xavier);
+    inv.linear("x_embedder", h, g.in_features, xavier);
+    let norm = |inv: &mut Inventory, p: &str| {
+        inv.tensor(format!("{p}.weight"), vec![dh], Init::Ones);
     };
     for i in 0..g.double {
         let b = format!("transformer_blocks.{i}");
-        linear(&mut push, &format!("{b}.norm1.linear"), 6 * h, h, small);
-        linear(
-            &mut push,
-            &format!("{b}.norm1_context.linear"),
-            6 * h,
-            h,
-            small,
-        );
-        norm(&mut push, &format!("{b}.attn.norm_q"));
-        norm(&mut push, &format!("{b}.attn.norm_k"));
+        inv.linear(&format!("{b}.norm1.linear"), 6 * h, h, small);
+        inv.linear(&format!("{b}.norm1_context.linear"), 6 * h, h, small);
+        norm(&mut inv, &format!("{b}.attn.norm_q"));
+        norm(&mut inv, &format!("{b}.attn.norm_k"));
         for p in ["to_q", "to_k", "to_v", "to_out.0"] {
-            linear(&mut push, &format!("{b}.attn.{p}"), h, h, xavier);
+            inv.linear(&format!("{b}.attn.{p}"), h, h, xavier);
         }
-        norm(&mut push, &format!("{b}.attn.norm_added_q"));
-        norm(&mut push, &format!("{b}.attn.norm_added_k"));
+        norm(&mut inv, &format!("{b}.attn.norm_added_q"));
+        norm(&mut inv, &format!("{b}.attn.norm_added_k"));
         for p in ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"] {
-            linear(&mut push, &format!("{b}.attn.{p}"), h, h, xavier);
+            inv.linear(&format!("{b}.attn.{p}"), h, h, xavier);
         }
         for ff in ["ff", "ff_context"] {
-            linear(&mut push, &format!("{b}.{ff}.net.0.proj"), 4 * h, h, xavier);
-            linear(&mut push, &format!("{b}.{ff}.net.2"), h, 4 * h, xavier);
+            inv.linear(&format!("{b}.{ff}.net.0.proj"), 4 * h, h, xavier);
+            inv.linear(&format!("{b}.{ff}.net.2"), h, 4 * h, xavier);
         }
     }
     for i in 0..g.single {
         let b = format!("single_transformer_blocks.{i}");
-        linear(&mut push, &format!("{b}.norm.linear"), 3 * h, h, small);
-        linear(&mut push, &format!("{b}.proj_mlp"), 4 * h, h, xavier);
-        linear(&mut push, &format!("{b}.proj_out"), h, 5 * h, xavier);
-        norm(&mut push, &format!("{b}.attn.norm_q"));
-        norm(&mut push, &format!("{b}.attn.norm_k"));
+        inv.linear(&format!("{b}.norm.linear"), 3 * h, h, small);
+        inv.linear(&format!("{b}.proj_mlp"), 4 * h, h, xavier);
+        inv.linear(&format!("{b}.proj_out"), h, 5 * h, xavier);
+        norm(&mut inv, &format!("{b}.attn.norm_q"));
+        norm(&mut inv, &format!("{b}.attn.norm_k"));
         for p in ["to_q", "to_k", "to_v"] {
-            linear(&mut push, &format!("{b}.attn.{p}"), h, h, xavier);
+            inv.linear(&format!("{b}.attn.{p}"), h, h, xavier);
         }
     }
-    linear(&mut push, "norm_out.linear", 2 * h, h, small);
-    linear(&mut push, "proj_out", g.out_features, h, small);
-    adapt(v, g.lora.as_ref())
+    inv.linear("norm_out.linear", 2 * h, h, small);
+    inv.linear("proj_out", g.out_features, h, small);
+    adapt(inv.shapes, g.lora.as_ref())
 }
 
 /// `FluxPosEmbed`'s ids, three positions per token: (0, 0, 0) for each of the `text_tokens`

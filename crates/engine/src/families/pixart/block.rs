@@ -5,12 +5,12 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{
+use crate::error::Result;
+use crate::families::cross::cross_attend;
+use crate::layers::{
     cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     AttnImpl, BlockConfig, LinearW, LN_EPS,
 };
-use crate::error::Result;
-use crate::families::cross::cross_attend;
 use crate::ops::attention::separate::attention;
 use crate::ops::{gelu_tanh, ln_modulate, AttnKeep};
 

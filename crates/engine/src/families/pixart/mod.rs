@@ -29,6 +29,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
@@ -39,6 +40,8 @@ pub use params::{param_shapes, PixartGeom, PIXART_BLOCK_LINEARS};
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny PixArt `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 4 latent channels, a learned variance (8 out), patch 2, caption channels 32, no size
@@ -71,4 +74,22 @@ pub fn tiny_spec(layers: u32, heads: u32, text_tokens: u32) -> Result<Spec> {
     s.workload.text_tokens = Some(vec![text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for PixartGeom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_width, 0)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
+
+    fn softmax_key_biases(&self) -> &'static [&'static str] {
+        &["attn1.to_k.bias", "attn2.to_k.bias"]
+    }
 }

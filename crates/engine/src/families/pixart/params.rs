@@ -10,25 +10,17 @@
 use ditmem_budget::{PixartDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const PIXART_FREQ: usize = 256;
 
 /// The linears of a PixArt block in forward order (diffusers names).
-pub const PIXART_BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-];
+pub const PIXART_BLOCK_LINEARS: [&str; 10] =
+    self_cross_block_linears(["ff.net.0.proj", "ff.net.2"]);
 
 /// What a PixArt step needs beyond [`Dims`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,24 +53,8 @@ impl PixartGeom {
                 "the engine's PixArt has biased q/k/v projections; use attention_bias = true",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a PixArt model",
-                "PixArt trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the T5 caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a PixArt model", "PixArt")?;
+        let t = caption_tokens(spec, "T5")?;
         let hidden = d.inner() as usize;
         Ok(PixartGeom {
             text_tokens: t,
@@ -102,89 +78,45 @@ pub fn param_shapes(d: &Dims, g: &PixartGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let table_init = Init::Normal(1.0 / (h as f64).sqrt());
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        })
-    };
-    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
-        push(format!("{p}.weight"), vec![out, inp], w);
-        push(format!("{p}.bias"), vec![out], Init::Zeros);
-    };
-    push("scale_shift_table".into(), vec![2, h], table_init);
-    push(
+    let mut inv = Inventory::default();
+    inv.tensor("scale_shift_table".into(), vec![2, h], table_init);
+    inv.tensor(
         "pos_embed.proj.weight".into(),
         vec![h, d.in_channels, d.patch, d.patch],
         Init::XavierUniform,
     );
-    push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
-        push(format!("{b}.scale_shift_table"), vec![6, h], table_init);
+        inv.tensor(format!("{b}.scale_shift_table"), vec![6, h], table_init);
         for name in PIXART_BLOCK_LINEARS {
             let (out, inp) = match name {
                 "ff.net.0.proj" => (d.mlp_hidden, h),
                 "ff.net.2" => (h, d.mlp_hidden),
                 _ => (h, h),
             };
-            linear(
-                &mut push,
-                &format!("{b}.{name}"),
-                out,
-                inp,
-                Init::XavierUniform,
-            );
+            inv.linear(&format!("{b}.{name}"), out, inp, Init::XavierUniform);
         }
     }
     let out = d.patch * d.patch * g.out_channels;
-    linear(&mut push, "proj_out", out, h, small);
+    inv.linear("proj_out", out, h, small);
     let te = "adaln_single.emb.timestep_embedder";
-    linear(&mut push, &format!("{te}.linear_1"), h, PIXART_FREQ, small);
-    linear(&mut push, &format!("{te}.linear_2"), h, h, small);
+    inv.linear(&format!("{te}.linear_1"), h, PIXART_FREQ, small);
+    inv.linear(&format!("{te}.linear_2"), h, h, small);
     if g.sizes.is_some() {
         // `size_emb_dim = embedding_dim // 3` each, as the timestep embedder.
         for e in SIZE_EMBEDDERS {
             let p = format!("adaln_single.emb.{e}");
-            linear(
-                &mut push,
-                &format!("{p}.linear_1"),
-                h / 3,
-                PIXART_FREQ,
-                small,
-            );
-            linear(&mut push, &format!("{p}.linear_2"), h / 3, h / 3, small);
+            inv.linear(&format!("{p}.linear_1"), h / 3, PIXART_FREQ, small);
+            inv.linear(&format!("{p}.linear_2"), h / 3, h / 3, small);
         }
     }
-    linear(&mut push, "adaln_single.linear", 6 * h, h, small);
+    inv.linear("adaln_single.linear", 6 * h, h, small);
     if g.caption_projection {
         let c = g.text_width;
-        linear(
-            &mut push,
-            "caption_projection.linear_1",
-            h,
-            c,
-            Init::XavierUniform,
-        );
-        linear(
-            &mut push,
-            "caption_projection.linear_2",
-            h,
-            h,
-            Init::XavierUniform,
-        );
+        inv.linear("caption_projection.linear_1", h, c, Init::XavierUniform);
+        inv.linear("caption_projection.linear_2", h, h, Init::XavierUniform);
     }
-    v.push(ParamShape {
-        name: "pos_embed.pos_embed".into(),
-        shape: vec![d.tokens, h],
-        init: Init::SinCos2d {
-            rows: d.rows,
-            cols: d.cols,
-        },
-        trainable: false,
-    });
-    adapt(v, g.lora.as_ref())
+    inv.sincos_table("pos_embed.pos_embed", (d.rows, d.cols), h);
+    adapt(inv.shapes, g.lora.as_ref())
 }

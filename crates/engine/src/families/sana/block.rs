@@ -5,10 +5,10 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, mlp_linear, BlockConfig, LinearW, LN_EPS};
 use crate::error::Result;
 use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
+use crate::layers::{cast, mlp_linear, BlockConfig, LinearW, LN_EPS};
 use crate::ops::dwconv::silu_dwconv3x3;
 use crate::ops::glu::glu_silu;
 use crate::ops::linear_attention::linear_attention;

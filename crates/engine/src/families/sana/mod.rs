@@ -32,6 +32,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
@@ -42,6 +43,8 @@ pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny Sana `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads
 /// (Sana's are 32 wide), cross-attention of `heads / 2` × 32-wide heads (the same width),
@@ -79,4 +82,22 @@ pub fn tiny_spec(layers: u32, heads: u32, text_tokens: u32) -> Result<Spec> {
     s.workload.text_tokens = Some(vec![text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for SanaGeom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_width, 0)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
+
+    fn softmax_key_biases(&self) -> &'static [&'static str] {
+        &["attn2.to_k.bias"]
+    }
 }

@@ -9,8 +9,9 @@
 use ditmem_budget::{SanaDims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: usize = 256;
@@ -54,24 +55,8 @@ impl SanaGeom {
                  interpolation_scale = null",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Sana model",
-                "Sana trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the Gemma caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a Sana model", "Sana")?;
+        let t = caption_tokens(spec, "Gemma")?;
         Ok(SanaGeom {
             text_tokens: t,
             text_width: d.caption_channels as usize,
@@ -92,136 +77,46 @@ pub fn param_shapes(d: &Dims, g: &SanaGeom) -> Vec<ParamShape> {
     let table_init = Init::Normal(1.0 / (h as f64).sqrt());
     let small = Init::Normal(0.02);
     let xav = Init::XavierUniform;
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        });
-    };
-    let linear =
-        |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, shape: Vec<usize>, w, bias| {
-            let out = shape[0];
-            push(format!("{p}.weight"), shape, w);
-            if bias {
-                push(format!("{p}.bias"), vec![out], Init::Zeros);
-            }
-        };
-    push("scale_shift_table".into(), vec![2, h], table_init);
+    let mut inv = Inventory::default();
+    inv.tensor("scale_shift_table".into(), vec![2, h], table_init);
     let p = d.patch;
-    linear(
-        &mut push,
-        "patch_embed.proj",
-        vec![h, d.in_channels, p, p],
-        xav,
-        true,
-    );
+    inv.layer("patch_embed.proj", vec![h, d.in_channels, p, p], xav, true);
     let te = "time_embed.emb.timestep_embedder";
-    linear(
-        &mut push,
-        &format!("{te}.linear_1"),
-        vec![h, SANA_FREQ],
-        small,
-        true,
-    );
-    linear(
-        &mut push,
-        &format!("{te}.linear_2"),
-        vec![h, h],
-        small,
-        true,
-    );
-    linear(&mut push, "time_embed.linear", vec![6 * h, h], small, true);
+    inv.layer(&format!("{te}.linear_1"), vec![h, SANA_FREQ], small, true);
+    inv.layer(&format!("{te}.linear_2"), vec![h, h], small, true);
+    inv.layer("time_embed.linear", vec![6 * h, h], small, true);
     let c = g.text_width;
-    linear(
-        &mut push,
-        "caption_projection.linear_1",
-        vec![h, c],
-        xav,
-        true,
-    );
-    linear(
-        &mut push,
-        "caption_projection.linear_2",
-        vec![h, h],
-        xav,
-        true,
-    );
-    push("caption_norm.weight".into(), vec![h], Init::Ones);
+    inv.layer("caption_projection.linear_1", vec![h, c], xav, true);
+    inv.layer("caption_projection.linear_2", vec![h, h], xav, true);
+    inv.tensor("caption_norm.weight".into(), vec![h], Init::Ones);
     let (dc, hid) = (g.cross_width, g.mlp_hidden);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
-        push(format!("{b}.scale_shift_table"), vec![6, h], table_init);
+        inv.tensor(format!("{b}.scale_shift_table"), vec![6, h], table_init);
         for n in ["to_q", "to_k", "to_v"] {
-            linear(
-                &mut push,
-                &format!("{b}.attn1.{n}"),
-                vec![h, h],
-                xav,
-                g.qkv_bias,
-            );
+            inv.layer(&format!("{b}.attn1.{n}"), vec![h, h], xav, g.qkv_bias);
         }
-        linear(
-            &mut push,
-            &format!("{b}.attn1.to_out.0"),
-            vec![h, h],
-            xav,
-            true,
-        );
-        linear(
-            &mut push,
-            &format!("{b}.attn2.to_q"),
-            vec![dc, h],
-            xav,
-            true,
-        );
-        linear(
-            &mut push,
-            &format!("{b}.attn2.to_k"),
-            vec![dc, h],
-            xav,
-            true,
-        );
-        linear(
-            &mut push,
-            &format!("{b}.attn2.to_v"),
-            vec![dc, h],
-            xav,
-            true,
-        );
-        linear(
-            &mut push,
-            &format!("{b}.attn2.to_out.0"),
-            vec![h, dc],
-            xav,
-            true,
-        );
+        inv.layer(&format!("{b}.attn1.to_out.0"), vec![h, h], xav, true);
+        inv.layer(&format!("{b}.attn2.to_q"), vec![dc, h], xav, true);
+        inv.layer(&format!("{b}.attn2.to_k"), vec![dc, h], xav, true);
+        inv.layer(&format!("{b}.attn2.to_v"), vec![dc, h], xav, true);
+        inv.layer(&format!("{b}.attn2.to_out.0"), vec![h, dc], xav, true);
         let ff = format!("{b}.ff");
-        linear(
-            &mut push,
+        inv.layer(
             &format!("{ff}.conv_inverted"),
             vec![2 * hid, h, 1, 1],
             xav,
             true,
         );
-        linear(
-            &mut push,
+        inv.layer(
             &format!("{ff}.conv_depth"),
             vec![2 * hid, 1, 3, 3],
             xav,
             true,
         );
-        linear(
-            &mut push,
-            &format!("{ff}.conv_point"),
-            vec![h, hid, 1, 1],
-            xav,
-            false,
-        );
+        inv.layer(&format!("{ff}.conv_point"), vec![h, hid, 1, 1], xav, false);
     }
     let out = d.patch * d.patch * g.out_channels;
-    linear(&mut push, "proj_out", vec![out, h], small, true);
-    adapt(v, g.lora.as_ref())
+    inv.layer("proj_out", vec![out, h], small, true);
+    adapt(inv.shapes, g.lora.as_ref())
 }

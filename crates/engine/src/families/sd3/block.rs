@@ -5,12 +5,12 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{
+use crate::error::Result;
+use crate::families::pixart::block::attn_keep;
+use crate::layers::{
     cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     mlp_linear, BlockConfig, LinearW, LN_EPS,
 };
-use crate::error::Result;
-use crate::families::pixart::block::attn_keep;
 use crate::ops::attention::separate::attention;
 use crate::ops::{cat_tokens, joint_linear, ln_modulate, release, rms_norm, split_tokens};
 

@@ -35,6 +35,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     dual_attention, dual_qk, final_forward, joint_qk, sd3_block_forward, silu_mlp, ContextOut,
@@ -47,6 +48,8 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny SD3 `config.json` (diffusers keys): `layers` joint blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch 2, caption width 32, pooled width 24, a 12-wide position table,
@@ -106,4 +109,18 @@ pub fn tiny_dual_spec(layers: u32, heads: u32, dual: &[u32], clip: u32, t5: u32)
     s.workload.text_tokens = Some(vec![clip, t5]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for Sd3Geom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_width, self.pooled_width)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
 }

@@ -12,8 +12,9 @@
 use ditmem_budget::{Sd3Dims, Spec};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::no_dropout;
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SD3_FREQ: usize = 256;
@@ -45,12 +46,7 @@ pub struct Sd3Geom {
 impl Sd3Geom {
     /// Checks what the engine runs of an SD3 config and reads its geometry.
     pub fn new(spec: &Spec, d: &Sd3Dims) -> Result<Sd3Geom> {
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with an SD3 model",
-                "SD3 trains without dropout in the engine; set both to 0",
-            ));
-        }
+        no_dropout(spec, "an SD3 model", "SD3")?;
         if d.out_channels < d.in_channels {
             return Err(EngineError::bad_input(
                 "model.diffusers.out_channels",
@@ -168,62 +164,25 @@ pub const QK_NORMS: [&str; 4] = [
 pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
     let h = d.hidden;
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        })
-    };
-    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
-        push(format!("{p}.weight"), vec![out, inp], w);
-        push(format!("{p}.bias"), vec![out], Init::Zeros);
-    };
-    push(
+    let mut inv = Inventory::default();
+    inv.tensor(
         "pos_embed.proj.weight".into(),
         vec![h, d.in_channels, d.patch, d.patch],
         Init::XavierUniform,
     );
-    push("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
     let te = "time_text_embed.timestep_embedder";
-    linear(
-        &mut push,
-        &format!("{te}.linear_1"),
-        h,
-        SD3_FREQ,
-        Init::XavierUniform,
-    );
-    linear(
-        &mut push,
-        &format!("{te}.linear_2"),
-        h,
-        h,
-        Init::XavierUniform,
-    );
+    inv.linear(&format!("{te}.linear_1"), h, SD3_FREQ, Init::XavierUniform);
+    inv.linear(&format!("{te}.linear_2"), h, h, Init::XavierUniform);
     let pe = "time_text_embed.text_embedder";
-    linear(
-        &mut push,
+    inv.linear(
         &format!("{pe}.linear_1"),
         h,
         g.pooled_width,
         Init::XavierUniform,
     );
-    linear(
-        &mut push,
-        &format!("{pe}.linear_2"),
-        h,
-        h,
-        Init::XavierUniform,
-    );
-    linear(
-        &mut push,
-        "context_embedder",
-        h,
-        g.text_width,
-        Init::XavierUniform,
-    );
+    inv.linear(&format!("{pe}.linear_2"), h, h, Init::XavierUniform);
+    inv.linear("context_embedder", h, g.text_width, Init::XavierUniform);
     let hd = d.head_dim;
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
@@ -240,7 +199,7 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
                 "ff.net.2" | "ff_context.net.2" => (h, d.mlp_hidden, Init::XavierUniform),
                 _ => (h, h, Init::XavierUniform),
             };
-            linear(&mut push, &format!("{b}.{name}"), out, inp, init);
+            inv.linear(&format!("{b}.{name}"), out, inp, init);
             // The table lists the q/k norms after the attention's output projections.
             let after = if last {
                 "attn.to_out.0"
@@ -250,34 +209,26 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
             if name == after {
                 if g.qk_norm {
                     for n in QK_NORMS {
-                        push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+                        inv.tensor(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
                     }
                 }
                 // Then attn2's projections and its q/k norms.
                 if dual {
                     for n in DUAL_LINEARS {
-                        linear(&mut push, &format!("{b}.{n}"), h, h, Init::XavierUniform);
+                        inv.linear(&format!("{b}.{n}"), h, h, Init::XavierUniform);
                     }
                     if g.qk_norm {
                         for n in DUAL_QK_NORMS {
-                            push(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
+                            inv.tensor(format!("{b}.{n}.weight"), vec![hd], Init::Ones);
                         }
                     }
                 }
             }
         }
     }
-    linear(&mut push, "norm_out.linear", 2 * h, h, Init::XavierUniform);
+    inv.linear("norm_out.linear", 2 * h, h, Init::XavierUniform);
     let out = d.patch * d.patch * g.out_channels;
-    linear(&mut push, "proj_out", out, h, small);
-    v.push(ParamShape {
-        name: "pos_embed.pos_embed".into(),
-        shape: vec![g.pos_side * g.pos_side, h],
-        init: Init::SinCos2d {
-            rows: g.pos_side,
-            cols: g.pos_side,
-        },
-        trainable: false,
-    });
-    adapt(v, g.lora.as_ref())
+    inv.linear("proj_out", out, h, small);
+    inv.sincos_table("pos_embed.pos_embed", (g.pos_side, g.pos_side), h);
+    adapt(inv.shapes, g.lora.as_ref())
 }

@@ -5,10 +5,10 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::block::{cast, BlockConfig, LinearW};
 use crate::error::Result;
 use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
+use crate::layers::{cast, BlockConfig, LinearW};
 use crate::ops::attention::separate::attention;
 use crate::ops::{
     gated_residual, gelu_tanh, ln_modulate, rms_norm_rows as rms_norm, rope_cos_sin as rope,
@@ -103,7 +103,7 @@ pub fn wan_block_forward(
 
     // Feed-forward on norm3 + modulate.
     let h3 = ln_modulate(&x2, &c_shift, &c_scale, WAN_EPS, cd)?;
-    let f2 = crate::block::feed_forward(&h3, &w.fc1, &w.fc2)?;
+    let f2 = crate::layers::feed_forward(&h3, &w.fc1, &w.fc2)?;
     Ok(gated_residual(&x2, &f2, &c_gate)?)
 }
 

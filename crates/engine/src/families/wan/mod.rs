@@ -36,6 +36,7 @@
 
 pub mod block;
 pub mod params;
+pub(crate) mod step;
 
 pub use block::{
     final_forward, patchify3d, text_forward, unpatchify3d, wan_block_forward, wan_block_qk,
@@ -46,6 +47,8 @@ pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOC
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::EngineFamily;
+use crate::shapes::{Dims, ParamShape};
 
 /// A tiny Wan `config.json` (diffusers keys): `layers` blocks of `heads` × 16-wide heads,
 /// 16 latent channels, patch (1, 2, 2), umT5 width 32, FFN 2·D, `cross_attn_norm`.
@@ -80,4 +83,26 @@ pub fn tiny_spec(layers: u32, heads: u32, frames: u32, text_tokens: u32) -> Resu
     s.workload.text_tokens = Some(vec![text_tokens]);
     s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
+}
+
+impl EngineFamily for WanGeom {
+    fn out_channels(&self, _spec: &Spec) -> usize {
+        self.out_channels
+    }
+
+    fn frames(&self) -> usize {
+        self.frames
+    }
+
+    fn mlp_hidden(&self) -> Option<usize> {
+        Some(self.ffn)
+    }
+
+    fn text_inputs(&self) -> (usize, usize, usize) {
+        (self.text_tokens, self.text_dim, 0)
+    }
+
+    fn param_shapes(&self, _spec: &Spec, d: &Dims) -> Vec<ParamShape> {
+        param_shapes(d, self)
+    }
 }

@@ -11,8 +11,10 @@
 use ditmem_budget::{Spec, WanDims};
 
 use crate::error::{EngineError, Result};
+use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// RoPE's base θ (`WanRotaryPosEmbed`'s default).
 pub(crate) const WAN_ROPE_THETA: f64 = 10000.0;
@@ -20,18 +22,7 @@ pub(crate) const WAN_ROPE_THETA: f64 = 10000.0;
 pub(crate) const WAN_EPS: f64 = 1e-6;
 
 /// The linears of a Wan block in forward order (diffusers names).
-pub const WAN_BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ffn.net.0.proj",
-    "ffn.net.2",
-];
+pub const WAN_BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ffn.net.0.proj", "ffn.net.2"]);
 
 /// The RMSNorm weights of a Wan block (q/k norms of both attentions).
 pub const WAN_BLOCK_NORMS: [&str; 4] = [
@@ -77,24 +68,8 @@ impl WanGeom {
                  use [1, p, p]",
             ));
         }
-        if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-            return Err(EngineError::unsupported(
-                "model.attn_dropout / model.mlp_dropout with a Wan model",
-                "Wan trains without dropout in the engine; set both to 0",
-            ));
-        }
-        let fm = ditmem_budget::denoiser::family(spec)?
-            .ok_or_else(|| EngineError::bad_input("model.diffusers", "is missing"))?;
-        let tokens = ditmem_budget::denoiser::text_tokens(spec, &fm.geometry());
-        let t = match tokens.as_slice() {
-            [t] if *t > 0 => *t as usize,
-            other => {
-                return Err(EngineError::bad_input(
-                    "workload.text_tokens",
-                    format!("{other:?}; allowed: one positive count (the umT5 caption)"),
-                ))
-            }
-        };
+        no_dropout(spec, "a Wan model", "Wan")?;
+        let t = caption_tokens(spec, "umT5")?;
         let frames = spec.latent_frames()? as usize;
         let u = |v: u64| v as usize;
         let g = WanGeom {
@@ -194,73 +169,49 @@ pub fn param_shapes(d: &Dims, g: &WanGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let table_init = Init::Normal(1.0 / (h as f64).sqrt());
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable: true,
-        })
-    };
-    let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init), p: &str, out, inp, w| {
-        push(format!("{p}.weight"), vec![out, inp], w);
-        push(format!("{p}.bias"), vec![out], Init::Zeros);
-    };
-    push("scale_shift_table".into(), vec![1, 2, h], table_init);
-    push(
+    let mut inv = Inventory::default();
+    inv.tensor("scale_shift_table".into(), vec![1, 2, h], table_init);
+    inv.tensor(
         "patch_embedding.weight".into(),
         vec![h, d.in_channels, 1, d.patch, d.patch],
         Init::XavierUniform,
     );
-    push("patch_embedding.bias".into(), vec![h], Init::Zeros);
+    inv.tensor("patch_embedding.bias".into(), vec![h], Init::Zeros);
     let ce = "condition_embedder";
-    linear(
-        &mut push,
-        &format!("{ce}.time_embedder.linear_1"),
-        h,
-        g.freq,
-        small,
-    );
-    linear(
-        &mut push,
-        &format!("{ce}.time_embedder.linear_2"),
-        h,
-        h,
-        small,
-    );
-    linear(&mut push, &format!("{ce}.time_proj"), 6 * h, h, small);
+    inv.linear(&format!("{ce}.time_embedder.linear_1"), h, g.freq, small);
+    inv.linear(&format!("{ce}.time_embedder.linear_2"), h, h, small);
+    inv.linear(&format!("{ce}.time_proj"), 6 * h, h, small);
     let te = format!("{ce}.text_embedder");
     let xu = Init::XavierUniform;
-    linear(&mut push, &format!("{te}.linear_1"), h, g.text_dim, xu);
-    linear(&mut push, &format!("{te}.linear_2"), h, h, xu);
+    inv.linear(&format!("{te}.linear_1"), h, g.text_dim, xu);
+    inv.linear(&format!("{te}.linear_2"), h, h, xu);
     for i in 0..d.depth {
         let b = format!("blocks.{i}");
-        push(format!("{b}.scale_shift_table"), vec![1, 6, h], table_init);
+        inv.tensor(format!("{b}.scale_shift_table"), vec![1, 6, h], table_init);
         for attn in ["attn1", "attn2"] {
             for proj in ["to_q", "to_k", "to_v", "to_out.0"] {
-                linear(&mut push, &format!("{b}.{attn}.{proj}"), h, h, xu);
+                inv.linear(&format!("{b}.{attn}.{proj}"), h, h, xu);
             }
             for norm in ["norm_q", "norm_k"] {
-                push(format!("{b}.{attn}.{norm}.weight"), vec![h], Init::Ones);
+                inv.tensor(format!("{b}.{attn}.{norm}.weight"), vec![h], Init::Ones);
             }
         }
         if g.cross_attn_norm {
-            push(format!("{b}.norm2.weight"), vec![h], Init::Ones);
-            push(format!("{b}.norm2.bias"), vec![h], Init::Zeros);
+            inv.tensor(format!("{b}.norm2.weight"), vec![h], Init::Ones);
+            inv.tensor(format!("{b}.norm2.bias"), vec![h], Init::Zeros);
         }
-        linear(&mut push, &format!("{b}.ffn.net.0.proj"), g.ffn, h, xu);
-        linear(&mut push, &format!("{b}.ffn.net.2"), h, g.ffn, xu);
+        inv.linear(&format!("{b}.ffn.net.0.proj"), g.ffn, h, xu);
+        inv.linear(&format!("{b}.ffn.net.2"), h, g.ffn, xu);
     }
     let out = d.patch * d.patch * g.out_channels;
-    linear(&mut push, "proj_out", out, h, small);
+    inv.linear("proj_out", out, h, small);
     for (name, cos) in [("rope.freqs_cos", true), ("rope.freqs_sin", false)] {
-        v.push(ParamShape {
+        inv.shapes.push(ParamShape {
             name: name.into(),
             shape: vec![g.rope_max, g.head_dim],
             init: Init::Rope3d { cos },
             trainable: false,
         });
     }
-    adapt(v, g.lora.as_ref())
+    adapt(inv.shapes, g.lora.as_ref())
 }

@@ -1,4 +1,4 @@
-//! Wan's segments for the family schedule ([`super::family`]).
+//! Wan's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: the 3-D patchify + `patch_embedding` (the one stream), the timestep MLP (`temb`,
 //! (b, D)), `time_proj` on its SiLU (the (b, 6D) block modulation), the text projection of the
@@ -7,22 +7,25 @@
 //! the tables, the final layer temb; nothing differentiates the tables (the RoPE op holds
 //! them as constants), so their summed gradients stay the zeros the schedule makes.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::families::wan::{
     final_forward, patchify3d, rope_tables, text_forward, unpatchify3d, wan_block_forward,
     WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
 };
+use crate::layers::cast;
 use crate::model::timestep_features;
+use crate::shapes::Dims;
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Wan block's parameters sit.
 #[derive(Debug, Clone)]
-pub(super) struct WanBlockIdx {
+pub(crate) struct WanBlockIdx {
     table: usize,
     lin: [LinearIdx; 10],
     norms: [usize; 4],
@@ -31,7 +34,7 @@ pub(super) struct WanBlockIdx {
 
 /// Where Wan's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct WanLayout {
+pub(crate) struct WanLayout {
     patch: LinearIdx,
     t1: LinearIdx,
     t2: LinearIdx,
@@ -44,34 +47,25 @@ pub(super) struct WanLayout {
 }
 
 impl WanLayout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        depth: usize,
-        geom: WanGeom,
-    ) -> Result<WanLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: WanGeom) -> Result<WanLayout> {
         let mut blocks = Vec::with_capacity(depth);
         for i in 0..depth {
             let b = format!("blocks.{i}");
-            let first = lin(&format!("{b}.{}", WAN_BLOCK_LINEARS[0]))?;
-            let mut l = [first; 10];
-            for (slot, name) in l.iter_mut().zip(WAN_BLOCK_LINEARS) {
-                *slot = lin(&format!("{b}.{name}"))?;
-            }
+            let l = p.lins(&b, WAN_BLOCK_LINEARS)?;
             let mut norms = [0; 4];
             for (slot, name) in norms.iter_mut().zip(WAN_BLOCK_NORMS) {
-                *slot = idx(&format!("{b}.{name}.weight"))?;
+                *slot = p.idx(&format!("{b}.{name}.weight"))?;
             }
             let norm2 = if geom.cross_attn_norm {
                 Some((
-                    idx(&format!("{b}.norm2.weight"))?,
-                    idx(&format!("{b}.norm2.bias"))?,
+                    p.idx(&format!("{b}.norm2.weight"))?,
+                    p.idx(&format!("{b}.norm2.bias"))?,
                 ))
             } else {
                 None
             };
             blocks.push(WanBlockIdx {
-                table: idx(&format!("{b}.scale_shift_table"))?,
+                table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 norms,
                 norm2,
@@ -79,24 +73,28 @@ impl WanLayout {
         }
         let ce = "condition_embedder";
         Ok(WanLayout {
-            patch: lin("patch_embedding")?,
-            t1: lin(&format!("{ce}.time_embedder.linear_1"))?,
-            t2: lin(&format!("{ce}.time_embedder.linear_2"))?,
-            time_proj: lin(&format!("{ce}.time_proj"))?,
+            patch: p.lin("patch_embedding")?,
+            t1: p.lin(&format!("{ce}.time_embedder.linear_1"))?,
+            t2: p.lin(&format!("{ce}.time_embedder.linear_2"))?,
+            time_proj: p.lin(&format!("{ce}.time_proj"))?,
             text: [
-                lin(&format!("{ce}.text_embedder.linear_1"))?,
-                lin(&format!("{ce}.text_embedder.linear_2"))?,
+                p.lin(&format!("{ce}.text_embedder.linear_1"))?,
+                p.lin(&format!("{ce}.text_embedder.linear_2"))?,
             ],
             blocks,
-            final_table: idx("scale_shift_table")?,
-            proj_out: lin("proj_out")?,
+            final_table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
             geom,
         })
     }
 }
 
 impl Trainer {
-    fn wan_block_weights(&self, b: &WanBlockIdx, track: bool) -> Result<WanBlockWeights> {
+    pub(crate) fn wan_block_weights(
+        &self,
+        b: &WanBlockIdx,
+        track: bool,
+    ) -> Result<WanBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         let n = |k: usize| self.weight(b.norms[k], track);
         let ad = self.cfg.accum;
@@ -127,10 +125,6 @@ impl Trainer {
     }
 }
 
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
-}
-
 impl FamilyStep for WanLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
@@ -146,15 +140,7 @@ impl FamilyStep for WanLayout {
         let g = &self.geom;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != g.text_tokens || mb.text_width != g.text_dim {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, g.text_tokens, g.text_dim
-                ),
-            ));
-        }
+        check_text(mb, g.text_tokens, g.text_dim)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(
             patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?,
@@ -199,14 +185,8 @@ impl FamilyStep for WanLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.wan_block_weights(&self.blocks[i], track)?;
         let conds = WanConds {
             t6: &c[0],
@@ -257,5 +237,11 @@ impl FamilyStep for WanLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for WanGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(WanLayout::new(p, d.depth, self.clone())?))
     }
 }

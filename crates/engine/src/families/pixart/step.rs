@@ -1,4 +1,4 @@
-//! PixArt's segments for the family schedule ([`super::family`]).
+//! PixArt's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: patch embedding + the sin-cos table (the one stream), the timestep MLP (the embedded
 //! timestep, (b, D); with PixArt-α's additional conditions plus the resolution and aspect-ratio
@@ -6,30 +6,33 @@
 //! caption projection (b·T, D) in the compute dtype. The conditioning is `[t6, emb, y]`: blocks
 //! read t6 and y, the final layer emb.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::families::pixart::params::{PIXART_FREQ, SIZE_EMBEDDERS};
 use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
+use crate::layers::cast;
 use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
+use crate::shapes::Dims;
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one PixArt block's parameters sit.
 #[derive(Debug, Clone)]
-pub(super) struct PixartBlockIdx {
+pub(crate) struct PixartBlockIdx {
     table: usize,
     lin: [LinearIdx; 10],
 }
 
 /// Where PixArt's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct PixartLayout {
+pub(crate) struct PixartLayout {
     patch: LinearIdx,
     pos: usize,
     t1: LinearIdx,
@@ -46,51 +49,42 @@ pub(super) struct PixartLayout {
 }
 
 impl PixartLayout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        depth: usize,
-        geom: PixartGeom,
-    ) -> Result<PixartLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: PixartGeom) -> Result<PixartLayout> {
         let mut blocks = Vec::with_capacity(depth);
         for i in 0..depth {
             let b = format!("transformer_blocks.{i}");
-            let first = lin(&format!("{b}.{}", PIXART_BLOCK_LINEARS[0]))?;
-            let mut l = [first; 10];
-            for (slot, name) in l.iter_mut().zip(PIXART_BLOCK_LINEARS) {
-                *slot = lin(&format!("{b}.{name}"))?;
-            }
+            let l = p.lins(&b, PIXART_BLOCK_LINEARS)?;
             blocks.push(PixartBlockIdx {
-                table: idx(&format!("{b}.scale_shift_table"))?,
+                table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
             });
         }
         let te = "adaln_single.emb.timestep_embedder";
         Ok(PixartLayout {
-            patch: lin("pos_embed.proj")?,
-            pos: idx("pos_embed.pos_embed")?,
-            t1: lin(&format!("{te}.linear_1"))?,
-            t2: lin(&format!("{te}.linear_2"))?,
+            patch: p.lin("pos_embed.proj")?,
+            pos: p.idx("pos_embed.pos_embed")?,
+            t1: p.lin(&format!("{te}.linear_1"))?,
+            t2: p.lin(&format!("{te}.linear_2"))?,
             sizes: match geom.sizes {
                 Some(_) => {
-                    let l = |e: &str, k: u8| lin(&format!("adaln_single.emb.{e}.linear_{k}"));
+                    let l = |e: &str, k: u8| p.lin(&format!("adaln_single.emb.{e}.linear_{k}"));
                     let [r, a] = SIZE_EMBEDDERS;
                     Some([l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?])
                 }
                 None => None,
             },
-            adaln: lin("adaln_single.linear")?,
+            adaln: p.lin("adaln_single.linear")?,
             caption: if geom.caption_projection {
                 Some([
-                    lin("caption_projection.linear_1")?,
-                    lin("caption_projection.linear_2")?,
+                    p.lin("caption_projection.linear_1")?,
+                    p.lin("caption_projection.linear_2")?,
                 ])
             } else {
                 None
             },
             blocks,
-            final_table: idx("scale_shift_table")?,
-            proj_out: lin("proj_out")?,
+            final_table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
             geom,
         })
     }
@@ -99,11 +93,15 @@ impl PixartLayout {
 impl Trainer {
     /// A PixArt parameter that is not a linear (a `scale_shift_table`), in the accumulation
     /// dtype (a cast copy only when the dtypes differ).
-    fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
+    pub(crate) fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
         cast(self.raw_weight(i, track), self.cfg.accum)
     }
 
-    fn pixart_block_weights(&self, b: &PixartBlockIdx, track: bool) -> Result<PixartBlockWeights> {
+    pub(crate) fn pixart_block_weights(
+        &self,
+        b: &PixartBlockIdx,
+        track: bool,
+    ) -> Result<PixartBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         Ok(PixartBlockWeights {
             table: self.table_weight(b.table, track)?,
@@ -119,10 +117,6 @@ impl Trainer {
             fc2: l(9)?,
         })
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 impl FamilyStep for PixartLayout {
@@ -141,15 +135,7 @@ impl FamilyStep for PixartLayout {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
-                ),
-            ));
-        }
+        check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);
@@ -214,14 +200,8 @@ impl FamilyStep for PixartLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.pixart_block_weights(&self.blocks[i], track)?;
         let out = pixart_block_forward(&x[0], &c[0], &c[2], &w, &tr.cfg)?;
         Ok(vec![out])
@@ -258,5 +238,11 @@ impl FamilyStep for PixartLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for PixartGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(PixartLayout::new(p, d.depth, self.clone())?))
     }
 }

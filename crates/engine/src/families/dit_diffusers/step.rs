@@ -1,4 +1,4 @@
-//! The diffusers DiT's segments for the family schedule ([`super::family`]).
+//! The diffusers DiT's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: patch embedding + the sin-cos table (the one stream); the timestep features
 //! (`downscale_freq_shift=1`, in the compute dtype) and the label rows, which every block's own
@@ -8,11 +8,10 @@
 //! parameters are read by two segments: block 0 lands their gradients, the embed's backward
 //! adds its own into them. The conditioning is `[SiLU(emb₀), features, label rows]`.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::LinearIdx;
-use super::{cast, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::dit_diffusers::{
@@ -20,25 +19,30 @@ use crate::families::dit_diffusers::{
     DitdBlockWeights, DitdGeom, EmbWeights, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_FREQ,
     DITD_LABEL_TABLE,
 };
+use crate::layers::cast;
 use crate::model::{patchify, unpatchify};
+use crate::shapes::Dims;
+use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::Trainer;
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex};
 
 /// Where one block's embedder sits.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct EmbIdx {
+pub(crate) struct EmbIdx {
     lin: [LinearIdx; 2],
     table: usize,
 }
 
 /// Where one block's parameters sit.
 #[derive(Debug, Clone)]
-pub(super) struct DitdBlockIdx {
+pub(crate) struct DitdBlockIdx {
     emb: EmbIdx,
     lin: [LinearIdx; 7],
 }
 
 /// Where the diffusers DiT's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct DitdLayout {
+pub(crate) struct DitdLayout {
     patch: LinearIdx,
     pos: usize,
     blocks: Vec<DitdBlockIdx>,
@@ -47,24 +51,15 @@ pub(super) struct DitdLayout {
 }
 
 impl DitdLayout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        depth: usize,
-        geom: DitdGeom,
-    ) -> Result<DitdLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: DitdGeom) -> Result<DitdLayout> {
         let mut blocks = Vec::with_capacity(depth);
         for i in 0..depth {
             let b = format!("transformer_blocks.{i}");
-            let [e1, e2] = DITD_EMB_LINEARS;
             let emb = EmbIdx {
-                lin: [lin(&format!("{b}.{e1}"))?, lin(&format!("{b}.{e2}"))?],
-                table: idx(&format!("{b}.{DITD_LABEL_TABLE}"))?,
+                lin: p.lins(&b, DITD_EMB_LINEARS)?,
+                table: p.idx(&format!("{b}.{DITD_LABEL_TABLE}"))?,
             };
-            let mut l = [emb.lin[0]; 7];
-            for (slot, name) in l.iter_mut().zip(DITD_BLOCK_LINEARS) {
-                *slot = lin(&format!("{b}.{name}"))?;
-            }
+            let l = p.lins(&b, DITD_BLOCK_LINEARS)?;
             blocks.push(DitdBlockIdx { emb, lin: l });
         }
         if blocks.is_empty() {
@@ -74,17 +69,13 @@ impl DitdLayout {
             ));
         }
         Ok(DitdLayout {
-            patch: lin("pos_embed.proj")?,
-            pos: idx("pos_embed.pos_embed")?,
+            patch: p.lin("pos_embed.proj")?,
+            pos: p.idx("pos_embed.pos_embed")?,
             blocks,
-            proj_out: [lin("proj_out_1")?, lin("proj_out_2")?],
+            proj_out: [p.lin("proj_out_1")?, p.lin("proj_out_2")?],
             geom,
         })
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 fn emb_params(e: &EmbIdx) -> Vec<usize> {
@@ -94,7 +85,7 @@ fn emb_params(e: &EmbIdx) -> Vec<usize> {
 }
 
 impl Trainer {
-    fn ditd_emb_weights(&self, e: &EmbIdx, track: bool) -> Result<EmbWeights> {
+    pub(crate) fn ditd_emb_weights(&self, e: &EmbIdx, track: bool) -> Result<EmbWeights> {
         Ok(EmbWeights {
             linear_1: self.linear(e.lin[0], track)?,
             linear_2: self.linear(e.lin[1], track)?,
@@ -102,7 +93,11 @@ impl Trainer {
         })
     }
 
-    fn ditd_block_weights(&self, b: &DitdBlockIdx, track: bool) -> Result<DitdBlockWeights> {
+    pub(crate) fn ditd_block_weights(
+        &self,
+        b: &DitdBlockIdx,
+        track: bool,
+    ) -> Result<DitdBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         Ok(DitdBlockWeights {
             emb: self.ditd_emb_weights(&b.emb, track)?,
@@ -173,14 +168,8 @@ impl FamilyStep for DitdLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.ditd_block_weights(&self.blocks[i], track)?;
         let out = ditd_block_forward(&x[0], &c[1], &c[2], &w, &tr.cfg, self.geom.norm_eps)?;
         Ok(vec![out])
@@ -218,5 +207,11 @@ impl FamilyStep for DitdLayout {
 
     fn final_params(&self) -> Vec<usize> {
         params_of(&self.proj_out)
+    }
+}
+
+impl FamilyLayout for DitdGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(DitdLayout::new(p, d.depth, self.clone())?))
     }
 }

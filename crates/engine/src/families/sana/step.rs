@@ -1,4 +1,4 @@
-//! Sana's segments for the family schedule ([`super::family`]).
+//! Sana's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: the patch embedding (the one stream; no position table), the timestep MLP (the
 //! embedded timestep, (b, D)), `time_embed.linear` on its SiLU (the (b, 6D) block modulation)
@@ -9,24 +9,28 @@
 //! runs as the fused linear on a zero bias that the block's weights share ([`zero_bias`]); its
 //! weight's gradient goes to a sink that takes dW only.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
-use crate::block::LinearW;
 use crate::diffusion::Batch;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
 use crate::families::sana::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
 };
+use crate::layers::cast;
+use crate::layers::LinearW;
 use crate::model::{patchify, timestep_features, unpatchify};
+use crate::shapes::Dims;
+use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// A linear's weight, its bias when it has one, and its LoRA factors (A, B) when adapted.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Lin {
+pub(crate) struct Lin {
     w: usize,
     b: Option<usize>,
     lora: Option<(usize, usize)>,
@@ -35,29 +39,18 @@ pub(super) struct Lin {
 /// Where one Sana block's parameters sit: the table, then attn1's q, k, v, out, attn2's q, k,
 /// v, out, `conv_inverted`, `conv_point` (in `lin`), and `conv_depth`'s weight and bias.
 #[derive(Debug, Clone)]
-pub(super) struct SanaBlockIdx {
+pub(crate) struct SanaBlockIdx {
     table: usize,
     lin: [Lin; 10],
     depth: (usize, usize),
 }
 
 /// The linears of a block in `SanaBlockIdx::lin` order (diffusers names).
-const BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.conv_inverted",
-    "ff.conv_point",
-];
+const BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ff.conv_inverted", "ff.conv_point"]);
 
 /// Where Sana's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct SanaLayout {
+pub(crate) struct SanaLayout {
     patch: LinearIdx,
     t1: LinearIdx,
     t2: LinearIdx,
@@ -72,29 +65,13 @@ pub(super) struct SanaLayout {
 }
 
 impl SanaLayout {
-    pub(super) fn new(
-        idx: &dyn Fn(&str) -> Result<usize>,
-        find: &dyn Fn(&str) -> Option<usize>,
-        dims: &crate::model::Dims,
-        geom: SanaGeom,
-    ) -> Result<SanaLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, dims: &Dims, geom: SanaGeom) -> Result<SanaLayout> {
         // A linear by module name, with its LoRA factors when it has them.
         let any = |m: &str| -> Result<Lin> {
             Ok(Lin {
-                w: idx(&format!("{m}.weight"))?,
-                b: find(&format!("{m}.bias")),
-                lora: factor_indices(find, m),
-            })
-        };
-        // One with a bias.
-        let lin = |m: &str| -> Result<LinearIdx> {
-            let l = any(m)?;
-            Ok(LinearIdx {
-                w: l.w,
-                b: l.b.ok_or_else(|| {
-                    EngineError::bad_input("parameter", format!("'{m}.bias' is missing"))
-                })?,
-                lora: l.lora,
+                w: p.idx(&format!("{m}.weight"))?,
+                b: p.find(&format!("{m}.bias")),
+                lora: factor_indices(&|n| p.find(n), m),
             })
         };
         let mut blocks = Vec::with_capacity(dims.depth);
@@ -109,28 +86,28 @@ impl SanaLayout {
                 *slot = any(&format!("{b}.{name}"))?;
             }
             blocks.push(SanaBlockIdx {
-                table: idx(&format!("{b}.scale_shift_table"))?,
+                table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 depth: (
-                    idx(&format!("{b}.ff.conv_depth.weight"))?,
-                    idx(&format!("{b}.ff.conv_depth.bias"))?,
+                    p.idx(&format!("{b}.ff.conv_depth.weight"))?,
+                    p.idx(&format!("{b}.ff.conv_depth.bias"))?,
                 ),
             });
         }
         let te = "time_embed.emb.timestep_embedder";
         Ok(SanaLayout {
-            patch: lin("patch_embed.proj")?,
-            t1: lin(&format!("{te}.linear_1"))?,
-            t2: lin(&format!("{te}.linear_2"))?,
-            adaln: lin("time_embed.linear")?,
+            patch: p.lin("patch_embed.proj")?,
+            t1: p.lin(&format!("{te}.linear_1"))?,
+            t2: p.lin(&format!("{te}.linear_2"))?,
+            adaln: p.lin("time_embed.linear")?,
             caption: [
-                lin("caption_projection.linear_1")?,
-                lin("caption_projection.linear_2")?,
+                p.lin("caption_projection.linear_1")?,
+                p.lin("caption_projection.linear_2")?,
             ],
-            caption_norm: idx("caption_norm.weight")?,
+            caption_norm: p.idx("caption_norm.weight")?,
             blocks,
-            final_table: idx("scale_shift_table")?,
-            proj_out: lin("proj_out")?,
+            final_table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
             geom,
             grid: (dims.rows, dims.cols),
         })
@@ -139,7 +116,7 @@ impl SanaLayout {
 
 impl Trainer {
     /// A linear of a Sana block; a bias-less one reads `zero` (D) as its bias.
-    fn sana_linear(&self, l: Lin, zero: &Tensor, track: bool) -> Result<LinearW> {
+    pub(crate) fn sana_linear(&self, l: Lin, zero: &Tensor, track: bool) -> Result<LinearW> {
         match l.b {
             Some(b) => self.linear(
                 LinearIdx {
@@ -149,33 +126,15 @@ impl Trainer {
                 },
                 track,
             ),
-            None => {
-                // As `Trainer::linear`: the adapters (cast to the compute dtype) first.
-                let lora = match l.lora {
-                    Some((a, b)) => Some((self.weight(a, track)?, self.weight(b, track)?)),
-                    None => None,
-                };
-                let sink = if track {
-                    self.sinks[l.w]
-                        .as_ref()
-                        .map(|(s, _)| std::sync::Arc::clone(s))
-                } else {
-                    None
-                };
-                let w = self.linear_weight(l.w, track)?;
-                let w = if w.rank() > 2 { w.flatten_from(1)? } else { w };
-                Ok(LinearW {
-                    w,
-                    b: zero.clone(),
-                    lora,
-                    sink,
-                    dx_sink: None,
-                })
-            }
+            None => self.linear_with(l.w, None, l.lora, track, || Ok(zero.clone())),
         }
     }
 
-    fn sana_block_weights(&self, b: &SanaBlockIdx, track: bool) -> Result<SanaBlockWeights> {
+    pub(crate) fn sana_block_weights(
+        &self,
+        b: &SanaBlockIdx,
+        track: bool,
+    ) -> Result<SanaBlockWeights> {
         // One zero bias (D) for every bias-less linear of the block (all write D).
         let wdt = self.linear_weight(b.lin[3].w, false)?.dtype();
         let zero = zero_bias(self.dims.hidden, wdt)?;
@@ -198,10 +157,6 @@ impl Trainer {
             conv_point: l(9)?,
         })
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 impl FamilyStep for SanaLayout {
@@ -236,15 +191,7 @@ impl FamilyStep for SanaLayout {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != self.geom.text_tokens || mb.text_width != self.geom.text_width {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {}; this model reads {} of width {}",
-                    mb.text_tokens, mb.text_width, self.geom.text_tokens, self.geom.text_width
-                ),
-            ));
-        }
+        check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
         let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
         let xp = cast(patchify(&xt, &d)?, cd)?;
         drop(xt);
@@ -283,14 +230,8 @@ impl FamilyStep for SanaLayout {
         self.blocks.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let w = tr.sana_block_weights(&self.blocks[i], track)?;
         let geo = SanaBlockGeom {
             rows: self.grid.0,
@@ -338,5 +279,11 @@ impl FamilyStep for SanaLayout {
         let mut idx = Trainer::linear_params(&self.proj_out);
         idx.push(self.final_table);
         idx
+    }
+}
+
+impl FamilyLayout for SanaGeom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(SanaLayout::new(p, d, self.clone())?))
     }
 }

@@ -8,23 +8,26 @@
 //! one conditioning tensor, made once. Streams enter block 0 as [context, image]; the last
 //! block (`context_pre_only`) returns [image].
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::sd3::{
     block_linears, final_forward, sd3_block_forward, silu_mlp, ContextOut, DualAttn,
     Sd3BlockWeights, Sd3Geom, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
 };
+use crate::layers::cast;
 use crate::model::{patchify, timestep_features, unpatchify};
+use crate::shapes::Dims;
+use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
 /// norm weights.
 #[derive(Debug, Clone)]
-pub(super) struct Sd3BlockIdx {
+pub(crate) struct Sd3BlockIdx {
     lin: Vec<LinearIdx>,
     qk: Option<[usize; 4]>,
     /// A dual-attention block's `attn2` linears ([`DUAL_LINEARS`] order) and q/k norms.
@@ -33,7 +36,7 @@ pub(super) struct Sd3BlockIdx {
 
 /// Where SD3's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct Sd3Layout {
+pub(crate) struct Sd3Layout {
     patch: LinearIdx,
     pos: usize,
     t1: LinearIdx,
@@ -44,33 +47,28 @@ pub(super) struct Sd3Layout {
     blocks: Vec<Sd3BlockIdx>,
     norm_out: LinearIdx,
     proj_out: LinearIdx,
-    pub(super) geom: Sd3Geom,
+    pub(crate) geom: Sd3Geom,
 }
 
 impl Sd3Layout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        depth: usize,
-        geom: Sd3Geom,
-    ) -> Result<Sd3Layout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: Sd3Geom) -> Result<Sd3Layout> {
         let mut blocks = Vec::with_capacity(depth);
         for i in 0..depth {
             let b = format!("transformer_blocks.{i}");
             let l = block_linears(i + 1 == depth)
                 .into_iter()
-                .map(|n| lin(&format!("{b}.{n}")))
+                .map(|n| p.lin(&format!("{b}.{n}")))
                 .collect::<Result<Vec<_>>>()?;
             let qk = if geom.qk_norm {
-                let n = |k: usize| idx(&format!("{b}.{}.weight", QK_NORMS[k]));
+                let n = |k: usize| p.idx(&format!("{b}.{}.weight", QK_NORMS[k]));
                 Some([n(0)?, n(1)?, n(2)?, n(3)?])
             } else {
                 None
             };
             let dual = if geom.is_dual(i) {
-                let l = |k: usize| lin(&format!("{b}.{}", DUAL_LINEARS[k]));
+                let l = |k: usize| p.lin(&format!("{b}.{}", DUAL_LINEARS[k]));
                 let qk = if geom.qk_norm {
-                    let n = |k: usize| idx(&format!("{b}.{}.weight", DUAL_QK_NORMS[k]));
+                    let n = |k: usize| p.idx(&format!("{b}.{}.weight", DUAL_QK_NORMS[k]));
                     Some([n(0)?, n(1)?])
                 } else {
                     None
@@ -84,16 +82,16 @@ impl Sd3Layout {
         let te = "time_text_embed.timestep_embedder";
         let pe = "time_text_embed.text_embedder";
         Ok(Sd3Layout {
-            patch: lin("pos_embed.proj")?,
-            pos: idx("pos_embed.pos_embed")?,
-            t1: lin(&format!("{te}.linear_1"))?,
-            t2: lin(&format!("{te}.linear_2"))?,
-            p1: lin(&format!("{pe}.linear_1"))?,
-            p2: lin(&format!("{pe}.linear_2"))?,
-            context: lin("context_embedder")?,
+            patch: p.lin("pos_embed.proj")?,
+            pos: p.idx("pos_embed.pos_embed")?,
+            t1: p.lin(&format!("{te}.linear_1"))?,
+            t2: p.lin(&format!("{te}.linear_2"))?,
+            p1: p.lin(&format!("{pe}.linear_1"))?,
+            p2: p.lin(&format!("{pe}.linear_2"))?,
+            context: p.lin("context_embedder")?,
             blocks,
-            norm_out: lin("norm_out.linear")?,
-            proj_out: lin("proj_out")?,
+            norm_out: p.lin("norm_out.linear")?,
+            proj_out: p.lin("proj_out")?,
             geom,
         })
     }
@@ -104,7 +102,12 @@ impl Sd3Layout {
 }
 
 impl Trainer {
-    fn sd3_block_weights(&self, lay: &Sd3Layout, i: usize, track: bool) -> Result<Sd3BlockWeights> {
+    pub(crate) fn sd3_block_weights(
+        &self,
+        lay: &Sd3Layout,
+        i: usize,
+        track: bool,
+    ) -> Result<Sd3BlockWeights> {
         let b = &lay.blocks[i];
         let l = |k: usize| self.linear(b.lin[k], track);
         let last = i + 1 == lay.depth();
@@ -246,14 +249,8 @@ impl FamilyStep for Sd3Layout {
     }
 
     /// Joint block `i` on the streams [context, image] with the conditioning [SiLU(temb)].
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let ([ctx, img], [se]) = (x, c) else {
             return Err(EngineError::bad_input(
                 "sd3 block",
@@ -313,5 +310,11 @@ impl FamilyStep for Sd3Layout {
         let mut v = Trainer::linear_params(&self.norm_out);
         v.extend(Trainer::linear_params(&self.proj_out));
         v
+    }
+}
+
+impl FamilyLayout for Sd3Geom {
+    fn layout(&self, p: &ParamIndex<'_>, d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(Sd3Layout::new(p, d.depth, self.clone())?))
     }
 }

@@ -1,4 +1,4 @@
-//! Flux's segments for the family schedule ([`super::family`]).
+//! Flux's segments for the family schedule ([`crate::trainer::family`]).
 //!
 //! Embed: `x_embedder` on the 2×2-packed latent tokens (the image stream (b, s, D)),
 //! `context_embedder` on the cached T5 embeddings (the text stream (b, T, D)), `time_text_embed`
@@ -15,9 +15,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::family::{Embedded, FamilyStep};
-use super::state::{LinearIdx, Trainer};
-use crate::block::cast;
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::families::flux::block::{
@@ -28,20 +25,24 @@ use crate::families::flux::params::{
     rope_ids, FluxGeom, DOUBLE_LINEARS, DOUBLE_NORMS, FLUX_FREQ, GUIDANCE, ROPE_THETA,
     SINGLE_LINEARS, SINGLE_NORMS,
 };
+use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
+use crate::shapes::Dims;
+use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
 /// [`DOUBLE_LINEARS`] / [`SINGLE_LINEARS`] and their norms.
 #[derive(Debug, Clone)]
-pub(super) struct FluxBlockIdx {
+pub(crate) struct FluxBlockIdx {
     lin: Vec<LinearIdx>,
     norms: Vec<usize>,
 }
 
 /// Where Flux's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
-pub(super) struct FluxLayout {
+pub(crate) struct FluxLayout {
     x_embedder: LinearIdx,
     context_embedder: LinearIdx,
     /// timestep_embedder, guidance_embedder (if any), text_embedder: (linear_1, linear_2).
@@ -54,20 +55,16 @@ pub(super) struct FluxLayout {
 }
 
 impl FluxLayout {
-    pub(super) fn new(
-        lin: &dyn Fn(&str) -> Result<LinearIdx>,
-        idx: &dyn Fn(&str) -> Result<usize>,
-        geom: FluxGeom,
-    ) -> Result<FluxLayout> {
+    pub(crate) fn new(p: &ParamIndex<'_>, geom: FluxGeom) -> Result<FluxLayout> {
         let block = |prefix: String, lins: &[&str], norms: &[&str]| -> Result<FluxBlockIdx> {
             Ok(FluxBlockIdx {
                 lin: lins
                     .iter()
-                    .map(|n| lin(&format!("{prefix}.{n}")))
+                    .map(|n| p.lin(&format!("{prefix}.{n}")))
                     .collect::<Result<_>>()?,
                 norms: norms
                     .iter()
-                    .map(|n| idx(&format!("{prefix}.{n}.weight")))
+                    .map(|n| p.idx(&format!("{prefix}.{n}.weight")))
                     .collect::<Result<_>>()?,
             })
         };
@@ -99,19 +96,19 @@ impl FluxLayout {
             .iter()
             .map(|n| {
                 Ok([
-                    lin(&format!("{tte}.{n}.linear_1"))?,
-                    lin(&format!("{tte}.{n}.linear_2"))?,
+                    p.lin(&format!("{tte}.{n}.linear_1"))?,
+                    p.lin(&format!("{tte}.{n}.linear_2"))?,
                 ])
             })
             .collect::<Result<_>>()?;
         Ok(FluxLayout {
-            x_embedder: lin("x_embedder")?,
-            context_embedder: lin("context_embedder")?,
+            x_embedder: p.lin("x_embedder")?,
+            context_embedder: p.lin("context_embedder")?,
             embedders,
             double,
             single,
-            norm_out: lin("norm_out.linear")?,
-            proj_out: lin("proj_out")?,
+            norm_out: p.lin("norm_out.linear")?,
+            proj_out: p.lin("proj_out")?,
             geom,
         })
     }
@@ -123,10 +120,6 @@ impl FluxLayout {
             &self.single[i - self.double.len()]
         }
     }
-}
-
-fn params_of(lins: &[LinearIdx]) -> Vec<usize> {
-    lins.iter().flat_map(Trainer::linear_params).collect()
 }
 
 impl FamilyStep for FluxLayout {
@@ -215,14 +208,8 @@ impl FamilyStep for FluxLayout {
         self.double.len() + self.single.len()
     }
 
-    fn block(
-        &self,
-        tr: &Trainer,
-        i: usize,
-        x: &[Tensor],
-        c: &[Tensor],
-        track: bool,
-    ) -> Result<Vec<Tensor>> {
+    fn block(&self, tr: &Trainer, i: usize, b: BlockIn<'_>) -> Result<Vec<Tensor>> {
+        let BlockIn { x, c, track } = b;
         let bi = self.block_idx(i);
         let lin = bi
             .lin
@@ -294,5 +281,11 @@ impl FamilyStep for FluxLayout {
 
     fn fixed_conds(&self) -> usize {
         2
+    }
+}
+
+impl FamilyLayout for FluxGeom {
+    fn layout(&self, p: &ParamIndex<'_>, _d: &Dims) -> Result<Arc<dyn ModelLayout>> {
+        Ok(Arc::new(FluxLayout::new(p, self.clone())?))
     }
 }
