@@ -14,7 +14,7 @@ use crate::ops::ln_modulate;
 use crate::rng::derive_seed;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
-use crate::verify::replay::{add_softmax, amplification_of, e, linear, on_pool, Probe};
+use crate::verify::replay::{add_softmax, amplification_of, e, linear, mse_loss, on_pool, Probe};
 use crate::verify::softmax::Layout as SoftmaxLayout;
 use crate::verify::Result;
 
@@ -142,12 +142,7 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
             let pred = unpatchify(&out, b, &d)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;
-            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
-            (pred - target)
-                .and_then(|r| r.sqr())
-                .and_then(|r| r.mean_all())
-                .and_then(|r| r.to_scalar::<f64>())
-                .map_err(e)
+            mse_loss(pred, &mb, &acp, spec)
         })?;
     }
     Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))

@@ -11,7 +11,9 @@ use crate::ops::ln_modulate;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
-use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::replay::{
+    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+};
 use crate::verify::Result;
 use ditmem_engine::families::flux::FluxGeom;
 
@@ -199,12 +201,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
             let img = image_tokens(&xs[0], d.tokens)?;
             let out = flux_final(&img, &st, &fw, f, f)?;
             let pred = unpack(&out, b, &d)?;
-            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
-            (pred - target)
-                .and_then(|r| r.sqr())
-                .and_then(|r| r.mean_all())
-                .and_then(|r| r.to_scalar::<f64>())
-                .map_err(e)
+            mse_loss(pred, &mb, &acp, spec)
         })?;
     }
     Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))

@@ -12,7 +12,7 @@ use crate::trainer::Trainer;
 use crate::verify::cancellation::{add_sums, Sums};
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::kink::{add_kink_sums, KinkSums};
-use crate::verify::replay::{amplification_of, e, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::replay::{amplification_of, e, mse_loss, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::upstream::with_upstream;
 use crate::verify::Result;
 use ditmem_engine::families::sana::SanaGeom;
@@ -178,12 +178,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
             let pred = unpatchify(&out, b, &d)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;
-            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
-            (pred - target)
-                .and_then(|r| r.sqr())
-                .and_then(|r| r.mean_all())
-                .and_then(|r| r.to_scalar::<f64>())
-                .map_err(e)
+            mse_loss(pred, &mb, &acp, spec)
         })?;
     }
     let amplification = super::VerifyFamily::amplified_tensors(g, spec)?

@@ -10,7 +10,9 @@ use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
-use crate::verify::replay::{amplification_of, e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::replay::{
+    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+};
 use crate::verify::Result;
 use ditmem_engine::families::wan::WanGeom;
 
@@ -119,12 +121,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
             let pred = unpatchify3d(&out, b, geo, &shape)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;
-            let target = mb.target(&acp, spec.recipe.prediction, f, &dev)?;
-            (pred - target)
-                .and_then(|r| r.sqr())
-                .and_then(|r| r.mean_all())
-                .and_then(|r| r.to_scalar::<f64>())
-                .map_err(e)
+            mse_loss(pred, &mb, &acp, spec)
         })?;
     }
     Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))

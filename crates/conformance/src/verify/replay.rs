@@ -1,15 +1,15 @@
 //! What every family's f64 replay of the reference's first forward (the attention-score probe,
 //! [`super::probe`]) is built from: the [`Probe`] it returns, the f64 setup ([`F64Replay`]),
 //! weights from the trainer ([`linear`]), the score bound of one attention ([`pair_bound`]) with
-//! its softmax amplification, and the rayon pool the trainer's steps run on ([`on_pool`]). Each
+//! its softmax amplification, the microbatch loss ([`mse_loss`]), and the rayon pool the trainer's steps run on ([`on_pool`]). Each
 //! family's replay is in `crate::families::<family>`.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use super::error::{Result, VerifyError};
 use super::softmax::{add_sums as add_softmax_sums, Layout as SoftmaxLayout, Sums as SoftmaxSums};
-use crate::diffusion::alphas_cumprod;
+use crate::diffusion::{alphas_cumprod, Batch};
 use crate::error::EngineError;
 use crate::layers::{AttnImpl, BlockConfig, LinearW};
 use crate::model::Dims;
@@ -173,4 +173,15 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     } else {
         rayon::scope(|_| f())
     }
+}
+
+/// A microbatch's loss in the f64 replay, as the trainer computes it: the mean square of the
+/// prediction (already cut to the latent channels) against the schedule's target.
+pub(crate) fn mse_loss(pred: Tensor, mb: &Batch, acp: &[f64], spec: &Spec) -> Result<f64> {
+    let target = mb.target(acp, spec.recipe.prediction, DType::F64, &Device::Cpu)?;
+    (pred - target)
+        .and_then(|r| r.sqr())
+        .and_then(|r| r.mean_all())
+        .and_then(|r| r.to_scalar::<f64>())
+        .map_err(e)
 }
