@@ -10,6 +10,8 @@
 //! with its predicted step time on the card's profile so that levers that fit are ranked by
 //! what they cost.
 
+use std::collections::HashMap;
+
 use serde::Serialize;
 
 use crate::cost::{step_time_with, DeviceProfile, TimeInputs};
@@ -18,8 +20,8 @@ use crate::estimate::Budget;
 use crate::plan::{microbatch_candidates, plan, recompute_first, Allow, Limits, PLAN_LORA_RANK};
 use crate::runtime::pytorch::cuda::CudaReport;
 use crate::spec::{
-    AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recompute, Runtime, Spec,
-    TextEncoders, TorchDevice,
+    AttentionMode, BaseQuant, Latents, LoraSpec, Optimizer, Precision, Recipe, Recompute, Runtime,
+    Spec, TextEncoders, TorchDevice,
 };
 
 /// What has to fit on the device for a budget: on `pytorch:cuda` what `nvidia-smi` would show
@@ -252,13 +254,6 @@ pub fn rank_levers(
     opts: &LeverOptions,
     profile: &DeviceProfile,
 ) -> Result<LeverReport, SpecError> {
-    let cuda = matches!(
-        base.runtime,
-        Runtime::Pytorch {
-            device: TorchDevice::Cuda,
-            ..
-        }
-    );
     if !(0.0..0.9).contains(&opts.headroom) {
         return Err(SpecError::invalid(
             "headroom",
@@ -268,356 +263,45 @@ pub fn rank_levers(
     let usable = opts
         .budget_bytes
         .map(|b| (b as f64 * (1.0 - opts.headroom)).floor() as u64);
-    let under = |d: u64| usable.is_some_and(|u| d <= u);
-    // The base and the single levers that depend on no other's result, evaluated side by side
-    // up front (`plan::in_parallel`); `try_spec` takes them from here. The rest (the smallest
-    // recompute and microbatch that fit, the ZeRO stage) are evaluated as they are reached.
-    let mut first: Vec<Spec> = vec![base.clone()];
-    if cuda && !has_expandable(base) {
-        first.push(with_expandable(base));
-    }
-    {
-        let mut one = |f: &dyn Fn(&mut Spec)| {
-            let mut s = base.clone();
-            f(&mut s);
-            first.push(s);
-        };
-        // Each under the condition its lever below is tried on.
-        let (r, depth) = (&base.recipe, base.model.depth);
-        if r.recompute != Recompute::All && depth > 0 {
-            one(&|s| s.recipe.recompute = recompute_first(depth, depth));
-        }
-        if r.attention == AttentionMode::Materialized {
-            one(&|s| s.recipe.attention = AttentionMode::MemoryEfficient);
-        }
-        if r.precision == Precision::Fp32 || r.precision == Precision::Fp64 {
-            one(&|s| s.recipe.precision = Precision::Bf16Mixed);
-        }
-        if r.optimizer == Optimizer::AdamW {
-            one(&|s| s.recipe.optimizer = Optimizer::AdamW8bit);
-        }
-        if r.latents == Latents::Encode {
-            one(&|s| s.recipe.latents = Latents::Cached);
-        }
-        if r.text_encoders != TextEncoders::Cached {
-            one(&|s| s.recipe.text_encoders = TextEncoders::Cached);
-        }
-    }
-    let ready: std::collections::HashMap<String, Option<(u64, u64, f64)>> =
-        crate::plan::in_parallel(&first, |s| {
-            let r = if std::ptr::eq(s, &first[0]) {
-                evaluate(s, profile).map_err(Some)
-            } else {
-                s.validate()
-                    .ok()
-                    .and_then(|_| evaluate(s, profile).ok())
-                    .ok_or(None)
-            };
-            (format!("{s:?}"), r)
-        })
-        .into_iter()
-        .filter_map(|(k, r)| match r {
-            Ok(x) => Some((k, Some(x))),
-            Err(None) => Some((k, None)),
-            // The base's own error is returned below, by evaluating it again.
-            Err(Some(_)) => None,
-        })
-        .collect();
-    let (d0, a0, t0) = match ready.get(&format!("{base:?}")) {
+    let ready = evaluate_up_front(base, profile);
+    let base_figures = match ready.get(&format!("{base:?}")) {
         Some(Some(x)) => *x,
         _ => evaluate(base, profile)?,
     };
-    let row =
-        |lever: &str, change: String, (d, a, t): (u64, u64, f64), note: &str, spec: &Spec| Lever {
-            lever: lever.into(),
-            change,
-            device_peak_bytes: d,
-            allocated_peak_bytes: a,
-            fits: under(d),
-            step_time_s: t,
-            slowdown: if t0 > 0.0 { t / t0 - 1.0 } else { 0.0 },
-            note: note.into(),
-            spec: spec.clone(),
-        };
-    let base_row = row("as given", "none".into(), (d0, a0, t0), "", base);
-    let mut levers: Vec<Lever> = Vec::new();
-    let mut not_allowed: Vec<String> = Vec::new();
-    let r = &base.recipe;
-    let try_spec = |s: &Spec| -> Option<(u64, u64, f64)> {
-        if let Some(x) = ready.get(&format!("{s:?}")) {
-            return *x;
-        }
-        s.validate().ok()?;
-        evaluate(s, profile).ok()
+    let mut t = LeverTable {
+        base,
+        profile,
+        usable,
+        t0: base_figures.2,
+        ready,
+        levers: Vec::new(),
+        not_allowed: Vec::new(),
     };
-    let fits = |x: &(u64, u64, f64)| under(x.0);
-
-    // The caching allocator's setting exists on CUDA only.
-    if cuda && !has_expandable(base) {
-        let s = with_expandable(base);
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "expandable segments",
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
-                x,
-                "segments grow by mapped pages: less fragmentation, no cost in the step",
-                &s,
-            ));
-        }
+    let base_row = t.row("as given", "none".into(), base_figures, "", base);
+    // The order levers are pushed in is the order equal-ranked rows keep (the sort is stable).
+    if is_cuda(base) && !has_expandable(base) {
+        t.push_if_budgets(
+            "expandable segments",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".into(),
+            "segments grow by mapped pages: less fragmentation, no cost in the step",
+            with_expandable(base),
+        );
     }
-    let depth = base.model.depth;
-    if r.recompute != Recompute::All && depth > 0 {
-        let at = |k: u32| {
-            let mut s = base.clone();
-            s.recipe.recompute = recompute_first(k, depth);
-            try_spec(&s).map(|x| (k, x, s))
-        };
-        if let Some(all) = at(depth) {
-            let mut best = all;
-            if fits(&best.1) && depth > 1 {
-                // Smallest k that fits: the peak falls with k, the time rises.
-                let (mut lo, mut hi) = (0u32, depth);
-                while hi - lo > 1 {
-                    let mid = lo + (hi - lo) / 2;
-                    match at(mid) {
-                        Some(p) if fits(&p.1) => {
-                            hi = mid;
-                            best = p;
-                        }
-                        _ => lo = mid,
-                    }
-                }
-            }
-            let change = if best.0 >= depth {
-                format!("recompute all {depth} blocks (gradient checkpointing)")
-            } else {
-                format!("recompute the first {} of {depth} blocks", best.0)
-            };
-            levers.push(row(
-                "recompute",
-                change,
-                best.1,
-                "forward runs twice in those blocks",
-                &best.2,
-            ));
-        }
-    }
-    let w = &base.workload;
-    if w.microbatch > 1 {
-        let per_rank = w.microbatch.saturating_mul(w.accumulation);
-        let mut chosen = None;
-        let mut candidates: Vec<u32> = microbatch_candidates(per_rank, w.microbatch)
-            .into_iter()
-            .filter(|&m| m < w.microbatch)
-            .collect();
-        if usable.is_none() {
-            // Nothing fits without a budget: the search ends at the last candidate that
-            // budgets, so that one is looked for from the end.
-            candidates.reverse();
-        }
-        for m in candidates {
-            let mut s = base.clone();
-            s.workload.microbatch = m;
-            s.workload.accumulation = per_rank / m;
-            if let Some(x) = try_spec(&s) {
-                let done = fits(&x) || usable.is_none();
-                chosen = Some((m, per_rank / m, x, s));
-                if done {
-                    break;
-                }
-            }
-        }
-        if let Some((m, acc, x, s)) = chosen {
-            levers.push(row(
-                "microbatch",
-                format!(
-                    "microbatch {} → {m}, accumulation {} → {acc} (same batch)",
-                    w.microbatch, w.accumulation
-                ),
-                x,
-                "",
-                &s,
-            ));
-        }
-    }
-    if r.attention == AttentionMode::Materialized {
+    t.recompute();
+    t.microbatch();
+    for single in SINGLE_LEVERS.iter().filter(|l| (l.applies)(&base.recipe)) {
         let mut s = base.clone();
-        s.recipe.attention = AttentionMode::MemoryEfficient;
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "attention",
-                "memory-efficient attention (SDPA flash / efficient)".into(),
-                x,
-                "",
-                &s,
-            ));
-        }
+        (single.apply)(&mut s);
+        t.push_if_budgets(single.lever, (single.change)(&base.recipe), single.note, s);
     }
-    if r.precision == Precision::Fp32 || r.precision == Precision::Fp64 {
-        let mut s = base.clone();
-        s.recipe.precision = Precision::Bf16Mixed;
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "bf16-mixed",
-                format!("precision {} → bf16-mixed", r.precision),
-                x,
-                "autocast: bf16 compute, fp32 master weights",
-                &s,
-            ));
-        }
-    }
-    if r.optimizer == Optimizer::AdamW {
-        let mut s = base.clone();
-        s.recipe.optimizer = Optimizer::AdamW8bit;
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "8-bit AdamW",
-                "optimizer adamw → adamw-8bit (bitsandbytes)".into(),
-                x,
-                "block-wise 8-bit optimizer state: changes the optimizer's numerics",
-                &s,
-            ));
-        }
-    }
-    if r.latents == Latents::Encode {
-        let mut s = base.clone();
-        s.recipe.latents = Latents::Cached;
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "cached latents",
-                "encode the latents beforehand (the VAE leaves the step)".into(),
-                x,
-                "",
-                &s,
-            ));
-        }
-    }
-    if r.text_encoders != TextEncoders::Cached {
-        let mut s = base.clone();
-        s.recipe.text_encoders = TextEncoders::Cached;
-        if let Some(x) = try_spec(&s) {
-            levers.push(row(
-                "cached text embeddings",
-                format!(
-                    "text encoders {} → cached (embeddings computed beforehand)",
-                    r.text_encoders.name()
-                ),
-                x,
-                "",
-                &s,
-            ));
-        }
-    }
-    if r.lora.is_none() {
-        if opts.allow.lora {
-            let mut s = base.clone();
-            s.recipe.lora = Some(LoraSpec {
-                dtype: Default::default(),
-                rank: PLAN_LORA_RANK,
-                targets: crate::spec::default_lora_targets(),
-                modules: Vec::new(),
-            });
-            if let Some(x) = try_spec(&s) {
-                levers.push(row(
-                    "LoRA",
-                    format!("train LoRA rank {PLAN_LORA_RANK} adapters, the base frozen"),
-                    x,
-                    "changes what is trained",
-                    &s,
-                ));
-            }
-        } else {
-            not_allowed.push("LoRA (--allow lora)".into());
-        }
-    } else if r.base_quant == BaseQuant::None {
-        if opts.allow.quant {
-            let mut s = base.clone();
-            s.recipe.base_quant = BaseQuant::Nf4;
-            if let Some(x) = try_spec(&s) {
-                levers.push(row(
-                    "NF4 base",
-                    "store the frozen base NF4 (QLoRA, bitsandbytes)".into(),
-                    x,
-                    "changes the frozen weights' numerics",
-                    &s,
-                ));
-            }
-        } else {
-            not_allowed.push("a quantized base (--allow quant)".into());
-        }
-    }
-    // Over ranks the run already has, ZeRO changes neither what is trained nor the devices.
-    if w.ranks > 1 && r.zero_stage == 0 {
-        let mut chosen = None;
-        // Without a budget the last stage that budgets (as for the microbatch above).
-        let stages: Vec<u8> = if usable.is_none() {
-            vec![3, 2, 1]
-        } else {
-            vec![1, 2, 3]
-        };
-        for stage in stages {
-            let mut s = base.clone();
-            s.recipe.zero_stage = stage;
-            if let Some(x) = try_spec(&s) {
-                let done = fits(&x) || usable.is_none();
-                chosen = Some((stage, x, s));
-                if done {
-                    break;
-                }
-            }
-        }
-        if let Some((stage, x, s)) = chosen {
-            levers.push(row(
-                "ZeRO",
-                format!("ZeRO stage {stage} over the {} ranks", w.ranks),
-                x,
-                "adds communication",
-                &s,
-            ));
-        }
-    }
-    let mut planned = false;
-    if let (true, Some(budget_bytes), false, false) = (
-        opts.combine,
-        opts.budget_bytes,
-        base_row.fits,
-        levers.iter().any(|l| l.fits),
-    ) {
-        planned = true;
-        let allow = Allow {
-            eight_bit: true,
-            sharding: w.ranks > 1,
-            ..opts.allow
-        };
-        let limits = Limits {
-            budget_bytes,
-            headroom: opts.headroom,
-            allow,
-        };
-        let p = plan(base, &limits, profile)?;
-        let t = p.predicted_step_time_s;
-        levers.push(Lever {
-            lever: "combined".into(),
-            change: p
-                .changes
-                .iter()
-                .map(String::as_str)
-                .map(compact_blocks)
-                .collect::<Vec<_>>()
-                .join("; "),
-            device_peak_bytes: p.predicted_peak_bytes,
-            allocated_peak_bytes: p.breakdown.total(),
-            fits: p.feasible,
-            step_time_s: t,
-            slowdown: if t0 > 0.0 { t / t0 - 1.0 } else { 0.0 },
-            note: if p.feasible {
-                "the planner's fastest recipe that fits (ditmem plan)".into()
-            } else {
-                "the planner's smallest peak: nothing allowed fits".into()
-            },
-            spec: p.plan,
-        });
-    }
+    t.adapters(&opts.allow);
+    t.zero();
+    let planned = t.combined(opts, base_row.fits)?;
+    let LeverTable {
+        mut levers,
+        not_allowed,
+        ..
+    } = t;
     levers.sort_by(|a, b| {
         b.fits.cmp(&a.fits).then_with(|| {
             if a.fits {
@@ -645,6 +329,371 @@ pub fn rank_levers(
         planned,
         not_allowed,
     })
+}
+
+fn is_cuda(spec: &Spec) -> bool {
+    matches!(
+        spec.runtime,
+        Runtime::Pytorch {
+            device: TorchDevice::Cuda,
+            ..
+        }
+    )
+}
+
+/// A lever that is one edit of the recipe, tried when it applies (the setting is not already
+/// there): its row's name, the change in words and a note.
+struct SingleLever {
+    lever: &'static str,
+    note: &'static str,
+    applies: fn(&Recipe) -> bool,
+    apply: fn(&mut Spec),
+    change: fn(&Recipe) -> String,
+}
+
+/// The single-edit levers, in the order their rows are pushed.
+const SINGLE_LEVERS: [SingleLever; 5] = [
+    SingleLever {
+        lever: "attention",
+        note: "",
+        applies: |r| r.attention == AttentionMode::Materialized,
+        apply: |s| s.recipe.attention = AttentionMode::MemoryEfficient,
+        change: |_| "memory-efficient attention (SDPA flash / efficient)".into(),
+    },
+    SingleLever {
+        lever: "bf16-mixed",
+        note: "autocast: bf16 compute, fp32 master weights",
+        applies: |r| r.precision == Precision::Fp32 || r.precision == Precision::Fp64,
+        apply: |s| s.recipe.precision = Precision::Bf16Mixed,
+        change: |r| format!("precision {} → bf16-mixed", r.precision),
+    },
+    SingleLever {
+        lever: "8-bit AdamW",
+        note: "block-wise 8-bit optimizer state: changes the optimizer's numerics",
+        applies: |r| r.optimizer == Optimizer::AdamW,
+        apply: |s| s.recipe.optimizer = Optimizer::AdamW8bit,
+        change: |_| "optimizer adamw → adamw-8bit (bitsandbytes)".into(),
+    },
+    SingleLever {
+        lever: "cached latents",
+        note: "",
+        applies: |r| r.latents == Latents::Encode,
+        apply: |s| s.recipe.latents = Latents::Cached,
+        change: |_| "encode the latents beforehand (the VAE leaves the step)".into(),
+    },
+    SingleLever {
+        lever: "cached text embeddings",
+        note: "",
+        applies: |r| r.text_encoders != TextEncoders::Cached,
+        apply: |s| s.recipe.text_encoders = TextEncoders::Cached,
+        change: |r| {
+            format!(
+                "text encoders {} → cached (embeddings computed beforehand)",
+                r.text_encoders.name()
+            )
+        },
+    },
+];
+
+/// The base and the single levers that depend on no other's result, evaluated side by side up
+/// front (`plan::in_parallel`), keyed by the spec's `Debug` text; `None` for a spec that does not
+/// validate or budget. The base's own error is left out (the caller evaluates it again to
+/// return it). The rest (the smallest recompute and microbatch that fit, the ZeRO stage) are
+/// evaluated as they are reached.
+fn evaluate_up_front(base: &Spec, profile: &DeviceProfile) -> HashMap<String, Option<Figures>> {
+    let mut first: Vec<Spec> = vec![base.clone()];
+    // Each under the condition its lever is tried on in `rank_levers`.
+    if is_cuda(base) && !has_expandable(base) {
+        first.push(with_expandable(base));
+    }
+    let (r, depth) = (&base.recipe, base.model.depth);
+    if r.recompute != Recompute::All && depth > 0 {
+        let mut s = base.clone();
+        s.recipe.recompute = recompute_first(depth, depth);
+        first.push(s);
+    }
+    for single in SINGLE_LEVERS.iter().filter(|l| (l.applies)(r)) {
+        let mut s = base.clone();
+        (single.apply)(&mut s);
+        first.push(s);
+    }
+    crate::plan::in_parallel(&first, |s| {
+        let r = if std::ptr::eq(s, &first[0]) {
+            evaluate(s, profile).map_err(Some)
+        } else {
+            s.validate()
+                .ok()
+                .and_then(|_| evaluate(s, profile).ok())
+                .ok_or(None)
+        };
+        (format!("{s:?}"), r)
+    })
+    .into_iter()
+    .filter_map(|(k, r)| match r {
+        Ok(x) => Some((k, Some(x))),
+        Err(None) => Some((k, None)),
+        Err(Some(_)) => None,
+    })
+    .collect()
+}
+
+/// The levers found so far for one base spec, and what each needs to be budgeted and ranked.
+struct LeverTable<'a> {
+    base: &'a Spec,
+    profile: &'a DeviceProfile,
+    /// The budget less the headroom.
+    usable: Option<u64>,
+    /// The base's step time, which each row's slowdown is against.
+    t0: f64,
+    ready: HashMap<String, Option<Figures>>,
+    levers: Vec<Lever>,
+    not_allowed: Vec<String>,
+}
+
+impl LeverTable<'_> {
+    fn under(&self, device_bytes: u64) -> bool {
+        self.usable.is_some_and(|u| device_bytes <= u)
+    }
+
+    fn fits(&self, x: &Figures) -> bool {
+        self.under(x.0)
+    }
+
+    /// The figures of `s`: from the up-front batch, else budgeted now; `None` when it does not
+    /// validate or budget.
+    fn try_spec(&self, s: &Spec) -> Option<Figures> {
+        if let Some(x) = self.ready.get(&format!("{s:?}")) {
+            return *x;
+        }
+        s.validate().ok()?;
+        evaluate(s, self.profile).ok()
+    }
+
+    fn row(&self, lever: &str, change: String, (d, a, t): Figures, note: &str, s: &Spec) -> Lever {
+        Lever {
+            lever: lever.into(),
+            change,
+            device_peak_bytes: d,
+            allocated_peak_bytes: a,
+            fits: self.under(d),
+            step_time_s: t,
+            slowdown: if self.t0 > 0.0 {
+                t / self.t0 - 1.0
+            } else {
+                0.0
+            },
+            note: note.into(),
+            spec: s.clone(),
+        }
+    }
+
+    fn push_if_budgets(&mut self, lever: &str, change: String, note: &str, s: Spec) {
+        if let Some(x) = self.try_spec(&s) {
+            let row = self.row(lever, change, x, note, &s);
+            self.levers.push(row);
+        }
+    }
+
+    /// Recompute: every block, then the smallest number of leading blocks that still fits.
+    fn recompute(&mut self) {
+        let (base, depth) = (self.base, self.base.model.depth);
+        if base.recipe.recompute == Recompute::All || depth == 0 {
+            return;
+        }
+        let at = |k: u32| {
+            let mut s = base.clone();
+            s.recipe.recompute = recompute_first(k, depth);
+            self.try_spec(&s).map(|x| (k, x, s))
+        };
+        let Some(mut best) = at(depth) else {
+            return;
+        };
+        if self.fits(&best.1) && depth > 1 {
+            // Smallest k that fits: the peak falls with k, the time rises.
+            let (mut lo, mut hi) = (0u32, depth);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                match at(mid) {
+                    Some(p) if self.fits(&p.1) => {
+                        hi = mid;
+                        best = p;
+                    }
+                    _ => lo = mid,
+                }
+            }
+        }
+        let change = if best.0 >= depth {
+            format!("recompute all {depth} blocks (gradient checkpointing)")
+        } else {
+            format!("recompute the first {} of {depth} blocks", best.0)
+        };
+        let row = self.row(
+            "recompute",
+            change,
+            best.1,
+            "forward runs twice in those blocks",
+            &best.2,
+        );
+        self.levers.push(row);
+    }
+
+    /// A smaller microbatch with more accumulation (the same batch): the largest that fits.
+    fn microbatch(&mut self) {
+        let w = &self.base.workload;
+        if w.microbatch <= 1 {
+            return;
+        }
+        let per_rank = w.microbatch.saturating_mul(w.accumulation);
+        let mut chosen = None;
+        let mut candidates: Vec<u32> = microbatch_candidates(per_rank, w.microbatch)
+            .into_iter()
+            .filter(|&m| m < w.microbatch)
+            .collect();
+        if self.usable.is_none() {
+            // Nothing fits without a budget: the search ends at the last candidate that
+            // budgets, so that one is looked for from the end.
+            candidates.reverse();
+        }
+        for m in candidates {
+            let mut s = self.base.clone();
+            s.workload.microbatch = m;
+            s.workload.accumulation = per_rank / m;
+            if let Some(x) = self.try_spec(&s) {
+                let done = self.fits(&x) || self.usable.is_none();
+                chosen = Some((m, per_rank / m, x, s));
+                if done {
+                    break;
+                }
+            }
+        }
+        if let Some((m, acc, x, s)) = chosen {
+            let change = format!(
+                "microbatch {} → {m}, accumulation {} → {acc} (same batch)",
+                w.microbatch, w.accumulation
+            );
+            let row = self.row("microbatch", change, x, "", &s);
+            self.levers.push(row);
+        }
+    }
+
+    /// LoRA on a full fine-tune, or an NF4 base under LoRA — each only where `--allow` lets it.
+    fn adapters(&mut self, allow: &Allow) {
+        let base = self.base;
+        if base.recipe.lora.is_none() {
+            if !allow.lora {
+                self.not_allowed.push("LoRA (--allow lora)".into());
+                return;
+            }
+            let mut s = base.clone();
+            s.recipe.lora = Some(LoraSpec {
+                dtype: Default::default(),
+                rank: PLAN_LORA_RANK,
+                targets: crate::spec::default_lora_targets(),
+                modules: Vec::new(),
+            });
+            self.push_if_budgets(
+                "LoRA",
+                format!("train LoRA rank {PLAN_LORA_RANK} adapters, the base frozen"),
+                "changes what is trained",
+                s,
+            );
+        } else if base.recipe.base_quant == BaseQuant::None {
+            if !allow.quant {
+                self.not_allowed
+                    .push("a quantized base (--allow quant)".into());
+                return;
+            }
+            let mut s = base.clone();
+            s.recipe.base_quant = BaseQuant::Nf4;
+            self.push_if_budgets(
+                "NF4 base",
+                "store the frozen base NF4 (QLoRA, bitsandbytes)".into(),
+                "changes the frozen weights' numerics",
+                s,
+            );
+        }
+    }
+
+    /// ZeRO over the ranks the run already has: the lowest stage that fits (without a budget
+    /// the last that budgets, as for the microbatch). It changes neither what is trained nor
+    /// the devices.
+    fn zero(&mut self) {
+        let w = &self.base.workload;
+        if w.ranks <= 1 || self.base.recipe.zero_stage != 0 {
+            return;
+        }
+        let stages: [u8; 3] = if self.usable.is_none() {
+            [3, 2, 1]
+        } else {
+            [1, 2, 3]
+        };
+        let mut chosen = None;
+        for stage in stages {
+            let mut s = self.base.clone();
+            s.recipe.zero_stage = stage;
+            if let Some(x) = self.try_spec(&s) {
+                let done = self.fits(&x) || self.usable.is_none();
+                chosen = Some((stage, x, s));
+                if done {
+                    break;
+                }
+            }
+        }
+        if let Some((stage, x, s)) = chosen {
+            let change = format!("ZeRO stage {stage} over the {} ranks", w.ranks);
+            let row = self.row("ZeRO", change, x, "adds communication", &s);
+            self.levers.push(row);
+        }
+    }
+
+    /// When asked, with a budget that neither the base nor any single lever meets: the
+    /// planner's fastest combination (or its smallest peak). Returns whether it was asked.
+    fn combined(&mut self, opts: &LeverOptions, base_fits: bool) -> Result<bool, SpecError> {
+        let Some(budget_bytes) = opts.budget_bytes else {
+            return Ok(false);
+        };
+        if !opts.combine || base_fits || self.levers.iter().any(|l| l.fits) {
+            return Ok(false);
+        }
+        let allow = Allow {
+            eight_bit: true,
+            sharding: self.base.workload.ranks > 1,
+            ..opts.allow
+        };
+        let limits = Limits {
+            budget_bytes,
+            headroom: opts.headroom,
+            allow,
+        };
+        let p = plan(self.base, &limits, self.profile)?;
+        let t = p.predicted_step_time_s;
+        self.levers.push(Lever {
+            lever: "combined".into(),
+            change: p
+                .changes
+                .iter()
+                .map(String::as_str)
+                .map(compact_blocks)
+                .collect::<Vec<_>>()
+                .join("; "),
+            device_peak_bytes: p.predicted_peak_bytes,
+            allocated_peak_bytes: p.breakdown.total(),
+            fits: p.feasible,
+            step_time_s: t,
+            slowdown: if self.t0 > 0.0 {
+                t / self.t0 - 1.0
+            } else {
+                0.0
+            },
+            note: if p.feasible {
+                "the planner's fastest recipe that fits (ditmem plan)".into()
+            } else {
+                "the planner's smallest peak: nothing allowed fits".into()
+            },
+            spec: p.plan,
+        });
+        Ok(true)
+    }
 }
 
 /// A planner change with its block list as ranges: "recompute 23 of 57 blocks
