@@ -163,15 +163,82 @@ impl Ticker {
     }
 }
 
-// Not yet split (> 100 lines, issue 45): checks, search, report, outputs and exports in order.
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
     // Every flag and output path is checked before any work or any file is written.
+    let flags = check_flags(&args)?;
+    let pinned = pinned(&args.spec)?;
+    let (base, options) = base_and_options(&args, flags.launcher)?;
+    let (profile, budget) = profile_and_budget(&args, &base, flags.budget)?;
+    let limits = Limits {
+        budget_bytes: budget,
+        headroom: args.headroom,
+        allow: flags.allow,
+    };
+    let launch = Launch {
+        launcher: flags.launcher,
+        family: options.family,
+        pinned,
+    };
+    let t0 = Instant::now();
+    let ticker = Ticker::new(args.json);
+    let show_progress = |p: &ditmem_budget::Progress| ticker.show(p);
+    let control = SearchControl {
+        time_limit: Some(std::time::Duration::from_secs_f64(args.time_limit)),
+        progress: Some(&show_progress),
+        launch: Some(&launch),
+    };
+    let p = plan_with(&base, &limits, &profile, control);
+    ticker.clear();
+    let mut p = p?;
+    let search_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let exported: Vec<Export> = if p.feasible {
+        flags
+            .targets
+            .iter()
+            .map(|&t| export(&p.plan, t, &options))
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    if let Some(e) = exported.first() {
+        if !e.cannot.is_empty() {
+            // What the named train script cannot do is part of why the plan may not run as
+            // predicted.
+            p.reason.push_str(&format!(
+                "; the exported script cannot: {}",
+                e.cannot.join("; ")
+            ));
+        }
+    }
+    print_plan(&args, &p, &base, search_ms, flags.launcher, &exported)?;
+    if let Some(path) = &args.plot {
+        write_output("--plot", path, pareto_svg(&p, &base)?.as_bytes())?;
+        if !args.json {
+            crate::output::say(&format!("wrote the Pareto front to {}\n", path.display()))?;
+        }
+    }
+    if !p.feasible {
+        return Err(refusal(&p, args.json));
+    }
+    write_plan_files(&args, &p, &exported, &options)
+}
+
+/// What `plan`'s flags say before any work: the budget flag, the levers allowed, the export
+/// targets (deduplicated) and the launcher they imply.
+struct PlanFlags {
+    budget: Option<u64>,
+    allow: ditmem_budget::Allow,
+    targets: Vec<Target>,
+    launcher: Launcher,
+}
+
+fn check_flags(args: &PlanArgs) -> Result<PlanFlags, CliError> {
     crate::output::check_outputs(&[
         ("--out", args.out.as_deref()),
         ("--emit-out", args.emit_out.as_deref()),
         ("--plot", args.plot.as_deref()),
     ])?;
-    let budget_flag = args.budget.as_deref().map(parse_budget).transpose()?;
+    let budget = args.budget.as_deref().map(parse_budget).transpose()?;
     if !(0.0..0.9).contains(&args.headroom) {
         return Err(SpecError::invalid(
             "--headroom",
@@ -188,19 +255,13 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     if !precision_requested(&args.spec)? {
         allow.precision = true;
     }
-    let targets: Vec<Target> = args
-        .emit
-        .iter()
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.parse::<Target>())
-        .collect::<Result<_, _>>()?;
-    let mut targets_dedup: Vec<Target> = Vec::new();
-    for t in targets {
-        if !targets_dedup.contains(&t) {
-            targets_dedup.push(t);
+    let mut targets: Vec<Target> = Vec::new();
+    for s in args.emit.iter().filter(|s| !s.trim().is_empty()) {
+        let t = s.parse::<Target>()?;
+        if !targets.contains(&t) {
+            targets.push(t);
         }
     }
-    let targets = targets_dedup;
     if args.emit_out.is_some() && targets.len() != 1 {
         return Err(SpecError::invalid(
             "--emit-out",
@@ -212,8 +273,21 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         Some(l) => l.parse::<Launcher>()?,
         None => default_launcher(&targets),
     };
-    let pinned = pinned(&args.spec)?;
-    let options = ExportOptions {
+    Ok(PlanFlags {
+        budget,
+        allow,
+        targets,
+        launcher,
+    })
+}
+
+/// The spec to plan from (with `--emit-sharder` / `--emit-offload`, which the budget counts as
+/// the export launches them) and the export's options.
+fn base_and_options(
+    args: &PlanArgs,
+    launcher: Launcher,
+) -> Result<(ditmem_budget::Spec, ExportOptions), CliError> {
+    let mut options = ExportOptions {
         family: match &args.emit_family {
             Some(f) => parse_family(f)?,
             None => Family::Dit,
@@ -234,8 +308,6 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         gpus_per_node: args.gpus_per_node,
     };
     let mut base = args.spec.to_gpu_spec()?;
-    // `--emit-sharder` / `--emit-offload` are the plan's own sharder and offload: the budget
-    // counts what the export launches.
     if args.emit_sharder.is_some() {
         base.recipe.sharder = options.sharder;
     }
@@ -243,13 +315,23 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         base.recipe.offload = options.offload;
     }
     base.validate()?;
-    let mut options = options;
     if args.emit_family.is_none() {
         // The script that trains the spec's model.
         if let Some(fm) = ditmem_budget::denoiser::family(&base)? {
             options.family = fm.family;
         }
     }
+    Ok((base, options))
+}
+
+/// Times on the device the spec runs on (a CUDA spec on its GPU, an A100 80 GB when it names
+/// none; the ditmem engine on this CPU's measured profile; or `--profile`), and the budget:
+/// `--budget`, else the card's capacity as CUDA reports it.
+fn profile_and_budget(
+    args: &PlanArgs,
+    base: &ditmem_budget::Spec,
+    budget_flag: Option<u64>,
+) -> Result<(DeviceProfile, u64), CliError> {
     let gpu = base.cuda.as_ref().and_then(|c| c.gpu.as_deref());
     let on_cuda = matches!(
         base.runtime,
@@ -258,8 +340,6 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             ..
         }
     );
-    // Times on the device the spec runs on: a CUDA spec on its GPU (an A100 80 GB when it names
-    // none), the ditmem engine on this CPU's measured profile.
     let profile = match (&args.profile, on_cuda) {
         (Some(path), _) => crate::input::load_profile(path)?,
         (None, true) => DeviceProfile::for_gpu(
@@ -285,108 +365,86 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             .into())
         }
     };
-    let limits = Limits {
-        budget_bytes: budget,
-        headroom: args.headroom,
-        allow,
-    };
-    let launch = Launch {
-        launcher,
-        family: options.family,
-        pinned,
-    };
-    let t0 = Instant::now();
-    let ticker = Ticker::new(args.json);
-    let show_progress = |p: &ditmem_budget::Progress| ticker.show(p);
-    let control = SearchControl {
-        time_limit: Some(std::time::Duration::from_secs_f64(args.time_limit)),
-        progress: Some(&show_progress),
-        launch: Some(&launch),
-    };
-    let p = plan_with(&base, &limits, &profile, control);
-    ticker.clear();
-    let p = p?;
-    let search_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let mut p = p;
-    let exported: Vec<Export> = if p.feasible {
-        targets
-            .iter()
-            .map(|&t| export(&p.plan, t, &options))
-            .collect::<Result<_, _>>()?
-    } else {
-        Vec::new()
-    };
-    if let Some(e) = exported.first() {
-        if !e.cannot.is_empty() {
-            // What the named train script cannot do is part of why the plan may not run as
-            // predicted.
-            p.reason.push_str(&format!(
-                "; the exported script cannot: {}",
-                e.cannot.join("; ")
-            ));
-        }
-    }
+    Ok((profile, budget))
+}
+
+/// The plan as JSON or as the report in words (with what was not searched).
+fn print_plan(
+    args: &PlanArgs,
+    p: &ditmem_budget::Plan,
+    base: &ditmem_budget::Spec,
+    search_ms: f64,
+    launcher: Launcher,
+    exported: &[Export],
+) -> Result<(), CliError> {
     if args.json {
-        print_json(&PlanReport {
-            plan: &p,
-            base: &base,
+        return print_json(&PlanReport {
+            plan: p,
+            base,
             search_ms,
             launcher,
             export: exported.first(),
-            exports: &exported,
-        })?;
-    } else {
-        crate::output::say(&report(
-            &p,
-            &base,
-            search_ms,
-            args.verbose,
-            crate::render::width(),
-        ))?;
-        if let Some(n) = &p.not_searched {
-            crate::output::say(&crate::render::fit_lines(
-                &format!(
-                    "not searched: {} (--time-limit to search longer)\n",
-                    n.describe()
-                ),
-                crate::render::width(),
-            ))?;
-        }
+            exports: exported,
+        })
+        .map_err(Into::into);
     }
-    if let Some(path) = &args.plot {
-        write_output("--plot", path, pareto_svg(&p, &base)?.as_bytes())?;
-        if !args.json {
-            crate::output::say(&format!("wrote the Pareto front to {}\n", path.display()))?;
-        }
-    }
-    if !p.feasible {
-        // The report (or the JSON) above holds the reason; the error line says it short.
-        return Err(CliError::Refused(match &p.not_searched {
-            // Nothing that fits was found in the time given: the budget may still be feasible.
-            Some(n) => format!(
-                "nothing that fits was found before the time limit; the smallest found needs {}; \
-                 {} (--time-limit to search longer)",
-                fmt_bytes(p.predicted_peak_bytes),
+    crate::output::say(&report(
+        p,
+        base,
+        search_ms,
+        args.verbose,
+        crate::render::width(),
+    ))?;
+    if let Some(n) = &p.not_searched {
+        crate::output::say(&crate::render::fit_lines(
+            &format!(
+                "not searched: {} (--time-limit to search longer)\n",
                 n.describe()
             ),
-            None => format!(
-                "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}{}",
-                fmt_bytes(p.usable_bytes),
-                fmt_bytes(p.predicted_peak_bytes),
-                // What to try next, when the reason names it.
-                p.reason
-                    .split("; ")
-                    .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
-                    .map(|c| format!("; {c}"))
-                    .collect::<String>(),
-                if args.json {
-                    "; the JSON's reason says why"
-                } else {
-                    "; why: above"
-                }
-            ),
-        }));
+            crate::render::width(),
+        ))?;
     }
+    Ok(())
+}
+
+/// The error line of an infeasible plan; the report (or the JSON) above holds the reason, this
+/// says it short.
+fn refusal(p: &ditmem_budget::Plan, json: bool) -> CliError {
+    CliError::Refused(match &p.not_searched {
+        // Nothing that fits was found in the time given: the budget may still be feasible.
+        Some(n) => format!(
+            "nothing that fits was found before the time limit; the smallest found needs {}; \
+             {} (--time-limit to search longer)",
+            fmt_bytes(p.predicted_peak_bytes),
+            n.describe()
+        ),
+        None => format!(
+            "the budget is infeasible: nothing fits {} usable; the smallest found needs {}{}{}",
+            fmt_bytes(p.usable_bytes),
+            fmt_bytes(p.predicted_peak_bytes),
+            // What to try next, when the reason names it.
+            p.reason
+                .split("; ")
+                .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
+                .map(|c| format!("; {c}"))
+                .collect::<String>(),
+            if json {
+                "; the JSON's reason says why"
+            } else {
+                "; why: above"
+            }
+        ),
+    })
+}
+
+/// `--out` (the plan as a spec file), `--emit-dir` (every file the plan needs), `--emit-out` or
+/// the exports printed, and what each export cannot express.
+fn write_plan_files(
+    args: &PlanArgs,
+    p: &ditmem_budget::Plan,
+    exported: &[Export],
+    options: &ExportOptions,
+) -> Result<(), CliError> {
     if let Some(path) = &args.out {
         let toml = p.plan.to_toml()?;
         let text = format!(
@@ -405,7 +463,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
         }
     }
     if let Some(dir) = &args.emit_dir {
-        let files = ditmem_budget::export_files(&p.plan, &exported, &options)?;
+        let files = ditmem_budget::export_files(&p.plan, exported, options)?;
         std::fs::create_dir_all(dir).map_err(|e| {
             SpecError::invalid(
                 "--emit-dir",
@@ -427,7 +485,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             ))?;
         }
     }
-    for e in &exported {
+    for e in exported {
         match &args.emit_out {
             Some(path) => {
                 write_output("--emit-out", path, e.text.as_bytes())?;
