@@ -392,6 +392,26 @@ impl SpecArgs {
         default: impl FnOnce() -> Spec,
         runtime: Option<Runtime>,
     ) -> Result<Spec, SpecError> {
+        let mut spec = self.model_layers(default, runtime)?;
+        self.apply_workload(&mut spec)?;
+        self.apply_recipe(&mut spec)?;
+        if let Some(rt) = &self.runtime {
+            spec.runtime = rt.parse::<Runtime>()?;
+        }
+        self.fill_cuda(&mut spec)?;
+        self.fill_cpu(&mut spec)?;
+        denoiser::resolve(&mut spec)?;
+        denoiser::check(&spec)?;
+        Ok(spec)
+    }
+
+    /// The spec before the flags that set single fields: the command's default or `--config`,
+    /// then the model a preset, `--model` or `--model-json` names, with its family's defaults.
+    fn model_layers(
+        &self,
+        default: impl FnOnce() -> Spec,
+        runtime: Option<Runtime>,
+    ) -> Result<Spec, SpecError> {
         let mut spec = match &self.config {
             Some(path) => {
                 let mut s = crate::input::load_spec(path)?;
@@ -452,20 +472,20 @@ impl SpecArgs {
             };
             family_defaults(&mut spec, &before, stated.as_ref())?;
         }
+        Ok(spec)
+    }
+
+    /// The workload's flags: text tokens, depth, frames, resolution, the batch's counts (and
+    /// what they leave out, derived).
+    fn apply_workload(&self, spec: &mut Spec) -> Result<(), SpecError> {
         if let Some(t) = &self.text_tokens {
             spec.workload.text_tokens = Some(parse_counts("workload.text_tokens", t)?);
         }
         if let Some(d) = &self.depth {
-            apply_depth(&mut spec, d)?;
+            apply_depth(spec, d)?;
         }
         if let Some(f) = self.frames {
             spec.workload.frames = f;
-        }
-        if let Some(q) = &self.base_quant {
-            spec.recipe.base_quant = q.parse::<ditmem_budget::BaseQuant>()?;
-        }
-        if let Some(i) = &self.optimizer_impl {
-            spec.recipe.optimizer_impl = Some(i.parse::<OptimizerImpl>()?);
         }
         if let Some(r) = &self.resolution {
             let (h, w) = parse_resolution(r)?;
@@ -508,6 +528,17 @@ impl SpecArgs {
                     w.batch = narrow(micro * acc * ranks);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The recipe's flags.
+    fn apply_recipe(&self, spec: &mut Spec) -> Result<(), SpecError> {
+        if let Some(q) = &self.base_quant {
+            spec.recipe.base_quant = q.parse::<ditmem_budget::BaseQuant>()?;
+        }
+        if let Some(i) = &self.optimizer_impl {
+            spec.recipe.optimizer_impl = Some(i.parse::<OptimizerImpl>()?);
         }
         let r = &mut spec.recipe;
         if let Some(p) = &self.precision {
@@ -574,19 +605,10 @@ impl SpecArgs {
             r.offload = ditmem_budget::Offload::parse(x, "--offload")?;
         }
         if let Some(v) = &self.gradient_as_bucket_view {
-            r.gradient_as_bucket_view = match v.as_str() {
-                "on" | "true" | "yes" => true,
-                "off" | "false" | "no" => false,
-                _ => {
-                    return Err(SpecError::invalid(
-                        "--gradient-as-bucket-view",
-                        format!(
-                            "'{}' is not a switch; allowed: on, off",
-                            v.chars().take(60).collect::<String>()
-                        ),
-                    ))
-                }
-            };
+            r.gradient_as_bucket_view = switch(
+                "--gradient-as-bucket-view",
+                &v.chars().take(60).collect::<String>(),
+            )?;
         }
         if let Some(l) = &self.latents {
             r.latents = l.parse::<Latents>()?;
@@ -595,49 +617,15 @@ impl SpecArgs {
             r.text_encoders = t.parse::<ditmem_budget::TextEncoders>()?;
         }
         if let Some(p) = &self.paged_optimizer {
-            r.paged_optimizer = match p.as_str() {
-                "on" | "true" | "yes" => true,
-                "off" | "false" | "no" => false,
-                _ => {
-                    return Err(SpecError::invalid(
-                        "recipe.paged_optimizer",
-                        format!("'{p}' is not a switch; allowed: on, off"),
-                    ))
-                }
-            };
+            r.paged_optimizer = switch("recipe.paged_optimizer", p)?;
         }
         if let Some(t) = &self.tf32 {
-            r.tf32 = match t.as_str() {
-                "on" | "true" | "yes" => true,
-                "off" | "false" | "no" => false,
-                _ => {
-                    return Err(SpecError::invalid(
-                        "recipe.tf32",
-                        format!("'{t}' is not a switch; allowed: on, off"),
-                    ))
-                }
-            };
+            r.tf32 = switch("recipe.tf32", t)?;
         }
         if let Some(e) = &self.ema {
-            r.ema.enabled = match e.as_str() {
-                "on" | "true" | "yes" => true,
-                "off" | "false" | "no" => false,
-                _ => {
-                    return Err(SpecError::invalid(
-                        "recipe.ema.enabled",
-                        format!("'{e}' is not a switch; allowed: on, off"),
-                    ))
-                }
-            };
+            r.ema.enabled = switch("recipe.ema.enabled", e)?;
         }
-        if let Some(rt) = &self.runtime {
-            spec.runtime = rt.parse::<Runtime>()?;
-        }
-        self.fill_cuda(&mut spec)?;
-        self.fill_cpu(&mut spec)?;
-        denoiser::resolve(&mut spec)?;
-        denoiser::check(&spec)?;
-        Ok(spec)
+        Ok(())
     }
 
     /// The `cuda` section: `--gpu` (which moves a spec onto `pytorch:cuda` unless `--runtime`
@@ -764,6 +752,19 @@ impl SpecArgs {
         }
         spec.cpu = Some(cpu);
         Ok(())
+    }
+}
+
+/// An on/off flag's value (`on`, `true`, `yes` / `off`, `false`, `no`); anything else is an
+/// error naming `field`.
+fn switch(field: &str, value: &str) -> Result<bool, SpecError> {
+    match value {
+        "on" | "true" | "yes" => Ok(true),
+        "off" | "false" | "no" => Ok(false),
+        _ => Err(SpecError::invalid(
+            field,
+            format!("'{value}' is not a switch; allowed: on, off"),
+        )),
     }
 }
 
