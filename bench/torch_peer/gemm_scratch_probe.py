@@ -6,7 +6,7 @@ output, then the scratchpad that `aten::addmm` allocates and frees inside the ca
 
     bench/torch_peer/.venv/bin/python bench/torch_peer/gemm_scratch_probe.py [--threads 2]
 
-Compared with `crates/budget/src/runtime/pytorch/ops.rs` `cpu_gemm_scratch` (its unit test
+Compared with `crates/budget/src/runtime/pytorch/ops/cpu_scratch.rs` `cpu_gemm_scratch` (its unit test
 `cpu_gemm_scratch_follows_onednn_blocking` holds these figures; `runs/2026-12-06-epyc-lora-ckpt/README.md`).
 """
 

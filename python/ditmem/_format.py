@@ -1,4 +1,4 @@
-"""Byte and time formatting as the CLI prints them (crates/budget/src/units.rs `fmt_bytes`)."""
+"""Byte and time formatting as the CLI prints them (crates/spec/src/units.rs `fmt_bytes`)."""
 
 from __future__ import annotations
 

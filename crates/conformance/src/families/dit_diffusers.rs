@@ -17,7 +17,7 @@ use crate::verify::Result;
 use ditmem_engine::families::dit_diffusers::DitdGeom;
 
 /// The score bound S for diffusers' DiT (`DiTTransformer2DModel`): its forward replayed in f64 as
-/// `trainer/dit_diffusers.rs` runs it (every block's own embedder on the shared timestep
+/// `families/dit_diffusers/step.rs` runs it (every block's own embedder on the shared timestep
 /// features and label rows, block 0's again for the output side), S over each block's
 /// self-attention (PixArt's attn1 setup: separate biased q, k, v, no q/k norm).
 fn score_bound(spec: &Spec, t: &Trainer, g: &DitdGeom, batch: &Batch) -> Result<(f64, f64, f64)> {

@@ -44,7 +44,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
     let t1 = linear(t, &format!("{te}.linear_1"))?;
     let t2 = linear(t, &format!("{te}.linear_2"))?;
     let adaln = linear(t, "adaln_single.linear")?;
-    // PixArt-α's resolution and aspect-ratio embedders (`trainer/pixart.rs`).
+    // PixArt-α's resolution and aspect-ratio embedders (`families/pixart/step.rs`).
     let sizes = match g.sizes {
         Some(hw) => {
             let l = |e: &str, k: u8| linear(t, &format!("adaln_single.emb.{e}.linear_{k}"));

@@ -1,5 +1,5 @@
 //! diffusers' DiT (`DiTTransformer2DModel`) in the engine as candle nodes (twin: the engine's
-//! `families/dit_diffusers/block.rs` and `trainer/dit_diffusers.rs`): the embed segment (patch
+//! `families/dit_diffusers/block.rs` and `families/dit_diffusers/step.rs`): the embed segment (patch
 //! embedding, the timestep features and label rows every block reads, block 0's embedder once
 //! more for the output side), the `BasicTransformerBlock` with `ada_norm_zero` (its own
 //! `CombinedTimestepLabelEmbeddings`, `norm1.linear`, self-attention over separate q, k, v

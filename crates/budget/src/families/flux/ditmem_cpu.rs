@@ -1,5 +1,5 @@
 //! Flux in the engine as candle nodes (twin: the engine's `families/flux/block.rs`,
-//! `trainer/flux.rs` and the ops `ops/norm_rope.rs`, `ops/tokens.rs`): the embed
+//! `families/flux/step.rs` and the ops `ops/norm_rope.rs`, `ops/tokens.rs`): the embed
 //! segment (`x_embedder`, `context_embedder`, `time_text_embed`, the RoPE tables), the
 //! double-stream block on [image, text], the single-stream block on the joint stream (the first
 //! one joins the two streams itself), and the output side on the image tokens; then their

@@ -1,5 +1,5 @@
 //! PixArt in the engine as candle nodes (twin: the engine's `families/pixart/block.rs` and
-//! `trainer/pixart.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
+//! `families/pixart/step.rs`): the embed segment (patch embedding, timestep MLP, `adaln_single`,
 //! caption projection), the `BasicTransformerBlock` with adaLN-single, self- and cross-attention
 //! over separate q, k, v ([`crate::runtime::ditmem_cpu::separate`]), and the output side with the final
 //! `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the step replay

@@ -1,5 +1,5 @@
 //! Sana in the engine as candle nodes (twin: the engine's `families/sana/block.rs` and
-//! `trainer/sana.rs`): the embed segment (patch embedding, timestep MLP, `time_embed.linear`,
+//! `families/sana/step.rs`): the embed segment (patch embedding, timestep MLP, `time_embed.linear`,
 //! caption projection + `caption_norm`), the `SanaTransformerBlock` (ReLU linear
 //! self-attention, softmax cross-attention over separate q, k, v, the GLUMBConv Mix-FFN) and the
 //! output side with the final `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the

@@ -1,5 +1,5 @@
 //! SD3 in the engine as candle nodes (twin: the engine's `families/sd3/block.rs` and
-//! `trainer/sd3.rs` on the family schedule `trainer/family.rs`): the embed segment (patch
+//! `families/sd3/step.rs` on the family schedule `trainer/family.rs`): the embed segment (patch
 //! embedding + the cropped position table, the timestep and pooled-text MLPs, SiLU(temb),
 //! `context_embedder`), the joint block over the context and image streams (the last one
 //! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step

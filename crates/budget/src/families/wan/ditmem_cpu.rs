@@ -1,5 +1,5 @@
 //! Wan 2.1 in the engine as candle nodes (twin: the engine's `families/wan/block.rs` and
-//! `trainer/wan.rs` on the family schedule): the embed segment (3-D patch embedding, timestep
+//! `families/wan/step.rs` on the family schedule): the embed segment (3-D patch embedding, timestep
 //! MLP, `time_proj`, text projection, the RoPE tables), the `WanTransformerBlock` (q/k RMSNorm
 //! across heads, RoPE, self- and cross-attention over separate q, k, v, the affine `norm2`),
 //! and the output side with the final `scale_shift_table`; then their simulation into

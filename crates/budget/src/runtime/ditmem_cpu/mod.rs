@@ -28,12 +28,12 @@
 //! - [`separate`]: the attention over separate q, k, v (`ops/attention/separate.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
 //! - [`dit_diffusers`]: diffusers' DiT's segments (`families/dit_diffusers/block.rs`,
-//!   `trainer/dit_diffusers.rs`);
-//! - [`flux`]: Flux's segments (`families/flux/block.rs`, `trainer/flux.rs`);
-//! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `trainer/pixart.rs`);
-//! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `trainer/sana.rs`,
+//!   `families/dit_diffusers/step.rs`);
+//! - [`flux`]: Flux's segments (`families/flux/block.rs`, `families/flux/step.rs`);
+//! - [`pixart`]: PixArt's segments (`families/pixart/block.rs`, `families/pixart/step.rs`);
+//! - [`sana`]: Sana's segments and ops (`families/sana/block.rs`, `families/sana/step.rs`,
 //!   `ops/{linear_attention,dwconv,glu,rms_norm}.rs`);
-//! - [`wan`]: Wan 2.1's segments (`families/wan/block.rs`, `trainer/wan.rs`);
+//! - [`wan`]: Wan 2.1's segments (`families/wan/block.rs`, `families/wan/step.rs`);
 //! - [`segments`]: the three segments of a step and their simulation (`trainer.rs`'s
 //!   `microbatch`);
 //! - [`sims`]: one segment's simulation ([`sims::seg`]) and the parts every family's

@@ -182,7 +182,7 @@ fn sunk(t: &ParamTensor, table: &[ParamTensor]) -> bool {
 /// gradients into f32 one by one in its order (the linears' forward order, weight then bias:
 /// `model.rs` `BLOCK_LINEARS` puts the original DiT's `adaLN_modulation` first, where the
 /// parameter table puts it last; diffusers' DiT sums block 0's embedder first, its class table
-/// leading, `trainer/dit_diffusers.rs` `embed_params`; the other families' tables are taken in
+/// leading, `families/dit_diffusers/step.rs` `embed_params`; the other families' tables are taken in
 /// their own order, measured for PixArt only). A sunk gradient (in a linear's `GradSink`,
 /// [`sunk`]) is freed as soon as `cast` has consumed it; one in candle's store stays until
 /// `drop(grads)`. A new buffer (`g` bytes) is made while its sunk gradient (`h`, 0 in the

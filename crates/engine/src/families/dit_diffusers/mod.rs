@@ -15,7 +15,7 @@
 //! parameters for XL/2 against 675.1 M), q, k, v are three linears, and the output side reads
 //! block 0's embedder again (`self.transformer_blocks[0].norm1.emb(...)`).
 //!
-//! The step (`trainer/dit_diffusers.rs`): the embed segment runs the patch embedding, makes the
+//! The step (`families/dit_diffusers/step.rs`): the embed segment runs the patch embedding, makes the
 //! timestep features (`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1)`) and the
 //! label rows, and evaluates block 0's embedder once more for the output side (its SiLU in the
 //! compute dtype is the one conditioning leaf); the features and the label rows reach every

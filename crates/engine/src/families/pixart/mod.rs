@@ -9,7 +9,7 @@
 //!   output side (`norm_out` + the final `scale_shift_table` + `proj_out`).
 //!
 //! The step itself (embed, blocks stored or recomputed, final layer, backward) is the trainer's
-//! (`trainer/pixart.rs`). Text embeddings enter as cached synthetic inputs (batch × T ×
+//! (`families/pixart/step.rs`). Text embeddings enter as cached synthetic inputs (batch × T ×
 //! caption_channels, from the data seed), like the latents: no text encoder weights.
 //!
 //! # Block composition (what one block allocates in forward)

@@ -10,7 +10,7 @@
 //!   projection, the output side and the 3-D patchify.
 //!
 //! The step (embed, blocks stored or recomputed, final layer, backward) is the family schedule
-//! (`trainer/family.rs`, `trainer/wan.rs`). Latents are video, (b, C, F', H, W) with F' =
+//! (`trainer/family.rs`, `families/wan/step.rs`). Latents are video, (b, C, F', H, W) with F' =
 //! (frames − 1)/4 + 1; the umT5 states enter as cached synthetic inputs (b × T × text_dim).
 //! The objective is the engine's (DDPM ε or v), not Wan's flow matching: the step's memory is
 //! the same.
