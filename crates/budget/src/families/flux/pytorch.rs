@@ -8,7 +8,7 @@
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::{Dims, FluxDims};
-use crate::runtime::pytorch::families::common::Fam;
+use crate::runtime::pytorch::families::common::{pooled_temb_and_context, Fam};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
@@ -267,41 +267,12 @@ fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
             bl.g.op("timesteps_emb + guidance_emb", &[te, ge], b * dim, dt);
     }
     // PixArtAlphaTextProjection(pooled, D, act_fn="silu").
-    let pooled =
-        bl.g.input("pooled", b * d.pooled_projection_dim, low, false);
-    let p1 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_1",
-        pooled,
-        b,
-        dim,
+    let (temb, ctx) = pooled_temb_and_context(
+        &mut bl,
+        temb,
+        (b, dim, z.t),
         d.pooled_projection_dim,
-        true,
-    );
-    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
-    let p2 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_2",
-        pa,
-        b,
-        dim,
-        dim,
-        true,
-    );
-    let dt = promote(bl.g.dtype(temb), bl.g.dtype(p2));
-    let temb = bl.g.op("temb", &[temb, p2], b * dim, dt);
-    save(&mut bl.g, temb);
-    let enc = bl.g.input(
-        "encoder_hidden_states",
-        b * z.t * d.joint_attention_dim,
-        low,
-        false,
-    );
-    let ctx = bl.linear_g(
-        "context_embedder",
-        enc,
-        b * z.t,
-        dim,
         d.joint_attention_dim,
-        true,
     );
     // FluxPosEmbed over cat(txt_ids, img_ids).
     let n = z.n();

@@ -11,7 +11,7 @@ use crate::families::flux::pytorch::{
     ada, feed_forward, gated_add, loss, sequence_tokens, split_part, stack, timestep_embedder,
 };
 use crate::families::{Dims, Sd3Dims};
-use crate::runtime::pytorch::families::common::Fam;
+use crate::runtime::pytorch::families::common::{pooled_temb_and_context, Fam};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
@@ -255,41 +255,12 @@ fn embed(f: &Fam, d: &Sd3Dims, z: &Sz) -> (Segment, Vec<Tid>) {
         bl.g.op("hidden_states.contiguous()", &[sum], b * s * dim, low);
     let ts = bl.g.input("timesteps", b, Dtype::F32, false);
     let te = timestep_embedder(&mut bl, "time_text_embed.timestep_embedder", ts, b, dim);
-    let pooled =
-        bl.g.input("pooled", b * d.pooled_projection_dim, low, false);
-    let p1 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_1",
-        pooled,
-        b,
-        dim,
+    let (temb, ctx) = pooled_temb_and_context(
+        &mut bl,
+        te,
+        (b, dim, z.t),
         d.pooled_projection_dim,
-        true,
-    );
-    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
-    let p2 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_2",
-        pa,
-        b,
-        dim,
-        dim,
-        true,
-    );
-    let dt = promote(bl.g.dtype(te), bl.g.dtype(p2));
-    let temb = bl.g.op("temb", &[te, p2], b * dim, dt);
-    save(&mut bl.g, temb);
-    let enc = bl.g.input(
-        "encoder_hidden_states",
-        b * z.t * d.joint_attention_dim,
-        low,
-        false,
-    );
-    let ctx = bl.linear_g(
-        "context_embedder",
-        enc,
-        b * z.t,
-        dim,
         d.joint_attention_dim,
-        true,
     );
     bl.g.output = x;
     bl.g.side_outputs = vec![ctx];

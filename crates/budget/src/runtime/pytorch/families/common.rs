@@ -4,7 +4,7 @@
 use crate::denoiser;
 use crate::families::{FamilyModel, Geometry};
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::ops::{save, Builder, LoraOn};
+use crate::runtime::pytorch::ops::{promote, save, Builder, LoraOn};
 use crate::segment::Tid;
 use crate::spec::Dtype;
 use crate::spec::Spec;
@@ -174,4 +174,45 @@ pub(crate) fn flow_loss(
     if f.spec.workload.accumulation > 1 {
         bl.g.op("loss / accumulation", &[loss], 1, Dtype::F32);
     }
+}
+
+/// The SD3/Flux conditioning after the timestep embedding (diffusers
+/// `CombinedTimestepTextProjEmbeddings` / `CombinedTimestepGuidanceTextProjEmbeddings`, then the
+/// transformer's `context_embedder`): the pooled text through `PixArtAlphaTextProjection`
+/// (linear, SiLU, linear) added to `temb` (saved: every block's norms read it), and the text
+/// tokens projected to the model width. `(b, dim, t)`: microbatch, width, text tokens. Returns
+/// `(temb, context)`.
+pub(crate) fn pooled_temb_and_context(
+    bl: &mut Builder,
+    temb: Tid,
+    (b, dim, t): (u64, u64, u64),
+    pooled_dim: u64,
+    joint_dim: u64,
+) -> (Tid, Tid) {
+    let low = bl.low();
+    let pooled = bl.g.input("pooled", b * pooled_dim, low, false);
+    let p1 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_1",
+        pooled,
+        b,
+        dim,
+        pooled_dim,
+        true,
+    );
+    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
+    let p2 = bl.linear_g(
+        "time_text_embed.text_embedder.linear_2",
+        pa,
+        b,
+        dim,
+        dim,
+        true,
+    );
+    let dt = promote(bl.g.dtype(temb), bl.g.dtype(p2));
+    let temb = bl.g.op("temb", &[temb, p2], b * dim, dt);
+    save(&mut bl.g, temb);
+    let enc =
+        bl.g.input("encoder_hidden_states", b * t * joint_dim, low, false);
+    let ctx = bl.linear_g("context_embedder", enc, b * t, dim, joint_dim, true);
+    (temb, ctx)
 }
