@@ -14,9 +14,12 @@
 //! reads the weight copies block 0 put in the autocast cache.
 
 use crate::families::{Dims, DitDiffusersDims};
-use crate::runtime::pytorch::families::common::{ddpm_data, eps_loss, hold, sinusoid, Fam, FREQ};
+use crate::runtime::pytorch::families::common::{
+    add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest, hold, info, sinusoid,
+    Fam, FREQ,
+};
 use crate::runtime::pytorch::ops::{save, Attn, Builder, CACHED, SAVED};
-use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -267,51 +270,23 @@ pub fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
         labels: d.num_embeds_ada_norm + 1,
     };
     let emb = embed(f, d, &g);
-    let info = |s: &Segment| (s.tensors[s.output].dtype, s.tensors[s.output].requires_grad);
-    let first = block(f, d, &g, info(&emb), Emb::Accumulated);
-    let mut last = info(&first);
-    let rest = block(f, d, &g, last, Emb::Own);
-    let n = d.num_layers as u32;
-    let mut stages = vec![Stage {
-        seg: emb,
-        count: 1,
-        blocks: false,
-        label: "embed",
-        extra_grads: Vec::new(),
-    }];
-    if rest == first {
-        stages.push(block_stage(first, n));
-    } else {
-        stages.push(block_stage(first, 1));
-        if n > 1 {
-            last = info(&rest);
-            stages.push(block_stage(rest, n - 1));
-        }
-    }
-    stages.push(Stage {
-        seg: final_layer(f, d, &g, last),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    let out = |s: &Segment| info(s, s.output);
+    let first = block(f, d, &g, out(&emb), Emb::Accumulated);
+    let rest = block(f, d, &g, out(&first), Emb::Own);
+    let mut stages = vec![embed_stage(emb, Vec::new())];
+    stages.extend(first_and_rest(first, rest, d.num_layers as u32, true));
+    let last = stages.last().map_or((Dtype::F32, false), |st| out(&st.seg));
+    stages.push(final_stage(final_layer(f, d, &g, last)));
     let wd = f.spec.recipe.precision.compute_dtype().size();
     // `family_peer.py`: the DDPM data ([`ddpm_data`]), y (int64) for the forward, the noisy
     // latent while the conv saves it.
-    let (mut kept, mut fwd) = ddpm_data(f, g.lat);
-    fwd += 8 * b;
-    if f.lora.is_some() {
-        fwd += g.lat * wd;
-    } else {
-        kept += g.lat * wd;
-    }
-    Stages {
-        stages,
-        data: Data {
-            kept,
-            forward_only: fwd,
-        },
-    }
+    let (kept, fwd) = ddpm_data(f, g.lat);
+    let mut data = Data {
+        kept,
+        forward_only: fwd + 8 * b,
+    };
+    add_data(&mut data, g.lat * wd, f.lora.is_none());
+    Stages { stages, data }
 }
 
 /// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
@@ -321,16 +296,6 @@ pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
         return None;
     };
     Some(stages(f, d))
-}
-
-fn block_stage(seg: Segment, count: u32) -> Stage {
-    Stage {
-        seg,
-        count,
-        blocks: true,
-        label: "block",
-        extra_grads: Vec::new(),
-    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,9 @@
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::{Dims, FluxDims};
-use crate::runtime::pytorch::families::common::{pooled_temb_and_context, Fam};
+use crate::runtime::pytorch::families::common::{
+    add_data, block_stage, embed_stage, final_stage, pooled_temb_and_context, Fam,
+};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
@@ -386,21 +388,34 @@ where
     let mut left = count;
     while left > 0 {
         let seg = build(rg);
-        let outs = seg.outputs();
-        let o = seg.tensors[outs[0]].requires_grad;
-        let next = (o, outs.get(1).map_or(o, |&t| seg.tensors[t].requires_grad));
+        let next = streams_rg(&seg);
         let n = if next == rg { left } else { 1 };
-        out.push(Stage {
-            seg,
-            count: n as u32,
-            blocks: true,
-            label,
-            extra_grads: Vec::new(),
-        });
+        out.push(block_stage(seg, n as u32, label));
         left -= n;
         rg = next;
     }
     (out, rg)
+}
+
+/// Which of a stage's two streams (image, text) carry a gradient: its output's and its first side
+/// output's (the output's again when it hands on one stream).
+pub(crate) fn streams_rg(seg: &Segment) -> (bool, bool) {
+    let outs = seg.outputs();
+    let o = seg.tensors[outs[0]].requires_grad;
+    (o, outs.get(1).map_or(o, |&t| seg.tensors[t].requires_grad))
+}
+
+/// The data outside the model of the SD3 and Flux scripts (`family_peer.py`): `saved_in`, the
+/// latents and text embeddings the embedders' linears save when those are trained (until the
+/// input side's backward; else dropped after the model call), and `loose`, what goes with the
+/// forward.
+pub(crate) fn embedder_data(trained: bool, saved_in: u64, loose: u64) -> Data {
+    let mut data = Data {
+        kept: 0,
+        forward_only: loose,
+    };
+    add_data(&mut data, saved_in, trained);
+    data
 }
 
 pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
@@ -414,18 +429,8 @@ pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
     };
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
-    let outs = emb.outputs();
-    let rg = (
-        emb.tensors[outs[0]].requires_grad,
-        emb.tensors[*outs.last().unwrap_or(&outs[0])].requires_grad,
-    );
-    let mut stages = vec![Stage {
-        seg: emb,
-        count: 1,
-        blocks: false,
-        label: "embed",
-        extra_grads: extra,
-    }];
+    let rg = streams_rg(&emb);
+    let mut stages = vec![embed_stage(emb, extra)];
     let (st, rg) = stack(d.num_layers, "double block", rg, |r| {
         double_block(f, &z, r, trained)
     });
@@ -435,35 +440,26 @@ pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
     });
     stages.extend(st);
     let joint = d.num_single_layers > 0;
-    stages.push(Stage {
-        seg: final_layer(f, d, &z, rg.0 || rg.1, joint, trained),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    stages.push(final_stage(final_layer(
+        f,
+        d,
+        &z,
+        rg.0 || rg.1,
+        joint,
+        trained,
+    )));
     // Data outside the model (family_peer.py): x0 and noise (wd) until the forward returns,
     // noisy, the timesteps, sigmas and the position ids with it; the packed latents, the T5
     // embeddings and the pooled CLIP vector are saved by the embedders' linears when those are
     // trained (until the input side's backward), else dropped after the model call.
-    let wd = Builder::new(f.rt, f.spec.recipe.precision, f.spec.recipe.attention, "")
-        .low()
-        .size();
+    let wd = f.spec.recipe.precision.compute_dtype().size();
     let lat = z.b * z.s * d.in_channels;
     let saved_in = (lat + z.b * z.t * d.joint_attention_dim + z.b * d.pooled_projection_dim) * wd;
     let loose = 3 * lat * wd + z.b * (8 + 4 + wd) + z.n() * 3 * wd;
-    let data = if trained {
-        Data {
-            kept: saved_in,
-            forward_only: loose,
-        }
-    } else {
-        Data {
-            kept: 0,
-            forward_only: loose + saved_in,
-        }
-    };
-    Stages { stages, data }
+    Stages {
+        stages,
+        data: embedder_data(trained, saved_in, loose),
+    }
 }
 
 /// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,

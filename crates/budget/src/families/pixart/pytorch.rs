@@ -12,9 +12,12 @@
 //! unpatchify, the fp32 MSE loss).
 
 use crate::families::{Dims, PixartDims};
-use crate::runtime::pytorch::families::common::{ddpm_data, eps_loss, hold, sinusoid, Fam, FREQ};
+use crate::runtime::pytorch::families::common::{
+    add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest, hold, info, sinusoid,
+    Fam, FREQ,
+};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
 
@@ -70,10 +73,6 @@ struct Handoff {
     timestep: (Dtype, bool),
     emb: (Dtype, bool),
     caption: (Dtype, bool),
-}
-
-fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
-    (g.tensors[t].dtype, g.tensors[t].requires_grad)
 }
 
 /// diffusers `TimestepEmbedding`: `linear_1` → SiLU → `linear_2`.
@@ -308,32 +307,11 @@ pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
     let (emb, bcast, h) = embed(f, d, &g);
     let out = |s: &Segment| info(s, s.output);
     let first = block(f, d, &g, &h, h.x);
-    let mut stages = vec![Stage {
-        seg: emb,
-        count: 1,
-        blocks: false,
-        label: "embed",
-        extra_grads: bcast,
-    }];
-    let n = d.num_layers as u32;
-    let mut last = out(&first);
-    let rest = block(f, d, &g, &h, last);
-    if rest == first {
-        stages.push(block_stage(first, n));
-    } else {
-        stages.push(block_stage(first, 1));
-        if n > 1 {
-            last = out(&rest);
-            stages.push(block_stage(rest, n - 1));
-        }
-    }
-    stages.push(Stage {
-        seg: final_layer(f, d, &g, &h, last),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    let rest = block(f, d, &g, &h, out(&first));
+    let mut stages = vec![embed_stage(emb, bcast)];
+    stages.extend(first_and_rest(first, rest, d.num_layers as u32, true));
+    let last = stages.last().map_or(h.x, |st| out(&st.seg));
+    stages.push(final_stage(final_layer(f, d, &g, &h, last)));
     Stages {
         stages,
         data: data(f, d, &g),
@@ -349,55 +327,29 @@ pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
     Some(stages(f, d))
 }
 
-fn block_stage(seg: Segment, count: u32) -> Stage {
-    Stage {
-        seg,
-        count,
-        blocks: true,
-        label: "block",
-        extra_grads: Vec::new(),
-    }
-}
-
 /// The step's tensors outside the model (`family_peer.py` `Inputs.forward`, DDPM branch): see
 /// [`ddpm_data`]; the caption while a saved reference holds it (the caption projection's or
 /// `to_k`'s input), the int64 mask, its bias and α's size conditions for the forward.
 fn data(f: &Fam, d: &PixartDims, g: &Geo) -> Data {
     let wd = f.spec.recipe.precision.compute_dtype().size();
     let frozen = f.lora.is_some();
-    let lora_on = |m: &str| {
-        f.lora.as_ref().is_some_and(|l| {
-            l.modules
-                .iter()
-                .any(|k| crate::denoiser::matches_module(m, k))
-        })
-    };
     let enc_w = d.caption_channels.unwrap_or(g.kv);
     let enc = g.b * g.t * enc_w * wd;
     let enc_saved = match d.caption_channels {
-        Some(_) => !frozen || lora_on("caption_projection.linear_1"),
-        None => !frozen || lora_on("attn2.to_k") || lora_on("attn2.to_v"),
+        Some(_) => !frozen || f.lora_on("caption_projection.linear_1"),
+        None => !frozen || f.lora_on("attn2.to_k") || f.lora_on("attn2.to_v"),
     };
     let (kept, fwd) = ddpm_data(f, g.lat);
-    let noisy = g.lat * wd;
-    let (mut kept, mut fwd) = (kept, fwd + g.b * g.t * (8 + wd));
-    if frozen {
-        fwd += noisy;
-    } else {
-        kept += noisy;
-    }
-    if enc_saved {
-        kept += enc;
-    } else {
-        fwd += enc;
-    }
-    if d.use_additional_conditions {
-        fwd += 3 * g.b * wd;
-    }
-    Data {
+    let mut data = Data {
         kept,
-        forward_only: fwd,
+        forward_only: fwd + g.b * g.t * (8 + wd),
+    };
+    add_data(&mut data, g.lat * wd, !frozen);
+    add_data(&mut data, enc, enc_saved);
+    if d.use_additional_conditions {
+        data.forward_only += 3 * g.b * wd;
     }
+    data
 }
 
 #[cfg(test)]

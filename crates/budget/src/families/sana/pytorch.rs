@@ -8,9 +8,11 @@
 //! embedding), blocks 1.. (an fp32 contiguous stream), `norm_out` + `proj_out` + the loss.
 
 use crate::families::{Dims, SanaDims};
-use crate::runtime::pytorch::families::common::{flow_loss, noising, Fam};
+use crate::runtime::pytorch::families::common::{
+    embed_stage, final_stage, first_and_rest, flow_loss, noising, Fam,
+};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -357,17 +359,12 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     } else {
         Dtype::F32
     };
-    let lora_kv = f.lora.as_ref().is_some_and(|l| {
-        l.modules.iter().any(|k| {
-            crate::denoiser::matches_module("attn2.to_k", k)
-                || crate::denoiser::matches_module("attn2.to_v", k)
-        })
-    });
+    let lora_kv = f.lora_on("attn2.to_k") || f.lora_on("attn2.to_v");
     // A checkpointed block keeps its inputs until its recompute (non-reentrant
     // `torch.utils.checkpoint` holds the call's arguments) [CK]: the caption, the 6·D timestep
     // and the mask bias then live until block 0's backward.
     let n = d.num_layers as u32;
-    let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
+    let ck = f.any_block_recomputed(n);
     // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`), unless
     // the adapters are in the compute dtype (`lora.dtype = "weight"`): PEFT's
     // `_cast_input_dtype` then returns the caption itself (peft 0.21.2
@@ -425,42 +422,13 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     let b0 = block(f, &m, d, io);
     let o0 = &b0.tensors[b0.output];
     let (odt, org) = (o0.dtype, o0.requires_grad);
-    let mut st = vec![
-        Stage {
-            seg: emb_seg.clone(),
-            count: 1,
-            blocks: false,
-            label: "embed",
-            extra_grads: extra,
-        },
-        Stage {
-            seg: b0,
-            count: 1,
-            blocks: true,
-            label: "block",
-            extra_grads: Vec::new(),
-        },
-    ];
     io.x_dt = odt;
     io.x_rg = org;
     io.x_contig = true;
-    if n > 1 {
-        let rest = block(f, &m, d, io);
-        st.push(Stage {
-            seg: rest,
-            count: n - 1,
-            blocks: true,
-            label: "block",
-            extra_grads: Vec::new(),
-        });
-    }
-    st.push(Stage {
-        seg: final_layer(f, &m, io),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    let rest = block(f, &m, d, io);
+    let mut st = vec![embed_stage(emb_seg.clone(), extra)];
+    st.extend(first_and_rest(b0, rest, n, false));
+    st.push(final_stage(final_layer(f, &m, io)));
     Stages {
         stages: st,
         data: Data { kept, forward_only },

@@ -8,12 +8,15 @@
 //! Ground truth: `families_saved.txt` (`sd3-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::flux::pytorch::{
-    ada, feed_forward, gated_add, loss, sequence_tokens, split_part, stack, timestep_embedder,
+    ada, embedder_data, feed_forward, gated_add, loss, sequence_tokens, split_part, stack,
+    streams_rg, timestep_embedder,
 };
 use crate::families::{Dims, Sd3Dims};
-use crate::runtime::pytorch::families::common::{pooled_temb_and_context, Fam};
+use crate::runtime::pytorch::families::common::{
+    embed_stage, final_stage, pooled_temb_and_context, Fam,
+};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::runtime::pytorch::stages::Stages;
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -305,18 +308,8 @@ pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
     };
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
-    let outs = emb.outputs();
-    let mut rg = (
-        emb.tensors[outs[0]].requires_grad,
-        emb.tensors[*outs.last().unwrap_or(&outs[0])].requires_grad,
-    );
-    let mut stages = vec![Stage {
-        seg: emb,
-        count: 1,
-        blocks: false,
-        label: "embed",
-        extra_grads: extra,
-    }];
+    let mut rg = streams_rg(&emb);
+    let mut stages = vec![embed_stage(emb, extra)];
     // Blocks differ by index (dual attention, the last one context_pre_only): runs of equal
     // blocks become one stage each.
     let kind = |i: u64| {
@@ -339,36 +332,20 @@ pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
         rg = r;
         i = j;
     }
-    stages.push(Stage {
-        seg: final_layer(f, d, &z, rg.0, trained),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    stages.push(final_stage(final_layer(f, d, &z, rg.0, trained)));
     // Data outside the model (family_peer.py): x0 and noise (wd) until the forward returns, the
     // timesteps and sigmas with them; the noisy latents (saved by the conv), the CLIP ⊕ T5
     // embeddings and the pooled vector are saved by the embedders when those are trained (until
     // the input side's backward), else dropped after the model call.
-    let wd = Builder::new(f.rt, f.spec.recipe.precision, f.spec.recipe.attention, "")
-        .low()
-        .size();
+    let wd = f.spec.recipe.precision.compute_dtype().size();
     let p = d.patch_size;
     let lat = z.b * z.s * p * p * d.in_channels;
     let saved_in = (lat + z.b * z.t * d.joint_attention_dim + z.b * d.pooled_projection_dim) * wd;
     let loose = 2 * lat * wd + z.b * (8 + wd);
-    let data = if trained {
-        Data {
-            kept: saved_in,
-            forward_only: loose,
-        }
-    } else {
-        Data {
-            kept: 0,
-            forward_only: loose + saved_in,
-        }
-    };
-    Stages { stages, data }
+    Stages {
+        stages,
+        data: embedder_data(trained, saved_in, loose),
+    }
 }
 
 /// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
@@ -388,6 +365,7 @@ mod tests {
     use crate::families::Dims;
     use crate::runtime::pytorch::allocator::simulate;
     use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::stages::Stage;
 
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
         "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,

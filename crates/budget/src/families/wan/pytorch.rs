@@ -8,9 +8,11 @@
 //! embedding's dtype), `norm_out` + `proj_out` + the loss.
 
 use crate::families::{Dims, WanDims};
-use crate::runtime::pytorch::families::common::{flow_loss, noising, Fam};
+use crate::runtime::pytorch::families::common::{
+    embed_stage, final_stage, first_and_rest, flow_loss, noising, Fam,
+};
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stage, Stages};
+use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -325,13 +327,8 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     let n = d.num_layers as u32;
     // A checkpointed block holds its arguments (the text context, timestep_proj, RoPE) until
     // its recompute [CK].
-    let ck = (0..n).any(|i| f.spec.recipe.recompute.recomputes_block(i));
-    let lora_kv = f.lora.as_ref().is_some_and(|l| {
-        l.modules.iter().any(|k| {
-            crate::denoiser::matches_module("attn2.to_k", k)
-                || crate::denoiser::matches_module("attn2.to_v", k)
-        })
-    });
+    let ck = f.any_block_recomputed(n);
+    let lora_kv = f.lora_on("attn2.to_k") || f.lora_on("attn2.to_v");
     // The text context leaves the text projection in the compute dtype; attn2's to_k/to_v save
     // it as-is when their weights are trained, and their lora_A when the adapters are in that
     // dtype too (fp32, or `lora.dtype = "weight"` under autocast): PEFT's
@@ -386,40 +383,12 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     let b0 = block(f, &m, d, io);
     let o0 = &b0.tensors[b0.output];
     let (odt, org) = (o0.dtype, o0.requires_grad);
-    let mut st = vec![
-        Stage {
-            seg: emb_seg.clone(),
-            count: 1,
-            blocks: false,
-            label: "embed",
-            extra_grads: extra,
-        },
-        Stage {
-            seg: b0,
-            count: 1,
-            blocks: true,
-            label: "block",
-            extra_grads: Vec::new(),
-        },
-    ];
     io.x_dt = odt;
     io.x_rg = org;
-    if n > 1 {
-        st.push(Stage {
-            seg: block(f, &m, d, io),
-            count: n - 1,
-            blocks: true,
-            label: "block",
-            extra_grads: Vec::new(),
-        });
-    }
-    st.push(Stage {
-        seg: final_layer(f, &m, io),
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    });
+    let rest = block(f, &m, d, io);
+    let mut st = vec![embed_stage(emb_seg.clone(), extra)];
+    st.extend(first_and_rest(b0, rest, n, false));
+    st.push(final_stage(final_layer(f, &m, io)));
     Stages {
         stages: st,
         data: Data { kept, forward_only },

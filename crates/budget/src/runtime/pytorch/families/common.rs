@@ -5,7 +5,8 @@ use crate::denoiser;
 use crate::families::{FamilyModel, Geometry};
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::ops::{promote, save, Builder, LoraOn};
-use crate::segment::Tid;
+use crate::runtime::pytorch::stages::{Data, Stage};
+use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 use crate::spec::Spec;
 
@@ -63,6 +64,92 @@ impl<'a> Fam<'a> {
         bl.lora = self.lora.clone();
         bl.threads = u64::from(self.spec.cpu().threads);
         bl
+    }
+
+    /// Whether the spec's LoRA adapts `module` (PEFT's `target_modules` name match).
+    pub(crate) fn lora_on(&self, module: &str) -> bool {
+        self.lora.as_ref().is_some_and(|l| {
+            l.modules
+                .iter()
+                .any(|k| denoiser::matches_module(module, k))
+        })
+    }
+
+    /// Whether the recompute policy checkpoints any of the first `n` blocks: a checkpointed
+    /// block holds the call's arguments (the broadcast tensors) until its recompute [CK].
+    pub(crate) fn any_block_recomputed(&self, n: u32) -> bool {
+        (0..n).any(|i| self.spec.recipe.recompute.recomputes_block(i))
+    }
+}
+
+/// The input side's stage: one instance; `extra_grads` are its broadcast outputs that receive a
+/// gradient from the blocks.
+pub(crate) fn embed_stage(seg: Segment, extra_grads: Vec<Tid>) -> Stage {
+    Stage {
+        seg,
+        count: 1,
+        blocks: false,
+        label: "embed",
+        extra_grads,
+    }
+}
+
+/// A stack of `count` transformer blocks of one segment, labelled `label`.
+pub(crate) fn block_stage(seg: Segment, count: u32, label: &'static str) -> Stage {
+    Stage {
+        seg,
+        count,
+        blocks: true,
+        label,
+        extra_grads: Vec::new(),
+    }
+}
+
+/// The output side with the loss.
+pub(crate) fn final_stage(seg: Segment) -> Stage {
+    Stage {
+        seg,
+        count: 1,
+        blocks: false,
+        label: "final + loss",
+        extra_grads: Vec::new(),
+    }
+}
+
+/// A stack of `n` blocks whose block 0 reads the input side's stream (another dtype, or no
+/// gradient under LoRA) and the others the previous block's: block 0's stage and the rest's
+/// (none for one block). With `merge_equal` (PixArt, diffusers' DiT) block 0 joins the rest
+/// when both build the same segment.
+pub(crate) fn first_and_rest(
+    first: Segment,
+    rest: Segment,
+    n: u32,
+    merge_equal: bool,
+) -> Vec<Stage> {
+    if merge_equal && rest == first {
+        return vec![block_stage(first, n, "block")];
+    }
+    let mut st = vec![block_stage(first, 1, "block")];
+    if n > 1 {
+        st.push(block_stage(rest, n - 1, "block"));
+    }
+    st
+}
+
+/// A stage's stream as the next one reads it: the dtype of tensor `t` and whether it carries a
+/// gradient.
+pub(crate) fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
+    (g.tensors[t].dtype, g.tensors[t].requires_grad)
+}
+
+/// Data outside the model that a saved reference may hold: `bytes` kept until the step's
+/// backward ends when `saved` (an embedder's trained linear or conv saves it), else freed with
+/// the forward.
+pub(crate) fn add_data(data: &mut Data, bytes: u64, saved: bool) {
+    if saved {
+        data.kept += bytes;
+    } else {
+        data.forward_only += bytes;
     }
 }
 
