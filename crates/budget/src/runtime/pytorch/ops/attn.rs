@@ -11,13 +11,25 @@ pub struct Attn {
 }
 
 impl Attn {
-    pub fn q_elems(&self) -> u64 {
+    /// Self-attention of `b` samples over `s` tokens in `heads` heads of `dh` (a cross-attention:
+    /// `Attn { skv, ..Attn::over(…) }`).
+    pub(crate) fn over(b: u64, heads: u64, s: u64, dh: u64) -> Attn {
+        Attn {
+            b,
+            heads,
+            sq: s,
+            skv: s,
+            dh,
+        }
+    }
+
+    pub(crate) fn q_elems(&self) -> u64 {
         self.b * self.heads * self.sq * self.dh
     }
-    pub fn kv_elems(&self) -> u64 {
+    pub(crate) fn kv_elems(&self) -> u64 {
         self.b * self.heads * self.skv * self.dh
     }
-    pub fn scores(&self) -> u64 {
+    pub(crate) fn scores(&self) -> u64 {
         self.b * self.heads * self.sq * self.skv
     }
 }

@@ -20,7 +20,7 @@ use crate::spec::Dtype;
 ///
 /// Measured (torch 2.15 CPU, 2 threads; `bench/torch_peer/family_trace.py` on the SD3 LoRA bf16
 /// spec, q = kv = 218 joint tokens, qSplit 64): 223,232 + 111,616 B in the backward, as here.
-pub fn cpu_flash_scratch(threads: u64, at: Attn, dt: Dtype) -> (u64, u64) {
+pub(crate) fn cpu_flash_scratch(threads: u64, at: Attn, dt: Dtype) -> (u64, u64) {
     if at.sq == 0 || at.skv == 0 {
         return (0, 0);
     }
@@ -99,7 +99,7 @@ fn brgemm_m_blk(nthr: u64, m: u64, n_chunks: u64, n_chunk_size: u64) -> u64 {
 /// shapes each at 1 and 4 threads; the transposed ones exact at (n, m, k) = (64, 256, 64) and
 /// (256, 256, 256), +4 % / +8 % / −15 % where m exceeds 512 (oneDNN then splits the copy by
 /// `M_blk` with a padded leading dimension, and splits n into chunks).
-pub fn cpu_gemm_scratch(threads: u64, m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
+pub(crate) fn cpu_gemm_scratch(threads: u64, m: u64, k: u64, n: u64, a_transposed: bool) -> u64 {
     if m == 0 || k == 0 || n == 0 {
         return 0;
     }

@@ -1,14 +1,14 @@
 //! PixArt's and diffusers' DiT's builders (famcross): ops that save only what a gradient needs,
 //! the masked attention of a cross-attention, PEFT's input cast.
 
-use super::{cpu_gemm_scratch, promote, save, Attn, Builder, CACHED, LEFT_UNSAVED, MATMUL};
+use super::{cpu_gemm_scratch, promote, save, Attn, Builder, LEFT_UNSAVED, MATMUL};
 use crate::segment::Tid;
 use crate::spec::{AttentionMode, Dtype, SdpaBackend, TorchDevice};
 
 impl Builder<'_> {
     /// `a * b` elementwise (broadcast) into `n` elements of the promoted dtype: `MulBackward0`
     /// saves `b` when `a` needs a gradient and `a` when `b` does [AG].
-    pub fn mul(&mut self, name: &str, a: Tid, b: Tid, n: u64) -> Tid {
+    pub(crate) fn mul(&mut self, name: &str, a: Tid, b: Tid, n: u64) -> Tid {
         let (ra, rb) = (self.rg(a), self.rg(b));
         self.save_if(b, ra);
         self.save_if(a, rb);
@@ -18,7 +18,7 @@ impl Builder<'_> {
 
     /// An elementwise op that saves nothing (`add`, `sub`, a scalar multiple or division) into `n`
     /// elements of the promoted dtype of its inputs [AG].
-    pub fn ew(&mut self, name: &str, ins: &[Tid], n: u64) -> Tid {
+    pub(crate) fn ew(&mut self, name: &str, ins: &[Tid], n: u64) -> Tid {
         let dt = ins
             .iter()
             .map(|&t| self.g.dtype(t))
@@ -29,7 +29,7 @@ impl Builder<'_> {
 
     /// An activation that saves its input (`gelu`, `silu`) when it needs a gradient [AG]; the
     /// output keeps the input's dtype (neither is on an autocast list) [AC].
-    pub fn act(&mut self, name: &str, x: Tid) -> Tid {
+    pub(crate) fn act(&mut self, name: &str, x: Tid) -> Tid {
         let r = self.rg(x);
         self.save_if(x, r);
         let (n, dt) = (self.g.elems(x), self.g.dtype(x));
@@ -38,7 +38,7 @@ impl Builder<'_> {
 
     /// [`Builder::layer_norm`] when its input needs a gradient; otherwise autograd records
     /// nothing (no saved input, no mean/rstd kept) [AG].
-    pub fn layer_norm_rg(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+    pub(crate) fn layer_norm_rg(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
         if self.rg(x) {
             return self.layer_norm(name, x, rows);
         }
@@ -48,7 +48,14 @@ impl Builder<'_> {
 
     /// `x·(1 + scale) + shift` with [`Builder::mul`]'s saving rule (a frozen scale saves only
     /// `1 + scale`, an input without gradient only the norm's output) [AG].
-    pub fn modulate_rg(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
+    pub(crate) fn modulate_rg(
+        &mut self,
+        name: &str,
+        xn: Tid,
+        shift: Tid,
+        scale: Tid,
+        bd: u64,
+    ) -> Tid {
         let sdt = self.g.dtype(scale);
         let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
         let n = self.g.elems(xn);
@@ -62,7 +69,7 @@ impl Builder<'_> {
     /// `_cast_input_dtype(x, lora_A.weight.dtype)` first makes an fp32 copy of a low-precision x
     /// (the adapters are fp32 after `cast_training_params`), which autocast casts back for
     /// `lora_A` (`peft/tuners/lora/layer.py` `Linear.forward`).
-    pub fn linear_rg(
+    pub(crate) fn linear_rg(
         &mut self,
         name: &str,
         x: Tid,
@@ -71,23 +78,7 @@ impl Builder<'_> {
         inp: u64,
         bias: bool,
     ) -> Tid {
-        let x_rg = self.rg(x);
-        let w = if x_rg {
-            self.weight(&format!("{name}.weight"), out * inp)
-        } else {
-            self.cached_weight(&format!("{name}.weight"), out * inp)
-        };
-        let mut ins = vec![0, w];
-        if bias {
-            ins.push(self.cached_weight(&format!("{name}.bias"), out));
-        }
-        let xin = self.cast_low(&format!("{name} input"), x);
-        ins[0] = xin;
-        if !self.frozen() {
-            save(&mut self.g, xin);
-        }
-        let low = self.low();
-        let y = self.product(name, &ins, rows, inp, out);
+        let y = self.linear_base(name, x, rows, out, inp, bias, self.rg(x));
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -97,52 +88,14 @@ impl Builder<'_> {
         } else {
             x
         };
-        let xa = xa0;
-        let a = self
-            .g
-            .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
-        let a = self.cast_low(&format!("{name}.lora_A"), a);
-        if x_rg {
-            save(&mut self.g, a);
-        } else if self.g.tensors[a].kind == crate::segment::TensorKind::Alloc {
-            self.g.tensors[a].name.push_str(CACHED);
-        }
-        let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
-        save(&mut self.g, xa);
-        let ha = self.product(&format!("{name}.lora_A"), &[xa, a], rows, inp, r);
-        save(&mut self.g, ha);
-        let bw = self
-            .g
-            .param(&format!("{name}.lora_B.weight"), out * r, pd, true);
-        let bw = self.cast_low(&format!("{name}.lora_B"), bw);
-        save(&mut self.g, bw);
-        let hb = self.product(&format!("{name}.lora_B"), &[ha, bw], rows, r, out);
-        let sc = self
-            .g
-            .op(&format!("{name} lora ·scaling"), &[hb], rows * out, low);
-        let bdt = self.g.dtype(y);
-        let sum = self.g.op(
-            &format!("{name} + lora"),
-            &[y, sc],
-            rows * out,
-            promote(bdt, low),
-        );
-        // PEFT binds the copy to `x` (`x = self._cast_input_dtype(x, …)`): alive until
-        // `Linear.forward` returns, after the sum (peft 0.21 `tuners/lora/layer.py`); the caller
-        // (diffusers `FeedForward.forward`'s `hidden_states = module(hidden_states)`, the
-        // attention processor's locals) holds the input itself for the whole call. family_trace.py
-        // on dit-bf16-lora16ff-none: the fp32 copy of ff.net.2's input and the GELU output it was
-        // made from are both alive at the forward peak, inside lora_B's mm.
-        let held: Vec<Tid> = if xa0 != x { vec![xa0, x] } else { vec![x] };
-        self.hold(&format!("{name} lora forward"), &held);
-        sum
+        self.lora_after_base(name, (x, xa0), y, (rows, out, inp, r))
     }
 
     /// A matmul `(m × k) · (k × n)` (`addmm`/`mm` of a linear: `ins` = input, weight[, bias])
     /// into `m × n` elements of the compute dtype, with the CPU's low-precision matmul scratch
     /// ([`Builder::gemm_scratch`]) for the gradients its backward computes: the input's when
     /// it needs one, the weight's when the weight does.
-    pub fn product(&mut self, name: &str, ins: &[Tid], m: u64, k: u64, n: u64) -> Tid {
+    pub(crate) fn product(&mut self, name: &str, ins: &[Tid], m: u64, k: u64, n: u64) -> Tid {
         let low = self.low();
         let y = self.g.op(name, ins, m * n, low);
         let (grad_x, grad_w) = (self.rg(ins[0]), self.rg(ins[1]));
@@ -160,7 +113,15 @@ impl Builder<'_> {
     /// left operand transposed), with the spec's intra-op threads. fp32 matmuls go to MKL
     /// without a scratch that the profiler sees, and CUDA's cuBLAS workspace is not modelled
     /// here.
-    pub fn gemm_scratch(&mut self, y: Tid, m: u64, k: u64, n: u64, grad_x: bool, grad_w: bool) {
+    pub(crate) fn gemm_scratch(
+        &mut self,
+        y: Tid,
+        m: u64,
+        k: u64,
+        n: u64,
+        grad_x: bool,
+        grad_w: bool,
+    ) {
         let half = matches!(self.low(), Dtype::Bf16 | Dtype::F16);
         if self.rt.device != TorchDevice::Cpu || !half {
             return;
@@ -181,7 +142,14 @@ impl Builder<'_> {
     /// [`Builder::attention`] with the mask read by the kernel; the fused kernels save it
     /// (`attn_mask` / `attn_bias`) [SDPA]; CUDA flash takes no mask, so the dispatcher runs the
     /// memory-efficient kernel; the math backend adds it into the scores in place.
-    pub fn attention_masked(&mut self, q: Tid, k: Tid, v: Tid, mask: Option<Tid>, at: Attn) -> Tid {
+    pub(crate) fn attention_masked(
+        &mut self,
+        q: Tid,
+        k: Tid,
+        v: Tid,
+        mask: Option<Tid>,
+        at: Attn,
+    ) -> Tid {
         let Some(m) = mask else {
             return self.attention(q, k, v, at);
         };

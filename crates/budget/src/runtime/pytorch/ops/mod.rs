@@ -10,7 +10,7 @@ mod joint;
 mod sana;
 
 pub use attn::Attn;
-pub use cpu_scratch::{cpu_flash_scratch, cpu_gemm_scratch};
+pub(crate) use cpu_scratch::{cpu_flash_scratch, cpu_gemm_scratch};
 
 use crate::runtime::pytorch::device::PyTorch;
 use crate::segment::{Segment, Tid};
@@ -39,7 +39,7 @@ pub const LEFT_UNSAVED: &str = " [matmul, weight frozen]";
 pub const GRAD_VIEWS: &str = " (cat: input gradients are views)";
 
 /// Dtype of an elementwise result under type promotion (the wider float wins).
-pub fn promote(a: Dtype, b: Dtype) -> Dtype {
+pub(crate) fn promote(a: Dtype, b: Dtype) -> Dtype {
     if a.size() >= b.size() {
         a
     } else {
@@ -48,7 +48,7 @@ pub fn promote(a: Dtype, b: Dtype) -> Dtype {
 }
 
 /// Mark `t` as saved for backward by some op.
-pub fn save(g: &mut Segment, t: Tid) {
+pub(crate) fn save(g: &mut Segment, t: Tid) {
     let name = &mut g.tensors[t].name;
     if !name.ends_with(SAVED) {
         name.push_str(SAVED);
@@ -79,7 +79,7 @@ pub struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    pub fn new(
+    pub(crate) fn new(
         rt: &'a PyTorch,
         precision: Precision,
         attention: AttentionMode,
@@ -96,12 +96,12 @@ impl<'a> Builder<'a> {
     }
 
     /// Whether autocast is on (mixed precision with fp32 master weights) [AC].
-    pub fn autocast(&self) -> bool {
+    pub(crate) fn autocast(&self) -> bool {
         self.precision.is_mixed()
     }
 
     /// Dtype the trained parameters are stored in.
-    pub fn param_dtype(&self) -> Dtype {
+    pub(crate) fn param_dtype(&self) -> Dtype {
         self.precision.param_dtype()
     }
 
@@ -111,7 +111,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Dtype of matmul / conv / SDPA outputs.
-    pub fn low(&self) -> Dtype {
+    pub(crate) fn low(&self) -> Dtype {
         self.precision.compute_dtype()
     }
 
@@ -122,45 +122,15 @@ impl<'a> Builder<'a> {
     }
 
     /// The tensor an autocast-listed op reads: itself, or a new cast copy [AC].
-    pub fn cast_low(&mut self, name: &str, x: Tid) -> Tid {
+    pub(crate) fn cast_low(&mut self, name: &str, x: Tid) -> Tid {
         let low = self.low();
         self.g.cast(&format!("{name} →{low}"), x, low)
     }
 
-    /// A parameter as an autocast-listed op reads it: trained (and, under autocast, its cached
-    /// low-precision copy [AC], marked saved: the autocast cache holds it for the rest of the
-    /// forward and the op that reads it keeps it for backward), or a frozen LoRA base already in
-    /// the compute dtype (no copy; it is a parameter, so saving it costs nothing).
-    pub fn weight(&mut self, name: &str, elems: u64) -> Tid {
-        if self.frozen() {
-            let low = self.low();
-            return self.g.param(name, elems, low, false);
-        }
-        let pd = self.param_dtype();
-        let p = self.g.param(name, elems, pd, true);
-        let c = self.cast_low(name, p);
-        save(&mut self.g, c);
-        c
-    }
-
-    /// A parameter whose autocast copy only the cache holds (a bias: `addmm` does not save it).
-    pub fn cached_weight(&mut self, name: &str, elems: u64) -> Tid {
-        if self.frozen() {
-            let low = self.low();
-            return self.g.param(name, elems, low, false);
-        }
-        let pd = self.param_dtype();
-        let p = self.g.param(name, elems, pd, true);
-        let c = self.cast_low(name, p);
-        if c != p {
-            self.g.tensors[c].name.push_str(CACHED);
-        }
-        c
-    }
-
     /// A parameter read outside autocast's list (a norm's weight, a scale-shift table): the
-    /// stored tensor itself.
-    pub fn plain_param(&mut self, name: &str, elems: u64) -> Tid {
+    /// stored tensor itself, trained in the parameter dtype, or a frozen LoRA base already cast
+    /// to the compute dtype (`weight_dtype` in the diffusers scripts).
+    pub(crate) fn plain_param(&mut self, name: &str, elems: u64) -> Tid {
         if self.frozen() {
             let low = self.low();
             self.g.param(name, elems, low, false)
@@ -170,8 +140,35 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// A parameter as an autocast-listed op reads it: trained (and, under autocast, its cached
+    /// low-precision copy [AC], marked saved: the autocast cache holds it for the rest of the
+    /// forward and the op that reads it keeps it for backward), or a frozen LoRA base already in
+    /// the compute dtype (no copy; it is a parameter, so saving it costs nothing).
+    pub(crate) fn weight(&mut self, name: &str, elems: u64) -> Tid {
+        let p = self.plain_param(name, elems);
+        if self.frozen() {
+            return p;
+        }
+        let c = self.cast_low(name, p);
+        save(&mut self.g, c);
+        c
+    }
+
+    /// A parameter whose autocast copy only the cache holds (a bias: `addmm` does not save it).
+    pub(crate) fn cached_weight(&mut self, name: &str, elems: u64) -> Tid {
+        let p = self.plain_param(name, elems);
+        if self.frozen() {
+            return p;
+        }
+        let c = self.cast_low(name, p);
+        if c != p {
+            self.g.tensors[c].name.push_str(CACHED);
+        }
+        c
+    }
+
     /// `F.linear(x, W, b)` with a bias: see [`Builder::linear_opt`].
-    pub fn linear(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64) -> Tid {
+    pub(crate) fn linear(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64) -> Tid {
         self.linear_opt(name, x, rows, out, inp, true)
     }
 
@@ -180,7 +177,7 @@ impl<'a> Builder<'a> {
     /// variable only for the outputs that need it); the output is in the compute dtype and is not
     /// saved by this op. Under LoRA on this module (PEFT `lora.Linear.forward`): the frozen base,
     /// then `lora_B(lora_A(x)) · scaling` added to it, the adapters trained.
-    pub fn linear_opt(
+    pub(crate) fn linear_opt(
         &mut self,
         name: &str,
         x: Tid,
@@ -189,21 +186,58 @@ impl<'a> Builder<'a> {
         inp: u64,
         bias: bool,
     ) -> Tid {
-        let w = self.weight(&format!("{name}.weight"), out * inp);
-        let mut ins = vec![0, w];
-        if bias {
-            ins.push(self.cached_weight(&format!("{name}.bias"), out));
-        }
-        let xin = self.cast_low(&format!("{name} input"), x);
-        ins[0] = xin;
-        if !self.frozen() {
-            save(&mut self.g, xin);
-        }
-        let y = self.product(name, &ins, rows, inp, out);
+        let y = self.linear_base(name, x, rows, out, inp, bias, true);
         match self.lora_rank(name) {
-            Some(r) => self.lora_branch(name, x, y, rows, out, inp, r),
+            Some(r) => self.lora_adapters(name, x, y, (rows, out, inp, r), true),
             None => y,
         }
+    }
+
+    /// The operands of an autocast-listed op with a weight (`F.linear`, `conv`) in the order the
+    /// graph makes them: the weight (`weight_saved`: [`Builder::weight`]; else its copy only sits
+    /// in the autocast cache, [`Builder::cached_weight`]), the bias's cached copy, the input's cast
+    /// copy [AC]. Returns `[input, weight(, bias)]`.
+    fn weighted_operands(
+        &mut self,
+        name: &str,
+        x: Tid,
+        w_elems: u64,
+        bias: Option<u64>,
+        weight_saved: bool,
+    ) -> Vec<Tid> {
+        let wn = format!("{name}.weight");
+        let w = if weight_saved {
+            self.weight(&wn, w_elems)
+        } else {
+            self.cached_weight(&wn, w_elems)
+        };
+        let mut ins = vec![0, w];
+        if let Some(be) = bias {
+            ins.push(self.cached_weight(&format!("{name}.bias"), be));
+        }
+        ins[0] = self.cast_low(&format!("{name} input"), x);
+        ins
+    }
+
+    /// `F.linear(x, W[, b])` without an adapter (a frozen LoRA base is one too): `addmm`/`mm` on
+    /// the 2-D view of x saves the (cast) input when the weight is trained, the (cast) weight
+    /// when `weight_saved` (x needs a gradient: `mat1: grad.mm(mat2.t())`) [AG][AC].
+    #[allow(clippy::too_many_arguments)]
+    fn linear_base(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        out: u64,
+        inp: u64,
+        bias: bool,
+        weight_saved: bool,
+    ) -> Tid {
+        let ins = self.weighted_operands(name, x, out * inp, bias.then_some(out), weight_saved);
+        if !self.frozen() {
+            save(&mut self.g, ins[0]);
+        }
+        self.product(name, &ins, rows, inp, out)
     }
 
     /// The rank of LoRA on a module, when the spec adapts it (PEFT's name match).
@@ -215,28 +249,32 @@ impl<'a> Builder<'a> {
             .then_some(l.rank)
     }
 
-    /// PEFT's `result = result + lora_B(lora_A(dropout(x))) * scaling` (dropout 0: identity):
-    /// `lora_A` (fp32, trained) reads the input cast for it and saves it, `lora_B` saves A's
+    /// PEFT's `result = result + lora_B(lora_A(dropout(x))) * scaling` (dropout 0: identity) on
+    /// the base's output `base`, with `(rows, out, inp, r)` the linear's shape and the rank:
+    /// `lora_A` (trained, in the adapters' dtype) reads `xa` cast for it and saves that cast;
+    /// its weight (the autocast copy) is saved when `a_saved` (`mm` saves `mat2` for `mat1`'s
+    /// gradient [AG]), else the copy only sits in the autocast cache [AC]; `lora_B` saves A's
     /// output; the scaling and the sum make two output-sized tensors.
-    #[allow(clippy::too_many_arguments)]
-    fn lora_branch(
+    fn lora_adapters(
         &mut self,
         name: &str,
-        x: Tid,
+        xa: Tid,
         base: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        r: u64,
+        (rows, out, inp, r): (u64, u64, u64, u64),
+        a_saved: bool,
     ) -> Tid {
         let pd = self.adapter_dtype();
         let low = self.low();
-        let a = self
+        let ap = self
             .g
             .param(&format!("{name}.lora_A.weight"), r * inp, pd, true);
-        let a = self.cast_low(&format!("{name}.lora_A"), a);
-        save(&mut self.g, a);
-        let xa = self.cast_low(&format!("{name}.lora_A input"), x);
+        let a = self.cast_low(&format!("{name}.lora_A"), ap);
+        if a_saved {
+            save(&mut self.g, a);
+        } else if a != ap {
+            self.g.tensors[a].name.push_str(CACHED);
+        }
+        let xa = self.cast_low(&format!("{name}.lora_A input"), xa);
         save(&mut self.g, xa);
         let ha = self.product(&format!("{name}.lora_A"), &[xa, a], rows, inp, r);
         save(&mut self.g, ha);
@@ -258,11 +296,34 @@ impl<'a> Builder<'a> {
         )
     }
 
+    /// PEFT `lora.Linear.forward` after `result = base_layer(x)` (peft 0.21
+    /// `tuners/lora/layer.py`): `x = self._cast_input_dtype(x, lora_A.weight.dtype)` is `xa0`
+    /// (a copy of a low-precision x into the adapters' dtype, or x itself), then the adapters
+    /// ([`Builder::lora_adapters`]; lora_A's weight saved for x's gradient). PEFT binds the copy
+    /// to `x` until `Linear.forward` returns, after the sum; the caller (diffusers
+    /// `FeedForward.forward`'s `hidden_states = module(hidden_states)`, the attention
+    /// processor's locals) holds the input itself for the whole call. family_trace.py on
+    /// dit-bf16-lora16ff-none: the fp32 copy of ff.net.2's input and the GELU output it was made
+    /// from are both alive at the forward peak, inside lora_B's mm.
+    fn lora_after_base(
+        &mut self,
+        name: &str,
+        (x, xa0): (Tid, Tid),
+        base: Tid,
+        shape: (u64, u64, u64, u64),
+    ) -> Tid {
+        let a_saved = self.rg(x);
+        let sum = self.lora_adapters(name, xa0, base, shape, a_saved);
+        let held: Vec<Tid> = if xa0 != x { vec![xa0, x] } else { vec![x] };
+        self.hold(&format!("{name} lora forward"), &held);
+        sum
+    }
+
     /// `LayerNorm(D, elementwise_affine=False)`: saves its input and fp32 mean + rstd per row
     /// [AG] (the input's dtype on the CPU kernel, fp32 accumulation on CUDA); the output keeps
     /// the input's dtype (CPU autocast does not list `layer_norm`; CUDA lists it as fp32, and the
     /// DiT's residual stream is fp32 there anyway) [AC].
-    pub fn layer_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+    pub(crate) fn layer_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
         save(&mut self.g, x);
         let dt = self.g.dtype(x);
         let stat = match (self.rt.device, dt) {
@@ -279,7 +340,7 @@ impl<'a> Builder<'a> {
     /// `x·(1 + scale[:, None]) + shift[:, None]` over `bd` = b·D modulation elements: `1 + scale`
     /// is a new (b, 1, D) tensor; the mul saves both operands (both need a gradient); the add
     /// saves nothing [AG].
-    pub fn modulate(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
+    pub(crate) fn modulate(&mut self, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
         let sdt = self.g.dtype(scale);
         let one_plus = self.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
         save(&mut self.g, one_plus);
@@ -294,7 +355,7 @@ impl<'a> Builder<'a> {
     }
 
     /// `Linear(SiLU(c))` chunked into `k` views of (b, D): SiLU saves c [AG].
-    pub fn ada_ln(&mut self, name: &str, c: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
+    pub(crate) fn ada_ln(&mut self, name: &str, c: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
         save(&mut self.g, c);
         let cdt = self.g.dtype(c);
         let silu = self.g.op(&format!("{name} silu(c)"), &[c], b * d, cdt);
@@ -307,7 +368,7 @@ impl<'a> Builder<'a> {
     /// `scaled_dot_product_attention(q, k, v)` with the spec's attention mode, or its explicit
     /// math; q, k and v in the (b, s, heads, dh) layout of a projection (views). Returns the
     /// output in (b, sq, heads·dh).
-    pub fn attention(&mut self, q: Tid, k: Tid, v: Tid, at: Attn) -> Tid {
+    pub(crate) fn attention(&mut self, q: Tid, k: Tid, v: Tid, at: Attn) -> Tid {
         if self.attention == AttentionMode::MemoryEfficient {
             match self.rt.effective_sdpa(self.precision) {
                 SdpaBackend::Math => return self.sdpa_math(q, k, v, at),

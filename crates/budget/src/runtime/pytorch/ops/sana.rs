@@ -1,7 +1,7 @@
 //! Sana's and Wan's builders (famsana): ops whose saves depend on which operands need a
 //! gradient.
 
-use super::{save, Attn, Builder, CACHED, SAVED};
+use super::{Attn, Builder};
 use crate::segment::Tid;
 use crate::spec::{AttentionMode, Dtype, SdpaBackend};
 
@@ -10,7 +10,13 @@ impl Builder<'_> {
     /// its input needs a gradient. A non-contiguous input (a transposed patch embedding) is
     /// made contiguous inside the CPU kernel's forward and again in its backward
     /// (`X.expect_contiguous()` in `layer_norm_cpu` / `layer_norm_backward_cpu`).
-    pub fn layer_norm_strided(&mut self, name: &str, x: Tid, rows: u64, contiguous: bool) -> Tid {
+    pub(crate) fn layer_norm_strided(
+        &mut self,
+        name: &str,
+        x: Tid,
+        rows: u64,
+        contiguous: bool,
+    ) -> Tid {
         let y = if self.rg(x) {
             self.layer_norm(name, x, rows)
         } else {
@@ -29,7 +35,7 @@ impl Builder<'_> {
     /// promotion), `.to(weight.dtype)` when the weight is fp16/bf16, `* weight`. `PowBackward0`
     /// saves the fp32 copy, `RsqrtBackward0` its result, the first `MulBackward0` x and the rsqrt,
     /// the second the normalized tensor (the weight is a parameter) [AG].
-    pub fn rms_norm(&mut self, name: &str, x: Tid, rows: u64, affine: bool) -> Tid {
+    pub(crate) fn rms_norm(&mut self, name: &str, x: Tid, rows: u64, affine: bool) -> Tid {
         let n = self.g.elems(x);
         let dim = n / rows.max(1);
         let xf = self.g.cast(&format!("{name} x→f32"), x, Dtype::F32);
@@ -58,7 +64,7 @@ impl Builder<'_> {
     /// (cast) input is saved for the weight's gradient, the autocast copy of the weight only sits
     /// in the autocast cache (`AddmmBackward0` saves `mat2` only for `mat1`'s gradient) [AG][AC].
     /// With a gradient-carrying input, or LoRA on the module: [`Builder::linear_opt`].
-    pub fn linear_if_grad(
+    pub(crate) fn linear_if_grad(
         &mut self,
         name: &str,
         x: Tid,
@@ -70,15 +76,7 @@ impl Builder<'_> {
         if self.rg(x) || self.lora_rank(name).is_some() || self.frozen() {
             return self.linear_opt(name, x, rows, out, inp, bias);
         }
-        let w = self.cached_weight(&format!("{name}.weight"), out * inp);
-        let mut ins = vec![0, w];
-        if bias {
-            ins.push(self.cached_weight(&format!("{name}.bias"), out));
-        }
-        let xin = self.cast_low(&format!("{name} input"), x);
-        ins[0] = xin;
-        save(&mut self.g, xin);
-        self.product(name, &ins, rows, inp, out)
+        self.linear_base(name, x, rows, out, inp, bias, false)
     }
 
     /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::matmul` folds the input
@@ -86,7 +84,7 @@ impl Builder<'_> {
     /// otherwise it runs `bmm` on the strided input against the expanded weight and saves
     /// nothing new [MM][AC]; the bias is added in place. LoRA on the module: see
     /// [`Builder::linear_peft`] (lora_A, trained, folds its own copy).
-    pub fn linear_strided(
+    pub(crate) fn linear_strided(
         &mut self,
         name: &str,
         x: Tid,
@@ -106,7 +104,7 @@ impl Builder<'_> {
             );
             return self.linear_opt(name, xr, rows, out, inp, bias);
         }
-        let y = self.frozen_base(name, x, rows, out, inp, bias);
+        let y = self.linear_base(name, x, rows, out, inp, bias, true);
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -120,61 +118,26 @@ impl Builder<'_> {
             rows * inp,
             low,
         );
-        self.lora_with_held_input(name, xa0, x, xr, y, rows, out, inp, r)
-    }
-
-    /// A frozen LoRA base (`base_layer(x)`): the weight in the compute dtype, nothing saved.
-    pub(super) fn frozen_base(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
-        let w = self.weight(&format!("{name}.weight"), out * inp);
-        let mut ins = vec![0, w];
-        if bias {
-            ins.push(self.cached_weight(&format!("{name}.bias"), out));
-        }
-        ins[0] = self.cast_low(&format!("{name} input"), x);
-        self.product(name, &ins, rows, inp, out)
+        self.lora_with_held_input(name, (x, xa0, xr), y, (rows, out, inp, r))
     }
 
     /// The LoRA branch on `xl` (what lora_A reads), while PEFT's `x = x.to(lora_A.weight.dtype)`
     /// copy `xa0` stays referenced until the layer's forward returns: its bytes ride as forward
     /// scratch on the branch's ops after the simulator's last read of it.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_with_held_input(
+    /// `(x, xa0, xl)`: the layer's input, PEFT's copy, what lora_A reads; `shape`: the linear's
+    /// `(rows, out, inp)` and the rank.
+    fn lora_with_held_input(
         &mut self,
         name: &str,
-        xa0: Tid,
-        x: Tid,
-        xl: Tid,
+        (x, xa0, xl): (Tid, Tid, Tid),
         base: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        r: u64,
+        shape: (u64, u64, u64, u64),
     ) -> Tid {
         let n0 = self.g.ops.len();
-        let y = self.lora_branch(name, xl, base, rows, out, inp, r);
-        if !self.rg(xl) {
-            // lora_A's `mm` saves its weight only for its input's gradient [AG]: with an input
-            // that needs none, the weight's autocast copy only sits in the cache.
-            let prefix = format!("{name}.lora_A →");
-            let cast = self.g.ops[n0..]
-                .iter()
-                .map(|o| o.output)
-                .find(|&t| self.g.tensors[t].name.starts_with(&prefix));
-            if let Some(t) = cast {
-                let nm = &mut self.g.tensors[t].name;
-                if let Some(stem) = nm.strip_suffix(SAVED) {
-                    *nm = format!("{stem}{CACHED}");
-                }
-            }
-        }
+        // lora_A's `mm` saves its weight only for its input's gradient [AG]: with an input that
+        // needs none, the weight's autocast copy only sits in the cache.
+        let a_saved = self.rg(xl);
+        let y = self.lora_adapters(name, xl, base, shape, a_saved);
         if xa0 != x {
             let held = self.g.tensors[xa0].bytes();
             let outs: Vec<Tid> = self.g.ops[n0..].iter().map(|o| o.output).collect();
@@ -191,7 +154,7 @@ impl Builder<'_> {
     /// under autocast, so lora_A saves its **own** autocast copy of x, never x itself [AC].
     /// Without LoRA on the module (or without autocast, where every cast is a no-op):
     /// [`Builder::linear_opt`].
-    pub fn linear_peft(
+    pub(crate) fn linear_peft(
         &mut self,
         name: &str,
         x: Tid,
@@ -204,17 +167,17 @@ impl Builder<'_> {
             Some(r) if self.autocast() => r,
             _ => return self.linear_opt(name, x, rows, out, inp, bias),
         };
-        let y = self.frozen_base(name, x, rows, out, inp, bias);
+        let y = self.linear_base(name, x, rows, out, inp, bias, true);
         let pd = self.adapter_dtype();
         let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
         let xl = self.cast_low(&format!("{name}.lora_A input"), xa0);
-        self.lora_with_held_input(name, xa0, x, xl, y, rows, out, inp, r)
+        self.lora_with_held_input(name, (x, xa0, xl), y, (rows, out, inp, r))
     }
 
     /// `conv2d` / `conv3d` under autocast: `ConvolutionBackward0` saves input and weight together
     /// (one formula for both) whenever the node exists; the bias copy only sits in the cache
     /// [AG][AC].
-    pub fn conv_rg(
+    pub(crate) fn conv_rg(
         &mut self,
         name: &str,
         x: Tid,
@@ -222,13 +185,8 @@ impl Builder<'_> {
         w_elems: u64,
         bias: Option<u64>,
     ) -> Tid {
-        let w = self.weight(&format!("{name}.weight"), w_elems);
-        let mut ins = vec![0, w];
-        if let Some(be) = bias {
-            ins.push(self.cached_weight(&format!("{name}.bias"), be));
-        }
-        let xin = self.cast_low(&format!("{name} input"), x);
-        ins[0] = xin;
+        let ins = self.weighted_operands(name, x, w_elems, bias, true);
+        let xin = ins[0];
         let node = self.rg(xin) || !self.frozen();
         self.save_if(xin, node);
         let low = self.low();
@@ -240,7 +198,7 @@ impl Builder<'_> {
     /// `rsqrt(pow(2).mean(-1).add_(eps))` (saved), `x·rsqrt` (saved by the weight's `mul` when
     /// the weight is trained), `·weight`, then `type_as(input)` [AG] — as the saved-tensor dump
     /// of Wan's `norm_q` / `norm_k` shows (the fp32 `MulBackward0` result saved by `mul`).
-    pub fn torch_rms_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
+    pub(crate) fn torch_rms_norm(&mut self, name: &str, x: Tid, rows: u64) -> Tid {
         let n = self.g.elems(x);
         let dim = n / rows.max(1);
         let dt = self.g.dtype(x);
@@ -267,7 +225,7 @@ impl Builder<'_> {
     }
 
     /// Fused SDPA with an additive mask (`attn_mask`, saved by the node beside q, k, v) [SDPA].
-    pub fn attention_mask_saved(
+    pub(crate) fn attention_mask_saved(
         &mut self,
         q: Tid,
         k: Tid,
