@@ -13,37 +13,16 @@
 //! parameters that carry a gradient but create no `.grad`), and under autocast the output side
 //! reads the weight copies block 0 put in the autocast cache.
 
-use crate::families::{Dims, DitDiffusersDims};
+use crate::families::pixart::pytorch::{gated_feed_forward, patch_embed, self_attention, Geo};
+use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::families::common::{
-    add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest, hold, info, sinusoid,
-    Fam, FREQ,
+    self, add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest,
+    hidden_states_in, hold, info, sinusoid, Fam, FREQ,
 };
-use crate::runtime::pytorch::ops::{save, Attn, Builder, CACHED, SAVED};
+use crate::runtime::pytorch::ops::{save, Builder, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-#[derive(Debug, Clone, Copy)]
-struct Geo {
-    b: u64,
-    s: u64,
-    d: u64,
-    heads: u64,
-    lat: u64,
-    out: u64,
-    patch2: u64,
-    /// Rows of the label table (the classes and the null class).
-    labels: u64,
-}
-
-impl Geo {
-    fn e(&self) -> u64 {
-        self.b * self.s * self.d
-    }
-    fn rows(&self) -> u64 {
-        self.b * self.s
-    }
-}
 
 /// How a segment reads the parameters of `transformer_blocks.0.norm1.emb`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,26 +127,8 @@ fn embed(f: &Fam, d: &DitDiffusersDims, g: &Geo) -> Segment {
     let mut bl = f.builder("embed");
     let wd = bl.low();
     let noisy = bl.g.input("noisy latent", g.lat, wd, false);
-    let w = bl.weight("pos_embed.proj.weight", g.d * d.in_channels * g.patch2);
-    let bias = bl.cached_weight("pos_embed.proj.bias", g.d);
-    let xin = bl.cast_low("pos_embed.proj input", noisy);
-    let low = bl.low();
-    let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], g.e(), low);
-    let rec = bl.rg(conv);
-    bl.save_if(xin, rec);
-    let side = d.sample_size / d.patch_size.max(1);
-    let grid = (
-        f.latent_h / d.patch_size.max(1),
-        f.latent_w / d.patch_size.max(1),
-    );
-    let pos = if grid == (side, side) {
-        let pdt = if f.lora.is_some() { low } else { Dtype::F32 };
-        bl.g.param("pos_embed.pos_embed", g.s * g.d, pdt, false)
-    } else {
-        bl.g.op("get_2d_sincos_pos_embed", &[], g.s * g.d, Dtype::F32)
-    };
-    let sum = bl.ew("latent + pos_embed", &[conv, pos], g.e());
-    let x = bl.g.cast("(latent + pos_embed).to(latent.dtype)", sum, low);
+    let conf = (d.in_channels, d.patch_size, d.sample_size);
+    let x = patch_embed(&mut bl, f, conf, g, noisy);
     bl.g.output = x;
     bl.g
 }
@@ -176,10 +137,7 @@ fn embed(f: &Fam, d: &DitDiffusersDims, g: &Geo) -> Segment {
 fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> Segment {
     let mut bl = f.builder("block");
     let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
-    let xs = bl.g.input("hidden_states", e, x.0, x.1);
-    if x.1 {
-        bl.g.stream_in = vec![xs];
-    }
+    let xs = hidden_states_in(&mut bl, e, x);
     // AdaLayerNormZero: emb, `linear(silu(emb))` chunked in six.
     let p = "transformer_blocks.i.norm1";
     let cond = label_emb(&mut bl, g, &format!("{p}.emb"), x.0, how);
@@ -193,34 +151,12 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
     let n1 = bl.layer_norm_rg("norm1.norm", xs, rows);
     let hn = bl.modulate_rg("norm1 modulate", n1, shift_msa, scale_msa, b * dim);
     let ab = d.attention_bias;
-    let p = "transformer_blocks.i.attn1";
-    let q = bl.linear_rg(&format!("{p}.to_q"), hn, rows, dim, dim, ab);
-    let k = bl.linear_rg(&format!("{p}.to_k"), hn, rows, dim, dim, ab);
-    let v = bl.linear_rg(&format!("{p}.to_v"), hn, rows, dim, dim, ab);
-    let heads = g.heads;
-    let at = Attn {
-        b,
-        heads,
-        sq: g.s,
-        skv: g.s,
-        dh: dim / heads.max(1),
-    };
-    let o = bl.attention_masked(q, k, v, None, at);
-    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
-    let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
-    let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
-    let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
+    let (go, x1, _) = self_attention(&mut bl, (hn, xs, gate_msa), g, ab);
     let n3 = bl.layer_norm_rg("norm3", x1, rows);
     // `norm_hidden_states = self.norm3(...)` reassigns the self-attention input's local.
     hold(&mut bl, &[hn]);
     let hn = bl.modulate_rg("norm3 modulate", n3, shift_mlp, scale_mlp, b * dim);
-    let inner = 4 * dim;
-    let p = "transformer_blocks.i.ff";
-    let f1 = bl.linear_rg(&format!("{p}.net.0.proj"), hn, rows, inner, dim, true);
-    let a = bl.act("ff gelu(tanh)", f1);
-    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
-    let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
-    bl.ew("ff + hidden_states", &[gf, x1], e);
+    gated_feed_forward(&mut bl, (hn, x1, gate_mlp), g);
     // Until `return`: `attn_output` (gated) and `norm_hidden_states` (the FF's input).
     hold(&mut bl, &[go, hn]);
     bl.g
@@ -232,10 +168,7 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
 fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segment {
     let mut bl = f.builder("final");
     let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
-    let xs = bl.g.input("hidden_states", e, x.0, x.1);
-    if x.1 {
-        bl.g.stream_in = vec![xs];
-    }
+    let xs = hidden_states_in(&mut bl, e, x);
     let cond = label_emb(
         &mut bl,
         g,
@@ -257,17 +190,12 @@ fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segm
 }
 
 /// The stages of a `DiTTransformer2DModel` step.
-pub fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
+pub(crate) fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
     let b = f.b;
+    let latent = (d.in_channels, d.out_channels, d.patch_size);
     let g = Geo {
-        b,
-        s: f.s,
-        d: d.inner(),
-        heads: d.num_attention_heads,
-        lat: b * d.in_channels * f.latent_h * f.latent_w,
-        out: b * d.out_channels * f.latent_h * f.latent_w,
-        patch2: d.patch_size * d.patch_size,
         labels: d.num_embeds_ada_norm + 1,
+        ..Geo::basic(f, (d.inner(), d.num_attention_heads), latent)
     };
     let emb = embed(f, d, &g);
     let out = |s: &Segment| info(s, s.output);
@@ -289,14 +217,7 @@ pub fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
     Stages { stages, data }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::DitDiffusers(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(DitDiffusers);
 
 #[cfg(test)]
 mod tests {

@@ -7,9 +7,9 @@
 //! `proj_out`), `norm_out` (`AdaLayerNormContinuous`), `proj_out`, the unpacking and the
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
-use crate::families::{Dims, FluxDims};
+use crate::families::FluxDims;
 use crate::runtime::pytorch::families::common::{
-    add_data, block_stage, embed_stage, final_stage, pooled_temb_and_context, Fam,
+    self, add_data, block_stage, embed_stage, final_stage, pooled_temb_and_context, Fam,
 };
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -30,6 +30,18 @@ pub(crate) struct Sz {
 }
 
 impl Sz {
+    /// The sizes of a step of an MMDiT (SD3, Flux) of width `d` in `heads` heads of `dh`.
+    pub(crate) fn new(f: &Fam, d: u64, heads: u64, dh: u64) -> Sz {
+        Sz {
+            b: f.b,
+            s: f.s,
+            t: sequence_tokens(f),
+            d,
+            heads,
+            dh,
+        }
+    }
+
     fn n(&self) -> u64 {
         self.s + self.t
     }
@@ -64,6 +76,31 @@ pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64
     (0..k)
         .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, b * d))
         .collect()
+}
+
+/// The image stream's attention projections (q, k, v).
+pub(crate) const ATTN_QKV: [&str; 3] = ["attn.to_q", "attn.to_k", "attn.to_v"];
+/// The text stream's (`JointAttnProcessor2_0`, `FluxAttnProcessor`: `attn.add_q_proj` …).
+pub(crate) const ATTN_ADDED_QKV: [&str; 3] =
+    ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"];
+
+/// The three (b·n, D) → (b·n, D) projections of one input with a bias, in order (q, k, v:
+/// `attn.to_q` … or the context's `attn.add_q_proj` …): [`Builder::linear_g`] each.
+pub(crate) fn projections(
+    bl: &mut Builder,
+    names: [&str; 3],
+    x: Tid,
+    rows: u64,
+    d: u64,
+) -> [Tid; 3] {
+    names.map(|n| bl.linear_g(n, x, rows, d, d, true))
+}
+
+/// RoPE on q and k ([`Builder::rope_real`]) and SDPA over the whole sequence (text + image).
+fn rope_attention(bl: &mut Builder, [q, k, v]: [Tid; 3], (cos, sin): (Tid, Tid), z: &Sz) -> Tid {
+    let qr = bl.rope_real("rope q", q, cos, sin);
+    let kr = bl.rope_real("rope k", k, cos, sin);
+    bl.attention(qr, kr, v, Attn::over(z.b, z.heads, z.n(), z.dh))
 }
 
 /// `residual + gate.unsqueeze(1) · y` (the mul saves each operand for the other [AG]); returns
@@ -123,12 +160,8 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let n1c = bl.layer_norm_rg("norm1_context.norm", c, b * t);
     let hc = bl.modulate_rg("norm1_context", n1c, mc[0], mc[1], b * d);
     // Projections (one saved input for q, k, v), per-head RMSNorm on q and k.
-    let q = bl.linear_g("attn.to_q", h, b * s, d, d, true);
-    let k = bl.linear_g("attn.to_k", h, b * s, d, d, true);
-    let v = bl.linear_g("attn.to_v", h, b * s, d, d, true);
-    let eq = bl.linear_g("attn.add_q_proj", hc, b * t, d, d, true);
-    let ek = bl.linear_g("attn.add_k_proj", hc, b * t, d, d, true);
-    let ev = bl.linear_g("attn.add_v_proj", hc, b * t, d, d, true);
+    let [q, k, v] = projections(&mut bl, ATTN_QKV, h, b * s, d);
+    let [eq, ek, ev] = projections(&mut bl, ATTN_ADDED_QKV, hc, b * t, d);
     let q = bl.torch_rms_norm("attn.norm_q", q, b * s * z.heads);
     let k = bl.torch_rms_norm("attn.norm_k", k, b * s * z.heads);
     let eq = bl.torch_rms_norm("attn.norm_added_q", eq, b * t * z.heads);
@@ -140,16 +173,7 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let kc = bl.g.op("cat k", &[ek, k], ne, qd);
     let vd = bl.g.dtype(v);
     let vc = bl.g.op("cat v", &[ev, v], ne, vd);
-    let qr = bl.rope_real("rope q", qc, cos, sin);
-    let kr = bl.rope_real("rope k", kc, cos, sin);
-    let at = Attn {
-        b,
-        heads: z.heads,
-        sq: z.n(),
-        skv: z.n(),
-        dh: z.dh,
-    };
-    let o = bl.attention(qr, kr, vc, at);
+    let o = rope_attention(&mut bl, [qc, kc, vc], (cos, sin), z);
     // split_with_sizes, then `.contiguous()` before to_out / to_add_out.
     let oc = split_part(&mut bl, "context attn out", o, b * t * d, b);
     let oi = split_part(&mut bl, "attn out", o, b * s * d, b);
@@ -199,21 +223,10 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let h = bl.modulate_rg("norm", n, m[0], m[1], b * d);
     let pm = bl.linear_g("proj_mlp", h, rows, 4 * d, d, true);
     let am = bl.act("act_mlp gelu(tanh)", pm);
-    let q = bl.linear_g("attn.to_q", h, rows, d, d, true);
-    let k = bl.linear_g("attn.to_k", h, rows, d, d, true);
-    let v = bl.linear_g("attn.to_v", h, rows, d, d, true);
+    let [q, k, v] = projections(&mut bl, ATTN_QKV, h, rows, d);
     let q = bl.torch_rms_norm("attn.norm_q", q, rows * z.heads);
     let k = bl.torch_rms_norm("attn.norm_k", k, rows * z.heads);
-    let qr = bl.rope_real("rope q", q, cos, sin);
-    let kr = bl.rope_real("rope k", k, cos, sin);
-    let at = Attn {
-        b,
-        heads: z.heads,
-        sq: z.n(),
-        skv: z.n(),
-        dh: z.dh,
-    };
-    let o = bl.attention(qr, kr, v, at);
+    let o = rope_attention(&mut bl, [q, k, v], (cos, sin), z);
     let od = promote(bl.g.dtype(o), bl.g.dtype(am));
     let cat = bl.g.op(
         &format!("cat [attn, mlp]{GRAD_VIEWS}"),
@@ -337,22 +350,45 @@ fn final_layer(f: &Fam, d: &FluxDims, z: &Sz, rg: bool, joint: bool, trained: bo
     } else {
         stream_inputs(&mut bl, z, sd, (rg, rg)).0
     };
-    let temb = bl.g.input("temb", b * dim, sd, trained);
-    let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
-    let n = bl.layer_norm_rg("norm_out.norm", xv, b * z.s);
+    let width = d.patch_size * d.patch_size * d.out_channels;
+    output_side(
+        &mut bl,
+        xv,
+        trained,
+        (b, z.s, dim),
+        width,
+        "_unpack_latents",
+    );
+    bl.g
+}
+
+/// The SD3 / Flux output side on the image stream `x`: temb, `norm_out`
+/// (AdaLayerNormContinuous: scale, shift), `proj_out`, the unpatching (a copy), the script's
+/// `target = noise − x0` and [`loss`]. `temb_grad`: whether temb carries a gradient; `(b, s,
+/// dim)`: microbatch, image tokens, width; `width`: `proj_out`'s (p²·out_channels); `unpatch`:
+/// the name of the unpatching copy.
+pub(crate) fn output_side(
+    bl: &mut Builder,
+    x: Tid,
+    temb_grad: bool,
+    (b, s, dim): (u64, u64, u64),
+    width: u64,
+    unpatch: &str,
+) {
+    let sd = bl.low();
+    let temb = bl.g.input("temb", b * dim, sd, temb_grad);
+    let m = ada(bl, "norm_out.linear", temb, 2, b, dim);
+    let n = bl.layer_norm_rg("norm_out.norm", x, b * s);
     let h = bl.modulate_rg("norm_out", n, m[1], m[0], b * dim);
-    let p = d.patch_size;
-    let width = p * p * d.out_channels;
-    let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);
-    let lat = b * z.s * width;
+    let y = bl.linear_g("proj_out", h, b * s, width, dim, true);
+    let lat = b * s * width;
     let yd = bl.g.dtype(y);
-    let pred = bl.g.op("_unpack_latents", &[y], lat, yd);
+    let pred = bl.g.op(unpatch, &[y], lat, yd);
     let wd = bl.low();
     let x0 = bl.g.input("x0", lat, wd, false);
     let noise = bl.g.input("noise", lat, wd, false);
     let target = bl.g.op("target = noise − x0", &[noise, x0], lat, wd);
-    loss(&mut bl, pred, target, b);
-    bl.g
+    loss(bl, pred, target, b);
 }
 
 /// The flow-matching loss of the scripts (fp32, outside autocast): the `.float()` copies below
@@ -418,15 +454,8 @@ pub(crate) fn embedder_data(trained: bool, saved_in: u64, loose: u64) -> Data {
     data
 }
 
-pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
-    let z = Sz {
-        b: f.b,
-        s: f.s,
-        t: sequence_tokens(f),
-        d: d.inner(),
-        heads: d.num_attention_heads,
-        dh: d.attention_head_dim,
-    };
+pub(crate) fn stages(f: &Fam, d: &FluxDims) -> Stages {
+    let z = Sz::new(f, d.inner(), d.num_attention_heads, d.attention_head_dim);
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
     let rg = streams_rg(&emb);
@@ -462,22 +491,15 @@ pub fn stages(f: &Fam, d: &FluxDims) -> Stages {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::Flux(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(Flux);
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use crate::denoiser;
-    use crate::families::Dims;
     use crate::runtime::pytorch::allocator::simulate;
     use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::families::of_spec;
     use crate::spec::Spec;
 
     /// A tiny family spec as `bench/torch_peer/specs/families/` writes them (b = 4, 128² pixels,
@@ -498,22 +520,23 @@ pub(crate) mod tests {
         s
     }
 
+    /// The stages of a family spec as the runtime builds them.
+    pub(crate) fn stages_of_spec(s: &Spec) -> Stages {
+        of_spec(for_spec(s), s)
+    }
+
+    /// What a stage keeps for backward, alone (no gradient coming in).
+    pub(crate) fn kept(st: &Stage) -> u64 {
+        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+    }
+
     const FLUX: &str = r#"{"_class_name": "FluxTransformer2DModel", "patch_size": 1,
         "in_channels": 64, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
         "num_attention_heads": 4, "joint_attention_dim": 96, "pooled_projection_dim": 48,
         "guidance_embeds": true, "axes_dims_rope": [4, 6, 6]}"#;
 
     fn flux_stages(precision: &str, lora: &str) -> Stages {
-        let s = tiny(FLUX, "[77, 128]", precision, lora);
-        let fm = denoiser::family(&s).unwrap().unwrap();
-        let Dims::Flux(d) = &fm.dims else {
-            panic!("not flux")
-        };
-        stages(&Fam::new(for_spec(&s), &s, &fm), d)
-    }
-
-    fn kept(st: &Stage) -> u64 {
-        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+        stages_of_spec(&tiny(FLUX, "[77, 128]", precision, lora))
     }
 
     /// `families_saved.txt` (flux-fp32-none-loop, fp32): transformer_blocks.0 saves 5008384 B,

@@ -11,56 +11,74 @@
 //! are fp32) — and the output side (`norm_out`, the final `scale_shift_table`, `proj_out`,
 //! unpatchify, the fp32 MSE loss).
 
-use crate::families::{Dims, PixartDims};
+use crate::families::PixartDims;
 use crate::runtime::pytorch::families::common::{
-    add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest, hold, info, sinusoid,
-    Fam, FREQ,
+    self, add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest,
+    hidden_states_in, hold, info, input_as, sinusoid, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
 
-/// The shapes one PixArt step runs at.
+/// The shapes one step of a `BasicTransformerBlock` model (PixArt, diffusers' DiT) runs at.
 #[derive(Debug, Clone, Copy)]
-struct Geo {
-    b: u64,
+pub(crate) struct Geo {
+    pub b: u64,
     /// Image tokens.
-    s: u64,
+    pub s: u64,
     /// Hidden size heads × head_dim.
-    d: u64,
-    heads: u64,
-    /// Caption tokens.
-    t: u64,
-    /// Width of the blocks' keys/values (the projected caption).
-    kv: u64,
+    pub d: u64,
+    pub heads: u64,
+    /// Caption tokens (PixArt).
+    pub t: u64,
+    /// Width of the blocks' keys/values (PixArt: the projected caption).
+    pub kv: u64,
+    /// Rows of the label table (diffusers' DiT: the classes and the null class).
+    pub labels: u64,
     /// Latent elements of x0 / noise / the ε prediction.
-    lat: u64,
+    pub lat: u64,
     /// Output elements (b, out_channels, h, w).
-    out: u64,
-    patch2: u64,
+    pub out: u64,
+    pub patch2: u64,
 }
 
 impl Geo {
-    fn new(f: &Fam, d: &PixartDims) -> Geo {
-        let (b, s) = (f.b, f.s);
-        let lat = b * d.in_channels * f.latent_h * f.latent_w;
+    /// The shapes of width `inner` in `heads` heads, from latents of `in_channels` to
+    /// `out_channels` in square patches of `patch`; no caption, no labels.
+    pub(crate) fn basic(
+        f: &Fam,
+        (inner, heads): (u64, u64),
+        (in_channels, out_channels, patch): (u64, u64, u64),
+    ) -> Geo {
+        let b = f.b;
         Geo {
             b,
-            s,
-            d: d.inner(),
-            heads: d.num_attention_heads,
-            t: f.text.first().copied().unwrap_or(0),
-            kv: d.cross_attention_dim,
-            lat,
-            out: b * d.out_channels * f.latent_h * f.latent_w,
-            patch2: d.patch_size * d.patch_size,
+            s: f.s,
+            d: inner,
+            heads,
+            t: 0,
+            kv: 0,
+            labels: 0,
+            lat: b * in_channels * f.latent_h * f.latent_w,
+            out: b * out_channels * f.latent_h * f.latent_w,
+            patch2: patch * patch,
         }
     }
-    fn e(&self) -> u64 {
+
+    fn new(f: &Fam, d: &PixartDims) -> Geo {
+        let latent = (d.in_channels, d.out_channels, d.patch_size);
+        Geo {
+            t: f.text.first().copied().unwrap_or(0),
+            kv: d.cross_attention_dim,
+            ..Geo::basic(f, (d.inner(), d.num_attention_heads), latent)
+        }
+    }
+
+    pub(crate) fn e(&self) -> u64 {
         self.b * self.s * self.d
     }
-    fn rows(&self) -> u64 {
+    pub(crate) fn rows(&self) -> u64 {
         self.b * self.s
     }
 }
@@ -88,6 +106,42 @@ pub(super) fn timestep_embedding(
     bl.linear_rg(&format!("{prefix}.linear_2"), h, rows, dim, dim, true)
 }
 
+/// diffusers `PatchEmbed` (PixArt's and DiT's `pos_embed`; `(in_channels, patch_size,
+/// sample_size)` from the config) on the noisy latent: `proj`, a conv2d that saves its (cast)
+/// input and weight when recorded [AG][AC], `+ pos_embed`, `.to(latent.dtype)`. Returns the
+/// embedded stream (b, s, D).
+pub(crate) fn patch_embed(
+    bl: &mut Builder,
+    f: &Fam,
+    (in_channels, patch_size, sample_size): (u64, u64, u64),
+    g: &Geo,
+    noisy: Tid,
+) -> Tid {
+    let (s, dim, e) = (g.s, g.d, g.e());
+    let w = bl.weight("pos_embed.proj.weight", dim * in_channels * g.patch2);
+    let bias = bl.cached_weight("pos_embed.proj.bias", dim);
+    let xin = bl.cast_low("pos_embed.proj input", noisy);
+    let low = bl.low();
+    let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], e, low);
+    let rec = bl.rg(conv);
+    bl.save_if(xin, rec);
+    // The sin-cos table: the buffer at the config's grid (cast with the model under LoRA), else
+    // `get_2d_sincos_pos_embed(...).float()` made anew each forward.
+    let side = sample_size / patch_size.max(1);
+    let grid = (
+        f.latent_h / patch_size.max(1),
+        f.latent_w / patch_size.max(1),
+    );
+    let pos = if grid == (side, side) {
+        let pdt = if f.lora.is_some() { low } else { Dtype::F32 };
+        bl.g.param("pos_embed.pos_embed", s * dim, pdt, false)
+    } else {
+        bl.g.op("get_2d_sincos_pos_embed", &[], s * dim, Dtype::F32)
+    };
+    let sum = bl.ew("latent + pos_embed", &[conv, pos], e);
+    bl.g.cast("(latent + pos_embed).to(latent.dtype)", sum, low)
+}
+
 /// The input side: PatchEmbed (conv, `+ pos_embed`, `.to(latent.dtype)`), `adaln_single`
 /// (`PixArtAlphaCombinedTimestepSizeEmbeddings`, SiLU, `Linear(D, 6D)`), the caption projection
 /// (`PixArtAlphaTextProjection`: Linear, GELU-tanh, Linear).
@@ -97,29 +151,8 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
     let (b, dim) = (g.b, g.d);
     // The noisy latent (the script's `noisy`, in the weight dtype), counted as data.
     let noisy = bl.g.input("noisy latent", g.lat, wd, false);
-    // PatchEmbed.proj: conv2d saves its (cast) input and weight when recorded [AG][AC].
-    let w = bl.weight("pos_embed.proj.weight", dim * d.in_channels * g.patch2);
-    let bias = bl.cached_weight("pos_embed.proj.bias", dim);
-    let xin = bl.cast_low("pos_embed.proj input", noisy);
-    let low = bl.low();
-    let conv = bl.g.op("pos_embed.proj", &[xin, w, bias], g.e(), low);
-    let rec = bl.rg(conv);
-    bl.save_if(xin, rec);
-    // The sin-cos table: the buffer at the config's grid (cast with the model under LoRA), else
-    // `get_2d_sincos_pos_embed(...).float()` made anew each forward.
-    let side = d.sample_size / d.patch_size.max(1);
-    let grid = (
-        f.latent_h / d.patch_size.max(1),
-        f.latent_w / d.patch_size.max(1),
-    );
-    let pos = if grid == (side, side) {
-        let pdt = if f.lora.is_some() { low } else { Dtype::F32 };
-        bl.g.param("pos_embed.pos_embed", g.s * dim, pdt, false)
-    } else {
-        bl.g.op("get_2d_sincos_pos_embed", &[], g.s * dim, Dtype::F32)
-    };
-    let sum = bl.ew("latent + pos_embed", &[conv, pos], g.e());
-    let x = bl.g.cast("(latent + pos_embed).to(latent.dtype)", sum, low);
+    let conf = (d.in_channels, d.patch_size, d.sample_size);
+    let x = patch_embed(&mut bl, f, conf, g, noisy);
     // adaln_single: t (int64) → sinusoid → TimestepEmbedding; α's size embedders.
     let hd = bl.g.dtype(x);
     let t = bl.g.input("t", b, Dtype::F64, false);
@@ -187,6 +220,46 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
     (bl.g, bcast, h)
 }
 
+/// `BasicTransformerBlock`'s self-attention `attn1` (PixArt's and diffusers' DiT's) on the
+/// modulated norm `hn`: `to_q`, `to_k`, `to_v` (`bias`: the config's `attention_bias`), SDPA,
+/// `to_out.0`, `hidden_states / attn.rescale_output_factor` (1.0, which allocates [AG: no save
+/// for a scalar]), gated by `gate_msa` and added to the stream `xs`. Returns the gated output,
+/// the new stream and the attention's geometry.
+pub(crate) fn self_attention(
+    bl: &mut Builder,
+    (hn, xs, gate_msa): (Tid, Tid, Tid),
+    g: &Geo,
+    bias: bool,
+) -> (Tid, Tid, Attn) {
+    let (b, s, dim, heads) = (g.b, g.s, g.d, g.heads);
+    let (rows, e) = (g.rows(), g.e());
+    let p = "transformer_blocks.i.attn1";
+    let q = bl.linear_rg(&format!("{p}.to_q"), hn, rows, dim, dim, bias);
+    let k = bl.linear_rg(&format!("{p}.to_k"), hn, rows, dim, dim, bias);
+    let v = bl.linear_rg(&format!("{p}.to_v"), hn, rows, dim, dim, bias);
+    let at = Attn::over(b, heads, s, dim / heads.max(1));
+    let o = bl.attention_masked(q, k, v, None, at);
+    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
+    let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
+    let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
+    let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
+    (go, x1, at)
+}
+
+/// `BasicTransformerBlock`'s feed-forward `ff` (PixArt's and diffusers' DiT's) on the modulated
+/// norm `hn`: Linear → GELU(tanh) (saves its input [AG]) → Linear, gated by `gate_mlp` and added
+/// to the stream `res`.
+pub(crate) fn gated_feed_forward(bl: &mut Builder, (hn, res, gate_mlp): (Tid, Tid, Tid), g: &Geo) {
+    let (rows, dim, e) = (g.rows(), g.d, g.e());
+    let inner = 4 * dim;
+    let p = "transformer_blocks.i.ff";
+    let f1 = bl.linear_rg(&format!("{p}.net.0.proj"), hn, rows, inner, dim, true);
+    let a = bl.act("ff gelu(tanh)", f1);
+    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
+    let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
+    bl.ew("ff + hidden_states", &[gf, res], e);
+}
+
 /// One `BasicTransformerBlock` with `norm_type="ada_norm_single"` (diffusers `attention.py`
 /// `BasicTransformerBlock.forward`), reading a stream of `x` = (dtype, requires grad).
 fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Segment {
@@ -194,14 +267,9 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
     let wd = bl.low();
     let ab = d.attention_bias;
-    let xs = bl.g.input("hidden_states", e, x.0, x.1);
-    if x.1 {
-        bl.g.stream_in = vec![xs];
-    }
-    let ts =
-        bl.g.input("timestep", b * 6 * dim, h.timestep.0, h.timestep.1);
-    let cap =
-        bl.g.input("caption", b * g.t * g.kv, h.caption.0, h.caption.1);
+    let xs = hidden_states_in(&mut bl, e, x);
+    let ts = input_as(&mut bl, "timestep", b * 6 * dim, h.timestep);
+    let cap = input_as(&mut bl, "caption", b * g.t * g.kv, h.caption);
     let bias =
         bl.g.input("encoder_attention_mask bias", b * g.t, wd, false);
     // `scale_shift_table[None] + timestep.reshape(b, 6, -1)`, chunked: the add saves nothing [AG].
@@ -213,27 +281,10 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
         (m[0], m[1], m[2], m[3], m[4], m[5]);
     let heads = g.heads;
-    let dh = dim / heads.max(1);
     // Self-attention on norm1(x)·(1 + scale) + shift.
     let n1 = bl.layer_norm_rg("norm1", xs, rows);
     let hn = bl.modulate_rg("modulate msa", n1, shift_msa, scale_msa, b * dim);
-    let p = "transformer_blocks.i.attn1";
-    let q = bl.linear_rg(&format!("{p}.to_q"), hn, rows, dim, dim, ab);
-    let k = bl.linear_rg(&format!("{p}.to_k"), hn, rows, dim, dim, ab);
-    let v = bl.linear_rg(&format!("{p}.to_v"), hn, rows, dim, dim, ab);
-    let at = Attn {
-        b,
-        heads,
-        sq: g.s,
-        skv: g.s,
-        dh,
-    };
-    let o = bl.attention_masked(q, k, v, None, at);
-    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
-    // `hidden_states / attn.rescale_output_factor` (1.0) allocates [AG: no save for a scalar].
-    let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
-    let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
-    let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
+    let (go, x1, at) = self_attention(&mut bl, (hn, xs, gate_msa), g, ab);
     // `norm_hidden_states = hidden_states` (the msa input's local is reassigned).
     hold(&mut bl, &[hn]);
     // Cross-attention to the caption with the padded prompt's bias (no norm for PixArt):
@@ -261,13 +312,7 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     // Feed-forward on norm2(x)·(1 + scale) + shift: GELU(tanh) saves its input [AG].
     let n2 = bl.layer_norm_rg("norm2", x2, rows);
     let hn = bl.modulate_rg("modulate mlp", n2, shift_mlp, scale_mlp, b * dim);
-    let inner = 4 * dim;
-    let p = "transformer_blocks.i.ff";
-    let f1 = bl.linear_rg(&format!("{p}.net.0.proj"), hn, rows, inner, dim, true);
-    let a = bl.act("ff gelu(tanh)", f1);
-    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
-    let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
-    bl.ew("ff + hidden_states", &[gf, x2], e);
+    gated_feed_forward(&mut bl, (hn, x2, gate_mlp), g);
     // Until `return`: `attn_output` (attn2's) and `norm_hidden_states` (the FF's input).
     hold(&mut bl, &[o2, hn]);
     bl.g
@@ -279,11 +324,8 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
 fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Segment {
     let mut bl = f.builder("final");
     let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
-    let xs = bl.g.input("hidden_states", e, x.0, x.1);
-    if x.1 {
-        bl.g.stream_in = vec![xs];
-    }
-    let emb = bl.g.input("embedded_timestep", b * dim, h.emb.0, h.emb.1);
+    let xs = hidden_states_in(&mut bl, e, x);
+    let emb = input_as(&mut bl, "embedded_timestep", b * dim, h.emb);
     let table = bl.plain_param("scale_shift_table", 2 * dim);
     let t2 = bl.ew(
         "scale_shift_table + embedded_timestep",
@@ -302,7 +344,7 @@ fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) 
 }
 
 /// The stages of a PixArt step.
-pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
+pub(crate) fn stages(f: &Fam, d: &PixartDims) -> Stages {
     let g = Geo::new(f, d);
     let (emb, bcast, h) = embed(f, d, &g);
     let out = |s: &Segment| info(s, s.output);
@@ -318,14 +360,7 @@ pub fn stages(f: &Fam, d: &PixartDims) -> Stages {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::Pixart(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(Pixart);
 
 /// The step's tensors outside the model (`family_peer.py` `Inputs.forward`, DDPM branch): see
 /// [`ddpm_data`]; the caption while a saved reference holds it (the caption projection's or
@@ -362,7 +397,7 @@ pub(crate) mod tests {
     /// The family peer's tiny spec (`bench/torch_peer/specs/families/<family>-fp32-none-loop.json`):
     /// b = 4, 128² pixels (16² latent, 8² tokens of 2² patches), 4 heads of 16 (D = 64), 2 blocks,
     /// 120 caption tokens (PixArt), on the CPU.
-    pub fn tiny(config: &str, precision: Precision, lora: Option<u32>) -> Spec {
+    pub(crate) fn tiny(config: &str, precision: Precision, lora: Option<u32>) -> Spec {
         let mut s = Spec::default_xl();
         s.workload.height = 128;
         s.workload.width = 128;
@@ -393,13 +428,13 @@ pub(crate) mod tests {
         "num_embeds_ada_norm": 1000, "norm_type": "ada_norm_single",
         "norm_elementwise_affine": false, "norm_eps": 1e-06, "caption_channels": 96}"#;
 
-    pub fn costs(spec: &Spec) -> Vec<StageCost> {
+    pub(crate) fn costs(spec: &Spec) -> Vec<StageCost> {
         let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
         stages(rt, spec).costs()
     }
 
     /// Kept bytes (activations and weight copies) of each stage.
-    pub fn kept(c: &[StageCost]) -> Vec<u64> {
+    pub(crate) fn kept(c: &[StageCost]) -> Vec<u64> {
         c.iter()
             .map(|s| s.cost.kept.activations + s.cost.kept.weight_casts)
             .collect()

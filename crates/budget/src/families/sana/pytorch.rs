@@ -7,9 +7,10 @@
 //! projection and its RMSNorm), block 0 (its stream is the transposed, low-precision patch
 //! embedding), blocks 1.. (an fp32 contiguous stream), `norm_out` + `proj_out` + the loss.
 
-use crate::families::{Dims, SanaDims};
+use crate::families::SanaDims;
 use crate::runtime::pytorch::families::common::{
-    embed_stage, final_stage, first_and_rest, flow_loss, noising, Fam,
+    self, add_data, embed_stage, final_stage, first_and_rest, flipped_sinusoid, flow_loss, info,
+    input_as, needing_grad, noising, stream_x, unheld_bytes, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stages};
@@ -68,25 +69,12 @@ fn dm(f: &Fam, d: &SanaDims) -> Dm {
 /// which of them carry a gradient.
 #[derive(Debug, Clone, Copy)]
 struct Io {
-    x_dt: Dtype,
-    x_rg: bool,
+    x: (Dtype, bool),
     /// The patch embedding's `flatten(2).transpose(1, 2)` (block 0) is not contiguous.
     x_contig: bool,
-    ts_dt: Dtype,
-    ts_rg: bool,
-    cap_dt: Dtype,
-    cap_rg: bool,
-    emb_dt: Dtype,
-    emb_rg: bool,
-}
-
-/// `x·(1 + scale) + shift` with (b, 1, D) views of the modulation table.
-fn modulate(bl: &mut Builder, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
-    let sdt = bl.g.dtype(scale);
-    let one = bl.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
-    let n = bl.g.elems(xn);
-    let m = bl.mul(&format!("{name} ·(1+scale)"), xn, one, n);
-    bl.ew(&format!("{name} +shift"), &[m, shift], n)
+    ts: (Dtype, bool),
+    cap: (Dtype, bool),
+    emb: (Dtype, bool),
 }
 
 /// `F.relu`: `ReluBackward0` saves its result [AG].
@@ -172,19 +160,10 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
 
     // Timesteps(256, flip_sin_to_cos) in fp32, no grad; `.to(hidden_dtype)` (the patch
     // embedding's dtype).
-    let half = 128;
-    let t = bl.g.input("timesteps", b, Dtype::F32, false);
-    let ex = bl.g.op("exponent", &[], half, Dtype::F32);
-    let fr = bl.g.op("exp(exponent)", &[ex], half, Dtype::F32);
-    let args = bl.g.op("t·freqs", &[t, fr], b * half, Dtype::F32);
-    let sin = bl.g.op("sin", &[args], b * half, Dtype::F32);
-    let cos = bl.g.op("cos", &[args], b * half, Dtype::F32);
-    let cat =
-        bl.g.op("cat[sin, cos]", &[sin, cos], b * 2 * half, Dtype::F32);
-    let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
+    let flip = flipped_sinusoid(&mut bl, b, FREQ);
     let tf = bl.g.cast("t_freq →hidden dtype", flip, bl.g.dtype(conv));
     let te = "time_embed.emb.timestep_embedder";
-    let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, b, d, 2 * half, true);
+    let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, b, d, FREQ, true);
     let h = bl.act(&format!("{te}.act silu"), h);
     let emb = bl.linear_if_grad(&format!("{te}.linear_2"), h, b, d, d, true);
     let s2 = bl.act("time_embed.silu", emb);
@@ -212,11 +191,9 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let mut bl = f.builder("block");
     let (b, s, dd) = (m.b, m.s, m.d);
     let (e, rows) = (b * s * dd, b * s);
-    let x = bl.g.input("x", e, io.x_dt, io.x_rg);
-    bl.g.stream_in = vec![x];
-    let ts =
-        bl.g.input("timestep (b, 6D)", b * 6 * dd, io.ts_dt, io.ts_rg);
-    let cap = bl.g.input("caption", b * m.t * dd, io.cap_dt, io.cap_rg);
+    let x = stream_x(&mut bl, e, io.x);
+    let ts = input_as(&mut bl, "timestep (b, 6D)", b * 6 * dd, io.ts);
+    let cap = input_as(&mut bl, "caption", b * m.t * dd, io.cap);
     let mask = bl.g.input("caption mask bias", b * m.t, m.wd, false);
 
     // 1. Modulation: the (b, 6, D) sum in the promoted dtype, chunked into views.
@@ -230,8 +207,8 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
 
     // 2. Self-attention (linear), `.to(hidden_states.dtype)` after the modulation.
     let n1 = bl.layer_norm_strided("norm1", x, rows, io.x_contig);
-    let h = modulate(&mut bl, "norm1", n1, shift_msa, scale_msa, b * dd);
-    let h = bl.g.cast("norm1 →hidden dtype", h, io.x_dt);
+    let h = bl.modulate_rg("norm1", n1, shift_msa, scale_msa, b * dd);
+    let h = bl.g.cast("norm1 →hidden dtype", h, io.x.0);
     let hdt = bl.g.dtype(h);
     let ab = d.attention_bias;
     let mut q = bl.linear_peft("attn1.to_q", h, rows, dd, dd, ab);
@@ -271,11 +248,8 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let kv = bl.g.view("attn2 k", k2, trows * m.dc);
     let vv = bl.g.view("attn2 v", v2, trows * m.dc);
     let at = Attn {
-        b,
-        heads: m.hc,
-        sq: s,
         skv: m.t,
-        dh: m.dhc,
+        ..Attn::over(b, m.hc, s, m.dhc)
     };
     let o2 = bl.attention_mask_saved(qv, kv, vv, at, Some(mr));
     let a2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, m.dc, true);
@@ -285,7 +259,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
 
     // 4. Mix-FFN (GLUMBConv) on the (b, D, h, w) view of the modulated norm.
     let n2 = bl.layer_norm_strided("norm2", x2, rows, true);
-    let h2 = modulate(&mut bl, "norm2", n2, shift_mlp, scale_mlp, b * dd);
+    let h2 = bl.modulate_rg("norm2", n2, shift_mlp, scale_mlp, b * dd);
     let (hid, px) = (m.hid, b * s);
     let c1 = bl.conv_rg(
         "ff.conv_inverted",
@@ -318,10 +292,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let mut bl = f.builder("final");
     let (b, dd) = (m.b, m.d);
     let (e, rows) = (b * m.s * dd, b * m.s);
-    let x = bl.g.input("x", e, io.x_dt, io.x_rg);
-    bl.g.stream_in = vec![x];
-    let emb =
-        bl.g.input("embedded_timestep", b * dd, io.emb_dt, io.emb_rg);
+    let x = stream_x(&mut bl, e, io.x);
+    let emb = input_as(&mut bl, "embedded_timestep", b * dd, io.emb);
     let target = bl.g.input("target", m.lat, m.wd, false);
     let n = bl.layer_norm_strided("norm_out.norm", x, rows, true);
     let sst = bl.plain_param("scale_shift_table", 2 * dd);
@@ -332,16 +304,15 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     );
     let shift = bl.g.view("norm_out shift", t2, b * dd);
     let scale = bl.g.view("norm_out scale", t2, b * dd);
-    let h = modulate(&mut bl, "norm_out", n, shift, scale, b * dd);
+    let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
     let out = m.p * m.p * m.c_out;
     let y = bl.linear_opt("proj_out", h, rows, out, dd, true);
     flow_loss(&mut bl, f, y, m.p > 1, target, m.lat, b);
     bl.g
 }
 
-// Over 100 lines on purpose: one statement per op of the Sana step in the order the code runs,
-// each reading the locals before it; split, the parts would pass most of them back and forth.
-pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
+/// The stages of a Sana step.
+pub(crate) fn stages(f: &Fam, d: &SanaDims) -> Stages {
     let m = dm(f, d);
     let probe = f.builder("probe");
     let low = probe.low();
@@ -376,22 +347,13 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     if ck {
         save(&mut emb_seg, ts);
     }
-    let extra: Vec<Tid> = [ts, emb, cap]
-        .into_iter()
-        .filter(|&t| emb_seg.tensors[t].requires_grad)
-        .collect();
-    let xo = emb_seg.output;
-    let tt = |t: Tid| &emb_seg.tensors[t];
+    let extra = needing_grad(&emb_seg, &[ts, emb, cap]);
     let mut io = Io {
-        x_dt: tt(xo).dtype,
-        x_rg: tt(xo).requires_grad,
+        x: info(&emb_seg, emb_seg.output),
         x_contig: false,
-        ts_dt: tt(ts).dtype,
-        ts_rg: tt(ts).requires_grad,
-        cap_dt: tt(cap).dtype,
-        cap_rg: tt(cap).requires_grad,
-        emb_dt: tt(emb).dtype,
-        emb_rg: tt(emb).requires_grad,
+        ts: info(&emb_seg, ts),
+        cap: info(&emb_seg, cap),
+        emb: info(&emb_seg, emb),
     };
     let (b, wd) = (m.b, m.wd.size());
     // Alive until the model's forward returns (locals of `forward()`, of the model's forward, or
@@ -399,53 +361,30 @@ pub fn stages(f: &Fam, d: &SanaDims) -> Stages {
     // (fp32), σ, the int64 mask and its additive bias, the 6·D timestep, and whatever of the
     // embedded timestep, caption and Gemma states no op saves.
     let mask_bias = b * m.t * wd;
-    let mut forward_only = 3 * m.lat * wd + 2 * 4 * b + b * wd + b * m.t * 8;
-    if !ck {
-        forward_only += mask_bias + tt(ts).bytes();
-    }
-    if !cap_saved {
-        forward_only += tt(cap).bytes();
-    }
-    if !io.emb_rg {
-        forward_only += tt(emb).bytes();
-    }
+    let mut data = Data {
+        kept: 0,
+        forward_only: 3 * m.lat * wd + 2 * 4 * b + b * wd + b * m.t * 8,
+    };
+    data.forward_only += unheld_bytes(&emb_seg, &[(ts, ck), (cap, cap_saved), (emb, io.emb.1)]);
+    // A checkpoint holds the mask bias until block 0's recompute [CK].
+    add_data(&mut data, mask_bias, ck);
     // The Gemma states are saved by caption_projection.linear_1 when its weight is trained.
-    let enc_bytes = b * m.t * m.cc * wd;
-    let mut kept = if frozen { 0 } else { enc_bytes };
-    if ck {
-        kept += mask_bias;
-    }
-    if frozen {
-        forward_only += enc_bytes;
-    }
+    add_data(&mut data, b * m.t * m.cc * wd, !frozen);
 
     let b0 = block(f, &m, d, io);
-    let o0 = &b0.tensors[b0.output];
-    let (odt, org) = (o0.dtype, o0.requires_grad);
-    io.x_dt = odt;
-    io.x_rg = org;
+    io.x = info(&b0, b0.output);
     io.x_contig = true;
     let rest = block(f, &m, d, io);
     let mut st = vec![embed_stage(emb_seg.clone(), extra)];
     st.extend(first_and_rest(b0, rest, n, false));
     st.push(final_stage(final_layer(f, &m, io)));
-    Stages {
-        stages: st,
-        data: Data { kept, forward_only },
-    }
+    Stages { stages: st, data }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::Sana(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(Sana);
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use crate::runtime::pytorch::device::for_spec;
     use crate::runtime::pytorch::families::of_spec as stages;
     use crate::runtime::pytorch::stages::StageCost;
@@ -477,11 +416,13 @@ mod tests {
         s
     }
 
+    /// The stages' costs of a family spec as the runtime builds them.
     pub(crate) fn costs(s: &Spec) -> Vec<StageCost> {
         stages(for_spec(s), s).costs()
     }
 
-    fn kept(c: &StageCost) -> u64 {
+    /// What a stage keeps for backward.
+    pub(crate) fn kept(c: &StageCost) -> u64 {
         c.cost.kept.total()
     }
 

@@ -8,27 +8,17 @@
 //! Ground truth: `families_saved.txt` (`sd3-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::flux::pytorch::{
-    ada, embedder_data, feed_forward, gated_add, loss, sequence_tokens, split_part, stack,
-    streams_rg, timestep_embedder,
+    ada, embedder_data, feed_forward, gated_add, output_side, projections, split_part, stack,
+    streams_rg, timestep_embedder, Sz, ATTN_ADDED_QKV, ATTN_QKV,
 };
-use crate::families::{Dims, Sd3Dims};
+use crate::families::Sd3Dims;
 use crate::runtime::pytorch::families::common::{
-    embed_stage, final_stage, pooled_temb_and_context, Fam,
+    self, embed_stage, final_stage, pooled_temb_and_context, Fam,
 };
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
 use crate::runtime::pytorch::stages::Stages;
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
-
-#[derive(Debug, Clone, Copy)]
-struct Sz {
-    b: u64,
-    s: u64,
-    t: u64,
-    d: u64,
-    heads: u64,
-    dh: u64,
-}
 
 /// q or k of one projection, with the optional per-head RMSNorm.
 fn qk(bl: &mut Builder, d: &Sd3Dims, norm: &str, x: Tid, rows: u64, z: &Sz) -> Tid {
@@ -99,14 +89,10 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         bl.modulate_rg("norm1_context", n1c, mc[0], mc[1], b * dim)
     };
     // JointAttnProcessor2_0: q/k/v views (b, heads, s, dh), cat([image, context], dim=2).
-    let q = bl.linear_g("attn.to_q", h, b * s, dim, dim, true);
-    let k = bl.linear_g("attn.to_k", h, b * s, dim, dim, true);
-    let v = bl.linear_g("attn.to_v", h, b * s, dim, dim, true);
+    let [q, k, v] = projections(&mut bl, ATTN_QKV, h, b * s, dim);
     let q = qk(&mut bl, d, "attn.norm_q", q, b * s, z);
     let k = qk(&mut bl, d, "attn.norm_k", k, b * s, z);
-    let eq = bl.linear_g("attn.add_q_proj", hc, b * t, dim, dim, true);
-    let ek = bl.linear_g("attn.add_k_proj", hc, b * t, dim, dim, true);
-    let ev = bl.linear_g("attn.add_v_proj", hc, b * t, dim, dim, true);
+    let [eq, ek, ev] = projections(&mut bl, ATTN_ADDED_QKV, hc, b * t, dim);
     let eq = qk(&mut bl, d, "attn.norm_added_q", eq, b * t, z);
     let ek = qk(&mut bl, d, "attn.norm_added_k", ek, b * t, z);
     let n = s + t;
@@ -123,13 +109,7 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     let (q0, qc) = cat(&mut bl, "cat q", q, eq);
     let (k0, kc) = cat(&mut bl, "cat k", k, ek);
     let (v0, vc) = cat(&mut bl, "cat v", v, ev);
-    let at = Attn {
-        b,
-        heads: z.heads,
-        sq: n,
-        skv: n,
-        dh: z.dh,
-    };
+    let at = Attn::over(b, z.heads, n, z.dh);
     let o = bl.attention(qc, kc, vc, at);
     // The fused kernels allocate their output like the query (`empty_like`): the concatenated
     // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
@@ -160,22 +140,20 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let h2 = bl.modulate_rg("norm1 (attn2)", n1, m[6], m[7], b * dim);
         // `norm_hidden_states2` stays bound until the block returns.
         dual_in = Some(h2);
-        let q = bl.linear_g("attn2.to_q", h2, b * s, dim, dim, true);
-        let k = bl.linear_g("attn2.to_k", h2, b * s, dim, dim, true);
-        let v = bl.linear_g("attn2.to_v", h2, b * s, dim, dim, true);
+        let [q, k, v] = projections(
+            &mut bl,
+            ["attn2.to_q", "attn2.to_k", "attn2.to_v"],
+            h2,
+            b * s,
+            dim,
+        );
         let q = qk(&mut bl, d, "attn2.norm_q", q, b * s, z);
         let k = qk(&mut bl, d, "attn2.norm_k", k, b * s, z);
         let qd = bl.g.dtype(q);
         let (q0, k0) = (q, k);
         let q = bl.cast_low("attn2 q (sdpa input)", q);
         let k = bl.cast_low("attn2 k (sdpa input)", k);
-        let at = Attn {
-            b,
-            heads: z.heads,
-            sq: s,
-            skv: s,
-            dh: z.dh,
-        };
+        let at = Attn::over(b, z.heads, s, z.dh);
         let o2 = bl.attention(q, k, v, at);
         let o2 = to_query_dtype(&mut bl, o2, qd);
         let o2 = bl.cast_low("attn2 out (to_out input)", o2);
@@ -279,33 +257,13 @@ fn final_layer(f: &Fam, d: &Sd3Dims, z: &Sz, rg: bool, trained: bool) -> Segment
     let (b, dim) = (z.b, z.d);
     let x = bl.g.input("hidden_states", b * z.s * dim, sd, rg);
     bl.g.stream_in = vec![x];
-    let temb = bl.g.input("temb", b * dim, sd, trained);
-    let m = ada(&mut bl, "norm_out.linear", temb, 2, b, dim);
-    let n = bl.layer_norm_rg("norm_out.norm", x, b * z.s);
-    let h = bl.modulate_rg("norm_out", n, m[1], m[0], b * dim);
-    let p = d.patch_size;
-    let width = p * p * d.out_channels;
-    let y = bl.linear_g("proj_out", h, b * z.s, width, dim, true);
-    let lat = b * z.s * width;
-    let yd = bl.g.dtype(y);
-    let pred = bl.g.op("unpatchify", &[y], lat, yd);
-    let wd = bl.low();
-    let x0 = bl.g.input("x0", lat, wd, false);
-    let noise = bl.g.input("noise", lat, wd, false);
-    let target = bl.g.op("target = noise − x0", &[noise, x0], lat, wd);
-    loss(&mut bl, pred, target, b);
+    let width = d.patch_size * d.patch_size * d.out_channels;
+    output_side(&mut bl, x, trained, (b, z.s, dim), width, "unpatchify");
     bl.g
 }
 
-pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
-    let z = Sz {
-        b: f.b,
-        s: f.s,
-        t: sequence_tokens(f),
-        d: d.inner(),
-        heads: d.num_attention_heads,
-        dh: d.attention_head_dim,
-    };
+pub(crate) fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
+    let z = Sz::new(f, d.inner(), d.num_attention_heads, d.attention_head_dim);
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
     let mut rg = streams_rg(&emb);
@@ -348,24 +306,12 @@ pub fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::Sd3(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(Sd3);
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::denoiser;
-    use crate::families::flux::pytorch::tests::tiny;
-    use crate::families::Dims;
-    use crate::runtime::pytorch::allocator::simulate;
-    use crate::runtime::pytorch::device::for_spec;
-    use crate::runtime::pytorch::stages::Stage;
+    use crate::families::flux::pytorch::tests::{kept, stages_of_spec, tiny};
+    use crate::runtime::pytorch::stages::Stages;
 
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
         "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
@@ -373,16 +319,12 @@ mod tests {
         "pooled_projection_dim": 80, "out_channels": 16, "pos_embed_max_size": 24"#;
 
     fn sd3_stages(extra: &str, precision: &str) -> Stages {
-        let s = tiny(&format!("{SD3}{extra}}}"), "[77, 77]", precision, "null");
-        let fm = denoiser::family(&s).unwrap().unwrap();
-        let Dims::Sd3(d) = &fm.dims else {
-            panic!("not sd3")
-        };
-        stages(&Fam::new(for_spec(&s), &s, &fm), d)
-    }
-
-    fn kept(st: &Stage) -> u64 {
-        simulate(&st.seg, 0, &st.extra_grads).kept.total()
+        stages_of_spec(&tiny(
+            &format!("{SD3}{extra}}}"),
+            "[77, 77]",
+            precision,
+            "null",
+        ))
     }
 
     /// `families_saved.txt` (sd3-fp32-none-loop, fp32): transformer_blocks.0 saves 4735232 B,
@@ -431,11 +373,7 @@ mod tests {
             "bf16-mixed",
             r#"{"rank": 4}"#,
         );
-        let fm = denoiser::family(&s).unwrap().unwrap();
-        let Dims::Sd3(d) = &fm.dims else {
-            panic!("not sd3")
-        };
-        let st = stages(&Fam::new(for_spec(&s), &s, &fm), d);
+        let st = stages_of_spec(&s);
         let g = &st.stages[1].seg;
         let hold = g
             .ops

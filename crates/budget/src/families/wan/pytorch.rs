@@ -7,9 +7,10 @@
 //! contiguous, `WanTimeTextImageEmbedding`), the blocks (all alike: the stream keeps the patch
 //! embedding's dtype), `norm_out` + `proj_out` + the loss.
 
-use crate::families::{Dims, WanDims};
+use crate::families::WanDims;
 use crate::runtime::pytorch::families::common::{
-    embed_stage, final_stage, first_and_rest, flow_loss, noising, Fam,
+    self, add_data, embed_stage, final_stage, first_and_rest, flipped_sinusoid, flow_loss, info,
+    input_as, needing_grad, noising, stream_x, unheld_bytes, Fam,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
 use crate::runtime::pytorch::stages::{Data, Stages};
@@ -58,14 +59,10 @@ fn dm(f: &Fam, d: &WanDims) -> Dm {
 /// What a block reads, with dtypes and which carry a gradient.
 #[derive(Debug, Clone, Copy)]
 struct Io {
-    x_dt: Dtype,
-    x_rg: bool,
-    tp_dt: Dtype,
-    tp_rg: bool,
-    ctx_dt: Dtype,
-    ctx_rg: bool,
-    temb_dt: Dtype,
-    temb_rg: bool,
+    x: (Dtype, bool),
+    tp: (Dtype, bool),
+    ctx: (Dtype, bool),
+    temb: (Dtype, bool),
 }
 
 /// `apply_rotary_emb` of `WanAttnProcessor`: `out = empty_like(x)`, the even and odd channels
@@ -109,15 +106,6 @@ fn fp32_layer_norm(bl: &mut Builder, name: &str, x: Tid, rows: u64, affine: bool
     y
 }
 
-/// `x·(1 + scale) + shift` with (b, 1, D) fp32 views of the modulation.
-fn modulate(bl: &mut Builder, name: &str, xn: Tid, shift: Tid, scale: Tid, bd: u64) -> Tid {
-    let sdt = bl.g.dtype(scale);
-    let one = bl.g.op(&format!("{name} 1+scale"), &[scale], bd, sdt);
-    let n = bl.g.elems(xn);
-    let m = bl.mul(&format!("{name} ·(1+scale)"), xn, one, n);
-    bl.ew(&format!("{name} +shift"), &[m, shift], n)
-}
-
 /// The input side: noising, the RoPE tables (`WanRotaryPosEmbed.forward`: slices of the fp32
 /// buffers expanded and concatenated to (1, s, 1, dh), cos and sin; saved by every block's RoPE
 /// muls), the Conv3d patch embedding `flatten(2).transpose(1, 2).contiguous()` (a copy; the
@@ -153,15 +141,7 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     let x = bl.g.op("patch embedding .contiguous()", &[conv], e, cdt);
 
     // Timesteps(freq_dim) fp32, `.to(time_embedder dtype)` (its parameters').
-    let half = m.freq / 2;
-    let t = bl.g.input("timesteps", b, Dtype::F32, false);
-    let ex = bl.g.op("exponent", &[], half, Dtype::F32);
-    let fr = bl.g.op("exp(exponent)", &[ex], half, Dtype::F32);
-    let args = bl.g.op("t·freqs", &[t, fr], b * half, Dtype::F32);
-    let sn = bl.g.op("sin", &[args], b * half, Dtype::F32);
-    let cs = bl.g.op("cos", &[args], b * half, Dtype::F32);
-    let cat = bl.g.op("cat[sin, cos]", &[sn, cs], b * m.freq, Dtype::F32);
-    let flip = bl.g.op("cat[cos, sin]", &[cat], b * m.freq, Dtype::F32);
+    let flip = flipped_sinusoid(&mut bl, b, m.freq);
     let pdt = if f.lora.is_some() {
         bl.low()
     } else {
@@ -203,11 +183,9 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let mut bl = f.builder("block");
     let (b, s, dd) = (m.b, m.s, m.d);
     let (e, rows, trows) = (b * s * dd, b * s, b * m.t);
-    let x = bl.g.input("x", e, io.x_dt, io.x_rg);
-    bl.g.stream_in = vec![x];
-    let tp =
-        bl.g.input("timestep_proj (b, 6, D)", b * 6 * dd, io.tp_dt, io.tp_rg);
-    let ctx = bl.g.input("text context", trows * dd, io.ctx_dt, io.ctx_rg);
+    let x = stream_x(&mut bl, e, io.x);
+    let tp = input_as(&mut bl, "timestep_proj (b, 6, D)", b * 6 * dd, io.tp);
+    let ctx = input_as(&mut bl, "text context", trows * dd, io.ctx);
     let cos = bl.g.input("rope cos", s * m.dh, Dtype::F32, false);
     let sin = bl.g.input("rope sin", s * m.dh, Dtype::F32, false);
 
@@ -223,8 +201,8 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
 
     // Self-attention with q/k RMSNorm across heads and 3-D RoPE.
     let n1 = fp32_layer_norm(&mut bl, "norm1", x, rows, false);
-    let h = modulate(&mut bl, "norm1", n1, shift_msa, scale_msa, b * dd);
-    let h = bl.g.cast("norm1 type_as(hidden_states)", h, io.x_dt);
+    let h = bl.modulate_rg("norm1", n1, shift_msa, scale_msa, b * dd);
+    let h = bl.g.cast("norm1 type_as(hidden_states)", h, io.x.0);
     let q = bl.linear_peft("attn1.to_q", h, rows, dd, dd, true);
     let k = bl.linear_peft("attn1.to_k", h, rows, dd, dd, true);
     let v = bl.linear_peft("attn1.to_v", h, rows, dd, dd, true);
@@ -232,25 +210,19 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let k = bl.torch_rms_norm("attn1.norm_k", k, rows);
     let q = rope(&mut bl, "attn1 rope(q)", q, cos, sin);
     let k = rope(&mut bl, "attn1 rope(k)", k, cos, sin);
-    let at = Attn {
-        b,
-        heads: m.heads,
-        sq: s,
-        skv: s,
-        dh: m.dh,
-    };
+    let at = Attn::over(b, m.heads, s, m.dh);
     let o = bl.attention(q, k, v, at);
     let ao = bl.linear_peft("attn1.to_out.0", o, rows, dd, dd, true);
     // `(hidden_states.float() + attn_output · gate_msa).type_as(hidden_states)`.
     let xf = bl.g.cast("x.float() (residual 1)", x, Dtype::F32);
     let g1 = bl.mul("attn · gate_msa", ao, gate_msa, e);
     let s1 = bl.ew("x + gated attn", &[xf, g1], e);
-    let x1 = bl.g.cast("residual 1 type_as(hidden_states)", s1, io.x_dt);
+    let x1 = bl.g.cast("residual 1 type_as(hidden_states)", s1, io.x.0);
 
     // Cross-attention to the text context (norm2: affine FP32LayerNorm, or Identity).
     let h2 = if d.cross_attn_norm {
         let n2 = fp32_layer_norm(&mut bl, "norm2", x1, rows, true);
-        bl.g.cast("norm2 type_as(hidden_states)", n2, io.x_dt)
+        bl.g.cast("norm2 type_as(hidden_states)", n2, io.x.0)
     } else {
         let xf = bl.g.cast("norm2 (Identity) input.float()", x1, Dtype::F32);
         let dt = bl.g.dtype(x1);
@@ -266,11 +238,8 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let q2 = bl.torch_rms_norm("attn2.norm_q", q2, rows);
     let k2 = bl.torch_rms_norm("attn2.norm_k", k2, trows);
     let at2 = Attn {
-        b,
-        heads: m.heads,
-        sq: s,
         skv: m.t,
-        dh: m.dh,
+        ..Attn::over(b, m.heads, s, m.dh)
     };
     let o2 = bl.attention(q2, k2, v2, at2);
     let ao2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, dd, true);
@@ -278,7 +247,7 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
 
     // Feed-forward (GELU-tanh MLP) on the modulated norm3.
     let n3 = fp32_layer_norm(&mut bl, "norm3", x2, rows, false);
-    let h3 = modulate(&mut bl, "norm3", n3, c_shift, c_scale, b * dd);
+    let h3 = bl.modulate_rg("norm3", n3, c_shift, c_scale, b * dd);
     let x2dt = bl.g.dtype(x2);
     let h3 = bl.g.cast("norm3 type_as(hidden_states)", h3, x2dt);
     let f1 = bl.linear_peft("ffn.net.0.proj", h3, rows, m.ffn, dd, true);
@@ -301,26 +270,24 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let mut bl = f.builder("final");
     let (b, dd) = (m.b, m.d);
     let (e, rows) = (b * m.s * dd, b * m.s);
-    let x = bl.g.input("x", e, io.x_dt, io.x_rg);
-    bl.g.stream_in = vec![x];
-    let temb = bl.g.input("temb", b * dd, io.temb_dt, io.temb_rg);
+    let x = stream_x(&mut bl, e, io.x);
+    let temb = input_as(&mut bl, "temb", b * dd, io.temb);
     let target = bl.g.input("target", m.lat, m.wd, false);
     let sst = bl.plain_param("scale_shift_table", 2 * dd);
     let t2 = bl.ew("scale_shift_table + temb", &[sst, temb], b * 2 * dd);
     let shift = bl.g.view("norm_out shift", t2, b * dd);
     let scale = bl.g.view("norm_out scale", t2, b * dd);
     let n = fp32_layer_norm(&mut bl, "norm_out", x, rows, false);
-    let h = modulate(&mut bl, "norm_out", n, shift, scale, b * dd);
-    let h = bl.g.cast("norm_out type_as(hidden_states)", h, io.x_dt);
+    let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
+    let h = bl.g.cast("norm_out type_as(hidden_states)", h, io.x.0);
     let out = m.patch * m.c_out;
     let y = bl.linear_peft("proj_out", h, rows, out, dd, true);
     flow_loss(&mut bl, f, y, m.patch > 1, target, m.lat, b);
     bl.g
 }
 
-// Over 100 lines on purpose: one statement per op of the Wan step in the order the code runs,
-// each reading the locals before it; split, the parts would pass most of them back and forth.
-pub fn stages(f: &Fam, d: &WanDims) -> Stages {
+/// The stages of a Wan step.
+pub(crate) fn stages(f: &Fam, d: &WanDims) -> Stages {
     let m = dm(f, d);
     let frozen = f.lora.is_some();
     let mixed = f.spec.recipe.precision.is_mixed();
@@ -344,71 +311,41 @@ pub fn stages(f: &Fam, d: &WanDims) -> Stages {
     if ck {
         save(&mut emb_seg, tp);
     }
-    let extra: Vec<Tid> = [tp, temb, ctx]
-        .into_iter()
-        .filter(|&t| emb_seg.tensors[t].requires_grad)
-        .collect();
-    let xo = emb_seg.output;
-    let tt = |t: Tid| &emb_seg.tensors[t];
+    let extra = needing_grad(&emb_seg, &[tp, temb, ctx]);
     let mut io = Io {
-        x_dt: tt(xo).dtype,
-        x_rg: tt(xo).requires_grad,
-        tp_dt: tt(tp).dtype,
-        tp_rg: tt(tp).requires_grad,
-        ctx_dt: tt(ctx).dtype,
-        ctx_rg: tt(ctx).requires_grad,
-        temb_dt: tt(temb).dtype,
-        temb_rg: tt(temb).requires_grad,
+        x: info(&emb_seg, emb_seg.output),
+        tp: info(&emb_seg, tp),
+        ctx: info(&emb_seg, ctx),
+        temb: info(&emb_seg, temb),
     };
     let (b, wd) = (m.b, m.wd.size());
     // Alive until the forward returns: x0, noise, the target, u and the timesteps (fp32), σ,
     // timestep_proj (unless a checkpoint holds it), and what no op saves.
-    let mut forward_only = 3 * m.lat * wd + 2 * 4 * b + b * wd;
-    if !ck {
-        forward_only += tt(tp).bytes();
-    }
-    if !ctx_saved {
-        forward_only += tt(ctx).bytes();
-    }
-    if !io.temb_rg {
-        forward_only += tt(temb).bytes();
-    }
-    let enc_bytes = b * m.t * m.text_dim * wd;
-    let kept = if frozen { 0 } else { enc_bytes };
-    if frozen {
-        forward_only += enc_bytes;
-    }
+    let mut data = Data {
+        kept: 0,
+        forward_only: 3 * m.lat * wd + 2 * 4 * b + b * wd,
+    };
+    data.forward_only += unheld_bytes(&emb_seg, &[(tp, ck), (ctx, ctx_saved), (temb, io.temb.1)]);
+    // The umT5 states are saved by the text embedder's linear_1 when its weight is trained.
+    add_data(&mut data, b * m.t * m.text_dim * wd, !frozen);
     // Block 0 reads the patch embedding; later blocks the previous block's output (the same
     // dtype, but under LoRA block 0's input carries no gradient).
     let b0 = block(f, &m, d, io);
-    let o0 = &b0.tensors[b0.output];
-    let (odt, org) = (o0.dtype, o0.requires_grad);
-    io.x_dt = odt;
-    io.x_rg = org;
+    io.x = info(&b0, b0.output);
     let rest = block(f, &m, d, io);
     let mut st = vec![embed_stage(emb_seg.clone(), extra)];
     st.extend(first_and_rest(b0, rest, n, false));
     st.push(final_stage(final_layer(f, &m, io)));
-    Stages {
-        stages: st,
-        data: Data { kept, forward_only },
-    }
+    Stages { stages: st, data }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's stages for dims of it,
-/// None for another family's.
-pub(crate) fn stages_of(f: &Fam, dims: &Dims) -> Option<Stages> {
-    let Dims::Wan(d) = dims else {
-        return None;
-    };
-    Some(stages(f, d))
-}
+common::stages_of!(Wan);
 
 #[cfg(test)]
 mod tests {
+    use crate::families::sana::pytorch::tests::{costs, kept};
     use crate::runtime::pytorch::device::for_spec;
     use crate::runtime::pytorch::families::of_spec as stages;
-    use crate::runtime::pytorch::stages::StageCost;
     use crate::spec::Spec;
 
     /// `bench/torch_peer/specs/families/wan-fp32-none-loop-f5.json` (b 4, 5 frames → 2 latent
@@ -434,14 +371,6 @@ mod tests {
         let mut s = Spec::from_json(&json).unwrap();
         crate::denoiser::resolve(&mut s).unwrap();
         s
-    }
-
-    fn costs(s: &Spec) -> Vec<StageCost> {
-        stages(for_spec(s), s).costs()
-    }
-
-    fn kept(c: &StageCost) -> u64 {
-        c.cost.kept.total()
     }
 
     /// The dump's per-block totals (`families_saved.txt`) less what the input side holds here:

@@ -80,27 +80,37 @@ fn cond_saved(s: &Spec) -> u64 {
     silu + 2 * d.b * d.d * low + 6 * d.b * d.d * low
 }
 
+/// Asserts what one block of the spec at `precision`, `attention`, `device` saves:
+/// `want(E, A, S, log-sum-exp bytes)` plus the conditioning path ([`cond_saved`]).
+fn assert_block_saved(
+    (precision, attention, device): (Precision, AttentionMode, TorchDevice),
+    want: fn(u64, u64, u64, u64) -> u64,
+) {
+    let s = spec(precision, attention, device);
+    let (e, a, rows, lse) = sizes(&s);
+    let what = format!("{precision:?} {attention:?} {device:?}");
+    assert_eq!(
+        block_saved(&s),
+        want(e, a, rows, lse) + cond_saved(&s),
+        "{what}"
+    );
+}
+
 #[test]
 fn fp32_flash_block_is_80e_plus_lse_plus_16s() {
-    let s = spec(
+    let at = (
         Precision::Fp32,
         AttentionMode::MemoryEfficient,
         TorchDevice::Cpu,
     );
-    let (e, _, rows, lse) = sizes(&s);
-    assert_eq!(block_saved(&s), 80 * e + lse + 16 * rows + cond_saved(&s));
+    assert_block_saved(at, |e, _, rows, lse| 80 * e + lse + 16 * rows);
 }
 
 #[test]
 fn amp_flash_block_is_48e_plus_lse_plus_16s() {
     for dev in [TorchDevice::Cpu, TorchDevice::Cuda] {
-        let s = spec(Precision::Bf16Mixed, AttentionMode::MemoryEfficient, dev);
-        let (e, _, rows, lse) = sizes(&s);
-        assert_eq!(
-            block_saved(&s),
-            48 * e + lse + 16 * rows + cond_saved(&s),
-            "{dev:?}"
-        );
+        let at = (Precision::Bf16Mixed, AttentionMode::MemoryEfficient, dev);
+        assert_block_saved(at, |e, _, rows, lse| 48 * e + lse + 16 * rows);
     }
 }
 
@@ -109,30 +119,28 @@ fn amp_math_block_is_48e_6a_on_cuda_and_2a_on_cpu() {
     // timm's explicit path: the bmm operands are reshape copies (q·scale, kᵀ, v), so the fused
     // qkv output is not kept; CUDA autocast runs softmax in fp32 (P 4A) and P@v saves a bf16
     // copy (2A); the CPU autocast list has no softmax, so P stays bf16 (2A).
-    let s = spec(
+    let at = (
         Precision::Bf16Mixed,
         AttentionMode::Materialized,
         TorchDevice::Cuda,
     );
-    let (e, a, rows, _) = sizes(&s);
-    assert_eq!(block_saved(&s), 48 * e + 6 * a + 16 * rows + cond_saved(&s));
-    let s = spec(
+    assert_block_saved(at, |e, a, rows, _| 48 * e + 6 * a + 16 * rows);
+    let at = (
         Precision::Bf16Mixed,
         AttentionMode::Materialized,
         TorchDevice::Cpu,
     );
-    assert_eq!(block_saved(&s), 48 * e + 2 * a + 16 * rows + cond_saved(&s));
+    assert_block_saved(at, |e, a, rows, _| 48 * e + 2 * a + 16 * rows);
 }
 
 #[test]
 fn fp32_math_block_is_80e_plus_4a() {
-    let s = spec(
+    let at = (
         Precision::Fp32,
         AttentionMode::Materialized,
         TorchDevice::Cpu,
     );
-    let (e, a, rows, _) = sizes(&s);
-    assert_eq!(block_saved(&s), 80 * e + 4 * a + 16 * rows + cond_saved(&s));
+    assert_block_saved(at, |e, a, rows, _| 80 * e + 4 * a + 16 * rows);
 }
 
 #[test]
@@ -453,21 +461,7 @@ fn flash_scratch_follows_the_specs_threads() {
 fn lora_adapter_dtype_sets_weights_grads_and_state() {
     use crate::spec::LoraDtype;
     // A tiny family spec as `bench/torch_peer/specs/families_lora/` writes them.
-    let tiny = |config: &str, text: &str, precision: &str, lora: &str| {
-        let json = format!(
-            r#"{{"model": {{"name": "tiny", "depth": 1, "hidden": 64, "heads": 4, "patch": 2,
-                 "diffusers": {config}}},
-               "workload": {{"height": 128, "width": 128, "vae_factor": 8, "batch": 4,
-                 "microbatch": 4, "accumulation": 1, "ranks": 1, "text_tokens": {text}}},
-               "recipe": {{"precision": "{precision}", "optimizer": "adamw",
-                 "attention": "memory-efficient", "recompute": "none", "lora": {lora},
-                 "zero_stage": 0, "latents": "cached"}},
-               "runtime": "pytorch:cpu"}}"#
-        );
-        let mut s = Spec::from_json(&json).expect("tiny spec");
-        crate::denoiser::resolve(&mut s).expect("resolves");
-        s
-    };
+    use crate::families::flux::pytorch::tests::tiny;
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
         "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
         "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 64,

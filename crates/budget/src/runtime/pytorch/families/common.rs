@@ -29,7 +29,7 @@ pub struct Fam<'a> {
 }
 
 impl<'a> Fam<'a> {
-    pub fn new(rt: &'a PyTorch, spec: &'a Spec, fm: &FamilyModel) -> Fam<'a> {
+    pub(crate) fn new(rt: &'a PyTorch, spec: &'a Spec, fm: &FamilyModel) -> Fam<'a> {
         let geometry = fm.geometry();
         let text = denoiser::text_tokens(spec, &geometry);
         let w = &spec.workload;
@@ -54,7 +54,7 @@ impl<'a> Fam<'a> {
     }
 
     /// A graph builder under the spec's precision, attention mode and LoRA.
-    pub fn builder(&self, name: &str) -> Builder<'a> {
+    pub(crate) fn builder(&self, name: &str) -> Builder<'a> {
         let mut bl = Builder::new(
             self.rt,
             self.spec.recipe.precision,
@@ -81,6 +81,24 @@ impl<'a> Fam<'a> {
         (0..n).any(|i| self.spec.recipe.recompute.recomputes_block(i))
     }
 }
+
+/// A family's reader for the registry ([`crate::families::registry`]), `stages_of`: its
+/// `stages(f, d)` for dims of the family (`Dims::$variant`), None for another family's.
+macro_rules! stages_of {
+    ($variant:ident) => {
+        /// The registry's reader: this family's stages for its dims, None for another family's.
+        pub(crate) fn stages_of(
+            f: &$crate::runtime::pytorch::families::common::Fam,
+            dims: &$crate::families::Dims,
+        ) -> Option<$crate::runtime::pytorch::stages::Stages> {
+            match dims {
+                $crate::families::Dims::$variant(d) => Some(stages(f, d)),
+                _ => None,
+            }
+        }
+    };
+}
+pub(crate) use stages_of;
 
 /// The input side's stage: one instance; `extra_grads` are its broadcast outputs that receive a
 /// gradient from the blocks.
@@ -142,6 +160,48 @@ pub(crate) fn info(g: &Segment, t: Tid) -> (Dtype, bool) {
     (g.tensors[t].dtype, g.tensors[t].requires_grad)
 }
 
+/// A stage's input made by an earlier stage, with that tensor's `(dtype, requires grad)`.
+pub(crate) fn input_as(bl: &mut Builder, name: &str, elems: u64, (dt, rg): (Dtype, bool)) -> Tid {
+    bl.g.input(name, elems, dt, rg)
+}
+
+/// The residual stream `x` (`elems`, with its `(dtype, requires grad)`) as a Sana or Wan stage
+/// reads it: the stage's stream.
+pub(crate) fn stream_x(bl: &mut Builder, elems: u64, x: (Dtype, bool)) -> Tid {
+    let xs = input_as(bl, "x", elems, x);
+    bl.g.stream_in = vec![xs];
+    xs
+}
+
+/// The residual stream `hidden_states` (`elems`, with its `(dtype, requires grad)`) as a stage
+/// of PixArt or diffusers' DiT reads it: a stream of the stage when a gradient flows back to it.
+pub(crate) fn hidden_states_in(bl: &mut Builder, elems: u64, x: (Dtype, bool)) -> Tid {
+    let xs = input_as(bl, "hidden_states", elems, x);
+    if x.1 {
+        bl.g.stream_in = vec![xs];
+    }
+    xs
+}
+
+/// The tensors of `ts` that receive a gradient (the input side's broadcast outputs the blocks
+/// differentiate).
+pub(crate) fn needing_grad(seg: &Segment, ts: &[Tid]) -> Vec<Tid> {
+    ts.iter()
+        .copied()
+        .filter(|&t| seg.tensors[t].requires_grad)
+        .collect()
+}
+
+/// Bytes of the input side's broadcast outputs `(tensor, held)` that nothing holds past the
+/// forward (`held`: an op saves it, or a checkpoint keeps it as a block's argument): the model's
+/// locals keep them until it returns.
+pub(crate) fn unheld_bytes(seg: &Segment, outs: &[(Tid, bool)]) -> u64 {
+    outs.iter()
+        .filter(|&&(_, held)| !held)
+        .map(|&(t, _)| seg.tensors[t].bytes())
+        .sum()
+}
+
 /// Data outside the model that a saved reference may hold: `bytes` kept until the step's
 /// backward ends when `saved` (an embedder's trained linear or conv saves it), else freed with
 /// the forward.
@@ -173,6 +233,22 @@ pub(crate) fn hold(bl: &mut Builder, ts: &[Tid]) {
 pub(crate) fn sinusoid(bl: &mut Builder, name: &str, src: Tid, n: u64, to: Dtype) -> Tid {
     let e = bl.g.op(name, &[src], n * FREQ, Dtype::F32);
     bl.g.cast(&format!("{name} →{to}"), e, to)
+}
+
+/// diffusers `get_timestep_embedding(t, dim, flip_sin_to_cos=True)` as Sana's and Wan's
+/// `Timesteps` run it (no grad): on the fp32 timesteps, the exponent, its exp, `t·freqs`, sin and
+/// cos, their concatenation and the flip to `[cos, sin]`, all fp32. Returns the flipped (b, dim)
+/// table.
+pub(crate) fn flipped_sinusoid(bl: &mut Builder, b: u64, dim: u64) -> Tid {
+    let half = dim / 2;
+    let t = bl.g.input("timesteps", b, Dtype::F32, false);
+    let ex = bl.g.op("exponent", &[], half, Dtype::F32);
+    let fr = bl.g.op("exp(exponent)", &[ex], half, Dtype::F32);
+    let args = bl.g.op("t·freqs", &[t, fr], b * half, Dtype::F32);
+    let sin = bl.g.op("sin", &[args], b * half, Dtype::F32);
+    let cos = bl.g.op("cos", &[args], b * half, Dtype::F32);
+    let cat = bl.g.op("cat[sin, cos]", &[sin, cos], b * dim, Dtype::F32);
+    bl.g.op("cat[cos, sin]", &[cat], b * dim, Dtype::F32)
 }
 
 /// Unpatchify (`reshape`, `einsum("nhwpqc->nchpwq")` a permuted view, the last `reshape` a copy

@@ -21,13 +21,13 @@ use crate::spec::Spec;
 
 /// Whether the `pytorch` runtime has the op inventory of a family: the original DiT's own
 /// rules, or the family's registered `pytorch.rs`.
-pub fn supported(family: Family) -> bool {
+pub(crate) fn supported(family: Family) -> bool {
     family == Family::Dit || registry::of(family).is_some()
 }
 
 /// The stages of a family spec's step (none for the original DiT, which has its own rules,
 /// `rules.rs`; `stages.rs` never sends it here).
-pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
+pub(crate) fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
     let f = Fam::new(rt, spec, fm);
     registry::of(fm.family)
         .and_then(|r| (r.pytorch)(&f, &fm.dims))
@@ -35,7 +35,7 @@ pub fn stages(rt: &PyTorch, spec: &Spec, fm: &FamilyModel) -> Stages {
 }
 
 /// The stages of a spec's step: the original DiT, or its diffusers family.
-pub fn of_spec(rt: &PyTorch, spec: &Spec) -> Stages {
+pub(crate) fn of_spec(rt: &PyTorch, spec: &Spec) -> Stages {
     let mut st = match crate::denoiser::family(spec) {
         Ok(Some(fm)) => stages(rt, spec, &fm),
         _ => crate::runtime::pytorch::stages::dit(rt, spec),
@@ -50,7 +50,7 @@ pub fn of_spec(rt: &PyTorch, spec: &Spec) -> Stages {
 /// A family spec's stage segments, input side first (None for the original DiT, whose three
 /// segments the runtime's builders give): the op inventory and the generic costs of the
 /// estimate read them.
-pub fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
+pub(crate) fn family_segments(spec: &Spec) -> Option<Vec<Segment>> {
     crate::denoiser::family(spec).ok().flatten()?;
     let st = of_spec(crate::runtime::pytorch::device::for_spec(spec), spec);
     Some(
