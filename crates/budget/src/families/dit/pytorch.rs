@@ -16,11 +16,11 @@
 use crate::families::pixart::pytorch::{gated_feed_forward, patch_embed, self_attention, Geo};
 use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest,
-    hidden_states_in, hold, info, sinusoid, Fam, FREQ,
+    self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, sinusoid,
+    Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Builder, CACHED, SAVED};
-use crate::runtime::pytorch::stages::{Data, Stages};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -201,10 +201,10 @@ pub(crate) fn stages(f: &Fam, d: &DitDiffusersDims) -> Stages {
     let out = |s: &Segment| info(s, s.output);
     let first = block(f, d, &g, out(&emb), Emb::Accumulated);
     let rest = block(f, d, &g, out(&first), Emb::Own);
-    let mut stages = vec![embed_stage(emb, Vec::new())];
+    let mut stages = vec![Stage::embed(emb, Vec::new())];
     stages.extend(first_and_rest(first, rest, d.num_layers as u32, true));
     let last = stages.last().map_or((Dtype::F32, false), |st| out(&st.seg));
-    stages.push(final_stage(final_layer(f, d, &g, last)));
+    stages.push(Stage::final_loss(final_layer(f, d, &g, last)));
     let wd = f.spec.recipe.precision.compute_dtype().size();
     // `family_peer.py`: the DDPM data ([`ddpm_data`]), y (int64) for the forward, the noisy
     // latent while the conv saves it.

@@ -8,9 +8,7 @@
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::FluxDims;
-use crate::runtime::pytorch::families::common::{
-    self, add_data, block_stage, embed_stage, final_stage, pooled_temb_and_context, Fam,
-};
+use crate::runtime::pytorch::families::common::{self, add_data, pooled_temb_and_context, Fam};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
@@ -426,7 +424,7 @@ where
         let seg = build(rg);
         let next = streams_rg(&seg);
         let n = if next == rg { left } else { 1 };
-        out.push(block_stage(seg, n as u32, label));
+        out.push(Stage::blocks(seg, n as u32, label));
         left -= n;
         rg = next;
     }
@@ -459,7 +457,7 @@ pub(crate) fn stages(f: &Fam, d: &FluxDims) -> Stages {
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
     let rg = streams_rg(&emb);
-    let mut stages = vec![embed_stage(emb, extra)];
+    let mut stages = vec![Stage::embed(emb, extra)];
     let (st, rg) = stack(d.num_layers, "double block", rg, |r| {
         double_block(f, &z, r, trained)
     });
@@ -469,7 +467,7 @@ pub(crate) fn stages(f: &Fam, d: &FluxDims) -> Stages {
     });
     stages.extend(st);
     let joint = d.num_single_layers > 0;
-    stages.push(final_stage(final_layer(
+    stages.push(Stage::final_loss(final_layer(
         f,
         d,
         &z,

@@ -13,11 +13,11 @@
 
 use crate::families::PixartDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, ddpm_data, embed_stage, eps_loss, final_stage, first_and_rest,
-    hidden_states_in, hold, info, input_as, sinusoid, Fam, FREQ,
+    self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, input_as,
+    sinusoid, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stages};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
 
@@ -350,10 +350,10 @@ pub(crate) fn stages(f: &Fam, d: &PixartDims) -> Stages {
     let out = |s: &Segment| info(s, s.output);
     let first = block(f, d, &g, &h, h.x);
     let rest = block(f, d, &g, &h, out(&first));
-    let mut stages = vec![embed_stage(emb, bcast)];
+    let mut stages = vec![Stage::embed(emb, bcast)];
     stages.extend(first_and_rest(first, rest, d.num_layers as u32, true));
     let last = stages.last().map_or(h.x, |st| out(&st.seg));
-    stages.push(final_stage(final_layer(f, d, &g, &h, last)));
+    stages.push(Stage::final_loss(final_layer(f, d, &g, &h, last)));
     Stages {
         stages,
         data: data(f, d, &g),

@@ -12,11 +12,9 @@ use crate::families::flux::pytorch::{
     streams_rg, timestep_embedder, Sz, ATTN_ADDED_QKV, ATTN_QKV,
 };
 use crate::families::Sd3Dims;
-use crate::runtime::pytorch::families::common::{
-    self, embed_stage, final_stage, pooled_temb_and_context, Fam,
-};
+use crate::runtime::pytorch::families::common::{self, pooled_temb_and_context, Fam};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
-use crate::runtime::pytorch::stages::Stages;
+use crate::runtime::pytorch::stages::{Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -267,7 +265,7 @@ pub(crate) fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
     let trained = f.lora.is_none();
     let (emb, extra) = embed(f, d, &z);
     let mut rg = streams_rg(&emb);
-    let mut stages = vec![embed_stage(emb, extra)];
+    let mut stages = vec![Stage::embed(emb, extra)];
     // Blocks differ by index (dual attention, the last one context_pre_only): runs of equal
     // blocks become one stage each.
     let kind = |i: u64| {
@@ -290,7 +288,7 @@ pub(crate) fn stages(f: &Fam, d: &Sd3Dims) -> Stages {
         rg = r;
         i = j;
     }
-    stages.push(final_stage(final_layer(f, d, &z, rg.0, trained)));
+    stages.push(Stage::final_loss(final_layer(f, d, &z, rg.0, trained)));
     // Data outside the model (family_peer.py): x0 and noise (wd) until the forward returns, the
     // timesteps and sigmas with them; the noisy latents (saved by the conv), the CLIP ⊕ T5
     // embeddings and the pooled vector are saved by the embedders when those are trained (until

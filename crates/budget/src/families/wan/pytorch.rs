@@ -9,11 +9,11 @@
 
 use crate::families::WanDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, embed_stage, final_stage, first_and_rest, flipped_sinusoid, flow_loss, info,
-    input_as, needing_grad, noising, stream_x, unheld_bytes, Fam,
+    self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
+    noising, stream_x, unheld_bytes, Fam,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder};
-use crate::runtime::pytorch::stages::{Data, Stages};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
@@ -333,9 +333,9 @@ pub(crate) fn stages(f: &Fam, d: &WanDims) -> Stages {
     let b0 = block(f, &m, d, io);
     io.x = info(&b0, b0.output);
     let rest = block(f, &m, d, io);
-    let mut st = vec![embed_stage(emb_seg.clone(), extra)];
+    let mut st = vec![Stage::embed(emb_seg.clone(), extra)];
     st.extend(first_and_rest(b0, rest, n, false));
-    st.push(final_stage(final_layer(f, &m, io)));
+    st.push(Stage::final_loss(final_layer(f, &m, io)));
     Stages { stages: st, data }
 }
 

@@ -30,6 +30,42 @@ pub struct Stage {
     pub extra_grads: Vec<Tid>,
 }
 
+impl Stage {
+    /// The input side's stage: one instance; `extra_grads` are its broadcast outputs that receive a
+    /// gradient from the blocks.
+    pub(crate) fn embed(seg: Segment, extra_grads: Vec<Tid>) -> Self {
+        Self {
+            seg,
+            count: 1,
+            blocks: false,
+            label: "embed",
+            extra_grads,
+        }
+    }
+
+    /// A stack of `count` transformer blocks of one segment, labelled `label`.
+    pub(crate) fn blocks(seg: Segment, count: u32, label: &'static str) -> Self {
+        Self {
+            seg,
+            count,
+            blocks: true,
+            label,
+            extra_grads: Vec::new(),
+        }
+    }
+
+    /// The output side with the loss.
+    pub(crate) fn final_loss(seg: Segment) -> Self {
+        Self {
+            seg,
+            count: 1,
+            blocks: false,
+            label: "final + loss",
+            extra_grads: Vec::new(),
+        }
+    }
+}
+
 /// The data of a microbatch outside the model, as the training script holds it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Data {
@@ -125,27 +161,9 @@ pub fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
     let kept = dims.latent * pd + 8 * dims.b + target;
     Stages {
         stages: vec![
-            Stage {
-                seg: embed,
-                count: 1,
-                blocks: false,
-                label: "embed",
-                extra_grads: c,
-            },
-            Stage {
-                seg: rt.block(&dims),
-                count: spec.model.depth,
-                blocks: true,
-                label: "block",
-                extra_grads: Vec::new(),
-            },
-            Stage {
-                seg: rt.final_layer(&dims),
-                count: 1,
-                blocks: false,
-                label: "final + loss",
-                extra_grads: Vec::new(),
-            },
+            Stage::embed(embed, c),
+            Stage::blocks(rt.block(&dims), spec.model.depth, "block"),
+            Stage::final_loss(rt.final_layer(&dims)),
         ],
         data: Data {
             kept,

@@ -100,40 +100,6 @@ macro_rules! stages_of {
 }
 pub(crate) use stages_of;
 
-/// The input side's stage: one instance; `extra_grads` are its broadcast outputs that receive a
-/// gradient from the blocks.
-pub(crate) fn embed_stage(seg: Segment, extra_grads: Vec<Tid>) -> Stage {
-    Stage {
-        seg,
-        count: 1,
-        blocks: false,
-        label: "embed",
-        extra_grads,
-    }
-}
-
-/// A stack of `count` transformer blocks of one segment, labelled `label`.
-pub(crate) fn block_stage(seg: Segment, count: u32, label: &'static str) -> Stage {
-    Stage {
-        seg,
-        count,
-        blocks: true,
-        label,
-        extra_grads: Vec::new(),
-    }
-}
-
-/// The output side with the loss.
-pub(crate) fn final_stage(seg: Segment) -> Stage {
-    Stage {
-        seg,
-        count: 1,
-        blocks: false,
-        label: "final + loss",
-        extra_grads: Vec::new(),
-    }
-}
-
 /// A stack of `n` blocks whose block 0 reads the input side's stream (another dtype, or no
 /// gradient under LoRA) and the others the previous block's: block 0's stage and the rest's
 /// (none for one block). With `merge_equal` (PixArt, diffusers' DiT) block 0 joins the rest
@@ -145,11 +111,11 @@ pub(crate) fn first_and_rest(
     merge_equal: bool,
 ) -> Vec<Stage> {
     if merge_equal && rest == first {
-        return vec![block_stage(first, n, "block")];
+        return vec![Stage::blocks(first, n, "block")];
     }
-    let mut st = vec![block_stage(first, 1, "block")];
+    let mut st = vec![Stage::blocks(first, 1, "block")];
     if n > 1 {
-        st.push(block_stage(rest, n - 1, "block"));
+        st.push(Stage::blocks(rest, n - 1, "block"));
     }
     st
 }
