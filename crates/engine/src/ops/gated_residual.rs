@@ -50,6 +50,27 @@ fn gated_geom(
     Ok((b, s, d, off, rs))
 }
 
+/// A fresh (b·s, D) buffer, row r written by `f(r, gate row of r's batch entry, row)` on
+/// rayon tasks of at least [`PAR_CHUNK`] elements.
+#[inline]
+fn gated_rows<T, U>(
+    zero: U,
+    gate: &[T],
+    (b, s, d, off, rs): (usize, usize, usize, usize, usize),
+    f: impl Fn(usize, &[T], &mut [U]) + Sync + Send,
+) -> Vec<U>
+where
+    T: Sync,
+    U: Send + Clone,
+{
+    let mut o: Vec<U> = vec![zero; b * s * d];
+    o.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, orow)| f(r, &gate[off + (r / s) * rs..][..d], orow));
+    o
+}
+
 /// Forward kernel of [`GatedResidual`].
 fn gated_fwd_cpu<T, O, A>(
     x: &[T],
@@ -62,19 +83,13 @@ where
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let (b, s, d, off, rs) = geom;
-    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); b * s * d];
-    o.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, orow)| {
-            let gr = &gate[off + (r / s) * rs..][..d];
-            let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
-            for j in 0..d {
-                orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
-            }
-        });
-    o
+    let d = geom.2;
+    gated_rows(T::from_acc(A::ZERO), gate, geom, |r, gr, orow| {
+        let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
+        for j in 0..d {
+            orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
+        }
+    })
 }
 
 /// dy = g·gate (in y's type), one fresh buffer.
@@ -84,18 +99,12 @@ where
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let (b, s, d, off, rs) = geom;
-    let mut v: Vec<O> = vec![O::from_acc(A::ZERO); b * s * d];
-    v.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, row)| {
-            let gr = &gate[off + (r / s) * rs..][..d];
-            for j in 0..d {
-                row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
-            }
-        });
-    v
+    let d = geom.2;
+    gated_rows(O::from_acc(A::ZERO), gate, geom, |r, gr, row| {
+        for j in 0..d {
+            row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
+        }
+    })
 }
 
 /// dgate = Σ_s g·y per batch entry (b, D), one fresh buffer.

@@ -6,7 +6,8 @@
 //!
 //! - `qkv`: [`qkv_attention`] itself, its node and backward.
 //! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
-//! - `generic`: the kernels for every dtype through the `gemm` crate.
+//! - `generic`: the kernels for every dtype through the `gemm` crate, over one qkv tensor.
+//! - `head`: one head's forward and backward in the accumulation type (generic and separate).
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
 //! - [`dropout`]: the dropout mask, composed and per element.
 //! - [`reference`](mod@reference): the composed attention ([`attention_materialized`]), the tests' reference.
@@ -20,6 +21,7 @@ pub mod cross;
 pub mod dropout;
 mod generic;
 pub mod geom;
+mod head;
 pub mod projected;
 mod qkv;
 pub mod reference;

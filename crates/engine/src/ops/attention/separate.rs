@@ -16,11 +16,9 @@ use std::sync::Mutex;
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
-use rayon::prelude::*;
 
-use super::generic::{round_through, softmax_bwd_rows, streaming_head_bwd};
-use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
-use crate::kernels::gemm::mm;
+use super::geom::{for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+use super::head::{gather_head, head_bwd, head_fwd, kept_view, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
@@ -201,13 +199,8 @@ fn gather<T: Elem<A>, A: Acc>(
     scale: A,
     dst: &mut [A],
 ) {
-    let (dh, d) = (g.dh, g.d());
-    for i in 0..n {
-        let src = &x[(bi * n + i) * d + hd * dh..][..dh];
-        for (o, v) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
-            *o = v.to_acc() * scale;
-        }
-    }
+    let read = |i: usize| x[i].to_acc();
+    gather_head((n, g.dh), (bi * n, g.d(), hd * g.dh), scale, dst, read);
 }
 
 /// Writes an (n × d_h) head buffer times `scale` into head (bi, hd)'s columns of a (b·n, D) output.
@@ -246,120 +239,27 @@ where
     let (sq, sk, dh) = (g.sq, g.sk, g.dh);
     let nh = g.b * g.a;
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * g.d()];
-    let save_p = save && keep == AttnKeep::Probabilities;
-    let save_l = save && keep == AttnKeep::LogSumExp;
-    let mut p_keep: Vec<T> = if save_p {
-        vec![T::from_acc(A::ZERO); nh * sq * sk]
-    } else {
-        Vec::new()
-    };
-    let mut lse: Vec<A> = if save_l {
-        vec![A::ZERO; nh * sq]
-    } else {
-        Vec::new()
-    };
-    let nt = attn_threads(nh);
-    let per = sep_fwd_scratch(g, keep);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
+    let mut kept = Kept::<T, A>::new(keep, save, nh, (sq, sk));
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
-    let (po, pp, pl) = (
-        SharedMut(out.as_mut_ptr()),
-        SharedMut(p_keep.as_mut_ptr()),
-        SharedMut(lse.as_mut_ptr()),
-    );
+    let (po, to) = (SharedMut(out.as_mut_ptr()), kept.at());
     let kb = g.kb();
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
+    for_each_head(nh, sep_fwd_scratch(g, keep), |head, sc: &mut [A]| {
         let (qb, rest) = sc.split_at_mut(sq * dh);
         let (kbuf, rest) = rest.split_at_mut(sk * dh);
         let (vb, rest) = rest.split_at_mut(sk * dh);
         let (o, rest) = rest.split_at_mut(sq * dh);
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, sq, g, bh, scale, qb);
-            gather(k, sk, g, bh, one, kbuf);
-            gather(v, sk, g, bh, one, vb);
-            match keep {
-                AttnKeep::Probabilities | AttnKeep::Nothing => {
-                    let p = &mut rest[..sq * sk];
-                    mm(sq, sk, dh, p, (qb, dh, 1), (kbuf, 1, dh), false);
-                    A::softmax_rows(p, sk);
-                    if save_p {
-                        for (i, x) in p.iter().enumerate() {
-                            // SAFETY: `p_keep` holds b·a·s_q·s_kv elements and
-                            // head·s_q·s_kv + i is below that; heads are dealt to tasks by
-                            // residue, so only this task writes head's block.
-                            unsafe { *pp.at(head * sq * sk + i) = T::from_acc(*x) };
-                        }
-                    }
-                    mm(sq, dh, sk, o, (p, sk, 1), (vb, dh, 1), false);
-                }
-                AttnKeep::LogSumExp => {
-                    let (sb, ml) = rest.split_at_mut(sq * kb);
-                    let (m, l) = ml.split_at_mut(sq);
-                    m.iter_mut().for_each(|x| *x = A::NEG_INF);
-                    l.iter_mut().for_each(|x| *x = A::ZERO);
-                    o.iter_mut().for_each(|x| *x = A::ZERO);
-                    let mut j0 = 0;
-                    while j0 < sk {
-                        let n = kb.min(sk - j0);
-                        let blk = &mut sb[..sq * n];
-                        mm(
-                            sq,
-                            n,
-                            dh,
-                            blk,
-                            (qb, dh, 1),
-                            (&kbuf[j0 * dh..], 1, dh),
-                            false,
-                        );
-                        for i in 0..sq {
-                            let row = &mut blk[i * n..(i + 1) * n];
-                            let rmax = A::max_of(row);
-                            let bmax = if rmax > m[i] { rmax } else { m[i] };
-                            let corr = if m[i] == A::NEG_INF {
-                                A::ZERO
-                            } else {
-                                (m[i] - bmax).exp()
-                            };
-                            let z = A::exp_sub_sum(row, bmax);
-                            l[i] = l[i] * corr + z;
-                            for x in o[i * dh..(i + 1) * dh].iter_mut() {
-                                *x *= corr;
-                            }
-                            m[i] = bmax;
-                        }
-                        mm(sq, dh, n, o, (blk, n, 1), (&vb[j0 * dh..], dh, 1), true);
-                        j0 += n;
-                    }
-                    for i in 0..sq {
-                        let inv = one / l[i];
-                        for x in o[i * dh..(i + 1) * dh].iter_mut() {
-                            *x *= inv;
-                        }
-                        if save_l {
-                            // SAFETY: `lse` holds b·a·s_q elements; only this task writes
-                            // head's s_q values.
-                            unsafe { *pl.at(head * sq + i) = m[i] + l[i].ln() };
-                        }
-                    }
-                }
-            }
-            // SAFETY: `out` holds b·s_q·D elements; only this task writes head (bi, hd).
-            unsafe { scatter(&po, sq, g, bh, o, one) };
-            head += nt;
-        }
+        let bh = (head / g.a, head % g.a);
+        gather(q, sq, g, bh, scale, qb);
+        gather(k, sk, g, bh, one, kbuf);
+        gather(v, sk, g, bh, one, vb);
+        let (ins, blocks) = ((&*qb, &*kbuf, &*vb), (kb, &mut *o, rest));
+        // SAFETY: `to` points to what `kept` allocated for all heads; head is this task's alone.
+        unsafe { head_fwd::<T, A>((sq, sk, dh), ins, keep, (head, None, false), blocks, to) };
+        // SAFETY: `out` holds b·s_q·D elements; only this task writes head (bi, hd).
+        unsafe { scatter(&po, sq, g, bh, o, one) };
     });
-    drop(scratch);
-    let saved = if save_p {
-        Some(T::to_cpu_storage_owned(p_keep))
-    } else if save_l {
-        Some(A::to_cpu_storage_owned(lse))
-    } else {
-        None
-    };
-    (out, saved)
+    (out, kept.into_storage())
 }
 
 /// Head `hd` of batch `bi` of a (b·n, D) operand read through a raw pointer into an (n × d_h)
@@ -377,14 +277,10 @@ unsafe fn gather_raw<T: Elem<A>, A: Acc>(
     scale: A,
     dst: &mut [A],
 ) {
-    let (dh, d) = (g.dh, g.d());
-    for i in 0..n {
-        for (j, o) in dst[i * dh..(i + 1) * dh].iter_mut().enumerate() {
-            // SAFETY: bi < b, i < n, hd·dh + j < D: inside the buffer; the caller guarantees
-            // no thread writes these columns meanwhile.
-            *o = unsafe { *p.at((bi * n + i) * d + hd * dh + j) }.to_acc() * scale;
-        }
-    }
+    // SAFETY: bi < b, i < n, hd·dh + j < D: every index read lies inside the buffer; the
+    // caller guarantees no thread writes these columns meanwhile.
+    let read = |i: usize| unsafe { *p.at(i) }.to_acc();
+    gather_head((n, g.dh), (bi * n, g.d(), hd * g.dh), scale, dst, read);
 }
 
 /// b·s_kv·D, the length k and v (of lengths `k`, `v`) must have.
@@ -472,30 +368,13 @@ where
     A: Acc + WithDType,
 {
     let (sq, sk, dh, d) = (g.sq, g.sk, g.dh, g.d());
-    let nh = g.b * g.a;
-    let p_saved: Option<&[T]> = match (keep, saved) {
-        (AttnKeep::Probabilities, Some(st)) => Some(st.as_slice::<T>()?),
-        (AttnKeep::Probabilities, None) => {
-            return Err(err("attention backward: probabilities were not kept"))
-        }
-        _ => None,
-    };
-    let lse: Option<&[A]> = match (keep, saved) {
-        (AttnKeep::LogSumExp, Some(st)) => Some(st.as_slice::<A>()?),
-        (AttnKeep::LogSumExp, None) => {
-            return Err(err("attention backward: the log-sum-exp was not kept"))
-        }
-        _ => None,
-    };
+    let kept = kept_view::<T, A>(keep, saved)?;
     let mut dq_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * d];
-    let nt = attn_threads(nh);
-    let per = sep_bwd_scratch(g, keep);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
     let pq = SharedMut(dq_all.as_mut_ptr());
     let (kb, qbl) = (g.kb(), g.qb());
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
+    for_each_head(g.b * g.a, sep_bwd_scratch(g, keep), |head, sc: &mut [A]| {
         let (qb, rest) = sc.split_at_mut(sq * dh);
         let (go, rest) = rest.split_at_mut(sq * dh);
         let (dq, rest) = rest.split_at_mut(sq * dh);
@@ -503,60 +382,34 @@ where
         let (vb, rest) = rest.split_at_mut(sk * dh);
         let (dk, rest) = rest.split_at_mut(sk * dh);
         let (dv, rest) = rest.split_at_mut(sk * dh);
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, sq, g, bh, scale, qb);
-            // SAFETY: the caller's buffers of b·s_kv·D elements; only this task (head ≡ t mod
-            // nt) reads or writes head (bi, hd)'s columns.
-            unsafe {
-                gather_raw(&sk_src, sk, g, bh, one, kbuf);
-                gather_raw(&sv_src, sk, g, bh, one, vb);
-            }
-            gather(go_all, sq, g, bh, one, go);
-            match keep {
-                AttnKeep::Probabilities | AttnKeep::Nothing => {
-                    let (p, dp) = rest.split_at_mut(sq * sk);
-                    let dp = &mut dp[..sq * sk];
-                    match p_saved {
-                        Some(ps) => {
-                            for (x, y) in p.iter_mut().zip(&ps[head * sq * sk..][..sq * sk]) {
-                                *x = y.to_acc();
-                            }
-                        }
-                        None => {
-                            mm(sq, sk, dh, p, (qb, dh, 1), (kbuf, 1, dh), false);
-                            A::softmax_rows(p, sk);
-                            // As stored in the compute dtype by the materialized mode.
-                            round_through::<T, A>(p);
-                        }
-                    }
-                    mm(sq, sk, dh, dp, (go, dh, 1), (vb, 1, dh), false);
-                    mm(sk, dh, sq, dv, (p, 1, sk), (go, dh, 1), false);
-                    softmax_bwd_rows(p, dp, sk);
-                    mm(sq, dh, sk, dq, (dp, sk, 1), (kbuf, dh, 1), false);
-                    mm(sk, dh, sq, dk, (dp, 1, sk), (qb, dh, 1), false);
-                }
-                AttnKeep::LogSumExp => {
-                    let lse = &lse.unwrap_or(&[])[head * sq..][..sq];
-                    let (pb, rest) = rest.split_at_mut(qbl * kb);
-                    let (dpb, delta) = rest.split_at_mut(qbl * kb);
-                    let (blocks, grads) = ((qbl, kb, pb, dpb), (&mut *dq, &mut *dk, &mut *dv));
-                    let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
-                    streaming_head_bwd((sq, sk, dh), ins, o, (lse, delta), blocks, grads);
-                }
-            }
-            // SAFETY: each buffer holds b·n·D elements for its n; only this task (head ≡ t mod
-            // nt) writes head (bi, hd)'s columns.
-            unsafe {
-                scatter(&pq, sq, g, bh, dq, scale);
-                scatter(&pk, sk, g, bh, dk, one);
-                scatter(&pv, sk, g, bh, dv, one);
-            }
-            head += nt;
+        let bh = (head / g.a, head % g.a);
+        gather(q, sq, g, bh, scale, qb);
+        // SAFETY: the caller's buffers of b·s_kv·D elements; only this task (head ≡ t mod
+        // nt) reads or writes head (bi, hd)'s columns.
+        unsafe {
+            gather_raw(&sk_src, sk, g, bh, one, kbuf);
+            gather_raw(&sv_src, sk, g, bh, one, vb);
+        }
+        gather(go_all, sq, g, bh, one, go);
+        let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
+        let grads = (&mut *dq, &mut *dk, &mut *dv);
+        head_bwd(
+            (sq, sk, dh),
+            ins,
+            o,
+            (kept, head, None),
+            keep,
+            (qbl, kb, rest),
+            grads,
+        );
+        // SAFETY: each buffer holds b·n·D elements for its n; only this task (head ≡ t mod
+        // nt) writes head (bi, hd)'s columns.
+        unsafe {
+            scatter(&pq, sq, g, bh, dq, scale);
+            scatter(&pk, sk, g, bh, dk, one);
+            scatter(&pv, sk, g, bh, dv, one);
         }
     });
-    drop(scratch);
     Ok(dq_all)
 }
 
