@@ -7,7 +7,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
@@ -50,27 +50,6 @@ fn gated_geom(
     Ok((b, s, d, off, rs))
 }
 
-/// A fresh (b·s, D) buffer, row r written by `f(r, gate row of r's batch entry, row)` on
-/// rayon tasks of at least [`PAR_CHUNK`] elements.
-#[inline]
-fn gated_rows<T, U>(
-    zero: U,
-    gate: &[T],
-    (b, s, d, off, rs): (usize, usize, usize, usize, usize),
-    f: impl Fn(usize, &[T], &mut [U]) + Sync + Send,
-) -> Vec<U>
-where
-    T: Sync,
-    U: Send + Clone,
-{
-    let mut o: Vec<U> = vec![zero; b * s * d];
-    o.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, orow)| f(r, &gate[off + (r / s) * rs..][..d], orow));
-    o
-}
-
 /// Forward kernel of [`GatedResidual`].
 fn gated_fwd_cpu<T, O, A>(
     x: &[T],
@@ -83,8 +62,9 @@ where
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let d = geom.2;
-    gated_rows(T::from_acc(A::ZERO), gate, geom, |r, gr, orow| {
+    let (b, s, d, off, rs) = geom;
+    par_rows(T::from_acc(A::ZERO), (b * s, d), |r, orow| {
+        let gr = &gate[off + (r / s) * rs..][..d];
         let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
         for j in 0..d {
             orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
@@ -99,8 +79,9 @@ where
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let d = geom.2;
-    gated_rows(O::from_acc(A::ZERO), gate, geom, |r, gr, row| {
+    let (b, s, d, off, rs) = geom;
+    par_rows(O::from_acc(A::ZERO), (b * s, d), |r, row| {
+        let gr = &gate[off + (r / s) * rs..][..d];
         for j in 0..d {
             row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
         }

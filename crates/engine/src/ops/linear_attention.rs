@@ -23,10 +23,10 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
-use super::attention::geom::for_each_head;
+use super::attention::geom::{carve, for_each_head};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 
 /// diffusers' epsilon of the denominator (`hidden_states[:, :, -1:] + 1e-15`).
 pub const LINEAR_ATTN_EPS: f64 = 1e-15;
@@ -192,12 +192,8 @@ where
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); g.b * s * g.d()];
     let po = SharedMut(out.as_mut_ptr());
     for_each_head(nh, lin_fwd_scratch(g), |head, sc: &mut [A]| {
-        let (rq, rest) = sc.split_at_mut(s * dh);
-        let (rk, rest) = rest.split_at_mut(s * dh);
-        let (vb, rest) = rest.split_at_mut(s * dh);
-        let (o, rest) = rest.split_at_mut(s * dh);
-        let (kv, rest) = rest.split_at_mut(dh * dh);
-        let (z, den) = rest.split_at_mut(dh);
+        let ([rq, rk, vb, o, kv, z], den) =
+            carve(sc, [s * dh, s * dh, s * dh, s * dh, dh * dh, dh]);
         let bh = (head / g.a, head % g.a);
         gather(q, g, bh, true, rq);
         gather(k, g, bh, true, rk);
@@ -228,18 +224,8 @@ where
         SharedMut(dv_all.as_mut_ptr()),
     );
     for_each_head(nh, lin_bwd_scratch(g), |head, sc: &mut [A]| {
-        let (rq, rest) = sc.split_at_mut(s * dh);
-        let (rk, rest) = rest.split_at_mut(s * dh);
-        let (vb, rest) = rest.split_at_mut(s * dh);
-        let (go, rest) = rest.split_at_mut(s * dh);
-        let (o, rest) = rest.split_at_mut(s * dh);
-        let (dk, rest) = rest.split_at_mut(s * dh);
-        let (dv, rest) = rest.split_at_mut(s * dh);
-        let (kv, rest) = rest.split_at_mut(dh * dh);
-        let (dkv, rest) = rest.split_at_mut(dh * dh);
-        let (z, rest) = rest.split_at_mut(dh);
-        let (dz, rest) = rest.split_at_mut(dh);
-        let (den, rest) = rest.split_at_mut(s);
+        let ([rq, rk, vb, go, o, dk, dv], rest) = carve(sc, [s * dh; 7]);
+        let ([kv, dkv, z, dz, den], rest) = carve(rest, [dh * dh, dh * dh, dh, dh, s]);
         let dden = &mut rest[..s];
         let bh = (head / g.a, head % g.a);
         gather(q, g, bh, true, rq);
@@ -360,30 +346,27 @@ impl CustomOp3 for LinearAttention {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let n = "linear attention backward";
-        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
-            with_cpu(k, |sk, lk| {
-                with_cpu(v, |sv, lv| {
-                    with_cpu(&grad, |sg, lg| {
-                        let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
-                        let dev = Device::Cpu;
-                        Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                            let ins = (
-                                cpu_slice::<T>(sq, lq, n)?,
-                                cpu_slice::<T>(sk, lk, n)?,
-                                cpu_slice::<T>(sv, lv, n)?,
-                            );
-                            let go = cpu_slice::<T>(sg, lg, n)?;
-                            let [dq, dk, dv] = lin_bwd::<T, A>(ins, go, &g);
-                            (
-                                Tensor::from_vec(dq, lq.shape(), &dev)?,
-                                Tensor::from_vec(dk, lk.shape(), &dev)?,
-                                Tensor::from_vec(dv, lv.shape(), &dev)?,
-                            )
-                        }))
-                    })
-                })
-            })
-        })?;
+        let (dq, dk, dv) = with_cpus(
+            [q, k, v, &grad],
+            |[(sq, lq), (sk, lk), (sv, lv), (sg, lg)]| {
+                let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
+                let dev = Device::Cpu;
+                Ok(dispatch_float!(sq.dtype(), n, |T, A| {
+                    let ins = (
+                        cpu_slice::<T>(sq, lq, n)?,
+                        cpu_slice::<T>(sk, lk, n)?,
+                        cpu_slice::<T>(sv, lv, n)?,
+                    );
+                    let go = cpu_slice::<T>(sg, lg, n)?;
+                    let [dq, dk, dv] = lin_bwd::<T, A>(ins, go, &g);
+                    (
+                        Tensor::from_vec(dq, lq.shape(), &dev)?,
+                        Tensor::from_vec(dk, lk.shape(), &dev)?,
+                        Tensor::from_vec(dv, lv.shape(), &dev)?,
+                    )
+                }))
+            },
+        )?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

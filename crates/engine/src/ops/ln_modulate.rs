@@ -11,7 +11,9 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{
+    cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult, PAR_CHUNK,
+};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// Per-row statistics the LayerNorm keeps for backward: (mean, rstd) interleaved, 2·rows values.
@@ -245,17 +247,13 @@ where
     let (s, d) = (g.s, g.d);
     let rows = g.b * s;
     let inv_d = A::from_f64(1.0 / d as f64);
-    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
-    dx.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, dxr)| {
-            let bi = r / s;
-            let xr = &x[r * d..(r + 1) * d];
-            let gr = &gy[r * d..(r + 1) * d];
-            let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
-            bwd_row((xr, gr, sc), (st[2 * r], st[2 * r + 1], inv_d), dxr);
-        });
+    let dx = par_rows(T::from_acc(A::ZERO), (rows, d), |r, dxr| {
+        let bi = r / s;
+        let xr = &x[r * d..(r + 1) * d];
+        let gr = &gy[r * d..(r + 1) * d];
+        let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
+        bwd_row((xr, gr, sc), (st[2 * r], st[2 * r + 1], inv_d), dxr);
+    });
     // dshift, dscale: column sums over the s rows of each batch entry, in column blocks so both
     // a small batch and a wide model parallelise.
     const COLS: usize = 64;

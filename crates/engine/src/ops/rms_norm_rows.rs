@@ -15,7 +15,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// Per-row rstd kept for backward.
@@ -145,22 +145,18 @@ where
     let rows = x.len() / d;
     let inv_d = A::from_f64(1.0 / d as f64);
     let wv = |j: usize| w.map_or(A::from_f64(1.0), |w| w[j].to_acc());
-    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
-    dx.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d).max(1))
-        .for_each(|(r, dxr)| {
-            let (xr, gr, rstd) = (&x[r * d..(r + 1) * d], &gy[r * d..(r + 1) * d], rs[r]);
-            let mut dot = A::ZERO;
-            for j in 0..d {
-                dot += gr[j].to_acc() * wv(j) * xr[j].to_acc() * rstd;
-            }
-            let m = dot * inv_d;
-            for j in 0..d {
-                let xh = xr[j].to_acc() * rstd;
-                dxr[j] = T::from_acc(rstd * (gr[j].to_acc() * wv(j) - xh * m));
-            }
-        });
+    let dx = par_rows(T::from_acc(A::ZERO), (rows, d), |r, dxr| {
+        let (xr, gr, rstd) = (&x[r * d..(r + 1) * d], &gy[r * d..(r + 1) * d], rs[r]);
+        let mut dot = A::ZERO;
+        for j in 0..d {
+            dot += gr[j].to_acc() * wv(j) * xr[j].to_acc() * rstd;
+        }
+        let m = dot * inv_d;
+        for j in 0..d {
+            let xh = xr[j].to_acc() * rstd;
+            dxr[j] = T::from_acc(rstd * (gr[j].to_acc() * wv(j) - xh * m));
+        }
+    });
     let dw = want_w.then(|| {
         // Column sums in blocks of columns, so a wide norm parallelises.
         const COLS: usize = 64;

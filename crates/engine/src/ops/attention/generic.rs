@@ -6,7 +6,7 @@
 use candle_core::{CpuStorage, WithDType};
 
 use super::dropout::Dropout;
-use super::geom::{for_each_head, AttnGeom, AttnKeep};
+use super::geom::{carve, for_each_head, AttnGeom, AttnKeep};
 use super::head::{gather_head, head_bwd, head_fwd, kept_view, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
@@ -74,10 +74,7 @@ where
     let (po, to) = (SharedMut(out.as_mut_ptr()), kept.at());
     let kb = g.kb();
     for_each_head(nh, g.fwd_scratch(keep), |head, sc: &mut [A]| {
-        let (q, rest) = sc.split_at_mut(s * dh);
-        let (k, rest) = rest.split_at_mut(s * dh);
-        let (v, rest) = rest.split_at_mut(s * dh);
-        let (o, rest) = rest.split_at_mut(s * dh);
+        let ([q, k, v, o], rest) = carve(sc, [s * dh; 4]);
         let (bi, hd) = (head / g.a, head % g.a);
         // SAFETY: `src` points to `qkv`, b·s·3D elements (asserted above), which nothing
         // writes meanwhile.
@@ -184,13 +181,7 @@ where
     let (kb, qbl) = (g.kb(), g.qb());
     let one = <A as Acc>::from_f64(1.0);
     for_each_head(g.heads(), g.bwd_scratch(keep), |head, sc: &mut [A]| {
-        let (q, rest) = sc.split_at_mut(s * dh);
-        let (k, rest) = rest.split_at_mut(s * dh);
-        let (v, rest) = rest.split_at_mut(s * dh);
-        let (go, rest) = rest.split_at_mut(s * dh);
-        let (dq, rest) = rest.split_at_mut(s * dh);
-        let (dk, rest) = rest.split_at_mut(s * dh);
-        let (dv, rest) = rest.split_at_mut(s * dh);
+        let ([q, k, v, go, dq, dk, dv], rest) = carve(sc, [s * dh; 7]);
         let (bi, hd) = (head / g.a, head % g.a);
         // SAFETY: the caller's contract: `src` holds b·s·3D elements, and only this task
         // (head ≡ t mod nt) touches head (bi, hd)'s columns, which it writes only below.

@@ -104,6 +104,20 @@ pub(crate) fn for_each_head<A: Acc + WithDType>(
     });
 }
 
+/// Cuts a task's scratch into buffers of the given lengths, in order, and what is left.
+pub(crate) fn carve<A, const N: usize>(
+    sc: &mut [A],
+    lens: [usize; N],
+) -> ([&mut [A]; N], &mut [A]) {
+    let mut rest = sc;
+    let bufs = lens.map(|n| {
+        let (a, r) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = r;
+        a
+    });
+    (bufs, rest)
+}
+
 pub(super) fn attn_geom(l: &Layout, batch: usize, heads: usize) -> CResult<AttnGeom> {
     let (rows, d3) = match l.dims() {
         &[r, c] => (r, c),

@@ -17,11 +17,11 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
-use super::geom::{for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+use super::geom::{carve, for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use super::head::{gather_head, head_bwd, head_fwd, kept_view, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 
 /// Shapes of one call: batch, heads, query and key tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,17 +190,10 @@ fn sep_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -
     })
 }
 
-/// Head `hd` of batch `bi` of a (b·n, D) operand into an (n × d_h) buffer, times `scale`.
-fn gather<T: Elem<A>, A: Acc>(
-    x: &[T],
-    n: usize,
-    g: &SepGeom,
-    (bi, hd): (usize, usize),
-    scale: A,
-    dst: &mut [A],
-) {
-    let read = |i: usize| x[i].to_acc();
-    gather_head((n, g.dh), (bi * n, g.d(), hd * g.dh), scale, dst, read);
+/// Where head (bi, hd) of a (b·n, D) operand lies, for [`gather_head`]: its n rows from
+/// bi·n, D apart, its columns from hd·d_h.
+fn head_cols(g: &SepGeom, n: usize, (bi, hd): (usize, usize)) -> (usize, usize, usize) {
+    (bi * n, g.d(), hd * g.dh)
 }
 
 /// Writes an (n × d_h) head buffer times `scale` into head (bi, hd)'s columns of a (b·n, D) output.
@@ -245,14 +238,11 @@ where
     let (po, to) = (SharedMut(out.as_mut_ptr()), kept.at());
     let kb = g.kb();
     for_each_head(nh, sep_fwd_scratch(g, keep), |head, sc: &mut [A]| {
-        let (qb, rest) = sc.split_at_mut(sq * dh);
-        let (kbuf, rest) = rest.split_at_mut(sk * dh);
-        let (vb, rest) = rest.split_at_mut(sk * dh);
-        let (o, rest) = rest.split_at_mut(sq * dh);
+        let ([qb, kbuf, vb, o], rest) = carve(sc, [sq * dh, sk * dh, sk * dh, sq * dh]);
         let bh = (head / g.a, head % g.a);
-        gather(q, sq, g, bh, scale, qb);
-        gather(k, sk, g, bh, one, kbuf);
-        gather(v, sk, g, bh, one, vb);
+        gather_head((sq, dh), head_cols(g, sq, bh), scale, qb, |i| q[i].to_acc());
+        gather_head((sk, dh), head_cols(g, sk, bh), one, kbuf, |i| k[i].to_acc());
+        gather_head((sk, dh), head_cols(g, sk, bh), one, vb, |i| v[i].to_acc());
         let (ins, blocks) = ((&*qb, &*kbuf, &*vb), (kb, &mut *o, rest));
         // SAFETY: `to` points to what `kept` allocated for all heads; head is this task's alone.
         unsafe { head_fwd::<T, A>((sq, sk, dh), ins, keep, (head, None, false), blocks, to) };
@@ -260,27 +250,6 @@ where
         unsafe { scatter(&po, sq, g, bh, o, one) };
     });
     (out, kept.into_storage())
-}
-
-/// Head `hd` of batch `bi` of a (b·n, D) operand read through a raw pointer into an (n × d_h)
-/// buffer, times `scale` ([`gather`] for an operand whose other heads' columns other tasks
-/// write meanwhile).
-///
-/// # Safety
-/// `p` must point to b·n·D initialised elements, and no other thread may write head (bi, hd)'s
-/// columns during the call.
-unsafe fn gather_raw<T: Elem<A>, A: Acc>(
-    p: &SharedMut<T>,
-    n: usize,
-    g: &SepGeom,
-    (bi, hd): (usize, usize),
-    scale: A,
-    dst: &mut [A],
-) {
-    // SAFETY: bi < b, i < n, hd·dh + j < D: every index read lies inside the buffer; the
-    // caller guarantees no thread writes these columns meanwhile.
-    let read = |i: usize| unsafe { *p.at(i) }.to_acc();
-    gather_head((n, g.dh), (bi * n, g.d(), hd * g.dh), scale, dst, read);
 }
 
 /// b·s_kv·D, the length k and v (of lengths `k`, `v`) must have.
@@ -375,22 +344,20 @@ where
     let pq = SharedMut(dq_all.as_mut_ptr());
     let (kb, qbl) = (g.kb(), g.qb());
     for_each_head(g.b * g.a, sep_bwd_scratch(g, keep), |head, sc: &mut [A]| {
-        let (qb, rest) = sc.split_at_mut(sq * dh);
-        let (go, rest) = rest.split_at_mut(sq * dh);
-        let (dq, rest) = rest.split_at_mut(sq * dh);
-        let (kbuf, rest) = rest.split_at_mut(sk * dh);
-        let (vb, rest) = rest.split_at_mut(sk * dh);
-        let (dk, rest) = rest.split_at_mut(sk * dh);
-        let (dv, rest) = rest.split_at_mut(sk * dh);
+        let (qs, ks) = ([sq * dh; 3], [sk * dh; 4]);
+        let ([qb, go, dq], rest) = carve(sc, qs);
+        let ([kbuf, vb, dk, dv], rest) = carve(rest, ks);
         let bh = (head / g.a, head % g.a);
-        gather(q, sq, g, bh, scale, qb);
-        // SAFETY: the caller's buffers of b·s_kv·D elements; only this task (head ≡ t mod
-        // nt) reads or writes head (bi, hd)'s columns.
-        unsafe {
-            gather_raw(&sk_src, sk, g, bh, one, kbuf);
-            gather_raw(&sv_src, sk, g, bh, one, vb);
-        }
-        gather(go_all, sq, g, bh, one, go);
+        let (at_q, at_k) = (head_cols(g, sq, bh), head_cols(g, sk, bh));
+        gather_head((sq, dh), at_q, scale, qb, |i| q[i].to_acc());
+        // SAFETY: k's buffer holds b·s_kv·D elements (the caller's contract); gather_head reads
+        // head (bi, hd)'s columns only, which no task but this one (head ≡ t mod nt) touches.
+        let read_k = |i: usize| unsafe { *sk_src.at(i) }.to_acc();
+        gather_head((sk, dh), at_k, one, kbuf, read_k);
+        // SAFETY: as for k, on v's buffer.
+        let read_v = |i: usize| unsafe { *sv_src.at(i) }.to_acc();
+        gather_head((sk, dh), at_k, one, vb, read_v);
+        gather_head((sq, dh), at_q, one, go, |i| go_all[i].to_acc());
         let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
         let grads = (&mut *dq, &mut *dk, &mut *dv);
         head_bwd(
@@ -462,37 +429,24 @@ impl CustomOp3 for SeparateAttention {
             .map_err(|_| err("attention lock poisoned"))?;
         let grad = grad.contiguous()?;
         let n = "attention backward";
-        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
-            with_cpu(k, |sk, lk| {
-                with_cpu(v, |sv, lv| {
-                    with_cpu(res, |so, lo| {
-                        with_cpu(&grad, |sg, lg| {
-                            let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
-                            let dev = Device::Cpu;
-                            Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                                let ins = (
-                                    cpu_slice::<T>(sq, lq, n)?,
-                                    cpu_slice::<T>(sk, lk, n)?,
-                                    cpu_slice::<T>(sv, lv, n)?,
-                                );
-                                let (dq, dk, dv) = sep_bwd::<T, A>(
-                                    ins,
-                                    cpu_slice::<T>(so, lo, n)?,
-                                    cpu_slice::<T>(sg, lg, n)?,
-                                    guard.as_ref(),
-                                    &g,
-                                    self.keep,
-                                )?;
-                                (
-                                    Tensor::from_vec(dq, lq.shape(), &dev)?,
-                                    Tensor::from_vec(dk, lk.shape(), &dev)?,
-                                    Tensor::from_vec(dv, lv.shape(), &dev)?,
-                                )
-                            }))
-                        })
-                    })
-                })
-            })
+        let ts = [q, k, v, res, &grad];
+        let (dq, dk, dv) = with_cpus(ts, |[(sq, lq), (sk, lk), (sv, lv), (so, lo), (sg, lg)]| {
+            let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
+            let dev = Device::Cpu;
+            Ok(dispatch_float!(sq.dtype(), n, |T, A| {
+                let ins = (
+                    cpu_slice::<T>(sq, lq, n)?,
+                    cpu_slice::<T>(sk, lk, n)?,
+                    cpu_slice::<T>(sv, lv, n)?,
+                );
+                let (o, go) = (cpu_slice::<T>(so, lo, n)?, cpu_slice::<T>(sg, lg, n)?);
+                let (dq, dk, dv) = sep_bwd::<T, A>(ins, o, go, guard.as_ref(), &g, self.keep)?;
+                (
+                    Tensor::from_vec(dq, lq.shape(), &dev)?,
+                    Tensor::from_vec(dk, lk.shape(), &dev)?,
+                    Tensor::from_vec(dv, lv.shape(), &dev)?,
+                )
+            }))
         })?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }

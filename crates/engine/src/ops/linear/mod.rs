@@ -14,11 +14,10 @@ mod widen;
 
 use std::sync::Arc;
 
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::kernels::gemm_bf16;
+pub(crate) use crate::ops::storage::storage_tensor;
 use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 pub(crate) use bf16::{dw_chunk, dx_chunk};
@@ -256,21 +255,6 @@ pub(crate) fn linear_dx_storage(
     }
 }
 
-/// A CPU storage as a fresh, untracked tensor of `shape`.
-pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<Tensor> {
-    let (shape, dev) = (shape.into(), &Device::Cpu);
-    match s {
-        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::F64(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
-        other => Err(err(format!(
-            "linear: unsupported gradient dtype {:?}",
-            other.dtype()
-        ))),
-    }
-}
-
 /// The weight and bias gradients of a linear as tensors of W's and b's shapes.
 pub(crate) fn weight_grads(
     (dw, db): (Option<CpuStorage>, Option<CpuStorage>),
@@ -340,6 +324,7 @@ impl CustomOp3 for LinearOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// The row chunks the budget counts are the engine's.
     #[test]
