@@ -17,7 +17,7 @@ use crate::kernels::scalar::{Acc, Elem};
 /// hands its gradient on as is, `torch/csrc/autograd/generated/Functions.cpp`), dy = g·gate in
 /// y's dtype, dgate = Σ_s g·y.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct GatedResidual;
+pub(crate) struct GatedResidual;
 
 /// Fused gated residual: x (b, s, D) in the accumulation dtype, y (b·s, D) or (b, s, D) in any
 /// float dtype, gate (b, D) with unit column stride in x's dtype → (b, s, D) in x's dtype.

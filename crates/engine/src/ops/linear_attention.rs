@@ -26,7 +26,7 @@ use candle_core::{
 use super::attention::geom::{carve, for_each_head};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
+use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
 /// diffusers' epsilon of the denominator (`hidden_states[:, :, -1:] + 1e-15`).
 pub const LINEAR_ATTN_EPS: f64 = 1e-15;
@@ -326,11 +326,8 @@ impl CustomOp3 for LinearAttention {
         }
         let n = "linear attention";
         let out = dispatch_float!(sq.dtype(), n, |T, A| {
-            let ins = (
-                cpu_slice::<T>(sq, lq, n)?,
-                cpu_slice::<T>(sk, lk, n)?,
-                cpu_slice::<T>(sv, lv, n)?,
-            );
+            let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+            let ins = (q, k, v);
             T::to_cpu_storage_owned(lin_fwd::<T, A>(ins, &g))
         });
         Ok((out, lq.shape().clone()))
@@ -352,11 +349,8 @@ impl CustomOp3 for LinearAttention {
                 let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
                 let dev = Device::Cpu;
                 Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                    let ins = (
-                        cpu_slice::<T>(sq, lq, n)?,
-                        cpu_slice::<T>(sk, lk, n)?,
-                        cpu_slice::<T>(sv, lv, n)?,
-                    );
+                    let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+                    let ins = (q, k, v);
                     let go = cpu_slice::<T>(sg, lg, n)?;
                     let [dq, dk, dv] = lin_bwd::<T, A>(ins, go, &g);
                     (

@@ -37,7 +37,7 @@ use crate::kernels::scalar::{Acc, Elem};
 /// The op (see the module docs): rows whose token (row mod n) is below `first` take the first
 /// weight, the others the second; [`norm_rope`] has one weight and `first` 0.
 #[derive(Debug, Clone)]
-pub struct NormRope {
+pub(crate) struct NormRope {
     eps: f64,
     table: Arc<RopeTable>,
     first: usize,

@@ -21,7 +21,7 @@ use crate::kernels::scalar::{Acc, Elem};
 
 /// The RoPE custom op over the tables it holds (see the module docs).
 #[derive(Debug, Clone)]
-pub struct RopeCosSin {
+pub(crate) struct RopeCosSin {
     cos: Tensor,
     sin: Tensor,
 }

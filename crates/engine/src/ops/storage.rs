@@ -6,6 +6,7 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, Device, Layout, Shape, Storage, Tensor, WithDType,
 };
 use rayon::prelude::*;
+use std::sync::{Mutex, MutexGuard};
 
 pub(crate) type CResult<T> = candle_core::Result<T>;
 
@@ -45,6 +46,26 @@ pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<
     }
 }
 
+/// A storage an op's forward keeps for its backward, behind a lock (a custom op's forward and
+/// backward take `&self`): set by the forward, read or taken by the backward, freed by
+/// [`Saved::release`].
+#[derive(Debug, Default)]
+pub(crate) struct Saved(Mutex<Option<CpuStorage>>);
+
+impl Saved {
+    /// The slot, locked; `poisoned` is the error of a poisoned lock.
+    pub(crate) fn lock(&self, poisoned: &str) -> CResult<MutexGuard<'_, Option<CpuStorage>>> {
+        self.0.lock().map_err(|_| err(poisoned))
+    }
+
+    /// Frees what the slot holds (nothing to free when the lock is poisoned).
+    pub(crate) fn release(&self) {
+        if let Ok(mut s) = self.0.lock() {
+            s.take();
+        }
+    }
+}
+
 /// A candle error with a message (the fused ops' input errors).
 pub(crate) fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(msg.into())
@@ -66,6 +87,18 @@ pub(crate) fn cpu_slice<'a, T: WithDType>(
         ))),
         None => Err(err(format!("{what}: expected a contiguous tensor"))),
     }
+}
+
+/// [`cpu_slice`] of several storages of one dtype, in order.
+pub(crate) fn cpu_slices<'a, T: WithDType, const N: usize>(
+    ins: [(&'a CpuStorage, &Layout); N],
+    what: &str,
+) -> CResult<[&'a [T]; N]> {
+    let mut out: [&[T]; N] = [&[]; N];
+    for (o, (s, l)) in out.iter_mut().zip(ins) {
+        *o = cpu_slice::<T>(s, l, what)?;
+    }
+    Ok(out)
 }
 
 /// Runs `f` on the CPU storage and layout of `t`.

@@ -479,7 +479,8 @@ pub(crate) fn forward_streaming(
 }
 
 /// Backward of the streaming mode: dqkv (b·s, 3D), P recomputed block by block from the kept
-/// log-sum-exp.
+/// log-sum-exp. (Over 100 lines on purpose: one head's task is one closure over its scratch,
+/// in the order the budget counts it; split, the buffers' carving would spread over files.)
 pub(crate) fn backward_streaming(
     qkv: &[bf16],
     o_all: &[bf16],

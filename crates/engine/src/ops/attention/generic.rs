@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, WithDType};
 
 use super::dropout::Dropout;
 use super::geom::{carve, for_each_head, AttnGeom, AttnKeep};
-use super::head::{gather_head, head_bwd, head_fwd, kept_view, Kept};
+use super::head::{gather_head, head_bwd, head_fwd, kept_view, BwdIn, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
 use crate::ops::storage::{err, CResult};
@@ -95,15 +95,7 @@ where
 
 /// Backward of all heads: returns dqkv (b·s, 3D), a fresh buffer beside qkv.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn attn_bwd_cpu<T, A>(
-    qkv: &[T],
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
-    g: &AttnGeom,
-    keep: AttnKeep,
-    dropout: Option<Dropout>,
-) -> CResult<Vec<T>>
+pub(super) fn attn_bwd_cpu<T, A>(qkv: &[T], ins: &BwdIn<'_, T>, g: &AttnGeom) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
@@ -116,22 +108,17 @@ where
     );
     // SAFETY: `src` and `dst` point to two distinct buffers of b·s·3D elements; `qkv` is only
     // read.
-    unsafe { attn_bwd_heads::<T, A>((src, dst), (o_all, go_all), saved, g, keep, dropout)? };
+    unsafe { attn_bwd_heads::<T, A>((src, dst), ins, g)? };
     Ok(dqkv)
 }
 
 /// [`attn_bwd_cpu`] written over qkv itself: each head's task gathers its q, k, v columns into
 /// its scratch before it writes dq, dk, dv over the same columns (no task reads another head's
 /// columns), so the backward holds one (b·s, 3D) buffer instead of two. The same bits.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn attn_bwd_cpu_over<T, A>(
     qkv: &mut [T],
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &AttnGeom,
-    keep: AttnKeep,
-    dropout: Option<Dropout>,
 ) -> CResult<()>
 where
     T: Elem<A> + WithDType,
@@ -141,7 +128,7 @@ where
     let p = SharedMut(qkv.as_mut_ptr());
     // SAFETY: `p` points to the exclusively borrowed qkv of b·s·3D elements; every task reads
     // and then writes only its own head's columns through it (`attn_bwd_heads`).
-    unsafe { attn_bwd_heads::<T, A>((p, p), (o_all, go_all), saved, g, keep, dropout) }
+    unsafe { attn_bwd_heads::<T, A>((p, p), ins, g) }
 }
 
 /// qkv must hold (b·s, 3D) elements.
@@ -165,18 +152,16 @@ fn check_len(n: usize, g: &AttnGeom) -> CResult<()> {
 /// nothing else may access them during the call.
 unsafe fn attn_bwd_heads<T, A>(
     (src, pd): (SharedMut<T>, SharedMut<T>),
-    (o_all, go_all): (&[T], &[T]),
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &AttnGeom,
-    keep: AttnKeep,
-    dropout: Option<Dropout>,
 ) -> CResult<()>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
 {
     let (s, dh, d) = (g.s, g.dh, g.d());
-    let kept = kept_view::<T, A>(keep, saved)?;
+    let (o_all, go_all, keep, dropout) = (ins.o, ins.go, ins.keep, ins.dropout);
+    let kept = kept_view::<T, A>(keep, ins.saved)?;
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let (kb, qbl) = (g.kb(), g.qb());
     let one = <A as Acc>::from_f64(1.0);

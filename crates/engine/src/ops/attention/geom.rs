@@ -81,7 +81,7 @@ impl AttnGeom {
 
 /// Threads the head loop uses: rayon's pool size, at most one per head. The scratch of all of
 /// them is allocated up front, so the transient bytes are deterministic.
-pub fn attn_threads(heads: usize) -> usize {
+pub(crate) fn attn_threads(heads: usize) -> usize {
     rayon::current_num_threads().clamp(1, heads.max(1))
 }
 

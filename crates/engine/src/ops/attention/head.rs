@@ -5,14 +5,14 @@
 //! head whose q (already scaled), k, v (and dO) sit in the task's scratch. The callers differ
 //! only in where a head's columns lie (one (b·s, 3D) qkv tensor, or three tensors).
 
-use candle_core::{CpuStorage, WithDType};
+use candle_core::{CpuStorage, Layout, WithDType};
 
 use super::dropout::{mask_at, Dropout};
 use super::geom::AttnKeep;
 use crate::kernels::gemm::mm;
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{err, CResult};
+use crate::ops::storage::{cpu_slice, err, CResult};
 
 /// Copies a head's `d_h` columns from `col` on of `n` rows from `row0` on (rows `stride`
 /// elements apart) into an (n × d_h) buffer, times `scale`; `read(i)` is element i of the
@@ -87,6 +87,35 @@ impl<T: Elem<A> + WithDType, A: Acc + WithDType> Kept<T, A> {
             (None, Some(l)) => Some(A::to_cpu_storage_owned(l)),
             (None, None) => None,
         }
+    }
+}
+
+/// What the backward of every head reads beside q, k and v: the forward's output `o` and its
+/// gradient `go` ((b·s_q, D) each), what the forward kept, the mode, and the dropout (the qkv
+/// kernels'; none for separate q, k, v).
+pub(super) struct BwdIn<'a, T> {
+    pub(super) o: &'a [T],
+    pub(super) go: &'a [T],
+    pub(super) saved: Option<&'a CpuStorage>,
+    pub(super) keep: AttnKeep,
+    pub(super) dropout: Option<Dropout>,
+}
+
+impl<'a, T: WithDType> BwdIn<'a, T> {
+    /// The inputs from the output's and its gradient's storages (contiguous).
+    pub(super) fn read(
+        (so, lo): (&'a CpuStorage, &Layout),
+        (sg, lg): (&'a CpuStorage, &Layout),
+        saved: Option<&'a CpuStorage>,
+        (keep, dropout): (AttnKeep, Option<Dropout>),
+    ) -> CResult<Self> {
+        Ok(BwdIn {
+            o: cpu_slice::<T>(so, lo, "attention output")?,
+            go: cpu_slice::<T>(sg, lg, "attention gradient")?,
+            saved,
+            keep,
+            dropout,
+        })
     }
 }
 

@@ -28,9 +28,11 @@ pub mod reference;
 pub mod separate;
 
 pub use cross::{cross_attention, CrossAttention};
-pub use dropout::{dropout_mask, Dropout};
-pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+pub(crate) use dropout::dropout_mask;
+pub use dropout::Dropout;
+pub use geom::{AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 pub use projected::{projected_attention, ProjectedAttention};
-pub use qkv::{qkv_attention, QkvAttention};
+pub use qkv::qkv_attention;
+pub(crate) use qkv::QkvAttention;
 pub use reference::attention_materialized;
-pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};
+pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom};

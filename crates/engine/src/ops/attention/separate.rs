@@ -11,17 +11,16 @@
 //! (at most one per head, allocated up front) the scratch of [`sep_fwd_scratch`] /
 //! [`sep_bwd_scratch`] elements; budget twin: `ditmem_budget::ditmem_cpu::ops::separate_attention`.
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
 use super::geom::{carve, for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
-use super::head::{gather_head, head_bwd, head_fwd, kept_view, Kept};
+use super::head::{gather_head, head_bwd, head_fwd, kept_view, BwdIn, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
+use crate::ops::storage::Saved;
+use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
 /// Shapes of one call: batch, heads, query and key tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,12 +68,12 @@ pub fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
 
 /// The op (see the module docs).
 #[derive(Debug)]
-pub struct SeparateAttention {
+pub(crate) struct SeparateAttention {
     batch: usize,
     heads: usize,
     keep: AttnKeep,
     track: bool,
-    saved: Mutex<Option<CpuStorage>>,
+    saved: Saved,
 }
 
 impl SeparateAttention {
@@ -86,7 +85,7 @@ impl SeparateAttention {
             heads,
             keep,
             track,
-            saved: Mutex::new(None),
+            saved: Saved::default(),
         }
     }
 
@@ -99,10 +98,7 @@ impl SeparateAttention {
         (so, lo): (&CpuStorage, &Layout),
         (sg, lg): (&CpuStorage, &Layout),
     ) -> CResult<(CpuStorage, CpuStorage, CpuStorage)> {
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved.lock("attention lock poisoned")?;
         let g = sep_geom(lq, lk, lk, self.batch, self.heads)?;
         if k.dtype() != sq.dtype() || v.dtype() != sq.dtype() {
             return Err(err("attention: q, k and v must share one dtype"));
@@ -110,15 +106,9 @@ impl SeparateAttention {
         let n = "attention backward";
         Ok(dispatch_float!(sq.dtype(), n, |T, A| {
             let (mut kv, mut vv) = (T::cpu_storage_data(k)?, T::cpu_storage_data(v)?);
-            let dq = sep_bwd_over::<T, A>(
-                cpu_slice::<T>(sq, lq, n)?,
-                (&mut kv, &mut vv),
-                cpu_slice::<T>(so, lo, n)?,
-                cpu_slice::<T>(sg, lg, n)?,
-                guard.as_ref(),
-                &g,
-                self.keep,
-            )?;
+            let q = cpu_slice::<T>(sq, lq, n)?;
+            let ins = BwdIn::<T>::read((so, lo), (sg, lg), guard.as_ref(), (self.keep, None))?;
+            let dq = sep_bwd_over::<T, A>(q, (&mut kv, &mut vv), &ins, &g)?;
             (
                 T::to_cpu_storage_owned(dq),
                 T::to_cpu_storage_owned(kv),
@@ -129,9 +119,7 @@ impl SeparateAttention {
 
     /// Frees what the forward kept (P or the log-sum-exp), once its backward has run.
     pub(crate) fn release(&self) {
-        if let Ok(mut s) = self.saved.lock() {
-            s.take();
-        }
+        self.saved.release();
     }
 }
 
@@ -146,17 +134,7 @@ pub fn attention(
     keep: AttnKeep,
 ) -> CResult<Tensor> {
     let track = q.track_op() || k.track_op() || v.track_op();
-    q.apply_op3(
-        k,
-        v,
-        SeparateAttention {
-            batch,
-            heads,
-            keep,
-            track,
-            saved: Mutex::new(None),
-        },
-    )
+    q.apply_op3(k, v, SeparateAttention::new(batch, heads, keep, track))
 }
 
 fn sep_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -> CResult<SepGeom> {
@@ -264,11 +242,8 @@ fn kv_len(g: &SepGeom, k: usize, v: usize) -> CResult<usize> {
 /// Backward of all heads: (dq, dk, dv), each fresh.
 fn sep_bwd<T, A>(
     (q, k, v): (&[T], &[T], &[T]),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)>
 where
     T: Elem<A> + WithDType,
@@ -287,7 +262,7 @@ where
         SharedMut(dv_all.as_mut_ptr()),
     );
     // SAFETY: k and v hold b·s_kv·D elements each (checked), as do the fresh dk and dv.
-    let dq = unsafe { sep_bwd_heads(q, src, dst, o_all, go_all, saved, g, keep)? };
+    let dq = unsafe { sep_bwd_heads(q, src, dst, ins, g)? };
     Ok((dq, dk_all, dv_all))
 }
 
@@ -295,14 +270,11 @@ where
 /// longer needs, the fused cross-attention's kept projections): each head's task reads its
 /// columns of k and v into its scratch before it writes that head's gradient columns, and no
 /// other task touches them. Returns dq.
-pub(crate) fn sep_bwd_over<T, A>(
+fn sep_bwd_over<T, A>(
     q: &[T],
     (k, v): (&mut [T], &mut [T]),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
@@ -312,7 +284,7 @@ where
     let (pk, pv) = (SharedMut(k.as_mut_ptr()), SharedMut(v.as_mut_ptr()));
     // SAFETY: k and v hold b·s_kv·D elements each (checked); sources and destinations are the
     // same buffers, each head's columns read before they are written, by one task.
-    unsafe { sep_bwd_heads(q, (pk, pv), (pk, pv), o_all, go_all, saved, g, keep) }
+    unsafe { sep_bwd_heads(q, (pk, pv), (pk, pv), ins, g) }
 }
 
 /// The heads' backward (see [`sep_bwd`], [`sep_bwd_over`]): k and v read from `src`, dk and dv
@@ -321,23 +293,20 @@ where
 /// # Safety
 /// Every pointer must point to b·s_kv·D initialised elements; no one else may access them
 /// during the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn sep_bwd_heads<T, A>(
     q: &[T],
     (sk_src, sv_src): (SharedMut<T>, SharedMut<T>),
     (pk, pv): (SharedMut<T>, SharedMut<T>),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
 {
     let (sq, sk, dh, d) = (g.sq, g.sk, g.dh, g.d());
-    let kept = kept_view::<T, A>(keep, saved)?;
+    let (o_all, go_all, keep) = (ins.o, ins.go, ins.keep);
+    let kept = kept_view::<T, A>(keep, ins.saved)?;
     let mut dq_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * d];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
@@ -400,18 +369,12 @@ impl CustomOp3 for SeparateAttention {
         }
         let n = "attention";
         let (out, saved) = dispatch_float!(sq.dtype(), n, |T, A| {
-            let ins = (
-                cpu_slice::<T>(sq, lq, n)?,
-                cpu_slice::<T>(sk, lk, n)?,
-                cpu_slice::<T>(sv, lv, n)?,
-            );
+            let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+            let ins = (q, k, v);
             let (o, saved) = sep_fwd::<T, A>(ins, &g, self.keep, self.track);
             (T::to_cpu_storage_owned(o), saved)
         });
-        *self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))? = saved;
+        *self.saved.lock("attention lock poisoned")? = saved;
         Ok((out, Shape::from((g.b * g.sq, g.d()))))
     }
 
@@ -423,10 +386,7 @@ impl CustomOp3 for SeparateAttention {
         res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved.lock("attention lock poisoned")?;
         let grad = grad.contiguous()?;
         let n = "attention backward";
         let ts = [q, k, v, res, &grad];
@@ -434,13 +394,11 @@ impl CustomOp3 for SeparateAttention {
             let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
             let dev = Device::Cpu;
             Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                let ins = (
-                    cpu_slice::<T>(sq, lq, n)?,
-                    cpu_slice::<T>(sk, lk, n)?,
-                    cpu_slice::<T>(sv, lv, n)?,
-                );
-                let (o, go) = (cpu_slice::<T>(so, lo, n)?, cpu_slice::<T>(sg, lg, n)?);
-                let (dq, dk, dv) = sep_bwd::<T, A>(ins, o, go, guard.as_ref(), &g, self.keep)?;
+                let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+                let ins = (q, k, v);
+                let bwd_in =
+                    BwdIn::<T>::read((so, lo), (sg, lg), guard.as_ref(), (self.keep, None))?;
+                let (dq, dk, dv) = sep_bwd::<T, A>(ins, &bwd_in, &g)?;
                 (
                     Tensor::from_vec(dq, lq.shape(), &dev)?,
                     Tensor::from_vec(dk, lk.shape(), &dev)?,

@@ -46,7 +46,7 @@ use widen::{linear_bwd_widen, linear_fwd_widen};
 /// With an [`InputSink`], dx goes the same way: added in place into the sink's running sum
 /// (the text context every block's cross-attention reads).
 #[derive(Debug, Clone, Default)]
-pub struct LinearOp {
+pub(crate) struct LinearOp {
     sink: Option<Arc<GradSink>>,
     dx_sink: Option<Arc<InputSink>>,
 }
@@ -74,7 +74,7 @@ pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> 
 /// The fused linear with its weight gradients handed to `sink` when given (as [`linear_sunk`];
 /// else to candle) and dx added into `dx_sink` (see [`InputSink`]) instead of candle's store.
 /// x must track for the backward to run.
-pub fn linear_into(
+pub(crate) fn linear_into(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,
