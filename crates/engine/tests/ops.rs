@@ -236,6 +236,13 @@ fn qkv_attention_matches_composed_f64() {
     attention_case(2, 20, 2, 4, AttnKeep::Nothing, dr);
 }
 
+/// `f`'s output of v and v's gradient through it under the output gradient `go`.
+fn out_and_grad(v: &Var, go: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let o = f(v.as_tensor());
+    let g = grads_through(&o, go);
+    (o, g.get(v).unwrap().clone())
+}
+
 #[test]
 fn qkv_attention_recompute_is_bitwise_the_stored_mode() {
     // In bf16 the stored P is rounded to bf16; the recomputed one must be rounded the same way.
@@ -245,11 +252,7 @@ fn qkv_attention_recompute_is_bitwise_the_stored_mode() {
             Var::from_tensor(&rand(&[b * s, 3 * a * dh], 13, 1.0).to_dtype(dt).unwrap()).unwrap();
         let go = rand(&[b * s, a * dh], 14, 1.0).to_dtype(dt).unwrap();
         let dr = Some(Dropout { p: 0.1, seed: 9 });
-        let run = |keep| {
-            let o = qkv_attention(qkv.as_tensor(), b, a, keep, dr).unwrap();
-            let g = grads_through(&o, &go);
-            (o, g.get(&qkv).unwrap().clone())
-        };
+        let run = |keep| out_and_grad(&qkv, &go, |x| qkv_attention(x, b, a, keep, dr).unwrap());
         let (o1, g1) = run(AttnKeep::Probabilities);
         let (o2, g2) = run(AttnKeep::Nothing);
         assert_eq!(max_abs(&o1, &o2), 0.0, "{dt:?}");
@@ -267,19 +270,12 @@ fn qkv_attention_bf16_by_row_blocks_with_dropout() {
     let x64 = rand(&[b * s, 3 * a * dh], 17, 1.0);
     let go = rand(&[b * s, a * dh], 18, 1.0);
     let dr = Some(Dropout { p: 0.2, seed: 5 });
-    let r = {
-        let v = Var::from_tensor(&x64).unwrap();
-        let o = attention_reference(v.as_tensor(), b, a, dr);
-        let g = grads_through(&o, &go);
-        (o, g.get(&v).unwrap().clone())
-    };
+    let r = out_and_grad(&Var::from_tensor(&x64).unwrap(), &go, |x| {
+        attention_reference(x, b, a, dr)
+    });
     let v = Var::from_tensor(&x64.to_dtype(DType::BF16).unwrap()).unwrap();
     let go16 = go.to_dtype(DType::BF16).unwrap();
-    let run = |keep| {
-        let o = qkv_attention(v.as_tensor(), b, a, keep, dr).unwrap();
-        let g = grads_through(&o, &go16);
-        (o, g.get(&v).unwrap().clone())
-    };
+    let run = |keep| out_and_grad(&v, &go16, |x| qkv_attention(x, b, a, keep, dr).unwrap());
     let (o1, g1) = run(AttnKeep::Probabilities);
     let (o2, g2) = run(AttnKeep::Nothing);
     assert_eq!(max_abs(&o1, &o2), 0.0);
@@ -297,12 +293,9 @@ fn qkv_attention_low_precision_close_to_f64() {
     let (b, s, a, dh) = (2, 130, 2, 16);
     let x64 = rand(&[b * s, 3 * a * dh], 15, 1.0);
     let go = rand(&[b * s, a * dh], 16, 1.0);
-    let r = {
-        let v = Var::from_tensor(&x64).unwrap();
-        let o = attention_reference(v.as_tensor(), b, a, None);
-        let g = grads_through(&o, &go);
-        (o, g.get(&v).unwrap().clone())
-    };
+    let r = out_and_grad(&Var::from_tensor(&x64).unwrap(), &go, |x| {
+        attention_reference(x, b, a, None)
+    });
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let tol = if dt == DType::F32 { 1e-4 } else { 0.1 };
         for keep in [

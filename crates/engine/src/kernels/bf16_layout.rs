@@ -9,7 +9,7 @@ pub const MR: usize = 6;
 /// Columns of the micro-kernel tile (4 × 16 f32 lanes).
 pub const NR: usize = 64;
 /// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).
-pub const KC_PAIRS: usize = 64;
+pub(crate) const KC_PAIRS: usize = 64;
 
 /// A packing source: bf16 values moved as they are, or f32 values rounded to nearest even.
 #[derive(Clone, Copy)]

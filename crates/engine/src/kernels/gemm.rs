@@ -1,5 +1,5 @@
 //! The f32/f64 products of the fused ops, through the `gemm` crate: `mm` (single-threaded,
-//! for the attention's loop over heads), `mm_par`, `mm_strided` (any strides; the widened
+//! for the attention's loop over heads), `mm_strided` (any strides; the widened
 //! linear lays its f32 scratch out so that `gemm` packs nothing) and `mm_fresh` (a product
 //! written straight into new, unzeroed memory). bf16 products have their own kernel,
 //! [`super::gemm_bf16`].
@@ -25,7 +25,12 @@ pub fn allocate_slabs() {
 
 /// `gemm`'s parallelism for a product that runs alone: rayon's pool, or none on one thread.
 pub(crate) fn gemm_threads() -> gemm::Parallelism {
-    match rayon::current_num_threads() {
+    parallelism(rayon::current_num_threads())
+}
+
+/// `gemm`'s parallelism on `threads` threads: none on one (or none asked).
+fn parallelism(threads: usize) -> gemm::Parallelism {
+    match threads {
         0 | 1 => gemm::Parallelism::None,
         n => gemm::Parallelism::Rayon(n),
     }
@@ -42,22 +47,7 @@ pub(crate) fn mm<A: 'static + Acc>(
     rhs: (&[A], usize, usize),
     acc: bool,
 ) {
-    mm_par(m, n, k, dst, lhs, rhs, acc, gemm::Parallelism::None)
-}
-
-/// [`mm`] with an explicit parallelism.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn mm_par<A: 'static + Acc>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [A],
-    lhs: (&[A], usize, usize),
-    rhs: (&[A], usize, usize),
-    acc: bool,
-    par: gemm::Parallelism,
-) {
-    mm_strided(m, n, k, (dst, n, 1), lhs, rhs, acc, par)
+    mm_strided(m, n, k, (dst, n, 1), lhs, rhs, acc, gemm::Parallelism::None)
 }
 
 /// A fresh row-major `m × n` product `lhs · rhs` (f32/f64, through `gemm`), written straight into
@@ -178,10 +168,7 @@ pub fn mm_strided_f32(
     rhs: (&[f32], usize, usize),
     threads: usize,
 ) {
-    let par = match threads {
-        0 | 1 => gemm::Parallelism::None,
-        t => gemm::Parallelism::Rayon(t),
-    };
+    let par = parallelism(threads);
     mm_strided(m, n, k, dst, lhs, rhs, false, par)
 }
 

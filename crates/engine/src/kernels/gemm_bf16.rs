@@ -28,7 +28,8 @@ use super::shared_ptr::SharedMut;
 
 // The tile and the packing source live in `bf16_layout`, which the AVX-512 packing
 // (`pack_bf16_avx512`) uses too: this file uses that one, and no file uses this one back.
-pub use super::bf16_layout::{Src, KC_PAIRS, MR, NR};
+pub(crate) use super::bf16_layout::{Src, KC_PAIRS};
+pub use super::bf16_layout::{MR, NR};
 
 /// Whether this CPU can run the kernel (AVX512F and AVX512-BF16).
 pub fn supported() -> bool {
@@ -79,6 +80,20 @@ pub struct View<'a, T = bf16> {
     pub data: &'a [T],
     pub rs: usize,
     pub cs: usize,
+}
+
+impl<'a, T> View<'a, T> {
+    /// A row-major view: rows `rs` apart, unit column stride.
+    #[inline]
+    pub(crate) fn rows(data: &'a [T], rs: usize) -> Self {
+        View { data, rs, cs: 1 }
+    }
+    /// A column-major view (a row-major matrix read transposed): unit row stride, columns `cs`
+    /// apart.
+    #[inline]
+    pub(crate) fn cols(data: &'a [T], cs: usize) -> Self {
+        View { data, rs: 1, cs }
+    }
 }
 
 impl<T: ToBf16> View<'_, T> {
@@ -251,6 +266,13 @@ fn pack_a_panel<T: ToBf16>(m: usize, k: usize, a: View<'_, T>, p: usize, panel: 
     }
 }
 
+/// B (k × n) packed ([`pack_b`]) into a fresh buffer of [`packed_b_len`].
+pub(crate) fn packed_b<T: ToBf16>(k: usize, n: usize, b: View<'_, T>) -> Vec<u16> {
+    let mut dst = vec![0u16; packed_b_len(k, n)];
+    pack_b(k, n, b, &mut dst);
+    dst
+}
+
 /// Packs B (k × n) into `dst` (at least [`packed_b_len`]): panel p, pair q, column c, half e at
 /// `((p·kp + q)·NR + c)·2 + e`. Padding is zero. Row-major and column-major views read slices;
 /// other strides go element-wise.
@@ -359,6 +381,23 @@ fn pack_b_panel<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: 
     }
 }
 
+/// The checks of [`gemm_packed`] and [`gemm_packed_serial`]: the kernel is there (asserted),
+/// the packed operands and C are long enough for the shape (asserted); false when there is
+/// nothing to compute (an empty product).
+#[inline]
+fn check_packed(
+    (m, n, k): (usize, usize, usize),
+    pa: &[u32],
+    pb: &[u16],
+    c: &[f32],
+    ldc: usize,
+) -> bool {
+    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
+    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
+    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
+    !(m == 0 || n == 0 || k == 0)
+}
+
 /// `C (m × n, row stride ldc) += A · B` from packed operands with `k` (unpadded) columns of A.
 /// The work is split into one contiguous range of B panels (or of A micro-panels when there are
 /// fewer panels than threads) per rayon thread; nothing is allocated.
@@ -375,10 +414,7 @@ pub fn gemm_packed(
     c: &mut [f32],
     ldc: usize,
 ) {
-    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
-    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
-    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
-    if m == 0 || n == 0 || k == 0 {
+    if !check_packed((m, n, k), pa, pb, c, ldc) {
         return;
     }
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
@@ -413,10 +449,7 @@ pub(crate) fn gemm_packed_serial(
     c: &mut [f32],
     ldc: usize,
 ) {
-    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
-    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
-    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
-    if m == 0 || n == 0 || k == 0 {
+    if !check_packed((m, n, k), pa, pb, c, ldc) {
         return;
     }
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
@@ -721,30 +754,14 @@ mod tests {
             let av = if ta { transpose(&a, m, k) } else { a.clone() };
             let bv = if tb { transpose(&b, k, n) } else { b.clone() };
             let a_view = if ta {
-                View {
-                    data: &av,
-                    rs: 1,
-                    cs: m,
-                }
+                View::cols(&av, m)
             } else {
-                View {
-                    data: &av,
-                    rs: k,
-                    cs: 1,
-                }
+                View::rows(&av, k)
             };
             let b_view = if tb {
-                View {
-                    data: &bv,
-                    rs: 1,
-                    cs: k,
-                }
+                View::cols(&bv, k)
             } else {
-                View {
-                    data: &bv,
-                    rs: n,
-                    cs: 1,
-                }
+                View::rows(&bv, n)
             };
             let mut pa = vec![7u32; packed_a_len(m, k)];
             let mut pb = vec![7u16; packed_b_len(k, n)];
@@ -812,26 +829,8 @@ mod tests {
         let mut c = vec![0f32; m * n];
         gemm_packed(m, n, k, &pa, &pb, &mut c, n);
         let (mut pa1, mut pb1) = (pa.clone(), pb.clone());
-        pack_a(
-            m,
-            k,
-            View {
-                data: &a,
-                rs: k,
-                cs: 1,
-            },
-            &mut pa1,
-        );
-        pack_b(
-            k,
-            n,
-            View {
-                data: &b,
-                rs: n,
-                cs: 1,
-            },
-            &mut pb1,
-        );
+        pack_a(m, k, View::rows(&a, k), &mut pa1);
+        pack_b(k, n, View::rows(&b, n), &mut pb1);
         assert_eq!(pa, pa1);
         assert_eq!(pb, pb1);
         let want: f64 = (0..k).map(|l| a[l].to_f64() * b[l * n].to_f64()).sum();

@@ -65,10 +65,8 @@ impl CustomOp1 for GradSeed {
     }
 }
 
-/// Backpropagates `grad` (the gradient of `out`, same shape and dtype, untracked) through the
-/// graph of `out`. The gradient is taken by value: freed once it reaches `out`'s entry (unless
-/// the caller kept another handle on it).
-pub fn backward_from(out: &Tensor, grad: Tensor) -> CResult<candle_core::backprop::GradStore> {
+/// `grad` must have `out`'s shape and dtype.
+fn check_grad(out: &Tensor, grad: &Tensor) -> CResult<()> {
     if out.shape() != grad.shape() || out.dtype() != grad.dtype() {
         return Err(err(format!(
             "backward: gradient {:?} {:?} does not match the output {:?} {:?}",
@@ -78,6 +76,14 @@ pub fn backward_from(out: &Tensor, grad: Tensor) -> CResult<candle_core::backpro
             out.dtype()
         )));
     }
+    Ok(())
+}
+
+/// Backpropagates `grad` (the gradient of `out`, same shape and dtype, untracked) through the
+/// graph of `out`. The gradient is taken by value: freed once it reaches `out`'s entry (unless
+/// the caller kept another handle on it).
+pub fn backward_from(out: &Tensor, grad: Tensor) -> CResult<candle_core::backprop::GradStore> {
+    check_grad(out, &grad)?;
     out.apply_op1(GradSeed::new(grad))?.backward()
 }
 
@@ -105,15 +111,7 @@ pub fn backward_from_many(
     }
     let mut root: Option<Tensor> = None;
     for (out, grad) in outs.iter().zip(grads) {
-        if out.shape() != grad.shape() || out.dtype() != grad.dtype() {
-            return Err(err(format!(
-                "backward: gradient {:?} {:?} does not match the output {:?} {:?}",
-                grad.shape(),
-                grad.dtype(),
-                out.shape(),
-                out.dtype()
-            )));
-        }
+        check_grad(out, &grad)?;
         let seed = out.apply_op1(GradSeed::new(grad))?.to_dtype(DType::F64)?;
         root = Some(match root {
             None => seed,

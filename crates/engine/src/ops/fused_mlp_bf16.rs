@@ -17,7 +17,7 @@ use half::bf16;
 
 use super::gelu::GeluSlice;
 use super::linear::{add_column_sums, dw_chunk, dx_chunk, GradFromF32, LINEAR_ROWS};
-use crate::kernels::gemm_bf16::{pack_b, packed_a_len, packed_b_len, ToBf16, View};
+use crate::kernels::gemm_bf16::{packed_a_len, packed_b, packed_b_len, ToBf16, View};
 use crate::kernels::vecmath;
 
 /// u (rows × ffn, fc1's output) becomes du = (g·W2) ⊙ gelu'(u) in place; returns dW2 and db2
@@ -33,17 +33,7 @@ pub(super) fn fc2_gelu_bwd_bf16<W: ToBf16 + GradFromF32>(
     debug_assert!(u.len() == rows * ffn && g.len() == rows * out && w2.len() == out * ffn);
     let r = LINEAR_ROWS.min(rows);
     // dh: B = W2 (out × ffn) as stored; A = the g chunk; an f32 chunk, then its bf16 narrowing.
-    let mut pw = vec![0u16; packed_b_len(out, ffn)];
-    pack_b(
-        out,
-        ffn,
-        View {
-            data: w2,
-            rs: ffn,
-            cs: 1,
-        },
-        &mut pw,
-    );
+    let pw = packed_b(out, ffn, View::rows(w2, ffn));
     let mut pa = vec![0u32; packed_a_len(r, out)];
     let mut c = vec![0f32; r * ffn];
     let mut dh = vec![bf16::ZERO; r * ffn];

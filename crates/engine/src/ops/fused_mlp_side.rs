@@ -20,8 +20,6 @@
 //! the GELU's maps element for element, the same per-row copies), so the same bits in every
 //! dtype.
 
-use std::sync::Mutex;
-
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use super::fused_mlp::fc2_gelu_bwd_storage;
@@ -33,6 +31,7 @@ use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 use crate::kernels::gemm_bf16;
+use crate::ops::storage::Saved;
 
 /// The fused feed-forward with a side input (see the module docs).
 #[derive(Debug)]
@@ -41,7 +40,7 @@ pub struct FusedMlpSide {
     fc2: MlpLinear,
     /// Keep u for a backward (x or side tracks).
     keep: bool,
-    kept: Mutex<Option<CpuStorage>>,
+    kept: Saved,
 }
 
 /// `fc2([side; gelu_tanh(fc1(x))])` on 2-D x (rows, inp) and side (rows, ds) as one node (see
@@ -80,7 +79,7 @@ pub fn fused_mlp_side(
             fc1,
             fc2,
             keep: x.track_op() || side.track_op(),
-            kept: Mutex::new(None),
+            kept: Saved::default(),
         },
     )
 }
@@ -169,10 +168,7 @@ impl CustomOp2 for FusedMlpSide {
         // Kept for a backward: h beside u; otherwise h over u (the same phases, less u).
         let c = if self.keep {
             let c = self.cat((ss, ls), &u, rows)?;
-            *self
-                .kept
-                .lock()
-                .map_err(|_| err("fused_mlp_side: kept u poisoned"))? = Some(u);
+            *self.kept.lock("fused_mlp_side: kept u poisoned")? = Some(u);
             c
         } else {
             gelu_in_place(&mut u)?;
@@ -199,10 +195,7 @@ impl CustomOp2 for FusedMlpSide {
         let (rows, out) = grad.dims2()?;
         let ds = side.dims2()?.1;
         let (w2, b2) = Self::wants(&self.fc2);
-        let mut kept = self
-            .kept
-            .lock()
-            .map_err(|_| err("fused_mlp_side: kept u poisoned"))?;
+        let mut kept = self.kept.lock("fused_mlp_side: kept u poisoned")?;
         // u, from the forward or recomputed from x.
         if kept.is_none() {
             *kept = Some(with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0);

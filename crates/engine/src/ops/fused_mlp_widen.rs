@@ -53,7 +53,8 @@ pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize,
 /// out), W2 (out × (ds + ffn), in the compute dtype or f32 masters read as it). Returns (dW2,
 /// db2, dside) as `(w2, b2, side)` asks, the weight gradients in W's dtype. Allocation order:
 /// dside, the f32 accumulators (the gradients themselves for f32 masters), then the workspace,
-/// dropped before the accumulators are narrowed for bf16/f16 weights.
+/// dropped before the accumulators are narrowed for bf16/f16 weights. (Over 100 lines on
+/// purpose: that allocation order, which the budget models, reads in one place.)
 #[allow(clippy::type_complexity)]
 pub(super) fn fc2_gelu_bwd_widen<T, W>(
     u: &mut [T],

@@ -7,7 +7,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
@@ -17,7 +17,7 @@ use crate::kernels::scalar::{Acc, Elem};
 /// hands its gradient on as is, `torch/csrc/autograd/generated/Functions.cpp`), dy = g·gate in
 /// y's dtype, dgate = Σ_s g·y.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct GatedResidual;
+pub(crate) struct GatedResidual;
 
 /// Fused gated residual: x (b, s, D) in the accumulation dtype, y (b·s, D) or (b, s, D) in any
 /// float dtype, gate (b, D) with unit column stride in x's dtype → (b, s, D) in x's dtype.
@@ -63,18 +63,13 @@ where
     A: Acc,
 {
     let (b, s, d, off, rs) = geom;
-    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); b * s * d];
-    o.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, orow)| {
-            let gr = &gate[off + (r / s) * rs..][..d];
-            let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
-            for j in 0..d {
-                orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
-            }
-        });
-    o
+    par_rows(T::from_acc(A::ZERO), (b * s, d), |r, orow| {
+        let gr = &gate[off + (r / s) * rs..][..d];
+        let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
+        for j in 0..d {
+            orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
+        }
+    })
 }
 
 /// dy = g·gate (in y's type), one fresh buffer.
@@ -85,17 +80,12 @@ where
     A: Acc,
 {
     let (b, s, d, off, rs) = geom;
-    let mut v: Vec<O> = vec![O::from_acc(A::ZERO); b * s * d];
-    v.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, row)| {
-            let gr = &gate[off + (r / s) * rs..][..d];
-            for j in 0..d {
-                row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
-            }
-        });
-    v
+    par_rows(O::from_acc(A::ZERO), (b * s, d), |r, row| {
+        let gr = &gate[off + (r / s) * rs..][..d];
+        for j in 0..d {
+            row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
+        }
+    })
 }
 
 /// dgate = Σ_s g·y per batch entry (b, D), one fresh buffer.

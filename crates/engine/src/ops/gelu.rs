@@ -231,7 +231,7 @@ gelu_slice_half!(half::f16);
 
 /// The GELU-tanh custom op (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct GeluTanh;
+pub(crate) struct GeluTanh;
 
 /// GELU with the tanh approximation, differentiable, saving only its input.
 pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {

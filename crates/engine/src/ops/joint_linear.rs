@@ -26,7 +26,7 @@ use super::tokens::{concat_storage, slice_storage};
 
 /// Two linears joined per sample (see the module docs).
 #[derive(Debug)]
-pub struct JointLinear {
+pub(crate) struct JointLinear {
     la: MlpLinear,
     lc: MlpLinear,
     batch: usize,

@@ -22,12 +22,11 @@
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
-use rayon::prelude::*;
 
-use super::attention::attn_threads;
+use super::attention::geom::{carve, for_each_head};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
 /// diffusers' epsilon of the denominator (`hidden_states[:, :, -1:] + 1e-15`).
 pub const LINEAR_ATTN_EPS: f64 = 1e-15;
@@ -191,32 +190,20 @@ where
     let (s, dh) = (g.s, g.dh);
     let nh = g.b * g.a;
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); g.b * s * g.d()];
-    let nt = attn_threads(nh);
-    let per = lin_fwd_scratch(g);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let po = SharedMut(out.as_mut_ptr());
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
-        let (rq, rest) = sc.split_at_mut(s * dh);
-        let (rk, rest) = rest.split_at_mut(s * dh);
-        let (vb, rest) = rest.split_at_mut(s * dh);
-        let (o, rest) = rest.split_at_mut(s * dh);
-        let (kv, rest) = rest.split_at_mut(dh * dh);
-        let (z, den) = rest.split_at_mut(dh);
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, g, bh, true, rq);
-            gather(k, g, bh, true, rk);
-            gather(v, g, bh, false, vb);
-            kv_state(rk, vb, s, dh, kv, z);
-            kv_read(rq, kv, z, dh, o, &mut den[..s]);
-            // SAFETY: `out` holds b·s·D elements; heads are dealt to tasks by residue, so only
-            // this task writes head (bi, hd).
-            unsafe { scatter(&po, g, bh, o) };
-            head += nt;
-        }
+    for_each_head(nh, lin_fwd_scratch(g), |head, sc: &mut [A]| {
+        let ([rq, rk, vb, o, kv, z], den) =
+            carve(sc, [s * dh, s * dh, s * dh, s * dh, dh * dh, dh]);
+        let bh = (head / g.a, head % g.a);
+        gather(q, g, bh, true, rq);
+        gather(k, g, bh, true, rk);
+        gather(v, g, bh, false, vb);
+        kv_state(rk, vb, s, dh, kv, z);
+        kv_read(rq, kv, z, dh, o, &mut den[..s]);
+        // SAFETY: `out` holds b·s·D elements; heads are dealt to tasks by residue, so only
+        // this task writes head (bi, hd).
+        unsafe { scatter(&po, g, bh, o) };
     });
-    drop(scratch);
     out
 }
 
@@ -231,109 +218,91 @@ where
     let mut dq_all: Vec<T> = vec![T::from_acc(A::ZERO); n_all];
     let mut dk_all: Vec<T> = vec![T::from_acc(A::ZERO); n_all];
     let mut dv_all: Vec<T> = vec![T::from_acc(A::ZERO); n_all];
-    let nt = attn_threads(nh);
-    let per = lin_bwd_scratch(g);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let (pq, pk, pv) = (
         SharedMut(dq_all.as_mut_ptr()),
         SharedMut(dk_all.as_mut_ptr()),
         SharedMut(dv_all.as_mut_ptr()),
     );
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
-        let (rq, rest) = sc.split_at_mut(s * dh);
-        let (rk, rest) = rest.split_at_mut(s * dh);
-        let (vb, rest) = rest.split_at_mut(s * dh);
-        let (go, rest) = rest.split_at_mut(s * dh);
-        let (o, rest) = rest.split_at_mut(s * dh);
-        let (dk, rest) = rest.split_at_mut(s * dh);
-        let (dv, rest) = rest.split_at_mut(s * dh);
-        let (kv, rest) = rest.split_at_mut(dh * dh);
-        let (dkv, rest) = rest.split_at_mut(dh * dh);
-        let (z, rest) = rest.split_at_mut(dh);
-        let (dz, rest) = rest.split_at_mut(dh);
-        let (den, rest) = rest.split_at_mut(s);
+    for_each_head(nh, lin_bwd_scratch(g), |head, sc: &mut [A]| {
+        let ([rq, rk, vb, go, o, dk, dv], rest) = carve(sc, [s * dh; 7]);
+        let ([kv, dkv, z, dz, den], rest) = carve(rest, [dh * dh, dh * dh, dh, dh, s]);
         let dden = &mut rest[..s];
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, g, bh, true, rq);
-            gather(k, g, bh, true, rk);
-            gather(v, g, bh, false, vb);
-            gather(go_all, g, bh, false, go);
-            kv_state(rk, vb, s, dh, kv, z);
-            kv_read(rq, kv, z, dh, o, den);
-            // o = N / den: dN = dO / den, dden = −Σ_i dO·o / den.
-            for n in 0..s {
-                let inv = <A as Acc>::from_f64(1.0) / den[n];
+        let bh = (head / g.a, head % g.a);
+        gather(q, g, bh, true, rq);
+        gather(k, g, bh, true, rk);
+        gather(v, g, bh, false, vb);
+        gather(go_all, g, bh, false, go);
+        kv_state(rk, vb, s, dh, kv, z);
+        kv_read(rq, kv, z, dh, o, den);
+        // o = N / den: dN = dO / den, dden = −Σ_i dO·o / den.
+        for n in 0..s {
+            let inv = <A as Acc>::from_f64(1.0) / den[n];
+            let mut acc = A::ZERO;
+            for i in 0..dh {
+                acc += go[n * dh + i] * o[n * dh + i];
+                go[n * dh + i] *= inv;
+            }
+            dden[n] = A::ZERO - acc * inv;
+        }
+        // dφ(q)_n = KVᵀ·dN_n + dden_n·z (into o, now free); dKV = dNᵀ·φ(q); dz = Σ dden·φ(q).
+        let dq = &mut *o;
+        dkv.iter_mut().for_each(|x| *x = A::ZERO);
+        dz.iter_mut().for_each(|x| *x = A::ZERO);
+        for n in 0..s {
+            let (qr, gr) = (&rq[n * dh..(n + 1) * dh], &go[n * dh..(n + 1) * dh]);
+            let dr = &mut dq[n * dh..(n + 1) * dh];
+            for (j, x) in dr.iter_mut().enumerate() {
+                *x = dden[n] * z[j];
+            }
+            for (i, gi) in gr.iter().enumerate() {
+                let row = &kv[i * dh..(i + 1) * dh];
+                for (x, kij) in dr.iter_mut().zip(row) {
+                    *x += *gi * *kij;
+                }
+                for (x, qj) in dkv[i * dh..(i + 1) * dh].iter_mut().zip(qr) {
+                    *x += *gi * *qj;
+                }
+            }
+            for (x, qj) in dz.iter_mut().zip(qr) {
+                *x += dden[n] * *qj;
+            }
+            // ReLU: the gradient passes where q > 0 (where φ(q) > 0).
+            for (x, qj) in dr.iter_mut().zip(qr) {
+                if *qj <= A::ZERO {
+                    *x = A::ZERO;
+                }
+            }
+        }
+        // dφ(k)_n = dKVᵀ·v_n + dz; dv_n = dKV·φ(k)_n.
+        for n in 0..s {
+            let (kr, vr) = (&rk[n * dh..(n + 1) * dh], &vb[n * dh..(n + 1) * dh]);
+            let dkr = &mut dk[n * dh..(n + 1) * dh];
+            dkr.copy_from_slice(dz);
+            for (i, vi) in vr.iter().enumerate() {
+                let row = &dkv[i * dh..(i + 1) * dh];
+                for (x, d) in dkr.iter_mut().zip(row) {
+                    *x += *vi * *d;
+                }
                 let mut acc = A::ZERO;
-                for i in 0..dh {
-                    acc += go[n * dh + i] * o[n * dh + i];
-                    go[n * dh + i] *= inv;
+                for (d, kj) in row.iter().zip(kr) {
+                    acc += *d * *kj;
                 }
-                dden[n] = A::ZERO - acc * inv;
+                dv[n * dh + i] = acc;
             }
-            // dφ(q)_n = KVᵀ·dN_n + dden_n·z (into o, now free); dKV = dNᵀ·φ(q); dz = Σ dden·φ(q).
-            let dq = &mut *o;
-            dkv.iter_mut().for_each(|x| *x = A::ZERO);
-            dz.iter_mut().for_each(|x| *x = A::ZERO);
-            for n in 0..s {
-                let (qr, gr) = (&rq[n * dh..(n + 1) * dh], &go[n * dh..(n + 1) * dh]);
-                let dr = &mut dq[n * dh..(n + 1) * dh];
-                for (j, x) in dr.iter_mut().enumerate() {
-                    *x = dden[n] * z[j];
-                }
-                for (i, gi) in gr.iter().enumerate() {
-                    let row = &kv[i * dh..(i + 1) * dh];
-                    for (x, kij) in dr.iter_mut().zip(row) {
-                        *x += *gi * *kij;
-                    }
-                    for (x, qj) in dkv[i * dh..(i + 1) * dh].iter_mut().zip(qr) {
-                        *x += *gi * *qj;
-                    }
-                }
-                for (x, qj) in dz.iter_mut().zip(qr) {
-                    *x += dden[n] * *qj;
-                }
-                // ReLU: the gradient passes where q > 0 (where φ(q) > 0).
-                for (x, qj) in dr.iter_mut().zip(qr) {
-                    if *qj <= A::ZERO {
-                        *x = A::ZERO;
-                    }
+            for (x, kj) in dkr.iter_mut().zip(kr) {
+                if *kj <= A::ZERO {
+                    *x = A::ZERO;
                 }
             }
-            // dφ(k)_n = dKVᵀ·v_n + dz; dv_n = dKV·φ(k)_n.
-            for n in 0..s {
-                let (kr, vr) = (&rk[n * dh..(n + 1) * dh], &vb[n * dh..(n + 1) * dh]);
-                let dkr = &mut dk[n * dh..(n + 1) * dh];
-                dkr.copy_from_slice(dz);
-                for (i, vi) in vr.iter().enumerate() {
-                    let row = &dkv[i * dh..(i + 1) * dh];
-                    for (x, d) in dkr.iter_mut().zip(row) {
-                        *x += *vi * *d;
-                    }
-                    let mut acc = A::ZERO;
-                    for (d, kj) in row.iter().zip(kr) {
-                        acc += *d * *kj;
-                    }
-                    dv[n * dh + i] = acc;
-                }
-                for (x, kj) in dkr.iter_mut().zip(kr) {
-                    if *kj <= A::ZERO {
-                        *x = A::ZERO;
-                    }
-                }
-            }
-            // SAFETY: each buffer holds b·s·D elements; only this task (head ≡ t mod nt) writes
-            // head (bi, hd)'s columns.
-            unsafe {
-                scatter(&pq, g, bh, dq);
-                scatter(&pk, g, bh, dk);
-                scatter(&pv, g, bh, dv);
-            }
-            head += nt;
+        }
+        // SAFETY: each buffer holds b·s·D elements; only this task (head ≡ t mod nt) writes
+        // head (bi, hd)'s columns.
+        unsafe {
+            scatter(&pq, g, bh, dq);
+            scatter(&pk, g, bh, dk);
+            scatter(&pv, g, bh, dv);
         }
     });
-    drop(scratch);
     [dq_all, dk_all, dv_all]
 }
 
@@ -357,11 +326,8 @@ impl CustomOp3 for LinearAttention {
         }
         let n = "linear attention";
         let out = dispatch_float!(sq.dtype(), n, |T, A| {
-            let ins = (
-                cpu_slice::<T>(sq, lq, n)?,
-                cpu_slice::<T>(sk, lk, n)?,
-                cpu_slice::<T>(sv, lv, n)?,
-            );
+            let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+            let ins = (q, k, v);
             T::to_cpu_storage_owned(lin_fwd::<T, A>(ins, &g))
         });
         Ok((out, lq.shape().clone()))
@@ -377,30 +343,24 @@ impl CustomOp3 for LinearAttention {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let n = "linear attention backward";
-        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
-            with_cpu(k, |sk, lk| {
-                with_cpu(v, |sv, lv| {
-                    with_cpu(&grad, |sg, lg| {
-                        let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
-                        let dev = Device::Cpu;
-                        Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                            let ins = (
-                                cpu_slice::<T>(sq, lq, n)?,
-                                cpu_slice::<T>(sk, lk, n)?,
-                                cpu_slice::<T>(sv, lv, n)?,
-                            );
-                            let go = cpu_slice::<T>(sg, lg, n)?;
-                            let [dq, dk, dv] = lin_bwd::<T, A>(ins, go, &g);
-                            (
-                                Tensor::from_vec(dq, lq.shape(), &dev)?,
-                                Tensor::from_vec(dk, lk.shape(), &dev)?,
-                                Tensor::from_vec(dv, lv.shape(), &dev)?,
-                            )
-                        }))
-                    })
-                })
-            })
-        })?;
+        let (dq, dk, dv) = with_cpus(
+            [q, k, v, &grad],
+            |[(sq, lq), (sk, lk), (sv, lv), (sg, lg)]| {
+                let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
+                let dev = Device::Cpu;
+                Ok(dispatch_float!(sq.dtype(), n, |T, A| {
+                    let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+                    let ins = (q, k, v);
+                    let go = cpu_slice::<T>(sg, lg, n)?;
+                    let [dq, dk, dv] = lin_bwd::<T, A>(ins, go, &g);
+                    (
+                        Tensor::from_vec(dq, lq.shape(), &dev)?,
+                        Tensor::from_vec(dk, lk.shape(), &dev)?,
+                        Tensor::from_vec(dv, lv.shape(), &dev)?,
+                    )
+                }))
+            },
+        )?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

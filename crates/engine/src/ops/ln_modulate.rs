@@ -4,30 +4,26 @@
 //! inputs), 2·rows values held by the op; backward returns dx, dshift, dscale. Budget twin: the
 //! `ln_modulate` rule of `ditmem_budget::ditmem_cpu::ops`.
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, rows_view, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{
+    cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult, PAR_CHUNK,
+};
 use crate::kernels::scalar::{Acc, Elem};
-
-/// Per-row statistics the LayerNorm keeps for backward: (mean, rstd) interleaved, 2·rows values.
-#[derive(Debug)]
-enum Stats {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
+use crate::ops::storage::Saved;
 
 /// `LN(x)·(1 + scale) + shift` (no affine of its own, eps inside the square root) over x (b, s, D)
 /// with shift, scale (b, D); the output is written in `out` dtype as rows (b·s, D).
 #[derive(Debug)]
-pub struct LnModulate {
+pub(crate) struct LnModulate {
     out: DType,
     eps: f64,
-    stats: Mutex<Option<Stats>>,
+    /// Per-row statistics kept for the backward: (mean, rstd) interleaved, 2·rows values in the
+    /// accumulation type.
+    stats: Saved,
 }
 
 /// Fused LayerNorm + modulate, differentiable in x, shift and scale (see the module docs).
@@ -44,7 +40,7 @@ pub fn ln_modulate(
         LnModulate {
             out,
             eps,
-            stats: Mutex::new(None),
+            stats: Saved::default(),
         },
     )
 }
@@ -245,17 +241,13 @@ where
     let (s, d) = (g.s, g.d);
     let rows = g.b * s;
     let inv_d = A::from_f64(1.0 / d as f64);
-    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
-    dx.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
-        .for_each(|(r, dxr)| {
-            let bi = r / s;
-            let xr = &x[r * d..(r + 1) * d];
-            let gr = &gy[r * d..(r + 1) * d];
-            let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
-            bwd_row((xr, gr, sc), (st[2 * r], st[2 * r + 1], inv_d), dxr);
-        });
+    let dx = par_rows(T::from_acc(A::ZERO), (rows, d), |r, dxr| {
+        let bi = r / s;
+        let xr = &x[r * d..(r + 1) * d];
+        let gr = &gy[r * d..(r + 1) * d];
+        let sc = &scale[g.scale.0 + bi * g.scale.1..][..d];
+        bwd_row((xr, gr, sc), (st[2 * r], st[2 * r + 1], inv_d), dxr);
+    });
     // dshift, dscale: column sums over the s rows of each batch entry, in column blocks so both
     // a small batch and a wide model parallelise.
     const COLS: usize = 64;
@@ -335,34 +327,6 @@ fn bwd_row_body<T: Elem<A>, O: Elem<A>, A: Acc>(
     }
 }
 
-/// f32 statistics as `Stats`, or f64 ones.
-trait IntoStats: Sized {
-    fn into_stats(v: Vec<Self>) -> Stats;
-    fn from_stats(s: &Stats) -> Option<&[Self]>;
-}
-impl IntoStats for f32 {
-    fn into_stats(v: Vec<Self>) -> Stats {
-        Stats::F32(v)
-    }
-    fn from_stats(s: &Stats) -> Option<&[Self]> {
-        match s {
-            Stats::F32(v) => Some(v),
-            Stats::F64(_) => None,
-        }
-    }
-}
-impl IntoStats for f64 {
-    fn into_stats(v: Vec<Self>) -> Stats {
-        Stats::F64(v)
-    }
-    fn from_stats(s: &Stats) -> Option<&[Self]> {
-        match s {
-            Stats::F64(v) => Some(v),
-            Stats::F32(_) => None,
-        }
-    }
-}
-
 impl CustomOp3 for LnModulate {
     fn name(&self) -> &'static str {
         "layer-norm-modulate"
@@ -386,12 +350,9 @@ impl CustomOp3 for LnModulate {
             let sh = ssh.as_slice::<T>()?;
             let sc = ssc.as_slice::<T>()?;
             let (y, st) = ln_modulate_fwd_cpu::<T, O, A>(x, sh, sc, &g, self.eps);
-            (O::to_cpu_storage_owned(y), A::into_stats(st))
+            (O::to_cpu_storage_owned(y), A::to_cpu_storage_owned(st))
         });
-        *self
-            .stats
-            .lock()
-            .map_err(|_| err("ln stats lock poisoned"))? = Some(stats);
+        *self.stats.lock("ln stats lock poisoned")? = Some(stats);
         // Rows (b·s, D), the layout the following linear takes: no reshape node (whose backward
         // would add a zeros + add of the output's size).
         Ok((out, Shape::from((g.b * g.s, g.d))))
@@ -405,10 +366,7 @@ impl CustomOp3 for LnModulate {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let guard = self
-            .stats
-            .lock()
-            .map_err(|_| err("ln stats lock poisoned"))?;
+        let guard = self.stats.lock("ln stats lock poisoned")?;
         let stats = guard
             .as_ref()
             .ok_or_else(|| err("ln_modulate backward before forward"))?;
@@ -419,8 +377,7 @@ impl CustomOp3 for LnModulate {
                     with_cpu(&grad, |sg, lg| {
                         let g = ln_geom(lx, lsh, lsc)?;
                         Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
-                            let st = A::from_stats(stats)
-                                .ok_or_else(|| err("ln_modulate: statistics of another dtype"))?;
+                            let st = stats.as_slice::<A>()?;
                             let (dx, dsh, dsc) = ln_modulate_bwd_cpu::<T, O, A>(
                                 cpu_slice::<T>(sx, lx, "ln_modulate x")?,
                                 (ssh.as_slice::<T>()?, ssc.as_slice::<T>()?),

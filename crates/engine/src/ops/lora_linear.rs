@@ -32,7 +32,7 @@ use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs).
 #[derive(Debug)]
-pub struct LoraLinear {
+pub(crate) struct LoraLinear {
     w: Tensor,
     b: Tensor,
     dx_sink: Option<Arc<InputSink>>,

@@ -21,8 +21,6 @@
 //! the conv's and the gate's kernels, in place where the composition wrote a fresh copy), so
 //! the same bits in every dtype.
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType,
 };
@@ -35,6 +33,7 @@ use super::linear::{linear_bwd_storage, linear_dx_storage, linear_fwd_storage, L
 use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::storage::Saved;
 
 /// The fused Mix-FFN (see the module docs).
 #[derive(Debug)]
@@ -47,7 +46,7 @@ pub struct MixFfn {
     keep: bool,
     /// f1 = conv_inverted(h) from the forward, taken (and turned into df1) by the backward; a
     /// second backward on the same graph recomputes it from h.
-    f1: Mutex<Option<CpuStorage>>,
+    f1: Saved,
 }
 
 /// `conv_point(glu_silu(silu_dwconv3x3(conv_inverted(h), wd, bd)))` of h (rows, D) on a
@@ -82,7 +81,7 @@ pub fn mix_ffn(
             point,
             grid,
             keep,
-            f1: Mutex::new(None),
+            f1: Saved::default(),
         },
     )
 }
@@ -235,10 +234,7 @@ impl CustomOp3 for MixFfn {
         let (y, kept) = dispatch_float!(f1.dtype(), "mix_ffn", |T, A| {
             self.fwd_typed::<T, A>(f1, (sw, lw), (sb, lb), &gr)?
         });
-        *self
-            .f1
-            .lock()
-            .map_err(|_| err("mix_ffn: kept f1 poisoned"))? = kept;
+        *self.f1.lock("mix_ffn: kept f1 poisoned")? = kept;
         let d = self.point.w.dims2()?.0;
         Ok((y, Shape::from((n, d))))
     }
@@ -252,11 +248,7 @@ impl CustomOp3 for MixFfn {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let kept = self
-            .f1
-            .lock()
-            .map_err(|_| err("mix_ffn: kept f1 poisoned"))?
-            .take();
+        let kept = self.f1.lock("mix_ffn: kept f1 poisoned")?.take();
         // f1, from the forward or (a second backward) recomputed from h.
         let f1 = match kept {
             Some(f1) => f1,

@@ -92,29 +92,30 @@ pub(crate) mod test_values;
 pub mod tokens;
 
 pub use attention::{
-    attention_materialized, attn_threads, cross_attention, dropout_mask, projected_attention,
-    qkv_attention, AttnGeom, AttnKeep, CrossAttention, Dropout, ProjectedAttention, QkvAttention,
-    ATTN_KEY_BLOCK,
+    attention_materialized, cross_attention, projected_attention, qkv_attention, AttnGeom,
+    AttnKeep, CrossAttention, Dropout, ProjectedAttention, ATTN_KEY_BLOCK,
 };
+
+pub(crate) use attention::dropout_mask;
 pub use backward_from::{backward_from, backward_from_many};
 pub use fused_mlp::{fused_mlp, FusedMlp, MlpLinear};
 pub use fused_mlp_side::{fused_mlp_side, FusedMlpSide};
-pub use gated_residual::{gated_residual, GatedResidual};
-pub use gelu::{gelu_tanh, GeluTanh};
-pub use joint_linear::{joint_linear, JointLinear};
+pub use gated_residual::gated_residual;
+pub use gelu::gelu_tanh;
+pub use joint_linear::joint_linear;
+pub(crate) use linear::linear_into;
 pub use linear::{
-    dw_blocks, linear, linear_into, linear_sunk, GradSink, InputSink, LinearGrads, LinearOp,
-    DW_ROWS, LINEAR_ROWS,
+    dw_blocks, linear, linear_sunk, GradSink, InputSink, LinearGrads, DW_ROWS, LINEAR_ROWS,
 };
-pub use ln_modulate::{ln_modulate, LnGeom, LnModulate};
-pub use lora_linear::{lora_linear, LoraLinear};
+pub use ln_modulate::{ln_modulate, LnGeom};
+pub use lora_linear::lora_linear;
 pub use mix_ffn::{mix_ffn, MixFfn};
 pub use mse_loss::mse_loss;
-pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch, NormRope};
+pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch};
 pub use release::{release, release_whole};
 pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
-pub use rms_norm_rows::{rms_norm_rows, RmsNormRows};
+pub use rms_norm_rows::rms_norm_rows;
 pub use rope::{rope, Rope, RopeTable};
-pub use rope_cos_sin::{rope_cos_sin, RopeCosSin};
+pub use rope_cos_sin::rope_cos_sin;
 pub use sum_squares::{sum_squares, SQUARES_CHUNK};
 pub use tokens::{cat_tokens, split_tokens};

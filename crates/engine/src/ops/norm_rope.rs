@@ -31,13 +31,13 @@ use rayon::prelude::*;
 
 use super::rms_norm::{group_dx, rstd};
 use super::rope::{rope_geom, rotate, RopeTable};
-use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs): rows whose token (row mod n) is below `first` take the first
 /// weight, the others the second; [`norm_rope`] has one weight and `first` 0.
 #[derive(Debug, Clone)]
-pub struct NormRope {
+pub(crate) struct NormRope {
     eps: f64,
     table: Arc<RopeTable>,
     first: usize,
@@ -112,27 +112,22 @@ where
 {
     let eps = A::from_f64(eps);
     let sign = A::from_f64(1.0);
-    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
-    o.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d).max(1))
-        .for_each(|(r, (orow, xrow))| {
-            let tok = r % n;
-            let w = ws[usize::from(tok >= first)];
-            let (c, s) = (&cos[tok * dh..][..dh], &sin[tok * dh..][..dh]);
-            for (oh, xh) in orow.chunks_exact_mut(dh).zip(xrow.chunks_exact(dh)) {
-                let rg = rstd(xh, eps);
-                // The norm's output in x's dtype (`rms_norm`), then `rope::rotate`'s formula.
-                let y = |j: usize| T::from_acc(xh[j].to_acc() * rg * w[j].to_acc()).to_acc();
-                for i in (0..dh).step_by(2) {
-                    let (x0, x1) = (y(i), y(i + 1));
-                    oh[i] = T::from_acc(x0 * c[i] - sign * x1 * s[i]);
-                    oh[i + 1] = T::from_acc(x1 * c[i + 1] + sign * x0 * s[i + 1]);
-                }
+    par_rows(T::from_acc(A::ZERO), (x.len() / d, d), |r, orow| {
+        let xrow = &x[r * d..(r + 1) * d];
+        let tok = r % n;
+        let w = ws[usize::from(tok >= first)];
+        let (c, s) = (&cos[tok * dh..][..dh], &sin[tok * dh..][..dh]);
+        for (oh, xh) in orow.chunks_exact_mut(dh).zip(xrow.chunks_exact(dh)) {
+            let rg = rstd(xh, eps);
+            // The norm's output in x's dtype (`rms_norm`), then `rope::rotate`'s formula.
+            let y = |j: usize| T::from_acc(xh[j].to_acc() * rg * w[j].to_acc()).to_acc();
+            for i in (0..dh).step_by(2) {
+                let (x0, x1) = (y(i), y(i + 1));
+                oh[i] = T::from_acc(x0 * c[i] - sign * x1 * s[i]);
+                oh[i + 1] = T::from_acc(x1 * c[i + 1] + sign * x0 * s[i + 1]);
             }
-        });
-    o
+        }
+    })
 }
 
 /// (dx, [dw of the first weight, dw of the second]) for the wanted ones.
@@ -161,23 +156,18 @@ where
         .collect_into_vec(&mut r);
     let heads = d / dh;
     let dx = want_x.then(|| {
-        let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
-        dx.par_chunks_mut(d)
-            .zip(x.par_chunks(d).zip(gu.par_chunks(d)))
-            .enumerate()
-            .with_min_len((PAR_CHUNK / d).max(1))
-            .for_each(|(row, (dr, (xr, gr)))| {
-                let w = ws[usize::from(row % n >= first)];
-                for (h, ((dg, xg), gg)) in dr
-                    .chunks_exact_mut(dh)
-                    .zip(xr.chunks_exact(dh))
-                    .zip(gr.chunks_exact(dh))
-                    .enumerate()
-                {
-                    group_dx::<T, W, A>(xg, gg, w, r[row * heads + h], dg);
-                }
-            });
-        dx
+        par_rows(T::from_acc(A::ZERO), (x.len() / d, d), |row, dr| {
+            let (xr, gr) = (&x[row * d..(row + 1) * d], &gu[row * d..(row + 1) * d]);
+            let w = ws[usize::from(row % n >= first)];
+            for (h, ((dg, xg), gg)) in dr
+                .chunks_exact_mut(dh)
+                .zip(xr.chunks_exact(dh))
+                .zip(gr.chunks_exact(dh))
+                .enumerate()
+            {
+                group_dx::<T, W, A>(xg, gg, w, r[row * heads + h], dg);
+            }
+        })
     });
     // Each weight's dw per channel over its stream's groups, in order (the composition's sum
     // over the stream tensor's groups).

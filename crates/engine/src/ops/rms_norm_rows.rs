@@ -7,58 +7,24 @@
 //! in float32 the same way. Budget twin: the `rms_norm` rule of
 //! `ditmem_budget::ditmem_cpu::ops`.
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape,
     Tensor, WithDType,
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpu, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
-
-/// Per-row rstd kept for backward.
-#[derive(Debug)]
-enum Rstd {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
-
-trait IntoRstd: Sized {
-    fn wrap(v: Vec<Self>) -> Rstd;
-    fn unwrap(r: &Rstd) -> Option<&[Self]>;
-}
-impl IntoRstd for f32 {
-    fn wrap(v: Vec<Self>) -> Rstd {
-        Rstd::F32(v)
-    }
-    fn unwrap(r: &Rstd) -> Option<&[Self]> {
-        match r {
-            Rstd::F32(v) => Some(v),
-            Rstd::F64(_) => None,
-        }
-    }
-}
-impl IntoRstd for f64 {
-    fn wrap(v: Vec<Self>) -> Rstd {
-        Rstd::F64(v)
-    }
-    fn unwrap(r: &Rstd) -> Option<&[Self]> {
-        match r {
-            Rstd::F64(v) => Some(v),
-            Rstd::F32(_) => None,
-        }
-    }
-}
+use crate::ops::storage::Saved;
 
 /// RMSNorm over the last dimension of x (any rank, contiguous), with an optional weight (D) of
 /// x's dtype; the output has x's shape in `out`.
 #[derive(Debug)]
-pub struct RmsNormRows {
+pub(crate) struct RmsNormRows {
     out: DType,
     eps: f64,
-    rstd: Mutex<Option<Rstd>>,
+    /// Per-row rstd kept for the backward, in the accumulation type.
+    rstd: Saved,
 }
 
 /// `x·rsqrt(mean(x²) + eps)·w` over the last dimension, in `out` dtype (see the module docs).
@@ -66,7 +32,7 @@ pub fn rms_norm_rows(x: &Tensor, weight: Option<&Tensor>, eps: f64, out: DType) 
     let op = RmsNormRows {
         out,
         eps,
-        rstd: Mutex::new(None),
+        rstd: Saved::default(),
     };
     match weight {
         Some(w) => x.apply_op2(w, op),
@@ -145,22 +111,18 @@ where
     let rows = x.len() / d;
     let inv_d = A::from_f64(1.0 / d as f64);
     let wv = |j: usize| w.map_or(A::from_f64(1.0), |w| w[j].to_acc());
-    let mut dx: Vec<T> = vec![T::from_acc(A::ZERO); rows * d];
-    dx.par_chunks_mut(d)
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d).max(1))
-        .for_each(|(r, dxr)| {
-            let (xr, gr, rstd) = (&x[r * d..(r + 1) * d], &gy[r * d..(r + 1) * d], rs[r]);
-            let mut dot = A::ZERO;
-            for j in 0..d {
-                dot += gr[j].to_acc() * wv(j) * xr[j].to_acc() * rstd;
-            }
-            let m = dot * inv_d;
-            for j in 0..d {
-                let xh = xr[j].to_acc() * rstd;
-                dxr[j] = T::from_acc(rstd * (gr[j].to_acc() * wv(j) - xh * m));
-            }
-        });
+    let dx = par_rows(T::from_acc(A::ZERO), (rows, d), |r, dxr| {
+        let (xr, gr, rstd) = (&x[r * d..(r + 1) * d], &gy[r * d..(r + 1) * d], rs[r]);
+        let mut dot = A::ZERO;
+        for j in 0..d {
+            dot += gr[j].to_acc() * wv(j) * xr[j].to_acc() * rstd;
+        }
+        let m = dot * inv_d;
+        for j in 0..d {
+            let xh = xr[j].to_acc() * rstd;
+            dxr[j] = T::from_acc(rstd * (gr[j].to_acc() * wv(j) - xh * m));
+        }
+    });
     let dw = want_w.then(|| {
         // Column sums in blocks of columns, so a wide norm parallelises.
         const COLS: usize = 64;
@@ -208,9 +170,9 @@ impl RmsNormRows {
                 None => None,
             };
             let (y, rs) = fwd_cpu::<T, O, A>(x, w, d, self.eps);
-            (O::to_cpu_storage_owned(y), A::wrap(rs))
+            (O::to_cpu_storage_owned(y), A::to_cpu_storage_owned(rs))
         });
-        *self.rstd.lock().map_err(|_| err("rms lock poisoned"))? = Some(rs);
+        *self.rstd.lock("rms lock poisoned")? = Some(rs);
         Ok((out, lx.shape().clone()))
     }
 
@@ -220,15 +182,13 @@ impl RmsNormRows {
         RmsNormRows {
             out,
             eps,
-            rstd: Mutex::new(None),
+            rstd: Saved::default(),
         }
     }
 
     /// Frees the kept statistics, once the backward has run.
     pub(crate) fn release(&self) {
-        if let Ok(mut s) = self.rstd.lock() {
-            s.take();
-        }
+        self.rstd.release();
     }
 
     fn bwd_impl(
@@ -249,7 +209,7 @@ impl RmsNormRows {
         grad: &Tensor,
         (want_x, want_w): (bool, bool),
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let guard = self.rstd.lock().map_err(|_| err("rms lock poisoned"))?;
+        let guard = self.rstd.lock("rms lock poisoned")?;
         let rs = guard
             .as_ref()
             .ok_or_else(|| err("rms_norm backward before forward"))?;
@@ -262,8 +222,7 @@ impl RmsNormRows {
                 let run =
                     |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
                         Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
-                            let st = A::unwrap(rs)
-                                .ok_or_else(|| err("rms_norm: statistics of another dtype"))?;
+                            let st = rs.as_slice::<A>()?;
                             let wsl = match ws {
                                 Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
                                 None => None,

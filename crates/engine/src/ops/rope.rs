@@ -15,9 +15,8 @@ use std::sync::Arc;
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType,
 };
-use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_float, err, par_rows, storage_tensor, with_cpu, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The cos and sin tables, (n, d_h) each in the accumulation type (f64 under fp64, else f32).
@@ -92,23 +91,18 @@ where
     T: Elem<A> + Send + Sync,
     A: Acc + Send + Sync,
 {
-    let mut o: Vec<T> = vec![T::from_acc(A::ZERO); x.len()];
-    o.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .enumerate()
-        .with_min_len((PAR_CHUNK / d).max(1))
-        .for_each(|(r, (orow, xrow))| {
-            let tok = r % n;
-            let (c, s) = (&cos[tok * dh..][..dh], &sin[tok * dh..][..dh]);
-            for (oh, xh) in orow.chunks_exact_mut(dh).zip(xrow.chunks_exact(dh)) {
-                for i in (0..dh).step_by(2) {
-                    let (x0, x1) = (xh[i].to_acc(), xh[i + 1].to_acc());
-                    oh[i] = T::from_acc(x0 * c[i] - sign * x1 * s[i]);
-                    oh[i + 1] = T::from_acc(x1 * c[i + 1] + sign * x0 * s[i + 1]);
-                }
+    par_rows(T::from_acc(A::ZERO), (x.len() / d, d), |r, orow| {
+        let xrow = &x[r * d..(r + 1) * d];
+        let tok = r % n;
+        let (c, s) = (&cos[tok * dh..][..dh], &sin[tok * dh..][..dh]);
+        for (oh, xh) in orow.chunks_exact_mut(dh).zip(xrow.chunks_exact(dh)) {
+            for i in (0..dh).step_by(2) {
+                let (x0, x1) = (xh[i].to_acc(), xh[i + 1].to_acc());
+                oh[i] = T::from_acc(x0 * c[i] - sign * x1 * s[i]);
+                oh[i + 1] = T::from_acc(x1 * c[i + 1] + sign * x0 * s[i + 1]);
             }
-        });
-    o
+        }
+    })
 }
 
 /// (n, D, d_h) of x under `l` rotated by `table`: whole samples of the table's n tokens, whole
@@ -167,13 +161,6 @@ impl CustomOp1 for Rope {
         let grad = grad.contiguous()?;
         let shape = grad.shape().clone();
         let dx = with_cpu(&grad, |s, l| self.run(s, l, -1.0))?;
-        let dev = Device::Cpu;
-        Ok(Some(match dx {
-            CpuStorage::F32(v) => Tensor::from_vec(v, shape, &dev)?,
-            CpuStorage::F64(v) => Tensor::from_vec(v, shape, &dev)?,
-            CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &dev)?,
-            CpuStorage::F16(v) => Tensor::from_vec(v, shape, &dev)?,
-            other => return Err(err(format!("rope: unsupported dtype {:?}", other.dtype()))),
-        }))
+        Ok(Some(storage_tensor(dx, shape)?))
     }
 }

@@ -11,17 +11,17 @@
 //! or (b, s, heads, d_h) (rows of heads·d_h); cos and sin are (s, d_h/2), one angle per pair,
 //! in the accumulation type (f64 for f64 x, else f32). Row r of x sits at position r mod s.
 
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{
+    cpu_slice, dispatch_float, err, storage_tensor, with_cpu, CResult, PAR_CHUNK,
+};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The RoPE custom op over the tables it holds (see the module docs).
 #[derive(Debug, Clone)]
-pub struct RopeCosSin {
+pub(crate) struct RopeCosSin {
     cos: Tensor,
     sin: Tensor,
 }
@@ -135,28 +135,9 @@ impl CustomOp1 for RopeCosSin {
         let grad = grad.contiguous()?;
         let dx = with_cpu(&grad, |sg, lg| {
             let st = self.run(sg, lg, -1.0)?;
-            Tensor::from_storage_cpu(st, lg.shape())
+            storage_tensor(st, lg.shape())
         })?;
         Ok(Some(dx.to_dtype(arg.dtype())?))
-    }
-}
-
-/// Tensor construction from a CPU storage (candle has no public constructor for one; the
-/// storage is read once into a fresh tensor of its dtype).
-trait FromStorageCpu {
-    fn from_storage_cpu(s: CpuStorage, shape: &Shape) -> CResult<Tensor>;
-}
-
-impl FromStorageCpu for Tensor {
-    fn from_storage_cpu(s: CpuStorage, shape: &Shape) -> CResult<Tensor> {
-        let dev = Device::Cpu;
-        match s {
-            CpuStorage::F32(v) => Tensor::from_vec(v, shape, &dev),
-            CpuStorage::F64(v) => Tensor::from_vec(v, shape, &dev),
-            CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &dev),
-            CpuStorage::F16(v) => Tensor::from_vec(v, shape, &dev),
-            other => Err(err(format!("rope: unsupported dtype {:?}", other.dtype()))),
-        }
     }
 }
 

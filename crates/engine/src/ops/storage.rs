@@ -2,13 +2,69 @@
 //! storage, the storage of a tensor, a strided row view), the candle error of a kernel, and the
 //! dtype dispatch macros that instantiate a kernel for each storage / accumulation pair.
 
-use candle_core::{CpuStorage, Layout, Storage, Tensor, WithDType};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, Device, Layout, Shape, Storage, Tensor, WithDType,
+};
+use rayon::prelude::*;
+use std::sync::{Mutex, MutexGuard};
 
 pub(crate) type CResult<T> = candle_core::Result<T>;
 
 /// Elements per parallel work item of the elementwise kernels (big enough to amortise rayon's
 /// scheduling, small enough to balance two to a few dozen threads).
 pub(crate) const PAR_CHUNK: usize = 1 << 14;
+
+/// A fresh buffer of `rows`·`d` elements (each `zero` first), row r written by `f(r, row)` on
+/// rayon tasks of at least [`PAR_CHUNK`] elements: the row loop of the elementwise kernels.
+#[inline]
+pub(crate) fn par_rows<U: Send + Clone>(
+    zero: U,
+    (rows, d): (usize, usize),
+    f: impl Fn(usize, &mut [U]) + Sync + Send,
+) -> Vec<U> {
+    let mut o: Vec<U> = vec![zero; rows * d];
+    o.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len((PAR_CHUNK / d.max(1)).max(1))
+        .for_each(|(r, row)| f(r, row));
+    o
+}
+
+/// A tensor of `shape` over a CPU storage the kernels made (f32, f64, bf16 or f16), moved, not
+/// copied.
+pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<Tensor> {
+    let (shape, dev) = (shape.into(), &Device::Cpu);
+    match s {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F64(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        other => Err(err(format!(
+            "fused ops: unsupported dtype {:?}",
+            other.dtype()
+        ))),
+    }
+}
+
+/// A storage an op's forward keeps for its backward, behind a lock (a custom op's forward and
+/// backward take `&self`): set by the forward, read or taken by the backward, freed by
+/// [`Saved::release`].
+#[derive(Debug, Default)]
+pub(crate) struct Saved(Mutex<Option<CpuStorage>>);
+
+impl Saved {
+    /// The slot, locked; `poisoned` is the error of a poisoned lock.
+    pub(crate) fn lock(&self, poisoned: &str) -> CResult<MutexGuard<'_, Option<CpuStorage>>> {
+        self.0.lock().map_err(|_| err(poisoned))
+    }
+
+    /// Frees what the slot holds (nothing to free when the lock is poisoned).
+    pub(crate) fn release(&self) {
+        if let Ok(mut s) = self.0.lock() {
+            s.take();
+        }
+    }
+}
 
 /// A candle error with a message (the fused ops' input errors).
 pub(crate) fn err(msg: impl Into<String>) -> candle_core::Error {
@@ -33,6 +89,18 @@ pub(crate) fn cpu_slice<'a, T: WithDType>(
     }
 }
 
+/// [`cpu_slice`] of several storages of one dtype, in order.
+pub(crate) fn cpu_slices<'a, T: WithDType, const N: usize>(
+    ins: [(&'a CpuStorage, &Layout); N],
+    what: &str,
+) -> CResult<[&'a [T]; N]> {
+    let mut out: [&[T]; N] = [&[]; N];
+    for (o, (s, l)) in out.iter_mut().zip(ins) {
+        *o = cpu_slice::<T>(s, l, what)?;
+    }
+    Ok(out)
+}
+
 /// Runs `f` on the CPU storage and layout of `t`.
 pub(crate) fn with_cpu<R>(
     t: &Tensor,
@@ -43,6 +111,23 @@ pub(crate) fn with_cpu<R>(
         Storage::Cpu(c) => f(c, l),
         _ => Err(err("fused ops: only CPU tensors have a kernel so far")),
     }
+}
+
+/// Runs `f` on the CPU storages and layouts of `ts`, all held at once ([`with_cpu`] for several
+/// tensors, in order).
+pub(crate) fn with_cpus<const N: usize, R>(
+    ts: [&Tensor; N],
+    f: impl FnOnce([(&CpuStorage, &Layout); N]) -> CResult<R>,
+) -> CResult<R> {
+    let held = ts.map(|t| t.storage_and_layout());
+    let mut cpu: [Option<(&CpuStorage, &Layout)>; N] = [None; N];
+    for (c, (st, l)) in cpu.iter_mut().zip(&held) {
+        match &**st {
+            Storage::Cpu(s) => *c = Some((s, *l)),
+            _ => return Err(err("fused ops: only CPU tensors have a kernel so far")),
+        }
+    }
+    f(cpu.map(|c| c.expect("every storage was matched as a CPU one above")))
 }
 
 /// A (rows, d) matrix view with unit column stride: (start offset, row stride). The adaLN chunks

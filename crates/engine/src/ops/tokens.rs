@@ -13,23 +13,8 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor,
 };
 
-use super::storage::{err, with_cpu, CResult};
-use candle_core::{DType, Device, WithDType};
-
-/// The storage of a tensor made from a contiguous vector.
-fn tensor_of(s: CpuStorage, shape: Shape) -> CResult<Tensor> {
-    let dev = Device::Cpu;
-    match s {
-        CpuStorage::F32(v) => Tensor::from_vec(v, shape, &dev),
-        CpuStorage::F64(v) => Tensor::from_vec(v, shape, &dev),
-        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &dev),
-        CpuStorage::F16(v) => Tensor::from_vec(v, shape, &dev),
-        other => Err(err(format!(
-            "tokens: unsupported dtype {:?}",
-            other.dtype()
-        ))),
-    }
-}
+use super::storage::{err, storage_tensor, with_cpu, CResult};
+use candle_core::{DType, WithDType};
 
 /// Applies `f` to the contiguous slice of `s` under `l` for every float dtype.
 macro_rules! on_slice {
@@ -204,7 +189,7 @@ impl CustomOp2 for Concat {
                     (lo, hi)
                 )))
             })?;
-            tensor_of(s, shape.clone())
+            storage_tensor(s, shape.clone())
         };
         let da = if a.track_op() {
             Some(part(0, pa, a.shape())?)
@@ -300,6 +285,6 @@ impl CustomOp1 for Slice {
                 g, self.batch, p, lo
             )))
         })?;
-        Ok(Some(tensor_of(s, arg.shape().clone())?))
+        Ok(Some(storage_tensor(s, arg.shape().clone())?))
     }
 }

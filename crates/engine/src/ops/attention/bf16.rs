@@ -152,16 +152,8 @@ struct Head<'a> {
 fn head<'a>(qkv: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> Head<'a> {
     let (s, dh, d) = (g.s, g.dh, g.d());
     let base = bi * s * 3 * d + hd * dh;
-    let row = |off: usize| View {
-        data: &qkv[base + off..],
-        rs: 3 * d,
-        cs: 1,
-    };
-    let col = |off: usize| View {
-        data: &qkv[base + off..],
-        rs: 1,
-        cs: 3 * d,
-    };
+    let row = |off: usize| View::rows(&qkv[base + off..], 3 * d);
+    let col = |off: usize| View::cols(&qkv[base + off..], 3 * d);
     Head {
         q: row(0),
         k: row(d),
@@ -173,11 +165,7 @@ fn head<'a>(qkv: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> Head<'a> {
 
 /// The output gradient of head (bi, hd) as a view on dO (b·s, D).
 fn head_go<'a>(go_all: &'a [bf16], g: &AttnGeom, bi: usize, hd: usize) -> View<'a, bf16> {
-    View {
-        data: &go_all[bi * g.s * g.d() + hd * g.dh..],
-        rs: g.d(),
-        cs: 1,
-    }
+    View::rows(&go_all[bi * g.s * g.d() + hd * g.dh..], g.d())
 }
 
 /// c = a·b on the kernel, on the calling thread (c is overwritten).
@@ -276,11 +264,7 @@ pub fn forward(
                 *v *= mask_at::<f32>(dr, hi * s * s + i);
             }
         }
-        let pv = View {
-            data: &*p,
-            rs: s,
-            cs: 1,
-        };
+        let pv = View::rows(&*p, s);
         product(s, dh, s, pv, h.v, o, pa, pb);
         for (i, oi) in o.chunks(dh).enumerate() {
             // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the
@@ -373,28 +357,16 @@ pub fn backward(
                     *y *= mk;
                 }
             }
-            let pt = View {
-                data: &*p,
-                rs: 1,
-                cs: s,
-            };
+            let pt = View::cols(&*p, s);
             accumulate(s, dh, m, pt, go, dv, pa, pb);
             if dropout.is_some() {
                 load_p(p, pa, pb);
             }
             // dS = P∘(dP − Σ_j dP·P), in dp.
             vecmath::softmax_grad_rows(p, dp, s);
-            let ds = View {
-                data: &*dp,
-                rs: s,
-                cs: 1,
-            };
+            let ds = View::rows(&*dp, s);
             product(m, dh, s, ds, h.k, &mut dq[i0 * dh..], pa, pb);
-            let dst = View {
-                data: &*dp,
-                rs: 1,
-                cs: s,
-            };
+            let dst = View::cols(&*dp, s);
             accumulate(s, dh, m, dst, qi, dk, pa, pb);
             i0 += m;
         }
@@ -471,11 +443,7 @@ pub(crate) fn forward_streaming(
                 m[i] = bmax;
             }
             // o += P_blk·v_blk.
-            let pblk = View {
-                data: &*blk,
-                rs: n,
-                cs: 1,
-            };
+            let pblk = View::rows(&*blk, n);
             let vb = View {
                 data: &h.v.data[j0 * h.v.rs..],
                 ..h.v
@@ -511,7 +479,8 @@ pub(crate) fn forward_streaming(
 }
 
 /// Backward of the streaming mode: dqkv (b·s, 3D), P recomputed block by block from the kept
-/// log-sum-exp.
+/// log-sum-exp. (Over 100 lines on purpose: one head's task is one closure over its scratch,
+/// in the order the budget counts it; split, the buffers' carving would spread over files.)
 pub(crate) fn backward_streaming(
     qkv: &[bf16],
     o_all: &[bf16],
@@ -589,11 +558,7 @@ pub(crate) fn backward_streaming(
                 }
                 vecmath::exp_rows(p, n, lse_i);
                 // dv_blk += Pᵀ·dO_i.
-                let pt = View {
-                    data: &*p,
-                    rs: 1,
-                    cs: n,
-                };
+                let pt = View::cols(&*p, n);
                 accumulate(n, dh, m, pt, goi, &mut dv[j0 * dh..(j0 + n) * dh], ab, pb);
                 // dP = dO_i·v_blkᵀ.
                 let vt = View {
@@ -613,22 +578,14 @@ pub(crate) fn backward_streaming(
                     }
                 }
                 // dq_i += dS·k_blk.
-                let ds = View {
-                    data: &*dp,
-                    rs: n,
-                    cs: 1,
-                };
+                let ds = View::rows(&*dp, n);
                 let kblk = View {
                     data: &h.k.data[j0 * h.k.rs..],
                     ..h.k
                 };
                 accumulate(m, dh, n, ds, kblk, dqi, ab, pb);
                 // dk_blk += dSᵀ·q_i.
-                let dst = View {
-                    data: &*dp,
-                    rs: 1,
-                    cs: n,
-                };
+                let dst = View::cols(&*dp, n);
                 accumulate(n, dh, m, dst, qi, &mut dk[j0 * dh..(j0 + n) * dh], ab, pb);
                 j0 += n;
             }

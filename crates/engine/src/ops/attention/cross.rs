@@ -315,7 +315,7 @@ impl CustomOp3 for CrossAttention {
 mod tests {
     use super::*;
     use crate::ops::attention::separate::attention;
-    use crate::ops::test_values::{bits, sunk_linear, t};
+    use crate::ops::test_values::{bits, sunk_linear, t, DTYPE_PAIRS};
     use crate::ops::{linear_into, rms_norm_rows, GradSink};
     use candle_core::{DType, Var};
 
@@ -390,13 +390,7 @@ mod tests {
     /// without the norm, in both attention modes.
     #[test]
     fn cross_attention_equals_the_composition_bit_for_bit() {
-        for dts in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for dts in DTYPE_PAIRS {
             for norm in [false, true] {
                 for keep in [AttnKeep::LogSumExp, AttnKeep::Probabilities] {
                     let dims = (2, 5, 7, 12, 8, 2);

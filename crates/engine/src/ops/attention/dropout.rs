@@ -15,7 +15,7 @@ pub struct Dropout {
 }
 
 /// A dropout mask with values 0 or 1/(1−p), drawn from `seed`, in `dtype`.
-pub fn dropout_mask(
+pub(crate) fn dropout_mask(
     dims: &[usize],
     d: Dropout,
     dtype: DType,

@@ -3,8 +3,10 @@
 //! call ([`AttnGeom`]) with its per-head scratch sizes (restated by the budget,
 //! `ditmem_budget::ditmem_cpu::ops::fused_attention`), and the head loop's thread count.
 
-use candle_core::Layout;
+use candle_core::{Layout, WithDType};
+use rayon::prelude::*;
 
+use crate::kernels::scalar::Acc;
 use crate::ops::storage::{err, CResult};
 
 /// What the fused attention keeps for its backward.
@@ -79,8 +81,41 @@ impl AttnGeom {
 
 /// Threads the head loop uses: rayon's pool size, at most one per head. The scratch of all of
 /// them is allocated up front, so the transient bytes are deterministic.
-pub fn attn_threads(heads: usize) -> usize {
+pub(crate) fn attn_threads(heads: usize) -> usize {
     rayon::current_num_threads().clamp(1, heads.max(1))
+}
+
+/// Runs `f(head, scratch)` for heads 0..nh on [`attn_threads`] tasks (the attention kernels and `crate::ops::linear_attention`), heads dealt to tasks by
+/// residue (head ≡ t mod nt, so a head is one task's alone), each task with its own `per`
+/// elements of scratch: allocated (zeroed) up front for all tasks, dropped when all are done.
+pub(crate) fn for_each_head<A: Acc + WithDType>(
+    nh: usize,
+    per: usize,
+    f: impl Fn(usize, &mut [A]) + Sync,
+) {
+    let nt = attn_threads(nh);
+    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
+    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
+        let mut head = t;
+        while head < nh {
+            f(head, sc);
+            head += nt;
+        }
+    });
+}
+
+/// Cuts a task's scratch into buffers of the given lengths, in order, and what is left.
+pub(crate) fn carve<A, const N: usize>(
+    sc: &mut [A],
+    lens: [usize; N],
+) -> ([&mut [A]; N], &mut [A]) {
+    let mut rest = sc;
+    let bufs = lens.map(|n| {
+        let (a, r) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = r;
+        a
+    });
+    (bufs, rest)
 }
 
 pub(super) fn attn_geom(l: &Layout, batch: usize, heads: usize) -> CResult<AttnGeom> {

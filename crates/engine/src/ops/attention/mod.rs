@@ -6,7 +6,8 @@
 //!
 //! - `qkv`: [`qkv_attention`] itself, its node and backward.
 //! - [`geom`]: the modes ([`AttnKeep`]), shapes ([`AttnGeom`]) and per-head scratch sizes.
-//! - `generic`: the kernels for every dtype through the `gemm` crate.
+//! - `generic`: the kernels for every dtype through the `gemm` crate, over one qkv tensor.
+//! - `head`: one head's forward and backward in the accumulation type (generic and separate).
 //! - [`bf16`]: the kernels for bf16 on AVX512-BF16.
 //! - [`dropout`]: the dropout mask, composed and per element.
 //! - [`reference`](mod@reference): the composed attention ([`attention_materialized`]), the tests' reference.
@@ -20,15 +21,18 @@ pub mod cross;
 pub mod dropout;
 mod generic;
 pub mod geom;
+mod head;
 pub mod projected;
 mod qkv;
 pub mod reference;
 pub mod separate;
 
 pub use cross::{cross_attention, CrossAttention};
-pub use dropout::{dropout_mask, Dropout};
-pub use geom::{attn_threads, AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+pub(crate) use dropout::dropout_mask;
+pub use dropout::Dropout;
+pub use geom::{AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 pub use projected::{projected_attention, ProjectedAttention};
-pub use qkv::{qkv_attention, QkvAttention};
+pub use qkv::qkv_attention;
+pub(crate) use qkv::QkvAttention;
 pub use reference::attention_materialized;
-pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom, SeparateAttention};
+pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom};

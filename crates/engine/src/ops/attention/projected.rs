@@ -1,14 +1,13 @@
 //! [`projected_attention`]: the qkv projection and the fused attention as one node on the
 //! projection's input. Budget twin: `ditmem_budget::ditmem_cpu::ops::fused_qkv_attention`.
 
-use std::sync::Mutex;
-
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use super::{AttnKeep, Dropout, QkvAttention};
 use crate::ops::linear::{
     linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
 };
+use crate::ops::storage::Saved;
 use crate::ops::storage::{err, with_cpu, CResult};
 use crate::ops::{release_whole, MlpLinear};
 
@@ -32,7 +31,7 @@ pub struct ProjectedAttention {
     /// without it, as PyTorch frees the attention's saved q, k, v once its node has run (the
     /// budget's node releases it, `Node::released_by_bwd`). A second backward on the same graph
     /// recomputes it from x.
-    qkv: Mutex<Option<CpuStorage>>,
+    qkv: Saved,
 }
 
 /// The projected attention (see [`ProjectedAttention`]). `proj`'s weights must not track unless
@@ -60,7 +59,7 @@ pub fn projected_attention(
     x.apply_op1(ProjectedAttention {
         attn,
         proj: proj.clone(),
-        qkv: Mutex::new(None),
+        qkv: Saved::default(),
     })
 }
 
@@ -84,10 +83,7 @@ impl CustomOp1 for ProjectedAttention {
         let (qkv, shape) = self.project((sx, lx))?;
         let lq = Layout::contiguous(shape);
         let out = self.attn.attn_fwd(&qkv, &lq)?;
-        *self
-            .qkv
-            .lock()
-            .map_err(|_| err("projected attention: qkv poisoned"))? = Some(qkv);
+        *self.qkv.lock("projected attention: qkv poisoned")? = Some(qkv);
         Ok(out)
     }
 
@@ -96,11 +92,7 @@ impl CustomOp1 for ProjectedAttention {
         let (rows, _) = x.dims2()?;
         let (out, inp) = self.proj.w.dims2()?;
         let lq = Layout::contiguous((rows, out));
-        let kept = self
-            .qkv
-            .lock()
-            .map_err(|_| err("projected attention: qkv poisoned"))?
-            .take();
+        let kept = self.qkv.lock("projected attention: qkv poisoned")?.take();
         // qkv, from the forward or (a second backward) recomputed from x.
         let qkv = match kept {
             Some(qkv) => qkv,
@@ -146,7 +138,7 @@ mod tests {
     use candle_core::{DType, Var};
 
     use super::*;
-    use crate::ops::test_values::{bits, t, take_sunk};
+    use crate::ops::test_values::{bits, t, take_sunk, DTYPE_PAIRS};
     use crate::ops::{linear_sunk, qkv_attention, GradSink};
 
     /// (o, dx, [dW, db]) of x (b·s, D) through the projection (3D, D) and the attention with
@@ -184,13 +176,7 @@ mod tests {
     /// that is not a multiple of the key block.
     #[test]
     fn projected_attention_equals_the_two_nodes_bit_for_bit() {
-        for dts in [
-            (DType::F64, DType::F64),
-            (DType::F32, DType::F32),
-            (DType::BF16, DType::BF16),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for dts in DTYPE_PAIRS {
             for keep in [
                 AttnKeep::LogSumExp,
                 AttnKeep::Probabilities,

@@ -2,8 +2,6 @@
 //! by `attention/mod.rs`, so that the projected attention (`projected.rs`) builds on it without
 //! a circle through the folder's `mod.rs` (`crates/cli/tests/no_import_cycles.rs`).
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType,
 };
@@ -12,7 +10,9 @@ use super::bf16;
 use super::dropout::Dropout;
 use super::generic::{attn_bwd_cpu, attn_bwd_cpu_over, attn_fwd_cpu};
 use super::geom::{attn_geom, AttnKeep};
+use super::head::BwdIn;
 use crate::ops::linear::storage_tensor;
+use crate::ops::storage::Saved;
 use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 
 /// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
@@ -21,14 +21,14 @@ use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
 /// candle never pads a narrow's gradient. Heads run in parallel, each on a private scratch of
 /// accumulation-type buffers; every product is a `gemm` call.
 #[derive(Debug)]
-pub struct QkvAttention {
+pub(crate) struct QkvAttention {
     batch: usize,
     heads: usize,
     keep: AttnKeep,
     dropout: Option<Dropout>,
     /// Whether the input tracks: an untracked forward saves nothing.
     track: bool,
-    saved: Mutex<Option<CpuStorage>>,
+    saved: Saved,
 }
 
 /// Fused attention from the qkv projection (see [`QkvAttention`]).
@@ -69,15 +69,8 @@ impl QkvAttention {
             keep,
             dropout: dropout.filter(|d| d.p > 0.0),
             track,
-            saved: Mutex::new(None),
+            saved: Saved::default(),
         })
-    }
-
-    /// What the forward saved for the backward, locked.
-    fn saved(&self) -> CResult<std::sync::MutexGuard<'_, Option<CpuStorage>>> {
-        self.saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))
     }
 
     /// The attention's forward on the qkv storage: the output (b·s, D), with what the op keeps
@@ -91,7 +84,7 @@ impl QkvAttention {
             } else {
                 bf16::forward(qkv, &g, self.keep, self.dropout, self.track)
             };
-            *self.saved()? = saved;
+            *self.saved.lock("attention lock poisoned")? = saved;
             return Ok((CpuStorage::BF16(o), Shape::from((g.b * g.s, g.d()))));
         }
         let (out, saved) = dispatch_float!(st.dtype(), "attention", |T, A| {
@@ -99,7 +92,7 @@ impl QkvAttention {
             let (o, saved) = attn_fwd_cpu::<T, A>(qkv, &g, self.keep, self.dropout, self.track);
             (T::to_cpu_storage_owned(o), saved)
         });
-        *self.saved()? = saved;
+        *self.saved.lock("attention lock poisoned")? = saved;
         Ok((out, Shape::from((g.b * g.s, g.d()))))
     }
 
@@ -111,7 +104,7 @@ impl QkvAttention {
         (so, lo): (&CpuStorage, &Layout),
         (sg, lg): (&CpuStorage, &Layout),
     ) -> CResult<CpuStorage> {
-        let guard = self.saved()?;
+        let guard = self.saved.lock("attention lock poisoned")?;
         let g = attn_geom(lq, self.batch, self.heads)?;
         if sq.dtype() == DType::BF16 && bf16::applies() {
             let n = "attention";
@@ -127,18 +120,55 @@ impl QkvAttention {
             };
             return Ok(CpuStorage::BF16(dqkv));
         }
-        Ok(dispatch_float!(sq.dtype(), "attention backward", |T, A| {
-            let dqkv = attn_bwd_cpu::<T, A>(
-                cpu_slice::<T>(sq, lq, "attention qkv")?,
-                cpu_slice::<T>(so, lo, "attention output")?,
-                cpu_slice::<T>(sg, lg, "attention gradient")?,
-                guard.as_ref(),
-                &g,
-                self.keep,
-                self.dropout,
-            )?;
-            T::to_cpu_storage_owned(dqkv)
-        }))
+        drop(guard);
+        self.generic_dqkv(QkvIn::Shared(sq), lq, (so, lo), (sg, lg))
+    }
+
+    /// The generic kernels' backward: dqkv fresh beside a shared qkv, or written over an owned
+    /// one.
+    fn generic_dqkv(
+        &self,
+        qkv: QkvIn<'_>,
+        lq: &Layout,
+        (so, lo): (&CpuStorage, &Layout),
+        (sg, lg): (&CpuStorage, &Layout),
+    ) -> CResult<CpuStorage> {
+        let guard = self.saved.lock("attention lock poisoned")?;
+        let g = attn_geom(lq, self.batch, self.heads)?;
+        let mode = (self.keep, self.dropout);
+        Ok(dispatch_float!(
+            qkv.dtype(),
+            "attention backward",
+            |T, A| {
+                let ins = BwdIn::<T>::read((so, lo), (sg, lg), guard.as_ref(), mode)?;
+                match qkv {
+                    QkvIn::Shared(sq) => {
+                        let qkv = cpu_slice::<T>(sq, lq, "attention qkv")?;
+                        T::to_cpu_storage_owned(attn_bwd_cpu::<T, A>(qkv, &ins, &g)?)
+                    }
+                    QkvIn::Owned(st) => {
+                        let mut v = T::cpu_storage_data(st)?;
+                        attn_bwd_cpu_over::<T, A>(&mut v, &ins, &g)?;
+                        T::to_cpu_storage_owned(v)
+                    }
+                }
+            }
+        ))
+    }
+}
+
+/// qkv for [`QkvAttention::generic_dqkv`]: borrowed (dqkv fresh) or owned (dqkv over it).
+enum QkvIn<'a> {
+    Shared(&'a CpuStorage),
+    Owned(CpuStorage),
+}
+
+impl QkvIn<'_> {
+    fn dtype(&self) -> DType {
+        match self {
+            QkvIn::Shared(s) => s.dtype(),
+            QkvIn::Owned(s) => s.dtype(),
+        }
     }
 }
 
@@ -162,25 +192,7 @@ impl QkvAttention {
                 "attention backward: the owned qkv must be contiguous and whole",
             ));
         }
-        let guard = self.saved()?;
-        let g = attn_geom(lq, self.batch, self.heads)?;
-        Ok(dispatch_float!(
-            qkv.dtype(),
-            "attention backward",
-            |T, A| {
-                let mut v = T::cpu_storage_data(qkv)?;
-                attn_bwd_cpu_over::<T, A>(
-                    &mut v,
-                    cpu_slice::<T>(so, lo, "attention output")?,
-                    cpu_slice::<T>(sg, lg, "attention gradient")?,
-                    guard.as_ref(),
-                    &g,
-                    self.keep,
-                    self.dropout,
-                )?;
-                T::to_cpu_storage_owned(v)
-            }
-        ))
+        self.generic_dqkv(QkvIn::Owned(qkv), lq, (so, lo), (sg, lg))
     }
 }
 

@@ -11,19 +11,16 @@
 //! (at most one per head, allocated up front) the scratch of [`sep_fwd_scratch`] /
 //! [`sep_bwd_scratch`] elements; budget twin: `ditmem_budget::ditmem_cpu::ops::separate_attention`.
 
-use std::sync::Mutex;
-
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
-use rayon::prelude::*;
 
-use super::generic::{round_through, softmax_bwd_rows, streaming_head_bwd};
-use super::geom::{attn_threads, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
-use crate::kernels::gemm::mm;
+use super::geom::{carve, for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+use super::head::{gather_head, head_bwd, head_fwd, kept_view, BwdIn, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::ops::storage::Saved;
+use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
 /// Shapes of one call: batch, heads, query and key tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,12 +68,12 @@ pub fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
 
 /// The op (see the module docs).
 #[derive(Debug)]
-pub struct SeparateAttention {
+pub(crate) struct SeparateAttention {
     batch: usize,
     heads: usize,
     keep: AttnKeep,
     track: bool,
-    saved: Mutex<Option<CpuStorage>>,
+    saved: Saved,
 }
 
 impl SeparateAttention {
@@ -88,7 +85,7 @@ impl SeparateAttention {
             heads,
             keep,
             track,
-            saved: Mutex::new(None),
+            saved: Saved::default(),
         }
     }
 
@@ -101,10 +98,7 @@ impl SeparateAttention {
         (so, lo): (&CpuStorage, &Layout),
         (sg, lg): (&CpuStorage, &Layout),
     ) -> CResult<(CpuStorage, CpuStorage, CpuStorage)> {
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved.lock("attention lock poisoned")?;
         let g = sep_geom(lq, lk, lk, self.batch, self.heads)?;
         if k.dtype() != sq.dtype() || v.dtype() != sq.dtype() {
             return Err(err("attention: q, k and v must share one dtype"));
@@ -112,15 +106,9 @@ impl SeparateAttention {
         let n = "attention backward";
         Ok(dispatch_float!(sq.dtype(), n, |T, A| {
             let (mut kv, mut vv) = (T::cpu_storage_data(k)?, T::cpu_storage_data(v)?);
-            let dq = sep_bwd_over::<T, A>(
-                cpu_slice::<T>(sq, lq, n)?,
-                (&mut kv, &mut vv),
-                cpu_slice::<T>(so, lo, n)?,
-                cpu_slice::<T>(sg, lg, n)?,
-                guard.as_ref(),
-                &g,
-                self.keep,
-            )?;
+            let q = cpu_slice::<T>(sq, lq, n)?;
+            let ins = BwdIn::<T>::read((so, lo), (sg, lg), guard.as_ref(), (self.keep, None))?;
+            let dq = sep_bwd_over::<T, A>(q, (&mut kv, &mut vv), &ins, &g)?;
             (
                 T::to_cpu_storage_owned(dq),
                 T::to_cpu_storage_owned(kv),
@@ -131,9 +119,7 @@ impl SeparateAttention {
 
     /// Frees what the forward kept (P or the log-sum-exp), once its backward has run.
     pub(crate) fn release(&self) {
-        if let Ok(mut s) = self.saved.lock() {
-            s.take();
-        }
+        self.saved.release();
     }
 }
 
@@ -148,17 +134,7 @@ pub fn attention(
     keep: AttnKeep,
 ) -> CResult<Tensor> {
     let track = q.track_op() || k.track_op() || v.track_op();
-    q.apply_op3(
-        k,
-        v,
-        SeparateAttention {
-            batch,
-            heads,
-            keep,
-            track,
-            saved: Mutex::new(None),
-        },
-    )
+    q.apply_op3(k, v, SeparateAttention::new(batch, heads, keep, track))
 }
 
 fn sep_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -> CResult<SepGeom> {
@@ -192,22 +168,10 @@ fn sep_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -
     })
 }
 
-/// Head `hd` of batch `bi` of a (b·n, D) operand into an (n × d_h) buffer, times `scale`.
-fn gather<T: Elem<A>, A: Acc>(
-    x: &[T],
-    n: usize,
-    g: &SepGeom,
-    (bi, hd): (usize, usize),
-    scale: A,
-    dst: &mut [A],
-) {
-    let (dh, d) = (g.dh, g.d());
-    for i in 0..n {
-        let src = &x[(bi * n + i) * d + hd * dh..][..dh];
-        for (o, v) in dst[i * dh..(i + 1) * dh].iter_mut().zip(src) {
-            *o = v.to_acc() * scale;
-        }
-    }
+/// Where head (bi, hd) of a (b·n, D) operand lies, for [`gather_head`]: its n rows from
+/// bi·n, D apart, its columns from hd·d_h.
+fn head_cols(g: &SepGeom, n: usize, (bi, hd): (usize, usize)) -> (usize, usize, usize) {
+    (bi * n, g.d(), hd * g.dh)
 }
 
 /// Writes an (n × d_h) head buffer times `scale` into head (bi, hd)'s columns of a (b·n, D) output.
@@ -246,145 +210,24 @@ where
     let (sq, sk, dh) = (g.sq, g.sk, g.dh);
     let nh = g.b * g.a;
     let mut out: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * g.d()];
-    let save_p = save && keep == AttnKeep::Probabilities;
-    let save_l = save && keep == AttnKeep::LogSumExp;
-    let mut p_keep: Vec<T> = if save_p {
-        vec![T::from_acc(A::ZERO); nh * sq * sk]
-    } else {
-        Vec::new()
-    };
-    let mut lse: Vec<A> = if save_l {
-        vec![A::ZERO; nh * sq]
-    } else {
-        Vec::new()
-    };
-    let nt = attn_threads(nh);
-    let per = sep_fwd_scratch(g, keep);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
+    let mut kept = Kept::<T, A>::new(keep, save, nh, (sq, sk));
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
-    let (po, pp, pl) = (
-        SharedMut(out.as_mut_ptr()),
-        SharedMut(p_keep.as_mut_ptr()),
-        SharedMut(lse.as_mut_ptr()),
-    );
+    let (po, to) = (SharedMut(out.as_mut_ptr()), kept.at());
     let kb = g.kb();
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
-        let (qb, rest) = sc.split_at_mut(sq * dh);
-        let (kbuf, rest) = rest.split_at_mut(sk * dh);
-        let (vb, rest) = rest.split_at_mut(sk * dh);
-        let (o, rest) = rest.split_at_mut(sq * dh);
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, sq, g, bh, scale, qb);
-            gather(k, sk, g, bh, one, kbuf);
-            gather(v, sk, g, bh, one, vb);
-            match keep {
-                AttnKeep::Probabilities | AttnKeep::Nothing => {
-                    let p = &mut rest[..sq * sk];
-                    mm(sq, sk, dh, p, (qb, dh, 1), (kbuf, 1, dh), false);
-                    A::softmax_rows(p, sk);
-                    if save_p {
-                        for (i, x) in p.iter().enumerate() {
-                            // SAFETY: `p_keep` holds b·a·s_q·s_kv elements and
-                            // head·s_q·s_kv + i is below that; heads are dealt to tasks by
-                            // residue, so only this task writes head's block.
-                            unsafe { *pp.at(head * sq * sk + i) = T::from_acc(*x) };
-                        }
-                    }
-                    mm(sq, dh, sk, o, (p, sk, 1), (vb, dh, 1), false);
-                }
-                AttnKeep::LogSumExp => {
-                    let (sb, ml) = rest.split_at_mut(sq * kb);
-                    let (m, l) = ml.split_at_mut(sq);
-                    m.iter_mut().for_each(|x| *x = A::NEG_INF);
-                    l.iter_mut().for_each(|x| *x = A::ZERO);
-                    o.iter_mut().for_each(|x| *x = A::ZERO);
-                    let mut j0 = 0;
-                    while j0 < sk {
-                        let n = kb.min(sk - j0);
-                        let blk = &mut sb[..sq * n];
-                        mm(
-                            sq,
-                            n,
-                            dh,
-                            blk,
-                            (qb, dh, 1),
-                            (&kbuf[j0 * dh..], 1, dh),
-                            false,
-                        );
-                        for i in 0..sq {
-                            let row = &mut blk[i * n..(i + 1) * n];
-                            let rmax = A::max_of(row);
-                            let bmax = if rmax > m[i] { rmax } else { m[i] };
-                            let corr = if m[i] == A::NEG_INF {
-                                A::ZERO
-                            } else {
-                                (m[i] - bmax).exp()
-                            };
-                            let z = A::exp_sub_sum(row, bmax);
-                            l[i] = l[i] * corr + z;
-                            for x in o[i * dh..(i + 1) * dh].iter_mut() {
-                                *x *= corr;
-                            }
-                            m[i] = bmax;
-                        }
-                        mm(sq, dh, n, o, (blk, n, 1), (&vb[j0 * dh..], dh, 1), true);
-                        j0 += n;
-                    }
-                    for i in 0..sq {
-                        let inv = one / l[i];
-                        for x in o[i * dh..(i + 1) * dh].iter_mut() {
-                            *x *= inv;
-                        }
-                        if save_l {
-                            // SAFETY: `lse` holds b·a·s_q elements; only this task writes
-                            // head's s_q values.
-                            unsafe { *pl.at(head * sq + i) = m[i] + l[i].ln() };
-                        }
-                    }
-                }
-            }
-            // SAFETY: `out` holds b·s_q·D elements; only this task writes head (bi, hd).
-            unsafe { scatter(&po, sq, g, bh, o, one) };
-            head += nt;
-        }
+    for_each_head(nh, sep_fwd_scratch(g, keep), |head, sc: &mut [A]| {
+        let ([qb, kbuf, vb, o], rest) = carve(sc, [sq * dh, sk * dh, sk * dh, sq * dh]);
+        let bh = (head / g.a, head % g.a);
+        gather_head((sq, dh), head_cols(g, sq, bh), scale, qb, |i| q[i].to_acc());
+        gather_head((sk, dh), head_cols(g, sk, bh), one, kbuf, |i| k[i].to_acc());
+        gather_head((sk, dh), head_cols(g, sk, bh), one, vb, |i| v[i].to_acc());
+        let (ins, blocks) = ((&*qb, &*kbuf, &*vb), (kb, &mut *o, rest));
+        // SAFETY: `to` points to what `kept` allocated for all heads; head is this task's alone.
+        unsafe { head_fwd::<T, A>((sq, sk, dh), ins, keep, (head, None, false), blocks, to) };
+        // SAFETY: `out` holds b·s_q·D elements; only this task writes head (bi, hd).
+        unsafe { scatter(&po, sq, g, bh, o, one) };
     });
-    drop(scratch);
-    let saved = if save_p {
-        Some(T::to_cpu_storage_owned(p_keep))
-    } else if save_l {
-        Some(A::to_cpu_storage_owned(lse))
-    } else {
-        None
-    };
-    (out, saved)
-}
-
-/// Head `hd` of batch `bi` of a (b·n, D) operand read through a raw pointer into an (n × d_h)
-/// buffer, times `scale` ([`gather`] for an operand whose other heads' columns other tasks
-/// write meanwhile).
-///
-/// # Safety
-/// `p` must point to b·n·D initialised elements, and no other thread may write head (bi, hd)'s
-/// columns during the call.
-unsafe fn gather_raw<T: Elem<A>, A: Acc>(
-    p: &SharedMut<T>,
-    n: usize,
-    g: &SepGeom,
-    (bi, hd): (usize, usize),
-    scale: A,
-    dst: &mut [A],
-) {
-    let (dh, d) = (g.dh, g.d());
-    for i in 0..n {
-        for (j, o) in dst[i * dh..(i + 1) * dh].iter_mut().enumerate() {
-            // SAFETY: bi < b, i < n, hd·dh + j < D: inside the buffer; the caller guarantees
-            // no thread writes these columns meanwhile.
-            *o = unsafe { *p.at((bi * n + i) * d + hd * dh + j) }.to_acc() * scale;
-        }
-    }
+    (out, kept.into_storage())
 }
 
 /// b·s_kv·D, the length k and v (of lengths `k`, `v`) must have.
@@ -399,11 +242,8 @@ fn kv_len(g: &SepGeom, k: usize, v: usize) -> CResult<usize> {
 /// Backward of all heads: (dq, dk, dv), each fresh.
 fn sep_bwd<T, A>(
     (q, k, v): (&[T], &[T], &[T]),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)>
 where
     T: Elem<A> + WithDType,
@@ -422,7 +262,7 @@ where
         SharedMut(dv_all.as_mut_ptr()),
     );
     // SAFETY: k and v hold b·s_kv·D elements each (checked), as do the fresh dk and dv.
-    let dq = unsafe { sep_bwd_heads(q, src, dst, o_all, go_all, saved, g, keep)? };
+    let dq = unsafe { sep_bwd_heads(q, src, dst, ins, g)? };
     Ok((dq, dk_all, dv_all))
 }
 
@@ -430,14 +270,11 @@ where
 /// longer needs, the fused cross-attention's kept projections): each head's task reads its
 /// columns of k and v into its scratch before it writes that head's gradient columns, and no
 /// other task touches them. Returns dq.
-pub(crate) fn sep_bwd_over<T, A>(
+fn sep_bwd_over<T, A>(
     q: &[T],
     (k, v): (&mut [T], &mut [T]),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
@@ -447,7 +284,7 @@ where
     let (pk, pv) = (SharedMut(k.as_mut_ptr()), SharedMut(v.as_mut_ptr()));
     // SAFETY: k and v hold b·s_kv·D elements each (checked); sources and destinations are the
     // same buffers, each head's columns read before they are written, by one task.
-    unsafe { sep_bwd_heads(q, (pk, pv), (pk, pv), o_all, go_all, saved, g, keep) }
+    unsafe { sep_bwd_heads(q, (pk, pv), (pk, pv), ins, g) }
 }
 
 /// The heads' backward (see [`sep_bwd`], [`sep_bwd_over`]): k and v read from `src`, dk and dv
@@ -456,107 +293,59 @@ where
 /// # Safety
 /// Every pointer must point to b·s_kv·D initialised elements; no one else may access them
 /// during the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn sep_bwd_heads<T, A>(
     q: &[T],
     (sk_src, sv_src): (SharedMut<T>, SharedMut<T>),
     (pk, pv): (SharedMut<T>, SharedMut<T>),
-    o_all: &[T],
-    go_all: &[T],
-    saved: Option<&CpuStorage>,
+    ins: &BwdIn<'_, T>,
     g: &SepGeom,
-    keep: AttnKeep,
 ) -> CResult<Vec<T>>
 where
     T: Elem<A> + WithDType,
     A: Acc + WithDType,
 {
     let (sq, sk, dh, d) = (g.sq, g.sk, g.dh, g.d());
-    let nh = g.b * g.a;
-    let p_saved: Option<&[T]> = match (keep, saved) {
-        (AttnKeep::Probabilities, Some(st)) => Some(st.as_slice::<T>()?),
-        (AttnKeep::Probabilities, None) => {
-            return Err(err("attention backward: probabilities were not kept"))
-        }
-        _ => None,
-    };
-    let lse: Option<&[A]> = match (keep, saved) {
-        (AttnKeep::LogSumExp, Some(st)) => Some(st.as_slice::<A>()?),
-        (AttnKeep::LogSumExp, None) => {
-            return Err(err("attention backward: the log-sum-exp was not kept"))
-        }
-        _ => None,
-    };
+    let (o_all, go_all, keep) = (ins.o, ins.go, ins.keep);
+    let kept = kept_view::<T, A>(keep, ins.saved)?;
     let mut dq_all: Vec<T> = vec![T::from_acc(A::ZERO); g.b * sq * d];
-    let nt = attn_threads(nh);
-    let per = sep_bwd_scratch(g, keep);
-    let mut scratch: Vec<A> = vec![A::ZERO; nt * per];
     let scale = <A as Acc>::from_f64(crate::mutation::attention_scale(dh));
     let one = <A as Acc>::from_f64(1.0);
     let pq = SharedMut(dq_all.as_mut_ptr());
     let (kb, qbl) = (g.kb(), g.qb());
-    scratch.par_chunks_mut(per).enumerate().for_each(|(t, sc)| {
-        let (qb, rest) = sc.split_at_mut(sq * dh);
-        let (go, rest) = rest.split_at_mut(sq * dh);
-        let (dq, rest) = rest.split_at_mut(sq * dh);
-        let (kbuf, rest) = rest.split_at_mut(sk * dh);
-        let (vb, rest) = rest.split_at_mut(sk * dh);
-        let (dk, rest) = rest.split_at_mut(sk * dh);
-        let (dv, rest) = rest.split_at_mut(sk * dh);
-        let mut head = t;
-        while head < nh {
-            let bh = (head / g.a, head % g.a);
-            gather(q, sq, g, bh, scale, qb);
-            // SAFETY: the caller's buffers of b·s_kv·D elements; only this task (head ≡ t mod
-            // nt) reads or writes head (bi, hd)'s columns.
-            unsafe {
-                gather_raw(&sk_src, sk, g, bh, one, kbuf);
-                gather_raw(&sv_src, sk, g, bh, one, vb);
-            }
-            gather(go_all, sq, g, bh, one, go);
-            match keep {
-                AttnKeep::Probabilities | AttnKeep::Nothing => {
-                    let (p, dp) = rest.split_at_mut(sq * sk);
-                    let dp = &mut dp[..sq * sk];
-                    match p_saved {
-                        Some(ps) => {
-                            for (x, y) in p.iter_mut().zip(&ps[head * sq * sk..][..sq * sk]) {
-                                *x = y.to_acc();
-                            }
-                        }
-                        None => {
-                            mm(sq, sk, dh, p, (qb, dh, 1), (kbuf, 1, dh), false);
-                            A::softmax_rows(p, sk);
-                            // As stored in the compute dtype by the materialized mode.
-                            round_through::<T, A>(p);
-                        }
-                    }
-                    mm(sq, sk, dh, dp, (go, dh, 1), (vb, 1, dh), false);
-                    mm(sk, dh, sq, dv, (p, 1, sk), (go, dh, 1), false);
-                    softmax_bwd_rows(p, dp, sk);
-                    mm(sq, dh, sk, dq, (dp, sk, 1), (kbuf, dh, 1), false);
-                    mm(sk, dh, sq, dk, (dp, 1, sk), (qb, dh, 1), false);
-                }
-                AttnKeep::LogSumExp => {
-                    let lse = &lse.unwrap_or(&[])[head * sq..][..sq];
-                    let (pb, rest) = rest.split_at_mut(qbl * kb);
-                    let (dpb, delta) = rest.split_at_mut(qbl * kb);
-                    let (blocks, grads) = ((qbl, kb, pb, dpb), (&mut *dq, &mut *dk, &mut *dv));
-                    let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
-                    streaming_head_bwd((sq, sk, dh), ins, o, (lse, delta), blocks, grads);
-                }
-            }
-            // SAFETY: each buffer holds b·n·D elements for its n; only this task (head ≡ t mod
-            // nt) writes head (bi, hd)'s columns.
-            unsafe {
-                scatter(&pq, sq, g, bh, dq, scale);
-                scatter(&pk, sk, g, bh, dk, one);
-                scatter(&pv, sk, g, bh, dv, one);
-            }
-            head += nt;
+    for_each_head(g.b * g.a, sep_bwd_scratch(g, keep), |head, sc: &mut [A]| {
+        let (qs, ks) = ([sq * dh; 3], [sk * dh; 4]);
+        let ([qb, go, dq], rest) = carve(sc, qs);
+        let ([kbuf, vb, dk, dv], rest) = carve(rest, ks);
+        let bh = (head / g.a, head % g.a);
+        let (at_q, at_k) = (head_cols(g, sq, bh), head_cols(g, sk, bh));
+        gather_head((sq, dh), at_q, scale, qb, |i| q[i].to_acc());
+        // SAFETY: k's buffer holds b·s_kv·D elements (the caller's contract); gather_head reads
+        // head (bi, hd)'s columns only, which no task but this one (head ≡ t mod nt) touches.
+        let read_k = |i: usize| unsafe { *sk_src.at(i) }.to_acc();
+        gather_head((sk, dh), at_k, one, kbuf, read_k);
+        // SAFETY: as for k, on v's buffer.
+        let read_v = |i: usize| unsafe { *sv_src.at(i) }.to_acc();
+        gather_head((sk, dh), at_k, one, vb, read_v);
+        gather_head((sq, dh), at_q, one, go, |i| go_all[i].to_acc());
+        let (ins, o) = ((&*qb, &*go, &*kbuf, &*vb), (o_all, bh.0, bh.1, d));
+        let grads = (&mut *dq, &mut *dk, &mut *dv);
+        head_bwd(
+            (sq, sk, dh),
+            ins,
+            o,
+            (kept, head, None),
+            keep,
+            (qbl, kb, rest),
+            grads,
+        );
+        // SAFETY: each buffer holds b·n·D elements for its n; only this task (head ≡ t mod
+        // nt) writes head (bi, hd)'s columns.
+        unsafe {
+            scatter(&pq, sq, g, bh, dq, scale);
+            scatter(&pk, sk, g, bh, dk, one);
+            scatter(&pv, sk, g, bh, dv, one);
         }
     });
-    drop(scratch);
     Ok(dq_all)
 }
 
@@ -580,18 +369,12 @@ impl CustomOp3 for SeparateAttention {
         }
         let n = "attention";
         let (out, saved) = dispatch_float!(sq.dtype(), n, |T, A| {
-            let ins = (
-                cpu_slice::<T>(sq, lq, n)?,
-                cpu_slice::<T>(sk, lk, n)?,
-                cpu_slice::<T>(sv, lv, n)?,
-            );
+            let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+            let ins = (q, k, v);
             let (o, saved) = sep_fwd::<T, A>(ins, &g, self.keep, self.track);
             (T::to_cpu_storage_owned(o), saved)
         });
-        *self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))? = saved;
+        *self.saved.lock("attention lock poisoned")? = saved;
         Ok((out, Shape::from((g.b * g.sq, g.d()))))
     }
 
@@ -603,43 +386,25 @@ impl CustomOp3 for SeparateAttention {
         res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let guard = self
-            .saved
-            .lock()
-            .map_err(|_| err("attention lock poisoned"))?;
+        let guard = self.saved.lock("attention lock poisoned")?;
         let grad = grad.contiguous()?;
         let n = "attention backward";
-        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
-            with_cpu(k, |sk, lk| {
-                with_cpu(v, |sv, lv| {
-                    with_cpu(res, |so, lo| {
-                        with_cpu(&grad, |sg, lg| {
-                            let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
-                            let dev = Device::Cpu;
-                            Ok(dispatch_float!(sq.dtype(), n, |T, A| {
-                                let ins = (
-                                    cpu_slice::<T>(sq, lq, n)?,
-                                    cpu_slice::<T>(sk, lk, n)?,
-                                    cpu_slice::<T>(sv, lv, n)?,
-                                );
-                                let (dq, dk, dv) = sep_bwd::<T, A>(
-                                    ins,
-                                    cpu_slice::<T>(so, lo, n)?,
-                                    cpu_slice::<T>(sg, lg, n)?,
-                                    guard.as_ref(),
-                                    &g,
-                                    self.keep,
-                                )?;
-                                (
-                                    Tensor::from_vec(dq, lq.shape(), &dev)?,
-                                    Tensor::from_vec(dk, lk.shape(), &dev)?,
-                                    Tensor::from_vec(dv, lv.shape(), &dev)?,
-                                )
-                            }))
-                        })
-                    })
-                })
-            })
+        let ts = [q, k, v, res, &grad];
+        let (dq, dk, dv) = with_cpus(ts, |[(sq, lq), (sk, lk), (sv, lv), (so, lo), (sg, lg)]| {
+            let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
+            let dev = Device::Cpu;
+            Ok(dispatch_float!(sq.dtype(), n, |T, A| {
+                let [q, k, v] = cpu_slices::<T, 3>([(sq, lq), (sk, lk), (sv, lv)], n)?;
+                let ins = (q, k, v);
+                let bwd_in =
+                    BwdIn::<T>::read((so, lo), (sg, lg), guard.as_ref(), (self.keep, None))?;
+                let (dq, dk, dv) = sep_bwd::<T, A>(ins, &bwd_in, &g)?;
+                (
+                    Tensor::from_vec(dq, lq.shape(), &dev)?,
+                    Tensor::from_vec(dk, lk.shape(), &dev)?,
+                    Tensor::from_vec(dv, lv.shape(), &dev)?,
+                )
+            }))
         })?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }

@@ -19,33 +19,19 @@ pub(super) fn linear_fwd_bf16<W: Elem<f32> + gemm_bf16::ToBf16>(
     inp: usize,
     out: usize,
 ) -> Vec<half::bf16> {
-    use gemm_bf16::{pack_a, pack_b, packed_a_len, packed_b_len, View};
+    use gemm_bf16::{pack_a, packed_a_len, packed_b, View};
     // Every row is narrowed in below: no zeroing.
     let mut y: Vec<half::bf16> = Vec::with_capacity(rows * out);
     let r = LINEAR_ROWS.min(rows);
     // B = Wᵀ (in × out): B(k, j) = W[j][k].
-    let mut pb = vec![0u16; packed_b_len(inp, out)];
-    pack_b(
-        inp,
-        out,
-        View {
-            data: w,
-            rs: 1,
-            cs: inp,
-        },
-        &mut pb,
-    );
+    let pb = packed_b(inp, out, View::cols(w, inp));
     let mut pa = vec![0u32; packed_a_len(r, inp)];
     let mut c = vec![0f32; r * out];
     let b32: Vec<f32> = b.iter().map(|v| read_as::<half::bf16, W>(*v)).collect();
     let mut r0 = 0;
     while r0 < rows {
         let n = r.min(rows - r0);
-        let xv = View {
-            data: &x[r0 * inp..(r0 + n) * inp],
-            rs: inp,
-            cs: 1,
-        };
+        let xv = View::rows(&x[r0 * inp..(r0 + n) * inp], inp);
         pack_a(n, inp, xv, &mut pa);
         c[..n * out]
             .par_chunks_mut(out)
@@ -79,16 +65,7 @@ pub(crate) fn dx_chunk(
 
 /// Packs a chunk of the output gradient (n × out, row-major) as the dx product's A.
 fn pack_g(gc: &[half::bf16], (n, out): (usize, usize), pa: &mut [u32]) {
-    gemm_bf16::pack_a(
-        n,
-        out,
-        gemm_bf16::View {
-            data: gc,
-            rs: out,
-            cs: 1,
-        },
-        pa,
-    );
+    gemm_bf16::pack_a(n, out, gemm_bf16::View::rows(gc, out), pa);
 }
 
 /// dW += g_cᵀ·x_c for a chunk of n rows: gc (n × out), xc (n × in), the f32 `dw32` (out × in),
@@ -101,17 +78,9 @@ pub(crate) fn dw_chunk(
     dw32: &mut [f32],
 ) {
     use gemm_bf16::{gemm_packed, pack_a, pack_b, View};
-    let gt = View {
-        data: gc,
-        rs: 1,
-        cs: out,
-    };
+    let gt = View::cols(gc, out);
     pack_a(out, n, gt, pa);
-    let x = View {
-        data: xc,
-        rs: inp,
-        cs: 1,
-    };
+    let x = View::rows(xc, inp);
     pack_b(n, inp, x, pb);
     gemm_packed(out, inp, n, pa, pb, dw32, inp);
 }
@@ -177,16 +146,7 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
         let mut j0 = 0;
         while j0 < inp {
             let cols = pc.min(inp - j0);
-            pack_b(
-                out,
-                cols,
-                View {
-                    data: &w[j0..],
-                    rs: inp,
-                    cs: 1,
-                },
-                pw,
-            );
+            pack_b(out, cols, View::rows(&w[j0..], inp), pw);
             let mut r0 = 0;
             while r0 < rows {
                 let n = r.min(rows - r0);
@@ -242,7 +202,7 @@ pub(super) fn linear_bwd_bf16<W: gemm_bf16::ToBf16 + GradFromF32>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::gemm_bf16::{pack_b, packed_a_len, packed_b_len, View};
+    use crate::kernels::gemm_bf16::{packed_a_len, packed_b, View};
 
     /// dx by panels of W is bit for bit the product with W packed whole, on shapes with one
     /// chunk and several, whole and ragged panels (columns 64, 128, 300: one panel, one, three
@@ -267,17 +227,7 @@ mod tests {
             };
             let (dx, _, _) = linear_bwd_bf16(&x, &w, &g, (rows, inp, out), want);
             let dx = dx.unwrap();
-            let mut pw = vec![0u16; packed_b_len(out, inp)];
-            pack_b(
-                out,
-                inp,
-                View {
-                    data: &w,
-                    rs: inp,
-                    cs: 1,
-                },
-                &mut pw,
-            );
+            let pw = packed_b(out, inp, View::rows(&w, inp));
             let r = LINEAR_ROWS.min(rows);
             let mut pa = vec![0u32; packed_a_len(r, out)];
             let mut c = vec![0f32; r * inp];

@@ -1,7 +1,7 @@
 //! The fused linear on f32/f64: `gemm` straight on the tensors' data (W read transposed in
 //! place), no workspace; dx and dW are written by `gemm` into fresh, unzeroed memory.
 
-use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_into_spare, mm_par, mm_strided};
+use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_into_spare, mm_strided};
 use crate::kernels::scalar::{Acc, Elem};
 
 use super::common::{add_column_sums, dw_blocks, LinearGrads, DW_ROWS};
@@ -19,11 +19,11 @@ pub(super) fn linear_fwd_direct<A: Acc + 'static>(
     for _ in 0..rows {
         y.extend_from_slice(b);
     }
-    mm_par(
+    mm_strided(
         rows,
         out,
         inp,
-        &mut y,
+        (&mut y, out, 1),
         (x, inp, 1),
         (w, 1, inp),
         true,

@@ -14,11 +14,10 @@ mod widen;
 
 use std::sync::Arc;
 
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::kernels::gemm_bf16;
+pub(crate) use crate::ops::storage::storage_tensor;
 use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
 
 pub(crate) use bf16::{dw_chunk, dx_chunk};
@@ -47,7 +46,7 @@ use widen::{linear_bwd_widen, linear_fwd_widen};
 /// With an [`InputSink`], dx goes the same way: added in place into the sink's running sum
 /// (the text context every block's cross-attention reads).
 #[derive(Debug, Clone, Default)]
-pub struct LinearOp {
+pub(crate) struct LinearOp {
     sink: Option<Arc<GradSink>>,
     dx_sink: Option<Arc<InputSink>>,
 }
@@ -75,7 +74,7 @@ pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> 
 /// The fused linear with its weight gradients handed to `sink` when given (as [`linear_sunk`];
 /// else to candle) and dx added into `dx_sink` (see [`InputSink`]) instead of candle's store.
 /// x must track for the backward to run.
-pub fn linear_into(
+pub(crate) fn linear_into(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,
@@ -256,21 +255,6 @@ pub(crate) fn linear_dx_storage(
     }
 }
 
-/// A CPU storage as a fresh, untracked tensor of `shape`.
-pub(crate) fn storage_tensor(s: CpuStorage, shape: impl Into<Shape>) -> CResult<Tensor> {
-    let (shape, dev) = (shape.into(), &Device::Cpu);
-    match s {
-        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::F64(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
-        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
-        other => Err(err(format!(
-            "linear: unsupported gradient dtype {:?}",
-            other.dtype()
-        ))),
-    }
-}
-
 /// The weight and bias gradients of a linear as tensors of W's and b's shapes.
 pub(crate) fn weight_grads(
     (dw, db): (Option<CpuStorage>, Option<CpuStorage>),
@@ -340,6 +324,7 @@ impl CustomOp3 for LinearOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// The row chunks the budget counts are the engine's.
     #[test]
