@@ -5,14 +5,13 @@ use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use crate::diffusion::Batch;
-use crate::layers::{LinearW, LN_EPS};
-use crate::model::{patchify, timestep_features};
-use crate::ops::ln_modulate;
+use crate::layers::LinearW;
+use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+    e, linear, mse_loss, on_pool, pair_bound, shift_scale_ln, F64Replay, Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::flux::FluxGeom;
@@ -30,13 +29,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
         rope_ids, single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights,
         DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
     };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
     let (dev, f) = (Device::Cpu, DType::F64);
     let max_abs = |n: &str| -> Result<f64> {
         t.parameter(&format!("{n}.weight"))?
@@ -51,7 +45,6 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
         d.head_dim as f64,
     );
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
     let blocks = g.double + g.single;
     for i in 0..blocks {
         let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
@@ -113,16 +106,12 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
         norm_out: linear(t, "norm_out.linear")?,
         proj_out: linear(t, "proj_out")?,
     };
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    // S comes from the weights above; the replay checks the loss and gathers the softmax
+    // amplification.
+    let (_, loss, softmax) = r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut xs, st) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
-            let x0 = x_embedder
-                .forward(&patchify(&xt, &d)?)?
-                .reshape((b, d.tokens, d.hidden))
-                .map_err(e)?;
+            let x0 = r.tokens(&x_embedder, &r.noisy_patches(mb)?, b, None)?;
             let c0 = context_embedder
                 .forward(&mb.text_tensor(f, &dev)?)?
                 .reshape((b, g.text_tokens, d.hidden))
@@ -165,8 +154,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
-                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
+                    pair_bound(&q, &k, b, d.heads, scale, (softmax, g.text_tokens))?;
+                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &r.cfg)?;
                     Ok(vec![x, c])
                 })?
             } else {
@@ -192,19 +181,20 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
-                    Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
+                    pair_bound(&q, &k, b, d.heads, scale, (softmax, g.text_tokens))?;
+                    Ok(vec![single_forward(&joint, &st, &table, &w, &r.cfg)?])
                 })?
             };
         }
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let img = image_tokens(&xs[0], d.tokens)?;
             let out = flux_final(&img, &st, &fw, f, f)?;
             let pred = unpack(&out, b, &d)?;
-            mse_loss(pred, &mb, &acp, spec)
+            mse_loss(pred, mb, &r.acp, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((0.0, loss))
+    })?;
+    Ok((bound, loss, softmax))
 }
 
 /// One Flux stream's part of an attention: its tokens (b, n, D), its AdaLayerNorm's linear,
@@ -224,9 +214,7 @@ fn flux_qk(
     use crate::ops::{rms_norm, rope, RMS_EPS};
     let part = |(x, ada, [lq, lk], [nq, nk]): FluxStream<'_>| -> Result<(Tensor, Tensor)> {
         let (b, n, h) = x.dims3().map_err(e)?;
-        let m = ada.forward(st)?;
-        let (shift, sc) = (m.narrow(1, 0, h).map_err(e)?, m.narrow(1, h, h).map_err(e)?);
-        let hx = ln_modulate(x, &shift, &sc, LN_EPS, DType::F64).map_err(e)?;
+        let hx = shift_scale_ln(x, &ada.forward(st)?)?;
         let flat = |y: Tensor| y.reshape((b * n, h)).map_err(e);
         let q = rms_norm(&flat(lq.forward(&hx)?)?, nq, RMS_EPS).map_err(e)?;
         let k = rms_norm(&flat(lk.forward(&hx)?)?, nk, RMS_EPS).map_err(e)?;

@@ -5,15 +5,12 @@ use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use crate::diffusion::Batch;
-use crate::layers::LinearW;
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::error::bad;
 use crate::verify::key_bias::SELF_ATTENTION;
-use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
-};
+use crate::verify::replay::{e, linear, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::Result;
 use ditmem_engine::families::sd3::Sd3Geom;
 
@@ -26,20 +23,11 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
         block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
         ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
     };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
     let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
-    let conv = t
-        .parameter("pos_embed.proj.weight")?
-        .flatten_from(1)
-        .map_err(e)?;
-    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
+    let embed = linear(t, "pos_embed.proj")?;
     let te = "time_text_embed.timestep_embedder";
     let pe = "time_text_embed.text_embedder";
     let (t1, t2) = (
@@ -52,6 +40,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
     );
     let context = linear(t, "context_embedder")?;
     let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
+    // The crop of the position table to the latent's grid, as (s, D) rows.
     let side = g.pos_side;
     let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
     let pos = t
@@ -59,6 +48,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
         .reshape((side, side, d.hidden))
         .and_then(|p| p.narrow(0, top, d.rows))
         .and_then(|p| p.narrow(1, left, d.cols))
+        .and_then(|p| p.reshape((d.tokens, d.hidden)))
         .map_err(e)?;
     let mut blocks = Vec::with_capacity(d.depth);
     for i in 0..d.depth {
@@ -121,20 +111,10 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
             dual,
         });
     }
-    let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut streams, se) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
-            let xe = embed.forward(&patchify(&xt, &d)?)?;
-            let x = xe
-                .reshape((b, d.rows, d.cols, d.hidden))
-                .and_then(|x| x.broadcast_add(&pos))
-                .and_then(|x| x.reshape((b, d.tokens, d.hidden)))
-                .map_err(e)?;
+            let x = r.tokens(&embed, &r.noisy_patches(mb)?, b, Some(&pos))?;
             let tf = timestep_features(&mb.timesteps, SD3_FREQ, f, &dev)?;
             let tt = silu_mlp(&tf, &t1, &t2)?;
             let tp = silu_mlp(&mb.pooled_tensor(f, &dev)?, &p1, &p2)?;
@@ -145,34 +125,31 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
                 .map_err(e)?;
             Ok((vec![c, x], se))
         })?;
+        let mut bound = 0.0f64;
         for bw in &blocks {
             let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
-                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
-                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
+                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &r.cfg)?;
+                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (softmax, d.tokens))?;
                 // attn2 reads the block's input image stream (its own LN of x).
-                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &cfg)? {
-                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?);
+                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &r.cfg)? {
+                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (softmax, 0))?);
                 }
                 Ok((
-                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
+                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &r.cfg)?,
                     sb,
                 ))
             })?;
             bound = bound.max(sb);
             streams = next;
         }
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let x = streams
                 .last()
                 .ok_or_else(|| bad("attention-score probe", "no image stream"))?;
-            let out = sd3_final(x, &se, &norm_out, &proj_out, f, f)?;
-            let pred = unpatchify(&out, b, &d)?
-                .narrow(1, 0, d.in_channels)
-                .map_err(e)?;
-            mse_loss(pred, &mb, &acp, spec)
+            r.patch_loss(&sd3_final(x, &se, &norm_out, &proj_out, f, f)?, mb, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((bound, loss))
+    })
 }
 
 impl super::VerifyFamily for Sd3Geom {
