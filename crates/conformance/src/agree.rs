@@ -664,7 +664,7 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
 /// The diffusers DiT grid's base: [`ditmem_engine::families::dit_diffusers::tiny_spec`]
 /// (`DiTTransformer2DModel`, 2 blocks of 4 × 16-wide heads, 64 tokens, batch 4) with an fp32
 /// EMA, on this process's CPU.
-pub fn dit_diffusers_grid_base() -> Result<Spec> {
+pub(crate) fn dit_diffusers_grid_base() -> Result<Spec> {
     Ok(family_base(
         ditmem_engine::families::dit_diffusers::tiny_spec(2, 4)?,
         "dit-diffusers-d2-h64",

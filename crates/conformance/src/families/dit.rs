@@ -13,7 +13,7 @@ use crate::rng::derive_seed;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::replay::{
-    class_ids, e, linear, linears, on_pool, shift_scale_ln, silu_mlp, strided_bound, F64Replay,
+    class_ids, e, linear, on_pool, shift_scale_ln, silu_mlp, strided_bound, weights, F64Replay,
     Probe,
 };
 use crate::verify::softmax::Layout as SoftmaxLayout;
@@ -53,7 +53,7 @@ fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f6
         let mut bound = 0.0f64;
         for i in 0..d.depth {
             // One block's weight copies at a time, made here (the trainer stays on this thread).
-            let [adaln, qkv, proj, fc1, fc2] = linears(
+            let [adaln, qkv, proj, fc1, fc2] = weights(
                 &format!("blocks.{i}"),
                 [
                     "adaLN_modulation.1",

@@ -8,7 +8,7 @@ use crate::diffusion::Batch;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::replay::{
-    class_ids, e, linear, linears, on_pool, pair_bound, shift_scale_ln, F64Replay, Probe,
+    class_ids, e, linear, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::dit_diffusers::DitdGeom;
@@ -47,7 +47,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &DitdGeom, batch: &Batch) -> Result<
         let mut bound = 0.0f64;
         for i in 0..d.depth {
             let prefix = format!("transformer_blocks.{i}");
-            let [norm1, q, k, v, o, fc1, fc2] = linears(
+            let [norm1, q, k, v, o, fc1, fc2] = weights(
                 &prefix,
                 [
                     "norm1.linear",

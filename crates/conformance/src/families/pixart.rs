@@ -11,11 +11,46 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
-    cross_query, e, linear, linears, on_pool, pair_bound, shift_scale_ln, silu_mlp,
-    table_modulation, F64Replay, Probe, TWO_ATTENTIONS,
+    cross_query, e, linear, on_pool, pair_bound, shift_scale_ln, silu_mlp, table_modulation,
+    weights, F64Replay, Probe, TWO_ATTENTIONS,
 };
 use crate::verify::Result;
 use ditmem_engine::families::pixart::PixartGeom;
+
+/// PixArt-α's resolution and aspect-ratio embedders (`families/pixart/step.rs`): the latent's
+/// (height, width) in patches and the two embedders' linears.
+struct SizeEmbedders {
+    hw: (u32, u32),
+    /// The resolution embedder's linear_1, linear_2, then the aspect ratio's.
+    linears: [LinearW; 4],
+}
+
+impl SizeEmbedders {
+    fn of(t: &Trainer, hw: (u32, u32)) -> Result<SizeEmbedders> {
+        let l = |e: &str, k: u8| linear(t, &format!("adaln_single.emb.{e}.linear_{k}"));
+        let [r, a] = ditmem_engine::families::pixart::params::SIZE_EMBEDDERS;
+        Ok(SizeEmbedders {
+            hw,
+            linears: [l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?],
+        })
+    }
+
+    /// The conditions added to the embedded timestep of `b` samples, (b, D) for hidden `h`:
+    /// [resolution (2·D/3); aspect ratio (D/3)].
+    fn embedding(&self, b: usize, h: usize) -> Result<Tensor> {
+        let (f, dev) = (DType::F64, Device::Cpu);
+        let [r1, r2, a1, a2] = &self.linears;
+        let mlp = |l1: &LinearW, l2: &LinearW, v: &[f64]| -> Result<Tensor> {
+            let x = crate::model::sinusoid_features(v, 256, f, &dev)?;
+            Ok(silu_mlp(&x, l1, l2)?)
+        };
+        let (hp, wp) = (f64::from(self.hw.0), f64::from(self.hw.1));
+        let res: Vec<f64> = (0..b).flat_map(|_| [hp, wp]).collect();
+        let r = mlp(r1, r2, &res)?.reshape((b, 2 * (h / 3))).map_err(e)?;
+        let a = mlp(a1, a2, &vec![hp / wp; b])?;
+        Tensor::cat(&[&r, &a], 1).map_err(e)
+    }
+}
 
 /// The score bound S for PixArt: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention and the cross-attention to the caption.
@@ -33,13 +68,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
     let t1 = linear(t, &format!("{te}.linear_1"))?;
     let t2 = linear(t, &format!("{te}.linear_2"))?;
     let adaln = linear(t, "adaln_single.linear")?;
-    // PixArt-α's resolution and aspect-ratio embedders (`families/pixart/step.rs`).
     let sizes = match g.sizes {
-        Some(hw) => {
-            let l = |e: &str, k: u8| linear(t, &format!("adaln_single.emb.{e}.linear_{k}"));
-            let [r, a] = ditmem_engine::families::pixart::params::SIZE_EMBEDDERS;
-            Some((hw, [l(r, 1)?, l(r, 2)?, l(a, 1)?, l(a, 2)?]))
-        }
+        Some(hw) => Some(SizeEmbedders::of(t, hw)?),
         None => None,
     };
     let cw = if g.caption_projection {
@@ -62,16 +92,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
             let x = r.tokens(&embed, &r.noisy_patches(mb)?, b, Some(&pos))?;
             let tf = timestep_features(&mb.timesteps, 256, f, &dev)?;
             let mut emb = silu_mlp(&tf, &t1, &t2)?;
-            if let Some(((hp, wp), [r1, r2, a1, a2])) = &sizes {
-                let mlp = |l1: &LinearW, l2: &LinearW, v: &[f64]| -> Result<Tensor> {
-                    let x = crate::model::sinusoid_features(v, 256, f, &dev)?;
-                    Ok(silu_mlp(&x, l1, l2)?)
-                };
-                let (hp, wp) = (f64::from(*hp), f64::from(*wp));
-                let res: Vec<f64> = (0..b).flat_map(|_| [hp, wp]).collect();
-                let r = mlp(r1, r2, &res)?.reshape((b, 2 * (h / 3))).map_err(e)?;
-                let a = mlp(a1, a2, &vec![hp / wp; b])?;
-                emb = emb.add(&Tensor::cat(&[&r, &a], 1).map_err(e)?).map_err(e)?;
+            if let Some(sizes) = &sizes {
+                emb = emb.add(&sizes.embedding(b, h)?).map_err(e)?;
             }
             let t6 = adaln.forward(&emb.silu().map_err(e)?)?;
             let cap = mb.text_tensor(f, &dev)?;
@@ -85,8 +107,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
         for i in 0..d.depth {
             let prefix = format!("transformer_blocks.{i}");
             let [q1, k1, v1, o1, q2, k2, v2, o2] =
-                linears(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
-            let [fc1, fc2] = linears(&prefix, ["ff.net.0.proj", "ff.net.2"], |n| linear(t, n))?;
+                weights(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
+            let [fc1, fc2] = weights(&prefix, ["ff.net.0.proj", "ff.net.2"], |n| linear(t, n))?;
             let bw = PixartBlockWeights {
                 table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
                 q1,

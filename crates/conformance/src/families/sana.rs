@@ -11,12 +11,49 @@ use crate::verify::cancellation::{add_sums, Sums};
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::kink::{add_kink_sums, KinkSums};
 use crate::verify::replay::{
-    cross_query, e, linear_or_unbiased, linears, on_pool, pair_bound, shift_scale_ln, silu_mlp,
-    table_modulation, F64Replay, Probe, TWO_ATTENTIONS,
+    cross_query, e, linear_or_unbiased, on_pool, pair_bound, shift_scale_ln, silu_mlp,
+    table_modulation, weights, F64Replay, Probe, TWO_ATTENTIONS,
 };
 use crate::verify::upstream::with_upstream;
 use crate::verify::Result;
 use ditmem_engine::families::sana::SanaGeom;
+
+/// The cancellation ([`add_sums`]) and ReLU kink ([`add_kink_sums`]) of one block's linear
+/// attention on its q, k, v (b·s, D) from `h1`, the block's normed input; `geom` (b samples,
+/// s tokens, heads, head width) and `roundings` the rounding stages `h1` carries.
+fn linear_attention_sums(
+    h1: &Tensor,
+    [q, k, v]: [&Tensor; 3],
+    bw: &ditmem_engine::families::sana::SanaBlockWeights,
+    roundings: f64,
+    geom: (usize, usize, usize, usize),
+) -> Result<(Sums, KinkSums)> {
+    let (b, s, heads, dh) = geom;
+    let h = heads * dh;
+    let mut block_sums = Sums::default();
+    let flat =
+        |t: &Tensor| -> Result<Vec<f64>> { t.flatten_all().and_then(|v| v.to_vec1()).map_err(e) };
+    let qkv = (&flat(q)?[..], &flat(k)?[..], &flat(v)?[..]);
+    add_sums(qkv, geom, &mut block_sums);
+    // √(Σⱼ hⱼ²·W_cj²) of each component of q and k: the spread of its terms.
+    let h2 = h1.sqr().and_then(|x| x.reshape((b * s, h))).map_err(e)?;
+    let spread = |w: &Tensor| -> Result<Vec<f64>> {
+        flat(
+            &h2.matmul(&w.sqr().and_then(|w| w.t()).map_err(e)?)
+                .and_then(|x| x.sqrt())
+                .map_err(e)?,
+        )
+    };
+    let mut block_kinks = KinkSums::default();
+    add_kink_sums(
+        qkv,
+        (&spread(&bw.q1.w)?, &spread(&bw.k1.w)?),
+        roundings,
+        geom,
+        &mut block_kinks,
+    );
+    Ok((block_sums, block_kinks))
+}
 
 // Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks with their cancellation and kink sums, output side, loss) over shared locals.
 /// The score bound S for Sana: its forward replayed in f64 (embed, blocks, output side), S over
@@ -51,7 +88,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
         table: t.parameter("scale_shift_table")?,
         proj_out: lin("proj_out")?,
     };
-    let (h, s) = (d.hidden, d.tokens);
+    let h = d.hidden;
     let mut sums = vec![Sums::default(); d.depth];
     let mut kinks = vec![KinkSums::default(); d.depth];
     let (bound, loss, softmax) = r.over_microbatches(batch, |_, mb, softmax| {
@@ -67,9 +104,9 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
         let mut bound = 0.0f64;
         for (i, (block_total, kink_total)) in sums.iter_mut().zip(kinks.iter_mut()).enumerate() {
             let prefix = format!("transformer_blocks.{i}");
-            let [q1, k1, v1, o1, q2, k2, v2, o2] = linears(&prefix, TWO_ATTENTIONS, lin)?;
+            let [q1, k1, v1, o1, q2, k2, v2, o2] = weights(&prefix, TWO_ATTENTIONS, lin)?;
             let [conv_inverted, conv_point] =
-                linears(&prefix, ["ff.conv_inverted", "ff.conv_point"], lin)?;
+                weights(&prefix, ["ff.conv_inverted", "ff.conv_point"], lin)?;
             let dp = |n: &str| t.parameter(&format!("{prefix}.ff.conv_depth.{n}"));
             let bw = SanaBlockWeights {
                 table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
@@ -98,31 +135,13 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
                         bw.k1.forward(&h1)?,
                         bw.v1.forward(&h1)?,
                     );
-                    // The linear attention's cancellation, on the same q, k, v.
-                    let mut block_sums = Sums::default();
-                    let flat = |t: &Tensor| -> Result<Vec<f64>> {
-                        t.flatten_all().and_then(|v| v.to_vec1()).map_err(e)
-                    };
-                    let qkv = (&flat(&q)?[..], &flat(&k)?[..], &flat(&v)?[..]);
-                    let geom = (b, s, d.heads, h / d.heads);
-                    add_sums(qkv, geom, &mut block_sums);
-                    // √(Σⱼ hⱼ²·W_cj²) of each component of q and k: the spread of its terms.
-                    let h2 = h1.sqr().and_then(|x| x.reshape((b * s, h))).map_err(e)?;
-                    let spread = |w: &Tensor| -> Result<Vec<f64>> {
-                        flat(
-                            &h2.matmul(&w.sqr().and_then(|w| w.t()).map_err(e)?)
-                                .and_then(|x| x.sqrt())
-                                .map_err(e)?,
-                        )
-                    };
-                    let mut block_kinks = KinkSums::default();
-                    add_kink_sums(
-                        qkv,
-                        (&spread(&bw.q1.w)?, &spread(&bw.k1.w)?),
+                    let (block_sums, block_kinks) = linear_attention_sums(
+                        &h1,
+                        [&q, &k, &v],
+                        &bw,
                         roundings,
-                        geom,
-                        &mut block_kinks,
-                    );
+                        (b, d.tokens, d.heads, h / d.heads),
+                    )?;
                     let o = linear_attention(&q, &k, &v, b, d.heads).map_err(e)?;
                     let gate = modv.narrow(1, 2 * h, h).map_err(e)?;
                     let q2 = cross_query(&x, &o, (&bw.o1, &gate), &bw.q2)?;
@@ -143,6 +162,18 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
         let loss = on_pool(|| r.patch_loss(&sana_final(&x, &emb, &fw, f, f)?, mb, spec))?;
         Ok((bound, loss))
     })?;
+    probe_of(spec, g, (&sums, &kinks), (bound, loss, softmax))
+}
+
+/// The probe from the replay's S, loss and softmax amplification and its blocks' cancellation
+/// and kink sums: each linear attention's `to_q` and `to_k` with its own, raised to what
+/// reaches the tensors upstream ([`with_upstream`]).
+fn probe_of(
+    spec: &Spec,
+    g: &SanaGeom,
+    (sums, kinks): (&[Sums], &[KinkSums]),
+    (score_bound, loss, softmax): (f64, f64, f64),
+) -> Result<Probe> {
     let amplification = super::VerifyFamily::amplified_tensors(g, spec)?
         .into_iter()
         .zip(sums.iter().flat_map(|s| {
@@ -159,7 +190,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
         std::array::from_fn(|i| a[i].max(b[i]))
     })?;
     Ok(Probe {
-        score_bound: bound,
+        score_bound,
         loss,
         softmax,
         amplification,

@@ -12,47 +12,18 @@ use crate::verify::error::bad;
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{e, linear, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::Result;
-use ditmem_engine::families::sd3::Sd3Geom;
+use ditmem_engine::families::sd3::{Sd3BlockWeights, Sd3Geom};
 
-// Kept whole (> 100 lines): one forward replayed in the model's order (embed, joint and dual blocks, output side, loss) over shared locals; pieces would each take them all.
-/// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
-/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
-/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
-fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(f64, f64, f64)> {
+/// The weights of SD3's `depth` joint blocks (the last one `context_pre_only`: no context
+/// output side), with SD3.5's q/k RMSNorms and dual-attention `attn2` where the geometry has
+/// them.
+fn block_weights(t: &Trainer, g: &Sd3Geom, depth: usize) -> Result<Vec<Sd3BlockWeights>> {
     use ditmem_engine::families::sd3::{
-        block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
-        ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
+        block_linears, ContextOut, DualAttn, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS,
     };
-    let r = F64Replay::of(spec, t);
-    let d = r.d;
-    let (dev, f) = (Device::Cpu, DType::F64);
-    let scale = crate::mutation::attention_scale(d.head_dim);
-    let embed = linear(t, "pos_embed.proj")?;
-    let te = "time_text_embed.timestep_embedder";
-    let pe = "time_text_embed.text_embedder";
-    let (t1, t2) = (
-        linear(t, &format!("{te}.linear_1"))?,
-        linear(t, &format!("{te}.linear_2"))?,
-    );
-    let (p1, p2) = (
-        linear(t, &format!("{pe}.linear_1"))?,
-        linear(t, &format!("{pe}.linear_2"))?,
-    );
-    let context = linear(t, "context_embedder")?;
-    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
-    // The crop of the position table to the latent's grid, as (s, D) rows.
-    let side = g.pos_side;
-    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
-    let pos = t
-        .parameter("pos_embed.pos_embed")?
-        .reshape((side, side, d.hidden))
-        .and_then(|p| p.narrow(0, top, d.rows))
-        .and_then(|p| p.narrow(1, left, d.cols))
-        .and_then(|p| p.reshape((d.tokens, d.hidden)))
-        .map_err(e)?;
-    let mut blocks = Vec::with_capacity(d.depth);
-    for i in 0..d.depth {
-        let last = i + 1 == d.depth;
+    let mut blocks = Vec::with_capacity(depth);
+    for i in 0..depth {
+        let last = i + 1 == depth;
         let l = block_linears(last)
             .into_iter()
             .map(|n| linear(t, &format!("transformer_blocks.{i}.{n}")))
@@ -111,6 +82,44 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
             dual,
         });
     }
+    Ok(blocks)
+}
+
+/// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
+/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
+/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
+fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::sd3::{
+        dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp, SD3_FREQ,
+    };
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let embed = linear(t, "pos_embed.proj")?;
+    let te = "time_text_embed.timestep_embedder";
+    let pe = "time_text_embed.text_embedder";
+    let (t1, t2) = (
+        linear(t, &format!("{te}.linear_1"))?,
+        linear(t, &format!("{te}.linear_2"))?,
+    );
+    let (p1, p2) = (
+        linear(t, &format!("{pe}.linear_1"))?,
+        linear(t, &format!("{pe}.linear_2"))?,
+    );
+    let context = linear(t, "context_embedder")?;
+    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
+    // The crop of the position table to the latent's grid, as (s, D) rows.
+    let side = g.pos_side;
+    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
+    let pos = t
+        .parameter("pos_embed.pos_embed")?
+        .reshape((side, side, d.hidden))
+        .and_then(|p| p.narrow(0, top, d.rows))
+        .and_then(|p| p.narrow(1, left, d.cols))
+        .and_then(|p| p.reshape((d.tokens, d.hidden)))
+        .map_err(e)?;
+    let blocks = block_weights(t, g, d.depth)?;
     r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut streams, se) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {

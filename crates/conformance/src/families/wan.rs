@@ -10,7 +10,7 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
 use crate::verify::replay::{
-    e, linear, linears, mse_loss, on_pool, pair_bound, silu_mlp, F64Replay, Probe, TWO_ATTENTIONS,
+    e, linear, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe, TWO_ATTENTIONS,
 };
 use crate::verify::Result;
 use ditmem_engine::families::wan::WanGeom;
@@ -58,8 +58,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
         for i in 0..d.depth {
             let prefix = format!("blocks.{i}");
             let [q1, k1, v1, o1, q2, k2, v2, o2] =
-                linears(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
-            let [fc1, fc2] = linears(&prefix, ["ffn.net.0.proj", "ffn.net.2"], |n| linear(t, n))?;
+                weights(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
+            let [fc1, fc2] = weights(&prefix, ["ffn.net.0.proj", "ffn.net.2"], |n| linear(t, n))?;
             let q = |n: &str| t.parameter(&format!("{prefix}.{n}.weight"));
             let bw = WanBlockWeights {
                 table: t.parameter(&format!("{prefix}.scale_shift_table"))?,

@@ -53,18 +53,19 @@ pub(crate) fn linear_or_unbiased(t: &Trainer, name: &str) -> Result<LinearW> {
     Ok(LinearW::new(w, b, None))
 }
 
-/// The linears `{prefix}.{name}` of `names`, in their order, each loaded by `load`.
-pub(crate) fn linears<const N: usize>(
+/// The weights `{prefix}.{name}` of `names` (linears, norm weights), in their order, each
+/// loaded by `load`.
+pub(crate) fn weights<const N: usize, T>(
     prefix: &str,
     names: [&str; N],
-    load: impl Fn(&str) -> Result<LinearW>,
-) -> Result<[LinearW; N]> {
+    load: impl Fn(&str) -> Result<T>,
+) -> Result<[T; N]> {
     let v = names
         .iter()
         .map(|n| load(&format!("{prefix}.{n}")))
         .collect::<Result<Vec<_>>>()?;
     v.try_into()
-        .map_err(|_| super::error::bad("f64 replay", "a block's linears miscounted"))
+        .map_err(|_| super::error::bad("f64 replay", "a block's weights miscounted"))
 }
 
 /// The eight projections of a block's self-attention `attn1` and cross-attention `attn2`
