@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
 use crate::layers::LinearW;
 use crate::model::timestep_features;
@@ -274,12 +275,8 @@ impl super::VerifyFamily for FluxGeom {
     }
 
     /// The joint attention `attn` (q and k from one stream, both streams).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn.") {
-            SELF_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn.", SELF_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
 use crate::layers::LinearW;
 use crate::model::timestep_features;
@@ -162,12 +163,8 @@ impl super::VerifyFamily for PixartGeom {
 
     /// `attn1`'s key biases: a self-attention (the cross-attention's key bias gets an exact
     /// zero gradient instead, `ditmem_engine::families::zero_gradient`).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn1.") {
-            SELF_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn1.", SELF_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
@@ -172,12 +173,8 @@ impl super::VerifyFamily for Sd3Geom {
 
     /// The joint attention `attn` (q and k from one stream, both streams) and SD3.5's
     /// dual-attention `attn2` (a self-attention over the image tokens).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn.") || name.contains(".attn2.") {
-            SELF_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn.", SELF_ATTENTION), (".attn2.", SELF_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

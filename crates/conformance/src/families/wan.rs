@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
@@ -125,14 +126,8 @@ impl super::VerifyFamily for WanGeom {
     /// `attn1` a self-attention; `attn2` the cross-attention, whose k and v both read the
     /// caption (its k passes an RMSNorm, so the key bias's gradient is a remainder, not an exact
     /// zero; v's bias sums dO over the queries and cancels nothing).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn1.") {
-            SELF_ATTENTION
-        } else if name.contains(".attn2.") {
-            CROSS_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn1.", SELF_ATTENTION), (".attn2.", CROSS_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
