@@ -11,7 +11,9 @@ use crate::verify::replay::{
     class_ids, e, linear, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
-use ditmem_engine::families::dit_diffusers::DitdGeom;
+use ditmem_engine::families::dit_diffusers::{
+    DitdGeom, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_LABEL_TABLE,
+};
 
 /// The score bound S for diffusers' DiT (`DiTTransformer2DModel`): its forward replayed in f64 as
 /// `families/dit_diffusers/step.rs` runs it (every block's own embedder on the shared timestep
@@ -29,11 +31,12 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &DitdGeom, batch: &Batch) -> Result<
     let embed = linear(t, "pos_embed.proj")?;
     let pos = t.parameter("pos_embed.pos_embed")?;
     let emb_weights = |i: usize| -> Result<EmbWeights> {
-        let p = format!("transformer_blocks.{i}.norm1.emb");
+        let p = format!("transformer_blocks.{i}");
+        let [linear_1, linear_2] = weights(&p, DITD_EMB_LINEARS, |n| linear(t, n))?;
         Ok(EmbWeights {
-            linear_1: linear(t, &format!("{p}.timestep_embedder.linear_1"))?,
-            linear_2: linear(t, &format!("{p}.timestep_embedder.linear_2"))?,
-            table: t.parameter(&format!("{p}.class_embedder.embedding_table.weight"))?,
+            linear_1,
+            linear_2,
+            table: t.parameter(&format!("{p}.{DITD_LABEL_TABLE}"))?,
         })
     };
     let (p1, p2) = (linear(t, "proj_out_1")?, linear(t, "proj_out_2")?);
@@ -47,19 +50,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &DitdGeom, batch: &Batch) -> Result<
         let mut bound = 0.0f64;
         for i in 0..d.depth {
             let prefix = format!("transformer_blocks.{i}");
-            let [norm1, q, k, v, o, fc1, fc2] = weights(
-                &prefix,
-                [
-                    "norm1.linear",
-                    "attn1.to_q",
-                    "attn1.to_k",
-                    "attn1.to_v",
-                    "attn1.to_out.0",
-                    "ff.net.0.proj",
-                    "ff.net.2",
-                ],
-                |n| linear(t, n),
-            )?;
+            let [norm1, q, k, v, o, fc1, fc2] =
+                weights(&prefix, DITD_BLOCK_LINEARS, |n| linear(t, n))?;
             let bw = DitdBlockWeights {
                 emb: emb_weights(i)?,
                 norm1,

@@ -13,10 +13,10 @@ use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
     cross_query, e, linear, on_pool, pair_bound, shift_scale_ln, silu_mlp, table_modulation,
-    weights, F64Replay, Probe, TWO_ATTENTIONS,
+    weights, F64Replay, Probe,
 };
 use crate::verify::Result;
-use ditmem_engine::families::pixart::PixartGeom;
+use ditmem_engine::families::pixart::{PixartGeom, PIXART_BLOCK_LINEARS};
 
 /// PixArt-α's resolution and aspect-ratio embedders (`families/pixart/step.rs`): the latent's
 /// (height, width) in patches and the two embedders' linears.
@@ -107,9 +107,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
         let mut bound = 0.0f64;
         for i in 0..d.depth {
             let prefix = format!("transformer_blocks.{i}");
-            let [q1, k1, v1, o1, q2, k2, v2, o2] =
-                weights(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
-            let [fc1, fc2] = weights(&prefix, ["ff.net.0.proj", "ff.net.2"], |n| linear(t, n))?;
+            let [q1, k1, v1, o1, q2, k2, v2, o2, fc1, fc2] =
+                weights(&prefix, PIXART_BLOCK_LINEARS, |n| linear(t, n))?;
             let bw = PixartBlockWeights {
                 table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
                 q1,

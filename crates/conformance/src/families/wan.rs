@@ -11,10 +11,10 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
 use crate::verify::replay::{
-    e, linear, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe, TWO_ATTENTIONS,
+    e, linear, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
-use ditmem_engine::families::wan::WanGeom;
+use ditmem_engine::families::wan::{WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
 /// The score bound S for Wan: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention (q, k after the RMSNorm and RoPE) and the cross-attention to the
@@ -58,26 +58,28 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
         let mut bound = 0.0f64;
         for i in 0..d.depth {
             let prefix = format!("blocks.{i}");
-            let [q1, k1, v1, o1, q2, k2, v2, o2] =
-                weights(&prefix, TWO_ATTENTIONS, |n| linear(t, n))?;
-            let [fc1, fc2] = weights(&prefix, ["ffn.net.0.proj", "ffn.net.2"], |n| linear(t, n))?;
-            let q = |n: &str| t.parameter(&format!("{prefix}.{n}.weight"));
+            let [q1, k1, v1, o1, q2, k2, v2, o2, fc1, fc2] =
+                weights(&prefix, WAN_BLOCK_LINEARS, |n| linear(t, n))?;
+            let [norm_q1, norm_k1, norm_q2, norm_k2] = weights(&prefix, WAN_BLOCK_NORMS, |n| {
+                Ok(t.parameter(&format!("{n}.weight"))?)
+            })?;
             let bw = WanBlockWeights {
                 table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
                 q1,
                 k1,
                 v1,
                 o1,
-                norm_q1: q("attn1.norm_q")?,
-                norm_k1: q("attn1.norm_k")?,
+                norm_q1,
+                norm_k1,
                 q2,
                 k2,
                 v2,
                 o2,
-                norm_q2: q("attn2.norm_q")?,
-                norm_k2: q("attn2.norm_k")?,
+                norm_q2,
+                norm_k2,
                 norm2: if g.cross_attn_norm {
-                    Some((q("norm2")?, t.parameter(&format!("{prefix}.norm2.bias"))?))
+                    let n = |p: &str| t.parameter(&format!("{prefix}.norm2.{p}"));
+                    Some((n("weight")?, n("bias")?))
                 } else {
                     None
                 },

@@ -68,19 +68,6 @@ pub(crate) fn weights<const N: usize, T>(
         .map_err(|_| super::error::bad("f64 replay", "a block's weights miscounted"))
 }
 
-/// The eight projections of a block's self-attention `attn1` and cross-attention `attn2`
-/// (diffusers' `Attention`: q, k, v, out), in that order: PixArt's, Sana's and Wan's blocks.
-pub(crate) const TWO_ATTENTIONS: [&str; 8] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-];
-
 /// The two-linear SiLU MLP of the timestep embedders (`TimestepEmbedding`): the engine's own.
 pub(crate) use ditmem_engine::families::sd3::silu_mlp;
 
