@@ -1,8 +1,11 @@
 //! What every family's f64 replay of the reference's first forward (the attention-score probe,
-//! [`super::probe`]) is built from: the [`Probe`] it returns, the f64 setup ([`F64Replay`]),
-//! weights from the trainer ([`linear`]), the score bound of one attention ([`pair_bound`]) with
-//! its softmax amplification, the microbatch loss ([`mse_loss`]), and the rayon pool the trainer's steps run on ([`on_pool`]). Each
-//! family's replay is in `crate::families::<family>`.
+//! [`super::probe`]) is built from: the [`Probe`] it returns; the f64 setup ([`F64Replay`]) with
+//! its microbatch loop, patch tokens and loss; weights from the trainer by name ([`linear`],
+//! [`weights`]); the steps several families' blocks share ([`shift_scale_ln`],
+//! [`table_modulation`], [`cross_query`], [`class_ids`]); the score bound of one attention
+//! ([`pair_bound`], [`strided_bound`]) with its softmax amplification; the microbatch loss
+//! ([`mse_loss`]); and the rayon pool the trainer's steps run on ([`on_pool`]). Each family's
+//! replay is in `crate::families::<family>`.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
