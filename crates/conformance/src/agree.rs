@@ -268,7 +268,12 @@ impl GridBuilder {
 
     /// The family's LoRA specs on the base ([`lora_specs`]).
     fn lora(&mut self) -> &mut Self {
-        let more = lora_specs(self.prefix, &self.base);
+        self.lora_custom(&DEFAULT_CUSTOM_LORA)
+    }
+
+    /// [`Self::lora`] with `custom` the rank-16 spec's modules ([`lora_specs_on`]).
+    fn lora_custom(&mut self, custom: &[&str]) -> &mut Self {
+        let more = lora_specs_on(self.prefix, &self.base, custom);
         self.specs.extend(more);
         self
     }
@@ -307,6 +312,32 @@ fn accumulation(s: &mut Spec) {
     s.workload.microbatch = 2;
     s.workload.accumulation = 4;
     s.recipe.precision = Precision::Bf16Mixed;
+}
+
+/// A 256×256 image (256 tokens at patch 2) in one microbatch of 2, memory-efficient attention.
+const LARGER_IMAGE: &str = "256×256 (256 tokens), batch 2, memory-efficient";
+fn larger_image(s: &mut Spec) {
+    s.workload.height = 256;
+    s.workload.width = 256;
+    batch(s, 2);
+    memory_efficient(s);
+}
+
+/// `tokens` text tokens (per encoder), memory-efficient attention.
+fn text_tokens_me(tokens: &'static [u32]) -> impl FnOnce(&mut Spec) {
+    move |s| {
+        text_tokens(s, tokens);
+        memory_efficient(s);
+    }
+}
+
+/// `tokens` text tokens (per encoder) in one microbatch of 2, memory-efficient attention.
+fn text_tokens_batch2_me(tokens: &'static [u32]) -> impl FnOnce(&mut Spec) {
+    move |s| {
+        text_tokens(s, tokens);
+        batch(s, 2);
+        memory_efficient(s);
+    }
 }
 
 const SGD: &str = "SGD, no EMA";
@@ -440,25 +471,16 @@ pub fn pixart_grid() -> Result<Vec<(String, Spec)>> {
     let mut g = GridBuilder::new("pixart", pixart_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 caption token", |s| text_tokens(s, &[1]))
-        .vary("77 caption tokens, memory-efficient", |s| {
-            text_tokens(s, &[77]);
-            memory_efficient(s);
-        })
-        .vary("300 caption tokens, batch 2, memory-efficient", |s| {
-            text_tokens(s, &[300]);
-            batch(s, 2);
-            memory_efficient(s);
-        })
+        .vary("77 caption tokens, memory-efficient", text_tokens_me(&[77]))
+        .vary(
+            "300 caption tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[300]),
+        )
         .vary("300 caption tokens, batch 2", |s| {
             text_tokens(s, &[300]);
             batch(s, 2);
         })
-        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
-            s.workload.height = 256;
-            s.workload.width = 256;
-            batch(s, 2);
-            memory_efficient(s);
-        })
+        .vary(LARGER_IMAGE, larger_image)
         .vary(SGD, sgd_without_ema);
     one_sample_blocks(&mut g, &[1]);
     g.model(
@@ -490,10 +512,10 @@ pub fn sd3_grid() -> Result<Vec<(String, Spec)>> {
     let mut g = GridBuilder::new("sd3", sd3_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 + 1 caption tokens", |s| text_tokens(s, &[1, 1]))
-        .vary("77 + 77 caption tokens, memory-efficient", |s| {
-            text_tokens(s, &[77, 77]);
-            memory_efficient(s);
-        })
+        .vary(
+            "77 + 77 caption tokens, memory-efficient",
+            text_tokens_me(&[77, 77]),
+        )
         .vary("77 + 77 caption tokens, batch 2", |s| {
             text_tokens(s, &[77, 77]);
             batch(s, 2);
@@ -562,21 +584,12 @@ pub fn flux_grid() -> Result<Vec<(String, Spec)>> {
     let mut g = GridBuilder::new("flux", flux_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 T5 token", |s| text_tokens(s, &[77, 1]))
-        .vary("77 T5 tokens, memory-efficient", |s| {
-            text_tokens(s, &[77, 77]);
-            memory_efficient(s);
-        })
-        .vary("300 T5 tokens, batch 2, memory-efficient", |s| {
-            text_tokens(s, &[77, 300]);
-            batch(s, 2);
-            memory_efficient(s);
-        })
-        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
-            s.workload.height = 256;
-            s.workload.width = 256;
-            batch(s, 2);
-            memory_efficient(s);
-        })
+        .vary("77 T5 tokens, memory-efficient", text_tokens_me(&[77, 77]))
+        .vary(
+            "300 T5 tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[77, 300]),
+        )
+        .vary(LARGER_IMAGE, larger_image)
         .vary(SGD, sgd_without_ema);
     one_sample_blocks(&mut g, &[0, 1]);
     g.model(
@@ -614,11 +627,10 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
     let mut g = GridBuilder::new("sana", sana_grid_base()?, policies);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 caption token", |s| text_tokens(s, &[1]))
-        .vary("300 caption tokens, batch 2, memory-efficient", |s| {
-            text_tokens(s, &[300]);
-            batch(s, 2);
-            memory_efficient(s);
-        })
+        .vary(
+            "300 caption tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[300]),
+        )
         .vary("224×160 (7×5 tokens), memory-efficient", |s| {
             s.workload.height = 224;
             s.workload.width = 160;
@@ -652,7 +664,7 @@ pub fn sana_grid() -> Result<Vec<(String, Spec)>> {
 /// The diffusers DiT grid's base: [`ditmem_engine::families::dit_diffusers::tiny_spec`]
 /// (`DiTTransformer2DModel`, 2 blocks of 4 × 16-wide heads, 64 tokens, batch 4) with an fp32
 /// EMA, on this process's CPU.
-pub fn dit_diffusers_grid_base() -> Result<Spec> {
+pub(crate) fn dit_diffusers_grid_base() -> Result<Spec> {
     Ok(family_base(
         ditmem_engine::families::dit_diffusers::tiny_spec(2, 4)?,
         "dit-diffusers-d2-h64",
@@ -665,20 +677,15 @@ pub fn dit_diffusers_grid_base() -> Result<Spec> {
 /// are refused, see `DitdGeom::new`). Each spec runs in well under a second in release on 2
 /// cores.
 pub fn dit_diffusers_grid() -> Result<Vec<(String, Spec)>> {
-    use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
     use ditmem_engine::families::dit_diffusers::tiny_spec;
+    use Recompute as R;
     let mut g = GridBuilder::new(
         "dit-diffusers",
         dit_diffusers_grid_base()?,
         &FAMILY_POLICIES,
     );
     g.vary(ACCUMULATION, accumulation)
-        .vary("256×256 (256 tokens), batch 2, memory-efficient", |s| {
-            s.workload.height = 256;
-            s.workload.width = 256;
-            batch(s, 2);
-            memory_efficient(s);
-        })
+        .vary(LARGER_IMAGE, larger_image)
         .vary(SGD, sgd_without_ema);
     one_sample_blocks(&mut g, &[1]);
     g.model("1 block × 2 heads (hidden 32)", tiny_spec(1, 2)?, None);
@@ -687,42 +694,8 @@ pub fn dit_diffusers_grid() -> Result<Vec<(String, Spec)>> {
         tiny_spec(4, 6)?,
         Some(R::EveryK(2)),
     );
-    let base = dit_diffusers_grid_base()?;
-    let lora = |rank: u32, modules: &[&str]| LoraSpec {
-        dtype: Default::default(),
-        rank,
-        targets: ditmem_budget::default_lora_targets(),
-        modules: modules.iter().map(|m| m.to_string()).collect(),
-    };
-    let custom = ["to_q", "to_v", "ff.net.2", "norm1.linear", "proj_out_1"];
-    let mut specs = g.finish();
-    for (name, p, rc, l) in [
-        (
-            "LoRA r4 (defaults), bf16-mixed",
-            P::Bf16Mixed,
-            R::None,
-            lora(4, &[]),
-        ),
-        (
-            "LoRA r8 (defaults), fp32, recompute all",
-            P::Fp32,
-            R::All,
-            lora(8, &[]),
-        ),
-        (
-            "LoRA r16 (to_q, to_v, ff.net.2, norm1.linear, proj_out_1), fp16-mixed, attention-only",
-            P::Fp16Mixed,
-            R::AttentionOnly,
-            lora(16, &custom),
-        ),
-    ] {
-        let mut s = base.clone();
-        s.recipe.precision = p;
-        s.recipe.recompute = rc;
-        s.recipe.lora = Some(l);
-        specs.push((format!("dit-diffusers {name}"), s));
-    }
-    Ok(specs)
+    g.lora_custom(&["to_q", "to_v", "ff.net.2", "norm1.linear", "proj_out_1"]);
+    Ok(g.finish())
 }
 
 /// The Wan grid's base: [`ditmem_engine::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
@@ -742,10 +715,7 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
     let mut g = GridBuilder::new("wan", wan_grid_base()?, &FAMILY_POLICIES);
     g.vary(ACCUMULATION, accumulation)
         .vary("1 umT5 token", |s| text_tokens(s, &[1]))
-        .vary("77 umT5 tokens, memory-efficient", |s| {
-            text_tokens(s, &[77]);
-            memory_efficient(s);
-        })
+        .vary("77 umT5 tokens, memory-efficient", text_tokens_me(&[77]))
         .vary("1 frame (an image)", |s| s.workload.frames = 1)
         .vary("80×48 (5×3 tokens a frame), 5 frames, bf16-mixed", |s| {
             s.workload.height = 80;
@@ -781,32 +751,38 @@ pub fn wan_grid() -> Result<Vec<(String, Spec)>> {
 /// and output sides too (`linear_1`: the timestep and caption MLPs; `proj_out`: the output
 /// projection, and Flux's single blocks' own) under fp16-mixed with the attention-only policy.
 pub fn lora_specs(family: &str, base: &Spec) -> Vec<(String, Spec)> {
-    use ditmem_budget::{LoraSpec, Precision as P, Recompute as R};
-    let lora = |rank: u32, modules: &[&str]| LoraSpec {
-        dtype: Default::default(),
-        rank,
-        targets: ditmem_budget::default_lora_targets(),
-        modules: modules.iter().map(|m| m.to_string()).collect(),
-    };
-    let custom = ["to_q", "to_v", "linear_1", "proj_out"];
+    lora_specs_on(family, base, &DEFAULT_CUSTOM_LORA)
+}
+
+/// The rank-16 LoRA spec's modules of [`lora_specs`].
+const DEFAULT_CUSTOM_LORA: [&str; 4] = ["to_q", "to_v", "linear_1", "proj_out"];
+
+/// [`lora_specs`] with `custom` the rank-16 spec's modules (diffusers' DiT has no `linear_1`:
+/// its own list reaches its feed-forward, norm and output sides).
+fn lora_specs_on(family: &str, base: &Spec, custom: &[&str]) -> Vec<(String, Spec)> {
+    use ditmem_budget::{Precision as P, Recompute as R};
+    let custom_name = format!(
+        "LoRA r16 ({}), fp16-mixed, attention-only",
+        custom.join(", ")
+    );
     [
         (
-            "LoRA r4 (defaults), bf16-mixed",
+            "LoRA r4 (defaults), bf16-mixed".to_string(),
             P::Bf16Mixed,
             R::None,
             lora(4, &[]),
         ),
         (
-            "LoRA r8 (defaults), fp32, recompute all",
+            "LoRA r8 (defaults), fp32, recompute all".to_string(),
             P::Fp32,
             R::All,
             lora(8, &[]),
         ),
         (
-            "LoRA r16 (to_q, to_v, linear_1, proj_out), fp16-mixed, attention-only",
+            custom_name,
             P::Fp16Mixed,
             R::AttentionOnly,
-            lora(16, &custom),
+            lora(16, custom),
         ),
     ]
     .into_iter()
@@ -814,7 +790,7 @@ pub fn lora_specs(family: &str, base: &Spec) -> Vec<(String, Spec)> {
         let mut s = base.clone();
         s.recipe.precision = p;
         s.recipe.recompute = rc;
-        s.recipe.lora = Some(l);
+        s.recipe.lora = l;
         (format!("{family} {name}"), s)
     })
     .collect()

@@ -8,22 +8,16 @@ use ditmem_engine::CountingAlloc;
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
-/// The counting allocator is the whole process's: one measurement at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+mod common;
+use common::{assert_peak_within, one_at_a_time};
 
 #[test]
 fn budget_predicts_the_measured_step_peak_within_two_percent() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = one_at_a_time();
     let mut results = Vec::new();
     for (name, spec) in grid().into_iter().step_by(2) {
         let (a, _, _) = measure_and_compare(&name, &spec, 1, &A).expect("the grid spec runs");
-        assert!(
-            a.rel_error.abs() <= 0.02,
-            "{name}: predicted {} vs measured {} ({:+.3} %)",
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error
-        );
+        assert_peak_within(&a, 0.02);
         // The boundaries between segments line up too (within 2 % of the peak).
         assert!(!a.boundaries.is_empty(), "{name}: boundaries line up");
         assert!(
@@ -46,7 +40,7 @@ fn budget_predicts_the_measured_step_peak_within_two_percent() {
 
 #[test]
 fn every_measured_microbatch_is_held_against_the_budget() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = one_at_a_time();
     // The budget lays out two microbatches and says the others repeat the second; the engine
     // measures all of them. Each measured boundary, microbatch 4 included, meets a prediction.
     let mut spec = ditmem_budget::Spec::small();
@@ -77,7 +71,7 @@ fn every_measured_microbatch_is_held_against_the_budget() {
 /// embedder gradients into their buffers (+29 % at DiT-XL/2 256² before).
 #[test]
 fn bf16_pure_landing_agrees_at_a_real_width() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = one_at_a_time();
     let mut spec = ditmem_budget::Spec::small();
     spec.model.depth = 1;
     spec.model.hidden = 384;
@@ -95,13 +89,6 @@ fn bf16_pure_landing_agrees_at_a_real_width() {
     assert_eq!(ditd.model.hidden, 384);
     for (name, s) in [("DiT-S width", &spec), ("diffusers DiT, hidden 384", &ditd)] {
         let (a, _, _) = measure_and_compare(name, s, 1, &A).expect("runs");
-        assert!(
-            a.rel_error.abs() <= 0.01,
-            "{name}: predicted {} vs measured {} ({:+.3} %), peak at {}",
-            a.predicted_peak_bytes,
-            a.measured_peak_bytes,
-            100.0 * a.rel_error,
-            a.predicted_peak_label
-        );
+        assert_peak_within(&a, 0.01);
     }
 }

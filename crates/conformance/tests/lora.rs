@@ -11,17 +11,10 @@ use ditmem_conformance::agree::{
 use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 
 mod common;
-use common::{agreement_logged, max_abs_diff};
+use common::{agreement_logged, assert_peak_within, max_abs_diff, one_at_a_time};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
-
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Each family's grid base (tiny: 2–3 blocks, hidden 64, batch 4), fp32, no EMA.
 fn bases() -> Vec<(&'static str, Spec)> {
@@ -215,13 +208,7 @@ fn lora_budget_agrees_with_the_measured_peak() {
         for (name, spec) in specs {
             let a = agreement_logged(&name, &spec, &A);
             worst = worst.max(a.rel_error.abs());
-            assert!(
-                a.rel_error.abs() <= 0.02,
-                "{name}: predicted {} vs measured {} ({:+.3} %)",
-                a.predicted_peak_bytes,
-                a.measured_peak_bytes,
-                100.0 * a.rel_error
-            );
+            assert_peak_within(&a, 0.02);
         }
     }
     eprintln!("worst {:.3} %", 100.0 * worst);

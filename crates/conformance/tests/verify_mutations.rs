@@ -11,12 +11,8 @@ use ditmem_conformance::verify::{
 };
 use ditmem_engine::mutation::{self, Mutation};
 
-/// The planted mutation and logit gain are the process's: one test at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::one_at_a_time;
 
 /// The default spec with an EMA and two microbatches, so every mutation has something to touch.
 fn spec() -> Spec {

@@ -5,16 +5,15 @@ use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use crate::diffusion::Batch;
-use crate::layers::{LinearW, LN_EPS};
-use crate::model::{patchify, unpatchify};
-use crate::ops::ln_modulate;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+    class_ids, e, linear, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
-use ditmem_engine::families::dit_diffusers::DitdGeom;
+use ditmem_engine::families::dit_diffusers::{
+    DitdGeom, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_LABEL_TABLE,
+};
 
 /// The score bound S for diffusers' DiT (`DiTTransformer2DModel`): its forward replayed in f64 as
 /// `families/dit_diffusers/step.rs` runs it (every block's own embedder on the shared timestep
@@ -25,91 +24,64 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &DitdGeom, batch: &Batch) -> Result<
         combined_embedding, ditd_block_forward, final_forward as ditd_final,
         label_timestep_features, DitdBlockWeights, EmbWeights, DITD_FREQ,
     };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
     let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
-    let conv = t
-        .parameter("pos_embed.proj.weight")?
-        .flatten_from(1)
-        .map_err(e)?;
-    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
+    let embed = linear(t, "pos_embed.proj")?;
     let pos = t.parameter("pos_embed.pos_embed")?;
     let emb_weights = |i: usize| -> Result<EmbWeights> {
-        let p = format!("transformer_blocks.{i}.norm1.emb");
+        let p = format!("transformer_blocks.{i}");
+        let [linear_1, linear_2] = weights(&p, DITD_EMB_LINEARS, |n| linear(t, n))?;
         Ok(EmbWeights {
-            linear_1: linear(t, &format!("{p}.timestep_embedder.linear_1"))?,
-            linear_2: linear(t, &format!("{p}.timestep_embedder.linear_2"))?,
-            table: t.parameter(&format!("{p}.class_embedder.embedding_table.weight"))?,
+            linear_1,
+            linear_2,
+            table: t.parameter(&format!("{p}.{DITD_LABEL_TABLE}"))?,
         })
     };
     let (p1, p2) = (linear(t, "proj_out_1")?, linear(t, "proj_out_2")?);
-    let (h, s) = (d.hidden, d.tokens);
-    let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut x, tf, ids) = on_pool(|| -> Result<(Tensor, Tensor, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
-            let xe = embed.forward(&patchify(&xt, &d)?)?;
-            let x = xe
-                .reshape((b, s, h))
-                .and_then(|x| x.broadcast_add(&pos))
-                .map_err(e)?;
+            let x = r.tokens(&embed, &r.noisy_patches(mb)?, b, Some(&pos))?;
             let tf = label_timestep_features(&mb.timesteps, DITD_FREQ, f, &dev)?;
-            let null = g.classes as u32;
-            let ids: Vec<u32> = mb
-                .labels
-                .iter()
-                .zip(&mb.drop_label)
-                .map(|(&y, &drop)| if drop { null } else { y })
-                .collect();
-            Ok((x, tf, Tensor::from_vec(ids, b, &dev).map_err(e)?))
+            Ok((x, tf, class_ids(mb, Some(g.classes as u32))?))
         })?;
+        let mut bound = 0.0f64;
         for i in 0..d.depth {
-            let p = |n: &str| linear(t, &format!("transformer_blocks.{i}.{n}"));
+            let prefix = format!("transformer_blocks.{i}");
+            let [norm1, q, k, v, o, fc1, fc2] =
+                weights(&prefix, DITD_BLOCK_LINEARS, |n| linear(t, n))?;
             let bw = DitdBlockWeights {
                 emb: emb_weights(i)?,
-                norm1: p("norm1.linear")?,
-                q: p("attn1.to_q")?,
-                k: p("attn1.to_k")?,
-                v: p("attn1.to_v")?,
-                o: p("attn1.to_out.0")?,
-                fc1: p("ff.net.0.proj")?,
-                fc2: p("ff.net.2")?,
+                norm1,
+                q,
+                k,
+                v,
+                o,
+                fc1,
+                fc2,
             };
             let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
                 // q and k of the self-attention as the block computes them.
                 let emb = combined_embedding(&tf, &ids, &bw.emb, f)?;
                 let modv = bw.norm1.forward(&emb.silu().map_err(e)?)?;
-                let chunk = |k: usize| modv.narrow(1, k * h, h).map_err(e);
-                let h1 = ln_modulate(&x, &chunk(0)?, &chunk(1)?, LN_EPS, f).map_err(e)?;
+                let h1 = shift_scale_ln(&x, &modv)?;
                 let (q, k) = (bw.q.forward(&h1)?, bw.k.forward(&h1)?);
-                let sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, 0))?;
-                let out = ditd_block_forward(&x, &tf, &ids, &bw, &cfg, g.norm_eps)?;
+                let sb = pair_bound(&q, &k, b, d.heads, scale, (softmax, 0))?;
+                let out = ditd_block_forward(&x, &tf, &ids, &bw, &r.cfg, g.norm_eps)?;
                 Ok((out, sb))
             })?;
             bound = bound.max(sb);
             x = next;
         }
         let w0 = emb_weights(0)?;
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let se0 = combined_embedding(&tf, &ids, &w0, f)?.silu().map_err(e)?;
-            let out = ditd_final(&x, &se0, &p1, &p2, f, f)?;
-            let pred = unpatchify(&out, b, &d)?
-                .narrow(1, 0, d.in_channels)
-                .map_err(e)?;
-            mse_loss(pred, &mb, &acp, spec)
+            r.patch_loss(&ditd_final(&x, &se0, &p1, &p2, f, f)?, mb, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((bound, loss))
+    })
 }
 
 impl super::VerifyFamily for DitdGeom {

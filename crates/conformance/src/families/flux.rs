@@ -4,56 +4,38 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
-use crate::layers::{LinearW, LN_EPS};
-use crate::model::{patchify, timestep_features};
-use crate::ops::ln_modulate;
+use crate::layers::LinearW;
+use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+    e, linear, mse_loss, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::flux::FluxGeom;
 
-// Kept whole (> 100 lines): one forward replayed in the model's order (embed, double and single blocks, output side, loss) over shared locals; pieces would each take them all.
-/// The score bound S for Flux: its forward replayed in f64 (embed, double- and single-stream
-/// blocks, output side) for the loss check. S needs no activations: q and k leave a per-head
-/// RMSNorm (‖x̂‖ = √d_h·(ms/(ms + ε))^½ ≤ √d_h per head) and RoPE (a rotation), so
-/// ‖qᵢ‖ ≤ √d_h·max|w_q| and ‖kⱼ‖ ≤ √d_h·max|w_k|, over both streams' norms in a joint block, and
+/// The score bound S for Flux from its weights alone: q and k leave a per-head RMSNorm
+/// (‖x̂‖ = √d_h·(ms/(ms + ε))^½ ≤ √d_h per head) and RoPE (a rotation), so ‖qᵢ‖ ≤ √d_h·max|w_q|
+/// and ‖kⱼ‖ ≤ √d_h·max|w_k|, over both streams' norms in a joint block, and
 /// S = d_h^−½·maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ ≤ √d_h·max|w_q|·max|w_k| (tight up to ms/(ms + ε)).
-fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<(f64, f64, f64)> {
-    use ditmem_engine::families::flux::params::{FLUX_FREQ, GUIDANCE, ROPE_THETA};
-    use ditmem_engine::families::flux::{
-        double_forward, final_forward as flux_final, image_tokens, join_streams, mlp_silu,
-        rope_ids, single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights,
-        DOUBLE_LINEARS, DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
-    };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
-    let (dev, f) = (Device::Cpu, DType::F64);
+fn weight_bound(t: &Trainer, g: &FluxGeom, head_dim: usize) -> Result<f64> {
     let max_abs = |n: &str| -> Result<f64> {
         t.parameter(&format!("{n}.weight"))?
             .abs()
             .and_then(|a| a.max_all())
-            .and_then(|a| a.to_dtype(f))
+            .and_then(|a| a.to_dtype(DType::F64))
             .and_then(|a| a.to_scalar::<f64>())
             .map_err(e)
     };
     let (scale, dh) = (
-        crate::mutation::attention_scale(d.head_dim).abs(),
-        d.head_dim as f64,
+        crate::mutation::attention_scale(head_dim).abs(),
+        head_dim as f64,
     );
     let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
-    let blocks = g.double + g.single;
-    for i in 0..blocks {
+    for i in 0..g.double + g.single {
         let (p, qs, ks): (String, Vec<&str>, Vec<&str>) = if i < g.double {
             let p = format!("transformer_blocks.{i}.attn");
             (
@@ -77,77 +59,116 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
         // scales them (d_h^−½ and any planted gain).
         bound = bound.max(scale * dh * mq * mk);
     }
+    Ok(bound)
+}
+
+/// The linears `lins` and the RMSNorm weights `norms` of the Flux block at `prefix`.
+fn block_weights<const N: usize>(
+    t: &Trainer,
+    prefix: &str,
+    lins: &[&str],
+    norms: [&str; N],
+) -> Result<(Vec<LinearW>, [Tensor; N])> {
+    let l = lins
+        .iter()
+        .map(|n| linear(t, &format!("{prefix}.{n}")))
+        .collect::<Result<Vec<_>>>()?;
+    let w = weights(prefix, norms, |n| Ok(t.parameter(&format!("{n}.weight"))?))?;
+    Ok((l, w))
+}
+
+/// The embedders of Flux's conditioning (`time_text_embed`): the timestep's, the guidance
+/// scale's where the model has one, and the pooled text's, each two linears.
+struct Conditions {
+    time: [LinearW; 2],
+    guidance: Option<[LinearW; 2]>,
+    text: [LinearW; 2],
+}
+
+impl Conditions {
+    fn of(t: &Trainer, guidance: bool) -> Result<Conditions> {
+        let mlp = |n: &str| {
+            weights(
+                &format!("time_text_embed.{n}"),
+                ["linear_1", "linear_2"],
+                |l| linear(t, l),
+            )
+        };
+        Ok(Conditions {
+            time: mlp("timestep_embedder")?,
+            guidance: if guidance {
+                Some(mlp("guidance_embedder")?)
+            } else {
+                None
+            },
+            text: mlp("text_embedder")?,
+        })
+    }
+
+    /// SiLU of the summed embeddings of `mb`'s timesteps, the guidance scale and its pooled
+    /// text, (b, D): what every block's modulation reads.
+    fn embed(&self, mb: &Batch) -> Result<Tensor> {
+        use ditmem_engine::families::flux::mlp_silu;
+        use ditmem_engine::families::flux::params::{FLUX_FREQ, GUIDANCE};
+        let (dev, f) = (Device::Cpu, DType::F64);
+        let [t1, t2] = &self.time;
+        let tf = timestep_features(&mb.timesteps, FLUX_FREQ, f, &dev)?;
+        let mut temb = mlp_silu(&tf, t1, t2)?;
+        if let Some([g1, g2]) = &self.guidance {
+            let gf = timestep_features(&vec![GUIDANCE as u32; mb.n], FLUX_FREQ, f, &dev)?;
+            temb = (temb + mlp_silu(&gf, g1, g2)?).map_err(e)?;
+        }
+        let [p1, p2] = &self.text;
+        let pooled = mb.pooled_tensor(f, &dev)?;
+        temb = (temb + mlp_silu(&pooled, p1, p2)?).map_err(e)?;
+        temb.silu().map_err(e)
+    }
+}
+
+/// The score bound S for Flux ([`weight_bound`]) and its forward replayed in f64 (embed,
+/// double- and single-stream blocks, output side) for the loss check and the softmax
+/// amplification.
+fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::flux::params::ROPE_THETA;
+    use ditmem_engine::families::flux::{
+        double_forward, final_forward as flux_final, image_tokens, join_streams, rope_ids,
+        single_forward, unpack, DoubleWeights, FinalWeights, SingleWeights, DOUBLE_LINEARS,
+        DOUBLE_NORMS, SINGLE_LINEARS, SINGLE_NORMS,
+    };
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let bound = weight_bound(t, g, d.head_dim)?;
+    let scale = crate::mutation::attention_scale(d.head_dim).abs();
+    let blocks = g.double + g.single;
     let x_embedder = linear(t, "x_embedder")?;
     let context_embedder = linear(t, "context_embedder")?;
-    let tte = "time_text_embed";
-    let mlp = |n: &str| -> Result<[LinearW; 2]> {
-        Ok([
-            linear(t, &format!("{tte}.{n}.linear_1"))?,
-            linear(t, &format!("{tte}.{n}.linear_2"))?,
-        ])
-    };
-    let time = mlp("timestep_embedder")?;
-    let guidance = if g.guidance {
-        Some(mlp("guidance_embedder")?)
-    } else {
-        None
-    };
-    let text = mlp("text_embedder")?;
+    let conditions = Conditions::of(t, g.guidance)?;
     let table = std::sync::Arc::new(
         crate::ops::RopeTable::new(&rope_ids(g.text_tokens, &d), &g.axes, ROPE_THETA, f)
             .map_err(e)?,
     );
-    let weights =
-        |prefix: String, lins: &[&str], norms: &[&str]| -> Result<(Vec<LinearW>, Vec<Tensor>)> {
-            let l = lins
-                .iter()
-                .map(|n| linear(t, &format!("{prefix}.{n}")))
-                .collect::<Result<Vec<_>>>()?;
-            let w = norms
-                .iter()
-                .map(|n| t.parameter(&format!("{prefix}.{n}.weight")))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Ok((l, w))
-        };
     let fw = FinalWeights {
         norm_out: linear(t, "norm_out.linear")?,
         proj_out: linear(t, "proj_out")?,
     };
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    // S comes from the weights above; the replay checks the loss and gathers the softmax
+    // amplification.
+    let (_, loss, softmax) = r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut xs, st) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
-            let x0 = x_embedder
-                .forward(&patchify(&xt, &d)?)?
-                .reshape((b, d.tokens, d.hidden))
-                .map_err(e)?;
+            let x0 = r.tokens(&x_embedder, &r.noisy_patches(mb)?, b, None)?;
             let c0 = context_embedder
                 .forward(&mb.text_tensor(f, &dev)?)?
                 .reshape((b, g.text_tokens, d.hidden))
                 .map_err(e)?;
-            let tf = timestep_features(&mb.timesteps, FLUX_FREQ, f, &dev)?;
-            let mut temb = mlp_silu(&tf, &time[0], &time[1])?;
-            if let Some(gm) = &guidance {
-                let gf = timestep_features(&vec![GUIDANCE as u32; b], FLUX_FREQ, f, &dev)?;
-                temb = (temb + mlp_silu(&gf, &gm[0], &gm[1])?).map_err(e)?;
-            }
-            let pooled = mb.pooled_tensor(f, &dev)?;
-            temb = (temb + mlp_silu(&pooled, &text[0], &text[1])?).map_err(e)?;
-            Ok((vec![x0, c0], temb.silu().map_err(e)?))
+            Ok((vec![x0, c0], conditions.embed(mb)?))
         })?;
         for i in 0..blocks {
             xs = if i < g.double {
-                let (lin, n) = weights(
-                    format!("transformer_blocks.{i}"),
-                    &DOUBLE_LINEARS,
-                    &DOUBLE_NORMS,
-                )?;
-                let w = DoubleWeights {
-                    lin,
-                    norms: [n[0].clone(), n[1].clone(), n[2].clone(), n[3].clone()],
-                };
+                let p = format!("transformer_blocks.{i}");
+                let (lin, norms) = block_weights(t, &p, &DOUBLE_LINEARS, DOUBLE_NORMS)?;
+                let w = DoubleWeights { lin, norms };
                 on_pool(|| -> Result<Vec<Tensor>> {
                     let (q, k) = flux_qk(
                         (
@@ -165,17 +186,14 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
-                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &cfg)?;
+                    pair_bound(&q, &k, b, d.heads, scale, (softmax, g.text_tokens))?;
+                    let (x, c) = double_forward(&xs[0], &xs[1], &st, &table, &w, &r.cfg)?;
                     Ok(vec![x, c])
                 })?
             } else {
                 let p = format!("single_transformer_blocks.{}", i - g.double);
-                let (lin, n) = weights(p, &SINGLE_LINEARS, &SINGLE_NORMS)?;
-                let w = SingleWeights {
-                    lin,
-                    norms: [n[0].clone(), n[1].clone()],
-                };
+                let (lin, norms) = block_weights(t, &p, &SINGLE_LINEARS, SINGLE_NORMS)?;
+                let w = SingleWeights { lin, norms };
                 on_pool(|| -> Result<Vec<Tensor>> {
                     let joint = match xs.as_slice() {
                         [img, txt] => join_streams(img, txt)?,
@@ -192,19 +210,20 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &FluxGeom, batch: &Batch) -> Result<
                         &st,
                         &table,
                     )?;
-                    pair_bound(&q, &k, b, d.heads, scale, (&softmax, g.text_tokens))?;
-                    Ok(vec![single_forward(&joint, &st, &table, &w, &cfg)?])
+                    pair_bound(&q, &k, b, d.heads, scale, (softmax, g.text_tokens))?;
+                    Ok(vec![single_forward(&joint, &st, &table, &w, &r.cfg)?])
                 })?
             };
         }
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let img = image_tokens(&xs[0], d.tokens)?;
             let out = flux_final(&img, &st, &fw, f, f)?;
             let pred = unpack(&out, b, &d)?;
-            mse_loss(pred, &mb, &acp, spec)
+            mse_loss(pred, mb, &r.acp, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((0.0, loss))
+    })?;
+    Ok((bound, loss, softmax))
 }
 
 /// One Flux stream's part of an attention: its tokens (b, n, D), its AdaLayerNorm's linear,
@@ -224,9 +243,7 @@ fn flux_qk(
     use crate::ops::{rms_norm, rope, RMS_EPS};
     let part = |(x, ada, [lq, lk], [nq, nk]): FluxStream<'_>| -> Result<(Tensor, Tensor)> {
         let (b, n, h) = x.dims3().map_err(e)?;
-        let m = ada.forward(st)?;
-        let (shift, sc) = (m.narrow(1, 0, h).map_err(e)?, m.narrow(1, h, h).map_err(e)?);
-        let hx = ln_modulate(x, &shift, &sc, LN_EPS, DType::F64).map_err(e)?;
+        let hx = shift_scale_ln(x, &ada.forward(st)?)?;
         let flat = |y: Tensor| y.reshape((b * n, h)).map_err(e);
         let q = rms_norm(&flat(lq.forward(&hx)?)?, nq, RMS_EPS).map_err(e)?;
         let k = rms_norm(&flat(lk.forward(&hx)?)?, nk, RMS_EPS).map_err(e)?;
@@ -258,12 +275,8 @@ impl super::VerifyFamily for FluxGeom {
     }
 
     /// The joint attention `attn` (q and k from one stream, both streams).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn.") {
-            SELF_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn.", SELF_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

@@ -4,65 +4,27 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
-use crate::layers::LinearW;
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::error::bad;
 use crate::verify::key_bias::SELF_ATTENTION;
-use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
-};
+use crate::verify::replay::{e, linear, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::Result;
-use ditmem_engine::families::sd3::Sd3Geom;
+use ditmem_engine::families::sd3::{Sd3BlockWeights, Sd3Geom};
 
-// Kept whole (> 100 lines): one forward replayed in the model's order (embed, joint and dual blocks, output side, loss) over shared locals; pieces would each take them all.
-/// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
-/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
-/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
-fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(f64, f64, f64)> {
+/// The weights of SD3's `depth` joint blocks (the last one `context_pre_only`: no context
+/// output side), with SD3.5's q/k RMSNorms and dual-attention `attn2` where the geometry has
+/// them.
+fn block_weights(t: &Trainer, g: &Sd3Geom, depth: usize) -> Result<Vec<Sd3BlockWeights>> {
     use ditmem_engine::families::sd3::{
-        block_linears, dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp,
-        ContextOut, DualAttn, Sd3BlockWeights, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS, SD3_FREQ,
+        block_linears, ContextOut, DualAttn, DUAL_LINEARS, DUAL_QK_NORMS, QK_NORMS,
     };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
-    let (dev, f) = (Device::Cpu, DType::F64);
-    let scale = crate::mutation::attention_scale(d.head_dim);
-    let conv = t
-        .parameter("pos_embed.proj.weight")?
-        .flatten_from(1)
-        .map_err(e)?;
-    let embed = LinearW::new(conv, t.parameter("pos_embed.proj.bias")?, None);
-    let te = "time_text_embed.timestep_embedder";
-    let pe = "time_text_embed.text_embedder";
-    let (t1, t2) = (
-        linear(t, &format!("{te}.linear_1"))?,
-        linear(t, &format!("{te}.linear_2"))?,
-    );
-    let (p1, p2) = (
-        linear(t, &format!("{pe}.linear_1"))?,
-        linear(t, &format!("{pe}.linear_2"))?,
-    );
-    let context = linear(t, "context_embedder")?;
-    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
-    let side = g.pos_side;
-    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
-    let pos = t
-        .parameter("pos_embed.pos_embed")?
-        .reshape((side, side, d.hidden))
-        .and_then(|p| p.narrow(0, top, d.rows))
-        .and_then(|p| p.narrow(1, left, d.cols))
-        .map_err(e)?;
-    let mut blocks = Vec::with_capacity(d.depth);
-    for i in 0..d.depth {
-        let last = i + 1 == d.depth;
+    let mut blocks = Vec::with_capacity(depth);
+    for i in 0..depth {
+        let last = i + 1 == depth;
         let l = block_linears(last)
             .into_iter()
             .map(|n| linear(t, &format!("transformer_blocks.{i}.{n}")))
@@ -121,20 +83,48 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
             dual,
         });
     }
-    let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    Ok(blocks)
+}
+
+/// The score bound S for SD3: its forward replayed in f64 (embed, joint blocks, output side), S
+/// over each block's joint attention (queries and keys of both streams) and, in SD3.5's
+/// dual-attention blocks, over `attn2` (the image tokens' self-attention).
+fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(f64, f64, f64)> {
+    use ditmem_engine::families::sd3::{
+        dual_qk, final_forward as sd3_final, joint_qk, sd3_block_forward, silu_mlp, SD3_FREQ,
+    };
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
+    let (dev, f) = (Device::Cpu, DType::F64);
+    let scale = crate::mutation::attention_scale(d.head_dim);
+    let embed = linear(t, "pos_embed.proj")?;
+    let te = "time_text_embed.timestep_embedder";
+    let pe = "time_text_embed.text_embedder";
+    let (t1, t2) = (
+        linear(t, &format!("{te}.linear_1"))?,
+        linear(t, &format!("{te}.linear_2"))?,
+    );
+    let (p1, p2) = (
+        linear(t, &format!("{pe}.linear_1"))?,
+        linear(t, &format!("{pe}.linear_2"))?,
+    );
+    let context = linear(t, "context_embedder")?;
+    let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
+    // The crop of the position table to the latent's grid, as (s, D) rows.
+    let side = g.pos_side;
+    let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
+    let pos = t
+        .parameter("pos_embed.pos_embed")?
+        .reshape((side, side, d.hidden))
+        .and_then(|p| p.narrow(0, top, d.rows))
+        .and_then(|p| p.narrow(1, left, d.cols))
+        .and_then(|p| p.reshape((d.tokens, d.hidden)))
+        .map_err(e)?;
+    let blocks = block_weights(t, g, d.depth)?;
+    r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut streams, se) = on_pool(|| -> Result<(Vec<Tensor>, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
-            let xe = embed.forward(&patchify(&xt, &d)?)?;
-            let x = xe
-                .reshape((b, d.rows, d.cols, d.hidden))
-                .and_then(|x| x.broadcast_add(&pos))
-                .and_then(|x| x.reshape((b, d.tokens, d.hidden)))
-                .map_err(e)?;
+            let x = r.tokens(&embed, &r.noisy_patches(mb)?, b, Some(&pos))?;
             let tf = timestep_features(&mb.timesteps, SD3_FREQ, f, &dev)?;
             let tt = silu_mlp(&tf, &t1, &t2)?;
             let tp = silu_mlp(&mb.pooled_tensor(f, &dev)?, &p1, &p2)?;
@@ -145,34 +135,31 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
                 .map_err(e)?;
             Ok((vec![c, x], se))
         })?;
+        let mut bound = 0.0f64;
         for bw in &blocks {
             let (next, sb) = on_pool(|| -> Result<(Vec<Tensor>, f64)> {
-                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &cfg)?;
-                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (&softmax, d.tokens))?;
+                let (q, k) = joint_qk(&streams[0], &streams[1], &se, bw, &r.cfg)?;
+                let mut sb = pair_bound(&q, &k, b, d.heads, scale, (softmax, d.tokens))?;
                 // attn2 reads the block's input image stream (its own LN of x).
-                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &cfg)? {
-                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?);
+                if let Some((q2, k2)) = dual_qk(&streams[1], &se, bw, &r.cfg)? {
+                    sb = sb.max(pair_bound(&q2, &k2, b, d.heads, scale, (softmax, 0))?);
                 }
                 Ok((
-                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &cfg)?,
+                    sd3_block_forward(&streams[0], &streams[1], &se, bw, &r.cfg)?,
                     sb,
                 ))
             })?;
             bound = bound.max(sb);
             streams = next;
         }
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let x = streams
                 .last()
                 .ok_or_else(|| bad("attention-score probe", "no image stream"))?;
-            let out = sd3_final(x, &se, &norm_out, &proj_out, f, f)?;
-            let pred = unpatchify(&out, b, &d)?
-                .narrow(1, 0, d.in_channels)
-                .map_err(e)?;
-            mse_loss(pred, &mb, &acp, spec)
+            r.patch_loss(&sd3_final(x, &se, &norm_out, &proj_out, f, f)?, mb, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((bound, loss))
+    })
 }
 
 impl super::VerifyFamily for Sd3Geom {
@@ -186,12 +173,8 @@ impl super::VerifyFamily for Sd3Geom {
 
     /// The joint attention `attn` (q and k from one stream, both streams) and SD3.5's
     /// dual-attention `attn2` (a self-attention over the image tokens).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn.") || name.contains(".attn2.") {
-            SELF_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn.", SELF_ATTENTION), (".attn2.", SELF_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

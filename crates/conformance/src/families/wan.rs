@@ -4,19 +4,18 @@
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use super::family::KeyBiasAttentions;
 use crate::diffusion::Batch;
-use crate::layers::LinearW;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
 use crate::verify::replay::{
-    amplification_of, e, linear, mse_loss, on_pool, pair_bound, F64Replay, Probe,
+    e, linear, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
-use ditmem_engine::families::wan::WanGeom;
+use ditmem_engine::families::wan::{WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
-// Kept whole (> 100 lines): one forward replayed in the model's order (embed, blocks, output side, loss) over shared locals; pieces would each take them all.
 /// The score bound S for Wan: its forward replayed in f64 (embed, blocks, output side), S over
 /// both the self-attention (q, k after the RMSNorm and RoPE) and the cross-attention to the
 /// text (after the RMSNorm).
@@ -25,20 +24,11 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
         final_forward as wan_final, patchify3d, rope_tables, text_forward, unpatchify3d,
         wan_block_forward, wan_block_qk, WanBlockWeights, WanConds, WanFinalWeights,
     };
-    let F64Replay {
-        d,
-        micro,
-        accum,
-        acp,
-        cfg,
-    } = F64Replay::of(spec, t);
+    let r = F64Replay::of(spec, t);
+    let d = r.d;
     let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
-    let conv = t
-        .parameter("patch_embedding.weight")?
-        .flatten_from(1)
-        .map_err(e)?;
-    let embed = LinearW::new(conv, t.parameter("patch_embedding.bias")?, None);
+    let embed = linear(t, "patch_embedding")?;
     let ce = "condition_embedder";
     let t1 = linear(t, &format!("{ce}.time_embedder.linear_1"))?;
     let t2 = linear(t, &format!("{ce}.time_embedder.linear_2"))?;
@@ -53,47 +43,48 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
     let half = cv.len() / d.tokens.max(1);
     let cos = Tensor::from_vec(cv, (d.tokens, half), &dev).map_err(e)?;
     let sin = Tensor::from_vec(sv, (d.tokens, half), &dev).map_err(e)?;
-    let (h, s) = (d.hidden, d.tokens);
-    let mut bound = 0.0f64;
-    let softmax = std::sync::Mutex::new(1.0f64);
-    let mut loss_sum = 0.0;
-    for m in 0..accum {
-        let mb = batch.slice(m * micro, micro)?;
+    r.over_microbatches(batch, |_, mb, softmax| {
         let b = mb.n;
         let (mut x, temb, t6, ctx) = on_pool(|| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-            let xt = mb.noisy(&acp, f, &dev)?;
+            let xt = mb.noisy(&r.acp, f, &dev)?;
             let xp = patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?;
-            let x = embed.forward(&xp)?.reshape((b, s, h)).map_err(e)?;
+            let x = r.tokens(&embed, &xp, b, None)?;
             let tf = timestep_features(&mb.timesteps, g.freq, f, &dev)?;
-            let temb = t2.forward(&t1.forward(&tf)?.silu().map_err(e)?)?;
+            let temb = silu_mlp(&tf, &t1, &t2)?;
             let t6 = tp.forward(&temb.silu().map_err(e)?)?;
             let ctx = text_forward(&mb.text_tensor(f, &dev)?, &x1, &x2)?;
             Ok((x, temb, t6, ctx))
         })?;
+        let mut bound = 0.0f64;
         for i in 0..d.depth {
-            let p = |n: &str| linear(t, &format!("blocks.{i}.{n}"));
-            let q = |n: &str| t.parameter(&format!("blocks.{i}.{n}.weight"));
+            let prefix = format!("blocks.{i}");
+            let [q1, k1, v1, o1, q2, k2, v2, o2, fc1, fc2] =
+                weights(&prefix, WAN_BLOCK_LINEARS, |n| linear(t, n))?;
+            let [norm_q1, norm_k1, norm_q2, norm_k2] = weights(&prefix, WAN_BLOCK_NORMS, |n| {
+                Ok(t.parameter(&format!("{n}.weight"))?)
+            })?;
             let bw = WanBlockWeights {
-                table: t.parameter(&format!("blocks.{i}.scale_shift_table"))?,
-                q1: p("attn1.to_q")?,
-                k1: p("attn1.to_k")?,
-                v1: p("attn1.to_v")?,
-                o1: p("attn1.to_out.0")?,
-                norm_q1: q("attn1.norm_q")?,
-                norm_k1: q("attn1.norm_k")?,
-                q2: p("attn2.to_q")?,
-                k2: p("attn2.to_k")?,
-                v2: p("attn2.to_v")?,
-                o2: p("attn2.to_out.0")?,
-                norm_q2: q("attn2.norm_q")?,
-                norm_k2: q("attn2.norm_k")?,
+                table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
+                q1,
+                k1,
+                v1,
+                o1,
+                norm_q1,
+                norm_k1,
+                q2,
+                k2,
+                v2,
+                o2,
+                norm_q2,
+                norm_k2,
                 norm2: if g.cross_attn_norm {
-                    Some((q("norm2")?, t.parameter(&format!("blocks.{i}.norm2.bias"))?))
+                    let n = |p: &str| t.parameter(&format!("{prefix}.norm2.{p}"));
+                    Some((n("weight")?, n("bias")?))
                 } else {
                     None
                 },
-                fc1: p("ffn.net.0.proj")?,
-                fc2: p("ffn.net.2")?,
+                fc1,
+                fc2,
             };
             let conds = WanConds {
                 t6: &t6,
@@ -102,15 +93,15 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
                 sin: &sin,
             };
             let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
-                let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &cfg)?;
-                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, (&softmax, 0))?;
-                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, (&softmax, 0))?;
-                Ok((wan_block_forward(&x, conds, &bw, &cfg)?, sb1.max(sb2)))
+                let [(q1, k1), (q2, k2)] = wan_block_qk(&x, conds, &bw, &r.cfg)?;
+                let sb1 = pair_bound(&q1, &k1, b, d.heads, scale, (softmax, 0))?;
+                let sb2 = pair_bound(&q2, &k2, b, d.heads, scale, (softmax, 0))?;
+                Ok((wan_block_forward(&x, conds, &bw, &r.cfg)?, sb1.max(sb2)))
             })?;
             bound = bound.max(sb);
             x = next;
         }
-        loss_sum += on_pool(|| -> Result<f64> {
+        let loss = on_pool(|| -> Result<f64> {
             let out = wan_final(&x, &temb, &fw, f, f)?;
             let shape = if g.frames == 1 {
                 vec![b, g.out_channels, d.latent_h, d.latent_w]
@@ -121,10 +112,10 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
             let pred = unpatchify3d(&out, b, geo, &shape)?
                 .narrow(1, 0, d.in_channels)
                 .map_err(e)?;
-            mse_loss(pred, &mb, &acp, spec)
+            mse_loss(pred, mb, &r.acp, spec)
         })?;
-    }
-    Ok((bound, loss_sum / accum as f64, amplification_of(softmax)))
+        Ok((bound, loss))
+    })
 }
 
 impl super::VerifyFamily for WanGeom {
@@ -137,14 +128,8 @@ impl super::VerifyFamily for WanGeom {
     /// `attn1` a self-attention; `attn2` the cross-attention, whose k and v both read the
     /// caption (its k passes an RMSNorm, so the key bias's gradient is a remainder, not an exact
     /// zero; v's bias sums dO over the queries and cancels nothing).
-    fn key_bias_pairs(&self, name: &str) -> &'static [(&'static str, &'static str)] {
-        if name.contains(".attn1.") {
-            SELF_ATTENTION
-        } else if name.contains(".attn2.") {
-            CROSS_ATTENTION
-        } else {
-            &[]
-        }
+    fn key_bias_attentions(&self) -> KeyBiasAttentions {
+        &[(".attn1.", SELF_ATTENTION), (".attn2.", CROSS_ATTENTION)]
     }
 
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {

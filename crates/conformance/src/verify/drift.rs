@@ -3,7 +3,7 @@
 
 use super::error::bad;
 use super::error::Result;
-use super::metrics::{hash_values, ratio, scalar_rel, to_f64};
+use super::metrics::{diff_sq, hash_values, norm_sq, ratio, scalar_rel, to_f64};
 
 use super::reference::{Reference, VerifyOptions};
 use super::roundoff::unit_roundoff;
@@ -135,19 +135,11 @@ pub(super) fn state_norms(
             ));
         }
         hash_values(h, &p);
-        d2 += p
-            .iter()
-            .zip(&r)
-            .map(|(x, y)| (x - y) * (x - y))
-            .sum::<f64>();
-        n2 += r.iter().map(|y| y * y).sum::<f64>();
+        d2 += diff_sq(&p, &r);
+        n2 += norm_sq(&r);
         if travel {
             rd.read_into(&format!("param/0/{name}"), &mut p)?;
-            let moved = p
-                .iter()
-                .zip(&r)
-                .map(|(x, y)| (x - y) * (x - y))
-                .sum::<f64>();
+            let moved = diff_sq(&p, &r);
             t2 += moved;
             travel_sq.push(moved);
         }
@@ -160,12 +152,8 @@ pub(super) fn state_norms(
             for (name, v) in e {
                 let p = to_f64(&v)?;
                 rd.read_into(&format!("ema/{step}/{name}"), &mut r)?;
-                d2 += p
-                    .iter()
-                    .zip(&r)
-                    .map(|(x, y)| (x - y) * (x - y))
-                    .sum::<f64>();
-                n2 += r.iter().map(|y| y * y).sum::<f64>();
+                d2 += diff_sq(&p, &r);
+                n2 += norm_sq(&r);
             }
             Some(ratio(d2.sqrt(), n2.sqrt()))
         }

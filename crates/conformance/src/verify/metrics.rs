@@ -8,15 +8,21 @@ use crate::error::EngineError;
 use candle_core::DType;
 
 pub(super) fn norm(v: &[f64]) -> f64 {
-    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+    norm_sq(v).sqrt()
+}
+
+/// ‖v‖², summed in order.
+pub(super) fn norm_sq(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>()
 }
 
 pub(super) fn diff_norm(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt()
+    diff_sq(a, b).sqrt()
+}
+
+/// ‖a − b‖², summed in order.
+pub(super) fn diff_sq(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>()
 }
 
 /// ‖a − b‖ / ‖b‖; 0 when both are zero, ∞ when only `b` is; NaN propagates as ∞.
@@ -24,19 +30,9 @@ pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     ratio(diff_norm(a, b), norm(b))
 }
 
+/// |a − b| / |b|, with [`ratio`]'s rules for zero and NaN.
 pub(super) fn scalar_rel(a: f64, b: f64) -> f64 {
-    let r = if b != 0.0 {
-        (a - b).abs() / b.abs()
-    } else if a == b {
-        0.0
-    } else {
-        f64::INFINITY
-    };
-    if r.is_nan() {
-        f64::INFINITY
-    } else {
-        r
-    }
+    ratio((a - b).abs(), b.abs())
 }
 
 /// d / n for a difference norm d and a reference norm n: 0 when both are zero, ∞ when only n

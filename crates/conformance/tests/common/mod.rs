@@ -1,4 +1,5 @@
-//! Shared helpers of the conformance tests that measure an agreement grid's specs.
+//! Shared helpers of the conformance tests: one test at a time where a test binary's state is
+//! process-wide, and an agreement grid's specs measured and held to a bound.
 #![allow(dead_code)]
 
 use ditmem_budget::Spec;
@@ -23,4 +24,25 @@ pub fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agree
         a.predicted_peak_label
     );
     a
+}
+
+/// The counting allocator, a planted mutation: what a test binary holds process-wide, so its
+/// tests take this lock and run one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The budget's step peak within `bound` (relative) of the measured one.
+pub fn assert_peak_within(a: &Agreement, bound: f64) {
+    assert!(
+        a.rel_error.abs() <= bound,
+        "{}: predicted {} vs measured {} ({:+.3} %), peak at {}",
+        a.name,
+        a.predicted_peak_bytes,
+        a.measured_peak_bytes,
+        100.0 * a.rel_error,
+        a.predicted_peak_label
+    );
 }
