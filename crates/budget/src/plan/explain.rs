@@ -120,11 +120,7 @@ pub(super) fn infeasible_reason(
             fmt_bytes(limits.budget_bytes),
             100.0 * limits.headroom,
             fmt_bytes(chosen.peak),
-            if chosen_c.changes.is_empty() {
-                "the base".to_string()
-            } else {
-                chosen_c.changes.join(", ")
-            },
+            changes_or_base(&chosen_c.changes),
             dom.replace('_', " "),
             fmt_bytes(dom_bytes),
             100.0 * dom_bytes as f64 / chosen.peak.max(1) as f64,
@@ -215,4 +211,13 @@ pub(super) fn explain(
         s.push_str("; the microbatch is kept");
     }
     s
+}
+
+/// The changes of a recipe in words, comma-separated, or "the base" when there are none.
+pub(super) fn changes_or_base(changes: &[String]) -> String {
+    if changes.is_empty() {
+        "the base".to_string()
+    } else {
+        changes.join(", ")
+    }
 }
