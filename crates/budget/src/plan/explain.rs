@@ -78,16 +78,10 @@ pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
             crate::sharding::Scheme::of(s).describe()
         ));
     }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
+    if base.alloc_conf() != s.alloc_conf() {
         out.push(format!(
             "PYTORCH_CUDA_ALLOC_CONF={} (the allocated peak fits, the cached segments do not)",
-            conf(s)
+            s.alloc_conf()
         ));
     }
     out

@@ -463,13 +463,7 @@ fn fragmentation_that_breaks_the_fit_suggests_expandable_segments() {
     let usable = l.usable();
     let p = plan(&s, &l, &DeviceProfile::cpu_default()).unwrap();
     assert!(p.feasible, "{}", p.reason);
-    let conf = p
-        .plan
-        .cuda
-        .as_ref()
-        .map(|c| c.alloc_conf.clone())
-        .unwrap_or_default();
-    assert_eq!(conf, EXPANDABLE_SEGMENTS);
+    assert_eq!(p.plan.alloc_conf(), EXPANDABLE_SEGMENTS);
     assert_suggests_expandable_segments(&p, true);
     // The same recipe without the setting: allocated + context fit, reserved does not.
     let mut without = p.plan.clone();

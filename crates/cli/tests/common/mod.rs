@@ -69,11 +69,19 @@ pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
     err
 }
 
+/// Run `ditmem` with `args`: (exit code, its stdout read as JSON), whatever the code.
+pub fn code_and_json(args: &[&str]) -> (i32, serde_json::Value) {
+    let (code, out, err) = ditmem(args);
+    let v = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}\nstderr: {err}"));
+    (code, v)
+}
+
 /// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
 pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
-    let (c, out, err) = ditmem(args);
-    assert_eq!(c, code, "{args:?}: stderr: {err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+    let (c, v) = code_and_json(args);
+    assert_eq!(c, code, "{args:?}: {v}");
+    v
 }
 
 /// Run `ditmem` with `args` (exit 0): its stdout read as JSON.
