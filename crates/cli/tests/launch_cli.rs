@@ -5,24 +5,14 @@
 
 mod common;
 
-use common::{argv, argv_with, code_and_json, ditmem, temp_dir};
+use common::{argv, argv_with, code_and_json, ditmem, strs, temp_dir};
 use serde_json::Value;
 
 /// The `ditmem estimate` flags of the recipe a diffusers launch runs: the launch line and the
 /// script's flags, plus what the script does without a flag (its resident text encoders).
 fn recipe_of_command(preset: &str, gpu: &str, cmd: &Value) -> Vec<String> {
-    let launcher: Vec<&str> = cmd["launcher"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap())
-        .collect();
-    let args: Vec<&str> = cmd["script_args"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap())
-        .collect();
+    let launcher = strs(&cmd["launcher"]);
+    let args = strs(&cmd["script_args"]);
     let script = cmd["script"].as_str().unwrap();
     let value = |list: &[&str], flag: &str| -> Option<String> {
         list.iter()

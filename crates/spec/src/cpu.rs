@@ -155,26 +155,26 @@ impl CpuSpec {
                 ),
             ));
         }
-        let (lo, hi) = Self::GEMM_L2_RANGE;
-        if !(lo..=hi).contains(&self.gemm_l2_bytes) {
-            return Err(SpecError::invalid(
-                "cpu.gemm_l2_bytes",
-                format!(
-                    "{} is out of range; allowed: {lo} to {hi} bytes (the L2 cache per core)",
-                    self.gemm_l2_bytes
-                ),
-            ));
-        }
-        let (lo, hi) = Self::GEMM_L1_RANGE;
-        if !(lo..=hi).contains(&self.gemm_l1_bytes) {
-            return Err(SpecError::invalid(
-                "cpu.gemm_l1_bytes",
-                format!(
-                    "{} is out of range; allowed: {lo} to {hi} bytes (the L1 data cache per core)",
-                    self.gemm_l1_bytes
-                ),
-            ));
-        }
+        let cache = |field: &str, bytes: u64, (lo, hi): (u64, u64), what: &str| {
+            if (lo..=hi).contains(&bytes) {
+                Ok(())
+            } else {
+                let why = format!("{bytes} is out of range; allowed: {lo} to {hi} bytes ({what})");
+                Err(SpecError::invalid(field, why))
+            }
+        };
+        cache(
+            "cpu.gemm_l2_bytes",
+            self.gemm_l2_bytes,
+            Self::GEMM_L2_RANGE,
+            "the L2 cache per core",
+        )?;
+        cache(
+            "cpu.gemm_l1_bytes",
+            self.gemm_l1_bytes,
+            Self::GEMM_L1_RANGE,
+            "the L1 data cache per core",
+        )?;
         if self.gemm_l3_bytes > Self::GEMM_L3_MAX {
             return Err(SpecError::invalid(
                 "cpu.gemm_l3_bytes",

@@ -22,6 +22,27 @@ pub(crate) fn parse_named<T: Copy>(
     })
 }
 
+/// `s`, trimmed and in any case, read as the value of its spelling in `words` (each accepted
+/// spelling, aliases included, and its value), or an error naming `field`, what a value is and
+/// the `allowed` names (`s` shown to its first 60 characters).
+pub(crate) fn parse_spelling<T: Copy>(
+    s: &str,
+    words: &[(&str, T)],
+    field: &str,
+    what: &str,
+    allowed: &str,
+) -> Result<T, SpecError> {
+    let w = s.trim().to_ascii_lowercase();
+    let found = words.iter().find(|(k, _)| *k == w).map(|&(_, v)| v);
+    found.ok_or_else(|| {
+        let shown: String = s.chars().take(60).collect();
+        SpecError::invalid(
+            field,
+            format!("'{shown}' is not {what}; allowed: {allowed}"),
+        )
+    })
+}
+
 /// `FromStr` through [`parse_named`] for each listed type: `Type => "field", "what", [values]`
 /// (the values in the order the error lists them).
 macro_rules! from_name {
@@ -35,3 +56,23 @@ macro_rules! from_name {
     )+};
 }
 pub(crate) use from_name;
+
+/// `From<T> for String` (its `Display`) and `TryFrom<String>` (its `FromStr`): the conversions
+/// serde's `into = "String"` / `try_from = "String"` ask of a value written as text.
+macro_rules! text_form {
+    ($ty:ty) => {
+        impl From<$ty> for String {
+            fn from(v: $ty) -> String {
+                v.to_string()
+            }
+        }
+
+        impl TryFrom<String> for $ty {
+            type Error = $crate::error::SpecError;
+            fn try_from(s: String) -> Result<Self, Self::Error> {
+                s.parse()
+            }
+        }
+    };
+}
+pub(crate) use text_form;

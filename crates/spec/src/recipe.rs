@@ -11,7 +11,7 @@ use crate::error::SpecError;
 use crate::limits::MAX_DEPTH;
 use crate::lora::{LoraDtype, LoraSpec};
 use crate::model::default_true;
-use crate::named::from_name;
+use crate::named::{from_name, text_form};
 use crate::precision::{Dtype, Precision};
 use crate::runtime::{Runtime, TorchDevice};
 use crate::sharder::{Offload, Sharder};
@@ -123,18 +123,7 @@ impl fmt::Display for Recompute {
     }
 }
 
-impl From<Recompute> for String {
-    fn from(r: Recompute) -> String {
-        r.to_string()
-    }
-}
-
-impl TryFrom<String> for Recompute {
-    type Error = SpecError;
-    fn try_from(s: String) -> Result<Self, SpecError> {
-        s.parse()
-    }
-}
+text_form!(Recompute);
 
 impl FromStr for Recompute {
     type Err = SpecError;

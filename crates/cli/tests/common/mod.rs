@@ -94,6 +94,14 @@ pub fn json_of(args: &[&str]) -> serde_json::Value {
     json(&[args, &["--json"]].concat())
 }
 
+/// A JSON array of strings (a command line, a list of changes) as `&str`s.
+pub fn strs(v: &serde_json::Value) -> Vec<&str> {
+    let list = v.as_array().unwrap_or_else(|| panic!("not an array: {v}"));
+    list.iter()
+        .map(|x| x.as_str().unwrap_or_else(|| panic!("not a string: {x}")))
+        .collect()
+}
+
 /// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
 pub fn assert_fits_100(what: &str, out: &str) {
     for line in out.lines() {
