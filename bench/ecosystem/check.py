@@ -116,6 +116,17 @@ def quiet(fn, *a, **k):
         return fn(*a, **k)
 
 
+def deepspeed_env(args, defaults, mp_from_config):
+    """The environment accelerate's launcher gives a DeepSpeed run (commands/launch.py
+    launch_command: it first lists the config fields accelerate then checks)."""
+    fields = list(defaults.deepspeed_config.keys()) if defaults else []
+    if mp_from_config:
+        fields.append("mixed_precision")
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, env = quiet(prepare_deepspeed_cmd_env, args)
+    return env
+
+
 def load_parser(script):
     path = HERE / "vendor" / "diffusers_args" / (Path(script).stem + ".py")
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -192,12 +203,7 @@ def check_launch(cmd, plan, options, workdir):
         need(int(args.num_processes) == w["ranks"], f"num_processes {args.num_processes}")
         z = r["zero_stage"]
         if args.use_deepspeed:
-            # commands/launch.py launch_command: the config fields accelerate then checks.
-            fields = list(defaults.deepspeed_config.keys()) if defaults else []
-            if mp_from_config:
-                fields.append("mixed_precision")
-            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-            _, env = quiet(prepare_deepspeed_cmd_env, args)
+            env = deepspeed_env(args, defaults, mp_from_config)
         elif args.use_fsdp or args.multi_gpu:
             env = quiet(prepare_multi_gpu_env, args)
         else:
@@ -350,11 +356,7 @@ def check_plan(folder, reports=None):
             args = launch_command_parser().parse_args(argv)
             args, defaults, mp_from_config = quiet(_validate_launch_command, args)
             if args.use_deepspeed:
-                fields = list(defaults.deepspeed_config.keys()) if defaults else []
-                if mp_from_config:
-                    fields.append("mixed_precision")
-                args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-                _, env = quiet(prepare_deepspeed_cmd_env, args)
+                env = deepspeed_env(args, defaults, mp_from_config)
                 with environ(env):
                     plugin = quiet(DeepSpeedPlugin)
                     # The precision DeepSpeed runs: the JSON's, once accelerate fills it with the

@@ -64,25 +64,16 @@ PRESETS["dit-xl-2-256"] = {
 }
 # facebook/DiT-XL-2-512: the same script with --image_size 512.
 PRESETS["dit-xl-2-512"] = like("dit-xl-2-256", sample_size=64)
-PRESETS["pixart-alpha-1024"] = {
-    # PixArt-alpha/PixArt-XL-2-1024-MS: scripts/convert_pixart_alpha_to_diffusers.py.
-    "_class_name": "Transformer2DModel",
-    "sample_size": 128,
-    "num_layers": 28,
-    "attention_head_dim": 72,
-    "in_channels": 4,
-    "out_channels": 8,
-    "patch_size": 2,
-    "attention_bias": True,
-    "num_attention_heads": 16,
-    "cross_attention_dim": 1152,
-    "activation_fn": "gelu-approximate",
-    "num_embeds_ada_norm": 1000,
-    "norm_type": "ada_norm_single",
-    "norm_elementwise_affine": False,
-    "norm_eps": 1e-6,
-    "caption_channels": 4096,
-}
+# PixArt-alpha/PixArt-XL-2-1024-MS: scripts/convert_pixart_alpha_to_diffusers.py, the DiT-XL/2
+# transformer with cross-attention to the caption and adaLN-single.
+PRESETS["pixart-alpha-1024"] = like(
+    "dit-xl-2-256",
+    sample_size=128,
+    cross_attention_dim=1152,
+    norm_type="ada_norm_single",
+    norm_eps=1e-6,
+    caption_channels=4096,
+)
 # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: scripts/convert_pixart_sigma_to_diffusers.py
 # (image_size 1024 -> interpolation_scale 2, no --micro_condition).
 PRESETS["pixart-sigma-1024"] = like(

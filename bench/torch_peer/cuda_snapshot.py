@@ -17,6 +17,15 @@ from spec import SpecUnsupported
 DEFAULT_MAX_ENTRIES = 200_000
 
 
+def add_arguments(ap):
+    """The peers' `--snapshot FILE` and `--snapshot-max-entries N`."""
+    ap.add_argument("--snapshot", metavar="FILE", help="CUDA only (runtime pytorch:cuda): record the allocator's "
+                    "history from the first warm-up step on and write torch.cuda.memory._dump_snapshot(FILE) "
+                    "after the measured step (use --warmup 1 --steps 0; read it with `ditmem compare --snapshot FILE`)")
+    ap.add_argument("--snapshot-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                    help="ring buffer of the recorded trace (max_entries)")
+
+
 def check(path, device: torch.device):
     if path and device.type != "cuda":
         raise SpecUnsupported(

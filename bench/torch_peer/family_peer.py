@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cuda_snapshot  # noqa: E402
 import measure  # noqa: E402
 from peer import DTYPES, linear_schedule, percentiles  # noqa: E402
-from spec import SpecUnsupported, parse_runtime  # noqa: E402
+from spec import SpecUnsupported, parse_runtime, peer_main  # noqa: E402
 
 # Transformer2DModel's remapping by norm_type (diffusers models/model_loading_utils.py).
 REMAP = {"ada_norm_zero": "DiTTransformer2DModel", "ada_norm_single": "PixArtTransformer2DModel"}
@@ -590,23 +590,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: PyTorch's default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--snapshot", metavar="FILE", help="CUDA only (runtime pytorch:cuda): record the allocator's "
-                    "history from the first warm-up step on and write torch.cuda.memory._dump_snapshot(FILE) "
-                    "after the measured step (use --warmup 1 --steps 0; read it with `ditmem compare --snapshot FILE`)")
-    ap.add_argument("--snapshot-max-entries", type=int, default=cuda_snapshot.DEFAULT_MAX_ENTRIES,
-                    help="ring buffer of the recorded trace (max_entries)")
-    args = ap.parse_args(argv)
-    if args.warmup < 1:
-        print("family_peer: --warmup must be ≥ 1 (optimizer state is created by the first step)", file=sys.stderr)
-        return 2
-    try:
-        result = run(args)
-    except (SpecUnsupported, KeyError, OSError, json.JSONDecodeError) as e:
-        print(f"family_peer: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    json.dump(result, sys.stdout, indent=2)
-    print()
-    return 0
+    cuda_snapshot.add_arguments(ap)
+    return peer_main("family_peer", ap.parse_args(argv), run)
 
 
 if __name__ == "__main__":

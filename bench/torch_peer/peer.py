@@ -9,7 +9,6 @@ stderr when the spec asks for something the peer does not run.
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cuda_snapshot  # noqa: E402
 import measure  # noqa: E402
 from dit import DiT, param_counts  # noqa: E402
-from spec import SpecUnsupported, load  # noqa: E402
+from spec import SpecUnsupported, load, peer_main  # noqa: E402
 
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -289,23 +288,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="override the spec runtime's device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--params-only", action="store_true", help="build the model, print its parameter counts")
-    ap.add_argument("--snapshot", metavar="FILE", help="CUDA only: record the allocator's history from the first "
-                    "warm-up step on and write torch.cuda.memory._dump_snapshot(FILE) after the measured step "
-                    "(use --warmup 1 --steps 0; read it with `ditmem compare --snapshot FILE`)")
-    ap.add_argument("--snapshot-max-entries", type=int, default=cuda_snapshot.DEFAULT_MAX_ENTRIES,
-                    help="ring buffer of the recorded trace (max_entries)")
+    cuda_snapshot.add_arguments(ap)
     args = ap.parse_args(argv)
-    if args.warmup < 1:
-        print("peer: --warmup must be ≥ 1 (optimizer state is created by the first step)", file=sys.stderr)
-        return 2
-    try:
-        result = count_only(args) if args.params_only else run(args)
-    except (SpecUnsupported, KeyError, OSError, json.JSONDecodeError) as e:
-        print(f"peer: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    json.dump(result, sys.stdout, indent=2)
-    print()
-    return 0
+    return peer_main("peer", args, count_only if args.params_only else run)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,28 @@
 """Reading a ditmem spec (the JSON that `ditmem spec --json` prints) into what the peer runs."""
 
 import json
+import sys
 from dataclasses import dataclass, field
 
 
 class SpecUnsupported(ValueError):
     """The spec asks for something the peer does not implement."""
+
+
+def peer_main(prog: str, args, run) -> int:
+    """The peers' ending: refuse `--warmup` < 1, run, print the result as JSON (exit 0), or say
+    why the spec cannot run (exit 2)."""
+    if args.warmup < 1:
+        print(f"{prog}: --warmup must be ≥ 1 (optimizer state is created by the first step)", file=sys.stderr)
+        return 2
+    try:
+        result = run(args)
+    except (SpecUnsupported, KeyError, OSError, json.JSONDecodeError) as e:
+        print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
 
 
 @dataclass

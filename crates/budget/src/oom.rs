@@ -242,6 +242,98 @@ fn leading_int(s: &str) -> Option<u64> {
     s[..n].parse().ok()
 }
 
+/// The "Process {pid} has {x} memory in use." entries, in order.
+fn processes_in(w: &str) -> Vec<ProcessUse> {
+    let mut processes = Vec::new();
+    let mut pos = 0;
+    while let Some(i) = w[pos..].find("Process ") {
+        let start = pos + i + "Process ".len();
+        pos = start;
+        let Some(pid) = leading_int(&w[start..]) else {
+            continue;
+        };
+        let rest = &w[start..];
+        let Some(h) = rest.find(" has ") else {
+            continue;
+        };
+        if h > 20 {
+            continue;
+        }
+        if let Some((bytes, after)) = size_after(&rest[h + 5..]) {
+            if after.trim_start().starts_with("memory in use") {
+                processes.push(ProcessUse { pid, bytes });
+            }
+        }
+    }
+    processes
+}
+
+/// The figures of the PyTorch ≥ 2.1 wording ("GPU 0 has a total capacity of … of which … is
+/// free. … Of the allocated memory … is reserved by PyTorch but unallocated").
+fn read_current(w: &str, total_bytes: u64, head: OomMessage) -> Result<OomMessage, OomError> {
+    let free_bytes = match w.find(" of which ") {
+        Some(i) => before_key(w, i + 9, " is free", "free")?,
+        None => None,
+    };
+    let processes = processes_in(w);
+    let this_process_bytes = after_key(w, "this process has ", "this process")?;
+    let allowed_bytes = before_key(w, 0, " allowed; ", "allowed")?;
+    let allocated_bytes = after_key(w, "Of the allocated memory ", "allocated")?.ok_or(
+        OomError::Missing("allocated memory ('Of the allocated memory …')"),
+    )?;
+    let private_pool_bytes = match w.find(" allocated in private pools") {
+        Some(_) => after_key(w, "With ", "private pools")?,
+        None => None,
+    };
+    let reserved_unallocated_bytes = before_key(
+        w,
+        0,
+        " is reserved by PyTorch but unallocated",
+        "reserved but unallocated",
+    )?
+    .ok_or(OomError::Missing(
+        "reserved memory ('… is reserved by PyTorch but unallocated')",
+    ))?;
+    Ok(OomMessage {
+        total_bytes,
+        free_bytes,
+        allocated_bytes,
+        reserved_unallocated_bytes,
+        private_pool_bytes,
+        allowed_bytes,
+        this_process_bytes,
+        processes,
+        ..head
+    })
+}
+
+/// The figures of the PyTorch ≤ 2.0 wording ("(GPU 0; … total capacity; … already allocated;
+/// … free; … reserved in total by PyTorch)").
+fn read_legacy(w: &str, head: OomMessage) -> Result<OomMessage, OomError> {
+    let total_bytes = before_key(w, 0, " total capacity", "total capacity")?
+        .ok_or(OomError::Missing("total capacity"))?;
+    let allocated_bytes = before_key(w, 0, " already allocated", "already allocated")?.ok_or(
+        OomError::Missing("allocated memory ('… already allocated')"),
+    )?;
+    let free_bytes = before_key(w, 0, " free;", "free")?;
+    let allowed_bytes = before_key(w, 0, " allowed;", "allowed")?;
+    let reserved = match before_key(w, 0, " reserved in total by PyTorch", "reserved")? {
+        Some(r) => r,
+        None => before_key(w, 0, " cached)", "cached")?.ok_or(OomError::Missing(
+            "reserved memory ('… reserved in total by PyTorch')",
+        ))?,
+    };
+    Ok(OomMessage {
+        wording: Wording::Legacy,
+        total_bytes,
+        free_bytes,
+        allocated_bytes,
+        reserved_unallocated_bytes: reserved.saturating_sub(allocated_bytes),
+        allowed_bytes,
+        ..head
+    })
+}
+
 impl OomMessage {
     /// Read the first out-of-memory message in `text` (a pasted log is fine: the traceback and
     /// other lines around it are skipped; line breaks inside the message are read as spaces).
@@ -300,100 +392,31 @@ impl OomMessage {
             .find("GPU ")
             .and_then(|i| leading_int(&w[i + 4..]))
             .and_then(|d| u32::try_from(d).ok());
+        // What both wordings carry; each reader fills in its own figures.
+        let head = OomMessage {
+            backend,
+            wording: Wording::Current,
+            device,
+            rank,
+            requested_bytes,
+            total_bytes: 0,
+            free_bytes: None,
+            allocated_bytes: 0,
+            reserved_unallocated_bytes: 0,
+            private_pool_bytes: None,
+            allowed_bytes: None,
+            this_process_bytes: None,
+            processes: Vec::new(),
+            messages_in_text,
+        };
         let current_total = match after_key(w, "has a total capacity of ", "total capacity")? {
             Some(b) => Some(b),
             None => after_key(w, "has a total capacty of ", "total capacity")?,
         };
-        if let Some(total_bytes) = current_total {
-            let free_bytes = match w.find(" of which ") {
-                Some(i) => before_key(w, i + 9, " is free", "free")?,
-                None => None,
-            };
-            let mut processes = Vec::new();
-            let mut pos = 0;
-            while let Some(i) = w[pos..].find("Process ") {
-                let start = pos + i + "Process ".len();
-                pos = start;
-                let Some(pid) = leading_int(&w[start..]) else {
-                    continue;
-                };
-                let rest = &w[start..];
-                let Some(h) = rest.find(" has ") else {
-                    continue;
-                };
-                if h > 20 {
-                    continue;
-                }
-                if let Some((bytes, after)) = size_after(&rest[h + 5..]) {
-                    if after.trim_start().starts_with("memory in use") {
-                        processes.push(ProcessUse { pid, bytes });
-                    }
-                }
-            }
-            let this_process_bytes = after_key(w, "this process has ", "this process")?;
-            let allowed_bytes = before_key(w, 0, " allowed; ", "allowed")?;
-            let allocated_bytes = after_key(w, "Of the allocated memory ", "allocated")?.ok_or(
-                OomError::Missing("allocated memory ('Of the allocated memory …')"),
-            )?;
-            let private_pool_bytes = match w.find(" allocated in private pools") {
-                Some(_) => after_key(w, "With ", "private pools")?,
-                None => None,
-            };
-            let reserved_unallocated_bytes = before_key(
-                w,
-                0,
-                " is reserved by PyTorch but unallocated",
-                "reserved but unallocated",
-            )?
-            .ok_or(OomError::Missing(
-                "reserved memory ('… is reserved by PyTorch but unallocated')",
-            ))?;
-            return Ok(OomMessage {
-                backend,
-                wording: Wording::Current,
-                device,
-                rank,
-                requested_bytes,
-                total_bytes,
-                free_bytes,
-                allocated_bytes,
-                reserved_unallocated_bytes,
-                private_pool_bytes,
-                allowed_bytes,
-                this_process_bytes,
-                processes,
-                messages_in_text,
-            });
+        match current_total {
+            Some(total_bytes) => read_current(w, total_bytes, head),
+            None => read_legacy(w, head),
         }
-        let total_bytes = before_key(w, 0, " total capacity", "total capacity")?
-            .ok_or(OomError::Missing("total capacity"))?;
-        let allocated_bytes = before_key(w, 0, " already allocated", "already allocated")?.ok_or(
-            OomError::Missing("allocated memory ('… already allocated')"),
-        )?;
-        let free_bytes = before_key(w, 0, " free;", "free")?;
-        let allowed_bytes = before_key(w, 0, " allowed;", "allowed")?;
-        let reserved = match before_key(w, 0, " reserved in total by PyTorch", "reserved")? {
-            Some(r) => r,
-            None => before_key(w, 0, " cached)", "cached")?.ok_or(OomError::Missing(
-                "reserved memory ('… reserved in total by PyTorch')",
-            ))?,
-        };
-        Ok(OomMessage {
-            backend,
-            wording: Wording::Legacy,
-            device,
-            rank,
-            requested_bytes,
-            total_bytes,
-            free_bytes,
-            allocated_bytes,
-            reserved_unallocated_bytes: reserved.saturating_sub(allocated_bytes),
-            private_pool_bytes: None,
-            allowed_bytes,
-            this_process_bytes: None,
-            processes: Vec::new(),
-            messages_in_text,
-        })
     }
 
     /// Reserved by PyTorch: allocated + cached but unallocated.

@@ -25,12 +25,16 @@ pub fn read_capped(flag: &str, path: &Path, cap: u64) -> Result<Vec<u8>, SpecErr
             "cannot be read ({e}); allowed: an existing regular file"
         ))
     })?;
-    if !meta.file_type().is_file() {
-        return Err(bad(format!(
-            "is {}; allowed: a regular file",
-            file_kind(meta.file_type())
-        )));
-    }
+    // Checked on the path, and again on the opened file (the path may have changed between).
+    let regular = |meta: &std::fs::Metadata| {
+        if meta.file_type().is_file() {
+            Ok(())
+        } else {
+            let kind = file_kind(meta.file_type());
+            Err(bad(format!("is {kind}; allowed: a regular file")))
+        }
+    };
+    regular(&meta)?;
     let too_big = |len: u64| {
         bad(format!(
             "is larger than {cap} bytes ({len}{} bytes); allowed: a file of at most {cap} bytes",
@@ -40,35 +44,23 @@ pub fn read_capped(flag: &str, path: &Path, cap: u64) -> Result<Vec<u8>, SpecErr
     if meta.len() > cap {
         return Err(too_big(meta.len()));
     }
+    let unreadable = |e: std::io::Error| {
+        bad(format!(
+            "cannot be read ({e}); allowed: a readable regular file"
+        ))
+    };
     // O_NONBLOCK: should the path have become a FIFO since the check, opening it does not block.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
-        .map_err(|e| {
-            bad(format!(
-                "cannot be read ({e}); allowed: a readable regular file"
-            ))
-        })?;
-    let meta = file.metadata().map_err(|e| {
-        bad(format!(
-            "cannot be read ({e}); allowed: a readable regular file"
-        ))
-    })?;
-    if !meta.file_type().is_file() {
-        return Err(bad(format!(
-            "is {}; allowed: a regular file",
-            file_kind(meta.file_type())
-        )));
-    }
+        .map_err(unreadable)?;
+    let meta = file.metadata().map_err(unreadable)?;
+    regular(&meta)?;
     let mut bytes = Vec::new();
     file.take(cap.saturating_add(1))
         .read_to_end(&mut bytes)
-        .map_err(|e| {
-            bad(format!(
-                "cannot be read ({e}); allowed: a readable regular file"
-            ))
-        })?;
+        .map_err(unreadable)?;
     if bytes.len() as u64 > cap {
         return Err(too_big(cap));
     }

@@ -6,18 +6,16 @@
 
 mod common;
 
-use common::{argv, argv_with, ditmem, temp_dir};
+use common::{argv, argv_with, json, temp_dir};
 
 #[test]
 fn plan_suggests_expandable_segments_where_fragmentation_breaks_the_fit() {
     let dir = temp_dir("expandable", "plan");
     let out_file = dir.join("accelerate_config.yaml");
-    let (code, out, err) = ditmem(&argv_with(
+    let v = json(&argv_with(
         "plan --preset dit-xl-2 --batch 28 --gpu rtx-4090 --json --emit accelerate --emit-out {}",
         &[out_file.to_str().unwrap()],
     ));
-    assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["feasible"], true);
     assert_eq!(v["plan"]["cuda"]["alloc_conf"], "expandable_segments:True");
     let reason = v["reason"].as_str().unwrap();
@@ -29,9 +27,10 @@ fn plan_suggests_expandable_segments_where_fragmentation_breaks_the_fit() {
         "{text}"
     );
     // Given by the user already: kept, and nothing more to suggest.
-    let (code, out, err) = ditmem(&argv("plan --preset dit-xl-2 --batch 28 --gpu rtx-4090 --alloc-conf expandable_segments:True --json"));
-    assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let v = json(&argv(
+        "plan --preset dit-xl-2 --batch 28 --gpu rtx-4090 --alloc-conf \
+         expandable_segments:True --json",
+    ));
     assert!(!v["reason"]
         .as_str()
         .unwrap()

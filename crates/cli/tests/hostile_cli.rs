@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{argv, argv_with, temp_dir};
+use common::{argv, argv_with, strs, temp_dir};
 
 /// Run `ditmem` with `args` (through `wrapper`, a shell line with `"$@"`, when given), killed
 /// after `secs`: (exit code, stdout, stderr, elapsed). A kill fails the test.
@@ -848,12 +848,7 @@ fn a_fixed_plan_keeps_its_answer() {
     assert!(v["not_searched"].is_null());
     assert_eq!(v["predicted_peak_bytes"], 15_034_482_688u64);
     assert_eq!(v["predicted_step_time_s"], 43.0082008379963);
-    let changes: Vec<&str> = v["changes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap())
-        .collect();
+    let changes = strs(&v["changes"]);
     assert_eq!(
         changes,
         [

@@ -5,31 +5,14 @@
 
 mod common;
 
-use common::{ditmem, temp_dir};
+use common::{argv, argv_with, code_and_json, ditmem, strs, temp_dir};
 use serde_json::Value;
-
-fn json(args: &[&str]) -> (i32, Value) {
-    let (code, out, err) = ditmem(args);
-    let v: Value = serde_json::from_str(&out)
-        .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}\n{err}"));
-    (code, v)
-}
 
 /// The `ditmem estimate` flags of the recipe a diffusers launch runs: the launch line and the
 /// script's flags, plus what the script does without a flag (its resident text encoders).
 fn recipe_of_command(preset: &str, gpu: &str, cmd: &Value) -> Vec<String> {
-    let launcher: Vec<&str> = cmd["launcher"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap())
-        .collect();
-    let args: Vec<&str> = cmd["script_args"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap())
-        .collect();
+    let launcher = strs(&cmd["launcher"]);
+    let args = strs(&cmd["script_args"]);
     let script = cmd["script"].as_str().unwrap();
     let value = |list: &[&str], flag: &str| -> Option<String> {
         list.iter()
@@ -179,7 +162,7 @@ fn the_recipe_the_export_launches_estimates_to_the_plans_figures() {
             "--json",
         ];
         args.extend_from_slice(extra);
-        let (code, p) = json(&args);
+        let (code, p) = code_and_json(&args);
         if code == 3 {
             // Infeasible for the script: nothing is exported, nothing to launch.
             assert!(p.get("export").is_none(), "{args:?}");
@@ -198,7 +181,7 @@ fn the_recipe_the_export_launches_estimates_to_the_plans_figures() {
         let est_args: Vec<&str> = std::iter::once("estimate")
             .chain(est.iter().map(String::as_str))
             .collect();
-        let (code, e) = json(&est_args);
+        let (code, e) = code_and_json(&est_args);
         assert_eq!(code, 0, "{est_args:?}: {e}");
         let device = e["cuda"]["device_bytes"].as_u64().unwrap();
         assert_eq!(
@@ -226,62 +209,28 @@ fn the_recipe_the_export_launches_estimates_to_the_plans_figures() {
 fn explicit_flags_are_never_changed_by_the_planner() {
     // Latents encode, recompute none, microbatch 1 and the text encoders online, given
     // explicitly: a tight budget that other levers would meet is met without touching them.
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "sd3-medium",
-        "--resolution",
-        "512",
-        "--batch",
-        "4",
-        "--microbatch",
-        "2",
-        "--latents",
-        "encode",
-        "--text-encoders",
-        "online",
-        "--budget",
-        "40GiB",
-        "--allow",
-        "lora,8bit",
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv(
+        "plan --preset sd3-medium --resolution 512 --batch 4 --microbatch 2 \
+         --latents encode --text-encoders online --budget 40GiB --allow \
+         lora,8bit --json",
+    ));
     assert!(code == 0 || code == 3, "{p}");
     let r = &p["plan"]["recipe"];
     assert_eq!(r["latents"], "encode", "{r}");
     assert_eq!(r["text_encoders"], "online", "{r}");
     assert_eq!(p["plan"]["workload"]["microbatch"], 2);
     // Recompute pinned to none: the plan keeps it (and finds another way, or none).
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "a100-80gb",
-        "--recompute",
-        "none",
-        "--allow",
-        "lora,8bit",
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv(
+        "plan --preset flux.1-dev --gpu a100-80gb --recompute none --allow lora,8bit --json",
+    ));
     assert!(code == 0 || code == 3, "{p}");
     assert_eq!(p["plan"]["recipe"]["recompute"], "none");
     // Under the diffusers launcher too: latents encode stays encode (the Flux LoRA script
     // could cache them).
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "h100-sxm",
-        "--lora-rank",
-        "16",
-        "--latents",
-        "encode",
-        "--emit",
-        "diffusers",
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv(
+        "plan --preset flux.1-dev --gpu h100-sxm --lora-rank 16 --latents \
+         encode --emit diffusers --json",
+    ));
     assert_eq!(code, 0, "{p}");
     assert_eq!(p["plan"]["recipe"]["latents"], "encode");
     let args = p["export"]["command"]["script_args"].to_string();
@@ -291,31 +240,15 @@ fn explicit_flags_are_never_changed_by_the_planner() {
 #[test]
 fn a_flag_the_script_cannot_run_is_an_error_not_a_change() {
     // train_dreambooth_flux.py has no --cache_latents.
-    let (code, _, err) = ditmem(&[
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "h100-sxm",
-        "--latents",
-        "cached",
-        "--emit",
-        "diffusers",
-    ]);
+    let (code, _, err) = ditmem(&argv(
+        "plan --preset flux.1-dev --gpu h100-sxm --latents cached --emit diffusers",
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--launcher custom"), "{err}");
     // Partial recompute with the script: all or nothing.
-    let (code, _, err) = ditmem(&[
-        "plan",
-        "--preset",
-        "sd3-medium",
-        "--gpu",
-        "h100-sxm",
-        "--recompute",
-        "every-2",
-        "--launcher",
-        "diffusers",
-    ]);
+    let (code, _, err) = ditmem(&argv(
+        "plan --preset sd3-medium --gpu h100-sxm --recompute every-2 --launcher diffusers",
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("every block or none"), "{err}");
 }
@@ -323,39 +256,19 @@ fn a_flag_the_script_cannot_run_is_an_error_not_a_change() {
 #[test]
 fn the_flux_4090_question_under_each_launcher() {
     // The diffusers script keeps T5-XXL resident and has no NF4 option: nothing fits a 4090.
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "rtx-4090",
-        "--allow",
-        "lora,8bit,quant",
-        "--emit",
-        "diffusers",
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv(
+        "plan --preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant --emit diffusers --json",
+    ));
     assert_eq!(code, 3, "{p}");
     assert_eq!(p["plan"]["recipe"]["text_encoders"], "online");
     assert_eq!(p["plan"]["recipe"]["base_quant"], Value::Null);
     // Your own script: an NF4 base, partial recompute, and the code for both.
     let dir = temp_dir("launch", "flux4090");
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "flux.1-dev",
-        "--gpu",
-        "rtx-4090",
-        "--allow",
-        "lora,8bit,quant",
-        "--launcher",
-        "custom",
-        "--emit",
-        "diffusers,accelerate",
-        "--emit-dir",
-        dir.to_str().unwrap(),
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv_with(
+        "plan --preset flux.1-dev --gpu rtx-4090 --allow lora,8bit,quant \
+         --launcher custom --emit diffusers,accelerate --emit-dir {} --json",
+        &[dir.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "{p}");
     assert_eq!(p["plan"]["recipe"]["base_quant"], "nf4");
     assert!(p["predicted_peak_bytes"].as_u64().unwrap() <= p["usable_bytes"].as_u64().unwrap());
@@ -367,22 +280,11 @@ fn the_flux_4090_question_under_each_launcher() {
 
 #[test]
 fn exports_carry_the_model_the_targets_and_the_nodes() {
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "sana-600m",
-        "--gpu",
-        "rtx-4090",
-        "--lora-rank",
-        "16",
-        "--lora-targets",
-        "to_q,to_k,to_v,to_out.0",
-        "--text-encoders",
-        "offloaded",
-        "--emit",
-        "diffusers",
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv(
+        "plan --preset sana-600m --gpu rtx-4090 --lora-rank 16 --lora-targets \
+         to_q,to_k,to_v,to_out.0 --text-encoders offloaded --emit diffusers \
+         --json",
+    ));
     assert_eq!(code, 0, "{p}");
     let a = p["export"]["command"]["script_args"].to_string();
     assert!(
@@ -399,7 +301,7 @@ fn exports_carry_the_model_the_targets_and_the_nodes() {
         ("sd3.5-large", "stabilityai/stable-diffusion-3.5-large"),
         ("flux.1-schnell", "black-forest-labs/FLUX.1-schnell"),
     ] {
-        let (code, p) = json(&[
+        let (code, p) = code_and_json(&[
             "plan",
             "--preset",
             preset,
@@ -421,24 +323,11 @@ fn exports_carry_the_model_the_targets_and_the_nodes() {
     }
     // 16 ranks, 8 per node: two machines; the DeepSpeed JSON carries the precision.
     let dir = temp_dir("launch", "nodes");
-    let (code, p) = json(&[
-        "plan",
-        "--preset",
-        "sd3-medium",
-        "--ranks",
-        "16",
-        "--batch",
-        "64",
-        "--zero",
-        "2",
-        "--budget",
-        "80GiB",
-        "--emit",
-        "accelerate",
-        "--emit-dir",
-        dir.to_str().unwrap(),
-        "--json",
-    ]);
+    let (code, p) = code_and_json(&argv_with(
+        "plan --preset sd3-medium --ranks 16 --batch 64 --zero 2 --budget 80GiB \
+         --emit accelerate --emit-dir {} --json",
+        &[dir.to_str().unwrap()],
+    ));
     assert_eq!(code, 0, "{p}");
     let yaml = std::fs::read_to_string(dir.join("accelerate_config.yaml")).unwrap();
     assert!(yaml.contains("num_machines: 2"), "{yaml}");
@@ -459,16 +348,9 @@ fn exports_carry_the_model_the_targets_and_the_nodes() {
 
 #[test]
 fn gpu_memory_replaces_the_catalog_capacity() {
-    let (code, e) = json(&[
-        "estimate",
-        "--preset",
-        "dit-xl-2",
-        "--gpu",
-        "a100-40gb",
-        "--gpu-memory",
-        "20GiB",
-        "--json",
-    ]);
+    let (code, e) = code_and_json(&argv(
+        "estimate --preset dit-xl-2 --gpu a100-40gb --gpu-memory 20GiB --json",
+    ));
     assert_eq!(code, 0, "{e}");
     assert_eq!(e["cuda"]["capacity_bytes"].as_u64().unwrap(), 20 << 30);
     let (code, _, err) = ditmem(&["estimate", "--gpu-memory", "20GiB", "--json"]);
@@ -493,28 +375,11 @@ fn sd3_medium_full_fine_tune_on_an_a100_40gb_held_out() {
     // at :200 drops its own name only), so `--text-encoders online` (resident; their forward,
     // which the script does not repeat, is a few MiB in the encode phase) stands for it. The
     // prompt is encoded once (77 T5 tokens, --max_sequence_length's default).
-    let (code, e) = json(&[
-        "estimate",
-        "--preset",
-        "sd3-medium",
-        "--resolution",
-        "256",
-        "--batch",
-        "4",
-        "--accumulation",
-        "4",
-        "--precision",
-        "fp16-mixed",
-        "--optimizer",
-        "adamw-8bit",
-        "--text-encoders",
-        "online",
-        "--latents",
-        "encode",
-        "--gpu",
-        "a100-40gb",
-        "--json",
-    ]);
+    let (code, e) = code_and_json(&argv(
+        "estimate --preset sd3-medium --resolution 256 --batch 4 --accumulation \
+         4 --precision fp16-mixed --optimizer adamw-8bit --text-encoders online \
+         --latents encode --gpu a100-40gb --json",
+    ));
     assert!(code == 0 || code == 3, "{e}");
     let n: u64 = 2_028_328_000;
     assert_eq!(e["params"]["trained"].as_u64().unwrap(), n);

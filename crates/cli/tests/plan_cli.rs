@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 mod common;
 
-use common::{argv, argv_with, ditmem};
+use common::{argv, argv_with, ditmem, strs};
 
 fn dir(test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ditmem-plan-{}-{test}", std::process::id()));
@@ -302,12 +302,7 @@ fn a_zero3_plan_launches_deepspeed_stage_3() {
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["plan"]["recipe"]["zero_stage"], 3, "{}", v["reason"]);
-    let launcher: Vec<&str> = v["export"]["command"]["launcher"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
+    let launcher = strs(&v["export"]["command"]["launcher"]);
     assert!(launcher.contains(&"--use_deepspeed"), "{launcher:?}");
     assert!(!launcher.contains(&"--multi_gpu"), "{launcher:?}");
     let i = launcher.iter().position(|a| *a == "--zero_stage").unwrap();

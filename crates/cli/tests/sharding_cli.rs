@@ -76,9 +76,7 @@ fn offload_is_in_the_budget_and_its_export() {
     let est = |extra: &[&str]| -> serde_json::Value {
         let mut a = argv("estimate --runtime pytorch --ranks 8 --batch 8 --zero 2 --json");
         a.extend_from_slice(extra);
-        let (code, out, err) = ditmem(&a);
-        assert_eq!(code, 0, "{err}");
-        serde_json::from_str(&out).unwrap()
+        json(&a)
     };
     let on = est(&[]);
     let off = est(&["--offload", "optimizer"]);

@@ -11,7 +11,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{argv_with, ditmem, exits_naming, temp_dir};
+use common::{argv_with, ditmem, exits_naming, json, temp_dir};
 
 fn data(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -19,12 +19,6 @@ fn data(name: &str) -> String {
         .join(name)
         .display()
         .to_string()
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let (code, out, err) = ditmem(args);
-    assert_eq!(code, 0, "{args:?}: {err}");
-    serde_json::from_str(&out).expect("JSON")
 }
 
 #[test]

@@ -1,11 +1,10 @@
 //! The `cpu` section of a spec ([`CpuSpec`]): the CPU the `ditmem-cpu` runtime is budgeted for,
 //! its bf16 product path ([`Bf16Products`]) and `gemm`'s instruction set ([`GemmIsa`]).
 
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
+use crate::named::from_name;
 
 /// How the `ditmem-cpu` engine multiplies bf16 matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -23,20 +22,6 @@ impl Bf16Products {
         match self {
             Bf16Products::Kernel => "kernel",
             Bf16Products::Widen => "widen",
-        }
-    }
-}
-
-impl FromStr for Bf16Products {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s {
-            "kernel" => Ok(Bf16Products::Kernel),
-            "widen" => Ok(Bf16Products::Widen),
-            _ => Err(SpecError::invalid(
-                "cpu.bf16_products",
-                format!("'{s}' is not a bf16 product path; allowed: kernel, widen"),
-            )),
         }
     }
 }
@@ -66,20 +51,6 @@ impl GemmIsa {
     /// before the field existed is taken to describe, like the rest of [`CpuSpec::REFERENCE`].
     pub const fn reference() -> GemmIsa {
         GemmIsa::Avx512
-    }
-}
-
-impl FromStr for GemmIsa {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s {
-            "avx2" => Ok(GemmIsa::Avx2),
-            "avx512" => Ok(GemmIsa::Avx512),
-            _ => Err(SpecError::invalid(
-                "cpu.gemm_isa",
-                format!("'{s}' is not a gemm kernel family; allowed: avx2, avx512"),
-            )),
-        }
     }
 }
 
@@ -184,26 +155,26 @@ impl CpuSpec {
                 ),
             ));
         }
-        let (lo, hi) = Self::GEMM_L2_RANGE;
-        if !(lo..=hi).contains(&self.gemm_l2_bytes) {
-            return Err(SpecError::invalid(
-                "cpu.gemm_l2_bytes",
-                format!(
-                    "{} is out of range; allowed: {lo} to {hi} bytes (the L2 cache per core)",
-                    self.gemm_l2_bytes
-                ),
-            ));
-        }
-        let (lo, hi) = Self::GEMM_L1_RANGE;
-        if !(lo..=hi).contains(&self.gemm_l1_bytes) {
-            return Err(SpecError::invalid(
-                "cpu.gemm_l1_bytes",
-                format!(
-                    "{} is out of range; allowed: {lo} to {hi} bytes (the L1 data cache per core)",
-                    self.gemm_l1_bytes
-                ),
-            ));
-        }
+        let cache = |field: &str, bytes: u64, (lo, hi): (u64, u64), what: &str| {
+            if (lo..=hi).contains(&bytes) {
+                Ok(())
+            } else {
+                let why = format!("{bytes} is out of range; allowed: {lo} to {hi} bytes ({what})");
+                Err(SpecError::invalid(field, why))
+            }
+        };
+        cache(
+            "cpu.gemm_l2_bytes",
+            self.gemm_l2_bytes,
+            Self::GEMM_L2_RANGE,
+            "the L2 cache per core",
+        )?;
+        cache(
+            "cpu.gemm_l1_bytes",
+            self.gemm_l1_bytes,
+            Self::GEMM_L1_RANGE,
+            "the L1 data cache per core",
+        )?;
         if self.gemm_l3_bytes > Self::GEMM_L3_MAX {
             return Err(SpecError::invalid(
                 "cpu.gemm_l3_bytes",
@@ -231,4 +202,9 @@ impl CpuSpec {
         }
         Ok(())
     }
+}
+
+from_name! {
+    Bf16Products => "cpu.bf16_products", "a bf16 product path", [Bf16Products::Kernel, Bf16Products::Widen];
+    GemmIsa => "cpu.gemm_isa", "a gemm kernel family", [GemmIsa::Avx2, GemmIsa::Avx512];
 }

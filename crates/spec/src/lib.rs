@@ -26,6 +26,7 @@ pub mod error;
 mod limits;
 mod lora;
 mod model;
+mod named;
 mod precision;
 mod recipe;
 mod runtime;

@@ -1,11 +1,9 @@
 //! LoRA in the recipe: the adapted linears ([`LoraTarget`]), rank and scale ([`LoraSpec`]), the
 //! adapters' dtype ([`LoraDtype`]) and the rules tying them to the precision.
 
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
-use crate::error::SpecError;
+use crate::named::from_name;
 
 /// Linears of a DiT block that LoRA can adapt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -78,21 +76,6 @@ impl LoraDtype {
     }
 }
 
-impl FromStr for LoraDtype {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        LoraDtype::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| {
-                SpecError::invalid(
-                    "recipe.lora.dtype",
-                    format!("'{s}' is not an adapter dtype; allowed: fp32, weight"),
-                )
-            })
-    }
-}
-
 pub fn default_lora_targets() -> Vec<LoraTarget> {
     vec![
         LoraTarget::Qkv,
@@ -100,4 +83,8 @@ pub fn default_lora_targets() -> Vec<LoraTarget> {
         LoraTarget::Fc1,
         LoraTarget::Fc2,
     ]
+}
+
+from_name! {
+    LoraDtype => "recipe.lora.dtype", "an adapter dtype", LoraDtype::ALL;
 }

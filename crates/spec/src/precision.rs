@@ -2,11 +2,10 @@
 //! weights, the compute, the stream between ops and the optimizer state are kept in.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::SpecError;
+use crate::named::from_name;
 
 /// Element types that a tensor of the step can have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -144,17 +143,6 @@ impl fmt::Display for Precision {
     }
 }
 
-impl FromStr for Precision {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        Precision::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                SpecError::invalid(
-                    "recipe.precision",
-                    format!("'{s}' is not a precision; allowed: fp64, fp32, bf16-mixed, fp16-mixed, bf16-pure"),
-                )
-            })
-    }
+from_name! {
+    Precision => "recipe.precision", "a precision", Precision::ALL;
 }

@@ -11,6 +11,7 @@ use crate::error::SpecError;
 use crate::limits::MAX_DEPTH;
 use crate::lora::{LoraDtype, LoraSpec};
 use crate::model::default_true;
+use crate::named::{from_name, text_form};
 use crate::precision::{Dtype, Precision};
 use crate::runtime::{Runtime, TorchDevice};
 use crate::sharder::{Offload, Sharder};
@@ -35,21 +36,6 @@ impl Optimizer {
             Optimizer::AdamW => "adamw",
             Optimizer::AdamW8bit => "adamw-8bit",
             Optimizer::Sgd => "sgd",
-        }
-    }
-}
-
-impl FromStr for Optimizer {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s {
-            "adamw" => Ok(Optimizer::AdamW),
-            "adamw-8bit" => Ok(Optimizer::AdamW8bit),
-            "sgd" => Ok(Optimizer::Sgd),
-            _ => Err(SpecError::invalid(
-                "recipe.optimizer",
-                format!("'{s}' is not an optimizer; allowed: adamw, adamw-8bit, sgd"),
-            )),
         }
     }
 }
@@ -137,18 +123,7 @@ impl fmt::Display for Recompute {
     }
 }
 
-impl From<Recompute> for String {
-    fn from(r: Recompute) -> String {
-        r.to_string()
-    }
-}
-
-impl TryFrom<String> for Recompute {
-    type Error = SpecError;
-    fn try_from(s: String) -> Result<Self, SpecError> {
-        s.parse()
-    }
-}
+text_form!(Recompute);
 
 impl FromStr for Recompute {
     type Err = SpecError;
@@ -258,23 +233,6 @@ impl TextEncoders {
             TextEncoders::Cached => "cached",
             TextEncoders::Online => "online",
             TextEncoders::Offloaded => "offloaded",
-        }
-    }
-}
-
-impl FromStr for TextEncoders {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, SpecError> {
-        match s {
-            "cached" => Ok(TextEncoders::Cached),
-            "online" => Ok(TextEncoders::Online),
-            "offloaded" => Ok(TextEncoders::Offloaded),
-            _ => Err(SpecError::invalid(
-                "recipe.text_encoders",
-                format!(
-                    "'{s}' is not a text-encoder placement; allowed: cached, online, offloaded"
-                ),
-            )),
         }
     }
 }
@@ -441,21 +399,6 @@ impl BaseQuant {
     }
 }
 
-impl FromStr for BaseQuant {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        BaseQuant::ALL
-            .into_iter()
-            .find(|q| q.name() == s)
-            .ok_or_else(|| {
-                SpecError::invalid(
-                    "recipe.base_quant",
-                    format!("'{s}' is not a base storage; allowed: none, int8, nf4, fp8"),
-                )
-            })
-    }
-}
-
 /// The implementations of `torch.optim.AdamW` / `SGD` (`torch/optim/adam.py`): each keeps
 /// different scratch during `step()`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -500,21 +443,6 @@ impl OptimizerImpl {
 impl fmt::Display for OptimizerImpl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl FromStr for OptimizerImpl {
-    type Err = SpecError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        OptimizerImpl::ALL
-            .into_iter()
-            .find(|i| i.name() == s)
-            .ok_or_else(|| {
-                SpecError::invalid(
-                    "recipe.optimizer_impl",
-                    format!("'{s}' is not an optimizer implementation; allowed: for-loop, foreach, fused"),
-                )
-            })
     }
 }
 
@@ -646,4 +574,11 @@ mod tests {
         assert!("blocks:".parse::<Recompute>().is_err());
         assert!("blocks:,".parse::<Recompute>().is_err());
     }
+}
+
+from_name! {
+    Optimizer => "recipe.optimizer", "an optimizer", [Optimizer::AdamW, Optimizer::AdamW8bit, Optimizer::Sgd];
+    TextEncoders => "recipe.text_encoders", "a text-encoder placement", [TextEncoders::Cached, TextEncoders::Online, TextEncoders::Offloaded];
+    BaseQuant => "recipe.base_quant", "a base storage", BaseQuant::ALL;
+    OptimizerImpl => "recipe.optimizer_impl", "an optimizer implementation", OptimizerImpl::ALL;
 }

@@ -8,6 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
+use crate::named::text_form;
 
 /// Where the PyTorch step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -101,18 +102,7 @@ impl fmt::Display for Runtime {
     }
 }
 
-impl From<Runtime> for String {
-    fn from(r: Runtime) -> String {
-        r.to_string()
-    }
-}
-
-impl TryFrom<String> for Runtime {
-    type Error = SpecError;
-    fn try_from(s: String) -> Result<Self, SpecError> {
-        s.parse()
-    }
-}
+text_form!(Runtime);
 
 impl FromStr for Runtime {
     type Err = SpecError;

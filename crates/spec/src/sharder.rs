@@ -10,6 +10,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::SpecError;
+use crate::named::parse_spelling;
 
 /// Who shards a step with ZeRO stage ≥ 1.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -38,17 +39,13 @@ impl Sharder {
 
     /// Parse a sharder, naming `field` in the error.
     pub fn parse(s: &str, field: &str) -> Result<Sharder, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "deepspeed" | "zero" => Ok(Sharder::Deepspeed),
-            "fsdp" | "fsdp2" => Ok(Sharder::Fsdp),
-            _ => Err(SpecError::invalid(
-                field,
-                format!(
-                    "'{}' is not a sharder; allowed: deepspeed, fsdp",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
+        let words = [
+            ("deepspeed", Sharder::Deepspeed),
+            ("zero", Sharder::Deepspeed),
+            ("fsdp", Sharder::Fsdp),
+            ("fsdp2", Sharder::Fsdp),
+        ];
+        parse_spelling(s, &words, field, "a sharder", "deepspeed, fsdp")
     }
 }
 
@@ -95,18 +92,15 @@ impl Offload {
 
     /// Parse an offload, naming `field` in the error.
     pub fn parse(s: &str, field: &str) -> Result<Offload, SpecError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "none" => Ok(Offload::None),
-            "optimizer" => Ok(Offload::Optimizer),
-            "optimizer+params" | "params" | "all" => Ok(Offload::OptimizerAndParams),
-            _ => Err(SpecError::invalid(
-                field,
-                format!(
-                    "'{}' is not an offload; allowed: none, optimizer, optimizer+params",
-                    s.chars().take(60).collect::<String>()
-                ),
-            )),
-        }
+        let words = [
+            ("none", Offload::None),
+            ("optimizer", Offload::Optimizer),
+            ("optimizer+params", Offload::OptimizerAndParams),
+            ("params", Offload::OptimizerAndParams),
+            ("all", Offload::OptimizerAndParams),
+        ];
+        let allowed = "none, optimizer, optimizer+params";
+        parse_spelling(s, &words, field, "an offload", allowed)
     }
 }
 

@@ -73,6 +73,12 @@ impl Spec {
         self.cpu.unwrap_or(CpuSpec::REFERENCE)
     }
 
+    /// The caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`) of the `cuda` section; empty
+    /// without one (PyTorch's defaults).
+    pub fn alloc_conf(&self) -> &str {
+        self.cuda.as_ref().map_or("", |c| c.alloc_conf.as_str())
+    }
+
     /// A small DiT that runs a training step in about a second on two cores: depth 2, hidden 64,
     /// 4 heads, patch 2, 10 classes, 128×128 images (16×16 latents, 64 tokens), batch 4, fp32,
     /// AdamW, no EMA. The default of `verify`, the base of the agreement grid and of the tests.

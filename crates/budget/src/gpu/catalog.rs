@@ -33,7 +33,7 @@
 //! catalog's figure by what the user's own `torch.cuda.get_device_properties(0).total_memory`
 //! prints.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 const MIB: u64 = 1 << 20;
@@ -196,380 +196,116 @@ pub struct GpuError {
     pub allowed: String,
 }
 
-/// Context with CUDA lazy loading (CUDA ≥ 11.7, the default since PyTorch 2.x wheels): about
-/// 300 MB (pytorch/pytorch#107667). An order of magnitude, not measured on each card.
-const CTX_LAZY: u64 = 300 * MIB;
-const CTX_LAZY_SRC: &str = "community estimate: ~300 MB with CUDA lazy loading (pytorch/pytorch#107667); not measured on this card";
-/// A100-SXM4-40GB: what a training process held outside PyTorch's allocator in a published OOM
-/// message (huggingface/diffusers#10120: "Process … has 39.55 GiB memory in use. Of the
-/// allocated memory 38.05 GiB is allocated by PyTorch, and 1021.72 MiB is reserved by PyTorch
-/// but unallocated": 39.55 GiB − 38.05 GiB − 1021.72 MiB = 514 MiB, each figure ±0.005 GiB),
-/// with bitsandbytes' kernels loaded (train_dreambooth_sd3.py --use_8bit_adam).
-const CTX_A100_40: u64 = 514 * MIB;
-const CTX_A100_40_SRC: &str = "published measurement: 514 MiB outside PyTorch's allocator (39.55 GiB in use − 38.05 GiB allocated − 1,021.72 MiB reserved-unallocated) in a train_dreambooth_sd3.py run with bitsandbytes (huggingface/diffusers#10120)";
-/// RTX 3090, torch 2.7.1+cu128: 256 MiB (invoke-ai/InvokeAI#9413).
-const CTX_3090: u64 = 256 * MIB;
-const CTX_3090_SRC: &str =
-    "community measurement: 256 MiB on an RTX 3090, torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413)";
+/// The catalog's data: one `[[gpu]]` row a card, each with its datasheet (`source`) and the source
+/// of its capacity and context, in `catalog.toml` beside this file.
+const CATALOG_TOML: &str = include_str!("catalog.toml");
 
-static CATALOG: [Gpu; 15] = [
-    Gpu {
-        name: "h200",
-        aliases: &["h200-sxm", "h200-141gb"],
-        product: "NVIDIA H200 SXM 141GB",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 143_156,
-            source: "_CudaDeviceProperties(name='NVIDIA H200', total_memory=143156MB) in a public vLLM run log",
-        },
-        compute_capability: (9, 0),
-        // [H200]: FP32 67 TF; TF32 989, BF16/FP16 1,979, FP8 3,958 TF with sparsity → halved.
-        flops: Flops {
-            fp32: 67.0 * T,
-            tf32: Some(494.5 * T),
-            bf16: Some(989.5 * T),
-            fp16: Some(989.5 * T),
-            fp8: Some(1979.0 * T),
-        },
-        bandwidth: 4.8e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)",
-        note: "tensor figures: the sheet's sparsity figures halved",
-    },
-    Gpu {
-        name: "h100-sxm",
-        aliases: &["h100", "h100-80gb", "h100-sxm5", "h100-80gb-sxm", "h100-80gb-hbm3"],
-        product: "NVIDIA H100 80GB HBM3 (SXM5)",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 81_090,
-            source: "_CudaDeviceProperties(name='NVIDIA H100 80GB HBM3', total_memory=81090MB) in a public training write-up (81,082–81,090 MB across drivers)",
-        },
-        compute_capability: (9, 0),
-        // [H100] SXM: FP32 67; TF32 989, BF16/FP16 1,979, FP8 3,958 with sparsity → halved.
-        flops: Flops {
-            fp32: 67.0 * T,
-            tf32: Some(494.5 * T),
-            bf16: Some(989.5 * T),
-            fp16: Some(989.5 * T),
-            fp8: Some(1979.0 * T),
-        },
-        bandwidth: 3.35e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",
-        note: "tensor figures: the sheet's sparsity figures halved",
-    },
-    Gpu {
-        name: "h100-pcie",
-        aliases: &["h100-80gb-pcie"],
-        product: "NVIDIA H100 PCIe 80GB",
-        capacity_basis: CapacityBasis::Derived {
-            mib: 81_090,
-            source: "derived: marketing 80 GiB (81,920 MiB) less 830 MiB, the reserve of the H100 SXM's same 80 GB HBM (81,920 − 81,090 MiB reported); no printed total_memory of an H100 PCIe found",
-        },
-        compute_capability: (9, 0),
-        // [H100] PCIe: FP32 51; TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity → halved.
-        flops: Flops {
-            fp32: 51.0 * T,
-            tf32: Some(378.0 * T),
-            bf16: Some(756.5 * T),
-            fp16: Some(756.5 * T),
-            fp8: Some(1513.0 * T),
-        },
-        bandwidth: 2.0e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)",
-        note: "tensor figures: sparsity figures halved",
-    },
-    Gpu {
-        name: "a100-80gb",
-        aliases: &["a100-80gb-sxm", "a100-sxm4-80gb", "a100-80"],
-        product: "NVIDIA A100-SXM4-80GB",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 81_147,
-            source: "OOM messages 'GPU 0; 79.25 GiB total capacity' (github.com/levihsu/OOTDiffusion/issues/235) and 'GPU 2 has a total capacity of 79.25 GiB' on 4 A100 80GB (github.com/wbfwonderful/Vad-R1/issues/11): 79.245 GiB, the lower edge",
-        },
-        compute_capability: (8, 0),
-        // [A100]: FP32 19.5; TF32 156, BF16/FP16 312 dense (sheet gives dense and sparse).
-        flops: Flops {
-            fp32: 19.5 * T,
-            tf32: Some(156.0 * T),
-            bf16: Some(312.0 * T),
-            fp16: Some(312.0 * T),
-            fp8: None,
-        },
-        bandwidth: 2.039e12,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM)",
-        note: "no FP8 on sm80",
-    },
-    Gpu {
-        name: "a100-40gb",
-        aliases: &["a100", "a100-40gb-sxm", "a100-sxm4-40gb", "a100-40"],
-        product: "NVIDIA A100-SXM4-40GB",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 40_443,
-            source: "OOM message 'GPU 0 has a total capacity of 39.50 GiB' on one A100 (github.com/TianheWu/CoSeR/issues/10): 39.495 GiB, the lower edge; another reports 39.59 GiB (github.com/raoyongming/DenseCLIP/issues/52), the smaller is kept",
-        },
-        compute_capability: (8, 0),
-        flops: Flops {
-            fp32: 19.5 * T,
-            tf32: Some(156.0 * T),
-            bf16: Some(312.0 * T),
-            fp16: Some(312.0 * T),
-            fp8: None,
-        },
-        bandwidth: 1.555e12,
-        context_bytes: CTX_A100_40,
-        context_source: CTX_A100_40_SRC,
-        source: "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM)",
-        note: "no FP8 on sm80",
-    },
-    Gpu {
-        name: "l40s",
-        aliases: &["l40s-48gb"],
-        product: "NVIDIA L40S",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 45_589,
-            source: "_CudaDeviceProperties(name='NVIDIA L40S', total_memory=45589MB) in a public notebook",
-        },
-        compute_capability: (8, 9),
-        // [L40S]: FP32 91.6; TF32 183, BF16/FP16 362.05, FP8 733 dense (366/733/1,466 sparse).
-        flops: Flops {
-            fp32: 91.6 * T,
-            tf32: Some(183.0 * T),
-            bf16: Some(362.05 * T),
-            fp16: Some(362.05 * T),
-            fp8: Some(733.0 * T),
-        },
-        bandwidth: 864e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA L40S datasheet",
-        note: "tensor figures: dense column",
-    },
-    Gpu {
-        name: "a10g",
-        aliases: &["a10", "a10g-24gb"],
-        product: "NVIDIA A10G (AWS G5)",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 22_587,
-            source: "_CudaDeviceProperties(name='NVIDIA A10G', total_memory=22587MB) in a public issue",
-        },
-        compute_capability: (8, 6),
-        // [A10]: FP32 31.2; TF32 62.5, BF16/FP16 125 dense (125/250/250 sparse).
-        flops: Flops {
-            fp32: 31.2 * T,
-            tf32: Some(62.5 * T),
-            bf16: Some(125.0 * T),
-            fp16: Some(125.0 * T),
-            fp8: None,
-        },
-        bandwidth: 600e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA A10 Tensor Core GPU datasheet (A10G: AWS variant, no NVIDIA sheet of its own)",
-        note: "compute figures are the A10's; the A10G's clocks differ slightly",
-    },
-    Gpu {
-        name: "l4",
-        aliases: &["l4-24gb"],
-        product: "NVIDIA L4",
-        capacity_basis: CapacityBasis::Derived {
-            mib: 22_587,
-            source: "derived: marketing 24 GiB (24,576 MiB) less 1,989 MiB, the reserve of the A10G's same 24 GB GDDR6 with ECC (24,576 − 22,587 MiB reported); nvidia-smi shows 23,034 MiB on an L4 (github.com/modal-labs/modal-client/pull/2797), total_memory is below it; no printed total_memory of an L4 found",
-        },
-        compute_capability: (8, 9),
-        // [L4]: FP32 30.3; TF32 120, BF16/FP16 242, FP8 485 with sparsity → halved.
-        flops: Flops {
-            fp32: 30.3 * T,
-            tf32: Some(60.0 * T),
-            bf16: Some(121.0 * T),
-            fp16: Some(121.0 * T),
-            fp8: Some(242.5 * T),
-        },
-        bandwidth: 300e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA L4 Tensor Core GPU datasheet",
-        note: "tensor figures: sparsity figures halved",
-    },
-    Gpu {
-        name: "rtx-4090",
-        aliases: &["4090", "rtx4090", "geforce-rtx-4090"],
-        product: "NVIDIA GeForce RTX 4090",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 24_563,
-            source: "_CudaDeviceProperties(name='NVIDIA GeForce RTX 4090', total_memory=24563MB) in a public report",
-        },
-        compute_capability: (8, 9),
-        // [ADA]: FP32 82.6; TF32 82.6, FP16/BF16 with FP32 accumulate 165.2 dense.
-        flops: Flops {
-            fp32: 82.6 * T,
-            tf32: Some(82.6 * T),
-            bf16: Some(165.2 * T),
-            fp16: Some(165.2 * T),
-            fp8: None,
-        },
-        bandwidth: 1008e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA Ada GPU Architecture whitepaper (GeForce RTX 4090)",
-        note: "FP16/BF16: the FP32-accumulate column (GeForce halves it); FP8 runs on sm89 but its figure was not checked in this step",
-    },
-    Gpu {
-        name: "rtx-3090",
-        aliases: &["3090", "rtx3090", "geforce-rtx-3090"],
-        product: "NVIDIA GeForce RTX 3090",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 24_268,
-            source: "_CudaDeviceProperties(name='GeForce RTX 3090', total_memory=24268MB) in several public READMEs (24,259 MB in another)",
-        },
-        compute_capability: (8, 6),
-        // [GA102]: FP32 35.6; TF32 35.6, FP16/BF16 with FP32 accumulate 71 dense.
-        flops: Flops {
-            fp32: 35.6 * T,
-            tf32: Some(35.6 * T),
-            bf16: Some(71.0 * T),
-            fp16: Some(71.0 * T),
-            fp8: None,
-        },
-        bandwidth: 936e9,
-        context_bytes: CTX_3090,
-        context_source: CTX_3090_SRC,
-        source: "NVIDIA Ampere GA102 GPU Architecture whitepaper (GeForce RTX 3090)",
-        note: "FP16/BF16: the FP32-accumulate column (GeForce halves it)",
-    },
-    Gpu {
-        name: "rtx-5090",
-        aliases: &["5090", "rtx5090", "geforce-rtx-5090"],
-        product: "NVIDIA GeForce RTX 5090",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 32_118,
-            source: "OOM message 'GPU 0 has a total capacity of 31.37 GiB' on an RTX 5090 (github.com/Wan-Video/Wan2.1/issues/465): 31.365 GiB, the lower edge",
-        },
-        compute_capability: (12, 0),
-        // [RTXBW]: FP32 104.8; TF32 104.8, FP16/BF16 with FP32 accumulate 209.5 dense.
-        flops: Flops {
-            fp32: 104.8 * T,
-            tf32: Some(104.8 * T),
-            bf16: Some(209.5 * T),
-            fp16: Some(209.5 * T),
-            fp8: None,
-        },
-        bandwidth: 1792e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA RTX Blackwell GPU Architecture whitepaper (GeForce RTX 5090)",
-        note: "FP8/FP4 figures not checked in this step",
-    },
-    Gpu {
-        name: "rtx-a6000",
-        aliases: &["a6000"],
-        product: "NVIDIA RTX A6000",
-        capacity_basis: CapacityBasis::Derived {
-            mib: 48_536,
-            source: "derived: marketing 48 GiB (49,152 MiB) less 616 MiB, twice the reserve of the RTX 3090's 24 GB on the same GA102 (24,576 − 24,268 MiB reported), the reserve taken as proportional to the memory; no printed total_memory of an RTX A6000 found",
-        },
-        compute_capability: (8, 6),
-        // [GA102]: FP32 38.7; TF32 77.4, FP16/BF16 154.8 dense (full-rate FP32 accumulate).
-        flops: Flops {
-            fp32: 38.7 * T,
-            tf32: Some(77.4 * T),
-            bf16: Some(154.8 * T),
-            fp16: Some(154.8 * T),
-            fp8: None,
-        },
-        bandwidth: 768e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX A6000)",
-        note: "capacity derived (see capacity_basis)",
-    },
-    Gpu {
-        name: "t4",
-        aliases: &["tesla-t4", "t4-16gb"],
-        product: "Tesla T4",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 15_102,
-            source: "_CudaDeviceProperties(name='Tesla T4', total_memory=15102MB) in public reports (15,079–15,109 MB across drivers)",
-        },
-        compute_capability: (7, 5),
-        // [T4]: FP32 8.1; mixed precision FP16/FP32 65. No BF16 and no TF32 on sm75.
-        flops: Flops {
-            fp32: 8.1 * T,
-            tf32: None,
-            bf16: None,
-            fp16: Some(65.0 * T),
-            fp8: None,
-        },
-        bandwidth: 320e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA T4 Tensor Core GPU datasheet",
-        note: "no bf16 (sm < 80): plans keep fp16 with loss scaling",
-    },
-    Gpu {
-        name: "v100-16gb",
-        aliases: &["v100", "v100-sxm2-16gb", "tesla-v100"],
-        product: "Tesla V100-SXM2-16GB",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 16_144,
-            source: "OOM message 'GPU 3 has a total capacty of 15.77 GiB' on a server of 8 Tesla V100 (github.com/meta-llama/llama/issues/918): 15.765 GiB, the lower edge",
-        },
-        compute_capability: (7, 0),
-        // [V100] SXM2: FP32 15.7; tensor (FP16) 125. No BF16 and no TF32 on sm70.
-        flops: Flops {
-            fp32: 15.7 * T,
-            tf32: None,
-            bf16: None,
-            fp16: Some(125.0 * T),
-            fp8: None,
-        },
-        bandwidth: 900e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2)",
-        note: "no bf16 (sm < 80)",
-    },
-    Gpu {
-        name: "v100-32gb",
-        aliases: &["v100-sxm2-32gb", "v100-32"],
-        product: "Tesla V100-SXM2-32GB",
-        capacity_basis: CapacityBasis::Reported {
-            mib: 32_497,
-            source: "OOM message 'GPU 0; 31.74 GiB total capacity' on a V100 32GB (github.com/liucongg/ChatGLM-Finetuning/issues/73): 31.735 GiB, the lower edge",
-        },
-        compute_capability: (7, 0),
-        flops: Flops {
-            fp32: 15.7 * T,
-            tf32: None,
-            bf16: None,
-            fp16: Some(125.0 * T),
-            fp8: None,
-        },
-        bandwidth: 900e9,
-        context_bytes: CTX_LAZY,
-        context_source: CTX_LAZY_SRC,
-        source: "NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2)",
-        note: "no bf16 (sm < 80)",
-    },
-];
+/// A row of `catalog.toml` as written (TFLOP/s, MiB, a named context).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Row {
+    name: String,
+    aliases: Vec<String>,
+    product: String,
+    capacity_basis: BasisKind,
+    capacity_mib: u64,
+    capacity_source: String,
+    compute_capability: (u32, u32),
+    tflops: Tflops,
+    bandwidth: f64,
+    context: String,
+    source: String,
+    note: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum BasisKind {
+    Reported,
+    Derived,
+}
+
+/// Dense TFLOP/s as the sheets print them; a missing dtype is a path the card lacks (or a figure
+/// not checked, which the row's note says).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Tflops {
+    fp32: f64,
+    tf32: Option<f64>,
+    bf16: Option<f64>,
+    fp16: Option<f64>,
+    fp8: Option<f64>,
+}
+
+/// A `[context.NAME]` table: the CUDA context's MiB and where the figure comes from.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Context {
+    mib: u64,
+    source: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CatalogFile {
+    context: std::collections::BTreeMap<String, Context>,
+    gpu: Vec<Row>,
+}
+
+/// `catalog.toml` read into [`Gpu`]s, or what is wrong with it. The strings live as long as the
+/// process (the catalog is read once, [`all`]).
+fn parse_catalog(text: &str) -> Result<Vec<Gpu>, String> {
+    let file: CatalogFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let tera = |t: Option<f64>| t.map(|v| v * T);
+    file.gpu
+        .into_iter()
+        .map(|r| {
+            let ctx = file
+                .context
+                .get(&r.context)
+                .ok_or_else(|| format!("{}: unknown context '{}'", r.name, r.context))?;
+            let (mib, source) = (r.capacity_mib, leak(r.capacity_source));
+            let aliases: Vec<&'static str> = r.aliases.into_iter().map(leak).collect();
+            Ok(Gpu {
+                name: leak(r.name),
+                aliases: Box::leak(aliases.into_boxed_slice()),
+                product: leak(r.product),
+                capacity_basis: match r.capacity_basis {
+                    BasisKind::Reported => CapacityBasis::Reported { mib, source },
+                    BasisKind::Derived => CapacityBasis::Derived { mib, source },
+                },
+                compute_capability: r.compute_capability,
+                flops: Flops {
+                    fp32: r.tflops.fp32 * T,
+                    tf32: tera(r.tflops.tf32),
+                    bf16: tera(r.tflops.bf16),
+                    fp16: tera(r.tflops.fp16),
+                    fp8: tera(r.tflops.fp8),
+                },
+                bandwidth: r.bandwidth,
+                context_bytes: ctx.mib * MIB,
+                context_source: leak(ctx.source.clone()),
+                source: leak(r.source),
+                note: leak(r.note),
+            })
+        })
+        .collect()
+}
 
 /// Every GPU of the catalog, in table order.
 pub fn all() -> &'static [Gpu] {
-    &CATALOG
+    static CATALOG: std::sync::OnceLock<Vec<Gpu>> = std::sync::OnceLock::new();
+    // The file is compiled in and a test parses it (`catalog_toml_reads_as_before`): an error
+    // here is a build that skipped its tests, not bad input.
+    CATALOG.get_or_init(|| {
+        parse_catalog(CATALOG_TOML).unwrap_or_else(|e| panic!("gpu/catalog.toml: {e}"))
+    })
 }
 
 /// The canonical names, comma-separated (for errors and `--help`).
 pub fn names() -> String {
-    CATALOG
-        .iter()
-        .map(|g| g.name)
-        .collect::<Vec<_>>()
-        .join(", ")
+    all().iter().map(|g| g.name).collect::<Vec<_>>().join(", ")
 }
 
 /// Normalise a name: lower case, `_` and spaces as `-`, an `nvidia-` or `tesla-` prefix dropped,
@@ -595,7 +331,7 @@ fn normalise(name: &str) -> String {
 /// The GPU a name or alias names (case-insensitive).
 pub fn lookup(name: &str) -> Result<&'static Gpu, GpuError> {
     let n = normalise(name);
-    CATALOG
+    all()
         .iter()
         .find(|g| g.name == n || g.aliases.contains(&n.as_str()))
         .ok_or_else(|| GpuError {
@@ -728,5 +464,25 @@ mod tests {
         );
         assert_eq!(lookup("a100").unwrap().cublas_workspace_bytes(), 8_519_680);
         assert_eq!(lookup("l40s").unwrap().cublas_workspace_bytes(), 8_519_680);
+    }
+
+    #[test]
+    fn catalog_toml_reads_as_before() {
+        // catalog_before.json: `serde_json` of the catalog when it was written as Rust literals
+        // (main at d2dc2e0); every entry, figure and source must read back the same.
+        let before: serde_json::Value =
+            serde_json::from_str(include_str!("catalog_before.json")).unwrap();
+        assert_eq!(serde_json::to_value(all()).unwrap(), before);
+        assert_eq!(all().len(), 15);
+    }
+
+    #[test]
+    fn a_bad_catalog_row_is_an_error_not_a_panic() {
+        let row = CATALOG_TOML.replace("context = \"rtx-3090\"", "context = \"nope\"");
+        assert!(parse_catalog(&row)
+            .unwrap_err()
+            .contains("unknown context 'nope'"));
+        let extra = CATALOG_TOML.replace("bandwidth = 4.8e12", "bandwidth = 4.8e12\nbw = 1");
+        assert!(parse_catalog(&extra).is_err());
     }
 }

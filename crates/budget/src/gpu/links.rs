@@ -29,46 +29,57 @@ pub struct Link {
     pub source: &'static str,
 }
 
-pub const NVLINK4: Link = Link {
-    name: "NVLink 4 (H100/H200 SXM, 900 GB/s bidirectional)",
-    bytes_per_s: 450.0 * G,
-    source: "NVIDIA H100 / H200 datasheets: NVLink 900 GB/s",
-};
-pub const NVLINK3: Link = Link {
-    name: "NVLink 3 (A100 SXM, 600 GB/s bidirectional)",
-    bytes_per_s: 300.0 * G,
-    source: "NVIDIA A100 datasheet: NVLink 600 GB/s",
-};
-pub const NVLINK2: Link = Link {
-    name: "NVLink 2 (V100 SXM2, 300 GB/s bidirectional)",
-    bytes_per_s: 150.0 * G,
-    source: "NVIDIA V100 datasheet: NVLink 300 GB/s",
-};
-pub const PCIE3_X16: Link = Link {
-    name: "PCIe 3.0 x16",
-    bytes_per_s: 15.75 * G,
-    source: "PCI-SIG: 8 GT/s × 16 lanes, 128b/130b",
-};
-pub const PCIE4_X16: Link = Link {
-    name: "PCIe 4.0 x16",
-    bytes_per_s: 31.5 * G,
-    source: "PCI-SIG: 16 GT/s × 16 lanes, 128b/130b",
-};
-pub const PCIE5_X16: Link = Link {
-    name: "PCIe 5.0 x16",
-    bytes_per_s: 63.0 * G,
-    source: "PCI-SIG: 32 GT/s × 16 lanes, 128b/130b",
-};
-pub const IB_NDR: Link = Link {
-    name: "InfiniBand NDR (400 Gb/s per GPU)",
-    bytes_per_s: 50.0 * G,
-    source: "NVIDIA ConnectX-7 / Quantum-2: 400 Gb/s per port",
-};
-pub const IB_HDR: Link = Link {
-    name: "InfiniBand HDR (200 Gb/s per GPU)",
-    bytes_per_s: 25.0 * G,
-    source: "NVIDIA ConnectX-6 / Quantum: 200 Gb/s per port",
-};
+pub const NVLINK4: Link = Link::per_direction_gbs(
+    "NVLink 4 (H100/H200 SXM, 900 GB/s bidirectional)",
+    450.0,
+    "NVIDIA H100 / H200 datasheets: NVLink 900 GB/s",
+);
+pub const NVLINK3: Link = Link::per_direction_gbs(
+    "NVLink 3 (A100 SXM, 600 GB/s bidirectional)",
+    300.0,
+    "NVIDIA A100 datasheet: NVLink 600 GB/s",
+);
+pub const NVLINK2: Link = Link::per_direction_gbs(
+    "NVLink 2 (V100 SXM2, 300 GB/s bidirectional)",
+    150.0,
+    "NVIDIA V100 datasheet: NVLink 300 GB/s",
+);
+pub const PCIE3_X16: Link = Link::per_direction_gbs(
+    "PCIe 3.0 x16",
+    15.75,
+    "PCI-SIG: 8 GT/s × 16 lanes, 128b/130b",
+);
+pub const PCIE4_X16: Link = Link::per_direction_gbs(
+    "PCIe 4.0 x16",
+    31.5,
+    "PCI-SIG: 16 GT/s × 16 lanes, 128b/130b",
+);
+pub const PCIE5_X16: Link = Link::per_direction_gbs(
+    "PCIe 5.0 x16",
+    63.0,
+    "PCI-SIG: 32 GT/s × 16 lanes, 128b/130b",
+);
+pub const IB_NDR: Link = Link::per_direction_gbs(
+    "InfiniBand NDR (400 Gb/s per GPU)",
+    50.0,
+    "NVIDIA ConnectX-7 / Quantum-2: 400 Gb/s per port",
+);
+pub const IB_HDR: Link = Link::per_direction_gbs(
+    "InfiniBand HDR (200 Gb/s per GPU)",
+    25.0,
+    "NVIDIA ConnectX-6 / Quantum: 200 Gb/s per port",
+);
+
+impl Link {
+    /// A link of `gb_per_s` GB/s (10^9 B/s) per direction, as its datasheet gives it.
+    const fn per_direction_gbs(name: &'static str, gb_per_s: f64, source: &'static str) -> Link {
+        Link {
+            name,
+            bytes_per_s: gb_per_s * G,
+            source,
+        }
+    }
+}
 
 /// Every link of the catalog.
 pub const LINKS: [Link; 8] = [

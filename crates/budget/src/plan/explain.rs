@@ -78,16 +78,10 @@ pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
             crate::sharding::Scheme::of(s).describe()
         ));
     }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
+    if base.alloc_conf() != s.alloc_conf() {
         out.push(format!(
             "PYTORCH_CUDA_ALLOC_CONF={} (the allocated peak fits, the cached segments do not)",
-            conf(s)
+            s.alloc_conf()
         ));
     }
     out
@@ -120,11 +114,7 @@ pub(super) fn infeasible_reason(
             fmt_bytes(limits.budget_bytes),
             100.0 * limits.headroom,
             fmt_bytes(chosen.peak),
-            if chosen_c.changes.is_empty() {
-                "the base".to_string()
-            } else {
-                chosen_c.changes.join(", ")
-            },
+            changes_or_base(&chosen_c.changes),
             dom.replace('_', " "),
             fmt_bytes(dom_bytes),
             100.0 * dom_bytes as f64 / chosen.peak.max(1) as f64,
@@ -215,4 +205,13 @@ pub(super) fn explain(
         s.push_str("; the microbatch is kept");
     }
     s
+}
+
+/// The changes of a recipe in words, comma-separated, or "the base" when there are none.
+pub(super) fn changes_or_base(changes: &[String]) -> String {
+    if changes.is_empty() {
+        "the base".to_string()
+    } else {
+        changes.join(", ")
+    }
 }

@@ -227,11 +227,7 @@ pub(super) fn cut_reason(p: &Plan) -> String {
         fmt_bytes(p.budget_bytes),
         100.0 * p.headroom,
         fmt_bytes(p.predicted_peak_bytes),
-        if p.changes.is_empty() {
-            "the base".to_string()
-        } else {
-            p.changes.join(", ")
-        },
+        changes_or_base(&p.changes),
         p.dominant.replace('_', " "),
         fmt_bytes(p.dominant_bytes),
         100.0 * p.dominant_bytes as f64 / p.predicted_peak_bytes.max(1) as f64,

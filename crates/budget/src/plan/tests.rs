@@ -419,15 +419,11 @@ fn lora_and_8bit_are_used_only_to_fit() {
         .unwrap();
         // Used exactly when nothing fits without them.
         assert_eq!(uses, !without.feasible, "budget {budget}: {}", p.reason);
-        assert!(!p.reason.contains("lora is used for speed"), "{}", p.reason);
-        assert!(!p.reason.contains("8bit is used for speed"), "{}", p.reason);
+        assert_says(&p.reason, "lora is used for speed", false);
+        assert_says(&p.reason, "8bit is used for speed", false);
         if uses {
             saw_needed = true;
-            assert!(
-                p.reason.contains("used because nothing fits without"),
-                "{}",
-                p.reason
-            );
+            assert_says(&p.reason, "used because nothing fits without", true);
             assert!(p
                 .alternatives
                 .iter()
@@ -435,6 +431,22 @@ fn lora_and_8bit_are_used_only_to_fit() {
         }
     }
     assert!(saw_needed, "some budget needs LoRA or 8-bit AdamW");
+}
+
+/// `reason` says `words` (or, with `says` false, does not).
+fn assert_says(reason: &str, words: &str, says: bool) {
+    assert_eq!(reason.contains(words), says, "'{words}' in: {reason}");
+}
+
+/// The plan suggests expandable segments (its reason and its changes), or, with `yes` false,
+/// neither.
+fn assert_suggests_expandable_segments(p: &Plan, yes: bool) {
+    assert_says(&p.reason, "fragmentation breaks the fit", yes);
+    let changes = p
+        .changes
+        .iter()
+        .any(|c| c.contains("PYTORCH_CUDA_ALLOC_CONF"));
+    assert_eq!(changes, yes, "{:?}", p.changes);
 }
 
 /// DiT-XL/2 at 256², batch 8, on pytorch:cuda, 18 GiB (17.1 GiB usable): the allocated peak
@@ -451,22 +463,8 @@ fn fragmentation_that_breaks_the_fit_suggests_expandable_segments() {
     let usable = l.usable();
     let p = plan(&s, &l, &DeviceProfile::cpu_default()).unwrap();
     assert!(p.feasible, "{}", p.reason);
-    let conf = p
-        .plan
-        .cuda
-        .as_ref()
-        .map(|c| c.alloc_conf.clone())
-        .unwrap_or_default();
-    assert_eq!(conf, EXPANDABLE_SEGMENTS);
-    assert!(
-        p.reason.contains("fragmentation breaks the fit"),
-        "{}",
-        p.reason
-    );
-    assert!(p
-        .changes
-        .iter()
-        .any(|c| c.contains("PYTORCH_CUDA_ALLOC_CONF")));
+    assert_eq!(p.plan.alloc_conf(), EXPANDABLE_SEGMENTS);
+    assert_suggests_expandable_segments(&p, true);
     // The same recipe without the setting: allocated + context fit, reserved does not.
     let mut without = p.plan.clone();
     without.cuda = None;
@@ -501,13 +499,5 @@ fn fragmentation_that_breaks_the_fit_suggests_expandable_segments() {
         gpu_memory: None,
     });
     let q = plan(&given, &l, &DeviceProfile::cpu_default()).unwrap();
-    assert!(
-        !q.reason.contains("fragmentation breaks the fit"),
-        "{}",
-        q.reason
-    );
-    assert!(!q
-        .changes
-        .iter()
-        .any(|c| c.contains("PYTORCH_CUDA_ALLOC_CONF")));
+    assert_suggests_expandable_segments(&q, false);
 }

@@ -244,7 +244,7 @@ impl<'a> Vm<'a> {
         self.push_leaf(Py::Str(s.to_string()))
     }
 
-    /// Run to STOP; the root node.
+    /// Run to STOP; the root node. Each opcode goes to the first group that knows it.
     fn run(&mut self) -> Result<u32, SnapshotError> {
         loop {
             let at = self.pos;
@@ -253,228 +253,224 @@ impl<'a> Vm<'a> {
                 .get(self.pos)
                 .ok_or_else(|| bad("truncated: the pickle ends before its STOP opcode"))?;
             self.pos += 1;
-            match op {
-                0x80 => {
-                    let v = self.uint(1)?;
-                    if v > 5 {
-                        return Err(bad(format!("pickle protocol {v} (0 … 5 are read)")));
-                    }
+            if op == b'.' {
+                return self.pop();
+            }
+            let known = self.frame_op(op)?
+                || self.leaf_op(op)?
+                || self.container_op(op)?
+                || self.memo_op(op)?;
+            if !known {
+                return Err(refused(op, at));
+            }
+        }
+    }
+
+    /// The protocol header, frame lengths, marks and the stack's own opcodes.
+    fn frame_op(&mut self, op: u8) -> Result<bool, SnapshotError> {
+        match op {
+            0x80 => {
+                let v = self.uint(1)?;
+                if v > 5 {
+                    return Err(bad(format!("pickle protocol {v} (0 … 5 are read)")));
                 }
-                0x95 => {
-                    self.uint(8)?;
+            }
+            0x95 => {
+                self.uint(8)?;
+            }
+            b'(' => self.stack.push(Item::Mark),
+            b'0' => {
+                self.stack
+                    .pop()
+                    .ok_or_else(|| bad("POP on an empty stack"))?;
+            }
+            b'1' => {
+                self.pop_mark()?;
+            }
+            b'2' => {
+                let t = self.top()?;
+                self.stack.push(Item::Node(t));
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The opcodes that push a scalar, a string or a byte string.
+    fn leaf_op(&mut self, op: u8) -> Result<bool, SnapshotError> {
+        match op {
+            b'N' => self.push_leaf(Py::None)?,
+            0x88 => self.push_leaf(Py::Bool(true))?,
+            0x89 => self.push_leaf(Py::Bool(false))?,
+            b'K' => {
+                let v = self.uint(1)?;
+                self.push_leaf(Py::Int(v as i128))?
+            }
+            b'M' => {
+                let v = self.uint(2)?;
+                self.push_leaf(Py::Int(v as i128))?
+            }
+            b'J' => {
+                let v = self.uint(4)? as u32 as i32;
+                self.push_leaf(Py::Int(v as i128))?
+            }
+            // LONG1, LONG4: a 1- or 4-byte length, then the little-endian two's complement.
+            0x8a | 0x8b => {
+                let n = self.uint(if op == 0x8a { 1 } else { 4 })?;
+                let v = Self::long(self.take(n)?)?;
+                self.push_leaf(Py::Int(v))?
+            }
+            b'I' | b'L' => {
+                let l = self.line()?.trim_end_matches('L');
+                let p = match l {
+                    "00" => Py::Bool(false),
+                    "01" => Py::Bool(true),
+                    _ => Py::Int(l.parse().map_err(|_| {
+                        bad(format!(
+                            "'{}' is not an integer",
+                            l.chars().take(40).collect::<String>()
+                        ))
+                    })?),
+                };
+                self.push_leaf(p)?
+            }
+            b'G' => {
+                let s = self.take(8)?;
+                let mut a = [0u8; 8];
+                a.copy_from_slice(s);
+                self.push_leaf(Py::Float(f64::from_be_bytes(a)))?
+            }
+            b'F' => {
+                let l = self.line()?;
+                let v = l.parse().map_err(|_| bad("a FLOAT that is not a number"))?;
+                self.push_leaf(Py::Float(v))?
+            }
+            // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8 and Python 2 str (SHORT_BINSTRING,
+            // BINSTRING: bytes read as text when they are UTF-8): a 1-, 4- or 8-byte length.
+            0x8c | b'X' | 0x8d | b'U' | b'T' => {
+                let n = self.uint(match op {
+                    0x8c | b'U' => 1,
+                    0x8d => 8,
+                    _ => 4,
+                })?;
+                self.string(n)?
+            }
+            // Protocol 0 str: raw-unicode-escape on one line.
+            b'V' => {
+                let rest = &self.b[self.pos..];
+                let n = rest
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .ok_or_else(|| bad("truncated: a text argument has no end of line"))?;
+                let text = raw_unicode_escape(&rest[..n])?;
+                self.pos += n + 1;
+                self.push_leaf(Py::Str(text))?
+            }
+            b'C' | b'B' | 0x8e | 0x96 => {
+                let n = match op {
+                    b'C' => self.uint(1)?,
+                    b'B' => self.uint(4)?,
+                    _ => self.uint(8)?,
+                };
+                self.take(n)?;
+                self.push_leaf(Py::Bytes(n as usize))?
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The opcodes that make or fill a list, tuple or dict.
+    fn container_op(&mut self, op: u8) -> Result<bool, SnapshotError> {
+        match op {
+            b']' | 0x8f => {
+                let id = self.node(Node::List(Vec::new()))?;
+                self.stack.push(Item::Node(id));
+            }
+            b')' => {
+                let id = self.node(Node::List(Vec::new()))?;
+                self.stack.push(Item::Node(id));
+            }
+            b'}' => {
+                let id = self.node(Node::Dict(Vec::new()))?;
+                self.stack.push(Item::Node(id));
+            }
+            b'l' | b't' | 0x91 => {
+                let items = self.pop_mark()?;
+                let id = self.node(Node::List(items))?;
+                self.stack.push(Item::Node(id));
+            }
+            b'd' => {
+                let items = self.pop_mark()?;
+                let id = self.node(Node::Dict(Vec::new()))?;
+                self.set_items(id, &items)?;
+                self.stack.push(Item::Node(id));
+            }
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.pop()?);
                 }
-                b'.' => return self.pop(),
-                b'(' => self.stack.push(Item::Mark),
-                b'0' => {
-                    self.stack
-                        .pop()
-                        .ok_or_else(|| bad("POP on an empty stack"))?;
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let t = self.top()?;
-                    self.stack.push(Item::Node(t));
-                }
-                b'N' => self.push_leaf(Py::None)?,
-                0x88 => self.push_leaf(Py::Bool(true))?,
-                0x89 => self.push_leaf(Py::Bool(false))?,
-                b'K' => {
-                    let v = self.uint(1)?;
-                    self.push_leaf(Py::Int(v as i128))?
-                }
-                b'M' => {
-                    let v = self.uint(2)?;
-                    self.push_leaf(Py::Int(v as i128))?
-                }
-                b'J' => {
-                    let v = self.uint(4)? as u32 as i32;
-                    self.push_leaf(Py::Int(v as i128))?
-                }
-                0x8a => {
-                    let n = self.uint(1)?;
-                    let v = Self::long(self.take(n)?)?;
-                    self.push_leaf(Py::Int(v))?
-                }
-                0x8b => {
-                    let n = self.uint(4)?;
-                    let v = Self::long(self.take(n)?)?;
-                    self.push_leaf(Py::Int(v))?
-                }
-                b'I' | b'L' => {
-                    let l = self.line()?.trim_end_matches('L');
-                    let p = match l {
-                        "00" => Py::Bool(false),
-                        "01" => Py::Bool(true),
-                        _ => Py::Int(l.parse().map_err(|_| {
-                            bad(format!(
-                                "'{}' is not an integer",
-                                l.chars().take(40).collect::<String>()
-                            ))
-                        })?),
-                    };
-                    self.push_leaf(p)?
-                }
-                b'G' => {
-                    let s = self.take(8)?;
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(s);
-                    self.push_leaf(Py::Float(f64::from_be_bytes(a)))?
-                }
-                b'F' => {
-                    let l = self.line()?;
-                    let v = l.parse().map_err(|_| bad("a FLOAT that is not a number"))?;
-                    self.push_leaf(Py::Float(v))?
-                }
-                0x8c => {
-                    let n = self.uint(1)?;
-                    self.string(n)?
-                }
-                b'X' => {
-                    let n = self.uint(4)?;
-                    self.string(n)?
-                }
-                0x8d => {
-                    let n = self.uint(8)?;
-                    self.string(n)?
-                }
-                // Python 2 str: bytes read as text when they are UTF-8.
-                b'U' => {
-                    let n = self.uint(1)?;
-                    self.string(n)?
-                }
-                b'T' => {
-                    let n = self.uint(4)?;
-                    self.string(n)?
-                }
-                // Protocol 0 str: raw-unicode-escape on one line.
-                b'V' => {
-                    let rest = &self.b[self.pos..];
-                    let n = rest
-                        .iter()
-                        .position(|&c| c == b'\n')
-                        .ok_or_else(|| bad("truncated: a text argument has no end of line"))?;
-                    let text = raw_unicode_escape(&rest[..n])?;
-                    self.pos += n + 1;
-                    self.push_leaf(Py::Str(text))?
-                }
-                b'C' | b'B' | 0x8e | 0x96 => {
-                    let n = match op {
-                        b'C' => self.uint(1)?,
-                        b'B' => self.uint(4)?,
-                        _ => self.uint(8)?,
-                    };
-                    self.take(n)?;
-                    self.push_leaf(Py::Bytes(n as usize))?
-                }
-                b']' | 0x8f => {
-                    let id = self.node(Node::List(Vec::new()))?;
-                    self.stack.push(Item::Node(id));
-                }
-                b')' => {
-                    let id = self.node(Node::List(Vec::new()))?;
-                    self.stack.push(Item::Node(id));
-                }
-                b'}' => {
-                    let id = self.node(Node::Dict(Vec::new()))?;
-                    self.stack.push(Item::Node(id));
-                }
-                b'l' | b't' | 0x91 => {
-                    let items = self.pop_mark()?;
-                    let id = self.node(Node::List(items))?;
-                    self.stack.push(Item::Node(id));
-                }
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    let id = self.node(Node::Dict(Vec::new()))?;
-                    self.set_items(id, &items)?;
-                    self.stack.push(Item::Node(id));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    let id = self.node(Node::List(items))?;
-                    self.stack.push(Item::Node(id));
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    let to = self.top()?;
-                    self.append(to, &[v])?
-                }
-                b'e' | 0x90 => {
-                    let items = self.pop_mark()?;
-                    let to = self.top()?;
-                    self.append(to, &items)?
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    let to = self.top()?;
-                    self.set_items(to, &[k, v])?
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    let to = self.top()?;
-                    self.set_items(to, &items)?
-                }
-                0x94 => {
-                    let k = self.memo.len() as u64;
-                    self.memo_put(k)?
-                }
-                b'q' => {
-                    let k = self.uint(1)?;
-                    self.memo_put(k)?
-                }
-                b'r' => {
-                    let k = self.uint(4)?;
-                    self.memo_put(k)?
-                }
-                b'p' => {
-                    let k = self
-                        .line()?
-                        .parse()
-                        .map_err(|_| bad("a PUT index that is not a number"))?;
-                    self.memo_put(k)?
-                }
-                b'h' => {
-                    let k = self.uint(1)?;
-                    self.memo_get(k)?
-                }
-                b'j' => {
-                    let k = self.uint(4)?;
-                    self.memo_get(k)?
-                }
-                b'g' => {
-                    let k = self
-                        .line()?
-                        .parse()
-                        .map_err(|_| bad("a GET index that is not a number"))?;
-                    self.memo_get(k)?
-                }
-                b'c'
-                | 0x93
-                | b'R'
-                | b'b'
-                | 0x81
-                | 0x92
-                | b'i'
-                | b'o'
-                | b'P'
-                | b'Q'
-                | 0x82..=0x84
-                | 0x97
-                | 0x98 => {
-                    return Err(bad(format!(
-                        "opcode 0x{op:02x} at byte {at} builds a Python object of a class; a \
-                         memory snapshot holds only builtin types"
-                    )))
-                }
-                _ => return Err(bad(format!("unknown opcode 0x{op:02x} at byte {at}"))),
+                items.reverse();
+                let id = self.node(Node::List(items))?;
+                self.stack.push(Item::Node(id));
+            }
+            b'a' => {
+                let v = self.pop()?;
+                let to = self.top()?;
+                self.append(to, &[v])?
+            }
+            b'e' | 0x90 => {
+                let items = self.pop_mark()?;
+                let to = self.top()?;
+                self.append(to, &items)?
+            }
+            b's' => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                let to = self.top()?;
+                self.set_items(to, &[k, v])?
+            }
+            b'u' => {
+                let items = self.pop_mark()?;
+                let to = self.top()?;
+                self.set_items(to, &items)?
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The memo's PUT and GET opcodes.
+    fn memo_op(&mut self, op: u8) -> Result<bool, SnapshotError> {
+        match op {
+            0x94 | b'q' | b'r' | b'p' => {
+                let k = self.memo_index(op)?;
+                self.memo_put(k)?
+            }
+            b'h' | b'j' | b'g' => {
+                let k = self.memo_index(op)?;
+                self.memo_get(k)?
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The memo index a PUT or GET opcode names: the next free one (MEMOIZE), a 1-byte
+    /// (BINPUT, BINGET) or 4-byte (LONG_BINPUT, LONG_BINGET) argument, or a decimal line (PUT,
+    /// GET).
+    fn memo_index(&mut self, op: u8) -> Result<u64, SnapshotError> {
+        match op {
+            0x94 => Ok(self.memo.len() as u64),
+            b'q' | b'h' => self.uint(1),
+            b'r' | b'j' => self.uint(4),
+            _ => {
+                let what = if op == b'p' { "PUT" } else { "GET" };
+                self.line()?
+                    .parse()
+                    .map_err(|_| bad(format!("a {what} index that is not a number")))
             }
         }
     }
@@ -563,6 +559,18 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Rc<Py>, SnapshotError> {
     }
     let mut done = vec![None; vm.nodes.len()];
     vm.convert(root, &mut done, 0)
+}
+
+/// The error for an opcode the reader does not run: one that builds an object of a class (a
+/// memory snapshot holds only builtin types), or one it does not know.
+fn refused(op: u8, at: usize) -> SnapshotError {
+    match op {
+        b'c' | 0x93 | b'R' | b'b' | 0x81 | 0x92 | b'i' | b'o' | b'P' | b'Q' | 0x82..=0x84 | 0x97
+        | 0x98 => bad(format!(
+            "opcode 0x{op:02x} at byte {at} builds a Python object of a class; a memory snapshot              holds only builtin types"
+        )),
+        _ => bad(format!("unknown opcode 0x{op:02x} at byte {at}")),
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use serde_pickle::{HashableValue as H, SerOptions, Value as V};
 use crate::snapshot::predict::{compare, predicted_timeline};
 use crate::snapshot::read::read_snapshot;
 use crate::snapshot::replay::replay;
-use crate::snapshot::{Action, Origin, SnapshotError};
+use crate::snapshot::{Action, Origin, Replay, Snapshot, SnapshotError};
 use crate::spec::{ModelSpec, Spec};
 
 const MIB: u64 = 1 << 20;
@@ -85,6 +85,29 @@ fn segment(address: u64, total: u64, small: bool, expandable: bool, blocks: Vec<
     ])
 }
 
+/// A large-pool segment whose first `used` bytes are one allocated block and the rest one
+/// inactive block.
+fn segment_in_use(address: u64, total: u64, used: u64, expandable: bool) -> V {
+    let mut blocks = Vec::new();
+    if used > 0 {
+        blocks.push(block(address, used, "active_allocated"));
+    }
+    if total > used {
+        blocks.push(block(address + used, total - used, "inactive"));
+    }
+    segment(address, total, false, expandable, blocks)
+}
+
+/// The snapshot of `segments` and `trace`, written as a pickle and read back.
+fn read(segments: Vec<V>, trace: Vec<V>) -> Snapshot {
+    read_snapshot(&snapshot(segments, trace)).unwrap()
+}
+
+/// The replay of the snapshot of `segments` and `trace`.
+fn replayed(segments: Vec<V>, trace: Vec<V>) -> Replay {
+    replay(&read(segments, trace), None)
+}
+
 fn snapshot(segments: Vec<V>, trace: Vec<V>) -> Vec<u8> {
     let v = dict(vec![
         ("segments", V::List(segments)),
@@ -112,23 +135,14 @@ const OPT: &[(&str, &str)] = &[("torch/optim/adamw.py", "_init_group")];
 
 #[test]
 fn an_empty_trace_replays_to_the_listed_state() {
-    let s = read_snapshot(&snapshot(vec![], vec![])).unwrap();
-    let r = replay(&s, None);
+    let r = replayed(vec![], vec![]);
     assert_eq!((r.events, r.max_allocated, r.max_reserved), (0, 0, 0));
     assert!(r.at_peak.is_empty() && r.ooms.is_empty());
     // A state without a trace: the listed blocks are what was there before.
-    let seg = segment(
-        0x1000_0000,
-        20 * MIB,
-        false,
-        false,
-        vec![
-            block(0x1000_0000, 3 * MIB, "active_allocated"),
-            block(0x1030_0000, 17 * MIB, "inactive"),
-        ],
+    let r = replayed(
+        vec![segment_in_use(0x1000_0000, 20 * MIB, 3 * MIB, false)],
+        vec![],
     );
-    let s = read_snapshot(&snapshot(vec![seg], vec![])).unwrap();
-    let r = replay(&s, None);
     assert_eq!((r.max_allocated, r.max_reserved), (3 * MIB, 20 * MIB));
     assert_eq!(r.allocated_before, 3 * MIB);
     assert_eq!(r.at_peak[0].origin, Origin::BeforeTrace);
@@ -152,13 +166,7 @@ fn peaks_follow_the_allocator_counters() {
     ];
     let segs = vec![
         // The model: 4 MiB allocated before recording, in a segment the trace never saw.
-        segment(
-            0x5000_0000,
-            4 * MIB,
-            false,
-            false,
-            vec![block(0x5000_0000, 4 * MIB, "active_allocated")],
-        ),
+        segment_in_use(0x5000_0000, 4 * MIB, 4 * MIB, false),
         segment(
             a,
             20 * MIB,
@@ -182,7 +190,7 @@ fn peaks_follow_the_allocator_counters() {
             vec![block(a + 20 * MIB, 2 * MIB, "inactive")],
         ),
     ];
-    let s = read_snapshot(&snapshot(segs, trace)).unwrap();
+    let s = read(segs, trace);
     assert_eq!(s.device_traces[0][1].action, Action::Alloc);
     let r = replay(&s, None);
     assert_eq!(r.allocated_before, 4 * MIB);
@@ -217,14 +225,7 @@ fn an_oom_event_is_reported() {
         ev("alloc", a, 40 * MIB, FWD),
         ev("oom", 12_345, 80 * MIB, FWD),
     ];
-    let segs = vec![segment(
-        a,
-        40 * MIB,
-        false,
-        false,
-        vec![block(a, 40 * MIB, "active_allocated")],
-    )];
-    let r = replay(&read_snapshot(&snapshot(segs, trace)).unwrap(), None);
+    let r = replayed(vec![segment_in_use(a, 40 * MIB, 40 * MIB, false)], trace);
     assert_eq!(r.ooms.len(), 1);
     let o = r.ooms[0];
     assert_eq!((o.event, o.size, o.device_free), (2, 80 * MIB, 12_345));
@@ -244,17 +245,7 @@ fn expandable_segments_map_and_unmap() {
         ev("free_completed", a + 15 * MIB, 15 * MIB, FWD),
         ev("segment_unmap", a + 20 * MIB, 20 * MIB, FWD),
     ];
-    let segs = vec![segment(
-        a,
-        20 * MIB,
-        false,
-        true,
-        vec![
-            block(a, 15 * MIB, "active_allocated"),
-            block(a + 15 * MIB, 5 * MIB, "inactive"),
-        ],
-    )];
-    let s = read_snapshot(&snapshot(segs, trace)).unwrap();
+    let s = read(vec![segment_in_use(a, 20 * MIB, 15 * MIB, true)], trace);
     assert!(s.segments[0].is_expandable);
     let r = replay(&s, None);
     assert_eq!(r.max_reserved, 40 * MIB);
@@ -274,17 +265,7 @@ fn a_free_without_its_alloc_was_there_before() {
         ev("free_completed", a, 10 * MIB, FWD),
         ev("alloc", a, 4 * MIB, FWD),
     ];
-    let segs = vec![segment(
-        a,
-        20 * MIB,
-        false,
-        false,
-        vec![
-            block(a, 4 * MIB, "active_allocated"),
-            block(a + 4 * MIB, 16 * MIB, "inactive"),
-        ],
-    )];
-    let r = replay(&read_snapshot(&snapshot(segs, trace)).unwrap(), None);
+    let r = replayed(vec![segment_in_use(a, 20 * MIB, 4 * MIB, false)], trace);
     assert_eq!(r.frees_without_alloc, 1);
     assert_eq!(r.allocated_before, 10 * MIB);
     assert_eq!(r.max_allocated, 10 * MIB);
@@ -337,6 +318,29 @@ fn small_cuda_spec() -> Spec {
     s
 }
 
+/// The blocks a trace written by hand has allocated and not freed: (address, bytes).
+#[derive(Default)]
+struct LiveBlocks(Vec<(u64, u64)>);
+
+impl LiveBlocks {
+    /// An `alloc` of `bytes` at `addr`.
+    fn alloc(&mut self, trace: &mut Vec<V>, addr: u64, bytes: u64) {
+        trace.push(ev("alloc", addr, bytes, FWD));
+        self.0.push((addr, bytes));
+    }
+
+    /// Free the first live block of `bytes`: `free_requested`, then `free_completed` when
+    /// `completed`.
+    fn free(&mut self, trace: &mut Vec<V>, bytes: u64, completed: bool) {
+        let i = self.0.iter().position(|&(_, b)| b == bytes).unwrap();
+        let (addr, b) = self.0.remove(i);
+        trace.push(ev("free_requested", addr, b, FWD));
+        if completed {
+            trace.push(ev("free_completed", addr, b, FWD));
+        }
+    }
+}
+
 /// A snapshot written from the prediction's own events (its allocs and frees at made-up
 /// addresses, its reserved steps as segment_alloc / segment_free, the model as state) agrees
 /// with the prediction: same peaks, no parting.
@@ -346,7 +350,7 @@ fn the_prediction_held_against_its_own_events_agrees() {
     let p = predicted_timeline(&spec).unwrap().unwrap();
     let start = p.setup_events;
     let mut trace = Vec::new();
-    let mut live: Vec<(u64, u64)> = Vec::new();
+    let mut live = LiveBlocks::default();
     let mut next = 0x7f00_0000_0000u64;
     let (mut prev_a, mut prev_r) = p.points[start - 1];
     for (k, &(a, r)) in p.points.iter().enumerate().skip(start) {
@@ -358,14 +362,10 @@ fn the_prediction_held_against_its_own_events_agrees() {
         assert_eq!(ch, a as i64 - prev_a as i64);
         if ch > 0 {
             // A block size that rounds to itself.
-            trace.push(ev("alloc", next, ch as u64, FWD));
-            live.push((next, ch as u64));
+            live.alloc(&mut trace, next, ch as u64);
             next += ch as u64;
         } else if ch < 0 {
-            let i = live.iter().position(|&(_, b)| b == (-ch) as u64).unwrap();
-            let (addr, b) = live.remove(i);
-            trace.push(ev("free_requested", addr, b, FWD));
-            trace.push(ev("free_completed", addr, b, FWD));
+            live.free(&mut trace, (-ch) as u64, true);
         }
         if r < prev_r {
             trace.push(ev("segment_free", next, prev_r - r, FWD));
@@ -375,22 +375,7 @@ fn the_prediction_held_against_its_own_events_agrees() {
     }
     let (end_a, end_r) = *p.points.last().unwrap();
     let (base_a, base_r) = p.points[start - 1];
-    let traced_live: u64 = live.iter().map(|l| l.1).sum();
-    let segs = vec![segment(
-        0x1000,
-        end_r,
-        false,
-        false,
-        vec![
-            block(
-                0x1000,
-                end_a - traced_live + traced_live,
-                "active_allocated",
-            ),
-            block(0x1000 + end_a, end_r - end_a, "inactive"),
-        ],
-    )];
-    let s = read_snapshot(&snapshot(segs, trace)).unwrap();
+    let s = read(vec![segment_in_use(0x1000, end_r, end_a, false)], trace);
     let r = replay(&s, None);
     assert_eq!((r.allocated_before, r.reserved_before), (base_a, base_r));
     let c = compare(&s, r, p.clone());
@@ -412,21 +397,18 @@ fn a_leak_parts_the_timelines_where_it_happens() {
         ev("alloc", base, 64 * MIB, FWD),
     ];
     let mut next = base + 64 * MIB;
-    let mut live: Vec<(u64, u64)> = Vec::new();
+    let mut live = LiveBlocks::default();
     for &ch in &p.changes[start..] {
         if ch > 0 {
             trace.push(ev("segment_alloc", next, ch as u64, FWD));
-            trace.push(ev("alloc", next, ch as u64, FWD));
-            live.push((next, ch as u64));
+            live.alloc(&mut trace, next, ch as u64);
             next += ch as u64;
         } else if ch < 0 {
-            let i = live.iter().position(|&(_, b)| b == (-ch) as u64).unwrap();
-            let (addr, b) = live.remove(i);
-            trace.push(ev("free_requested", addr, b, FWD));
+            live.free(&mut trace, (-ch) as u64, false);
         }
     }
     let first = p.changes[start];
-    let s = read_snapshot(&snapshot(vec![], trace)).unwrap();
+    let s = read(vec![], trace);
     let r = replay(&s, None);
     let c = compare(&s, r, p);
     let part = c.parting.expect("the timelines part");
@@ -497,25 +479,10 @@ fn an_unsplit_block_counts_whole() {
         ev("free_completed", a, 11_744_051, FWD),
     ];
     let segs = vec![
-        segment(
-            a,
-            12 * MIB,
-            false,
-            false,
-            vec![block(a, 12 * MIB, "inactive")],
-        ),
-        segment(
-            b,
-            12 * MIB,
-            false,
-            false,
-            vec![
-                block(b, 10 * MIB + MIB / 2, "active_allocated"),
-                block(b + 10 * MIB + MIB / 2, 3 * MIB / 2, "inactive"),
-            ],
-        ),
+        segment_in_use(a, 12 * MIB, 0, false),
+        segment_in_use(b, 12 * MIB, 10 * MIB + MIB / 2, false),
     ];
-    let r = replay(&read_snapshot(&snapshot(segs, trace)).unwrap(), None);
+    let r = replayed(segs, trace);
     assert_eq!(r.points[1].allocated, 12 * MIB);
     assert_eq!(r.max_allocated, 12 * MIB + 10 * MIB + MIB / 2);
     assert_eq!(r.points.last().unwrap().allocated, 10 * MIB + MIB / 2);

@@ -223,6 +223,15 @@ impl Canvas {
         self.emit_text(x, y, size, anchor, text, style);
     }
 
+    /// An axis tick's label (11 px, grey) at (x, y), drawn only where it fits the frame clear of
+    /// every placed text (crowded ticks drop their labels).
+    fn tick_label(&mut self, x: f64, y: f64, anchor: Anchor, label: &str) {
+        const TICK: f64 = 11.0;
+        if self.free(&text_box(x, y, TICK, anchor, label), &self.frame()) {
+            self.text(x, y, TICK, anchor, label, "fill=\"#444\"");
+        }
+    }
+
     /// Whether a text there would be free: inside `within`, clear of every placed text.
     pub fn free(&self, b: &Rect, within: &Rect) -> bool {
         b.inside(within) && !self.texts.iter().any(|t| t.overlaps(&b.grow(1.0)))
@@ -368,7 +377,6 @@ pub(super) fn axes(
         area.x1 - area.x0,
         area.y1 - area.y0
     ));
-    let tick = 11.0;
     let xt = nice_ticks(xs.d0, xs.d1, ((area.x1 - area.x0) / 90.0).max(2.0) as usize);
     let xstep = if xt.len() > 1 { xt[1] - xt[0] } else { 1.0 };
     for &v in &xt {
@@ -377,18 +385,7 @@ pub(super) fn axes(
             "<line x1=\"{x:.1}\" y1=\"{:.1}\" x2=\"{x:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>",
             area.y0, area.y1
         ));
-        let label = fmt_tick(v, xstep);
-        let b = text_box(x, area.y1 + 18.0, tick, Anchor::Middle, &label);
-        if c.free(&b, &c.frame()) {
-            c.text(
-                x,
-                area.y1 + 18.0,
-                tick,
-                Anchor::Middle,
-                &label,
-                "fill=\"#444\"",
-            );
-        }
+        c.tick_label(x, area.y1 + 18.0, Anchor::Middle, &fmt_tick(v, xstep));
     }
     let yt = nice_ticks(ys.d0, ys.d1, ((area.y1 - area.y0) / 45.0).max(2.0) as usize);
     let ystep = if yt.len() > 1 { yt[1] - yt[0] } else { 1.0 };
@@ -398,18 +395,7 @@ pub(super) fn axes(
             "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#eee\"/>",
             area.x0, area.x1
         ));
-        let label = fmt_tick(v, ystep);
-        let b = text_box(area.x0 - 6.0, y + 4.0, tick, Anchor::End, &label);
-        if c.free(&b, &c.frame()) {
-            c.text(
-                area.x0 - 6.0,
-                y + 4.0,
-                tick,
-                Anchor::End,
-                &label,
-                "fill=\"#444\"",
-            );
-        }
+        c.tick_label(area.x0 - 6.0, y + 4.0, Anchor::End, &fmt_tick(v, ystep));
     }
     let width = c.w - 8.0;
     let xd = shorten(x_desc, 12.0, width);

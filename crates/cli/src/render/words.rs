@@ -198,17 +198,11 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
     if b.zero_stage != r.zero_stage || b.sharder != r.sharder || b.offload != r.offload {
         out.push(ditmem_budget::Scheme::of(s).describe());
     }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
-        out.push(if conf(s).contains("expandable_segments:True") {
+    if base.alloc_conf() != s.alloc_conf() {
+        out.push(if s.alloc_conf().contains("expandable_segments:True") {
             "expandable segments".into()
         } else {
-            format!("alloc {}", conf(s))
+            format!("alloc {}", s.alloc_conf())
         });
     }
     out
@@ -291,14 +285,8 @@ pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
     if b.offload != r.offload {
         out.push(format!("--offload {}", r.offload));
     }
-    let conf = |x: &Spec| {
-        x.cuda
-            .as_ref()
-            .map(|c| c.alloc_conf.clone())
-            .unwrap_or_default()
-    };
-    if conf(base) != conf(s) {
-        out.push(format!("--alloc-conf {}", conf(s)));
+    if base.alloc_conf() != s.alloc_conf() {
+        out.push(format!("--alloc-conf {}", s.alloc_conf()));
     }
     out
 }

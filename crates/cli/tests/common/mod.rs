@@ -69,11 +69,19 @@ pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
     err
 }
 
+/// Run `ditmem` with `args`: (exit code, its stdout read as JSON), whatever the code.
+pub fn code_and_json(args: &[&str]) -> (i32, serde_json::Value) {
+    let (code, out, err) = ditmem(args);
+    let v = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}\nstderr: {err}"));
+    (code, v)
+}
+
 /// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
 pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
-    let (c, out, err) = ditmem(args);
-    assert_eq!(c, code, "{args:?}: stderr: {err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+    let (c, v) = code_and_json(args);
+    assert_eq!(c, code, "{args:?}: {v}");
+    v
 }
 
 /// Run `ditmem` with `args` (exit 0): its stdout read as JSON.
@@ -84,6 +92,14 @@ pub fn json(args: &[&str]) -> serde_json::Value {
 /// Run `ditmem` with `args` and `--json` (exit 0): its stdout read as JSON.
 pub fn json_of(args: &[&str]) -> serde_json::Value {
     json(&[args, &["--json"]].concat())
+}
+
+/// A JSON array of strings (a command line, a list of changes) as `&str`s.
+pub fn strs(v: &serde_json::Value) -> Vec<&str> {
+    let list = v.as_array().unwrap_or_else(|| panic!("not an array: {v}"));
+    list.iter()
+        .map(|x| x.as_str().unwrap_or_else(|| panic!("not a string: {x}")))
+        .collect()
 }
 
 /// Every line at most 100 characters (what a pipe, a log or an issue comment shows).

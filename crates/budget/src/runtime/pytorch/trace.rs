@@ -603,7 +603,9 @@ pub fn paged_state_bytes(spec: &Spec, numel: u64) -> u64 {
 mod tests {
     use super::*;
     use crate::estimate::estimate;
-    use crate::runtime::pytorch::caching_allocator::{simulate_allocator, AllocConf};
+    use crate::runtime::pytorch::caching_allocator::{
+        simulate_allocator, AllocConf, AllocatorReport,
+    };
     use crate::spec::{AttentionMode, ModelSpec, Precision, Recompute};
 
     /// The sequence is the step timeline tensor by tensor: its peak of requested bytes is the
@@ -639,23 +641,7 @@ mod tests {
             specs.push(s);
         }
         for s in specs {
-            let b = estimate(&s).unwrap();
-            let table = crate::denoiser::param_table(&s);
-            let seq = allocation_sequence(&s, &table);
-            let r = simulate_allocator(&seq, &AllocConf::default(), None).unwrap();
-            assert_eq!(
-                r.max_requested,
-                b.peak_bytes,
-                "{:?} {} {:?} acc {} {:?}: sequence {} vs timeline {} ({})",
-                s.recipe.precision,
-                s.recipe.recompute,
-                s.recipe.attention,
-                s.workload.accumulation,
-                s.recipe.optimizer_impl,
-                r.max_requested,
-                b.peak_bytes,
-                b.peak.label
-            );
+            let (table, seq, r) = sequence_at_timeline_peak(&s);
             assert_eq!(
                 left(&seq),
                 state_bytes(&s, &table),
@@ -710,24 +696,23 @@ mod tests {
         specs.push(s);
         for s in specs {
             s.validate().unwrap();
-            let b = estimate(&s).unwrap();
-            let table = crate::denoiser::param_table(&s);
-            let seq = allocation_sequence(&s, &table);
-            let r = simulate_allocator(&seq, &AllocConf::default(), None).unwrap();
-            assert_eq!(
-                r.max_requested,
-                b.peak_bytes,
-                "{} {} {:?} {} acc {}: sequence {} vs timeline {} ({})",
-                s.recipe.zero_stage,
-                s.recipe.sharder,
-                s.recipe.offload,
-                s.recipe.recompute,
-                s.workload.accumulation,
-                r.max_requested,
-                b.peak_bytes,
-                b.peak.label
-            );
+            sequence_at_timeline_peak(&s);
         }
+    }
+
+    /// The parameter table and allocation sequence of `s`, and the sequence replayed by the
+    /// default caching allocator, whose peak of requested bytes must be the timeline's.
+    fn sequence_at_timeline_peak(s: &Spec) -> (Vec<ParamTensor>, Vec<AllocEvent>, AllocatorReport) {
+        let b = estimate(s).unwrap();
+        let table = crate::denoiser::param_table(s);
+        let seq = allocation_sequence(s, &table);
+        let r = simulate_allocator(&seq, &AllocConf::default(), None).unwrap();
+        assert_eq!(
+            r.max_requested, b.peak_bytes,
+            "{:?} acc {}: sequence {} vs timeline {} ({})",
+            s.recipe, s.workload.accumulation, r.max_requested, b.peak_bytes, b.peak.label
+        );
+        (table, seq, r)
     }
 
     /// Requested bytes never freed.
