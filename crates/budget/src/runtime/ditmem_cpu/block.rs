@@ -103,6 +103,24 @@ pub(crate) fn fused_cross(sh: &Shape) -> bool {
     sh.lora_rank("attn2.to_k").is_none() && sh.lora_rank("attn2.to_v").is_none()
 }
 
+/// A linear whose bias, where it has none of its own, is the block's shared zero bias `zero` (a
+/// constant: no gradient; Sana's bias-less linears, `LinearW::forward`), else a
+/// [`module_linear`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn zero_bias_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
+    rows: u64,
+    out: u64,
+    inp: u64,
+    zero: Option<Nid>,
+) -> Nid {
+    let rank = sh.lora_rank(name);
+    biased_linear(g, sh, name, x, (rows, out, inp), rank, zero)
+}
+
 /// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under
 /// LoRA the base is a frozen weight in the compute dtype.
 fn adapted_linear(
@@ -110,13 +128,26 @@ fn adapted_linear(
     sh: &Shape,
     name: &str,
     x: Nid,
+    dims: (u64, u64, u64),
+    rank: Option<u64>,
+) -> Nid {
+    biased_linear(g, sh, name, x, dims, rank, None)
+}
+
+/// [`adapted_linear`] with the bias `zero` in place of its own where one is given.
+fn biased_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
     (rows, out, inp): (u64, u64, u64),
     rank: Option<u64>,
+    zero: Option<Nid>,
 ) -> Nid {
     if let Some(r) = rank {
         return lora_linear(g, sh, name, x, (rows, out, inp), r);
     }
-    let [w, bias] = linear_weights(g, sh, name, x, (out, inp));
+    let [w, bias] = weights_and_bias(g, sh, name, x, (out, inp), zero);
     fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
@@ -134,18 +165,35 @@ pub(crate) fn linear_weights(
     sh: &Shape,
     name: &str,
     x: Nid,
+    dims: (u64, u64),
+) -> [Nid; 2] {
+    weights_and_bias(g, sh, name, x, dims, None)
+}
+
+/// [`linear_weights`], the bias `zero` (a constant, never sunk) in place of its own where given.
+pub(crate) fn weights_and_bias(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
     (out, inp): (u64, u64),
+    zero: Option<Nid>,
 ) -> [Nid; 2] {
     let trained = sh.lora.is_none();
     // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
     // packs or widens them), so a linear's weight and bias are never cast copies.
     let wd = sh.weight_dtype();
     let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
-    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
+    let bias = match zero {
+        Some(z) => z,
+        None => g.weight(&format!("{name}.bias"), out, wd, trained, wd),
+    };
     if trained && g.nodes[x].tracks {
         for t in [w, bias] {
-            g.nodes[t].tracks = false;
-            g.nodes[t].sunk = true;
+            if g.nodes[t].kind == Kind::Var {
+                g.nodes[t].tracks = false;
+                g.nodes[t].sunk = true;
+            }
         }
     }
     [w, bias]
