@@ -13,13 +13,12 @@
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, chunks, gated_released, module_linear, patch_embed, proj_out_released,
-    timestep_features,
+    base_weight, block_leaf, chunks, module_linear, patch_embed, timestep_features,
 };
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
-use crate::runtime::ditmem_cpu::parts::{feed_forward_tail, self_attention};
+use crate::runtime::ditmem_cpu::parts::{feed_forward_tail, image_loss, self_attention};
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -149,9 +148,7 @@ impl OneBlockKind for DitdGeo {
         let m = chunks(&mut g, "modulation", m6, 6, bd);
 
         // Self-attention.
-        let p = self_attention(&mut g, sh, x, (m[0], m[1]));
-        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-        g.bind(x1);
+        let x1 = self_attention(&mut g, sh, track, x, (m[0], m[1], m[2]));
 
         // Feed-forward.
         let gates = (m[3], m[4], m[5]);
@@ -184,14 +181,7 @@ impl OneBlockKind for DitdGeo {
             sh.patch2 * dg.c_out,
             sh.d,
         );
-        let y = proj_out_released(&mut g, sh, h, y, ad);
-        let root = sims::prediction_loss(
-            &mut g,
-            sh,
-            y,
-            dg.c_out,
-            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
-        );
+        let root = image_loss(&mut g, sh, (h, y), dg.c_out);
         (g, x, root)
     }
 }

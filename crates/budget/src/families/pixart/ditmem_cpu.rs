@@ -13,7 +13,7 @@ use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{concat, ln_modulate};
 use crate::runtime::ditmem_cpu::parts::{
-    cross_attend, feed_forward_tail, final_modulation, self_attention, six_modulations,
+    cross_attend, feed_forward_tail, final_modulation, image_loss, self_attention, six_modulations,
     table_modulation, text_projection, timestep_mlp,
 };
 use crate::runtime::ditmem_cpu::sims;
@@ -162,9 +162,7 @@ impl OneBlockKind for PixGeo {
         let m = table_modulation(&mut g, sh, t6, table);
 
         // Self-attention.
-        let p = self_attention(&mut g, sh, x, (m[0], m[1]));
-        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-        g.bind(x1);
+        let x1 = self_attention(&mut g, sh, track, x, (m[0], m[1], m[2]));
 
         // Cross-attention.
         let p2 = cross_attend(&mut g, sh, (x1, y), pg.t, (sh.heads, d));
@@ -200,14 +198,7 @@ impl OneBlockKind for PixGeo {
         let md = final_modulation(&mut g, sh, (emb, "emb"), table, true);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
         let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * pg.c_out, sh.d);
-        let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
-        let root = sims::prediction_loss(
-            &mut g,
-            sh,
-            y,
-            pg.c_out,
-            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
-        );
+        let root = image_loss(&mut g, sh, (h, y), pg.c_out);
         (g, x, root)
     }
 }

@@ -161,7 +161,7 @@ fn mix_ffn_block(g: &mut Graph, sh: &Shape, sg: &SanaGeo, h2: Nid, zero: Nid) ->
     let (dw, db) = conv(g);
     let c2 = silu_dwconv(g, sh, "ff silu + conv_depth (fused)", [f1, dw, db], 2 * hid);
     let gl = glu(g, "ff hidden·silu(gate) (fused)", c2);
-    let f2 = zero_bias_linear(g, sh, "ff.conv_point", gl, rows, d, hid, Some(zero));
+    let f2 = zero_bias_linear(g, sh, ("ff.conv_point", gl), (rows, d, hid), Some(zero));
     g.hold_until(&[f1, c2, gl], f2);
     f2
 }
@@ -342,7 +342,7 @@ impl OneBlockKind for SanaGeo {
         g.bind(zero);
         let m = table_modulation(&mut g, sh, t6, table);
         let lin = |g: &mut Graph, name: &str, x: Nid, z: bool| {
-            let y = zero_bias_linear(g, sh, name, x, rows, d, d, z.then_some(zero));
+            let y = zero_bias_linear(g, sh, (name, x), (rows, d, d), z.then_some(zero));
             g.bind(y)
         };
         let nb = !sg.qkv_bias;

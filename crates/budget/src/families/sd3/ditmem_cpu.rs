@@ -8,8 +8,9 @@
 use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
-    patch_embed, proj_out_released, reads_input, release_unless_read, timestep_features,
+    base_weight, bound_linear, chunk, gated_released, linear_weights, module_feed_forward,
+    module_linear, patch_embed, proj_out_released, reads_input, release_unless_read,
+    timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -75,20 +76,6 @@ impl Sd3Geo {
     pub(crate) fn is_dual(&self, i: u64) -> bool {
         self.dual.binary_search(&i).is_ok()
     }
-}
-
-/// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
-/// call, held only by the op that reads it).
-fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
-    g.view(
-        &format!("{name} chunk {i}"),
-        Kind::Narrow {
-            pad_before: i * bd,
-            pad_after: (k - 1 - i) * bd,
-        },
-        m,
-        bd,
-    )
 }
 
 /// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.

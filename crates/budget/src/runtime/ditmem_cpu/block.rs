@@ -106,19 +106,14 @@ pub(crate) fn fused_cross(sh: &Shape) -> bool {
 /// A linear whose bias, where it has none of its own, is the block's shared zero bias `zero` (a
 /// constant: no gradient; Sana's bias-less linears, `LinearW::forward`), else a
 /// [`module_linear`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn zero_bias_linear(
     g: &mut Graph,
     sh: &Shape,
-    name: &str,
-    x: Nid,
-    rows: u64,
-    out: u64,
-    inp: u64,
+    (name, x): (&str, Nid),
+    dims: (u64, u64, u64),
     zero: Option<Nid>,
 ) -> Nid {
-    let rank = sh.lora_rank(name);
-    biased_linear(g, sh, name, x, (rows, out, inp), rank, zero)
+    biased_linear(g, sh, name, x, dims, sh.lora_rank(name), zero)
 }
 
 /// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under
@@ -246,7 +241,8 @@ pub(crate) fn module_feed_forward(
 }
 
 /// The `i`-th of `k` narrow views of a (b, k·D) tensor `m` (`bd` = b·D elements each), as the
-/// trainers split a modulation.
+/// trainers split a modulation (unbound: SD3's are temporaries of the engine's call, held only
+/// by the op that reads them).
 pub(crate) fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
     g.view(
         &format!("{name} chunk {i}"),
@@ -272,8 +268,14 @@ pub(crate) fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<
 /// One block's graph begun: a tracked leaf copy of its input (b·s·D in the accumulation dtype).
 /// Returns (graph, leaf).
 pub(crate) fn block_leaf(sh: &Shape) -> (Graph, Nid) {
+    stream_leaf(sh, "x (leaf copy of the block input)")
+}
+
+/// A segment's graph begun: a tracked leaf `name` copying the stream it reads (b·s·D in the
+/// accumulation dtype). Returns (graph, leaf).
+pub(crate) fn stream_leaf(sh: &Shape, name: &str) -> (Graph, Nid) {
     let mut g = Graph::default();
-    let x = g.var("x (leaf copy of the block input)", sh.e(), sh.ad(), true);
+    let x = g.var(name, sh.e(), sh.ad(), true);
     (g, x)
 }
 

@@ -7,12 +7,13 @@
 
 use crate::runtime::ditmem_cpu::block::{
     bound_linear, chunks, fused_cross, gated_released, linear_weights, module_feed_forward,
-    module_linear, release_unless_read, sink_context_grad,
+    module_linear, proj_out_released, release_unless_read, sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{gelu, ln_modulate};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 
 /// The timestep embedder (`TimestepEmbedding`): `names.0` on the features `tf` (b × `freq`),
@@ -115,8 +116,15 @@ pub(crate) fn final_modulation(
 
 /// Self-attention as DiT's and PixArt's blocks run it: `norm1` + modulate of `x` by (shift,
 /// scale), `attn1`'s q, k, v projections, the attention over them ([`separate_attention`]),
-/// `to_out.0`; each bound (the block function's locals). Returns to_out's output.
-pub(crate) fn self_attention(g: &mut Graph, sh: &Shape, x: Nid, (shift, scale): (Nid, Nid)) -> Nid {
+/// `to_out.0`; each bound (the block function's locals); then the gated residual with `gate`
+/// ([`gated_released`]), bound. Returns the residual.
+pub(crate) fn self_attention(
+    g: &mut Graph,
+    sh: &Shape,
+    track: bool,
+    x: Nid,
+    (shift, scale, gate): (Nid, Nid, Nid),
+) -> Nid {
     let (d, rows) = (sh.d, sh.b * sh.s);
     let h1 = ln_modulate(g, "norm1+modulate", x, shift, scale, rows, sh.cd());
     g.bind(h1);
@@ -125,7 +133,9 @@ pub(crate) fn self_attention(g: &mut Graph, sh: &Shape, x: Nid, (shift, scale): 
     let v = bound_linear(g, sh, "attn1.to_v", h1, rows, d, d);
     let o = separate_attention(g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
     g.bind(o);
-    bound_linear(g, sh, "attn1.to_out.0", o, rows, d, d)
+    let p = bound_linear(g, sh, "attn1.to_out.0", o, rows, d, d);
+    let x1 = gated_released(g, track, "x + out·gate_msa (fused)", x, p, gate);
+    g.bind(x1)
 }
 
 /// Cross-attention as PixArt's and Sana's blocks run it (`families::cross::cross_attend`): the
@@ -186,4 +196,13 @@ pub(crate) fn feed_forward_tail(
     let f2 = module_feed_forward(g, sh, ff, h2, (rows, d, sh.mlp, d));
     release_unless_read(g, sh, track, ff.0, h2);
     gated_released(g, track, names.1, x, f2, gate)
+}
+
+/// The image prediction `y` of the output side's `proj_out` on the modulated norm `h`
+/// ([`proj_out_released`]) and the family schedule's loss on it ([`sims::prediction_loss`]),
+/// `c_out` channels a patch. Returns the root.
+pub(crate) fn image_loss(g: &mut Graph, sh: &Shape, (h, y): (Nid, Nid), c_out: u64) -> Nid {
+    let y = proj_out_released(g, sh, h, y, sh.ad());
+    let names = ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"];
+    sims::prediction_loss(g, sh, y, c_out, names)
 }
