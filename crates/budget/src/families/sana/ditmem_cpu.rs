@@ -15,7 +15,7 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, block_leaf, linear_weights, module_linear, patch_embed, timestep_features,
     weights_and_bias, zero_bias_linear,
 };
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
@@ -25,7 +25,7 @@ use crate::runtime::ditmem_cpu::parts::{
 };
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
-use crate::spec::{CpuSpec, Dtype, Precision, Spec};
+use crate::spec::{CpuSpec, Dtype, Spec};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: u64 = 256;
@@ -71,15 +71,6 @@ impl SanaGeo {
     }
 }
 
-/// Bytes of the accumulation type of the engine's kernels (f64 under fp64).
-fn acc_bytes(sh: &Shape) -> u64 {
-    if sh.precision == Precision::Fp64 {
-        8
-    } else {
-        4
-    }
-}
-
 /// Scratch elements per head of the linear attention, (forward, backward)
 /// (`ops::linear_attention::{lin_fwd_scratch, lin_bwd_scratch}`).
 pub(crate) fn linear_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
@@ -96,7 +87,7 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
     let nh = sh.b * sh.heads;
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
     let (fwd, bwd) = linear_attention_scratch(sh.s, sh.d / sh.heads);
-    let acc = acc_bytes(sh);
+    let acc = acc_bytes(sh.precision);
     let o = g.op(
         name,
         Kind::Custom {
@@ -114,7 +105,7 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
 /// its weight (C·9) and bias (C): one fresh output of x's size; forward workspace 10·C,
 /// backward 19·C accumulation-type values (`dwconv_{fwd,bwd}_scratch`).
 pub fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
-    let acc = acc_bytes(sh);
+    let acc = acc_bytes(sh.precision);
     let (e, dt) = (g.elems(ins[0]), g.dtype(ins[0]));
     let o = g.op(
         name,
@@ -187,7 +178,7 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
     let tracked = grads.iter().any(|&t| t);
     let (fwd, bwd) = mix_ffn_workspace(
         &sh.cpu,
-        (cd, wd, acc_bytes(sh)),
+        (cd, wd, acc_bytes(sh.precision)),
         dims,
         (tracked, grads),
         master,

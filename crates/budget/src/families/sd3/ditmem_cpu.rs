@@ -8,9 +8,8 @@
 use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, bound_linear, chunk, gated_released, linear_weights, module_feed_forward,
-    module_linear, patch_embed, proj_out_released, reads_input, release_unless_read,
-    timestep_features,
+    base_weight, bound_linear, chunk, gated_released, linear_weights, module_linear, patch_embed,
+    proj_out_released, reads_input, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -18,6 +17,7 @@ use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
+use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
 use crate::runtime::shape::Shape;
@@ -76,13 +76,6 @@ impl Sd3Geo {
     pub(crate) fn is_dual(&self, i: u64) -> bool {
         self.dual.binary_search(&i).is_ok()
     }
-}
-
-/// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.
-fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid {
-    let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
-    let dims = (rows, sh.d, sh.mlp, sh.d);
-    module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
 }
 
 /// `dual_attention` of the engine (a function: its locals live until it returns): attn2 on
@@ -274,12 +267,9 @@ pub fn block(
         chunk(&mut g, "m", m, 3, km, bd),
         chunk(&mut g, "m", m, 4, km, bd),
     );
-    let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
-    g.bind(h2);
-    let f = feed_forward(&mut g, sh, "ff", h2, rows);
-    release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
-    let gate = chunk(&mut g, "m", m, 5, km, bd);
-    let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, gate);
+    let gate = |g: &mut Graph| chunk(g, "m", m, 5, km, bd);
+    let names = ["norm2+modulate", "ff", "x1 + ff·gate_mlp (fused)"];
+    let x2 = stream_feed_forward(&mut g, sh, track, (x1, rows), (s3, s4), gate, names);
     if last {
         return (g, vec![c, x], se, vec![x2]);
     }
@@ -296,12 +286,13 @@ pub fn block(
         chunk(&mut g, "mc", mc, 3, 6, bd),
         chunk(&mut g, "mc", mc, 4, 6, bd),
     );
-    let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, s3, s4, trows, cd);
-    g.bind(h2c);
-    let fc = feed_forward(&mut g, sh, "ff_context", h2c, trows);
-    release_unless_read(&mut g, sh, track, "ff_context.net.0.proj", h2c);
-    let gate = chunk(&mut g, "mc", mc, 5, 6, bd);
-    let c2 = gated_released(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
+    let gate = |g: &mut Graph| chunk(g, "mc", mc, 5, 6, bd);
+    let names = [
+        "norm2_context+modulate",
+        "ff_context",
+        "c1 + ff·c_gate_mlp (fused)",
+    ];
+    let c2 = stream_feed_forward(&mut g, sh, track, (c1, trows), (s3, s4), gate, names);
     (g, vec![c, x], se, vec![c2, x2])
 }
 

@@ -2,8 +2,9 @@
 //! engine's `families/<family>/step.rs` and `block.rs`) build alike, each written once: the
 //! timestep embedder and its 6·D projection, the caption (text) projection, the block's and the
 //! output side's `scale_shift_table` modulation, the self-attention over separate q, k, v, the
-//! cross-attention `attn2` and the feed-forward tail of a block. Node names are the engine's, so
-//! the op inventory reads the same for each family.
+//! cross-attention `attn2` and the feed-forward tail of a block; and the feed-forward half of a
+//! stream of the MMDiT families' joint blocks (SD3, Flux). Node names are the engine's, so the
+//! op inventory reads the same for each family.
 
 use crate::runtime::ditmem_cpu::block::{
     bound_linear, chunks, fused_cross, gated_released, linear_weights, module_feed_forward,
@@ -205,4 +206,28 @@ pub(crate) fn image_loss(g: &mut Graph, sh: &Shape, (h, y): (Nid, Nid), c_out: u
     let y = proj_out_released(g, sh, h, y, sh.ad());
     let names = ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"];
     sims::prediction_loss(g, sh, y, c_out, names)
+}
+
+/// The feed-forward half of one stream of an MMDiT joint block (SD3's and Flux's; `names`: the
+/// norm, the feed-forward module `ff` or `ff_context`, the gated residual): the norm + modulate
+/// of the stream `x1` (`rows` tokens) by (shift, scale), bound; the feed-forward
+/// `{ff}.net.0.proj` → `{ff}.net.2` (`sh.mlp` wide), the norm's output released unless its
+/// backward reads it; the gated residual with the gate `gate` makes (SD3 takes its chunk view
+/// only here). Returns the residual, unbound.
+pub(crate) fn stream_feed_forward(
+    g: &mut Graph,
+    sh: &Shape,
+    track: bool,
+    (x1, rows): (Nid, u64),
+    (shift, scale): (Nid, Nid),
+    gate: impl FnOnce(&mut Graph) -> Nid,
+    [norm, ff, gated]: [&str; 3],
+) -> Nid {
+    let h2 = ln_modulate(g, norm, x1, shift, scale, rows, sh.cd());
+    g.bind(h2);
+    let (fc1, fc2) = (format!("{ff}.net.0.proj"), format!("{ff}.net.2"));
+    let f = module_feed_forward(g, sh, (&fc1, &fc2), h2, (rows, sh.d, sh.mlp, sh.d));
+    release_unless_read(g, sh, track, &fc1, h2);
+    let gate = gate(g);
+    gated_released(g, track, gated, x1, f, gate)
 }
