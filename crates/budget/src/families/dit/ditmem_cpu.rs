@@ -35,19 +35,6 @@ pub(crate) struct DitdGeo {
     pub labels: u64,
 }
 
-impl DitdGeo {
-    /// The diffusers DiT geometry of a spec; None for any other model.
-    pub fn of(_spec: &Spec, fm: &FamilyModel) -> Option<DitdGeo> {
-        let FamilyDims::DitDiffusers(d) = &fm.dims else {
-            return None;
-        };
-        Some(DitdGeo {
-            c_out: d.out_channels,
-            labels: d.num_embeds_ada_norm + 1,
-        })
-    }
-}
-
 /// Whether the embed's backward adds `t`'s gradient into a buffer block 0 landed: block 0's
 /// embedder (`transformer_blocks.0.norm1.emb.*`) of a diffusers DiT, whose second use (the
 /// output side's conditioning) the engine runs in the embed segment.
@@ -186,7 +173,14 @@ impl OneBlockKind for DitdGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
-pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    DitdGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
+pub(crate) fn rules(_spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    let FamilyDims::DitDiffusers(d) = &fm.dims else {
+        return None;
+    };
+    Some(Box::new(DitdGeo {
+        c_out: d.out_channels,
+        labels: d.num_embeds_ada_norm + 1,
+    }))
 }

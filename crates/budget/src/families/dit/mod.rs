@@ -283,10 +283,6 @@ pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
 }
 
 impl FamilyDims for DitDims {
-    fn hidden(&self) -> u64 {
-        u64::from(self.model.hidden)
-    }
-
     fn table(&self, t: &mut Table) {
         original_table(self, t);
     }
@@ -313,10 +309,6 @@ impl FamilyDims for DitDims {
 }
 
 impl FamilyDims for DitDiffusersDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         diffusers_table(self, t);
     }

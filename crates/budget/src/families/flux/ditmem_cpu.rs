@@ -6,7 +6,7 @@
 //! simulation into [`Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]): the double-stream blocks are
 //! `Sims::block`, the single-stream ones [`SecondBlocks`].
 
-use crate::families::{Dims as FamilyDims, FamilyModel, FluxDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, bound_linear, gated_released, linear_weights, module_linear, release_unless_read,
@@ -43,37 +43,6 @@ pub struct FluxGeo {
     pub single: u64,
     /// Head width.
     pub dh: u64,
-}
-
-impl FluxGeo {
-    /// The Flux geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<FluxGeo> {
-        let FamilyDims::Flux(d) = &fm.dims else {
-            return None;
-        };
-        let geo = fm.geometry();
-        let tokens = crate::denoiser::text_tokens(spec, &geo);
-        let t = geo
-            .text
-            .iter()
-            .zip(&tokens)
-            .filter(|(e, _)| e.sequence)
-            .map(|(_, &n)| n)
-            .sum();
-        Some(FluxGeo::new(d, t))
-    }
-
-    fn new(d: &FluxDims, t: u64) -> FluxGeo {
-        FluxGeo {
-            t,
-            width: d.joint_attention_dim,
-            pooled: d.pooled_projection_dim,
-            guidance: d.guidance_embeds,
-            double: d.num_layers,
-            single: d.num_single_layers,
-            dh: d.attention_head_dim,
-        }
-    }
 }
 
 /// `ops::rms_norm`: one fresh output in x's dtype, nothing kept; its backward recomputes one
@@ -533,7 +502,29 @@ impl FamilyRules for FluxGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    FluxGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Flux(d) = &fm.dims else {
+        return None;
+    };
+    // T5's tokens in the sequence (CLIP-L gives only its pooled vector).
+    let geo = fm.geometry();
+    let tokens = crate::denoiser::text_tokens(spec, &geo);
+    let t = geo
+        .text
+        .iter()
+        .zip(&tokens)
+        .filter(|(e, _)| e.sequence)
+        .map(|(_, &n)| n)
+        .sum();
+    Some(Box::new(FluxGeo {
+        t,
+        width: d.joint_attention_dim,
+        pooled: d.pooled_projection_dim,
+        guidance: d.guidance_embeds,
+        double: d.num_layers,
+        single: d.num_single_layers,
+        dh: d.attention_head_dim,
+    }))
 }

@@ -5,11 +5,11 @@
 //! `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the step replay
 //! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
 
-use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, block_leaf, gated_released, module_linear, patch_embed, timestep_features,
 };
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{concat, ln_modulate};
 use crate::runtime::ditmem_cpu::parts::{
@@ -37,27 +37,6 @@ pub(crate) struct PixGeo {
     /// PixArt-α's additional conditions (`use_additional_conditions`): the resolution and
     /// aspect-ratio embedders in the embed.
     pub sizes: bool,
-}
-
-impl PixGeo {
-    /// The PixArt geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<PixGeo> {
-        let FamilyDims::Pixart(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(PixGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &PixartDims, t: u64) -> PixGeo {
-        PixGeo {
-            t,
-            width: d.caption_channels.unwrap_or(d.inner()),
-            projection: d.caption_channels.is_some(),
-            c_out: d.out_channels,
-            sizes: d.use_additional_conditions,
-        }
-    }
 }
 
 /// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
@@ -203,7 +182,18 @@ impl OneBlockKind for PixGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    PixGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Pixart(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(PixGeo {
+        t,
+        width: d.caption_channels.unwrap_or(d.inner()),
+        projection: d.caption_channels.is_some(),
+        c_out: d.out_channels,
+        sizes: d.use_additional_conditions,
+    }))
 }

@@ -92,10 +92,6 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, Spe
 }
 
 impl FamilyDims for PixartDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     /// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
     fn table(&self, t: &mut Table) {
         let d = self;

@@ -10,13 +10,13 @@
 //! linears, [`silu_dwconv`] (`ops::dwconv`) and [`glu`] (`ops::glu`) under LoRA on its
 //! linears), `ops::rms_norm` (the rule of [`crate::families::flux::ditmem_cpu::rms_norm`]).
 
-use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, block_leaf, linear_weights, module_linear, patch_embed, timestep_features,
     weights_and_bias, zero_bias_linear,
 };
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
 use crate::runtime::ditmem_cpu::parts::{
@@ -46,29 +46,6 @@ pub struct SanaGeo {
     pub hid: u64,
     /// attn1's q/k/v have biases.
     pub qkv_bias: bool,
-}
-
-impl SanaGeo {
-    /// The Sana geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<SanaGeo> {
-        let FamilyDims::Sana(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(SanaGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &SanaDims, t: u64) -> SanaGeo {
-        SanaGeo {
-            t,
-            width: d.caption_channels,
-            c_out: d.out_channels,
-            hc: d.num_cross_attention_heads,
-            dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
-            hid: d.mlp_hidden(),
-            qkv_bias: d.attention_bias,
-        }
-    }
 }
 
 /// Scratch elements per head of the linear attention, (forward, backward)
@@ -408,7 +385,20 @@ impl OneBlockKind for SanaGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    SanaGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Sana(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(SanaGeo {
+        t,
+        width: d.caption_channels,
+        c_out: d.out_channels,
+        hc: d.num_cross_attention_heads,
+        dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
+        hid: d.mlp_hidden(),
+        qkv_bias: d.attention_bias,
+    }))
 }

@@ -132,10 +132,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
 }
 
 impl FamilyDims for SanaDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         let d = self;
         let dim = d.inner();

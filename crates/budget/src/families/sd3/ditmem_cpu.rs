@@ -5,7 +5,7 @@
 //! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step
 //! replay ([`crate::runtime::ditmem_cpu::step`]), which runs the last block on its own [`Sims::last_block`].
 
-use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, bound_linear, chunk, gated_released, linear_weights, module_linear, patch_embed,
@@ -49,29 +49,6 @@ pub(crate) struct Sd3Geo {
 }
 
 impl Sd3Geo {
-    /// The SD3 geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<Sd3Geo> {
-        let FamilyDims::Sd3(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        let side = spec.token_grid().ok().map_or(0, |g| u64::from(g.rows));
-        Some(Sd3Geo::new(d, tokens.iter().sum(), side))
-    }
-
-    fn new(d: &Sd3Dims, t: u64, grid_side: u64) -> Sd3Geo {
-        Sd3Geo {
-            t,
-            width: d.joint_attention_dim,
-            pooled: d.pooled_projection_dim,
-            pos_side: d.pos_embed_max_size.unwrap_or(grid_side),
-            c_out: d.out_channels,
-            qk_norm: d.qk_norm,
-            layers: d.num_layers,
-            dual: d.dual_attention_layers.clone(),
-        }
-    }
-
     /// Whether block `i` is a dual-attention block.
     pub(crate) fn is_dual(&self, i: u64) -> bool {
         self.dual.binary_search(&i).is_ok()
@@ -504,7 +481,25 @@ impl FamilyRules for Sd3Geo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    Sd3Geo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Sd3(d) = &fm.dims else {
+        return None;
+    };
+    // Caption tokens: the sequence encoders' counts summed.
+    let t = crate::denoiser::text_tokens(spec, &fm.geometry())
+        .iter()
+        .sum();
+    let grid_side = spec.token_grid().ok().map_or(0, |g| u64::from(g.rows));
+    Some(Box::new(Sd3Geo {
+        t,
+        width: d.joint_attention_dim,
+        pooled: d.pooled_projection_dim,
+        pos_side: d.pos_embed_max_size.unwrap_or(grid_side),
+        c_out: d.out_channels,
+        qk_norm: d.qk_norm,
+        layers: d.num_layers,
+        dual: d.dual_attention_layers.clone(),
+    }))
 }

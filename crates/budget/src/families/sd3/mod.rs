@@ -112,10 +112,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
 }
 
 impl FamilyDims for Sd3Dims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     /// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,
     /// `proj_out`, then the position buffer.
     fn table(&self, t: &mut Table) {

@@ -5,13 +5,13 @@
 //! and the output side with the final `scale_shift_table`; then their simulation into
 //! [`crate::runtime::costs::Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]).
 
-use crate::families::{Dims as FamilyDims, FamilyModel, WanDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
     base_weight, block_leaf, bound_linear, fused_cross, linear_weights, module_feed_forward,
     module_linear, patch_embed, sink_context_grad, timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{gated_residual, ln_modulate, rms_norm, rope};
 use crate::runtime::ditmem_cpu::parts::{
@@ -38,29 +38,6 @@ pub(crate) struct WanGeo {
     pub cross_attn_norm: bool,
     /// Channel pairs of a head's RoPE (d_h / 2): the width of the per-step tables.
     pub half: u64,
-}
-
-impl WanGeo {
-    /// The Wan geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<WanGeo> {
-        let FamilyDims::Wan(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(WanGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &WanDims, t: u64) -> WanGeo {
-        WanGeo {
-            t,
-            text_dim: d.text_dim,
-            ffn: d.ffn_dim,
-            freq: d.freq_dim,
-            c_out: d.out_channels,
-            cross_attn_norm: d.cross_attn_norm,
-            half: d.attention_head_dim / 2,
-        }
-    }
 }
 
 /// Dtype of the RoPE tables: f64 under an f64 compute dtype, else f32.
@@ -250,7 +227,20 @@ impl OneBlockKind for WanGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    WanGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Wan(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(WanGeo {
+        t,
+        text_dim: d.text_dim,
+        ffn: d.ffn_dim,
+        freq: d.freq_dim,
+        c_out: d.out_channels,
+        cross_attn_norm: d.cross_attn_norm,
+        half: d.attention_head_dim / 2,
+    }))
 }

@@ -112,10 +112,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
 }
 
 impl FamilyDims for WanDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         let d = self;
         let dim = d.inner();

@@ -14,6 +14,7 @@
 //! This file names no family and no other file of this folder but the types it returns and the
 //! assembly it calls (`sims.rs`), so the family files and their callers both stand on it.
 
+use crate::families::FamilyModel;
 use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
@@ -53,6 +54,13 @@ pub(crate) trait FamilyRules {
     fn step_uses_gemm(&self) -> bool {
         true
     }
+}
+
+/// Caption tokens T of a spec whose model reads one text encoder's sequence (PixArt, Sana, Wan):
+/// the first encoder's ([`crate::denoiser::text_tokens`]; 0 without one).
+pub(crate) fn caption_tokens(spec: &Spec, fm: &FamilyModel) -> u64 {
+    let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+    tokens.first().copied().unwrap_or(0)
 }
 
 /// The embed segment's graph and what it hands on (see [`EmbedOutputs`]).
