@@ -30,7 +30,7 @@ pub const FLUX_FREQ: u64 = 256;
 
 /// What a Flux step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FluxGeo {
+pub(crate) struct FluxGeo {
     /// T5 tokens T in the sequence.
     pub t: u64,
     /// T5 width (`joint_attention_dim`).
@@ -438,7 +438,7 @@ fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
 }
 
 /// Simulate Flux's segments for a spec.
-pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
+pub(crate) fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let sh = Shape::new(spec);
     // Each block tracked and untracked (what the engine releases differs).
     let (dg, dleaves, _, douts) = double_block(&sh, fg, true);

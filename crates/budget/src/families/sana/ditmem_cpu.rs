@@ -32,7 +32,7 @@ pub const SANA_FREQ: u64 = 256;
 
 /// What a Sana step reads beyond [`Shape`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SanaGeo {
+pub(crate) struct SanaGeo {
     /// Caption tokens T.
     pub t: u64,
     /// Width of the cached Gemma states (`caption_channels`).

@@ -246,6 +246,8 @@ fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val)
 /// One node's backward rule on its (detached) gradient: the contributions to its inputs'
 /// gradients in the order candle makes them. Returns the temporaries the rule still holds
 /// (dropped when the node is done).
+// Over 100 lines on purpose: one arm per op kind as candle's `backward` match reads; the long
+// rules are functions of their own, the short ones stay beside it.
 fn node_backward(
     h: &mut Heap,
     g: &Graph,
