@@ -103,12 +103,9 @@ impl OneBlockKind for DitdGeo {
         let se = g.op("silu(emb₀)", Kind::Silu, &[emb0], bd, ad);
         let se = g.cast(&format!("silu(emb₀)→{cd}"), se, cd);
         g.bind(se);
-        g.bind(x0);
         EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![se],
             tables: vec![tf, ids],
+            ..EmbedGraph::of_stream(g, x0, vec![se])
         }
     }
 

@@ -117,13 +117,7 @@ impl OneBlockKind for PixGeo {
             cap
         };
         g.bind(y);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, emb, y],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, emb, y])
     }
 
     /// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or

@@ -283,13 +283,7 @@ impl OneBlockKind for SanaGeo {
         // `caption_forward`'s locals live until it returns.
         g.hold_until(&[c1, act, c2], y);
         g.bind(y);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, emb, y],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, emb, y])
     }
 
     /// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the

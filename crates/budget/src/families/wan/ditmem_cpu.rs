@@ -96,13 +96,7 @@ impl OneBlockKind for WanGeo {
         g.bind(cos);
         let sin = g.constant("rope sin (s, d_h/2)", sh.s * wg.half, rd, true);
         g.bind(sin);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, temb, ctx, cos, sin],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, temb, ctx, cos, sin])
     }
 
     /// One Wan block as `wan_block_forward` builds it, on a leaf copy of its input; every

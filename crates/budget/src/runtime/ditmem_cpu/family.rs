@@ -74,6 +74,20 @@ pub(crate) struct EmbedGraph {
     pub tables: Vec<Nid>,
 }
 
+impl EmbedGraph {
+    /// The embed of one residual stream `x0` and the conditioning `conds`, no tables; both bound
+    /// (the trainer's locals), the stream last.
+    pub(crate) fn of_stream(mut graph: Graph, x0: Nid, conds: Vec<Nid>) -> EmbedGraph {
+        graph.bind(x0);
+        EmbedGraph {
+            graph,
+            streams: vec![x0],
+            conds,
+            tables: Vec::new(),
+        }
+    }
+}
+
 /// A family of one kind of block, as its three graphs: the embed, one block on a leaf copy of
 /// its input, the final layer with the loss. [`FamilyRules`] follows from them (the blanket
 /// impl below): the embed backpropagated from its outputs, the block tracked and untracked, the
