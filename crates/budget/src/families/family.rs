@@ -80,8 +80,10 @@ pub(crate) fn diffusers_f8(
 
 /// One family's answers about a model of its dimensions.
 pub(crate) trait FamilyDims {
-    /// Hidden size of the transformer stream.
-    fn hidden(&self) -> u64;
+    /// Hidden size of the transformer stream: its geometry's.
+    fn hidden(&self) -> u64 {
+        self.geometry("").hidden
+    }
 
     /// Every tensor the model holds, in module order, pushed onto `t`.
     fn table(&self, t: &mut Table);

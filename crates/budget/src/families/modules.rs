@@ -123,14 +123,13 @@ impl Table {
                 block,
             );
         }
-        self.linear(
-            &format!("{prefix}.linear"),
-            6 * dim,
-            dim,
-            true,
-            group,
-            block,
-        );
+        self.modulation_linear(prefix, 6, dim, (group, block));
+    }
+
+    /// An adaptive norm's modulation `{prefix}.linear`: Linear(dim, `k`·dim) with its bias.
+    fn modulation_linear(&mut self, prefix: &str, k: u64, dim: u64, at: (Group, Option<u32>)) {
+        let name = format!("{prefix}.linear");
+        self.linear(&name, k * dim, dim, true, at.0, at.1);
     }
 
     /// diffusers/models/normalization.py `SD35AdaLayerNormZeroX(dim)`: `linear` Linear(dim, 9·dim).
@@ -141,14 +140,7 @@ impl Table {
         group: Group,
         block: Option<u32>,
     ) {
-        self.linear(
-            &format!("{prefix}.linear"),
-            9 * dim,
-            dim,
-            true,
-            group,
-            block,
-        );
+        self.modulation_linear(prefix, 9, dim, (group, block));
     }
 
     /// diffusers/models/normalization.py `AdaLayerNormZeroSingle(dim)`: `linear` Linear(dim, 3·dim).
@@ -159,14 +151,7 @@ impl Table {
         group: Group,
         block: Option<u32>,
     ) {
-        self.linear(
-            &format!("{prefix}.linear"),
-            3 * dim,
-            dim,
-            true,
-            group,
-            block,
-        );
+        self.modulation_linear(prefix, 3, dim, (group, block));
     }
 
     /// diffusers/models/normalization.py `AdaLayerNormContinuous(dim, dim, elementwise_affine=False)`:
@@ -178,14 +163,7 @@ impl Table {
         group: Group,
         block: Option<u32>,
     ) {
-        self.linear(
-            &format!("{prefix}.linear"),
-            2 * dim,
-            dim,
-            true,
-            group,
-            block,
-        );
+        self.modulation_linear(prefix, 2, dim, (group, block));
     }
 
     /// diffusers/models/normalization.py `AdaLayerNormSingle(dim, use_additional_conditions)`: `emb`

@@ -13,13 +13,12 @@
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, chunks, gated_released, module_feed_forward, module_linear,
-    patch_embed, proj_out_released, release_unless_read, timestep_features,
+    base_weight, block_leaf, chunks, module_linear, patch_embed, timestep_features,
 };
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
-use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::parts::{feed_forward_tail, image_loss, self_attention};
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -34,19 +33,6 @@ pub(crate) struct DitdGeo {
     pub c_out: u64,
     /// Rows of every label table: the classes and the null class.
     pub labels: u64,
-}
-
-impl DitdGeo {
-    /// The diffusers DiT geometry of a spec; None for any other model.
-    pub fn of(_spec: &Spec, fm: &FamilyModel) -> Option<DitdGeo> {
-        let FamilyDims::DitDiffusers(d) = &fm.dims else {
-            return None;
-        };
-        Some(DitdGeo {
-            c_out: d.out_channels,
-            labels: d.num_embeds_ada_norm + 1,
-        })
-    }
 }
 
 /// Whether the embed's backward adds `t`'s gradient into a buffer block 0 landed: block 0's
@@ -117,12 +103,9 @@ impl OneBlockKind for DitdGeo {
         let se = g.op("silu(emb₀)", Kind::Silu, &[emb0], bd, ad);
         let se = g.cast(&format!("silu(emb₀)→{cd}"), se, cd);
         g.bind(se);
-        g.bind(x0);
         EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![se],
             tables: vec![tf, ids],
+            ..EmbedGraph::of_stream(g, x0, vec![se])
         }
     }
 
@@ -133,7 +116,6 @@ impl OneBlockKind for DitdGeo {
         let dg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
         let d = sh.d;
-        let rows = sh.b * sh.s;
         let bd = sh.b * d;
         let (mut g, x) = block_leaf(sh);
         // The fixed tables the embed made (no leaf copies).
@@ -148,30 +130,14 @@ impl OneBlockKind for DitdGeo {
         let m6 = g.cast(&format!("norm1.linear→{ad}"), m6, ad);
         g.bind(m6);
         let m = chunks(&mut g, "modulation", m6, 6, bd);
-        let lin = |g: &mut Graph, name: &str, x: Nid| {
-            let y = module_linear(g, sh, name, x, rows, d, d);
-            g.bind(y)
-        };
 
         // Self-attention.
-        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
-        g.bind(h1);
-        let q = lin(&mut g, "attn1.to_q", h1);
-        let k = lin(&mut g, "attn1.to_k", h1);
-        let v = lin(&mut g, "attn1.to_v", h1);
-        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
-        g.bind(o);
-        let p = lin(&mut g, "attn1.to_out.0", o);
-        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-        g.bind(x1);
+        let x1 = self_attention(&mut g, sh, track, x, (m[0], m[1], m[2]));
 
         // Feed-forward.
-        let h2 = ln_modulate(&mut g, "norm3+modulate", x1, m[3], m[4], rows, cd);
-        g.bind(h2);
-        let names = ("ff.net.0.proj", "ff.net.2");
-        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-        release_unless_read(&mut g, sh, track, names.0, h2);
-        let out = gated_released(&mut g, track, "x1 + out·gate_mlp (fused)", x1, f2, m[5]);
+        let gates = (m[3], m[4], m[5]);
+        let names = ("norm3+modulate", "x1 + out·gate_mlp (fused)");
+        let out = feed_forward_tail(&mut g, sh, track, x1, gates, names);
         (g, x, out)
     }
 
@@ -199,19 +165,19 @@ impl OneBlockKind for DitdGeo {
             sh.patch2 * dg.c_out,
             sh.d,
         );
-        let y = proj_out_released(&mut g, sh, h, y, ad);
-        let root = sims::prediction_loss(
-            &mut g,
-            sh,
-            y,
-            dg.c_out,
-            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
-        );
+        let root = image_loss(&mut g, sh, (h, y), dg.c_out);
         (g, x, root)
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
-pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    DitdGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
+pub(crate) fn rules(_spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
+    let FamilyDims::DitDiffusers(d) = &fm.dims else {
+        return None;
+    };
+    Some(Box::new(DitdGeo {
+        c_out: d.out_channels,
+        labels: d.num_embeds_ada_norm + 1,
+    }))
 }

@@ -48,7 +48,7 @@ impl DitDiffusersDims {
 
 /// Keys of a legacy `Transformer2DModel` config that the remapped class does not take: accepted at
 /// the value that changes nothing (diffusers drops them when it remaps), refused otherwise.
-pub(crate) fn legacy_keys(cfg: &mut Cfg, cross_attention: bool) -> Result<(), SpecError> {
+fn legacy_keys(cfg: &mut Cfg, cross_attention: bool) -> Result<(), SpecError> {
     let why = " (diffusers drops it when it remaps Transformer2DModel)";
     cfg.choice("num_vector_embeds", None, &[None], why)?;
     if cfg.bool("only_cross_attention", false)? {
@@ -92,52 +92,80 @@ pub(crate) fn legacy_keys(cfg: &mut Cfg, cross_attention: bool) -> Result<(), Sp
 
 /// Read a `DiTTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
 pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<DitDiffusersDims, SpecError> {
-    cfg.choice(
-        "norm_type",
-        Some("ada_norm_zero"),
-        &[Some("ada_norm_zero")],
-        "",
-    )?;
-    let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
-    let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
-    let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", None, 1, MAX_DIM)?
-        .unwrap_or(in_channels);
-    let num_layers = cfg.int("num_layers", 28, 1, MAX_LAYERS)?;
-    let sample_size = cfg.int("sample_size", 32, 1, MAX_SIDE)?;
-    let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
-    let num_embeds = cfg
-        .opt_int("num_embeds_ada_norm", Some(1000), 1, MAX_ROWS)?
-        .ok_or_else(|| {
-            SpecError::invalid(
-                "num_embeds_ada_norm",
-                "null is not allowed with ada_norm_zero; allowed: an integer from 1 to 1048576",
-            )
-        })?;
+    let k = block_keys(cfg, "ada_norm_zero", None, 32)?;
+    let num_embeds = num_embeds_ada_norm(cfg, "ada_norm_zero")?;
     let attention_bias = cfg.bool("attention_bias", true)?;
-    common_keys(cfg)?;
-    if legacy {
-        legacy_keys(cfg, false)?;
-    }
+    common_keys(cfg, legacy.then_some(false))?;
     let d = DitDiffusersDims {
-        num_layers,
-        num_attention_heads: heads,
-        attention_head_dim: head_dim,
-        in_channels,
-        out_channels,
-        sample_size,
-        patch_size,
+        num_layers: k.num_layers,
+        num_attention_heads: k.heads,
+        attention_head_dim: k.head_dim,
+        in_channels: k.in_channels,
+        out_channels: k.out_channels,
+        sample_size: k.sample_size,
+        patch_size: k.patch_size,
         num_embeds_ada_norm: num_embeds,
         attention_bias,
     };
     check_inner(d.inner())?;
-    check_patch(sample_size, patch_size)?;
+    check_patch(k.sample_size, k.patch_size)?;
     Ok(d)
 }
 
-/// Keys shared by the BasicTransformerBlock families (DiT, PixArt).
-pub(crate) fn common_keys(cfg: &mut Cfg) -> Result<(), SpecError> {
+/// The keys the `BasicTransformerBlock` families (DiT, PixArt) read first, in this order.
+pub(crate) struct BlockKeys {
+    pub heads: u64,
+    pub head_dim: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub num_layers: u64,
+    pub sample_size: u64,
+    pub patch_size: u64,
+}
+
+/// Reads [`BlockKeys`] after `norm_type` (only `norm_type` allowed); `out_channels` null is
+/// `in_channels`; the defaults that differ are the classes' (`out_channels`, `sample_size`).
+pub(crate) fn block_keys(
+    cfg: &mut Cfg,
+    norm_type: &'static str,
+    out_channels: Option<u64>,
+    sample_size: u64,
+) -> Result<BlockKeys, SpecError> {
+    cfg.choice("norm_type", Some(norm_type), &[Some(norm_type)], "")?;
+    let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
+    let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
+    let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
+    let out_channels = cfg
+        .opt_int("out_channels", out_channels, 1, MAX_DIM)?
+        .unwrap_or(in_channels);
+    Ok(BlockKeys {
+        heads,
+        head_dim,
+        in_channels,
+        out_channels,
+        num_layers: cfg.int("num_layers", 28, 1, MAX_LAYERS)?,
+        sample_size: cfg.int("sample_size", sample_size, 1, MAX_SIDE)?,
+        patch_size: cfg.int("patch_size", 2, 1, MAX_PATCH)?,
+    })
+}
+
+/// `num_embeds_ada_norm` (default 1000), which the adaLN norm `norm_type` needs.
+pub(crate) fn num_embeds_ada_norm(cfg: &mut Cfg, norm_type: &str) -> Result<u64, SpecError> {
+    cfg.opt_int("num_embeds_ada_norm", Some(1000), 1, MAX_ROWS)?
+        .ok_or_else(|| {
+            SpecError::invalid(
+                "num_embeds_ada_norm",
+                format!(
+                    "null is not allowed with {norm_type}; allowed: an integer from 1 to 1048576"
+                ),
+            )
+        })
+}
+
+/// Keys shared by the BasicTransformerBlock families (DiT, PixArt); then, for a legacy
+/// `Transformer2DModel` config (`legacy`: whether the family has cross-attention), its
+/// [`legacy_keys`].
+pub(crate) fn common_keys(cfg: &mut Cfg, legacy: Option<bool>) -> Result<(), SpecError> {
     cfg.choice(
         "activation_fn",
         Some("gelu-approximate"),
@@ -155,6 +183,9 @@ pub(crate) fn common_keys(cfg: &mut Cfg) -> Result<(), SpecError> {
     // continuous-input path; upcasting changes the attention's dtype, not the parameters.
     cfg.ignore_numbers(&["norm_eps", "norm_num_groups"])?;
     cfg.bool("upcast_attention", false)?;
+    if let Some(cross_attention) = legacy {
+        legacy_keys(cfg, cross_attention)?;
+    }
     Ok(())
 }
 
@@ -165,6 +196,21 @@ pub(crate) fn check_inner(inner: u64) -> Result<(), SpecError> {
             format!(
                 "num_attention_heads × attention_head_dim = {inner}; allowed: at most {}",
                 super::config::MAX_HIDDEN
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A width the model needs equal to the hidden size `inner` (num_attention_heads ×
+/// attention_head_dim): the config's `key` at `value`; `why` says what makes or reads it.
+pub(crate) fn check_hidden(key: &str, value: u64, inner: u64, why: &str) -> Result<(), SpecError> {
+    if value != inner {
+        return Err(SpecError::invalid(
+            key,
+            format!(
+                "{value} differs from the hidden size num_attention_heads × attention_head_dim = \
+                 {inner} {why}; allowed: {inner}"
             ),
         ));
     }
@@ -237,10 +283,6 @@ pub(crate) fn original_table(d: &DitDims, t: &mut Table) {
 }
 
 impl FamilyDims for DitDims {
-    fn hidden(&self) -> u64 {
-        u64::from(self.model.hidden)
-    }
-
     fn table(&self, t: &mut Table) {
         original_table(self, t);
     }
@@ -267,10 +309,6 @@ impl FamilyDims for DitDims {
 }
 
 impl FamilyDims for DitDiffusersDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         diffusers_table(self, t);
     }

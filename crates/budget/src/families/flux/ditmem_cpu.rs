@@ -6,13 +6,12 @@
 //! simulation into [`Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]): the double-stream blocks are
 //! `Sims::block`, the single-stream ones [`SecondBlocks`].
 
-use crate::families::{Dims as FamilyDims, FamilyModel, FluxDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
-    release_unless_read,
+    base_weight, bound_linear, gated_released, linear_weights, module_linear, release_unless_read,
 };
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
+use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, acc_dtype, grad_dtype};
 use crate::runtime::ditmem_cpu::family::FamilyRules;
 use crate::runtime::ditmem_cpu::graph::{
     forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
@@ -20,17 +19,18 @@ use crate::runtime::ditmem_cpu::graph::{
 use crate::runtime::ditmem_cpu::ops::{
     concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
 };
+use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
 use crate::runtime::shape::Shape;
-use crate::spec::{Dtype, Precision, Spec};
+use crate::spec::{Precision, Spec};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const FLUX_FREQ: u64 = 256;
 
 /// What a Flux step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FluxGeo {
+pub(crate) struct FluxGeo {
     /// T5 tokens T in the sequence.
     pub t: u64,
     /// T5 width (`joint_attention_dim`).
@@ -45,46 +45,6 @@ pub struct FluxGeo {
     pub dh: u64,
 }
 
-impl FluxGeo {
-    /// The Flux geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<FluxGeo> {
-        let FamilyDims::Flux(d) = &fm.dims else {
-            return None;
-        };
-        let geo = fm.geometry();
-        let tokens = crate::denoiser::text_tokens(spec, &geo);
-        let t = geo
-            .text
-            .iter()
-            .zip(&tokens)
-            .filter(|(e, _)| e.sequence)
-            .map(|(_, &n)| n)
-            .sum();
-        Some(FluxGeo::new(d, t))
-    }
-
-    fn new(d: &FluxDims, t: u64) -> FluxGeo {
-        FluxGeo {
-            t,
-            width: d.joint_attention_dim,
-            pooled: d.pooled_projection_dim,
-            guidance: d.guidance_embeds,
-            double: d.num_layers,
-            single: d.num_single_layers,
-            dh: d.attention_head_dim,
-        }
-    }
-}
-
-/// Bytes of the attention's accumulation type (the RoPE tables, RMSNorm's statistics).
-fn acc_size(sh: &Shape) -> u64 {
-    if sh.precision == Precision::Fp64 {
-        8
-    } else {
-        4
-    }
-}
-
 /// `ops::rms_norm`: one fresh output in x's dtype, nothing kept; its backward recomputes one
 /// rstd per (row, head) (accumulation type) as workspace.
 pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) -> Nid {
@@ -93,7 +53,7 @@ pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) 
     g.op(
         name,
         Kind::Custom {
-            bwd_scratch: groups * acc_size(sh),
+            bwd_scratch: groups * acc_bytes(sh.precision),
         },
         &[x, w],
         e,
@@ -119,7 +79,7 @@ pub fn norm_rope(g: &mut Graph, sh: &Shape, name: &str, x: Nid, ws: &[Nid], dh: 
     g.op(
         name,
         Kind::Custom {
-            bwd_scratch: norm_rope_bwd_bytes(e, dt.size(), dh, acc_size(sh)),
+            bwd_scratch: norm_rope_bwd_bytes(e, dt.size(), dh, acc_bytes(sh.precision)),
         },
         &inputs,
         e,
@@ -147,13 +107,6 @@ fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid
             g.bind(c)
         })
         .collect()
-}
-
-/// `feed_forward`: up, GELU-tanh, down; the first two are its locals until it returns.
-fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, x: Nid, rows: u64) -> Nid {
-    let (d, m) = (sh.d, 4 * sh.d);
-    let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
-    module_feed_forward(g, sh, (&fc1, &fc2), x, (rows, d, m, d))
 }
 
 /// A q/k RMSNorm weight (d_h), read as stored (a frozen base's in the compute dtype).
@@ -262,20 +215,19 @@ pub(crate) fn double_block(
     // Image stream.
     let x1 = gated_released(&mut g, track, "x + attn·gate_msa (fused)", x, ao, m[2]);
     g.bind(x1);
-    let h2 = ln_modulate(&mut g, "norm2+modulate", x1, m[3], m[4], rs, cd);
-    g.bind(h2);
-    let f = feed_forward(&mut g, sh, "ff", h2, rs);
-    release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
-    let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, m[5]);
+    let names = ["norm2+modulate", "ff", "x1 + ff·gate_mlp (fused)"];
+    let x2 = stream_feed_forward(&mut g, sh, track, (x1, rs), (m[3], m[4]), |_| m[5], names);
     g.bind(x2);
     // Text stream.
     let c1 = gated_released(&mut g, track, "c + attn·c_gate_msa (fused)", c, co, mc[2]);
     g.bind(c1);
-    let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, mc[3], mc[4], rt, cd);
-    g.bind(h2c);
-    let fc = feed_forward(&mut g, sh, "ff_context", h2c, rt);
-    release_unless_read(&mut g, sh, track, "ff_context.net.0.proj", h2c);
-    let c2 = gated_released(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, mc[5]);
+    let names = [
+        "norm2_context+modulate",
+        "ff_context",
+        "c1 + ff·c_gate_mlp (fused)",
+    ];
+    let mods = (mc[3], mc[4]);
+    let c2 = stream_feed_forward(&mut g, sh, track, (c1, rt), mods, |_| mc[5], names);
     g.bind(c2);
     (g, [x, c], st, [x2, c2])
 }
@@ -431,11 +383,7 @@ pub(crate) fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [N
     let st = g.op("silu(temb)", Kind::Silu, &[temb], bd, cd);
     g.bind(st);
     let tab = (sh.s + fg.t) * fg.dh;
-    let td = if sh.precision == Precision::Fp64 {
-        Dtype::F64
-    } else {
-        Dtype::F32
-    };
+    let td = acc_dtype(sh.precision);
     let cos = g.constant("rope cos", tab, td, true);
     g.bind(cos);
     let sin = g.constant("rope sin", tab, td, true);
@@ -490,7 +438,7 @@ fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
 }
 
 /// Simulate Flux's segments for a spec.
-pub fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
+pub(crate) fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let sh = Shape::new(spec);
     // Each block tracked and untracked (what the engine releases differs).
     let (dg, dleaves, _, douts) = double_block(&sh, fg, true);
@@ -554,7 +502,29 @@ impl FamilyRules for FluxGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    FluxGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Flux(d) = &fm.dims else {
+        return None;
+    };
+    // T5's tokens in the sequence (CLIP-L gives only its pooled vector).
+    let geo = fm.geometry();
+    let tokens = crate::denoiser::text_tokens(spec, &geo);
+    let t = geo
+        .text
+        .iter()
+        .zip(&tokens)
+        .filter(|(e, _)| e.sequence)
+        .map(|(_, &n)| n)
+        .sum();
+    Some(Box::new(FluxGeo {
+        t,
+        width: d.joint_attention_dim,
+        pooled: d.pooled_projection_dim,
+        guidance: d.guidance_embeds,
+        double: d.num_layers,
+        single: d.num_single_layers,
+        dh: d.attention_head_dim,
+    }))
 }

@@ -88,10 +88,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<FluxDims, SpecError> {
 }
 
 impl FamilyDims for FluxDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         let d = self;
         let dim = d.inner();

@@ -5,17 +5,17 @@
 //! `scale_shift_table`; then their simulation into [`crate::runtime::costs::Sims`] for the step replay
 //! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
 
-use crate::families::{Dims as FamilyDims, FamilyModel, PixartDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, bound_linear, chunks, fused_cross, gated_released, linear_weights,
-    module_feed_forward, module_linear, patch_embed, release_unless_read, sink_context_grad,
-    timestep_features,
+    base_weight, block_leaf, gated_released, module_linear, patch_embed, timestep_features,
 };
-use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{concat, gelu, ln_modulate};
-use crate::runtime::ditmem_cpu::separate::separate_attention;
+use crate::runtime::ditmem_cpu::ops::{concat, ln_modulate};
+use crate::runtime::ditmem_cpu::parts::{
+    cross_attend, feed_forward_tail, final_modulation, image_loss, self_attention, six_modulations,
+    table_modulation, text_projection, timestep_mlp,
+};
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
@@ -37,27 +37,6 @@ pub(crate) struct PixGeo {
     /// PixArt-α's additional conditions (`use_additional_conditions`): the resolution and
     /// aspect-ratio embedders in the embed.
     pub sizes: bool,
-}
-
-impl PixGeo {
-    /// The PixArt geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<PixGeo> {
-        let FamilyDims::Pixart(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(PixGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &PixartDims, t: u64) -> PixGeo {
-        PixGeo {
-            t,
-            width: d.caption_channels.unwrap_or(d.inner()),
-            projection: d.caption_channels.is_some(),
-            c_out: d.out_channels,
-            sizes: d.use_additional_conditions,
-        }
-    }
 }
 
 /// PixArt-α's additional conditions as `PixartLayout::embed` adds them to the embedded timestep
@@ -108,7 +87,6 @@ impl OneBlockKind for PixGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let pg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let bd = sh.b * sh.d;
         let trows = sh.b * pg.t;
         let mut g = Graph::default();
         let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
@@ -118,53 +96,20 @@ impl OneBlockKind for PixGeo {
         let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
         let tf = timestep_features(&mut g, sh, PIXART_FREQ);
         let te = "adaln_single.emb.timestep_embedder";
-        let h = module_linear(
-            &mut g,
-            sh,
-            &format!("{te}.linear_1"),
-            tf,
-            sh.b,
-            sh.d,
-            PIXART_FREQ,
-        );
-        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
-        g.bind(h);
-        let emb = module_linear(&mut g, sh, &format!("{te}.linear_2"), h, sh.b, sh.d, sh.d);
-        let emb = g.cast(&format!("emb→{ad}"), emb, ad);
-        g.bind(emb);
+        let (l1, l2) = (format!("{te}.linear_1"), format!("{te}.linear_2"));
+        let emb = timestep_mlp(&mut g, sh, (&l1, &l2), tf, PIXART_FREQ, "emb");
         let emb = if pg.sizes {
             size_embedding(&mut g, sh, emb)
         } else {
             emb
         };
-        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
-        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
-        g.bind(se);
-        let t6 = module_linear(&mut g, sh, "adaln_single.linear", se, sh.b, 6 * sh.d, sh.d);
-        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
-        g.bind(t6);
+        let t6 = six_modulations(&mut g, sh, "adaln_single.linear", emb, "emb");
         let cap = g.constant("caption embeddings", trows * pg.width, cd, true);
         g.bind(cap);
         let y = if pg.projection {
-            let c1 = module_linear(
-                &mut g,
-                sh,
-                "caption_projection.linear_1",
-                cap,
-                trows,
-                sh.d,
-                pg.width,
-            );
-            let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
-            let y = module_linear(
-                &mut g,
-                sh,
-                "caption_projection.linear_2",
-                act,
-                trows,
-                sh.d,
-                sh.d,
-            );
+            let dims = (trows, pg.width);
+            let act = "caption gelu(tanh) (fused)";
+            let [c1, act, y] = text_projection(&mut g, sh, "caption_projection", cap, dims, act);
             // `caption_forward`'s locals live until it returns.
             g.hold_until(&[c1, act], y);
             y
@@ -172,13 +117,7 @@ impl OneBlockKind for PixGeo {
             cap
         };
         g.bind(y);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, emb, y],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, emb, y])
     }
 
     /// One PixArt block as `pixart_block_forward` builds it, on a leaf copy of its input, tracked or
@@ -187,50 +126,19 @@ impl OneBlockKind for PixGeo {
     fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
         let pg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let (e, d) = (sh.e(), sh.d);
-        let rows = sh.b * sh.s;
+        let d = sh.d;
         let (bd, trows) = (sh.b * d, sh.b * pg.t);
         let (mut g, x) = block_leaf(sh);
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
         let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
-        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
-        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
-        g.bind(modv);
-        let m = chunks(&mut g, "modulation", modv, 6, bd);
+        let m = table_modulation(&mut g, sh, t6, table);
 
         // Self-attention.
-        let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
-        g.bind(h1);
-        let q = bound_linear(&mut g, sh, "attn1.to_q", h1, rows, d, d);
-        let k = bound_linear(&mut g, sh, "attn1.to_k", h1, rows, d, d);
-        let v = bound_linear(&mut g, sh, "attn1.to_v", h1, rows, d, d);
-        let o = separate_attention(&mut g, sh, "attn1 (separate q, k, v)", [q, k, v], sh.s);
-        g.bind(o);
-        let p = bound_linear(&mut g, sh, "attn1.to_out.0", o, rows, d, d);
-        let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, p, m[2]);
-        g.bind(x1);
+        let x1 = self_attention(&mut g, sh, track, x, (m[0], m[1], m[2]));
 
         // Cross-attention.
-        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
-        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
-        g.bind(xq);
-        let q2 = bound_linear(&mut g, sh, "attn2.to_q", xq, rows, d, d);
-        let o2 = if fused_cross(sh) {
-            let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (d, d));
-            let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (d, d));
-            let name = "attn2 (cross, k and v projected inside)";
-            cross_attention(&mut g, sh, name, q2, y, (kw, vw), None, (sh.s, pg.t, d))
-        } else {
-            let k2 = bound_linear(&mut g, sh, "attn2.to_k", y, trows, d, d);
-            sink_context_grad(&mut g, k2, y);
-            let v2 = bound_linear(&mut g, sh, "attn2.to_v", y, trows, d, d);
-            sink_context_grad(&mut g, v2, y);
-            let name = "attn2 (cross, separate q, k, v)";
-            separate_attention(&mut g, sh, name, [q2, k2, v2], sh.s)
-        };
-        g.bind(o2);
-        let p2 = bound_linear(&mut g, sh, "attn2.to_out.0", o2, rows, d, d);
+        let p2 = cross_attend(&mut g, sh, (x1, y), pg.t, (sh.heads, d));
         let ones = g.constant("ones (b, D)", bd, ad, true);
         g.bind(ones);
         let x2 = gated_released(
@@ -244,12 +152,9 @@ impl OneBlockKind for PixGeo {
         g.bind(x2);
 
         // MLP.
-        let h2 = ln_modulate(&mut g, "norm2+modulate", x2, m[3], m[4], rows, cd);
-        g.bind(h2);
-        let names = ("ff.net.0.proj", "ff.net.2");
-        let f2 = module_feed_forward(&mut g, sh, names, h2, (rows, d, sh.mlp, d));
-        release_unless_read(&mut g, sh, track, names.0, h2);
-        let out = gated_released(&mut g, track, "x2 + out·gate_mlp (fused)", x2, f2, m[5]);
+        let gates = (m[3], m[4], m[5]);
+        let names = ("norm2+modulate", "x2 + out·gate_mlp (fused)");
+        let out = feed_forward_tail(&mut g, sh, track, x2, gates, names);
         (g, x, out)
     }
 
@@ -263,28 +168,26 @@ impl OneBlockKind for PixGeo {
         let (mut g, x) = sims::final_leaf(sh);
         let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
         let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-        let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
-        let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
-        let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
-        let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
-        let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
-        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
-        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let md = final_modulation(&mut g, sh, (emb, "emb"), table, true);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
         let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * pg.c_out, sh.d);
-        let y = crate::runtime::ditmem_cpu::block::proj_out_released(&mut g, sh, h, y, ad);
-        let root = sims::prediction_loss(
-            &mut g,
-            sh,
-            y,
-            pg.c_out,
-            ["reshape(b,r,c,p,p,C)", "reshape(b,C,h,w)", "ε channels"],
-        );
+        let root = image_loss(&mut g, sh, (h, y), pg.c_out);
         (g, x, root)
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    PixGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Pixart(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(PixGeo {
+        t,
+        width: d.caption_channels.unwrap_or(d.inner()),
+        projection: d.caption_channels.is_some(),
+        c_out: d.out_channels,
+        sizes: d.use_additional_conditions,
+    }))
 }

@@ -8,9 +8,11 @@ pub mod pytorch;
 
 use serde::Serialize;
 
-use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
+use super::config::{Cfg, MAX_DIM};
 use super::defaults::TrainingDefaults;
-use super::dit::{check_inner, check_patch, common_keys, legacy_keys};
+use super::dit::{
+    block_keys, check_hidden, check_inner, check_patch, common_keys, num_embeds_ada_norm,
+};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -44,49 +46,26 @@ impl PixartDims {
 
 /// Read a `PixArtTransformer2DModel` config (or a `Transformer2DModel` one remapped to it).
 pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, SpecError> {
-    cfg.choice(
-        "norm_type",
-        Some("ada_norm_single"),
-        &[Some("ada_norm_single")],
-        "",
-    )?;
-    let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
-    let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
-    let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", Some(8), 1, MAX_DIM)?
-        .unwrap_or(in_channels);
-    let num_layers = cfg.int("num_layers", 28, 1, MAX_LAYERS)?;
-    let sample_size = cfg.int("sample_size", 128, 1, MAX_SIDE)?;
-    let patch_size = cfg.int("patch_size", 2, 1, MAX_PATCH)?;
+    let k = block_keys(cfg, "ada_norm_single", Some(8), 128)?;
     let cross = cfg.opt_int("cross_attention_dim", Some(1152), 1, MAX_DIM)?;
     let caption_channels = cfg.opt_int("caption_channels", None, 1, MAX_DIM)?;
-    cfg.opt_int("num_embeds_ada_norm", Some(1000), 1, MAX_ROWS)?
-        .ok_or_else(|| {
-            SpecError::invalid(
-                "num_embeds_ada_norm",
-                "null is not allowed with ada_norm_single; allowed: an integer from 1 to 1048576",
-            )
-        })?;
+    num_embeds_ada_norm(cfg, "ada_norm_single")?;
     let attention_bias = cfg.bool("attention_bias", true)?;
     let extra = cfg.opt_bool("use_additional_conditions", None)?;
     // pixart_transformer_2d.py: `if use_additional_conditions is None: = sample_size == 128`.
-    let use_additional_conditions = extra.unwrap_or(sample_size == 128);
+    let use_additional_conditions = extra.unwrap_or(k.sample_size == 128);
     cfg.choice("attention_type", Some("default"), &[Some("default")], "")?;
     // Scales the sin-cos table's positions, not its shape.
     cfg.number("interpolation_scale", None, 1e-6, 1e6, true)?;
-    common_keys(cfg)?;
-    if legacy {
-        legacy_keys(cfg, true)?;
-    }
+    common_keys(cfg, legacy.then_some(true))?;
     let d = PixartDims {
-        num_layers,
-        num_attention_heads: heads,
-        attention_head_dim: head_dim,
-        in_channels,
-        out_channels,
-        sample_size,
-        patch_size,
+        num_layers: k.num_layers,
+        num_attention_heads: k.heads,
+        attention_head_dim: k.head_dim,
+        in_channels: k.in_channels,
+        out_channels: k.out_channels,
+        sample_size: k.sample_size,
+        patch_size: k.patch_size,
         cross_attention_dim: cross.ok_or_else(|| {
             SpecError::invalid(
                 "cross_attention_dim",
@@ -98,18 +77,10 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, Spe
         attention_bias,
     };
     check_inner(d.inner())?;
-    check_patch(sample_size, patch_size)?;
-    if caption_channels.is_some() && d.cross_attention_dim != d.inner() {
-        return Err(SpecError::invalid(
-            "cross_attention_dim",
-            format!(
-                "{} differs from the hidden size num_attention_heads × attention_head_dim = {} that the \
-                 caption projection gives; allowed: {}",
-                d.cross_attention_dim,
-                d.inner(),
-                d.inner()
-            ),
-        ));
+    check_patch(k.sample_size, k.patch_size)?;
+    if caption_channels.is_some() {
+        let why = "that the caption projection gives";
+        check_hidden("cross_attention_dim", d.cross_attention_dim, d.inner(), why)?;
     }
     if use_additional_conditions && d.inner() < 3 {
         return Err(SpecError::invalid(
@@ -121,10 +92,6 @@ pub(crate) fn from_config(cfg: &mut Cfg, legacy: bool) -> Result<PixartDims, Spe
 }
 
 impl FamilyDims for PixartDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     /// diffusers `PixArtTransformer2DModel.__init__`, in registration order.
     fn table(&self, t: &mut Table) {
         let d = self;

@@ -10,29 +10,29 @@
 //! linears, [`silu_dwconv`] (`ops::dwconv`) and [`glu`] (`ops::glu`) under LoRA on its
 //! linears), `ops::rms_norm` (the rule of [`crate::families::flux::ditmem_cpu::rms_norm`]).
 
-use crate::families::{Dims as FamilyDims, FamilyModel, SanaDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
-    block_leaf, chunks, fused_cross, linear_weights, lora_linear, patch_embed, sink_context_grad,
-    timestep_features,
+    base_weight, block_leaf, linear_weights, module_linear, patch_embed, timestep_features,
+    weights_and_bias, zero_bias_linear,
 };
-use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{
-    fused_linear, gated_residual, gelu, linear_workspace, ln_modulate,
+use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
+use crate::runtime::ditmem_cpu::parts::{
+    cross_attend, final_modulation, six_modulations, table_modulation, text_projection,
+    timestep_mlp,
 };
-use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
-use crate::spec::{CpuSpec, Dtype, Precision, Spec};
+use crate::spec::{CpuSpec, Dtype, Spec};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: u64 = 256;
 
 /// What a Sana step reads beyond [`Shape`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SanaGeo {
+pub(crate) struct SanaGeo {
     /// Caption tokens T.
     pub t: u64,
     /// Width of the cached Gemma states (`caption_channels`).
@@ -46,38 +46,6 @@ pub struct SanaGeo {
     pub hid: u64,
     /// attn1's q/k/v have biases.
     pub qkv_bias: bool,
-}
-
-impl SanaGeo {
-    /// The Sana geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<SanaGeo> {
-        let FamilyDims::Sana(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(SanaGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &SanaDims, t: u64) -> SanaGeo {
-        SanaGeo {
-            t,
-            width: d.caption_channels,
-            c_out: d.out_channels,
-            hc: d.num_cross_attention_heads,
-            dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
-            hid: d.mlp_hidden(),
-            qkv_bias: d.attention_bias,
-        }
-    }
-}
-
-/// Bytes of the accumulation type of the engine's kernels (f64 under fp64).
-fn acc_bytes(sh: &Shape) -> u64 {
-    if sh.precision == Precision::Fp64 {
-        8
-    } else {
-        4
-    }
 }
 
 /// Scratch elements per head of the linear attention, (forward, backward)
@@ -96,7 +64,7 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
     let nh = sh.b * sh.heads;
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
     let (fwd, bwd) = linear_attention_scratch(sh.s, sh.d / sh.heads);
-    let acc = acc_bytes(sh);
+    let acc = acc_bytes(sh.precision);
     let o = g.op(
         name,
         Kind::Custom {
@@ -114,7 +82,7 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
 /// its weight (C·9) and bias (C): one fresh output of x's size; forward workspace 10·C,
 /// backward 19·C accumulation-type values (`dwconv_{fwd,bwd}_scratch`).
 pub fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
-    let acc = acc_bytes(sh);
+    let acc = acc_bytes(sh.precision);
     let (e, dt) = (g.elems(ins[0]), g.dtype(ins[0]));
     let o = g.op(
         name,
@@ -136,49 +104,6 @@ pub fn glu(g: &mut Graph, name: &str, u: Nid) -> Nid {
     g.op(name, Kind::Custom { bwd_scratch: 0 }, &[u], e / 2, dt)
 }
 
-/// `LinearW::forward` of a Sana linear: `bias` is the block's zero bias for a linear without
-/// one (a constant: no gradient), else the linear's own bias weight. Under LoRA the base is a
-/// frozen weight in the compute dtype and an adapted linear adds LoRA's branch
-/// ([`lora_linear`]).
-#[allow(clippy::too_many_arguments)]
-fn linear(
-    g: &mut Graph,
-    sh: &Shape,
-    name: &str,
-    x: Nid,
-    rows: u64,
-    out: u64,
-    inp: u64,
-    zero: Option<Nid>,
-) -> Nid {
-    if let Some(r) = sh.lora_rank(name) {
-        return lora_linear(g, sh, name, x, (rows, out, inp), r);
-    }
-    let trained = sh.lora.is_none();
-    let wd = sh.weight_dtype();
-    let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
-    let bias = match zero {
-        Some(z) => z,
-        None => g.weight(&format!("{name}.bias"), out, wd, trained, wd),
-    };
-    // Trained weights go to a gradient sink when the input tracks.
-    if trained && g.nodes[x].tracks {
-        for t in [w, bias] {
-            if g.nodes[t].kind == Kind::Var {
-                g.nodes[t].tracks = false;
-                g.nodes[t].sunk = true;
-            }
-        }
-    }
-    fused_linear(
-        g,
-        &format!("{name} x·Wᵀ+b"),
-        [x, w, bias],
-        (rows, inp, out),
-        &sh.cpu,
-    )
-}
-
 /// `mix_ffn_forward` of the engine's Sana block on h2 (rows, D): one [`mix_ffn`] node where
 /// neither linear carries LoRA (always, today: both are 1×1 `Conv2d`s in diffusers, which the
 /// spec's LoRA targets refuse), else `conv_inverted`, [`silu_dwconv`], [`glu`] and
@@ -187,27 +112,24 @@ fn linear(
 fn mix_ffn_block(g: &mut Graph, sh: &Shape, sg: &SanaGeo, h2: Nid, zero: Nid) -> Nid {
     let (d, hid, rows) = (sh.d, sg.hid, sh.b * sh.s);
     let wd = sh.weight_dtype();
-    let trained = sh.lora.is_none();
+    let conv = |g: &mut Graph| {
+        let dw = base_weight(g, sh, "ff.conv_depth.weight", 2 * hid * 9, wd);
+        (dw, base_weight(g, sh, "ff.conv_depth.bias", 2 * hid, wd))
+    };
     let fused =
         sh.lora_rank("ff.conv_inverted").is_none() && sh.lora_rank("ff.conv_point").is_none();
     if fused {
         let [wi, bi] = linear_weights(g, sh, "ff.conv_inverted", h2, (2 * hid, d));
-        let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
-        let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
-        let wp = g.weight("ff.conv_point.weight", d * hid, wd, trained, wd);
-        if trained && g.nodes[h2].tracks && g.nodes[wp].kind == Kind::Var {
-            g.nodes[wp].tracks = false;
-            g.nodes[wp].sunk = true;
-        }
+        let (dw, db) = conv(g);
+        let [wp, _] = weights_and_bias(g, sh, "ff.conv_point", h2, (d, hid), Some(zero));
         let name = "ff.conv_inverted → silu → conv_depth → glu → ff.conv_point (fused Mix-FFN)";
         return mix_ffn(g, sh, name, [h2, wi, bi, dw, db, wp, zero], (rows, d, hid));
     }
-    let f1 = linear(g, sh, "ff.conv_inverted", h2, rows, 2 * hid, d, None);
-    let dw = g.weight("ff.conv_depth.weight", 2 * hid * 9, wd, trained, wd);
-    let db = g.weight("ff.conv_depth.bias", 2 * hid, wd, trained, wd);
+    let f1 = module_linear(g, sh, "ff.conv_inverted", h2, rows, 2 * hid, d);
+    let (dw, db) = conv(g);
     let c2 = silu_dwconv(g, sh, "ff silu + conv_depth (fused)", [f1, dw, db], 2 * hid);
     let gl = glu(g, "ff hidden·silu(gate) (fused)", c2);
-    let f2 = linear(g, sh, "ff.conv_point", gl, rows, d, hid, Some(zero));
+    let f2 = zero_bias_linear(g, sh, ("ff.conv_point", gl), (rows, d, hid), Some(zero));
     g.hold_until(&[f1, c2, gl], f2);
     f2
 }
@@ -233,7 +155,7 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
     let tracked = grads.iter().any(|&t| t);
     let (fwd, bwd) = mix_ffn_workspace(
         &sh.cpu,
-        (cd, wd, acc_bytes(sh)),
+        (cd, wd, acc_bytes(sh.precision)),
         dims,
         (tracked, grads),
         master,
@@ -328,10 +250,8 @@ impl OneBlockKind for SanaGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let sg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let bd = sh.b * sh.d;
         let trows = sh.b * sg.t;
         let wd = sh.weight_dtype();
-        let trained = sh.lora.is_none();
         let mut g = Graph::default();
         let xe = patch_embed(
             &mut g,
@@ -343,69 +263,15 @@ impl OneBlockKind for SanaGeo {
         let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
         let tf = timestep_features(&mut g, sh, SANA_FREQ);
         let te = "time_embed.emb.timestep_embedder";
-        let h = linear(
-            &mut g,
-            sh,
-            &format!("{te}.linear_1"),
-            tf,
-            sh.b,
-            sh.d,
-            SANA_FREQ,
-            None,
-        );
-        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
-        g.bind(h);
-        let emb = linear(
-            &mut g,
-            sh,
-            &format!("{te}.linear_2"),
-            h,
-            sh.b,
-            sh.d,
-            sh.d,
-            None,
-        );
-        let emb = g.cast(&format!("emb→{ad}"), emb, ad);
-        g.bind(emb);
-        let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
-        let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
-        g.bind(se);
-        let t6 = linear(
-            &mut g,
-            sh,
-            "time_embed.linear",
-            se,
-            sh.b,
-            6 * sh.d,
-            sh.d,
-            None,
-        );
-        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
-        g.bind(t6);
+        let (l1, l2) = (format!("{te}.linear_1"), format!("{te}.linear_2"));
+        let emb = timestep_mlp(&mut g, sh, (&l1, &l2), tf, SANA_FREQ, "emb");
+        let t6 = six_modulations(&mut g, sh, "time_embed.linear", emb, "emb");
         let cap = g.constant("caption embeddings", trows * sg.width, cd, true);
         g.bind(cap);
-        let c1 = linear(
-            &mut g,
-            sh,
-            "caption_projection.linear_1",
-            cap,
-            trows,
-            sh.d,
-            sg.width,
-            None,
-        );
-        let act = gelu(&mut g, "caption gelu(tanh) (fused)", c1);
-        let c2 = linear(
-            &mut g,
-            sh,
-            "caption_projection.linear_2",
-            act,
-            trows,
-            sh.d,
-            sh.d,
-            None,
-        );
-        let nw = g.weight("caption_norm.weight", sh.d, wd, trained, wd);
+        let dims = (trows, sg.width);
+        let act = "caption gelu(tanh) (fused)";
+        let [c1, act, c2] = text_projection(&mut g, sh, "caption_projection", cap, dims, act);
+        let nw = base_weight(&mut g, sh, "caption_norm.weight", sh.d, wd);
         let y = crate::families::flux::ditmem_cpu::rms_norm(
             &mut g,
             sh,
@@ -417,13 +283,7 @@ impl OneBlockKind for SanaGeo {
         // `caption_forward`'s locals live until it returns.
         g.hold_until(&[c1, act, c2], y);
         g.bind(y);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, emb, y],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, emb, y])
     }
 
     /// One Sana block as `sana_block_forward` builds it, on a leaf copy of its input, after the
@@ -431,24 +291,20 @@ impl OneBlockKind for SanaGeo {
     fn block(&self, sh: &Shape, _track: bool) -> (Graph, Nid, Nid) {
         let sg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let (e, d) = (sh.e(), sh.d);
+        let d = sh.d;
         let rows = sh.b * sh.s;
         let (bd, trows) = (sh.b * d, sh.b * sg.t);
         let (mut g, x) = block_leaf(sh);
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
         let wd = sh.weight_dtype();
-        let trained = sh.lora.is_none();
         // `sana_block_weights`: the table's cast, then the zero bias the bias-less linears share.
-        let table = g.weight("scale_shift_table", 6 * d, wd, trained, ad);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
         let zero = g.constant("zero bias (D)", d, wd, true);
         g.bind(zero);
-        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
-        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
-        g.bind(modv);
-        let m = chunks(&mut g, "modulation", modv, 6, bd);
-        let lin = |g: &mut Graph, name: &str, x: Nid, rows: u64, out: u64, inp: u64, z: bool| {
-            let y = linear(g, sh, name, x, rows, out, inp, z.then_some(zero));
+        let m = table_modulation(&mut g, sh, t6, table);
+        let lin = |g: &mut Graph, name: &str, x: Nid, z: bool| {
+            let y = zero_bias_linear(g, sh, (name, x), (rows, d, d), z.then_some(zero));
             g.bind(y)
         };
         let nb = !sg.qkv_bias;
@@ -456,39 +312,17 @@ impl OneBlockKind for SanaGeo {
         // Linear self-attention.
         let h1 = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rows, cd);
         g.bind(h1);
-        let q = lin(&mut g, "attn1.to_q", h1, rows, d, d, nb);
-        let k = lin(&mut g, "attn1.to_k", h1, rows, d, d, nb);
-        let v = lin(&mut g, "attn1.to_v", h1, rows, d, d, nb);
+        let q = lin(&mut g, "attn1.to_q", h1, nb);
+        let k = lin(&mut g, "attn1.to_k", h1, nb);
+        let v = lin(&mut g, "attn1.to_v", h1, nb);
         let o = linear_attention(&mut g, sh, "attn1 (linear, ReLU kernel)", [q, k, v]);
         g.bind(o);
-        let p = lin(&mut g, "attn1.to_out.0", o, rows, d, d, false);
+        let p = lin(&mut g, "attn1.to_out.0", o, false);
         let x1 = gated_residual(&mut g, "x + out·gate_msa (fused)", x, p, m[2]);
         g.bind(x1);
 
         // Cross-attention (its own heads and width).
-        let xc = g.cast(&format!("x1→{cd}"), x1, cd);
-        let xq = g.view("reshape(b·s, D)", Kind::Reshape, xc, e);
-        g.bind(xq);
-        let dc = sg.dc;
-        let q2 = lin(&mut g, "attn2.to_q", xq, rows, dc, d, false);
-        let mut csh = sh.clone();
-        csh.d = dc;
-        csh.heads = sg.hc;
-        let o2 = if fused_cross(sh) {
-            let kw = linear_weights(&mut g, sh, "attn2.to_k", y, (dc, d));
-            let vw = linear_weights(&mut g, sh, "attn2.to_v", y, (dc, d));
-            let name = "attn2 (cross, k and v projected inside)";
-            cross_attention(&mut g, &csh, name, q2, y, (kw, vw), None, (sh.s, sg.t, d))
-        } else {
-            let k2 = lin(&mut g, "attn2.to_k", y, trows, dc, d, false);
-            sink_context_grad(&mut g, k2, y);
-            let v2 = lin(&mut g, "attn2.to_v", y, trows, dc, d, false);
-            sink_context_grad(&mut g, v2, y);
-            let name = "attn2 (cross, separate q, k, v)";
-            separate_attention(&mut g, &csh, name, [q2, k2, v2], sh.s)
-        };
-        g.bind(o2);
-        let p2 = lin(&mut g, "attn2.to_out.0", o2, rows, d, dc, false);
+        let p2 = cross_attend(&mut g, sh, (x1, y), sg.t, (sg.hc, sg.dc));
         let ones = g.constant("ones (b, D)", bd, ad, true);
         g.bind(ones);
         let x2 = gated_residual(&mut g, "x1 + out (fused, gate of ones)", x1, p2, ones);
@@ -515,18 +349,11 @@ impl OneBlockKind for SanaGeo {
         let bd = sh.b * sh.d;
         let (mut g, x) = sims::final_leaf(sh);
         let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
-        let wd = sh.weight_dtype();
-        let table = g.weight("scale_shift_table", 2 * sh.d, wd, sh.lora.is_none(), ad);
-        let eu = g.view("emb.unsqueeze(1)", Kind::Reshape, emb, bd);
-        let tu = g.view("table.unsqueeze(0)", Kind::Reshape, table, 2 * sh.d);
-        let eb = g.view("emb broadcast", Kind::Broadcast, eu, 2 * bd);
-        let tb = g.view("table broadcast", Kind::Broadcast, tu, 2 * bd);
-        let ss = g.op("emb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
-        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
-        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
+        let md = final_modulation(&mut g, sh, (emb, "emb"), table, true);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
         let out_el = rows * p2 * pg.c_out;
-        let y = linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d, None);
+        let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
         let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
         let y = g.view("permute", Kind::Transpose, y, out_el);
@@ -552,7 +379,20 @@ impl OneBlockKind for SanaGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    SanaGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Sana(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(SanaGeo {
+        t,
+        width: d.caption_channels,
+        c_out: d.out_channels,
+        hc: d.num_cross_attention_heads,
+        dc: d.num_cross_attention_heads * d.cross_attention_head_dim,
+        hid: d.mlp_hidden(),
+        qkv_bias: d.attention_bias,
+    }))
 }

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
-use super::dit::{check_inner, check_patch};
+use super::dit::{check_hidden, check_inner, check_patch};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -118,18 +118,8 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
     check_inner(d.inner())?;
     check_inner(d.num_cross_attention_heads * d.cross_attention_head_dim)?;
     check_patch(sample_size, patch_size)?;
-    if d.cross_attention_dim != d.inner() {
-        return Err(SpecError::invalid(
-            "cross_attention_dim",
-            format!(
-                "{} differs from the hidden size num_attention_heads × attention_head_dim = {} that the \
-                 caption projection gives; allowed: {}",
-                d.cross_attention_dim,
-                d.inner(),
-                d.inner()
-            ),
-        ));
-    }
+    let why = "that the caption projection gives";
+    check_hidden("cross_attention_dim", d.cross_attention_dim, d.inner(), why)?;
     if d.mlp_hidden() == 0 {
         return Err(SpecError::invalid(
             "mlp_ratio",
@@ -142,10 +132,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
 }
 
 impl FamilyDims for SanaDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         let d = self;
         let dim = d.inner();

@@ -5,11 +5,11 @@
 //! `context_pre_only`), and the output side; then their simulation into [`Sims`] for the step
 //! replay ([`crate::runtime::ditmem_cpu::step`]), which runs the last block on its own [`Sims::last_block`].
 
-use crate::families::{Dims as FamilyDims, FamilyModel, Sd3Dims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::costs::{DualBlocks, SegSim, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, bound_linear, gated_released, linear_weights, module_feed_forward, module_linear,
-    patch_embed, proj_out_released, reads_input, release_unless_read, timestep_features,
+    base_weight, bound_linear, chunk, gated_released, linear_weights, module_linear, patch_embed,
+    proj_out_released, reads_input, release_unless_read, timestep_features,
 };
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::family::FamilyRules;
@@ -17,6 +17,7 @@ use crate::runtime::ditmem_cpu::graph::{
     forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
 };
 use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
+use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
 use crate::runtime::shape::Shape;
@@ -48,54 +49,10 @@ pub(crate) struct Sd3Geo {
 }
 
 impl Sd3Geo {
-    /// The SD3 geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<Sd3Geo> {
-        let FamilyDims::Sd3(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        let side = spec.token_grid().ok().map_or(0, |g| u64::from(g.rows));
-        Some(Sd3Geo::new(d, tokens.iter().sum(), side))
-    }
-
-    fn new(d: &Sd3Dims, t: u64, grid_side: u64) -> Sd3Geo {
-        Sd3Geo {
-            t,
-            width: d.joint_attention_dim,
-            pooled: d.pooled_projection_dim,
-            pos_side: d.pos_embed_max_size.unwrap_or(grid_side),
-            c_out: d.out_channels,
-            qk_norm: d.qk_norm,
-            layers: d.num_layers,
-            dual: d.dual_attention_layers.clone(),
-        }
-    }
-
     /// Whether block `i` is a dual-attention block.
     pub(crate) fn is_dual(&self, i: u64) -> bool {
         self.dual.binary_search(&i).is_ok()
     }
-}
-
-/// A `narrow` view of chunk `i` of `k` of a (b, k·D) modulation (a temporary of the engine's
-/// call, held only by the op that reads it).
-fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
-    g.view(
-        &format!("{name} chunk {i}"),
-        Kind::Narrow {
-            pad_before: i * bd,
-            pad_after: (k - 1 - i) * bd,
-        },
-        m,
-        bd,
-    )
-}
-
-/// `feed_forward` (a nested function whose locals live until it returns): fc1, GELU, fc2.
-fn feed_forward(g: &mut Graph, sh: &Shape, name: &str, h: Nid, rows: u64) -> Nid {
-    let (fc1, fc2) = (format!("{name}.net.0.proj"), format!("{name}.net.2"));
-    let dims = (rows, sh.d, sh.mlp, sh.d);
-    module_feed_forward(g, sh, (&fc1, &fc2), h, dims)
 }
 
 /// `dual_attention` of the engine (a function: its locals live until it returns): attn2 on
@@ -287,12 +244,9 @@ pub fn block(
         chunk(&mut g, "m", m, 3, km, bd),
         chunk(&mut g, "m", m, 4, km, bd),
     );
-    let h2 = ln_modulate(&mut g, "norm2+modulate", x1, s3, s4, rows, cd);
-    g.bind(h2);
-    let f = feed_forward(&mut g, sh, "ff", h2, rows);
-    release_unless_read(&mut g, sh, track, "ff.net.0.proj", h2);
-    let gate = chunk(&mut g, "m", m, 5, km, bd);
-    let x2 = gated_released(&mut g, track, "x1 + ff·gate_mlp (fused)", x1, f, gate);
+    let gate = |g: &mut Graph| chunk(g, "m", m, 5, km, bd);
+    let names = ["norm2+modulate", "ff", "x1 + ff·gate_mlp (fused)"];
+    let x2 = stream_feed_forward(&mut g, sh, track, (x1, rows), (s3, s4), gate, names);
     if last {
         return (g, vec![c, x], se, vec![x2]);
     }
@@ -309,12 +263,13 @@ pub fn block(
         chunk(&mut g, "mc", mc, 3, 6, bd),
         chunk(&mut g, "mc", mc, 4, 6, bd),
     );
-    let h2c = ln_modulate(&mut g, "norm2_context+modulate", c1, s3, s4, trows, cd);
-    g.bind(h2c);
-    let fc = feed_forward(&mut g, sh, "ff_context", h2c, trows);
-    release_unless_read(&mut g, sh, track, "ff_context.net.0.proj", h2c);
-    let gate = chunk(&mut g, "mc", mc, 5, 6, bd);
-    let c2 = gated_released(&mut g, track, "c1 + ff·c_gate_mlp (fused)", c1, fc, gate);
+    let gate = |g: &mut Graph| chunk(g, "mc", mc, 5, 6, bd);
+    let names = [
+        "norm2_context+modulate",
+        "ff_context",
+        "c1 + ff·c_gate_mlp (fused)",
+    ];
+    let c2 = stream_feed_forward(&mut g, sh, track, (c1, trows), (s3, s4), gate, names);
     (g, vec![c, x], se, vec![c2, x2])
 }
 
@@ -526,7 +481,25 @@ impl FamilyRules for Sd3Geo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    Sd3Geo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Sd3(d) = &fm.dims else {
+        return None;
+    };
+    // Caption tokens: the sequence encoders' counts summed.
+    let t = crate::denoiser::text_tokens(spec, &fm.geometry())
+        .iter()
+        .sum();
+    let grid_side = spec.token_grid().ok().map_or(0, |g| u64::from(g.rows));
+    Some(Box::new(Sd3Geo {
+        t,
+        width: d.joint_attention_dim,
+        pooled: d.pooled_projection_dim,
+        pos_side: d.pos_embed_max_size.unwrap_or(grid_side),
+        c_out: d.out_channels,
+        qk_norm: d.qk_norm,
+        layers: d.num_layers,
+        dual: d.dual_attention_layers.clone(),
+    }))
 }

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
-use super::dit::{check_inner, check_patch};
+use super::dit::{check_hidden, check_inner, check_patch};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -97,17 +97,8 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
     if pos_max.is_none() {
         check_patch(sample_size, patch_size)?;
     }
-    if caption != d.inner() {
-        return Err(SpecError::invalid(
-            "caption_projection_dim",
-            format!(
-                "{caption} differs from the hidden size num_attention_heads × attention_head_dim = {} \
-                 that the joint blocks' context stream has; allowed: {}",
-                d.inner(),
-                d.inner()
-            ),
-        ));
-    }
+    let why = "that the joint blocks' context stream has";
+    check_hidden("caption_projection_dim", caption, d.inner(), why)?;
     if let Some(&i) = d.dual_attention_layers.iter().find(|&&i| i >= num_layers) {
         return Err(SpecError::invalid(
             "dual_attention_layers",
@@ -121,10 +112,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
 }
 
 impl FamilyDims for Sd3Dims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     /// `pos_embed` (PatchEmbed), `time_text_embed`, `context_embedder`, the joint blocks, `norm_out`,
     /// `proj_out`, then the position buffer.
     fn table(&self, t: &mut Table) {

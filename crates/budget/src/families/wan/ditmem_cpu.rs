@@ -5,15 +5,18 @@
 //! and the output side with the final `scale_shift_table`; then their simulation into
 //! [`crate::runtime::costs::Sims`] for the step replay ([`crate::runtime::ditmem_cpu::step`]).
 
-use crate::families::{Dims as FamilyDims, FamilyModel, WanDims};
+use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, bound_linear, chunks, fused_cross, linear_weights,
-    module_feed_forward, module_linear, patch_embed, sink_context_grad, timestep_features,
+    base_weight, block_leaf, bound_linear, fused_cross, linear_weights, module_feed_forward,
+    module_linear, patch_embed, sink_context_grad, timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
+use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{gated_residual, gelu, ln_modulate, rms_norm, rope};
+use crate::runtime::ditmem_cpu::ops::{gated_residual, ln_modulate, rms_norm, rope};
+use crate::runtime::ditmem_cpu::parts::{
+    final_modulation, six_modulations, table_modulation, text_projection, timestep_mlp,
+};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -35,29 +38,6 @@ pub(crate) struct WanGeo {
     pub cross_attn_norm: bool,
     /// Channel pairs of a head's RoPE (d_h / 2): the width of the per-step tables.
     pub half: u64,
-}
-
-impl WanGeo {
-    /// The Wan geometry of a spec; None for any other model.
-    pub fn of(spec: &Spec, fm: &FamilyModel) -> Option<WanGeo> {
-        let FamilyDims::Wan(d) = &fm.dims else {
-            return None;
-        };
-        let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
-        Some(WanGeo::new(d, tokens.first().copied().unwrap_or(0)))
-    }
-
-    fn new(d: &WanDims, t: u64) -> WanGeo {
-        WanGeo {
-            t,
-            text_dim: d.text_dim,
-            ffn: d.ffn_dim,
-            freq: d.freq_dim,
-            c_out: d.out_channels,
-            cross_attn_norm: d.cross_attn_norm,
-            half: d.attention_head_dim / 2,
-        }
-    }
 }
 
 /// Dtype of the RoPE tables: f64 under an f64 compute dtype, else f32.
@@ -91,7 +71,6 @@ impl OneBlockKind for WanGeo {
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let wg = self;
         let (cd, ad) = (sh.cd(), sh.ad());
-        let bd = sh.b * sh.d;
         let trows = sh.b * wg.t;
         let mut g = Graph::default();
         let xe = patch_embed(&mut g, sh, "patch_embedding", "weight.flatten_from(1)");
@@ -99,64 +78,16 @@ impl OneBlockKind for WanGeo {
         let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
         let tf = timestep_features(&mut g, sh, wg.freq);
         let ce = "condition_embedder";
-        let h = module_linear(
-            &mut g,
-            sh,
-            &format!("{ce}.time_embedder.linear_1"),
-            tf,
-            sh.b,
-            sh.d,
-            wg.freq,
-        );
-        let h = g.op("t silu", Kind::Silu, &[h], bd, cd);
-        g.bind(h);
-        let temb = module_linear(
-            &mut g,
-            sh,
-            &format!("{ce}.time_embedder.linear_2"),
-            h,
-            sh.b,
-            sh.d,
-            sh.d,
-        );
-        let temb = g.cast(&format!("temb→{ad}"), temb, ad);
-        g.bind(temb);
-        let st = g.op("silu(temb)", Kind::Silu, &[temb], bd, ad);
-        let st = g.cast(&format!("silu(temb)→{cd}"), st, cd);
-        g.bind(st);
-        let t6 = module_linear(
-            &mut g,
-            sh,
-            &format!("{ce}.time_proj"),
-            st,
-            sh.b,
-            6 * sh.d,
-            sh.d,
-        );
-        let t6 = g.cast(&format!("t6→{ad}"), t6, ad);
-        g.bind(t6);
+        let l1 = format!("{ce}.time_embedder.linear_1");
+        let l2 = format!("{ce}.time_embedder.linear_2");
+        let temb = timestep_mlp(&mut g, sh, (&l1, &l2), tf, wg.freq, "temb");
+        let t6 = six_modulations(&mut g, sh, &format!("{ce}.time_proj"), temb, "temb");
         let cap = g.constant("umT5 states", trows * wg.text_dim, cd, true);
         g.bind(cap);
         let te = format!("{ce}.text_embedder");
-        let c1 = module_linear(
-            &mut g,
-            sh,
-            &format!("{te}.linear_1"),
-            cap,
-            trows,
-            sh.d,
-            wg.text_dim,
-        );
-        let act = gelu(&mut g, "text gelu(tanh) (fused)", c1);
-        let ctx = module_linear(
-            &mut g,
-            sh,
-            &format!("{te}.linear_2"),
-            act,
-            trows,
-            sh.d,
-            sh.d,
-        );
+        let dims = (trows, wg.text_dim);
+        let act = "text gelu(tanh) (fused)";
+        let [c1, act, ctx] = text_projection(&mut g, sh, &te, cap, dims, act);
         // `text_forward`'s locals live until it returns.
         g.hold_until(&[c1, act], ctx);
         g.bind(ctx);
@@ -165,13 +96,7 @@ impl OneBlockKind for WanGeo {
         g.bind(cos);
         let sin = g.constant("rope sin (s, d_h/2)", sh.s * wg.half, rd, true);
         g.bind(sin);
-        g.bind(x0);
-        EmbedGraph {
-            graph: g,
-            streams: vec![x0],
-            conds: vec![t6, temb, ctx, cos, sin],
-            tables: Vec::new(),
-        }
+        EmbedGraph::of_stream(g, x0, vec![t6, temb, ctx, cos, sin])
     }
 
     /// One Wan block as `wan_block_forward` builds it, on a leaf copy of its input; every
@@ -187,10 +112,7 @@ impl OneBlockKind for WanGeo {
         let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
         let ctx = sh.cond_leaf(&mut g, "text context (shared leaf)", trows * d, cd);
         let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
-        let tr = g.view("table.reshape(1, 6D)", Kind::Reshape, table, 6 * d);
-        let modv = g.broadcast_binary("t6 + table", Kind::Add, t6, tr, false);
-        g.bind(modv);
-        let m = chunks(&mut g, "modulation", modv, 6, bd);
+        let m = table_modulation(&mut g, sh, t6, table);
         let norm = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
             let w = base_weight(g, sh, &format!("{name}.weight"), d, cd);
             let y = rms_norm(g, &format!("{name} (fused)"), x, w, rows, cd);
@@ -284,12 +206,7 @@ impl OneBlockKind for WanGeo {
         let (mut g, x) = sims::final_leaf(sh);
         let temb = sh.cond_leaf(&mut g, "temb (shared leaf)", bd, ad);
         let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-        let eu = g.view("temb.unsqueeze(1)", Kind::Reshape, temb, bd);
-        let eb = g.view("temb broadcast", Kind::Broadcast, eu, 2 * bd);
-        let tb = g.view("table broadcast", Kind::Broadcast, table, 2 * bd);
-        let ss = g.op("temb + table", Kind::Add, &[eb, tb], 2 * bd, ad);
-        let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
-        let md = chunks(&mut g, "final modulation", ss, 2, bd);
+        let md = final_modulation(&mut g, sh, (temb, "temb"), table, false);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
         let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * wg.c_out, sh.d);
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
@@ -304,7 +221,20 @@ impl OneBlockKind for WanGeo {
     }
 }
 
-/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it.
+/// The registry's reader ([`crate::families::registry`]): this family's rules for a spec of it
+/// (None for any other model).
 pub(crate) fn rules(spec: &Spec, fm: &FamilyModel) -> Option<Box<dyn FamilyRules>> {
-    WanGeo::of(spec, fm).map(|g| Box::new(g) as Box<dyn FamilyRules>)
+    let FamilyDims::Wan(d) = &fm.dims else {
+        return None;
+    };
+    let t = caption_tokens(spec, fm);
+    Some(Box::new(WanGeo {
+        t,
+        text_dim: d.text_dim,
+        ffn: d.ffn_dim,
+        freq: d.freq_dim,
+        c_out: d.out_channels,
+        cross_attn_norm: d.cross_attn_norm,
+        half: d.attention_head_dim / 2,
+    }))
 }

@@ -74,30 +74,18 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
         "",
     )?;
     cfg.ignore_numbers(&["eps"])?;
-    let i2v = " (image-to-video conditioning)";
-    if cfg.opt_int("image_dim", None, 0, MAX_DIM)?.is_some() {
-        return Err(SpecError::invalid(
-            "image_dim",
-            format!("a value is not modelled{i2v}; allowed: null"),
-        ));
-    }
-    if cfg
-        .opt_int("added_kv_proj_dim", None, 0, MAX_DIM)?
-        .is_some()
-    {
-        return Err(SpecError::invalid(
-            "added_kv_proj_dim",
-            format!("a value is not modelled{i2v}; allowed: null"),
-        ));
-    }
-    if cfg
-        .opt_int("pos_embed_seq_len", None, 0, MAX_ROWS)?
-        .is_some()
-    {
-        return Err(SpecError::invalid(
-            "pos_embed_seq_len",
-            format!("a value is not modelled{i2v}; allowed: null"),
-        ));
+    // The image-to-video conditioning's keys: refused unless null.
+    for (key, max) in [
+        ("image_dim", MAX_DIM),
+        ("added_kv_proj_dim", MAX_DIM),
+        ("pos_embed_seq_len", MAX_ROWS),
+    ] {
+        if cfg.opt_int(key, None, 0, max)?.is_some() {
+            return Err(SpecError::invalid(
+                key,
+                "a value is not modelled (image-to-video conditioning); allowed: null",
+            ));
+        }
     }
     let rope = cfg.int("rope_max_seq_len", 1024, 1, MAX_ROWS)?;
     let d = WanDims {
@@ -124,10 +112,6 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
 }
 
 impl FamilyDims for WanDims {
-    fn hidden(&self) -> u64 {
-        self.inner()
-    }
-
     fn table(&self, t: &mut Table) {
         let d = self;
         let dim = d.inner();

@@ -246,6 +246,8 @@ fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val)
 /// One node's backward rule on its (detached) gradient: the contributions to its inputs'
 /// gradients in the order candle makes them. Returns the temporaries the rule still holds
 /// (dropped when the node is done).
+// Over 100 lines on purpose: one arm per op kind as candle's `backward` match reads; the long
+// rules are functions of their own, the short ones stay beside it.
 fn node_backward(
     h: &mut Heap,
     g: &Graph,
@@ -599,14 +601,25 @@ mod tests {
     use super::*;
     use crate::spec::Dtype;
 
-    #[test]
-    fn add_of_two_leaves_keeps_their_grads() {
+    /// A graph begun with a tracked f32 leaf `a` of 10 values.
+    fn leaf_a() -> (Graph, Nid) {
         let mut g = Graph::default();
         let a = g.var("a", 10, Dtype::F32, true);
+        (g, a)
+    }
+
+    /// The backward of the sum of `x` (an f32 root of one value).
+    fn backward_of_sum(mut g: Graph, x: Nid) -> Backward {
+        let r = g.op("sum", Kind::Sum, &[x], 1, Dtype::F32);
+        backward_with(&g, r, false)
+    }
+
+    #[test]
+    fn add_of_two_leaves_keeps_their_grads() {
+        let (mut g, a) = leaf_a();
         let b = g.var("b", 10, Dtype::F32, true);
         let s = g.op("a+b", Kind::Add, &[a, b], 10, Dtype::F32);
-        let r = g.op("sum", Kind::Sum, &[s], 1, Dtype::F32);
-        let bw = backward_with(&g, r, false);
+        let bw = backward_of_sum(g, s);
         assert_eq!(bw.leaf_grads, 80);
         // ones(4) + zeros(40) + sum(40) at the worst moment of the sum's backward, then the
         // add's own gradient (40) with two zero+sum pairs.
@@ -616,12 +629,10 @@ mod tests {
 
     #[test]
     fn untracked_inputs_leave_gradients_in_the_store() {
-        let mut g = Graph::default();
-        let a = g.var("a", 10, Dtype::F32, true);
+        let (mut g, a) = leaf_a();
         let k = g.constant("k", 10, Dtype::F32, false);
         let m = g.op("a·k", Kind::Mul, &[a, k], 10, Dtype::F32);
-        let r = g.op("sum", Kind::Sum, &[m], 1, Dtype::F32);
-        let bw = backward_with(&g, r, false);
+        let bw = backward_of_sum(g, m);
         // k's gradient enters the store and stays, and since it is computed from the tracked `a`
         // it holds its history: zeros, the product grad·a and the (detached) upstream gradient.
         // With a's own gradient that is five 40-byte tensors.
@@ -636,8 +647,7 @@ mod tests {
     #[test]
     fn state_an_op_frees_lowers_its_moment_and_those_after_it() {
         let build = |release: u64| {
-            let mut g = Graph::default();
-            let a = g.var("a", 10, Dtype::F32, true);
+            let (mut g, a) = leaf_a();
             let f = g.op(
                 "f",
                 Kind::Custom { bwd_scratch: 1200 },
@@ -655,8 +665,7 @@ mod tests {
             g.nodes[l].extra = 1000;
             g.nodes[l].released_by_bwd = release;
             let m = g.op("m", Kind::Custom { bwd_scratch: 900 }, &[l], 10, Dtype::F32);
-            let r = g.op("sum", Kind::Sum, &[m], 1, Dtype::F32);
-            backward_with(&g, r, false)
+            backward_of_sum(g, m)
         };
         let kept = build(0);
         assert_eq!((kept.peak, kept.released), (1580, 0), "l's moment");

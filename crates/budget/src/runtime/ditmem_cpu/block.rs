@@ -103,6 +103,19 @@ pub(crate) fn fused_cross(sh: &Shape) -> bool {
     sh.lora_rank("attn2.to_k").is_none() && sh.lora_rank("attn2.to_v").is_none()
 }
 
+/// A linear whose bias, where it has none of its own, is the block's shared zero bias `zero` (a
+/// constant: no gradient; Sana's bias-less linears, `LinearW::forward`), else a
+/// [`module_linear`].
+pub(crate) fn zero_bias_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    (name, x): (&str, Nid),
+    dims: (u64, u64, u64),
+    zero: Option<Nid>,
+) -> Nid {
+    biased_linear(g, sh, name, x, dims, sh.lora_rank(name), zero)
+}
+
 /// The fused linear of `(rows, out, inp)` with LoRA's branch of `rank` when it has one. Under
 /// LoRA the base is a frozen weight in the compute dtype.
 fn adapted_linear(
@@ -110,13 +123,26 @@ fn adapted_linear(
     sh: &Shape,
     name: &str,
     x: Nid,
+    dims: (u64, u64, u64),
+    rank: Option<u64>,
+) -> Nid {
+    biased_linear(g, sh, name, x, dims, rank, None)
+}
+
+/// [`adapted_linear`] with the bias `zero` in place of its own where one is given.
+fn biased_linear(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
     (rows, out, inp): (u64, u64, u64),
     rank: Option<u64>,
+    zero: Option<Nid>,
 ) -> Nid {
     if let Some(r) = rank {
         return lora_linear(g, sh, name, x, (rows, out, inp), r);
     }
-    let [w, bias] = linear_weights(g, sh, name, x, (out, inp));
+    let [w, bias] = weights_and_bias(g, sh, name, x, (out, inp), zero);
     fused_linear(
         g,
         &format!("{name} x·Wᵀ+b"),
@@ -134,18 +160,35 @@ pub(crate) fn linear_weights(
     sh: &Shape,
     name: &str,
     x: Nid,
+    dims: (u64, u64),
+) -> [Nid; 2] {
+    weights_and_bias(g, sh, name, x, dims, None)
+}
+
+/// [`linear_weights`], the bias `zero` (a constant, never sunk) in place of its own where given.
+pub(crate) fn weights_and_bias(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    x: Nid,
     (out, inp): (u64, u64),
+    zero: Option<Nid>,
 ) -> [Nid; 2] {
     let trained = sh.lora.is_none();
     // The fused linear reads f32 master weights directly under bf16/f16 compute (rounding as it
     // packs or widens them), so a linear's weight and bias are never cast copies.
     let wd = sh.weight_dtype();
     let w = g.weight(&format!("{name}.weight"), out * inp, wd, trained, wd);
-    let bias = g.weight(&format!("{name}.bias"), out, wd, trained, wd);
+    let bias = match zero {
+        Some(z) => z,
+        None => g.weight(&format!("{name}.bias"), out, wd, trained, wd),
+    };
     if trained && g.nodes[x].tracks {
         for t in [w, bias] {
-            g.nodes[t].tracks = false;
-            g.nodes[t].sunk = true;
+            if g.nodes[t].kind == Kind::Var {
+                g.nodes[t].tracks = false;
+                g.nodes[t].sunk = true;
+            }
         }
     }
     [w, bias]
@@ -198,7 +241,8 @@ pub(crate) fn module_feed_forward(
 }
 
 /// The `i`-th of `k` narrow views of a (b, k·D) tensor `m` (`bd` = b·D elements each), as the
-/// trainers split a modulation.
+/// trainers split a modulation (unbound: SD3's are temporaries of the engine's call, held only
+/// by the op that reads them).
 pub(crate) fn chunk(g: &mut Graph, name: &str, m: Nid, i: u64, k: u64, bd: u64) -> Nid {
     g.view(
         &format!("{name} chunk {i}"),
@@ -224,8 +268,14 @@ pub(crate) fn chunks(g: &mut Graph, name: &str, m: Nid, k: u64, bd: u64) -> Vec<
 /// One block's graph begun: a tracked leaf copy of its input (b·s·D in the accumulation dtype).
 /// Returns (graph, leaf).
 pub(crate) fn block_leaf(sh: &Shape) -> (Graph, Nid) {
+    stream_leaf(sh, "x (leaf copy of the block input)")
+}
+
+/// A segment's graph begun: a tracked leaf `name` copying the stream it reads (b·s·D in the
+/// accumulation dtype). Returns (graph, leaf).
+pub(crate) fn stream_leaf(sh: &Shape, name: &str) -> (Graph, Nid) {
     let mut g = Graph::default();
-    let x = g.var("x (leaf copy of the block input)", sh.e(), sh.ad(), true);
+    let x = g.var(name, sh.e(), sh.ad(), true);
     (g, x)
 }
 

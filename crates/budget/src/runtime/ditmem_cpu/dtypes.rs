@@ -14,3 +14,15 @@ pub fn grad_dtype(p: Precision) -> Dtype {
         Dtype::F32
     }
 }
+
+/// The accumulation type of the engine's own kernels (the linear attention, the depthwise conv,
+/// RMSNorm's statistics, the RoPE tables): f64 under the fp64 policy, else f32 — the gradient
+/// buffers' rule.
+pub(crate) fn acc_dtype(p: Precision) -> Dtype {
+    grad_dtype(p)
+}
+
+/// Bytes of [`acc_dtype`].
+pub(crate) fn acc_bytes(p: Precision) -> u64 {
+    acc_dtype(p).size()
+}

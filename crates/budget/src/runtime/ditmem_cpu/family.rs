@@ -14,6 +14,7 @@
 //! This file names no family and no other file of this folder but the types it returns and the
 //! assembly it calls (`sims.rs`), so the family files and their callers both stand on it.
 
+use crate::families::FamilyModel;
 use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
@@ -55,6 +56,13 @@ pub(crate) trait FamilyRules {
     }
 }
 
+/// Caption tokens T of a spec whose model reads one text encoder's sequence (PixArt, Sana, Wan):
+/// the first encoder's ([`crate::denoiser::text_tokens`]; 0 without one).
+pub(crate) fn caption_tokens(spec: &Spec, fm: &FamilyModel) -> u64 {
+    let tokens = crate::denoiser::text_tokens(spec, &fm.geometry());
+    tokens.first().copied().unwrap_or(0)
+}
+
 /// The embed segment's graph and what it hands on (see [`EmbedOutputs`]).
 pub(crate) struct EmbedGraph {
     pub graph: Graph,
@@ -64,6 +72,20 @@ pub(crate) struct EmbedGraph {
     pub conds: Vec<Nid>,
     /// Results the blocks read that nothing differentiates.
     pub tables: Vec<Nid>,
+}
+
+impl EmbedGraph {
+    /// The embed of one residual stream `x0` and the conditioning `conds`, no tables; both bound
+    /// (the trainer's locals), the stream last.
+    pub(crate) fn of_stream(mut graph: Graph, x0: Nid, conds: Vec<Nid>) -> EmbedGraph {
+        graph.bind(x0);
+        EmbedGraph {
+            graph,
+            streams: vec![x0],
+            conds,
+            tables: Vec::new(),
+        }
+    }
 }
 
 /// A family of one kind of block, as its three graphs: the embed, one block on a leaf copy of

@@ -426,9 +426,15 @@ pub(crate) fn stream_data(g: &Graph, xs: &[Nid]) -> u64 {
 
 /// Bytes of the buffers a graph owns (what stays alive while its root lives).
 pub(crate) fn owned_bytes(g: &Graph) -> (u64, u64) {
+    split_bytes(g.nodes.iter())
+}
+
+/// Bytes (activations, weight casts) of `nodes`: a weight's cast copy counts as a cast, any
+/// other buffer and every node's extra state as activations.
+fn split_bytes<'a>(nodes: impl Iterator<Item = &'a Node>) -> (u64, u64) {
     let mut act = 0;
     let mut casts = 0;
-    for n in &g.nodes {
+    for n in nodes {
         if n.weight_cast && n.alloc {
             casts += n.footprint();
         } else {
@@ -462,20 +468,7 @@ pub(crate) fn retained(g: &Graph, roots: &[Nid]) -> Vec<bool> {
 /// Bytes (activations, weight casts) of the nodes alive while `roots` are held.
 pub fn kept_bytes(g: &Graph, roots: &[Nid]) -> (u64, u64) {
     let keep = retained(g, roots);
-    let mut act = 0;
-    let mut casts = 0;
-    for (n, k) in g.nodes.iter().zip(keep) {
-        if !k {
-            continue;
-        }
-        if n.weight_cast && n.alloc {
-            casts += n.footprint();
-        } else {
-            act += n.footprint();
-        }
-        act += n.extra;
-    }
-    (act, casts)
+    split_bytes(g.nodes.iter().zip(keep).filter(|(_, k)| *k).map(|(n, _)| n))
 }
 
 /// Highest bytes while the graph is built, above what existed before (everything is kept).

@@ -27,6 +27,8 @@
 //! - [`attention`]: the composed attention core (`ops/attention/reference.rs`);
 //! - [`separate`]: the attention over separate q, k, v (`ops/attention/separate.rs`);
 //! - [`block`]: one DiT block (`block.rs`);
+//! - [`parts`]: what the diffusers families of one block kind build alike (timestep embedder,
+//!   text projection, `scale_shift_table` modulation, attention and feed-forward parts);
 //! - [`dit_diffusers`]: diffusers' DiT's segments (`families/dit_diffusers/block.rs`,
 //!   `families/dit_diffusers/step.rs`);
 //! - [`flux`]: Flux's segments (`families/flux/block.rs`, `families/flux/step.rs`);
@@ -52,6 +54,7 @@ pub(crate) mod family;
 pub mod gemm_pack;
 pub mod graph;
 pub mod ops;
+pub(crate) mod parts;
 pub(crate) mod registry;
 pub(crate) mod segments;
 pub mod separate;

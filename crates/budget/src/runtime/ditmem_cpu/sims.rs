@@ -199,9 +199,7 @@ pub(crate) fn sims(embed: EmbedSim, block: SegSim, final_layer: SegSim, scratch:
 /// The final layer's graph begun: a tracked leaf copy of the last block's output (b·s·D in the
 /// accumulation dtype). Returns (graph, leaf).
 pub(crate) fn final_leaf(sh: &Shape) -> (Graph, Nid) {
-    let mut g = Graph::default();
-    let x = g.var("final leaf", sh.e(), sh.ad(), true);
-    (g, x)
+    crate::runtime::ditmem_cpu::block::stream_leaf(sh, "final leaf")
 }
 
 /// The family schedule's loss ([`family_loss`]) on the prediction `y` [`unpatchified`]. Returns

@@ -427,6 +427,22 @@ impl<'a> Replay<'a> {
         self.ev.push(phase, label, block, mb, inside, live);
     }
 
+    /// The moment inside a segment's backward (`seg`'s): its root and backward peak on top of
+    /// `live`, less what its backward frees of the forward's state.
+    fn mark_backward(
+        &mut self,
+        live: &Breakdown,
+        seg: &SegSim,
+        what: String,
+        block: Option<u32>,
+        mb: u32,
+    ) {
+        let mut inside = *live;
+        inside.workspace += seg.root + seg.bwd_peak;
+        inside.activations -= seg.bwd_released;
+        self.mark(Phase::Backward, what, block, mb, true, inside);
+    }
+
     /// Lands a segment's gradients in the buffers; returns the extra transient of the moment
     /// worth an event (summing into existing buffers, or the first casts), if any.
     fn land(&self, live: &mut Breakdown, first: bool, l: Landing) -> Option<u64> {
@@ -549,17 +565,7 @@ impl<'a> Replay<'a> {
         let fs = &sims.final_layer;
 
         // Backward of the loss.
-        let mut inside = *live;
-        inside.workspace += fs.root + fs.bwd_peak;
-        inside.activations -= fs.bwd_released;
-        self.mark(
-            Phase::Backward,
-            "final (inside)".into(),
-            None,
-            mb,
-            true,
-            inside,
-        );
+        self.mark_backward(live, fs, "final (inside)".into(), None, mb);
         // Store left: leaf grad (gx), c grad, weight grads, other leftovers.
         live.workspace += fs.bwd_store;
         live.activations -= fs.activations + fs.leaf;
@@ -576,17 +582,7 @@ impl<'a> Replay<'a> {
         // Embed backward: gx and the conditioning's gradients move into its seeds.
         let es = &sims.embed;
         live.workspace -= gx_bytes + self.bd;
-        let mut inside = *live;
-        inside.workspace += es.root + es.bwd_peak;
-        inside.activations -= es.bwd_released;
-        self.mark(
-            Phase::Backward,
-            "embed (inside)".into(),
-            None,
-            mb,
-            true,
-            inside,
-        );
+        self.mark_backward(live, es, "embed (inside)".into(), None, mb);
         live.workspace += es.bwd_store;
         let what = "embed grads (inside)".into();
         self.land_event(live, mb, self.embed, what, None);
@@ -627,11 +623,7 @@ impl<'a> Replay<'a> {
             // gx moves into the block's seed (`ops::backward_from`), which frees it once it
             // reaches the output's entry: the segment's backward counts it from here.
             live.workspace -= gx_bytes;
-            let mut inside = *live;
-            inside.workspace += bs.root + bs.bwd_peak;
-            inside.activations -= bs.bwd_released;
-            let what = format!("block {i} (inside)");
-            self.mark(Phase::Backward, what, Some(i), mb, true, inside);
+            self.mark_backward(live, bs, format!("block {i} (inside)"), Some(i), mb);
             // After backward: the store; drop(out) frees the graph and the output.
             live.workspace += bs.bwd_store;
             // The output's data went in the forward when its reader was stored.
