@@ -27,6 +27,7 @@ use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
+use crate::model::timestep_features;
 
 /// What a family's embed segment hands the blocks.
 pub(crate) struct Embedded {
@@ -114,6 +115,73 @@ pub(crate) fn check_text(mb: &Batch, tokens: usize, width: usize) -> Result<()> 
         ));
     }
     Ok(())
+}
+
+/// The batch's cached text must also carry a pooled embedding of `pooled` (SD3's and Flux's
+/// CLIP pooled output) beside `tokens` tokens of `width`.
+pub(crate) fn check_pooled_text(
+    mb: &Batch,
+    tokens: usize,
+    width: usize,
+    pooled: usize,
+) -> Result<()> {
+    if mb.text_tokens != tokens || mb.text_width != width || mb.pooled_width != pooled {
+        return Err(EngineError::bad_input(
+            "batch text",
+            format!(
+                "{} tokens of width {} and a pooled width of {}; this model reads {tokens} of \
+                 width {width} and a pooled width of {pooled}",
+                mb.text_tokens, mb.text_width, mb.pooled_width
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The embed segments' common steps, in the order every family's embed runs them (the order of
+/// allocations the `ditmem-cpu` budget replays).
+impl Trainer {
+    /// The noisy latents of `mb` patchified (`patchify`) in the compute dtype (`xp`, which the
+    /// embed's graph reads; the latents go once patchified) and the patch embedding `patch` on
+    /// them, in the compute dtype: (xp, xe).
+    pub(crate) fn patch_embed(
+        &self,
+        mb: &Batch,
+        patch: LinearIdx,
+        patchify: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let xt = mb.noisy(&self.acp, self.cfg.accum, &self.dev)?;
+        let xp = cast(patchify(&xt)?, self.cfg.compute)?;
+        drop(xt);
+        let xe = self.linear(patch, true)?.forward(&xp)?;
+        Ok((xp, xe))
+    }
+
+    /// The timestep MLP (linear_1, SiLU, linear_2) on the `freq`-wide sinusoids of `mb`'s
+    /// timesteps, made in the accumulation dtype and cast to the compute dtype: [the features,
+    /// linear_1's SiLU (both read by the embed's graph), the embedded timestep (b, D) in the
+    /// accumulation dtype].
+    pub(crate) fn timestep_mlp(
+        &self,
+        mb: &Batch,
+        freq: usize,
+        [l1, l2]: [LinearIdx; 2],
+    ) -> Result<[Tensor; 3]> {
+        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let tf = cast(timestep_features(&mb.timesteps, freq, ad, &self.dev)?, cd)?;
+        let t1 = self.linear(l1, true)?.forward(&tf)?.silu()?;
+        let emb = cast(self.linear(l2, true)?.forward(&t1)?, ad)?;
+        Ok([tf, t1, emb])
+    }
+
+    /// adaLN-single's shared modulation (`adaln_single.linear`, Sana's `time_embed.linear`,
+    /// Wan's `time_proj`): `linear` on SiLU(emb) in the compute dtype: (that SiLU, which the
+    /// graph reads, the (b, 6D) modulation in the accumulation dtype).
+    pub(crate) fn adaln_single(&self, emb: &Tensor, linear: LinearIdx) -> Result<(Tensor, Tensor)> {
+        let se = cast(emb.silu()?, self.cfg.compute)?;
+        let t6 = cast(self.linear(linear, true)?.forward(&se)?, self.cfg.accum)?;
+        Ok((se, t6))
+    }
 }
 
 /// A family's layout runs the family schedule.

@@ -128,10 +128,7 @@ impl FamilyStep for DitdLayout {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let pos = tr.raw_weight(self.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?

@@ -29,7 +29,7 @@ use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
 use crate::shapes::Dims;
-use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_pooled_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
@@ -139,28 +139,8 @@ impl FamilyStep for FluxLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         let g = &self.geom;
-        if mb.text_tokens != g.text_tokens
-            || mb.text_width != g.text_width
-            || mb.pooled_width != g.pooled_width
-        {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {} and a pooled width {}; this model reads {} of width {} \
-                     and a pooled width {}",
-                    mb.text_tokens,
-                    mb.text_width,
-                    mb.pooled_width,
-                    g.text_tokens,
-                    g.text_width,
-                    g.pooled_width
-                ),
-            ));
-        }
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.x_embedder, true)?.forward(&xp)?;
+        check_pooled_text(mb, g.text_tokens, g.text_width, g.pooled_width)?;
+        let (xp, xe) = tr.patch_embed(mb, self.x_embedder, |xt| patchify(xt, &d))?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let ce = tr.linear(self.context_embedder, true)?.forward(&cap)?;

@@ -18,7 +18,7 @@ use crate::families::pixart::{
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
 use crate::layers::cast;
-use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
+use crate::model::{patchify, sinusoid_features, unpatchify};
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -136,20 +136,12 @@ impl FamilyStep for PixartLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let pos = tr.raw_weight(self.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
-        let tf = cast(
-            timestep_features(&mb.timesteps, PIXART_FREQ, ad, &tr.dev)?,
-            cd,
-        )?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
+        let [tf, t1, emb] = tr.timestep_mlp(mb, PIXART_FREQ, [self.t1, self.t2])?;
         // PixArt-α's additional conditions: emb + cat[resolution_embedder(sinusoids of (h, w))
         // as (b, 2·D/3), aspect_ratio_embedder(sinusoids of h/w) (b, D/3)] (diffusers
         // `PixArtAlphaCombinedTimestepSizeEmbeddings.forward`).
@@ -171,8 +163,7 @@ impl FamilyStep for PixartLayout {
             }
             _ => (emb, Vec::new()),
         };
-        let se = cast(emb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let (se, t6) = tr.adaln_single(&emb, self.adaln)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let y = match &self.caption {
             Some([l1, l2]) => caption_forward(

@@ -23,7 +23,7 @@ use crate::families::sana::{
 };
 use crate::layers::cast;
 use crate::layers::LinearW;
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::{patchify, unpatchify};
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -192,19 +192,10 @@ impl FamilyStep for SanaLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
-        let tf = cast(
-            timestep_features(&mb.timesteps, SANA_FREQ, ad, &tr.dev)?,
-            cd,
-        )?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
-        let se = cast(emb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let [tf, t1, emb] = tr.timestep_mlp(mb, SANA_FREQ, [self.t1, self.t2])?;
+        let (se, t6) = tr.adaln_single(&emb, self.adaln)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let y = caption_forward(
             &cap,

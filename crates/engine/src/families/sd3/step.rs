@@ -21,7 +21,7 @@ use crate::families::sd3::{
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features, unpatchify};
 use crate::shapes::Dims;
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_pooled_text, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
@@ -185,30 +185,10 @@ impl FamilyStep for Sd3Layout {
         let g = &lay.geom;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != g.text_tokens
-            || mb.text_width != g.text_width
-            || mb.pooled_width != g.pooled_width
-        {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {} and a pooled width of {}; this model reads {} of width \
-                     {} and a pooled width of {}",
-                    mb.text_tokens,
-                    mb.text_width,
-                    mb.pooled_width,
-                    g.text_tokens,
-                    g.text_width,
-                    g.pooled_width
-                ),
-            ));
-        }
+        check_pooled_text(mb, g.text_tokens, g.text_width, g.pooled_width)?;
         // Image stream: patches + the position table cropped to the token grid (centred, as
         // diffusers' `cropped_pos_embed`), a strided view the sum reads in place.
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(lay.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, lay.patch, |xt| patchify(xt, &d))?;
         let side = g.pos_side;
         let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
         let pos = tr

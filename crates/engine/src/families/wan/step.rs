@@ -18,7 +18,6 @@ use crate::families::wan::{
     WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
 };
 use crate::layers::cast;
-use crate::model::timestep_features;
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -141,19 +140,12 @@ impl FamilyStep for WanLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, g.text_tokens, g.text_dim)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(
-            patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?,
-            cd,
-        )?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| {
+            patchify3d(xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)
+        })?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
-        let tf = cast(timestep_features(&mb.timesteps, g.freq, ad, &tr.dev)?, cd)?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let temb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
-        let st = cast(temb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.time_proj, true)?.forward(&st)?, ad)?;
+        let [tf, t1, temb] = tr.timestep_mlp(mb, g.freq, [self.t1, self.t2])?;
+        let (st, t6) = tr.adaln_single(&temb, self.time_proj)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let ctx = text_forward(
             &cap,

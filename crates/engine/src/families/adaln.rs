@@ -1,0 +1,53 @@
+//! The adaLN-Zero modulation every block with six modulation rows reads alike (the DiT's,
+//! diffusers' DiT's, PixArt's, Sana's, Wan's): shift, scale and gate of the attention, then of
+//! the MLP, as six (b, D) `narrow` views of one (b, 6D) tensor (`.chunk(6, dim=1)` in the
+//! models' sources). The block still computes that tensor its own way (the DiT from its own
+//! linear; PixArt, Sana and Wan as the shared timestep modulation plus the block's
+//! `scale_shift_table`, [`AdaLnZero::of_table`]).
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+
+/// The six modulation rows of one block, views of one (b, 6D) tensor.
+pub(crate) struct AdaLnZero {
+    pub(crate) shift_msa: Tensor,
+    pub(crate) scale_msa: Tensor,
+    pub(crate) gate_msa: Tensor,
+    pub(crate) shift_mlp: Tensor,
+    pub(crate) scale_mlp: Tensor,
+    pub(crate) gate_mlp: Tensor,
+    /// The (b, 6D) tensor the views read and the table's (1, 6D) view it was summed with:
+    /// held until the block returns, as the block's locals were (the budget's twin binds the
+    /// same tensors, and the step's measured peak counts their handles).
+    _rows: (Tensor, Option<Tensor>),
+}
+
+impl AdaLnZero {
+    /// The six (b, D) views of `rows` (b, 6D), `h` = D wide.
+    pub(crate) fn of_rows(rows: Tensor, h: usize) -> Result<AdaLnZero> {
+        AdaLnZero::split(rows, None, h)
+    }
+
+    /// `(scale_shift_table[None] + timestep.reshape(b, 6, D)).chunk(6)` (diffusers'
+    /// `ada_norm_single` blocks, Wan's `scale_shift_table + temb`): the (b, 6D) timestep
+    /// modulation `t6` plus the block's `table` (6, D) or (1, 6, D) as one (b, 6D) sum.
+    pub(crate) fn of_table(t6: &Tensor, table: &Tensor, h: usize) -> Result<AdaLnZero> {
+        let table = table.reshape((1, 6 * h))?;
+        let rows = t6.broadcast_add(&table)?;
+        AdaLnZero::split(rows, Some(table), h)
+    }
+
+    fn split(rows: Tensor, table: Option<Tensor>, h: usize) -> Result<AdaLnZero> {
+        let chunk = |i: usize| rows.narrow(1, i * h, h);
+        Ok(AdaLnZero {
+            shift_msa: chunk(0)?,
+            scale_msa: chunk(1)?,
+            gate_msa: chunk(2)?,
+            shift_mlp: chunk(3)?,
+            scale_mlp: chunk(4)?,
+            gate_mlp: chunk(5)?,
+            _rows: (rows, table),
+        })
+    }
+}
