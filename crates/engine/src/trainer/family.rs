@@ -22,7 +22,7 @@
 
 use candle_core::{Tensor, Var};
 
-use super::state::{grad_dtype, LinearIdx, ModelLayout, Trainer};
+use super::state::{grad_dtype, LinearIdx, ModelLayout, SegmentTag, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::layers::cast;
@@ -80,8 +80,14 @@ pub(crate) trait FamilyStep {
     /// The output side on the last streams: the prediction in the latents' layout, accumulation
     /// dtype. Its weights are dropped before it returns.
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor>;
-    /// Parameter indices of the embed segment, of block `i`, of the final layer.
-    fn embed_params(&self) -> Vec<usize>;
+    /// The embed segment's linears (the first of [`FamilyStep::linears`]), in the order their
+    /// gradients land.
+    fn embed_linears(&self) -> Vec<LinearIdx>;
+    /// Parameter indices of the embed segment (by default its linears'), of block `i`, of the
+    /// final layer.
+    fn embed_params(&self) -> Vec<usize> {
+        params_of(&self.embed_linears())
+    }
     fn block_params(&self, i: usize) -> Vec<usize>;
     fn final_params(&self) -> Vec<usize>;
     /// How many of the last conditioning tensors are fixed tables (Flux's RoPE cos and sin):
@@ -202,7 +208,7 @@ impl<F: FamilyStep + Send + Sync> ModelLayout for F {
         accum: usize,
         rec: &mut Recorder<'_>,
     ) -> Result<f64> {
-        tr.family_microbatch(self, mb, micro, accum, rec)
+        tr.family_microbatch(self, mb, SegmentTag { micro, accum }, rec)
     }
 }
 
@@ -268,17 +274,9 @@ impl Trainer {
         &mut self,
         fam: &F,
         mb: &Batch,
-        micro: usize,
-        accum: usize,
+        tag: SegmentTag,
         rec: &mut Recorder<'_>,
     ) -> Result<f64> {
-        let tag = |what: String| {
-            if accum > 1 {
-                format!("microbatch {micro}: {what}")
-            } else {
-                what
-            }
-        };
         let ld = grad_dtype(self.precision);
 
         // Embed segment (kept until the end of the backward).
@@ -320,7 +318,7 @@ impl Trainer {
                 c.into_iter().chain(fixed.iter().cloned()).collect()
             }
         };
-        rec.mark(tag("embed".into()));
+        rec.mark(tag.at("embed".into()));
 
         // Blocks.
         let depth = fam.depth();
@@ -346,7 +344,7 @@ impl Trainer {
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
-            rec.mark(tag(format!("block {i}")));
+            rec.mark(tag.at(format!("block {i}")));
         }
 
         // Output side and loss.
@@ -366,10 +364,10 @@ impl Trainer {
         crate::ops::release_whole(&pred)?;
         drop(pred);
         let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-        rec.mark(tag("final".into()));
+        rec.mark(tag.at("final".into()));
 
         rec.enter(Phase::Backward);
-        let factor = self.grad_scale / accum as f64;
+        let factor = self.grad_scale / tag.accum as f64;
         let grads = loss.affine(factor, 0.0)?.backward()?;
         drop(loss);
         self.accumulate(&fam.final_params(), &grads)?;
@@ -395,7 +393,7 @@ impl Trainer {
         if let Some(k) = ctx {
             self.ctx_sink.set(gc[k].clone())?;
         }
-        rec.mark(tag("final".into()));
+        rec.mark(tag.at("final".into()));
 
         for i in (0..depth).rev() {
             let s = saved
@@ -429,7 +427,7 @@ impl Trainer {
             }
             drop(grads);
             drop(leaves);
-            rec.mark(tag(format!("block {i}")));
+            rec.mark(tag.at(format!("block {i}")));
         }
 
         if ctx.is_some() {
@@ -446,7 +444,7 @@ impl Trainer {
         if frozen_embed {
             drop(gx);
             drop((x0, conds, fixed));
-            rec.mark(tag("embed".into()));
+            rec.mark(tag.at("embed".into()));
             return Ok(loss_value);
         }
         let gc = gc
@@ -463,7 +461,7 @@ impl Trainer {
         // The conditioning leaves go with the embed's outputs (the budget frees them together).
         drop((x0, conds, fixed));
         drop(cond_leaves);
-        rec.mark(tag("embed".into()));
+        rec.mark(tag.at("embed".into()));
         drop(hold);
         Ok(loss_value)
     }

@@ -182,6 +182,12 @@ impl FamilyStep for DitdLayout {
         Ok(pred)
     }
 
+    /// The patch embedding alone: block 0's embedder, which the embed runs once more, is listed
+    /// with block 0's linears.
+    fn embed_linears(&self) -> Vec<LinearIdx> {
+        vec![self.patch]
+    }
+
     /// Block 0's embedder (its second use, for the output side), then the patch embedding.
     /// The order is the budget's: block 0 landed the embedder's gradients, so each is summed
     /// into its buffer (`old + g`, a transient of its size) while the store still holds the

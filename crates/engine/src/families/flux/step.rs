@@ -125,8 +125,7 @@ impl FluxLayout {
 impl FamilyStep for FluxLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.x_embedder, self.context_embedder];
-        v.extend(self.embedders.iter().flatten().copied());
+        let mut v = self.embed_linears();
         for b in self.double.iter().chain(&self.single) {
             v.extend(b.lin.iter().copied());
         }
@@ -242,10 +241,10 @@ impl FamilyStep for FluxLayout {
         Ok(pred)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.x_embedder, self.context_embedder];
         embed.extend(self.embedders.iter().flatten().copied());
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {

@@ -17,7 +17,7 @@ use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
-use crate::layers::cast;
+use crate::layers::{cast, LinearW};
 use crate::model::{patchify, sinusoid_features, unpatchify};
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
@@ -43,9 +43,58 @@ pub(crate) struct PixartLayout {
     adaln: LinearIdx,
     caption: Option<[LinearIdx; 2]>,
     blocks: Vec<PixartBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: PixartGeom,
+}
+
+/// Where an output side of PixArt's kind sits (PixArt's, Sana's, Wan's): the final
+/// `scale_shift_table` and `proj_out`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TableFinal {
+    pub(crate) table: usize,
+    pub(crate) proj_out: LinearIdx,
+}
+
+impl TableFinal {
+    pub(crate) fn new(p: &ParamIndex<'_>) -> Result<TableFinal> {
+        Ok(TableFinal {
+            table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
+        })
+    }
+
+    /// Its parameter indices: `proj_out`'s, then the table.
+    pub(crate) fn params(&self) -> Vec<usize> {
+        let mut idx = Trainer::linear_params(&self.proj_out);
+        idx.push(self.table);
+        idx
+    }
+
+    /// The table in the accumulation dtype and `proj_out`, tracked.
+    pub(crate) fn weights(&self, tr: &Trainer) -> Result<(Tensor, LinearW)> {
+        Ok((
+            tr.table_weight(self.table, true)?,
+            tr.linear(self.proj_out, true)?,
+        ))
+    }
+
+    /// PixArt's output side ([`final_forward`], also Sana's) on the stream `x` and the embedded
+    /// timestep `emb`: the prediction in the latents' layout, accumulation dtype.
+    pub(crate) fn pixart_forward(
+        &self,
+        tr: &Trainer,
+        x: &Tensor,
+        emb: &Tensor,
+        mb: &Batch,
+    ) -> Result<Tensor> {
+        let d = tr.dims;
+        let (table, proj_out) = self.weights(tr)?;
+        let fw = PixartFinalWeights { table, proj_out };
+        let out = final_forward(x, emb, &fw, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
+        drop(fw);
+        Ok(pred)
+    }
 }
 
 impl PixartLayout {
@@ -83,16 +132,15 @@ impl PixartLayout {
                 None
             },
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
         })
     }
 }
 
 impl Trainer {
-    /// A PixArt parameter that is not a linear (a `scale_shift_table`), in the accumulation
-    /// dtype (a cast copy only when the dtypes differ).
+    /// A parameter that is not a linear and is read in the accumulation dtype (PixArt's, Sana's
+    /// and Wan's `scale_shift_table`s, Wan's `norm2`; a cast copy only when the dtypes differ).
     pub(crate) fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
         cast(self.raw_weight(i, track), self.cfg.accum)
     }
@@ -122,12 +170,9 @@ impl Trainer {
 impl FamilyStep for PixartLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2];
-        v.extend(self.sizes.iter().flatten().copied());
-        v.push(self.adaln);
-        v.extend(self.caption.iter().flatten().copied());
+        let mut v = self.embed_linears();
         v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
+        v.push(self.out.proj_out);
         v
     }
 
@@ -199,23 +244,15 @@ impl FamilyStep for PixartLayout {
     }
 
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
-        let d = tr.dims;
-        let fw = PixartFinalWeights {
-            table: tr.table_weight(self.final_table, true)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
-        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
-        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
-        drop(fw);
-        Ok(pred)
+        self.out.pixart_forward(tr, &x[0], &c[1], mb)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2];
         embed.extend(self.sizes.iter().flatten().copied());
         embed.push(self.adaln);
         embed.extend(self.caption.iter().flatten().copied());
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -226,9 +263,7 @@ impl FamilyStep for PixartLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 

@@ -17,13 +17,14 @@ use crate::diffusion::Batch;
 use crate::error::Result;
 use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
+use crate::families::pixart::step::TableFinal;
 use crate::families::sana::{
-    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
-    SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
+    caption_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
+    SanaCaptionWeights, SanaGeom, SANA_FREQ,
 };
 use crate::layers::cast;
 use crate::layers::LinearW;
-use crate::model::{patchify, unpatchify};
+use crate::model::patchify;
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -58,8 +59,7 @@ pub(crate) struct SanaLayout {
     caption: [LinearIdx; 2],
     caption_norm: usize,
     blocks: Vec<SanaBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: SanaGeom,
     grid: (usize, usize),
 }
@@ -106,8 +106,7 @@ impl SanaLayout {
             ],
             caption_norm: p.idx("caption_norm.weight")?,
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
             grid: (dims.rows, dims.cols),
         })
@@ -140,7 +139,7 @@ impl Trainer {
         let zero = zero_bias(self.dims.hidden, wdt)?;
         let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
         Ok(SanaBlockWeights {
-            table: cast(self.raw_weight(b.table, track), self.cfg.accum)?,
+            table: self.table_weight(b.table, track)?,
             q1: l(0)?,
             k1: l(1)?,
             v1: l(2)?,
@@ -162,8 +161,7 @@ impl Trainer {
 impl FamilyStep for SanaLayout {
     /// Every linear with a bias.
     fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
-        v.extend(self.caption);
+        let mut v = self.embed_linears();
         for b in &self.blocks {
             for l in &b.lin {
                 if let Some(bi) = l.b {
@@ -175,7 +173,7 @@ impl FamilyStep for SanaLayout {
                 }
             }
         }
-        v.push(self.proj_out);
+        v.push(self.out.proj_out);
         v
     }
 
@@ -233,22 +231,20 @@ impl FamilyStep for SanaLayout {
         Ok(vec![out])
     }
 
+    /// PixArt's output side (`norm_out`, the table's modulation, `proj_out`).
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
-        let d = tr.dims;
-        let fw = SanaFinalWeights {
-            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
-        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
-        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
-        drop(fw);
-        Ok(pred)
+        self.out.pixart_forward(tr, &x[0], &c[1], mb)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2, self.adaln];
         embed.extend(self.caption);
-        let mut idx = params_of(&embed);
+        embed
+    }
+
+    /// The linears', then `caption_norm`'s weight.
+    fn embed_params(&self) -> Vec<usize> {
+        let mut idx = params_of(&self.embed_linears());
         idx.push(self.caption_norm);
         idx
     }
@@ -267,9 +263,7 @@ impl FamilyStep for SanaLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 

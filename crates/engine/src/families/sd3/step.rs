@@ -95,10 +95,6 @@ impl Sd3Layout {
             geom,
         })
     }
-
-    fn embed_linears(&self) -> Vec<LinearIdx> {
-        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
-    }
 }
 
 impl Trainer {
@@ -268,11 +264,8 @@ impl FamilyStep for Sd3Layout {
         Ok(unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
-        self.embed_linears()
-            .iter()
-            .flat_map(Trainer::linear_params)
-            .collect()
+    fn embed_linears(&self) -> Vec<LinearIdx> {
+        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {

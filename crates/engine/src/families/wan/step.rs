@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 
 use crate::diffusion::Batch;
 use crate::error::Result;
+use crate::families::pixart::step::TableFinal;
 use crate::families::wan::{
     final_forward, patchify3d, rope_tables, text_forward, unpatchify3d, wan_block_forward,
     WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
@@ -40,8 +41,7 @@ pub(crate) struct WanLayout {
     time_proj: LinearIdx,
     text: [LinearIdx; 2],
     blocks: Vec<WanBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: WanGeom,
 }
 
@@ -81,8 +81,7 @@ impl WanLayout {
                 p.lin(&format!("{ce}.text_embedder.linear_2"))?,
             ],
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
         })
     }
@@ -96,9 +95,8 @@ impl Trainer {
     ) -> Result<WanBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         let n = |k: usize| self.weight(b.norms[k], track);
-        let ad = self.cfg.accum;
         Ok(WanBlockWeights {
-            table: cast(self.raw_weight(b.table, track), ad)?,
+            table: self.table_weight(b.table, track)?,
             q1: l(0)?,
             k1: l(1)?,
             v1: l(2)?,
@@ -113,8 +111,8 @@ impl Trainer {
             norm_k2: n(3)?,
             norm2: match b.norm2 {
                 Some((w, bias)) => Some((
-                    cast(self.raw_weight(w, track), ad)?,
-                    cast(self.raw_weight(bias, track), ad)?,
+                    self.table_weight(w, track)?,
+                    self.table_weight(bias, track)?,
                 )),
                 None => None,
             },
@@ -127,10 +125,9 @@ impl Trainer {
 impl FamilyStep for WanLayout {
     /// Every linear of the model.
     fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.time_proj];
-        v.extend(self.text);
+        let mut v = self.embed_linears();
         v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
+        v.push(self.out.proj_out);
         v
     }
 
@@ -192,10 +189,8 @@ impl FamilyStep for WanLayout {
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
         let d = tr.dims;
         let g = &self.geom;
-        let fw = WanFinalWeights {
-            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
+        let (table, proj_out) = self.out.weights(tr)?;
+        let fw = WanFinalWeights { table, proj_out };
         let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
         drop(fw);
         let shape: Vec<usize> = if g.frames == 1 {
@@ -208,10 +203,10 @@ impl FamilyStep for WanLayout {
         Ok(pred.narrow(1, 0, d.in_channels)?)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2, self.time_proj];
         embed.extend(self.text);
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -226,9 +221,7 @@ impl FamilyStep for WanLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 
