@@ -145,22 +145,45 @@ impl Trainer {
         cast(self.raw_weight(i, track), self.cfg.accum)
     }
 
+    /// The eight attention linears of a block with a self- and a cross-attention (PixArt's,
+    /// Sana's, Wan's): `lin(k)` for k in 0..8, in `cross::self_cross_block_linears` order; the
+    /// cross-attention's k and v add their input's gradient into the context sink.
+    pub(crate) fn self_cross_attn_linears(
+        &self,
+        lin: impl Fn(usize) -> Result<LinearW>,
+        track: bool,
+    ) -> Result<[LinearW; 8]> {
+        let sink = || self.ctx_sink_for(track);
+        Ok([
+            lin(0)?,
+            lin(1)?,
+            lin(2)?,
+            lin(3)?,
+            lin(4)?,
+            lin(5)?.with_input_sink(sink()),
+            lin(6)?.with_input_sink(sink()),
+            lin(7)?,
+        ])
+    }
+
     pub(crate) fn pixart_block_weights(
         &self,
         b: &PixartBlockIdx,
         track: bool,
     ) -> Result<PixartBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(PixartBlockWeights {
-            table: self.table_weight(b.table, track)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
             fc1: l(8)?,
             fc2: l(9)?,
         })

@@ -138,16 +138,18 @@ impl Trainer {
         let wdt = self.linear_weight(b.lin[3].w, false)?.dtype();
         let zero = zero_bias(self.dims.hidden, wdt)?;
         let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(SanaBlockWeights {
-            table: self.table_weight(b.table, track)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
             conv_inverted: l(8)?,
             conv_depth: (
                 self.linear_weight(b.depth.0, track)?,

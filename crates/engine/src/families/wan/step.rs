@@ -95,18 +95,20 @@ impl Trainer {
     ) -> Result<WanBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         let n = |k: usize| self.weight(b.norms[k], track);
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(WanBlockWeights {
-            table: self.table_weight(b.table, track)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
             norm_q1: n(0)?,
             norm_k1: n(1)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            q2,
+            k2,
+            v2,
+            o2,
             norm_q2: n(2)?,
             norm_k2: n(3)?,
             norm2: match b.norm2 {
