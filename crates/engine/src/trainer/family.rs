@@ -65,8 +65,19 @@ impl<'a> BlockIn<'a> {
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
 pub(crate) trait FamilyStep {
-    /// Every linear of the model with a bias (for their gradient sinks).
-    fn linears(&self) -> Vec<LinearIdx>;
+    /// Every linear of the model with a bias (for their gradient sinks): the embed's, each
+    /// block's, the final layer's.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = self.embed_linears();
+        for i in 0..self.depth() {
+            v.extend(self.block_linears(i));
+        }
+        v.extend(self.final_linears());
+        v
+    }
+    /// The linears with a bias of block `i`, of the final layer.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx>;
+    fn final_linears(&self) -> Vec<LinearIdx>;
     /// The weights of linears without a bias (Sana's): their sinks take dW only.
     fn weight_only(&self) -> Vec<usize> {
         Vec::new()
@@ -89,7 +100,9 @@ pub(crate) trait FamilyStep {
         params_of(&self.embed_linears())
     }
     fn block_params(&self, i: usize) -> Vec<usize>;
-    fn final_params(&self) -> Vec<usize>;
+    fn final_params(&self) -> Vec<usize> {
+        params_of(&self.final_linears())
+    }
     /// How many of the last conditioning tensors are fixed tables (Flux's RoPE cos and sin):
     /// the blocks and the final layer read them as they are, after the leaves, with no leaf
     /// copy and no gradient.

@@ -113,15 +113,14 @@ impl Trainer {
 }
 
 impl FamilyStep for DitdLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch];
-        for b in &self.blocks {
-            v.extend(b.emb.lin);
-            v.extend(b.lin);
-        }
-        v.extend(self.proj_out);
-        v
+    /// The block's embedder's linears, then its own.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let b = &self.blocks[i];
+        [&b.emb.lin[..], &b.lin[..]].concat()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        self.proj_out.to_vec()
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
@@ -206,10 +205,6 @@ impl FamilyStep for DitdLayout {
         let mut v = emb_params(&blk.emb);
         v.extend(params_of(&blk.lin));
         v
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        params_of(&self.proj_out)
     }
 }
 

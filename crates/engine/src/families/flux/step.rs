@@ -123,14 +123,12 @@ impl FluxLayout {
 }
 
 impl FamilyStep for FluxLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        for b in self.double.iter().chain(&self.single) {
-            v.extend(b.lin.iter().copied());
-        }
-        v.extend([self.norm_out, self.proj_out]);
-        v
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        self.block_idx(i).lin.clone()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.norm_out, self.proj_out]
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
@@ -252,10 +250,6 @@ impl FamilyStep for FluxLayout {
         let mut idx = params_of(&bi.lin);
         idx.extend(bi.norms.iter().copied());
         idx
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        params_of(&[self.norm_out, self.proj_out])
     }
 
     fn fixed_conds(&self) -> usize {

@@ -161,22 +161,20 @@ impl Trainer {
 }
 
 impl FamilyStep for SanaLayout {
-    /// Every linear with a bias.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        for b in &self.blocks {
-            for l in &b.lin {
-                if let Some(bi) = l.b {
-                    v.push(LinearIdx {
-                        w: l.w,
-                        b: bi,
-                        lora: l.lora,
-                    });
-                }
-            }
-        }
-        v.push(self.out.proj_out);
-        v
+    /// The block's linears with a bias.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let with_bias = |l: &Lin| {
+            l.b.map(|b| LinearIdx {
+                w: l.w,
+                b,
+                lora: l.lora,
+            })
+        };
+        self.blocks[i].lin.iter().filter_map(with_bias).collect()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.out.proj_out]
     }
 
     /// The weights of the linears without a bias (their sinks take dW only).

@@ -163,15 +163,16 @@ impl Trainer {
 }
 
 impl FamilyStep for Sd3Layout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        for b in &self.blocks {
-            v.extend(b.lin.iter().copied());
-            v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
-        }
-        v.extend([self.norm_out, self.proj_out]);
+    /// The joint block's linears, then its second attention's (SD3.5's dual blocks).
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let b = &self.blocks[i];
+        let mut v = b.lin.clone();
+        v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
         v
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.norm_out, self.proj_out]
     }
 
     /// The embed segment on a microbatch (tracked graph).
@@ -276,12 +277,6 @@ impl FamilyStep for Sd3Layout {
             v.extend(d.iter().flat_map(Trainer::linear_params));
             v.extend(n.iter().flatten().copied());
         }
-        v
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        let mut v = Trainer::linear_params(&self.norm_out);
-        v.extend(Trainer::linear_params(&self.proj_out));
         v
     }
 }

@@ -125,12 +125,12 @@ impl Trainer {
 }
 
 impl FamilyStep for WanLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.out.proj_out);
-        v
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        self.blocks[i].lin.to_vec()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.out.proj_out]
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
