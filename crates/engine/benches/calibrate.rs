@@ -84,15 +84,7 @@ fn main() -> candle_core::Result<()> {
         }
         println!("{name:<34} {}", cells.join(" "));
     }
-    let mm: Vec<f64> = mm_sum.iter().map(|s| (s / 4.0).exp()).collect();
-    println!(
-        "{:<34} {}",
-        "geometric mean",
-        mm.iter()
-            .map(|f| format!("{:>9.1}", f / 1e9))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    let mm = print_geometric_means(&mm_sum, 4, 1);
 
     // Elementwise: the time model charges two passes per element an op writes, so the rate
     // reported is 2·elements / seconds for each op, and the profile takes the geometric mean.
@@ -133,18 +125,7 @@ fn main() -> candle_core::Result<()> {
     for (j, op) in ops.iter().enumerate() {
         println!("{op:<34} {}", cells[j].join(" "));
     }
-    let ew: Vec<f64> = ew_sum
-        .iter()
-        .map(|s| (s / ops.len() as f64).exp())
-        .collect();
-    println!(
-        "{:<34} {}",
-        "geometric mean",
-        ew.iter()
-            .map(|f| format!("{:>9.2}", f / 1e9))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    let ew = print_geometric_means(&ew_sum, ops.len(), 2);
 
     // Fixed cost of one forward+backward pass: a tiny step split into 1 and 8 microbatches.
     let mut s = Spec::default_xl();
@@ -204,4 +185,16 @@ fn main() -> candle_core::Result<()> {
         overhead
     );
     Ok(())
+}
+
+/// The geometric means of a table of rates, per column exp of the summed logarithms `log_sums`
+/// over `count` rows; printed as the table's last row, in G/s with `digits` decimals.
+fn print_geometric_means(log_sums: &[f64], count: usize, digits: usize) -> Vec<f64> {
+    let means: Vec<f64> = log_sums.iter().map(|s| (s / count as f64).exp()).collect();
+    let cells: Vec<String> = means
+        .iter()
+        .map(|f| format!("{:>9.digits$}", f / 1e9))
+        .collect();
+    println!("{:<34} {}", "geometric mean", cells.join(" "));
+    means
 }
