@@ -5,9 +5,11 @@
 //! linear; PixArt, Sana and Wan as the shared timestep modulation plus the block's
 //! `scale_shift_table`, [`AdaLnZero::of_table`]).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::layers::{cast, cast_then_release, linear_then_release, LinearW, LN_EPS};
+use crate::ops::ln_modulate;
 
 /// The six modulation rows of one block, views of one (b, 6D) tensor.
 pub(crate) struct AdaLnZero {
@@ -50,4 +52,37 @@ impl AdaLnZero {
             _rows: (rows, table),
         })
     }
+}
+
+/// Which half of an output side's (b, 2D) modulation is the shift.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShiftScale {
+    /// `shift, scale = emb.chunk(2)` (diffusers' DiT `proj_out_1`).
+    ShiftFirst,
+    /// `scale, shift = emb.chunk(2)` (`AdaLayerNormContinuous`: SD3's `norm_out`).
+    ScaleFirst,
+}
+
+/// An output side modulated by a linear of the conditioning: `emb = norm.forward(se)` (b, 2D)
+/// in `ad`, `LN(x)·(1 + scale) + shift` (eps 1e-6) in `cd`, `proj_out`, back to `ad`; the
+/// projection's input and output released as the fused linear allows. x (b, s, D) in `ad`,
+/// `se` (b, D) in `cd` → (b·s, p²·C_out) in `ad`.
+pub(crate) fn linear_modulated_out(
+    x: &Tensor,
+    se: &Tensor,
+    (norm, proj_out): (&LinearW, &LinearW),
+    order: ShiftScale,
+    cd: DType,
+    ad: DType,
+) -> Result<Tensor> {
+    let h = x.dim(2)?;
+    let e = cast(norm.forward(se)?, ad)?;
+    let (first, second) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
+    let (shift, scale) = match order {
+        ShiftScale::ShiftFirst => (first, second),
+        ShiftScale::ScaleFirst => (second, first),
+    };
+    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
+    let y = linear_then_release(proj_out, &hx)?;
+    cast_then_release(y, ad)
 }

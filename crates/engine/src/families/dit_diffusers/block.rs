@@ -6,11 +6,10 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
-use crate::families::adaln::AdaLnZero;
+use crate::families::adaln::{linear_modulated_out, AdaLnZero, ShiftScale};
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{
-    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
-    BlockConfig, LinearW, LN_EPS,
+    cast, feed_forward_then_release, gated_then_release, BlockConfig, LinearW, LN_EPS,
 };
 use crate::ops::attention::separate::attention;
 use crate::ops::ln_modulate;
@@ -119,10 +118,6 @@ pub fn final_forward(
     cd: DType,
     ad: DType,
 ) -> Result<Tensor> {
-    let h = x.dim(2)?;
-    let e = cast(proj_out_1.forward(se)?, ad)?;
-    let (shift, scale) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
-    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    let y = linear_then_release(proj_out_2, &hx)?;
-    cast_then_release(y, ad)
+    let lins = (proj_out_1, proj_out_2);
+    linear_modulated_out(x, se, lins, ShiftScale::ShiftFirst, cd, ad)
 }

@@ -6,10 +6,11 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::families::adaln::{linear_modulated_out, ShiftScale};
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{
-    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
-    mlp_linear, BlockConfig, LinearW, LN_EPS,
+    cast, feed_forward_then_release, gated_then_release, linear_then_release, mlp_linear,
+    BlockConfig, LinearW, LN_EPS,
 };
 use crate::ops::attention::separate::attention;
 use crate::ops::{cat_tokens, joint_linear, ln_modulate, release, rms_norm, split_tokens};
@@ -259,12 +260,8 @@ pub fn final_forward(
     cd: DType,
     ad: DType,
 ) -> Result<Tensor> {
-    let h = x.dim(2)?;
-    let e = cast(norm_out.forward(se)?, ad)?;
-    let (scale, shift) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
-    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    let y = linear_then_release(proj_out, &hx)?;
-    cast_then_release(y, ad)
+    let lins = (norm_out, proj_out);
+    linear_modulated_out(x, se, lins, ShiftScale::ScaleFirst, cd, ad)
 }
 
 /// A two-linear MLP with SiLU between (`TimestepEmbedding`, and the pooled text's
