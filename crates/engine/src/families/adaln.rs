@@ -40,6 +40,23 @@ impl AdaLnZero {
         AdaLnZero::split(rows, Some(table), h)
     }
 
+    /// The self-attention's inputs: `norm1(x)` modulated by the attention's shift and scale
+    /// (LayerNorm of epsilon `eps`, in `cd`) and the separate q, k, v projections `qkv` on it:
+    /// [h1, q, k, v], each held by the block until it returns.
+    pub(crate) fn attn_inputs(
+        &self,
+        x: &Tensor,
+        [wq, wk, wv]: [&LinearW; 3],
+        eps: f64,
+        cd: DType,
+    ) -> Result<[Tensor; 4]> {
+        let h1 = ln_modulate(x, &self.shift_msa, &self.scale_msa, eps, cd)?;
+        let q = wq.forward(&h1)?;
+        let k = wk.forward(&h1)?;
+        let v = wv.forward(&h1)?;
+        Ok([h1, q, k, v])
+    }
+
     fn split(rows: Tensor, table: Option<Tensor>, h: usize) -> Result<AdaLnZero> {
         let chunk = |i: usize| rows.narrow(1, i * h, h);
         Ok(AdaLnZero {

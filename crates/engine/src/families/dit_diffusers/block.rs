@@ -93,10 +93,7 @@ pub fn ditd_block_forward(
     let m = AdaLnZero::of_rows(modv, h)?;
 
     // Self-attention.
-    let h1 = ln_modulate(x, &m.shift_msa, &m.scale_msa, LN_EPS, cd)?;
-    let q = w.q.forward(&h1)?;
-    let k = w.k.forward(&h1)?;
-    let v = w.v.forward(&h1)?;
+    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q, &w.k, &w.v], LN_EPS, cd)?;
     let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
     let p = w.o.forward(&o)?;
     let x1 = gated_then_release(x, p, &m.gate_msa)?;

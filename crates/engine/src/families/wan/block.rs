@@ -64,10 +64,7 @@ pub fn wan_block_forward(
     let m = AdaLnZero::of_table(c.t6, &w.table, h)?;
 
     // Self-attention: norm1 + modulate, q/k RMSNorm across heads, RoPE on q and k.
-    let h1 = ln_modulate(x, &m.shift_msa, &m.scale_msa, WAN_EPS, cd)?;
-    let q = w.q1.forward(&h1)?;
-    let k = w.k1.forward(&h1)?;
-    let v = w.v1.forward(&h1)?;
+    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q1, &w.k1, &w.v1], WAN_EPS, cd)?;
     let qn = rms_norm(&q, Some(&w.norm_q1), WAN_EPS, cd)?;
     let kn = rms_norm(&k, Some(&w.norm_k1), WAN_EPS, cd)?;
     let qr = rope(&qn, c.cos, c.sin)?;
