@@ -52,16 +52,14 @@ pub(crate) struct DitdLayout {
 
 impl DitdLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: DitdGeom) -> Result<DitdLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", depth, |_, b| {
             let emb = EmbIdx {
-                lin: p.lins(&b, DITD_EMB_LINEARS)?,
+                lin: p.lins(b, DITD_EMB_LINEARS)?,
                 table: p.idx(&format!("{b}.{DITD_LABEL_TABLE}"))?,
             };
-            let l = p.lins(&b, DITD_BLOCK_LINEARS)?;
-            blocks.push(DitdBlockIdx { emb, lin: l });
-        }
+            let l = p.lins(b, DITD_BLOCK_LINEARS)?;
+            Ok(DitdBlockIdx { emb, lin: l })
+        })?;
         if blocks.is_empty() {
             return Err(EngineError::bad_input(
                 "model.depth",

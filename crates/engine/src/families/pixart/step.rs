@@ -99,15 +99,13 @@ impl TableFinal {
 
 impl PixartLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: PixartGeom) -> Result<PixartLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
-            let l = p.lins(&b, PIXART_BLOCK_LINEARS)?;
-            blocks.push(PixartBlockIdx {
+        let blocks = p.blocks("transformer_blocks", depth, |_, b| {
+            let l = p.lins(b, PIXART_BLOCK_LINEARS)?;
+            Ok(PixartBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
-            });
-        }
+            })
+        })?;
         let te = "adaln_single.emb.timestep_embedder";
         Ok(PixartLayout {
             patch: p.lin("pos_embed.proj")?,

@@ -74,9 +74,7 @@ impl SanaLayout {
                 lora: factor_indices(&|n| p.find(n), m),
             })
         };
-        let mut blocks = Vec::with_capacity(dims.depth);
-        for i in 0..dims.depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", dims.depth, |_, b| {
             let mut l = [Lin {
                 w: 0,
                 b: None,
@@ -85,15 +83,15 @@ impl SanaLayout {
             for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
                 *slot = any(&format!("{b}.{name}"))?;
             }
-            blocks.push(SanaBlockIdx {
+            Ok(SanaBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 depth: (
                     p.idx(&format!("{b}.ff.conv_depth.weight"))?,
                     p.idx(&format!("{b}.ff.conv_depth.bias"))?,
                 ),
-            });
-        }
+            })
+        })?;
         let te = "time_embed.emb.timestep_embedder";
         Ok(SanaLayout {
             patch: p.lin("patch_embed.proj")?,

@@ -52,9 +52,7 @@ pub(crate) struct Sd3Layout {
 
 impl Sd3Layout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: Sd3Geom) -> Result<Sd3Layout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", depth, |i, b| {
             let l = block_linears(i + 1 == depth)
                 .into_iter()
                 .map(|n| p.lin(&format!("{b}.{n}")))
@@ -77,8 +75,8 @@ impl Sd3Layout {
             } else {
                 None
             };
-            blocks.push(Sd3BlockIdx { lin: l, qk, dual });
-        }
+            Ok(Sd3BlockIdx { lin: l, qk, dual })
+        })?;
         let te = "time_text_embed.timestep_embedder";
         let pe = "time_text_embed.text_embedder";
         Ok(Sd3Layout {

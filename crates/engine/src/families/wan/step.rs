@@ -47,10 +47,8 @@ pub(crate) struct WanLayout {
 
 impl WanLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: WanGeom) -> Result<WanLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("blocks.{i}");
-            let l = p.lins(&b, WAN_BLOCK_LINEARS)?;
+        let blocks = p.blocks("blocks", depth, |_, b| {
+            let l = p.lins(b, WAN_BLOCK_LINEARS)?;
             let mut norms = [0; 4];
             for (slot, name) in norms.iter_mut().zip(WAN_BLOCK_NORMS) {
                 *slot = p.idx(&format!("{b}.{name}.weight"))?;
@@ -63,13 +61,13 @@ impl WanLayout {
             } else {
                 None
             };
-            blocks.push(WanBlockIdx {
+            Ok(WanBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 norms,
                 norm2,
-            });
-        }
+            })
+        })?;
         let ce = "condition_embedder";
         Ok(WanLayout {
             patch: p.lin("patch_embedding")?,
