@@ -49,6 +49,42 @@ fn main() -> candle_core::Result<()> {
         if cfg!(debug_assertions) { "debug" } else { "release" },
     );
 
+    let mm = matmul_rates(n, &dev)?;
+    let ew = elementwise_rates(n, &dev)?;
+    let overhead = microbatch_overhead(n);
+
+    println!("\nDeviceProfile (paste into cpu_default):");
+    println!(
+        "matmul_f64: {:.1}e9, matmul_f32: {:.1}e9, matmul_bf16: {:.1}e9, matmul_f16: {:.1}e9,",
+        mm[0] / 1e9,
+        mm[1] / 1e9,
+        mm[2] / 1e9,
+        mm[3] / 1e9
+    );
+    println!(
+        "elementwise_f64: {:.2}e9, elementwise_f32: {:.2}e9, elementwise_half: {:.2}e9, microbatch_overhead_s: {:.4},",
+        ew[0] / 1e9,
+        ew[1] / 1e9,
+        ((ew[2] + ew[3]) / 2.0) / 1e9,
+        overhead
+    );
+    Ok(())
+}
+
+/// The geometric means of a table of rates, per column exp of the summed logarithms `log_sums`
+/// over `count` rows; printed as the table's last row, in G/s with `digits` decimals.
+fn print_geometric_means(log_sums: &[f64], count: usize, digits: usize) -> Vec<f64> {
+    let means: Vec<f64> = log_sums.iter().map(|s| (s / count as f64).exp()).collect();
+    let cells: Vec<String> = means
+        .iter()
+        .map(|f| format!("{:>9.digits$}", f / 1e9))
+        .collect();
+    println!("{:<34} {}", "geometric mean", cells.join(" "));
+    means
+}
+
+/// Matmul FLOP/s per dtype at a DiT block's shapes, printed as a table; their geometric means.
+fn matmul_rates(n: usize, dev: &Device) -> candle_core::Result<Vec<f64>> {
     // Matmuls: a block's linears (rows = b·s tokens, D → 3D and D → 4D) and the attention
     // scores (b·heads batched s×dh · dh×s).
     println!("\nmatmul GFLOP/s (2·m·k·n per product)");
@@ -68,13 +104,13 @@ fn main() -> candle_core::Result<()> {
         for (i, dt) in DTYPES.iter().enumerate() {
             let (a, b) = if batch == 1 {
                 (
-                    Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(*dt)?,
-                    Tensor::randn(0f32, 1.0, (k, nn), &dev)?.to_dtype(*dt)?,
+                    Tensor::randn(0f32, 1.0, (m, k), dev)?.to_dtype(*dt)?,
+                    Tensor::randn(0f32, 1.0, (k, nn), dev)?.to_dtype(*dt)?,
                 )
             } else {
                 (
-                    Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?.to_dtype(*dt)?,
-                    Tensor::randn(0f32, 1.0, (batch, k, nn), &dev)?.to_dtype(*dt)?,
+                    Tensor::randn(0f32, 1.0, (batch, m, k), dev)?.to_dtype(*dt)?,
+                    Tensor::randn(0f32, 1.0, (batch, k, nn), dev)?.to_dtype(*dt)?,
                 )
             };
             let s = median(n, || a.matmul(&b).map(|_| ()))?;
@@ -84,16 +120,11 @@ fn main() -> candle_core::Result<()> {
         }
         println!("{name:<34} {}", cells.join(" "));
     }
-    let mm: Vec<f64> = mm_sum.iter().map(|s| (s / 4.0).exp()).collect();
-    println!(
-        "{:<34} {}",
-        "geometric mean",
-        mm.iter()
-            .map(|f| format!("{:>9.1}", f / 1e9))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    Ok(print_geometric_means(&mm_sum, 4, 1))
+}
 
+/// Elementwise throughput per dtype, printed as a table; their geometric means.
+fn elementwise_rates(n: usize, dev: &Device) -> candle_core::Result<Vec<f64>> {
     // Elementwise: the time model charges two passes per element an op writes, so the rate
     // reported is 2·elements / seconds for each op, and the profile takes the geometric mean.
     println!("\nelementwise model rate, G elements/s (2·n / seconds per op; n = 4 Mi elements)");
@@ -107,8 +138,8 @@ fn main() -> candle_core::Result<()> {
     let mut ew_sum = [0.0f64; 4];
     let mut cells: Vec<Vec<String>> = vec![Vec::new(); ops.len()];
     for (i, dt) in DTYPES.iter().enumerate() {
-        let a = Tensor::randn(0f32, 1.0, (1024, elems / 1024), &dev)?.to_dtype(*dt)?;
-        let b = Tensor::randn(0f32, 1.0, (1024, elems / 1024), &dev)?.to_dtype(*dt)?;
+        let a = Tensor::randn(0f32, 1.0, (1024, elems / 1024), dev)?.to_dtype(*dt)?;
+        let b = Tensor::randn(0f32, 1.0, (1024, elems / 1024), dev)?.to_dtype(*dt)?;
         for (j, op) in ops.iter().enumerate() {
             let s = match *op {
                 "add" => median(n, || (&a + &b).map(|_| ()))?,
@@ -133,19 +164,11 @@ fn main() -> candle_core::Result<()> {
     for (j, op) in ops.iter().enumerate() {
         println!("{op:<34} {}", cells[j].join(" "));
     }
-    let ew: Vec<f64> = ew_sum
-        .iter()
-        .map(|s| (s / ops.len() as f64).exp())
-        .collect();
-    println!(
-        "{:<34} {}",
-        "geometric mean",
-        ew.iter()
-            .map(|f| format!("{:>9.2}", f / 1e9))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    Ok(print_geometric_means(&ew_sum, ops.len(), 2))
+}
 
+/// Seconds one extra forward+backward pass costs (printed with the two steps it comes from).
+fn microbatch_overhead(n: usize) -> f64 {
     // Fixed cost of one forward+backward pass: a tiny step split into 1 and 8 microbatches.
     let mut s = Spec::default_xl();
     s.model.name = "overhead".into();
@@ -187,21 +210,5 @@ fn main() -> candle_core::Result<()> {
         eight * 1e3,
         overhead * 1e3
     );
-
-    println!("\nDeviceProfile (paste into cpu_default):");
-    println!(
-        "matmul_f64: {:.1}e9, matmul_f32: {:.1}e9, matmul_bf16: {:.1}e9, matmul_f16: {:.1}e9,",
-        mm[0] / 1e9,
-        mm[1] / 1e9,
-        mm[2] / 1e9,
-        mm[3] / 1e9
-    );
-    println!(
-        "elementwise_f64: {:.2}e9, elementwise_f32: {:.2}e9, elementwise_half: {:.2}e9, microbatch_overhead_s: {:.4},",
-        ew[0] / 1e9,
-        ew[1] / 1e9,
-        ((ew[2] + ew[3]) / 2.0) / 1e9,
-        overhead
-    );
-    Ok(())
+    overhead
 }

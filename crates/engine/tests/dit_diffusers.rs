@@ -5,19 +5,15 @@
 //! parameter table, the levers, equal gradients across recompute and attention modes, the
 //! agreement grid) is in the conformance crate's `families.rs`.
 
-use ditmem_budget::{Precision, Spec};
+use ditmem_budget::Spec;
 use ditmem_engine::families::dit_diffusers::tiny_spec;
-use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+use ditmem_engine::{trainable_count, CountingAlloc};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::one_at_a_time;
 
 fn preset(name: &str) -> Spec {
     let text = ditmem_budget::preset_config(name).unwrap();
@@ -54,51 +50,21 @@ fn xl_presets_train_the_diffusers_parameter_count() {
 #[test]
 fn gradients_match_finite_differences() {
     let _one = one_at_a_time();
-    let mut s = ditmem_engine::host::resolve(&tiny_spec(2, 2).unwrap());
-    s.recipe.precision = Precision::Fp64;
-    let batch = SyntheticData::new(&s, 5).unwrap().step_batch(0);
-    let new = || {
-        Trainer::new(
-            &s,
-            TrainOptions {
-                seed: 9,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap()
-    };
-    let mut t = new();
-    t.compute_gradients(&batch).unwrap();
-    for name in [
-        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",
-        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.bias",
-        "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
-        "transformer_blocks.1.norm1.emb.timestep_embedder.linear_2.weight",
-        "transformer_blocks.1.norm1.linear.weight",
-        "transformer_blocks.0.attn1.to_q.weight",
-        "transformer_blocks.1.ff.net.0.proj.weight",
-        "proj_out_1.weight",
-        "proj_out_2.bias",
-    ] {
-        let g = t.gradient(name).unwrap().unwrap();
-        let w = t.parameter(name).unwrap();
-        let gn: f64 = g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
-        assert!(gn > 0.0, "{name}: zero gradient");
-        let eps = 1e-4 / gn.sqrt();
-        let loss_at = |e: f64| {
-            let mut u = new();
-            let v = (&w + (&g * e).unwrap()).unwrap();
-            u.load_parameters(&[(name.to_string(), v)]).unwrap();
-            u.compute_gradients(&batch).unwrap()
-        };
-        let fd = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
-        let rel = (fd - gn).abs() / gn;
-        assert!(
-            rel < 1e-5,
-            "{name}: finite difference {fd} vs ‖g‖² {gn} ({rel:.2e})"
-        );
-    }
+    let s = ditmem_engine::host::resolve(&tiny_spec(2, 2).unwrap());
+    common::gradients_match_finite_differences(
+        s,
+        &[
+            "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",
+            "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.bias",
+            "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
+            "transformer_blocks.1.norm1.emb.timestep_embedder.linear_2.weight",
+            "transformer_blocks.1.norm1.linear.weight",
+            "transformer_blocks.0.attn1.to_q.weight",
+            "transformer_blocks.1.ff.net.0.proj.weight",
+            "proj_out_1.weight",
+            "proj_out_2.bias",
+        ],
+    );
 }
 
 /// `CombinedTimestepLabelEmbeddings.time_proj` is `Timesteps(256, flip_sin_to_cos=True,

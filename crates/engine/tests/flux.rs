@@ -8,12 +8,8 @@ use ditmem_engine::{CountingAlloc, TrainOptions, Trainer};
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::one_at_a_time;
 
 /// What the engine does not run is refused by name: a Flux without single-stream blocks.
 #[test]

@@ -8,16 +8,10 @@ use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions,
 
 mod common;
 use common::flat_f64;
+use common::one_at_a_time;
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
-
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn spec() -> Spec {
     ditmem_engine::host::resolve(&tiny_spec(2, 4, 13).unwrap())

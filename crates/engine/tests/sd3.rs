@@ -3,60 +3,18 @@
 //! the levers, equal gradients across recompute and attention modes, the agreement grid) is in
 //! `families.rs`.
 
-use ditmem_budget::{Precision, Spec};
+use ditmem_budget::Spec;
 use ditmem_engine::families::sd3::{tiny_dual_spec, tiny_spec};
-use ditmem_engine::{trainable_count, CountingAlloc, SyntheticData, TrainOptions, Trainer};
+use ditmem_engine::{trainable_count, CountingAlloc, TrainOptions, Trainer};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
 
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::{gradients_match_finite_differences, one_at_a_time};
 
 fn spec(qk_norm: bool) -> Spec {
     ditmem_engine::host::resolve(&tiny_spec(3, 2, qk_norm, 5, 6).unwrap())
-}
-
-/// Central differences of the f64 loss along each named weight's gradient agree with the
-/// step's gradient (dL/dε at ε = 0 along g is ‖g‖²) to 1e-5 relative.
-fn gradients_match_finite_differences(mut s: Spec, names: &[&str]) {
-    s.recipe.precision = Precision::Fp64;
-    let batch = SyntheticData::new(&s, 5).unwrap().step_batch(0);
-    let new = || {
-        Trainer::new(
-            &s,
-            TrainOptions {
-                seed: 9,
-                keep_gradients: true,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap()
-    };
-    let mut t = new();
-    t.compute_gradients(&batch).unwrap();
-    for &name in names {
-        let g = t.gradient(name).unwrap().unwrap();
-        let w = t.parameter(name).unwrap();
-        let gn: f64 = g.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
-        let eps = 1e-4 / gn.sqrt();
-        let loss_at = |e: f64| {
-            let mut u = new();
-            let v = (&w + (&g * e).unwrap()).unwrap();
-            u.load_parameters(&[(name.to_string(), v)]).unwrap();
-            u.compute_gradients(&batch).unwrap()
-        };
-        let fd = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
-        let rel = (fd - gn).abs() / gn;
-        assert!(
-            rel < 1e-5,
-            "{name}: finite difference {fd} vs ‖g‖² {gn} ({rel:.2e})"
-        );
-    }
 }
 
 /// The backward is the forward's derivative: central differences of the f64 loss along a few

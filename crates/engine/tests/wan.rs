@@ -11,17 +11,11 @@ use ditmem_engine::ops::{rms_norm_rows as rms_norm, rope_cos_sin as rope};
 use ditmem_engine::CountingAlloc;
 
 mod common;
+use common::one_at_a_time;
 use common::{grads_through, max_abs_diff, rand};
 
 #[global_allocator]
 static A: CountingAlloc = CountingAlloc::new();
-
-/// The counting allocator is the whole process's: the tests of this file run one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     rand(shape, seed, 1.0)

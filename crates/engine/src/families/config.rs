@@ -1,9 +1,32 @@
 //! What the families' config readers (`families/<family>/params.rs`, `*Geom::new`) check and
-//! read alike.
+//! read alike, and the patch embedding their parameter inventories list alike.
 
 use ditmem_spec::Spec;
 
 use crate::error::{EngineError, Result};
+use crate::shapes::{Dims, Init, Inventory};
+
+/// The engine runs `family`'s q/k/v projections with biases: an error for a config without
+/// them (`attention_bias = false`).
+pub(crate) fn biased_qkv(attention_bias: bool, family: &str) -> Result<()> {
+    if !attention_bias {
+        return Err(EngineError::unsupported(
+            "model.diffusers.attention_bias = false",
+            format!(
+                "the engine's {family} has biased q/k/v projections; use attention_bias = true"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The patch embedding `prefix` (a Conv2d with kernel (p, p), Wan's Conv3d with (1, p, p)):
+/// its weight (D, C, kernel…) xavier-uniform, its bias zeros.
+pub(crate) fn patch_conv(inv: &mut Inventory, prefix: &str, d: &Dims, kernel: &[usize]) {
+    let shape = [&[d.hidden, d.in_channels][..], kernel].concat();
+    inv.tensor(format!("{prefix}.weight"), shape, Init::XavierUniform);
+    inv.tensor(format!("{prefix}.bias"), vec![d.hidden], Init::Zeros);
+}
 
 /// The engine trains the diffusers families without dropout: an error for a spec with any,
 /// naming the model (`with`: "a PixArt model") and the family (`family`: "PixArt").

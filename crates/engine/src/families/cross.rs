@@ -4,10 +4,10 @@
 //! `to_k` / `to_v`, or tracking weights without a sink). Budget twin:
 //! `ditmem_budget::ditmem_cpu::ops::cross_attention` and the composed nodes.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::layers::{mlp_linear, LinearW};
+use crate::layers::{cast, mlp_linear, LinearW};
 use crate::ops::attention::separate::attention;
 use crate::ops::{cross_attention, rms_norm_rows, AttnKeep};
 
@@ -27,6 +27,28 @@ pub(crate) const fn self_cross_block_linears(ffn: [&'static str; 2]) -> [&'stati
         ffn[0],
         ffn[1],
     ]
+}
+
+/// PixArt's and Sana's `attn2`, which reads the stream without a norm: the query input x1
+/// (b, s, D) in `ad` as (b·s, D) in `cd` (a cast copy under a low-precision compute dtype, else
+/// a view), `to_q`, the attention over the context `y` ([`cross_attend`]), `to_out.0`, and the
+/// (b, D) gate of ones of its residual: [xq, q2, o2, p2, ones], each held by the block until it
+/// returns. The linears are attn2's q, k, v, out.
+pub(crate) fn unnormed_cross(
+    x1: &Tensor,
+    y: &Tensor,
+    [wq, wk, wv, wo]: [&LinearW; 4],
+    heads: usize,
+    keep: AttnKeep,
+    (cd, ad): (DType, DType),
+) -> Result<[Tensor; 5]> {
+    let (b, s, h) = x1.dims3()?;
+    let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
+    let q2 = wq.forward(&xq)?;
+    let o2 = cross_attend(&q2, y, (wk, wv), None, b, heads, keep)?;
+    let p2 = wo.forward(&o2)?;
+    let ones = Tensor::ones((b, h), ad, x1.device())?;
+    Ok([xq, q2, o2, p2, ones])
 }
 
 /// Attention of `q` (b·s_q, D) over the context `ctx` (b·T, C) through the projections `k`, `v`

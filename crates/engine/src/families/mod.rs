@@ -16,6 +16,7 @@
 //! [`Arch`] says which model a spec describes; `register_families!` below is the one list a
 //! family is registered in (one line each), and [`Arch::family`] its [`EngineFamily`].
 
+pub(crate) mod adaln;
 pub(crate) mod config;
 pub mod cross;
 pub mod dit;
@@ -26,6 +27,7 @@ pub mod lora;
 pub mod pixart;
 pub mod sana;
 pub mod sd3;
+pub(crate) mod tiny;
 pub mod wan;
 
 pub(crate) use family::EngineFamily;

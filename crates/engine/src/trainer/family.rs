@@ -22,11 +22,12 @@
 
 use candle_core::{Tensor, Var};
 
-use super::state::{grad_dtype, LinearIdx, ModelLayout, Trainer};
+use super::state::{grad_dtype, LinearIdx, ModelLayout, SegmentTag, Trainer};
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
+use crate::model::timestep_features;
 
 /// What a family's embed segment hands the blocks.
 pub(crate) struct Embedded {
@@ -64,8 +65,19 @@ impl<'a> BlockIn<'a> {
 /// [`ModelLayout`] (below): a family implements this trait in its file and is registered by one
 /// line of `Trainer::new`.
 pub(crate) trait FamilyStep {
-    /// Every linear of the model with a bias (for their gradient sinks).
-    fn linears(&self) -> Vec<LinearIdx>;
+    /// Every linear of the model with a bias (for their gradient sinks): the embed's, each
+    /// block's, the final layer's.
+    fn linears(&self) -> Vec<LinearIdx> {
+        let mut v = self.embed_linears();
+        for i in 0..self.depth() {
+            v.extend(self.block_linears(i));
+        }
+        v.extend(self.final_linears());
+        v
+    }
+    /// The linears with a bias of block `i`, of the final layer.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx>;
+    fn final_linears(&self) -> Vec<LinearIdx>;
     /// The weights of linears without a bias (Sana's): their sinks take dW only.
     fn weight_only(&self) -> Vec<usize> {
         Vec::new()
@@ -79,10 +91,18 @@ pub(crate) trait FamilyStep {
     /// The output side on the last streams: the prediction in the latents' layout, accumulation
     /// dtype. Its weights are dropped before it returns.
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor>;
-    /// Parameter indices of the embed segment, of block `i`, of the final layer.
-    fn embed_params(&self) -> Vec<usize>;
+    /// The embed segment's linears (the first of [`FamilyStep::linears`]), in the order their
+    /// gradients land.
+    fn embed_linears(&self) -> Vec<LinearIdx>;
+    /// Parameter indices of the embed segment (by default its linears'), of block `i`, of the
+    /// final layer.
+    fn embed_params(&self) -> Vec<usize> {
+        params_of(&self.embed_linears())
+    }
     fn block_params(&self, i: usize) -> Vec<usize>;
-    fn final_params(&self) -> Vec<usize>;
+    fn final_params(&self) -> Vec<usize> {
+        params_of(&self.final_linears())
+    }
     /// How many of the last conditioning tensors are fixed tables (Flux's RoPE cos and sin):
     /// the blocks and the final layer read them as they are, after the leaves, with no leaf
     /// copy and no gradient.
@@ -116,6 +136,73 @@ pub(crate) fn check_text(mb: &Batch, tokens: usize, width: usize) -> Result<()> 
     Ok(())
 }
 
+/// The batch's cached text must also carry a pooled embedding of `pooled` (SD3's and Flux's
+/// CLIP pooled output) beside `tokens` tokens of `width`.
+pub(crate) fn check_pooled_text(
+    mb: &Batch,
+    tokens: usize,
+    width: usize,
+    pooled: usize,
+) -> Result<()> {
+    if mb.text_tokens != tokens || mb.text_width != width || mb.pooled_width != pooled {
+        return Err(EngineError::bad_input(
+            "batch text",
+            format!(
+                "{} tokens of width {} and a pooled width of {}; this model reads {tokens} of \
+                 width {width} and a pooled width of {pooled}",
+                mb.text_tokens, mb.text_width, mb.pooled_width
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The embed segments' common steps, in the order every family's embed runs them (the order of
+/// allocations the `ditmem-cpu` budget replays).
+impl Trainer {
+    /// The noisy latents of `mb` patchified (`patchify`) in the compute dtype (`xp`, which the
+    /// embed's graph reads; the latents go once patchified) and the patch embedding `patch` on
+    /// them, in the compute dtype: (xp, xe).
+    pub(crate) fn patch_embed(
+        &self,
+        mb: &Batch,
+        patch: LinearIdx,
+        patchify: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let xt = mb.noisy(&self.acp, self.cfg.accum, &self.dev)?;
+        let xp = cast(patchify(&xt)?, self.cfg.compute)?;
+        drop(xt);
+        let xe = self.linear(patch, true)?.forward(&xp)?;
+        Ok((xp, xe))
+    }
+
+    /// The timestep MLP (linear_1, SiLU, linear_2) on the `freq`-wide sinusoids of `mb`'s
+    /// timesteps, made in the accumulation dtype and cast to the compute dtype: [the features,
+    /// linear_1's SiLU (both read by the embed's graph), the embedded timestep (b, D) in the
+    /// accumulation dtype].
+    pub(crate) fn timestep_mlp(
+        &self,
+        mb: &Batch,
+        freq: usize,
+        [l1, l2]: [LinearIdx; 2],
+    ) -> Result<[Tensor; 3]> {
+        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let tf = cast(timestep_features(&mb.timesteps, freq, ad, &self.dev)?, cd)?;
+        let t1 = self.linear(l1, true)?.forward(&tf)?.silu()?;
+        let emb = cast(self.linear(l2, true)?.forward(&t1)?, ad)?;
+        Ok([tf, t1, emb])
+    }
+
+    /// adaLN-single's shared modulation (`adaln_single.linear`, Sana's `time_embed.linear`,
+    /// Wan's `time_proj`): `linear` on SiLU(emb) in the compute dtype: (that SiLU, which the
+    /// graph reads, the (b, 6D) modulation in the accumulation dtype).
+    pub(crate) fn adaln_single(&self, emb: &Tensor, linear: LinearIdx) -> Result<(Tensor, Tensor)> {
+        let se = cast(emb.silu()?, self.cfg.compute)?;
+        let t6 = cast(self.linear(linear, true)?.forward(&se)?, self.cfg.accum)?;
+        Ok((se, t6))
+    }
+}
+
 /// A family's layout runs the family schedule.
 impl<F: FamilyStep + Send + Sync> ModelLayout for F {
     fn linears(&self) -> Vec<LinearIdx> {
@@ -134,7 +221,7 @@ impl<F: FamilyStep + Send + Sync> ModelLayout for F {
         accum: usize,
         rec: &mut Recorder<'_>,
     ) -> Result<f64> {
-        tr.family_microbatch(self, mb, micro, accum, rec)
+        tr.family_microbatch(self, mb, SegmentTag { micro, accum }, rec)
     }
 }
 
@@ -200,17 +287,9 @@ impl Trainer {
         &mut self,
         fam: &F,
         mb: &Batch,
-        micro: usize,
-        accum: usize,
+        tag: SegmentTag,
         rec: &mut Recorder<'_>,
     ) -> Result<f64> {
-        let tag = |what: String| {
-            if accum > 1 {
-                format!("microbatch {micro}: {what}")
-            } else {
-                what
-            }
-        };
         let ld = grad_dtype(self.precision);
 
         // Embed segment (kept until the end of the backward).
@@ -252,7 +331,7 @@ impl Trainer {
                 c.into_iter().chain(fixed.iter().cloned()).collect()
             }
         };
-        rec.mark(tag("embed".into()));
+        rec.mark(tag.at("embed".into()));
 
         // Blocks.
         let depth = fam.depth();
@@ -278,7 +357,7 @@ impl Trainer {
                 cur = outs.clone();
                 saved.push(SavedStreams::Stored { leaves, outs });
             }
-            rec.mark(tag(format!("block {i}")));
+            rec.mark(tag.at(format!("block {i}")));
         }
 
         // Output side and loss.
@@ -298,10 +377,10 @@ impl Trainer {
         crate::ops::release_whole(&pred)?;
         drop(pred);
         let loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-        rec.mark(tag("final".into()));
+        rec.mark(tag.at("final".into()));
 
         rec.enter(Phase::Backward);
-        let factor = self.grad_scale / accum as f64;
+        let factor = self.grad_scale / tag.accum as f64;
         let grads = loss.affine(factor, 0.0)?.backward()?;
         drop(loss);
         self.accumulate(&fam.final_params(), &grads)?;
@@ -327,7 +406,7 @@ impl Trainer {
         if let Some(k) = ctx {
             self.ctx_sink.set(gc[k].clone())?;
         }
-        rec.mark(tag("final".into()));
+        rec.mark(tag.at("final".into()));
 
         for i in (0..depth).rev() {
             let s = saved
@@ -361,7 +440,7 @@ impl Trainer {
             }
             drop(grads);
             drop(leaves);
-            rec.mark(tag(format!("block {i}")));
+            rec.mark(tag.at(format!("block {i}")));
         }
 
         if ctx.is_some() {
@@ -378,7 +457,7 @@ impl Trainer {
         if frozen_embed {
             drop(gx);
             drop((x0, conds, fixed));
-            rec.mark(tag("embed".into()));
+            rec.mark(tag.at("embed".into()));
             return Ok(loss_value);
         }
         let gc = gc
@@ -395,7 +474,7 @@ impl Trainer {
         // The conditioning leaves go with the embed's outputs (the budget frees them together).
         drop((x0, conds, fixed));
         drop(cond_leaves);
-        rec.mark(tag("embed".into()));
+        rec.mark(tag.at("embed".into()));
         drop(hold);
         Ok(loss_value)
     }

@@ -118,6 +118,18 @@ impl ParamIndex<'_> {
         })
     }
 
+    /// One entry per block of a model of `depth` blocks named `{prefix}.{i}`: `block(i, name)`.
+    pub(crate) fn blocks<T>(
+        &self,
+        prefix: &str,
+        depth: usize,
+        block: impl Fn(usize, &str) -> Result<T>,
+    ) -> Result<Vec<T>> {
+        (0..depth)
+            .map(|i| block(i, &format!("{prefix}.{i}")))
+            .collect()
+    }
+
     /// The linears `{block}.{name}` of one block, in the order of `names`.
     pub(crate) fn lins<const N: usize>(
         &self,

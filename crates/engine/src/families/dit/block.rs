@@ -8,6 +8,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::{EngineError, Result};
+use crate::families::adaln::AdaLnZero;
 use crate::layers::{cast, feed_forward, mlp_linear, AttnImpl, BlockConfig, LinearW, LN_EPS};
 use crate::ops::{
     gated_residual, gelu_tanh, ln_modulate, projected_attention, qkv_attention, AttnKeep, Dropout,
@@ -44,12 +45,10 @@ pub fn block_forward(
     // adaLN modulation: (b, 6D) → six (b, D) views.
     let silu_c = c.silu()?;
     let modv = cast(w.adaln.forward(&cast(silu_c, cd)?)?, ad)?;
-    let chunk = |i: usize| modv.narrow(1, i * h, h);
-    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
-    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+    let m = AdaLnZero::of_rows(modv, h)?;
 
     // Attention branch.
-    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
+    let h1 = ln_modulate(x, &m.shift_msa, &m.scale_msa, LN_EPS, cd)?;
     let dropout = (cfg.attn_dropout > 0.0).then_some(Dropout {
         p: cfg.attn_dropout,
         seed: seeds.attn,
@@ -77,19 +76,19 @@ pub fn block_forward(
     };
     debug_assert_eq!(a * dh, h);
     // x + proj·gate as one node (see `ops::GatedResidual`): no kept product, no f32 copy of proj.
-    let x1 = gated_residual(x, &w.proj.forward(&o2)?, &gate_msa)?;
+    let x1 = gated_residual(x, &w.proj.forward(&o2)?, &m.gate_msa)?;
 
     // MLP branch.
-    let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
+    let h2 = ln_modulate(&x1, &m.shift_mlp, &m.scale_mlp, LN_EPS, cd)?;
     if cfg.mlp_dropout > 0.0 {
         let d = Dropout {
             p: cfg.mlp_dropout,
             seed: seeds.mlp,
         };
-        return mlp_dropout_residual(&x1, &h2, w, &gate_mlp, cd, d);
+        return mlp_dropout_residual(&x1, &h2, w, &m.gate_mlp, cd, d);
     }
     let f2 = feed_forward(&h2, &w.fc1, &w.fc2)?;
-    Ok(gated_residual(&x1, &f2, &gate_mlp)?)
+    Ok(gated_residual(&x1, &f2, &m.gate_mlp)?)
 }
 
 /// The MLP branch with dropout between the GELU and fc2, composed, and its gated residual:

@@ -14,7 +14,7 @@ use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
 use crate::layers::cast;
 use crate::measure::{Phase, Recorder};
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::{patchify, unpatchify};
 use crate::rng::derive_seed;
 use crate::shapes::Dims;
 use crate::trainer::state::{
@@ -214,19 +214,14 @@ impl Trainer {
     /// dropped to the null class where the batch says so).
     fn dit_embed(&self, lay: &DitLayout, mb: &Batch) -> Result<DitEmbed> {
         let d = self.dims;
-        let (cd, ad) = (self.cfg.compute, self.cfg.accum);
+        let ad = self.cfg.accum;
         let b = mb.n;
-        let xt = mb.noisy(&self.acp, ad, &self.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = self.linear(lay.embed_idx[0], true)?.forward(&xp)?;
+        let (xp, xe) = self.patch_embed(mb, lay.embed_idx[0], |xt| patchify(xt, &d))?;
         let pos = self.raw_weight(lay.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
-        let tf = cast(timestep_features(&mb.timesteps, d.freq, ad, &self.dev)?, cd)?;
-        let t1 = self.linear(lay.embed_idx[1], true)?.forward(&tf)?.silu()?;
-        let temb = cast(self.linear(lay.embed_idx[2], true)?.forward(&t1)?, ad)?;
+        let [tf, t1, temb] = self.timestep_mlp(mb, d.freq, [lay.embed_idx[1], lay.embed_idx[2]])?;
         let null = d.num_classes as u32;
         let ids: Vec<u32> = mb
             .labels

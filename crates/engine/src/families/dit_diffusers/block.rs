@@ -6,10 +6,10 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
+use crate::families::adaln::{linear_modulated_out, AdaLnZero, ShiftScale};
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{
-    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
-    BlockConfig, LinearW, LN_EPS,
+    cast, feed_forward_then_release, gated_then_release, BlockConfig, LinearW, LN_EPS,
 };
 use crate::ops::attention::separate::attention;
 use crate::ops::ln_modulate;
@@ -90,23 +90,18 @@ pub fn ditd_block_forward(
     let emb = combined_embedding(tf, ids, &w.emb, ad)?;
     let se = cast(emb.silu()?, cd)?;
     let modv = cast(w.norm1.forward(&se)?, ad)?;
-    let chunk = |i: usize| modv.narrow(1, i * h, h);
-    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
-    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+    let m = AdaLnZero::of_rows(modv, h)?;
 
     // Self-attention.
-    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
-    let q = w.q.forward(&h1)?;
-    let k = w.k.forward(&h1)?;
-    let v = w.v.forward(&h1)?;
+    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q, &w.k, &w.v], LN_EPS, cd)?;
     let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
     let p = w.o.forward(&o)?;
-    let x1 = gated_then_release(x, p, &gate_msa)?;
+    let x1 = gated_then_release(x, p, &m.gate_msa)?;
 
     // Feed-forward.
-    let h2 = ln_modulate(&x1, &shift_mlp, &scale_mlp, eps3, cd)?;
+    let h2 = ln_modulate(&x1, &m.shift_mlp, &m.scale_mlp, eps3, cd)?;
     let f2 = feed_forward_then_release(&h2, &w.fc1, &w.fc2)?;
-    gated_then_release(&x1, f2, &gate_mlp)
+    gated_then_release(&x1, f2, &m.gate_mlp)
 }
 
 /// The output side: `shift, scale = proj_out_1(SiLU(conditioning)).chunk(2)`, `norm_out(x)·(1 +
@@ -120,10 +115,6 @@ pub fn final_forward(
     cd: DType,
     ad: DType,
 ) -> Result<Tensor> {
-    let h = x.dim(2)?;
-    let e = cast(proj_out_1.forward(se)?, ad)?;
-    let (shift, scale) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
-    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    let y = linear_then_release(proj_out_2, &hx)?;
-    cast_then_release(y, ad)
+    let lins = (proj_out_1, proj_out_2);
+    linear_modulated_out(x, se, lins, ShiftScale::ShiftFirst, cd, ad)
 }

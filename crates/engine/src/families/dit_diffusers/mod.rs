@@ -51,6 +51,7 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -64,22 +65,13 @@ pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_jso
             "activation_fn": "gelu-approximate", "num_embeds_ada_norm": 1000,
             "norm_type": "ada_norm_zero", "norm_elementwise_affine": false, "norm_eps": 1e-5}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny diffusers DiT spec on [`Spec::small`]'s workload (128×128 images: 64 tokens, batch
 /// 4), fp32, materialized attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
-        "dit-diffusers-tiny",
-        tiny_config(layers, heads),
-    )?;
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    Ok(s)
+    tiny_family_spec("dit-diffusers-tiny", tiny_config(layers, heads), &[])
 }
 
 impl EngineFamily for DitdGeom {

@@ -15,7 +15,7 @@
 use ditmem_budget::{DitDiffusersDims, Spec};
 
 use crate::error::{EngineError, Result};
-use crate::families::config::no_dropout;
+use crate::families::config::{biased_qkv, no_dropout, patch_conv};
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -62,12 +62,7 @@ pub struct DitdGeom {
 impl DitdGeom {
     /// Checks what the engine runs of a `DiTTransformer2DModel` config and reads its geometry.
     pub fn new(spec: &Spec, d: &DitDiffusersDims) -> Result<DitdGeom> {
-        if !d.attention_bias {
-            return Err(EngineError::unsupported(
-                "model.diffusers.attention_bias = false",
-                "the engine's diffusers DiT has biased q/k/v projections; use attention_bias = true",
-            ));
-        }
+        biased_qkv(d.attention_bias, "diffusers DiT")?;
         no_dropout(spec, "a DiTTransformer2DModel", "the diffusers DiT")?;
         let lora = LoraPlan::of(spec);
         if let Some(plan) = &lora {
@@ -106,12 +101,7 @@ pub fn param_shapes(d: &Dims, g: &DitdGeom) -> Vec<ParamShape> {
     let h = d.hidden;
     let small = Init::Normal(0.02);
     let mut inv = Inventory::default();
-    inv.tensor(
-        "pos_embed.proj.weight".into(),
-        vec![h, d.in_channels, d.patch, d.patch],
-        Init::XavierUniform,
-    );
-    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    patch_conv(&mut inv, "pos_embed.proj", d, &[d.patch, d.patch]);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
         let [l1, l2] = DITD_EMB_LINEARS;

@@ -52,16 +52,14 @@ pub(crate) struct DitdLayout {
 
 impl DitdLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: DitdGeom) -> Result<DitdLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", depth, |_, b| {
             let emb = EmbIdx {
-                lin: p.lins(&b, DITD_EMB_LINEARS)?,
+                lin: p.lins(b, DITD_EMB_LINEARS)?,
                 table: p.idx(&format!("{b}.{DITD_LABEL_TABLE}"))?,
             };
-            let l = p.lins(&b, DITD_BLOCK_LINEARS)?;
-            blocks.push(DitdBlockIdx { emb, lin: l });
-        }
+            let l = p.lins(b, DITD_BLOCK_LINEARS)?;
+            Ok(DitdBlockIdx { emb, lin: l })
+        })?;
         if blocks.is_empty() {
             return Err(EngineError::bad_input(
                 "model.depth",
@@ -113,25 +111,21 @@ impl Trainer {
 }
 
 impl FamilyStep for DitdLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch];
-        for b in &self.blocks {
-            v.extend(b.emb.lin);
-            v.extend(b.lin);
-        }
-        v.extend(self.proj_out);
-        v
+    /// The block's embedder's linears, then its own.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let b = &self.blocks[i];
+        [&b.emb.lin[..], &b.lin[..]].concat()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        self.proj_out.to_vec()
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
         let d = tr.dims;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let pos = tr.raw_weight(self.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
@@ -185,6 +179,12 @@ impl FamilyStep for DitdLayout {
         Ok(pred)
     }
 
+    /// The patch embedding alone: block 0's embedder, which the embed runs once more, is listed
+    /// with block 0's linears.
+    fn embed_linears(&self) -> Vec<LinearIdx> {
+        vec![self.patch]
+    }
+
     /// Block 0's embedder (its second use, for the output side), then the patch embedding.
     /// The order is the budget's: block 0 landed the embedder's gradients, so each is summed
     /// into its buffer (`old + g`, a transient of its size) while the store still holds the
@@ -203,10 +203,6 @@ impl FamilyStep for DitdLayout {
         let mut v = emb_params(&blk.emb);
         v.extend(params_of(&blk.lin));
         v
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        params_of(&self.proj_out)
     }
 }
 

@@ -46,6 +46,7 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -65,10 +66,7 @@ pub(crate) fn tiny_config(
             "pooled_projection_dim": 24, "guidance_embeds": {guidance},
             "axes_dims_rope": [4, 6, 6]}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny Flux spec on [`Spec::small`]'s workload (128×128 images: 16×16 latents packed to 64
@@ -80,14 +78,11 @@ pub fn tiny_spec(
     text_tokens: u32,
     guidance: bool,
 ) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
+    tiny_family_spec(
         "flux-tiny",
         tiny_config(double, single, heads, guidance),
-    )?;
-    s.workload.text_tokens = Some(vec![77, text_tokens]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    Ok(s)
+        &[77, text_tokens],
+    )
 }
 
 impl EngineFamily for FluxGeom {

@@ -29,7 +29,7 @@ use crate::layers::cast;
 use crate::model::{patchify, timestep_features};
 use crate::ops::RopeTable;
 use crate::shapes::Dims;
-use crate::trainer::family::{params_of, BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_pooled_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one Flux block's parameters sit: its linears and q/k norm weights in the order of
@@ -123,15 +123,12 @@ impl FluxLayout {
 }
 
 impl FamilyStep for FluxLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.x_embedder, self.context_embedder];
-        v.extend(self.embedders.iter().flatten().copied());
-        for b in self.double.iter().chain(&self.single) {
-            v.extend(b.lin.iter().copied());
-        }
-        v.extend([self.norm_out, self.proj_out]);
-        v
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        self.block_idx(i).lin.clone()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.norm_out, self.proj_out]
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
@@ -139,28 +136,8 @@ impl FamilyStep for FluxLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         let g = &self.geom;
-        if mb.text_tokens != g.text_tokens
-            || mb.text_width != g.text_width
-            || mb.pooled_width != g.pooled_width
-        {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {} and a pooled width {}; this model reads {} of width {} \
-                     and a pooled width {}",
-                    mb.text_tokens,
-                    mb.text_width,
-                    mb.pooled_width,
-                    g.text_tokens,
-                    g.text_width,
-                    g.pooled_width
-                ),
-            ));
-        }
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.x_embedder, true)?.forward(&xp)?;
+        check_pooled_text(mb, g.text_tokens, g.text_width, g.pooled_width)?;
+        let (xp, xe) = tr.patch_embed(mb, self.x_embedder, |xt| patchify(xt, &d))?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let ce = tr.linear(self.context_embedder, true)?.forward(&cap)?;
@@ -262,10 +239,10 @@ impl FamilyStep for FluxLayout {
         Ok(pred)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.x_embedder, self.context_embedder];
         embed.extend(self.embedders.iter().flatten().copied());
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -273,10 +250,6 @@ impl FamilyStep for FluxLayout {
         let mut idx = params_of(&bi.lin);
         idx.extend(bi.norms.iter().copied());
         idx
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        params_of(&[self.norm_out, self.proj_out])
     }
 
     fn fixed_conds(&self) -> usize {

@@ -6,9 +6,10 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::families::cross::cross_attend;
+use crate::families::adaln::AdaLnZero;
+use crate::families::cross::unnormed_cross;
 use crate::layers::{
-    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
+    cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     AttnImpl, BlockConfig, LinearW, LN_EPS,
 };
 use crate::ops::attention::separate::attention;
@@ -49,37 +50,26 @@ pub fn pixart_block_forward(
     w: &PixartBlockWeights,
     cfg: &BlockConfig,
 ) -> Result<Tensor> {
-    let (b, s, h) = x.dims3()?;
+    let (b, _, h) = x.dims3()?;
     let (cd, ad) = (cfg.compute, cfg.accum);
     let keep = attn_keep(cfg.attn);
-    // (scale_shift_table[None] + timestep.reshape(b, 6, D)).chunk(6): one (b, 6D) sum.
-    let table = w.table.reshape((1, 6 * h))?;
-    let modv = t6.broadcast_add(&table)?;
-    let chunk = |i: usize| modv.narrow(1, i * h, h);
-    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
-    let (shift_mlp, scale_mlp, gate_mlp) = (chunk(3)?, chunk(4)?, chunk(5)?);
+    let m = AdaLnZero::of_table(t6, &w.table, h)?;
 
     // Self-attention.
-    let h1 = ln_modulate(x, &shift_msa, &scale_msa, LN_EPS, cd)?;
-    let q = w.q1.forward(&h1)?;
-    let k = w.k1.forward(&h1)?;
-    let v = w.v1.forward(&h1)?;
+    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q1, &w.k1, &w.v1], LN_EPS, cd)?;
     let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
     let p = w.o1.forward(&o)?;
-    let x1 = gated_then_release(x, p, &gate_msa)?;
+    let x1 = gated_then_release(x, p, &m.gate_msa)?;
 
     // Cross-attention to the caption (PixArt's attn2 reads the stream without a norm).
-    let xq = cast(x1.clone(), cd)?.reshape((b * s, h))?;
-    let q2 = w.q2.forward(&xq)?;
-    let o2 = cross_attend(&q2, y, (&w.k2, &w.v2), None, b, cfg.heads, keep)?;
-    let p2 = w.o2.forward(&o2)?;
-    let ones = Tensor::ones((b, h), ad, x.device())?;
+    let attn2 = [&w.q2, &w.k2, &w.v2, &w.o2];
+    let [_xq, _q2, _o2, p2, ones] = unnormed_cross(&x1, y, attn2, cfg.heads, keep, (cd, ad))?;
     let x2 = gated_then_release(&x1, p2, &ones)?;
 
     // MLP.
-    let h2 = ln_modulate(&x2, &shift_mlp, &scale_mlp, LN_EPS, cd)?;
+    let h2 = ln_modulate(&x2, &m.shift_mlp, &m.scale_mlp, LN_EPS, cd)?;
     let f2 = feed_forward_then_release(&h2, &w.fc1, &w.fc2)?;
-    gated_then_release(&x2, f2, &gate_mlp)
+    gated_then_release(&x2, f2, &m.gate_mlp)
 }
 
 /// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.

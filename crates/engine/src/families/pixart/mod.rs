@@ -40,6 +40,7 @@ pub use params::{param_shapes, PixartGeom, PIXART_BLOCK_LINEARS};
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -57,23 +58,13 @@ pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_jso
             "norm_elementwise_affine": false, "norm_eps": 1e-6, "caption_channels": 32,
             "use_additional_conditions": false}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny PixArt spec on [`Spec::small`]'s workload (128×128 images: 64 tokens, batch 4) with
 /// `text_tokens` caption tokens, fp32, materialized attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32, text_tokens: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
-        "pixart-tiny",
-        tiny_config(layers, heads),
-    )?;
-    s.workload.text_tokens = Some(vec![text_tokens]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    Ok(s)
+    tiny_family_spec("pixart-tiny", tiny_config(layers, heads), &[text_tokens])
 }
 
 impl EngineFamily for PixartGeom {

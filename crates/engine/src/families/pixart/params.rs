@@ -9,8 +9,8 @@
 
 use ditmem_budget::{PixartDims, Spec};
 
-use crate::error::{EngineError, Result};
-use crate::families::config::{caption_tokens, no_dropout};
+use crate::error::Result;
+use crate::families::config::{biased_qkv, caption_tokens, no_dropout, patch_conv};
 use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
@@ -47,12 +47,7 @@ pub struct PixartGeom {
 impl PixartGeom {
     /// Checks what the engine runs of a PixArt config and reads its geometry.
     pub fn new(spec: &Spec, d: &PixartDims) -> Result<PixartGeom> {
-        if !d.attention_bias {
-            return Err(EngineError::unsupported(
-                "model.diffusers.attention_bias = false",
-                "the engine's PixArt has biased q/k/v projections; use attention_bias = true",
-            ));
-        }
+        biased_qkv(d.attention_bias, "PixArt")?;
         no_dropout(spec, "a PixArt model", "PixArt")?;
         let t = caption_tokens(spec, "T5")?;
         let hidden = d.inner() as usize;
@@ -80,12 +75,7 @@ pub fn param_shapes(d: &Dims, g: &PixartGeom) -> Vec<ParamShape> {
     let small = Init::Normal(0.02);
     let mut inv = Inventory::default();
     inv.tensor("scale_shift_table".into(), vec![2, h], table_init);
-    inv.tensor(
-        "pos_embed.proj.weight".into(),
-        vec![h, d.in_channels, d.patch, d.patch],
-        Init::XavierUniform,
-    );
-    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    patch_conv(&mut inv, "pos_embed.proj", d, &[d.patch, d.patch]);
     for i in 0..d.depth {
         let b = format!("transformer_blocks.{i}");
         inv.tensor(format!("{b}.scale_shift_table"), vec![6, h], table_init);

@@ -17,8 +17,8 @@ use crate::families::pixart::{
     caption_forward, final_forward, pixart_block_forward, CaptionWeights, PixartBlockWeights,
     PixartFinalWeights, PixartGeom, PIXART_BLOCK_LINEARS,
 };
-use crate::layers::cast;
-use crate::model::{patchify, sinusoid_features, timestep_features, unpatchify};
+use crate::layers::{cast, LinearW};
+use crate::model::{patchify, sinusoid_features, unpatchify};
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -43,22 +43,69 @@ pub(crate) struct PixartLayout {
     adaln: LinearIdx,
     caption: Option<[LinearIdx; 2]>,
     blocks: Vec<PixartBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: PixartGeom,
+}
+
+/// Where an output side of PixArt's kind sits (PixArt's, Sana's, Wan's): the final
+/// `scale_shift_table` and `proj_out`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TableFinal {
+    pub(crate) table: usize,
+    pub(crate) proj_out: LinearIdx,
+}
+
+impl TableFinal {
+    pub(crate) fn new(p: &ParamIndex<'_>) -> Result<TableFinal> {
+        Ok(TableFinal {
+            table: p.idx("scale_shift_table")?,
+            proj_out: p.lin("proj_out")?,
+        })
+    }
+
+    /// Its parameter indices: `proj_out`'s, then the table.
+    pub(crate) fn params(&self) -> Vec<usize> {
+        let mut idx = Trainer::linear_params(&self.proj_out);
+        idx.push(self.table);
+        idx
+    }
+
+    /// The table in the accumulation dtype and `proj_out`, tracked.
+    pub(crate) fn weights(&self, tr: &Trainer) -> Result<(Tensor, LinearW)> {
+        Ok((
+            tr.table_weight(self.table, true)?,
+            tr.linear(self.proj_out, true)?,
+        ))
+    }
+
+    /// PixArt's output side ([`final_forward`], also Sana's) on the stream `x` and the embedded
+    /// timestep `emb`: the prediction in the latents' layout, accumulation dtype.
+    pub(crate) fn pixart_forward(
+        &self,
+        tr: &Trainer,
+        x: &Tensor,
+        emb: &Tensor,
+        mb: &Batch,
+    ) -> Result<Tensor> {
+        let d = tr.dims;
+        let (table, proj_out) = self.weights(tr)?;
+        let fw = PixartFinalWeights { table, proj_out };
+        let out = final_forward(x, emb, &fw, tr.cfg.compute, tr.cfg.accum)?;
+        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
+        drop(fw);
+        Ok(pred)
+    }
 }
 
 impl PixartLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: PixartGeom) -> Result<PixartLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
-            let l = p.lins(&b, PIXART_BLOCK_LINEARS)?;
-            blocks.push(PixartBlockIdx {
+        let blocks = p.blocks("transformer_blocks", depth, |_, b| {
+            let l = p.lins(b, PIXART_BLOCK_LINEARS)?;
+            Ok(PixartBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
-            });
-        }
+            })
+        })?;
         let te = "adaln_single.emb.timestep_embedder";
         Ok(PixartLayout {
             patch: p.lin("pos_embed.proj")?,
@@ -83,18 +130,38 @@ impl PixartLayout {
                 None
             },
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
         })
     }
 }
 
 impl Trainer {
-    /// A PixArt parameter that is not a linear (a `scale_shift_table`), in the accumulation
-    /// dtype (a cast copy only when the dtypes differ).
+    /// A parameter that is not a linear and is read in the accumulation dtype (PixArt's, Sana's
+    /// and Wan's `scale_shift_table`s, Wan's `norm2`; a cast copy only when the dtypes differ).
     pub(crate) fn table_weight(&self, i: usize, track: bool) -> Result<Tensor> {
         cast(self.raw_weight(i, track), self.cfg.accum)
+    }
+
+    /// The eight attention linears of a block with a self- and a cross-attention (PixArt's,
+    /// Sana's, Wan's): `lin(k)` for k in 0..8, in `cross::self_cross_block_linears` order; the
+    /// cross-attention's k and v add their input's gradient into the context sink.
+    pub(crate) fn self_cross_attn_linears(
+        &self,
+        lin: impl Fn(usize) -> Result<LinearW>,
+        track: bool,
+    ) -> Result<[LinearW; 8]> {
+        let sink = || self.ctx_sink_for(track);
+        Ok([
+            lin(0)?,
+            lin(1)?,
+            lin(2)?,
+            lin(3)?,
+            lin(4)?,
+            lin(5)?.with_input_sink(sink()),
+            lin(6)?.with_input_sink(sink()),
+            lin(7)?,
+        ])
     }
 
     pub(crate) fn pixart_block_weights(
@@ -103,16 +170,18 @@ impl Trainer {
         track: bool,
     ) -> Result<PixartBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(PixartBlockWeights {
-            table: self.table_weight(b.table, track)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
             fc1: l(8)?,
             fc2: l(9)?,
         })
@@ -120,15 +189,12 @@ impl Trainer {
 }
 
 impl FamilyStep for PixartLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2];
-        v.extend(self.sizes.iter().flatten().copied());
-        v.push(self.adaln);
-        v.extend(self.caption.iter().flatten().copied());
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
-        v
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        self.blocks[i].lin.to_vec()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.out.proj_out]
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
@@ -136,20 +202,12 @@ impl FamilyStep for PixartLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let pos = tr.raw_weight(self.pos, true);
         let x0 = cast(xe, ad)?
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
-        let tf = cast(
-            timestep_features(&mb.timesteps, PIXART_FREQ, ad, &tr.dev)?,
-            cd,
-        )?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
+        let [tf, t1, emb] = tr.timestep_mlp(mb, PIXART_FREQ, [self.t1, self.t2])?;
         // PixArt-α's additional conditions: emb + cat[resolution_embedder(sinusoids of (h, w))
         // as (b, 2·D/3), aspect_ratio_embedder(sinusoids of h/w) (b, D/3)] (diffusers
         // `PixArtAlphaCombinedTimestepSizeEmbeddings.forward`).
@@ -171,8 +229,7 @@ impl FamilyStep for PixartLayout {
             }
             _ => (emb, Vec::new()),
         };
-        let se = cast(emb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let (se, t6) = tr.adaln_single(&emb, self.adaln)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let y = match &self.caption {
             Some([l1, l2]) => caption_forward(
@@ -208,23 +265,15 @@ impl FamilyStep for PixartLayout {
     }
 
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
-        let d = tr.dims;
-        let fw = PixartFinalWeights {
-            table: tr.table_weight(self.final_table, true)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
-        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
-        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
-        drop(fw);
-        Ok(pred)
+        self.out.pixart_forward(tr, &x[0], &c[1], mb)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2];
         embed.extend(self.sizes.iter().flatten().copied());
         embed.push(self.adaln);
         embed.extend(self.caption.iter().flatten().copied());
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -235,9 +284,7 @@ impl FamilyStep for PixartLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 

@@ -43,6 +43,7 @@ pub use params::{param_shapes, SanaGeom, SANA_FREQ};
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -62,25 +63,16 @@ pub fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, serde_jso
             "cross_attention_dim": {hidden}, "caption_channels": 48, "mlp_ratio": 2.5,
             "norm_elementwise_affine": false, "norm_eps": 1e-6, "interpolation_scale": null}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny Sana spec on [`Spec::small`]'s workload at 256×256 (the DC-AE's factor 32: an 8×8
 /// latent, 64 tokens; batch 4) with `text_tokens` caption tokens, fp32, materialized
 /// cross-attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32, text_tokens: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
-        "sana-tiny",
-        tiny_config(layers, heads),
-    )?;
+    let mut s = tiny_family_spec("sana-tiny", tiny_config(layers, heads), &[text_tokens])?;
     s.workload.height = 256;
     s.workload.width = 256;
-    s.workload.text_tokens = Some(vec![text_tokens]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
 }
 

@@ -17,13 +17,14 @@ use crate::diffusion::Batch;
 use crate::error::Result;
 use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
+use crate::families::pixart::step::TableFinal;
 use crate::families::sana::{
-    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
-    SanaCaptionWeights, SanaFinalWeights, SanaGeom, SANA_FREQ,
+    caption_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
+    SanaCaptionWeights, SanaGeom, SANA_FREQ,
 };
 use crate::layers::cast;
 use crate::layers::LinearW;
-use crate::model::{patchify, timestep_features, unpatchify};
+use crate::model::patchify;
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -58,8 +59,7 @@ pub(crate) struct SanaLayout {
     caption: [LinearIdx; 2],
     caption_norm: usize,
     blocks: Vec<SanaBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: SanaGeom,
     grid: (usize, usize),
 }
@@ -74,9 +74,7 @@ impl SanaLayout {
                 lora: factor_indices(&|n| p.find(n), m),
             })
         };
-        let mut blocks = Vec::with_capacity(dims.depth);
-        for i in 0..dims.depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", dims.depth, |_, b| {
             let mut l = [Lin {
                 w: 0,
                 b: None,
@@ -85,15 +83,15 @@ impl SanaLayout {
             for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
                 *slot = any(&format!("{b}.{name}"))?;
             }
-            blocks.push(SanaBlockIdx {
+            Ok(SanaBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 depth: (
                     p.idx(&format!("{b}.ff.conv_depth.weight"))?,
                     p.idx(&format!("{b}.ff.conv_depth.bias"))?,
                 ),
-            });
-        }
+            })
+        })?;
         let te = "time_embed.emb.timestep_embedder";
         Ok(SanaLayout {
             patch: p.lin("patch_embed.proj")?,
@@ -106,8 +104,7 @@ impl SanaLayout {
             ],
             caption_norm: p.idx("caption_norm.weight")?,
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
             grid: (dims.rows, dims.cols),
         })
@@ -139,16 +136,18 @@ impl Trainer {
         let wdt = self.linear_weight(b.lin[3].w, false)?.dtype();
         let zero = zero_bias(self.dims.hidden, wdt)?;
         let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(SanaBlockWeights {
-            table: cast(self.raw_weight(b.table, track), self.cfg.accum)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
             conv_inverted: l(8)?,
             conv_depth: (
                 self.linear_weight(b.depth.0, track)?,
@@ -160,23 +159,20 @@ impl Trainer {
 }
 
 impl FamilyStep for SanaLayout {
-    /// Every linear with a bias.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.adaln];
-        v.extend(self.caption);
-        for b in &self.blocks {
-            for l in &b.lin {
-                if let Some(bi) = l.b {
-                    v.push(LinearIdx {
-                        w: l.w,
-                        b: bi,
-                        lora: l.lora,
-                    });
-                }
-            }
-        }
-        v.push(self.proj_out);
-        v
+    /// The block's linears with a bias.
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let with_bias = |l: &Lin| {
+            l.b.map(|b| LinearIdx {
+                w: l.w,
+                b,
+                lora: l.lora,
+            })
+        };
+        self.blocks[i].lin.iter().filter_map(with_bias).collect()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.out.proj_out]
     }
 
     /// The weights of the linears without a bias (their sinks take dW only).
@@ -192,19 +188,10 @@ impl FamilyStep for SanaLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, self.geom.text_tokens, self.geom.text_width)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| patchify(xt, &d))?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
-        let tf = cast(
-            timestep_features(&mb.timesteps, SANA_FREQ, ad, &tr.dev)?,
-            cd,
-        )?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let emb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
-        let se = cast(emb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.adaln, true)?.forward(&se)?, ad)?;
+        let [tf, t1, emb] = tr.timestep_mlp(mb, SANA_FREQ, [self.t1, self.t2])?;
+        let (se, t6) = tr.adaln_single(&emb, self.adaln)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let y = caption_forward(
             &cap,
@@ -242,22 +229,20 @@ impl FamilyStep for SanaLayout {
         Ok(vec![out])
     }
 
+    /// PixArt's output side (`norm_out`, the table's modulation, `proj_out`).
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
-        let d = tr.dims;
-        let fw = SanaFinalWeights {
-            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
-        let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
-        let pred = unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?;
-        drop(fw);
-        Ok(pred)
+        self.out.pixart_forward(tr, &x[0], &c[1], mb)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2, self.adaln];
         embed.extend(self.caption);
-        let mut idx = params_of(&embed);
+        embed
+    }
+
+    /// The linears', then `caption_norm`'s weight.
+    fn embed_params(&self) -> Vec<usize> {
+        let mut idx = params_of(&self.embed_linears());
         idx.push(self.caption_norm);
         idx
     }
@@ -276,9 +261,7 @@ impl FamilyStep for SanaLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 

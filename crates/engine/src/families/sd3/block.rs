@@ -6,10 +6,11 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::families::adaln::{linear_modulated_out, ShiftScale};
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{
-    cast, cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
-    mlp_linear, BlockConfig, LinearW, LN_EPS,
+    cast, feed_forward_then_release, gated_then_release, linear_then_release, mlp_linear,
+    BlockConfig, LinearW, LN_EPS,
 };
 use crate::ops::attention::separate::attention;
 use crate::ops::{cat_tokens, joint_linear, ln_modulate, release, rms_norm, split_tokens};
@@ -59,6 +60,30 @@ pub struct ContextOut {
     pub ff2: LinearW,
 }
 
+/// `norm1` (AdaLayerNormZero: shift, scale, gate (msa), shift, scale, gate (mlp)) and
+/// `norm1_context` (the same, or AdaLayerNormContinuous (scale, shift) in the last block) on
+/// SiLU(temb) `se`: [their modulations m, mc (b, k·D) in `ad`, the modulated image hx and
+/// context hc in `cd`]. The caller holds m and mc until the block returns.
+fn norm1(
+    c: &Tensor,
+    x: &Tensor,
+    se: &Tensor,
+    w: &Sd3BlockWeights,
+    cfg: &BlockConfig,
+) -> Result<[Tensor; 4]> {
+    let h = x.dim(2)?;
+    let (cd, ad) = (cfg.compute, cfg.accum);
+    let m = cast(w.norm1.forward(se)?, ad)?;
+    let mc = cast(w.norm1_context.forward(se)?, ad)?;
+    let chunk = |t: &Tensor, i: usize| t.narrow(1, i * h, h);
+    let hx = ln_modulate(x, &chunk(&m, 0)?, &chunk(&m, 1)?, LN_EPS, cd)?;
+    let hc = match &w.ctx {
+        Some(_) => ln_modulate(c, &chunk(&mc, 0)?, &chunk(&mc, 1)?, LN_EPS, cd)?,
+        None => ln_modulate(c, &chunk(&mc, 1)?, &chunk(&mc, 0)?, LN_EPS, cd)?,
+    };
+    Ok([m, mc, hx, hc])
+}
+
 /// One `JointTransformerBlock`: the context c (b, T, D) and image x (b, s, D) streams in `ad`,
 /// SiLU(temb) `se` (b, D) in `cd` → [c', x'] (the last block returns [x'] only). Every
 /// intermediate is a local until the block returns (the budget's twin binds the same tensors).
@@ -71,18 +96,10 @@ pub fn sd3_block_forward(
 ) -> Result<Vec<Tensor>> {
     let (b, s, h) = x.dims3()?;
     let t = c.dim(1)?;
-    let (cd, ad) = (cfg.compute, cfg.accum);
+    let cd = cfg.compute;
     let keep = attn_keep(cfg.attn);
-    // norm1 (AdaLayerNormZero): shift, scale, gate (msa), shift, scale, gate (mlp).
-    let m = cast(w.norm1.forward(se)?, ad)?;
-    let mc = cast(w.norm1_context.forward(se)?, ad)?;
+    let [m, mc, hx, hc] = norm1(c, x, se, w, cfg)?;
     let chunk = |t: &Tensor, i: usize| t.narrow(1, i * h, h);
-    let hx = ln_modulate(x, &chunk(&m, 0)?, &chunk(&m, 1)?, LN_EPS, cd)?;
-    // norm1_context: AdaLayerNormZero, or AdaLayerNormContinuous (scale, shift) when last.
-    let hc = match &w.ctx {
-        Some(_) => ln_modulate(c, &chunk(&mc, 0)?, &chunk(&mc, 1)?, LN_EPS, cd)?,
-        None => ln_modulate(c, &chunk(&mc, 1)?, &chunk(&mc, 0)?, LN_EPS, cd)?,
-    };
 
     // Joint attention over [image, context] per sample.
     // q, k, v of [image; text] per sample: one joint linear each where neither linear
@@ -221,16 +238,7 @@ pub fn joint_qk(
     cfg: &BlockConfig,
 ) -> Result<(Tensor, Tensor)> {
     let b = x.dim(0)?;
-    let h = x.dim(2)?;
-    let (cd, ad) = (cfg.compute, cfg.accum);
-    let m = cast(w.norm1.forward(se)?, ad)?;
-    let mc = cast(w.norm1_context.forward(se)?, ad)?;
-    let chunk = |t: &Tensor, i: usize| t.narrow(1, i * h, h);
-    let hx = ln_modulate(x, &chunk(&m, 0)?, &chunk(&m, 1)?, LN_EPS, cd)?;
-    let hc = match &w.ctx {
-        Some(_) => ln_modulate(c, &chunk(&mc, 0)?, &chunk(&mc, 1)?, LN_EPS, cd)?,
-        None => ln_modulate(c, &chunk(&mc, 1)?, &chunk(&mc, 0)?, LN_EPS, cd)?,
-    };
+    let [_m, _mc, hx, hc] = norm1(c, x, se, w, cfg)?;
     let (mut q, mut k) = (w.to_q.forward(&hx)?, w.to_k.forward(&hx)?);
     let (mut eq, mut ek) = (w.add_q.forward(&hc)?, w.add_k.forward(&hc)?);
     if let Some([nq, nk, naq, nak]) = &w.qk {
@@ -252,12 +260,8 @@ pub fn final_forward(
     cd: DType,
     ad: DType,
 ) -> Result<Tensor> {
-    let h = x.dim(2)?;
-    let e = cast(norm_out.forward(se)?, ad)?;
-    let (scale, shift) = (e.narrow(1, 0, h)?, e.narrow(1, h, h)?);
-    let hx = ln_modulate(x, &shift, &scale, LN_EPS, cd)?;
-    let y = linear_then_release(proj_out, &hx)?;
-    cast_then_release(y, ad)
+    let lins = (norm_out, proj_out);
+    linear_modulated_out(x, se, lins, ShiftScale::ScaleFirst, cd, ad)
 }
 
 /// A two-linear MLP with SiLU between (`TimestepEmbedding`, and the pooled text's

@@ -48,6 +48,7 @@ pub use params::{
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -79,36 +80,23 @@ pub fn tiny_config_dual(
             "caption_projection_dim": {hidden}, "pooled_projection_dim": 24,
             "pos_embed_max_size": 12, "dual_attention_layers": {dual}, "qk_norm": {qk}}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny SD3 spec on [`Spec::small`]'s workload (128×128 images: 64 tokens, batch 4) with
 /// `clip` + `t5` caption tokens, fp32, materialized attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32, qk_norm: bool, clip: u32, t5: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
-        "sd3-tiny",
-        tiny_config(layers, heads, qk_norm),
-    )?;
-    s.workload.text_tokens = Some(vec![clip, t5]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    Ok(s)
+    tiny_family_spec("sd3-tiny", tiny_config(layers, heads, qk_norm), &[clip, t5])
 }
 
 /// A tiny SD3.5 spec ([`tiny_spec`] with q/k RMSNorm) whose blocks `dual` are dual-attention
 /// (MMDiT-X) blocks, as SD3.5-medium's `dual_attention_layers`.
 pub fn tiny_dual_spec(layers: u32, heads: u32, dual: &[u32], clip: u32, t5: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
+    tiny_family_spec(
         "sd3.5-tiny-dual",
         tiny_config_dual(layers, heads, true, dual),
-    )?;
-    s.workload.text_tokens = Some(vec![clip, t5]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
-    Ok(s)
+        &[clip, t5],
+    )
 }
 
 impl EngineFamily for Sd3Geom {

@@ -12,7 +12,7 @@
 use ditmem_budget::{Sd3Dims, Spec};
 
 use crate::error::{EngineError, Result};
-use crate::families::config::no_dropout;
+use crate::families::config::{no_dropout, patch_conv};
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
@@ -165,12 +165,7 @@ pub fn param_shapes(d: &Dims, g: &Sd3Geom) -> Vec<ParamShape> {
     let h = d.hidden;
     let small = Init::Normal(0.02);
     let mut inv = Inventory::default();
-    inv.tensor(
-        "pos_embed.proj.weight".into(),
-        vec![h, d.in_channels, d.patch, d.patch],
-        Init::XavierUniform,
-    );
-    inv.tensor("pos_embed.proj.bias".into(), vec![h], Init::Zeros);
+    patch_conv(&mut inv, "pos_embed.proj", d, &[d.patch, d.patch]);
     let te = "time_text_embed.timestep_embedder";
     inv.linear(&format!("{te}.linear_1"), h, SD3_FREQ, Init::XavierUniform);
     inv.linear(&format!("{te}.linear_2"), h, h, Init::XavierUniform);

@@ -21,7 +21,7 @@ use crate::families::sd3::{
 use crate::layers::cast;
 use crate::model::{patchify, timestep_features, unpatchify};
 use crate::shapes::Dims;
-use crate::trainer::family::{BlockIn, Embedded, FamilyStep};
+use crate::trainer::family::{check_pooled_text, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
 
 /// Where one joint block's parameters sit: its linears in [`block_linears`] order and the q/k
@@ -52,9 +52,7 @@ pub(crate) struct Sd3Layout {
 
 impl Sd3Layout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: Sd3Geom) -> Result<Sd3Layout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("transformer_blocks.{i}");
+        let blocks = p.blocks("transformer_blocks", depth, |i, b| {
             let l = block_linears(i + 1 == depth)
                 .into_iter()
                 .map(|n| p.lin(&format!("{b}.{n}")))
@@ -77,8 +75,8 @@ impl Sd3Layout {
             } else {
                 None
             };
-            blocks.push(Sd3BlockIdx { lin: l, qk, dual });
-        }
+            Ok(Sd3BlockIdx { lin: l, qk, dual })
+        })?;
         let te = "time_text_embed.timestep_embedder";
         let pe = "time_text_embed.text_embedder";
         Ok(Sd3Layout {
@@ -94,10 +92,6 @@ impl Sd3Layout {
             proj_out: p.lin("proj_out")?,
             geom,
         })
-    }
-
-    fn embed_linears(&self) -> Vec<LinearIdx> {
-        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
     }
 }
 
@@ -167,15 +161,16 @@ impl Trainer {
 }
 
 impl FamilyStep for Sd3Layout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = self.embed_linears();
-        for b in &self.blocks {
-            v.extend(b.lin.iter().copied());
-            v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
-        }
-        v.extend([self.norm_out, self.proj_out]);
+    /// The joint block's linears, then its second attention's (SD3.5's dual blocks).
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        let b = &self.blocks[i];
+        let mut v = b.lin.clone();
+        v.extend(b.dual.iter().flat_map(|(d, _)| d.iter().copied()));
         v
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.norm_out, self.proj_out]
     }
 
     /// The embed segment on a microbatch (tracked graph).
@@ -185,30 +180,10 @@ impl FamilyStep for Sd3Layout {
         let g = &lay.geom;
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
-        if mb.text_tokens != g.text_tokens
-            || mb.text_width != g.text_width
-            || mb.pooled_width != g.pooled_width
-        {
-            return Err(EngineError::bad_input(
-                "batch text",
-                format!(
-                    "{} tokens of width {} and a pooled width of {}; this model reads {} of width \
-                     {} and a pooled width of {}",
-                    mb.text_tokens,
-                    mb.text_width,
-                    mb.pooled_width,
-                    g.text_tokens,
-                    g.text_width,
-                    g.pooled_width
-                ),
-            ));
-        }
+        check_pooled_text(mb, g.text_tokens, g.text_width, g.pooled_width)?;
         // Image stream: patches + the position table cropped to the token grid (centred, as
         // diffusers' `cropped_pos_embed`), a strided view the sum reads in place.
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(patchify(&xt, &d)?, cd)?;
-        drop(xt);
-        let xe = tr.linear(lay.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, lay.patch, |xt| patchify(xt, &d))?;
         let side = g.pos_side;
         let (top, left) = ((side - d.rows) / 2, (side - d.cols) / 2);
         let pos = tr
@@ -288,11 +263,8 @@ impl FamilyStep for Sd3Layout {
         Ok(unpatchify(&out, mb.n, &d)?.narrow(1, 0, d.in_channels)?)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
-        self.embed_linears()
-            .iter()
-            .flat_map(Trainer::linear_params)
-            .collect()
+    fn embed_linears(&self) -> Vec<LinearIdx> {
+        vec![self.patch, self.t1, self.t2, self.p1, self.p2, self.context]
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -303,12 +275,6 @@ impl FamilyStep for Sd3Layout {
             v.extend(d.iter().flat_map(Trainer::linear_params));
             v.extend(n.iter().flatten().copied());
         }
-        v
-    }
-
-    fn final_params(&self) -> Vec<usize> {
-        let mut v = Trainer::linear_params(&self.norm_out);
-        v.extend(Trainer::linear_params(&self.proj_out));
         v
     }
 }

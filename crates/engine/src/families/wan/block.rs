@@ -6,6 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::families::adaln::AdaLnZero;
 use crate::families::cross::cross_attend;
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{cast, BlockConfig, LinearW};
@@ -57,42 +58,23 @@ pub fn wan_block_forward(
     w: &WanBlockWeights,
     cfg: &BlockConfig,
 ) -> Result<Tensor> {
-    let (b, s, h) = x.dims3()?;
+    let (b, _, h) = x.dims3()?;
     let cd = cfg.compute;
     let keep = attn_keep(cfg.attn);
-    // (scale_shift_table + temb).chunk(6, dim=1): one (b, 6D) sum.
-    let table = w.table.reshape((1, 6 * h))?;
-    let modv = c.t6.broadcast_add(&table)?;
-    let chunk = |i: usize| modv.narrow(1, i * h, h);
-    let (shift_msa, scale_msa, gate_msa) = (chunk(0)?, chunk(1)?, chunk(2)?);
-    let (c_shift, c_scale, c_gate) = (chunk(3)?, chunk(4)?, chunk(5)?);
+    let m = AdaLnZero::of_table(c.t6, &w.table, h)?;
 
     // Self-attention: norm1 + modulate, q/k RMSNorm across heads, RoPE on q and k.
-    let h1 = ln_modulate(x, &shift_msa, &scale_msa, WAN_EPS, cd)?;
-    let q = w.q1.forward(&h1)?;
-    let k = w.k1.forward(&h1)?;
-    let v = w.v1.forward(&h1)?;
+    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q1, &w.k1, &w.v1], WAN_EPS, cd)?;
     let qn = rms_norm(&q, Some(&w.norm_q1), WAN_EPS, cd)?;
     let kn = rms_norm(&k, Some(&w.norm_k1), WAN_EPS, cd)?;
     let qr = rope(&qn, c.cos, c.sin)?;
     let kr = rope(&kn, c.cos, c.sin)?;
     let o = attention(&qr, &kr, &v, b, cfg.heads, keep)?;
     let p = w.o1.forward(&o)?;
-    let x1 = gated_residual(x, &p, &gate_msa)?;
+    let x1 = gated_residual(x, &p, &m.gate_msa)?;
 
-    // Cross-attention to the text: norm2 (an affine LayerNorm: ln_modulate with the bias as
-    // the shift and weight − 1 as the scale, one row each for the whole batch) or the stream.
-    let h2 = match &w.norm2 {
-        Some((nw, nb)) => {
-            let shift = nb.reshape((1, h))?.broadcast_as((b, h))?;
-            let scale = nw
-                .affine(1.0, -1.0)?
-                .reshape((1, h))?
-                .broadcast_as((b, h))?;
-            ln_modulate(&x1, &shift, &scale, WAN_EPS, cd)?
-        }
-        None => cast(x1.clone(), cd)?.reshape((b * s, h))?,
-    };
+    // Cross-attention to the text.
+    let h2 = cross_input(&x1, w.norm2.as_ref(), cd)?;
     let q2 = w.q2.forward(&h2)?;
     let q2n = rms_norm(&q2, Some(&w.norm_q2), WAN_EPS, cd)?;
     let norm_k = Some((&w.norm_k2, WAN_EPS));
@@ -102,9 +84,27 @@ pub fn wan_block_forward(
     let x2 = gated_residual(&x1, &p2, &ones)?;
 
     // Feed-forward on norm3 + modulate.
-    let h3 = ln_modulate(&x2, &c_shift, &c_scale, WAN_EPS, cd)?;
+    let h3 = ln_modulate(&x2, &m.shift_mlp, &m.scale_mlp, WAN_EPS, cd)?;
     let f2 = crate::layers::feed_forward(&h3, &w.fc1, &w.fc2)?;
-    Ok(gated_residual(&x2, &f2, &c_gate)?)
+    Ok(gated_residual(&x2, &f2, &m.gate_mlp)?)
+}
+
+/// The cross-attention's query input from x1 (b, s, D) in `ad`, (b·s, D) in `cd`: `norm2` (an
+/// affine LayerNorm: ln_modulate with the bias as the shift and weight − 1 as the scale, one
+/// row each for the whole batch) when `cross_attn_norm`, else the stream itself.
+fn cross_input(x1: &Tensor, norm2: Option<&(Tensor, Tensor)>, cd: DType) -> Result<Tensor> {
+    let (b, s, h) = x1.dims3()?;
+    Ok(match norm2 {
+        Some((nw, nb)) => {
+            let shift = nb.reshape((1, h))?.broadcast_as((b, h))?;
+            let scale = nw
+                .affine(1.0, -1.0)?
+                .reshape((1, h))?
+                .broadcast_as((b, h))?;
+            ln_modulate(x1, &shift, &scale, WAN_EPS, cd)?
+        }
+        None => cast(x1.clone(), cd)?.reshape((b * s, h))?,
+    })
 }
 
 /// The output side's weights: the final `scale_shift_table` (1, 2, D) in `ad` and `proj_out`.
@@ -180,12 +180,10 @@ pub fn wan_block_qk(
     w: &WanBlockWeights,
     cfg: &BlockConfig,
 ) -> Result<[(Tensor, Tensor); 2]> {
-    let (b, s, h) = x.dims3()?;
+    let (b, _, h) = x.dims3()?;
     let cd = cfg.compute;
-    let table = w.table.reshape((1, 6 * h))?;
-    let modv = c.t6.broadcast_add(&table)?;
-    let chunk = |i: usize| modv.narrow(1, i * h, h);
-    let h1 = ln_modulate(x, &chunk(0)?, &chunk(1)?, WAN_EPS, cd)?;
+    let m = AdaLnZero::of_table(c.t6, &w.table, h)?;
+    let h1 = ln_modulate(x, &m.shift_msa, &m.scale_msa, WAN_EPS, cd)?;
     let q = rope(
         &rms_norm(&w.q1.forward(&h1)?, Some(&w.norm_q1), WAN_EPS, cd)?,
         c.cos,
@@ -198,18 +196,8 @@ pub fn wan_block_qk(
     )?;
     let v = w.v1.forward(&h1)?;
     let o = attention(&q, &k, &v, b, cfg.heads, crate::ops::AttnKeep::Nothing)?;
-    let x1 = gated_residual(x, &w.o1.forward(&o)?, &chunk(2)?)?;
-    let h2 = match &w.norm2 {
-        Some((nw, nb)) => {
-            let shift = nb.reshape((1, h))?.broadcast_as((b, h))?;
-            let scale = nw
-                .affine(1.0, -1.0)?
-                .reshape((1, h))?
-                .broadcast_as((b, h))?;
-            ln_modulate(&x1, &shift, &scale, WAN_EPS, cd)?
-        }
-        None => cast(x1.clone(), cd)?.reshape((b * s, h))?,
-    };
+    let x1 = gated_residual(x, &w.o1.forward(&o)?, &m.gate_msa)?;
+    let h2 = cross_input(&x1, w.norm2.as_ref(), cd)?;
     let q2 = rms_norm(&w.q2.forward(&h2)?, Some(&w.norm_q2), WAN_EPS, cd)?;
     let k2 = rms_norm(&w.k2.forward(c.ctx)?, Some(&w.norm_k2), WAN_EPS, cd)?;
     Ok([(q, k), (q2, k2)])

@@ -47,6 +47,7 @@ pub use params::{param_shapes, rope_tables, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOC
 use ditmem_spec::Spec;
 
 use crate::error::Result;
+use crate::families::tiny::{config_map, tiny_family_spec};
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
 
@@ -62,26 +63,17 @@ pub(crate) fn tiny_config(layers: u32, heads: u32) -> serde_json::Map<String, se
             "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": null,
             "added_kv_proj_dim": null, "rope_max_seq_len": 64}}"#
     );
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    }
+    config_map(&text)
 }
 
 /// A tiny Wan spec on [`Spec::small`]'s workload at 32×48 pixels (4×6 latents, 2×3 tokens a
 /// frame) with `frames` video frames (5: 2 latent frames, 9: 3) and `text_tokens` umT5
 /// tokens, fp32, materialized attention, no EMA.
 pub fn tiny_spec(layers: u32, heads: u32, frames: u32, text_tokens: u32) -> Result<Spec> {
-    let mut s = ditmem_budget::denoiser::with_family(
-        Spec::small(),
-        "wan-tiny",
-        tiny_config(layers, heads),
-    )?;
+    let mut s = tiny_family_spec("wan-tiny", tiny_config(layers, heads), &[text_tokens])?;
     s.workload.height = 32;
     s.workload.width = 48;
     s.workload.frames = frames;
-    s.workload.text_tokens = Some(vec![text_tokens]);
-    s.recipe.attention = ditmem_budget::AttentionMode::Materialized;
     Ok(s)
 }
 

@@ -11,7 +11,7 @@
 use ditmem_budget::{Spec, WanDims};
 
 use crate::error::{EngineError, Result};
-use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::config::{caption_tokens, no_dropout, patch_conv};
 use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
@@ -171,12 +171,7 @@ pub fn param_shapes(d: &Dims, g: &WanGeom) -> Vec<ParamShape> {
     let small = Init::Normal(0.02);
     let mut inv = Inventory::default();
     inv.tensor("scale_shift_table".into(), vec![1, 2, h], table_init);
-    inv.tensor(
-        "patch_embedding.weight".into(),
-        vec![h, d.in_channels, 1, d.patch, d.patch],
-        Init::XavierUniform,
-    );
-    inv.tensor("patch_embedding.bias".into(), vec![h], Init::Zeros);
+    patch_conv(&mut inv, "patch_embedding", d, &[1, d.patch, d.patch]);
     let ce = "condition_embedder";
     inv.linear(&format!("{ce}.time_embedder.linear_1"), h, g.freq, small);
     inv.linear(&format!("{ce}.time_embedder.linear_2"), h, h, small);

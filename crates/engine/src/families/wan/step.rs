@@ -13,12 +13,12 @@ use candle_core::{DType, Tensor};
 
 use crate::diffusion::Batch;
 use crate::error::Result;
+use crate::families::pixart::step::TableFinal;
 use crate::families::wan::{
     final_forward, patchify3d, rope_tables, text_forward, unpatchify3d, wan_block_forward,
     WanBlockWeights, WanConds, WanFinalWeights, WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS,
 };
 use crate::layers::cast;
-use crate::model::timestep_features;
 use crate::shapes::Dims;
 use crate::trainer::family::{check_text, params_of, BlockIn, Embedded, FamilyStep};
 use crate::trainer::state::{FamilyLayout, LinearIdx, ModelLayout, ParamIndex, Trainer};
@@ -41,17 +41,14 @@ pub(crate) struct WanLayout {
     time_proj: LinearIdx,
     text: [LinearIdx; 2],
     blocks: Vec<WanBlockIdx>,
-    final_table: usize,
-    proj_out: LinearIdx,
+    out: TableFinal,
     geom: WanGeom,
 }
 
 impl WanLayout {
     pub(crate) fn new(p: &ParamIndex<'_>, depth: usize, geom: WanGeom) -> Result<WanLayout> {
-        let mut blocks = Vec::with_capacity(depth);
-        for i in 0..depth {
-            let b = format!("blocks.{i}");
-            let l = p.lins(&b, WAN_BLOCK_LINEARS)?;
+        let blocks = p.blocks("blocks", depth, |_, b| {
+            let l = p.lins(b, WAN_BLOCK_LINEARS)?;
             let mut norms = [0; 4];
             for (slot, name) in norms.iter_mut().zip(WAN_BLOCK_NORMS) {
                 *slot = p.idx(&format!("{b}.{name}.weight"))?;
@@ -64,13 +61,13 @@ impl WanLayout {
             } else {
                 None
             };
-            blocks.push(WanBlockIdx {
+            Ok(WanBlockIdx {
                 table: p.idx(&format!("{b}.scale_shift_table"))?,
                 lin: l,
                 norms,
                 norm2,
-            });
-        }
+            })
+        })?;
         let ce = "condition_embedder";
         Ok(WanLayout {
             patch: p.lin("patch_embedding")?,
@@ -82,8 +79,7 @@ impl WanLayout {
                 p.lin(&format!("{ce}.text_embedder.linear_2"))?,
             ],
             blocks,
-            final_table: p.idx("scale_shift_table")?,
-            proj_out: p.lin("proj_out")?,
+            out: TableFinal::new(p)?,
             geom,
         })
     }
@@ -97,25 +93,26 @@ impl Trainer {
     ) -> Result<WanBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         let n = |k: usize| self.weight(b.norms[k], track);
-        let ad = self.cfg.accum;
+        let table = self.table_weight(b.table, track)?;
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
         Ok(WanBlockWeights {
-            table: cast(self.raw_weight(b.table, track), ad)?,
-            q1: l(0)?,
-            k1: l(1)?,
-            v1: l(2)?,
-            o1: l(3)?,
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
             norm_q1: n(0)?,
             norm_k1: n(1)?,
-            q2: l(4)?,
-            k2: l(5)?.with_input_sink(self.ctx_sink_for(track)),
-            v2: l(6)?.with_input_sink(self.ctx_sink_for(track)),
-            o2: l(7)?,
+            q2,
+            k2,
+            v2,
+            o2,
             norm_q2: n(2)?,
             norm_k2: n(3)?,
             norm2: match b.norm2 {
                 Some((w, bias)) => Some((
-                    cast(self.raw_weight(w, track), ad)?,
-                    cast(self.raw_weight(bias, track), ad)?,
+                    self.table_weight(w, track)?,
+                    self.table_weight(bias, track)?,
                 )),
                 None => None,
             },
@@ -126,13 +123,12 @@ impl Trainer {
 }
 
 impl FamilyStep for WanLayout {
-    /// Every linear of the model.
-    fn linears(&self) -> Vec<LinearIdx> {
-        let mut v = vec![self.patch, self.t1, self.t2, self.time_proj];
-        v.extend(self.text);
-        v.extend(self.blocks.iter().flat_map(|b| b.lin.iter().copied()));
-        v.push(self.proj_out);
-        v
+    fn block_linears(&self, i: usize) -> Vec<LinearIdx> {
+        self.blocks[i].lin.to_vec()
+    }
+
+    fn final_linears(&self) -> Vec<LinearIdx> {
+        vec![self.out.proj_out]
     }
 
     fn embed(&self, tr: &Trainer, mb: &Batch) -> Result<Embedded> {
@@ -141,19 +137,12 @@ impl FamilyStep for WanLayout {
         let (cd, ad) = (tr.cfg.compute, tr.cfg.accum);
         let b = mb.n;
         check_text(mb, g.text_tokens, g.text_dim)?;
-        let xt = mb.noisy(&tr.acp, ad, &tr.dev)?;
-        let xp = cast(
-            patchify3d(&xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)?,
-            cd,
-        )?;
-        drop(xt);
-        let xe = tr.linear(self.patch, true)?.forward(&xp)?;
+        let (xp, xe) = tr.patch_embed(mb, self.patch, |xt| {
+            patchify3d(xt, d.in_channels, g.frames, d.rows, d.cols, d.patch)
+        })?;
         let x0 = cast(xe, ad)?.reshape((b, d.tokens, d.hidden))?;
-        let tf = cast(timestep_features(&mb.timesteps, g.freq, ad, &tr.dev)?, cd)?;
-        let t1 = tr.linear(self.t1, true)?.forward(&tf)?.silu()?;
-        let temb = cast(tr.linear(self.t2, true)?.forward(&t1)?, ad)?;
-        let st = cast(temb.silu()?, cd)?;
-        let t6 = cast(tr.linear(self.time_proj, true)?.forward(&st)?, ad)?;
+        let [tf, t1, temb] = tr.timestep_mlp(mb, g.freq, [self.t1, self.t2])?;
+        let (st, t6) = tr.adaln_single(&temb, self.time_proj)?;
         let cap = mb.text_tensor(cd, &tr.dev)?;
         let ctx = text_forward(
             &cap,
@@ -200,10 +189,8 @@ impl FamilyStep for WanLayout {
     fn final_layer(&self, tr: &Trainer, x: &[Tensor], c: &[Tensor], mb: &Batch) -> Result<Tensor> {
         let d = tr.dims;
         let g = &self.geom;
-        let fw = WanFinalWeights {
-            table: cast(tr.raw_weight(self.final_table, true), tr.cfg.accum)?,
-            proj_out: tr.linear(self.proj_out, true)?,
-        };
+        let (table, proj_out) = self.out.weights(tr)?;
+        let fw = WanFinalWeights { table, proj_out };
         let out = final_forward(&x[0], &c[1], &fw, tr.cfg.compute, tr.cfg.accum)?;
         drop(fw);
         let shape: Vec<usize> = if g.frames == 1 {
@@ -216,10 +203,10 @@ impl FamilyStep for WanLayout {
         Ok(pred.narrow(1, 0, d.in_channels)?)
     }
 
-    fn embed_params(&self) -> Vec<usize> {
+    fn embed_linears(&self) -> Vec<LinearIdx> {
         let mut embed = vec![self.patch, self.t1, self.t2, self.time_proj];
         embed.extend(self.text);
-        params_of(&embed)
+        embed
     }
 
     fn block_params(&self, i: usize) -> Vec<usize> {
@@ -234,9 +221,7 @@ impl FamilyStep for WanLayout {
     }
 
     fn final_params(&self) -> Vec<usize> {
-        let mut idx = Trainer::linear_params(&self.proj_out);
-        idx.push(self.final_table);
-        idx
+        self.out.params()
     }
 }
 
