@@ -19,7 +19,7 @@ use crate::runtime::pytorch::families::common::{
     self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, sinusoid,
     Fam, FREQ,
 };
-use crate::runtime::pytorch::ops::{save, Builder, CACHED, SAVED};
+use crate::runtime::pytorch::ops::{save, Builder, Lin, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -62,7 +62,7 @@ fn emb_linear(
     how: Emb,
 ) -> Tid {
     if how == Emb::Own || bl.lora.is_some() {
-        return bl.linear_rg(name, x, rows, out, inp, true);
+        return bl.linear_rg(name, x, Lin::new(rows, out, inp, true));
     }
     let w = emb_param(bl, &format!("{name}.weight"), out * inp, how);
     let bias = emb_param(bl, &format!("{name}.bias"), out, how);
@@ -142,7 +142,7 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
     let p = "transformer_blocks.i.norm1";
     let cond = label_emb(&mut bl, g, &format!("{p}.emb"), x.0, how);
     let s = bl.act(&format!("{p}.silu"), cond);
-    let m6 = bl.linear_rg(&format!("{p}.linear"), s, b, 6 * dim, dim, true);
+    let m6 = bl.linear_rg(&format!("{p}.linear"), s, Lin::new(b, 6 * dim, dim, true));
     let m: Vec<Tid> = (0..6)
         .map(|i| bl.g.view(&format!("emb chunk {i}"), m6, b * dim))
         .collect();
@@ -177,12 +177,16 @@ fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segm
         Emb::Reused,
     );
     let s = bl.act("F.silu(conditioning)", cond);
-    let m2 = bl.linear_rg("proj_out_1", s, b, 2 * dim, dim, true);
+    let m2 = bl.linear_rg("proj_out_1", s, Lin::new(b, 2 * dim, dim, true));
     let shift = bl.g.view("shift", m2, b * dim);
     let scale = bl.g.view("scale", m2, b * dim);
     let n = bl.layer_norm_rg("norm_out", xs, rows);
     let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
-    let y = bl.linear_rg("proj_out_2", hn, rows, g.patch2 * d.out_channels, dim, true);
+    let y = bl.linear_rg(
+        "proj_out_2",
+        hn,
+        Lin::new(rows, g.patch2 * d.out_channels, dim, true),
+    );
     // `conditioning`, `shift, scale` stay in the model's locals until it returns.
     hold(&mut bl, &[cond, m2]);
     eps_loss(&mut bl, y, g.out, g.lat);

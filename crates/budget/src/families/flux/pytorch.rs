@@ -9,7 +9,7 @@
 
 use crate::families::FluxDims;
 use crate::runtime::pytorch::families::common::{self, add_data, pooled_temb_and_context, Fam};
-use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, GRAD_VIEWS};
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, Lin, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -60,9 +60,13 @@ pub(crate) fn sequence_tokens(f: &Fam) -> u64 {
 /// activation_fn="gelu-approximate")`; its dropouts have p = 0 and return their input on the
 /// CPU): each linear saves its input, GELU saves its input [AG].
 pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u64) -> Tid {
-    let h = bl.linear_g(&format!("{name}.net.0.proj"), x, rows, 4 * d, d, true);
+    let h = bl.linear_g(
+        &format!("{name}.net.0.proj"),
+        x,
+        Lin::new(rows, 4 * d, d, true),
+    );
     let a = bl.act(&format!("{name}.net.0 gelu(tanh)"), h);
-    bl.linear_g(&format!("{name}.net.2"), a, rows, d, 4 * d, true)
+    bl.linear_g(&format!("{name}.net.2"), a, Lin::new(rows, d, 4 * d, true))
 }
 
 /// `linear(silu(emb))` chunked into `k` views of (b, D) (diffusers `AdaLayerNormZero`,
@@ -70,7 +74,7 @@ pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u
 /// [AG]; the chunks are views of one (b, k·D) tensor, so a saved gate keeps all of it.
 pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
     let s = bl.act(&format!("{name} silu(emb)"), emb);
-    let m = bl.linear_g(name, s, b, k * d, d, true);
+    let m = bl.linear_g(name, s, Lin::new(b, k * d, d, true));
     (0..k)
         .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, b * d))
         .collect()
@@ -91,7 +95,7 @@ pub(crate) fn projections(
     rows: u64,
     d: u64,
 ) -> [Tid; 3] {
-    names.map(|n| bl.linear_g(n, x, rows, d, d, true))
+    names.map(|n| bl.linear_g(n, x, Lin::new(rows, d, d, true)))
 }
 
 /// RoPE on q and k ([`Builder::rope_real`]) and SDPA over the whole sequence (text + image).
@@ -175,8 +179,8 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     // split_with_sizes, then `.contiguous()` before to_out / to_add_out.
     let oc = split_part(&mut bl, "context attn out", o, b * t * d, b);
     let oi = split_part(&mut bl, "attn out", o, b * s * d, b);
-    let ao = bl.linear_g("attn.to_out.0", oi, b * s, d, d, true);
-    let co = bl.linear_g("attn.to_add_out", oc, b * t, d, d, true);
+    let ao = bl.linear_g("attn.to_out.0", oi, Lin::new(b * s, d, d, true));
+    let co = bl.linear_g("attn.to_add_out", oc, Lin::new(b * t, d, d, true));
     // The processor's locals `encoder_query`, `encoder_key`, `encoder_value` hold the text
     // projections (after their norms) until it returns.
     bl.hold("FluxAttnProcessor", &[eq, ek, ev]);
@@ -219,7 +223,7 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     let m = ada(&mut bl, "norm.linear", temb, 3, b, d);
     let n = bl.layer_norm_rg("norm.norm", hs, rows);
     let h = bl.modulate_rg("norm", n, m[0], m[1], b * d);
-    let pm = bl.linear_g("proj_mlp", h, rows, 4 * d, d, true);
+    let pm = bl.linear_g("proj_mlp", h, Lin::new(rows, 4 * d, d, true));
     let am = bl.act("act_mlp gelu(tanh)", pm);
     let [q, k, v] = projections(&mut bl, ATTN_QKV, h, rows, d);
     let q = bl.torch_rms_norm("attn.norm_q", q, rows * z.heads);
@@ -232,7 +236,7 @@ fn single_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
         rows * 5 * d,
         od,
     );
-    let po = bl.linear_g("proj_out", cat, rows, d, 5 * d, true);
+    let po = bl.linear_g("proj_out", cat, Lin::new(rows, d, 5 * d, true));
     // `hidden_states = gate * self.proj_out(hidden_states)`: the concatenation stays bound
     // until the product exists (family_trace.py, flux-fp32-lora4-none: the 983,040 B cat alive
     // at the forward peak, the gate's mul, where a frozen proj_out saves nothing).
@@ -263,7 +267,11 @@ fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
     let trained = f.lora.is_none();
     let packed =
         bl.g.input("packed latents", b * z.s * d.in_channels, low, false);
-    let x = bl.linear_g("x_embedder", packed, b * z.s, dim, d.in_channels, true);
+    let x = bl.linear_g(
+        "x_embedder",
+        packed,
+        Lin::new(b * z.s, dim, d.in_channels, true),
+    );
     // timestep.to(x.dtype) · 1000, guidance likewise.
     let ts = bl.g.input("timesteps / 1000", b, Dtype::F32, false);
     let tlow = bl.g.cast("timestep →x dtype", ts, low);
@@ -328,9 +336,13 @@ pub(crate) fn timestep_embedder(bl: &mut Builder, name: &str, t: Tid, b: u64, di
     let cat = bl.g.op("cat[sin, cos]", &[s, c], b * 2 * half, Dtype::F32);
     let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
     let proj = bl.g.cast("t_proj →dtype", flip, low);
-    let h = bl.linear_g(&format!("{name}.linear_1"), proj, b, dim, 2 * half, true);
+    let h = bl.linear_g(
+        &format!("{name}.linear_1"),
+        proj,
+        Lin::new(b, dim, 2 * half, true),
+    );
     let a = bl.act(&format!("{name}.act"), h);
-    bl.linear_g(&format!("{name}.linear_2"), a, b, dim, dim, true)
+    bl.linear_g(&format!("{name}.linear_2"), a, Lin::new(b, dim, dim, true))
 }
 
 /// Output side: `norm_out` (AdaLayerNormContinuous: scale, shift), `proj_out`, the script's
@@ -378,7 +390,7 @@ pub(crate) fn output_side(
     let m = ada(bl, "norm_out.linear", temb, 2, b, dim);
     let n = bl.layer_norm_rg("norm_out.norm", x, b * s);
     let h = bl.modulate_rg("norm_out", n, m[1], m[0], b * dim);
-    let y = bl.linear_g("proj_out", h, b * s, width, dim, true);
+    let y = bl.linear_g("proj_out", h, Lin::new(b * s, width, dim, true));
     let lat = b * s * width;
     let yd = bl.g.dtype(y);
     let pred = bl.g.op(unpatch, &[y], lat, yd);

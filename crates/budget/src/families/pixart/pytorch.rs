@@ -16,7 +16,7 @@ use crate::runtime::pytorch::families::common::{
     self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, input_as,
     sinusoid, Fam, FREQ,
 };
-use crate::runtime::pytorch::ops::{save, Attn, Builder};
+use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, TensorKind, Tid};
 use crate::spec::Dtype;
@@ -101,9 +101,17 @@ pub(super) fn timestep_embedding(
     rows: u64,
     dim: u64,
 ) -> Tid {
-    let h = bl.linear_rg(&format!("{prefix}.linear_1"), x, rows, dim, FREQ, true);
+    let h = bl.linear_rg(
+        &format!("{prefix}.linear_1"),
+        x,
+        Lin::new(rows, dim, FREQ, true),
+    );
     let h = bl.act(&format!("{prefix}.act silu"), h);
-    bl.linear_rg(&format!("{prefix}.linear_2"), h, rows, dim, dim, true)
+    bl.linear_rg(
+        &format!("{prefix}.linear_2"),
+        h,
+        Lin::new(rows, dim, dim, true),
+    )
 }
 
 /// diffusers `PatchEmbed` (PixArt's and DiT's `pos_embed`; `(in_channels, patch_size,
@@ -184,16 +192,24 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
         temb
     };
     let s = bl.act("adaln_single.silu", emb);
-    let timestep = bl.linear_rg("adaln_single.linear", s, b, 6 * dim, dim, true);
+    let timestep = bl.linear_rg("adaln_single.linear", s, Lin::new(b, 6 * dim, dim, true));
     // Caption projection (T5 width → D), or the caption itself.
     let caption = match d.caption_channels {
         Some(cc) => {
             let enc =
                 bl.g.input("encoder_hidden_states", g.b * g.t * cc, wd, false);
             let rows = g.b * g.t;
-            let h = bl.linear_rg("caption_projection.linear_1", enc, rows, dim, cc, true);
+            let h = bl.linear_rg(
+                "caption_projection.linear_1",
+                enc,
+                Lin::new(rows, dim, cc, true),
+            );
             let h = bl.act("caption_projection.act_1 gelu(tanh)", h);
-            bl.linear_rg("caption_projection.linear_2", h, rows, dim, dim, true)
+            bl.linear_rg(
+                "caption_projection.linear_2",
+                h,
+                Lin::new(rows, dim, dim, true),
+            )
         }
         None => {
             bl.g.input("encoder_hidden_states", g.b * g.t * g.kv, wd, false)
@@ -234,12 +250,12 @@ pub(crate) fn self_attention(
     let (b, s, dim, heads) = (g.b, g.s, g.d, g.heads);
     let (rows, e) = (g.rows(), g.e());
     let p = "transformer_blocks.i.attn1";
-    let q = bl.linear_rg(&format!("{p}.to_q"), hn, rows, dim, dim, bias);
-    let k = bl.linear_rg(&format!("{p}.to_k"), hn, rows, dim, dim, bias);
-    let v = bl.linear_rg(&format!("{p}.to_v"), hn, rows, dim, dim, bias);
+    let q = bl.linear_rg(&format!("{p}.to_q"), hn, Lin::new(rows, dim, dim, bias));
+    let k = bl.linear_rg(&format!("{p}.to_k"), hn, Lin::new(rows, dim, dim, bias));
+    let v = bl.linear_rg(&format!("{p}.to_v"), hn, Lin::new(rows, dim, dim, bias));
     let at = Attn::over(b, heads, s, dim / heads.max(1));
     let o = bl.attention_masked(q, k, v, None, at);
-    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
+    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, Lin::new(rows, dim, dim, true));
     let o = bl.ew("attn1 / rescale_output_factor", &[o], e);
     let go = bl.mul("gate_msa · attn1", gate_msa, o, e);
     let x1 = bl.ew("attn1 + hidden_states", &[go, xs], e);
@@ -253,9 +269,13 @@ pub(crate) fn gated_feed_forward(bl: &mut Builder, (hn, res, gate_mlp): (Tid, Ti
     let (rows, dim, e) = (g.rows(), g.d, g.e());
     let inner = 4 * dim;
     let p = "transformer_blocks.i.ff";
-    let f1 = bl.linear_rg(&format!("{p}.net.0.proj"), hn, rows, inner, dim, true);
+    let f1 = bl.linear_rg(
+        &format!("{p}.net.0.proj"),
+        hn,
+        Lin::new(rows, inner, dim, true),
+    );
     let a = bl.act("ff gelu(tanh)", f1);
-    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, rows, dim, inner, true);
+    let f2 = bl.linear_rg(&format!("{p}.net.2"), a, Lin::new(rows, dim, inner, true));
     let gf = bl.mul("gate_mlp · ff", gate_mlp, f2, e);
     bl.ew("ff + hidden_states", &[gf, res], e);
 }
@@ -290,10 +310,10 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     // Cross-attention to the caption with the padded prompt's bias (no norm for PixArt):
     // `prepare_attention_mask` repeats the (b, 1, T) bias per head.
     let p = "transformer_blocks.i.attn2";
-    let q = bl.linear_rg(&format!("{p}.to_q"), x1, rows, dim, dim, ab);
+    let q = bl.linear_rg(&format!("{p}.to_q"), x1, Lin::new(rows, dim, dim, ab));
     let ct = b * g.t;
-    let k = bl.linear_rg(&format!("{p}.to_k"), cap, ct, dim, g.kv, ab);
-    let v = bl.linear_rg(&format!("{p}.to_v"), cap, ct, dim, g.kv, ab);
+    let k = bl.linear_rg(&format!("{p}.to_k"), cap, Lin::new(ct, dim, g.kv, ab));
+    let v = bl.linear_rg(&format!("{p}.to_v"), cap, Lin::new(ct, dim, g.kv, ab));
     let mask = bl.g.op(
         "attn2 mask repeat_interleave(heads)",
         &[bias],
@@ -302,7 +322,7 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     );
     let at = Attn { skv: g.t, ..at };
     let o = bl.attention_masked(q, k, v, Some(mask), at);
-    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, rows, dim, dim, true);
+    let o = bl.linear_rg(&format!("{p}.to_out.0"), o, Lin::new(rows, dim, dim, true));
     let o = bl.ew("attn2 / rescale_output_factor", &[o], e);
     // `attn_output = self.attn2(...)`: the gated self-attention output's local is reassigned;
     // the cross-attention output stays in it until the block returns.
@@ -336,7 +356,11 @@ fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) 
     let scale = bl.g.view("scale", t2, b * dim);
     let n = bl.layer_norm_rg("norm_out", xs, rows);
     let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
-    let y = bl.linear_rg("proj_out", hn, rows, g.patch2 * d.out_channels, dim, true);
+    let y = bl.linear_rg(
+        "proj_out",
+        hn,
+        Lin::new(rows, g.patch2 * d.out_channels, dim, true),
+    );
     // `shift, scale` stay in the model's locals until it returns.
     hold(&mut bl, &[t2]);
     eps_loss(&mut bl, y, g.out, g.lat);

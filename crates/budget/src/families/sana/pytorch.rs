@@ -12,7 +12,7 @@ use crate::runtime::pytorch::families::common::{
     self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
     noising, stream_x, unheld_bytes, Fam, FREQ,
 };
-use crate::runtime::pytorch::ops::{save, Attn, Builder};
+use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -163,19 +163,23 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
     let flip = flipped_sinusoid(&mut bl, b, FREQ);
     let tf = bl.g.cast("t_freq →hidden dtype", flip, bl.g.dtype(conv));
     let te = "time_embed.emb.timestep_embedder";
-    let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, b, d, FREQ, true);
+    let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, Lin::new(b, d, FREQ, true));
     let h = bl.act(&format!("{te}.act silu"), h);
-    let emb = bl.linear_if_grad(&format!("{te}.linear_2"), h, b, d, d, true);
+    let emb = bl.linear_if_grad(&format!("{te}.linear_2"), h, Lin::new(b, d, d, true));
     let s2 = bl.act("time_embed.silu", emb);
-    let ts = bl.linear_if_grad("time_embed.linear", s2, b, 6 * d, d, true);
+    let ts = bl.linear_if_grad("time_embed.linear", s2, Lin::new(b, 6 * d, d, true));
 
     // Caption: the cached Gemma states (wd, no grad).
     let enc =
         bl.g.input("encoder_hidden_states", b * m.t * m.cc, wd, false);
     let rows = b * m.t;
-    let c1 = bl.linear_if_grad("caption_projection.linear_1", enc, rows, d, m.cc, true);
+    let c1 = bl.linear_if_grad(
+        "caption_projection.linear_1",
+        enc,
+        Lin::new(rows, d, m.cc, true),
+    );
     let g = bl.act("caption_projection.act_1 gelu(tanh)", c1);
-    let c2 = bl.linear_if_grad("caption_projection.linear_2", g, rows, d, d, true);
+    let c2 = bl.linear_if_grad("caption_projection.linear_2", g, Lin::new(rows, d, d, true));
     let cap = bl.rms_norm("caption_norm", c2, rows, true);
     if cap_saved_by_blocks {
         save(&mut bl.g, cap);
@@ -211,16 +215,16 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     let h = bl.g.cast("norm1 →hidden dtype", h, io.x.0);
     let hdt = bl.g.dtype(h);
     let ab = d.attention_bias;
-    let mut q = bl.linear_peft("attn1.to_q", h, rows, dd, dd, ab);
-    let mut k = bl.linear_peft("attn1.to_k", h, rows, dd, dd, ab);
-    let v = bl.linear_peft("attn1.to_v", h, rows, dd, dd, ab);
+    let mut q = bl.linear_peft("attn1.to_q", h, Lin::new(rows, dd, dd, ab));
+    let mut k = bl.linear_peft("attn1.to_k", h, Lin::new(rows, dd, dd, ab));
+    let v = bl.linear_peft("attn1.to_v", h, Lin::new(rows, dd, dd, ab));
     if d.qk_norm {
         q = bl.rms_norm("attn1.norm_q", q, rows, true);
         k = bl.rms_norm("attn1.norm_k", k, rows, true);
     }
     let o = linear_attention(&mut bl, m, q, k, v);
     let o = bl.g.cast("attn1 →original dtype", o, hdt);
-    let ao = bl.linear_strided("attn1.to_out.0", o, rows, dd, dd, true);
+    let ao = bl.linear_strided("attn1.to_out.0", o, Lin::new(rows, dd, dd, true));
     let gp = bl.mul("gate_msa·attn", gate_msa, ao, e);
     let x1 = bl.ew("x + gated attn", &[x, gp], e);
 
@@ -233,13 +237,13 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
         m.wd,
     );
     let mut q2 = if io.x_contig {
-        bl.linear_peft("attn2.to_q", x1, rows, m.dc, dd, true)
+        bl.linear_peft("attn2.to_q", x1, Lin::new(rows, m.dc, dd, true))
     } else {
-        bl.linear_strided("attn2.to_q", x1, rows, m.dc, dd, true)
+        bl.linear_strided("attn2.to_q", x1, Lin::new(rows, m.dc, dd, true))
     };
     let trows = b * m.t;
-    let mut k2 = bl.linear_peft("attn2.to_k", cap, trows, m.dc, dd, true);
-    let v2 = bl.linear_peft("attn2.to_v", cap, trows, m.dc, dd, true);
+    let mut k2 = bl.linear_peft("attn2.to_k", cap, Lin::new(trows, m.dc, dd, true));
+    let v2 = bl.linear_peft("attn2.to_v", cap, Lin::new(trows, m.dc, dd, true));
     if d.qk_norm {
         q2 = bl.rms_norm("attn2.norm_q", q2, rows, true);
         k2 = bl.rms_norm("attn2.norm_k", k2, trows, true);
@@ -252,7 +256,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
         ..Attn::over(b, m.hc, s, m.dhc)
     };
     let o2 = bl.attention_mask_saved(qv, kv, vv, at, Some(mr));
-    let a2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, m.dc, true);
+    let a2 = bl.linear_peft("attn2.to_out.0", o2, Lin::new(rows, dd, m.dc, true));
     let a2dt = bl.g.dtype(a2);
     let a2 = bl.g.op("attn2 / rescale_output_factor", &[a2], e, a2dt);
     let x2 = bl.ew("attn2 + x", &[a2, x1], e);
@@ -306,7 +310,7 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let scale = bl.g.view("norm_out scale", t2, b * dd);
     let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
     let out = m.p * m.p * m.c_out;
-    let y = bl.linear_opt("proj_out", h, rows, out, dd, true);
+    let y = bl.linear_opt("proj_out", h, Lin::new(rows, out, dd, true));
     flow_loss(&mut bl, f, y, m.p > 1, target, m.lat, b);
     bl.g
 }

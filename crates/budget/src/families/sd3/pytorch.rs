@@ -13,7 +13,7 @@ use crate::families::flux::pytorch::{
 };
 use crate::families::Sd3Dims;
 use crate::runtime::pytorch::families::common::{self, pooled_temb_and_context, Fam};
-use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
+use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -120,10 +120,10 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         None
     } else {
         let oc = out_part(&mut bl, "context attn out", o, b * t * dim, b);
-        Some(bl.linear_g("attn.to_add_out", oc, b * t, dim, dim, true))
+        Some(bl.linear_g("attn.to_add_out", oc, Lin::new(b * t, dim, dim, true)))
     };
     let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
-    let ao = bl.linear_g("attn.to_out.0", oi, b * s, dim, dim, true);
+    let ao = bl.linear_g("attn.to_out.0", oi, Lin::new(b * s, dim, dim, true));
     // The processor's locals hold the context projections (after their norms) until it
     // returns, and `query`, `key`, `value` the concatenations (fp32 under autocast after the
     // norms; SDPA saves its own casts).
@@ -155,7 +155,7 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         let o2 = bl.attention(q, k, v, at);
         let o2 = to_query_dtype(&mut bl, o2, qd);
         let o2 = bl.cast_low("attn2 out (to_out input)", o2);
-        let a2 = bl.linear_g("attn2.to_out.0", o2, b * s, dim, dim, true);
+        let a2 = bl.linear_g("attn2.to_out.0", o2, Lin::new(b * s, dim, dim, true));
         // `query` and `key` (the norms' outputs) are bound until the processor returns.
         bl.hold("JointAttnProcessor2_0 (attn2)", &[q0, k0]);
         let (x, g2) = gated_add(&mut bl, "attn2", x1, m[8], a2);

@@ -12,7 +12,7 @@ use crate::runtime::pytorch::families::common::{
     self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
     noising, stream_x, unheld_bytes, Fam,
 };
-use crate::runtime::pytorch::ops::{save, Attn, Builder};
+use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -152,25 +152,30 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     let h = bl.linear_if_grad(
         &format!("{ce}.time_embedder.linear_1"),
         tf,
-        b,
-        dd,
-        m.freq,
-        true,
+        Lin::new(b, dd, m.freq, true),
     );
     let h = bl.act(&format!("{ce}.time_embedder.act silu"), h);
-    let temb = bl.linear_if_grad(&format!("{ce}.time_embedder.linear_2"), h, b, dd, dd, true);
+    let temb = bl.linear_if_grad(
+        &format!("{ce}.time_embedder.linear_2"),
+        h,
+        Lin::new(b, dd, dd, true),
+    );
     // `.type_as(encoder_hidden_states)` (wd).
     let temb = bl.g.cast("temb type_as(text)", temb, wd);
     let a = bl.act(&format!("{ce}.act_fn silu"), temb);
-    let tp = bl.linear_if_grad(&format!("{ce}.time_proj"), a, b, 6 * dd, dd, true);
+    let tp = bl.linear_if_grad(&format!("{ce}.time_proj"), a, Lin::new(b, 6 * dd, dd, true));
 
     let enc =
         bl.g.input("encoder_hidden_states", b * m.t * m.text_dim, wd, false);
     let rows = b * m.t;
     let te = format!("{ce}.text_embedder");
-    let c1 = bl.linear_if_grad(&format!("{te}.linear_1"), enc, rows, dd, m.text_dim, true);
+    let c1 = bl.linear_if_grad(
+        &format!("{te}.linear_1"),
+        enc,
+        Lin::new(rows, dd, m.text_dim, true),
+    );
     let g = bl.act(&format!("{te}.act_1 gelu(tanh)"), c1);
-    let ctx = bl.linear_if_grad(&format!("{te}.linear_2"), g, rows, dd, dd, true);
+    let ctx = bl.linear_if_grad(&format!("{te}.linear_2"), g, Lin::new(rows, dd, dd, true));
     if ctx_saved {
         save(&mut bl.g, ctx);
     }
@@ -203,16 +208,16 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let n1 = fp32_layer_norm(&mut bl, "norm1", x, rows, false);
     let h = bl.modulate_rg("norm1", n1, shift_msa, scale_msa, b * dd);
     let h = bl.g.cast("norm1 type_as(hidden_states)", h, io.x.0);
-    let q = bl.linear_peft("attn1.to_q", h, rows, dd, dd, true);
-    let k = bl.linear_peft("attn1.to_k", h, rows, dd, dd, true);
-    let v = bl.linear_peft("attn1.to_v", h, rows, dd, dd, true);
+    let q = bl.linear_peft("attn1.to_q", h, Lin::new(rows, dd, dd, true));
+    let k = bl.linear_peft("attn1.to_k", h, Lin::new(rows, dd, dd, true));
+    let v = bl.linear_peft("attn1.to_v", h, Lin::new(rows, dd, dd, true));
     let q = bl.torch_rms_norm("attn1.norm_q", q, rows);
     let k = bl.torch_rms_norm("attn1.norm_k", k, rows);
     let q = rope(&mut bl, "attn1 rope(q)", q, cos, sin);
     let k = rope(&mut bl, "attn1 rope(k)", k, cos, sin);
     let at = Attn::over(b, m.heads, s, m.dh);
     let o = bl.attention(q, k, v, at);
-    let ao = bl.linear_peft("attn1.to_out.0", o, rows, dd, dd, true);
+    let ao = bl.linear_peft("attn1.to_out.0", o, Lin::new(rows, dd, dd, true));
     // `(hidden_states.float() + attn_output · gate_msa).type_as(hidden_states)`.
     let xf = bl.g.cast("x.float() (residual 1)", x, Dtype::F32);
     let g1 = bl.mul("attn · gate_msa", ao, gate_msa, e);
@@ -232,9 +237,9 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
             bl.g.op("norm2 type_as(hidden_states)", &[xf], e, dt)
         }
     };
-    let q2 = bl.linear_peft("attn2.to_q", h2, rows, dd, dd, true);
-    let k2 = bl.linear_peft("attn2.to_k", ctx, trows, dd, dd, true);
-    let v2 = bl.linear_peft("attn2.to_v", ctx, trows, dd, dd, true);
+    let q2 = bl.linear_peft("attn2.to_q", h2, Lin::new(rows, dd, dd, true));
+    let k2 = bl.linear_peft("attn2.to_k", ctx, Lin::new(trows, dd, dd, true));
+    let v2 = bl.linear_peft("attn2.to_v", ctx, Lin::new(trows, dd, dd, true));
     let q2 = bl.torch_rms_norm("attn2.norm_q", q2, rows);
     let k2 = bl.torch_rms_norm("attn2.norm_k", k2, trows);
     let at2 = Attn {
@@ -242,7 +247,7 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
         ..Attn::over(b, m.heads, s, m.dh)
     };
     let o2 = bl.attention(q2, k2, v2, at2);
-    let ao2 = bl.linear_peft("attn2.to_out.0", o2, rows, dd, dd, true);
+    let ao2 = bl.linear_peft("attn2.to_out.0", o2, Lin::new(rows, dd, dd, true));
     let x2 = bl.ew("x + cross attn", &[x1, ao2], e);
 
     // Feed-forward (GELU-tanh MLP) on the modulated norm3.
@@ -250,9 +255,9 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let h3 = bl.modulate_rg("norm3", n3, c_shift, c_scale, b * dd);
     let x2dt = bl.g.dtype(x2);
     let h3 = bl.g.cast("norm3 type_as(hidden_states)", h3, x2dt);
-    let f1 = bl.linear_peft("ffn.net.0.proj", h3, rows, m.ffn, dd, true);
+    let f1 = bl.linear_peft("ffn.net.0.proj", h3, Lin::new(rows, m.ffn, dd, true));
     let ga = bl.act("ffn gelu(tanh)", f1);
-    let f2 = bl.linear_peft("ffn.net.2", ga, rows, dd, m.ffn, true);
+    let f2 = bl.linear_peft("ffn.net.2", ga, Lin::new(rows, dd, m.ffn, true));
     // `(hidden_states.float() + ff_output.float() · c_gate_msa).type_as(hidden_states)`.
     let x2f = bl.g.cast("x.float() (residual 3)", x2, Dtype::F32);
     let f2f = bl.g.cast("ff_output.float()", f2, Dtype::F32);
@@ -281,7 +286,7 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
     let h = bl.g.cast("norm_out type_as(hidden_states)", h, io.x.0);
     let out = m.patch * m.c_out;
-    let y = bl.linear_peft("proj_out", h, rows, out, dd, true);
+    let y = bl.linear_peft("proj_out", h, Lin::new(rows, out, dd, true));
     flow_loss(&mut bl, f, y, m.patch > 1, target, m.lat, b);
     bl.g
 }

@@ -523,7 +523,11 @@ fn peft_linear(
     });
     let x0 = bl.g.input("x0", rows * inp, Dtype::F32, true);
     let h = bl.g.op("h", &[x0], rows * inp, Dtype::F32);
-    let y = bl.linear_rg("ff", h, rows, out, inp, true);
+    let y = bl.linear_rg(
+        "ff",
+        h,
+        crate::runtime::pytorch::ops::Lin::new(rows, out, inp, true),
+    );
     let base =
         bl.g.ops
             .iter()

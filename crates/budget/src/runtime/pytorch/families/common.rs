@@ -4,7 +4,7 @@
 use crate::denoiser;
 use crate::families::{FamilyModel, Geometry};
 use crate::runtime::pytorch::device::PyTorch;
-use crate::runtime::pytorch::ops::{promote, save, Builder, LoraOn};
+use crate::runtime::pytorch::ops::{promote, save, Builder, Lin, LoraOn};
 use crate::runtime::pytorch::stages::{Data, Stage};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
@@ -323,25 +323,23 @@ pub(crate) fn pooled_temb_and_context(
     let p1 = bl.linear_g(
         "time_text_embed.text_embedder.linear_1",
         pooled,
-        b,
-        dim,
-        pooled_dim,
-        true,
+        Lin::new(b, dim, pooled_dim, true),
     );
     let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
     let p2 = bl.linear_g(
         "time_text_embed.text_embedder.linear_2",
         pa,
-        b,
-        dim,
-        dim,
-        true,
+        Lin::new(b, dim, dim, true),
     );
     let dt = promote(bl.g.dtype(temb), bl.g.dtype(p2));
     let temb = bl.g.op("temb", &[temb, p2], b * dim, dt);
     save(&mut bl.g, temb);
     let enc =
         bl.g.input("encoder_hidden_states", b * t * joint_dim, low, false);
-    let ctx = bl.linear_g("context_embedder", enc, b * t, dim, joint_dim, true);
+    let ctx = bl.linear_g(
+        "context_embedder",
+        enc,
+        Lin::new(b * t, dim, joint_dim, true),
+    );
     (temb, ctx)
 }

@@ -1,7 +1,7 @@
 //! PixArt's and diffusers' DiT's builders (famcross): ops that save only what a gradient needs,
 //! the masked attention of a cross-attention, PEFT's input cast.
 
-use super::{cpu_gemm_scratch, promote, save, Attn, Builder, LEFT_UNSAVED, MATMUL};
+use super::{cpu_gemm_scratch, promote, save, Attn, Builder, Lin, LEFT_UNSAVED, MATMUL};
 use crate::segment::Tid;
 use crate::spec::{AttentionMode, Dtype, SdpaBackend, TorchDevice};
 
@@ -69,16 +69,8 @@ impl Builder<'_> {
     /// `_cast_input_dtype(x, lora_A.weight.dtype)` first makes an fp32 copy of a low-precision x
     /// (the adapters are fp32 after `cast_training_params`), which autocast casts back for
     /// `lora_A` (`peft/tuners/lora/layer.py` `Linear.forward`).
-    pub(crate) fn linear_rg(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
-        let y = self.linear_base(name, x, rows, out, inp, bias, self.rg(x));
+    pub(crate) fn linear_rg(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
+        let y = self.linear_base(name, x, l, self.rg(x));
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -88,7 +80,7 @@ impl Builder<'_> {
         } else {
             x
         };
-        self.lora_after_base(name, (x, xa0), y, (rows, out, inp, r))
+        self.lora_after_base(name, (x, xa0), y, l.with_rank(r))
     }
 
     /// A matmul `(m × k) · (k × n)` (`addmm`/`mm` of a linear: `ins` = input, weight[, bias])

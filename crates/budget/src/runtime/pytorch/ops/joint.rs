@@ -1,7 +1,7 @@
 //! Flux's and SD3's builders (famjoint): grad-aware savers, `torch.nn.RMSNorm`, diffusers' real
 //! RoPE, the linear by what needs a gradient ([`Builder::linear_g`]) and PEFT's LoRA branch.
 
-use super::{save, Builder};
+use super::{save, Builder, Lin};
 use crate::segment::Tid;
 use crate::spec::Dtype;
 
@@ -28,22 +28,14 @@ impl<'a> Builder<'a> {
     /// x is in a lower dtype, bound to `x` until the forward returns), `lora_A` (autocast casts
     /// that copy again: each adapted module saves its own low-precision input [AC]), `lora_B`
     /// (saves A's output), `· scaling`, `result + …` [AG] ([`Builder::lora_after_base`]).
-    pub(crate) fn linear_g(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
+    pub(crate) fn linear_g(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
         if let (true, Some(r)) = (self.frozen(), self.lora_rank(name)) {
-            let y = self.linear_base(name, x, rows, out, inp, bias, true);
+            let y = self.linear_base(name, x, l, true);
             let pd = self.adapter_dtype();
             let x32 = self.g.cast(&format!("{name} x.to(lora dtype)"), x, pd);
-            return self.lora_after_base(name, (x, x32), y, (rows, out, inp, r));
+            return self.lora_after_base(name, (x, x32), y, l.with_rank(r));
         }
-        self.linear_if_grad(name, x, rows, out, inp, bias)
+        self.linear_if_grad(name, x, l)
     }
 
     /// diffusers `apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1)` on x of

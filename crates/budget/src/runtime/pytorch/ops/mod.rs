@@ -65,6 +65,33 @@ pub struct LoraOn {
     pub dtype: Dtype,
 }
 
+/// The shape of one `F.linear(x, W[, b])`: `rows` of x (its leading dimensions folded), the
+/// weight's `out × inp` features, and whether the module has a bias. Every linear builder takes
+/// one ([`Builder::linear_opt`] and its variants differ only in what autograd saves).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lin {
+    pub rows: u64,
+    pub out: u64,
+    pub inp: u64,
+    pub bias: bool,
+}
+
+impl Lin {
+    pub(crate) fn new(rows: u64, out: u64, inp: u64, bias: bool) -> Lin {
+        Lin {
+            rows,
+            out,
+            inp,
+            bias,
+        }
+    }
+
+    /// `(rows, out, inp, r)`: the shape of rank-`r` LoRA adapters on this linear.
+    pub(crate) fn with_rank(self, r: u64) -> (u64, u64, u64, u64) {
+        (self.rows, self.out, self.inp, r)
+    }
+}
+
 /// One forward graph under construction, with the precision rules of the spec.
 pub struct Builder<'a> {
     pub rt: &'a PyTorch,
@@ -169,7 +196,7 @@ impl<'a> Builder<'a> {
 
     /// `F.linear(x, W, b)` with a bias: see [`Builder::linear_opt`].
     pub(crate) fn linear(&mut self, name: &str, x: Tid, rows: u64, out: u64, inp: u64) -> Tid {
-        self.linear_opt(name, x, rows, out, inp, true)
+        self.linear_opt(name, x, Lin::new(rows, out, inp, true))
     }
 
     /// `F.linear(x, W[, b])`: `addmm` on the 2-D view of x saves the (cast) input when the weight
@@ -177,18 +204,10 @@ impl<'a> Builder<'a> {
     /// variable only for the outputs that need it); the output is in the compute dtype and is not
     /// saved by this op. Under LoRA on this module (PEFT `lora.Linear.forward`): the frozen base,
     /// then `lora_B(lora_A(x)) · scaling` added to it, the adapters trained.
-    pub(crate) fn linear_opt(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
-        let y = self.linear_base(name, x, rows, out, inp, bias, true);
+    pub(crate) fn linear_opt(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
+        let y = self.linear_base(name, x, l, true);
         match self.lora_rank(name) {
-            Some(r) => self.lora_adapters(name, x, y, (rows, out, inp, r), true),
+            Some(r) => self.lora_adapters(name, x, y, l.with_rank(r), true),
             None => y,
         }
     }
@@ -222,22 +241,18 @@ impl<'a> Builder<'a> {
     /// `F.linear(x, W[, b])` without an adapter (a frozen LoRA base is one too): `addmm`/`mm` on
     /// the 2-D view of x saves the (cast) input when the weight is trained, the (cast) weight
     /// when `weight_saved` (x needs a gradient: `mat1: grad.mm(mat2.t())`) [AG][AC].
-    #[allow(clippy::too_many_arguments)]
-    fn linear_base(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-        weight_saved: bool,
-    ) -> Tid {
-        let ins = self.weighted_operands(name, x, out * inp, bias.then_some(out), weight_saved);
+    fn linear_base(&mut self, name: &str, x: Tid, l: Lin, weight_saved: bool) -> Tid {
+        let ins = self.weighted_operands(
+            name,
+            x,
+            l.out * l.inp,
+            l.bias.then_some(l.out),
+            weight_saved,
+        );
         if !self.frozen() {
             save(&mut self.g, ins[0]);
         }
-        self.product(name, &ins, rows, inp, out)
+        self.product(name, &ins, l.rows, l.inp, l.out)
     }
 
     /// The rank of LoRA on a module, when the spec adapts it (PEFT's name match).

@@ -1,7 +1,7 @@
 //! Sana's and Wan's builders (famsana): ops whose saves depend on which operands need a
 //! gradient.
 
-use super::{Attn, Builder};
+use super::{Attn, Builder, Lin};
 use crate::segment::Tid;
 use crate::spec::{AttentionMode, Dtype, SdpaBackend};
 
@@ -64,19 +64,11 @@ impl Builder<'_> {
     /// (cast) input is saved for the weight's gradient, the autocast copy of the weight only sits
     /// in the autocast cache (`AddmmBackward0` saves `mat2` only for `mat1`'s gradient) [AG][AC].
     /// With a gradient-carrying input, or LoRA on the module: [`Builder::linear_opt`].
-    pub(crate) fn linear_if_grad(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
+    pub(crate) fn linear_if_grad(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
         if self.rg(x) || self.lora_rank(name).is_some() || self.frozen() {
-            return self.linear_opt(name, x, rows, out, inp, bias);
+            return self.linear_opt(name, x, l);
         }
-        self.linear_base(name, x, rows, out, inp, bias, false)
+        self.linear_base(name, x, l, false)
     }
 
     /// `F.linear` on a non-contiguous 3-D input (a transposed view): `at::matmul` folds the input
@@ -84,27 +76,19 @@ impl Builder<'_> {
     /// otherwise it runs `bmm` on the strided input against the expanded weight and saves
     /// nothing new [MM][AC]; the bias is added in place. LoRA on the module: see
     /// [`Builder::linear_peft`] (lora_A, trained, folds its own copy).
-    pub(crate) fn linear_strided(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
+    pub(crate) fn linear_strided(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
         if !self.frozen() {
             let xc = self.cast_low(&format!("{name} input"), x);
             let dt = self.g.dtype(xc);
             let xr = self.g.op(
                 &format!("{name} input reshaped for mm"),
                 &[xc],
-                rows * inp,
+                l.rows * l.inp,
                 dt,
             );
-            return self.linear_opt(name, xr, rows, out, inp, bias);
+            return self.linear_opt(name, xr, l);
         }
-        let y = self.linear_base(name, x, rows, out, inp, bias, true);
+        let y = self.linear_base(name, x, l, true);
         let Some(r) = self.lora_rank(name) else {
             return y;
         };
@@ -115,10 +99,10 @@ impl Builder<'_> {
         let xr = self.g.op(
             &format!("{name}.lora_A input reshaped for mm"),
             &[xc],
-            rows * inp,
+            l.rows * l.inp,
             low,
         );
-        self.lora_with_held_input(name, (x, xa0, xr), y, (rows, out, inp, r))
+        self.lora_with_held_input(name, (x, xa0, xr), y, l.with_rank(r))
     }
 
     /// The LoRA branch on `xl` (what lora_A reads), while PEFT's `x = x.to(lora_A.weight.dtype)`
@@ -154,24 +138,16 @@ impl Builder<'_> {
     /// under autocast, so lora_A saves its **own** autocast copy of x, never x itself [AC].
     /// Without LoRA on the module (or without autocast, where every cast is a no-op):
     /// [`Builder::linear_opt`].
-    pub(crate) fn linear_peft(
-        &mut self,
-        name: &str,
-        x: Tid,
-        rows: u64,
-        out: u64,
-        inp: u64,
-        bias: bool,
-    ) -> Tid {
+    pub(crate) fn linear_peft(&mut self, name: &str, x: Tid, l: Lin) -> Tid {
         let r = match self.lora_rank(name) {
             Some(r) if self.autocast() => r,
-            _ => return self.linear_opt(name, x, rows, out, inp, bias),
+            _ => return self.linear_opt(name, x, l),
         };
-        let y = self.linear_base(name, x, rows, out, inp, bias, true);
+        let y = self.linear_base(name, x, l, true);
         let pd = self.adapter_dtype();
         let xa0 = self.g.cast(&format!("{name} x.to(lora_A dtype)"), x, pd);
         let xl = self.cast_low(&format!("{name}.lora_A input"), xa0);
-        self.lora_with_held_input(name, (x, xa0, xl), y, (rows, out, inp, r))
+        self.lora_with_held_input(name, (x, xa0, xl), y, l.with_rank(r))
     }
 
     /// `conv2d` / `conv3d` under autocast: `ConvolutionBackward0` saves input and weight together
