@@ -243,6 +243,30 @@ fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val)
     add_into(h, g, store, t, old, partial);
 }
 
+/// The one input of an elementwise op (`silu`, `gelu`) and its gradient so far ([`or_insert`]:
+/// a zero sum made now when it has none).
+fn elementwise_input(h: &mut Heap, g: &Graph, store: &[Option<Val>], x: Nid) -> (Nid, Val) {
+    let input = g.nodes[x].inputs[0];
+    (input, or_insert(h, g, store, input))
+}
+
+/// The chain rule's last step of an elementwise op (`silu`, `gelu`): `grad · d` (in the
+/// input's size), `d` freed, the product added into the input `t`'s gradient (`old`: its sum so
+/// far, from [`or_insert`]) and freed.
+fn grad_times_derivative(
+    h: &mut Heap,
+    g: &Graph,
+    store: &mut [Option<Val>],
+    (t, old): (Nid, Val),
+    grad: Val,
+    d: Val,
+) {
+    let p = h.make(g, g.nodes[t].bytes(), &[grad, d]);
+    h.drop_val(d);
+    add_into(h, g, store, t, old, p);
+    h.drop_val(p);
+}
+
 /// One node's backward rule on its (detached) gradient: the contributions to its inputs'
 /// gradients in the order candle makes them. Returns the temporaries the rule still holds
 /// (dropped when the node is done).
@@ -413,12 +437,9 @@ fn silu_backward(
     grad: Val,
     locals: &mut Vec<Val>,
 ) {
-    let ins = &g.nodes[x].inputs;
     let me = Val::Fwd(x);
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    let a = bytes(ins[0]);
-    let arg = Val::Fwd(ins[0]);
-    let old = or_insert(h, g, store, ins[0]);
+    let (input, old) = elementwise_input(h, g, store, x);
+    let (a, arg) = (g.nodes[input].bytes(), Val::Fwd(input));
     let t1 = h.make(g, a, &[arg]);
     let t2 = h.make(g, a, &[t1]);
     let t3 = h.make(g, a, &[t2]);
@@ -431,10 +452,7 @@ fn silu_backward(
     h.drop_val(u1);
     let u3 = h.make(g, a, &[u2, me]);
     h.drop_val(u2);
-    let p = h.make(g, a, &[grad, u3]);
-    h.drop_val(u3);
-    add_into(h, g, store, ins[0], old, p);
-    h.drop_val(p);
+    grad_times_derivative(h, g, store, (input, old), grad, u3);
     locals.push(sig);
 }
 
@@ -448,11 +466,8 @@ fn gelu_backward(
     grad: Val,
     locals: &mut Vec<Val>,
 ) {
-    let ins = &g.nodes[x].inputs;
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    let a = bytes(ins[0]);
-    let arg = Val::Fwd(ins[0]);
-    let old = or_insert(h, g, store, ins[0]);
+    let (input, old) = elementwise_input(h, g, store, x);
+    let (a, arg) = (g.nodes[input].bytes(), Val::Fwd(input));
     let cube = h.make(g, a, &[arg]);
     let t1 = h.make(g, a, &[cube]);
     let t2 = h.make(g, a, &[arg]);
@@ -479,10 +494,7 @@ fn gelu_backward(
     h.drop_val(u7);
     let gg = h.make(g, a, &[u8]);
     h.drop_val(u8);
-    let p = h.make(g, a, &[grad, gg]);
-    h.drop_val(gg);
-    add_into(h, g, store, ins[0], old, p);
-    h.drop_val(p);
+    grad_times_derivative(h, g, store, (input, old), grad, gg);
     locals.push(tanh);
 }
 

@@ -80,67 +80,58 @@ fn cond_saved(s: &Spec) -> u64 {
     silu + 2 * d.b * d.d * low + 6 * d.b * d.d * low
 }
 
-/// Asserts what one block of the spec at `precision`, `attention`, `device` saves:
-/// `want(E, A, S, log-sum-exp bytes)` plus the conditioning path ([`cond_saved`]).
-fn assert_block_saved(
-    (precision, attention, device): (Precision, AttentionMode, TorchDevice),
-    want: fn(u64, u64, u64, u64) -> u64,
-) {
-    let s = spec(precision, attention, device);
-    let (e, a, rows, lse) = sizes(&s);
-    let what = format!("{precision:?} {attention:?} {device:?}");
-    assert_eq!(
-        block_saved(&s),
-        want(e, a, rows, lse) + cond_saved(&s),
-        "{what}"
-    );
-}
+/// What one block saves beside the conditioning path ([`cond_saved`]), as
+/// `want(E, A, S, log-sum-exp bytes)`, for each (precision, attention, device).
+type BlockRule = (
+    Precision,
+    AttentionMode,
+    TorchDevice,
+    fn(u64, u64, u64, u64) -> u64,
+);
+
+const BLOCK_SAVED: [BlockRule; 6] = {
+    use AttentionMode::{Materialized, MemoryEfficient};
+    use Precision::{Bf16Mixed, Fp32};
+    use TorchDevice::{Cpu, Cuda};
+    [
+        // Flash (memory-efficient) attention: 80E fp32, 48E under autocast, plus its
+        // log-sum-exp and 16 bytes a row.
+        (Fp32, MemoryEfficient, Cpu, |e, _, rows, lse| {
+            80 * e + lse + 16 * rows
+        }),
+        (Bf16Mixed, MemoryEfficient, Cpu, |e, _, rows, lse| {
+            48 * e + lse + 16 * rows
+        }),
+        (Bf16Mixed, MemoryEfficient, Cuda, |e, _, rows, lse| {
+            48 * e + lse + 16 * rows
+        }),
+        // timm's explicit path: the bmm operands are reshape copies (q·scale, kᵀ, v), so the
+        // fused qkv output is not kept; CUDA autocast runs softmax in fp32 (P 4A) and P@v saves
+        // a bf16 copy (2A); the CPU autocast list has no softmax, so P stays bf16 (2A).
+        (Bf16Mixed, Materialized, Cuda, |e, a, rows, _| {
+            48 * e + 6 * a + 16 * rows
+        }),
+        (Bf16Mixed, Materialized, Cpu, |e, a, rows, _| {
+            48 * e + 2 * a + 16 * rows
+        }),
+        (Fp32, Materialized, Cpu, |e, a, rows, _| {
+            80 * e + 4 * a + 16 * rows
+        }),
+    ]
+};
 
 #[test]
-fn fp32_flash_block_is_80e_plus_lse_plus_16s() {
-    let at = (
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
-    assert_block_saved(at, |e, _, rows, lse| 80 * e + lse + 16 * rows);
-}
-
-#[test]
-fn amp_flash_block_is_48e_plus_lse_plus_16s() {
-    for dev in [TorchDevice::Cpu, TorchDevice::Cuda] {
-        let at = (Precision::Bf16Mixed, AttentionMode::MemoryEfficient, dev);
-        assert_block_saved(at, |e, _, rows, lse| 48 * e + lse + 16 * rows);
+fn block_saves_what_each_precision_attention_and_device_keeps() {
+    for (precision, attention, device, want) in BLOCK_SAVED {
+        let s = spec(precision, attention, device);
+        let (e, a, rows, lse) = sizes(&s);
+        let what = format!("{precision:?} {attention:?} {device:?}");
+        assert_eq!(
+            block_saved(&s),
+            want(e, a, rows, lse) + cond_saved(&s),
+            "{what}"
+        );
     }
-}
-
-#[test]
-fn amp_math_block_is_48e_6a_on_cuda_and_2a_on_cpu() {
-    // timm's explicit path: the bmm operands are reshape copies (q·scale, kᵀ, v), so the fused
-    // qkv output is not kept; CUDA autocast runs softmax in fp32 (P 4A) and P@v saves a bf16
-    // copy (2A); the CPU autocast list has no softmax, so P stays bf16 (2A).
-    let at = (
-        Precision::Bf16Mixed,
-        AttentionMode::Materialized,
-        TorchDevice::Cuda,
-    );
-    assert_block_saved(at, |e, a, rows, _| 48 * e + 6 * a + 16 * rows);
-    let at = (
-        Precision::Bf16Mixed,
-        AttentionMode::Materialized,
-        TorchDevice::Cpu,
-    );
-    assert_block_saved(at, |e, a, rows, _| 48 * e + 2 * a + 16 * rows);
-}
-
-#[test]
-fn fp32_math_block_is_80e_plus_4a() {
-    let at = (
-        Precision::Fp32,
-        AttentionMode::Materialized,
-        TorchDevice::Cpu,
-    );
-    assert_block_saved(at, |e, a, rows, _| 80 * e + 4 * a + 16 * rows);
 }
 
 #[test]
