@@ -15,12 +15,11 @@ use candle_core::Tensor;
 
 use crate::diffusion::Batch;
 use crate::error::Result;
-use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
 use crate::families::pixart::step::TableFinal;
 use crate::families::sana::{
     caption_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
-    SanaCaptionWeights, SanaGeom, SANA_FREQ,
+    SanaCaptionWeights, SanaGeom, SANA_BLOCK_LINEARS, SANA_FREQ,
 };
 use crate::layers::cast;
 use crate::layers::LinearW;
@@ -45,9 +44,6 @@ pub(crate) struct SanaBlockIdx {
     lin: [Lin; 10],
     depth: (usize, usize),
 }
-
-/// The linears of a block in `SanaBlockIdx::lin` order (diffusers names).
-const BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ff.conv_inverted", "ff.conv_point"]);
 
 /// Where Sana's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
@@ -80,7 +76,7 @@ impl SanaLayout {
                 b: None,
                 lora: None,
             }; 10];
-            for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
+            for (slot, name) in l.iter_mut().zip(SANA_BLOCK_LINEARS) {
                 *slot = any(&format!("{b}.{name}"))?;
             }
             Ok(SanaBlockIdx {
