@@ -107,20 +107,13 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
             let [q1, k1, v1, o1, q2, k2, v2, o2, conv_inverted, conv_point] =
                 weights(&prefix, SANA_BLOCK_LINEARS, lin)?;
             let dp = |n: &str| t.parameter(&format!("{prefix}.ff.conv_depth.{n}"));
-            let bw = SanaBlockWeights {
-                table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
-                q1,
-                k1,
-                v1,
-                o1,
-                q2,
-                k2,
-                v2,
-                o2,
+            let bw = SanaBlockWeights::new(
+                t.parameter(&format!("{prefix}.scale_shift_table"))?,
+                [q1, k1, v1, o1, q2, k2, v2, o2],
                 conv_inverted,
-                conv_depth: (dp("weight")?, dp("bias")?),
+                (dp("weight")?, dp("bias")?),
                 conv_point,
-            };
+            );
             // What h carries into the block's q and k: the embedding, the earlier blocks' stages,
             // its norm; and the weight's own rounding (see kink.rs).
             let roundings = (3 + super::VerifyFamily::block_stages(g, i as u64)) as f64;

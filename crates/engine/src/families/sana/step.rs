@@ -133,24 +133,19 @@ impl Trainer {
         let zero = zero_bias(self.dims.hidden, wdt)?;
         let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
         let table = self.table_weight(b.table, track)?;
-        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
-        Ok(SanaBlockWeights {
+        let attn = self.self_cross_attn_linears(l, track)?;
+        let conv_inverted = l(8)?;
+        let conv_depth = (
+            self.linear_weight(b.depth.0, track)?,
+            self.linear_weight(b.depth.1, track)?,
+        );
+        Ok(SanaBlockWeights::new(
             table,
-            q1,
-            k1,
-            v1,
-            o1,
-            q2,
-            k2,
-            v2,
-            o2,
-            conv_inverted: l(8)?,
-            conv_depth: (
-                self.linear_weight(b.depth.0, track)?,
-                self.linear_weight(b.depth.1, track)?,
-            ),
-            conv_point: l(9)?,
-        })
+            attn,
+            conv_inverted,
+            conv_depth,
+            l(9)?,
+        ))
     }
 }
 
