@@ -109,19 +109,11 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
             let prefix = format!("transformer_blocks.{i}");
             let [q1, k1, v1, o1, q2, k2, v2, o2, fc1, fc2] =
                 weights(&prefix, PIXART_BLOCK_LINEARS, |n| linear(t, n))?;
-            let bw = PixartBlockWeights {
-                table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
-                q1,
-                k1,
-                v1,
-                o1,
-                q2,
-                k2,
-                v2,
-                o2,
-                fc1,
-                fc2,
-            };
+            let bw = PixartBlockWeights::new(
+                t.parameter(&format!("{prefix}.scale_shift_table"))?,
+                [q1, k1, v1, o1, q2, k2, v2, o2],
+                [fc1, fc2],
+            );
             let (next, sb) = on_pool(|| -> Result<(Tensor, f64)> {
                 // q and k of both attentions as the block computes them.
                 let modv = table_modulation(&t6, &bw.table)?;

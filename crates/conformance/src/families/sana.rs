@@ -16,23 +16,7 @@ use crate::verify::replay::{
 };
 use crate::verify::upstream::with_upstream;
 use crate::verify::Result;
-use ditmem_engine::families::sana::SanaGeom;
-
-/// The linears of a Sana block in forward order (diffusers names): its linear self-attention
-/// `attn1`, its cross-attention `attn2`, the Mix-FFN's pointwise convs. The engine's own list
-/// (`families/sana/step.rs`, made by `families/cross.rs`) is private to it.
-const BLOCK_LINEARS: [&str; 10] = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.conv_inverted",
-    "ff.conv_point",
-];
+use ditmem_engine::families::sana::{SanaGeom, SANA_BLOCK_LINEARS};
 
 /// The cancellation ([`add_sums`]) and ReLU kink ([`add_kink_sums`]) of one block's linear
 /// attention on its q, k, v (b·s, D) from `h1`, the block's normed input; `geom` (b samples,
@@ -121,22 +105,15 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
         for (i, (block_total, kink_total)) in sums.iter_mut().zip(kinks.iter_mut()).enumerate() {
             let prefix = format!("transformer_blocks.{i}");
             let [q1, k1, v1, o1, q2, k2, v2, o2, conv_inverted, conv_point] =
-                weights(&prefix, BLOCK_LINEARS, lin)?;
+                weights(&prefix, SANA_BLOCK_LINEARS, lin)?;
             let dp = |n: &str| t.parameter(&format!("{prefix}.ff.conv_depth.{n}"));
-            let bw = SanaBlockWeights {
-                table: t.parameter(&format!("{prefix}.scale_shift_table"))?,
-                q1,
-                k1,
-                v1,
-                o1,
-                q2,
-                k2,
-                v2,
-                o2,
+            let bw = SanaBlockWeights::new(
+                t.parameter(&format!("{prefix}.scale_shift_table"))?,
+                [q1, k1, v1, o1, q2, k2, v2, o2],
                 conv_inverted,
-                conv_depth: (dp("weight")?, dp("bias")?),
+                (dp("weight")?, dp("bias")?),
                 conv_point,
-            };
+            );
             // What h carries into the block's q and k: the embedding, the earlier blocks' stages,
             // its norm; and the weight's own rounding (see kink.rs).
             let roundings = (3 + super::VerifyFamily::block_stages(g, i as u64)) as f64;

@@ -316,19 +316,15 @@ pub(crate) fn cross_query(
     Ok(to_q.forward(&x1.reshape((b * s, h)).map_err(e)?)?)
 }
 
-/// The class ids of a microbatch's samples, a dropped label's as `null` where the model has
-/// a null row (classifier-free guidance), as the DiT families' steps look them up.
+/// The class ids of a microbatch's samples on the CPU, a dropped label's as `null` where the
+/// model has a null row: the DiT families' own lookup
+/// ([`ditmem_engine::families::dit::class_ids`]).
 pub(crate) fn class_ids(mb: &Batch, null: Option<u32>) -> Result<Tensor> {
-    let ids: Vec<u32> = mb
-        .labels
-        .iter()
-        .zip(&mb.drop_label)
-        .map(|(&y, &drop)| match null {
-            Some(n) if drop => n,
-            _ => y,
-        })
-        .collect();
-    Tensor::from_vec(ids, mb.n, &Device::Cpu).map_err(e)
+    Ok(ditmem_engine::families::dit::class_ids(
+        mb,
+        null,
+        &Device::Cpu,
+    )?)
 }
 
 /// Run `f` on the rayon pool the trainer's steps run on, as they do: gemm keeps per-thread

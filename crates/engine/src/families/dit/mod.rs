@@ -16,7 +16,11 @@ pub(crate) mod step;
 pub use block::{block_forward, final_forward, BlockSeeds, BlockWeights, FinalWeights};
 pub use params::Dit;
 
+use candle_core::{Device, Tensor};
 use ditmem_spec::Spec;
+
+use crate::diffusion::Batch;
+use crate::error::Result;
 
 use crate::families::EngineFamily;
 use crate::shapes::{Dims, ParamShape};
@@ -29,4 +33,21 @@ impl EngineFamily for Dit {
     fn param_shapes(&self, spec: &Spec, d: &Dims) -> Vec<ParamShape> {
         params::param_shapes(spec, d)
     }
+}
+
+/// The class ids (`mb.n`) of a microbatch's samples on `dev`, a dropped label's as `null`
+/// where the model has a null row (classifier-free guidance: diffusers'
+/// `LabelEmbedding.token_drop`), as both DiT families' embed steps and their f64 replays in
+/// the conformance suite look them up.
+pub fn class_ids(mb: &Batch, null: Option<u32>, dev: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = mb
+        .labels
+        .iter()
+        .zip(&mb.drop_label)
+        .map(|(&y, &drop)| match null {
+            Some(n) if drop => n,
+            _ => y,
+        })
+        .collect();
+    Ok(Tensor::from_vec(ids, mb.n, dev)?)
 }

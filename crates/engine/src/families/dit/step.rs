@@ -222,20 +222,8 @@ impl Trainer {
             .reshape((b, d.tokens, d.hidden))?
             .broadcast_add(&pos)?;
         let [tf, t1, temb] = self.timestep_mlp(mb, d.freq, [lay.embed_idx[1], lay.embed_idx[2]])?;
-        let null = d.num_classes as u32;
-        let ids: Vec<u32> = mb
-            .labels
-            .iter()
-            .zip(&mb.drop_label)
-            .map(|(&y, &drop)| {
-                if drop && d.label_rows > d.num_classes {
-                    null
-                } else {
-                    y
-                }
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, b, &self.dev)?;
+        let null = (d.label_rows > d.num_classes).then_some(d.num_classes as u32);
+        let ids = super::class_ids(mb, null, &self.dev)?;
         let table = self.raw_weight(lay.table, true);
         let yemb = cast(table.index_select(&ids, 0)?, ad)?;
         let c = (temb + yemb)?;

@@ -14,6 +14,7 @@ use candle_core::Tensor;
 
 use crate::diffusion::Batch;
 use crate::error::{EngineError, Result};
+use crate::families::dit::class_ids;
 use crate::families::dit_diffusers::{
     combined_embedding, ditd_block_forward, final_forward, label_timestep_features,
     DitdBlockWeights, DitdGeom, EmbWeights, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_FREQ,
@@ -135,14 +136,7 @@ impl FamilyStep for DitdLayout {
             cd,
         )?;
         // `LabelEmbedding.token_drop`: a dropped label reads the null row (num_classes).
-        let null = self.geom.classes as u32;
-        let ids: Vec<u32> = mb
-            .labels
-            .iter()
-            .zip(&mb.drop_label)
-            .map(|(&y, &drop)| if drop { null } else { y })
-            .collect();
-        let ids = Tensor::from_vec(ids, b, &tr.dev)?;
+        let ids = class_ids(mb, Some(self.geom.classes as u32), &tr.dev)?;
         let w0 = tr.ditd_emb_weights(&self.blocks[0].emb, true)?;
         let se0 = cast(combined_embedding(&tf, &ids, &w0, ad)?.silu()?, cd)?;
         drop(w0);

@@ -31,6 +31,27 @@ pub struct PixartBlockWeights {
     pub fc2: LinearW,
 }
 
+impl PixartBlockWeights {
+    /// The weights from the `scale_shift_table`, attn1's then attn2's q, k, v, out and the
+    /// feed-forward's two linears (the order of [`PIXART_BLOCK_LINEARS`](super::PIXART_BLOCK_LINEARS)).
+    pub fn new(table: Tensor, attn: [LinearW; 8], [fc1, fc2]: [LinearW; 2]) -> Self {
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = attn;
+        PixartBlockWeights {
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
+            fc1,
+            fc2,
+        }
+    }
+}
+
 /// What the attention ops keep under the block's attention setting.
 pub(crate) fn attn_keep(a: AttnImpl) -> AttnKeep {
     match a {

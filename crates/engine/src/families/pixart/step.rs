@@ -171,20 +171,8 @@ impl Trainer {
     ) -> Result<PixartBlockWeights> {
         let l = |k: usize| self.linear(b.lin[k], track);
         let table = self.table_weight(b.table, track)?;
-        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
-        Ok(PixartBlockWeights {
-            table,
-            q1,
-            k1,
-            v1,
-            o1,
-            q2,
-            k2,
-            v2,
-            o2,
-            fc1: l(8)?,
-            fc2: l(9)?,
-        })
+        let attn = self.self_cross_attn_linears(l, track)?;
+        Ok(PixartBlockWeights::new(table, attn, [l(8)?, l(9)?]))
     }
 }
 

@@ -39,6 +39,34 @@ pub struct SanaBlockWeights {
     pub conv_point: LinearW,
 }
 
+impl SanaBlockWeights {
+    /// The weights from the `scale_shift_table`, attn1's then attn2's q, k, v, out and the
+    /// Mix-FFN's `conv_inverted`, `conv_depth` (weight, bias) and `conv_point`.
+    pub fn new(
+        table: Tensor,
+        attn: [LinearW; 8],
+        conv_inverted: LinearW,
+        conv_depth: (Tensor, Tensor),
+        conv_point: LinearW,
+    ) -> Self {
+        let [q1, k1, v1, o1, q2, k2, v2, o2] = attn;
+        SanaBlockWeights {
+            table,
+            q1,
+            k1,
+            v1,
+            o1,
+            q2,
+            k2,
+            v2,
+            o2,
+            conv_inverted,
+            conv_depth,
+            conv_point,
+        }
+    }
+}
+
 /// The geometry a block reads beyond [`BlockConfig`].
 #[derive(Debug, Clone, Copy)]
 pub struct SanaBlockGeom {

@@ -38,7 +38,7 @@ pub use block::{
     caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights,
 };
-pub use params::{param_shapes, SanaGeom, SANA_FREQ};
+pub use params::{param_shapes, SanaGeom, SANA_BLOCK_LINEARS, SANA_FREQ};
 
 use ditmem_spec::Spec;
 

@@ -10,11 +10,17 @@ use ditmem_budget::{SanaDims, Spec};
 
 use crate::error::{EngineError, Result};
 use crate::families::config::{caption_tokens, no_dropout};
+use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::{adapt, LoraPlan};
 use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
 pub const SANA_FREQ: usize = 256;
+
+/// The linears of a Sana block in forward order (diffusers names): its linear self-attention
+/// `attn1`, its cross-attention `attn2`, the Mix-FFN's pointwise convs.
+pub const SANA_BLOCK_LINEARS: [&str; 10] =
+    self_cross_block_linears(["ff.conv_inverted", "ff.conv_point"]);
 
 /// `caption_norm`'s epsilon (`RMSNorm(inner_dim, eps=1e-5, elementwise_affine=True)`).
 pub(crate) const CAPTION_NORM_EPS: f64 = 1e-5;

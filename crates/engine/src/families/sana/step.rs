@@ -15,12 +15,11 @@ use candle_core::Tensor;
 
 use crate::diffusion::Batch;
 use crate::error::Result;
-use crate::families::cross::self_cross_block_linears;
 use crate::families::lora::factor_indices;
 use crate::families::pixart::step::TableFinal;
 use crate::families::sana::{
     caption_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
-    SanaCaptionWeights, SanaGeom, SANA_FREQ,
+    SanaCaptionWeights, SanaGeom, SANA_BLOCK_LINEARS, SANA_FREQ,
 };
 use crate::layers::cast;
 use crate::layers::LinearW;
@@ -45,9 +44,6 @@ pub(crate) struct SanaBlockIdx {
     lin: [Lin; 10],
     depth: (usize, usize),
 }
-
-/// The linears of a block in `SanaBlockIdx::lin` order (diffusers names).
-const BLOCK_LINEARS: [&str; 10] = self_cross_block_linears(["ff.conv_inverted", "ff.conv_point"]);
 
 /// Where Sana's parameters sit in `Trainer::params`.
 #[derive(Debug, Clone)]
@@ -80,7 +76,7 @@ impl SanaLayout {
                 b: None,
                 lora: None,
             }; 10];
-            for (slot, name) in l.iter_mut().zip(BLOCK_LINEARS) {
+            for (slot, name) in l.iter_mut().zip(SANA_BLOCK_LINEARS) {
                 *slot = any(&format!("{b}.{name}"))?;
             }
             Ok(SanaBlockIdx {
@@ -137,24 +133,19 @@ impl Trainer {
         let zero = zero_bias(self.dims.hidden, wdt)?;
         let l = |k: usize| self.sana_linear(b.lin[k], &zero, track);
         let table = self.table_weight(b.table, track)?;
-        let [q1, k1, v1, o1, q2, k2, v2, o2] = self.self_cross_attn_linears(l, track)?;
-        Ok(SanaBlockWeights {
+        let attn = self.self_cross_attn_linears(l, track)?;
+        let conv_inverted = l(8)?;
+        let conv_depth = (
+            self.linear_weight(b.depth.0, track)?,
+            self.linear_weight(b.depth.1, track)?,
+        );
+        Ok(SanaBlockWeights::new(
             table,
-            q1,
-            k1,
-            v1,
-            o1,
-            q2,
-            k2,
-            v2,
-            o2,
-            conv_inverted: l(8)?,
-            conv_depth: (
-                self.linear_weight(b.depth.0, track)?,
-                self.linear_weight(b.depth.1, track)?,
-            ),
-            conv_point: l(9)?,
-        })
+            attn,
+            conv_inverted,
+            conv_depth,
+            l(9)?,
+        ))
     }
 }
 
