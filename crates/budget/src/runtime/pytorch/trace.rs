@@ -421,6 +421,8 @@ fn forward(spec: &Spec, traced: &[Traced], dq: u64, seq: &mut Seq, sh: &mut Shar
     inst
 }
 
+// Whole (~115 lines): one node's replay order (recompute, gradient aliases, gradients, releases) is
+// one sequence of allocator events; split, its order would be spread over helpers.
 /// One microbatch's backward, the instances in reverse: the loss's gradient first, the IPG
 /// buffers of this backward and the step's gradient partition, each node's recompute, gradients
 /// and releases.
