@@ -295,13 +295,13 @@ impl<'a> Facts<'a> {
                 evs.push(Ev::Alloc(3 * nn + kk, op.fwd_scratch));
                 evs.push(Ev::Free(3 * nn + kk));
             }
-            for s in 0..n {
-                if alive[s] && !self.is_out(s) && self.last_read[s].unwrap_or(k) <= k {
+            for (s, a) in alive.iter_mut().enumerate() {
+                if *a && !self.is_out(s) && self.last_read[s].unwrap_or(k) <= k {
                     let keep = (tracked && self.saved[s])
                         || (self.is_cast(s) && (self.saved[s] || self.cached[s]));
                     if !keep {
                         self.add(&mut live, s, false);
-                        alive[s] = false;
+                        *a = false;
                         evs.push(Ev::Free(s as u64));
                     }
                 }
