@@ -129,89 +129,145 @@ pub struct SegTrace {
     pub outputs: Vec<u64>,
 }
 
-/// [`simulate`] with the allocation events it walks.
+/// [`simulate`] with the allocation events it walks: the segment's facts, the two forwards,
+/// then the backward.
 pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (SegCost, SegTrace) {
-    let n = seg.tensors.len();
-    let nn = n as u64;
+    let f = Facts::new(seg);
     let mut trace = SegTrace {
-        n: nn,
+        n: f.nn,
+        outputs: f.out_sts.iter().map(|&s| s as u64).collect(),
         ..SegTrace::default()
     };
-    let storage = |mut t: Tid| -> Tid {
-        while seg.tensors[t].kind == TensorKind::View {
-            match seg.ops.iter().find(|o| o.output == t) {
-                Some(op) => t = op.inputs[0],
-                None => break,
-            }
-        }
-        t
-    };
-    let outs = seg.outputs();
-    let mut out_sts: Vec<Tid> = outs.iter().map(|&o| storage(o)).collect();
-    out_sts.sort_unstable();
-    out_sts.dedup();
-    let is_out = |s: Tid| out_sts.contains(&s);
-    trace.outputs = out_sts.iter().map(|&s| s as u64).collect();
-    let is_alloc = |t: Tid| seg.tensors[t].kind == TensorKind::Alloc;
-    let is_cast = |t: Tid| seg.tensors[t].role == TensorRole::WeightCast;
-    let bytes = |t: Tid| seg.tensors[t].bytes();
-    let mut saved = vec![false; n];
-    let mut cached = vec![false; n];
-    let mut last_read = vec![None::<usize>; n];
-    let mut first_read = vec![None::<usize>; n];
-    for (k, op) in seg.ops.iter().enumerate() {
-        let t = op.output;
-        if seg.tensors[t].name.ends_with(SAVED) {
-            saved[storage(t)] = true;
-        }
-        if seg.tensors[t].name.ends_with(CACHED) {
-            cached[storage(t)] = true;
-        }
-        // A matmul with a frozen weight keeps no reference to its left operand [AG].
-        let unsaved_left = op.name.ends_with(LEFT_UNSAVED);
-        for (j, &i) in op.inputs.iter().enumerate() {
-            let s = storage(i);
-            last_read[s] = Some(last_read[s].map_or(k, |l| l.max(k)));
-            if !(unsaved_left && j == 0) {
-                first_read[s] = Some(first_read[s].map_or(k, |f| f.min(k)));
-            }
-        }
-    }
     let mut cost = SegCost {
-        output: out_sts
+        output: f
+            .out_sts
             .iter()
-            .filter(|&&s| is_alloc(s))
-            .map(|&s| bytes(s))
+            .filter(|&&s| f.is_alloc(s))
+            .map(|&s| f.bytes(s))
             .sum(),
         // An input is marked where an op saves it (it is no op's output).
         input_saved: seg
             .stream_in
             .iter()
-            .any(|&t| saved[storage(t)] || seg.tensors[t].name.ends_with(SAVED)),
+            .any(|&t| f.saved[f.storage(t)] || seg.tensors[t].name.ends_with(SAVED)),
         ..SegCost::default()
     };
-    let add = |l: &mut Live, t: Tid, sign: bool| {
-        let slot = if is_cast(t) {
+    // Forward, tracked (saved storages stay) and checkpointed (only the cache holds anything).
+    f.forward(true, &mut cost, &mut trace);
+    f.forward(false, &mut cost, &mut trace);
+    f.backward(grad_in, extra_grads, &mut cost, &mut trace);
+    (cost, trace)
+}
+
+/// What every pass over one segment reads: each tensor's storage, who saves, caches and reads it.
+struct Facts<'a> {
+    seg: &'a Segment,
+    n: usize,
+    nn: u64,
+    outs: Vec<Tid>,
+    /// The outputs' storages, sorted, without repeats.
+    out_sts: Vec<Tid>,
+    saved: Vec<bool>,
+    cached: Vec<bool>,
+    last_read: Vec<Option<usize>>,
+    first_read: Vec<Option<usize>>,
+}
+
+/// Raise `peak` to `cur` plus `scratch` of workspace where that is higher.
+fn max_live(peak: &mut Live, cur: Live, scratch: u64) {
+    let mut c = cur;
+    c.workspace += scratch;
+    if c.total() > peak.total() {
+        *peak = c;
+    }
+}
+
+impl<'a> Facts<'a> {
+    fn new(seg: &'a Segment) -> Self {
+        let n = seg.tensors.len();
+        let mut f = Facts {
+            seg,
+            n,
+            nn: n as u64,
+            outs: seg.outputs(),
+            out_sts: Vec::new(),
+            saved: vec![false; n],
+            cached: vec![false; n],
+            last_read: vec![None; n],
+            first_read: vec![None; n],
+        };
+        let mut out_sts: Vec<Tid> = f.outs.iter().map(|&o| f.storage(o)).collect();
+        out_sts.sort_unstable();
+        out_sts.dedup();
+        f.out_sts = out_sts;
+        for (k, op) in seg.ops.iter().enumerate() {
+            let t = op.output;
+            if seg.tensors[t].name.ends_with(SAVED) {
+                let s = f.storage(t);
+                f.saved[s] = true;
+            }
+            if seg.tensors[t].name.ends_with(CACHED) {
+                let s = f.storage(t);
+                f.cached[s] = true;
+            }
+            // A matmul with a frozen weight keeps no reference to its left operand [AG].
+            let unsaved_left = op.name.ends_with(LEFT_UNSAVED);
+            for (j, &i) in op.inputs.iter().enumerate() {
+                let s = f.storage(i);
+                f.last_read[s] = Some(f.last_read[s].map_or(k, |l| l.max(k)));
+                if !(unsaved_left && j == 0) {
+                    f.first_read[s] = Some(f.first_read[s].map_or(k, |x| x.min(k)));
+                }
+            }
+        }
+        f
+    }
+
+    /// The tensor owning `t`'s storage (a view's base, followed through views).
+    fn storage(&self, mut t: Tid) -> Tid {
+        while self.seg.tensors[t].kind == TensorKind::View {
+            match self.seg.ops.iter().find(|o| o.output == t) {
+                Some(op) => t = op.inputs[0],
+                None => break,
+            }
+        }
+        t
+    }
+
+    fn is_out(&self, s: Tid) -> bool {
+        self.out_sts.contains(&s)
+    }
+
+    fn is_alloc(&self, t: Tid) -> bool {
+        self.seg.tensors[t].kind == TensorKind::Alloc
+    }
+
+    fn is_cast(&self, t: Tid) -> bool {
+        self.seg.tensors[t].role == TensorRole::WeightCast
+    }
+
+    fn bytes(&self, t: Tid) -> u64 {
+        self.seg.tensors[t].bytes()
+    }
+
+    /// Add (`sign`) or take away `t`'s bytes from its kind in `l`.
+    fn add(&self, l: &mut Live, t: Tid, sign: bool) {
+        let slot = if self.is_cast(t) {
             &mut l.weight_casts
         } else {
             &mut l.activations
         };
         if sign {
-            *slot += bytes(t);
+            *slot += self.bytes(t);
         } else {
-            *slot -= bytes(t);
+            *slot -= self.bytes(t);
         }
-    };
-    let max_live = |peak: &mut Live, cur: Live, scratch: u64| {
-        let mut c = cur;
-        c.workspace += scratch;
-        if c.total() > peak.total() {
-            *peak = c;
-        }
-    };
+    }
 
-    // Forward, tracked (saved storages stay) and checkpointed (only the cache holds anything).
-    for tracked in [true, false] {
+    /// One forward, tracked (saved storages stay) or checkpointed: its events, peak and what it
+    /// leaves.
+    fn forward(&self, tracked: bool, cost: &mut SegCost, trace: &mut SegTrace) {
+        let (n, nn, seg) = (self.n, self.nn, self.seg);
         let mut live = Live::default();
         let mut peak = Live::default();
         let mut alive = vec![false; n];
@@ -223,10 +279,10 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
                 // The node packs its saved inputs before the op allocates its output.
                 cost.recompute_peak = peak;
             }
-            if is_alloc(t) {
-                add(&mut live, t, true);
+            if self.is_alloc(t) {
+                self.add(&mut live, t, true);
                 alive[t] = true;
-                evs.push(Ev::Alloc(t as u64, bytes(t)));
+                evs.push(Ev::Alloc(t as u64, self.bytes(t)));
             }
             if tracked {
                 live.activations += op.extra_saved;
@@ -239,209 +295,260 @@ pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (Seg
                 evs.push(Ev::Alloc(3 * nn + kk, op.fwd_scratch));
                 evs.push(Ev::Free(3 * nn + kk));
             }
-            for s in 0..n {
-                if alive[s] && !is_out(s) && last_read[s].unwrap_or(k) <= k {
-                    let keep = (tracked && saved[s]) || (is_cast(s) && (saved[s] || cached[s]));
+            for (s, a) in alive.iter_mut().enumerate() {
+                if *a && !self.is_out(s) && self.last_read[s].unwrap_or(k) <= k {
+                    let keep = (tracked && self.saved[s])
+                        || (self.is_cast(s) && (self.saved[s] || self.cached[s]));
                     if !keep {
-                        add(&mut live, s, false);
-                        alive[s] = false;
+                        self.add(&mut live, s, false);
+                        *a = false;
                         evs.push(Ev::Free(s as u64));
                     }
                 }
             }
         }
+        let left = |s: Tid| alive[s] && !self.is_out(s);
         if tracked {
             trace.fwd = evs;
             trace.cache_only = (0..n)
-                .filter(|&s| alive[s] && !is_out(s) && cached[s] && !saved[s])
+                .filter(|&s| left(s) && self.cached[s] && !self.saved[s])
                 .map(|s| s as u64)
                 .collect();
-        } else {
-            trace.ckpt = evs;
-            trace.ckpt_left = (0..n)
-                .filter(|&s| alive[s] && !is_out(s))
-                .map(|s| s as u64)
-                .collect();
-        }
-        if tracked {
             cost.fwd_peak = peak;
             if seg.last_pack.is_none_or(|k| k >= seg.ops.len()) {
                 cost.recompute_peak = peak;
             }
-            for s in 0..n {
-                if alive[s] && !is_out(s) {
-                    if cached[s] && !saved[s] {
-                        cost.cache_only += bytes(s);
-                    } else {
-                        add(&mut cost.kept, s, true);
-                    }
+            for s in (0..n).filter(|&s| left(s)) {
+                if self.cached[s] && !self.saved[s] {
+                    cost.cache_only += self.bytes(s);
+                } else {
+                    self.add(&mut cost.kept, s, true);
                 }
             }
             cost.kept.activations += seg.ops.iter().map(|o| o.extra_saved).sum::<u64>();
         } else {
+            trace.ckpt = evs;
+            trace.ckpt_left = (0..n).filter(|&s| left(s)).map(|s| s as u64).collect();
             cost.ckpt_peak = peak;
-            cost.ckpt_cache = (0..n).filter(|&s| alive[s] && !is_out(s)).map(bytes).sum();
+            cost.ckpt_cache = (0..n).filter(|&s| left(s)).map(|s| self.bytes(s)).sum();
         }
     }
 
-    // Backward over the kept graph.
-    let mut live = cost.kept;
-    live.workspace += grad_in;
-    let mut peak = live;
-    let mut held = vec![false; n];
-    for s in 0..n {
-        held[s] = is_alloc(s) && !is_out(s) && saved[s];
+    /// The backward over the kept graph, node by node in reverse op order.
+    fn backward(
+        &self,
+        grad_in: u64,
+        extra_grads: &[Tid],
+        cost: &mut SegCost,
+        trace: &mut SegTrace,
+    ) {
+        let (n, seg) = (self.n, self.seg);
+        let mut b = Bwd {
+            live: cost.kept,
+            peak: Live::default(),
+            held: (0..n)
+                .map(|s| self.is_alloc(s) && !self.is_out(s) && self.saved[s])
+                .collect(),
+            grad: vec![false; n],
+            grad_mm_view: vec![false; n],
+            pending_sum: None,
+            grad_out_pending: true,
+            side_grads: self.outs[1..].iter().map(|&o| self.bytes(o)).sum(),
+            view_of: vec![None; n],
+            views_left: vec![0; n],
+            evs: Vec::new(),
+        };
+        b.live.workspace += grad_in;
+        b.peak = b.live;
+        for &o in &self.outs {
+            b.grad[o] = true;
+        }
+        for &t in extra_grads {
+            b.grad[t] = true;
+        }
+        for (k, op) in seg.ops.iter().enumerate().rev() {
+            let o = op.output;
+            if b.grad[o] && seg.tensors[o].requires_grad {
+                let views = op.name.contains(GRAD_VIEWS) && !self.is_out(self.storage(o));
+                self.node_input_grads(&mut b, k, views, cost, trace);
+                self.consume_output_grad(&mut b, o, views, grad_in, extra_grads);
+            }
+            self.node_released(&mut b, k);
+        }
+        trace.bwd = b.evs;
+        cost.bwd_peak = b.peak;
+        cost.input_grads = seg
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(t, d)| {
+                b.grad[*t]
+                    && matches!(
+                        d.kind,
+                        TensorKind::Input {
+                            requires_grad: true
+                        }
+                    )
+            })
+            .map(|(_, d)| d.bytes())
+            .sum();
     }
-    let mut grad = vec![false; n];
-    for &o in &outs {
-        grad[o] = true;
-    }
-    for &t in extra_grads {
-        grad[t] = true;
-    }
-    // Whether a tensor's buffered gradient is a matmul's reshape view (summed out of place).
-    let mut grad_mm_view = vec![false; n];
-    let mut pending_sum: Option<(u64, u64)> = None;
-    let mut grad_out_pending = true;
-    let side_grads: u64 = outs[1..].iter().map(|&o| seg.tensors[o].bytes()).sum();
-    let mut evs = Vec::new();
-    // Gradients that are views of a concatenation's gradient ([`GRAD_VIEWS`]): the owner of
-    // each, and how many views of an owner are still unconsumed.
-    let mut view_of = vec![None::<Tid>; n];
-    let mut views_left = vec![0u32; n];
-    for (k, op) in seg.ops.iter().enumerate().rev() {
+
+    /// Op `k`'s backward makes its inputs' gradients (new buffers, parameter gradients, or
+    /// additions into existing buffers) and runs with its scratch.
+    fn node_input_grads(
+        &self,
+        b: &mut Bwd,
+        k: usize,
+        views: bool,
+        cost: &mut SegCost,
+        trace: &mut SegTrace,
+    ) {
+        let (nn, seg) = (self.nn, self.seg);
+        let op = &seg.ops[k];
         let o = op.output;
         let kk = k as u64;
-        let flows = grad[o] && seg.tensors[o].requires_grad;
-        if flows {
-            let is_view = seg.tensors[o].kind == TensorKind::View;
-            let is_mm = op.name.ends_with(MATMUL) || op.name.ends_with(LEFT_UNSAVED);
-            let mut transient = 0;
-            let mut sum = 0;
-            let views = op.name.contains(GRAD_VIEWS) && !is_out(storage(o));
-            for &i in &op.inputs {
-                let ti = &seg.tensors[i];
-                if !ti.requires_grad {
-                    continue;
+        let is_view = seg.tensors[o].kind == TensorKind::View;
+        let is_mm = op.name.ends_with(MATMUL) || op.name.ends_with(LEFT_UNSAVED);
+        let mut transient = 0;
+        let mut sum = 0;
+        for &i in &op.inputs {
+            let ti = &seg.tensors[i];
+            if !ti.requires_grad {
+                continue;
+            }
+            if views && !b.grad[i] && matches!(ti.kind, TensorKind::View | TensorKind::Alloc) {
+                b.grad[i] = true;
+                b.view_of[i] = Some(o);
+                b.views_left[o] += 1;
+                continue;
+            }
+            match ti.kind {
+                TensorKind::Param { trained: true } => {
+                    cost.param_grads += ti.bytes();
+                    b.live.gradients += ti.bytes();
+                    b.evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
+                    trace.param_grads.push(nn + i as u64);
                 }
-                if views && !grad[i] && matches!(ti.kind, TensorKind::View | TensorKind::Alloc) {
-                    grad[i] = true;
-                    view_of[i] = Some(o);
-                    views_left[o] += 1;
-                    continue;
-                }
-                match ti.kind {
-                    TensorKind::Param { trained: true } => {
-                        cost.param_grads += ti.bytes();
-                        live.gradients += ti.bytes();
-                        evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
-                        trace.param_grads.push(nn + i as u64);
-                    }
-                    TensorKind::Param { .. } => {}
-                    _ if grad[i] => {
-                        // Accumulated into the existing buffer; a view's slice is copied in.
-                        if !is_view {
-                            transient += ti.bytes();
-                            if grad_mm_view[i] {
-                                // `old_var + var`: the sum replaces the buffered view.
-                                sum += ti.bytes();
-                                grad_mm_view[i] = false;
-                            }
+                TensorKind::Param { .. } => {}
+                _ if b.grad[i] => {
+                    // Accumulated into the existing buffer; a view's slice is copied in.
+                    if !is_view {
+                        transient += ti.bytes();
+                        if b.grad_mm_view[i] {
+                            // `old_var + var`: the sum replaces the buffered view.
+                            sum += ti.bytes();
+                            b.grad_mm_view[i] = false;
                         }
                     }
-                    _ => {
-                        grad[i] = true;
-                        grad_mm_view[i] = is_mm;
-                        live.workspace += ti.bytes();
-                        evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
-                    }
                 }
-            }
-            max_live(&mut peak, live, transient + op.bwd_scratch);
-            if sum == 0 {
-                for (id, b) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
-                    if b > 0 {
-                        evs.push(Ev::Alloc(id, b));
-                        evs.push(Ev::Free(id));
-                    }
+                _ => {
+                    b.grad[i] = true;
+                    b.grad_mm_view[i] = is_mm;
+                    b.live.workspace += ti.bytes();
+                    b.evs.push(Ev::Alloc(nn + i as u64, ti.bytes()));
                 }
-            } else {
-                // The new gradients and the op's scratch; the sums come once the node has
-                // returned (below).
-                evs.push(Ev::Alloc(5 * nn + kk, transient));
-                if op.bwd_scratch > 0 {
-                    evs.push(Ev::Alloc(4 * nn + kk, op.bwd_scratch));
-                    evs.push(Ev::Free(4 * nn + kk));
-                }
-                pending_sum = Some((transient, sum));
-            }
-            // The output's gradient is consumed.
-            grad[o] = false;
-            if views && views_left[o] > 0 {
-                // Its slices live on as the inputs' gradients: freed with the last of them.
-            } else if let Some(owner) = view_of[o] {
-                views_left[owner] -= 1;
-                if views_left[owner] == 0 {
-                    live.workspace -= seg.tensors[owner].bytes();
-                    evs.push(Ev::Free(nn + owner as u64));
-                }
-            } else if o == seg.output && grad_out_pending {
-                // `grad_in` holds the gradients of every output; each side output's share
-                // goes with its own node.
-                live.workspace -= grad_in - side_grads;
-                grad_out_pending = false;
-                evs.push(Ev::Free(nn + o as u64));
-            } else if seg.side_outputs.contains(&o) {
-                live.workspace -= seg.tensors[o].bytes();
-                evs.push(Ev::Free(nn + o as u64));
-            } else if extra_grads.contains(&o) {
-                // An outside gradient: accounted by the caller.
-            } else if !matches!(seg.tensors[o].kind, TensorKind::Input { .. }) {
-                live.workspace -= seg.tensors[o].bytes();
-                evs.push(Ev::Free(nn + o as u64));
             }
         }
+        max_live(&mut b.peak, b.live, transient + op.bwd_scratch);
+        if sum == 0 {
+            for (id, bytes) in [(5 * nn + kk, transient), (4 * nn + kk, op.bwd_scratch)] {
+                if bytes > 0 {
+                    b.evs.push(Ev::Alloc(id, bytes));
+                    b.evs.push(Ev::Free(id));
+                }
+            }
+        } else {
+            // The new gradients and the op's scratch; the sums come once the node has
+            // returned ([`Facts::node_released`]).
+            b.evs.push(Ev::Alloc(5 * nn + kk, transient));
+            if op.bwd_scratch > 0 {
+                b.evs.push(Ev::Alloc(4 * nn + kk, op.bwd_scratch));
+                b.evs.push(Ev::Free(4 * nn + kk));
+            }
+            b.pending_sum = Some((transient, sum));
+        }
+    }
+
+    /// The gradient of output `o` is consumed by its node.
+    fn consume_output_grad(&self, b: &mut Bwd, o: Tid, views: bool, grad_in: u64, extra: &[Tid]) {
+        let (nn, seg) = (self.nn, self.seg);
+        b.grad[o] = false;
+        if views && b.views_left[o] > 0 {
+            // Its slices live on as the inputs' gradients: freed with the last of them.
+        } else if let Some(owner) = b.view_of[o] {
+            b.views_left[owner] -= 1;
+            if b.views_left[owner] == 0 {
+                b.live.workspace -= self.bytes(owner);
+                b.evs.push(Ev::Free(nn + owner as u64));
+            }
+        } else if o == seg.output && b.grad_out_pending {
+            // `grad_in` holds the gradients of every output; each side output's share
+            // goes with its own node.
+            b.live.workspace -= grad_in - b.side_grads;
+            b.grad_out_pending = false;
+            b.evs.push(Ev::Free(nn + o as u64));
+        } else if seg.side_outputs.contains(&o) {
+            b.live.workspace -= self.bytes(o);
+            b.evs.push(Ev::Free(nn + o as u64));
+        } else if extra.contains(&o) {
+            // An outside gradient: accounted by the caller.
+        } else if !matches!(seg.tensors[o].kind, TensorKind::Input { .. }) {
+            b.live.workspace -= self.bytes(o);
+            b.evs.push(Ev::Free(nn + o as u64));
+        }
+    }
+
+    /// After op `k`'s node returned: the saved storages it was the earliest reader of, its
+    /// extras, and any out-of-place gradient sum it left pending.
+    fn node_released(&self, b: &mut Bwd, k: usize) {
+        let nn = self.nn;
+        let op = &self.seg.ops[k];
+        let kk = k as u64;
         // Saved storages whose earliest reader has run its backward are released.
-        for s in 0..n {
-            if held[s] && first_read[s].is_none_or(|f| f >= k) {
-                held[s] = false;
-                add(&mut live, s, false);
-                evs.push(Ev::Free(s as u64));
+        for s in 0..self.n {
+            if b.held[s] && self.first_read[s].is_none_or(|f| f >= k) {
+                b.held[s] = false;
+                self.add(&mut b.live, s, false);
+                b.evs.push(Ev::Free(s as u64));
             }
         }
         // Per-op extras (LayerNorm mean/rstd, the attention log-sum-exp) go with the op's node.
-        live.activations = live.activations.saturating_sub(op.extra_saved);
+        b.live.activations = b.live.activations.saturating_sub(op.extra_saved);
         if op.extra_saved > 0 {
-            evs.push(Ev::Free(2 * nn + kk));
+            b.evs.push(Ev::Free(2 * nn + kk));
         }
         // The engine adds a node's outputs into the next nodes' buffers after the node returned
         // and released its incoming gradient and saved variables (`torch/csrc/autograd/
         // engine.cpp` `evaluate_function`: `call_function`, `release_variables`, then
         // `InputBuffer::add`): an out-of-place sum lives beside the old and new gradients only.
         // The sum takes the old buffer's place (same bytes: the old id stands for it).
-        if let Some((transient, sum)) = pending_sum.take() {
-            max_live(&mut peak, live, transient + sum);
-            evs.push(Ev::Alloc(4 * nn + kk, sum));
-            evs.push(Ev::Free(4 * nn + kk));
-            evs.push(Ev::Free(5 * nn + kk));
+        if let Some((transient, sum)) = b.pending_sum.take() {
+            max_live(&mut b.peak, b.live, transient + sum);
+            b.evs.push(Ev::Alloc(4 * nn + kk, sum));
+            b.evs.push(Ev::Free(4 * nn + kk));
+            b.evs.push(Ev::Free(5 * nn + kk));
         }
     }
-    trace.bwd = evs;
-    cost.bwd_peak = peak;
-    cost.input_grads = seg
-        .tensors
-        .iter()
-        .enumerate()
-        .filter(|(t, d)| {
-            grad[*t]
-                && matches!(
-                    d.kind,
-                    TensorKind::Input {
-                        requires_grad: true
-                    }
-                )
-        })
-        .map(|(_, d)| d.bytes())
-        .sum();
-    (cost, trace)
+}
+
+/// The backward's running state.
+struct Bwd {
+    live: Live,
+    peak: Live,
+    /// Saved storages still held by the graph.
+    held: Vec<bool>,
+    /// Tensors with a buffered gradient.
+    grad: Vec<bool>,
+    /// Whether a tensor's buffered gradient is a matmul's reshape view (summed out of place).
+    grad_mm_view: Vec<bool>,
+    /// An out-of-place gradient sum (transient, sum bytes) made after the node returns.
+    pending_sum: Option<(u64, u64)>,
+    grad_out_pending: bool,
+    side_grads: u64,
+    /// Gradients that are views of a concatenation's gradient ([`GRAD_VIEWS`]): the owner of
+    /// each, and how many views of an owner are still unconsumed.
+    view_of: Vec<Option<Tid>>,
+    views_left: Vec<u32>,
+    evs: Vec<Ev>,
 }

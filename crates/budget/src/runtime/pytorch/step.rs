@@ -8,7 +8,7 @@ use crate::runtime::pytorch::allocator::{Live, SegCost};
 use crate::runtime::pytorch::device::for_spec;
 use crate::runtime::pytorch::families::of_spec as stages;
 use crate::runtime::pytorch::sharding::{block_gathers, GatherWalk};
-use crate::runtime::pytorch::stages::StageCost;
+use crate::runtime::pytorch::stages::{Data, StageCost};
 use crate::sharding::{rank_states, RankStates, Scheme};
 use crate::spec::{Dtype, Optimizer, OptimizerImpl, Spec, TorchDevice};
 
@@ -166,42 +166,12 @@ pub fn replay(
 ) -> Vec<Event> {
     let rt = for_spec(spec);
     let stages = stages(rt, spec);
-    let costs = stages.costs();
-    let r = &spec.recipe;
-    let p = r.precision;
-    let trained: Vec<&ParamTensor> = table
-        .iter()
-        .filter(|t| t.role == ParamRole::Trained)
-        .collect();
     let rs = rank_states_of(spec, table);
     let scheme = Scheme::of(spec);
     let opt = optimizer_tensors(table, rs.as_ref());
-    let trained_elems: u64 = opt.iter().sum();
-    let largest = opt.iter().copied().max().unwrap_or(0);
-    let imp = optimizer_impl(spec);
-    let dq = dequant_bytes(spec, table);
-    let rng = checkpoint_rng_bytes(rt.device);
-    let keep_grads = rs.as_ref().is_none_or(|rs| rs.keep_full_grads);
+    let costs = stages.costs();
     let total_blocks: u32 = costs.iter().filter(|c| c.blocks).map(|c| c.count).sum();
-    let mut gw = GatherWalk::new(
-        rs.as_ref()
-            .filter(|_| scheme.gathers())
-            .map(|rs| block_gathers(rs, total_blocks))
-            .unwrap_or_else(|| vec![0; total_blocks as usize]),
-        rs.as_ref().map(|rs| rs.prefetch).unwrap_or_default(),
-    );
-    let reshard_fwd = !matches!(
-        scheme,
-        Scheme::Fsdp2 {
-            reshard_after_forward: false
-        }
-    );
-    let outside = rs
-        .as_ref()
-        .filter(|_| scheme.gathers())
-        .map_or(0, |rs| rs.gathered_outside);
-    let bwd_buffers: u64 = rs.as_ref().map_or(0, |rs| rs.backward_buffers.iter().sum());
-    let partition = rs.as_ref().map_or(0, |rs| rs.grad_partition);
+    let gathers = rs.as_ref().filter(|_| scheme.gathers());
     let base = Breakdown {
         weights: st.weights,
         master_weights: st.master_weights,
@@ -210,49 +180,127 @@ pub fn replay(
         gradients: rs.as_ref().map_or(0, |rs| rs.grad_buffers.iter().sum()),
         ..Breakdown::default()
     };
-    let fwd_order: Vec<usize> = (0..total_blocks as usize).collect();
-    let bwd_order: Vec<usize> = (0..total_blocks as usize).rev().collect();
-    let mut ev = Events::default();
-    ev.push(Phase::Start, "step start".into(), None, 0, false, base);
-    let mut live = base;
-    let w = &spec.workload;
-    for mb in 0..laid_out_microbatches(w.accumulation, max_microbatches) {
-        let first = mb == 0;
-        live.data = stages.data.kept + stages.data.forward_only;
-        // Parameters outside the blocks gathered for the whole pass (sharding.rs).
-        live.weight_casts += outside;
-        // Forward.
+    let mut s = Replay {
+        spec,
+        data: stages.data,
+        rng: checkpoint_rng_bytes(rt.device),
+        dq: dequant_bytes(spec, table),
+        keep_grads: rs.as_ref().is_none_or(|rs| rs.keep_full_grads),
+        gw: GatherWalk::new(
+            gathers
+                .map(|rs| block_gathers(rs, total_blocks))
+                .unwrap_or_else(|| vec![0; total_blocks as usize]),
+            rs.as_ref().map(|rs| rs.prefetch).unwrap_or_default(),
+        ),
+        reshard_fwd: !matches!(
+            scheme,
+            Scheme::Fsdp2 {
+                reshard_after_forward: false
+            }
+        ),
+        outside: gathers.map_or(0, |rs| rs.gathered_outside),
+        bwd_buffers: rs.as_ref().map_or(0, |rs| rs.backward_buffers.iter().sum()),
+        partition: rs.as_ref().map_or(0, |rs| rs.grad_partition),
+        fwd_order: (0..total_blocks as usize).collect(),
+        bwd_order: (0..total_blocks as usize).rev().collect(),
+        total_blocks,
+        costs,
+        live: base,
+        ev: Events::default(),
+        block: 0,
+        grad_out: 0,
+        bcast: Vec::new(),
+    };
+    s.ev.push(Phase::Start, "step start".into(), None, 0, false, base);
+    for mb in 0..laid_out_microbatches(spec.workload.accumulation, max_microbatches) {
+        s.forward(mb);
+        s.backward(mb);
+    }
+    s.optimizer(table, &opt, rs.as_ref(), base);
+    s.ev.0
+}
+
+/// One step's replay: what every microbatch reads, and the running state (`live`, the events,
+/// the gathers, the block walked).
+struct Replay<'a> {
+    spec: &'a Spec,
+    costs: Vec<StageCost>,
+    data: Data,
+    /// Bytes of the RNG state a checkpointed block saves.
+    rng: u64,
+    /// Dequantized weight scratch inside a block.
+    dq: u64,
+    keep_grads: bool,
+    gw: GatherWalk,
+    reshard_fwd: bool,
+    /// Parameters outside the blocks gathered for the whole pass (sharding.rs).
+    outside: u64,
+    bwd_buffers: u64,
+    partition: u64,
+    fwd_order: Vec<usize>,
+    bwd_order: Vec<usize>,
+    total_blocks: u32,
+    live: Breakdown,
+    ev: Events,
+    /// The block the walk is at.
+    block: u32,
+    /// The gradient of the stream the current stage produced.
+    grad_out: u64,
+    /// Broadcast gradients made so far (by name), in `workspace` until the input side's
+    /// backward consumes them.
+    bcast: Vec<(String, u64)>,
+}
+
+/// A stage's backward inside peak: its segment's backward peak above what is live less its own
+/// graph, the incoming gradient counted once.
+fn back(live: &Breakdown, s: &SegCost, grad_in: u64, first: bool) -> Breakdown {
+    let mut at = *live;
+    at.activations -= s.kept.activations;
+    at.weight_casts -= s.kept.weight_casts;
+    at.workspace -= grad_in;
+    let mut peak = s.bwd_peak;
+    if !first {
+        // The new gradient is added into the existing `.grad` and freed.
+        peak.workspace += peak.gradients;
+        peak.gradients = 0;
+    }
+    with(at, peak)
+}
+
+impl Replay<'_> {
+    /// Microbatch `mb`'s forward, stage by stage; autocast exits at its end.
+    fn forward(&mut self, mb: u32) {
+        let r = &self.spec.recipe;
+        self.live.data = self.data.kept + self.data.forward_only;
+        self.live.weight_casts += self.outside;
         let mut cache = 0;
-        let mut block = 0u32;
+        self.block = 0;
         // Output bytes of the instance before the current one (the stream it reads).
         let mut prev_out = 0;
-        for (k, sc) in costs.iter().enumerate() {
+        for (k, sc) in self.costs.iter().enumerate() {
             let c = &sc.cost;
-            let last = k + 1 == costs.len();
+            let last = k + 1 == self.costs.len();
             for _ in 0..sc.count {
+                let block = self.block;
                 let idx = sc.blocks.then_some(block);
                 let ck = sc.blocks && r.recompute.recomputes_block(block);
                 let name = label(sc, idx);
+                let live = &mut self.live;
                 if sc.blocks {
-                    for g in gw.before(&fwd_order, block as usize) {
-                        live.weight_casts += gw.bytes(g);
+                    for g in self.gw.before(&self.fwd_order, block as usize) {
+                        live.weight_casts += self.gw.bytes(g);
                     }
                 }
                 if ck {
-                    live.activations += rng;
+                    live.activations += self.rng;
                 }
-                let mut inside = with(live, if ck { c.ckpt_peak } else { c.fwd_peak });
+                let mut inside = with(*live, if ck { c.ckpt_peak } else { c.fwd_peak });
                 if sc.blocks {
-                    inside.workspace += dq;
+                    inside.workspace += self.dq;
                 }
-                ev.push(
-                    Phase::Forward,
-                    format!("{name} (inside)"),
-                    idx,
-                    mb,
-                    true,
-                    inside,
-                );
+                let inside_name = format!("{name} (inside)");
+                self.ev
+                    .push(Phase::Forward, inside_name, idx, mb, true, inside);
                 live.activations += c.output;
                 if ck {
                     cache += c.ckpt_cache;
@@ -267,164 +315,164 @@ pub fn replay(
                     }
                 }
                 prev_out = c.output;
-                if sc.blocks && gw.after(block as usize, reshard_fwd) {
-                    live.weight_casts -= gw.bytes(block as usize);
+                if sc.blocks && self.gw.after(block as usize, self.reshard_fwd) {
+                    live.weight_casts -= self.gw.bytes(block as usize);
                 }
                 let done = if last { "loss".to_string() } else { name };
-                ev.push(Phase::Forward, done, idx, mb, false, live);
+                self.ev.push(Phase::Forward, done, idx, mb, false, *live);
                 if sc.blocks {
-                    block += 1;
+                    self.block += 1;
                 }
             }
         }
         // Autocast exits: copies only the cache held are freed; the forward's data goes.
-        live.weight_casts -= cache;
-        live.data = stages.data.kept;
+        self.live.weight_casts -= cache;
+        self.live.data = self.data.kept;
+    }
 
-        // Backward: the stages in reverse. Each one's inside peak is its segment's backward
-        // peak above what is live less its own graph, the incoming gradient counted once.
-        let back = |live: &Breakdown, s: &SegCost, grad_in: u64| -> Breakdown {
-            let mut at = *live;
-            at.activations -= s.kept.activations;
-            at.weight_casts -= s.kept.weight_casts;
-            at.workspace -= grad_in;
-            let mut peak = s.bwd_peak;
-            if !first {
-                // The new gradient is added into the existing `.grad` and freed.
-                peak.workspace += peak.gradients;
-                peak.gradients = 0;
-            }
-            with(at, peak)
-        };
-        // Broadcast gradients made so far (by name), in `workspace` until the input side's
-        // backward consumes them.
-        let mut bcast: Vec<(String, u64)> = Vec::new();
-        let mut grad_out = 0; // the gradient of the stream the current stage produced
-                              // The IPG buffers of a backward, and the gradient partition a sharded step keeps.
-        live.gradients += bwd_buffers;
+    /// Microbatch `mb`'s backward: the stages in reverse, then the backward's buffers go.
+    fn backward(&mut self, mb: u32) {
+        let first = mb == 0;
+        self.bcast.clear();
+        self.grad_out = 0;
+        // The IPG buffers of a backward, and the gradient partition a sharded step keeps.
+        self.live.gradients += self.bwd_buffers;
         if first {
-            live.gradients += partition;
+            self.live.gradients += self.partition;
         }
-        for (k, sc) in costs.iter().enumerate().rev() {
-            let c = &sc.cost;
-            let last = k + 1 == costs.len();
-            for j in (0..sc.count).rev() {
-                let idx = sc.blocks.then(|| {
-                    block -= 1;
-                    block
-                });
-                let ck = sc.blocks && r.recompute.recomputes_block(block);
-                let name = label(sc, idx);
-                if sc.blocks {
-                    let i = total_blocks as usize - 1 - block as usize;
-                    for g in gw.before(&bwd_order, i) {
-                        live.weight_casts += gw.bytes(g);
-                    }
-                }
-                if ck {
-                    // Recompute under the same autocast state, with the incoming gradient alive.
-                    let mut at = with(live, c.recompute_peak);
-                    at.workspace += dq + rng;
-                    ev.push(
-                        Phase::Backward,
-                        format!("{name} recompute (inside)"),
-                        idx,
-                        mb,
-                        true,
-                        at,
-                    );
-                    live.activations += c.kept.activations;
-                    live.weight_casts += c.kept.weight_casts;
-                }
-                let mut inside = back(&live, c, if last { 0 } else { grad_out });
-                if sc.blocks {
-                    inside.workspace += dq;
-                }
-                ev.push(
-                    Phase::Backward,
-                    format!("{name} (inside)"),
-                    idx,
-                    mb,
-                    true,
-                    inside,
-                );
-                live.activations -= c.kept.activations;
-                live.weight_casts -= c.kept.weight_casts;
-                if ck {
-                    live.activations -= rng;
-                }
-                if last {
-                    // The loss scalar goes with its node.
-                    live.activations -= c.output;
-                }
-                if k > 0 && (ck || c.input_saved) {
-                    // The stream this instance read (the previous instance's output), saved by
-                    // its first op, goes with that node.
-                    live.activations -= if j > 0 {
-                        c.output
-                    } else {
-                        costs[k - 1].cost.output
-                    };
-                }
-                // The gradient of this stage's output is consumed; its inputs' are made.
-                if !last {
-                    live.workspace -= grad_out;
-                }
-                if k > 0 {
-                    live.workspace += sc.stream_in_grad;
-                    grad_out = sc.stream_in_grad;
-                }
-                for (n, bytes) in &sc.bcast {
-                    if !bcast.iter().any(|(m, _)| m == n) {
-                        bcast.push((n.clone(), *bytes));
-                        live.workspace += bytes;
-                    }
-                }
-                if first && keep_grads {
-                    live.gradients += c.param_grads;
-                }
-                if sc.blocks && gw.after(block as usize, true) {
-                    live.weight_casts -= gw.bytes(block as usize);
-                }
-                if k == 0 {
-                    live.workspace -= bcast.iter().map(|(_, b)| b).sum::<u64>();
-                    live.data = 0;
-                }
-                ev.push(Phase::Backward, name, idx, mb, false, live);
+        for k in (0..self.costs.len()).rev() {
+            for j in (0..self.costs[k].count).rev() {
+                self.backward_instance(mb, k, j);
             }
         }
         // The backward ends: its IPG buffers and the gathers outside the blocks go.
-        live.gradients -= bwd_buffers;
-        live.weight_casts -= outside;
-        for b in gw.live_blocks() {
-            live.weight_casts -= gw.bytes(b);
+        self.live.gradients -= self.bwd_buffers;
+        self.live.weight_casts -= self.outside;
+        for b in self.gw.live_blocks() {
+            self.live.weight_casts -= self.gw.bytes(b);
         }
-        gw.clear();
+        self.gw.clear();
     }
-    // Optimizer step, EMA, zero_grad.
-    if !trained.is_empty() {
-        let mut at = live;
-        at.workspace +=
-            optimizer_scratch(trained_elems, largest, r.state_dtype(), r.optimizer, imp);
-        // DeepSpeed's fp32 gradient partition, made for the update.
-        at.workspace += rs.as_ref().map_or(0, |rs| rs.step_grads);
-        ev.push(
+
+    /// The backward of instance `j` of stage `k` (a checkpointed block recomputed first).
+    fn backward_instance(&mut self, mb: u32, k: usize, j: u32) {
+        let first = mb == 0;
+        let sc = &self.costs[k];
+        let c = &sc.cost;
+        let last = k + 1 == self.costs.len();
+        let idx = sc.blocks.then(|| {
+            self.block -= 1;
+            self.block
+        });
+        let block = self.block;
+        let ck = sc.blocks && self.spec.recipe.recompute.recomputes_block(block);
+        let name = label(sc, idx);
+        let live = &mut self.live;
+        if sc.blocks {
+            let i = self.total_blocks as usize - 1 - block as usize;
+            for g in self.gw.before(&self.bwd_order, i) {
+                live.weight_casts += self.gw.bytes(g);
+            }
+        }
+        if ck {
+            // Recompute under the same autocast state, with the incoming gradient alive.
+            let mut at = with(*live, c.recompute_peak);
+            at.workspace += self.dq + self.rng;
+            let at_name = format!("{name} recompute (inside)");
+            self.ev.push(Phase::Backward, at_name, idx, mb, true, at);
+            live.activations += c.kept.activations;
+            live.weight_casts += c.kept.weight_casts;
+        }
+        let mut inside = back(live, c, if last { 0 } else { self.grad_out }, first);
+        if sc.blocks {
+            inside.workspace += self.dq;
+        }
+        let inside_name = format!("{name} (inside)");
+        self.ev
+            .push(Phase::Backward, inside_name, idx, mb, true, inside);
+        live.activations -= c.kept.activations;
+        live.weight_casts -= c.kept.weight_casts;
+        if ck {
+            live.activations -= self.rng;
+        }
+        if last {
+            // The loss scalar goes with its node.
+            live.activations -= c.output;
+        }
+        if k > 0 && (ck || c.input_saved) {
+            // The stream this instance read (the previous instance's output), saved by
+            // its first op, goes with that node.
+            live.activations -= if j > 0 {
+                c.output
+            } else {
+                self.costs[k - 1].cost.output
+            };
+        }
+        // The gradient of this stage's output is consumed; its inputs' are made.
+        if !last {
+            live.workspace -= self.grad_out;
+        }
+        if k > 0 {
+            live.workspace += sc.stream_in_grad;
+            self.grad_out = sc.stream_in_grad;
+        }
+        for (n, bytes) in &sc.bcast {
+            if !self.bcast.iter().any(|(m, _)| m == n) {
+                self.bcast.push((n.clone(), *bytes));
+                live.workspace += bytes;
+            }
+        }
+        if first && self.keep_grads {
+            live.gradients += c.param_grads;
+        }
+        if sc.blocks && self.gw.after(block as usize, true) {
+            live.weight_casts -= self.gw.bytes(block as usize);
+        }
+        if k == 0 {
+            live.workspace -= self.bcast.iter().map(|(_, b)| b).sum::<u64>();
+            live.data = 0;
+        }
+        self.ev.push(Phase::Backward, name, idx, mb, false, *live);
+    }
+
+    /// Optimizer step, EMA, zero_grad.
+    fn optimizer(
+        &mut self,
+        table: &[ParamTensor],
+        opt: &[u64],
+        rs: Option<&RankStates>,
+        base: Breakdown,
+    ) {
+        let r = &self.spec.recipe;
+        let live = self.live;
+        if table.iter().any(|t| t.role == ParamRole::Trained) {
+            let trained_elems: u64 = opt.iter().sum();
+            let largest = opt.iter().copied().max().unwrap_or(0);
+            let imp = optimizer_impl(self.spec);
+            let mut at = live;
+            at.workspace +=
+                optimizer_scratch(trained_elems, largest, r.state_dtype(), r.optimizer, imp);
+            // DeepSpeed's fp32 gradient partition, made for the update.
+            at.workspace += rs.map_or(0, |rs| rs.step_grads);
+            let name = format!("{} (inside)", r.optimizer.name());
+            self.ev.push(Phase::Optimizer, name, None, 0, true, at);
+            if r.ema.enabled && r.ema.dtype != r.precision.param_dtype() {
+                // `p.detach().to(ema dtype)` for every parameter before the foreach update.
+                let mut at = live;
+                at.workspace += ema_update_tensors(self.spec, table).iter().sum::<u64>();
+                self.ev
+                    .push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, at);
+            }
+        }
+        // zero_grad: what stays are the buffers made at construction (DDP buckets, stage 3's).
+        self.live.gradients = base.gradients;
+        self.ev.push(
             Phase::Optimizer,
-            format!("{} (inside)", r.optimizer.name()),
+            "step end".into(),
             None,
             0,
-            true,
-            at,
+            false,
+            self.live,
         );
-        if r.ema.enabled && r.ema.dtype != p.param_dtype() {
-            // `p.detach().to(ema dtype)` for every parameter before the foreach update.
-            let mut at = live;
-            at.workspace += ema_update_tensors(spec, table).iter().sum::<u64>();
-            ev.push(Phase::Optimizer, "ema (inside)".into(), None, 0, true, at);
-        }
     }
-    // zero_grad: what stays are the buffers made at construction (DDP buckets, stage 3's).
-    live.gradients = base.gradients;
-    ev.push(Phase::Optimizer, "step end".into(), None, 0, false, live);
-    ev.0
 }

@@ -346,7 +346,6 @@ fn step(
     warm: bool,
     sh: &mut Sharded,
 ) {
-    let r = &spec.recipe;
     let dq = crate::runtime::pytorch::step::dequant_bytes(spec, table);
     let mut param_grads: Vec<u64> = Vec::new();
     let microbatches = spec.workload.accumulation.clamp(1, 2);
@@ -360,156 +359,202 @@ fn step(
         let kept = seq.alloc(data.kept);
         let fwd_data = seq.alloc(data.forward_only);
         let outside = seq.alloc(sh.outside);
-        // Forward: one instance per block, ids kept for its backward.
-        let mut inst: Vec<(usize, u32, Instance, bool)> = Vec::new();
-        let mut cache: Vec<u64> = Vec::new();
-        let mut block = 0u32;
-        let mut prev_outs: Vec<u64> = Vec::new();
-        for (k, tr) in traced.iter().enumerate() {
-            for j in 0..tr.count {
-                let ck = tr.blocks && r.recompute.recomputes_block(block);
-                if tr.blocks {
-                    sh.before(seq, true, block as usize);
-                    dequant(seq, dq);
-                }
-                let i = Instance {
-                    base: seq.range(tr.trace.n),
-                    alias: Vec::new(),
-                };
-                i.replay(seq, if ck { &tr.trace.ckpt } else { &tr.trace.fwd }, &[]);
-                let left = if ck {
-                    &tr.trace.ckpt_left
-                } else {
-                    &tr.trace.cache_only
-                };
-                cache.extend(left.iter().map(|&l| i.id(l)));
-                if k > 0 && !ck && !tr.input_saved {
-                    for id in prev_outs.drain(..) {
-                        seq.free(id);
-                    }
-                }
-                prev_outs = tr.trace.outputs.iter().map(|&l| i.id(l)).collect();
-                inst.push((k, j, i, ck));
-                if tr.blocks {
-                    let reshard = sh.reshard_fwd;
-                    sh.after(seq, block as usize, reshard);
-                    block += 1;
-                }
-            }
-        }
+        let mut inst = forward(spec, traced, dq, seq, sh);
         // Autocast exits; the forward's data goes.
-        for id in cache {
-            seq.free(id);
-        }
         seq.free(fwd_data);
-        // Backward in reverse. The loss's gradient first.
-        let mut incoming: Vec<u64> = vec![seq.alloc(4)];
-        // The IPG buffers of this backward, and the gradient partition of the step.
-        let ipg: Vec<u64> = sh
-            .rs
-            .as_ref()
-            .map(|rs| rs.backward_buffers.clone())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|b| seq.alloc(b))
-            .collect();
-        if mb == 0 {
-            if let Some(rs) = &sh.rs {
-                param_grads.push(seq.alloc(rs.grad_partition));
-            }
-        }
-        let mut bcast: Vec<(String, u64)> = Vec::new();
-        let mut outs_of: Vec<Vec<u64>> = inst
-            .iter()
-            .map(|(k, _, i, _)| traced[*k].trace.outputs.iter().map(|&l| i.id(l)).collect())
-            .collect();
-        while let Some((k, _j, fwd, ck)) = inst.pop() {
-            let tr = &traced[k];
-            if tr.blocks {
-                block -= 1;
-                sh.before(seq, false, block as usize);
-                dequant(seq, dq);
-            }
-            let mut i = if ck {
-                // Recompute: a tracked forward of its own, under the same autocast state.
-                let re = Instance {
-                    base: seq.range(tr.trace.n),
-                    alias: Vec::new(),
-                };
-                // The recomputed outputs are dropped (the first forward's are the ones kept).
-                re.replay(seq, &tr.trace.fwd, &[]);
-                // The checkpoint's autocast region ends with the recompute: copies only its
-                // cache held go.
-                for &l in tr.trace.outputs.iter().chain(&tr.trace.cache_only) {
-                    seq.free(re.id(l));
-                }
-                re
-            } else {
-                fwd
-            };
-            i.alias = tr
-                .out_grads
-                .iter()
-                .copied()
-                .zip(incoming.iter().copied())
-                .collect();
-            // Broadcast inputs' gradients: the first consumer's is the accumulator.
-            let mut fresh: Vec<u64> = Vec::new();
-            for (name, l) in &tr.bcast_grads {
-                if !bcast.iter().any(|(n, _)| n == name) {
-                    bcast.push((name.clone(), i.id(*l)));
-                } else {
-                    fresh.push(i.id(*l));
-                }
-            }
-            // The input side's broadcast outputs receive gradients from outside: never its own.
-            let skip: Vec<u64> = tr.extra_grad_ids.iter().map(|&t| tr.trace.n + t).collect();
-            i.replay(seq, &tr.trace.bwd, &skip);
-            for id in fresh {
-                seq.free(id);
-            }
-            // Gradients of the parameters: kept from the first microbatch, added in after.
-            for &l in &tr.trace.param_grads {
-                if mb == 0 && sh.keep_grads {
-                    param_grads.push(i.id(l));
-                } else {
-                    seq.free(i.id(l));
-                }
-            }
-            let idx = outs_of.len() - 1;
-            outs_of.pop();
-            // The stream this instance read goes with its node (if it was saved).
-            if idx > 0 && (ck || tr.input_saved) {
-                for id in outs_of[idx - 1].clone() {
-                    seq.free(id);
-                }
-            }
-            if k == traced.len() - 1 {
-                // The loss scalar.
-                for &l in &tr.trace.outputs {
-                    seq.free(i.id(l));
-                }
-            }
-            if tr.blocks {
-                sh.after(seq, block as usize, true);
-            }
-            incoming = tr.stream_grads.iter().map(|&l| i.id(l)).collect();
-            if k == 0 {
-                for (_, id) in bcast.drain(..) {
-                    seq.free(id);
-                }
-                for id in incoming.drain(..) {
-                    seq.free(id);
-                }
-            }
-        }
-        for id in ipg {
-            seq.free(id);
-        }
+        backward(traced, dq, seq, sh, &mut inst, mb, &mut param_grads);
         seq.free(outside);
         sh.end_backward(seq);
         seq.free(kept);
     }
+    optimizer_step(spec, table, trained, seq, state, warm, sh, param_grads);
+}
+
+/// An instance of a stage in the forward: stage, index, ids, checkpointed.
+type Inst = (usize, u32, Instance, bool);
+
+/// One microbatch's forward: one instance per block, ids kept for its backward; the copies
+/// only autocast's cache held are freed when it exits.
+fn forward(spec: &Spec, traced: &[Traced], dq: u64, seq: &mut Seq, sh: &mut Sharded) -> Vec<Inst> {
+    let r = &spec.recipe;
+    // Forward: one instance per block, ids kept for its backward.
+    let mut inst: Vec<Inst> = Vec::new();
+    let mut cache: Vec<u64> = Vec::new();
+    let mut block = 0u32;
+    let mut prev_outs: Vec<u64> = Vec::new();
+    for (k, tr) in traced.iter().enumerate() {
+        for j in 0..tr.count {
+            let ck = tr.blocks && r.recompute.recomputes_block(block);
+            if tr.blocks {
+                sh.before(seq, true, block as usize);
+                dequant(seq, dq);
+            }
+            let i = Instance {
+                base: seq.range(tr.trace.n),
+                alias: Vec::new(),
+            };
+            i.replay(seq, if ck { &tr.trace.ckpt } else { &tr.trace.fwd }, &[]);
+            let left = if ck {
+                &tr.trace.ckpt_left
+            } else {
+                &tr.trace.cache_only
+            };
+            cache.extend(left.iter().map(|&l| i.id(l)));
+            if k > 0 && !ck && !tr.input_saved {
+                for id in prev_outs.drain(..) {
+                    seq.free(id);
+                }
+            }
+            prev_outs = tr.trace.outputs.iter().map(|&l| i.id(l)).collect();
+            inst.push((k, j, i, ck));
+            if tr.blocks {
+                let reshard = sh.reshard_fwd;
+                sh.after(seq, block as usize, reshard);
+                block += 1;
+            }
+        }
+    }
+    // Autocast exits.
+    for id in cache {
+        seq.free(id);
+    }
+    inst
+}
+
+// Whole (~115 lines): one node's replay order (recompute, gradient aliases, gradients, releases) is
+// one sequence of allocator events; split, its order would be spread over helpers.
+/// One microbatch's backward, the instances in reverse: the loss's gradient first, the IPG
+/// buffers of this backward and the step's gradient partition, each node's recompute, gradients
+/// and releases.
+fn backward(
+    traced: &[Traced],
+    dq: u64,
+    seq: &mut Seq,
+    sh: &mut Sharded,
+    inst: &mut Vec<Inst>,
+    mb: u32,
+    param_grads: &mut Vec<u64>,
+) {
+    // The block count the forward walked to.
+    let mut block = inst.iter().filter(|x| traced[x.0].blocks).count() as u32;
+    let mut incoming: Vec<u64> = vec![seq.alloc(4)];
+    // The IPG buffers of this backward, and the gradient partition of the step.
+    let ipg: Vec<u64> = sh
+        .rs
+        .as_ref()
+        .map(|rs| rs.backward_buffers.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|b| seq.alloc(b))
+        .collect();
+    if mb == 0 {
+        if let Some(rs) = &sh.rs {
+            param_grads.push(seq.alloc(rs.grad_partition));
+        }
+    }
+    let mut bcast: Vec<(String, u64)> = Vec::new();
+    let mut outs_of: Vec<Vec<u64>> = inst
+        .iter()
+        .map(|(k, _, i, _)| traced[*k].trace.outputs.iter().map(|&l| i.id(l)).collect())
+        .collect();
+    while let Some((k, _j, fwd, ck)) = inst.pop() {
+        let tr = &traced[k];
+        if tr.blocks {
+            block -= 1;
+            sh.before(seq, false, block as usize);
+            dequant(seq, dq);
+        }
+        let mut i = if ck {
+            // Recompute: a tracked forward of its own, under the same autocast state.
+            let re = Instance {
+                base: seq.range(tr.trace.n),
+                alias: Vec::new(),
+            };
+            // The recomputed outputs are dropped (the first forward's are the ones kept).
+            re.replay(seq, &tr.trace.fwd, &[]);
+            // The checkpoint's autocast region ends with the recompute: copies only its
+            // cache held go.
+            for &l in tr.trace.outputs.iter().chain(&tr.trace.cache_only) {
+                seq.free(re.id(l));
+            }
+            re
+        } else {
+            fwd
+        };
+        i.alias = tr
+            .out_grads
+            .iter()
+            .copied()
+            .zip(incoming.iter().copied())
+            .collect();
+        // Broadcast inputs' gradients: the first consumer's is the accumulator.
+        let mut fresh: Vec<u64> = Vec::new();
+        for (name, l) in &tr.bcast_grads {
+            if !bcast.iter().any(|(n, _)| n == name) {
+                bcast.push((name.clone(), i.id(*l)));
+            } else {
+                fresh.push(i.id(*l));
+            }
+        }
+        // The input side's broadcast outputs receive gradients from outside: never its own.
+        let skip: Vec<u64> = tr.extra_grad_ids.iter().map(|&t| tr.trace.n + t).collect();
+        i.replay(seq, &tr.trace.bwd, &skip);
+        for id in fresh {
+            seq.free(id);
+        }
+        // Gradients of the parameters: kept from the first microbatch, added in after.
+        for &l in &tr.trace.param_grads {
+            if mb == 0 && sh.keep_grads {
+                param_grads.push(i.id(l));
+            } else {
+                seq.free(i.id(l));
+            }
+        }
+        let idx = outs_of.len() - 1;
+        outs_of.pop();
+        // The stream this instance read goes with its node (if it was saved).
+        if idx > 0 && (ck || tr.input_saved) {
+            for id in outs_of[idx - 1].clone() {
+                seq.free(id);
+            }
+        }
+        if k == traced.len() - 1 {
+            // The loss scalar.
+            for &l in &tr.trace.outputs {
+                seq.free(i.id(l));
+            }
+        }
+        if tr.blocks {
+            sh.after(seq, block as usize, true);
+        }
+        incoming = tr.stream_grads.iter().map(|&l| i.id(l)).collect();
+        if k == 0 {
+            for (_, id) in bcast.drain(..) {
+                seq.free(id);
+            }
+            for id in incoming.drain(..) {
+                seq.free(id);
+            }
+        }
+    }
+    for id in ipg {
+        seq.free(id);
+    }
+}
+
+/// optimizer.step(), EMA, then zero_grad frees the parameter gradients.
+#[allow(clippy::too_many_arguments)]
+fn optimizer_step(
+    spec: &Spec,
+    table: &[ParamTensor],
+    trained: &[&ParamTensor],
+    seq: &mut Seq,
+    state: &mut Vec<u64>,
+    warm: bool,
+    sh: &mut Sharded,
+    param_grads: Vec<u64>,
+) {
+    let r = &spec.recipe;
     // optimizer.step(): state created at the first step (at construction under DeepSpeed
     // stage 3); DeepSpeed's fp32 gradient partition; the implementation's scratch.
     let sgd = r.optimizer == Optimizer::Sgd;
