@@ -71,11 +71,16 @@ def pct(xs, q):
 
 def main():
     argv = sys.argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     rounds = 3
     if "--rounds" in argv:
         i = argv.index("--rounds")
         rounds = int(argv[i + 1])
         del argv[i:i + 2]
+    if len(argv) < 2 or any("=" not in a for a in argv[1:]):
+        sys.exit(__doc__.strip())
     out, bins = argv[0], [a.split("=", 1) for a in argv[1:]]
     os.makedirs(out, exist_ok=True)
     rows = []
@@ -102,6 +107,8 @@ def main():
     for label, _ in bins:
         for cmd in ("estimate", "plan"):
             rs = [x for x in rows if x["label"] == label and x["command"] == cmd]
+            if not rs:  # a query set without this command (e.g. plans only)
+                continue
             wl = [float(x["wall_s"]) for x in rs]
             cp = [float(x["cpu_s"]) for x in rs]
             nq = len({x["query"] for x in rs})
