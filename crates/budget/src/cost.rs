@@ -210,7 +210,7 @@ impl DeviceProfile {
     }
 
     /// [`Self::matmul_rate`] with fp32 on TF32 tensor cores when `tf32` (and the device has them).
-    pub fn matmul_rate_tf32(&self, d: Dtype, tf32: bool) -> f64 {
+    pub(crate) fn matmul_rate_tf32(&self, d: Dtype, tf32: bool) -> f64 {
         match (d, tf32, self.matmul_tf32) {
             (Dtype::F32, true, Some(r)) => r,
             _ => self.matmul_rate(d),

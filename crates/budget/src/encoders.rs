@@ -182,12 +182,12 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
 /// (f8c16: block_out_channels 128-256-512-512, 2 layers per block, 16 latent channels, no
 /// quant convs): counted with diffusers 0.42.1 `AutoencoderKL(**config).decoder` (the encoder
 /// counts 34,274,208, [`VAE16_ENCODER_PARAMS`]).
-pub const VAE16_DECODER_PARAMS: u64 = 49_545_475;
+pub(crate) const VAE16_DECODER_PARAMS: u64 = 49_545_475;
 
 /// The decoder of Sana's DC-AE f32c32 (`AutoencoderDC` with the `dc-ae-f32c32-sana-1.0`
 /// config): counted with diffusers 0.42.1 by `bench/torch_peer/count_frozen.py` (`dc.decoder`;
 /// the encoder counts 153,027,104, [`frozen::DCAE_ENCODER_PARAMS`]).
-pub const DCAE_DECODER_PARAMS: u64 = 159_223_171;
+pub(crate) const DCAE_DECODER_PARAMS: u64 = 159_223_171;
 
 /// Bytes of the encoders resident on the device for the whole step.
 pub fn resident_bytes(runs: &[EncoderRun]) -> u64 {

@@ -120,14 +120,14 @@ impl Default for Launch {
 
 /// One behaviour of a diffusers script that the plan follows, with its source line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Behaviour {
+pub(crate) struct Behaviour {
     pub what: &'static str,
     /// `file:line` at [`DIFFUSERS_TAG`].
     pub source: &'static str,
 }
 
 /// The script's default `target_modules` when `--lora_layers` is not given.
-pub fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
+pub(crate) fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
     match family {
         // train_dreambooth_lora_flux.py:1257-1270; the budget counts the same list.
         Family::Flux => Some(&crate::denoiser::FLUX_LORA_MODULES),
@@ -145,14 +145,14 @@ pub fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
 /// `log_validation`'s `del pipeline` drops its own name and `del text_encoder_one, …` the
 /// script's, but `main()`'s `pipeline` still holds the pipeline, so from epoch 1 on CLIP-L,
 /// CLIP-G and T5-XXL stay on the device (10.4 GiB in fp16) through every training step.
-pub const SD3_VALIDATION_KEEPS_ENCODERS: &str =
+pub(crate) const SD3_VALIDATION_KEEPS_ENCODERS: &str =
     "with --validation_prompt (not in this export) the validation pipeline built at the end of \
      epoch 0 stays referenced by main()'s `pipeline` (log_validation's `del pipeline` drops its \
      own name only), so from epoch 1 on the three text encoders stay on the device in \
      weight_dtype, not run: plan such a run with --text-encoders online to count them";
 
 /// The behaviours of `script` the plan models (what stays resident, what the flags allow).
-pub fn behaviours(script: &Script) -> Vec<Behaviour> {
+pub(crate) fn behaviours(script: &Script) -> Vec<Behaviour> {
     let b = |what, source| Behaviour { what, source };
     let mut out = vec![b(
         "gradient checkpointing is all blocks or none (transformer.enable_gradient_checkpointing())",
@@ -255,7 +255,7 @@ pub fn behaviours(script: &Script) -> Vec<Behaviour> {
 /// pipeline encodes 77 T5 tokens (bench/ecosystem/runs/2026-12-06-epyc-end-to-end).
 /// Keyed by the spec's diffusers `_class_name`: a model the script does not load (the
 /// original DiT exported with `--emit-family flux`) keeps its own tokens.
-pub fn script_text_tokens(file_name: &str, spec: &Spec) -> Option<&'static [u32]> {
+pub(crate) fn script_text_tokens(file_name: &str, spec: &Spec) -> Option<&'static [u32]> {
     let class = spec
         .model
         .diffusers
@@ -293,13 +293,13 @@ impl Launch {
     }
 
     /// Whether recompute is all blocks or none for this recipe.
-    pub fn whole_model_recompute(&self, spec: &Spec) -> bool {
+    pub(crate) fn whole_model_recompute(&self, spec: &Spec) -> bool {
         self.script(spec).is_some()
     }
 
     /// The recipe the launcher runs for `spec`, or why it cannot run it. Fields the user pinned
     /// are never changed: a pinned value the script cannot run is an error.
-    pub fn realise(&self, spec: &Spec) -> Result<Spec, String> {
+    pub(crate) fn realise(&self, spec: &Spec) -> Result<Spec, String> {
         let Some(script) = self.script(spec) else {
             return Ok(spec.clone());
         };

@@ -12,7 +12,7 @@ pub(crate) const ADAM8BIT_BLOCK: u64 = 256;
 pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
 
 /// Optimizer state bytes of one trained tensor.
-pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precision) -> u64 {
+pub(crate) fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precision) -> u64 {
     let sd = precision.optimizer_dtype().size();
     match optimizer {
         Optimizer::Sgd => 0,
@@ -26,7 +26,7 @@ pub fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precis
 /// for adapters kept in the weight dtype ([`Recipe::low_adapters`]) AdamW's two `zeros_like(p)`
 /// in that dtype (`torch/optim/adamw.py` `_init_group`). bitsandbytes' 8-bit state does not
 /// follow the parameter's dtype (its 32-bit state below 4096 elements is fp32).
-pub fn trained_state_bytes(elems: u64, recipe: &Recipe) -> u64 {
+pub(crate) fn trained_state_bytes(elems: u64, recipe: &Recipe) -> u64 {
     if recipe.low_adapters() && recipe.optimizer == Optimizer::AdamW {
         2 * elems * recipe.state_dtype().size()
     } else {

@@ -282,7 +282,7 @@ impl RankStates {
     pub(crate) fn master_bytes(&self) -> u64 {
         self.master.iter().sum()
     }
-    pub fn optimizer_state_bytes(&self) -> u64 {
+    pub(crate) fn optimizer_state_bytes(&self) -> u64 {
         self.optimizer_state.iter().sum()
     }
 }

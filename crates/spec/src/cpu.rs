@@ -133,11 +133,11 @@ impl CpuSpec {
     /// Smallest and largest `gemm` slab a spec may name (`gemm` cannot run with no L2).
     pub const GEMM_L2_RANGE: (u64, u64) = (1 << 10, 1 << 30);
     /// Smallest and largest L1d a spec may name.
-    pub const GEMM_L1_RANGE: (u64, u64) = (1 << 10, 64 << 20);
+    pub(crate) const GEMM_L1_RANGE: (u64, u64) = (1 << 10, 64 << 20);
     /// Largest L3 a spec may name (0: none).
-    pub const GEMM_L3_MAX: u64 = 64 << 30;
+    pub(crate) const GEMM_L3_MAX: u64 = 64 << 30;
     /// Ways of a cache level a spec may name.
-    pub const GEMM_WAYS_RANGE: (u64, u64) = (1, 1024);
+    pub(crate) const GEMM_WAYS_RANGE: (u64, u64) = (1, 1024);
 
     /// Whether bf16 products run on the AVX512-BF16 kernel.
     pub const fn bf16_kernel(&self) -> bool {

@@ -32,7 +32,7 @@ pub const MAX_ACCUMULATION: u32 = 1 << 20;
 /// Most video frames per sample (Wan 2.1: 81).
 pub const MAX_FRAMES: u32 = 4096;
 /// Most text encoders of one model (SD3: 3, counted as CLIP and T5 sequences).
-pub const MAX_TEXT_ENCODERS: usize = 4;
+pub(crate) const MAX_TEXT_ENCODERS: usize = 4;
 /// Most text tokens per encoder (T5 in Flux: 512).
 pub const MAX_TEXT_TOKENS: u32 = 65_536;
 /// Largest `workload.ranks` (GPU clusters: ≤ 100k devices).

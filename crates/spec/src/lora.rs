@@ -71,7 +71,7 @@ impl LoraDtype {
         }
     }
 
-    pub fn is_fp32(&self) -> bool {
+    pub(crate) fn is_fp32(&self) -> bool {
         *self == LoraDtype::Fp32
     }
 }

@@ -160,7 +160,7 @@ impl ModelSpec {
     /// Put the keys of `diffusers_null` back into `diffusers` as `null` (reading a spec that
     /// [`Spec::to_toml`] wrote); a key that also has a value, or a list without a config, is an
     /// error naming `model.diffusers_null`.
-    pub fn restore_nulls(&mut self) -> Result<(), SpecError> {
+    pub(crate) fn restore_nulls(&mut self) -> Result<(), SpecError> {
         if self.diffusers_null.is_empty() {
             return Ok(());
         }

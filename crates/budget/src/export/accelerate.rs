@@ -89,9 +89,9 @@ pub(super) fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bo
 }
 
 /// The main node's address in a multi-node launch: a placeholder to replace.
-pub const MAIN_NODE_IP: &str = "MAIN_NODE_IP";
+pub(crate) const MAIN_NODE_IP: &str = "MAIN_NODE_IP";
 /// The rendezvous port of a multi-node launch (accelerate's default, 1.15 `commands/launch.py`).
-pub const MAIN_PROCESS_PORT: &str = "29500";
+pub(crate) const MAIN_PROCESS_PORT: &str = "29500";
 
 pub(super) fn offload_devices(o: Offload) -> (&'static str, &'static str) {
     match o {

@@ -7,7 +7,7 @@ use crate::spec::{BaseQuant, Recompute, Spec};
 
 /// The module's text for `spec`. Over 100 lines: the Python module is written top to bottom,
 /// one function of it after the other, so the text reads as the file it makes.
-pub fn recipe_py(spec: &Spec, model_id: Option<&str>) -> String {
+pub(crate) fn recipe_py(spec: &Spec, model_id: Option<&str>) -> String {
     let r = &spec.recipe;
     let depth = spec.model.depth;
     let blocks: Vec<String> = match &r.recompute {

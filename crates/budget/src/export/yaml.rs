@@ -10,7 +10,7 @@
 
 /// A YAML value of the accelerate config.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Yaml {
+pub(crate) enum Yaml {
     Str(String),
     Int(i64),
     Bool(bool),

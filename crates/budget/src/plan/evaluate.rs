@@ -473,7 +473,7 @@ pub(super) fn with_expandable_segments(spec: &Spec) -> Option<Spec> {
 }
 
 /// The allocator setting the planner adds where fragmentation breaks the fit.
-pub const EXPANDABLE_SEGMENTS: &str = "expandable_segments:True";
+pub(crate) const EXPANDABLE_SEGMENTS: &str = "expandable_segments:True";
 
 pub(super) fn trained_params(table: &[ParamTensor]) -> f64 {
     table
@@ -504,7 +504,7 @@ pub fn recompute_first(k: u32, depth: u32) -> Recompute {
 /// is the previous block's output: kept anyway when that block is stored, an extra buffer when it
 /// is recomputed too; and a block recomputed late is rebuilt on top of every graph below it. The
 /// two placements cover both effects (a test holds them against all `2^depth` subsets).
-pub fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
+pub(crate) fn recompute_candidates(k: u32, depth: u32) -> Vec<Recompute> {
     let mut v = vec![recompute_first(k, depth)];
     if k >= 1 && k + 1 < depth {
         let mut blocks: Vec<u32> = (0..k - 1).collect();

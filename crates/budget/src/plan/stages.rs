@@ -63,7 +63,7 @@ pub(super) fn expandable_reason(base: &Spec, p: &mut Plan) {
 /// or how, so they are used only when no recipe without them fits — first neither, then 8-bit
 /// AdamW (the optimizer's numerics), then LoRA (what is trained), then both, then a quantized
 /// base under them (the frozen weights' numerics). Each space keeps every other allowed lever.
-pub fn search_stages(allow: Allow) -> Vec<Allow> {
+pub(crate) fn search_stages(allow: Allow) -> Vec<Allow> {
     let mut out: Vec<Allow> = Vec::new();
     for (lora, eight_bit, quant) in [
         (false, false, false),

@@ -33,7 +33,7 @@ pub fn bits(t: &Tensor) -> Vec<u64> {
 
 /// The (compute, weight) dtypes the fused ops are held to their compositions on: f64, f32,
 /// bf16 and f16, the weights in the compute dtype or f32 masters.
-pub const DTYPE_PAIRS: [(DType, DType); 5] = [
+pub(crate) const DTYPE_PAIRS: [(DType, DType); 5] = [
     (DType::F64, DType::F64),
     (DType::F32, DType::F32),
     (DType::BF16, DType::BF16),
@@ -42,7 +42,7 @@ pub const DTYPE_PAIRS: [(DType, DType); 5] = [
 ];
 
 /// A fused op's linear (w, b) whose gradients go to the sink `s`.
-pub fn sunk_linear(w: &Tensor, b: &Tensor, s: &Arc<GradSink>) -> MlpLinear {
+pub(crate) fn sunk_linear(w: &Tensor, b: &Tensor, s: &Arc<GradSink>) -> MlpLinear {
     MlpLinear {
         w: w.clone(),
         b: b.clone(),
@@ -51,7 +51,7 @@ pub fn sunk_linear(w: &Tensor, b: &Tensor, s: &Arc<GradSink>) -> MlpLinear {
 }
 
 /// The weight and the bias gradient each sink holds, sink by sink.
-pub fn take_sunk(sinks: &[&Arc<GradSink>]) -> Vec<Tensor> {
+pub(crate) fn take_sunk(sinks: &[&Arc<GradSink>]) -> Vec<Tensor> {
     sinks
         .iter()
         .flat_map(|s| [s.take_w(), s.take_b()])
@@ -60,7 +60,7 @@ pub fn take_sunk(sinks: &[&Arc<GradSink>]) -> Vec<Tensor> {
 }
 
 /// Two lists of gradients are equal, shape and bits (`at` names the case).
-pub fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
+pub(crate) fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert_eq!(x.dims(), y.dims());
         assert_eq!(bits(x), bits(y), "grad {i} {at}");

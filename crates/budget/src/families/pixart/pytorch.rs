@@ -445,7 +445,7 @@ pub(crate) mod tests {
         crate::denoiser::with_family(s, "tiny", map).expect("tiny spec")
     }
 
-    pub const PIXART: &str = r#"{"_class_name": "PixArtTransformer2DModel", "sample_size": 16,
+    pub(crate) const PIXART: &str = r#"{"_class_name": "PixArtTransformer2DModel", "sample_size": 16,
         "num_layers": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 8,
         "patch_size": 2, "attention_bias": true, "num_attention_heads": 4,
         "cross_attention_dim": 64, "activation_fn": "gelu-approximate",

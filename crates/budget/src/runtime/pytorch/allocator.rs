@@ -50,7 +50,7 @@ impl Live {
 
 /// What one segment costs under PyTorch's rules.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct SegCost {
+pub(crate) struct SegCost {
     /// The output storage (the next segment's input).
     pub output: u64,
     /// Saved by the tracked graph after the forward (output and inputs excluded).
@@ -96,13 +96,13 @@ pub struct SegCost {
 /// two-linear probe of `runs/2026-12-06-epyc-lora-ff/` (3-D input: `aten::add` 262,144 B; 2-D
 /// input: `aten::add_`, nothing allocated). `extra_grads` are tensors other than the output that
 /// receive a gradient from outside (the conditioning vector c of the embed segment).
-pub fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
+pub(crate) fn simulate(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> SegCost {
     simulate_traced(seg, grad_in, extra_grads).0
 }
 
 /// One allocation event of a segment's simulation, by a segment-local id (see [`SegTrace`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ev {
+pub(crate) enum Ev {
     Alloc(u64, u64),
     Free(u64),
 }
@@ -113,7 +113,7 @@ pub enum Ev {
 /// beside its output, 3n + k op k's forward scratch, 4n + k its backward scratch, 5n + k the
 /// gradient op k's backward makes to add into an existing one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SegTrace {
+pub(crate) struct SegTrace {
     /// Tensors in the segment.
     pub n: u64,
     pub fwd: Vec<Ev>,
@@ -131,7 +131,11 @@ pub struct SegTrace {
 
 /// [`simulate`] with the allocation events it walks: the segment's facts, the two forwards,
 /// then the backward.
-pub fn simulate_traced(seg: &Segment, grad_in: u64, extra_grads: &[Tid]) -> (SegCost, SegTrace) {
+pub(crate) fn simulate_traced(
+    seg: &Segment,
+    grad_in: u64,
+    extra_grads: &[Tid],
+) -> (SegCost, SegTrace) {
     let f = Facts::new(seg);
     let mut trace = SegTrace {
         n: f.nn,

@@ -37,7 +37,7 @@ impl Seg {
 
 /// The simulated `DeviceCachingAllocator` of one device.
 #[derive(Debug, Clone)]
-pub struct ReferenceAllocator {
+pub(crate) struct ReferenceAllocator {
     conf: AllocConf,
     /// Bytes the allocator may reserve (device memory less the context); `u64::MAX` = unlimited.
     capacity: u64,

@@ -62,7 +62,10 @@ pub struct CudaReport {
 
 /// The CUDA memory of a spec on the `pytorch:cuda` runtime.
 /// None when the step makes more than [`MAX_REPLAYED_EVENTS`] allocations (not replayed).
-pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaReport>, SpecError> {
+pub(crate) fn cuda_report(
+    spec: &Spec,
+    table: &[ParamTensor],
+) -> Result<Option<CudaReport>, SpecError> {
     let events = allocation_sequence(spec, table);
     cuda_report_of(spec, table, &events)
 }
@@ -70,7 +73,7 @@ pub fn cuda_report(spec: &Spec, table: &[ParamTensor]) -> Result<Option<CudaRepo
 /// [`cuda_report`] of `events`, which must be `allocation_sequence(spec, table)`: the planner
 /// replays one sequence under two allocator settings (`alloc_conf` is not part of the sequence)
 /// without building it twice.
-pub fn cuda_report_of(
+pub(crate) fn cuda_report_of(
     spec: &Spec,
     table: &[ParamTensor],
     events: &[AllocEvent],

@@ -66,7 +66,7 @@ impl PyTorch {
 
     /// The SDPA kernel that really runs for this precision (\[SDPA\]): the CPU has one fused kernel
     /// (flash); CUDA flash needs fp16/bf16, so `auto` picks memory-efficient for fp32.
-    pub fn effective_sdpa(&self, precision: Precision) -> SdpaBackend {
+    pub(crate) fn effective_sdpa(&self, precision: Precision) -> SdpaBackend {
         let half = matches!(precision.compute_dtype(), Dtype::Bf16 | Dtype::F16);
         match (self.device, self.sdpa) {
             (_, SdpaBackend::Math) => SdpaBackend::Math,
@@ -80,7 +80,7 @@ impl PyTorch {
 }
 
 /// The runtime a spec names (the CPU default when the spec names another runtime).
-pub fn for_spec(spec: &Spec) -> &'static PyTorch {
+pub(crate) fn for_spec(spec: &Spec) -> &'static PyTorch {
     match spec.runtime {
         Runtime::Pytorch { device, sdpa } => PyTorch::instance(device, sdpa),
         _ => PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto),

@@ -30,7 +30,7 @@ use crate::spec::Precision;
 
 /// Turn the stages of a step into those of a module held in the compute dtype: trained fp32
 /// parameters become compute-dtype parameters, their autocast copies views of them.
-pub fn low_precision_module(stages: &mut Stages, precision: Precision) {
+pub(crate) fn low_precision_module(stages: &mut Stages, precision: Precision) {
     let (pd, cd) = (precision.param_dtype(), precision.compute_dtype());
     if pd == cd {
         return;
@@ -56,7 +56,7 @@ pub fn low_precision_module(stages: &mut Stages, precision: Precision) {
 
 /// The gathered bytes of a step's block instances in forward order, from the rank's per-block
 /// gathers (block indices run across the stacks, as the replay numbers them).
-pub fn block_gathers(rs: &RankStates, blocks: u32) -> Vec<u64> {
+pub(crate) fn block_gathers(rs: &RankStates, blocks: u32) -> Vec<u64> {
     (0..blocks as usize)
         .map(|b| rs.gathered_blocks.get(b).copied().unwrap_or(0))
         .collect()
@@ -65,7 +65,7 @@ pub fn block_gathers(rs: &RankStates, blocks: u32) -> Vec<u64> {
 /// Which block gathers are live, as the replay walks the blocks in one direction: `order` is
 /// the blocks in execution order, `reshard` whether a block's gather is freed after it.
 #[derive(Debug, Clone)]
-pub struct GatherWalk {
+pub(crate) struct GatherWalk {
     /// Bytes per block (by block index).
     bytes: Vec<u64>,
     /// Whether each block's gather is allocated now.
@@ -114,7 +114,7 @@ impl GatherWalk {
     }
 
     /// Blocks still gathered.
-    pub fn live_blocks(&self) -> Vec<usize> {
+    pub(crate) fn live_blocks(&self) -> Vec<usize> {
         (0..self.live.len()).filter(|&b| self.live[b]).collect()
     }
 

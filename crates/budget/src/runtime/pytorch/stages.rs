@@ -16,7 +16,7 @@ use crate::spec::Spec;
 
 /// One stage: a segment and how many times it runs in a row.
 #[derive(Debug, Clone)]
-pub struct Stage {
+pub(crate) struct Stage {
     pub seg: Segment,
     /// Instances: 1 for the input and output sides, the block count of a stack.
     pub count: u32,
@@ -84,7 +84,7 @@ pub struct Stages {
 
 /// A stage with its costs under PyTorch's rules.
 #[derive(Debug, Clone)]
-pub struct StageCost {
+pub(crate) struct StageCost {
     pub cost: SegCost,
     pub count: u32,
     pub blocks: bool,
@@ -97,7 +97,7 @@ pub struct StageCost {
 
 /// The broadcast inputs of a segment that receive a gradient: inputs needing one that are not
 /// its streams.
-pub fn broadcast_inputs(seg: &Segment) -> impl Iterator<Item = Tid> + '_ {
+pub(crate) fn broadcast_inputs(seg: &Segment) -> impl Iterator<Item = Tid> + '_ {
     seg.tensors.iter().enumerate().filter_map(|(t, d)| {
         let needs = matches!(
             d.kind,
@@ -110,7 +110,7 @@ pub fn broadcast_inputs(seg: &Segment) -> impl Iterator<Item = Tid> + '_ {
 }
 
 /// Gradient bytes entering a segment's backward: every output's.
-pub fn grad_in(seg: &Segment) -> u64 {
+pub(crate) fn grad_in(seg: &Segment) -> u64 {
     seg.outputs().iter().map(|&o| seg.tensors[o].bytes()).sum()
 }
 

@@ -22,7 +22,7 @@ pub fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
 /// Bytes of AdamW's `state["step"]` tensors on the step's device [OPT]: a 0-dim fp32 tensor per
 /// parameter, hosted on the CPU unless `capturable` or `fused` (`adam.py` `_init_group`: "special
 /// device hosting for step"), so none on a GPU with for-loop or foreach.
-pub fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
+pub(crate) fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
     let on_device =
         for_spec(spec).device == TorchDevice::Cpu || optimizer_impl(spec) == OptimizerImpl::Fused;
     if spec.recipe.optimizer == Optimizer::Sgd || !on_device {
@@ -70,7 +70,7 @@ pub fn optimizer_scratch(
 /// in its backward (bitsandbytes `MatMul4Bit`: `F.dequantize_4bit(B).to(A.dtype)`; `MatMul8bitLt`
 /// backward: `CB * SCB / 127`; fp8 layerwise casting: the upcast copy): the largest block
 /// Linear in the compute dtype, 0 without a quantized base.
-pub fn dequant_bytes(spec: &Spec, table: &[ParamTensor]) -> u64 {
+pub(crate) fn dequant_bytes(spec: &Spec, table: &[ParamTensor]) -> u64 {
     let r = &spec.recipe;
     if r.base_quant.is_none() || r.lora.is_none() {
         return 0;
@@ -84,14 +84,14 @@ pub fn dequant_bytes(spec: &Spec, table: &[ParamTensor]) -> u64 {
 }
 
 /// The sharded model states of the spec's rank under the `pytorch` runtime (`None`: one rank).
-pub fn rank_states_of(spec: &Spec, table: &[ParamTensor]) -> Option<RankStates> {
+pub(crate) fn rank_states_of(spec: &Spec, table: &[ParamTensor]) -> Option<RankStates> {
     let rt: &dyn crate::runtime::RuntimeModel = for_spec(spec);
     rank_states(spec, table, rt.grad_dtype(spec.recipe.precision))
 }
 
 /// The tensors the device optimizer updates (elements each): the trained parameters on one
 /// rank, the rank's partition or shards when sharded, none when offloaded.
-pub fn optimizer_tensors(table: &[ParamTensor], rs: Option<&RankStates>) -> Vec<u64> {
+pub(crate) fn optimizer_tensors(table: &[ParamTensor], rs: Option<&RankStates>) -> Vec<u64> {
     match rs {
         Some(rs) => rs.optimizer_tensors.clone(),
         None => table
@@ -103,7 +103,7 @@ pub fn optimizer_tensors(table: &[ParamTensor], rs: Option<&RankStates>) -> Vec<
 }
 
 /// Bytes of each EMA tensor the update casts (`p.detach().to(ema dtype)`), per rank.
-pub fn ema_update_tensors(spec: &Spec, table: &[ParamTensor]) -> Vec<u64> {
+pub(crate) fn ema_update_tensors(spec: &Spec, table: &[ParamTensor]) -> Vec<u64> {
     table
         .iter()
         .filter(|t| t.role == ParamRole::Trained)
@@ -117,7 +117,7 @@ pub fn ema_update_tensors(spec: &Spec, table: &[ParamTensor]) -> Vec<u64> {
 /// legacy `THGeneratorState` — seed, `left`, `seeded`, `next`, the 624 × u64 Mersenne-Twister
 /// state, the three cached normal doubles and their flag — then the cached float normal and its
 /// flag, 8-aligned). Measured: 5,056 B (family_trace.py, `model > module::model`).
-pub const CPU_RNG_STATE_BYTES: u64 = 5056;
+pub(crate) const CPU_RNG_STATE_BYTES: u64 = 5056;
 
 /// Host bytes one checkpointed block holds beside its graph on the CPU, and the same again
 /// while it is recomputed: `torch.utils.checkpoint(use_reentrant=False)` with the default
@@ -130,7 +130,7 @@ pub const CPU_RNG_STATE_BYTES: u64 = 5056;
 /// host tensors (the CUDA generator's state is a CPU `ByteTensor` too), outside the device's
 /// memory. family_trace.py, sd3-bf16-lora4w-all: one 5,056 B block per checkpointed block
 /// from its forward to the end of its backward, a second during block 0's recompute.
-pub fn checkpoint_rng_bytes(device: TorchDevice) -> u64 {
+pub(crate) fn checkpoint_rng_bytes(device: TorchDevice) -> u64 {
     match device {
         TorchDevice::Cpu => CPU_RNG_STATE_BYTES,
         TorchDevice::Cuda => 0,

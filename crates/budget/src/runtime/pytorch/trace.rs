@@ -106,7 +106,7 @@ struct Traced {
 
 /// The allocation sequence of a warm-up step and a measured step of a spec on the `pytorch`
 /// runtime, on one rank of a sharded spec as `runtime/pytorch/sharding.rs` lays it out.
-pub fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
+pub(crate) fn allocation_sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
     crate::profile::time(
         crate::profile::Phase::Sequence,
         |e: &Vec<AllocEvent>| e.len() as u64,
@@ -201,7 +201,7 @@ fn sequence(spec: &Spec, table: &[ParamTensor]) -> Vec<AllocEvent> {
 /// How many events of [`allocation_sequence`] load the model (its tensors, then the EMA
 /// copies) before the warm-up step begins: a memory snapshot recorded from the first step on
 /// starts where these end.
-pub fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
+pub(crate) fn setup_allocations(spec: &Spec, table: &[ParamTensor]) -> usize {
     let r = &spec.recipe;
     let weights = table.iter().filter(|t| stored_bytes_in(t, r) > 0).count();
     let ema = if r.ema.enabled {
@@ -628,11 +628,11 @@ fn optimizer_step(
 
 /// Tensors below this keep their paged optimizer's state in ordinary device tensors
 /// (bitsandbytes `optim/optimizer.py` `get_state_buffer`: `p.numel() < 1e5`).
-pub const PAGED_MIN_NUMEL: u64 = 100_000;
+pub(crate) const PAGED_MIN_NUMEL: u64 = 100_000;
 
 /// Bytes of one trained tensor's optimizer state that a paged optimizer keeps in CUDA managed
 /// memory: its two 8-bit buffers (`state1`, `state2`), when it is large enough to be paged.
-pub fn paged_state_bytes(spec: &Spec, numel: u64) -> u64 {
+pub(crate) fn paged_state_bytes(spec: &Spec, numel: u64) -> u64 {
     let r = &spec.recipe;
     if !r.paged_optimizer
         || r.optimizer != Optimizer::AdamW8bit

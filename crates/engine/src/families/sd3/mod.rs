@@ -64,7 +64,7 @@ pub(crate) fn tiny_config(
 }
 
 /// [`tiny_config`] with SD3.5's dual-attention blocks `dual` (`dual_attention_layers`).
-pub fn tiny_config_dual(
+pub(crate) fn tiny_config_dual(
     layers: u32,
     heads: u32,
     qk_norm: bool,

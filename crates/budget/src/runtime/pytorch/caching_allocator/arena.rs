@@ -129,7 +129,7 @@ pub struct CachingAllocator {
 /// own sequence, not from outside input, so hash flooding is not a concern; the maps are only
 /// looked up, never iterated, so no result depends on the hash.
 #[derive(Default, Clone, Copy)]
-pub struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -151,7 +151,7 @@ impl Hasher for IdHasher {
 }
 
 /// [`IdHasher`] as a map's hasher.
-pub type IdHash = BuildHasherDefault<IdHasher>;
+pub(crate) type IdHash = BuildHasherDefault<IdHasher>;
 
 impl CachingAllocator {
     pub fn new(conf: AllocConf, capacity: Option<u64>) -> CachingAllocator {

@@ -12,13 +12,13 @@ pub const MIN_BLOCK_SIZE: u64 = 512;
 /// `kSmallSize`: the largest "small" allocation is 1 MiB.
 pub const SMALL_SIZE: u64 = MIB;
 /// `kSmallBuffer`: "small" allocations are packed in 2 MiB blocks.
-pub const SMALL_BUFFER: u64 = 2 * MIB;
+pub(crate) const SMALL_BUFFER: u64 = 2 * MIB;
 /// `kMinLargeAlloc`: allocations between 1 and 10 MiB may use `kLargeBuffer`.
-pub const MIN_LARGE_ALLOC: u64 = 10 * MIB;
+pub(crate) const MIN_LARGE_ALLOC: u64 = 10 * MIB;
 /// `kRoundLarge`: large allocations are rounded up to 2 MiB.
-pub const ROUND_LARGE: u64 = 2 * MIB;
+pub(crate) const ROUND_LARGE: u64 = 2 * MIB;
 /// `kLargeBuffer`: "large" allocations may be packed in 20 MiB blocks.
-pub const LARGE_BUFFER: u64 = 20 * MIB;
+pub(crate) const LARGE_BUFFER: u64 = 20 * MIB;
 /// `kRoundUpPowerOfTwoIntervals` (AllocatorConfig.cpp): 16 intervals from 1 MiB to 64 GiB.
 const ROUNDUP_INTERVALS: usize = 16;
 
@@ -204,7 +204,7 @@ impl AllocConf {
 
     /// `AllocatorConfig::roundup_power2_divisions(size)`: the interval of `floor(log2(size))`,
     /// counted from 1 MiB and clamped to the 16 intervals.
-    pub fn divisions_for(&self, size: u64) -> u64 {
+    pub(crate) fn divisions_for(&self, size: u64) -> u64 {
         let log = 63 - size.max(1).leading_zeros() as i64;
         let index = (log - 20).clamp(0, ROUNDUP_INTERVALS as i64 - 1) as usize;
         self.roundup_power2_divisions[index]

@@ -57,7 +57,7 @@ pub(crate) fn save(g: &mut Segment, t: Tid) {
 
 /// LoRA on some linears: rank and the PEFT `target_modules` names.
 #[derive(Debug, Clone)]
-pub struct LoraOn {
+pub(crate) struct LoraOn {
     pub rank: u64,
     pub modules: Vec<String>,
     /// The adapters' dtype ([`crate::spec::Recipe::trained_dtype`]): fp32, or the weight dtype
