@@ -295,21 +295,7 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
         ("--save-reference", args.save_reference.as_deref()),
         ("--plot", args.plot.as_deref()),
     ])?;
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if jobs == 0 {
-        return Err(invalid("--jobs", "is 0; allowed: at least 1"));
-    }
-    if jobs > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // Parallelism across variants instead of inside the gemms: candle's threaded gemm on
-        // 64-wide matrices costs more in synchronisation than it saves (4× slower measured with
-        // two variants at once on two cores). Set before any thread exists (reading the spec's
-        // CPU starts rayon's pool); candle reads it at each matmul.
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-    }
-    // Before the pools start (reading the spec's CPU starts rayon's) and the variants' workers.
-    crate::guard::check_process("verify", jobs as u64)?;
+    let jobs = worker_jobs(&args)?;
     let mut base = args.spec.to_spec_or(default_spec)?;
     if let Some(cpu) = &mut base.cpu {
         // verify holds numerics, not memory: its variants run on the pool set up above, whatever
@@ -317,62 +303,8 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
         cpu.threads = ditmem_engine::host::threads();
     }
     let variants = variants(&args)?;
-    let stored = match &args.reference {
-        Some(path) => {
-            // A regular file only (a FIFO would block); read one tensor at a time.
-            match std::fs::metadata(path) {
-                Ok(m) if m.is_file() => {}
-                Ok(_) => {
-                    return Err(invalid(
-                        "--reference",
-                        format!(
-                            "'{}' is not a regular file",
-                            crate::flags::show(&path.display().to_string())
-                        ),
-                    ))
-                }
-                Err(e) => {
-                    return Err(invalid(
-                        "--reference",
-                        format!("'{}': {e}", crate::flags::show(&path.display().to_string())),
-                    ))
-                }
-            }
-            Some(
-                Reference::open(path)
-                    .map_err(|e| invalid("--reference", format!("'{}': {e}", path.display())))?,
-            )
-        }
-        None => None,
-    };
-    let defaults = stored
-        .as_ref()
-        .map(|r| r.options.clone())
-        .unwrap_or_default();
-    let opts = VerifyOptions {
-        seed: args.seed.unwrap_or(defaults.seed),
-        data_seed: args.data_seed.unwrap_or(defaults.data_seed),
-        lr: args.lr.unwrap_or(defaults.lr),
-        weight_decay: defaults.weight_decay,
-        steps: args.steps.unwrap_or(defaults.steps),
-    };
-    let (lo, hi) = crate::flags::LEARNING_RATES;
-    if !(lo..=hi).contains(&opts.lr) {
-        // A stored reference's rate (the flag's own range is checked as it is parsed).
-        return Err(invalid(
-            "--lr",
-            format!(
-                "{} is out of range; allowed: a number from 1e-8 to 1",
-                crate::flags::fmt_float(opts.lr)
-            ),
-        ));
-    }
-    if args.plot.is_some() && opts.steps == 0 {
-        return Err(invalid(
-            "--plot",
-            "needs a drift run; allowed: --steps ≥ 1 with --plot",
-        ));
-    }
+    let stored = open_stored(args.reference.as_deref())?;
+    let opts = options(&args, stored.as_ref())?;
     let plan = guard(&base, &variants, &opts, jobs, stored.is_some(), args.force)?;
     let jobs = plan.jobs;
     // The reference file is written where it will be kept (a rename at the end) or in the
@@ -390,49 +322,8 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
         )?,
     }
     let show = !args.json;
-    let (reference, source) = match stored {
-        Some(r) => {
-            r.check_matches(&base, &opts)
-                .map_err(|e| map_err(e, "--reference"))?;
-            let path = args
-                .reference
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default();
-            (r, path)
-        }
-        None => {
-            let b = bar(u64::from(opts.steps), show, "fp64 reference");
-            let mut tick = |s: u32| b.set_position(u64::from(s));
-            // Kept: a named file where it will lie (a rename at the end); otherwise a file
-            // without a name, freed however the process ends.
-            let r = match &args.save_reference {
-                Some(_) => compute_reference_in(&ref_dir, &base, &opts, &mut tick),
-                None => verify::compute_reference(&base, &opts, &mut tick),
-            }
-            .map_err(|e| map_err(e, "spec"))?;
-            b.finish_and_clear();
-            (r, "computed".to_string())
-        }
-    };
-    let mut reference = reference;
-    if let Some(path) = &args.save_reference {
-        if let Some(from) = &args.reference {
-            if let Err(e) = std::fs::copy(from, path) {
-                // Never leave a half file behind.
-                let _ = std::fs::remove_file(path);
-                return Err(CliError::Other(anyhow::Error::new(e).context(format!(
-                    "cannot copy the reference to '{}'",
-                    path.display()
-                ))));
-            }
-        } else {
-            crate::output::check_outputs(&[("--save-reference", Some(path.as_path()))])?;
-            reference
-                .persist(path)
-                .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
-        }
-    }
+    let (mut reference, source) = fp64_reference(&args, &base, &opts, stored, &ref_dir, show)?;
+    save_reference(&args, &mut reference)?;
     let n = variants.len() as u64;
     let b = bar(n * (u64::from(opts.steps) + 1), show, "variants");
     let mut done = 0;
@@ -491,6 +382,147 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
             report.variants.len()
         ));
         std::process::exit(i32::from(EXIT_FAILED));
+    }
+    Ok(())
+}
+
+/// The fp64 reference and where it came from: the stored one (checked against the spec and
+/// options) or one computed now (with a progress bar when `show`).
+fn fp64_reference(
+    args: &VerifyArgs,
+    base: &Spec,
+    opts: &VerifyOptions,
+    stored: Option<Reference>,
+    ref_dir: &Path,
+    show: bool,
+) -> Result<(Reference, String), CliError> {
+    Ok(match stored {
+        Some(r) => {
+            r.check_matches(base, opts)
+                .map_err(|e| map_err(e, "--reference"))?;
+            let path = args
+                .reference
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            (r, path)
+        }
+        None => {
+            let b = bar(u64::from(opts.steps), show, "fp64 reference");
+            let mut tick = |s: u32| b.set_position(u64::from(s));
+            // Kept: a named file where it will lie (a rename at the end); otherwise a file
+            // without a name, freed however the process ends.
+            let r = match &args.save_reference {
+                Some(_) => compute_reference_in(ref_dir, base, opts, &mut tick),
+                None => verify::compute_reference(base, opts, &mut tick),
+            }
+            .map_err(|e| map_err(e, "spec"))?;
+            b.finish_and_clear();
+            (r, "computed".to_string())
+        }
+    })
+}
+
+/// The variants' worker count (`--jobs`, else the cores), with the process guard's check.
+fn worker_jobs(args: &VerifyArgs) -> Result<usize, CliError> {
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if jobs == 0 {
+        return Err(invalid("--jobs", "is 0; allowed: at least 1"));
+    }
+    if jobs > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // Parallelism across variants instead of inside the gemms: candle's threaded gemm on
+        // 64-wide matrices costs more in synchronisation than it saves (4× slower measured with
+        // two variants at once on two cores). Set before any thread exists (reading the spec's
+        // CPU starts rayon's pool); candle reads it at each matmul.
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    // Before the pools start (reading the spec's CPU starts rayon's) and the variants' workers.
+    crate::guard::check_process("verify", jobs as u64)?;
+    Ok(jobs)
+}
+
+/// The stored reference `--reference` names, if any: a regular file only.
+fn open_stored(path: Option<&Path>) -> Result<Option<Reference>, CliError> {
+    Ok(match path {
+        Some(path) => {
+            // A regular file only (a FIFO would block); read one tensor at a time.
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        "--reference",
+                        format!(
+                            "'{}' is not a regular file",
+                            crate::flags::show(&path.display().to_string())
+                        ),
+                    ))
+                }
+                Err(e) => {
+                    return Err(invalid(
+                        "--reference",
+                        format!("'{}': {e}", crate::flags::show(&path.display().to_string())),
+                    ))
+                }
+            }
+            Some(
+                Reference::open(path)
+                    .map_err(|e| invalid("--reference", format!("'{}': {e}", path.display())))?,
+            )
+        }
+        None => None,
+    })
+}
+
+/// The run's options: the flags, else the stored reference's, else the defaults; checked.
+fn options(args: &VerifyArgs, stored: Option<&Reference>) -> Result<VerifyOptions, CliError> {
+    let defaults = stored.map(|r| r.options.clone()).unwrap_or_default();
+    let opts = VerifyOptions {
+        seed: args.seed.unwrap_or(defaults.seed),
+        data_seed: args.data_seed.unwrap_or(defaults.data_seed),
+        lr: args.lr.unwrap_or(defaults.lr),
+        weight_decay: defaults.weight_decay,
+        steps: args.steps.unwrap_or(defaults.steps),
+    };
+    let (lo, hi) = crate::flags::LEARNING_RATES;
+    if !(lo..=hi).contains(&opts.lr) {
+        // A stored reference's rate (the flag's own range is checked as it is parsed).
+        return Err(invalid(
+            "--lr",
+            format!(
+                "{} is out of range; allowed: a number from 1e-8 to 1",
+                crate::flags::fmt_float(opts.lr)
+            ),
+        ));
+    }
+    if args.plot.is_some() && opts.steps == 0 {
+        return Err(invalid(
+            "--plot",
+            "needs a drift run; allowed: --steps ≥ 1 with --plot",
+        ));
+    }
+    Ok(opts)
+}
+
+/// `--save-reference`: a copy of the stored file, or the computed reference persisted.
+fn save_reference(args: &VerifyArgs, reference: &mut Reference) -> Result<(), CliError> {
+    if let Some(path) = &args.save_reference {
+        if let Some(from) = &args.reference {
+            if let Err(e) = std::fs::copy(from, path) {
+                // Never leave a half file behind.
+                let _ = std::fs::remove_file(path);
+                return Err(CliError::Other(anyhow::Error::new(e).context(format!(
+                    "cannot copy the reference to '{}'",
+                    path.display()
+                ))));
+            }
+        } else {
+            crate::output::check_outputs(&[("--save-reference", Some(path.as_path()))])?;
+            reference
+                .persist(path)
+                .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
+        }
     }
     Ok(())
 }
