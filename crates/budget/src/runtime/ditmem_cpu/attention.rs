@@ -25,11 +25,6 @@ fn materialized_core(sh: &Shape) -> Graph {
     g
 }
 
-/// Query rows per chunk of the engine's memory-efficient attention kernel (one at a time).
-pub const ATTN_ROWS: u64 = 1;
-/// Keys per block of the engine's memory-efficient attention kernel.
-pub const ATTN_KEY_BLOCK: u64 = 64;
-
 /// The attention core on q, k, v of shape (b, a, s, dh).
 pub fn attention(g: &mut Graph, sh: &Shape, q: Nid, k: Nid, v: Nid) -> Nid {
     let (cd, ad) = (sh.cd(), sh.ad());

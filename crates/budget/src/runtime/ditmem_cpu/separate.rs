@@ -4,9 +4,7 @@
 //! attentions and the fused cross-attention ([`super::cross`]) all run on it.
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{
-    attention_head_packing, FUSED_ATTN_KEY_BLOCK, FUSED_ATTN_QUERY_BLOCK,
-};
+use crate::runtime::ditmem_cpu::ops::{attention_head_packing, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, Precision};
 
@@ -14,10 +12,10 @@ use crate::spec::{AttentionMode, Precision};
 /// backward) (`ops::attention::separate::{sep_fwd_scratch, sep_bwd_scratch}`).
 pub(crate) fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
     let dh = sh.d / sh.heads;
-    let kb = FUSED_ATTN_KEY_BLOCK.min(sk);
+    let kb = ATTN_KEY_BLOCK.min(sk);
     let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
     if sh.attention == AttentionMode::MemoryEfficient {
-        let qb = FUSED_ATTN_QUERY_BLOCK.min(sq);
+        let qb = ATTN_QUERY_BLOCK.min(sq);
         (f + sq * kb + 2 * sq, b + 2 * qb * kb + sq)
     } else {
         (f + sq * sk, b + 2 * sq * sk)
@@ -65,7 +63,7 @@ pub(crate) fn separate_attention_bytes(sh: &Shape, sq: u64, sk: u64) -> (u64, u6
         nh * sq * sk * cd.size()
     };
     let (fwd, bwd) = separate_attention_scratch(sh, sq, sk);
-    let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(FUSED_ATTN_KEY_BLOCK);
+    let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(ATTN_KEY_BLOCK);
     let (pf, pb) = attention_head_packing(&sh.cpu, (sq, sk, sh.d / sh.heads), kb, acc);
     (extra, nt * (fwd * acc + pf), nt * (bwd * acc + pb))
 }

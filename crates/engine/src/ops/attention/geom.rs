@@ -24,16 +24,16 @@ pub enum AttnKeep {
     LogSumExp,
 }
 
-/// Keys per block of the streaming kernels.
-pub const ATTN_KEY_BLOCK: usize = 128;
+/// Keys per block of the streaming kernels (the budget's size, `ditmem_budget::ditmem_cpu::ops::sizes`).
+pub const ATTN_KEY_BLOCK: usize = ditmem_budget::ditmem_cpu::ops::ATTN_KEY_BLOCK as usize;
 
 /// Queries per block of the streaming kernels' backward (generic kernels): P and dP of a block
 /// are [`ATTN_QUERY_BLOCK`] × [`ATTN_KEY_BLOCK`], not s × [`ATTN_KEY_BLOCK`] — at Flux's tiny
 /// family spec (192 joint tokens, 16-wide heads) 64 KiB per thread instead of 192 KiB, the
 /// single-stream block's worst moment; at 4,608 tokens 64 KiB instead of 4.5 MiB. dk and dv
 /// sum the query blocks in order (one more rounding per block than one product over all
-/// queries). Budget twin: `ditmem_budget::ditmem_cpu::ops::FUSED_ATTN_QUERY_BLOCK`.
-pub const ATTN_QUERY_BLOCK: usize = 64;
+/// queries). The size is the budget's (`ditmem_budget::ditmem_cpu::ops::sizes`), which predicts by it.
+pub const ATTN_QUERY_BLOCK: usize = ditmem_budget::ditmem_cpu::ops::ATTN_QUERY_BLOCK as usize;
 
 /// Shapes of one fused attention call.
 #[derive(Debug, Clone, Copy)]

@@ -8,12 +8,7 @@ use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid, STORAGE_META, TENSOR_M
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
 
-/// Keys per block of the engine's streaming attention kernel (`ops::ATTN_KEY_BLOCK`).
-pub(crate) const FUSED_ATTN_KEY_BLOCK: u64 = 128;
-
-/// Queries per block of the backward of the engine's generic streaming attention kernels
-/// (`ops::ATTN_QUERY_BLOCK`): P and dP of a block are this × [`FUSED_ATTN_KEY_BLOCK`].
-pub const FUSED_ATTN_QUERY_BLOCK: u64 = 64;
+use super::sizes::{ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 
 /// Bytes of one thread's scratch (forward, backward) of the engine's streaming bf16 attention on
 /// the AVX512-BF16 kernel with key blocks of `kb` (`ops::attention::bf16::streaming_scratch_bytes`).
@@ -65,7 +60,7 @@ pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
 /// its products: per key block of `n` keys (all `sk` at once when `kb` is None, else blocks of
 /// `kb` and the rest) the scores `S = q·kᵀ` (and `dP = dO·vᵀ`), `O = P·v` (and `dq = dS·k`), and
 /// in backward `dv = Pᵀ·dO` (and `dk = dSᵀ·q`), the streaming backward's by blocks of
-/// [`FUSED_ATTN_QUERY_BLOCK`] queries. q·kᵀ reads k transposed, so `gemm` pre-packs it on every
+/// [`ATTN_QUERY_BLOCK`] queries. q·kᵀ reads k transposed, so `gemm` pre-packs it on every
 /// ISA.
 pub(crate) fn attention_head_packing(
     cpu: &CpuSpec,
@@ -86,7 +81,7 @@ pub(crate) fn attention_head_packing(
     let blocks = split(sk, kb.unwrap_or(sk));
     // The streaming backward also blocks the queries (`ops::ATTN_QUERY_BLOCK`).
     let q_blocks = match kb {
-        Some(_) => split(sq, FUSED_ATTN_QUERY_BLOCK),
+        Some(_) => split(sq, ATTN_QUERY_BLOCK),
         None => vec![sq],
     };
     let (mut fwd, mut bwd) = (0, 0);
@@ -136,7 +131,7 @@ fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
     };
     let (s, dh) = (sh.s, sh.d / sh.heads);
     let nh = sh.b * sh.heads;
-    let kb = FUSED_ATTN_KEY_BLOCK.min(s);
+    let kb = ATTN_KEY_BLOCK.min(s);
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
     // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
     // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`ops::attention::bf16::applies`), in every
@@ -147,7 +142,7 @@ fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
             "attention (fused, streaming; keeps lse)",
             nh * s * acc,
             4 * s * dh + s * kb + 2 * s,
-            7 * s * dh + 2 * FUSED_ATTN_QUERY_BLOCK.min(s) * kb + s,
+            7 * s * dh + 2 * ATTN_QUERY_BLOCK.min(s) * kb + s,
         )
     } else if sh.attention_only {
         (

@@ -6,6 +6,12 @@
 //! [`super::joint_linear`] and [`super::attention`] count with them: a chunk size is changed by
 //! one edit here.
 
+/// Keys per block of the engine's streaming attention kernels (`ops::ATTN_KEY_BLOCK`).
+pub const ATTN_KEY_BLOCK: u64 = 128;
+/// Queries per block of the backward of the engine's generic streaming attention kernels
+/// (`ops::ATTN_QUERY_BLOCK`): P and dP of a block are this × [`ATTN_KEY_BLOCK`].
+pub const ATTN_QUERY_BLOCK: u64 = 64;
+
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
 /// Columns of W per packed panel of the engine's bf16 kernel backward's dx product where the rows
