@@ -15,52 +15,34 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    CLIPTextConfig,
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import measure  # noqa: E402
+from frozen_models import (  # noqa: E402
     CLIPTextModel,
     CLIPTextModelWithProjection,
-    Gemma2Config,
-    Gemma2Model,
     T5Config,
     T5EncoderModel,
     UMT5Config,
     UMT5EncoderModel,
+    clip,
+    gemma,
+    t5,
 )
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import measure  # noqa: E402
 
 torch.set_num_threads(2)
 
 
-def t5(cls, cfgc, d, ff, heads, dkv, layers):
-    return cls(cfgc(vocab_size=1000, d_model=d, d_kv=dkv, d_ff=ff, num_layers=layers,
-                    num_heads=heads, feed_forward_proj="gated-gelu"))
-
-
-def clip(cls, d, inter, heads, layers):
-    return cls(CLIPTextConfig(vocab_size=1000, hidden_size=d, intermediate_size=inter,
-                              num_hidden_layers=layers, num_attention_heads=heads,
-                              max_position_embeddings=77, projection_dim=d))
-
-
-def gemma(d, inter, heads, kv, hd, layers):
-    return Gemma2Model(Gemma2Config(vocab_size=1000, hidden_size=d, intermediate_size=inter,
-                                    num_hidden_layers=layers, num_attention_heads=heads,
-                                    num_key_value_heads=kv, head_dim=hd))
-
-
 CASES = [
-    ("t5", lambda: t5(T5EncoderModel, T5Config, 64, 160, 4, 16, 2)),
-    ("umt5", lambda: t5(UMT5EncoderModel, UMT5Config, 64, 160, 4, 16, 2)),
-    ("clip", lambda: clip(CLIPTextModel, 64, 256, 4, 2)),
-    ("clip-proj", lambda: clip(CLIPTextModelWithProjection, 64, 256, 4, 2)),
-    ("gemma2", lambda: gemma(64, 256, 4, 2, 16, 2)),
+    ("t5", lambda: t5(T5EncoderModel, T5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
+    ("umt5", lambda: t5(UMT5EncoderModel, UMT5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
+    ("clip", lambda: clip(CLIPTextModel, vocab=1000, d=64, inter=256, heads=4, layers=2)),
+    ("clip-proj", lambda: clip(CLIPTextModelWithProjection, vocab=1000, d=64, inter=256, heads=4, layers=2)),
+    ("gemma2", lambda: gemma(vocab=1000, d=64, inter=256, heads=4, kv=2, hd=16, layers=2)),
     # Layers as wide as the real encoders' (T5-XXL's heads of 64, CLIP-L, half of Gemma-2-2B),
     # two of them: the per-layer terms dominate here as they do at full size.
-    ("t5-wide", lambda: t5(T5EncoderModel, T5Config, 1024, 2560, 16, 64, 2)),
-    ("clip-wide", lambda: clip(CLIPTextModel, 768, 3072, 12, 2)),
-    ("gemma2-wide", lambda: gemma(1152, 4608, 8, 4, 128, 2)),
+    ("t5-wide", lambda: t5(T5EncoderModel, T5Config, vocab=1000, d=1024, ff=2560, heads=16, dkv=64, layers=2)),
+    ("clip-wide", lambda: clip(CLIPTextModel, vocab=1000, d=768, inter=3072, heads=12, layers=2)),
+    ("gemma2-wide", lambda: gemma(vocab=1000, d=1152, inter=4608, heads=8, kv=4, hd=128, layers=2)),
 ]
 SHAPES = {"t5-wide": ((1, 256), (2, 120)), "clip-wide": ((1, 77), (4, 77)),
           "gemma2-wide": ((1, 300), (2, 120))}

@@ -14,18 +14,13 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
-from diffusers import AutoencoderDC, AutoencoderKL, AutoencoderKLWan  # noqa: E402
+from diffusers import AutoencoderKL, AutoencoderKLWan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import measure  # noqa: E402
-from count_frozen import dcae_sana  # noqa: E402
+from frozen_models import KL, dcae_sana  # noqa: E402
 
 torch.set_num_threads(2)
-
-KL = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-          up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
-          layers_per_block=2)
-
 
 def main():
     cases = [
