@@ -23,19 +23,7 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from frozen_models import (  # noqa: E402
-    KL,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    T5Config,
-    T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
-    clip,
-    dcae_sana,
-    gemma,
-    t5,
-)
+import frozen_models as fm  # noqa: E402
 
 
 def count(m):
@@ -46,20 +34,20 @@ def main():
     out = {}
     with torch.device("meta"):
         xxl = dict(d=4096, ff=10240, heads=64, dkv=64, layers=24, relative_attention_num_buckets=32)
-        out["T5-XXL encoder"] = count(t5(T5EncoderModel, T5Config, vocab=32128, **xxl))
-        out["umT5-XXL encoder"] = count(t5(UMT5EncoderModel, UMT5Config, vocab=256384, **xxl))
+        out["T5-XXL encoder"] = count(fm.t5(fm.T5EncoderModel, fm.T5Config, vocab=32128, **xxl))
+        out["umT5-XXL encoder"] = count(fm.t5(fm.UMT5EncoderModel, fm.UMT5Config, vocab=256384, **xxl))
         clip_l = dict(vocab=49408, d=768, inter=3072, heads=12, layers=12, hidden_act="quick_gelu")
-        out["CLIP-L text"] = count(clip(CLIPTextModel, **clip_l))
-        out["CLIP-L text with projection"] = count(clip(CLIPTextModelWithProjection, **clip_l))
+        out["CLIP-L text"] = count(fm.clip(fm.CLIPTextModel, **clip_l))
+        out["CLIP-L text with projection"] = count(fm.clip(fm.CLIPTextModelWithProjection, **clip_l))
         clip_g = dict(vocab=49408, d=1280, inter=5120, heads=20, layers=32, hidden_act="gelu")
-        out["CLIP-G text with projection"] = count(clip(CLIPTextModelWithProjection, **clip_g))
-        out["Gemma-2-2B"] = count(gemma(vocab=256000, d=2304, inter=9216, heads=8, kv=4, hd=256, layers=26))
-        sd = AutoencoderKL(latent_channels=4, **KL)
+        out["CLIP-G text with projection"] = count(fm.clip(fm.CLIPTextModelWithProjection, **clip_g))
+        out["Gemma-2-2B"] = count(fm.gemma(vocab=256000, d=2304, inter=9216, heads=8, kv=4, hd=256, layers=26))
+        sd = AutoencoderKL(latent_channels=4, **fm.KL)
         out["SD VAE encoder"] = count(sd.encoder) + count(sd.quant_conv)
-        v16 = AutoencoderKL(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, **KL)
+        v16 = AutoencoderKL(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, **fm.KL)
         out["SD3/Flux VAE encoder"] = count(v16.encoder)
         out["SD3/Flux VAE decoder"] = count(v16.decoder)
-        dc = dcae_sana()
+        dc = fm.dcae_sana()
         out["DC-AE f32c32 encoder"] = count(dc.encoder)
         out["DC-AE f32c32 decoder"] = count(dc.decoder)
         wan = AutoencoderKLWan()

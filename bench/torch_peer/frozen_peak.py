@@ -17,32 +17,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import measure  # noqa: E402
-from frozen_models import (  # noqa: E402
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    T5Config,
-    T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
-    clip,
-    gemma,
-    t5,
-)
+import frozen_models as fm  # noqa: E402
 
 torch.set_num_threads(2)
 
 
 CASES = [
-    ("t5", lambda: t5(T5EncoderModel, T5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
-    ("umt5", lambda: t5(UMT5EncoderModel, UMT5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
-    ("clip", lambda: clip(CLIPTextModel, vocab=1000, d=64, inter=256, heads=4, layers=2)),
-    ("clip-proj", lambda: clip(CLIPTextModelWithProjection, vocab=1000, d=64, inter=256, heads=4, layers=2)),
-    ("gemma2", lambda: gemma(vocab=1000, d=64, inter=256, heads=4, kv=2, hd=16, layers=2)),
+    ("t5", lambda: fm.t5(fm.T5EncoderModel, fm.T5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
+    ("umt5", lambda: fm.t5(fm.UMT5EncoderModel, fm.UMT5Config, vocab=1000, d=64, ff=160, heads=4, dkv=16, layers=2)),
+    ("clip", lambda: fm.clip(fm.CLIPTextModel, vocab=1000, d=64, inter=256, heads=4, layers=2)),
+    ("clip-proj", lambda: fm.clip(fm.CLIPTextModelWithProjection, vocab=1000, d=64, inter=256, heads=4, layers=2)),
+    ("gemma2", lambda: fm.gemma(vocab=1000, d=64, inter=256, heads=4, kv=2, hd=16, layers=2)),
     # Layers as wide as the real encoders' (T5-XXL's heads of 64, CLIP-L, half of Gemma-2-2B),
     # two of them: the per-layer terms dominate here as they do at full size.
-    ("t5-wide", lambda: t5(T5EncoderModel, T5Config, vocab=1000, d=1024, ff=2560, heads=16, dkv=64, layers=2)),
-    ("clip-wide", lambda: clip(CLIPTextModel, vocab=1000, d=768, inter=3072, heads=12, layers=2)),
-    ("gemma2-wide", lambda: gemma(vocab=1000, d=1152, inter=4608, heads=8, kv=4, hd=128, layers=2)),
+    ("t5-wide", lambda: fm.t5(fm.T5EncoderModel, fm.T5Config, vocab=1000, d=1024, ff=2560, heads=16, dkv=64, layers=2)),
+    ("clip-wide", lambda: fm.clip(fm.CLIPTextModel, vocab=1000, d=768, inter=3072, heads=12, layers=2)),
+    ("gemma2-wide", lambda: fm.gemma(vocab=1000, d=1152, inter=4608, heads=8, kv=4, hd=128, layers=2)),
 ]
 SHAPES = {"t5-wide": ((1, 256), (2, 120)), "clip-wide": ((1, 77), (4, 77)),
           "gemma2-wide": ((1, 300), (2, 120))}
