@@ -33,6 +33,17 @@ pub(crate) fn shown(v: Option<&Value>) -> String {
     }
 }
 
+/// The refusal of a value that is not a boolean (`allowed`: the spellings the key takes).
+fn not_boolean(key: &str, v: &Value, allowed: &str) -> SpecError {
+    SpecError::invalid(
+        key,
+        format!(
+            "{} is not a boolean; allowed: {allowed}",
+            cut(&v.to_string())
+        ),
+    )
+}
+
 pub(crate) fn cut(s: &str) -> String {
     const MAX: usize = 60;
     if s.chars().count() > MAX {
@@ -56,21 +67,32 @@ impl Cfg {
         }
     }
 
+    /// `key`'s value, null as absent (the key marked read).
     fn take(&mut self, key: &str) -> Option<&Value> {
-        if !self.used.iter().any(|k| k == key) {
-            self.used.push(key.to_string());
-        }
-        match self.map.get(key) {
+        match self.raw(key) {
             None | Some(Value::Null) => None,
             Some(v) => Some(v),
         }
     }
 
+    /// `key`'s value as written, null kept; the key marked read (the unread ones are refused).
     fn raw(&mut self, key: &str) -> Option<&Value> {
         if !self.used.iter().any(|k| k == key) {
             self.used.push(key.to_string());
         }
         self.map.get(key)
+    }
+
+    /// `out_channels`: an integer, or (null, or absent without a `default`) the input's
+    /// channels, as diffusers' `out_channels = out_channels or in_channels`.
+    pub(crate) fn out_channels(
+        &mut self,
+        default: Option<u64>,
+        in_channels: u64,
+    ) -> Result<u64, SpecError> {
+        Ok(self
+            .opt_int("out_channels", default, 1, MAX_DIM)?
+            .unwrap_or(in_channels))
     }
 
     /// An integer in `lo..=hi`, or `default` when absent.
@@ -105,13 +127,7 @@ impl Cfg {
         match self.take(key) {
             None => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(SpecError::invalid(
-                key,
-                format!(
-                    "{} is not a boolean; allowed: true, false",
-                    cut(&v.to_string())
-                ),
-            )),
+            Some(v) => Err(not_boolean(key, v, "true, false")),
         }
     }
 
@@ -126,13 +142,7 @@ impl Cfg {
             None if !present => Ok(default),
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(SpecError::invalid(
-                key,
-                format!(
-                    "{} is not a boolean; allowed: true, false, null",
-                    cut(&v.to_string())
-                ),
-            )),
+            Some(v) => Err(not_boolean(key, v, "true, false, null")),
         }
     }
 

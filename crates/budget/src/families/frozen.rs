@@ -44,6 +44,17 @@ pub enum EncoderArch {
     },
 }
 
+/// The scores SDPA materialises on the CPU, where it falls back to the math kernel (a float or
+/// causal mask): `elems` scores in the weights' dtype (`elem` bytes) and their fp32 softmax;
+/// none on CUDA, whose fused kernels keep them on chip.
+fn math_sdpa_scores(cuda: bool, elems: u64, elem: u64) -> u64 {
+    if cuda {
+        0
+    } else {
+        elems * (elem + 4)
+    }
+}
+
 impl EncoderArch {
     /// Bytes the no-grad forward of one layer holds above the weights at its highest point, for
     /// `batch` captions of `tokens` tokens with weights (and activations) of `elem` bytes: the
@@ -63,7 +74,7 @@ impl EncoderArch {
                 // The position bias (dtype) lives across every layer; on the CPU SDPA's math
                 // path materialises the scores and their fp32 softmax beside it.
                 let bias = heads * tt * elem;
-                let scores = if cuda { 0 } else { heads * tt * (elem + 4) };
+                let scores = math_sdpa_scores(cuda, heads * tt, elem);
                 // T5LayerNorm: `hidden_states.to(float32).pow(2)` — two fp32 copies.
                 let norm = 2 * bt * d * 4;
                 (
@@ -81,7 +92,7 @@ impl EncoderArch {
                 // SDPA with the causal mask: fused on CUDA, the math path on the CPU. The MLP
                 // is the layer's high point (measured: exactly fc1's output and the three
                 // `quick_gelu` temporaries, the residual stream already released).
-                let scores = if cuda { 0 } else { heads * tt * (elem + 4) };
+                let scores = math_sdpa_scores(cuda, heads * tt, elem);
                 let act = if quick_gelu { 4 } else { 2 };
                 (0, 3 * bt * d * elem + scores, act * bt * ff * elem)
             }

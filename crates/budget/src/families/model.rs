@@ -87,6 +87,22 @@ pub enum Dims {
     Wan(WanDims),
 }
 
+/// `$body` with `$d` bound to the dimensions whichever family `$dims` holds: the one list of
+/// [`Dims`]' variants that [`Dims::rules`] and [`Dims::rules_mut`] dispatch over.
+macro_rules! each_family {
+    ($dims:expr, $d:ident => $body:expr) => {
+        match $dims {
+            Dims::Dit($d) => $body,
+            Dims::DitDiffusers($d) => $body,
+            Dims::Pixart($d) => $body,
+            Dims::Sd3($d) => $body,
+            Dims::Flux($d) => $body,
+            Dims::Sana($d) => $body,
+            Dims::Wan($d) => $body,
+        }
+    };
+}
+
 impl Dims {
     pub const fn family(&self) -> Family {
         match self {
@@ -103,28 +119,12 @@ impl Dims {
     /// The family's answers ([`FamilyDims`]): the one dispatch on the family of a model's
     /// dimensions; every question below asks it.
     fn rules(&self) -> &dyn FamilyDims {
-        match self {
-            Dims::Dit(d) => d,
-            Dims::DitDiffusers(d) => d,
-            Dims::Pixart(d) => d,
-            Dims::Sd3(d) => d,
-            Dims::Flux(d) => d,
-            Dims::Sana(d) => d,
-            Dims::Wan(d) => d,
-        }
+        each_family!(self, d => d)
     }
 
     /// [`Dims::rules`], to change the dimensions.
     fn rules_mut(&mut self) -> &mut dyn FamilyDims {
-        match self {
-            Dims::Dit(d) => d,
-            Dims::DitDiffusers(d) => d,
-            Dims::Pixart(d) => d,
-            Dims::Sd3(d) => d,
-            Dims::Flux(d) => d,
-            Dims::Sana(d) => d,
-            Dims::Wan(d) => d,
-        }
+        each_family!(self, d => d)
     }
 
     /// Hidden size of the transformer stream.

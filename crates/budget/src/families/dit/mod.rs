@@ -135,9 +135,7 @@ pub(crate) fn block_keys(
     let heads = cfg.int("num_attention_heads", 16, 1, MAX_DIM)?;
     let head_dim = cfg.int("attention_head_dim", 72, 1, MAX_DIM)?;
     let in_channels = cfg.int("in_channels", 4, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", out_channels, 1, MAX_DIM)?
-        .unwrap_or(in_channels);
+    let out_channels = cfg.out_channels(out_channels, in_channels)?;
     Ok(BlockKeys {
         heads,
         head_dim,

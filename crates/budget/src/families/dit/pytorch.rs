@@ -13,11 +13,12 @@
 //! parameters that carry a gradient but create no `.grad`), and under autocast the output side
 //! reads the weight copies block 0 put in the autocast cache.
 
-use crate::families::pixart::pytorch::{gated_feed_forward, patch_embed, self_attention, Geo};
+use crate::families::pixart::pytorch::{
+    gated_feed_forward, norm_out_and_loss, patch_embed, self_attention, Geo,
+};
 use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, sinusoid,
-    Fam, FREQ,
+    self, add_data, ddpm_data, first_and_rest, hidden_states_in, hold, info, sinusoid, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Builder, Lin, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -167,7 +168,7 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
 /// unpatchify and the loss.
 fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segment {
     let mut bl = f.builder("final");
-    let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
+    let (b, dim, e) = (g.b, g.d, g.e());
     let xs = hidden_states_in(&mut bl, e, x);
     let cond = label_emb(
         &mut bl,
@@ -180,16 +181,9 @@ fn final_layer(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool)) -> Segm
     let m2 = bl.linear_rg("proj_out_1", s, Lin::new(b, 2 * dim, dim, true));
     let shift = bl.g.view("shift", m2, b * dim);
     let scale = bl.g.view("scale", m2, b * dim);
-    let n = bl.layer_norm_rg("norm_out", xs, rows);
-    let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
-    let y = bl.linear_rg(
-        "proj_out_2",
-        hn,
-        Lin::new(rows, g.patch2 * d.out_channels, dim, true),
-    );
     // `conditioning`, `shift, scale` stay in the model's locals until it returns.
-    hold(&mut bl, &[cond, m2]);
-    eps_loss(&mut bl, y, g.out, g.lat);
+    let proj = ("proj_out_2", d.out_channels);
+    norm_out_and_loss(&mut bl, g, xs, (shift, scale), proj, &[cond, m2]);
     bl.g
 }
 

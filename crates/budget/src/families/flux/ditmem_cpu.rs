@@ -115,29 +115,10 @@ fn norm_weight(g: &mut Graph, sh: &Shape, name: &str, dh: u64) -> Nid {
     base_weight(g, sh, &format!("{name}.weight"), dh, wd)
 }
 
-/// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
-/// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
-/// st leaf, [image out, text out]).
-// Over 100 lines on purpose: one statement per op of FluxTransformerBlock in the order the code runs,
-// each reading the locals before it; split, the parts would pass most of them back and forth.
-pub(crate) fn double_block(
-    sh: &Shape,
-    fg: &FluxGeo,
-    track: bool,
-) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
-    let mut g = Graph::default();
-    let (cd, ad) = (sh.cd(), sh.ad());
+/// The double-stream block's joint q, k and v over [text; image] from the modulated streams
+/// (`hx`, `hc` of `rs` and `rt` rows), as `double_forward` makes them. Returns them bound.
+fn joint_qkv(g: &mut Graph, sh: &Shape, (hx, hc): (Nid, Nid), (rs, rt): (u64, u64)) -> [Nid; 3] {
     let d = sh.d;
-    let (rs, rt) = (sh.b * sh.s, sh.b * fg.t);
-    let x = g.var("image (leaf copy)", rs * d, ad, true);
-    let c = g.var("text (leaf copy)", rt * d, ad, true);
-    let st = sh.cond_leaf(&mut g, "silu(temb) (shared leaf)", sh.b * d, cd);
-    let m = modulation(&mut g, sh, "norm1.linear", st, 6);
-    let mc = modulation(&mut g, sh, "norm1_context.linear", st, 6);
-    let hx = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rs, cd);
-    g.bind(hx);
-    let hc = ln_modulate(&mut g, "norm1_context+modulate", c, mc[0], mc[1], rt, cd);
-    g.bind(hc);
     // `double_forward`: the joint v as one joint linear after the joint q and k where neither
     // v linear carries LoRA; else both linears here and their concatenation.
     let joint_v = sh.lora_rank("attn.add_v_proj").is_none() && sh.lora_rank("attn.to_v").is_none();
@@ -166,22 +147,22 @@ pub(crate) fn double_block(
         };
         g.bind(y)
     };
-    let qc = joint_pre(&mut g, "q", "attn.to_q", "attn.add_q_proj");
-    let kc = joint_pre(&mut g, "k", "attn.to_k", "attn.add_k_proj");
-    let v = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.to_v", hx, rs, d, d));
-    let ev = (!joint_v).then(|| bound_linear(&mut g, sh, "attn.add_v_proj", hc, rt, d, d));
+    let qc = joint_pre(g, "q", "attn.to_q", "attn.add_q_proj");
+    let kc = joint_pre(g, "k", "attn.to_k", "attn.add_k_proj");
+    let v = (!joint_v).then(|| bound_linear(g, sh, "attn.to_v", hx, rs, d, d));
+    let ev = (!joint_v).then(|| bound_linear(g, sh, "attn.add_v_proj", hc, rt, d, d));
     let vc = match (ev, v) {
         (Some(ev), Some(v)) => {
-            let vc = concat(&mut g, "[text; image] v", ev, v);
+            let vc = concat(g, "[text; image] v", ev, v);
             g.release(ev);
             g.release(v);
             vc
         }
         _ => {
-            let [wc, bc] = linear_weights(&mut g, sh, "attn.add_v_proj", hc, (d, d));
-            let [wx, bx] = linear_weights(&mut g, sh, "attn.to_v", hx, (d, d));
+            let [wc, bc] = linear_weights(g, sh, "attn.add_v_proj", hc, (d, d));
+            let [wx, bx] = linear_weights(g, sh, "attn.to_v", hx, (d, d));
             joint_linear(
-                &mut g,
+                g,
                 "attn.add_v_proj ‖ attn.to_v → [text; image] v (joint linear)",
                 [hc, hx],
                 [wc, bc, wx, bx],
@@ -191,6 +172,31 @@ pub(crate) fn double_block(
         }
     };
     g.bind(vc);
+    [qc, kc, vc]
+}
+
+/// One double-stream block as `double_forward` builds it, on leaf copies of its two streams,
+/// tracked or not (`track`: what the engine releases). Returns (graph, [image leaf, text leaf],
+/// st leaf, [image out, text out]). The joint q, k, v are [`joint_qkv`]'s.
+pub(crate) fn double_block(
+    sh: &Shape,
+    fg: &FluxGeo,
+    track: bool,
+) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+    let mut g = Graph::default();
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let d = sh.d;
+    let (rs, rt) = (sh.b * sh.s, sh.b * fg.t);
+    let x = g.var("image (leaf copy)", rs * d, ad, true);
+    let c = g.var("text (leaf copy)", rt * d, ad, true);
+    let st = sh.cond_leaf(&mut g, "silu(temb) (shared leaf)", sh.b * d, cd);
+    let m = modulation(&mut g, sh, "norm1.linear", st, 6);
+    let mc = modulation(&mut g, sh, "norm1_context.linear", st, 6);
+    let hx = ln_modulate(&mut g, "norm1+modulate", x, m[0], m[1], rs, cd);
+    g.bind(hx);
+    let hc = ln_modulate(&mut g, "norm1_context+modulate", c, mc[0], mc[1], rt, cd);
+    g.bind(hc);
+    let [qc, kc, vc] = joint_qkv(&mut g, sh, (hx, hc), (rs, rt));
     let mut normed = Vec::new();
     for (which, x, text, image) in [
         ("q", qc, "attn.norm_added_q", "attn.norm_q"),

@@ -47,9 +47,7 @@ impl FluxDims {
 pub(crate) fn from_config(cfg: &mut Cfg) -> Result<FluxDims, SpecError> {
     let patch_size = cfg.int("patch_size", 1, 1, MAX_PATCH)?;
     let in_channels = cfg.int("in_channels", 64, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", None, 1, MAX_DIM)?
-        .unwrap_or(in_channels);
+    let out_channels = cfg.out_channels(None, in_channels)?;
     let num_layers = cfg.int("num_layers", 19, 0, MAX_LAYERS)?;
     let num_single_layers = cfg.int("num_single_layers", 38, 0, MAX_LAYERS)?;
     let head_dim = cfg.int("attention_head_dim", 128, 1, MAX_DIM)?;

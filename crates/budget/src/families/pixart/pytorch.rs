@@ -338,33 +338,65 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     bl.g
 }
 
+/// `scale_shift_table[None] + emb[:, None]` (the model's 2×D parameter plus the `(b, D)`
+/// embedding `emb`, named `emb.0`) and its two chunks, views named `names` (shift, scale): the
+/// output side of PixArt, Sana and Wan. Returns (the sum, shift, scale).
+pub(crate) fn scale_shift_table(
+    bl: &mut Builder,
+    emb: (&str, Tid),
+    b: u64,
+    dim: u64,
+    names: [&str; 2],
+) -> (Tid, Tid, Tid) {
+    let table = bl.plain_param("scale_shift_table", 2 * dim);
+    let t2 = bl.ew(
+        &format!("scale_shift_table + {}", emb.0),
+        &[table, emb.1],
+        b * 2 * dim,
+    );
+    let shift = bl.g.view(names[0], t2, b * dim);
+    let scale = bl.g.view(names[1], t2, b * dim);
+    (t2, shift, scale)
+}
+
 /// The output side: `scale_shift_table[None] + embedded_timestep[:, None]` chunked in two,
 /// `norm_out`, the modulation, `proj_out`, unpatchify (the last reshape copies), the ε channels
 /// (a view when sigma is learned) and `F.mse_loss(pred.float(), noise.float())` outside autocast.
 fn final_layer(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Segment {
     let mut bl = f.builder("final");
-    let (b, dim, e, rows) = (g.b, g.d, g.e(), g.rows());
+    let (b, dim, e) = (g.b, g.d, g.e());
     let xs = hidden_states_in(&mut bl, e, x);
     let emb = input_as(&mut bl, "embedded_timestep", b * dim, h.emb);
-    let table = bl.plain_param("scale_shift_table", 2 * dim);
-    let t2 = bl.ew(
-        "scale_shift_table + embedded_timestep",
-        &[table, emb],
-        b * 2 * dim,
-    );
-    let shift = bl.g.view("shift", t2, b * dim);
-    let scale = bl.g.view("scale", t2, b * dim);
-    let n = bl.layer_norm_rg("norm_out", xs, rows);
-    let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
-    let y = bl.linear_rg(
-        "proj_out",
-        hn,
-        Lin::new(rows, g.patch2 * d.out_channels, dim, true),
+    let (t2, shift, scale) = scale_shift_table(
+        &mut bl,
+        ("embedded_timestep", emb),
+        b,
+        dim,
+        ["shift", "scale"],
     );
     // `shift, scale` stay in the model's locals until it returns.
-    hold(&mut bl, &[t2]);
-    eps_loss(&mut bl, y, g.out, g.lat);
+    let proj = ("proj_out", d.out_channels);
+    norm_out_and_loss(&mut bl, g, xs, (shift, scale), proj, &[t2]);
     bl.g
+}
+
+/// The output side of a `BasicTransformerBlock` model (PixArt, diffusers' DiT) after its
+/// modulation's (shift, scale): `norm_out(x)·(1 + scale) + shift`, the projection `proj`
+/// (name, output channels), the model's `locals` held until it returns, unpatchify and the loss.
+pub(crate) fn norm_out_and_loss(
+    bl: &mut Builder,
+    g: &Geo,
+    xs: Tid,
+    (shift, scale): (Tid, Tid),
+    (proj, out_channels): (&str, u64),
+    locals: &[Tid],
+) {
+    let (b, dim, rows) = (g.b, g.d, g.rows());
+    let n = bl.layer_norm_rg("norm_out", xs, rows);
+    let hn = bl.modulate_rg("final modulate", n, shift, scale, b * dim);
+    let y = bl.linear_rg(proj, hn, Lin::new(rows, g.patch2 * out_channels, dim, true));
+    hold(bl, locals);
+    eps_loss(bl, y, g.out, g.lat);
 }
 
 /// The stages of a PixArt step.

@@ -54,9 +54,7 @@ impl SanaDims {
 
 pub(crate) fn from_config(cfg: &mut Cfg) -> Result<SanaDims, SpecError> {
     let in_channels = cfg.int("in_channels", 32, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", Some(32), 1, MAX_DIM)?
-        .unwrap_or(in_channels);
+    let out_channels = cfg.out_channels(Some(32), in_channels)?;
     let heads = cfg.int("num_attention_heads", 70, 1, MAX_DIM)?;
     let head_dim = cfg.int("attention_head_dim", 32, 1, MAX_DIM)?;
     let num_layers = cfg.int("num_layers", 20, 1, MAX_LAYERS)?;

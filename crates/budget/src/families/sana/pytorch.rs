@@ -7,6 +7,7 @@
 //! projection and its RMSNorm), block 0 (its stream is the transposed, low-precision patch
 //! embedding), blocks 1.. (an fp32 contiguous stream), `norm_out` + `proj_out` + the loss.
 
+use crate::families::pixart::pytorch::scale_shift_table;
 use crate::families::SanaDims;
 use crate::runtime::pytorch::families::common::{
     self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
@@ -300,14 +301,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let emb = input_as(&mut bl, "embedded_timestep", b * dd, io.emb);
     let target = bl.g.input("target", m.lat, m.wd, false);
     let n = bl.layer_norm_strided("norm_out.norm", x, rows, true);
-    let sst = bl.plain_param("scale_shift_table", 2 * dd);
-    let t2 = bl.ew(
-        "scale_shift_table + embedded_timestep",
-        &[sst, emb],
-        b * 2 * dd,
-    );
-    let shift = bl.g.view("norm_out shift", t2, b * dd);
-    let scale = bl.g.view("norm_out scale", t2, b * dd);
+    let names = ["norm_out shift", "norm_out scale"];
+    let (_, shift, scale) = scale_shift_table(&mut bl, ("embedded_timestep", emb), b, dd, names);
     let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
     let out = m.p * m.p * m.c_out;
     let y = bl.linear_opt("proj_out", h, Lin::new(rows, out, dd, true));

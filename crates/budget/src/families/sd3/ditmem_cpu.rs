@@ -98,13 +98,154 @@ fn dual_attention(
     out
 }
 
+/// `linear_then_release` on a slice of the attention's output: the bound linear, its input
+/// released unless a backward reads it.
+fn linear_then_release(
+    g: &mut Graph,
+    sh: &Shape,
+    track: bool,
+    name: &str,
+    x: Nid,
+    rows: u64,
+) -> Nid {
+    let y = bound_linear(g, sh, name, x, rows, sh.d, sh.d);
+    release_unless_read(g, sh, track, name, x);
+    y
+}
+
+/// `sd3_block_forward`'s `joint`: q, k, v of [image; text] per sample, one joint linear
+/// each where neither linear carries LoRA and no q/k norm sits between; else the two
+/// linears, the norms and the concatenation, every one bound (the engine's `hold`).
+fn joint_projection(
+    g: &mut Graph,
+    sh: &Shape,
+    (hx, hc, trows): (Nid, Nid, u64),
+    (la, lc): (&str, &str),
+    norms: Option<[(Nid, &str); 2]>,
+    name: &str,
+) -> Nid {
+    let d = sh.d;
+    let rows = sh.b * sh.s;
+    if norms.is_none() && sh.lora_rank(la).is_none() && sh.lora_rank(lc).is_none() {
+        let [wa, ba] = linear_weights(g, sh, la, hx, (d, d));
+        let [wc, bc] = linear_weights(g, sh, lc, hc, (d, d));
+        let y = joint_linear(
+            g,
+            &format!("{la} ‖ {lc} → {name} (joint linear)"),
+            [hx, hc],
+            [wa, ba, wc, bc],
+            (rows, trows, d, d),
+            &sh.cpu,
+        );
+        return g.bind(y);
+    }
+    let y = bound_linear(g, sh, la, hx, rows, d, d);
+    let ey = bound_linear(g, sh, lc, hc, trows, d, d);
+    let (y, ey) = match norms {
+        Some([(wa, na), (wc, nc)]) => {
+            let dh = d / sh.heads;
+            let mut n = |name: &str, x: Nid, w: Nid| {
+                let y = crate::families::flux::ditmem_cpu::rms_norm(g, sh, name, x, w, dh);
+                g.bind(y)
+            };
+            (n(na, y, wa), n(nc, ey, wc))
+        }
+        None => (y, ey),
+    };
+    let cat = concat(g, name, y, ey);
+    g.release(y);
+    g.release(ey);
+    g.bind(cat)
+}
+
+/// The joint attention on the modulated streams (`hx`, `hc`): q, k, v by
+/// [`joint_projection`] (q and k through the norms `qk`, when the block has them), hc released
+/// unless a context linear's backward reads it, the attention over [image; text]. Returns its
+/// output (bound).
+fn joint_attention(
+    g: &mut Graph,
+    sh: &Shape,
+    sg: &Sd3Geo,
+    track: bool,
+    (hx, hc): (Nid, Nid),
+    qk: Option<&[Nid]>,
+) -> Nid {
+    let streams = (hx, hc, sh.b * sg.t);
+    let nq = qk.map(|w| [(w[0], "attn.norm_q"), (w[2], "attn.norm_added_q")]);
+    let nk = qk.map(|w| [(w[1], "attn.norm_k"), (w[3], "attn.norm_added_k")]);
+    let qc = joint_projection(
+        g,
+        sh,
+        streams,
+        ("attn.to_q", "attn.add_q_proj"),
+        nq,
+        "cat q",
+    );
+    let kcat = joint_projection(
+        g,
+        sh,
+        streams,
+        ("attn.to_k", "attn.add_k_proj"),
+        nk,
+        "cat k",
+    );
+    let vc = joint_projection(
+        g,
+        sh,
+        streams,
+        ("attn.to_v", "attn.add_v_proj"),
+        None,
+        "cat v",
+    );
+    if !["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]
+        .iter()
+        .any(|n| reads_input(sh, track, n))
+    {
+        g.release(hc);
+    }
+    let o = separate_attention(
+        g,
+        sh,
+        "joint attention (separate q, k, v)",
+        [qc, kcat, vc],
+        sh.s + sg.t,
+    );
+    g.bind(o)
+}
+
+/// The context stream after the joint attention `o` (not in the last, `context_pre_only`
+/// block): `attn.to_add_out` on the text slice, c + ·c_gate_msa, and the feed-forward on
+/// chunks 3–5 of `mc`. Returns c2.
+fn context_stream(
+    g: &mut Graph,
+    sh: &Shape,
+    sg: &Sd3Geo,
+    track: bool,
+    (c, o, mc): (Nid, Nid, Nid),
+) -> Nid {
+    let (trows, bd) = (sh.b * sg.t, sh.b * sh.d);
+    let oc = slice(g, "split context", o, trows * sh.d);
+    g.bind(oc);
+    let co = linear_then_release(g, sh, track, "attn.to_add_out", oc, trows);
+    let gate = chunk(g, "mc", mc, 2, 6, bd);
+    let c1 = gated_released(g, track, "c + out·c_gate_msa (fused)", c, co, gate);
+    g.bind(c1);
+    let (s3, s4) = (chunk(g, "mc", mc, 3, 6, bd), chunk(g, "mc", mc, 4, 6, bd));
+    let gate = |g: &mut Graph| chunk(g, "mc", mc, 5, 6, bd);
+    let names = [
+        "norm2_context+modulate",
+        "ff_context",
+        "c1 + ff·c_gate_mlp (fused)",
+    ];
+    stream_feed_forward(g, sh, track, (c1, trows), (s3, s4), gate, names)
+}
+
 /// One joint block as `sd3_block_forward` builds it, on leaf copies of its two streams, tracked
 /// or not (`track`: which buffers the engine releases, `ops::release`, depends on what a backward
 /// would read); `dual`: SD3.5's dual-attention block (`attn2`). Returns the graph, the stream
 /// leaves [context, image], the conditioning leaf and the outputs ([context, image], or [image]
-/// for the last block).
-// Over 100 lines on purpose: one statement per op of `sd3_block_forward` in the order the code runs,
-// each reading the locals before it; split, the parts would pass most of them back and forth.
+/// for the last block). The sections in the engine's order: the q/k norm weights and the
+/// modulations, [`joint_attention`], the image stream (with [`dual_attention`]), [`context_stream`].
 pub fn block(
     sh: &Shape,
     sg: &Sd3Geo,
@@ -135,12 +276,6 @@ pub fn block(
     // attn2's, made after them (`Trainer::sd3_block_weights`).
     let qk2 = (sg.qk_norm && dual)
         .then(|| [0, 1].map(|i| norm_weight(&mut g, ["attn2.norm_q", "attn2.norm_k"][i])));
-    // `linear_then_release` on a slice of the attention's output.
-    let lin_release = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
-        let y = bound_linear(g, sh, name, x, rows, d, d);
-        release_unless_read(g, sh, track, name, x);
-        y
-    };
     let ada = |g: &mut Graph, name: &str, k: u64| {
         let m = module_linear(g, sh, name, se, sh.b, k * d, d);
         let m = g.cast(&format!("{name} →{ad}"), m, ad);
@@ -166,71 +301,12 @@ pub fn block(
     };
     let hc = ln_modulate(&mut g, "norm1_context+modulate", c, shift, scale, trows, cd);
     g.bind(hc);
-
-    // Joint attention.
-    // `sd3_block_forward`'s `joint`: q, k, v of [image; text] per sample, one joint linear
-    // each where neither linear carries LoRA and no q/k norm sits between; else the two
-    // linears, the norms and the concatenation, every one bound (the engine's `hold`).
-    let joint =
-        |g: &mut Graph, (la, lc): (&str, &str), norms: Option<[(Nid, &str); 2]>, name: &str| {
-            if norms.is_none() && sh.lora_rank(la).is_none() && sh.lora_rank(lc).is_none() {
-                let [wa, ba] = linear_weights(g, sh, la, hx, (d, d));
-                let [wc, bc] = linear_weights(g, sh, lc, hc, (d, d));
-                let y = joint_linear(
-                    g,
-                    &format!("{la} ‖ {lc} → {name} (joint linear)"),
-                    [hx, hc],
-                    [wa, ba, wc, bc],
-                    (rows, trows, d, d),
-                    &sh.cpu,
-                );
-                return g.bind(y);
-            }
-            let y = bound_linear(g, sh, la, hx, rows, d, d);
-            let ey = bound_linear(g, sh, lc, hc, trows, d, d);
-            let (y, ey) = match norms {
-                Some([(wa, na), (wc, nc)]) => {
-                    let mut n = |name: &str, x: Nid, w: Nid| {
-                        let y = crate::families::flux::ditmem_cpu::rms_norm(g, sh, name, x, w, dh);
-                        g.bind(y)
-                    };
-                    (n(na, y, wa), n(nc, ey, wc))
-                }
-                None => (y, ey),
-            };
-            let cat = concat(g, name, y, ey);
-            g.release(y);
-            g.release(ey);
-            g.bind(cat)
-        };
-    let nq = qk
-        .as_ref()
-        .map(|w| [(w[0], "attn.norm_q"), (w[2], "attn.norm_added_q")]);
-    let nk = qk
-        .as_ref()
-        .map(|w| [(w[1], "attn.norm_k"), (w[3], "attn.norm_added_k")]);
-    let qc = joint(&mut g, ("attn.to_q", "attn.add_q_proj"), nq, "cat q");
-    let kcat = joint(&mut g, ("attn.to_k", "attn.add_k_proj"), nk, "cat k");
-    let vc = joint(&mut g, ("attn.to_v", "attn.add_v_proj"), None, "cat v");
-    if !["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]
-        .iter()
-        .any(|n| reads_input(sh, track, n))
-    {
-        g.release(hc);
-    }
-    let o = separate_attention(
-        &mut g,
-        sh,
-        "joint attention (separate q, k, v)",
-        [qc, kcat, vc],
-        sh.s + sg.t,
-    );
-    g.bind(o);
+    let o = joint_attention(&mut g, sh, sg, track, (hx, hc), qk.as_deref());
 
     // Image stream.
     let oi = slice(&mut g, "split image", o, e);
     g.bind(oi);
-    let ao = lin_release(&mut g, "attn.to_out.0", oi, rows);
+    let ao = linear_then_release(&mut g, sh, track, "attn.to_out.0", oi, rows);
     let gate = chunk(&mut g, "m", m, 2, km, bd);
     let x1 = gated_released(&mut g, track, "x + out·gate_msa (fused)", x, ao, gate);
     g.bind(x1);
@@ -251,25 +327,7 @@ pub fn block(
         return (g, vec![c, x], se, vec![x2]);
     }
     g.bind(x2);
-
-    // Context stream.
-    let oc = slice(&mut g, "split context", o, c_el);
-    g.bind(oc);
-    let co = lin_release(&mut g, "attn.to_add_out", oc, trows);
-    let gate = chunk(&mut g, "mc", mc, 2, 6, bd);
-    let c1 = gated_released(&mut g, track, "c + out·c_gate_msa (fused)", c, co, gate);
-    g.bind(c1);
-    let (s3, s4) = (
-        chunk(&mut g, "mc", mc, 3, 6, bd),
-        chunk(&mut g, "mc", mc, 4, 6, bd),
-    );
-    let gate = |g: &mut Graph| chunk(g, "mc", mc, 5, 6, bd);
-    let names = [
-        "norm2_context+modulate",
-        "ff_context",
-        "c1 + ff·c_gate_mlp (fused)",
-    ];
-    let c2 = stream_feed_forward(&mut g, sh, track, (c1, trows), (s3, s4), gate, names);
+    let c2 = context_stream(&mut g, sh, sg, track, (c, o, mc));
     (g, vec![c, x], se, vec![c2, x2])
 }
 

@@ -59,9 +59,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<Sd3Dims, SpecError> {
     let joint = cfg.int("joint_attention_dim", 4096, 1, MAX_DIM)?;
     let caption = cfg.int("caption_projection_dim", 1152, 1, MAX_DIM)?;
     let pooled = cfg.int("pooled_projection_dim", 2048, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", Some(16), 1, MAX_DIM)?
-        .unwrap_or(in_channels);
+    let out_channels = cfg.out_channels(Some(16), in_channels)?;
     let pos_max = cfg.opt_int("pos_embed_max_size", Some(96), 1, MAX_SIDE)?;
     let mut dual = cfg.int_list(
         "dual_attention_layers",

@@ -46,9 +46,128 @@ fn out_part(bl: &mut Builder, name: &str, o: Tid, elems: u64, b: u64) -> Tid {
     }
 }
 
-/// `JointTransformerBlock.forward` (`models/attention.py`) of block `i`.
-// Over 100 lines on purpose: one statement per op of JointTransformerBlock in the order the code runs,
-// each reading the locals before it; split, the parts would pass most of them back and forth.
+/// `JointAttnProcessor2_0` on the modulated streams `(h, hc)`: q/k/v views (b, heads, s, dh)
+/// with their optional norms, `cat([image, context], dim=2)`, SDPA, and the output projections
+/// (`to_add_out` first; none for the `last`, `context_pre_only` block). Returns the attention
+/// output, the context's projection and the image's.
+fn joint_attention(
+    bl: &mut Builder,
+    d: &Sd3Dims,
+    z: &Sz,
+    (h, hc): (Tid, Tid),
+    last: bool,
+) -> (Tid, Option<Tid>, Tid) {
+    let (b, s, t, dim) = (z.b, z.s, z.t, z.d);
+    let [q, k, v] = projections(bl, ATTN_QKV, h, b * s, dim);
+    let q = qk(bl, d, "attn.norm_q", q, b * s, z);
+    let k = qk(bl, d, "attn.norm_k", k, b * s, z);
+    let [eq, ek, ev] = projections(bl, ATTN_ADDED_QKV, hc, b * t, dim);
+    let eq = qk(bl, d, "attn.norm_added_q", eq, b * t, z);
+    let ek = qk(bl, d, "attn.norm_added_k", ek, b * t, z);
+    let n = s + t;
+    let ne = b * n * dim;
+    let cat = |bl: &mut Builder, name: &str, a: Tid, e: Tid| {
+        let dt = promote(bl.g.dtype(a), bl.g.dtype(e));
+        let o = bl.g.op(name, &[a, e], ne, dt);
+        // SDPA is on autocast's low-precision list: fp32 (RMSNorm) inputs are cast [AC].
+        (o, bl.cast_low(&format!("{name} (sdpa input)"), o))
+    };
+    // The processor's `query` (before autocast's cast): its dtype is the output's after
+    // `hidden_states.to(query.dtype)`.
+    let qd = promote(bl.g.dtype(q), bl.g.dtype(eq));
+    let (q0, qc) = cat(bl, "cat q", q, eq);
+    let (k0, kc) = cat(bl, "cat k", k, ek);
+    let (v0, vc) = cat(bl, "cat v", v, ev);
+    let at = Attn::over(b, z.heads, n, z.dh);
+    let o = bl.attention(qc, kc, vc, at);
+    // The fused kernels allocate their output like the query (`empty_like`): the concatenated
+    // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
+    let od = bl.g.dtype(o);
+    let o =
+        bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
+    let o = to_query_dtype(bl, o, qd);
+    // to_add_out runs before to_out.0.
+    let co = if last {
+        None
+    } else {
+        let oc = out_part(bl, "context attn out", o, b * t * dim, b);
+        Some(bl.linear_g("attn.to_add_out", oc, Lin::new(b * t, dim, dim, true)))
+    };
+    let oi = out_part(bl, "attn out", o, b * s * dim, b);
+    let ao = bl.linear_g("attn.to_out.0", oi, Lin::new(b * s, dim, dim, true));
+    // The processor's locals hold the context projections (after their norms) until it
+    // returns, and `query`, `key`, `value` the concatenations (fp32 under autocast after the
+    // norms; SDPA saves its own casts).
+    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev, q0, k0, v0]);
+    (o, co, ao)
+}
+
+/// SD3.5's `attn2` on norm(x)·(1 + scale_msa2) + shift_msa2 (chunks 6, 7 of the nine; `n1`:
+/// norm1's output): self-attention (b, heads, s, dh) views, its output a (b, s, D) view into
+/// to_out.0, and x1 + ·gate_msa2 (chunk 8). Returns (x1, the gated product,
+/// `norm_hidden_states2`), the last two bound until the block returns.
+fn dual_attention(
+    bl: &mut Builder,
+    d: &Sd3Dims,
+    z: &Sz,
+    (n1, x1): (Tid, Tid),
+    m: &[Tid],
+) -> (Tid, Tid, Tid) {
+    let (b, s, dim) = (z.b, z.s, z.d);
+    let h2 = bl.modulate_rg("norm1 (attn2)", n1, m[6], m[7], b * dim);
+    let [q, k, v] = projections(
+        bl,
+        ["attn2.to_q", "attn2.to_k", "attn2.to_v"],
+        h2,
+        b * s,
+        dim,
+    );
+    let q = qk(bl, d, "attn2.norm_q", q, b * s, z);
+    let k = qk(bl, d, "attn2.norm_k", k, b * s, z);
+    let qd = bl.g.dtype(q);
+    let (q0, k0) = (q, k);
+    let q = bl.cast_low("attn2 q (sdpa input)", q);
+    let k = bl.cast_low("attn2 k (sdpa input)", k);
+    let at = Attn::over(b, z.heads, s, z.dh);
+    let o2 = bl.attention(q, k, v, at);
+    let o2 = to_query_dtype(bl, o2, qd);
+    let o2 = bl.cast_low("attn2 out (to_out input)", o2);
+    let a2 = bl.linear_g("attn2.to_out.0", o2, Lin::new(b * s, dim, dim, true));
+    // `query` and `key` (the norms' outputs) are bound until the processor returns.
+    bl.hold("JointAttnProcessor2_0 (attn2)", &[q0, k0]);
+    let (x, g2) = gated_add(bl, "attn2", x1, m[8], a2);
+    (x, g2, h2)
+}
+
+/// The context stream after the attention (not in the `context_pre_only` block): c + ·c_gate_msa,
+/// norm2_context, ff_context and the gated residual. Returns c2; pushes onto `held` what stays
+/// bound until the block returns.
+fn context_stream(
+    bl: &mut Builder,
+    z: &Sz,
+    (c, hc, co): (Tid, Tid, Tid),
+    mc: &[Tid],
+    held: &mut Vec<Tid>,
+) -> Tid {
+    let (b, t, dim) = (z.b, z.t, z.d);
+    let (c1, gc) = gated_add(bl, "context attn", c, mc[2], co);
+    held.push(gc);
+    let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
+    bl.hold("norm_encoder_hidden_states rebound", &[hc]);
+    let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * dim);
+    let ffc = feed_forward(bl, "ff_context", h2c, b * t, dim);
+    let (c2, _) = gated_add(bl, "ff_context", c1, mc[5], ffc);
+    // `norm_encoder_hidden_states` (the context feed-forward's input) and
+    // `context_ff_output` stay bound until the block returns (the gated product is a
+    // temporary of the residual add).
+    held.push(h2c);
+    held.push(ffc);
+    c2
+}
+
+/// `JointTransformerBlock.forward` (`models/attention.py`) of block `i`: norm1 and
+/// norm1_context, the joint attention ([`joint_attention`]), the image stream (SD3.5's
+/// [`dual_attention`], norm2, ff), the context stream ([`context_stream`]).
 fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: bool) -> Segment {
     let mut bl = f.builder("sd3 joint block");
     let sd = bl.low();
@@ -86,79 +205,15 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     } else {
         bl.modulate_rg("norm1_context", n1c, mc[0], mc[1], b * dim)
     };
-    // JointAttnProcessor2_0: q/k/v views (b, heads, s, dh), cat([image, context], dim=2).
-    let [q, k, v] = projections(&mut bl, ATTN_QKV, h, b * s, dim);
-    let q = qk(&mut bl, d, "attn.norm_q", q, b * s, z);
-    let k = qk(&mut bl, d, "attn.norm_k", k, b * s, z);
-    let [eq, ek, ev] = projections(&mut bl, ATTN_ADDED_QKV, hc, b * t, dim);
-    let eq = qk(&mut bl, d, "attn.norm_added_q", eq, b * t, z);
-    let ek = qk(&mut bl, d, "attn.norm_added_k", ek, b * t, z);
-    let n = s + t;
-    let ne = b * n * dim;
-    let cat = |bl: &mut Builder, name: &str, a: Tid, e: Tid| {
-        let dt = promote(bl.g.dtype(a), bl.g.dtype(e));
-        let o = bl.g.op(name, &[a, e], ne, dt);
-        // SDPA is on autocast's low-precision list: fp32 (RMSNorm) inputs are cast [AC].
-        (o, bl.cast_low(&format!("{name} (sdpa input)"), o))
-    };
-    // The processor's `query` (before autocast's cast): its dtype is the output's after
-    // `hidden_states.to(query.dtype)`.
-    let qd = promote(bl.g.dtype(q), bl.g.dtype(eq));
-    let (q0, qc) = cat(&mut bl, "cat q", q, eq);
-    let (k0, kc) = cat(&mut bl, "cat k", k, ek);
-    let (v0, vc) = cat(&mut bl, "cat v", v, ev);
-    let at = Attn::over(b, z.heads, n, z.dh);
-    let o = bl.attention(qc, kc, vc, at);
-    // The fused kernels allocate their output like the query (`empty_like`): the concatenated
-    // (b, heads, n, dh) query makes `transpose(1, 2).reshape(b, -1, D)` a copy.
-    let od = bl.g.dtype(o);
-    let o =
-        bl.g.op("attn out transpose(1, 2).reshape copy", &[o], ne, od);
-    let o = to_query_dtype(&mut bl, o, qd);
-    // to_add_out runs before to_out.0.
-    let co = if last {
-        None
-    } else {
-        let oc = out_part(&mut bl, "context attn out", o, b * t * dim, b);
-        Some(bl.linear_g("attn.to_add_out", oc, Lin::new(b * t, dim, dim, true)))
-    };
-    let oi = out_part(&mut bl, "attn out", o, b * s * dim, b);
-    let ao = bl.linear_g("attn.to_out.0", oi, Lin::new(b * s, dim, dim, true));
-    // The processor's locals hold the context projections (after their norms) until it
-    // returns, and `query`, `key`, `value` the concatenations (fp32 under autocast after the
-    // norms; SDPA saves its own casts).
-    bl.hold("JointAttnProcessor2_0", &[eq, ek, ev, q0, k0, v0]);
+    let (o, co, ao) = joint_attention(&mut bl, d, z, (h, hc), last);
     // The gated products stay bound to the block's locals until it returns.
     let (mut x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
     let mut dual_in = None;
     let mut held = vec![ga];
     if dual {
-        // attn2 on norm(x)·(1 + scale_msa2) + shift_msa2: self-attention (b, heads, s, dh) views,
-        // its output a (b, s, D) view into to_out.0.
-        let h2 = bl.modulate_rg("norm1 (attn2)", n1, m[6], m[7], b * dim);
+        let (x, g2, h2) = dual_attention(&mut bl, d, z, (n1, x1), &m);
         // `norm_hidden_states2` stays bound until the block returns.
         dual_in = Some(h2);
-        let [q, k, v] = projections(
-            &mut bl,
-            ["attn2.to_q", "attn2.to_k", "attn2.to_v"],
-            h2,
-            b * s,
-            dim,
-        );
-        let q = qk(&mut bl, d, "attn2.norm_q", q, b * s, z);
-        let k = qk(&mut bl, d, "attn2.norm_k", k, b * s, z);
-        let qd = bl.g.dtype(q);
-        let (q0, k0) = (q, k);
-        let q = bl.cast_low("attn2 q (sdpa input)", q);
-        let k = bl.cast_low("attn2 k (sdpa input)", k);
-        let at = Attn::over(b, z.heads, s, z.dh);
-        let o2 = bl.attention(q, k, v, at);
-        let o2 = to_query_dtype(&mut bl, o2, qd);
-        let o2 = bl.cast_low("attn2 out (to_out input)", o2);
-        let a2 = bl.linear_g("attn2.to_out.0", o2, Lin::new(b * s, dim, dim, true));
-        // `query` and `key` (the norms' outputs) are bound until the processor returns.
-        bl.hold("JointAttnProcessor2_0 (attn2)", &[q0, k0]);
-        let (x, g2) = gated_add(&mut bl, "attn2", x1, m[8], a2);
         x1 = x;
         held.push(g2);
     }
@@ -176,19 +231,7 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
     held.push(h2);
     let mut side = Vec::new();
     if let Some(co) = co {
-        let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
-        held.push(gc);
-        let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
-        bl.hold("norm_encoder_hidden_states rebound", &[hc]);
-        let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * dim);
-        let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, dim);
-        let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
-        side.push(c2);
-        // `norm_encoder_hidden_states` (the context feed-forward's input) and
-        // `context_ff_output` stay bound until the block returns (the gated product is a
-        // temporary of the residual add).
-        held.push(h2c);
-        held.push(ffc);
+        side.push(context_stream(&mut bl, z, (c, hc, co), &mc, &mut held));
     } else {
         // context_pre_only: `norm_encoder_hidden_states` and `context_attn_output` (a slice of
         // the attention output, which no to_add_out consumes) stay bound until the block

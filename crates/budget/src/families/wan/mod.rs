@@ -57,9 +57,7 @@ pub(crate) fn from_config(cfg: &mut Cfg) -> Result<WanDims, SpecError> {
     let heads = cfg.int("num_attention_heads", 40, 1, MAX_DIM)?;
     let head_dim = cfg.int("attention_head_dim", 128, 2, MAX_DIM)?;
     let in_channels = cfg.int("in_channels", 16, 1, MAX_DIM)?;
-    let out_channels = cfg
-        .opt_int("out_channels", Some(16), 1, MAX_DIM)?
-        .unwrap_or(in_channels);
+    let out_channels = cfg.out_channels(Some(16), in_channels)?;
     let text_dim = cfg.int("text_dim", 4096, 1, MAX_DIM)?;
     let freq_dim = cfg.int("freq_dim", 256, 1, MAX_DIM)?;
     let ffn_dim = cfg.int("ffn_dim", 13824, 1, MAX_FFN)?;

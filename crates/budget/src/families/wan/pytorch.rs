@@ -7,6 +7,7 @@
 //! contiguous, `WanTimeTextImageEmbedding`), the blocks (all alike: the stream keeps the patch
 //! embedding's dtype), `norm_out` + `proj_out` + the loss.
 
+use crate::families::pixart::pytorch::scale_shift_table;
 use crate::families::WanDims;
 use crate::runtime::pytorch::families::common::{
     self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
@@ -278,10 +279,8 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
     let x = stream_x(&mut bl, e, io.x);
     let temb = input_as(&mut bl, "temb", b * dd, io.temb);
     let target = bl.g.input("target", m.lat, m.wd, false);
-    let sst = bl.plain_param("scale_shift_table", 2 * dd);
-    let t2 = bl.ew("scale_shift_table + temb", &[sst, temb], b * 2 * dd);
-    let shift = bl.g.view("norm_out shift", t2, b * dd);
-    let scale = bl.g.view("norm_out scale", t2, b * dd);
+    let names = ["norm_out shift", "norm_out scale"];
+    let (_, shift, scale) = scale_shift_table(&mut bl, ("temb", temb), b, dd, names);
     let n = fp32_layer_norm(&mut bl, "norm_out", x, rows, false);
     let h = bl.modulate_rg("norm_out", n, shift, scale, b * dd);
     let h = bl.g.cast("norm_out type_as(hidden_states)", h, io.x.0);
