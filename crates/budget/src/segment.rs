@@ -291,10 +291,8 @@ pub(crate) fn simulate(
     keep_all: bool,
     saved: &dyn Fn(&Segment, Tid) -> bool,
 ) -> SegmentCost {
-    let last = seg.last_use();
     let n = seg.tensors.len();
-    let out = seg.output;
-    let out_storage = seg.storage_of(out);
+    let out_storage = seg.storage_of(seg.output);
 
     // A storage is retained by the tracked graph when the runtime says so for any tensor on it.
     let mut retained = vec![false; n];
@@ -304,106 +302,125 @@ pub(crate) fn simulate(
             retained[seg.storage_of(t)] = true;
         }
     }
-
+    let frees_at = seg.frees_at(out_storage);
+    let (fwd_peak, alive) = seg.forward(&frees_at, Some(&retained));
+    let (untracked_peak, _) = seg.forward(&frees_at, None);
     let mut cost = SegmentCost {
+        kept: seg.kept(&alive, out_storage),
         output_bytes: seg.tensors[out_storage].alloc_bytes(),
+        fwd_peak,
+        untracked_peak,
         ..SegmentCost::default()
     };
+    seg.backward(&mut cost);
+    cost
+}
 
-    // Each storage is released after its last reader (through its views), or right after it
-    // is made when nothing reads it; the segment output is never released here.
-    let mut storage_last = vec![None::<usize>; n];
-    for (t, lt) in last.iter().enumerate() {
-        let s = seg.storage_of(t);
-        storage_last[s] = storage_last[s].max(*lt);
-    }
-    let mut frees_at: Vec<Vec<Tid>> = vec![Vec::new(); seg.ops.len()];
-    for (k, op) in seg.ops.iter().enumerate() {
-        let s = op.output;
-        if seg.tensors[s].kind == TensorKind::Alloc && s != out_storage {
-            frees_at[storage_last[s].unwrap_or(k).max(k)].push(s);
+impl Segment {
+    /// The storages each op releases after it: each after its last reader (through its views),
+    /// or right after it is made when nothing reads it; the segment output (`out_storage`) is
+    /// never released here.
+    fn frees_at(&self, out_storage: Tid) -> Vec<Vec<Tid>> {
+        let mut storage_last = vec![None::<usize>; self.tensors.len()];
+        for (t, lt) in self.last_use().iter().enumerate() {
+            let s = self.storage_of(t);
+            storage_last[s] = storage_last[s].max(*lt);
         }
+        let mut frees_at: Vec<Vec<Tid>> = vec![Vec::new(); self.ops.len()];
+        for (k, op) in self.ops.iter().enumerate() {
+            let s = op.output;
+            if self.tensors[s].kind == TensorKind::Alloc && s != out_storage {
+                frees_at[storage_last[s].unwrap_or(k).max(k)].push(s);
+            }
+        }
+        frees_at
     }
 
-    // Tracked and untracked forward.
-    for tracked in [true, false] {
+    /// The forward: tracked with the storages the graph `retained` (their releases skipped,
+    /// each op's extra saved bytes kept), untracked with `None`. Gives the highest bytes (op
+    /// scratch included) and the storages alive at the end.
+    fn forward(&self, frees_at: &[Vec<Tid>], retained: Option<&[bool]>) -> (u64, Vec<bool>) {
         let mut live: u64 = 0;
         let mut peak: u64 = 0;
-        let mut alive = vec![false; n];
-        for (k, op) in seg.ops.iter().enumerate() {
-            let t = &seg.tensors[op.output];
+        let mut alive = vec![false; self.tensors.len()];
+        for (k, op) in self.ops.iter().enumerate() {
+            let t = &self.tensors[op.output];
             if t.kind == TensorKind::Alloc {
                 live += t.bytes();
                 alive[op.output] = true;
             }
-            if tracked {
+            if retained.is_some() {
                 live += op.extra_saved;
             }
             peak = peak.max(live + op.fwd_scratch);
             for &s in &frees_at[k] {
-                if !(tracked && retained[s]) {
-                    live -= seg.tensors[s].bytes();
+                if !retained.is_some_and(|r| r[s]) {
+                    live -= self.tensors[s].bytes();
                     alive[s] = false;
                 }
             }
         }
-        if tracked {
-            cost.fwd_peak = peak;
-            let mut kept = SegmentBytes::default();
-            for (s, def) in seg.tensors.iter().enumerate() {
-                if alive[s] && s != out_storage {
-                    match def.role {
-                        TensorRole::Activation => kept.activations += def.bytes(),
-                        TensorRole::WeightCast => kept.weight_casts += def.bytes(),
-                    }
-                }
-            }
-            kept.activations += seg.ops.iter().map(|o| o.extra_saved).sum::<u64>();
-            cost.kept = kept;
-        } else {
-            cost.untracked_peak = peak;
-        }
+        (peak, alive)
     }
 
-    // Backward: walk ops in reverse; an op turns its output's gradient into its inputs'
-    // gradients. Gradients of parameters and segment inputs stay until the segment ends.
-    let mut grad_live = vec![false; n];
-    let mut live: u64 = 0;
-    let mut peak: u64 = 0;
-    for op in seg.ops.iter().rev() {
-        let o = op.output;
-        if !seg.tensors[o].requires_grad {
-            continue;
-        }
-        let mut produced: u64 = 0;
-        for &i in &op.inputs {
-            if seg.tensors[i].requires_grad && !grad_live[i] {
-                grad_live[i] = true;
-                produced += seg.tensors[i].bytes();
+    /// What a tracked forward keeps: the storages still `alive` but the output, by role, and
+    /// the ops' extra saved bytes.
+    fn kept(&self, alive: &[bool], out_storage: Tid) -> SegmentBytes {
+        let mut kept = SegmentBytes::default();
+        for (s, def) in self.tensors.iter().enumerate() {
+            if alive[s] && s != out_storage {
+                match def.role {
+                    TensorRole::Activation => kept.activations += def.bytes(),
+                    TensorRole::WeightCast => kept.weight_casts += def.bytes(),
+                }
             }
         }
-        live += produced;
-        peak = peak.max(live + op.bwd_scratch);
-        // The output's gradient is consumed (the segment output's gradient is accounted by the caller).
-        if o != out && grad_live[o] {
-            grad_live[o] = false;
-            live -= seg.tensors[o].bytes();
+        kept.activations += self.ops.iter().map(|o| o.extra_saved).sum::<u64>();
+        kept
+    }
+
+    /// Backward: walk ops in reverse; an op turns its output's gradient into its inputs'
+    /// gradients. Gradients of parameters and segment inputs stay until the segment ends. Sets
+    /// the cost's transient peak and the gradients the segment leaves.
+    fn backward(&self, cost: &mut SegmentCost) {
+        let out = self.output;
+        let mut grad_live = vec![false; self.tensors.len()];
+        let mut live: u64 = 0;
+        let mut peak: u64 = 0;
+        for op in self.ops.iter().rev() {
+            let o = op.output;
+            if !self.tensors[o].requires_grad {
+                continue;
+            }
+            let mut produced: u64 = 0;
+            for &i in &op.inputs {
+                if self.tensors[i].requires_grad && !grad_live[i] {
+                    grad_live[i] = true;
+                    produced += self.tensors[i].bytes();
+                }
+            }
+            live += produced;
+            peak = peak.max(live + op.bwd_scratch);
+            // The output's gradient is consumed (the segment output's gradient is accounted by the caller).
+            if o != out && grad_live[o] {
+                grad_live[o] = false;
+                live -= self.tensors[o].bytes();
+            }
+        }
+        cost.bwd_transient_peak = peak;
+        for (t, def) in self.tensors.iter().enumerate() {
+            if !grad_live[t] {
+                continue;
+            }
+            match def.kind {
+                TensorKind::Param { trained: true } => cost.param_grad_bytes += def.bytes(),
+                TensorKind::Input {
+                    requires_grad: true,
+                } => cost.input_grad_bytes += def.bytes(),
+                _ => {}
+            }
         }
     }
-    cost.bwd_transient_peak = peak;
-    for (t, def) in seg.tensors.iter().enumerate() {
-        if !grad_live[t] {
-            continue;
-        }
-        match def.kind {
-            TensorKind::Param { trained: true } => cost.param_grad_bytes += def.bytes(),
-            TensorKind::Input {
-                requires_grad: true,
-            } => cost.input_grad_bytes += def.bytes(),
-            _ => {}
-        }
-    }
-    cost
 }
 
 #[cfg(test)]

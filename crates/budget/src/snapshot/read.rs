@@ -37,80 +37,109 @@ pub(crate) fn from_tree(root: &Py) -> Result<Snapshot, SnapshotError> {
             ),
         ));
     }
+    let segments = segments(root)?;
+    let device_traces = device_traces(root)?;
+    let allocator_settings = match root.get("allocator_settings") {
+        None | Some(Py::None) => None,
+        Some(s) => Some(settings(s)?),
+    };
+    Ok(Snapshot {
+        segments,
+        device_traces,
+        allocator_settings,
+    })
+}
+
+/// The `segments` list, at most [`MAX_BLOCKS`] segments and blocks together.
+fn segments(root: &Py) -> Result<Vec<SegmentInfo>, SnapshotError> {
     let segs = list(req(root, "segments", "")?, "segments")?;
     let mut blocks_seen = segs.len();
     let mut segments = Vec::with_capacity(segs.len().min(MAX_BLOCKS));
     for (i, s) in segs.iter().enumerate() {
-        let p = format!("segments[{i}]");
-        let blocks = list(req(s, "blocks", &p)?, &format!("{p}.blocks"))?;
-        blocks_seen += blocks.len();
-        if blocks_seen > MAX_BLOCKS {
-            return Err(SnapshotError::TooLarge {
-                what: "segments and blocks".into(),
-                limit: format!("{MAX_BLOCKS}"),
-            });
-        }
-        let mut bs = Vec::with_capacity(blocks.len());
-        for (k, b) in blocks.iter().enumerate() {
-            let q = format!("{p}.blocks[{k}]");
-            let state = match string(req(b, "state", &q)?, &format!("{q}.state"))? {
-                "active_allocated" => BlockState::ActiveAllocated,
-                "active_pending_free" | "active_awaiting_free" => BlockState::ActivePendingFree,
-                "inactive" => BlockState::Inactive,
-                other => {
-                    return Err(SnapshotError::schema(
-                        format!("{q}.state"),
-                        format!(
-                            "'{}': expected active_allocated, active_pending_free or inactive",
-                            short(other)
-                        ),
-                    ))
-                }
-            };
-            let size = uint(req(b, "size", &q)?, &format!("{q}.size"))?;
-            bs.push(BlockInfo {
-                address: uint(req(b, "address", &q)?, &format!("{q}.address"))?,
-                size,
-                requested_size: opt_uint(b, "requested_size", &q)?.unwrap_or(size),
-                state,
-            });
-        }
-        let segment_type = string(req(s, "segment_type", &p)?, &format!("{p}.segment_type"))?;
-        let small = match segment_type {
-            "small" => true,
-            "large" => false,
-            other => {
-                return Err(SnapshotError::schema(
-                    format!("{p}.segment_type"),
-                    format!("'{}': expected small or large", short(other)),
-                ))
-            }
-        };
-        let device = uint(req(s, "device", &p)?, &format!("{p}.device"))?;
-        segments.push(SegmentInfo {
-            device: u32::try_from(device).map_err(|_| {
-                SnapshotError::schema(format!("{p}.device"), format!("{device} is not a device"))
-            })?,
-            address: uint(req(s, "address", &p)?, &format!("{p}.address"))?,
-            total_size: uint(req(s, "total_size", &p)?, &format!("{p}.total_size"))?,
-            allocated_size: opt_uint(s, "allocated_size", &p)?.unwrap_or(0),
-            active_size: opt_uint(s, "active_size", &p)?.unwrap_or(0),
-            requested_size: opt_uint(s, "requested_size", &p)?.unwrap_or(0),
-            stream: opt_uint(s, "stream", &p)?.unwrap_or(0),
-            small,
-            is_expandable: match s.get("is_expandable") {
-                None => false,
-                Some(Py::Bool(b)) => *b,
-                Some(v) => {
-                    return Err(SnapshotError::schema(
-                        format!("{p}.is_expandable"),
-                        format!("expected a bool, got {}", v.type_name()),
-                    ))
-                }
-            },
-            blocks: bs,
+        segments.push(segment(s, &format!("segments[{i}]"), &mut blocks_seen)?);
+    }
+    Ok(segments)
+}
+
+/// One segment at path `p`, its blocks counted into `blocks_seen`.
+fn segment(s: &Py, p: &str, blocks_seen: &mut usize) -> Result<SegmentInfo, SnapshotError> {
+    let blocks = list(req(s, "blocks", p)?, &format!("{p}.blocks"))?;
+    *blocks_seen += blocks.len();
+    if *blocks_seen > MAX_BLOCKS {
+        return Err(SnapshotError::TooLarge {
+            what: "segments and blocks".into(),
+            limit: format!("{MAX_BLOCKS}"),
         });
     }
+    let mut bs = Vec::with_capacity(blocks.len());
+    for (k, b) in blocks.iter().enumerate() {
+        bs.push(block(b, &format!("{p}.blocks[{k}]"))?);
+    }
+    let segment_type = string(req(s, "segment_type", p)?, &format!("{p}.segment_type"))?;
+    let small = match segment_type {
+        "small" => true,
+        "large" => false,
+        other => {
+            return Err(SnapshotError::schema(
+                format!("{p}.segment_type"),
+                format!("'{}': expected small or large", short(other)),
+            ))
+        }
+    };
+    let device = uint(req(s, "device", p)?, &format!("{p}.device"))?;
+    Ok(SegmentInfo {
+        device: u32::try_from(device).map_err(|_| {
+            SnapshotError::schema(format!("{p}.device"), format!("{device} is not a device"))
+        })?,
+        address: uint(req(s, "address", p)?, &format!("{p}.address"))?,
+        total_size: uint(req(s, "total_size", p)?, &format!("{p}.total_size"))?,
+        allocated_size: opt_uint(s, "allocated_size", p)?.unwrap_or(0),
+        active_size: opt_uint(s, "active_size", p)?.unwrap_or(0),
+        requested_size: opt_uint(s, "requested_size", p)?.unwrap_or(0),
+        stream: opt_uint(s, "stream", p)?.unwrap_or(0),
+        small,
+        is_expandable: match s.get("is_expandable") {
+            None => false,
+            Some(Py::Bool(b)) => *b,
+            Some(v) => {
+                return Err(SnapshotError::schema(
+                    format!("{p}.is_expandable"),
+                    format!("expected a bool, got {}", v.type_name()),
+                ))
+            }
+        },
+        blocks: bs,
+    })
+}
+
+/// One block of a segment, at path `q`.
+fn block(b: &Py, q: &str) -> Result<BlockInfo, SnapshotError> {
+    let state = match string(req(b, "state", q)?, &format!("{q}.state"))? {
+        "active_allocated" => BlockState::ActiveAllocated,
+        "active_pending_free" | "active_awaiting_free" => BlockState::ActivePendingFree,
+        "inactive" => BlockState::Inactive,
+        other => {
+            return Err(SnapshotError::schema(
+                format!("{q}.state"),
+                format!(
+                    "'{}': expected active_allocated, active_pending_free or inactive",
+                    short(other)
+                ),
+            ))
+        }
+    };
+    let size = uint(req(b, "size", q)?, &format!("{q}.size"))?;
+    Ok(BlockInfo {
+        address: uint(req(b, "address", q)?, &format!("{q}.address"))?,
+        size,
+        requested_size: opt_uint(b, "requested_size", q)?.unwrap_or(size),
+        state,
+    })
+}
+
+/// The `device_traces` list (one list of events per device), at most [`MAX_TRACE_EVENTS`]
+/// events in all.
+fn device_traces(root: &Py) -> Result<Vec<Vec<TraceEvent>>, SnapshotError> {
     let traces = list(req(root, "device_traces", "")?, "device_traces")?;
     let total: usize = traces
         .iter()
@@ -135,15 +164,7 @@ pub(crate) fn from_tree(root: &Py) -> Result<Snapshot, SnapshotError> {
         }
         device_traces.push(evs);
     }
-    let allocator_settings = match root.get("allocator_settings") {
-        None | Some(Py::None) => None,
-        Some(s) => Some(settings(s)?),
-    };
-    Ok(Snapshot {
-        segments,
-        device_traces,
-        allocator_settings,
-    })
+    Ok(device_traces)
 }
 
 fn event(e: &Py, p: &str) -> Result<TraceEvent, SnapshotError> {

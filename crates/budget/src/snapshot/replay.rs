@@ -258,108 +258,195 @@ struct Live {
     origin: Origin,
 }
 
-/// Replay the trace of `device` (None: the busiest one).
+/// Replay the trace of `device` (None: the busiest one): a first pass for the counters' net
+/// change after each event, anchored to the state the snapshot lists; a second up to the
+/// allocated peak for what is alive there.
 pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
     let device = device.unwrap_or_else(|| busiest_device(s));
     let conf = conf_of(s);
     let empty = Vec::new();
     let trace: &Vec<TraceEvent> = s.device_traces.get(device as usize).unwrap_or(&empty);
-    let segs = s.segments.iter().filter(|g| g.device == device);
-    let (mut final_allocated, mut final_reserved, mut nsegs, mut nexp) = (0u64, 0u64, 0, 0);
-    for g in segs {
-        final_reserved += g.total_size;
-        nsegs += 1;
-        nexp += usize::from(g.is_expandable);
-        final_allocated += g
-            .blocks
-            .iter()
-            .filter(|b| b.state == BlockState::ActiveAllocated)
-            .map(|b| b.size)
-            .sum::<u64>();
+    let listed = Listed::of(s, device);
+    let net = NetChanges::of(s, device, trace, &conf);
+    let before_alloc = (listed.allocated as i128 - net.alloc)
+        .max(-net.low_alloc)
+        .max(0);
+    let before_res = (listed.reserved as i128 - net.reserved)
+        .max(-net.low_res)
+        .max(0);
+    let peaks = Peaks::of(trace, &net.deltas, before_alloc, before_res);
+    // Pass 2: what is alive at the allocated peak.
+    let mut tracker = Tracker::new(s, device, trace, &conf);
+    let end = peaks.max_a_at.map_or(0, |k| k + 1);
+    for e in &trace[..end] {
+        tracker.step(e);
     }
-    // Pass 1: net changes, with blocks that were there before the trace counted as they go.
-    let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut pending: HashMap<u64, Live> = HashMap::new();
-    let mut layout = Layout::new(s, device, trace);
-    let mut alloc = 0i128;
-    let mut reserved = 0i128;
-    let mut requested = 0i128;
-    let mut low_alloc = 0i128;
-    let mut low_res = 0i128;
-    let mut frees_without_alloc = 0;
-    let mut max_req = 0i128;
-    let mut deltas: Vec<(i128, i128)> = Vec::with_capacity(trace.len());
-    let mut alloc_events = 0;
-    for e in trace {
-        let (da, dr) = step(
-            e,
-            &conf,
-            &mut layout,
-            &mut live,
-            &mut pending,
-            &mut requested,
-            &mut frees_without_alloc,
-        );
-        alloc_events += usize::from(e.action == Action::Alloc);
-        alloc += da;
-        reserved += dr;
-        max_req = max_req.max(requested);
-        low_alloc = low_alloc.min(alloc);
-        low_res = low_res.min(reserved);
-        deltas.push((alloc, reserved));
+    let (at_peak, at_peak_by_size) = alive_at_peak(&tracker.live, peaks.max_a as u64);
+    Replay {
+        device,
+        events: trace.len(),
+        alloc_events: net.alloc_events,
+        allocated_before: before_alloc as u64,
+        reserved_before: before_res as u64,
+        max_allocated: peaks.max_a as u64,
+        max_allocated_event: peaks.max_a_at,
+        max_requested_traced: net.max_requested.max(0) as u64,
+        max_reserved: peaks.max_r as u64,
+        max_reserved_event: peaks.max_r_at,
+        final_allocated: listed.allocated,
+        final_reserved: listed.reserved,
+        final_segments: listed.segments,
+        final_expandable_segments: listed.expandable,
+        fragmentation_at_peak: peaks.frag as u64,
+        at_peak,
+        at_peak_by_size,
+        frees_without_alloc: net.frees_without_alloc,
+        ooms: peaks.ooms,
+        points: peaks.points,
     }
-    let before_alloc = (final_allocated as i128 - alloc).max(-low_alloc).max(0);
-    let before_res = (final_reserved as i128 - reserved).max(-low_res).max(0);
-    let mut points = Vec::with_capacity(trace.len());
-    let (mut max_a, mut max_a_at) = (before_alloc, None);
-    let (mut max_r, mut max_r_at) = (before_res, None);
-    let mut frag = (before_res - before_alloc).max(0);
-    let mut ooms = Vec::new();
-    for (k, (a, r)) in deltas.iter().enumerate() {
-        let a = before_alloc + a;
-        let r = before_res + r;
-        if a > max_a {
-            max_a = a;
-            max_a_at = Some(k);
-            frag = (r - a).max(0);
+}
+
+/// The state the snapshot lists for one device (its `segments`): bytes of active blocks,
+/// bytes reserved, segments and expandable segments.
+struct Listed {
+    allocated: u64,
+    reserved: u64,
+    segments: usize,
+    expandable: usize,
+}
+
+impl Listed {
+    fn of(s: &Snapshot, device: u32) -> Listed {
+        let mut l = Listed {
+            allocated: 0,
+            reserved: 0,
+            segments: 0,
+            expandable: 0,
+        };
+        for g in s.segments.iter().filter(|g| g.device == device) {
+            l.reserved += g.total_size;
+            l.segments += 1;
+            l.expandable += usize::from(g.is_expandable);
+            l.allocated += g
+                .blocks
+                .iter()
+                .filter(|b| b.state == BlockState::ActiveAllocated)
+                .map(|b| b.size)
+                .sum::<u64>();
         }
-        if r > max_r {
-            max_r = r;
-            max_r_at = Some(k);
+        l
+    }
+}
+
+/// Pass 1: the counters' net change after each event (blocks that were there before the trace
+/// counted as they go), their lows and the requested bytes' high.
+struct NetChanges {
+    /// (allocated, reserved) after each event, relative to before the trace.
+    deltas: Vec<(i128, i128)>,
+    /// After the last event.
+    alloc: i128,
+    reserved: i128,
+    low_alloc: i128,
+    low_res: i128,
+    max_requested: i128,
+    alloc_events: usize,
+    frees_without_alloc: usize,
+}
+
+impl NetChanges {
+    fn of(s: &Snapshot, device: u32, trace: &[TraceEvent], conf: &AllocConf) -> NetChanges {
+        let mut tracker = Tracker::new(s, device, trace, conf);
+        let mut n = NetChanges {
+            deltas: Vec::with_capacity(trace.len()),
+            alloc: 0,
+            reserved: 0,
+            low_alloc: 0,
+            low_res: 0,
+            max_requested: 0,
+            alloc_events: 0,
+            frees_without_alloc: 0,
+        };
+        for e in trace {
+            let (da, dr) = tracker.step(e);
+            n.alloc_events += usize::from(e.action == Action::Alloc);
+            n.alloc += da;
+            n.reserved += dr;
+            n.max_requested = n.max_requested.max(tracker.requested);
+            n.low_alloc = n.low_alloc.min(n.alloc);
+            n.low_res = n.low_res.min(n.reserved);
+            n.deltas.push((n.alloc, n.reserved));
         }
-        if trace[k].action == Action::Oom {
-            ooms.push(OomEvent {
+        n.frees_without_alloc = tracker.frees_without_alloc;
+        n
+    }
+}
+
+/// The counters after each event (from the bytes there before the trace), their highs and the
+/// events where they are reached, the fragmentation at the allocated high, and the trace's OOMs.
+struct Peaks {
+    points: Vec<TimelinePoint>,
+    max_a: i128,
+    max_a_at: Option<usize>,
+    max_r: i128,
+    max_r_at: Option<usize>,
+    frag: i128,
+    ooms: Vec<OomEvent>,
+}
+
+impl Peaks {
+    fn of(
+        trace: &[TraceEvent],
+        deltas: &[(i128, i128)],
+        before_alloc: i128,
+        before_res: i128,
+    ) -> Peaks {
+        let mut p = Peaks {
+            points: Vec::with_capacity(trace.len()),
+            max_a: before_alloc,
+            max_a_at: None,
+            max_r: before_res,
+            max_r_at: None,
+            frag: (before_res - before_alloc).max(0),
+            ooms: Vec::new(),
+        };
+        for (k, (a, r)) in deltas.iter().enumerate() {
+            let a = before_alloc + a;
+            let r = before_res + r;
+            if a > p.max_a {
+                p.max_a = a;
+                p.max_a_at = Some(k);
+                p.frag = (r - a).max(0);
+            }
+            if r > p.max_r {
+                p.max_r = r;
+                p.max_r_at = Some(k);
+            }
+            if trace[k].action == Action::Oom {
+                p.ooms.push(OomEvent {
+                    event: k,
+                    size: trace[k].size,
+                    device_free: trace[k].addr,
+                    allocated: a as u64,
+                    reserved: r as u64,
+                });
+            }
+            p.points.push(TimelinePoint {
                 event: k,
-                size: trace[k].size,
-                device_free: trace[k].addr,
                 allocated: a as u64,
                 reserved: r as u64,
             });
         }
-        points.push(TimelinePoint {
-            event: k,
-            allocated: a as u64,
-            reserved: r as u64,
-        });
+        p
     }
-    // Pass 2: what is alive at the allocated peak.
-    let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut pending: HashMap<u64, Live> = HashMap::new();
-    let mut req = 0i128;
-    let mut nf = 0;
-    let mut layout = Layout::new(s, device, trace);
-    let end = max_a_at.map_or(0, |k| k + 1);
-    for e in &trace[..end] {
-        step(
-            e,
-            &conf,
-            &mut layout,
-            &mut live,
-            &mut pending,
-            &mut req,
-            &mut nf,
-        );
-    }
+}
+
+/// The blocks `live` at the allocated peak of `max_allocated` bytes, by origin (largest first;
+/// what the traced blocks leave of the peak was there before the trace) and by block size (the
+/// ten most bytes).
+fn alive_at_peak(
+    live: &HashMap<u64, Live>,
+    max_allocated: u64,
+) -> (Vec<OriginBytes>, Vec<BlockSizeCount>) {
     let mut by: HashMap<Origin, (u64, u64)> = HashMap::new();
     let mut sizes: HashMap<u64, u64> = HashMap::new();
     let traced: u64 = live.values().map(|l| l.rounded).sum();
@@ -370,7 +457,7 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
         *sizes.entry(l.rounded).or_default() += 1;
     }
     // Whatever the peak holds beyond the traced blocks was there before the trace.
-    let before = (max_a as u64).saturating_sub(traced);
+    let before = max_allocated.saturating_sub(traced);
     if before > 0 {
         by.entry(Origin::BeforeTrace).or_default().0 += before;
     }
@@ -394,113 +481,113 @@ pub fn replay(s: &Snapshot, device: Option<u32>) -> Replay {
             .then(b.size.cmp(&a.size))
     });
     by_size.truncate(10);
-    Replay {
-        device,
-        events: trace.len(),
-        alloc_events,
-        allocated_before: before_alloc as u64,
-        reserved_before: before_res as u64,
-        max_allocated: max_a as u64,
-        max_allocated_event: max_a_at,
-        max_requested_traced: max_req.max(0) as u64,
-        max_reserved: max_r as u64,
-        max_reserved_event: max_r_at,
-        final_allocated,
-        final_reserved,
-        final_segments: nsegs,
-        final_expandable_segments: nexp,
-        fragmentation_at_peak: frag as u64,
-        at_peak,
-        at_peak_by_size: by_size,
-        frees_without_alloc,
-        ooms,
-        points,
-    }
+    (at_peak, by_size)
 }
 
-/// A block leaves the layout and the live set.
-fn take(layout: &mut Layout, live: &mut HashMap<u64, Live>, addr: u64) -> Option<Live> {
-    layout.blocks.remove(&addr);
-    live.remove(&addr)
+/// The blocks alive as the events go: where they sit, which are alive (and which are freed but
+/// not yet completed), the requested bytes of the traced ones, and the frees of blocks the
+/// trace never saw allocated.
+struct Tracker<'c> {
+    conf: &'c AllocConf,
+    layout: Layout,
+    live: HashMap<u64, Live>,
+    pending: HashMap<u64, Live>,
+    requested: i128,
+    frees_without_alloc: usize,
 }
 
-/// One event's change of (allocated, reserved), tracking which blocks are alive.
-#[allow(clippy::too_many_arguments)]
-fn step(
-    e: &TraceEvent,
-    conf: &AllocConf,
-    layout: &mut Layout,
-    live: &mut HashMap<u64, Live>,
-    pending: &mut HashMap<u64, Live>,
-    requested: &mut i128,
-    frees_without_alloc: &mut usize,
-) -> (i128, i128) {
-    match e.action {
-        Action::Alloc => {
-            let rounded = layout.block_size(e.addr, round_size(e.size, conf), conf);
-            layout.blocks.insert(e.addr, e.addr.saturating_add(rounded));
-            let old = live.insert(
-                e.addr,
-                Live {
-                    rounded,
-                    requested: e.size,
-                    origin: e.origin,
-                },
-            );
-            pending.remove(&e.addr);
-            *requested += e.size as i128;
-            // An address allocated twice without a free: the first block's free was lost.
-            let back = old.map_or(0, |o| {
-                *requested -= o.requested as i128;
-                o.rounded as i128
-            });
-            (rounded as i128 - back, 0)
+impl<'c> Tracker<'c> {
+    fn new(s: &Snapshot, device: u32, trace: &[TraceEvent], conf: &'c AllocConf) -> Tracker<'c> {
+        Tracker {
+            conf,
+            layout: Layout::new(s, device, trace),
+            live: HashMap::new(),
+            pending: HashMap::new(),
+            requested: 0,
+            frees_without_alloc: 0,
         }
-        Action::FreeRequested => match take(layout, live, e.addr) {
-            Some(l) => {
-                *requested -= l.requested as i128;
-                let r = l.rounded as i128;
-                pending.insert(e.addr, l);
-                (-r, 0)
-            }
-            None => {
-                *frees_without_alloc += 1;
-                // Mark it so that its free_completed does not count it again.
-                pending.insert(
+    }
+
+    /// A block leaves the layout and the live set.
+    fn take(&mut self, addr: u64) -> Option<Live> {
+        self.layout.blocks.remove(&addr);
+        self.live.remove(&addr)
+    }
+
+    /// One event's change of (allocated, reserved), tracking which blocks are alive.
+    fn step(&mut self, e: &TraceEvent) -> (i128, i128) {
+        let conf = self.conf;
+        match e.action {
+            Action::Alloc => {
+                let rounded = self
+                    .layout
+                    .block_size(e.addr, round_size(e.size, conf), conf);
+                self.layout
+                    .blocks
+                    .insert(e.addr, e.addr.saturating_add(rounded));
+                let old = self.live.insert(
                     e.addr,
                     Live {
-                        rounded: 0,
-                        requested: 0,
-                        origin: Origin::BeforeTrace,
+                        rounded,
+                        requested: e.size,
+                        origin: e.origin,
                     },
                 );
-                (-(round_size(e.size, conf) as i128), 0)
+                self.pending.remove(&e.addr);
+                self.requested += e.size as i128;
+                // An address allocated twice without a free: the first block's free was lost.
+                let back = old.map_or(0, |o| {
+                    self.requested -= o.requested as i128;
+                    o.rounded as i128
+                });
+                (rounded as i128 - back, 0)
             }
-        },
-        Action::FreeCompleted | Action::Free => {
-            layout.blocks.remove(&e.addr);
-            if pending.remove(&e.addr).is_some() {
-                return (0, 0);
-            }
-            match live.remove(&e.addr) {
+            Action::FreeRequested => match self.take(e.addr) {
                 Some(l) => {
-                    *requested -= l.requested as i128;
-                    (-(l.rounded as i128), 0)
+                    self.requested -= l.requested as i128;
+                    let r = l.rounded as i128;
+                    self.pending.insert(e.addr, l);
+                    (-r, 0)
                 }
                 None => {
-                    *frees_without_alloc += 1;
+                    self.frees_without_alloc += 1;
+                    // Mark it so that its free_completed does not count it again.
+                    self.pending.insert(
+                        e.addr,
+                        Live {
+                            rounded: 0,
+                            requested: 0,
+                            origin: Origin::BeforeTrace,
+                        },
+                    );
                     (-(round_size(e.size, conf) as i128), 0)
                 }
+            },
+            Action::FreeCompleted | Action::Free => {
+                self.layout.blocks.remove(&e.addr);
+                if self.pending.remove(&e.addr).is_some() {
+                    return (0, 0);
+                }
+                match self.live.remove(&e.addr) {
+                    Some(l) => {
+                        self.requested -= l.requested as i128;
+                        (-(l.rounded as i128), 0)
+                    }
+                    None => {
+                        self.frees_without_alloc += 1;
+                        (-(round_size(e.size, conf) as i128), 0)
+                    }
+                }
             }
+            Action::SegmentAlloc | Action::SegmentMap => {
+                self.layout.segment(e);
+                (0, e.size as i128)
+            }
+            Action::SegmentFree | Action::SegmentUnmap => {
+                self.layout.segment(e);
+                (0, -(e.size as i128))
+            }
+            Action::Snapshot | Action::Oom | Action::Annotate => (0, 0),
         }
-        Action::SegmentAlloc | Action::SegmentMap => {
-            layout.segment(e);
-            (0, e.size as i128)
-        }
-        Action::SegmentFree | Action::SegmentUnmap => {
-            layout.segment(e);
-            (0, -(e.size as i128))
-        }
-        Action::Snapshot | Action::Oom | Action::Annotate => (0, 0),
     }
 }

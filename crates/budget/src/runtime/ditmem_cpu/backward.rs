@@ -55,6 +55,23 @@ struct Heap {
 }
 
 impl Heap {
+    /// An empty heap whose tensors carry `tmeta` (wrapper) and `smeta` (storage) bookkeeping
+    /// bytes.
+    fn new(tmeta: u64, smeta: u64) -> Heap {
+        Heap {
+            bytes: Vec::new(),
+            refs: Vec::new(),
+            holds: Vec::new(),
+            live: 0,
+            peak: 0,
+            released: 0,
+            peak_released: 0,
+            net_peak: 0,
+            tmeta,
+            smeta,
+        }
+    }
+
     fn obj(&mut self, bytes: u64, holds: Vec<usize>) -> usize {
         for &h in &holds {
             self.refs[h] += 1;
@@ -104,7 +121,7 @@ impl Heap {
     }
 
     /// A view (or detached copy when `detach`) of `x`: a new wrapper on the same storage.
-    fn view(&mut self, g: &Graph, x: Val, detach: bool) -> Val {
+    fn view(&mut self, x: Val, detach: bool) -> Val {
         match x {
             Val::Fwd(n) => Val::Fwd(n),
             Val::Tmp(w, t) => {
@@ -114,7 +131,6 @@ impl Heap {
                 if tracks {
                     holds.push(w);
                 }
-                let _ = g;
                 Val::Tmp(self.obj(self.tmeta, holds), tracks)
             }
         }
@@ -152,28 +168,21 @@ pub(crate) fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
         (0, 0)
     };
     let order = post_order(g, root);
-    let mut h = Heap {
-        bytes: Vec::new(),
-        refs: Vec::new(),
-        holds: Vec::new(),
-        live: 0,
-        peak: 0,
-        released: 0,
-        peak_released: 0,
-        net_peak: 0,
-        tmeta,
-        smeta,
+    let mut r = Replay {
+        g,
+        h: Heap::new(tmeta, smeta),
+        store: vec![None; g.nodes.len()],
+        sunk_grads: 0,
     };
-    let mut store: Vec<Option<Val>> = vec![None; g.nodes.len()];
-    let mut sunk_grads = 0u64;
     // `grads.insert(self, self.ones_like()?.contiguous()?)`
-    store[root] = Some(h.make(g, g.nodes[root].bytes(), &[]));
+    let ones = r.make(g.nodes[root].bytes(), &[]);
+    r.store[root] = Some(ones);
     // The gradients the seeds take by value (`ops::backward_from`): alive from the call, each
     // freed once its seed has added it into its output's entry.
     let mut seeded: Vec<Option<Val>> = vec![None; g.nodes.len()];
     for &x in &order {
         if g.nodes[x].kind == Kind::Seed {
-            seeded[x] = Some(h.make(g, g.nodes[g.nodes[x].inputs[1]].bytes(), &[]));
+            seeded[x] = Some(r.make(g.nodes[g.nodes[x].inputs[1]].bytes(), &[]));
         }
     }
 
@@ -181,18 +190,18 @@ pub(crate) fn backward_with(g: &Graph, root: Nid, meta: bool) -> Backward {
         if g.nodes[x].kind == Kind::Var {
             continue;
         }
-        let Some(orig) = store[x].take() else {
+        let Some(orig) = r.store[x].take() else {
             continue;
         };
-        let grad = h.view(g, orig, true);
-        let locals = node_backward(&mut h, g, &mut store, x, grad, seeded[x], &mut sunk_grads);
+        let grad = r.h.view(orig, true);
+        let locals = r.node_backward(x, grad, seeded[x]);
         for v in locals {
-            h.drop_val(v);
+            r.drop_val(v);
         }
-        h.drop_val(grad);
-        h.drop_val(orig);
+        r.drop_val(grad);
+        r.drop_val(orig);
     }
-    finish(g, &h, &store, sunk_grads)
+    r.finish()
 }
 
 /// The nodes `backward` visits: reverse depth-first post-order from the root (lhs before rhs),
@@ -222,390 +231,384 @@ fn post_order(g: &Graph, root: Nid) -> Vec<Nid> {
     order
 }
 
-/// `grads.or_insert(t)?`: the stored gradient, or fresh zeros.
-fn or_insert(h: &mut Heap, g: &Graph, store: &[Option<Val>], t: Nid) -> Val {
-    match store[t] {
-        Some(v) => v,
-        None => h.make(g, g.nodes[t].bytes(), &[]),
+/// One replay of candle's backward: the graph it walks, the heap of its tensors, the gradient
+/// store (one entry per node) and the bytes moved into the linears' gradient sinks. Each rule
+/// below is one op kind's formula, its allocations in the order candle makes them.
+struct Replay<'g> {
+    g: &'g Graph,
+    h: Heap,
+    store: Vec<Option<Val>>,
+    sunk_grads: u64,
+}
+
+impl Replay<'_> {
+    /// The data bytes of node `n`.
+    fn bytes(&self, n: Nid) -> u64 {
+        self.g.nodes[n].bytes()
     }
-}
 
-/// `*s = s.add(&partial)?` (or `sub`): the new sum replaces (and may hold) the old one.
-fn add_into(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, old: Val, partial: Val) {
-    let new = h.make(g, g.nodes[t].bytes(), &[old, partial]);
-    h.drop_val(old);
-    store[t] = Some(new);
-}
-
-/// `or_insert` then `add`: one contribution to `t`'s gradient.
-fn acc(h: &mut Heap, g: &Graph, store: &mut [Option<Val>], t: Nid, partial: Val) {
-    let old = or_insert(h, g, store, t);
-    add_into(h, g, store, t, old, partial);
-}
-
-/// The one input of an elementwise op (`silu`, `gelu`) and its gradient so far ([`or_insert`]:
-/// a zero sum made now when it has none).
-fn elementwise_input(h: &mut Heap, g: &Graph, store: &[Option<Val>], x: Nid) -> (Nid, Val) {
-    let input = g.nodes[x].inputs[0];
-    (input, or_insert(h, g, store, input))
-}
-
-/// The chain rule's last step of an elementwise op (`silu`, `gelu`): `grad · d` (in the
-/// input's size), `d` freed, the product added into the input `t`'s gradient (`old`: its sum so
-/// far, from [`or_insert`]) and freed.
-fn grad_times_derivative(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    (t, old): (Nid, Val),
-    grad: Val,
-    d: Val,
-) {
-    let p = h.make(g, g.nodes[t].bytes(), &[grad, d]);
-    h.drop_val(d);
-    add_into(h, g, store, t, old, p);
-    h.drop_val(p);
-}
-
-/// One node's backward rule on its (detached) gradient: the contributions to its inputs'
-/// gradients in the order candle makes them. Returns the temporaries the rule still holds
-/// (dropped when the node is done).
-// Over 100 lines on purpose: one arm per op kind as candle's `backward` match reads; the long
-// rules are functions of their own, the short ones stay beside it.
-fn node_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    x: Nid,
-    grad: Val,
-    seeded: Option<Val>,
-    sunk_grads: &mut u64,
-) -> Vec<Val> {
-    let node = &g.nodes[x];
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    let ins = node.inputs.clone();
-    let nb = bytes(x);
-    let me = Val::Fwd(x);
-    let mut locals: Vec<Val> = Vec::new();
-    match node.kind {
-        Kind::Add | Kind::Sub => {
-            for &i in &ins {
-                acc(h, g, store, i, grad);
-            }
-        }
-        Kind::Mul => {
-            let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
-            acc(h, g, store, ins[0], lg);
-            let rg = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
-            acc(h, g, store, ins[1], rg);
-            locals.extend([lg, rg]);
-        }
-        Kind::Div => {
-            let lg = h.make(g, nb, &[grad, Val::Fwd(ins[1])]);
-            acc(h, g, store, ins[0], lg);
-            let t1 = h.make(g, nb, &[grad, Val::Fwd(ins[0])]);
-            let t2 = h.make(g, nb, &[Val::Fwd(ins[1])]);
-            let rg = h.make(g, nb, &[t1, t2]);
-            h.drop_val(t1);
-            h.drop_val(t2);
-            acc(h, g, store, ins[1], rg);
-            locals.extend([lg, rg]);
-        }
-        Kind::Matmul => matmul_backward(h, g, store, x, grad, &mut locals),
-        Kind::Broadcast => {
-            let a = ins[0];
-            let s = h.make(g, bytes(a), &[grad]);
-            let bv = h.view(g, s, false);
-            acc(h, g, store, a, bv);
-            locals.extend([s, bv]);
-        }
-        Kind::Seed => {
-            // The gradient the seed took: added into out's entry, then freed.
-            let given = seeded.unwrap_or(Val::Fwd(ins[1]));
-            acc(h, g, store, ins[0], given);
-            locals.push(given);
-        }
-        Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
-            let v = h.view(g, grad, false);
-            acc(h, g, store, ins[0], v);
-            locals.push(v);
-        }
-        Kind::ToDtype => {
-            let a = ins[0];
-            let old = or_insert(h, g, store, a);
-            let conv = h.make(g, bytes(a), &[grad]);
-            add_into(h, g, store, a, old, conv);
-            locals.push(conv);
-        }
-        Kind::Affine => {
-            let ag = h.make(g, bytes(ins[0]), &[grad]);
-            acc(h, g, store, ins[0], ag);
-            locals.push(ag);
-        }
-        Kind::Exp => {
-            let old = or_insert(h, g, store, ins[0]);
-            let p = h.make(g, nb, &[grad, me]);
-            add_into(h, g, store, ins[0], old, p);
-            h.drop_val(p);
-        }
-        Kind::Sqr => {
-            let a = bytes(ins[0]);
-            let t1 = h.make(g, a, &[Val::Fwd(ins[0]), grad]);
-            let ag = h.make(g, a, &[t1]);
-            h.drop_val(t1);
-            acc(h, g, store, ins[0], ag);
-            locals.push(ag);
-        }
-        Kind::Powf => {
-            let a = bytes(ins[0]);
-            let t1 = h.make(g, a, &[Val::Fwd(ins[0])]);
-            let t2 = h.make(g, a, &[grad, t1]);
-            let ag = h.make(g, a, &[t2]);
-            h.drop_val(t1);
-            h.drop_val(t2);
-            acc(h, g, store, ins[0], ag);
-            locals.push(ag);
-        }
-        Kind::Silu => silu_backward(h, g, store, x, grad, &mut locals),
-        Kind::Gelu => gelu_backward(h, g, store, x, grad, &mut locals),
-        Kind::Narrow {
-            pad_before,
-            pad_after,
-        } => narrow_backward(h, g, store, x, grad, (pad_before, pad_after), &mut locals),
-        Kind::IndexSelect => {
-            let a = ins[0];
-            let old = or_insert(h, g, store, a);
-            add_into(h, g, store, a, old, grad);
-        }
-        Kind::Attention { bwd_scratch } => {
-            let q = bytes(ins[0]);
-            let s = h.make(g, bwd_scratch, &[]);
-            h.drop_val(s);
-            // dq, dk, dv come back detached (fresh tensors).
-            for &i in &ins {
-                let d = h.make(g, q, &[]);
-                locals.push(d);
-                acc(h, g, store, i, d);
-            }
-        }
-        Kind::Custom { bwd_scratch } => {
-            custom_backward(h, g, store, (x, grad), bwd_scratch, sunk_grads)
-        }
-        Kind::Var | Kind::Const => {}
+    /// [`Heap::make`] on this replay's graph.
+    fn make(&mut self, bytes: u64, inputs: &[Val]) -> Val {
+        self.h.make(self.g, bytes, inputs)
     }
-    locals
-}
 
-/// `matmul`: grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
-fn matmul_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    x: Nid,
-    grad: Val,
-    locals: &mut Vec<Val>,
-) {
-    let node = &g.nodes[x];
-    let ins = &node.inputs;
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    let (l, r) = (ins[0], ins[1]);
-    let el = |i: Nid| g.nodes[g.storage(i)].elems;
-    // grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
-    let w = h.obj(
-        bf16_matmul_scratch(node.dtype, node.elems + el(r), g.nodes[l].elems),
-        vec![],
-    );
-    let lg = h.make(g, bytes(l), &[grad, Val::Fwd(r)]);
-    h.dec(w);
-    acc(h, g, store, l, lg);
-    let w = h.obj(
-        bf16_matmul_scratch(node.dtype, el(l) + node.elems, g.nodes[r].elems),
-        vec![],
-    );
-    let rg = h.make(g, bytes(r), &[Val::Fwd(l), grad]);
-    h.dec(w);
-    acc(h, g, store, r, rg);
-    locals.extend([lg, rg]);
-}
+    fn drop_val(&mut self, v: Val) {
+        self.h.drop_val(v);
+    }
 
-/// `silu`: the derivative through sigmoid temporaries, then one product with the gradient.
-fn silu_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    x: Nid,
-    grad: Val,
-    locals: &mut Vec<Val>,
-) {
-    let me = Val::Fwd(x);
-    let (input, old) = elementwise_input(h, g, store, x);
-    let (a, arg) = (g.nodes[input].bytes(), Val::Fwd(input));
-    let t1 = h.make(g, a, &[arg]);
-    let t2 = h.make(g, a, &[t1]);
-    let t3 = h.make(g, a, &[t2]);
-    h.drop_val(t2);
-    let sig = h.make(g, a, &[t3]);
-    h.drop_val(t1);
-    h.drop_val(t3);
-    let u1 = h.make(g, a, &[me]);
-    let u2 = h.make(g, a, &[sig, u1]);
-    h.drop_val(u1);
-    let u3 = h.make(g, a, &[u2, me]);
-    h.drop_val(u2);
-    grad_times_derivative(h, g, store, (input, old), grad, u3);
-    locals.push(sig);
-}
+    /// `grads.or_insert(t)?`: the stored gradient, or fresh zeros.
+    fn or_insert(&mut self, t: Nid) -> Val {
+        match self.store[t] {
+            Some(v) => v,
+            None => self.make(self.bytes(t), &[]),
+        }
+    }
 
-/// `gelu` (tanh): the derivative through about a dozen temporaries, then one product with the
-/// gradient.
-fn gelu_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    x: Nid,
-    grad: Val,
-    locals: &mut Vec<Val>,
-) {
-    let (input, old) = elementwise_input(h, g, store, x);
-    let (a, arg) = (g.nodes[input].bytes(), Val::Fwd(input));
-    let cube = h.make(g, a, &[arg]);
-    let t1 = h.make(g, a, &[cube]);
-    let t2 = h.make(g, a, &[arg]);
-    let t3 = h.make(g, a, &[t1, t2]);
-    h.drop_val(t1);
-    h.drop_val(t2);
-    let tanh = h.make(g, a, &[t3]);
-    h.drop_val(t3);
-    let u1 = h.make(g, a, &[tanh]);
-    let u2 = h.make(g, a, &[cube]);
-    h.drop_val(cube);
-    let u3 = h.make(g, a, &[arg]);
-    let u4 = h.make(g, a, &[u2, u3]);
-    h.drop_val(u2);
-    h.drop_val(u3);
-    let u5 = h.make(g, a, &[tanh]);
-    let u6 = h.make(g, a, &[u5]);
-    h.drop_val(u5);
-    let u7 = h.make(g, a, &[u4, u6]);
-    h.drop_val(u4);
-    h.drop_val(u6);
-    let u8 = h.make(g, a, &[u1, u7]);
-    h.drop_val(u1);
-    h.drop_val(u7);
-    let gg = h.make(g, a, &[u8]);
-    h.drop_val(u8);
-    grad_times_derivative(h, g, store, (input, old), grad, gg);
-    locals.push(tanh);
-}
+    /// `*s = s.add(&partial)?` (or `sub`): the new sum replaces (and may hold) the old one.
+    fn add_into(&mut self, t: Nid, old: Val, partial: Val) {
+        let new = self.make(self.bytes(t), &[old, partial]);
+        self.drop_val(old);
+        self.store[t] = Some(new);
+    }
 
-/// `narrow`: the gradient zero-padded and concatenated to the input's full size (a view when
-/// nothing is cut away).
-fn narrow_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    x: Nid,
-    grad: Val,
-    (pad_before, pad_after): (u64, u64),
-    locals: &mut Vec<Val>,
-) {
-    let ins = &g.nodes[x].inputs;
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    let a = ins[0];
-    let es = g.nodes[x].dtype.size();
-    if pad_before + pad_after > 0 {
+    /// `or_insert` then `add`: one contribution to `t`'s gradient.
+    fn acc(&mut self, t: Nid, partial: Val) {
+        let old = self.or_insert(t);
+        self.add_into(t, old, partial);
+    }
+
+    /// A view of the gradient added into `t`'s (`sum`, `copy`, `reshape`, … and an uncut
+    /// `narrow`).
+    fn acc_view(&mut self, t: Nid, grad: Val, locals: &mut Vec<Val>) {
+        let v = self.h.view(grad, false);
+        self.acc(t, v);
+        locals.push(v);
+    }
+
+    /// One node's backward rule on its (detached) gradient: the contributions to its inputs'
+    /// gradients in the order candle makes them, one arm per op kind as candle's `backward`
+    /// match reads. Returns the temporaries the rule still holds (dropped when the node is done).
+    fn node_backward(&mut self, x: Nid, grad: Val, seeded: Option<Val>) -> Vec<Val> {
+        let g = self.g;
+        let ins = &g.nodes[x].inputs;
+        let mut locals: Vec<Val> = Vec::new();
+        match g.nodes[x].kind {
+            Kind::Add | Kind::Sub => {
+                for &i in ins {
+                    self.acc(i, grad);
+                }
+            }
+            Kind::Mul => self.product_backward(x, grad, false, &mut locals),
+            Kind::Div => self.product_backward(x, grad, true, &mut locals),
+            Kind::Matmul => self.matmul_backward(x, grad, &mut locals),
+            Kind::Broadcast => {
+                let a = ins[0];
+                let s = self.make(self.bytes(a), &[grad]);
+                let bv = self.h.view(s, false);
+                self.acc(a, bv);
+                locals.extend([s, bv]);
+            }
+            Kind::Seed => {
+                // The gradient the seed took: added into out's entry, then freed.
+                let given = seeded.unwrap_or(Val::Fwd(ins[1]));
+                self.acc(ins[0], given);
+                locals.push(given);
+            }
+            Kind::Sum | Kind::Max | Kind::Copy | Kind::Transpose | Kind::Reshape => {
+                self.acc_view(ins[0], grad, &mut locals)
+            }
+            Kind::ToDtype | Kind::Affine | Kind::Exp | Kind::Sqr | Kind::Powf => {
+                self.pointwise_backward(x, grad, &mut locals)
+            }
+            Kind::Silu => self.silu_backward(x, grad, &mut locals),
+            Kind::Gelu => self.gelu_backward(x, grad, &mut locals),
+            Kind::Narrow {
+                pad_before,
+                pad_after,
+            } => self.narrow_backward(x, grad, (pad_before, pad_after), &mut locals),
+            Kind::IndexSelect => {
+                let old = self.or_insert(ins[0]);
+                self.add_into(ins[0], old, grad);
+            }
+            Kind::Attention { bwd_scratch } => self.attention_backward(x, bwd_scratch, &mut locals),
+            Kind::Custom { bwd_scratch } => self.custom_backward(x, grad, bwd_scratch),
+            Kind::Var | Kind::Const => {}
+        }
+        locals
+    }
+
+    /// `mul` (`div` when `div`): the lhs's contribution grad·rhs (grad/rhs), then the rhs's:
+    /// grad·lhs (−grad·lhs/rhs², through two temporaries).
+    fn product_backward(&mut self, x: Nid, grad: Val, div: bool, locals: &mut Vec<Val>) {
+        let (l, r) = (self.g.nodes[x].inputs[0], self.g.nodes[x].inputs[1]);
+        let nb = self.bytes(x);
+        let lg = self.make(nb, &[grad, Val::Fwd(r)]);
+        self.acc(l, lg);
+        let rg = if div {
+            let t1 = self.make(nb, &[grad, Val::Fwd(l)]);
+            let t2 = self.make(nb, &[Val::Fwd(r)]);
+            let rg = self.make(nb, &[t1, t2]);
+            self.drop_val(t1);
+            self.drop_val(t2);
+            rg
+        } else {
+            self.make(nb, &[grad, Val::Fwd(l)])
+        };
+        self.acc(r, rg);
+        locals.extend([lg, rg]);
+    }
+
+    /// The one-input pointwise ops (`to_dtype`, `affine`, `exp`, `sqr`, `powf`): the input's
+    /// contribution through the temporaries each formula makes, in candle's order (`exp` and
+    /// `to_dtype` take the input's sum before computing theirs).
+    fn pointwise_backward(&mut self, x: Nid, grad: Val, locals: &mut Vec<Val>) {
+        let node = &self.g.nodes[x];
+        let input = node.inputs[0];
+        let (a, arg) = (self.bytes(input), Val::Fwd(input));
+        match node.kind {
+            Kind::ToDtype => {
+                let old = self.or_insert(input);
+                let conv = self.make(a, &[grad]);
+                self.add_into(input, old, conv);
+                locals.push(conv);
+            }
+            Kind::Exp => {
+                let old = self.or_insert(input);
+                let p = self.make(self.bytes(x), &[grad, Val::Fwd(x)]);
+                self.add_into(input, old, p);
+                self.drop_val(p);
+            }
+            Kind::Affine => {
+                let ag = self.make(a, &[grad]);
+                self.acc(input, ag);
+                locals.push(ag);
+            }
+            Kind::Sqr => {
+                let t1 = self.make(a, &[arg, grad]);
+                let ag = self.make(a, &[t1]);
+                self.drop_val(t1);
+                self.acc(input, ag);
+                locals.push(ag);
+            }
+            Kind::Powf => {
+                let t1 = self.make(a, &[arg]);
+                let t2 = self.make(a, &[grad, t1]);
+                let ag = self.make(a, &[t2]);
+                self.drop_val(t1);
+                self.drop_val(t2);
+                self.acc(input, ag);
+                locals.push(ag);
+            }
+            _ => unreachable!("pointwise_backward serves one-input pointwise kinds only"),
+        }
+    }
+
+    /// `matmul`: grad·rᵀ, then lᵀ·grad, each with the f32 widening of a bf16 matmul.
+    fn matmul_backward(&mut self, x: Nid, grad: Val, locals: &mut Vec<Val>) {
+        let g = self.g;
+        let node = &g.nodes[x];
+        let (l, r) = (node.inputs[0], node.inputs[1]);
+        let el = |i: Nid| g.nodes[g.storage(i)].elems;
+        let w = self.h.obj(
+            bf16_matmul_scratch(node.dtype, node.elems + el(r), g.nodes[l].elems),
+            vec![],
+        );
+        let lg = self.make(self.bytes(l), &[grad, Val::Fwd(r)]);
+        self.h.dec(w);
+        self.acc(l, lg);
+        let w = self.h.obj(
+            bf16_matmul_scratch(node.dtype, el(l) + node.elems, g.nodes[r].elems),
+            vec![],
+        );
+        let rg = self.make(self.bytes(r), &[Val::Fwd(l), grad]);
+        self.h.dec(w);
+        self.acc(r, rg);
+        locals.extend([lg, rg]);
+    }
+
+    /// The one input of an elementwise op (`silu`, `gelu`) and its gradient so far
+    /// ([`Replay::or_insert`]: a zero sum made now when it has none).
+    fn elementwise_input(&mut self, x: Nid) -> (Nid, Val) {
+        let input = self.g.nodes[x].inputs[0];
+        (input, self.or_insert(input))
+    }
+
+    /// The chain rule's last step of an elementwise op (`silu`, `gelu`): `grad · d` (in the
+    /// input's size), `d` freed, the product added into the input `t`'s gradient (`old`: its sum
+    /// so far, from [`Replay::or_insert`]) and freed.
+    fn grad_times_derivative(&mut self, (t, old): (Nid, Val), grad: Val, d: Val) {
+        let p = self.make(self.bytes(t), &[grad, d]);
+        self.drop_val(d);
+        self.add_into(t, old, p);
+        self.drop_val(p);
+    }
+
+    /// `silu`: the derivative through sigmoid temporaries, then one product with the gradient.
+    fn silu_backward(&mut self, x: Nid, grad: Val, locals: &mut Vec<Val>) {
+        let me = Val::Fwd(x);
+        let (input, old) = self.elementwise_input(x);
+        let (a, arg) = (self.bytes(input), Val::Fwd(input));
+        let t1 = self.make(a, &[arg]);
+        let t2 = self.make(a, &[t1]);
+        let t3 = self.make(a, &[t2]);
+        self.drop_val(t2);
+        let sig = self.make(a, &[t3]);
+        self.drop_val(t1);
+        self.drop_val(t3);
+        let u1 = self.make(a, &[me]);
+        let u2 = self.make(a, &[sig, u1]);
+        self.drop_val(u1);
+        let u3 = self.make(a, &[u2, me]);
+        self.drop_val(u2);
+        self.grad_times_derivative((input, old), grad, u3);
+        locals.push(sig);
+    }
+
+    /// `gelu` (tanh): the derivative through about a dozen temporaries, then one product with
+    /// the gradient.
+    fn gelu_backward(&mut self, x: Nid, grad: Val, locals: &mut Vec<Val>) {
+        let (input, old) = self.elementwise_input(x);
+        let (a, arg) = (self.bytes(input), Val::Fwd(input));
+        let cube = self.make(a, &[arg]);
+        let t1 = self.make(a, &[cube]);
+        let t2 = self.make(a, &[arg]);
+        let t3 = self.make(a, &[t1, t2]);
+        self.drop_val(t1);
+        self.drop_val(t2);
+        let tanh = self.make(a, &[t3]);
+        self.drop_val(t3);
+        let u1 = self.make(a, &[tanh]);
+        let u2 = self.make(a, &[cube]);
+        self.drop_val(cube);
+        let u3 = self.make(a, &[arg]);
+        let u4 = self.make(a, &[u2, u3]);
+        self.drop_val(u2);
+        self.drop_val(u3);
+        let u5 = self.make(a, &[tanh]);
+        let u6 = self.make(a, &[u5]);
+        self.drop_val(u5);
+        let u7 = self.make(a, &[u4, u6]);
+        self.drop_val(u4);
+        self.drop_val(u6);
+        let u8 = self.make(a, &[u1, u7]);
+        self.drop_val(u1);
+        self.drop_val(u7);
+        let gg = self.make(a, &[u8]);
+        self.drop_val(u8);
+        self.grad_times_derivative((input, old), grad, gg);
+        locals.push(tanh);
+    }
+
+    /// `narrow`: the gradient zero-padded and concatenated to the input's full size (a view when
+    /// nothing is cut away).
+    fn narrow_backward(
+        &mut self,
+        x: Nid,
+        grad: Val,
+        (pad_before, pad_after): (u64, u64),
+        locals: &mut Vec<Val>,
+    ) {
+        let a = self.g.nodes[x].inputs[0];
+        let es = self.g.nodes[x].dtype.size();
+        if pad_before + pad_after == 0 {
+            return self.acc_view(a, grad, locals);
+        }
         let mut parts = vec![grad];
         let mut pads = Vec::new();
         for p in [pad_before, pad_after] {
             if p > 0 {
-                let z = h.make(g, p * es, &[]);
+                let z = self.make(p * es, &[]);
                 pads.push(z);
                 parts.push(z);
             }
         }
-        let cat = h.make(g, bytes(a), &parts);
+        let cat = self.make(self.bytes(a), &parts);
         for z in pads {
-            h.drop_val(z);
+            self.drop_val(z);
         }
-        acc(h, g, store, a, cat);
+        self.acc(a, cat);
         locals.push(cat);
-    } else {
-        let v = h.view(g, grad, false);
-        acc(h, g, store, a, v);
-        locals.push(v);
     }
-}
 
-/// A fused op of the engine: workspace while it makes one fresh gradient per input that
-/// tracks, then each folded into the store, or moved to the trainer's sink for sunk weights.
-fn custom_backward(
-    h: &mut Heap,
-    g: &Graph,
-    store: &mut [Option<Val>],
-    (x, grad): (Nid, Val),
-    bwd_scratch: u64,
-    sunk_grads: &mut u64,
-) {
-    let ins = &g.nodes[x].inputs;
-    let bytes = |x: Nid| g.nodes[x].bytes();
-    // The state the op frees itself (its workspace counts that state until it is freed).
-    h.released += g.nodes[x].released_by_bwd;
-    // `c.bwd(..)` returns all gradients before candle adds any of them.
-    let scratch = h.make(g, bwd_scratch, &[]);
-    let shared = g.nodes[x].grad_is_output_grad.map(|k| ins[k]);
-    let grads: Vec<(Nid, Val)> = ins
-        .iter()
-        .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
-        .map(|&i| {
-            if shared == Some(i) {
-                // A handle on the output gradient: nothing new.
-                (i, h.share(grad))
-            } else {
-                (i, h.make(g, bytes(i), &[]))
-            }
-        })
-        .collect();
-    h.drop_val(scratch);
-    let sunk_input = g.nodes[x].sunk_input.map(|k| ins[k]);
-    for &(i, d) in &grads {
-        if sunk_input == Some(i) {
-            // Added into the trainer's running sum inside the op's backward, then freed.
-            h.drop_val(d);
-            continue;
+    /// Flash attention: its workspace, then dq, dk, dv (fresh, detached tensors of q's size),
+    /// each added into its input's gradient as it comes.
+    fn attention_backward(&mut self, x: Nid, bwd_scratch: u64, locals: &mut Vec<Val>) {
+        let ins = &self.g.nodes[x].inputs;
+        let q = self.bytes(ins[0]);
+        let s = self.make(bwd_scratch, &[]);
+        self.drop_val(s);
+        for &i in ins {
+            let d = self.make(q, &[]);
+            locals.push(d);
+            self.acc(i, d);
         }
-        if g.nodes[i].sunk {
-            // Moved into the sink: alive after the backward, outside the store.
-            *sunk_grads += bytes(i) + h.tmeta + h.smeta;
-            continue;
-        }
-        // `if let Some(arg_grad) = arg_grad { …add(&arg_grad) }`: each gradient is dropped once
-        // folded, before the next input's (candle-core `backprop.rs`, CustomOp2/CustomOp3).
-        acc(h, g, store, i, d);
-        h.drop_val(d);
     }
-}
 
-/// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
-/// gradients.
-fn finish(g: &Graph, h: &Heap, store: &[Option<Val>], sunk_grads: u64) -> Backward {
-    let meta = h.tmeta + h.smeta;
-    let mut out = Backward {
-        peak: h.peak,
-        released: h.peak_released,
-        store: h.live,
-        weight_grads: sunk_grads,
-        ..Backward::default()
-    };
-    for (t, v) in store.iter().enumerate() {
-        if v.is_some() && g.nodes[t].kind == Kind::Var {
-            if g.nodes[t].alloc {
-                out.leaf_grads += g.nodes[t].bytes() + meta;
-            } else {
-                out.weight_grads += g.nodes[t].bytes() + meta;
+    /// A fused op of the engine: workspace while it makes one fresh gradient per input that
+    /// tracks, then each folded into the store, or moved to the trainer's sink for sunk weights.
+    fn custom_backward(&mut self, x: Nid, grad: Val, bwd_scratch: u64) {
+        let g = self.g;
+        let ins = &g.nodes[x].inputs;
+        // The state the op frees itself (its workspace counts that state until it is freed).
+        self.h.released += g.nodes[x].released_by_bwd;
+        // `c.bwd(..)` returns all gradients before candle adds any of them.
+        let scratch = self.make(bwd_scratch, &[]);
+        let shared = g.nodes[x].grad_is_output_grad.map(|k| ins[k]);
+        let grads: Vec<(Nid, Val)> = ins
+            .iter()
+            .filter(|&&i| g.nodes[i].tracks || g.nodes[i].sunk)
+            .map(|&i| {
+                if shared == Some(i) {
+                    // A handle on the output gradient: nothing new.
+                    (i, self.h.share(grad))
+                } else {
+                    (i, self.make(self.bytes(i), &[]))
+                }
+            })
+            .collect();
+        self.drop_val(scratch);
+        let sunk_input = g.nodes[x].sunk_input.map(|k| ins[k]);
+        for &(i, d) in &grads {
+            if sunk_input == Some(i) {
+                // Added into the trainer's running sum inside the op's backward, then freed.
+                self.drop_val(d);
+                continue;
             }
+            if g.nodes[i].sunk {
+                // Moved into the sink: alive after the backward, outside the store.
+                self.sunk_grads += self.bytes(i) + self.h.tmeta + self.h.smeta;
+                continue;
+            }
+            // `if let Some(arg_grad) = arg_grad { …add(&arg_grad) }`: each gradient is dropped
+            // once folded, before the next input's (candle-core `backprop.rs`, CustomOp2/3).
+            self.acc(i, d);
+            self.drop_val(d);
         }
     }
-    out
+
+    /// What `backward` leaves: the store's bytes (and the sinks'), split into leaf and weight
+    /// gradients.
+    fn finish(&self) -> Backward {
+        let (g, h) = (self.g, &self.h);
+        let meta = h.tmeta + h.smeta;
+        let mut out = Backward {
+            peak: h.peak,
+            released: h.peak_released,
+            store: h.live,
+            weight_grads: self.sunk_grads,
+            ..Backward::default()
+        };
+        for (t, v) in self.store.iter().enumerate() {
+            if v.is_some() && g.nodes[t].kind == Kind::Var {
+                if g.nodes[t].alloc {
+                    out.leaf_grads += g.nodes[t].bytes() + meta;
+                } else {
+                    out.weight_grads += g.nodes[t].bytes() + meta;
+                }
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]

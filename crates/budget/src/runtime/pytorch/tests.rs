@@ -51,6 +51,23 @@ fn spec(precision: Precision, attention: AttentionMode, device: TorchDevice) -> 
     s
 }
 
+/// [`spec`] in fp32 with memory-efficient attention on the CPU.
+fn cpu_fp32() -> Spec {
+    spec(
+        Precision::Fp32,
+        AttentionMode::MemoryEfficient,
+        TorchDevice::Cpu,
+    )
+}
+
+/// [`cpu_fp32`] with every block checkpointed, and its step's timeline.
+fn cpu_fp32_checkpointed() -> (Spec, crate::timeline::Timeline) {
+    let mut s = cpu_fp32();
+    s.recipe.recompute = Recompute::All;
+    let tl = simulate_step(&s);
+    (s, tl)
+}
+
 /// (E elements, A elements, S rows, log-sum-exp bytes) of the spec.
 fn sizes(s: &Spec) -> (u64, u64, u64, u64) {
     let d = Shape::new(s);
@@ -148,23 +165,13 @@ fn autocast_weight_copies_are_two_bytes_per_block_weight() {
     assert_eq!(c.block.kept.weight_casts, 2 * 18 * d * d);
     assert_eq!(c.block.cache_only, 2 * 15 * d);
     assert_eq!(c.block.ckpt_cache, 2 * (18 * d * d + 15 * d));
-    let s = spec(
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
+    let s = cpu_fp32();
     assert_eq!(costs(&s).block.kept.weight_casts, 0);
 }
 
 #[test]
 fn checkpointed_blocks_keep_only_their_input() {
-    let mut s = spec(
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
-    s.recipe.recompute = Recompute::All;
-    let tl = simulate_step(&s);
+    let (s, tl) = cpu_fp32_checkpointed();
     let (e, _, _, _) = sizes(&s);
     let emb = tl.events.iter().find(|ev| ev.label == "embed").unwrap();
     let last = tl.events.iter().find(|ev| ev.label == "block 3").unwrap();
@@ -190,11 +197,7 @@ fn adamw_scratch_follows_the_implementation() {
     for i in [Foreach, ForLoop, Fused] {
         assert_eq!(sc(Precision::Fp16Mixed, Optimizer::AdamW8bit, i), 0);
     }
-    let mut s = spec(
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
+    let mut s = cpu_fp32();
     let opt_ws = |s: &Spec| {
         let b = estimate(s).unwrap();
         let e = b
@@ -323,11 +326,7 @@ fn cuda_allocator_rounding() {
 
 #[test]
 fn saved_marker_names_what_backward_reads() {
-    let s = spec(
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
+    let s = cpu_fp32();
     let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);
     let g = rt.block(&Shape::new(&s));
     let saved: Vec<&str> = g
@@ -629,13 +628,7 @@ fn checkpoint_stashes_the_cpu_rng_state() {
     use crate::runtime::pytorch::step::checkpoint_rng_bytes;
     assert_eq!(checkpoint_rng_bytes(TorchDevice::Cpu), CPU_RNG_STATE_BYTES);
     assert_eq!(checkpoint_rng_bytes(TorchDevice::Cuda), 0);
-    let mut s = spec(
-        Precision::Fp32,
-        AttentionMode::MemoryEfficient,
-        TorchDevice::Cpu,
-    );
-    s.recipe.recompute = Recompute::All;
-    let tl = simulate_step(&s);
+    let (s, tl) = cpu_fp32_checkpointed();
     let c = costs(&s);
     let i = tl
         .events

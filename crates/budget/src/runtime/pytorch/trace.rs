@@ -421,11 +421,10 @@ fn forward(spec: &Spec, traced: &[Traced], dq: u64, seq: &mut Seq, sh: &mut Shar
     inst
 }
 
-// Whole (~115 lines): one node's replay order (recompute, gradient aliases, gradients, releases) is
-// one sequence of allocator events; split, its order would be spread over helpers.
 /// One microbatch's backward, the instances in reverse: the loss's gradient first, the IPG
 /// buffers of this backward and the step's gradient partition, each node's recompute, gradients
-/// and releases.
+/// and releases (one node's replay order kept here whole; only the recompute and the buffers
+/// are steps of their own).
 fn backward(
     traced: &[Traced],
     dq: u64,
@@ -438,20 +437,7 @@ fn backward(
     // The block count the forward walked to.
     let mut block = inst.iter().filter(|x| traced[x.0].blocks).count() as u32;
     let mut incoming: Vec<u64> = vec![seq.alloc(4)];
-    // The IPG buffers of this backward, and the gradient partition of the step.
-    let ipg: Vec<u64> = sh
-        .rs
-        .as_ref()
-        .map(|rs| rs.backward_buffers.clone())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|b| seq.alloc(b))
-        .collect();
-    if mb == 0 {
-        if let Some(rs) = &sh.rs {
-            param_grads.push(seq.alloc(rs.grad_partition));
-        }
-    }
+    let ipg = backward_buffers(seq, sh, mb, param_grads);
     let mut bcast: Vec<(String, u64)> = Vec::new();
     let mut outs_of: Vec<Vec<u64>> = inst
         .iter()
@@ -464,23 +450,7 @@ fn backward(
             sh.before(seq, false, block as usize);
             dequant(seq, dq);
         }
-        let mut i = if ck {
-            // Recompute: a tracked forward of its own, under the same autocast state.
-            let re = Instance {
-                base: seq.range(tr.trace.n),
-                alias: Vec::new(),
-            };
-            // The recomputed outputs are dropped (the first forward's are the ones kept).
-            re.replay(seq, &tr.trace.fwd, &[]);
-            // The checkpoint's autocast region ends with the recompute: copies only its
-            // cache held go.
-            for &l in tr.trace.outputs.iter().chain(&tr.trace.cache_only) {
-                seq.free(re.id(l));
-            }
-            re
-        } else {
-            fwd
-        };
+        let mut i = if ck { recompute(tr, seq) } else { fwd };
         i.alias = tr
             .out_grads
             .iter()
@@ -540,6 +510,41 @@ fn backward(
     for id in ipg {
         seq.free(id);
     }
+}
+
+/// The IPG buffers of one backward (returned, freed when it ends), and on the first microbatch
+/// the step's gradient partition (kept with the parameter gradients).
+fn backward_buffers(seq: &mut Seq, sh: &Sharded, mb: u32, param_grads: &mut Vec<u64>) -> Vec<u64> {
+    let ipg: Vec<u64> = sh
+        .rs
+        .as_ref()
+        .map(|rs| rs.backward_buffers.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|b| seq.alloc(b))
+        .collect();
+    if mb == 0 {
+        if let Some(rs) = &sh.rs {
+            param_grads.push(seq.alloc(rs.grad_partition));
+        }
+    }
+    ipg
+}
+
+/// A checkpointed node's recompute: a tracked forward of its own, under the same autocast
+/// state, whose instance the node's backward then reads.
+fn recompute(tr: &Traced, seq: &mut Seq) -> Instance {
+    let re = Instance {
+        base: seq.range(tr.trace.n),
+        alias: Vec::new(),
+    };
+    // The recomputed outputs are dropped (the first forward's are the ones kept).
+    re.replay(seq, &tr.trace.fwd, &[]);
+    // The checkpoint's autocast region ends with the recompute: copies only its cache held go.
+    for &l in tr.trace.outputs.iter().chain(&tr.trace.cache_only) {
+        seq.free(re.id(l));
+    }
+    re
 }
 
 /// optimizer.step(), EMA, then zero_grad frees the parameter gradients.

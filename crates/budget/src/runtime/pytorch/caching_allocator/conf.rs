@@ -95,8 +95,8 @@ fn lex(env: &str) -> Vec<String> {
 }
 
 impl AllocConf {
-    /// Parse `PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` does. Over 100 lines: one
-    /// arm per key, in the order and with the checks of `parseArgs`, so the two read side by side.
+    /// Parse `PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` does: `key:value` pairs
+    /// separated by `,`, each value read by [`AllocConf::set`].
     pub fn parse(env: &str) -> Result<AllocConf, AllocConfError> {
         let mut conf = AllocConf::default();
         let t = lex(env);
@@ -112,82 +112,7 @@ impl AllocConf {
             }
             i += 2;
             let value = tok(i).ok_or_else(|| value_err(&key, "expected a value"))?;
-            let number = |v: &str| -> Result<u64, AllocConfError> {
-                v.parse::<u64>()
-                    .map_err(|_| value_err(&key, format!("'{v}' is not a whole number")))
-            };
-            let boolean = |v: &str| -> Result<bool, AllocConfError> {
-                match v {
-                    "True" => Ok(true),
-                    "False" => Ok(false),
-                    _ => Err(value_err(
-                        &key,
-                        format!("expected True or False, got '{v}'"),
-                    )),
-                }
-            };
-            match key.as_str() {
-                // `parseMaxSplitSize` / `parseMaxNonSplitRoundingSize`: ≥ kLargeBuffer / 1 MiB.
-                "max_split_size_mb" | "max_non_split_rounding_mb" => {
-                    let mb = number(value)?;
-                    if mb < LARGE_BUFFER / MIB {
-                        return Err(value_err(&key, format!("{mb} is too small, must be >= 20")));
-                    }
-                    let bytes = mb.saturating_mul(MIB);
-                    if key == "max_split_size_mb" {
-                        conf.max_split_size = bytes;
-                    } else {
-                        conf.max_non_split_rounding = bytes;
-                    }
-                }
-                // `parseGarbageCollectionThreshold`: in (0, 1).
-                "garbage_collection_threshold" => {
-                    let v: f64 = value
-                        .parse()
-                        .map_err(|_| value_err(&key, format!("'{value}' is not a number")))?;
-                    if !(v > 0.0 && v < 1.0) {
-                        return Err(value_err(&key, "must be in (0.0, 1.0)"));
-                    }
-                    conf.garbage_collection_threshold = Some(v);
-                }
-                "expandable_segments" => conf.expandable_segments = boolean(value)?,
-                "roundup_power2_divisions" => {
-                    i = parse_roundup(&t, i, &mut conf.roundup_power2_divisions)?;
-                }
-                "backend" => {
-                    match value {
-                        "native" => {}
-                        "cudaMallocAsync" => return Err(value_err(
-                            &key,
-                            "cudaMallocAsync is not simulated (only the native caching allocator)",
-                        )),
-                        v => {
-                            return Err(value_err(
-                                &key,
-                                format!("'{v}': options are native and cudaMallocAsync"),
-                            ))
-                        }
-                    }
-                }
-                // Host-side or locking options: no effect on device memory.
-                "release_lock_on_cudamalloc"
-                | "pinned_use_cuda_host_register"
-                | "pinned_use_background_threads" => {
-                    boolean(value)?;
-                }
-                "pinned_num_register_threads" => {
-                    let n = number(value)?;
-                    if !n.is_power_of_two() {
-                        return Err(value_err(&key, "has to be a power of 2"));
-                    }
-                }
-                _ => {
-                    return Err(AllocConfError::UnknownKey {
-                        key: key.chars().take(60).collect(),
-                        allowed: KEYS,
-                    })
-                }
-            }
+            i = conf.set(&key, value, &t, i)?;
             // `if (i + 1 < config.size()) consumeToken(config, ++i, ',')`.
             if i + 1 < t.len() {
                 if tok(i + 1) != Some(",") {
@@ -200,6 +125,92 @@ impl AllocConf {
             i += 1;
         }
         Ok(conf)
+    }
+
+    /// One key's `value` (token `i` of `t`), one arm per key in the order and with the checks of
+    /// `parseArgs`, so the two read side by side. Returns the index of the value's last token
+    /// (a `[…]` list of `roundup_power2_divisions` takes several).
+    fn set(
+        &mut self,
+        key: &str,
+        value: &str,
+        t: &[String],
+        mut i: usize,
+    ) -> Result<usize, AllocConfError> {
+        let number = |v: &str| -> Result<u64, AllocConfError> {
+            v.parse::<u64>()
+                .map_err(|_| value_err(key, format!("'{v}' is not a whole number")))
+        };
+        let boolean = |v: &str| -> Result<bool, AllocConfError> {
+            match v {
+                "True" => Ok(true),
+                "False" => Ok(false),
+                _ => Err(value_err(key, format!("expected True or False, got '{v}'"))),
+            }
+        };
+        match key {
+            // `parseMaxSplitSize` / `parseMaxNonSplitRoundingSize`: ≥ kLargeBuffer / 1 MiB.
+            "max_split_size_mb" | "max_non_split_rounding_mb" => {
+                let mb = number(value)?;
+                if mb < LARGE_BUFFER / MIB {
+                    return Err(value_err(key, format!("{mb} is too small, must be >= 20")));
+                }
+                let bytes = mb.saturating_mul(MIB);
+                if key == "max_split_size_mb" {
+                    self.max_split_size = bytes;
+                } else {
+                    self.max_non_split_rounding = bytes;
+                }
+            }
+            // `parseGarbageCollectionThreshold`: in (0, 1).
+            "garbage_collection_threshold" => {
+                let v: f64 = value
+                    .parse()
+                    .map_err(|_| value_err(key, format!("'{value}' is not a number")))?;
+                if !(v > 0.0 && v < 1.0) {
+                    return Err(value_err(key, "must be in (0.0, 1.0)"));
+                }
+                self.garbage_collection_threshold = Some(v);
+            }
+            "expandable_segments" => self.expandable_segments = boolean(value)?,
+            "roundup_power2_divisions" => {
+                i = parse_roundup(t, i, &mut self.roundup_power2_divisions)?;
+            }
+            "backend" => match value {
+                "native" => {}
+                "cudaMallocAsync" => {
+                    return Err(value_err(
+                        key,
+                        "cudaMallocAsync is not simulated (only the native caching allocator)",
+                    ))
+                }
+                v => {
+                    return Err(value_err(
+                        key,
+                        format!("'{v}': options are native and cudaMallocAsync"),
+                    ))
+                }
+            },
+            // Host-side or locking options: no effect on device memory.
+            "release_lock_on_cudamalloc"
+            | "pinned_use_cuda_host_register"
+            | "pinned_use_background_threads" => {
+                boolean(value)?;
+            }
+            "pinned_num_register_threads" => {
+                let n = number(value)?;
+                if !n.is_power_of_two() {
+                    return Err(value_err(key, "has to be a power of 2"));
+                }
+            }
+            _ => {
+                return Err(AllocConfError::UnknownKey {
+                    key: key.chars().take(60).collect(),
+                    allowed: KEYS,
+                })
+            }
+        }
+        Ok(i)
     }
 
     /// `AllocatorConfig::roundup_power2_divisions(size)`: the interval of `floor(log2(size))`,

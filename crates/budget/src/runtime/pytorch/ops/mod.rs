@@ -418,16 +418,38 @@ impl<'a> Builder<'a> {
         self.g.view("attn out (b, s, D) view", o, at.q_elems())
     }
 
+    /// The scores of a composite attention: q (`q_label` names its reshape) and kᵀ reshaped
+    /// for `bmm`, both saved (the bmm's backward reads them), then their product `label` in
+    /// `dt` [MM].
+    fn bmm_scores(
+        &mut self,
+        (q, q_label): (Tid, &str),
+        k: Tid,
+        label: &str,
+        at: Attn,
+        dt: Dtype,
+    ) -> Tid {
+        let qc = self.g.op(q_label, &[q], at.q_elems(), dt);
+        let kc = self.g.op("kᵀ reshaped for bmm", &[k], at.kv_elems(), dt);
+        save(&mut self.g, qc);
+        save(&mut self.g, kc);
+        self.g.op(label, &[qc, kc], at.scores(), dt)
+    }
+
+    /// P·v of a composite attention: v reshaped for `bmm` and saved (the bmm's backward reads
+    /// it), then the product in `dt` [MM].
+    fn bmm_pv(&mut self, p: Tid, v: Tid, at: Attn, dt: Dtype) -> Tid {
+        let vc = self.g.op("v reshaped for bmm", &[v], at.kv_elems(), dt);
+        save(&mut self.g, vc);
+        self.g.op("P·v", &[p, vc], at.q_elems(), dt)
+    }
+
     /// timm's explicit path: q·scale, (q @ kᵀ), softmax, (P @ v) [MM][AG][AC].
     fn explicit_attention(&mut self, q: Tid, k: Tid, v: Tid, at: Attn) -> Tid {
         let low = self.low();
-        let (eq, ekv, a) = (at.q_elems(), at.kv_elems(), at.scores());
+        let (eq, a) = (at.q_elems(), at.scores());
         let qs = self.g.op("q·scale", &[q], eq, low);
-        let qc = self.g.op("q·scale reshaped for bmm", &[qs], eq, low);
-        let kc = self.g.op("kᵀ reshaped for bmm", &[k], ekv, low);
-        save(&mut self.g, qc);
-        save(&mut self.g, kc);
-        let scores = self.g.op("scores q·kᵀ", &[qc, kc], a, low);
+        let scores = self.bmm_scores((qs, "q·scale reshaped for bmm"), k, "scores q·kᵀ", at, low);
         let p_dt = if self.autocast() && self.rt.device == TorchDevice::Cuda {
             // softmax is on CUDA autocast's fp32 list [AC].
             Dtype::F32
@@ -438,9 +460,7 @@ impl<'a> Builder<'a> {
         save(&mut self.g, p);
         let pc = self.cast_low("P", p);
         save(&mut self.g, pc);
-        let vc = self.g.op("v reshaped for bmm", &[v], ekv, low);
-        save(&mut self.g, vc);
-        let o = self.g.op("P·v", &[pc, vc], eq, low);
+        let o = self.bmm_pv(pc, v, at, low);
         // (b, a, s, d) → transpose(1, 2).reshape(b, s, D) copies [MM].
         self.g.op("attn out (b, s, D) copy", &[o], eq, low)
     }
@@ -463,16 +483,10 @@ impl<'a> Builder<'a> {
         };
         let qs = self.g.op("q·√scale", &[q], eq, wd);
         let ks = self.g.op("k·√scale", &[k], ekv, wd);
-        let qc = self.g.op("q reshaped for bmm", &[qs], eq, wd);
-        let kc = self.g.op("kᵀ reshaped for bmm", &[ks], ekv, wd);
-        save(&mut self.g, qc);
-        save(&mut self.g, kc);
-        let scores = self.g.op("scores", &[qc, kc], a, wd);
+        let scores = self.bmm_scores((qs, "q reshaped for bmm"), ks, "scores", at, wd);
         let p = self.g.op("softmax P", &[scores], a, wd);
         save(&mut self.g, p);
-        let vc = self.g.op("v reshaped for bmm", &[v], ekv, wd);
-        save(&mut self.g, vc);
-        let o = self.g.op("P·v", &[p, vc], eq, wd);
+        let o = self.bmm_pv(p, v, at, wd);
         let o = self.g.cast(&format!("sdpa out →{low}"), o, low);
         self.g.op("attn out (b, s, D) copy", &[o], eq, low)
     }
