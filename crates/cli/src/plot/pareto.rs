@@ -1,7 +1,8 @@
 //! The planner's memory-vs-time Pareto front ([`pareto_chart`]).
 
 use super::canvas::{
-    around, axes, heading, legend, polyline, shorten, Anchor, Canvas, Rect, Scale, Swatch, SIZE,
+    around, axes, heading, legend, polyline, shorten, Anchor, Canvas, Label, Rect, Scale, Swatch,
+    SIZE,
 };
 use super::timeline::{Rule, BLUE, GREEN, RED};
 
@@ -104,10 +105,8 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
             x,
             y,
             &around(10.0, 12.0),
-            12.0,
-            &label,
             &inner,
-            "font-weight=\"bold\" fill=\"#111\"",
+            Label::new(&label, 12.0, "font-weight=\"bold\" fill=\"#111\""),
         );
     }
     point_labels(&mut c, p, &pts, &area);
@@ -179,10 +178,8 @@ fn rule_labels(c: &mut Canvas, p: &ParetoChart, xs: &Scale, area: &Rect) {
             x,
             area.y0,
             &cands,
-            11.0,
-            &r.label,
             &inner,
-            &format!("fill=\"{}\"", r.color),
+            Label::new(&r.label, 11.0, &format!("fill=\"{}\"", r.color)),
         );
     }
 }
@@ -202,10 +199,8 @@ fn point_labels(c: &mut Canvas, p: &ParetoChart, pts: &[(f64, f64)], area: &Rect
             x,
             y,
             &around(7.0, 11.0),
-            11.0,
-            &label,
             &inner,
-            "fill=\"#333\"",
+            Label::new(&label, 11.0, "fill=\"#333\""),
         );
         if placed.is_none() {
             unlabelled += 1;
@@ -222,10 +217,8 @@ fn point_labels(c: &mut Canvas, p: &ParetoChart, pts: &[(f64, f64)], area: &Rect
             inner.x1,
             y,
             &[(-4.0, 0.0, Anchor::End), (-4.0, -16.0, Anchor::End)],
-            11.0,
-            &note,
             &inner,
-            "fill=\"#666\"",
+            Label::new(&note, 11.0, "fill=\"#666\""),
         );
     }
 }

@@ -2,8 +2,8 @@
 //! rules and spans for the phases and limits, the breakdown bar at the peak.
 
 use super::canvas::{
-    around, axes, decimate, heading, legend, polyline, shorten, text_box, Anchor, Canvas, Rect,
-    Scale, Swatch, ASCENT_EM, SIZE,
+    around, axes, decimate, heading, legend, polyline, shorten, text_box, Anchor, Canvas, Label,
+    Rect, Scale, Swatch, ASCENT_EM, SIZE,
 };
 
 /// A horizontal line across the plot (a capacity, a budget) or a vertical one (on the Pareto
@@ -90,10 +90,8 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             px,
             py,
             &around(8.0, 12.0),
-            12.0,
-            &label,
             &inner,
-            "fill=\"#111\"",
+            Label::new(&label, 12.0, "fill=\"#111\""),
         );
     }
     if !above.is_empty() {
@@ -247,15 +245,12 @@ fn above_note(c: &mut Canvas, above: &[&Rule], inner: &Rect) {
         (inner.x0 + 4.0, inner.y0 + 12.0, Anchor::Start),
         (inner.x1 - 4.0, inner.y0 + 44.0, Anchor::End),
     ];
-    c.place_with(
+    c.place(
         0.0,
         0.0,
         &cands,
-        11.0,
-        &note,
         inner,
-        "fill=\"#b22222\"",
-        false,
+        Label::new(&note, 11.0, "fill=\"#b22222\"").no_leader(),
     );
 }
 
@@ -280,15 +275,12 @@ fn rule(c: &mut Canvas, r: &Rule, ys: &Scale, area: &Rect) {
         (inner.x1, y + d + 14.0, Anchor::End),
     ]
     .map(|(x, yy, a)| (x, yy - y, a));
-    c.place_with(
+    c.place(
         0.0,
         y,
         &cands,
-        11.0,
-        &label,
         &inner,
-        &format!("fill=\"{}\"", r.color),
-        false,
+        Label::new(&label, 11.0, &format!("fill=\"{}\"", r.color)).no_leader(),
     );
 }
 
@@ -356,15 +348,12 @@ pub(super) fn bar(c: &mut Canvas, t: &TimelineChart, ys: &Scale, area: &Rect) {
             cands.push((lx - bx1, ys_[k] - ymid - d, Anchor::Start));
             cands.push((lx - bx1, ys_[k] - ymid + d, Anchor::Start));
         }
-        let placed = c.place_with(
+        let placed = c.place(
             bx1,
             ymid,
             &cands,
-            size,
-            &label,
             &within,
-            "fill=\"#222\"",
-            false,
+            Label::new(&label, size, "fill=\"#222\"").no_leader(),
         );
         if let Some(b) = placed {
             let sy = (b.y0 + b.y1) / 2.0;
