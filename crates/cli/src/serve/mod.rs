@@ -64,22 +64,22 @@ pub struct ServeArgs {
 }
 
 fn workers(text: &str) -> Result<usize, String> {
-    match text.trim().parse::<usize>() {
-        Ok(n) if (1..=64).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "{} is not a count from 1 to 64",
-            crate::flags::show(text)
-        )),
-    }
+    in_range(text, 1..=64, "a count from 1 to 64")
 }
 
 fn plan_seconds(text: &str) -> Result<f64, String> {
-    match text.trim().parse::<f64>() {
-        Ok(v) if (0.1..=600.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "{} is not a number of seconds from 0.1 to 600",
-            crate::flags::show(text)
-        )),
+    in_range(text, 0.1..=600.0, "a number of seconds from 0.1 to 600")
+}
+
+/// `text` as a number in `range`, or the flag's refusal: `"TEXT" is not WHAT`.
+fn in_range<T: std::str::FromStr + PartialOrd>(
+    text: &str,
+    range: std::ops::RangeInclusive<T>,
+    what: &str,
+) -> Result<T, String> {
+    match text.trim().parse::<T>() {
+        Ok(v) if range.contains(&v) => Ok(v),
+        _ => Err(format!("{} is not {what}", crate::flags::show(text))),
     }
 }
 
