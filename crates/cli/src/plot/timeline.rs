@@ -72,7 +72,7 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
     // Phase names in a strip above the plot area, the y title above its ticks.
     let strip = ly + 22.0;
     let area = Rect::new(76.0, strip + 10.0, w - 16.0 - bar_w, h - 46.0);
-    let (on, above, xs, ys) = scales(t, &area);
+    let Scales { xs, ys, on, above } = scales(t, &area);
     spans(&mut c, t, &xs, &area);
     axes(&mut c, &area, &xs, &ys, &t.x_desc, &t.y_desc);
     span_names(&mut c, t, &xs, &area, strip);
@@ -121,9 +121,20 @@ fn legend_items(t: &TimelineChart) -> Vec<(Swatch, String)> {
     items
 }
 
-/// The rules drawn to scale and those said in words above it, and the time and byte scales
-/// over `area` that hold the data, the spans and the rules drawn.
-fn scales<'a>(t: &'a TimelineChart, area: &Rect) -> (Vec<&'a Rule>, Vec<&'a Rule>, Scale, Scale) {
+/// A timeline's scales, and its rules split by whether they are drawn to them.
+struct Scales<'a> {
+    /// Time to x.
+    xs: Scale,
+    /// Bytes to y.
+    ys: Scale,
+    /// Rules drawn to scale.
+    on: Vec<&'a Rule>,
+    /// Rules more than [`OFF_CHART`] times the data's top, said in words instead.
+    above: Vec<&'a Rule>,
+}
+
+/// The time and byte scales over `area` that hold the data, the spans and the rules drawn.
+fn scales<'a>(t: &'a TimelineChart, area: &Rect) -> Scales<'a> {
     let (mut x0, mut x1) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut ymax: f64 = 0.0;
     let all = t
@@ -168,7 +179,7 @@ fn scales<'a>(t: &'a TimelineChart, area: &Rect) -> (Vec<&'a Rule>, Vec<&'a Rule
         p0: area.y1,
         p1: area.y0,
     };
-    (on, above, xs, ys)
+    Scales { xs, ys, on, above }
 }
 
 /// The phase spans, shaded the height of the plot area.
