@@ -230,12 +230,6 @@ fn command_line(
 ) -> Result<(Vec<String>, ModelJson), ApiError> {
     let cli = ApiCli::command();
     let sub = subcommand(&cli, command)?;
-    let invalid = |key: &str, what: String| {
-        ApiError::Invalid(format!(
-            "invalid input: {}: {what}",
-            crate::flags::tidy(key)
-        ))
-    };
     let mut argv = vec![command.to_string()];
     let mut model_json = None;
     // A positional goes last, after `--`: the arguments come in key order, and a flag after
@@ -248,103 +242,27 @@ fn command_line(
         }
         // `model`: a preset name, a config path, or the config itself.
         if id == "model" && sub.get_arguments().any(|a| a.get_id() == "preset") {
-            match value {
-                Value::Object(map) => {
-                    model_json = Some(map.clone());
+            match model_value(key, value)? {
+                Model::Config(map) => {
+                    model_json = Some(map);
                     continue;
                 }
-                Value::String(name) if is_preset(name) => {
-                    argv.push("--preset".into());
-                    argv.push(name.clone());
+                Model::Preset(name) => {
+                    argv.extend(["--preset".into(), name]);
                     continue;
                 }
-                Value::String(_) => {} // a path: the flag below, if files are allowed
-                other => {
-                    return Err(invalid(
-                        key,
-                        format!(
-                        "{} given; allowed: a preset name, a config.json path or a config object",
-                        kind_of(other)
-                    ),
-                    ))
-                }
+                Model::Path => {} // the flag below, if files are allowed
             }
         }
-        let Some(arg) = sub
-            .get_arguments()
-            .find(|a| a.get_id() == id.as_str() && !is_hidden_for_api(a))
-        else {
-            let mut names = argument_names(command)?;
-            names.sort();
-            return Err(invalid(
-                key,
-                format!(
-                    "not an argument of {command}; allowed: {}",
-                    names.join(", ")
-                ),
-            ));
-        };
-        if names_a_file(arg) && !options.allow_files {
-            return Err(invalid(
-                key,
-                "names a file, which this server does not read or write; allowed: the values \
-                 themselves (e.g. `model` as a config object)"
-                    .into(),
-            ));
-        }
-        let takes_value = arg.get_action().takes_values();
-        let text = match value {
-            Value::Bool(on) if !takes_value => {
-                if *on {
+        let arg = api_argument(sub, command, key, &id, options)?;
+        match flag_value(arg, key, value)? {
+            Flag::Switch(on) => {
+                if on {
                     argv.push(flag_of(arg));
                 }
-                continue;
             }
-            Value::Bool(on) => (if *on { "on" } else { "off" }).to_string(),
-            Value::Number(n) => n.to_string(),
-            Value::String(s) => s.clone(),
-            Value::Array(items) => {
-                let mut parts = Vec::with_capacity(items.len());
-                for item in items {
-                    match item {
-                        Value::String(s) => parts.push(s.clone()),
-                        Value::Number(n) => parts.push(n.to_string()),
-                        other => {
-                            return Err(invalid(
-                                key,
-                                format!(
-                                    "a list holding {}; allowed: strings or numbers",
-                                    kind_of(other)
-                                ),
-                            ))
-                        }
-                    }
-                }
-                parts.join(",")
-            }
-            Value::Object(_) | Value::Null => {
-                return Err(invalid(
-                    key,
-                    format!(
-                        "{} given; allowed: a string, a number, a boolean or a list",
-                        kind_of(value)
-                    ),
-                ))
-            }
-        };
-        if !takes_value {
-            return Err(invalid(
-                key,
-                format!(
-                    "'{}' given; allowed: true or false",
-                    crate::flags::tidy(&text)
-                ),
-            ));
-        }
-        if arg.is_positional() {
-            positional = Some(text);
-        } else {
-            argv.push(format!("{}={text}", flag_of(arg)));
+            Flag::Value(text) if arg.is_positional() => positional = Some(text),
+            Flag::Value(text) => argv.push(format!("{}={text}", flag_of(arg))),
         }
     }
     if let Some(text) = positional {
@@ -364,6 +282,134 @@ fn command_line(
         argv.insert(at, "--json".into());
     }
     Ok((argv, model_json))
+}
+
+/// A refusal of argument `key`: `invalid input: KEY: WHAT`.
+fn invalid(key: &str, what: String) -> ApiError {
+    ApiError::Invalid(format!(
+        "invalid input: {}: {what}",
+        crate::flags::tidy(key)
+    ))
+}
+
+/// What a `model` argument is.
+enum Model {
+    /// A diffusers `config.json` given as an object.
+    Config(Map<String, Value>),
+    /// A preset's name (`--preset`).
+    Preset(String),
+    /// Anything else a string says: a path (`--model`).
+    Path,
+}
+
+fn model_value(key: &str, value: &Value) -> Result<Model, ApiError> {
+    match value {
+        Value::Object(map) => Ok(Model::Config(map.clone())),
+        Value::String(name) if is_preset(name) => Ok(Model::Preset(name.clone())),
+        Value::String(_) => Ok(Model::Path),
+        other => Err(invalid(
+            key,
+            format!(
+                "{} given; allowed: a preset name, a config.json path or a config object",
+                kind_of(other)
+            ),
+        )),
+    }
+}
+
+/// The flag `key` (spelled `id`) names in `sub`: refused when there is none, or when it names
+/// a file and files are not allowed.
+fn api_argument<'a>(
+    sub: &'a clap::Command,
+    command: &str,
+    key: &str,
+    id: &str,
+    options: Options,
+) -> Result<&'a clap::Arg, ApiError> {
+    let Some(arg) = sub
+        .get_arguments()
+        .find(|a| a.get_id() == id && !is_hidden_for_api(a))
+    else {
+        let mut names = argument_names(command)?;
+        names.sort();
+        return Err(invalid(
+            key,
+            format!(
+                "not an argument of {command}; allowed: {}",
+                names.join(", ")
+            ),
+        ));
+    };
+    if names_a_file(arg) && !options.allow_files {
+        return Err(invalid(
+            key,
+            "names a file, which this server does not read or write; allowed: the values \
+             themselves (e.g. `model` as a config object)"
+                .into(),
+        ));
+    }
+    Ok(arg)
+}
+
+/// What one argument puts on the command line.
+enum Flag {
+    /// A switch (a flag without a value): given when on.
+    Switch(bool),
+    /// A flag's value (or the positional's).
+    Value(String),
+}
+
+/// `value` as `arg` takes it: a boolean turns a switch on or off (or is `on`/`off`), numbers
+/// and strings as they are, a list joined with commas.
+fn flag_value(arg: &clap::Arg, key: &str, value: &Value) -> Result<Flag, ApiError> {
+    let takes_value = arg.get_action().takes_values();
+    let text = match value {
+        Value::Bool(on) if !takes_value => return Ok(Flag::Switch(*on)),
+        Value::Bool(on) => (if *on { "on" } else { "off" }).to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.clone(),
+        Value::Array(items) => list_value(key, items)?,
+        Value::Object(_) | Value::Null => {
+            return Err(invalid(
+                key,
+                format!(
+                    "{} given; allowed: a string, a number, a boolean or a list",
+                    kind_of(value)
+                ),
+            ))
+        }
+    };
+    if !takes_value {
+        return Err(invalid(
+            key,
+            format!(
+                "'{}' given; allowed: true or false",
+                crate::flags::tidy(&text)
+            ),
+        ));
+    }
+    Ok(Flag::Value(text))
+}
+
+/// A list of strings or numbers, joined with commas.
+fn list_value(key: &str, items: &[Value]) -> Result<String, ApiError> {
+    let mut parts = Vec::with_capacity(items.len());
+    for item in items {
+        match item {
+            Value::String(s) => parts.push(s.clone()),
+            Value::Number(n) => parts.push(n.to_string()),
+            other => {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "a list holding {}; allowed: strings or numbers",
+                        kind_of(other)
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(parts.join(","))
 }
 
 fn has_oom_message(args: &Map<String, Value>) -> bool {

@@ -61,129 +61,15 @@ pub(super) fn allow_line(a: &Allow, ranks: u32) -> String {
     s
 }
 
-// Kept whole (> 100 lines): the report's sections in the order they print, into one string.
 /// The human report: the answer first (five lines: what was planned, fits, the step's time,
 /// the biggest categories, the changes), the reason in at most three lines, the flags that make
 /// the plan, then the Pareto front; `--verbose` adds the whole reason and the breakdown.
 pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width: usize) -> String {
     let w = width;
-    let mut shown = thin(&p.pareto, 12);
-    // The plan itself is always on the table.
-    if let Some(chosen) = p.pareto.iter().find(|c| c.spec == p.plan) {
-        if !shown.iter().any(|c| c.spec == p.plan) {
-            shown.push(chosen);
-            shown.sort_by(|a, b| a.time.total_s.total_cmp(&b.time.total_s));
-        }
-    }
-    let mut out = String::new();
-    out.push_str(&wrap(
-        &format!("plan for {}; {}", spec_line(base), short_recipe(base)),
-        w,
-        2,
-    ));
-    let usable = format!(
-        "{} usable ({} less {:.0} % headroom)",
-        fmt_bytes(p.usable_bytes),
-        fmt_bytes(p.budget_bytes),
-        100.0 * p.headroom
-    );
-    out.push_str(&wrap(
-        &if p.feasible && p.base_fits && p.changes.is_empty() {
-            format!(
-                "fits: yes, as it is — {} of {usable}",
-                fmt_bytes(p.base_peak_bytes)
-            )
-        } else if p.feasible && p.base_fits {
-            format!(
-                "fits: yes, as it is — {} of {usable}; the plan is faster, at {}",
-                fmt_bytes(p.base_peak_bytes),
-                fmt_bytes(p.predicted_peak_bytes)
-            )
-        } else if p.feasible {
-            format!(
-                "fits: yes, changed — {} of {usable}; as given it needs {}",
-                fmt_bytes(p.predicted_peak_bytes),
-                fmt_bytes(p.base_peak_bytes)
-            )
-        } else {
-            format!(
-                "fits: no — nothing fits {usable}; the smallest found needs {}",
-                fmt_bytes(p.predicted_peak_bytes)
-            )
-        },
-        w,
-        2,
-    ));
+    // The profile's short name (its device); `--verbose` names it in full on the times line.
     let profile = p.profile.name.split(" (").next().unwrap_or(&p.profile.name);
-    out.push_str(&wrap(
-        &format!(
-            "step: {} predicted (as given {}, {:+.0} %) by the {} time model ({})",
-            fmt_secs(p.predicted_step_time_s),
-            fmt_secs(p.base_step_time_s),
-            100.0 * (p.predicted_step_time_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0),
-            profile,
-            ditmem_budget::time_error_note(&p.profile)
-        ),
-        w,
-        2,
-    ));
-    out.push_str(&wrap(
-        &format!("biggest: {}", top_of(&p.breakdown, p.predicted_peak_bytes)),
-        w,
-        2,
-    ));
-    let tags = change_tags(base, &p.plan);
-    out.push_str(&wrap(
-        &format!(
-            "changes: {}",
-            if tags.is_empty() {
-                "none".to_string()
-            } else {
-                tags.join(" · ")
-            }
-        ),
-        w,
-        2,
-    ));
-    // The reason without what the lines above already say: the changes, and the peak and
-    // step time on the profile (named in full on the step line's model with --verbose).
-    let mut why = p.reason.replace(&p.profile.name, profile);
-    if !verbose {
-        if !p.changes.is_empty() {
-            why = why.replace(&format!(": {}", p.changes.join("; ")), "");
-        }
-        if let Some(i) = why.find(" → peak ") {
-            if let Some(j) = why[i..].find(&format!(" on {profile}")) {
-                why.replace_range(i..i + j + 4 + profile.len(), "");
-            }
-        }
-    }
-    if verbose {
-        out.push_str(&wrap(&format!("why: {why}"), w, 2));
-    } else {
-        // The first clause (what dominates), then what explains a change.
-        // The fragmentation clause is said in its first words (the flags line names the
-        // setting to launch with).
-        let mut clauses: Vec<&str> = why
-            .split("; ")
-            .filter(|c| !c.starts_with("with expandable segments"))
-            .map(|c| c.split(": allocated peaks at").next().unwrap_or(c))
-            .collect();
-        // What was not needed is for --verbose.
-        let minor = |c: &str| c.ends_with("not needed") || c.ends_with("is kept");
-        if clauses.len() > 1 {
-            let first = clauses[0];
-            clauses.retain(|c| *c == first || !minor(c));
-        }
-        let why = clauses.join("; ");
-        out.push_str(&wrap_at_most(
-            &format!("why: {why}"),
-            w,
-            2,
-            3,
-            "(--verbose: the whole reason)",
-        ));
-    }
+    let mut out = answer(p, base, profile, w);
+    out.push_str(&why(p, profile, verbose, w));
     let flags = change_flags(base, &p.plan);
     if !flags.is_empty() {
         out.push_str(&wrap(&format!("flags: {}", flags.join(" ")), w, 2));
@@ -197,30 +83,155 @@ pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width
         ));
     }
     if verbose {
-        out.push_str(&format!(
-            "\n{} at its peak\n",
-            if p.feasible { "plan" } else { "floor" }
-        ));
-        let mut b = Table::new(&["category", "bytes", "share"]);
-        for (name, v) in p.breakdown.entries() {
-            if v > 0 {
-                b.row(vec![
-                    category_words(name),
-                    fmt_bytes(v),
-                    pct(v, p.predicted_peak_bytes),
-                ]);
-            }
-        }
-        out.push_str(&b.render());
-        out.push_str(&wrap(
-            &format!("times: the time model on profile '{}'", p.profile.name),
-            w,
-            2,
-        ));
+        out.push_str(&breakdown(p, w));
     }
-
     out.push_str(&wrap(&allow_line(&p.allow, base.workload.ranks), w, 2));
+    out.push_str(&front(p, base, w));
     out.push_str(&format!(
+        "searched {} combinations ({} pruned as dominated), {} timelines, in {}\n",
+        p.combinations,
+        p.pruned,
+        p.evaluated,
+        fmt_secs(search_ms / 1e3)
+    ));
+    fit_lines(&out, w)
+}
+
+/// The answer's five lines: what was planned, whether it fits, the step's time, the biggest
+/// categories at the peak, the changes from the base.
+fn answer(p: &Plan, base: &Spec, profile: &str, w: usize) -> String {
+    let usable = format!(
+        "{} usable ({} less {:.0} % headroom)",
+        fmt_bytes(p.usable_bytes),
+        fmt_bytes(p.budget_bytes),
+        100.0 * p.headroom
+    );
+    let fits = if p.feasible && p.base_fits && p.changes.is_empty() {
+        format!(
+            "fits: yes, as it is — {} of {usable}",
+            fmt_bytes(p.base_peak_bytes)
+        )
+    } else if p.feasible && p.base_fits {
+        format!(
+            "fits: yes, as it is — {} of {usable}; the plan is faster, at {}",
+            fmt_bytes(p.base_peak_bytes),
+            fmt_bytes(p.predicted_peak_bytes)
+        )
+    } else if p.feasible {
+        format!(
+            "fits: yes, changed — {} of {usable}; as given it needs {}",
+            fmt_bytes(p.predicted_peak_bytes),
+            fmt_bytes(p.base_peak_bytes)
+        )
+    } else {
+        format!(
+            "fits: no — nothing fits {usable}; the smallest found needs {}",
+            fmt_bytes(p.predicted_peak_bytes)
+        )
+    };
+    let step = format!(
+        "step: {} predicted (as given {}, {:+.0} %) by the {} time model ({})",
+        fmt_secs(p.predicted_step_time_s),
+        fmt_secs(p.base_step_time_s),
+        100.0 * (p.predicted_step_time_s / p.base_step_time_s.max(f64::MIN_POSITIVE) - 1.0),
+        profile,
+        ditmem_budget::time_error_note(&p.profile)
+    );
+    let tags = change_tags(base, &p.plan);
+    let changes = if tags.is_empty() {
+        "none".to_string()
+    } else {
+        tags.join(" · ")
+    };
+    [
+        format!("plan for {}; {}", spec_line(base), short_recipe(base)),
+        fits,
+        step,
+        format!("biggest: {}", top_of(&p.breakdown, p.predicted_peak_bytes)),
+        format!("changes: {changes}"),
+    ]
+    .iter()
+    .map(|line| wrap(line, w, 2))
+    .collect()
+}
+
+/// The reason, less what the answer's lines already say: whole with `--verbose`; else its
+/// first clause (what dominates) and what explains a change, in at most three lines.
+fn why(p: &Plan, profile: &str, verbose: bool, w: usize) -> String {
+    // The reason without what the lines above already say: the changes, and the peak and
+    // step time on the profile (named in full on the step line's model with --verbose).
+    let mut why = p.reason.replace(&p.profile.name, profile);
+    if verbose {
+        return wrap(&format!("why: {why}"), w, 2);
+    }
+    if !p.changes.is_empty() {
+        why = why.replace(&format!(": {}", p.changes.join("; ")), "");
+    }
+    if let Some(i) = why.find(" → peak ") {
+        if let Some(j) = why[i..].find(&format!(" on {profile}")) {
+            why.replace_range(i..i + j + 4 + profile.len(), "");
+        }
+    }
+    // The first clause (what dominates), then what explains a change.
+    // The fragmentation clause is said in its first words (the flags line names the
+    // setting to launch with).
+    let mut clauses: Vec<&str> = why
+        .split("; ")
+        .filter(|c| !c.starts_with("with expandable segments"))
+        .map(|c| c.split(": allocated peaks at").next().unwrap_or(c))
+        .collect();
+    // What was not needed is for --verbose.
+    let minor = |c: &str| c.ends_with("not needed") || c.ends_with("is kept");
+    if clauses.len() > 1 {
+        let first = clauses[0];
+        clauses.retain(|c| *c == first || !minor(c));
+    }
+    let why = clauses.join("; ");
+    wrap_at_most(
+        &format!("why: {why}"),
+        w,
+        2,
+        3,
+        "(--verbose: the whole reason)",
+    )
+}
+
+/// `--verbose`: the plan's (or the floor's) peak by category, and the profile named in full.
+fn breakdown(p: &Plan, w: usize) -> String {
+    let mut out = format!(
+        "\n{} at its peak\n",
+        if p.feasible { "plan" } else { "floor" }
+    );
+    let mut b = Table::new(&["category", "bytes", "share"]);
+    for (name, v) in p.breakdown.entries() {
+        if v > 0 {
+            b.row(vec![
+                category_words(name),
+                fmt_bytes(v),
+                pct(v, p.predicted_peak_bytes),
+            ]);
+        }
+    }
+    out.push_str(&b.render());
+    out.push_str(&wrap(
+        &format!("times: the time model on profile '{}'", p.profile.name),
+        w,
+        2,
+    ));
+    out
+}
+
+/// The Pareto front as a table: at most 12 points spread evenly, the plan always among them.
+fn front(p: &Plan, base: &Spec, w: usize) -> String {
+    let mut shown = thin(&p.pareto, 12);
+    // The plan itself is always on the table.
+    if let Some(chosen) = p.pareto.iter().find(|c| c.spec == p.plan) {
+        if !shown.iter().any(|c| c.spec == p.plan) {
+            shown.push(chosen);
+            shown.sort_by(|a, b| a.time.total_s.total_cmp(&b.time.total_s));
+        }
+    }
+    let mut out = format!(
         "\nPareto front ({}; ✓ fits, → the plan)\n",
         if shown.len() == p.pareto.len() {
             format!("{} points", p.pareto.len())
@@ -231,7 +242,7 @@ pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width
                 shown.len()
             )
         }
-    ));
+    );
     let mut f = Table::new(&["", "peak", "step", "vs base", "changes from the base"]);
     for c in shown {
         let mark = if c.spec == p.plan { "→" } else { "" };
@@ -257,14 +268,7 @@ pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width
         ]);
     }
     out.push_str(&f.render_fit(w));
-    out.push_str(&format!(
-        "searched {} combinations ({} pruned as dominated), {} timelines, in {}\n",
-        p.combinations,
-        p.pruned,
-        p.evaluated,
-        fmt_secs(search_ms / 1e3)
-    ));
-    fit_lines(&out, w)
+    out
 }
 
 /// At most `n` points of the front, evenly spread, always keeping both ends.

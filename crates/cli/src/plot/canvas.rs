@@ -239,35 +239,22 @@ impl Canvas {
 
     /// Place a label near (x, y): the first candidate offset whose box stays inside `within` and
     /// overlaps no placed text, preferring one that also clears the data. Draws it (white halo,
-    /// and a thin leader line when it sits far from its point) and returns where, or None
-    /// when every candidate is taken.
-    #[allow(clippy::too_many_arguments)]
+    /// and a thin leader line when it sits far from its point, unless [`Label::no_leader`]) and
+    /// returns where, or None when every candidate is taken.
     pub fn place(
         &mut self,
         x: f64,
         y: f64,
         cands: &[(f64, f64, Anchor)],
-        size: f64,
-        text: &str,
         within: &Rect,
-        style: &str,
+        label: Label,
     ) -> Option<Rect> {
-        self.place_with(x, y, cands, size, text, within, style, true)
-    }
-
-    /// [`Canvas::place`], with or without its leader line.
-    #[allow(clippy::too_many_arguments)]
-    pub fn place_with(
-        &mut self,
-        x: f64,
-        y: f64,
-        cands: &[(f64, f64, Anchor)],
-        size: f64,
-        text: &str,
-        within: &Rect,
-        style: &str,
-        leader: bool,
-    ) -> Option<Rect> {
+        let Label {
+            text,
+            size,
+            style,
+            leader,
+        } = label;
         let boxes: Vec<(f64, f64, Anchor, Rect)> = cands
             .iter()
             .map(|&(dx, dy, a)| (x + dx, y + dy, a, text_box(x + dx, y + dy, size, a, text)))
@@ -337,6 +324,36 @@ pub fn fmt_tick(v: f64, step: f64) -> String {
         "0".into()
     } else {
         s
+    }
+}
+
+/// A label for [`Canvas::place`]: its text, font size and SVG style, and whether a thin
+/// leader line joins it to its point when it lands far away.
+#[derive(Debug, Clone, Copy)]
+pub struct Label<'a> {
+    pub text: &'a str,
+    pub size: f64,
+    pub style: &'a str,
+    pub leader: bool,
+}
+
+impl<'a> Label<'a> {
+    /// A label with its leader line.
+    pub fn new(text: &'a str, size: f64, style: &'a str) -> Label<'a> {
+        Label {
+            text,
+            size,
+            style,
+            leader: true,
+        }
+    }
+
+    /// The same label without a leader line (a note, a rule's or a bar segment's name).
+    pub fn no_leader(self) -> Label<'a> {
+        Label {
+            leader: false,
+            ..self
+        }
     }
 }
 

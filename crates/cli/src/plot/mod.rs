@@ -80,7 +80,13 @@ mod tests {
         let mut placed = Vec::new();
         for k in 0..30 {
             let label = format!("recompute {k}/28, mb 2×acc 4");
-            if let Some(b) = c.place(150.0, 100.0, &around(6.0, 11.0), 11.0, &label, &within, "") {
+            if let Some(b) = c.place(
+                150.0,
+                100.0,
+                &around(6.0, 11.0),
+                &within,
+                Label::new(&label, 11.0, ""),
+            ) {
                 placed.push(b);
             }
         }
@@ -95,7 +101,13 @@ mod tests {
         // A label wider than the frame is never placed.
         let long = "x".repeat(60);
         assert!(c
-            .place(150.0, 100.0, &around(6.0, 11.0), 11.0, &long, &within, "")
+            .place(
+                150.0,
+                100.0,
+                &around(6.0, 11.0),
+                &within,
+                Label::new(&long, 11.0, "")
+            )
             .is_none());
     }
 

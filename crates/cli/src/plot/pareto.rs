@@ -1,7 +1,8 @@
 //! The planner's memory-vs-time Pareto front ([`pareto_chart`]).
 
 use super::canvas::{
-    around, axes, heading, legend, polyline, shorten, Anchor, Canvas, Rect, Scale, Swatch, SIZE,
+    around, axes, heading, legend, polyline, shorten, Anchor, Canvas, Label, Rect, Scale, Swatch,
+    SIZE,
 };
 use super::timeline::{Rule, BLUE, GREEN, RED};
 
@@ -55,8 +56,8 @@ pub fn spread_order(n: usize) -> Vec<usize> {
     out
 }
 
-// Kept whole (> 100 lines): one drawing, top to bottom, on one canvas and two scales.
-/// Render a Pareto chart as a [`SIZE`] SVG.
+/// Render a Pareto chart as a [`SIZE`] SVG: the legend, the axes, the rules, the front and
+/// the marks drawn, then their labels (rules, marks, the front's points in [`spread_order`]).
 pub fn pareto_chart(p: &ParetoChart) -> String {
     let (w, h) = SIZE;
     let mut c = Canvas::new(w, h);
@@ -69,6 +70,51 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
     ];
     let ly = legend(&mut c, 12.0, top + 20.0, w - 12.0, &items);
     let area = Rect::new(76.0, ly + 30.0, w - 20.0, h - 46.0);
+    let (xs, ys) = scales(p, &area);
+    axes(&mut c, &area, &xs, &ys, &p.x_desc, &p.y_desc);
+    let inner = area.grow(-2.0);
+    let pts: Vec<(f64, f64)> = p.front.iter().map(|f| (xs.at(f.x), ys.at(f.y))).collect();
+    for r in &p.rules {
+        let x = xs.at(r.at);
+        c.raw(&format!(
+            "<line x1=\"{x:.1}\" y1=\"{:.1}\" x2=\"{x:.1}\" y2=\"{:.1}\" stroke=\"{}\" stroke-width=\"1.5\" stroke-dasharray=\"6 3\"/>",
+            area.y0, area.y1, r.color
+        ));
+        c.data_points(&[(x, area.y0), (x, area.y1)]);
+    }
+    polyline(&mut c, &pts, BLUE, 1.5);
+    c.data_points(&pts);
+    for (f, &(x, y)) in p.front.iter().zip(&pts) {
+        let col = if f.fits { GREEN } else { RED };
+        c.raw(&format!(
+            "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"4.5\" fill=\"{col}\"/>"
+        ));
+        c.occupy(Rect::new(x - 5.0, y - 5.0, x + 5.0, y + 5.0));
+    }
+    let mpts: Vec<(f64, f64)> = p.marks.iter().map(|m| (xs.at(m.0), ys.at(m.1))).collect();
+    for &(x, y) in &mpts {
+        c.raw(&format!(
+            "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"7\" fill=\"none\" stroke=\"black\" stroke-width=\"2\"/>"
+        ));
+        c.occupy(Rect::new(x - 8.0, y - 8.0, x + 8.0, y + 8.0));
+    }
+    rule_labels(&mut c, p, &xs, &area);
+    for (m, &(x, y)) in p.marks.iter().zip(&mpts) {
+        let label = shorten(&m.2, 12.0, inner.x1 - inner.x0);
+        c.place(
+            x,
+            y,
+            &around(10.0, 12.0),
+            &inner,
+            Label::new(&label, 12.0, "font-weight=\"bold\" fill=\"#111\""),
+        );
+    }
+    point_labels(&mut c, p, &pts, &area);
+    c.finish()
+}
+
+/// The peak and time scales over `area`: every point, mark and rule inside, with a margin.
+fn scales(p: &ParetoChart, area: &Rect) -> (Scale, Scale) {
     let xsv = p
         .front
         .iter()
@@ -114,34 +160,12 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
         p0: area.y1,
         p1: area.y0,
     };
-    axes(&mut c, &area, &xs, &ys, &p.x_desc, &p.y_desc);
+    (xs, ys)
+}
+
+/// Rule labels along the top of the plot area, beside their line.
+fn rule_labels(c: &mut Canvas, p: &ParetoChart, xs: &Scale, area: &Rect) {
     let inner = area.grow(-2.0);
-    let pts: Vec<(f64, f64)> = p.front.iter().map(|f| (xs.at(f.x), ys.at(f.y))).collect();
-    for r in &p.rules {
-        let x = xs.at(r.at);
-        c.raw(&format!(
-            "<line x1=\"{x:.1}\" y1=\"{:.1}\" x2=\"{x:.1}\" y2=\"{:.1}\" stroke=\"{}\" stroke-width=\"1.5\" stroke-dasharray=\"6 3\"/>",
-            area.y0, area.y1, r.color
-        ));
-        c.data_points(&[(x, area.y0), (x, area.y1)]);
-    }
-    polyline(&mut c, &pts, BLUE, 1.5);
-    c.data_points(&pts);
-    for (f, &(x, y)) in p.front.iter().zip(&pts) {
-        let col = if f.fits { GREEN } else { RED };
-        c.raw(&format!(
-            "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"4.5\" fill=\"{col}\"/>"
-        ));
-        c.occupy(Rect::new(x - 5.0, y - 5.0, x + 5.0, y + 5.0));
-    }
-    let mpts: Vec<(f64, f64)> = p.marks.iter().map(|m| (xs.at(m.0), ys.at(m.1))).collect();
-    for &(x, y) in &mpts {
-        c.raw(&format!(
-            "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"7\" fill=\"none\" stroke=\"black\" stroke-width=\"2\"/>"
-        ));
-        c.occupy(Rect::new(x - 8.0, y - 8.0, x + 8.0, y + 8.0));
-    }
-    // Rule labels along the top of the plot area, beside their line.
     for r in &p.rules {
         let x = xs.at(r.at);
         let mut cands = Vec::new();
@@ -154,24 +178,16 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
             x,
             area.y0,
             &cands,
-            11.0,
-            &r.label,
             &inner,
-            &format!("fill=\"{}\"", r.color),
+            Label::new(&r.label, 11.0, &format!("fill=\"{}\"", r.color)),
         );
     }
-    for (m, &(x, y)) in p.marks.iter().zip(&mpts) {
-        let label = shorten(&m.2, 12.0, inner.x1 - inner.x0);
-        c.place(
-            x,
-            y,
-            &around(10.0, 12.0),
-            12.0,
-            &label,
-            &inner,
-            "font-weight=\"bold\" fill=\"#111\"",
-        );
-    }
+}
+
+/// The front's labels in [`spread_order`] where there is room; a note counts those left
+/// unnamed.
+fn point_labels(c: &mut Canvas, p: &ParetoChart, pts: &[(f64, f64)], area: &Rect) {
+    let inner = area.grow(-2.0);
     let mut unlabelled = 0;
     for i in spread_order(p.front.len()) {
         let (x, y) = pts[i];
@@ -183,10 +199,8 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
             x,
             y,
             &around(7.0, 11.0),
-            11.0,
-            &label,
             &inner,
-            "fill=\"#333\"",
+            Label::new(&label, 11.0, "fill=\"#333\""),
         );
         if placed.is_none() {
             unlabelled += 1;
@@ -203,11 +217,8 @@ pub fn pareto_chart(p: &ParetoChart) -> String {
             inner.x1,
             y,
             &[(-4.0, 0.0, Anchor::End), (-4.0, -16.0, Anchor::End)],
-            11.0,
-            &note,
             &inner,
-            "fill=\"#666\"",
+            Label::new(&note, 11.0, "fill=\"#666\""),
         );
     }
-    c.finish()
 }

@@ -2,8 +2,8 @@
 //! rules and spans for the phases and limits, the breakdown bar at the peak.
 
 use super::canvas::{
-    around, axes, decimate, heading, legend, polyline, shorten, text_box, Anchor, Canvas, Rect,
-    Scale, Swatch, ASCENT_EM, SIZE,
+    around, axes, decimate, heading, legend, polyline, shorten, text_box, Anchor, Canvas, Label,
+    Rect, Scale, Swatch, ASCENT_EM, SIZE,
 };
 
 /// A horizontal line across the plot (a capacity, a budget) or a vertical one (on the Pareto
@@ -60,27 +60,81 @@ pub(super) const BAR_COLORS: [&str; 11] = [
     "#9c755f", "#bab0ac", "#333333",
 ];
 
-// Kept whole (> 100 lines): one drawing, top to bottom, on one canvas and two scales.
-/// Render a timeline chart as a [`SIZE`] SVG.
+/// Render a timeline chart as a [`SIZE`] SVG: the legend, the phase spans, the axes, the
+/// curves, the peak, the lines (said in words when far above the data), the bar at the peak.
 pub fn timeline_chart(t: &TimelineChart) -> String {
     let (w, h) = SIZE;
     let mut c = Canvas::new(w, h);
-    let mut items = vec![(Swatch::Line(BLUE), t.predicted_name.clone())];
-    if let Some((name, _)) = &t.measured {
-        items.push((Swatch::Dot(ORANGE), name.clone()));
-    }
-    // The phases' shades, named once here (narrow spans have no room for a name).
-    for sp in &t.spans {
-        if !items.iter().any(|(_, n)| *n == sp.name) {
-            items.push((Swatch::Block(sp.fill), sp.name.clone()));
-        }
-    }
+    let items = legend_items(t);
     let top = heading(&mut c, &t.title, &t.subtitles);
     let ly = legend(&mut c, 12.0, top + 20.0, w - 12.0, &items);
     let bar_w = if t.bar.is_empty() { 0.0 } else { 290.0 };
     // Phase names in a strip above the plot area, the y title above its ticks.
     let strip = ly + 22.0;
     let area = Rect::new(76.0, strip + 10.0, w - 16.0 - bar_w, h - 46.0);
+    let Scales { xs, ys, on, above } = scales(t, &area);
+    spans(&mut c, t, &xs, &area);
+    axes(&mut c, &area, &xs, &ys, &t.x_desc, &t.y_desc);
+    span_names(&mut c, t, &xs, &area, strip);
+    curves(&mut c, t, &xs, &ys, &area);
+    let inner = area.grow(-2.0);
+    // The peak first: it is what the chart is for.
+    if let Some((x, y, label)) = &t.peak {
+        let (px, py) = (xs.at(*x), ys.at(*y));
+        c.raw(&format!(
+            "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"4.5\" fill=\"black\"/>"
+        ));
+        c.occupy(Rect::new(px - 5.0, py - 5.0, px + 5.0, py + 5.0));
+        let label = shorten(label, 12.0, inner.x1 - inner.x0);
+        c.place(
+            px,
+            py,
+            &around(8.0, 12.0),
+            &inner,
+            Label::new(&label, 12.0, "fill=\"#111\""),
+        );
+    }
+    if !above.is_empty() {
+        above_note(&mut c, &above, &inner);
+    }
+    for r in &on {
+        rule(&mut c, r, &ys, &area);
+    }
+    if !t.bar.is_empty() {
+        bar(&mut c, t, &ys, &area);
+    }
+    c.finish()
+}
+
+/// The legend's entries: the predicted curve, the measured points, each phase's shade once
+/// (narrow spans have no room for a name).
+fn legend_items(t: &TimelineChart) -> Vec<(Swatch, String)> {
+    let mut items = vec![(Swatch::Line(BLUE), t.predicted_name.clone())];
+    if let Some((name, _)) = &t.measured {
+        items.push((Swatch::Dot(ORANGE), name.clone()));
+    }
+    for sp in &t.spans {
+        if !items.iter().any(|(_, n)| *n == sp.name) {
+            items.push((Swatch::Block(sp.fill), sp.name.clone()));
+        }
+    }
+    items
+}
+
+/// A timeline's scales, and its rules split by whether they are drawn to them.
+struct Scales<'a> {
+    /// Time to x.
+    xs: Scale,
+    /// Bytes to y.
+    ys: Scale,
+    /// Rules drawn to scale.
+    on: Vec<&'a Rule>,
+    /// Rules more than [`OFF_CHART`] times the data's top, said in words instead.
+    above: Vec<&'a Rule>,
+}
+
+/// The time and byte scales over `area` that hold the data, the spans and the rules drawn.
+fn scales<'a>(t: &'a TimelineChart, area: &Rect) -> Scales<'a> {
     let (mut x0, mut x1) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut ymax: f64 = 0.0;
     let all = t
@@ -125,7 +179,11 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
         p0: area.y1,
         p1: area.y0,
     };
-    // Phase spans: shaded, named in the strip when the name fits the span.
+    Scales { xs, ys, on, above }
+}
+
+/// The phase spans, shaded the height of the plot area.
+fn spans(c: &mut Canvas, t: &TimelineChart, xs: &Scale, area: &Rect) {
     for s in &t.spans {
         let (a, b) = (xs.at(s.t0), xs.at(s.t1));
         c.raw(&format!(
@@ -136,7 +194,10 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             s.fill
         ));
     }
-    axes(&mut c, &area, &xs, &ys, &t.x_desc, &t.y_desc);
+}
+
+/// Each span's name (or its short name) in the strip above the plot, when it fits the span.
+fn span_names(c: &mut Canvas, t: &TimelineChart, xs: &Scale, area: &Rect, strip: f64) {
     let strip_box = Rect::new(area.x0, strip - 14.0, area.x1, area.y0);
     for s in &t.spans {
         let (a, b) = (xs.at(s.t0), xs.at(s.t1));
@@ -156,14 +217,17 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
             }
         }
     }
-    // Data.
+}
+
+/// The predicted curve (decimated to the plot's width) and the measured points.
+fn curves(c: &mut Canvas, t: &TimelineChart, xs: &Scale, ys: &Scale, area: &Rect) {
     let px: Vec<(f64, f64)> = t
         .predicted
         .iter()
         .map(|&(x, y)| (xs.at(x), ys.at(y)))
         .collect();
     let px = decimate(&px, (area.x1 - area.x0) as usize);
-    polyline(&mut c, &px, BLUE, 2.0);
+    polyline(c, &px, BLUE, 2.0);
     c.data_points(&px);
     if let Some((_, m)) = &t.measured {
         let pm: Vec<(f64, f64)> = m.iter().map(|&(x, y)| (xs.at(x), ys.at(y))).collect();
@@ -176,83 +240,59 @@ pub fn timeline_chart(t: &TimelineChart) -> String {
         }
         c.data_points(&pm);
     }
+}
+
+/// The lines above the scale, named in one note at the plot's top.
+fn above_note(c: &mut Canvas, above: &[&Rule], inner: &Rect) {
+    let words: Vec<&str> = above
+        .iter()
+        .map(|r| r.label.split(" (").next().unwrap_or(&r.label))
+        .collect();
+    let note = format!("above this scale: {}", words.join("; "));
+    let note = shorten(&note, 11.0, inner.x1 - inner.x0 - 8.0);
+    let cands = [
+        (inner.x1 - 4.0, inner.y0 + 12.0, Anchor::End),
+        (inner.x1 - 4.0, inner.y0 + 28.0, Anchor::End),
+        (inner.x0 + 4.0, inner.y0 + 12.0, Anchor::Start),
+        (inner.x1 - 4.0, inner.y0 + 44.0, Anchor::End),
+    ];
+    c.place(
+        0.0,
+        0.0,
+        &cands,
+        inner,
+        Label::new(&note, 11.0, "fill=\"#b22222\"").no_leader(),
+    );
+}
+
+/// A rule drawn to scale: a dashed line across the plot, its label above or below it.
+fn rule(c: &mut Canvas, r: &Rule, ys: &Scale, area: &Rect) {
     let inner = area.grow(-2.0);
-    // The peak first: it is what the chart is for.
-    if let Some((x, y, label)) = &t.peak {
-        let (px, py) = (xs.at(*x), ys.at(*y));
-        c.raw(&format!(
-            "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"4.5\" fill=\"black\"/>"
-        ));
-        c.occupy(Rect::new(px - 5.0, py - 5.0, px + 5.0, py + 5.0));
-        let label = shorten(label, 12.0, inner.x1 - inner.x0);
-        c.place(
-            px,
-            py,
-            &around(8.0, 12.0),
-            12.0,
-            &label,
-            &inner,
-            "fill=\"#111\"",
-        );
-    }
-    if !above.is_empty() {
-        let words: Vec<&str> = above
-            .iter()
-            .map(|r| r.label.split(" (").next().unwrap_or(&r.label))
-            .collect();
-        let note = format!("above this scale: {}", words.join("; "));
-        let note = shorten(&note, 11.0, inner.x1 - inner.x0 - 8.0);
-        let cands = [
-            (inner.x1 - 4.0, inner.y0 + 12.0, Anchor::End),
-            (inner.x1 - 4.0, inner.y0 + 28.0, Anchor::End),
-            (inner.x0 + 4.0, inner.y0 + 12.0, Anchor::Start),
-            (inner.x1 - 4.0, inner.y0 + 44.0, Anchor::End),
-        ];
-        c.place_with(
-            0.0,
-            0.0,
-            &cands,
-            11.0,
-            &note,
-            &inner,
-            "fill=\"#b22222\"",
-            false,
-        );
-    }
-    for r in &on {
-        let y = ys.at(r.at);
-        c.raw(&format!(
-            "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"{}\" stroke-width=\"1.5\" stroke-dasharray=\"6 3\"/>",
-            area.x0, area.x1, r.color
-        ));
-        let label = shorten(&r.label, 11.0, inner.x1 - inner.x0);
-        let d = 4.0 + ASCENT_EM * 11.0;
-        let cands = [
-            (inner.x1, y - 4.0, Anchor::End),
-            (inner.x1, y + d, Anchor::End),
-            (inner.x0 + 4.0, y - 4.0, Anchor::Start),
-            (inner.x0 + 4.0, y + d, Anchor::Start),
-            ((inner.x0 + inner.x1) / 2.0, y - 4.0, Anchor::Middle),
-            ((inner.x0 + inner.x1) / 2.0, y + d, Anchor::Middle),
-            (inner.x1, y - 4.0 - 14.0, Anchor::End),
-            (inner.x1, y + d + 14.0, Anchor::End),
-        ]
-        .map(|(x, yy, a)| (x, yy - y, a));
-        c.place_with(
-            0.0,
-            y,
-            &cands,
-            11.0,
-            &label,
-            &inner,
-            &format!("fill=\"{}\"", r.color),
-            false,
-        );
-    }
-    if !t.bar.is_empty() {
-        bar(&mut c, t, &ys, &area);
-    }
-    c.finish()
+    let y = ys.at(r.at);
+    c.raw(&format!(
+        "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"{}\" stroke-width=\"1.5\" stroke-dasharray=\"6 3\"/>",
+        area.x0, area.x1, r.color
+    ));
+    let label = shorten(&r.label, 11.0, inner.x1 - inner.x0);
+    let d = 4.0 + ASCENT_EM * 11.0;
+    let cands = [
+        (inner.x1, y - 4.0, Anchor::End),
+        (inner.x1, y + d, Anchor::End),
+        (inner.x0 + 4.0, y - 4.0, Anchor::Start),
+        (inner.x0 + 4.0, y + d, Anchor::Start),
+        ((inner.x0 + inner.x1) / 2.0, y - 4.0, Anchor::Middle),
+        ((inner.x0 + inner.x1) / 2.0, y + d, Anchor::Middle),
+        (inner.x1, y - 4.0 - 14.0, Anchor::End),
+        (inner.x1, y + d + 14.0, Anchor::End),
+    ]
+    .map(|(x, yy, a)| (x, yy - y, a));
+    c.place(
+        0.0,
+        y,
+        &cands,
+        &inner,
+        Label::new(&label, 11.0, &format!("fill=\"{}\"", r.color)).no_leader(),
+    );
 }
 
 /// The categories at the peak, one stacked bar on the timeline's scale, each named beside it.
@@ -319,15 +359,12 @@ pub(super) fn bar(c: &mut Canvas, t: &TimelineChart, ys: &Scale, area: &Rect) {
             cands.push((lx - bx1, ys_[k] - ymid - d, Anchor::Start));
             cands.push((lx - bx1, ys_[k] - ymid + d, Anchor::Start));
         }
-        let placed = c.place_with(
+        let placed = c.place(
             bx1,
             ymid,
             &cands,
-            size,
-            &label,
             &within,
-            "fill=\"#222\"",
-            false,
+            Label::new(&label, size, "fill=\"#222\"").no_leader(),
         );
         if let Some(b) = placed {
             let sy = (b.y0 + b.y1) / 2.0;

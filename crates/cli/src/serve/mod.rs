@@ -13,7 +13,7 @@ use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,22 +64,22 @@ pub struct ServeArgs {
 }
 
 fn workers(text: &str) -> Result<usize, String> {
-    match text.trim().parse::<usize>() {
-        Ok(n) if (1..=64).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "{} is not a count from 1 to 64",
-            crate::flags::show(text)
-        )),
-    }
+    in_range(text, 1..=64, "a count from 1 to 64")
 }
 
 fn plan_seconds(text: &str) -> Result<f64, String> {
-    match text.trim().parse::<f64>() {
-        Ok(v) if (0.1..=600.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "{} is not a number of seconds from 0.1 to 600",
-            crate::flags::show(text)
-        )),
+    in_range(text, 0.1..=600.0, "a number of seconds from 0.1 to 600")
+}
+
+/// `text` as a number in `range`, or the flag's refusal: `"TEXT" is not WHAT`.
+fn in_range<T: std::str::FromStr + PartialOrd>(
+    text: &str,
+    range: std::ops::RangeInclusive<T>,
+    what: &str,
+) -> Result<T, String> {
+    match text.trim().parse::<T>() {
+        Ok(v) if range.contains(&v) => Ok(v),
+        _ => Err(format!("{} is not {what}", crate::flags::show(text))),
     }
 }
 
@@ -475,33 +475,8 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 /// `ditmem serve`.
 pub fn run(args: ServeArgs) -> Result<(), CliError> {
-    let ip: IpAddr = args.bind.trim().parse().map_err(|_| {
-        SpecError::invalid(
-            "--bind",
-            format!(
-                "{} is not an IP address; allowed: e.g. 127.0.0.1, ::1, 0.0.0.0",
-                crate::flags::show(&args.bind)
-            ),
-        )
-    })?;
-    let server = tiny_http::Server::http(SocketAddr::new(ip, args.port)).map_err(|e| {
-        CliError::Other(anyhow::anyhow!(
-            "cannot listen on {}: {e}",
-            SocketAddr::new(ip, args.port)
-        ))
-    })?;
-    let port = server
-        .server_addr()
-        .to_ip()
-        .map(|a| a.port())
-        .unwrap_or(args.port);
-    let host = match ip {
-        IpAddr::V6(v6) if v6.is_unspecified() => "[::1]".to_string(),
-        IpAddr::V4(v4) if v4.is_unspecified() => "127.0.0.1".to_string(),
-        IpAddr::V6(v6) => format!("[{v6}]"),
-        IpAddr::V4(v4) => v4.to_string(),
-    };
-    let url = format!("http://{host}:{port}/");
+    let (server, ip, port) = listen(&args)?;
+    let url = format!("http://{}:{port}/", url_host(ip));
     let workers = args.workers.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -541,7 +516,58 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         })
         .collect::<Result<_, _>>()
         .map_err(|e| CliError::Other(anyhow::anyhow!("starting the workers: {e}")))?;
+    accept(&server, &tx, &settings);
+    drop(tx);
+    for t in pool {
+        let _ = t.join();
+    }
+    crate::output::note("ditmem serve: stopped\n");
+    Ok(())
+}
 
+/// The server on `--bind` and `--port`, the address and the port it listens on (the one picked
+/// for port 0).
+fn listen(args: &ServeArgs) -> Result<(tiny_http::Server, IpAddr, u16), CliError> {
+    let ip: IpAddr = args.bind.trim().parse().map_err(|_| {
+        SpecError::invalid(
+            "--bind",
+            format!(
+                "{} is not an IP address; allowed: e.g. 127.0.0.1, ::1, 0.0.0.0",
+                crate::flags::show(&args.bind)
+            ),
+        )
+    })?;
+    let server = tiny_http::Server::http(SocketAddr::new(ip, args.port)).map_err(|e| {
+        CliError::Other(anyhow::anyhow!(
+            "cannot listen on {}: {e}",
+            SocketAddr::new(ip, args.port)
+        ))
+    })?;
+    let port = server
+        .server_addr()
+        .to_ip()
+        .map(|a| a.port())
+        .unwrap_or(args.port);
+    Ok((server, ip, port))
+}
+
+/// The host of the printed URL: the address, or this machine's loopback for "any".
+fn url_host(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V6(v6) if v6.is_unspecified() => "[::1]".to_string(),
+        IpAddr::V4(v4) if v4.is_unspecified() => "127.0.0.1".to_string(),
+        IpAddr::V6(v6) => format!("[{v6}]"),
+        IpAddr::V4(v4) => v4.to_string(),
+    }
+}
+
+/// Takes requests until Ctrl-C: each checked, its body read, then queued for a worker (503
+/// when the queue is full).
+fn accept(
+    server: &tiny_http::Server,
+    tx: &SyncSender<(tiny_http::Request, Vec<u8>)>,
+    settings: &Settings,
+) {
     while !STOP.load(Ordering::SeqCst) {
         let mut request = match server.recv_timeout(Duration::from_millis(200)) {
             Ok(Some(r)) => r,
@@ -552,7 +578,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 continue;
             }
         };
-        if let Err(reply) = precheck(&request, &settings) {
+        if let Err(reply) = precheck(&request, settings) {
             send(request, reply);
             continue;
         }
@@ -578,12 +604,6 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
             }
         }
     }
-    drop(tx);
-    for t in pool {
-        let _ = t.join();
-    }
-    crate::output::note("ditmem serve: stopped\n");
-    Ok(())
 }
 
 /// A worker: takes requests until the queue closes; each answer is caught.
