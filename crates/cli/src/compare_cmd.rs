@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::args::SpecArgs;
 use crate::conditions::Conditions;
 use crate::plot::{timeline_chart, Rule, Span, TimelineChart};
-use crate::render::{fmt_count, recipe_line, spec_line, Table};
+use crate::render::{breakdown_table, fmt_count, recipe_line, rel_err_pct, spec_line, Table};
 use crate::CliError;
 
 #[derive(Debug, Clone, Args)]
@@ -133,13 +133,7 @@ fn render_compare(b: &Budget, r: &CompareReport) -> String {
         "measured",
         "error",
     ]);
-    let err = |p: u64, q: u64| {
-        if q == 0 {
-            "-".to_string()
-        } else {
-            format!("{:+.3} %", 100.0 * (p as f64 / q as f64 - 1.0))
-        }
-    };
+    let err = |p: u64, q: u64| rel_err_pct(p, q, 3);
     t.row(vec![
         "peak".into(),
         fmt_bytes(a.predicted_peak_bytes),
@@ -173,17 +167,9 @@ fn render_compare(b: &Budget, r: &CompareReport) -> String {
         fmt_bytes(a.measured_resident_bytes),
         fmt_bytes(a.runtime_overhead_bytes.unsigned_abs())
     ));
-    let mut t = Table::new(&["predicted at the peak", "bytes", "share"]);
-    for (name, v) in r.breakdown_at_peak.entries() {
-        if v > 0 {
-            t.row(vec![
-                name.replace('_', " "),
-                fmt_bytes(v),
-                crate::render::pct(v, b.peak_bytes),
-            ]);
-        }
-    }
-    o.push_str(&t.render());
+    o.push_str(
+        &breakdown_table("predicted at the peak", &r.breakdown_at_peak, b.peak_bytes).render(),
+    );
     o
 }
 
