@@ -365,15 +365,15 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
             report: &report,
         })?;
     } else {
-        crate::output::say(&render(
-            &report,
-            &base,
-            &source,
-            &conditions,
+        crate::output::say(&render(&View {
+            report: &report,
+            base: &base,
+            source: &source,
+            conditions: &conditions,
             elapsed,
-            &plan,
-            args.tensors,
-        ))?;
+            plan: &plan,
+            tensors: args.tensors,
+        }))?;
     }
     if !report.ok() {
         crate::output::note(&format!(
@@ -538,18 +538,24 @@ fn sci(x: Option<f64>) -> String {
     }
 }
 
+/// What the text report is made of: the report, the spec it verified, where the reference came
+/// from, the run's conditions, its time in seconds, its memory plan, and whether to list every
+/// tensor's error.
+struct View<'a> {
+    report: &'a Report,
+    base: &'a Spec,
+    source: &'a str,
+    conditions: &'a Conditions,
+    elapsed: f64,
+    plan: &'a MemoryPlan,
+    tensors: bool,
+}
+
 /// What `verify` prints: the run's lines, the tolerances, one row per variant, why the flagged
 /// ones are flagged, the per-tensor errors with `tensors`, and the count of each verdict.
-fn render(
-    r: &Report,
-    base: &Spec,
-    source: &str,
-    conditions: &Conditions,
-    elapsed: f64,
-    plan: &MemoryPlan,
-    tensors: bool,
-) -> String {
-    let mut o = run_lines(r, base, source, conditions, elapsed, plan);
+fn render(view: &View<'_>) -> String {
+    let r = view.report;
+    let mut o = run_lines(view);
     o.push_str(&tolerance_section(r));
     o.push_str(&variants_table(r).render());
     o.push_str(
@@ -570,7 +576,7 @@ fn render(
             }
         }
     }
-    if tensors {
+    if view.tensors {
         for v in &r.variants {
             o.push_str(&format!("\n{} — gradient error per tensor\n", v.name));
             let t = Table::of(
@@ -601,14 +607,16 @@ fn render(
 }
 
 /// The run's lines: the spec and base recipe, the reference, the conditions and the memory plan.
-fn run_lines(
-    r: &Report,
-    base: &Spec,
-    source: &str,
-    conditions: &Conditions,
-    elapsed: f64,
-    plan: &MemoryPlan,
-) -> String {
+fn run_lines(v: &View<'_>) -> String {
+    let View {
+        report: r,
+        base,
+        source,
+        conditions,
+        elapsed,
+        plan,
+        ..
+    } = *v;
     let mut o = String::new();
     let params = ditmem_engine::trainable_count(base).unwrap_or(0);
     o.push_str(&format!("ditmem verify — {}\n", spec_line(base)));
