@@ -421,39 +421,28 @@ fn snapshot_svg(
     let scale = |v: &[(u64, u64)]| -> Vec<(f64, f64)> {
         v.iter().map(|&(x, b)| (x as f64, y(b))).collect()
     };
-    let (ma, mr, pa, pr) = (
-        scale(&cv.snapshot_allocated),
-        scale(&cv.snapshot_reserved),
-        scale(&cv.predicted_allocated),
-        scale(&cv.predicted_reserved),
-    );
-    let fmt = |v: u64| fmt_bytes(v);
-    let series = vec![
-        Series {
-            name: format!("snapshot allocated (max {})", fmt(m.max_allocated)),
-            points: ma,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("snapshot reserved (max {})", fmt(m.max_reserved)),
-            points: mr,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("predicted allocated (max {})", fmt(p.max_allocated)),
-            points: pa,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("predicted reserved (max {})", fmt(p.max_reserved)),
-            points: pr,
-            markers: false,
-            line: true,
-        },
-    ];
+    let series = [
+        (
+            "snapshot allocated",
+            m.max_allocated,
+            &cv.snapshot_allocated,
+        ),
+        ("snapshot reserved", m.max_reserved, &cv.snapshot_reserved),
+        (
+            "predicted allocated",
+            p.max_allocated,
+            &cv.predicted_allocated,
+        ),
+        ("predicted reserved", p.max_reserved, &cv.predicted_reserved),
+    ]
+    .into_iter()
+    .map(|(what, max, curve)| Series {
+        name: format!("{what} (max {})", fmt_bytes(max)),
+        points: scale(curve),
+        markers: false,
+        line: true,
+    })
+    .collect();
     let mut markers = Vec::new();
     if let Some(x) = &c.parting {
         markers.push(Marker {

@@ -1,12 +1,38 @@
 //! `ditmem agree`: the agreement grid, each family's part summarised on its own.
 
+use clap::Args;
 use ditmem_budget::Spec;
 use ditmem_conformance::agree::{self, Agreement};
 use ditmem_engine::MemoryProbe;
 
-use super::{AgreeArgs, AgreeFamily};
 use crate::render::{fmt_count, Table};
 use crate::CliError;
+
+#[derive(Debug, Clone, Args)]
+pub struct AgreeArgs {
+    /// Run only every N-th spec of the grid (1 = all).
+    #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
+    pub every: usize,
+    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan, diffusers' DiT), or all (each
+    /// summarised on its own).
+    #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
+    pub family: AgreeFamily,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The model families `ditmem agree` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AgreeFamily {
+    Dit,
+    Pixart,
+    Sd3,
+    Flux,
+    Sana,
+    Wan,
+    DitDiffusers,
+    All,
+}
 
 /// A family's part of the grid: all its specs.
 type FamilyGrid = fn() -> ditmem_engine::Result<Vec<(String, Spec)>>;

@@ -20,7 +20,7 @@ use crate::conditions::Conditions;
 use crate::render::{breakdown_table, fmt_count, recipe_line, rel_err_pct, spec_line, Table};
 use crate::CliError;
 
-pub use agree::agree_grid;
+pub use agree::{agree_grid, AgreeArgs};
 use pytorch::compare_pytorch;
 pub use timeline::timeline_svg;
 
@@ -58,32 +58,6 @@ pub struct CompareArgs {
     pub device: Option<u32>,
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct AgreeArgs {
-    /// Run only every N-th spec of the grid (1 = all).
-    #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
-    pub every: usize,
-    /// Which grid: the original DiT's, or a family's (PixArt, SD3, Flux, Sana, Wan, diffusers' DiT), or all (each
-    /// summarised on its own).
-    #[arg(long, value_enum, default_value_t = AgreeFamily::All)]
-    pub family: AgreeFamily,
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// The model families `ditmem agree` runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum AgreeFamily {
-    Dit,
-    Pixart,
-    Sd3,
-    Flux,
-    Sana,
-    Wan,
-    DitDiffusers,
-    All,
-}
-
 #[derive(Debug, Clone, Serialize)]
 struct CompareReport {
     #[serde(flatten)]
@@ -106,7 +80,13 @@ pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliErro
     }
     let spec = args.spec.to_spec()?;
     if let Runtime::Pytorch { .. } = spec.runtime {
-        return compare_pytorch(&spec, &args);
+        return compare_pytorch(
+            &spec,
+            args.python.as_deref(),
+            args.steps,
+            args.force,
+            args.json,
+        );
     }
     crate::guard::check_spec(&spec, args.force)?;
     let (a, budget, m) =

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use ditmem_budget::fmt_bytes;
 
-use super::CompareArgs;
 use crate::render::{fmt_count, recipe_line, spec_line, Table};
 use crate::CliError;
 
@@ -186,18 +185,21 @@ fn peer_for(spec: &ditmem_budget::Spec) -> Result<&'static str, CliError> {
 /// peer measures on the same spec.
 pub(super) fn compare_pytorch(
     spec: &ditmem_budget::Spec,
-    args: &CompareArgs,
+    python: Option<&Path>,
+    steps: u32,
+    force: bool,
+    json: bool,
 ) -> Result<(), CliError> {
     let script = peer_for(spec)?;
-    let (dir, python) = check_python(args.python.as_deref())?;
+    let (dir, python) = check_python(python)?;
     let budget = ditmem_budget::estimate(spec)?;
-    crate::guard::check("the PyTorch step", budget.peak_bytes, args.force)?;
-    let v = run_peer(&python, &dir.join(script), spec, args.steps)?;
+    crate::guard::check("the PyTorch step", budget.peak_bytes, force)?;
+    let v = run_peer(&python, &dir.join(script), spec, steps)?;
     let measured = v["peak_bytes"]
         .as_u64()
         .context("peer JSON has no peak_bytes")?;
     let rel = budget.peak_bytes as f64 / measured.max(1) as f64 - 1.0;
-    if args.json {
+    if json {
         let params = serde_json::json!({
             "predicted": {"total": budget.params.total, "trained": budget.params.trained},
             "measured": {
