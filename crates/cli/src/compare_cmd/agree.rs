@@ -34,8 +34,11 @@ pub enum AgreeFamily {
     All,
 }
 
+/// Specs of the grid, each with its name.
+type Grid = Vec<(String, Spec)>;
+
 /// A family's part of the grid: all its specs.
-type FamilyGrid = fn() -> ditmem_engine::Result<Vec<(String, Spec)>>;
+type FamilyGrid = fn() -> ditmem_engine::Result<Grid>;
 
 /// The grid's families in the order they run: which, its JSON key, its label, its specs.
 const FAMILIES: [(AgreeFamily, &str, &str, FamilyGrid); 7] = [
@@ -54,7 +57,7 @@ const FAMILIES: [(AgreeFamily, &str, &str, FamilyGrid); 7] = [
 ];
 
 /// The original DiT's grid (built without a config to read, so it cannot fail).
-fn dit_grid() -> ditmem_engine::Result<Vec<(String, Spec)>> {
+fn dit_grid() -> ditmem_engine::Result<Grid> {
     Ok(agree::grid())
 }
 
@@ -112,8 +115,8 @@ pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliErr
 }
 
 /// The specs `--family` and `--every` pick, and each picked family's part of them, in order.
-fn select(args: &AgreeArgs) -> Result<(Vec<(String, Spec)>, Vec<Part<usize>>), CliError> {
-    let mut grid: Vec<(String, Spec)> = Vec::new();
+fn select(args: &AgreeArgs) -> Result<(Grid, Vec<Part<usize>>), CliError> {
+    let mut grid: Grid = Vec::new();
     let mut sizes = Vec::new();
     for (family, key, label, make) in FAMILIES {
         if args.family != family && args.family != AgreeFamily::All {
