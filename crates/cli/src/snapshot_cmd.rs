@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::args::SpecArgs;
 use crate::plot::{line_chart, stacked_bar, LineChart, Marker, Series};
-use crate::render::{fmt_count, recipe_line, spec_line, Table};
+use crate::render::{breakdown_table, fmt_count, recipe_line, rel_err_pct, spec_line, Table};
 use crate::CliError;
 
 #[derive(Debug, Clone, Serialize)]
@@ -120,15 +120,18 @@ pub fn run(
     Ok(())
 }
 
-fn err_pct(p: u64, m: u64) -> String {
-    if m == 0 {
-        "-".into()
-    } else {
-        format!("{:+.2} %", 100.0 * (p as f64 / m as f64 - 1.0))
-    }
+/// What `compare --snapshot` prints: the run's lines, the peaks side by side, the events that
+/// stand out, where the timelines part, and what each holds at its peak.
+fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) -> String {
+    let mut o = run_lines(b, shown, snap, c);
+    o.push_str(&peaks_table(c).render());
+    o.push_str(&event_lines(c));
+    o.push_str(&at_peak_tables(b, &c.measured));
+    o
 }
 
-fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) -> String {
+/// The spec, its recipe, what the snapshot holds and what the prediction replays.
+fn run_lines(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) -> String {
     let m = &c.measured;
     let p = &c.predicted;
     let mut o = String::new();
@@ -163,25 +166,30 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
         },
         fmt_count(p.events as u64)
     ));
+    o
+}
+
+/// The allocator's figures, predicted beside the snapshot's.
+fn peaks_table(c: &SnapshotComparison) -> Table {
+    let m = &c.measured;
+    let p = &c.predicted;
     let mut t = Table::new(&["", "predicted", "snapshot", "error"]);
-    t.row(vec![
-        "max allocated".into(),
-        fmt_bytes(p.max_allocated),
-        fmt_bytes(m.max_allocated),
-        err_pct(p.max_allocated, m.max_allocated),
-    ]);
-    t.row(vec![
-        "max reserved".into(),
-        fmt_bytes(p.max_reserved),
-        fmt_bytes(m.max_reserved),
-        err_pct(p.max_reserved, m.max_reserved),
-    ]);
-    t.row(vec![
-        "allocated before the first step".into(),
-        fmt_bytes(p.allocated_at_step_start),
-        fmt_bytes(m.allocated_before),
-        err_pct(p.allocated_at_step_start, m.allocated_before),
-    ]);
+    for (what, p, m) in [
+        ("max allocated", p.max_allocated, m.max_allocated),
+        ("max reserved", p.max_reserved, m.max_reserved),
+        (
+            "allocated before the first step",
+            p.allocated_at_step_start,
+            m.allocated_before,
+        ),
+    ] {
+        t.row(vec![
+            what.into(),
+            fmt_bytes(p),
+            fmt_bytes(m),
+            rel_err_pct(p, m, 2),
+        ]);
+    }
     t.row(vec![
         "reserved − allocated at the peak".into(),
         "-".into(),
@@ -201,14 +209,21 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
         ),
         "".into(),
     ]);
-    o.push_str(&t.render());
-    o.push_str(&format!(
+    t
+}
+
+/// The exact peaks, the out-of-memory events of either side, the frees the trace cannot place,
+/// and where the cumulative allocations part.
+fn event_lines(c: &SnapshotComparison) -> String {
+    let m = &c.measured;
+    let p = &c.predicted;
+    let mut o = format!(
         "exact: max allocated predicted {} B, snapshot {} B; max reserved predicted {} B, snapshot {} B\n",
         fmt_count(p.max_allocated),
         fmt_count(m.max_allocated),
         fmt_count(p.max_reserved),
         fmt_count(m.max_reserved)
-    ));
+    );
     if let Some(oom) = &p.oom {
         o.push_str(&format!(
             "predicted: out of memory at event {} (a {} request) on {}\n",
@@ -251,6 +266,13 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
             fmt_count(c.predicted_step_events as u64)
         )),
     }
+    o
+}
+
+/// What the snapshot holds at its allocated peak (by origin, then its traced blocks by size) and
+/// the budget's categories at its own peak.
+fn at_peak_tables(b: &Budget, m: &ms::Replay) -> String {
+    let mut o = String::new();
     let mut t = Table::new(&["snapshot at its allocated peak", "bytes", "blocks", "share"]);
     for x in &m.at_peak {
         t.row(vec![
@@ -278,18 +300,15 @@ fn render(b: &Budget, shown: &str, snap: &ms::Snapshot, c: &SnapshotComparison) 
         o.push('\n');
         o.push_str(&t.render());
     }
-    let mut t = Table::new(&["predicted at its peak (requested bytes)", "bytes", "share"]);
-    for (name, v) in b.breakdown.entries() {
-        if v > 0 {
-            t.row(vec![
-                name.replace('_', " "),
-                fmt_bytes(v),
-                crate::render::pct(v, b.peak_bytes),
-            ]);
-        }
-    }
     o.push('\n');
-    o.push_str(&t.render());
+    o.push_str(
+        &breakdown_table(
+            "predicted at its peak (requested bytes)",
+            &b.breakdown,
+            b.peak_bytes,
+        )
+        .render(),
+    );
     o
 }
 
@@ -402,39 +421,28 @@ fn snapshot_svg(
     let scale = |v: &[(u64, u64)]| -> Vec<(f64, f64)> {
         v.iter().map(|&(x, b)| (x as f64, y(b))).collect()
     };
-    let (ma, mr, pa, pr) = (
-        scale(&cv.snapshot_allocated),
-        scale(&cv.snapshot_reserved),
-        scale(&cv.predicted_allocated),
-        scale(&cv.predicted_reserved),
-    );
-    let fmt = |v: u64| fmt_bytes(v);
-    let series = vec![
-        Series {
-            name: format!("snapshot allocated (max {})", fmt(m.max_allocated)),
-            points: ma,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("snapshot reserved (max {})", fmt(m.max_reserved)),
-            points: mr,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("predicted allocated (max {})", fmt(p.max_allocated)),
-            points: pa,
-            markers: false,
-            line: true,
-        },
-        Series {
-            name: format!("predicted reserved (max {})", fmt(p.max_reserved)),
-            points: pr,
-            markers: false,
-            line: true,
-        },
-    ];
+    let series = [
+        (
+            "snapshot allocated",
+            m.max_allocated,
+            &cv.snapshot_allocated,
+        ),
+        ("snapshot reserved", m.max_reserved, &cv.snapshot_reserved),
+        (
+            "predicted allocated",
+            p.max_allocated,
+            &cv.predicted_allocated,
+        ),
+        ("predicted reserved", p.max_reserved, &cv.predicted_reserved),
+    ]
+    .into_iter()
+    .map(|(what, max, curve)| Series {
+        name: format!("{what} (max {})", fmt_bytes(max)),
+        points: scale(curve),
+        markers: false,
+        line: true,
+    })
+    .collect();
     let mut markers = Vec::new();
     if let Some(x) = &c.parting {
         markers.push(Marker {

@@ -14,7 +14,7 @@ use clap::Args;
 use ditmem_budget::{Spec, SpecError};
 use ditmem_conformance::verify::{
     self, compute_reference_in, parse_variants, plan_memory, Event, MemoryPlan, Reference, Report,
-    Variant, VerifyError, VerifyOptions,
+    TensorError, Tolerance, Variant, VariantReport, VerifyError, VerifyOptions,
 };
 use ditmem_engine::EngineError;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -23,7 +23,7 @@ use serde::Serialize;
 use crate::args::SpecArgs;
 use crate::conditions::Conditions;
 use crate::plot::{line_chart, LineChart, Series};
-use crate::render::{fmt_count, recipe_line, spec_line, Table};
+use crate::render::{fmt_count, recipe_line, spec_line, Column, Table};
 use crate::CliError;
 
 /// Exit code when at least one variant fails.
@@ -365,15 +365,15 @@ pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Re
             report: &report,
         })?;
     } else {
-        crate::output::say(&render(
-            &report,
-            &base,
-            &source,
-            &conditions,
+        crate::output::say(&render(&View {
+            report: &report,
+            base: &base,
+            source: &source,
+            conditions: &conditions,
             elapsed,
-            &plan,
-            args.tensors,
-        ))?;
+            plan: &plan,
+            tensors: args.tensors,
+        }))?;
     }
     if !report.ok() {
         crate::output::note(&format!(
@@ -538,16 +538,85 @@ fn sci(x: Option<f64>) -> String {
     }
 }
 
-fn render(
-    r: &Report,
-    base: &Spec,
-    source: &str,
-    conditions: &Conditions,
+/// What the text report is made of: the report, the spec it verified, where the reference came
+/// from, the run's conditions, its time in seconds, its memory plan, and whether to list every
+/// tensor's error.
+struct View<'a> {
+    report: &'a Report,
+    base: &'a Spec,
+    source: &'a str,
+    conditions: &'a Conditions,
     elapsed: f64,
-    plan: &MemoryPlan,
+    plan: &'a MemoryPlan,
     tensors: bool,
-) -> String {
-    let jobs = plan.jobs;
+}
+
+/// What `verify` prints: the run's lines, the tolerances, one row per variant, why the flagged
+/// ones are flagged, the per-tensor errors with `tensors`, and the count of each verdict.
+fn render(view: &View<'_>) -> String {
+    let r = view.report;
+    let mut o = run_lines(view);
+    o.push_str(&tolerance_section(r));
+    o.push_str(&variants_table(r).render());
+    o.push_str(
+        "  errors are relative: loss |ℓ−ℓ₀|/|ℓ₀|; gradients ‖g−g₀‖/‖g₀‖ per tensor; drift ‖θ−θ₀‖/‖θ₀‖ after \
+         1 and K steps; drift margin: ‖θ_K−θ₀,K‖/‖θ₀,K−θ₀,0‖ (the share of the distance trained) / drift tol; \
+         loss drift after K steps\n",
+    );
+    let flagged: Vec<_> = r
+        .variants
+        .iter()
+        .filter(|v| !v.reasons.is_empty())
+        .collect();
+    if !flagged.is_empty() {
+        o.push_str("\nwhy:\n");
+        for v in flagged {
+            for why in &v.reasons {
+                o.push_str(&format!("  {} [{}]: {why}\n", v.name, v.verdict));
+            }
+        }
+    }
+    if view.tensors {
+        for v in &r.variants {
+            o.push_str(&format!("\n{} — gradient error per tensor\n", v.name));
+            let t = Table::of(
+                &[
+                    ("tensor", &|e: &&TensorError| e.name.clone()),
+                    ("‖g−g₀‖/‖g₀‖", &|e: &&TensorError| {
+                        sci(Some(e.rel_err))
+                    }),
+                ],
+                &v.per_tensor,
+            );
+            o.push_str(&t.render());
+        }
+    }
+    o.push_str(&format!(
+        "\n{} variants: {} pass, {} warn, {} fail{}\n",
+        r.variants.len(),
+        r.passed,
+        r.warned,
+        r.failed,
+        if r.skipped > 0 {
+            format!(", {} skipped", r.skipped)
+        } else {
+            String::new()
+        }
+    ));
+    o
+}
+
+/// The run's lines: the spec and base recipe, the reference, the conditions and the memory plan.
+fn run_lines(v: &View<'_>) -> String {
+    let View {
+        report: r,
+        base,
+        source,
+        conditions,
+        elapsed,
+        plan,
+        ..
+    } = *v;
     let mut o = String::new();
     let params = ditmem_engine::trainable_count(base).unwrap_or(0);
     o.push_str(&format!("ditmem verify — {}\n", spec_line(base)));
@@ -571,7 +640,7 @@ fn render(
         "conditions: {}; {} variants on {} worker threads in {:.1} s\n\n",
         conditions.line(),
         r.variants.len(),
-        jobs,
+        plan.jobs,
         elapsed
     ));
     o.push_str(&format!(
@@ -584,132 +653,88 @@ fn render(
         ditmem_budget::fmt_bytes(plan.report),
         ditmem_budget::fmt_bytes(plan.reference_file),
     ));
+    o
+}
 
+/// How the tolerances are set, one row per precision policy, and the verdict's rule.
+fn tolerance_section(r: &Report) -> String {
     let g = &r.growth;
-    o.push_str(&format!(
+    let mut o = format!(
         "tolerances: u(compute dtype) · √(κ_P²·P + κ_n²·n + κ_s²·S²) with P = {} chained roundings ({} for the loss), \
          n = {} the longest reduction, S = {:.1} the attention-score bound of the reference's first step; \
          each κ = 2 × the largest measured on correct runs (5 seeds; batch 2–8, width 64–384, scores ×1–32); \
          drift: κ_d × the gradient tolerance, as a share of the distance the reference trained\n",
         g.gradient_chain, g.forward_chain, g.reduction, g.score_bound
-    ));
-    let mut t = Table::new(&[
-        "policy",
-        "dtype",
-        "u",
-        "growth",
-        "gradient tol",
-        "loss tol",
-        "drift tol",
-    ]);
-    for tol in &r.tolerances {
-        t.row(vec![
-            tol.precision.to_string(),
-            tol.dtype.to_string(),
-            format!("2^{}", tol.unit_roundoff.log2().round() as i32),
-            format!("{:.1}", tol.growth),
-            sci(Some(tol.grad)),
-            sci(Some(tol.loss)),
-            sci(Some(tol.drift)),
-        ]);
-    }
-    o.push_str(&t.render());
+    );
+    let columns: [Column<&Tolerance>; 7] = [
+        ("policy", &|t| t.precision.to_string()),
+        ("dtype", &|t| t.dtype.to_string()),
+        ("u", &|t| {
+            format!("2^{}", t.unit_roundoff.log2().round() as i32)
+        }),
+        ("growth", &|t| format!("{:.1}", t.growth)),
+        ("gradient tol", &|t| sci(Some(t.grad))),
+        ("loss tol", &|t| sci(Some(t.loss))),
+        ("drift tol", &|t| sci(Some(t.drift))),
+    ];
+    o.push_str(&Table::of(&columns, &r.tolerances).render());
     o.push_str(&format!(
         "verdict: pass ≤ tol < warn ≤ {}×tol < fail (margin = error / tol), for gradients, loss and drift; \
          recompute twins bitwise; drift also warns above {} × K × (drift after step 1); an EMA fails beyond its weights' drift\n\n",
         r.warn_factor, r.drift_growth_factor
     ));
+    o
+}
 
-    let mut t = Table::new(&[
-        "variant",
-        "verdict",
-        "loss err",
-        "grad err max",
-        "median",
-        "worst tensor",
-        "cosine",
-        "non-finite",
-        "tol",
-        "margin",
-        "drift margin",
-        "drift@1",
-        &format!("drift@{}", opt.steps),
-        "loss drift",
-        "twin",
-    ]);
-    for v in &r.variants {
-        let twin = v
-            .twins
-            .iter()
-            .map(|c| if c.ok { "= bitwise" } else { "≠ bitwise" }.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
-        t.row(vec![
-            v.name.clone(),
-            v.verdict.name().to_uppercase(),
-            sci(v.loss_rel_err),
-            sci(v.grad_rel_err_max),
-            sci(v.grad_rel_err_median),
-            v.worst_tensor.clone().unwrap_or_else(|| "-".into()),
-            v.cosine.map_or("-".into(), |c| format!("{:.6}", c)),
+/// One row per variant: its verdict, errors, margins, drift and recompute twins.
+fn variants_table(r: &Report) -> Table {
+    let drift_final = format!("drift@{}", r.options.steps);
+    let columns: [Column<&VariantReport>; 15] = [
+        ("variant", &|v| v.name.clone()),
+        ("verdict", &|v| v.verdict.name().to_uppercase()),
+        ("loss err", &|v| sci(v.loss_rel_err)),
+        ("grad err max", &|v| sci(v.grad_rel_err_max)),
+        ("median", &|v| sci(v.grad_rel_err_median)),
+        ("worst tensor", &|v| {
+            v.worst_tensor.clone().unwrap_or_else(|| "-".into())
+        }),
+        ("cosine", &|v| {
+            v.cosine.map_or("-".into(), |c| format!("{:.6}", c))
+        }),
+        ("non-finite", &|v| {
             v.nonfinite_share.map_or("-".into(), |s| {
                 if s == 0.0 {
                     "0".into()
                 } else {
                     format!("{:.2} %", 100.0 * s)
                 }
-            }),
-            sci(Some(v.tolerance_grad)),
-            v.grad_margin.map_or("-".into(), |m| format!("{m:.3}")),
-            v.drift_margin.map_or("-".into(), |m| format!("{m:.3}")),
-            sci(v.drift_one_step),
-            sci(v.drift_final),
-            sci(v.loss_drift_final),
-            if twin.is_empty() { "-".into() } else { twin },
-        ]);
-    }
-    o.push_str(&t.render());
-    o.push_str(
-        "  errors are relative: loss |ℓ−ℓ₀|/|ℓ₀|; gradients ‖g−g₀‖/‖g₀‖ per tensor; drift ‖θ−θ₀‖/‖θ₀‖ after \
-         1 and K steps; drift margin: ‖θ_K−θ₀,K‖/‖θ₀,K−θ₀,0‖ (the share of the distance trained) / drift tol; \
-         loss drift after K steps\n",
-    );
-    let flagged: Vec<_> = r
-        .variants
-        .iter()
-        .filter(|v| !v.reasons.is_empty())
-        .collect();
-    if !flagged.is_empty() {
-        o.push_str("\nwhy:\n");
-        for v in flagged {
-            for why in &v.reasons {
-                o.push_str(&format!("  {} [{}]: {why}\n", v.name, v.verdict));
+            })
+        }),
+        ("tol", &|v| sci(Some(v.tolerance_grad))),
+        ("margin", &|v| {
+            v.grad_margin.map_or("-".into(), |m| format!("{m:.3}"))
+        }),
+        ("drift margin", &|v| {
+            v.drift_margin.map_or("-".into(), |m| format!("{m:.3}"))
+        }),
+        ("drift@1", &|v| sci(v.drift_one_step)),
+        (&drift_final, &|v| sci(v.drift_final)),
+        ("loss drift", &|v| sci(v.loss_drift_final)),
+        ("twin", &|v| {
+            let twin = v
+                .twins
+                .iter()
+                .map(|c| if c.ok { "= bitwise" } else { "≠ bitwise" }.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            if twin.is_empty() {
+                "-".into()
+            } else {
+                twin
             }
-        }
-    }
-    if tensors {
-        for v in &r.variants {
-            o.push_str(&format!("\n{} — gradient error per tensor\n", v.name));
-            let mut t = Table::new(&["tensor", "‖g−g₀‖/‖g₀‖"]);
-            for e in &v.per_tensor {
-                t.row(vec![e.name.clone(), sci(Some(e.rel_err))]);
-            }
-            o.push_str(&t.render());
-        }
-    }
-    o.push_str(&format!(
-        "\n{} variants: {} pass, {} warn, {} fail{}\n",
-        r.variants.len(),
-        r.passed,
-        r.warned,
-        r.failed,
-        if r.skipped > 0 {
-            format!(", {} skipped", r.skipped)
-        } else {
-            String::new()
-        }
-    ));
-    o
+        }),
+    ];
+    Table::of(&columns, &r.variants)
 }
 
 /// Parameter drift over steps, one line per distinct trajectory (recompute twins that matched

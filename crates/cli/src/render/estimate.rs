@@ -2,11 +2,12 @@
 //! parameter, detail and inventory sections, the CUDA allocator's lines, the levers that would
 //! make it fit.
 
-use super::table::{fmt_count, pct, Table};
+use super::table::{fmt_count, pct, Column, Table};
 use super::text::{fit_lines, wrap};
 use super::words::{change_flags, recipe_line, short_recipe, spec_line};
 use ditmem_budget::fmt_bytes;
-use ditmem_budget::{Budget, Spec};
+use ditmem_budget::gpu::Gpu;
+use ditmem_budget::{Budget, EncoderRun, InventoryRow, Spec};
 
 /// What to do about the dominant consumer, in words.
 pub fn advice(dominant: &str, budget: &Budget) -> String {
@@ -81,35 +82,23 @@ pub(super) fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) ->
             )),
         }
     } else {
-        // No card named: which of the catalog's would hold it (its reserved memory and
-        // cuBLAS workspace within the card's capacity less its own context).
-        let need = c.max_reserved_bytes + c.cublas_workspace_bytes;
-        let (mut yes, mut no): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
-        let bf16 = spec.recipe.precision.compute_dtype() == ditmem_budget::Dtype::Bf16;
-        for g in ditmem_budget::gpu::all() {
-            if bf16 && !g.dtypes().bf16 {
-                continue;
-            }
-            if need <= g.allocator_bytes() {
-                yes.push(g.name);
-            } else {
-                no.push(g.name);
-            }
-        }
+        let catalog = Catalog::for_step(c, spec);
+        let (yes, no) = catalog.split();
+        let names = |cards: &[&Gpu]| cards.iter().map(|g| g.name).collect::<Vec<_>>().join(", ");
         o.push_str(&format!(
             "fits (reserved + workspace within each card's capacity less its context; --gpu NAME \
              replays on that card): {}; not: {}{}\n",
             if yes.is_empty() {
                 "none of the catalog".to_string()
             } else {
-                yes.join(", ")
+                names(&yes)
             },
             if no.is_empty() {
                 "none".to_string()
             } else {
-                no.join(", ")
+                names(&no)
             },
-            if bf16 {
+            if catalog.bf16 {
                 " (cards without bf16 left out)"
             } else {
                 ""
@@ -117,6 +106,37 @@ pub(super) fn cuda_lines(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) ->
         ));
     }
     o
+}
+
+/// The catalog's cards a step with no card named is held against, in the catalog's order: all
+/// of them, or those with bf16 when the step computes in bf16. A card fits when its capacity less
+/// its own CUDA context holds the replay's reserved memory and cuBLAS workspace.
+struct Catalog {
+    cards: Vec<&'static Gpu>,
+    need: u64,
+    bf16: bool,
+}
+
+impl Catalog {
+    fn for_step(c: &ditmem_budget::pytorch::CudaReport, spec: &Spec) -> Catalog {
+        let bf16 = spec.recipe.precision.compute_dtype() == ditmem_budget::Dtype::Bf16;
+        Catalog {
+            cards: ditmem_budget::gpu::all()
+                .iter()
+                .filter(|g| !bf16 || g.dtypes().bf16)
+                .collect(),
+            need: c.max_reserved_bytes + c.cublas_workspace_bytes,
+            bf16,
+        }
+    }
+
+    /// The cards that fit and those that do not, each in the order of `cards`.
+    fn split(&self) -> (Vec<&'static Gpu>, Vec<&'static Gpu>) {
+        self.cards
+            .iter()
+            .copied()
+            .partition(|g| self.need <= g.allocator_bytes())
+    }
 }
 
 pub(super) fn parameters_section(b: &Budget) -> String {
@@ -141,31 +161,23 @@ pub(super) fn parameters_section(b: &Budget) -> String {
         o.push_str(
             "frozen encoders in the step (no gradient, run at the start of each microbatch):\n",
         );
-        let mut t = Table::new(&[
-            "encoder",
-            "class",
-            "parameters",
-            "dtype",
-            "weights",
-            "on the device",
-            "forward",
-        ]);
-        for e in &b.encoders {
-            t.row(vec![
-                e.name.clone(),
-                e.class.to_string(),
-                fmt_count(e.params),
-                e.dtype.to_string(),
-                fmt_bytes(e.weight_bytes),
+        let columns: [Column<&EncoderRun>; 7] = [
+            ("encoder", &|e| e.name.clone()),
+            ("class", &|e| e.class.to_string()),
+            ("parameters", &|e| fmt_count(e.params)),
+            ("dtype", &|e| e.dtype.to_string()),
+            ("weights", &|e| fmt_bytes(e.weight_bytes)),
+            ("on the device", &|e| {
                 if e.resident {
                     "all step"
                 } else {
                     "while encoding"
                 }
-                .to_string(),
-                format!("+{}", fmt_bytes(e.forward_bytes)),
-            ]);
-        }
+                .to_string()
+            }),
+            ("forward", &|e| format!("+{}", fmt_bytes(e.forward_bytes))),
+        ];
+        let t = Table::of(&columns, &b.encoders);
         o.push_str(&t.render());
         o.push('\n');
     }
@@ -188,12 +200,7 @@ pub(super) fn details_section(b: &Budget) -> String {
         p.phase.name(),
         p.label
     ));
-    let mut t = Table::new(&["live at the peak", "bytes", "share"]);
-    for (name, v) in p.breakdown.entries() {
-        if v > 0 {
-            t.row(vec![name.replace('_', " "), fmt_bytes(v), pct(v, p.bytes)]);
-        }
-    }
+    let mut t = breakdown_table("live at the peak", &p.breakdown, p.bytes);
     t.row(vec![
         "total".into(),
         fmt_bytes(p.bytes),
@@ -270,46 +277,24 @@ pub(super) fn details_section(b: &Budget) -> String {
 }
 
 pub(super) fn inventory_section(b: &Budget) -> String {
+    // A byte count, or `zero` where there are none.
+    let bytes_or = |v: u64, zero: &str| if v == 0 { zero.into() } else { fmt_bytes(v) };
+    let columns: [Column<&InventoryRow>; 6] = [
+        ("op", &|r| r.op.clone()),
+        ("elements", &|r| fmt_count(r.elems)),
+        ("dtype", &|r| r.dtype.to_string()),
+        ("new buffer", &|r| bytes_or(r.bytes, "view")),
+        ("extra saved", &|r| bytes_or(r.extra_saved, "")),
+        ("bwd scratch", &|r| bytes_or(r.bwd_scratch, "")),
+    ];
     let mut o = String::new();
-    {
-        for inv in &b.inventory {
-            o.push_str(&format!(
-                "\nop inventory: {} (tracked graph keeps {})\n",
-                inv.segment,
-                fmt_bytes(inv.kept_bytes)
-            ));
-            let mut t = Table::new(&[
-                "op",
-                "elements",
-                "dtype",
-                "new buffer",
-                "extra saved",
-                "bwd scratch",
-            ]);
-            for r in &inv.rows {
-                t.row(vec![
-                    r.op.clone(),
-                    fmt_count(r.elems),
-                    r.dtype.to_string(),
-                    if r.bytes == 0 {
-                        "view".into()
-                    } else {
-                        fmt_bytes(r.bytes)
-                    },
-                    if r.extra_saved == 0 {
-                        "".into()
-                    } else {
-                        fmt_bytes(r.extra_saved)
-                    },
-                    if r.bwd_scratch == 0 {
-                        "".into()
-                    } else {
-                        fmt_bytes(r.bwd_scratch)
-                    },
-                ]);
-            }
-            o.push_str(&t.render());
-        }
+    for inv in &b.inventory {
+        o.push_str(&format!(
+            "\nop inventory: {} (tracked graph keeps {})\n",
+            inv.segment,
+            fmt_bytes(inv.kept_bytes)
+        ));
+        o.push_str(&Table::of(&columns, &inv.rows).render());
     }
     o
 }
@@ -340,6 +325,18 @@ pub fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
         })
         .collect::<Vec<_>>()
         .join(" · ")
+}
+
+/// The categories of a breakdown that hold bytes, one row each: its bytes and its share of
+/// `total`, under the header `title`.
+pub fn breakdown_table(title: &str, breakdown: &ditmem_budget::Breakdown, total: u64) -> Table {
+    let mut t = Table::new(&[title, "bytes", "share"]);
+    for (name, v) in breakdown.entries() {
+        if v > 0 {
+            t.row(vec![name.replace('_', " "), fmt_bytes(v), pct(v, total)]);
+        }
+    }
+    t
 }
 
 /// A breakdown category as a reader names it.
@@ -384,19 +381,10 @@ pub(super) fn fit_line(b: &Budget) -> String {
             }
         }
         _ => {
-            // No card named: which of the catalog's would hold it (its reserved memory and
-            // cuBLAS workspace within the card's capacity less its own context).
-            let bf16 = b.spec.recipe.precision.compute_dtype() == ditmem_budget::Dtype::Bf16;
-            let need = c.max_reserved_bytes + c.cublas_workspace_bytes;
-            let mut cards: Vec<_> = ditmem_budget::gpu::all()
-                .iter()
-                .filter(|g| !bf16 || g.dtypes().bf16)
-                .collect();
-            cards.sort_by_key(|g| g.capacity_bytes());
-            let (yes, no): (Vec<&ditmem_budget::gpu::Gpu>, Vec<&ditmem_budget::gpu::Gpu>) = cards
-                .iter()
-                .copied()
-                .partition(|g| need <= g.allocator_bytes());
+            let mut catalog = Catalog::for_step(c, &b.spec);
+            catalog.cards.sort_by_key(|g| g.capacity_bytes());
+            let (yes, no) = catalog.split();
+            let (cards, bf16) = (&catalog.cards, catalog.bf16);
             let skipped = if bf16 { " with bf16" } else { "" };
             match (yes.first(), no.last()) {
                 (Some(small), Some(big)) => format!(

@@ -41,6 +41,52 @@ mod tests {
     }
 
     #[test]
+    fn a_column_table_is_the_table_written_row_by_row() {
+        let items = [("a", 1u64), ("long name", 12_345)];
+        let columns: [Column<&(&str, u64)>; 2] = [
+            ("name", &|x| x.0.to_string()),
+            ("count", &|x| fmt_count(x.1)),
+        ];
+        let mut by_rows = Table::new(&["name", "count"]);
+        by_rows.row(vec!["a".into(), "1".into()]);
+        by_rows.row(vec!["long name".into(), "12,345".into()]);
+        assert_eq!(Table::of(&columns, &items).render(), by_rows.render());
+        // No items: the header alone.
+        assert_eq!(
+            Table::of(&columns, &[]).render(),
+            Table::new(&["name", "count"]).render()
+        );
+    }
+
+    #[test]
+    fn relative_errors_are_signed_and_need_a_measurement() {
+        assert_eq!(rel_err_pct(101, 100, 3), "+1.000 %");
+        assert_eq!(rel_err_pct(99, 100, 2), "-1.00 %");
+        assert_eq!(rel_err_pct(100, 100, 3), "+0.000 %");
+        assert_eq!(rel_err_pct(5, 0, 3), "-");
+    }
+
+    #[test]
+    fn a_breakdown_table_lists_the_categories_that_hold_bytes() {
+        let b = ditmem_budget::Breakdown {
+            weights: 3 << 20,
+            gradients: 1 << 20,
+            ..Default::default()
+        };
+        let text = breakdown_table("at the peak", &b, 4 << 20).render();
+        assert!(text.starts_with("  at the peak"), "{text}");
+        assert!(
+            text.contains("weights") && text.contains("75.0 %"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gradients") && text.contains("25.0 %"),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 4, "header, rule, two rows:\n{text}");
+    }
+
+    #[test]
     fn table_aligns() {
         let mut t = Table::new(&["a", "bb"]);
         t.row(vec!["long name".into(), "1".into()]);

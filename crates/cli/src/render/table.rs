@@ -2,6 +2,9 @@
 
 use super::text::wrap;
 
+/// One column of a [`Table::of`] table of `T`s: its header and how an item's cell is written.
+pub type Column<'a, T> = (&'a str, &'a dyn Fn(&T) -> String);
+
 /// A simple left/right aligned text table.
 pub struct Table {
     header: Vec<String>,
@@ -18,6 +21,17 @@ impl Table {
 
     pub fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
+    }
+
+    /// A table with one row per item: each column's header stands beside how its cells are
+    /// written, so a header and its cells cannot drift apart.
+    pub fn of<T>(columns: &[Column<'_, T>], items: impl IntoIterator<Item = T>) -> Table {
+        let header: Vec<&str> = columns.iter().map(|c| c.0).collect();
+        let mut t = Table::new(&header);
+        for item in items {
+            t.row(columns.iter().map(|c| (c.1)(&item)).collect());
+        }
+        t
     }
 
     /// Each column's width in characters (header and rows).
@@ -121,5 +135,19 @@ pub fn pct(part: u64, whole: u64) -> String {
         "-".into()
     } else {
         format!("{:.1} %", 100.0 * part as f64 / whole as f64)
+    }
+}
+
+/// A prediction's relative error against a measurement, signed, in percent with `decimals`
+/// digits ("+1.234 %"); "-" when there is nothing measured.
+pub fn rel_err_pct(predicted: u64, measured: u64, decimals: usize) -> String {
+    if measured == 0 {
+        "-".into()
+    } else {
+        format!(
+            "{:+.*} %",
+            decimals,
+            100.0 * (predicted as f64 / measured as f64 - 1.0)
+        )
     }
 }
