@@ -3,7 +3,7 @@
 
 use ditmem_spec::{LoraTarget, Spec};
 
-use crate::shapes::{Dims, Init, ParamShape};
+use crate::shapes::{Dims, Init, Inventory, ParamShape};
 
 /// The original DiT: everything it needs beyond [`Dims`] is in the spec's `model` section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,137 +31,60 @@ pub(crate) fn block_linear_shape(d: &Dims, target: LoraTarget) -> (usize, usize)
 }
 
 /// Every parameter of the DiT of `spec` (dims `d`), in a fixed order (embedders, blocks, final
-/// layer).
-// Over 100 lines as rustfmt lays out its 22 named tensors one call each; it is a list, read
-// top to bottom in the order of DiT's `state_dict`.
+/// layer). Under LoRA the base is frozen and each adapted block linear's factors follow its
+/// bias, trained.
 pub(crate) fn param_shapes(spec: &Spec, d: &Dims) -> Vec<ParamShape> {
     let lora = spec.recipe.lora.as_ref();
-    let base_trainable = lora.is_none();
     let small = Init::Normal(0.02);
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, init: Init, trainable: bool| {
-        v.push(ParamShape {
-            name,
-            shape,
-            init,
-            trainable,
-        })
-    };
     let h = d.hidden;
-    push(
-        "x_embedder.proj.weight".into(),
-        vec![h, d.patch_in()],
-        Init::XavierUniform,
-        base_trainable,
-    );
-    push(
-        "x_embedder.proj.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "pos_embed".into(),
-        vec![d.tokens, h],
-        Init::SinCos2d {
+    let mut inv = Inventory::default();
+    inv.linear("x_embedder.proj", h, d.patch_in(), Init::XavierUniform);
+    inv.shapes.push(ParamShape {
+        name: "pos_embed".into(),
+        shape: vec![d.tokens, h],
+        init: Init::SinCos2d {
             rows: d.rows,
             cols: d.cols,
         },
-        false,
-    );
-    push(
-        "t_embedder.mlp.0.weight".into(),
-        vec![h, d.freq],
-        small,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.0.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.2.weight".into(),
-        vec![h, h],
-        small,
-        base_trainable,
-    );
-    push(
-        "t_embedder.mlp.2.bias".into(),
-        vec![h],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
+        trainable: false,
+    });
+    inv.linear("t_embedder.mlp.0", h, d.freq, small);
+    inv.linear("t_embedder.mlp.2", h, h, small);
+    inv.tensor(
         "y_embedder.embedding_table.weight".into(),
         vec![d.label_rows, h],
         small,
-        base_trainable,
     );
+    let mut factors = Vec::new();
     for i in 0..d.depth {
         for (name, target) in BLOCK_LINEARS {
             let (out, inp) = block_linear_shape(d, target);
-            let w_init = if target == LoraTarget::Adaln {
+            let w = if target == LoraTarget::Adaln {
                 small
             } else {
                 Init::XavierUniform
             };
-            push(
-                format!("blocks.{i}.{name}.weight"),
-                vec![out, inp],
-                w_init,
-                base_trainable,
-            );
-            push(
-                format!("blocks.{i}.{name}.bias"),
-                vec![out],
-                Init::Zeros,
-                base_trainable,
-            );
-            if let Some(l) = lora {
-                if l.targets.contains(&target) {
-                    let r = l.rank as usize;
-                    let bound = 1.0 / (inp as f64).sqrt();
-                    push(
-                        format!("blocks.{i}.{name}.lora_a"),
-                        vec![r, inp],
-                        Init::Uniform(bound),
-                        true,
-                    );
-                    push(
-                        format!("blocks.{i}.{name}.lora_b"),
-                        vec![out, r],
-                        Init::Zeros,
-                        true,
-                    );
-                }
+            let prefix = format!("blocks.{i}.{name}");
+            inv.linear(&prefix, out, inp, w);
+            if let Some(l) = lora.filter(|l| l.targets.contains(&target)) {
+                let r = l.rank as usize;
+                let bound = 1.0 / (inp as f64).sqrt();
+                factors.extend([inv.shapes.len(), inv.shapes.len() + 1]);
+                inv.tensor(
+                    format!("{prefix}.lora_a"),
+                    vec![r, inp],
+                    Init::Uniform(bound),
+                );
+                inv.tensor(format!("{prefix}.lora_b"), vec![out, r], Init::Zeros);
             }
         }
     }
-    push(
-        "final_layer.linear.weight".into(),
-        vec![d.patch_out(), h],
-        small,
-        base_trainable,
-    );
-    push(
-        "final_layer.linear.bias".into(),
-        vec![d.patch_out()],
-        Init::Zeros,
-        base_trainable,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.weight".into(),
-        vec![2 * h, h],
-        small,
-        base_trainable,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.bias".into(),
-        vec![2 * h],
-        Init::Zeros,
-        base_trainable,
-    );
-    v
+    inv.linear("final_layer.linear", d.patch_out(), h, small);
+    inv.linear("final_layer.adaLN_modulation.1", 2 * h, h, small);
+    if lora.is_some() {
+        for (k, p) in inv.shapes.iter_mut().enumerate() {
+            p.trainable = factors.contains(&k);
+        }
+    }
+    inv.shapes
 }
