@@ -1,7 +1,7 @@
 //! Verdicts from the measured errors (module docs, 5.): one step ([`judge_one_step`]), drift
 //! and terms ([`judge`]), recompute twins ([`check_twins`]).
 
-use super::drift::ema_bound;
+use super::drift::{ema_bound, Drift};
 use super::one_step::{OneStep, TensorError};
 use super::report::{TwinCheck, VariantReport};
 use super::run::Run;
@@ -74,9 +74,16 @@ pub(super) fn note_terms(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance
     }
 }
 
-// Kept whole (> 100 lines): a variant's verdict rules in the order its report lists them, each raising the same `rep`.
 pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
-    let one = &run.one;
+    one_step_rules(rep, &run.one, tol);
+    if let Some(d) = &run.drift {
+        drift_rules(rep, d, &run.one, tol);
+    }
+}
+
+/// The one-step rules: the gradients' and the loss's errors against their tolerances, the
+/// non-finite share.
+fn one_step_rules(rep: &mut VariantReport, one: &OneStep, tol: &Tolerance) {
     rep.loss = Some(one.loss);
     rep.loss_rel_err = Some(one.loss_rel_err);
     rep.grad_rel_err_max = Some(one.grad_rel_err_max);
@@ -141,15 +148,19 @@ pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
             ),
         );
     }
-    if let Some(d) = &run.drift {
-        rep.drift_final = Some(d.final_rel);
-        rep.drift_one_step = Some(d.one_step_rel);
-        rep.drift_predicted_max = Some(d.predicted_max);
-        rep.loss_drift_final = d.loss_rel.last().copied();
-        rep.skipped_steps = Some(d.skipped_steps);
-        rep.ema_drift_final = d.ema_rel.last().copied();
-        if let Some(t) = d.ema_exceeds_at {
-            raise(
+}
+
+/// The drift rules: the EMA's divergence, a diverged run, the weight drift against its
+/// tolerance, a drift growing faster than its first step predicts, skipped steps.
+fn drift_rules(rep: &mut VariantReport, d: &Drift, one: &OneStep, tol: &Tolerance) {
+    rep.drift_final = Some(d.final_rel);
+    rep.drift_one_step = Some(d.one_step_rel);
+    rep.drift_predicted_max = Some(d.predicted_max);
+    rep.loss_drift_final = d.loss_rel.last().copied();
+    rep.skipped_steps = Some(d.skipped_steps);
+    rep.ema_drift_final = d.ema_rel.last().copied();
+    if let Some(t) = d.ema_exceeds_at {
+        raise(
                 rep,
                 Verdict::Fail,
                 format!(
@@ -158,19 +169,19 @@ pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
                     ema_bound(&d.param_rel, t)
                 ),
             );
-        }
-        let nonfinite = !d.final_rel.is_finite() || d.loss_rel.iter().any(|x| !x.is_finite());
-        if nonfinite {
-            raise(
-                rep,
-                Verdict::Fail,
-                "the drift run diverged (non-finite loss or weights)".into(),
-            );
-        } else if d.skipped_steps == 0 {
-            let drift_tol = tol.drift_of(one, &d.travel_shares);
-            rep.tolerance_drift = drift_tol;
-            rep.drift_margin = Some(d.vs_travel / drift_tol);
-            raise(
+    }
+    let nonfinite = !d.final_rel.is_finite() || d.loss_rel.iter().any(|x| !x.is_finite());
+    if nonfinite {
+        raise(
+            rep,
+            Verdict::Fail,
+            "the drift run diverged (non-finite loss or weights)".into(),
+        );
+    } else if d.skipped_steps == 0 {
+        let drift_tol = tol.drift_of(one, &d.travel_shares);
+        rep.tolerance_drift = drift_tol;
+        rep.drift_margin = Some(d.vs_travel / drift_tol);
+        raise(
                 rep,
                 Verdict::of(d.vs_travel, drift_tol),
                 format!(
@@ -179,9 +190,9 @@ pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
                     d.loss_rel.len(),
                 ),
             );
-        }
-        if !nonfinite && d.grows_too_fast {
-            raise(
+    }
+    if !nonfinite && d.grows_too_fast {
+        raise(
                 rep,
                 Verdict::Warn,
                 format!(
@@ -193,20 +204,19 @@ pub(super) fn judge(rep: &mut VariantReport, run: &Run, tol: &Tolerance) {
                     d.one_step_rel
                 ),
             );
-        }
-        if d.skipped_steps > 0 {
-            raise(
-                rep,
-                Verdict::Warn,
-                format!(
-                    "{} of {} drift steps skipped by the fp16 loss scaler",
-                    d.skipped_steps,
-                    d.loss_rel.len()
-                ),
-            );
-        }
-        rep.drift = Some(d.clone());
     }
+    if d.skipped_steps > 0 {
+        raise(
+            rep,
+            Verdict::Warn,
+            format!(
+                "{} of {} drift steps skipped by the fp16 loss scaler",
+                d.skipped_steps,
+                d.loss_rel.len()
+            ),
+        );
+    }
+    rep.drift = Some(d.clone());
 }
 
 /// Recompute twins: variants that differ only by recompute (same precision and attention) must

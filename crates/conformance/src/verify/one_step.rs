@@ -8,7 +8,7 @@ use super::reference::{Reference, VerifyOptions};
 use super::tolerance::{Tolerance, KAPPA_KINK, KAPPA_UNDERFLOW};
 use super::variant::Variant;
 use super::verdict::Fault;
-use crate::diffusion::SyntheticData;
+use crate::diffusion::{Batch, SyntheticData};
 use crate::model::Dims;
 use crate::trainer::Trainer;
 use ditmem_budget::{Precision, Spec};
@@ -138,22 +138,9 @@ pub(super) fn summarize(
     }
 }
 
-// Kept whole (> 100 lines): one step and its tensor-by-tensor comparison read the reference in one pass, with the fp16 retry around both.
-/// One forward/backward of a variant on `step_batch(0)`, compared tensor by tensor with the
-/// reference's gradients. Under fp16-mixed a non-finite gradient halves the loss scale and
-/// retries, as the dynamic loss scaler would (the overflowing step is skipped in training); the
-/// non-finite share reported is the first attempt's.
-pub(super) fn one_step(
-    spec: &Spec,
-    fault: Option<&Fault>,
-    opts: &VerifyOptions,
-    reference: &Reference,
-    rd: &mut super::store::Reader<'_>,
-    h: &mut DefaultHasher,
-) -> Result<OneStep> {
-    let arch = ditmem_engine::families::Arch::of(spec)?;
-    let mut t = Trainer::new(spec, opts.train())?;
-    let names = t.trained_names();
+/// The variant trains the reference's tensors, in its order, and the fault (if any) targets
+/// one of them.
+fn check_trained(names: &[String], reference: &Reference, fault: Option<&Fault>) -> Result<()> {
     if names.len() != reference.tensors.len()
         || names
             .iter()
@@ -175,14 +162,20 @@ pub(super) fn one_step(
             return Err(bad("fault", format!("'{target}' is not a trained tensor")));
         }
     }
-    let batch = SyntheticData::new(spec, opts.data_seed)?.step_batch(0);
+    Ok(())
+}
+
+/// The gradients of `names` on `batch` in `t`; under fp16-mixed a non-finite gradient halves
+/// the loss scale and retries, as the dynamic loss scaler would (the overflowing step is
+/// skipped in training). The loss and the non-finite share of the first attempt.
+fn gradients_scaled(t: &mut Trainer, batch: &Batch, names: &[String]) -> Result<(f64, f64)> {
     let mut first_share = None;
     let mut attempts = 0;
     let loss = loop {
         attempts += 1;
-        let loss = t.compute_gradients(&batch)?;
+        let loss = t.compute_gradients(batch)?;
         let (mut nonfinite, mut total) = (0usize, 0usize);
-        for n in &names {
+        for n in names {
             if let Some(g) = t.gradient(n)? {
                 let v = to_f64(&g)?;
                 total += v.len();
@@ -202,6 +195,58 @@ pub(super) fn one_step(
         }
         t.set_loss_scale(scale / 2.0)?;
     };
+    Ok((loss, first_share.unwrap_or(0.0)))
+}
+
+/// The variant's gradient of the tensor `name` (zeros of `shape` when none reached it), the
+/// fault applied, with the reference's read into `r`; an error when their lengths differ.
+fn gradient_pair(
+    t: &Trainer,
+    name: &str,
+    shape: &[usize],
+    fault: Option<&Fault>,
+    rd: &mut super::store::Reader<'_>,
+    r: &mut Vec<f64>,
+) -> Result<Vec<f64>> {
+    let mut g = match t.gradient(name)? {
+        Some(g) => to_f64(&g)?,
+        None => vec![0.0; shape.iter().product()],
+    };
+    if let Some(f) = fault {
+        f.apply(name, &mut g);
+    }
+    rd.read_into(&format!("grad/{name}"), r)?;
+    if g.len() != r.len() {
+        return Err(bad(
+            "gradients",
+            format!(
+                "'{name}' has {} values; the reference has {}",
+                g.len(),
+                r.len()
+            ),
+        ));
+    }
+    Ok(g)
+}
+
+/// One forward/backward of a variant on `step_batch(0)`, compared tensor by tensor with the
+/// reference's gradients. Under fp16-mixed a non-finite gradient halves the loss scale and
+/// retries, as the dynamic loss scaler would (the overflowing step is skipped in training); the
+/// non-finite share reported is the first attempt's.
+pub(super) fn one_step(
+    spec: &Spec,
+    fault: Option<&Fault>,
+    opts: &VerifyOptions,
+    reference: &Reference,
+    rd: &mut super::store::Reader<'_>,
+    h: &mut DefaultHasher,
+) -> Result<OneStep> {
+    let arch = ditmem_engine::families::Arch::of(spec)?;
+    let mut t = Trainer::new(spec, opts.train())?;
+    let names = t.trained_names();
+    check_trained(&names, reference, fault)?;
+    let batch = SyntheticData::new(spec, opts.data_seed)?.step_batch(0);
+    let (loss, first_share) = gradients_scaled(&mut t, &batch, &names)?;
     let scale = t.loss_scale().unwrap_or(1.0);
     let compute = spec.recipe.precision.compute_dtype();
     // The underflow term is the policy's, at the scale its loss scaler holds (or starts from,
@@ -221,36 +266,19 @@ pub(super) fn one_step(
     let mut sibling = Vec::new();
     let mut values = 0usize;
     for (name, shape) in &reference.tensors {
-        let mut g = match t.gradient(name)? {
-            Some(g) => to_f64(&g)?,
-            None => vec![0.0; shape.iter().product()],
-        };
-        if let Some(f) = fault {
-            f.apply(name, &mut g);
-        }
-        rd.read_into(&format!("grad/{name}"), &mut r)?;
-        if g.len() != r.len() {
-            return Err(bad(
-                "gradients",
-                format!(
-                    "'{name}' has {} values; the reference has {}",
-                    g.len(),
-                    r.len()
-                ),
-            ));
-        }
+        let g = gradient_pair(&t, name, shape, fault, rd, &mut r)?;
         hash_values(h, &g);
         values += g.len();
         let zero = ditmem_engine::families::zero_gradient(&arch, name);
         per_tensor.push(TensorError {
             name: name.clone(),
             // Made relative to the whole gradient below when zero in exact arithmetic.
-            rel_err: if ditmem_engine::families::zero_gradient(&arch, name) {
+            rel_err: if zero {
                 diff_norm(&g, &r)
             } else {
                 rel_err(&g, &r)
             },
-            underflow: if ditmem_engine::families::zero_gradient(&arch, name) {
+            underflow: if zero {
                 0.0
             } else {
                 let per_head = shape.len() == 1 && shape[0] == d.head_dim;
@@ -287,7 +315,7 @@ pub(super) fn one_step(
         reference.loss,
         per_tensor,
         (dot, na, nb),
-        first_share.unwrap_or(0.0),
+        first_share,
         scale,
         (grad_norm, values),
     ))

@@ -233,7 +233,9 @@ pub(super) enum Target<'a> {
     Named(&'a Path),
 }
 
-// Kept whole (> 100 lines): the reference file's writes in the order the file holds them (probe, one step, drift steps), one writer throughout.
+/// The reference's writes in the order the file holds them: the probe's bounds in the
+/// metadata, the one step's gradients ([`put_gradients`]), the drift steps' states
+/// ([`drift`]); one writer throughout.
 pub(super) fn compute_reference_into(
     target: Target<'_>,
     base: &Spec,
@@ -251,14 +253,6 @@ pub(super) fn compute_reference_into(
         Target::Anonymous(_) => None,
     };
     // From here on the file is ours: removed on every error path by the guard's drop.
-    struct Cleanup(Option<PathBuf>);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            if let Some(p) = &self.0 {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
     let mut cleanup = Cleanup(None);
     let data = SyntheticData::new(&spec, opts.data_seed)?;
     // One-step gradients.
@@ -302,48 +296,8 @@ pub(super) fn compute_reference_into(
             super::store::Writer::anonymous(dir, meta, keys)?
         }
     };
-    for (n, shape) in &tensors {
-        let g = match t.gradient(n)? {
-            Some(g) => to_f64(&g)?,
-            None => vec![0.0; shape.iter().product()],
-        };
-        w.put(&format!("grad/{n}"), &g)?;
-    }
-    // The trajectory, on the same trainer: its first step is the update from the gradients just
-    // stored (`step(batch 0)` is `compute_gradients(batch 0)` + `apply_gradients()`, bit for bit;
-    // the probe only reads the trainer), so the reference runs one forward/backward fewer and
-    // never holds two models. AdamW's moments are needed only by a later step: the last step
-    // frees each tensor's right after its update, so with one drift step the reference holds
-    // weights and gradients, and one tensor's moments at a time (`plan_memory`).
-    let mut losses = Vec::with_capacity(opts.steps as usize);
-    let put_state = |w: &mut super::store::Writer, t: &Trainer, step: u32| -> Result<()> {
-        for (n, _) in &tensors {
-            w.put(&format!("param/{step}/{n}"), &to_f64(&t.parameter(n)?)?)?;
-        }
-        if let Some(e) = t.ema_parameters() {
-            for (n, v) in e {
-                w.put(&format!("ema/{step}/{n}"), &to_f64(&v)?)?;
-            }
-        }
-        Ok(())
-    };
-    put_state(&mut w, &t, 0)?;
-    for i in 0..opts.steps {
-        if i + 1 == opts.steps {
-            t.release_optimizer_state_after_next_step();
-        }
-        if i == 0 {
-            // fp64 has no loss scaler: the step is never skipped.
-            t.apply_gradients()?;
-            losses.push(loss);
-        } else {
-            let r = t.step(&data.step_batch(u64::from(i)), None)?;
-            losses.push(r.loss);
-        }
-        put_state(&mut w, &t, i + 1)?;
-        progress(i + 1);
-    }
-    drop(t);
+    put_gradients(&mut w, &t, &tensors)?;
+    let losses = drift(&mut w, t, &data, &tensors, (opts.steps, loss), progress)?;
     w.put("drift/losses", &losses)?;
     w.put("loss", &[loss])?;
     let file = w.finish()?;
@@ -366,6 +320,124 @@ pub(super) fn compute_reference_into(
         layout,
         temporary,
     })
+}
+
+/// The trained tensors `names` of a reference file's `layout` with their shapes (those of
+/// their gradients), once every tensor that `steps` drift steps (and EMA when `ema`) store is
+/// checked present, with its shape, and nothing else is in the file.
+fn check_entries(
+    layout: &super::store::Layout,
+    names: &[String],
+    steps: u32,
+    ema: bool,
+) -> Result<Vec<(String, Vec<usize>)>> {
+    let mut tensors = Vec::with_capacity(names.len());
+    for n in names {
+        let e = layout
+            .entries
+            .get(&format!("grad/{n}"))
+            .ok_or_else(|| reference_error(format!("tensor 'grad/{n}' is missing")))?;
+        tensors.push((n.clone(), e.shape.clone()));
+    }
+    let want = super::store::keys(&tensors, steps, ema);
+    if want.len() != layout.entries.len() {
+        return Err(reference_error(format!(
+            "{} tensors; {} steps of {} trained tensors need {}",
+            layout.entries.len(),
+            steps,
+            names.len(),
+            want.len()
+        )));
+    }
+    for (k, shape) in &want {
+        match layout.entries.get(k) {
+            Some(e) if &e.shape == shape => {}
+            Some(e) => {
+                return Err(reference_error(format!(
+                    "tensor '{k}' has shape {:?}; expected {shape:?}",
+                    e.shape
+                )))
+            }
+            None => return Err(reference_error(format!("tensor '{k}' is missing"))),
+        }
+    }
+    Ok(tensors)
+}
+
+/// A named reference file being written: removed when dropped still holding its path (every
+/// error path of [`compute_reference_into`]).
+struct Cleanup(Option<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// The one step's gradient of each trained tensor (zeros for one no gradient reached).
+fn put_gradients(
+    w: &mut super::store::Writer,
+    t: &Trainer,
+    tensors: &[(String, Vec<usize>)],
+) -> Result<()> {
+    for (n, shape) in tensors {
+        let g = match t.gradient(n)? {
+            Some(g) => to_f64(&g)?,
+            None => vec![0.0; shape.iter().product()],
+        };
+        w.put(&format!("grad/{n}"), &g)?;
+    }
+    Ok(())
+}
+
+/// The trajectory of `steps` steps on the trainer `t` that holds the first step's gradients
+/// (whose loss is `loss`), each state stored after its step; the losses. Its first step is the
+/// update from the gradients just stored (`step(batch 0)` is `compute_gradients(batch 0)` +
+/// `apply_gradients()`, bit for bit; the probe only reads the trainer), so the reference runs
+/// one forward/backward fewer and never holds two models. AdamW's moments are needed only by a
+/// later step: the last step frees each tensor's right after its update, so with one drift
+/// step the reference holds weights and gradients, and one tensor's moments at a time
+/// (`plan_memory`). The trainer is dropped before the losses are returned.
+fn drift(
+    w: &mut super::store::Writer,
+    mut t: Trainer,
+    data: &SyntheticData,
+    tensors: &[(String, Vec<usize>)],
+    (steps, loss): (u32, f64),
+    progress: &mut dyn FnMut(u32),
+) -> Result<Vec<f64>> {
+    let mut losses = Vec::with_capacity(steps as usize);
+    let put_state = |w: &mut super::store::Writer, t: &Trainer, step: u32| -> Result<()> {
+        for (n, _) in tensors {
+            w.put(&format!("param/{step}/{n}"), &to_f64(&t.parameter(n)?)?)?;
+        }
+        if let Some(e) = t.ema_parameters() {
+            for (n, v) in e {
+                w.put(&format!("ema/{step}/{n}"), &to_f64(&v)?)?;
+            }
+        }
+        Ok(())
+    };
+    put_state(w, &t, 0)?;
+    for i in 0..steps {
+        if i + 1 == steps {
+            t.release_optimizer_state_after_next_step();
+        }
+        if i == 0 {
+            // fp64 has no loss scaler: the step is never skipped.
+            t.apply_gradients()?;
+            losses.push(loss);
+        } else {
+            let r = t.step(&data.step_batch(u64::from(i)), None)?;
+            losses.push(r.loss);
+        }
+        put_state(w, &t, i + 1)?;
+        progress(i + 1);
+    }
+    drop(t);
+    Ok(losses)
 }
 
 impl Reference {
@@ -401,7 +473,6 @@ impl Reference {
         Ok(())
     }
 
-    // Kept whole (> 100 lines): each header field read and checked in turn against the one layout.
     /// Open a reference file written by [`compute_reference`] and [`Reference::persist`]: its
     /// header is read and checked (every tensor the layout needs, f64, of the right shape, the
     /// data exactly as long as the file); the loss and the drift losses are read.
@@ -457,36 +528,7 @@ impl Reference {
                 reference_error("metadata 'kink' is not a list of [tensor, [3 numbers ≥ 0]]")
             })?;
         let version = field("version")?.clone();
-        let mut tensors = Vec::with_capacity(names.len());
-        for n in &names {
-            let e = layout
-                .entries
-                .get(&format!("grad/{n}"))
-                .ok_or_else(|| reference_error(format!("tensor 'grad/{n}' is missing")))?;
-            tensors.push((n.clone(), e.shape.clone()));
-        }
-        let want = super::store::keys(&tensors, options.steps, ema);
-        if want.len() != layout.entries.len() {
-            return Err(reference_error(format!(
-                "{} tensors; {} steps of {} trained tensors need {}",
-                layout.entries.len(),
-                options.steps,
-                names.len(),
-                want.len()
-            )));
-        }
-        for (k, shape) in &want {
-            match layout.entries.get(k) {
-                Some(e) if &e.shape == shape => {}
-                Some(e) => {
-                    return Err(reference_error(format!(
-                        "tensor '{k}' has shape {:?}; expected {shape:?}",
-                        e.shape
-                    )))
-                }
-                None => return Err(reference_error(format!("tensor '{k}' is missing"))),
-            }
-        }
+        let tensors = check_entries(&layout, &names, options.steps, ema)?;
         let mut r = Reference {
             spec,
             options,

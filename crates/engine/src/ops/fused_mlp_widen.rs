@@ -19,6 +19,7 @@
 
 use ditmem_budget::ditmem_cpu::ops;
 use rayon::prelude::*;
+use std::ops::Range;
 
 use super::gelu::GeluSlice;
 use super::linear::{
@@ -53,8 +54,8 @@ pub fn widen_col_blocks(rows: usize, ffn: usize) -> impl Iterator<Item = (usize,
 /// out), W2 (out × (ds + ffn), in the compute dtype or f32 masters read as it). Returns (dW2,
 /// db2, dside) as `(w2, b2, side)` asks, the weight gradients in W's dtype. Allocation order:
 /// dside, the f32 accumulators (the gradients themselves for f32 masters), then the workspace,
-/// dropped before the accumulators are narrowed for bf16/f16 weights. (Over 100 lines on
-/// purpose: that allocation order, which the budget models, reads in one place.)
+/// dropped before the accumulators are narrowed for bf16/f16 weights (that allocation order,
+/// which the budget models, reads in this one function; the per-block passes are helpers).
 #[allow(clippy::type_complexity)]
 pub(super) fn fc2_gelu_bwd_widen<T, W>(
     u: &mut [T],
@@ -93,44 +94,16 @@ where
             if let Some(dw32) = dw32.as_mut() {
                 // dW2's side columns (+)= side_cᵀ·g_c, the side chunk row-major.
                 widen_into(&side[r0 * ds..(r0 + n) * ds], &mut b32[..n * ds]);
-                mm_strided(
-                    ds,
-                    out,
-                    n,
-                    (dw32, 1, n2),
-                    (&b32, 1, ds),
-                    (&gc32, 1, n),
-                    true,
-                    par,
-                );
+                add_weight_grad(dw32, 0..ds, &b32, &gc32, (out, n, n2), par);
             }
         }
         let u_c = &mut u[r0 * ffn..(r0 + n) * ffn];
         for (j0, w) in widen_col_blocks(rows, ffn) {
             let t = &mut bt[..n * w];
             if let Some(dw32) = dw32.as_mut() {
-                // h of the block in the compute dtype, widened row-major (one parallel pass
-                // over the rows); dW2's columns of the block (+)= h_cᵀ·g_c.
-                t.par_chunks_mut(w)
-                    .zip(b32[..n * w].par_chunks_mut(w))
-                    .zip(u_c.par_chunks(ffn))
-                    .for_each(|((h, h32), ur)| {
-                        h.copy_from_slice(&ur[j0..j0 + w]);
-                        T::gelu_over(h);
-                        for (d, v) in h32.iter_mut().zip(h.iter()) {
-                            *d = v.to_acc();
-                        }
-                    });
-                mm_strided(
-                    w,
-                    out,
-                    n,
-                    (&mut dw32[ds + j0..], 1, n2),
-                    (&b32, 1, w),
-                    (&gc32, 1, n),
-                    true,
-                    par,
-                );
+                // dW2's columns of the block (+)= h_cᵀ·g_c.
+                gelu_block(t, &mut b32[..n * w], u_c, ffn, j0..j0 + w);
+                add_weight_grad(dw32, ds + j0..ds + j0 + w, &b32, &gc32, (out, n, n2), par);
             }
             // dh of the block = g_c·W2[:, ds + j0..][..w], column-major, narrowed; du over u.
             // The first block's product also makes dside (the side's columns before it): a
@@ -159,18 +132,7 @@ where
                 }
                 None => 0,
             };
-            // dh narrowed row by row from the column-major block, then du over u (one
-            // parallel pass over the rows).
-            let dh32 = &b32[skip..];
-            t.par_chunks_mut(w)
-                .zip(u_c.par_chunks_mut(ffn))
-                .enumerate()
-                .for_each(|(i, (dh, ur))| {
-                    for (j, d) in dh.iter_mut().enumerate() {
-                        *d = T::from_acc(dh32[j * n + i]);
-                    }
-                    T::grad_over_input(&mut ur[j0..j0 + w], dh);
-                });
+            du_block(t, &b32[skip..], n, u_c, ffn, j0..j0 + w);
         }
         r0 += n;
     }
@@ -178,4 +140,70 @@ where
     let dw = dw32.map(W::grad_from_f32);
     let db = db32.map(W::grad_from_f32);
     (dw, db, dside)
+}
+
+/// dW2's columns `cols` (of `n2`, row-major over `out` rows) (+)= xᵀ·g_c: x the chunk's `n`
+/// rows of `cols.len()` (row-major, `x32`), g_c its output gradient column-major (`gc32`).
+fn add_weight_grad(
+    dw32: &mut [f32],
+    cols: Range<usize>,
+    x32: &[f32],
+    gc32: &[f32],
+    (out, n, n2): (usize, usize, usize),
+    par: gemm::Parallelism,
+) {
+    let w = cols.len();
+    mm_strided(
+        w,
+        out,
+        n,
+        (&mut dw32[cols.start..], 1, n2),
+        (x32, 1, w),
+        (gc32, 1, n),
+        true,
+        par,
+    );
+}
+
+/// h of the column block `cols` of the rows `u_c` (each `ffn` wide) in the compute dtype into
+/// `h` (row-major, `cols.len()` a row) and widened into `h32`: one parallel pass over the rows.
+fn gelu_block<T: Elem<f32> + GeluSlice + Send + Sync>(
+    h: &mut [T],
+    h32: &mut [f32],
+    u_c: &[T],
+    ffn: usize,
+    cols: Range<usize>,
+) {
+    let w = cols.len();
+    h.par_chunks_mut(w)
+        .zip(h32.par_chunks_mut(w))
+        .zip(u_c.par_chunks(ffn))
+        .for_each(|((h, h32), ur)| {
+            h.copy_from_slice(&ur[cols.clone()]);
+            T::gelu_over(h);
+            for (d, v) in h32.iter_mut().zip(h.iter()) {
+                *d = v.to_acc();
+            }
+        });
+}
+
+/// dh of the column block `cols` narrowed row by row into `dh` from `dh32` (column-major, `n`
+/// rows), then du over u of the rows `u_c` (each `ffn` wide): one parallel pass over the rows.
+fn du_block<T: Elem<f32> + GeluSlice + Send + Sync>(
+    dh: &mut [T],
+    dh32: &[f32],
+    n: usize,
+    u_c: &mut [T],
+    ffn: usize,
+    cols: Range<usize>,
+) {
+    dh.par_chunks_mut(cols.len())
+        .zip(u_c.par_chunks_mut(ffn))
+        .enumerate()
+        .for_each(|(i, (dh, ur))| {
+            for (j, d) in dh.iter_mut().enumerate() {
+                *d = T::from_acc(dh32[j * n + i]);
+            }
+            T::grad_over_input(&mut ur[cols.clone()], dh);
+        });
 }

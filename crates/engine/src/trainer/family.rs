@@ -279,10 +279,60 @@ fn leaf_grads(
 }
 
 impl Trainer {
-    // Over 100 lines on purpose: every local's drop point is where the `ditmem-cpu` budget frees
+    /// The conditioning gradients the final layer produced (`grads`, of the leaves
+    /// `cond_leaves`), in the gradient dtype; the others start from zeros of their `conds`
+    /// once the final layer's graph (`grads`, `final_leaves`) is gone.
+    fn cond_grads_after_final(
+        &self,
+        grads: candle_core::backprop::GradStore,
+        final_leaves: Vec<Var>,
+        cond_leaves: &[Var],
+        conds: &[Tensor],
+    ) -> Result<Vec<Tensor>> {
+        let ld = grad_dtype(self.precision);
+        let mut gc: Vec<Option<Tensor>> = cond_leaves
+            .iter()
+            .map(|l| grads.get(l.as_tensor()).map(|g| cast(g.detach(), ld)))
+            .map(Option::transpose)
+            .collect::<Result<_>>()?;
+        drop(grads);
+        drop(final_leaves);
+        for (g, c) in gc.iter_mut().zip(conds) {
+            if g.is_none() {
+                *g = Some(Tensor::zeros(c.shape(), ld, &self.dev)?);
+            }
+        }
+        Ok(gc.into_iter().flatten().collect())
+    }
+
+    /// A block backward's conditioning gradients (`grads` of the leaves `cond_leaves`) added to
+    /// their running sums `gc`; the text context's (`ctx`) into the context sink.
+    fn add_cond_grads(
+        &self,
+        gc: &mut [Tensor],
+        grads: &candle_core::backprop::GradStore,
+        cond_leaves: &[Var],
+        ctx: Option<usize>,
+    ) -> Result<()> {
+        let ld = grad_dtype(self.precision);
+        for (k, (sum, l)) in gc.iter_mut().zip(cond_leaves).enumerate() {
+            if let Some(g) = grads.get(l.as_tensor()) {
+                if ctx == Some(k) {
+                    // Any other reader of the context than the k and v projections (all of
+                    // which add into the sink, LoRA'd or not): into the same sum.
+                    self.ctx_sink.add(&g.detach())?;
+                } else {
+                    *sum = (&*sum + cast(g.detach(), ld)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // Kept whole (> 100 lines): every local's drop point is where the `ditmem-cpu` budget frees
     // it (`ditmem_cpu::step::replay`); split into functions, the locals would have to travel in
     // holders whose own heap blocks the measured peak counts (a `Vec` of six tensors moved the
-    // DiT's measured peaks by 48 bytes when its microbatch was split in this change).
+    // DiT's measured peaks by 48 bytes when its microbatch was split in round 2 of issue 45).
     pub(crate) fn family_microbatch<F: FamilyStep>(
         &mut self,
         fam: &F,
@@ -385,21 +435,7 @@ impl Trainer {
         drop(loss);
         self.accumulate(&fam.final_params(), &grads)?;
         let mut gx = leaf_grads(&grads, &final_leaves, "the final layer's input")?;
-        // The conditioning gradients the final layer produced, in the gradient dtype; the
-        // others start from zeros once its graph is gone.
-        let mut gc: Vec<Option<Tensor>> = cond_leaves
-            .iter()
-            .map(|l| grads.get(l.as_tensor()).map(|g| cast(g.detach(), ld)))
-            .map(Option::transpose)
-            .collect::<Result<_>>()?;
-        drop(grads);
-        drop(final_leaves);
-        for (g, c) in gc.iter_mut().zip(&conds) {
-            if g.is_none() {
-                *g = Some(Tensor::zeros(c.shape(), ld, &self.dev)?);
-            }
-        }
-        let mut gc: Vec<Tensor> = gc.into_iter().flatten().collect();
+        let mut gc = self.cond_grads_after_final(grads, final_leaves, &cond_leaves, &conds)?;
         // The context's running sum is the sink's buffer: the blocks' k and v projections add
         // into it in place (the handle in gc sees the sums).
         let ctx = fam.ctx_cond().filter(|&k| k < gc.len());
@@ -427,17 +463,7 @@ impl Trainer {
             drop(outs);
             self.accumulate(&fam.block_params(i), &grads)?;
             gx = leaf_grads(&grads, &leaves, &format!("block {i}'s input"))?;
-            for (k, (sum, l)) in gc.iter_mut().zip(&cond_leaves).enumerate() {
-                if let Some(g) = grads.get(l.as_tensor()) {
-                    if ctx == Some(k) {
-                        // Any other reader of the context than the k and v projections
-                        // (all of which add into the sink, LoRA'd or not): into the same sum.
-                        self.ctx_sink.add(&g.detach())?;
-                    } else {
-                        *sum = (&*sum + cast(g.detach(), ld)?)?;
-                    }
-                }
-            }
+            self.add_cond_grads(&mut gc, &grads, &cond_leaves, ctx)?;
             drop(grads);
             drop(leaves);
             rec.mark(tag.at(format!("block {i}")));

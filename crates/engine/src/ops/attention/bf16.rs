@@ -478,9 +478,41 @@ pub(crate) fn forward_streaming(
     (out, saved)
 }
 
+/// Δ of head (bi, hd): Δ_i = dO_i · o_i for each of its s rows (o and dO (b·s, D)).
+fn row_dots(
+    delta: &mut [f32],
+    (o_all, go_all): (&[bf16], &[bf16]),
+    g: &AttnGeom,
+    (bi, hd): (usize, usize),
+) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    for (i, dl) in delta.iter_mut().enumerate() {
+        let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
+        let grow = &go_all[(bi * s + i) * d + hd * dh..][..dh];
+        *dl = grow
+            .iter()
+            .zip(orow)
+            .map(|(a, b)| a.to_f32() * b.to_f32())
+            .sum();
+    }
+}
+
+/// dS = P∘(dP − Δ) over dP, row by row (`n` a row; `delta_i` one Δ a row).
+fn score_grad(p: &[f32], dp: &mut [f32], delta_i: &[f32], n: usize) {
+    for (i, &di) in delta_i.iter().enumerate() {
+        for (a, b) in p[i * n..(i + 1) * n]
+            .iter()
+            .zip(dp[i * n..(i + 1) * n].iter_mut())
+        {
+            *b = *a * (*b - di);
+        }
+    }
+}
+
+// Kept whole (> 100 lines): one head's task is one closure over its scratch, in the order the
+// budget counts it; split further, the buffers' carving would spread over functions.
 /// Backward of the streaming mode: dqkv (b·s, 3D), P recomputed block by block from the kept
-/// log-sum-exp. (Over 100 lines on purpose: one head's task is one closure over its scratch,
-/// in the order the budget counts it; split, the buffers' carving would spread over files.)
+/// log-sum-exp.
 pub(crate) fn backward_streaming(
     qkv: &[bf16],
     o_all: &[bf16],
@@ -517,16 +549,7 @@ pub(crate) fn backward_streaming(
         let h = head(qkv, g, bi, hd);
         let go_head = head_go(go_all, g, bi, hd);
         let lse = &lse_all[hi * s..][..s];
-        // Δ_i = dO_i · o_i.
-        for (i, dl) in delta.iter_mut().enumerate() {
-            let orow = &o_all[(bi * s + i) * d + hd * dh..][..dh];
-            let grow = &go_all[(bi * s + i) * d + hd * dh..][..dh];
-            *dl = grow
-                .iter()
-                .zip(orow)
-                .map(|(a, b)| a.to_f32() * b.to_f32())
-                .sum();
-        }
+        row_dots(delta, (o_all, go_all), g, (bi, hd));
         dq.fill(0.0);
         dk.fill(0.0);
         dv.fill(0.0);
@@ -568,15 +591,7 @@ pub(crate) fn backward_streaming(
                 pack_b_serial(dh, n, vt, pb);
                 dp.fill(0.0);
                 gemm_packed_serial(m, n, dh, ado, pb, dp, n);
-                // dS = P∘(dP − Δ).
-                for i in 0..m {
-                    for (a, b) in p[i * n..(i + 1) * n]
-                        .iter()
-                        .zip(dp[i * n..(i + 1) * n].iter_mut())
-                    {
-                        *b = *a * (*b - delta_i[i]);
-                    }
-                }
+                score_grad(p, dp, delta_i, n);
                 // dq_i += dS·k_blk.
                 let ds = View::rows(&*dp, n);
                 let kblk = View {
