@@ -95,7 +95,8 @@ pub fn text_tokens(spec: &Spec, g: &Geometry) -> Vec<u64> {
     }
 }
 
-/// Check a resolved spec against its family: the text encoders, frames, LoRA modules.
+/// Check a resolved spec against its family: the runtime, the text encoders, frames, LoRA
+/// modules.
 pub fn check(spec: &Spec) -> Result<(), SpecError> {
     spec.validate()?;
     let class_conditional = |class: &str| {
@@ -113,6 +114,22 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
         }
         return Ok(());
     };
+    if spec.runtime == Runtime::DitmemCpu {
+        check_engine(spec, &fm)?;
+    }
+    let g = fm.geometry();
+    if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
+        return Err(class_conditional(fm.class_name));
+    }
+    check_workload(spec, &fm, &g)?;
+    if spec.recipe.lora.is_some() {
+        check_lora_modules(spec, &fm)?;
+    }
+    Ok(())
+}
+
+/// What the ditmem-cpu engine runs: its families, and each family's configs.
+fn check_engine(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let engine_runs = matches!(
         fm.family,
         families::Family::Pixart
@@ -122,7 +139,7 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             | families::Family::Wan
             | families::Family::DitDiffusers
     );
-    if spec.runtime == Runtime::DitmemCpu && !engine_runs {
+    if !engine_runs {
         return Err(SpecError::invalid(
             "runtime",
             format!(
@@ -133,18 +150,16 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             ),
         ));
     }
-    if spec.runtime == Runtime::DitmemCpu {
-        check_engine_pixart(spec, &fm)?;
-        check_engine_sd3(spec, &fm)?;
-        check_engine_flux(spec, &fm)?;
-        check_engine_sana(spec, &fm)?;
-        check_engine_wan(spec, &fm)?;
-        check_engine_lora(spec, &fm)?;
-    }
-    let g = fm.geometry();
-    if g.text.is_empty() && !spec.recipe.text_encoders.is_cached() {
-        return Err(class_conditional(fm.class_name));
-    }
+    check_engine_pixart(spec, fm)?;
+    check_engine_sd3(spec, fm)?;
+    check_engine_flux(spec, fm)?;
+    check_engine_sana(spec, fm)?;
+    check_engine_wan(spec, fm)?;
+    check_engine_lora(spec, fm)
+}
+
+/// The model fields, text tokens and frames against the family's geometry.
+fn check_workload(spec: &Spec, fm: &FamilyModel, g: &Geometry) -> Result<(), SpecError> {
     let m = &spec.model;
     if u64::from(m.depth) != g.blocks || u64::from(m.hidden) != g.hidden {
         return Err(SpecError::invalid(
@@ -198,24 +213,43 @@ pub fn check(spec: &Spec) -> Result<(), SpecError> {
             ));
         }
     }
-    if spec.recipe.lora.is_some() {
-        let modules = lora_modules(spec);
-        let table = fm.dims.table();
-        for name in &modules {
-            if !table
-                .iter()
-                .any(|t| is_linear_weight(t) && matches_module(module_of(&t.name), name))
-            {
-                return Err(SpecError::invalid(
-                    "recipe.lora.modules",
-                    format!(
-                        "'{}' names no Linear of {}; allowed: module names such as to_q, to_k, \
-                         to_v, to_out.0 (PEFT matches a full name or its last components)",
-                        name, fm.class_name
-                    ),
-                ));
-            }
+    Ok(())
+}
+
+/// Every LoRA module name names a Linear of the model.
+fn check_lora_modules(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
+    let modules = lora_modules(spec);
+    let table = fm.dims.table();
+    for name in &modules {
+        if !table
+            .iter()
+            .any(|t| is_linear_weight(t) && matches_module(module_of(&t.name), name))
+        {
+            return Err(SpecError::invalid(
+                "recipe.lora.modules",
+                format!(
+                    "'{}' names no Linear of {}; allowed: module names such as to_q, to_k, \
+                     to_v, to_out.0 (PEFT matches a full name or its last components)",
+                    name, fm.class_name
+                ),
+            ));
         }
+    }
+    Ok(())
+}
+
+/// A config the ditmem-cpu engine does not execute: `why`, then the runtime that does.
+fn engine_refusal(field: &str, why: impl std::fmt::Display) -> SpecError {
+    SpecError::invalid(field, format!("{why}; allowed: --runtime pytorch for it"))
+}
+
+/// The ditmem-cpu engine's families run without dropout.
+fn refuse_engine_dropout(spec: &Spec, family: &str) -> Result<(), SpecError> {
+    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
+        return Err(engine_refusal(
+            "model.attn_dropout",
+            format!("dropout in {family} is not in the ditmem-cpu engine; allowed: 0"),
+        ));
     }
     Ok(())
 }
@@ -226,31 +260,24 @@ fn check_engine_pixart(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let families::Dims::Pixart(d) = &fm.dims else {
         return Ok(());
     };
-    let other = "; allowed: --runtime pytorch for it";
     if d.use_additional_conditions && d.inner() % 3 != 0 {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.use_additional_conditions",
             format!(
                 "true with a hidden size of {} that 3 does not divide: diffusers adds the \
                  resolution (2·D/3) and aspect-ratio (D/3) embeddings to the timestep's (D); \
-                 allowed: false, or a hidden size divisible by 3{other}",
+                 allowed: false, or a hidden size divisible by 3",
                 d.inner()
             ),
         ));
     }
     if !d.attention_bias {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.attention_bias",
-            format!("false: the ditmem-cpu engine's PixArt has biased q/k/v; allowed: true{other}"),
+            "false: the ditmem-cpu engine's PixArt has biased q/k/v; allowed: true",
         ));
     }
-    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-        return Err(SpecError::invalid(
-            "model.attn_dropout",
-            format!("dropout in PixArt is not in the ditmem-cpu engine; allowed: 0{other}"),
-        ));
-    }
-    Ok(())
+    refuse_engine_dropout(spec, "PixArt")
 }
 
 /// What the ditmem-cpu engine runs of SD3 (`ditmem_engine::families::sd3`): a config it does
@@ -259,19 +286,13 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let families::Dims::Sd3(d) = &fm.dims else {
         return Ok(());
     };
-    let other = "; allowed: --runtime pytorch for it";
-    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-        return Err(SpecError::invalid(
-            "model.attn_dropout",
-            format!("dropout in SD3 is not in the ditmem-cpu engine; allowed: 0{other}"),
-        ));
-    }
+    refuse_engine_dropout(spec, "SD3")?;
     if d.out_channels < d.in_channels {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.out_channels",
             format!(
                 "{} is below in_channels {}: the engine's loss reads the first in_channels of the \
-                 prediction; allowed: at least {}{other}",
+                 prediction; allowed: at least {}",
                 d.out_channels, d.in_channels, d.in_channels
             ),
         ));
@@ -288,10 +309,10 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
             ))
         }
         None if grid.rows != grid.cols => {
-            return Err(SpecError::invalid(
+            return Err(engine_refusal(
                 "workload.image_size",
                 format!(
-                    "a {}×{} token grid without pos_embed_max_size; allowed: a square grid{other}",
+                    "a {}×{} token grid without pos_embed_max_size; allowed: a square grid",
                     grid.rows, grid.cols
                 ),
             ))
@@ -300,9 +321,9 @@ fn check_engine_sd3(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     }
     let tokens = text_tokens(spec, &fm.geometry());
     if tokens.contains(&0) {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "workload.text_tokens",
-            format!("{tokens:?}: the engine's SD3 reads every encoder's tokens; allowed: counts of 1 or more{other}"),
+            format!("{tokens:?}: the engine's SD3 reads every encoder's tokens; allowed: counts of 1 or more"),
         ));
     }
     Ok(())
@@ -314,26 +335,19 @@ fn check_engine_sana(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let families::Dims::Sana(d) = &fm.dims else {
         return Ok(());
     };
-    let other = "; allowed: --runtime pytorch for it";
     if d.qk_norm {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.qk_norm",
-            format!("rms_norm_across_heads: the ditmem-cpu engine's Sana has no q/k norms yet; allowed: null{other}"),
+            "rms_norm_across_heads: the ditmem-cpu engine's Sana has no q/k norms yet; allowed: null",
         ));
     }
     if d.pos_embed {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.interpolation_scale",
-            format!("set: the ditmem-cpu engine's Sana has no sin-cos position table yet; allowed: null{other}"),
+            "set: the ditmem-cpu engine's Sana has no sin-cos position table yet; allowed: null",
         ));
     }
-    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-        return Err(SpecError::invalid(
-            "model.attn_dropout",
-            format!("dropout in Sana is not in the ditmem-cpu engine; allowed: 0{other}"),
-        ));
-    }
-    Ok(())
+    refuse_engine_dropout(spec, "Sana")
 }
 
 /// What the ditmem-cpu engine runs of Wan (`ditmem_engine::families::wan`): a square spatial
@@ -342,23 +356,16 @@ fn check_engine_wan(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let families::Dims::Wan(d) = &fm.dims else {
         return Ok(());
     };
-    let other = "; allowed: --runtime pytorch for it";
     if d.patch_size[1] != d.patch_size[2] {
-        return Err(SpecError::invalid(
+        return Err(engine_refusal(
             "model.diffusers.patch_size",
             format!(
-                "{:?}: the ditmem-cpu engine's Wan has a square spatial patch; allowed: [1, p, p]{other}",
+                "{:?}: the ditmem-cpu engine's Wan has a square spatial patch; allowed: [1, p, p]",
                 d.patch_size
             ),
         ));
     }
-    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-        return Err(SpecError::invalid(
-            "model.attn_dropout",
-            format!("dropout in Wan is not in the ditmem-cpu engine; allowed: 0{other}"),
-        ));
-    }
-    Ok(())
+    refuse_engine_dropout(spec, "Wan")
 }
 
 /// What the ditmem-cpu engine runs of a Flux config (the engine's `FluxGeom::new` refuses the
@@ -367,10 +374,8 @@ fn check_engine_flux(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     let families::Dims::Flux(d) = &fm.dims else {
         return Ok(());
     };
-    let other = "; allowed: --runtime pytorch for it";
-    let refuse = |field: &str, why: String| Err(SpecError::invalid(field, format!("{why}{other}")));
     if d.patch_size != 1 || d.out_channels != d.in_channels {
-        return refuse(
+        return Err(engine_refusal(
             "model.diffusers.patch_size",
             format!(
                 "{} with out_channels {} (in {}): the ditmem-cpu engine packs 2×2 latent pixels \
@@ -378,21 +383,15 @@ fn check_engine_flux(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
                  in_channels",
                 d.patch_size, d.out_channels, d.in_channels
             ),
-        );
+        ));
     }
     if d.num_single_layers == 0 {
-        return refuse(
+        return Err(engine_refusal(
             "model.diffusers.num_single_layers",
-            "0: the ditmem-cpu engine's Flux ends on the joint stream; allowed: 1 or more".into(),
-        );
+            "0: the ditmem-cpu engine's Flux ends on the joint stream; allowed: 1 or more",
+        ));
     }
-    if spec.model.attn_dropout > 0.0 || spec.model.mlp_dropout > 0.0 {
-        return refuse(
-            "model.attn_dropout",
-            "dropout in Flux is not in the ditmem-cpu engine; allowed: 0".into(),
-        );
-    }
-    Ok(())
+    refuse_engine_dropout(spec, "Flux")
 }
 
 /// The attention projections diffusers' LoRA scripts adapted first and PEFT's usual targets

@@ -15,6 +15,7 @@ use serde::Serialize;
 use crate::denoiser::{family, text_tokens};
 use crate::families::frozen::VAE16_ENCODER_PARAMS;
 use crate::families::frozen::{self, VaeEncoder};
+use crate::families::{Family, FamilyModel};
 use crate::precision_rules::vae_dtype;
 use crate::spec::{Dtype, Latents, Spec, TextEncoders, TorchDevice};
 
@@ -57,125 +58,136 @@ pub(crate) fn encoder_runs(spec: &Spec) -> Vec<EncoderRun> {
         // config is not read again.
         return out;
     }
-    let w = &spec.workload;
-    let b = u64::from(w.microbatch);
     let fm = family(spec).ok().flatten();
-    let cuda = matches!(&spec.runtime, crate::spec::Runtime::Pytorch { device, .. } if *device == TorchDevice::Cuda);
     let dtype = match &fm {
         None => vae_dtype(r.precision),
         Some(_) => weight_dtype(spec),
     };
     if r.latents == Latents::Encode {
-        let vae = match &fm {
-            Some(m) => frozen::vae_encoder(m),
-            None => original_dit_vae(spec),
-        };
-        // The scripts that keep the VAE in fp32 whatever the precision:
-        // train_dreambooth_sd3.py:1167 and train_dreambooth_lora_sd3.py:1237
-        // (`vae.to(accelerator.device, dtype=torch.float32)`), train_dreambooth_lora_sana.py:1017.
-        let fp32_vae = matches!(
-            fm.as_ref().map(|m| m.family),
-            Some(crate::families::Family::Sd3 | crate::families::Family::Sana)
-        );
-        let dtype = if fp32_vae && dtype.size() < 4 {
-            Dtype::F32
-        } else {
-            dtype
-        };
-        let frames = u64::from(w.frames.max(1));
-        let pixels = u64::from(w.height) * u64::from(w.width);
-        let sana = matches!(
-            fm.as_ref().map(|m| m.family),
-            Some(crate::families::Family::Sana)
-        );
-        // train_dreambooth_lora_sana.py:1389-1393 moves the whole AutoencoderDC (its decoder
-        // too) to the device to encode, and with --offload (how the export realises offloaded
-        // text encoders, :629-631) back to the CPU after each encode.
-        let sana_offload = sana && r.text_encoders == TextEncoders::Offloaded;
-        let (name, params) = if sana_offload {
-            (
-                "DC-AE f32c32 encoder + decoder (moved in to encode: --offload)".to_string(),
-                vae.params + DCAE_DECODER_PARAMS,
-            )
-        } else {
-            (vae.name.to_string(), vae.params)
-        };
-        out.push(EncoderRun {
-            name,
-            class: vae.class,
-            params,
-            dtype,
-            weight_bytes: params * dtype.size(),
-            resident: !sana_offload,
-            forward_bytes: vae.encode_bytes(b, frames, pixels, dtype.size()),
-            // The images, in the VAE's dtype (3 channels).
-            input_bytes: b * frames * 3 * pixels * dtype.size(),
-            // 136 GMAC per 256² image for the SD VAE encoder (DiT's measurement, scaling with
-            // the pixels), assumed for the other VAEs too.
-            flops: 2.0 * 136e9 * (pixels * frames * b) as f64 / (256.0 * 256.0),
-            conv: true,
-        });
-        // The scripts move the whole AutoencoderKL to the device, its decoder too, which the
-        // step never runs (train_dreambooth_sd3.py:1167, train_dreambooth_flux.py:1207,
-        // train_dreambooth_lora_sd3.py:1237, train_dreambooth_lora_flux.py:1244).
-        if matches!(
-            fm.as_ref().map(|m| m.family),
-            Some(crate::families::Family::Sd3 | crate::families::Family::Flux)
-        ) {
-            out.push(EncoderRun {
-                name: "SD3/Flux VAE decoder (resident, not run)".to_string(),
-                class: "diffusers.AutoencoderKL",
-                params: VAE16_DECODER_PARAMS,
-                dtype,
-                weight_bytes: VAE16_DECODER_PARAMS * dtype.size(),
-                resident: true,
-                forward_bytes: 0,
-                input_bytes: 0,
-                flops: 0.0,
-                conv: true,
-            });
-        }
-        // Sana's AutoencoderDC stays whole on the device between encodes unless --offload
-        // (train_dreambooth_lora_sana.py:1389-1393: `vae = vae.to(accelerator.device)`, fp32 from
-        // :1017); the step never runs its decoder.
-        if sana && !sana_offload {
-            out.push(EncoderRun {
-                name: "DC-AE f32c32 decoder (resident, not run)".to_string(),
-                class: "diffusers.AutoencoderDC",
-                params: DCAE_DECODER_PARAMS,
-                dtype,
-                weight_bytes: DCAE_DECODER_PARAMS * dtype.size(),
-                resident: true,
-                forward_bytes: 0,
-                input_bytes: 0,
-                flops: 0.0,
-                conv: true,
-            });
-        }
+        vae_runs(spec, fm.as_ref(), dtype, &mut out);
     }
     if r.text_encoders != TextEncoders::Cached {
         if let Some(m) = &fm {
-            let tokens = text_tokens(spec, &m.geometry());
-            for e in frozen::text_encoders(m) {
-                let t = tokens.get(e.stream).copied().unwrap_or(0);
-                out.push(EncoderRun {
-                    name: e.name.to_string(),
-                    class: e.class,
-                    params: e.params,
-                    dtype,
-                    weight_bytes: e.params * dtype.size(),
-                    resident: r.text_encoders == TextEncoders::Online,
-                    forward_bytes: e.arch.forward_bytes(b, t, dtype.size(), cuda),
-                    // Token ids (int64).
-                    input_bytes: b * t * 8,
-                    // Two FLOPs per multiplied weight per token.
-                    flops: 2.0 * (e.params - e.embed_params) as f64 * (b * t) as f64,
-                    conv: false,
-                });
-            }
+            text_encoder_runs(spec, m, dtype, &mut out);
         }
     }
     out
+}
+
+/// The VAE's encoder, and the decoder the script keeps beside it on the device.
+fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<EncoderRun>) {
+    let r = &spec.recipe;
+    let w = &spec.workload;
+    let b = u64::from(w.microbatch);
+    let vae = match fm {
+        Some(m) => frozen::vae_encoder(m),
+        None => original_dit_vae(spec),
+    };
+    let family = fm.map(|m| m.family);
+    // The scripts that keep the VAE in fp32 whatever the precision:
+    // train_dreambooth_sd3.py:1167 and train_dreambooth_lora_sd3.py:1237
+    // (`vae.to(accelerator.device, dtype=torch.float32)`), train_dreambooth_lora_sana.py:1017.
+    let fp32_vae = matches!(family, Some(Family::Sd3 | Family::Sana));
+    let dtype = if fp32_vae && dtype.size() < 4 {
+        Dtype::F32
+    } else {
+        dtype
+    };
+    let frames = u64::from(w.frames.max(1));
+    let pixels = u64::from(w.height) * u64::from(w.width);
+    let sana = family == Some(Family::Sana);
+    // train_dreambooth_lora_sana.py:1389-1393 moves the whole AutoencoderDC (its decoder
+    // too) to the device to encode, and with --offload (how the export realises offloaded
+    // text encoders, :629-631) back to the CPU after each encode.
+    let sana_offload = sana && r.text_encoders == TextEncoders::Offloaded;
+    let (name, params) = if sana_offload {
+        (
+            "DC-AE f32c32 encoder + decoder (moved in to encode: --offload)".to_string(),
+            vae.params + DCAE_DECODER_PARAMS,
+        )
+    } else {
+        (vae.name.to_string(), vae.params)
+    };
+    out.push(EncoderRun {
+        name,
+        class: vae.class,
+        params,
+        dtype,
+        weight_bytes: params * dtype.size(),
+        resident: !sana_offload,
+        forward_bytes: vae.encode_bytes(b, frames, pixels, dtype.size()),
+        // The images, in the VAE's dtype (3 channels).
+        input_bytes: b * frames * 3 * pixels * dtype.size(),
+        // 136 GMAC per 256² image for the SD VAE encoder (DiT's measurement, scaling with
+        // the pixels), assumed for the other VAEs too.
+        flops: 2.0 * 136e9 * (pixels * frames * b) as f64 / (256.0 * 256.0),
+        conv: true,
+    });
+    // The scripts move the whole AutoencoderKL to the device, its decoder too, which the
+    // step never runs (train_dreambooth_sd3.py:1167, train_dreambooth_flux.py:1207,
+    // train_dreambooth_lora_sd3.py:1237, train_dreambooth_lora_flux.py:1244).
+    if matches!(family, Some(Family::Sd3 | Family::Flux)) {
+        out.push(EncoderRun::idle_decoder(
+            "SD3/Flux VAE decoder (resident, not run)",
+            "diffusers.AutoencoderKL",
+            VAE16_DECODER_PARAMS,
+            dtype,
+        ));
+    }
+    // Sana's AutoencoderDC stays whole on the device between encodes unless --offload
+    // (train_dreambooth_lora_sana.py:1389-1393: `vae = vae.to(accelerator.device)`, fp32 from
+    // :1017); the step never runs its decoder.
+    if sana && !sana_offload {
+        out.push(EncoderRun::idle_decoder(
+            "DC-AE f32c32 decoder (resident, not run)",
+            "diffusers.AutoencoderDC",
+            DCAE_DECODER_PARAMS,
+            dtype,
+        ));
+    }
+}
+
+/// The family's text encoders, in its order, each on its stream's tokens.
+fn text_encoder_runs(spec: &Spec, m: &FamilyModel, dtype: Dtype, out: &mut Vec<EncoderRun>) {
+    let r = &spec.recipe;
+    let b = u64::from(spec.workload.microbatch);
+    let cuda = matches!(&spec.runtime, crate::spec::Runtime::Pytorch { device, .. } if *device == TorchDevice::Cuda);
+    let tokens = text_tokens(spec, &m.geometry());
+    for e in frozen::text_encoders(m) {
+        let t = tokens.get(e.stream).copied().unwrap_or(0);
+        out.push(EncoderRun {
+            name: e.name.to_string(),
+            class: e.class,
+            params: e.params,
+            dtype,
+            weight_bytes: e.params * dtype.size(),
+            resident: r.text_encoders == TextEncoders::Online,
+            forward_bytes: e.arch.forward_bytes(b, t, dtype.size(), cuda),
+            // Token ids (int64).
+            input_bytes: b * t * 8,
+            // Two FLOPs per multiplied weight per token.
+            flops: 2.0 * (e.params - e.embed_params) as f64 * (b * t) as f64,
+            conv: false,
+        });
+    }
+}
+
+impl EncoderRun {
+    /// A VAE decoder the script keeps on the device and the step never runs: its weights only.
+    fn idle_decoder(name: &str, class: &'static str, params: u64, dtype: Dtype) -> EncoderRun {
+        EncoderRun {
+            name: name.to_string(),
+            class,
+            params,
+            dtype,
+            weight_bytes: params * dtype.size(),
+            resident: true,
+            forward_bytes: 0,
+            input_bytes: 0,
+            flops: 0.0,
+            conv: true,
+        }
+    }
 }
 
 /// The decoder (and `post_quant_conv`: none in this VAE) of the SD3 / Flux AutoencoderKL

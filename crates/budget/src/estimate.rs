@@ -320,21 +320,17 @@ mod tests {
         s.workload.microbatch = 2;
         s.workload.accumulation = 2;
         let b = estimate(&s).unwrap();
-        let fwd_mb1 = b
-            .timeline
-            .events
-            .iter()
-            .find(|e| e.phase == Phase::Forward && e.microbatch == 1)
-            .unwrap();
+        let forward_of = |microbatch| {
+            b.timeline
+                .events
+                .iter()
+                .find(|e| e.phase == Phase::Forward && e.microbatch == microbatch)
+                .unwrap()
+        };
+        let fwd_mb1 = forward_of(1);
         assert_eq!(fwd_mb1.live.gradients, b.static_bytes.gradients);
         assert!(fwd_mb1.live.gradients > 0);
-        let fwd_mb0 = b
-            .timeline
-            .events
-            .iter()
-            .find(|e| e.phase == Phase::Forward && e.microbatch == 0)
-            .unwrap();
-        assert_eq!(fwd_mb0.live.gradients, 0);
+        assert_eq!(forward_of(0).live.gradients, 0);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 use crate::error::SpecError;
 use crate::launch::Launcher;
+use crate::sharder::Conflict;
 use crate::spec::{Precision, Recompute, Spec};
 
 mod accelerate;
@@ -105,45 +106,35 @@ fn check_options(spec: &Spec, o: &ExportOptions) -> Result<(), SpecError> {
             ),
         ));
     }
-    if o.offload != Offload::None && z == 0 {
-        return Err(SpecError::invalid(
+    let Some(c) = Conflict::of(z, o.sharder, o.offload) else {
+        return Ok(());
+    };
+    let (field, message) = match c {
+        Conflict::OffloadUnsharded => (
             "plan.emit-offload",
-            "offload needs a sharded plan (ZeRO stage 1-3); allowed: none without sharding",
-        ));
-    }
-    match o.sharder {
-        Sharder::Deepspeed => {
-            // deepspeed 0.19.8 runtime/zero/config.py: offload_param is "valid only with stage 3".
-            if o.offload == Offload::OptimizerAndParams && z < 3 {
-                return Err(SpecError::invalid(
-                    "plan.emit-offload",
-                    format!(
-                        "DeepSpeed offloads parameters only at ZeRO stage 3 (the plan has stage \
-                         {z}); allowed: none, optimizer"
-                    ),
-                ));
-            }
-        }
-        Sharder::Fsdp => {
-            if z == 1 {
-                return Err(SpecError::invalid(
-                    "plan.emit-sharder",
-                    "FSDP has no ZeRO-1 equivalent (it always shards gradients); allowed: \
-                     deepspeed for a stage-1 plan",
-                ));
-            }
-            // accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload:
-            // FSDP offloads parameters, gradients and optimizer state together.
-            if o.offload == Offload::Optimizer {
-                return Err(SpecError::invalid(
-                    "plan.emit-offload",
-                    "FSDP offloads parameters, gradients and optimizer state together; allowed: \
-                     none, optimizer+params",
-                ));
-            }
-        }
-    }
-    Ok(())
+            "offload needs a sharded plan (ZeRO stage 1-3); allowed: none without sharding".into(),
+        ),
+        Conflict::DeepspeedParamsBelowStage3 => (
+            "plan.emit-offload",
+            format!(
+                "DeepSpeed offloads parameters only at ZeRO stage 3 (the plan has stage {z}); \
+                 allowed: none, optimizer"
+            ),
+        ),
+        Conflict::FsdpStage1 => (
+            "plan.emit-sharder",
+            "FSDP has no ZeRO-1 equivalent (it always shards gradients); allowed: deepspeed for \
+             a stage-1 plan"
+                .into(),
+        ),
+        Conflict::FsdpOptimizerOnly => (
+            "plan.emit-offload",
+            "FSDP offloads parameters, gradients and optimizer state together; allowed: none, \
+             optimizer+params"
+                .into(),
+        ),
+    };
+    Err(SpecError::invalid(field, message))
 }
 
 /// The sharder and offload an export writes: the options' where they name one, else the

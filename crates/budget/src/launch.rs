@@ -21,7 +21,7 @@ use crate::error::SpecError;
 use crate::export::{script_for, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
 use crate::families::Family;
 use crate::spec::{
-    AttentionMode, BaseQuant, Latents, LoraDtype, Optimizer, Precision, Recompute, Spec,
+    AttentionMode, BaseQuant, Latents, LoraDtype, Optimizer, Precision, Recipe, Recompute, Spec,
     TextEncoders,
 };
 
@@ -303,102 +303,21 @@ impl Launch {
         let Some(script) = self.script(spec) else {
             return Ok(spec.clone());
         };
-        let p = self.pinned;
         let mut s = spec.clone();
-        let r = &mut s.recipe;
-        // All or none: a partial policy is not a flag (`--gradient_checkpointing` only).
-        if !matches!(r.recompute, Recompute::None | Recompute::All) {
-            return Err(cannot(
-                &script,
-                format!(
-                    "recompute {}: --gradient_checkpointing is every block or none",
-                    r.recompute
-                ),
-            ));
-        }
-        if r.base_quant != BaseQuant::None {
-            return Err(cannot(
-                &script,
-                format!("store the base {} (no such flag)", r.base_quant.name()),
-            ));
-        }
-        if r.paged_optimizer {
-            return Err(cannot(&script, "use a paged 8-bit AdamW"));
-        }
-        if r.optimizer == Optimizer::Sgd {
-            return Err(cannot(&script, "train with SGD (AdamW or Prodigy only)"));
-        }
-        if matches!(r.precision, Precision::Fp64 | Precision::Bf16Pure) {
-            return Err(cannot(
-                &script,
-                format!(
-                    "train in {} (--mixed_precision no, fp16 or bf16)",
-                    r.precision
-                ),
-            ));
-        }
-        if r.ema.enabled {
-            if p.ema {
-                return Err(cannot(&script, "keep an EMA copy (no --use_ema)"));
-            }
-            r.ema.enabled = false;
-        }
-        if r.attention == AttentionMode::Materialized {
-            // diffusers' attention processors call F.scaled_dot_product_attention.
-            if p.attention {
-                return Err(cannot(
-                    &script,
-                    "materialize attention (its processors call SDPA)",
-                ));
-            }
-            r.attention = AttentionMode::MemoryEfficient;
-        }
-        if r.latents == Latents::Cached {
-            let crashes = script.file_name() == "train_dreambooth_lora_sd3.py"
-                && r.precision != Precision::Fp32;
-            if !script.has("--cache_latents") || crashes {
-                if p.latents {
-                    return Err(cannot(
-                        &script,
-                        if crashes {
-                            "cache latents under fp16/bf16 (the fp32 VAE fails on the images \
-                             cast to weight_dtype: train_dreambooth_lora_sd3.py:1237,1596)"
-                        } else {
-                            "cache latents (no --cache_latents)"
-                        },
-                    ));
-                }
-                r.latents = Latents::Encode;
-            }
-        }
-        // Where the frozen text encoders are during the step.
-        let ok: &[TextEncoders] = match script.file_name() {
-            // train_dreambooth_lora_flux.py:1492,1521,1738-1740: kept and re-run every step.
-            "train_dreambooth_lora_flux.py" => &[TextEncoders::Online],
-            // train_dreambooth_lora_sana.py:1222,1229-1230: kept, on the device unless --offload.
-            "train_dreambooth_lora_sana.py" => &[TextEncoders::Online, TextEncoders::Offloaded],
-            // The others free them after one fixed prompt (cached), or keep them on the device
-            // for per-image captions (online); none has --offload.
-            _ => &[TextEncoders::Cached, TextEncoders::Online],
-        };
-        if !ok.contains(&r.text_encoders) {
-            if p.text_encoders {
-                return Err(cannot(
-                    &script,
-                    format!(
-                        "keep the text encoders {} (it runs them {})",
-                        r.text_encoders.name(),
-                        ok.iter().map(|t| t.name()).collect::<Vec<_>>().join(" or ")
-                    ),
-                ));
-            }
-            r.text_encoders = ok[0];
-        }
+        refuse_flagless(&script, &s.recipe)?;
+        follow_script(&script, &mut s.recipe, self.pinned)?;
+        self.script_defaults(&script, &mut s);
+        Ok(s)
+    }
+
+    /// What the script sets that the spec leaves open: the text tokens it encodes, the LoRA
+    /// adapters' dtype and targets.
+    fn script_defaults(&self, script: &Script, s: &mut Spec) {
         // The text tokens the script encodes when the spec gives none: its own
         // --max_sequence_length default (the export passes no --max_sequence_length), not the
         // family's. CLIP's 77 are fixed (tokenizer max_length=77).
-        if !p.text_tokens {
-            if let Some(t) = script_text_tokens(script.file_name(), &s) {
+        if !self.pinned.text_tokens {
+            if let Some(t) = script_text_tokens(script.file_name(), s) {
                 s.workload.text_tokens = Some(t.to_vec());
             }
         }
@@ -420,8 +339,106 @@ impl Launch {
                 }
             }
         }
-        Ok(s)
     }
+}
+
+/// Refuses what no flag of the script runs, pinned or not.
+fn refuse_flagless(script: &Script, r: &Recipe) -> Result<(), String> {
+    // All or none: a partial policy is not a flag (`--gradient_checkpointing` only).
+    if !matches!(r.recompute, Recompute::None | Recompute::All) {
+        return Err(cannot(
+            script,
+            format!(
+                "recompute {}: --gradient_checkpointing is every block or none",
+                r.recompute
+            ),
+        ));
+    }
+    if r.base_quant != BaseQuant::None {
+        return Err(cannot(
+            script,
+            format!("store the base {} (no such flag)", r.base_quant.name()),
+        ));
+    }
+    if r.paged_optimizer {
+        return Err(cannot(script, "use a paged 8-bit AdamW"));
+    }
+    if r.optimizer == Optimizer::Sgd {
+        return Err(cannot(script, "train with SGD (AdamW or Prodigy only)"));
+    }
+    if matches!(r.precision, Precision::Fp64 | Precision::Bf16Pure) {
+        return Err(cannot(
+            script,
+            format!(
+                "train in {} (--mixed_precision no, fp16 or bf16)",
+                r.precision
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The script's own EMA, attention, latents and text encoders in place of the recipe's; a
+/// pinned value it does not run is refused.
+fn follow_script(script: &Script, r: &mut Recipe, p: Pinned) -> Result<(), String> {
+    if r.ema.enabled {
+        if p.ema {
+            return Err(cannot(script, "keep an EMA copy (no --use_ema)"));
+        }
+        r.ema.enabled = false;
+    }
+    if r.attention == AttentionMode::Materialized {
+        // diffusers' attention processors call F.scaled_dot_product_attention.
+        if p.attention {
+            return Err(cannot(
+                script,
+                "materialize attention (its processors call SDPA)",
+            ));
+        }
+        r.attention = AttentionMode::MemoryEfficient;
+    }
+    if r.latents == Latents::Cached {
+        let crashes =
+            script.file_name() == "train_dreambooth_lora_sd3.py" && r.precision != Precision::Fp32;
+        if !script.has("--cache_latents") || crashes {
+            if p.latents {
+                return Err(cannot(
+                    script,
+                    if crashes {
+                        "cache latents under fp16/bf16 (the fp32 VAE fails on the images \
+                         cast to weight_dtype: train_dreambooth_lora_sd3.py:1237,1596)"
+                    } else {
+                        "cache latents (no --cache_latents)"
+                    },
+                ));
+            }
+            r.latents = Latents::Encode;
+        }
+    }
+    // Where the frozen text encoders are during the step.
+    let ok: &[TextEncoders] = match script.file_name() {
+        // train_dreambooth_lora_flux.py:1492,1521,1738-1740: kept and re-run every step.
+        "train_dreambooth_lora_flux.py" => &[TextEncoders::Online],
+        // train_dreambooth_lora_sana.py:1222,1229-1230: kept, on the device unless --offload.
+        "train_dreambooth_lora_sana.py" => &[TextEncoders::Online, TextEncoders::Offloaded],
+        // The others free them after one fixed prompt (cached), or keep them on the device
+        // for per-image captions (online); none has --offload.
+        _ => &[TextEncoders::Cached, TextEncoders::Online],
+    };
+    if !ok.contains(&r.text_encoders) {
+        if p.text_encoders {
+            return Err(cannot(
+                script,
+                format!(
+                    "keep the text encoders {} (it runs them {})",
+                    r.text_encoders.name(),
+                    ok.iter().map(|t| t.name()).collect::<Vec<_>>().join(" or ")
+                ),
+            ));
+        }
+        r.text_encoders = ok[0];
+    }
+    Ok(())
 }
 
 /// The source of the scripts, for the notes.
@@ -437,12 +454,7 @@ mod tests {
         let map =
             serde_json::from_str(crate::families::preset_config("flux.1-dev").unwrap()).unwrap();
         let mut s = crate::denoiser::with_family(Spec::default_xl(), "flux.1-dev", map).unwrap();
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            dtype: Default::default(),
-            rank: 16,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-        });
+        s.recipe.lora = Some(lora(16));
         s
     }
 
@@ -522,6 +534,16 @@ mod tests {
         assert!(script(Pinned::default()).realise(&s).is_ok());
     }
 
+    /// LoRA of `rank` on the default targets, the script's modules and dtype left open.
+    fn lora(rank: u32) -> crate::spec::LoraSpec {
+        crate::spec::LoraSpec {
+            rank,
+            targets: crate::spec::default_lora_targets(),
+            modules: Vec::new(),
+            dtype: crate::spec::LoraDtype::default(),
+        }
+    }
+
     fn preset(name: &str) -> Spec {
         let map = serde_json::from_str(crate::families::preset_config(name).unwrap()).unwrap();
         crate::denoiser::with_family(Spec::default_xl(), name, map).unwrap()
@@ -542,12 +564,7 @@ mod tests {
     #[test]
     fn sanas_default_lora_layers_train_three_projections_of_both_attentions() {
         let mut s = preset("sana-600m");
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            rank: 4,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-            dtype: crate::spec::LoraDtype::default(),
-        });
+        s.recipe.lora = Some(lora(4));
         let launch = Launch {
             launcher: Launcher::Diffusers,
             family: Family::Sana,
@@ -571,12 +588,7 @@ mod tests {
     #[test]
     fn the_sd3_lora_script_caches_latents_only_in_fp32() {
         let mut s = preset("sd3-medium");
-        s.recipe.lora = Some(crate::spec::LoraSpec {
-            rank: 8,
-            targets: crate::spec::default_lora_targets(),
-            modules: Vec::new(),
-            dtype: crate::spec::LoraDtype::default(),
-        });
+        s.recipe.lora = Some(lora(8));
         s.recipe.latents = Latents::Cached;
         let sd3 = |pinned| Launch {
             launcher: Launcher::Diffusers,

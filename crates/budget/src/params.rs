@@ -108,69 +108,29 @@ pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
     } else {
         ParamRole::Trained
     };
-    let mut v = Vec::new();
-    let mut push = |name: String, shape: Vec<u64>, role, module, block| {
-        v.push(ParamTensor {
-            name,
-            shape,
-            role,
-            module,
-            block,
-            buffer: false,
-        })
-    };
-    push(
-        "x_embedder.proj.weight".into(),
-        vec![d, c_in * p2],
+    let mut t = TableBuilder::default();
+    t.linear(
+        "x_embedder.proj",
+        d,
+        c_in * p2,
         base,
         Module::PatchEmbed,
         None,
     );
-    push(
-        "x_embedder.proj.bias".into(),
-        vec![d],
-        base,
-        Module::PatchEmbed,
-        None,
-    );
-    push(
-        "pos_embed".into(),
+    let pos = "pos_embed".to_string();
+    t.tensor(
+        pos,
         vec![1, tokens, d],
         ParamRole::Frozen,
         Module::PosEmbed,
         None,
     );
     let f = u64::from(m.freq_embed);
-    push(
-        "t_embedder.mlp.0.weight".into(),
-        vec![d, f],
-        base,
-        Module::TimestepEmbed,
-        None,
-    );
-    push(
-        "t_embedder.mlp.0.bias".into(),
-        vec![d],
-        base,
-        Module::TimestepEmbed,
-        None,
-    );
-    push(
-        "t_embedder.mlp.2.weight".into(),
-        vec![d, d],
-        base,
-        Module::TimestepEmbed,
-        None,
-    );
-    push(
-        "t_embedder.mlp.2.bias".into(),
-        vec![d],
-        base,
-        Module::TimestepEmbed,
-        None,
-    );
-    push(
-        "y_embedder.embedding_table.weight".into(),
+    t.linear("t_embedder.mlp.0", d, f, base, Module::TimestepEmbed, None);
+    t.linear("t_embedder.mlp.2", d, d, base, Module::TimestepEmbed, None);
+    let labels = "y_embedder.embedding_table.weight".to_string();
+    t.tensor(
+        labels,
         vec![u64::from(m.label_rows()), d],
         base,
         Module::LabelEmbed,
@@ -178,68 +138,71 @@ pub fn param_table(spec: &Spec) -> Vec<ParamTensor> {
     );
     for i in 0..m.depth {
         for (target, name, out, inp) in block_linears(spec) {
-            push(
-                format!("blocks.{i}.{name}.weight"),
-                vec![out, inp],
-                base,
-                Module::Blocks,
-                Some(i),
-            );
-            push(
-                format!("blocks.{i}.{name}.bias"),
-                vec![out],
-                base,
-                Module::Blocks,
-                Some(i),
-            );
+            let name = format!("blocks.{i}.{name}");
+            t.linear(&name, out, inp, base, Module::Blocks, Some(i));
             if let Some(l) = lora.filter(|l| l.targets.contains(&target)) {
                 let r = u64::from(l.rank);
-                push(
-                    format!("blocks.{i}.{name}.lora_a"),
-                    vec![r, inp],
-                    ParamRole::Trained,
-                    Module::Lora,
-                    Some(i),
-                );
-                push(
-                    format!("blocks.{i}.{name}.lora_b"),
-                    vec![out, r],
-                    ParamRole::Trained,
-                    Module::Lora,
-                    Some(i),
-                );
+                let (a, b) = (format!("{name}.lora_a"), format!("{name}.lora_b"));
+                t.tensor(a, vec![r, inp], ParamRole::Trained, Module::Lora, Some(i));
+                t.tensor(b, vec![out, r], ParamRole::Trained, Module::Lora, Some(i));
             }
         }
     }
-    push(
-        "final_layer.linear.weight".into(),
-        vec![p2 * c_out, d],
+    t.linear(
+        "final_layer.linear",
+        p2 * c_out,
+        d,
         base,
         Module::FinalLayer,
         None,
     );
-    push(
-        "final_layer.linear.bias".into(),
-        vec![p2 * c_out],
-        base,
-        Module::FinalLayer,
-        None,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.weight".into(),
-        vec![2 * d, d],
-        base,
-        Module::FinalLayer,
-        None,
-    );
-    push(
-        "final_layer.adaLN_modulation.1.bias".into(),
-        vec![2 * d],
-        base,
-        Module::FinalLayer,
-        None,
-    );
-    v
+    let ada = "final_layer.adaLN_modulation.1";
+    t.linear(ada, 2 * d, d, base, Module::FinalLayer, None);
+    t.0
+}
+
+/// The tensors of [`param_table`] in the order they are added.
+#[derive(Default)]
+struct TableBuilder(Vec<ParamTensor>);
+
+impl TableBuilder {
+    fn tensor(
+        &mut self,
+        name: String,
+        shape: Vec<u64>,
+        role: ParamRole,
+        module: Module,
+        block: Option<u32>,
+    ) {
+        self.0.push(ParamTensor {
+            name,
+            shape,
+            role,
+            module,
+            block,
+            buffer: false,
+        });
+    }
+
+    /// An `nn.Linear(inp, out)`: `{name}.weight` [out, inp], then `{name}.bias` [out].
+    fn linear(
+        &mut self,
+        name: &str,
+        out: u64,
+        inp: u64,
+        role: ParamRole,
+        module: Module,
+        block: Option<u32>,
+    ) {
+        self.tensor(
+            format!("{name}.weight"),
+            vec![out, inp],
+            role,
+            module,
+            block,
+        );
+        self.tensor(format!("{name}.bias"), vec![out], role, module, block);
+    }
 }
 
 /// Parameter totals.

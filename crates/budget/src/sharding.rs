@@ -305,28 +305,9 @@ pub fn rank_states(spec: &Spec, table: &[ParamTensor], grad_dtype: Dtype) -> Opt
     if scheme == Scheme::Single {
         return None;
     }
-    let r = &spec.recipe;
-    let p = r.precision;
-    let n = u64::from(spec.workload.ranks);
-    let lora = r.lora.is_some();
-    let offload_opt = r.offload != Offload::None;
-    let offload_par = r.offload == Offload::OptimizerAndParams;
-    let low = scheme.low_precision_module(p);
-    // The dtype the module's trained parameters and gradients have on the device.
-    let module_dt = if low {
-        p.compute_dtype()
-    } else {
-        p.param_dtype()
-    };
-    let gd = if low { p.compute_dtype() } else { grad_dtype };
-    let cd = p.compute_dtype().size();
-    let trained: Vec<&ParamTensor> = table
-        .iter()
-        .filter(|t| t.role == ParamRole::Trained && !t.buffer)
-        .collect();
-    let p_elems: u64 = trained.iter().map(|t| t.numel()).sum();
+    let rank = Rank::new(spec, table, scheme, grad_dtype);
     let mut s = RankStates {
-        grad_elem_bytes: gd.size(),
+        grad_elem_bytes: rank.gd.size(),
         keep_full_grads: !scheme.shards_gradients(),
         ..RankStates::default()
     };
@@ -334,158 +315,220 @@ pub fn rank_states(spec: &Spec, table: &[ParamTensor], grad_dtype: Dtype) -> Opt
         Scheme::Single => unreachable!("handled above"),
         Scheme::Ddp {
             gradient_as_bucket_view,
-        } => {
-            // [DDP] the model as on one rank (fp32 trained parameters are the masters of
-            // mixed precision); the buckets beside the gradients.
-            for t in table {
-                let b = stored_bytes(t, p, lora, r.base_quant);
-                if t.role == ParamRole::Trained && !t.buffer && p.is_mixed() {
-                    s.master.push(b);
-                } else {
-                    s.weights.push(b);
-                }
-            }
-            for t in &trained {
-                s.optimizer_state
-                    .extend(state_pair(t.numel(), r.optimizer, p));
-            }
-            s.optimizer_tensors = trained.iter().map(|t| t.numel()).collect();
-            let grads: Vec<u64> = trained.iter().map(|t| t.numel() * gd.size()).collect();
-            s.grad_buffers = ddp_buckets(&grads);
-            // With bucket views the buckets are the gradients: nothing else stays.
-            s.keep_full_grads = !gradient_as_bucket_view;
-        }
-        Scheme::Zero { stage } if stage <= 2 => {
-            // [DS12] the 16-bit (or fp32) module whole on every rank, the flat partition.
-            for t in table {
-                if t.role == ParamRole::Trained && !t.buffer {
-                    s.weights.push(t.numel() * module_dt.size());
-                } else {
-                    s.weights.push(stored_bytes(t, p, lora, r.base_quant));
-                }
-            }
-            let part = ds12_partition_elems(p_elems, n);
-            let master = if p.is_mixed() {
-                part * p.param_dtype().size()
-            } else {
-                0
-            };
-            let state = state_pair(part, r.optimizer, p);
-            if offload_opt {
-                // [OFF] master, its fp32 gradient, the state and a 16-bit staging copy on the host.
-                s.host = master.max(part * 4)
-                    + part * 4
-                    + state.iter().sum::<u64>()
-                    + part * module_dt.size();
-            } else {
-                if master > 0 {
-                    s.master.push(master);
-                }
-                s.optimizer_state = state;
-                s.optimizer_tensors = vec![part];
-                s.step_grads = part * p.optimizer_dtype().size();
-            }
-            s.backward_buffers =
-                vec![DS_REDUCE_BUCKET_ELEMS * gd.size(); DS12_IPG_BUFFERS as usize];
-            if stage == 2 && !offload_opt {
-                s.grad_partition = part * gd.size();
-            }
-        }
-        Scheme::Zero { .. } => {
-            // [DS3] 16-bit partitions (whole when small), fp32 partitions, eager state, the IPG
-            // buffer and the flat gradient partition.
-            let mut part = 0u64;
-            for t in table {
-                if t.buffer {
-                    s.weights.push(stored_bytes(t, p, lora, r.base_quant));
-                    continue;
-                }
-                let sh = shard_elems(t, n, Sharder::Deepspeed);
-                let dt = if t.role == ParamRole::Trained {
-                    module_dt
-                } else {
-                    p.compute_dtype()
-                };
-                if !offload_par {
-                    s.weights.push(sh * dt.size());
-                }
-                if ds3_persistent(t) {
-                    s.weights.push(t.numel() * dt.size());
-                }
-                if t.role == ParamRole::Trained {
-                    part += sh;
-                }
-            }
-            let master = if p.is_mixed() {
-                part * p.param_dtype().size()
-            } else {
-                0
-            };
-            let state = state_pair(part, r.optimizer, p);
-            if offload_opt {
-                s.host = master.max(part * 4) + part * 4 + state.iter().sum::<u64>();
-            } else {
-                if master > 0 {
-                    s.master.push(master);
-                }
-                s.optimizer_state = state;
-                s.eager_optimizer_state = true;
-                s.optimizer_tensors = vec![part];
-                s.step_grads = part * p.optimizer_dtype().size();
-                s.grad_buffers.push(part * gd.size());
-            }
-            if offload_par {
-                s.host += table
-                    .iter()
-                    .filter(|t| !t.buffer)
-                    .map(|t| shard_elems(t, n, Sharder::Deepspeed) * module_dt.size())
-                    .sum::<u64>();
-            }
-            s.grad_buffers.push(DS_REDUCE_BUCKET_ELEMS * gd.size());
-            gathered(spec, table, &mut s, |t| !ds3_persistent(t), cd);
-            s.prefetch = Prefetch::Bytes(DS_PREFETCH_BUCKET_ELEMS * cd);
-        }
-        Scheme::Fsdp2 { .. } => {
-            // [FSDP2] dim-0 shards in the parameters' own dtype (fp32: the master weights).
-            let mut trained_shards = Vec::new();
-            for t in table {
-                if t.buffer {
-                    s.weights.push(stored_bytes(t, p, lora, r.base_quant));
-                    continue;
-                }
-                let sh = shard_elems(t, n, Sharder::Fsdp);
-                let bytes = sh * crate::params::stored_dtype(t, p, lora).size();
-                if t.role == ParamRole::Trained {
-                    trained_shards.push(sh);
-                }
-                if offload_par {
-                    s.host += bytes;
-                } else if t.role == ParamRole::Trained && p.is_mixed() {
-                    s.master.push(bytes);
-                } else {
-                    s.weights.push(bytes);
-                }
-            }
-            let part: u64 = trained_shards.iter().sum();
-            if offload_par {
-                // CPUOffloadPolicy: sharded gradients and the step on the host.
-                for &sh in &trained_shards {
-                    s.host += state_pair(sh, r.optimizer, p).iter().sum::<u64>()
-                        + sh * p.param_dtype().size();
-                }
-            } else {
-                for &sh in &trained_shards {
-                    s.optimizer_state.extend(state_pair(sh, r.optimizer, p));
-                }
-                s.optimizer_tensors = trained_shards.clone();
-                // Sharded gradients in the parameters' dtype.
-                s.grad_partition = part * p.param_dtype().size();
-            }
-            gathered(spec, table, &mut s, |_| true, cd);
-            s.prefetch = Prefetch::NextBlock;
-        }
+        } => rank.ddp(&mut s, gradient_as_bucket_view),
+        Scheme::Zero { stage } if stage <= 2 => rank.zero12(&mut s, stage),
+        Scheme::Zero { .. } => rank.zero3(&mut s),
+        Scheme::Fsdp2 { .. } => rank.fsdp2(&mut s),
     }
     Some(s)
+}
+
+/// What every scheme's rules read of the spec for one rank's states ([`rank_states`]).
+struct Rank<'a> {
+    spec: &'a Spec,
+    table: &'a [ParamTensor],
+    p: Precision,
+    optimizer: Optimizer,
+    /// Ranks.
+    n: u64,
+    offload_opt: bool,
+    offload_par: bool,
+    /// The dtype the module's trained parameters and gradients have on the device.
+    module_dt: Dtype,
+    /// The gradients' dtype.
+    gd: Dtype,
+    /// Bytes per element of the compute dtype (what a gathering scheme all-gathers).
+    cd: u64,
+    /// The trained parameters (no buffers), in table order.
+    trained: Vec<&'a ParamTensor>,
+}
+
+impl<'a> Rank<'a> {
+    fn new(spec: &'a Spec, table: &'a [ParamTensor], scheme: Scheme, grad_dtype: Dtype) -> Self {
+        let r = &spec.recipe;
+        let p = r.precision;
+        let low = scheme.low_precision_module(p);
+        Rank {
+            spec,
+            table,
+            p,
+            optimizer: r.optimizer,
+            n: u64::from(spec.workload.ranks),
+            offload_opt: r.offload != Offload::None,
+            offload_par: r.offload == Offload::OptimizerAndParams,
+            module_dt: if low {
+                p.compute_dtype()
+            } else {
+                p.param_dtype()
+            },
+            gd: if low { p.compute_dtype() } else { grad_dtype },
+            cd: p.compute_dtype().size(),
+            trained: table
+                .iter()
+                .filter(|t| t.role == ParamRole::Trained && !t.buffer)
+                .collect(),
+        }
+    }
+
+    /// A tensor's bytes as stored on one rank that keeps it whole.
+    fn stored(&self, t: &ParamTensor) -> u64 {
+        let r = &self.spec.recipe;
+        stored_bytes(t, self.p, r.lora.is_some(), r.base_quant)
+    }
+
+    /// [DDP] the model as on one rank (fp32 trained parameters are the masters of mixed
+    /// precision); the buckets beside the gradients.
+    fn ddp(&self, s: &mut RankStates, gradient_as_bucket_view: bool) {
+        for t in self.table {
+            let b = self.stored(t);
+            if t.role == ParamRole::Trained && !t.buffer && self.p.is_mixed() {
+                s.master.push(b);
+            } else {
+                s.weights.push(b);
+            }
+        }
+        for t in &self.trained {
+            s.optimizer_state
+                .extend(state_pair(t.numel(), self.optimizer, self.p));
+        }
+        s.optimizer_tensors = self.trained.iter().map(|t| t.numel()).collect();
+        let grads: Vec<u64> = self
+            .trained
+            .iter()
+            .map(|t| t.numel() * self.gd.size())
+            .collect();
+        s.grad_buffers = ddp_buckets(&grads);
+        // With bucket views the buckets are the gradients: nothing else stays.
+        s.keep_full_grads = !gradient_as_bucket_view;
+    }
+
+    /// [DS12] the 16-bit (or fp32) module whole on every rank, the flat partition.
+    fn zero12(&self, s: &mut RankStates, stage: u8) {
+        for t in self.table {
+            if t.role == ParamRole::Trained && !t.buffer {
+                s.weights.push(t.numel() * self.module_dt.size());
+            } else {
+                s.weights.push(self.stored(t));
+            }
+        }
+        let p_elems: u64 = self.trained.iter().map(|t| t.numel()).sum();
+        let part = ds12_partition_elems(p_elems, self.n);
+        // [OFF] on the host beside the fp32 partition: a 16-bit staging copy.
+        self.fp32_partition(s, part, part * self.module_dt.size());
+        s.backward_buffers =
+            vec![DS_REDUCE_BUCKET_ELEMS * self.gd.size(); DS12_IPG_BUFFERS as usize];
+        if stage == 2 && !self.offload_opt {
+            s.grad_partition = part * self.gd.size();
+        }
+    }
+
+    /// [DS3] 16-bit partitions (whole when small), fp32 partitions, eager state, the IPG
+    /// buffer and the flat gradient partition.
+    fn zero3(&self, s: &mut RankStates) {
+        let mut part = 0u64;
+        for t in self.table {
+            if t.buffer {
+                s.weights.push(self.stored(t));
+                continue;
+            }
+            let sh = shard_elems(t, self.n, Sharder::Deepspeed);
+            let dt = if t.role == ParamRole::Trained {
+                self.module_dt
+            } else {
+                self.p.compute_dtype()
+            };
+            if !self.offload_par {
+                s.weights.push(sh * dt.size());
+            }
+            if ds3_persistent(t) {
+                s.weights.push(t.numel() * dt.size());
+            }
+            if t.role == ParamRole::Trained {
+                part += sh;
+            }
+        }
+        self.fp32_partition(s, part, 0);
+        if !self.offload_opt {
+            s.eager_optimizer_state = true;
+            s.grad_buffers.push(part * self.gd.size());
+        }
+        if self.offload_par {
+            s.host += self
+                .table
+                .iter()
+                .filter(|t| !t.buffer)
+                .map(|t| shard_elems(t, self.n, Sharder::Deepspeed) * self.module_dt.size())
+                .sum::<u64>();
+        }
+        s.grad_buffers.push(DS_REDUCE_BUCKET_ELEMS * self.gd.size());
+        gathered(self.spec, self.table, s, |t| !ds3_persistent(t), self.cd);
+        s.prefetch = Prefetch::Bytes(DS_PREFETCH_BUCKET_ELEMS * self.cd);
+    }
+
+    /// DeepSpeed's fp32 side of a flat partition of `part` elements ([DS12], [DS3]): the master
+    /// copy (mixed precision), the optimizer state and the step's fp32 gradients on the device;
+    /// or, offloaded [OFF], the master, its fp32 gradient, the state and `host_staging` bytes
+    /// on the host.
+    fn fp32_partition(&self, s: &mut RankStates, part: u64, host_staging: u64) {
+        let master = if self.p.is_mixed() {
+            part * self.p.param_dtype().size()
+        } else {
+            0
+        };
+        let state = state_pair(part, self.optimizer, self.p);
+        if self.offload_opt {
+            s.host = master.max(part * 4) + part * 4 + state.iter().sum::<u64>() + host_staging;
+        } else {
+            if master > 0 {
+                s.master.push(master);
+            }
+            s.optimizer_state = state;
+            s.optimizer_tensors = vec![part];
+            s.step_grads = part * self.p.optimizer_dtype().size();
+        }
+    }
+
+    /// [FSDP2] dim-0 shards in the parameters' own dtype (fp32: the master weights).
+    fn fsdp2(&self, s: &mut RankStates) {
+        let lora = self.spec.recipe.lora.is_some();
+        let mut trained_shards = Vec::new();
+        for t in self.table {
+            if t.buffer {
+                s.weights.push(self.stored(t));
+                continue;
+            }
+            let sh = shard_elems(t, self.n, Sharder::Fsdp);
+            let bytes = sh * crate::params::stored_dtype(t, self.p, lora).size();
+            if t.role == ParamRole::Trained {
+                trained_shards.push(sh);
+            }
+            if self.offload_par {
+                s.host += bytes;
+            } else if t.role == ParamRole::Trained && self.p.is_mixed() {
+                s.master.push(bytes);
+            } else {
+                s.weights.push(bytes);
+            }
+        }
+        let part: u64 = trained_shards.iter().sum();
+        if self.offload_par {
+            // CPUOffloadPolicy: sharded gradients and the step on the host.
+            for &sh in &trained_shards {
+                s.host += state_pair(sh, self.optimizer, self.p).iter().sum::<u64>()
+                    + sh * self.p.param_dtype().size();
+            }
+        } else {
+            for &sh in &trained_shards {
+                s.optimizer_state
+                    .extend(state_pair(sh, self.optimizer, self.p));
+            }
+            s.optimizer_tensors = trained_shards.clone();
+            // Sharded gradients in the parameters' dtype.
+            s.grad_partition = part * self.p.param_dtype().size();
+        }
+        gathered(self.spec, self.table, s, |_| true, self.cd);
+        s.prefetch = Prefetch::NextBlock;
+    }
 }
 
 /// Bytes of the EMA copy of a trained tensor on one rank: whole, or a shard of it where the

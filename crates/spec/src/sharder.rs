@@ -117,6 +117,39 @@ impl FromStr for Offload {
     }
 }
 
+/// A ZeRO stage, sharder and offload that no launcher runs together: the rule both the recipe's
+/// validation ([`validate`]) and the export's options (`ditmem_budget::export`) hold, each
+/// naming its own fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conflict {
+    /// Offload without sharding (stage 0).
+    OffloadUnsharded,
+    /// DeepSpeed offloads parameters below stage 3 (deepspeed 0.19.8 runtime/zero/config.py:
+    /// offload_param is "valid only with stage 3").
+    DeepspeedParamsBelowStage3,
+    /// FSDP at stage 1: it always shards gradients.
+    FsdpStage1,
+    /// FSDP offloading the optimizer alone (accelerate 1.15 utils/dataclasses.py
+    /// FullyShardedDataParallelPlugin.cpu_offload: FSDP offloads parameters, gradients and
+    /// optimizer state together).
+    FsdpOptimizerOnly,
+}
+
+impl Conflict {
+    /// The first rule `zero_stage`, `sharder` and `offload` break, if any.
+    pub fn of(zero_stage: u8, sharder: Sharder, offload: Offload) -> Option<Conflict> {
+        match sharder {
+            _ if offload != Offload::None && zero_stage == 0 => Some(Conflict::OffloadUnsharded),
+            Sharder::Deepspeed if offload == Offload::OptimizerAndParams && zero_stage < 3 => {
+                Some(Conflict::DeepspeedParamsBelowStage3)
+            }
+            Sharder::Fsdp if zero_stage == 1 => Some(Conflict::FsdpStage1),
+            Sharder::Fsdp if offload == Offload::Optimizer => Some(Conflict::FsdpOptimizerOnly),
+            _ => None,
+        }
+    }
+}
+
 /// Validate the sharding fields of a recipe (`recipe.zero_stage`, `recipe.sharder`,
 /// `recipe.offload`, `recipe.gradient_as_bucket_view`) against each other.
 pub fn validate(
@@ -126,47 +159,37 @@ pub fn validate(
     gradient_as_bucket_view: bool,
 ) -> Result<(), SpecError> {
     let z = zero_stage;
-    if offload != Offload::None && z == 0 {
-        return Err(SpecError::invalid(
-            "recipe.offload",
-            format!(
-                "{} needs a sharded plan (recipe.zero_stage 1-3 over workload.ranks > 1); allowed: \
-                 none with zero_stage 0",
-                offload
+    if let Some(c) = Conflict::of(z, sharder, offload) {
+        let (field, message) = match c {
+            Conflict::OffloadUnsharded => (
+                "recipe.offload",
+                format!(
+                    "{} needs a sharded plan (recipe.zero_stage 1-3 over workload.ranks > 1); \
+                     allowed: none with zero_stage 0",
+                    offload
+                ),
             ),
-        ));
-    }
-    match sharder {
-        Sharder::Deepspeed => {
-            // deepspeed 0.19.8 runtime/zero/config.py: offload_param is "valid only with stage 3".
-            if offload == Offload::OptimizerAndParams && z < 3 {
-                return Err(SpecError::invalid(
-                    "recipe.offload",
-                    format!(
-                        "DeepSpeed offloads parameters only at ZeRO stage 3 (recipe.zero_stage is \
-                         {z}); allowed: none, optimizer"
-                    ),
-                ));
-            }
-        }
-        Sharder::Fsdp => {
-            if z == 1 {
-                return Err(SpecError::invalid(
-                    "recipe.sharder",
-                    "fsdp has no ZeRO-1 equivalent (it always shards gradients); allowed: \
-                     deepspeed at zero_stage 1, fsdp at zero_stage 2 or 3",
-                ));
-            }
-            // accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload:
-            // FSDP offloads parameters, gradients and optimizer state together.
-            if offload == Offload::Optimizer {
-                return Err(SpecError::invalid(
-                    "recipe.offload",
-                    "FSDP offloads parameters, gradients and optimizer state together; allowed \
-                     with sharder fsdp: none, optimizer+params",
-                ));
-            }
-        }
+            Conflict::DeepspeedParamsBelowStage3 => (
+                "recipe.offload",
+                format!(
+                    "DeepSpeed offloads parameters only at ZeRO stage 3 (recipe.zero_stage is \
+                     {z}); allowed: none, optimizer"
+                ),
+            ),
+            Conflict::FsdpStage1 => (
+                "recipe.sharder",
+                "fsdp has no ZeRO-1 equivalent (it always shards gradients); allowed: \
+                 deepspeed at zero_stage 1, fsdp at zero_stage 2 or 3"
+                    .into(),
+            ),
+            Conflict::FsdpOptimizerOnly => (
+                "recipe.offload",
+                "FSDP offloads parameters, gradients and optimizer state together; allowed \
+                 with sharder fsdp: none, optimizer+params"
+                    .into(),
+            ),
+        };
+        return Err(SpecError::invalid(field, message));
     }
     if gradient_as_bucket_view && z > 0 {
         return Err(SpecError::invalid(

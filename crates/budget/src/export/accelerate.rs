@@ -102,9 +102,8 @@ pub(super) fn offload_devices(o: Offload) -> (&'static str, &'static str) {
 }
 
 /// The accelerate config (keys of accelerate 1.15 `commands/config/config_args.py`
-/// `ClusterConfig`, strings quoted: see [`yaml`]). Over 100 lines: one mapping written key by
-/// key in the file's order, each key beside the rule it follows; split, the file's keys would
-/// be spread over several functions.
+/// `ClusterConfig`, strings quoted: see [`yaml`]): the comments that say how to launch it, then
+/// the keys.
 pub(super) fn accelerate_yaml(
     spec: &Spec,
     o: &ExportOptions,
@@ -112,10 +111,22 @@ pub(super) fn accelerate_yaml(
     cmd: &Command,
     notes: &mut Vec<String>,
 ) -> String {
-    let r = &spec.recipe;
+    let deepspeed = spec.recipe.zero_stage > 0 && o.sharder == Sharder::Deepspeed;
+    let mut y = launch_comments(spec, o, cmd, deepspeed);
+    y.push_str(&yaml::emit(&config_keys(spec, o, mp, deepspeed, notes)));
+    y
+}
+
+/// The mapping of `accelerate_config.yaml`, key by key in the file's order.
+fn config_keys(
+    spec: &Spec,
+    o: &ExportOptions,
+    mp: &str,
+    deepspeed: bool,
+    notes: &mut Vec<String>,
+) -> Vec<(&'static str, Yaml)> {
     let w = &spec.workload;
-    let z = r.zero_stage;
-    let deepspeed = z > 0 && o.sharder == Sharder::Deepspeed;
+    let z = spec.recipe.zero_stage;
     let fsdp = z > 0 && o.sharder == Sharder::Fsdp;
     let distributed = if deepspeed {
         "DEEPSPEED"
@@ -131,51 +142,13 @@ pub(super) fn accelerate_yaml(
         ("debug", Yaml::Bool(false)),
     ];
     if deepspeed {
-        // With a deepspeed_config_file, accelerate refuses the keys it reads from the file
-        // (gradient_accumulation_steps, gradient_clipping, zero_stage, offload_*, mixed_precision:
-        // utils/dataclasses.py DeepSpeedPlugin._deepspeed_config_checks); zero3_init_flag is not
-        // among them. deepspeed.zero.Init is off: diffusers' from_pretrained builds the model on
-        // each rank's CPU before accelerate partitions it, and the flag needs transformers.
-        m.push((
-            "deepspeed_config",
-            Yaml::Map(vec![
-                (
-                    "deepspeed_config_file",
-                    Yaml::str(Target::Deepspeed.file_name()),
-                ),
-                ("zero3_init_flag", Yaml::Bool(false)),
-            ]),
-        ));
-        notes.push(format!(
-            "accelerate_config.yaml names {}: keep both in the launch directory (--emit-dir \
-             writes both); ZeRO stage, offload, accumulation and the precision (bf16/fp16 \
-             enabled, for --mixed_precision {mp}) are in the JSON",
-            Target::Deepspeed.file_name()
-        ));
+        m.push(("deepspeed_config", deepspeed_config(mp, notes)));
     }
     m.push(("distributed_type", Yaml::str(distributed)));
     m.push(("downcast_bf16", Yaml::str("no")));
     m.push(("enable_cpu_affinity", Yaml::Bool(false)));
     if fsdp {
-        // FSDP2 keys as `accelerate config` writes them (1.15 commands/config/cluster.py).
-        m.push((
-            "fsdp_config",
-            Yaml::Map(vec![
-                ("fsdp_auto_wrap_policy", Yaml::str("TRANSFORMER_BASED_WRAP")),
-                ("fsdp_cpu_ram_efficient_loading", Yaml::Bool(false)),
-                (
-                    "fsdp_offload_params",
-                    Yaml::Bool(o.offload == Offload::OptimizerAndParams),
-                ),
-                ("fsdp_reshard_after_forward", Yaml::Bool(z == 3)),
-                ("fsdp_state_dict_type", Yaml::str("SHARDED_STATE_DICT")),
-                (
-                    "fsdp_transformer_layer_cls_to_wrap",
-                    Yaml::str(block_classes(o.family)),
-                ),
-                ("fsdp_version", Yaml::Int(2)),
-            ]),
-        ));
+        m.push(("fsdp_config", fsdp_config(z, o)));
     }
     m.push(("gpu_ids", Yaml::str("all")));
     m.push(("machine_rank", Yaml::Int(0)));
@@ -196,7 +169,56 @@ pub(super) fn accelerate_yaml(
     m.push(("rdzv_backend", Yaml::str("static")));
     m.push(("same_network", Yaml::Bool(true)));
     m.push(("use_cpu", Yaml::Bool(false)));
+    m
+}
 
+/// `deepspeed_config`: the file beside this one. With a deepspeed_config_file, accelerate
+/// refuses the keys it reads from the file (gradient_accumulation_steps, gradient_clipping,
+/// zero_stage, offload_*, mixed_precision: utils/dataclasses.py
+/// DeepSpeedPlugin._deepspeed_config_checks); zero3_init_flag is not among them.
+/// deepspeed.zero.Init is off: diffusers' from_pretrained builds the model on each rank's CPU
+/// before accelerate partitions it, and the flag needs transformers.
+fn deepspeed_config(mp: &str, notes: &mut Vec<String>) -> Yaml {
+    notes.push(format!(
+        "accelerate_config.yaml names {}: keep both in the launch directory (--emit-dir \
+         writes both); ZeRO stage, offload, accumulation and the precision (bf16/fp16 \
+         enabled, for --mixed_precision {mp}) are in the JSON",
+        Target::Deepspeed.file_name()
+    ));
+    Yaml::Map(vec![
+        (
+            "deepspeed_config_file",
+            Yaml::str(Target::Deepspeed.file_name()),
+        ),
+        ("zero3_init_flag", Yaml::Bool(false)),
+    ])
+}
+
+/// `fsdp_config`: FSDP2 keys as `accelerate config` writes them (1.15
+/// commands/config/cluster.py).
+fn fsdp_config(stage: u8, o: &ExportOptions) -> Yaml {
+    Yaml::Map(vec![
+        ("fsdp_auto_wrap_policy", Yaml::str("TRANSFORMER_BASED_WRAP")),
+        ("fsdp_cpu_ram_efficient_loading", Yaml::Bool(false)),
+        (
+            "fsdp_offload_params",
+            Yaml::Bool(o.offload == Offload::OptimizerAndParams),
+        ),
+        ("fsdp_reshard_after_forward", Yaml::Bool(stage == 3)),
+        ("fsdp_state_dict_type", Yaml::str("SHARDED_STATE_DICT")),
+        (
+            "fsdp_transformer_layer_cls_to_wrap",
+            Yaml::str(block_classes(o.family)),
+        ),
+        ("fsdp_version", Yaml::Int(2)),
+    ])
+}
+
+/// The file's opening comments: what it is for, the nodes, the accumulation outside
+/// DeepSpeed, the per-process batch and the launch line.
+fn launch_comments(spec: &Spec, o: &ExportOptions, cmd: &Command, deepspeed: bool) -> String {
+    let w = &spec.workload;
+    let machines = o.machines(w.ranks);
     let mut y = format!("# accelerate config for {}\n", header(spec));
     if machines > 1 {
         y.push_str(&format!(
@@ -223,6 +245,5 @@ pub(super) fn accelerate_yaml(
     for line in cmd.render().lines() {
         y.push_str(&format!("#   {line}\n"));
     }
-    y.push_str(&yaml::emit(&m));
     y
 }

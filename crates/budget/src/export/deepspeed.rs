@@ -3,6 +3,7 @@
 use super::accelerate::offload_devices;
 use super::types::{ExportOptions, Target};
 use crate::spec::{Optimizer, Precision, Spec};
+use serde_json::{json, Value};
 
 /// The DeepSpeed config. For accelerate (`standalone` false): `"auto"` for every value accelerate
 /// fills (batch sizes and accumulation from the dataloader and Accelerator, clipping), explicit
@@ -12,8 +13,6 @@ use crate::spec::{Optimizer, Precision, Spec};
 /// and no `optimizer` block: the diffusers scripts build their own optimizer, and accelerate
 /// refuses both. Standalone: fixed values, valid at the plan's world size only (deepspeed 0.19.8
 /// `runtime/config.py` `_configure_train_batch_size` checks batch = micro × accumulation × world).
-/// Over 100 lines: one JSON object written section by section (batch, precision, ZeRO, offload,
-/// checkpointing), each beside the DeepSpeed source it follows, for both modes at once.
 pub(super) fn deepspeed_json(
     spec: &Spec,
     o: &ExportOptions,
@@ -21,42 +20,9 @@ pub(super) fn deepspeed_json(
     ckpt: bool,
     notes: &mut Vec<String>,
 ) -> String {
-    use serde_json::{json, Value};
-    let r = &spec.recipe;
     let w = &spec.workload;
-    let (bf16, fp16) = match r.precision {
-        Precision::Bf16Mixed => (true, false),
-        Precision::Fp16Mixed => (false, true),
-        Precision::Bf16Pure => {
-            notes.push(
-                "bf16-pure has no DeepSpeed equivalent (its bf16 mode keeps fp32 masters); \
-                 bf16.enabled is the nearest"
-                    .into(),
-            );
-            (true, false)
-        }
-        Precision::Fp32 | Precision::Fp64 => (false, false),
-    };
-    if r.precision == Precision::Bf16Mixed {
-        notes.push(
-            "DeepSpeed bf16 keeps bf16 weights plus fp32 master copies in the optimizer, not fp32 \
-             weights cast per step as the plan's bf16-mixed: memory differs somewhat"
-                .into(),
-        );
-    }
+    let (bf16, fp16) = precision_flags(spec.recipe.precision, notes);
     let auto = || Value::from("auto");
-    let mut zero = json!({
-        "stage": r.zero_stage,
-        "overlap_comm": true,
-        "contiguous_gradients": true
-    });
-    let (opt_dev, par_dev) = offload_devices(o.offload);
-    if opt_dev != "none" {
-        zero["offload_optimizer"] = json!({ "device": opt_dev, "pin_memory": true });
-    }
-    if par_dev != "none" {
-        zero["offload_param"] = json!({ "device": par_dev, "pin_memory": true });
-    }
     // A standalone file carries the plan's batch figures; one beside accelerate's config leaves
     // them to accelerate ("auto").
     let (batch, micro, accumulation, clipping) = if standalone {
@@ -88,69 +54,127 @@ pub(super) fn deepspeed_json(
             "hysteresis": 2,
             "min_loss_scale": 1
         },
-        "zero_optimization": zero,
+        "zero_optimization": zero_optimization(spec.recipe.zero_stage, o),
         "steps_per_print": 100,
         "wall_clock_breakdown": false
     });
     if standalone {
-        notes.push(format!(
-            "{} holds fixed values for {} processes (train_batch_size {} = {} × {} × {}): \
-             DeepSpeed refuses it at any other world size; launch your own script with \
-             `deepspeed --num_gpus {} your_train_script.py --deepspeed --deepspeed_config {}`",
-            Target::DeepspeedStandalone.file_name(),
-            w.ranks,
-            w.batch,
-            w.microbatch,
-            w.accumulation,
-            w.ranks,
-            w.ranks,
-            Target::DeepspeedStandalone.file_name()
-        ));
-        match r.optimizer {
-            Optimizer::AdamW => {
-                v["optimizer"] = json!({
-                    "type": "AdamW",
-                    "params": { "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0 }
-                });
-            }
-            Optimizer::Sgd => v["optimizer"] = json!({ "type": "SGD", "params": { "lr": 1e-4 } }),
-            Optimizer::AdamW8bit => notes.push(
-                "8-bit AdamW is not a DeepSpeed optimizer: build bitsandbytes.optim.AdamW8bit in \
-                 the script and pass it to deepspeed.initialize (no \"optimizer\" block is written)"
-                    .into(),
-            ),
-        }
-        if ckpt {
-            let k = r.recompute.recomputed_count(spec.model.depth);
-            v["activation_checkpointing"] = json!({
-                "partition_activations": false,
-                "cpu_checkpointing": false,
-                "contiguous_memory_optimization": false,
-                "number_checkpoints": k.max(1),
-                "synchronize_checkpoint_boundary": false,
-                "profile": false
-            });
-            notes.push(format!(
-                "activation_checkpointing configures deepspeed.checkpointing; the model must call \
-                 deepspeed.checkpointing.checkpoint on the {k} recomputed blocks itself"
-            ));
-        }
+        standalone_sections(spec, ckpt, &mut v, notes);
     } else {
-        notes.push(
-            "ds_config.json has no \"optimizer\" block: the diffusers scripts build their own \
-             optimizer, and accelerate refuses an optimizer in both (accelerate 1.15 \
-             accelerator.py _prepare_deepspeed)"
-                .into(),
-        );
-        if ckpt {
+        beside_accelerate(o, ckpt, &mut v, notes);
+    }
+    serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+}
+
+/// DeepSpeed's `bf16.enabled` and `fp16.enabled` for a precision, with what they do not keep of
+/// it.
+fn precision_flags(precision: Precision, notes: &mut Vec<String>) -> (bool, bool) {
+    let flags = match precision {
+        Precision::Bf16Mixed => (true, false),
+        Precision::Fp16Mixed => (false, true),
+        Precision::Bf16Pure => {
             notes.push(
-                "gradient checkpointing is the script's --gradient_checkpointing \
-                 (torch.utils.checkpoint), not DeepSpeed's activation_checkpointing"
+                "bf16-pure has no DeepSpeed equivalent (its bf16 mode keeps fp32 masters); \
+                 bf16.enabled is the nearest"
                     .into(),
             );
+            (true, false)
         }
+        Precision::Fp32 | Precision::Fp64 => (false, false),
+    };
+    if precision == Precision::Bf16Mixed {
+        notes.push(
+            "DeepSpeed bf16 keeps bf16 weights plus fp32 master copies in the optimizer, not fp32 \
+             weights cast per step as the plan's bf16-mixed: memory differs somewhat"
+                .into(),
+        );
     }
-    if opt_dev != "none" && !standalone {
+    flags
+}
+
+/// The `zero_optimization` block: the stage, and where the export offloads.
+fn zero_optimization(stage: u8, o: &ExportOptions) -> Value {
+    let mut zero = json!({
+        "stage": stage,
+        "overlap_comm": true,
+        "contiguous_gradients": true
+    });
+    let (opt_dev, par_dev) = offload_devices(o.offload);
+    if opt_dev != "none" {
+        zero["offload_optimizer"] = json!({ "device": opt_dev, "pin_memory": true });
+    }
+    if par_dev != "none" {
+        zero["offload_param"] = json!({ "device": par_dev, "pin_memory": true });
+    }
+    zero
+}
+
+/// What only a standalone config holds: the optimizer block and DeepSpeed's activation
+/// checkpointing, with how to launch it.
+fn standalone_sections(spec: &Spec, ckpt: bool, v: &mut Value, notes: &mut Vec<String>) {
+    let r = &spec.recipe;
+    let w = &spec.workload;
+    notes.push(format!(
+        "{} holds fixed values for {} processes (train_batch_size {} = {} × {} × {}): \
+         DeepSpeed refuses it at any other world size; launch your own script with \
+         `deepspeed --num_gpus {} your_train_script.py --deepspeed --deepspeed_config {}`",
+        Target::DeepspeedStandalone.file_name(),
+        w.ranks,
+        w.batch,
+        w.microbatch,
+        w.accumulation,
+        w.ranks,
+        w.ranks,
+        Target::DeepspeedStandalone.file_name()
+    ));
+    match r.optimizer {
+        Optimizer::AdamW => {
+            v["optimizer"] = json!({
+                "type": "AdamW",
+                "params": { "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0 }
+            });
+        }
+        Optimizer::Sgd => v["optimizer"] = json!({ "type": "SGD", "params": { "lr": 1e-4 } }),
+        Optimizer::AdamW8bit => notes.push(
+            "8-bit AdamW is not a DeepSpeed optimizer: build bitsandbytes.optim.AdamW8bit in \
+             the script and pass it to deepspeed.initialize (no \"optimizer\" block is written)"
+                .into(),
+        ),
+    }
+    if ckpt {
+        let k = r.recompute.recomputed_count(spec.model.depth);
+        v["activation_checkpointing"] = json!({
+            "partition_activations": false,
+            "cpu_checkpointing": false,
+            "contiguous_memory_optimization": false,
+            "number_checkpoints": k.max(1),
+            "synchronize_checkpoint_boundary": false,
+            "profile": false
+        });
+        notes.push(format!(
+            "activation_checkpointing configures deepspeed.checkpointing; the model must call \
+             deepspeed.checkpointing.checkpoint on the {k} recomputed blocks itself"
+        ));
+    }
+}
+
+/// What a config beside accelerate's leaves to the script (its optimizer, its checkpointing),
+/// and the flag ZeRO-Offload needs with the script's torch optimizer.
+fn beside_accelerate(o: &ExportOptions, ckpt: bool, v: &mut Value, notes: &mut Vec<String>) {
+    notes.push(
+        "ds_config.json has no \"optimizer\" block: the diffusers scripts build their own \
+         optimizer, and accelerate refuses an optimizer in both (accelerate 1.15 \
+         accelerator.py _prepare_deepspeed)"
+            .into(),
+    );
+    if ckpt {
+        notes.push(
+            "gradient checkpointing is the script's --gradient_checkpointing \
+             (torch.utils.checkpoint), not DeepSpeed's activation_checkpointing"
+                .into(),
+        );
+    }
+    if offload_devices(o.offload).0 != "none" {
         // deepspeed 0.19.8 runtime/engine.py: ZeRO-Offload with a client optimizer that is not
         // DeepSpeedCPUAdam is refused unless this is false; the scripts pass torch's AdamW.
         v["zero_force_ds_cpu_optimizer"] = json!(false);
@@ -161,5 +185,4 @@ pub(super) fn deepspeed_json(
                 .into(),
         );
     }
-    serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
 }

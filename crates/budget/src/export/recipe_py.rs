@@ -5,8 +5,7 @@
 
 use crate::spec::{BaseQuant, Recompute, Spec};
 
-/// The module's text for `spec`. Over 100 lines: the Python module is written top to bottom,
-/// one function of it after the other, so the text reads as the file it makes.
+/// The module's text for `spec`: the plan's constants, then [`RECIPE_FUNCTIONS`].
 pub(crate) fn recipe_py(spec: &Spec, model_id: Option<&str>) -> String {
     let r = &spec.recipe;
     let depth = spec.model.depth;
@@ -43,7 +42,32 @@ MODEL_ID = {model_id}
 # The blocks the plan recomputes, counted in the order forward runs them.
 RECOMPUTE_BLOCKS = [{blocks}]
 BASE_QUANT = {base_quant}
-{lora}
+{lora}"#,
+        name = spec.model.name,
+        h = spec.workload.height,
+        w = spec.workload.width,
+        micro = spec.workload.microbatch,
+        acc = spec.workload.accumulation,
+        ranks = spec.workload.ranks,
+        prec = r.precision,
+        rc = r.recompute,
+        quant = r.base_quant.name(),
+        model_id = match model_id {
+            Some(id) => format!("{id:?}"),
+            None => "None  # your checkpoint".to_string(),
+        },
+        blocks = blocks.join(", "),
+        base_quant = if r.base_quant == BaseQuant::Nf4 {
+            "\"nf4\""
+        } else {
+            "None"
+        },
+    ) + RECIPE_FUNCTIONS
+}
+
+/// The functions of `ditmem_recipe.py`, which read the plan's constants above them: written
+/// top to bottom as the file holds them.
+const RECIPE_FUNCTIONS: &str = r#"
 
 def transformer_blocks(transformer):
     """Every transformer block in the order forward runs them (Flux: the double-stream
@@ -98,25 +122,4 @@ def add_lora(transformer, rank=LORA_RANK, targets=LORA_TARGETS):
                         target_modules=list(targets))
     transformer.add_adapter(config)
     return transformer
-"#,
-        name = spec.model.name,
-        h = spec.workload.height,
-        w = spec.workload.width,
-        micro = spec.workload.microbatch,
-        acc = spec.workload.accumulation,
-        ranks = spec.workload.ranks,
-        prec = r.precision,
-        rc = r.recompute,
-        quant = r.base_quant.name(),
-        model_id = match model_id {
-            Some(id) => format!("{id:?}"),
-            None => "None  # your checkpoint".to_string(),
-        },
-        blocks = blocks.join(", "),
-        base_quant = if r.base_quant == BaseQuant::Nf4 {
-            "\"nf4\""
-        } else {
-            "None"
-        },
-    )
-}
+"#;

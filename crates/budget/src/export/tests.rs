@@ -489,6 +489,45 @@ fn impossible_combinations_are_typed_errors() {
     }
 }
 
+/// The export's options and the recipe's own fields refuse the same (stage, sharder, offload)
+/// combinations ([`crate::sharder::Conflict`]), each naming its own field.
+#[test]
+fn export_options_refuse_what_a_recipe_refuses() {
+    let mut refused = 0;
+    for z in 0..=3u8 {
+        for sharder in [Sharder::Deepspeed, Sharder::Fsdp] {
+            for offload in [
+                Offload::None,
+                Offload::Optimizer,
+                Offload::OptimizerAndParams,
+            ] {
+                let recipe = crate::sharder::validate(z, sharder, offload, false);
+                let exported = export(
+                    &zero(z),
+                    Target::Accelerate,
+                    &opts(Family::Dit, sharder, offload),
+                );
+                assert_eq!(
+                    recipe.is_err(),
+                    exported.is_err(),
+                    "{z} {sharder:?} {offload:?}"
+                );
+                if let (Err(r), Err(e)) = (recipe, exported) {
+                    refused += 1;
+                    assert!(r.field().is_some_and(|f| f.starts_with("recipe.")), "{r}");
+                    assert!(
+                        e.field().is_some_and(|f| f.starts_with("plan.emit-")),
+                        "{e}"
+                    );
+                }
+            }
+        }
+    }
+    // Offload at stage 0 (2 × 2), DeepSpeed offload_param below stage 3 (stages 1, 2), FSDP at
+    // stage 1 (3 offloads) and FSDP's optimizer-only offload (stages 2, 3).
+    assert_eq!(refused, 4 + 2 + 3 + 2);
+}
+
 #[test]
 fn fsdp_yaml_reads_back() {
     let e = export(

@@ -62,6 +62,24 @@ pub(super) struct Point {
     pub(super) expandable: bool,
 }
 
+impl Point {
+    /// This point (simulated for another combination, or earlier) as the point of combination
+    /// `ci` with the policy `rc`.
+    fn for_combo(&self, c: &Combo, ci: Option<usize>, rc: &Recompute) -> Point {
+        Point {
+            combo: ci,
+            n_changes: n_changes(c, rc, self.expandable),
+            ..self.clone()
+        }
+    }
+}
+
+/// The changes from the base of combination `c` with policy `rc`: the combination's, the
+/// policy when it recomputes, and `expandable_segments:True` when the point needs it.
+fn n_changes(c: &Combo, rc: &Recompute, expandable: bool) -> usize {
+    c.n_changes + usize::from(*rc != Recompute::None) + usize::from(expandable)
+}
+
 /// One setting of every lever but recompute.
 pub(super) struct Combo {
     pub(super) spec: Spec,
@@ -160,12 +178,12 @@ impl Evaluator<'_, '_> {
             .expect("one point per policy")
     }
 
-    /// [`Self::point`] of each policy of `rcs`, in order. The timelines and times are computed
-    /// here; the allocator replays of the points not cached yet run side by side
-    /// ([`in_parallel`]): they are independent, and each point is what `point` alone gives.
-    // One function (about 120 lines) because its two passes share the batch: the first takes
-    // each policy from the cache or simulates its timeline, the second replays the new ones and
-    // fills the cache; the `Pending` entries carry the first pass's results to the second.
+    /// [`Self::point`] of each policy of `rcs`, in order, in two passes over the batch: the
+    /// first takes each policy from the cache or simulates its timeline and time
+    /// ([`Self::simulate`]); the second ([`Self::replay`]) runs the allocator replays of the
+    /// new points side by side ([`in_parallel`]: they are independent, and each point is what
+    /// `point` alone gives) and fills the cache. [`Pending`] carries the first pass's results
+    /// to the second.
     pub(super) fn points(
         &mut self,
         c: &Combo,
@@ -184,62 +202,72 @@ impl Evaluator<'_, '_> {
                 spec.recipe, spec.workload, self.expandable, self.usable
             );
             if let Some(p) = self.run.cache.get(&key) {
-                out[i] = Some(Point {
-                    combo: ci,
-                    n_changes: c.n_changes
-                        + usize::from(rc != Recompute::None)
-                        + usize::from(p.expandable),
-                    ..p.clone()
-                });
+                out[i] = Some(p.for_combo(c, ci, &rc));
                 continue;
             }
-            if pending.iter().any(|(_, p)| p.key == key) {
+            let p = if pending.iter().any(|(_, p)| p.key == key) {
                 // The same policy twice in one batch: the second is the first's point (as the
                 // cache would give it).
-                pending.push((
-                    i,
-                    Pending {
-                        alias: true,
-                        key,
-                        spec,
-                        rc,
-                        breakdown: Breakdown::default(),
-                        allocated: 0,
-                        time: None,
-                    },
-                ));
-                continue;
-            }
-            self.evaluated += 1;
-            self.run.simulated += 1;
-            let attn_only = rc == Recompute::AttentionOnly;
-            let (costs, inputs) = if attn_only {
-                let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
-                let seg = self.segments(&spec, trained, dequant);
-                (seg.0, seg.1)
-            } else {
-                (c.costs.0, c.costs.1)
-            };
-            let tl = crate::profile::time(
-                crate::profile::Phase::Timeline,
-                |_| 1,
-                || simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES),
-            );
-            let e = tl.peak();
-            let time = step_time_with(&spec, self.profile, &inputs);
-            pending.push((
-                i,
                 Pending {
-                    alias: false,
+                    alias: true,
                     key,
                     spec,
                     rc,
-                    breakdown: e.live,
-                    allocated: e.total(),
-                    time: Some(time),
-                },
-            ));
+                    breakdown: Breakdown::default(),
+                    allocated: 0,
+                    time: None,
+                }
+            } else {
+                self.simulate(c, spec, rc, key)
+            };
+            pending.push((i, p));
         }
+        self.replay(c, ci, pending, &mut out);
+        out.into_iter()
+            .map(|p| p.expect("every policy has its point"))
+            .collect()
+    }
+
+    /// The first pass of [`Self::points`] for a policy not seen yet: its timeline's peak and
+    /// its step time.
+    fn simulate(&mut self, c: &Combo, spec: Spec, rc: Recompute, key: String) -> Pending {
+        self.evaluated += 1;
+        self.run.simulated += 1;
+        let attn_only = rc == Recompute::AttentionOnly;
+        let (costs, inputs) = if attn_only {
+            let (trained, dequant) = (c.costs.1.trained_params, c.costs.1.dequant_params);
+            let seg = self.segments(&spec, trained, dequant);
+            (seg.0, seg.1)
+        } else {
+            (c.costs.0, c.costs.1)
+        };
+        let tl = crate::profile::time(
+            crate::profile::Phase::Timeline,
+            |_| 1,
+            || simulate_step_with(&spec, &c.table.0, &c.table.1, &costs, LAID_OUT_MICROBATCHES),
+        );
+        let e = tl.peak();
+        let time = step_time_with(&spec, self.profile, &inputs);
+        Pending {
+            alias: false,
+            key,
+            spec,
+            rc,
+            breakdown: e.live,
+            allocated: e.total(),
+            time: Some(time),
+        }
+    }
+
+    /// The second pass of [`Self::points`]: the allocator replays of the pending points side
+    /// by side, each point into `out` and the cache (an alias takes its first's point).
+    fn replay(
+        &mut self,
+        c: &Combo,
+        ci: Option<usize>,
+        pending: Vec<(usize, Pending)>,
+        out: &mut [Option<Point>],
+    ) {
         let (table, usable) = (&c.table.0, self.usable);
         let replays: Vec<&Pending> = pending
             .iter()
@@ -252,14 +280,8 @@ impl Evaluator<'_, '_> {
         .into_iter();
         for (i, p) in pending {
             if p.alias {
-                let first = self.run.cache.get(&p.key).expect("evaluated above").clone();
-                out[i] = Some(Point {
-                    combo: ci,
-                    n_changes: c.n_changes
-                        + usize::from(p.rc != Recompute::None)
-                        + usize::from(first.expandable),
-                    ..first
-                });
+                let first = self.run.cache.get(&p.key).expect("evaluated above");
+                out[i] = Some(first.for_combo(c, ci, &p.rc));
                 continue;
             }
             let dp = peaks.next().expect("one replay per pending point");
@@ -272,9 +294,7 @@ impl Evaluator<'_, '_> {
                 .unwrap_or((p.allocated, false));
             let point = Point {
                 combo: ci,
-                n_changes: c.n_changes
-                    + usize::from(p.rc != Recompute::None)
-                    + usize::from(expandable),
+                n_changes: n_changes(c, &p.rc, expandable),
                 recompute: p.rc,
                 peak,
                 breakdown: p.breakdown,
@@ -284,9 +304,6 @@ impl Evaluator<'_, '_> {
             self.run.cache.insert(p.key, point.clone());
             out[i] = Some(point);
         }
-        out.into_iter()
-            .map(|p| p.expect("every policy has its point"))
-            .collect()
     }
 
     /// The leanest of [`recompute_candidates`] for `k` recomputed blocks.

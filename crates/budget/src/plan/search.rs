@@ -142,41 +142,9 @@ fn conclude(
 ) -> Plan {
     let usable = limits.usable();
     let w = &base.workload;
-    let spec_of = |p: &Point| -> Spec {
-        let mut s = match p.combo {
-            Some(i) => combos[i].0.spec.clone(),
-            None => base.clone(),
-        };
-        if p.combo.is_some() {
-            s.recipe.recompute = p.recompute.clone();
-        }
-        if p.expandable {
-            s = with_expandable_segments(&s).unwrap_or(s);
-        }
-        s
-    };
-    let candidate = |p: &Point| -> Candidate {
-        let spec = spec_of(p);
-        Candidate {
-            changes: describe_changes(base, &spec),
-            spec,
-            peak_bytes: p.peak,
-            breakdown: p.breakdown,
-            time: p.time,
-        }
-    };
+    let specs = PointSpecs { base, combos };
+    let candidate = |p: &Point| specs.candidate(p);
     let pareto = pareto_front(points, &candidate);
-
-    // Fastest that fits; at equal time fewer changes (the base has none), then the smaller peak.
-    // A candidate that is faster *and* fits wins even when the base fits: returning the slower
-    // base would let a smaller budget yield a faster plan.
-    let best = points.iter().filter(|p| p.peak <= usable).min_by(|a, b| {
-        a.time
-            .total_s
-            .total_cmp(&b.time.total_s)
-            .then(a.n_changes.cmp(&b.n_changes))
-            .then(a.peak.cmp(&b.peak))
-    });
     let base_fits = base_point.peak <= usable;
     let base_c = candidate(&base_point);
     let base_point = if base_fits {
@@ -185,17 +153,10 @@ fn conclude(
         replayed(&base_point, base)
     };
     let floor_point;
-    let (feasible, chosen) = match best {
+    let (feasible, chosen) = match fastest_fitting(points, usable) {
         Some(p) => (true, p),
         None => {
-            let floor = points
-                .iter()
-                .min_by(|a, b| {
-                    a.peak
-                        .cmp(&b.peak)
-                        .then(a.time.total_s.total_cmp(&b.time.total_s))
-                })
-                .expect("the base is always evaluated");
+            let floor = smallest_peak(points);
             // The floor the plan reports is replayed, so that a budget at the floor
             // (÷ headroom) fits it.
             floor_point = replayed(floor, &candidate(floor).spec);
@@ -240,6 +201,65 @@ fn conclude(
         profile: profile.clone(),
         not_searched: None,
     }
+}
+
+/// The spec and the candidate of a stage's point: its combination (or the base) with its
+/// recompute policy and allocator settings.
+struct PointSpecs<'a> {
+    base: &'a Spec,
+    combos: &'a [(Combo, f64)],
+}
+
+impl PointSpecs<'_> {
+    fn spec_of(&self, p: &Point) -> Spec {
+        let mut s = match p.combo {
+            Some(i) => self.combos[i].0.spec.clone(),
+            None => self.base.clone(),
+        };
+        if p.combo.is_some() {
+            s.recipe.recompute = p.recompute.clone();
+        }
+        if p.expandable {
+            s = with_expandable_segments(&s).unwrap_or(s);
+        }
+        s
+    }
+
+    fn candidate(&self, p: &Point) -> Candidate {
+        let spec = self.spec_of(p);
+        Candidate {
+            changes: describe_changes(self.base, &spec),
+            spec,
+            peak_bytes: p.peak,
+            breakdown: p.breakdown,
+            time: p.time,
+        }
+    }
+}
+
+/// The fastest point that fits `usable`; at equal time fewer changes (the base has none), then
+/// the smaller peak. A candidate that is faster *and* fits wins even when the base fits:
+/// returning the slower base would let a smaller budget yield a faster plan.
+fn fastest_fitting(points: &[Point], usable: u64) -> Option<&Point> {
+    points.iter().filter(|p| p.peak <= usable).min_by(|a, b| {
+        a.time
+            .total_s
+            .total_cmp(&b.time.total_s)
+            .then(a.n_changes.cmp(&b.n_changes))
+            .then(a.peak.cmp(&b.peak))
+    })
+}
+
+/// The point with the smallest peak (the faster at equal peaks): the floor when none fits.
+fn smallest_peak(points: &[Point]) -> &Point {
+    points
+        .iter()
+        .min_by(|a, b| {
+            a.peak
+                .cmp(&b.peak)
+                .then(a.time.total_s.total_cmp(&b.time.total_s))
+        })
+        .expect("the base is always evaluated")
 }
 
 /// The headroom and the budget of `limits` make sense.

@@ -147,53 +147,15 @@ pub fn plan_with(
         stages: Vec::new(),
         alternatives: Vec::new(),
     };
-    let mut tried: Vec<Plan> = Vec::new();
-    for a in &stages {
-        if !tried.is_empty() && run.over() {
-            not_searched.stages.push(stage_name(a));
-            continue;
-        }
-        let l = Limits {
-            allow: *a,
-            ..limits.clone()
-        };
-        run.stage += 1;
-        let (p, left) = search(base, &l, profile, &mut run)?;
-        if left > 0 {
-            not_searched.combinations = left;
-            not_searched.stage = Some(stage_name(a));
-        }
-        let done = p.feasible;
-        tried.push(p);
-        if done {
-            break;
-        }
-    }
-    let (combinations, pruned, evaluated) = tried.iter().fold((0, 0, 0), |acc, t| {
-        (
-            acc.0 + t.combinations,
-            acc.1 + t.pruned,
-            acc.2 + t.evaluated,
-        )
-    });
-    let mut p = tried.pop().expect("at least one stage");
-    p.allow = limits.allow;
-    p.combinations = combinations;
-    p.pruned = pruned;
-    p.evaluated = evaluated;
-    let cut = |mut p: Plan, n: NotSearched| {
-        if n.combinations > 0 || !n.stages.is_empty() || !n.alternatives.is_empty() {
-            p.not_searched = Some(n);
-        }
-        p
-    };
+    let mut tried = run_stages(base, limits, profile, &stages, &mut run, &mut not_searched)?;
+    let mut p = last_with_totals(&mut tried, limits.allow);
     if !p.feasible {
         // Only the last stage (every allowed lever) ran out: its floor is the answer. A search
         // cut short found no recipe that fits in what it searched, which is all it can say.
         if not_searched.combinations > 0 || !not_searched.stages.is_empty() {
             p.reason = cut_reason(&p);
         }
-        return Ok(cut(p, not_searched));
+        return Ok(with_not_searched(p, not_searched));
     }
     expandable_reason(base, &mut p);
     if base != given {
@@ -215,7 +177,68 @@ pub fn plan_with(
         &mut p,
         &mut not_searched,
     )?;
-    Ok(cut(p, not_searched))
+    Ok(with_not_searched(p, not_searched))
+}
+
+/// Each stage's search in turn, until one finds a plan that fits; past the time limit the
+/// stages left are recorded in `not_searched`. The plans of the stages searched, in order.
+fn run_stages(
+    base: &Spec,
+    limits: &Limits,
+    profile: &DeviceProfile,
+    stages: &[Allow],
+    run: &mut Run<'_>,
+    not_searched: &mut NotSearched,
+) -> Result<Vec<Plan>, crate::error::SpecError> {
+    let mut tried: Vec<Plan> = Vec::new();
+    for a in stages {
+        if !tried.is_empty() && run.over() {
+            not_searched.stages.push(stage_name(a));
+            continue;
+        }
+        let l = Limits {
+            allow: *a,
+            ..limits.clone()
+        };
+        run.stage += 1;
+        let (p, left) = search(base, &l, profile, run)?;
+        if left > 0 {
+            not_searched.combinations = left;
+            not_searched.stage = Some(stage_name(a));
+        }
+        let done = p.feasible;
+        tried.push(p);
+        if done {
+            break;
+        }
+    }
+    Ok(tried)
+}
+
+/// The last stage's plan, taken from `tried`, with the levers asked for and the counts of
+/// every stage.
+fn last_with_totals(tried: &mut Vec<Plan>, allow: Allow) -> Plan {
+    let (combinations, pruned, evaluated) = tried.iter().fold((0, 0, 0), |acc, t| {
+        (
+            acc.0 + t.combinations,
+            acc.1 + t.pruned,
+            acc.2 + t.evaluated,
+        )
+    });
+    let mut p = tried.pop().expect("at least one stage");
+    p.allow = allow;
+    p.combinations = combinations;
+    p.pruned = pruned;
+    p.evaluated = evaluated;
+    p
+}
+
+/// `p` with what the search did not reach, when it missed anything.
+fn with_not_searched(mut p: Plan, n: NotSearched) -> Plan {
+    if n.combinations > 0 || !n.stages.is_empty() || !n.alternatives.is_empty() {
+        p.not_searched = Some(n);
+    }
+    p
 }
 
 /// Why a search cut by its time limit has no plan: what it found, not what the space holds.
