@@ -58,11 +58,11 @@ fn default_host_link() -> f64 {
 }
 
 /// Share of a GPU's dense matmul peak the GPU profile assumes (see [`DeviceProfile::for_gpu`]).
-pub const GPU_MATMUL_EFFICIENCY: f64 = 0.6;
+pub(crate) const GPU_MATMUL_EFFICIENCY: f64 = 0.6;
 /// Share of a GPU's memory bandwidth elementwise ops are assumed to reach.
-pub const GPU_BANDWIDTH_EFFICIENCY: f64 = 0.8;
+pub(crate) const GPU_BANDWIDTH_EFFICIENCY: f64 = 0.8;
 /// Kernel-launch cost of one forward+backward pass on a GPU (≈ 2,000 launches × 5 µs).
-pub const GPU_PASS_OVERHEAD_S: f64 = 0.01;
+pub(crate) const GPU_PASS_OVERHEAD_S: f64 = 0.01;
 
 impl DeviceProfile {
     /// The 2-core CPU this project runs on, measured by
@@ -462,9 +462,10 @@ pub(crate) fn step_time_with(
     }
 }
 
+#[cfg(test)] // the rows a test recomputes GPU_TIME_ERROR over
 /// A published step time the time model is held against.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct PublishedStep {
+pub(crate) struct PublishedStep {
     pub label: &'static str,
     pub precision: crate::spec::Precision,
     pub latents: crate::spec::Latents,
@@ -472,12 +473,13 @@ pub struct PublishedStep {
     pub steps_per_s: f64,
 }
 
+#[cfg(test)] // the rows a test recomputes GPU_TIME_ERROR over
 /// fast-DiT's A100 table (github.com/chuanyangjin/fast-DiT, README, "Improved Training
 /// Performance"): DiT-XL/2 at 256², global batch 128 on one A100 (80 GB: the fp32 row holds
 /// 44,045 MB), EMA, gradient checkpointing on every row, AdamW; its `train.py` sets
 /// `torch.backends.cuda.matmul.allow_tf32 = True` (and cuDNN's) at the top. "mixed precision"
 /// is `accelerate launch --mixed_precision fp16`; "feature pre-extraction" = cached latents.
-pub const FAST_DIT_A100: [PublishedStep; 3] = [
+pub(crate) const FAST_DIT_A100: [PublishedStep; 3] = [
     PublishedStep {
         label: "checkpointing, fp32, VAE in the step",
         precision: crate::spec::Precision::Fp32,
@@ -498,8 +500,9 @@ pub const FAST_DIT_A100: [PublishedStep; 3] = [
     },
 ];
 
+#[cfg(test)] // the rows a test recomputes GPU_TIME_ERROR over
 /// The spec of a [`FAST_DIT_A100`] row on `pytorch:cuda` on an A100-80GB.
-pub fn fast_dit_spec(row: &PublishedStep) -> Spec {
+pub(crate) fn fast_dit_spec(row: &PublishedStep) -> Spec {
     let mut s = Spec::default_xl();
     s.workload.batch = 128;
     s.workload.microbatch = 128;

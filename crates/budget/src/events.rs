@@ -158,7 +158,7 @@ pub struct StaticBytes {
 /// (buffers live, gradients summed in). Every later microbatch starts from the state the second
 /// one started from and ends in the state it ended in, so it repeats the second one event for
 /// event; the budget's own cost does not grow with the accumulation count.
-pub const LAID_OUT_MICROBATCHES: u32 = 2;
+pub(crate) const LAID_OUT_MICROBATCHES: u32 = 2;
 
 /// How many of `accumulation` microbatches a replay asked for `max` lays out: never fewer than
 /// [`LAID_OUT_MICROBATCHES`] (the ones the others repeat), never more than the step has. Every

@@ -25,8 +25,10 @@ mod types;
 mod yaml;
 
 pub use crate::sharding::{Offload, Sharder};
-pub use diffusers::model_id;
-pub use scripts::{block_classes, script_for, NoScript, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
+pub(crate) use diffusers::model_id;
+pub(crate) use scripts::script_for;
+pub(crate) use scripts::Script;
+pub(crate) use scripts::DIFFUSERS_TAG;
 pub use types::{Command, Export, ExportOptions, Target};
 
 use accelerate::accelerate_yaml;

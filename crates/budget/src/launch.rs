@@ -10,7 +10,7 @@
 //! then carries the code for what no script flag does.
 //!
 //! Each behaviour below cites the line of the script at diffusers [`DIFFUSERS_TAG`]
-//! ([`DIFFUSERS_COMMIT`]) it comes from.
+//! ([`DIFFUSERS_COMMIT`](crate::export::scripts::DIFFUSERS_COMMIT)) it comes from.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,7 +18,7 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::error::SpecError;
-use crate::export::{script_for, Script, DIFFUSERS_COMMIT, DIFFUSERS_TAG};
+use crate::export::{script_for, Script, DIFFUSERS_TAG};
 use crate::families::Family;
 use crate::spec::{
     AttentionMode, BaseQuant, Latents, LoraDtype, Optimizer, Precision, Recipe, Recompute, Spec,
@@ -439,11 +439,6 @@ fn follow_script(script: &Script, r: &mut Recipe, p: Pinned) -> Result<(), Strin
         r.text_encoders = ok[0];
     }
     Ok(())
-}
-
-/// The source of the scripts, for the notes.
-pub fn scripts_source() -> String {
-    format!("huggingface/diffusers {DIFFUSERS_TAG} ({DIFFUSERS_COMMIT})")
 }
 
 #[cfg(test)]

@@ -698,7 +698,7 @@ impl LeverTable<'_> {
 
 /// A planner change with its block list as ranges: "recompute 23 of 57 blocks
 /// (blocks:0,1,2,…,21,23)" → "… (blocks 0–21, 23)".
-pub fn compact_blocks(change: &str) -> String {
+pub(crate) fn compact_blocks(change: &str) -> String {
     let Some(i) = change.find("(blocks:") else {
         return change.to_string();
     };

@@ -35,33 +35,18 @@ mod timeline;
 // The vocabulary (`ditmem-spec`), under the paths this crate has always used for it.
 use ditmem_spec::{error, sharder, spec, units};
 
-pub use cost::{
-    block_flops, fast_dit_spec, step_time, time_error_note, BlockFlops, DeviceProfile,
-    PublishedStep, StepTime, FAST_DIT_A100, GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY,
-    GPU_PASS_OVERHEAD_S, GPU_TIME_ERROR,
-};
+pub use cost::{block_flops, step_time, time_error_note, DeviceProfile, StepTime, GPU_TIME_ERROR};
 pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
-pub use events::{Breakdown, Event, Phase, StaticBytes};
-pub use export::{
-    block_classes, export, export_files, model_id, script_for, Command, Export, ExportOptions,
-    NoScript, Script, Target, DIFFUSERS_COMMIT, DIFFUSERS_TAG,
-};
-pub use params::{
-    bytes_of, count, param_table, Module, ModuleCount, ParamCounts, ParamRole, ParamTensor,
-};
+pub use events::{Breakdown, Event, Phase};
+pub use export::{export, export_files, Command, Export, ExportOptions, Target};
+pub use params::{bytes_of, count, param_table, Module, ParamRole};
 pub use plan::{
-    engine_runnable, fmt_secs, microbatch_candidates, plan, plan_with, Allow, Alternative,
-    Candidate, Limits, NotSearched, Plan, Progress, SearchControl, DEFAULT_HEADROOM,
-    PLAN_LORA_RANK, PLAN_MAX_MICROBATCHES,
+    engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan, Progress,
+    SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,
 };
-pub use runtime::{GenericCosts, Kept, SegSim, SegmentCosts, Shape, Sims};
-pub use segment::{SegmentBytes, SegmentCost};
-pub use sharding::{
-    comm_volume, ddp_buckets, ds12_partition_elems, rank_states, CommVolume, Offload, RankStates,
-    Scheme, Sharder, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, DS_PERSISTENCE_THRESHOLD,
-    DS_PREFETCH_BUCKET_ELEMS, DS_REDUCE_BUCKET_ELEMS,
-};
+pub use runtime::{Kept, SegSim, Shape, Sims};
+pub use sharding::{Offload, Scheme, Sharder};
 pub use spec::{
     default_lora_targets, AttentionMode, BaseQuant, Bf16Products, CpuSpec, CudaSpec, Dtype,
     EmaSpec, GemmIsa, Latents, LoraDtype, LoraSpec, LoraTarget, ModelSpec, Optimizer,
@@ -71,7 +56,7 @@ pub use spec::{
     MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS,
     MAX_VAE_FACTOR,
 };
-pub use timeline::{simulate_step, Repeat, Timeline, LAID_OUT_MICROBATCHES};
+pub use timeline::{simulate_step, Repeat, Timeline};
 pub use units::{fmt_bytes, parse_bytes};
 
 /// The `ditmem-cpu` rules that the engine's tests and benches hold their measurements against:
@@ -95,18 +80,13 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
 }
 
-/// The `pytorch` runtime as a device and SDPA kernel, with the CUDA caching allocator's rounding
-/// ([`pytorch::PyTorch::cuda_block`], [`pytorch::PyTorch::cuda_segment`]), the context bytes
-/// the allocator does not count, and the caching allocator simulated over an allocation sequence
-/// ([`pytorch::simulate_allocator`], [`pytorch::simulate_on_gpu`]).
+/// The `pytorch` runtime as a device and SDPA kernel ([`pytorch::PyTorch`]), its
+/// `PYTORCH_CUDA_ALLOC_CONF` settings ([`pytorch::AllocConf`]) and what the simulated caching
+/// allocator reports of a step on a card ([`pytorch::CudaReport`]).
 pub mod pytorch {
-    pub use crate::runtime::pytorch::caching_allocator::{
-        allocation_size, round_size, simulate_allocator, simulate_on_gpu, AllocConf,
-        AllocConfError, AllocEvent, AllocatorReport, CachingAllocator, CudaMemory, Oom,
-        SequenceError, CUBLAS_WORKSPACE_ID_BASE,
-    };
+    pub use crate::runtime::pytorch::caching_allocator::{AllocConf, AllocConfError, Oom};
     pub use crate::runtime::pytorch::cuda::{CudaReport, MAX_REPLAYED_EVENTS};
-    pub use crate::runtime::pytorch::device::{PyTorch, CUDA_CONTEXT_BYTES};
+    pub use crate::runtime::pytorch::device::PyTorch;
 }
 
 /// The model families (DiT, diffusers' DiT, PixArt, SD3, Flux, Sana, Wan): their exact parameter
@@ -119,18 +99,17 @@ pub use families::frozen;
 pub use families::{
     count as count_family, from_config_json, preset as family_preset, preset_config,
     preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,
-    FamilyModel, FamilyTensor, Geometry, Group, GroupCount, StateBytes, TensorKind, TextEncoder,
-    TrainingDefaults, MAX_CONFIG_JSON_BYTES,
+    FamilyModel, FamilyTensor, Geometry, GroupCount, StateBytes, TensorKind, TextEncoder,
+    MAX_CONFIG_JSON_BYTES,
 };
-pub use families::{DitDiffusersDims, DitDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};
+pub use families::{DitDiffusersDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};
 
 /// PyTorch CUDA memory snapshots (`torch.cuda.memory._dump_snapshot`): read, replayed into
 /// allocated and reserved timelines, and held against a spec's `pytorch:cuda` prediction.
 pub mod memory_snapshot {
     pub use crate::snapshot::{
-        compare, predicted_timeline, read_snapshot, replay, Action, AllocatorSettings, BlockInfo,
-        BlockSizeCount, BlockState, OomEvent, Origin, OriginBytes, Parting, Predicted, Replay,
-        SegmentInfo, Snapshot, SnapshotComparison, SnapshotError, TimelinePoint, TraceEvent,
-        MAX_BLOCKS, MAX_NODES, MAX_SNAPSHOT_FILE_BYTES, MAX_TRACE_EVENTS,
+        compare, predicted_timeline, read_snapshot, replay, Action, AllocatorSettings, Origin,
+        Predicted, Replay, Snapshot, SnapshotComparison, SnapshotError, TimelinePoint,
+        MAX_SNAPSHOT_FILE_BYTES,
     };
 }

@@ -30,7 +30,7 @@
 use serde::Serialize;
 use thiserror::Error;
 
-pub use crate::levers::{compact_blocks, rank_levers, Lever, LeverOptions, LeverReport};
+pub use crate::levers::{rank_levers, Lever, LeverOptions, LeverReport};
 use crate::units::fmt_bytes;
 
 /// Largest message read: 1 MiB (a pasted log with its traceback is a few KiB).
@@ -659,6 +659,7 @@ pub fn agreement(msg: &OomMessage, base: &Lever) -> Agreement {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::levers::compact_blocks;
     use proptest::prelude::*;
 
     const GIB: f64 = 1073741824.0;

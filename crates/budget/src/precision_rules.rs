@@ -9,7 +9,7 @@ use crate::spec::{Dtype, Optimizer, Precision, Recipe};
 /// Bitsandbytes block size for 8-bit optimizer state quantisation (one fp32 absmax per block).
 pub(crate) const ADAM8BIT_BLOCK: u64 = 256;
 /// Tensors smaller than this keep 32-bit state under bitsandbytes' 8-bit optimizers.
-pub const ADAM8BIT_MIN_SIZE: u64 = 4096;
+pub(crate) const ADAM8BIT_MIN_SIZE: u64 = 4096;
 
 /// Optimizer state bytes of one trained tensor.
 pub(crate) fn optimizer_state_bytes(elems: u64, optimizer: Optimizer, precision: Precision) -> u64 {

@@ -72,15 +72,15 @@ use crate::spec::{Dtype, Optimizer, Precision, Spec};
 pub use crate::sharder::{Offload, Sharder};
 
 /// DDP's bucket cap: `bucket_cap_mb` 25 MiB by default [DDP].
-pub const DDP_BUCKET_CAP_BYTES: u64 = 25 << 20;
+pub(crate) const DDP_BUCKET_CAP_BYTES: u64 = 25 << 20;
 /// DDP's first bucket: `dist._DEFAULT_FIRST_BUCKET_BYTES` = 1 MiB [DDP].
-pub const DDP_FIRST_BUCKET_BYTES: u64 = 1 << 20;
+pub(crate) const DDP_FIRST_BUCKET_BYTES: u64 = 1 << 20;
 /// DeepSpeed `reduce_bucket_size` default, elements [DSCFG].
-pub const DS_REDUCE_BUCKET_ELEMS: u64 = 500_000_000;
+pub(crate) const DS_REDUCE_BUCKET_ELEMS: u64 = 500_000_000;
 /// DeepSpeed `stage3_prefetch_bucket_size` default, elements [DSCFG].
-pub const DS_PREFETCH_BUCKET_ELEMS: u64 = 50_000_000;
+pub(crate) const DS_PREFETCH_BUCKET_ELEMS: u64 = 50_000_000;
 /// DeepSpeed `stage3_param_persistence_threshold` default, elements [DSCFG].
-pub const DS_PERSISTENCE_THRESHOLD: u64 = 100_000;
+pub(crate) const DS_PERSISTENCE_THRESHOLD: u64 = 100_000;
 /// DeepSpeed's flat-partition alignment per rank (`nccl_start_alignment_factor`) [DS12].
 pub(crate) const DS_ALIGNMENT: u64 = 2;
 /// IPG buffers stage 1/2 allocate per backward: 2 with `overlap_comm`, which the exported
@@ -156,7 +156,7 @@ impl Scheme {
 /// DDP's bucket sizes in bytes [DDP]: gradients in reverse parameter order, the first bucket
 /// closed once it holds at least 1 MiB, every later one at 25 MiB
 /// (`_compute_bucket_assignment_by_size`: a bucket closes when its size reaches the limit).
-pub fn ddp_buckets(grad_bytes_in_order: &[u64]) -> Vec<u64> {
+pub(crate) fn ddp_buckets(grad_bytes_in_order: &[u64]) -> Vec<u64> {
     let mut out = Vec::new();
     let mut acc = 0u64;
     for &b in grad_bytes_in_order.iter().rev() {
@@ -179,7 +179,7 @@ pub fn ddp_buckets(grad_bytes_in_order: &[u64]) -> Vec<u64> {
 
 /// Elements of one rank's partition of DeepSpeed stage 1/2's flat group of `elems` elements
 /// [DS12]: the group padded to `2 × ranks`, split evenly.
-pub fn ds12_partition_elems(elems: u64, ranks: u64) -> u64 {
+pub(crate) fn ds12_partition_elems(elems: u64, ranks: u64) -> u64 {
     let align = DS_ALIGNMENT * ranks;
     elems.div_ceil(align) * align / ranks
 }
@@ -204,7 +204,7 @@ pub(crate) fn ds3_persistent(t: &ParamTensor) -> bool {
 
 /// How far ahead a gathering scheme all-gathers the next blocks' parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub enum Prefetch {
+pub(crate) enum Prefetch {
     #[default]
     None,
     /// FSDP2's implicit prefetch: the next block [FSDP2].
@@ -236,7 +236,7 @@ impl Prefetch {
 
 /// The model states one rank keeps, by what they are (bytes), and what lives in host memory.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct RankStates {
+pub(crate) struct RankStates {
     /// Parameters on the device between steps, one entry per buffer as it is allocated.
     pub weights: Vec<u64>,
     /// fp32 master copies on the device (mixed precision), one entry per buffer.
@@ -300,7 +300,11 @@ fn state_pair(elems: u64, optimizer: Optimizer, precision: Precision) -> Vec<u64
 
 /// The model states of one rank under a sharded scheme (DDP, ZeRO, FSDP2): `None` for one rank.
 /// `grad_dtype` is the runtime's gradient dtype for fp32 parameters (autocast).
-pub fn rank_states(spec: &Spec, table: &[ParamTensor], grad_dtype: Dtype) -> Option<RankStates> {
+pub(crate) fn rank_states(
+    spec: &Spec,
+    table: &[ParamTensor],
+    grad_dtype: Dtype,
+) -> Option<RankStates> {
     let scheme = Scheme::of(spec);
     if scheme == Scheme::Single {
         return None;
@@ -615,7 +619,7 @@ pub(crate) fn global_block_index(table: &[ParamTensor]) -> Vec<Option<usize>> {
 /// host for offload. Ring collectives move `(N − 1)/N` of the buffer per rank: an all-reduce
 /// twice that (reduce-scatter + all-gather), a reduce-scatter or all-gather once.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct CommVolume {
+pub(crate) struct CommVolume {
     /// Bytes over the link between ranks.
     pub link_bytes: f64,
     /// Bytes between device and host (offload).
@@ -634,7 +638,7 @@ pub struct CommVolume {
 ///   (parameters too, per gather, with `optimizer+params`).
 ///
 /// `trained` elements, `recompute_share` of the blocks recomputed.
-pub fn comm_volume(spec: &Spec, trained: f64, recompute_share: f64) -> CommVolume {
+pub(crate) fn comm_volume(spec: &Spec, trained: f64, recompute_share: f64) -> CommVolume {
     let scheme = Scheme::of(spec);
     let w = &spec.workload;
     let r = &spec.recipe;

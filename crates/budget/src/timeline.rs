@@ -14,7 +14,7 @@
 use serde::Serialize;
 
 use crate::denoiser::param_table;
-pub use crate::events::LAID_OUT_MICROBATCHES;
+pub(crate) use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
 use crate::params::{stored_bytes, stored_dtype, ParamRole, ParamTensor};
 use crate::runtime::{model_for, SegmentCosts};
@@ -117,7 +117,7 @@ impl Timeline {
 
 // Two rules of the precision policy that files below the timeline read too (the sharding
 // rules, the frozen encoders) live in `precision_rules.rs`; re-exported here where they were.
-pub use crate::precision_rules::ADAM8BIT_MIN_SIZE;
+pub(crate) use crate::precision_rules::ADAM8BIT_MIN_SIZE;
 
 /// The persistent bytes of the model states under the spec (per rank): on one rank as the
 /// module holds them; over several ranks as the recipe's scheme shards them

@@ -78,7 +78,7 @@ pub mod trainer;
 
 pub use diffusion::{alphas_cumprod, load_latent_dir, Batch, SyntheticData};
 pub use error::{EngineError, Result};
-pub use measure::{process_cpu_s, CountingAlloc, MemoryProbe, Phase, PhasePeaks, TimelinePoint};
-pub use model::{param_count, param_shapes, trainable_count, Dims, ParamShape};
+pub use measure::{CountingAlloc, MemoryProbe, Phase, PhasePeaks, TimelinePoint};
+pub use model::{param_count, param_shapes, trainable_count, Dims};
 pub use run::{run, Measurement, PhaseTimes, Progress, RunOptions};
-pub use trainer::{StepReport, TrainOptions, Trainer};
+pub use trainer::{TrainOptions, Trainer};

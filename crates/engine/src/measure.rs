@@ -20,7 +20,7 @@ use serde::Serialize;
 /// (`CLOCK_PROCESS_CPUTIME_ID`). A step's CPU time is what load from other processes moves
 /// least: wall time grows with time slices lost to them, CPU time only with their cache
 /// pressure (and with spin-waiting, which counts here). NaN where the clock cannot be read.
-pub fn process_cpu_s() -> f64 {
+pub(crate) fn process_cpu_s() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

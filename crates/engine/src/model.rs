@@ -21,7 +21,8 @@ use ditmem_spec::Spec;
 
 use crate::error::{EngineError, Result};
 use crate::rng::{seed_from_str, SplitMix64};
-pub use crate::shapes::{Dims, Init, ParamShape};
+pub(crate) use crate::shapes::ParamShape;
+pub use crate::shapes::{Dims, Init};
 
 impl Dims {
     pub fn new(spec: &Spec) -> Result<Dims> {

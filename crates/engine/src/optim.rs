@@ -484,9 +484,8 @@ impl Optimizer for Sgd {
 
 /// Exponential moving average of the trained weights.
 #[derive(Debug)]
-pub struct Ema {
+pub(crate) struct Ema {
     pub decay: f64,
-    pub dtype: DType,
     shadow: Vec<Tensor>,
 }
 
@@ -497,11 +496,7 @@ impl Ema {
             .iter()
             .map(|p| Ok(p.as_tensor().detach().to_dtype(dtype)?.copy()?.detach()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Ema {
-            decay,
-            dtype,
-            shadow,
-        })
+        Ok(Ema { decay, shadow })
     }
 
     pub fn update(&mut self, params: &[&Var]) -> Result<()> {

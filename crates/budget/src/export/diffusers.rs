@@ -402,7 +402,7 @@ fn recipe_flags(
 
 /// The checkpoint a plan loads: the preset's checkpoint, or the config's `_name_or_path` (its
 /// pipeline folder when it names the `transformer/` subfolder).
-pub fn model_id(spec: &Spec) -> Option<String> {
+pub(crate) fn model_id(spec: &Spec) -> Option<String> {
     if let Some(src) = crate::families::preset_source(&spec.model.name) {
         return src.split_whitespace().next().map(str::to_string);
     }

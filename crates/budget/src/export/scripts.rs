@@ -13,9 +13,9 @@
 use crate::families::Family;
 
 /// The diffusers tag the scripts were read from.
-pub const DIFFUSERS_TAG: &str = "v0.40.0";
+pub(crate) const DIFFUSERS_TAG: &str = "v0.40.0";
 /// The commit of [`DIFFUSERS_TAG`].
-pub const DIFFUSERS_COMMIT: &str = "d035dcd7cc7c88e0a154609b62887d50bba9fdc2";
+pub(crate) const DIFFUSERS_COMMIT: &str = "d035dcd7cc7c88e0a154609b62887d50bba9fdc2";
 
 /// One diffusers example train script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ impl Script {
 
 /// Why a family has no script for a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NoScript {
+pub(crate) struct NoScript {
     pub reason: &'static str,
 }
 
@@ -82,7 +82,7 @@ const DREAMBOOTH_REQUIRED_SANA: &[(&str, &str)] = &[
 ];
 
 /// The script that trains `family` (LoRA or full), or why there is none.
-pub fn script_for(family: Family, lora: bool) -> Result<Script, NoScript> {
+pub(crate) fn script_for(family: Family, lora: bool) -> Result<Script, NoScript> {
     let s = |path, own_flags, required| Script {
         path,
         lora,
@@ -140,7 +140,7 @@ pub fn script_for(family: Family, lora: bool) -> Result<Script, NoScript> {
 
 /// The transformer block class FSDP wraps one unit at a time (`fsdp_transformer_layer_cls_to_wrap`),
 /// as diffusers (v0.40.0 `src/diffusers/models/…`) or facebookresearch/DiT `models.py` names it.
-pub fn block_classes(family: Family) -> &'static str {
+pub(crate) fn block_classes(family: Family) -> &'static str {
     match family {
         Family::Dit => "DiTBlock",
         Family::DitDiffusers | Family::Pixart => "BasicTransformerBlock",

@@ -1,5 +1,6 @@
 //! The exports' tests.
 
+use super::scripts::DIFFUSERS_COMMIT;
 use super::types::*;
 use super::yaml::tests::read_back;
 use super::yaml::Yaml;

@@ -29,17 +29,19 @@ pub(crate) mod sd3;
 mod table;
 pub(crate) mod wan;
 
-pub use defaults::TrainingDefaults;
-pub use dit::{DitDiffusersDims, DitDims};
+pub(crate) use defaults::TrainingDefaults;
+pub use dit::DitDiffusersDims;
 pub use flux::FluxDims;
 pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
 pub use pixart::PixartDims;
 pub use presets::{preset, preset_config, preset_names, preset_source};
-pub use read::{from_config_json, from_config_map, MAX_CONFIG_JSON_BYTES};
+pub(crate) use read::from_config_map;
+pub use read::{from_config_json, MAX_CONFIG_JSON_BYTES};
 pub use sana::SanaDims;
 pub use sd3::Sd3Dims;
+pub(crate) use table::Group;
 pub use table::{
-    count, state_bytes, FamilyCounts, FamilyTensor, Group, GroupCount, StateBytes, TensorKind,
+    count, state_bytes, FamilyCounts, FamilyTensor, GroupCount, StateBytes, TensorKind,
 };
 pub use wan::WanDims;
 

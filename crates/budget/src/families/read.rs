@@ -45,7 +45,7 @@ pub fn from_config_json(text: &str) -> Result<FamilyModel, SpecError> {
 
 /// Read a diffusers transformer config already parsed into a JSON object (a spec's
 /// `model.diffusers`).
-pub fn from_config_map(map: Map<String, Value>) -> Result<FamilyModel, SpecError> {
+pub(crate) fn from_config_map(map: Map<String, Value>) -> Result<FamilyModel, SpecError> {
     let mut cfg = Cfg::new(map);
     let class = match cfg.map.get("_class_name") {
         Some(Value::String(s)) => s.clone(),

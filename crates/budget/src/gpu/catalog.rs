@@ -43,10 +43,10 @@ const T: f64 = 1e12;
 /// cuBLAS workspace per (handle, stream) by default: `:4096:2:16:8` = 2 × 4 MiB + 8 × 16 KiB =
 /// 8,519,680 B (8.125 MiB) (`aten/src/ATen/cuda/CublasHandlePool.cpp`,
 /// `parseChosenWorkspaceSize`).
-pub const CUBLAS_WORKSPACE_DEFAULT: u64 = 4096 * 1024 * 2 + 16 * 1024 * 8;
+pub(crate) const CUBLAS_WORKSPACE_DEFAULT: u64 = 4096 * 1024 * 2 + 16 * 1024 * 8;
 /// cuBLAS workspace on Hopper and Blackwell: `4096 * 8 * 1024` = 32 MiB (same function: compute
 /// capability major 9, 10, 11 or 12 in current PyTorch; PyTorch 2.1–2.6 applied it to sm90 only).
-pub const CUBLAS_WORKSPACE_SM90_PLUS: u64 = 4096 * 8 * 1024;
+pub(crate) const CUBLAS_WORKSPACE_SM90_PLUS: u64 = 4096 * 8 * 1024;
 
 /// The default cuBLAS workspace for a compute capability (`parseChosenWorkspaceSize` with
 /// `CUBLAS_WORKSPACE_CONFIG` unset). It goes through the caching allocator (`getNewWorkspace`),
@@ -173,18 +173,6 @@ impl Gpu {
     /// What a training process can give the caching allocator: the capacity less the context.
     pub fn allocator_bytes(&self) -> u64 {
         self.capacity_bytes().saturating_sub(self.context_bytes)
-    }
-
-    /// Dense FLOP/s for a compute dtype name (`fp32`, `tf32`, `bf16`, `fp16`, `fp8`).
-    pub fn flops_for(&self, dtype: &str) -> Option<f64> {
-        match dtype {
-            "fp32" => Some(self.flops.fp32),
-            "tf32" => self.flops.tf32,
-            "bf16" => self.flops.bf16,
-            "fp16" => self.flops.fp16,
-            "fp8" => self.flops.fp8,
-            _ => None,
-        }
     }
 }
 

@@ -29,42 +29,42 @@ pub struct Link {
     pub source: &'static str,
 }
 
-pub const NVLINK4: Link = Link::per_direction_gbs(
+pub(crate) const NVLINK4: Link = Link::per_direction_gbs(
     "NVLink 4 (H100/H200 SXM, 900 GB/s bidirectional)",
     450.0,
     "NVIDIA H100 / H200 datasheets: NVLink 900 GB/s",
 );
-pub const NVLINK3: Link = Link::per_direction_gbs(
+pub(crate) const NVLINK3: Link = Link::per_direction_gbs(
     "NVLink 3 (A100 SXM, 600 GB/s bidirectional)",
     300.0,
     "NVIDIA A100 datasheet: NVLink 600 GB/s",
 );
-pub const NVLINK2: Link = Link::per_direction_gbs(
+pub(crate) const NVLINK2: Link = Link::per_direction_gbs(
     "NVLink 2 (V100 SXM2, 300 GB/s bidirectional)",
     150.0,
     "NVIDIA V100 datasheet: NVLink 300 GB/s",
 );
-pub const PCIE3_X16: Link = Link::per_direction_gbs(
+pub(crate) const PCIE3_X16: Link = Link::per_direction_gbs(
     "PCIe 3.0 x16",
     15.75,
     "PCI-SIG: 8 GT/s × 16 lanes, 128b/130b",
 );
-pub const PCIE4_X16: Link = Link::per_direction_gbs(
+pub(crate) const PCIE4_X16: Link = Link::per_direction_gbs(
     "PCIe 4.0 x16",
     31.5,
     "PCI-SIG: 16 GT/s × 16 lanes, 128b/130b",
 );
-pub const PCIE5_X16: Link = Link::per_direction_gbs(
+pub(crate) const PCIE5_X16: Link = Link::per_direction_gbs(
     "PCIe 5.0 x16",
     63.0,
     "PCI-SIG: 32 GT/s × 16 lanes, 128b/130b",
 );
-pub const IB_NDR: Link = Link::per_direction_gbs(
+pub(crate) const IB_NDR: Link = Link::per_direction_gbs(
     "InfiniBand NDR (400 Gb/s per GPU)",
     50.0,
     "NVIDIA ConnectX-7 / Quantum-2: 400 Gb/s per port",
 );
-pub const IB_HDR: Link = Link::per_direction_gbs(
+pub(crate) const IB_HDR: Link = Link::per_direction_gbs(
     "InfiniBand HDR (200 Gb/s per GPU)",
     25.0,
     "NVIDIA ConnectX-6 / Quantum: 200 Gb/s per port",
@@ -81,13 +81,8 @@ impl Link {
     }
 }
 
-/// Every link of the catalog.
-pub const LINKS: [Link; 8] = [
-    NVLINK4, NVLINK3, NVLINK2, PCIE3_X16, PCIE4_X16, PCIE5_X16, IB_NDR, IB_HDR,
-];
-
 /// GPUs per node that the intra-node link joins (an HGX / DGX board holds 8).
-pub const GPUS_PER_NODE: u32 = 8;
+pub(crate) const GPUS_PER_NODE: u32 = 8;
 
 /// The links of a catalog GPU: between the ranks of one node, and to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -120,17 +115,6 @@ pub fn links_for(gpu_name: &str) -> GpuLinks {
     }
 }
 
-impl GpuLinks {
-    /// The rate a ring over `ranks` ranks runs at: the slowest link it crosses.
-    pub fn ring_bytes_per_s(&self, ranks: u32) -> f64 {
-        if ranks > GPUS_PER_NODE {
-            self.intra_node.bytes_per_s.min(self.inter_node.bytes_per_s)
-        } else {
-            self.intra_node.bytes_per_s
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,11 +124,11 @@ mod tests {
         for g in crate::gpu::all() {
             let l = links_for(g.name);
             assert!(l.intra_node.bytes_per_s >= l.host.bytes_per_s, "{}", g.name);
-            assert!(l.ring_bytes_per_s(16) <= l.ring_bytes_per_s(8));
         }
         assert_eq!(links_for("h100-sxm").intra_node.bytes_per_s, 450e9);
         assert_eq!(links_for("rtx-4090").intra_node, PCIE4_X16);
-        // 8 H100 SXM on one node ring over NVLink; 16 cross InfiniBand NDR.
-        assert_eq!(links_for("h100-sxm").ring_bytes_per_s(16), 50e9);
+        // 16 H100 SXM cross InfiniBand NDR between their two nodes (cost.rs's ring rate
+        // takes the slower link beyond GPUS_PER_NODE ranks).
+        assert_eq!(links_for("h100-sxm").inter_node.bytes_per_s, 50e9);
     }
 }

@@ -5,11 +5,11 @@
 mod catalog;
 mod links;
 
+pub(crate) use catalog::CUBLAS_WORKSPACE_DEFAULT;
 pub use catalog::{
-    all, cublas_workspace_bytes, lookup, names, with_memory, CapacityBasis, DtypeSupport, Flops,
-    Gpu, GpuError, CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90_PLUS,
+    all, cublas_workspace_bytes, lookup, names, with_memory, CapacityBasis, DtypeSupport, Gpu,
 };
-pub use links::{
-    links_for, GpuLinks, Link, GPUS_PER_NODE, IB_HDR, IB_NDR, LINKS, NVLINK2, NVLINK3, NVLINK4,
-    PCIE3_X16, PCIE4_X16, PCIE5_X16,
-};
+pub(crate) use links::GPUS_PER_NODE;
+pub(crate) use links::IB_NDR;
+pub(crate) use links::PCIE4_X16;
+pub use links::{links_for, GpuLinks, Link};

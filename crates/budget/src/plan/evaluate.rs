@@ -506,7 +506,7 @@ pub(super) fn persistent(st: &StaticBytes) -> u64 {
 }
 
 /// `recompute` for the first `k` of `depth` blocks.
-pub fn recompute_first(k: u32, depth: u32) -> Recompute {
+pub(crate) fn recompute_first(k: u32, depth: u32) -> Recompute {
     if k == 0 {
         Recompute::None
     } else if k >= depth {

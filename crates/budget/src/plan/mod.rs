@@ -54,10 +54,12 @@ mod tests;
 mod types;
 
 pub(crate) use evaluate::in_parallel;
-pub use evaluate::recompute_first;
-pub use search::{microbatch_candidates, PLAN_MAX_MICROBATCHES};
+pub(crate) use evaluate::recompute_first;
+pub(crate) use search::microbatch_candidates;
+pub use search::PLAN_MAX_MICROBATCHES;
 pub use stages::{plan, plan_with};
+pub(crate) use types::PLAN_LORA_RANK;
 pub use types::{
-    engine_runnable, fmt_secs, Allow, Alternative, Candidate, Limits, NotSearched, Plan, Progress,
-    SearchControl, DEFAULT_HEADROOM, PLAN_LORA_RANK,
+    engine_runnable, fmt_secs, Allow, Candidate, Limits, Plan, Progress, SearchControl,
+    DEFAULT_HEADROOM,
 };

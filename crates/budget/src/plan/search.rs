@@ -442,7 +442,7 @@ pub const PLAN_MAX_MICROBATCHES: usize = 8;
 /// (a per-rank batch such as 55,440 has 120 divisors), an even spread over them by rank, which
 /// keeps the base's microbatch and 1; the planner's time then stays bounded (every combination
 /// costs timelines linear in the depth).
-pub fn microbatch_candidates(per_rank: u32, micro: u32) -> Vec<u32> {
+pub(crate) fn microbatch_candidates(per_rank: u32, micro: u32) -> Vec<u32> {
     let mut small: Vec<u32> = Vec::new();
     let mut large: Vec<u32> = Vec::new();
     let mut d = 1u32;

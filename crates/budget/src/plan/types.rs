@@ -60,7 +60,7 @@ pub const DEFAULT_HEADROOM: f64 = 0.05;
 /// LoRA rank the planner tries when LoRA is allowed and the base has none. Rank changes the
 /// quality of what is learnt, which the planner cannot judge, and barely moves the peak; to plan
 /// with another rank, give it in the base spec (`--lora-rank`).
-pub const PLAN_LORA_RANK: u32 = 16;
+pub(crate) const PLAN_LORA_RANK: u32 = 16;
 
 impl Limits {
     pub fn usable(&self) -> u64 {

@@ -21,7 +21,8 @@ pub(crate) mod model;
 pub(crate) mod pytorch;
 pub(crate) mod shape;
 
-pub use costs::{GenericCosts, Kept, SegSim, SegmentCosts, Sims};
+pub(crate) use costs::SegmentCosts;
+pub use costs::{Kept, SegSim, Sims};
 pub use model::RuntimeModel;
 pub use shape::Shape;
 

@@ -22,10 +22,9 @@ mod read;
 mod replay;
 mod types;
 
-pub use pickle::MAX_NODES;
-pub use predict::{compare, predicted_timeline, Parting, Predicted, SnapshotComparison};
+pub use predict::{compare, predicted_timeline, Predicted, SnapshotComparison};
 pub use read::read_snapshot;
-pub use replay::{replay, BlockSizeCount, OomEvent, OriginBytes, Replay, TimelinePoint};
+pub use replay::{replay, Replay, TimelinePoint};
 // The snapshot's vocabulary (its types, limits and error) is `types.rs`, which every file here
 // reads and which reads none of them back (`crates/cli/tests/no_import_cycles.rs`).
 pub use types::*;

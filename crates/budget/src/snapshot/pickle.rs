@@ -17,7 +17,7 @@ use crate::snapshot::SnapshotError;
 
 /// Most values a pickle may hold: about 110 B each while read (node, stack, memo, tree), so at
 /// most about 3 GiB of memory.
-pub const MAX_NODES: usize = 25_000_000;
+pub(crate) const MAX_NODES: usize = 25_000_000;
 /// Deepest nesting of containers read (a snapshot nests five deep).
 const MAX_DEPTH: usize = 64;
 

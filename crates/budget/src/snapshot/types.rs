@@ -8,9 +8,9 @@ use thiserror::Error;
 /// stacks is some hundreds of MiB.
 pub const MAX_SNAPSHOT_FILE_BYTES: u64 = 1 << 30;
 /// Most trace events over all devices.
-pub const MAX_TRACE_EVENTS: usize = 3_000_000;
+pub(crate) const MAX_TRACE_EVENTS: usize = 3_000_000;
 /// Most segments, and most blocks over all segments.
-pub const MAX_BLOCKS: usize = 3_000_000;
+pub(crate) const MAX_BLOCKS: usize = 3_000_000;
 
 /// A snapshot that cannot be read; each renders as one line.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

@@ -26,8 +26,4 @@ impl Src<'_> {
             Src::F32(s) => s.len(),
         }
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

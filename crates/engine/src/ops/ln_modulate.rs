@@ -48,7 +48,7 @@ pub fn ln_modulate(
 /// Geometry of the LayerNorm kernels: x is (b, s, d) contiguous, row
 /// `i` of shift/scale starts at `offset + i·row_stride` of its storage.
 #[derive(Debug, Clone, Copy)]
-pub struct LnGeom {
+pub(crate) struct LnGeom {
     pub b: usize,
     pub s: usize,
     pub d: usize,

@@ -104,16 +104,14 @@ pub use gated_residual::gated_residual;
 pub use gelu::gelu_tanh;
 pub use joint_linear::joint_linear;
 pub(crate) use linear::linear_into;
-pub use linear::{
-    dw_blocks, linear, linear_sunk, GradSink, InputSink, LinearGrads, DW_ROWS, LINEAR_ROWS,
-};
-pub use ln_modulate::{ln_modulate, LnGeom};
+pub use linear::{dw_blocks, linear, linear_sunk, GradSink, InputSink, DW_ROWS, LINEAR_ROWS};
+pub use ln_modulate::ln_modulate;
 pub use lora_linear::lora_linear;
 pub use mix_ffn::{mix_ffn, MixFfn};
 pub use mse_loss::mse_loss;
 pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch};
 pub use release::{release, release_whole};
-pub use rms_norm::{rms_bwd_scratch, rms_norm, RmsNorm, RMS_EPS};
+pub use rms_norm::{rms_norm, RmsNorm, RMS_EPS};
 pub use rms_norm_rows::rms_norm_rows;
 pub use rope::{rope, Rope, RopeTable};
 pub use rope_cos_sin::rope_cos_sin;

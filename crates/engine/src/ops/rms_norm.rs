@@ -4,7 +4,7 @@
 //! it ([`super::norm_rope`], through [`rstd`] and [`group_dx`]). candle's fused
 //! RmsNorm has no backward, and composed it keeps x², the mean, the rsqrt and the normalised
 //! copy; this op keeps nothing beyond its inputs: the backward recomputes the per-group rstd
-//! from x (one (rows·heads) accumulation-type scratch, [`rms_bwd_scratch`]) and returns a fresh
+//! from x (one (rows·heads) accumulation-type scratch) and returns a fresh
 //! dx (x's dtype and shape) and a fresh dw (w's dtype), summed per channel over every group.
 //!
 //! y = x·r·w with r = (mean(x²) + eps)^(−½) over each head's d_h channels, computed in the
@@ -34,11 +34,6 @@ pub struct RmsNorm {
 /// dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
     x.apply_op2(w, RmsNorm { eps })
-}
-
-/// Scratch elements (accumulation type) of the backward: one rstd per (row, head).
-pub fn rms_bwd_scratch(rows: usize, d: usize, dh: usize) -> usize {
-    rows * (d / dh.max(1))
 }
 
 /// (rows, D, d_h) of a call.

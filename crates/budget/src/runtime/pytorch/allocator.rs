@@ -4,30 +4,8 @@
 
 use serde::Serialize;
 
-use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::rules::{CACHED, GRAD_VIEWS, LEFT_UNSAVED, MATMUL, SAVED};
 use crate::segment::{Segment, TensorKind, TensorRole, Tid};
-
-const MIB: u64 = 1 << 20;
-
-impl PyTorch {
-    /// Bytes the caching allocator hands out for a request (\[CUDA\]): 512 B granularity.
-    pub fn cuda_block(bytes: u64) -> u64 {
-        bytes.div_ceil(512) * 512
-    }
-
-    /// Size of the segment `cudaMalloc`ed for a request that no cached block can serve (\[CUDA\]).
-    pub fn cuda_segment(bytes: u64) -> u64 {
-        let b = Self::cuda_block(bytes);
-        if b <= MIB {
-            2 * MIB
-        } else if b < 10 * MIB {
-            20 * MIB
-        } else {
-            b.div_ceil(2 * MIB) * 2 * MIB
-        }
-    }
-}
 
 /// Bytes by kind inside one segment's simulation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -2,9 +2,8 @@
 //!
 //! Follows `c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`, read at pytorch/pytorch
 //! 001074d2) and the `PYTORCH_CUDA_ALLOC_CONF` parser of `c10/core/AllocatorConfig.cpp` (read at
-//! 065861fb); each rule below names the function it follows. The 512 B and segment-size helpers
-//! of [`PyTorch::cuda_block`](crate::runtime::pytorch::device::PyTorch) are the same constants;
-//! this module adds pools, blocks, splitting, merging, the oversize rules, the retry path and
+//! 065861fb); each rule below names the function it follows. Besides the 512 B rounding
+//! ([`round_size`]) and the segment sizes ([`allocation_size`]), this module has pools, blocks, splitting, merging, the oversize rules, the retry path and
 //! expandable segments.
 //!
 //! What is left out, and why it does not change the counters for one process on one device:
@@ -25,15 +24,18 @@ mod arena;
 mod conf;
 
 use arena::replay_once;
-pub use arena::CachingAllocator;
-pub use conf::{
-    allocation_size, round_size, AllocConf, AllocConfError, AllocEvent, AllocatorReport, Oom,
-    SequenceError, MIN_BLOCK_SIZE, SMALL_SIZE,
-};
+pub(crate) use arena::CachingAllocator;
+pub(crate) use conf::round_size;
+pub(crate) use conf::AllocEvent;
+pub(crate) use conf::AllocatorReport;
+pub(crate) use conf::SequenceError;
+pub(crate) use conf::MIN_BLOCK_SIZE;
+pub(crate) use conf::SMALL_SIZE;
+pub use conf::{AllocConf, AllocConfError, Oom};
 
 /// Replay a sequence on a fresh allocator; stops at the first allocation that fails against
 /// `capacity` (bytes the allocator may reserve), which the report's `oom` names.
-pub fn simulate_allocator(
+pub(crate) fn simulate_allocator(
     events: &[AllocEvent],
     conf: &AllocConf,
     capacity: Option<u64>,
@@ -113,7 +115,7 @@ fn replay(
 /// One training process on one catalog GPU: the allocator over a sequence with the cuBLAS
 /// workspaces allocated first, and the CUDA context beside it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CudaMemory {
+pub(crate) struct CudaMemory {
     pub gpu: &'static str,
     pub allocator: AllocatorReport,
     /// cuBLAS workspace bytes per stream (through the allocator, so inside allocated/reserved).
@@ -130,13 +132,13 @@ pub struct CudaMemory {
 }
 
 /// Ids the cuBLAS workspaces take in [`simulate_on_gpu`] (above any id a sequence should use).
-pub const CUBLAS_WORKSPACE_ID_BASE: u64 = u64::MAX - 1024;
+pub(crate) const CUBLAS_WORKSPACE_ID_BASE: u64 = u64::MAX - 1024;
 
 /// Replay `events` on `gpu`: one cuBLAS workspace per stream in `streams` is allocated first
 /// (`getNewWorkspace` → the caching allocator, `CublasHandlePool.cpp`; PyTorch allocates it at
 /// the first matmul of a (handle, stream) and keeps it), the allocator may reserve the capacity
 /// less the context, and the device total adds the context to the reserved peak.
-pub fn simulate_on_gpu(
+pub(crate) fn simulate_on_gpu(
     events: &[AllocEvent],
     gpu: &crate::gpu::Gpu,
     conf: &AllocConf,

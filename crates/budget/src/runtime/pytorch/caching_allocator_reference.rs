@@ -424,7 +424,7 @@ impl ReferenceAllocator {
     }
 
     /// `emptyCache` (`torch.cuda.empty_cache()`).
-    pub fn empty_cache(&mut self) {
+    pub(crate) fn empty_cache(&mut self) {
         self.release_cached();
     }
 

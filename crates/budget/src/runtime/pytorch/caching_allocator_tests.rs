@@ -4,7 +4,6 @@
 use super::arena::*;
 use super::conf::*;
 use super::*;
-use crate::runtime::pytorch::device::PyTorch;
 
 const KIB: u64 = 1 << 10;
 
@@ -38,21 +37,11 @@ fn round_size_512_and_power2_divisions() {
     assert_eq!(round_size(1200, &c), 1536);
     // A power of two is kept.
     assert_eq!(round_size(4 * MIB, &c), 4 * MIB);
-    // The existing helpers of allocator.rs agree with the simulator's rules.
-    for b in [
-        1,
-        511,
-        513,
-        MIB,
-        MIB + 1,
-        3 * MIB,
-        10 * MIB - 1,
-        10 * MIB,
-        13 * MIB + 7,
-    ] {
-        assert_eq!(PyTorch::cuda_block(b).max(512), round_size(b, &d), "{b}");
-        assert_eq!(PyTorch::cuda_segment(b), allocation_size(round_size(b, &d)));
-    }
+    // The segment `cudaMalloc`ed for a request no cached block serves (`get_allocation_size`):
+    // 2 MiB up to 1 MiB, 20 MiB below 10 MiB, else rounded up to 2 MiB.
+    assert_eq!(allocation_size(round_size(1000, &d)), 2 * MIB);
+    assert_eq!(allocation_size(round_size(5 * MIB, &d)), 20 * MIB);
+    assert_eq!(allocation_size(round_size(11 * MIB + 1, &d)), 12 * MIB);
 }
 
 #[test]

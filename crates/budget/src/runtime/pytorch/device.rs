@@ -13,7 +13,7 @@ pub struct PyTorch {
 /// Bytes of a CUDA context with cuBLAS and cuDNN handles loaded, as `nvidia-smi` shows it beside
 /// the caching allocator's reserved memory. An order of magnitude, not a measurement of this
 /// project: it depends on the driver, the GPU and the loaded kernels (typically 300–600 MiB).
-pub const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
+pub(crate) const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
 
 impl PyTorch {
     /// The instance for a device and backend (a `'static` reference, as `model_for` returns).

@@ -7,8 +7,12 @@ use crate::runtime::shape::Shape;
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 
+pub(crate) use crate::runtime::pytorch::ops::CACHED;
+pub(crate) use crate::runtime::pytorch::ops::GRAD_VIEWS;
+pub(crate) use crate::runtime::pytorch::ops::LEFT_UNSAVED;
+pub(crate) use crate::runtime::pytorch::ops::MATMUL;
+pub(crate) use crate::runtime::pytorch::ops::SAVED;
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder};
-pub use crate::runtime::pytorch::ops::{CACHED, GRAD_VIEWS, LEFT_UNSAVED, MATMUL, SAVED};
 
 impl PyTorch {
     fn builder<'a>(&'a self, dims: &Shape, name: &str) -> Builder<'a> {

@@ -316,15 +316,6 @@ fn runtime_strings_round_trip() {
 }
 
 #[test]
-fn cuda_allocator_rounding() {
-    assert_eq!(PyTorch::cuda_block(1), 512);
-    assert_eq!(PyTorch::cuda_block(513), 1024);
-    assert_eq!(PyTorch::cuda_segment(1000), 2 << 20);
-    assert_eq!(PyTorch::cuda_segment(5 << 20), 20 << 20);
-    assert_eq!(PyTorch::cuda_segment((11 << 20) + 1), 12 << 20);
-}
-
-#[test]
 fn saved_marker_names_what_backward_reads() {
     let s = cpu_fp32();
     let rt = PyTorch::instance(TorchDevice::Cpu, SdpaBackend::Auto);

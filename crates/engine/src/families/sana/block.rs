@@ -79,7 +79,7 @@ pub struct SanaBlockGeom {
 
 /// The zero bias (`n`) a bias-less linear of weight dtype `dt` reads: a constant of the block,
 /// freed when it returns.
-pub fn zero_bias(n: usize, dt: DType) -> Result<Tensor> {
+pub(crate) fn zero_bias(n: usize, dt: DType) -> Result<Tensor> {
     Ok(Tensor::zeros(n, dt, &candle_core::Device::Cpu)?)
 }
 

@@ -34,8 +34,9 @@ pub mod block;
 pub mod params;
 pub(crate) mod step;
 
+pub(crate) use block::zero_bias;
 pub use block::{
-    caption_forward, final_forward, sana_block_forward, zero_bias, SanaBlockGeom, SanaBlockWeights,
+    caption_forward, final_forward, sana_block_forward, SanaBlockGeom, SanaBlockWeights,
     SanaCaptionWeights, SanaFinalWeights,
 };
 pub use params::{param_shapes, SanaGeom, SANA_BLOCK_LINEARS, SANA_FREQ};

@@ -35,4 +35,4 @@ pub use projected::{projected_attention, ProjectedAttention};
 pub use qkv::qkv_attention;
 pub(crate) use qkv::QkvAttention;
 pub use reference::attention_materialized;
-pub use separate::{sep_bwd_scratch, sep_fwd_scratch, SepGeom};
+pub use separate::{sep_bwd_scratch, sep_fwd_scratch};

@@ -50,7 +50,7 @@ pub fn dw_blocks(rows: usize, out: usize) -> impl Iterator<Item = (usize, usize)
 
 /// Which gradients a linear's backward computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LinearGrads {
+pub(crate) struct LinearGrads {
     pub x: bool,
     pub w: bool,
     pub b: bool,

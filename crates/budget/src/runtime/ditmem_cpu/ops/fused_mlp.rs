@@ -204,7 +204,7 @@ pub fn fused_mlp(
 /// fc2 and the GELU (`fused_mlp_widen::fc2_gelu_widen_workspace`) for `(rows, ds, ffn, out)`:
 /// g's chunk of [`LINEAR_ROWS`] rows column-major, W2ᵀ in f32, one f32 block of the side's
 /// columns and the widest of u's ([`widen_col_blocks`]); a block of u's in the compute dtype.
-pub fn fc2_gelu_widen_workspace((rows, ds, ffn, out): (u64, u64, u64, u64)) -> (u64, u64) {
+pub(crate) fn fc2_gelu_widen_workspace((rows, ds, ffn, out): (u64, u64, u64, u64)) -> (u64, u64) {
     let r = LINEAR_ROWS.min(rows);
     let wmax = widen_col_blocks(rows, ffn).map(|b| b.1).max().unwrap_or(0);
     (r * out + (ds + ffn) * out + r * (ds + wmax), r * wmax)

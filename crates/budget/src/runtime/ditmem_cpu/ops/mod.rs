@@ -20,14 +20,14 @@ pub use attention::{
     fused_attention, fused_qkv_attention, native_attention_scratch, streaming_attention_scratch,
     NATIVE_ATTN_BWD_ROWS, PROJECTED_ATTENTION_OP_BYTES,
 };
-pub use fused_mlp::{fc2_gelu_widen_workspace, fused_mlp, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
+pub use fused_mlp::{fused_mlp, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
 pub use fused_mlp_side::{fused_mlp_side, fused_mlp_side_scratch, FUSED_MLP_SIDE_OP_BYTES};
 pub use joint_linear::{joint_linear, joint_linear_scratch};
 pub use linear::{fused_linear, fused_linear_scratch, linear_workspace};
 pub use sizes::{
-    bf16_dx_panel_cols, col_blocks_under, dw_blocks, dx_over_du_chunks, mlp_col_blocks,
-    widen_col_blocks, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK, DW_COLS, DW_PANEL_SHARE, DW_ROWS,
-    DX_FIRST_ROWS, LINEAR_ROWS, MLP_COLS, WIDEN_BLOCK_SHARE,
+    bf16_dx_panel_cols, dw_blocks, dx_over_du_chunks, mlp_col_blocks, widen_col_blocks,
+    ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK, DW_COLS, DW_PANEL_SHARE, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS,
+    MLP_COLS, WIDEN_BLOCK_SHARE,
 };
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};

@@ -48,7 +48,7 @@ pub fn mlp_col_blocks(ffn: u64) -> impl Iterator<Item = (u64, u64)> {
 
 /// ⌈ffn / cap⌉ blocks whose widths differ by at most one, none of 64 columns or fewer unless
 /// ffn is (`fused_mlp::col_blocks_under`).
-pub fn col_blocks_under(ffn: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
+pub(crate) fn col_blocks_under(ffn: u64, cap: u64) -> impl Iterator<Item = (u64, u64)> {
     let n = ffn.div_ceil(cap.max(1)).min(ffn / 65).max(1);
     (0..n).map(move |i| (i * ffn / n, (i + 1) * ffn / n - i * ffn / n))
 }

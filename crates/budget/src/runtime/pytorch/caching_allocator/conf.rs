@@ -8,9 +8,9 @@ use thiserror::Error;
 
 pub(super) const MIB: u64 = 1 << 20;
 /// `kMinBlockSize`: all sizes are rounded to at least 512 bytes.
-pub const MIN_BLOCK_SIZE: u64 = 512;
+pub(crate) const MIN_BLOCK_SIZE: u64 = 512;
 /// `kSmallSize`: the largest "small" allocation is 1 MiB.
-pub const SMALL_SIZE: u64 = MIB;
+pub(crate) const SMALL_SIZE: u64 = MIB;
 /// `kSmallBuffer`: "small" allocations are packed in 2 MiB blocks.
 pub(crate) const SMALL_BUFFER: u64 = 2 * MIB;
 /// `kMinLargeAlloc`: allocations between 1 and 10 MiB may use `kLargeBuffer`.
@@ -309,7 +309,7 @@ fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
 
 /// `round_size`: < 512 → 512; with `roundup_power2_divisions` > 1 and size > 512 × divisions,
 /// the next power-of-2 division; otherwise a multiple of 512.
-pub fn round_size(size: u64, conf: &AllocConf) -> u64 {
+pub(crate) fn round_size(size: u64, conf: &AllocConf) -> u64 {
     if size < MIN_BLOCK_SIZE {
         return MIN_BLOCK_SIZE;
     }
@@ -322,7 +322,7 @@ pub fn round_size(size: u64, conf: &AllocConf) -> u64 {
 }
 
 /// `get_allocation_size`: ≤ 1 MiB → 2 MiB; < 10 MiB → 20 MiB; else rounded up to 2 MiB.
-pub fn allocation_size(size: u64) -> u64 {
+pub(crate) fn allocation_size(size: u64) -> u64 {
     if size <= SMALL_SIZE {
         SMALL_BUFFER
     } else if size < MIN_LARGE_ALLOC {
@@ -335,7 +335,7 @@ pub fn allocation_size(size: u64) -> u64 {
 /// One event of an allocation sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-pub enum AllocEvent {
+pub(crate) enum AllocEvent {
     /// `malloc(bytes)` on a stream, named by `id` for its free.
     Alloc { id: u64, bytes: u64, stream: u32 },
     /// The tensor `id` is freed (its block returns to the cache).
@@ -344,7 +344,7 @@ pub enum AllocEvent {
 
 /// A sequence that cannot be replayed.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum SequenceError {
+pub(crate) enum SequenceError {
     #[error("allocation sequence, event {event}: id {id} is already allocated")]
     DuplicateId { event: usize, id: u64 },
     #[error("allocation sequence, event {event}: id {id} is not allocated")]
@@ -369,7 +369,7 @@ pub struct Oom {
 
 /// What the allocator's counters show over a sequence.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct AllocatorReport {
+pub(crate) struct AllocatorReport {
     /// `max_memory_allocated`: rounded (block) bytes.
     pub max_allocated: u64,
     /// `max_memory_reserved`: segment (or mapped) bytes.

@@ -11,7 +11,7 @@ use crate::spec::Dtype;
 use crate::spec::Spec;
 
 /// A family spec's step, as the builders read it.
-pub struct Fam<'a> {
+pub(crate) struct Fam<'a> {
     pub rt: &'a PyTorch,
     pub spec: &'a Spec,
     pub geometry: Geometry,

@@ -11,7 +11,7 @@
 
 pub(crate) mod common;
 
-pub use common::Fam;
+pub(crate) use common::Fam;
 
 use crate::families::{registry, Family, FamilyModel};
 use crate::runtime::pytorch::device::PyTorch;

@@ -2,7 +2,7 @@
 
 /// The geometry of one attention call: q (b, heads, sq, dh), k and v (b, heads, skv, dh).
 #[derive(Debug, Clone, Copy)]
-pub struct Attn {
+pub(crate) struct Attn {
     pub b: u64,
     pub heads: u64,
     pub sq: u64,

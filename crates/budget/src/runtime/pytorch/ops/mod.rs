@@ -9,7 +9,7 @@ mod cross;
 mod joint;
 mod sana;
 
-pub use attn::Attn;
+pub(crate) use attn::Attn;
 pub(crate) use cpu_scratch::{cpu_flash_scratch, cpu_gemm_scratch};
 
 use crate::runtime::pytorch::device::PyTorch;
@@ -17,26 +17,26 @@ use crate::segment::{Segment, Tid};
 use crate::spec::{AttentionMode, Dtype, Precision, SdpaBackend, TorchDevice};
 
 /// Marker appended to the name of a tensor that some op saves for backward.
-pub const SAVED: &str = " [saved]";
+pub(crate) const SAVED: &str = " [saved]";
 /// Marker of an autocast weight copy that only the autocast cache holds (until the forward ends).
-pub const CACHED: &str = " [autocast cache]";
+pub(crate) const CACHED: &str = " [autocast cache]";
 /// Marker on the name of a matmul (a linear's `addmm`/`mm` on the 2-D view of its input): the
 /// input's gradient it makes is a reshape view of its 2-D result, which autograd's
 /// `InputBuffer` cannot add a second gradient into in place (see
 /// [`crate::runtime::pytorch::allocator::simulate`]).
-pub const MATMUL: &str = " [matmul]";
+pub(crate) const MATMUL: &str = " [matmul]";
 /// Marker on the name of a matmul whose right operand (a weight) needs no gradient: its node
 /// saves only what `mat1`'s gradient reads (`grad.mm(mat2.t())`), not its left operand [AG]
 /// (`tools/autograd/derivatives.yaml` `addmm`/`mm`: `self` is saved for `mat2`'s gradient only).
 /// A frozen base layer under LoRA reads its input this way; the release rule
 /// ([`crate::runtime::pytorch::allocator::simulate`]) does not count it as a saver.
-pub const LEFT_UNSAVED: &str = " [matmul, weight frozen]";
+pub(crate) const LEFT_UNSAVED: &str = " [matmul, weight frozen]";
 /// Marks a concatenation (`torch.cat`) whose backward hands its inputs slices of its own
 /// gradient (`CatBackward0`: `cat_tensors_backward` returns `grad.narrow(dim, …)` views,
 /// `tools/autograd/derivatives.yaml`, torch 2.15): the inputs' gradients are no new buffers,
 /// and the concatenation's gradient stays allocated until the last of them is consumed
 /// (`allocator.rs`). Used where the segment itself made every input.
-pub const GRAD_VIEWS: &str = " (cat: input gradients are views)";
+pub(crate) const GRAD_VIEWS: &str = " (cat: input gradients are views)";
 
 /// Dtype of an elementwise result under type promotion (the wider float wins).
 pub(crate) fn promote(a: Dtype, b: Dtype) -> Dtype {
