@@ -301,7 +301,7 @@ pub(crate) struct TimeInputs {
 }
 
 impl TimeInputs {
-    pub fn of(spec: &Spec, profile: &DeviceProfile) -> TimeInputs {
+    pub(crate) fn of(spec: &Spec, profile: &DeviceProfile) -> TimeInputs {
         let table = param_table(spec);
         let trained = table
             .iter()

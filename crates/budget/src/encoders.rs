@@ -202,7 +202,7 @@ pub(crate) const VAE16_DECODER_PARAMS: u64 = 49_545_475;
 pub(crate) const DCAE_DECODER_PARAMS: u64 = 159_223_171;
 
 /// Bytes of the encoders resident on the device for the whole step.
-pub fn resident_bytes(runs: &[EncoderRun]) -> u64 {
+pub(crate) fn resident_bytes(runs: &[EncoderRun]) -> u64 {
     runs.iter()
         .filter(|e| e.resident)
         .map(|e| e.weight_bytes)

@@ -112,10 +112,10 @@ impl Event {
 
 /// The events of a replay, in the order they happen.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Events(pub Vec<Event>);
+pub(crate) struct Events(pub Vec<Event>);
 
 impl Events {
-    pub fn push(
+    pub(crate) fn push(
         &mut self,
         phase: Phase,
         label: String,

@@ -24,7 +24,7 @@ mod tests;
 mod types;
 mod yaml;
 
-pub use crate::sharding::{Offload, Sharder};
+pub(crate) use crate::sharding::{Offload, Sharder};
 pub(crate) use diffusers::model_id;
 pub(crate) use scripts::script_for;
 pub(crate) use scripts::Script;

@@ -12,6 +12,10 @@
 //! `runtime/ditmem_cpu/`. Nothing here reads the host: where the engine's allocations depend on the
 //! CPU, the value is part of the spec ([`CpuSpec`]).
 
+// A `pub` item the crate root does not export would read as API and is not: it must say
+// `pub(crate)` (issue 45: public items only where another crate can use them).
+#![warn(unreachable_pub)]
+
 mod cost;
 pub mod denoiser;
 pub(crate) mod encoders;

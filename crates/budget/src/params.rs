@@ -78,7 +78,7 @@ impl ParamTensor {
 }
 
 /// The linears of a block: (name, out, in). LoRA targets are named after them.
-pub fn block_linears(spec: &Spec) -> [(LoraTarget, &'static str, u64, u64); 5] {
+pub(crate) fn block_linears(spec: &Spec) -> [(LoraTarget, &'static str, u64, u64); 5] {
     let d = u64::from(spec.model.hidden);
     let m = u64::from(spec.model.mlp_hidden());
     [

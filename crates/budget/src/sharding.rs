@@ -695,7 +695,7 @@ pub(crate) fn stage_exists(base: &Spec, z: u8) -> bool {
 
 /// Validate the sharding fields of a recipe against its stage and ranks (the rule is
 /// [`crate::sharder::validate`], which the spec's own validation calls).
-pub fn validate(spec: &Spec) -> Result<(), SpecError> {
+pub(crate) fn validate(spec: &Spec) -> Result<(), SpecError> {
     let r = &spec.recipe;
     crate::sharder::validate(
         r.zero_stage,

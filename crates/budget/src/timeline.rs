@@ -122,7 +122,7 @@ pub(crate) use crate::precision_rules::ADAM8BIT_MIN_SIZE;
 /// The persistent bytes of the model states under the spec (per rank): on one rank as the
 /// module holds them; over several ranks as the recipe's scheme shards them
 /// ([`crate::sharding::rank_states`]: DDP buckets, ZeRO partitions, FSDP2 shards, offload).
-pub fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
+pub(crate) fn static_bytes(spec: &Spec, table: &[ParamTensor]) -> StaticBytes {
     let r = &spec.recipe;
     let p = r.precision;
     let rt = model_for(spec);

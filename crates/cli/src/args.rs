@@ -10,7 +10,7 @@ use ditmem_budget::{
 
 /// Flags that describe a spec. Each given flag overrides the config file (or the embedded default).
 #[derive(Debug, Clone, Default, Args)]
-pub struct SpecArgs {
+pub(crate) struct SpecArgs {
     /// Spec file (TOML, or JSON by extension; a regular file of at most 1 MiB); flags override
     /// its fields.
     #[arg(long, value_name = "FILE")]
@@ -352,20 +352,20 @@ fn family_defaults(
 
 impl SpecArgs {
     /// Build and validate the spec: config file (or the embedded default), then the flags.
-    pub fn to_spec(&self) -> Result<Spec, SpecError> {
+    pub(crate) fn to_spec(&self) -> Result<Spec, SpecError> {
         self.to_spec_or(Spec::default_xl)
     }
 
     /// As [`SpecArgs::to_spec`], with `default` instead of the embedded default when no config
     /// file is given (e.g. `verify`'s small model).
-    pub fn to_spec_or(&self, default: impl FnOnce() -> Spec) -> Result<Spec, SpecError> {
+    pub(crate) fn to_spec_or(&self, default: impl FnOnce() -> Spec) -> Result<Spec, SpecError> {
         self.build(default, None)
     }
 
     /// `estimate`, `plan` and `spec`: the step on a CUDA GPU (`pytorch:cuda`) unless
     /// `--runtime`, the config file's `runtime` or an engine flag (`--cpu-threads`,
     /// `--bf16-products`, `--gemm-l2`: the `ditmem-cpu` engine) says otherwise.
-    pub fn to_gpu_spec(&self) -> Result<Spec, SpecError> {
+    pub(crate) fn to_gpu_spec(&self) -> Result<Spec, SpecError> {
         let engine_flags =
             self.cpu_threads.is_some() || self.bf16_products.is_some() || self.gemm_l2.is_some();
         if engine_flags {

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 /// Where and how a run happened.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Conditions {
+pub(crate) struct Conditions {
     pub device: String,
     pub cpu_model: String,
     /// Logical cores the process may use.
@@ -47,7 +47,7 @@ pub struct Conditions {
 }
 
 impl Conditions {
-    pub fn capture(spec: &Spec, warmup: u32, steps: u32) -> Conditions {
+    pub(crate) fn capture(spec: &Spec, warmup: u32, steps: u32) -> Conditions {
         let cpu = ditmem_engine::host::resolve(spec).cpu();
         let w = &spec.workload;
         let r = &spec.recipe;
@@ -91,7 +91,7 @@ impl Conditions {
     }
 
     /// One line for tables.
-    pub fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         format!(
             "{} ({} cores, {} threads), {} build, candle {}, ditmem {} @ {}, bf16 products: {}, \
              gemm slab {} per thread, candle barrier spin {}, malloc: {}",
@@ -111,7 +111,7 @@ impl Conditions {
 }
 
 /// Available memory of the machine (MemAvailable), when it can be read.
-pub fn available_memory() -> Option<u64> {
+pub(crate) fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

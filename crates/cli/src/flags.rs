@@ -5,11 +5,11 @@
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 
 /// Longest user value echoed in a message, in characters; longer ones end in "…".
-pub const MAX_ECHO: usize = 60;
+pub(crate) const MAX_ECHO: usize = 60;
 
 /// A user's value as it appears in a message: `{:?}`-escaped (no raw control characters) and at
 /// most [`MAX_ECHO`] characters of it.
-pub fn show(value: &str) -> String {
+pub(crate) fn show(value: &str) -> String {
     let n = value.chars().count();
     if n > MAX_ECHO {
         let head: String = value.chars().take(MAX_ECHO).collect();
@@ -20,7 +20,7 @@ pub fn show(value: &str) -> String {
 }
 
 /// A float for a message: plain when short, scientific otherwise (never 309 digits).
-pub fn fmt_float(x: f64) -> String {
+pub(crate) fn fmt_float(x: f64) -> String {
     if x == 0.0 || !x.is_finite() || (1e-4..1e6).contains(&x.abs()) {
         format!("{x}")
     } else {
@@ -30,7 +30,7 @@ pub fn fmt_float(x: f64) -> String {
 
 /// One line, whatever the message holds: control characters escaped, runs of more than 80
 /// non-blank characters (a pasted value) cut to [`MAX_ECHO`], and at most 1,000 characters.
-pub fn tidy(message: &str) -> String {
+pub(crate) fn tidy(message: &str) -> String {
     let mut escaped = String::with_capacity(message.len());
     for c in message.chars() {
         if c.is_control() {
@@ -103,27 +103,27 @@ where
 }
 
 /// 1 ..= u32::MAX (batch sizes, ranks, steps).
-pub fn positive_u32(text: &str) -> Result<u32, String> {
+pub(crate) fn positive_u32(text: &str) -> Result<u32, String> {
     int_range(text, 1, u32::MAX, "a positive integer")
 }
 
 /// 0 ..= u32::MAX (warm-up steps, a LoRA rank where 0 turns it off).
-pub fn count_u32(text: &str) -> Result<u32, String> {
+pub(crate) fn count_u32(text: &str) -> Result<u32, String> {
     int_range(text, 0, u32::MAX, "an integer")
 }
 
 /// 0 ..= u64::MAX (seeds).
-pub fn seed_u64(text: &str) -> Result<u64, String> {
+pub(crate) fn seed_u64(text: &str) -> Result<u64, String> {
     int_range(text, 0, u64::MAX, "an integer")
 }
 
 /// 1 ..= 2²⁰ (worker threads, every-N).
-pub fn positive_usize(text: &str) -> Result<usize, String> {
+pub(crate) fn positive_usize(text: &str) -> Result<usize, String> {
     int_range(text, 1, 1 << 20, "a positive integer")
 }
 
 /// A ZeRO stage: 0 ..= 3.
-pub fn zero_stage(text: &str) -> Result<u8, String> {
+pub(crate) fn zero_stage(text: &str) -> Result<u8, String> {
     int_range(text, 0, 3, "a ZeRO stage")
 }
 
@@ -141,10 +141,10 @@ fn float(text: &str) -> Result<f64, String> {
 /// the weights (and 5e-324, a subnormal, makes every variant "fail" verify against a reference
 /// that does not move), above 1 the first steps diverge to NaN. The range keeps a margin on both
 /// sides of what a user would run.
-pub const LEARNING_RATES: (f64, f64) = (1e-8, 1.0);
+pub(crate) const LEARNING_RATES: (f64, f64) = (1e-8, 1.0);
 
 /// A learning rate: in [`LEARNING_RATES`].
-pub fn learning_rate(text: &str) -> Result<f64, String> {
+pub(crate) fn learning_rate(text: &str) -> Result<f64, String> {
     const ALLOWED: &str = "allowed: a number from 1e-8 to 1, e.g. 1e-4";
     let (lo, hi) = LEARNING_RATES;
     match float(text) {
@@ -155,7 +155,7 @@ pub fn learning_rate(text: &str) -> Result<f64, String> {
 }
 
 /// The planner's headroom: 0 ≤ h < 0.9.
-pub fn headroom(text: &str) -> Result<f64, String> {
+pub(crate) fn headroom(text: &str) -> Result<f64, String> {
     const ALLOWED: &str = "allowed: a fraction 0 ≤ headroom < 0.9, e.g. 0.1";
     match float(text) {
         Ok(v) if (0.0..0.9).contains(&v) => Ok(v),
@@ -186,7 +186,7 @@ fn flag_name(arg: &str) -> String {
 }
 
 /// clap's rejection as one line naming the flag and what is allowed (without "ditmem: ").
-pub fn clap_line(e: &clap::Error, command: &str) -> String {
+pub(crate) fn clap_line(e: &clap::Error, command: &str) -> String {
     let arg = context_string(e, ContextKind::InvalidArg).map(|a| flag_name(&a));
     let value = context_string(e, ContextKind::InvalidValue);
     let help = if command.is_empty() {

@@ -7,7 +7,7 @@ use ditmem_budget::{fmt_bytes, SpecError};
 use crate::output;
 
 #[derive(Debug, Clone, Args)]
-pub struct GpusArgs {
+pub(crate) struct GpusArgs {
     /// Show one GPU (a name or alias, case-insensitive: h100, a100-80gb, 4090, …) with its
     /// sources.
     pub name: Option<String>,
@@ -30,7 +30,7 @@ fn basis(g: &Gpu) -> &'static str {
 
 /// The catalog table: capacity in binary units, dense TFLOP/s, bandwidth in GB/s (10⁹ B/s, as
 /// the datasheets give it).
-pub fn table(gpus: &[&Gpu]) -> String {
+pub(crate) fn table(gpus: &[&Gpu]) -> String {
     let mut rows = vec![[
         "gpu",
         "capacity",
@@ -180,7 +180,7 @@ impl<'a> GpuJson<'a> {
     }
 }
 
-pub fn run(args: GpusArgs) -> Result<(), crate::CliError> {
+pub(crate) fn run(args: GpusArgs) -> Result<(), crate::CliError> {
     let gpus: Vec<&Gpu> = match &args.name {
         Some(n) => vec![gpu::lookup(n).map_err(|e| SpecError::invalid("gpu", e.to_string()))?],
         None => gpu::all().iter().collect(),

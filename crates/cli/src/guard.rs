@@ -8,7 +8,7 @@ use crate::CliError;
 
 /// A memory limit and what is left under it now, in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limit {
+pub(crate) struct Limit {
     /// Names the limit in messages.
     pub name: &'static str,
     /// Bytes left under it.
@@ -147,7 +147,7 @@ fn refuse_process(command: &str, limit: u64, n: &ProcessNeed) -> CliError {
 /// address-space limit below what the process needs before any step ([`ProcessNeed`]), which
 /// would otherwise abort in an allocation or panic where a thread cannot start.
 /// `extra_threads` are threads the command starts beside the pools (verify's workers).
-pub fn check_process(command: &str, extra_threads: u64) -> Result<(), CliError> {
+pub(crate) fn check_process(command: &str, extra_threads: u64) -> Result<(), CliError> {
     let Some(limit) = address_space_limit() else {
         return Ok(());
     };
@@ -212,7 +212,7 @@ fn cgroup_left() -> Option<u64> {
 }
 
 /// Every limit that applies now.
-pub fn limits() -> Vec<Limit> {
+pub(crate) fn limits() -> Vec<Limit> {
     let mut out = Vec::new();
     if let Some(left) = crate::conditions::available_memory() {
         out.push(Limit {
@@ -240,7 +240,7 @@ pub fn limits() -> Vec<Limit> {
 
 /// Refuse (exit 3) `predicted` bytes that exceed the smallest limit; `--force` overrides only
 /// MemAvailable. `what` says what the prediction is of.
-pub fn check(what: &str, predicted: u64, force: bool) -> Result<(), CliError> {
+pub(crate) fn check(what: &str, predicted: u64, force: bool) -> Result<(), CliError> {
     check_against(what, predicted, force, &limits())
 }
 
@@ -273,7 +273,7 @@ fn check_against(
 }
 
 /// The budget of `spec`, checked (see [`check`]); returns the predicted peak.
-pub fn check_spec(spec: &ditmem_budget::Spec, force: bool) -> Result<u64, CliError> {
+pub(crate) fn check_spec(spec: &ditmem_budget::Spec, force: bool) -> Result<u64, CliError> {
     let budget = ditmem_budget::estimate(spec)?;
     check("this step", budget.peak_bytes, force)?;
     Ok(budget.peak_bytes)

@@ -13,11 +13,11 @@ use crate::output::file_kind;
 
 /// Largest spec (`--config`) or device profile (`--profile`) file read: 1 MiB. A spec is a few
 /// hundred bytes; the cap keeps `/dev/zero`, a huge file or a runaway generator from filling memory.
-pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// The bytes of `flag`'s file `path`: a regular file (a link to one is fine: reading through it
 /// changes nothing) of at most `cap` bytes, read without ever holding more than `cap + 1`.
-pub fn read_capped(flag: &str, path: &Path, cap: u64) -> Result<Vec<u8>, SpecError> {
+pub(crate) fn read_capped(flag: &str, path: &Path, cap: u64) -> Result<Vec<u8>, SpecError> {
     let shown = show(&path.display().to_string());
     let bad = |why: String| SpecError::invalid(flag, format!("{shown} {why}"));
     let meta = std::fs::metadata(path).map_err(|e| {
@@ -88,7 +88,7 @@ fn is_json(path: &Path) -> bool {
 
 /// `--config`: JSON when the file is named `.json`, TOML otherwise; TOML that fails to parse but
 /// looks like JSON says so.
-pub fn load_spec(path: &Path) -> Result<Spec, SpecError> {
+pub(crate) fn load_spec(path: &Path) -> Result<Spec, SpecError> {
     let text = text_of("--config", path)?;
     if is_json(path) {
         return Spec::from_json(&text);
@@ -109,7 +109,7 @@ pub fn load_spec(path: &Path) -> Result<Spec, SpecError> {
 
 /// Whether a spec file sets `runtime` at its top level (read again after [`load_spec`] accepted
 /// it; a file without one takes the command's default runtime).
-pub fn config_names_runtime(path: &Path) -> Result<bool, SpecError> {
+pub(crate) fn config_names_runtime(path: &Path) -> Result<bool, SpecError> {
     let text = text_of("--config", path)?;
     Ok(if is_json(path) {
         serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&text)
@@ -124,7 +124,7 @@ pub fn config_names_runtime(path: &Path) -> Result<bool, SpecError> {
 
 /// `--model`: a diffusers `config.json`, or a folder holding one (a checkpoint's `transformer/`):
 /// the model read from it and the config object itself (what a spec's `model.diffusers` holds).
-pub fn load_model(
+pub(crate) fn load_model(
     path: &Path,
 ) -> Result<(FamilyModel, serde_json::Map<String, serde_json::Value>), SpecError> {
     let file = if path.is_dir() {
@@ -150,7 +150,7 @@ pub fn load_model(
 
 /// A diffusers `config.json` given as a value (the API's `model` dict, a live model's
 /// `config`): read as [`load_model`] reads the file, errors naming `field`.
-pub fn model_from_value(
+pub(crate) fn model_from_value(
     field: &str,
     value: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<(FamilyModel, serde_json::Map<String, serde_json::Value>), SpecError> {
@@ -214,7 +214,7 @@ fn model_from_text(
 
 /// The `--config` file as a tree of values (to see which fields it gives, e.g.
 /// `recipe.precision`); the same reading rules as [`load_spec`].
-pub fn spec_value(path: &Path) -> Result<serde_json::Value, SpecError> {
+pub(crate) fn spec_value(path: &Path) -> Result<serde_json::Value, SpecError> {
     let text = text_of("--config", path)?;
     let parsed: Result<serde_json::Value, String> = if is_json(path) {
         serde_json::from_str(&text).map_err(|e| e.to_string())
@@ -232,12 +232,12 @@ pub fn spec_value(path: &Path) -> Result<serde_json::Value, SpecError> {
 
 /// Slowest and fastest rates a device profile may give (per second): below 1e3 a DiT step takes
 /// longer than the age of the universe and its figures stop being numbers ("inf s", "NaN %").
-pub const PROFILE_RATES: (f64, f64) = (1e3, 1e18);
+pub(crate) const PROFILE_RATES: (f64, f64) = (1e3, 1e18);
 /// Largest fixed cost of a forward+backward pass in a profile, in seconds.
-pub const MAX_OVERHEAD_S: f64 = 3600.0;
+pub(crate) const MAX_OVERHEAD_S: f64 = 3600.0;
 
 /// `--profile`: a device profile (TOML, or JSON by extension) with sane rates.
-pub fn load_profile(path: &Path) -> Result<DeviceProfile, SpecError> {
+pub(crate) fn load_profile(path: &Path) -> Result<DeviceProfile, SpecError> {
     let text = text_of("--profile", path)?;
     let parsed: Result<DeviceProfile, String> = if is_json(path) {
         serde_json::from_str(&text).map_err(|e| e.to_string())

@@ -6,6 +6,10 @@
 //! 4 verify failed, 5 a needed external tool missing, 130 interrupted. [`api`] gives the same
 //! answers as values (the `--json` output) and typed errors.
 
+// A `pub` item the crate root does not export would read as API and is not: it must say
+// `pub(crate)` (issue 45: public items only where another crate can use them).
+#![warn(unreachable_pub)]
+
 pub mod api;
 pub(crate) mod args;
 pub(crate) mod compare_cmd;

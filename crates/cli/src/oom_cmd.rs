@@ -20,7 +20,7 @@ use crate::CliError;
 const WIDTH: usize = 100;
 
 #[derive(Debug, Clone, Args)]
-pub struct OomArgs {
+pub(crate) struct OomArgs {
     /// The out-of-memory message (quote it), or '-' to read stdin; without it and without
     /// --file, stdin when it is not a terminal. A pasted log is fine: the first message in it is
     /// read (at most 1 MiB).
@@ -47,7 +47,7 @@ pub struct OomArgs {
 
 /// Everything `ditmem oom` says, as `--json` prints it.
 #[derive(Debug, Serialize)]
-pub struct OomReport {
+pub(crate) struct OomReport {
     pub message: OomMessage,
     pub diagnosis: Diagnosis,
     /// The catalog card the levers were evaluated on (`--gpu`, else the nearest match).
@@ -100,7 +100,7 @@ fn spec_given(s: &SpecArgs) -> bool {
     s.preset.is_some() || s.config.is_some() || s.model.is_some()
 }
 
-pub fn run(args: OomArgs) -> Result<(), CliError> {
+pub(crate) fn run(args: OomArgs) -> Result<(), CliError> {
     // 8-bit AdamW is always tried; `8bit` is accepted for symmetry with `plan --allow`.
     let allow = crate::plan_cmd::parse_allow(&args.allow)?;
     let (text, field) = read_message(&args)?;
@@ -426,7 +426,7 @@ fn lever_table(r: &LeverReport) -> String {
 }
 
 /// The human report: the meaning first, then the levers.
-pub fn render(r: &OomReport) -> String {
+pub(crate) fn render(r: &OomReport) -> String {
     let (m, d) = (&r.message, &r.diagnosis);
     let mut out = String::new();
     let backend = if m.backend.is_empty() {

@@ -22,12 +22,12 @@ use crate::render::{fmt_count, Table};
 use crate::CliError;
 
 /// What the output says about the rest of a step: the table counts model state only.
-pub const ACTIVATIONS_NOTE: &str =
+pub(crate) const ACTIVATIONS_NOTE: &str =
     "model state only; a whole step (activations, text encoders and VAE, the allocator) is \
 `ditmem estimate` with the same --preset or --model";
 
 #[derive(Debug, Clone, Args)]
-pub struct ParamsArgs {
+pub(crate) struct ParamsArgs {
     /// A diffusers transformer config.json, or a folder holding one (a checkpoint's transformer/).
     #[arg(long, value_name = "PATH", conflicts_with = "preset")]
     pub model: Option<PathBuf>,
@@ -75,7 +75,7 @@ struct Params<'a> {
     per_group: &'a [ditmem_budget::GroupCount],
 }
 
-pub fn run(args: ParamsArgs) -> Result<(), CliError> {
+pub(crate) fn run(args: ParamsArgs) -> Result<(), CliError> {
     let model = match (&args.model, &args.preset, &args.model_json) {
         (Some(path), _, _) => crate::input::load_model(path)?.0,
         (None, Some(name), _) => family_preset(name)?,
@@ -219,7 +219,7 @@ fn dims_line(m: &FamilyModel) -> String {
 
 /// What `--weights` found.
 #[derive(Debug, Serialize)]
-pub struct WeightsCheck {
+pub(crate) struct WeightsCheck {
     pub files: usize,
     pub tensors: u64,
     /// Tensors per safetensors dtype.
@@ -229,11 +229,11 @@ pub struct WeightsCheck {
 }
 
 /// Largest safetensors header read: 100 MB, the `safetensors` crate's own limit.
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+pub(crate) const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// Largest sharded index read (the published ones are under 200 KB).
-pub const MAX_INDEX_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_INDEX_BYTES: u64 = 16 << 20;
 /// Most shards an index may name.
-pub const MAX_SHARDS: usize = 1024;
+pub(crate) const MAX_SHARDS: usize = 1024;
 
 fn werr(why: String) -> SpecError {
     SpecError::invalid("--weights", why)

@@ -18,7 +18,7 @@ use crate::stats::{summarize, Summary};
 use crate::CliError;
 
 #[derive(Debug, Clone, Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Warm-up steps (not measured; the optimizer state exists after the first).
@@ -53,7 +53,7 @@ pub struct RunArgs {
 
 /// The report of a run.
 #[derive(Debug, Clone, Serialize)]
-pub struct RunReport {
+pub(crate) struct RunReport {
     pub spec: Spec,
     /// Highest live heap bytes over the measured steps (after warm-up).
     pub peak_bytes: u64,
@@ -83,7 +83,7 @@ pub struct RunReport {
 
 /// [`RunReport::phase_time_s`]: each phase's wall seconds over the measured steps.
 #[derive(Debug, Clone, Serialize)]
-pub struct PhaseTimeSummary {
+pub(crate) struct PhaseTimeSummary {
     pub forward: Summary,
     pub backward: Summary,
     pub optimizer: Summary,
@@ -114,7 +114,7 @@ fn install_ctrlc() {
 }
 
 /// Run a spec with the binary's allocator as the probe.
-pub fn measure(
+pub(crate) fn measure(
     spec: &Spec,
     opts: &RunOptions,
     probe: &dyn MemoryProbe,
@@ -153,7 +153,7 @@ pub fn measure(
 
 /// An engine error as the CLI reports it: the spec, an unsupported recipe and unreadable latents
 /// are bad input (exit 2), Ctrl-C is 130, the rest internal (1).
-pub fn engine_err(e: EngineError) -> CliError {
+pub(crate) fn engine_err(e: EngineError) -> CliError {
     match e {
         EngineError::Spec(e) => CliError::Spec(e),
         EngineError::BadInput { what, why } => CliError::Spec(SpecError::invalid(what, why)),
@@ -172,7 +172,7 @@ pub fn engine_err(e: EngineError) -> CliError {
 
 /// `run` and `compare` execute the candle engine: a spec for another runtime (PyTorch) would
 /// hold the engine's measurement against a prediction for something else.
-pub fn require_engine_runtime(spec: &Spec, command: &str) -> Result<(), CliError> {
+pub(crate) fn require_engine_runtime(spec: &Spec, command: &str) -> Result<(), CliError> {
     if spec.runtime == Runtime::DitmemCpu {
         return Ok(());
     }
@@ -189,7 +189,7 @@ pub fn require_engine_runtime(spec: &Spec, command: &str) -> Result<(), CliError
 /// `--latents-dir` must be an existing folder whose latent files are regular files within the
 /// engine's cap (`ditmem_engine::diffusion::latent_files`: nothing opened, so a FIFO named
 /// `a.npy` cannot block): checked before the model is built.
-pub fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> {
+pub(crate) fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> {
     let Some(dir) = dir else { return Ok(()) };
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => ditmem_engine::diffusion::latent_files(dir)
@@ -213,7 +213,7 @@ pub fn check_latents_dir(dir: Option<&std::path::Path>) -> Result<(), CliError> 
     }
 }
 
-pub fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+pub(crate) fn run(args: RunArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     // Every input and output is checked before the model is built or anything is measured.
     crate::output::check_outputs(&[("--out", args.out.as_deref())])?;
     // Before the thread pools start (reading the spec's CPU starts rayon's).

@@ -52,7 +52,7 @@ fn cuda_spec(args: &SpecArgs) -> Result<Spec, SpecError> {
 }
 
 /// Read, replay, predict, compare; print and draw.
-pub fn run(
+pub(crate) fn run(
     args: &SpecArgs,
     path: &Path,
     device: Option<u32>,

@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Summary {
+pub(crate) struct Summary {
     pub p50: f64,
     pub p95: f64,
     pub p99: f64,
@@ -14,7 +14,7 @@ pub struct Summary {
 }
 
 /// Nearest-rank percentile (`q` in 0..=100) of unsorted samples; NaN for no samples.
-pub fn percentile(samples: &[f64], q: f64) -> f64 {
+pub(crate) fn percentile(samples: &[f64], q: f64) -> f64 {
     if samples.is_empty() {
         return f64::NAN;
     }
@@ -24,7 +24,7 @@ pub fn percentile(samples: &[f64], q: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-pub fn summarize(samples: &[f64]) -> Summary {
+pub(crate) fn summarize(samples: &[f64]) -> Summary {
     let n = samples.len();
     let mean = if n == 0 {
         f64::NAN

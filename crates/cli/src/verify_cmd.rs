@@ -27,10 +27,10 @@ use crate::render::{fmt_count, recipe_line, spec_line, Column, Table};
 use crate::CliError;
 
 /// Exit code when at least one variant fails.
-pub const EXIT_FAILED: u8 = 4;
+pub(crate) const EXIT_FAILED: u8 = 4;
 
 #[derive(Debug, Clone, Args)]
-pub struct VerifyArgs {
+pub(crate) struct VerifyArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Variants, comma-separated `precision/recompute/attention` (`*` or a missing part = every
@@ -84,7 +84,7 @@ pub struct VerifyArgs {
 /// The small model verify runs by default: seconds per variant on two cores.
 /// DiT block structure at depth 2, hidden 64, 4 heads, patch 2, 128×128 images (16×16 latents,
 /// 64 tokens), batch 4, 10 classes, no EMA.
-pub fn default_spec() -> Spec {
+pub(crate) fn default_spec() -> Spec {
     Spec::small()
 }
 
@@ -241,7 +241,7 @@ fn guard(
 /// Test hook, not a user setting: when set, `DITMEM_TEST_FREE_DISK=<bytes>` stands for the free
 /// space of the file system verify writes its reference to, so the CLI tests can exercise the
 /// refusal without filling a disk.
-pub const FREE_DISK_ENV: &str = "DITMEM_TEST_FREE_DISK";
+pub(crate) const FREE_DISK_ENV: &str = "DITMEM_TEST_FREE_DISK";
 
 /// Bytes an unprivileged process may still write on the file system of `dir` (statvfs:
 /// f_bavail × f_frsize); `None` when it cannot be read.
@@ -288,7 +288,10 @@ fn bar(len: u64, show: bool, prefix: &str) -> ProgressBar {
     b
 }
 
-pub fn run(args: VerifyArgs, alloc: &'static ditmem_engine::CountingAlloc) -> Result<(), CliError> {
+pub(crate) fn run(
+    args: VerifyArgs,
+    alloc: &'static ditmem_engine::CountingAlloc,
+) -> Result<(), CliError> {
     let started = Instant::now();
     let heap_before = alloc.live();
     crate::output::check_outputs(&[

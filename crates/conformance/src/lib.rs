@@ -10,6 +10,10 @@
 //!
 //! The engine only trains and measures; what it is held to lives here.
 
+// A `pub` item the crate root does not export would read as API and is not: it must say
+// `pub(crate)` (issue 45: public items only where another crate can use them).
+#![warn(unreachable_pub)]
+
 // The engine's modules under the names `verify` and `agree` were written with while they lived in
 // the engine (`crate::ops::…`, `crate::trainer::…`): imported once here, so the files moved
 // unchanged. The engine's families are named `ditmem_engine::families` (`crate::families` is the

@@ -58,6 +58,10 @@
 //! output; a recomputed block keeps only its input (which shares storage with the previous block's
 //! output).
 
+// A `pub` item the crate root does not export would read as API and is not: it must say
+// `pub(crate)` (issue 45: public items only where another crate can use them).
+#![warn(unreachable_pub)]
+
 pub mod diffusion;
 pub mod error;
 pub mod families;

@@ -226,7 +226,7 @@ pub(crate) struct Recorder<'a> {
 }
 
 impl<'a> Recorder<'a> {
-    pub fn new(probe: Option<&'a dyn MemoryProbe>) -> Self {
+    pub(crate) fn new(probe: Option<&'a dyn MemoryProbe>) -> Self {
         if let Some(p) = probe {
             p.reset_peak();
         }
@@ -240,7 +240,7 @@ impl<'a> Recorder<'a> {
     }
 
     /// Close the current phase (record its peak) and start `phase` with a fresh high-water mark.
-    pub fn enter(&mut self, phase: Phase) {
+    pub(crate) fn enter(&mut self, phase: Phase) {
         if let Some(p) = self.probe {
             self.peaks.set(self.phase, p.peak());
             p.reset_peak();
@@ -249,7 +249,7 @@ impl<'a> Recorder<'a> {
     }
 
     /// Record live bytes after the segment `label`.
-    pub fn mark(&mut self, label: impl Into<String>) {
+    pub(crate) fn mark(&mut self, label: impl Into<String>) {
         if let Some(p) = self.probe {
             self.timeline.push(TimelinePoint {
                 phase: self.phase,
@@ -261,7 +261,7 @@ impl<'a> Recorder<'a> {
     }
 
     /// Close the last phase.
-    pub fn finish(mut self) -> (Vec<TimelinePoint>, PhasePeaks) {
+    pub(crate) fn finish(mut self) -> (Vec<TimelinePoint>, PhasePeaks) {
         if let Some(p) = self.probe {
             self.peaks.set(self.phase, p.peak());
         }

@@ -317,7 +317,7 @@ impl InplaceOp2 for EmaStep {
 
 /// The two float types the optimizer kernels run in.
 mod num_like {
-    pub trait Float:
+    pub(super) trait Float:
         Copy
         + std::ops::Add<Output = Self>
         + std::ops::Sub<Output = Self>
@@ -491,7 +491,7 @@ pub(crate) struct Ema {
 
 impl Ema {
     /// Starts as a copy of `params` in `dtype`.
-    pub fn new(params: &[&Var], decay: f64, dtype: DType) -> Result<Self> {
+    pub(crate) fn new(params: &[&Var], decay: f64, dtype: DType) -> Result<Self> {
         let shadow = params
             .iter()
             .map(|p| Ok(p.as_tensor().detach().to_dtype(dtype)?.copy()?.detach()))
@@ -499,7 +499,7 @@ impl Ema {
         Ok(Ema { decay, shadow })
     }
 
-    pub fn update(&mut self, params: &[&Var]) -> Result<()> {
+    pub(crate) fn update(&mut self, params: &[&Var]) -> Result<()> {
         let step = EmaStep { decay: self.decay };
         for (s, p) in self.shadow.iter().zip(params) {
             s.inplace_op2(p.as_tensor(), &step)?;
@@ -511,7 +511,7 @@ impl Ema {
         &self.shadow
     }
 
-    pub fn state_bytes(&self) -> u64 {
+    pub(crate) fn state_bytes(&self) -> u64 {
         self.shadow.iter().map(bytes).sum()
     }
 }

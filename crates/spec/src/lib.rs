@@ -21,6 +21,10 @@
 //! It depends on no other crate of the workspace: the budget (`ditmem-budget`) re-exports it, the
 //! engine and the conformance suite read the spec from here.
 
+// A `pub` item the crate root does not export would read as API and is not: it must say
+// `pub(crate)` (issue 45: public items only where another crate can use them).
+#![warn(unreachable_pub)]
+
 mod cpu;
 pub mod error;
 mod limits;

@@ -18,18 +18,18 @@ pub(crate) enum Yaml {
 }
 
 impl Yaml {
-    pub fn str(s: impl Into<String>) -> Yaml {
+    pub(super) fn str(s: impl Into<String>) -> Yaml {
         Yaml::Str(s.into())
     }
 }
 
 /// A single-quoted YAML scalar.
-pub fn quote(s: &str) -> String {
+pub(super) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
 /// `map` as block YAML, keys in the given order.
-pub fn emit(map: &[(&'static str, Yaml)]) -> String {
+pub(super) fn emit(map: &[(&'static str, Yaml)]) -> String {
     let mut out = String::new();
     emit_into(map, 0, &mut out);
     out

@@ -13,13 +13,13 @@ use crate::error::SpecError;
 /// depth cap, so the two stacks of a Flux model stay within it together.
 pub(crate) const MAX_LAYERS: u64 = crate::spec::MAX_DEPTH as u64 / 2;
 /// Largest hidden size, head count × head size (SD3.5-large: 2432; Wan 14B: 5120): the spec's.
-pub const MAX_HIDDEN: u64 = crate::spec::MAX_HIDDEN as u64;
+pub(super) const MAX_HIDDEN: u64 = crate::spec::MAX_HIDDEN as u64;
 /// Largest head count, head size, channel count or embedding width.
 pub(crate) const MAX_DIM: u64 = 65_536;
 /// Largest patch size along one axis.
-pub const MAX_PATCH: u64 = 64;
+pub(super) const MAX_PATCH: u64 = 64;
 /// Largest latent side (`sample_size`) or position-table side (`pos_embed_max_size`).
-pub const MAX_SIDE: u64 = 4_096;
+pub(super) const MAX_SIDE: u64 = 4_096;
 /// Largest FFN width (Wan 14B: 13,824).
 pub(crate) const MAX_FFN: u64 = 1 << 20;
 /// Largest row count of a table (label classes, RoPE positions).

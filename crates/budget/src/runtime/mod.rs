@@ -23,7 +23,7 @@ pub(crate) mod shape;
 
 pub(crate) use costs::SegmentCosts;
 pub use costs::{Kept, SegSim, Sims};
-pub use model::RuntimeModel;
+pub(crate) use model::RuntimeModel;
 pub use shape::Shape;
 
 use crate::spec::{Runtime, Spec};

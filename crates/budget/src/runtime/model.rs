@@ -13,7 +13,7 @@ use crate::segment::{simulate, Segment, Tid};
 use crate::spec::{Dtype, Optimizer, Precision, Spec};
 
 /// Where a runtime's per-op rules come from and how it allocates.
-pub trait RuntimeModel {
+pub(crate) trait RuntimeModel {
     fn name(&self) -> &'static str;
     /// Forward graph of the input side: noising, patch embedding, timestep and label embedders.
     fn embed_segment(&self, shape: &Shape) -> Segment;

@@ -152,7 +152,7 @@ impl Shape {
 /// Whether the engine runs `spec`'s embed frozen: a diffusers family under LoRA with no
 /// adapter on an embedder (the replay's embed tensors; the engine's
 /// `FamilyStep::embed_params`).
-pub fn frozen_embed(spec: &Spec) -> bool {
+pub(crate) fn frozen_embed(spec: &Spec) -> bool {
     use crate::params::ParamRole;
     if spec.recipe.lora.is_none() || !matches!(crate::denoiser::family(spec), Ok(Some(_))) {
         return false;

@@ -9,7 +9,7 @@ use crate::render::{fmt_count, Table};
 use crate::CliError;
 
 #[derive(Debug, Clone, Args)]
-pub struct AgreeArgs {
+pub(crate) struct AgreeArgs {
     /// Run only every N-th spec of the grid (1 = all).
     #[arg(long, default_value_t = 1, value_parser = crate::flags::positive_usize, allow_hyphen_values = true)]
     pub every: usize,
@@ -23,7 +23,7 @@ pub struct AgreeArgs {
 
 /// The model families `ditmem agree` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum AgreeFamily {
+pub(crate) enum AgreeFamily {
     Dit,
     Pixart,
     Sd3,
@@ -69,7 +69,7 @@ struct Part<R> {
     results: R,
 }
 
-pub fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+pub(crate) fn agree_grid(args: AgreeArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     crate::guard::check_process("agree", 0)?;
     if args.every == 0 {
         return Err(CliError::Spec(ditmem_budget::SpecError::invalid(

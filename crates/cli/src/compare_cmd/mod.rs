@@ -20,12 +20,12 @@ use crate::conditions::Conditions;
 use crate::render::{breakdown_table, fmt_count, recipe_line, rel_err_pct, spec_line, Table};
 use crate::CliError;
 
-pub use agree::{agree_grid, AgreeArgs};
+pub(crate) use agree::{agree_grid, AgreeArgs};
 use pytorch::compare_pytorch;
-pub use timeline::timeline_svg;
+pub(crate) use timeline::timeline_svg;
 
 #[derive(Debug, Clone, Args)]
-pub struct CompareArgs {
+pub(crate) struct CompareArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Measured steps after the warm-up step.
@@ -66,7 +66,7 @@ struct CompareReport {
     conditions: Conditions,
 }
 
-pub fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
+pub(crate) fn compare(args: CompareArgs, probe: &dyn MemoryProbe) -> Result<(), CliError> {
     crate::output::check_outputs(&[("--plot", args.plot.as_deref())])?;
     crate::guard::check_process("compare", 0)?;
     if let Some(path) = &args.snapshot {

@@ -106,7 +106,7 @@ impl Axes {
 /// The step's live bytes over its predicted time (the measured boundaries beside them when there
 /// is a measurement), phases shaded, the GPU's capacity and usable bytes as lines (with a GPU),
 /// the peak marked, and the categories at the peak as a bar on the same scale.
-pub fn timeline_svg(
+pub(crate) fn timeline_svg(
     b: &Budget,
     measured: Option<(&Measurement, &Agreement)>,
 ) -> anyhow::Result<String> {

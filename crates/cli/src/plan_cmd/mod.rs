@@ -30,7 +30,7 @@ use parse::{
 use report::{pareto_svg, report, PlanReport};
 
 #[derive(Debug, Clone, Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
     /// Memory of one rank, binary units: 24GiB, 40G, 81920MiB, or bytes (default with --gpu:
@@ -163,7 +163,7 @@ impl Ticker {
     }
 }
 
-pub fn run(args: PlanArgs) -> Result<(), CliError> {
+pub(crate) fn run(args: PlanArgs) -> Result<(), CliError> {
     // Every flag and output path is checked before any work or any file is written.
     let flags = check_flags(&args)?;
     let pinned = pinned(&args.spec)?;

@@ -9,7 +9,7 @@ use ditmem_budget::Family;
 use ditmem_budget::SpecError;
 
 /// The search's default time limit: the README's promise of an answer within 30 s.
-pub const DEFAULT_TIME_LIMIT_S: f64 = 30.0;
+pub(super) const DEFAULT_TIME_LIMIT_S: f64 = 30.0;
 
 /// `--time-limit`: 0.1 to 86,400 seconds.
 pub(super) fn time_limit(text: &str) -> Result<f64, String> {

@@ -4,21 +4,21 @@
 
 /// Width and height of a chart's viewBox and of its `width`/`height` attributes: fits a laptop
 /// screen without scaling.
-pub const SIZE: (f64, f64) = (960.0, 540.0);
+pub(crate) const SIZE: (f64, f64) = (960.0, 540.0);
 
 /// Average glyph advance of the sans-serif fonts a browser picks (DejaVu Sans, Arial,
 /// Helvetica), in em, on the generous side: DejaVu's digits are 0.64 em, its lower case about
 /// 0.57 em on average, Arial's narrower.
-pub const GLYPH_EM: f64 = 0.64;
+pub(crate) const GLYPH_EM: f64 = 0.64;
 /// A text's box above its baseline and below it, in em (ascenders and descenders).
-pub const ASCENT_EM: f64 = 0.8;
-pub const DESCENT_EM: f64 = 0.25;
+pub(crate) const ASCENT_EM: f64 = 0.8;
+pub(crate) const DESCENT_EM: f64 = 0.25;
 
 pub(super) const FONT: &str = "DejaVu Sans, Arial, Helvetica, sans-serif";
 
 /// An axis-aligned box in SVG pixels (y grows downwards).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Rect {
+pub(crate) struct Rect {
     pub x0: f64,
     pub y0: f64,
     pub x1: f64,
@@ -26,13 +26,13 @@ pub struct Rect {
 }
 
 impl Rect {
-    pub fn new(x0: f64, y0: f64, x1: f64, y1: f64) -> Rect {
+    pub(crate) fn new(x0: f64, y0: f64, x1: f64, y1: f64) -> Rect {
         Rect { x0, y0, x1, y1 }
     }
-    pub fn overlaps(&self, o: &Rect) -> bool {
+    pub(crate) fn overlaps(&self, o: &Rect) -> bool {
         self.x0 < o.x1 && o.x0 < self.x1 && self.y0 < o.y1 && o.y0 < self.y1
     }
-    pub fn inside(&self, o: &Rect) -> bool {
+    pub(crate) fn inside(&self, o: &Rect) -> bool {
         self.x0 >= o.x0 && self.x1 <= o.x1 && self.y0 >= o.y0 && self.y1 <= o.y1
     }
     pub(super) fn grow(&self, by: f64) -> Rect {
@@ -42,7 +42,7 @@ impl Rect {
 
 /// Where a text's `x` is: its start, middle or end (SVG `text-anchor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Anchor {
+pub(crate) enum Anchor {
     Start,
     Middle,
     End,
@@ -59,12 +59,12 @@ impl Anchor {
 }
 
 /// Estimated width of a text in pixels: characters × font size × [`GLYPH_EM`].
-pub fn text_width(text: &str, size: f64) -> f64 {
+pub(crate) fn text_width(text: &str, size: f64) -> f64 {
     text.chars().count() as f64 * size * GLYPH_EM
 }
 
 /// Estimated box of a text drawn at (x, y) (y its baseline).
-pub fn text_box(x: f64, y: f64, size: f64, anchor: Anchor, text: &str) -> Rect {
+pub(crate) fn text_box(x: f64, y: f64, size: f64, anchor: Anchor, text: &str) -> Rect {
     let w = text_width(text, size);
     let x0 = match anchor {
         Anchor::Start => x,
@@ -76,7 +76,7 @@ pub fn text_box(x: f64, y: f64, size: f64, anchor: Anchor, text: &str) -> Rect {
 
 /// Break `text` at spaces into lines no wider than `width` at `size`; at most `max_lines`, the
 /// last shortened with "…" when the rest does not fit.
-pub fn wrap(text: &str, size: f64, width: f64, max_lines: usize) -> Vec<String> {
+pub(crate) fn wrap(text: &str, size: f64, width: f64, max_lines: usize) -> Vec<String> {
     let fits = |s: &str| text_width(s, size) <= width;
     let mut lines: Vec<String> = Vec::new();
     let mut cur = String::new();
@@ -108,7 +108,7 @@ pub fn wrap(text: &str, size: f64, width: f64, max_lines: usize) -> Vec<String> 
 }
 
 /// `text` cut to fit `width` at `size`, ending in "…" when cut.
-pub fn shorten(text: &str, size: f64, width: f64) -> String {
+pub(crate) fn shorten(text: &str, size: f64, width: f64) -> String {
     if text_width(text, size) <= width {
         return text.to_string();
     }
@@ -128,7 +128,7 @@ pub(super) fn esc(s: &str) -> String {
 
 /// Candidate positions of a label around a point, in the order tried: (dx, dy, anchor) with dy
 /// the baseline's offset. Right and above first, then left, below, and further out.
-pub fn around(gap: f64, size: f64) -> Vec<(f64, f64, Anchor)> {
+pub(crate) fn around(gap: f64, size: f64) -> Vec<(f64, f64, Anchor)> {
     let up = -gap;
     let down = gap + ASCENT_EM * size;
     let mid = (ASCENT_EM - DESCENT_EM) * size / 2.0;
@@ -156,7 +156,7 @@ pub fn around(gap: f64, size: f64) -> Vec<(f64, f64, Anchor)> {
 
 /// An SVG being drawn: its elements, and the boxes of what is placed so far (texts: never to be
 /// overlapped; data: overlapped only when nothing else is free).
-pub struct Canvas {
+pub(crate) struct Canvas {
     pub w: f64,
     pub h: f64,
     body: String,
@@ -165,7 +165,7 @@ pub struct Canvas {
 }
 
 impl Canvas {
-    pub fn new(w: f64, h: f64) -> Canvas {
+    pub(crate) fn new(w: f64, h: f64) -> Canvas {
         Canvas {
             w,
             h,
@@ -175,23 +175,23 @@ impl Canvas {
         }
     }
 
-    pub fn frame(&self) -> Rect {
+    pub(crate) fn frame(&self) -> Rect {
         Rect::new(2.0, 2.0, self.w - 2.0, self.h - 2.0)
     }
 
-    pub fn raw(&mut self, s: &str) {
+    pub(crate) fn raw(&mut self, s: &str) {
         self.body.push_str(s);
         self.body.push('\n');
     }
 
     /// Mark a box as taken by something that is not text (a legend swatch, a bar), so labels
     /// keep off it.
-    pub fn occupy(&mut self, r: Rect) {
+    pub(crate) fn occupy(&mut self, r: Rect) {
         self.texts.push(r);
     }
 
     /// Mark the data (points and lines) that labels should rather not cover.
-    pub fn data_points(&mut self, pts: &[(f64, f64)]) {
+    pub(crate) fn data_points(&mut self, pts: &[(f64, f64)]) {
         for w in pts.windows(2) {
             let (a, b) = (w[0], w[1]);
             let n = (((b.0 - a.0).hypot(b.1 - a.1)) / 4.0).ceil().max(1.0) as usize;
@@ -218,7 +218,15 @@ impl Canvas {
     }
 
     /// Draw a text where it is told to (titles, ticks), and keep its box.
-    pub fn text(&mut self, x: f64, y: f64, size: f64, anchor: Anchor, text: &str, style: &str) {
+    pub(crate) fn text(
+        &mut self,
+        x: f64,
+        y: f64,
+        size: f64,
+        anchor: Anchor,
+        text: &str,
+        style: &str,
+    ) {
         self.texts.push(text_box(x, y, size, anchor, text));
         self.emit_text(x, y, size, anchor, text, style);
     }
@@ -233,7 +241,7 @@ impl Canvas {
     }
 
     /// Whether a text there would be free: inside `within`, clear of every placed text.
-    pub fn free(&self, b: &Rect, within: &Rect) -> bool {
+    pub(crate) fn free(&self, b: &Rect, within: &Rect) -> bool {
         b.inside(within) && !self.texts.iter().any(|t| t.overlaps(&b.grow(1.0)))
     }
 
@@ -241,7 +249,7 @@ impl Canvas {
     /// overlaps no placed text, preferring one that also clears the data. Draws it (white halo,
     /// and a thin leader line when it sits far from its point, unless [`Label::no_leader`]) and
     /// returns where, or None when every candidate is taken.
-    pub fn place(
+    pub(crate) fn place(
         &mut self,
         x: f64,
         y: f64,
@@ -282,7 +290,7 @@ impl Canvas {
         Some(b)
     }
 
-    pub fn finish(self) -> String {
+    pub(crate) fn finish(self) -> String {
         format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"{FONT}\">\n\
              <rect x=\"0\" y=\"0\" width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n{}</svg>\n",
@@ -294,7 +302,7 @@ impl Canvas {
 }
 
 /// About `n` round tick values covering `lo..=hi`.
-pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+pub(crate) fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     if hi <= lo || !lo.is_finite() || !hi.is_finite() {
         return vec![lo];
     }
@@ -311,7 +319,7 @@ pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
 }
 
 /// A tick value with as many decimals as its step needs.
-pub fn fmt_tick(v: f64, step: f64) -> String {
+pub(crate) fn fmt_tick(v: f64, step: f64) -> String {
     // The fewest decimals that write the step exactly (0.25 → 2, 50 → 0).
     let dec = (0..=6)
         .find(|&d| {
@@ -330,7 +338,7 @@ pub fn fmt_tick(v: f64, step: f64) -> String {
 /// A label for [`Canvas::place`]: its text, font size and SVG style, and whether a thin
 /// leader line joins it to its point when it lands far away.
 #[derive(Debug, Clone, Copy)]
-pub struct Label<'a> {
+pub(crate) struct Label<'a> {
     pub text: &'a str,
     pub size: f64,
     pub style: &'a str,
@@ -339,7 +347,7 @@ pub struct Label<'a> {
 
 impl<'a> Label<'a> {
     /// A label with its leader line.
-    pub fn new(text: &'a str, size: f64, style: &'a str) -> Label<'a> {
+    pub(crate) fn new(text: &'a str, size: f64, style: &'a str) -> Label<'a> {
         Label {
             text,
             size,
@@ -349,7 +357,7 @@ impl<'a> Label<'a> {
     }
 
     /// The same label without a leader line (a note, a rule's or a bar segment's name).
-    pub fn no_leader(self) -> Label<'a> {
+    pub(crate) fn no_leader(self) -> Label<'a> {
         Label {
             leader: false,
             ..self
@@ -359,7 +367,7 @@ impl<'a> Label<'a> {
 
 /// A linear map from data to pixels.
 #[derive(Debug, Clone, Copy)]
-pub struct Scale {
+pub(crate) struct Scale {
     pub d0: f64,
     pub d1: f64,
     pub p0: f64,
@@ -367,7 +375,7 @@ pub struct Scale {
 }
 
 impl Scale {
-    pub fn at(&self, v: f64) -> f64 {
+    pub(crate) fn at(&self, v: f64) -> f64 {
         let span = if self.d1 > self.d0 {
             self.d1 - self.d0
         } else {
@@ -463,7 +471,7 @@ pub(super) fn heading(c: &mut Canvas, title: &str, subtitles: &[String]) -> f64 
 
 /// How a legend entry is drawn.
 #[derive(Debug, Clone, Copy)]
-pub enum Swatch {
+pub(crate) enum Swatch {
     Line(&'static str),
     Dot(&'static str),
     Ring,
@@ -526,7 +534,7 @@ pub(super) fn polyline(c: &mut Canvas, pts: &[(f64, f64)], col: &str, width: f64
 
 /// At most about `2 × columns` points: per pixel column the lowest and highest (in order), so
 /// peaks survive.
-pub fn decimate(pts: &[(f64, f64)], columns: usize) -> Vec<(f64, f64)> {
+pub(crate) fn decimate(pts: &[(f64, f64)], columns: usize) -> Vec<(f64, f64)> {
     if pts.len() <= 2 * columns.max(1) {
         return pts.to_vec();
     }
@@ -558,7 +566,7 @@ pub fn decimate(pts: &[(f64, f64)], columns: usize) -> Vec<(f64, f64)> {
 }
 
 /// Two SVG documents next to each other in one.
-pub fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String {
+pub(crate) fn side_by_side(left: &str, lw: u32, right: &str, rw: u32, h: u32) -> String {
     let strip = |s: &str| s.trim_start_matches(|c| c != '<').to_string();
     format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\">\n\

@@ -6,7 +6,7 @@ use plotters::prelude::*;
 
 /// One named curve.
 #[derive(Debug, Clone)]
-pub struct Series {
+pub(crate) struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,
     /// Draw markers at the points (for sparse data such as a Pareto front).
@@ -17,14 +17,14 @@ pub struct Series {
 
 /// A vertical line with a label (a phase boundary).
 #[derive(Debug, Clone)]
-pub struct Marker {
+pub(crate) struct Marker {
     pub x: f64,
     pub label: String,
 }
 
 /// A labelled point (the peak).
 #[derive(Debug, Clone)]
-pub struct Note {
+pub(crate) struct Note {
     pub x: f64,
     pub y: f64,
     pub label: String,
@@ -32,7 +32,7 @@ pub struct Note {
 
 /// Everything a line chart shows.
 #[derive(Debug, Clone, Default)]
-pub struct LineChart {
+pub(crate) struct LineChart {
     pub title: String,
     pub x_desc: String,
     pub y_desc: String,
@@ -57,7 +57,7 @@ pub(super) const PALETTE: [RGBColor; 11] = [
     RGBColor(0, 0, 0),
 ];
 
-pub fn color(i: usize) -> RGBColor {
+pub(crate) fn color(i: usize) -> RGBColor {
     PALETTE[i % PALETTE.len()]
 }
 
@@ -116,7 +116,7 @@ pub(super) fn bounds(chart: &LineChart) -> (f64, f64, f64, f64) {
 }
 
 /// Render a line chart to an SVG string.
-pub fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
+pub(crate) fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
@@ -215,7 +215,7 @@ pub fn line_chart(chart: &LineChart, size: (u32, u32)) -> Result<String> {
 
 /// One vertical bar split into stacked segments (e.g. bytes by category at the peak), with a
 /// legend naming each segment and its value.
-pub fn stacked_bar(
+pub(crate) fn stacked_bar(
     title: &str,
     y_desc: &str,
     segments: &[(String, f64)],

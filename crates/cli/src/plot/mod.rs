@@ -6,10 +6,10 @@ mod line;
 mod pareto;
 mod timeline;
 
-pub use canvas::*;
-pub use line::*;
-pub use pareto::*;
-pub use timeline::*;
+pub(crate) use canvas::*;
+pub(crate) use line::*;
+pub(crate) use pareto::*;
+pub(crate) use timeline::*;
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@ use super::timeline::{Rule, BLUE, GREEN, RED};
 
 /// One point of a Pareto chart.
 #[derive(Debug, Clone)]
-pub struct FrontPoint {
+pub(crate) struct FrontPoint {
     pub x: f64,
     pub y: f64,
     pub label: String,
@@ -18,7 +18,7 @@ pub struct FrontPoint {
 /// The Pareto front of `plan --plot`: peak against step time, each point named by its change,
 /// the usable and budget lines, the base and the plan marked.
 #[derive(Debug, Clone, Default)]
-pub struct ParetoChart {
+pub(crate) struct ParetoChart {
     pub title: String,
     pub subtitles: Vec<String>,
     pub x_desc: String,
@@ -31,7 +31,7 @@ pub struct ParetoChart {
 
 /// The order in which points of a front get their labels: both ends, then the middle of the
 /// widest gap between labelled ones, and so on.
-pub fn spread_order(n: usize) -> Vec<usize> {
+pub(crate) fn spread_order(n: usize) -> Vec<usize> {
     if n == 0 {
         return Vec::new();
     }
@@ -58,7 +58,7 @@ pub fn spread_order(n: usize) -> Vec<usize> {
 
 /// Render a Pareto chart as a [`SIZE`] SVG: the legend, the axes, the rules, the front and
 /// the marks drawn, then their labels (rules, marks, the front's points in [`spread_order`]).
-pub fn pareto_chart(p: &ParetoChart) -> String {
+pub(crate) fn pareto_chart(p: &ParetoChart) -> String {
     let (w, h) = SIZE;
     let mut c = Canvas::new(w, h);
     let top = heading(&mut c, &p.title, &p.subtitles);

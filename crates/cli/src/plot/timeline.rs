@@ -9,7 +9,7 @@ use super::canvas::{
 /// A horizontal line across the plot (a capacity, a budget) or a vertical one (on the Pareto
 /// chart's peak axis), with its label.
 #[derive(Debug, Clone)]
-pub struct Rule {
+pub(crate) struct Rule {
     pub at: f64,
     pub label: String,
     pub color: &'static str,
@@ -17,7 +17,7 @@ pub struct Rule {
 
 /// One span of the step (a phase of one microbatch) on the time axis.
 #[derive(Debug, Clone)]
-pub struct Span {
+pub(crate) struct Span {
     pub t0: f64,
     pub t1: f64,
     pub name: String,
@@ -30,7 +30,7 @@ pub struct Span {
 /// phases as shaded spans, capacity and budget lines, the peak, and the categories at the peak
 /// as a bar on the same scale.
 #[derive(Debug, Clone, Default)]
-pub struct TimelineChart {
+pub(crate) struct TimelineChart {
     pub title: String,
     pub subtitles: Vec<String>,
     pub x_desc: String,
@@ -49,12 +49,12 @@ pub struct TimelineChart {
 }
 
 /// A rule more than this many times the data's top is not drawn to scale (see [`timeline_chart`]).
-pub const OFF_CHART: f64 = 4.0;
+pub(crate) const OFF_CHART: f64 = 4.0;
 
-pub const BLUE: &str = "#1f77b4";
-pub const RED: &str = "#d62728";
-pub const GREEN: &str = "#2ca02c";
-pub const ORANGE: &str = "#ff7f0e";
+pub(crate) const BLUE: &str = "#1f77b4";
+pub(crate) const RED: &str = "#d62728";
+pub(crate) const GREEN: &str = "#2ca02c";
+pub(crate) const ORANGE: &str = "#ff7f0e";
 pub(super) const BAR_COLORS: [&str; 11] = [
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
     "#9c755f", "#bab0ac", "#333333",
@@ -62,7 +62,7 @@ pub(super) const BAR_COLORS: [&str; 11] = [
 
 /// Render a timeline chart as a [`SIZE`] SVG: the legend, the phase spans, the axes, the
 /// curves, the peak, the lines (said in words when far above the data), the bar at the peak.
-pub fn timeline_chart(t: &TimelineChart) -> String {
+pub(crate) fn timeline_chart(t: &TimelineChart) -> String {
     let (w, h) = SIZE;
     let mut c = Canvas::new(w, h);
     let items = legend_items(t);

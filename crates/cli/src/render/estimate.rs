@@ -10,7 +10,7 @@ use ditmem_budget::gpu::Gpu;
 use ditmem_budget::{Budget, EncoderRun, InventoryRow, Spec};
 
 /// What to do about the dominant consumer, in words.
-pub fn advice(dominant: &str, budget: &Budget) -> String {
+pub(crate) fn advice(dominant: &str, budget: &Budget) -> String {
     let r = &budget.spec.recipe;
     match dominant {
         "activations" | "weight_casts" => {
@@ -306,7 +306,7 @@ pub(super) fn top_contributors(b: &Budget) -> String {
 }
 
 /// The three largest categories of a breakdown, with their share of `total`.
-pub fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
+pub(crate) fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
     let mut e: Vec<(&str, u64)> = breakdown
         .entries()
         .into_iter()
@@ -329,7 +329,11 @@ pub fn top_of(breakdown: &ditmem_budget::Breakdown, total: u64) -> String {
 
 /// The categories of a breakdown that hold bytes, one row each: its bytes and its share of
 /// `total`, under the header `title`.
-pub fn breakdown_table(title: &str, breakdown: &ditmem_budget::Breakdown, total: u64) -> Table {
+pub(crate) fn breakdown_table(
+    title: &str,
+    breakdown: &ditmem_budget::Breakdown,
+    total: u64,
+) -> Table {
     let mut t = Table::new(&[title, "bytes", "share"]);
     for (name, v) in breakdown.entries() {
         if v > 0 {
@@ -340,7 +344,7 @@ pub fn breakdown_table(title: &str, breakdown: &ditmem_budget::Breakdown, total:
 }
 
 /// A breakdown category as a reader names it.
-pub fn category_words(name: &str) -> String {
+pub(crate) fn category_words(name: &str) -> String {
     match name {
         "ema" => "EMA".into(),
         other => other.replace('_', " "),
@@ -417,7 +421,7 @@ pub(super) fn fit_line(b: &Budget) -> String {
 
 /// A timeline label as words: the budget marks the moment inside an op or block as
 /// "block 3 (inside)"; a reader wants "inside block 3".
-pub fn where_words(label: &str) -> String {
+pub(crate) fn where_words(label: &str) -> String {
     match label.strip_suffix(" (inside)") {
         Some(what) => format!("inside {what}"),
         None => format!("at {label}"),
@@ -454,7 +458,7 @@ pub(super) fn peak_line(b: &Budget) -> String {
 /// The levers `estimate` offers: the single levers ranked against the spec's card (by what
 /// they leave without one); 8-bit AdamW always, LoRA only when nothing else fits a diffusers
 /// model trained in full — it changes what is trained. A lever that saves nothing is left out.
-pub fn estimate_levers(
+pub(crate) fn estimate_levers(
     spec: &Spec,
     b: &Budget,
 ) -> anyhow::Result<Vec<ditmem_budget::levers::Lever>> {
@@ -593,7 +597,7 @@ pub(super) fn change_line(
 
 /// What `estimate` prints: the answer first (five lines: the spec, fits, device peak, top
 /// contributors, the change), then the other levers, and the details on request.
-pub struct EstimateView<'a> {
+pub(crate) struct EstimateView<'a> {
     pub budget: &'a Budget,
     pub levers: &'a [ditmem_budget::levers::Lever],
     pub verbose: bool,
@@ -601,7 +605,7 @@ pub struct EstimateView<'a> {
     pub width: usize,
 }
 
-pub fn estimate_report(v: &EstimateView<'_>) -> String {
+pub(crate) fn estimate_report(v: &EstimateView<'_>) -> String {
     let b = v.budget;
     let w = v.width;
     let mut o = String::new();

@@ -5,10 +5,10 @@ mod table;
 mod text;
 mod words;
 
-pub use estimate::*;
-pub use table::*;
-pub use text::*;
-pub use words::*;
+pub(crate) use estimate::*;
+pub(crate) use table::*;
+pub(crate) use text::*;
+pub(crate) use words::*;
 
 #[cfg(test)]
 mod tests {

@@ -3,29 +3,29 @@
 use super::text::wrap;
 
 /// One column of a [`Table::of`] table of `T`s: its header and how an item's cell is written.
-pub type Column<'a, T> = (&'a str, &'a dyn Fn(&T) -> String);
+pub(crate) type Column<'a, T> = (&'a str, &'a dyn Fn(&T) -> String);
 
 /// A simple left/right aligned text table.
-pub struct Table {
+pub(crate) struct Table {
     header: Vec<String>,
     rows: Vec<Vec<String>>,
 }
 
 impl Table {
-    pub fn new(header: &[&str]) -> Table {
+    pub(crate) fn new(header: &[&str]) -> Table {
         Table {
             header: header.iter().map(|s| s.to_string()).collect(),
             rows: Vec::new(),
         }
     }
 
-    pub fn row(&mut self, cells: Vec<String>) {
+    pub(crate) fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
     }
 
     /// A table with one row per item: each column's header stands beside how its cells are
     /// written, so a header and its cells cannot drift apart.
-    pub fn of<T>(columns: &[Column<'_, T>], items: impl IntoIterator<Item = T>) -> Table {
+    pub(crate) fn of<T>(columns: &[Column<'_, T>], items: impl IntoIterator<Item = T>) -> Table {
         let header: Vec<&str> = columns.iter().map(|c| c.0).collect();
         let mut t = Table::new(&header);
         for item in items {
@@ -63,7 +63,7 @@ impl Table {
         s
     }
 
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let n = self.header.len();
         let width = self.widths();
         let line = |r: &Vec<String>| Self::lead(r, &width, n).trim_end().to_string();
@@ -81,7 +81,7 @@ impl Table {
 
     /// As [`Table::render`], fitted to `width` columns: the last column (words, such as a
     /// list of changes) is left-aligned and wrapped onto continuation lines under itself.
-    pub fn render_fit(&self, width: usize) -> String {
+    pub(crate) fn render_fit(&self, width: usize) -> String {
         let n = self.header.len();
         if n < 2 {
             return self.render();
@@ -118,7 +118,7 @@ impl Table {
 }
 
 /// Thousands separators for counts.
-pub fn fmt_count(n: u64) -> String {
+pub(crate) fn fmt_count(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
@@ -130,7 +130,7 @@ pub fn fmt_count(n: u64) -> String {
     out
 }
 
-pub fn pct(part: u64, whole: u64) -> String {
+pub(crate) fn pct(part: u64, whole: u64) -> String {
     if whole == 0 {
         "-".into()
     } else {
@@ -140,7 +140,7 @@ pub fn pct(part: u64, whole: u64) -> String {
 
 /// A prediction's relative error against a measurement, signed, in percent with `decimals`
 /// digits ("+1.234 %"); "-" when there is nothing measured.
-pub fn rel_err_pct(predicted: u64, measured: u64, decimals: usize) -> String {
+pub(crate) fn rel_err_pct(predicted: u64, measured: u64, decimals: usize) -> String {
     if measured == 0 {
         "-".into()
     } else {

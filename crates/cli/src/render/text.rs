@@ -2,7 +2,7 @@
 //! lines fitted to a width ([`fit_lines`]).
 
 /// The columns human output fits: the terminal's width when stdout is one, else 100.
-pub fn width() -> usize {
+pub(crate) fn width() -> usize {
     use std::io::IsTerminal;
     const PIPED: usize = 100;
     if !std::io::stdout().is_terminal() {
@@ -22,7 +22,7 @@ pub fn width() -> usize {
 
 /// `text` broken at spaces into lines of at most `width` columns, continuation lines indented
 /// by `indent` spaces (a word longer than a line stays whole). Each line ends with a newline.
-pub fn wrap(text: &str, width: usize, indent: usize) -> String {
+pub(crate) fn wrap(text: &str, width: usize, indent: usize) -> String {
     let mut out = String::new();
     let mut line = String::new();
     let mut cols = 0usize;
@@ -63,7 +63,7 @@ pub fn wrap(text: &str, width: usize, indent: usize) -> String {
 
 /// Every line of `text` longer than `width` wrapped at spaces (continuations indented by two
 /// spaces more than the line's own indent); tables and short lines pass unchanged.
-pub fn fit_lines(text: &str, width: usize) -> String {
+pub(crate) fn fit_lines(text: &str, width: usize) -> String {
     let mut out = String::new();
     for line in text.lines() {
         if line.chars().count() <= width {
@@ -84,7 +84,13 @@ pub fn fit_lines(text: &str, width: usize) -> String {
 
 /// At most `lines` lines of `text` wrapped to `width`: its clauses ("; "-separated) in order,
 /// each kept when it still fits, with `more` appended when any was left out.
-pub fn wrap_at_most(text: &str, width: usize, indent: usize, lines: usize, more: &str) -> String {
+pub(crate) fn wrap_at_most(
+    text: &str,
+    width: usize,
+    indent: usize,
+    lines: usize,
+    more: &str,
+) -> String {
     let whole = wrap(text, width, indent);
     if whole.lines().count() <= lines {
         return whole;

@@ -7,7 +7,7 @@ use ditmem_budget::Spec;
 
 /// One line describing the spec: model, resolution (frames for video), tokens, and the batch
 /// as the user meant it: per rank unless there are several ranks or microbatches to say so.
-pub fn spec_line(spec: &Spec) -> String {
+pub(crate) fn spec_line(spec: &Spec) -> String {
     let w = &spec.workload;
     let frames = if w.frames > 1 {
         format!("{} frames × ", w.frames)
@@ -26,7 +26,7 @@ pub fn spec_line(spec: &Spec) -> String {
 
 /// The batch in words: "batch 1", "batch 8 = 1 per rank × 8 ranks", "batch 32 = microbatch 4 ×
 /// accumulation 8".
-pub fn batch_words(w: &ditmem_budget::Workload) -> String {
+pub(crate) fn batch_words(w: &ditmem_budget::Workload) -> String {
     let per_rank = if w.accumulation > 1 {
         format!(
             "microbatch {} × accumulation {}",
@@ -44,7 +44,7 @@ pub fn batch_words(w: &ditmem_budget::Workload) -> String {
 }
 
 /// One line describing the recipe.
-pub fn recipe_line(spec: &Spec) -> String {
+pub(crate) fn recipe_line(spec: &Spec) -> String {
     let r = &spec.recipe;
     let lora = r
         .lora
@@ -108,7 +108,7 @@ pub fn recipe_line(spec: &Spec) -> String {
 }
 
 /// The recipe in a few words, for the first line: precision, LoRA, recompute, sharding, where.
-pub fn short_recipe(spec: &Spec) -> String {
+pub(crate) fn short_recipe(spec: &Spec) -> String {
     let r = &spec.recipe;
     let mut parts = vec![r.precision.to_string()];
     if let Some(l) = &r.lora {
@@ -145,7 +145,7 @@ pub fn short_recipe(spec: &Spec) -> String {
 
 /// The changes from `base` to `s` as short tags ("recompute 22/57", "nf4 base", "8-bit AdamW"),
 /// for tables and plot labels; the planner's own words (`Candidate::changes`) are the long form.
-pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
+pub(crate) fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
     use ditmem_budget::Recompute;
     let (b, r) = (&base.recipe, &s.recipe);
     let mut out = Vec::new();
@@ -210,7 +210,7 @@ pub fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
 
 /// A recompute policy as a flag value, runs of three or more blocks written `I-J`
 /// (`blocks:0-21,23`; the parser reads both forms).
-pub fn recompute_flag(r: &ditmem_budget::Recompute) -> String {
+pub(crate) fn recompute_flag(r: &ditmem_budget::Recompute) -> String {
     let ditmem_budget::Recompute::Blocks(v) = r else {
         return r.to_string();
     };
@@ -233,7 +233,7 @@ pub fn recompute_flag(r: &ditmem_budget::Recompute) -> String {
 
 /// The `ditmem` flags that turn `base` into `s` (what to add to the command line to estimate or
 /// run the plan; `--out` writes the whole spec).
-pub fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
+pub(crate) fn change_flags(base: &Spec, s: &Spec) -> Vec<String> {
     let (b, r) = (&base.recipe, &s.recipe);
     let mut out = Vec::new();
     if b.precision != r.precision {

@@ -6,13 +6,13 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 /// A command line's words, as the shell splits one without quotes: `argv("plan --gpu h100")`.
-pub fn argv(line: &str) -> Vec<&str> {
+pub(crate) fn argv(line: &str) -> Vec<&str> {
     line.split_whitespace().collect()
 }
 
 /// [`argv`] of a line with `{}` words, each replaced by the next of `values` in order (kept
 /// whole, spaces and all): `argv_with("estimate --preset {} --json", &[preset])`.
-pub fn argv_with<'a>(line: &'a str, values: &[&'a str]) -> Vec<&'a str> {
+pub(crate) fn argv_with<'a>(line: &'a str, values: &[&'a str]) -> Vec<&'a str> {
     let mut next = values.iter();
     let words: Vec<&str> = line
         .split_whitespace()
@@ -26,12 +26,12 @@ pub fn argv_with<'a>(line: &'a str, values: &[&'a str]) -> Vec<&'a str> {
 }
 
 /// Run `ditmem` with `args`: (exit code, stdout, stderr).
-pub fn ditmem(args: &[&str]) -> (i32, String, String) {
+pub(crate) fn ditmem(args: &[&str]) -> (i32, String, String) {
     ditmem_env(&[], args)
 }
 
 /// Run `ditmem` with `args` and environment variables set for the child only.
-pub fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
+pub(crate) fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ditmem"))
         .envs(env.iter().copied())
         .args(args)
@@ -46,7 +46,11 @@ pub fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) 
 
 /// Wait for `child` until `deadline`, looking every `poll`: its exit status, or `None` for a child
 /// still running at the deadline (then killed and reaped).
-pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Option<ExitStatus> {
+pub(crate) fn wait_until(
+    child: &mut Child,
+    deadline: Instant,
+    poll: Duration,
+) -> Option<ExitStatus> {
     loop {
         if let Some(s) = child.try_wait().unwrap() {
             return Some(s);
@@ -62,7 +66,7 @@ pub fn wait_until(child: &mut Child, deadline: Instant, poll: Duration) -> Optio
 
 /// Run `ditmem` with `args`, expect exit code `code` and a stderr that names `needle` (a
 /// refusal names its flag or field): that stderr.
-pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
+pub(crate) fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
     let (c, _, err) = ditmem(args);
     assert_eq!(c, code, "{args:?}: {err}");
     assert!(err.contains(needle), "{args:?}: {err}");
@@ -70,7 +74,7 @@ pub fn exits_naming(args: &[&str], code: i32, needle: &str) -> String {
 }
 
 /// Run `ditmem` with `args`: (exit code, its stdout read as JSON), whatever the code.
-pub fn code_and_json(args: &[&str]) -> (i32, serde_json::Value) {
+pub(crate) fn code_and_json(args: &[&str]) -> (i32, serde_json::Value) {
     let (code, out, err) = ditmem(args);
     let v = serde_json::from_str(&out)
         .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}\nstderr: {err}"));
@@ -78,24 +82,24 @@ pub fn code_and_json(args: &[&str]) -> (i32, serde_json::Value) {
 }
 
 /// Run `ditmem` with `args`, expect exit code `code`: its stdout read as JSON.
-pub fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
+pub(crate) fn json_exit(args: &[&str], code: i32) -> serde_json::Value {
     let (c, v) = code_and_json(args);
     assert_eq!(c, code, "{args:?}: {v}");
     v
 }
 
 /// Run `ditmem` with `args` (exit 0): its stdout read as JSON.
-pub fn json(args: &[&str]) -> serde_json::Value {
+pub(crate) fn json(args: &[&str]) -> serde_json::Value {
     json_exit(args, 0)
 }
 
 /// Run `ditmem` with `args` and `--json` (exit 0): its stdout read as JSON.
-pub fn json_of(args: &[&str]) -> serde_json::Value {
+pub(crate) fn json_of(args: &[&str]) -> serde_json::Value {
     json(&[args, &["--json"]].concat())
 }
 
 /// A JSON array of strings (a command line, a list of changes) as `&str`s.
-pub fn strs(v: &serde_json::Value) -> Vec<&str> {
+pub(crate) fn strs(v: &serde_json::Value) -> Vec<&str> {
     let list = v.as_array().unwrap_or_else(|| panic!("not an array: {v}"));
     list.iter()
         .map(|x| x.as_str().unwrap_or_else(|| panic!("not a string: {x}")))
@@ -103,7 +107,7 @@ pub fn strs(v: &serde_json::Value) -> Vec<&str> {
 }
 
 /// Every line at most 100 characters (what a pipe, a log or an issue comment shows).
-pub fn assert_fits_100(what: &str, out: &str) {
+pub(crate) fn assert_fits_100(what: &str, out: &str) {
     for line in out.lines() {
         assert!(
             line.chars().count() <= 100,
@@ -114,7 +118,7 @@ pub fn assert_fits_100(what: &str, out: &str) {
 }
 
 /// A fresh folder for one test of one suite (process-unique).
-pub fn temp_dir(suite: &str, test: &str) -> PathBuf {
+pub(crate) fn temp_dir(suite: &str, test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ditmem-{suite}-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&d).expect("a temporary folder");
     d
@@ -124,7 +128,7 @@ pub fn temp_dir(suite: &str, test: &str) -> PathBuf {
 /// from the kernel's accounting of that one process (`wait4`'s `ru_maxrss`), so tests running at
 /// once in this binary do not mix in.
 #[cfg(target_os = "linux")]
-pub fn ditmem_max_rss(args: &[&str]) -> (i32, String, u64) {
+pub(crate) fn ditmem_max_rss(args: &[&str]) -> (i32, String, u64) {
     use std::io::Read;
     use std::process::Stdio;
     // Reaped by `wait4` below, which `Child::wait` cannot replace: it alone returns the rusage.

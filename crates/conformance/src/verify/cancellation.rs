@@ -35,7 +35,7 @@ pub(crate) struct Sums {
 
 impl Sums {
     /// ‖terms‖ / ‖result‖ of the q and of the k gradient (1 where the result is 0).
-    pub fn amplification(&self) -> (f64, f64) {
+    pub(crate) fn amplification(&self) -> (f64, f64) {
         let a = |t: f64, r: f64| {
             if r > 0.0 {
                 (t / r).sqrt().max(1.0)
@@ -49,7 +49,7 @@ impl Sums {
         )
     }
 
-    pub fn add(&mut self, o: Sums) {
+    pub(crate) fn add(&mut self, o: Sums) {
         self.q_terms += o.q_terms;
         self.q_result += o.q_result;
         self.k_terms += o.k_terms;
@@ -84,7 +84,7 @@ pub(crate) fn head_at(
 
 impl Head {
     /// Head `h` of sample `bi` of q, k, v ((b·s, heads·dh) row-major, f64).
-    pub fn of(
+    pub(crate) fn of(
         (q, k, v): (&[f64], &[f64], &[f64]),
         (bi, h): (usize, usize),
         (s, heads, dh): (usize, usize, usize),

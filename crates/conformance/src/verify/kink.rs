@@ -62,7 +62,7 @@ pub(crate) const RARE_FLIPS: f64 = 0.01;
 impl SideSums {
     /// The expected relative error of the gradient per dtype (0 where nothing passes ReLU or
     /// flips are rare).
-    pub fn errors(&self) -> [f64; 3] {
+    pub(crate) fn errors(&self) -> [f64; 3] {
         std::array::from_fn(|i| {
             if self.all > 0.0 && self.count[i] >= RARE_FLIPS {
                 (self.flip[i] / self.all).sqrt()
@@ -72,7 +72,7 @@ impl SideSums {
         })
     }
 
-    pub fn add(&mut self, o: SideSums) {
+    pub(crate) fn add(&mut self, o: SideSums) {
         self.all += o.all;
         for i in 0..KINK_DTYPES.len() {
             self.flip[i] += o.flip[i];
@@ -107,7 +107,7 @@ pub(crate) struct KinkSums {
 }
 
 impl KinkSums {
-    pub fn add(&mut self, o: KinkSums) {
+    pub(crate) fn add(&mut self, o: KinkSums) {
         self.q.add(o.q);
         self.k.add(o.k);
     }

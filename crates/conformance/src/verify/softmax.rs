@@ -41,7 +41,7 @@ pub(crate) struct Sums {
 
 impl Sums {
     /// ‖terms‖ / ‖result‖ (at least 1; 1 where no row was added or the result is 0).
-    pub fn amplification(&self) -> f64 {
+    pub(crate) fn amplification(&self) -> f64 {
         if self.result > 0.0 && self.terms.is_finite() {
             (self.terms / self.result).sqrt().max(1.0)
         } else {
@@ -49,7 +49,7 @@ impl Sums {
         }
     }
 
-    pub fn add(&mut self, o: Sums) {
+    pub(crate) fn add(&mut self, o: Sums) {
         self.terms += o.terms;
         self.result += o.result;
     }

@@ -101,7 +101,7 @@ pub(crate) struct Writer {
 
 impl Writer {
     /// A new file at `path` (which must not exist), readable and writable.
-    pub fn create(
+    pub(super) fn create(
         path: &Path,
         meta: HashMap<String, String>,
         order: Vec<(String, Vec<usize>)>,
@@ -118,7 +118,7 @@ impl Writer {
     /// A file without a name in `dir` (removed from the directory as it is created): the
     /// system frees its blocks when the process ends, however it ends — a killed `verify`
     /// leaves no multi-gigabyte file behind.
-    pub fn anonymous(
+    pub(super) fn anonymous(
         dir: &Path,
         meta: HashMap<String, String>,
         order: Vec<(String, Vec<usize>)>,
@@ -158,7 +158,7 @@ impl Writer {
     }
 
     /// Write the next tensor; `key` and the value count must be the ones the layout expects.
-    pub fn put(&mut self, key: &str, values: &[f64]) -> Result<()> {
+    pub(super) fn put(&mut self, key: &str, values: &[f64]) -> Result<()> {
         let (want, shape) = self
             .order
             .get(self.next)
@@ -184,7 +184,7 @@ impl Writer {
     }
 
     /// The written file, flushed.
-    pub fn finish(self) -> Result<File> {
+    pub(super) fn finish(self) -> Result<File> {
         if self.next != self.order.len() {
             return Err(reference_error(format!(
                 "{} of {} tensors written",
@@ -296,7 +296,7 @@ pub(crate) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    pub fn new(file: &'a Mutex<File>, layout: &'a Layout) -> Reader<'a> {
+    pub(super) fn new(file: &'a Mutex<File>, layout: &'a Layout) -> Reader<'a> {
         Reader {
             file,
             layout,
@@ -330,7 +330,7 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    pub fn read(&mut self, key: &str) -> Result<Vec<f64>> {
+    pub(super) fn read(&mut self, key: &str) -> Result<Vec<f64>> {
         let mut v = Vec::new();
         self.read_into(key, &mut v)?;
         Ok(v)

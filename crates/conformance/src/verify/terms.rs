@@ -37,7 +37,7 @@ fn stored(x: f64, d: Dtype) -> f64 {
 /// `d` at loss scale `scale`: ‖fl(S·gᵢ) − S·gᵢ‖ over the values with |S·gᵢ| below `d`'s
 /// smallest normal, divided by ‖S·g‖ — the relative error the gradient's own storage in `d`
 /// adds beyond u_c (0 when every value is normal).
-pub fn underflow(g: &[f64], scale: f64, d: Dtype) -> f64 {
+pub(super) fn underflow(g: &[f64], scale: f64, d: Dtype) -> f64 {
     let tiny = smallest_normal(d);
     let (mut err, mut all) = (0.0f64, 0.0f64);
     for &x in g {

@@ -10,11 +10,11 @@ use ditmem_engine::CountingAlloc;
 #[path = "../../../engine/tests/common/tensors.rs"]
 mod tensors;
 #[allow(unused_imports)] // not every test binary that includes `common` uses them
-pub use tensors::*;
+pub(crate) use tensors::*;
 
 /// One spec of an agreement grid measured against its budget (one step after warm-up), with
 /// the line the suite prints for it.
-pub fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agreement {
+pub(crate) fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agreement {
     let (a, _, _) = measure_and_compare(name, spec, 1, alloc).expect("the grid spec runs");
     eprintln!(
         "{name}: predicted {} measured {} ({:+.3} %) [{}]",
@@ -30,12 +30,12 @@ pub fn agreement_logged(name: &str, spec: &Spec, alloc: &CountingAlloc) -> Agree
 /// tests take this lock and run one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The budget's step peak within `bound` (relative) of the measured one.
-pub fn assert_peak_within(a: &Agreement, bound: f64) {
+pub(crate) fn assert_peak_within(a: &Agreement, bound: f64) {
     assert!(
         a.rel_error.abs() <= bound,
         "{}: predicted {} vs measured {} ({:+.3} %), peak at {}",

@@ -8,21 +8,21 @@ use candle_core::{DType, Device, Tensor};
 use crate::ops::{GradSink, MlpLinear};
 
 /// `n` deterministic values in about [−1, 1), a different sequence per `seed`.
-pub fn vals(n: usize, seed: usize) -> Vec<f64> {
+pub(crate) fn vals(n: usize, seed: usize) -> Vec<f64> {
     (0..n)
         .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f64 / 1001.5) - 1.0)
         .collect()
 }
 
 /// A CPU tensor of `shape` (holding `n` elements) filled by [`vals`], cast to `dt`.
-pub fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
+pub(crate) fn t(n: usize, shape: &[usize], seed: usize, dt: DType) -> Tensor {
     Tensor::from_vec(vals(n, seed), shape, &Device::Cpu)
         .and_then(|t| t.to_dtype(dt))
         .unwrap()
 }
 
 /// The elements of `t`, widened to f64, as bit patterns (exact comparison, NaN included).
-pub fn bits(t: &Tensor) -> Vec<u64> {
+pub(crate) fn bits(t: &Tensor) -> Vec<u64> {
     let v: Vec<f64> = t
         .flatten_all()
         .and_then(|t| t.to_dtype(DType::F64))
@@ -68,7 +68,7 @@ pub(crate) fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
 }
 
 /// max |a − b| over the elements of two f64 tensors of one shape.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b)
         .unwrap()
         .abs()

@@ -6,7 +6,7 @@
 use proptest::test_runner::{Config, TestRng, TestRunner};
 
 /// Cases of one property: `default` in the suite, `DITMEM_FUZZ_CASES` when set.
-pub fn fuzz_cases(default: u32) -> u32 {
+pub(crate) fn fuzz_cases(default: u32) -> u32 {
     std::env::var("DITMEM_FUZZ_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -15,7 +15,7 @@ pub fn fuzz_cases(default: u32) -> u32 {
 
 /// A runner of `cases` cases that shrinks a failure at most `max_shrink_iters` times, with the
 /// suite's fixed seed (from entropy when `DITMEM_FUZZ_CASES` is set: a long run).
-pub fn fuzz_runner(cases: u32, max_shrink_iters: u32) -> TestRunner {
+pub(crate) fn fuzz_runner(cases: u32, max_shrink_iters: u32) -> TestRunner {
     let config = Config {
         cases,
         failure_persistence: None,

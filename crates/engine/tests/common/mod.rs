@@ -10,20 +10,20 @@ use ditmem_engine::{Batch, CountingAlloc, SyntheticData, TrainOptions, Trainer};
 // file so the conformance tests include the same one.
 mod tensors;
 #[allow(unused_imports)] // not every test binary that includes `common` uses them
-pub use tensors::*;
+pub(crate) use tensors::*;
 
-pub fn tiny(precision: Precision) -> Spec {
+pub(crate) fn tiny(precision: Precision) -> Spec {
     let mut s = Spec::small();
     s.recipe.precision = precision;
     s.recipe.recompute = Recompute::None;
     s
 }
 
-pub fn batch(spec: &Spec, seed: u64) -> Batch {
+pub(crate) fn batch(spec: &Spec, seed: u64) -> Batch {
     SyntheticData::new(spec, seed).unwrap().step_batch(0)
 }
 
-pub fn trainer(spec: &Spec, keep: bool) -> Trainer {
+pub(crate) fn trainer(spec: &Spec, keep: bool) -> Trainer {
     Trainer::new(
         spec,
         TrainOptions {
@@ -37,7 +37,7 @@ pub fn trainer(spec: &Spec, keep: bool) -> Trainer {
 }
 
 /// Gradients of one forward/backward, by name, as f64 vectors.
-pub fn grads(spec: &Spec, b: &Batch) -> (f64, Vec<(String, Vec<f64>)>) {
+pub(crate) fn grads(spec: &Spec, b: &Batch) -> (f64, Vec<(String, Vec<f64>)>) {
     let mut t = trainer(spec, true);
     let loss = t.compute_gradients(b).unwrap();
     let g = t
@@ -50,7 +50,7 @@ pub fn grads(spec: &Spec, b: &Batch) -> (f64, Vec<(String, Vec<f64>)>) {
 }
 
 /// max |a−b| / max(max |b|, tiny) over every gradient.
-pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
+pub(crate) fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
     assert_eq!(a.len(), b.len(), "different gradient sets");
     let mut worst: f64 = 0.0;
     for ((na, ga), (nb, gb)) in a.iter().zip(b) {
@@ -73,7 +73,7 @@ pub fn max_rel_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
 /// measured: 128 B over 64 calls, 4,582 B per call against 4,584) reads low, one during which
 /// it allocates reads high; one disturbed batch out of five moves neither end into the middle.
 /// For a test binary that runs alone: the counting allocator is the whole process's.
-pub fn heap_per_call(alloc: &CountingAlloc, n: u64, f: &dyn Fn() -> Tensor) -> u64 {
+pub(crate) fn heap_per_call(alloc: &CountingAlloc, n: u64, f: &dyn Fn() -> Tensor) -> u64 {
     for _ in 0..n {
         drop(f());
     }
@@ -92,7 +92,7 @@ pub fn heap_per_call(alloc: &CountingAlloc, n: u64, f: &dyn Fn() -> Tensor) -> u
 
 /// The counting allocator is the whole process's: a test binary whose tests measure or train
 /// runs them one at a time, each holding this guard.
-pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -100,7 +100,7 @@ pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 /// Central differences of the f64 loss (`s` at fp64) along each named weight's gradient agree
 /// with the step's gradient (dL/dε at ε = 0 along g is ‖g‖²) to 1e-5 relative; no named
 /// gradient is zero.
-pub fn gradients_match_finite_differences(mut s: Spec, names: &[&str]) {
+pub(crate) fn gradients_match_finite_differences(mut s: Spec, names: &[&str]) {
     s.recipe.precision = Precision::Fp64;
     let batch = SyntheticData::new(&s, 5).unwrap().step_batch(0);
     let new = || {

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use ditmem_engine::rng::SplitMix64;
 
 /// A tensor of `dims` with normal entries (seeded SplitMix64) times `scale`, in f64.
-pub fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
+pub(crate) fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
     let mut r = SplitMix64::new(seed);
     let n: usize = dims.iter().product();
     let v: Vec<f64> = (0..n).map(|_| r.normal() * scale).collect();
@@ -16,12 +16,12 @@ pub fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
 
 /// Gradients of `sum(y · go)`: backpropagates `go` through y's graph the composed way (the
 /// reference the engine's `ops::backward_from` is held to).
-pub fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
+pub(crate) fn grads_through(y: &Tensor, go: &Tensor) -> candle_core::backprop::GradStore {
     y.mul(go).unwrap().sum_all().unwrap().backward().unwrap()
 }
 
 /// max |a − b| over two tensors of one shape, in f64.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
         .unwrap()
         .abs()
@@ -33,7 +33,7 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// A tensor's entries in f64, flattened.
-pub fn flat_f64(t: &Tensor) -> Vec<f64> {
+pub(crate) fn flat_f64(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64)
         .unwrap()
         .flatten_all()

@@ -24,7 +24,7 @@ use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
 
 /// Width of `CombinedTimestepLabelEmbeddings.time_proj` (`Timesteps(256)`).
-pub const DITD_FREQ: u64 = 256;
+pub(crate) const DITD_FREQ: u64 = 256;
 
 /// What a diffusers DiT step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

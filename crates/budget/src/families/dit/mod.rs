@@ -4,8 +4,8 @@
 //! own `CombinedTimestepLabelEmbeddings` in every block — 749,826,464 parameters for XL/2 against
 //! the original's 675,129,632.
 
-pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod ditmem_cpu;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

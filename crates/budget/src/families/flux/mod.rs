@@ -6,7 +6,7 @@
 //! `x_embedder` reads the 2×2-packed latent (64 features).
 
 pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

@@ -21,7 +21,7 @@ use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
-pub const PIXART_FREQ: u64 = 256;
+pub(crate) const PIXART_FREQ: u64 = 256;
 
 /// What a PixArt step reads beyond [`Shape`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 //! `scale_shift_table` per block), self-attention, cross-attention to the projected T5 caption,
 //! a GELU-tanh MLP, and a non-persistent sin-cos position table.
 
-pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod ditmem_cpu;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

@@ -5,7 +5,7 @@
 //! in PixArt, an RMSNorm on the caption, and no position table unless `interpolation_scale` is set.
 
 pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

@@ -24,7 +24,7 @@ use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
 /// Width of diffusers' `Timesteps(256)` sinusoid.
-pub const SD3_FREQ: u64 = 256;
+pub(crate) const SD3_FREQ: u64 = 256;
 
 /// What an SD3 step reads beyond [`Shape`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,7 +246,7 @@ fn context_stream(
 /// leaves [context, image], the conditioning leaf and the outputs ([context, image], or [image]
 /// for the last block). The sections in the engine's order: the q/k norm weights and the
 /// modulations, [`joint_attention`], the image stream (with [`dual_attention`]), [`context_stream`].
-pub fn block(
+pub(crate) fn block(
     sh: &Shape,
     sg: &Sd3Geo,
     (last, dual): (bool, bool),
@@ -471,7 +471,7 @@ pub(crate) fn final_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Nid, Nid) {
 
 /// Simulate SD3's segments for a spec: the embed, a joint block, the last
 /// (`context_pre_only`) block, SD3.5's dual-attention blocks, the output side.
-pub fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
+pub(crate) fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
     let sh = Shape::new(spec);
     let top = sg.layers.saturating_sub(1);
     let last = block_sim(&sh, sg, (true, sg.is_dual(top)));

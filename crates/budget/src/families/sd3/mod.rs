@@ -6,8 +6,8 @@
 //! second self-attention `attn2`), and a persistent sin-cos table of pos_embed_max_size² rows
 //! cropped at run time.
 
-pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod ditmem_cpu;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

@@ -6,8 +6,8 @@
 //! non-persistent 3-D RoPE tables of `rope_max_seq_len` × head-dim. Image conditioning (I2V:
 //! `image_dim`, `added_kv_proj_dim`) is not modelled.
 
-pub mod ditmem_cpu;
-pub mod pytorch;
+pub(crate) mod ditmem_cpu;
+pub(crate) mod pytorch;
 
 use serde::Serialize;
 

@@ -49,7 +49,7 @@ pub mod attention;
 pub mod backward;
 pub mod block;
 pub mod cross;
-pub mod dtypes;
+pub(crate) mod dtypes;
 pub(crate) mod family;
 pub mod gemm_pack;
 pub mod graph;
@@ -57,7 +57,7 @@ pub mod ops;
 pub(crate) mod parts;
 pub(crate) mod registry;
 pub(crate) mod segments;
-pub mod separate;
+pub(crate) mod separate;
 pub(crate) mod sims;
 pub(crate) mod step;
 
@@ -72,7 +72,7 @@ use crate::spec::{Dtype, Precision, Spec};
 /// The ditmem engine on the CPU. Its graphs are built node for node in this folder and its step
 /// is replayed in [`step`]; the segments below are those graphs seen as generic segments (for
 /// the op inventory and the time model).
-pub struct DitmemCpu;
+pub(crate) struct DitmemCpu;
 
 impl RuntimeModel for DitmemCpu {
     fn name(&self) -> &'static str {

@@ -122,7 +122,7 @@ pub(crate) fn final_graph(sh: &Shape) -> (Graph, Nid, Nid) {
 }
 
 /// Simulate the engine's three segments for a spec.
-pub fn sims(spec: &Spec) -> Sims {
+pub(crate) fn sims(spec: &Spec) -> Sims {
     if let Some(family) = super::registry::rules(spec) {
         return family.sims(spec);
     }

@@ -28,7 +28,13 @@ pub(crate) fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, 
 /// nothing under attention-only recompute. Forward and backward run on one scratch of
 /// accumulation-type buffers per thread (at most one per head, every dtype on the generic
 /// kernels); the backward returns three fresh gradients.
-pub fn separate_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3], sq: u64) -> Nid {
+pub(crate) fn separate_attention(
+    g: &mut Graph,
+    sh: &Shape,
+    name: &str,
+    qkv: [Nid; 3],
+    sq: u64,
+) -> Nid {
     let sk = g.elems(qkv[1]) / (sh.b * sh.d);
     let (extra, fwd, bwd) = separate_attention_bytes(sh, sq, sk);
     let o = g.op(

@@ -63,7 +63,7 @@ fn optimizer_peak(elems: u64, p: Precision, opt: Optimizer, scaled: bool) -> u64
 }
 
 /// Replay one optimizer step of the engine.
-pub fn replay(
+pub(crate) fn replay(
     spec: &Spec,
     table: &[ParamTensor],
     st: &StaticBytes,

@@ -9,7 +9,7 @@ use crate::segment::{Segment, TensorKind, TensorRole, Tid};
 
 /// Bytes by kind inside one segment's simulation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Live {
+pub(crate) struct Live {
     /// Saved activations (and the segment's output while it is alive).
     pub activations: u64,
     /// Autocast weight copies.
@@ -21,7 +21,7 @@ pub struct Live {
 }
 
 impl Live {
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.activations + self.weight_casts + self.workspace + self.gradients
     }
 }

@@ -63,7 +63,7 @@ fn free_key(seg: &Seg, s: usize, b: &Blk) -> FreeKey {
 }
 
 impl ReferenceAllocator {
-    pub fn new(conf: AllocConf, capacity: Option<u64>) -> ReferenceAllocator {
+    pub(super) fn new(conf: AllocConf, capacity: Option<u64>) -> ReferenceAllocator {
         ReferenceAllocator {
             conf,
             capacity: capacity.unwrap_or(u64::MAX),
@@ -77,11 +77,11 @@ impl ReferenceAllocator {
         }
     }
 
-    pub fn allocated(&self) -> u64 {
+    pub(super) fn allocated(&self) -> u64 {
         self.allocated
     }
 
-    pub fn reserved(&self) -> u64 {
+    pub(super) fn reserved(&self) -> u64 {
         self.reserved
     }
 
@@ -323,7 +323,7 @@ impl ReferenceAllocator {
     /// `malloc`: round, pick the pool, search the cache, else allocate a segment, else release
     /// oversize cached blocks and retry, else release every unsplit cached block and retry, else
     /// out of memory. On success the block is split per `should_split` (`alloc_found_block`).
-    pub fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
+    pub(super) fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
         let size = round_size(bytes, &self.conf);
         let small = size <= SMALL_SIZE;
         let alloc_size = allocation_size(size);
@@ -389,7 +389,7 @@ impl ReferenceAllocator {
 
     /// `free` → `free_block`: the block returns to its pool and merges with free neighbours
     /// (`try_merge_blocks` on prev and next). Returns false for an id that is not allocated.
-    pub fn free(&mut self, id: u64) -> bool {
+    pub(super) fn free(&mut self, id: u64) -> bool {
         let Some((s, offset)) = self.where_.remove(&id) else {
             return false;
         };
@@ -429,7 +429,7 @@ impl ReferenceAllocator {
     }
 
     /// The counters so far (final values filled in).
-    pub fn report(&self) -> AllocatorReport {
+    pub(super) fn report(&self) -> AllocatorReport {
         AllocatorReport {
             final_allocated: self.allocated,
             final_reserved: self.reserved,

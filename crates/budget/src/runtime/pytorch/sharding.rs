@@ -74,7 +74,7 @@ pub(crate) struct GatherWalk {
 }
 
 impl GatherWalk {
-    pub fn new(bytes: Vec<u64>, prefetch: Prefetch) -> GatherWalk {
+    pub(crate) fn new(bytes: Vec<u64>, prefetch: Prefetch) -> GatherWalk {
         let n = bytes.len();
         GatherWalk {
             bytes,
@@ -85,7 +85,7 @@ impl GatherWalk {
 
     /// Before block `order[i]` runs: gather it and its prefetch window (blocks `order[j]` for
     /// the window's j). Returns the blocks newly gathered, in order.
-    pub fn before(&mut self, order: &[usize], i: usize) -> Vec<usize> {
+    pub(crate) fn before(&mut self, order: &[usize], i: usize) -> Vec<usize> {
         let seq: Vec<u64> = order.iter().map(|&b| self.bytes[b]).collect();
         let mut out = Vec::new();
         for j in std::iter::once(i).chain(self.prefetch.window(&seq, i)) {
@@ -99,7 +99,7 @@ impl GatherWalk {
     }
 
     /// After block `b` ran: free its gather when the scheme reshards. Returns whether it freed.
-    pub fn after(&mut self, b: usize, reshard: bool) -> bool {
+    pub(crate) fn after(&mut self, b: usize, reshard: bool) -> bool {
         if reshard && self.live[b] {
             self.live[b] = false;
             true
@@ -109,7 +109,7 @@ impl GatherWalk {
     }
 
     /// Bytes of block `b`'s gather.
-    pub fn bytes(&self, b: usize) -> u64 {
+    pub(crate) fn bytes(&self, b: usize) -> u64 {
         self.bytes[b]
     }
 
@@ -119,7 +119,7 @@ impl GatherWalk {
     }
 
     /// Forget every gather (after freeing them).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.live.iter_mut().for_each(|l| *l = false);
     }
 }

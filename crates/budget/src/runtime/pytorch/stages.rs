@@ -68,7 +68,7 @@ impl Stage {
 
 /// The data of a microbatch outside the model, as the training script holds it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Data {
+pub(crate) struct Data {
     /// Alive until the step's backward ends (the loss target, timesteps).
     pub kept: u64,
     /// Freed when the forward ends (the clean latents, the noise, the text embeddings).
@@ -77,7 +77,7 @@ pub struct Data {
 
 /// The stages of a spec's step.
 #[derive(Debug, Clone, Default)]
-pub struct Stages {
+pub(crate) struct Stages {
     pub stages: Vec<Stage>,
     pub data: Data,
 }
@@ -116,7 +116,7 @@ pub(crate) fn grad_in(seg: &Segment) -> u64 {
 
 impl Stages {
     /// Each stage simulated under PyTorch's release rule.
-    pub fn costs(&self) -> Vec<StageCost> {
+    pub(crate) fn costs(&self) -> Vec<StageCost> {
         self.stages
             .iter()
             // A stack of no blocks (Flux with num_layers 0) hands its input on untouched.
@@ -141,7 +141,7 @@ impl Stages {
 
 /// The stages of the original DiT: embed (its conditioning vector c broadcast to every block
 /// and the final layer), `depth` blocks, the final layer with the loss.
-pub fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
+pub(crate) fn dit(rt: &PyTorch, spec: &Spec) -> Stages {
     let dims = Shape::new(spec);
     let embed = rt.embed(&dims);
     let c = embed

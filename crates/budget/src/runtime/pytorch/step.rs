@@ -13,7 +13,7 @@ use crate::sharding::{rank_states, RankStates, Scheme};
 use crate::spec::{Dtype, Optimizer, OptimizerImpl, Spec, TorchDevice};
 
 /// The implementation of `torch.optim.AdamW` a spec runs: its own, else the device's default.
-pub fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
+pub(crate) fn optimizer_impl(spec: &Spec) -> OptimizerImpl {
     spec.recipe
         .optimizer_impl
         .unwrap_or(OptimizerImpl::default_for(for_spec(spec).device))
@@ -50,7 +50,7 @@ pub(crate) fn step_tensors(spec: &Spec, trained_tensors: u64) -> u64 {
 ///   `Optimizer2State.update_step`): no scratch.
 ///
 /// `state`: the dtype of AdamW's state ([`crate::spec::Recipe::state_dtype`]).
-pub fn optimizer_scratch(
+pub(crate) fn optimizer_scratch(
     trained_elems: u64,
     largest: u64,
     state: Dtype,
@@ -158,7 +158,7 @@ fn with(live: Breakdown, seg: Live) -> Breakdown {
 /// stage by stage, the fp32 loss, `loss.backward()` (each stage's graph released op by op,
 /// checkpointed blocks recomputed first [CK]), then `optimizer.step()` [OPT], the EMA update and
 /// `zero_grad(set_to_none=True)`.
-pub fn replay(
+pub(crate) fn replay(
     spec: &Spec,
     table: &[ParamTensor],
     st: &StaticBytes,

@@ -154,7 +154,7 @@ impl Hasher for IdHasher {
 pub(crate) type IdHash = BuildHasherDefault<IdHasher>;
 
 impl CachingAllocator {
-    pub fn new(conf: AllocConf, capacity: Option<u64>) -> CachingAllocator {
+    pub(crate) fn new(conf: AllocConf, capacity: Option<u64>) -> CachingAllocator {
         CachingAllocator {
             conf,
             capacity: capacity.unwrap_or(u64::MAX),
@@ -170,11 +170,11 @@ impl CachingAllocator {
         }
     }
 
-    pub fn allocated(&self) -> u64 {
+    pub(crate) fn allocated(&self) -> u64 {
         self.allocated
     }
 
-    pub fn reserved(&self) -> u64 {
+    pub(crate) fn reserved(&self) -> u64 {
         self.reserved
     }
 
@@ -492,7 +492,7 @@ impl CachingAllocator {
     /// `malloc`: round, pick the pool, search the cache, else allocate a segment, else release
     /// oversize cached blocks and retry, else release every unsplit cached block and retry, else
     /// out of memory. On success the block is split per `should_split` (`alloc_found_block`).
-    pub fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
+    pub(crate) fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
         let size = round_size(bytes, &self.conf);
         let small = size <= SMALL_SIZE;
         let alloc_size = allocation_size(size);
@@ -594,7 +594,7 @@ impl CachingAllocator {
 
     /// `free` → `free_block`: the block returns to its pool and merges with free neighbours
     /// (`try_merge_blocks` on prev and next). Returns false for an id that is not allocated.
-    pub fn free(&mut self, id: u64) -> bool {
+    pub(crate) fn free(&mut self, id: u64) -> bool {
         let Some(b) = self.where_.remove(id) else {
             return false;
         };
@@ -640,7 +640,7 @@ impl CachingAllocator {
     }
 
     /// The counters so far (final values filled in).
-    pub fn report(&self) -> AllocatorReport {
+    pub(crate) fn report(&self) -> AllocatorReport {
         AllocatorReport {
             final_allocated: self.allocated,
             final_reserved: self.reserved,

@@ -93,7 +93,7 @@ impl Lin {
 }
 
 /// One forward graph under construction, with the precision rules of the spec.
-pub struct Builder<'a> {
+pub(crate) struct Builder<'a> {
     pub rt: &'a PyTorch,
     pub precision: Precision,
     pub attention: AttentionMode,
