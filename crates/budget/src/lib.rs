@@ -60,7 +60,7 @@ pub use spec::{
     MAX_NUM_CLASSES, MAX_PATCH, MAX_RANKS, MAX_SIDE, MAX_TENSOR_ELEMS, MAX_TEXT_TOKENS, MAX_TOKENS,
     MAX_VAE_FACTOR,
 };
-pub use timeline::{simulate_step, Repeat, Timeline};
+pub use timeline::{Repeat, Timeline};
 pub use units::{fmt_bytes, parse_bytes};
 
 /// The `ditmem-cpu` rules that the engine's tests and benches hold their measurements against:
@@ -78,9 +78,7 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::graph;
     pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
     pub use crate::runtime::ditmem_cpu::ops;
-    pub use crate::runtime::ditmem_cpu::ops::{
-        fused_linear_scratch, native_attention_scratch, streaming_attention_scratch, SQUARES_CHUNK,
-    };
+    pub use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
     pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
 }
 
@@ -90,7 +88,6 @@ pub mod ditmem_cpu {
 pub mod pytorch {
     pub use crate::runtime::pytorch::caching_allocator::{AllocConf, AllocConfError, Oom};
     pub use crate::runtime::pytorch::cuda::{CudaReport, MAX_REPLAYED_EVENTS};
-    pub use crate::runtime::pytorch::device::PyTorch;
 }
 
 /// The model families (DiT, diffusers' DiT, PixArt, SD3, Flux, Sana, Wan): their exact parameter

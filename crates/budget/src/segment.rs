@@ -19,7 +19,7 @@ pub(crate) type Tid = usize;
 /// Where a tensor's bytes come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum TensorKind {
+pub(crate) enum TensorKind {
     /// Handed in from outside the segment (the residual stream, the conditioning vector, data).
     Input { requires_grad: bool },
     /// A model parameter, owned by the model, not by the segment.
@@ -33,14 +33,14 @@ pub enum TensorKind {
 /// What a fresh buffer counts as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum TensorRole {
+pub(crate) enum TensorRole {
     Activation,
     /// A low-precision copy of a weight made for compute.
     WeightCast,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TensorDef {
+pub(crate) struct TensorDef {
     pub name: String,
     pub elems: u64,
     pub dtype: Dtype,
@@ -51,7 +51,7 @@ pub struct TensorDef {
 }
 
 impl TensorDef {
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.elems * self.dtype.size()
     }
 
@@ -65,7 +65,7 @@ impl TensorDef {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct OpDef {
+pub(crate) struct OpDef {
     pub name: String,
     pub inputs: Vec<Tid>,
     pub output: Tid,
@@ -80,7 +80,7 @@ pub struct OpDef {
 
 /// One segment of the step: a graph with inputs and one output.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Segment {
+pub(crate) struct Segment {
     pub name: String,
     pub tensors: Vec<TensorDef>,
     pub ops: Vec<OpDef>,
@@ -101,7 +101,7 @@ pub struct Segment {
 
 impl Segment {
     /// Every output: `output` and the side outputs.
-    pub fn outputs(&self) -> Vec<Tid> {
+    pub(crate) fn outputs(&self) -> Vec<Tid> {
         let mut v = vec![self.output];
         v.extend(
             self.side_outputs
@@ -114,7 +114,7 @@ impl Segment {
 }
 
 impl Segment {
-    pub fn new(name: impl Into<String>) -> Segment {
+    pub(crate) fn new(name: impl Into<String>) -> Segment {
         Segment {
             name: name.into(),
             ..Segment::default()
@@ -126,7 +126,13 @@ impl Segment {
         self.tensors.len() - 1
     }
 
-    pub fn input(&mut self, name: &str, elems: u64, dtype: Dtype, requires_grad: bool) -> Tid {
+    pub(crate) fn input(
+        &mut self,
+        name: &str,
+        elems: u64,
+        dtype: Dtype,
+        requires_grad: bool,
+    ) -> Tid {
         self.push(TensorDef {
             name: name.into(),
             elems,
@@ -137,7 +143,7 @@ impl Segment {
         })
     }
 
-    pub fn param(&mut self, name: &str, elems: u64, dtype: Dtype, trained: bool) -> Tid {
+    pub(crate) fn param(&mut self, name: &str, elems: u64, dtype: Dtype, trained: bool) -> Tid {
         self.push(TensorDef {
             name: name.into(),
             elems,
@@ -185,18 +191,18 @@ impl Segment {
     }
 
     /// An op that allocates its output.
-    pub fn op(&mut self, name: &str, inputs: &[Tid], elems: u64, dtype: Dtype) -> Tid {
+    pub(crate) fn op(&mut self, name: &str, inputs: &[Tid], elems: u64, dtype: Dtype) -> Tid {
         self.add_op(name, inputs, elems, dtype, TensorKind::Alloc)
     }
 
     /// An op whose output shares its input's storage.
-    pub fn view(&mut self, name: &str, of: Tid, elems: u64) -> Tid {
+    pub(crate) fn view(&mut self, name: &str, of: Tid, elems: u64) -> Tid {
         let dtype = self.tensors[of].dtype;
         self.add_op(name, &[of], elems, dtype, TensorKind::View)
     }
 
     /// A dtype conversion; a no-op (the same tensor) when the dtype already matches.
-    pub fn cast(&mut self, name: &str, x: Tid, to: Dtype) -> Tid {
+    pub(crate) fn cast(&mut self, name: &str, x: Tid, to: Dtype) -> Tid {
         if self.tensors[x].dtype == to {
             x
         } else {
@@ -205,11 +211,11 @@ impl Segment {
         }
     }
 
-    pub fn dtype(&self, t: Tid) -> Dtype {
+    pub(crate) fn dtype(&self, t: Tid) -> Dtype {
         self.tensors[t].dtype
     }
 
-    pub fn elems(&self, t: Tid) -> u64 {
+    pub(crate) fn elems(&self, t: Tid) -> u64 {
         self.tensors[t].elems
     }
 

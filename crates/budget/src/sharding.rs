@@ -142,7 +142,7 @@ impl Scheme {
     }
 
     /// Whether parameters are sharded and gathered per block (ZeRO-3, FSDP2).
-    pub fn gathers(&self) -> bool {
+    pub(crate) fn gathers(&self) -> bool {
         matches!(self, Scheme::Zero { stage: 3 } | Scheme::Fsdp2 { .. })
     }
 

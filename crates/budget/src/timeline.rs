@@ -13,6 +13,7 @@
 
 use serde::Serialize;
 
+#[cfg(test)]
 use crate::denoiser::param_table;
 pub(crate) use crate::events::LAID_OUT_MICROBATCHES;
 use crate::events::{laid_out_microbatches, Event, Phase, StaticBytes};
@@ -182,8 +183,9 @@ pub(crate) fn segment_costs(spec: &Spec) -> SegmentCosts {
     model_for(spec).segment_costs(spec)
 }
 
-/// Simulate one optimizer step of the spec.
-pub fn simulate_step(spec: &Spec) -> Timeline {
+/// Simulate one optimizer step of the spec (the tests' shorthand; `estimate` passes its parts).
+#[cfg(test)]
+pub(crate) fn simulate_step(spec: &Spec) -> Timeline {
     let table = param_table(spec);
     let st = static_bytes(spec, &table);
     let costs = segment_costs(spec);

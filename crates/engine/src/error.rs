@@ -26,7 +26,7 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    pub fn unsupported(feature: impl Into<String>, why: impl Into<String>) -> Self {
+    pub(crate) fn unsupported(feature: impl Into<String>, why: impl Into<String>) -> Self {
         EngineError::Unsupported {
             feature: feature.into(),
             why: why.into(),

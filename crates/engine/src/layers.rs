@@ -47,7 +47,7 @@ impl LinearW {
     }
 
     /// The same linear with its input's gradient added into `dx_sink` (when the input tracks).
-    pub fn with_input_sink(mut self, dx_sink: Option<Arc<InputSink>>) -> LinearW {
+    pub(crate) fn with_input_sink(mut self, dx_sink: Option<Arc<InputSink>>) -> LinearW {
         self.dx_sink = dx_sink;
         self
     }

@@ -537,7 +537,7 @@ impl LossScaler {
     }
 
     /// Record whether the gradients were finite; returns true when the step must be skipped.
-    pub fn update(&mut self, finite: bool) -> bool {
+    pub(crate) fn update(&mut self, finite: bool) -> bool {
         if finite {
             self.clean_steps += 1;
             if self.clean_steps >= self.growth_interval {

@@ -114,7 +114,7 @@ impl Default for ExportOptions {
 
 impl ExportOptions {
     /// Machines of a launch of `ranks` processes.
-    pub fn machines(&self, ranks: u32) -> u32 {
+    pub(crate) fn machines(&self, ranks: u32) -> u32 {
         ranks.div_ceil(self.gpus_per_node.max(1))
     }
 }

@@ -140,7 +140,7 @@ impl Shape {
     }
 
     /// Dtype weights are stored in (trained masters, or a frozen LoRA base in the compute dtype).
-    pub fn weight_dtype(&self) -> Dtype {
+    pub(crate) fn weight_dtype(&self) -> Dtype {
         if self.lora.is_some() {
             self.cd()
         } else {

@@ -63,7 +63,7 @@ pub(crate) fn factor_indices(
 
 /// A family's full-model inventory under `plan`: every tensor frozen, each adapted linear
 /// weight followed by its A and B (trained). Without a plan the inventory is returned as is.
-pub fn adapt(shapes: Vec<ParamShape>, plan: Option<&LoraPlan>) -> Vec<ParamShape> {
+pub(crate) fn adapt(shapes: Vec<ParamShape>, plan: Option<&LoraPlan>) -> Vec<ParamShape> {
     let Some(plan) = plan else {
         return shapes;
     };

@@ -5,7 +5,7 @@
 use half::bf16;
 
 /// Rows of the micro-kernel tile.
-pub const MR: usize = 6;
+pub(crate) const MR: usize = 6;
 /// Columns of the micro-kernel tile (4 × 16 f32 lanes).
 pub const NR: usize = 64;
 /// k pairs per block: a B micro-panel is `KC_PAIRS · NR · 4` bytes (16 KiB, half of L1).

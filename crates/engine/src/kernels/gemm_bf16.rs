@@ -28,8 +28,9 @@ use super::shared_ptr::SharedMut;
 
 // The tile and the packing source live in `bf16_layout`, which the AVX-512 packing
 // (`pack_bf16_avx512`) uses too: this file uses that one, and no file uses this one back.
+pub(crate) use super::bf16_layout::MR;
+pub use super::bf16_layout::NR;
 pub(crate) use super::bf16_layout::{Src, KC_PAIRS};
-pub use super::bf16_layout::{MR, NR};
 
 /// Whether this CPU can run the kernel (AVX512F and AVX512-BF16).
 pub fn supported() -> bool {

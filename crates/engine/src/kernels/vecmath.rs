@@ -173,7 +173,7 @@ pub fn level() -> &'static str {
 
 /// Whether this CPU runs the AVX-512 builds of the kernels (decided once per process): it has
 /// AVX512F, AVX512BW, AVX512VL, AVX2 and FMA, the features those builds are compiled with.
-pub fn avx512() -> bool {
+pub(crate) fn avx512() -> bool {
     isa() == Isa::Avx512
 }
 

@@ -91,7 +91,7 @@ pub fn backward_from(out: &Tensor, grad: Tensor) -> CResult<candle_core::backpro
 /// and dtype) through their graphs at once: one seed per output, their one-element sum the
 /// root. With one output this is [`backward_from`] itself (no sum node). The gradients are
 /// taken by value, as there.
-pub fn backward_from_many(
+pub(crate) fn backward_from_many(
     outs: &[Tensor],
     grads: Vec<Tensor>,
 ) -> CResult<candle_core::backprop::GradStore> {

@@ -42,7 +42,7 @@ pub(crate) struct SiluDwConv {
 }
 
 /// SiLU then depthwise 3×3 conv of x (b·s, C) on a `rows × cols` grid per batch entry.
-pub fn silu_dwconv3x3(
+pub(crate) fn silu_dwconv3x3(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,

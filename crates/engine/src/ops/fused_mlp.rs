@@ -1,5 +1,5 @@
 //! [`fused_mlp`]: the feed-forward `y = fc2(gelu_tanh(fc1(x)))` as one node on x. Budget twin:
-//! `ditmem_budget::ditmem_cpu::ops::fused_mlp`, its workspace `fused_mlp_scratch` (the one
+//! `ditmem_budget::ditmem_cpu::ops::fused_mlp`, its workspace `fused_mlp_workspace` (the one
 //! statement of it, over the chunk and column blocks this op allocates by) and
 //! `FUSED_MLP_OP_BYTES`.
 //!
@@ -55,7 +55,7 @@ enum Kept {
 
 /// The fused feed-forward (see the module docs).
 #[derive(Debug)]
-pub struct FusedMlp {
+pub(crate) struct FusedMlp {
     fc1: MlpLinear,
     fc2: MlpLinear,
     /// Keep u for a backward (x tracks); otherwise h is written over u.
@@ -505,7 +505,7 @@ mod tests {
     /// The op's heap bytes are the budget's `FUSED_MLP_OP_BYTES`, and the column blocks it
     /// allocates by (the budget's one rule) cover the hidden width in blocks of more than 64
     /// columns. Its workspace is the budget's one formula,
-    /// `ditmem_budget::ditmem_cpu::ops::fused_mlp_scratch`, held to measured peaks by the
+    /// `ditmem_budget::ditmem_cpu::ops::fused_mlp_workspace`, held to measured peaks by the
     /// agreement grid.
     #[test]
     fn op_bytes_and_column_blocks() {

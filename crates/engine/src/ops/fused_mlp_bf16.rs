@@ -2,7 +2,7 @@
 //! AVX512-BF16 kernel ([`crate::kernels::gemm_bf16`]), by chunks of [`LINEAR_ROWS`] rows: per
 //! chunk dh_c = g_c·W2 (an f32 chunk narrowed to bf16), h_c = gelu(u_c) for dW2 += g_cᵀ·h_c and
 //! db2 += Σ g_c, then du_c = dh_c ⊙ gelu'(u_c) written over u_c. Budget twin: the AVX512-BF16
-//! branch of `ditmem_budget::ditmem_cpu::ops::fused_mlp_scratch`.
+//! branch of `ditmem_budget::ditmem_cpu::ops::fused_mlp_workspace`.
 //!
 //! Why: over the whole rows this backward made dh = g·W2 beside u, two rows × ffn buffers at
 //! once (u then became h for dW2 and dh became du): at DiT-S/2 bf16, 4,096 rows × ffn 1,536, a

@@ -1,7 +1,7 @@
 //! [`fused_mlp_side`]: the feed-forward whose down projection also reads a side input,
 //! `y = fc2([side; gelu_tanh(fc1(x))])` per row, as one node on (x, side): Flux's single-stream
 //! block, whose `proj_out` reads the attention output beside the MLP's activation. Budget twin:
-//! `ditmem_budget::ditmem_cpu::ops::fused_mlp_side` and its workspace `fused_mlp_side_scratch`
+//! `ditmem_budget::ditmem_cpu::ops::fused_mlp_side` and its workspace `fused_mlp_side_workspace`
 //! (the one statement of it: this op allocates by the budget's chunk sizes and blocks, and the
 //! agreement grid holds the formula to the measured peaks), and `FUSED_MLP_SIDE_OP_BYTES`.
 //!
@@ -35,7 +35,7 @@ use crate::ops::storage::Saved;
 
 /// The fused feed-forward with a side input (see the module docs).
 #[derive(Debug)]
-pub struct FusedMlpSide {
+pub(crate) struct FusedMlpSide {
     fc1: MlpLinear,
     fc2: MlpLinear,
     /// Keep u for a backward (x or side tracks).
@@ -372,7 +372,7 @@ mod tests {
 
     /// The op's heap bytes the budget counts beside the u it keeps are its size
     /// (`FUSED_MLP_SIDE_OP_BYTES`); its workspace is the budget's one formula,
-    /// `ditmem_budget::ditmem_cpu::ops::fused_mlp_side_scratch`, held to measured peaks by the
+    /// `ditmem_budget::ditmem_cpu::ops::fused_mlp_side_workspace`, held to measured peaks by the
     /// agreement grid.
     #[test]
     fn op_bytes_are_the_budgets() {

@@ -18,7 +18,7 @@ use crate::kernels::scalar::{Acc, Elem};
 pub(crate) struct GluSilu;
 
 /// `u[:, :H] · SiLU(u[:, H:])` of u (rows, 2H) → (rows, H) in u's dtype.
-pub fn glu_silu(u: &Tensor) -> CResult<Tensor> {
+pub(crate) fn glu_silu(u: &Tensor) -> CResult<Tensor> {
     u.apply_op1(GluSilu)
 }
 

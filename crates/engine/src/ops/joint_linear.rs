@@ -2,7 +2,7 @@
 //! `[la(a); lc(c)]` for each of `batch` samples, as one node on (a, c): SD3's joint attention
 //! input, where q, k and v of the image and the text stream are projected apart and joined.
 //! Budget twin: `ditmem_budget::ditmem_cpu::ops::joint_linear` and its workspace
-//! `joint_linear_scratch` (the one statement of it; the agreement grid holds it to the measured
+//! `joint_linear_workspace` (the one statement of it; the agreement grid holds it to the measured
 //! peaks).
 //!
 //! Why: composed (two linears and [`cat_tokens`](super::cat_tokens)), candle's graph keeps both

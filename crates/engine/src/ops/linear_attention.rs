@@ -33,7 +33,7 @@ pub const LINEAR_ATTN_EPS: f64 = 1e-15;
 
 /// Shapes of one call: batch, heads, tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LinGeom {
+pub(crate) struct LinGeom {
     pub b: usize,
     pub a: usize,
     pub s: usize,
@@ -48,14 +48,14 @@ impl LinGeom {
 
 /// Scratch elements (accumulation type) per head of the forward: φ(q), φ(k), v and the head's
 /// output (s × d_h each), KV (d_h²), z (d_h), the denominators (s).
-pub fn lin_fwd_scratch(g: &LinGeom) -> usize {
+pub(crate) fn lin_fwd_scratch(g: &LinGeom) -> usize {
     4 * g.s * g.dh + g.dh * g.dh + g.dh + g.s
 }
 
 /// Scratch elements (accumulation type) per head of the backward: φ(q), φ(k), v, dO, the output
 /// (then dq), dk, dv (s × d_h each), KV and dKV (d_h² each), z and dz (d_h each), the
 /// denominators and their gradients (s each).
-pub fn lin_bwd_scratch(g: &LinGeom) -> usize {
+pub(crate) fn lin_bwd_scratch(g: &LinGeom) -> usize {
     7 * g.s * g.dh + 2 * g.dh * g.dh + 2 * g.dh + 2 * g.s
 }
 

@@ -37,7 +37,7 @@ use crate::ops::storage::Saved;
 
 /// The fused Mix-FFN (see the module docs).
 #[derive(Debug)]
-pub struct MixFfn {
+pub(crate) struct MixFfn {
     inv: MlpLinear,
     point: MlpLinear,
     /// The token grid (rows, cols) of each batch entry.

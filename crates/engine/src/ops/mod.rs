@@ -91,15 +91,17 @@ pub mod sum_squares;
 pub(crate) mod test_values;
 pub mod tokens;
 
+pub(crate) use attention::projected_attention;
 pub use attention::{
-    attention_materialized, cross_attention, projected_attention, qkv_attention, AttnGeom,
-    AttnKeep, CrossAttention, Dropout, ProjectedAttention, ATTN_KEY_BLOCK,
+    attention_materialized, cross_attention, qkv_attention, AttnGeom, AttnKeep, Dropout,
+    ATTN_KEY_BLOCK,
 };
 
 pub(crate) use attention::dropout_mask;
-pub use backward_from::{backward_from, backward_from_many};
-pub use fused_mlp::{fused_mlp, FusedMlp, MlpLinear};
-pub use fused_mlp_side::{fused_mlp_side, FusedMlpSide};
+pub use backward_from::backward_from;
+pub(crate) use backward_from::backward_from_many;
+pub use fused_mlp::{fused_mlp, MlpLinear};
+pub use fused_mlp_side::fused_mlp_side;
 pub use gated_residual::gated_residual;
 pub use gelu::gelu_tanh;
 pub use joint_linear::joint_linear;
@@ -107,11 +109,12 @@ pub(crate) use linear::linear_into;
 pub use linear::{dw_blocks, linear, linear_sunk, GradSink, InputSink, DW_ROWS, LINEAR_ROWS};
 pub use ln_modulate::ln_modulate;
 pub use lora_linear::lora_linear;
-pub use mix_ffn::{mix_ffn, MixFfn};
+pub use mix_ffn::mix_ffn;
 pub use mse_loss::mse_loss;
-pub use norm_rope::{joint_norm_rope, norm_rope, norm_rope_bwd_scratch};
-pub use release::{release, release_whole};
-pub use rms_norm::{rms_norm, RmsNorm, RMS_EPS};
+pub use norm_rope::{joint_norm_rope, norm_rope};
+pub use release::release;
+pub(crate) use release::release_whole;
+pub use rms_norm::{rms_norm, RMS_EPS};
 pub use rms_norm_rows::rms_norm_rows;
 pub use rope::{rope, Rope, RopeTable};
 pub use rope_cos_sin::rope_cos_sin;

@@ -79,8 +79,10 @@ pub fn joint_norm_rope(
 }
 
 /// Backward workspace (elements of x's dtype, elements of the accumulation type) of x with
-/// `elems` elements and head width `dh`: the un-rotated gradient and one rstd per group.
-pub fn norm_rope_bwd_scratch(elems: usize, dh: usize) -> (usize, usize) {
+/// `elems` elements and head width `dh`: the un-rotated gradient and one rstd per group (the
+/// test that measures the backward's heap holds it; the budget's twin states it for prediction).
+#[cfg(test)]
+pub(crate) fn norm_rope_bwd_scratch(elems: usize, dh: usize) -> (usize, usize) {
     (elems, elems / dh.max(1))
 }
 

@@ -66,7 +66,7 @@ pub fn release(t: &Tensor) -> CResult<()> {
 
 /// [`release`] when `t` covers its whole storage (a prediction not narrowed to fewer channels
 /// than the model outputs); returns whether it did.
-pub fn release_whole(t: &Tensor) -> CResult<bool> {
+pub(crate) fn release_whole(t: &Tensor) -> CResult<bool> {
     let whole = {
         let (s, l) = t.storage_and_layout();
         match &*s {

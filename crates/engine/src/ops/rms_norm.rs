@@ -26,7 +26,7 @@ pub const RMS_EPS: f64 = 1e-6;
 
 /// The op (see the module docs).
 #[derive(Debug, Clone, Copy)]
-pub struct RmsNorm {
+pub(crate) struct RmsNorm {
     eps: f64,
 }
 

@@ -81,7 +81,7 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
 /// `ops::dwconv::silu_dwconv3x3` of the engine: SiLU + depthwise 3×3 conv of x (rows, C) with
 /// its weight (C·9) and bias (C): one fresh output of x's size; forward workspace 10·C,
 /// backward 19·C accumulation-type values (`dwconv_{fwd,bwd}_scratch`).
-pub fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
+pub(crate) fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
     let acc = acc_bytes(sh.precision);
     let (e, dt) = (g.elems(ins[0]), g.dtype(ins[0]));
     let o = g.op(
@@ -173,7 +173,7 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
 /// Workspace bytes (forward, backward) of the engine's fused Mix-FFN with its linears'
 /// workspace from [`linear_workspace`] (their own buffers and `gemm`'s packing) on `cpu`:
 /// see [`mix_ffn_phases`].
-pub fn mix_ffn_workspace(
+pub(crate) fn mix_ffn_workspace(
     cpu: &CpuSpec,
     types: (Dtype, Dtype, u64),
     dims: (u64, u64, u64),

@@ -237,7 +237,7 @@ impl Graph {
     }
 
     /// A tensor made outside the graph; `owned` when the graph's lifetime decides its memory.
-    pub fn constant(&mut self, name: &str, elems: u64, dtype: Dtype, owned: bool) -> Nid {
+    pub(crate) fn constant(&mut self, name: &str, elems: u64, dtype: Dtype, owned: bool) -> Nid {
         self.push(name, Kind::Const, &[], elems, dtype, owned)
     }
 

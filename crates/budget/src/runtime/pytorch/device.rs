@@ -5,7 +5,7 @@ use crate::spec::{Dtype, Precision, Runtime, SdpaBackend, Spec, TorchDevice};
 
 /// The PyTorch runtime on one device with one SDPA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PyTorch {
+pub(crate) struct PyTorch {
     pub device: TorchDevice,
     pub sdpa: SdpaBackend,
 }
@@ -17,7 +17,7 @@ pub(crate) const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
 
 impl PyTorch {
     /// The instance for a device and backend (a `'static` reference, as `model_for` returns).
-    pub fn instance(device: TorchDevice, sdpa: SdpaBackend) -> &'static PyTorch {
+    pub(crate) fn instance(device: TorchDevice, sdpa: SdpaBackend) -> &'static PyTorch {
         use SdpaBackend as S;
         use TorchDevice as D;
         match (device, sdpa) {

@@ -42,7 +42,7 @@ fn attention(bl: &mut Builder, dims: &Shape, qkv: Tid) -> Tid {
 impl PyTorch {
     /// Input side: noising (no grad), PatchEmbed, timestep MLP, label table; output x, and c
     /// (saved by every block's SiLU) kept beside it.
-    pub fn embed(&self, dims: &Shape) -> Segment {
+    pub(crate) fn embed(&self, dims: &Shape) -> Segment {
         let mut bl = self.builder(dims, "embed");
         let f = dims.precision.param_dtype();
         let (b, d) = (dims.b, dims.d);
@@ -101,7 +101,7 @@ impl PyTorch {
     }
 
     /// One adaLN-Zero block, op by op as eager PyTorch runs it.
-    pub fn block(&self, dims: &Shape) -> Segment {
+    pub(crate) fn block(&self, dims: &Shape) -> Segment {
         let mut bl = self.builder(dims, "block");
         let f = dims.precision.accum_dtype();
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
@@ -141,7 +141,7 @@ impl PyTorch {
     }
 
     /// Final layer, unpatchify and the fp32 MSE loss on the ε channels.
-    pub fn final_layer(&self, dims: &Shape) -> Segment {
+    pub(crate) fn final_layer(&self, dims: &Shape) -> Segment {
         let mut bl = self.builder(dims, "final");
         let f = dims.precision.accum_dtype();
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);

@@ -50,7 +50,7 @@ pub(crate) fn packed_lens(s: usize, dh: usize) -> (usize, usize) {
 /// (`gemm_bf16::KC_PAIRS` pairs), so that dk and dv, summed over the blocks, add one depth
 /// block at a time as one product over all queries does. Budget twin:
 /// `ditmem_budget::ditmem_cpu::ops::NATIVE_ATTN_BWD_ROWS`.
-pub const NATIVE_BWD_ROWS: usize = 2 * gemm_bf16::KC_PAIRS;
+pub(crate) const NATIVE_BWD_ROWS: usize = 2 * gemm_bf16::KC_PAIRS;
 
 /// (u32 elements of packed A, u16 elements of packed B) one thread needs for every product of
 /// [`backward`]'s blocks of m = min(s, [`NATIVE_BWD_ROWS`]) rows: A is m × d_h (the block's dO

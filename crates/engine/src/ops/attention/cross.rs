@@ -51,7 +51,7 @@ struct Projected {
 
 /// The fused cross-attention (see the module docs).
 #[derive(Debug)]
-pub struct CrossAttention {
+pub(crate) struct CrossAttention {
     k: MlpLinear,
     v: MlpLinear,
     norm: Option<RmsNormRows>,

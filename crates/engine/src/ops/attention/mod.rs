@@ -27,12 +27,11 @@ mod qkv;
 pub mod reference;
 pub mod separate;
 
-pub use cross::{cross_attention, CrossAttention};
+pub use cross::cross_attention;
 pub(crate) use dropout::dropout_mask;
 pub use dropout::Dropout;
 pub use geom::{AttnGeom, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
-pub use projected::{projected_attention, ProjectedAttention};
+pub(crate) use projected::projected_attention;
 pub use qkv::qkv_attention;
 pub(crate) use qkv::QkvAttention;
 pub use reference::attention_materialized;
-pub use separate::{sep_bwd_scratch, sep_fwd_scratch};

@@ -23,7 +23,7 @@ use crate::ops::{release_whole, MlpLinear};
 /// At DiT-S/2 256² batch 16 with block recompute this was the worst moment of a block's
 /// backward. The values are the two nodes' bit for bit (the same kernels in the same order).
 #[derive(Debug)]
-pub struct ProjectedAttention {
+pub(crate) struct ProjectedAttention {
     attn: QkvAttention,
     proj: MlpLinear,
     /// qkv from the forward, taken by the backward, which writes dqkv over it (or frees it once
@@ -37,7 +37,7 @@ pub struct ProjectedAttention {
 /// The projected attention (see [`ProjectedAttention`]). `proj`'s weights must not track unless
 /// it has a sink (the op returns only dx to candle); x must track (an untracked forward saves
 /// nothing and has no backward: use the projection and [`super::qkv_attention`] there).
-pub fn projected_attention(
+pub(crate) fn projected_attention(
     x: &Tensor,
     proj: &MlpLinear,
     batch: usize,

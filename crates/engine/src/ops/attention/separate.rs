@@ -24,7 +24,7 @@ use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus,
 
 /// Shapes of one call: batch, heads, query and key tokens, head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SepGeom {
+pub(crate) struct SepGeom {
     pub b: usize,
     pub a: usize,
     pub sq: usize,
@@ -46,7 +46,7 @@ impl SepGeom {
 
 /// Scratch elements (accumulation type) per head of the forward: q, k, v, the head's output and
 /// S (s_q × s_kv); streaming: a block of scores and the row max and sum instead of S.
-pub fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
+pub(crate) fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
     let (sq, sk, dh) = (g.sq, g.sk, g.dh);
     let base = 2 * sq * dh + 2 * sk * dh;
     match keep {
@@ -57,7 +57,7 @@ pub fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
 
 /// Scratch elements (accumulation type) per head of the backward: q, dO, dq (s_q × d_h), k, v,
 /// dk, dv (s_kv × d_h), P and dP; streaming: a (query × key) block of each and the row deltas.
-pub fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
+pub(crate) fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
     let (sq, sk, dh) = (g.sq, g.sk, g.dh);
     let base = 3 * sq * dh + 4 * sk * dh;
     match keep {

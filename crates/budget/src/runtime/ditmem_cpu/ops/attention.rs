@@ -17,7 +17,7 @@ use super::sizes::{ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 /// queries: f32 dq, dk, dv, blocks of P and dP, the row deltas; the query block's packed q and
 /// dO, a packed A of a block (Pᵀ, dS or dSᵀ), a packed B (a block of kᵀ, vᵀ or k, or the query
 /// block's dO or q).
-pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
+pub(crate) fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
     let b_fwd = packed_b_bytes(dh, kb).max(packed_b_bytes(kb, dh));
     let qb = NATIVE_ATTN_BWD_ROWS.min(s);
     let a_qd = packed_a_bytes(qb, dh);
@@ -31,7 +31,7 @@ pub fn streaming_attention_scratch(s: u64, dh: u64, kb: u64) -> (u64, u64) {
 
 /// Query rows per block of the backward of the engine's bf16 attention on the AVX512-BF16
 /// kernel (`ops::attention::bf16::NATIVE_BWD_ROWS`): P and dP of a block are this × s.
-pub const NATIVE_ATTN_BWD_ROWS: u64 = 128;
+pub(crate) const NATIVE_ATTN_BWD_ROWS: u64 = 128;
 
 /// Bytes of one thread's scratch (forward, backward) of the engine's bf16 attention on the
 /// AVX512-BF16 kernel (`ops::attention::bf16::native_scratch_bytes`): f32 buffers (forward the
@@ -39,7 +39,7 @@ pub const NATIVE_ATTN_BWD_ROWS: u64 = 128;
 /// [`NATIVE_ATTN_BWD_ROWS`] query rows) and the packed operands of every product (forward: A
 /// up to s × max(s, d_h), B d_h × s or s × d_h; backward, of a block of m rows: A m × d_h,
 /// m × s or s × m, B d_h × s, s × d_h or m × d_h).
-pub fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
+pub(crate) fn native_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
     let packed = packed_a_bytes(s, s.max(dh)) + packed_b_bytes(dh, s).max(packed_b_bytes(s, dh));
     let m = NATIVE_ATTN_BWD_ROWS.min(s);
     let packed_bwd = packed_a_bytes(m, dh)
@@ -105,7 +105,7 @@ pub(crate) fn attention_head_packing(
 /// memory-efficient, nothing under attention-only recompute. Forward and backward work on one
 /// scratch of accumulation-type buffers per thread (at most one thread per head), allocated up
 /// front; the backward returns one fresh (b·s, 3D) gradient.
-pub fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
+pub(crate) fn fused_attention(g: &mut Graph, sh: &Shape, qkv: Nid) -> Nid {
     let (name, extra, fwd, bwd) = attention_workspace(sh);
     let o = g.op(
         name,
@@ -189,7 +189,7 @@ pub const PROJECTED_ATTENTION_OP_BYTES: u64 = 32 + 152;
 /// kept: forward, the projection's less what the node's output and kept state already count,
 /// or the attention's; backward, beyond the gradients it hands out, dqkv (and on the bf16
 /// kernels qkv) with the attention's scratch, or dqkv with the projection's.
-pub fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> Nid {
+pub(crate) fn fused_qkv_attention(g: &mut Graph, sh: &Shape, x: Nid, wb: [Nid; 2]) -> Nid {
     let cd = sh.cd();
     let (rows, d) = (sh.b * sh.s, sh.d);
     let (name, attn_extra, attn_fwd, attn_bwd) = attention_workspace(sh);

@@ -1,7 +1,7 @@
 //! The engine's fused MLP (`ops/fused_mlp.rs` with `fused_mlp_bf16.rs`, `fused_mlp_widen.rs`,
-//! `fused_mlp_dx.rs`): its workspace formula [`fused_mlp_scratch`] and the node [`fused_mlp`].
+//! `fused_mlp_dx.rs`): its workspace formula [`fused_mlp_workspace`] and the node [`fused_mlp`].
 
-use super::linear::{fused_linear_scratch, gemm_call_bytes, linear_workspace};
+use super::linear::{gemm_call_bytes, linear_workspace};
 use super::sizes::{
     chunk_rows, dw_blocks, dx_over_du_chunks, mlp_col_blocks, packed_a_bytes, packed_b_bytes,
     widen_col_blocks, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS,
@@ -20,25 +20,8 @@ pub const FUSED_MLP_OP_BYTES: u64 = 32 + 96;
 /// [`fused_linear_scratch`]'s. Forward, beyond y and the kept u: the larger of fc1's workspace
 /// less y, and h = gelu(u) with fc2's workspace. Backward, beyond the gradients it hands out:
 /// the peak of its phases ([`fused_mlp_phases`], by row chunks) less the gradients.
-pub fn fused_mlp_scratch(
-    (cd, wd): (Dtype, Dtype),
-    dims: (u64, u64, u64, u64),
-    (tx, wants): (bool, [bool; 4]),
-    native: bool,
-    master: bool,
-) -> (u64, u64) {
-    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_phases(
-        (lin, |_, _| 0),
-        (cd, wd),
-        dims,
-        (tx, wants),
-        (native, master),
-    )
-}
-
-/// [`fused_mlp_scratch`] with `gemm`'s per-call packing in each phase ([`linear_workspace`] for
-/// each of the four products): the node's workspace on the spec's CPU.
+/// With `gemm`'s per-call packing in each phase ([`linear_workspace`] for each of the four
+/// products): the node's workspace on the spec's CPU.
 pub(crate) fn fused_mlp_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),

@@ -1,8 +1,8 @@
 //! The engine's fused MLP with a side input (`ops/fused_mlp_side.rs`): its workspace formula
-//! [`fused_mlp_side_scratch`] and the node [`fused_mlp_side`].
+//! [`fused_mlp_side_workspace`] and the node [`fused_mlp_side`].
 
 use super::fused_mlp::{fc2_gelu_blocks, widen_phase};
-use super::linear::{fused_linear_scratch, gemm_call_bytes, linear_workspace};
+use super::linear::{gemm_call_bytes, linear_workspace};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::spec::{CpuSpec, Dtype};
 
@@ -21,25 +21,8 @@ pub const FUSED_MLP_SIDE_OP_BYTES: u64 = 32 + 96;
 /// on the AVX512-BF16 kernel h beside c; c, dc, fc2's workspace,
 /// dW2, db2; dc beside its parts dside and du; then in every dtype du, every gradient and
 /// fc1's workspace.
-pub fn fused_mlp_side_scratch(
-    (cd, wd): (Dtype, Dtype),
-    dims: (u64, u64, u64, u64, u64),
-    (tx, ts, wants): (bool, bool, [bool; 4]),
-    native: bool,
-    master: bool,
-) -> (u64, u64) {
-    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    fused_mlp_side_phases(
-        (lin, |_, _| 0),
-        (cd, wd),
-        dims,
-        (tx, ts, wants),
-        (native, master),
-    )
-}
-
-/// [`fused_mlp_side_scratch`] with `gemm`'s per-call packing in each phase
-/// ([`linear_workspace`] for each of its linear calls): the node's workspace on the spec's CPU.
+/// With `gemm`'s per-call packing in each phase ([`linear_workspace`] for each of its linear
+/// calls): the node's workspace on the spec's CPU.
 pub(crate) fn fused_mlp_side_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),

@@ -1,7 +1,7 @@
 //! The engine's joint linear (`ops/joint_linear.rs`): its workspace formula
-//! [`joint_linear_scratch`] and the node [`joint_linear`].
+//! [`joint_linear_workspace`] and the node [`joint_linear`].
 
-use super::linear::{fused_linear_scratch, linear_workspace};
+use super::linear::linear_workspace;
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::spec::{CpuSpec, Dtype};
 
@@ -12,19 +12,8 @@ use crate::spec::{CpuSpec, Dtype};
 /// workspace less the output; ya and yc while joined (the output's size). Backward, beyond the
 /// gradients it hands out: a's part of the gradient with la's backward and its gradients; c's
 /// part with lc's backward beside every gradient.
-pub fn joint_linear_scratch(
-    (cd, wd): (Dtype, Dtype),
-    dims: (u64, u64, u64, u64),
-    (ta, tc, wants): (bool, bool, [bool; 4]),
-    native: bool,
-    master: bool,
-) -> (u64, u64) {
-    let lin = |dims, t| fused_linear_scratch(cd, dims, t, native, master);
-    joint_linear_phases(lin, (cd, wd), dims, (ta, tc, wants))
-}
-
-/// [`joint_linear_scratch`] with `gemm`'s per-call packing in each phase
-/// ([`linear_workspace`]): the node's workspace on the spec's CPU.
+/// With `gemm`'s per-call packing in each phase ([`linear_workspace`]): the node's workspace on
+/// the spec's CPU.
 pub(crate) fn joint_linear_workspace(
     cpu: &CpuSpec,
     (cd, wd): (Dtype, Dtype),

@@ -112,7 +112,7 @@ fn direct_linear_packing(
 /// that pass's workspace); then for dW an f32 dW (likewise) and a row-major x chunk (the lhs
 /// of dWᵀ = xᵀ·g, whose column-major destination is dW row-major), for db an f32 db
 /// (likewise).
-pub fn fused_linear_scratch(
+pub(crate) fn fused_linear_scratch(
     cd: Dtype,
     (rows, inp, out): (u64, u64, u64),
     (tx, tw, tb): (bool, bool, bool),
@@ -180,7 +180,7 @@ fn widened_bwd_passes(
 /// buffers ([`fused_linear_scratch`]) and `gemm`'s per-call packing where its products go
 /// through `gemm` (widened bf16/f16: [`widened_linear_packing`]; direct f32/f64:
 /// [`direct_linear_packing`]); the AVX512-BF16 kernel packs into its own buffers only.
-pub fn linear_workspace(
+pub(crate) fn linear_workspace(
     cpu: &CpuSpec,
     cd: Dtype,
     (rows, inp, out): (u64, u64, u64),
@@ -216,7 +216,7 @@ pub fn linear_workspace(
 /// `gemm` packs only where a chunk's rows miss the SIMD lanes ([`widened_linear_packing`], added
 /// to the node's workspace). `cpu`: the spec's CPU (bf16 products on the AVX512-BF16 kernel per
 /// `cpu.bf16_products`; `gemm`'s kernels per `cpu.gemm_isa`).
-pub fn fused_linear(
+pub(crate) fn fused_linear(
     g: &mut Graph,
     name: &str,
     ins: [Nid; 3],

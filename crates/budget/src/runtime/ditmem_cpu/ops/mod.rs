@@ -3,8 +3,8 @@
 //! `ops/attention/bf16.rs`): each op as one node of a [`Graph`] with what it saves and the
 //! workspace its forward and backward allocate. The sizes the engine allocates by are in
 //! [`sizes`] (one function each, the engine calls them); each op's scratch formula is one
-//! function beside its node ([`fused_linear_scratch`], [`fused_mlp_scratch`],
-//! [`fused_mlp_side_scratch`], [`joint_linear_scratch`], [`native_attention_scratch`],
+//! function beside its node ([`fused_linear_scratch`], [`fused_mlp_workspace`],
+//! [`fused_mlp_side_workspace`], [`joint_linear_workspace`], [`native_attention_scratch`],
 //! [`streaming_attention_scratch`]), which the engine does not restate: the agreement grid
 //! (`ditmem agree`) holds them to the engine's measured peaks. This file keeps the small nodes.
 
@@ -16,14 +16,14 @@ mod linear;
 pub mod sizes;
 
 pub(crate) use attention::attention_head_packing;
-pub use attention::{
-    fused_attention, fused_qkv_attention, native_attention_scratch, streaming_attention_scratch,
-    NATIVE_ATTN_BWD_ROWS, PROJECTED_ATTENTION_OP_BYTES,
-};
-pub use fused_mlp::{fused_mlp, fused_mlp_scratch, FUSED_MLP_OP_BYTES};
-pub use fused_mlp_side::{fused_mlp_side, fused_mlp_side_scratch, FUSED_MLP_SIDE_OP_BYTES};
-pub use joint_linear::{joint_linear, joint_linear_scratch};
-pub use linear::{fused_linear, fused_linear_scratch, linear_workspace};
+pub(crate) use attention::fused_attention;
+pub(crate) use attention::fused_qkv_attention;
+pub use attention::PROJECTED_ATTENTION_OP_BYTES;
+pub use fused_mlp::{fused_mlp, FUSED_MLP_OP_BYTES};
+pub use fused_mlp_side::{fused_mlp_side, FUSED_MLP_SIDE_OP_BYTES};
+pub use joint_linear::joint_linear;
+pub(crate) use linear::fused_linear;
+pub(crate) use linear::linear_workspace;
 pub use sizes::{
     bf16_dx_panel_cols, dw_blocks, dx_over_du_chunks, mlp_col_blocks, widen_col_blocks,
     ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK, DW_COLS, DW_PANEL_SHARE, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS,
@@ -104,7 +104,7 @@ pub fn seeds(g: &mut Graph, outs: &[Nid]) -> Option<Nid> {
 
 /// The composed root `sum(out · grad_out)` appended to a graph (the composed attention core
 /// still backpropagates from it): returns the root.
-pub fn surrogate(g: &mut Graph, out: Nid) -> Nid {
+pub(crate) fn surrogate(g: &mut Graph, out: Nid) -> Nid {
     let (e, dt) = (g.elems(out), g.dtype(out));
     let go = g.constant("grad_out", e, dt, false);
     let m = g.op("out·grad_out", Kind::Mul, &[out, go], e, dt);
