@@ -53,7 +53,7 @@ impl Launcher {
     }
 
     /// Whether the launch runs a diffusers example script (where the family has one).
-    pub const fn runs_script(self) -> bool {
+    pub(crate) const fn runs_script(self) -> bool {
         !matches!(self, Launcher::Custom)
     }
 }

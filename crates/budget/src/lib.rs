@@ -44,7 +44,7 @@ pub use error::SpecError;
 pub use estimate::{estimate, Budget, Inventory, InventoryRow, Peak};
 pub use events::{Breakdown, Event, Phase};
 pub use export::{export, export_files, Command, Export, ExportOptions, Target};
-pub use params::{bytes_of, count, param_table, Module, ParamRole};
+pub use params::{count, param_table, Module, ParamRole};
 pub use plan::{
     engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan, Progress,
     SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,

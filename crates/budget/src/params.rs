@@ -342,11 +342,6 @@ pub(crate) fn stored_bytes_in(t: &ParamTensor, r: &crate::spec::Recipe) -> u64 {
     stored_bytes(t, r.precision, r.lora.is_some(), r.base_quant)
 }
 
-/// Bytes to store `n` numbers in `dtype` (the seed's lab: 1,744 → 13,952 B f64).
-pub const fn bytes_of(n: u64, dtype: Dtype) -> u64 {
-    n * dtype.size()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,13 +411,5 @@ mod tests {
         let d = 384u64;
         assert_eq!(c.trained, 12 * (8 * d + 3 * d * 8));
         assert_eq!(c.frozen, 32_963_360);
-    }
-
-    #[test]
-    fn seed_lab_bytes() {
-        assert_eq!(bytes_of(1_744, Dtype::F64), 13_952);
-        assert_eq!(bytes_of(1_744, Dtype::F32), 6_976);
-        assert_eq!(bytes_of(1_744, Dtype::F16), 3_488);
-        assert_eq!(bytes_of(1_744, Dtype::Bf16), 3_488);
     }
 }

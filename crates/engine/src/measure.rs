@@ -209,7 +209,7 @@ impl PhasePeaks {
     }
 
     /// Element-wise maximum.
-    pub fn merge(&mut self, other: &PhasePeaks) {
+    pub(crate) fn merge(&mut self, other: &PhasePeaks) {
         for p in Phase::ALL {
             self.set(p, other.get(p));
         }

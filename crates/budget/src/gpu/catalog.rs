@@ -88,7 +88,7 @@ pub struct DtypeSupport {
 
 impl DtypeSupport {
     /// Support from the compute capability (\[CC\] and the architecture whitepapers).
-    pub const fn for_cc(major: u32, minor: u32) -> DtypeSupport {
+    pub(crate) const fn for_cc(major: u32, minor: u32) -> DtypeSupport {
         let sm = major * 10 + minor;
         DtypeSupport {
             bf16: sm >= 80,
