@@ -65,6 +65,17 @@ pub(crate) const GPU_BANDWIDTH_EFFICIENCY: f64 = 0.8;
 pub(crate) const GPU_PASS_OVERHEAD_S: f64 = 0.01;
 
 impl DeviceProfile {
+    /// The rate a ring collective over `ranks` ranks runs at: the slowest link it crosses (the
+    /// node's link, and between nodes beyond [`crate::gpu::GPUS_PER_NODE`] ranks the slower of it
+    /// and the inter-node link).
+    pub(crate) fn ring_bytes_per_s(&self, ranks: u32) -> f64 {
+        if ranks > crate::gpu::GPUS_PER_NODE {
+            self.link_bytes_per_s.min(self.inter_node_bytes_per_s)
+        } else {
+            self.link_bytes_per_s
+        }
+    }
+
     /// The 2-core CPU this project runs on, measured by
     /// `cargo bench -p ditmem-engine --bench calibrate` (see that bench for the method).
     ///
@@ -425,11 +436,7 @@ pub(crate) fn step_time_with(
     // with compute. Offload's host-side optimizer update is timed at the device's rates (no host
     // rate in the profile).
     let vol = crate::sharding::comm_volume(spec, trained, recomputed / depth.max(1.0));
-    let link = if w.ranks > crate::gpu::GPUS_PER_NODE {
-        profile.link_bytes_per_s.min(profile.inter_node_bytes_per_s)
-    } else {
-        profile.link_bytes_per_s
-    };
+    let link = profile.ring_bytes_per_s(w.ranks);
     let comm = vol.link_bytes / link + vol.host_bytes / profile.host_link_bytes_per_s;
     // The frozen encoders of each microbatch, each in its own dtype, priced as the transformer's
     // matmuls are (FLOPs at the card's rate × the same efficiency): a VAE's convolutions in fp32
@@ -543,6 +550,22 @@ pub fn time_error_note(profile: &DeviceProfile) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ring_over_two_nodes_runs_at_the_inter_node_link() {
+        // 8 H100 SXM on one node ring over NVLink; 16 cross InfiniBand NDR.
+        let p = DeviceProfile::for_gpu(crate::gpu::lookup("h100-sxm").unwrap());
+        assert_eq!(p.ring_bytes_per_s(8), 450e9);
+        assert_eq!(p.ring_bytes_per_s(16), 50e9);
+        for g in crate::gpu::all() {
+            let p = DeviceProfile::for_gpu(g);
+            assert!(
+                p.ring_bytes_per_s(16) <= p.ring_bytes_per_s(8),
+                "{}",
+                g.name
+            );
+        }
+    }
 
     #[test]
     fn fast_dit_rows_within_the_stated_error() {

@@ -41,6 +41,9 @@
 //! An edge from a file to itself is no circle.
 //! A circle is a strongly connected component of two or more files; the test prints each with a
 //! shortest cycle through it and the file:line of each edge.
+mod source_scan;
+
+use source_scan::members;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -871,31 +874,6 @@ fn describe(g: &Graph, comp: &[PathBuf], root: &Path) -> String {
         }
     }
     text
-}
-
-/// The workspace's member directories, from the `members = [...]` list of `<root>/Cargo.toml`
-/// (the Python binding's crate under `python/` included); every directory under `<root>/crates`
-/// when the manifest has no such list.
-fn members(root: &Path) -> Vec<PathBuf> {
-    let manifest = fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
-    let listed = manifest
-        .split_once("\nmembers = [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map(|(list, _)| {
-            list.split(',')
-                .filter_map(|m| {
-                    let m = m.trim().trim_matches('"');
-                    (!m.is_empty()).then(|| root.join(m))
-                })
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    if !listed.is_empty() {
-        return listed;
-    }
-    fs::read_dir(root.join("crates"))
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
-        .unwrap_or_default()
 }
 
 /// Reads every crate of the workspace ([`members`]; each root file: src/lib.rs, src/main.rs,

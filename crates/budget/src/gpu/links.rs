@@ -127,8 +127,8 @@ mod tests {
         }
         assert_eq!(links_for("h100-sxm").intra_node.bytes_per_s, 450e9);
         assert_eq!(links_for("rtx-4090").intra_node, PCIE4_X16);
-        // 16 H100 SXM cross InfiniBand NDR between their two nodes (cost.rs's ring rate
-        // takes the slower link beyond GPUS_PER_NODE ranks).
+        // 16 H100 SXM cross InfiniBand NDR between their two nodes (the ring rate,
+        // `DeviceProfile::ring_bytes_per_s`, is tested in cost.rs).
         assert_eq!(links_for("h100-sxm").inter_node.bytes_per_s, 50e9);
     }
 }

@@ -1,6 +1,7 @@
 //! Reading the workspace's sources as code: comments, strings and character literals blanked
 //! (line breaks kept), the members from the root `Cargo.toml`, their `.rs` files. Shared by the
-//! tests that hold a rule over every crate (`function_length.rs`, `public_items.rs`).
+//! tests that hold a rule over every crate (`no_import_cycles.rs`, `function_length.rs`,
+//! `public_items.rs`).
 #![allow(dead_code)] // each test uses part of it
 
 use std::fs;
@@ -102,18 +103,29 @@ pub fn blank(src: &str) -> String {
     out
 }
 
-/// The workspace's members, from the root `Cargo.toml`.
+/// The workspace's member directories, from the `members = [...]` list of `<root>/Cargo.toml`
+/// (the Python binding's crate under `python/` included); every directory under `<root>/crates`
+/// when the manifest has no such list.
 pub fn members(root: &Path) -> Vec<PathBuf> {
-    let manifest = fs::read_to_string(root.join("Cargo.toml")).expect("the root Cargo.toml");
-    let list = manifest
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("members"))
-        .expect("a members list in the root Cargo.toml");
-    list.split('"')
-        .skip(1)
-        .step_by(2)
-        .map(|m| root.join(m))
-        .collect()
+    let manifest = fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
+    let listed = manifest
+        .split_once("\nmembers = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| {
+            list.split(',')
+                .filter_map(|m| {
+                    let m = m.trim().trim_matches('"');
+                    (!m.is_empty()).then(|| root.join(m))
+                })
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    if !listed.is_empty() {
+        return listed;
+    }
+    fs::read_dir(root.join("crates"))
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default()
 }
 
 pub fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
