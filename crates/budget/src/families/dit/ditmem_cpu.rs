@@ -13,12 +13,14 @@
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::params::ParamTensor;
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, chunks, module_linear, patch_embed, timestep_features,
+    base_weight, block_leaf, chunks, module_linear, timestep_features,
 };
 use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::ln_modulate;
-use crate::runtime::ditmem_cpu::parts::{feed_forward_tail, image_loss, self_attention};
+use crate::runtime::ditmem_cpu::parts::{
+    feed_forward_tail, image_loss, modulation_linear, patch_stream, plus_pos_embed, self_attention,
+};
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{Dtype, Spec};
@@ -90,11 +92,8 @@ impl OneBlockKind for DitdGeo {
         let (cd, ad) = (sh.cd(), sh.ad());
         let bd = sh.b * sh.d;
         let mut g = Graph::default();
-        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
-        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
-        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let xe = patch_stream(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
+        let x0 = plus_pos_embed(&mut g, sh, xe);
         let tf = timestep_features(&mut g, sh, DITD_FREQ);
         // The label ids (u32, one per sample; 4 bytes each like an f32).
         let ids = g.constant("label ids", sh.b, Dtype::F32, true);
@@ -126,8 +125,7 @@ impl OneBlockKind for DitdGeo {
         let se = g.op("silu(emb)", Kind::Silu, &[emb], bd, ad);
         let se = g.cast(&format!("silu(emb)→{cd}"), se, cd);
         g.bind(se);
-        let m6 = module_linear(&mut g, sh, "norm1.linear", se, sh.b, 6 * d, d);
-        let m6 = g.cast(&format!("norm1.linear→{ad}"), m6, ad);
+        let m6 = modulation_linear(&mut g, sh, "norm1.linear", se, 6);
         g.bind(m6);
         let m = chunks(&mut g, "modulation", m6, 6, bd);
 
@@ -145,13 +143,12 @@ impl OneBlockKind for DitdGeo {
     /// Returns (graph, leaf, root).
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let dg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let cd = sh.cd();
         let rows = sh.b * sh.s;
         let bd = sh.b * sh.d;
         let (mut g, x) = sims::final_leaf(sh);
         let se = sh.cond_leaf(&mut g, "SiLU(emb₀) (shared leaf)", bd, cd);
-        let m = module_linear(&mut g, sh, "proj_out_1", se, sh.b, 2 * sh.d, sh.d);
-        let m = g.cast(&format!("proj_out_1→{ad}"), m, ad);
+        let m = modulation_linear(&mut g, sh, "proj_out_1", se, 2);
         g.bind(m);
         let md = chunks(&mut g, "proj_out_1", m, 2, bd);
         let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);

@@ -18,7 +18,8 @@ use crate::families::pixart::pytorch::{
 };
 use crate::families::DitDiffusersDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, ddpm_data, first_and_rest, hidden_states_in, hold, info, sinusoid, Fam, FREQ,
+    self, add_data, chunks, ddpm_data, first_and_rest, hidden_states_in, hold, info, sinusoid, Fam,
+    FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Builder, Lin, CACHED, SAVED};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -144,9 +145,7 @@ fn block(f: &Fam, d: &DitDiffusersDims, g: &Geo, x: (Dtype, bool), how: Emb) -> 
     let cond = label_emb(&mut bl, g, &format!("{p}.emb"), x.0, how);
     let s = bl.act(&format!("{p}.silu"), cond);
     let m6 = bl.linear_rg(&format!("{p}.linear"), s, Lin::new(b, 6 * dim, dim, true));
-    let m: Vec<Tid> = (0..6)
-        .map(|i| bl.g.view(&format!("emb chunk {i}"), m6, b * dim))
-        .collect();
+    let m = chunks(&mut bl, "emb", m6, 6, b * dim);
     let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
         (m[0], m[1], m[2], m[3], m[4], m[5]);
     let n1 = bl.layer_norm_rg("norm1.norm", xs, rows);

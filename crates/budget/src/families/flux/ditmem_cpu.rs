@@ -7,21 +7,20 @@
 //! `Sims::block`, the single-stream ones [`SecondBlocks`].
 
 use crate::families::{Dims as FamilyDims, FamilyModel};
-use crate::runtime::costs::{SecondBlocks, SegSim, Sims};
+use crate::runtime::costs::{SecondBlocks, Sims};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, bound_linear, gated_released, linear_weights, module_linear, release_unless_read,
+    base_weight, bound_linear, chunks, gated_released, linear_weights, module_linear,
+    release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, acc_dtype, grad_dtype};
-use crate::runtime::ditmem_cpu::family::FamilyRules;
-use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, retained, to_segment, untracked_peak, Graph, Kind, Nid,
-};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules};
+use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
 };
-use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
+use crate::runtime::ditmem_cpu::parts::{modulation_linear, stream_feed_forward};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
-use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::{Precision, Spec};
 
@@ -90,23 +89,8 @@ pub fn norm_rope(g: &mut Graph, sh: &Shape, name: &str, x: Nid, ws: &[Nid], dh: 
 /// `modulation`: `linear(st)` cast to the accumulation dtype (the function's local, dropped at
 /// its return; the views keep it), `k` narrow views (bound by the caller's Vec).
 fn modulation(g: &mut Graph, sh: &Shape, name: &str, st: Nid, k: u64) -> Vec<Nid> {
-    let bd = sh.b * sh.d;
-    let m = module_linear(g, sh, name, st, sh.b, k * sh.d, sh.d);
-    let m = g.cast(&format!("{name}→{}", sh.ad()), m, sh.ad());
-    (0..k)
-        .map(|i| {
-            let c = g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            );
-            g.bind(c)
-        })
-        .collect()
+    let m = modulation_linear(g, sh, name, st, k);
+    chunks(g, name, m, k, sh.b * sh.d)
 }
 
 /// A q/k RMSNorm weight (d_h), read as stored (a frozen base's in the compute dtype).
@@ -339,9 +323,9 @@ pub(crate) fn final_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, Nid, Nid) {
     (g, x, root)
 }
 
-/// The embed segment as `FluxLayout::embed` builds it. Returns (graph, [image, text], st,
-/// [cos, sin]).
-pub(crate) fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [Nid; 2]) {
+/// The embed segment as `FluxLayout::embed` builds it: the streams [image, text], the
+/// conditioning st and the tables [cos, sin].
+pub(crate) fn embed_graph(sh: &Shape, fg: &FluxGeo) -> EmbedGraph {
     let (cd, ad) = (sh.cd(), sh.ad());
     let rows = sh.b * sh.s;
     let bd = sh.b * sh.d;
@@ -394,81 +378,31 @@ pub(crate) fn embed_graph(sh: &Shape, fg: &FluxGeo) -> (Graph, [Nid; 2], Nid, [N
     g.bind(cos);
     let sin = g.constant("rope sin", tab, td, true);
     g.bind(sin);
-    (g, [x0, c0], st, [cos, sin])
-}
-
-/// The block segment of a graph: seeded from its outputs (`ops::backward_from_many`: one seed
-/// per output), its leaves and outputs split out of the activations.
-fn block_sim(
-    g: &Graph,
-    ug: &Graph,
-    leaves: &[Nid],
-    outs: &[Nid],
-    build: &dyn Fn(&mut Graph) -> Nid,
-) -> SegSim {
-    let mut bg = g.clone();
-    let fwd = forward_peak(&bg);
-    let root = build(&mut bg);
-    let root_nodes = bg.nodes.len() - g.nodes.len();
-    let mut held: Vec<Nid> = leaves.to_vec();
-    held.extend_from_slice(outs);
-    let mut s = seg(&bg, None, None, root, root_nodes, &held);
-    let keep = retained(&bg, &{
-        let mut r = vec![root];
-        r.extend_from_slice(&held);
-        r
-    });
-    let kept = |x: Nid| {
-        if keep[x] {
-            bg.nodes[x].footprint()
-        } else {
-            0
-        }
-    };
-    s.leaf = leaves.iter().map(|&l| kept(l)).sum();
-    s.output = outs.iter().map(|&o| kept(o)).sum();
-    s.output_data = crate::runtime::ditmem_cpu::graph::stream_data(&bg, outs);
-    s.activations -= s.leaf + s.output;
-    s.fwd_peak = fwd;
-    let mut ug = ug.clone();
-    for &l in leaves {
-        ug.nodes[l].alloc = false;
+    EmbedGraph {
+        graph: g,
+        streams: vec![x0, c0],
+        conds: vec![st],
+        tables: vec![cos, sin],
     }
-    s.untracked_peak = untracked_peak(&ug, outs);
-    s
-}
-
-/// `ops::backward_from_many` on `outs` ([`crate::runtime::ditmem_cpu::ops::seeds`]).
-fn seeds(g: &mut Graph, outs: &[Nid]) -> Nid {
-    crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(0)
 }
 
 /// Simulate Flux's segments for a spec.
 pub(crate) fn sims(spec: &Spec, fg: &FluxGeo) -> Sims {
     let sh = Shape::new(spec);
-    // Each block tracked and untracked (what the engine releases differs).
-    let (dg, dleaves, _, douts) = double_block(&sh, fg, true);
-    let dug = double_block(&sh, fg, false).0;
-    let double = block_sim(&dg, &dug, &dleaves, &douts, &|g| seeds(g, &douts));
-    let (fg1, l1, _, o1) = single_block(&sh, fg, true, true);
-    let fug1 = single_block(&sh, fg, true, false).0;
-    let first = block_sim(&fg1, &fug1, &l1, &[o1], &|g| seeds(g, &[o1]));
-    let (sg, ls, _, os) = single_block(&sh, fg, false, true);
-    let sug = single_block(&sh, fg, false, false).0;
-    let rest = block_sim(&sg, &sug, &ls, &[os], &|g| seeds(g, &[os]));
+    let double = sims::blocks_sim(|track| {
+        let (g, leaves, _, outs) = double_block(&sh, fg, track);
+        (g, leaves.to_vec(), outs.to_vec())
+    });
+    let single = |first: bool| {
+        sims::blocks_sim(|track| {
+            let (g, leaves, _, out) = single_block(&sh, fg, first, track);
+            (g, leaves, vec![out])
+        })
+    };
+    let (first, rest) = (single(true), single(false));
 
     let (fgr, fleaf, froot) = final_graph(&sh, fg);
-    let (eg, [x0, c0], st, [cos, sin]) = embed_graph(&sh, fg);
-    let embed = sims::embed_sim(
-        eg,
-        &EmbedOutputs {
-            streams: &[x0, c0],
-            conds: &[st],
-            tables: &[cos, sin],
-            frozen: sh.frozen_embed,
-        },
-        grad_dtype(sh.precision),
-    );
+    let embed = embed_graph(&sh, fg).simulate(&sh);
     let text = sh.b * fg.text_elems();
     // The RoPE tables: the flat ids (3 f64 per token) and the f64 tables beside their casts.
     let tab = (sh.s + fg.t) * fg.dh;
@@ -501,7 +435,7 @@ impl FamilyRules for FluxGeo {
     fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
         let sh = Shape::new(spec);
         [
-            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&embed_graph(&sh, self).graph, "embed"),
             to_segment(&double_block(&sh, self, true).0, "block"),
             to_segment(&final_graph(&sh, self).0, "final"),
         ]

@@ -8,7 +8,9 @@
 //! flow-matching loss. Ground truth: `families_saved.txt` (`flux-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::FluxDims;
-use crate::runtime::pytorch::families::common::{self, add_data, pooled_temb_and_context, Fam};
+use crate::runtime::pytorch::families::common::{
+    self, add_data, chunks, pooled_temb_and_context, two_linears, Fam,
+};
 use crate::runtime::pytorch::ops::{promote, save, Attn, Builder, Lin, GRAD_VIEWS};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
@@ -75,9 +77,7 @@ pub(crate) fn feed_forward(bl: &mut Builder, name: &str, x: Tid, rows: u64, d: u
 pub(crate) fn ada(bl: &mut Builder, name: &str, emb: Tid, k: u64, b: u64, d: u64) -> Vec<Tid> {
     let s = bl.act(&format!("{name} silu(emb)"), emb);
     let m = bl.linear_g(name, s, Lin::new(b, k * d, d, true));
-    (0..k)
-        .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, b * d))
-        .collect()
+    chunks(bl, name, m, k, b * d)
 }
 
 /// The image stream's attention projections (q, k, v).
@@ -115,6 +115,36 @@ pub(crate) fn gated_add(bl: &mut Builder, name: &str, res: Tid, gate: Tid, y: Ti
         bl.g.op(&format!("{name} residual +"), &[res, gy], n, dt),
         gy,
     )
+}
+
+/// The image stream's names in an MMDiT joint block: its second norm, its feed-forward, the
+/// rebinding of its first norm's output.
+pub(crate) const IMAGE_FF: [&str; 3] = ["norm2", "ff", "norm_hidden_states rebound"];
+/// The text (context) stream's.
+pub(crate) const CONTEXT_FF: [&str; 3] = [
+    "norm2_context",
+    "ff_context",
+    "norm_encoder_hidden_states rebound",
+];
+
+/// The feed-forward half of one stream of an MMDiT joint block (Flux's double-stream block,
+/// SD3's joint block; `names`: [`IMAGE_FF`] or [`CONTEXT_FF`]) on the stream `x1` of (b, n, D):
+/// the second norm, the first norm's output `h` rebound (held until here), the modulation by
+/// (shift, scale), the feed-forward and the residual gated by `gate` ([`gated_add`]). Returns
+/// the new stream and [the modulated norm, the feed-forward's output, the gated product].
+pub(crate) fn stream_feed_forward(
+    bl: &mut Builder,
+    [norm, ff, rebound]: [&str; 3],
+    (x1, h): (Tid, Tid),
+    [shift, scale, gate]: [Tid; 3],
+    (b, n, d): (u64, u64, u64),
+) -> (Tid, [Tid; 3]) {
+    let n2 = bl.layer_norm_rg(norm, x1, b * n);
+    bl.hold(rebound, &[h]);
+    let h2 = bl.modulate_rg(norm, n2, shift, scale, b * d);
+    let f = feed_forward(bl, ff, h2, b * n, d);
+    let (x2, gf) = gated_add(bl, ff, x1, gate, f);
+    (x2, [h2, f, gf])
 }
 
 /// `x[:, a:b].contiguous()` of a (b, N, D) tensor: a copy unless b = 1 (one sample's rows are
@@ -187,19 +217,13 @@ fn double_block(f: &Fam, z: &Sz, rg: (bool, bool), trained: bool) -> Segment {
     // Image stream; the gated products stay bound to `attn_output`, `ff_output` and
     // `context_attn_output` until the block returns.
     let (x1, ga) = gated_add(&mut bl, "attn", x, m[2], ao);
-    let n2 = bl.layer_norm_rg("norm2", x1, b * s);
-    // `norm_hidden_states` (norm1's output) is rebound only here.
-    bl.hold("norm_hidden_states rebound", &[h]);
-    let h2 = bl.modulate_rg("norm2", n2, m[3], m[4], b * d);
-    let ff = feed_forward(&mut bl, "ff", h2, b * s, d);
-    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
+    // `norm_hidden_states` (norm1's output) is rebound only at norm2.
+    let mods = [m[3], m[4], m[5]];
+    let (x2, [h2, _, gm]) = stream_feed_forward(&mut bl, IMAGE_FF, (x1, h), mods, (b, s, d));
     // Text stream.
     let (c1, gc) = gated_add(&mut bl, "context attn", c, mc[2], co);
-    let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
-    bl.hold("norm_encoder_hidden_states rebound", &[hc]);
-    let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * d);
-    let ffc = feed_forward(&mut bl, "ff_context", h2c, b * t, d);
-    let (c2, _) = gated_add(&mut bl, "ff_context", c1, mc[5], ffc);
+    let mods = [mc[3], mc[4], mc[5]];
+    let (c2, [h2c, ffc, _]) = stream_feed_forward(&mut bl, CONTEXT_FF, (c1, hc), mods, (b, t, d));
     // `norm_hidden_states` / `norm_encoder_hidden_states` (the feed-forwards' inputs) and
     // `context_ff_output` stay bound until the block returns too (`transformer_flux.py`
     // `FluxTransformerBlock.forward`): under LoRA with frozen feed-forwards nothing saves them.
@@ -264,7 +288,6 @@ fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
     let mut bl = f.builder("flux embed");
     let low = bl.low();
     let (b, dim) = (z.b, z.d);
-    let trained = f.lora.is_none();
     let packed =
         bl.g.input("packed latents", b * z.s * d.in_channels, low, false);
     let x = bl.linear_g(
@@ -315,10 +338,23 @@ fn embed(f: &Fam, d: &FluxDims, z: &Sz) -> (Segment, Vec<Tid>) {
     let sin = bl.g.op("rope sin", &parts[1], n * z.dh, Dtype::F32);
     save(&mut bl.g, cos);
     save(&mut bl.g, sin);
-    bl.g.output = x;
-    bl.g.side_outputs = vec![ctx];
-    let extra = if trained { vec![temb] } else { Vec::new() };
-    (bl.g, extra)
+    two_stream_embed(bl, (x, ctx), temb, f.lora.is_none())
+}
+
+/// The MMDiT input side (SD3's, Flux's) handing on its two streams, the image `x` (its output)
+/// and the text `ctx` (a side output), and temb, which every block differentiates when the
+/// embedders are `trained`. Returns the segment and the broadcast tensors the blocks
+/// differentiate.
+pub(crate) fn two_stream_embed(
+    bl: Builder,
+    (x, ctx): (Tid, Tid),
+    temb: Tid,
+    trained: bool,
+) -> (Segment, Vec<Tid>) {
+    let mut g = bl.g;
+    g.output = x;
+    g.side_outputs = vec![ctx];
+    (g, if trained { vec![temb] } else { Vec::new() })
 }
 
 /// diffusers `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` (fp32 sin/cos,
@@ -336,13 +372,13 @@ pub(crate) fn timestep_embedder(bl: &mut Builder, name: &str, t: Tid, b: u64, di
     let cat = bl.g.op("cat[sin, cos]", &[s, c], b * 2 * half, Dtype::F32);
     let flip = bl.g.op("cat[cos, sin]", &[cat], b * 2 * half, Dtype::F32);
     let proj = bl.g.cast("t_proj →dtype", flip, low);
-    let h = bl.linear_g(
-        &format!("{name}.linear_1"),
+    two_linears(
+        bl,
+        Builder::linear_g,
+        (name, "act"),
         proj,
-        Lin::new(b, dim, 2 * half, true),
-    );
-    let a = bl.act(&format!("{name}.act"), h);
-    bl.linear_g(&format!("{name}.linear_2"), a, Lin::new(b, dim, dim, true))
+        (b, 2 * half, dim),
+    )
 }
 
 /// Output side: `norm_out` (AdaLayerNormContinuous: scale, shift), `proj_out`, the script's
@@ -535,6 +571,11 @@ pub(crate) mod tests {
         of_spec(for_spec(s), s)
     }
 
+    /// Each stage's label and block count, in order.
+    pub(crate) fn labels(st: &Stages) -> Vec<(&'static str, u32)> {
+        st.stages.iter().map(|s| (s.label, s.count)).collect()
+    }
+
     /// What a stage keeps for backward, alone (no gradient coming in).
     pub(crate) fn kept(st: &Stage) -> u64 {
         simulate(&st.seg, 0, &st.extra_grads).kept.total()
@@ -555,9 +596,8 @@ pub(crate) mod tests {
     #[test]
     fn fp32_blocks_keep_what_the_dump_lists() {
         let st = flux_stages("fp32", "null");
-        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
         assert_eq!(
-            labels,
+            labels(&st),
             [
                 ("embed", 1),
                 ("double block", 1),

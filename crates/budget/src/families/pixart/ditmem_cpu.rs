@@ -6,17 +6,14 @@
 //! ([`crate::runtime::ditmem_cpu::step`]), which schedules them as the DiT's.
 
 use crate::families::{Dims as FamilyDims, FamilyModel};
-use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, gated_released, module_linear, patch_embed, timestep_features,
-};
+use crate::runtime::ditmem_cpu::block::{gated_released, module_linear, timestep_features};
 use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{concat, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::concat;
 use crate::runtime::ditmem_cpu::parts::{
-    cross_attend, feed_forward_tail, final_modulation, image_loss, self_attention, six_modulations,
-    table_modulation, text_projection, timestep_mlp,
+    adaln_single_block, cross_attend, feed_forward_tail, image_loss, patch_stream, plus_pos_embed,
+    self_attention, six_modulations, table_final_layer, text_projection, timestep_mlp,
 };
-use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
@@ -86,14 +83,11 @@ impl OneBlockKind for PixGeo {
     /// embedded timestep, caption).
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let pg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let cd = sh.cd();
         let trows = sh.b * pg.t;
         let mut g = Graph::default();
-        let xe = patch_embed(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
-        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-        let xe = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
-        let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, ad, false);
-        let x0 = g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false);
+        let xe = patch_stream(&mut g, sh, "pos_embed.proj", "proj.weight.flatten_from(1)");
+        let x0 = plus_pos_embed(&mut g, sh, xe);
         let tf = timestep_features(&mut g, sh, PIXART_FREQ);
         let te = "adaln_single.emb.timestep_embedder";
         let (l1, l2) = (format!("{te}.linear_1"), format!("{te}.linear_2"));
@@ -125,14 +119,11 @@ impl OneBlockKind for PixGeo {
     /// (bound). Returns (graph, input leaf, output).
     fn block(&self, sh: &Shape, track: bool) -> (Graph, Nid, Nid) {
         let pg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let ad = sh.ad();
         let d = sh.d;
         let (bd, trows) = (sh.b * d, sh.b * pg.t);
-        let (mut g, x) = block_leaf(sh);
-        let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
-        let y = sh.cond_leaf(&mut g, "caption (shared leaf)", trows * d, cd);
-        let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
-        let m = table_modulation(&mut g, sh, t6, table);
+        let caption = ("caption (shared leaf)", trows * d);
+        let (mut g, x, y, m) = adaln_single_block(sh, caption);
 
         // Self-attention.
         let x1 = self_attention(&mut g, sh, track, x, (m[0], m[1], m[2]));
@@ -161,17 +152,9 @@ impl OneBlockKind for PixGeo {
     /// The output side and the loss on a leaf copy of the last block's output.
     /// Returns (graph, leaf, root).
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
-        let pg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
-        let rows = sh.b * sh.s;
-        let bd = sh.b * sh.d;
-        let (mut g, x) = sims::final_leaf(sh);
-        let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
-        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-        let md = final_modulation(&mut g, sh, (emb, "emb"), table, true);
-        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-        let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * pg.c_out, sh.d);
-        let root = image_loss(&mut g, sh, (h, y), pg.c_out);
+        let emb = ("embedded timestep (shared leaf)", "emb");
+        let (mut g, x, h, y) = table_final_layer(sh, emb, true, self.c_out);
+        let root = image_loss(&mut g, sh, (h, y), self.c_out);
         (g, x, root)
     }
 }

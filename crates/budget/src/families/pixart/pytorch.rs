@@ -13,8 +13,8 @@
 
 use crate::families::PixartDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info, input_as,
-    sinusoid, Fam, FREQ,
+    self, add_data, chunks, ddpm_data, eps_loss, first_and_rest, hidden_states_in, hold, info,
+    input_as, sinusoid, two_linears, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -101,16 +101,12 @@ pub(super) fn timestep_embedding(
     rows: u64,
     dim: u64,
 ) -> Tid {
-    let h = bl.linear_rg(
-        &format!("{prefix}.linear_1"),
+    two_linears(
+        bl,
+        Builder::linear_rg,
+        (prefix, "act silu"),
         x,
-        Lin::new(rows, dim, FREQ, true),
-    );
-    let h = bl.act(&format!("{prefix}.act silu"), h);
-    bl.linear_rg(
-        &format!("{prefix}.linear_2"),
-        h,
-        Lin::new(rows, dim, dim, true),
+        (rows, FREQ, dim),
     )
 }
 
@@ -198,17 +194,13 @@ fn embed(f: &Fam, d: &PixartDims, g: &Geo) -> (Segment, Vec<Tid>, Handoff) {
         Some(cc) => {
             let enc =
                 bl.g.input("encoder_hidden_states", g.b * g.t * cc, wd, false);
-            let rows = g.b * g.t;
-            let h = bl.linear_rg(
-                "caption_projection.linear_1",
+            let names = ("caption_projection", "act_1 gelu(tanh)");
+            two_linears(
+                &mut bl,
+                Builder::linear_rg,
+                names,
                 enc,
-                Lin::new(rows, dim, cc, true),
-            );
-            let h = bl.act("caption_projection.act_1 gelu(tanh)", h);
-            bl.linear_rg(
-                "caption_projection.linear_2",
-                h,
-                Lin::new(rows, dim, dim, true),
+                (g.b * g.t, cc, dim),
             )
         }
         None => {
@@ -295,9 +287,7 @@ fn block(f: &Fam, d: &PixartDims, g: &Geo, h: &Handoff, x: (Dtype, bool)) -> Seg
     // `scale_shift_table[None] + timestep.reshape(b, 6, -1)`, chunked: the add saves nothing [AG].
     let table = bl.plain_param("transformer_blocks.i.scale_shift_table", 6 * dim);
     let t6 = bl.ew("scale_shift_table + timestep", &[table, ts], b * 6 * dim);
-    let m: Vec<Tid> = (0..6)
-        .map(|i| bl.g.view(&format!("modulation chunk {i}"), t6, b * dim))
-        .collect();
+    let m = chunks(&mut bl, "modulation", t6, 6, b * dim);
     let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
         (m[0], m[1], m[2], m[3], m[4], m[5]);
     let heads = g.heads;

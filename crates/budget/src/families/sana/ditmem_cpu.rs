@@ -12,16 +12,18 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, linear_weights, module_linear, patch_embed, timestep_features,
-    weights_and_bias, zero_bias_linear,
+    base_weight, block_leaf, linear_weights, module_linear, timestep_features, weights_and_bias,
+    zero_bias_linear,
 };
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
 use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::{
+    gated_residual, hidden_keeping_op, linear_workspace, ln_modulate,
+};
 use crate::runtime::ditmem_cpu::parts::{
-    cross_attend, final_modulation, six_modulations, table_modulation, text_projection,
-    timestep_mlp,
+    cross_attend, patch_stream, six_modulations, table_final_layer, table_modulation,
+    text_projection, timestep_mlp,
 };
 use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
@@ -160,14 +162,15 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
         (tracked, grads),
         master,
     );
-    let y = g.op(name, Kind::Custom { bwd_scratch: bwd }, &ins, rows * d, cd);
-    if g.nodes[y].tracks {
-        let f1 = rows * 2 * hid * cd.size();
-        g.nodes[y].extra = f1 + MIX_FFN_OP_BYTES;
-        g.nodes[y].released_by_bwd = f1;
-    }
-    g.nodes[y].fwd_scratch = fwd;
-    y
+    let f1 = rows * 2 * hid * cd.size();
+    hidden_keeping_op(
+        g,
+        name,
+        &ins,
+        (rows * d, cd),
+        (fwd, bwd),
+        (f1, MIX_FFN_OP_BYTES),
+    )
 }
 
 /// Workspace bytes (forward, backward) of the engine's fused Mix-FFN with its linears'
@@ -249,18 +252,16 @@ impl OneBlockKind for SanaGeo {
     /// timestep, caption).
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let sg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let cd = sh.cd();
         let trows = sh.b * sg.t;
         let wd = sh.weight_dtype();
         let mut g = Graph::default();
-        let xe = patch_embed(
+        let x0 = patch_stream(
             &mut g,
             sh,
             "patch_embed.proj",
             "proj.weight.flatten_from(1)",
         );
-        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-        let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
         let tf = timestep_features(&mut g, sh, SANA_FREQ);
         let te = "time_embed.emb.timestep_embedder";
         let (l1, l2) = (format!("{te}.linear_1"), format!("{te}.linear_2"));
@@ -342,18 +343,13 @@ impl OneBlockKind for SanaGeo {
     /// Returns (graph, leaf, root).
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let pg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let ad = sh.ad();
         let ld = grad_dtype(sh.precision);
         let p2 = sh.patch2;
         let rows = sh.b * sh.s;
-        let bd = sh.b * sh.d;
-        let (mut g, x) = sims::final_leaf(sh);
-        let emb = sh.cond_leaf(&mut g, "embedded timestep (shared leaf)", bd, ad);
-        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-        let md = final_modulation(&mut g, sh, (emb, "emb"), table, true);
-        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+        let emb = ("embedded timestep (shared leaf)", "emb");
+        let (mut g, x, _, y) = table_final_layer(sh, emb, true, pg.c_out);
         let out_el = rows * p2 * pg.c_out;
-        let y = module_linear(&mut g, sh, "proj_out", h, rows, p2 * pg.c_out, sh.d);
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
         let y = g.view("reshape(b,r,c,p,p,C)", Kind::Reshape, y, out_el);
         let y = g.view("permute", Kind::Transpose, y, out_el);

@@ -10,8 +10,8 @@
 use crate::families::pixart::pytorch::scale_shift_table;
 use crate::families::SanaDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
-    noising, stream_x, unheld_bytes, Fam, FREQ,
+    self, adaln_broadcasts, add_data, chunks, first_and_rest, flipped_sinusoid, flow_loss,
+    flow_step_bytes, info, input_as, noising, stream_x, two_linears, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -87,6 +87,14 @@ fn relu(bl: &mut Builder, name: &str, x: Tid) -> Tid {
     y
 }
 
+/// The operands `a`, `b` of a matmul as `BmmBackward0` saves them: each when the other needs a
+/// gradient [AG].
+fn saved_for_each_other(bl: &mut Builder, a: Tid, b: Tid) {
+    let (ra, rb) = (bl.rg(a), bl.rg(b));
+    bl.save_if(a, rb);
+    bl.save_if(b, ra);
+}
+
 /// `SanaLinearAttnProcessor2_0` after the projections (`attention_processor.py`): ReLU kernels,
 /// `.float()` copies, V padded with a row of ones, `matmul(v, kᵀ)` then `matmul(·, q)` — under
 /// autocast both matmuls cast their fp32 operands back to the low dtype, and the strided k and q
@@ -107,9 +115,7 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     let kc = bl.cast_low("attn1 k", kf);
     let kdt = bl.g.dtype(kc);
     let kr = bl.g.op("attn1 k reshaped for bmm", &[kc], e, kdt);
-    let (rv, rk2) = (bl.rg(vc), bl.rg(kr));
-    bl.save_if(vc, rk2);
-    bl.save_if(kr, rv);
+    saved_for_each_other(bl, vc, kr);
     let sc = bl.g.op(
         "attn1 v·kᵀ",
         &[vc, kr],
@@ -119,9 +125,7 @@ fn linear_attention(bl: &mut Builder, m: &Dm, q: Tid, k: Tid, v: Tid) -> Tid {
     let qc = bl.cast_low("attn1 q", qf);
     let qdt = bl.g.dtype(qc);
     let qr = bl.g.op("attn1 q reshaped for bmm", &[qc], e, qdt);
-    let (rs, rq2) = (bl.rg(sc), bl.rg(qr));
-    bl.save_if(sc, rq2);
-    bl.save_if(qr, rs);
+    saved_for_each_other(bl, sc, qr);
     let hs = bl.g.op("attn1 (v·kᵀ)·q", &[sc, qr], padded, low);
     let den =
         bl.g.op("attn1 last row + 1e-15", &[hs], m.b * m.heads * m.s, low);
@@ -163,10 +167,8 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
     // embedding's dtype).
     let flip = flipped_sinusoid(&mut bl, b, FREQ);
     let tf = bl.g.cast("t_freq →hidden dtype", flip, bl.g.dtype(conv));
-    let te = "time_embed.emb.timestep_embedder";
-    let h = bl.linear_if_grad(&format!("{te}.linear_1"), tf, Lin::new(b, d, FREQ, true));
-    let h = bl.act(&format!("{te}.act silu"), h);
-    let emb = bl.linear_if_grad(&format!("{te}.linear_2"), h, Lin::new(b, d, d, true));
+    let te = ("time_embed.emb.timestep_embedder", "act silu");
+    let emb = two_linears(&mut bl, Builder::linear_if_grad, te, tf, (b, FREQ, d));
     let s2 = bl.act("time_embed.silu", emb);
     let ts = bl.linear_if_grad("time_embed.linear", s2, Lin::new(b, 6 * d, d, true));
 
@@ -174,13 +176,14 @@ fn embed(f: &Fam, m: &Dm, pos: bool, cap_saved_by_blocks: bool) -> (Segment, [Ti
     let enc =
         bl.g.input("encoder_hidden_states", b * m.t * m.cc, wd, false);
     let rows = b * m.t;
-    let c1 = bl.linear_if_grad(
-        "caption_projection.linear_1",
+    let names = ("caption_projection", "act_1 gelu(tanh)");
+    let c2 = two_linears(
+        &mut bl,
+        Builder::linear_if_grad,
+        names,
         enc,
-        Lin::new(rows, d, m.cc, true),
+        (rows, m.cc, d),
     );
-    let g = bl.act("caption_projection.act_1 gelu(tanh)", c1);
-    let c2 = bl.linear_if_grad("caption_projection.linear_2", g, Lin::new(rows, d, d, true));
     let cap = bl.rms_norm("caption_norm", c2, rows, true);
     if cap_saved_by_blocks {
         save(&mut bl.g, cap);
@@ -204,9 +207,7 @@ fn block(f: &Fam, m: &Dm, d: &SanaDims, io: Io) -> Segment {
     // 1. Modulation: the (b, 6, D) sum in the promoted dtype, chunked into views.
     let sst = bl.plain_param("scale_shift_table", 6 * dd);
     let m6 = bl.ew("scale_shift_table + timestep", &[sst, ts], b * 6 * dd);
-    let ch: Vec<Tid> = (0..6)
-        .map(|i| bl.g.view(&format!("modulation chunk {i}"), m6, b * dd))
-        .collect();
+    let ch = chunks(&mut bl, "modulation", m6, 6, b * dd);
     let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
         (ch[0], ch[1], ch[2], ch[3], ch[4], ch[5]);
 
@@ -329,24 +330,16 @@ pub(crate) fn stages(f: &Fam, d: &SanaDims) -> Stages {
     } else {
         Dtype::F32
     };
-    let lora_kv = f.lora_on("attn2.to_k") || f.lora_on("attn2.to_v");
     // A checkpointed block keeps its inputs until its recompute (non-reentrant
     // `torch.utils.checkpoint` holds the call's arguments) [CK]: the caption, the 6·D timestep
     // and the mask bias then live until block 0's backward.
     let n = d.num_layers as u32;
     let ck = f.any_block_recomputed(n);
     // Under autocast PEFT's lora_A saves its own copy of the caption (`linear_peft`), unless
-    // the adapters are in the compute dtype (`lora.dtype = "weight"`): PEFT's
-    // `_cast_input_dtype` then returns the caption itself (peft 0.21.2
-    // `tuners/tuners_utils.py:2233`) and lora_A saves it.
-    let mixed = f.spec.recipe.precision.is_mixed();
-    let adapters_low = f.lora.as_ref().is_some_and(|l| l.dtype == low);
-    let cap_saved = ck || (cap_dt == low && (!frozen || (lora_kv && (!mixed || adapters_low))));
+    // the adapters are in the compute dtype (`Fam::kv_save_text`).
+    let cap_saved = ck || (cap_dt == low && f.kv_save_text());
     let (mut emb_seg, [ts, emb, cap]) = embed(f, &m, d.pos_embed, cap_saved);
-    if ck {
-        save(&mut emb_seg, ts);
-    }
-    let extra = needing_grad(&emb_seg, &[ts, emb, cap]);
+    let (extra, unheld) = adaln_broadcasts(&mut emb_seg, [ts, emb, cap], ck, cap_saved);
     let mut io = Io {
         x: info(&emb_seg, emb_seg.output),
         x_contig: false,
@@ -362,9 +355,8 @@ pub(crate) fn stages(f: &Fam, d: &SanaDims) -> Stages {
     let mask_bias = b * m.t * wd;
     let mut data = Data {
         kept: 0,
-        forward_only: 3 * m.lat * wd + 2 * 4 * b + b * wd + b * m.t * 8,
+        forward_only: flow_step_bytes(m.lat, b, wd) + b * m.t * 8 + unheld,
     };
-    data.forward_only += unheld_bytes(&emb_seg, &[(ts, ck), (cap, cap_saved), (emb, io.emb.1)]);
     // A checkpoint holds the mask bias until block 0's recompute [CK].
     add_data(&mut data, mask_bias, ck);
     // The Gemma states are saved by caption_projection.linear_1 when its weight is trained.

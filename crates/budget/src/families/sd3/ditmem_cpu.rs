@@ -11,15 +11,12 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, bound_linear, chunk, gated_released, linear_weights, module_linear, patch_embed,
     proj_out_released, reads_input, release_unless_read, timestep_features,
 };
-use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
-use crate::runtime::ditmem_cpu::family::FamilyRules;
-use crate::runtime::ditmem_cpu::graph::{
-    forward_peak, to_segment, untracked_peak, Graph, Kind, Nid,
-};
+use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules};
+use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
-use crate::runtime::ditmem_cpu::sims::{self, seg, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims;
 use crate::runtime::shape::Shape;
 use crate::spec::Spec;
 
@@ -331,56 +328,18 @@ pub(crate) fn block(
     (g, vec![c, x], se, vec![c2, x2])
 }
 
-/// The root `ops::backward_from_many` backpropagates a block from ([`crate::runtime::ditmem_cpu::ops::seeds`]).
-/// Returns (root, nodes appended).
-fn seeds(g: &mut Graph, outs: &[Nid]) -> (Nid, usize) {
-    let n0 = g.nodes.len();
-    let r = crate::runtime::ditmem_cpu::ops::seeds(g, outs).unwrap_or(n0);
-    (r, g.nodes.len() - n0)
-}
-
-/// A segment's simulation with several leaves and outputs (the generic `seg` takes one each);
-/// `locals` are what the segment's function keeps alive to its end whether or not a graph
-/// references them (the embed's inputs: under LoRA with a frozen embedder no graph does).
-fn seg_many(
-    g: &Graph,
-    leaves: &[Nid],
-    outs: &[Nid],
-    locals: &[Nid],
-    root: Nid,
-    root_nodes: usize,
-) -> SegSim {
-    let mut held = leaves.to_vec();
-    held.extend_from_slice(outs);
-    held.extend_from_slice(locals);
-    let mut s = seg(g, None, None, root, root_nodes, &held);
-    let bytes = |xs: &[Nid]| xs.iter().map(|&x| g.nodes[x].footprint()).sum::<u64>();
-    let (l, o) = (bytes(leaves), bytes(outs));
-    s.activations -= l + o;
-    s.leaf = l;
-    s.output = o;
-    s.output_data = crate::runtime::ditmem_cpu::graph::stream_data(g, outs);
-    s
-}
-
-/// One block's simulation: tracked on leaf copies with its seeds, and untracked on its inputs.
+/// One block's simulation ([`sims::blocks_sim`]): tracked on leaf copies with its seeds, and
+/// untracked on its inputs.
 fn block_sim(sh: &Shape, sg: &Sd3Geo, kind: (bool, bool)) -> SegSim {
-    let (mut bg, leaves, _, outs) = block(sh, sg, kind, true);
-    let fwd = forward_peak(&bg);
-    let (root, n) = seeds(&mut bg, &outs);
-    let mut s = seg_many(&bg, &leaves, &outs, &[], root, n);
-    s.fwd_peak = fwd;
-    let (mut ug, uleaves, _, uouts) = block(sh, sg, kind, false);
-    for l in uleaves {
-        ug.nodes[l].alloc = false;
-    }
-    s.untracked_peak = untracked_peak(&ug, &uouts);
-    s
+    sims::blocks_sim(|track| {
+        let (g, leaves, _, outs) = block(sh, sg, kind, track);
+        (g, leaves, outs)
+    })
 }
 
-/// The embed segment as `Sd3Layout::embed` builds it. Returns (graph, [context, image] streams,
-/// SiLU(temb)).
-pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
+/// The embed segment as `Sd3Layout::embed` builds it: the [context, image] streams first, then
+/// the conditioning SiLU(temb), in the schedule's order.
+pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> EmbedGraph {
     let (cd, ad) = (sh.cd(), sh.ad());
     let bd = sh.b * sh.d;
     let trows = sh.b * sg.t;
@@ -434,7 +393,12 @@ pub(crate) fn embed_graph(sh: &Shape, sg: &Sd3Geo) -> (Graph, Vec<Nid>, Nid) {
     let c0 = g.view("reshape(b,T,D)", Kind::Reshape, c0, trows * sh.d);
     g.bind(c0);
     g.bind(x0);
-    (g, vec![c0, x0], se)
+    EmbedGraph {
+        graph: g,
+        streams: vec![c0, x0],
+        conds: vec![se],
+        tables: Vec::new(),
+    }
 }
 
 /// The output side and the loss on a leaf copy of the image stream. Returns (graph, leaf, root).
@@ -489,18 +453,7 @@ pub(crate) fn sims(spec: &Spec, sg: &Sd3Geo) -> Sims {
         last,
     });
     let (fg, fleaf, froot) = final_graph(&sh, sg);
-    // The streams first, then the conditioning, in the schedule's order.
-    let (eg, streams, se) = embed_graph(&sh, sg);
-    let embed = sims::embed_sim(
-        eg,
-        &EmbedOutputs {
-            streams: &streams,
-            conds: &[se],
-            tables: &[],
-            frozen: sh.frozen_embed,
-        },
-        grad_dtype(sh.precision),
-    );
+    let embed = embed_graph(&sh, sg).simulate(&sh);
     // The f64 caption of the batch (the pooled embedding's is smaller).
     let text = sh.b * sg.t * sg.width;
     let scratch = sims::embed_scratch(&sh, SD3_FREQ, text);
@@ -525,7 +478,7 @@ impl FamilyRules for Sd3Geo {
     fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
         let sh = Shape::new(spec);
         [
-            to_segment(&embed_graph(&sh, self).0, "embed"),
+            to_segment(&embed_graph(&sh, self).graph, "embed"),
             to_segment(
                 &block(&sh, self, (self.layers == 1, self.is_dual(0)), true).0,
                 "block",

@@ -8,8 +8,9 @@
 //! Ground truth: `families_saved.txt` (`sd3-fp32-none-loop`, fp32 and bf16).
 
 use crate::families::flux::pytorch::{
-    ada, embedder_data, feed_forward, gated_add, output_side, projections, split_part, stack,
-    streams_rg, timestep_embedder, Sz, ATTN_ADDED_QKV, ATTN_QKV,
+    ada, embedder_data, gated_add, output_side, projections, split_part, stack,
+    stream_feed_forward, streams_rg, timestep_embedder, two_stream_embed, Sz, ATTN_ADDED_QKV,
+    ATTN_QKV, CONTEXT_FF, IMAGE_FF,
 };
 use crate::families::Sd3Dims;
 use crate::runtime::pytorch::families::common::{self, pooled_temb_and_context, Fam};
@@ -152,11 +153,8 @@ fn context_stream(
     let (b, t, dim) = (z.b, z.t, z.d);
     let (c1, gc) = gated_add(bl, "context attn", c, mc[2], co);
     held.push(gc);
-    let n2c = bl.layer_norm_rg("norm2_context", c1, b * t);
-    bl.hold("norm_encoder_hidden_states rebound", &[hc]);
-    let h2c = bl.modulate_rg("norm2_context", n2c, mc[3], mc[4], b * dim);
-    let ffc = feed_forward(bl, "ff_context", h2c, b * t, dim);
-    let (c2, _) = gated_add(bl, "ff_context", c1, mc[5], ffc);
+    let mods = [mc[3], mc[4], mc[5]];
+    let (c2, [h2c, ffc, _]) = stream_feed_forward(bl, CONTEXT_FF, (c1, hc), mods, (b, t, dim));
     // `norm_encoder_hidden_states` (the context feed-forward's input) and
     // `context_ff_output` stay bound until the block returns (the gated product is a
     // temporary of the residual add).
@@ -217,12 +215,9 @@ fn joint_block(f: &Fam, d: &Sd3Dims, z: &Sz, i: u64, rg: (bool, bool), trained: 
         x1 = x;
         held.push(g2);
     }
-    let n2 = bl.layer_norm_rg("norm2", x1, b * s);
-    // `norm_hidden_states` (norm1's output) is rebound only here.
-    bl.hold("norm_hidden_states rebound", &[h]);
-    let h2 = bl.modulate_rg("norm2", n2, m[3], m[4], b * dim);
-    let ff = feed_forward(&mut bl, "ff", h2, b * s, dim);
-    let (x2, gm) = gated_add(&mut bl, "ff", x1, m[5], ff);
+    // `norm_hidden_states` (norm1's output) is rebound only at norm2.
+    let mods = [m[3], m[4], m[5]];
+    let (x2, [h2, _, gm]) = stream_feed_forward(&mut bl, IMAGE_FF, (x1, h), mods, (b, s, dim));
     held.push(gm);
     // `norm_hidden_states` (norm2's modulated output, the feed-forward's input) stays bound
     // until the block returns (`attention.py` `JointTransformerBlock.forward`): under LoRA
@@ -253,7 +248,6 @@ fn embed(f: &Fam, d: &Sd3Dims, z: &Sz) -> (Segment, Vec<Tid>) {
     let mut bl = f.builder("sd3 embed");
     let low = bl.low();
     let (b, dim, s) = (z.b, z.d, z.s);
-    let trained = f.lora.is_none();
     let p = d.patch_size;
     let lat = b * s * p * p * d.in_channels;
     let noisy = bl.g.input("noisy latents", lat, low, false);
@@ -284,10 +278,7 @@ fn embed(f: &Fam, d: &Sd3Dims, z: &Sz) -> (Segment, Vec<Tid>) {
         d.pooled_projection_dim,
         d.joint_attention_dim,
     );
-    bl.g.output = x;
-    bl.g.side_outputs = vec![ctx];
-    let extra = if trained { vec![temb] } else { Vec::new() };
-    (bl.g, extra)
+    two_stream_embed(bl, (x, ctx), temb, f.lora.is_none())
 }
 
 /// Output side: norm_out (AdaLayerNormContinuous), proj_out, unpatchify (reshape, einsum
@@ -351,7 +342,7 @@ common::stages_of!(Sd3);
 
 #[cfg(test)]
 mod tests {
-    use crate::families::flux::pytorch::tests::{kept, stages_of_spec, tiny};
+    use crate::families::flux::pytorch::tests::{kept, labels, stages_of_spec, tiny};
     use crate::runtime::pytorch::stages::Stages;
 
     const SD3: &str = r#"{"_class_name": "SD3Transformer2DModel", "sample_size": 16,
@@ -374,9 +365,8 @@ mod tests {
     #[test]
     fn fp32_joint_blocks_keep_what_the_dump_lists() {
         let st = sd3_stages("", "fp32");
-        let labels: Vec<_> = st.stages.iter().map(|s| (s.label, s.count)).collect();
         assert_eq!(
-            labels,
+            labels(&st),
             [
                 ("embed", 1),
                 ("joint block", 1),

@@ -7,15 +7,16 @@
 
 use crate::families::{Dims as FamilyDims, FamilyModel};
 use crate::runtime::ditmem_cpu::block::{
-    base_weight, block_leaf, bound_linear, fused_cross, linear_weights, module_feed_forward,
-    module_linear, patch_embed, sink_context_grad, timestep_features,
+    base_weight, bound_linear, fused_cross, linear_weights, module_feed_forward, sink_context_grad,
+    timestep_features,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{gated_residual, ln_modulate, rms_norm, rope};
 use crate::runtime::ditmem_cpu::parts::{
-    final_modulation, six_modulations, table_modulation, text_projection, timestep_mlp,
+    adaln_single_block, patch_stream, six_modulations, table_final_layer, text_projection,
+    timestep_mlp,
 };
 use crate::runtime::ditmem_cpu::separate::separate_attention;
 use crate::runtime::ditmem_cpu::sims;
@@ -70,12 +71,10 @@ impl OneBlockKind for WanGeo {
     /// cos, sin).
     fn embed(&self, sh: &Shape) -> EmbedGraph {
         let wg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
+        let cd = sh.cd();
         let trows = sh.b * wg.t;
         let mut g = Graph::default();
-        let xe = patch_embed(&mut g, sh, "patch_embedding", "weight.flatten_from(1)");
-        let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
-        let x0 = g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e());
+        let x0 = patch_stream(&mut g, sh, "patch_embedding", "weight.flatten_from(1)");
         let tf = timestep_features(&mut g, sh, wg.freq);
         let ce = "condition_embedder";
         let l1 = format!("{ce}.time_embedder.linear_1");
@@ -108,11 +107,8 @@ impl OneBlockKind for WanGeo {
         let (e, d) = (sh.e(), sh.d);
         let rows = sh.b * sh.s;
         let (bd, trows) = (sh.b * d, sh.b * wg.t);
-        let (mut g, x) = block_leaf(sh);
-        let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * bd, ad);
-        let ctx = sh.cond_leaf(&mut g, "text context (shared leaf)", trows * d, cd);
-        let table = base_weight(&mut g, sh, "scale_shift_table", 6 * d, ad);
-        let m = table_modulation(&mut g, sh, t6, table);
+        let text = ("text context (shared leaf)", trows * d);
+        let (mut g, x, ctx, m) = adaln_single_block(sh, text);
         let norm = |g: &mut Graph, name: &str, x: Nid, rows: u64| {
             let w = base_weight(g, sh, &format!("{name}.weight"), d, cd);
             let y = rms_norm(g, &format!("{name} (fused)"), x, w, rows, cd);
@@ -200,15 +196,9 @@ impl OneBlockKind for WanGeo {
     /// Returns (graph, leaf, root).
     fn final_layer(&self, sh: &Shape) -> (Graph, Nid, Nid) {
         let wg = self;
-        let (cd, ad) = (sh.cd(), sh.ad());
-        let rows = sh.b * sh.s;
-        let bd = sh.b * sh.d;
-        let (mut g, x) = sims::final_leaf(sh);
-        let temb = sh.cond_leaf(&mut g, "temb (shared leaf)", bd, ad);
-        let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
-        let md = final_modulation(&mut g, sh, (temb, "temb"), table, false);
-        let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
-        let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * wg.c_out, sh.d);
+        let ad = sh.ad();
+        let temb = ("temb (shared leaf)", "temb");
+        let (mut g, x, _, y) = table_final_layer(sh, temb, false, wg.c_out);
         let y = g.cast(&format!("prediction→{ad}"), y, ad);
         let root = sims::prediction_loss(
             &mut g,

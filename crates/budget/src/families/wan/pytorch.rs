@@ -10,8 +10,8 @@
 use crate::families::pixart::pytorch::scale_shift_table;
 use crate::families::WanDims;
 use crate::runtime::pytorch::families::common::{
-    self, add_data, first_and_rest, flipped_sinusoid, flow_loss, info, input_as, needing_grad,
-    noising, stream_x, unheld_bytes, Fam,
+    self, adaln_broadcasts, add_data, chunks, first_and_rest, flipped_sinusoid, flow_loss,
+    flow_step_bytes, info, input_as, noising, stream_x, two_linears, Fam,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -150,17 +150,9 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
     };
     let tf = bl.g.cast("t_freq →time_embedder dtype", flip, pdt);
     let ce = "condition_embedder";
-    let h = bl.linear_if_grad(
-        &format!("{ce}.time_embedder.linear_1"),
-        tf,
-        Lin::new(b, dd, m.freq, true),
-    );
-    let h = bl.act(&format!("{ce}.time_embedder.act silu"), h);
-    let temb = bl.linear_if_grad(
-        &format!("{ce}.time_embedder.linear_2"),
-        h,
-        Lin::new(b, dd, dd, true),
-    );
+    let tm = format!("{ce}.time_embedder");
+    let names = (tm.as_str(), "act silu");
+    let temb = two_linears(&mut bl, Builder::linear_if_grad, names, tf, (b, m.freq, dd));
     // `.type_as(encoder_hidden_states)` (wd).
     let temb = bl.g.cast("temb type_as(text)", temb, wd);
     let a = bl.act(&format!("{ce}.act_fn silu"), temb);
@@ -170,13 +162,14 @@ fn embed(f: &Fam, m: &Dm, d: &WanDims, ctx_saved: bool) -> (Segment, [Tid; 5]) {
         bl.g.input("encoder_hidden_states", b * m.t * m.text_dim, wd, false);
     let rows = b * m.t;
     let te = format!("{ce}.text_embedder");
-    let c1 = bl.linear_if_grad(
-        &format!("{te}.linear_1"),
+    let names = (te.as_str(), "act_1 gelu(tanh)");
+    let ctx = two_linears(
+        &mut bl,
+        Builder::linear_if_grad,
+        names,
         enc,
-        Lin::new(rows, dd, m.text_dim, true),
+        (rows, m.text_dim, dd),
     );
-    let g = bl.act(&format!("{te}.act_1 gelu(tanh)"), c1);
-    let ctx = bl.linear_if_grad(&format!("{te}.linear_2"), g, Lin::new(rows, dd, dd, true));
     if ctx_saved {
         save(&mut bl.g, ctx);
     }
@@ -199,9 +192,7 @@ fn block(f: &Fam, m: &Dm, d: &WanDims, io: Io) -> Segment {
     let sst = bl.plain_param("scale_shift_table", 6 * dd);
     let tpf = bl.g.cast("timestep_proj.float()", tp, Dtype::F32);
     let m6 = bl.ew("scale_shift_table + temb", &[sst, tpf], b * 6 * dd);
-    let ch: Vec<Tid> = (0..6)
-        .map(|i| bl.g.view(&format!("modulation chunk {i}"), m6, b * dd))
-        .collect();
+    let ch = chunks(&mut bl, "modulation", m6, 6, b * dd);
     let (shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate) =
         (ch[0], ch[1], ch[2], ch[3], ch[4], ch[5]);
 
@@ -294,28 +285,15 @@ fn final_layer(f: &Fam, m: &Dm, io: Io) -> Segment {
 pub(crate) fn stages(f: &Fam, d: &WanDims) -> Stages {
     let m = dm(f, d);
     let frozen = f.lora.is_some();
-    let mixed = f.spec.recipe.precision.is_mixed();
     let n = d.num_layers as u32;
     // A checkpointed block holds its arguments (the text context, timestep_proj, RoPE) until
     // its recompute [CK].
     let ck = f.any_block_recomputed(n);
-    let lora_kv = f.lora_on("attn2.to_k") || f.lora_on("attn2.to_v");
-    // The text context leaves the text projection in the compute dtype; attn2's to_k/to_v save
-    // it as-is when their weights are trained, and their lora_A when the adapters are in that
-    // dtype too (fp32, or `lora.dtype = "weight"` under autocast): PEFT's
-    // `_cast_input_dtype(x, lora_A.weight.dtype)` returns x itself when the dtypes match
-    // (peft 0.21.2 `tuners/tuners_utils.py:2233`, called at `tuners/lora/layer.py:1100`) and
-    // autocast casts nothing already low. Fp32 adapters under autocast save lora_A's own copy.
-    let adapters_low = f
-        .lora
-        .as_ref()
-        .is_some_and(|l| l.dtype == f.spec.recipe.precision.compute_dtype());
-    let ctx_saved = ck || !frozen || (lora_kv && (!mixed || adapters_low));
+    // The text context leaves the text projection in the compute dtype: attn2's to_k/to_v save
+    // it as-is (`Fam::kv_save_text`).
+    let ctx_saved = ck || f.kv_save_text();
     let (mut emb_seg, [tp, temb, ctx, _cos, _sin]) = embed(f, &m, d, ctx_saved);
-    if ck {
-        save(&mut emb_seg, tp);
-    }
-    let extra = needing_grad(&emb_seg, &[tp, temb, ctx]);
+    let (extra, unheld) = adaln_broadcasts(&mut emb_seg, [tp, temb, ctx], ck, ctx_saved);
     let mut io = Io {
         x: info(&emb_seg, emb_seg.output),
         tp: info(&emb_seg, tp),
@@ -327,9 +305,8 @@ pub(crate) fn stages(f: &Fam, d: &WanDims) -> Stages {
     // timestep_proj (unless a checkpoint holds it), and what no op saves.
     let mut data = Data {
         kept: 0,
-        forward_only: 3 * m.lat * wd + 2 * 4 * b + b * wd,
+        forward_only: flow_step_bytes(m.lat, b, wd) + unheld,
     };
-    data.forward_only += unheld_bytes(&emb_seg, &[(tp, ck), (ctx, ctx_saved), (temb, io.temb.1)]);
     // The umT5 states are saved by the text embedder's linear_1 when its weight is trained.
     add_data(&mut data, b * m.t * m.text_dim * wd, !frozen);
     // Block 0 reads the patch embedding; later blocks the previous block's output (the same

@@ -428,19 +428,7 @@ pub(crate) fn ada_ln(
     let m = linear(g, sh, name, sc, sh.b, k * sh.d, sh.d, target);
     let m = g.cast(&format!("{name} →{ad}"), m, ad);
     g.bind(m);
-    (0..k)
-        .map(|i| {
-            g.view(
-                &format!("{name} chunk {i}"),
-                Kind::Narrow {
-                    pad_before: i * bd,
-                    pad_after: (k - 1 - i) * bd,
-                },
-                m,
-                bd,
-            )
-        })
-        .collect()
+    (0..k).map(|i| chunk(g, name, m, i, k, bd)).collect()
 }
 
 /// One DiT block as `block_forward` builds it, on a leaf copy of its input.

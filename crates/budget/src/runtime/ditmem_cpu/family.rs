@@ -19,7 +19,7 @@ use crate::params::ParamTensor;
 use crate::runtime::costs::Sims;
 use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Nid};
-use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs};
+use crate::runtime::ditmem_cpu::sims::{self, EmbedOutputs, EmbedSim};
 use crate::runtime::shape::Shape;
 use crate::segment::Segment;
 use crate::spec::Spec;
@@ -75,6 +75,22 @@ pub(crate) struct EmbedGraph {
 }
 
 impl EmbedGraph {
+    /// The embed segment backpropagated from its streams and conditioning
+    /// ([`sims::embed_sim`]), the conditioning's gradients summed in the gradient dtype (the
+    /// family schedule's).
+    pub(crate) fn simulate(self, sh: &Shape) -> EmbedSim {
+        sims::embed_sim(
+            self.graph,
+            &EmbedOutputs {
+                streams: &self.streams,
+                conds: &self.conds,
+                tables: &self.tables,
+                frozen: sh.frozen_embed,
+            },
+            grad_dtype(sh.precision),
+        )
+    }
+
     /// The embed of one residual stream `x0` and the conditioning `conds`, no tables; both bound
     /// (the trainer's locals), the stream last.
     pub(crate) fn of_stream(mut graph: Graph, x0: Nid, conds: Vec<Nid>) -> EmbedGraph {
@@ -129,17 +145,7 @@ impl<T: OneBlockKind> FamilyRules for T {
         let sh = Shape::new(spec);
         let block = sims::block_sim(|track| self.block(&sh, track));
         let (fg, fleaf, froot) = self.final_layer(&sh);
-        let e = self.embed(&sh);
-        let embed = sims::embed_sim(
-            e.graph,
-            &EmbedOutputs {
-                streams: &e.streams,
-                conds: &e.conds,
-                tables: &e.tables,
-                frozen: sh.frozen_embed,
-            },
-            grad_dtype(sh.precision),
-        );
+        let embed = self.embed(&sh).simulate(&sh);
         let final_layer = sims::final_sim(&fg, fleaf, froot);
         sims::sims(embed, block, final_layer, self.embed_scratch(&sh))
     }

@@ -7,8 +7,9 @@
 //! op inventory reads the same for each family.
 
 use crate::runtime::ditmem_cpu::block::{
-    bound_linear, chunks, fused_cross, gated_released, linear_weights, module_feed_forward,
-    module_linear, proj_out_released, release_unless_read, sink_context_grad,
+    base_weight, block_leaf, bound_linear, chunks, fused_cross, gated_released, linear_weights,
+    module_feed_forward, module_linear, patch_embed, proj_out_released, release_unless_read,
+    sink_context_grad,
 };
 use crate::runtime::ditmem_cpu::cross::cross_attention;
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
@@ -35,6 +36,32 @@ pub(crate) fn timestep_mlp(
     let emb = module_linear(g, sh, names.1, h, sh.b, sh.d, sh.d);
     let emb = g.cast(&format!("{label}→{ad}"), emb, ad);
     g.bind(emb)
+}
+
+/// An adaLN modulation's projection of the conditioning `cond` (b, D): the linear `name` to
+/// (b, k·D), cast to the accumulation dtype (DiT's `norm1.linear` and `proj_out_1`, Flux's
+/// `norm1.linear` …); the caller binds it or its chunks. Returns the cast.
+pub(crate) fn modulation_linear(g: &mut Graph, sh: &Shape, name: &str, cond: Nid, k: u64) -> Nid {
+    let ad = sh.ad();
+    let m = module_linear(g, sh, name, cond, sh.b, k * sh.d, sh.d);
+    g.cast(&format!("{name}→{ad}"), m, ad)
+}
+
+/// The embedded patches as the residual stream (PixArt, Sana, Wan, diffusers' DiT): the patch
+/// embedding through the conv `module` ([`patch_embed`]), cast to the accumulation dtype and
+/// viewed as (b, s, D).
+pub(crate) fn patch_stream(g: &mut Graph, sh: &Shape, module: &str, flatten: &str) -> Nid {
+    let ad = sh.ad();
+    let xe = patch_embed(g, sh, module, flatten);
+    let xe = g.cast(&format!("x_embed→{ad}"), xe, ad);
+    g.view("reshape(b,s,D)", Kind::Reshape, xe, sh.e())
+}
+
+/// The fixed sin-cos table `pos_embed.pos_embed` (s·D, not tracked) broadcast-added to the
+/// stream `xe` (PixArt's and diffusers' DiT's `PatchEmbed`). Returns x0.
+pub(crate) fn plus_pos_embed(g: &mut Graph, sh: &Shape, xe: Nid) -> Nid {
+    let pos = g.constant("pos_embed.pos_embed", sh.s * sh.d, sh.ad(), false);
+    g.broadcast_binary("+pos_embed", Kind::Add, xe, pos, false)
 }
 
 /// adaLN-single's shared projection: SiLU of the embedded timestep `emb` (named `label`) cast to
@@ -84,6 +111,23 @@ pub(crate) fn table_modulation(g: &mut Graph, sh: &Shape, t6: Nid, table: Nid) -
     chunks(g, "modulation", modv, 6, sh.b * d)
 }
 
+/// An adaLN-single block's graph begun (PixArt's, Wan's): the leaf copy of its input, the
+/// shared leaves of t6 and of the text context (`text`: its name and b·T·D elements, in the
+/// compute dtype), the block's `scale_shift_table` and its six modulations
+/// ([`table_modulation`]). Returns (graph, input leaf, text leaf, modulations).
+pub(crate) fn adaln_single_block(
+    sh: &Shape,
+    (name, elems): (&str, u64),
+) -> (Graph, Nid, Nid, Vec<Nid>) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let (mut g, x) = block_leaf(sh);
+    let t6 = sh.cond_leaf(&mut g, "t6 (shared leaf)", 6 * sh.b * sh.d, ad);
+    let y = sh.cond_leaf(&mut g, name, elems, cd);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 6 * sh.d, ad);
+    let m = table_modulation(&mut g, sh, t6, table);
+    (g, x, y, m)
+}
+
 /// The output side's modulation: the embedded timestep `emb` (b, D; named `label`) unsqueezed
 /// and the final `scale_shift_table` (2·D, `table`; `unsqueeze`: stored as (2, D), else as
 /// (1, 2, D) as Wan's is) broadcast to (b, 2, D) and added, viewed as (b, 2D); its shift and
@@ -113,6 +157,28 @@ pub(crate) fn final_modulation(
     );
     let ss = g.view("reshape(b, 2D)", Kind::Reshape, ss, 2 * bd);
     chunks(g, "final modulation", ss, 2, bd)
+}
+
+/// The output side of an adaLN-single model (PixArt, Sana, Wan) on a leaf copy of the last
+/// block's output, up to its projection: the embedded timestep's shared leaf (`cond`: its name
+/// and label), the final `scale_shift_table` ([`final_modulation`], `unsqueeze` as there),
+/// `norm_out` + modulate, `proj_out` to p²·`c_out`. Returns (graph, leaf, the modulated norm,
+/// the projection).
+pub(crate) fn table_final_layer(
+    sh: &Shape,
+    (name, label): (&str, &str),
+    unsqueeze: bool,
+    c_out: u64,
+) -> (Graph, Nid, Nid, Nid) {
+    let (cd, ad) = (sh.cd(), sh.ad());
+    let rows = sh.b * sh.s;
+    let (mut g, x) = sims::final_leaf(sh);
+    let emb = sh.cond_leaf(&mut g, name, sh.b * sh.d, ad);
+    let table = base_weight(&mut g, sh, "scale_shift_table", 2 * sh.d, ad);
+    let md = final_modulation(&mut g, sh, (emb, label), table, unsqueeze);
+    let h = ln_modulate(&mut g, "norm_out+modulate", x, md[0], md[1], rows, cd);
+    let y = module_linear(&mut g, sh, "proj_out", h, rows, sh.patch2 * c_out, sh.d);
+    (g, x, h, y)
 }
 
 /// Self-attention as DiT's and PixArt's blocks run it: `norm1` + modulate of `x` by (shift,

@@ -69,6 +69,34 @@ pub(crate) fn block_sim(build: impl Fn(bool) -> (Graph, Nid, Nid)) -> SegSim {
     s
 }
 
+/// A block of several stream leaves and outputs (an MMDiT's: SD3's joint block, Flux's double-
+/// and single-stream ones): tracked on leaf copies of its streams and backpropagated from one
+/// seed per output (`ops::backward_from_many`, [`super::ops::seeds`]), and untracked on its
+/// inputs (no leaf copies; the outputs survive). `build(track)` returns (graph, leaves,
+/// outputs) and is called once for each (what the engine releases depends on `track`).
+pub(crate) fn blocks_sim(build: impl Fn(bool) -> (Graph, Vec<Nid>, Vec<Nid>)) -> SegSim {
+    let (mut g, leaves, outs) = build(true);
+    let fwd = forward_peak(&g);
+    let n0 = g.nodes.len();
+    let root = super::ops::seeds(&mut g, &outs).unwrap_or(n0);
+    let mut held = leaves.clone();
+    held.extend_from_slice(&outs);
+    let mut s = seg(&g, None, None, root, g.nodes.len() - n0, &held);
+    let bytes = |xs: &[Nid]| xs.iter().map(|&x| g.nodes[x].footprint()).sum::<u64>();
+    let (l, o) = (bytes(&leaves), bytes(&outs));
+    s.activations -= l + o;
+    s.leaf = l;
+    s.output = o;
+    s.output_data = stream_data(&g, &outs);
+    s.fwd_peak = fwd;
+    let (mut ug, uleaves, uouts) = build(false);
+    for l in uleaves {
+        ug.nodes[l].alloc = false;
+    }
+    s.untracked_peak = untracked_peak(&ug, &uouts);
+    s
+}
+
 /// The final layer and the loss on a leaf copy of the last block's output; the root
 /// (loss·scale) exists only for the backward call.
 pub(crate) fn final_sim(g: &Graph, leaf: Nid, root: Nid) -> SegSim {

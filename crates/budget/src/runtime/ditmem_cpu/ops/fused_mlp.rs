@@ -1,12 +1,13 @@
 //! The engine's fused MLP (`ops/fused_mlp.rs` with `fused_mlp_bf16.rs`, `fused_mlp_widen.rs`,
 //! `fused_mlp_dx.rs`): its workspace formula [`fused_mlp_workspace`] and the node [`fused_mlp`].
 
+use super::hidden_keeping_op;
 use super::linear::{gemm_call_bytes, linear_workspace};
 use super::sizes::{
     chunk_rows, dw_blocks, dx_over_du_chunks, mlp_col_blocks, packed_a_bytes, packed_b_bytes,
     widen_col_blocks, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS,
 };
-use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::graph::{Graph, Nid};
 use crate::spec::{CpuSpec, Dtype};
 
 /// Heap bytes of a tracked `ops::FusedMlp` node's op beside the u it keeps: candle's
@@ -169,19 +170,14 @@ pub fn fused_mlp(
     let tx = g.nodes[x].tracks;
     let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
     let (fwd, bwd) = fused_mlp_workspace(cpu, (cd, wd), (rows, inp, ffn, out), (tx, wants), master);
-    let y = g.op(
+    hidden_keeping_op(
+        g,
         name,
-        Kind::Custom { bwd_scratch: bwd },
         &[x, ws[0], ws[1], ws[2], ws[3]],
-        rows * out,
-        cd,
-    );
-    if g.nodes[y].tracks {
-        g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_OP_BYTES;
-        g.nodes[y].released_by_bwd = rows * ffn * cd.size();
-    }
-    g.nodes[y].fwd_scratch = fwd;
-    y
+        (rows * out, cd),
+        (fwd, bwd),
+        (rows * ffn * cd.size(), FUSED_MLP_OP_BYTES),
+    )
 }
 /// f32 and compute-dtype element counts of the workspace of the engine's widened backward of
 /// fc2 and the GELU (`fused_mlp_widen::fc2_gelu_widen_workspace`) for `(rows, ds, ffn, out)`:

@@ -2,8 +2,9 @@
 //! [`fused_mlp_side_workspace`] and the node [`fused_mlp_side`].
 
 use super::fused_mlp::{fc2_gelu_blocks, widen_phase};
+use super::hidden_keeping_op;
 use super::linear::{gemm_call_bytes, linear_workspace};
-use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::graph::{Graph, Nid};
 use crate::spec::{CpuSpec, Dtype};
 
 /// Heap bytes of a tracked `ops::FusedMlpSide` node's op beside the u it keeps: candle's
@@ -122,17 +123,12 @@ pub fn fused_mlp_side(
         (tx, ts, wants),
         master,
     );
-    let y = g.op(
+    hidden_keeping_op(
+        g,
         name,
-        Kind::Custom { bwd_scratch: bwd },
         &[x, side, ws[0], ws[1], ws[2], ws[3]],
-        rows * out,
-        cd,
-    );
-    if g.nodes[y].tracks {
-        g.nodes[y].extra = rows * ffn * cd.size() + FUSED_MLP_SIDE_OP_BYTES;
-        g.nodes[y].released_by_bwd = rows * ffn * cd.size();
-    }
-    g.nodes[y].fwd_scratch = fwd;
-    y
+        (rows * out, cd),
+        (fwd, bwd),
+        (rows * ffn * cd.size(), FUSED_MLP_SIDE_OP_BYTES),
+    )
 }

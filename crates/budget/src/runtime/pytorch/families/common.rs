@@ -75,6 +75,23 @@ impl<'a> Fam<'a> {
         })
     }
 
+    /// Whether the cross-attention's `attn2.to_k` / `to_v` save the text they read as it is
+    /// (when it is in the compute dtype, as Wan's text context and Sana's low-precision caption
+    /// are): their weights are trained, or LoRA adapts one of them with adapters PEFT's
+    /// `_cast_input_dtype(x, lora_A.weight.dtype)` hands x itself (fp32 without autocast, or the
+    /// compute dtype: `lora.dtype = "weight"`; peft 0.21.2 `tuners/tuners_utils.py:2233`, called
+    /// at `tuners/lora/layer.py:1100`; autocast casts nothing already low). Fp32 adapters under
+    /// autocast save lora_A's own copy.
+    pub(crate) fn kv_save_text(&self) -> bool {
+        let precision = self.spec.recipe.precision;
+        let lora_kv = self.lora_on("attn2.to_k") || self.lora_on("attn2.to_v");
+        let adapters_low = self
+            .lora
+            .as_ref()
+            .is_some_and(|l| l.dtype == precision.compute_dtype());
+        self.lora.is_none() || (lora_kv && (!precision.is_mixed() || adapters_low))
+    }
+
     /// Whether the recompute policy checkpoints any of the first `n` blocks: a checkpointed
     /// block holds the call's arguments (the broadcast tensors) until its recompute [CK].
     pub(crate) fn any_block_recomputed(&self, n: u32) -> bool {
@@ -168,6 +185,26 @@ pub(crate) fn unheld_bytes(seg: &Segment, outs: &[(Tid, bool)]) -> u64 {
         .sum()
 }
 
+/// The broadcast outputs of an adaLN-single input side (Sana's, Wan's: the (b, 6D) timestep,
+/// the embedded timestep, the text) as the step holds them: the timestep saved when a
+/// checkpointed block keeps it as an argument (`ck`) [CK], the text when the blocks save it
+/// (`text_saved`), the embedded timestep when it carries a gradient. Returns those the blocks
+/// differentiate and the bytes of those nothing holds past the forward ([`unheld_bytes`]).
+pub(crate) fn adaln_broadcasts(
+    seg: &mut Segment,
+    [ts, emb, text]: [Tid; 3],
+    ck: bool,
+    text_saved: bool,
+) -> (Vec<Tid>, u64) {
+    if ck {
+        save(seg, ts);
+    }
+    let extra = needing_grad(seg, &[ts, emb, text]);
+    let emb_held = seg.tensors[emb].requires_grad;
+    let unheld = unheld_bytes(seg, &[(ts, ck), (text, text_saved), (emb, emb_held)]);
+    (extra, unheld)
+}
+
 /// Data outside the model that a saved reference may hold: `bytes` kept until the step's
 /// backward ends when `saved` (an embedder's trained linear or conv saves it), else freed with
 /// the forward.
@@ -177,6 +214,44 @@ pub(crate) fn add_data(data: &mut Data, bytes: u64, saved: bool) {
     } else {
         data.forward_only += bytes;
     }
+}
+
+/// How a family's autograd records one `F.linear` call: [`Builder::linear_rg`],
+/// [`Builder::linear_if_grad`] or [`Builder::linear_g`].
+pub(crate) type LinearRule<'a> = fn(&mut Builder<'a>, &str, Tid, Lin) -> Tid;
+
+/// Linear → activation → Linear as diffusers' `TimestepEmbedding` and
+/// `PixArtAlphaTextProjection` run it over `rows` rows: `{prefix}.linear_1` (`inp` → `dim`), the
+/// activation `{prefix}.{act}` (saves its input [AG]), `{prefix}.linear_2` (`dim` → `dim`), each
+/// linear recorded by `linear`. Returns linear_2's output.
+pub(crate) fn two_linears<'a>(
+    bl: &mut Builder<'a>,
+    linear: LinearRule<'a>,
+    (prefix, act): (&str, &str),
+    x: Tid,
+    (rows, inp, dim): (u64, u64, u64),
+) -> Tid {
+    let h = linear(
+        bl,
+        &format!("{prefix}.linear_1"),
+        x,
+        Lin::new(rows, dim, inp, true),
+    );
+    let h = bl.act(&format!("{prefix}.{act}"), h);
+    linear(
+        bl,
+        &format!("{prefix}.linear_2"),
+        h,
+        Lin::new(rows, dim, dim, true),
+    )
+}
+
+/// The `k` chunks of a (b, k·D) tensor `m` (`chunk(k)` of a modulation), views named
+/// `{name} chunk {i}` of `bd` = b·D elements each: a saved chunk keeps all of `m`.
+pub(crate) fn chunks(bl: &mut Builder, name: &str, m: Tid, k: u64, bd: u64) -> Vec<Tid> {
+    (0..k)
+        .map(|i| bl.g.view(&format!("{name} chunk {i}"), m, bd))
+        .collect()
 }
 
 /// Width of diffusers' `Timesteps(256)` sinusoid (`time_proj`, `additional_condition_proj`).
@@ -255,6 +330,13 @@ pub(crate) fn ddpm_data(f: &Fam, lat: u64) -> (u64, u64) {
     }
 }
 
+/// Bytes of the flow-matching step's own tensors (`family_peer.py`) alive until the model's
+/// forward returns: x0, noise and the target (`lat` elements of the scripts' `weight_dtype`, `wd`
+/// bytes each), u and the timesteps (fp32) and σ (one each a sample).
+pub(crate) fn flow_step_bytes(lat: u64, b: u64, wd: u64) -> u64 {
+    3 * lat * wd + 2 * 4 * b + b * wd
+}
+
 /// The flow-matching noising of `family_peer.py` (no grad): `(1 − σ)·x0 + σ·noise` in the
 /// scripts' `weight_dtype`, both products freed after the sum. Returns `noisy`.
 pub(crate) fn noising(bl: &mut Builder, lat: u64, b: u64, wd: Dtype) -> Tid {
@@ -320,17 +402,8 @@ pub(crate) fn pooled_temb_and_context(
 ) -> (Tid, Tid) {
     let low = bl.low();
     let pooled = bl.g.input("pooled", b * pooled_dim, low, false);
-    let p1 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_1",
-        pooled,
-        Lin::new(b, dim, pooled_dim, true),
-    );
-    let pa = bl.act("time_text_embed.text_embedder.act_1", p1);
-    let p2 = bl.linear_g(
-        "time_text_embed.text_embedder.linear_2",
-        pa,
-        Lin::new(b, dim, dim, true),
-    );
+    let names = ("time_text_embed.text_embedder", "act_1");
+    let p2 = two_linears(bl, Builder::linear_g, names, pooled, (b, pooled_dim, dim));
     let dt = promote(bl.g.dtype(temb), bl.g.dtype(p2));
     let temb = bl.g.op("temb", &[temb, p2], b * dim, dt);
     save(&mut bl.g, temb);
