@@ -13,8 +13,8 @@ use crate::runtime::ditmem_cpu::block::{
     release_unless_read,
 };
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, acc_dtype, grad_dtype};
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules};
-use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::family::{inventory, EmbedGraph, FamilyRules};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
     concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
 };
@@ -434,11 +434,11 @@ impl FamilyRules for FluxGeo {
 
     fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
         let sh = Shape::new(spec);
-        [
-            to_segment(&embed_graph(&sh, self).graph, "embed"),
-            to_segment(&double_block(&sh, self, true).0, "block"),
-            to_segment(&final_graph(&sh, self).0, "final"),
-        ]
+        inventory([
+            &embed_graph(&sh, self).graph,
+            &double_block(&sh, self, true).0,
+            &final_graph(&sh, self).0,
+        ])
     }
 }
 

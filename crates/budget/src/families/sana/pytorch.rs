@@ -10,8 +10,8 @@
 use crate::families::pixart::pytorch::scale_shift_table;
 use crate::families::SanaDims;
 use crate::runtime::pytorch::families::common::{
-    self, adaln_broadcasts, add_data, chunks, first_and_rest, flipped_sinusoid, flow_loss,
-    flow_step_bytes, info, input_as, noising, stream_x, two_linears, Fam, FREQ,
+    self, adaln_broadcasts, add_data, chunks, flipped_sinusoid, flow_loss, flow_step_bytes, info,
+    input_as, noising, stack_stages, stream_x, two_linears, Fam, FREQ,
 };
 use crate::runtime::pytorch::ops::{save, Attn, Builder, Lin};
 use crate::runtime::pytorch::stages::{Data, Stage, Stages};
@@ -366,10 +366,8 @@ pub(crate) fn stages(f: &Fam, d: &SanaDims) -> Stages {
     io.x = info(&b0, b0.output);
     io.x_contig = true;
     let rest = block(f, &m, d, io);
-    let mut st = vec![Stage::embed(emb_seg.clone(), extra)];
-    st.extend(first_and_rest(b0, rest, n, false));
-    st.push(Stage::final_loss(final_layer(f, &m, io)));
-    Stages { stages: st, data }
+    let embed = Stage::embed(emb_seg, extra);
+    stack_stages(embed, (b0, rest), n, final_layer(f, &m, io), data)
 }
 
 common::stages_of!(Sana);

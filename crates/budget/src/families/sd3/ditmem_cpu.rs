@@ -11,8 +11,8 @@ use crate::runtime::ditmem_cpu::block::{
     base_weight, bound_linear, chunk, gated_released, linear_weights, module_linear, patch_embed,
     proj_out_released, reads_input, release_unless_read, timestep_features,
 };
-use crate::runtime::ditmem_cpu::family::{EmbedGraph, FamilyRules};
-use crate::runtime::ditmem_cpu::graph::{to_segment, Graph, Kind, Nid};
+use crate::runtime::ditmem_cpu::family::{inventory, EmbedGraph, FamilyRules};
+use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{concat, joint_linear, ln_modulate, slice};
 use crate::runtime::ditmem_cpu::parts::stream_feed_forward;
 use crate::runtime::ditmem_cpu::separate::separate_attention;
@@ -477,14 +477,12 @@ impl FamilyRules for Sd3Geo {
 
     fn inventory_segments(&self, spec: &Spec) -> [crate::segment::Segment; 3] {
         let sh = Shape::new(spec);
-        [
-            to_segment(&embed_graph(&sh, self).graph, "embed"),
-            to_segment(
-                &block(&sh, self, (self.layers == 1, self.is_dual(0)), true).0,
-                "block",
-            ),
-            to_segment(&final_graph(&sh, self).0, "final"),
-        ]
+        let first = (self.layers == 1, self.is_dual(0));
+        inventory([
+            &embed_graph(&sh, self).graph,
+            &block(&sh, self, first, true).0,
+            &final_graph(&sh, self).0,
+        ])
     }
 
     fn dual_blocks(&self) -> Vec<u64> {

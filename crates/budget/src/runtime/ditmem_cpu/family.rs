@@ -56,6 +56,16 @@ pub(crate) trait FamilyRules {
     }
 }
 
+/// A model's op inventory ([`FamilyRules::inventory_segments`]) from its three graphs: the
+/// embed, a block and the final layer as generic segments, in that order.
+pub(crate) fn inventory([embed, block, final_layer]: [&Graph; 3]) -> [Segment; 3] {
+    [
+        to_segment(embed, "embed"),
+        to_segment(block, "block"),
+        to_segment(final_layer, "final"),
+    ]
+}
+
 /// Caption tokens T of a spec whose model reads one text encoder's sequence (PixArt, Sana, Wan):
 /// the first encoder's ([`crate::denoiser::text_tokens`]; 0 without one).
 pub(crate) fn caption_tokens(spec: &Spec, fm: &FamilyModel) -> u64 {
@@ -156,11 +166,11 @@ impl<T: OneBlockKind> FamilyRules for T {
 
     fn inventory_segments(&self, spec: &Spec) -> [Segment; 3] {
         let sh = Shape::new(spec);
-        [
-            to_segment(&self.embed(&sh).graph, "embed"),
-            to_segment(&self.block(&sh, true).0, "block"),
-            to_segment(&self.final_layer(&sh).0, "final"),
-        ]
+        inventory([
+            &self.embed(&sh).graph,
+            &self.block(&sh, true).0,
+            &self.final_layer(&sh).0,
+        ])
     }
 
     fn summed_by_embed(&self, t: &ParamTensor) -> bool {

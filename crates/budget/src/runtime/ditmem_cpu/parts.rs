@@ -1,9 +1,10 @@
 //! The pieces the diffusers families of one block kind (DiT, PixArt, Sana, Wan; twins: the
 //! engine's `families/<family>/step.rs` and `block.rs`) build alike, each written once: the
-//! timestep embedder and its 6·D projection, the caption (text) projection, the block's and the
-//! output side's `scale_shift_table` modulation, the self-attention over separate q, k, v, the
-//! cross-attention `attn2` and the feed-forward tail of a block; and the feed-forward half of a
-//! stream of the MMDiT families' joint blocks (SD3, Flux). Node names are the engine's, so the
+//! patch stream, the timestep embedder and its 6·D projection, an adaLN modulation's linear, the
+//! caption (text) projection, the block's and the output side's `scale_shift_table` modulation
+//! (an adaLN-single block's start, its output side), the self-attention over separate q, k, v,
+//! the cross-attention `attn2` and the feed-forward tail of a block; and the feed-forward half of
+//! a stream of the MMDiT families' joint blocks (SD3, Flux). Node names are the engine's, so the
 //! op inventory reads the same for each family.
 
 use crate::runtime::ditmem_cpu::block::{
@@ -112,7 +113,7 @@ pub(crate) fn table_modulation(g: &mut Graph, sh: &Shape, t6: Nid, table: Nid) -
 }
 
 /// An adaLN-single block's graph begun (PixArt's, Wan's): the leaf copy of its input, the
-/// shared leaves of t6 and of the text context (`text`: its name and b·T·D elements, in the
+/// shared leaves of t6 and of the text context (its leaf's name and b·T·D elements, in the
 /// compute dtype), the block's `scale_shift_table` and its six modulations
 /// ([`table_modulation`]). Returns (graph, input leaf, text leaf, modulations).
 pub(crate) fn adaln_single_block(
@@ -160,8 +161,8 @@ pub(crate) fn final_modulation(
 }
 
 /// The output side of an adaLN-single model (PixArt, Sana, Wan) on a leaf copy of the last
-/// block's output, up to its projection: the embedded timestep's shared leaf (`cond`: its name
-/// and label), the final `scale_shift_table` ([`final_modulation`], `unsqueeze` as there),
+/// block's output, up to its projection: the embedded timestep's shared leaf (its name, and its
+/// label in the modulation's node names), the final `scale_shift_table` ([`final_modulation`], `unsqueeze` as there),
 /// `norm_out` + modulate, `proj_out` to p²·`c_out`. Returns (graph, leaf, the modulated norm,
 /// the projection).
 pub(crate) fn table_final_layer(

@@ -5,7 +5,7 @@ use crate::denoiser;
 use crate::families::{FamilyModel, Geometry};
 use crate::runtime::pytorch::device::PyTorch;
 use crate::runtime::pytorch::ops::{promote, save, Builder, Lin, LoraOn};
-use crate::runtime::pytorch::stages::{Data, Stage};
+use crate::runtime::pytorch::stages::{Data, Stage, Stages};
 use crate::segment::{Segment, Tid};
 use crate::spec::Dtype;
 use crate::spec::Spec;
@@ -135,6 +135,22 @@ pub(crate) fn first_and_rest(
         st.push(Stage::blocks(rest, n - 1, "block"));
     }
     st
+}
+
+/// The stages of a step of one stack of `n` blocks (Sana, Wan): the input side `embed`, block 0
+/// and the rest ([`first_and_rest`]: block 0 reads the input side's stream, never merged), the
+/// output side `final_layer`; `data` outside the model.
+pub(crate) fn stack_stages(
+    embed: Stage,
+    (first, rest): (Segment, Segment),
+    n: u32,
+    final_layer: Segment,
+    data: Data,
+) -> Stages {
+    let mut stages = vec![embed];
+    stages.extend(first_and_rest(first, rest, n, false));
+    stages.push(Stage::final_loss(final_layer));
+    Stages { stages, data }
 }
 
 /// A stage's stream as the next one reads it: the dtype of tensor `t` and whether it carries a
