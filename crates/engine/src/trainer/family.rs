@@ -225,12 +225,13 @@ impl<F: FamilyStep + Send + Sync> ModelLayout for F {
     }
 }
 
-/// What the forward keeps of a block until its backward.
-enum SavedStreams {
+/// What the forward keeps of a block until its backward: of one stream (the DiT's schedule,
+/// `Saved<Var, Tensor>`) or of several (a family's, `Saved<Vec<Var>, Vec<Tensor>>`).
+pub(crate) enum Saved<L, T> {
     /// The leaves the block ran on and its outputs (holding the block's graph).
-    Stored { leaves: Vec<Var>, outs: Vec<Tensor> },
+    Stored { leaves: L, outs: T },
     /// The block's inputs only (sharing storage with the previous outputs).
-    Recompute { inputs: Vec<Tensor> },
+    Recompute { inputs: T },
 }
 
 fn leaves_of(xs: &[Tensor]) -> Result<Vec<Var>> {
@@ -261,21 +262,26 @@ fn detached(vs: &[Var]) -> Vec<Tensor> {
     vs.iter().map(|v| v.as_detached_tensor()).collect()
 }
 
-/// The gradients of `leaves` in `grads`, detached; an error naming `what` for a leaf no
-/// gradient reached.
+/// The gradient of `leaf` in `grads`, detached; an error naming `what` when none reached it
+/// (`what` is formatted on that error only).
+pub(crate) fn leaf_grad(
+    grads: &candle_core::backprop::GradStore,
+    leaf: &Var,
+    what: impl std::fmt::Display,
+) -> Result<Tensor> {
+    grads
+        .get(leaf.as_tensor())
+        .map(Tensor::detach)
+        .ok_or_else(|| EngineError::bad_input("backward", format!("no gradient reached {what}")))
+}
+
+/// The gradients of `leaves` in `grads`, detached ([`leaf_grad`]).
 fn leaf_grads(
     grads: &candle_core::backprop::GradStore,
     leaves: &[Var],
     what: &str,
 ) -> Result<Vec<Tensor>> {
-    leaves
-        .iter()
-        .map(|l| {
-            grads.get(l.as_tensor()).map(Tensor::detach).ok_or_else(|| {
-                EngineError::bad_input("backward", format!("no gradient reached {what}"))
-            })
-        })
-        .collect()
+    leaves.iter().map(|l| leaf_grad(grads, l, what)).collect()
 }
 
 impl Trainer {
@@ -390,13 +396,13 @@ impl Trainer {
         // untracked output is freed whole).
         let recipe = &self.spec.recipe;
         let reads_stored = |i: usize| i == 0 || !recipe.recompute.recomputes_block(i as u32 - 1);
-        let mut saved: Vec<SavedStreams> = Vec::with_capacity(depth);
+        let mut saved: Vec<Saved<Vec<Var>, Vec<Tensor>>> = Vec::with_capacity(depth);
         let mut cur = x0.clone();
         for i in 0..depth {
             if self.spec.recipe.recompute.recomputes_block(i as u32) {
                 let inputs: Vec<Tensor> = cur.iter().map(Tensor::detach).collect();
                 cur = fam.block(self, i, BlockIn::untracked(&inputs, &cond_in(true)))?;
-                saved.push(SavedStreams::Recompute { inputs });
+                saved.push(Saved::Recompute { inputs });
             } else {
                 let leaves = leaves_of(&cur)?;
                 if reads_stored(i) {
@@ -405,7 +411,7 @@ impl Trainer {
                 let c = cond_in(false);
                 let outs = fam.block(self, i, BlockIn::tracked(&tensors(&leaves), &c))?;
                 cur = outs.clone();
-                saved.push(SavedStreams::Stored { leaves, outs });
+                saved.push(Saved::Stored { leaves, outs });
             }
             rec.mark(tag.at(format!("block {i}")));
         }
@@ -449,8 +455,8 @@ impl Trainer {
                 .pop()
                 .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
             let (leaves, outs) = match s {
-                SavedStreams::Stored { leaves, outs } => (leaves, outs),
-                SavedStreams::Recompute { inputs } => {
+                Saved::Stored { leaves, outs } => (leaves, outs),
+                Saved::Recompute { inputs } => {
                     let leaves = leaves_of(&inputs)?;
                     drop(inputs);
                     let c = cond_in(false);

@@ -17,6 +17,7 @@ use crate::measure::{Phase, Recorder};
 use crate::model::{patchify, unpatchify};
 use crate::rng::derive_seed;
 use crate::shapes::Dims;
+use crate::trainer::family::leaf_grad;
 use crate::trainer::state::{
     grad_dtype, FamilyLayout, LinearIdx, ModelLayout, ParamIndex, SegmentTag, Trainer,
 };
@@ -85,13 +86,9 @@ impl ModelLayout for DitLayout {
     }
 }
 
-/// What the forward pass keeps of a block until its backward.
-enum Saved {
-    /// The leaf the block ran on and its output (holding the block's graph).
-    Stored { leaf: Var, out: Tensor },
-    /// The block's input only (shares storage with the previous output).
-    Recompute { input: Tensor },
-}
+/// What the forward pass keeps of a block until its backward: the leaf the block ran on and
+/// its output, or its input only.
+type Saved = crate::trainer::family::Saved<Var, Tensor>;
 
 /// The embed segment's outputs (kept until the end of the backward).
 struct DitEmbed {
@@ -176,12 +173,7 @@ impl Trainer {
         let mut final_params = Self::linear_params(&lay.final_idx[0]);
         final_params.extend(Self::linear_params(&lay.final_idx[1]));
         self.accumulate(&final_params, &grads)?;
-        let gx = grads
-            .get(final_leaf.as_tensor())
-            .map(Tensor::detach)
-            .ok_or_else(|| {
-                EngineError::bad_input("backward", "no gradient reached the final layer input")
-            })?;
+        let gx = leaf_grad(&grads, &final_leaf, "the final layer input")?;
         let gc = match grads.get(c_leaf.as_tensor()) {
             Some(g) => cast(g.detach(), ld)?,
             None => Tensor::zeros((b, d.hidden), ld, &self.dev)?,
@@ -254,14 +246,17 @@ impl Trainer {
                 let input = cur.detach();
                 let w = self.block_weights(&lay.blocks[i], false)?;
                 cur = block_forward(&input, &c_leaf.as_detached_tensor(), &w, &self.cfg, seeds)?;
-                saved.push(Saved::Recompute { input });
+                saved.push(Saved::Recompute { inputs: input });
             } else {
                 let leaf = Var::from_tensor(&cur.detach())?;
                 let w = self.block_weights(&lay.blocks[i], true)?;
                 let out =
                     block_forward(leaf.as_tensor(), c_leaf.as_tensor(), &w, &self.cfg, seeds)?;
                 cur = out.clone();
-                saved.push(Saved::Stored { leaf, out });
+                saved.push(Saved::Stored {
+                    leaves: leaf,
+                    outs: out,
+                });
             }
             rec.mark(tag.at(format!("block {i}")));
         }
@@ -286,8 +281,8 @@ impl Trainer {
                 .pop()
                 .ok_or_else(|| EngineError::bad_input("backward", "block state missing"))?;
             let (leaf, out) = match s {
-                Saved::Stored { leaf, out } => (leaf, out),
-                Saved::Recompute { input } => {
+                Saved::Stored { leaves, outs } => (leaves, outs),
+                Saved::Recompute { inputs: input } => {
                     let leaf = Var::from_tensor(&input)?;
                     drop(input);
                     let w = self.block_weights(&lay.blocks[i], true)?;
@@ -312,15 +307,7 @@ impl Trainer {
                 idx.extend(Self::linear_params(l));
             }
             self.accumulate(&idx, &grads)?;
-            gx = grads
-                .get(leaf.as_tensor())
-                .map(Tensor::detach)
-                .ok_or_else(|| {
-                    EngineError::bad_input(
-                        "backward",
-                        format!("no gradient reached block {i}'s input"),
-                    )
-                })?;
+            gx = leaf_grad(&grads, &leaf, format_args!("block {i}'s input"))?;
             if let Some(g) = grads.get(c_leaf.as_tensor()) {
                 gc = (gc + cast(g.detach(), ld)?)?;
             }

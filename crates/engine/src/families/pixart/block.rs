@@ -6,8 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::families::adaln::AdaLnZero;
-use crate::families::cross::unnormed_cross;
+use crate::families::cross::SelfCrossWeights;
 use crate::layers::{
     cast_then_release, feed_forward_then_release, gated_then_release, linear_then_release,
     AttnImpl, BlockConfig, LinearW, LN_EPS,
@@ -15,40 +14,16 @@ use crate::layers::{
 use crate::ops::attention::separate::attention;
 use crate::ops::{gelu_tanh, ln_modulate, AttnKeep};
 
-/// The weights of one PixArt block; `table` is its `scale_shift_table` (6, D) in `ad`.
-#[derive(Debug, Clone)]
-pub struct PixartBlockWeights {
-    pub table: Tensor,
-    pub q1: LinearW,
-    pub k1: LinearW,
-    pub v1: LinearW,
-    pub o1: LinearW,
-    pub q2: LinearW,
-    pub k2: LinearW,
-    pub v2: LinearW,
-    pub o2: LinearW,
-    pub fc1: LinearW,
-    pub fc2: LinearW,
-}
+/// The weights of one PixArt block (the order of
+/// [`PIXART_BLOCK_LINEARS`](super::PIXART_BLOCK_LINEARS)): `ffn` is the feed-forward's two
+/// linears.
+pub type PixartBlockWeights = SelfCrossWeights<[LinearW; 2]>;
 
 impl PixartBlockWeights {
     /// The weights from the `scale_shift_table`, attn1's then attn2's q, k, v, out and the
-    /// feed-forward's two linears (the order of [`PIXART_BLOCK_LINEARS`](super::PIXART_BLOCK_LINEARS)).
-    pub fn new(table: Tensor, attn: [LinearW; 8], [fc1, fc2]: [LinearW; 2]) -> Self {
-        let [q1, k1, v1, o1, q2, k2, v2, o2] = attn;
-        PixartBlockWeights {
-            table,
-            q1,
-            k1,
-            v1,
-            o1,
-            q2,
-            k2,
-            v2,
-            o2,
-            fc1,
-            fc2,
-        }
+    /// feed-forward's two linears.
+    pub fn new(table: Tensor, attn: [LinearW; 8], ffn: [LinearW; 2]) -> Self {
+        SelfCrossWeights::with_ffn(table, attn, ffn)
     }
 }
 
@@ -71,25 +46,24 @@ pub fn pixart_block_forward(
     w: &PixartBlockWeights,
     cfg: &BlockConfig,
 ) -> Result<Tensor> {
-    let (b, _, h) = x.dims3()?;
+    let b = x.dim(0)?;
     let (cd, ad) = (cfg.compute, cfg.accum);
     let keep = attn_keep(cfg.attn);
-    let m = AdaLnZero::of_table(t6, &w.table, h)?;
 
     // Self-attention.
-    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q1, &w.k1, &w.v1], LN_EPS, cd)?;
+    let (m, [_h1, q, k, v]) = w.self_attn_inputs(x, t6, cd)?;
     let o = attention(&q, &k, &v, b, cfg.heads, keep)?;
     let p = w.o1.forward(&o)?;
     let x1 = gated_then_release(x, p, &m.gate_msa)?;
 
     // Cross-attention to the caption (PixArt's attn2 reads the stream without a norm).
-    let attn2 = [&w.q2, &w.k2, &w.v2, &w.o2];
-    let [_xq, _q2, _o2, p2, ones] = unnormed_cross(&x1, y, attn2, cfg.heads, keep, (cd, ad))?;
+    let [_xq, _q2, _o2, p2, ones] = w.unnormed_cross(&x1, y, cfg.heads, keep, (cd, ad))?;
     let x2 = gated_then_release(&x1, p2, &ones)?;
 
     // MLP.
     let h2 = ln_modulate(&x2, &m.shift_mlp, &m.scale_mlp, LN_EPS, cd)?;
-    let f2 = feed_forward_then_release(&h2, &w.fc1, &w.fc2)?;
+    let [fc1, fc2] = &w.ffn;
+    let f2 = feed_forward_then_release(&h2, fc1, fc2)?;
     gated_then_release(&x2, f2, &m.gate_mlp)
 }
 

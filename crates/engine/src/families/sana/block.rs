@@ -6,8 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::families::adaln::AdaLnZero;
-use crate::families::cross::unnormed_cross;
+use crate::families::cross::SelfCrossWeights;
 use crate::families::pixart::block::attn_keep;
 use crate::layers::{mlp_linear, BlockConfig, LinearW, LN_EPS};
 use crate::ops::dwconv::silu_dwconv3x3;
@@ -19,20 +18,14 @@ use crate::ops::{gated_residual, gelu_tanh, ln_modulate};
 
 use super::params::CAPTION_NORM_EPS;
 
-/// The weights of one Sana block; `table` is its `scale_shift_table` (6, D) in `ad`. A linear
-/// without a bias in diffusers (attn1's q/k/v when `attention_bias` is false, `conv_point`)
-/// carries a zero bias made by the block ([`zero_bias`]).
+/// The weights of one Sana block: `ffn` is its Mix-FFN. A linear without a bias in diffusers
+/// (attn1's q/k/v when `attention_bias` is false, `conv_point`) carries a zero bias made by the
+/// block ([`zero_bias`]).
+pub type SanaBlockWeights = SelfCrossWeights<MixFfnWeights>;
+
+/// The Mix-FFN's (GLUMBConv's) weights.
 #[derive(Debug, Clone)]
-pub struct SanaBlockWeights {
-    pub table: Tensor,
-    pub q1: LinearW,
-    pub k1: LinearW,
-    pub v1: LinearW,
-    pub o1: LinearW,
-    pub q2: LinearW,
-    pub k2: LinearW,
-    pub v2: LinearW,
-    pub o2: LinearW,
+pub struct MixFfnWeights {
     pub conv_inverted: LinearW,
     /// `conv_depth` weight (2H, 1, 3, 3) and bias (2H), as the fused linears read weights.
     pub conv_depth: (Tensor, Tensor),
@@ -49,21 +42,12 @@ impl SanaBlockWeights {
         conv_depth: (Tensor, Tensor),
         conv_point: LinearW,
     ) -> Self {
-        let [q1, k1, v1, o1, q2, k2, v2, o2] = attn;
-        SanaBlockWeights {
-            table,
-            q1,
-            k1,
-            v1,
-            o1,
-            q2,
-            k2,
-            v2,
-            o2,
+        let ffn = MixFfnWeights {
             conv_inverted,
             conv_depth,
             conv_point,
-        }
+        };
+        SelfCrossWeights::with_ffn(table, attn, ffn)
     }
 }
 
@@ -94,25 +78,23 @@ pub fn sana_block_forward(
     cfg: &BlockConfig,
     geo: &SanaBlockGeom,
 ) -> Result<Tensor> {
-    let (b, _, h) = x.dims3()?;
+    let b = x.dim(0)?;
     let (cd, ad) = (cfg.compute, cfg.accum);
     let keep = attn_keep(cfg.attn);
-    let m = AdaLnZero::of_table(t6, &w.table, h)?;
 
     // Linear self-attention.
-    let [_h1, q, k, v] = m.attn_inputs(x, [&w.q1, &w.k1, &w.v1], LN_EPS, cd)?;
+    let (m, [_h1, q, k, v]) = w.self_attn_inputs(x, t6, cd)?;
     let o = linear_attention(&q, &k, &v, b, cfg.heads)?;
     let p = w.o1.forward(&o)?;
     let x1 = gated_residual(x, &p, &m.gate_msa)?;
 
     // Cross-attention to the caption (softmax; attn2 reads the stream without a norm).
-    let attn2 = [&w.q2, &w.k2, &w.v2, &w.o2];
-    let [_xq, _q2, _o2, p2, ones] = unnormed_cross(&x1, y, attn2, geo.cross_heads, keep, (cd, ad))?;
+    let [_xq, _q2, _o2, p2, ones] = w.unnormed_cross(&x1, y, geo.cross_heads, keep, (cd, ad))?;
     let x2 = gated_residual(&x1, &p2, &ones)?;
 
     // Mix-FFN (GLUMBConv) on the channels-last token rows.
     let h2 = ln_modulate(&x2, &m.shift_mlp, &m.scale_mlp, LN_EPS, cd)?;
-    let f2 = mix_ffn_forward(&h2, w, geo)?;
+    let f2 = mix_ffn_forward(&h2, &w.ffn, geo)?;
     Ok(gated_residual(&x2, &f2, &m.gate_mlp)?)
 }
 
@@ -120,7 +102,7 @@ pub fn sana_block_forward(
 /// only, no wide gradient in candle's store) where both linears allow it (no LoRA on either,
 /// see [`mlp_linear`]), else composed of the linears, [`silu_dwconv3x3`] and [`glu_silu`] (each
 /// a local until `conv_point`'s output exists). The same values either way, bit for bit.
-fn mix_ffn_forward(h2: &Tensor, w: &SanaBlockWeights, geo: &SanaBlockGeom) -> Result<Tensor> {
+fn mix_ffn_forward(h2: &Tensor, w: &MixFfnWeights, geo: &SanaBlockGeom) -> Result<Tensor> {
     let t = h2.track_op();
     let (wd, bd) = &w.conv_depth;
     match (
@@ -137,34 +119,13 @@ fn mix_ffn_forward(h2: &Tensor, w: &SanaBlockWeights, geo: &SanaBlockGeom) -> Re
     }
 }
 
-/// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`.
-#[derive(Debug, Clone)]
-pub struct SanaFinalWeights {
-    pub table: Tensor,
-    pub proj_out: LinearW,
-}
+/// The output side's weights: the final `scale_shift_table` (2, D) in `ad` and `proj_out`
+/// (PixArt's).
+pub type SanaFinalWeights = crate::families::pixart::PixartFinalWeights;
 
 /// `norm_out` (SanaModulatedNorm: LayerNorm, `(table[None] + emb[:, None]).chunk(2)`
-/// modulation) + `proj_out`: x (b, s, D) and the embedded timestep (b, D) in `ad` →
-/// (b·s, p²·C_out) in `ad`. PixArt's output side.
-pub fn final_forward(
-    x: &Tensor,
-    emb: &Tensor,
-    w: &SanaFinalWeights,
-    cd: DType,
-    ad: DType,
-) -> Result<Tensor> {
-    crate::families::pixart::final_forward(
-        x,
-        emb,
-        &crate::families::pixart::PixartFinalWeights {
-            table: w.table.clone(),
-            proj_out: w.proj_out.clone(),
-        },
-        cd,
-        ad,
-    )
-}
+/// modulation) + `proj_out`: PixArt's output side.
+pub use crate::families::pixart::final_forward;
 
 /// `caption_projection` (PixArtAlphaTextProjection: linear_1, GELU-tanh, linear_2) and
 /// `caption_norm` (RMSNorm with a weight, eps 1e-5).
