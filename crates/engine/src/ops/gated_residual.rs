@@ -7,7 +7,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
@@ -25,12 +25,27 @@ pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> CResult<Tensor> 
     x.apply_op3(y, gate, GatedResidual)
 }
 
-/// (b, s, d, gate offset, gate row stride).
-fn gated_geom(
-    lx: &Layout,
-    ly: &Layout,
-    lg: &Layout,
-) -> CResult<(usize, usize, usize, usize, usize)> {
+/// The shape of a call: x (b, s, D) and where the gate's rows lie in its storage.
+#[derive(Debug, Clone, Copy)]
+struct Geom {
+    b: usize,
+    s: usize,
+    d: usize,
+    /// The gate's offset and row stride.
+    off: usize,
+    rs: usize,
+}
+
+impl Geom {
+    /// The gate row of token row `r` (its batch entry's).
+    #[inline]
+    fn gate_row<'a, T>(&self, gate: &'a [T], r: usize) -> &'a [T] {
+        &gate[self.off + (r / self.s) * self.rs..][..self.d]
+    }
+}
+
+/// The [`Geom`] of x, y and the gate under their layouts, checked.
+fn gated_geom(lx: &Layout, ly: &Layout, lg: &Layout) -> CResult<Geom> {
     let (b, s, d) = match lx.dims() {
         &[b, s, d] => (b, s, d),
         dims => {
@@ -47,24 +62,19 @@ fn gated_geom(
         )));
     }
     let (off, rs) = rows_view(lg, b, d, "gated residual gate")?;
-    Ok((b, s, d, off, rs))
+    Ok(Geom { b, s, d, off, rs })
 }
 
 /// Forward kernel of [`GatedResidual`].
-fn gated_fwd_cpu<T, O, A>(
-    x: &[T],
-    y: &[O],
-    gate: &[T],
-    geom: (usize, usize, usize, usize, usize),
-) -> Vec<T>
+fn gated_fwd_cpu<T, O, A>(x: &[T], y: &[O], gate: &[T], geom: Geom) -> Vec<T>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let (b, s, d, off, rs) = geom;
-    par_rows(T::from_acc(A::ZERO), (b * s, d), |r, orow| {
-        let gr = &gate[off + (r / s) * rs..][..d];
+    let d = geom.d;
+    par_rows(T::from_acc(A::ZERO), (geom.b * geom.s, d), |r, orow| {
+        let gr = geom.gate_row(gate, r);
         let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
         for j in 0..d {
             orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
@@ -73,15 +83,15 @@ where
 }
 
 /// dy = g·gate (in y's type), one fresh buffer.
-fn gated_dy_cpu<T, O, A>(g: &[T], gate: &[T], geom: (usize, usize, usize, usize, usize)) -> Vec<O>
+fn gated_dy_cpu<T, O, A>(g: &[T], gate: &[T], geom: Geom) -> Vec<O>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let (b, s, d, off, rs) = geom;
-    par_rows(O::from_acc(A::ZERO), (b * s, d), |r, row| {
-        let gr = &gate[off + (r / s) * rs..][..d];
+    let d = geom.d;
+    par_rows(O::from_acc(A::ZERO), (geom.b * geom.s, d), |r, row| {
+        let gr = geom.gate_row(gate, r);
         for j in 0..d {
             row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
         }
@@ -89,13 +99,13 @@ where
 }
 
 /// dgate = Σ_s g·y per batch entry (b, D), one fresh buffer.
-fn gated_dgate_cpu<T, O, A>(g: &[T], y: &[O], geom: (usize, usize, usize, usize, usize)) -> Vec<T>
+fn gated_dgate_cpu<T, O, A>(g: &[T], y: &[O], geom: Geom) -> Vec<T>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let (b, s, d, _, _) = geom;
+    let Geom { b, s, d, .. } = geom;
     let mut v: Vec<T> = vec![T::from_acc(A::ZERO); b * d];
     // By blocks of columns, the tokens outer: rows read in order and a block of sums the
     // compiler vectorises, where a column at a time strode over every row (and one task per
@@ -137,7 +147,7 @@ impl CustomOp3 for GatedResidual {
         sg: &CpuStorage,
         lg: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (b, s, d, off, rs) = gated_geom(lx, ly, lg)?;
+        let geom = gated_geom(lx, ly, lg)?;
         if sg.dtype() != sx.dtype() {
             return Err(err("gated residual: gate and x must share one dtype"));
         }
@@ -145,7 +155,7 @@ impl CustomOp3 for GatedResidual {
             let x = cpu_slice::<T>(sx, lx, "gated residual x")?;
             let y = cpu_slice::<O>(sy, ly, "gated residual y")?;
             let gate = sg.as_slice::<T>()?;
-            let o = gated_fwd_cpu::<T, O, A>(x, y, gate, (b, s, d, off, rs));
+            let o = gated_fwd_cpu::<T, O, A>(x, y, gate, geom);
             T::to_cpu_storage_owned(o)
         });
         Ok((out, lx.shape().clone()))
@@ -162,36 +172,31 @@ impl CustomOp3 for GatedResidual {
         let grad = grad.contiguous()?;
         let (wx, wy, wg) = (x.track_op(), y.track_op(), gate.track_op());
         let dev = Device::Cpu;
-        with_cpu(y, |sy, ly| {
-            with_cpu(gate, |sgt, lgt| {
-                with_cpu(&grad, |sg, lg| {
-                    let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
-                    Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
-                        let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
-                        let gate = sgt.as_slice::<T>()?;
-                        // dx = g: the output gradient itself (candle only reads it, adding it
-                        // into x's entry), not a copy.
-                        let dx = wx.then(|| grad.clone());
-                        let geom = (b, s, d, off, rs);
-                        let dy = if wy {
-                            let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
-                            Some(Tensor::from_vec(v, ly.shape(), &dev)?)
-                        } else {
-                            None
-                        };
-                        // y is read for dgate alone: under a frozen gate the caller may have
-                        // released it (`ops::release`).
-                        let dg = if wg {
-                            let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
-                            let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
-                            Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
-                        } else {
-                            None
-                        };
-                        (dx, dy, dg)
-                    }))
-                })
-            })
+        with_cpus([y, gate, &grad], |[(sy, ly), (sgt, lgt), (sg, lg)]| {
+            let geom = gated_geom(x.layout(), ly, lgt)?;
+            Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
+                let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
+                let gate = sgt.as_slice::<T>()?;
+                // dx = g: the output gradient itself (candle only reads it, adding it
+                // into x's entry), not a copy.
+                let dx = wx.then(|| grad.clone());
+                let dy = if wy {
+                    let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
+                    Some(Tensor::from_vec(v, ly.shape(), &dev)?)
+                } else {
+                    None
+                };
+                // y is read for dgate alone: under a frozen gate the caller may have
+                // released it (`ops::release`).
+                let dg = if wg {
+                    let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
+                    let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
+                    Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
+                } else {
+                    None
+                };
+                (dx, dy, dg)
+            }))
         })
     }
 }
