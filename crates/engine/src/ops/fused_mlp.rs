@@ -364,22 +364,18 @@ impl CustomOp1 for FusedMlp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{
-        assert_backward_twice_agrees, assert_grads_bits, bits, grads_against, new_sink, nonzero,
-        seeded_linear, t, take_sunk, tracking, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dx, [dW1, db1, dW2, db2]) of x (rows, inp) through (ffn, out) with gradient r of y,
+    /// y, dx, dW1, db1, dW2, db2 of x (rows, inp) through (ffn, out) with gradient r of y,
     /// fused or composed of the sunk linears and the GELU.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (rows, inp, ffn, out): (usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
         let (s1, s2) = (new_sink(), new_sink());
         let fc1 = seeded_linear((ffn, inp), 2, wdt, Some(Arc::clone(&s1)));
@@ -393,8 +389,7 @@ mod tests {
         };
         let grads = grads_against(&y, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, dx, sunk)
+        [vec![y, dx], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
@@ -404,36 +399,28 @@ mod tests {
     /// (out 600) with a ragged 8-row last chunk.
     #[test]
     fn fused_mlp_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [
-                (6, 8, 32, 8),
-                (150, 16, 40, 12),
-                (600, 16, 40, 12),
-                (520, 32, 96, 600),
-                // Several column blocks (ffn 300: three of 100; 272: 90, 91, 91), one with a
-                // depth `gemm` blocks in two and a ragged 8-row last chunk.
-                (300, 16, 300, 24),
-                (520, 8, 272, 600),
-                // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
-                // branch at the 8-row last chunk, depth 600).
-                (520, 8, 129, 600),
-                // Enough rows for dW2's blocks to widen (`dw_blocks`: two of 304 and 296
-                // instead of five of 128 or less).
-                (2100, 8, 130, 600),
-                // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
-                (1100, 8, 600, 40),
-                // dx over du (`fused_mlp_dx`, f32/f64): chunks of 64, 128 and a ragged 108.
-                (300, 96, 288, 40),
-            ] {
-                let (yf, dxf, gf) = run(true, dt, wdt, dims);
-                let (yc, dxc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                // Not all zero: the comparison means something.
-                assert!(nonzero(&dxf));
-            }
-        }
+        let cases = [
+            (6, 8, 32, 8),
+            (150, 16, 40, 12),
+            (600, 16, 40, 12),
+            (520, 32, 96, 600),
+            // Several column blocks (ffn 300: three of 100; 272: 90, 91, 91), one with a
+            // depth `gemm` blocks in two and a ragged 8-row last chunk.
+            (300, 16, 300, 24),
+            (520, 8, 272, 600),
+            // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
+            // branch at the 8-row last chunk, depth 600).
+            (520, 8, 129, 600),
+            // Enough rows for dW2's blocks to widen (`dw_blocks`: two of 304 and 296
+            // instead of five of 128 or less).
+            (2100, 8, 130, 600),
+            // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
+            (1100, 8, 600, 40),
+            // dx over du (`fused_mlp_dx`, f32/f64): chunks of 64, 128 and a ragged 108.
+            (300, 96, 288, 40),
+        ];
+        let names = ["y", "dx", "dW1", "db1", "dW2", "db2"];
+        assert_fused_is_composition(&names, &[1], &cases, run);
     }
 
     /// A second backward on the same graph recomputes u from x and gives the same dx.

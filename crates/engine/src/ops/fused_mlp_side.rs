@@ -215,23 +215,19 @@ impl CustomOp2 for FusedMlpSide {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{
-        assert_backward_twice_agrees, assert_grads_bits, bits, grads_against, new_sink, nonzero,
-        seeded_linear, t, take_sunk, tracking, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::tokens::concat;
     use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dx, dside, [dW1, db1, dW2, db2]) through (ffn, out) with side width ds, fused or
+    /// y, dx, dside, dW1, db1, dW2, db2 through (ffn, out) with side width ds, fused or
     /// composed of the sunk linears, the GELU and the per-row concatenation.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
         let side = Var::from_tensor(&t(rows * ds, &[rows, ds], 7, dt)).unwrap();
         let (s1, s2) = (new_sink(), new_sink());
@@ -249,8 +245,7 @@ mod tests {
         let grads = grads_against(&y, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
         let dside = grads.get(side.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, dx, dside, sunk)
+        [vec![y, dx, dside], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The fused op's output, dx, dside and the four weight gradients it sinks are the
@@ -258,25 +253,16 @@ mod tests {
     /// or f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn fused_mlp_side_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            // The last two: several row chunks and column blocks of u (ffn 300: three of
-            // 100), and a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
-            for dims in [
-                (6, 8, 32, 8, 8),
-                (150, 16, 40, 16, 12),
-                (300, 8, 300, 24, 24),
-                (520, 8, 136, 40, 600),
-            ] {
-                let (yf, dxf, dsf, gf) = run(true, dt, wdt, dims);
-                let (yc, dxc, dsc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dsf), bits(&dsc), "dside {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                assert!(nonzero(&dxf));
-                assert!(nonzero(&dsf));
-            }
-        }
+        // The last two: several row chunks and column blocks of u (ffn 300: three of 100), and
+        // a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
+        let cases = [
+            (6, 8, 32, 8, 8),
+            (150, 16, 40, 16, 12),
+            (300, 8, 300, 24, 24),
+            (520, 8, 136, 40, 600),
+        ];
+        let names = ["y", "dx", "dside", "dW1", "db1", "dW2", "db2"];
+        assert_fused_is_composition(&names, &[1, 2], &cases, run);
     }
 
     /// A second backward on the same graph gives the same gradients (u stays kept).

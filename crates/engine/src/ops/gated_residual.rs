@@ -25,27 +25,12 @@ pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> CResult<Tensor> 
     x.apply_op3(y, gate, GatedResidual)
 }
 
-/// The shape of a call: x (b, s, D) and where the gate's rows lie in its storage.
-#[derive(Debug, Clone, Copy)]
-struct Geom {
-    b: usize,
-    s: usize,
-    d: usize,
-    /// The gate's offset and row stride.
-    off: usize,
-    rs: usize,
-}
-
-impl Geom {
-    /// The gate row of token row `r` (its batch entry's).
-    #[inline]
-    fn gate_row<'a, T>(&self, gate: &'a [T], r: usize) -> &'a [T] {
-        &gate[self.off + (r / self.s) * self.rs..][..self.d]
-    }
-}
-
-/// The [`Geom`] of x, y and the gate under their layouts, checked.
-fn gated_geom(lx: &Layout, ly: &Layout, lg: &Layout) -> CResult<Geom> {
+/// (b, s, d, gate offset, gate row stride).
+fn gated_geom(
+    lx: &Layout,
+    ly: &Layout,
+    lg: &Layout,
+) -> CResult<(usize, usize, usize, usize, usize)> {
     let (b, s, d) = match lx.dims() {
         &[b, s, d] => (b, s, d),
         dims => {
@@ -62,19 +47,24 @@ fn gated_geom(lx: &Layout, ly: &Layout, lg: &Layout) -> CResult<Geom> {
         )));
     }
     let (off, rs) = rows_view(lg, b, d, "gated residual gate")?;
-    Ok(Geom { b, s, d, off, rs })
+    Ok((b, s, d, off, rs))
 }
 
 /// Forward kernel of [`GatedResidual`].
-fn gated_fwd_cpu<T, O, A>(x: &[T], y: &[O], gate: &[T], geom: Geom) -> Vec<T>
+fn gated_fwd_cpu<T, O, A>(
+    x: &[T],
+    y: &[O],
+    gate: &[T],
+    geom: (usize, usize, usize, usize, usize),
+) -> Vec<T>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let d = geom.d;
-    par_rows(T::from_acc(A::ZERO), (geom.b * geom.s, d), |r, orow| {
-        let gr = geom.gate_row(gate, r);
+    let (b, s, d, off, rs) = geom;
+    par_rows(T::from_acc(A::ZERO), (b * s, d), |r, orow| {
+        let gr = &gate[off + (r / s) * rs..][..d];
         let (xr, yr) = (&x[r * d..(r + 1) * d], &y[r * d..(r + 1) * d]);
         for j in 0..d {
             orow[j] = T::from_acc(xr[j].to_acc() + yr[j].to_acc() * gr[j].to_acc());
@@ -83,15 +73,15 @@ where
 }
 
 /// dy = g·gate (in y's type), one fresh buffer.
-fn gated_dy_cpu<T, O, A>(g: &[T], gate: &[T], geom: Geom) -> Vec<O>
+fn gated_dy_cpu<T, O, A>(g: &[T], gate: &[T], geom: (usize, usize, usize, usize, usize)) -> Vec<O>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let d = geom.d;
-    par_rows(O::from_acc(A::ZERO), (geom.b * geom.s, d), |r, row| {
-        let gr = geom.gate_row(gate, r);
+    let (b, s, d, off, rs) = geom;
+    par_rows(O::from_acc(A::ZERO), (b * s, d), |r, row| {
+        let gr = &gate[off + (r / s) * rs..][..d];
         for j in 0..d {
             row[j] = O::from_acc(g[r * d + j].to_acc() * gr[j].to_acc());
         }
@@ -99,13 +89,13 @@ where
 }
 
 /// dgate = Σ_s g·y per batch entry (b, D), one fresh buffer.
-fn gated_dgate_cpu<T, O, A>(g: &[T], y: &[O], geom: Geom) -> Vec<T>
+fn gated_dgate_cpu<T, O, A>(g: &[T], y: &[O], geom: (usize, usize, usize, usize, usize)) -> Vec<T>
 where
     T: Elem<A> + Send + Sync,
     O: Elem<A> + Send + Sync,
     A: Acc,
 {
-    let Geom { b, s, d, .. } = geom;
+    let (b, s, d, _, _) = geom;
     let mut v: Vec<T> = vec![T::from_acc(A::ZERO); b * d];
     // By blocks of columns, the tokens outer: rows read in order and a block of sums the
     // compiler vectorises, where a column at a time strode over every row (and one task per
@@ -147,7 +137,7 @@ impl CustomOp3 for GatedResidual {
         sg: &CpuStorage,
         lg: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let geom = gated_geom(lx, ly, lg)?;
+        let (b, s, d, off, rs) = gated_geom(lx, ly, lg)?;
         if sg.dtype() != sx.dtype() {
             return Err(err("gated residual: gate and x must share one dtype"));
         }
@@ -155,7 +145,7 @@ impl CustomOp3 for GatedResidual {
             let x = cpu_slice::<T>(sx, lx, "gated residual x")?;
             let y = cpu_slice::<O>(sy, ly, "gated residual y")?;
             let gate = sg.as_slice::<T>()?;
-            let o = gated_fwd_cpu::<T, O, A>(x, y, gate, geom);
+            let o = gated_fwd_cpu::<T, O, A>(x, y, gate, (b, s, d, off, rs));
             T::to_cpu_storage_owned(o)
         });
         Ok((out, lx.shape().clone()))
@@ -173,13 +163,14 @@ impl CustomOp3 for GatedResidual {
         let (wx, wy, wg) = (x.track_op(), y.track_op(), gate.track_op());
         let dev = Device::Cpu;
         with_cpus([y, gate, &grad], |[(sy, ly), (sgt, lgt), (sg, lg)]| {
-            let geom = gated_geom(x.layout(), ly, lgt)?;
+            let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
             Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
                 let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
                 let gate = sgt.as_slice::<T>()?;
                 // dx = g: the output gradient itself (candle only reads it, adding it
                 // into x's entry), not a copy.
                 let dx = wx.then(|| grad.clone());
+                let geom = (b, s, d, off, rs);
                 let dy = if wy {
                     let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
                     Some(Tensor::from_vec(v, ly.shape(), &dev)?)

@@ -137,22 +137,18 @@ impl CustomOp2 for JointLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{
-        assert_grads_bits, bits, grads_against, new_sink, nonzero, seeded_linear, t, take_sunk,
-        tracking, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::{cat_tokens, linear_sunk};
     use candle_core::{DType, Var};
     use std::sync::Arc;
 
-    /// (y, da, dc, [dWa, dba, dWc, dbc]) for `batch` samples of ta and tc tokens, fused or
-    /// composed of the sunk linears and `cat_tokens`.
+    /// y, da, dc, dWa, dba, dWc, dbc for `batch` samples of ta and tc tokens, fused or composed
+    /// of the sunk linears and `cat_tokens`.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (batch, ta, tc, inp, out): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let (ra, rc) = (batch * ta, batch * tc);
         let a = Var::from_tensor(&t(ra * inp, &[ra, inp], 1, dt)).unwrap();
         let c = Var::from_tensor(&t(rc * inp, &[rc, inp], 7, dt)).unwrap();
@@ -170,8 +166,7 @@ mod tests {
         let grads = grads_against(&y, &r);
         let da = grads.get(a.as_tensor()).unwrap().clone();
         let dc = grads.get(c.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, da, dc, sunk)
+        [vec![y, da, dc], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The joint linear's output, da, dc and the four weight gradients it sinks are the
@@ -179,19 +174,9 @@ mod tests {
     /// f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn joint_linear_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)] {
-                let (yf, daf, dcf, gf) = run(true, dt, wdt, dims);
-                let (yc, dac, dcc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(yf.dims(), yc.dims());
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&daf), bits(&dac), "da {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dcf), bits(&dcc), "dc {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                assert!(nonzero(&daf));
-                assert!(nonzero(&dcf));
-            }
-        }
+        let names = ["y", "da", "dc", "dWa", "dba", "dWc", "dbc"];
+        let cases = [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)];
+        assert_fused_is_composition(&names, &[1, 2], &cases, run);
     }
 
     /// Streams that do not split into the batch, mismatched widths and tracking weights

@@ -229,22 +229,18 @@ mod tests {
     use crate::ops::dwconv::silu_dwconv3x3;
     use crate::ops::glu::glu_silu;
     use crate::ops::linear_sunk;
-    use crate::ops::test_values::{
-        assert_backward_twice_agrees, assert_grads_bits, bits, grads_against, new_sink, nonzero,
-        seeded_linear, t, take_sunk, tracking, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dh, [dWi, dbi, dWd, dbd, dWp, dbp]) of h (b·rows·cols, d) through a Mix-FFN of hidden
+    /// y, dh, dWi, dbi, dWd, dbd, dWp, dbp of h (b·rows·cols, d) through a Mix-FFN of hidden
     /// width `hid` with gradient r of y, fused or composed of the sunk linears, the conv and the
     /// gate. The conv's weight and bias are Vars (their gradients come back through candle).
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (b, rows, cols, d, hid): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let n = b * rows * cols;
         let h = Var::from_tensor(&t(n * d, &[n, d], 1, dt)).unwrap();
         let (si, sp) = (new_sink(), new_sink());
@@ -266,7 +262,7 @@ mod tests {
         let dh = grads.get(h.as_tensor()).unwrap().clone();
         let [dwi, dbi, dwp, dbp]: [Tensor; 4] = take_sunk(&[&si, &sp]).try_into().unwrap();
         let [dwd, dbd] = [conv.0, conv.1].map(|v| grads.get(v).unwrap().clone());
-        (y, dh, vec![dwi, dbi, dwd, dbd, dwp, dbp])
+        vec![y, dh, dwi, dbi, dwd, dbd, dwp, dbp]
     }
 
     /// The fused Mix-FFN's output, dh and all six weight gradients are the composition's, bit
@@ -274,16 +270,9 @@ mod tests {
     /// square and an odd non-square grid, with row counts past one linear chunk.
     #[test]
     fn mix_ffn_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)] {
-                let (yf, dhf, gf) = run(true, dt, wdt, dims);
-                let (yc, dhc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dhf), bits(&dhc), "dh {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                assert!(nonzero(&dhf));
-            }
-        }
+        let names = ["y", "dh", "dWi", "dbi", "dWd", "dbd", "dWp", "dbp"];
+        let cases = [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)];
+        assert_fused_is_composition(&names, &[1], &cases, run);
     }
 
     /// A second backward on the same graph recomputes f1 from h and gives the same gradients.

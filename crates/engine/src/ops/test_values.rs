@@ -103,11 +103,31 @@ pub(crate) fn take_sunk(sinks: &[&Arc<GradSink>]) -> Vec<Tensor> {
         .collect()
 }
 
-/// Two lists of gradients are equal, shape and bits (`at` names the case).
-pub(crate) fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!(x.dims(), y.dims());
-        assert_eq!(bits(x), bits(y), "grad {i} {at}");
+/// A fused op is its composition, bit for bit: for every (compute, weight) dtype pair of
+/// [`DTYPE_PAIRS`] and every case, `run(fused, dtypes, case)` gives the same tensors, shape and
+/// bits, fused and composed (`names` label them, in order; a run may give fewer); those at
+/// `nonzero_at` are not all zero in the fused run (the comparison means something).
+pub(crate) fn assert_fused_is_composition<C: Copy + std::fmt::Debug>(
+    names: &[&str],
+    nonzero_at: &[usize],
+    cases: &[C],
+    run: impl Fn(bool, (DType, DType), C) -> Vec<Tensor>,
+) {
+    for dts in DTYPE_PAIRS {
+        for &case in cases {
+            let (f, c) = (run(true, dts, case), run(false, dts, case));
+            assert!(
+                f.len() == c.len() && f.len() <= names.len(),
+                "{dts:?} {case:?}"
+            );
+            for ((a, b), name) in f.iter().zip(&c).zip(names) {
+                assert_eq!(a.dims(), b.dims(), "{name} {dts:?} {case:?}");
+                assert_eq!(bits(a), bits(b), "{name} {dts:?} {case:?}");
+            }
+            for &i in nonzero_at {
+                assert!(nonzero(&f[i]), "{} all zero {dts:?} {case:?}", names[i]);
+            }
+        }
     }
 }
 

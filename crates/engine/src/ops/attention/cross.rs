@@ -281,25 +281,23 @@ impl CustomOp3 for CrossAttention {
 mod tests {
     use super::*;
     use crate::ops::attention::separate::attention;
-    use crate::ops::test_values::{
-        assert_grads_bits, bits, grads_against, new_sink, nonzero, seeded_linear, t, take_sunk,
-        DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::{linear_into, rms_norm_rows};
     use candle_core::{DType, Var};
 
     const EPS: f64 = 1e-6;
 
-    /// (out, dq, dctx, [dWk, dbk, dWv, dbv], dnorm) of the cross-attention of q (b·sq, d) over
-    /// ctx (b·t, c), fused or composed of the sunk linears, the norm and the attention.
-    #[allow(clippy::type_complexity)]
+    /// (b, sq, t, c, d, heads).
+    type CrossDims = (usize, usize, usize, usize, usize, usize);
+
+    /// out, dq, dctx, dWk, dbk, dWv, dbv and (with the norm) dnorm of the cross-attention of q
+    /// (b·sq, d) over ctx (b·t, c), fused or composed of the sunk linears, the norm and the
+    /// attention.
     fn run(
         fused: bool,
         (dt, wdt): (DType, DType),
-        norm: bool,
-        keep: AttnKeep,
-        (b, sq, t_, c, d, heads): (usize, usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>, Option<Tensor>) {
+        (norm, keep, (b, sq, t_, c, d, heads)): (bool, AttnKeep, CrossDims),
+    ) -> Vec<Tensor> {
         let q = Var::from_tensor(&t(b * sq * d, &[b * sq, d], 1, dt)).unwrap();
         let ctx = Var::from_tensor(&t(b * t_ * c, &[b * t_, c], 2, dt)).unwrap();
         let nw = Var::from_tensor(&t(d, &[d], 3, dt)).unwrap();
@@ -344,7 +342,13 @@ mod tests {
         assert!(grads.get(ctx.as_tensor()).is_none(), "dctx in the store");
         let dctx = sink.take().unwrap();
         let dnw = grads.get(nw.as_tensor()).cloned();
-        (y, dq, dctx, take_sunk(&[&sk, &sv]), dnw)
+        assert_eq!(dnw.is_some(), norm, "the norm weight's gradient");
+        [
+            vec![y, dq, dctx],
+            take_sunk(&[&sk, &sv]),
+            dnw.into_iter().collect(),
+        ]
+        .concat()
     }
 
     /// The fused cross-attention's output and every gradient (q's, the context's, the four
@@ -353,25 +357,15 @@ mod tests {
     /// without the norm, in both attention modes.
     #[test]
     fn cross_attention_equals_the_composition_bit_for_bit() {
-        for dts in DTYPE_PAIRS {
-            for norm in [false, true] {
-                for keep in [AttnKeep::LogSumExp, AttnKeep::Probabilities] {
-                    let dims = (2, 5, 7, 12, 8, 2);
-                    let what = format!("{dts:?} norm {norm} {keep:?}");
-                    let (yf, dqf, dcf, gf, nf) = run(true, dts, norm, keep, dims);
-                    let (yc, dqc, dcc, gc, nc) = run(false, dts, norm, keep, dims);
-                    assert_eq!(bits(&yf), bits(&yc), "y {what}");
-                    assert_eq!(bits(&dqf), bits(&dqc), "dq {what}");
-                    assert_eq!(bits(&dcf), bits(&dcc), "dctx {what}");
-                    assert_grads_bits(&gf, &gc, &format!("weights {what}"));
-                    assert_eq!(nf.is_some(), norm, "{what}");
-                    if let (Some(a), Some(b)) = (&nf, &nc) {
-                        assert_eq!(bits(a), bits(b), "dnorm {what}");
-                    }
-                    assert!(nonzero(&dcf));
-                }
-            }
-        }
+        let dims = (2, 5, 7, 12, 8, 2);
+        let cases: Vec<_> = [false, true]
+            .into_iter()
+            .flat_map(|norm| {
+                [AttnKeep::LogSumExp, AttnKeep::Probabilities].map(|keep| (norm, keep, dims))
+            })
+            .collect();
+        let names = ["y", "dq", "dctx", "dWk", "dbk", "dWv", "dbv", "dnorm"];
+        assert_fused_is_composition(&names, &[2], &cases, run);
     }
 
     /// The op's heap bytes beside what it keeps are the budget's constant.

@@ -108,20 +108,16 @@ mod tests {
     use candle_core::{DType, Var};
 
     use super::*;
-    use crate::ops::test_values::{
-        assert_backward_twice_agrees, assert_grads_bits, bits, grads_against, new_sink, nonzero,
-        seeded_linear, t, take_sunk, tracking, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::{linear_sunk, qkv_attention};
 
-    /// (o, dx, [dW, db]) of x (b·s, D) through the projection (3D, D) and the attention with
+    /// o, dx, dW, db of x (b·s, D) through the projection (3D, D) and the attention with
     /// `heads` heads, gradient r of o: projected, or the sunk linear then `qkv_attention`.
     fn run(
         projected: bool,
         (dt, wdt): (DType, DType),
-        (b, s, heads, dh): (usize, usize, usize, usize),
-        keep: AttnKeep,
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        (keep, (b, s, heads, dh)): (AttnKeep, (usize, usize, usize, usize)),
+    ) -> Vec<Tensor> {
         let (rows, d) = (b * s, heads * dh);
         let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, dt)).unwrap();
         let sink = new_sink();
@@ -135,7 +131,7 @@ mod tests {
         };
         let grads = grads_against(&o, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        (o, dx, take_sunk(&[&sink]))
+        [vec![o, dx], take_sunk(&[&sink])].concat()
     }
 
     /// The projected attention's output, dx and the sunk dW, db are the two nodes', bit for bit,
@@ -143,23 +139,16 @@ mod tests {
     /// that is not a multiple of the key block.
     #[test]
     fn projected_attention_equals_the_two_nodes_bit_for_bit() {
-        for dts in DTYPE_PAIRS {
-            for keep in [
-                AttnKeep::LogSumExp,
-                AttnKeep::Probabilities,
-                AttnKeep::Nothing,
-            ] {
-                for geom in [(2, 6, 2, 4), (1, 150, 3, 8)] {
-                    let (op, dxp, gp) = run(true, dts, geom, keep);
-                    let (oc, dxc, gc) = run(false, dts, geom, keep);
-                    let what = format!("{dts:?} {keep:?} {geom:?}");
-                    assert_eq!(bits(&op), bits(&oc), "o {what}");
-                    assert_eq!(bits(&dxp), bits(&dxc), "dx {what}");
-                    assert_grads_bits(&gp, &gc, &what);
-                    assert!(nonzero(&dxp));
-                }
-            }
-        }
+        let keeps = [
+            AttnKeep::LogSumExp,
+            AttnKeep::Probabilities,
+            AttnKeep::Nothing,
+        ];
+        let cases: Vec<_> = keeps
+            .into_iter()
+            .flat_map(|keep| [(2, 6, 2, 4), (1, 150, 3, 8)].map(|geom| (keep, geom)))
+            .collect();
+        assert_fused_is_composition(&["o", "dx", "dW", "db"], &[1], &cases, run);
     }
 
     /// A frozen projection (no sink, untracked weights) hands back dx only; a second backward on
