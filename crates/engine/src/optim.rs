@@ -15,6 +15,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::Result;
+use crate::kernels::scalar::{Acc, Elem};
 
 /// Update rule shared by the optimizers.
 pub trait Optimizer: Send {
@@ -121,7 +122,7 @@ struct AdamUpdate<'a> {
 
 impl AdamUpdate<'_> {
     /// The pass over matching chunks; `get`/`put` convert the stored weight.
-    fn pass<T: num_like::Float + Send + Sync, P: Copy + Send + Sync>(
+    fn pass<T: Acc + Send + Sync, P: Copy + Send + Sync>(
         &self,
         p: &mut [P],
         g: &[T],
@@ -129,11 +130,16 @@ impl AdamUpdate<'_> {
         v: &mut [T],
         get: impl Fn(P) -> T + Sync,
         put: impl Fn(T) -> P + Sync,
-    ) {
-        let (b1, a1) = (T::of(self.beta1), T::of(1.0 - self.beta1));
-        let (b2, a2) = (T::of(self.beta2), T::of(1.0 - self.beta2));
-        let (s, lr, decay) = (T::of(self.scale), T::of(self.lr), T::of(self.decay));
-        let (bc1, bc2, eps) = (T::of(self.bc1), T::of(self.bc2), T::of(self.eps));
+    ) where
+        half::bf16: Elem<T>,
+    {
+        let of = T::from_f64;
+        let (b1, a1) = (of(self.beta1), of(1.0 - self.beta1));
+        let (b2, a2) = (of(self.beta2), of(1.0 - self.beta2));
+        let (s, lr, decay) = (of(self.scale), of(self.lr), of(self.decay));
+        let (bc1, bc2, eps) = (of(self.bc1), of(self.bc2), of(self.eps));
+        // Rounded to the nearest bf16 (the mutation `AdamMomentsBf16`).
+        let bf16 = |x: T| half::bf16::from_acc(x).to_acc();
         let moments_bf16 = crate::mutation::active(crate::mutation::Mutation::AdamMomentsBf16);
         let chunk = |p: &mut [P], g: &[T], m: &mut [T], v: &mut [T]| {
             for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
@@ -141,8 +147,8 @@ impl AdamUpdate<'_> {
                 *m = *m * b1 + g * a1;
                 *v = *v * b2 + g * g * a2;
                 if moments_bf16 {
-                    *m = m.bf16();
-                    *v = v.bf16();
+                    *m = bf16(*m);
+                    *v = bf16(*v);
                 }
                 let upd = (*m / bc1) / ((*v / bc2).sqrt() + eps);
                 *p = put(get(*p) * decay - upd * lr);
@@ -218,52 +224,11 @@ struct EmaStep {
     decay: f64,
 }
 
-/// Element types the EMA kernel reads and writes, through f64 (f32 pairs stay in f32).
-trait Elem: Copy {
-    fn get(self) -> f64;
-    fn put(x: f64) -> Self;
-}
-
-impl Elem for f32 {
-    fn get(self) -> f64 {
-        f64::from(self)
-    }
-    fn put(x: f64) -> Self {
-        x as f32
-    }
-}
-
-impl Elem for f64 {
-    fn get(self) -> f64 {
-        self
-    }
-    fn put(x: f64) -> Self {
-        x
-    }
-}
-
-impl Elem for half::bf16 {
-    fn get(self) -> f64 {
-        self.to_f64()
-    }
-    fn put(x: f64) -> Self {
-        half::bf16::from_f64(x)
-    }
-}
-
-impl Elem for half::f16 {
-    fn get(self) -> f64 {
-        self.to_f64()
-    }
-    fn put(x: f64) -> Self {
-        half::f16::from_f64(x)
-    }
-}
-
-fn ema_mix<S: Elem + Send, P: Elem + Sync>(s: &mut [S], p: &[P], d: f64) {
+/// The EMA's update on elements of any storage type, through f64 (f32 pairs stay in f32).
+fn ema_mix<S: Elem<f64> + Send, P: Elem<f64> + Sync>(s: &mut [S], p: &[P], d: f64) {
     zip2(s, p, |s, p| {
         for (s, p) in s.iter_mut().zip(p) {
-            *s = S::put(s.get() * d + p.get() * (1.0 - d));
+            *s = S::from_acc(s.to_acc() * d + p.to_acc() * (1.0 - d));
         }
     });
 }
@@ -312,46 +277,6 @@ impl InplaceOp2 for EmaStep {
             _ => bail!("ema-step: unsupported EMA dtype"),
         }
         Ok(())
-    }
-}
-
-/// The two float types the optimizer kernels run in.
-mod num_like {
-    pub(super) trait Float:
-        Copy
-        + std::ops::Add<Output = Self>
-        + std::ops::Sub<Output = Self>
-        + std::ops::Mul<Output = Self>
-        + std::ops::Div<Output = Self>
-    {
-        fn of(x: f64) -> Self;
-        fn sqrt(self) -> Self;
-        /// Rounded to the nearest bf16 (the mutation `AdamMomentsBf16`).
-        fn bf16(self) -> Self;
-    }
-
-    impl Float for f32 {
-        fn of(x: f64) -> Self {
-            x as f32
-        }
-        fn sqrt(self) -> Self {
-            f32::sqrt(self)
-        }
-        fn bf16(self) -> Self {
-            half::bf16::from_f32(self).to_f32()
-        }
-    }
-
-    impl Float for f64 {
-        fn of(x: f64) -> Self {
-            x
-        }
-        fn sqrt(self) -> Self {
-            f64::sqrt(self)
-        }
-        fn bf16(self) -> Self {
-            half::bf16::from_f64(self).to_f64()
-        }
     }
 }
 

@@ -382,23 +382,6 @@ fn pack_b_panel<T: ToBf16>(k: usize, n: usize, b: View<'_, T>, p: usize, panel: 
     }
 }
 
-/// The checks of [`gemm_packed`] and [`gemm_packed_serial`]: the kernel is there (asserted),
-/// the packed operands and C are long enough for the shape (asserted); false when there is
-/// nothing to compute (an empty product).
-#[inline]
-fn check_packed(
-    (m, n, k): (usize, usize, usize),
-    pa: &[u32],
-    pb: &[u16],
-    c: &[f32],
-    ldc: usize,
-) -> bool {
-    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
-    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
-    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
-    !(m == 0 || n == 0 || k == 0)
-}
-
 /// `C (m × n, row stride ldc) += A · B` from packed operands with `k` (unpadded) columns of A.
 /// The work is split into one contiguous range of B panels (or of A micro-panels when there are
 /// fewer panels than threads) per rayon thread; nothing is allocated.
@@ -415,28 +398,7 @@ pub fn gemm_packed(
     c: &mut [f32],
     ldc: usize,
 ) {
-    if !check_packed((m, n, k), pa, pb, c, ldc) {
-        return;
-    }
-    let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    let threads = rayon::current_num_threads().max(1);
-    let dst = SharedMut(c.as_mut_ptr());
-    let split_n = np >= threads || np >= mp;
-    let parts = if split_n { np } else { mp }.min(threads);
-    let total = if split_n { np } else { mp };
-    (0..parts).into_par_iter().for_each(|t| {
-        let (lo, hi) = (total * t / parts, total * (t + 1) / parts);
-        let (p_range, m_range) = if split_n {
-            (lo..hi, 0..mp)
-        } else {
-            (0..np, lo..hi)
-        };
-        // SAFETY: the ranges of the tasks partition the micro-panels (or the panels), so the tiles
-        // of (m_range × p_range) belong to this task alone; they lie inside c, whose length was
-        // checked above against (m − 1)·ldc + n, as were the packed lengths; the CPU has
-        // AVX512-BF16 (`available`, asserted above).
-        unsafe { tiles(m, n, k, pa, pb, dst, ldc, p_range, m_range) };
-    });
+    packed_product((m, n, k), (pa, pb), (c, ldc), true)
 }
 
 /// [`gemm_packed`] on the calling thread (for callers that already parallelise, such as the
@@ -450,25 +412,53 @@ pub(crate) fn gemm_packed_serial(
     c: &mut [f32],
     ldc: usize,
 ) {
-    if !check_packed((m, n, k), pa, pb, c, ldc) {
+    packed_product((m, n, k), (pa, pb), (c, ldc), false)
+}
+
+/// The body of [`gemm_packed`] (`parallel`) and [`gemm_packed_serial`]: the checks (the kernel
+/// is there, the packed operands and C are long enough for the shape; asserted), then the tiles
+/// split into one task per thread, or all of them as one task on the calling thread.
+fn packed_product(
+    (m, n, k): (usize, usize, usize),
+    (pa, pb): (&[u32], &[u16]),
+    (c, ldc): (&mut [f32], usize),
+    parallel: bool,
+) {
+    assert!(supported(), "gemm_bf16 called without AVX512-BF16");
+    assert!(pa.len() >= packed_a_len(m, k) && pb.len() >= packed_b_len(k, n));
+    assert!(m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n);
+    if m == 0 || n == 0 || k == 0 {
         return;
     }
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    // SAFETY: C is borrowed exclusively for the call and its length, like the packed lengths,
-    // was checked above against the shape; the CPU has AVX512-BF16 (`available`, asserted).
-    unsafe {
-        tiles(
-            m,
-            n,
-            k,
-            pa,
-            pb,
-            SharedMut(c.as_mut_ptr()),
-            ldc,
-            0..np,
-            0..mp,
-        )
+    // One thread: a single task over every panel and micro-panel (np ≥ 1 picks the panels).
+    let threads = if parallel {
+        rayon::current_num_threads().max(1)
+    } else {
+        1
     };
+    let dst = SharedMut(c.as_mut_ptr());
+    let split_n = np >= threads || np >= mp;
+    let parts = if split_n { np } else { mp }.min(threads);
+    let total = if split_n { np } else { mp };
+    let task = |t: usize| {
+        let (lo, hi) = (total * t / parts, total * (t + 1) / parts);
+        let (p_range, m_range) = if split_n {
+            (lo..hi, 0..mp)
+        } else {
+            (0..np, lo..hi)
+        };
+        // SAFETY: the ranges of the tasks partition the micro-panels (or the panels), so the tiles
+        // of (m_range × p_range) belong to this task alone; they lie inside c, whose length was
+        // checked above against (m − 1)·ldc + n, as were the packed lengths; the CPU has
+        // AVX512-BF16 (`available`, asserted above).
+        unsafe { tiles(m, n, k, pa, pb, dst, ldc, p_range, m_range) };
+    };
+    if parallel {
+        (0..parts).into_par_iter().for_each(task);
+    } else {
+        task(0);
+    }
 }
 
 /// C += A·B over the tiles (micro-panels `m_range` × panels `p_range`), k block by k block.

@@ -21,7 +21,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use super::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// Accumulation-type elements of the forward workspace for C channels.
@@ -395,35 +395,30 @@ impl CustomOp3 for SiluDwConv {
         let grad = grad.contiguous()?;
         let (tx, tw, tb) = (x.track_op(), w.track_op(), bias.track_op());
         let n = "depthwise conv backward";
-        with_cpu(x, |sx, lx| {
-            with_cpu(w, |sw, lw| {
-                with_cpu(&grad, |sg, lg| {
-                    let (b, c) = dw_geom(lx, lw, bias.layout(), self.rows, self.cols)?;
-                    let gr = Grid {
-                        b,
-                        rows: self.rows,
-                        cols: self.cols,
-                        c,
-                    };
-                    let dev = Device::Cpu;
-                    Ok(dispatch_float!(sx.dtype(), n, |T, A| {
-                        let xv = cpu_slice::<T>(sx, lx, n)?;
-                        let gv = cpu_slice::<T>(sg, lg, n)?;
-                        let mut ws = dwconv_bwd_workspace::<T, A>((sw, lw), c)?;
-                        let dx = if tx {
-                            let mut dx = xv.to_vec();
-                            dw_dx_over::<T, A>(&mut dx, gv, &ws[..9 * c], &gr);
-                            Some(Tensor::from_vec(dx, lx.shape(), &dev)?)
-                        } else {
-                            None
-                        };
-                        let (dw, db) =
-                            dwconv_weight_grads((xv, gv), &mut ws, (w, bias), (tw, tb), &gr)?;
-                        drop(ws);
-                        (dx, dw, db)
-                    }))
-                })
-            })
+        with_cpus([x, w, &grad], |[(sx, lx), (sw, lw), (sg, lg)]| {
+            let (b, c) = dw_geom(lx, lw, bias.layout(), self.rows, self.cols)?;
+            let gr = Grid {
+                b,
+                rows: self.rows,
+                cols: self.cols,
+                c,
+            };
+            let dev = Device::Cpu;
+            Ok(dispatch_float!(sx.dtype(), n, |T, A| {
+                let xv = cpu_slice::<T>(sx, lx, n)?;
+                let gv = cpu_slice::<T>(sg, lg, n)?;
+                let mut ws = dwconv_bwd_workspace::<T, A>((sw, lw), c)?;
+                let dx = if tx {
+                    let mut dx = xv.to_vec();
+                    dw_dx_over::<T, A>(&mut dx, gv, &ws[..9 * c], &gr);
+                    Some(Tensor::from_vec(dx, lx.shape(), &dev)?)
+                } else {
+                    None
+                };
+                let (dw, db) = dwconv_weight_grads((xv, gv), &mut ws, (w, bias), (tw, tb), &gr)?;
+                drop(ws);
+                (dx, dw, db)
+            }))
         })
     }
 }
@@ -431,7 +426,7 @@ impl CustomOp3 for SiluDwConv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::max_abs_diff;
+    use crate::ops::test_values::{grads_against, max_abs_diff};
     use candle_core::{Device, Var};
 
     fn data(n: usize, salt: f64) -> Vec<f64> {
@@ -481,11 +476,11 @@ mod tests {
         let bias = Var::from_tensor(&Tensor::from_vec(data(c, 2.2), c, &dev).unwrap()).unwrap();
         let gw = Tensor::from_vec(data(b * r * wd * c, 4.4), (b * r * wd, c), &dev).unwrap();
         let re = reference(x.as_tensor(), w.as_tensor(), bias.as_tensor(), b, r, wd);
-        let rg = re.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
+        let rg = grads_against(&re, &gw);
         let o = silu_dwconv3x3(x.as_tensor(), w.as_tensor(), bias.as_tensor(), r, wd).unwrap();
         let diff = max_abs_diff(&o, &re);
         assert!(diff < 1e-12, "{diff}");
-        let g = o.mul(&gw).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_against(&o, &gw);
         for v in [&x, &w, &bias] {
             let (ge, gr) = (
                 g.get(v.as_tensor()).unwrap(),

@@ -33,10 +33,10 @@ use super::fused_mlp_bf16::fc2_gelu_bwd_bf16;
 use super::fused_mlp_dx::fc1_backward_over;
 use super::fused_mlp_widen::fc2_gelu_bwd_widen;
 use super::gelu::{gelu_fwd_storage, gelu_in_place, GeluSlice};
-use super::linear::{add_column_sums, dw_blocks, linear_fwd_storage, DW_ROWS};
+use super::linear::{add_column_sums, dw_blocks, DW_ROWS};
 pub use super::mlp_linear::{mlp_col_blocks, MlpLinear, MLP_COLS};
 use super::release::release_whole;
-use super::storage::{cpu_slice, err, with_cpu, CResult};
+use super::storage::{cpu_slice, err, with_cpu, with_cpus, CResult};
 use crate::kernels::gemm::{gemm_threads, mm_fresh, mm_strided};
 use crate::kernels::gemm_bf16;
 use crate::kernels::scalar::{Acc, Elem};
@@ -67,30 +67,16 @@ pub(crate) struct FusedMlp {
 /// must not track unless it has a sink (the op returns only dx to candle); with a sink they go
 /// in as given and their gradients to the sink.
 pub fn fused_mlp(x: &Tensor, fc1: MlpLinear, fc2: MlpLinear) -> CResult<Tensor> {
-    for l in [&fc1, &fc2] {
-        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
-            return Err(err(
-                "fused_mlp: a linear whose weights track needs a gradient sink",
-            ));
-        }
-    }
+    MlpLinear::require_sinks(
+        &[&fc1, &fc2],
+        "fused_mlp: a linear whose weights track needs a gradient sink",
+    )?;
     x.apply_op1(FusedMlp {
         fc1,
         fc2,
         keep: x.track_op(),
         kept: Mutex::new(Kept::Nothing),
     })
-}
-
-impl FusedMlp {
-    /// u = fc1(x).
-    fn fc1_fwd(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
-        with_cpu(&self.fc1.w, |sw, lw| {
-            with_cpu(&self.fc1.b, |sb, lb| {
-                linear_fwd_storage(x, (sw, lw), (sb, lb))
-            })
-        })
-    }
 }
 
 impl FusedMlp {
@@ -105,30 +91,28 @@ impl FusedMlp {
     ) -> CResult<CpuStorage> {
         let wants = self.fc2.wants();
         let dims = (rows, ffn, out);
-        let (dw, db) = with_cpu(&self.fc2.w, |sw, lw| {
-            with_cpu(grad, |sg, lg| {
-                let n = "fused_mlp backward";
-                let g = cpu_slice::<half::bf16>(sg, lg, n)?;
-                let CpuStorage::BF16(uv) = &mut u else {
-                    return Err(err("fused_mlp: bf16 backward on a non-bf16 u"));
-                };
-                Ok(match sw.dtype() {
-                    DType::F32 => {
-                        let w = cpu_slice::<f32>(sw, lw, n)?;
-                        let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
-                        (dw.map(CpuStorage::F32), db.map(CpuStorage::F32))
-                    }
-                    DType::BF16 => {
-                        let w = cpu_slice::<half::bf16>(sw, lw, n)?;
-                        let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
-                        (dw.map(CpuStorage::BF16), db.map(CpuStorage::BF16))
-                    }
-                    other => {
-                        return Err(err(format!(
-                            "fused_mlp: bf16 backward with {other:?} weights"
-                        )))
-                    }
-                })
+        let (dw, db) = with_cpus([&self.fc2.w, grad], |[(sw, lw), (sg, lg)]| {
+            let n = "fused_mlp backward";
+            let g = cpu_slice::<half::bf16>(sg, lg, n)?;
+            let CpuStorage::BF16(uv) = &mut u else {
+                return Err(err("fused_mlp: bf16 backward on a non-bf16 u"));
+            };
+            Ok(match sw.dtype() {
+                DType::F32 => {
+                    let w = cpu_slice::<f32>(sw, lw, n)?;
+                    let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
+                    (dw.map(CpuStorage::F32), db.map(CpuStorage::F32))
+                }
+                DType::BF16 => {
+                    let w = cpu_slice::<half::bf16>(sw, lw, n)?;
+                    let (dw, db) = fc2_gelu_bwd_bf16(uv, w, g, dims, wants);
+                    (dw.map(CpuStorage::BF16), db.map(CpuStorage::BF16))
+                }
+                other => {
+                    return Err(err(format!(
+                        "fused_mlp: bf16 backward with {other:?} weights"
+                    )))
+                }
             })
         })?;
         if wants.0 || wants.1 {
@@ -276,45 +260,43 @@ pub(super) fn fc2_gelu_bwd_storage(
     let n = "fused MLP backward";
     let side = side.map(|s| s.contiguous()).transpose()?;
     let mut run = |ss: Option<(&CpuStorage, &Layout)>| {
-        with_cpu(w2, |sw, lw| {
-            with_cpu(grad, |sg, lg| {
-                macro_rules! side {
-                    ($t:ty) => {
-                        match ss {
-                            Some((ss, ls)) => cpu_slice::<$t>(ss, ls, n)?,
-                            None => &[],
-                        }
-                    };
-                }
-                macro_rules! run {
-                    ($u:expr, $t:ty, $s:path) => {{
-                        let (w, g) = (cpu_slice::<$t>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
-                        let (dw, db, dside) = fc2_gelu_bwd_direct($u, side!($t), g, w, dims, want);
-                        Ok((dw.map($s), db.map($s), dside.map($s)))
-                    }};
-                }
-                macro_rules! widen {
-                    ($u:expr, $t:ty, $w:ty, $s:path, $sw:path) => {{
-                        let (w, g) = (cpu_slice::<$w>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
-                        let (dw, db, dside) = fc2_gelu_bwd_widen($u, side!($t), g, w, dims, want);
-                        Ok((dw.map($sw), db.map($sw), dside.map($s)))
-                    }};
-                }
-                use half::{bf16, f16};
-                use CpuStorage as S;
-                match (&mut *u, sw.dtype()) {
-                    (S::F32(u), _) => run!(u, f32, S::F32),
-                    (S::F64(u), _) => run!(u, f64, S::F64),
-                    (S::BF16(u), DType::BF16) => widen!(u, bf16, bf16, S::BF16, S::BF16),
-                    (S::BF16(u), DType::F32) => widen!(u, bf16, f32, S::BF16, S::F32),
-                    (S::F16(u), DType::F16) => widen!(u, f16, f16, S::F16, S::F16),
-                    (S::F16(u), DType::F32) => widen!(u, f16, f32, S::F16, S::F32),
-                    (other, wdt) => Err(err(format!(
-                        "{n}: u {:?} with W2 {wdt:?} has no chunked path",
-                        other.dtype()
-                    ))),
-                }
-            })
+        with_cpus([w2, grad], |[(sw, lw), (sg, lg)]| {
+            macro_rules! side {
+                ($t:ty) => {
+                    match ss {
+                        Some((ss, ls)) => cpu_slice::<$t>(ss, ls, n)?,
+                        None => &[],
+                    }
+                };
+            }
+            macro_rules! run {
+                ($u:expr, $t:ty, $s:path) => {{
+                    let (w, g) = (cpu_slice::<$t>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
+                    let (dw, db, dside) = fc2_gelu_bwd_direct($u, side!($t), g, w, dims, want);
+                    Ok((dw.map($s), db.map($s), dside.map($s)))
+                }};
+            }
+            macro_rules! widen {
+                ($u:expr, $t:ty, $w:ty, $s:path, $sw:path) => {{
+                    let (w, g) = (cpu_slice::<$w>(sw, lw, n)?, cpu_slice::<$t>(sg, lg, n)?);
+                    let (dw, db, dside) = fc2_gelu_bwd_widen($u, side!($t), g, w, dims, want);
+                    Ok((dw.map($sw), db.map($sw), dside.map($s)))
+                }};
+            }
+            use half::{bf16, f16};
+            use CpuStorage as S;
+            match (&mut *u, sw.dtype()) {
+                (S::F32(u), _) => run!(u, f32, S::F32),
+                (S::F64(u), _) => run!(u, f64, S::F64),
+                (S::BF16(u), DType::BF16) => widen!(u, bf16, bf16, S::BF16, S::BF16),
+                (S::BF16(u), DType::F32) => widen!(u, bf16, f32, S::BF16, S::F32),
+                (S::F16(u), DType::F16) => widen!(u, f16, f16, S::F16, S::F16),
+                (S::F16(u), DType::F32) => widen!(u, f16, f32, S::F16, S::F32),
+                (other, wdt) => Err(err(format!(
+                    "{n}: u {:?} with W2 {wdt:?} has no chunked path",
+                    other.dtype()
+                ))),
+            }
         })
     };
     match &side {
@@ -329,7 +311,7 @@ impl CustomOp1 for FusedMlp {
     }
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (mut u, su) = self.fc1_fwd((sx, lx))?;
+        let (mut u, su) = self.fc1.forward((sx, lx))?;
         let lu = Layout::contiguous(su);
         // Kept for a backward: h beside u; otherwise h over u.
         let h = if self.keep {
@@ -338,11 +320,7 @@ impl CustomOp1 for FusedMlp {
             gelu_in_place(&mut u)?;
             None
         };
-        let y = with_cpu(&self.fc2.w, |sw, lw| {
-            with_cpu(&self.fc2.b, |sb, lb| {
-                linear_fwd_storage((h.as_ref().unwrap_or(&u), &lu), (sw, lw), (sb, lb))
-            })
-        })?;
+        let y = self.fc2.forward((h.as_ref().unwrap_or(&u), &lu))?;
         if let Some(h) = h {
             drop(h);
             *self
@@ -364,7 +342,7 @@ impl CustomOp1 for FusedMlp {
         // u, from the forward or (a second backward) recomputed from x.
         let u = match std::mem::replace(&mut *kept, Kept::Nothing) {
             Kept::U(u) => u,
-            Kept::Nothing => with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0,
+            Kept::Nothing => with_cpu(x, |sx, lx| self.fc1.forward((sx, lx)))?.0,
         };
         // du = (g·W2) ⊙ gelu'(u) over u, with dW2, db2 to fc2's sink on the way: by chunks
         // (and column blocks, except on bf16 with the AVX512-BF16 kernel).
@@ -386,45 +364,32 @@ impl CustomOp1 for FusedMlp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::linear::GradSink;
-    use crate::ops::test_values::{
-        assert_grads_bits, bits, sunk_linear, t, take_sunk, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dx, [dW1, db1, dW2, db2]) of x (rows, inp) through (ffn, out) with gradient r of y,
+    /// y, dx, dW1, db1, dW2, db2 of x (rows, inp) through (ffn, out) with gradient r of y,
     /// fused or composed of the sunk linears and the GELU.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (rows, inp, ffn, out): (usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
-        let w1 = t(ffn * inp, &[ffn, inp], 2, wdt);
-        let b1 = t(ffn, &[ffn], 3, wdt);
-        let w2 = t(out * ffn, &[out, ffn], 4, wdt);
-        let b2 = t(out, &[out], 5, wdt);
+        let (s1, s2) = (new_sink(), new_sink());
+        let fc1 = seeded_linear((ffn, inp), 2, wdt, Some(Arc::clone(&s1)));
+        let fc2 = seeded_linear((out, ffn), 4, wdt, Some(Arc::clone(&s2)));
         let r = t(rows * out, &[rows, out], 6, dt);
-        let s1 = Arc::new(GradSink::new(true, true));
-        let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            fused_mlp(
-                x.as_tensor(),
-                sunk_linear(&w1, &b1, &s1),
-                sunk_linear(&w2, &b2, &s2),
-            )
-            .unwrap()
+            fused_mlp(x.as_tensor(), fc1, fc2).unwrap()
         } else {
-            let u = linear_sunk(x.as_tensor(), &w1, &b1, &s1).unwrap();
-            linear_sunk(&gelu_tanh(&u).unwrap(), &w2, &b2, &s2).unwrap()
+            let u = linear_sunk(x.as_tensor(), &fc1.w, &fc1.b, &s1).unwrap();
+            linear_sunk(&gelu_tanh(&u).unwrap(), &fc2.w, &fc2.b, &s2).unwrap()
         };
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&y, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, dx, sunk)
+        [vec![y, dx], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The fused MLP's output, dx and the four weight gradients it sinks are the composition's,
@@ -434,70 +399,45 @@ mod tests {
     /// (out 600) with a ragged 8-row last chunk.
     #[test]
     fn fused_mlp_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [
-                (6, 8, 32, 8),
-                (150, 16, 40, 12),
-                (600, 16, 40, 12),
-                (520, 32, 96, 600),
-                // Several column blocks (ffn 300: three of 100; 272: 90, 91, 91), one with a
-                // depth `gemm` blocks in two and a ragged 8-row last chunk.
-                (300, 16, 300, 24),
-                (520, 8, 272, 600),
-                // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
-                // branch at the 8-row last chunk, depth 600).
-                (520, 8, 129, 600),
-                // Enough rows for dW2's blocks to widen (`dw_blocks`: two of 304 and 296
-                // instead of five of 128 or less).
-                (2100, 8, 130, 600),
-                // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
-                (1100, 8, 600, 40),
-                // dx over du (`fused_mlp_dx`, f32/f64): chunks of 64, 128 and a ragged 108.
-                (300, 96, 288, 40),
-            ] {
-                let (yf, dxf, gf) = run(true, dt, wdt, dims);
-                let (yc, dxc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                // Not all zero: the comparison means something.
-                assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
-            }
-        }
+        let cases = [
+            (6, 8, 32, 8),
+            (150, 16, 40, 12),
+            (600, 16, 40, 12),
+            (520, 32, 96, 600),
+            // Several column blocks (ffn 300: three of 100; 272: 90, 91, 91), one with a
+            // depth `gemm` blocks in two and a ragged 8-row last chunk.
+            (300, 16, 300, 24),
+            (520, 8, 272, 600),
+            // ffn 129: one block (64 + 65 would put a 64-wide block in `gemm`'s small-size
+            // branch at the 8-row last chunk, depth 600).
+            (520, 8, 129, 600),
+            // Enough rows for dW2's blocks to widen (`dw_blocks`: two of 304 and 296
+            // instead of five of 128 or less).
+            (2100, 8, 130, 600),
+            // Blocks wider than 128 on the widened path (`widen_col_blocks`: two of 300).
+            (1100, 8, 600, 40),
+            // dx over du (`fused_mlp_dx`, f32/f64): chunks of 64, 128 and a ragged 108.
+            (300, 96, 288, 40),
+        ];
+        let names = ["y", "dx", "dW1", "db1", "dW2", "db2"];
+        assert_fused_is_composition(&names, &[1], &cases, run);
     }
 
     /// A second backward on the same graph recomputes u from x and gives the same dx.
     #[test]
     fn a_second_backward_gives_the_same_gradients() {
         let x = Var::from_tensor(&t(10 * 8, &[10, 8], 1, DType::F32)).unwrap();
-        let l = |n: usize, k: usize, s: usize| MlpLinear {
-            w: t(n * k, &[n, k], s, DType::F32),
-            b: t(n, &[n], s + 1, DType::F32),
-            sink: Some(Arc::new(GradSink::new(true, true))),
-        };
-        let y = fused_mlp(x.as_tensor(), l(24, 8, 2), l(8, 24, 4)).unwrap();
-        let loss = y.sqr().unwrap().sum_all().unwrap();
-        let a = loss.backward().unwrap();
-        let b = loss.backward().unwrap();
-        let (a, b) = (a.get(x.as_tensor()).unwrap(), b.get(x.as_tensor()).unwrap());
-        assert_eq!(bits(a), bits(b));
+        let l = |dims, s| seeded_linear(dims, s, DType::F32, Some(new_sink()));
+        let y = fused_mlp(x.as_tensor(), l((24, 8), 2), l((8, 24), 4)).unwrap();
+        assert_backward_twice_agrees(&y, &[x.as_tensor()]);
     }
 
     /// Tracking weights without a sink are refused (the op hands only dx to candle).
     #[test]
     fn tracking_weights_need_a_sink() {
         let x = t(4 * 8, &[4, 8], 1, DType::F32);
-        let w = Var::from_tensor(&t(16 * 8, &[16, 8], 2, DType::F32)).unwrap();
-        let l1 = MlpLinear {
-            w: w.as_tensor().clone(),
-            b: t(16, &[16], 3, DType::F32),
-            sink: None,
-        };
-        let l2 = MlpLinear {
-            w: t(8 * 16, &[8, 16], 4, DType::F32),
-            b: t(8, &[8], 5, DType::F32),
-            sink: None,
-        };
+        let l1 = tracking(seeded_linear((16, 8), 2, DType::F32, None));
+        let l2 = seeded_linear((8, 16), 4, DType::F32, None);
         let e = fused_mlp(&x, l1, l2).unwrap_err().to_string();
         assert!(e.contains("sink"), "{e}");
     }

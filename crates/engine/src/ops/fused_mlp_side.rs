@@ -24,9 +24,7 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout,
 
 use super::fused_mlp::fc2_gelu_bwd_storage;
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
-use super::linear::{
-    linear_bwd_storage, linear_dx_storage, linear_fwd_storage, storage_tensor, LinearGrads,
-};
+use super::linear::storage_tensor;
 use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
@@ -52,13 +50,10 @@ pub fn fused_mlp_side(
     fc1: MlpLinear,
     fc2: MlpLinear,
 ) -> CResult<Tensor> {
-    for l in [&fc1, &fc2] {
-        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
-            return Err(err(
-                "fused_mlp_side: a linear whose weights track needs a gradient sink",
-            ));
-        }
-    }
+    MlpLinear::require_sinks(
+        &[&fc1, &fc2],
+        "fused_mlp_side: a linear whose weights track needs a gradient sink",
+    )?;
     let (rows, _) = x.dims2()?;
     let (srows, ds) = side.dims2()?;
     let ffn = fc1.w.dims2()?.0;
@@ -85,15 +80,6 @@ pub fn fused_mlp_side(
 }
 
 impl FusedMlpSide {
-    /// u = fc1(x).
-    fn fc1_fwd(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
-        with_cpu(&self.fc1.w, |sw, lw| {
-            with_cpu(&self.fc1.b, |sb, lb| {
-                linear_fwd_storage(x, (sw, lw), (sb, lb))
-            })
-        })
-    }
-
     /// c = [side; gelu(u)] per row, h made and dropped on the way.
     fn cat(
         &self,
@@ -104,10 +90,6 @@ impl FusedMlpSide {
         let lu = Layout::contiguous((rows, u_cols(u, rows)?));
         let h = gelu_fwd_storage(u, &lu)?;
         concat_storage(side, (&h, &lu), rows)
-    }
-
-    fn wants(l: &MlpLinear) -> (bool, bool) {
-        l.sink.as_ref().map_or((false, false), |s| s.wants())
     }
 
     /// The backward by chunks and column blocks (f32/f64: `fused_mlp::fc2_gelu_bwd_direct`; widened
@@ -124,7 +106,7 @@ impl FusedMlpSide {
         (rows, ds, out): (usize, usize, usize),
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let ffn = u_cols(&u, rows)?;
-        let (w2, b2) = Self::wants(&self.fc2);
+        let (w2, b2) = self.fc2.wants();
         let want = (w2, b2, side.track_op());
         let dims = (rows, ds, ffn, out);
         let (dw, db, dside) =
@@ -164,7 +146,7 @@ impl CustomOp2 for FusedMlpSide {
         ls: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         let rows = lx.dims()[0];
-        let (mut u, _) = self.fc1_fwd((sx, lx))?;
+        let (mut u, _) = self.fc1.forward((sx, lx))?;
         // Kept for a backward: h beside u; otherwise h over u (the same phases, less u).
         let c = if self.keep {
             let c = self.cat((ss, ls), &u, rows)?;
@@ -176,12 +158,7 @@ impl CustomOp2 for FusedMlpSide {
             concat_storage((ss, ls), (&u, &lu), rows)?
         };
         let lc = Layout::contiguous((rows, u_cols(&c, rows)?));
-        let y = with_cpu(&self.fc2.w, |sw, lw| {
-            with_cpu(&self.fc2.b, |sb, lb| {
-                linear_fwd_storage((&c, &lc), (sw, lw), (sb, lb))
-            })
-        })?;
-        Ok(y)
+        self.fc2.forward((&c, &lc))
     }
 
     fn bwd(
@@ -194,11 +171,10 @@ impl CustomOp2 for FusedMlpSide {
         let grad = grad.contiguous()?;
         let (rows, out) = grad.dims2()?;
         let ds = side.dims2()?.1;
-        let (w2, b2) = Self::wants(&self.fc2);
         let mut kept = self.kept.lock("fused_mlp_side: kept u poisoned")?;
         // u, from the forward or recomputed from x.
         if kept.is_none() {
-            *kept = Some(with_cpu(x, |sx, lx| self.fc1_fwd((sx, lx)))?.0);
+            *kept = Some(with_cpu(x, |sx, lx| self.fc1.forward((sx, lx)))?.0);
         }
         if grad.dtype() != DType::BF16 || !gemm_bf16::in_use() {
             let u = kept.take().ok_or_else(|| err("fused_mlp_side: no u"))?;
@@ -208,27 +184,11 @@ impl CustomOp2 for FusedMlpSide {
         let u = kept.as_ref().ok_or_else(|| err("fused_mlp_side: no u"))?;
         let ffn = u_cols(u, rows)?;
         let lc = Layout::contiguous((rows, ds + ffn));
-        let (b2dt, b2l) = (self.fc2.b.dtype(), self.fc2.b.layout());
         // dW2 = gᵀ·c, db2 = Σ g on c = [side; h], then c is dropped before dc = g·W2 is made,
         // so c and dc (both rows × (ds + ffn)) are never held at once.
         let dc = with_cpu(side, |ss, ls| {
-            with_cpu(&self.fc2.w, |sw, lw| {
-                with_cpu(&grad, |sg, lg| {
-                    if w2 || b2 {
-                        let c = self.cat((ss, ls), u, rows)?;
-                        let want = LinearGrads {
-                            x: false,
-                            w: w2,
-                            b: b2,
-                        };
-                        let (_, dw, db) =
-                            linear_bwd_storage((&c, &lc), (sw, lw), (b2dt, b2l), (sg, lg), want)?;
-                        drop(c);
-                        self.fc2.sink_grads(dw, db)?;
-                    }
-                    linear_dx_storage((sw, lw), (b2dt, b2l), (sg, lg))
-                })
-            })
+            self.fc2
+                .grads_remade(&grad, &lc, || self.cat((ss, ls), u, rows))
         })?;
         // dside and du: the two parts of each row of dc; du = dh ⊙ gelu'(u) in place.
         let dside = if side.track_op() {
@@ -255,50 +215,37 @@ impl CustomOp2 for FusedMlpSide {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{
-        assert_grads_bits, bits, sunk_linear, t, take_sunk, DTYPE_PAIRS,
-    };
+    use crate::ops::test_values::*;
     use crate::ops::tokens::concat;
-    use crate::ops::{gelu_tanh, linear_sunk, GradSink};
+    use crate::ops::{gelu_tanh, linear_sunk};
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dx, dside, [dW1, db1, dW2, db2]) through (ffn, out) with side width ds, fused or
+    /// y, dx, dside, dW1, db1, dW2, db2 through (ffn, out) with side width ds, fused or
     /// composed of the sunk linears, the GELU and the per-row concatenation.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (rows, inp, ffn, ds, out): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let x = Var::from_tensor(&t(rows * inp, &[rows, inp], 1, dt)).unwrap();
         let side = Var::from_tensor(&t(rows * ds, &[rows, ds], 7, dt)).unwrap();
-        let w1 = t(ffn * inp, &[ffn, inp], 2, wdt);
-        let b1 = t(ffn, &[ffn], 3, wdt);
-        let w2 = t(out * (ds + ffn), &[out, ds + ffn], 4, wdt);
-        let b2 = t(out, &[out], 5, wdt);
+        let (s1, s2) = (new_sink(), new_sink());
+        let fc1 = seeded_linear((ffn, inp), 2, wdt, Some(Arc::clone(&s1)));
+        let fc2 = seeded_linear((out, ds + ffn), 4, wdt, Some(Arc::clone(&s2)));
         let r = t(rows * out, &[rows, out], 6, dt);
-        let s1 = Arc::new(GradSink::new(true, true));
-        let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            fused_mlp_side(
-                x.as_tensor(),
-                side.as_tensor(),
-                sunk_linear(&w1, &b1, &s1),
-                sunk_linear(&w2, &b2, &s2),
-            )
-            .unwrap()
+            fused_mlp_side(x.as_tensor(), side.as_tensor(), fc1, fc2).unwrap()
         } else {
-            let u = linear_sunk(x.as_tensor(), &w1, &b1, &s1).unwrap();
+            let u = linear_sunk(x.as_tensor(), &fc1.w, &fc1.b, &s1).unwrap();
             let h = gelu_tanh(&u).unwrap();
             let c = concat(side.as_tensor(), &h, rows, (rows, ds + ffn)).unwrap();
-            linear_sunk(&c, &w2, &b2, &s2).unwrap()
+            linear_sunk(&c, &fc2.w, &fc2.b, &s2).unwrap()
         };
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&y, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
         let dside = grads.get(side.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, dx, dside, sunk)
+        [vec![y, dx, dside], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The fused op's output, dx, dside and the four weight gradients it sinks are the
@@ -306,25 +253,16 @@ mod tests {
     /// or f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn fused_mlp_side_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            // The last two: several row chunks and column blocks of u (ffn 300: three of
-            // 100), and a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
-            for dims in [
-                (6, 8, 32, 8, 8),
-                (150, 16, 40, 16, 12),
-                (300, 8, 300, 24, 24),
-                (520, 8, 136, 40, 600),
-            ] {
-                let (yf, dxf, dsf, gf) = run(true, dt, wdt, dims);
-                let (yc, dxc, dsc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dxf), bits(&dxc), "dx {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dsf), bits(&dsc), "dside {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                assert!(bits(&dxf).iter().any(|&b| f64::from_bits(b) != 0.0));
-                assert!(bits(&dsf).iter().any(|&b| f64::from_bits(b) != 0.0));
-            }
-        }
+        // The last two: several row chunks and column blocks of u (ffn 300: three of 100), and
+        // a depth `gemm` blocks in two (out 600) with a ragged 8-row last chunk.
+        let cases = [
+            (6, 8, 32, 8, 8),
+            (150, 16, 40, 16, 12),
+            (300, 8, 300, 24, 24),
+            (520, 8, 136, 40, 600),
+        ];
+        let names = ["y", "dx", "dside", "dW1", "db1", "dW2", "db2"];
+        assert_fused_is_composition(&names, &[1, 2], &cases, run);
     }
 
     /// A second backward on the same graph gives the same gradients (u stays kept).
@@ -332,19 +270,10 @@ mod tests {
     fn a_second_backward_gives_the_same_gradients() {
         let x = Var::from_tensor(&t(10 * 8, &[10, 8], 1, DType::F32)).unwrap();
         let side = Var::from_tensor(&t(10 * 4, &[10, 4], 9, DType::F32)).unwrap();
-        let l = |n: usize, k: usize, s: usize| MlpLinear {
-            w: t(n * k, &[n, k], s, DType::F32),
-            b: t(n, &[n], s + 1, DType::F32),
-            sink: Some(Arc::new(GradSink::new(true, true))),
-        };
-        let y = fused_mlp_side(x.as_tensor(), side.as_tensor(), l(24, 8, 2), l(8, 28, 4)).unwrap();
-        let loss = y.sqr().unwrap().sum_all().unwrap();
-        let a = loss.backward().unwrap();
-        let b = loss.backward().unwrap();
-        for v in [&x, &side] {
-            let (ga, gb) = (a.get(v.as_tensor()).unwrap(), b.get(v.as_tensor()).unwrap());
-            assert_eq!(bits(ga), bits(gb));
-        }
+        let l = |dims, s| seeded_linear(dims, s, DType::F32, Some(new_sink()));
+        let (l1, l2) = (l((24, 8), 2), l((8, 28), 4));
+        let y = fused_mlp_side(x.as_tensor(), side.as_tensor(), l1, l2).unwrap();
+        assert_backward_twice_agrees(&y, &[x.as_tensor(), side.as_tensor()]);
     }
 
     /// Mismatched widths and tracking weights without a sink are refused, not panicked on.
@@ -352,21 +281,12 @@ mod tests {
     fn bad_inputs_are_errors() {
         let x = t(4 * 8, &[4, 8], 1, DType::F32);
         let side = t(4 * 4, &[4, 4], 2, DType::F32);
-        let l = |n: usize, k: usize| MlpLinear {
-            w: t(n * k, &[n, k], 3, DType::F32),
-            b: t(n, &[n], 4, DType::F32),
-            sink: None,
-        };
+        let l = |dims| seeded_linear(dims, 3, DType::F32, None);
         // fc2 reads 16 + 4 = 20 features, not 16.
-        let e = fused_mlp_side(&x, &side, l(16, 8), l(8, 16)).unwrap_err();
+        let e = fused_mlp_side(&x, &side, l((16, 8)), l((8, 16))).unwrap_err();
         assert!(e.to_string().contains("fc2"), "{e}");
-        let w = Var::from_tensor(&t(16 * 8, &[16, 8], 2, DType::F32)).unwrap();
-        let tracked = MlpLinear {
-            w: w.as_tensor().clone(),
-            b: t(16, &[16], 3, DType::F32),
-            sink: None,
-        };
-        let e = fused_mlp_side(&x, &side, tracked, l(8, 20)).unwrap_err();
+        let tracked = tracking(seeded_linear((16, 8), 2, DType::F32, None));
+        let e = fused_mlp_side(&x, &side, tracked, l((8, 20))).unwrap_err();
         assert!(e.to_string().contains("sink"), "{e}");
     }
 

@@ -7,7 +7,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
@@ -162,36 +162,32 @@ impl CustomOp3 for GatedResidual {
         let grad = grad.contiguous()?;
         let (wx, wy, wg) = (x.track_op(), y.track_op(), gate.track_op());
         let dev = Device::Cpu;
-        with_cpu(y, |sy, ly| {
-            with_cpu(gate, |sgt, lgt| {
-                with_cpu(&grad, |sg, lg| {
-                    let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
-                    Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
-                        let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
-                        let gate = sgt.as_slice::<T>()?;
-                        // dx = g: the output gradient itself (candle only reads it, adding it
-                        // into x's entry), not a copy.
-                        let dx = wx.then(|| grad.clone());
-                        let geom = (b, s, d, off, rs);
-                        let dy = if wy {
-                            let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
-                            Some(Tensor::from_vec(v, ly.shape(), &dev)?)
-                        } else {
-                            None
-                        };
-                        // y is read for dgate alone: under a frozen gate the caller may have
-                        // released it (`ops::release`).
-                        let dg = if wg {
-                            let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
-                            let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
-                            Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
-                        } else {
-                            None
-                        };
-                        (dx, dy, dg)
-                    }))
-                })
-            })
+        with_cpus([y, gate, &grad], |[(sy, ly), (sgt, lgt), (sg, lg)]| {
+            let (b, s, d, off, rs) = gated_geom(x.layout(), ly, lgt)?;
+            Ok(dispatch_ln!(sg.dtype(), sy.dtype(), |T, O, A| {
+                let g = cpu_slice::<T>(sg, lg, "gated residual grad")?;
+                let gate = sgt.as_slice::<T>()?;
+                // dx = g: the output gradient itself (candle only reads it, adding it
+                // into x's entry), not a copy.
+                let dx = wx.then(|| grad.clone());
+                let geom = (b, s, d, off, rs);
+                let dy = if wy {
+                    let v = gated_dy_cpu::<T, O, A>(g, gate, geom);
+                    Some(Tensor::from_vec(v, ly.shape(), &dev)?)
+                } else {
+                    None
+                };
+                // y is read for dgate alone: under a frozen gate the caller may have
+                // released it (`ops::release`).
+                let dg = if wg {
+                    let yv = cpu_slice::<O>(sy, ly, "gated residual y")?;
+                    let v = gated_dgate_cpu::<T, O, A>(g, yv, geom);
+                    Some(Tensor::from_vec(v, lgt.shape(), &dev)?)
+                } else {
+                    None
+                };
+                (dx, dy, dg)
+            }))
         })
     }
 }

@@ -9,7 +9,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, err, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::Acc;
 use crate::kernels::vecmath::{self, Lanes};
 
@@ -249,8 +249,8 @@ impl CustomOp1 for GeluTanh {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
-        let dx = with_cpu(arg, |xs, xl| {
-            with_cpu(&grad, |gs, gl| gelu_bwd_tensor(xs, xl, gs, gl))
+        let dx = with_cpus([arg, &grad], |[(xs, xl), (gs, gl)]| {
+            gelu_bwd_tensor(xs, xl, gs, gl)
         })?;
         Ok(Some(dx))
     }

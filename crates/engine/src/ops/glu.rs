@@ -10,7 +10,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs).
@@ -92,15 +92,13 @@ impl CustomOp1 for GluSilu {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
         let n = "glu backward";
-        let du = with_cpu(arg, |s, l| {
-            with_cpu(&grad, |sg, lg| {
-                let (_, h) = glu_geom(l)?;
-                Ok(dispatch_float!(s.dtype(), n, |T, A| {
-                    let mut du = cpu_slice::<T>(s, l, n)?.to_vec();
-                    glu_bwd_over::<T, A>(&mut du, cpu_slice::<T>(sg, lg, n)?, h);
-                    Tensor::from_vec(du, l.shape(), &Device::Cpu)?
-                }))
-            })
+        let du = with_cpus([arg, &grad], |[(s, l), (sg, lg)]| {
+            let (_, h) = glu_geom(l)?;
+            Ok(dispatch_float!(s.dtype(), n, |T, A| {
+                let mut du = cpu_slice::<T>(s, l, n)?.to_vec();
+                glu_bwd_over::<T, A>(&mut du, cpu_slice::<T>(sg, lg, n)?, h);
+                Tensor::from_vec(du, l.shape(), &Device::Cpu)?
+            }))
         })?;
         Ok(Some(du))
     }
@@ -109,7 +107,7 @@ impl CustomOp1 for GluSilu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::max_abs_diff;
+    use crate::ops::test_values::{grads_against, max_abs_diff};
     use candle_core::Var;
 
     #[test]
@@ -129,11 +127,11 @@ mod tests {
         )
         .unwrap();
         let re = (u.narrow(1, 0, h).unwrap() * u.narrow(1, h, h).unwrap().silu().unwrap()).unwrap();
-        let rg = re.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let rg = grads_against(&re, &w);
         let o = glu_silu(u.as_tensor()).unwrap();
         let d = max_abs_diff(&o, &re);
         assert!(d < 1e-13);
-        let g = o.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_against(&o, &w);
         let d = max_abs_diff(
             g.get(u.as_tensor()).unwrap(),
             rg.get(u.as_tensor()).unwrap(),

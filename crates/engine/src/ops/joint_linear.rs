@@ -18,9 +18,7 @@
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::fused_mlp::MlpLinear;
-use super::linear::{
-    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
-};
+use super::linear::storage_tensor;
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 
@@ -42,13 +40,10 @@ pub fn joint_linear(
     lc: MlpLinear,
     batch: usize,
 ) -> CResult<Tensor> {
-    for l in [&la, &lc] {
-        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
-            return Err(err(
-                "joint_linear: a linear whose weights track needs a gradient sink",
-            ));
-        }
-    }
+    MlpLinear::require_sinks(
+        &[&la, &lc],
+        "joint_linear: a linear whose weights track needs a gradient sink",
+    )?;
     let ((ra, ia), (rc, ic)) = (a.dims2()?, c.dims2()?);
     let ((oa, wia), (oc, wic)) = (la.w.dims2()?, lc.w.dims2()?);
     if batch == 0
@@ -74,19 +69,6 @@ pub fn joint_linear(
 }
 
 impl JointLinear {
-    fn wants(l: &MlpLinear) -> (bool, bool) {
-        l.sink.as_ref().map_or((false, false), |s| s.wants())
-    }
-
-    /// y = l(x).
-    fn fwd(l: &MlpLinear, x: (&CpuStorage, &Layout)) -> CResult<CpuStorage> {
-        with_cpu(&l.w, |sw, lw| {
-            with_cpu(&l.b, |sb, lb| {
-                Ok(linear_fwd_storage(x, (sw, lw), (sb, lb))?.0)
-            })
-        })
-    }
-
     /// One stream's backward on its part [lo, hi) of each sample's gradient: dx (when x
     /// tracks) returned, dW and db to the linear's sink.
     fn bwd_part(
@@ -99,23 +81,9 @@ impl JointLinear {
         let part = slice_storage((sg, lg), self.batch, range)?;
         let (rows, out) = (x.dims2()?.0, l.w.dims2()?.0);
         let lp = Layout::contiguous((rows, out));
-        let (w, b) = Self::wants(l);
-        let want = LinearGrads {
-            x: x.track_op(),
-            w,
-            b,
-        };
-        let (bdt, bl) = (l.b.dtype(), l.b.layout());
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(&l.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (bdt, bl), (&part, &lp), want)
-            })
-        })?;
+        let (dx, dw, db) = l.grads(x, (&part, &lp), x.track_op())?;
         drop(part);
-        let (dw, db) = weight_grads((dw, db), l.w.dims2()?)?;
-        if let Some(s) = &l.sink {
-            s.put_both(dw, db)?;
-        }
+        l.sink_grads(dw, db)?;
         dx.map(|v| storage_tensor(v, x.shape())).transpose()
     }
 }
@@ -134,8 +102,8 @@ impl CustomOp2 for JointLinear {
     ) -> CResult<(CpuStorage, Shape)> {
         let (ra, rc) = (la.dims()[0], lc.dims()[0]);
         let out = self.la.w.dims2()?.0;
-        let ya = Self::fwd(&self.la, (sa, la))?;
-        let yc = Self::fwd(&self.lc, (sc, lc))?;
+        let (ya, _) = self.la.forward((sa, la))?;
+        let (yc, _) = self.lc.forward((sc, lc))?;
         let y = concat_storage(
             (&ya, &Layout::contiguous((ra, out))),
             (&yc, &Layout::contiguous((rc, out))),
@@ -169,48 +137,36 @@ impl CustomOp2 for JointLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::test_values::{bits, sunk_linear, t, take_sunk, DTYPE_PAIRS};
-    use crate::ops::{cat_tokens, linear_sunk, GradSink};
+    use crate::ops::test_values::*;
+    use crate::ops::{cat_tokens, linear_sunk};
     use candle_core::{DType, Var};
     use std::sync::Arc;
 
-    /// (y, da, dc, [dWa, dba, dWc, dbc]) for `batch` samples of ta and tc tokens, fused or
-    /// composed of the sunk linears and `cat_tokens`.
+    /// y, da, dc, dWa, dba, dWc, dbc for `batch` samples of ta and tc tokens, fused or composed
+    /// of the sunk linears and `cat_tokens`.
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (batch, ta, tc, inp, out): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let (ra, rc) = (batch * ta, batch * tc);
         let a = Var::from_tensor(&t(ra * inp, &[ra, inp], 1, dt)).unwrap();
         let c = Var::from_tensor(&t(rc * inp, &[rc, inp], 7, dt)).unwrap();
-        let wa = t(out * inp, &[out, inp], 2, wdt);
-        let ba = t(out, &[out], 3, wdt);
-        let wc = t(out * inp, &[out, inp], 4, wdt);
-        let bc = t(out, &[out], 5, wdt);
+        let (s1, s2) = (new_sink(), new_sink());
+        let la = seeded_linear((out, inp), 2, wdt, Some(Arc::clone(&s1)));
+        let lc = seeded_linear((out, inp), 4, wdt, Some(Arc::clone(&s2)));
         let r = t((ra + rc) * out, &[ra + rc, out], 6, dt);
-        let s1 = Arc::new(GradSink::new(true, true));
-        let s2 = Arc::new(GradSink::new(true, true));
         let y = if fused {
-            joint_linear(
-                a.as_tensor(),
-                c.as_tensor(),
-                sunk_linear(&wa, &ba, &s1),
-                sunk_linear(&wc, &bc, &s2),
-                batch,
-            )
-            .unwrap()
+            joint_linear(a.as_tensor(), c.as_tensor(), la, lc, batch).unwrap()
         } else {
-            let ya = linear_sunk(a.as_tensor(), &wa, &ba, &s1).unwrap();
-            let yc = linear_sunk(c.as_tensor(), &wc, &bc, &s2).unwrap();
+            let ya = linear_sunk(a.as_tensor(), &la.w, &la.b, &s1).unwrap();
+            let yc = linear_sunk(c.as_tensor(), &lc.w, &lc.b, &s2).unwrap();
             cat_tokens(&ya, &yc, batch).unwrap()
         };
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&y, &r);
         let da = grads.get(a.as_tensor()).unwrap().clone();
         let dc = grads.get(c.as_tensor()).unwrap().clone();
-        let sunk = take_sunk(&[&s1, &s2]);
-        (y, da, dc, sunk)
+        [vec![y, da, dc], take_sunk(&[&s1, &s2])].concat()
     }
 
     /// The joint linear's output, da, dc and the four weight gradients it sinks are the
@@ -218,21 +174,9 @@ mod tests {
     /// f32 masters, at whole and ragged (multi-chunk) row counts.
     #[test]
     fn joint_linear_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)] {
-                let (yf, daf, dcf, gf) = run(true, dt, wdt, dims);
-                let (yc, dac, dcc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(yf.dims(), yc.dims());
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&daf), bits(&dac), "da {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dcf), bits(&dcc), "dc {dt:?}/{wdt:?} {dims:?}");
-                for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
-                    assert_eq!(bits(a), bits(b), "grad {i} {dt:?}/{wdt:?} {dims:?}");
-                }
-                assert!(bits(&daf).iter().any(|&b| f64::from_bits(b) != 0.0));
-                assert!(bits(&dcf).iter().any(|&b| f64::from_bits(b) != 0.0));
-            }
-        }
+        let names = ["y", "da", "dc", "dWa", "dba", "dWc", "dbc"];
+        let cases = [(2, 3, 5, 8, 8), (3, 50, 17, 16, 12)];
+        assert_fused_is_composition(&names, &[1, 2], &cases, run);
     }
 
     /// Streams that do not split into the batch, mismatched widths and tracking weights
@@ -241,21 +185,12 @@ mod tests {
     fn bad_inputs_are_errors() {
         let a = t(6 * 8, &[6, 8], 1, DType::F32);
         let c = t(4 * 8, &[4, 8], 2, DType::F32);
-        let l = |o: usize, i: usize| MlpLinear {
-            w: t(o * i, &[o, i], 3, DType::F32),
-            b: t(o, &[o], 4, DType::F32),
-            sink: None,
-        };
+        let l = |o: usize, i: usize| seeded_linear((o, i), 3, DType::F32, None);
         assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 4).is_err());
         assert!(joint_linear(&a, &c, l(8, 8), l(4, 8), 2).is_err());
         assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 0).is_err());
         assert!(joint_linear(&a, &c, l(8, 8), l(8, 8), 2).is_ok());
-        let w = Var::from_tensor(&t(64, &[8, 8], 2, DType::F32)).unwrap();
-        let tracked = MlpLinear {
-            w: w.as_tensor().clone(),
-            b: t(8, &[8], 3, DType::F32),
-            sink: None,
-        };
+        let tracked = tracking(seeded_linear((8, 8), 2, DType::F32, None));
         let e = joint_linear(&a, &c, tracked, l(8, 8), 2).unwrap_err();
         assert!(e.to_string().contains("sink"), "{e}");
     }

@@ -368,6 +368,7 @@ impl CustomOp3 for LinearAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::grads_against;
     use candle_core::{Device, Var};
 
     /// diffusers' processor composed in f64: v padded with ones, (v·φ(k)ᵀ)·φ(q), last row divides.
@@ -420,11 +421,11 @@ mod tests {
         let (q, k, v) = (mk(0.1), mk(0.7), mk(1.9));
         let w = Tensor::from_vec(data(b * s * d, 3.3), (b * s, d), &dev).unwrap();
         let r = reference(q.as_tensor(), k.as_tensor(), v.as_tensor(), b, a);
-        let rg = r.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let rg = grads_against(&r, &w);
         let o = linear_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), b, a).unwrap();
         let diff = (&o - &r).unwrap().abs().unwrap().max_all().unwrap();
         assert!(diff.to_scalar::<f64>().unwrap() < 1e-12);
-        let g = o.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads_against(&o, &w);
         for x in [&q, &k, &v] {
             let (ge, gr) = (
                 g.get(x.as_tensor()).unwrap(),

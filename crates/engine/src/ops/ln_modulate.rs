@@ -10,7 +10,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use super::storage::{
-    cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpu, CResult, PAR_CHUNK,
+    cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpus, CResult, PAR_CHUNK,
 };
 use crate::kernels::scalar::{Acc, Elem};
 use crate::ops::storage::Saved;
@@ -371,31 +371,28 @@ impl CustomOp3 for LnModulate {
             .as_ref()
             .ok_or_else(|| err("ln_modulate backward before forward"))?;
         let grad = grad.contiguous()?;
-        let (dx, dsh, dsc) = with_cpu(x, |sx, lx| {
-            with_cpu(shift, |ssh, lsh| {
-                with_cpu(scale, |ssc, lsc| {
-                    with_cpu(&grad, |sg, lg| {
-                        let g = ln_geom(lx, lsh, lsc)?;
-                        Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
-                            let st = stats.as_slice::<A>()?;
-                            let (dx, dsh, dsc) = ln_modulate_bwd_cpu::<T, O, A>(
-                                cpu_slice::<T>(sx, lx, "ln_modulate x")?,
-                                (ssh.as_slice::<T>()?, ssc.as_slice::<T>()?),
-                                cpu_slice::<O>(sg, lg, "ln_modulate grad")?,
-                                st,
-                                &g,
-                            );
-                            let dev = Device::Cpu;
-                            (
-                                Tensor::from_vec(dx, lx.shape(), &dev)?,
-                                Tensor::from_vec(dsh, lsh.shape(), &dev)?,
-                                Tensor::from_vec(dsc, lsc.shape(), &dev)?,
-                            )
-                        }))
-                    })
-                })
-            })
-        })?;
+        let (dx, dsh, dsc) = with_cpus(
+            [x, shift, scale, &grad],
+            |[(sx, lx), (ssh, lsh), (ssc, lsc), (sg, lg)]| {
+                let g = ln_geom(lx, lsh, lsc)?;
+                Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+                    let st = stats.as_slice::<A>()?;
+                    let (dx, dsh, dsc) = ln_modulate_bwd_cpu::<T, O, A>(
+                        cpu_slice::<T>(sx, lx, "ln_modulate x")?,
+                        (ssh.as_slice::<T>()?, ssc.as_slice::<T>()?),
+                        cpu_slice::<O>(sg, lg, "ln_modulate grad")?,
+                        st,
+                        &g,
+                    );
+                    let dev = Device::Cpu;
+                    (
+                        Tensor::from_vec(dx, lx.shape(), &dev)?,
+                        Tensor::from_vec(dsh, lsh.shape(), &dev)?,
+                        Tensor::from_vec(dsc, lsc.shape(), &dev)?,
+                    )
+                }))
+            },
+        )?;
         // Only inputs that track get a gradient: candle would otherwise keep the others' in its
         // gradient store until the store is dropped.
         let keep = |t: &Tensor, d: Tensor| t.track_op().then_some(d);

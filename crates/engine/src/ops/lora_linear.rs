@@ -27,7 +27,7 @@ use super::linear::{
 };
 use rayon::prelude::*;
 
-use super::storage::{err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{err, with_cpu, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs).
@@ -128,10 +128,8 @@ impl CustomOp3 for LoraLinear {
         lbm: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         let [rows, _, out, r] = dims(lx, la, lbm, &self.w)?;
-        let (mut y, shape) = with_cpu(&self.w, |sw, lw| {
-            with_cpu(&self.b, |sb, lb| {
-                linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
-            })
+        let (mut y, shape) = with_cpus([&self.w, &self.b], |[(sw, lw), (sb, lb)]| {
+            linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
         })?;
         let xa = {
             let (zr, lzr) = zeros(sa.dtype(), r)?;
@@ -160,74 +158,71 @@ impl CustomOp3 for LoraLinear {
         let grad = grad.contiguous()?;
         let (want_x, want_a, want_b) = (x.track_op(), a.track_op(), bm.track_op());
         let [rows, _, out, r] = dims(x.layout(), a.layout(), bm.layout(), &self.w)?;
-        let (dx, da, db) = with_cpu(x, |sx, lx| {
-            with_cpu(a, |sa, la| {
-                with_cpu(bm, |sbm, lbm| {
-                    with_cpu(&grad, |sg, lg| {
-                        let mut dx = if want_x {
-                            with_cpu(&self.w, |sw, lw| {
-                                let want = LinearGrads {
-                                    x: true,
-                                    w: false,
-                                    b: false,
-                                };
-                                let lb = self.b.layout();
-                                let g = linear_bwd_storage(
-                                    (sx, lx),
-                                    (sw, lw),
-                                    (self.b.dtype(), lb),
-                                    (sg, lg),
-                                    want,
-                                )?;
-                                Ok(g.0)
-                            })?
-                        } else {
-                            None
+        let (dx, da, db) = with_cpus(
+            [x, a, bm, &grad],
+            |[(sx, lx), (sa, la), (sbm, lbm), (sg, lg)]| {
+                let mut dx = if want_x {
+                    with_cpu(&self.w, |sw, lw| {
+                        let want = LinearGrads {
+                            x: true,
+                            w: false,
+                            b: false,
                         };
-                        let xa = {
-                            let (zr, lzr) = zeros(sa.dtype(), r)?;
-                            linear_fwd_storage((sx, lx), (sa, la), (&zr, &lzr))?.0
-                        };
-                        let lxa = Layout::contiguous((rows, r));
-                        let lzo = Layout::contiguous(out);
-                        let (gb, db, _) = linear_bwd_storage(
-                            (&xa, &lxa),
-                            (sbm, lbm),
-                            (sbm.dtype(), &lzo),
+                        let lb = self.b.layout();
+                        let g = linear_bwd_storage(
+                            (sx, lx),
+                            (sw, lw),
+                            (self.b.dtype(), lb),
                             (sg, lg),
+                            want,
+                        )?;
+                        Ok(g.0)
+                    })?
+                } else {
+                    None
+                };
+                let xa = {
+                    let (zr, lzr) = zeros(sa.dtype(), r)?;
+                    linear_fwd_storage((sx, lx), (sa, la), (&zr, &lzr))?.0
+                };
+                let lxa = Layout::contiguous((rows, r));
+                let lzo = Layout::contiguous(out);
+                let (gb, db, _) = linear_bwd_storage(
+                    (&xa, &lxa),
+                    (sbm, lbm),
+                    (sbm.dtype(), &lzo),
+                    (sg, lg),
+                    LinearGrads {
+                        x: want_x || want_a,
+                        w: want_b,
+                        b: false,
+                    },
+                )?;
+                drop(xa);
+                let (dxl, da) = match gb {
+                    Some(gb) => {
+                        let lzr = Layout::contiguous(r);
+                        let (dxl, da, _) = linear_bwd_storage(
+                            (sx, lx),
+                            (sa, la),
+                            (sa.dtype(), &lzr),
+                            (&gb, &lxa),
                             LinearGrads {
-                                x: want_x || want_a,
-                                w: want_b,
+                                x: want_x,
+                                w: want_a,
                                 b: false,
                             },
                         )?;
-                        drop(xa);
-                        let (dxl, da) = match gb {
-                            Some(gb) => {
-                                let lzr = Layout::contiguous(r);
-                                let (dxl, da, _) = linear_bwd_storage(
-                                    (sx, lx),
-                                    (sa, la),
-                                    (sa.dtype(), &lzr),
-                                    (&gb, &lxa),
-                                    LinearGrads {
-                                        x: want_x,
-                                        w: want_a,
-                                        b: false,
-                                    },
-                                )?;
-                                (dxl, da)
-                            }
-                            None => (None, None),
-                        };
-                        if let (Some(d), Some(l)) = (dx.as_mut(), dxl.as_ref()) {
-                            add_into(d, l)?;
-                        }
-                        Ok((dx, da, db))
-                    })
-                })
-            })
-        })?;
+                        (dxl, da)
+                    }
+                    None => (None, None),
+                };
+                if let (Some(d), Some(l)) = (dx.as_mut(), dxl.as_ref()) {
+                    add_into(d, l)?;
+                }
+                Ok((dx, da, db))
+            },
+        )?;
         let mut dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
         if let (Some(sink), Some(d)) = (&self.dx_sink, &dx) {
             sink.add(d)?;

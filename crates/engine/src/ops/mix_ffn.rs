@@ -29,9 +29,8 @@ use super::dwconv::{
     dw_dx_over, dw_geom, dwconv_bwd_workspace, dwconv_weight_grads, silu_dwconv_fwd, Grid,
 };
 use super::glu::{glu_bwd_over, glu_fwd};
-use super::linear::{linear_bwd_storage, linear_dx_storage, linear_fwd_storage, LinearGrads};
 use super::mlp_linear::{fc1_backward, MlpLinear};
-use super::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use super::storage::{cpu_slice, dispatch_float, err, with_cpu, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::ops::storage::Saved;
 
@@ -59,13 +58,10 @@ pub fn mix_ffn(
     point: MlpLinear,
     grid: (usize, usize),
 ) -> CResult<Tensor> {
-    for l in [&inv, &point] {
-        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
-            return Err(err(
-                "mix_ffn: a linear whose weights track needs a gradient sink",
-            ));
-        }
-    }
+    MlpLinear::require_sinks(
+        &[&inv, &point],
+        "mix_ffn: a linear whose weights track needs a gradient sink",
+    )?;
     let (c2h, hid) = (inv.w.dims2()?.0, point.w.dims2()?.1);
     if c2h != 2 * hid {
         return Err(err(format!(
@@ -87,15 +83,6 @@ pub fn mix_ffn(
 }
 
 impl MixFfn {
-    /// f1 = conv_inverted(h).
-    fn inv_fwd(&self, h: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
-        with_cpu(&self.inv.w, |sw, lw| {
-            with_cpu(&self.inv.b, |sb, lb| {
-                linear_fwd_storage(h, (sw, lw), (sb, lb))
-            })
-        })
-    }
-
     /// The grid of f1 (n, 2H) under the conv's weight and bias layouts.
     fn grid_of(&self, n: usize, lw: &Layout, lb: &Layout) -> CResult<Grid> {
         let c = self.inv.w.dims2()?.0;
@@ -138,11 +125,7 @@ impl MixFfn {
         };
         let gl = T::to_cpu_storage_owned(glu_fwd::<T, A>(&c2, hid));
         drop(c2);
-        let (y, _) = with_cpu(&self.point.w, |sw, lw| {
-            with_cpu(&self.point.b, |sb, lb| {
-                linear_fwd_storage((&gl, &Layout::contiguous((n, hid))), (sw, lw), (sb, lb))
-            })
-        })?;
+        let (y, _) = self.point.forward((&gl, &Layout::contiguous((n, hid))))?;
         Ok((y, kept))
     }
 
@@ -160,36 +143,14 @@ impl MixFfn {
         let (c, hid) = (gr.c, gr.c / 2);
         let what = "mix_ffn backward";
         let mut f1 = T::cpu_storage_data(f1)?;
-        let c2 = with_cpu(wd, |sw, lw| {
-            with_cpu(bd, |sb, lb| {
-                silu_dwconv_fwd::<T, A>(&f1, (sw, lw), (sb, lb), gr)
-            })
-        })?;
+        let c2 = with_cpus([wd, bd], |[w, b]| silu_dwconv_fwd::<T, A>(&f1, w, b, gr))?;
         let c2 = T::to_cpu_storage_owned(c2);
         let lgl = Layout::contiguous((n, hid));
-        let (pw, pb) = self.point.wants();
-        let (pbdt, pbl) = (self.point.b.dtype(), self.point.b.layout());
-        let dgl = with_cpu(&self.point.w, |sw, lw| {
-            with_cpu(grad, |sg, lg| {
-                if pw || pb {
-                    // conv_point's dW, db from the gate's output, freed at once.
-                    let gl = T::to_cpu_storage_owned(glu_fwd::<T, A>(
-                        cpu_slice::<T>(&c2, &Layout::contiguous((n, c)), what)?,
-                        hid,
-                    ));
-                    let want = LinearGrads {
-                        x: false,
-                        w: pw,
-                        b: pb,
-                    };
-                    let (_, dw, db) =
-                        linear_bwd_storage((&gl, &lgl), (sw, lw), (pbdt, pbl), (sg, lg), want)?;
-                    drop(gl);
-                    self.point.sink_grads(dw, db)?;
-                }
-                // dgl = g·Wp (the gate's output is gone; dx reads no x).
-                linear_dx_storage((sw, lw), (pbdt, pbl), (sg, lg))
-            })
+        // conv_point's dW, db from the gate's output, freed at once; then dgl = g·Wp (the
+        // gate's output is gone; dx reads no x).
+        let dgl = self.point.grads_remade(grad, &lgl, || {
+            let gl = glu_fwd::<T, A>(cpu_slice::<T>(&c2, &Layout::contiguous((n, c)), what)?, hid);
+            Ok(T::to_cpu_storage_owned(gl))
         })?;
         // dc2 over c2, then the conv's weight gradients and df1 over f1.
         let mut dc2 = T::cpu_storage_data(c2)?;
@@ -228,7 +189,7 @@ impl CustomOp3 for MixFfn {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (f1, shape) = self.inv_fwd((sh, lh))?;
+        let (f1, shape) = self.inv.forward((sh, lh))?;
         let n = shape.dims2()?.0;
         let gr = self.grid_of(n, lw, lb)?;
         let (y, kept) = dispatch_float!(f1.dtype(), "mix_ffn", |T, A| {
@@ -252,7 +213,7 @@ impl CustomOp3 for MixFfn {
         // f1, from the forward or (a second backward) recomputed from h.
         let f1 = match kept {
             Some(f1) => f1,
-            None => with_cpu(h, |sx, lx| self.inv_fwd((sx, lx)))?.0,
+            None => with_cpu(h, |sx, lx| self.inv.forward((sx, lx)))?.0,
         };
         let n = grad.dims2()?.0;
         let gr = self.grid_of(n, wd.layout(), bd.layout())?;
@@ -268,60 +229,40 @@ mod tests {
     use crate::ops::dwconv::silu_dwconv3x3;
     use crate::ops::glu::glu_silu;
     use crate::ops::linear_sunk;
-    use crate::ops::test_values::{assert_grads_bits, bits, sunk_linear, t, DTYPE_PAIRS};
-    use crate::ops::GradSink;
+    use crate::ops::test_values::*;
     use candle_core::Var;
     use std::sync::Arc;
 
-    /// (y, dh, [dWi, dbi, dWd, dbd, dWp, dbp]) of h (b·rows·cols, d) through a Mix-FFN of hidden
+    /// y, dh, dWi, dbi, dWd, dbd, dWp, dbp of h (b·rows·cols, d) through a Mix-FFN of hidden
     /// width `hid` with gradient r of y, fused or composed of the sunk linears, the conv and the
     /// gate. The conv's weight and bias are Vars (their gradients come back through candle).
     fn run(
         fused: bool,
-        dt: DType,
-        wdt: DType,
+        (dt, wdt): (DType, DType),
         (b, rows, cols, d, hid): (usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+    ) -> Vec<Tensor> {
         let n = b * rows * cols;
         let h = Var::from_tensor(&t(n * d, &[n, d], 1, dt)).unwrap();
-        let wi = t(2 * hid * d, &[2 * hid, d], 2, wdt);
-        let bi = t(2 * hid, &[2 * hid], 3, wdt);
+        let (si, sp) = (new_sink(), new_sink());
+        let inv = seeded_linear((2 * hid, d), 2, wdt, Some(Arc::clone(&si)));
         let wd = Var::from_tensor(&t(2 * hid * 9, &[2 * hid, 1, 3, 3], 4, wdt)).unwrap();
         let bd = Var::from_tensor(&t(2 * hid, &[2 * hid], 5, wdt)).unwrap();
-        let wp = t(d * hid, &[d, hid], 6, wdt);
-        let bp = t(d, &[d], 7, wdt);
+        let point = seeded_linear((d, hid), 6, wdt, Some(Arc::clone(&sp)));
         let r = t(n * d, &[n, d], 8, dt);
-        let si = Arc::new(GradSink::new(true, true));
-        let sp = Arc::new(GradSink::new(true, true));
+        let conv = (wd.as_tensor(), bd.as_tensor());
         let y = if fused {
-            mix_ffn(
-                h.as_tensor(),
-                sunk_linear(&wi, &bi, &si),
-                (wd.as_tensor(), bd.as_tensor()),
-                sunk_linear(&wp, &bp, &sp),
-                (rows, cols),
-            )
-            .unwrap()
+            mix_ffn(h.as_tensor(), inv, conv, point, (rows, cols)).unwrap()
         } else {
-            let f1 = linear_sunk(h.as_tensor(), &wi, &bi, &si).unwrap();
-            let c2 = silu_dwconv3x3(&f1, wd.as_tensor(), bd.as_tensor(), rows, cols).unwrap();
+            let f1 = linear_sunk(h.as_tensor(), &inv.w, &inv.b, &si).unwrap();
+            let c2 = silu_dwconv3x3(&f1, conv.0, conv.1, rows, cols).unwrap();
             let gl = glu_silu(&c2).unwrap();
-            linear_sunk(&gl, &wp, &bp, &sp).unwrap()
+            linear_sunk(&gl, &point.w, &point.b, &sp).unwrap()
         };
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&y, &r);
         let dh = grads.get(h.as_tensor()).unwrap().clone();
-        let conv = [wd.as_tensor(), bd.as_tensor()].map(|v| grads.get(v).unwrap().clone());
-        let sunk = [si.take_w(), si.take_b(), sp.take_w(), sp.take_b()]
-            .map(|g| g.expect("the sink holds every weight gradient"));
-        let all = vec![
-            sunk[0].clone(),
-            sunk[1].clone(),
-            conv[0].clone(),
-            conv[1].clone(),
-            sunk[2].clone(),
-            sunk[3].clone(),
-        ];
-        (y, dh, all)
+        let [dwi, dbi, dwp, dbp]: [Tensor; 4] = take_sunk(&[&si, &sp]).try_into().unwrap();
+        let [dwd, dbd] = [conv.0, conv.1].map(|v| grads.get(v).unwrap().clone());
+        vec![y, dh, dwi, dbi, dwd, dbd, dwp, dbp]
     }
 
     /// The fused Mix-FFN's output, dh and all six weight gradients are the composition's, bit
@@ -329,16 +270,9 @@ mod tests {
     /// square and an odd non-square grid, with row counts past one linear chunk.
     #[test]
     fn mix_ffn_equals_the_composition_bit_for_bit() {
-        for (dt, wdt) in DTYPE_PAIRS {
-            for dims in [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)] {
-                let (yf, dhf, gf) = run(true, dt, wdt, dims);
-                let (yc, dhc, gc) = run(false, dt, wdt, dims);
-                assert_eq!(bits(&yf), bits(&yc), "y {dt:?}/{wdt:?} {dims:?}");
-                assert_eq!(bits(&dhf), bits(&dhc), "dh {dt:?}/{wdt:?} {dims:?}");
-                assert_grads_bits(&gf, &gc, &format!("{dt:?}/{wdt:?} {dims:?}"));
-                assert!(bits(&dhf).iter().any(|&b| f64::from_bits(b) != 0.0));
-            }
-        }
+        let names = ["y", "dh", "dWi", "dbi", "dWd", "dbd", "dWp", "dbp"];
+        let cases = [(2, 4, 4, 8, 20), (3, 5, 7, 12, 30), (2, 16, 17, 16, 40)];
+        assert_fused_is_composition(&names, &[1], &cases, run);
     }
 
     /// A second backward on the same graph recomputes f1 from h and gives the same gradients.
@@ -347,26 +281,18 @@ mod tests {
         let (rows, cols, d, hid) = (3, 4, 8, 12);
         let n = 2 * rows * cols;
         let h = Var::from_tensor(&t(n * d, &[n, d], 1, DType::F32)).unwrap();
-        let l = |o: usize, i: usize, s: usize| MlpLinear {
-            w: t(o * i, &[o, i], s, DType::F32),
-            b: t(o, &[o], s + 1, DType::F32),
-            sink: Some(Arc::new(GradSink::new(true, true))),
-        };
+        let l = |dims, s| seeded_linear(dims, s, DType::F32, Some(new_sink()));
         let wd = Var::from_tensor(&t(2 * hid * 9, &[2 * hid, 1, 3, 3], 9, DType::F32)).unwrap();
         let bd = Var::from_tensor(&t(2 * hid, &[2 * hid], 10, DType::F32)).unwrap();
         let y = mix_ffn(
             h.as_tensor(),
-            l(2 * hid, d, 2),
+            l((2 * hid, d), 2),
             (wd.as_tensor(), bd.as_tensor()),
-            l(d, hid, 4),
+            l((d, hid), 4),
             (rows, cols),
         )
         .unwrap();
-        let loss = y.sqr().unwrap().sum_all().unwrap();
-        let (a, b) = (loss.backward().unwrap(), loss.backward().unwrap());
-        for v in [h.as_tensor(), wd.as_tensor(), bd.as_tensor()] {
-            assert_eq!(bits(a.get(v).unwrap()), bits(b.get(v).unwrap()));
-        }
+        assert_backward_twice_agrees(&y, &[h.as_tensor(), wd.as_tensor(), bd.as_tensor()]);
     }
 
     /// Tracking linear weights without a sink, and mismatched widths, are refused.
@@ -376,26 +302,18 @@ mod tests {
         let h = t(4 * d, &[4, d], 1, DType::F32);
         let wd = t(2 * hid * 9, &[2 * hid, 1, 3, 3], 2, DType::F32);
         let bd = t(2 * hid, &[2 * hid], 3, DType::F32);
-        let w = Var::from_tensor(&t(2 * hid * d, &[2 * hid, d], 4, DType::F32)).unwrap();
-        let inv = MlpLinear {
-            w: w.as_tensor().clone(),
-            b: t(2 * hid, &[2 * hid], 5, DType::F32),
-            sink: None,
-        };
-        let point = |k: usize| MlpLinear {
-            w: t(d * k, &[d, k], 6, DType::F32),
-            b: t(d, &[d], 7, DType::F32),
-            sink: None,
-        };
-        let e = mix_ffn(&h, inv, (&wd, &bd), point(hid), (rows, cols))
-            .unwrap_err()
-            .to_string();
+        let inv = seeded_linear((2 * hid, d), 4, DType::F32, None);
+        let point = |k: usize| seeded_linear((d, k), 6, DType::F32, None);
+        let e = mix_ffn(
+            &h,
+            tracking(inv.clone()),
+            (&wd, &bd),
+            point(hid),
+            (rows, cols),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("sink"), "{e}");
-        let inv = MlpLinear {
-            w: w.as_tensor().detach(),
-            b: t(2 * hid, &[2 * hid], 5, DType::F32),
-            sink: None,
-        };
         let e = mix_ffn(&h, inv, (&wd, &bd), point(hid + 1), (rows, cols))
             .unwrap_err()
             .to_string();

@@ -6,11 +6,14 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, Layout, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use ditmem_budget::ditmem_cpu::ops;
 
-use super::linear::{linear_bwd_storage, storage_tensor, weight_grads, GradSink, LinearGrads};
-use super::storage::{with_cpu, CResult};
+use super::linear::{
+    linear_bwd_storage, linear_dx_storage, linear_fwd_storage, storage_tensor, weight_grads,
+    GradSink, LinearGradStorages, LinearGrads,
+};
+use super::storage::{err, with_cpus, CResult};
 
 /// One linear of the fused MLP: its weight and bias (detached when a sink takes their
 /// gradients) and the sink.
@@ -22,6 +25,62 @@ pub struct MlpLinear {
 }
 
 impl MlpLinear {
+    /// Refuses linears whose weights track without a sink (a fused op hands candle its
+    /// inputs' gradients only): `msg` is the error.
+    pub(crate) fn require_sinks(ls: &[&MlpLinear], msg: &str) -> CResult<()> {
+        if ls
+            .iter()
+            .any(|l| l.sink.is_none() && (l.w.track_op() || l.b.track_op()))
+        {
+            return Err(err(msg));
+        }
+        Ok(())
+    }
+
+    /// y = x·Wᵀ + b on x's storage, and y's shape.
+    pub(crate) fn forward(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
+        with_cpus([&self.w, &self.b], |[w, b]| linear_fwd_storage(x, w, b))
+    }
+
+    /// The backward on the output gradient `g` of this linear over x: dx (when `want_x`), dW
+    /// and db (as the sink wants them) as bare storages.
+    pub(crate) fn grads(
+        &self,
+        x: &Tensor,
+        g: (&CpuStorage, &Layout),
+        want_x: bool,
+    ) -> CResult<LinearGradStorages> {
+        let (w, b) = self.wants();
+        let want = LinearGrads { x: want_x, w, b };
+        let bias = (self.b.dtype(), self.b.layout());
+        with_cpus([x, &self.w], |[sx, sw]| {
+            linear_bwd_storage(sx, sw, bias, g, want)
+        })
+    }
+
+    /// The backward on `grad` when the input is not kept: dW and db (as the sink wants them)
+    /// from the input `remake` makes again (laid out as `lx`), freed at once, into the sink;
+    /// then dx = g·W, which reads no input.
+    pub(crate) fn grads_remade(
+        &self,
+        grad: &Tensor,
+        lx: &Layout,
+        remake: impl FnOnce() -> CResult<CpuStorage>,
+    ) -> CResult<CpuStorage> {
+        let (w, b) = self.wants();
+        let bias = (self.b.dtype(), self.b.layout());
+        with_cpus([&self.w, grad], |[sw, sg]| {
+            if w || b {
+                let x = remake()?;
+                let want = LinearGrads { x: false, w, b };
+                let (_, dw, db) = linear_bwd_storage((&x, lx), sw, bias, sg, want)?;
+                drop(x);
+                self.sink_grads(dw, db)?;
+            }
+            linear_dx_storage(sw, bias, sg)
+        })
+    }
+
     /// Which gradients of this linear the backward hands over (to the sink; none without one).
     pub(crate) fn wants(&self) -> (bool, bool) {
         self.sink.as_ref().map_or((false, false), |s| s.wants())
@@ -85,24 +144,7 @@ pub(super) fn fc1_grads(
     (rows, ffn): (usize, usize),
     dx: bool,
 ) -> CResult<Option<CpuStorage>> {
-    let (w1, b1) = fc1.wants();
-    let want = LinearGrads {
-        x: dx,
-        w: w1,
-        b: b1,
-    };
-    let (b1dt, b1l) = (fc1.b.dtype(), fc1.b.layout());
-    let (dx, dw, db) = with_cpu(x, |sx, lx| {
-        with_cpu(&fc1.w, |sw, lw| {
-            linear_bwd_storage(
-                (sx, lx),
-                (sw, lw),
-                (b1dt, b1l),
-                (du, &wide(rows, ffn)),
-                want,
-            )
-        })
-    })?;
+    let (dx, dw, db) = fc1.grads(x, (du, &wide(rows, ffn)), dx)?;
     fc1.sink_grads(dw, db)?;
     Ok(dx)
 }

@@ -31,7 +31,7 @@ use rayon::prelude::*;
 
 use super::rms_norm::{group_dx, rstd};
 use super::rope::{rope_geom, rotate, RopeTable};
-use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The op (see the module docs): rows whose token (row mod n) is below `first` take the first
@@ -211,18 +211,16 @@ impl NormRope {
             return Err(err("norm-rope: the two weights must share one dtype"));
         }
         let dims = (n, d, dh, self.first);
-        with_cpu(&self.table.cos, |sc, lc| {
-            with_cpu(&self.table.sin, |ss, ls| {
-                Ok(dispatch_ln!(sx.dtype(), w[0].0.dtype(), |T, W, A| {
-                    let x = cpu_slice::<T>(sx, lx, "norm-rope x")?;
-                    let wa = cpu_slice::<W>(w[0].0, w[0].1, "norm-rope w")?;
-                    let wb = cpu_slice::<W>(w[1].0, w[1].1, "norm-rope w")?;
-                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
-                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
-                    let o = forward::<T, W, A>(x, [wa, wb], (cos, sin), dims, self.eps);
-                    T::to_cpu_storage_owned(o)
-                }))
-            })
+        with_cpus([&self.table.cos, &self.table.sin], |[(sc, lc), (ss, ls)]| {
+            Ok(dispatch_ln!(sx.dtype(), w[0].0.dtype(), |T, W, A| {
+                let x = cpu_slice::<T>(sx, lx, "norm-rope x")?;
+                let wa = cpu_slice::<W>(w[0].0, w[0].1, "norm-rope w")?;
+                let wb = cpu_slice::<W>(w[1].0, w[1].1, "norm-rope w")?;
+                let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
+                let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
+                let o = forward::<T, W, A>(x, [wa, wb], (cos, sin), dims, self.eps);
+                T::to_cpu_storage_owned(o)
+            }))
         })
     }
 
@@ -236,42 +234,35 @@ impl NormRope {
     ) -> CResult<(Option<Tensor>, [Option<Tensor>; 2])> {
         let grad = grad.contiguous()?;
         let want_x = x.track_op();
-        with_cpu(x, |sx, lx| {
-            with_cpu(w[0], |swa, lwa| {
-                with_cpu(w[1], |swb, lwb| {
-                    with_cpu(&grad, |sg, lg| {
-                        with_cpu(&self.table.cos, |sc, lc| {
-                            with_cpu(&self.table.sin, |ss, ls| {
-                                let (n, d, dh) = geom(&self.table, lx, &[lwa, lwb])?;
-                                if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
-                                    return Err(err("norm-rope backward: gradient differs from x"));
-                                }
-                                let dims = (n, d, dh, self.first);
-                                Ok(dispatch_ln!(sx.dtype(), swa.dtype(), |T, W, A| {
-                                    let xv = cpu_slice::<T>(sx, lx, "norm-rope x")?;
-                                    let wa = cpu_slice::<W>(swa, lwa, "norm-rope w")?;
-                                    let wb = cpu_slice::<W>(swb, lwb, "norm-rope w")?;
-                                    let g = cpu_slice::<T>(sg, lg, "norm-rope grad")?;
-                                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
-                                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
-                                    let (dx, [da, db]) = backward::<T, W, A>(
-                                        xv,
-                                        [wa, wb],
-                                        g,
-                                        (cos, sin),
-                                        dims,
-                                        self.eps,
-                                        (want_x, want_w),
-                                    );
-                                    let t = (tensor(dx, lx)?, tensor(da, lwa)?, tensor(db, lwb)?);
-                                    (t.0, [t.1, t.2])
-                                }))
-                            })
-                        })
-                    })
-                })
-            })
-        })
+        with_cpus(
+            [x, w[0], w[1], &grad, &self.table.cos, &self.table.sin],
+            |[(sx, lx), (swa, lwa), (swb, lwb), (sg, lg), (sc, lc), (ss, ls)]| {
+                let (n, d, dh) = geom(&self.table, lx, &[lwa, lwb])?;
+                if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
+                    return Err(err("norm-rope backward: gradient differs from x"));
+                }
+                let dims = (n, d, dh, self.first);
+                Ok(dispatch_ln!(sx.dtype(), swa.dtype(), |T, W, A| {
+                    let xv = cpu_slice::<T>(sx, lx, "norm-rope x")?;
+                    let wa = cpu_slice::<W>(swa, lwa, "norm-rope w")?;
+                    let wb = cpu_slice::<W>(swb, lwb, "norm-rope w")?;
+                    let g = cpu_slice::<T>(sg, lg, "norm-rope grad")?;
+                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
+                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
+                    let (dx, [da, db]) = backward::<T, W, A>(
+                        xv,
+                        [wa, wb],
+                        g,
+                        (cos, sin),
+                        dims,
+                        self.eps,
+                        (want_x, want_w),
+                    );
+                    let t = (tensor(dx, lx)?, tensor(da, lwa)?, tensor(db, lwb)?);
+                    (t.0, [t.1, t.2])
+                }))
+            },
+        )
     }
 }
 

@@ -18,7 +18,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{cpu_slice, dispatch_ln, err, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// RMSNorm epsilon of Flux's q/k norms.
@@ -186,30 +186,26 @@ impl CustomOp2 for RmsNorm {
         let grad = grad.contiguous()?;
         let want = (x.track_op(), w.track_op());
         let dev = Device::Cpu;
-        with_cpu(x, |sx, lx| {
-            with_cpu(w, |sw, lw| {
-                with_cpu(&grad, |sg, lg| {
-                    let (_, _, dh) = rms_geom(lx, lw)?;
-                    if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
-                        return Err(err("rms norm backward: gradient differs from x"));
-                    }
-                    Ok(dispatch_ln!(sx.dtype(), sw.dtype(), |T, W, A| {
-                        let xv = cpu_slice::<T>(sx, lx, "rms norm x")?;
-                        let wv = cpu_slice::<W>(sw, lw, "rms norm w")?;
-                        let g = cpu_slice::<T>(sg, lg, "rms norm grad")?;
-                        let (dx, dw) = rms_bwd_cpu::<T, W, A>(xv, wv, g, dh, self.eps, want);
-                        let dx = match dx {
-                            Some(v) => Some(Tensor::from_vec(v, lx.shape(), &dev)?),
-                            None => None,
-                        };
-                        let dw = match dw {
-                            Some(v) => Some(Tensor::from_vec(v, lw.shape(), &dev)?),
-                            None => None,
-                        };
-                        (dx, dw)
-                    }))
-                })
-            })
+        with_cpus([x, w, &grad], |[(sx, lx), (sw, lw), (sg, lg)]| {
+            let (_, _, dh) = rms_geom(lx, lw)?;
+            if sg.dtype() != sx.dtype() || lg.shape() != lx.shape() {
+                return Err(err("rms norm backward: gradient differs from x"));
+            }
+            Ok(dispatch_ln!(sx.dtype(), sw.dtype(), |T, W, A| {
+                let xv = cpu_slice::<T>(sx, lx, "rms norm x")?;
+                let wv = cpu_slice::<W>(sw, lw, "rms norm w")?;
+                let g = cpu_slice::<T>(sg, lg, "rms norm grad")?;
+                let (dx, dw) = rms_bwd_cpu::<T, W, A>(xv, wv, g, dh, self.eps, want);
+                let dx = match dx {
+                    Some(v) => Some(Tensor::from_vec(v, lx.shape(), &dev)?),
+                    None => None,
+                };
+                let dw = match dw {
+                    Some(v) => Some(Tensor::from_vec(v, lw.shape(), &dev)?),
+                    None => None,
+                };
+                (dx, dw)
+            }))
         })
     }
 }

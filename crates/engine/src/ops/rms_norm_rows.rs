@@ -13,7 +13,9 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpu, CResult, PAR_CHUNK};
+use super::storage::{
+    cpu_slice, dispatch_ln, err, par_rows, with_cpu, with_cpus, CResult, PAR_CHUNK,
+};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::ops::storage::Saved;
 
@@ -216,40 +218,37 @@ impl RmsNormRows {
         let grad = grad.contiguous()?;
         let want_w = want_w && w.is_some();
         let w_c = w.map(|w| w.contiguous()).transpose()?;
-        let (dx, dw) = with_cpu(x, |sx, lx| {
-            with_cpu(&grad, |sg, lg| {
-                let (_, d) = geom(lx)?;
-                let run =
-                    |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
-                        Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
-                            let st = rs.as_slice::<A>()?;
-                            let wsl = match ws {
-                                Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
-                                None => None,
-                            };
-                            let (dx, dw) = bwd_cpu::<T, O, A>(
-                                cpu_slice::<T>(sx, lx, "rms_norm x")?,
-                                wsl,
-                                cpu_slice::<O>(sg, lg, "rms_norm grad")?,
-                                st,
-                                d,
-                                want_w,
-                            );
-                            let dev = Device::Cpu;
-                            (
-                                Tensor::from_vec(dx, lx.shape(), &dev)?,
-                                match dw {
-                                    Some(v) => Some(Tensor::from_vec(v, d, &dev)?),
-                                    None => None,
-                                },
-                            )
-                        }))
+        let (dx, dw) = with_cpus([x, &grad], |[(sx, lx), (sg, lg)]| {
+            let (_, d) = geom(lx)?;
+            let run = |ws: Option<(&CpuStorage, &Layout)>| -> CResult<(Tensor, Option<Tensor>)> {
+                Ok(dispatch_ln!(sx.dtype(), self.out, |T, O, A| {
+                    let st = rs.as_slice::<A>()?;
+                    let wsl = match ws {
+                        Some((s, l)) => Some(cpu_slice::<T>(s, l, "rms_norm weight")?),
+                        None => None,
                     };
-                match &w_c {
-                    Some(wt) => with_cpu(wt, |sw, lw| run(Some((sw, lw)))),
-                    None => run(None),
-                }
-            })
+                    let (dx, dw) = bwd_cpu::<T, O, A>(
+                        cpu_slice::<T>(sx, lx, "rms_norm x")?,
+                        wsl,
+                        cpu_slice::<O>(sg, lg, "rms_norm grad")?,
+                        st,
+                        d,
+                        want_w,
+                    );
+                    let dev = Device::Cpu;
+                    (
+                        Tensor::from_vec(dx, lx.shape(), &dev)?,
+                        match dw {
+                            Some(v) => Some(Tensor::from_vec(v, d, &dev)?),
+                            None => None,
+                        },
+                    )
+                }))
+            };
+            match &w_c {
+                Some(wt) => with_cpu(wt, |sw, lw| run(Some((sw, lw)))),
+                None => run(None),
+            }
         })?;
         let dw = match (dw, w) {
             (Some(g), Some(w)) => Some(g.reshape(w.shape())?),

@@ -16,7 +16,9 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
-use super::storage::{cpu_slice, dispatch_float, err, par_rows, storage_tensor, with_cpu, CResult};
+use super::storage::{
+    cpu_slice, dispatch_float, err, par_rows, storage_tensor, with_cpu, with_cpus, CResult,
+};
 use crate::kernels::scalar::{Acc, Elem};
 
 /// The cos and sin tables, (n, d_h) each in the accumulation type (f64 under fp64, else f32).
@@ -134,16 +136,14 @@ impl Rope {
 
     fn run(&self, s: &CpuStorage, l: &Layout, sign: f64) -> CResult<CpuStorage> {
         let geom = self.geom(l)?;
-        with_cpu(&self.table.cos, |sc, lc| {
-            with_cpu(&self.table.sin, |ss, ls| {
-                Ok(dispatch_float!(s.dtype(), "rope", |T, A| {
-                    let x = cpu_slice::<T>(s, l, "rope x")?;
-                    let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
-                    let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
-                    let o = rotate::<T, A>(x, cos, sin, geom, <A as Acc>::from_f64(sign));
-                    T::to_cpu_storage_owned(o)
-                }))
-            })
+        with_cpus([&self.table.cos, &self.table.sin], |[(sc, lc), (ss, ls)]| {
+            Ok(dispatch_float!(s.dtype(), "rope", |T, A| {
+                let x = cpu_slice::<T>(s, l, "rope x")?;
+                let cos = cpu_slice::<A>(sc, lc, "rope cos")?;
+                let sin = cpu_slice::<A>(ss, ls, "rope sin")?;
+                let o = rotate::<T, A>(x, cos, sin, geom, <A as Acc>::from_f64(sign));
+                T::to_cpu_storage_owned(o)
+            }))
         })
     }
 }

@@ -15,7 +15,7 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout,
 use rayon::prelude::*;
 
 use super::storage::{
-    cpu_slice, dispatch_float, err, storage_tensor, with_cpu, CResult, PAR_CHUNK,
+    cpu_slice, dispatch_float, err, storage_tensor, with_cpu, with_cpus, CResult, PAR_CHUNK,
 };
 use crate::kernels::scalar::{Acc, Elem};
 
@@ -107,17 +107,15 @@ impl RopeCosSin {
                 sx.dtype()
             )));
         }
-        with_cpu(&self.cos, |sc, lc| {
-            with_cpu(&self.sin, |ss, ls| {
-                Ok(dispatch_float!(sx.dtype(), "rope", |T, A| {
-                    let x = cpu_slice::<T>(sx, lx, "rope x")?;
-                    let c = cpu_slice::<A>(sc, lc, "rope cos")?;
-                    let s = cpu_slice::<A>(ss, ls, "rope sin")?;
-                    <T as candle_core::WithDType>::to_cpu_storage_owned(rotate::<T, A>(
-                        x, c, s, g, sign,
-                    ))
-                }))
-            })
+        with_cpus([&self.cos, &self.sin], |[(sc, lc), (ss, ls)]| {
+            Ok(dispatch_float!(sx.dtype(), "rope", |T, A| {
+                let x = cpu_slice::<T>(sx, lx, "rope x")?;
+                let c = cpu_slice::<A>(sc, lc, "rope cos")?;
+                let s = cpu_slice::<A>(ss, ls, "rope sin")?;
+                <T as candle_core::WithDType>::to_cpu_storage_owned(rotate::<T, A>(
+                    x, c, s, g, sign,
+                ))
+            }))
         })
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 
 use crate::ops::{GradSink, MlpLinear};
 
@@ -41,13 +41,57 @@ pub(crate) const DTYPE_PAIRS: [(DType, DType); 5] = [
     (DType::F16, DType::F32),
 ];
 
-/// A fused op's linear (w, b) whose gradients go to the sink `s`.
-pub(crate) fn sunk_linear(w: &Tensor, b: &Tensor, s: &Arc<GradSink>) -> MlpLinear {
+/// A sink that takes both of a linear's gradients.
+pub(crate) fn new_sink() -> Arc<GradSink> {
+    Arc::new(GradSink::new(true, true))
+}
+
+/// A fused op's linear (out, inp) of [`t`] values in `dt`, W from `seed` and b from `seed + 1`,
+/// its gradients to `sink` (none: a frozen linear, or one the op refuses when W tracks).
+pub(crate) fn seeded_linear(
+    (out, inp): (usize, usize),
+    seed: usize,
+    dt: DType,
+    sink: Option<Arc<GradSink>>,
+) -> MlpLinear {
     MlpLinear {
-        w: w.clone(),
-        b: b.clone(),
-        sink: Some(Arc::clone(s)),
+        w: t(out * inp, &[out, inp], seed, dt),
+        b: t(out, &[out], seed + 1, dt),
+        sink,
     }
+}
+
+/// `l` with its weight made a variable (tracked), values unchanged.
+pub(crate) fn tracking(l: MlpLinear) -> MlpLinear {
+    MlpLinear {
+        w: Var::from_tensor(&l.w).unwrap().as_tensor().clone(),
+        ..l
+    }
+}
+
+/// The gradients of Σ y∘r: r stands for y's output gradient.
+pub(crate) fn grads_against(y: &Tensor, r: &Tensor) -> GradStore {
+    y.mul(r).unwrap().sum_all().unwrap().backward().unwrap()
+}
+
+/// Two backward passes through Σ y² give each of `vars` the same gradient, bit for bit (a
+/// second backward on the same graph recomputes what the first freed); returns the first
+/// pass's gradients of `vars`.
+pub(crate) fn assert_backward_twice_agrees(y: &Tensor, vars: &[&Tensor]) -> Vec<Tensor> {
+    let loss = y.sqr().unwrap().sum_all().unwrap();
+    let (a, b) = (loss.backward().unwrap(), loss.backward().unwrap());
+    vars.iter()
+        .map(|v| {
+            let (ga, gb) = (a.get(v).unwrap(), b.get(v).unwrap());
+            assert_eq!(bits(ga), bits(gb));
+            ga.clone()
+        })
+        .collect()
+}
+
+/// Whether some element of `t` is not zero (a bit-for-bit comparison of it means something).
+pub(crate) fn nonzero(t: &Tensor) -> bool {
+    bits(t).iter().any(|&b| f64::from_bits(b) != 0.0)
 }
 
 /// The weight and the bias gradient each sink holds, sink by sink.
@@ -59,11 +103,31 @@ pub(crate) fn take_sunk(sinks: &[&Arc<GradSink>]) -> Vec<Tensor> {
         .collect()
 }
 
-/// Two lists of gradients are equal, shape and bits (`at` names the case).
-pub(crate) fn assert_grads_bits(a: &[Tensor], b: &[Tensor], at: &str) {
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!(x.dims(), y.dims());
-        assert_eq!(bits(x), bits(y), "grad {i} {at}");
+/// A fused op is its composition, bit for bit: for every (compute, weight) dtype pair of
+/// [`DTYPE_PAIRS`] and every case, `run(fused, dtypes, case)` gives the same tensors, shape and
+/// bits, fused and composed (`names` label them, in order; a run may give fewer); those at
+/// `nonzero_at` are not all zero in the fused run (the comparison means something).
+pub(crate) fn assert_fused_is_composition<C: Copy + std::fmt::Debug>(
+    names: &[&str],
+    nonzero_at: &[usize],
+    cases: &[C],
+    run: impl Fn(bool, (DType, DType), C) -> Vec<Tensor>,
+) {
+    for dts in DTYPE_PAIRS {
+        for &case in cases {
+            let (f, c) = (run(true, dts, case), run(false, dts, case));
+            assert!(
+                f.len() == c.len() && f.len() <= names.len(),
+                "{dts:?} {case:?}"
+            );
+            for ((a, b), name) in f.iter().zip(&c).zip(names) {
+                assert_eq!(a.dims(), b.dims(), "{name} {dts:?} {case:?}");
+                assert_eq!(bits(a), bits(b), "{name} {dts:?} {case:?}");
+            }
+            for &i in nonzero_at {
+                assert!(nonzero(&f[i]), "{} all zero {dts:?} {case:?}", names[i]);
+            }
+        }
     }
 }
 

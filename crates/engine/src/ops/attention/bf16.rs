@@ -201,12 +201,58 @@ fn accumulate<TA: ToBf16, TB: ToBf16>(
     gemm_packed_serial(m, n, k, pa, pb, c, n);
 }
 
+/// c = a·b on the kernel with A already packed (`pa`), on the calling thread (c is overwritten).
+#[allow(clippy::too_many_arguments)]
+fn product_packed_a<TB: ToBf16>(
+    m: usize,
+    n: usize,
+    k: usize,
+    pa: &[u32],
+    b: View<'_, TB>,
+    c: &mut [f32],
+    pb: &mut [u16],
+) {
+    pack_b_serial(k, n, b, pb);
+    c[..m * n].fill(0.0);
+    gemm_packed_serial(m, n, k, pa, pb, c, n);
+}
+
 /// The rows of `v` from row `i0` on.
 fn from_row<T>(v: View<'_, T>, i0: usize) -> View<'_, T> {
     View {
         data: &v.data[i0 * v.rs..],
         ..v
     }
+}
+
+/// The columns of `v` from column `j0` on.
+fn from_col<T>(v: View<'_, T>, j0: usize) -> View<'_, T> {
+    View {
+        data: &v.data[j0 * v.cs..],
+        ..v
+    }
+}
+
+/// Rounds row `i` of head (bi, hd)'s output (`oi`, d_h values) into its columns of the output
+/// (b·s, D).
+///
+/// # Safety
+/// `po` must point to the output's b·s·D elements, and no other thread may write head
+/// (bi, hd)'s columns meanwhile.
+#[inline]
+unsafe fn write_out_row(
+    po: &SharedMut<bf16>,
+    g: &AttnGeom,
+    (bi, hd): (usize, usize),
+    i: usize,
+    oi: &[f32],
+) {
+    let (s, dh, d) = (g.s, g.dh, g.d());
+    // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the elements `po`
+    // points to; head (bi, hd)'s columns are the caller's alone. The narrowing writes every one.
+    let dst: &mut [MaybeUninit<bf16>] =
+        unsafe { std::slice::from_raw_parts_mut(po.at((bi * s + i) * d + hd * dh).cast(), dh) };
+    vecmath::narrow_serial(oi, dst);
 }
 
 /// P of `m` query rows `q` of one head over its s keys (softmax of the scaled scores) into
@@ -267,13 +313,9 @@ pub fn forward(
         let pv = View::rows(&*p, s);
         product(s, dh, s, pv, h.v, o, pa, pb);
         for (i, oi) in o.chunks(dh).enumerate() {
-            // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the
-            // capacity of `out`; head (bi, hd) is one task's alone and only it writes columns
-            // hd·dh..(hd+1)·dh of batch bi's rows. The narrowing writes every one.
-            let dst: &mut [MaybeUninit<bf16>] = unsafe {
-                std::slice::from_raw_parts_mut(po.at((bi * s + i) * d + hd * dh).cast(), dh)
-            };
-            vecmath::narrow_serial(oi, dst);
+            // SAFETY: `po` points to `out`'s b·s·D elements (its capacity); head (bi, hd) is one
+            // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
+            unsafe { write_out_row(&po, g, (bi, hd), i, oi) };
         }
     });
     // SAFETY: the heads' columns cover every row of `out` (b·s·D elements, its capacity), and
@@ -413,13 +455,7 @@ pub(crate) fn forward_streaming(
             let n = kb.min(s - j0);
             let blk = &mut sb[..s * n];
             // S = (q·k_blkᵀ)·scale.
-            let kt = View {
-                data: &h.kt.data[j0 * h.kt.cs..],
-                ..h.kt
-            };
-            pack_b_serial(dh, n, kt, pb);
-            blk.fill(0.0);
-            gemm_packed_serial(s, n, dh, aq, pb, blk, n);
+            product_packed_a(s, n, dh, aq, from_col(h.kt, j0), blk, pb);
             for x in blk.iter_mut() {
                 *x *= scale;
             }
@@ -444,11 +480,7 @@ pub(crate) fn forward_streaming(
             }
             // o += P_blk·v_blk.
             let pblk = View::rows(&*blk, n);
-            let vb = View {
-                data: &h.v.data[j0 * h.v.rs..],
-                ..h.v
-            };
-            accumulate(s, dh, n, pblk, vb, o, ap, pb);
+            accumulate(s, dh, n, pblk, from_row(h.v, j0), o, ap, pb);
             j0 += n;
         }
         for i in 0..s {
@@ -457,13 +489,9 @@ pub(crate) fn forward_streaming(
             for x in oi.iter_mut() {
                 *x *= inv;
             }
-            // SAFETY: the row's dh elements from (bi·s + i)·D + hd·dh lie below b·s·D, the
-            // capacity of `out`; head (bi, hd) is one task's alone and only it writes columns
-            // hd·dh..(hd+1)·dh of batch bi's rows. The narrowing writes every one.
-            let dst: &mut [MaybeUninit<bf16>] = unsafe {
-                std::slice::from_raw_parts_mut(po.at((bi * s + i) * d + hd * dh).cast(), dh)
-            };
-            vecmath::narrow_serial(oi, dst);
+            // SAFETY: `po` points to `out`'s b·s·D elements (its capacity); head (bi, hd) is one
+            // task's alone and only it writes columns hd·dh..(hd+1)·dh of batch bi's rows.
+            unsafe { write_out_row(&po, g, (bi, hd), i, oi) };
             if save {
                 // SAFETY: `lse` holds b·a·s elements when saved and hi·s + i < b·a·s; only head
                 // `hi`'s task writes lse[hi·s..(hi+1)·s].
@@ -569,13 +597,7 @@ pub(crate) fn backward_streaming(
                 let p = &mut pblk[..m * n];
                 let dp = &mut dpblk[..m * n];
                 // P = exp(S·scale − lse).
-                let kt = View {
-                    data: &h.kt.data[j0 * h.kt.cs..],
-                    ..h.kt
-                };
-                pack_b_serial(dh, n, kt, pb);
-                p.fill(0.0);
-                gemm_packed_serial(m, n, dh, aq, pb, p, n);
+                product_packed_a(m, n, dh, aq, from_col(h.kt, j0), p, pb);
                 for x in p.iter_mut() {
                     *x *= scale;
                 }
@@ -584,21 +606,11 @@ pub(crate) fn backward_streaming(
                 let pt = View::cols(&*p, n);
                 accumulate(n, dh, m, pt, goi, &mut dv[j0 * dh..(j0 + n) * dh], ab, pb);
                 // dP = dO_i·v_blkᵀ.
-                let vt = View {
-                    data: &h.vt.data[j0 * h.vt.cs..],
-                    ..h.vt
-                };
-                pack_b_serial(dh, n, vt, pb);
-                dp.fill(0.0);
-                gemm_packed_serial(m, n, dh, ado, pb, dp, n);
+                product_packed_a(m, n, dh, ado, from_col(h.vt, j0), dp, pb);
                 score_grad(p, dp, delta_i, n);
                 // dq_i += dS·k_blk.
                 let ds = View::rows(&*dp, n);
-                let kblk = View {
-                    data: &h.k.data[j0 * h.k.rs..],
-                    ..h.k
-                };
-                accumulate(m, dh, n, ds, kblk, dqi, ab, pb);
+                accumulate(m, dh, n, ds, from_row(h.k, j0), dqi, ab, pb);
                 // dk_blk += dSᵀ·q_i.
                 let dst = View::cols(&*dp, n);
                 accumulate(n, dh, m, dst, qi, &mut dk[j0 * dh..(j0 + n) * dh], ab, pb);

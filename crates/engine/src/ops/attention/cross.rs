@@ -34,11 +34,9 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use super::separate::SeparateAttention;
 use super::AttnKeep;
 use crate::ops::fused_mlp::MlpLinear;
-use crate::ops::linear::{
-    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, InputSink, LinearGrads,
-};
+use crate::ops::linear::{storage_tensor, InputSink};
 use crate::ops::rms_norm_rows::RmsNormRows;
-use crate::ops::storage::{err, with_cpu, CResult};
+use crate::ops::storage::{err, with_cpu, with_cpus, CResult};
 
 /// k before the norm (with a norm), k as the attention reads it, and v, all (b·T, D), with
 /// their dims: made by the forward for the attention and again by the backward.
@@ -79,13 +77,10 @@ pub fn cross_attention(
     heads: usize,
     keep: AttnKeep,
 ) -> CResult<Tensor> {
-    for l in [&k, &v] {
-        if l.sink.is_none() && (l.w.track_op() || l.b.track_op()) {
-            return Err(err(
-                "cross_attention: a projection whose weights track needs a gradient sink",
-            ));
-        }
-    }
+    MlpLinear::require_sinks(
+        &[&k, &v],
+        "cross_attention: a projection whose weights track needs a gradient sink",
+    )?;
     let track = q.track_op() || ctx.track_op() || norm_k.is_some_and(|(w, _)| w.track_op());
     let op = CrossAttention {
         k,
@@ -103,13 +98,6 @@ pub fn cross_attention(
 }
 
 impl CrossAttention {
-    /// One projection of the context.
-    fn project(l: &MlpLinear, ctx: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
-        with_cpu(&l.w, |sw, lw| {
-            with_cpu(&l.b, |sb, lb| linear_fwd_storage(ctx, (sw, lw), (sb, lb)))
-        })
-    }
-
     /// k (normed when the op has a norm, its statistics then kept by the norm op until
     /// [`RmsNormRows::release`]) and v of the context, in the order the budget counts them: k,
     /// the norm's output, v.
@@ -118,14 +106,14 @@ impl CrossAttention {
         ctx: (&CpuStorage, &Layout),
         nw: Option<(&CpuStorage, &Layout)>,
     ) -> CResult<Projected> {
-        let (k_pre, shape) = Self::project(&self.k, ctx)?;
+        let (k_pre, shape) = self.k.forward(ctx)?;
         let lk = Layout::contiguous(shape.clone());
         let kn = match (&self.norm, nw) {
             (Some(op), Some(w)) => Some(op.fwd(&k_pre, &lk, Some(w))?.0),
             (None, None) => None,
             _ => return Err(err("cross_attention: a norm needs its weight")),
         };
-        let (v, _) = Self::project(&self.v, ctx)?;
+        let (v, _) = self.v.forward(ctx)?;
         let (k_pre, k) = match kn {
             Some(kn) => (Some(k_pre), kn),
             None => (None, k_pre),
@@ -174,20 +162,7 @@ impl CrossAttention {
         g: Tensor,
         dctx: &mut Option<Tensor>,
     ) -> CResult<()> {
-        let (w_wanted, b_wanted) = l.wants();
-        let want = LinearGrads {
-            x: ctx.track_op(),
-            w: w_wanted,
-            b: b_wanted,
-        };
-        let (bdt, lb) = (l.b.dtype(), l.b.layout());
-        let (dx, dw, db) = with_cpu(ctx, |sx, lx| {
-            with_cpu(&l.w, |sw, lw| {
-                with_cpu(&g, |sg, lg| {
-                    linear_bwd_storage((sx, lx), (sw, lw), (bdt, lb), (sg, lg), want)
-                })
-            })
-        })?;
+        let (dx, dw, db) = with_cpu(&g, |sg, lg| l.grads(ctx, (sg, lg), ctx.track_op()))?;
         drop(g);
         if let Some(dx) = dx {
             let dx = storage_tensor(dx, ctx.shape())?;
@@ -197,11 +172,7 @@ impl CrossAttention {
                 (None, None) => *dctx = Some(dx),
             }
         }
-        let (dw, db) = weight_grads((dw, db), l.w.dims2()?)?;
-        if let Some(s) = &l.sink {
-            s.put_both(dw, db)?;
-        }
-        Ok(())
+        l.sink_grads(dw, db)
     }
 
     /// The backward (see the module docs): (dq, dctx unless sunk, dnorm weight).
@@ -224,13 +195,8 @@ impl CrossAttention {
         })?;
         let lk = Layout::contiguous(dims);
         let grad = grad.contiguous()?;
-        let (dq, dk, dv) = with_cpu(q, |sq, lq| {
-            with_cpu(res, |so, lo| {
-                with_cpu(&grad, |sg, lg| {
-                    self.attn
-                        .grads_over((sq, lq), (k, v, &lk), (so, lo), (sg, lg))
-                })
-            })
+        let (dq, dk, dv) = with_cpus([q, res, &grad], |[sq, so, sg]| {
+            self.attn.grads_over(sq, (k, v, &lk), so, sg)
         })?;
         self.attn.release();
         let dq = storage_tensor(dq, q.shape())?;
@@ -315,32 +281,30 @@ impl CustomOp3 for CrossAttention {
 mod tests {
     use super::*;
     use crate::ops::attention::separate::attention;
-    use crate::ops::test_values::{bits, sunk_linear, t, DTYPE_PAIRS};
-    use crate::ops::{linear_into, rms_norm_rows, GradSink};
+    use crate::ops::test_values::*;
+    use crate::ops::{linear_into, rms_norm_rows};
     use candle_core::{DType, Var};
 
     const EPS: f64 = 1e-6;
 
-    /// (out, dq, dctx, [dWk, dbk, dWv, dbv], dnorm) of the cross-attention of q (b·sq, d) over
-    /// ctx (b·t, c), fused or composed of the sunk linears, the norm and the attention.
-    #[allow(clippy::type_complexity)]
+    /// (b, sq, t, c, d, heads).
+    type CrossDims = (usize, usize, usize, usize, usize, usize);
+
+    /// out, dq, dctx, dWk, dbk, dWv, dbv and (with the norm) dnorm of the cross-attention of q
+    /// (b·sq, d) over ctx (b·t, c), fused or composed of the sunk linears, the norm and the
+    /// attention.
     fn run(
         fused: bool,
         (dt, wdt): (DType, DType),
-        norm: bool,
-        keep: AttnKeep,
-        (b, sq, t_, c, d, heads): (usize, usize, usize, usize, usize, usize),
-    ) -> (Tensor, Tensor, Tensor, Vec<Tensor>, Option<Tensor>) {
+        (norm, keep, (b, sq, t_, c, d, heads)): (bool, AttnKeep, CrossDims),
+    ) -> Vec<Tensor> {
         let q = Var::from_tensor(&t(b * sq * d, &[b * sq, d], 1, dt)).unwrap();
         let ctx = Var::from_tensor(&t(b * t_ * c, &[b * t_, c], 2, dt)).unwrap();
         let nw = Var::from_tensor(&t(d, &[d], 3, dt)).unwrap();
-        let (wk, bk) = (t(d * c, &[d, c], 4, wdt), t(d, &[d], 5, wdt));
-        let (wv, bv) = (t(d * c, &[d, c], 6, wdt), t(d, &[d], 7, wdt));
+        let (sk, sv) = (new_sink(), new_sink());
+        let lk = seeded_linear((d, c), 4, wdt, Some(Arc::clone(&sk)));
+        let lv = seeded_linear((d, c), 6, wdt, Some(Arc::clone(&sv)));
         let r = t(b * sq * d, &[b * sq, d], 8, dt);
-        let (sk, sv) = (
-            Arc::new(GradSink::new(true, true)),
-            Arc::new(GradSink::new(true, true)),
-        );
         let sink = Arc::new(InputSink::default());
         // The running sum in the gradient dtype (f64 under f64, else f32), as the trainer's.
         let gd = if dt == DType::F64 {
@@ -352,12 +316,11 @@ mod tests {
             .unwrap();
         let norm_k = norm.then_some((nw.as_tensor(), EPS));
         let y = if fused {
-            let kv = (sunk_linear(&wk, &bk, &sk), sunk_linear(&wv, &bv, &sv));
             let s = Some(Arc::clone(&sink));
             cross_attention(
                 q.as_tensor(),
                 ctx.as_tensor(),
-                kv,
+                (lk, lv),
                 norm_k,
                 s,
                 b,
@@ -366,22 +329,26 @@ mod tests {
             )
             .unwrap()
         } else {
-            let k = linear_into(ctx.as_tensor(), &wk, &bk, Some(&sk), &sink).unwrap();
-            let v = linear_into(ctx.as_tensor(), &wv, &bv, Some(&sv), &sink).unwrap();
+            let k = linear_into(ctx.as_tensor(), &lk.w, &lk.b, Some(&sk), &sink).unwrap();
+            let v = linear_into(ctx.as_tensor(), &lv.w, &lv.b, Some(&sv), &sink).unwrap();
             let k = match norm_k {
                 Some((w, eps)) => rms_norm_rows(&k, Some(w), eps, dt).unwrap(),
                 None => k,
             };
             attention(q.as_tensor(), &k, &v, b, heads, keep).unwrap()
         };
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&y, &r);
         let dq = grads.get(q.as_tensor()).unwrap().clone();
         assert!(grads.get(ctx.as_tensor()).is_none(), "dctx in the store");
         let dctx = sink.take().unwrap();
-        let sunk = [sk.take_w(), sk.take_b(), sv.take_w(), sv.take_b()]
-            .map(|g| g.expect("the sinks hold every weight gradient"));
         let dnw = grads.get(nw.as_tensor()).cloned();
-        (y, dq, dctx, sunk.to_vec(), dnw)
+        assert_eq!(dnw.is_some(), norm, "the norm weight's gradient");
+        [
+            vec![y, dq, dctx],
+            take_sunk(&[&sk, &sv]),
+            dnw.into_iter().collect(),
+        ]
+        .concat()
     }
 
     /// The fused cross-attention's output and every gradient (q's, the context's, the four
@@ -390,27 +357,15 @@ mod tests {
     /// without the norm, in both attention modes.
     #[test]
     fn cross_attention_equals_the_composition_bit_for_bit() {
-        for dts in DTYPE_PAIRS {
-            for norm in [false, true] {
-                for keep in [AttnKeep::LogSumExp, AttnKeep::Probabilities] {
-                    let dims = (2, 5, 7, 12, 8, 2);
-                    let what = format!("{dts:?} norm {norm} {keep:?}");
-                    let (yf, dqf, dcf, gf, nf) = run(true, dts, norm, keep, dims);
-                    let (yc, dqc, dcc, gc, nc) = run(false, dts, norm, keep, dims);
-                    assert_eq!(bits(&yf), bits(&yc), "y {what}");
-                    assert_eq!(bits(&dqf), bits(&dqc), "dq {what}");
-                    assert_eq!(bits(&dcf), bits(&dcc), "dctx {what}");
-                    for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
-                        assert_eq!(bits(a), bits(b), "weight grad {i} {what}");
-                    }
-                    assert_eq!(nf.is_some(), norm, "{what}");
-                    if let (Some(a), Some(b)) = (&nf, &nc) {
-                        assert_eq!(bits(a), bits(b), "dnorm {what}");
-                    }
-                    assert!(bits(&dcf).iter().any(|&b| f64::from_bits(b) != 0.0));
-                }
-            }
-        }
+        let dims = (2, 5, 7, 12, 8, 2);
+        let cases: Vec<_> = [false, true]
+            .into_iter()
+            .flat_map(|norm| {
+                [AttnKeep::LogSumExp, AttnKeep::Probabilities].map(|keep| (norm, keep, dims))
+            })
+            .collect();
+        let names = ["y", "dq", "dctx", "dWk", "dbk", "dWv", "dbv", "dnorm"];
+        assert_fused_is_composition(&names, &[2], &cases, run);
     }
 
     /// The op's heap bytes beside what it keeps are the budget's constant.

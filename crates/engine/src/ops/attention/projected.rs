@@ -4,11 +4,9 @@
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use super::{AttnKeep, Dropout, QkvAttention};
-use crate::ops::linear::{
-    linear_bwd_storage, linear_fwd_storage, storage_tensor, weight_grads, LinearGrads,
-};
+use crate::ops::linear::storage_tensor;
 use crate::ops::storage::Saved;
-use crate::ops::storage::{err, with_cpu, CResult};
+use crate::ops::storage::{err, with_cpu, with_cpus, CResult};
 use crate::ops::{release_whole, MlpLinear};
 
 /// `attention(x·Wᵀ + b)` on a 2-D x (b·s, D), written as (b·s, D): the projection runs inside
@@ -51,27 +49,15 @@ pub(crate) fn projected_attention(
             "projected attention: the input does not track (use the projection and qkv_attention)",
         ));
     }
-    if proj.sink.is_none() && (proj.w.track_op() || proj.b.track_op()) {
-        return Err(err(
-            "projected attention: tracking projection weights need a gradient sink",
-        ));
-    }
+    MlpLinear::require_sinks(
+        &[proj],
+        "projected attention: tracking projection weights need a gradient sink",
+    )?;
     x.apply_op1(ProjectedAttention {
         attn,
         proj: proj.clone(),
         qkv: Saved::default(),
     })
-}
-
-impl ProjectedAttention {
-    /// qkv = x·Wᵀ + b and its shape.
-    fn project(&self, x: (&CpuStorage, &Layout)) -> CResult<(CpuStorage, Shape)> {
-        with_cpu(&self.proj.w, |sw, lw| {
-            with_cpu(&self.proj.b, |sb, lb| {
-                linear_fwd_storage(x, (sw, lw), (sb, lb))
-            })
-        })
-    }
 }
 
 impl CustomOp1 for ProjectedAttention {
@@ -80,7 +66,7 @@ impl CustomOp1 for ProjectedAttention {
     }
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (qkv, shape) = self.project((sx, lx))?;
+        let (qkv, shape) = self.proj.forward((sx, lx))?;
         let lq = Layout::contiguous(shape);
         let out = self.attn.attn_fwd(&qkv, &lq)?;
         *self.qkv.lock("projected attention: qkv poisoned")? = Some(qkv);
@@ -90,43 +76,27 @@ impl CustomOp1 for ProjectedAttention {
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
         let (rows, _) = x.dims2()?;
-        let (out, inp) = self.proj.w.dims2()?;
+        let (out, _) = self.proj.w.dims2()?;
         let lq = Layout::contiguous((rows, out));
         let kept = self.qkv.lock("projected attention: qkv poisoned")?.take();
         // qkv, from the forward or (a second backward) recomputed from x.
         let qkv = match kept {
             Some(qkv) => qkv,
-            None => with_cpu(x, |sx, lx| self.project((sx, lx)))?.0,
+            None => with_cpu(x, |sx, lx| self.proj.forward((sx, lx)))?.0,
         };
         // dqkv over qkv's own buffer where the kernels allow (the generic ones), else fresh with
         // qkv freed once it is made.
-        let dqkv = with_cpu(res, |so, lo| {
-            with_cpu(&grad, |sg, lg| {
-                self.attn.dqkv_from_owned(qkv, &lq, (so, lo), (sg, lg))
-            })
+        let dqkv = with_cpus([res, &grad], |[so, sg]| {
+            self.attn.dqkv_from_owned(qkv, &lq, so, sg)
         })?;
         // The projection's products read dqkv, x and W, not the output gradient: its buffer
         // (the store's sum, which candle drops only after this call) is freed here, as PyTorch
         // frees a node's incoming gradient once the last rule reading it has run.
         release_whole(&grad)?;
-        let (tw, tb) = self.proj.wants();
-        let want = LinearGrads {
-            x: true,
-            w: tw,
-            b: tb,
-        };
-        let (bdt, bl) = (self.proj.b.dtype(), self.proj.b.layout());
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(&self.proj.w, |sw, lw| {
-                linear_bwd_storage((sx, lx), (sw, lw), (bdt, bl), (&dqkv, &lq), want)
-            })
-        })?;
+        let (dx, dw, db) = self.proj.grads(x, (&dqkv, &lq), true)?;
         debug_assert_eq!(dqkv.dtype(), x.dtype());
         drop(dqkv);
-        let (dw, db) = weight_grads((dw, db), (out, inp))?;
-        if let Some(s) = &self.proj.sink {
-            s.put_both(dw, db)?;
-        }
+        self.proj.sink_grads(dw, db)?;
         dx.map(|v| storage_tensor(v, x.shape())).transpose()
     }
 }
@@ -138,37 +108,30 @@ mod tests {
     use candle_core::{DType, Var};
 
     use super::*;
-    use crate::ops::test_values::{bits, t, take_sunk, DTYPE_PAIRS};
-    use crate::ops::{linear_sunk, qkv_attention, GradSink};
+    use crate::ops::test_values::*;
+    use crate::ops::{linear_sunk, qkv_attention};
 
-    /// (o, dx, [dW, db]) of x (b·s, D) through the projection (3D, D) and the attention with
+    /// o, dx, dW, db of x (b·s, D) through the projection (3D, D) and the attention with
     /// `heads` heads, gradient r of o: projected, or the sunk linear then `qkv_attention`.
     fn run(
         projected: bool,
         (dt, wdt): (DType, DType),
-        (b, s, heads, dh): (usize, usize, usize, usize),
-        keep: AttnKeep,
-    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        (keep, (b, s, heads, dh)): (AttnKeep, (usize, usize, usize, usize)),
+    ) -> Vec<Tensor> {
         let (rows, d) = (b * s, heads * dh);
         let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, dt)).unwrap();
-        let w = t(3 * d * d, &[3 * d, d], 2, wdt);
-        let bias = t(3 * d, &[3 * d], 3, wdt);
+        let sink = new_sink();
+        let proj = seeded_linear((3 * d, d), 2, wdt, Some(Arc::clone(&sink)));
         let r = t(rows * d, &[rows, d], 4, dt);
-        let sink = Arc::new(GradSink::new(true, true));
         let o = if projected {
-            let proj = MlpLinear {
-                w: w.clone(),
-                b: bias.clone(),
-                sink: Some(Arc::clone(&sink)),
-            };
             projected_attention(x.as_tensor(), &proj, b, heads, keep, None).unwrap()
         } else {
-            let qkv = linear_sunk(x.as_tensor(), &w, &bias, &sink).unwrap();
+            let qkv = linear_sunk(x.as_tensor(), &proj.w, &proj.b, &sink).unwrap();
             qkv_attention(&qkv, b, heads, keep, None).unwrap()
         };
-        let grads = o.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = grads_against(&o, &r);
         let dx = grads.get(x.as_tensor()).unwrap().clone();
-        (o, dx, take_sunk(&[&sink]))
+        [vec![o, dx], take_sunk(&[&sink])].concat()
     }
 
     /// The projected attention's output, dx and the sunk dW, db are the two nodes', bit for bit,
@@ -176,26 +139,16 @@ mod tests {
     /// that is not a multiple of the key block.
     #[test]
     fn projected_attention_equals_the_two_nodes_bit_for_bit() {
-        for dts in DTYPE_PAIRS {
-            for keep in [
-                AttnKeep::LogSumExp,
-                AttnKeep::Probabilities,
-                AttnKeep::Nothing,
-            ] {
-                for geom in [(2, 6, 2, 4), (1, 150, 3, 8)] {
-                    let (op, dxp, gp) = run(true, dts, geom, keep);
-                    let (oc, dxc, gc) = run(false, dts, geom, keep);
-                    let what = format!("{dts:?} {keep:?} {geom:?}");
-                    assert_eq!(bits(&op), bits(&oc), "o {what}");
-                    assert_eq!(bits(&dxp), bits(&dxc), "dx {what}");
-                    for (i, (a, b)) in gp.iter().zip(&gc).enumerate() {
-                        assert_eq!(a.dims(), b.dims(), "grad {i} {what}");
-                        assert_eq!(bits(a), bits(b), "grad {i} {what}");
-                    }
-                    assert!(bits(&dxp).iter().any(|&b| f64::from_bits(b) != 0.0));
-                }
-            }
-        }
+        let keeps = [
+            AttnKeep::LogSumExp,
+            AttnKeep::Probabilities,
+            AttnKeep::Nothing,
+        ];
+        let cases: Vec<_> = keeps
+            .into_iter()
+            .flat_map(|keep| [(2, 6, 2, 4), (1, 150, 3, 8)].map(|geom| (keep, geom)))
+            .collect();
+        assert_fused_is_composition(&["o", "dx", "dW", "db"], &[1], &cases, run);
     }
 
     /// A frozen projection (no sink, untracked weights) hands back dx only; a second backward on
@@ -204,18 +157,10 @@ mod tests {
     fn a_frozen_projection_gives_dx_and_a_second_backward_agrees() {
         let (rows, d) = (12, 8);
         let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
-        let proj = MlpLinear {
-            w: t(3 * d * d, &[3 * d, d], 2, DType::F32),
-            b: t(3 * d, &[3 * d], 3, DType::F32),
-            sink: None,
-        };
+        let proj = seeded_linear((3 * d, d), 2, DType::F32, None);
         let o = projected_attention(x.as_tensor(), &proj, 2, 2, AttnKeep::LogSumExp, None).unwrap();
-        let loss = o.sqr().unwrap().sum_all().unwrap();
-        let a = loss.backward().unwrap();
-        let b = loss.backward().unwrap();
-        let (a, b) = (a.get(x.as_tensor()).unwrap(), b.get(x.as_tensor()).unwrap());
-        assert_eq!(bits(a), bits(b));
-        assert!(bits(a).iter().any(|&v| f64::from_bits(v) != 0.0));
+        let dx = assert_backward_twice_agrees(&o, &[x.as_tensor()]);
+        assert!(nonzero(&dx[0]));
     }
 
     /// With a sink, a second backward (qkv recomputed) gives the same dx and hands the sink the
@@ -224,12 +169,8 @@ mod tests {
     fn a_second_backward_with_a_sink_gives_the_same_gradients() {
         let (rows, d) = (10, 8);
         let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
-        let sink = Arc::new(GradSink::new(true, true));
-        let proj = MlpLinear {
-            w: t(3 * d * d, &[3 * d, d], 2, DType::F32),
-            b: t(3 * d, &[3 * d], 3, DType::F32),
-            sink: Some(Arc::clone(&sink)),
-        };
+        let sink = new_sink();
+        let proj = seeded_linear((3 * d, d), 2, DType::F32, Some(Arc::clone(&sink)));
         let o = projected_attention(x.as_tensor(), &proj, 2, 2, AttnKeep::LogSumExp, None).unwrap();
         let loss = o.sqr().unwrap().sum_all().unwrap();
         let mut runs = Vec::new();
@@ -260,20 +201,12 @@ mod tests {
     fn inputs_it_cannot_take_are_refused() {
         let (rows, d) = (4, 4);
         let x = Var::from_tensor(&t(rows * d, &[rows, d], 1, DType::F32)).unwrap();
-        let w = Var::from_tensor(&t(3 * d * d, &[3 * d, d], 2, DType::F32)).unwrap();
-        let frozen = MlpLinear {
-            w: w.as_detached_tensor(),
-            b: t(3 * d, &[3 * d], 3, DType::F32),
-            sink: None,
-        };
+        let frozen = seeded_linear((3 * d, d), 2, DType::F32, None);
         let untracked = x.as_detached_tensor();
         let e = projected_attention(&untracked, &frozen, 1, 1, AttnKeep::LogSumExp, None);
         assert!(e.unwrap_err().to_string().contains("does not track"));
-        let tracking = MlpLinear {
-            w: w.as_tensor().clone(),
-            ..frozen.clone()
-        };
-        let e = projected_attention(x.as_tensor(), &tracking, 1, 1, AttnKeep::LogSumExp, None);
+        let tracked = tracking(frozen.clone());
+        let e = projected_attention(x.as_tensor(), &tracked, 1, 1, AttnKeep::LogSumExp, None);
         assert!(e.unwrap_err().to_string().contains("need a gradient sink"));
         let drop = Some(Dropout { p: 0.1, seed: 1 });
         let e = projected_attention(x.as_tensor(), &frozen, 1, 1, AttnKeep::LogSumExp, drop);

@@ -13,7 +13,7 @@ use super::geom::{attn_geom, AttnKeep};
 use super::head::BwdIn;
 use crate::ops::linear::storage_tensor;
 use crate::ops::storage::Saved;
-use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpu, CResult};
+use crate::ops::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 
 /// Attention over the (b·s, 3D) output of the qkv projection, written as (b·s, D): q, k, v are
 /// read in place (no narrow, no transposes, no contiguous copies), the output already has the
@@ -207,11 +207,7 @@ impl CustomOp1 for QkvAttention {
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
-        let dqkv = with_cpu(arg, |sq, lq| {
-            with_cpu(res, |so, lo| {
-                with_cpu(&grad, |sg, lg| self.dqkv((sq, lq), (so, lo), (sg, lg)))
-            })
-        })?;
+        let dqkv = with_cpus([arg, res, &grad], |[sq, so, sg]| self.dqkv(sq, so, sg))?;
         Ok(Some(storage_tensor(dqkv, arg.shape())?))
     }
 }

@@ -413,6 +413,7 @@ impl CustomOp3 for SeparateAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::test_values::grads_against;
     use candle_core::{Device, Var};
 
     /// softmax(q·kᵀ/√d_h)·v per head, composed in f64.
@@ -469,7 +470,7 @@ mod tests {
             let (q, k, v) = (mk(b * sq, 0.1), mk(b * sk, 0.7), mk(b * sk, 1.9));
             let w = Tensor::from_vec(data(b * sq * d, 3.3), (b * sq, d), &dev).unwrap();
             let r = reference(q.as_tensor(), k.as_tensor(), v.as_tensor(), b, a);
-            let rg = r.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+            let rg = grads_against(&r, &w);
             for keep in [
                 AttnKeep::Probabilities,
                 AttnKeep::Nothing,
@@ -481,7 +482,7 @@ mod tests {
                     diff.to_scalar::<f64>().unwrap() < 1e-12,
                     "{keep:?} {sq}/{sk}"
                 );
-                let g = o.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                let g = grads_against(&o, &w);
                 for x in [&q, &k, &v] {
                     let (ge, gr) = (
                         g.get(x.as_tensor()).unwrap(),

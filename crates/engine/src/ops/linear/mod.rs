@@ -18,7 +18,7 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout,
 
 use crate::kernels::gemm_bf16;
 pub(crate) use crate::ops::storage::storage_tensor;
-use crate::ops::storage::{cpu_slice, err, with_cpu, CResult};
+use crate::ops::storage::{cpu_slice, err, with_cpus, CResult};
 
 pub(crate) use bf16::{dw_chunk, dx_chunk};
 use bf16::{linear_bwd_bf16, linear_fwd_bf16};
@@ -298,12 +298,8 @@ impl CustomOp3 for LinearOp {
             b: b.track_op() || self.sink.as_ref().is_some_and(|s| s.want_b),
         };
         let grad = grad.contiguous()?;
-        let (dx, dw, db) = with_cpu(x, |sx, lx| {
-            with_cpu(w, |sw, lw| {
-                with_cpu(&grad, |sg, lg| {
-                    linear_bwd_storage((sx, lx), (sw, lw), (b.dtype(), b.layout()), (sg, lg), want)
-                })
-            })
+        let (dx, dw, db) = with_cpus([x, w, &grad], |[(sx, lx), (sw, lw), (sg, lg)]| {
+            linear_bwd_storage((sx, lx), (sw, lw), (b.dtype(), b.layout()), (sg, lg), want)
         })?;
         let mut dx = dx.map(|v| storage_tensor(v, x.shape())).transpose()?;
         if let (Some(sink), Some(d)) = (&self.dx_sink, &dx) {
