@@ -35,21 +35,28 @@ fn runner(default: u32) -> TestRunner {
     fuzz_runner(fuzz_cases(default), 2048)
 }
 
-/// `value` reads back from its text; `text` parses to a value that reads back, or is refused
-/// naming `field` (and listing what is allowed).
-fn reads_back_or_names<T>(value: T, text: &str, field: &str) -> Result<(), TestCaseError>
-where
+/// Over 256 cases: each `value` reads back from its text; each `text` parses to a value that
+/// reads back, or is refused naming `field` (and listing what is allowed).
+fn reads_back_or_names<T>(
+    value: impl Strategy<Value = T>,
+    text: impl Strategy<Value = String>,
+    field: &str,
+) where
     T: std::str::FromStr<Err = SpecError> + std::fmt::Display + std::fmt::Debug + PartialEq + Clone,
 {
-    prop_assert_eq!(value.to_string().parse::<T>(), Ok(value.clone()));
-    match text.parse::<T>() {
-        Ok(v) => prop_assert_eq!(v.to_string().parse::<T>(), Ok(v)),
-        Err(e) => {
-            prop_assert_eq!(e.field(), Some(field));
-            prop_assert!(e.to_string().contains("allowed"));
-        }
-    }
-    Ok(())
+    runner(256)
+        .run(&(value, text), |(value, text)| {
+            prop_assert_eq!(value.to_string().parse::<T>(), Ok(value.clone()));
+            match text.parse::<T>() {
+                Ok(v) => prop_assert_eq!(v.to_string().parse::<T>(), Ok(v)),
+                Err(e) => {
+                    prop_assert_eq!(e.field(), Some(field));
+                    prop_assert!(e.to_string().contains("allowed"));
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 fn data(rel: &str) -> PathBuf {
@@ -323,30 +330,13 @@ fn valid_spec() -> impl Strategy<Value = Spec> {
         prop::collection::btree_set(0u32..12, 1..5)
             .prop_map(|s| Recompute::Blocks(s.into_iter().collect())),
     ];
-    let runtime = prop_oneof![
-        Just(Runtime::DitmemCpu),
-        (
-            any::<bool>(),
-            prop::sample::select(SdpaBackend::ALL.to_vec())
-        )
-            .prop_map(|(cuda, sdpa)| {
-                Runtime::Pytorch {
-                    device: if cuda {
-                        TorchDevice::Cuda
-                    } else {
-                        TorchDevice::Cpu
-                    },
-                    sdpa,
-                }
-            }),
-    ];
     (
         prop::sample::select(ditmem_budget::ModelSpec::preset_names()),
         prop::sample::select(Precision::ALL.to_vec()),
         prop::sample::select(vec!["adamw", "adamw-8bit", "sgd"]),
         prop::sample::select(vec!["materialized", "memory-efficient"]),
         recompute,
-        runtime,
+        runtime_value(),
         (1u32..=4, 1u32..=3, any::<bool>(), any::<bool>(), 1u32..=8),
     )
         .prop_map(|(preset, precision, opt, att, rec, rt, misc)| {
@@ -1005,6 +995,27 @@ fn recompute_value() -> impl Strategy<Value = Recompute> {
     ]
 }
 
+/// Every runtime: the engine, or PyTorch on either device with any SDPA backend.
+fn runtime_value() -> impl Strategy<Value = Runtime> {
+    prop_oneof![
+        Just(Runtime::DitmemCpu),
+        (
+            any::<bool>(),
+            prop::sample::select(SdpaBackend::ALL.to_vec())
+        )
+            .prop_map(|(cuda, sdpa)| {
+                Runtime::Pytorch {
+                    device: if cuda {
+                        TorchDevice::Cuda
+                    } else {
+                        TorchDevice::Cpu
+                    },
+                    sdpa,
+                }
+            }),
+    ]
+}
+
 /// Recompute: every value reads back from its text; any text (prefixes of the grammar with
 /// hostile tails too) parses to a value whose text reads back the same, or is refused naming
 /// `recipe.recompute` and what is allowed.
@@ -1026,34 +1037,13 @@ fn recompute_strings_round_trip_or_name_the_field() {
         )
             .prop_map(|(p, t)| format!("{p}{t}")),
     ];
-    runner(256)
-        .run(&(recompute_value(), text), |(r, t)| {
-            reads_back_or_names(r, &t, "recipe.recompute")
-        })
-        .unwrap();
+    reads_back_or_names(recompute_value(), text, "recipe.recompute");
 }
 
 /// Runtime: every value reads back from its text; any text parses to a value that reads back,
 /// or is refused naming `runtime`.
 #[test]
 fn runtime_strings_round_trip_or_name_the_field() {
-    let value = prop_oneof![
-        Just(Runtime::DitmemCpu),
-        (
-            any::<bool>(),
-            prop::sample::select(SdpaBackend::ALL.to_vec())
-        )
-            .prop_map(|(c, sdpa)| {
-                Runtime::Pytorch {
-                    device: if c {
-                        TorchDevice::Cuda
-                    } else {
-                        TorchDevice::Cpu
-                    },
-                    sdpa,
-                }
-            }),
-    ];
     let part = prop_oneof![
         prop::sample::select(vec![
             "cpu",
@@ -1088,11 +1078,7 @@ fn runtime_strings_round_trip_or_name_the_field() {
                 s
             }),
     ];
-    runner(256)
-        .run(&(value, text), |(r, t)| {
-            reads_back_or_names(r, &t, "runtime")
-        })
-        .unwrap();
+    reads_back_or_names(runtime_value(), text, "runtime");
 }
 
 /// The other recipe strings: each name reads back; any other text is refused naming its field.

@@ -442,6 +442,11 @@ mod tests {
         }
     }
 
+    /// [`call`] of `command` with the object `args` and the default options.
+    fn call_json(command: &str, args: Value) -> Result<Value, ApiError> {
+        call(command, &obj(args), Options::default())
+    }
+
     #[test]
     fn command_line_spells_flags_as_the_cli() {
         let (argv, model) = command_line(
@@ -475,53 +480,33 @@ mod tests {
 
     #[test]
     fn unknown_and_file_arguments_are_refused_by_name() {
-        let e = call("estimate", &obj(json!({"lora_rnk": 4})), Options::default()).unwrap_err();
+        let e = call_json("estimate", json!({"lora_rnk": 4})).unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(e.message().contains("lora_rnk"), "{e}");
         assert!(e.message().contains("lora_rank"), "{e}");
-        let e = call(
-            "estimate",
-            &obj(json!({"config": "/etc/passwd"})),
-            Options::default(),
-        )
-        .unwrap_err();
+        let e = call_json("estimate", json!({"config": "/etc/passwd"})).unwrap_err();
         assert!(e.message().contains("names a file"), "{e}");
-        let e = call(
-            "estimate",
-            &obj(json!({"model": "/tmp/x"})),
-            Options::default(),
-        )
-        .unwrap_err();
+        let e = call_json("estimate", json!({"model": "/tmp/x"})).unwrap_err();
         assert!(e.message().contains("names a file"), "{e}");
-        let e = call("launch", &Map::new(), Options::default()).unwrap_err();
+        let e = call_json("launch", json!({})).unwrap_err();
         assert!(e.message().contains("allowed: estimate"), "{e}");
     }
 
     #[test]
     fn values_go_through_the_cli_parser() {
-        let e = call(
-            "estimate",
-            &obj(json!({"preset": "dit-s-2", "batch": 0})),
-            Options::default(),
-        )
-        .unwrap_err();
+        let e = call_json("estimate", json!({"preset": "dit-s-2", "batch": 0})).unwrap_err();
         assert_eq!(e.exit_code(), 2, "{e}");
         assert!(e.message().contains("--batch"), "{e}");
-        let e = call(
-            "estimate",
-            &obj(json!({"preset": "dit-s-2", "precision": "fp8"})),
-            Options::default(),
-        )
-        .unwrap_err();
+        let e =
+            call_json("estimate", json!({"preset": "dit-s-2", "precision": "fp8"})).unwrap_err();
         assert!(e.message().contains("fp32"), "{e}");
     }
 
     #[test]
     fn an_estimate_is_the_json_of_the_cli() {
-        let v = call(
+        let v = call_json(
             "estimate",
-            &obj(json!({"model": "dit-s-2", "resolution": 64, "batch": 2})),
-            Options::default(),
+            json!({"model": "dit-s-2", "resolution": 64, "batch": 2}),
         )
         .unwrap();
         assert!(v.get("need_bytes").and_then(Value::as_u64).unwrap_or(0) > 0);
@@ -532,18 +517,12 @@ mod tests {
     fn a_model_object_reads_as_its_config() {
         let config = ditmem_budget::preset_config("pixart-sigma-1024").unwrap();
         let map: Value = serde_json::from_str(config).unwrap();
-        let by_value = call("params", &obj(json!({ "model": map })), Options::default()).unwrap();
-        let by_name = call(
-            "params",
-            &obj(json!({"model": "pixart-sigma-1024"})),
-            Options::default(),
-        )
-        .unwrap();
+        let by_value = call_json("params", json!({ "model": map })).unwrap();
+        let by_name = call_json("params", json!({"model": "pixart-sigma-1024"})).unwrap();
         assert_eq!(by_value["params"]["total"], by_name["params"]["total"]);
-        let e = call(
+        let e = call_json(
             "params",
-            &obj(json!({"model": {"_class_name": "PixArtTransformer2DModel", "num_layers": -3}})),
-            Options::default(),
+            json!({"model": {"_class_name": "PixArtTransformer2DModel", "num_layers": -3}}),
         )
         .unwrap_err();
         assert_eq!(e.exit_code(), 2, "{e}");
@@ -551,12 +530,7 @@ mod tests {
 
     #[test]
     fn an_infeasible_plan_carries_its_json() {
-        let e = call(
-            "plan",
-            &obj(json!({"model": "flux.1-dev", "budget": "4GiB"})),
-            Options::default(),
-        )
-        .unwrap_err();
+        let e = call_json("plan", json!({"model": "flux.1-dev", "budget": "4GiB"})).unwrap_err();
         match e {
             ApiError::DoesNotFit { json, message } => {
                 assert!(
@@ -575,10 +549,9 @@ mod tests {
                    23.65 GiB of which 1.20 GiB is free. Of the allocated memory 20.30 GiB is \
                    allocated by PyTorch, and 1.60 GiB is reserved by PyTorch but unallocated.";
         // "message" sorts before "model": the preset must still be a flag.
-        let v = call(
+        let v = call_json(
             "oom",
-            &obj(json!({"model": "flux.1-dev", "lora_rank": 16, "message": msg})),
-            Options::default(),
+            json!({"model": "flux.1-dev", "lora_rank": 16, "message": msg}),
         )
         .unwrap();
         assert_eq!(v["message"]["requested_bytes"], 2147483648u64);
@@ -586,7 +559,7 @@ mod tests {
 
     #[test]
     fn oom_needs_its_message() {
-        let e = call("oom", &Map::new(), Options::default()).unwrap_err();
+        let e = call_json("oom", json!({})).unwrap_err();
         assert!(e.message().contains("message"), "{e}");
     }
 }

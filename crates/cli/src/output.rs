@@ -100,24 +100,22 @@ pub fn note(text: &str) {
 
 /// What a path that exists but is not a regular file is, for messages.
 pub fn file_kind(ft: std::fs::FileType) -> &'static str {
+    use std::fs::FileType;
     use std::os::unix::fs::FileTypeExt;
-    if ft.is_symlink() {
-        "a symbolic link"
-    } else if ft.is_dir() {
-        "a directory"
-    } else if ft.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if ft.is_char_device() {
-        "a character device"
-    } else if ft.is_block_device() {
-        "a block device"
-    } else if ft.is_socket() {
-        "a socket"
-    } else if ft.is_file() {
-        "a regular file"
-    } else {
-        "not a regular file"
-    }
+    type IsKind = fn(&FileType) -> bool;
+    let kinds: [(IsKind, &'static str); 7] = [
+        (FileType::is_symlink, "a symbolic link"),
+        (FileType::is_dir, "a directory"),
+        (FileType::is_fifo, "a FIFO (named pipe)"),
+        (FileType::is_char_device, "a character device"),
+        (FileType::is_block_device, "a block device"),
+        (FileType::is_socket, "a socket"),
+        (FileType::is_file, "a regular file"),
+    ];
+    kinds
+        .iter()
+        .find(|(is, _)| is(&ft))
+        .map_or("not a regular file", |&(_, kind)| kind)
 }
 
 pub(crate) fn folder_of(path: &Path) -> &Path {

@@ -143,12 +143,7 @@ fn plan_answers_in_its_first_five_lines() {
 
 /// Run with stdout to a pipe whose reader reads `keep` bytes and then closes it.
 fn with_reader_closing(args: &[&str], keep: usize) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary runs");
+    let mut child = common::spawn_piped(args, Stdio::inherit());
     let mut stdout = child.stdout.take().unwrap();
     let mut buf = vec![0u8; keep];
     let mut got = 0;

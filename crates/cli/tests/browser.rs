@@ -392,6 +392,15 @@ fn fill(b: &mut Browser, fields: &[(&str, &str)], want: &Value) {
     b.wait(&expr, 60, &format!("the estimate of {want}"));
 }
 
+/// [`fill`], then what the page shows (returned) held against the CLI's estimate of `want`.
+fn fill_and_check(b: &mut Browser, fields: &[(&str, &str)], want: &Value, what: &str) -> Value {
+    fill(b, fields, want);
+    let page = b.eval(READ_PAGE);
+    let cli = cli_json("estimate", want.as_object().expect("object"));
+    check_against_cli(&page, &cli, what);
+    page
+}
+
 /// What the page shows, read from the DOM.
 const READ_PAGE: &str = r##"(() => {
   const $ = (id) => document.getElementById(id);
@@ -500,28 +509,30 @@ fn check_against_cli(page: &Value, cli: &Value, what: &str) {
     );
 }
 
-fn open(b: &mut Browser, s: &Server) {
+/// `ditmem serve`, and a browser on its page once the page shows its first estimate.
+fn opened() -> (Server, Browser) {
+    let server = Server::start();
+    let mut b = Browser::start();
     b.viewport(1280, 900, false);
-    b.call("Page.navigate", json!({"url": s.url}));
+    b.call("Page.navigate", json!({"url": server.url}));
     b.wait(
         "document.readyState === 'complete' && document.body.dataset.state === 'ready'",
         60,
         "the page's first estimate",
     );
+    (server, b)
+}
+
+/// The page's defaults: FLUX.1-dev LoRA rank 16 on an RTX 4090 (the README's first question).
+fn page_defaults() -> Value {
+    json!({"model": "flux.1-dev", "gpu": "rtx-4090", "lora_rank": 16})
 }
 
 #[test]
 fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
-    let server = Server::start();
-    let mut b = Browser::start();
-    open(&mut b, &server);
+    let (_server, mut b) = opened();
 
-    // The page's defaults: FLUX.1-dev LoRA rank 16 on an RTX 4090 (the README's first question).
-    let want = json!({"model": "flux.1-dev", "gpu": "rtx-4090", "lora_rank": 16});
-    fill(&mut b, &[], &want);
-    let page = b.eval(READ_PAGE);
-    let cli = cli_json("estimate", want.as_object().expect("object"));
-    check_against_cli(&page, &cli, "flux.1-dev LoRA on rtx-4090");
+    let page = fill_and_check(&mut b, &[], &page_defaults(), "flux.1-dev LoRA on rtx-4090");
     assert_eq!(
         page["fits"], "false",
         "the README says it does not fit: {page}"
@@ -529,7 +540,7 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
 
     // SD3.5-medium full fine-tune on an A100-80GB, batch 2, every block recomputed.
     let want = json!({"model": "sd3.5-medium", "gpu": "a100-80gb", "batch": 2, "recompute": "all"});
-    fill(
+    fill_and_check(
         &mut b,
         &[
             ("preset", "sd3.5-medium"),
@@ -539,11 +550,6 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
             ("recompute", "all"),
         ],
         &want,
-    );
-    let page = b.eval(READ_PAGE);
-    check_against_cli(
-        &page,
-        &cli_json("estimate", want.as_object().expect("object")),
         "sd3.5-medium on a100-80gb",
     );
 
@@ -551,7 +557,7 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
     let want = json!({"model": "wan2.1-1.3b", "gpu": "h100-sxm", "lora_rank": 32, "frames": 33,
                       "resolution": "480x832", "optimizer": "adamw-8bit",
                       "text_encoders": "online"});
-    fill(
+    let page = fill_and_check(
         &mut b,
         &[
             ("preset", "wan2.1-1.3b"),
@@ -565,11 +571,6 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
             ("text_encoders", "online"),
         ],
         &want,
-    );
-    let page = b.eval(READ_PAGE);
-    check_against_cli(
-        &page,
-        &cli_json("estimate", want.as_object().expect("object")),
         "wan2.1-1.3b LoRA on h100-sxm",
     );
     assert!(
@@ -579,7 +580,7 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
 
     // PixArt-Σ at 1024², batch 4, on an A100-40GB (a README quick answer).
     let want = json!({"model": "pixart-sigma-1024", "gpu": "a100-40gb", "batch": 4});
-    fill(
+    fill_and_check(
         &mut b,
         &[
             ("preset", "pixart-sigma-1024"),
@@ -592,21 +593,16 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
             ("batch", "4"),
         ],
         &want,
-    );
-    let page = b.eval(READ_PAGE);
-    check_against_cli(
-        &page,
-        &cli_json("estimate", want.as_object().expect("object")),
         "pixart-sigma-1024 on a100-40gb",
     );
 
     // Any other flag, typed as on the command line.
     let want = json!({"model": "pixart-sigma-1024", "gpu": "a100-40gb", "batch": 4, "ema": "on",
                       "accumulation": "2"});
-    fill(&mut b, &[("extra", "--ema on --accumulation=2")], &want);
-    check_against_cli(
-        &b.eval(READ_PAGE),
-        &cli_json("estimate", want.as_object().expect("object")),
+    fill_and_check(
+        &mut b,
+        &[("extra", "--ema on --accumulation=2")],
+        &want,
         "pixart-sigma-1024 with EMA and accumulation 2",
     );
     b.eval("(() => { document.getElementById('extra').value = ''; return true; })()");
@@ -615,11 +611,10 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
     let config = ditmem_budget::preset_config("pixart-sigma-1024").expect("preset");
     let config: Value = serde_json::from_str(config).expect("json");
     let want = json!({"model": config, "gpu": "a100-40gb", "batch": 4});
-    fill(&mut b, &[("config", &config.to_string())], &want);
-    let by_config = b.eval(READ_PAGE);
-    check_against_cli(
-        &by_config,
-        &cli_json("estimate", want.as_object().expect("object")),
+    fill_and_check(
+        &mut b,
+        &[("config", &config.to_string())],
+        &want,
         "a pasted pixart-sigma config.json on a100-40gb",
     );
 
@@ -662,10 +657,8 @@ fn the_page_shows_what_the_cli_answers_for_three_families_and_bad_configs() {
 
 #[test]
 fn the_plan_and_its_export_are_the_clis() {
-    let server = Server::start();
-    let mut b = Browser::start();
-    open(&mut b, &server);
-    let want = json!({"model": "flux.1-dev", "gpu": "rtx-4090", "lora_rank": 16});
+    let (server, mut b) = opened();
+    let want = page_defaults();
     fill(&mut b, &[], &want);
     b.eval(
         "(() => { for (const v of ['8bit', 'quant']) \
@@ -770,17 +763,11 @@ fn the_plan_and_its_export_are_the_clis() {
         );
     }
     // The server is still answering after all of it.
-    let mut conn = std::net::TcpStream::connect(
-        server
-            .url
-            .trim_start_matches("http://")
-            .trim_end_matches('/'),
-    )
-    .expect("connect");
     let host = server
         .url
         .trim_start_matches("http://")
         .trim_end_matches('/');
+    let mut conn = std::net::TcpStream::connect(host).expect("connect");
     write!(
         conn,
         "GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"

@@ -6,9 +6,9 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::{argv_with, assert_fits_100, ditmem, json_of};
+use common::{argv_with, assert_fits_100, ditmem, json_of, spawn_piped};
 use serde_json::Value;
 
 const GIB: f64 = 1073741824.0;
@@ -27,13 +27,7 @@ fn data(name: &str) -> PathBuf {
 
 /// `ditmem` with `input` on stdin: (exit code, stdout, stderr).
 fn ditmem_stdin(args: &[&str], input: &str) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary runs");
+    let mut child = spawn_piped(args, Stdio::piped());
     let mut stdin = child.stdin.take().expect("piped");
     let text = input.to_string();
     let writer = std::thread::spawn(move || {

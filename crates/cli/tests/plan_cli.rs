@@ -1,16 +1,10 @@
 //! `ditmem plan` as a user runs it: bad input, infeasible budgets, the base that fits, monotone
 //! plans, exports, and — on the engine — every plan's measured peak within its budget.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 mod common;
 
-use common::{argv, argv_with, ditmem, strs};
-
-fn dir(test: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ditmem-plan-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{argv, argv_with, ditmem, exits_naming, json, strs, temp_dir};
 
 /// A spec small enough to run in seconds on 2 cores: depth 3, hidden 128, 4 heads, patch 2,
 /// 128×128 images (16×16 latents, 64 tokens), batch 8, fp32, materialized attention.
@@ -35,10 +29,12 @@ attention = "materialized"
 recompute = "none"
 "#;
 
-fn small_config(d: &Path) -> String {
+/// A fresh folder for `test` with [`SMALL`] in it: (the folder, the spec file's path).
+fn small_config(test: &str) -> (PathBuf, String) {
+    let d = temp_dir("plan", test);
     let p = d.join("small.toml");
     std::fs::write(&p, SMALL).unwrap();
-    p.display().to_string()
+    (d, p.display().to_string())
 }
 
 fn plan_json(config: &str, budget: &str, extra: &[&str]) -> (i32, serde_json::Value) {
@@ -56,31 +52,30 @@ fn u(v: &serde_json::Value) -> u64 {
     v.as_u64().expect("an unsigned integer")
 }
 
+/// The plan of `config` (with `extra`) under a budget nothing fits: (the smallest peak the
+/// search finds, the base's peak).
+fn floor_and_base(config: &str, extra: &[&str]) -> (u64, u64) {
+    let (_, v) = plan_json(config, "64KiB", extra);
+    (u(&v["predicted_peak_bytes"]), u(&v["base_peak_bytes"]))
+}
+
 #[test]
 fn bad_budget_exits_2_naming_the_flag() {
     for bad in ["lots", "0", "-4GiB", "24 parsecs"] {
-        let (code, _, err) = ditmem(&["plan", "--budget", bad]);
-        assert_eq!(code, 2, "{bad}: {err}");
-        assert!(err.contains("--budget"), "{bad}: {err}");
+        exits_naming(&["plan", "--budget", bad], 2, "--budget");
     }
-    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--headroom", "1.5"]);
-    assert_eq!(code, 2);
-    assert!(err.contains("--headroom"), "{err}");
-    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--allow", "fp8"]);
-    assert_eq!(code, 2);
-    assert!(err.contains("--allow"), "{err}");
-    let (code, _, err) = ditmem(&["plan", "--budget", "24GiB", "--emit", "megatron"]);
-    assert_eq!(code, 2);
-    assert!(
-        err.contains("accelerate, deepspeed, deepspeed-standalone, diffusers"),
-        "{err}"
+    exits_naming(&argv("plan --budget 24GiB --headroom 1.5"), 2, "--headroom");
+    exits_naming(&argv("plan --budget 24GiB --allow fp8"), 2, "--allow");
+    exits_naming(
+        &argv("plan --budget 24GiB --emit megatron"),
+        2,
+        "accelerate, deepspeed, deepspeed-standalone, diffusers",
     );
 }
 
 #[test]
 fn infeasible_budget_exits_3_with_the_floor() {
-    let d = dir("infeasible");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("infeasible");
     let out = d.join("never.toml");
     let (code, v) = plan_json(&cfg, "64KiB", &["--out", out.to_str().unwrap()]);
     assert_eq!(code, 3);
@@ -100,8 +95,7 @@ fn infeasible_budget_exits_3_with_the_floor() {
 
 #[test]
 fn json_has_the_documented_fields_and_the_plan_runs_as_written() {
-    let d = dir("fields");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("fields");
     let out = d.join("plan.toml");
     let (code, v) = plan_json(&cfg, "1GiB", &["--out", out.to_str().unwrap()]);
     assert_eq!(code, 0);
@@ -120,8 +114,7 @@ fn json_has_the_documented_fields_and_the_plan_runs_as_written() {
 
 #[test]
 fn a_budget_that_fits_the_base_returns_it_unchanged() {
-    let d = dir("fits");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("fits");
     // The fastest recipe of the space under an ample budget...
     let best = d.join("best.toml");
     let (_, v) = plan_json(&cfg, "8GiB", &["--out", best.to_str().unwrap()]);
@@ -150,12 +143,10 @@ fn a_budget_that_fits_the_base_returns_it_unchanged() {
 /// fits without them, and LoRA is faster, so across that line a smaller budget can be faster).
 #[test]
 fn a_smaller_budget_never_yields_a_faster_plan() {
-    let d = dir("monotone");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("monotone");
     let keep = ["--allow", "sharding,bf16-pure,precision"];
-    let (_, v) = plan_json(&cfg, "64KiB", &keep);
-    let floor = u(&v["predicted_peak_bytes"]) as f64;
-    let base = u(&v["base_peak_bytes"]) as f64;
+    let (floor, base) = floor_and_base(&cfg, &keep);
+    let (floor, base) = (floor as f64, base as f64);
     let mut last = 0.0f64;
     for i in (0..=12).rev() {
         let budget = ((floor + (base * 1.2 - floor) * i as f64 / 12.0) / 0.95) as u64 + 1;
@@ -191,8 +182,7 @@ fn a_smaller_budget_never_yields_a_faster_plan() {
 
 #[test]
 fn exports_and_the_pareto_plot_are_written() {
-    let d = dir("export");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("export");
     let svg = d.join("pareto.svg");
     let yaml = d.join("accelerate.yaml");
     let (code, out, err) = ditmem(&argv_with(
@@ -222,12 +212,9 @@ fn exports_and_the_pareto_plot_are_written() {
 /// engine executes.
 #[test]
 fn plans_run_on_the_engine_within_their_budget() {
-    let d = dir("engine");
-    let cfg = small_config(&d);
+    let (d, cfg) = small_config("engine");
     let engine = ["--runtime", "ditmem-cpu"];
-    let (_, v) = plan_json(&cfg, "64KiB", &engine);
-    let floor = u(&v["predicted_peak_bytes"]);
-    let base = u(&v["base_peak_bytes"]);
+    let (floor, base) = floor_and_base(&cfg, &engine);
     let mut failures = Vec::new();
     for frac in [1.3, 0.75, 0.55, 0.35, 0.0] {
         // Budgets between the floor (÷ headroom, so it is feasible) and above the base.
@@ -276,9 +263,7 @@ fn a_requested_precision_is_kept_unless_allowed() {
         let mut args =
             argv("plan --runtime ditmem-cpu --precision fp16-mixed --budget 24GiB --json");
         args.extend_from_slice(extra);
-        let (code, out, err) = ditmem(&args);
-        assert_eq!(code, 0, "{err}");
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+        json(&args)
     };
     let kept = plan(&[]);
     assert_eq!(kept["plan"]["recipe"]["precision"], "fp16-mixed");
@@ -287,20 +272,16 @@ fn a_requested_precision_is_kept_unless_allowed() {
     assert_eq!(free["allow"]["precision"], true);
     assert_eq!(free["plan"]["recipe"]["precision"], "bf16-mixed");
     // Without --precision, the default may change.
-    let (code, out, _) = ditmem(&["plan", "--budget", "24GiB", "--json"]);
-    assert_eq!(code, 0);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let v = json(&argv("plan --budget 24GiB --json"));
     assert_eq!(v["allow"]["precision"], true);
 }
 
 /// A ZeRO-3 plan's launch line starts DeepSpeed stage 3 (it used to say --multi_gpu, plain DDP).
 #[test]
 fn a_zero3_plan_launches_deepspeed_stage_3() {
-    let (code, out, err) = ditmem(&argv(
+    let v = json(&argv(
         "plan --ranks 8 --batch 256 --budget 8GiB --allow sharding --emit diffusers --json",
     ));
-    assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["plan"]["recipe"]["zero_stage"], 3, "{}", v["reason"]);
     let launcher = strs(&v["export"]["command"]["launcher"]);
     assert!(launcher.contains(&"--use_deepspeed"), "{launcher:?}");

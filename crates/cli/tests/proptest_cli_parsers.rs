@@ -10,7 +10,7 @@
 mod common;
 
 use std::io::Read;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
@@ -28,13 +28,7 @@ fn runner(default: u32) -> TestRunner {
 /// Run the binary (stdin closed, 60 s at most): (exit code, stdout, stderr).
 fn run(args: &[String]) -> Result<(i32, String, String), TestCaseError> {
     let t0 = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ditmem"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary starts");
+    let mut child = common::spawn_piped(args, Stdio::null());
     let (mut out, mut err) = (String::new(), String::new());
     let mut so = child.stdout.take().unwrap();
     let reader = std::thread::spawn(move || {

@@ -383,6 +383,14 @@ impl Scale {
         };
         self.p0 + (v - self.d0) / span * (self.p1 - self.p0)
     }
+
+    /// Round ticks over the data range, about one per `spacing` of an axis `length` pixels
+    /// long (two at least): each tick's pixel and its label.
+    fn ticks(&self, length: f64, spacing: f64) -> Vec<(f64, String)> {
+        let t = nice_ticks(self.d0, self.d1, (length / spacing).max(2.0) as usize);
+        let step = if t.len() > 1 { t[1] - t[0] } else { 1.0 };
+        t.iter().map(|&v| (self.at(v), fmt_tick(v, step))).collect()
+    }
 }
 
 /// The axes of a plot area: frame, ticks and their labels, grid, and the axes' titles (the x
@@ -402,25 +410,19 @@ pub(super) fn axes(
         area.x1 - area.x0,
         area.y1 - area.y0
     ));
-    let xt = nice_ticks(xs.d0, xs.d1, ((area.x1 - area.x0) / 90.0).max(2.0) as usize);
-    let xstep = if xt.len() > 1 { xt[1] - xt[0] } else { 1.0 };
-    for &v in &xt {
-        let x = xs.at(v);
+    for (x, label) in xs.ticks(area.x1 - area.x0, 90.0) {
         c.raw(&format!(
             "<line x1=\"{x:.1}\" y1=\"{:.1}\" x2=\"{x:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>",
             area.y0, area.y1
         ));
-        c.tick_label(x, area.y1 + 18.0, Anchor::Middle, &fmt_tick(v, xstep));
+        c.tick_label(x, area.y1 + 18.0, Anchor::Middle, &label);
     }
-    let yt = nice_ticks(ys.d0, ys.d1, ((area.y1 - area.y0) / 45.0).max(2.0) as usize);
-    let ystep = if yt.len() > 1 { yt[1] - yt[0] } else { 1.0 };
-    for &v in &yt {
-        let y = ys.at(v);
+    for (y, label) in ys.ticks(area.y1 - area.y0, 45.0) {
         c.raw(&format!(
             "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#eee\"/>",
             area.x0, area.x1
         ));
-        c.tick_label(area.x0 - 6.0, y + 4.0, Anchor::End, &fmt_tick(v, ystep));
+        c.tick_label(area.x0 - 6.0, y + 4.0, Anchor::End, &label);
     }
     let width = c.w - 8.0;
     let xd = shorten(x_desc, 12.0, width);

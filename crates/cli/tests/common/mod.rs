@@ -1,8 +1,9 @@
 //! Shared helpers of the CLI tests: run the built binary, and a per-test temporary folder.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// A command line's words, as the shell splits one without quotes: `argv("plan --gpu h100")`.
@@ -42,6 +43,17 @@ pub(crate) fn ditmem_env(env: &[(&str, &str)], args: &[&str]) -> (i32, String, S
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Start `ditmem` with `args` and `stdin`, its stdout and stderr piped.
+pub(crate) fn spawn_piped<S: AsRef<OsStr>>(args: &[S], stdin: Stdio) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_ditmem"))
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs")
 }
 
 /// Wait for `child` until `deadline`, looking every `poll`: its exit status, or `None` for a child

@@ -22,6 +22,7 @@ use serde::Serialize;
 
 mod arena;
 mod conf;
+mod policy;
 
 use arena::replay_once;
 pub(crate) use arena::CachingAllocator;

@@ -5,10 +5,8 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::arena::IdHash;
-use super::conf::{
-    allocation_size, round_size, AllocConf, AllocatorReport, Oom, LARGE_BUFFER, MIN_BLOCK_SIZE,
-    SMALL_BUFFER, SMALL_SIZE,
-};
+use super::conf::{AllocConf, AllocatorReport, Oom, LARGE_BUFFER, SMALL_BUFFER};
+use super::policy::{BlockStore, Counters};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Blk {
@@ -39,8 +37,7 @@ impl Seg {
 #[derive(Debug, Clone)]
 pub(crate) struct ReferenceAllocator {
     conf: AllocConf,
-    /// Bytes the allocator may reserve (device memory less the context); `u64::MAX` = unlimited.
-    capacity: u64,
+    c: Counters,
     segs: Vec<Option<Seg>>,
     /// Each allocated id's segment and its block's offset there (an allocated block never
     /// moves: splits add blocks after it, merges join only free ones).
@@ -49,10 +46,6 @@ pub(crate) struct ReferenceAllocator {
     /// `get_free_block` picks one (smallest size, then the first segment, then the lowest
     /// offset), so a request finds its block in O(log n) instead of scanning every block.
     free: BTreeSet<FreeKey>,
-    allocated: u64,
-    reserved: u64,
-    requested: u64,
-    report: AllocatorReport,
 }
 
 /// A cached block in the free set: (small, stream, size, segment, offset).
@@ -66,47 +59,35 @@ impl ReferenceAllocator {
     pub(super) fn new(conf: AllocConf, capacity: Option<u64>) -> ReferenceAllocator {
         ReferenceAllocator {
             conf,
-            capacity: capacity.unwrap_or(u64::MAX),
+            c: Counters::new(capacity),
             segs: Vec::new(),
             where_: HashMap::default(),
             free: BTreeSet::new(),
-            allocated: 0,
-            reserved: 0,
-            requested: 0,
-            report: AllocatorReport::default(),
         }
     }
 
     pub(super) fn allocated(&self) -> u64 {
-        self.allocated
+        self.c.allocated
     }
 
     pub(super) fn reserved(&self) -> u64 {
-        self.reserved
+        self.c.reserved
+    }
+}
+
+impl BlockStore for ReferenceAllocator {
+    /// (segment, index of the block in the segment).
+    type Block = (usize, usize);
+
+    fn conf(&self) -> &AllocConf {
+        &self.conf
     }
 
-    fn note_peaks(&mut self) {
-        let r = &mut self.report;
-        r.max_reserved = r.max_reserved.max(self.reserved);
-        if self.allocated > r.max_allocated {
-            r.max_allocated = self.allocated;
-            r.reserved_at_max_allocated = self.reserved;
-            r.fragmentation_at_peak = self.reserved - self.allocated;
-        }
-        r.max_requested = r.max_requested.max(self.requested);
+    fn counters(&mut self) -> &mut Counters {
+        &mut self.c
     }
 
-    fn fits(&self, extra: u64) -> bool {
-        self.reserved
-            .checked_add(extra)
-            .is_some_and(|t| t <= self.capacity)
-    }
-
-    /// `get_free_block`: the smallest cached block of the pool and stream that holds `size`
-    /// (ties by address), then the oversize rules: a request below `max_split_size` never takes
-    /// a block at or above it; a request at or above it takes a block only below
-    /// `size + max_non_split_rounding`.
-    fn get_free_block(&self, size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
+    fn best_fit(&self, size: u64, small: bool, stream: u32) -> Option<(u64, (usize, usize))> {
         let &(_, _, bsize, s, offset) = self
             .free
             .range((small, stream, size, 0, 0)..)
@@ -117,23 +98,14 @@ impl ReferenceAllocator {
             .blocks
             .binary_search_by_key(&offset, |b| b.offset)
             .ok()?;
-        let m = self.conf.max_split_size;
-        if size < m && bsize >= m {
-            return None;
-        }
-        if size >= m && bsize >= size.saturating_add(self.conf.max_non_split_rounding) {
-            return None;
-        }
-        Some((s, k))
+        Some((bsize, (s, k)))
     }
 
-    /// `alloc_block` without expandable segments: `cudaMalloc(alloc_size)` if it fits.
     fn alloc_block(&mut self, alloc_size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
-        if !self.fits(alloc_size) {
+        if !self.c.fits(alloc_size) {
             return None;
         }
-        self.reserved += alloc_size;
-        self.report.device_allocs += 1;
+        self.c.device_alloc(alloc_size);
         let seg = Seg {
             small,
             stream,
@@ -151,9 +123,6 @@ impl ReferenceAllocator {
         Some((s, 0))
     }
 
-    /// `try_allocate_expandable_block` / `map_block`: the pool's segment for this stream grows
-    /// at its end in pages of 2 MiB (small pool) or 20 MiB (large pool), the free block that
-    /// ends it (if any) merging with the new pages.
     fn alloc_expandable(&mut self, size: u64, small: bool, stream: u32) -> Option<(usize, usize)> {
         let page = if small { SMALL_BUFFER } else { LARGE_BUFFER };
         let found = self.segs.iter().position(|s| {
@@ -179,14 +148,13 @@ impl ReferenceAllocator {
             .filter(|b| b.owner.is_none())
             .map_or(0, |b| b.size);
         let extra = (size - tail_free).div_ceil(page) * page;
-        if !self.fits(extra) {
+        if !self.c.fits(extra) {
             if seg.blocks.is_empty() {
                 self.segs[s] = None;
             }
             return None;
         }
-        self.reserved += extra;
-        self.report.device_allocs += 1;
+        self.c.device_alloc(extra);
         let seg = self.segs[s].as_mut()?;
         let end = seg.size();
         match seg.blocks.last() {
@@ -206,18 +174,15 @@ impl ReferenceAllocator {
         Some((s, seg.blocks.len() - 1))
     }
 
-    /// `release_block` of a whole cached segment.
     fn release_segment(&mut self, s: usize) {
         if let Some(seg) = self.segs[s].take() {
             for b in seg.blocks.iter().filter(|b| b.owner.is_none()) {
                 self.free.remove(&free_key(&seg, s, b));
             }
-            self.reserved -= seg.size();
-            self.report.device_frees += 1;
+            self.c.device_free(seg.size());
         }
     }
 
-    /// Whole (unsplit) cached segments of a pool and stream, as (size, index).
     fn whole_free(&self, small: bool, stream: Option<u32>) -> Vec<(u64, usize)> {
         let mut v: Vec<(u64, usize)> = self
             .segs
@@ -237,40 +202,7 @@ impl ReferenceAllocator {
         v
     }
 
-    /// `release_available_cached_blocks`: only with a `max_split_size`; frees the smallest
-    /// cached block of at least max(size, max_split_size), else oversize blocks from the largest
-    /// down until that much is freed (those freed stay freed even when it falls short).
-    fn release_available(&mut self, size: u64, small: bool, stream: u32) -> bool {
-        let m = self.conf.max_split_size;
-        if m == u64::MAX {
-            return false;
-        }
-        let key = size.max(m);
-        let cached = self.whole_free(small, Some(stream));
-        if let Some(&(_, s)) = cached.iter().find(|(b, _)| *b >= key) {
-            self.release_segment(s);
-            return true;
-        }
-        let mut total = 0;
-        for &(b, s) in cached.iter().rev() {
-            if total >= key || b < m {
-                break;
-            }
-            total += b;
-            self.release_segment(s);
-        }
-        total >= key
-    }
-
-    /// `release_cached_blocks` → `release_blocks` on both pools: every cached block that is a
-    /// whole segment is `cudaFree`d; with expandable segments the free pages that end a segment
-    /// are unmapped (`unmap_block`).
-    fn release_cached(&mut self) {
-        for small in [false, true] {
-            for (_, s) in self.whole_free(small, None) {
-                self.release_segment(s);
-            }
-        }
+    fn unmap_free_tails(&mut self) {
         for s in 0..self.segs.len() {
             let Some(seg) = self.segs[s].as_mut() else {
                 continue;
@@ -300,68 +232,22 @@ impl ReferenceAllocator {
                     self.free
                         .insert(free_key(seg, s, &seg.blocks[seg.blocks.len() - 1]));
                 }
-                self.reserved -= unmap;
-                self.report.device_frees += 1;
+                self.c.device_free(unmap);
             }
             if seg.blocks.is_empty() {
                 self.segs[s] = None;
             }
         }
     }
+}
 
-    /// `should_split`: small pool or expandable segments: a remainder ≥ 512 B; large pool: only
-    /// a request below `max_split_size` with a remainder above 1 MiB (`remaining > kSmallSize`).
-    fn should_split(&self, block: u64, size: u64, small: bool) -> bool {
-        let remaining = block - size;
-        if small || self.conf.expandable_segments {
-            remaining >= MIN_BLOCK_SIZE
-        } else {
-            size < self.conf.max_split_size && remaining > SMALL_SIZE
-        }
-    }
-
-    /// `malloc`: round, pick the pool, search the cache, else allocate a segment, else release
-    /// oversize cached blocks and retry, else release every unsplit cached block and retry, else
-    /// out of memory. On success the block is split per `should_split` (`alloc_found_block`).
+impl ReferenceAllocator {
+    /// `malloc`: the block [`BlockStore::find_block`] finds, split per `should_split`
+    /// (`alloc_found_block`).
     pub(super) fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
-        let size = round_size(bytes, &self.conf);
-        let small = size <= SMALL_SIZE;
-        let alloc_size = allocation_size(size);
-        let expandable = self.conf.expandable_segments;
-        let mut found = self.get_free_block(size, small, stream);
-        if found.is_none() {
-            let alloc = |a: &mut Self| {
-                if expandable {
-                    a.alloc_expandable(size, small, stream)
-                } else {
-                    a.alloc_block(alloc_size, small, stream)
-                }
-            };
-            found = alloc(self);
-            if found.is_none() && self.release_available(size, small, stream) {
-                self.report.alloc_retries += 1;
-                found = alloc(self);
-            }
-            if found.is_none() {
-                self.release_cached();
-                self.report.alloc_retries += 1;
-                found = alloc(self);
-            }
-        }
-        let Some((s, k)) = found else {
-            return Err(Oom {
-                event: 0,
-                id,
-                requested: bytes,
-                rounded: size,
-                alloc_size: if expandable { size } else { alloc_size },
-                allocated: self.allocated,
-                reserved: self.reserved,
-                capacity: self.capacity,
-            });
-        };
+        let ((s, k), size) = self.find_block(id, bytes, stream)?;
         let block = self.segs[s].as_ref().map_or(0, |g| g.blocks[k].size);
-        let split = self.should_split(block, size, small);
+        let split = self.should_split(block, size);
         let seg = self.segs[s].as_mut().expect("found segment");
         self.free.remove(&free_key(seg, s, &seg.blocks[k]));
         let taken = if split {
@@ -381,9 +267,7 @@ impl ReferenceAllocator {
         seg.blocks[k].owner = Some(id);
         seg.blocks[k].requested = bytes;
         self.where_.insert(id, (s, seg.blocks[k].offset));
-        self.allocated += taken;
-        self.requested += bytes;
-        self.note_peaks();
+        self.c.took(taken, bytes);
         Ok(())
     }
 
@@ -404,8 +288,8 @@ impl ReferenceAllocator {
         else {
             return false;
         };
-        self.allocated -= seg.blocks[k].size;
-        self.requested -= seg.blocks[k].requested;
+        self.c
+            .gave_back(seg.blocks[k].size, seg.blocks[k].requested);
         seg.blocks[k].owner = None;
         seg.blocks[k].requested = 0;
         let mut k = k;
@@ -430,10 +314,6 @@ impl ReferenceAllocator {
 
     /// The counters so far (final values filled in).
     pub(super) fn report(&self) -> AllocatorReport {
-        AllocatorReport {
-            final_allocated: self.allocated,
-            final_reserved: self.reserved,
-            ..self.report
-        }
+        self.c.report()
     }
 }

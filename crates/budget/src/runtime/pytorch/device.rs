@@ -15,53 +15,34 @@ pub(crate) struct PyTorch {
 /// project: it depends on the driver, the GPU and the loaded kernels (typically 300–600 MiB).
 pub(crate) const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
 
+/// Every instance: the CPU's, one per backend in [`SdpaBackend::ALL`]'s order, then CUDA's.
+static INSTANCES: [[PyTorch; SdpaBackend::ALL.len()]; 2] =
+    [on_device(TorchDevice::Cpu), on_device(TorchDevice::Cuda)];
+
+/// The instances of `device`, one per backend in [`SdpaBackend::ALL`]'s order.
+const fn on_device(device: TorchDevice) -> [PyTorch; SdpaBackend::ALL.len()] {
+    let mut row = [PyTorch {
+        device,
+        sdpa: SdpaBackend::Auto,
+    }; SdpaBackend::ALL.len()];
+    let mut i = 0;
+    while i < row.len() {
+        row[i].sdpa = SdpaBackend::ALL[i];
+        i += 1;
+    }
+    row
+}
+
 impl PyTorch {
     /// The instance for a device and backend (a `'static` reference, as `model_for` returns).
     pub(crate) fn instance(device: TorchDevice, sdpa: SdpaBackend) -> &'static PyTorch {
-        use SdpaBackend as S;
-        use TorchDevice as D;
-        match (device, sdpa) {
-            (D::Cpu, S::Auto) => &PyTorch {
-                device: D::Cpu,
-                sdpa: S::Auto,
-            },
-            (D::Cpu, S::Flash) => &PyTorch {
-                device: D::Cpu,
-                sdpa: S::Flash,
-            },
-            (D::Cpu, S::Efficient) => &PyTorch {
-                device: D::Cpu,
-                sdpa: S::Efficient,
-            },
-            (D::Cpu, S::Cudnn) => &PyTorch {
-                device: D::Cpu,
-                sdpa: S::Cudnn,
-            },
-            (D::Cpu, S::Math) => &PyTorch {
-                device: D::Cpu,
-                sdpa: S::Math,
-            },
-            (D::Cuda, S::Auto) => &PyTorch {
-                device: D::Cuda,
-                sdpa: S::Auto,
-            },
-            (D::Cuda, S::Flash) => &PyTorch {
-                device: D::Cuda,
-                sdpa: S::Flash,
-            },
-            (D::Cuda, S::Efficient) => &PyTorch {
-                device: D::Cuda,
-                sdpa: S::Efficient,
-            },
-            (D::Cuda, S::Cudnn) => &PyTorch {
-                device: D::Cuda,
-                sdpa: S::Cudnn,
-            },
-            (D::Cuda, S::Math) => &PyTorch {
-                device: D::Cuda,
-                sdpa: S::Math,
-            },
-        }
+        let row = match device {
+            TorchDevice::Cpu => &INSTANCES[0],
+            TorchDevice::Cuda => &INSTANCES[1],
+        };
+        row.iter()
+            .find(|p| p.sdpa == sdpa)
+            .expect("every backend is in SdpaBackend::ALL")
     }
 
     /// The SDPA kernel that really runs for this precision (\[SDPA\]): the CPU has one fused kernel

@@ -20,6 +20,17 @@ impl PyTorch {
         bl.threads = u64::from(dims.cpu.threads);
         bl
     }
+
+    /// The builder of a segment over the residual stream: its inputs `x` (the stream) and the
+    /// conditioning `c`, both in the accumulation dtype.
+    fn stream_builder<'a>(&'a self, dims: &Shape, name: &str) -> (Builder<'a>, Tid, Tid) {
+        let mut bl = self.builder(dims, name);
+        let f = dims.precision.accum_dtype();
+        let x = bl.g.input("x", dims.e(), f, true);
+        bl.g.stream_in = vec![x];
+        let c = bl.g.input("c", dims.b * dims.d, f, true);
+        (bl, x, c)
+    }
 }
 
 /// Attention core of one DiT block from the fused qkv output (q, k, v are views of it);
@@ -102,12 +113,9 @@ impl PyTorch {
 
     /// One adaLN-Zero block, op by op as eager PyTorch runs it.
     pub(crate) fn block(&self, dims: &Shape) -> Segment {
-        let mut bl = self.builder(dims, "block");
+        let (mut bl, x, c) = self.stream_builder(dims, "block");
         let f = dims.precision.accum_dtype();
         let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
-        let x = bl.g.input("x", e, f, true);
-        bl.g.stream_in = vec![x];
-        let c = bl.g.input("c", dims.b * d, f, true);
         let m = bl.ada_ln("adaLN_modulation.1", c, 6, dims.b, d);
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
             (m[0], m[1], m[2], m[3], m[4], m[5]);
@@ -142,12 +150,8 @@ impl PyTorch {
 
     /// Final layer, unpatchify and the fp32 MSE loss on the ε channels.
     pub(crate) fn final_layer(&self, dims: &Shape) -> Segment {
-        let mut bl = self.builder(dims, "final");
-        let f = dims.precision.accum_dtype();
-        let (e, rows, d) = (dims.e(), dims.rows(), dims.d);
-        let x = bl.g.input("x", e, f, true);
-        bl.g.stream_in = vec![x];
-        let c = bl.g.input("c", dims.b * d, f, true);
+        let (mut bl, x, c) = self.stream_builder(dims, "final");
+        let (rows, d) = (dims.rows(), dims.d);
         let m = bl.ada_ln("final_layer.adaLN_modulation.1", c, 2, dims.b, d);
         let n = bl.layer_norm("final norm", x, rows);
         let h = bl.modulate("final modulate", n, m[0], m[1], dims.b * d);

@@ -369,22 +369,14 @@ fn cpu_flash_scratch_follows_the_kernel_source() {
         skv: 1024,
         ..at
     };
-    assert_eq!(
-        cpu_flash_scratch(1, q(191), Dtype::F32).1,
-        (2 * 32 * 512 + 32) * 4
-    );
-    assert_eq!(
-        cpu_flash_scratch(1, q(192), Dtype::F32).1,
-        (2 * 64 * 512 + 64) * 4
-    );
-    assert_eq!(
-        cpu_flash_scratch(1, q(768), Dtype::F32).1,
-        (2 * 256 * 512 + 256) * 4
-    );
-    assert_eq!(
-        cpu_flash_scratch(1, q(20), Dtype::F32).1,
-        (2 * 20 * 512 + 20) * 4
-    );
+    // (q rows, its block's rows)
+    for (sq, rows) in [(191, 32), (192, 64), (768, 256), (20, 20)] {
+        assert_eq!(
+            cpu_flash_scratch(1, q(sq), Dtype::F32).1,
+            (2 * rows * 512 + rows) * 4,
+            "q of {sq} rows"
+        );
+    }
 }
 
 /// The spec's `cpu.threads` reaches the flash attention op of a `pytorch:cpu` block (2, the

@@ -6,9 +6,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::conf::{
-    allocation_size, round_size, AllocConf, AllocEvent, AllocatorReport, Oom, SequenceError,
-    LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER, SMALL_SIZE,
+    AllocConf, AllocEvent, AllocatorReport, Oom, SequenceError, LARGE_BUFFER, SMALL_BUFFER,
 };
+use super::policy::{BlockStore, Counters};
 
 /// "No block": the end of a segment's block list, or an id with no block.
 const NIL: u32 = u32::MAX;
@@ -106,8 +106,7 @@ impl IdMap {
 #[derive(Debug, Clone)]
 pub(crate) struct CachingAllocator {
     conf: AllocConf,
-    /// Bytes the allocator may reserve (device memory less the context); `u64::MAX` = unlimited.
-    capacity: u64,
+    c: Counters,
     /// Segments in creation order (the index is the address order); `None` once released.
     segs: Vec<Option<Seg>>,
     /// Every block of every segment; `spare` lists the slots merged or released blocks left.
@@ -118,10 +117,6 @@ pub(crate) struct CachingAllocator {
     where_: IdMap,
     /// Cached blocks by pool (small or large) and stream.
     pools: Vec<Pool>,
-    allocated: u64,
-    reserved: u64,
-    requested: u64,
-    report: AllocatorReport,
 }
 
 /// Hashing for tensor ids (`u64` keys): one multiply and a fold instead of SipHash, which the
@@ -157,42 +152,21 @@ impl CachingAllocator {
     pub(crate) fn new(conf: AllocConf, capacity: Option<u64>) -> CachingAllocator {
         CachingAllocator {
             conf,
-            capacity: capacity.unwrap_or(u64::MAX),
+            c: Counters::new(capacity),
             segs: Vec::new(),
             blocks: Vec::new(),
             spare: Vec::new(),
             where_: IdMap::default(),
             pools: Vec::new(),
-            allocated: 0,
-            reserved: 0,
-            requested: 0,
-            report: AllocatorReport::default(),
         }
     }
 
     pub(crate) fn allocated(&self) -> u64 {
-        self.allocated
+        self.c.allocated
     }
 
     pub(crate) fn reserved(&self) -> u64 {
-        self.reserved
-    }
-
-    fn note_peaks(&mut self) {
-        let r = &mut self.report;
-        r.max_reserved = r.max_reserved.max(self.reserved);
-        if self.allocated > r.max_allocated {
-            r.max_allocated = self.allocated;
-            r.reserved_at_max_allocated = self.reserved;
-            r.fragmentation_at_peak = self.reserved - self.allocated;
-        }
-        r.max_requested = r.max_requested.max(self.requested);
-    }
-
-    fn fits(&self, extra: u64) -> bool {
-        self.reserved
-            .checked_add(extra)
-            .is_some_and(|t| t <= self.capacity)
+        self.c.reserved
     }
 
     /// The index of the pool of (small, stream), made on first use.
@@ -247,34 +221,33 @@ impl CachingAllocator {
             }
         }
     }
+}
 
-    /// `get_free_block`: the smallest cached block of the pool and stream that holds `size`
-    /// (ties by address), then the oversize rules: a request below `max_split_size` never takes
-    /// a block at or above it; a request at or above it takes a block only below
-    /// `size + max_non_split_rounding`.
-    fn get_free_block(&self, size: u64, small: bool, stream: u32) -> Option<u32> {
+impl BlockStore for CachingAllocator {
+    type Block = u32;
+
+    fn conf(&self) -> &AllocConf {
+        &self.conf
+    }
+
+    fn counters(&mut self) -> &mut Counters {
+        &mut self.c
+    }
+
+    fn best_fit(&self, size: u64, small: bool, stream: u32) -> Option<(u64, u32)> {
         let pool = self
             .pools
             .iter()
             .find(|p| p.small == small && p.stream == stream)?;
         let &(bsize, _, _, b) = pool.blocks.range((size, 0, 0, 0)..).next()?;
-        let m = self.conf.max_split_size;
-        if size < m && bsize >= m {
-            return None;
-        }
-        if size >= m && bsize >= size.saturating_add(self.conf.max_non_split_rounding) {
-            return None;
-        }
-        Some(b)
+        Some((bsize, b))
     }
 
-    /// `alloc_block` without expandable segments: `cudaMalloc(alloc_size)` if it fits.
     fn alloc_block(&mut self, alloc_size: u64, small: bool, stream: u32) -> Option<u32> {
-        if !self.fits(alloc_size) {
+        if !self.c.fits(alloc_size) {
             return None;
         }
-        self.reserved += alloc_size;
-        self.report.device_allocs += 1;
+        self.c.device_alloc(alloc_size);
         let s = self.segs.len() as u32;
         let b = self.new_block(Blk {
             seg: s,
@@ -297,9 +270,6 @@ impl CachingAllocator {
         Some(b)
     }
 
-    /// `try_allocate_expandable_block` / `map_block`: the pool's segment for this stream grows
-    /// at its end in pages of 2 MiB (small pool) or 20 MiB (large pool), the free block that
-    /// ends it (if any) merging with the new pages.
     fn alloc_expandable(&mut self, size: u64, small: bool, stream: u32) -> Option<u32> {
         let page = if small { SMALL_BUFFER } else { LARGE_BUFFER };
         let found = self.segs.iter().position(|s| {
@@ -325,14 +295,13 @@ impl CachingAllocator {
             .filter(|&t| t != NIL && !self.blocks[t as usize].allocated)
             .map_or(0, |t| self.blocks[t as usize].size);
         let extra = (size - tail_free).div_ceil(page) * page;
-        if !self.fits(extra) {
+        if !self.c.fits(extra) {
             if tail == NIL {
                 self.segs[s] = None;
             }
             return None;
         }
-        self.reserved += extra;
-        self.report.device_allocs += 1;
+        self.c.device_alloc(extra);
         let last = if tail != NIL && !self.blocks[tail as usize].allocated {
             self.uncache(tail);
             self.blocks[tail as usize].size += extra;
@@ -362,7 +331,6 @@ impl CachingAllocator {
         Some(last)
     }
 
-    /// `release_block` of a whole cached segment.
     fn release_segment(&mut self, s: usize) {
         let Some(head) = self.segs[s].as_ref().map(|g| g.head) else {
             return;
@@ -376,12 +344,10 @@ impl CachingAllocator {
             b = self.blocks[b as usize].next;
         }
         if let Some(seg) = self.segs[s].take() {
-            self.reserved -= seg.size;
-            self.report.device_frees += 1;
+            self.c.device_free(seg.size);
         }
     }
 
-    /// Whole (unsplit) cached segments of a pool and stream, as (size, index).
     fn whole_free(&self, small: bool, stream: Option<u32>) -> Vec<(u64, usize)> {
         let mut v: Vec<(u64, usize)> = self
             .segs
@@ -402,40 +368,7 @@ impl CachingAllocator {
         v
     }
 
-    /// `release_available_cached_blocks`: only with a `max_split_size`; frees the smallest
-    /// cached block of at least max(size, max_split_size), else oversize blocks from the largest
-    /// down until that much is freed (those freed stay freed even when it falls short).
-    fn release_available(&mut self, size: u64, small: bool, stream: u32) -> bool {
-        let m = self.conf.max_split_size;
-        if m == u64::MAX {
-            return false;
-        }
-        let key = size.max(m);
-        let cached = self.whole_free(small, Some(stream));
-        if let Some(&(_, s)) = cached.iter().find(|(b, _)| *b >= key) {
-            self.release_segment(s);
-            return true;
-        }
-        let mut total = 0;
-        for &(b, s) in cached.iter().rev() {
-            if total >= key || b < m {
-                break;
-            }
-            total += b;
-            self.release_segment(s);
-        }
-        total >= key
-    }
-
-    /// `release_cached_blocks` → `release_blocks` on both pools: every cached block that is a
-    /// whole segment is `cudaFree`d; with expandable segments the free pages that end a segment
-    /// are unmapped (`unmap_block`).
-    fn release_cached(&mut self) {
-        for small in [false, true] {
-            for (_, s) in self.whole_free(small, None) {
-                self.release_segment(s);
-            }
-        }
+    fn unmap_free_tails(&mut self) {
         for s in 0..self.segs.len() {
             let Some((expandable, small, tail, end)) = self.segs[s]
                 .as_ref()
@@ -468,8 +401,7 @@ impl CachingAllocator {
                         self.blocks[tail as usize].size = kept;
                         self.cache(tail);
                     }
-                    self.reserved -= unmap;
-                    self.report.device_frees += 1;
+                    self.c.device_free(unmap);
                 }
             }
             if self.segs[s].as_ref().is_some_and(|g| g.head == NIL) {
@@ -477,60 +409,15 @@ impl CachingAllocator {
             }
         }
     }
+}
 
-    /// `should_split`: small pool or expandable segments: a remainder ≥ 512 B; large pool: only
-    /// a request below `max_split_size` with a remainder above 1 MiB (`remaining > kSmallSize`).
-    fn should_split(&self, block: u64, size: u64, small: bool) -> bool {
-        let remaining = block - size;
-        if small || self.conf.expandable_segments {
-            remaining >= MIN_BLOCK_SIZE
-        } else {
-            size < self.conf.max_split_size && remaining > SMALL_SIZE
-        }
-    }
-
-    /// `malloc`: round, pick the pool, search the cache, else allocate a segment, else release
-    /// oversize cached blocks and retry, else release every unsplit cached block and retry, else
-    /// out of memory. On success the block is split per `should_split` (`alloc_found_block`).
+impl CachingAllocator {
+    /// `malloc`: the block [`BlockStore::find_block`] finds, split per `should_split`
+    /// (`alloc_found_block`).
     pub(crate) fn malloc(&mut self, id: u64, bytes: u64, stream: u32) -> Result<(), Oom> {
-        let size = round_size(bytes, &self.conf);
-        let small = size <= SMALL_SIZE;
-        let alloc_size = allocation_size(size);
-        let expandable = self.conf.expandable_segments;
-        let mut found = self.get_free_block(size, small, stream);
-        if found.is_none() {
-            let alloc = |a: &mut Self| {
-                if expandable {
-                    a.alloc_expandable(size, small, stream)
-                } else {
-                    a.alloc_block(alloc_size, small, stream)
-                }
-            };
-            found = alloc(self);
-            if found.is_none() && self.release_available(size, small, stream) {
-                self.report.alloc_retries += 1;
-                found = alloc(self);
-            }
-            if found.is_none() {
-                self.release_cached();
-                self.report.alloc_retries += 1;
-                found = alloc(self);
-            }
-        }
-        let Some(b) = found else {
-            return Err(Oom {
-                event: 0,
-                id,
-                requested: bytes,
-                rounded: size,
-                alloc_size: if expandable { size } else { alloc_size },
-                allocated: self.allocated,
-                reserved: self.reserved,
-                capacity: self.capacity,
-            });
-        };
+        let (b, size) = self.find_block(id, bytes, stream)?;
         let block = self.blocks[b as usize].size;
-        let split = self.should_split(block, size, small);
+        let split = self.should_split(block, size);
         self.uncache(b);
         let taken = if split {
             let Blk {
@@ -564,9 +451,7 @@ impl CachingAllocator {
         blk.allocated = true;
         blk.requested = bytes;
         self.where_.insert(id, b);
-        self.allocated += taken;
-        self.requested += bytes;
-        self.note_peaks();
+        self.c.took(taken, bytes);
         Ok(())
     }
 
@@ -609,8 +494,7 @@ impl CachingAllocator {
         if !allocated {
             return false;
         }
-        self.allocated -= size;
-        self.requested -= requested;
+        self.c.gave_back(size, requested);
         {
             let blk = &mut self.blocks[b as usize];
             blk.allocated = false;
@@ -641,11 +525,7 @@ impl CachingAllocator {
 
     /// The counters so far (final values filled in).
     pub(crate) fn report(&self) -> AllocatorReport {
-        AllocatorReport {
-            final_allocated: self.allocated,
-            final_reserved: self.reserved,
-            ..self.report
-        }
+        self.c.report()
     }
 }
 
