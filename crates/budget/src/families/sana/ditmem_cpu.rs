@@ -18,9 +18,7 @@ use crate::runtime::ditmem_cpu::block::{
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
 use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{
-    gated_residual, hidden_keeping_op, linear_workspace, ln_modulate,
-};
+use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
 use crate::runtime::ditmem_cpu::parts::{
     cross_attend, patch_stream, six_modulations, table_final_layer, table_modulation,
     text_projection, timestep_mlp,
@@ -163,8 +161,7 @@ pub fn mix_ffn(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 7], dims: (u64,
         master,
     );
     let f1 = rows * 2 * hid * cd.size();
-    hidden_keeping_op(
-        g,
+    g.keeping_op(
         name,
         &ins,
         (rows * d, cd),

@@ -270,6 +270,33 @@ impl Graph {
         self.push(name, kind, inputs, elems, dtype, true)
     }
 
+    /// A custom op (`Kind::Custom`) of one fresh output of `elems` in `dtype`, with its workspace
+    /// (`fwd`, `bwd`), that, tracked, keeps `kept` bytes for its backward, which frees them
+    /// (`released_by_bwd`), beside its boxed op (`op_bytes`): the engine's fused MLPs and Sana's
+    /// Mix-FFN, keeping their hidden activation.
+    pub(crate) fn keeping_op(
+        &mut self,
+        name: &str,
+        inputs: &[Nid],
+        (elems, dtype): (u64, Dtype),
+        (fwd, bwd): (u64, u64),
+        (kept, op_bytes): (u64, u64),
+    ) -> Nid {
+        let y = self.op(
+            name,
+            Kind::Custom { bwd_scratch: bwd },
+            inputs,
+            elems,
+            dtype,
+        );
+        if self.nodes[y].tracks {
+            self.nodes[y].extra = kept + op_bytes;
+            self.nodes[y].released_by_bwd = kept;
+        }
+        self.nodes[y].fwd_scratch = fwd;
+        y
+    }
+
     pub fn view(&mut self, name: &str, kind: Kind, of: Nid, elems: u64) -> Nid {
         let dtype = self.nodes[of].dtype;
         self.push(name, kind, &[of], elems, dtype, false)

@@ -1,7 +1,6 @@
 //! The engine's fused MLP (`ops/fused_mlp.rs` with `fused_mlp_bf16.rs`, `fused_mlp_widen.rs`,
 //! `fused_mlp_dx.rs`): its workspace formula [`fused_mlp_workspace`] and the node [`fused_mlp`].
 
-use super::hidden_keeping_op;
 use super::linear::{gemm_call_bytes, linear_workspace};
 use super::sizes::{
     chunk_rows, dw_blocks, dx_over_du_chunks, mlp_col_blocks, packed_a_bytes, packed_b_bytes,
@@ -170,8 +169,7 @@ pub fn fused_mlp(
     let tx = g.nodes[x].tracks;
     let master = wd == Dtype::F32 && matches!(cd, Dtype::Bf16 | Dtype::F16);
     let (fwd, bwd) = fused_mlp_workspace(cpu, (cd, wd), (rows, inp, ffn, out), (tx, wants), master);
-    hidden_keeping_op(
-        g,
+    g.keeping_op(
         name,
         &[x, ws[0], ws[1], ws[2], ws[3]],
         (rows * out, cd),

@@ -2,7 +2,6 @@
 //! [`fused_mlp_side_workspace`] and the node [`fused_mlp_side`].
 
 use super::fused_mlp::{fc2_gelu_blocks, widen_phase};
-use super::hidden_keeping_op;
 use super::linear::{gemm_call_bytes, linear_workspace};
 use crate::runtime::ditmem_cpu::graph::{Graph, Nid};
 use crate::spec::{CpuSpec, Dtype};
@@ -123,8 +122,7 @@ pub fn fused_mlp_side(
         (tx, ts, wants),
         master,
     );
-    hidden_keeping_op(
-        g,
+    g.keeping_op(
         name,
         &[x, side, ws[0], ws[1], ws[2], ws[3]],
         (rows * out, cd),

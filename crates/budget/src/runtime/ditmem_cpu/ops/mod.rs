@@ -58,28 +58,6 @@ pub fn ln_modulate(
     y
 }
 
-/// A fused op of the engine that keeps its hidden activation for its backward
-/// (`ops::fused_mlp`, `ops::fused_mlp_side`, Sana's `ops::mix_ffn`): one fresh output of
-/// `elems` in the compute dtype `cd`, with its workspace (`fwd`, `bwd`); tracked, it keeps the
-/// hidden activation (`hidden` bytes, freed by its own backward, which `released_by_bwd`
-/// replays) beside its boxed op (`op_bytes`).
-pub(crate) fn hidden_keeping_op(
-    g: &mut Graph,
-    name: &str,
-    inputs: &[Nid],
-    (elems, cd): (u64, Dtype),
-    (fwd, bwd): (u64, u64),
-    (hidden, op_bytes): (u64, u64),
-) -> Nid {
-    let y = g.op(name, Kind::Custom { bwd_scratch: bwd }, inputs, elems, cd);
-    if g.nodes[y].tracks {
-        g.nodes[y].extra = hidden + op_bytes;
-        g.nodes[y].released_by_bwd = hidden;
-    }
-    g.nodes[y].fwd_scratch = fwd;
-    y
-}
-
 /// `ops::gelu_tanh` of the engine: one fresh output, saves nothing beyond its input.
 pub fn gelu(g: &mut Graph, name: &str, x: Nid) -> Nid {
     let (e, dt) = (g.elems(x), g.dtype(x));
