@@ -1,5 +1,6 @@
 //! The parts the fused MLPs share ([`super::fused_mlp`], `fused_mlp_dx`, `fused_mlp_widen`,
-//! `fused_mlp_side`, `mix_ffn`): one linear with its gradient sink ([`MlpLinear`]), the column
+//! `fused_mlp_side`, `mix_ffn`): one linear with its gradient sink ([`MlpLinear`], whose forward
+//! and backward the joint linear and the cross and projected attention use too), the column
 //! blocks of the hidden width ([`mlp_col_blocks`]) and fc1's backward ([`fc1_backward`]). A file
 //! of its own so that each of those files uses it and none uses another back
 //! (`crates/cli/tests/no_import_cycles.rs`).
