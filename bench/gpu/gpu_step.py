@@ -135,29 +135,24 @@ def prepare(fs: GpuSpec, device):
 
 
 class Trainer(fp.FamilyTrainer):
-    def __init__(self, fs: GpuSpec, device, seed: int):
-        torch.manual_seed(seed)
-        self.fs = fs
-        self.device = device
-        self.model = prepare(fs, device)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+    """The family peer's trainer with the GPU spec's model (`prepare`) and optimizers: 8-bit
+    AdamW (paged or not) and fused AdamW."""
+
+    def prepare(self, fs: GpuSpec, device):
+        return prepare(fs, device)
+
+    def optimizer(self):
+        fs = self.fs
         foreach = fs.optimizer_impl == "foreach" and not fs.fused
         if fs.adam8:
             import bitsandbytes as bnb
 
             cls = bnb.optim.PagedAdamW8bit if fs.paged else bnb.optim.AdamW8bit
-            self.opt = cls(self.trainable, **fp.ADAMW)
-        elif fs.optimizer == "adamw":
+            return cls(self.trainable, **fp.ADAMW)
+        if fs.optimizer == "adamw":
             kw = {"fused": True} if fs.fused else {"foreach": foreach}
-            self.opt = torch.optim.AdamW(self.trainable, **kw, **fp.ADAMW)
-        else:
-            self.opt = torch.optim.SGD(self.trainable, lr=fp.SGD_LR, foreach=foreach)
-        self.ema = []
-        if fs.ema:
-            dt = fp.DTYPES[fs.ema_dtype]
-            self.ema = [p.detach().to(dtype=dt, copy=True) for p in self.trainable]
-        self.inputs = fp.Inputs(fs, self.model, device, seed)
-        self.losses = []
+            return torch.optim.AdamW(self.trainable, **kw, **fp.ADAMW)
+        return torch.optim.SGD(self.trainable, lr=fp.SGD_LR, foreach=foreach)
 
 
 def nvidia_smi_used(pid: int):

@@ -434,19 +434,26 @@ class FamilyTrainer:
         torch.manual_seed(seed)
         self.fs = fs
         self.device = device
-        self.model = prepare_model(fs, device)
+        self.model = self.prepare(fs, device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        foreach = fs.optimizer_impl == "foreach"
-        if fs.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(self.trainable, foreach=foreach, **ADAMW)
-        else:
-            self.opt = torch.optim.SGD(self.trainable, lr=SGD_LR, foreach=foreach)
+        self.opt = self.optimizer()
         self.ema = []
         if fs.ema:
             dt = DTYPES[fs.ema_dtype]
             self.ema = [p.detach().to(dtype=dt, copy=True) for p in self.trainable]
         self.inputs = Inputs(fs, self.model, device, seed)
         self.losses = []
+
+    def prepare(self, fs: FamilySpec, device):
+        """The model to train on `device`."""
+        return prepare_model(fs, device)
+
+    def optimizer(self):
+        """The optimizer of the trainable parameters."""
+        foreach = self.fs.optimizer_impl == "foreach"
+        if self.fs.optimizer == "adamw":
+            return torch.optim.AdamW(self.trainable, foreach=foreach, **ADAMW)
+        return torch.optim.SGD(self.trainable, lr=SGD_LR, foreach=foreach)
 
     def microbatch(self):
         with record_function("ditmem::forward"):

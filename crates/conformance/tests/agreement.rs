@@ -9,7 +9,7 @@ use ditmem_engine::CountingAlloc;
 static A: CountingAlloc = CountingAlloc::new();
 
 mod common;
-use common::{assert_peak_within, one_at_a_time};
+use common::{assert_boundaries_within, assert_peak_within, one_at_a_time};
 
 #[test]
 fn budget_predicts_the_measured_step_peak_within_two_percent() {
@@ -20,11 +20,7 @@ fn budget_predicts_the_measured_step_peak_within_two_percent() {
         assert_peak_within(&a, 0.02);
         // The boundaries between segments line up too (within 2 % of the peak).
         assert!(!a.boundaries.is_empty(), "{name}: boundaries line up");
-        assert!(
-            a.boundary_max_rel_error <= 0.02,
-            "{name}: boundary gap {:.3} %",
-            100.0 * a.boundary_max_rel_error
-        );
+        assert_boundaries_within(&a, 0.02);
         results.push(a);
     }
     let s = summarize(&results);
@@ -55,11 +51,7 @@ fn every_measured_microbatch_is_held_against_the_budget() {
         .boundaries
         .iter()
         .any(|b| b.label.starts_with("microbatch 4: ")));
-    assert!(
-        a.boundary_max_rel_error <= 0.02,
-        "boundary gap {:.3} %",
-        100.0 * a.boundary_max_rel_error
-    );
+    assert_boundaries_within(&a, 0.02);
 }
 
 /// bf16-pure at a real width (DiT-S/2's: hidden 384, 6 heads; depth 1, 64², one sample): the

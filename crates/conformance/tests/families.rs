@@ -357,18 +357,23 @@ fn levers(base: &Spec, f: &Family) -> Vec<Spec> {
     variants
 }
 
-/// One step of `s`: a finite loss, a gradient for every trained tensor (nonzero but where the
-/// family says it is zero), and the watched weight moved.
-fn one_step_trains(f: &Family, s: &Spec, what: &str) {
-    let mut t = Trainer::new(
+/// A trainer of `s` with the initial weights of `seed` that keeps its gradients.
+fn trainer_keeping_gradients(s: &Spec, seed: u64) -> Trainer {
+    Trainer::new(
         s,
         TrainOptions {
-            seed: 3,
+            seed,
             keep_gradients: true,
             ..TrainOptions::default()
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// One step of `s`: a finite loss, a gradient for every trained tensor (nonzero but where the
+/// family says it is zero), and the watched weight moved.
+fn one_step_trains(f: &Family, s: &Spec, what: &str) {
+    let mut t = trainer_keeping_gradients(s, 3);
     let before = t.parameter(f.watched).unwrap();
     let batch = SyntheticData::new(s, 1).unwrap().step_batch(0);
     let r = t.step(&batch, None).unwrap();
@@ -406,15 +411,7 @@ fn recompute_and_attention_modes_give_the_same_gradients() {
             base.recipe.precision = Precision::Fp64;
             let batch = SyntheticData::new(&base, 5).unwrap().step_batch(0);
             let grads = |s: &Spec| {
-                let mut t = Trainer::new(
-                    s,
-                    TrainOptions {
-                        seed: 9,
-                        keep_gradients: true,
-                        ..TrainOptions::default()
-                    },
-                )
-                .unwrap();
+                let mut t = trainer_keeping_gradients(s, 9);
                 t.compute_gradients(&batch).unwrap();
                 t.gradients().unwrap()
             };

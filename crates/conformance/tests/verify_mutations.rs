@@ -10,6 +10,7 @@ use ditmem_conformance::verify::{
     VerifyOptions, SPREAD_MARGIN, WARN_FACTOR,
 };
 use ditmem_engine::mutation::{self, Mutation};
+use std::sync::MutexGuard;
 
 mod common;
 use common::one_at_a_time;
@@ -90,6 +91,19 @@ fn show(what: &str, rep: &Report) {
     }
 }
 
+/// The suite's lock, no mutation planted and the logit gain at 1, and the options of `steps`
+/// drift steps.
+fn unmutated(steps: u32) -> (MutexGuard<'static, ()>, VerifyOptions) {
+    let one = one_at_a_time();
+    mutation::set(None);
+    mutation::set_logit_gain(1.0);
+    let o = VerifyOptions {
+        steps,
+        ..VerifyOptions::default()
+    };
+    (one, o)
+}
+
 fn run(base: &Spec, variants: &str, o: &VerifyOptions, r: &Reference) -> Report {
     verify(
         base,
@@ -132,13 +146,7 @@ fn assert_comfortable(what: &str, rep: &Report) {
 
 #[test]
 fn every_mutation_fails_and_correct_variants_pass() {
-    let _one = one_at_a_time();
-    let o = VerifyOptions {
-        steps: 3,
-        ..VerifyOptions::default()
-    };
-    mutation::set(None);
-    mutation::set_logit_gain(1.0);
+    let (_one, o) = unmutated(3);
     // The correct variants of each spec the suite uses, against their references.
     let base = spec();
     let r = compute_reference(&base, &o, &mut |_| {}).unwrap();
@@ -331,13 +339,7 @@ fn overflowed(v: &VariantReport) -> bool {
 
 #[test]
 fn every_mutation_that_applies_fails_on_each_family() {
-    let _one = one_at_a_time();
-    let o = VerifyOptions {
-        steps: 2,
-        ..VerifyOptions::default()
-    };
-    mutation::set(None);
-    mutation::set_logit_gain(1.0);
+    let (_one, o) = unmutated(2);
     let (mut missed, mut false_failures) = (Vec::new(), Vec::new());
     for (fam, base) in family_specs() {
         let r = compute_reference(&base, &o, &mut |_| {}).unwrap();

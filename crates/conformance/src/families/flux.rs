@@ -12,7 +12,8 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
-    e, linear, mse_loss, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
+    e, linear, mlp_linears, mse_loss, on_pool, pair_bound, shift_scale_ln, weights, F64Replay,
+    Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::flux::FluxGeom;
@@ -87,13 +88,7 @@ struct Conditions {
 
 impl Conditions {
     fn of(t: &Trainer, guidance: bool) -> Result<Conditions> {
-        let mlp = |n: &str| {
-            weights(
-                &format!("time_text_embed.{n}"),
-                ["linear_1", "linear_2"],
-                |l| linear(t, l),
-            )
-        };
+        let mlp = |n: &str| mlp_linears(&format!("time_text_embed.{n}"), |l| linear(t, l));
         Ok(Conditions {
             time: mlp("timestep_embedder")?,
             guidance: if guidance {

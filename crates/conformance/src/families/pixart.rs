@@ -12,8 +12,8 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{
-    cross_query, e, linear, on_pool, pair_bound, shift_scale_ln, silu_mlp, table_modulation,
-    weights, F64Replay, Probe,
+    cross_query, e, linear, mlp_linears, on_pool, pair_bound, shift_scale_ln, silu_mlp,
+    table_modulation, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::pixart::{PixartGeom, PIXART_BLOCK_LINEARS};
@@ -65,9 +65,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &PixartGeom, batch: &Batch) -> Resul
     let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let embed = linear(t, "pos_embed.proj")?;
-    let te = "adaln_single.emb.timestep_embedder";
-    let t1 = linear(t, &format!("{te}.linear_1"))?;
-    let t2 = linear(t, &format!("{te}.linear_2"))?;
+    let [t1, t2] = mlp_linears("adaln_single.emb.timestep_embedder", |n| linear(t, n))?;
     let adaln = linear(t, "adaln_single.linear")?;
     let sizes = match g.sizes {
         Some(hw) => Some(SizeEmbedders::of(t, hw)?),

@@ -11,7 +11,7 @@ use crate::verify::cancellation::{add_sums, Sums};
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::kink::{add_kink_sums, KinkSums};
 use crate::verify::replay::{
-    cross_query, e, linear_or_unbiased, on_pool, pair_bound, shift_scale_ln, silu_mlp,
+    cross_query, e, linear_or_unbiased, mlp_linears, on_pool, pair_bound, shift_scale_ln, silu_mlp,
     table_modulation, weights, F64Replay, Probe,
 };
 use crate::verify::upstream::with_upstream;
@@ -75,9 +75,7 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &SanaGeom, batch: &Batch) -> Result<
     let scale = crate::mutation::attention_scale(g.cross_width / g.cross_heads);
     let lin = |n: &str| linear_or_unbiased(t, n);
     let embed = lin("patch_embed.proj")?;
-    let te = "time_embed.emb.timestep_embedder";
-    let t1 = lin(&format!("{te}.linear_1"))?;
-    let t2 = lin(&format!("{te}.linear_2"))?;
+    let [t1, t2] = mlp_linears("time_embed.emb.timestep_embedder", lin)?;
     let adaln = lin("time_embed.linear")?;
     let cw = SanaCaptionWeights {
         linear_1: lin("caption_projection.linear_1")?,

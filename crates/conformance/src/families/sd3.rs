@@ -11,7 +11,7 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::error::bad;
 use crate::verify::key_bias::SELF_ATTENTION;
-use crate::verify::replay::{e, linear, on_pool, pair_bound, F64Replay, Probe};
+use crate::verify::replay::{e, linear, mlp_linears, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::Result;
 use ditmem_engine::families::sd3::{Sd3BlockWeights, Sd3Geom};
 
@@ -98,16 +98,8 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &Sd3Geom, batch: &Batch) -> Result<(
     let (dev, f) = (Device::Cpu, DType::F64);
     let scale = crate::mutation::attention_scale(d.head_dim);
     let embed = linear(t, "pos_embed.proj")?;
-    let te = "time_text_embed.timestep_embedder";
-    let pe = "time_text_embed.text_embedder";
-    let (t1, t2) = (
-        linear(t, &format!("{te}.linear_1"))?,
-        linear(t, &format!("{te}.linear_2"))?,
-    );
-    let (p1, p2) = (
-        linear(t, &format!("{pe}.linear_1"))?,
-        linear(t, &format!("{pe}.linear_2"))?,
-    );
+    let [t1, t2] = mlp_linears("time_text_embed.timestep_embedder", |n| linear(t, n))?;
+    let [p1, p2] = mlp_linears("time_text_embed.text_embedder", |n| linear(t, n))?;
     let context = linear(t, "context_embedder")?;
     let (norm_out, proj_out) = (linear(t, "norm_out.linear")?, linear(t, "proj_out")?);
     // The crop of the position table to the latent's grid, as (s, D) rows.

@@ -11,7 +11,7 @@ use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
 use crate::verify::key_bias::{CROSS_ATTENTION, SELF_ATTENTION};
 use crate::verify::replay::{
-    e, linear, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe,
+    e, linear, mlp_linears, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
 use ditmem_engine::families::wan::{WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
@@ -30,11 +30,9 @@ fn score_bound(spec: &Spec, t: &Trainer, g: &WanGeom, batch: &Batch) -> Result<(
     let scale = crate::mutation::attention_scale(d.head_dim);
     let embed = linear(t, "patch_embedding")?;
     let ce = "condition_embedder";
-    let t1 = linear(t, &format!("{ce}.time_embedder.linear_1"))?;
-    let t2 = linear(t, &format!("{ce}.time_embedder.linear_2"))?;
+    let [t1, t2] = mlp_linears(&format!("{ce}.time_embedder"), |n| linear(t, n))?;
     let tp = linear(t, &format!("{ce}.time_proj"))?;
-    let x1 = linear(t, &format!("{ce}.text_embedder.linear_1"))?;
-    let x2 = linear(t, &format!("{ce}.text_embedder.linear_2"))?;
+    let [x1, x2] = mlp_linears(&format!("{ce}.text_embedder"), |n| linear(t, n))?;
     let fw = WanFinalWeights {
         table: t.parameter("scale_shift_table")?,
         proj_out: linear(t, "proj_out")?,

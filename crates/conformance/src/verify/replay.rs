@@ -71,6 +71,15 @@ pub(crate) fn weights<const N: usize, T>(
         .map_err(|_| super::error::bad("f64 replay", "a block's weights miscounted"))
 }
 
+/// `linear_1` and `linear_2` under `prefix`: the two linears of a diffusers MLP embedder
+/// (`TimestepEmbedding`, `PixArtAlphaTextProjection`), each loaded by `load`.
+pub(crate) fn mlp_linears(
+    prefix: &str,
+    load: impl Fn(&str) -> Result<LinearW>,
+) -> Result<[LinearW; 2]> {
+    weights(prefix, ["linear_1", "linear_2"], load)
+}
+
 /// The two-linear SiLU MLP of the timestep embedders (`TimestepEmbedding`): the engine's own.
 pub(crate) use ditmem_engine::families::sd3::silu_mlp;
 

@@ -46,3 +46,14 @@ pub(crate) fn assert_peak_within(a: &Agreement, bound: f64) {
         a.predicted_peak_label
     );
 }
+
+/// The budget's segment boundaries within `bound` of the measured ones (relative to the measured
+/// peak).
+pub(crate) fn assert_boundaries_within(a: &Agreement, bound: f64) {
+    assert!(
+        a.boundary_max_rel_error <= bound,
+        "{}: boundary gap {:.3} %",
+        a.name,
+        100.0 * a.boundary_max_rel_error
+    );
+}
