@@ -43,7 +43,7 @@
 //! shortest cycle through it and the file:line of each edge.
 mod source_scan;
 
-use source_scan::members;
+use source_scan::{members, pieces, Kind};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -65,12 +65,32 @@ struct Token {
 }
 
 /// Rust tokens, with comments dropped and literals reduced to `Str` (string) or skipped (chars,
-/// numbers). Good enough for `mod`, `use` and path expressions; not a full lexer.
+/// numbers): `source_scan::pieces` cuts the literals and comments, this tokenizes the code between
+/// them. Good enough for `mod`, `use` and path expressions; not a full lexer.
 fn lex(src: &str) -> Vec<Token> {
     let c: Vec<char> = src.chars().collect();
     let mut out = Vec::new();
-    let (mut i, mut line) = (0usize, 1usize);
+    let mut line = 1;
+    for p in pieces(&c) {
+        match p.kind {
+            Kind::Code => lex_code(&c[p.start..p.end], line, &mut out),
+            Kind::Str => out.push(Token {
+                tok: Tok::Str(c[p.text.0..p.text.1].iter().collect()),
+                line,
+            }),
+            Kind::Comment | Kind::Char => {}
+        }
+        line += c[p.start..p.end].iter().filter(|&&ch| ch == '\n').count();
+    }
+    out
+}
+
+/// The tokens of a stretch of code (no comment or literal in it) starting on `line`: identifiers
+/// (`r#name` as `name`), `::`, other punctuation; numbers and lifetimes skipped.
+fn lex_code(c: &[char], mut line: usize, out: &mut Vec<Token>) {
     let at = |i: usize| c.get(i).copied().unwrap_or('\0');
+    let word = |ch: char| ch.is_alphanumeric() || ch == '_';
+    let mut i = 0;
     while i < c.len() {
         let ch = c[i];
         if ch == '\n' {
@@ -78,133 +98,24 @@ fn lex(src: &str) -> Vec<Token> {
             i += 1;
         } else if ch.is_whitespace() {
             i += 1;
-        } else if ch == '/' && at(i + 1) == '/' {
-            while i < c.len() && c[i] != '\n' {
-                i += 1;
-            }
-        } else if ch == '/' && at(i + 1) == '*' {
-            let mut depth = 0;
-            while i < c.len() {
-                if c[i] == '/' && at(i + 1) == '*' {
-                    depth += 1;
-                    i += 2;
-                } else if c[i] == '*' && at(i + 1) == '/' {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    if c[i] == '\n' {
-                        line += 1;
-                    }
-                    i += 1;
-                }
-            }
-        } else if (ch == 'r' || (ch == 'b' && at(i + 1) == 'r'))
-            && matches!(at(i + 1 + usize::from(ch == 'b')), '#' | '"')
-            && {
-                // raw string r"…", r#"…"#, br"…" (not a raw identifier r#name)
-                let mut j = i + 1 + usize::from(ch == 'b');
-                while at(j) == '#' {
-                    j += 1;
-                }
-                at(j) == '"'
-            }
-        {
-            let mut j = i + 1 + usize::from(ch == 'b');
-            let mut hashes = 0;
-            while at(j) == '#' {
-                hashes += 1;
-                j += 1;
-            }
-            j += 1;
-            let start = j;
-            loop {
-                if j >= c.len() {
-                    break;
-                }
-                if c[j] == '"' && (1..=hashes).all(|k| at(j + k) == '#') {
-                    break;
-                }
-                if c[j] == '\n' {
-                    line += 1;
-                }
-                j += 1;
-            }
-            let s: String = c[start..j.min(c.len())].iter().collect();
-            out.push(Token {
-                tok: Tok::Str(s),
-                line,
-            });
-            i = j + 1 + hashes;
-        } else if ch == '"' || (ch == 'b' && at(i + 1) == '"') {
-            let mut j = i + if ch == 'b' { 2 } else { 1 };
-            let start = j;
-            let l0 = line;
-            while j < c.len() && c[j] != '"' {
-                if c[j] == '\\' {
-                    j += 1;
-                }
-                if at(j) == '\n' {
-                    line += 1;
-                }
-                j += 1;
-            }
-            let s: String = c[start..j.min(c.len())].iter().collect();
-            out.push(Token {
-                tok: Tok::Str(s),
-                line: l0,
-            });
-            i = j + 1;
         } else if ch == '\'' {
-            // char literal or lifetime
-            if at(i + 1) == '\\' {
-                let mut j = i + 2;
-                while j < c.len() && c[j] != '\'' {
-                    j += 1;
-                }
-                i = j + 1;
-            } else if at(i + 2) == '\'' {
-                i += 3;
-            } else {
+            // A lifetime ('a, 'static): `pieces` leaves only those in code.
+            i += 1;
+            while word(at(i)) {
                 i += 1;
-                while at(i).is_alphanumeric() || at(i) == '_' {
-                    i += 1;
-                }
             }
         } else if ch.is_alphabetic() || ch == '_' {
-            let mut j = i;
-            if ch == 'r' && at(i + 1) == '#' {
-                j += 2;
-            }
-            let start = j;
-            while at(j).is_alphanumeric() || at(j) == '_' {
-                j += 1;
-            }
-            if ch == 'b' && at(j) == '\'' && j == i + 1 {
-                // byte literal b'x'
-                let mut k = j + 1;
-                if at(k) == '\\' {
-                    k += 1;
-                }
-                k += 1;
-                while k < c.len() && c[k] != '\'' {
-                    k += 1;
-                }
-                i = k + 1;
-                continue;
+            let start = i + if ch == 'r' && at(i + 1) == '#' { 2 } else { 0 };
+            i = start;
+            while word(at(i)) {
+                i += 1;
             }
             out.push(Token {
-                tok: Tok::Ident(c[start..j].iter().collect()),
+                tok: Tok::Ident(c[start..i].iter().collect()),
                 line,
             });
-            i = j;
         } else if ch.is_ascii_digit() {
-            while at(i).is_alphanumeric()
-                || at(i) == '_'
-                || (at(i) == '.' && at(i + 1).is_ascii_digit())
-            {
+            while word(at(i)) || (at(i) == '.' && at(i + 1).is_ascii_digit()) {
                 i += 1;
             }
         } else if ch == ':' && at(i + 1) == ':' {
@@ -221,7 +132,6 @@ fn lex(src: &str) -> Vec<Token> {
             i += 1;
         }
     }
-    out
 }
 
 // ---------------------------------------------------------------- module tree
@@ -1114,4 +1024,30 @@ fn module_aliases_globs_and_comments() {
     );
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].contains("circle of 3 files"), "{found:?}");
+}
+
+#[test]
+fn the_lexer_keeps_strings_and_drops_comments_chars_numbers_and_lifetimes() {
+    let src = "#[path = \"x/y.rs\"] mod r#m; // crate::a::f\n/* b::g /* nested */ */ \
+               fn f<'a>(s: &'a str) { let _ = (b\"c::d\", b'e', '\\n', 1.5e3, r#\"q\"r\"#, br\"t\"); super::k::h() }";
+    let toks: Vec<String> = lex(src)
+        .iter()
+        .map(|t| match &t.tok {
+            Tok::Ident(s) => s.clone(),
+            Tok::Str(s) => format!("{s:?}"),
+            Tok::PathSep => "::".into(),
+            Tok::Punct(c) => c.to_string(),
+        })
+        .collect();
+    let want = "# [ path = \"x/y.rs\" ] mod m ; fn f < > ( s : & str ) { let _ = ( \"c::d\" , \
+                , , , \"q\\\"r\" , \"t\" ) ; super :: k :: h ( ) }";
+    assert_eq!(toks.join(" "), want);
+    // Line numbers count the comment's line break.
+    assert_eq!(
+        lex(src)
+            .iter()
+            .find(|t| t.tok == Tok::Ident("fn".into()))
+            .map(|t| t.line),
+        Some(2)
+    );
 }
