@@ -1,5 +1,5 @@
 //! The original DiT (facebookresearch/DiT `models.py`) in the conformance suite: its rounding
-//! stages and its score probe, the f64 replay of its first forward.
+//! stages, its score probe (the f64 replay of its first forward) and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
@@ -7,6 +7,10 @@ use ditmem_engine::families::dit::{
     block_forward, final_forward, BlockSeeds, BlockWeights, FinalWeights,
 };
 
+use crate::agree::builder::{
+    accumulation, batch, family_base, lora, memory_efficient, policy_grid, sgd_without_ema,
+    GridBuilder, ACCUMULATION, SGD,
+};
 use crate::diffusion::Batch;
 use crate::model::timestep_features;
 use crate::rng::derive_seed;
@@ -18,6 +22,7 @@ use crate::verify::replay::{
 };
 use crate::verify::softmax::Layout as SoftmaxLayout;
 use crate::verify::Result;
+use ditmem_budget::{AttentionMode, LoraSpec, Precision, Recompute};
 
 /// S of the DiT's first step and the replay's loss.
 fn score_bound(spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<(f64, f64, f64)> {
@@ -118,4 +123,95 @@ impl super::VerifyFamily for Dit {
     fn probe(&self, spec: &Spec, t: &Trainer, seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, seed, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The spec the grid varies: [`Spec::small`] with an fp32 EMA, as in DiT's training script, on
+/// this process's CPU ([`crate::host::resolve`]).
+fn grid_base() -> Spec {
+    family_base(Spec::small(), "grid-d2-h64")
+}
+
+/// The agreement grid: precision × recompute × attention on a depth-3 base, then batch
+/// splits, resolution and patch, depth, LoRA, optimizer and EMA variations. Every spec runs in
+/// about a second in release on 2 cores.
+pub fn grid() -> Vec<(String, Spec)> {
+    use AttentionMode as A;
+    use Precision as P;
+    use Recompute as R;
+    let mut policies = Vec::new();
+    for p in [P::Fp64, P::Fp32, P::Bf16Mixed, P::Fp16Mixed] {
+        for rc in [R::None, R::EveryK(2), R::All, R::AttentionOnly] {
+            for a in [A::Materialized, A::MemoryEfficient] {
+                // Attention-only recompute is the materialized attention's policy.
+                if rc != R::AttentionOnly || a == A::Materialized {
+                    policies.push((p, rc.clone(), a));
+                }
+            }
+        }
+    }
+    let base = grid_base();
+    let mut d3 = base.clone();
+    d3.model.depth = 3;
+    let mut specs = policy_grid("d3", &d3, &policies);
+    let mut g = GridBuilder {
+        prefix: "",
+        base,
+        specs: Vec::new(),
+    };
+    g.vary("bf16-pure", |s| s.recipe.precision = P::Bf16Pure)
+        .vary("batch 8 = 4 × accumulation 2", |s| {
+            s.workload.batch = 8;
+            s.workload.accumulation = 2;
+        })
+        .vary(ACCUMULATION, accumulation)
+        .vary("batch 1", |s| batch(s, 1))
+        .vary("256×256 patch 4 (64 tokens)", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            s.model.patch = 4;
+        })
+        .vary("256×256 patch 2 (256 tokens), batch 2", |s| {
+            s.workload.height = 256;
+            s.workload.width = 256;
+            batch(s, 2);
+        })
+        .vary("128×256 patch 2 (128 tokens), memory-efficient", |s| {
+            s.workload.width = 256;
+            memory_efficient(s);
+        })
+        .vary("hidden 128, 8 heads, depth 4, every-2", |s| {
+            s.model.hidden = 128;
+            s.model.heads = 8;
+            s.model.depth = 4;
+            s.recipe.recompute = R::EveryK(2);
+        })
+        .vary("LoRA rank 8 on qkv,proj,fc1,fc2", |s| {
+            s.recipe.lora = lora(8, &[])
+        })
+        .vary("LoRA rank 4 on all, bf16-mixed, recompute all", |s| {
+            s.recipe.lora = Some(LoraSpec {
+                dtype: Default::default(),
+                rank: 4,
+                targets: ditmem_budget::LoraTarget::ALL.to_vec(),
+                modules: Vec::new(),
+            });
+            s.recipe.precision = P::Bf16Mixed;
+            s.recipe.recompute = R::All;
+        })
+        .vary(SGD, sgd_without_ema)
+        .vary("EMA in bf16", |s| {
+            s.recipe.ema.dtype = ditmem_budget::Dtype::Bf16
+        })
+        .vary("learn_sigma off, v-prediction", |s| {
+            s.model.learn_sigma = false;
+            s.recipe.prediction = ditmem_budget::Prediction::V;
+        })
+        .vary("blocks:1 of depth 4", |s| {
+            s.model.depth = 4;
+            s.recipe.recompute = R::Blocks(vec![1]);
+        });
+    specs.extend(g.finish());
+    specs
 }

@@ -1,9 +1,13 @@
-//! diffusers' DiT (`DiTTransformer2DModel`) in the conformance suite: its rounding stages and its
-//! score probe.
+//! diffusers' DiT (`DiTTransformer2DModel`) in the conformance suite: its rounding stages, its
+//! score probe and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use crate::agree::builder::{
+    accumulation, family_base, larger_image, one_sample_blocks, sgd_without_ema, GridBuilder,
+    ACCUMULATION, FAMILY_POLICIES, LARGER_IMAGE, SGD,
+};
 use crate::diffusion::Batch;
 use crate::trainer::Trainer;
 use crate::verify::chain::{MLP, SOFTMAX_ATTENTION};
@@ -11,6 +15,7 @@ use crate::verify::replay::{
     class_ids, e, linear, on_pool, pair_bound, shift_scale_ln, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
+use ditmem_budget::Recompute;
 use ditmem_engine::families::dit_diffusers::{
     DitdGeom, DITD_BLOCK_LINEARS, DITD_EMB_LINEARS, DITD_LABEL_TABLE,
 };
@@ -94,4 +99,43 @@ impl super::VerifyFamily for DitdGeom {
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, self, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The diffusers DiT grid's base: [`ditmem_engine::families::dit_diffusers::tiny_spec`]
+/// (`DiTTransformer2DModel`, 2 blocks of 4 × 16-wide heads, 64 tokens, batch 4) with an fp32
+/// EMA, on this process's CPU.
+pub(crate) fn dit_diffusers_grid_base() -> crate::Result<Spec> {
+    Ok(family_base(
+        ditmem_engine::families::dit_diffusers::tiny_spec(2, 4)?,
+        "dit-diffusers-d2-h64",
+    ))
+}
+
+/// The diffusers DiT agreement grid: the family policies on the base, then accumulation, a
+/// larger image, SGD without EMA, a block list, one block, a deeper and wider model, and LoRA
+/// (the defaults, and attention, feed-forward and output-side modules; the timestep embedders
+/// are refused, see `DitdGeom::new`). Each spec runs in well under a second in release on 2
+/// cores.
+pub fn dit_diffusers_grid() -> crate::Result<Vec<(String, Spec)>> {
+    use ditmem_engine::families::dit_diffusers::tiny_spec;
+    use Recompute as R;
+    let mut g = GridBuilder::new(
+        "dit-diffusers",
+        dit_diffusers_grid_base()?,
+        &FAMILY_POLICIES,
+    );
+    g.vary(ACCUMULATION, accumulation)
+        .vary(LARGER_IMAGE, larger_image)
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.model("1 block × 2 heads (hidden 32)", tiny_spec(1, 2)?, None);
+    g.model(
+        "4 blocks × 6 heads (hidden 96), every-2",
+        tiny_spec(4, 6)?,
+        Some(R::EveryK(2)),
+    );
+    g.lora_custom(&["to_q", "to_v", "ff.net.2", "norm1.linear", "proj_out_1"]);
+    Ok(g.finish())
 }

@@ -1,10 +1,15 @@
-//! FLUX.1 in the conformance suite: its rounding stages, its key biases' query siblings and its
-//! score probe (with [`flux_qk`], q and k as its blocks form them).
+//! FLUX.1 in the conformance suite: its rounding stages, its key biases' query siblings, its
+//! score probe (with [`flux_qk`], q and k as its blocks form them) and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use super::family::KeyBiasAttentions;
+use crate::agree::builder::{
+    accumulation, family_base, larger_image, one_sample_blocks, sgd_without_ema, text_tokens,
+    text_tokens_batch2_me, text_tokens_me, GridBuilder, ACCUMULATION, FAMILY_POLICIES,
+    LARGER_IMAGE, SGD,
+};
 use crate::diffusion::Batch;
 use crate::layers::LinearW;
 use crate::model::timestep_features;
@@ -16,6 +21,7 @@ use crate::verify::replay::{
     Probe,
 };
 use crate::verify::Result;
+use ditmem_budget::Recompute;
 use ditmem_engine::families::flux::FluxGeom;
 
 /// The score bound S for Flux from its weights alone: q and k leave a per-head RMSNorm
@@ -277,4 +283,46 @@ impl super::VerifyFamily for FluxGeom {
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, self, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The Flux grid's base: [`ditmem_engine::families::flux::tiny_spec`] (one double-stream and two
+/// single-stream blocks of 4 × 16-wide heads, 64 image tokens, 13 T5 tokens of width 32, a
+/// pooled width of 24, the guidance embedder, batch 4) with an fp32 EMA, on this process's CPU.
+pub fn flux_grid_base() -> crate::Result<Spec> {
+    Ok(family_base(
+        ditmem_engine::families::flux::tiny_spec(1, 2, 4, 13, true)?,
+        "flux-d1s2-h64",
+    ))
+}
+
+/// The Flux agreement grid: the family policies on the base, then accumulation, odd T5
+/// lengths (1, 77 and 300 tokens; the CLIP prompt stays 77), a larger image, SGD without EMA,
+/// a block list across the two kinds of block, no guidance embedder, and a deeper, wider model.
+pub fn flux_grid() -> crate::Result<Vec<(String, Spec)>> {
+    use ditmem_engine::families::flux::tiny_spec;
+    let mut g = GridBuilder::new("flux", flux_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 T5 token", |s| text_tokens(s, &[77, 1]))
+        .vary("77 T5 tokens, memory-efficient", text_tokens_me(&[77, 77]))
+        .vary(
+            "300 T5 tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[77, 300]),
+        )
+        .vary(LARGER_IMAGE, larger_image)
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[0, 1]);
+    g.model(
+        "no guidance embedder (schnell-like)",
+        tiny_spec(1, 2, 4, 13, false)?,
+        None,
+    )
+    .model(
+        "2 + 3 blocks × 6 heads (hidden 96), 19 tokens, every-2",
+        tiny_spec(2, 3, 6, 19, true)?,
+        Some(Recompute::EveryK(2)),
+    );
+    g.lora();
+    Ok(g.finish())
 }

@@ -2,16 +2,17 @@
 //! (`verify/chain.rs`'s rule applied to its block), its key biases' query siblings
 //! (`verify/key_bias.rs`), its f64 replay of the first forward (the score probe,
 //! `verify/probe.rs`). [`VerifyFamily`] is what the suite asks; [`of`] is the one place a family
-//! is registered. The agreement grids per family are in `agree.rs`.
+//! is registered. Each file also holds the family's agreement grid (`<family>_grid`, written in
+//! `agree/builder.rs`'s vocabulary, re-exported by `agree/mod.rs`).
 
-mod dit;
-mod dit_diffusers;
+pub(crate) mod dit;
+pub(crate) mod dit_diffusers;
 mod family;
-mod flux;
-mod pixart;
-mod sana;
-mod sd3;
-mod wan;
+pub(crate) mod flux;
+pub(crate) mod pixart;
+pub(crate) mod sana;
+pub(crate) mod sd3;
+pub(crate) mod wan;
 
 use ditmem_engine::families::Arch;
 

@@ -1,10 +1,15 @@
-//! PixArt in the conformance suite: its rounding stages, its key biases' query siblings and its
-//! score probe.
+//! PixArt in the conformance suite: its rounding stages, its key biases' query siblings, its
+//! score probe and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use super::family::KeyBiasAttentions;
+use crate::agree::builder::{
+    accumulation, batch, family_base, larger_image, one_sample_blocks, sgd_without_ema,
+    text_tokens, text_tokens_batch2_me, text_tokens_me, GridBuilder, ACCUMULATION, FAMILY_POLICIES,
+    LARGER_IMAGE, SGD,
+};
 use crate::diffusion::Batch;
 use crate::layers::LinearW;
 use crate::model::timestep_features;
@@ -16,6 +21,7 @@ use crate::verify::replay::{
     table_modulation, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
+use ditmem_budget::Recompute;
 use ditmem_engine::families::pixart::{PixartGeom, PIXART_BLOCK_LINEARS};
 
 /// PixArt-α's resolution and aspect-ratio embedders (`families/pixart/step.rs`): the latent's
@@ -159,4 +165,45 @@ impl super::VerifyFamily for PixartGeom {
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, self, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The PixArt grid's base: [`ditmem_engine::families::pixart::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// 64 image tokens, 13 caption tokens of width 32, batch 4) with an fp32 EMA, on this process's
+/// CPU.
+pub fn pixart_grid_base() -> crate::Result<Spec> {
+    Ok(family_base(
+        ditmem_engine::families::pixart::tiny_spec(2, 4, 13)?,
+        "pixart-d2-h64",
+    ))
+}
+
+/// The PixArt agreement grid: the family policies on the base, then accumulation, odd caption
+/// lengths (1, 77 and 300 tokens: more keys than a streaming block; 300 in both attention
+/// modes), a larger image, SGD without EMA, a block list and a deeper and wider model. Each
+/// spec runs in well under a second in release on 2 cores.
+pub fn pixart_grid() -> crate::Result<Vec<(String, Spec)>> {
+    let mut g = GridBuilder::new("pixart", pixart_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 caption token", |s| text_tokens(s, &[1]))
+        .vary("77 caption tokens, memory-efficient", text_tokens_me(&[77]))
+        .vary(
+            "300 caption tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[300]),
+        )
+        .vary("300 caption tokens, batch 2", |s| {
+            text_tokens(s, &[300]);
+            batch(s, 2);
+        })
+        .vary(LARGER_IMAGE, larger_image)
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.model(
+        "4 blocks × 6 heads (hidden 96), 19 tokens, every-2",
+        ditmem_engine::families::pixart::tiny_spec(4, 6, 19)?,
+        Some(Recompute::EveryK(2)),
+    );
+    g.lora();
+    Ok(g.finish())
 }

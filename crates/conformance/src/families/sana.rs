@@ -1,9 +1,14 @@
 //! Sana in the conformance suite: its rounding stages, its score probe (with the cancellation and
-//! ReLU kink of its linear attention's q and k gradients) and the tensors those reach.
+//! ReLU kink of its linear attention's q and k gradients), the tensors those reach, and its
+//! agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
+use crate::agree::builder::{
+    accumulation, family_base, lora, memory_efficient, one_sample_blocks, sgd_without_ema,
+    text_tokens, text_tokens_batch2_me, GridBuilder, ACCUMULATION, FAMILY_POLICIES, SGD,
+};
 use crate::diffusion::Batch;
 use crate::model::{timestep_features, Dims};
 use crate::trainer::Trainer;
@@ -16,6 +21,7 @@ use crate::verify::replay::{
 };
 use crate::verify::upstream::with_upstream;
 use crate::verify::Result;
+use ditmem_budget::{AttentionMode, Precision, Recompute};
 use ditmem_engine::families::sana::{SanaGeom, SANA_BLOCK_LINEARS};
 
 /// The cancellation ([`add_sums`]) and ReLU kink ([`add_kink_sums`]) of one block's linear
@@ -219,4 +225,61 @@ impl super::VerifyFamily for SanaGeom {
     fn qk_inputs(&self, block: u32) -> Vec<String> {
         sana_qk_inputs(block)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The Sana grid's base: [`ditmem_engine::families::sana::tiny_spec`] (2 blocks of 4 × 16-wide heads,
+/// cross-attention 2 × 32 wide, Mix-FFN 160 wide, 64 image tokens on an 8×8 grid, 13 caption
+/// tokens of width 48, batch 4) with an fp32 EMA, on this process's CPU.
+pub(crate) fn sana_grid_base() -> crate::Result<Spec> {
+    Ok(family_base(
+        ditmem_engine::families::sana::tiny_spec(2, 4, 13)?,
+        "sana-d2-h64",
+    ))
+}
+
+/// The Sana agreement grid: the family policies but fp64 attention-only (the attention modes
+/// are the softmax cross-attention's; the linear self-attention has one form) on the base,
+/// then accumulation, odd caption lengths, an odd and non-square token grid (7×5: the
+/// depthwise conv's borders), SGD without EMA, a block list, LoRA (the scripts' default
+/// targets; and the Mix-FFN-free list `to_q, to_v` on bias-less projections) and a deeper
+/// model with biased q/k/v.
+pub fn sana_grid() -> crate::Result<Vec<(String, Spec)>> {
+    let policies = &FAMILY_POLICIES[..FAMILY_POLICIES.len() - 1];
+    let mut g = GridBuilder::new("sana", sana_grid_base()?, policies);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 caption token", |s| text_tokens(s, &[1]))
+        .vary(
+            "300 caption tokens, batch 2, memory-efficient",
+            text_tokens_batch2_me(&[300]),
+        )
+        .vary("224×160 (7×5 tokens), memory-efficient", |s| {
+            s.workload.height = 224;
+            s.workload.width = 160;
+            memory_efficient(s);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    g.vary("LoRA r4 (to_k, to_q, to_v, to_out.0), bf16-mixed", |s| {
+        s.recipe.precision = Precision::Bf16Mixed;
+        s.recipe.lora = lora(4, &[]);
+    })
+    .vary("LoRA r8 (to_q, to_v), fp32, recompute all", |s| {
+        s.recipe.recompute = Recompute::All;
+        s.recipe.lora = lora(8, &["to_q", "to_v"]);
+    });
+    let mut cfg = ditmem_engine::families::sana::tiny_config(4, 6);
+    cfg.insert("attention_bias".into(), serde_json::Value::Bool(true));
+    let mut deep = ditmem_budget::denoiser::with_family(Spec::small(), "sana-d4-h96", cfg)?;
+    deep.workload.height = 256;
+    deep.workload.width = 256;
+    text_tokens(&mut deep, &[19]);
+    deep.recipe.attention = AttentionMode::Materialized;
+    g.model(
+        "4 blocks × 6 heads (hidden 96), biased q/k/v, 19 tokens, every-2",
+        deep,
+        Some(Recompute::EveryK(2)),
+    );
+    Ok(g.finish())
 }

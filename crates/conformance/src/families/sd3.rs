@@ -1,10 +1,14 @@
-//! SD3 / SD3.5 in the conformance suite: its rounding stages, its key biases' query siblings and
-//! its score probe.
+//! SD3 / SD3.5 in the conformance suite: its rounding stages, its key biases' query siblings,
+//! its score probe and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use super::family::KeyBiasAttentions;
+use crate::agree::builder::{
+    accumulation, batch, family_base, lora_specs, memory_efficient, one_sample_blocks,
+    sgd_without_ema, text_tokens, text_tokens_me, GridBuilder, ACCUMULATION, FAMILY_POLICIES, SGD,
+};
 use crate::diffusion::Batch;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
@@ -13,6 +17,7 @@ use crate::verify::error::bad;
 use crate::verify::key_bias::SELF_ATTENTION;
 use crate::verify::replay::{e, linear, mlp_linears, on_pool, pair_bound, F64Replay, Probe};
 use crate::verify::Result;
+use ditmem_budget::{Precision, Recompute};
 use ditmem_engine::families::sd3::{Sd3BlockWeights, Sd3Geom};
 
 /// The weights of SD3's `depth` joint blocks (the last one `context_pre_only`: no context
@@ -172,4 +177,80 @@ impl super::VerifyFamily for Sd3Geom {
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, self, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The SD3 grid's base: [`ditmem_engine::families::sd3::tiny_spec`] (3 joint blocks of 4 × 16-wide
+/// heads, hidden 64, 16 latent channels), 5 + 8 caption tokens, EMA on.
+pub fn sd3_grid_base() -> crate::Result<Spec> {
+    Ok(family_base(
+        ditmem_engine::families::sd3::tiny_spec(3, 4, false, 5, 8)?,
+        "sd3-d3-h64",
+    ))
+}
+
+/// The SD3 agreement grid: the family policies on the base, then accumulation, odd caption
+/// lengths (1 + 1 … 77 + 77: more keys than a streaming block), SGD without EMA, a block list,
+/// q/k RMSNorm (SD3.5), one block (only the `context_pre_only` one), a deeper, wider model and
+/// SD3.5's dual-attention blocks.
+/// Each spec runs in well under a second in release on 2 cores.
+pub fn sd3_grid() -> crate::Result<Vec<(String, Spec)>> {
+    use ditmem_engine::families::sd3::{tiny_dual_spec, tiny_spec};
+    use Recompute as R;
+    let mut g = GridBuilder::new("sd3", sd3_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 + 1 caption tokens", |s| text_tokens(s, &[1, 1]))
+        .vary(
+            "77 + 77 caption tokens, memory-efficient",
+            text_tokens_me(&[77, 77]),
+        )
+        .vary("77 + 77 caption tokens, batch 2", |s| {
+            text_tokens(s, &[77, 77]);
+            batch(s, 2);
+        })
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1, 2]);
+    let mut qk_bf16 = tiny_spec(3, 4, true, 7, 12)?;
+    qk_bf16.recipe.precision = Precision::Bf16Mixed;
+    g.model(
+        "q/k RMSNorm (SD3.5), every-2",
+        tiny_spec(3, 4, true, 7, 12)?,
+        Some(R::EveryK(2)),
+    )
+    .model("q/k RMSNorm, bf16-mixed", qk_bf16, Some(R::None))
+    .model(
+        "1 block (context_pre_only only)",
+        tiny_spec(1, 4, false, 7, 12)?,
+        Some(R::None),
+    )
+    .model(
+        "4 blocks × 6 heads (hidden 96), q/k RMSNorm, all",
+        tiny_spec(4, 6, true, 7, 12)?,
+        Some(R::All),
+    );
+    // SD3.5's dual-attention blocks (attn2, 9-chunk norm1): blocks 0 and 2 of 3, so a stored
+    // dual block, a plain one and a dual last (context_pre_only) block; then SD3.5-medium's
+    // layout (dual first) under bf16-mixed and recompute.
+    let mut dual_bf16 = tiny_dual_spec(3, 4, &[0, 1], 7, 12)?;
+    dual_bf16.recipe.precision = Precision::Bf16Mixed;
+    g.model(
+        "dual attention [0, 2] (SD3.5), q/k RMSNorm",
+        tiny_dual_spec(3, 4, &[0, 2], 7, 12)?,
+        Some(R::None),
+    )
+    .model(
+        "dual attention [0, 1] (SD3.5-medium's layout), bf16-mixed, every-2",
+        dual_bf16,
+        Some(R::EveryK(2)),
+    );
+    g.lora();
+    // LoRA on the dual-attention model, memory-efficient attention: the defaults leave attn2
+    // frozen (its input released, its output kept for the attention's backward); the custom
+    // targets adapt attn2's to_q and to_v too.
+    let mut dual = family_base(tiny_dual_spec(3, 4, &[0, 2], 7, 12)?, "sd3.5-dual");
+    memory_efficient(&mut dual);
+    g.specs
+        .extend(lora_specs("sd3 dual [0, 2], memory-efficient,", &dual));
+    Ok(g.finish())
 }

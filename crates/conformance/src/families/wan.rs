@@ -1,10 +1,14 @@
-//! Wan 2.x in the conformance suite: its rounding stages, its key biases' query siblings and its
-//! score probe.
+//! Wan 2.x in the conformance suite: its rounding stages, its key biases' query siblings, its
+//! score probe and its agreement grid.
 
 use candle_core::{DType, Device, Tensor};
 use ditmem_budget::Spec;
 
 use super::family::KeyBiasAttentions;
+use crate::agree::builder::{
+    accumulation, batch, family_base, memory_efficient, one_sample_blocks, sgd_without_ema,
+    text_tokens, text_tokens_me, GridBuilder, ACCUMULATION, FAMILY_POLICIES, SGD,
+};
 use crate::diffusion::Batch;
 use crate::model::timestep_features;
 use crate::trainer::Trainer;
@@ -14,6 +18,7 @@ use crate::verify::replay::{
     e, linear, mlp_linears, mse_loss, on_pool, pair_bound, silu_mlp, weights, F64Replay, Probe,
 };
 use crate::verify::Result;
+use ditmem_budget::{Precision, Recompute};
 use ditmem_engine::families::wan::{WanGeom, WAN_BLOCK_LINEARS, WAN_BLOCK_NORMS};
 
 /// The score bound S for Wan: its forward replayed in f64 (embed, blocks, output side), S over
@@ -133,4 +138,53 @@ impl super::VerifyFamily for WanGeom {
     fn probe(&self, spec: &Spec, t: &Trainer, _seed: u64, batch: &Batch) -> Result<Probe> {
         score_bound(spec, t, self, batch).map(Probe::plain)
     }
+}
+
+// ---------------------------------------------------------------- the agreement grid
+
+/// The Wan grid's base: [`ditmem_engine::families::wan::tiny_spec`] (2 blocks of 2 × 16-wide heads,
+/// 64×64 pixels at 9 frames: 3 latent frames of 4×4 tokens, 48 video tokens, 13 umT5 tokens of
+/// width 32, batch 4) with an fp32 EMA, on this process's CPU.
+pub fn wan_grid_base() -> crate::Result<Spec> {
+    let mut s = ditmem_engine::families::wan::tiny_spec(2, 2, 9, 13)?;
+    s.workload.height = 64;
+    s.workload.width = 64;
+    Ok(family_base(s, "wan-d2-h32"))
+}
+
+/// The Wan agreement grid: the family policies on the base, then accumulation, odd token
+/// counts (1 and 77 umT5 tokens, one latent frame, an odd 5×3 token grid, 5 latent frames),
+/// SGD without EMA, a block list and a wider and deeper model.
+pub fn wan_grid() -> crate::Result<Vec<(String, Spec)>> {
+    let mut g = GridBuilder::new("wan", wan_grid_base()?, &FAMILY_POLICIES);
+    g.vary(ACCUMULATION, accumulation)
+        .vary("1 umT5 token", |s| text_tokens(s, &[1]))
+        .vary("77 umT5 tokens, memory-efficient", text_tokens_me(&[77]))
+        .vary("1 frame (an image)", |s| s.workload.frames = 1)
+        .vary("80×48 (5×3 tokens a frame), 5 frames, bf16-mixed", |s| {
+            s.workload.height = 80;
+            s.workload.width = 48;
+            s.workload.frames = 5;
+            s.recipe.precision = Precision::Bf16Mixed;
+        })
+        .vary(
+            "17 frames (5 latent frames, 80 tokens), batch 2, memory-efficient",
+            |s| {
+                s.workload.frames = 17;
+                batch(s, 2);
+                memory_efficient(s);
+            },
+        )
+        .vary(SGD, sgd_without_ema);
+    one_sample_blocks(&mut g, &[1]);
+    let mut deep = ditmem_engine::families::wan::tiny_spec(4, 4, 5, 19)?;
+    deep.workload.height = 64;
+    deep.workload.width = 64;
+    g.model(
+        "4 blocks × 4 heads (hidden 64), 5 frames, 19 tokens, every-2",
+        deep,
+        Some(Recompute::EveryK(2)),
+    );
+    g.lora();
+    Ok(g.finish())
 }
