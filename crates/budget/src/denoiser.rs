@@ -394,49 +394,11 @@ fn check_engine_flux(spec: &Spec, fm: &FamilyModel) -> Result<(), SpecError> {
     refuse_engine_dropout(spec, "Flux")
 }
 
-/// The attention projections diffusers' LoRA scripts adapted first and PEFT's usual targets
-/// for a diffusers attention: the default of a family without a script of its own (PixArt,
-/// Wan) and of Sana (whose `train_dreambooth_lora_sana.py` now defaults to `to_k, to_q, to_v`
-/// alone; the engine's Sana tests count `to_out.0` too, so a change is the lead's call).
-pub(crate) const DEFAULT_LORA_MODULES: [&str; 4] = ["to_k", "to_q", "to_v", "to_out.0"];
-
-/// `train_dreambooth_lora_sd3.py` with `--lora_layers` unset (diffusers 58eb52c): both
-/// streams' attention projections.
-pub(crate) const SD3_LORA_MODULES: [&str; 8] = [
-    "attn.add_k_proj",
-    "attn.add_q_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "attn.to_k",
-    "attn.to_out.0",
-    "attn.to_q",
-    "attn.to_v",
-];
-
-/// `train_dreambooth_lora_flux.py` with `--lora_layers` unset (diffusers 58eb52c): the double
-/// blocks' attention projections and feed-forwards, and (by suffix) the single blocks'
-/// `attn.to_q/k/v`; not their `proj_mlp` or `proj_out`.
-pub(crate) const FLUX_LORA_MODULES: [&str; 12] = [
-    "attn.to_k",
-    "attn.to_q",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_k_proj",
-    "attn.add_q_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-];
-
 /// The LoRA modules of a family spec: the spec's, or its family's script default.
 pub fn lora_modules(spec: &Spec) -> Vec<String> {
-    let default: &[&str] = match family(spec).ok().flatten().map(|fm| fm.family) {
-        Some(families::Family::Sd3) => &SD3_LORA_MODULES,
-        Some(families::Family::Flux) => &FLUX_LORA_MODULES,
-        _ => &DEFAULT_LORA_MODULES,
+    let default: &[&str] = match family(spec).ok().flatten() {
+        Some(fm) => fm.family.facts().lora_modules,
+        None => &families::DEFAULT_LORA_MODULES,
     };
     match &spec.recipe.lora {
         Some(l) if !l.modules.is_empty() => l.modules.clone(),

@@ -84,10 +84,8 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
         None => original_dit_vae(spec),
     };
     let family = fm.map(|m| m.family);
-    // The scripts that keep the VAE in fp32 whatever the precision:
-    // train_dreambooth_sd3.py:1167 and train_dreambooth_lora_sd3.py:1237
-    // (`vae.to(accelerator.device, dtype=torch.float32)`), train_dreambooth_lora_sana.py:1017.
-    let fp32_vae = matches!(family, Some(Family::Sd3 | Family::Sana));
+    // The scripts that keep the VAE in fp32 whatever the precision (`FamilyFacts::fp32_vae`).
+    let fp32_vae = family.is_some_and(|f| f.facts().fp32_vae);
     let dtype = if fp32_vae && dtype.size() < 4 {
         Dtype::F32
     } else {

@@ -126,19 +126,6 @@ pub(crate) struct Behaviour {
     pub source: &'static str,
 }
 
-/// The script's default `target_modules` when `--lora_layers` is not given.
-pub(crate) fn default_lora_layers(family: Family) -> Option<&'static [&'static str]> {
-    match family {
-        // train_dreambooth_lora_flux.py:1257-1270; the budget counts the same list.
-        Family::Flux => Some(&crate::denoiser::FLUX_LORA_MODULES),
-        // train_dreambooth_lora_sd3.py:1251-1260; the budget counts the same list.
-        Family::Sd3 => Some(&crate::denoiser::SD3_LORA_MODULES),
-        // train_dreambooth_lora_sana.py:1045
-        Family::Sana => Some(&["to_k", "to_q", "to_v"]),
-        _ => None,
-    }
-}
-
 /// The SD3 scripts' validation (`--validation_prompt`, not in the export): at the end of epoch 0
 /// they reload the three text encoders, cast them to `weight_dtype` and build a
 /// `StableDiffusion3Pipeline` around them, which `log_validation` moves to the device;
@@ -334,7 +321,7 @@ impl Launch {
                 LoraDtype::Fp32
             };
             if l.modules.is_empty() && s.model.diffusers.is_some() {
-                if let Some(m) = default_lora_layers(self.family) {
+                if let Some(m) = self.family.facts().script_lora_layers {
                     l.modules = m.iter().map(|x| x.to_string()).collect();
                 }
             }

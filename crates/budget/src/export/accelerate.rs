@@ -1,7 +1,6 @@
 //! The `accelerate` target: `accelerate launch` and its arguments, and the accelerate config
 //! file (`accelerate_config.yaml`).
 
-use super::scripts::block_classes;
 use super::types::{header, s, Command, ExportOptions, Target};
 use super::yaml::{self, Yaml};
 use crate::sharding::{Offload, Sharder};
@@ -54,7 +53,7 @@ pub(super) fn launcher(spec: &Spec, o: &ExportOptions, mp: &str, config_file: bo
             s("--fsdp_auto_wrap_policy"),
             s("TRANSFORMER_BASED_WRAP"),
             s("--fsdp_transformer_layer_cls_to_wrap"),
-            s(block_classes(o.family)),
+            s(o.family.facts().fsdp_block_classes),
             s("--fsdp_state_dict_type"),
             s("SHARDED_STATE_DICT"),
             s("--num_processes"),
@@ -208,7 +207,7 @@ fn fsdp_config(stage: u8, o: &ExportOptions) -> Yaml {
         ("fsdp_state_dict_type", Yaml::str("SHARDED_STATE_DICT")),
         (
             "fsdp_transformer_layer_cls_to_wrap",
-            Yaml::str(block_classes(o.family)),
+            Yaml::str(o.family.facts().fsdp_block_classes),
         ),
         ("fsdp_version", Yaml::Int(2)),
     ])

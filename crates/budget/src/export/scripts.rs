@@ -138,19 +138,6 @@ pub(crate) fn script_for(family: Family, lora: bool) -> Result<Script, NoScript>
     }
 }
 
-/// The transformer block class FSDP wraps one unit at a time (`fsdp_transformer_layer_cls_to_wrap`),
-/// as diffusers (v0.40.0 `src/diffusers/models/…`) or facebookresearch/DiT `models.py` names it.
-pub(crate) fn block_classes(family: Family) -> &'static str {
-    match family {
-        Family::Dit => "DiTBlock",
-        Family::DitDiffusers | Family::Pixart => "BasicTransformerBlock",
-        Family::Sd3 => "JointTransformerBlock",
-        Family::Flux => "FluxTransformerBlock,FluxSingleTransformerBlock",
-        Family::Sana => "SanaTransformerBlock",
-        Family::Wan => "WanTransformerBlock",
-    }
-}
-
 /// The option strings every script below accepts (the DreamBooth scripts share their
 /// `parse_args` core); each script's list holds only its own beyond these.
 const DREAMBOOTH_COMMON: &[&str] = &[

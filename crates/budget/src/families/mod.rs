@@ -15,6 +15,7 @@
 mod config;
 mod defaults;
 pub(crate) mod dit;
+mod facts;
 mod family;
 pub(crate) mod flux;
 pub mod frozen;
@@ -31,6 +32,7 @@ pub(crate) mod wan;
 
 pub(crate) use defaults::TrainingDefaults;
 pub use dit::DitDiffusersDims;
+pub(crate) use facts::DEFAULT_LORA_MODULES;
 pub use flux::FluxDims;
 pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
 pub use pixart::PixartDims;

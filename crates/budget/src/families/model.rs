@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::defaults::TrainingDefaults;
 use super::dit::{DitDiffusersDims, DitDims};
+use super::facts::FamilyFacts;
 use super::family::FamilyDims;
 pub use super::family::{Geometry, TextEncoder};
 use super::flux::FluxDims;
@@ -60,6 +61,20 @@ impl Family {
             Family::Flux => "FluxTransformer2DModel",
             Family::Sana => "SanaTransformer2DModel",
             Family::Wan => "WanTransformer3DModel",
+        }
+    }
+
+    /// What the family's training looks like in diffusers' scripts ([`FamilyFacts`]), as its
+    /// folder states it.
+    pub(crate) const fn facts(self) -> &'static FamilyFacts {
+        match self {
+            Family::Dit => &super::dit::DIT_FACTS,
+            Family::DitDiffusers => &super::dit::DIT_DIFFUSERS_FACTS,
+            Family::Pixart => &super::pixart::FACTS,
+            Family::Sd3 => &super::sd3::FACTS,
+            Family::Flux => &super::flux::FACTS,
+            Family::Sana => &super::sana::FACTS,
+            Family::Wan => &super::wan::FACTS,
         }
     }
 

@@ -13,9 +13,37 @@ use serde::Serialize;
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
+use super::facts::FamilyFacts;
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table};
 use crate::error::SpecError;
+
+/// `train_dreambooth_lora_flux.py` with `--lora_layers` unset (diffusers 58eb52c; :1257-1270):
+/// the double blocks' attention projections and feed-forwards, and (by suffix) the single
+/// blocks' `attn.to_q/k/v`; not their `proj_mlp` or `proj_out`.
+pub(crate) const LORA_MODULES: [&str; 12] = [
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+];
+
+/// FLUX.1's training facts: FSDP wraps both kinds of block; the LoRA script's default modules
+/// ([`LORA_MODULES`], the budget counts the same list); the VAE follows the precision.
+pub(crate) const FACTS: FamilyFacts = FamilyFacts {
+    fsdp_block_classes: "FluxTransformerBlock,FluxSingleTransformerBlock",
+    lora_modules: &LORA_MODULES,
+    script_lora_layers: Some(&LORA_MODULES),
+    fp32_vae: false,
+};
 
 /// `FluxTransformer2DModel`'s config (defaults: the class's `__init__`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

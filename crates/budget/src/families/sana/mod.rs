@@ -12,10 +12,21 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_hidden, check_inner, check_patch};
+use super::facts::FamilyFacts;
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
+
+/// Sana's training facts (`train_dreambooth_lora_sana.py`): FSDP wraps `SanaTransformerBlock`;
+/// the script's LoRA default is `to_k, to_q, to_v` (:1045) while the budget counts
+/// [`super::DEFAULT_LORA_MODULES`] (see there); the VAE stays fp32 (:1017).
+pub(crate) const FACTS: FamilyFacts = FamilyFacts {
+    fsdp_block_classes: "SanaTransformerBlock",
+    lora_modules: &super::DEFAULT_LORA_MODULES,
+    script_lora_layers: Some(&["to_k", "to_q", "to_v"]),
+    fp32_vae: true,
+};
 
 /// `SanaTransformer2DModel`'s config (defaults: the class's `__init__`).
 #[derive(Debug, Clone, PartialEq, Serialize)]

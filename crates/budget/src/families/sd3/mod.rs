@@ -14,10 +14,35 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_hidden, check_inner, check_patch};
+use super::facts::FamilyFacts;
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
+
+/// `train_dreambooth_lora_sd3.py` with `--lora_layers` unset (diffusers 58eb52c; :1251-1260):
+/// both streams' attention projections.
+pub(crate) const LORA_MODULES: [&str; 8] = [
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+];
+
+/// SD3's training facts: FSDP wraps `JointTransformerBlock`; the LoRA script's default modules
+/// ([`LORA_MODULES`], the budget counts the same list); the VAE stays fp32 in both scripts
+/// (train_dreambooth_sd3.py:1167, train_dreambooth_lora_sd3.py:1237:
+/// `vae.to(accelerator.device, dtype=torch.float32)`).
+pub(crate) const FACTS: FamilyFacts = FamilyFacts {
+    fsdp_block_classes: "JointTransformerBlock",
+    lora_modules: &LORA_MODULES,
+    script_lora_layers: Some(&LORA_MODULES),
+    fp32_vae: true,
+};
 
 /// `SD3Transformer2DModel`'s config (defaults: the class's `__init__`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
