@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::denoiser::{family, text_tokens};
 use crate::families::frozen::VAE16_ENCODER_PARAMS;
 use crate::families::frozen::{self, VaeEncoder};
-use crate::families::{Family, FamilyModel};
+use crate::families::{FamilyModel, VaeOnDevice};
 use crate::precision_rules::vae_dtype;
 use crate::spec::{Dtype, Latents, Spec, TextEncoders, TorchDevice};
 
@@ -93,12 +93,13 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
     };
     let frames = u64::from(w.frames.max(1));
     let pixels = u64::from(w.height) * u64::from(w.width);
-    let sana = family == Some(Family::Sana);
+    let on_device = family.map_or(VaeOnDevice::Encoder, |f| f.facts().vae_on_device);
     // train_dreambooth_lora_sana.py:1389-1393 moves the whole AutoencoderDC (its decoder
     // too) to the device to encode, and with --offload (how the export realises offloaded
     // text encoders, :629-631) back to the CPU after each encode.
-    let sana_offload = sana && r.text_encoders == TextEncoders::Offloaded;
-    let (name, params) = if sana_offload {
+    let dc_offload =
+        on_device == VaeOnDevice::WholeAutoencoderDc && r.text_encoders == TextEncoders::Offloaded;
+    let (name, params) = if dc_offload {
         (
             "DC-AE f32c32 encoder + decoder (moved in to encode: --offload)".to_string(),
             vae.params + DCAE_DECODER_PARAMS,
@@ -112,7 +113,7 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
         params,
         dtype,
         weight_bytes: params * dtype.size(),
-        resident: !sana_offload,
+        resident: !dc_offload,
         forward_bytes: vae.encode_bytes(b, frames, pixels, dtype.size()),
         // The images, in the VAE's dtype (3 channels).
         input_bytes: b * frames * 3 * pixels * dtype.size(),
@@ -121,27 +122,27 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
         flops: 2.0 * 136e9 * (pixels * frames * b) as f64 / (256.0 * 256.0),
         conv: true,
     });
-    // The scripts move the whole AutoencoderKL to the device, its decoder too, which the
-    // step never runs (train_dreambooth_sd3.py:1167, train_dreambooth_flux.py:1207,
-    // train_dreambooth_lora_sd3.py:1237, train_dreambooth_lora_flux.py:1244).
-    if matches!(family, Some(Family::Sd3 | Family::Flux)) {
-        out.push(EncoderRun::idle_decoder(
+    match on_device {
+        VaeOnDevice::Encoder => {}
+        // The scripts move the whole AutoencoderKL to the device, its decoder too, which the
+        // step never runs (train_dreambooth_sd3.py:1167, train_dreambooth_flux.py:1207,
+        // train_dreambooth_lora_sd3.py:1237, train_dreambooth_lora_flux.py:1244).
+        VaeOnDevice::WholeAutoencoderKl => out.push(EncoderRun::idle_decoder(
             "SD3/Flux VAE decoder (resident, not run)",
             "diffusers.AutoencoderKL",
             VAE16_DECODER_PARAMS,
             dtype,
-        ));
-    }
-    // Sana's AutoencoderDC stays whole on the device between encodes unless --offload
-    // (train_dreambooth_lora_sana.py:1389-1393: `vae = vae.to(accelerator.device)`, fp32 from
-    // :1017); the step never runs its decoder.
-    if sana && !sana_offload {
-        out.push(EncoderRun::idle_decoder(
+        )),
+        // Sana's AutoencoderDC stays whole on the device between encodes unless --offload
+        // (train_dreambooth_lora_sana.py:1389-1393: `vae = vae.to(accelerator.device)`, fp32
+        // from :1017); the step never runs its decoder.
+        VaeOnDevice::WholeAutoencoderDc if !dc_offload => out.push(EncoderRun::idle_decoder(
             "DC-AE f32c32 decoder (resident, not run)",
             "diffusers.AutoencoderDC",
             DCAE_DECODER_PARAMS,
             dtype,
-        ));
+        )),
+        VaeOnDevice::WholeAutoencoderDc => {}
     }
 }
 

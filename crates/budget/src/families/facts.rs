@@ -21,6 +21,21 @@ pub(crate) struct FamilyFacts {
     pub(crate) script_lora_layers: Option<&'static [&'static str]>,
     /// The scripts keep the VAE in fp32 whatever the precision.
     pub(crate) fp32_vae: bool,
+    /// What of the VAE the scripts keep on the device while the step runs.
+    pub(crate) vae_on_device: VaeOnDevice,
+}
+
+/// What of the VAE a family's scripts keep on the device while the step runs (`encoders.rs`
+/// counts it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum VaeOnDevice {
+    /// The encoder alone (and the budget's default where diffusers has no script).
+    Encoder,
+    /// The whole `AutoencoderKL`, its decoder too, which the step never runs.
+    WholeAutoencoderKl,
+    /// The whole `AutoencoderDC` between encodes; with `--offload` moved in to encode and back
+    /// to the CPU after each.
+    WholeAutoencoderDc,
 }
 
 /// The attention projections diffusers' LoRA scripts adapted first and PEFT's usual targets

@@ -32,7 +32,7 @@ pub(crate) mod wan;
 
 pub(crate) use defaults::TrainingDefaults;
 pub use dit::DitDiffusersDims;
-pub(crate) use facts::DEFAULT_LORA_MODULES;
+pub(crate) use facts::{VaeOnDevice, DEFAULT_LORA_MODULES};
 pub use flux::FluxDims;
 pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
 pub use pixart::PixartDims;

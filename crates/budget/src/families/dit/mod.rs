@@ -10,7 +10,7 @@ pub(crate) mod pytorch;
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
-use super::facts::FamilyFacts;
+use super::facts::{FamilyFacts, VaeOnDevice};
 use super::family::{diffusers_f8, FamilyDims, Geometry};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -25,6 +25,7 @@ pub(crate) const DIT_FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &super::DEFAULT_LORA_MODULES,
     script_lora_layers: None,
     fp32_vae: false,
+    vae_on_device: VaeOnDevice::Encoder,
 };
 
 /// diffusers' DiT's training facts: FSDP wraps `BasicTransformerBlock`; no diffusers script.
@@ -33,6 +34,7 @@ pub(crate) const DIT_DIFFUSERS_FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &super::DEFAULT_LORA_MODULES,
     script_lora_layers: None,
     fp32_vae: false,
+    vae_on_device: VaeOnDevice::Encoder,
 };
 
 /// The original DiT: a `ModelSpec` at a square image side in pixels (VAE factor 8).

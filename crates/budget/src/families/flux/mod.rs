@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::config::{mismatch, Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
-use super::facts::FamilyFacts;
+use super::facts::{FamilyFacts, VaeOnDevice};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table};
 use crate::error::SpecError;
@@ -43,6 +43,7 @@ pub(crate) const FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &LORA_MODULES,
     script_lora_layers: Some(&LORA_MODULES),
     fp32_vae: false,
+    vae_on_device: VaeOnDevice::WholeAutoencoderKl,
 };
 
 /// `FluxTransformer2DModel`'s config (defaults: the class's `__init__`).

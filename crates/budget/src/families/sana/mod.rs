@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_hidden, check_inner, check_patch};
-use super::facts::FamilyFacts;
+use super::facts::{FamilyFacts, VaeOnDevice};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -26,6 +26,7 @@ pub(crate) const FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &super::DEFAULT_LORA_MODULES,
     script_lora_layers: Some(&["to_k", "to_q", "to_v"]),
     fp32_vae: true,
+    vae_on_device: VaeOnDevice::WholeAutoencoderDc,
 };
 
 /// `SanaTransformer2DModel`'s config (defaults: the class's `__init__`).

@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_SIDE};
 use super::defaults::TrainingDefaults;
 use super::dit::{check_hidden, check_inner, check_patch};
-use super::facts::FamilyFacts;
+use super::facts::{FamilyFacts, VaeOnDevice};
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -42,6 +42,7 @@ pub(crate) const FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &LORA_MODULES,
     script_lora_layers: Some(&LORA_MODULES),
     fp32_vae: true,
+    vae_on_device: VaeOnDevice::WholeAutoencoderKl,
 };
 
 /// `SD3Transformer2DModel`'s config (defaults: the class's `__init__`).

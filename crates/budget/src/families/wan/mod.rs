@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
-use super::facts::FamilyFacts;
+use super::facts::{FamilyFacts, VaeOnDevice};
 use super::family::{FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
@@ -25,6 +25,7 @@ pub(crate) const FACTS: FamilyFacts = FamilyFacts {
     lora_modules: &super::DEFAULT_LORA_MODULES,
     script_lora_layers: None,
     fp32_vae: false,
+    vae_on_device: VaeOnDevice::Encoder,
 };
 
 /// `WanTransformer3DModel`'s config (defaults: the class's `__init__`).
