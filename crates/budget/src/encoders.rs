@@ -83,9 +83,9 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
         Some(m) => frozen::vae_encoder(m),
         None => original_dit_vae(spec),
     };
-    let family = fm.map(|m| m.family);
+    let facts = fm.map(|m| m.family.facts());
     // The scripts that keep the VAE in fp32 whatever the precision (`FamilyFacts::fp32_vae`).
-    let fp32_vae = family.is_some_and(|f| f.facts().fp32_vae);
+    let fp32_vae = facts.is_some_and(|f| f.fp32_vae);
     let dtype = if fp32_vae && dtype.size() < 4 {
         Dtype::F32
     } else {
@@ -93,7 +93,7 @@ fn vae_runs(spec: &Spec, fm: Option<&FamilyModel>, dtype: Dtype, out: &mut Vec<E
     };
     let frames = u64::from(w.frames.max(1));
     let pixels = u64::from(w.height) * u64::from(w.width);
-    let on_device = family.map_or(VaeOnDevice::Encoder, |f| f.facts().vae_on_device);
+    let on_device = facts.map_or(VaeOnDevice::Encoder, |f| f.vae_on_device);
     // train_dreambooth_lora_sana.py:1389-1393 moves the whole AutoencoderDC (its decoder
     // too) to the device to encode, and with --offload (how the export realises offloaded
     // text encoders, :629-631) back to the CPU after each encode.

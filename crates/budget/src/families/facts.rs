@@ -1,8 +1,9 @@
 //! What a family's training looks like in diffusers' scripts (at `launch::DIFFUSERS_TAG`), as
 //! one [`FamilyFacts`] value per family, written in the family's folder (`<family>/mod.rs`
 //! `FACTS`; the original DiT's and diffusers' DiT's in `dit/mod.rs`) and reached through
-//! `Family::facts`. Every field is stated by every family: a new family cannot inherit one of
-//! these by a wildcard arm somewhere else.
+//! `Family::facts`. Every family states every field, or says with
+//! [`FamilyFacts::without_script`] that diffusers has no training script for it: a new family
+//! cannot inherit one of these by a wildcard arm somewhere else.
 //!
 //! A leaf: it imports nothing of the crate, so every family folder can use it.
 
@@ -23,6 +24,21 @@ pub(crate) struct FamilyFacts {
     pub(crate) fp32_vae: bool,
     /// What of the VAE the scripts keep on the device while the step runs.
     pub(crate) vae_on_device: VaeOnDevice,
+}
+
+impl FamilyFacts {
+    /// A family diffusers has no training script for: FSDP wraps `fsdp_block_classes`; the
+    /// budget counts [`DEFAULT_LORA_MODULES`] and the export names no `--lora_layers` default;
+    /// the VAE is the encoder alone, in the compute dtype (what a plain training loop does).
+    pub(crate) const fn without_script(fsdp_block_classes: &'static str) -> FamilyFacts {
+        FamilyFacts {
+            fsdp_block_classes,
+            lora_modules: &DEFAULT_LORA_MODULES,
+            script_lora_layers: None,
+            fp32_vae: false,
+            vae_on_device: VaeOnDevice::Encoder,
+        }
+    }
 }
 
 /// What of the VAE a family's scripts keep on the device while the step runs (`encoders.rs`

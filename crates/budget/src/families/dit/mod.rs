@@ -10,7 +10,7 @@ pub(crate) mod pytorch;
 use serde::Serialize;
 
 use super::config::{Cfg, MAX_DIM, MAX_LAYERS, MAX_PATCH, MAX_ROWS, MAX_SIDE};
-use super::facts::{FamilyFacts, VaeOnDevice};
+use super::facts::FamilyFacts;
 use super::family::{diffusers_f8, FamilyDims, Geometry};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -20,22 +20,11 @@ use crate::spec::{ModelSpec, Spec};
 
 /// The original DiT's training facts: FSDP wraps `DiTBlock` (facebookresearch/DiT `models.py`);
 /// diffusers has no script for it.
-pub(crate) const DIT_FACTS: FamilyFacts = FamilyFacts {
-    fsdp_block_classes: "DiTBlock",
-    lora_modules: &super::DEFAULT_LORA_MODULES,
-    script_lora_layers: None,
-    fp32_vae: false,
-    vae_on_device: VaeOnDevice::Encoder,
-};
+pub(crate) const DIT_FACTS: FamilyFacts = FamilyFacts::without_script("DiTBlock");
 
 /// diffusers' DiT's training facts: FSDP wraps `BasicTransformerBlock`; no diffusers script.
-pub(crate) const DIT_DIFFUSERS_FACTS: FamilyFacts = FamilyFacts {
-    fsdp_block_classes: "BasicTransformerBlock",
-    lora_modules: &super::DEFAULT_LORA_MODULES,
-    script_lora_layers: None,
-    fp32_vae: false,
-    vae_on_device: VaeOnDevice::Encoder,
-};
+pub(crate) const DIT_DIFFUSERS_FACTS: FamilyFacts =
+    FamilyFacts::without_script("BasicTransformerBlock");
 
 /// The original DiT: a `ModelSpec` at a square image side in pixels (VAE factor 8).
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -13,7 +13,7 @@ use super::defaults::TrainingDefaults;
 use super::dit::{
     block_keys, check_hidden, check_inner, check_patch, common_keys, num_embeds_ada_norm,
 };
-use super::facts::{FamilyFacts, VaeOnDevice};
+use super::facts::FamilyFacts;
 use super::family::{diffusers_f8, FamilyDims, Geometry, TextEncoder};
 use super::modules::Attn;
 use super::table::{Group, Table, TensorKind};
@@ -21,13 +21,7 @@ use crate::error::SpecError;
 
 /// PixArt's training facts: FSDP wraps `BasicTransformerBlock`; diffusers has no fine-tune
 /// script for the transformer.
-pub(crate) const FACTS: FamilyFacts = FamilyFacts {
-    fsdp_block_classes: "BasicTransformerBlock",
-    lora_modules: &super::DEFAULT_LORA_MODULES,
-    script_lora_layers: None,
-    fp32_vae: false,
-    vae_on_device: VaeOnDevice::Encoder,
-};
+pub(crate) const FACTS: FamilyFacts = FamilyFacts::without_script("BasicTransformerBlock");
 
 /// `PixArtTransformer2DModel`'s config (defaults: the class's `__init__`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -14,19 +14,13 @@ use serde::Serialize;
 use super::config::{Cfg, MAX_DIM, MAX_FFN, MAX_LAYERS, MAX_PATCH, MAX_ROWS};
 use super::defaults::TrainingDefaults;
 use super::dit::check_inner;
-use super::facts::{FamilyFacts, VaeOnDevice};
+use super::facts::FamilyFacts;
 use super::family::{FamilyDims, Geometry, TextEncoder};
 use super::table::{Group, Table, TensorKind};
 use crate::error::SpecError;
 
 /// Wan's training facts: FSDP wraps `WanTransformerBlock`; diffusers has no fine-tune script.
-pub(crate) const FACTS: FamilyFacts = FamilyFacts {
-    fsdp_block_classes: "WanTransformerBlock",
-    lora_modules: &super::DEFAULT_LORA_MODULES,
-    script_lora_layers: None,
-    fp32_vae: false,
-    vae_on_device: VaeOnDevice::Encoder,
-};
+pub(crate) const FACTS: FamilyFacts = FamilyFacts::without_script("WanTransformerBlock");
 
 /// `WanTransformer3DModel`'s config (defaults: the class's `__init__`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
