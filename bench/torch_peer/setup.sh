@@ -10,5 +10,6 @@ if [ ! -x "$here/.venv/bin/python" ]; then
     "$python" -m venv "$here/.venv"
 fi
 "$here/.venv/bin/python" -m pip install --upgrade pip >/dev/null
-"$here/.venv/bin/python" -m pip install "torch${TORCH_VERSION:+==$TORCH_VERSION}" numpy
+# Pinned: the versions every dated run under bench/ since 2026-12 was measured with.
+"$here/.venv/bin/python" -m pip install "torch==${TORCH_VERSION:-2.15.0}" "numpy==${NUMPY_VERSION:-2.4.6}"
 "$here/.venv/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
