@@ -10,6 +10,9 @@ if [ ! -x "$here/.venv/bin/python" ]; then
     "$python" -m venv "$here/.venv"
 fi
 "$here/.venv/bin/python" -m pip install --upgrade pip >/dev/null
-# Pinned: the versions every dated run under bench/ since 2026-12 was measured with.
-"$here/.venv/bin/python" -m pip install "torch==${TORCH_VERSION:-2.15.0}" "numpy==${NUMPY_VERSION:-2.4.6}"
+# Every package pinned by constraints.txt (the venv the runs since 2026-12 were measured with);
+# TORCH_VERSION / NUMPY_VERSION try other versions, and then the constraints do not apply.
+pins=(-c "$here/constraints.txt")
+if [ -n "${TORCH_VERSION:-}${NUMPY_VERSION:-}" ]; then pins=(); fi
+"$here/.venv/bin/python" -m pip install "${pins[@]}" "torch==${TORCH_VERSION:-2.15.0}" "numpy==${NUMPY_VERSION:-2.4.6}"
 "$here/.venv/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
