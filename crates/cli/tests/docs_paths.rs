@@ -45,9 +45,7 @@ fn tree(root: &Path, dir: &Path, out: &mut BTreeSet<String>) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.')
-            || ["target", "node_modules", "__pycache__"].contains(&name.as_str())
-        {
+        if name == ".git" || name == ".pytest_cache" || build_output(&name) {
             continue;
         }
         let p = e.path();
