@@ -30,8 +30,14 @@ lib="$root/target/release/lib_native.so"
 [ -f "$lib" ] || lib="$root/target/release/lib_native.dylib"
 cp "$lib" "$here/ditmem/_native.abi3.so.tmp"
 mv -f "$here/ditmem/_native.abi3.so.tmp" "$here/ditmem/_native.abi3.so"
+# A copy installed earlier (`pip install ./python` into this venv) would shadow python/: removed.
+if "$venv/bin/python" -m pip show --quiet ditmem >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip uninstall --quiet --yes ditmem
+fi
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\n' "$here" > "$site/ditmem.pth"
+(cd / && "$venv/bin/python" -c 'import sys, ditmem; sys.exit(not ditmem.__file__.startswith(sys.argv[1]))' "$here/ditmem/") \
+    || { echo "python/test.sh: the venv imports ditmem from elsewhere than $here" >&2; exit 1; }
 # What `pip install ./python` reads, checked without compiling: maturin's source distribution
 # must hold the Python sources, the py.typed marker and every crate the extension builds from.
 sdist_dir="$(mktemp -d "${TMPDIR:-/tmp}/ditmem-sdist.XXXXXX")"
