@@ -24,14 +24,17 @@ use rayon::prelude::*;
 use super::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
 
-/// Accumulation-type elements of the forward workspace for C channels.
+/// Accumulation-type elements of the forward workspace for C channels: the budget's
+/// `dwconv_elems` (`ditmem_budget::ditmem_cpu::ops`, which lists the buffers; the `ditmem-cpu`
+/// runtime predicts by it).
 pub(crate) fn dwconv_fwd_scratch(c: usize) -> usize {
-    10 * c
+    ditmem_budget::ditmem_cpu::ops::dwconv_elems(c as u64).0 as usize
 }
 
-/// Accumulation-type elements of the backward workspace for C channels.
+/// Accumulation-type elements of the backward workspace for C channels (as
+/// [`dwconv_fwd_scratch`]).
 pub(crate) fn dwconv_bwd_scratch(c: usize) -> usize {
-    19 * c
+    ditmem_budget::ditmem_cpu::ops::dwconv_elems(c as u64).1 as usize
 }
 
 /// The op (see the module docs): the token grid of each batch entry.

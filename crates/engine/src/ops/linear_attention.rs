@@ -46,17 +46,22 @@ impl LinGeom {
     }
 }
 
-/// Scratch elements (accumulation type) per head of the forward: φ(q), φ(k), v and the head's
-/// output (s × d_h each), KV (d_h²), z (d_h), the denominators (s).
+/// Scratch elements (accumulation type) per head of the forward: the budget's
+/// `linear_attention_head_elems` (`ditmem_budget::ditmem_cpu::ops`, which lists the buffers; the
+/// `ditmem-cpu` runtime predicts by it).
 pub(crate) fn lin_fwd_scratch(g: &LinGeom) -> usize {
-    4 * g.s * g.dh + g.dh * g.dh + g.dh + g.s
+    lin_head_elems(g).0
 }
 
-/// Scratch elements (accumulation type) per head of the backward: φ(q), φ(k), v, dO, the output
-/// (then dq), dk, dv (s × d_h each), KV and dKV (d_h² each), z and dz (d_h each), the
-/// denominators and their gradients (s each).
+/// Scratch elements (accumulation type) per head of the backward (as [`lin_fwd_scratch`]).
 pub(crate) fn lin_bwd_scratch(g: &LinGeom) -> usize {
-    7 * g.s * g.dh + 2 * g.dh * g.dh + 2 * g.dh + 2 * g.s
+    lin_head_elems(g).1
+}
+
+fn lin_head_elems(g: &LinGeom) -> (usize, usize) {
+    let (fwd, bwd) =
+        ditmem_budget::ditmem_cpu::ops::linear_attention_head_elems(g.s as u64, g.dh as u64);
+    (fwd as usize, bwd as usize)
 }
 
 /// The op (see the module docs).

@@ -57,8 +57,9 @@
 //! the input's dtype and shape, beside a workspace freed before it returns. The chunk and block
 //! sizes the linear and the fused MLPs allocate by, and their workspace formulas, are stated
 //! once, in the budget (`ditmem_budget::ditmem_cpu::ops`, its `sizes` module: this crate calls
-//! them); the attention kernels' per-head element counts are functions here
-//! ([`AttnGeom::fwd_scratch`], …) that the budget restates.
+//! them), as are the attention kernels', the linear attention's and the depthwise conv's
+//! per-head or per-call element counts (`attention_head_elems`, `linear_attention_head_elems`,
+//! `dwconv_elems`, which [`AttnGeom::fwd_scratch`], … call).
 
 pub mod attention;
 pub mod backward_from;

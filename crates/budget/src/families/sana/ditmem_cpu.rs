@@ -18,7 +18,9 @@ use crate::runtime::ditmem_cpu::block::{
 use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, grad_dtype};
 use crate::runtime::ditmem_cpu::family::{caption_tokens, EmbedGraph, FamilyRules, OneBlockKind};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{gated_residual, linear_workspace, ln_modulate};
+use crate::runtime::ditmem_cpu::ops::{
+    dwconv_elems, gated_residual, linear_attention_head_elems, linear_workspace, ln_modulate,
+};
 use crate::runtime::ditmem_cpu::parts::{
     cross_attend, patch_stream, six_modulations, table_final_layer, table_modulation,
     text_projection, timestep_mlp,
@@ -48,22 +50,14 @@ pub(crate) struct SanaGeo {
     pub qkv_bias: bool,
 }
 
-/// Scratch elements per head of the linear attention, (forward, backward)
-/// (`ops::linear_attention::{lin_fwd_scratch, lin_bwd_scratch}`).
-pub(crate) fn linear_attention_scratch(s: u64, dh: u64) -> (u64, u64) {
-    (
-        4 * s * dh + dh * dh + dh + s,
-        7 * s * dh + 2 * dh * dh + 2 * dh + 2 * s,
-    )
-}
-
 /// `ops::linear_attention` of the engine: q, k, v (b·s, D) → one fresh (b·s, D) output in the
 /// compute dtype; it keeps nothing beyond its inputs. Forward and backward run on one scratch
-/// per thread (at most one per head); the backward returns three fresh gradients.
+/// per thread (at most one per head, [`linear_attention_head_elems`] accumulation-type elements
+/// each); the backward returns three fresh gradients.
 pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) -> Nid {
     let nh = sh.b * sh.heads;
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
-    let (fwd, bwd) = linear_attention_scratch(sh.s, sh.d / sh.heads);
+    let (fwd, bwd) = linear_attention_head_elems(sh.s, sh.d / sh.heads);
     let acc = acc_bytes(sh.precision);
     let o = g.op(
         name,
@@ -79,21 +73,22 @@ pub fn linear_attention(g: &mut Graph, sh: &Shape, name: &str, qkv: [Nid; 3]) ->
 }
 
 /// `ops::dwconv::silu_dwconv3x3` of the engine: SiLU + depthwise 3×3 conv of x (rows, C) with
-/// its weight (C·9) and bias (C): one fresh output of x's size; forward workspace 10·C,
-/// backward 19·C accumulation-type values (`dwconv_{fwd,bwd}_scratch`).
+/// its weight (C·9) and bias (C): one fresh output of x's size; its forward and backward
+/// workspaces are [`dwconv_elems`] accumulation-type values.
 pub(crate) fn silu_dwconv(g: &mut Graph, sh: &Shape, name: &str, ins: [Nid; 3], c: u64) -> Nid {
     let acc = acc_bytes(sh.precision);
+    let (conv_f, conv_b) = dwconv_elems(c);
     let (e, dt) = (g.elems(ins[0]), g.dtype(ins[0]));
     let o = g.op(
         name,
         Kind::Custom {
-            bwd_scratch: 19 * c * acc,
+            bwd_scratch: conv_b * acc,
         },
         &ins,
         e,
         dt,
     );
-    g.nodes[o].fwd_scratch = 10 * c * acc;
+    g.nodes[o].fwd_scratch = conv_f * acc;
     o
 }
 
@@ -206,7 +201,8 @@ pub(crate) fn mix_ffn_phases(
     let (f1, gl, y) = (e * rows * c, e * rows * hid, e * rows * d);
     let (s1, _) = lin((rows, d, c), (false, false, false));
     let (s2, _) = lin((rows, hid, d), (false, false, false));
-    let conv_f = 10 * c * acc;
+    let (conv_f, conv_b) = dwconv_elems(c);
+    let (conv_f, conv_b) = (conv_f * acc, conv_b * acc);
     let kept = if tracked { 0 } else { f1 };
     // c2 is as big as f1.
     let fwd = (kept + s1)
@@ -228,7 +224,7 @@ pub(crate) fn mix_ffn_phases(
         peak = peak.max(f1 + f1 + gl + gp + sp_w);
     }
     peak = peak.max(f1 + f1 + gp + gl + sp_x);
-    peak = peak.max(f1 + f1 + gp + 19 * c * acc + gc);
+    peak = peak.max(f1 + f1 + gp + conv_b + gc);
     if th || ti || tbi {
         peak = peak.max(f1 + gp + gc + si + gi + dh);
     }

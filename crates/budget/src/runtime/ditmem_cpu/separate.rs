@@ -4,22 +4,18 @@
 //! attentions and the fused cross-attention ([`super::cross`]) all run on it.
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
-use crate::runtime::ditmem_cpu::ops::{attention_head_packing, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+use crate::runtime::ditmem_cpu::ops::{
+    attention_head_elems, attention_head_packing, ATTN_KEY_BLOCK,
+};
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, Precision};
 
 /// Scratch elements (accumulation type) per head of the separate attention, (forward,
-/// backward) (`ops::attention::separate::{sep_fwd_scratch, sep_bwd_scratch}`).
+/// backward): [`attention_head_elems`], by which the engine's `ops/attention/separate.rs`
+/// allocates.
 pub(crate) fn separate_attention_scratch(sh: &Shape, sq: u64, sk: u64) -> (u64, u64) {
-    let dh = sh.d / sh.heads;
-    let kb = ATTN_KEY_BLOCK.min(sk);
-    let (f, b) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
-    if sh.attention == AttentionMode::MemoryEfficient {
-        let qb = ATTN_QUERY_BLOCK.min(sq);
-        (f + sq * kb + 2 * sq, b + 2 * qb * kb + sq)
-    } else {
-        (f + sq * sk, b + 2 * sq * sk)
-    }
+    let streaming = sh.attention == AttentionMode::MemoryEfficient;
+    attention_head_elems(sq, sk, sh.d / sh.heads, streaming)
 }
 
 /// `ops::attention::separate::attention` of the engine: q (b·s_q, D) over k, v (b·s_kv, D),

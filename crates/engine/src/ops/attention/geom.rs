@@ -1,7 +1,8 @@
 //! The shapes and modes of the fused attention, shared by its op ([`super`]) and its kernels
 //! (`super::generic`, [`super::bf16`]): what the op keeps ([`AttnKeep`]), the geometry of one
-//! call ([`AttnGeom`]) with its per-head scratch sizes (restated by the budget,
-//! `ditmem_budget::ditmem_cpu::ops::fused_attention`), and the head loop's thread count.
+//! call ([`AttnGeom`]) with its per-head scratch sizes (the budget's one function,
+//! `ditmem_budget::ditmem_cpu::ops::attention_head_elems`, by which the `ditmem-cpu` runtime also
+//! predicts), and the head loop's thread count.
 
 use candle_core::{Layout, WithDType};
 use rayon::prelude::*;
@@ -57,25 +58,28 @@ impl AttnGeom {
     pub(crate) fn qb(&self) -> usize {
         ATTN_QUERY_BLOCK.min(self.s)
     }
-    /// Scratch elements (accumulation type) per head of the forward.
+    /// Scratch elements (accumulation type) per head of the forward: the budget's
+    /// `attention_head_elems` (`ditmem_budget::ditmem_cpu::ops`), which lists the buffers and by
+    /// which the `ditmem-cpu` runtime predicts, so the two cannot drift apart.
     pub fn fwd_scratch(&self, keep: AttnKeep) -> usize {
-        let (s, dh) = (self.s, self.dh);
-        match keep {
-            // q, k, v, the head's output, S.
-            AttnKeep::Probabilities | AttnKeep::Nothing => 4 * s * dh + s * s,
-            // q, k, v, the accumulator, one block of scores, row max and sum.
-            AttnKeep::LogSumExp => 4 * s * dh + s * self.kb() + 2 * s,
-        }
+        self.head_elems(keep).0
     }
-    /// Scratch elements (accumulation type) per head of the backward.
+    /// Scratch elements (accumulation type) per head of the backward (as [`Self::fwd_scratch`]).
     pub fn bwd_scratch(&self, keep: AttnKeep) -> usize {
-        let (s, dh) = (self.s, self.dh);
-        match keep {
-            // q, k, v, dO, dq, dk, dv, P, dP.
-            AttnKeep::Probabilities | AttnKeep::Nothing => 7 * s * dh + 2 * s * s,
-            // q, k, v, dO, dq, dk, dv, a (query × key) block of P and of dP, the row deltas.
-            AttnKeep::LogSumExp => 7 * s * dh + 2 * self.qb() * self.kb() + s,
-        }
+        self.head_elems(keep).1
+    }
+    fn head_elems(&self, keep: AttnKeep) -> (usize, usize) {
+        let (s, dh) = (self.s as u64, self.dh as u64);
+        let (fwd, bwd) =
+            ditmem_budget::ditmem_cpu::ops::attention_head_elems(s, s, dh, keep.streams());
+        (fwd as usize, bwd as usize)
+    }
+}
+
+impl AttnKeep {
+    /// Whether the kernels stream over key blocks (the memory-efficient mode).
+    pub(crate) fn streams(self) -> bool {
+        self == AttnKeep::LogSumExp
     }
 }
 

@@ -44,26 +44,23 @@ impl SepGeom {
     }
 }
 
-/// Scratch elements (accumulation type) per head of the forward: q, k, v, the head's output and
-/// S (s_q × s_kv); streaming: a block of scores and the row max and sum instead of S.
+/// Scratch elements (accumulation type) per head of the forward: the budget's
+/// `attention_head_elems` (`ditmem_budget::ditmem_cpu::ops`, which lists the buffers; the
+/// `ditmem-cpu` runtime predicts by it).
 pub(crate) fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
-    let (sq, sk, dh) = (g.sq, g.sk, g.dh);
-    let base = 2 * sq * dh + 2 * sk * dh;
-    match keep {
-        AttnKeep::Probabilities | AttnKeep::Nothing => base + sq * sk,
-        AttnKeep::LogSumExp => base + sq * g.kb() + 2 * sq,
-    }
+    sep_head_elems(g, keep).0
 }
 
-/// Scratch elements (accumulation type) per head of the backward: q, dO, dq (s_q × d_h), k, v,
-/// dk, dv (s_kv × d_h), P and dP; streaming: a (query × key) block of each and the row deltas.
+/// Scratch elements (accumulation type) per head of the backward (as [`sep_fwd_scratch`]).
 pub(crate) fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
-    let (sq, sk, dh) = (g.sq, g.sk, g.dh);
-    let base = 3 * sq * dh + 4 * sk * dh;
-    match keep {
-        AttnKeep::Probabilities | AttnKeep::Nothing => base + 2 * sq * sk,
-        AttnKeep::LogSumExp => base + 2 * g.qb() * g.kb() + sq,
-    }
+    sep_head_elems(g, keep).1
+}
+
+fn sep_head_elems(g: &SepGeom, keep: AttnKeep) -> (usize, usize) {
+    let (sq, sk, dh) = (g.sq as u64, g.sk as u64, g.dh as u64);
+    let (fwd, bwd) =
+        ditmem_budget::ditmem_cpu::ops::attention_head_elems(sq, sk, dh, keep.streams());
+    (fwd as usize, bwd as usize)
 }
 
 /// The op (see the module docs).

@@ -3,7 +3,7 @@
 //! nodes [`fused_attention`] and [`fused_qkv_attention`].
 
 use super::linear::{gemm_call_bytes, linear_workspace};
-use super::sizes::{packed_a_bytes, packed_b_bytes};
+use super::sizes::{attention_head_elems, packed_a_bytes, packed_b_bytes};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid, STORAGE_META, TENSOR_META};
 use crate::runtime::shape::Shape;
 use crate::spec::{AttentionMode, CpuSpec, Dtype, Precision};
@@ -133,39 +133,24 @@ fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
     let nh = sh.b * sh.heads;
     let kb = ATTN_KEY_BLOCK.min(s);
     let nt = u64::from(sh.cpu.threads).clamp(1, nh.max(1));
-    // Elements per head: see `ops::AttnGeom::{fwd_scratch, bwd_scratch}`.
-    // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`ops::attention::bf16::applies`), in every
-    // mode: its own scratch, in bytes.
+    let streaming = sh.attention == AttentionMode::MemoryEfficient;
+    // bf16 runs on the AVX512-BF16 kernel where the CPU has it (`ops::attention::bf16::applies`),
+    // in every mode: its own scratch, in bytes.
     let native = cd == Dtype::Bf16 && sh.cpu.bf16_kernel();
-    let (name, extra, fwd, bwd) = if sh.attention == AttentionMode::MemoryEfficient {
-        (
-            "attention (fused, streaming; keeps lse)",
-            nh * s * acc,
-            4 * s * dh + s * kb + 2 * s,
-            7 * s * dh + 2 * ATTN_QUERY_BLOCK.min(s) * kb + s,
-        )
+    let (name, extra) = if streaming {
+        ("attention (fused, streaming; keeps lse)", nh * s * acc)
     } else if sh.attention_only {
-        (
-            "attention (fused; P recomputed in backward)",
-            0,
-            4 * s * dh + s * s,
-            7 * s * dh + 2 * s * s,
-        )
+        ("attention (fused; P recomputed in backward)", 0)
     } else {
-        (
-            "attention (fused; keeps P)",
-            nh * s * s * cd.size(),
-            4 * s * dh + s * s,
-            7 * s * dh + 2 * s * s,
-        )
+        ("attention (fused; keeps P)", nh * s * s * cd.size())
     };
     let (fwd_bytes, bwd_bytes) = if native && sh.attention == AttentionMode::MemoryEfficient {
         streaming_attention_scratch(s, dh, kb)
     } else if native {
         native_attention_scratch(s, dh)
     } else {
-        let kb = (sh.attention == AttentionMode::MemoryEfficient).then_some(kb);
-        let (pf, pb) = attention_head_packing(&sh.cpu, (s, s, dh), kb, acc);
+        let (fwd, bwd) = attention_head_elems(s, s, dh, streaming);
+        let (pf, pb) = attention_head_packing(&sh.cpu, (s, s, dh), streaming.then_some(kb), acc);
         (fwd * acc + pf, bwd * acc + pb)
     };
     (name, extra, nt * fwd_bytes, nt * bwd_bytes)

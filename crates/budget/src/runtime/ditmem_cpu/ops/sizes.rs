@@ -12,6 +12,47 @@ pub const ATTN_KEY_BLOCK: u64 = 128;
 /// (`ops::ATTN_QUERY_BLOCK`): P and dP of a block are this × [`ATTN_KEY_BLOCK`].
 pub const ATTN_QUERY_BLOCK: u64 = 64;
 
+/// Accumulation-type elements (forward, backward) of one head's scratch in the engine's generic
+/// attention kernels — the fused qkv attention (`ops::AttnGeom::{fwd_scratch, bwd_scratch}`,
+/// `s_q = s_kv`) and the separate one (`ops::attention::separate::{sep_fwd_scratch,
+/// sep_bwd_scratch}`) allocate by it, the `ditmem-cpu` runtime predicts by it — for `sq`
+/// queries over `sk` keys of width `dh`. Forward: q, the head's output (s_q × d_h), k, v
+/// (s_kv × d_h) and S (s_q × s_kv); streaming (`streaming`, the memory-efficient mode), a block
+/// of [`ATTN_KEY_BLOCK`] scores per query and the row max and sum instead of S. Backward: q, dO,
+/// dq (s_q × d_h), k, v, dk, dv (s_kv × d_h), P and dP; streaming, a ([`ATTN_QUERY_BLOCK`] ×
+/// [`ATTN_KEY_BLOCK`]) block of each and the row deltas.
+pub fn attention_head_elems(sq: u64, sk: u64, dh: u64, streaming: bool) -> (u64, u64) {
+    let (fwd, bwd) = (2 * sq * dh + 2 * sk * dh, 3 * sq * dh + 4 * sk * dh);
+    if streaming {
+        let (qb, kb) = (ATTN_QUERY_BLOCK.min(sq), ATTN_KEY_BLOCK.min(sk));
+        (fwd + sq * kb + 2 * sq, bwd + 2 * qb * kb + sq)
+    } else {
+        (fwd + sq * sk, bwd + 2 * sq * sk)
+    }
+}
+
+/// Accumulation-type elements (forward, backward) of one head's scratch in the engine's ReLU
+/// linear attention (`ops::linear_attention::{lin_fwd_scratch, lin_bwd_scratch}` allocate by
+/// it), `s` tokens of width `dh`. Forward: φ(q), φ(k), v, the output (s × d_h each), KV (d_h²),
+/// z (d_h), the denominators (s). Backward: φ(q), φ(k), v, dO, the output (then dq), dk, dv
+/// (s × d_h each), KV and dKV (d_h² each), z and dz (d_h each), the denominators and their
+/// gradients (s each).
+pub fn linear_attention_head_elems(s: u64, dh: u64) -> (u64, u64) {
+    (
+        4 * s * dh + dh * dh + dh + s,
+        7 * s * dh + 2 * dh * dh + 2 * dh + 2 * s,
+    )
+}
+
+/// Accumulation-type elements (forward, backward) of the workspace of the engine's fused SiLU +
+/// depthwise 3×3 conv over `c` channels (`ops::dwconv::{dwconv_fwd_scratch,
+/// dwconv_bwd_scratch}` allocate by it). Forward: the weights widened to the accumulation type,
+/// tap-major (9·C), and the bias (C). Backward: the widened weights (9·C) and the per-channel
+/// sums of the weight and bias gradients (10·C).
+pub fn dwconv_elems(c: u64) -> (u64, u64) {
+    (10 * c, 19 * c)
+}
+
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
 /// Columns of W per packed panel of the engine's bf16 kernel backward's dx product where the rows
