@@ -50,5 +50,8 @@ for want in ditmem/__init__.py ditmem/torch.py ditmem/py.typed python/Cargo.toml
     crates/conformance/Cargo.toml crates/cli/Cargo.toml; do
     grep -q "/$want\$" <<<"$listing" || { echo "python/test.sh: the sdist lacks $want" >&2; exit 1; }
 done
+# `exec` below replaces this shell, and its EXIT trap with it: the folder goes now.
+rm -rf "$sdist_dir"
+trap - EXIT
 export DITMEM_BIN="$root/target/release/ditmem"
 cd "$here" && exec "$venv/bin/python" -m pytest -q tests "$@"
