@@ -58,29 +58,27 @@ impl AttnGeom {
     pub(crate) fn qb(&self) -> usize {
         ATTN_QUERY_BLOCK.min(self.s)
     }
-    /// Scratch elements (accumulation type) per head of the forward: the budget's
-    /// `attention_head_elems` (`ditmem_budget::ditmem_cpu::ops`), which lists the buffers and by
-    /// which the `ditmem-cpu` runtime predicts, so the two cannot drift apart.
+    /// Scratch elements (accumulation type) per head of the forward ([`head_scratch`]).
     pub fn fwd_scratch(&self, keep: AttnKeep) -> usize {
-        self.head_elems(keep).0
+        head_scratch((self.s, self.s, self.dh), keep).0
     }
-    /// Scratch elements (accumulation type) per head of the backward (as [`Self::fwd_scratch`]).
+    /// Scratch elements (accumulation type) per head of the backward ([`head_scratch`]).
     pub fn bwd_scratch(&self, keep: AttnKeep) -> usize {
-        self.head_elems(keep).1
-    }
-    fn head_elems(&self, keep: AttnKeep) -> (usize, usize) {
-        let (s, dh) = (self.s as u64, self.dh as u64);
-        let (fwd, bwd) =
-            ditmem_budget::ditmem_cpu::ops::attention_head_elems(s, s, dh, keep.streams());
-        (fwd as usize, bwd as usize)
+        head_scratch((self.s, self.s, self.dh), keep).1
     }
 }
 
-impl AttnKeep {
-    /// Whether the kernels stream over key blocks (the memory-efficient mode).
-    pub(crate) fn streams(self) -> bool {
-        self == AttnKeep::LogSumExp
-    }
+/// Scratch elements (accumulation type, forward and backward) per head of the generic kernels,
+/// `sq` queries over `sk` keys of width `dh` (the fused qkv attention's `sq = sk`; the separate
+/// one's `separate::sep_{fwd,bwd}_scratch`): the budget's `attention_head_elems`
+/// (`ditmem_budget::ditmem_cpu::ops`), which lists the buffers and by which the `ditmem-cpu`
+/// runtime predicts, so the two cannot drift apart.
+pub(crate) fn head_scratch((sq, sk, dh): (usize, usize, usize), keep: AttnKeep) -> (usize, usize) {
+    let streaming = keep == AttnKeep::LogSumExp;
+    let (fwd, bwd) = ditmem_budget::ditmem_cpu::ops::attention_head_elems(
+        sq as u64, sk as u64, dh as u64, streaming,
+    );
+    (fwd as usize, bwd as usize)
 }
 
 /// Threads the head loop uses: rayon's pool size, at most one per head. The scratch of all of

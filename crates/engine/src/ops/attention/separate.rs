@@ -15,7 +15,7 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
-use super::geom::{carve, for_each_head, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
+use super::geom::{carve, for_each_head, head_scratch, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use super::head::{gather_head, head_bwd, head_fwd, kept_view, BwdIn, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
@@ -44,23 +44,14 @@ impl SepGeom {
     }
 }
 
-/// Scratch elements (accumulation type) per head of the forward: the budget's
-/// `attention_head_elems` (`ditmem_budget::ditmem_cpu::ops`, which lists the buffers; the
-/// `ditmem-cpu` runtime predicts by it).
+/// Scratch elements (accumulation type) per head of the forward (`geom::head_scratch`).
 pub(crate) fn sep_fwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
-    sep_head_elems(g, keep).0
+    head_scratch((g.sq, g.sk, g.dh), keep).0
 }
 
-/// Scratch elements (accumulation type) per head of the backward (as [`sep_fwd_scratch`]).
+/// Scratch elements (accumulation type) per head of the backward (`geom::head_scratch`).
 pub(crate) fn sep_bwd_scratch(g: &SepGeom, keep: AttnKeep) -> usize {
-    sep_head_elems(g, keep).1
-}
-
-fn sep_head_elems(g: &SepGeom, keep: AttnKeep) -> (usize, usize) {
-    let (sq, sk, dh) = (g.sq as u64, g.sk as u64, g.dh as u64);
-    let (fwd, bwd) =
-        ditmem_budget::ditmem_cpu::ops::attention_head_elems(sq, sk, dh, keep.streams());
-    (fwd as usize, bwd as usize)
+    head_scratch((g.sq, g.sk, g.dh), keep).1
 }
 
 /// The op (see the module docs).

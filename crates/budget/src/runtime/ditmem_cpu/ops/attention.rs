@@ -144,7 +144,7 @@ fn attention_workspace(sh: &Shape) -> (&'static str, u64, u64, u64) {
     } else {
         ("attention (fused; keeps P)", nh * s * s * cd.size())
     };
-    let (fwd_bytes, bwd_bytes) = if native && sh.attention == AttentionMode::MemoryEfficient {
+    let (fwd_bytes, bwd_bytes) = if native && streaming {
         streaming_attention_scratch(s, dh, kb)
     } else if native {
         native_attention_scratch(s, dh)
