@@ -11,11 +11,13 @@
 //! - [`LossScaler`]: initial scale 2^16; on a non-finite gradient the step is skipped and the
 //!   scale halved; after `growth_interval` clean steps it doubles.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
+use candle_core::{bail, CpuStorage, DType, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuInplaceOp, Op};
+use crate::ops::storage::CResult;
 
 /// Update rule shared by the optimizers.
 pub trait Optimizer: Send {
@@ -165,18 +167,12 @@ impl AdamUpdate<'_> {
     }
 }
 
-impl InplaceOp2 for AdamUpdate<'_> {
+impl CpuInplaceOp for AdamUpdate<'_> {
     fn name(&self) -> &'static str {
         "adamw-update"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
+    fn fwd(&self, (s1, l1): (&mut CpuStorage, &Layout), (s2, l2): Cpu<'_>) -> CResult<()> {
         let (r1, r2) = (range(l1, self.name())?, range(l2, self.name())?);
         let mut st = self
             .state
@@ -233,18 +229,12 @@ fn ema_mix<S: Elem<f64> + Send, P: Elem<f64> + Sync>(s: &mut [S], p: &[P], d: f6
     });
 }
 
-impl InplaceOp2 for EmaStep {
+impl CpuInplaceOp for EmaStep {
     fn name(&self) -> &'static str {
         "ema-step"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
+    fn fwd(&self, (s1, l1): (&mut CpuStorage, &Layout), (s2, l2): Cpu<'_>) -> CResult<()> {
         let (r1, r2) = (range(l1, self.name())?, range(l2, self.name())?);
         let d = self.decay;
         macro_rules! by_weight {
@@ -363,7 +353,7 @@ impl Optimizer for AdamW {
                 eps: self.eps,
                 state: std::sync::Mutex::new(st),
             };
-            p.as_tensor().inplace_op2(&g, &update)?;
+            p.as_tensor().inplace_op2(&g, &Op(update))?;
             if !release {
                 self.moments.push(own);
             }
@@ -425,7 +415,7 @@ impl Ema {
     }
 
     pub(crate) fn update(&mut self, params: &[&Var]) -> Result<()> {
-        let step = EmaStep { decay: self.decay };
+        let step = Op(EmaStep { decay: self.decay });
         for (s, p) in self.shadow.iter().zip(params) {
             s.inplace_op2(p.as_tensor(), &step)?;
         }

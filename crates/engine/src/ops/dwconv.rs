@@ -17,12 +17,13 @@
 //! `ditmem_budget::ditmem_cpu::sana::silu_dwconv`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
 use super::storage::{cpu_slice, dispatch_float, err, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// Accumulation-type elements of the forward workspace for C channels: the budget's
 /// `dwconv_elems` (`ditmem_budget::ditmem_cpu::ops`, which lists the buffers; the `ditmem-cpu`
@@ -52,7 +53,7 @@ pub(crate) fn silu_dwconv3x3(
     rows: usize,
     cols: usize,
 ) -> CResult<Tensor> {
-    x.apply_op3(w, b, SiluDwConv { rows, cols })
+    x.apply_op3(w, b, Op(SiluDwConv { rows, cols }))
 }
 
 /// (batch, C).
@@ -358,20 +359,12 @@ pub(crate) fn dw_dw<T: Elem<A> + Send + Sync, A: Acc + Send + Sync>(
         });
 }
 
-impl CustomOp3 for SiluDwConv {
+impl CpuOp<3> for SiluDwConv {
     fn name(&self) -> &'static str {
         "silu-dwconv3x3"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (sw, lw), (sb, lb)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let (b, c) = dw_geom(lx, lw, lb, self.rows, self.cols)?;
         let gr = Grid {
             b,
@@ -387,14 +380,7 @@ impl CustomOp3 for SiluDwConv {
         Ok((out, Shape::from((b * self.rows * self.cols, c))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w, bias]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let grad = grad.contiguous()?;
         let (tx, tw, tb) = (x.track_op(), w.track_op(), bias.track_op());
         let n = "depthwise conv backward";
@@ -420,7 +406,7 @@ impl CustomOp3 for SiluDwConv {
                 };
                 let (dw, db) = dwconv_weight_grads((xv, gv), &mut ws, (w, bias), (tw, tb), &gr)?;
                 drop(ws);
-                (dx, dw, db)
+                [dx, dw, db]
             }))
         })
     }

@@ -20,7 +20,7 @@
 //! the GELU's maps element for element, the same per-row copies), so the same bits in every
 //! dtype.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Tensor};
 
 use super::fused_mlp::fc2_gelu_bwd_storage;
 use super::gelu::{gelu_fwd_storage, gelu_grad_in_place, gelu_in_place};
@@ -29,6 +29,7 @@ use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
 use crate::kernels::gemm_bf16;
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::Saved;
 
 /// The fused feed-forward with a side input (see the module docs).
@@ -70,12 +71,12 @@ pub fn fused_mlp_side(
     }
     x.apply_op2(
         side,
-        FusedMlpSide {
+        Op(FusedMlpSide {
             fc1,
             fc2,
             keep: x.track_op() || side.track_op(),
             kept: Saved::default(),
-        },
+        }),
     )
 }
 
@@ -104,7 +105,7 @@ impl FusedMlpSide {
         mut u: CpuStorage,
         grad: &Tensor,
         (rows, ds, out): (usize, usize, usize),
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    ) -> Grads<2> {
         let ffn = u_cols(&u, rows)?;
         let (w2, b2) = self.fc2.wants();
         let want = (w2, b2, side.track_op());
@@ -117,7 +118,7 @@ impl FusedMlpSide {
         let dx = fc1_backward(&self.fc1, x, &u, (rows, ffn))?;
         drop(u);
         let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
-        Ok((dx, dside))
+        Ok([dx, dside])
     }
 }
 
@@ -133,18 +134,12 @@ fn u_cols(u: &CpuStorage, rows: usize) -> CResult<usize> {
     Ok(n / rows.max(1))
 }
 
-impl CustomOp2 for FusedMlpSide {
+impl CpuOp<2> for FusedMlpSide {
     fn name(&self) -> &'static str {
         "fused-mlp-side"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        ss: &CpuStorage,
-        ls: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (ss, ls)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
         let rows = lx.dims()[0];
         let (mut u, _) = self.fc1.forward((sx, lx))?;
         // Kept for a backward: h beside u; otherwise h over u (the same phases, less u).
@@ -161,13 +156,7 @@ impl CustomOp2 for FusedMlpSide {
         self.fc2.forward((&c, &lc))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        side: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, side]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let grad = grad.contiguous()?;
         let (rows, out) = grad.dims2()?;
         let ds = side.dims2()?.1;
@@ -208,7 +197,7 @@ impl CustomOp2 for FusedMlpSide {
         let dx = fc1_backward(&self.fc1, x, &du, (rows, ffn))?;
         drop(du);
         let dside = dside.map(|v| storage_tensor(v, side.shape())).transpose()?;
-        Ok((dx, dside))
+        Ok([dx, dside])
     }
 }
 

@@ -3,12 +3,13 @@
 //! `ditmem_budget::ditmem_cpu::ops`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
 use super::storage::{cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// `x + y·gate` with gate (b, D) broadcast over the tokens: the adaLN-Zero residual. Composed in
 /// candle it keeps the (b·s, D) product (the sum's input) and, under mixed precision, y's cast to
@@ -22,7 +23,7 @@ pub(crate) struct GatedResidual;
 /// Fused gated residual: x (b, s, D) in the accumulation dtype, y (b·s, D) or (b, s, D) in any
 /// float dtype, gate (b, D) with unit column stride in x's dtype → (b, s, D) in x's dtype.
 pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> CResult<Tensor> {
-    x.apply_op3(y, gate, GatedResidual)
+    x.apply_op3(y, gate, Op(GatedResidual))
 }
 
 /// (b, s, d, gate offset, gate row stride).
@@ -123,20 +124,12 @@ where
     v
 }
 
-impl CustomOp3 for GatedResidual {
+impl CpuOp<3> for GatedResidual {
     fn name(&self) -> &'static str {
         "gated-residual"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sy: &CpuStorage,
-        ly: &Layout,
-        sg: &CpuStorage,
-        lg: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (sy, ly), (sg, lg)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let (b, s, d, off, rs) = gated_geom(lx, ly, lg)?;
         if sg.dtype() != sx.dtype() {
             return Err(err("gated residual: gate and x must share one dtype"));
@@ -151,14 +144,7 @@ impl CustomOp3 for GatedResidual {
         Ok((out, lx.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        y: &Tensor,
-        gate: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, y, gate]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let grad = grad.contiguous()?;
         let (wx, wy, wg) = (x.track_op(), y.track_op(), gate.track_op());
         let dev = Device::Cpu;
@@ -186,7 +172,7 @@ impl CustomOp3 for GatedResidual {
                 } else {
                     None
                 };
-                (dx, dy, dg)
+                [dx, dy, dg]
             }))
         })
     }

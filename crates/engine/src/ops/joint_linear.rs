@@ -15,12 +15,13 @@
 //! Numerics: the same linear calls on the same inputs, the same per-sample copies, so the same
 //! bits as the composition in every dtype.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, Layout, Shape, Tensor};
 
 use super::fused_mlp::MlpLinear;
 use super::linear::storage_tensor;
 use super::storage::{err, with_cpu, CResult};
 use super::tokens::{concat_storage, slice_storage};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// Two linears joined per sample (see the module docs).
 #[derive(Debug)]
@@ -65,7 +66,7 @@ pub fn joint_linear(
             lc.w.dims()
         )));
     }
-    a.apply_op2(c, JointLinear { la, lc, batch })
+    a.apply_op2(c, Op(JointLinear { la, lc, batch }))
 }
 
 impl JointLinear {
@@ -88,18 +89,12 @@ impl JointLinear {
     }
 }
 
-impl CustomOp2 for JointLinear {
+impl CpuOp<2> for JointLinear {
     fn name(&self) -> &'static str {
         "joint-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        sa: &CpuStorage,
-        la: &Layout,
-        sc: &CpuStorage,
-        lc: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sa, la), (sc, lc)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
         let (ra, rc) = (la.dims()[0], lc.dims()[0]);
         let out = self.la.w.dims2()?.0;
         let (ya, _) = self.la.forward((sa, la))?;
@@ -115,13 +110,7 @@ impl CustomOp2 for JointLinear {
         Ok((y, Shape::from((ra + rc, out))))
     }
 
-    fn bwd(
-        &self,
-        a: &Tensor,
-        c: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [a, c]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let grad = grad.contiguous()?;
         let out = grad.dims2()?.1;
         let ta = a.dims2()?.0 / self.batch;
@@ -129,7 +118,7 @@ impl CustomOp2 for JointLinear {
         with_cpu(&grad, |sg, lg| {
             let da = self.bwd_part(&self.la, a, (sg, lg), (0, ta * out))?;
             let dc = self.bwd_part(&self.lc, c, (sg, lg), (ta * out, (ta + tc) * out))?;
-            Ok((da, dc))
+            Ok([da, dc])
         })
     }
 }

@@ -20,12 +20,13 @@
 //! `ditmem_budget::ditmem_cpu::sana::linear_attention`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
 use super::attention::geom::{carve, for_each_head};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
 /// diffusers' epsilon of the denominator (`hidden_states[:, :, -1:] + 1e-15`).
@@ -79,7 +80,7 @@ pub fn linear_attention(
     batch: usize,
     heads: usize,
 ) -> CResult<Tensor> {
-    q.apply_op3(k, v, LinearAttention { batch, heads })
+    q.apply_op3(k, v, Op(LinearAttention { batch, heads }))
 }
 
 fn lin_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -> CResult<LinGeom> {
@@ -311,20 +312,12 @@ where
     [dq_all, dk_all, dv_all]
 }
 
-impl CustomOp3 for LinearAttention {
+impl CpuOp<3> for LinearAttention {
     fn name(&self) -> &'static str {
         "linear-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        sq: &CpuStorage,
-        lq: &Layout,
-        sk: &CpuStorage,
-        lk: &Layout,
-        sv: &CpuStorage,
-        lv: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sq, lq), (sk, lk), (sv, lv)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let g = lin_geom(lq, lk, lv, self.batch, self.heads)?;
         if sk.dtype() != sq.dtype() || sv.dtype() != sq.dtype() {
             return Err(err("linear attention: q, k and v must share one dtype"));
@@ -338,14 +331,7 @@ impl CustomOp3 for LinearAttention {
         Ok((out, lq.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k, v]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let grad = grad.contiguous()?;
         let n = "linear attention backward";
         let (dq, dk, dv) = with_cpus(
@@ -366,7 +352,7 @@ impl CustomOp3 for LinearAttention {
                 }))
             },
         )?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 

@@ -5,7 +5,7 @@
 //! `ln_modulate` rule of `ditmem_budget::ditmem_cpu::ops`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -13,6 +13,7 @@ use super::storage::{
     cpu_slice, dispatch_ln, err, par_rows, rows_view, with_cpus, CResult, PAR_CHUNK,
 };
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::Saved;
 
 /// `LN(x)·(1 + scale) + shift` (no affine of its own, eps inside the square root) over x (b, s, D)
@@ -37,11 +38,11 @@ pub fn ln_modulate(
     x.apply_op3(
         shift,
         scale,
-        LnModulate {
+        Op(LnModulate {
             out,
             eps,
             stats: Saved::default(),
-        },
+        }),
     )
 }
 
@@ -327,19 +328,14 @@ fn bwd_row_body<T: Elem<A>, O: Elem<A>, A: Acc>(
     }
 }
 
-impl CustomOp3 for LnModulate {
+impl CpuOp<3> for LnModulate {
     fn name(&self) -> &'static str {
         "layer-norm-modulate"
     }
 
-    fn cpu_fwd(
+    fn fwd(
         &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        ssh: &CpuStorage,
-        lsh: &Layout,
-        ssc: &CpuStorage,
-        lsc: &Layout,
+        [(sx, lx), (ssh, lsh), (ssc, lsc)]: [Cpu<'_>; 3],
     ) -> CResult<(CpuStorage, Shape)> {
         let g = ln_geom(lx, lsh, lsc)?;
         if ssh.dtype() != sx.dtype() || ssc.dtype() != sx.dtype() {
@@ -358,14 +354,7 @@ impl CustomOp3 for LnModulate {
         Ok((out, Shape::from((g.b * g.s, g.d))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        shift: &Tensor,
-        scale: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, shift, scale]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let guard = self.stats.lock("ln stats lock poisoned")?;
         let stats = guard
             .as_ref()
@@ -396,6 +385,6 @@ impl CustomOp3 for LnModulate {
         // Only inputs that track get a gradient: candle would otherwise keep the others' in its
         // gradient store until the store is dropped.
         let keep = |t: &Tensor, d: Tensor| t.track_op().then_some(d);
-        Ok((keep(x, dx), keep(shift, dsh), keep(scale, dsc)))
+        Ok([keep(x, dx), keep(shift, dsh), keep(scale, dsc)])
     }
 }

@@ -20,11 +20,12 @@
 
 use std::sync::Arc;
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Tensor};
 
 use super::linear::{
     linear_bwd_storage, linear_fwd_storage, storage_tensor, InputSink, LinearGrads,
 };
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use rayon::prelude::*;
 
 use super::storage::{err, with_cpu, with_cpus, CResult, PAR_CHUNK};
@@ -54,11 +55,11 @@ pub fn lora_linear(
     x.apply_op3(
         a,
         bm,
-        LoraLinear {
+        Op(LoraLinear {
             w: w.clone(),
             b: b.clone(),
             dx_sink: dx_sink.map(Arc::clone),
-        },
+        }),
     )
 }
 
@@ -111,22 +112,14 @@ fn dims(lx: &Layout, la: &Layout, lb: &Layout, w: &Tensor) -> CResult<[usize; 4]
     Ok([rows, inp, out, r])
 }
 
-impl CustomOp3 for LoraLinear {
+impl CpuOp<3> for LoraLinear {
     fn name(&self) -> &'static str {
         "lora-linear"
     }
 
     /// Steps: the base y; x·Aᵀ (beside a zero bias of r); x·Aᵀ·Bᵀ (beside a zero bias of out),
     /// x·Aᵀ freed; y += it, freed.
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sa: &CpuStorage,
-        la: &Layout,
-        sbm: &CpuStorage,
-        lbm: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (sa, la), (sbm, lbm)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let [rows, _, out, r] = dims(lx, la, lbm, &self.w)?;
         let (mut y, shape) = with_cpus([&self.w, &self.b], |[(sw, lw), (sb, lb)]| {
             linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
@@ -147,14 +140,7 @@ impl CustomOp3 for LoraLinear {
 
     /// Steps: the base's dx; x·Aᵀ again (beside a zero bias of r); g·B and dB; the branch's dx
     /// and dA from g·B; dx += the branch's, x·Aᵀ, g·B and the branch's dx freed.
-    fn bwd(
-        &self,
-        x: &Tensor,
-        a: &Tensor,
-        bm: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, a, bm]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let grad = grad.contiguous()?;
         let (want_x, want_a, want_b) = (x.track_op(), a.track_op(), bm.track_op());
         let [rows, _, out, r] = dims(x.layout(), a.layout(), bm.layout(), &self.w)?;
@@ -230,6 +216,6 @@ impl CustomOp3 for LoraLinear {
         }
         let da = da.map(|v| storage_tensor(v, a.shape())).transpose()?;
         let db = db.map(|v| storage_tensor(v, bm.shape())).transpose()?;
-        Ok((dx, da, db))
+        Ok([dx, da, db])
     }
 }

@@ -21,9 +21,7 @@
 //! the conv's and the gate's kernels, in place where the composition wrote a fresh copy), so
 //! the same bits in every dtype.
 
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Tensor, WithDType};
 
 use super::dwconv::{
     dw_dx_over, dw_geom, dwconv_bwd_workspace, dwconv_weight_grads, silu_dwconv_fwd, Grid,
@@ -32,6 +30,7 @@ use super::glu::{glu_bwd_over, glu_fwd};
 use super::mlp_linear::{fc1_backward, MlpLinear};
 use super::storage::{cpu_slice, dispatch_float, err, with_cpu, with_cpus, CResult};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::Saved;
 
 /// The fused Mix-FFN (see the module docs).
@@ -72,13 +71,13 @@ pub fn mix_ffn(
     h.apply_op3(
         wd,
         bd,
-        MixFfn {
+        Op(MixFfn {
             inv,
             point,
             grid,
             keep,
             f1: Saved::default(),
-        },
+        }),
     )
 }
 
@@ -138,7 +137,7 @@ impl MixFfn {
         (h, wd, bd): (&Tensor, &Tensor, &Tensor),
         grad: &Tensor,
         gr: &Grid,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> Grads<3> {
         let n = gr.b * gr.rows * gr.cols;
         let (c, hid) = (gr.c, gr.c / 2);
         let what = "mix_ffn backward";
@@ -166,29 +165,21 @@ impl MixFfn {
         drop(ws);
         drop(dc2);
         if !(ti || iw || ib) {
-            return Ok((None, dwd, dbd));
+            return Ok([None, dwd, dbd]);
         }
         let df1 = T::to_cpu_storage_owned(f1);
         let dh = fc1_backward(&self.inv, h, &df1, (n, c))?;
         drop(df1);
-        Ok((dh, dwd, dbd))
+        Ok([dh, dwd, dbd])
     }
 }
 
-impl CustomOp3 for MixFfn {
+impl CpuOp<3> for MixFfn {
     fn name(&self) -> &'static str {
         "mix-ffn"
     }
 
-    fn cpu_fwd(
-        &self,
-        sh: &CpuStorage,
-        lh: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sh, lh), (sw, lw), (sb, lb)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let (f1, shape) = self.inv.forward((sh, lh))?;
         let n = shape.dims2()?.0;
         let gr = self.grid_of(n, lw, lb)?;
@@ -200,14 +191,7 @@ impl CustomOp3 for MixFfn {
         Ok((y, Shape::from((n, d))))
     }
 
-    fn bwd(
-        &self,
-        h: &Tensor,
-        wd: &Tensor,
-        bd: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [h, wd, bd]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let grad = grad.contiguous()?;
         let kept = self.f1.lock("mix_ffn: kept f1 poisoned")?.take();
         // f1, from the forward or (a second backward) recomputed from h.

@@ -46,10 +46,12 @@
 //!   gradient made in place.
 //! - [`release`](mod@release): frees the buffer of a tensor the graph holds but no backward
 //!   reads (a branch output under a frozen gate, a frozen linear's input), keeping its node.
-//! - `storage`: the CPU storage helpers and dtype dispatch the ops share.
+//! - `storage`: the CPU storage helpers and dtype dispatch the ops share; `custom_op`: the
+//!   two- and three-input ops' interface (`CpuOp`: the forward over an array of CPU storages,
+//!   the backward over the tensors) and its adapter to candle's `CustomOp2` / `CustomOp3`.
 //!
 //! Every kernel is a free function over slices (here or in [`crate::kernels`]) called from
-//! `cpu_fwd` / `bwd`.
+//! an op's `fwd` / `bwd` (`cpu_fwd` / `bwd` for the one-input ops, candle's `CustomOp1`).
 //!
 //! Allocation rules the budget mirrors (`ditmem_budget::ditmem_cpu::graph::Kind::Custom`, the twin of each
 //! op named in its module): the forward allocates its output, what the op saves, and a workspace
@@ -63,6 +65,7 @@
 
 pub mod attention;
 pub mod backward_from;
+pub(crate) mod custom_op;
 pub mod dwconv;
 pub mod fused_mlp;
 pub mod fused_mlp_bf16;

@@ -12,8 +12,9 @@
 //! output the attention keeps). Flux's recomputed double-stream block held four of them through
 //! its whole backward: the step's peak (Flux bf16 recompute-all, issue 15). This op keeps
 //! nothing beyond its inputs; its backward takes the un-rotated gradient ((b·n, D) in x's dtype)
-//! and one rstd per (row, head) (accumulation type) as workspace, [`norm_rope_bwd_scratch`],
-//! and returns a fresh dx and one dw per tracked weight.
+//! and one rstd per (row, head) (accumulation type) as workspace, sized by `norm_rope_bwd_elems`
+//! (`ditmem_budget::ditmem_cpu::ops`, which the `ditmem-cpu` runtime predicts by), and returns
+//! a fresh dx and one dw per tracked weight.
 //!
 //! Numerics: the norm's output is rounded through x's dtype before the rotation, and the
 //! un-rotated gradient before the norm's backward, as the composition's tensors are; the same
@@ -24,15 +25,16 @@
 use std::sync::Arc;
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Shape,
-    Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
+use ditmem_budget::ditmem_cpu::ops::norm_rope_bwd_elems;
 use rayon::prelude::*;
 
 use super::rms_norm::{group_dx, rstd};
 use super::rope::{rope_geom, rotate, RopeTable};
 use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// The op (see the module docs): rows whose token (row mod n) is below `first` take the first
 /// weight, the others the second; [`norm_rope`] has one weight and `first` 0.
@@ -48,11 +50,11 @@ pub(crate) struct NormRope {
 pub fn norm_rope(x: &Tensor, w: &Tensor, eps: f64, table: &Arc<RopeTable>) -> CResult<Tensor> {
     x.apply_op2(
         w,
-        NormRope {
+        Op(NormRope {
             eps,
             table: table.clone(),
             first: 0,
-        },
+        }),
     )
 }
 
@@ -70,20 +72,12 @@ pub fn joint_norm_rope(
     x.apply_op3(
         w_text,
         w_image,
-        NormRope {
+        Op(NormRope {
             eps,
             table: table.clone(),
             first: t,
-        },
+        }),
     )
-}
-
-/// Backward workspace (elements of x's dtype, elements of the accumulation type) of x with
-/// `elems` elements and head width `dh`: the un-rotated gradient and one rstd per group (the
-/// test that measures the backward's heap holds it; the budget's twin states it for prediction).
-#[cfg(test)]
-pub(crate) fn norm_rope_bwd_scratch(elems: usize, dh: usize) -> (usize, usize) {
-    (elems, elems / dh.max(1))
 }
 
 /// (n, D, d_h) of a call: x (rows, D) whole samples of the table's n tokens, whole heads of d_h.
@@ -150,8 +144,14 @@ where
 {
     let eps = A::from_f64(eps);
     // RoPE's backward in x's dtype, as the composition's rope node hands it on.
+    let (gu_len, r_len) = norm_rope_bwd_elems(x.len() as u64, dh as u64);
     let gu = rotate::<T, A>(g, cos, sin, (n, d, dh), A::from_f64(-1.0));
-    let mut r: Vec<A> = Vec::with_capacity(x.len() / dh);
+    debug_assert_eq!(
+        gu.len() as u64,
+        gu_len,
+        "norm-rope: the un-rotated gradient is x's size"
+    );
+    let mut r: Vec<A> = Vec::with_capacity(r_len as usize);
     x.par_chunks(dh)
         .with_min_len((PAR_CHUNK / dh).max(1))
         .map(|xg| rstd(xg, eps))
@@ -200,7 +200,7 @@ fn tensor<T: WithDType>(v: Option<Vec<T>>, l: &Layout) -> CResult<Option<Tensor>
 }
 
 impl NormRope {
-    fn fwd(
+    fn forward_on(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -266,86 +266,43 @@ impl NormRope {
     }
 }
 
-impl CustomOp2 for NormRope {
+impl CpuOp<2> for NormRope {
     fn name(&self) -> &'static str {
         "norm-rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        Ok((self.fwd(sx, lx, [(sw, lw), (sw, lw)])?, lx.shape().clone()))
+    fn fwd(&self, [(sx, lx), (sw, lw)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
+        Ok((
+            self.forward_on(sx, lx, [(sw, lw), (sw, lw)])?,
+            lx.shape().clone(),
+        ))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         // Every row takes the second weight (`first` is 0).
         let (dx, [_, dw]) = self.bwd_all(x, [w, w], grad, [false, w.track_op()])?;
-        Ok((dx, dw))
+        Ok([dx, dw])
     }
 }
 
-impl CustomOp3 for NormRope {
+impl CpuOp<3> for NormRope {
     fn name(&self) -> &'static str {
         "joint-norm-rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sa: &CpuStorage,
-        la: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        Ok((self.fwd(sx, lx, [(sa, la), (sb, lb)])?, lx.shape().clone()))
+    fn fwd(&self, [(sx, lx), (sa, la), (sb, lb)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
+        Ok((
+            self.forward_on(sx, lx, [(sa, la), (sb, lb)])?,
+            lx.shape().clone(),
+        ))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        wa: &Tensor,
-        wb: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, wa, wb]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let want = [wa.track_op(), wb.track_op()];
         let (dx, [da, db]) = self.bwd_all(x, [wa, wb], grad, want)?;
-        Ok((dx, da, db))
+        Ok([dx, da, db])
     }
 }
 
 /// Keeps `DType` in scope for the dispatch macro.
 const _: Option<DType> = None;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The workspace the budget counts for the node's backward is this op's: the un-rotated
-    /// gradient in x's dtype and one rstd per group in the accumulation type.
-    #[test]
-    fn backward_workspace_is_the_budgets() {
-        use ditmem_budget::ditmem_cpu::flux::norm_rope_bwd_bytes;
-        for (elems, dh) in [(4 * 117 * 64, 16), (2 * 4608 * 3072, 128), (7 * 6, 6)] {
-            let (nx, nacc) = norm_rope_bwd_scratch(elems, dh);
-            for (x_size, acc) in [(2, 4), (4, 4), (8, 8)] {
-                assert_eq!(
-                    (nx * x_size + nacc * acc) as u64,
-                    norm_rope_bwd_bytes(elems as u64, x_size as u64, dh as u64, acc as u64),
-                    "elems {elems}, d_h {dh}, x {x_size} B, acc {acc} B"
-                );
-            }
-        }
-    }
-}

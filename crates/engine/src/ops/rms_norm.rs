@@ -14,12 +14,13 @@
 //! `ditmem_budget::ditmem_cpu::flux`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
 use super::storage::{cpu_slice, dispatch_ln, err, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// RMSNorm epsilon of Flux's q/k norms.
 pub const RMS_EPS: f64 = 1e-6;
@@ -33,7 +34,7 @@ pub(crate) struct RmsNorm {
 /// Per-head RMSNorm of x (rows, heads·d_h) with the weight w (d_h) → (rows, heads·d_h) in x's
 /// dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
-    x.apply_op2(w, RmsNorm { eps })
+    x.apply_op2(w, Op(RmsNorm { eps }))
 }
 
 /// (rows, D, d_h) of a call.
@@ -155,18 +156,12 @@ where
     (dx, dw)
 }
 
-impl CustomOp2 for RmsNorm {
+impl CpuOp<2> for RmsNorm {
     fn name(&self) -> &'static str {
         "rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (sw, lw)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
         let (_, _, dh) = rms_geom(lx, lw)?;
         let out = dispatch_ln!(sx.dtype(), sw.dtype(), |T, W, A| {
             let x = cpu_slice::<T>(sx, lx, "rms norm x")?;
@@ -176,13 +171,7 @@ impl CustomOp2 for RmsNorm {
         Ok((out, lx.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let grad = grad.contiguous()?;
         let want = (x.track_op(), w.track_op());
         let dev = Device::Cpu;
@@ -204,7 +193,7 @@ impl CustomOp2 for RmsNorm {
                     Some(v) => Some(Tensor::from_vec(v, lw.shape(), &dev)?),
                     None => None,
                 };
-                (dx, dw)
+                [dx, dw]
             }))
         })
     }

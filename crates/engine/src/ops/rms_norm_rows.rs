@@ -8,8 +8,7 @@
 //! `ditmem_budget::ditmem_cpu::ops`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape,
-    Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -17,6 +16,7 @@ use super::storage::{
     cpu_slice, dispatch_ln, err, par_rows, with_cpu, with_cpus, CResult, PAR_CHUNK,
 };
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::Saved;
 
 /// RMSNorm over the last dimension of x (any rank, contiguous), with an optional weight (D) of
@@ -37,7 +37,7 @@ pub fn rms_norm_rows(x: &Tensor, weight: Option<&Tensor>, eps: f64, out: DType) 
         rstd: Saved::default(),
     };
     match weight {
-        Some(w) => x.apply_op2(w, op),
+        Some(w) => x.apply_op2(w, Op(op)),
         None => x.apply_op1(op),
     }
 }
@@ -148,7 +148,7 @@ where
 }
 
 impl RmsNormRows {
-    pub(crate) fn fwd(
+    pub(crate) fn forward_on(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -264,7 +264,7 @@ impl CustomOp1 for RmsNormRows {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        self.fwd(s, l, None)
+        self.forward_on(s, l, None)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
@@ -272,29 +272,18 @@ impl CustomOp1 for RmsNormRows {
     }
 }
 
-impl CustomOp2 for RmsNormRows {
+impl CpuOp<2> for RmsNormRows {
     fn name(&self) -> &'static str {
         "rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        self.fwd(s1, l1, Some((s2, l2)))
+    fn fwd(&self, [(s1, l1), (s2, l2)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
+        self.forward_on(s1, l1, Some((s2, l2)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        self.bwd_impl(x, Some(w), grad)
+    fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
+        let (dx, dw) = self.bwd_impl(x, Some(w), grad)?;
+        Ok([dx, dw])
     }
 }
 

@@ -9,11 +9,10 @@
 //! part of g), `slice` one x-sized gradient, zero outside the range. Neither keeps anything nor
 //! uses scratch. Budget twins: `concat` / `slice` of `ditmem_budget::ditmem_cpu::ops`.
 
-use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use super::storage::{err, storage_tensor, with_cpu, CResult};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use candle_core::{DType, WithDType};
 
 /// Applies `f` to the contiguous slice of `s` under `l` for every float dtype.
@@ -67,7 +66,7 @@ pub fn concat(a: &Tensor, b: &Tensor, batch: usize, shape: impl Into<Shape>) -> 
             shape.dims()
         )));
     }
-    a.apply_op2(b, Concat { batch, shape })
+    a.apply_op2(b, Op(Concat { batch, shape }))
 }
 
 fn concat_cpu<T: Copy>(a: &[T], b: &[T], batch: usize) -> Vec<T> {
@@ -135,18 +134,12 @@ fn unslice_cpu<T: Copy + Default>(g: &[T], batch: usize, p: usize, lo: usize) ->
     o
 }
 
-impl CustomOp2 for Concat {
+impl CpuOp<2> for Concat {
     fn name(&self) -> &'static str {
         "concat"
     }
 
-    fn cpu_fwd(
-        &self,
-        sa: &CpuStorage,
-        la: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sa, la), (sb, lb)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
         let out = match (sa, sb) {
             (CpuStorage::F32(_), CpuStorage::F32(_))
             | (CpuStorage::F64(_), CpuStorage::F64(_))
@@ -171,13 +164,7 @@ impl CustomOp2 for Concat {
         Ok((out, self.shape.clone()))
     }
 
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [a, b]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let grad = grad.contiguous()?;
         let pa = a.elem_count() / self.batch;
         let pw = grad.elem_count() / self.batch;
@@ -201,7 +188,7 @@ impl CustomOp2 for Concat {
         } else {
             None
         };
-        Ok((da, db))
+        Ok([da, db])
     }
 }
 

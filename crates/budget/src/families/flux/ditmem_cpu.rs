@@ -16,7 +16,7 @@ use crate::runtime::ditmem_cpu::dtypes::{acc_bytes, acc_dtype, grad_dtype};
 use crate::runtime::ditmem_cpu::family::{inventory, EmbedGraph, FamilyRules};
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};
 use crate::runtime::ditmem_cpu::ops::{
-    concat, fused_mlp_side, gelu, joint_linear, ln_modulate, slice,
+    concat, fused_mlp_side, gelu, joint_linear, ln_modulate, norm_rope_bwd_elems, slice,
 };
 use crate::runtime::ditmem_cpu::parts::{modulation_linear, stream_feed_forward};
 use crate::runtime::ditmem_cpu::separate::separate_attention;
@@ -60,25 +60,20 @@ pub fn rms_norm(g: &mut Graph, sh: &Shape, name: &str, x: Nid, w: Nid, dh: u64) 
     )
 }
 
-/// Backward workspace bytes of `ops::norm_rope` on x of `elems` elements of `x_size` bytes and
-/// head width `dh`: the un-rotated gradient (x's dtype) and one rstd per (row, head) of
-/// `acc_size` bytes (the engine's `ops::norm_rope_bwd_scratch`, held equal by its test).
-pub fn norm_rope_bwd_bytes(elems: u64, x_size: u64, dh: u64, acc_size: u64) -> u64 {
-    elems * x_size + elems / dh.max(1) * acc_size
-}
-
 /// `ops::norm_rope` / `ops::joint_norm_rope`: the q/k RMSNorm (one weight, or the text and the
 /// image stream's) and the RoPE as one node: one fresh output in x's dtype, nothing kept, no
-/// forward workspace; its backward holds [`norm_rope_bwd_bytes`] while it makes dx and the
+/// forward workspace; its backward holds [`norm_rope_bwd_elems`] (the un-rotated gradient in
+/// x's dtype, one rstd per (row, head) in the accumulation type) while it makes dx and the
 /// weights' gradients. The tables are not graph inputs.
 pub fn norm_rope(g: &mut Graph, sh: &Shape, name: &str, x: Nid, ws: &[Nid], dh: u64) -> Nid {
     let (e, dt) = (g.elems(x), g.dtype(x));
+    let (x_elems, acc_elems) = norm_rope_bwd_elems(e, dh);
     let mut inputs = vec![x];
     inputs.extend_from_slice(ws);
     g.op(
         name,
         Kind::Custom {
-            bwd_scratch: norm_rope_bwd_bytes(e, dt.size(), dh, acc_bytes(sh.precision)),
+            bwd_scratch: x_elems * dt.size() + acc_elems * acc_bytes(sh.precision),
         },
         &inputs,
         e,

@@ -29,10 +29,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use super::separate::SeparateAttention;
 use super::AttnKeep;
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::fused_mlp::MlpLinear;
 use crate::ops::linear::{storage_tensor, InputSink};
 use crate::ops::rms_norm_rows::RmsNormRows;
@@ -92,8 +93,8 @@ pub fn cross_attention(
         pending: Mutex::new(false),
     };
     match norm_k {
-        Some((w, _)) => q.apply_op3(ctx, w, op),
-        None => q.apply_op2(ctx, op),
+        Some((w, _)) => q.apply_op3(ctx, w, Op(op)),
+        None => q.apply_op2(ctx, Op(op)),
     }
 }
 
@@ -109,7 +110,7 @@ impl CrossAttention {
         let (k_pre, shape) = self.k.forward(ctx)?;
         let lk = Layout::contiguous(shape.clone());
         let kn = match (&self.norm, nw) {
-            (Some(op), Some(w)) => Some(op.fwd(&k_pre, &lk, Some(w))?.0),
+            (Some(op), Some(w)) => Some(op.forward_on(&k_pre, &lk, Some(w))?.0),
             (None, None) => None,
             _ => return Err(err("cross_attention: a norm needs its weight")),
         };
@@ -126,7 +127,7 @@ impl CrossAttention {
         })
     }
 
-    fn fwd(
+    fn forward_on(
         &self,
         (sq, lq): (&CpuStorage, &Layout),
         ctx: (&CpuStorage, &Layout),
@@ -134,7 +135,7 @@ impl CrossAttention {
     ) -> CResult<(CpuStorage, Shape)> {
         let p = self.project_kv(ctx, nw)?;
         let lk = Layout::contiguous(p.dims);
-        let out = CustomOp3::cpu_fwd(&self.attn, sq, lq, &p.k, &lk, &p.v, &lk)?;
+        let out = CpuOp::<3>::fwd(&self.attn, [(sq, lq), (&p.k, &lk), (&p.v, &lk)])?;
         // k, v (and k before the norm, with the norm's statistics) go now: the backward
         // projects them again.
         drop(p);
@@ -183,7 +184,7 @@ impl CrossAttention {
         nw: Option<&Tensor>,
         res: &Tensor,
         grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> Grads<3> {
         if !std::mem::take(&mut *self.lock()?) {
             return Err(err("cross_attention: backward without a tracked forward"));
         }
@@ -217,62 +218,35 @@ impl CrossAttention {
             _ => (dk, None),
         };
         self.project_bwd(&self.k, ctx, dk, &mut dctx)?;
-        Ok((Some(dq), dctx, dnw))
+        Ok([Some(dq), dctx, dnw])
     }
 }
 
-impl CustomOp2 for CrossAttention {
+impl CpuOp<2> for CrossAttention {
     fn name(&self) -> &'static str {
         "cross-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        self.fwd((s1, l1), (s2, l2), None)
+    fn fwd(&self, [(s1, l1), (s2, l2)]: [Cpu<'_>; 2]) -> CResult<(CpuStorage, Shape)> {
+        self.forward_on((s1, l1), (s2, l2), None)
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        ctx: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (dq, dctx, _) = self.bwd_impl(q, ctx, None, res, grad)?;
-        Ok((dq, dctx))
+    fn bwd(&self, [q, ctx]: [&Tensor; 2], res: &Tensor, grad: &Tensor) -> Grads<2> {
+        let [dq, dctx, _] = self.bwd_impl(q, ctx, None, res, grad)?;
+        Ok([dq, dctx])
     }
 }
 
-impl CustomOp3 for CrossAttention {
+impl CpuOp<3> for CrossAttention {
     fn name(&self) -> &'static str {
         "cross-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        self.fwd((s1, l1), (s2, l2), Some((s3, l3)))
+    fn fwd(&self, [(s1, l1), (s2, l2), (s3, l3)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
+        self.forward_on((s1, l1), (s2, l2), Some((s3, l3)))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        ctx: &Tensor,
-        nw: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, ctx, nw]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
         self.bwd_impl(q, ctx, Some(nw), res, grad)
     }
 }

@@ -12,13 +12,14 @@
 //! [`sep_bwd_scratch`] elements; budget twin: `ditmem_budget::ditmem_cpu::ops::separate_attention`.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType,
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType,
 };
 
 use super::geom::{carve, for_each_head, head_scratch, AttnKeep, ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK};
 use super::head::{gather_head, head_bwd, head_fwd, kept_view, BwdIn, Kept};
 use crate::kernels::scalar::{Acc, Elem};
 use crate::kernels::shared_ptr::SharedMut;
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 use crate::ops::storage::Saved;
 use crate::ops::storage::{cpu_slice, cpu_slices, dispatch_float, err, with_cpus, CResult};
 
@@ -122,7 +123,7 @@ pub fn attention(
     keep: AttnKeep,
 ) -> CResult<Tensor> {
     let track = q.track_op() || k.track_op() || v.track_op();
-    q.apply_op3(k, v, SeparateAttention::new(batch, heads, keep, track))
+    q.apply_op3(k, v, Op(SeparateAttention::new(batch, heads, keep, track)))
 }
 
 fn sep_geom(lq: &Layout, lk: &Layout, lv: &Layout, batch: usize, heads: usize) -> CResult<SepGeom> {
@@ -337,20 +338,12 @@ where
     Ok(dq_all)
 }
 
-impl CustomOp3 for SeparateAttention {
+impl CpuOp<3> for SeparateAttention {
     fn name(&self) -> &'static str {
         "separate-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        sq: &CpuStorage,
-        lq: &Layout,
-        sk: &CpuStorage,
-        lk: &Layout,
-        sv: &CpuStorage,
-        lv: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sq, lq), (sk, lk), (sv, lv)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         let g = sep_geom(lq, lk, lv, self.batch, self.heads)?;
         if sk.dtype() != sq.dtype() || sv.dtype() != sq.dtype() {
             return Err(err("attention: q, k and v must share one dtype"));
@@ -366,14 +359,7 @@ impl CustomOp3 for SeparateAttention {
         Ok((out, Shape::from((g.b * g.sq, g.d()))))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k, v]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
         let guard = self.saved.lock("attention lock poisoned")?;
         let grad = grad.contiguous()?;
         let n = "attention backward";
@@ -394,7 +380,7 @@ impl CustomOp3 for SeparateAttention {
                 )
             }))
         })?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 

@@ -14,8 +14,9 @@
 
 use std::sync::Mutex;
 
-use candle_core::{backend::BackendStorage, CpuStorage, InplaceOp2, Layout, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, Layout, Tensor};
 
+use crate::ops::custom_op::{Cpu, CpuInplaceOp, Op};
 use crate::ops::storage::{err, CResult};
 
 /// The running sum of a shared input's gradient (see the module docs): the trainer sets its
@@ -52,7 +53,7 @@ impl InputSink {
                         acc.shape()
                     )));
                 }
-                acc.inplace_op2(g, &AddInto)
+                acc.inplace_op2(g, &Op(AddInto))
             }
             None => {
                 *s = Some(g.clone());
@@ -77,18 +78,12 @@ fn add_into<A: Copy + std::ops::AddAssign, G: Copy>(acc: &mut [A], g: &[G], f: i
     }
 }
 
-impl InplaceOp2 for AddInto {
+impl CpuInplaceOp for AddInto {
     fn name(&self) -> &'static str {
         "input-grad-add"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
+    fn fwd(&self, (s1, l1): (&mut CpuStorage, &Layout), (s2, l2): Cpu<'_>) -> CResult<()> {
         let range = |l: &Layout| {
             l.contiguous_offsets()
                 .ok_or_else(|| err("input gradient sink: expected contiguous tensors"))

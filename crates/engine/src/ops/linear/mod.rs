@@ -14,9 +14,10 @@ mod widen;
 
 use std::sync::Arc;
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Tensor};
 
 use crate::kernels::gemm_bf16;
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 pub(crate) use crate::ops::storage::storage_tensor;
 use crate::ops::storage::{cpu_slice, err, with_cpus, CResult};
 
@@ -54,7 +55,7 @@ pub(crate) struct LinearOp {
 
 /// Fused linear (see [`LinearOp`]): x (rows, in), w (out, in), b (out) → (rows, out).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    x.apply_op3(w, b, LinearOp::default())
+    x.apply_op3(w, b, Op(LinearOp::default()))
 }
 
 /// The fused linear with its weight gradients handed to `sink` (see [`LinearOp`]). `w` and `b`
@@ -65,10 +66,10 @@ pub fn linear_sunk(x: &Tensor, w: &Tensor, b: &Tensor, sink: &Arc<GradSink>) -> 
     x.apply_op3(
         w,
         b,
-        LinearOp {
+        Op(LinearOp {
             sink: Some(Arc::clone(sink)),
             dx_sink: None,
-        },
+        }),
     )
 }
 
@@ -85,10 +86,10 @@ pub(crate) fn linear_into(
     x.apply_op3(
         w,
         b,
-        LinearOp {
+        Op(LinearOp {
             sink: sink.map(Arc::clone),
             dx_sink: Some(Arc::clone(dx_sink)),
-        },
+        }),
     )
 }
 
@@ -267,31 +268,16 @@ pub(crate) fn weight_grads(
     ))
 }
 
-impl CustomOp3 for LinearOp {
+impl CpuOp<3> for LinearOp {
     fn name(&self) -> &'static str {
         "linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sw: &CpuStorage,
-        lw: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd(&self, [(sx, lx), (sw, lw), (sb, lb)]: [Cpu<'_>; 3]) -> CResult<(CpuStorage, Shape)> {
         linear_fwd_storage((sx, lx), (sw, lw), (sb, lb))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w, b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let want = LinearGrads {
             x: x.track_op(),
             w: w.track_op() || self.sink.as_ref().is_some_and(|s| s.want_w),
@@ -311,9 +297,9 @@ impl CustomOp3 for LinearOp {
         match &self.sink {
             Some(sink) => {
                 sink.put_both(dw, db)?;
-                Ok((dx, None, None))
+                Ok([dx, None, None])
             }
-            None => Ok((dx, dw, db)),
+            None => Ok([dx, dw, db]),
         }
     }
 }

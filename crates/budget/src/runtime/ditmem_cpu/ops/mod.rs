@@ -26,9 +26,9 @@ pub(crate) use linear::fused_linear;
 pub(crate) use linear::linear_workspace;
 pub use sizes::{
     attention_head_elems, bf16_dx_panel_cols, dw_blocks, dwconv_elems, dx_over_du_chunks,
-    linear_attention_head_elems, mlp_col_blocks, widen_col_blocks, ATTN_KEY_BLOCK,
-    ATTN_QUERY_BLOCK, DW_COLS, DW_PANEL_SHARE, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS, MLP_COLS,
-    WIDEN_BLOCK_SHARE,
+    linear_attention_head_elems, mlp_col_blocks, norm_rope_bwd_elems, widen_col_blocks,
+    ATTN_KEY_BLOCK, ATTN_QUERY_BLOCK, DW_COLS, DW_PANEL_SHARE, DW_ROWS, DX_FIRST_ROWS, LINEAR_ROWS,
+    MLP_COLS, WIDEN_BLOCK_SHARE,
 };
 
 use crate::runtime::ditmem_cpu::graph::{Graph, Kind, Nid};

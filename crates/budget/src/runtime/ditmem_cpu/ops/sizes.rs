@@ -53,6 +53,14 @@ pub fn dwconv_elems(c: u64) -> (u64, u64) {
     (10 * c, 19 * c)
 }
 
+/// Elements (of x's dtype, of the accumulation type) of the backward workspace of the engine's
+/// fused per-head RMSNorm + RoPE (`ops::norm_rope`, `ops::joint_norm_rope` allocate by it) on x
+/// of `elems` elements and head width `dh`: the un-rotated gradient (x's shape) and one rstd per
+/// (row, head) group.
+pub fn norm_rope_bwd_elems(elems: u64, dh: u64) -> (u64, u64) {
+    (elems, elems / dh.max(1))
+}
+
 /// Rows per chunk of the engine's low-precision (bf16/f16) linear (`ops::LINEAR_ROWS`).
 pub const LINEAR_ROWS: u64 = 128;
 /// Columns of W per packed panel of the engine's bf16 kernel backward's dx product where the rows
