@@ -4,10 +4,10 @@
 //! tensor from another in place (`p.inplace_op2(&g, &Op(update))`).
 //!
 //! Why: candle's `CustomOp2` / `CustomOp3` spell each input as two parameters (a storage and a
-//! layout, in the forward) and return the gradients as a tuple, so each of the engine's
-//! two- and three-input ops restated the same signatures; written once here, an op states what
-//! it computes. The one-input ops implement candle's `CustomOp1` directly: its signatures are
-//! one line each. `Op<T>` is a field-less wrapper: the node candle keeps is `T`'s size (the
+//! layout, in the forward) and return the gradients as a tuple, so each of the engine's two-
+//! and three-input ops restated the same signatures; written once here, an op states what it
+//! computes. The one-input ops implement candle's `CustomOp1` directly: its signatures are one
+//! line each. `Op<T>` wraps the op alone (a newtype): the node candle keeps is `T`'s size (the
 //! budget's `*_OP_BYTES` count `size_of` the op), and candle's backward folds the gradients in
 //! the order it always did (input 1, 2, 3).
 
