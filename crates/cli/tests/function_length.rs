@@ -1,4 +1,5 @@
-//! No function over 100 lines without a line that says why it is kept whole.
+//! No function over 100 lines without a line that says why it is kept whole, and no source
+//! file over 1,000 lines.
 //!
 //! Issue 45's house rule: a function a newcomer reads should fit on a screen or two; one that is
 //! longer on purpose (one drawing top to bottom, one sequence of allocator events whose order is
@@ -19,6 +20,10 @@ use std::fs;
 
 /// The most lines a function may have without a "Kept whole" line.
 const MAX_LINES: usize = 100;
+/// The most lines a `.rs` file of a member (its `src/`, `tests/`, `benches/`) may have: issue
+/// 45's "files ≤ ~1,000 lines". A longer one is split by concern (as `tests/module_tree/`
+/// came out of `no_import_cycles.rs`), not given a reason.
+const MAX_FILE_LINES: usize = 1000;
 /// What the line above a longer function starts with (after `//`), followed by why.
 const KEPT_WHOLE: &str = "Kept whole (> 100 lines):";
 
@@ -144,6 +149,63 @@ fn no_function_over_100_lines_without_a_reason() {
         "functions over {MAX_LINES} lines without a `// {KEPT_WHOLE} <why>` line above them:\n{}",
         long.join("\n")
     );
+}
+
+/// Every `.rs` file of the members' `src/`, `tests/` and `benches/` over [`MAX_FILE_LINES`]
+/// lines, as `path (n lines)`.
+fn long_files(root: &std::path::Path) -> (usize, Vec<String>) {
+    let mut files = Vec::new();
+    for m in members(root) {
+        for dir in ["src", "tests", "benches"] {
+            rust_files(&m.join(dir), &mut files);
+        }
+    }
+    files.sort();
+    let long = files
+        .iter()
+        .filter_map(|f| {
+            let n = fs::read_to_string(f)
+                .expect("a source file")
+                .lines()
+                .count();
+            let name = f.strip_prefix(root).unwrap_or(f).display().to_string();
+            (n > MAX_FILE_LINES).then(|| format!("{name} ({n} lines)"))
+        })
+        .collect();
+    (files.len(), long)
+}
+
+#[test]
+fn no_source_file_over_1000_lines() {
+    let (read, long) = long_files(&root());
+    assert!(read > 200, "read only {read} files");
+    assert!(
+        long.is_empty(),
+        "files over {MAX_FILE_LINES} lines (split them by concern):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn a_file_over_the_limit_is_reported() {
+    let dir = std::env::temp_dir().join(format!("ditmem-file-length-{}", std::process::id()));
+    let src = dir.join("crates/x/src");
+    fs::create_dir_all(&src).unwrap();
+    fs::write(
+        dir.join("Cargo.toml"),
+        "[workspace]\nmembers = [\"crates/x\"]\n",
+    )
+    .unwrap();
+    fs::write(src.join("ok.rs"), "fn f() {}\n".repeat(MAX_FILE_LINES)).unwrap();
+    fs::write(
+        src.join("long.rs"),
+        "fn f() {}\n".repeat(MAX_FILE_LINES + 1),
+    )
+    .unwrap();
+    let (read, long) = long_files(&dir);
+    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(read, 2);
+    assert_eq!(long, ["crates/x/src/long.rs (1001 lines)"]);
 }
 
 /// A function `name` of `body_lines` statement lines (`n + 2` lines with its signature and
