@@ -99,9 +99,9 @@ pub use encoders::EncoderRun;
 pub use families::frozen;
 pub use families::{
     count as count_family, from_config_json, preset as family_preset, preset_config,
-    preset_names as family_preset_names, preset_source, state_bytes, Dims, Family, FamilyCounts,
-    FamilyModel, FamilyTensor, Geometry, GroupCount, StateBytes, TensorKind, TextEncoder,
-    MAX_CONFIG_JSON_BYTES,
+    preset_names as family_preset_names, preset_source, state_bytes, unknown_preset, Dims, Family,
+    FamilyCounts, FamilyModel, FamilyTensor, Geometry, GroupCount, StateBytes, TensorKind,
+    TextEncoder, MAX_CONFIG_JSON_BYTES,
 };
 pub use families::{DitDiffusersDims, FluxDims, PixartDims, SanaDims, Sd3Dims, WanDims};
 

@@ -446,7 +446,9 @@ impl SpecArgs {
                 spec = denoiser::with_family(spec, &lower, map)?;
             } else {
                 let old = spec.model.clone();
-                spec.model = ModelSpec::preset(p)?;
+                // Not a diffusers checkpoint: an original DiT, or a name the refusal answers with
+                // every preset (the spec crate's own lists only the DiTs).
+                spec.model = ModelSpec::preset(p).map_err(|_| ditmem_budget::unknown_preset(p))?;
                 spec.model.attn_dropout = old.attn_dropout;
                 spec.model.mlp_dropout = old.mlp_dropout;
                 // The original DiT reads the SD VAE's latents.

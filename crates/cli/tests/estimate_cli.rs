@@ -144,7 +144,7 @@ fn bad_input_names_the_field_and_exits_2() {
         assert!(!err.contains("panicked"), "{name}: no panic");
     }
     let flags: [(&[&str], &str); 7] = [
-        (&["--preset", "dit-xxl-2"], "model.preset"),
+        (&["--preset", "dit-xxl-2"], "--preset"),
         (&["--resolution", "300"], "workload.height"),
         (
             &["--batch", "32", "--microbatch", "8", "--accumulation", "3"],

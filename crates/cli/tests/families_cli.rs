@@ -65,19 +65,14 @@ fn the_engine_takes_every_family_and_so_does_the_pytorch_runtime() {
         "estimate --preset dit-xl-2-256 --depth 1 --runtime ditmem-cpu --json",
     ));
     assert!(b["peak_bytes"].as_u64().unwrap() > 0);
-    for preset in [
-        "flux.1-dev",
-        "flux.1-schnell",
-        "sd3-medium",
-        "sd3.5-medium",
-        "sd3.5-large",
-        "pixart-alpha-1024",
-        "pixart-sigma-1024",
-        "sana-600m",
-        "sana-1600m",
-        "wan2.1-1.3b",
-        "dit-xl-2-256",
-    ] {
+    // Every diffusers preset (the original DiTs' `dit-*-*` are the other runtime's own).
+    let originals = ditmem_budget::ModelSpec::preset_names();
+    let presets: Vec<String> = ditmem_budget::family_preset_names()
+        .into_iter()
+        .filter(|p| !originals.contains(p))
+        .collect();
+    assert!(presets.len() >= 12, "{presets:?}");
+    for preset in &presets {
         let b = json(&argv_with(
             "estimate --preset {} --resolution 256 --batch 1 --runtime pytorch:cuda --json",
             &[preset],

@@ -450,7 +450,7 @@ fn exit_codes_and_one_line_messages() {
     // Long and escape-laden values are shortened and escaped.
     let long = "a".repeat(5000);
     for v in [long.as_str(), "dit\u{1b}[2J\u{7}-xl"] {
-        let err = rejects(&["estimate", "--preset", v], 2, &["model.preset"]);
+        let err = rejects(&["estimate", "--preset", v], 2, &["--preset", "flux.1-dev"]);
         assert!(err.len() < 600, "shortened: {} chars", err.len());
         assert!(
             !err.trim_end().chars().any(char::is_control),

@@ -36,7 +36,7 @@ pub(crate) use facts::{VaeOnDevice, DEFAULT_LORA_MODULES};
 pub use flux::FluxDims;
 pub use model::{Dims, Family, FamilyModel, Geometry, TextEncoder};
 pub use pixart::PixartDims;
-pub use presets::{preset, preset_config, preset_names, preset_source};
+pub use presets::{preset, preset_config, preset_names, preset_source, unknown_preset};
 pub(crate) use read::from_config_map;
 pub use read::{from_config_json, MAX_CONFIG_JSON_BYTES};
 pub use sana::SanaDims;

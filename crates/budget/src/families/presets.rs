@@ -209,14 +209,21 @@ pub fn preset(name: &str) -> Result<FamilyModel, SpecError> {
         m.name = lower;
         return Ok(m);
     }
-    Err(SpecError::invalid(
+    Err(unknown_preset(name))
+}
+
+/// The refusal of a preset name that is none of [`preset_names`]: it names the flag and lists
+/// every preset, the diffusers checkpoints and the original DiTs (the spec crate's own refusal,
+/// `model.preset`, knows only the DiTs).
+pub fn unknown_preset(name: &str) -> SpecError {
+    SpecError::invalid(
         "--preset",
         format!(
             "unknown preset '{}'; allowed: {}",
             super::config::cut(name),
             preset_names().join(", ")
         ),
-    ))
+    )
 }
 
 #[cfg(test)]
