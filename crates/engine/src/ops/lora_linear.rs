@@ -21,15 +21,14 @@
 use std::sync::Arc;
 
 use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 use super::linear::{
     linear_bwd_storage, linear_fwd_storage, storage_tensor, InputSink, LinearGrads,
 };
-use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
-use rayon::prelude::*;
-
 use super::storage::{err, with_cpu, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
+use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
 
 /// The op (see the module docs).
 #[derive(Debug)]

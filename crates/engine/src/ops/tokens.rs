@@ -9,11 +9,12 @@
 //! part of g), `slice` one x-sized gradient, zero outside the range. Neither keeps anything nor
 //! uses scratch. Budget twins: `concat` / `slice` of `ditmem_budget::ditmem_cpu::ops`.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType,
+};
 
 use super::storage::{err, storage_tensor, with_cpu, CResult};
 use crate::ops::custom_op::{Cpu, CpuOp, Grads, Op};
-use candle_core::{DType, WithDType};
 
 /// Applies `f` to the contiguous slice of `s` under `l` for every float dtype.
 macro_rules! on_slice {
