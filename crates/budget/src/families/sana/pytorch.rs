@@ -375,6 +375,7 @@ common::stages_of!(Sana);
 #[cfg(test)]
 pub(crate) mod tests {
     use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::families::common::peer_spec;
     use crate::runtime::pytorch::families::of_spec as stages;
     use crate::runtime::pytorch::stages::StageCost;
     use crate::spec::Spec;
@@ -383,26 +384,17 @@ pub(crate) mod tests {
     /// channels, D 64 in 4 heads, cross 2×32, Gemma 96 wide, 300 tokens), with `precision`,
     /// `recompute` and LoRA set.
     pub(crate) fn spec(precision: &str, recompute: &str, lora: &str) -> Spec {
-        let json = format!(
-            r#"{{"model": {{"name": "sana-tiny", "depth": 2, "hidden": 64, "patch": 1,
-              "diffusers": {{"_class_name": "SanaTransformer2DModel", "in_channels": 32,
-                "out_channels": 32, "num_attention_heads": 4, "attention_head_dim": 16,
-                "num_layers": 2, "num_cross_attention_heads": 2, "cross_attention_head_dim": 32,
-                "cross_attention_dim": 64, "caption_channels": 96, "mlp_ratio": 2.5,
-                "attention_bias": false, "sample_size": 8, "patch_size": 1,
-                "norm_elementwise_affine": false, "norm_eps": 1e-06, "interpolation_scale": null}}}},
-             "workload": {{"height": 256, "width": 256, "vae_factor": 32, "latent_channels": 32,
-               "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 1,
-               "text_tokens": [300]}},
-             "recipe": {{"precision": "{precision}", "optimizer": "adamw",
-               "optimizer_impl": "for-loop", "attention": "memory-efficient",
-               "recompute": "{recompute}", "lora": {lora}, "zero_stage": 0, "latents": "cached",
-               "ema": {{"enabled": false, "dtype": "f32", "decay": 0.9999}}}},
-             "runtime": "pytorch:cpu"}}"#
-        );
-        let mut s = Spec::from_json(&json).unwrap();
-        crate::denoiser::resolve(&mut s).unwrap();
-        s
+        let model = r#"{"name": "sana-tiny", "depth": 2, "hidden": 64, "patch": 1,
+            "diffusers": {"_class_name": "SanaTransformer2DModel", "in_channels": 32,
+              "out_channels": 32, "num_attention_heads": 4, "attention_head_dim": 16,
+              "num_layers": 2, "num_cross_attention_heads": 2, "cross_attention_head_dim": 32,
+              "cross_attention_dim": 64, "caption_channels": 96, "mlp_ratio": 2.5,
+              "attention_bias": false, "sample_size": 8, "patch_size": 1,
+              "norm_elementwise_affine": false, "norm_eps": 1e-06, "interpolation_scale": null}}"#;
+        let workload = r#"{"height": 256, "width": 256, "vae_factor": 32, "latent_channels": 32,
+            "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 1,
+            "text_tokens": [300]}"#;
+        peer_spec(model, workload, (precision, recompute, lora))
     }
 
     /// The stages' costs of a family spec as the runtime builds them.

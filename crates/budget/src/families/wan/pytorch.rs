@@ -324,6 +324,7 @@ common::stages_of!(Wan);
 mod tests {
     use crate::families::sana::pytorch::tests::{costs, kept};
     use crate::runtime::pytorch::device::for_spec;
+    use crate::runtime::pytorch::families::common::peer_spec;
     use crate::runtime::pytorch::families::of_spec as stages;
     use crate::spec::Spec;
 
@@ -331,25 +332,16 @@ mod tests {
     /// frames of 8×8×16, patch 1×2×2: 32 tokens, D 64 in 2 heads, FFN 128, umT5 96 wide, 512
     /// tokens), with `precision`, `recompute` and LoRA set.
     fn spec(precision: &str, recompute: &str, lora: &str) -> Spec {
-        let json = format!(
-            r#"{{"model": {{"name": "wan-tiny", "depth": 2, "hidden": 64, "patch": 2,
-              "diffusers": {{"_class_name": "WanTransformer3DModel", "added_kv_proj_dim": null,
-                "attention_head_dim": 32, "cross_attn_norm": true, "eps": 1e-06, "ffn_dim": 128,
-                "freq_dim": 256, "in_channels": 16, "num_attention_heads": 2, "num_layers": 2,
-                "out_channels": 16, "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads",
-                "text_dim": 96}}}},
-             "workload": {{"height": 64, "width": 64, "vae_factor": 8, "latent_channels": 16,
-               "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 5,
-               "vae_temporal_factor": 4, "text_tokens": [512]}},
-             "recipe": {{"precision": "{precision}", "optimizer": "adamw",
-               "optimizer_impl": "for-loop", "attention": "memory-efficient",
-               "recompute": "{recompute}", "lora": {lora}, "zero_stage": 0, "latents": "cached",
-               "ema": {{"enabled": false, "dtype": "f32", "decay": 0.9999}}}},
-             "runtime": "pytorch:cpu"}}"#
-        );
-        let mut s = Spec::from_json(&json).unwrap();
-        crate::denoiser::resolve(&mut s).unwrap();
-        s
+        let model = r#"{"name": "wan-tiny", "depth": 2, "hidden": 64, "patch": 2,
+            "diffusers": {"_class_name": "WanTransformer3DModel", "added_kv_proj_dim": null,
+              "attention_head_dim": 32, "cross_attn_norm": true, "eps": 1e-06, "ffn_dim": 128,
+              "freq_dim": 256, "in_channels": 16, "num_attention_heads": 2, "num_layers": 2,
+              "out_channels": 16, "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads",
+              "text_dim": 96}}"#;
+        let workload = r#"{"height": 64, "width": 64, "vae_factor": 8, "latent_channels": 16,
+            "batch": 4, "microbatch": 4, "accumulation": 1, "ranks": 1, "frames": 5,
+            "vae_temporal_factor": 4, "text_tokens": [512]}"#;
+        peer_spec(model, workload, (precision, recompute, lora))
     }
 
     /// The dump's per-block totals (`families_saved.txt`) less what the input side holds here:

@@ -432,3 +432,26 @@ pub(crate) fn pooled_temb_and_context(
     );
     (temb, ctx)
 }
+
+/// A family spec as `bench/torch_peer/specs/families/*.json` states it for the peer's CPU runs:
+/// `model` and `workload` (JSON objects) under the peer's recipe — AdamW's for-loop,
+/// memory-efficient attention, cached latents, no ZeRO, no EMA — with `precision`, `recompute`
+/// and `lora` (a JSON value) set, resolved as the CLI resolves it.
+#[cfg(test)]
+pub(crate) fn peer_spec(
+    model: &str,
+    workload: &str,
+    (precision, recompute, lora): (&str, &str, &str),
+) -> Spec {
+    let json = format!(
+        r#"{{"model": {model}, "workload": {workload},
+             "recipe": {{"precision": "{precision}", "optimizer": "adamw",
+               "optimizer_impl": "for-loop", "attention": "memory-efficient",
+               "recompute": "{recompute}", "lora": {lora}, "zero_stage": 0, "latents": "cached",
+               "ema": {{"enabled": false, "dtype": "f32", "decay": 0.9999}}}},
+             "runtime": "pytorch:cpu"}}"#
+    );
+    let mut s = Spec::from_json(&json).expect("a peer spec");
+    denoiser::resolve(&mut s).expect("resolves");
+    s
+}
