@@ -15,7 +15,7 @@ for d in crates/budget crates/engine crates/cli crates/conformance crates/spec c
 done
 {
   echo "rev: $rev ($(git log -1 --format=%s | cut -c1-100))"
-  echo "dirty: $(git status --porcelain | wc -l) paths"
+  echo "changed beside this run: $(git status --porcelain -- . ":(exclude)$out" | wc -l) paths"
   echo "date: $(date -u +%FT%TZ)"
   echo "tree: $(head -1 "$out/lists/tree.txt")"
 } > "$out/conditions.txt"
