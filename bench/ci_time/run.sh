@@ -11,8 +11,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 rev="$(git -C "$root" rev-parse --short "${1:-HEAD}")"
-cpu="$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //; s/^AMD //; s/^Intel(R) //; s/(R)//g; s/ .*//' | tr 'A-Z' 'a-z')"
-out="${2:-$here/runs/$(date -u +%Y-%m-%d)-$cpu-$rev}"
+out="${2:-$here/runs/$("$root/bench/run_label.sh" "$rev")}"
 mkdir -p "$out"
 work="$(mktemp -d "${TMPDIR:-/tmp}/ditmem-ci-time.XXXXXX")"
 trap 'rm -rf "$work"' EXIT

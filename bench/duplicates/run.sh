@@ -6,8 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 command -v duplicates >/dev/null || { echo "run.sh: the duplicates command is not on PATH" >&2; exit 5; }
 rev=$(git rev-parse --short HEAD)
-cpu=$(grep -m1 -o 'AMD EPYC\|Intel' /proc/cpuinfo 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/amd-//')
-out=${1:-bench/duplicates/runs/$(date -u +%F)-${cpu:-cpu}-$rev}
+out=${1:-bench/duplicates/runs/$(bench/run_label.sh)}
 mkdir -p "$out/lists"
 duplicates --most 200 --seconds 120 > "$out/lists/tree.txt"
 for d in crates/budget crates/engine crates/cli crates/conformance crates/spec crates bench python; do
@@ -15,7 +14,7 @@ for d in crates/budget crates/engine crates/cli crates/conformance crates/spec c
 done
 {
   echo "rev: $rev ($(git log -1 --format=%s | cut -c1-100))"
-  echo "changed beside this run: $(git status --porcelain -- . ":(exclude)$out" | wc -l) paths"
+  echo "changed beside this run: $(git status --porcelain --untracked-files=all | { grep -vF -- "${out%/}/" || true; } | wc -l) paths"
   echo "date: $(date -u +%FT%TZ)"
   echo "tree: $(head -1 "$out/lists/tree.txt")"
 } > "$out/conditions.txt"

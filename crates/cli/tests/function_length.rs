@@ -13,8 +13,10 @@
 //! code. A function is `fn name` with a body; its length runs from the line of `fn` to the line of
 //! its closing brace. Trait methods without a body are not functions here. Tests and benches are
 //! not read: a test's table of cases may be long.
+mod common;
 mod source_scan;
 
+use common::temp_dir;
 use source_scan::{blank, members, root, rust_files};
 use std::fs;
 
@@ -188,7 +190,7 @@ fn no_source_file_over_1000_lines() {
 
 #[test]
 fn a_file_over_the_limit_is_reported() {
-    let dir = std::env::temp_dir().join(format!("ditmem-file-length-{}", std::process::id()));
+    let dir = temp_dir("function_length", "file_limit");
     let src = dir.join("crates/x/src");
     fs::create_dir_all(&src).unwrap();
     fs::write(
