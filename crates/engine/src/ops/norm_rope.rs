@@ -30,7 +30,7 @@ use candle_core::{
 use ditmem_budget::ditmem_cpu::ops::norm_rope_bwd_elems;
 use rayon::prelude::*;
 
-use super::rms_norm::{group_dx, rstd};
+use super::rms_norm::{group_dw, group_dx, rstd};
 use super::rope::{rope_geom, rotate, RopeTable};
 use super::storage::{cpu_slice, dispatch_ln, err, par_rows, with_cpus, CResult, PAR_CHUNK};
 use crate::kernels::scalar::{Acc, Elem};
@@ -173,21 +173,10 @@ where
     });
     // Each weight's dw per channel over its stream's groups, in order (the composition's sum
     // over the stream tensor's groups).
-    let dw = |which: usize| -> Vec<W> {
-        let mut dw: Vec<W> = Vec::with_capacity(dh);
-        (0..dh)
-            .into_par_iter()
-            .map(|j| {
-                let mut s = A::ZERO;
-                for (k, &rg) in r.iter().enumerate() {
-                    if usize::from((k / heads) % n >= first) == which {
-                        s += gu[k * dh + j].to_acc() * x[k * dh + j].to_acc() * rg;
-                    }
-                }
-                W::from_acc(s)
-            })
-            .collect_into_vec(&mut dw);
-        dw
+    let dw = |which: usize| {
+        group_dw::<T, W, A>(x, &gu, &r, dh, |k| {
+            usize::from((k / heads) % n >= first) == which
+        })
     };
     let dws = [want_w[0].then(|| dw(0)), want_w[1].then(|| dw(1))];
     (dx, dws)

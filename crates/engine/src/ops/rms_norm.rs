@@ -108,6 +108,37 @@ pub(super) fn group_dx<T: Elem<A>, W: Elem<A>, A: Acc>(
     }
 }
 
+/// dw of the weight shared by groups of d_h channels with rstds `r`: per channel j, the sum
+/// over the groups k that `keep(k)` of g·x·r, in group order (channels in parallel, so each sum
+/// runs in one order whatever the thread count).
+pub(super) fn group_dw<T, W, A>(
+    x: &[T],
+    g: &[T],
+    r: &[A],
+    dh: usize,
+    keep: impl Fn(usize) -> bool + Sync,
+) -> Vec<W>
+where
+    T: Elem<A> + Send + Sync,
+    W: Elem<A> + Send + Sync,
+    A: Acc + Send + Sync,
+{
+    let mut dw: Vec<W> = Vec::with_capacity(dh);
+    (0..dh)
+        .into_par_iter()
+        .map(|j| {
+            let mut s = A::ZERO;
+            for (k, &rg) in r.iter().enumerate() {
+                if keep(k) {
+                    s += g[k * dh + j].to_acc() * x[k * dh + j].to_acc() * rg;
+                }
+            }
+            W::from_acc(s)
+        })
+        .collect_into_vec(&mut dw);
+    dw
+}
+
 /// (dx, dw in the accumulation type): dx per group in parallel, dw per channel over every group.
 fn rms_bwd_cpu<T, W, A>(
     x: &[T],
@@ -139,20 +170,7 @@ where
             .for_each(|((dg, (xg, gg)), &rg)| group_dx::<T, W, A>(xg, gg, w, rg, dg));
         dx
     });
-    let dw = want_w.then(|| {
-        let mut dw: Vec<W> = Vec::with_capacity(dh);
-        (0..dh)
-            .into_par_iter()
-            .map(|j| {
-                let mut s = A::ZERO;
-                for (k, &rg) in r.iter().enumerate() {
-                    s += g[k * dh + j].to_acc() * x[k * dh + j].to_acc() * rg;
-                }
-                W::from_acc(s)
-            })
-            .collect_into_vec(&mut dw);
-        dw
-    });
+    let dw = want_w.then(|| group_dw::<T, W, A>(x, g, &r, dh, |_| true));
     (dx, dw)
 }
 
