@@ -262,6 +262,44 @@ fn the_flux_4090_question_under_each_launcher() {
     assert_eq!(code, 3, "{p}");
     assert_eq!(p["plan"]["recipe"]["text_encoders"], "online");
     assert_eq!(p["plan"]["recipe"]["base_quant"], Value::Null);
+    // The refusal says what the scripts change and what would run it: the LoRA script keeps
+    // the encoders (most of the gap), the full one encodes the latents in the step; your own
+    // script opens the levers they have no flag for.
+    let reason = p["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("LoRA rank 16 (base frozen)")
+            && reason.contains("the text encoders on the device, run every step")
+            && reason.contains("text tokens 77 + 512"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("the launcher runs the base as: encode the latents in the step"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("train_dreambooth_lora_flux.py runs no partial recompute")
+            && reason.contains("--launcher custom"),
+        "{reason}"
+    );
+    // The question as asked (LoRA at 1024², accelerate): the levers offered are ones the
+    // script runs; LoRA, already asked for, is not offered again.
+    let (code, out, err) = ditmem(&argv(
+        "plan --preset flux.1-dev --lora-rank 16 --resolution 1024 --gpu rtx-4090 \
+         --emit accelerate --json",
+    ));
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("--allow 8bit widens"), "{err}");
+    assert!(err.contains("--launcher custom"), "{err}");
+    let p: Value = serde_json::from_str(&out).unwrap();
+    let reason = p["reason"].as_str().unwrap();
+    assert!(
+        reason.contains(
+            "the launcher runs the base as: the text encoders on the device, run every step, \
+             text tokens 77 + 512, LoRA on 12 module names (attn.to_k, attn.to_q, attn.to_v, …), \
+             LoRA adapters in the weights' dtype"
+        ),
+        "{reason}"
+    );
     // Your own script: an NF4 base, partial recompute, and the code for both.
     let dir = temp_dir("launch", "flux4090");
     let (code, p) = code_and_json(&argv_with(

@@ -1,11 +1,13 @@
 //! The plan in words: the changes from the base, why it was chosen, why nothing fits.
 
 use crate::cost::DeviceProfile;
-use crate::spec::{Latents, Optimizer, Precision, Recompute, Spec};
+use crate::spec::{
+    Latents, LoraDtype, LoraSpec, Optimizer, Precision, Recompute, Spec, TextEncoders,
+};
 use crate::units::fmt_bytes;
 
-use super::evaluate::*;
 use super::types::*;
+use crate::events::Breakdown;
 
 pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     let (b, r) = (&base.recipe, &s.recipe);
@@ -52,11 +54,30 @@ pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
             Latents::Encode => "encode the latents in the step (the VAE runs every step)".into(),
         });
     }
-    if b.lora != r.lora {
-        if let Some(l) = &r.lora {
-            out.push(format!("LoRA rank {} (base frozen)", l.rank));
+    if b.text_encoders != r.text_encoders {
+        out.push(match r.text_encoders {
+            TextEncoders::Online => "the text encoders on the device, run every step".into(),
+            TextEncoders::Offloaded => "the text encoders on the host, moved in to encode".into(),
+            TextEncoders::Cached => "cached text embeddings (no text encoder in the step)".into(),
+        });
+    }
+    if base.workload.text_tokens != s.workload.text_tokens {
+        if let Some(t) = &s.workload.text_tokens {
+            let t: Vec<String> = t.iter().map(u32::to_string).collect();
+            out.push(format!("text tokens {}", t.join(" + ")));
         }
     }
+    if b.ema.enabled != r.ema.enabled {
+        out.push(
+            if r.ema.enabled {
+                "an EMA copy"
+            } else {
+                "no EMA copy"
+            }
+            .into(),
+        );
+    }
+    out.extend(lora_changes(b.lora.as_ref(), r.lora.as_ref()));
     if b.base_quant != r.base_quant {
         out.push(format!(
             "base stored {} (bitsandbytes; the adapters train in the compute dtype)",
@@ -87,17 +108,60 @@ pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     out
 }
 
+/// What changes of LoRA from `b` to `r`: adapters added, their rank, the modules they adapt,
+/// the dtype they are kept in.
+fn lora_changes(b: Option<&LoraSpec>, r: Option<&LoraSpec>) -> Vec<String> {
+    let (b, r) = match (b, r) {
+        (_, None) => return Vec::new(),
+        (None, Some(r)) => return vec![format!("LoRA rank {} (base frozen)", r.rank)],
+        (Some(b), Some(r)) => (b, r),
+    };
+    let mut out = Vec::new();
+    if b.rank != r.rank {
+        out.push(format!("LoRA rank {} → {}", b.rank, r.rank));
+    }
+    if b.modules != r.modules && !r.modules.is_empty() {
+        let first: Vec<&str> = r.modules.iter().take(3).map(String::as_str).collect();
+        let more = if r.modules.len() > 3 { ", …" } else { "" };
+        out.push(format!(
+            "LoRA on {} module names ({}{more})",
+            r.modules.len(),
+            first.join(", ")
+        ));
+    }
+    if b.dtype != r.dtype {
+        out.push(match r.dtype {
+            LoraDtype::Weight => "LoRA adapters in the weights' dtype (no fp32 copy)".into(),
+            LoraDtype::Fp32 => "LoRA adapters in fp32".into(),
+        });
+    }
+    out
+}
+
+/// The smallest peak a search found ([`infeasible_reason`]): its bytes, what they hold, and its
+/// changes from the base.
+pub(super) struct Floor<'a> {
+    pub peak: u64,
+    pub breakdown: &'a Breakdown,
+    pub changes: &'a [String],
+}
+
 /// Why no recipe fits: the smallest peak, what dominates it, and what would widen the search.
+/// Under a diffusers `script` the levers no flag of it runs (a quantized base, bf16-pure) are
+/// not offered: `--launcher custom` is, which opens them and a partial recompute.
 pub(super) fn infeasible_reason(
     limits: &Limits,
-    ranks: u32,
+    base: &Spec,
     usable: u64,
-    chosen: &Point,
-    chosen_c: &Candidate,
+    floor: Floor<'_>,
+    script: Option<&crate::export::Script>,
 ) -> String {
-    let (dom, dom_bytes) = chosen.breakdown.dominant();
+    let (dom, dom_bytes) = floor.breakdown.dominant();
+    let ranks = base.workload.ranks;
+    let flagless = |lever: &str| script.is_some() && matches!(lever, "quant" | "bf16-pure");
     let missing: Vec<&str> = [
-        (!limits.allow.lora, "lora"),
+        // The lever adds adapters to a full fine-tune.
+        (!limits.allow.lora && base.recipe.lora.is_none(), "lora"),
         (!limits.allow.eight_bit, "8bit"),
         (!limits.allow.sharding && ranks > 1, "sharding"),
         (!limits.allow.bf16_pure, "bf16-pure"),
@@ -105,23 +169,31 @@ pub(super) fn infeasible_reason(
         (!limits.allow.quant, "quant"),
     ]
     .into_iter()
-    .filter_map(|(m, n)| m.then_some(n))
+    .filter_map(|(m, n)| (m && !flagless(n)).then_some(n))
     .collect();
     format!(
             "no recipe in the allowed space fits {} usable ({} budget less {:.0} % headroom): the smallest \
-             peak is {} ({}), where {} dominate with {} ({:.0} %){}{}",
+             peak is {} ({}), where {} dominate with {} ({:.0} %){}{}{}",
             fmt_bytes(usable),
             fmt_bytes(limits.budget_bytes),
             100.0 * limits.headroom,
-            fmt_bytes(chosen.peak),
-            changes_or_base(&chosen_c.changes),
+            fmt_bytes(floor.peak),
+            changes_or_base(floor.changes),
             dom.replace('_', " "),
             fmt_bytes(dom_bytes),
-            100.0 * dom_bytes as f64 / chosen.peak.max(1) as f64,
+            100.0 * dom_bytes as f64 / floor.peak.max(1) as f64,
             if missing.is_empty() {
                 String::new()
             } else {
                 format!("; --allow {} widens the search", missing.join(","))
+            },
+            match script {
+                Some(s) => format!(
+                    "; {} runs no partial recompute, quantized base or bf16-pure: --launcher custom \
+                     (your own script) opens them",
+                    s.file_name()
+                ),
+                None => String::new(),
             },
             if ranks == 1 {
                 "; sharding (ZeRO) needs --ranks N > 1"

@@ -141,7 +141,6 @@ fn conclude(
     (pruned, evaluated): (usize, usize),
 ) -> Plan {
     let usable = limits.usable();
-    let w = &base.workload;
     let specs = PointSpecs { base, combos };
     let candidate = |p: &Point| specs.candidate(p);
     let pareto = pareto_front(points, &candidate);
@@ -172,7 +171,12 @@ fn conclude(
     let reason = if feasible {
         explain(base, &base_c, &chosen_c, usable, profile)
     } else {
-        infeasible_reason(limits, w.ranks, usable, chosen, &chosen_c)
+        let floor = Floor {
+            peak: chosen.peak,
+            breakdown: &chosen.breakdown,
+            changes: &chosen_c.changes,
+        };
+        infeasible_reason(limits, base, usable, floor, None)
     };
     Plan {
         feasible,

@@ -154,16 +154,20 @@ pub fn plan_with(
         // cut short found no recipe that fits in what it searched, which is all it can say.
         if not_searched.combinations > 0 || !not_searched.stages.is_empty() {
             p.reason = cut_reason(&p);
+        } else if let Some(script) = control.launch.and_then(|l| l.script(&p.plan)) {
+            // The last stage's reason, told what the floor's script cannot run.
+            let floor = Floor {
+                peak: p.predicted_peak_bytes,
+                breakdown: &p.breakdown,
+                changes: &p.changes,
+            };
+            p.reason = infeasible_reason(limits, base, p.usable_bytes, floor, Some(&script));
         }
+        launcher_note(given, base, &mut p);
         return Ok(with_not_searched(p, not_searched));
     }
     expandable_reason(base, &mut p);
-    if base != given {
-        p.reason.push_str(&format!(
-            "; the launcher runs the base as: {}",
-            describe_changes(given, base).join(", ")
-        ));
-    }
+    launcher_note(given, base, &mut p);
     if let Some(prev) = tried.last() {
         needed_levers(base, prev, &mut p);
     }
@@ -178,6 +182,17 @@ pub fn plan_with(
         &mut not_searched,
     )?;
     Ok(with_not_searched(p, not_searched))
+}
+
+/// What the launcher changed of the `given` base to run it (`base`), at the end of the reason.
+fn launcher_note(given: &Spec, base: &Spec, p: &mut Plan) {
+    let changes = describe_changes(given, base);
+    if !changes.is_empty() {
+        p.reason.push_str(&format!(
+            "; the launcher runs the base as: {}",
+            changes.join(", ")
+        ));
+    }
 }
 
 /// Each stage's search in turn, until one finds a plan that fits; past the time limit the

@@ -425,7 +425,9 @@ fn refusal(p: &ditmem_budget::Plan, json: bool) -> CliError {
             // What to try next, when the reason names it.
             p.reason
                 .split("; ")
-                .filter(|c| c.starts_with("--allow") || c.contains("--ranks"))
+                .filter(|c| c.starts_with("--allow")
+                    || c.contains("--ranks")
+                    || c.contains("--launcher"))
                 .map(|c| format!("; {c}"))
                 .collect::<String>(),
             if json {

@@ -106,9 +106,17 @@ fn answer(p: &Plan, base: &Spec, profile: &str, w: usize) -> String {
         fmt_bytes(p.budget_bytes),
         100.0 * p.headroom
     );
+    let tags = change_tags(base, &p.plan);
+    // With no change of the planner's, what differs from the base is the launcher's (a
+    // script's own encoders, adapters, caching): the base as it runs is what fits.
+    let as_run = if p.changes.is_empty() && !tags.is_empty() {
+        "as the launcher runs it"
+    } else {
+        "as it is"
+    };
     let fits = if p.feasible && p.base_fits && p.changes.is_empty() {
         format!(
-            "fits: yes, as it is — {} of {usable}",
+            "fits: yes, {as_run} — {} of {usable}",
             fmt_bytes(p.base_peak_bytes)
         )
     } else if p.feasible && p.base_fits {
@@ -137,7 +145,6 @@ fn answer(p: &Plan, base: &Spec, profile: &str, w: usize) -> String {
         profile,
         ditmem_budget::time_error_note(&p.profile)
     );
-    let tags = change_tags(base, &p.plan);
     let changes = if tags.is_empty() {
         "none".to_string()
     } else {

@@ -180,11 +180,26 @@ pub(crate) fn change_tags(base: &Spec, s: &Spec) -> Vec<String> {
     if b.text_encoders != r.text_encoders {
         out.push(format!("text encoders {}", r.text_encoders.name()));
     }
-    if b.lora != r.lora {
-        match &r.lora {
-            Some(l) => out.push(format!("LoRA r{}", l.rank)),
-            None => out.push("no LoRA".into()),
+    match (&b.lora, &r.lora) {
+        (Some(bl), Some(l)) if bl.rank == l.rank => {
+            // The same adapters on other modules or in another dtype (a script's own).
+            let mut what = Vec::new();
+            if bl.modules != l.modules && !l.modules.is_empty() {
+                what.push(format!("{} modules", l.modules.len()));
+            }
+            if bl.dtype != l.dtype {
+                what.push(format!("{} dtype", l.dtype.name()));
+            }
+            if !what.is_empty() {
+                out.push(format!("LoRA {}", what.join(", ")));
+            }
         }
+        (_, Some(l)) if b.lora != r.lora => out.push(format!("LoRA r{}", l.rank)),
+        (Some(_), None) => out.push("no LoRA".into()),
+        _ => {}
+    }
+    if b.ema.enabled != r.ema.enabled {
+        out.push(if r.ema.enabled { "EMA" } else { "no EMA" }.into());
     }
     if b.base_quant != r.base_quant {
         out.push(format!("{} base", r.base_quant.name()));
