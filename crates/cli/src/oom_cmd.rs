@@ -513,13 +513,28 @@ pub(crate) fn render(r: &OomReport) -> String {
         ));
     }
     if fitting == 0 {
-        out.push_str(&para(
-            "nothing fits: ",
-            "allow more levers (--allow lora,quant …), lower the resolution or batch, or use a \
-             larger card",
-        ));
+        out.push_str(&para("nothing fits: ", &nothing_fits(l)));
     }
     out
+}
+
+/// What to try when no lever fits: the flags of the levers not tried (each entry ends with its
+/// own "(--allow NAME)"), then the workload and the card.
+fn nothing_fits(l: &LeverReport) -> String {
+    let allow: Vec<&str> = l
+        .not_allowed
+        .iter()
+        .filter_map(|n| {
+            n.rsplit_once("(--allow ")
+                .map(|(_, f)| f.trim_end_matches(')'))
+        })
+        .collect();
+    let more = if allow.is_empty() {
+        String::new()
+    } else {
+        format!("allow what was not tried (--allow {}), ", allow.join(","))
+    };
+    format!("{more}lower the resolution or batch, or use a larger card")
 }
 
 #[cfg(test)]

@@ -256,6 +256,35 @@ fn a_spec_that_does_not_fit_a_24_gb_card_gets_a_lever_that_fits() {
 }
 
 #[test]
+fn when_nothing_fits_the_flag_offered_is_for_what_was_not_tried() {
+    // Flux LoRA at 1024² on the 4090 of a real message: no lever fits; LoRA is already on, so
+    // what is left to allow is the quantized base alone.
+    let msg = data("flux_dev_lora_rtx4090_lora_fast_1.txt");
+    let (code, out, err) = ditmem(&[
+        "oom",
+        "--file",
+        msg.to_str().unwrap(),
+        "--preset",
+        "flux.1-dev",
+        "--lora-rank",
+        "16",
+        "--resolution",
+        "1024",
+        "--gpu",
+        "rtx-4090",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let line = out
+        .lines()
+        .skip_while(|l| !l.starts_with("nothing fits: "))
+        .take_while(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(line.contains("(--allow quant)"), "{out}");
+    assert!(!line.contains("lora"), "{out}");
+}
+
+#[test]
 fn zero_is_tried_over_the_runs_ranks() {
     // SD3-medium full fine-tune, 8 ranks, on the L40S of a real message.
     let msg = data("flux_dev_lora_l40s_kohya_ss_2724.txt");
