@@ -173,13 +173,14 @@ pub(super) fn infeasible_reason(
     .collect();
     format!(
             "no recipe in the allowed space fits {} usable ({} budget less {:.0} % headroom): the smallest \
-             peak is {} ({}), where {} dominate with {} ({:.0} %){}{}{}",
+             peak is {} ({}), where {} {} with {} ({:.0} %){}{}{}",
             fmt_bytes(usable),
             fmt_bytes(limits.budget_bytes),
             100.0 * limits.headroom,
             fmt_bytes(floor.peak),
             changes_or_base(floor.changes),
             dom.replace('_', " "),
+            verb(dom, "dominate", "dominates"),
             fmt_bytes(dom_bytes),
             100.0 * dom_bytes as f64 / floor.peak.max(1) as f64,
             if missing.is_empty() {
@@ -242,8 +243,9 @@ pub(super) fn explain(
         )
     } else {
         format!(
-            "{} are {:.0} % of the base peak ({} of {}) at {}×{}, over {} usable: {} → peak {}, {}",
+            "{} {} {:.0} % of the base peak ({} of {}) at {}×{}, over {} usable: {} → peak {}, {}",
             dom.replace('_', " "),
+            verb(dom, "are", "is"),
             share,
             fmt_bytes(dom_bytes),
             fmt_bytes(base_c.peak_bytes),
@@ -280,6 +282,16 @@ pub(super) fn explain(
 }
 
 /// The changes of a recipe in words, comma-separated, or "the base" when there are none.
+/// `plural` or `singular` as the breakdown's `category` takes ("weights dominate", "optimizer
+/// state dominates").
+pub(super) fn verb(category: &str, plural: &'static str, singular: &'static str) -> &'static str {
+    if Breakdown::is_plural(category) {
+        plural
+    } else {
+        singular
+    }
+}
+
 pub(super) fn changes_or_base(changes: &[String]) -> String {
     if changes.is_empty() {
         "the base".to_string()

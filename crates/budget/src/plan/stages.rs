@@ -260,13 +260,14 @@ fn with_not_searched(mut p: Plan, n: NotSearched) -> Plan {
 pub(super) fn cut_reason(p: &Plan) -> String {
     format!(
         "no recipe found before the time limit fits {} usable ({} budget less {:.0} % \
-         headroom): the smallest peak found is {} ({}), where {} dominate with {} ({:.0} %)",
+         headroom): the smallest peak found is {} ({}), where {} {} with {} ({:.0} %)",
         fmt_bytes(p.usable_bytes),
         fmt_bytes(p.budget_bytes),
         100.0 * p.headroom,
         fmt_bytes(p.predicted_peak_bytes),
         changes_or_base(&p.changes),
         p.dominant.replace('_', " "),
+        verb(&p.dominant, "dominate", "dominates"),
         fmt_bytes(p.dominant_bytes),
         100.0 * p.dominant_bytes as f64 / p.predicted_peak_bytes.max(1) as f64,
     )
