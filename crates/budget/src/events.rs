@@ -59,7 +59,7 @@ impl Breakdown {
 
     /// Whether a category of [`Breakdown::entries`] is a plural noun ("weights are", "optimizer
     /// state is"), for the sentences that name it.
-    pub fn is_plural(category: &str) -> bool {
+    pub(crate) fn is_plural(category: &str) -> bool {
         matches!(
             category,
             "weights" | "master_weights" | "weight_casts" | "gradients" | "activations"

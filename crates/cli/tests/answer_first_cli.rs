@@ -89,6 +89,34 @@ fn the_fit_and_the_change_name_the_card() {
     assert!(lines[4].starts_with("change: none needed"), "{}", lines[4]);
 }
 
+/// A change chosen as the least that fits the card to the byte says how little it leaves: the
+/// planner keeps 5 % of the card free, the change line shows when a lever keeps less.
+#[test]
+fn a_change_that_barely_fits_says_how_much_is_free() {
+    let args = argv("estimate --preset sd3.5-large --lora-rank 16 --gpu rtx-4090 --json");
+    let (code, out, err) = ditmem(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let cap = v["cuda"]["capacity_bytes"].as_u64().unwrap();
+    let first = &v["levers"][0];
+    let peak = first["device_peak_bytes"].as_u64().unwrap();
+    assert!(first["fits"] == true && peak <= cap, "{first}");
+    // The least recompute that fits leaves under 5 % of the card.
+    assert!(((cap - peak) as f64) < 0.05 * cap as f64, "{cap} {peak}");
+    let (_, text, _) = ditmem(&args[..args.len() - 1]);
+    let line = text.lines().nth(4).unwrap();
+    assert!(
+        line.contains(", fits with ") && line.contains(" free, step ×"),
+        "{line}"
+    );
+    // A lever with room to spare says only that it fits.
+    let (_, text, _) = ditmem(&argv(
+        "estimate --preset pixart-sigma-1024 --batch 4 --gpu a100-40gb",
+    ));
+    let line = text.lines().nth(4).unwrap();
+    assert!(line.contains(", fits, step ×"), "{line}");
+}
+
 /// `--json` carries the answer too: what has to fit and each lever.
 #[test]
 fn estimate_json_has_the_levers() {

@@ -523,9 +523,16 @@ pub(super) fn lever_flags(base: &Spec, l: &ditmem_budget::levers::Lever) -> Stri
 /// A lever in a few words: its flags, what the step then needs, whether it fits, the time.
 pub(super) fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> String {
     let fits = match (b.cuda.as_ref().and_then(|c| c.capacity_bytes), l.fits) {
-        (Some(_), true) => ", fits",
-        (Some(_), false) => ", still too big",
-        (None, _) => "",
+        // A lever is chosen as the least change that fits the card to the byte: say how little
+        // is left when it is under the planner's default headroom, which a predicted peak
+        // (±its stated error) and anything else on the card can take.
+        (Some(cap), true) if tight(cap, l.device_peak_bytes) => format!(
+            ", fits with {} free",
+            fmt_bytes(cap.saturating_sub(l.device_peak_bytes))
+        ),
+        (Some(_), true) => ", fits".into(),
+        (Some(_), false) => ", still too big".into(),
+        (None, _) => String::new(),
     };
     format!(
         "{} → {}{fits}, step ×{:.2}",
@@ -533,6 +540,11 @@ pub(super) fn lever_words(b: &Budget, l: &ditmem_budget::levers::Lever) -> Strin
         fmt_bytes(l.device_peak_bytes),
         1.0 + l.slowdown
     )
+}
+
+/// Whether `peak` leaves less of `capacity` free than `plan`'s default headroom (5 %).
+fn tight(capacity: u64, peak: u64) -> bool {
+    (capacity.saturating_sub(peak) as f64) < ditmem_budget::DEFAULT_HEADROOM * capacity as f64
 }
 
 /// Line 5 of `estimate`: the one change that helps most, said in at most `width` columns when
