@@ -190,6 +190,16 @@ def _call(command: str, kwargs: Dict[str, Any]) -> Any:
     return json.loads(text)
 
 
+def _text(command: str, kwargs: Dict[str, Any]) -> str:
+    """The text the CLI prints for ``command`` (no ``--json``)."""
+    args = {k: _jsonable(v, k) for k, v in kwargs.items()}
+    try:
+        return _native.text(command, json.dumps(args))
+    except _native.NativeError as e:
+        _raise(e)
+        raise  # unreachable: _raise always raises
+
+
 def _prepare(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Resolve `model=`: a live model becomes its config dict, after its own parameter count
     is held against ditmem's count of that config (a mismatch is an error, never a silent
@@ -328,49 +338,24 @@ class Estimate(Result):
         self.oom: Optional[dict] = cuda.get("oom")
         self.levers: List[Lever] = [Lever(x) for x in data.get("levers") or []]
         self.params: dict = data.get("params", {})
+        self._answer: Optional[List[str]] = None
 
     @property
     def allocated_bytes(self) -> int:
         """The allocated peak: the step's live tensors at its peak."""
         return self.peak_bytes
 
+    # Flags that only add to the report or write a file: the answer is read without them.
+    _NOT_THE_ANSWER = ("inventory", "verbose", "timeline", "plot")
+
     def lines(self) -> List[str]:
-        out = [_spec_line(self.spec, self.tokens)]
-        if self.fits is not None and self.gpu:
-            need = self.need_bytes or 0
-            cap = self.capacity_bytes or 0
-            if self.fits:
-                out.append(
-                    f"fits {self.gpu} ({fmt_bytes(cap)} as CUDA reports it): yes — the step "
-                    f"needs {fmt_bytes(need)}, {fmt_bytes(cap - need)} to spare"
-                )
-            else:
-                out.append(
-                    f"fits {self.gpu} ({fmt_bytes(cap)} as CUDA reports it): no — the step "
-                    f"needs {fmt_bytes(need)}, {fmt_bytes(need - cap)} more"
-                )
-        if self.oom is not None:
-            out.append(
-                f"device peak: ≈ {fmt_bytes(self.need_bytes)} = {fmt_bytes(self.peak_bytes)} "
-                f"allocated + {fmt_bytes(self.context_bytes)} context, in {self.peak_phase} "
-                "(the replay ran out)"
-            )
-        elif self.device_bytes is not None:
-            out.append(
-                f"device peak: {fmt_bytes(self.device_bytes)} as nvidia-smi shows it = "
-                f"{fmt_bytes(self.max_reserved_bytes)} reserved + "
-                f"{fmt_bytes(self.context_bytes)} context, in {self.peak_phase}"
-            )
-        else:
-            out.append(f"peak: {fmt_bytes(self.peak_bytes)} of host memory in {self.peak_phase}")
-        big = _biggest(self.breakdown, self.peak_bytes)
-        if big:
-            out.append(f"biggest: {big}")
-        if self.levers:
-            lv = self.levers[0]
-            step = f", step ×{1 + lv.slowdown:.2f}" if lv.slowdown is not None else ""
-            out.append(f"change: {lv.flags} → {fmt_bytes(lv.device_peak_bytes)}{step}")
-        return out
+        """The CLI's answer, its first five lines: the spec, whether it fits, the device peak,
+        the biggest categories and the one change (from the same code as ``ditmem estimate``,
+        run again without ``--json`` the first time they are asked for)."""
+        if self._answer is None:
+            kwargs = {k: v for k, v in self._kwargs.items() if k not in self._NOT_THE_ANSWER}
+            self._answer = _text("estimate", kwargs).splitlines()[:5]
+        return list(self._answer)
 
     def __repr__(self) -> str:
         return "\n".join(self.lines())

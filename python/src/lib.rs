@@ -42,6 +42,22 @@ fn call(py: Python<'_>, command: &str, kwargs_json: &str) -> PyResult<String> {
     out.map(|v| v.to_string()).map_err(to_py_err)
 }
 
+/// [`call`], answered with the text the CLI prints without `--json` (what a person reads).
+#[pyfunction]
+fn text(py: Python<'_>, command: &str, kwargs_json: &str) -> PyResult<String> {
+    let args: serde_json::Map<String, serde_json::Value> = serde_json::from_str(kwargs_json)
+        .map_err(|e| {
+            NativeError::new_err((
+                "invalid",
+                format!("invalid input: arguments: not a JSON object: {e}"),
+                None::<String>,
+            ))
+        })?;
+    let command = command.to_string();
+    let out = py.detach(move || api::text(&command, &args, Options { allow_files: true }));
+    out.map_err(to_py_err)
+}
+
 /// The keyword arguments `command` takes (the CLI's long flags with underscores).
 #[pyfunction]
 fn argument_names(command: &str) -> PyResult<Vec<String>> {
@@ -69,6 +85,7 @@ fn preset_names() -> Vec<String> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(call, m)?)?;
+    m.add_function(wrap_pyfunction!(text, m)?)?;
     m.add_function(wrap_pyfunction!(argument_names, m)?)?;
     m.add_function(wrap_pyfunction!(commands, m)?)?;
     m.add_function(wrap_pyfunction!(preset_names, m)?)?;

@@ -72,6 +72,26 @@ def test_estimate_with_the_issue_flags_equals_cli():
     assert "rtx-4090" in first[1] and "no" in first[1]
 
 
+def test_estimate_repr_is_the_clis_answer():
+    # The first five lines the CLI prints, from the same code: the one change says whether it
+    # fits (Flux LoRA at 1024² on a 4090: no single flag is enough), a verbose flag or a plot
+    # file is not part of the answer (and no file is written by showing it).
+    import subprocess
+    from conftest import BIN
+
+    for kw in (
+        {"model": "flux.1-dev", "lora_rank": 16, "gpu": "rtx-4090"},
+        {"model": "pixart-sigma-1024", "batch": 4, "gpu": "a100-40gb"},
+        {"model": "dit-s-2"},
+    ):
+        cli = subprocess.run([BIN, "estimate", *flags(kw)], capture_output=True, text=True,
+                             check=True).stdout.splitlines()[:5]
+        e = ditmem.estimate(**kw, verbose=True)
+        assert repr(e).splitlines() == cli
+    e = ditmem.estimate(model="flux.1-dev", lora_rank=16, gpu="rtx-4090")
+    assert "no one flag is enough" in repr(e) and "still too big" in repr(e)
+
+
 def test_gpus_equal_cli():
     rc, want, err = run_cli("gpus", [])
     assert rc == 0, err

@@ -109,14 +109,37 @@ enum ApiCommand {
 /// `config.json` as an object; `null` means "the default", `true`/`false` turn a switch on or
 /// off (or give `on`/`off` to a flag that takes them), a list is joined with commas.
 pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Result<Value, ApiError> {
-    let (argv, model_json) = command_line(command, args, options)?;
+    let captured = run(command, args, options, true)?;
+    captured
+        .json
+        .ok_or_else(|| ApiError::Internal(format!("`{command} --json` printed no JSON")))
+}
+
+/// Run `command` with keyword arguments `args` and return the text the CLI prints for it
+/// without `--json` (the answer as a person reads it: what the Python package shows).
+pub fn text(
+    command: &str,
+    args: &Map<String, Value>,
+    options: Options,
+) -> Result<String, ApiError> {
+    Ok(run(command, args, options, false)?.text)
+}
+
+/// The command's captured output, `--json` or text; a failure as the CLI's one line.
+fn run(
+    command: &str,
+    args: &Map<String, Value>,
+    options: Options,
+    json: bool,
+) -> Result<crate::output::Captured, ApiError> {
+    let (argv, model_json) = command_line(command, args, options, json)?;
     let parsed = ApiCli::try_parse_from(&argv).map_err(|e| {
         ApiError::Invalid(format!(
             "invalid input: {}",
             crate::flags::tidy(&crate::flags::clap_line(&e, command))
         ))
     })?;
-    let run = move || -> Result<(), CliError> {
+    let job = move || -> Result<(), CliError> {
         match parsed.command {
             ApiCommand::Estimate(mut a) => {
                 a.spec.model_json = model_json;
@@ -141,11 +164,9 @@ pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Resul
             }
         }
     };
-    let (result, captured) = crate::output::capture(run);
+    let (result, captured) = crate::output::capture(job);
     match result {
-        Ok(()) => captured
-            .json
-            .ok_or_else(|| ApiError::Internal(format!("`{command} --json` printed no JSON"))),
+        Ok(()) => Ok(captured),
         Err(e) => {
             let (code, message) = crate::error::error_line(&e);
             Err(match code {
@@ -227,6 +248,7 @@ fn command_line(
     command: &str,
     args: &Map<String, Value>,
     options: Options,
+    json: bool,
 ) -> Result<(Vec<String>, ModelJson), ApiError> {
     let cli = ApiCli::command();
     let sub = subcommand(&cli, command)?;
@@ -276,7 +298,7 @@ fn command_line(
             "invalid input: message: missing; allowed: the out-of-memory message as text".into(),
         ));
     }
-    if sub.get_arguments().any(|a| a.get_id() == "json") {
+    if json && sub.get_arguments().any(|a| a.get_id() == "json") {
         // `--` (for a positional) must stay last: the flag goes before it.
         let at = argv.iter().position(|a| a == "--").unwrap_or(argv.len());
         argv.insert(at, "--json".into());
@@ -456,6 +478,7 @@ mod tests {
                         "gpu": "rtx-4090", "verbose": true, "ema": false, "batch": null}),
             ),
             Options::default(),
+            true,
         )
         .unwrap();
         assert!(model.is_none());

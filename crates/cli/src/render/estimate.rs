@@ -584,8 +584,23 @@ pub(super) fn change_line(
             None => "change: none needed".into(),
         };
     }
+    if !on_card {
+        // No card to fit (host memory, or none named): no change is needed of it, so the line
+        // offers the most memory back and claims nothing more.
+        return match levers.iter().min_by_key(|l| l.device_peak_bytes) {
+            Some(l) => fitted(
+                format!(
+                    "change: the most memory back: {} ({})",
+                    lever_words(b, l),
+                    plain_change(&l.change)
+                ),
+                format!("change: the most memory back: {}", lever_words(b, l)),
+            ),
+            None => "change: no single flag saves memory".into(),
+        };
+    }
     match levers.first() {
-        Some(l) if on_card && !l.fits => fitted(
+        Some(l) if !l.fits => fitted(
             format!(
                 "change: no one flag is enough; the most: {}; {plan_hint} combines",
                 lever_words(b, l)
