@@ -240,7 +240,9 @@ fn front(p: &Plan, base: &Spec, w: usize) -> String {
     }
     let mut out = format!(
         "\nPareto front ({}; ✓ fits, → the plan)\n",
-        if shown.len() == p.pareto.len() {
+        if shown.len() == 1 {
+            "1 point".to_string()
+        } else if shown.len() == p.pareto.len() {
             format!("{} points", p.pareto.len())
         } else {
             format!(
