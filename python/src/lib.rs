@@ -30,32 +30,33 @@ fn to_py_err(e: ApiError) -> PyErr {
 /// caller's own machine): `model` as a path, `config`, `emit_out`, `plot`, `out`.
 #[pyfunction]
 fn call(py: Python<'_>, command: &str, kwargs_json: &str) -> PyResult<String> {
-    let args: serde_json::Value = serde_json::from_str(kwargs_json).map_err(|e| {
-        NativeError::new_err((
-            "invalid",
-            format!("invalid input: arguments: not JSON: {e}"),
-            None::<String>,
-        ))
-    })?;
+    let args = arguments(kwargs_json)?;
     let command = command.to_string();
-    let out = py.detach(move || api::call_value(&command, &args, Options { allow_files: true }));
+    let out = py.detach(move || api::call_value(&command, &args, FILES_ALLOWED));
     out.map(|v| v.to_string()).map_err(to_py_err)
 }
 
 /// [`call`], answered with the text the CLI prints without `--json` (what a person reads).
 #[pyfunction]
 fn text(py: Python<'_>, command: &str, kwargs_json: &str) -> PyResult<String> {
-    let args: serde_json::Map<String, serde_json::Value> = serde_json::from_str(kwargs_json)
-        .map_err(|e| {
-            NativeError::new_err((
-                "invalid",
-                format!("invalid input: arguments: not a JSON object: {e}"),
-                None::<String>,
-            ))
-        })?;
+    let args = arguments(kwargs_json)?;
     let command = command.to_string();
-    let out = py.detach(move || api::text(&command, &args, Options { allow_files: true }));
+    let out = py.detach(move || api::text_value(&command, &args, FILES_ALLOWED));
     out.map_err(to_py_err)
+}
+
+/// The caller's own machine: arguments may name files.
+const FILES_ALLOWED: Options = Options { allow_files: true };
+
+/// The keyword arguments as JSON text, parsed.
+fn arguments(kwargs_json: &str) -> PyResult<serde_json::Value> {
+    serde_json::from_str(kwargs_json).map_err(|e| {
+        NativeError::new_err((
+            "invalid",
+            format!("invalid input: arguments: not JSON: {e}"),
+            None::<String>,
+        ))
+    })
 }
 
 /// The keyword arguments `command` takes (the CLI's long flags with underscores).

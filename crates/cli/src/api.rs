@@ -184,9 +184,19 @@ fn run(
 
 /// [`call`] with the arguments as a JSON value (an object, or `null` for none).
 pub fn call_value(command: &str, args: &Value, options: Options) -> Result<Value, ApiError> {
+    call(command, &object(args)?, options)
+}
+
+/// [`text`] with the arguments as a JSON value (an object, or `null` for none).
+pub fn text_value(command: &str, args: &Value, options: Options) -> Result<String, ApiError> {
+    text(command, &object(args)?, options)
+}
+
+/// The arguments of a request given as a JSON value: an object, or `null` for none.
+fn object(args: &Value) -> Result<Map<String, Value>, ApiError> {
     match args {
-        Value::Object(map) => call(command, map, options),
-        Value::Null => call(command, &Map::new(), options),
+        Value::Object(map) => Ok(map.clone()),
+        Value::Null => Ok(Map::new()),
         other => Err(ApiError::Invalid(format!(
             "invalid input: arguments: {} given; allowed: an object of flag names and values",
             kind_of(other)

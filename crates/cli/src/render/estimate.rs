@@ -568,36 +568,26 @@ pub(super) fn change_line(
             short
         }
     };
+    // `head` with the lever's description after it, when the line has room for it.
+    let described = |head: String, l: &ditmem_budget::levers::Lever| {
+        fitted(format!("{head} ({})", plain_change(&l.change)), head)
+    };
+    // The lever that gives the most memory back, after `lead`; `none` when no lever saves any.
+    let most_back = |lead: &str, none: &str| match levers.iter().min_by_key(|l| l.device_peak_bytes)
+    {
+        Some(l) => described(
+            format!("change: {lead}the most memory back: {}", lever_words(b, l)),
+            l,
+        ),
+        None => format!("change: {none}"),
+    };
     if fits == Some(true) {
-        return match levers.iter().min_by_key(|l| l.device_peak_bytes) {
-            Some(l) => fitted(
-                format!(
-                    "change: none needed; the most memory back: {} ({})",
-                    lever_words(b, l),
-                    plain_change(&l.change)
-                ),
-                format!(
-                    "change: none needed; the most memory back: {}",
-                    lever_words(b, l)
-                ),
-            ),
-            None => "change: none needed".into(),
-        };
+        return most_back("none needed; ", "none needed");
     }
     if !on_card {
         // No card to fit (host memory, or none named): no change is needed of it, so the line
         // offers the most memory back and claims nothing more.
-        return match levers.iter().min_by_key(|l| l.device_peak_bytes) {
-            Some(l) => fitted(
-                format!(
-                    "change: the most memory back: {} ({})",
-                    lever_words(b, l),
-                    plain_change(&l.change)
-                ),
-                format!("change: the most memory back: {}", lever_words(b, l)),
-            ),
-            None => "change: no single flag saves memory".into(),
-        };
+        return most_back("", "no single flag saves memory");
     }
     match levers.first() {
         Some(l) if !l.fits => fitted(
@@ -610,14 +600,7 @@ pub(super) fn change_line(
                 lever_words(b, l)
             ),
         ),
-        Some(l) => fitted(
-            format!(
-                "change: {} ({})",
-                lever_words(b, l),
-                plain_change(&l.change)
-            ),
-            format!("change: {}", lever_words(b, l)),
-        ),
+        Some(l) => described(format!("change: {}", lever_words(b, l)), l),
         None => format!("change: no single flag saves memory; {plan_hint} searches combinations"),
     }
 }
