@@ -181,23 +181,25 @@ def _model_numel(model: Any) -> int:
     return int(sum(int(p.numel()) for p in model.parameters()))
 
 
-def _call(command: str, kwargs: Dict[str, Any]) -> Any:
+def _native_answer(native: Any, command: str, kwargs: Dict[str, Any]) -> str:
+    """``native`` (``_native.call`` or ``_native.text``) on ``command`` with ``kwargs``; its
+    failure as the typed error."""
     args = {k: _jsonable(v, k) for k, v in kwargs.items()}
     try:
-        text = _native.call(command, json.dumps(args))
+        return native(command, json.dumps(args))
     except _native.NativeError as e:
         _raise(e)
-    return json.loads(text)
+        raise  # unreachable: _raise always raises
+
+
+def _call(command: str, kwargs: Dict[str, Any]) -> Any:
+    """The command's ``--json`` value."""
+    return json.loads(_native_answer(_native.call, command, kwargs))
 
 
 def _text(command: str, kwargs: Dict[str, Any]) -> str:
     """The text the CLI prints for ``command`` (no ``--json``)."""
-    args = {k: _jsonable(v, k) for k, v in kwargs.items()}
-    try:
-        return _native.text(command, json.dumps(args))
-    except _native.NativeError as e:
-        _raise(e)
-        raise  # unreachable: _raise always raises
+    return _native_answer(_native.text, command, kwargs)
 
 
 def _prepare(kwargs: Dict[str, Any]) -> Dict[str, Any]:

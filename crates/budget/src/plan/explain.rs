@@ -1,13 +1,13 @@
 //! The plan in words: the changes from the base, why it was chosen, why nothing fits.
 
 use crate::cost::DeviceProfile;
+use crate::events::Breakdown;
 use crate::spec::{
     Latents, LoraDtype, LoraSpec, Optimizer, Precision, Recompute, Spec, TextEncoders,
 };
 use crate::units::fmt_bytes;
 
 use super::types::*;
-use crate::events::Breakdown;
 
 pub(super) fn describe_changes(base: &Spec, s: &Spec) -> Vec<String> {
     let (b, r) = (&base.recipe, &s.recipe);
