@@ -119,8 +119,28 @@ pub struct LeverReport {
     pub profile: String,
     /// Whether the planner ran (it does when no single lever fits).
     pub planned: bool,
-    /// Levers left out because they were not allowed, in words (`--allow lora` …).
-    pub not_allowed: Vec<String>,
+    /// Levers left out because they were not allowed (in the JSON, in words: "LoRA (--allow
+    /// lora)").
+    pub not_allowed: Vec<NotAllowed>,
+}
+
+/// A lever left out because `--allow` did not name it: what it is and the name that allows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotAllowed {
+    pub what: &'static str,
+    pub allow: &'static str,
+}
+
+impl std::fmt::Display for NotAllowed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (--allow {})", self.what, self.allow)
+    }
+}
+
+impl Serialize for NotAllowed {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 /// Options of [`rank_levers`].
@@ -447,7 +467,7 @@ struct LeverTable<'a> {
     t0: f64,
     ready: HashMap<String, Option<Figures>>,
     levers: Vec<Lever>,
-    not_allowed: Vec<String>,
+    not_allowed: Vec<NotAllowed>,
 }
 
 impl LeverTable<'_> {
@@ -581,7 +601,10 @@ impl LeverTable<'_> {
         let base = self.base;
         if base.recipe.lora.is_none() {
             if !allow.lora {
-                self.not_allowed.push("LoRA (--allow lora)".into());
+                self.not_allowed.push(NotAllowed {
+                    what: "LoRA",
+                    allow: "lora",
+                });
                 return;
             }
             let mut s = base.clone();
@@ -599,8 +622,10 @@ impl LeverTable<'_> {
             );
         } else if base.recipe.base_quant == BaseQuant::None {
             if !allow.quant {
-                self.not_allowed
-                    .push("a quantized base (--allow quant)".into());
+                self.not_allowed.push(NotAllowed {
+                    what: "a quantized base",
+                    allow: "quant",
+                });
                 return;
             }
             let mut s = base.clone();

@@ -509,7 +509,14 @@ pub(crate) fn render(r: &OomReport) -> String {
     if !l.not_allowed.is_empty() {
         out.push_str(&para(
             "not tried: ",
-            &format!("{} — they change what is trained", l.not_allowed.join(", ")),
+            &format!(
+                "{} — they change what is trained",
+                l.not_allowed
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         ));
     }
     if fitting == 0 {
@@ -518,17 +525,10 @@ pub(crate) fn render(r: &OomReport) -> String {
     out
 }
 
-/// What to try when no lever fits: the flags of the levers not tried (each entry ends with its
-/// own "(--allow NAME)"), then the workload and the card.
+/// What to try when no lever fits: the `--allow` names of the levers not tried, then the
+/// workload and the card.
 fn nothing_fits(l: &LeverReport) -> String {
-    let allow: Vec<&str> = l
-        .not_allowed
-        .iter()
-        .filter_map(|n| {
-            n.rsplit_once("(--allow ")
-                .map(|(_, f)| f.trim_end_matches(')'))
-        })
-        .collect();
+    let allow: Vec<&str> = l.not_allowed.iter().map(|n| n.allow).collect();
     let more = if allow.is_empty() {
         String::new()
     } else {
