@@ -22,7 +22,7 @@ QUESTIONS = [
      ["estimate", "--preset", "flux.1-dev", "--lora-rank", "16", "--gpu", "rtx-4090"], 5),
     ("…and what should I change?",
      ["plan", "--preset", "flux.1-dev", "--lora-rank", "16", "--gpu", "rtx-4090",
-      "--allow", "8bit,quant"], 12),
+      "--allow", "all"], 12),
     ("SD3.5-medium full fine-tune on 8×A100?",
      ["plan", "--preset", "sd3.5-medium", "--ranks", "8", "--gpu", "a100-80gb",
       "--allow", "sharding", "--emit", "diffusers", "--emit-out", "train.sh"], 12),

@@ -46,8 +46,8 @@ pub use events::{Breakdown, Event, Phase};
 pub use export::{export, export_files, Command, Export, ExportOptions, Target};
 pub use params::{count, param_table, Module, ParamRole};
 pub use plan::{
-    engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan, Progress,
-    SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,
+    engine_lacks, engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan,
+    Progress, SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,
 };
 pub use runtime::{Kept, SegSim, Shape, Sims};
 pub use sharding::{Offload, Scheme, Sharder};

@@ -425,6 +425,23 @@ fn lever_table(r: &LeverReport) -> String {
     out
 }
 
+/// The levers `oom` did not try because they were not allowed, and why they need asking for.
+fn not_tried(levers: &[ditmem_budget::levers::NotAllowed]) -> String {
+    format!(
+        "{} — {} what is trained or its numerics",
+        levers
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        if levers.len() == 1 {
+            "it changes"
+        } else {
+            "they change"
+        }
+    )
+}
+
 /// The human report: the meaning first, then the levers.
 pub(crate) fn render(r: &OomReport) -> String {
     let (m, d) = (&r.message, &r.diagnosis);
@@ -507,17 +524,7 @@ pub(crate) fn render(r: &OomReport) -> String {
     ));
     out.push_str(&lever_table(l));
     if !l.not_allowed.is_empty() {
-        out.push_str(&para(
-            "not tried: ",
-            &format!(
-                "{} — they change what is trained",
-                l.not_allowed
-                    .iter()
-                    .map(|n| n.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        ));
+        out.push_str(&para("not tried: ", &not_tried(&l.not_allowed)));
     }
     if fitting == 0 {
         out.push_str(&para("nothing fits: ", &nothing_fits(l)));

@@ -117,6 +117,29 @@ fn a_change_that_barely_fits_says_how_much_is_free() {
     assert!(line.contains(", fits, step ×"), "{line}");
 }
 
+/// When no one flag makes the step fit, the change line sends the user to the planner with the
+/// levers it leaves out by default let in, and following it finds a recipe that fits.
+#[test]
+fn when_no_one_flag_fits_the_change_line_leads_to_a_plan_that_does() {
+    let spec = "--preset flux.1-dev --lora-rank 16 --gpu rtx-4090";
+    let (code, text, err) = ditmem(&argv(&format!("estimate {spec}")));
+    assert_eq!(code, 0, "{err}");
+    let line = text.lines().nth(4).unwrap();
+    assert_eq!(
+        line,
+        "change: no one flag is enough (the most: --recompute all → 25.3 GiB); try ditmem plan \
+         --allow all"
+    );
+    let (code, _, err) = ditmem(&argv(&format!("plan {spec}")));
+    assert_eq!(code, 3, "without --allow nothing fits: {err}");
+    let (code, plan, err) = ditmem(&argv(&format!("plan {spec} --allow all")));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        plan.lines().nth(1).unwrap().starts_with("fits: yes"),
+        "{plan}"
+    );
+}
+
 /// `--json` carries the answer too: what has to fit and each lever.
 #[test]
 fn estimate_json_has_the_levers() {

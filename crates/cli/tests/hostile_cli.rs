@@ -390,6 +390,47 @@ fn run_refuses_a_runtime_the_engine_does_not_execute() {
     );
 }
 
+/// A recipe field the engine does not execute is refused by `run` and `compare` by name, before
+/// anything runs: a LoRA base stored quantized (the run would measure a bf16 base under an "nf4
+/// base" label) and text encoders in the step (the budget would count encoders the run never holds).
+#[test]
+fn run_refuses_a_quantized_base_and_text_encoders_it_does_not_hold() {
+    let tiny = "--preset pixart-alpha-1024 --depth 1 --resolution 64 --text-tokens 8 --steps 1";
+    let quant = "use base_quant = none";
+    let encoders = "use text_encoders = cached";
+    for (extra, field, allowed) in [
+        (
+            "--lora-rank 4 --base-quant nf4",
+            "recipe.base_quant = nf4",
+            quant,
+        ),
+        (
+            "--lora-rank 4 --base-quant fp8",
+            "recipe.base_quant = fp8",
+            quant,
+        ),
+        (
+            "--text-encoders online",
+            "recipe.text_encoders = online",
+            encoders,
+        ),
+        (
+            "--text-encoders offloaded",
+            "recipe.text_encoders = offloaded",
+            encoders,
+        ),
+    ] {
+        for cmd in ["run", "compare"] {
+            let line = format!("{cmd} {tiny} {extra}");
+            rejects(
+                &line.split_whitespace().collect::<Vec<_>>(),
+                2,
+                &[field, "not supported by the engine", allowed],
+            );
+        }
+    }
+}
+
 /// Finding 8: exit codes by the README's table, one line naming the flag for every rejection of
 /// the argument parser, values echoed short and escaped.
 #[test]

@@ -632,6 +632,20 @@ fn check_recipe(spec: &Spec) -> Result<()> {
             "the engine has no VAE encoder; use latents = cached",
         ));
     }
+    if !r.base_quant.is_none() {
+        return Err(EngineError::unsupported(
+            format!("recipe.base_quant = {}", r.base_quant.name()),
+            "the engine keeps a LoRA's frozen base in the compute dtype (a quantized base is the \
+             pytorch runtime's: bitsandbytes NF4 / int8, diffusers' fp8 layerwise casting); use base_quant = none",
+        ));
+    }
+    if !r.text_encoders.is_cached() {
+        return Err(EngineError::unsupported(
+            format!("recipe.text_encoders = {}", r.text_encoders.name()),
+            "the engine has no text encoders (it trains on caption embeddings); use \
+             text_encoders = cached",
+        ));
+    }
     if r.attention == AttentionMode::MemoryEfficient && spec.model.attn_dropout > 0.0 {
         return Err(EngineError::unsupported(
             "attention dropout with memory-efficient attention",

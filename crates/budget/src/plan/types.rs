@@ -219,10 +219,25 @@ pub struct Alternative {
     pub changes: Vec<String>,
 }
 
-/// Whether the engine can execute a spec.
+/// Whether the engine can execute a spec's recipe.
 pub fn engine_runnable(spec: &Spec) -> bool {
+    engine_lacks(spec).is_empty()
+}
+
+/// What of a spec's recipe the engine does not execute, in words (what the engine's
+/// `check_recipe` refuses): empty when `ditmem run` can execute it.
+pub fn engine_lacks(spec: &Spec) -> Vec<&'static str> {
     let r = &spec.recipe;
-    r.optimizer != Optimizer::AdamW8bit && r.zero_stage == 0 && r.latents == Latents::Cached
+    [
+        (r.optimizer == Optimizer::AdamW8bit, "8-bit AdamW"),
+        (r.zero_stage > 0, "ZeRO"),
+        (r.latents != Latents::Cached, "VAE encoder"),
+        (!r.base_quant.is_none(), "quantized base"),
+        (!r.text_encoders.is_cached(), "text encoders"),
+    ]
+    .into_iter()
+    .filter_map(|(lacks, what)| lacks.then_some(what))
+    .collect()
 }
 
 /// Seconds with a unit that suits them.

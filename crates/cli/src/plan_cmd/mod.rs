@@ -423,8 +423,8 @@ fn refusal(p: &ditmem_budget::Plan, json: bool) -> CliError {
             fmt_bytes(p.usable_bytes),
             fmt_bytes(p.predicted_peak_bytes),
             // What to try next, when the reason names it.
-            p.reason
-                .split("; ")
+            crate::render::clauses(&p.reason)
+                .into_iter()
                 .filter(|c| c.starts_with("--allow")
                     || c.contains("--ranks")
                     || c.contains("--launcher"))

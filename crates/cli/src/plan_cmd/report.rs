@@ -3,8 +3,8 @@
 
 use crate::plot::{pareto_chart, FrontPoint, ParetoChart, Rule};
 use crate::render::{
-    category_words, change_flags, change_tags, fit_lines, pct, short_recipe, spec_line, top_of,
-    wrap, wrap_at_most, Table,
+    category_words, change_flags, change_tags, clauses, fit_lines, pct, short_recipe, spec_line,
+    top_of, wrap, wrap_at_most, Table,
 };
 use ditmem_budget::fmt_bytes;
 use ditmem_budget::launch::Launcher;
@@ -74,10 +74,13 @@ pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width
     if !flags.is_empty() {
         out.push_str(&wrap(&format!("flags: {}", flags.join(" ")), w, 2));
     }
-    if p.feasible && !p.engine_runnable {
+    let lacks = ditmem_budget::engine_lacks(&p.plan);
+    if p.feasible && !lacks.is_empty() {
         out.push_str(&wrap(
-            "note: `ditmem run` cannot execute this plan (it runs neither 8-bit AdamW, ZeRO, a \
-             quantized base nor the VAE encoder)",
+            &format!(
+                "note: `ditmem run` cannot execute this plan: the engine runs no {}",
+                lacks.join(", no ")
+            ),
             w,
             2,
         ));
@@ -182,18 +185,18 @@ fn why(p: &Plan, profile: &str, verbose: bool, w: usize) -> String {
     // The first clause (what dominates), then what explains a change.
     // The fragmentation clause is said in its first words (the flags line names the
     // setting to launch with).
-    let mut clauses: Vec<&str> = why
-        .split("; ")
+    let mut parts: Vec<&str> = clauses(&why)
+        .into_iter()
         .filter(|c| !c.starts_with("with expandable segments"))
         .map(|c| c.split(": allocated peaks at").next().unwrap_or(c))
         .collect();
     // What was not needed is for --verbose.
     let minor = |c: &str| c.ends_with("not needed") || c.ends_with("is kept");
-    if clauses.len() > 1 {
-        let first = clauses[0];
-        clauses.retain(|c| *c == first || !minor(c));
+    if parts.len() > 1 {
+        let first = parts[0];
+        parts.retain(|c| *c == first || !minor(c));
     }
-    let why = clauses.join("; ");
+    let why = parts.join("; ");
     wrap_at_most(
         &format!("why: {why}"),
         w,

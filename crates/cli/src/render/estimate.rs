@@ -590,14 +590,21 @@ pub(super) fn change_line(
         return most_back("", "no single flag saves memory");
     }
     match levers.first() {
+        // What the user needs most here is where to go next: the planner, with the levers it
+        // leaves out by default (8-bit AdamW, a quantized base, bf16-pure, …) let in, combines
+        // what no one flag does; the single best lever is the detail dropped first.
         Some(l) if !l.fits => fitted(
             format!(
-                "change: no one flag is enough; the most: {}; {plan_hint} combines",
+                "change: no one flag is enough; the most: {}; {plan_hint} --allow all combines",
                 lever_words(b, l)
             ),
-            format!(
-                "change: no one flag is enough; the most: {}",
-                lever_words(b, l)
+            fitted(
+                format!(
+                    "change: no one flag is enough (the most: {} → {}); try ditmem plan --allow all",
+                    lever_flags(&b.spec, l),
+                    fmt_bytes(l.device_peak_bytes)
+                ),
+                "change: no one flag is enough; try ditmem plan --allow all with these flags".into(),
             ),
         ),
         Some(l) => described(format!("change: {}", lever_words(b, l)), l),

@@ -35,6 +35,37 @@ mod tests {
     }
 
     #[test]
+    fn clauses_split_outside_parentheses_only() {
+        assert_eq!(
+            clauses("a (b; c) d; e; f (g)"),
+            vec!["a (b; c) d", "e", "f (g)"]
+        );
+        assert_eq!(clauses("one"), vec!["one"]);
+        // A ';' without its space is not a clause break.
+        assert_eq!(clauses("a;b; c"), vec!["a;b", "c"]);
+    }
+
+    #[test]
+    fn a_short_form_drops_long_asides_before_cutting_words() {
+        let why = "nothing fits 22.5 GiB usable (23.7 GiB budget less 5 % headroom): the \
+                   smallest peak is 29.3 GiB (precision bf16-mixed → bf16-pure, recompute the \
+                   first 39 of 40 blocks, base stored nf4 (bitsandbytes; the adapters train in \
+                   the compute dtype)), where activations dominate with 21.5 GiB (73 %); \
+                   sharding (ZeRO) needs --ranks N > 1";
+        let short = wrap_at_most(why, 60, 2, 3, "(more)");
+        let one_line = short.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(
+            one_line,
+            "nothing fits 22.5 GiB usable: the smallest peak is 29.3 GiB, where activations \
+             dominate with 21.5 GiB (73 %); sharding (ZeRO) needs --ranks N > 1; (more)"
+        );
+        // Every parenthesis it opens, it closes.
+        assert_eq!(short.matches('(').count(), short.matches(')').count());
+        // Room for it all: nothing dropped, nothing added.
+        assert_eq!(wrap_at_most(why, 400, 2, 3, "(more)"), wrap(why, 400, 2));
+    }
+
+    #[test]
     fn counts_get_separators() {
         assert_eq!(fmt_count(675_129_632), "675,129,632");
         assert_eq!(fmt_count(12), "12");

@@ -82,8 +82,86 @@ pub(crate) fn fit_lines(text: &str, width: usize) -> String {
     out
 }
 
-/// At most `lines` lines of `text` wrapped to `width`: its clauses ("; "-separated) in order,
-/// each kept when it still fits, with `more` appended when any was left out.
+/// The clauses of `text`: its parts between "; " outside parentheses (a clause may hold a
+/// parenthesised aside with its own "; ", which stays whole).
+pub(crate) fn clauses(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ';' if depth == 0 && text[i + 1..].starts_with(' ') => {
+                out.push(&text[start..i]);
+                start = i + 2;
+            }
+            _ => {}
+        }
+    }
+    out.push(&text[start..]);
+    out
+}
+
+/// `text`'s [`clauses`] in order, each kept when it still fits in `lines` lines, with `more`
+/// appended; `None` when the first clause alone does not fit.
+fn clauses_within(
+    text: &str,
+    width: usize,
+    indent: usize,
+    lines: usize,
+    more: &str,
+) -> Option<String> {
+    let mut kept: Vec<&str> = Vec::new();
+    for clause in clauses(text) {
+        kept.push(clause);
+        let trial = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
+        if trial.lines().count() > lines && kept.len() > 1 {
+            kept.pop();
+        }
+    }
+    let cut = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
+    (cut.lines().count() <= lines).then_some(cut)
+}
+
+/// `text` without its parenthesised asides of more than a few words (a list of changes, a
+/// source), the short ones ("(73 %)", "(ZeRO)") kept: the detail a short form drops first.
+fn without_long_asides(text: &str) -> String {
+    const LONG: usize = 24;
+    let mut out = String::new();
+    let mut aside = String::new();
+    let mut depth = 0usize;
+    for c in text.chars() {
+        match (c, depth) {
+            ('(', _) => {
+                depth += 1;
+                aside.push(c);
+            }
+            (')', 1) => {
+                depth = 0;
+                aside.push(c);
+                if aside.chars().count() <= LONG + 2 {
+                    out.push_str(&aside);
+                } else {
+                    out.truncate(out.trim_end().len());
+                }
+                aside.clear();
+            }
+            (')', d) if d > 1 => {
+                depth -= 1;
+                aside.push(c);
+            }
+            (_, 0) => out.push(c),
+            _ => aside.push(c),
+        }
+    }
+    // An aside left open keeps its text.
+    out.push_str(&aside);
+    out
+}
+
+/// At most `lines` lines of `text` wrapped to `width`: its [`clauses`] in order,
+/// each kept when it still fits, with `more` appended when any was left out; a first clause
+/// too long on its own loses its long asides, then is cut by characters.
 pub(crate) fn wrap_at_most(
     text: &str,
     width: usize,
@@ -95,17 +173,15 @@ pub(crate) fn wrap_at_most(
     if whole.lines().count() <= lines {
         return whole;
     }
-    let mut kept: Vec<&str> = Vec::new();
-    for clause in text.split("; ") {
-        kept.push(clause);
-        let trial = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-        if trial.lines().count() > lines && kept.len() > 1 {
-            kept.pop();
-        }
-    }
-    let cut = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-    if cut.lines().count() <= lines {
+    if let Some(cut) = clauses_within(text, width, indent, lines, more) {
         return cut;
+    }
+    // The first clause alone is too long: without its long asides, when it has any.
+    let lean = without_long_asides(text);
+    if lean != text {
+        if let Some(cut) = clauses_within(&lean, width, indent, lines, more) {
+            return cut;
+        }
     }
     // The first clause alone is longer than the lines: cut it by characters, shorter until
     // the wrapped cut fits (wrapping at spaces wastes the ends of lines).
