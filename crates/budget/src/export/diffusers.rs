@@ -368,14 +368,18 @@ fn recipe_flags(
             cannot,
         );
     }
+    const XFORMERS: &str = "--enable_xformers_memory_efficient_attention";
     if r.attention == AttentionMode::MemoryEfficient {
-        a.flag(
-            "--enable_xformers_memory_efficient_attention",
-            None,
-            "select xformers attention; diffusers' default processor calls PyTorch SDPA, which \
-             picks a memory-efficient kernel on CUDA by itself",
-            cannot,
-        );
+        if script.has(XFORMERS) {
+            a.flag(XFORMERS, None, "select xformers attention", cannot);
+        } else {
+            // Not a limit: the plan's memory-efficient attention is what the script runs anyway.
+            notes.push(format!(
+                "memory-efficient attention needs no flag: diffusers' default processor calls \
+                 PyTorch SDPA, which picks a memory-efficient kernel on CUDA by itself ({file} \
+                 has no {XFORMERS})"
+            ));
+        }
     }
     if matches!(r.precision, Precision::Fp64 | Precision::Bf16Pure) {
         cannot.push(format!(

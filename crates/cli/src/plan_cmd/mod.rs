@@ -507,15 +507,32 @@ fn write_plan_files(
             }
             None => {}
         }
-        if !args.json && !e.notes.is_empty() {
-            let mut text = format!("\nwhat {} cannot express exactly:\n", e.target);
-            for n in &e.notes {
-                text.push_str(&format!("  - {n}\n"));
-            }
-            crate::output::say(&text)?;
+        if !args.json {
+            crate::output::say(&export_lists(e))?;
         }
     }
     Ok(())
+}
+
+/// What an export cannot do as planned (the run will differ from the plan), then its notes,
+/// each as a list under its heading; empty when it has neither.
+fn export_lists(e: &Export) -> String {
+    let mut text = String::new();
+    for (items, heading) in [
+        (
+            &e.cannot,
+            format!("what the {} export cannot do as planned", e.target),
+        ),
+        (&e.notes, format!("notes on the {} export", e.target)),
+    ] {
+        if !items.is_empty() {
+            text.push_str(&format!("\n{heading}:\n"));
+            for n in items {
+                text.push_str(&format!("  - {n}\n"));
+            }
+        }
+    }
+    text
 }
 
 /// The launcher an --emit list implies: the first target that runs a diffusers script.

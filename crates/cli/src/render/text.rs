@@ -102,8 +102,9 @@ pub(crate) fn clauses(text: &str) -> Vec<&str> {
     out
 }
 
-/// `text`'s [`clauses`] in order, each kept when it still fits in `lines` lines, with `more`
-/// appended; `None` when the first clause alone does not fit.
+/// `text`'s [`clauses`] in order, each kept when it still fits in `lines` lines (whole, or else
+/// without its long asides), with `more` appended; `None` when the first clause does not fit
+/// even without its asides.
 fn clauses_within(
     text: &str,
     width: usize,
@@ -111,16 +112,26 @@ fn clauses_within(
     lines: usize,
     more: &str,
 ) -> Option<String> {
-    let mut kept: Vec<&str> = Vec::new();
+    let fits = |kept: &[String], next: &str| {
+        let mut all = kept.to_vec();
+        all.push(next.to_string());
+        wrap(&format!("{}; {more}", all.join("; ")), width, indent)
+            .lines()
+            .count()
+            <= lines
+    };
+    let mut kept: Vec<String> = Vec::new();
     for clause in clauses(text) {
-        kept.push(clause);
-        let trial = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-        if trial.lines().count() > lines && kept.len() > 1 {
-            kept.pop();
+        let lean = without_long_asides(clause);
+        if fits(&kept, clause) {
+            kept.push(clause.to_string());
+        } else if fits(&kept, &lean) {
+            kept.push(lean);
+        } else if kept.is_empty() {
+            return None;
         }
     }
-    let cut = wrap(&format!("{}; {more}", kept.join("; ")), width, indent);
-    (cut.lines().count() <= lines).then_some(cut)
+    Some(wrap(&format!("{}; {more}", kept.join("; ")), width, indent))
 }
 
 /// `text` without its parenthesised asides of more than a few words (a list of changes, a
@@ -159,9 +170,9 @@ fn without_long_asides(text: &str) -> String {
     out
 }
 
-/// At most `lines` lines of `text` wrapped to `width`: its [`clauses`] in order,
-/// each kept when it still fits, with `more` appended when any was left out; a first clause
-/// too long on its own loses its long asides, then is cut by characters.
+/// At most `lines` lines of `text` wrapped to `width`: its [`clauses`] in order, each kept when
+/// it still fits (whole, or else without its long asides), with `more` appended when anything
+/// was left out; a first clause too long even without its asides is cut by characters.
 pub(crate) fn wrap_at_most(
     text: &str,
     width: usize,
@@ -176,15 +187,9 @@ pub(crate) fn wrap_at_most(
     if let Some(cut) = clauses_within(text, width, indent, lines, more) {
         return cut;
     }
-    // The first clause alone is too long: without its long asides, when it has any.
-    let lean = without_long_asides(text);
-    if lean != text {
-        if let Some(cut) = clauses_within(&lean, width, indent, lines, more) {
-            return cut;
-        }
-    }
-    // The first clause alone is longer than the lines: cut it by characters, shorter until
-    // the wrapped cut fits (wrapping at spaces wastes the ends of lines).
+    // The first clause alone is longer than the lines, even without its asides: cut it by
+    // characters, shorter until the wrapped cut fits (wrapping at spaces wastes line ends).
+    let text = without_long_asides(text);
     let mut budget =
         (lines * width.saturating_sub(indent)).saturating_sub(more.chars().count() + 2);
     loop {
