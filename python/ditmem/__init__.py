@@ -91,6 +91,9 @@ class DoesNotFit(DitmemError):
     def __init__(self, message: str, json_value: Optional[dict]):
         super().__init__(message)
         self.json = json_value
+        # The arguments of the call that raised it, set by the function that made the call
+        # (`plan`), so that `.plan` can show the CLI's text for the same spec.
+        self._kwargs: Optional[Dict[str, Any]] = None
         self.smallest_peak_bytes: Optional[int] = (
             json_value.get("predicted_peak_bytes") if isinstance(json_value, dict) else None
         )
@@ -99,7 +102,7 @@ class DoesNotFit(DitmemError):
     def plan(self) -> Optional["Plan"]:
         """The infeasible plan (its reason, Pareto front, smallest peak) as a :class:`Plan`."""
         if isinstance(self.json, dict) and "feasible" in self.json:
-            return Plan(self.json, {})
+            return Plan(self.json, self._kwargs)
         return None
 
 
@@ -394,6 +397,8 @@ class Export:
         self.file_name: str = data.get("file_name", "")
         self.text: str = data.get("text", "")
         self.notes: List[str] = list(data.get("notes") or [])
+        # What the launch cannot do as planned (the run will differ from the plan).
+        self.cannot: List[str] = list(data.get("cannot") or [])
 
     def to_dict(self) -> dict:
         return copy.deepcopy(self._data)
@@ -426,6 +431,9 @@ class Plan(Result):
         self.headroom: Optional[float] = data.get("headroom")
         self.base_peak_bytes: Optional[int] = data.get("base_peak_bytes")
         self.base_step_time_s: Optional[float] = data.get("base_step_time_s")
+        self._answer: Optional[List[str]] = None
+        # Whether the call's arguments are known (not a plan rebuilt from its JSON alone).
+        self._called = kwargs is not None
         self._exports: Dict[str, Export] = {}
         if isinstance(data.get("export"), dict):
             e = Export(data["export"])
@@ -464,7 +472,24 @@ class Plan(Result):
             written.append(path)
         return written
 
+    # Flags that only add to the report, export or write a file: the answer is read without.
+    _NOT_THE_ANSWER = ("verbose", "plot", "emit", "emit_out", "emit_dir", "out")
+
     def lines(self) -> List[str]:
+        """The CLI's answer: the lines `ditmem plan` prints before its Pareto front (the spec,
+        whether it fits, the step, the biggest categories, the changes, a short why, the flags),
+        from the same code, run again without ``--json`` the first time they are asked for. A
+        plan made without its call's arguments (built from a JSON value) says the same from its
+        fields."""
+        if self._answer is None:
+            if not self._called:
+                self._answer = self._lines_from_fields()
+            else:
+                kwargs = {k: v for k, v in self._kwargs.items() if k not in self._NOT_THE_ANSWER}
+                self._answer = _text("plan", kwargs).split("\n\n")[0].splitlines()
+        return list(self._answer)
+
+    def _lines_from_fields(self) -> List[str]:
         spec = self.recipe or {}
         out = [f"plan for {_spec_line(spec)}"]
         if self.feasible:
@@ -649,7 +674,11 @@ def plan(**kwargs: Any) -> Plan:
 
     Raises :class:`DoesNotFit` (with the smallest reachable peak) when nothing fits."""
     kwargs = _prepare(kwargs)
-    return Plan(_call("plan", kwargs), kwargs)
+    try:
+        return Plan(_call("plan", kwargs), kwargs)
+    except DoesNotFit as e:
+        e._kwargs = kwargs
+        raise
 
 
 def params(**kwargs: Any) -> Params:

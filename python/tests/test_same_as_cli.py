@@ -92,6 +92,36 @@ def test_estimate_repr_is_the_clis_answer():
     assert "no one flag is enough" in repr(e) and "try ditmem plan --allow all" in repr(e)
 
 
+def test_plan_repr_is_the_clis_answer(tmp_path):
+    # What the CLI prints before its Pareto front, from the same code: the short why and the
+    # flags to launch with (the package used to print the whole reason and no flags); an
+    # export or a plot file is not part of the answer (and none is written by showing it); a
+    # plan where nothing fits shows the CLI's text too, through the DoesNotFit it raises.
+    import subprocess
+    from conftest import BIN
+
+    def cli_answer(kw):
+        out = subprocess.run([BIN, "plan", *flags(kw)], capture_output=True, text=True)
+        return out.stdout.split("\n\n")[0].splitlines()
+
+    kw = {"model": "flux.1-dev", "lora_rank": 16, "gpu": "rtx-4090", "allow": "all"}
+    plot = tmp_path / "front.svg"
+    p = ditmem.plan(**kw, emit="accelerate", launcher="custom", plot=str(plot))
+    plot.unlink()
+    lines = repr(p).splitlines()
+    assert lines == cli_answer(kw)
+    assert lines[1].startswith("fits: yes") and any(x.startswith("flags: ") for x in lines)
+    assert not plot.exists()
+    kw = {"model": "flux.1-dev", "budget": "4GiB"}
+    with pytest.raises(ditmem.DoesNotFit) as e:
+        ditmem.plan(**kw)
+    lines = repr(e.value.plan).splitlines()
+    assert lines == cli_answer(kw) and lines[1].startswith("fits: no")
+    # A plan rebuilt from its JSON alone says the same from its fields.
+    alone = ditmem.Plan(p.to_dict())
+    assert repr(alone).splitlines()[0].startswith("plan for flux.1-dev")
+
+
 def test_gpus_equal_cli():
     rc, want, err = run_cli("gpus", [])
     assert rc == 0, err

@@ -32,10 +32,11 @@ pub enum ApiError {
     /// Bad input (exit 2): an unknown or malformed argument, a value out of range.
     Invalid(String),
     /// Nothing fits (exit 3): the message, and the command's JSON (a plan's smallest reachable
-    /// peak, its reason) when it printed one.
+    /// peak, its reason) when it printed one, or its text when it ran without `--json`.
     DoesNotFit {
         message: String,
         json: Option<Value>,
+        text: Option<String>,
     },
     /// A needed external tool is missing (exit 5).
     Missing(String),
@@ -116,13 +117,20 @@ pub fn call(command: &str, args: &Map<String, Value>, options: Options) -> Resul
 }
 
 /// Run `command` with keyword arguments `args` and return the text the CLI prints for it
-/// without `--json` (the answer as a person reads it: what the Python package shows).
+/// without `--json` (the answer as a person reads it: what the Python package shows). A plan
+/// where nothing fits is an answer too: its text is what the CLI prints before its exit-3 line.
 pub fn text(
     command: &str,
     args: &Map<String, Value>,
     options: Options,
 ) -> Result<String, ApiError> {
-    Ok(run(command, args, options, false)?.text)
+    match run(command, args, options, false) {
+        Ok(captured) => Ok(captured.text),
+        Err(ApiError::DoesNotFit {
+            text: Some(text), ..
+        }) => Ok(text),
+        Err(e) => Err(e),
+    }
 }
 
 /// The command's captured output, `--json` or text; a failure as the CLI's one line.
@@ -174,6 +182,7 @@ fn run(
                 3 => ApiError::DoesNotFit {
                     message,
                     json: captured.json,
+                    text: (!json).then_some(captured.text),
                 },
                 5 => ApiError::Missing(message),
                 _ => ApiError::Internal(message),
@@ -565,7 +574,7 @@ mod tests {
     fn an_infeasible_plan_carries_its_json() {
         let e = call_json("plan", json!({"model": "flux.1-dev", "budget": "4GiB"})).unwrap_err();
         match e {
-            ApiError::DoesNotFit { json, message } => {
+            ApiError::DoesNotFit { json, message, .. } => {
                 assert!(
                     message.contains("infeasible") || message.contains("nothing"),
                     "{message}"
@@ -574,6 +583,14 @@ mod tests {
             }
             other => panic!("expected DoesNotFit, got {other:?}"),
         }
+        // Its text is the answer a person reads: the plan's lines, nothing fitting.
+        let args = object(&json!({"model": "flux.1-dev", "budget": "4GiB"})).unwrap();
+        let text = text("plan", &args, Options::default()).unwrap();
+        assert!(text.starts_with("plan for flux.1-dev"), "{text}");
+        assert!(
+            text.lines().nth(1).unwrap().starts_with("fits: no"),
+            "{text}"
+        );
     }
 
     #[test]
