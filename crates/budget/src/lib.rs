@@ -46,8 +46,8 @@ pub use events::{Breakdown, Event, Phase};
 pub use export::{export, export_files, Command, Export, ExportOptions, Target};
 pub use params::{count, param_table, Module, ParamRole};
 pub use plan::{
-    engine_lacks, engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan,
-    Progress, SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,
+    engine_runnable, fmt_secs, plan, plan_with, Allow, Candidate, Limits, Plan, Progress,
+    SearchControl, DEFAULT_HEADROOM, PLAN_MAX_MICROBATCHES,
 };
 pub use runtime::{Kept, SegSim, Shape, Sims};
 pub use sharding::{Offload, Scheme, Sharder};
@@ -79,7 +79,9 @@ pub mod ditmem_cpu {
     pub use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
     pub use crate::runtime::ditmem_cpu::ops;
     pub use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
-    pub use crate::runtime::ditmem_cpu::step::{gemm_workspace_bytes, step_uses_gemm};
+    pub use crate::runtime::ditmem_cpu::step::{
+        gemm_workspace_bytes, not_executed, step_uses_gemm, NotExecuted,
+    };
 }
 
 /// The `pytorch` runtime as a device and SDPA kernel ([`pytorch::PyTorch`]), its

@@ -617,34 +617,15 @@ impl Trainer {
     }
 }
 
-/// The recipe fields the engine does not execute: an error naming each.
+/// The recipe fields the engine does not execute: an error naming the first
+/// ([`ditmem_budget::ditmem_cpu::not_executed`], the list the planner reads too).
 fn check_recipe(spec: &Spec) -> Result<()> {
     let r = &spec.recipe;
-    if r.zero_stage > 0 {
-        return Err(EngineError::unsupported(
-            format!("recipe.zero_stage = {}", r.zero_stage),
-            "the engine executes one rank without sharding; use zero_stage = 0",
-        ));
-    }
-    if r.latents == ditmem_budget::Latents::Encode {
-        return Err(EngineError::unsupported(
-            "recipe.latents = encode",
-            "the engine has no VAE encoder; use latents = cached",
-        ));
-    }
-    if !r.base_quant.is_none() {
-        return Err(EngineError::unsupported(
-            format!("recipe.base_quant = {}", r.base_quant.name()),
-            "the engine keeps a LoRA's frozen base in the compute dtype (a quantized base is the \
-             pytorch runtime's: bitsandbytes NF4 / int8, diffusers' fp8 layerwise casting); use base_quant = none",
-        ));
-    }
-    if !r.text_encoders.is_cached() {
-        return Err(EngineError::unsupported(
-            format!("recipe.text_encoders = {}", r.text_encoders.name()),
-            "the engine has no text encoders (it trains on caption embeddings); use \
-             text_encoders = cached",
-        ));
+    if let Some(n) = ditmem_budget::ditmem_cpu::not_executed(spec)
+        .into_iter()
+        .next()
+    {
+        return Err(EngineError::unsupported(n.field, n.instead));
     }
     if r.attention == AttentionMode::MemoryEfficient && spec.model.attn_dropout > 0.0 {
         return Err(EngineError::unsupported(
@@ -664,6 +645,7 @@ fn optimizer(kind: OptKind, opts: &TrainOptions, opt_dt: DType) -> Result<Box<dy
             weight_decay: opts.weight_decay,
             dtype: opt_dt,
         }),
+        // `check_recipe` has refused it already (`not_executed`); the match names every kind.
         OptKind::AdamW8bit => {
             return Err(EngineError::unsupported(
                 "recipe.optimizer = adamw-8bit",

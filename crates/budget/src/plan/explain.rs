@@ -281,7 +281,6 @@ pub(super) fn explain(
     s
 }
 
-/// The changes of a recipe in words, comma-separated, or "the base" when there are none.
 /// `plural` or `singular` as the breakdown's `category` takes ("weights dominate", "optimizer
 /// state dominates").
 pub(super) fn verb(category: &str, plural: &'static str, singular: &'static str) -> &'static str {
@@ -292,6 +291,7 @@ pub(super) fn verb(category: &str, plural: &'static str, singular: &'static str)
     }
 }
 
+/// The changes of a recipe in words, comma-separated, or "the base" when there are none.
 pub(super) fn changes_or_base(changes: &[String]) -> String {
     if changes.is_empty() {
         "the base".to_string()

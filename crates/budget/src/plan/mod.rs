@@ -60,6 +60,6 @@ pub use search::PLAN_MAX_MICROBATCHES;
 pub use stages::{plan, plan_with};
 pub(crate) use types::PLAN_LORA_RANK;
 pub use types::{
-    engine_lacks, engine_runnable, fmt_secs, Allow, Candidate, Limits, Plan, Progress,
-    SearchControl, DEFAULT_HEADROOM,
+    engine_runnable, fmt_secs, Allow, Candidate, Limits, Plan, Progress, SearchControl,
+    DEFAULT_HEADROOM,
 };

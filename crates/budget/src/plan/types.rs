@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::cost::{DeviceProfile, StepTime};
 use crate::events::Breakdown;
-use crate::spec::{Latents, Optimizer, Spec};
+use crate::spec::Spec;
 
 /// Levers the user must allow explicitly.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -219,25 +219,10 @@ pub struct Alternative {
     pub changes: Vec<String>,
 }
 
-/// Whether the engine can execute a spec's recipe.
+/// Whether the engine can execute a spec's recipe
+/// ([`not_executed`](crate::runtime::ditmem_cpu::step::not_executed) is empty).
 pub fn engine_runnable(spec: &Spec) -> bool {
-    engine_lacks(spec).is_empty()
-}
-
-/// What of a spec's recipe the engine does not execute, in words (what the engine's
-/// `check_recipe` refuses): empty when `ditmem run` can execute it.
-pub fn engine_lacks(spec: &Spec) -> Vec<&'static str> {
-    let r = &spec.recipe;
-    [
-        (r.optimizer == Optimizer::AdamW8bit, "8-bit AdamW"),
-        (r.zero_stage > 0, "ZeRO"),
-        (r.latents != Latents::Cached, "VAE encoder"),
-        (!r.base_quant.is_none(), "quantized base"),
-        (!r.text_encoders.is_cached(), "text encoders"),
-    ]
-    .into_iter()
-    .filter_map(|(lacks, what)| lacks.then_some(what))
-    .collect()
+    crate::runtime::ditmem_cpu::step::not_executed(spec).is_empty()
 }
 
 /// Seconds with a unit that suits them.

@@ -74,7 +74,10 @@ pub(super) fn report(p: &Plan, base: &Spec, search_ms: f64, verbose: bool, width
     if !flags.is_empty() {
         out.push_str(&wrap(&format!("flags: {}", flags.join(" ")), w, 2));
     }
-    let lacks = ditmem_budget::engine_lacks(&p.plan);
+    let lacks: Vec<&str> = ditmem_budget::ditmem_cpu::not_executed(&p.plan)
+        .iter()
+        .map(|n| n.what)
+        .collect();
     if p.feasible && !lacks.is_empty() {
         out.push_str(&wrap(
             &format!(

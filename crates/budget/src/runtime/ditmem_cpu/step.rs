@@ -18,7 +18,7 @@ use crate::runtime::ditmem_cpu::dtypes::grad_dtype;
 use crate::runtime::ditmem_cpu::graph::{STORAGE_META, TENSOR_META};
 use crate::runtime::ditmem_cpu::ops::SQUARES_CHUNK;
 use crate::runtime::shape::{is_embed, is_final};
-use crate::spec::{CpuSpec, Dtype, Optimizer, Precision, Spec};
+use crate::spec::{CpuSpec, Dtype, Latents, Optimizer, Precision, Spec};
 
 /// Packing buffers the `gemm` crate under candle keeps after the first matmuls: one slab of the
 /// L2 size per core per thread of the pool (`gemm_common::gemm::L2_SLAB`, a thread-local of
@@ -41,6 +41,66 @@ pub fn step_uses_gemm(spec: &Spec) -> bool {
     let bf16_native =
         spec.recipe.precision.compute_dtype() == Dtype::Bf16 && spec.cpu().bf16_kernel();
     !bf16_native || spec.recipe.lora.is_some()
+}
+
+/// A recipe setting the engine does not execute: the field as set, what it is in a few words,
+/// and what to use instead.
+pub struct NotExecuted {
+    pub field: String,
+    pub what: &'static str,
+    pub instead: &'static str,
+}
+
+/// The recipe settings of `spec` the engine does not execute, in the order it checks them: one
+/// list for the engine, which refuses the first (`Trainer::new`), and the planner, which says a
+/// plan holding any cannot be run by `ditmem run` (the budget still counts them).
+pub fn not_executed(spec: &Spec) -> Vec<NotExecuted> {
+    let r = &spec.recipe;
+    let unless = |holds: bool, field: String, what, instead| {
+        holds.then_some(NotExecuted {
+            field,
+            what,
+            instead,
+        })
+    };
+    [
+        unless(
+            r.zero_stage > 0,
+            format!("recipe.zero_stage = {}", r.zero_stage),
+            "ZeRO",
+            "the engine executes one rank without sharding; use zero_stage = 0",
+        ),
+        unless(
+            r.latents != Latents::Cached,
+            "recipe.latents = encode".into(),
+            "VAE encoder",
+            "the engine has no VAE encoder; use latents = cached",
+        ),
+        unless(
+            !r.base_quant.is_none(),
+            format!("recipe.base_quant = {}", r.base_quant.name()),
+            "quantized base",
+            "the engine keeps a LoRA's frozen base in the compute dtype (a quantized base is the \
+             pytorch runtime's: bitsandbytes NF4 / int8, diffusers' fp8 layerwise casting); use \
+             base_quant = none",
+        ),
+        unless(
+            !r.text_encoders.is_cached(),
+            format!("recipe.text_encoders = {}", r.text_encoders.name()),
+            "text encoders",
+            "the engine has no text encoders (it trains on caption embeddings); use \
+             text_encoders = cached",
+        ),
+        unless(
+            r.optimizer == Optimizer::AdamW8bit,
+            "recipe.optimizer = adamw-8bit".into(),
+            "8-bit AdamW",
+            "8-bit AdamW is not implemented by the engine; use adamw or sgd",
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// Bytes of one trained tensor's optimizer update temporaries in the engine (`optim.rs`).
